@@ -1,0 +1,61 @@
+"""Shardflow compiler: ONNX import, flow-graph IR, passes, automatic parallelization."""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+from shardflow.runtime import __version__
+
+from .errors import (ConfigError, DtypeError, GraphError, ModelFormatError, ShapeError, ShardflowError,
+                     UnsupportedOperatorError)
+from .ir import FlowGraph, Operator, Tensor
+
+__all__ = ["load_onnx", "supported_ops", "FlowGraph", "Operator", "Tensor", "ShardflowError", "ModelFormatError",
+           "UnsupportedOperatorError", "ShapeError", "DtypeError", "ConfigError", "GraphError", "__version__"]
+
+
+def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping[str, Sequence[int]] | None = None,
+              simplify: bool = True, instruments=()) -> FlowGraph:
+    """Import an ONNX model into a :class:`FlowGraph`.
+
+    Parameters
+    ----------
+    model
+        A path to an ``.onnx`` file, its bytes, or an ``onnx.ModelProto``.
+    input_shapes
+        Shapes for graph inputs, by input name; required for every input with a dynamic dim.
+    simplify
+        Run constant folding, no-op removal, CSE and dead-code elimination (default ``True``).
+    instruments
+        Callables ``(pass_name, graph)`` run after each pass (e.g. ``passes.DumpGraph(dir)``).
+
+    Returns
+    -------
+    FlowGraph
+        The graph, with static shapes everywhere.
+
+    Raises
+    ------
+    ModelFormatError
+        The file is not a valid ONNX model.
+    UnsupportedOperatorError
+        Some operators or attributes are not supported (all are listed).
+    ShapeError
+        A dynamic dim has no shape in ``input_shapes`` or ``input_shapes`` names a non-input.
+    """
+    from .frontend import import_onnx
+    from .passes import simplify as run_passes
+
+    graph = import_onnx(model, input_shapes)
+    if simplify:
+        graph = run_passes(graph, instruments)
+    else:
+        graph.validate()
+    return graph
+
+
+def supported_ops() -> dict[str, list[tuple[int, int | None]]]:
+    """Every ONNX op type the importer handles, with its accepted opset ranges ``(since, until)``."""
+    from .frontend import registry
+
+    return registry.supported_ops()

@@ -1,0 +1,252 @@
+"""ONNX → FlowGraph import.
+
+The importer walks the ONNX graph in order and calls one handler per node (see
+:mod:`.registry`). Values known at import time (initializers, ``Shape`` of static tensors and the
+arithmetic on them) are propagated eagerly: an op whose inputs all have values gets output
+values too, so handlers can read shape arguments with ``ctx.const``. The nodes themselves stay in
+the graph; the constant-folding pass removes them.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from .registry import NodeContext, find_handler, onnx_dtype
+
+__all__ = ["import_onnx", "read_model"]
+
+log = logging.getLogger(__name__)
+
+#: Largest result (elements) computed eagerly at import; bigger ones stay ops.
+EAGER_LIMIT = 1 << 24
+_SUPPORTED_DOMAINS = ("", "ai.onnx")
+
+
+def read_model(model: "str | os.PathLike | bytes | onnx.ModelProto") -> onnx.ModelProto:
+    """Load and check an ONNX model, raising :class:`ModelFormatError` on any defect."""
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+        where = "the given ModelProto"
+    elif isinstance(model, (bytes, bytearray)):
+        where = "the given bytes"
+        proto = _parse(bytes(model), where)
+    elif isinstance(model, (str, os.PathLike)):
+        where = os.fspath(model)
+        if not os.path.isfile(where):
+            raise ModelFormatError(f"{where}: no such file")
+        try:
+            with open(where, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise ModelFormatError(f"{where}: cannot read ({exc.strerror})") from None
+        proto = _parse(data, where)
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+            try:
+                onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(where)))
+            except Exception as exc:
+                raise ModelFormatError(f"{where}: external weight data cannot be loaded ({exc})") from None
+    else:
+        raise ModelFormatError(f"expected a path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelFormatError(f"{where}: not an ONNX model (no graph); is this the right file?")
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()
+        raise ModelFormatError(f"{where}: fails onnx.checker: {' '.join(msg)[:800]}; fix or re-export the model") \
+            from None
+    return proto
+
+
+def _parse(data: bytes, where: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as exc:
+        raise ModelFormatError(f"{where}: not a valid ONNX protobuf ({type(exc).__name__}); the file may be "
+                               "truncated or not an ONNX model") from None
+    return proto
+
+
+class _Importer:
+    def __init__(self, proto: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None):
+        self.proto = proto
+        self.opset = _default_opset(proto)
+        self.input_shapes = dict(input_shapes or {})
+        self.nodes: list[Operator] = []
+        self.env: dict[str, Tensor] = {}
+        self._counter = itertools.count()
+        self._used_names: set[str] = set()
+
+    def fresh_name(self, base: str) -> str:
+        while True:
+            name = f"{base}{next(self._counter)}"
+            if name not in self._used_names:
+                self._used_names.add(name)
+                return name
+
+    def add_op(self, op: Operator) -> None:
+        self.nodes.append(op)
+        if all(t.value is not None for t in op.inputs) and sum(t.size for t in op.outputs) <= EAGER_LIMIT:
+            for t, v in zip(op.outputs, op.run(*[t.value for t in op.inputs])):
+                t.value = v
+
+    def run(self) -> FlowGraph:
+        g = self.proto.graph
+        self._check_supported()
+        for init in g.initializer:
+            try:
+                arr = numpy_helper.to_array(init)
+            except Exception as exc:
+                raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
+            onnx_dtype(init.data_type, f"initializer {init.name!r}")
+            self.env[init.name] = const_tensor(np.ascontiguousarray(arr), init.name)
+            self._used_names.add(init.name)
+        inputs = self._graph_inputs()
+        for node in g.node:
+            self._import_node(node)
+        outputs, names = [], []
+        for vi in g.output:
+            if vi.name not in self.env:
+                raise ModelFormatError(f"graph output {vi.name!r} is not produced by any node")
+            outputs.append(self.env[vi.name])
+            names.append(vi.name)
+        return FlowGraph(inputs, outputs, self.nodes, names, name=g.name or "graph")
+
+    def _check_supported(self) -> None:
+        missing: dict[str, list[str]] = {}
+        for n in self.proto.graph.node:
+            domain = "" if n.domain in _SUPPORTED_DOMAINS else n.domain
+            opset = self.opset if not domain else _domain_opset(self.proto, domain)
+            if find_handler(domain, n.op_type, opset) is None:
+                key = f"{n.domain}::{n.op_type}" if domain else n.op_type
+                if find_handler(domain, n.op_type, 10_000) or _any_handler(domain, n.op_type):
+                    key = f"{key} (opset {opset})"
+                missing.setdefault(key, []).append(n.name or f"<{n.op_type} producing {list(n.output)}>")
+        if missing:
+            parts = [f"{op} used by {len(ns)} node(s): {', '.join(ns[:5])}{' ...' if len(ns) > 5 else ''}"
+                     for op, ns in sorted(missing.items())]
+            raise UnsupportedOperatorError(
+                "the model uses operators Shardflow does not support: " + "; ".join(parts)
+                + ". See shardflow.compiler.supported_ops() for the supported set.", missing)
+
+    def _graph_inputs(self) -> list[Tensor]:
+        g = self.proto.graph
+        init_names = {i.name for i in g.initializer}
+        real = [vi for vi in g.input if vi.name not in init_names]
+        names = {vi.name for vi in real}
+        unknown = sorted(set(self.input_shapes) - names)
+        if unknown:
+            raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model; "
+                             f"its inputs are {sorted(names)}")
+        res = []
+        for vi in real:
+            tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if tt is None:
+                raise UnsupportedOperatorError(f"graph input {vi.name!r} is not a tensor (sequence/map/optional "
+                                               "inputs are not supported)")
+            dtype = onnx_dtype(tt.elem_type, f"graph input {vi.name!r}")
+            shape = self._input_shape(vi.name, tt)
+            t = Tensor(vi.name, shape, dtype)
+            self.env[vi.name] = t
+            self._used_names.add(vi.name)
+            res.append(t)
+        return res
+
+    def _input_shape(self, name: str, tt) -> tuple[int, ...]:
+        declared = None
+        if tt.HasField("shape"):
+            declared = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        if name in self.input_shapes:
+            given = self.input_shapes[name]
+            try:
+                shape = tuple(int(d) for d in given)
+            except (TypeError, ValueError):
+                raise ShapeError(f"input_shapes[{name!r}] = {given!r} is not a tuple of ints") from None
+            if any(d < 0 for d in shape):
+                raise ShapeError(f"input_shapes[{name!r}] = {shape} has a negative dim")
+            if declared is not None:
+                if len(declared) != len(shape):
+                    raise ShapeError(f"input_shapes[{name!r}] = {shape} has rank {len(shape)}, but the model "
+                                     f"declares rank {len(declared)} ({declared})")
+                for d, (want, got) in enumerate(zip(declared, shape)):
+                    if isinstance(want, int) and want != got:
+                        raise ShapeError(f"input_shapes[{name!r}] = {shape}: dim {d} is fixed to {want} by the model")
+            return shape
+        if declared is None:
+            raise ShapeError(f"graph input {name!r} has no declared shape; pass input_shapes={{{name!r}: (...)}}")
+        if any(not isinstance(d, int) for d in declared):
+            dyn = [f"dim {d} ({v!r})" for d, v in enumerate(declared) if not isinstance(v, int)]
+            raise ShapeError(f"graph input {name!r} has dynamic {', '.join(dyn)}; pass its shape as "
+                             f"input_shapes={{{name!r}: (...)}}")
+        return tuple(declared)
+
+    def _import_node(self, node: onnx.NodeProto) -> None:
+        domain = "" if node.domain in _SUPPORTED_DOMAINS else node.domain
+        opset = self.opset if not domain else _domain_opset(self.proto, domain)
+        handler = find_handler(domain, node.op_type, opset)
+        inputs: list[Tensor | None] = []
+        for name in node.input:
+            if name == "":
+                inputs.append(None)
+            elif name in self.env:
+                inputs.append(self.env[name])
+            else:
+                raise ModelFormatError(f"node {node.name or node.op_type} reads {name!r}, which no earlier node "
+                                       "produces (the nodes are not in topological order or an input is missing)")
+        ctx = NodeContext(node, opset, inputs, self)
+        try:
+            outs = handler.fn(ctx)
+        except ShardflowError:
+            raise
+        except RecursionError:
+            raise
+        except Exception as exc:  # malformed attributes or shapes surface here as numpy/python errors
+            log.debug("handler for %s failed", ctx.name, exc_info=True)
+            raise ModelFormatError(f"node {ctx.name} ({node.op_type}) cannot be imported: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        created = {id(t) for op in ctx.created for t in op.outputs}
+        for name, t in zip(node.output, outs):
+            if not name or t is None:
+                continue
+            if id(t) in created and t.name not in self._used_names:
+                t.name = name
+            elif id(t) in created:
+                t.name = name if name not in self._used_names else self.fresh_name(name + "_")
+            self._used_names.add(t.name)
+            self.env[name] = t
+        for name in node.output[len(outs):]:
+            if name:
+                raise ctx.unsupported(f"output {name!r}")
+
+
+def _default_opset(proto: onnx.ModelProto) -> int:
+    for imp in proto.opset_import:
+        if imp.domain in _SUPPORTED_DOMAINS:
+            return int(imp.version)
+    raise ModelFormatError("the model imports no version of the default ONNX operator set")
+
+
+def _domain_opset(proto: onnx.ModelProto, domain: str) -> int:
+    for imp in proto.opset_import:
+        if imp.domain == domain:
+            return int(imp.version)
+    return 1
+
+
+def _any_handler(domain: str, op_type: str) -> bool:
+    return find_handler(domain, op_type, 10_000) is not None or find_handler(domain, op_type, 1) is not None
+
+
+def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None) -> FlowGraph:
+    """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph."""
+    proto = read_model(model)
+    return _Importer(proto, input_shapes).run()

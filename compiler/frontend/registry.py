@@ -1,0 +1,187 @@
+"""Registry of ONNX op handlers and the per-node context handlers work with.
+
+A handler turns one ONNX node into flow-graph operators::
+
+    @onnx_op("Relu")                      # every opset from 1 on
+    def relu(ctx):
+        return [ctx.add(Unary([ctx.input(0)], fn="relu"))]
+
+    @onnx_op("Reshape", since=5)          # shape as an input from opset 5 on
+    def reshape(ctx): ...
+
+A handler returns the output tensors, one per ONNX output (trailing optional outputs may be
+left off). ``ctx.const(i)`` demands that input ``i`` is known at import (weights, folded shape
+arithmetic) and otherwise raises an error that names the node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import DtypeError, ModelFormatError, ShapeError, UnsupportedOperatorError
+from ..ir.graph import Operator, Tensor, const_tensor
+
+__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "onnx_dtype", "REQUIRED"]
+
+REQUIRED = object()
+
+_DTYPES = {
+    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64", onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.INT8: "int8", onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT64: "int64", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16",
+    onnx.TensorProto.UINT32: "uint32", onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.BOOL: "bool",
+}
+
+
+def onnx_dtype(code: int, where: str) -> str:
+    """Map an ONNX element type to a numpy dtype name, or raise :class:`DtypeError` naming ``where``."""
+    if code in _DTYPES:
+        return _DTYPES[code]
+    name = onnx.TensorProto.DataType.Name(code) if code in onnx.TensorProto.DataType.values() else str(code)
+    raise DtypeError(f"{where}: element type {name} is not supported (supported: "
+                     f"{sorted(set(_DTYPES.values()))})")
+
+
+@dataclass(frozen=True)
+class Handler:
+    op_type: str
+    since: int
+    until: int | None
+    fn: Callable[["NodeContext"], list]
+    domain: str = ""
+
+
+_HANDLERS: dict[tuple[str, str], list[Handler]] = {}
+
+
+def onnx_op(op_type: str, since: int = 1, until: int | None = None, domain: str = ""):
+    """Register a handler for ``op_type`` valid for opsets ``since`` ≤ v ≤ ``until``."""
+
+    def deco(fn):
+        _HANDLERS.setdefault((domain, op_type), []).append(Handler(op_type, since, until, fn, domain))
+        return fn
+
+    return deco
+
+
+def find_handler(domain: str, op_type: str, opset: int) -> Handler | None:
+    """The handler for ``op_type`` at ``opset`` (newest ``since`` not above it), or None."""
+    best = None
+    for h in _HANDLERS.get((domain, op_type), []):
+        if h.since <= opset and (h.until is None or opset <= h.until):
+            if best is None or h.since > best.since:
+                best = h
+    return best
+
+
+def supported_ops() -> dict[str, list[tuple[int, int | None]]]:
+    """Every supported op type with the opset ranges its handlers accept."""
+    res: dict[str, list[tuple[int, int | None]]] = {}
+    for (domain, op), hs in sorted(_HANDLERS.items()):
+        key = f"{domain}::{op}" if domain else op
+        res[key] = sorted((h.since, h.until) for h in hs)
+    return res
+
+
+class NodeContext:
+    """What a handler sees of its node: inputs, attributes, the opset, and ways to add ops."""
+
+    def __init__(self, node: onnx.NodeProto, opset: int, inputs: list[Tensor | None], importer):
+        self.node = node
+        self.opset = opset
+        self.inputs = inputs
+        self._importer = importer
+        self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
+        self._attrs = {a.name: a for a in node.attribute}
+        self.created: list[Operator] = []
+
+    # errors ---------------------------------------------------------------------------
+    def unsupported(self, what: str) -> UnsupportedOperatorError:
+        """An error saying that ``what`` (an attribute value, a mode) of this node is not supported."""
+        return UnsupportedOperatorError(f"node {self.name} ({self.node.op_type}): {what} is not supported",
+                                        {self.node.op_type: [self.name]})
+
+    def invalid(self, what: str) -> ModelFormatError:
+        return ModelFormatError(f"node {self.name} ({self.node.op_type}): {what}")
+
+    def shape_error(self, what: str) -> ShapeError:
+        return ShapeError(f"node {self.name} ({self.node.op_type}): {what}")
+
+    # inputs ---------------------------------------------------------------------------
+    @property
+    def num_inputs(self) -> int:
+        return len(self.inputs)
+
+    def has_input(self, i: int) -> bool:
+        return i < len(self.inputs) and self.inputs[i] is not None
+
+    def input(self, i: int) -> Tensor:
+        if not self.has_input(i):
+            raise self.invalid(f"input {i} is required but missing")
+        return self.inputs[i]
+
+    def const(self, i: int, default: Any = REQUIRED) -> np.ndarray | Any:
+        """The value of input ``i``, which must be known at import time."""
+        if not self.has_input(i):
+            if default is REQUIRED:
+                raise self.invalid(f"input {i} is required but missing")
+            return default
+        t = self.inputs[i]
+        if t.value is None:
+            raise UnsupportedOperatorError(
+                f"node {self.name} ({self.node.op_type}): input {i} ({self.node.input[i]!r}) must be known at "
+                "compile time (a constant or computable from shapes), but it depends on graph inputs; "
+                "data-dependent shapes and parameters are not supported",
+                {self.node.op_type: [self.name]})
+        return t.value
+
+    def is_const(self, i: int) -> bool:
+        return self.has_input(i) and self.inputs[i].value is not None
+
+    # attributes -----------------------------------------------------------------------
+    def has_attr(self, name: str) -> bool:
+        return name in self._attrs
+
+    def attr(self, name: str, default: Any = REQUIRED) -> Any:
+        """Attribute ``name`` as a Python value (ints, floats, strings, lists, numpy tensors)."""
+        if name not in self._attrs:
+            if default is REQUIRED:
+                raise self.invalid(f"required attribute {name!r} is missing")
+            return default
+        a = self._attrs[name]
+        try:
+            v = helper.get_attribute_value(a)
+        except Exception as exc:  # corrupted attribute protos
+            raise self.invalid(f"attribute {name!r} cannot be read ({exc})") from None
+        if isinstance(v, bytes):
+            return v.decode("utf-8", "replace")
+        if isinstance(v, onnx.TensorProto):
+            return self.tensor_value(v)
+        if isinstance(v, list) and v and isinstance(v[0], bytes):
+            return [x.decode("utf-8", "replace") for x in v]
+        if isinstance(v, onnx.GraphProto) or (isinstance(v, list) and v and isinstance(v[0], onnx.GraphProto)):
+            raise self.unsupported(f"subgraph attribute {name!r} (control flow)")
+        return v
+
+    def tensor_value(self, proto: onnx.TensorProto) -> np.ndarray:
+        onnx_dtype(proto.data_type, f"node {self.name}")
+        try:
+            return numpy_helper.to_array(proto).copy()
+        except Exception as exc:
+            raise self.invalid(f"tensor attribute cannot be decoded ({exc})") from None
+
+    # building -------------------------------------------------------------------------
+    def add(self, op: Operator) -> Tensor:
+        """Add ``op`` to the graph and return its first output (``op.outputs`` has all)."""
+        self._importer.add_op(op)
+        self.created.append(op)
+        return op.outputs[0]
+
+    def constant(self, value: np.ndarray | Any, dtype: str | None = None) -> Tensor:
+        """A new constant tensor."""
+        arr = np.asarray(value, dtype=dtype)
+        return const_tensor(arr, self._importer.fresh_name(f"{self.name}/const"))

@@ -1,0 +1,78 @@
+"""A small pass framework: a pass maps a FlowGraph to a FlowGraph; a pipeline runs passes in order.
+
+Instruments are callables ``(pass_name, graph)`` invoked after every pass, e.g. to dump the graph::
+
+    PassPipeline(default_passes(), instruments=[DumpGraph("dumps/")]).run(graph)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Iterable, Sequence
+
+from ..ir.graph import FlowGraph
+
+__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument"]
+
+log = logging.getLogger(__name__)
+
+Instrument = Callable[[str, FlowGraph], None]
+
+
+class GraphPass:
+    """Base class: override :meth:`run`. Passes may rewrite the graph in place and return it."""
+
+    name: str = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if not cls.__dict__.get("name"):
+            cls.name = cls.__name__
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        raise NotImplementedError
+
+    def __call__(self, graph: FlowGraph) -> FlowGraph:
+        return self.run(graph)
+
+
+class PassPipeline:
+    """Run ``passes`` in order; repeat the whole sequence until the node count stops changing
+    (at most ``max_rounds`` times) when ``fixpoint`` is set."""
+
+    def __init__(self, passes: Sequence[GraphPass | Callable[[FlowGraph], FlowGraph]],
+                 instruments: Iterable[Instrument] = (), fixpoint: bool = True, max_rounds: int = 4):
+        self.passes = list(passes)
+        self.instruments = list(instruments)
+        self.fixpoint = fixpoint
+        self.max_rounds = max_rounds
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        for rnd in range(self.max_rounds if self.fixpoint else 1):
+            before = len(graph.nodes)
+            for p in self.passes:
+                name = getattr(p, "name", None) or getattr(p, "__name__", type(p).__name__)
+                t0 = time.perf_counter()
+                graph = p(graph)
+                log.debug("pass %s: %d nodes (%.1f ms)", name, len(graph.nodes), 1e3 * (time.perf_counter() - t0))
+                for inst in self.instruments:
+                    inst(f"{rnd}-{name}", graph)
+            if len(graph.nodes) == before and rnd > 0:
+                break
+        return graph
+
+
+class DumpGraph:
+    """Instrument writing the graph's text form to ``directory/NN-<pass>.txt`` after each pass."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.fspath(directory)
+        self.count = 0
+
+    def __call__(self, pass_name: str, graph: FlowGraph) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"{self.count:02d}-{pass_name}.txt")
+        with open(path, "w") as f:
+            f.write(str(graph) + "\n")
+        self.count += 1

@@ -1,0 +1,123 @@
+"""Simplification passes: constant folding, no-op removal, common-subexpression elimination and
+dead-code elimination."""
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor, topological_sort
+from .base import GraphPass
+
+__all__ = ["FoldConstants", "RemoveNoOps", "EliminateCommonSubexpressions", "EliminateDeadCode",
+           "default_passes"]
+
+log = logging.getLogger(__name__)
+
+#: Folded results larger than this (elements) stay ops: materializing them would bloat weights.
+FOLD_LIMIT = 1 << 22
+
+
+class FoldConstants(GraphPass):
+    """Replace every op whose inputs are all constants by constants holding its results."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        kept: list[Operator] = []
+        replace: dict[int, Tensor] = {}
+        for op in graph.nodes:
+            op.inputs = [replace.get(id(t), t) for t in op.inputs]
+            if (all(t.is_constant for t in op.inputs) and not op.data_dependent_values
+                    and sum(t.size for t in op.outputs) <= FOLD_LIMIT):
+                values = [t.value for t in op.outputs]
+                if any(v is None for v in values):
+                    values = op.run(*[t.value for t in op.inputs])
+                for t, v in zip(op.outputs, values):
+                    replace[id(t)] = const_tensor(v, t.name)
+                continue
+            kept.append(op)
+        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
+        graph.nodes = kept
+        return graph
+
+
+class RemoveNoOps(GraphPass):
+    """Bypass ops that return one of their inputs unchanged (identity, same-shape reshape, ...)."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        replace: dict[int, Tensor] = {}
+        kept = []
+        for op in graph.nodes:
+            op.inputs = [replace.get(id(t), t) for t in op.inputs]
+            k = op.passthrough_input()
+            if k is not None:
+                src, out = op.inputs[k], op.outputs[0]
+                if src.shape == out.shape and src.dtype == out.dtype:
+                    replace[id(out)] = src
+                    continue
+            kept.append(op)
+        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
+        graph.nodes = kept
+        return graph
+
+
+def _attr_key(v):
+    if isinstance(v, np.ndarray):
+        return ("nd", v.dtype.str, v.shape, hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
+    if isinstance(v, (list, tuple)):
+        return tuple(_attr_key(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _attr_key(x)) for k, x in v.items()))
+    if isinstance(v, float) and v != v:
+        return ("nan",)
+    return v
+
+
+class EliminateCommonSubexpressions(GraphPass):
+    """Merge ops of the same type and attributes on the same inputs, and equal small constants."""
+
+    const_limit = 1 << 16
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        replace: dict[int, Tensor] = {}
+        consts: dict[tuple, Tensor] = {}
+        seen: dict[tuple, Operator] = {}
+        kept = []
+
+        def canon(t: Tensor) -> Tensor:
+            t = replace.get(id(t), t)
+            if t.is_constant and t.size <= self.const_limit:
+                key = (t.dtype, t.shape, np.ascontiguousarray(t.value).tobytes())
+                return consts.setdefault(key, t)
+            return t
+
+        for op in graph.nodes:
+            op.inputs = [canon(t) for t in op.inputs]
+            if op.data_dependent_values:
+                kept.append(op)
+                continue
+            key = (type(op), tuple(id(t) for t in op.inputs), _attr_key(op.attrs))
+            prev = seen.get(key)
+            if prev is not None:
+                for a, b in zip(op.outputs, prev.outputs):
+                    replace[id(a)] = b
+                continue
+            seen[key] = op
+            kept.append(op)
+        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
+        graph.nodes = kept
+        return graph
+
+
+class EliminateDeadCode(GraphPass):
+    """Drop ops whose results do not reach a graph output."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        live = {id(op) for op in topological_sort(graph.outputs)}
+        graph.nodes = [op for op in graph.nodes if id(op) in live]
+        return graph
+
+
+def default_passes() -> list[GraphPass]:
+    """The simplification pipeline ``load_onnx`` runs."""
+    return [FoldConstants(), RemoveNoOps(), EliminateCommonSubexpressions(), EliminateDeadCode()]

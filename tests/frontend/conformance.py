@@ -1,0 +1,99 @@
+"""Runs the ONNX backend node test cases (built in memory by the onnx package) through
+``load_onnx(...).run(...)`` and classifies each: passed, wrong, refused, error or skipped.
+
+Usage: ``python tests/frontend/conformance.py [substring ...] [-v]`` prints the counts and,
+with ``-v``, every non-passing case with its reason.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from collections import Counter
+
+import numpy as np
+
+from shardflow.compiler import ShardflowError, load_onnx
+
+#: Tolerance multiplier over each case's own rtol/atol.
+TOLERANCE_FACTOR = 10.0
+
+
+def node_cases():
+    from onnx.backend.test.loader import load_model_tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model_tests(kind="node")
+
+
+def is_tensor_only(case) -> bool:
+    for inputs, outputs in case.data_sets:
+        for a in list(inputs) + list(outputs):
+            if not isinstance(a, np.ndarray) or a.dtype.kind in "OUSV" or a.dtype.names:
+                return False
+            if a.dtype.type.__name__ not in np.sctypeDict:  # ml_dtypes (bfloat16, float8...)
+                return False
+    return bool(case.data_sets)
+
+
+def run_case(case) -> tuple[str, str]:
+    """Return ``(status, detail)`` with status in passed / wrong / refused / error / skipped."""
+    if not is_tensor_only(case):
+        return "skipped", "not tensor-only"
+    graph_inputs = [vi.name for vi in case.model.graph.input
+                    if vi.name not in {i.name for i in case.model.graph.initializer}]
+    out_names = [vi.name for vi in case.model.graph.output]
+    try:
+        for inputs, expected in case.data_sets:
+            if len(inputs) != len(graph_inputs):
+                return "skipped", "optional inputs left out of the data set"
+            feeds = dict(zip(graph_inputs, inputs))
+            g = load_onnx(case.model, input_shapes={k: v.shape for k, v in feeds.items()})
+            got = g.run(feeds)
+            for name, want in zip(out_names, expected):
+                have = got[name]
+                if have.shape != want.shape:
+                    return "wrong", f"output {name}: shape {have.shape}, expected {want.shape}"
+                if have.dtype != want.dtype:
+                    return "wrong", f"output {name}: dtype {have.dtype}, expected {want.dtype}"
+                if want.dtype.kind in "fc":
+                    ok = np.allclose(have, want, rtol=TOLERANCE_FACTOR * case.rtol,
+                                     atol=TOLERANCE_FACTOR * case.atol, equal_nan=True)
+                else:
+                    ok = np.array_equal(have, want)
+                if not ok:
+                    with np.errstate(all="ignore"):
+                        err = np.max(np.abs(have.astype(np.float64) - want.astype(np.float64)))
+                    return "wrong", f"output {name}: max abs error {err:.3g}"
+        return "passed", ""
+    except ShardflowError as exc:
+        return "refused", f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # untyped: a defect
+        return "error", f"{type(exc).__name__}: {exc}"
+
+
+def run_all(patterns=()):
+    results = {}
+    for case in node_cases():
+        if patterns and not any(p in case.name for p in patterns):
+            continue
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            results[case.name] = run_case(case)
+    return results
+
+
+def main(argv):
+    verbose = "-v" in argv
+    patterns = [a for a in argv if a != "-v"]
+    results = run_all(patterns)
+    counts = Counter(s for s, _ in results.values())
+    if verbose:
+        for name, (s, d) in sorted(results.items()):
+            if s not in ("passed", "skipped"):
+                print(f"{s:8s} {name}: {d[:300]}")
+    print(", ".join(f"{k}={counts.get(k, 0)}" for k in ("passed", "wrong", "error", "refused", "skipped")))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
