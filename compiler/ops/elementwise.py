@@ -201,3 +201,26 @@ class Identity(Operator):
 
     def passthrough_input(self):
         return 0
+
+
+def examples(rng: np.random.Generator):
+    """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    y = rng.standard_normal((4,)).astype(np.float32)
+    i = rng.integers(-5, 6, (3, 4)).astype(np.int64)
+    j = rng.integers(1, 4, (1, 4)).astype(np.int64)
+    res = [(Unary, [np.abs(x) + 0.5], {"fn": fn}) for fn in UNARY_FUNCS if fn not in ("not", "bitnot")]
+    res += [(Unary, [x > 0], {"fn": "not"}), (Unary, [i], {"fn": "bitnot"})]
+    for fn in BINARY_FUNCS:
+        if fn in ("and", "or", "xor"):
+            res.append((Binary, [x > 0, y > 0], {"fn": fn}))
+        elif fn in ("bitand", "bitor", "bitxor", "shl", "shr", "truncdiv", "floordiv", "mod", "fmod"):
+            res.append((Binary, [i, j], {"fn": fn}))
+        else:
+            res.append((Binary, [np.abs(x) + 0.1, y], {"fn": fn}))
+    res += [(CastOp, [x * 10], {"to": "int32"}), (CastOp, [i], {"to": "float16"}),
+            (Where, [x > 0, x, y], {}), (Clip, [x], {"lo": -0.5, "hi": 0.5}), (Clip, [x], {"lo": None, "hi": 0.1}),
+            (Identity, [x], {})]
+    params = {"alpha": 0.3, "beta": 0.4, "gamma": 1.2, "lambd": 0.5, "bias": 0.1}
+    res += [(Activation, [x], {"kind": k, **params}) for k in _ACTIVATIONS]
+    return res
