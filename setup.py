@@ -22,8 +22,9 @@ setup(
     package_dir=PACKAGES,
     install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7"],
     extras_require={
-        "test": ["pytest>=7", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7"],
-        "models": ["torch==2.13.0", "transformers", "onnxscript"],
+        # torch/transformers export test models on the fly (tests and benchmarks only, never at runtime)
+        "test": ["pytest>=7", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7", "scipy",
+                 "torch==2.13.0", "transformers", "onnxscript"],
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13"],
         "mpi": ["mpi4py", "mpich"],

@@ -12,8 +12,11 @@ the TorchScript exporter (``dynamo=False``, opset 17 -> ``<name>_ts17.onnx``) an
 exporter (``dynamo=True``, opset 18 -> ``<name>_dynamo18.onnx``). Shapes are static (batch 2,
 sequence 8 for text models). Each wrapper returns a single tensor (last_hidden_state or logits).
 Weights are stored inside the .onnx file (no external data). Every file is checked with
-``onnx.checker`` and run once with onnxruntime (CPU). A failing exporter is recorded in
-``MANIFEST.json`` (``"status": "failed"`` with the error) instead of aborting the script.
+``onnx.checker`` and run with onnxruntime (CPU), and compared with the torch module on the
+saved inputs and on a second input set (seed 1, all-ones mask) so a mask baked into the graph
+would be caught. A failing exporter is recorded in ``MANIFEST.json`` (``"status": "failed"`` with
+the error) instead of aborting; the exit status is 1 if any export failed.
+Set ``SHARDFLOW_EXPORT_VERBOSE=1`` to see exporter warnings and tracebacks.
 
 No reference outputs are stored: tests compare against onnxruntime at test time, feeding
 ``<name>_inputs.npz`` (keys are the ONNX input names; deterministic, numpy seed 0).
