@@ -58,7 +58,7 @@ def evaluate_compute(gc: GridCompute, bound: dict[int, np.ndarray]) -> np.ndarra
     val = val.reshape(gc.shape)
     if gc.dtype is not None and gc.dtype != "bfloat16":
         val = val.astype(gc.dtype, copy=False)
-    return np.ascontiguousarray(val)
+    return np.ascontiguousarray(val).reshape(gc.shape)  # ascontiguousarray makes 0-d arrays 1-d
 
 
 def _axis_array(extent: int, dim: int, nd: int) -> np.ndarray:

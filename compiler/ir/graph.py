@@ -140,6 +140,30 @@ class Operator:
         """A new op of the same type and attributes on ``inputs`` (default: the same inputs)."""
         return type(self)(list(self.inputs if inputs is None else inputs), name=self.name, **self.attrs)
 
+    #: Attributes holding the op's (first) output shape, e.g. a reshape target: rewritten by
+    #: :meth:`localize` when the op runs on a shard.
+    shape_attrs: ClassVar[tuple[str, ...]] = ("shape",)
+
+    def localize(self, inputs: Sequence[Tensor], output_shapes: Sequence[Sequence[int]]) -> "Operator":
+        """This op on local shards ``inputs``, producing ``output_shapes`` (used by partition).
+
+        Raises
+        ------
+        ShapeError
+            if the op rebuilt on the shards does not produce the expected local shapes.
+        """
+        attrs = dict(self.attrs)
+        want = [tuple(int(d) for d in s) for s in output_shapes]
+        for a in self.shape_attrs:
+            if a in attrs and attrs[a] is not None and tuple(attrs[a]) == self.outputs[0].shape:
+                attrs[a] = want[0]
+        op = type(self)(list(inputs), name=self.name, **attrs)
+        got = [t.shape for t in op.outputs]
+        if got != want:
+            raise ShapeError(f"node {self.name} ({self.op_type}) on local shards gives shapes {got}, "
+                             f"the plan expects {want}; this sharding is not supported for this op")
+        return op
+
     @property
     def data_dependent(self) -> str | None:
         """Why the op's output shape depends on input values, or ``None``."""

@@ -41,6 +41,7 @@ import io
 import json
 import logging
 import sys
+import tempfile
 import traceback
 import warnings
 
@@ -309,15 +310,6 @@ def make_inputs(specs, seed=0, vocab_size=VOCAB, pad=True):
 # --------------------------------------------------------------------------------------------
 
 
-def _remove_external_data_files(path, before):
-    """Remove files the exporter left next to ``path`` (external data) that were not there before."""
-    d = os.path.dirname(os.path.abspath(path))
-    for f in set(os.listdir(d)) - before:
-        full = os.path.join(d, f)
-        if full != os.path.abspath(path) and (f.startswith(os.path.basename(path)) or f.endswith(".data")):
-            os.remove(full)
-
-
 def _uses_external_data(model: onnx.ModelProto) -> bool:
     for init in model.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
@@ -348,46 +340,66 @@ def _quiet():
 
 
 def export_module(module, feeds, input_names, output_names, path, dynamo=False, opset=None):
-    """Export ``module`` to a single self-contained ``path``. Returns the path."""
+    """Export ``module`` to a single self-contained ``path``. Returns the path.
+
+    The export happens in a private temporary folder next to ``path`` and the finished file is
+    moved into place with ``os.replace``, so ``path`` is never missing or half-written.
+    """
     opset = opset or (DYNAMO_OPSET if dynamo else TS_OPSET)
     module.eval()
     args = tuple(torch.from_numpy(feeds[n]) for n in input_names)
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    before = set(os.listdir(os.path.dirname(os.path.abspath(path))))
-    if os.path.exists(path):
-        os.remove(path)
-    with torch.no_grad(), _quiet():
-        if dynamo:
-            prog = torch.onnx.export(
-                module,
-                args,
-                input_names=list(input_names),
-                output_names=list(output_names),
-                opset_version=opset,
-                dynamo=True,
-                external_data=False,
-                optimize=True,
-                verify=False,
-            )
-            prog.save(path, external_data=False)
-        else:
-            torch.onnx.export(
-                module,
-                args,
-                path,
-                input_names=list(input_names),
-                output_names=list(output_names),
-                opset_version=opset,
-                dynamo=False,
-                do_constant_folding=True,
-            )
-    # Make sure the result is one file (pull any external data in) and drop the per-node debug
-    # metadata (stack traces with local paths, fx node text) that the dynamo exporter attaches.
-    model = onnx.load(path, load_external_data=True)
-    _strip_debug_metadata(model)
-    onnx.save_model(model, path, save_as_external_data=False)
-    _remove_external_data_files(path, before | {os.path.basename(path)})
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export_tmp_", dir=out_dir) as tmp:
+        tmp_path = os.path.join(tmp, os.path.basename(path))
+        with torch.no_grad(), _quiet():
+            if dynamo:
+                prog = torch.onnx.export(
+                    module,
+                    args,
+                    input_names=list(input_names),
+                    output_names=list(output_names),
+                    opset_version=opset,
+                    dynamo=True,
+                    external_data=False,
+                    optimize=True,
+                    verify=False,
+                )
+                prog.save(tmp_path, external_data=False)
+            else:
+                torch.onnx.export(
+                    module,
+                    args,
+                    tmp_path,
+                    input_names=list(input_names),
+                    output_names=list(output_names),
+                    opset_version=opset,
+                    dynamo=False,
+                    do_constant_folding=True,
+                )
+        # One file (pull any external data in), without the per-node debug metadata (stack
+        # traces with local paths, fx node text) that the dynamo exporter attaches.
+        model = onnx.load(tmp_path, load_external_data=True)
+        _strip_debug_metadata(model)
+        final_tmp = os.path.join(tmp, "final.onnx")
+        onnx.save_model(model, final_tmp, save_as_external_data=False)
+        del model
+        os.replace(final_tmp, path)
     return path
+
+
+def _atomic_write(path, write):
+    """Call ``write(tmp_path)`` and move the result onto ``path``."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=os.path.splitext(path)[1], dir=d)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _strip_debug_metadata(model: onnx.ModelProto) -> None:
@@ -536,7 +548,7 @@ def export_all(out_dir=HERE, only=None, verbose=True):
         module, specs, outs = MODELS[name]()
         feeds = make_inputs(specs, seed=0)
         alt_feeds = make_inputs(specs, seed=1, pad=False)
-        np.savez(os.path.join(out_dir, f"{name}_inputs.npz"), **feeds)
+        _atomic_write(os.path.join(out_dir, f"{name}_inputs.npz"), lambda p: np.savez(p, **feeds))
         input_names = [s[0] for s in specs]
         for exporter, dynamo, opset in (("torchscript", False, TS_OPSET), ("dynamo", True, DYNAMO_OPSET)):
             fname = f"{name}_{'dynamo' if dynamo else 'ts'}{opset}.onnx"
@@ -600,9 +612,12 @@ def export_all(out_dir=HERE, only=None, verbose=True):
         "seed": 0,
         "exports": entries,
     }
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
+    def write_manifest(p):
+        with open(p, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.write("\n")
+
+    _atomic_write(manifest_path, write_manifest)
     if verbose:
         total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(out_dir, "*.onnx")))
         total += sum(os.path.getsize(p) for p in glob.glob(os.path.join(out_dir, "*.npz")))

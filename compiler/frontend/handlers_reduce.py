@@ -1,0 +1,273 @@
+"""Handlers for reductions, arg-reductions, the softmax family, CumSum, TopK and normalizations."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from ..ops.norm import LRN, BatchNorm, GroupNorm, InstanceNorm, LayerNorm, LpNorm, MeanVarianceNorm, RMSNorm
+from ..ops.reduce import ArgReduce, CumSum, Hardmax, Reduce, Softmax, TopK
+from .registry import NodeContext, onnx_dtype, onnx_op
+
+_FLOATS = ("float16", "float32", "float64")
+
+
+def _axis(ctx: NodeContext, a, rank: int, what: str = "axis") -> int:
+    """``a`` as a non-negative axis of a rank-``rank`` tensor, or a typed error."""
+    try:
+        a = int(a)
+    except (TypeError, ValueError):
+        raise ctx.invalid(f"{what} must be an integer, got {a!r}") from None
+    if not -rank <= a < rank:
+        raise ctx.invalid(f"{what} {a} is out of range for an input of rank {rank}")
+    return a % rank
+
+
+def _axes(ctx: NodeContext, axes: Iterable, rank: int) -> tuple[int, ...]:
+    res = [_axis(ctx, a, rank, "axes entry") for a in axes]
+    if len(set(res)) != len(res):
+        raise ctx.invalid(f"axes {list(axes)} name an axis twice")
+    return tuple(sorted(res))
+
+
+def _require_float(ctx: NodeContext, *tensors) -> None:
+    for t in tensors:
+        if t.dtype not in _FLOATS:
+            raise ctx.unsupported(f"dtype {t.dtype} (expected a floating-point input)")
+
+
+def _stash(ctx: NodeContext) -> str:
+    st = onnx_dtype(ctx.attr("stash_type", 1), f"node {ctx.name} attribute 'stash_type'")
+    if st not in _FLOATS:
+        raise ctx.invalid(f"stash_type must be a floating-point type, got {st}")
+    return st
+
+
+def _wants_output(ctx: NodeContext, k: int) -> bool:
+    return len(ctx.node.output) > k and bool(ctx.node.output[k])
+
+
+# Reduce* ----------------------------------------------------------------------------------------
+
+_REDUCE = {"ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "max", "ReduceMin": "min", "ReduceProd": "prod",
+           "ReduceSumSquare": "sum_square", "ReduceL1": "l1", "ReduceL2": "l2", "ReduceLogSum": "log_sum",
+           "ReduceLogSumExp": "log_sum_exp"}
+
+
+def _reduce_handler(kind: str, axes_as_input: bool):
+    def handler(ctx):
+        x = ctx.input(0)
+        if x.dtype == "bool" and kind not in ("max", "min"):
+            raise ctx.invalid("bool input (only ReduceMax and ReduceMin take bool)")
+        if kind in ("log_sum", "log_sum_exp") and x.dtype not in _FLOATS:
+            raise ctx.unsupported(f"dtype {x.dtype} (the log of an integer reduction)")
+        if axes_as_input:
+            axes = ctx.const(1, None)
+            if axes is not None:
+                axes = np.asarray(axes).reshape(-1).tolist()
+            noop = bool(ctx.attr("noop_with_empty_axes", 0))
+        else:
+            axes, noop = ctx.attr("axes", None), False
+        if not axes:
+            axes = () if noop else range(x.ndim)
+        keepdims = bool(ctx.attr("keepdims", 1))
+        return [ctx.add(Reduce([x], name=ctx.name, kind=kind, axes=_axes(ctx, axes, x.ndim), keepdims=keepdims))]
+    return handler
+
+
+for _op, _kind in _REDUCE.items():
+    _since = 13 if _op == "ReduceSum" else 18
+    onnx_op(_op, since=1, until=_since - 1)(_reduce_handler(_kind, False))
+    onnx_op(_op, since=_since)(_reduce_handler(_kind, True))
+
+
+# ArgMax / ArgMin --------------------------------------------------------------------------------
+
+def _arg_handler(kind: str):
+    def handler(ctx):
+        x = ctx.input(0)
+        if x.dtype == "bool":
+            raise ctx.invalid("bool input")
+        axis = _axis(ctx, ctx.attr("axis", 0), x.ndim)
+        if x.shape[axis] == 0:
+            raise ctx.shape_error(f"axis {axis} has extent 0: the {kind} of an empty set is undefined")
+        last = bool(ctx.attr("select_last_index", 0)) if ctx.opset >= 12 else False
+        return [ctx.add(ArgReduce([x], name=ctx.name, kind=kind, axis=axis, keepdims=bool(ctx.attr("keepdims", 1)),
+                                  select_last=last))]
+    return handler
+
+
+onnx_op("ArgMax")(_arg_handler("argmax"))
+onnx_op("ArgMin")(_arg_handler("argmin"))
+
+
+# Softmax family ---------------------------------------------------------------------------------
+
+def _softmax_axes(ctx: NodeContext, x) -> tuple[int, ...]:
+    """One axis from opset 13 on; before, the input is coerced to 2-D at ``axis`` (default 1)."""
+    if x.ndim == 0:
+        raise ctx.invalid("input is a scalar; it has no axis to normalize")
+    if ctx.opset >= 13:
+        return (_axis(ctx, ctx.attr("axis", -1), x.ndim),)
+    return tuple(range(_axis(ctx, ctx.attr("axis", 1), x.ndim), x.ndim))
+
+
+def _softmax_handler(log: bool):
+    def handler(ctx):
+        x = ctx.input(0)
+        _require_float(ctx, x)
+        return [ctx.add(Softmax([x], name=ctx.name, axes=_softmax_axes(ctx, x), log=log))]
+    return handler
+
+
+onnx_op("Softmax")(_softmax_handler(False))
+onnx_op("LogSoftmax")(_softmax_handler(True))
+
+
+@onnx_op("Hardmax")
+def hardmax(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    return [ctx.add(Hardmax([x], name=ctx.name, axes=_softmax_axes(ctx, x)))]
+
+
+# CumSum, TopK -----------------------------------------------------------------------------------
+
+@onnx_op("CumSum", since=11)
+def cumsum(ctx):
+    x = ctx.input(0)
+    if x.dtype == "bool":
+        raise ctx.invalid("bool input")
+    axis = np.asarray(ctx.const(1))
+    if axis.size != 1 or axis.dtype.kind not in "iu":
+        raise ctx.invalid(f"axis must be one integer, got {axis.tolist()!r}")
+    return [ctx.add(CumSum([x], name=ctx.name, axis=_axis(ctx, axis.item(), x.ndim),
+                           exclusive=bool(ctx.attr("exclusive", 0)), reverse=bool(ctx.attr("reverse", 0))))]
+
+
+@onnx_op("TopK")
+def topk(ctx):
+    x = ctx.input(0)
+    if ctx.opset >= 10:
+        k = np.asarray(ctx.const(1))
+        if k.size != 1 or k.dtype.kind not in "iu":
+            raise ctx.invalid(f"K must be one integer, got {k.tolist()!r}")
+        k = int(k.item())
+    else:
+        k = int(ctx.attr("k"))
+    axis = _axis(ctx, ctx.attr("axis", -1), x.ndim)
+    if k < 0:
+        raise ctx.invalid(f"K must be non-negative, got {k}")
+    if k > x.shape[axis]:
+        raise ctx.shape_error(f"K={k} exceeds the extent {x.shape[axis]} of axis {axis}")
+    largest = bool(ctx.attr("largest", 1)) if ctx.opset >= 11 else True
+    op = TopK([x], name=ctx.name, k=k, axis=axis, largest=largest)
+    ctx.add(op)
+    return op.outputs
+
+
+# Normalizations ---------------------------------------------------------------------------------
+
+@onnx_op("LayerNormalization", since=17)
+def layer_normalization(ctx):
+    x, scale = ctx.input(0), ctx.input(1)
+    _require_float(ctx, x)
+    if x.ndim == 0:
+        raise ctx.invalid("input is a scalar")
+    axis = _axis(ctx, ctx.attr("axis", -1), x.ndim)
+    stats = _wants_output(ctx, 1) or _wants_output(ctx, 2)
+    ins = [x, scale] + ([ctx.input(2)] if ctx.has_input(2) else [])
+    op = LayerNorm(ins, name=ctx.name, axis=axis, epsilon=float(ctx.attr("epsilon", 1e-5)), stash=_stash(ctx),
+                   stats=stats)
+    ctx.add(op)
+    return op.outputs
+
+
+@onnx_op("RMSNormalization", since=23)
+def rms_normalization(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    if x.ndim == 0:
+        raise ctx.invalid("input is a scalar")
+    axis = _axis(ctx, ctx.attr("axis", -1), x.ndim)
+    return [ctx.add(RMSNorm([x, ctx.input(1)], name=ctx.name, axis=axis, epsilon=float(ctx.attr("epsilon", 1e-5)),
+                            stash=_stash(ctx)))]
+
+
+@onnx_op("BatchNormalization")
+def batch_normalization(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    if ctx.opset >= 14:
+        training = bool(ctx.attr("training_mode", 0))
+    elif ctx.opset >= 7:
+        training = any(_wants_output(ctx, k) for k in range(1, 5))
+    else:
+        training = not ctx.attr("is_test", 0) or any(_wants_output(ctx, k) for k in range(1, 5))
+    if training:
+        raise ctx.unsupported("training mode (batch statistics and running-statistic updates)")
+    if x.ndim < 2:
+        raise ctx.shape_error(f"input of shape {x.shape} has no channel dim")
+    params = [ctx.input(k) for k in range(1, 5)]
+    if ctx.opset < 9 and ctx.attr("spatial", 1) == 0:
+        want = x.shape[1:]
+    else:
+        want = (x.shape[1],)
+    for name, t in zip(("scale", "B", "input_mean", "input_var"), params):
+        if t.shape != want:
+            raise ctx.shape_error(f"{name} has shape {t.shape}; expected {want} for an input of shape {x.shape}")
+    return [ctx.add(BatchNorm([x] + params, name=ctx.name, epsilon=float(ctx.attr("epsilon", 1e-5))))]
+
+
+@onnx_op("InstanceNormalization")
+def instance_normalization(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    return [ctx.add(InstanceNorm([x, ctx.input(1), ctx.input(2)], name=ctx.name,
+                                 epsilon=float(ctx.attr("epsilon", 1e-5))))]
+
+
+@onnx_op("GroupNormalization", since=18)
+def group_normalization(ctx):
+    """Opset 18: scale and bias per group, computed in the input dtype; opset 21: per channel,
+    computed in ``stash_type``."""
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    groups = int(ctx.attr("num_groups"))
+    if groups < 1:
+        raise ctx.invalid(f"num_groups must be positive, got {groups}")
+    per_channel = ctx.opset >= 21
+    stash = _stash(ctx) if per_channel else x.dtype
+    return [ctx.add(GroupNorm([x, ctx.input(1), ctx.input(2)], name=ctx.name, groups=groups,
+                              epsilon=float(ctx.attr("epsilon", 1e-5)), stash=stash, per_channel=per_channel))]
+
+
+@onnx_op("LpNormalization")
+def lp_normalization(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    p = int(ctx.attr("p", 2))
+    if p not in (1, 2):
+        raise ctx.invalid(f"p must be 1 or 2, got {p}")
+    return [ctx.add(LpNorm([x], name=ctx.name, axis=_axis(ctx, ctx.attr("axis", -1), x.ndim), p=p))]
+
+
+@onnx_op("MeanVarianceNormalization", since=9)
+def mean_variance_normalization(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    axes = _axes(ctx, ctx.attr("axes", [0, 2, 3]), x.ndim)
+    return [ctx.add(MeanVarianceNorm([x], name=ctx.name, axes=axes))]
+
+
+@onnx_op("LRN")
+def lrn(ctx):
+    x = ctx.input(0)
+    _require_float(ctx, x)
+    size = int(ctx.attr("size"))
+    if size < 1:
+        raise ctx.invalid(f"size must be positive, got {size}")
+    if x.ndim < 2:
+        raise ctx.shape_error(f"input of shape {x.shape} has no channel dim")
+    return [ctx.add(LRN([x], name=ctx.name, size=size, alpha=float(ctx.attr("alpha", 1e-4)),
+                        beta=float(ctx.attr("beta", 0.75)), bias=float(ctx.attr("bias", 1.0))))]

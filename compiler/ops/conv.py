@@ -1,0 +1,657 @@
+"""Convolution, transposed convolution, pooling and resize (N-D over the dims after ``[N, C]``).
+
+Windows read the input at ``o * stride + k * dilation - pad_begin``; reads that fall in the
+padding sit in the untaken branch of a select. The numpy implementations use sliding-window
+views (im2col + matmul for convolutions).
+
+Attributes use full per-spatial-dim tuples: ``strides``, ``dilations``, ``kernel`` (pools) and
+``pads = (begin_0, ..., begin_n, end_0, ..., end_n)`` as in ONNX.
+"""
+from __future__ import annotations
+
+import math
+from itertools import product
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..errors import ShapeError
+from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, as_expr, eq, if_then_else, logical_and, maximum, minimum
+from ..ir.graph import Operator
+from ..ir.task import compute, reduce
+
+__all__ = ["Conv", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size", "pool_output_size"]
+
+
+def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int) -> int:
+    """Output extent of a convolution window sweep (floor rounding)."""
+    return (size + pad_begin + pad_end - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def pool_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int,
+                     ceil_mode: bool) -> int:
+    """Output extent of a pooling window sweep; with ``ceil_mode`` the last window must start
+    inside the input or the begin padding (ONNX / PyTorch rule)."""
+    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    if (out - 1) * stride >= size + pad_begin:
+        out -= 1
+    return out
+
+
+def _spatial(op: Operator, x, n_sp: int):
+    """The op's strides, dilations and (begin, end) pads, checked against ``n_sp`` spatial dims."""
+    strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
+    dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
+    pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
+    if len(strides) != n_sp or len(dil) != n_sp or len(pads) != 2 * n_sp:
+        raise ShapeError(f"{op.name}: input of shape {x.shape} has {n_sp} spatial dims, but strides={strides}, "
+                         f"dilations={dil}, pads={pads}")
+    if min(strides + dil, default=1) < 1:
+        raise ShapeError(f"{op.name}: strides {strides} and dilations {dil} must be positive")
+    return strides, dil, pads[:n_sp], pads[n_sp:]
+
+
+def _window_guard(pos: list[Expr], lo: list[int], hi: list[int], may_low: list[bool], may_high: list[bool]):
+    """``lo[d] <= pos[d] < hi[d]`` for the dims where the bound can be crossed, or ``None``."""
+    cond = None
+    for d, p in enumerate(pos):
+        for need, c in ((may_low[d], p >= lo[d]), (may_high[d], p < hi[d])):
+            if need:
+                cond = c if cond is None else logical_and(cond, c)
+    return cond
+
+
+def _lowest(dtype: str) -> Const:
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return Const(-np.inf, dtype)
+    if dt.kind == "b":
+        return Const(False, dtype)
+    return Const(int(np.iinfo(dt).min), dtype)
+
+
+def _windows(xp: np.ndarray, kernel, strides, dil, out) -> np.ndarray:
+    """View of shape ``(N, C, *out, *kernel)`` of the (already padded) ``xp``."""
+    n_sp = len(kernel)
+    span = tuple((k - 1) * d + 1 for k, d in zip(kernel, dil))
+    v = sliding_window_view(xp, span, axis=tuple(range(2, 2 + n_sp)))
+    sl = (slice(None),) * 2 + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides)) \
+        + tuple(slice(None, None, d) for d in dil)
+    return v[sl]
+
+
+def _pad_for(x: np.ndarray, kernel, strides, dil, pb, pe, out, value) -> np.ndarray:
+    """Pad (or crop) the spatial dims so that ``out`` windows fit exactly."""
+    pads = [(0, 0), (0, 0)]
+    crop = [slice(None), slice(None)]
+    for d in range(len(kernel)):
+        need = (out[d] - 1) * strides[d] + (kernel[d] - 1) * dil[d] + 1
+        end = need - pb[d] - x.shape[2 + d]
+        pads.append((pb[d], max(end, 0)))
+        crop.append(slice(0, need))
+    return np.pad(x, pads, constant_values=value)[tuple(crop)]
+
+
+class Conv(Operator):
+    """N-D convolution ``y[n, oc, o] = bias[oc] + sum_{ic, k} x[n, g*ICG + ic, o*s + k*d - pb] * w[oc, ic, k]``.
+
+    Inputs ``x [N, C, *in]``, ``w [OC, C/group, *k]``, optional ``bias [OC]``; attributes ``group``,
+    ``strides``, ``dilations``, ``pads``.
+    """
+
+    def compute(self, x, w, *bias):
+        n_sp = x.ndim - 2
+        if n_sp < 1 or w.ndim != x.ndim:
+            raise ShapeError(f"{self.name}: Conv takes x [N, C, spatial...] and w of the same rank, got {x.shape} "
+                             f"and {w.shape}")
+        g = self.attrs.get("group", 1)
+        s, dil, pb, pe = _spatial(self, x, n_sp)
+        n, c = x.shape[:2]
+        oc, icg = w.shape[:2]
+        kern = w.shape[2:]
+        if g < 1 or c != icg * g or oc % g:
+            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {w.shape}; with group={g} w must be "
+                             f"[M, C/group, ...] with M divisible by group")
+        if bias and bias[0].shape != (oc,):
+            raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
+        ins = x.shape[2:]
+        out = tuple(conv_output_size(ins[d], kern[d], s[d], dil[d], pb[d], pe[d]) for d in range(n_sp))
+        if min(out, default=1) < 1:
+            raise ShapeError(f"{self.name}: the kernel {kern} (dilations {dil}) does not fit the padded input {ins}")
+        ocg = oc // g
+        may_low = [pb[d] > 0 for d in range(n_sp)]
+        may_high = [(out[d] - 1) * s[d] + (kern[d] - 1) * dil[d] - pb[d] > ins[d] - 1 for d in range(n_sp)]
+        dt = x.dtype
+
+        def f(ni, oci, *o):
+            def body(ic, *k):
+                if g == 1:
+                    ch = ic
+                elif icg == 1:
+                    ch = oci if ocg == 1 else oci // ocg
+                else:
+                    ch = (oci // ocg) * icg + ic
+                pos = [o[d] * s[d] + k[d] * dil[d] - pb[d] for d in range(n_sp)]
+                v = x[(ni, ch, *pos)]
+                cond = _window_guard(pos, [0] * n_sp, list(ins), may_low, may_high)
+                if cond is not None:
+                    v = if_then_else(cond, v, Const(0, dt))
+                return v * w[(oci, ic, *k)]
+            acc = reduce((icg, *kern), body, "sum")
+            return acc + bias[0][oci] if bias else acc
+        return compute("y", (n, oc) + out, f, dtype=dt)
+
+    def numpy(self, x, w, *bias):
+        n_sp = x.ndim - 2
+        g = self.attrs.get("group", 1)
+        s, dil, pb, pe = _spatial(self, x, n_sp)
+        kern = w.shape[2:]
+        out = self.outputs[0].shape[2:]
+        cols = _windows(_pad_for(x, kern, s, dil, pb, pe, out, 0), kern, s, dil, out)
+        n, c = x.shape[:2]
+        oc, icg = w.shape[:2]
+        p, kp = math.prod(out), math.prod(kern)
+        # (N, G, ICG, *out, *k) -> (N, G, P, ICG * K)
+        cols = cols.reshape((n, g, icg) + out + kern)
+        cols = cols.transpose((0, 1) + tuple(range(3, 3 + n_sp)) + (2,) + tuple(range(3 + n_sp, 3 + 2 * n_sp)))
+        cols = cols.reshape(n, g, p, icg * kp)
+        wm = w.reshape(g, oc // g, icg * kp).transpose(0, 2, 1)
+        y = np.matmul(cols, wm)  # (N, G, P, OCG)
+        y = y.transpose(0, 1, 3, 2).reshape((n, oc) + out)
+        if bias:
+            y = y + bias[0].reshape((oc,) + (1,) * n_sp)
+        return [np.ascontiguousarray(y, dtype=x.dtype)]
+
+
+class ConvTranspose(Operator):
+    """N-D transposed convolution (the gradient of :class:`Conv` with respect to its input).
+
+    ``y[n, oc, o] = bias[oc] + sum_{ic, k} x[n, g*ICG + ic, i] * w[g*ICG + ic, oc % OCG, k]`` over the
+    ``(ic, k)`` with ``i * s + k * d - pb = o``. Inputs ``x [N, C, *in]``, ``w [C, OC/group, *k]``,
+    optional ``bias``; attributes ``group``, ``strides``, ``dilations``, ``pads`` and
+    ``output_shape`` (the spatial output extents, already resolved from ``output_padding``).
+    """
+
+    def compute(self, x, w, *bias):
+        n_sp = x.ndim - 2
+        if n_sp < 1 or w.ndim != x.ndim:
+            raise ShapeError(f"{self.name}: ConvTranspose takes x [N, C, spatial...] and w of the same rank, got "
+                             f"{x.shape} and {w.shape}")
+        g = self.attrs.get("group", 1)
+        s, dil, pb, _ = _spatial(self, x, n_sp)
+        n, c = x.shape[:2]
+        if g < 1 or w.shape[0] != c or c % g:
+            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {w.shape}; with group={g} w must be "
+                             f"[C, M/group, ...] with C divisible by group")
+        icg, ocg = c // g, w.shape[1]
+        oc = ocg * g
+        kern, ins = w.shape[2:], x.shape[2:]
+        out = tuple(self.attrs["output_shape"])
+        if len(out) != n_sp or min(out, default=1) < 1:
+            raise ShapeError(f"{self.name}: output_shape {out} does not match {n_sp} spatial dims")
+        if bias and bias[0].shape != (oc,):
+            raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
+        dt = x.dtype
+
+        def f(ni, oci, *o):
+            def body(ic, *k):
+                ch = ic if g == 1 else (oci // ocg) * icg + ic
+                conds, idx = [], []
+                for d in range(n_sp):
+                    num = o[d] + pb[d] - k[d] * dil[d]
+                    lo, hi = pb[d] - (kern[d] - 1) * dil[d], out[d] - 1 + pb[d]  # range of num
+                    if s[d] == 1:
+                        i = num
+                    else:
+                        i = num // s[d]
+                        conds.append(eq(num % s[d], 0))
+                    if lo < 0:
+                        conds.append(num >= 0)
+                    if hi > (ins[d] - 1) * s[d]:
+                        conds.append(i < ins[d])
+                    idx.append(i)
+                v = x[(ni, ch, *idx)] * w[(ch, oci if g == 1 else oci % ocg, *k)]
+                if conds:
+                    cond = conds[0]
+                    for cd in conds[1:]:
+                        cond = logical_and(cond, cd)
+                    v = if_then_else(cond, v, Const(0, dt))
+                return v
+            acc = reduce((icg, *kern), body, "sum")
+            return acc + bias[0][oci] if bias else acc
+        return compute("y", (n, oc) + out, f, dtype=dt)
+
+    def numpy(self, x, w, *bias):
+        n_sp = x.ndim - 2
+        g = self.attrs.get("group", 1)
+        s, dil, pb, _ = _spatial(self, x, n_sp)
+        n, c = x.shape[:2]
+        icg, ocg = c // g, w.shape[1]
+        oc = ocg * g
+        kern, ins = w.shape[2:], x.shape[2:]
+        out = tuple(self.attrs["output_shape"])
+        p, kp = math.prod(ins), math.prod(kern)
+        xm = x.reshape(n, g, icg, p).transpose(0, 1, 3, 2)  # (N, G, P, ICG)
+        wm = w.reshape(g, icg, ocg * kp)
+        cols = np.matmul(xm, wm).reshape((n, g) + ins + (ocg,) + kern)  # (N, G, *in, OCG, *k)
+        cols = np.moveaxis(cols, 2 + n_sp, 2)  # (N, G, OCG, *in, *k)
+        full = tuple((ins[d] - 1) * s[d] + (kern[d] - 1) * dil[d] + 1 for d in range(n_sp))
+        lo = [min(0, pb[d]) for d in range(n_sp)]
+        hi = [max(full[d], pb[d] + out[d]) for d in range(n_sp)]
+        buf = np.zeros((n, g, ocg) + tuple(h - l for l, h in zip(lo, hi)), dtype=np.result_type(x, w))
+        for kk in product(*(range(k) for k in kern)):
+            dst = tuple(slice(kk[d] * dil[d] - lo[d], kk[d] * dil[d] - lo[d] + (ins[d] - 1) * s[d] + 1, s[d])
+                        for d in range(n_sp))
+            buf[(slice(None),) * 3 + dst] += cols[(Ellipsis,) + kk]
+        y = buf[(slice(None),) * 3 + tuple(slice(pb[d] - lo[d], pb[d] - lo[d] + out[d]) for d in range(n_sp))]
+        y = y.reshape((n, oc) + out)
+        if bias:
+            y = y + bias[0].reshape((oc,) + (1,) * n_sp)
+        return [np.ascontiguousarray(y, dtype=x.dtype)]
+
+
+class Pool(Operator):
+    """Windowed pooling over the spatial dims: ``kind`` is ``max``, ``avg`` or ``lp``.
+
+    Attributes: ``kernel``, ``strides``, ``dilations``, ``pads``, ``ceil_mode``;
+    ``count_include_pad`` (avg: divide by the taps inside the padded input instead of the real
+    one); ``p`` (lp: ``(sum |x|^p)^(1/p)``, padding counts as 0); ``with_indices`` (max: a second
+    int64 output with the flat input index of each maximum, row-major or, with
+    ``storage_order=1``, column-major over the spatial dims).
+    """
+
+    def compute(self, x):
+        kind = self.attrs["kind"]
+        kern = tuple(self.attrs["kernel"])
+        n_sp = len(kern)
+        if x.ndim != n_sp + 2:
+            raise ShapeError(f"{self.name}: a {n_sp}-D kernel needs an input of rank {n_sp + 2}, got {x.shape}")
+        s, dil, pb, pe = _spatial(self, x, n_sp)
+        ins = x.shape[2:]
+        out = self._out_shape(ins)
+        if min(out, default=1) < 1 or min(kern) < 1:
+            raise ShapeError(f"{self.name}: the kernel {kern} (dilations {dil}) does not fit the padded input {ins}")
+        may_low = [pb[d] > 0 for d in range(n_sp)]
+        last = [(out[d] - 1) * s[d] + (kern[d] - 1) * dil[d] - pb[d] for d in range(n_sp)]
+        dt = x.dtype
+
+        def taps(o, k):
+            pos = [o[d] * s[d] + k[d] * dil[d] - pb[d] for d in range(n_sp)]
+            inside = _window_guard(pos, [0] * n_sp, list(ins), may_low, [last[d] > ins[d] - 1 for d in range(n_sp)])
+            return pos, inside
+
+        def guarded(ni, ci, o, k, fill):
+            pos, inside = taps(o, k)
+            v = x[(ni, ci, *pos)]
+            return v if inside is None else if_then_else(inside, v, fill)
+
+        def f(ni, ci, *o):
+            if kind == "max":
+                return reduce(kern, lambda *k: guarded(ni, ci, o, k, _lowest(dt)), "max")
+            if kind == "lp":
+                p = Const(self.attrs["p"], dt)
+                total = reduce(kern, lambda *k: BinOp("pow", UnaryOp("abs", guarded(ni, ci, o, k, Const(0, dt))), p),
+                               "sum")
+                return BinOp("pow", total, Const(1.0 / self.attrs["p"], dt))
+            total = reduce(kern, lambda *k: guarded(ni, ci, o, k, Const(0, dt)), "sum")
+            if self.attrs.get("count_include_pad", False):
+                lo = [-pb[d] for d in range(n_sp)]
+                hi = [ins[d] + pe[d] for d in range(n_sp)]
+                cnt_guard = lambda k: _window_guard(  # noqa: E731
+                    [o[d] * s[d] + k[d] * dil[d] - pb[d] for d in range(n_sp)], lo, hi, [False] * n_sp,
+                    [last[d] > hi[d] - 1 for d in range(n_sp)])
+            else:
+                cnt_guard = lambda k: taps(o, k)[1]  # noqa: E731
+            if cnt_guard(tuple(as_expr(0) for _ in kern)) is None:
+                return total / Const(float(math.prod(kern)), dt)
+            return total / reduce(kern, lambda *k: Cast(cnt_guard(k), dt), "sum")
+        y = compute("y", x.shape[:2] + out, f, dtype=dt)
+        if not self.attrs.get("with_indices", False):
+            return y
+        if kind != "max":
+            raise ShapeError(f"{self.name}: only max pooling has an indices output")
+        return [y, compute("indices", x.shape[:2] + out, lambda ni, ci, *o: self._argmax(x, ni, ci, o, taps),
+                           dtype="int64")]
+
+    def _argmax(self, x, ni, ci, o, taps) -> Expr:
+        kern = tuple(self.attrs["kernel"])
+        n_sp, ins = len(kern), x.shape[2:]
+        inner = [math.prod(kern[d + 1:]) for d in range(n_sp)]
+
+        def split(kk):
+            return [kk if n_sp == 1 else (kk // inner[d]) % kern[d] if d else kk // inner[0] for d in range(n_sp)]
+
+        def body(kk):
+            pos, inside = taps(o, split(kk))
+            v = x[(ni, ci, *pos)]
+            return v if inside is None else if_then_else(inside, v, _lowest(x.dtype))
+        best = reduce((math.prod(kern),), body, "argmax")
+        pos = taps(o, split(best))[0]
+        col_major = self.attrs.get("storage_order", 0) == 1
+        flat = (ni * x.shape[1] + ci) * math.prod(ins)
+        for d in range(n_sp):
+            stride = math.prod(ins[:d]) if col_major else math.prod(ins[d + 1:])
+            flat = flat + pos[d] * stride
+        return flat
+
+    def _out_shape(self, ins) -> tuple[int, ...]:
+        kern = tuple(self.attrs["kernel"])
+        n_sp = len(kern)
+        s, dil, pb, pe = _spatial(self, np.empty((1, 1) + tuple(ins)), n_sp)
+        return tuple(pool_output_size(ins[d], kern[d], s[d], dil[d], pb[d], pe[d], self.attrs.get("ceil_mode", False))
+                     for d in range(n_sp))
+
+    def numpy(self, x):
+        kind = self.attrs["kind"]
+        kern = tuple(self.attrs["kernel"])
+        n_sp = len(kern)
+        s, dil, pb, pe = _spatial(self, x, n_sp)
+        ins = x.shape[2:]
+        out = self.outputs[0].shape[2:]
+        axes = tuple(range(2 + n_sp, 2 + 2 * n_sp))
+        if kind == "max":
+            lowest = -np.inf if x.dtype.kind == "f" else (False if x.dtype.kind == "b" else np.iinfo(x.dtype).min)
+            win = _windows(_pad_for(x, kern, s, dil, pb, pe, out, lowest), kern, s, dil, out)
+            y = win.max(axis=axes)
+            if not self.attrs.get("with_indices", False):
+                return [y]
+            return [y, self._indices_np(win, x.shape, s, dil, pb)]
+        xs = np.abs(x) ** x.dtype.type(self.attrs["p"]) if kind == "lp" else x
+        total = _windows(_pad_for(xs, kern, s, dil, pb, pe, out, 0), kern, s, dil, out).sum(axis=axes)
+        if kind == "lp":
+            return [np.asarray(total ** x.dtype.type(1.0 / self.attrs["p"]), x.dtype)]
+        if self.attrs.get("count_include_pad", False):
+            ones = np.ones((1, 1) + tuple(ins[d] + pb[d] + pe[d] for d in range(n_sp)), x.dtype)
+            cnt = _windows(_pad_for(ones, kern, s, dil, [0] * n_sp, pe, out, 0), kern, s, dil, out)
+        else:
+            ones = np.ones((1, 1) + ins, x.dtype)
+            cnt = _windows(_pad_for(ones, kern, s, dil, pb, pe, out, 0), kern, s, dil, out)
+        return [np.asarray(total / cnt.sum(axis=axes), x.dtype)]
+
+    def _indices_np(self, win, xshape, s, dil, pb) -> np.ndarray:
+        n_sp = len(s)
+        ins, out, kern = xshape[2:], win.shape[2:2 + n_sp], win.shape[2 + n_sp:]
+        best = win.reshape(win.shape[:2 + n_sp] + (-1,)).argmax(axis=-1)
+        ks = np.unravel_index(best, kern)
+        col_major = self.attrs.get("storage_order", 0) == 1
+        flat = (np.arange(xshape[0]).reshape((-1,) + (1,) * (n_sp + 1)) * xshape[1]
+                + np.arange(xshape[1]).reshape((1, -1) + (1,) * n_sp)) * math.prod(ins)
+        for d in range(n_sp):
+            o = np.arange(out[d]).reshape((1, 1) + tuple(-1 if e == d else 1 for e in range(n_sp)))
+            pos = o * s[d] + ks[d] * dil[d] - pb[d]
+            flat = flat + pos * (math.prod(ins[:d]) if col_major else math.prod(ins[d + 1:]))
+        return flat.astype(np.int64)
+
+
+class GlobalPool(Operator):
+    """Pooling over all spatial dims, which are kept with extent 1: ``kind`` is ``avg``, ``max`` or
+    ``lp`` (with ``p``)."""
+
+    def compute(self, x):
+        if x.ndim < 3:
+            raise ShapeError(f"{self.name}: global pooling needs an input [N, C, spatial...], got {x.shape}")
+        kind, sp, dt = self.attrs["kind"], x.shape[2:], x.dtype
+
+        def f(ni, ci, *_):
+            if kind == "lp":
+                p = Const(self.attrs["p"], dt)
+                total = reduce(sp, lambda *k: BinOp("pow", UnaryOp("abs", x[(ni, ci, *k)]), p), "sum")
+                return BinOp("pow", total, Const(1.0 / self.attrs["p"], dt))
+            return reduce(sp, lambda *k: x[(ni, ci, *k)], "mean" if kind == "avg" else "max")
+        return compute("y", x.shape[:2] + (1,) * len(sp), f, dtype=dt)
+
+    def numpy(self, x):
+        kind, axes = self.attrs["kind"], tuple(range(2, x.ndim))
+        if kind == "avg":
+            return [np.asarray(x.mean(axis=axes, keepdims=True), x.dtype)]
+        if kind == "max":
+            return [x.max(axis=axes, keepdims=True)]
+        p = x.dtype.type(self.attrs["p"])
+        return [np.asarray((np.abs(x) ** p).sum(axis=axes, keepdims=True) ** x.dtype.type(1.0 / self.attrs["p"]),
+                           x.dtype)]
+
+
+# Resize ----------------------------------------------------------------------------------------
+
+_F64 = "float64"
+
+
+def _f(v: float) -> Const:
+    return Const(float(v), _F64)
+
+
+def _source_coord(mode: str, i: Expr, scale: float, size_in: int, size_out: int, roi: tuple[float, float]):
+    """The input coordinate (float64) that output index ``i`` maps to, as in the ONNX reference."""
+    y = Cast(i, _F64)
+    width = scale * size_in  # the (fractional) output width the scale implies
+    if mode == "align_corners":
+        return _f(0.0) if width == 1 else y * _f(size_in - 1) / _f(width - 1)
+    if mode == "asymmetric":
+        return y / _f(scale)
+    if mode == "pytorch_half_pixel":
+        return _f(-0.5) if width == 1 else (y + _f(0.5)) / _f(scale) - _f(0.5)
+    if mode == "half_pixel":
+        return (y + _f(0.5)) / _f(scale) - _f(0.5)
+    if mode == "half_pixel_symmetric":
+        offset = size_in / 2 * (1 - size_out / width)
+        return _f(offset) + (y + _f(0.5)) / _f(scale) - _f(0.5)
+    if mode == "tf_crop_and_resize":
+        r0, r1 = roi
+        if width == 1:
+            return _f((r1 - r0) * (size_in - 1) / 2 + r0 * (size_in - 1))
+        return y * _f(r1 - r0) * _f(size_in - 1) / _f(width - 1) + _f(r0 * (size_in - 1))
+    raise ValueError(f"unknown coordinate_transformation_mode {mode!r}")
+
+
+def _source_coord_np(mode: str, scale: float, size_in: int, size_out: int, roi) -> np.ndarray:
+    y = np.arange(size_out, dtype=np.float64)
+    width = scale * size_in
+    if mode == "align_corners":
+        return np.zeros(size_out) if width == 1 else y * float(size_in - 1) / float(width - 1)
+    if mode == "asymmetric":
+        return y / scale
+    if mode == "pytorch_half_pixel":
+        return np.full(size_out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
+    if mode == "half_pixel":
+        return (y + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        return size_in / 2 * (1 - size_out / width) + (y + 0.5) / scale - 0.5
+    r0, r1 = roi
+    if width == 1:
+        return np.full(size_out, (r1 - r0) * (size_in - 1) / 2 + r0 * (size_in - 1))
+    return y * float(r1 - r0) * float(size_in - 1) / float(width - 1) + r0 * (size_in - 1)
+
+
+def _cubic_weights(t, a: float, one, const):
+    """The 4 cubic-convolution weights of taps ``floor - 1 .. floor + 2`` at fraction ``t``."""
+    A = const(a)
+
+    def far(z):  # |z| in [1, 2]
+        return ((A * z - const(5 * a)) * z + const(8 * a)) * z - const(4 * a)
+
+    def near(z):  # |z| in [0, 1]
+        return ((const(a + 2)) * z - const(a + 3)) * z * z + one
+    return [far(t + one), near(t), near(one - t), far(one - t + one)]
+
+
+class Resize(Operator):
+    """Resize by interpolation (``mode`` nearest / linear / cubic) to ``sizes`` (every dim).
+
+    ``scales`` (every dim) and ``coordinate_transformation_mode`` map each output index to an input
+    coordinate as in the ONNX reference; ``nearest_mode`` rounds it for ``nearest``;
+    ``cubic_coeff_a`` and ``exclude_outside`` shape the cubic kernel; ``roi`` and
+    ``extrapolation_value`` serve ``tf_crop_and_resize``. Dims whose size and scale are unchanged
+    (and whose roi is the full range) are copied. Interpolation is computed in float64.
+    """
+
+    def _axes(self, in_shape):
+        sizes, scales = tuple(self.attrs["sizes"]), tuple(self.attrs["scales"])
+        roi = self.attrs.get("roi")
+        if len(sizes) != len(in_shape) or len(scales) != len(in_shape) or (roi is not None and len(roi) != 2 * len(in_shape)):
+            raise ShapeError(f"{self.name}: sizes {sizes}, scales {scales} and roi {roi} must give every dim of "
+                             f"the input {in_shape}")
+        if min(sizes, default=1) < 1 or min(scales, default=1) <= 0:
+            raise ShapeError(f"{self.name}: sizes {sizes} and scales {scales} must be positive")
+        r = len(in_shape)
+        res = []
+        for d in range(r):
+            rd = (0.0, 1.0) if roi is None else (float(roi[d]), float(roi[d + r]))
+            copy = sizes[d] == in_shape[d] and math.isclose(scales[d], 1.0) and (
+                self.attrs["coordinate_transformation_mode"] != "tf_crop_and_resize"
+                or (math.isclose(rd[0], 0.0) and math.isclose(rd[1], 1.0)))
+            res.append((copy, float(scales[d]), rd))
+        return res
+
+    def compute(self, x):
+        mode, ctm = self.attrs["mode"], self.attrs["coordinate_transformation_mode"]
+        dt, sizes = x.dtype, tuple(self.attrs["sizes"])
+        axes = self._axes(x.shape)
+        if mode != "nearest" and np.dtype(dt).kind != "f":
+            raise ShapeError(f"{self.name}: {mode} interpolation needs a floating-point input, got {dt}")
+
+        def f(*i):
+            taps, outside = [], None
+            for d, (copy, scale, rd) in enumerate(axes):
+                if copy:
+                    taps.append([(i[d], None)])
+                    continue
+                n = x.shape[d]
+                xo = _source_coord(ctm, i[d], scale, n, sizes[d], rd)
+                if ctm == "tf_crop_and_resize":
+                    out_d = (xo < _f(0)) | (xo > _f(n - 1))
+                    outside = out_d if outside is None else outside | out_d
+                fl = UnaryOp("floor", xo)
+                t = xo - fl
+                base = Cast(fl, "int64")
+                clamp = lambda e: minimum(maximum(e, 0), n - 1)  # noqa: E731
+                if mode == "nearest":
+                    up = {"round_prefer_floor": t > _f(0.5), "round_prefer_ceil": t >= _f(0.5),
+                          "floor": None, "ceil": t > _f(0.0)}[self.attrs.get("nearest_mode", "round_prefer_floor")]
+                    taps.append([(clamp(base if up is None else if_then_else(up, base + 1, base)), None)])
+                elif mode == "linear":
+                    taps.append([(clamp(base), _f(1.0) - t), (clamp(base + 1), t)])
+                else:
+                    ws = _cubic_weights(t, self.attrs.get("cubic_coeff_a", -0.75), _f(1.0), _f)
+                    idx = [base + (j - 1) for j in range(4)]
+                    if self.attrs.get("exclude_outside", False):
+                        ws = [if_then_else(logical_and(e >= 0, e < n), w_, _f(0.0)) for e, w_ in zip(idx, ws)]
+                        tot = ws[0] + ws[1] + ws[2] + ws[3]
+                        ws = [w_ / tot for w_ in ws]
+                    taps.append([(clamp(e), w_) for e, w_ in zip(idx, ws)])
+            if mode == "nearest":
+                val = x[tuple(t[0][0] for t in taps)]
+            else:
+                val = None
+                for combo in product(*taps):
+                    term = Cast(x[tuple(c[0] for c in combo)], _F64)
+                    for _, w_ in combo:
+                        if w_ is not None:
+                            term = term * w_
+                    val = term if val is None else val + term
+                val = Cast(val, dt)
+            if outside is not None:
+                val = if_then_else(outside, Const(self.attrs.get("extrapolation_value", 0.0), dt), val)
+            return val
+        return compute("y", sizes, f, dtype=dt)
+
+    def numpy(self, x):
+        mode, ctm = self.attrs["mode"], self.attrs["coordinate_transformation_mode"]
+        sizes = tuple(self.attrs["sizes"])
+        res = x if mode == "nearest" else x.astype(np.float64)
+        outside = np.zeros(sizes, bool) if ctm == "tf_crop_and_resize" else None
+        for d, (copy, scale, rd) in enumerate(self._axes(x.shape)):
+            if copy:
+                continue
+            n = x.shape[d]
+            xo = _source_coord_np(ctm, scale, n, sizes[d], rd)
+            if outside is not None:
+                shape = [1] * x.ndim
+                shape[d] = -1
+                outside = outside | ((xo < 0) | (xo > n - 1)).reshape(shape)
+            fl = np.floor(xo)
+            t = xo - fl
+            base = fl.astype(np.int64)
+            if mode == "nearest":
+                nm = self.attrs.get("nearest_mode", "round_prefer_floor")
+                up = {"round_prefer_floor": t > 0.5, "round_prefer_ceil": t >= 0.5, "floor": np.zeros_like(t, bool),
+                      "ceil": t > 0}[nm]
+                res = np.take(res, np.clip(base + up, 0, n - 1), axis=d)
+                continue
+            if mode == "linear":
+                idx = np.stack([base, base + 1], axis=1)
+                ws = np.stack([1.0 - t, t], axis=1)
+            else:
+                ws = np.stack(_cubic_weights(t, self.attrs.get("cubic_coeff_a", -0.75), 1.0, float), axis=1)
+                idx = base[:, None] + np.arange(-1, 3)[None, :]
+                if self.attrs.get("exclude_outside", False):
+                    ws = np.where((idx >= 0) & (idx < n), ws, 0.0)
+                    ws = ws / ws.sum(axis=1, keepdims=True)
+            g = np.take(res, np.clip(idx, 0, n - 1), axis=d)  # (..., out, taps, ...)
+            wshape = [1] * g.ndim
+            wshape[d], wshape[d + 1] = ws.shape
+            res = (g * ws.reshape(wshape)).sum(axis=d + 1)
+        res = res.astype(x.dtype)
+        if outside is not None:
+            res = np.where(outside, np.asarray(self.attrs.get("extrapolation_value", 0.0), x.dtype), res)
+        return [np.ascontiguousarray(res)]
+
+
+def examples(rng: np.random.Generator):
+    """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    res = [
+        (Conv, [f(1, 2, 5, 5), f(3, 2, 3, 3)], {}),
+        (Conv, [f(2, 4, 6, 5), f(4, 2, 3, 2), f(4)], {"group": 2, "strides": (2, 1), "pads": (1, 0, 1, 1),
+                                                     "dilations": (1, 2)}),
+        (Conv, [f(1, 3, 5, 5), f(3, 1, 3, 3)], {"group": 3, "pads": (1, 1, 1, 1)}),
+        (Conv, [f(1, 2, 5, 5), f(4, 1, 2, 2)], {"group": 2, "strides": (2, 2), "pads": (0, 0, 1, 1)}),
+        (Conv, [f(1, 2, 7), f(3, 2, 3), f(3)], {"strides": (2,), "pads": (2, 1), "dilations": (2,)}),
+        (Conv, [f(1, 1, 3, 4, 3), f(2, 1, 2, 2, 2)], {"pads": (1, 0, 0, 0, 1, 1)}),
+        (ConvTranspose, [f(1, 2, 3, 3), f(2, 3, 3, 3)], {"output_shape": (5, 5)}),
+        (ConvTranspose, [f(1, 4, 3, 2), f(4, 1, 3, 2), f(2)], {"group": 2, "strides": (3, 2), "pads": (1, 0, 1, 1),
+                                                               "dilations": (1, 2), "output_shape": (8, 5)}),
+        (ConvTranspose, [f(2, 1, 4), f(1, 2, 3)], {"strides": (2,), "pads": (0, 0), "output_shape": (10,)}),
+        (Pool, [f(1, 2, 5, 5)], {"kind": "max", "kernel": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}),
+        (Pool, [f(1, 2, 5, 6)], {"kind": "max", "kernel": (2, 3), "strides": (2, 2), "dilations": (1, 2),
+                                 "ceil_mode": True, "with_indices": True}),
+        (Pool, [f(1, 2, 5, 6)], {"kind": "max", "kernel": (2, 2), "pads": (1, 0, 0, 1), "with_indices": True,
+                                 "storage_order": 1}),
+        (Pool, [f(1, 1, 7)], {"kind": "max", "kernel": (3,), "strides": (2,), "with_indices": True}),
+        (Pool, [rng.integers(0, 255, (1, 2, 4, 4)).astype(np.uint8)], {"kind": "max", "kernel": (2, 2),
+                                                                      "pads": (1, 1, 0, 0)}),
+        (Pool, [f(1, 2, 5, 5)], {"kind": "avg", "kernel": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}),
+        (Pool, [f(1, 2, 5, 5)], {"kind": "avg", "kernel": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1),
+                                 "count_include_pad": True, "ceil_mode": True}),
+        (Pool, [f(1, 2, 6, 5)], {"kind": "avg", "kernel": (2, 2), "strides": (2, 2), "ceil_mode": True}),
+        (Pool, [f(1, 1, 4, 4, 4)], {"kind": "avg", "kernel": (2, 2, 2)}),
+        (Pool, [f(1, 2, 5, 5)], {"kind": "lp", "kernel": (2, 2), "p": 3, "pads": (1, 1, 0, 0)}),
+        (Pool, [f(1, 2, 5)], {"kind": "lp", "kernel": (2,), "p": 2, "strides": (2,)}),
+        (GlobalPool, [f(2, 3, 4, 5)], {"kind": "avg"}),
+        (GlobalPool, [f(2, 3, 4)], {"kind": "max"}),
+        (GlobalPool, [f(1, 2, 3, 3)], {"kind": "lp", "p": 2}),
+    ]
+    base = {"coordinate_transformation_mode": "half_pixel", "nearest_mode": "round_prefer_floor"}
+    x = f(1, 2, 3, 4)
+    res += [
+        (Resize, [x], {**base, "mode": "nearest", "sizes": (1, 2, 6, 8), "scales": (1.0, 1.0, 2.0, 2.0)}),
+        (Resize, [x], {**base, "mode": "nearest", "sizes": (1, 2, 5, 3), "scales": (1.0, 1.0, 5 / 3, 0.75),
+                       "coordinate_transformation_mode": "asymmetric", "nearest_mode": "ceil"}),
+        (Resize, [x], {**base, "mode": "nearest", "sizes": (1, 2, 4, 7), "scales": (1.0, 1.0, 4 / 3, 7 / 4),
+                       "coordinate_transformation_mode": "align_corners", "nearest_mode": "floor"}),
+        (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 5, 7), "scales": (1.0, 1.0, 5 / 3, 7 / 4)}),
+        (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 2, 2), "scales": (1.0, 1.0, 0.6, 0.6),
+                       "coordinate_transformation_mode": "pytorch_half_pixel"}),
+        (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 3, 6), "scales": (1.0, 1.0, 1.0, 1.5),
+                       "coordinate_transformation_mode": "half_pixel_symmetric"}),
+        (Resize, [x], {**base, "mode": "cubic", "sizes": (1, 2, 6, 5), "scales": (1.0, 1.0, 2.0, 1.25),
+                       "cubic_coeff_a": -0.5, "exclude_outside": True}),
+        (Resize, [x], {**base, "mode": "cubic", "sizes": (1, 2, 2, 6), "scales": (1.0, 1.0, 0.8, 1.5),
+                       "coordinate_transformation_mode": "align_corners"}),
+        (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 3, 3), "scales": (1.0, 1.0, 1.0, 0.75),
+                       "coordinate_transformation_mode": "tf_crop_and_resize", "extrapolation_value": 5.0,
+                       "roi": (0.0, 0.0, 0.0, 0.2, 1.0, 1.0, 1.0, 1.3)}),
+    ]
+    return res

@@ -1,0 +1,159 @@
+"""``distributed_config``: the mesh, its links, the memory budget and the search settings.
+
+Every key is validated; unknown keys and wrong types raise :class:`ConfigError` naming the key
+and the fix.
+
+========================  ===========================================================  ============
+key                       meaning                                                      default
+========================  ===========================================================  ============
+``mesh_shape``            ranks per mesh axis, e.g. ``[2, 4]`` (required)              —
+``mesh_axis_names``       one name per axis                                            ``x, y, z...``
+``rank_map``              global rank of each mesh position (row-major), a permutation identity
+``axis_bandwidth_GBps``   link bandwidth per mesh axis, GB/s (number or list)          100
+``axis_latency_us``       link latency per mesh axis, µs (number or list)              5
+``memory_budget_bytes``   per-rank memory limit (parameters + peak activations)        none
+``algo``                  ``ilp``, ``megatron``, ``data`` or ``replicate``             ``ilp``
+``solver``                ``cbc`` or ``highs``                                         ``cbc``
+``time_limit_s``          ILP solver time limit                                        60
+``mip_rel_gap``           ILP relative optimality gap                                  0 (exact)
+``input_placements``      graph input name → spec string (``"S(0)R"``), default R      all R
+``output_placements``     graph output name → spec string, default R                   all R
+``preload_plan``          path to a saved ``plan.json`` (or its folder) to reuse       none
+``alias_layers``          share one decision among structurally identical layers      true
+========================  ===========================================================  ============
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+__all__ = ["DistributedConfig", "ALGOS", "SOLVERS"]
+
+ALGOS = ("ilp", "megatron", "data", "replicate")
+SOLVERS = ("cbc", "highs")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Validated ``distributed_config`` (see the module docstring for the keys)."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_axis_names: tuple[str, ...] | None = None
+    rank_map: tuple[int, ...] | None = None
+    axis_bandwidth_GBps: tuple[float, ...] | None = None
+    axis_latency_us: tuple[float, ...] | None = None
+    memory_budget_bytes: int | None = None
+    algo: str = "ilp"
+    solver: str = "cbc"
+    time_limit_s: float = 60.0
+    mip_rel_gap: float = 0.0
+    input_placements: dict = field(default_factory=dict)
+    output_placements: dict = field(default_factory=dict)
+    preload_plan: str | None = None
+    alias_layers: bool = True
+
+    @classmethod
+    def from_dict(cls, cfg: "Mapping[str, Any] | DistributedConfig") -> "DistributedConfig":
+        """Validate a user dictionary."""
+        if isinstance(cfg, DistributedConfig):
+            return cfg
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"distributed_config must be a dict, got {type(cfg).__name__}")
+        known = set(cls.__dataclass_fields__)
+        for key in cfg:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"distributed_config: unknown key {key!r}{hint} (known keys: {sorted(known)})")
+        if "mesh_shape" not in cfg:
+            raise ConfigError("distributed_config: 'mesh_shape' is required, e.g. {'mesh_shape': [2, 2]}")
+        shape = _int_tuple(cfg["mesh_shape"], "mesh_shape")
+        if not shape or any(d < 1 for d in shape):
+            raise ConfigError(f"distributed_config['mesh_shape'] = {cfg['mesh_shape']!r}: need one or more positive ints")
+        n = len(shape)
+        names = cfg.get("mesh_axis_names")
+        if names is not None:
+            if (not isinstance(names, (list, tuple)) or len(names) != n
+                    or not all(isinstance(x, str) and x for x in names) or len(set(names)) != n):
+                raise ConfigError(f"distributed_config['mesh_axis_names'] = {names!r}: need {n} distinct names")
+            names = tuple(names)
+        rank_map = cfg.get("rank_map")
+        if rank_map is not None:
+            rank_map = _int_tuple(rank_map, "rank_map")
+        algo = cfg.get("algo", "ilp")
+        if algo not in ALGOS:
+            raise ConfigError(f"distributed_config['algo'] = {algo!r}: choose one of {list(ALGOS)}")
+        solver = cfg.get("solver", "cbc")
+        if solver not in SOLVERS:
+            raise ConfigError(f"distributed_config['solver'] = {solver!r}: choose one of {list(SOLVERS)}")
+        budget = cfg.get("memory_budget_bytes")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+            raise ConfigError(f"distributed_config['memory_budget_bytes'] = {budget!r}: need a positive int")
+        return cls(
+            mesh_shape=shape, mesh_axis_names=names, rank_map=rank_map,
+            axis_bandwidth_GBps=_per_axis(cfg.get("axis_bandwidth_GBps"), n, "axis_bandwidth_GBps"),
+            axis_latency_us=_per_axis(cfg.get("axis_latency_us"), n, "axis_latency_us", allow_zero=True),
+            memory_budget_bytes=budget, algo=algo, solver=solver,
+            time_limit_s=_positive(cfg.get("time_limit_s", 60.0), "time_limit_s"),
+            mip_rel_gap=_nonneg(cfg.get("mip_rel_gap", 0.0), "mip_rel_gap"),
+            input_placements=_placements(cfg.get("input_placements", {}), "input_placements"),
+            output_placements=_placements(cfg.get("output_placements", {}), "output_placements"),
+            preload_plan=_opt_str(cfg.get("preload_plan"), "preload_plan"),
+            alias_layers=_bool(cfg.get("alias_layers", True), "alias_layers"),
+        )
+
+
+def _int_tuple(v, key) -> tuple[int, ...]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v,)
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a list of ints")
+    return tuple(int(x) for x in v)
+
+
+def _per_axis(v, n, key, allow_zero=False) -> tuple[float, ...] | None:
+    if v is None:
+        return None
+    vals = [v] * n if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    if not isinstance(vals, (list, tuple)) or len(vals) != n:
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a number or a list of {n} numbers "
+                          "(one per mesh axis)")
+    out = []
+    for x in vals:
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0 or (x == 0 and not allow_zero):
+            raise ConfigError(f"distributed_config[{key!r}] = {v!r}: values must be positive numbers")
+        out.append(float(x))
+    return tuple(out)
+
+
+def _positive(v, key) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a positive number")
+    return float(v)
+
+
+def _nonneg(v, key) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a number ≥ 0")
+    return float(v)
+
+
+def _bool(v, key) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need true or false")
+    return v
+
+
+def _opt_str(v, key) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a path string")
+    return v
+
+
+def _placements(v, key) -> dict:
+    if not isinstance(v, Mapping) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+        raise ConfigError(f"distributed_config[{key!r}] must map tensor names to spec strings like 'S(0)R'")
+    return dict(v)

@@ -1,0 +1,155 @@
+"""partition(graph, plan): one FlowGraph per rank with the communication injected.
+
+Every rank graph takes the *full* graph inputs (every rank receives them) and returns the graph
+outputs in their planned spec (replicated by default). For each op input the rank graph holds
+the tensor in the spec its producer made; when the op needs another spec, the steps of
+:func:`connect` become ops: collectives (``AllReduce``, ``AllGather``, ``ReduceScatter``,
+``AllToAll``: the same op on every rank of the group) or local ops with explicit, rank-specific
+offsets (``LocalSlice``, ``LocalPartial``). Constants are sliced at compile time so each rank
+graph holds only its shards of the weights. Ops whose attributes name their output shape
+(reshape targets) are rebuilt for the local shapes by :meth:`Operator.localize`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ShardflowError
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from . import comm_ops
+from .connect import connect
+from .mesh import DeviceMesh
+from .placement import Partial, Shard, TensorShardSpec, chunk_bounds
+from .plan import ShardingPlan
+
+__all__ = ["partition", "local_bounds"]
+
+
+def local_bounds(shape: tuple[int, ...], spec: TensorShardSpec, mesh: DeviceMesh,
+                 coord: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Per dim, the ``[start, stop)`` range rank ``coord`` holds under ``spec`` (a dim split by
+    several mesh axes is split by the lower-numbered axis first, then each piece by the next)."""
+    bounds = [(0, d) for d in shape]
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            lo, hi = bounds[p.dim]
+            a, b = chunk_bounds(hi - lo, mesh.shape[m], coord[m])
+            bounds[p.dim] = (lo + a, lo + b)
+    return bounds
+
+
+def local_shape(shape, spec, mesh, coord) -> tuple[int, ...]:
+    return tuple(b - a for a, b in local_bounds(shape, spec, mesh, coord))
+
+
+def _slice_constant(value: np.ndarray, spec: TensorShardSpec, mesh: DeviceMesh, coord) -> np.ndarray:
+    bounds = local_bounds(value.shape, spec, mesh, coord)
+    local = value[tuple(slice(a, b) for a, b in bounds)]
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Partial) and p.op == "sum" and coord[m] != 0:
+            local = np.zeros_like(local)  # the value lives on the group's first rank only
+    return np.ascontiguousarray(local)
+
+
+class _RankBuilder:
+    def __init__(self, graph: FlowGraph, plan: ShardingPlan, rank: int):
+        self.graph, self.plan, self.rank = graph, plan, rank
+        self.mesh = plan.mesh
+        self.coord = self.mesh.coord_of(rank)
+        self.nodes: list[Operator] = []
+        self.local: dict[tuple[int, TensorShardSpec], Tensor] = {}
+        self.specs: dict[int, TensorShardSpec] = {}
+        self.replicated = TensorShardSpec.replicated(self.mesh.ndim)
+        self.cost_model = None
+
+    def add(self, op: Operator) -> Tensor:
+        self.nodes.append(op)
+        return op.outputs[0]
+
+    def get(self, t: Tensor, dst: TensorShardSpec) -> Tensor:
+        """``t`` on this rank in spec ``dst``, resharding from the spec it was produced in."""
+        key = (id(t), dst)
+        if key in self.local:
+            return self.local[key]
+        if t.is_constant:
+            val = _slice_constant(t.value, dst, self.mesh, self.coord)
+            name = t.name if dst.is_replicated else f"{t.name}@{dst}"
+            res = const_tensor(val, name)
+        else:
+            src = self.specs[id(t)]
+            x = self.local[(id(t), src)]
+            steps = connect(src, dst, t.shape, t.dtype, self.mesh, _cost_model(self.mesh)).steps
+            for k, st in enumerate(steps):
+                x = self.add(self._step_op(st, x, t, f"{t.name}/{st.kind}{k}->{dst}"))
+            res = x
+        self.local[key] = res
+        return res
+
+    def _step_op(self, st, x: Tensor, t: Tensor, name: str) -> Operator:
+        m = st.mesh_axis
+        n = self.mesh.shape[m]
+        group = self.mesh.group_of(self.rank, m)
+        if st.kind == "local_slice":
+            full = local_shape(t.shape, st.src, self.mesh, self.coord)[st.tensor_dim]
+            start, stop = chunk_bounds(full, n, self.coord[m])
+            return comm_ops.LocalSlice([x], name=name, dim=st.tensor_dim, start=start, stop=stop)
+        if st.kind == "local_partial":
+            return comm_ops.LocalPartial([x], name=name, keep=self.coord[m] == 0, op=st.reduce_op)
+        common = dict(name=name, mesh_axis=m, group=group)
+        if st.kind == "all_reduce":
+            return comm_ops.AllReduce([x], op=st.reduce_op, **common)
+        dst_shape = local_shape(t.shape, st.dst, self.mesh, self.coord)
+        if st.kind == "all_gather":
+            return comm_ops.AllGather([x], dim=st.tensor_dim, out_size=dst_shape[st.tensor_dim], **common)
+        if st.kind == "reduce_scatter":
+            return comm_ops.ReduceScatter([x], dim=st.tensor_dim, op=st.reduce_op,
+                                          out_size=dst_shape[st.tensor_dim], **common)
+        if st.kind == "all_to_all":
+            return comm_ops.AllToAll([x], src_dim=st.tensor_dim, dst_dim=st.dst_dim,
+                                     out_shape=tuple(dst_shape), **common)
+        raise ShardflowError(f"partition: unknown resharding step {st.kind!r}")
+
+    def build(self) -> FlowGraph:
+        g, plan = self.graph, self.plan
+        inputs = []
+        for t in g.inputs:
+            local_in = Tensor(t.name, t.shape, t.dtype)
+            inputs.append(local_in)
+            self.specs[id(t)] = self.replicated
+            self.local[(id(t), self.replicated)] = local_in
+        for op in g.nodes:
+            sp = plan.op_specs.get(op.name)
+            if sp is None:
+                raise ShardflowError(f"partition: the plan has no spec for op {op.name}; re-plan this graph")
+            ins = [self.get(t, s) for t, s in zip(op.inputs, sp.input_specs)]
+            out_shapes = [local_shape(t.shape, s, self.mesh, self.coord) for t, s in zip(op.outputs, sp.output_specs)]
+            local_op = op.localize(ins, out_shapes)
+            self.nodes.append(local_op)
+            for t, lt, s in zip(op.outputs, local_op.outputs, sp.output_specs):
+                lt.name = t.name
+                self.specs[id(t)] = s
+                self.local[(id(t), s)] = lt
+        outputs = [self.get(t, plan.output_specs.get(name, self.replicated))
+                   for name, t in zip(g.output_names, g.outputs)]
+        rg = FlowGraph(inputs, outputs, self.nodes, list(g.output_names), name=f"{g.name}.rank{self.rank}")
+        rg.validate()
+        return rg
+
+
+def partition(graph: FlowGraph, plan: ShardingPlan) -> list[FlowGraph]:
+    """Split ``graph`` into one graph per rank of ``plan.mesh`` (indexed by global rank)."""
+    for name, spec in plan.input_specs.items():
+        if spec.partial_axes:
+            raise ShardflowError(f"graph input {name!r} cannot be Partial; inputs are delivered whole to every rank")
+    return [_RankBuilder(graph, plan, r).build() for r in range(plan.mesh.size)]
+
+
+_COST_MODELS: dict[int, object] = {}
+
+
+def _cost_model(mesh: DeviceMesh):
+    from .cost import CostModel
+
+    key = id(mesh)
+    if key not in _COST_MODELS:
+        _COST_MODELS[key] = CostModel(mesh)
+    return _COST_MODELS[key]

@@ -1,0 +1,356 @@
+"""Sharding rules generated from compute definitions.
+
+A *strategy* assigns each mesh axis either nothing (the op's work is replicated along it) or one
+loop variable of the compute definition: an output axis (the output is split along it) or a
+variable of the top-level reduction (every rank reduces a slice: the output is ``Partial``).
+:func:`op_strategies` enumerates every assignment and keeps exactly those the index analysis
+proves valid:
+
+* every read of an input indexes the dim(s) tied to a sharded variable *only* through that
+  variable — ``x[.., v, ..]`` (same extent), ``x[.., v*c + w, ..]`` with ``w`` ranging over
+  ``[0, c)`` (a merged dim, even split), or ``x[.., v // c, ..]`` (even split into whole ``c``
+  blocks); a read where the variable does not appear leaves that dim whole;
+* all reads of one input agree on which dims each mesh axis splits;
+* a sharded variable appears nowhere else (selects, values, ``%``...): such positions would need
+  the rank's global offset, halos or data-dependent exchange, none of which a local op provides;
+* a reduction variable may be sharded only when the output is ``c * reduce(...) + rest`` (linear),
+  giving ``Partial(op)``; the terms in ``rest`` then read their inputs as ``Partial`` too.
+
+Nothing here is written per op: the same analysis covers matmul, convolution, gathers,
+reshapes and normalizations. Extern outputs (sorting) contribute their declared ``axis_map``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ..ir.expr import (BinOp, Cast, Const, Expr, Reduce, TensorElement, UnaryOp, Var, affine_form, walk)
+from ..ir.graph import Operator
+from ..ir.task import ExternCompute, GridCompute
+from .placement import Partial, Placement, Replicate, Shard, TensorShardSpec
+
+__all__ = ["OpShardSpec", "op_strategies", "replicated_strategy"]
+
+_PARTIAL_OPS = {"sum": "sum", "max": "max", "min": "min", "mean": "avg"}
+
+
+@dataclass(frozen=True)
+class OpShardSpec:
+    """One way to run an op on the mesh.
+
+    Attributes
+    ----------
+    input_specs, output_specs
+        The spec each input must have and each output gets.
+    reductions
+        Per output, the ``(mesh_axis, op)`` pairs along which it is ``Partial`` (to be resolved by
+        an all-reduce or a reduce-scatter downstream).
+    assignment
+        Per mesh axis, the name of the loop variable it splits (``None``: replicated work).
+    parallelism
+        How many ways the op's work is split (product of the sizes of the assigned mesh axes).
+    """
+
+    input_specs: tuple[TensorShardSpec, ...]
+    output_specs: tuple[TensorShardSpec, ...]
+    reductions: tuple[tuple[tuple[int, str], ...], ...]
+    assignment: tuple[str | None, ...]
+    parallelism: int = 1
+    compute_cost: float = field(default=0.0, compare=False)
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.input_specs))
+        outs = ", ".join(map(str, self.output_specs))
+        return f"({ins}) -> ({outs})"
+
+
+# ----------------------------------------------------------------------------------------------
+# access analysis
+
+_FULL = "full"  # a read that needs the whole dim on every rank of the mesh axis
+
+
+def _direct_vars(e: Expr) -> set[Var]:
+    """Variables of ``e`` outside nested tensor reads (those index *other* tensors)."""
+    res: set[Var] = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Var):
+            res.add(x)
+        elif not isinstance(x, TensorElement):
+            stack.extend(x.children())
+    return res
+
+
+def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tuple[str, Var | None]:
+    """How one index position reads its dim when the variables in ``sharded`` (var -> number of
+    shards) are split: ``("shard", v)``, ``(_FULL, None)``, or ``("invalid", None)``."""
+    direct = _direct_vars(idx) & sharded.keys()
+    if not direct:
+        return _FULL, None
+    if len(direct) > 1:
+        return "invalid", None
+    (v,) = direct
+    n = sharded[v]
+    form = affine_form(idx)
+    if form is not None:
+        coefs, const = form
+        if const != 0 or coefs.get(v) is None:
+            return "invalid", None
+        c = coefs[v]
+        others = {w: k for w, k in coefs.items() if w is not v}
+        if c == 1 and not others and dim_extent == v.extent:
+            return "shard", v
+        if (c > 1 and len(others) == 1 and dim_extent == v.extent * c and v.extent % n == 0):
+            (w, k), = others.items()
+            if k == 1 and w.extent == c and w not in sharded:
+                return "shard", v
+        return "invalid", None
+    if isinstance(idx, BinOp) and idx.a is v and isinstance(idx.b, Const) and isinstance(idx.b.value, int):
+        c = idx.b.value
+        if c > 0 and v.extent % (n * c) == 0:
+            if idx.op == "floordiv" and dim_extent == v.extent // c:
+                return "shard", v
+            if idx.op == "mod" and dim_extent == c:
+                return _FULL, None
+    return "invalid", None
+
+
+def _reads(e: Expr) -> list[TensorElement]:
+    return [n for n in walk(e) if isinstance(n, TensorElement)]
+
+
+def _linear_read(term: Expr) -> bool:
+    """``term`` is one tensor read scaled by constants (linear in that input)."""
+    if isinstance(term, TensorElement):
+        return True
+    if isinstance(term, Cast):
+        return _linear_read(term.a)
+    if isinstance(term, BinOp) and term.op == "mul":
+        return ((isinstance(term.a, Const) and _linear_read(term.b))
+                or (isinstance(term.b, Const) and _linear_read(term.a)))
+    if isinstance(term, UnaryOp) and term.op == "neg":
+        return _linear_read(term.a)
+    return False
+
+
+def _linear_reduce(value: Expr) -> tuple[Reduce, list[Expr], bool] | None:
+    """If ``value`` is ``c * reduce(...) + sum(c_i * read_i)``: the reduce, the ``read`` terms,
+    and whether the value is the bare reduction (no scaling, no terms)."""
+    if isinstance(value, Reduce):
+        return value, [], True
+    if isinstance(value, Cast):
+        return _linear_reduce(value.a)
+    if isinstance(value, BinOp):
+        if value.op == "mul":
+            for r, k in ((value.a, value.b), (value.b, value.a)):
+                if isinstance(k, Const):
+                    found = _linear_reduce(r)
+                    if found and not found[1]:
+                        return found[0], [], False
+            return None
+        if value.op in ("add", "sub"):
+            for r, other in ((value.a, value.b), (value.b, value.a)):
+                found = _linear_reduce(r)
+                if found is not None and _linear_read(other):
+                    return found[0], found[1] + [other], False
+    return None
+
+
+class _OutputAnalysis:
+    """Candidate strategies of one grid-compute output."""
+
+    def __init__(self, out: GridCompute, input_ids: dict[int, int]):
+        self.out = out
+        self.input_ids = input_ids
+        self.lin = _linear_reduce(out.value)
+        red = self.lin[0] if self.lin else None
+        self.partial_op = _PARTIAL_OPS.get(red.op) if red is not None else None
+        if self.partial_op not in (None, "sum") and not self.lin[2]:
+            self.partial_op = None  # max/min/avg commute only with the bare reduction
+        self.loop_vars: list[Var] = list(out.axes)
+        if red is not None and self.partial_op is not None:
+            self.loop_vars += list(red.vars)
+        self.reduce_vars = set(red.vars) if red is not None else set()
+        self.reads = _reads(out.value)
+        self.rest_reads = {id(t) for term in (self.lin[1] if self.lin else []) for t in _reads(term)}
+        # Variables used outside tensor indices (values, selects) cannot be split locally.
+        self.pinned = self._pinned_vars()
+
+    def _pinned_vars(self) -> set[Var]:
+        pinned: set[Var] = set()
+        seen: set[tuple[int, bool]] = set()
+
+        def visit(e: Expr, in_index: bool) -> None:
+            if (id(e), in_index) in seen:
+                return
+            seen.add((id(e), in_index))
+            if isinstance(e, Var):
+                if not in_index:
+                    pinned.add(e)
+            elif isinstance(e, TensorElement):
+                for idx in e.indices:
+                    visit(idx, True)
+            else:
+                for ch in e.children():
+                    visit(ch, in_index)
+
+        visit(self.out.value, False)
+        return pinned
+
+    def evaluate(self, assign: tuple[Var | None, ...], mesh_shape: tuple[int, ...], ninputs: int):
+        """Input placements (per input: per mesh axis a Placement or None = unconstrained) and
+        the output spec, or None when the assignment is invalid."""
+        sharded: dict[Var, int] = {}
+        for m, v in enumerate(assign):
+            if v is not None:
+                if v in self.pinned:
+                    return None
+                sharded[v] = sharded.get(v, 1) * mesh_shape[m]
+        if self.partial_op == "avg" and any(v.extent % n for v, n in sharded.items() if v in self.reduce_vars):
+            return None  # a mean of uneven shards' means is not the mean
+        in_place: list[list[Placement | None] | None] = [None] * ninputs
+        for r in self.reads:
+            pos = self.input_ids.get(id(r.tensor))
+            if pos is None:  # reading another output of the same task: not supported for splitting
+                if sharded:
+                    return None
+                continue
+            dims_by_var: dict[Var, int] = {}
+            for d, idx in enumerate(r.indices):
+                kind, v = _classify_index(idx, r.tensor.shape[d], sharded)
+                if kind == "invalid":
+                    return None
+                if kind == "shard":
+                    if v in dims_by_var:
+                        return None  # one variable indexing two dims (a diagonal)
+                    dims_by_var[v] = d
+            places: list[Placement | None] = []
+            for m, v in enumerate(assign):
+                if v is None:
+                    places.append(None)
+                elif v in dims_by_var:
+                    places.append(Shard(dims_by_var[v]))
+                elif v in self.reduce_vars and id(r) in self.rest_reads:
+                    places.append(Partial(self.partial_op))
+                else:
+                    places.append(Replicate())
+            if in_place[pos] is None:
+                in_place[pos] = places
+            elif in_place[pos] != places:
+                return None
+        out_places: list[Placement] = []
+        reductions = []
+        for m, v in enumerate(assign):
+            if v is None:
+                out_places.append(Replicate())
+            elif v in self.reduce_vars:
+                out_places.append(Partial(self.partial_op))
+                reductions.append((m, self.partial_op))
+            else:
+                out_places.append(Shard(self.out.axes.index(v)))
+        return in_place, TensorShardSpec(tuple(out_places)), tuple(reductions)
+
+
+def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec]:
+    """Every valid strategy of ``op`` on a mesh of ``mesh_shape`` (replicated first).
+
+    Mesh axes of size 1 only take the replicated choice.
+    """
+    mesh_shape = tuple(mesh_shape)
+    task = op.task
+    ninputs = len(op.inputs)
+    input_ids = {id(p): k for k, p in enumerate(task.inputs)}
+    if task.is_extern or len(task.outputs) != 1:
+        return _multi_output_strategies(op, mesh_shape)
+    ana = _OutputAnalysis(task.outputs[0], input_ids)
+    choices = [[None] + (ana.loop_vars if size > 1 else []) for size in mesh_shape]
+    res: list[OpShardSpec] = []
+    seen = set()
+    for assign in itertools.product(*choices):
+        r = ana.evaluate(assign, mesh_shape, ninputs)
+        if r is None:
+            continue
+        in_place, out_spec, reductions = r
+        in_specs = tuple(_finish(p, len(mesh_shape)) for p in in_place)
+        spec = OpShardSpec(in_specs, (out_spec,), (reductions,),
+                           tuple(v.name if v is not None else None for v in assign),
+                           _parallelism(assign, mesh_shape))
+        key = (spec.input_specs, spec.output_specs)
+        if key in seen:
+            continue
+        seen.add(key)
+        res.append(spec)
+    return res
+
+
+def _finish(places: list[Placement | None] | None, ndim: int) -> TensorShardSpec:
+    if places is None:
+        return TensorShardSpec((Replicate(),) * ndim)
+    return TensorShardSpec(tuple(p if p is not None else Replicate() for p in places))
+
+
+def _parallelism(assign, mesh_shape) -> int:
+    n = 1
+    for v, size in zip(assign, mesh_shape):
+        if v is not None:
+            n *= size
+    return n
+
+
+def _multi_output_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec]:
+    """Ops with several outputs or extern outputs: split only along output axes that every
+    output shares as an independent copy of the same input dim (batch-like axes)."""
+    task = op.task
+    ninputs = len(op.inputs)
+    input_ids = {id(p): k for k, p in enumerate(task.inputs)}
+    # For each output: map (input pos, input dim) -> output axis, for axes that are plain copies.
+    per_output: list[dict[tuple[int, int], int]] = []
+    for out in task.outputs:
+        if isinstance(out, ExternCompute):
+            per_output.append({(m[0], m[1]): d for d, m in enumerate(out.axis_map) if m is not None})
+            continue
+        ana = _OutputAnalysis(out, input_ids)
+        mapping = {}
+        for d, v in enumerate(out.axes):
+            r = ana.evaluate(tuple([v]), (2,), ninputs)
+            if r is None:
+                continue
+            in_place, _, _ = r
+            srcs = [(k, p[0].dim) for k, p in enumerate(in_place) if p is not None and isinstance(p[0], Shard)]
+            if len(srcs) == 1:
+                mapping[srcs[0]] = d
+        per_output.append(mapping)
+    common = set(per_output[0]) if per_output else set()
+    for mp in per_output[1:]:
+        common &= set(mp)
+    keys = sorted(common)
+    choices = [[None] + (keys if size > 1 else []) for size in mesh_shape]
+    res = []
+    for assign in itertools.product(*choices):
+        used = [k for k in assign if k is not None]
+        if len(set(used)) != len(used):
+            continue
+        ins: list[list[Placement]] = [[Replicate()] * len(mesh_shape) for _ in range(ninputs)]
+        outs: list[list[Placement]] = [[Replicate()] * len(mesh_shape) for _ in task.outputs]
+        for m, key in enumerate(assign):
+            if key is None:
+                continue
+            pos, dim = key
+            ins[pos][m] = Shard(dim)
+            for o, mp in enumerate(per_output):
+                outs[o][m] = Shard(mp[key])
+        res.append(OpShardSpec(tuple(TensorShardSpec(tuple(p)) for p in ins),
+                               tuple(TensorShardSpec(tuple(p)) for p in outs),
+                               tuple(() for _ in task.outputs),
+                               tuple(None if k is None else f"in{k[0]}.d{k[1]}" for k in assign),
+                               _parallelism(assign, mesh_shape)))
+    return res
+
+
+def replicated_strategy(op: Operator, mesh_ndim: int) -> OpShardSpec:
+    """The strategy that runs ``op`` whole on every rank."""
+    r = TensorShardSpec((Replicate(),) * mesh_ndim)
+    return OpShardSpec(tuple(r for _ in op.inputs), tuple(r for _ in op.outputs),
+                       tuple(() for _ in op.outputs), (None,) * mesh_ndim, 1)

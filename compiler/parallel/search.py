@@ -1,0 +1,613 @@
+"""Plan search: Alpa-style intra-operator ILP, and baselines on the same cost model.
+
+Formulation (see ``rfcs/0001-automatic-parallelization.md``). Ops are first grouped: a cheap op
+(element-wise, reshape, transpose, cast: ``Operator.injective``) follows the group of its first
+activation input, taking for each of the leader's strategies the candidate that accepts the
+leader's output as is (or, failing that, the cheapest with resharding). Groups are then aliased:
+groups whose structure and neighbourhood are identical (repeated layers) share one decision. For
+alias class ``a`` with strategies ``i`` the ILP has binaries ``s[a,i]`` with ``Σ_i s[a,i] = 1``; for
+every pair of classes joined by edges, continuous ``e[a,b,i,j] ≥ 0`` with ``Σ_j e = s[a,i]`` and
+``Σ_i e = s[b,j]`` (so ``e`` is the product of the two one-hots). The objective is
+
+    Σ_a Σ_i (compute + in-group resharding + graph-input/-output resharding)[a,i] · s[a,i]
+  + Σ_(a,b) Σ_ij (edge resharding)[a,b,i,j] · e[a,b,i,j]
+
+and, with ``memory_budget_bytes``, for every step ``t`` of the topological order:
+``Σ parameters(s) + Σ_{tensors live at t} bytes(s) ≤ budget`` (identical rows deduplicated).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError, ShardflowError
+from ..ir.expr import BinOp, Reduce, UnaryOp, walk
+from ..ir.graph import FlowGraph, Operator, Tensor
+from ..ir.task import GridCompute
+from .config import DistributedConfig
+from .connect import connect
+from .cost import CostModel
+from .mesh import DeviceMesh
+from .placement import Replicate, Shard, TensorShardSpec
+from .rules import OpShardSpec, op_strategies, replicated_strategy
+
+__all__ = ["search", "Problem", "op_flops", "local_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# costs of single ops
+
+def op_flops(op: Operator) -> float:
+    """Arithmetic operations of ``op`` (per output element: its expression nodes, with every
+    reduction body counted once per reduced element)."""
+    total = 0.0
+    for out in op.task.outputs:
+        size = float(np.prod(out.shape, dtype=np.float64)) if out.shape else 1.0
+        if not isinstance(out, GridCompute):
+            total += size * max(1.0, math.log2(max(2.0, size)))
+            continue
+        per = 1.0
+        for n in walk(out.value):
+            if isinstance(n, Reduce):
+                ext = float(np.prod([v.extent for v in n.vars], dtype=np.float64))
+                body_ops = sum(1 for m in walk(n.body) if isinstance(m, (BinOp, UnaryOp)))
+                per += ext * max(1, body_ops + 1)
+            elif isinstance(n, (BinOp, UnaryOp)):
+                per += 1
+        total += size * per
+    return total
+
+
+def local_numel(shape: tuple[int, ...], spec: TensorShardSpec, mesh_shape: tuple[int, ...]) -> int:
+    """Elements of the largest local shard of a tensor of ``shape`` under ``spec``."""
+    dims = list(shape)
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and mesh_shape[m] > 1:
+            dims[p.dim] = -(-dims[p.dim] // mesh_shape[m])
+    return int(np.prod(dims, dtype=np.int64)) if dims else 1
+
+
+def local_bytes(t: Tensor, spec: TensorShardSpec, mesh_shape: tuple[int, ...]) -> int:
+    return local_numel(t.shape, spec, mesh_shape) * np.dtype(t.dtype).itemsize
+
+
+# ----------------------------------------------------------------------------------------------
+# the problem: groups, their strategies and costs
+
+
+@dataclass
+class Group:
+    """A leader op and the cheap ops that follow it; ``choices[i]`` is the per-member strategy
+    when the leader takes its strategy ``i``."""
+
+    index: int
+    leader: Operator
+    members: list[Operator]
+    choices: list[dict[int, OpShardSpec]] = field(default_factory=list)
+    node_cost: list[float] = field(default_factory=list)
+    alias: int = -1
+
+
+class Problem:
+    """Strategies, costs and edges of a graph on a mesh; shared by the ILP and the baselines."""
+
+    def __init__(self, graph: FlowGraph, cfg: DistributedConfig):
+        self.graph = graph
+        self.cfg = cfg
+        self.mesh = DeviceMesh(cfg.mesh_shape, cfg.mesh_axis_names, cfg.rank_map)
+        self.mesh_shape = tuple(cfg.mesh_shape)
+        self.cost_model = CostModel(self.mesh, axis_bandwidth_GBps=cfg.axis_bandwidth_GBps,
+                                    axis_latency_us=cfg.axis_latency_us)
+        nd = len(self.mesh_shape)
+        self.replicated = TensorShardSpec((Replicate(),) * nd)
+        self.input_specs = {t.name: self._parse_placement(cfg.input_placements, t.name, t)
+                            for t in graph.inputs}
+        self.output_specs = [self._parse_placement(cfg.output_placements, n, t)
+                             for n, t in zip(graph.output_names, graph.outputs)]
+        self._connect_cache: dict = {}
+        self.strategies: dict[int, list[OpShardSpec]] = {}
+        for op in graph.nodes:
+            specs = op_strategies(op, self.mesh_shape) or [replicated_strategy(op, nd)]
+            self.strategies[id(op)] = [self._with_cost(op, s) for s in specs]
+        self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
+        self._build_groups()
+
+    def _parse_placement(self, table: dict, name: str, t: Tensor) -> TensorShardSpec:
+        if name not in table:
+            return self.replicated
+        try:
+            spec = TensorShardSpec.parse(table[name])
+        except Exception as exc:
+            raise ConfigError(f"placement for {name!r}: cannot parse {table[name]!r} ({exc})") from None
+        if len(spec.placements) != len(self.mesh_shape):
+            raise ConfigError(f"placement for {name!r} = {table[name]!r}: need one placement per mesh axis "
+                              f"({len(self.mesh_shape)})")
+        for p in spec.placements:
+            if isinstance(p, Shard) and not 0 <= p.dim < t.ndim:
+                raise ConfigError(f"placement for {name!r} = {table[name]!r}: {t.name} has rank {t.ndim}")
+        return spec
+
+    # costs --------------------------------------------------------------------------
+    def _with_cost(self, op: Operator, s: OpShardSpec) -> OpShardSpec:
+        flops = op_flops(op) / s.parallelism
+        nbytes = sum(local_bytes(t, sp, self.mesh_shape) for t, sp in zip(op.inputs, s.input_specs))
+        nbytes += sum(local_bytes(t, sp, self.mesh_shape) for t, sp in zip(op.outputs, s.output_specs))
+        cost = self.cost_model.compute_time(flops, nbytes)
+        return OpShardSpec(s.input_specs, s.output_specs, s.reductions, s.assignment, s.parallelism, cost)
+
+    def reshard_cost(self, t: Tensor, src: TensorShardSpec, dst: TensorShardSpec) -> float:
+        if src == dst:
+            return 0.0
+        key = (t.shape, t.dtype, src, dst)
+        if key not in self._connect_cache:
+            self._connect_cache[key] = connect(src, dst, t.shape, t.dtype, self.mesh, self.cost_model).cost
+        return self._connect_cache[key]
+
+    def source_spec(self, t: Tensor, assign: dict[int, OpShardSpec]) -> TensorShardSpec | None:
+        """The spec ``t`` is produced in under ``assign``; None for constants (sliced for free)."""
+        if t.is_constant:
+            return None
+        p = self.producer_of.get(id(t))
+        if p is None:
+            return self.input_specs[t.name]
+        return assign[id(p)].output_specs[p.outputs.index(t)]
+
+    def edge_cost(self, t: Tensor, dst: TensorShardSpec, assign) -> float:
+        src = self.source_spec(t, assign)
+        return 0.0 if src is None else self.reshard_cost(t, src, dst)
+
+    def total_cost(self, assign: dict[int, OpShardSpec]) -> tuple[float, float, float]:
+        """(total, compute, communication) modeled seconds of a full assignment."""
+        comp = sum(assign[id(op)].compute_cost for op in self.graph.nodes)
+        comm = 0.0
+        for op in self.graph.nodes:
+            for t, sp in zip(op.inputs, assign[id(op)].input_specs):
+                comm += self.edge_cost(t, sp, assign)
+        for t, sp in zip(self.graph.outputs, self.output_specs):
+            comm += self.edge_cost(t, sp, assign)
+        return comp + comm, comp, comm
+
+    def memory(self, assign: dict[int, OpShardSpec]) -> tuple[int, int]:
+        """(parameter bytes, peak live activation bytes) per rank under ``assign``."""
+        params = 0
+        seen: set[tuple[int, TensorShardSpec]] = set()
+        for op in self.graph.nodes:
+            for t, sp in zip(op.inputs, assign[id(op)].input_specs):
+                if t.is_constant and (id(t), sp) not in seen:
+                    seen.add((id(t), sp))
+                    params += local_bytes(t, sp, self.mesh_shape)
+        peak = 0
+        for live in self.live_sets():
+            cur = 0
+            for t in live:
+                sp = self.source_spec(t, assign)
+                cur += local_bytes(t, sp if sp is not None else self.replicated, self.mesh_shape)
+            peak = max(peak, cur)
+        return params, peak
+
+    def live_sets(self) -> list[list[Tensor]]:
+        """Activations live at each step of the topological order (inputs included)."""
+        if hasattr(self, "_live"):
+            return self._live
+        last: dict[int, int] = {}
+        order = self.graph.nodes
+        for k, op in enumerate(order):
+            for t in op.inputs:
+                if not t.is_constant:
+                    last[id(t)] = k
+        end = len(order)
+        for t in self.graph.outputs:
+            last[id(t)] = end
+        born = {id(t): -1 for t in self.graph.inputs}
+        tensors = {id(t): t for t in self.graph.inputs}
+        for k, op in enumerate(order):
+            for t in op.outputs:
+                born[id(t)] = k
+                tensors[id(t)] = t
+        starts = defaultdict(list)
+        for tid, b in born.items():
+            starts[max(b, 0)].append(tid)
+        live: dict[int, Tensor] = {}
+        res = []
+        for k in range(len(order)):
+            for tid in starts.get(k, ()):
+                if last.get(tid, -2) >= k:
+                    live[tid] = tensors[tid]
+            res.append(list(live.values()))
+            for tid in [tid for tid in live if last.get(tid, -1) <= k]:
+                del live[tid]
+        self._live = res
+        return res
+
+    # grouping -------------------------------------------------------------------------
+    def _build_groups(self) -> None:
+        self.groups: list[Group] = []
+        self.group_of: dict[int, Group] = {}
+        for op in self.graph.nodes:
+            lead_t = next((t for t in op.inputs if not t.is_constant), None)
+            p = self.producer_of.get(id(lead_t)) if lead_t is not None else None
+            if op.injective and p is not None and len(self.strategies[id(op)]) > 0:
+                g = self.group_of[id(p)]
+                g.members.append(op)
+                self.group_of[id(op)] = g
+            else:
+                g = Group(len(self.groups), op, [op])
+                self.groups.append(g)
+                self.group_of[id(op)] = g
+        for g in self.groups:
+            self._group_choices(g)
+
+    def _group_choices(self, g: Group) -> None:
+        for lead in self.strategies[id(g.leader)]:
+            assign = {id(g.leader): lead}
+            cost = lead.compute_cost
+            for op in g.members[1:]:
+                best, best_cost = None, math.inf
+                for cand in self.strategies[id(op)]:
+                    c = cand.compute_cost
+                    for t, sp in zip(op.inputs, cand.input_specs):
+                        p = self.producer_of.get(id(t))
+                        if p is not None and id(p) in assign:
+                            c += self.reshard_cost(t, assign[id(p)].output_specs[p.outputs.index(t)], sp)
+                    if c < best_cost - 1e-15:
+                        best, best_cost = cand, c
+                assign[id(op)] = best
+                cost += best_cost
+            g.choices.append(assign)
+            g.node_cost.append(cost)
+
+    def external_inputs(self, g: Group):
+        """(tensor, member op, input index) reads of ``g`` from outside it."""
+        members = {id(m) for m in g.members}
+        for op in g.members:
+            for k, t in enumerate(op.inputs):
+                p = self.producer_of.get(id(t))
+                if p is None or id(p) not in members:
+                    yield t, op, k
+
+
+# ----------------------------------------------------------------------------------------------
+# layer aliasing
+
+def _alias_classes(problem: Problem, rounds: int = 3) -> None:
+    """Weisfeiler-Lehman colouring of the group graph: groups with equal colours after ``rounds``
+    refinements (same ops, shapes, attributes and neighbourhoods) share one decision."""
+    groups = problem.groups
+    preds: dict[int, list[int]] = defaultdict(list)
+    succs: dict[int, list[int]] = defaultdict(list)
+    for g in groups:
+        for t, _, _ in problem.external_inputs(g):
+            p = problem.producer_of.get(id(t))
+            if p is not None:
+                pg = problem.group_of[id(p)].index
+                preds[g.index].append(pg)
+                succs[pg].append(g.index)
+    colour = {}
+    for g in groups:
+        sig = "|".join(f"{m.op_type}{sorted((k, repr(v)) for k, v in m.attrs.items())}"
+                       f"{[t.shape for t in m.inputs]}{[t.dtype for t in m.inputs]}" for m in g.members)
+        sig += repr([round(c, 15) for c in g.node_cost]) + str(len(g.choices))
+        colour[g.index] = hashlib.sha1(sig.encode()).hexdigest()
+    for _ in range(rounds):
+        colour = {
+            i: hashlib.sha1((colour[i] + "<" + ",".join(sorted(colour[p] for p in preds[i]))
+                             + ">" + ",".join(sorted(colour[s] for s in succs[i]))).encode()).hexdigest()
+            for i in colour}
+    ids: dict[str, int] = {}
+    for g in groups:
+        g.alias = ids.setdefault(colour[g.index], len(ids))
+
+
+# ----------------------------------------------------------------------------------------------
+# the ILP
+
+def _solve_ilp(problem: Problem) -> list[int]:
+    import pulp
+
+    cfg = problem.cfg
+    groups = problem.groups
+    if cfg.alias_layers:
+        _alias_classes(problem)
+    else:
+        for g in groups:
+            g.alias = g.index
+    reps: dict[int, Group] = {}
+    for g in groups:
+        reps.setdefault(g.alias, g)
+    nstrat = {a: len(g.choices) for a, g in reps.items()}
+
+    lin: dict[int, np.ndarray] = {a: np.zeros(n) for a, n in nstrat.items()}
+    pair: dict[tuple[int, int], np.ndarray] = {}
+    for g in groups:
+        lin[g.alias] += np.asarray(g.node_cost)
+    # edges between groups; graph inputs and outputs as unary terms
+    for g in groups:
+        for t, op, k in problem.external_inputs(g):
+            if t.is_constant:
+                continue
+            p = problem.producer_of.get(id(t))
+            need = [ch[id(op)].input_specs[k] for ch in g.choices]
+            if p is None:
+                src = problem.input_specs[t.name]
+                lin[g.alias] += np.array([problem.reshard_cost(t, src, d) for d in need])
+                continue
+            pg = problem.group_of[id(p)]
+            have = [ch[id(p)].output_specs[p.outputs.index(t)] for ch in pg.choices]
+            m = np.array([[problem.reshard_cost(t, s, d) for d in need] for s in have])
+            if pg.alias == g.alias:
+                lin[g.alias] += np.diag(m)
+            elif m.any():
+                key = (pg.alias, g.alias)
+                pair[key] = pair.get(key, 0) + m
+    for t, dst in zip(problem.graph.outputs, problem.output_specs):
+        p = problem.producer_of.get(id(t))
+        if p is None:
+            continue
+        pg = problem.group_of[id(p)]
+        lin[pg.alias] += np.array([problem.reshard_cost(t, ch[id(p)].output_specs[p.outputs.index(t)], dst)
+                                   for ch in pg.choices])
+
+    prob = pulp.LpProblem("shardflow_plan", pulp.LpMinimize)
+    s = {a: [pulp.LpVariable(f"s_{a}_{i}", cat="Binary") for i in range(n)] for a, n in sorted(nstrat.items())}
+    for a, vs in s.items():
+        prob += pulp.lpSum(vs) == 1, f"one_{a}"
+    # Scale to microseconds so coefficients are well conditioned.
+    scale = 1e6
+    objective = [pulp.lpSum(float(c) * scale * v for c, v in zip(lin[a], s[a]) if c) for a in s]
+    for (a, b), m in sorted(pair.items()):
+        e = [[pulp.LpVariable(f"e_{a}_{b}_{i}_{j}", lowBound=0) for j in range(m.shape[1])] for i in range(m.shape[0])]
+        for i in range(m.shape[0]):
+            prob += pulp.lpSum(e[i]) == s[a][i], f"row_{a}_{b}_{i}"
+        for j in range(m.shape[1]):
+            prob += pulp.lpSum(e[i][j] for i in range(m.shape[0])) == s[b][j], f"col_{a}_{b}_{j}"
+        objective.append(pulp.lpSum(float(m[i, j]) * scale * e[i][j]
+                                    for i in range(m.shape[0]) for j in range(m.shape[1]) if m[i, j]))
+    prob += pulp.lpSum(objective)
+    if cfg.memory_budget_bytes is not None:
+        for k, (row, fixed) in enumerate(_memory_rows(problem)):
+            prob += pulp.lpSum(float(c) * s[a][i] for (a, i), c in sorted(row.items()) if c) \
+                <= float(cfg.memory_budget_bytes) - fixed, f"mem_{k}"
+    solver = _solver(cfg)
+    t0 = time.perf_counter()
+    status = prob.solve(solver)
+    log.info("ILP: %d classes, %d pair blocks, status %s, %.2f s", len(s), len(pair), pulp.LpStatus[status],
+             time.perf_counter() - t0)
+    if pulp.LpStatus[status] != "Optimal":
+        if cfg.memory_budget_bytes is not None:
+            need = _min_memory(problem)
+            raise ShardflowError(
+                f"no plan fits memory_budget_bytes={cfg.memory_budget_bytes:,} on mesh {list(cfg.mesh_shape)}: "
+                f"the least any plan needs is about {need:,} bytes per rank; raise the budget or use a larger mesh")
+        raise ShardflowError(f"the ILP solver ended with status {pulp.LpStatus[status]}; "
+                             "raise time_limit_s or mip_rel_gap")
+    choice = {}
+    for a, vs in s.items():
+        vals = [v.value() or 0.0 for v in vs]
+        choice[a] = int(np.argmax(vals))
+    return [choice[g.alias] for g in groups]
+
+
+def _memory_rows(problem: Problem) -> list[tuple[dict[tuple[int, int], float], float]]:
+    """One row per step: coefficients of ``s[alias, i]`` (parameters + live activations) and the
+    bytes that no choice changes (whole graph inputs)."""
+    mesh_shape = problem.mesh_shape
+    base: dict[tuple[int, int], float] = defaultdict(float)
+    for g in problem.groups:
+        seen = set()
+        for i, ch in enumerate(g.choices):
+            for op in g.members:
+                for t, sp in zip(op.inputs, ch[id(op)].input_specs):
+                    if t.is_constant and (id(t), i, sp) not in seen:
+                        seen.add((id(t), i, sp))
+                        base[(g.alias, i)] += local_bytes(t, sp, mesh_shape)
+    rows, keys = [], set()
+    for live in problem.live_sets():
+        row = dict(base)
+        fixed = 0.0
+        for t in live:
+            p = problem.producer_of.get(id(t))
+            if p is None:
+                fixed += local_bytes(t, problem.input_specs[t.name], mesh_shape)
+                continue
+            g = problem.group_of[id(p)]
+            for i, ch in enumerate(g.choices):
+                row[(g.alias, i)] = row.get((g.alias, i), 0.0) + local_bytes(
+                    t, ch[id(p)].output_specs[p.outputs.index(t)], mesh_shape)
+        key = (tuple(sorted((k, round(v)) for k, v in row.items())), round(fixed))
+        if key not in keys:
+            keys.add(key)
+            rows.append((row, fixed))
+    return rows
+
+
+def _min_memory(problem: Problem) -> int:
+    """The smallest per-rank memory any plan in the search space needs (an ILP on memory alone)."""
+    import pulp
+
+    rows = _memory_rows(problem)
+    classes = sorted({g.alias for g in problem.groups})
+    n = {g.alias: len(g.choices) for g in problem.groups}
+    prob = pulp.LpProblem("min_memory", pulp.LpMinimize)
+    s = {a: [pulp.LpVariable(f"s_{a}_{i}", cat="Binary") for i in range(n[a])] for a in classes}
+    peak = pulp.LpVariable("peak", lowBound=0)
+    for a in classes:
+        prob += pulp.lpSum(s[a]) == 1
+    for row, fixed in rows:
+        prob += pulp.lpSum(c * s[a][i] for (a, i), c in row.items() if c) + fixed <= peak
+    prob += peak
+    prob.solve(_solver(problem.cfg))
+    return int(math.ceil(peak.value() or 0))
+
+
+def _solver(cfg: DistributedConfig):
+    import pulp
+
+    if cfg.solver == "highs":
+        return pulp.HiGHS(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# baselines
+
+def _follow(problem: Problem, pick) -> dict[int, OpShardSpec]:
+    """Assign ops in order: ``pick(op, candidates, assign)`` may choose; otherwise the candidate
+    whose inputs arrive without resharding (most parallel first), else replicated."""
+    assign: dict[int, OpShardSpec] = {}
+    for op in problem.graph.nodes:
+        cands = problem.strategies[id(op)]
+        chosen = pick(op, cands, assign)
+        if chosen is None:
+            best_key, chosen = None, None
+            for c in cands:
+                comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
+                key = (comm + c.compute_cost, -c.parallelism)
+                if best_key is None or key < best_key:
+                    best_key, chosen = key, c
+        assign[id(op)] = chosen
+    return assign
+
+
+def _is_weight_matmul(op: Operator) -> int | None:
+    """Input position of the constant weight of a matmul-like op (a 2-D constant read by the
+    top-level reduction), or None."""
+    if len(op.task.outputs) != 1 or not isinstance(op.task.outputs[0], GridCompute):
+        return None
+    if not any(isinstance(n, Reduce) and n.op == "sum" for n in walk(op.task.outputs[0].value)):
+        return None
+    consts = [k for k, t in enumerate(op.inputs) if t.is_constant and t.ndim == 2]
+    acts = [k for k, t in enumerate(op.inputs) if not t.is_constant]
+    return consts[0] if len(consts) >= 1 and len(acts) == 1 else None
+
+
+def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
+    """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
+    the column-parallel projections head-wise; everything else follows or stays replicated."""
+    axis = len(problem.mesh_shape) - 1
+
+    def only_axis(c: OpShardSpec) -> bool:
+        return all(v is None for m, v in enumerate(c.assignment) if m != axis)
+
+    def pick(op, cands, assign):
+        w = _is_weight_matmul(op)
+        if w is None:
+            return None
+        act = next(k for k, t in enumerate(op.inputs) if not t.is_constant)
+        src = problem.source_spec(op.inputs[act], assign)
+        incoming_sharded = src is not None and not src.is_replicated
+        for c in cands:
+            if not only_axis(c) or c.assignment[axis] is None:
+                continue
+            wp = c.input_specs[w].placements[axis]
+            ap = c.input_specs[act].placements[axis]
+            if incoming_sharded and isinstance(ap, Shard) and c.input_specs[act] == src and isinstance(wp, Shard):
+                return c  # row-parallel: consume the sharded activation, produce a partial sum
+            if not incoming_sharded and isinstance(wp, Shard) and isinstance(ap, Replicate) \
+                    and isinstance(c.output_specs[0].placements[axis], Shard):
+                return c  # column-parallel
+        return None
+
+    def restricted(op, cands, assign):
+        chosen = pick(op, cands, assign)
+        if chosen is not None:
+            return chosen
+        ok = [c for c in cands if only_axis(c)]
+        best_key, best = None, None
+        for c in ok:
+            comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
+            key = (comm + c.compute_cost, -c.parallelism)
+            if best_key is None or key < best_key:
+                best_key, best = key, c
+        return best
+
+    return _follow(problem, restricted)
+
+
+def _data_parallel(problem: Problem) -> dict[int, OpShardSpec]:
+    """Weights stay whole on every rank; activations are split wherever that is cheapest (the
+    batch dim, in practice), following the ops in order."""
+
+    def pick(op, cands, assign):
+        ok = [c for c in cands if all(sp.is_replicated for t, sp in zip(op.inputs, c.input_specs) if t.is_constant)]
+        best_key, best = None, None
+        for c in ok:
+            comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
+            key = (comm + c.compute_cost, -c.parallelism)
+            if best_key is None or key < best_key:
+                best_key, best = key, c
+        return best
+
+    return _follow(problem, pick)
+
+
+def _replicate(problem: Problem) -> dict[int, OpShardSpec]:
+    nd = len(problem.mesh_shape)
+    return {id(op): problem._with_cost(op, replicated_strategy(op, nd)) for op in problem.graph.nodes}
+
+
+BASELINES = {"megatron": _megatron, "data": _data_parallel, "replicate": _replicate}
+
+
+def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
+    """Find a sharding plan for ``graph`` on the mesh of ``distributed_config``.
+
+    Parameters
+    ----------
+    graph
+        A simplified FlowGraph (``load_onnx``).
+    distributed_config
+        A dict of the keys documented in :mod:`shardflow.compiler.parallel.config`.
+
+    Returns
+    -------
+    ShardingPlan
+        The cheapest plan found under the cost model (``algo="ilp"``), or the named baseline.
+    """
+    from .plan import ShardingPlan
+
+    cfg = DistributedConfig.from_dict(distributed_config)
+    if cfg.preload_plan:
+        return ShardingPlan.load(cfg.preload_plan, graph=graph)
+    t0 = time.perf_counter()
+    problem = Problem(graph, cfg)
+    if cfg.algo == "ilp":
+        picks = _solve_ilp(problem)
+        assign = {}
+        for g, i in zip(problem.groups, picks):
+            assign.update(g.choices[i])
+        algo = "ilp"
+        # The grouped/aliased ILP searches a restricted space; never return worse than a baseline.
+        best = problem.total_cost(assign)[0]
+        for name, fn in BASELINES.items():
+            alt = fn(problem)
+            if not _fits(problem, alt):
+                continue
+            c = problem.total_cost(alt)[0]
+            if c < best * (1 - 1e-9) and _fits(problem, alt):
+                log.warning("ILP plan (%.4g s) is costlier than the %s baseline (%.4g s); using the baseline",
+                            best, name, c)
+                assign, best, algo = alt, c, f"ilp->{name}"
+    else:
+        assign = BASELINES[cfg.algo](problem)
+        algo = cfg.algo
+    plan = ShardingPlan.from_assignment(problem, assign, algo=algo, search_seconds=time.perf_counter() - t0)
+    if cfg.memory_budget_bytes is not None and plan.memory_bytes > cfg.memory_budget_bytes and cfg.algo != "ilp":
+        raise ShardflowError(f"the {cfg.algo} plan needs {plan.memory_bytes:,} bytes per rank, above "
+                             f"memory_budget_bytes={cfg.memory_budget_bytes:,}; use algo='ilp' or raise the budget")
+    return plan
+
+
+def _fits(problem: Problem, assign) -> bool:
+    budget = problem.cfg.memory_budget_bytes
+    if budget is None:
+        return True
+    params, peak = problem.memory(assign)
+    return params + peak <= budget

@@ -1,0 +1,448 @@
+"""Bad input to the importer and to run() raises a typed ShardflowError naming the culprit.
+
+The first half checks each kind of bad input by hand; the second mutates small valid models at
+random (hypothesis) and checks that ``load_onnx`` and ``run`` never raise anything but a
+``ShardflowError``.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnx.defs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import (DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError,
+                                load_onnx)
+
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+def vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def make_model(nodes, inputs, outputs, inits=(), opset=17, extra_opsets=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in extra_opsets]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def add_relu_model(x_shape=(2, 3)):
+    return make_model([helper.make_node("Add", ["x", "y"], ["z"], name="add"),
+                       helper.make_node("Relu", ["z"], ["w"], name="relu")],
+                      [vi("x", F, list(x_shape)), vi("y", F, [3])], [vi("w", F, list(x_shape))])
+
+
+# the model file ------------------------------------------------------------------------------
+
+
+def test_truncated_file(tmp_path):
+    data = add_relu_model().SerializeToString()
+    path = tmp_path / "cut.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match="cut.onnx: not a valid ONNX protobuf.*truncated"):
+        load_onnx(str(path))
+
+
+def test_every_truncation_is_a_model_format_error(tmp_path):
+    data = add_relu_model().SerializeToString()
+    for k in range(len(data)):
+        with pytest.raises(ModelFormatError):
+            load_onnx(data[:k])
+
+
+def test_text_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("these are my notes, not a model\n")
+    with pytest.raises(ModelFormatError, match="notes.txt"):
+        load_onnx(path)
+
+
+def test_missing_file_and_wrong_argument_type(tmp_path):
+    with pytest.raises(ModelFormatError, match="nowhere.onnx: no such file"):
+        load_onnx(tmp_path / "nowhere.onnx")
+    with pytest.raises(ModelFormatError, match="got int"):
+        load_onnx(42)
+
+
+def test_model_failing_the_checker():
+    # Relu has one input; two is a schema violation the checker reports
+    model = make_model([helper.make_node("Relu", ["x", "x"], ["y"], name="relu")],
+                       [vi("x", F, [2])], [vi("y", F, [2])])
+    with pytest.raises(ModelFormatError, match="fails onnx.checker.*Relu"):
+        load_onnx(model)
+
+
+def test_model_without_default_opset():
+    model = add_relu_model()
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    with pytest.raises(ModelFormatError):
+        load_onnx(model)
+
+
+# shapes and dtypes of the graph inputs -------------------------------------------------------------
+
+
+def test_dynamic_dim_without_input_shapes():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
+                       [vi("x", F, [4, "seq"])], [vi("y", F, [4, "seq"])])
+    with pytest.raises(ShapeError, match=r"graph input 'x' has dynamic dim 1 \('seq'\).*input_shapes"):
+        load_onnx(model)
+    g = load_onnx(model, input_shapes={"x": (4, 7)})
+    assert g.inputs[0].shape == (4, 7)
+
+
+def test_input_shapes_naming_a_non_input():
+    with pytest.raises(ShapeError, match=r"input_shapes names \['z'\], which are not inputs.*\['x', 'y'\]"):
+        load_onnx(add_relu_model(), input_shapes={"z": (1,)})
+
+
+def test_input_shapes_with_wrong_rank():
+    with pytest.raises(ShapeError, match=r"input_shapes\['x'\] = \(2, 3, 1\) has rank 3.*declares rank 2"):
+        load_onnx(add_relu_model(), input_shapes={"x": (2, 3, 1)})
+
+
+def test_input_shapes_contradicting_a_fixed_dim_or_malformed():
+    with pytest.raises(ShapeError, match=r"input_shapes\['x'\] = \(5, 3\): dim 0 is fixed to 2"):
+        load_onnx(add_relu_model(), input_shapes={"x": (5, 3)})
+    with pytest.raises(ShapeError, match=r"input_shapes\['x'\].*negative"):
+        load_onnx(add_relu_model(), input_shapes={"x": (-2, 3)})
+    with pytest.raises(ShapeError, match=r"input_shapes\['x'\].*not a tuple of ints"):
+        load_onnx(add_relu_model(), input_shapes={"x": ("two", 3)})
+
+
+def test_unsupported_input_dtype():
+    model = make_model([helper.make_node("Identity", ["x"], ["y"], name="id")],
+                       [vi("x", TensorProto.STRING, [2])], [vi("y", TensorProto.STRING, [2])])
+    with pytest.raises(DtypeError, match="graph input 'x': element type STRING is not supported"):
+        load_onnx(model)
+
+
+def test_incompatible_shapes_name_the_node():
+    model = add_relu_model(x_shape=(2, 4))  # (2, 4) + (3,) does not broadcast
+    with pytest.raises(ShardflowError, match="add"):
+        load_onnx(model)
+
+
+def test_wrong_shape_and_dtype_at_run():
+    g = load_onnx(add_relu_model())
+    x, y = np.ones((2, 3), np.float32), np.ones(3, np.float32)
+    with pytest.raises(ShapeError, match=r"input 'x' has shape \(3, 2\), the graph expects \(2, 3\)"):
+        g.run({"x": x.T.copy(), "y": y})
+    with pytest.raises(DtypeError, match="input 'y' has dtype int64, the graph expects float32"):
+        g.run({"x": x, "y": y.astype(np.int64)})
+    with pytest.raises(ShapeError, match=r"missing input\(s\) \['y'\]"):
+        g.run({"x": x})
+    np.testing.assert_array_equal(g.run({"x": x, "y": y})["w"], np.full((2, 3), 2, np.float32))
+
+
+# unsupported operators and attributes -------------------------------------------------------
+
+
+def test_every_unsupported_operator_is_listed_in_one_message():
+    nodes = [helper.make_node("Frobnicate", ["x"], ["a"], name="frob1", domain="com.example"),
+             helper.make_node("Relu", ["a"], ["b"], name="relu"),
+             helper.make_node("Twiddle", ["b"], ["c"], name="twiddle", domain="com.example"),
+             helper.make_node("Frobnicate", ["c"], ["d"], name="frob2", domain="com.example")]
+    model = make_model(nodes, [vi("x", F, [2])], [vi("d", F, [2])], extra_opsets=[("com.example", 1)])
+    with pytest.raises(UnsupportedOperatorError) as info:
+        load_onnx(model)
+    msg = str(info.value)
+    assert "com.example::Frobnicate used by 2 node(s): frob1, frob2" in msg
+    assert "com.example::Twiddle used by 1 node(s): twiddle" in msg
+    assert "Relu" not in msg
+    assert info.value.unsupported == {"com.example::Frobnicate": ["frob1", "frob2"],
+                                      "com.example::Twiddle": ["twiddle"]}
+
+
+def test_unsupported_attribute_value():
+    # opset-6 Add with the legacy `broadcast` attribute set
+    model = make_model([helper.make_node("Add", ["x", "y"], ["z"], name="old_add", broadcast=1)],
+                       [vi("x", F, [2, 3]), vi("y", F, [3])], [vi("z", F, [2, 3])], opset=6)
+    with pytest.raises(UnsupportedOperatorError, match=r"node old_add \(Add\): legacy broadcast attribute"):
+        load_onnx(model)
+
+
+def test_non_constant_shape_argument_is_refused():
+    model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
+                       [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
+    with pytest.raises(UnsupportedOperatorError, match=r"node reshape \(Reshape\): input 1 \('s'\) must be known"):
+        load_onnx(model)
+
+
+# property-based: random corruptions of valid models ---------------------------------------------
+
+
+def _init(name, arr):
+    return numpy_helper.from_array(np.asarray(arr), name)
+
+
+def _mlp(opset: int) -> onnx.ModelProto:
+    """x[2,4] @ W + b → Relu → Softmax → ReduceMean(axis 1) * scale; and Transpose(relu)."""
+    rng = np.random.default_rng(1)
+    reduce_mean = (helper.make_node("ReduceMean", ["sm"], ["mean"], name="mean", axes=[1], keepdims=1)
+                   if opset < 18 else helper.make_node("ReduceMean", ["sm", "raxes"], ["mean"], name="mean",
+                                                       keepdims=1))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"], name="matmul"),
+             helper.make_node("Add", ["mm", "b"], ["h"], name="bias"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Softmax", ["r"], ["sm"], name="softmax", axis=1),
+             reduce_mean,
+             helper.make_node("Mul", ["mean", "scale"], ["out"], name="scale_mul"),
+             helper.make_node("Transpose", ["r"], ["rt"], name="transpose", perm=[1, 0])]
+    inits = [_init("W", rng.standard_normal((4, 3)).astype(np.float32)),
+             _init("b", rng.standard_normal(3).astype(np.float32)),
+             _init("scale", np.float32(2.0)), _init("raxes", np.array([1], np.int64))]
+    return make_model(nodes, [vi("x", F, [2, 4])], [vi("out", F, [2, 1]), vi("rt", F, [3, 2])], inits, opset)
+
+
+def _layout(opset: int) -> onnx.ModelProto:
+    """Transpose → Reshape → Concat → Gather → Sub → Relu on x[2,3,4] and y[2,2]."""
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], name="transpose", perm=[0, 2, 1]),
+             helper.make_node("Reshape", ["xt", "shape"], ["flat"], name="reshape"),
+             helper.make_node("Concat", ["flat", "y"], ["cat"], name="concat", axis=1),
+             helper.make_node("Gather", ["cat", "idx"], ["g"], name="gather", axis=1),
+             helper.make_node("Sub", ["g", "g0"], ["d"], name="sub"),
+             helper.make_node("Relu", ["d"], ["out"], name="relu")]
+    inits = [_init("shape", np.array([2, -1], np.int64)), _init("idx", np.array([0, 2, 13], np.int64)),
+             _init("g0", np.array([0.5, -0.5, 1.0], np.float32))]
+    return make_model(nodes, [vi("x", F, [2, 3, 4]), vi("y", F, [2, 2])], [vi("out", F, [2, 3])], inits, opset)
+
+
+def _glue(opset: int) -> onnx.ModelProto:
+    """Shape → Gather → Unsqueeze → Concat → Reshape, then Mul and Add."""
+    unsq = (helper.make_node("Unsqueeze", ["n", "axes0"], ["n1"], name="unsqueeze") if opset >= 13
+            else helper.make_node("Unsqueeze", ["n"], ["n1"], name="unsqueeze", axes=[0]))
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], name="gather", axis=0),
+             unsq,
+             helper.make_node("Concat", ["n1", "minus1"], ["target"], name="concat", axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+             helper.make_node("Mul", ["y", "y"], ["sq"], name="square"),
+             helper.make_node("Add", ["sq", "one"], ["out"], name="add_one")]
+    inits = [_init("zero", np.array(0, np.int64)), _init("axes0", np.array([0], np.int64)),
+             _init("minus1", np.array([-1], np.int64)), _init("one", np.float32(1.0))]
+    return make_model(nodes, [vi("x", F, [2, 3, 2])], [vi("out", F, [2, 6])], inits, opset)
+
+
+def _pointwise(opset: int) -> onnx.ModelProto:
+    """Element-wise chain with a comparison, a select and a cast."""
+    nodes = [helper.make_node("Abs", ["x"], ["a"], name="abs"),
+             helper.make_node("Sqrt", ["a"], ["s"], name="sqrt"),
+             helper.make_node("Greater", ["x", "zero"], ["pos"], name="greater"),
+             helper.make_node("Where", ["pos", "s", "x"], ["w"], name="where"),
+             helper.make_node("Div", ["w", "y"], ["q"], name="div"),
+             helper.make_node("Sigmoid", ["q"], ["sg"], name="sigmoid"),
+             helper.make_node("Cast", ["sg"], ["out"], name="cast", to=TensorProto.DOUBLE),
+             helper.make_node("LeakyRelu", ["x"], ["lr"], name="leaky", alpha=0.1)]
+    inits = [_init("zero", np.float32(0.0))]
+    return make_model(nodes, [vi("x", F, [3, 4]), vi("y", F, [4])],
+                      [vi("out", TensorProto.DOUBLE, [3, 4]), vi("lr", F, [3, 4])], inits, opset)
+
+
+BASE_MODELS = [_mlp(13), _mlp(18), _layout(13), _glue(11), _glue(13), _pointwise(13)]
+
+
+def random_feeds(graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Inputs matching the graph's input shapes and dtypes (integer inputs are zeros: valid indices)."""
+    feeds = {}
+    for t in graph.inputs:
+        dt = np.dtype(t.dtype)
+        if dt.kind == "f":
+            feeds[t.name] = rng.standard_normal(t.shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[t.name] = rng.random(t.shape) < 0.5
+        else:
+            feeds[t.name] = np.zeros(t.shape, dt)
+    return feeds
+
+
+def test_base_models_are_valid_and_run():
+    """The fuzzer's starting points import and run (else the property test below tests little)."""
+    rng = np.random.default_rng(0)
+    for model in BASE_MODELS:
+        onnx.checker.check_model(model)
+        g = load_onnx(model)
+        out = g.run(random_feeds(g, rng))
+        assert set(out) == {o.name for o in model.graph.output}
+
+
+_INT_VALUES = st.one_of(st.integers(-6, 6), st.sampled_from([2 ** 31, -(2 ** 31) - 1, 2 ** 62]))
+_FLOAT_VALUES = st.one_of(st.floats(-10, 10, width=32), st.sampled_from([float("nan"), float("inf"), -1e30]))
+_STRINGS = st.sampled_from(["", "bogus", "NOTSET", "SAME_UPPER", "VALID", "constant", "reflect", "linear",
+                            "LEFT", "é\x00"])
+_ATTR_KINDS = ["int", "float", "ints", "floats", "string", "tensor"]
+
+
+def _attr_value(data, kind: str):
+    if kind == "int":
+        return data.draw(_INT_VALUES)
+    if kind == "float":
+        return data.draw(_FLOAT_VALUES)
+    if kind == "ints":
+        return data.draw(st.lists(st.integers(-6, 6), max_size=5))
+    if kind == "floats":
+        return data.draw(st.lists(_FLOAT_VALUES, max_size=4))
+    if kind == "string":
+        return data.draw(_STRINGS)
+    shape = data.draw(st.lists(st.integers(0, 3), max_size=2))
+    dtype = data.draw(st.sampled_from([np.float32, np.int64, np.bool_]))
+    return numpy_helper.from_array(np.ones(shape, dtype))
+
+
+_ATTR_TYPES = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT,
+               "ints": onnx.AttributeProto.INTS, "floats": onnx.AttributeProto.FLOATS,
+               "string": onnx.AttributeProto.STRING, "tensor": onnx.AttributeProto.TENSOR}
+_KIND_OF = {v: k for k, v in _ATTR_TYPES.items()}
+
+
+def _make_attr(name, kind, value):
+    return helper.make_attribute(name, value, attr_type=_ATTR_TYPES[kind])
+
+
+def _names_before(model, node) -> list[str]:
+    """Tensor names defined before ``node`` (renaming to one of them keeps the graph sorted)."""
+    g = model.graph
+    names = [i.name for i in g.input] + [i.name for i in g.initializer]
+    for n in g.node:
+        if n is node:
+            break
+        names += list(n.output)
+    return sorted(set(names))
+
+
+def _schema_attrs(node, opset) -> dict:
+    try:
+        return dict(onnx.defs.get_schema(node.op_type, opset, node.domain).attributes)
+    except Exception:  # no schema for this op at this opset
+        return {}
+
+
+# Corruptions the checker lets through (they reach the handlers) come up more often.
+_MUTATIONS = ["drop_input", "rename_input", "rename_input", "attr_value", "attr_value", "attr_value", "attr_type",
+              "add_attr", "add_attr", "remove_attr", "swap_nodes", "remove_initializer", "corrupt_initializer",
+              "corrupt_initializer", "corrupt_initializer", "input_type", "input_type", "opset"]
+
+
+def mutate(model: onnx.ModelProto, data) -> tuple[onnx.ModelProto | bytes, list[str]]:
+    """Apply 1-3 random corruptions; returns the model (or raw bytes) and a log of what was done."""
+    m = copy.deepcopy(model)
+    g = m.graph
+    log: list[str] = []
+    opset = m.opset_import[0].version
+    for _ in range(data.draw(st.integers(1, 3), label="n_mutations")):
+        kind = data.draw(st.sampled_from(_MUTATIONS))
+        nodes = list(g.node)
+        if kind in ("drop_input", "rename_input"):
+            node = data.draw(st.sampled_from(nodes))
+            if not node.input:
+                continue
+            k = data.draw(st.integers(0, len(node.input) - 1))
+            if kind == "drop_input":
+                if data.draw(st.booleans()):
+                    del node.input[k]
+                else:
+                    node.input[k] = ""
+            else:
+                node.input[k] = data.draw(st.sampled_from(_names_before(m, node) + ["no_such_tensor"]))
+            log.append(f"{kind} {node.name}[{k}] -> {list(node.input)}")
+        elif kind in ("attr_value", "attr_type", "remove_attr"):
+            with_attrs = [n for n in nodes if n.attribute]
+            if not with_attrs:
+                continue
+            node = data.draw(st.sampled_from(with_attrs))
+            k = data.draw(st.integers(0, len(node.attribute) - 1))
+            old = node.attribute[k]
+            if kind == "remove_attr":
+                del node.attribute[k]
+                log.append(f"remove_attr {node.name}.{old.name}")
+                continue
+            akind = _KIND_OF.get(old.type, "int")
+            if kind == "attr_type":
+                akind = data.draw(st.sampled_from([x for x in _ATTR_KINDS if x != akind]))
+            value = _attr_value(data, akind)
+            node.attribute[k].CopyFrom(_make_attr(old.name, akind, value))
+            log.append(f"{kind} {node.name}.{old.name} = {akind} {value!r}"[:200])
+        elif kind == "add_attr":
+            node = data.draw(st.sampled_from(nodes))
+            absent = sorted(set(_schema_attrs(node, opset)) - {a.name for a in node.attribute})
+            if not absent:
+                continue
+            name = data.draw(st.sampled_from(absent))
+            akind = _KIND_OF.get(_schema_attrs(node, opset)[name].type, "int")
+            value = _attr_value(data, akind)
+            node.attribute.append(_make_attr(name, akind, value))
+            log.append(f"add_attr {node.name}.{name} = {value!r}"[:200])
+        elif kind == "swap_nodes":
+            i, j = data.draw(st.integers(0, len(nodes) - 1)), data.draw(st.integers(0, len(nodes) - 1))
+            a, b = copy.deepcopy(nodes[i]), copy.deepcopy(nodes[j])
+            g.node[i].CopyFrom(b)
+            g.node[j].CopyFrom(a)
+            log.append(f"swap_nodes {i} {j}")
+        elif kind in ("remove_initializer", "corrupt_initializer"):
+            if not g.initializer:
+                continue
+            k = data.draw(st.integers(0, len(g.initializer) - 1))
+            name = g.initializer[k].name
+            if kind == "remove_initializer":
+                del g.initializer[k]
+                log.append(f"remove_initializer {name}")
+            else:
+                shape = data.draw(st.lists(st.integers(0, 3), max_size=2))
+                dtype = data.draw(st.sampled_from([np.float32, np.int64, np.int32, np.float64, np.bool_]))
+                values = data.draw(st.lists(st.integers(-4, 15), min_size=int(np.prod(shape)),
+                                            max_size=int(np.prod(shape))))
+                arr = np.array(values, dtype=np.int64).reshape(shape).astype(dtype)
+                g.initializer[k].CopyFrom(numpy_helper.from_array(arr, name))
+                log.append(f"corrupt_initializer {name} = {arr!r}")
+        elif kind == "input_type":
+            inp = data.draw(st.sampled_from(list(g.input)))
+            tt = inp.type.tensor_type
+            if data.draw(st.booleans()):
+                tt.elem_type = data.draw(st.sampled_from([TensorProto.DOUBLE, I64, TensorProto.BOOL,
+                                                          TensorProto.FLOAT16, TensorProto.STRING,
+                                                          TensorProto.BFLOAT16, TensorProto.INT32]))
+            else:
+                dims = data.draw(st.lists(st.integers(0, 4), max_size=4))
+                tt.shape.Clear()
+                for d in dims:
+                    tt.shape.dim.add().dim_value = d
+            log.append(f"input_type {inp.name}: {helper.printable_type(inp.type)}")
+        elif kind == "opset":
+            m.opset_import[0].version = opset = data.draw(st.integers(1, 22))
+            log.append(f"opset {opset}")
+    if data.draw(st.integers(0, 7), label="byte_mutation") == 7:
+        raw = bytearray(m.SerializeToString())
+        how = data.draw(st.sampled_from(["truncate", "cut", "flip"]))
+        a = data.draw(st.integers(0, len(raw) - 1))
+        if how == "truncate":
+            raw = raw[:a]
+        elif how == "cut":
+            raw = raw[:a] + raw[a + data.draw(st.integers(1, 16)):]
+        else:
+            raw[a] ^= data.draw(st.integers(1, 255))
+        log.append(f"bytes {how} at {a}")
+        return bytes(raw), log
+    return m, log
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(base=st.integers(0, len(BASE_MODELS) - 1), data=st.data())
+def test_corrupted_models_raise_only_shardflow_errors(base, data):
+    model, log = mutate(BASE_MODELS[base], data)
+    try:
+        g = load_onnx(model)
+        with np.errstate(all="ignore"):
+            g.run(random_feeds(g, np.random.default_rng(0)))
+    except ShardflowError as exc:
+        assert str(exc), f"empty message from {type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - the property under test
+        raise AssertionError(f"untyped {type(exc).__name__} on base model {base} after {log}: {exc}") from exc

@@ -1,0 +1,205 @@
+"""Graph passes: each rewrites a small graph to the expected node count without changing run()."""
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from shardflow.compiler import load_onnx
+from shardflow.compiler.ir import FlowGraph, Tensor, const_tensor
+from shardflow.compiler.ops.elementwise import Activation, Binary, CastOp, Identity, Unary
+from shardflow.compiler.passes import (DumpGraph, EliminateCommonSubexpressions, EliminateDeadCode,
+                                       FoldConstants, PassPipeline, RemoveNoOps, default_passes, simplify)
+
+
+def run_pass(graph: FlowGraph, p, f: dict) -> tuple[FlowGraph, dict, dict]:
+    """Run ``graph`` on ``f``, apply the pass, validate, run again."""
+    before = graph.run(f)
+    graph = p(graph)
+    graph.validate()
+    after = graph.run(f)
+    return graph, before, after
+
+
+def assert_same(before: dict, after: dict):
+    assert list(before) == list(after)
+    for k in before:
+        assert before[k].dtype == after[k].dtype and before[k].shape == after[k].shape
+        np.testing.assert_array_equal(before[k], after[k])
+
+
+X = np.array([[0.5, -1.0, 2.0], [3.0, -4.0, 0.25]], np.float32)
+
+
+def test_fold_constants():
+    # out = x + relu(c1 * c2) - (c1 + 1): the three constant-only ops fold, `add`, `sub` stay
+    x = Tensor("x", (2, 3), "float32")
+    c1 = const_tensor(np.array([1.0, -2.0, 3.0], np.float32), "c1")
+    c2 = const_tensor(np.array([2.0, 2.0, -1.0], np.float32), "c2")
+    one = const_tensor(np.float32(1.0), "one")
+    m = Binary([c1, c2], name="cmul", fn="mul")
+    r = Activation([m.outputs[0]], name="crelu", kind="relu")
+    s = Binary([c1, one], name="cadd", fn="add")
+    a = Binary([x, r.outputs[0]], name="add", fn="add")
+    o = Binary([a.outputs[0], s.outputs[0]], name="sub", fn="sub")
+    g = FlowGraph([x], o.outputs, output_names=["out"])
+    assert len(g.nodes) == 5
+    g, before, after = run_pass(g, FoldConstants(), {"x": X})
+    assert [op.name for op in g.nodes] == ["add", "sub"]
+    assert_same(before, after)
+    folded = g.nodes[0].inputs[1]
+    assert folded.is_constant and folded.name == "crelu:0"
+    np.testing.assert_array_equal(folded.value, [2.0, 0.0, 0.0])
+    np.testing.assert_array_equal(after["out"], X + np.array([2, 0, 0], np.float32) - np.array([2, -1, 4],
+                                                                                               np.float32))
+
+
+def test_fold_constants_folds_a_constant_graph_output():
+    x = Tensor("x", (3,), "float32")
+    c = const_tensor(np.array([1.0, 4.0, 9.0], np.float32), "c")
+    sq = Unary([c], name="sqrt", fn="sqrt")
+    n = Unary([x], name="neg", fn="neg")
+    g = FlowGraph([x], [n.outputs[0], sq.outputs[0]], output_names=["n", "s"])
+    g, before, after = run_pass(g, FoldConstants(), {"x": X[0]})
+    assert [op.name for op in g.nodes] == ["neg"]
+    assert g.outputs[1].is_constant
+    assert_same(before, after)
+    np.testing.assert_array_equal(after["s"], [1.0, 2.0, 3.0])
+
+
+def test_remove_no_ops():
+    # identity and a cast to the same dtype disappear; a real cast stays
+    x = Tensor("x", (2, 3), "float32")
+    i1 = Identity([x], name="id1")
+    c_same = CastOp([i1.outputs[0]], name="cast_same", to="float32")
+    n = Unary([c_same.outputs[0]], name="neg", fn="neg")
+    i2 = Identity([n.outputs[0]], name="id2")
+    c_int = CastOp([i2.outputs[0]], name="cast_int", to="int32")
+    g = FlowGraph([x], [i2.outputs[0], c_int.outputs[0]], output_names=["f", "i"])
+    assert len(g.nodes) == 5
+    g, before, after = run_pass(g, RemoveNoOps(), {"x": X})
+    assert [op.name for op in g.nodes] == ["neg", "cast_int"]
+    assert g.nodes[0].inputs[0] is x
+    assert g.outputs[0] is g.nodes[0].outputs[0]
+    assert_same(before, after)
+    assert after["i"].dtype == np.int32
+
+
+def test_eliminate_common_subexpressions():
+    x = Tensor("x", (2, 3), "float32")
+    y = Tensor("y", (2, 3), "float32")
+    a1 = Binary([x, y], name="a1", fn="add")
+    a2 = Binary([x, y], name="a2", fn="add")              # same as a1
+    s = Binary([x, y], name="s", fn="sub")                # other attributes: kept
+    b1 = Binary([x, const_tensor(np.float32(2.0), "two_a")], name="b1", fn="mul")
+    b2 = Binary([x, const_tensor(np.float32(2.0), "two_b")], name="b2", fn="mul")  # equal constants: same
+    b3 = Binary([x, const_tensor(np.float32(3.0), "three")], name="b3", fn="mul")  # other value: kept
+    t1 = Binary([a1.outputs[0], a2.outputs[0]], name="t1", fn="mul")
+    t2 = Binary([b1.outputs[0], b2.outputs[0]], name="t2", fn="add")
+    g = FlowGraph([x, y], [t1.outputs[0], t2.outputs[0], s.outputs[0], b3.outputs[0]],
+                  output_names=["t1", "t2", "s", "b3"])
+    assert len(g.nodes) == 8
+    f = {"x": X, "y": X[::-1].copy()}
+    g, before, after = run_pass(g, EliminateCommonSubexpressions(), f)
+    assert sorted(op.name for op in g.nodes) == ["a1", "b1", "b3", "s", "t1", "t2"]
+    t1_new = next(op for op in g.nodes if op.name == "t1")
+    assert t1_new.inputs[0] is t1_new.inputs[1] is a1.outputs[0]
+    assert_same(before, after)
+
+
+def test_eliminate_dead_code():
+    x = Tensor("x", (2, 3), "float32")
+    live = Unary([x], name="live", fn="abs")
+    dead1 = Unary([x], name="dead1", fn="exp")
+    dead2 = Unary([dead1.outputs[0]], name="dead2", fn="log")
+    out = Unary([live.outputs[0]], name="out", fn="sqrt")
+    g = FlowGraph([x], out.outputs, nodes=[live, dead1, dead2, out], output_names=["y"])
+    g, before, after = run_pass(g, EliminateDeadCode(), {"x": X})
+    assert [op.name for op in g.nodes] == ["live", "out"]
+    assert_same(before, after)
+
+
+def test_default_pipeline_reaches_a_fixpoint():
+    # identity(x) + (c*c) twice: everything but one add disappears across the passes
+    x = Tensor("x", (2, 3), "float32")
+    c = const_tensor(np.array([1.0, 2.0, 3.0], np.float32), "c")
+    i = Identity([x], name="id")
+    sq = Binary([c, c], name="sq", fn="mul")
+    a1 = Binary([i.outputs[0], sq.outputs[0]], name="a1", fn="add")
+    a2 = Binary([x, sq.outputs[0]], name="a2", fn="add")
+    dead = Unary([a2.outputs[0]], name="dead", fn="neg")
+    g = FlowGraph([x], [a1.outputs[0], a2.outputs[0]], nodes=[i, sq, a1, a2, dead], output_names=["p", "q"])
+    before = g.run({"x": X})
+    g = simplify(g)
+    assert len(g.nodes) == 1 and g.outputs[0] is g.outputs[1]
+    assert_same(before, g.run({"x": X}))
+
+
+def test_dump_graph_writes_one_file_per_pass(tmp_path):
+    x = Tensor("x", (3,), "float32")
+    c = const_tensor(np.ones(3, np.float32), "c")
+    n = Unary([c], name="cneg", fn="neg")
+    a = Binary([x, n.outputs[0]], name="add", fn="add")
+    g = FlowGraph([x], a.outputs)
+    dump = DumpGraph(tmp_path / "dumps")
+    passes = [FoldConstants(), RemoveNoOps(), EliminateCommonSubexpressions(), EliminateDeadCode()]
+    g = PassPipeline(passes, instruments=[dump], fixpoint=False).run(g)
+    files = sorted(os.listdir(tmp_path / "dumps"))
+    assert files == ["00-0-FoldConstants.txt", "01-0-RemoveNoOps.txt", "02-0-EliminateCommonSubexpressions.txt",
+                     "03-0-EliminateDeadCode.txt"]
+    first = (tmp_path / "dumps" / files[0]).read_text()
+    assert first == str(g) + "\n"
+    assert "Unary" not in first and "= Binary(%x, %cneg:0)" in first  # the folded value keeps its name
+
+
+def test_dump_graph_through_load_onnx(tmp_path):
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["i"], name="id"), helper.make_node("Relu", ["i"], ["y"], name="r")],
+        "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]), opset_imports=[helper.make_opsetid("", 17)])
+    g = load_onnx(model, instruments=[DumpGraph(tmp_path)])
+    files = sorted(os.listdir(tmp_path))
+    n_passes = len(default_passes())
+    assert len(files) % n_passes == 0 and len(files) >= n_passes
+    assert [f.split("-", 2)[2] for f in files[:n_passes]] == [f"{type(p).__name__}.txt" for p in default_passes()]
+    assert [op.name for op in g.nodes] == ["r"]
+
+
+# import-time shape glue ---------------------------------------------------------------------------
+
+
+def shape_glue_model() -> onnx.ModelProto:
+    """``y = reshape(x, concat(unsqueeze(gather(shape(x), 0)), [-1]))``: flatten to (N, -1)."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Gather", ["s", "zero"], ["n"], name="gather", axis=0),
+        helper.make_node("Unsqueeze", ["n", "axes0"], ["n1"], name="unsqueeze"),
+        helper.make_node("Concat", ["n1", "minus1"], ["target"], name="concat", axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+        helper.make_node("Relu", ["y"], ["z"], name="relu"),
+    ]
+    inits = [helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+             helper.make_tensor("axes0", TensorProto.INT64, [1], [0]),
+             helper.make_tensor("minus1", TensorProto.INT64, [1], [-1])]
+    graph = helper.make_graph(nodes, "glue", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 12])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_simplify_removes_shape_glue():
+    model = shape_glue_model()
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    raw = load_onnx(model, input_shapes={"x": (2, 3, 4)}, simplify=False)
+    glue = {"Shape", "Gather", "Unsqueeze", "Concat"}
+    raw_types = {op.name: op.op_type for op in raw.nodes}
+    assert {"shape", "gather", "unsqueeze", "concat", "reshape", "relu"} <= set(raw_types), raw_types
+    simple = load_onnx(model, input_shapes={"x": (2, 3, 4)}, simplify=True)
+    assert not any(op.name in ("shape", "gather", "unsqueeze", "concat") for op in simple.nodes), str(simple)
+    assert not glue & set(simple.op_types()), simple.op_types()
+    assert [op.name for op in simple.nodes][-1] == "relu" and len(simple.nodes) <= 2
+    want = np.maximum(x.reshape(2, 12), 0)
+    for g in (raw, simple):
+        out = g.run({"x": x})
+        assert out["z"].shape == (2, 12)
+        np.testing.assert_array_equal(out["z"], want)
