@@ -108,7 +108,8 @@ class _Importer:
             except Exception as exc:
                 raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
             onnx_dtype(init.data_type, f"initializer {init.name!r}")
-            self.env[init.name] = const_tensor(np.ascontiguousarray(arr), init.name)
+            # ascontiguousarray alone would turn a 0-d (scalar) initializer into shape (1,)
+            self.env[init.name] = const_tensor(np.ascontiguousarray(arr).reshape(arr.shape), init.name)
             self._used_names.add(init.name)
         inputs = self._graph_inputs()
         for node in g.node:

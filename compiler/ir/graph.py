@@ -142,7 +142,7 @@ class Operator:
 
     #: Attributes holding the op's (first) output shape, e.g. a reshape target: rewritten by
     #: :meth:`localize` when the op runs on a shard.
-    shape_attrs: ClassVar[tuple[str, ...]] = ("shape",)
+    shape_attrs: ClassVar[tuple[str, ...]] = ("shape", "sizes")
 
     def localize(self, inputs: Sequence[Tensor], output_shapes: Sequence[Sequence[int]]) -> "Operator":
         """This op on local shards ``inputs``, producing ``output_shapes`` (used by partition).
@@ -152,17 +152,25 @@ class Operator:
         ShapeError
             if the op rebuilt on the shards does not produce the expected local shapes.
         """
-        attrs = dict(self.attrs)
         want = [tuple(int(d) for d in s) for s in output_shapes]
-        for a in self.shape_attrs:
-            if a in attrs and attrs[a] is not None and tuple(attrs[a]) == self.outputs[0].shape:
-                attrs[a] = want[0]
-        op = type(self)(list(inputs), name=self.name, **attrs)
+        op = type(self)(list(inputs), name=self.name, **self.local_attrs(inputs, want))
         got = [t.shape for t in op.outputs]
         if got != want:
             raise ShapeError(f"node {self.name} ({self.op_type}) on local shards gives shapes {got}, "
                              f"the plan expects {want}; this sharding is not supported for this op")
         return op
+
+    def local_attrs(self, inputs: Sequence[Tensor], output_shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+        """Attributes for running on shards: in every attribute named in ``shape_attrs`` that
+        spells the output shape dim by dim, dims equal to the global extent become the local one
+        (broadcast 1s stay). Ops with other global counts in their attributes override this."""
+        attrs = dict(self.attrs)
+        out, local = self.outputs[0].shape, output_shapes[0]
+        for a in self.shape_attrs:
+            v = attrs.get(a)
+            if isinstance(v, tuple) and len(v) == len(out):
+                attrs[a] = tuple(lo if (g != lo and x == g) else x for x, g, lo in zip(v, out, local))
+        return attrs
 
     @property
     def data_dependent(self) -> str | None:

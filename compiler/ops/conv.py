@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import ShapeError
-from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, as_expr, eq, if_then_else, logical_and, maximum, minimum
+from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, eq, if_then_else, logical_and, maximum, minimum
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
@@ -54,6 +54,32 @@ def _spatial(op: Operator, x, n_sp: int):
     return strides, dil, pads[:n_sp], pads[n_sp:]
 
 
+def _affine(terms, const: int = 0) -> Expr:
+    """``sum(coef * e) + const`` over ``terms = [(e, coef), ...]`` without ``* 1`` or ``+ 0`` noise."""
+    res = None
+    for e, c in terms:
+        if c == 0:
+            continue
+        if res is None:
+            res = e if c == 1 else e * c if c > 0 else -e if c == -1 else e * c
+        elif c > 0:
+            res = res + (e if c == 1 else e * c)
+        else:
+            res = res - (e if c == -1 else e * (-c))
+    if res is None:
+        return Const(const)
+    if const > 0:
+        return res + const
+    if const < 0:
+        return res - (-const)
+    return res
+
+
+def _window_pos(o: Expr, k: Expr, stride: int, dilation: int, kernel: int, pad: int) -> Expr:
+    """The input position ``o * stride + k * dilation - pad`` read by window ``o`` at tap ``k``."""
+    return _affine([(o, stride), (k, dilation if kernel > 1 else 0)], -pad)
+
+
 def _window_guard(pos: list[Expr], lo: list[int], hi: list[int], may_low: list[bool], may_high: list[bool]):
     """``lo[d] <= pos[d] < hi[d]`` for the dims where the bound can be crossed, or ``None``."""
     cond = None
@@ -83,7 +109,7 @@ def _windows(xp: np.ndarray, kernel, strides, dil, out) -> np.ndarray:
     return v[sl]
 
 
-def _pad_for(x: np.ndarray, kernel, strides, dil, pb, pe, out, value) -> np.ndarray:
+def _pad_for(x: np.ndarray, kernel, strides, dil, pb, out, value) -> np.ndarray:
     """Pad (or crop) the spatial dims so that ``out`` windows fit exactly."""
     pads = [(0, 0), (0, 0)]
     crop = [slice(None), slice(None)]
@@ -134,7 +160,7 @@ class Conv(Operator):
                     ch = oci if ocg == 1 else oci // ocg
                 else:
                     ch = (oci // ocg) * icg + ic
-                pos = [o[d] * s[d] + k[d] * dil[d] - pb[d] for d in range(n_sp)]
+                pos = [_window_pos(o[d], k[d], s[d], dil[d], kern[d], pb[d]) for d in range(n_sp)]
                 v = x[(ni, ch, *pos)]
                 cond = _window_guard(pos, [0] * n_sp, list(ins), may_low, may_high)
                 if cond is not None:
@@ -144,13 +170,20 @@ class Conv(Operator):
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
 
+    def local_attrs(self, inputs, output_shapes):
+        """On channel shards the group count is the local channels over channels per group."""
+        attrs = super().local_attrs(inputs, output_shapes)
+        if self.attrs.get("group", 1) != 1:
+            attrs["group"] = inputs[0].shape[1] // inputs[1].shape[1]
+        return attrs
+
     def numpy(self, x, w, *bias):
         n_sp = x.ndim - 2
         g = self.attrs.get("group", 1)
         s, dil, pb, pe = _spatial(self, x, n_sp)
         kern = w.shape[2:]
         out = self.outputs[0].shape[2:]
-        cols = _windows(_pad_for(x, kern, s, dil, pb, pe, out, 0), kern, s, dil, out)
+        cols = _windows(_pad_for(x, kern, s, dil, pb, out, 0), kern, s, dil, out)
         n, c = x.shape[:2]
         oc, icg = w.shape[:2]
         p, kp = math.prod(out), math.prod(kern)
@@ -201,7 +234,7 @@ class ConvTranspose(Operator):
                 ch = ic if g == 1 else (oci // ocg) * icg + ic
                 conds, idx = [], []
                 for d in range(n_sp):
-                    num = o[d] + pb[d] - k[d] * dil[d]
+                    num = _affine([(o[d], 1), (k[d], -dil[d] if kern[d] > 1 else 0)], pb[d])
                     lo, hi = pb[d] - (kern[d] - 1) * dil[d], out[d] - 1 + pb[d]  # range of num
                     if s[d] == 1:
                         i = num
@@ -274,19 +307,24 @@ class Pool(Operator):
         out = self._out_shape(ins)
         if min(out, default=1) < 1 or min(kern) < 1:
             raise ShapeError(f"{self.name}: the kernel {kern} (dilations {dil}) does not fit the padded input {ins}")
-        may_low = [pb[d] > 0 for d in range(n_sp)]
-        last = [(out[d] - 1) * s[d] + (kern[d] - 1) * dil[d] - pb[d] for d in range(n_sp)]
+        last = [(out[d] - 1) * s[d] + (kern[d] - 1) * dil[d] - pb[d] for d in range(n_sp)]  # largest position
         dt = x.dtype
 
-        def taps(o, k):
-            pos = [o[d] * s[d] + k[d] * dil[d] - pb[d] for d in range(n_sp)]
-            inside = _window_guard(pos, [0] * n_sp, list(ins), may_low, [last[d] > ins[d] - 1 for d in range(n_sp)])
-            return pos, inside
+        def taps(o, k, lo=(0,) * n_sp, hi=ins):
+            """Positions read by window ``o`` at tap ``k`` and the guard ``lo <= pos < hi`` (None if always true)."""
+            pos = [_window_pos(o[d], k[d], s[d], dil[d], kern[d], pb[d]) for d in range(n_sp)]
+            return pos, _window_guard(pos, list(lo), list(hi), [-pb[d] < lo[d] for d in range(n_sp)],
+                                      [last[d] > hi[d] - 1 for d in range(n_sp)])
 
         def guarded(ni, ci, o, k, fill):
             pos, inside = taps(o, k)
             v = x[(ni, ci, *pos)]
             return v if inside is None else if_then_else(inside, v, fill)
+
+        # avg divides by the taps inside the input, or with count_include_pad inside the padded input
+        cnt_lo, cnt_hi = (([-p for p in pb], [ins[d] + pe[d] for d in range(n_sp)])
+                          if self.attrs.get("count_include_pad", False) else ([0] * n_sp, list(ins)))
+        cnt_const = all(-pb[d] >= cnt_lo[d] and last[d] <= cnt_hi[d] - 1 for d in range(n_sp))
 
         def f(ni, ci, *o):
             if kind == "max":
@@ -297,17 +335,9 @@ class Pool(Operator):
                                "sum")
                 return BinOp("pow", total, Const(1.0 / self.attrs["p"], dt))
             total = reduce(kern, lambda *k: guarded(ni, ci, o, k, Const(0, dt)), "sum")
-            if self.attrs.get("count_include_pad", False):
-                lo = [-pb[d] for d in range(n_sp)]
-                hi = [ins[d] + pe[d] for d in range(n_sp)]
-                cnt_guard = lambda k: _window_guard(  # noqa: E731
-                    [o[d] * s[d] + k[d] * dil[d] - pb[d] for d in range(n_sp)], lo, hi, [False] * n_sp,
-                    [last[d] > hi[d] - 1 for d in range(n_sp)])
-            else:
-                cnt_guard = lambda k: taps(o, k)[1]  # noqa: E731
-            if cnt_guard(tuple(as_expr(0) for _ in kern)) is None:
+            if cnt_const:
                 return total / Const(float(math.prod(kern)), dt)
-            return total / reduce(kern, lambda *k: Cast(cnt_guard(k), dt), "sum")
+            return total / reduce(kern, lambda *k: Cast(taps(o, k, cnt_lo, cnt_hi)[1], dt), "sum")
         y = compute("y", x.shape[:2] + out, f, dtype=dt)
         if not self.attrs.get("with_indices", False):
             return y
@@ -354,21 +384,21 @@ class Pool(Operator):
         axes = tuple(range(2 + n_sp, 2 + 2 * n_sp))
         if kind == "max":
             lowest = -np.inf if x.dtype.kind == "f" else (False if x.dtype.kind == "b" else np.iinfo(x.dtype).min)
-            win = _windows(_pad_for(x, kern, s, dil, pb, pe, out, lowest), kern, s, dil, out)
+            win = _windows(_pad_for(x, kern, s, dil, pb, out, lowest), kern, s, dil, out)
             y = win.max(axis=axes)
             if not self.attrs.get("with_indices", False):
                 return [y]
             return [y, self._indices_np(win, x.shape, s, dil, pb)]
         xs = np.abs(x) ** x.dtype.type(self.attrs["p"]) if kind == "lp" else x
-        total = _windows(_pad_for(xs, kern, s, dil, pb, pe, out, 0), kern, s, dil, out).sum(axis=axes)
+        total = _windows(_pad_for(xs, kern, s, dil, pb, out, 0), kern, s, dil, out).sum(axis=axes)
         if kind == "lp":
             return [np.asarray(total ** x.dtype.type(1.0 / self.attrs["p"]), x.dtype)]
         if self.attrs.get("count_include_pad", False):
             ones = np.ones((1, 1) + tuple(ins[d] + pb[d] + pe[d] for d in range(n_sp)), x.dtype)
-            cnt = _windows(_pad_for(ones, kern, s, dil, [0] * n_sp, pe, out, 0), kern, s, dil, out)
+            cnt = _windows(_pad_for(ones, kern, s, dil, [0] * n_sp, out, 0), kern, s, dil, out)
         else:
             ones = np.ones((1, 1) + ins, x.dtype)
-            cnt = _windows(_pad_for(ones, kern, s, dil, pb, pe, out, 0), kern, s, dil, out)
+            cnt = _windows(_pad_for(ones, kern, s, dil, pb, out, 0), kern, s, dil, out)
         return [np.asarray(total / cnt.sum(axis=axes), x.dtype)]
 
     def _indices_np(self, win, xshape, s, dil, pb) -> np.ndarray:
@@ -435,6 +465,8 @@ def _source_coord(mode: str, i: Expr, scale: float, size_in: int, size_out: int,
         return _f(-0.5) if width == 1 else (y + _f(0.5)) / _f(scale) - _f(0.5)
     if mode == "half_pixel":
         return (y + _f(0.5)) / _f(scale) - _f(0.5)
+    if mode == "tf_half_pixel_for_nn":
+        return (y + _f(0.5)) / _f(scale)
     if mode == "half_pixel_symmetric":
         offset = size_in / 2 * (1 - size_out / width)
         return _f(offset) + (y + _f(0.5)) / _f(scale) - _f(0.5)
@@ -457,6 +489,8 @@ def _source_coord_np(mode: str, scale: float, size_in: int, size_out: int, roi) 
         return np.full(size_out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
     if mode == "half_pixel":
         return (y + 0.5) / scale - 0.5
+    if mode == "tf_half_pixel_for_nn":
+        return (y + 0.5) / scale
     if mode == "half_pixel_symmetric":
         return size_in / 2 * (1 - size_out / width) + (y + 0.5) / scale - 0.5
     r0, r1 = roi

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, maximum, minimum
+from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, eq, if_then_else, logical_and, maximum, minimum
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, reduce
 from .elementwise import broadcast_shape
 
-__all__ = ["MatMul", "Gemm", "Einsum", "MatMulInteger", "QLinearMatMul", "parse_einsum"]
+__all__ = ["MatMul", "Gemm", "Einsum", "MatMulInteger", "QLinearMatMul", "Attention", "parse_einsum"]
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
@@ -340,4 +340,227 @@ def examples(rng: np.random.Generator):
                          np.array(0.02, np.float32), np.array(0, np.int8), np.array(0.01, np.float32),
                          np.array(-3, np.int8)], {}),
     ]
+    q4, k4, v4 = f(2, 4, 3, 4), f(2, 2, 5, 4), f(2, 2, 5, 3)
+    res += [
+        (Attention, [q4, k4, v4], {"scale_sqrt": 0.7}),
+        (Attention, [q4, k4, v4, f(3, 5)], {"scale_sqrt": 0.7, "has_mask": True, "is_causal": True, "past_len": 2,
+                                            "qk_mode": 2}),
+        (Attention, [q4, k4, v4, rng.random((2, 1, 3, 4)) > 0.3, np.array([5, 2], np.int64)],
+         {"scale_sqrt": 0.7, "has_mask": True, "has_nonpad": True, "softcap": 2.0, "qk_mode": 3}),
+        (Attention, [f(2, 3, 8), f(2, 5, 4), f(2, 5, 6)], {"scale_sqrt": 0.7, "q_heads": 2, "kv_heads": 1,
+                                                          "is_causal": True, "left_window": 1, "right_window": 0,
+                                                          "qk_mode": 0}),
+        (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
+         {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
+    ]
     return res
+
+
+class Attention(Operator):
+    """Scaled dot-product attention (ONNX ``Attention``, opsets 23-25) as one definition.
+
+    Inputs ``q, k, v[, mask][, nonpad_kv_seqlen]`` (attributes ``has_mask``/``has_nonpad`` say which
+    optional ones follow). ``q`` is ``[B, Hq, S, D]`` or ``[B, S, Hq*D]`` (``q_heads``); ``k``/``v`` are
+    ``[B, Hkv, L, D]`` or ``[B, L, Hkv*D]`` (``kv_heads``), already holding any past cache; query head
+    ``h`` reads key/value head ``h // (Hq / Hkv)``. Per output element::
+
+        s_j = softcap(sum_d (q*c)[d] * (k*c)[j, d]) + bias_j      (c = ``scale_sqrt``)
+        y   = sum_j softmax_j(s) * v[j]                            (0 where every bias_j is -inf)
+
+    ``bias_j`` is the float mask (or 0/-inf of a bool mask; -inf past the mask's last dim), plus
+    -inf where ``is_causal`` (``j <= i + offset``), the window (``left_window``/``right_window``,
+    -1 = unbounded) or ``nonpad_kv_seqlen`` (``j < nonpad[b]``) exclude ``j``. The offset is
+    ``past_len``, or ``nonpad[b] - S`` with ``nonpad_kv_seqlen`` and no past. ``softmax_dtype``
+    computes the softmax in another dtype. ``qk_mode`` (0-3) adds the ``qk_matmul_output``
+    output: the (softcapped) scores, the scores plus bias, or the probabilities.
+    """
+
+    def _geometry(self, q, k, v):
+        qh, kvh = self.attrs.get("q_heads"), self.attrs.get("kv_heads")
+
+        def split(t, heads, what):
+            if t.ndim == 4:
+                return t.shape
+            if t.ndim != 3 or not heads or t.shape[2] % heads:
+                raise ShapeError(f"{self.name}: {what} of shape {t.shape} must be 4-D, or 3-D with a hidden size "
+                                 f"divisible by its head count ({heads})")
+            return (t.shape[0], heads, t.shape[1], t.shape[2] // heads)
+        g = [split(q, qh, "Q"), split(k, kvh, "K"), split(v, kvh, "V")]
+        (b, hq, s, d), (bk, hk, lk, dk), (bv, hv, lv, dv) = g
+        if not (b == bk == bv) or d != dk or hk != hv or lk != lv or hq % hk:
+            raise ShapeError(f"{self.name}: Q/K/V shapes {q.shape}, {k.shape}, {v.shape} are inconsistent "
+                             f"(per-head Q{g[0]}, K{g[1]}, V{g[2]}; Q heads must be a multiple of K/V heads)")
+        return b, hq, hk, s, lk, d, dv
+
+    @staticmethod
+    def _read(t, b, h, j, e, head):
+        """Element ``[b, h, j, e]`` of a 4-D tensor or of the 3-D ``[B, L, H*E]`` form."""
+        return t[b, h, j, e] if t.ndim == 4 else t[b, j, h * head + e]
+
+    def compute(self, q, k, v, *extra):
+        a = self.attrs
+        b_, hq, hk, s_len, l_len, d_len, dv = self._geometry(q, k, v)
+        rep, dt = hq // hk, q.dtype
+        extra = list(extra)
+        mask = extra.pop(0) if a.get("has_mask") else None
+        nonpad = extra.pop(0) if a.get("has_nonpad") else None
+        bias_shape = (b_, hq, s_len, l_len)
+        if mask is not None and (mask.ndim > 4 or mask.shape[-1] > l_len or broadcast_shape(
+                [mask.shape[:-1], bias_shape[:-1]], self.name) != bias_shape[:-1]):
+            raise ShapeError(f"{self.name}: attn_mask of shape {mask.shape} does not broadcast to {bias_shape}")
+        if nonpad is not None and nonpad.shape != (b_,):
+            raise ShapeError(f"{self.name}: nonpad_kv_seqlen has shape {nonpad.shape}, expected ({b_},)")
+        c = Const(a.get("scale_sqrt", 1.0), dt)
+        cap, left, right = a.get("softcap", 0.0), a.get("left_window", -1), a.get("right_window", -1)
+        neg_inf = Const(-np.inf, dt)
+
+        def kv_head(h):
+            return h if rep == 1 else h // rep
+
+        def score(bi, h, i, j):
+            dot = reduce((d_len,), lambda e: (self._read(q, bi, h, i, e, d_len) * c)
+                         * (self._read(k, bi, kv_head(h), j, e, d_len) * c), "sum")
+            if cap > 0:
+                dot = UnaryOp("tanh", dot / Const(cap, dt)) * Const(cap, dt)
+            return dot
+
+        def offset(bi):
+            if nonpad is not None and not a.get("past_len"):
+                return Cast(nonpad[bi], "int64") - s_len
+            return as_expr(a.get("past_len", 0))
+
+        def bias(bi, h, i, j):
+            """The additive mask at ``(b, h, i, j)``, or None without masking."""
+            allowed = []
+            val = None
+            if mask is not None:
+                off = 4 - mask.ndim
+                pos = (bi, h, i, j)[off:]
+                idx = tuple(as_expr(0) if e == 1 and bias_shape[off + n] != 1 else pos[n]
+                            for n, e in enumerate(mask.shape))
+                if mask.shape[-1] < l_len:
+                    allowed.append(j < mask.shape[-1])
+                if mask.dtype == "bool":
+                    allowed.append(mask[idx])
+                else:
+                    val = mask[idx]
+            if a.get("is_causal"):
+                allowed.append(j <= i + offset(bi))
+            if left >= 0:
+                allowed.append(i + offset(bi) - j <= left)
+            if right >= 0:
+                allowed.append(j - (i + offset(bi)) <= right)
+            if nonpad is not None:
+                allowed.append(j < Cast(nonpad[bi], "int64"))
+            if not allowed:
+                return val
+            ok = allowed[0]
+            for cond in allowed[1:]:
+                ok = logical_and(ok, cond)
+            return if_then_else(ok, Const(0, dt) if val is None else val, neg_inf)
+
+        sdt = a.get("softmax_dtype") or dt
+        has_bias = (mask is not None or nonpad is not None or bool(a.get("is_causal")) or left >= 0 or right >= 0)
+
+        def logits(bi, h, i, j):
+            sc = score(bi, h, i, j)
+            bs = bias(bi, h, i, j)
+            return sc if bs is None else sc + bs
+
+        def probs(bi, h, i):
+            """``p(j)``: the guarded softmax over j (in ``softmax_dtype``)."""
+            lg = (lambda j: logits(bi, h, i, j)) if sdt == dt else (lambda j: Cast(logits(bi, h, i, j), sdt))
+            m = reduce((l_len,), lg, "max")
+            den = reduce((l_len,), lambda j: UnaryOp("exp", lg(j) - m), "sum")
+            masked = None
+            if has_bias:
+                masked = eq(reduce((l_len,), lambda j: bias(bi, h, i, j), "max"), neg_inf)
+
+            def p(j):
+                v_ = UnaryOp("exp", lg(j) - m) / den
+                if masked is not None:
+                    v_ = if_then_else(masked, Const(0, sdt), v_)
+                return v_ if sdt == dt else Cast(v_, dt)
+            return p
+
+        def y4(bi, h, i, e):
+            p = probs(bi, h, i)
+            return reduce((l_len,), lambda j: p(j) * self._read(v, bi, kv_head(h), j, e, dv), "sum")
+
+        if q.ndim == 4:
+            y = compute("y", (b_, hq, s_len, dv), y4, dtype=dt)
+        else:
+            y = compute("y", (b_, s_len, hq * dv), lambda bi, i, ce: y4(bi, ce // dv, i, ce % dv), dtype=dt)
+        mode = a.get("qk_mode")
+        if mode is None:
+            return y
+
+        def qk(bi, h, i, j):
+            if mode == 3:
+                return probs(bi, h, i)(j)
+            if mode == 2:
+                return logits(bi, h, i, j)
+            return score(bi, h, i, j)
+        return [y, compute("qk", bias_shape, qk, dtype=dt)]
+
+    def numpy(self, q, k, v, *extra):
+        a = self.attrs
+        b_, hq, hk, s_len, l_len, d_len, dv = self._geometry(q, k, v)
+        dt = q.dtype
+        extra = list(extra)
+        mask = extra.pop(0) if a.get("has_mask") else None
+        nonpad = extra.pop(0) if a.get("has_nonpad") else None
+
+        def to4(t, h):
+            return t if t.ndim == 4 else t.reshape(t.shape[0], t.shape[1], h, -1).transpose(0, 2, 1, 3)
+        q4, k4, v4 = to4(q, hq), to4(k, hk), to4(v, hk)
+        if hq != hk:
+            k4, v4 = np.repeat(k4, hq // hk, axis=1), np.repeat(v4, hq // hk, axis=1)
+        c = dt.type(a.get("scale_sqrt", 1.0))
+        with np.errstate(all="ignore"):
+            score = np.matmul(q4 * c, np.swapaxes(k4 * c, 2, 3))
+            cap = a.get("softcap", 0.0)
+            if cap > 0:
+                score = np.tanh(score / dt.type(cap)) * dt.type(cap)
+            allowed = np.ones((1, 1, 1, l_len), bool)
+            val = np.zeros((), dt)
+            if mask is not None:
+                m = mask
+                if m.shape[-1] < l_len:
+                    pad = [(0, 0)] * (m.ndim - 1) + [(0, l_len - m.shape[-1])]
+                    allowed = allowed & np.pad(np.ones(m.shape, bool), pad)
+                    m = np.pad(m, pad)
+                if m.dtype == bool:
+                    allowed = allowed & m
+                else:
+                    val = m
+            i_idx = np.arange(s_len).reshape(-1, 1)
+            j_idx = np.arange(l_len).reshape(1, -1)
+            off = np.asarray(a.get("past_len", 0)).reshape(1, 1, 1, 1)
+            if nonpad is not None and not a.get("past_len"):
+                off = (nonpad.astype(np.int64) - s_len).reshape(-1, 1, 1, 1)
+            diff = i_idx + off - j_idx
+            if a.get("is_causal"):
+                allowed = allowed & (diff >= 0)
+            if a.get("left_window", -1) >= 0:
+                allowed = allowed & (diff <= a["left_window"])
+            if a.get("right_window", -1) >= 0:
+                allowed = allowed & (-diff <= a["right_window"])
+            if nonpad is not None:
+                allowed = allowed & (j_idx < nonpad.reshape(-1, 1, 1, 1))
+            bias = np.where(allowed, val, dt.type(-np.inf)).astype(dt)
+            logits = score + bias
+            sdt = np.dtype(a.get("softmax_dtype") or dt)
+            lg = logits.astype(sdt)
+            mx = lg.max(axis=-1, keepdims=True)
+            e = np.exp(lg - mx)
+            p = e / e.sum(axis=-1, keepdims=True)
+            masked = np.isneginf(np.broadcast_to(bias, logits.shape).max(axis=-1, keepdims=True))
+            p = np.where(masked, sdt.type(0), p).astype(dt)
+            y = np.matmul(p, v4)
+        if q.ndim == 3:
+            y = y.transpose(0, 2, 1, 3).reshape(b_, s_len, hq * dv)
+        mode = a.get("qk_mode")
+        if mode is None:
+            return [y]
+        return [y, {3: p, 2: logits}.get(mode, score).astype(dt)]

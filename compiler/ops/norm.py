@@ -65,7 +65,8 @@ class LayerNorm(Operator):
 
         def y(*i):
             mean, var = moments(i)
-            v = _cast((xs(i) - mean) * UnaryOp("rsqrt", var + Const(eps, st)), st, xdt) * broadcast_read(scale, x.shape, i)
+            v = _cast((xs(i) - mean) * UnaryOp("rsqrt", var + Const(eps, st)), st, xdt)
+            v = v * broadcast_read(scale, x.shape, i)
             return v + broadcast_read(bias, x.shape, i) if bias is not None else v
 
         outs = [compute("y", x.shape, y, dtype=xdt)]

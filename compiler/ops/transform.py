@@ -21,14 +21,14 @@ import numpy as np
 from ..errors import ShapeError
 from ..ir.expr import Cast, Const, Expr, as_expr, eq, if_then_else, infer_dtype, logical_and, maximum, minimum
 from ..ir.graph import Operator
-from ..ir.task import TensorInput, compute, reduce
+from ..ir.task import compute, reduce
 from .elementwise import broadcast_read, broadcast_shape
 
 __all__ = [
-    "reshape_indices", "normalize_slice", "Reshape", "Transpose", "Slice", "Concat", "Pad", "Tile", "Expand",
-    "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "ShapeOf", "SizeOf", "Full",
-    "Range", "Eye", "Trilu", "OneHot", "DepthToSpace", "SpaceToDepth", "ReverseSequence", "PAD_MODES",
-    "SCATTER_REDUCTIONS",
+    "reshape_indices", "normalize_slice", "fit_affine", "Reshape", "Transpose", "Slice", "Concat", "Pad", "Tile",
+    "Expand", "AffineGather", "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "ShapeOf",
+    "SizeOf", "Full", "Range", "Eye", "Trilu", "OneHot", "DepthToSpace", "SpaceToDepth", "ReverseSequence",
+    "PAD_MODES", "SCATTER_REDUCTIONS",
 ]
 
 PAD_MODES = ("constant", "reflect", "edge", "wrap")
@@ -227,8 +227,8 @@ class Slice(Operator):
 
     def compute(self, x):
         starts, steps, sizes = self.attrs["starts"], self.attrs["steps"], self.attrs["sizes"]
-        for d in range(x.ndim):
-            if sizes[d] and not (0 <= starts[d] < x.shape[d] and 0 <= starts[d] + steps[d] * (sizes[d] - 1) < x.shape[d]):
+        for d, n in enumerate(x.shape):
+            if sizes[d] and not (0 <= starts[d] < n and 0 <= starts[d] + steps[d] * (sizes[d] - 1) < n):
                 raise ShapeError(f"{self.name}: slice of dim {d} leaves the input's extent {x.shape[d]}")
 
         def f(*i):
@@ -286,19 +286,24 @@ class Pad(Operator):
     :data:`PAD_MODES` and the fill ``value`` of constant mode.
 
     Cropping applies first, then padding (the numpy ``np.pad`` meaning of each mode on the
-    cropped extent).
+    cropped extent). The fill is the attribute ``value``, or the one element of an optional second
+    input (a fill only known at run time).
     """
 
     injective = True
 
-    def compute(self, x):
+    def compute(self, x, *fill_input):
         begin, end, mode = self.attrs["begin"], self.attrs["end"], self.attrs["mode"]
         if mode not in PAD_MODES:
             raise ShapeError(f"{self.name}: unknown pad mode {mode!r}")
         shape = tuple(n + b + e for n, b, e in zip(x.shape, begin, end))
         if any(d < 0 for d in shape):
             raise ShapeError(f"{self.name}: pads {begin}/{end} crop more than the shape {x.shape}")
-        fill = _const(self.attrs.get("value", 0), x.dtype)
+        if fill_input:
+            (v,) = fill_input
+            fill = v[(0,) * v.ndim]
+        else:
+            fill = _const(self.attrs.get("value", 0), x.dtype)
 
         def f(*i):
             idx, inside = [], []
@@ -327,12 +332,13 @@ class Pad(Operator):
             return v if cond is None else if_then_else(cond, v, fill)
         return compute("y", shape, f, dtype=x.dtype)
 
-    def numpy(self, x):
+    def numpy(self, x, *fill_input):
         begin, end, mode = self.attrs["begin"], self.attrs["end"], self.attrs["mode"]
+        fill = np.asarray(fill_input[0] if fill_input else self.attrs.get("value", 0)).ravel()[0]
         x = x[tuple(slice(max(-b, 0), n - max(-e, 0)) for n, b, e in zip(x.shape, begin, end))]
         width = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
         if mode == "constant":
-            return [np.pad(x, width, mode="constant", constant_values=np.asarray(self.attrs.get("value", 0), x.dtype))]
+            return [np.pad(x, width, mode="constant", constant_values=np.asarray(fill).astype(x.dtype))]
         return [np.pad(x, width, mode=mode)]
 
     def passthrough_input(self):
@@ -454,6 +460,76 @@ class ReverseSequence(Operator):
 
 
 # gathers and scatters ------------------------------------------------------------------------
+def fit_affine(values: np.ndarray) -> tuple[tuple[int, ...], int] | None:
+    """Coefficients ``c`` and offset ``b`` with ``values[j] == b + sum(c[d] * j[d])`` for every
+    position ``j``, or ``None`` when the integer array ``values`` is not affine in its position."""
+    values = np.asarray(values, dtype=np.int64)
+    if values.size == 0:
+        return None
+    offset = int(values.flat[0])
+    coefs = tuple(int(values[tuple(1 if k == d else 0 for k in range(values.ndim))]) - offset if n > 1 else 0
+                  for d, n in enumerate(values.shape))
+    grid = np.full(values.shape, offset, dtype=np.int64)
+    for d, c in enumerate(coefs):
+        if c:
+            grid = grid + c * np.arange(values.shape[d], dtype=np.int64).reshape(
+                [-1 if k == d else 1 for k in range(values.ndim)])
+    return (coefs, offset) if np.array_equal(grid, values) else None
+
+
+class AffineGather(Operator):
+    """A gather at positions that are an affine function of the output position:
+    ``y[i] = x[..., sum(coefs[d][j] * i[j]) + offsets[d], ...]`` for each input dim ``d``.
+
+    What a Gather, GatherND or GatherElements with constant indices becomes when the indices
+    follow such a pattern (broadcast aranges of attention masks, strided picks).
+    """
+
+    injective = True
+
+    def compute(self, x):
+        shape, coefs, offsets = tuple(self.attrs["shape"]), self.attrs["coefs"], self.attrs["offsets"]
+        if len(coefs) != x.ndim or len(offsets) != x.ndim or any(len(c) != len(shape) for c in coefs):
+            raise ShapeError(f"{self.name}: index map does not match input rank {x.ndim} / output rank {len(shape)}")
+        if 0 not in shape:
+            for d, (c, b) in enumerate(zip(coefs, offsets)):
+                lo = b + sum(min(0, k * (n - 1)) for k, n in zip(c, shape))
+                hi = b + sum(max(0, k * (n - 1)) for k, n in zip(c, shape))
+                if lo < 0 or hi >= x.shape[d]:
+                    raise ShapeError(f"{self.name}: positions [{lo}, {hi}] leave dim {d} of extent {x.shape[d]}")
+
+        def f(*i):
+            idx = []
+            for c, b in zip(coefs, offsets):
+                e: Expr | None = None
+                for ax, k in zip(i, c):
+                    if k:
+                        term = _affine(ax, k, 0)
+                        e = term if e is None else e + term
+                idx.append(as_expr(b) if e is None else (e + b if b else e))
+            return x[tuple(idx)]
+        return compute("y", shape, f, dtype=x.dtype)
+
+    def numpy(self, x):
+        shape = tuple(self.attrs["shape"])
+        axes = [np.arange(n, dtype=np.int64).reshape([-1 if k == j else 1 for k in range(len(shape))])
+                for j, n in enumerate(shape)]
+        idx = []
+        for c, b in zip(self.attrs["coefs"], self.attrs["offsets"]):
+            v = np.full((1,) * len(shape), b, dtype=np.int64)
+            for ax, k in zip(axes, c):
+                if k:
+                    v = v + k * ax
+            idx.append(v)
+        return [np.broadcast_to(x[tuple(idx)] if idx else x, shape)]
+
+    def passthrough_input(self):
+        n = len(self.attrs["shape"])
+        identity = all(b == 0 and tuple(c) == tuple(int(j == d) for j in range(n))
+                       for d, (c, b) in enumerate(zip(self.attrs["coefs"], self.attrs["offsets"])))
+        return 0 if identity and tuple(self.attrs["shape"]) == self.inputs[0].shape else None
+
+
 class Gather(Operator):
     """``y = take(data, indices, axis)`` (negative indices count from the end)."""
 
@@ -682,22 +758,25 @@ class Eye(Operator):
 
 
 class Trilu(Operator):
-    """Keep the upper (``upper``) or lower triangle of the last two dims relative to diagonal ``k``."""
+    """Keep the upper (``upper``) or lower triangle of the last two dims relative to diagonal ``k``
+    (the attribute, or the one element of an optional int64 second input known at run time)."""
 
     injective = True
 
-    def compute(self, x):
-        k, upper = self.attrs["k"], self.attrs["upper"]
+    def compute(self, x, *k_input):
+        upper = self.attrs["upper"]
         zero = _const(0, x.dtype)
+        k = k_input[0][(0,) * k_input[0].ndim] if k_input else self.attrs["k"]
 
         def f(*i):
             d = i[-1] - i[-2]
             return if_then_else(d >= k if upper else d <= k, x[i], zero)
         return compute("y", x.shape, f, dtype=x.dtype)
 
-    def numpy(self, x):
+    def numpy(self, x, *k_input):
         f = np.triu if self.attrs["upper"] else np.tril
-        return [f(x, self.attrs["k"]).astype(x.dtype)]
+        k = int(np.asarray(k_input[0]).ravel()[0]) if k_input else self.attrs["k"]
+        return [f(x, k).astype(x.dtype)]
 
 
 class OneHot(Operator):
@@ -744,6 +823,7 @@ def examples(rng: np.random.Generator):
         (Concat, [ints, ints], {"axis": 0}),
         (Pad, [x], {"begin": (0, 1, 2), "end": (1, 0, -1), "mode": "constant", "value": 1.5}),
         (Pad, [ints > 0], {"begin": (1, 1), "end": (0, 1), "mode": "constant", "value": True}),
+        (Pad, [x, np.array([-2.0], np.float32)], {"begin": (1, 0, 2), "end": (0, -1, 1), "mode": "constant"}),
         (Pad, [x], {"begin": (0, 2, 3), "end": (0, 2, 7), "mode": "reflect"}),
         (Pad, [x], {"begin": (1, 2, -1), "end": (0, 3, 2), "mode": "edge"}),
         (Pad, [x], {"begin": (0, 4, 1), "end": (3, 1, 5), "mode": "wrap"}),
@@ -758,6 +838,9 @@ def examples(rng: np.random.Generator):
         (SpaceToDepth, [rng.standard_normal((1, 2, 4, 6)).astype(np.float32)], {"blocksize": 2, "mode": "CRD"}),
         (ReverseSequence, [x, np.array([3, 1], np.int64)], {"time_axis": 1, "batch_axis": 0}),
         (ReverseSequence, [x.transpose(1, 0, 2).copy(), np.array([0, 3], np.int64)], {"time_axis": 0, "batch_axis": 1}),
+        (AffineGather, [x], {"shape": (2, 2, 2), "coefs": ((0, 1, 0), (1, 0, -1), (0, 0, 2)), "offsets": (0, 1, 0)}),
+        (AffineGather, [x], {"shape": (4,), "coefs": ((0,), (0,), (1,)), "offsets": (1, 2, 0)}),
+        (AffineGather, [x[0, 0]], {"shape": (), "coefs": ((),), "offsets": (3,)}),
         (Gather, [x, np.array([[2, -1], [0, 1]], np.int64)], {"axis": 1}),
         (Gather, [x, np.array(-2, np.int32)], {"axis": 2}),
         (GatherElements, [x, rng.integers(-3, 3, (2, 2, 4))], {"axis": 1}),
@@ -776,6 +859,7 @@ def examples(rng: np.random.Generator):
         (Eye, [], {"shape": (4, 3), "k": -2, "dtype": "int64"}),
         (Trilu, [x], {"k": 1, "upper": True}),
         (Trilu, [ints], {"k": -1, "upper": False}),
+        (Trilu, [x, np.array([-1], np.int64)], {"k": 0, "upper": True}),
         (OneHot, [np.array([[1, -1], [5, 0]], np.int64), np.array([0.5, 3.0], np.float32)], {"axis": 1, "depth": 3}),
         (OneHot, [np.array([2.7, 0.0, -1.0], np.float32), np.array([0, 1], np.int64)], {"axis": 1, "depth": 4}),
     ]

@@ -59,7 +59,7 @@ class _RankBuilder:
         self.local: dict[tuple[int, TensorShardSpec], Tensor] = {}
         self.specs: dict[int, TensorShardSpec] = {}
         self.replicated = TensorShardSpec.replicated(self.mesh.ndim)
-        self.cost_model = None
+        self.cost_model = plan.cost_model()
 
     def add(self, op: Operator) -> Tensor:
         self.nodes.append(op)
@@ -77,7 +77,7 @@ class _RankBuilder:
         else:
             src = self.specs[id(t)]
             x = self.local[(id(t), src)]
-            steps = connect(src, dst, t.shape, t.dtype, self.mesh, _cost_model(self.mesh)).steps
+            steps = connect(src, dst, t.shape, t.dtype, self.mesh, self.cost_model).steps
             for k, st in enumerate(steps):
                 x = self.add(self._step_op(st, x, t, f"{t.name}/{st.kind}{k}->{dst}"))
             res = x
@@ -87,25 +87,25 @@ class _RankBuilder:
     def _step_op(self, st, x: Tensor, t: Tensor, name: str) -> Operator:
         m = st.mesh_axis
         n = self.mesh.shape[m]
-        group = self.mesh.group_of(self.rank, m)
+        j = self.coord[m]  # this rank's index in its group along mesh axis m
         if st.kind == "local_slice":
-            full = local_shape(t.shape, st.src, self.mesh, self.coord)[st.tensor_dim]
-            start, stop = chunk_bounds(full, n, self.coord[m])
+            start, stop = chunk_bounds(x.shape[st.tensor_dim], n, j)
             return comm_ops.LocalSlice([x], name=name, dim=st.tensor_dim, start=start, stop=stop)
         if st.kind == "local_partial":
-            return comm_ops.LocalPartial([x], name=name, keep=self.coord[m] == 0, op=st.reduce_op)
-        common = dict(name=name, mesh_axis=m, group=group)
+            keep = j == 0 or st.reduce_op != "sum"
+            return comm_ops.LocalPartial([x], name=name, keep=keep)
         if st.kind == "all_reduce":
-            return comm_ops.AllReduce([x], op=st.reduce_op, **common)
+            return comm_ops.AllReduce([x], name=name, mesh_axis=m, op=st.reduce_op, group_size=n)
+        if st.kind == "reduce_scatter":
+            return comm_ops.ReduceScatter([x], name=name, mesh_axis=m, dim=st.tensor_dim, op=st.reduce_op,
+                                          group_size=n, group_index=j)
         dst_shape = local_shape(t.shape, st.dst, self.mesh, self.coord)
         if st.kind == "all_gather":
-            return comm_ops.AllGather([x], dim=st.tensor_dim, out_size=dst_shape[st.tensor_dim], **common)
-        if st.kind == "reduce_scatter":
-            return comm_ops.ReduceScatter([x], dim=st.tensor_dim, op=st.reduce_op,
-                                          out_size=dst_shape[st.tensor_dim], **common)
+            return comm_ops.AllGather([x], name=name, mesh_axis=m, dim=st.tensor_dim,
+                                      global_size=dst_shape[st.tensor_dim], group_size=n)
         if st.kind == "all_to_all":
-            return comm_ops.AllToAll([x], src_dim=st.tensor_dim, dst_dim=st.dst_dim,
-                                     out_shape=tuple(dst_shape), **common)
+            return comm_ops.AllToAll([x], name=name, mesh_axis=m, src_dim=st.tensor_dim, dst_dim=st.dst_dim,
+                                     src_size=dst_shape[st.tensor_dim], group_size=n, group_index=j)
         raise ShardflowError(f"partition: unknown resharding step {st.kind!r}")
 
     def build(self) -> FlowGraph:
@@ -142,14 +142,3 @@ def partition(graph: FlowGraph, plan: ShardingPlan) -> list[FlowGraph]:
             raise ShardflowError(f"graph input {name!r} cannot be Partial; inputs are delivered whole to every rank")
     return [_RankBuilder(graph, plan, r).build() for r in range(plan.mesh.size)]
 
-
-_COST_MODELS: dict[int, object] = {}
-
-
-def _cost_model(mesh: DeviceMesh):
-    from .cost import CostModel
-
-    key = id(mesh)
-    if key not in _COST_MODELS:
-        _COST_MODELS[key] = CostModel(mesh)
-    return _COST_MODELS[key]

@@ -94,6 +94,12 @@ class ShardingPlan:
         self.bandwidth = bandwidth
         self.latency = latency
 
+    def cost_model(self):
+        """The cost model the plan was made with (connect orders multi-axis steps by it)."""
+        from .cost import CostModel
+
+        return CostModel(self.mesh, axis_bandwidth_GBps=self.bandwidth, axis_latency_us=self.latency)
+
     @property
     def memory_bytes(self) -> int:
         return self.params_bytes + self.peak_activation_bytes
@@ -133,8 +139,7 @@ class ShardingPlan:
         return cls(problem.mesh, algo, op_specs, tensor_specs, reshards, total, comp, comm, params, peak,
                    {op.name: op.op_type for op in g.nodes},
                    dict(zip(g.output_names, problem.output_specs)), dict(problem.input_specs), search_seconds,
-                   problem.cost_model.bandwidth if hasattr(problem.cost_model, "bandwidth") else None,
-                   problem.cost_model.latency if hasattr(problem.cost_model, "latency") else None)
+                   problem.cost_model.bandwidth_GBps, problem.cost_model.latency_us)
 
     # persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -142,6 +147,8 @@ class ShardingPlan:
             "format": PLAN_FORMAT,
             "algo": self.algo,
             "mesh": self.mesh.to_dict(),
+            "axis_bandwidth_GBps": list(self.bandwidth) if self.bandwidth else None,
+            "axis_latency_us": list(self.latency) if self.latency else None,
             "cost_s": _num(self.cost),
             "compute_cost_s": _num(self.compute_cost),
             "comm_cost_s": _num(self.comm_cost),
@@ -210,7 +217,8 @@ class ShardingPlan:
             plan = cls(mesh, d["algo"], op_specs, {k: parse(v) for k, v in d["tensors"].items()}, [],
                        float(d["cost_s"]), float(d["compute_cost_s"]), float(d["comm_cost_s"]),
                        int(d["params_bytes"]), int(d["peak_activation_bytes"]), types,
-                       {k: parse(v) for k, v in d["outputs"].items()}, {k: parse(v) for k, v in d["inputs"].items()})
+                       {k: parse(v) for k, v in d["outputs"].items()}, {k: parse(v) for k, v in d["inputs"].items()},
+                       0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed plan.json ({type(exc).__name__}: {exc})") from None
         if graph is not None:

@@ -210,6 +210,9 @@ class _OutputAnalysis:
                 sharded[v] = sharded.get(v, 1) * mesh_shape[m]
         if self.partial_op == "avg" and any(v.extent % n for v, n in sharded.items() if v in self.reduce_vars):
             return None  # a mean of uneven shards' means is not the mean
+        for v, n in sharded.items():
+            if -(-v.extent // n) * (n - 1) >= v.extent:
+                return None  # some rank would get an empty shard (torch.chunk bounds): no work to split
         in_place: list[list[Placement | None] | None] = [None] * ninputs
         for r in self.reads:
             pos = self.input_ids.get(id(r.tensor))
@@ -240,6 +243,14 @@ class _OutputAnalysis:
                 in_place[pos] = places
             elif in_place[pos] != places:
                 return None
+        if sharded and any(p is None for p in in_place):
+            return None  # an input no read touches (an empty concat operand): its shard is undefined
+        # A split output axis must be tied to a split input dim: the local op derives its
+        # output extent from its inputs (an axis no read ties down cannot shrink locally).
+        tied = {v for places in in_place if places is not None
+                for v, p in zip(assign, places) if isinstance(p, Shard)}
+        if any(v not in tied for v in sharded):
+            return None
         out_places: list[Placement] = []
         reductions = []
         for m, v in enumerate(assign):

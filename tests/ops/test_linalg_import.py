@@ -1,0 +1,225 @@
+"""Linear algebra, convolution, pooling and resize imported from small ONNX models, checked against
+onnxruntime (and, for Resize, against the ONNX backend test data with constant scales/sizes)."""
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import ShapeError, UnsupportedOperatorError, load_onnx
+
+ort = pytest.importorskip("onnxruntime")
+
+OPSET = 19
+
+
+def _model(op_type, inputs, attrs=None, n_outputs=1, initializers=None, opset=OPSET):
+    """A one-node model; ``inputs`` maps name -> array (graph inputs unless in ``initializers``)."""
+    initializers = initializers or {}
+    node = helper.make_node(op_type, list(inputs), [f"y{i}" for i in range(n_outputs)], **(attrs or {}))
+    g_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                for n, a in inputs.items() if n and n not in initializers]  # "" = an absent optional input
+    dtype = helper.np_dtype_to_tensor_dtype(next(iter(inputs.values())).dtype)
+    outs = [helper.make_tensor_value_info(f"y{i}", dtype if i == 0 else TensorProto.INT64, None)
+            for i in range(n_outputs)]
+    inits = [numpy_helper.from_array(a, n) for n, a in initializers.items()]
+    graph = helper.make_graph([node], "g", g_inputs, outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return onnx.shape_inference.infer_shapes(model)  # fills in the output shapes
+
+
+def _check(op_type, inputs, attrs=None, n_outputs=1, initializers=(), opset=OPSET):
+    inits = {n: inputs[n] for n in initializers}
+    model = _model(op_type, inputs, attrs, n_outputs, inits, opset)
+    feeds = {n: a for n, a in inputs.items() if n not in inits}
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, feeds)
+    got = load_onnx(model, input_shapes={n: a.shape for n, a in feeds.items()}).run(feeds)
+    for i, w in enumerate(want):
+        g = got[f"y{i}"]
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if w.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
+def _f(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((2, 1, 3, 4), (5, 4, 6)), ((3, 4), (2, 4, 5)), ((4,), (2, 4, 3)), ((2, 3, 4), (4,)), ((4,), (4,)),
+    ((1, 3, 4), (2, 4, 2)),
+])
+def test_matmul_broadcasting(a_shape, b_shape):
+    rng = np.random.default_rng(0)
+    _check("MatMul", {"a": _f(rng, *a_shape), "b": _f(rng, *b_shape)})
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("c_shape", [None, (5,), (3, 1), (3, 5), (1,)])
+def test_gemm(trans_a, trans_b, c_shape):
+    rng = np.random.default_rng(1)
+    inputs = {"a": _f(rng, *((4, 3) if trans_a else (3, 4))), "b": _f(rng, *((5, 4) if trans_b else (4, 5)))}
+    if c_shape is not None:
+        inputs["c"] = _f(rng, *c_shape)
+    _check("Gemm", inputs, {"transA": trans_a, "transB": trans_b, "alpha": 0.7, "beta": 1.3}, initializers=("b",))
+
+
+def test_gemm_checks_the_contracted_dim():
+    rng = np.random.default_rng(2)
+    model = _model("Gemm", {"a": _f(rng, 3, 4), "b": _f(rng, 5, 4)}, {})
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y0", TensorProto.FLOAT, [3, 5]))
+    with pytest.raises(ShapeError, match="contracts dim 4"):
+        load_onnx(model)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 3, 7, 7), (4, 3, 3, 3), {}),
+    ((2, 4, 8, 7), (6, 2, 3, 3), {"group": 2, "strides": [2, 1], "pads": [1, 0, 1, 1], "dilations": [1, 2]}),
+    ((1, 4, 6, 6), (4, 1, 3, 3), {"group": 4, "pads": [1, 1, 1, 1]}),
+    ((1, 2, 9, 8), (4, 2, 3, 2), {"strides": [2, 3], "auto_pad": "SAME_UPPER"}),
+    ((1, 2, 9, 8), (4, 2, 4, 2), {"strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+    ((1, 2, 9, 8), (4, 2, 3, 3), {"auto_pad": "VALID", "dilations": [2, 2]}),
+    ((2, 3, 11), (2, 3, 3), {"strides": [2], "pads": [2, 1], "dilations": [2]}),
+    ((1, 2, 4, 5, 4), (3, 2, 2, 3, 2), {"pads": [1, 0, 0, 0, 1, 1], "strides": [1, 2, 1]}),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv(x_shape, w_shape, attrs, bias):
+    rng = np.random.default_rng(3)
+    inputs = {"x": _f(rng, *x_shape), "w": _f(rng, *w_shape)}
+    if bias:
+        inputs["b"] = _f(rng, w_shape[0])
+    _check("Conv", inputs, attrs, initializers=("w",))
+
+
+def test_conv_rejects_mismatched_channels():
+    rng = np.random.default_rng(4)
+    model = _model("Conv", {"x": _f(rng, 1, 3, 5, 5), "w": _f(rng, 2, 2, 3, 3)}, {})
+    with pytest.raises(ShapeError, match="channels"):
+        load_onnx(model)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 2, 3, 3), (2, 3, 3, 3), {}),
+    ((1, 2, 3, 4), (2, 2, 3, 3), {"strides": [3, 2], "pads": [1, 2, 1, 2]}),
+    ((1, 2, 3, 4), (2, 2, 3, 3), {"strides": [3, 2], "output_padding": [1, 1]}),
+    ((1, 4, 3, 3), (4, 1, 3, 2), {"group": 2, "strides": [2, 2], "dilations": [2, 1]}),
+    ((2, 2, 5), (2, 3, 4), {"strides": [2], "pads": [1, 2]}),
+    ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "output_shape": [7, 7]}),
+    ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "output_shape": [5, 6]}),
+    ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "output_shape": [6, 6], "auto_pad": "SAME_UPPER"}),
+    ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+])
+def test_conv_transpose(x_shape, w_shape, attrs):
+    rng = np.random.default_rng(5)
+    _check("ConvTranspose", {"x": _f(rng, *x_shape), "w": _f(rng, *w_shape), "b": _f(rng, w_shape[1] * attrs.get(
+        "group", 1))}, attrs, initializers=("w",))
+
+
+POOL_CASES = [
+    ((1, 2, 7, 7), {"kernel_shape": [3, 3]}),
+    ((1, 2, 7, 8), {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ((1, 2, 6, 7), {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+    ((1, 2, 7, 7), {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}),
+    ((1, 2, 8, 8), {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ((1, 2, 8, 8), {"kernel_shape": [2, 2], "strides": [3, 3], "auto_pad": "SAME_LOWER"}),
+    ((1, 2, 9, 9), {"kernel_shape": [2, 3], "dilations": [2, 2], "strides": [2, 1], "ceil_mode": 1}),
+    ((2, 3, 10), {"kernel_shape": [3], "strides": [3], "pads": [1, 1], "ceil_mode": 1}),
+    ((1, 1, 5, 6, 5), {"kernel_shape": [2, 2, 3], "strides": [2, 2, 2], "pads": [0, 1, 1, 1, 0, 1]}),
+]
+
+
+@pytest.mark.parametrize("x_shape,attrs", POOL_CASES)
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool(x_shape, attrs, count_include_pad):
+    rng = np.random.default_rng(6)
+    _check("AveragePool", {"x": _f(rng, *x_shape)}, {**attrs, "count_include_pad": count_include_pad})
+
+
+@pytest.mark.parametrize("x_shape,attrs", POOL_CASES)
+def test_max_pool(x_shape, attrs):
+    rng = np.random.default_rng(7)
+    _check("MaxPool", {"x": _f(rng, *x_shape)}, attrs)
+
+
+@pytest.mark.parametrize("x_shape,attrs", [c for c in POOL_CASES if len(c[0]) <= 4 and "auto_pad" not in c[1]])
+@pytest.mark.parametrize("storage_order", [0, 1])
+def test_max_pool_indices(x_shape, attrs, storage_order):
+    rng = np.random.default_rng(8)
+    _check("MaxPool", {"x": _f(rng, *x_shape)}, {**attrs, "storage_order": storage_order}, n_outputs=2)
+
+
+@pytest.mark.parametrize("x_shape,attrs", POOL_CASES[:4])
+def test_lp_pool(x_shape, attrs):
+    rng = np.random.default_rng(9)
+    _check("LpPool", {"x": _f(rng, *x_shape)}, {**attrs, "p": 3} if "ceil_mode" not in attrs else {**attrs, "p": 2})
+
+
+@pytest.mark.parametrize("op_type", ["GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"])
+def test_global_pool(op_type):
+    rng = np.random.default_rng(10)
+    _check(op_type, {"x": _f(rng, 2, 3, 5, 4)})
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]), ("...ii->...i", [(2, 3, 3)]), ("ij->", [(3, 4)]),
+    ("i,i", [(5,), (5,)]), ("...ij,...jk", [(2, 1, 3, 4), (1, 5, 4, 2)]), ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),
+])
+def test_einsum(equation, shapes):
+    rng = np.random.default_rng(11)
+    _check("Einsum", {f"x{i}": _f(rng, *s) for i, s in enumerate(shapes)}, {"equation": equation})
+
+
+def _backend_cases(prefixes):
+    from onnx.backend.test.loader import load_model_tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [c for c in load_model_tests(kind="node") if c.name.startswith(prefixes)]
+
+
+RESIZE_CASES = _backend_cases(("test_resize", "test_upsample"))
+
+
+@pytest.mark.parametrize("case", RESIZE_CASES, ids=[c.name for c in RESIZE_CASES])
+def test_resize_backend_cases_with_constant_scales(case):
+    """The ONNX backend Resize/Upsample cases, with scales/sizes/roi turned into initializers."""
+    model = onnx.ModelProto()
+    model.CopyFrom(case.model)
+    (inputs, outputs), = case.data_sets[:1]
+    feeds = {}
+    for vi, arr in zip(list(model.graph.input), inputs):
+        if vi.name == "X":
+            feeds["X"] = arr
+        else:
+            model.graph.initializer.append(numpy_helper.from_array(arr, vi.name))
+    if "antialias" in case.name:  # antialiased downsampling is refused
+        with pytest.raises(UnsupportedOperatorError, match="antialias"):
+            load_onnx(model, input_shapes={"X": feeds["X"].shape})
+        return
+    got = load_onnx(model, input_shapes={"X": feeds["X"].shape}).run(feeds)[model.graph.output[0].name]
+    assert got.shape == outputs[0].shape and got.dtype == outputs[0].dtype
+    np.testing.assert_allclose(got, outputs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_resize_with_data_dependent_scales_is_refused():
+    rng = np.random.default_rng(12)
+    x = _f(rng, 1, 1, 2, 2)
+    model = _model("Resize", {"x": x, "": np.zeros(0, np.float32), "s": np.array([1, 1, 2, 2], np.float32)},
+                   {"mode": "nearest"})
+    with pytest.raises(UnsupportedOperatorError, match="must be known at compile time"):
+        load_onnx(model)
+
+
+@pytest.mark.parametrize("mode,scales", [("nearest", [1, 1, 2, 3]), ("linear", [1, 1, 2, 1.5]),
+                                         ("nearest", [1, 1, 0.5, 0.5])])
+def test_resize_opset10_and_upsample9_match_onnxruntime(mode, scales):
+    rng = np.random.default_rng(13)
+    x = _f(rng, 1, 2, 4, 4)
+    s = np.array(scales, np.float32)
+    _check("Resize", {"x": x, "s": s}, {"mode": mode}, initializers=("s",), opset=10)
+    if min(scales) >= 1:
+        _check("Upsample", {"x": x, "s": s}, {"mode": mode}, initializers=("s",), opset=9)
