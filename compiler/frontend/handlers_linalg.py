@@ -393,10 +393,8 @@ def resize(ctx):
         for i, a in enumerate(axes):
             full[a], full[r + a] = float(roi_in[i]), float(roi_in[len(axes) + i])
         roi = tuple(full)
-    if int(ctx.attr("antialias", 0)) and mode != "nearest":
-        if any(s < 1 for s in scales):
-            raise ctx.unsupported("antialias=1 when downsampling")
-    extra = dict(cubic_coeff_a=float(ctx.attr("cubic_coeff_a", -0.75)),
+    extra = dict(antialias=bool(ctx.attr("antialias", 0)) and mode != "nearest",
+                 cubic_coeff_a=float(ctx.attr("cubic_coeff_a", -0.75)),
                  exclude_outside=bool(ctx.attr("exclude_outside", 0)),
                  extrapolation_value=float(ctx.attr("extrapolation_value", 0.0)))
     return [_resize_op(ctx, x, mode=mode, ctm=ctm, scales=scales, sizes=sizes, roi=roi, nearest_mode=nearest_mode,

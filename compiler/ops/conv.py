@@ -499,16 +499,74 @@ def _source_coord_np(mode: str, scale: float, size_in: int, size_out: int, roi) 
     return y * float(r1 - r0) * float(size_in - 1) / float(width - 1) + r0 * (size_in - 1)
 
 
-def _cubic_weights(t, a: float, one, const):
+class _ExprOps:
+    """Scalar helpers for building tap weights as expressions (see :func:`_taps`)."""
+
+    const = staticmethod(_f)
+    abs = staticmethod(lambda e: UnaryOp("abs", e))
+    where = staticmethod(if_then_else)
+    both = staticmethod(logical_and)
+
+
+class _NumpyOps:
+    """The same helpers on float64 numpy arrays."""
+
+    const = staticmethod(float)
+    abs = staticmethod(np.abs)
+    where = staticmethod(np.where)
+    both = staticmethod(np.logical_and)
+
+
+def _cubic_weights(t, a: float, ops):
     """The 4 cubic-convolution weights of taps ``floor - 1 .. floor + 2`` at fraction ``t``."""
-    A = const(a)
+    A, one = ops.const(a), ops.const(1.0)
 
     def far(z):  # |z| in [1, 2]
-        return ((A * z - const(5 * a)) * z + const(8 * a)) * z - const(4 * a)
+        return ((A * z - ops.const(5 * a)) * z + ops.const(8 * a)) * z - ops.const(4 * a)
 
     def near(z):  # |z| in [0, 1]
-        return ((const(a + 2)) * z - const(a + 3)) * z * z + one
+        return (ops.const(a + 2) * z - ops.const(a + 3)) * z * z + one
     return [far(t + one), near(t), near(one - t), far(one - t + one)]
+
+
+def _taps(attrs: dict, scale: float, t, base, size: int, ops):
+    """Offsets (from ``floor(x)``) and weights of the taps interpolating one axis at fraction ``t``.
+
+    Antialiased downsampling (``scale < 1``) widens the linear (tent) or cubic kernel by
+    ``1 / scale`` and normalizes its weights, as the ONNX reference does.
+    """
+    mode, a = attrs["mode"], attrs.get("cubic_coeff_a", -0.75)
+    one = ops.const(1.0)
+    if attrs.get("antialias", False) and scale < 1:
+        start = math.floor((-1 if mode == "linear" else -2) / scale) + 1
+        offs = list(range(start, 2 - start))
+        args = [(ops.const(o) - t) * ops.const(scale) for o in offs]
+        if mode == "linear":
+            ws = [ops.where(ops.abs(z) < one, one - ops.abs(z), ops.const(0.0)) for z in args]
+        else:
+            def kernel(z):
+                x = ops.abs(z)
+                x2 = x * x
+                x3 = x * x2
+                inner = ops.const(a + 2) * x3 - ops.const(a + 3) * x2 + one
+                outer = ops.const(a) * x3 - ops.const(5 * a) * x2 + ops.const(8 * a) * x - ops.const(4 * a)
+                return ops.where(x <= one, inner, ops.where(x < ops.const(2.0), outer, ops.const(0.0)))
+            ws = [kernel(z) for z in args]
+        total = ws[0]
+        for w_ in ws[1:]:
+            total = total + w_
+        ws = [w_ / total for w_ in ws]
+    elif mode == "linear":
+        offs, ws = [0, 1], [one - t, t]
+    else:
+        offs, ws = [-1, 0, 1, 2], _cubic_weights(t, a, ops)
+    if mode == "cubic" and attrs.get("exclude_outside", False):
+        ws = [ops.where(ops.both(base + o >= 0, base + o < size), w_, ops.const(0.0)) for o, w_ in zip(offs, ws)]
+        total = ws[0]
+        for w_ in ws[1:]:
+            total = total + w_
+        ws = [w_ / total for w_ in ws]
+    return offs, ws
 
 
 class Resize(Operator):
@@ -516,9 +574,10 @@ class Resize(Operator):
 
     ``scales`` (every dim) and ``coordinate_transformation_mode`` map each output index to an input
     coordinate as in the ONNX reference; ``nearest_mode`` rounds it for ``nearest``;
-    ``cubic_coeff_a`` and ``exclude_outside`` shape the cubic kernel; ``roi`` and
-    ``extrapolation_value`` serve ``tf_crop_and_resize``. Dims whose size and scale are unchanged
-    (and whose roi is the full range) are copied. Interpolation is computed in float64.
+    ``cubic_coeff_a`` and ``exclude_outside`` shape the cubic kernel; ``antialias`` widens the
+    linear/cubic kernel on downsampled dims; ``roi`` and ``extrapolation_value`` serve
+    ``tf_crop_and_resize``. Dims whose size and scale are unchanged (and whose roi is the full
+    range) are copied. Interpolation is computed in float64.
     """
 
     def _axes(self, in_shape):
@@ -565,16 +624,9 @@ class Resize(Operator):
                     up = {"round_prefer_floor": t > _f(0.5), "round_prefer_ceil": t >= _f(0.5),
                           "floor": None, "ceil": t > _f(0.0)}[self.attrs.get("nearest_mode", "round_prefer_floor")]
                     taps.append([(clamp(base if up is None else if_then_else(up, base + 1, base)), None)])
-                elif mode == "linear":
-                    taps.append([(clamp(base), _f(1.0) - t), (clamp(base + 1), t)])
                 else:
-                    ws = _cubic_weights(t, self.attrs.get("cubic_coeff_a", -0.75), _f(1.0), _f)
-                    idx = [base + (j - 1) for j in range(4)]
-                    if self.attrs.get("exclude_outside", False):
-                        ws = [if_then_else(logical_and(e >= 0, e < n), w_, _f(0.0)) for e, w_ in zip(idx, ws)]
-                        tot = ws[0] + ws[1] + ws[2] + ws[3]
-                        ws = [w_ / tot for w_ in ws]
-                    taps.append([(clamp(e), w_) for e, w_ in zip(idx, ws)])
+                    offs, ws = _taps(self.attrs, scale, t, base, n, _ExprOps)
+                    taps.append([(clamp(base + o if o else base), w_) for o, w_ in zip(offs, ws)])
             if mode == "nearest":
                 val = x[tuple(t[0][0] for t in taps)]
             else:
@@ -614,15 +666,9 @@ class Resize(Operator):
                       "ceil": t > 0}[nm]
                 res = np.take(res, np.clip(base + up, 0, n - 1), axis=d)
                 continue
-            if mode == "linear":
-                idx = np.stack([base, base + 1], axis=1)
-                ws = np.stack([1.0 - t, t], axis=1)
-            else:
-                ws = np.stack(_cubic_weights(t, self.attrs.get("cubic_coeff_a", -0.75), 1.0, float), axis=1)
-                idx = base[:, None] + np.arange(-1, 3)[None, :]
-                if self.attrs.get("exclude_outside", False):
-                    ws = np.where((idx >= 0) & (idx < n), ws, 0.0)
-                    ws = ws / ws.sum(axis=1, keepdims=True)
+            offs, ws = _taps(self.attrs, scale, t, base, n, _NumpyOps)
+            idx = base[:, None] + np.asarray(offs)[None, :]
+            ws = np.stack([np.broadcast_to(w_, t.shape) for w_ in ws], axis=1)
             g = np.take(res, np.clip(idx, 0, n - 1), axis=d)  # (..., out, taps, ...)
             wshape = [1] * g.ndim
             wshape[d], wshape[d + 1] = ws.shape
@@ -684,6 +730,10 @@ def examples(rng: np.random.Generator):
                        "cubic_coeff_a": -0.5, "exclude_outside": True}),
         (Resize, [x], {**base, "mode": "cubic", "sizes": (1, 2, 2, 6), "scales": (1.0, 1.0, 0.8, 1.5),
                        "coordinate_transformation_mode": "align_corners"}),
+        (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 2, 2), "scales": (1.0, 1.0, 0.6, 0.6),
+                       "antialias": True}),
+        (Resize, [x], {**base, "mode": "cubic", "sizes": (1, 2, 2, 3), "scales": (1.0, 1.0, 0.7, 0.75),
+                       "antialias": True, "exclude_outside": True}),
         (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 3, 3), "scales": (1.0, 1.0, 1.0, 0.75),
                        "coordinate_transformation_mode": "tf_crop_and_resize", "extrapolation_value": 5.0,
                        "roi": (0.0, 0.0, 0.0, 0.2, 1.0, 1.0, 1.0, 1.3)}),

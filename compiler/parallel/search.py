@@ -232,9 +232,9 @@ class Problem:
         self.groups: list[Group] = []
         self.group_of: dict[int, Group] = {}
         for op in self.graph.nodes:
-            lead_t = next((t for t in op.inputs if not t.is_constant), None)
-            p = self.producer_of.get(id(lead_t)) if lead_t is not None else None
-            if op.injective and p is not None and len(self.strategies[id(op)]) > 0:
+            acts = [t for t in op.inputs if not t.is_constant]
+            p = self.producer_of.get(id(acts[0])) if len(acts) == 1 else None
+            if op.injective and p is not None:  # a cheap op with one activation operand follows it
                 g = self.group_of[id(p)]
                 g.members.append(op)
                 self.group_of[id(op)] = g
@@ -250,8 +250,17 @@ class Problem:
             assign = {id(g.leader): lead}
             cost = lead.compute_cost
             for op in g.members[1:]:
+                # Follow: keep the spec the group hands over when some candidate accepts it as is.
+                lead_t = next(t for t in op.inputs if not t.is_constant)
+                p = self.producer_of[id(lead_t)]
+                have = assign[id(p)].output_specs[p.outputs.index(lead_t)]
+                k = op.inputs.index(lead_t)
+                # ... and do not split work along mesh axes where the handed-over tensor is whole.
+                whole = [m for m, pl in enumerate(have.placements) if isinstance(pl, Replicate)]
+                cands = [c for c in self.strategies[id(op)] if c.input_specs[k] == have
+                         and all(c.assignment[m] is None for m in whole)] or self.strategies[id(op)]
                 best, best_cost = None, math.inf
-                for cand in self.strategies[id(op)]:
+                for cand in cands:
                     c = cand.compute_cost
                     for t, sp in zip(op.inputs, cand.input_specs):
                         p = self.producer_of.get(id(t))
@@ -309,16 +318,9 @@ def _alias_classes(problem: Problem, rounds: int = 3) -> None:
 # ----------------------------------------------------------------------------------------------
 # the ILP
 
-def _solve_ilp(problem: Problem) -> list[int]:
-    import pulp
-
-    cfg = problem.cfg
+def _ilp_terms(problem: Problem):
+    """Per alias class: strategy count and unary costs; per class pair: the edge cost matrix."""
     groups = problem.groups
-    if cfg.alias_layers:
-        _alias_classes(problem)
-    else:
-        for g in groups:
-            g.alias = g.index
     reps: dict[int, Group] = {}
     for g in groups:
         reps.setdefault(g.alias, g)
@@ -354,6 +356,30 @@ def _solve_ilp(problem: Problem) -> list[int]:
         pg = problem.group_of[id(p)]
         lin[pg.alias] += np.array([problem.reshard_cost(t, ch[id(p)].output_specs[p.outputs.index(t)], dst)
                                    for ch in pg.choices])
+
+    return nstrat, lin, pair
+
+
+def objective_of(problem: Problem, picks: list[int]) -> float:
+    """The ILP objective (seconds) of a choice per group (all groups of a class choose alike)."""
+    nstrat, lin, pair = _ilp_terms(problem)
+    by_alias = {g.alias: i for g, i in zip(problem.groups, picks)}
+    total = sum(float(lin[a][i]) for a, i in by_alias.items())
+    total += sum(float(m[by_alias[a], by_alias[b]]) for (a, b), m in pair.items())
+    return total
+
+
+def _solve_ilp(problem: Problem) -> list[int]:
+    import pulp
+
+    cfg = problem.cfg
+    groups = problem.groups
+    if cfg.alias_layers:
+        _alias_classes(problem)
+    else:
+        for g in groups:
+            g.alias = g.index
+    nstrat, lin, pair = _ilp_terms(problem)
 
     prob = pulp.LpProblem("shardflow_plan", pulp.LpMinimize)
     s = {a: [pulp.LpVariable(f"s_{a}_{i}", cat="Binary") for i in range(n)] for a, n in sorted(nstrat.items())}
