@@ -47,16 +47,14 @@ def _linear(axes: Sequence[Expr], extents: Sequence[int]) -> Expr:
     return res if res is not None else as_expr(0)
 
 
-def _unravel(lin: Expr, extents: Sequence[int], single: bool = False) -> list[Expr]:
-    """Indices of the row-major position ``lin`` in ``extents``. ``single`` says that ``lin`` is
-    one axis variable ranging over exactly the block, so the first index needs no ``%``."""
+def _unravel(lin: Expr, extents: Sequence[int]) -> list[Expr]:
+    """Indices of the row-major position ``lin`` (which stays below ``prod(extents)``, so the
+    first index needs no ``%``) in ``extents``."""
     strides = [int(np.prod(extents[k + 1:], dtype=np.int64)) for k in range(len(extents))]
     res = []
     for k, (ext, st) in enumerate(zip(extents, strides)):
         e = lin if st == 1 else lin // st
-        if not (k == 0 and single):
-            e = e % ext
-        res.append(e)
+        res.append(e if k == 0 else e % ext)
     return res
 
 
@@ -87,17 +85,9 @@ def reshape_indices(in_shape: Sequence[int], out_shape: Sequence[int], axes: Seq
                 bo.append(outs[j])
                 po *= out_shape[outs[j]]
                 j += 1
-        in_ext = [in_shape[d] for d in bi]
-        out_axes = [axes[d] for d in bo]
-        if len(bi) == 1:
-            idx[bi[0]] = _linear(out_axes, [out_shape[d] for d in bo])
-        elif len(bo) == 1:
-            for d, e in zip(bi, _unravel(out_axes[0], in_ext, single=True)):
-                idx[d] = e
-        else:
-            lin = _linear(out_axes, [out_shape[d] for d in bo])
-            for d, e in zip(bi, _unravel(lin, in_ext, single=True)):
-                idx[d] = e
+        lin = _linear([axes[d] for d in bo], [out_shape[d] for d in bo])   # one axis var when len(bo) == 1
+        for d, e in zip(bi, _unravel(lin, [in_shape[d] for d in bi])):  # lin itself when len(bi) == 1
+            idx[d] = e
     return tuple(idx)
 
 
@@ -107,10 +97,14 @@ def _affine(ax: Expr, scale: int, offset: int) -> Expr:
     return e + offset if offset else e
 
 
+def _int64(v: Expr) -> Expr:
+    """``v`` as int64 (a cast only when it is not int64 already)."""
+    return v if infer_dtype(v) == "int64" else Cast(v, "int64")
+
+
 def _wrap_index(v: Expr, extent: int) -> Expr:
     """An index read from a tensor as int64, with negative values counted from the end."""
-    if infer_dtype(v) != "int64":
-        v = Cast(v, "int64")
+    v = _int64(v)
     return if_then_else(v < 0, v + extent, v)
 
 
@@ -438,15 +432,13 @@ class SpaceToDepth(Operator):
 
 class ReverseSequence(Operator):
     """Reverse the first ``lens[b]`` steps along ``time_axis`` of every batch entry ``b``
-    (``batch_axis``); inputs ``x`` and the int64 ``lens``."""
-
-    injective = True
+    (``batch_axis``); inputs ``x`` and the integer ``lens``."""
 
     def compute(self, x, lens):
         ta, ba = self.attrs["time_axis"], self.attrs["batch_axis"]
 
         def f(*i):
-            n = Cast(lens[i[ba]], "int64")
+            n = _int64(lens[i[ba]])
             t = i[ta]
             return x[i[:ta] + (if_then_else(t < n, n - 1 - t, t),) + i[ta + 1:]]
         return compute("y", x.shape, f, dtype=x.dtype)
@@ -672,7 +664,7 @@ class ScatterND(Operator):
                 return _combine(red, data[i], if_then_else(hit(()), upd_at(()), _reduction_identity(red, data.dtype)))
             if red == "none":
                 last = reduce(upd, lambda *j: if_then_else(hit(j), _linear(j, upd), -1), "max")
-                return if_then_else(last >= 0, upd_at(_unravel(last, upd, single=True)), data[i])
+                return if_then_else(last >= 0, upd_at(_unravel(last, upd)), data[i])
             ident = _reduction_identity(red, data.dtype)
             return _combine(red, data[i], reduce(upd, lambda *j: if_then_else(hit(j), upd_at(j), ident), _red_op(red)))
         return compute("y", data.shape, f, dtype=data.dtype)
@@ -788,7 +780,7 @@ class OneHot(Operator):
         shape = indices.shape[:axis] + (depth,) + indices.shape[axis:]
 
         def f(*i):
-            v = Cast(indices[i[:axis] + i[axis + 1:]], "int64")
+            v = _int64(indices[i[:axis] + i[axis + 1:]])
             v = if_then_else(v < 0, v + depth, v)
             return if_then_else(eq(v, i[axis]), values[1], values[0])
         return compute("y", shape, f, dtype=values.dtype)

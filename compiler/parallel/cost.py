@@ -85,9 +85,10 @@ def _per_axis(value, ndim: int, names: Sequence[str], default: float, what: str,
         vals = list(value)
     else:
         raise ConfigError(f"{what} = {value!r}: give a number, a list of {ndim} numbers or a dict by axis name")
+    need = "non-negative" if allow_zero else "positive"
     for v in vals:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (v == 0 and not allow_zero):
-            raise ConfigError(f"{what} = {value!r}: values must be {'non-negative' if allow_zero else 'positive'} numbers")
+            raise ConfigError(f"{what} = {value!r}: values must be {need} numbers")
     return tuple(float(v) for v in vals)
 
 

@@ -257,8 +257,8 @@ class Problem:
                 k = op.inputs.index(lead_t)
                 # ... and do not split work along mesh axes where the handed-over tensor is whole.
                 whole = [m for m, pl in enumerate(have.placements) if isinstance(pl, Replicate)]
-                cands = [c for c in self.strategies[id(op)] if c.input_specs[k] == have
-                         and all(c.assignment[m] is None for m in whole)] or self.strategies[id(op)]
+                allowed = [c for c in self.strategies[id(op)] if all(c.assignment[m] is None for m in whole)]
+                cands = [c for c in allowed if c.input_specs[k] == have] or allowed or self.strategies[id(op)]
                 best, best_cost = None, math.inf
                 for cand in cands:
                     c = cand.compute_cost
@@ -546,6 +546,15 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
         if chosen is not None:
             return chosen
         ok = [c for c in cands if only_axis(c)]
+        # Work whose activations are whole along the axis stays whole (only weights start a split).
+        acts = [problem.source_spec(t, assign) for t in op.inputs if not t.is_constant]
+        if acts and all(sp is not None and isinstance(sp.placements[axis], Replicate) for sp in acts):
+            ok = [c for c in ok if c.assignment[axis] is None] or ok
+        # A partial sum (after a row-parallel matmul) is all-reduced to a whole tensor.
+        partial_in = [k for k, t in enumerate(op.inputs)
+                      if (sp := problem.source_spec(t, assign)) is not None and sp.partial_axes]
+        if partial_in:
+            ok = [c for c in ok if all(c.input_specs[k].is_replicated for k in partial_in)] or ok
         best_key, best = None, None
         for c in ok:
             comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))

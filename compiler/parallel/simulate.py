@@ -199,8 +199,9 @@ def simulate_ranks(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarra
                              f"{_describe(ops[waiting[0]])}; every rank must issue the same collectives")
         for r in range(1, n):
             if _signature(ops[r]) != _signature(ops[0]):
-                raise GraphError(f"collective #{step} differs between ranks: rank 0 is at {_describe(ops[0])}, rank {r} at "
-                                 f"{_describe(ops[r])}; every rank must issue the same collectives in the same order")
+                raise GraphError(f"collective #{step} differs between ranks: rank 0 is at {_describe(ops[0])}, "
+                                 f"rank {r} at {_describe(ops[r])}; every rank must issue the same collectives "
+                                 "in the same order")
         _run_collective_step(ops, envs, mesh, step)
         for r in range(n):
             pcs[r] += 1
@@ -241,7 +242,8 @@ def _run_collective_step(ops: list[Collective], envs: list[dict], mesh: DeviceMe
             envs[r][id(t)] = res
 
 
-def simulate(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray], mesh: DeviceMesh) -> dict[str, np.ndarray]:
+def simulate(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray],
+             mesh: DeviceMesh) -> dict[str, np.ndarray]:
     """Run the per-rank graphs together in this process and return rank 0's outputs.
 
     Parameters

@@ -390,7 +390,10 @@ def mutate(model: onnx.ModelProto, data) -> tuple[onnx.ModelProto | bytes, list[
             akind = _KIND_OF.get(old.type, "int")
             if kind == "attr_type":
                 akind = data.draw(st.sampled_from([x for x in _ATTR_KINDS if x != akind]))
-            value = _attr_value(data, akind)
+            if kind == "attr_value" and akind == "ints" and old.ints and data.draw(st.booleans()):
+                value = data.draw(st.permutations(list(old.ints)))  # plausible: another perm, pads order...
+            else:
+                value = _attr_value(data, akind)
             node.attribute[k].CopyFrom(_make_attr(old.name, akind, value))
             log.append(f"{kind} {node.name}.{old.name} = {akind} {value!r}"[:200])
         elif kind == "add_attr":
