@@ -43,7 +43,7 @@ def gemm(ctx):
     if a.dtype not in _FLOATS and not (alpha.is_integer() and beta.is_integer()):
         raise ctx.unsupported(f"non-integral alpha={alpha} or beta={beta} with {a.dtype} inputs")
     ta, tb = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
-    if c is not None and ctx.opset < 7 and not ctx.attr("broadcast", 0):
+    if c is not None and ctx.opset < 7 and not ctx.attr("broadcast", 0) and a.ndim == b.ndim == 2:
         m, n = a.shape[1 if ta else 0], b.shape[0 if tb else 1]
         if c.shape != (m, n):
             raise ctx.shape_error(f"C of shape {c.shape} must be exactly ({m}, {n}) when broadcast=0")
@@ -305,8 +305,6 @@ def _legacy_resize(ctx, x, scales: np.ndarray):
     """Upsample-7/9 and Resize-10: asymmetric coordinates; nearest truncates when upsampling and
     rounds up when downsampling (onnxruntime's behaviour for these opsets)."""
     mode = ctx.attr("mode", "nearest")
-    if mode == "bilinear":
-        mode = "linear"
     scales = [float(s) for s in np.asarray(scales, np.float32).reshape(-1)]
     if len(scales) != x.ndim:
         raise ctx.shape_error(f"scales has {len(scales)} values for an input of rank {x.ndim}")

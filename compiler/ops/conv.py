@@ -61,7 +61,7 @@ def _affine(terms, const: int = 0) -> Expr:
         if c == 0:
             continue
         if res is None:
-            res = e if c == 1 else e * c if c > 0 else -e if c == -1 else e * c
+            res = e if c == 1 else -e if c == -1 else e * c
         elif c > 0:
             res = res + (e if c == 1 else e * c)
         else:
@@ -82,12 +82,21 @@ def _window_pos(o: Expr, k: Expr, stride: int, dilation: int, kernel: int, pad: 
 
 def _window_guard(pos: list[Expr], lo: list[int], hi: list[int], may_low: list[bool], may_high: list[bool]):
     """``lo[d] <= pos[d] < hi[d]`` for the dims where the bound can be crossed, or ``None``."""
-    cond = None
+    conds = []
     for d, p in enumerate(pos):
-        for need, c in ((may_low[d], p >= lo[d]), (may_high[d], p < hi[d])):
-            if need:
-                cond = c if cond is None else logical_and(cond, c)
-    return cond
+        if may_low[d]:
+            conds.append(p >= lo[d])
+        if may_high[d]:
+            conds.append(p < hi[d])
+    return _all(conds)
+
+
+def _all(conds: list[Expr]) -> Expr | None:
+    """The conjunction of ``conds`` (``None`` when empty)."""
+    res = None
+    for c in conds:
+        res = c if res is None else logical_and(res, c)
+    return res
 
 
 def _lowest(dtype: str) -> Const:
@@ -247,12 +256,7 @@ class ConvTranspose(Operator):
                         conds.append(i < ins[d])
                     idx.append(i)
                 v = x[(ni, ch, *idx)] * w[(ch, oci if g == 1 else oci % ocg, *k)]
-                if conds:
-                    cond = conds[0]
-                    for cd in conds[1:]:
-                        cond = logical_and(cond, cd)
-                    v = if_then_else(cond, v, Const(0, dt))
-                return v
+                return v if not conds else if_then_else(_all(conds), v, Const(0, dt))
             acc = reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
@@ -581,14 +585,15 @@ class Resize(Operator):
     """
 
     def _axes(self, in_shape):
+        """Per dim: ``(copied unchanged, scale, (roi start, roi end))``."""
         sizes, scales = tuple(self.attrs["sizes"]), tuple(self.attrs["scales"])
         roi = self.attrs.get("roi")
-        if len(sizes) != len(in_shape) or len(scales) != len(in_shape) or (roi is not None and len(roi) != 2 * len(in_shape)):
+        r = len(in_shape)
+        if len(sizes) != r or len(scales) != r or (roi is not None and len(roi) != 2 * r):
             raise ShapeError(f"{self.name}: sizes {sizes}, scales {scales} and roi {roi} must give every dim of "
                              f"the input {in_shape}")
         if min(sizes, default=1) < 1 or min(scales, default=1) <= 0:
             raise ShapeError(f"{self.name}: sizes {sizes} and scales {scales} must be positive")
-        r = len(in_shape)
         res = []
         for d in range(r):
             rd = (0.0, 1.0) if roi is None else (float(roi[d]), float(roi[d + r]))

@@ -1,8 +1,11 @@
-"""Linear algebra: MatMul (numpy semantics), Gemm, Einsum and the integer/quantized matmuls.
+"""Linear algebra: MatMul (numpy semantics), Gemm, Einsum, the integer/quantized matmuls and
+scaled dot-product attention.
 
-Every definition here is one reduction over the contracted index (``K`` of a matmul, the summed
-labels of an einsum) with the batch dims read under numpy broadcasting, so the planner sees the
-batch and ``M``/``N`` axes as spatial and ``K`` as the reduction (a ``Partial`` when split).
+The matmul-like definitions are one reduction over the contracted index (``K`` of a matmul, the
+summed labels of an einsum) with the batch dims read under numpy broadcasting, so the planner sees
+the batch and ``M``/``N`` axes as spatial and ``K`` as the reduction (a ``Partial`` when split).
+Attention nests its reductions (scores inside the softmax inside the weighted sum of values): its
+batch, head and query axes are spatial and the key axis stays whole.
 """
 from __future__ import annotations
 
@@ -78,17 +81,18 @@ class Gemm(Operator):
         if c and broadcast_shape([c[0].shape, shape], self.name) != shape:
             raise ShapeError(f"{self.name}: C of shape {c[0].shape} does not broadcast to the output {shape}")
         dt = a.dtype
+        num = (lambda v: Const(float(v), dt)) if np.dtype(dt).kind == "f" else (lambda v: Const(int(v), dt))
 
         def f(i, j):
             acc = reduce((k,), lambda kk: (a[kk, i] if ta else a[i, kk]) * (b[j, kk] if tb else b[kk, j]), "sum")
             if alpha != 1:
-                acc = Const(alpha, dt) * acc
+                acc = num(alpha) * acc
             if c and beta != 0:
                 off = 2 - c[0].ndim
                 ax = (i, j)[off:]
                 bias = c[0][tuple(as_expr(0) if e == 1 and shape[off + d] != 1 else ax[d]
                                   for d, e in enumerate(c[0].shape))]
-                acc = acc + (bias if beta == 1 else Const(beta, dt) * bias)
+                acc = acc + (bias if beta == 1 else num(beta) * bias)
             return acc
         return compute("y", shape, f, dtype=dt)
 
@@ -307,55 +311,6 @@ class QLinearMatMul(Operator):
         return [np.clip(np.rint(v), info.min, info.max).astype(yzp.dtype)]
 
 
-def examples(rng: np.random.Generator):
-    """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
-    res = [
-        (MatMul, [f(3, 4), f(4, 5)], {}),
-        (MatMul, [f(2, 1, 3, 4), f(3, 4, 2)], {}),
-        (MatMul, [f(4), f(2, 4, 3)], {}),
-        (MatMul, [f(2, 3, 4), f(4)], {}),
-        (MatMul, [f(4), f(4)], {}),
-        (MatMul, [rng.integers(-3, 4, (2, 3)).astype(np.int64), rng.integers(-3, 4, (3, 2)).astype(np.int64)], {}),
-        (Gemm, [f(3, 4), f(4, 5)], {}),
-        (Gemm, [f(4, 3), f(5, 4), f(5)], {"trans_a": True, "trans_b": True, "alpha": 0.5, "beta": 2.0}),
-        (Gemm, [f(3, 4), f(4, 5), f(3, 1)], {"alpha": 1.0, "beta": 1.0}),
-        (Gemm, [f(3, 4), f(5, 4), f(1)], {"trans_b": True, "beta": 0.0}),
-        (Einsum, [f(2, 3, 4), f(2, 4, 5)], {"equation": "bij,bjk->bik"}),
-        (Einsum, [f(3, 3)], {"equation": "ii"}),
-        (Einsum, [f(2, 3, 3)], {"equation": "...ii->...i"}),
-        (Einsum, [f(3, 4)], {"equation": "ij->ji"}),
-        (Einsum, [f(3), f(3)], {"equation": "i,i"}),
-        (Einsum, [f(2, 1, 3, 4), f(5, 4, 2)], {"equation": "...ij,...jk"}),
-        (Einsum, [f(3, 4), f(4), f(4, 2)], {"equation": "ij,j,jk->ik"}),
-        (MatMulInteger, [u8(3, 4), u8(4, 2), np.array(7, np.uint8), np.array([1, 2], np.uint8)], {"has_azp": True}),
-        (MatMulInteger, [u8(2, 3, 4), u8(4, 2)], {}),
-        (MatMulInteger, [u8(3, 4), u8(4, 2), np.array([5], np.uint8)], {"has_azp": False}),
-        (QLinearMatMul, [u8(2, 3, 4), np.array(0.05, np.float32), np.array(3, np.uint8), u8(4, 5),
-                         np.array([0.02], np.float32), np.array([7], np.uint8), np.array(0.3, np.float32),
-                         np.array(10, np.uint8)], {}),
-        (QLinearMatMul, [rng.integers(-128, 128, (3, 4)).astype(np.int8), np.array([0.05, 0.1, 0.2], np.float32),
-                         np.array([1, 0, -2], np.int8), rng.integers(-128, 128, (4, 2)).astype(np.int8),
-                         np.array(0.02, np.float32), np.array(0, np.int8), np.array(0.01, np.float32),
-                         np.array(-3, np.int8)], {}),
-    ]
-    q4, k4, v4 = f(2, 4, 3, 4), f(2, 2, 5, 4), f(2, 2, 5, 3)
-    res += [
-        (Attention, [q4, k4, v4], {"scale_sqrt": 0.7}),
-        (Attention, [q4, k4, v4, f(3, 5)], {"scale_sqrt": 0.7, "has_mask": True, "is_causal": True, "past_len": 2,
-                                            "qk_mode": 2}),
-        (Attention, [q4, k4, v4, rng.random((2, 1, 3, 4)) > 0.3, np.array([5, 2], np.int64)],
-         {"scale_sqrt": 0.7, "has_mask": True, "has_nonpad": True, "softcap": 2.0, "qk_mode": 3}),
-        (Attention, [f(2, 3, 8), f(2, 5, 4), f(2, 5, 6)], {"scale_sqrt": 0.7, "q_heads": 2, "kv_heads": 1,
-                                                          "is_causal": True, "left_window": 1, "right_window": 0,
-                                                          "qk_mode": 0}),
-        (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
-         {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
-    ]
-    return res
-
-
 class Attention(Operator):
     """Scaled dot-product attention (ONNX ``Attention``, opsets 23-25) as one definition.
 
@@ -564,3 +519,55 @@ class Attention(Operator):
         if mode is None:
             return [y]
         return [y, {3: p, 2: logits}.get(mode, score).astype(dt)]
+
+
+def examples(rng: np.random.Generator):
+    """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
+    res = [
+        (MatMul, [f(3, 4), f(4, 5)], {}),
+        (MatMul, [f(2, 1, 3, 4), f(3, 4, 2)], {}),
+        (MatMul, [f(4), f(2, 4, 3)], {}),
+        (MatMul, [f(2, 3, 4), f(4)], {}),
+        (MatMul, [f(4), f(4)], {}),
+        (MatMul, [rng.integers(-3, 4, (2, 3)).astype(np.int64), rng.integers(-3, 4, (3, 2)).astype(np.int64)], {}),
+        (Gemm, [f(3, 4), f(4, 5)], {}),
+        (Gemm, [f(4, 3), f(5, 4), f(5)], {"trans_a": True, "trans_b": True, "alpha": 0.5, "beta": 2.0}),
+        (Gemm, [f(3, 4), f(4, 5), f(3, 1)], {"alpha": 1.0, "beta": 1.0}),
+        (Gemm, [f(3, 4), f(5, 4), f(1)], {"trans_b": True, "beta": 0.0}),
+        (Einsum, [f(2, 3, 4), f(2, 4, 5)], {"equation": "bij,bjk->bik"}),
+        (Einsum, [f(3, 3)], {"equation": "ii"}),
+        (Einsum, [f(2, 3, 3)], {"equation": "...ii->...i"}),
+        (Einsum, [f(3, 4)], {"equation": "ij->ji"}),
+        (Einsum, [f(3), f(3)], {"equation": "i,i"}),
+        (Einsum, [f(2, 1, 3, 4), f(5, 4, 2)], {"equation": "...ij,...jk"}),
+        (Einsum, [f(3, 4), f(4), f(4, 2)], {"equation": "ij,j,jk->ik"}),
+        (Einsum, [f(1, 3), f(2, 3)], {"equation": "ij,ij->ij"}),
+        (Gemm, [rng.integers(-3, 4, (2, 3)).astype(np.int32), rng.integers(-3, 4, (3, 2)).astype(np.int32),
+                rng.integers(-3, 4, (2,)).astype(np.int32)], {"alpha": 2.0, "beta": 3.0}),
+        (MatMulInteger, [u8(3, 4), u8(4, 2), np.array(7, np.uint8), np.array([1, 2], np.uint8)], {"has_azp": True}),
+        (MatMulInteger, [u8(2, 3, 4), u8(4, 2)], {}),
+        (MatMulInteger, [u8(3, 4), u8(4, 2), np.array([5], np.uint8)], {"has_azp": False}),
+        (QLinearMatMul, [u8(2, 3, 4), np.array(0.05, np.float32), np.array(3, np.uint8), u8(4, 5),
+                         np.array([0.02], np.float32), np.array([7], np.uint8), np.array(0.3, np.float32),
+                         np.array(10, np.uint8)], {}),
+        (QLinearMatMul, [rng.integers(-128, 128, (3, 4)).astype(np.int8), np.array([0.05, 0.1, 0.2], np.float32),
+                         np.array([1, 0, -2], np.int8), rng.integers(-128, 128, (4, 2)).astype(np.int8),
+                         np.array(0.02, np.float32), np.array(0, np.int8), np.array(0.01, np.float32),
+                         np.array(-3, np.int8)], {}),
+    ]
+    q4, k4, v4 = f(2, 4, 3, 4), f(2, 2, 5, 4), f(2, 2, 5, 3)
+    res += [
+        (Attention, [q4, k4, v4], {"scale_sqrt": 0.7}),
+        (Attention, [q4, k4, v4, f(3, 5)], {"scale_sqrt": 0.7, "has_mask": True, "is_causal": True, "past_len": 2,
+                                            "qk_mode": 2}),
+        (Attention, [q4, k4, v4, rng.random((2, 1, 3, 4)) > 0.3, np.array([5, 2], np.int64)],
+         {"scale_sqrt": 0.7, "has_mask": True, "has_nonpad": True, "softcap": 2.0, "qk_mode": 3}),
+        (Attention, [f(2, 3, 8), f(2, 5, 4), f(2, 5, 6)], {"scale_sqrt": 0.7, "q_heads": 2, "kv_heads": 1,
+                                                          "is_causal": True, "left_window": 1, "right_window": 0,
+                                                          "qk_mode": 0}),
+        (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
+         {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
+    ]
+    return res

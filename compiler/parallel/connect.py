@@ -161,12 +161,12 @@ def connect(src: TensorShardSpec | str, dst: TensorShardSpec | str, shape: Seque
     cache = _CACHE.setdefault(cost_model, {})
     hit = cache.get(key)
     if hit is None:
-        hit = cache[key] = _connect(src, dst, shape, dtype, mesh, cost_model)
+        hit = cache[key] = _connect(src, dst, shape, dtype, mesh, cost_model, cache)
     return hit
 
 
-def _connect(src, dst, shape, dtype, mesh, cost_model) -> Resharding:
-    if cost_model.mesh != mesh:
+def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Resharding:
+    if cost_model.mesh is not mesh and cost_model.mesh != mesh:
         raise ConfigError(f"connect: the cost model is for {cost_model.mesh}, not {mesh}")
     for spec in (src, dst):
         if len(spec) != mesh.ndim:
@@ -198,7 +198,9 @@ def _connect(src, dst, shape, dtype, mesh, cost_model) -> Resharding:
             for q in candidates[axis]:
                 if q == cur[axis]:
                     continue
-                step = _step(cur, axis, q, shape, isz, mesh, cost_model)
+                skey = ("step", cur, axis, q, shape, isz)  # steps are shared by all searches on this shape
+                step = cache[skey] if skey in cache else cache.setdefault(
+                    skey, _step(cur, axis, q, shape, isz, mesh, cost_model))
                 if step is None:
                     continue
                 cand = (cost + round(step.cost * 1e15), nsteps + 1)

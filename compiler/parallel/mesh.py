@@ -348,12 +348,15 @@ class DeviceMesh:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DeviceMesh):
             return NotImplemented
-        return self._key() == other._key()
+        return self is other or self._key() == other._key()
 
     def __hash__(self) -> int:
         if self._hash is None:
             self._hash = hash(self._key())
         return self._hash
+
+    def __reduce__(self):  # rebuild on unpickling: the cached hash is per process
+        return DeviceMesh.from_dict, (self.to_dict(),)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={d}" for n, d in zip(self.axis_names, self.shape))

@@ -168,6 +168,13 @@ class TensorShardSpec:
         if not all(isinstance(p, Placement) for p in ps):
             raise ConfigError(f"TensorShardSpec placements {ps!r}: each must be Shard, Replicate or Partial")
         object.__setattr__(self, "placements", ps)
+        object.__setattr__(self, "_hash", hash(ps))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuild on unpickling: string hashes differ between processes
+        return TensorShardSpec, (self.placements,)
 
     # construction -----------------------------------------------------------------
     @classmethod

@@ -35,6 +35,7 @@ from .connect import connect
 from .cost import CostModel
 from .mesh import DeviceMesh
 from .placement import Replicate, Shard, TensorShardSpec
+from ..passes.simplify import attr_key
 from .rules import OpShardSpec, op_strategies, replicated_strategy
 
 __all__ = ["search", "Problem", "op_flops", "local_bytes"]
@@ -114,9 +115,13 @@ class Problem:
                              for n, t in zip(graph.output_names, graph.outputs)]
         self._connect_cache: dict = {}
         self.strategies: dict[int, list[OpShardSpec]] = {}
+        same_op: dict[tuple, list[OpShardSpec]] = {}  # repeated layers have identical ops
         for op in graph.nodes:
-            specs = op_strategies(op, self.mesh_shape) or [replicated_strategy(op, nd)]
-            self.strategies[id(op)] = [self._with_cost(op, s) for s in specs]
+            key = (type(op), attr_key(op.attrs), tuple((t.shape, t.dtype) for t in op.inputs))
+            if key not in same_op:
+                specs = op_strategies(op, self.mesh_shape) or [replicated_strategy(op, nd)]
+                same_op[key] = [self._with_cost(op, s) for s in specs]
+            self.strategies[id(op)] = same_op[key]
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
         self._build_groups()
 
@@ -328,6 +333,7 @@ def _ilp_terms(problem: Problem):
 
     lin: dict[int, np.ndarray] = {a: np.zeros(n) for a, n in nstrat.items()}
     pair: dict[tuple[int, int], np.ndarray] = {}
+    edge_cache: dict[tuple, np.ndarray] = {}
     for g in groups:
         lin[g.alias] += np.asarray(g.node_cost)
     # edges between groups; graph inputs and outputs as unary terms
@@ -342,8 +348,12 @@ def _ilp_terms(problem: Problem):
                 lin[g.alias] += np.array([problem.reshard_cost(t, src, d) for d in need])
                 continue
             pg = problem.group_of[id(p)]
-            have = [ch[id(p)].output_specs[p.outputs.index(t)] for ch in pg.choices]
-            m = np.array([[problem.reshard_cost(t, s, d) for d in need] for s in have])
+            # Aliased groups repeat the same edge: compute its matrix once.
+            key = (pg.alias, g.alias, _index(pg.members, p), p.outputs.index(t), _index(g.members, op), k)
+            m = edge_cache.get(key)
+            if m is None:
+                have = [ch[id(p)].output_specs[p.outputs.index(t)] for ch in pg.choices]
+                m = edge_cache[key] = np.array([[problem.reshard_cost(t, s, d) for d in need] for s in have])
             if pg.alias == g.alias:
                 lin[g.alias] += np.diag(m)
             elif m.any():
@@ -358,6 +368,10 @@ def _ilp_terms(problem: Problem):
                                    for ch in pg.choices])
 
     return nstrat, lin, pair
+
+
+def _index(items: list, x) -> int:
+    return next(k for k, y in enumerate(items) if y is x)
 
 
 def objective_of(problem: Problem, picks: list[int]) -> float:

@@ -61,13 +61,13 @@ class RemoveNoOps(GraphPass):
         return graph
 
 
-def _attr_key(v):
+def attr_key(v):
     if isinstance(v, np.ndarray):
         return ("nd", v.dtype.str, v.shape, hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
     if isinstance(v, (list, tuple)):
-        return tuple(_attr_key(x) for x in v)
+        return tuple(attr_key(x) for x in v)
     if isinstance(v, dict):
-        return tuple(sorted((k, _attr_key(x)) for k, x in v.items()))
+        return tuple(sorted((k, attr_key(x)) for k, x in v.items()))
     if isinstance(v, float) and v != v:
         return ("nan",)
     return v
@@ -96,7 +96,7 @@ class EliminateCommonSubexpressions(GraphPass):
             if op.data_dependent_values:
                 kept.append(op)
                 continue
-            key = (type(op), tuple(id(t) for t in op.inputs), _attr_key(op.attrs))
+            key = (type(op), tuple(id(t) for t in op.inputs), attr_key(op.attrs))
             prev = seen.get(key)
             if prev is not None:
                 for a, b in zip(op.outputs, prev.outputs):

@@ -1,6 +1,8 @@
 """DeviceMesh: coordinates, groups, derived meshes, serialization and validation."""
+import copy
 import itertools
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -129,6 +131,7 @@ def test_serialization_and_equality():
     assert DeviceMesh((2, 4), strides=(1, 2)).to_dict()["strides"] == [1, 2]
     sub = m.submesh("tp", rank=0)
     assert DeviceMesh.from_dict(sub.to_dict()) == sub
+    assert pickle.loads(pickle.dumps(m)) == m and copy.deepcopy(sub) == sub
     assert repr(DeviceMesh((2, 2), ("dp", "tp"))) == "DeviceMesh(dp=2, tp=2; ranks=[[0, 1], [2, 3]])"
     with pytest.raises(ConfigError, match="unknown key"):
         DeviceMesh.from_dict({"shape": [2], "ranks": [0, 1]})

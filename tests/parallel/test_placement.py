@@ -1,5 +1,6 @@
 """Placements, shard specs and torch.chunk-style uneven shards."""
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -88,6 +89,7 @@ def test_spec_is_hashable_and_ordered():
     a, b = TensorShardSpec.parse("S(0)R"), TensorShardSpec.parse("S(0)R")
     assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
     assert TensorShardSpec([Shard(0)]) == TensorShardSpec((Shard(0),))  # lists become tuples
+    assert pickle.loads(pickle.dumps(a)) == a and hash(pickle.loads(pickle.dumps(a))) == hash(a)
     specs = [TensorShardSpec.parse(t) for t in ["P(sum)R", "S(0)R", "RR", "RS(1)"]]
     assert [str(s) for s in sorted(specs)] == ["RR", "RS(1)", "S(0)R", "P(sum)R"]
     with pytest.raises(ConfigError):

@@ -193,3 +193,23 @@ def test_mismatched_collectives_raise_instead_of_hanging():
         simulate(graphs, x, mesh)
     with pytest.raises(GraphError, match="3 rank graphs"):
         simulate(graphs[:3], x, mesh)
+
+
+def test_collective_over_two_mesh_axes():
+    """A group spanning axes (y, x): members ordered row-major over (y, x), as DeviceMesh.groups."""
+    mesh = DeviceMesh((2, 2), rank_map=[2, 0, 3, 1])
+    a = rng.standard_normal((7, 2)).astype(np.float32)
+    graphs = []
+    for r in range(4):
+        j = mesh.group_index(r, (1, 0))
+        x = Tensor("a", a.shape, "float32")
+        lo, hi = chunk_bounds(7, 4, j)
+        s = LocalSlice([x], dim=0, start=lo, stop=hi)
+        g = AllGather(s.outputs, mesh_axis=(1, 0), dim=0, global_size=7, group_size=4)
+        graphs.append(FlowGraph([x], g.outputs, [s, g], ["y"]))
+    for out in simulate_ranks(graphs, {"a": a}, mesh):
+        np.testing.assert_array_equal(out["y"], a)
+    # the same slices gathered in (x, y) order are a different permutation of the rows
+    for gr in graphs:
+        gr.nodes[1].attrs["mesh_axis"] = (0, 1)
+    assert not np.array_equal(simulate(graphs, {"a": a}, mesh)["y"], a)
