@@ -20,17 +20,21 @@ FOLD_LIMIT = 1 << 22
 
 
 class FoldConstants(GraphPass):
-    """Replace every op whose inputs are all constants by constants holding its results."""
+    """Replace every op whose inputs are all constants, or whose results were already known at
+    import (``Shape`` of a static tensor), by constants holding its results."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         kept: list[Operator] = []
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
             op.inputs = [replace.get(id(t), t) for t in op.inputs]
-            if (all(t.is_constant for t in op.inputs) and not op.data_dependent_values
-                    and sum(t.size for t in op.outputs) <= FOLD_LIMIT):
-                values = [t.value for t in op.outputs]
-                if any(v is None for v in values):
+            if op.data_dependent_values or sum(t.size for t in op.outputs) > FOLD_LIMIT:
+                kept.append(op)
+                continue
+            values = [t.value for t in op.outputs]
+            known = all(v is not None for v in values)  # e.g. Shape of a non-constant tensor
+            if known or all(t.is_constant for t in op.inputs):
+                if not known:
                     values = op.run(*[t.value for t in op.inputs])
                 for t, v in zip(op.outputs, values):
                     replace[id(t)] = const_tensor(v, t.name)

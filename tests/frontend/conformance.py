@@ -67,6 +67,10 @@ def run_case(case) -> tuple[str, str]:
                     return "wrong", f"output {name}: max abs error {err:.3g}"
         return "passed", ""
     except ShardflowError as exc:
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, ShardflowError):
+            # the importer wraps raw exceptions of handlers; on a valid model that is a defect
+            return "error", f"{type(cause).__name__} inside a handler: {exc}"
         return "refused", f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # untyped: a defect
         return "error", f"{type(exc).__name__}: {exc}"
