@@ -20,7 +20,7 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGES),
     package_dir=PACKAGES,
-    install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7"],
+    install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7,<4"],
     extras_require={
         # torch/transformers export test models on the fly (tests and benchmarks only, never at runtime)
         "test": ["pytest>=7", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7", "scipy",

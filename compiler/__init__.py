@@ -9,8 +9,9 @@ from shardflow.runtime import __version__
 from .errors import (ConfigError, DtypeError, GraphError, ModelFormatError, ShapeError, ShardflowError,
                      UnsupportedOperatorError)
 from .ir import FlowGraph, Operator, Tensor
+from .driver import CompileResult, compile  # noqa: A004 - shardflow.compiler.compile is the public API
 
-__all__ = ["load_onnx", "supported_ops", "FlowGraph", "Operator", "Tensor", "ShardflowError", "ModelFormatError",
+__all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph", "Operator", "Tensor", "ShardflowError", "ModelFormatError",
            "UnsupportedOperatorError", "ShapeError", "DtypeError", "ConfigError", "GraphError", "__version__"]
 
 

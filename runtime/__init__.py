@@ -7,4 +7,9 @@ from .errors import ShardflowError
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardflowError", "__version__"]
+from .artifact import ArtifactError, ChecksumError, VersionError  # noqa: E402
+from .executor import (InputDtypeError, InputError, InputNameError, InputShapeError, RankProgram,  # noqa: E402
+                       WorldSizeError, load)
+
+__all__ = ["ShardflowError", "__version__", "load", "RankProgram", "ArtifactError", "ChecksumError", "VersionError",
+           "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "WorldSizeError"]

@@ -323,8 +323,25 @@ def _alias_classes(problem: Problem, rounds: int = 3) -> None:
 # ----------------------------------------------------------------------------------------------
 # the ILP
 
+@dataclass
+class EdgeBlock:
+    """Resharding cost between two alias classes through one edge role, by *spec*: strategies
+    producing (needing) the same spec share a row (column), which keeps the ILP small."""
+
+    src: int                    # producer's alias class
+    dst: int                    # consumer's alias class
+    rows: list[int]             # producer strategy -> distinct produced spec
+    cols: list[int]             # consumer strategy -> distinct needed spec
+    cost: np.ndarray            # [produced spec, needed spec], times the edge's multiplicity
+
+
+def _distinct(specs: list) -> tuple[list[int], list]:
+    index: dict = {}
+    return [index.setdefault(sp, len(index)) for sp in specs], list(index)
+
+
 def _ilp_terms(problem: Problem):
-    """Per alias class: strategy count and unary costs; per class pair: the edge cost matrix."""
+    """Per alias class: strategy count and unary costs; edge blocks between classes."""
     groups = problem.groups
     reps: dict[int, Group] = {}
     for g in groups:
@@ -332,8 +349,7 @@ def _ilp_terms(problem: Problem):
     nstrat = {a: len(g.choices) for a, g in reps.items()}
 
     lin: dict[int, np.ndarray] = {a: np.zeros(n) for a, n in nstrat.items()}
-    pair: dict[tuple[int, int], np.ndarray] = {}
-    edge_cache: dict[tuple, np.ndarray] = {}
+    blocks: dict[tuple, EdgeBlock] = {}
     for g in groups:
         lin[g.alias] += np.asarray(g.node_cost)
     # edges between groups; graph inputs and outputs as unary terms
@@ -348,17 +364,16 @@ def _ilp_terms(problem: Problem):
                 lin[g.alias] += np.array([problem.reshard_cost(t, src, d) for d in need])
                 continue
             pg = problem.group_of[id(p)]
-            # Aliased groups repeat the same edge: compute its matrix once.
+            # Aliased groups repeat the same edge role: one block, weighted by its multiplicity.
             key = (pg.alias, g.alias, _index(pg.members, p), p.outputs.index(t), _index(g.members, op), k)
-            m = edge_cache.get(key)
-            if m is None:
-                have = [ch[id(p)].output_specs[p.outputs.index(t)] for ch in pg.choices]
-                m = edge_cache[key] = np.array([[problem.reshard_cost(t, s, d) for d in need] for s in have])
-            if pg.alias == g.alias:
-                lin[g.alias] += np.diag(m)
-            elif m.any():
-                key = (pg.alias, g.alias)
-                pair[key] = pair.get(key, 0) + m
+            blk = blocks.get(key)
+            if blk is None:
+                rows, have = _distinct([ch[id(p)].output_specs[p.outputs.index(t)] for ch in pg.choices])
+                cols, needed = _distinct(need)
+                cost = np.array([[problem.reshard_cost(t, sp, d) for d in needed] for sp in have])
+                blk = blocks[key] = EdgeBlock(pg.alias, g.alias, rows, cols, cost * 0)
+                blk.unit = cost
+            blk.cost = blk.cost + blk.unit
     for t, dst in zip(problem.graph.outputs, problem.output_specs):
         p = problem.producer_of.get(id(t))
         if p is None:
@@ -366,8 +381,13 @@ def _ilp_terms(problem: Problem):
         pg = problem.group_of[id(p)]
         lin[pg.alias] += np.array([problem.reshard_cost(t, ch[id(p)].output_specs[p.outputs.index(t)], dst)
                                    for ch in pg.choices])
-
-    return nstrat, lin, pair
+    edges = []
+    for blk in blocks.values():
+        if blk.src == blk.dst:  # both ends take the same strategy
+            lin[blk.src] += np.array([blk.cost[blk.rows[i], blk.cols[i]] for i in range(nstrat[blk.src])])
+        elif blk.cost.any():
+            edges.append(blk)
+    return nstrat, lin, edges
 
 
 def _index(items: list, x) -> int:
@@ -376,10 +396,10 @@ def _index(items: list, x) -> int:
 
 def objective_of(problem: Problem, picks: list[int]) -> float:
     """The ILP objective (seconds) of a choice per group (all groups of a class choose alike)."""
-    nstrat, lin, pair = _ilp_terms(problem)
+    nstrat, lin, edges = _ilp_terms(problem)
     by_alias = {g.alias: i for g, i in zip(problem.groups, picks)}
     total = sum(float(lin[a][i]) for a, i in by_alias.items())
-    total += sum(float(m[by_alias[a], by_alias[b]]) for (a, b), m in pair.items())
+    total += sum(float(e.cost[e.rows[by_alias[e.src]], e.cols[by_alias[e.dst]]]) for e in edges)
     return total
 
 
@@ -393,7 +413,7 @@ def _solve_ilp(problem: Problem) -> list[int]:
     else:
         for g in groups:
             g.alias = g.index
-    nstrat, lin, pair = _ilp_terms(problem)
+    nstrat, lin, edges = _ilp_terms(problem)
 
     prob = pulp.LpProblem("shardflow_plan", pulp.LpMinimize)
     s = {a: [pulp.LpVariable(f"s_{a}_{i}", cat="Binary") for i in range(n)] for a, n in sorted(nstrat.items())}
@@ -402,24 +422,42 @@ def _solve_ilp(problem: Problem) -> list[int]:
     # Scale to microseconds so coefficients are well conditioned.
     scale = 1e6
     objective = [pulp.lpSum(float(c) * scale * v for c, v in zip(lin[a], s[a]) if c) for a in s]
-    for (a, b), m in sorted(pair.items()):
-        e = [[pulp.LpVariable(f"e_{a}_{b}_{i}_{j}", lowBound=0) for j in range(m.shape[1])] for i in range(m.shape[0])]
-        for i in range(m.shape[0]):
-            prob += pulp.lpSum(e[i]) == s[a][i], f"row_{a}_{b}_{i}"
-        for j in range(m.shape[1]):
-            prob += pulp.lpSum(e[i][j] for i in range(m.shape[0])) == s[b][j], f"col_{a}_{b}_{j}"
-        objective.append(pulp.lpSum(float(m[i, j]) * scale * e[i][j]
-                                    for i in range(m.shape[0]) for j in range(m.shape[1]) if m[i, j]))
+    # Edge blocks: e[u, v] = [producer makes spec u] * [consumer needs spec v], linearized exactly
+    # by its row sums (the producer's one-hot, summed per spec) and column sums.
+    for n, blk in enumerate(edges):
+        a, b, m = blk.src, blk.dst, blk.cost
+        e = [[pulp.LpVariable(f"e{n}_{u}_{v}", lowBound=0) for v in range(m.shape[1])] for u in range(m.shape[0])]
+        for u in range(m.shape[0]):
+            prob += pulp.lpSum(e[u]) == pulp.lpSum(s[a][i] for i, r in enumerate(blk.rows) if r == u), f"r{n}_{u}"
+        for v in range(m.shape[1]):
+            prob += (pulp.lpSum(e[u][v] for u in range(m.shape[0]))
+                     == pulp.lpSum(s[b][j] for j, c in enumerate(blk.cols) if c == v)), f"c{n}_{v}"
+        objective.append(pulp.lpSum(float(m[u, v]) * scale * e[u][v]
+                                    for u in range(m.shape[0]) for v in range(m.shape[1]) if m[u, v]))
     prob += pulp.lpSum(objective)
-    if cfg.memory_budget_bytes is not None:
-        for k, (row, fixed) in enumerate(_memory_rows(problem)):
-            prob += pulp.lpSum(float(c) * s[a][i] for (a, i), c in sorted(row.items()) if c) \
-                <= float(cfg.memory_budget_bytes) - fixed, f"mem_{k}"
     solver = _solver(cfg)
     t0 = time.perf_counter()
-    status = prob.solve(solver)
-    log.info("ILP: %d classes, %d pair blocks, status %s, %.2f s", len(s), len(pair), pulp.LpStatus[status],
-             time.perf_counter() - t0)
+    # Memory rows are added lazily: solve, add the rows the solution violates, solve again. Most
+    # steps never bind, and every row left out makes the MIP much cheaper to solve.
+    rows = _memory_rows(problem) if cfg.memory_budget_bytes is not None else []
+    budget = float(cfg.memory_budget_bytes or 0)
+    added: set[int] = set()
+    while True:
+        status = prob.solve(solver)
+        if pulp.LpStatus[status] != "Optimal" or not rows:
+            break
+        pick = {a: int(np.argmax([v.value() or 0.0 for v in vs])) for a, vs in s.items()}
+        load = [sum(c for (a, i), c in row.items() if pick[a] == i) + fixed for row, fixed in rows]
+        violated = [k for k in np.argsort(load)[::-1] if load[k] > budget * (1 + 1e-9) and k not in added]
+        if not violated:
+            break
+        for k in violated[:4]:  # the worst few at a time
+            row, fixed = rows[k]
+            added.add(int(k))
+            prob += pulp.lpSum(float(c) / _MB * s[a][i] for (a, i), c in sorted(row.items()) if c) \
+                <= (budget - fixed) / _MB, f"mem_{k}"
+    log.info("ILP: %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", len(s), len(edges),
+             len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
     if pulp.LpStatus[status] != "Optimal":
         if cfg.memory_budget_bytes is not None:
             need = _min_memory(problem)
@@ -433,6 +471,9 @@ def _solve_ilp(problem: Problem) -> list[int]:
         vals = [v.value() or 0.0 for v in vs]
         choice[a] = int(np.argmax(vals))
     return [choice[g.alias] for g in groups]
+
+
+_MB = 1e6  # memory rows in MB keep the constraint matrix well scaled
 
 
 def _memory_rows(problem: Problem) -> list[tuple[dict[tuple[int, int], float], float]]:

@@ -1,0 +1,318 @@
+"""The ``shardflow`` command: ``compile``, ``run``, ``plan``, ``inspect``.
+
+::
+
+    shardflow compile MODEL.onnx -o OUT [--mesh 2x2] [--target cpu|cuda] [--arch sm_90]
+                      [--shape NAME=2x24 ...] [--algo ilp|megatron|data|replicate]
+                      [--distributed-config FILE.json] [--optimization-config FILE.json]
+    shardflow run OUT --nproc N --inputs in.npz --outputs out.npz
+    shardflow plan MODEL.onnx --mesh 2x2 [--shape NAME=2x24 ...] [--algo ...]
+    shardflow inspect OUT [--verify]
+
+Flags override the keys of the config files. Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser", "parse_mesh", "parse_shapes"]
+
+log = logging.getLogger("shardflow.cli")
+
+
+class _CLIError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------
+# parsing helpers
+# ---------------------------------------------------------------------------------------
+def parse_mesh(text: str) -> list[int]:
+    """``"2x2"`` → ``[2, 2]``; ``"4"`` → ``[4]``."""
+    try:
+        dims = [int(d) for d in text.lower().replace("×", "x").split("x")]
+    except ValueError:
+        raise _CLIError(f"--mesh {text!r}: use sizes joined by 'x', e.g. 4 or 2x2") from None
+    if not dims or any(d < 1 for d in dims):
+        raise _CLIError(f"--mesh {text!r}: every size must be a positive integer")
+    return dims
+
+
+def parse_shapes(items: Sequence[str] | None) -> dict[str, list[int]] | None:
+    """``["input_ids=2x24"]`` → ``{"input_ids": [2, 24]}`` (``NAME=`` is a scalar)."""
+    if not items:
+        return None
+    res: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, dims = item.rpartition("=")
+        if not sep or not name:
+            raise _CLIError(f"--shape {item!r}: use NAME=DIMS, e.g. input_ids=2x24")
+        try:
+            res[name] = [int(d) for d in dims.lower().split("x")] if dims else []
+        except ValueError:
+            raise _CLIError(f"--shape {item!r}: dims must be integers joined by 'x', e.g. 2x24") from None
+        if any(d < 0 for d in res[name]):
+            raise _CLIError(f"--shape {item!r}: dims must be non-negative")
+    return res
+
+
+def _read_config(path: str | None, what: str) -> dict:
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise _CLIError(f"--{what} {path!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise _CLIError(f"--{what} {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise _CLIError(f"--{what} {path!r} must hold a JSON object")
+    return cfg
+
+
+def _distributed_config(args) -> dict:
+    cfg = _read_config(args.distributed_config, "distributed-config")
+    if args.mesh is not None:
+        cfg["mesh_shape"] = parse_mesh(args.mesh)
+    cfg.setdefault("mesh_shape", [1])
+    if args.algo is not None:
+        cfg["algo"] = args.algo
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------
+# parser
+# ---------------------------------------------------------------------------------------
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the ONNX model file")
+    p.add_argument("--mesh", metavar="DxD", default=None,
+                   help="device mesh, ranks per axis joined by 'x' (4, 2x2, 2x4); overrides mesh_shape of "
+                        "--distributed-config; default 1 (a single rank)")
+    p.add_argument("--shape", action="append", metavar="NAME=DIMS", default=None,
+                   help="static shape of an input with dynamic dims, e.g. input_ids=2x24 (repeat per input)")
+    p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
+                   help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
+                        "replicate baselines")
+    p.add_argument("--distributed-config", metavar="FILE.json", default=None,
+                   help="a JSON object of distributed_config keys (mesh_shape, axis_bandwidth_GBps, "
+                        "axis_latency_us, memory_budget_bytes, algo, solver, time_limit_s, input_placements, "
+                        "output_placements, ...); flags override it")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``shardflow`` (``run`` is parsed by :mod:`shardflow.runtime.launch`)."""
+    from shardflow.runtime.launch import add_run_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="shardflow",
+        description="Compile an ONNX model into one program per rank of a device mesh, and run it.",
+        epilog="`shardflow COMMAND --help` documents each command's flags.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    pc = sub.add_parser("compile", help="compile a model into an out_dir of per-rank artifacts",
+                        description="Import MODEL, search a sharding plan on the mesh, generate kernels and write "
+                                    "one artifact per rank into OUT (written atomically: an interrupted compile "
+                                    "leaves no OUT).")
+    _add_plan_flags(pc)
+    pc.add_argument("-o", "--out", required=True, metavar="OUT", help="the out_dir to write (replaced if it exists)")
+    pc.add_argument("--target", choices=("cpu", "cuda"), default=None,
+                    help="kernel target: cpu (C++ kernels, default) or cuda (CUDA kernels; cross-compiles without "
+                         "a GPU)")
+    pc.add_argument("--arch", default=None, metavar="SM",
+                    help="CUDA architecture for --target cuda, e.g. sm_90 (default sm_90)")
+    pc.add_argument("--optimization-config", metavar="FILE.json", default=None,
+                    help="a JSON object of optimization_config keys (target, arch, precision, fuse, cuda_graph, "
+                         "search_space, comm_backend); flags override it")
+    pc.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    pc.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+    add_run_arguments(sub.add_parser(
+        "run", help="run an out_dir on N ranks (mpiexec, srun, torchrun-style or own spawner)",
+        description="Run the compiled OUT on its ranks. Started plainly it launches N local ranks (mpiexec when "
+                    "available, else its own processes with a TCP rendezvous); started under mpiexec/srun/torchrun "
+                    "each process runs its rank. Rank 0 writes the outputs."))
+
+    pp = sub.add_parser("plan", help="print the sharding plan (plan.txt) without compiling",
+                        description="Import MODEL, search a sharding plan on the mesh and print it.")
+    _add_plan_flags(pp)
+    pp.add_argument("-o", "--out", default=None, metavar="DIR", help="also save plan.json and plan.txt into DIR")
+    pp.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+    pi = sub.add_parser("inspect", help="summarize an out_dir",
+                        description="Print what an out_dir holds: target, mesh, plan, and per rank its kernels, "
+                                    "collectives, memory, inputs and outputs.")
+    pi.add_argument("out_dir", help="an out_dir written by `shardflow compile`")
+    pi.add_argument("--verify", action="store_true", help="also check the sha256 of every file")
+    pi.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------
+class _Progress(logging.Formatter):
+    def __init__(self):
+        super().__init__()
+        self.t0 = time.perf_counter()
+
+    def format(self, record):
+        msg = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            msg = f"{record.levelname.lower()}: {msg}"
+        if record.exc_info and record.levelno >= logging.ERROR:
+            msg += "\n" + self.formatException(record.exc_info)
+        return f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
+
+
+def _setup_logging(quiet: bool = False, verbose: bool = False) -> None:
+    root = logging.getLogger("shardflow")
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(_Progress())
+    root.addHandler(h)
+    root.setLevel(logging.DEBUG if verbose else (logging.WARNING if quiet else logging.INFO))
+    root.propagate = False
+
+
+def _cmd_compile(args) -> int:
+    from . import driver
+
+    _setup_logging(args.quiet, args.verbose)
+    dcfg = _distributed_config(args)
+    ocfg = _read_config(args.optimization_config, "optimization-config")
+    if args.target is not None:
+        ocfg["target"] = args.target
+    if args.arch is not None:
+        ocfg["arch"] = args.arch
+        ocfg.setdefault("target", "cuda")
+    result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
+                            input_shapes=parse_shapes(args.shape))
+    print(result.summary())
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from . import load_onnx
+    from .parallel import search
+
+    _setup_logging(False, args.verbose)
+    dcfg = _distributed_config(args)
+    graph = load_onnx(args.model, input_shapes=parse_shapes(args.shape))
+    plan = search(graph, dcfg)
+    if args.out:
+        plan.save(args.out)
+    sys.stdout.write(plan.to_text())
+    if not plan.to_text().endswith("\n"):
+        sys.stdout.write("\n")
+    return 0
+
+
+def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
+    """A JSON-able summary of an out_dir (what ``shardflow inspect`` prints)."""
+    from shardflow.runtime.artifact import (ArtifactError, list_ranks, read_json, read_manifest, read_mesh,
+                                            read_weights, verify_files)
+
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise ArtifactError(f"{out_dir!r} is not a directory")
+    mesh = read_mesh(out)
+    plan = read_json(out / "plan.json", "plan") if (out / "plan.json").is_file() else {}
+    ranks = []
+    for r in list_ranks(out):
+        d = out / f"rank{r}"
+        m = read_manifest(d)
+        prog = read_json(d / "program.json", "program")
+        kinds: dict[str, int] = {}
+        for s in prog["steps"]:
+            if s["kind"] == "collective":
+                key = f"{s['collective']}@{s['group']}"
+                kinds[key] = kinds.get(key, 0) + 1
+        info = {"rank": r, "coord": m.get("mesh", {}).get("coord"), "kernels": m.get("kernels"),
+                "collectives": kinds, "arena_bytes": prog["arena_bytes"], "weights_bytes": prog["weights_bytes"],
+                "files": {k: v["bytes"] for k, v in m["files"].items()}}
+        if verify:
+            try:
+                verify_files(d, m)
+                info["verified"] = True
+            except ArtifactError as exc:
+                info["verified"] = str(exc)
+        ranks.append(info)
+    m0 = read_manifest(out / "rank0")
+    return {"out_dir": str(out), "shardflow_version": m0.get("shardflow_version"),
+            "artifact_format": m0.get("artifact_format"), "target": m0["target"], "arch": m0.get("arch"),
+            "world_size": m0["world_size"], "mesh_shape": mesh.get("mesh", {}).get("shape"),
+            "axis_names": mesh.get("mesh", {}).get("axis_names"), "algo": plan.get("algo"),
+            "modeled_cost_s": plan.get("cost_s"), "comm_backend": m0.get("comm_backend"),
+            "inputs": m0["inputs"], "outputs": [{k: o[k] for k in ("name", "global_shape", "dtype", "placement")
+                                                  if k in o} for o in m0["outputs"]],
+            "ranks": ranks}
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _cmd_inspect(args) -> int:
+    info = inspect_out_dir(args.out_dir, args.verify)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        lines = [f"{info['out_dir']}: shardflow {info['shardflow_version']} (artifact format "
+                 f"{info['artifact_format']}), target {info['target']} ({info['arch']})",
+                 f"mesh {info['mesh_shape']} {info['axis_names']}, {info['world_size']} rank(s), plan "
+                 f"{info['algo']} (modeled cost {info['modeled_cost_s']} s), comm_backend {info['comm_backend']}",
+                 "inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i['shape']} {i.get('placement', '')}"
+                                         for i in info["inputs"]),
+                 "outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o.get('global_shape')} {o.get('placement', '')}"
+                                         for o in info["outputs"])]
+        for r in info["ranks"]:
+            coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
+            line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels; collectives {coll}; arena "
+                    f"{_fmt_bytes(r['arena_bytes'])}, weights {_fmt_bytes(r['weights_bytes'])}")
+            if "verified" in r:
+                line += "; checksums ok" if r["verified"] is True else f"; CHECKSUM ERROR: {r['verified']}"
+            lines.append(line)
+        print("\n".join(lines))
+    bad = [r for r in info["ranks"] if r.get("verified", True) is not True]
+    return 1 if bad else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardflow`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        from shardflow.runtime.launch import main as run_main
+
+        return run_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    from shardflow.runtime.errors import ShardflowError
+
+    try:
+        return {"compile": _cmd_compile, "plan": _cmd_plan, "inspect": _cmd_inspect}[args.command](args)
+    except _CLIError as exc:
+        print(f"shardflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ShardflowError as exc:
+        print(f"shardflow {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"shardflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Code generation: compute definitions → loop nests → kernels.
+
+``target="cpu"``: :func:`build_cpu_library` writes one C++ translation unit with one kernel per op
+and compiles it into a shared library (see :mod:`.cpp` for the kernel ABI and :mod:`.toolchain`
+for the compiler flags and the kernel cache). Collectives are not compiled: the runtime runs them
+with its communicator.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+from .lower import CodegenError, lower_task, lowerable, why_not_lowerable
+from .toolchain import CompileError, ToolchainError, build_shared_library, default_cache_dir
+
+__all__ = ["build_cpu_library", "lowerable", "why_not_lowerable", "lower_task", "generate_cpu_source",
+           "CodegenError", "CompileError", "ToolchainError", "default_cache_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def generate_cpu_source(ops, clones: str = "auto"):
+    """The C++ translation unit for ``ops`` (see :func:`.cpp.generate_cpu_source`)."""
+    from .cpp import generate_cpu_source as gen
+    return gen(ops, clones)
+
+
+def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None, opt_level: int = 2) -> dict[str, str]:
+    """Compile the kernels of ``ops`` into the shared library ``path``.
+
+    Parameters
+    ----------
+    ops
+        Operators (graph nodes) with static shapes. Ops that cannot be lowered — collectives
+        (``op.collective`` non-empty; the runtime runs them) and ops with extern outputs (TopK) —
+        are left out of the library and of the result (see :func:`lowerable`).
+    path
+        The library to write (written to a temporary name, then renamed).
+    cache_dir
+        The kernel cache; default ``$SHARDFLOW_CACHE_DIR`` or ``~/.cache/shardflow/kernels``. A
+        build whose source, compiler command line and compiler version were built before copies
+        the cached library.
+    opt_level
+        0: ``-O0``; 1: ``-O1`` (quick builds); 2 (default) and 3: ``-O3``.
+
+    Returns
+    -------
+    dict
+        ``op.name`` → exported symbol, for every lowered op. Each symbol is a function
+        ``extern "C" void f(const void* const* inputs, void* const* outputs)`` taking the op's
+        inputs and outputs in order as contiguous row-major arrays of their static shapes and
+        dtypes. Ops with identical kernels share a symbol.
+
+    Raises
+    ------
+    CodegenError
+        an op cannot be lowered although :func:`lowerable` accepted it.
+    CompileError
+        the compiler rejected the generated code (names the ops).
+    ToolchainError
+        no C++ compiler.
+    """
+    t0 = time.perf_counter()
+    src = generate_cpu_source(list(ops))
+    t1 = time.perf_counter()
+    if src.skipped:
+        log.info("not compiled (run by the runtime or unsupported): %s",
+                 ", ".join(f"{n} ({why})" for n, why in list(src.skipped.items())[:8]))
+    hit = build_shared_library(src.text, path, cache_dir=cache_dir, opt_level=opt_level, line_map=src.lines)
+    log.info("cpu library %s: %d ops, %d kernels, source %.2f s, %s %.2f s", path, len(src.symbols),
+             len(src.lines), t1 - t0, "cache hit" if hit else "compile", time.perf_counter() - t1)
+    return dict(src.symbols)

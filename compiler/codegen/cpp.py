@@ -1,0 +1,533 @@
+"""C++ emitter for ``target="cpu"``: one translation unit, one ``extern "C"`` kernel per op.
+
+Kernel ABI (what the runtime calls)::
+
+    extern "C" void <symbol>(const void* const* inputs, void* const* outputs);
+
+``inputs[k]``/``outputs[k]`` point to contiguous row-major arrays with exactly the static shape and
+dtype of the op's k-th input/output (shapes and dtypes are baked into the kernel). Inputs and
+outputs must not overlap. Kernels are thread-safe: scratch memory is per calling thread.
+
+Generic kernels are printed from the loop nests of :mod:`.lower`; MatMul, Gemm and Conv use the
+blocked GEMM of the prelude (see :mod:`.templates_cpu`). Identical kernels (same text) are emitted
+once and shared by every op that needs them.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..ir.expr import BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var
+from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, Declare, FlatLoop, If, Kernel, Let,
+                    Local, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable, promote)
+from .prelude_cpu import PRELUDE
+
+__all__ = ["generate_cpu_source", "CpuSource", "kernel_source", "STORAGE_CTYPE", "COMPUTE_CTYPE"]
+
+log = logging.getLogger(__name__)
+
+STORAGE_CTYPE = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+                 "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+                 "float16": "_Float16", "float32": "float", "float64": "double"}
+#: Arithmetic happens in these types: float16 values are computed in float32 (rounded at stores and
+#: at explicit casts only).
+COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float")
+
+_SMALL_INTS = {"int8", "int16", "uint8", "uint16"}
+_ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_BITS = {"bitand": "&", "bitor": "|", "bitxor": "^"}
+_HELPER_BIN = {"floordiv": "sf_floordiv", "mod": "sf_mod", "fmod": "sf_fmod", "truncdiv": "sf_truncdiv",
+               "pow": "sf_pow", "shl": "sf_shl", "shr": "sf_shr", "max": "sf_max", "min": "sf_min"}
+_OWN_MATH = {"exp": "sf_exp", "log": "sf_log", "tanh": "sf_tanh", "erf": "sf_erf", "sqrt": "sf_sqrt",
+             "rsqrt": "sf_rsqrt", "sigmoid": "sf_sigmoid", "round": "sf_round"}
+_STD_MATH = {"sin": "std::sin", "cos": "std::cos", "tan": "std::tan", "asin": "std::asin", "acos": "std::acos",
+             "atan": "std::atan", "sinh": "std::sinh", "cosh": "std::cosh", "asinh": "std::asinh",
+             "acosh": "std::acosh", "atanh": "std::atanh", "log1p": "std::log1p", "expm1": "std::expm1",
+             "floor": "std::floor", "ceil": "std::ceil"}
+
+
+def _kind(dt: str) -> str:
+    return np.dtype(dt).kind
+
+
+# ---------------------------------------------------------------------------------------------
+# literals and conversions
+# ---------------------------------------------------------------------------------------------
+
+def literal(value, dtype: str) -> str:
+    """``value`` as a C++ literal of the compute type of ``dtype``."""
+    k = _kind(dtype)
+    if k == "b":
+        return "true" if bool(value) else "false"
+    if k in "iu":
+        v = int(value)
+        info = np.iinfo(dtype)
+        v = int(np.array(v).astype(dtype)) if not (info.min <= v <= info.max) else v
+        ct = COMPUTE_CTYPE[dtype]
+        if dtype == "int64":
+            return "INT64_C(-9223372036854775807) - 1" if v == info.min else f"INT64_C({v})"
+        if dtype == "uint64":
+            return f"UINT64_C({v})"
+        if dtype == "int32" and v == info.min:
+            return "(-2147483647 - 1)"
+        return f"{ct}({v})" if ct != "int32_t" else str(v)
+    v = float(value)
+    f32 = dtype in ("float32", "float16")
+    if math.isnan(v):
+        return "std::numeric_limits<float>::quiet_NaN()" if f32 else "std::numeric_limits<double>::quiet_NaN()"
+    if math.isinf(v):
+        s = "std::numeric_limits<float>::infinity()" if f32 else "std::numeric_limits<double>::infinity()"
+        return s if v > 0 else f"(-{s})"
+    if dtype == "float16":
+        v = float(np.float16(v))
+    if f32:
+        r = repr(float(np.float32(v)))
+        r = r if ("." in r or "e" in r or "inf" in r) else r + ".0"
+        return r + "f"
+    r = repr(v)
+    return r if ("." in r or "e" in r) else r + ".0"
+
+
+def convert(s: str, src: str | None, dst: str) -> str:
+    """C++ for converting the value ``s`` (compute type of ``src``) to the compute type of ``dst``
+    with numpy's ``astype`` semantics."""
+    if src == dst or src is None:
+        return s
+    if dst == "bool":
+        return f"({s} != 0)" if src != "bool" else s
+    if dst == "float16":
+        return f"(float)(_Float16)({s})"
+    ks, kd = _kind(src), _kind(dst)
+    ct = COMPUTE_CTYPE[dst]
+    if kd in "iu" and ks == "f":
+        if dst in _SMALL_INTS:
+            return f"({ct})(int32_t)({s})"
+        if dst == "uint32":
+            return f"({ct})(int64_t)({s})"
+        return f"({ct})({s})"
+    if COMPUTE_CTYPE[src] == ct:
+        return s
+    return f"({ct})({s})"
+
+
+# ---------------------------------------------------------------------------------------------
+# printing one kernel
+# ---------------------------------------------------------------------------------------------
+
+class _Printer:
+    def __init__(self, kernel: Kernel):
+        self.k = kernel
+        self.dtypes: dict = {}
+        self.lines: list[str] = []
+        self.var_names: dict[int, str] = {}
+        self.used_names: set[str] = set()
+
+    # names ------------------------------------------------------------------------------------
+    def var(self, v: Var) -> str:
+        n = self.var_names.get(id(v))
+        if n is None:
+            base = v.name if re.fullmatch(r"[ikm]\d+(_\d+)?", v.name) else "v_" + re.sub(r"\W", "_", v.name)
+            n, j = base, 2
+            while n in self.used_names:
+                n, j = f"{base}_{j}", j + 1
+            self.used_names.add(n)
+            self.var_names[id(v)] = n
+        return n
+
+    # expressions ------------------------------------------------------------------------------
+    def dt(self, e: Expr) -> str | None:
+        return value_dtype(e, self.dtypes)
+
+    def expr(self, e: Expr, want: str | None = None) -> str:
+        """``e`` as C++ in the compute type of ``want`` (default: its own dtype)."""
+        if isinstance(e, Const):
+            return literal(e.value, want or e.dtype or ("float64" if isinstance(e.value, float) else
+                                                        "bool" if isinstance(e.value, bool) else "int64"))
+        init = reduce_init(e)
+        if init is not None:
+            return self.init_value(*init) if want is None else convert(self.init_value(*init), init[1], want)
+        s = self._expr(e)
+        return convert(s, self.dt(e), want) if want else s
+
+    def truth(self, e: Expr) -> str:
+        d = self.dt(e)
+        s = self.expr(e)
+        return s if d == "bool" else f"({s} != 0)"
+
+    def init_value(self, op: str, dtype: str) -> str:
+        k = _kind(dtype)
+        if op in ("sum", "mean"):
+            return literal(0, dtype)
+        if op == "prod":
+            return literal(1, dtype)
+        low = op in ("max", "argmax")
+        if k == "f":
+            return literal(-math.inf if low else math.inf, dtype)
+        if k == "b":
+            return "false" if low else "true"
+        info = np.iinfo(dtype)
+        return literal(info.min if low else info.max, dtype)
+
+    def index(self, buf: Buffer, indices: Sequence[Expr]) -> str:
+        terms = []
+        for ix, st, ext in zip(indices, buf.strides, buf.shape):
+            if ext == 1:
+                continue
+            s = self.expr(ix, "int64")
+            terms.append(s if st == 1 else f"{s} * {st}")
+        return " + ".join(terms) if terms else "0"
+
+    def _expr(self, e: Expr) -> str:
+        if isinstance(e, Var):
+            return self.var(e)
+        if isinstance(e, Local):
+            return e.name
+        if isinstance(e, TensorElement):
+            buf: Buffer = e.tensor
+            s = f"{buf.name}[{self.index(buf, e.indices)}]"
+            return f"(float){s}" if (buf.dtype == "float16" and buf.role != "temp") else s
+        if isinstance(e, Cast):
+            src = self.dt(e.a)
+            dst = self.dt(e)
+            if src is None:
+                return self.expr(e.a, dst)
+            return convert(self.expr(e.a), src, dst)
+        if isinstance(e, BinOp):
+            return self._binop(e)
+        if isinstance(e, UnaryOp):
+            return self._unop(e)
+        if isinstance(e, IfThenElse):
+            r = self.dt(e)
+            return f"({self.truth(e.cond)} ? {self.expr(e.then, r)} : {self.expr(e.other, r)})"
+        raise CodegenError(f"cannot print expression node {type(e).__name__}")
+
+    def _binop(self, e: BinOp) -> str:
+        op = e.op
+        if op in _CMP:
+            t = promote(e.a, e.b, self.dtypes)
+            return f"({self.expr(e.a, t)} {_CMP[op]} {self.expr(e.b, t)})"
+        if op in ("and", "or"):
+            return f"({self.truth(e.a)} {'&&' if op == 'and' else '||'} {self.truth(e.b)})"
+        if op == "xor":
+            return f"({self.truth(e.a)} != {self.truth(e.b)})"
+        r = self.dt(e)
+        ct = COMPUTE_CTYPE[r]
+        if op == "div":
+            return f"({self.expr(e.a, r)} / {self.expr(e.b, r)})"
+        a, b = self.expr(e.a, r), self.expr(e.b, r)
+        if op in _ARITH:
+            s = f"({a} {_ARITH[op]} {b})"
+            return f"({ct}){s}" if (r in _SMALL_INTS or r == "bool") else s
+        if op in _BITS:
+            s = f"({a} {_BITS[op]} {b})"
+            return f"({ct}){s}" if (r in _SMALL_INTS or r == "bool") else s
+        if op in _HELPER_BIN:
+            if r == "bool" and op in ("max", "min"):
+                return f"({a} {'||' if op == 'max' else '&&'} {b})"
+            if _kind(r) == "f":
+                return f"{_HELPER_BIN[op]}({a}, {b})"
+            return f"{_HELPER_BIN[op]}<{ct}>({a}, {b})"
+        raise CodegenError(f"binary op {op} is not supported by the cpu emitter")
+
+    def _unop(self, e: UnaryOp) -> str:
+        op = e.op
+        src = self.dt(e.a) or self.dt(e)
+        r = self.dt(e)
+        if op == "not":
+            return f"(!{self.truth(e.a)})"
+        if op in ("isnan", "isinf", "isposinf", "isneginf"):
+            if _kind(src) != "f":
+                return "false"
+            a = self.expr(e.a, src)
+            return {"isnan": f"({a} != {a})", "isinf": f"std::isinf({a})",
+                    "isposinf": f"({a} == std::numeric_limits<{COMPUTE_CTYPE[src]}>::infinity())",
+                    "isneginf": f"({a} == -std::numeric_limits<{COMPUTE_CTYPE[src]}>::infinity())"}[op]
+        ct = COMPUTE_CTYPE[r]
+        if op == "bitnot":
+            a = self.expr(e.a, r)
+            return f"(!{a})" if r == "bool" else f"({ct})(~{a})"
+        if op == "neg":
+            a = self.expr(e.a, r)
+            return f"({ct})(-{a})" if r in _SMALL_INTS else f"(-{a})"
+        if op == "abs":
+            return f"sf_abs<{ct}>({self.expr(e.a, r)})"
+        if op == "sign":
+            return f"sf_sign<{ct}>({self.expr(e.a, r)})"
+        if op == "reciprocal":
+            return f"sf_reciprocal<{ct}>({self.expr(e.a, r)})"
+        if op in ("floor", "ceil", "round") and _kind(r) != "f":
+            return self.expr(e.a, r)
+        if _kind(r) != "f":  # erf of ints (the evaluator casts back to the input's dtype)
+            fn = _OWN_MATH.get(op) or _STD_MATH[op]
+            return convert(f"{fn}((double)({self.expr(e.a)}))", "float64", r)
+        a = self.expr(e.a, r)
+        if op in _OWN_MATH:
+            return f"{_OWN_MATH[op]}({a})"
+        if op in _STD_MATH:
+            return f"{_STD_MATH[op]}({a})"
+        raise CodegenError(f"unary op {op} is not supported by the cpu emitter")
+
+    # statements -------------------------------------------------------------------------------
+    def emit(self, line: str, depth: int):
+        self.lines.append("  " * depth + line)
+
+    def stmts(self, body: list, depth: int):
+        for s in body:
+            self.stmt(s, depth)
+
+    def stmt(self, s, depth: int):
+        if isinstance(s, Comment):
+            self.emit(f"// {s.text}", depth)
+        elif isinstance(s, Block):
+            self.emit("{" + (f"  // {s.comment}" if s.comment else ""), depth)
+            self.stmts(s.body, depth + 1)
+            self.emit("}", depth)
+        elif isinstance(s, Let):
+            self.emit(f"{COMPUTE_CTYPE[s.local.dtype]} {s.local.name} = {self.expr(s.value, s.local.dtype)};", depth)
+        elif isinstance(s, Declare):
+            self.emit(f"{COMPUTE_CTYPE[s.local.dtype]} {s.local.name};", depth)
+        elif isinstance(s, Assign):
+            self.emit(f"{s.local.name} = {self.expr(s.value, s.local.dtype)};", depth)
+        elif isinstance(s, Accumulate):
+            self.accumulate(s, depth)
+        elif isinstance(s, Store):
+            buf = s.buffer
+            target = f"{buf.name}[{self.index(buf, s.indices)}]"
+            if buf.dtype == "float16" and buf.role != "temp":
+                src = self.dt(s.value)
+                v = self.expr(s.value) if src is not None and _kind(src) == "f" else self.expr(s.value, "float32")
+                self.emit(f"{target} = (_Float16)({v});", depth)
+            else:
+                self.emit(f"{target} = {self.expr(s.value, buf.dtype)};", depth)
+        elif isinstance(s, If):
+            self.emit(f"if ({self.truth(s.cond)}) {{", depth)
+            self.stmts(s.then, depth + 1)
+            if s.other:
+                self.emit("} else {", depth)
+                self.stmts(s.other, depth + 1)
+            self.emit("}", depth)
+        elif isinstance(s, Loop):
+            self.loop(s, depth)
+        elif isinstance(s, FlatLoop):
+            self.flat_loop(s, depth)
+        else:
+            raise CodegenError(f"cannot print statement {type(s).__name__}")
+
+    def accumulate(self, s: Accumulate, depth: int):
+        acc, dt = s.acc.name, s.acc.dtype
+        if s.op in ("sum", "mean"):
+            self.emit(f"{acc} += {self.expr(s.value, dt)};", depth)
+        elif s.op == "prod":
+            self.emit(f"{acc} *= {self.expr(s.value, dt)};", depth)
+        elif s.op in ("max", "min"):
+            if dt == "bool":
+                self.emit(f"{acc} = {acc} {'||' if s.op == 'max' else '&&'} {self.expr(s.value, dt)};", depth)
+            else:
+                fn = "sf_max" if s.op == "max" else "sf_min"
+                tmpl = "" if _kind(dt) == "f" else f"<{COMPUTE_CTYPE[dt]}>"
+                self.emit(f"{acc} = {fn}{tmpl}({acc}, {self.expr(s.value, dt)});", depth)
+        else:
+            better = "sf_better_max" if s.op == "argmax" else "sf_better_min"
+            self.emit(f"{{ const {COMPUTE_CTYPE[dt]} v_ = {self.expr(s.value, dt)};", depth)
+            self.emit(f"  if ({better}(v_, {acc})) {{ {acc} = v_; {s.index.name} = "
+                      f"{self.expr(s.index_value, 'int64')}; }} }}", depth)
+
+    def loop(self, s: Loop, depth: int):
+        v = self.var(s.var)
+        if s.extent == 1:
+            self.emit(f"{{ const int64_t {v} = 0;", depth)
+            self.stmts(s.body, depth + 1)
+            self.emit("}", depth)
+            return
+        if s.parallel:
+            self.emit("#pragma omp parallel for schedule(static)", depth)
+        elif s.reduction is not None:
+            acc, op = s.reduction
+            ct = COMPUTE_CTYPE[acc.dtype]
+            if ct in ("float", "double") and op in ("sum", "mean", "prod") and _simple_body(s.body):
+                self.emit(f"#pragma omp simd reduction({'*' if op == 'prod' else '+'}:{acc.name})", depth)
+        self.emit(f"for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{", depth)
+        self.stmts(s.body, depth + 1)
+        self.emit("}", depth)
+
+    def flat_loop(self, s: FlatLoop, depth: int):
+        vars_ = s.vars
+        total = math.prod(v.extent for v in vars_)
+        if len(vars_) == 1:
+            self.loop(Loop(vars_[0], vars_[0].extent, s.body, parallel=s.parallel and total > 1), depth)
+            return
+        if s.parallel and total > 1:
+            self.emit("#pragma omp parallel for schedule(static)", depth)
+        f = "f_" + "_".join(self.var(v) for v in vars_[:1])
+        self.emit(f"for (int64_t {f} = 0; {f} < {total}; ++{f}) {{", depth)
+        rest = f
+        for d in range(len(vars_) - 1, -1, -1):
+            v = vars_[d]
+            name = self.var(v)
+            if v.extent == 1:
+                self.emit(f"const int64_t {name} = 0;", depth + 1)
+            elif d == 0:
+                self.emit(f"const int64_t {name} = {rest};", depth + 1)
+            else:
+                self.emit(f"const int64_t {name} = {rest} % {v.extent};", depth + 1)
+                if d > 0:
+                    nxt = f"{f}_{d}"
+                    self.emit(f"const int64_t {nxt} = {rest} / {v.extent};", depth + 1)
+                    rest = nxt
+        self.stmts(s.body, depth + 1)
+        self.emit("}", depth)
+
+
+def _simple_body(body: list) -> bool:
+    """A reduction loop body that is safe and worth marking ``omp simd``: no nested loops."""
+    for s in body:
+        if isinstance(s, (Loop, FlatLoop)):
+            return False
+        if isinstance(s, If) and not (_simple_body(s.then) and _simple_body(s.other)):
+            return False
+    return True
+
+
+def _signature_comment(op) -> str:
+    ins = ", ".join(f"{t.dtype}{list(t.shape)}" for t in op.inputs)
+    outs = ", ".join(f"{t.dtype}{list(t.shape)}" for t in op.outputs)
+    attrs = ", ".join(f"{k}={v!r}" for k, v in sorted(op.attrs.items()) if not isinstance(v, np.ndarray))
+    if len(attrs) > 160:
+        attrs = attrs[:157] + "..."
+    return f"{op.op_type}({ins}) -> {outs}" + (f" {{{attrs}}}" if attrs else "")
+
+
+def _arg_decls(kernel: Kernel) -> list[str]:
+    lines = []
+    for b in kernel.inputs:
+        ct = STORAGE_CTYPE[b.dtype]
+        lines.append(f"const {ct}* __restrict__ {b.name} = static_cast<const {ct}*>(inputs[{b.index}]);")
+    for b in kernel.outputs:
+        ct = STORAGE_CTYPE[b.dtype]
+        lines.append(f"{ct}* __restrict__ {b.name} = static_cast<{ct}*>(outputs[{b.index}]);")
+    if kernel.temps:
+        off = 0
+        offs = []
+        for t in kernel.temps:
+            offs.append(off)
+            off += (t.size * np.dtype(t.dtype).itemsize + 63) // 64 * 64
+        lines.append(f"char* ws_ = static_cast<char*>(sf_workspace(0, {off}));")
+        for t, o in zip(kernel.temps, offs):
+            ct = COMPUTE_CTYPE[t.dtype]
+            lines.append(f"{ct}* __restrict__ {t.name} = reinterpret_cast<{ct}*>(ws_ + {o});")
+    return lines
+
+
+def generic_kernel_body(op) -> str:
+    """The body (statements between the braces) of the generic kernel for ``op``."""
+    kernel = lower_task(op.task, op.name, op.op_type)
+    p = _Printer(kernel)
+    for line in _arg_decls(kernel):
+        p.emit(line, 1)
+    p.stmts(kernel.body, 1)
+    return "\n".join(p.lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the translation unit
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class CpuSource:
+    """A generated translation unit: ``text``, the exported symbol of every lowered op
+    (``symbols[op.name]``), the ops left out with the reason (``skipped``) and, for error messages,
+    the line range of each kernel (``lines[symbol] = (first, last, op names)``)."""
+    text: str
+    symbols: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)
+    lines: dict = field(default_factory=dict)
+
+
+def kernel_source(op, clones: bool = False) -> tuple[str, str]:
+    """``(symbol, definition)`` of ``op``'s kernel; the symbol is derived from the text, so equal
+    kernels get equal symbols."""
+    from .templates_cpu import template_body  # the heavy-op templates
+    body = template_body(op)
+    if body is None:
+        body = generic_kernel_body(op)
+    attr = "SF_CLONES " if clones else ""
+    digest = hashlib.sha256((attr + body).encode()).hexdigest()[:16]
+    sym = f"sf_{re.sub(r'[^a-z0-9]', '', op.op_type.lower())[:24]}_{digest}"
+    text = (f"{attr}static void {sym}_impl(const void* const* inputs, void* const* outputs) {{\n{body}\n}}\n"
+            f"SF_EXPORT void {sym}(const void* const* inputs, void* const* outputs) {{ {sym}_impl(inputs, outputs); }}\n")
+    return sym, text
+
+
+def _wants_clones(op, policy: str) -> bool:
+    if policy == "none":
+        return False
+    if policy == "all":
+        return True
+    work = sum(int(np.prod(t.shape, dtype=np.int64)) for t in op.outputs)
+    work += sum(int(np.prod(t.shape, dtype=np.int64)) for t in op.inputs)
+    return work >= (1 << 14)
+
+
+def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
+    """Generate the C++ translation unit for ``ops``.
+
+    Parameters
+    ----------
+    ops
+        Operators (graph nodes); ops that are not lowerable are skipped and listed in
+        ``CpuSource.skipped``.
+    clones
+        ``"auto"`` compiles kernels that touch at least 16 Ki elements for x86-64-v2, v3 (AVX2/FMA)
+        and v4 (AVX-512) and picks one when the library loads; ``"all"``/``"none"`` for every/no
+        kernel.
+    """
+    out = CpuSource("")
+    parts = [PRELUDE, _clones_macro()]
+    from .templates_cpu import TEMPLATE_PRELUDE
+    parts.append(TEMPLATE_PRELUDE)
+    header_lines = sum(p.count("\n") for p in parts) + len(parts)
+    by_sym: dict[str, list] = {}
+    defs: dict[str, str] = {}
+    for op in ops:
+        why = why_not_lowerable(op)
+        if why is not None:
+            out.skipped[op.name] = why
+            continue
+        try:
+            sym, text = kernel_source(op, _wants_clones(op, clones))
+        except CodegenError:
+            raise
+        except RecursionError as e:  # pragma: no cover - pathological expression depth
+            raise CodegenError(f"{op.name} ({op.op_type}): expression too deep to lower") from e
+        out.symbols[op.name] = sym
+        if sym not in defs:
+            defs[sym] = text
+            by_sym[sym] = [op]
+        else:
+            by_sym[sym].append(op)
+    body_parts = []
+    line = header_lines + 1
+    for sym, text in defs.items():
+        users = by_sym[sym]
+        names = ", ".join(o.name for o in users[:4]) + (f" (+{len(users) - 4} more)" if len(users) > 4 else "")
+        comment = f"// {_signature_comment(users[0])}\n// ops: {names}\n"
+        chunk = comment + text
+        n = chunk.count("\n")
+        out.lines[sym] = (line, line + n, [o.name for o in users])
+        line += n + 1
+        body_parts.append(chunk)
+    out.text = "\n".join(parts) + "\n" + "\n".join(body_parts)
+    return out
+
+
+def _clones_macro() -> str:
+    return ('#if defined(__x86_64__) && !defined(SF_NO_CLONES)\n'
+            '#define SF_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))\n'
+            '#else\n#define SF_CLONES\n#endif\n')

@@ -1,0 +1,1653 @@
+"""CUDA C code generation for ``target="cuda"``.
+
+:func:`build_cuda_library` turns a list of operators into one CUDA translation unit with one
+``extern "C" __global__`` kernel per operator, compiles it to a ``.cubin`` (``nvcc``, or NVRTC
+through cupy where ``nvcc`` is missing) and returns how to launch each kernel
+(:class:`KernelLaunch`). Collectives and ops with extern outputs (sorting) get no kernel.
+
+Kernel interface
+    A kernel takes one pointer per op input, then one per op output, in the op's order; every
+    tensor is dense row-major with the op's static shape baked into the code. Inputs are
+    ``const T* __restrict__`` and outputs must not alias inputs. bool is 1 byte, float16 is
+    ``__half``, bfloat16 ``__nv_bfloat16``.
+
+Ops whose kernels come out identical (repeated layers) share one kernel, which keeps the compile
+time of deep models close to that of one layer.
+
+Lowering (each op output is one *part* of the op's kernel; parts run one after another)
+    * no reduction: one thread per output element, grid-stride loop;
+    * reductions shared by several outputs (softmax, normalizations, hardmax...): the output axes
+      the reductions depend on form a *row*; a warp (short rows) or a block of 256 threads (long
+      rows) computes each hoisted reduction once per row with shuffles (and shared memory across
+      warps), then its lanes write the row's elements. Nothing is O(n²) in the row length;
+    * one reduction per output element: a thread per element with a serial loop when there are
+      many outputs or short reductions, else a warp or block per element;
+    * a sum of a product of two operands that separate into (batch, M, K) and (batch, N, K)
+      index spaces (MatMul, Gemm, batched/broadcast matmul, Einsum, convolution as implicit
+      GEMM) in float32/float16/bfloat16 with M, N >= 16: the tensor-core GEMM template of
+      :mod:`.cuda_templates` (TF32 for float32, see there for its tolerance), with the rest of
+      the expression as its epilogue.
+
+Semantics follow the reference evaluator (:mod:`shardflow.compiler.ir.evaluate`) node by node:
+numpy's result dtypes (computed by numpy itself on empty arrays), floor division and modulo,
+NaN-propagating max/min, round half to even, first-index arg-reductions, float16 rounded after
+every operation as numpy does, out-of-range reads clamped (reads in an untaken select branch may
+be out of bounds). Known differences: float to integer conversions of NaN or out-of-range
+values saturate on the GPU, sums are accumulated in a different order (fp32 rounding
+differences), and bfloat16 values are rounded to bfloat16 where the numpy evaluator, which has no
+bfloat16, keeps float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
+                       UnaryOp, Var, affine_form, walk)
+from ..ir.graph import Operator
+from ..ir.task import GridCompute, TensorInput
+from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
+from .lower import CodegenError
+from .toolchain import CompileError, ToolchainError, default_cache_dir
+
+__all__ = ["KernelLaunch", "CudaSource", "CudaCodegenError", "build_cuda_library", "generate_cuda_source",
+           "cuda_compile_command", "lowerable"]
+
+log = logging.getLogger(__name__)
+
+
+class CudaCodegenError(CodegenError):
+    """An op cannot be lowered to CUDA (unsupported dtype or expression)."""
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """How to launch one generated kernel.
+
+    Attributes
+    ----------
+    symbol
+        The kernel's ``extern "C"`` name in the cubin. Ops whose kernels are identical (same
+        shapes, dtypes and attributes, as in repeated layers) share one symbol.
+    grid, block
+        Launch dimensions.
+    shared_mem
+        Dynamic shared memory bytes to pass at launch (the kernels use static shared memory only,
+        so this is 0 today).
+    args
+        Names of the tensors passed as pointers, in order: the op's inputs, then its outputs.
+    num_inputs
+        How many of ``args`` are inputs.
+    op_name
+        The op the kernel computes.
+    kind
+        ``"elementwise"``, ``"row"``, ``"gemm-tf32"``, ``"gemm-f16"``, ``"gemm-bf16"`` (the kinds of
+        its parts, joined by ``+`` for multi-output ops).
+    """
+
+    symbol: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    args: tuple[str, ...]
+    num_inputs: int
+    op_name: str
+    kind: str = "elementwise"
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes
+# ----------------------------------------------------------------------------------------------
+
+_STORE_CTYPE = {
+    "bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short", "uint16": "unsigned short",
+    "int32": "int", "uint32": "unsigned int", "int64": "long long", "uint64": "unsigned long long",
+    "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double",
+}
+_REG_CTYPE = dict(_STORE_CTYPE, float16="float", bfloat16="float")
+_FLOATS = {"float16", "bfloat16", "float32", "float64"}
+_INTS = {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"}
+_INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in _INTS}
+_INT_RANGE["bool"] = (0, 1)
+_I32 = _INT_RANGE["int32"]
+_SMALL_INTS = {"bool", "int8", "uint8", "int16", "uint16", "int32"}  # every value fits in int32
+_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_BOOL_UNARY = {"not", "isnan", "isinf", "isposinf", "isneginf"}
+_FLOAT_FN = {
+    "exp": "exp", "log": "log", "sqrt": "sqrt", "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin",
+    "acos": "acos", "atan": "atan", "sinh": "sinh", "cosh": "cosh", "tanh": "tanh", "asinh": "asinh",
+    "acosh": "acosh", "atanh": "atanh", "erf": "erf", "floor": "floor", "ceil": "ceil", "round": "rint",
+    "log1p": "log1p", "expm1": "expm1",
+}
+
+
+_NP_REDUCERS = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min, "mean": np.mean}
+
+
+def _np_proxy(dt: str) -> np.ndarray:
+    return np.zeros(0, dtype=np.float32 if dt == "bfloat16" else dt)
+
+
+def _from_np(r, bf: bool) -> str:
+    r = str(np.dtype(r))
+    return "bfloat16" if bf and r == "float32" else r
+
+
+def _weak_promote(a: Expr, b: Expr) -> str:
+    va = a.value if isinstance(a, Const) else 0
+    vb = b.value if isinstance(b, Const) else 0
+    if isinstance(va, bool) and isinstance(vb, bool):
+        return "bool"
+    if isinstance(va, float) or isinstance(vb, float):
+        return "float32"
+    return "int64"
+
+
+@functools.lru_cache(maxsize=None)
+def _unary_result(op: str, dt: str) -> str:
+    with np.errstate(all="ignore"):
+        r = np.asarray(UNARY_FUNCS[op](_np_proxy(dt))).dtype
+    return _from_np(r, dt == "bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def _binary_result(fn, da, db, wa, wb) -> str:
+    """numpy's result dtype of ``fn`` (a BINARY_FUNCS key, or ``"where"``/``"common"``) on an
+    operand of dtype ``da`` (or the weak Python scalar ``wa`` when ``da`` is None) and ``db``/``wb``."""
+    x = _np_proxy(da) if da is not None else wa
+    y = _np_proxy(db) if db is not None else wb
+    bf = "bfloat16" in (da, db)
+    with np.errstate(all="ignore"):
+        if fn == "common":
+            r = np.result_type(x, y)
+        elif fn == "where":
+            r = np.result_type(x, y)
+        else:
+            r = np.asarray(BINARY_FUNCS[fn](x, y)).dtype
+    return _from_np(r, bf)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_result(op: str, dt: str) -> str:
+    if op in ("argmax", "argmin"):
+        return "int64"
+    with np.errstate(all="ignore"):
+        r = np.asarray(_NP_REDUCERS[op](np.zeros(1, np.float32 if dt == "bfloat16" else dt))).dtype
+    return _from_np(r, dt == "bfloat16")
+
+
+def _float_literal(x: float, reg: str) -> str:
+    """A C literal for float value ``x`` in a ``float`` or ``double`` register."""
+    if reg == "double":
+        if math.isnan(x):
+            return "__longlong_as_double(0x7ff8000000000000LL)"
+        if math.isinf(x):
+            return "__longlong_as_double(0x7ff0000000000000LL)" if x > 0 else "__longlong_as_double(0xfff0000000000000LL)"
+        return repr(float(x))
+    if math.isnan(x):
+        return "__int_as_float(0x7fc00000)"
+    if math.isinf(x):
+        return "__int_as_float(0x7f800000)" if x > 0 else "__int_as_float(0xff800000)"
+    s = repr(float(x))
+    if "e" not in s and "." not in s:
+        s += ".0"
+    return s + "f"
+
+
+def _round_bf16(x: float) -> float:
+    a = np.array([x], np.float32).view(np.uint32)
+    if np.isnan(x):
+        return float(x)
+    lsb = (a >> 16) & 1
+    a = ((a + 0x7FFF + lsb) >> 16) << 16
+    return float(a.astype(np.uint32).view(np.float32)[0])
+
+
+def _literal(v, dt: str) -> str:
+    """C literal of Python/numpy value ``v`` converted to dtype ``dt`` (numpy ``astype`` rules)."""
+    with np.errstate(all="ignore"):
+        if dt == "bool":
+            return "true" if bool(v) else "false"
+        if dt in _FLOATS:
+            if dt == "float64":
+                return _float_literal(float(v), "double")
+            if dt == "float16":
+                return _float_literal(float(np.float16(v)), "float")
+            if dt == "bfloat16":
+                return _float_literal(_round_bf16(float(np.float32(v))), "float")
+            return _float_literal(float(np.float32(v)), "float")
+        if isinstance(v, float) and not math.isfinite(v):
+            iv = 0
+        else:
+            try:
+                iv = int(np.array(v).astype(dt))
+            except (OverflowError, ValueError):
+                iv = int(np.array(v, dtype=np.int64).astype(dt))
+    if dt == "int64":
+        return "(-9223372036854775807LL - 1)" if iv == -2 ** 63 else f"{iv}LL"
+    if dt == "uint64":
+        return f"{iv}ULL"
+    if dt == "int32":
+        return "(-2147483647 - 1)" if iv == -2 ** 31 else str(iv)
+    if dt == "uint32":
+        return f"{iv}u"
+    return f"(({_STORE_CTYPE[dt]}){iv})"
+
+
+def _convert(x: str, src: str, dst: str) -> str:
+    """C expression converting register value ``x`` of dtype ``src`` to dtype ``dst``."""
+    if src == dst:
+        return x
+    if dst == "bool":
+        return f"(({x}) != 0)"
+    if dst == "float16":
+        if src in ("float32", "bfloat16"):
+            return f"sf_rh({x})"
+        if src == "float64":
+            return f"sf_rh_d({x})"
+        return f"sf_rh((float)({x}))"
+    if dst == "bfloat16":
+        if src in ("float32", "float16"):
+            return f"sf_rb({x})"
+        if src == "float64":
+            return f"sf_rb_d({x})"
+        return f"sf_rb((float)({x}))"
+    if dst == "float32":
+        return x if src in ("float16", "bfloat16") else f"(float)({x})"
+    if dst == "float64":
+        return f"(double)({x})"
+    # integer destination
+    ct = _REG_CTYPE[dst]
+    if src in _FLOATS:
+        # x86 numpy converts through a wide integer and truncates (no saturation for small types)
+        if dst in ("int8", "uint8", "int16", "uint16"):
+            return f"(({ct})(int)({x}))"
+        if dst == "uint32":
+            return f"(({ct})(long long)({x}))"
+    return f"(({ct})({x}))"
+
+
+def _store(x: str, dt: str) -> str:
+    if dt == "float16":
+        return f"__float2half_rn({x})"
+    if dt == "bfloat16":
+        return f"__float2bfloat16_rn({x})"
+    return x
+
+
+def _load(x: str, dt: str) -> str:
+    if dt == "float16":
+        return f"__half2float({x})"
+    if dt == "bfloat16":
+        return f"__bfloat162float({x})"
+    return x
+
+
+def _check_dtype(dt: str, where: str) -> None:
+    if dt not in _STORE_CTYPE:
+        raise CudaCodegenError(f"{where}: dtype {dt} is not supported by the cuda target")
+
+
+# ----------------------------------------------------------------------------------------------
+# expression analysis
+# ----------------------------------------------------------------------------------------------
+
+class _Analysis:
+    """Memoized per-node facts: numpy dtype, free variables, integer bounds, 32-bit narrowing."""
+
+    def __init__(self):
+        self._dt: dict[int, str | None] = {}
+        self._fv: dict[int, frozenset] = {}
+        self._bd: dict[int, tuple[int, int] | None] = {}
+        self._nw: dict[int, bool] = {}
+        self._keep: list = []  # keep analysed nodes alive so ids stay unique
+
+    # dtype ------------------------------------------------------------------------------
+    def dtype(self, e: Expr) -> str | None:
+        k = id(e)
+        if k not in self._dt:
+            self._keep.append(e)
+            self._dt[k] = self._dtype(e)
+        return self._dt[k]
+
+    def _weak(self, e: Expr):
+        return e.value if isinstance(e, Const) and e.dtype is None else None
+
+    def _pair(self, fn: str, a: Expr, b: Expr) -> str:
+        da, db = self.dtype(a), self.dtype(b)
+        if da is None and db is None:
+            r = _weak_promote(a, b)
+            if fn == "div" and r in ("int64", "bool"):
+                return "float64"
+            if fn in _CMP or fn in ("and", "or", "xor"):
+                return "bool"
+            return r
+        try:
+            return _binary_result(fn, da, db, self._weak(a) if da is None else None,
+                                  self._weak(b) if db is None else None)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise CudaCodegenError(f"no numpy semantics for {fn} on {da or repr(self._weak(a))} and "
+                                   f"{db or repr(self._weak(b))}: {exc}") from None
+
+    def _dtype(self, e: Expr) -> str | None:
+        if isinstance(e, Var):
+            return "int64"
+        if isinstance(e, Const):
+            return e.dtype
+        if isinstance(e, TensorElement):
+            return str(e.tensor.dtype)
+        if isinstance(e, Cast):
+            return e.dtype
+        if isinstance(e, BinOp):
+            return self._pair(e.op, e.a, e.b)
+        if isinstance(e, UnaryOp):
+            d = self.dtype(e.a)
+            if d is None:
+                d = {"bool": "bool", "int64": "int64"}.get(_weak_promote(e.a, e.a), "float32")
+            try:
+                return _unary_result(e.op, d)
+            except (TypeError, ValueError) as exc:
+                raise CudaCodegenError(f"no numpy semantics for {e.op} on {d}: {exc}") from None
+        if isinstance(e, IfThenElse):
+            return self._pair("where", e.then, e.other)
+        if isinstance(e, Reduce):
+            d = self.dtype(e.body)
+            if d is None:
+                d = _weak_promote(e.body, e.body)
+            return _reduce_result(e.op, d)
+        raise CudaCodegenError(f"cannot lower expression node {type(e).__name__}")
+
+    def cdtype(self, e: Expr, fallback: str) -> str:
+        d = self.dtype(e)
+        return fallback if d is None else d
+
+    # free variables ------------------------------------------------------------------------
+    def free(self, e: Expr) -> frozenset:
+        k = id(e)
+        r = self._fv.get(k)
+        if r is None:
+            if isinstance(e, Var):
+                r = frozenset((e,))
+            elif isinstance(e, Reduce):
+                r = self.free(e.body) - frozenset(e.vars)
+            else:
+                r = frozenset().union(*(self.free(c) for c in e.children())) if e.children() else frozenset()
+            self._keep.append(e)
+            self._fv[k] = r
+        return r
+
+    # integer bounds ------------------------------------------------------------------------
+    def bounds(self, e: Expr) -> tuple[int, int] | None:
+        k = id(e)
+        if k not in self._bd:
+            self._keep.append(e)
+            self._bd[k] = self._bounds(e)
+        return self._bd[k]
+
+    def _bounds(self, e: Expr):
+        if isinstance(e, Var):
+            return (0, max(e.extent - 1, 0))
+        if isinstance(e, Const):
+            if isinstance(e.value, (bool, int, np.integer)):
+                return (int(e.value), int(e.value))
+            return None
+        dt = self.dtype(e)
+        if isinstance(e, TensorElement):
+            return _INT_RANGE.get(dt) if dt in ("bool", "int8", "uint8", "int16", "uint16", "int32") else None
+        if isinstance(e, Cast):
+            if dt == "bool":
+                return (0, 1)
+            b = self.bounds(e.a)
+            if b is None or dt not in _INT_RANGE or self.dtype(e.a) in _FLOATS:
+                return None
+            lo, hi = _INT_RANGE[dt]
+            return b if lo <= b[0] and b[1] <= hi else None
+        if isinstance(e, BinOp):
+            if e.op in _CMP or e.op in ("and", "or", "xor"):
+                return (0, 1)
+            if dt not in _INT_RANGE:
+                return None
+            a, b = self.bounds(e.a), self.bounds(e.b)
+            if a is None or b is None:
+                if e.op == "mod" and b is not None and b[0] > 0:
+                    return (0, b[1] - 1)
+                return None
+            if e.op == "add":
+                return (a[0] + b[0], a[1] + b[1])
+            if e.op == "sub":
+                return (a[0] - b[1], a[1] - b[0])
+            if e.op == "mul":
+                ps = [a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1]]
+                return (min(ps), max(ps))
+            if e.op == "floordiv" and b[0] > 0:
+                return (min(a[0] // b[0], a[0] // b[1]), max(a[1] // b[0], a[1] // b[1]))
+            if e.op == "mod" and b[0] > 0:
+                if a[0] >= 0 and a[1] < b[0]:
+                    return a
+                return (0, b[1] - 1)
+            if e.op == "max":
+                return (max(a[0], b[0]), max(a[1], b[1]))
+            if e.op == "min":
+                return (min(a[0], b[0]), min(a[1], b[1]))
+            return None
+        if isinstance(e, UnaryOp):
+            if e.op in _BOOL_UNARY:
+                return (0, 1)
+            b = self.bounds(e.a)
+            if b is None or dt not in _INT_RANGE:
+                return None
+            if e.op == "neg":
+                return (-b[1], -b[0])
+            if e.op == "abs":
+                return (0 if b[0] <= 0 <= b[1] else min(abs(b[0]), abs(b[1])), max(abs(b[0]), abs(b[1])))
+            if e.op == "sign":
+                return (-1, 1)
+            return None
+        if isinstance(e, IfThenElse):
+            a, b = self.bounds(e.then), self.bounds(e.other)
+            if a is None or b is None:
+                return None
+            return (min(a[0], b[0]), max(a[1], b[1]))
+        if isinstance(e, Reduce):
+            if e.op in ("argmax", "argmin"):
+                return (0, max(e.vars[0].extent - 1, 0))
+            if e.op in ("max", "min") and dt in _INT_RANGE:
+                return self.bounds(e.body)
+            return None
+        return None
+
+    # 32-bit narrowing of int64 index arithmetic ----------------------------------------------
+    def narrow(self, e: Expr) -> bool:
+        """True when an int64 node can be computed exactly in 32-bit ints (it and every int64
+        operand it is computed from stay within int32)."""
+        k = id(e)
+        r = self._nw.get(k)
+        if r is None:
+            r = self._narrow(e)
+            self._keep.append(e)
+            self._nw[k] = r
+        return r
+
+    def _narrow(self, e: Expr) -> bool:
+        if self.dtype(e) != "int64":
+            return False
+        b = self.bounds(e)
+        if b is None or b[0] < _I32[0] or b[1] > _I32[1]:
+            return False
+        if isinstance(e, (Var, Const)):
+            return True
+        if isinstance(e, Reduce):
+            return e.op in ("argmax", "argmin")
+        if isinstance(e, TensorElement):
+            return False
+        if isinstance(e, BinOp) and e.op in ("shl", "shr", "pow"):
+            return False
+        kids = (e.then, e.other) if isinstance(e, IfThenElse) else e.children()
+        for c in kids:
+            dc = self.dtype(c)
+            if dc == "int64" and not self.narrow(c):
+                return False
+            if dc is not None and dc not in _SMALL_INTS and dc != "int64":
+                return False
+        return True
+
+    def eff(self, e: Expr) -> str | None:
+        """The dtype a node is computed in: numpy's, except int64 index math narrowed to int32."""
+        return "int32" if self.narrow(e) else self.dtype(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# inlining reads of other computes of the same task
+# ----------------------------------------------------------------------------------------------
+
+def _rebuild(e: Expr, kids: list[Expr]) -> Expr:
+    if isinstance(e, BinOp):
+        return BinOp(e.op, kids[0], kids[1])
+    if isinstance(e, UnaryOp):
+        return UnaryOp(e.op, kids[0])
+    if isinstance(e, Cast):
+        return Cast(kids[0], e.dtype)
+    if isinstance(e, IfThenElse):
+        return IfThenElse(kids[0], kids[1], kids[2])
+    if isinstance(e, TensorElement):
+        return TensorElement(e.tensor, tuple(kids))
+    if isinstance(e, Reduce):
+        return Reduce(e.vars, kids[0], e.op)
+    return e
+
+
+def _map_tree(e: Expr, fn, memo: dict) -> Expr:
+    """Rebuild ``e`` bottom-up; ``fn(node, new_children)`` may return a replacement or None."""
+    k = id(e)
+    if k in memo:
+        return memo[k]
+    kids = [_map_tree(c, fn, memo) for c in e.children()]
+    r = fn(e, kids)
+    if r is None:
+        r = e if all(a is b for a, b in zip(kids, e.children())) else _rebuild(e, kids)
+    memo[k] = r
+    return r
+
+
+def _inline_computes(value: Expr, an: _Analysis) -> Expr:
+    """Replace reads of other grid computes (fused definitions) by their definitions, with the
+    read indices clamped as the evaluator does."""
+    if not any(isinstance(n, TensorElement) and isinstance(n.tensor, GridCompute) for n in walk(value)):
+        return value
+    cache: dict[int, Expr] = {}
+
+    def fn(e, kids):
+        if isinstance(e, TensorElement) and isinstance(e.tensor, GridCompute):
+            gc = e.tensor
+            if id(gc) not in cache:
+                cache[id(gc)] = _inline_computes(gc.value, an)
+            body = cache[id(gc)]
+            sub = {}
+            for ax, ix, ext in zip(gc.axes, kids, gc.shape):
+                b = an.bounds(ix)
+                if not (b is not None and b[0] >= 0 and b[1] <= ext - 1):
+                    ix = BinOp("min", BinOp("max", ix, Const(0)), Const(max(ext - 1, 0)))
+                sub[ax] = ix
+            r = _map_tree(body, lambda n, _k: sub.get(n) if isinstance(n, Var) else None, {})
+            if gc.dtype is not None and an.dtype(r) != gc.dtype:
+                r = Cast(r, gc.dtype)
+            return r
+        return None
+
+    return _map_tree(value, fn, {})
+
+
+# ----------------------------------------------------------------------------------------------
+# the emitter: SSA C code with loop-invariant hoisting
+# ----------------------------------------------------------------------------------------------
+
+class _Block:
+    """A C scope: its own lines, the variables it binds and the values computed in it."""
+
+    __slots__ = ("parent", "binds", "lines", "cache", "coop")
+
+    def __init__(self, parent: "_Block | None", binds: dict | None = None, coop: "_Coop | None" = None):
+        self.parent = parent
+        self.binds: dict[Var, tuple[str, str]] = binds or {}
+        self.lines: list[str] = []
+        self.cache: dict[int, tuple[str, str]] = {}
+        self.coop = coop
+
+    def chain(self):
+        b = self
+        while b is not None:
+            yield b
+            b = b.parent
+
+
+@dataclass
+class _Coop:
+    """Lanes that compute hoisted reductions together: a warp (32) or the whole block."""
+
+    lanes: int
+    lane: str = "sf_lane"
+
+
+class _Emitter:
+    def __init__(self, an: _Analysis, reads: dict[int, tuple[str, tuple[int, ...], str]], names):
+        self.an = an
+        self.reads = reads  # id(placeholder) -> (pointer name, shape, dtype)
+        self.names = names
+        self.subst: dict[int, tuple[str, str]] = {}
+        self.coop_ids: set[int] = set()
+        self.uses_block_smem = False
+
+    def new(self, prefix: str = "v") -> str:
+        return f"{prefix}{next(self.names)}"
+
+    # values ------------------------------------------------------------------------------
+    def value(self, e: Expr, blk: _Block) -> tuple[str, str]:
+        k = id(e)
+        if k in self.subst:
+            return self.subst[k]
+        if isinstance(e, Const):
+            dt = e.dtype or _weak_promote(e, e)
+            return _literal(e.value, dt), dt
+        if isinstance(e, Var):
+            for b in blk.chain():
+                if e in b.binds:
+                    return b.binds[e]
+            raise CudaCodegenError(f"axis variable {e.name} is not bound (malformed compute definition)")
+        for b in blk.chain():
+            if k in b.cache:
+                return b.cache[k]
+        tgt = self._target(e, blk)
+        res = self._emit(e, tgt)
+        tgt.cache[k] = res
+        return res
+
+    def value_as(self, e: Expr, dt: str, blk: _Block) -> str:
+        if isinstance(e, Const) and id(e) not in self.subst:
+            v = e.value
+            if e.dtype is not None and e.dtype != dt:
+                with np.errstate(all="ignore"):
+                    v = np.array(v, dtype=np.float32 if e.dtype == "bfloat16" else e.dtype)[()]
+            return _literal(v, dt)
+        x, src = self.value(e, blk)
+        return _convert(x, src, dt)
+
+    def _target(self, e: Expr, blk: _Block) -> _Block:
+        fv = self.an.free(e)
+        last = blk
+        for b in blk.chain():
+            if fv and any(v in b.binds for v in fv):
+                return b
+            last = b
+        return last
+
+    def _ssa(self, blk: _Block, dt: str, expr: str) -> tuple[str, str]:
+        name = self.new()
+        blk.lines.append(f"const {_REG_CTYPE[dt]} {name} = {expr};")
+        return name, dt
+
+    # nodes -------------------------------------------------------------------------------
+    def _emit(self, e: Expr, blk: _Block) -> tuple[str, str]:
+        if isinstance(e, TensorElement):
+            return self._read(e, blk)
+        if isinstance(e, Cast):
+            x, src = self.value(e.a, blk)
+            dt = self.an.eff(e)
+            return self._ssa(blk, dt, _convert(x, src, dt))
+        if isinstance(e, BinOp):
+            return self._binop(e, blk)
+        if isinstance(e, UnaryOp):
+            return self._unary(e, blk)
+        if isinstance(e, IfThenElse):
+            dt = self.an.eff(e) or _weak_promote(e.then, e.other)
+            c = self.value_as(e.cond, "bool", blk)
+            a = self.value_as(e.then, dt, blk)
+            b = self.value_as(e.other, dt, blk)
+            return self._ssa(blk, dt, f"({c} ? {a} : {b})")
+        if isinstance(e, Reduce):
+            if id(e) in self.coop_ids and blk.coop is not None:
+                return self._reduce(e, blk, coop=blk.coop)
+            return self._reduce(e, blk, coop=None)
+        raise CudaCodegenError(f"cannot lower expression node {type(e).__name__}")
+
+    def _read(self, e: TensorElement, blk: _Block) -> tuple[str, str]:
+        ref = self.reads.get(id(e.tensor))
+        if ref is None:
+            raise CudaCodegenError(f"read of tensor {getattr(e.tensor, 'name', '?')} that is not an input of the op")
+        ptr, shape, dt = ref
+        size = int(np.prod(shape, dtype=np.int64))
+        if size == 0:
+            return _literal(0, dt), dt
+        wide = size > _I32[1]
+        it = "long long" if wide else "int"
+        terms = []
+        stride = 1
+        strides = []
+        for ext in reversed(shape):
+            strides.append(stride)
+            stride *= ext
+        strides.reverse()
+        for ie, ext, st in zip(e.indices, shape, strides):
+            if ext == 1:
+                continue
+            x, src = self.value(ie, blk)
+            if src in _FLOATS:
+                x, src = f"(long long)({x})", "int64"
+            elif src not in ("int32", "int64"):
+                x, src = _convert(x, src, "int64"), "int64"
+            b = self.an.bounds(ie)
+            if not (b is not None and b[0] >= 0 and b[1] <= ext - 1):
+                ct = _REG_CTYPE[src]
+                tmp = self.new("ix")
+                blk.lines.append(f"const {ct} {tmp} = {x};")
+                x = f"({tmp} < ({ct})0 ? ({ct})0 : ({tmp} > ({ct}){ext - 1} ? ({ct}){ext - 1} : {tmp}))"
+            if src == "int64" and not wide:
+                x = f"(int)({x})"
+            terms.append(x if st == 1 else f"({x}) * {st}{'LL' if wide else ''}")
+        off = " + ".join(terms) if terms else "0"
+        name = self.new()
+        blk.lines.append(f"const {_REG_CTYPE[dt]} {name} = {_load(f'{ptr}[{off}]', dt)};")
+        return name, dt
+
+    def _binop(self, e: BinOp, blk: _Block) -> tuple[str, str]:
+        an, op = self.an, e.op
+        if op in _CMP:
+            cd = an._pair("common", e.a, e.b)
+            if cd == "int64":
+                ok = True
+                for c in (e.a, e.b):
+                    if isinstance(c, Const):
+                        ok = ok and isinstance(c.value, (bool, int)) and _I32[0] <= int(c.value) <= _I32[1]
+                    else:
+                        ok = ok and an.eff(c) in _SMALL_INTS
+                if ok:
+                    cd = "int32"
+            a, b = self.value_as(e.a, cd, blk), self.value_as(e.b, cd, blk)
+            return self._ssa(blk, "bool", f"({a} {_CMP[op]} {b})")
+        if op in ("and", "or", "xor"):
+            a, b = self.value_as(e.a, "bool", blk), self.value_as(e.b, "bool", blk)
+            sym = {"and": "&&", "or": "||", "xor": "!="}[op]
+            return self._ssa(blk, "bool", f"({a} {sym} {b})")
+        dt = an.eff(e)
+        if dt is None:
+            dt = an._pair(op, e.a, e.b)
+        a, b = self.value_as(e.a, dt, blk), self.value_as(e.b, dt, blk)
+        is_f = dt in _FLOATS
+        ct = _REG_CTYPE[dt]
+        if dt == "bool":
+            expr = {"add": f"({a} || {b})", "mul": f"({a} && {b})", "max": f"({a} || {b})", "min": f"({a} && {b})",
+                    "bitand": f"({a} && {b})", "bitor": f"({a} || {b})", "bitxor": f"({a} != {b})"}.get(op)
+            if expr is None:
+                raise CudaCodegenError(f"operation {op} on booleans has no numpy semantics")
+            return self._ssa(blk, dt, expr)
+        if op in ("add", "sub", "mul"):
+            sym = {"add": "+", "sub": "-", "mul": "*"}[op]
+            expr = f"({a} {sym} {b})"
+            if not is_f:
+                expr = f"(({ct}){expr})"
+        elif op == "div" or (op == "truncdiv" and is_f):
+            expr = f"({a} / {b})"
+        elif op == "truncdiv":
+            expr = f"sf_truncdiv_int<{ct}>({a}, {b})"
+        elif op == "floordiv":
+            expr = f"sf_floordiv_f<{ct}>({a}, {b})" if is_f else f"sf_floordiv<{ct}>({a}, {b})"
+        elif op == "mod":
+            expr = f"sf_mod_f<{ct}>({a}, {b})" if is_f else f"sf_mod<{ct}>({a}, {b})"
+        elif op == "fmod":
+            expr = f"fmod({a}, {b})" if is_f else f"sf_fmod_int<{ct}>({a}, {b})"
+        elif op == "pow":
+            if is_f:
+                if isinstance(e.b, Const) and not isinstance(e.b.value, bool) and e.b.value == 2:
+                    expr = f"({a} * {a})"
+                else:
+                    expr = f"pow({a}, {b})"
+            else:
+                expr = f"sf_ipow<{ct}>({a}, {b})"
+        elif op in ("max", "min"):
+            expr = f"sf_f{op}<{ct}>({a}, {b})" if is_f else f"sf_i{op}<{ct}>({a}, {b})"
+        elif op in ("bitand", "bitor", "bitxor"):
+            if is_f:
+                raise CudaCodegenError(f"bitwise {op} on {dt} has no numpy semantics")
+            sym = {"bitand": "&", "bitor": "|", "bitxor": "^"}[op]
+            expr = f"(({ct})({a} {sym} {b}))"
+        elif op in ("shl", "shr"):
+            if is_f:
+                raise CudaCodegenError(f"shift {op} on {dt} has no numpy semantics")
+            expr = f"sf_{op}<{ct}>({a}, {b})"
+        else:
+            raise CudaCodegenError(f"binary operation {op} is not supported by the cuda target")
+        if dt == "float16" and op not in ("max", "min"):
+            expr = f"sf_rh({expr})"
+        elif dt == "bfloat16" and op not in ("max", "min"):
+            expr = f"sf_rb({expr})"
+        return self._ssa(blk, dt, expr)
+
+    def _unary(self, e: UnaryOp, blk: _Block) -> tuple[str, str]:
+        an, op = self.an, e.op
+        src = an.cdtype(e.a, _weak_promote(e.a, e.a))
+        if op in _BOOL_UNARY:
+            if op == "not":
+                x = self.value_as(e.a, "bool", blk)
+                return self._ssa(blk, "bool", f"(!{x})")
+            x, xs = self.value(e.a, blk)
+            if xs not in _FLOATS:
+                return "false", "bool"
+            expr = {"isnan": f"isnan({x})", "isinf": f"isinf({x})", "isposinf": f"(isinf({x}) && {x} > 0)",
+                    "isneginf": f"(isinf({x}) && {x} < 0)"}[op]
+            return self._ssa(blk, "bool", expr)
+        dt = an.eff(e) or _unary_result(op, src)
+        x = self.value_as(e.a, dt, blk)
+        is_f = dt in _FLOATS
+        ct = _REG_CTYPE[dt]
+        suffix = "f" if ct == "float" else ""
+        if dt == "bool":
+            expr = {"neg": None, "abs": x, "bitnot": f"(!{x})", "sign": None, "floor": x, "ceil": x, "round": x,
+                    "reciprocal": None}.get(op)
+            if expr is None:
+                raise CudaCodegenError(f"operation {op} on booleans is not supported by the cuda target")
+            return self._ssa(blk, dt, expr)
+        if op == "neg":
+            expr = f"(-{x})" if is_f else f"(({ct})(-{x}))"
+        elif op == "abs":
+            expr = f"fabs{suffix}({x})" if is_f else (x if dt.startswith("uint") else f"(({ct})({x} < 0 ? -{x} : {x}))")
+        elif op == "sign":
+            expr = f"sf_sign_f<{ct}>({x})" if is_f else f"sf_sign_i<{ct}>({x})"
+        elif op == "bitnot":
+            if is_f:
+                raise CudaCodegenError(f"bitnot on {dt} has no numpy semantics")
+            expr = f"(({ct})(~{x}))"
+        elif op in ("floor", "ceil", "round") and not is_f:
+            expr = x
+        elif op == "reciprocal":
+            expr = f"(1.0{suffix} / {x})" if is_f else f"sf_recip_int<{ct}>({x})"
+        elif op == "rsqrt":
+            expr = f"(1.0{suffix} / sqrt{suffix}({x}))" if is_f else None
+        elif op == "sigmoid":
+            expr = f"(1.0{suffix} / (1.0{suffix} + exp{suffix}(-{x})))" if is_f else None
+        elif op in _FLOAT_FN:
+            expr = f"{_FLOAT_FN[op]}{suffix}({x})" if is_f else None
+        else:
+            expr = None
+        if expr is None:
+            raise CudaCodegenError(f"unary operation {op} on {dt} is not supported by the cuda target")
+        if dt == "float16" and op not in ("neg", "abs", "sign", "floor", "ceil", "round"):
+            expr = f"sf_rh({expr})"
+        elif dt == "bfloat16" and op not in ("neg", "abs", "sign", "floor", "ceil", "round"):
+            expr = f"sf_rb({expr})"
+        return self._ssa(blk, dt, expr)
+
+    # reductions ----------------------------------------------------------------------------
+    def _acc_type(self, e: Reduce) -> tuple[str, str]:
+        """(body dtype used for combining, accumulator dtype)."""
+        an = self.an
+        bd = an.cdtype(e.body, _weak_promote(e.body, e.body))
+        rd = an.dtype(e)
+        if e.op in ("argmax", "argmin"):
+            return bd, ("int32" if bd in ("bool", "int8", "uint8", "int16", "uint16") else
+                        "float32" if bd in ("float16", "bfloat16") else bd)
+        if e.op in ("sum", "prod"):
+            if bd in ("float16", "bfloat16", "float32"):
+                return bd, "float32"
+            return bd, rd
+        if e.op == "mean":
+            if bd in ("float16", "bfloat16", "float32"):
+                return bd, "float32"
+            return bd, "float64"
+        # max / min
+        if bd in ("bool", "int8", "int16", "int32"):
+            return bd, "int32"
+        if bd in ("uint8", "uint16", "uint32"):
+            return bd, "uint32"
+        if bd in ("float16", "bfloat16"):
+            return bd, "float32"
+        return bd, bd
+
+    def _identity(self, op: str, acc: str) -> str:
+        if op in ("sum", "mean"):
+            return _literal(0, acc)
+        if op == "prod":
+            return _literal(1, acc)
+        if op in ("argmax", "argmin"):
+            return _literal(0, acc)
+        if acc in _FLOATS:
+            return _literal(float("-inf") if op == "max" else float("inf"), acc)
+        lo, hi = _INT_RANGE[acc]
+        return _literal(lo if op == "max" else hi, acc)
+
+    def _combine(self, op: str, acc: str, bd: str, a: str, b: str, ai: str = "", bi: str = "") -> list[str]:
+        """Statements folding value ``b`` (index ``bi``) into accumulator ``a`` (``ai``)."""
+        is_f = acc in _FLOATS
+        ct = _REG_CTYPE[acc]
+        if op in ("sum", "mean"):
+            return [f"{a} = {a} + {b};" if is_f or acc in ("int64", "uint64", "float64") else f"{a} = ({ct})({a} + {b});"]
+        if op == "prod":
+            if bd == "float16":
+                return [f"{a} = sf_rh({a} * {b});"]
+            if bd == "bfloat16":
+                return [f"{a} = sf_rb({a} * {b});"]
+            return [f"{a} = {a} * {b};" if is_f else f"{a} = ({ct})({a} * {b});"]
+        if op in ("max", "min"):
+            return [f"{a} = sf_{'f' if is_f else 'i'}{op}<{ct}>({a}, {b});"]
+        kind = "f" if is_f else "i"
+        return [f"if (sf_{op}_take_{kind}<{ct}>({a}, {ai}, {b}, {bi})) {{ {a} = {b}; {ai} = {bi}; }}"]
+
+    def _reduce(self, e: Reduce, blk: _Block, coop: _Coop | None) -> tuple[str, str]:
+        an = self.an
+        bd, acc = self._acc_type(e)
+        act = _REG_CTYPE[acc]
+        rd = an.dtype(e)
+        a = self.new("acc")
+        is_arg = e.op in ("argmax", "argmin")
+        ai = a + "i" if is_arg else ""
+        blk.lines.append(f"{act} {a} = {self._identity(e.op, acc)};")
+        if is_arg:
+            blk.lines.append(f"long long {ai} = -1;")
+        exts = [v.extent for v in e.vars]
+        total = int(np.prod(exts, dtype=np.int64)) if exts else 1
+        it = "long long" if total > _I32[1] else "int"
+        binds = {}
+        names = []
+        for v in e.vars:
+            nm = self.new("k")
+            names.append(nm)
+            binds[v] = (nm, "int64" if it == "long long" else "int32") if v.extent != 1 else ("0", "int32")
+        body_blk = _Block(blk, binds, coop=None)
+        if total > 0:
+            bx, bsrc = self.value(e.body, body_blk)
+            bv = _convert(bx, bsrc, acc if not is_arg else acc)
+            if is_arg:
+                idx = names[0] if e.vars[0].extent != 1 else "0"
+                body_blk.lines += self._combine(e.op, acc, bd, a, bv, ai, f"(long long){idx}")
+            else:
+                body_blk.lines += self._combine(e.op, acc, bd, a, bv)
+        if coop is None:
+            if total > 0:
+                head, tail = [], []
+                for v, nm in zip(e.vars, names):
+                    if v.extent == 1:
+                        continue
+                    head.append(f"for ({it} {nm} = 0; {nm} < {v.extent}; ++{nm}) {{")
+                    tail.append("}")
+                if head:
+                    blk.lines.append(" ".join(head))
+                    blk.lines += ["  " + ln for ln in body_blk.lines]
+                    blk.lines.append(" ".join(tail))
+                else:
+                    blk.lines.append("{")
+                    blk.lines += ["  " + ln for ln in body_blk.lines]
+                    blk.lines.append("}")
+        else:
+            if total > 0:
+                r = self.new("r")
+                blk.lines.append(f"for ({it} {r} = {coop.lane}; {r} < {total}; {r} += {coop.lanes}) {{")
+                inner = 1
+                dec = []
+                for v, nm in reversed(list(zip(e.vars, names))):
+                    if v.extent != 1:
+                        dec.append(f"  const {it} {nm} = ({r} / {inner}) % {v.extent};" if inner > 1
+                                   else f"  const {it} {nm} = {r} % {v.extent};")
+                    inner *= v.extent
+                blk.lines += list(reversed(dec))
+                blk.lines += ["  " + ln for ln in body_blk.lines]
+                blk.lines.append("}")
+            blk.lines += self._allreduce(e.op, acc, bd, a, ai, coop)
+        # final value
+        if e.op == "mean":
+            if acc == "float32":
+                fin = f"(float)((double){a} / {float(total)!r})"
+                fin = _convert(fin, "float32", rd) if rd != "float32" else fin
+            else:
+                fin = _convert(f"({a} / {float(total)!r})", "float64", rd)
+            return self._ssa(blk, rd, fin)
+        if is_arg:
+            return self._ssa(blk, "int64", f"({ai} < 0 ? 0LL : {ai})")
+        return self._ssa(blk, rd, _convert(a, acc, rd))
+
+    def _allreduce(self, op: str, acc: str, bd: str, a: str, ai: str, coop: _Coop) -> list[str]:
+        ct = _REG_CTYPE[acc]
+        ov, oi = self.new("o"), self.new("oi")
+        step = [f"const {ct} {ov} = __shfl_xor_sync(SF_FULL_MASK, {a}, sf_off);"]
+        if ai:
+            step.append(f"const long long {oi} = __shfl_xor_sync(SF_FULL_MASK, {ai}, sf_off);")
+        step += self._combine(op, acc, bd, a, ov, ai, oi)
+        lines = ["#pragma unroll", "for (int sf_off = 16; sf_off > 0; sf_off >>= 1) {"]
+        lines += ["  " + s for s in step]
+        lines.append("}")
+        if coop.lanes > 32:
+            self.uses_block_smem = True
+            nw = coop.lanes // 32
+            lines += ["__syncthreads();",
+                      f"if ((threadIdx.x & 31) == 0) {{ reinterpret_cast<{ct}*>(sf_red)[threadIdx.x >> 5] = {a};"
+                      + (f" sf_redi[threadIdx.x >> 5] = {ai};" if ai else "") + " }",
+                      "__syncthreads();",
+                      f"{a} = reinterpret_cast<{ct}*>(sf_red)[0];"]
+            if ai:
+                lines.append(f"{ai} = sf_redi[0];")
+            w, wv, wi = self.new("w"), self.new("o"), self.new("oi")
+            lines.append(f"for (int {w} = 1; {w} < {nw}; ++{w}) {{")
+            lines.append(f"  const {ct} {wv} = reinterpret_cast<{ct}*>(sf_red)[{w}];")
+            if ai:
+                lines.append(f"  const long long {wi} = sf_redi[{w}];")
+            lines += ["  " + s for s in self._combine(op, acc, bd, a, wv, ai, wi)]
+            lines.append("}")
+        return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# lowering one op
+# ----------------------------------------------------------------------------------------------
+
+_THREADS = 256
+_MAX_GRID = 32768
+_WIDE = 2 ** 31 - 2 ** 25  # loop counters above this use 64-bit ints (grid-stride steps must not overflow)
+
+
+def _prod(xs) -> int:
+    return int(np.prod(list(xs), dtype=np.int64)) if xs else 1
+
+
+def _decompose(flat: str, axes: list[Var], it: str, prefix: str, names) -> tuple[list[str], dict]:
+    """Lines splitting row-major index ``flat`` over ``axes``, and the bindings they make."""
+    lines, binds = [], {}
+    inner = 1
+    vt = "int64" if it == "long long" else "int32"
+    for v in reversed(axes):
+        if v.extent == 1:
+            binds[v] = ("0", "int32")
+            continue
+        nm = f"{prefix}{next(names)}"
+        if inner == 1:
+            lines.append(f"const {it} {nm} = {flat} % {v.extent};" if v is not axes[0] else f"const {it} {nm} = {flat};")
+        else:
+            lines.append(f"const {it} {nm} = ({flat} / {inner}) % {v.extent};" if v is not axes[0]
+                         else f"const {it} {nm} = {flat} / {inner};")
+        inner *= v.extent
+        binds[v] = (nm, vt)
+    lines.reverse()
+    return lines, binds
+
+
+def _indent(lines: list[str], n: int) -> list[str]:
+    return [" " * n + ln if ln else ln for ln in lines]
+
+
+@dataclass
+class _Part:
+    code: list[str]
+    grid: int
+    kind: str
+    block_smem: bool = False
+
+
+def _plan_rows(gc: GridCompute, value: Expr, an: _Analysis):
+    """Choose how to map an output with reductions: ``(row_axes, coop_reduce_ids, lanes)`` or
+    ``None`` for one thread per element with serial reductions."""
+    reduces = [n for n in walk(value) if isinstance(n, Reduce)]
+    if not reduces:
+        return None
+    axes = list(gc.axes)
+    axset = set(axes)
+    cands = [r for r in reduces if an.free(r) <= axset]
+    if not cands:
+        return None
+
+    def ext_of(vs):
+        return _prod([v.extent for v in vs])
+
+    full = set().union(*(an.free(r) for r in cands))
+    if ext_of([v for v in axes if v not in full]) <= 1:
+        shared = [r for r in cands if ext_of([v for v in axes if v not in an.free(r)]) > 1]
+        rows_axes = set().union(*(an.free(r) for r in shared)) if shared else set(axes)
+        if shared and ext_of([v for v in axes if v not in rows_axes]) > 1:
+            full = rows_axes
+        else:
+            full = set(axes)
+    row_axes = [v for v in axes if v in full]
+    coop = [r for r in cands if an.free(r) <= full]
+    rows = ext_of(row_axes)
+    inner = ext_of([v for v in axes if v not in full])
+    red = max(_prod([v.extent for v in r.vars]) for r in coop)
+    if inner <= 1:
+        # one reduction set per output element: parallelize the reduction only when it pays
+        if rows >= 4096 or red <= 16:
+            return None
+    work = max(red, inner)
+    lanes = _THREADS if (work >= 2048 or (rows < 512 and work >= 512)) else 32
+    return row_axes, {id(r) for r in coop}, lanes
+
+
+def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysis,
+                        reads, names) -> _Part:
+    em = _Emitter(an, reads, names)
+    n = _prod(gc.shape)
+    it = "long long" if n > _WIDE else "int"
+    root = _Block(None)
+    for v in gc.axes:
+        if v.extent == 1:
+            root.binds[v] = ("0", "int32")
+    plan = _plan_rows(gc, value, an)
+    out_dt = gc.dtype
+    strides = []
+    s = 1
+    for ext in reversed(gc.shape):
+        strides.append(s)
+        s *= ext
+    strides.reverse()
+
+    def store(blk: _Block, off: str):
+        x = em.value_as(value, out_dt, blk)
+        blk.lines.append(f"{out_ptr}[{off}] = {_store(x, out_dt)};")
+
+    if plan is None:
+        e = em.new("e")
+        dec, binds = _decompose(e, [v for v in gc.axes], it, "i", names)
+        binds = {v: b for v, b in binds.items() if v.extent != 1}
+        blk = _Block(root, binds)
+        store(blk, e)
+        code = list(root.lines)
+        code.append(f"for ({it} {e} = ({it})blockIdx.x * blockDim.x + threadIdx.x; {e} < {n}; "
+                    f"{e} += ({it})gridDim.x * blockDim.x) {{")
+        code += _indent(dec, 2) + _indent(blk.lines, 2)
+        code.append("}")
+        grid = max(1, min(_MAX_GRID, -(-n // _THREADS)))
+        return _Part(code, grid, "elementwise")
+
+    row_axes, coop_ids, lanes = plan
+    em.coop_ids = coop_ids
+    coop = _Coop(lanes)
+    root.coop = coop
+    inner_axes = [v for v in gc.axes if v not in set(row_axes)]
+    rows = _prod([v.extent for v in row_axes])
+    inner = _prod([v.extent for v in inner_axes])
+    row = em.new("row")
+    rdec, rbinds = _decompose(row, row_axes, it, "i", names)
+    rbinds = {v: b for v, b in rbinds.items() if v.extent != 1}
+    rblk = _Block(root, rbinds, coop=coop)
+    el = em.new("e")
+    edec, ebinds = _decompose(el, inner_axes, it, "i", names)
+    ebinds = {v: b for v, b in ebinds.items() if v.extent != 1}
+    eblk = _Block(rblk, ebinds)
+    terms = []
+    for v, st in zip(gc.axes, strides):
+        b = rbinds.get(v) or ebinds.get(v)
+        if b is None:
+            continue
+        terms.append(b[0] if st == 1 else f"{b[0]} * {st}{'LL' if it == 'long long' else ''}")
+    store(eblk, " + ".join(terms) if terms else "0")
+    code = []
+    if lanes == 32:
+        code.append("const int sf_lane = threadIdx.x & 31;")
+        wpb = _THREADS // 32
+        head = (f"for ({it} {row} = ({it})blockIdx.x * {wpb} + (threadIdx.x >> 5); {row} < {rows}; "
+                f"{row} += ({it})gridDim.x * {wpb}) {{")
+        grid = max(1, min(_MAX_GRID, -(-rows // wpb)))
+    else:
+        code.append("const int sf_lane = threadIdx.x;")
+        head = f"for ({it} {row} = blockIdx.x; {row} < {rows}; {row} += gridDim.x) {{"
+        grid = max(1, min(_MAX_GRID, rows))
+    code += root.lines
+    code.append(head)
+    code += _indent(rdec, 2) + _indent(rblk.lines, 2)
+    code.append(f"  for ({it} {el} = sf_lane; {el} < {inner}; {el} += {lanes}) {{")
+    code += _indent(edec, 4) + _indent(eblk.lines, 4)
+    code.append("  }")
+    code.append("}")
+    return _Part(code, grid, "row", block_smem=em.uses_block_smem)
+
+
+# --- tensor-core GEMM pattern --------------------------------------------------------------------
+
+def _factors(e: Expr) -> list[Expr]:
+    if isinstance(e, BinOp) and e.op == "mul":
+        return _factors(e.a) + _factors(e.b)
+    return [e]
+
+
+def _product(fs: list[Expr]) -> Expr | None:
+    if not fs:
+        return None
+    r = fs[0]
+    for f in fs[1:]:
+        r = BinOp("mul", r, f)
+    return r
+
+
+@dataclass
+class _GemmPlan:
+    red: Reduce
+    prec: str
+    a: Expr
+    b: Expr
+    m_axes: list
+    n_axes: list
+    b_axes: list
+    a_k_fast: bool = True
+    b_n_fast: bool = True
+
+
+_GEMM_PREC = {"float32": "tf32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis) -> _GemmPlan | None:
+    reduces = [n for n in walk(value) if isinstance(n, Reduce)]
+    if len(reduces) != 1 or reduces[0].op != "sum":
+        return None
+    red = reduces[0]
+    if any(isinstance(n, Reduce) for n in walk(red.body) if n is not red):
+        return None
+    bd = an.dtype(red.body)
+    prec = _GEMM_PREC.get(bd or "")
+    if prec is None:
+        return None
+    axes = list(gc.axes)
+    axset = set(axes)
+    if not an.free(red) <= axset:
+        return None
+    fs = _factors(red.body)
+    if len(fs) < 2 or len(fs) > 6:
+        return None
+    sets = [frozenset(an.free(f) & axset) for f in fs]
+    dep = [i for i, s in enumerate(sets) if s]
+    neutral = [i for i, s in enumerate(sets) if not s]
+    best = None
+    for mask in range(1, 2 ** len(dep) - 1):
+        ga = [dep[j] for j in range(len(dep)) if mask >> j & 1]
+        gb = [dep[j] for j in range(len(dep)) if not mask >> j & 1]
+        sa = frozenset().union(*(sets[i] for i in ga))
+        sb = frozenset().union(*(sets[i] for i in gb))
+        m_ax = [v for v in axes if v in sa and v not in sb]
+        n_ax = [v for v in axes if v in sb and v not in sa]
+        mm, nn = _prod([v.extent for v in m_ax]), _prod([v.extent for v in n_ax])
+        if mm < 16 or nn < 16:
+            continue
+        score = (min(mm, nn), mm * nn)
+        if best is None or score > best[0]:
+            best = (score, ga, gb, m_ax, n_ax)
+    if best is None:
+        return None
+    _, ga, gb, m_ax, n_ax = best
+    if m_ax and _prod([v.extent for v in m_ax]) > 64 * 65535:
+        return None
+    b_ax = [v for v in axes if v not in m_ax and v not in n_ax]
+    a_expr = _product([fs[i] for i in ga + neutral])
+    b_expr = _product([fs[i] for i in gb])
+    for x in (a_expr, b_expr):
+        if any(isinstance(n, Reduce) for n in walk(x)):
+            return None
+    kvars = set(red.vars)
+    plan = _GemmPlan(red, prec, a_expr, b_expr, m_ax, n_ax, b_ax)
+    plan.a_k_fast = _fast_dim(a_expr, kvars, set(m_ax), default=True)
+    plan.b_n_fast = not _fast_dim(b_expr, kvars, set(n_ax), default=False)
+    return plan
+
+
+def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
+    """Whether consecutive threads should walk the reduction axis (True) or the other side's axes
+    (False) to read ``e`` with unit stride: judged from the last index of its tensor reads."""
+    for n in walk(e):
+        if isinstance(n, TensorElement) and n.indices:
+            f = affine_form(n.indices[-1])
+            if f is None:
+                continue
+            coefs, _ = f
+            k_unit = any(v in kvars and c == 1 for v, c in coefs.items())
+            o_unit = any(v in other and c == 1 for v, c in coefs.items())
+            if k_unit and not o_unit:
+                return True
+            if o_unit and not k_unit:
+                return False
+    return default
+
+
+def _lower_gemm(op: Operator, gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
+                out_ptr: str, an: _Analysis, reads, names) -> tuple[str, dict]:
+    em = _Emitter(an, reads, names)
+    red = plan.red
+    root = _Block(None)
+    for v in gc.axes:
+        if v.extent == 1:
+            root.binds[v] = ("0", "int32")
+    M = _prod([v.extent for v in plan.m_axes])
+    N = _prod([v.extent for v in plan.n_axes])
+    K = _prod([v.extent for v in red.vars])
+    B = _prod([v.extent for v in plan.b_axes])
+    bdec, bbinds = _decompose("sf_bz", plan.b_axes, "int", "b", names)
+    bblk = _Block(root, {v: x for v, x in bbinds.items() if v.extent != 1})
+    rd = an.dtype(red)
+
+    def side(expr: Expr, idx_var: str, axes: list) -> str:
+        mdec, mbinds = _decompose(idx_var, axes, "int", "m", names)
+        kdec, kbinds = _decompose("sf_k", list(red.vars), "int", "k", names)
+        binds = {v: x for v, x in {**mbinds, **kbinds}.items() if v.extent != 1}
+        blk = _Block(bblk, binds)
+        x = em.value_as(expr, "float32" if plan.prec == "tf32" else an.dtype(red.body), blk)
+        lines = mdec + kdec + blk.lines + [f"sf_v = {x};"]
+        return "\n".join(lines)
+
+    load_a = side(plan.a, "sf_m", plan.m_axes)
+    load_b = side(plan.b, "sf_n", plan.n_axes)
+    # epilogue
+    acc = "sf_acc"
+    if rd != "float32":
+        acc = _convert("sf_acc", "float32", rd)
+    em.subst[id(red)] = (acc, rd)
+    mdec, mbinds = _decompose("sf_m", plan.m_axes, "int", "m", names)
+    ndec, nbinds = _decompose("sf_n", plan.n_axes, "int", "n", names)
+    binds = {v: x for v, x in {**mbinds, **nbinds}.items() if v.extent != 1}
+    eblk = _Block(bblk, binds)
+    n_out = _prod(gc.shape)
+    wide = n_out > _I32[1]
+    strides, s = [], 1
+    for ext in reversed(gc.shape):
+        strides.append(s)
+        s *= ext
+    strides.reverse()
+    terms = []
+    for v, st in zip(gc.axes, strides):
+        b = binds.get(v) or bblk.binds.get(v)
+        if b is None:
+            continue
+        nm = f"(long long){b[0]}" if wide else b[0]
+        terms.append(nm if st == 1 else f"{nm} * {st}{'LL' if wide else ''}")
+    x = em.value_as(value, gc.dtype, eblk)
+    epi = mdec + ndec + eblk.lines + [f"{out_ptr}[{' + '.join(terms) if terms else '0'}] = {_store(x, gc.dtype)};"]
+    src, launch = gemm_kernel(symbol=symbol, params=params, prec=plan.prec, M=M, N=N, K=K, batch=B,
+                              root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
+                              load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,
+                              epilogue="\n".join(epi), config=choose_gemm_config(M, N, B))
+    return src, launch
+
+
+# --- one op --------------------------------------------------------------------------------------
+
+def _is_collective(op: Operator) -> bool:
+    return bool(getattr(type(op), "collective", ""))
+
+
+def lowerable(op: Operator) -> bool:
+    """Whether :func:`build_cuda_library` generates a kernel for ``op`` (collectives and ops with
+    extern outputs run elsewhere)."""
+    return not (_is_collective(op) or op.task.is_extern)
+
+
+_SANITIZE = re.compile(r"[^A-Za-z0-9_]")
+_PLACEHOLDER = "SF_KERNEL_SYMBOL_"
+
+
+def _symbol(index: int, op: Operator) -> str:
+    return f"sf_k{index}_{_SANITIZE.sub('_', op.name)[:48]}"
+
+
+def _lower_op(op: Operator, symbol: str) -> tuple[str, KernelLaunch]:
+    task = op.task
+    an = _Analysis()
+    names = itertools.count()
+    reads: dict[int, tuple[str, tuple[int, ...], str]] = {}
+    params = []
+    for i, (ph, t) in enumerate(zip(task.inputs, op.inputs)):
+        _check_dtype(ph.dtype, f"input {i} of {op.name} ({op.op_type})")
+        reads[id(ph)] = (f"in{i}", tuple(ph.shape), ph.dtype)
+        params.append(f"const {_STORE_CTYPE[ph.dtype]}* __restrict__ in{i}")
+    for j, gc in enumerate(task.outputs):
+        _check_dtype(gc.dtype, f"output {j} of {op.name} ({op.op_type})")
+        params.append(f"{_STORE_CTYPE[gc.dtype]}* __restrict__ out{j}")
+    param_text = ", ".join(params) if params else ""
+    args = tuple(t.name for t in op.inputs) + tuple(t.name for t in op.outputs)
+    values = [_inline_computes(gc.value, an) for gc in task.outputs]
+
+    if len(task.outputs) == 1 and _prod(task.outputs[0].shape) > 0:
+        gc, value = task.outputs[0], values[0]
+        plan = _plan_gemm(gc, value, an)
+        if plan is not None:
+            src, cfg = _lower_gemm(op, gc, value, plan, symbol, param_text, "out0", an, reads, names)
+            launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name,
+                                  f"gemm-{plan.prec}")
+            return src, launch
+
+    parts: list[_Part] = []
+    for j, (gc, value) in enumerate(zip(task.outputs, values)):
+        if _prod(gc.shape) == 0:
+            continue
+        parts.append(_lower_generic_part(gc, value, f"out{j}", an, reads, names))
+    body = []
+    if any(p.block_smem for p in parts):
+        body += ["__shared__ unsigned long long sf_red[32];", "__shared__ long long sf_redi[32];"]
+    for j, p in enumerate(parts):
+        body.append("{")
+        body += _indent(p.code, 2)
+        body.append("}")
+    src = (f'extern "C" __global__ void __launch_bounds__({_THREADS}) {symbol}({param_text}) {{\n'
+           + "\n".join(_indent(body, 2)) + "\n}\n")
+    grid = max([p.grid for p in parts], default=1)
+    kind = "+".join(dict.fromkeys(p.kind for p in parts)) or "empty"
+    return src, KernelLaunch(symbol, (grid, 1, 1), (_THREADS, 1, 1), 0, args, len(op.inputs), op.name, kind)
+
+
+# ----------------------------------------------------------------------------------------------
+# translation unit, toolchain, cache
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class CudaSource:
+    """A generated translation unit: its text, the launches, and the source lines of each op."""
+
+    text: str
+    launches: dict[str, KernelLaunch]
+    lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def generate_cuda_source(ops: Sequence[Operator]) -> CudaSource:
+    """Generate the CUDA translation unit for ``ops`` (no compilation).
+
+    Parameters
+    ----------
+    ops
+        Operators with static shapes; collectives and extern ops are skipped.
+
+    Returns
+    -------
+    CudaSource
+        ``text`` (the ``.cu`` source), ``launches`` (by op name) and ``lines`` (the 1-based line
+        range of each op's kernel, for error messages).
+
+    Raises
+    ------
+    CudaCodegenError
+        if an op uses a dtype or expression the cuda target cannot lower, or two ops share a name.
+    """
+    chunks = [PRELUDE]
+    line = PRELUDE.count("\n") + 1
+    launches: dict[str, KernelLaunch] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
+    for i, op in enumerate(ops):
+        if not lowerable(op):
+            continue
+        if op.name in launches:
+            raise CudaCodegenError(f"two ops are named {op.name!r}; kernel names must be unique")
+        try:
+            src, launch = _lower_op(op, _PLACEHOLDER)
+        except CudaCodegenError as exc:
+            raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
+        if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
+            symbol, span = seen[src]
+            launches[op.name] = dataclasses.replace(launch, symbol=symbol)
+            spans[op.name] = span
+            continue
+        symbol = _symbol(i, op)
+        header = f"// node {re.sub(r'[^ -~]', '?', op.name)} ({op.op_type}) -> {launch.kind}\n"
+        text = header + src.replace(_PLACEHOLDER, symbol) + "\n"
+        n = text.count("\n")
+        span = (line, line + n - 1)
+        line += n
+        chunks.append(text)
+        seen[src] = (symbol, span)
+        spans[op.name] = span
+        launches[op.name] = dataclasses.replace(launch, symbol=symbol)
+    return CudaSource("".join(chunks), launches, spans)
+
+
+def _arch_flags(arch: str) -> list[str]:
+    m = re.fullmatch(r"sm_(\d+)(a?)", arch)
+    if not m:
+        raise CudaCodegenError(f"arch {arch!r} is not a CUDA GPU architecture like 'sm_90' or 'sm_90a'")
+    if m.group(2):
+        return [f"-gencode=arch=compute_{m.group(1)}a,code=sm_{m.group(1)}a"]
+    return [f"-arch={arch}"]
+
+
+def cuda_compile_command(arch: str, src: str, out: str, nvcc: str = "nvcc") -> list[str]:
+    """The ``nvcc`` command line that compiles ``src`` to the cubin ``out`` for ``arch``."""
+    return [nvcc, "-cubin", *_arch_flags(arch), "-O3", "-std=c++17", "-o", out, src]
+
+
+@functools.lru_cache(maxsize=8)
+def _nvcc_version(nvcc: str) -> str:
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ToolchainError(f"cannot run {nvcc} --version: {exc}") from None
+
+
+def _find_nvcc() -> str | None:
+    cand = os.environ.get("SHARDFLOW_NVCC") or shutil.which("nvcc")
+    if cand:
+        return cand
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _culprits(log_text: str, src: CudaSource, fname: str) -> list[str]:
+    bad = set()
+    for m in re.finditer(re.escape(fname) + r"\((\d+)\)", log_text):
+        ln = int(m.group(1))
+        for name, (a, b) in src.lines.items():
+            if a <= ln <= b:
+                bad.add(name)
+    return sorted(bad) or sorted(src.lines)
+
+
+def _compile_nvcc(nvcc: str, src: CudaSource, arch: str) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="shardflow-cuda-") as tmp:
+        cu = os.path.join(tmp, "kernels.cu")
+        out = os.path.join(tmp, "kernels.cubin")
+        with open(cu, "w") as f:
+            f.write(src.text)
+        cmd = cuda_compile_command(arch, cu, out, nvcc)
+        log.info("compiling %d CUDA kernels with %s", len(src.launches), " ".join(cmd[:-3]))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            names = _culprits(proc.stderr + proc.stdout, src, "kernels.cu")
+            msg = (proc.stderr or proc.stdout).strip()
+            if len(msg) > 4000:
+                msg = msg[:4000] + "\n..."
+            raise CompileError(f"nvcc failed on the kernels of {', '.join(names[:10])}"
+                               f"{' and others' if len(names) > 10 else ''}:\n{msg}", names)
+        with open(out, "rb") as f:
+            return f.read()
+
+
+def _nvrtc_include_dirs() -> list[str]:
+    dirs = []
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "include", "cuda_fp16.h")):
+            dirs.append(os.path.join(root, "include"))
+    try:
+        import cupy  # type: ignore
+        p = cupy.cuda.get_cuda_path()
+        if p and os.path.exists(os.path.join(p, "include", "cuda_fp16.h")):
+            dirs.append(os.path.join(p, "include"))
+    except Exception:  # pragma: no cover - depends on the installation
+        pass
+    try:
+        import nvidia  # type: ignore
+        for base in getattr(nvidia, "__path__", []):
+            for sub in ("cuda_runtime/include", "cu13/include", "cuda_nvrtc/include"):
+                d = os.path.join(base, sub)
+                if os.path.exists(os.path.join(d, "cuda_fp16.h")):
+                    dirs.append(d)
+    except ImportError:
+        pass
+    return list(dict.fromkeys(dirs))
+
+
+def _nvrtc_version() -> str:
+    from cupy.cuda import nvrtc  # type: ignore
+    return "nvrtc %d.%d" % nvrtc.getVersion()
+
+
+def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
+    try:
+        from cupy.cuda import nvrtc  # type: ignore
+    except ImportError:
+        raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
+                             "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
+    m = re.fullmatch(r"sm_(\d+)(a?)", arch)
+    if not m:
+        raise CudaCodegenError(f"arch {arch!r} is not a CUDA GPU architecture like 'sm_90'")
+    opts = [f"--gpu-architecture=sm_{m.group(1)}{m.group(2)}", "-std=c++17", "--device-as-default-execution-space"]
+    opts += [f"-I{d}" for d in _nvrtc_include_dirs()]
+    prog = nvrtc.createProgram(src.text, "kernels.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError:
+            logtxt = nvrtc.getProgramLog(prog)
+            names = _culprits(logtxt, src, "kernels.cu")
+            raise CompileError(f"NVRTC failed on the kernels of {', '.join(names[:10])}:\n{logtxt[:4000]}",
+                               names) from None
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
+                       compiler: str = "auto") -> dict[str, KernelLaunch]:
+    """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
+
+    Parameters
+    ----------
+    ops
+        Operators (one rank's program, in any order); collectives and ops with extern outputs get
+        no kernel and are absent from the result.
+    path
+        Where to write the ``.cubin`` (written to a temporary file and renamed).
+    arch
+        GPU architecture, ``sm_XX`` (``sm_90a`` for Hopper-specific instructions). No GPU is
+        needed to compile.
+    cache_dir
+        Kernel cache folder (default ``$SHARDFLOW_CACHE_DIR/cuda`` or ``~/.cache/shardflow/cuda``).
+        Entries are keyed by the sha256 of the source, the compile command and the compiler
+        version, so a second build of the same program does not recompile.
+    compiler
+        ``"auto"`` (nvcc when found, else NVRTC through cupy), ``"nvcc"`` or ``"nvrtc"``.
+
+    Returns
+    -------
+    dict[str, KernelLaunch]
+        The launch of each lowered op, by op name.
+
+    Raises
+    ------
+    CudaCodegenError
+        if an op cannot be lowered, no CUDA compiler is available, or compilation fails (the
+        message names the ops whose kernels failed).
+    """
+    src = generate_cuda_source(ops)
+    nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
+    if compiler == "nvcc" and nvcc is None:
+        raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
+    if compiler not in ("auto", "nvcc", "nvrtc"):
+        raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
+    _arch_flags(arch)
+    if nvcc is not None:
+        tool = " ".join(cuda_compile_command(arch, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
+    else:
+        try:
+            tool = f"nvrtc {arch}\n" + _nvrtc_version()
+        except ImportError:
+            raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
+                                 "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
+    key = hashlib.sha256((src.text + "\0" + tool).encode()).hexdigest()
+    cache = cache_dir or default_cache_dir()
+    cached = os.path.join(cache, key[:2], key + ".cubin")
+    if os.path.exists(cached):
+        log.info("CUDA kernels found in the cache (%s)", cached)
+        with open(cached, "rb") as f:
+            data = f.read()
+    else:
+        data = _compile_nvcc(nvcc, src, arch) if nvcc is not None else _compile_nvrtc(src, arch)
+        try:
+            _atomic_write(cached, data)
+        except OSError as exc:  # a read-only cache must not fail the build
+            log.warning("cannot write the kernel cache %s: %s", cached, exc)
+    _atomic_write(path, data)
+    return dict(src.launches)

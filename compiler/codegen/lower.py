@@ -1,0 +1,1096 @@
+"""Lowering of compute definitions to loop nests (target independent).
+
+A :class:`~shardflow.compiler.ir.task.GridCompute` says what one output element is; this module
+decides *how* to compute all of them: which loops, which order, where reductions run and which
+scalars are kept in locals. The result is a small statement tree (:class:`Loop`, :class:`FlatLoop`,
+:class:`Let`, :class:`Accumulate`, :class:`If`, :class:`Store`...) whose scalar expressions are the
+IR's own :class:`~shardflow.compiler.ir.expr.Expr` nodes, made *pure*: no :class:`Reduce` left (each
+became a loop and a :class:`Local`), no select whose untaken side could read out of bounds (those
+became :class:`If` statements), tensor reads bound to :class:`Buffer` objects with every index proven
+in bounds or clamped. Emitters (``cpp.py``) print that tree; they make no decisions of their own.
+
+Decisions, in order (see ``rfcs/0002-codegen.md``):
+
+* **Loops.** One loop per output axis, outermost first, so the innermost loop walks the contiguous
+  last dim and stores contiguously (auto-vectorization). The outer axes are flattened into one loop
+  (:class:`FlatLoop`) that the emitter may parallelize.
+* **Reductions.** A reduction whose free variables are all output axes is computed once per value
+  of those axes: *hoisted* to the loop level of its innermost axis when no earlier axis is missing
+  (softmax over the last axis: a max loop and a sum loop per row, then the elementwise loop), else
+  *materialized* into a temporary over its free variables by its own loop nest (softmax over a
+  middle axis). A reduction nested in another one's body that misses some enclosing loop variable is
+  materialized too (the scores of an attention). Materialized temporaries are shared by reductions
+  that are equal up to renaming of their variables.
+* **Shared expressions.** An expression object used more than once is computed once per scope and
+  kept in a local.
+* **Selects.** ``IfThenElse`` becomes a ternary when both sides are safe to evaluate (every read
+  provably in bounds, no reduction), else a real branch. Inside a branch the condition refines the
+  known ranges of index expressions (``i < 3`` makes ``i`` at most 2), which proves most guarded
+  reads (padding, concatenation) in bounds. A read that still cannot be proven (indices taken from
+  data, as in Gather) is clamped into the tensor, as the reference evaluator does.
+* **Types.** Every node's value type follows numpy, as the reference evaluator computes it
+  (:func:`value_dtype`), including numpy's accumulator types for ``sum``/``prod``/``mean``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import ShardflowError
+from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
+                       UnaryOp, Var, affine_form, walk)
+from ..ir.task import ExternCompute, GridCompute, Task, TensorInput
+
+__all__ = ["CodegenError", "Buffer", "Local", "Kernel", "Loop", "FlatLoop", "Block", "Let", "Declare", "Assign",
+           "Accumulate", "Store", "If", "Comment", "lower_task", "lowerable", "why_not_lowerable", "value_dtype",
+           "SUPPORTED_DTYPES", "FLOAT_FUNCS"]
+
+log = logging.getLogger(__name__)
+
+
+class CodegenError(ShardflowError):
+    """An op cannot be turned into a kernel (unsupported construct, dtype or size)."""
+
+
+#: Tensor dtypes the emitters store and load.
+SUPPORTED_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                    "float16", "float32", "float64")
+
+#: Unary functions that numpy computes in floating point (integer inputs give floats).
+FLOAT_FUNCS = frozenset({"exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "asin", "acos", "atan", "sinh",
+                         "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "log1p", "expm1"})
+_BOOL_BINARY = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor"})
+_BOOL_UNARY = frozenset({"not", "isnan", "isinf", "isposinf", "isneginf"})
+_CMP = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+
+#: Largest temporary (bytes) a materialized reduction may use; larger ones are recomputed inline.
+MAX_TEMP_BYTES = 1 << 28
+#: Estimated scalar operations below which a loop nest runs on one thread.
+PARALLEL_MIN_WORK = 1 << 15
+
+
+# ---------------------------------------------------------------------------------------------
+# lowered IR
+# ---------------------------------------------------------------------------------------------
+
+class Buffer:
+    """A kernel argument or temporary: contiguous row-major ``shape`` of ``dtype``.
+
+    ``role`` is ``"input"``, ``"output"`` or ``"temp"``; ``index`` is the position in the kernel's
+    input or output array (or among the temporaries).
+    """
+
+    __slots__ = ("name", "shape", "dtype", "role", "index")
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: str, role: str, index: int):
+        self.name, self.shape, self.dtype, self.role, self.index = name, tuple(int(d) for d in shape), dtype, role, index
+
+    @property
+    def size(self) -> int:
+        return int(math.prod(self.shape))
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        st, acc = [], 1
+        for d in reversed(self.shape):
+            st.append(acc)
+            acc *= d
+        return tuple(reversed(st))
+
+    def __repr__(self):
+        return f"{self.name}{list(self.shape)}:{self.dtype}"
+
+
+class Local(Expr):
+    """A scalar computed earlier in the current scope (a C local variable)."""
+
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name: str, dtype: str):
+        self.name, self.dtype = name, dtype
+
+
+@dataclass
+class Loop:
+    """``for var in range(extent)``; ``reduction`` = ``(acc, op)`` when the body only accumulates
+    into ``acc`` (the emitter may vectorize it as a reduction)."""
+    var: Var
+    extent: int
+    body: list
+    parallel: bool = False
+    reduction: tuple | None = None
+
+
+@dataclass
+class FlatLoop:
+    """One loop over the product of ``vars``' extents (row-major), each var recomputed from the
+    flat counter; ``parallel`` asks the emitter to split it across threads."""
+    vars: list
+    body: list
+    parallel: bool = False
+
+
+@dataclass
+class Block:
+    """A nested scope."""
+    body: list
+    comment: str = ""
+
+
+@dataclass
+class Let:
+    """Declare ``local`` initialised to ``value``."""
+    local: Local
+    value: Expr
+
+
+@dataclass
+class Declare:
+    """Declare ``local`` without a value (assigned in the branches of an :class:`If`)."""
+    local: Local
+
+
+@dataclass
+class Assign:
+    local: Local
+    value: Expr
+
+
+@dataclass
+class Accumulate:
+    """``acc = acc <op> value`` for ``sum``/``prod``/``max``/``min`` (``mean`` accumulates a sum);
+    for ``argmax``/``argmin`` ``acc`` is the best value and ``index`` (a :class:`Local`) its
+    position, updated to ``index_value`` on a strictly better value (first index wins ties; NaN wins
+    over numbers, the first NaN over later ones)."""
+    acc: Local
+    op: str
+    value: Expr
+    index: Local | None = None
+    index_value: Expr | None = None
+
+
+@dataclass
+class Store:
+    buffer: Buffer
+    indices: tuple
+    value: Expr
+
+
+@dataclass
+class If:
+    cond: Expr
+    then: list
+    other: list
+
+
+@dataclass
+class Comment:
+    text: str
+
+
+@dataclass
+class Kernel:
+    """One op's kernel: argument buffers, temporaries and the statement tree."""
+    op_name: str
+    op_type: str
+    inputs: list
+    outputs: list
+    temps: list = field(default_factory=list)
+    body: list = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes with numpy semantics
+# ---------------------------------------------------------------------------------------------
+
+def _norm_dtype(dt: str | None) -> str | None:
+    if dt is None:
+        return None
+    return "float32" if dt == "bfloat16" else str(np.dtype(dt))
+
+
+def _kind(dt: str) -> str:
+    return np.dtype(dt).kind
+
+
+def _float_result(dt: str) -> str:
+    """numpy's float type for a float-only ufunc applied to ``dt``."""
+    if _kind(dt) == "f":
+        return dt
+    if dt in ("bool", "int8", "uint8"):
+        return "float16"
+    if dt in ("int16", "uint16"):
+        return "float32"
+    return "float64"
+
+
+def _weak_kind(c: Const) -> str:
+    v = c.value
+    if isinstance(v, bool):
+        return "b"
+    if isinstance(v, int):
+        return "i"
+    return "f"
+
+
+def promote(a: Expr, b: Expr, memo: dict) -> str:
+    """numpy's result dtype of a binary op on ``a`` and ``b`` (Python scalars are weak, NEP 50)."""
+    da, db = value_dtype(a, memo), value_dtype(b, memo)
+    if da is None and db is None:
+        ka, kb = _weak_kind(a), _weak_kind(b)
+        if "f" in (ka, kb):
+            return "float64"
+        if ka == kb == "b":
+            return "bool"
+        return "int64"
+    if da is None or db is None:
+        strong = da or db
+        weak = a if da is None else b
+        wk = _weak_kind(weak)
+        if wk == "f" and _kind(strong) in "iub":
+            return "float64"
+        if wk == "i" and _kind(strong) == "b":
+            return "int64"
+        return strong
+    return str(np.result_type(da, db))
+
+
+def value_dtype(e: Expr, memo: dict | None = None) -> str | None:
+    """The numpy dtype of ``e``'s value as the reference evaluator computes it (``None`` for a
+    weakly typed constant). ``memo`` caches results by node id across calls."""
+    if memo is None:
+        memo = {}
+    k = id(e)
+    if k in memo:
+        return memo[k][1]
+    if isinstance(e, Var):
+        r = "int64"
+    elif isinstance(e, Const):
+        r = _norm_dtype(e.dtype)
+    elif isinstance(e, Local):
+        r = e.dtype
+    elif isinstance(e, TensorElement):
+        r = _norm_dtype(e.tensor.dtype)
+    elif isinstance(e, Cast):
+        r = _norm_dtype(e.dtype)
+    elif isinstance(e, BinOp):
+        if e.op in _BOOL_BINARY:
+            r = "bool"
+        else:
+            r = promote(e.a, e.b, memo)
+            if e.op == "div" and _kind(r) in "iub":
+                r = "float64"
+    elif isinstance(e, UnaryOp):
+        d = value_dtype(e.a, memo)
+        if e.op in _BOOL_UNARY:
+            r = "bool"
+        elif d is None:
+            r = "float64" if (e.op in FLOAT_FUNCS or _weak_kind(e.a) == "f") else "int64"
+        elif e.op in FLOAT_FUNCS:
+            r = _float_result(d)
+        else:
+            r = d
+    elif isinstance(e, IfThenElse):
+        r = promote(e.then, e.other, memo)
+    elif isinstance(e, Reduce):
+        d = value_dtype(e.body, memo) or ("float64" if _weak_kind(e.body) == "f" else "int64")
+        if e.op in ("argmax", "argmin"):
+            r = "int64"
+        elif e.op in ("sum", "prod"):
+            if d == "bool" or (_kind(d) == "i" and np.dtype(d).itemsize < 8):
+                r = "int64"
+            elif _kind(d) == "u" and np.dtype(d).itemsize < 8:
+                r = "uint64"
+            else:
+                r = d
+        elif e.op == "mean":
+            r = "float64" if _kind(d) in "iub" else d
+        else:
+            r = d
+    else:
+        raise CodegenError(f"cannot lower expression node {type(e).__name__}")
+    memo[k] = (e, r)  # keep e alive: ids must not be reused while the memo lives
+    return r
+
+
+def accumulator_dtype(r: Reduce, memo: dict) -> str:
+    """The dtype a reduction accumulates in (its value dtype; float16 is accumulated in float32 by
+    the emitter's compute type)."""
+    return value_dtype(r, memo) if r.op not in ("argmax", "argmin") else (value_dtype(r.body, memo) or "float64")
+
+
+# ---------------------------------------------------------------------------------------------
+# structure helpers
+# ---------------------------------------------------------------------------------------------
+
+def _rebuild(e: Expr, kids: list[Expr]) -> Expr:
+    """``e`` with new children (``kids`` in ``children()`` order)."""
+    if isinstance(e, BinOp):
+        return BinOp(e.op, kids[0], kids[1])
+    if isinstance(e, UnaryOp):
+        return UnaryOp(e.op, kids[0])
+    if isinstance(e, Cast):
+        return Cast(kids[0], e.dtype)
+    if isinstance(e, IfThenElse):
+        return IfThenElse(kids[0], kids[1], kids[2])
+    if isinstance(e, TensorElement):
+        return TensorElement(e.tensor, tuple(kids))
+    if isinstance(e, Reduce):
+        return Reduce(e.vars, kids[0], e.op)
+    return e
+
+
+def transform(e: Expr, fn, memo: dict | None = None) -> Expr:
+    """Bottom-up rewrite: ``fn(node, rebuilt_node)`` returns a replacement or ``None`` to keep the
+    rebuilt node. Shared sub-trees stay shared (memo by id)."""
+    if memo is None:
+        memo = {}
+    def go(x: Expr) -> Expr:
+        k = id(x)
+        if k in memo:
+            return memo[k][1]
+        kids = x.children()
+        new_kids = [go(c) for c in kids]
+        y = x if all(a is b for a, b in zip(kids, new_kids)) else _rebuild(x, new_kids)
+        z = fn(x, y)
+        if z is None:
+            z = y
+        memo[k] = (x, z)
+        return z
+
+    return go(e)
+
+
+def substitute(e: Expr, mapping: dict) -> Expr:
+    """``e`` with each :class:`Var` in ``mapping`` (by identity) replaced."""
+    by_id = {id(v): x for v, x in mapping.items()}
+    return transform(e, lambda old, new: by_id.get(id(old)) if isinstance(old, Var) else None)
+
+
+def free_vars(e: Expr, memo: dict) -> frozenset:
+    """Variables ``e`` depends on that it does not bind itself (memoized by id)."""
+    k = id(e)
+    if k in memo:
+        return memo[k][1]
+    if isinstance(e, Var):
+        r = frozenset((e,))
+    elif isinstance(e, Reduce):
+        r = free_vars(e.body, memo) - frozenset(e.vars)
+    else:
+        r = frozenset().union(*(free_vars(c, memo) for c in e.children())) if e.children() else frozenset()
+    memo[k] = (e, r)
+    return r
+
+
+def _refcounts(root: Expr) -> dict[int, int]:
+    """How many parents each node has in the DAG below ``root``."""
+    counts: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    counts[id(root)] = 1
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        for c in x.children():
+            counts[id(c)] = counts.get(id(c), 0) + 1
+            stack.append(c)
+    return counts
+
+
+class _Interner:
+    """Structural keys: equal sub-trees get equal small ints (bound variables renamed)."""
+
+    def __init__(self):
+        self.table: dict = {}
+
+    def intern(self, t) -> int:
+        v = self.table.get(t)
+        if v is None:
+            v = self.table[t] = len(self.table)
+        return v
+
+    def key(self, e: Expr, free_order: Sequence[Var] = (), memo: dict | None = None) -> int:
+        """Key of ``e`` with ``free_order[p]`` renamed to position ``p`` and bound (reduction)
+        variables numbered in traversal order; other variables keep their identity."""
+        memo = {} if memo is None else memo
+        pos = {id(v): p for p, v in enumerate(free_order)}
+        bound: dict[int, int] = {}
+
+        def go(x: Expr) -> int:
+            k = id(x)
+            if k in memo:
+                return memo[k][1]
+            if isinstance(x, Var):
+                if id(x) in pos:
+                    t = ("F", pos[id(x)])
+                elif id(x) in bound:
+                    t = ("B", bound[id(x)], x.extent)
+                else:
+                    t = ("V", id(x))
+            elif isinstance(x, Const):
+                t = ("C", repr(x.value), type(x.value).__name__, x.dtype)
+            elif isinstance(x, Local):
+                t = ("L", x.name)
+            elif isinstance(x, TensorElement):
+                t = ("T", id(x.tensor)) + tuple(go(i) for i in x.indices)
+            elif isinstance(x, Reduce):
+                for v in x.vars:
+                    bound.setdefault(id(v), len(bound))
+                t = ("R", x.op, tuple(go(v) for v in x.vars), go(x.body))
+            elif isinstance(x, BinOp):
+                t = ("B2", x.op, go(x.a), go(x.b))
+            elif isinstance(x, UnaryOp):
+                t = ("U", x.op, go(x.a))
+            elif isinstance(x, Cast):
+                t = ("K", x.dtype, go(x.a))
+            elif isinstance(x, IfThenElse):
+                t = ("S", go(x.cond), go(x.then), go(x.other))
+            else:
+                t = ("?", id(x))
+            r = self.intern(t)
+            memo[k] = (x, r)
+            return r
+
+        return go(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# intervals (index range analysis)
+# ---------------------------------------------------------------------------------------------
+
+_INF = math.inf
+_UNKNOWN = (-_INF, _INF)
+
+
+def _iv_add(a, b):
+    return (a[0] + b[0], a[1] + b[1])
+
+
+def _iv_neg(a):
+    return (-a[1], -a[0])
+
+
+def _mul(x, y):
+    if x == 0 or y == 0:
+        return 0
+    return x * y
+
+
+def _iv_mul(a, b):
+    ps = [_mul(x, y) for x in a for y in b]
+    return (min(ps), max(ps))
+
+
+def _iv_meet(a, b):
+    return (max(a[0], b[0]), min(a[1], b[1]))
+
+
+def _dtype_range(dt: str | None):
+    if dt is None:
+        return _UNKNOWN
+    if dt == "bool":
+        return (0, 1)
+    if _kind(dt) in "iu":
+        info = np.iinfo(dt)
+        return (int(info.min), int(info.max))
+    return _UNKNOWN
+
+
+class _Ranges:
+    """Interval analysis of pure index expressions under refinements from branch conditions."""
+
+    def __init__(self, interner: _Interner, dtypes: dict):
+        self.interner = interner
+        self.keymemo: dict = {}
+        self.dtypes = dtypes
+        self.local_iv: dict[str, tuple] = {}
+        self.stack: list[dict[int, tuple]] = [{}]
+
+    def key(self, e: Expr) -> int:
+        return self.interner.key(e, (), self.keymemo)
+
+    @property
+    def refined(self) -> dict[int, tuple]:
+        return self.stack[-1]
+
+    def interval(self, e: Expr, memo: dict | None = None) -> tuple:
+        memo = {} if memo is None else memo
+        k = id(e)
+        if k in memo:
+            return memo[k]
+        r = self._interval(e, memo)
+        ref = self.refined.get(self.key(e))
+        if ref is not None:
+            r = _iv_meet(r, ref)
+        memo[k] = r
+        return r
+
+    def _interval(self, e: Expr, memo) -> tuple:
+        if isinstance(e, Var):
+            return (0, max(e.extent - 1, 0))
+        if isinstance(e, Const):
+            v = e.value
+            if isinstance(v, (bool, int)):
+                return (int(v), int(v))
+            if isinstance(v, float) and math.isfinite(v):
+                return (v, v)
+            return _UNKNOWN
+        if isinstance(e, Local):
+            return self.local_iv.get(e.name, _dtype_range(e.dtype))
+        if isinstance(e, TensorElement):
+            return _dtype_range(_norm_dtype(e.tensor.dtype))
+        if isinstance(e, BinOp):
+            a, b = self.interval(e.a, memo), self.interval(e.b, memo)
+            op = e.op
+            if op == "add":
+                return _iv_add(a, b)
+            if op == "sub":
+                return _iv_add(a, _iv_neg(b))
+            if op == "mul":
+                return _iv_mul(a, b)
+            if op == "max":
+                return (max(a[0], b[0]), max(a[1], b[1]))
+            if op == "min":
+                return (min(a[0], b[0]), min(a[1], b[1]))
+            if op in ("floordiv", "truncdiv") and b[0] == b[1] and isinstance(b[0], int) and b[0] > 0:
+                if op == "truncdiv" and a[0] < 0:
+                    return _UNKNOWN
+                c = b[0]
+                lo = a[0] // c if a[0] != -_INF else -_INF
+                hi = a[1] // c if a[1] != _INF else _INF
+                return (lo, hi)
+            if op == "mod" and b[0] == b[1] and isinstance(b[0], int) and b[0] > 0:
+                if a[0] >= 0 and a[1] < b[0]:
+                    return a
+                return (0, b[0] - 1)
+            if op in _BOOL_BINARY:
+                return (0, 1)
+            return _UNKNOWN
+        if isinstance(e, UnaryOp):
+            if e.op == "neg":
+                return _iv_neg(self.interval(e.a, memo))
+            if e.op in _BOOL_UNARY:
+                return (0, 1)
+            return _UNKNOWN
+        if isinstance(e, Cast):
+            dt = _norm_dtype(e.dtype)
+            a = self.interval(e.a, memo)
+            if dt == "bool":
+                return (0, 1)
+            if _kind(dt) in "iu":
+                rng = _dtype_range(dt)
+                lo = math.trunc(a[0]) if math.isfinite(a[0]) else a[0]
+                hi = math.trunc(a[1]) if math.isfinite(a[1]) else a[1]
+                if lo >= rng[0] and hi <= rng[1]:
+                    return (lo, hi)
+                return rng
+            return a
+        if isinstance(e, IfThenElse):
+            a, b = self.interval(e.then, memo), self.interval(e.other, memo)
+            return (min(a[0], b[0]), max(a[1], b[1]))
+        return _UNKNOWN
+
+    # refinements --------------------------------------------------------------------------
+    def push(self, cond: Expr | None, positive: bool):
+        new = dict(self.refined)
+        if cond is not None:
+            self._refine(cond, positive, new)
+        self.stack.append(new)
+
+    def pop(self):
+        self.stack.pop()
+
+    def _refine(self, c: Expr, positive: bool, out: dict):
+        if isinstance(c, UnaryOp) and c.op == "not":
+            self._refine(c.a, not positive, out)
+            return
+        if isinstance(c, BinOp):
+            if (c.op == "and" and positive) or (c.op == "or" and not positive):
+                self._refine(c.a, positive, out)
+                self._refine(c.b, positive, out)
+                return
+            if c.op in _CMP:
+                self._refine_cmp(c, positive, out)
+
+    def _refine_cmp(self, c: BinOp, positive: bool, out: dict):
+        op = c.op
+        if not positive:
+            op = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": None, "ne": "eq"}[op]
+            if op is None:
+                return
+        elif op == "ne":
+            return
+        a, b = c.a, c.b
+        ib = self.interval(b)
+        ia = self.interval(a)
+        if not (ib[0] == ib[1] and isinstance(ib[0], int)):
+            if ia[0] == ia[1] and isinstance(ia[0], int):
+                a, b, ia, ib = b, a, ib, ia
+                op = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}[op]
+            else:
+                return
+        dt = value_dtype(a, self.dtypes)
+        if dt is None or _kind(dt) not in "iub":
+            return
+        k = ib[0]
+        bound = {"lt": (-_INF, k - 1), "le": (-_INF, k), "gt": (k + 1, _INF), "ge": (k, _INF), "eq": (k, k)}[op]
+        self._meet_key(a, bound, out)
+        aff = affine_form(a)
+        if aff is not None:
+            coefs, const = aff
+            if len(coefs) == 1:
+                (v, s), = coefs.items()
+                if s in (1, -1):
+                    vb = (bound[0] - const, bound[1] - const) if s == 1 else (const - bound[1], const - bound[0])
+                    self._meet_key(v, vb, out)
+
+    def _meet_key(self, e: Expr, bound: tuple, out: dict):
+        key = self.key(e)
+        out[key] = _iv_meet(out.get(key, _UNKNOWN), bound)
+
+    def in_bounds(self, idx: Expr, extent: int) -> bool:
+        lo, hi = self.interval(idx)
+        return lo >= 0 and hi <= extent - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------------
+
+def why_not_lowerable(op) -> str | None:
+    """The reason ``op`` gets no generated kernel, or ``None`` when it can be lowered."""
+    if getattr(op, "collective", ""):
+        return f"collective {op.collective} (run by the runtime's communicator)"
+    task: Task = op.task
+    if task.is_extern:
+        reasons = sorted({o.reason for o in task.outputs if isinstance(o, ExternCompute)})
+        return f"extern output ({'; '.join(reasons)})"
+    for t in list(task.inputs) + list(task.outputs):
+        dt = getattr(t, "dtype", None)
+        if dt not in SUPPORTED_DTYPES:
+            return f"dtype {dt} of {t.name} is not supported by the cpu code generator"
+    for o in task.outputs:
+        for n in walk(o.value):
+            if isinstance(n, (Var, Const)):
+                continue
+            if isinstance(n, BinOp) and n.op not in BINARY_FUNCS:
+                return f"binary op {n.op}"
+            if isinstance(n, UnaryOp) and n.op not in UNARY_FUNCS:
+                return f"unary op {n.op}"
+            if isinstance(n, TensorElement):
+                if not isinstance(n.tensor, (TensorInput, GridCompute)):
+                    return f"read of {type(n.tensor).__name__}"
+                if n.tensor.dtype not in SUPPORTED_DTYPES and n.tensor.dtype != "bfloat16":
+                    return f"dtype {n.tensor.dtype} of {n.tensor.name}"
+            elif not isinstance(n, (BinOp, UnaryOp, Cast, IfThenElse, Reduce)):
+                return f"expression node {type(n).__name__}"
+    return None
+
+
+def lowerable(op) -> bool:
+    """Whether the code generators can turn ``op`` into a kernel.
+
+    Collectives (``op.collective`` set; the runtime runs them with its communicator) and ops with an
+    extern output (TopK: sorting) are not lowerable, nor ops with dtypes outside
+    :data:`SUPPORTED_DTYPES`.
+    """
+    return why_not_lowerable(op) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# lowering
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Ctx:
+    """Where an expression is evaluated: the loop variables enclosing it (outer first) and
+    whether a reduction found there may be hoisted in the current nest."""
+    scope: tuple
+    hoist: bool
+
+
+class _NestLowerer:
+    """Lowers one output (or one materialized temporary) to a loop nest."""
+
+    def __init__(self, kl: "KernelLowerer", axes: Sequence[Var], value: Expr, target: Buffer):
+        self.kl, self.axes, self.value, self.target = kl, tuple(axes), value, target
+        self.pos = {id(a): d for d, a in enumerate(self.axes)}
+        self.fv_memo: dict = {}
+        self.pre: list = []
+        self.hoisted: dict[int, list[Expr]] = {}
+        self.rewrite_memo: dict = {}
+
+    # --- reduction placement ---------------------------------------------------------------
+    def _ordered(self, F: frozenset, scope: Sequence[Var]) -> list[Var]:
+        order = [v for v in scope if v in F]
+        rest = [v for v in F if v not in order]
+        if rest:  # not expected: a free variable outside the scope
+            raise CodegenError(f"variables {[v.name for v in rest]} are used outside their loops")
+        return order
+
+    def _rewrite(self, e: Expr, ctx: _Ctx) -> Expr:
+        k = (id(e), ctx.hoist)
+        if k in self.rewrite_memo:
+            return self.rewrite_memo[k][1]
+        if isinstance(e, Reduce):
+            r = self._place_reduce(e, ctx)
+        elif isinstance(e, (Var, Const, Local)):
+            r = e
+        else:
+            kids = e.children()
+            new = [self._rewrite(c, ctx) for c in kids]
+            r = e if all(a is b for a, b in zip(kids, new)) else _rebuild(e, new)
+        self.rewrite_memo[k] = (e, r)
+        return r
+
+    def _place_reduce(self, R: Reduce, ctx: _Ctx) -> Expr:
+        kl = self.kl
+        F = free_vars(R, self.fv_memo)
+        scope = list(ctx.scope)
+        order = self._ordered(F, scope)
+        ckey = kl.interner.key(R, order)
+        hit = kl.temp_cache.get(ckey)
+        if hit is not None:
+            return TensorElement(hit, tuple(order))
+        size_bytes = math.prod(v.extent for v in order) * 8
+        main_only = all(id(v) in self.pos for v in F)
+        if main_only and ctx.hoist:
+            L = 1 + max((self.pos[id(v)] for v in F), default=-1)
+            red = math.prod(a.extent for a in self.axes[:L] if a not in F)
+            if red > 1 and size_bytes <= MAX_TEMP_BYTES:
+                return self._materialize(R, order, ckey)
+            body = self._rewrite(R.body, _Ctx(tuple(self.axes[:L]) + tuple(R.vars), True))
+            new = R if body is R.body else Reduce(R.vars, body, R.op)
+            self.hoisted.setdefault(L, []).append(new)
+            return new
+        missing = [v for v in scope if v not in F]
+        red = math.prod(v.extent for v in missing)
+        if red > 1 and size_bytes <= MAX_TEMP_BYTES:
+            return self._materialize(R, order, ckey)
+        body = self._rewrite(R.body, _Ctx(tuple(scope) + tuple(R.vars), ctx.hoist))
+        return R if body is R.body else Reduce(R.vars, body, R.op)
+
+    def _materialize(self, R: Reduce, order: list[Var], ckey: int) -> Expr:
+        kl = self.kl
+        # children first, in the temporary's own context: its free vars, then its reduce vars
+        body = self._rewrite(R.body, _Ctx(tuple(order) + tuple(R.vars), False))
+        R2 = R if body is R.body else Reduce(R.vars, body, R.op)
+        n = next(kl.counter)
+        new_axes = [Var(f"m{n}_{d}", v.extent) for d, v in enumerate(order)]
+        value = substitute(R2, dict(zip(order, new_axes)))
+        dt = value_dtype(R2, kl.dtypes) or "float64"
+        temp = Buffer(f"tmp{len(kl.temps)}", [v.extent for v in order], dt, "temp", len(kl.temps))
+        kl.temps.append(temp)
+        sub = _NestLowerer(kl, new_axes, value, temp)
+        self.pre.append(Comment(f"{temp.name}[{', '.join(v.name for v in order)}] = {R.op} over "
+                                f"{', '.join(f'{v.name}<{v.extent}' for v in R.vars)}"))
+        self.pre.extend(sub.lower())
+        kl.temp_cache[ckey] = temp
+        return TensorElement(temp, tuple(order))
+
+    # --- loops ------------------------------------------------------------------------------
+    def lower(self) -> list:
+        axes, n = self.axes, len(self.axes)
+        if any(a.extent == 0 for a in axes):
+            return []
+        value = self._rewrite(self.value, _Ctx(axes, True))
+        em = _Emitter(self.kl, value)
+        out: list = list(self.pre)
+        body: list = []
+        em.block = body
+        for r in self.hoisted.get(0, []):
+            em.emit(r)
+        if n == 0:
+            v = em.emit(value)
+            body.append(Store(self.target, (), v))
+            out.append(Block(body))
+            return out
+        levels = [L for L in self.hoisted if L >= 1]
+        c = 1 if n == 1 else max(1, min([n - 1] + levels))
+        flat_count = math.prod(a.extent for a in axes[:c])
+        work = self._work_estimate(value)
+        flat = FlatLoop(list(axes[:c]), [], parallel=work >= PARALLEL_MIN_WORK and flat_count >= 2)
+        body.append(flat)
+        em.push_scope(flat.body)
+        for L in range(1, c + 1):
+            for r in self.hoisted.get(L, []):
+                em.emit(r)
+        loops_opened = 0
+        for d in range(c, n):
+            loop = Loop(axes[d], axes[d].extent, [])
+            em.block.append(loop)
+            em.push_scope(loop.body)
+            loops_opened += 1
+            for r in self.hoisted.get(d + 1, []):
+                em.emit(r)
+        v = em.emit(value)
+        em.block.append(Store(self.target, tuple(axes), v))
+        for _ in range(loops_opened + 1):
+            em.pop_scope()
+        if (not flat.parallel and n >= 2 and c == n - 1 and flat_count < 4 and axes[-1].extent >= 256
+                and work >= PARALLEL_MIN_WORK):
+            inner = flat.body[-1] if flat.body and isinstance(flat.body[-1], Loop) else None
+            if inner is not None and inner.var is axes[-1]:
+                inner.parallel = True
+        out.append(Block(body))
+        return out
+
+    def _work_estimate(self, value: Expr) -> int:
+        """Rough scalar-operation count of the nest: elements × (1 + reduction trip counts)."""
+        elems = math.prod(a.extent for a in self.axes)
+        inner = 1
+        for nd in walk(value):
+            if isinstance(nd, Reduce):
+                inner += math.prod(v.extent for v in nd.vars)
+        return elems * inner
+
+
+class _Emitter:
+    """Turns a rewritten value into statements and a pure expression (see module docstring)."""
+
+    def __init__(self, kl: "KernelLowerer", root: Expr):
+        self.kl = kl
+        self.refs = _refcounts(root)
+        self.scopes: list[dict] = [{}]
+        self.blocks: list[list] = []
+        self.block: list = []
+        self.ranges = _Ranges(kl.interner, kl.dtypes)
+
+    # scopes ---------------------------------------------------------------------------------
+    def push_scope(self, block: list):
+        self.blocks.append(self.block)
+        self.block = block
+        self.scopes.append({})
+
+    def pop_scope(self):
+        self.scopes.pop()
+        self.block = self.blocks.pop()
+
+    def lookup(self, e: Expr):
+        k = id(e)
+        for s in reversed(self.scopes):
+            if k in s:
+                return s[k][1]
+        return None
+
+    def remember(self, e: Expr, r: Expr):
+        self.scopes[-1][id(e)] = (e, r)
+
+    def new_local(self, dtype: str, value: Expr | None = None) -> Local:
+        loc = Local(f"t{next(self.kl.local_counter)}", dtype)
+        if value is not None:
+            self.block.append(Let(loc, value))
+            if dtype is not None and _kind(dtype) in "iub":
+                self.ranges.local_iv[loc.name] = self.ranges.interval(value)
+        else:
+            self.block.append(Declare(loc))
+        return loc
+
+    # expressions ----------------------------------------------------------------------------
+    def dtype(self, e: Expr) -> str | None:
+        return value_dtype(e, self.kl.dtypes)
+
+    def emit(self, e: Expr) -> Expr:
+        hit = self.lookup(e)
+        if hit is not None:
+            return hit
+        if isinstance(e, (Var, Const, Local)):
+            return e
+        if isinstance(e, TensorElement):
+            r = self._read(e)
+        elif isinstance(e, (BinOp, UnaryOp, Cast)):
+            kids = [self.emit(c) for c in e.children()]
+            r = _rebuild(e, kids) if any(a is not b for a, b in zip(e.children(), kids)) else e
+        elif isinstance(e, IfThenElse):
+            r = self._select(e)
+        elif isinstance(e, Reduce):
+            r = self._reduce(e)
+        else:
+            raise CodegenError(f"cannot lower expression node {type(e).__name__}")
+        if self.refs.get(id(e), 0) > 1 and not isinstance(r, (Var, Const, Local)):
+            r = self.new_local(self.dtype(e) or "float64", r)
+        self.remember(e, r)
+        return r
+
+    def _read(self, e: TensorElement) -> Expr:
+        buf = self.kl.buffer_for(e.tensor)
+        if buf.size == 0:
+            return Const(0, buf.dtype if buf.dtype != "bfloat16" else "float32")
+        idx = []
+        for ix, ext in zip(e.indices, buf.shape):
+            p = self.emit(ix)
+            dt = self.dtype(p)
+            if dt is None or _kind(dt) not in "iu":
+                p = Cast(p, "int64")
+            if not self.ranges.in_bounds(p, ext):
+                p = BinOp("min", BinOp("max", p, Const(0, "int64")), Const(ext - 1, "int64"))
+            idx.append(p)
+        return TensorElement(buf, tuple(idx))
+
+    def _speculation_safe(self, e: Expr, budget: list) -> bool:
+        """Can ``e`` be evaluated although its value may be discarded: no reduction to compute,
+        every read provably in bounds under the current refinements, and not too big."""
+        if self.lookup(e) is not None or isinstance(e, (Var, Const, Local)):
+            return True
+        budget[0] -= 1
+        if budget[0] < 0 or isinstance(e, Reduce):
+            return False
+        if isinstance(e, TensorElement):
+            if not all(self._speculation_safe(i, budget) for i in e.indices):
+                return False
+            buf = self.kl.buffer_for(e.tensor)
+            if buf.size == 0:
+                return True
+            for ix, ext in zip(e.indices, buf.shape):
+                if not self._index_provable(ix, ext):
+                    return False
+            return True
+        return all(self._speculation_safe(c, budget) for c in e.children())
+
+    def _index_provable(self, ix: Expr, ext: int) -> bool:
+        """Bounds of an un-emitted index expression (sub-trees already computed count as locals)."""
+        def pure(x: Expr) -> Expr:
+            hit = self.lookup(x)
+            if hit is not None:
+                return hit
+            if isinstance(x, (Var, Const, Local)):
+                return x
+            kids = x.children()
+            return _rebuild(x, [pure(c) for c in kids]) if kids else x
+        try:
+            return self.ranges.in_bounds(pure(ix), ext)
+        except CodegenError:
+            return False
+
+    def _select(self, e: IfThenElse) -> Expr:
+        c = self.emit(e.cond)
+        if self._speculation_safe(e.then, [64]) and self._speculation_safe(e.other, [64]):
+            return IfThenElse(c, self.emit(e.then), self.emit(e.other))
+        loc = self.new_local(self.dtype(e) or "float64")
+        then_b: list = []
+        other_b: list = []
+        for positive, blk, side in ((True, then_b, e.then), (False, other_b, e.other)):
+            self.push_scope(blk)
+            self.ranges.push(c, positive)
+            v = self.emit(side)
+            blk.append(Assign(loc, v))
+            self.ranges.pop()
+            self.pop_scope()
+        self.block.append(If(c, then_b, other_b))
+        return loc
+
+    def _reduce(self, R: Reduce) -> Expr:
+        dts = self.kl.dtypes
+        acc_dt = accumulator_dtype(R, dts)
+        if R.op in ("argmax", "argmin"):
+            best = self.new_local(acc_dt, _ReduceInit(R.op, acc_dt))
+            idx = self.new_local("int64", Const(0, "int64"))
+            self.ranges.local_iv[idx.name] = (0, max(R.vars[0].extent - 1, 0))
+            acc, result = best, idx
+        else:
+            acc = self.new_local(acc_dt, _ReduceInit(R.op, acc_dt))
+            result = acc
+            idx = None
+        outer_block = self.block
+        loops: list[Loop] = []
+        for v in R.vars:
+            lp = Loop(v, v.extent, [])
+            self.push_scope(lp.body)
+            loops.append(lp)
+        val = self.emit(R.body)
+        self.block.append(Accumulate(acc, R.op, val, idx, R.vars[0] if idx is not None else None))
+        for _ in R.vars:
+            self.pop_scope()
+        # nest the loops
+        for outer, inner in zip(loops, loops[1:]):
+            outer.body.append(inner)
+        if loops:
+            if R.op in ("sum", "mean", "prod", "max", "min"):
+                loops[-1].reduction = (acc, R.op)
+            outer_block.append(loops[0])
+        else:  # a reduction over no variables is its body
+            pass
+        if R.op == "mean":
+            count = math.prod(v.extent for v in R.vars)
+            self.block.append(Assign(acc, BinOp("div", acc, Const(float(count), acc_dt if _kind(acc_dt) == "f"
+                                                                   else "float64"))))
+        return result
+
+
+class _ReduceInit(Expr):
+    """The identity of a reduction (printed by the emitter for the accumulator's type)."""
+
+    __slots__ = ("op", "dtype")
+
+    def __init__(self, op: str, dtype: str):
+        self.op, self.dtype = op, dtype
+
+
+def reduce_init(e: Expr) -> tuple[str, str] | None:
+    """``(op, dtype)`` when ``e`` is a reduction's initial value."""
+    return (e.op, e.dtype) if isinstance(e, _ReduceInit) else None
+
+
+class KernelLowerer:
+    """Lowers every output of one task into one :class:`Kernel`."""
+
+    def __init__(self, task: Task, op_name: str = "", op_type: str = ""):
+        self.task = task
+        self.op_name, self.op_type = op_name or task.name, op_type or task.name
+        self.inputs = [Buffer(f"in{k}", t.shape, t.dtype, "input", k) for k, t in enumerate(task.inputs)]
+        self.outputs = [Buffer(f"out{k}", o.shape, o.dtype, "output", k) for k, o in enumerate(task.outputs)]
+        self.bound: dict[int, Buffer] = {id(t): b for t, b in zip(task.inputs, self.inputs)}
+        self.temps: list[Buffer] = []
+        self.temp_cache: dict[int, Buffer] = {}
+        self.interner = _Interner()
+        self.dtypes: dict = {}
+        self.counter = itertools.count()
+        self.local_counter = itertools.count()
+
+    def buffer_for(self, tensor) -> Buffer:
+        if isinstance(tensor, Buffer):
+            return tensor
+        b = self.bound.get(id(tensor))
+        if b is None:
+            raise CodegenError(f"{self.op_name}: tensor {tensor.name} is read but not bound")
+        return b
+
+    def _bind(self, value: Expr) -> Expr:
+        """Inline reads of grid computes that are not already computed outputs."""
+        def fn(old, new):
+            if isinstance(new, TensorElement) and isinstance(new.tensor, GridCompute) and id(new.tensor) not in self.bound:
+                gc = new.tensor
+                inner = substitute(gc.value, dict(zip(gc.axes, new.indices)))
+                return self._bind(inner)
+            return None
+        return transform(value, fn)
+
+    def lower(self) -> Kernel:
+        body: list = []
+        for gc, buf in zip(self.task.outputs, self.outputs):
+            if not isinstance(gc, GridCompute):
+                raise CodegenError(f"{self.op_name}: output {gc.name} is extern ({gc.reason})")
+            value = self._bind(gc.value)
+            nest = _NestLowerer(self, gc.axes, value, buf).lower()
+            body.append(Comment(f"output {buf.name} = {gc.name}{list(gc.shape)}:{gc.dtype}"))
+            body.extend(nest)
+            self.bound[id(gc)] = buf
+        return Kernel(self.op_name, self.op_type, self.inputs, self.outputs, self.temps, body)
+
+
+def lower_task(task: Task, op_name: str = "", op_type: str = "") -> Kernel:
+    """Lower every output of ``task`` to loop nests.
+
+    Raises
+    ------
+    CodegenError
+        for an extern output or an expression the lowering does not know.
+    """
+    return KernelLowerer(task, op_name, op_type).lower()

@@ -1,0 +1,309 @@
+"""C++ helpers put at the top of every generated CPU translation unit (kept in Python so that the
+source text, and with it the kernel cache key, contains everything the library is built from)."""
+
+PRELUDE = r"""
+// ---- Shardflow CPU kernel library: helpers --------------------------------------------------
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <algorithm>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define SF_EXPORT extern "C" __attribute__((visibility("default")))
+#define SF_INLINE static inline __attribute__((always_inline))
+
+namespace {
+
+// Scratch memory: one grow-only buffer per slot and calling thread, kept for the process lifetime
+// (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col).
+struct SfWorkspace {
+  void* p[4] = {nullptr, nullptr, nullptr, nullptr};
+  size_t n[4] = {0, 0, 0, 0};
+  ~SfWorkspace() { for (int i = 0; i < 4; ++i) std::free(p[i]); }
+};
+static void* sf_workspace(int slot, size_t bytes) {
+  static thread_local SfWorkspace ws;
+  if (bytes == 0) bytes = 64;
+  if (ws.n[slot] < bytes) {
+    std::free(ws.p[slot]);
+    size_t sz = (bytes + 4095) & ~size_t(4095);
+    ws.p[slot] = std::aligned_alloc(64, sz);
+    if (!ws.p[slot]) std::abort();
+    ws.n[slot] = sz;
+  }
+  return ws.p[slot];
+}
+
+// ---- numpy-equal scalar semantics --------------------------------------------------------------
+template <class T> SF_INLINE bool sf_isfloat() { return std::numeric_limits<T>::is_iec559; }
+
+// np.maximum / np.minimum: NaN propagates
+SF_INLINE float sf_max(float a, float b) { return (a > b || a != a) ? a : b; }
+SF_INLINE double sf_max(double a, double b) { return (a > b || a != a) ? a : b; }
+SF_INLINE float sf_min(float a, float b) { return (a < b || a != a) ? a : b; }
+SF_INLINE double sf_min(double a, double b) { return (a < b || a != a) ? a : b; }
+template <class T> SF_INLINE T sf_max(T a, T b) { return a > b ? a : b; }
+template <class T> SF_INLINE T sf_min(T a, T b) { return a < b ? a : b; }
+
+// arg-reductions: strictly better, NaN beats numbers, the first NaN stays
+template <class T> SF_INLINE bool sf_better_max(T v, T best) {
+  if constexpr (std::numeric_limits<T>::is_iec559) return v > best || (v != v && best == best);
+  else return v > best;
+}
+template <class T> SF_INLINE bool sf_better_min(T v, T best) {
+  if constexpr (std::numeric_limits<T>::is_iec559) return v < best || (v != v && best == best);
+  else return v < best;
+}
+
+// Python/numpy floor division and modulo (integer division by zero gives 0, as numpy does)
+template <class T> SF_INLINE T sf_floordiv(T a, T b) {
+  if constexpr (std::numeric_limits<T>::is_integer) {
+    if (b == 0) return T(0);
+    if constexpr (std::numeric_limits<T>::is_signed) {
+      if (b == T(-1)) return T(T(0) - a);  // wraps like numpy for the minimum value
+      T q = a / b;
+      if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+      return q;
+    } else {
+      return a / b;
+    }
+  } else {
+    if (b == 0) return a / b;
+    T mod = std::fmod(a, b);
+    T div = (a - mod) / b;
+    if (mod != 0 && ((b < 0) != (mod < 0))) div -= T(1);
+    T fl;
+    if (div != 0) {
+      fl = std::floor(div);
+      if (div - fl > T(0.5)) fl += T(1);
+    } else {
+      fl = std::copysign(T(0), a / b);
+    }
+    return fl;
+  }
+}
+template <class T> SF_INLINE T sf_mod(T a, T b) {
+  if constexpr (std::numeric_limits<T>::is_integer) {
+    if (b == 0) return T(0);
+    if constexpr (std::numeric_limits<T>::is_signed) {
+      if (b == T(-1)) return T(0);
+      T r = a % b;
+      if (r != 0 && ((r < 0) != (b < 0))) r += b;
+      return r;
+    } else {
+      return a % b;
+    }
+  } else {
+    T mod = std::fmod(a, b);
+    if (b == 0) return mod;
+    if (mod != 0) {
+      if ((b < 0) != (mod < 0)) mod += b;
+    } else {
+      mod = std::copysign(T(0), b);
+    }
+    return mod;
+  }
+}
+template <class T> SF_INLINE T sf_fmod(T a, T b) {
+  if constexpr (std::numeric_limits<T>::is_integer) {
+    if (b == 0) return T(0);
+    if constexpr (std::numeric_limits<T>::is_signed) { if (b == T(-1)) return T(0); }
+    return a % b;
+  } else {
+    return std::fmod(a, b);
+  }
+}
+template <class T> SF_INLINE T sf_truncdiv(T a, T b) {
+  if constexpr (std::numeric_limits<T>::is_integer) {
+    if (b == 0) return T(0);
+    if constexpr (std::numeric_limits<T>::is_signed) { if (b == T(-1)) return T(T(0) - a); }
+    return a / b;
+  } else {
+    return a / b;
+  }
+}
+template <class T> SF_INLINE T sf_pow(T a, T b) {
+  if constexpr (std::numeric_limits<T>::is_integer) {
+    if constexpr (std::numeric_limits<T>::is_signed) { if (b < 0) return T(0); }
+    T r = 1;
+    while (b) { if (b & 1) r = T(r * a); a = T(a * a); b >>= 1; }
+    return r;
+  } else {
+    return std::pow(a, b);
+  }
+}
+template <class T> SF_INLINE T sf_shl(T a, T b) {
+  if (b < 0 || b >= T(sizeof(T) * 8)) return T(0);
+  return T((typename std::make_unsigned<T>::type)(a) << b);
+}
+template <class T> SF_INLINE T sf_shr(T a, T b) {
+  if (b < 0 || b >= T(sizeof(T) * 8)) return (std::numeric_limits<T>::is_signed && a < 0) ? T(-1) : T(0);
+  return T(a >> b);
+}
+template <class T> SF_INLINE T sf_abs(T a) {
+  if constexpr (std::numeric_limits<T>::is_iec559) return std::fabs(a);
+  else if constexpr (std::numeric_limits<T>::is_signed) return a < 0 ? T(T(0) - a) : a;
+  else return a;
+}
+template <class T> SF_INLINE T sf_sign(T a) {
+  if constexpr (std::numeric_limits<T>::is_iec559) return a > 0 ? T(1) : (a < 0 ? T(-1) : (a == 0 ? T(0) : a));
+  else if constexpr (std::numeric_limits<T>::is_signed) return T((a > 0) - (a < 0));
+  else return T(a > 0);
+}
+template <class T> SF_INLINE T sf_reciprocal(T a) {
+  if constexpr (std::numeric_limits<T>::is_integer) return a == 0 ? T(0) : T(T(1) / a);
+  else return T(1) / a;
+}
+
+// ---- float32 math that vectorizes (branch-free, inlined) ----------------------------------------
+SF_INLINE float sf_bits_to_float(int32_t i) { float f; std::memcpy(&f, &i, 4); return f; }
+SF_INLINE int32_t sf_float_to_bits(float f) { int32_t i; std::memcpy(&i, &f, 4); return i; }
+
+// exp: Cody-Waite reduction and the Cephes polynomial (about 1 ulp); NaN and +-inf handled
+SF_INLINE float sf_exp(float x) {
+  float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  float y = p * (r * r) + r + 1.0f;
+  int32_t ni = (int32_t)n;
+  int32_t n1 = ni >> 1, n2 = ni - n1;
+  y = y * sf_bits_to_float((n1 + 127) << 23) * sf_bits_to_float((n2 + 127) << 23);
+  return x != x ? x : y;
+}
+SF_INLINE double sf_exp(double x) { return std::exp(x); }
+
+// log: Cephes logf (about 1 ulp); denormals scaled, log(0) = -inf, log(<0) = NaN
+SF_INLINE float sf_log(float x) {
+  float xs = x < 1.17549435e-38f ? x * 8388608.0f : x;
+  int32_t bias = x < 1.17549435e-38f ? 23 : 0;
+  int32_t bits = sf_float_to_bits(xs);
+  int32_t e = ((bits >> 23) & 0xff) - 126 - bias;
+  float m = sf_bits_to_float((bits & 0x007fffff) | 0x3f000000);
+  bool small = m < 0.707106781186547524f;
+  float ef = (float)(small ? e - 1 : e);
+  m = small ? (m + m - 1.0f) : (m - 1.0f);
+  float z = m * m;
+  float y = 7.0376836292E-2f;
+  y = y * m - 1.1514610310E-1f;
+  y = y * m + 1.1676998740E-1f;
+  y = y * m - 1.2420140846E-1f;
+  y = y * m + 1.4249322787E-1f;
+  y = y * m - 1.6668057665E-1f;
+  y = y * m + 2.0000714765E-1f;
+  y = y * m - 2.4999993993E-1f;
+  y = y * m + 3.3333331174E-1f;
+  y = y * m * z;
+  y += -2.12194440e-4f * ef;
+  y += -0.5f * z;
+  float r = m + y;
+  r += 0.693359375f * ef;
+  r = x == 0.0f ? -std::numeric_limits<float>::infinity() : r;
+  r = x < 0.0f ? std::numeric_limits<float>::quiet_NaN() : r;
+  r = (x == std::numeric_limits<float>::infinity() || x != x) ? x : r;
+  return r;
+}
+SF_INLINE double sf_log(double x) { return std::log(x); }
+
+// tanh: rational approximation (Eigen's ptanh_float, a few ulp), exact sign, +-1 beyond +-7.9
+SF_INLINE float sf_tanh(float x) {
+  float xc = x < -7.90531110763549805f ? -7.90531110763549805f : (x > 7.90531110763549805f ? 7.90531110763549805f : x);
+  float x2 = xc * xc;
+  float p = -2.76076847742355e-16f;
+  p = p * x2 + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  p = p * xc;
+  float q = 1.19825839466702e-06f;
+  q = q * x2 + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  float r = p / q;
+  r = (x < 0.0004f && x > -0.0004f) ? x : r;
+  return r;
+}
+SF_INLINE double sf_tanh(double x) { return std::tanh(x); }
+
+// erf: odd Taylor series for |x| < 0.5 (error < 1e-9), else 1 - erfc(|x|) with the Numerical Recipes
+// erfc fit (relative error < 1.2e-7)
+SF_INLINE float sf_erf(float x) {
+  float z = x * x;
+  float ps = -1.0f / 75600.0f;
+  ps = ps * z + 1.0f / 9360.0f;
+  ps = ps * z - 1.0f / 1320.0f;
+  ps = ps * z + 1.0f / 216.0f;
+  ps = ps * z - 1.0f / 42.0f;
+  ps = ps * z + 1.0f / 10.0f;
+  ps = ps * z - 1.0f / 3.0f;
+  ps = ps * z + 1.0f;
+  float small = 1.12837916709551257f * x * ps;
+  float a = x < 0 ? -x : x;
+  a = a > 10.0f ? 10.0f : a;
+  float t = 1.0f / (1.0f + 0.5f * a);
+  float q = 0.17087277f;
+  q = q * t - 0.82215223f;
+  q = q * t + 1.48851587f;
+  q = q * t - 1.13520398f;
+  q = q * t + 0.27886807f;
+  q = q * t - 0.18628806f;
+  q = q * t + 0.09678418f;
+  q = q * t + 0.37409196f;
+  q = q * t + 1.00002368f;
+  q = q * t - 1.26551223f;
+  float erfc = t * sf_exp(q - a * a);
+  float big = 1.0f - erfc;
+  big = x < 0 ? -big : big;
+  float r = (x < 0.5f && x > -0.5f) ? small : big;
+  return x != x ? x : r;
+}
+SF_INLINE double sf_erf(double x) { return std::erf(x); }
+
+// pow: a * a and a * a * a for the exponents 2 and 3 (squares, GELU's cube), else exp(b * log|a|)
+// (a few ulp) with numpy's special cases: negative base gives NaN unless b is an integer (then the
+// sign of an odd power), zero base gives 0 or inf, b == 0 or a == 1 gives 1. Branch-free, so a loop
+// whose exponent is read from a 0-d tensor still vectorizes.
+SF_INLINE float sf_pow(float a, float b) {
+  float aa = a < 0 ? -a : a;
+  float g = sf_exp(b * sf_log(aa));
+  float bh = b * 0.5f;
+  bool bint = std::nearbyint(b) == b;
+  bool bodd = bint && std::nearbyint(bh) != bh;
+  float sg = bodd ? -g : g;
+  const float inf = std::numeric_limits<float>::infinity();
+  float r = a < 0 ? ((bint || a == -inf) ? sg : std::numeric_limits<float>::quiet_NaN()) : g;
+  float z = b > 0 ? 0.0f : inf;
+  z = bodd ? std::copysign(z, a) : z;
+  r = (a == 0 && b == b) ? z : r;
+  r = b == 2.0f ? a * a : (b == 3.0f ? a * a * a : r);
+  r = (b == 0.0f || a == 1.0f || (a == -1.0f && (b == inf || b == -inf))) ? 1.0f : r;
+  return r;
+}
+SF_INLINE double sf_pow(double a, double b) { return std::pow(a, b); }
+
+SF_INLINE float sf_sqrt(float x) { return std::sqrt(x); }
+SF_INLINE double sf_sqrt(double x) { return std::sqrt(x); }
+SF_INLINE float sf_rsqrt(float x) { return 1.0f / std::sqrt(x); }
+SF_INLINE double sf_rsqrt(double x) { return 1.0 / std::sqrt(x); }
+SF_INLINE float sf_sigmoid(float x) { return 1.0f / (1.0f + sf_exp(-x)); }
+SF_INLINE double sf_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+SF_INLINE float sf_round(float x) { return std::nearbyint(x); }
+SF_INLINE double sf_round(double x) { return std::nearbyint(x); }
+
+}  // namespace
+"""

@@ -1,0 +1,548 @@
+"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm and 2-D/1-D Conv.
+
+They share one GEMM (in :data:`TEMPLATE_PRELUDE`), written like BLIS: for each block of 256 of the
+contracted dim, B is packed into panels of NR columns and A into panels of MR rows (zero padded),
+then a register-blocked micro-kernel computes MR×NR tiles of C. The micro-kernel is chosen once,
+when first used, from the CPU: AVX-512 (12×32), AVX2+FMA (6×16) or SSE (4×8); each is compiled with
+its own ``target`` attribute, so the library still loads on any x86-64. Threads (OpenMP) split the
+packing and the C tiles; small products run on the calling thread. Batched matmuls split the batch
+across threads when each product is small. ``M == 1`` (a row vector times a matrix) skips packing.
+
+Conv is im2col (skipped for 1×1, stride 1, no padding) followed by the GEMM per image and group,
+with the bias added in the GEMM's epilogue. Depthwise and 3-D convolutions use the generic loop
+nest. Every other op, and other dtypes, use the generic lowering.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind"]
+
+TEMPLATE_PRELUDE = r"""
+// ---- GEMM (float32) -----------------------------------------------------------------------------
+namespace {
+
+constexpr int64_t SF_KC = 256;
+
+typedef void (*SfUkrFn)(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+                        float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first);
+
+#if defined(__x86_64__)
+// 12 x 32 tile, AVX-512
+__attribute__((target("avx512f")))
+static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+                          float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
+  __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
+  __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
+  __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
+  __m512 c60 = _mm512_setzero_ps(), c61 = _mm512_setzero_ps(), c70 = _mm512_setzero_ps(), c71 = _mm512_setzero_ps();
+  __m512 c80 = _mm512_setzero_ps(), c81 = _mm512_setzero_ps(), c90 = _mm512_setzero_ps(), c91 = _mm512_setzero_ps();
+  __m512 ca0 = _mm512_setzero_ps(), ca1 = _mm512_setzero_ps(), cb0 = _mm512_setzero_ps(), cb1 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_load_ps(Bp + 32 * k), b1 = _mm512_load_ps(Bp + 32 * k + 16);
+    const float* a = Ap + 12 * k;
+    __m512 av;
+#define SF_ROW(r, c0, c1) av = _mm512_set1_ps(a[r]); c0 = _mm512_fmadd_ps(av, b0, c0); c1 = _mm512_fmadd_ps(av, b1, c1);
+    SF_ROW(0, c00, c01) SF_ROW(1, c10, c11) SF_ROW(2, c20, c21) SF_ROW(3, c30, c31)
+    SF_ROW(4, c40, c41) SF_ROW(5, c50, c51) SF_ROW(6, c60, c61) SF_ROW(7, c70, c71)
+    SF_ROW(8, c80, c81) SF_ROW(9, c90, c91) SF_ROW(10, ca0, ca1) SF_ROW(11, cb0, cb1)
+#undef SF_ROW
+  }
+  const __m512 rows[12][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51},
+                              {c60, c61}, {c70, c71}, {c80, c81}, {c90, c91}, {ca0, ca1}, {cb0, cb1}};
+  const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
+  const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff : (nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0);
+  for (int64_t i = 0; i < mr; ++i) {
+    float* cr = C + i * ldc;
+    __m512 v0 = rows[i][0], v1 = rows[i][1];
+    if (!first) {
+      v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, cr));
+      v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, cr + 16));
+    }
+    _mm512_mask_storeu_ps(cr, m0, v0);
+    _mm512_mask_storeu_ps(cr + 16, m1, v1);
+  }
+}
+
+// 6 x 16 tile, AVX2 + FMA
+__attribute__((target("avx2,fma")))
+static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+                        float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(Bp + 16 * k), b1 = _mm256_load_ps(Bp + 16 * k + 8);
+    const float* a = Ap + 6 * k;
+    __m256 av;
+#define SF_ROW(r, c0, c1) av = _mm256_broadcast_ss(a + r); c0 = _mm256_fmadd_ps(av, b0, c0); c1 = _mm256_fmadd_ps(av, b1, c1);
+    SF_ROW(0, c00, c01) SF_ROW(1, c10, c11) SF_ROW(2, c20, c21) SF_ROW(3, c30, c31) SF_ROW(4, c40, c41) SF_ROW(5, c50, c51)
+#undef SF_ROW
+  }
+  alignas(32) float t[6][16];
+  _mm256_store_ps(t[0], c00); _mm256_store_ps(t[0] + 8, c01); _mm256_store_ps(t[1], c10); _mm256_store_ps(t[1] + 8, c11);
+  _mm256_store_ps(t[2], c20); _mm256_store_ps(t[2] + 8, c21); _mm256_store_ps(t[3], c30); _mm256_store_ps(t[3] + 8, c31);
+  _mm256_store_ps(t[4], c40); _mm256_store_ps(t[4] + 8, c41); _mm256_store_ps(t[5], c50); _mm256_store_ps(t[5] + 8, c51);
+  if (mr == 6 && nr == 16) {
+    for (int i = 0; i < 6; ++i) {
+      float* cr = C + i * ldc;
+      __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
+      if (!first) { v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr)); v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr + 8)); }
+      _mm256_storeu_ps(cr, v0); _mm256_storeu_ps(cr + 8, v1);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < mr; ++i)
+    for (int64_t j = 0; j < nr; ++j) C[i * ldc + j] = first ? t[i][j] : C[i * ldc + j] + t[i][j];
+}
+#endif
+
+// 4 x 8 tile, any CPU (two SSE registers per row when vectorized)
+static void sf_ukr_generic(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+                           float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
+  float t[4][8] = {};
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int i = 0; i < 4; ++i) {
+      const float a = Ap[4 * k + i];
+      for (int j = 0; j < 8; ++j) t[i][j] += a * Bp[8 * k + j];
+    }
+  }
+  for (int64_t i = 0; i < mr; ++i)
+    for (int64_t j = 0; j < nr; ++j) C[i * ldc + j] = first ? t[i][j] : C[i * ldc + j] + t[i][j];
+}
+
+struct SfUkr { SfUkrFn fn; int64_t mr, nr; };
+
+static SfUkr sf_pick_ukr() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+  bool allow512 = !force || std::strcmp(force, "avx512") == 0;
+  bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("avx512f")) return {sf_ukr_avx512, 12, 32};
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {sf_ukr_avx2, 6, 16};
+#endif
+  return {sf_ukr_generic, 4, 8};
+}
+static const SfUkr& sf_ukr() { static const SfUkr u = sf_pick_ukr(); return u; }
+
+static inline int sf_max_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Ap: panels of mr rows, each [kc][mr], rows past M zero
+static void sf_pack_a(const float* __restrict__ A, int64_t rsa, int64_t csa, int64_t M, int64_t p, int64_t mr,
+                      int64_t k0, int64_t kc, float* __restrict__ Ap) {
+  const int64_t i0 = p * mr;
+  const int64_t rows = std::min<int64_t>(mr, M - i0);
+  if (csa == 1) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* src = A + (i0 + i) * rsa + k0;
+      for (int64_t k = 0; k < kc; ++k) Ap[k * mr + i] = src[k];
+    }
+  } else {
+    for (int64_t k = 0; k < kc; ++k)
+      for (int64_t i = 0; i < rows; ++i) Ap[k * mr + i] = A[(i0 + i) * rsa + (k0 + k) * csa];
+  }
+  for (int64_t i = rows; i < mr; ++i)
+    for (int64_t k = 0; k < kc; ++k) Ap[k * mr + i] = 0.0f;
+}
+
+// Bp: panels of nr columns, each [kc][nr], columns past N zero
+static void sf_pack_b(const float* __restrict__ B, int64_t rsb, int64_t csb, int64_t N, int64_t p, int64_t nr,
+                      int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  const int64_t j0 = p * nr;
+  const int64_t cols = std::min<int64_t>(nr, N - j0);
+  if (csb == 1) {
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* src = B + (k0 + k) * rsb + j0;
+      float* dst = Bp + k * nr;
+      if (cols == nr) { for (int64_t j = 0; j < nr; ++j) dst[j] = src[j]; }
+      else { for (int64_t j = 0; j < nr; ++j) dst[j] = j < cols ? src[j] : 0.0f; }
+    }
+  } else {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float* src = B + (j0 + j) * csb + k0 * rsb;
+      for (int64_t k = 0; k < kc; ++k) Bp[k * nr + j] = src[k * rsb];
+    }
+    for (int64_t j = cols; j < nr; ++j)
+      for (int64_t k = 0; k < kc; ++k) Bp[k * nr + j] = 0.0f;
+  }
+}
+
+// C[i, j] = alpha * C[i, j] + bias[i * rbs + j * cbs] over a block of C
+static inline void sf_gemm_epilogue(float* __restrict__ C, int64_t ldc, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                                    float alpha, const float* __restrict__ bias, int64_t rbs, int64_t cbs) {
+  for (int64_t i = i0; i < i1; ++i) {
+    float* cr = C + i * ldc;
+    if (bias) {
+      const float* br = bias + i * rbs;
+      if (cbs == 0) { const float b = br[0]; for (int64_t j = j0; j < j1; ++j) cr[j] = alpha * cr[j] + b; }
+      else if (cbs == 1) { for (int64_t j = j0; j < j1; ++j) cr[j] = alpha * cr[j] + br[j]; }
+      else { for (int64_t j = j0; j < j1; ++j) cr[j] = alpha * cr[j] + br[j * cbs]; }
+    } else {
+      for (int64_t j = j0; j < j1; ++j) cr[j] = alpha * cr[j];
+    }
+  }
+}
+
+// y[1, N] = a[1, K] @ B[K, N] for row-major B (no packing): threads split N
+SF_CLONES
+static void sf_gemv_row(int64_t N, int64_t K, const float* __restrict__ A, int64_t csa, const float* __restrict__ B,
+                        int64_t rsb, float* __restrict__ C, float alpha, const float* __restrict__ bias, int64_t cbs,
+                        bool par) {
+  const int64_t JB = 256;
+  const int64_t nb = (N + JB - 1) / JB;
+  #pragma omp parallel for schedule(static) if (par && N * K >= (1 << 16) && nb > 1)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t j0 = b * JB, nj = std::min(N, j0 + JB) - j0;
+    float acc[256];
+    for (int64_t j = 0; j < nj; ++j) acc[j] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      const float a0 = A[k * csa], a1 = A[(k + 1) * csa], a2 = A[(k + 2) * csa], a3 = A[(k + 3) * csa];
+      const float* b0 = B + k * rsb + j0;
+      const float* b1 = b0 + rsb;
+      const float* b2 = b1 + rsb;
+      const float* b3 = b2 + rsb;
+      for (int64_t j = 0; j < nj; ++j) acc[j] += a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j];
+    }
+    for (; k < K; ++k) {
+      const float a = A[k * csa];
+      const float* br = B + k * rsb + j0;
+      for (int64_t j = 0; j < nj; ++j) acc[j] += a * br[j];
+    }
+    for (int64_t j = 0; j < nj; ++j) C[j0 + j] = alpha * acc[j] + (bias ? bias[(j0 + j) * cbs] : 0.0f);
+  }
+}
+
+// C[M, N] = alpha * (A @ B) + bias, A(i, k) = A[i*rsa + k*csa], B(k, j) = B[k*rsb + j*csb], C row stride ldc.
+// A is packed once for all of K; B per chunk of SF_NC columns; each thread owns C tiles and runs the
+// whole K loop on a tile, so the tile stays in its cache.
+constexpr int64_t SF_NC = 4096;
+static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
+                     const float* B, int64_t rsb, int64_t csb, float* C, int64_t ldc, float alpha,
+                     const float* bias, int64_t rbs, int64_t cbs, bool allow_parallel) {
+  if (M <= 0 || N <= 0) return;
+  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
+  if (K <= 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
+    sf_gemm_epilogue(C, ldc, 0, M, 0, N, alpha, bias, rbs, cbs);
+    return;
+  }
+  if (M == 1 && csb == 1) {
+    sf_gemv_row(N, K, A, csa, B, rsb, C, alpha, bias, cbs, par);
+    return;
+  }
+  const SfUkr& u = sf_ukr();
+  const int64_t mr = u.mr, nr = u.nr;
+  const int64_t nkb = (K + SF_KC - 1) / SF_KC;
+  const int64_t mp = (M + mr - 1) / mr;
+  const int64_t ncm = std::min<int64_t>(N, SF_NC);
+  const int64_t npm = (ncm + nr - 1) / nr;
+  float* Ap = static_cast<float*>(sf_workspace(1, sizeof(float) * mp * mr * K));
+  float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * npm * nr * K));
+  const int nt = par ? sf_max_threads() : 1;
+  const bool epi = alpha != 1.0f || bias != nullptr;
+  #pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      for (int64_t p = 0; p < mp; ++p) {
+        const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+        sf_pack_a(A, rsa, csa, M, p, mr, pc, kc, Ap + mp * mr * pc + p * mr * kc);
+      }
+    for (int64_t jc = 0; jc < N; jc += SF_NC) {
+      const int64_t nc = std::min<int64_t>(SF_NC, N - jc);
+      const int64_t np = (nc + nr - 1) / nr;
+      const float* Bc = B + jc * csb;
+      #pragma omp for collapse(2) schedule(static)
+      for (int64_t kb = 0; kb < nkb; ++kb)
+        for (int64_t p = 0; p < np; ++p) {
+          const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+          sf_pack_b(Bc, rsb, csb, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
+        }
+      int64_t mpt = std::max<int64_t>(1, std::min<int64_t>(mp, 96 / mr));   // m panels per tile
+      int64_t npt = std::max<int64_t>(1, std::min<int64_t>(np, 256 / nr));  // n panels per tile
+      while (nt > 1 && ((mp + mpt - 1) / mpt) * ((np + npt - 1) / npt) < 2 * nt && (mpt > 1 || npt > 1)) {
+        if (npt >= mpt && npt > 1) npt = (npt + 1) / 2; else mpt = (mpt + 1) / 2;
+      }
+      const int64_t ntm = (mp + mpt - 1) / mpt, ntn = (np + npt - 1) / npt;
+      float* Cc = C + jc;
+      #pragma omp for collapse(2) schedule(static)
+      for (int64_t tm = 0; tm < ntm; ++tm) {
+        for (int64_t tn = 0; tn < ntn; ++tn) {
+          const int64_t ip0 = tm * mpt, ip1 = std::min(mp, ip0 + mpt);
+          const int64_t jp0 = tn * npt, jp1 = std::min(np, jp0 + npt);
+          for (int64_t kb = 0; kb < nkb; ++kb) {
+            const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+            const float* Ab = Ap + mp * mr * pc;
+            const float* Bb = Bp + np * nr * pc;
+            for (int64_t jp = jp0; jp < jp1; ++jp) {
+              const int64_t nrr = std::min(nr, nc - jp * nr);
+              for (int64_t ip = ip0; ip < ip1; ++ip) {
+                const int64_t mrr = std::min(mr, M - ip * mr);
+                u.fn(kc, Ab + ip * mr * kc, Bb + jp * nr * kc, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr, kb == 0);
+              }
+            }
+          }
+          if (epi)
+            sf_gemm_epilogue(C, ldc, ip0 * mr, std::min(M, ip1 * mr), jc + jp0 * nr, jc + std::min(nc, jp1 * nr),
+                             alpha, bias, rbs, cbs);
+        }
+      }
+    }
+  }
+}
+
+// Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)
+static void sf_sgemm_batched(int nb, const int64_t* bshape, const int64_t* astr, const int64_t* bstr,
+                             const int64_t* cstr, int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa,
+                             int64_t csa, const float* B, int64_t rsb, int64_t csb, float* C, int64_t ldc, float alpha,
+                             const float* bias, int64_t rbs, int64_t cbs) {
+  int64_t batch = 1;
+  for (int d = 0; d < nb; ++d) batch *= bshape[d];
+  if (batch == 0) return;
+  auto offsets = [&](int64_t b, int64_t& ao, int64_t& bo, int64_t& co) {
+    ao = bo = co = 0;
+    for (int d = nb - 1; d >= 0; --d) {
+      const int64_t i = b % bshape[d];
+      b /= bshape[d];
+      ao += i * astr[d]; bo += i * bstr[d]; co += i * cstr[d];
+    }
+  };
+  const int nt = sf_max_threads();
+  if (batch > 1 && nt > 1 && batch >= nt && (double)M * N * K <= 4194304.0) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t ao, bo, co;
+      offsets(b, ao, bo, co);
+      sf_sgemm(M, N, K, A + ao, rsa, csa, B + bo, rsb, csb, C + co, ldc, alpha, bias, rbs, cbs, false);
+    }
+  } else {
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t ao, bo, co;
+      offsets(b, ao, bo, co);
+      sf_sgemm(M, N, K, A + ao, rsa, csa, B + bo, rsb, csb, C + co, ldc, alpha, bias, rbs, cbs, true);
+    }
+  }
+}
+
+// cols[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 outside)
+static void sf_im2col(const float* __restrict__ x, int64_t C, int64_t H, int64_t W, int64_t KH, int64_t KW,
+                      int64_t SH, int64_t SW, int64_t DH, int64_t DW, int64_t PT, int64_t PL, int64_t OH, int64_t OW,
+                      float* __restrict__ cols) {
+  const int64_t rows = C * KH * KW, P = OH * OW;
+  #pragma omp parallel for schedule(static) if (rows * P >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t kw = r % KW, kh = (r / KW) % KH, c = r / (KW * KH);
+    const float* xc = x + c * H * W;
+    float* dst = cols + r * P;
+    for (int64_t oh = 0; oh < OH; ++oh) {
+      const int64_t ih = oh * SH + kh * DH - PT;
+      float* d = dst + oh * OW;
+      if (ih < 0 || ih >= H) { for (int64_t ow = 0; ow < OW; ++ow) d[ow] = 0.0f; continue; }
+      const float* xr = xc + ih * W;
+      const int64_t off = kw * DW - PL;
+      if (SW == 1) {
+        for (int64_t ow = 0; ow < OW; ++ow) { const int64_t iw = ow + off; d[ow] = (iw >= 0 && iw < W) ? xr[iw] : 0.0f; }
+      } else {
+        for (int64_t ow = 0; ow < OW; ++ow) { const int64_t iw = ow * SW + off; d[ow] = (iw >= 0 && iw < W) ? xr[iw] : 0.0f; }
+      }
+    }
+  }
+}
+
+}  // namespace
+"""
+
+
+def _prod(xs) -> int:
+    return int(math.prod(xs))
+
+
+def _args(op) -> list[str]:
+    lines = []
+    for k, t in enumerate(op.inputs):
+        lines.append(f"  const float* __restrict__ in{k} = static_cast<const float*>(inputs[{k}]);")
+    lines.append("  float* __restrict__ out0 = static_cast<float*>(outputs[0]);")
+    return lines
+
+
+def _all_f32(op) -> bool:
+    return all(t.dtype == "float32" for t in list(op.inputs) + list(op.outputs))
+
+
+def _arr(xs) -> str:
+    return "{" + ", ".join(str(int(x)) for x in xs) + "}" if xs else "{0}"
+
+
+def _matmul(op) -> str | None:
+    a, b = op.inputs[0].shape, op.inputs[1].shape
+    out = op.outputs[0].shape
+    if len(a) == 0 or len(b) == 0:
+        return None
+    K = a[-1]
+    M = a[-2] if len(a) >= 2 else 1
+    N = b[-1] if len(b) >= 2 else 1
+    nb = len(out) - (len(a) >= 2) - (len(b) >= 2)
+    batch = tuple(out[:nb])
+    a_batch, b_batch = tuple(a[:-2]), tuple(b[:-2])
+    lines = _args(op)
+    rsa, csa = K, 1
+    rsb, csb = (N, 1) if len(b) >= 2 else (1, 1)
+    if not b_batch and len(a) >= 2 and a_batch:
+        # B is a plain matrix: fold A's batch dims into M (one big GEMM)
+        Mt = _prod(a_batch) * M
+        lines.append(f"  // MatMul: [{Mt}, {K}] @ [{K}, {N}] (batch dims of A folded into M)")
+        lines.append(f"  sf_sgemm({Mt}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, 1.0f, nullptr, 0, 0, true);")
+        return "\n".join(lines)
+
+    def bstrides(shape, mat):
+        # element strides of each output batch dim in an operand with batch dims `shape` (0 = broadcast)
+        full = list(shape) + list(mat)
+        st, acc = [], 1
+        for d in reversed(full):
+            st.append(acc)
+            acc *= d
+        st = list(reversed(st))[: len(shape)]
+        res = []
+        off = nb - len(shape)
+        for d in range(nb):
+            if d < off:
+                res.append(0)
+            else:
+                res.append(0 if shape[d - off] == 1 and batch[d] != 1 else st[d - off])
+        return res
+    a_mat = a[-2:] if len(a) >= 2 else a[-1:]
+    b_mat = b[-2:] if len(b) >= 2 else b[-1:]
+    astr = bstrides(a_batch, a_mat)
+    bstr = bstrides(b_batch, b_mat)
+    cst, acc = [], M * N
+    for d in reversed(batch):
+        cst.append(acc)
+        acc *= d
+    cstr = list(reversed(cst))
+    lines.append(f"  // MatMul: batch {list(batch)} of [{M}, {K}] @ [{K}, {N}]")
+    if nb == 0:
+        lines.append(f"  sf_sgemm({M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, 1.0f, nullptr, 0, 0, true);")
+    else:
+        lines.append(f"  static const int64_t bshape[] = {_arr(batch)}, astr[] = {_arr(astr)}, bstr[] = {_arr(bstr)}, "
+                     f"cstr[] = {_arr(cstr)};")
+        lines.append(f"  sf_sgemm_batched({nb}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, "
+                     f"{csb}, out0, {N}, 1.0f, nullptr, 0, 0);")
+    return "\n".join(lines)
+
+
+def _gemm(op) -> str | None:
+    ta, tb = bool(op.attrs.get("trans_a", False)), bool(op.attrs.get("trans_b", False))
+    alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
+    a, b = op.inputs[0].shape, op.inputs[1].shape
+    M, N = op.outputs[0].shape
+    K = a[0] if ta else a[1]
+    rsa, csa = (1, M) if ta else (K, 1)
+    rsb, csb = (1, K) if tb else (N, 1)
+    lines = _args(op)
+    bias, rbs, cbs = "nullptr", 0, 0
+    has_c = len(op.inputs) > 2 and beta != 0
+    if has_c:
+        cs = op.inputs[2].shape
+        off = 2 - len(cs)
+        full = (1,) * off + tuple(cs)
+        rbs = 0 if full[0] == 1 else full[1]
+        cbs = 0 if full[1] == 1 else 1
+        bias = "in2"
+        if beta != 1:
+            # scale C once into a temporary: bias = beta * C
+            n = _prod(cs)
+            lines.append(f"  float* __restrict__ cb_ = static_cast<float*>(sf_workspace(0, {max(n, 1) * 4}));")
+            lines.append(f"  for (int64_t i = 0; i < {n}; ++i) cb_[i] = {_flt(beta)} * in2[i];")
+            bias = "cb_"
+    lines.append(f"  // Gemm: {_flt(alpha)} * [{M}, {K}]{'ᵀ' if ta else ''} @ [{K}, {N}]{'ᵀ' if tb else ''}"
+                 + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if has_c else ""))
+    lines.append(f"  sf_sgemm({M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, {_flt(alpha)}, {bias}, "
+                 f"{rbs}, {cbs}, true);")
+    return "\n".join(lines)
+
+
+def _flt(v: float) -> str:
+    r = repr(float(np.float32(v)))
+    return r + ("f" if ("." in r or "e" in r) else ".0f")
+
+
+def _conv(op) -> str | None:
+    x, w = op.inputs[0].shape, op.inputs[1].shape
+    n_sp = len(x) - 2
+    if n_sp not in (1, 2):
+        return None
+    g = int(op.attrs.get("group", 1))
+    oc, icg = w[0], w[1]
+    ocg = oc // g
+    kern = tuple(w[2:])
+    if icg * _prod(kern) < 4 or ocg < 4:
+        return None  # depthwise-like: the generic nest is better
+    strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
+    dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
+    pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
+    out = op.outputs[0].shape
+    if n_sp == 1:
+        H, W, KH, KW = 1, x[2], 1, kern[0]
+        SH, SW, DH, DW, PT, PL = 1, strides[0], 1, dil[0], 0, pads[0]
+        OH, OW = 1, out[2]
+    else:
+        H, W = x[2], x[3]
+        KH, KW = kern
+        SH, SW = strides
+        DH, DW = dil
+        PT, PL = pads[0], pads[1]
+        OH, OW = out[2], out[3]
+    Nb, C = x[0], x[1]
+    P = OH * OW
+    KK = icg * KH * KW
+    direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and OH == H and OW == W
+    lines = _args(op)
+    bias = "in2 + g * %d" % ocg if len(op.inputs) > 2 else "nullptr"
+    lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
+                 + (" (1x1: no im2col)" if direct else f" via im2col ({KH}x{KW}, stride {SH}x{SW}, dilation "
+                                                       f"{DH}x{DW}, pad {PT},{PL})"))
+    if not direct:
+        lines.append(f"  float* __restrict__ cols = static_cast<float*>(sf_workspace(3, {max(KK * P, 1) * 4}));")
+    lines.append(f"  for (int64_t n = 0; n < {Nb}; ++n) {{")
+    lines.append(f"    for (int64_t g = 0; g < {g}; ++g) {{")
+    lines.append(f"      const float* xg = in0 + (n * {C} + g * {icg}) * {H * W};")
+    if direct:
+        src = "xg"
+    else:
+        lines.append(f"      sf_im2col(xg, {icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, {OH}, {OW}, cols);")
+        src = "cols"
+    lines.append(f"      sf_sgemm({ocg}, {P}, {KK}, in1 + g * {ocg * KK}, {KK}, 1, {src}, {P}, 1, "
+                 f"out0 + (n * {oc} + g * {ocg}) * {P}, {P}, 1.0f, {bias}, 1, 0, true);")
+    lines.append("    }")
+    lines.append("  }")
+    return "\n".join(lines)
+
+
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv}
+
+
+def template_kind(op) -> str | None:
+    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``) or ``None``."""
+    fn = _TEMPLATES.get(op.op_type)
+    if fn is None or not _all_f32(op) or len(op.outputs) != 1:
+        return None
+    return op.op_type if fn(op) is not None else None
+
+
+def template_body(op) -> str | None:
+    """The kernel body for ``op`` from a template, or ``None`` when the generic lowering applies."""
+    fn = _TEMPLATES.get(op.op_type)
+    if fn is None or not _all_f32(op) or len(op.outputs) != 1:
+        return None
+    return fn(op)

@@ -1,0 +1,195 @@
+"""Toolchain driver for the cpu target: the system C++ compiler and the kernel cache.
+
+The compiler is ``$CXX`` when set, else ``g++``. Libraries are built with::
+
+    g++ -std=c++17 -O3 -fopenmp -fPIC -shared -march=x86-64-v2 -mtune=generic
+        -fno-math-errno -fno-trapping-math -fwrapv -fvisibility=hidden
+
+``-march=x86-64-v2`` (SSE4.2, any x86-64 CPU since about 2009) keeps a library runnable on another
+machine of the same architecture; kernels that do real work are additionally compiled for
+x86-64-v3 (AVX2+FMA) and x86-64-v4 (AVX-512) with ``target_clones`` and the best version is picked
+when the library is loaded. ``-fno-math-errno``/``-fno-trapping-math`` only drop errno and FP
+exception flags (values stay IEEE exact, no ``-ffast-math``) so that loops with ``sqrt`` and selects
+vectorize; ``-fwrapv`` gives integer overflow numpy's wrap-around.
+
+The cache (``$SHARDFLOW_CACHE_DIR`` or ``~/.cache/shardflow/kernels``) keys a library by the sha256
+of the source, the command line and ``<compiler> --version``; entries are written to a temporary
+name and renamed, so a reader never sees half a file.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Sequence
+
+from .lower import CodegenError
+
+__all__ = ["CompileError", "ToolchainError", "cxx_compiler", "compiler_version", "compile_flags", "default_cache_dir",
+           "build_shared_library"]
+
+log = logging.getLogger(__name__)
+
+
+class ToolchainError(CodegenError):
+    """No usable C++ compiler."""
+
+
+class CompileError(CodegenError):
+    """The C++ compiler rejected generated code; ``ops`` names the ops whose kernels failed."""
+
+    def __init__(self, message: str, ops: Sequence[str] = ()):
+        super().__init__(message)
+        self.ops = list(ops)
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler: ``$CXX`` or ``g++`` (must be on ``PATH``)."""
+    cxx = os.environ.get("CXX") or "g++"
+    exe = shutil.which(cxx.split()[0])
+    if exe is None:
+        raise ToolchainError(f"no C++ compiler: {cxx!r} is not on PATH; install g++ (>= 10) or set CXX")
+    return cxx
+
+
+@functools.lru_cache(maxsize=8)
+def compiler_version(cxx: str) -> str:
+    """``<cxx> --version`` output (part of the cache key)."""
+    try:
+        res = subprocess.run(cxx.split() + ["--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise ToolchainError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+    return res.stdout.strip()
+
+
+def compile_flags(opt_level: int = 2) -> list[str]:
+    """Flags for a shared kernel library. ``opt_level``: 0 → ``-O0``, 1 → ``-O1`` (quick builds),
+    2 or more → ``-O3``."""
+    if opt_level not in (0, 1, 2, 3):
+        raise CodegenError(f"opt_level must be 0, 1, 2 or 3, got {opt_level!r}")
+    flags = ["-std=c++17", f"-O{3 if opt_level >= 2 else opt_level}", "-fopenmp", "-fPIC", "-shared"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=x86-64-v2", "-mtune=generic"]
+    flags += ["-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fvisibility=hidden", "-w"]
+    return flags
+
+
+def default_cache_dir() -> str:
+    """``$SHARDFLOW_CACHE_DIR`` or ``~/.cache/shardflow/kernels``."""
+    env = os.environ.get("SHARDFLOW_CACHE_DIR")
+    if env:
+        return env
+    return os.path.join(os.path.expanduser("~"), ".cache", "shardflow", "kernels")
+
+
+def _atomic_copy(src: str, dst: str) -> None:
+    d = os.path.dirname(os.path.abspath(dst)) or "."
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=d)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _blame(stderr: str, src_name: str, line_map: dict | None) -> list[str]:
+    """Op names whose kernels contain the lines the compiler complains about."""
+    if not line_map:
+        return []
+    ops: list[str] = []
+    for m in re.finditer(re.escape(src_name) + r":(\d+):\d+: (?:fatal )?error", stderr):
+        ln = int(m.group(1))
+        for first, last, names in line_map.values():
+            if first <= ln <= last:
+                for n in names:
+                    if n not in ops:
+                        ops.append(n)
+    return ops
+
+
+def build_shared_library(source: str, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
+                         line_map: dict | None = None, extra_flags: Sequence[str] = ()) -> bool:
+    """Compile ``source`` into the shared library ``path``, through the cache.
+
+    Parameters
+    ----------
+    source
+        The complete C++ translation unit.
+    path
+        Where the library is written (atomically: temporary file + rename).
+    cache_dir
+        The kernel cache (default :func:`default_cache_dir`).
+    opt_level
+        See :func:`compile_flags`.
+    line_map
+        ``{symbol: (first_line, last_line, op_names)}`` to name the ops in compiler errors.
+    extra_flags
+        Appended to the command line (and the cache key).
+
+    Returns
+    -------
+    bool
+        True when the library came from the cache.
+
+    Raises
+    ------
+    CompileError
+        the compiler failed; the message names the ops and shows the head of its output.
+    ToolchainError
+        no compiler.
+    """
+    cxx = cxx_compiler()
+    flags = compile_flags(opt_level) + list(extra_flags)
+    version = compiler_version(cxx)
+    key = hashlib.sha256("\0".join([source, " ".join([cxx] + flags), version]).encode()).hexdigest()
+    cache_dir = cache_dir or default_cache_dir()
+    os.makedirs(cache_dir, exist_ok=True)
+    cached = os.path.join(cache_dir, f"{key}.so")
+    if os.path.exists(cached):
+        log.info("kernel cache hit %s", cached)
+        _atomic_copy(cached, path)
+        return True
+    with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
+        src = os.path.join(tmp, f"kernels_{key[:12]}.cpp")
+        with open(src, "w") as f:
+            f.write(source)
+        out = os.path.join(tmp, "lib.so")
+        cmd = cxx.split() + flags + [src, "-o", out]
+        t0 = time.perf_counter()
+        log.info("compiling %d lines of C++: %s", source.count("\n"), " ".join(cmd))
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise ToolchainError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+        if res.returncode != 0:
+            err = res.stderr or res.stdout
+            ops = _blame(err, os.path.basename(src), line_map)
+            head = "\n".join(err.strip().splitlines()[:25])
+            who = f" for op(s) {', '.join(ops[:10])}" + (f" (+{len(ops) - 10} more)" if len(ops) > 10 else "") \
+                if ops else ""
+            raise CompileError(f"the C++ compiler failed{who} (exit {res.returncode}); generated code that does not "
+                               f"compile is a Shardflow bug, please report it with this message:\n{head}", ops)
+        log.info("compiled in %.1f s", time.perf_counter() - t0)
+        fd, tmp_cached = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=cache_dir)
+        os.close(fd)
+        try:
+            shutil.copyfile(out, tmp_cached)
+            os.replace(tmp_cached, cached)
+        except BaseException:
+            if os.path.exists(tmp_cached):
+                os.unlink(tmp_cached)
+            raise
+        _atomic_copy(out, path)
+    return False

@@ -1,0 +1,660 @@
+"""``compile()``: ONNX model → sharding plan → one compiled artifact per rank.
+
+The pipeline: :func:`~shardflow.compiler.load_onnx` → :func:`~shardflow.compiler.parallel.search`
+→ :func:`~shardflow.compiler.parallel.partition` → per rank: kernels (codegen), the rank program
+(steps and a buffer plan that reuses memory by liveness) and the weight shard → the out_dir
+(format: :mod:`shardflow.runtime.artifact`, ``rfcs/0002-artifacts-and-runtime.md``).
+
+``optimization_config`` keys (all optional):
+
+================  =========================================================================  ==========
+key               meaning                                                                    default
+================  =========================================================================  ==========
+``target``        ``"cpu"`` (C++ kernels in a ``.so``) or ``"cuda"``                         ``"cpu"``
+``arch``          GPU architecture for cuda, e.g. ``"sm_90"`` (cpu: must be unset)           ``"sm_90"``
+``precision``     ``"float32"``; ``"float16"``/``"bfloat16"`` are not implemented yet        ``"float32"``
+``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
+``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
+``search_space``  kernel tuning level: 0 (none), 1 (a few candidates), 2 (wide search)        ``1``
+``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
+================  =========================================================================  ==========
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from shardflow.runtime import __version__
+from shardflow.runtime.artifact import ALIGNMENT, atomic_output_dir, finalize_rank_dir, write_json
+
+from .errors import ConfigError, GraphError, ShardflowError
+from .ir.graph import FlowGraph, Operator, Tensor
+
+__all__ = ["compile", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers", "TARGETS",
+           "PRECISIONS", "COMM_BACKENDS"]
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("cpu", "cuda")
+PRECISIONS = ("float32", "float16", "bfloat16")
+COMM_BACKENDS = ("auto", "mpi", "nccl", "tcp")
+
+
+# ---------------------------------------------------------------------------------------
+# optimization_config
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class OptimizationConfig:
+    """Validated ``optimization_config`` (see the module docstring for the keys)."""
+
+    target: str = "cpu"
+    arch: str | None = None
+    precision: str = "float32"
+    fuse: bool = True
+    cuda_graph: bool = True
+    search_space: int = 1
+    comm_backend: str = "auto"
+
+    @classmethod
+    def from_dict(cls, cfg: "Mapping[str, Any] | OptimizationConfig | None") -> "OptimizationConfig":
+        """Validate a user dictionary.
+
+        Raises
+        ------
+        ConfigError
+            Naming an unknown key (with the closest known one), a value of the wrong type, or
+            an impossible value.
+        """
+        if cfg is None:
+            cfg = {}
+        if isinstance(cfg, OptimizationConfig):
+            return cfg
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"optimization_config must be a dict, got {type(cfg).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in cfg:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"optimization_config: unknown key {key!r}{hint} (known keys: {known})")
+
+        def typed(key, types, what):
+            v = cfg[key]
+            if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+                raise ConfigError(f"optimization_config[{key!r}] = {v!r}: need {what}")
+            return v
+
+        kw: dict[str, Any] = {}
+        if "target" in cfg:
+            kw["target"] = typed("target", (str,), f"one of {list(TARGETS)}")
+            if kw["target"] not in TARGETS:
+                raise ConfigError(f"optimization_config['target'] = {kw['target']!r}: choose one of {list(TARGETS)}")
+        target = kw.get("target", "cpu")
+        if "arch" in cfg and cfg["arch"] is not None:
+            arch = typed("arch", (str,), "a string such as 'sm_90'")
+            if target != "cuda":
+                raise ConfigError(f"optimization_config['arch'] = {arch!r} only applies to target 'cuda' (the cpu "
+                                  "target compiles for the machine running the compiler)")
+            if not (arch.startswith(("sm_", "compute_")) and arch.split("_", 1)[1].rstrip("af").isdigit()):
+                raise ConfigError(f"optimization_config['arch'] = {arch!r}: use a CUDA architecture such as 'sm_80' "
+                                  "or 'sm_90'")
+            kw["arch"] = arch
+        elif target == "cuda":
+            kw["arch"] = "sm_90"
+        if "precision" in cfg:
+            kw["precision"] = typed("precision", (str,), f"one of {list(PRECISIONS)}")
+            if kw["precision"] not in PRECISIONS:
+                raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r}: choose one of "
+                                  f"{list(PRECISIONS)}")
+        for key in ("fuse", "cuda_graph"):
+            if key in cfg:
+                kw[key] = typed(key, (bool,), "true or false")
+        if "search_space" in cfg:
+            kw["search_space"] = typed("search_space", (int,), "0, 1 or 2")
+            if kw["search_space"] not in (0, 1, 2):
+                raise ConfigError(f"optimization_config['search_space'] = {kw['search_space']!r}: choose 0, 1 or 2")
+        if "comm_backend" in cfg:
+            kw["comm_backend"] = typed("comm_backend", (str,), f"one of {list(COMM_BACKENDS)}")
+            if kw["comm_backend"] not in COMM_BACKENDS:
+                raise ConfigError(f"optimization_config['comm_backend'] = {kw['comm_backend']!r}: choose one of "
+                                  f"{list(COMM_BACKENDS)}")
+            if kw["comm_backend"] == "nccl" and target != "cuda":
+                raise ConfigError("optimization_config['comm_backend'] = 'nccl' needs target 'cuda'; the cpu target "
+                                  "communicates with 'mpi' or 'tcp' ('auto' picks)")
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# result
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CompileResult:
+    """What :func:`compile` produced.
+
+    Attributes
+    ----------
+    plan
+        The :class:`~shardflow.compiler.parallel.ShardingPlan`.
+    out_dir
+        The written out_dir.
+    rank_dirs
+        ``out_dir/rank{r}`` for every rank.
+    world_size, target, arch
+        As compiled.
+    timings
+        Seconds per stage: ``import``, ``search``, ``partition``, ``codegen``, ``write``, ``total``.
+    ranks
+        Per rank: number of kernels, collectives, arena and weight bytes.
+    """
+
+    plan: Any
+    out_dir: Path
+    rank_dirs: list[Path]
+    world_size: int
+    target: str
+    arch: str | None
+    timings: dict[str, float]
+    ranks: list[dict]
+
+    @property
+    def plan_path(self) -> Path:
+        return self.out_dir / "plan.json"
+
+    @property
+    def mesh_path(self) -> Path:
+        return self.out_dir / "mesh.json"
+
+    def summary(self) -> str:
+        """A few lines for humans."""
+        lines = [f"compiled for {self.world_size} rank(s) on mesh {list(self.plan.mesh.shape)} "
+                 f"(target {self.target}{', ' + self.arch if self.arch else ''}) into {self.out_dir}",
+                 "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items())]
+        for r, info in enumerate(self.ranks):
+            lines.append(f"  rank {r}: {info['kernels']} kernels, {info['collectives']} collectives, arena "
+                         f"{info['arena_bytes']:,} B, weights {info['weights_bytes']:,} B")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+# ---------------------------------------------------------------------------------------
+# buffer plan
+# ---------------------------------------------------------------------------------------
+def _align(n: int, a: int = ALIGNMENT) -> int:
+    return -(-n // a) * a
+
+
+def plan_buffers(blocks: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+    """Offsets for blocks ``(nbytes, first_step, last_step)`` in one arena.
+
+    Two blocks whose step intervals (inclusive) overlap never overlap in memory; others may
+    share it. Greedy by size (largest first), each at the lowest offset that fits between
+    the blocks already placed that are live at the same time.
+
+    Returns
+    -------
+    (offsets, arena_bytes)
+        ``offsets[i]`` is ``ALIGNMENT``-aligned.
+    """
+    order = sorted(range(len(blocks)), key=lambda i: (-blocks[i][0], blocks[i][1], i))
+    offsets = [0] * len(blocks)
+    po = np.zeros(len(blocks), np.int64)
+    ps = np.zeros(len(blocks), np.int64)
+    pst = np.zeros(len(blocks), np.int64)
+    pen = np.zeros(len(blocks), np.int64)
+    n = 0
+    total = 0
+    for i in order:
+        size, start, end = blocks[i]
+        size = _align(size)
+        if size == 0:
+            continue
+        live = (pen[:n] >= start) & (pst[:n] <= end)
+        cand = 0
+        if live.any():
+            idx = np.nonzero(live)[0]
+            idx = idx[np.argsort(po[idx], kind="stable")]
+            for o, s in zip(po[idx].tolist(), ps[idx].tolist()):
+                if cand + size <= o:
+                    break
+                cand = max(cand, o + s)
+        offsets[i] = cand
+        po[n], ps[n], pst[n], pen[n] = cand, size, start, end
+        n += 1
+        total = max(total, cand + size)
+    return offsets, total
+
+
+def _is_view(op: Operator) -> bool:
+    """Ops whose single output has exactly the bytes of input 0 (row-major reshape, identity)."""
+    if len(op.outputs) != 1 or not op.inputs:
+        return False
+    x, y = op.inputs[0], op.outputs[0]
+    if x.dtype != y.dtype or x.size != y.size:
+        return False
+    if op.op_type == "Reshape":
+        return True
+    try:
+        return op.passthrough_input() == 0
+    except Exception:  # noqa: BLE001 - an op without the query is no view
+        return False
+
+
+def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: int = 0,
+                  group_key: Callable[[tuple[int, ...]], str] | None = None,
+                  view_ops: Sequence[Operator] = ()) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
+    """Lay out one rank's program: steps, buffers (arena offsets by liveness, weight offsets).
+
+    Parameters
+    ----------
+    rank_graph
+        The rank's graph (from partition).
+    kernels
+        What codegen returned for the rank's compute ops, by op name: a symbol (the op's kernel,
+        called on its inputs and outputs), a dict ``{"symbol", "inputs", "outputs"}`` naming the
+        tensors of a fused kernel, or ``None`` for an op fused into another op's kernel.
+    rank
+        For messages.
+    group_key
+        Maps a collective's mesh axes to its group key in the manifest.
+    view_ops
+        Ops whose output aliases input 0's bytes (no kernel; same buffer).
+
+    Returns
+    -------
+    (program, weights, weights_bytes)
+        ``program`` as written to ``program.json``; ``weights`` as ``(offset, array)``.
+    """
+    from .parallel.comm_ops import Collective, mesh_axes
+
+    group_key = group_key or (lambda axes: ",".join(str(a) for a in axes))
+    g = rank_graph
+    by_name: dict[str, Tensor] = {}
+    for t in g.inputs:
+        by_name[t.name] = t
+    for op in g.nodes:
+        for t in op.inputs:
+            by_name.setdefault(t.name, t)
+        for t in op.outputs:
+            by_name[t.name] = t
+    for t in g.outputs:
+        by_name.setdefault(t.name, t)
+    views = {id(op) for op in view_ops}
+    alias: dict[int, Tensor] = {}  # view output -> root tensor
+
+    def root(t: Tensor) -> Tensor:
+        while id(t) in alias:
+            t = alias[id(t)]
+        return t
+
+    # steps, in node order
+    raw_steps: list[tuple[str, Any, list[Tensor], list[Tensor], Operator]] = []
+    for op in g.nodes:
+        if id(op) in views:
+            alias[id(op.outputs[0])] = op.inputs[0]
+            continue
+        if isinstance(op, Collective):
+            raw_steps.append(("collective", None, list(op.inputs), list(op.outputs), op))
+            continue
+        if op.name not in kernels:
+            raise ShardflowError(f"rank {rank}: codegen returned no kernel for node {op.name} ({op.op_type})")
+        k = kernels[op.name]
+        if k is None:
+            continue  # fused into another op's kernel
+        if isinstance(k, str):
+            raw_steps.append(("kernel", k, list(op.inputs), list(op.outputs), op))
+        elif isinstance(k, Mapping) and "symbol" in k:
+            try:
+                ins = [by_name[n] for n in k.get("inputs", [t.name for t in op.inputs])]
+                outs = [by_name[n] for n in k.get("outputs", [t.name for t in op.outputs])]
+            except KeyError as exc:
+                raise ShardflowError(f"rank {rank}: codegen's kernel for {op.name} names tensor {exc} which the rank "
+                                     "graph does not have") from None
+            raw_steps.append(("kernel", k, ins, outs, op))
+        else:
+            raise ShardflowError(f"rank {rank}: codegen returned {k!r} for node {op.name}; expected a symbol name")
+
+    # materialization check: every step input exists when it runs
+    ready = {id(t) for t in g.inputs}
+    for kind, _, ins, outs, op in raw_steps:
+        for t in ins:
+            r = root(t)
+            if id(r) not in ready and not r.is_constant:
+                raise ShardflowError(f"rank {rank}: step {op.name} reads {t.name}, which no earlier step produces "
+                                     "(an op fused away while its output is still needed?)")
+        ready.update(id(root(t)) for t in outs)
+    for name, t in zip(g.output_names, g.outputs):
+        r = root(t)
+        if id(r) not in ready and not r.is_constant:
+            raise ShardflowError(f"rank {rank}: output {name} ({t.name}) is never produced")
+
+    # buffers: one per distinct tensor; storage blocks per root
+    buffers: list[dict] = []
+    buf_of: dict[int, int] = {}
+    roots: dict[int, Tensor] = {}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    n_steps = len(raw_steps)
+
+    def buffer(t: Tensor) -> int:
+        if id(t) not in buf_of:
+            buf_of[id(t)] = len(buffers)
+            r = root(t)
+            roots[id(t)] = r
+            buffers.append({"name": t.name, "shape": list(t.shape), "dtype": t.dtype})
+        return buf_of[id(t)]
+
+    for t in g.inputs:
+        buffer(t)
+        first.setdefault(id(t), -1)
+        last.setdefault(id(t), -1)
+    for i, (kind, _, ins, outs, op) in enumerate(raw_steps):
+        for t in ins:
+            buffer(t)
+            r = root(t)
+            last[id(r)] = max(last.get(id(r), i), i)
+        for t in outs:
+            buffer(t)
+            r = root(t)
+            first.setdefault(id(r), i)
+            last[id(r)] = max(last.get(id(r), i), i)
+    for t in g.outputs:
+        buffer(t)
+        r = root(t)
+        last[id(r)] = n_steps
+        first.setdefault(id(r), -1 if r.is_constant else n_steps)
+
+    # weights: constants (by root), in first-use order
+    weights: list[tuple[int, np.ndarray]] = []
+    w_off: dict[int, int] = {}
+    wpos = 0
+    arena_roots: list[Tensor] = []
+    seen_roots: set[int] = set()
+    tensors_by_buf: list[Tensor] = [None] * len(buffers)  # type: ignore[list-item]
+    for tid, bi in buf_of.items():
+        tensors_by_buf[bi] = roots[tid]
+    for bi in range(len(buffers)):
+        r = tensors_by_buf[bi]
+        if id(r) in seen_roots:
+            continue
+        seen_roots.add(id(r))
+        if r.is_constant:
+            value = np.ascontiguousarray(np.asarray(r.value, dtype=np.dtype(r.dtype)))
+            if value.shape != r.shape:
+                value = np.ascontiguousarray(np.broadcast_to(value, r.shape)) if value.size == 1 else None
+                if value is None:
+                    raise GraphError(f"rank {rank}: constant {r.name} holds a value of another shape than {r.shape}")
+            w_off[id(r)] = wpos
+            weights.append((wpos, value))
+            wpos = _align(wpos + value.nbytes)
+        else:
+            arena_roots.append(r)
+    blocks = [(r.nbytes, first.get(id(r), -1), last.get(id(r), n_steps)) for r in arena_roots]
+    offsets, arena_bytes = plan_buffers(blocks)
+    a_off = {id(r): o for r, o in zip(arena_roots, offsets)}
+    for bi, b in enumerate(buffers):
+        r = tensors_by_buf[bi]
+        if id(r) in w_off:
+            b["storage"], b["offset"] = "weights", w_off[id(r)]
+        else:
+            b["storage"], b["offset"] = "arena", a_off[id(r)]
+
+    steps = []
+    for kind, k, ins, outs, op in raw_steps:
+        if kind == "kernel":
+            st = {"kind": "kernel", "node": op.name, "op_type": op.op_type,
+                  "symbol": k if isinstance(k, str) else k["symbol"],
+                  "inputs": [buf_of[id(t)] for t in ins], "outputs": [buf_of[id(t)] for t in outs]}
+            if isinstance(k, Mapping):
+                extra = {key: v for key, v in k.items() if key not in ("symbol", "inputs", "outputs")}
+                if extra:
+                    st["launch"] = extra
+        else:
+            attrs = {key: (list(v) if isinstance(v, tuple) else v) for key, v in op.attrs.items()
+                     if key != "mesh_axis"}
+            axes = mesh_axes(op.attrs["mesh_axis"])
+            st = {"kind": "collective", "node": op.name, "collective": op.collective, "mesh_axis": list(axes),
+                  "group": group_key(axes), "attrs": attrs,
+                  "inputs": [buf_of[id(t)] for t in ins], "outputs": [buf_of[id(t)] for t in outs]}
+        steps.append(st)
+    program = {
+        "format": 1,
+        "alignment": ALIGNMENT,
+        "arena_bytes": int(arena_bytes),
+        "weights_bytes": int(wpos),
+        "weights_file": "weights.bin",
+        "kernels_file": "kernels.so",
+        "buffers": buffers,
+        "inputs": [[t.name, buf_of[id(t)]] for t in g.inputs],
+        "outputs": [[name, buf_of[id(t)]] for name, t in zip(g.output_names, g.outputs)],
+        "steps": steps,
+    }
+    return program, weights, int(wpos)
+
+
+def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int) -> None:
+    with open(path, "wb") as f:
+        pos = 0
+        for off, a in weights:
+            if off > pos:
+                f.write(b"\0" * (off - pos))
+                pos = off
+            f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+            pos += a.nbytes
+        if total > pos:
+            f.write(b"\0" * (total - pos))
+
+
+# ---------------------------------------------------------------------------------------
+# codegen adapters
+# ---------------------------------------------------------------------------------------
+def _call_with_supported(fn: Callable, *args, **kw):
+    """Call ``fn`` passing only the keyword arguments its signature accepts."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(*args, **kw)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kw)
+    return fn(*args, **{k: v for k, v in kw.items() if k in params})
+
+
+def _cpu_builder() -> Callable:
+    try:
+        mod = importlib.import_module("shardflow.compiler.codegen")
+        return mod.build_cpu_library
+    except (ImportError, AttributeError) as exc:
+        raise ShardflowError(f"the cpu target needs shardflow.compiler.codegen.build_cpu_library, which is not "
+                             f"available in this installation ({exc}); the cpu kernel codegen is not implemented "
+                             "yet") from None
+
+
+def _cuda_builder() -> Callable:
+    try:
+        mod = importlib.import_module("shardflow.compiler.codegen.cuda")
+        return mod.build_cuda_library
+    except (ImportError, AttributeError):
+        raise ShardflowError("the cuda target is not implemented yet (shardflow.compiler.codegen.cuda."
+                             "build_cuda_library is missing); compile with target 'cpu'") from None
+
+
+# ---------------------------------------------------------------------------------------
+# compile
+# ---------------------------------------------------------------------------------------
+def _load_model(model, input_shapes) -> FlowGraph:
+    if isinstance(model, FlowGraph):
+        if input_shapes:
+            raise ConfigError("input_shapes applies to ONNX models; a FlowGraph already has static shapes")
+        return model
+    from . import load_onnx
+
+    return load_onnx(model, input_shapes=input_shapes)
+
+
+def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
+    from .parallel.comm_ops import Collective, mesh_axes
+
+    axis_sets = {(a,) for a in range(mesh.ndim)}
+    for rg in rank_graphs:
+        for op in rg.nodes:
+            if isinstance(op, Collective):
+                axis_sets.add(mesh_axes(op.attrs["mesh_axis"]))
+    return {",".join(str(a) for a in axes): [list(g) for g in mesh.groups(list(axes))]
+            for axes in sorted(axis_sets, key=lambda a: (len(a), a))}
+
+
+def compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
+            out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None) -> CompileResult:
+    """Compile ``model`` into one artifact per rank in ``out_dir``.
+
+    Parameters
+    ----------
+    model
+        An ``.onnx`` path, its bytes, an ``onnx.ModelProto``, or a :class:`FlowGraph`.
+    distributed_config
+        The mesh and search settings (keys in :mod:`shardflow.compiler.parallel.config`), e.g.
+        ``{"mesh_shape": [2, 2]}``.
+    optimization_config
+        Target and codegen settings (keys in this module's docstring), e.g. ``{"target": "cpu"}``.
+    out_dir
+        The directory to write; replaced if it exists. It is written under a temporary name
+        next to it and renamed at the end, so an interrupted compile leaves no ``out_dir``.
+    input_shapes
+        Shapes of inputs with dynamic dims, by input name.
+
+    Returns
+    -------
+    CompileResult
+        The plan, the paths, per-stage timings and per-rank sizes.
+
+    Raises
+    ------
+    ConfigError
+        An unknown key or a bad value in either config.
+    ShardflowError
+        Anything the pipeline rejects (unsupported ops, shapes, a target not implemented yet).
+    """
+    t_all = time.perf_counter()
+    opt = OptimizationConfig.from_dict(optimization_config)
+    if opt.precision != "float32":
+        raise ShardflowError(f"precision {opt.precision!r} is not implemented yet; use 'float32'")
+    if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
+        raise ConfigError(f"distributed_config must be a dict, got {type(distributed_config).__name__}")
+    from .parallel import partition, search
+    from .parallel.comm_ops import Collective
+    from .parallel.config import DistributedConfig
+    from .parallel.partition import local_bounds
+
+    dcfg = DistributedConfig.from_dict(distributed_config)
+    builder = _cuda_builder() if opt.target == "cuda" else _cpu_builder()
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
+    graph = _load_model(model, input_shapes)
+    timings["import"] = time.perf_counter() - t
+    log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
+
+    t = time.perf_counter()
+    log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
+    plan = search(graph, dcfg)
+    timings["search"] = time.perf_counter() - t
+    log.info("plan: %s, modeled cost %.3g s, in %.2f s", plan.algo, plan.cost, timings["search"])
+
+    t = time.perf_counter()
+    rank_graphs = partition(graph, plan)
+    timings["partition"] = time.perf_counter() - t
+    mesh = plan.mesh
+    world = mesh.size
+    log.info("partitioned into %d rank graphs in %.2f s", world, timings["partition"])
+    groups = _mesh_groups(mesh, rank_graphs)
+    global_out = {name: t for name, t in zip(graph.output_names, graph.outputs)}
+
+    timings["codegen"] = 0.0
+    timings["write"] = 0.0
+    ranks_info: list[dict] = []
+    out = Path(out_dir)
+    kernels_name = "kernels.so" if opt.target == "cpu" else "kernels.cubin"
+    with atomic_output_dir(out) as tmp:
+        t = time.perf_counter()
+        plan.save(tmp)
+        write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
+        timings["write"] += time.perf_counter() - t
+        for r, rg in enumerate(rank_graphs):
+            rdir = tmp / f"rank{r}"
+            rdir.mkdir()
+            names = [op.name for op in rg.nodes]
+            if len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})[:5]
+                raise GraphError(f"rank {r}: node names {dup} repeat; kernels are keyed by node name")
+            views = [op for op in rg.nodes if not isinstance(op, Collective) and _is_view(op)]
+            view_ids = {id(op) for op in views}
+            ops = [op for op in rg.nodes if not isinstance(op, Collective) and id(op) not in view_ids]
+            t = time.perf_counter()
+            log.info("rank %d (%d of %d): generating %d kernels (%s)", r, r + 1, world, len(ops), opt.target)
+            kw = {"fuse": opt.fuse, "search_space": opt.search_space}
+            if opt.target == "cuda":
+                kw["arch"] = opt.arch
+            kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if ops else {}
+            if ops and not (rdir / kernels_name).is_file():
+                raise ShardflowError(f"rank {r}: codegen did not write {kernels_name}")
+            timings["codegen"] += time.perf_counter() - t
+            t = time.perf_counter()
+            program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views)
+            program["kernels_file"] = kernels_name
+            _write_weights(rdir / "weights.bin", weights, wbytes)
+            write_json(rdir / "program.json", program)
+            coord = mesh.coord_of(r)
+            outputs = []
+            for name, lt in zip(rg.output_names, rg.outputs):
+                gt = global_out[name]
+                spec = plan.output_specs.get(name)
+                bounds = local_bounds(gt.shape, spec, mesh, coord) if spec is not None else [(0, d) for d in gt.shape]
+                outputs.append({"name": name, "shape": list(lt.shape), "dtype": lt.dtype,
+                                "global_shape": list(gt.shape), "placement": str(spec) if spec is not None else "R",
+                                "bounds": [list(b) for b in bounds]})
+            manifest = {
+                "shardflow_version": __version__,
+                "target": opt.target,
+                "arch": opt.arch if opt.target == "cuda" else platform.machine(),
+                "rank": r,
+                "world_size": world,
+                "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names), "coord": list(coord),
+                         "groups": groups},
+                "comm_backend": opt.comm_backend,
+                "cuda_graph": opt.cuda_graph,
+                "precision": opt.precision,
+                "inputs": [{"name": t_.name, "shape": list(t_.shape), "dtype": t_.dtype,
+                            "placement": str(plan.input_specs[t_.name]) if t_.name in plan.input_specs else "R"}
+                           for t_ in rg.inputs],
+                "outputs": outputs,
+                "kernels": sum(1 for s in program["steps"] if s["kind"] == "kernel"),
+                "collectives": sum(1 for s in program["steps"] if s["kind"] == "collective"),
+            }
+            finalize_rank_dir(rdir, manifest)
+            timings["write"] += time.perf_counter() - t
+            ranks_info.append({"kernels": manifest["kernels"], "collectives": manifest["collectives"],
+                               "arena_bytes": program["arena_bytes"], "weights_bytes": program["weights_bytes"]})
+            log.info("rank %d: %d kernels, %d collectives, arena %s B, weights %s B", r,
+                     manifest["kernels"], manifest["collectives"], f"{program['arena_bytes']:,}",
+                     f"{program['weights_bytes']:,}")
+    timings["total"] = time.perf_counter() - t_all
+    result = CompileResult(plan=plan, out_dir=out.resolve(), rank_dirs=[out.resolve() / f"rank{r}" for r in range(world)],
+                           world_size=world, target=opt.target, arch=opt.arch, timings=timings, ranks=ranks_info)
+    log.info("wrote %s in %.2f s", out, timings["total"])
+    return result

@@ -1,0 +1,228 @@
+"""The per-rank artifact format: write, read, verify.
+
+An out_dir holds::
+
+    out_dir/
+      plan.json, plan.txt         the sharding plan (ShardingPlan.save)
+      mesh.json                   the device mesh and its process groups per mesh-axis set
+      rank{r}/
+        manifest.json             versions, target, rank, world size, mesh coordinate, inputs and
+                                  outputs (names, shapes, dtypes, placements), sha256 of every file
+        program.json              buffers (arena offsets or weight offsets) and the ordered steps
+        kernels.so                the compiled kernels (cpu)
+        weights.bin               the rank's weight shard (each tensor 64-byte aligned)
+
+The format is described in ``rfcs/0002-artifacts-and-runtime.md``. This module depends only on
+the standard library and numpy; the compiler's driver uses its writers, the runtime its readers.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .errors import ShardflowError
+
+__all__ = ["ARTIFACT_FORMAT", "ALIGNMENT", "ArtifactError", "ChecksumError", "VersionError", "sha256_file",
+           "write_json", "read_json", "finalize_rank_dir", "read_manifest", "verify_files", "read_weights",
+           "atomic_output_dir", "rank_dir", "read_mesh", "aligned_empty", "list_ranks"]
+
+log = logging.getLogger(__name__)
+
+#: Version of the on-disk layout; bumped on any incompatible change.
+ARTIFACT_FORMAT = 1
+#: Byte alignment of every weight and of every activation buffer in the arena.
+ALIGNMENT = 64
+
+_HASH_CHUNK = 1 << 24
+
+
+class ArtifactError(ShardflowError):
+    """An out_dir or rank directory is missing, malformed, or does not fit this runtime."""
+
+
+class ChecksumError(ArtifactError):
+    """A file's sha256 does not match its manifest; ``path`` names the file."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+class VersionError(ArtifactError):
+    """The artifact was written in a format this runtime does not read."""
+
+
+def rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
+    """``out_dir/rank{rank}``."""
+    return Path(out_dir) / f"rank{rank}"
+
+
+def list_ranks(out_dir: str | os.PathLike) -> list[int]:
+    """The ranks that have a directory in ``out_dir``, sorted."""
+    res = []
+    for p in Path(out_dir).iterdir():
+        if p.is_dir() and p.name.startswith("rank") and p.name[4:].isdigit():
+            res.append(int(p.name[4:]))
+    return sorted(res)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_HASH_CHUNK)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.write("\n")
+
+
+def read_json(path: str | os.PathLike, what: str | None = None) -> Any:
+    """Read a JSON file, raising :class:`ArtifactError` naming it when missing or malformed."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ArtifactError(f"{what or 'file'} {str(path)!r} is missing; is this a shardflow out_dir (made by "
+                            "`shardflow compile`)?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{str(path)!r} is not valid JSON ({exc}); the out_dir is damaged, compile again") \
+            from None
+
+
+def finalize_rank_dir(directory: str | os.PathLike, manifest: dict) -> dict:
+    """Add the sha256 of every file in ``directory`` to ``manifest`` and write ``manifest.json``."""
+    directory = Path(directory)
+    files = {}
+    for p in sorted(directory.iterdir()):
+        if p.is_file() and p.name != "manifest.json":
+            files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    manifest = dict(manifest)
+    manifest["artifact_format"] = ARTIFACT_FORMAT
+    manifest["files"] = files
+    write_json(directory / "manifest.json", manifest)
+    return manifest
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Read ``manifest.json`` of a rank directory and check its format version."""
+    path = Path(directory) / "manifest.json"
+    m = read_json(path, "manifest")
+    if not isinstance(m, dict) or "artifact_format" not in m:
+        raise ArtifactError(f"{str(path)!r} has no artifact_format; it is not a shardflow manifest")
+    if m["artifact_format"] != ARTIFACT_FORMAT:
+        raise VersionError(f"{str(path)!r} has artifact format {m['artifact_format']!r}; this runtime reads format "
+                           f"{ARTIFACT_FORMAT}. Compile the model again with this shardflow version")
+    for key in ("rank", "world_size", "target", "files", "inputs", "outputs"):
+        if key not in m:
+            raise ArtifactError(f"{str(path)!r} lacks {key!r}; the out_dir is damaged, compile again")
+    return m
+
+
+def verify_files(directory: str | os.PathLike, manifest: dict, skip: tuple[str, ...] = ()) -> None:
+    """Check every file the manifest lists (except ``skip``) against its sha256.
+
+    Raises
+    ------
+    ChecksumError
+        Naming the first file whose bytes differ or that is missing.
+    """
+    directory = Path(directory)
+    for name, info in manifest["files"].items():
+        if name in skip:
+            continue
+        path = directory / name
+        if not path.is_file():
+            raise ChecksumError(f"{str(path)!r} is listed in the manifest but missing", str(path))
+        got = sha256_file(path)
+        if got != info["sha256"]:
+            raise ChecksumError(f"checksum mismatch in {str(path)!r}: sha256 {got[:16]}… but the manifest says "
+                                f"{info['sha256'][:16]}…; the file is corrupted, copy or compile it again", str(path))
+
+
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
+    """A ``uint8`` array of ``nbytes`` whose data pointer is ``alignment``-aligned."""
+    raw = np.empty(nbytes + alignment, np.uint8)
+    shift = (-raw.ctypes.data) % alignment
+    return raw[shift:shift + nbytes]
+
+
+def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None) -> np.ndarray:
+    """Read ``weights.bin`` into an aligned buffer, hashing it in the same pass.
+
+    Raises
+    ------
+    ChecksumError
+        When the size or the sha256 differs from the manifest.
+    """
+    path = Path(path)
+    buf = aligned_empty(nbytes)
+    h = hashlib.sha256()
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ChecksumError(f"{str(path)!r} is missing", str(path)) from None
+    if size != nbytes:
+        raise ChecksumError(f"{str(path)!r} has {size} bytes, the program expects {nbytes}; the file is truncated "
+                            "or corrupted", str(path))
+    with open(path, "rb") as f:
+        view = memoryview(buf)
+        pos = 0
+        while pos < nbytes:
+            n = f.readinto(view[pos:pos + _HASH_CHUNK])
+            if not n:
+                break
+            h.update(view[pos:pos + n])
+            pos += n
+    if sha256 is not None and h.hexdigest() != sha256:
+        raise ChecksumError(f"checksum mismatch in {str(path)!r}: sha256 {h.hexdigest()[:16]}… but the manifest says "
+                            f"{sha256[:16]}…; the weight shard is corrupted, copy or compile it again", str(path))
+    return buf
+
+
+def read_mesh(out_dir: str | os.PathLike) -> dict:
+    """``out_dir/mesh.json``."""
+    return read_json(Path(out_dir) / "mesh.json", "mesh description")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to ``out_dir``; on success it replaces ``out_dir``.
+
+    On any exception (including ``KeyboardInterrupt``) the temporary directory is removed and
+    ``out_dir`` is left as it was: an interrupted compile never leaves a half-written out_dir.
+    """
+    out = Path(out_dir).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            if not out.is_dir():
+                raise ArtifactError(f"{str(out)!r} exists and is not a directory; choose another out_dir")
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "d")
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

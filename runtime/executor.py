@@ -1,0 +1,315 @@
+"""Run one rank's program: :func:`load` and :class:`RankProgram`.
+
+Loading verifies the manifest's format version and the sha256 of every file, reads the weight
+shard into one aligned buffer, allocates the activation arena once, opens ``kernels.so`` and
+precomputes, for every kernel step, the ctypes function and its two pointer arrays. A run then
+copies the inputs into the arena, walks the steps in a tight loop (``fn(inputs, outputs)`` for a
+kernel; the communicator for a collective) and copies the outputs out.
+
+Kernel ABI (cpu): ``extern "C" void sym(const void* const* inputs, void* const* outputs)`` on
+contiguous row-major arrays of the op's static shapes and dtypes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .artifact import (ALIGNMENT, ArtifactError, aligned_empty, read_json, read_manifest, read_weights, rank_dir,
+                       verify_files)
+from .comm.base import Communicator, SelfCommunicator
+from .errors import ShardflowError
+
+__all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
+           "WorldSizeError"]
+
+log = logging.getLogger(__name__)
+
+_VP = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+
+
+class InputError(ShardflowError):
+    """An input given to :meth:`RankProgram.run` is missing, unknown, or has the wrong shape or
+    dtype; ``input_name`` names it."""
+
+    def __init__(self, message: str, input_name: str | None = None):
+        super().__init__(message)
+        self.input_name = input_name
+
+
+class InputNameError(InputError):
+    """An input is missing or not an input of the model."""
+
+
+class InputShapeError(InputError):
+    """An input has another shape than the one compiled."""
+
+
+class InputDtypeError(InputError):
+    """An input has another dtype than the one compiled."""
+
+
+class WorldSizeError(ShardflowError):
+    """The number of ranks running does not match the artifacts' world size."""
+
+
+def _as_communicator(comm: Any) -> Communicator | None:
+    if comm is None or isinstance(comm, Communicator):
+        return comm
+    if type(comm).__module__.startswith("mpi4py"):
+        from .comm.mpi import MPICommunicator
+
+        return MPICommunicator(comm)
+    raise ShardflowError(f"comm must be a shardflow.runtime.comm.Communicator or an mpi4py communicator, got "
+                         f"{type(comm).__name__}")
+
+
+def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, *,
+         verify: bool = True) -> "RankProgram":
+    """Load rank ``rank``'s program from ``out_dir``.
+
+    Parameters
+    ----------
+    out_dir
+        A directory written by ``shardflow.compiler.compile`` (or ``shardflow compile``).
+    rank
+        The global rank to load; default ``comm.rank``, or 0 without a communicator.
+    comm
+        The world communicator (a :class:`~shardflow.runtime.comm.Communicator`, or an
+        ``mpi4py`` communicator). Required when the artifacts have more than one rank; loading
+        then builds one sub-communicator per mesh-axis group, which is collective: every rank
+        calls :func:`load` at the same point.
+    verify
+        Check the sha256 of every file (default). Turning it off only saves the hashing time.
+
+    Returns
+    -------
+    RankProgram
+        Ready to :meth:`~RankProgram.run`.
+
+    Raises
+    ------
+    ArtifactError
+        Missing or malformed files; :class:`~shardflow.runtime.artifact.VersionError` for another
+        artifact format; :class:`~shardflow.runtime.artifact.ChecksumError` naming a corrupted file.
+    WorldSizeError
+        The communicator's size or rank does not fit the artifacts.
+    """
+    comm = _as_communicator(comm)
+    if rank is None:
+        rank = comm.rank if comm is not None else 0
+    return RankProgram(out_dir, int(rank), comm, verify=verify)
+
+
+class _Buffer:
+    __slots__ = ("name", "shape", "dtype", "array", "ptr")
+
+
+class RankProgram:
+    """One rank's compiled program, loaded and ready to run (see :func:`load`)."""
+
+    def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True):
+        self.out_dir = Path(out_dir)
+        if not self.out_dir.is_dir():
+            raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist or is not a directory")
+        self.directory = rank_dir(out_dir, rank)
+        if not self.directory.is_dir():
+            raise WorldSizeError(f"{str(out_dir)!r} has no rank{rank}/ directory: rank {rank} is outside its world")
+        self.manifest = read_manifest(self.directory)
+        m = self.manifest
+        self.rank = int(m["rank"])
+        self.world_size = int(m["world_size"])
+        self.target = m["target"]
+        if self.rank != rank:
+            raise ArtifactError(f"{str(self.directory)!r} holds the program of rank {self.rank}, not {rank}")
+        if self.target != "cpu":
+            raise ShardflowError(f"{str(out_dir)!r} was compiled for target {self.target!r}; running "
+                                 f"{self.target} artifacts is not implemented yet in this runtime (only 'cpu')")
+        if comm is None:
+            if self.world_size > 1:
+                raise WorldSizeError(f"{str(out_dir)!r} has {self.world_size} ranks; pass the world communicator "
+                                     f"(shardflow.runtime.comm) or run it with `shardflow run {out_dir} "
+                                     f"--nproc {self.world_size}`")
+            comm = SelfCommunicator()
+        if comm.size != self.world_size:
+            raise WorldSizeError(f"{str(out_dir)!r} was compiled for {self.world_size} ranks but the communicator has "
+                                 f"{comm.size}; run exactly {self.world_size} ranks")
+        if comm.rank != rank:
+            raise WorldSizeError(f"loading rank {rank} on the communicator's rank {comm.rank}; pass rank=comm.rank")
+        self.comm = comm
+        if verify:
+            verify_files(self.directory, m, skip=("weights.bin",))
+        self.program = read_json(self.directory / "program.json", "program")
+        self._build(verify)
+        log.debug("rank %d: loaded %d steps (%d kernels, %d collectives), arena %d B, weights %d B", self.rank,
+                  len(self.program["steps"]), self._n_kernels, self._n_collectives, self.arena.nbytes,
+                  self.weights.nbytes)
+
+    # ------------------------------------------------------------------- loading -----------
+    def _build(self, verify: bool) -> None:
+        p = self.program
+        wfile = p.get("weights_file", "weights.bin")
+        winfo = self.manifest["files"].get(wfile)
+        if p["weights_bytes"] and winfo is None:
+            raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {wfile}")
+        self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
+                                    winfo["sha256"] if (verify and winfo) else None) \
+            if p["weights_bytes"] else aligned_empty(0)
+        self.arena = aligned_empty(int(p["arena_bytes"]))
+        self.buffers: list[_Buffer] = []
+        for k, b in enumerate(p["buffers"]):
+            buf = _Buffer()
+            buf.name, buf.shape, buf.dtype = b["name"], tuple(b["shape"]), np.dtype(b["dtype"])
+            nbytes = int(np.prod(buf.shape, dtype=np.int64)) * buf.dtype.itemsize
+            store = self.weights if b["storage"] == "weights" else self.arena
+            off = int(b["offset"])
+            if off < 0 or off + nbytes > store.nbytes or off % ALIGNMENT and nbytes:
+                raise ArtifactError(f"program.json of rank {self.rank}: buffer {k} ({buf.name}) at offset {off} with "
+                                    f"{nbytes} bytes does not fit its {b['storage']} of {store.nbytes} bytes")
+            buf.array = store[off:off + nbytes].view(buf.dtype).reshape(buf.shape)
+            buf.ptr = store.ctypes.data + off
+            self.buffers.append(buf)
+        self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
+        self.output_specs = [(name, self.buffers[i]) for name, i in p["outputs"]]
+        self._lib = None
+        steps = p["steps"]
+        if any(s["kind"] == "kernel" for s in steps):
+            lib_path = self.directory / p.get("kernels_file", "kernels.so")
+            try:
+                self._lib = ctypes.CDLL(str(lib_path.resolve()), mode=getattr(os, "RTLD_LOCAL", 0))
+            except OSError as exc:
+                raise ArtifactError(f"cannot load {str(lib_path)!r}: {exc}") from None
+        self.groups = self._make_groups()
+        # segments: runs of kernel calls, each followed by at most one collective
+        segments: list[tuple[list, Any]] = []
+        calls: list = []
+        self._n_kernels = self._n_collectives = 0
+        for s in steps:
+            if s["kind"] == "kernel":
+                calls.append(self._kernel_call(s))
+                self._n_kernels += 1
+            elif s["kind"] == "collective":
+                segments.append((calls, self._collective_call(s)))
+                calls = []
+                self._n_collectives += 1
+            else:
+                raise ArtifactError(f"program.json of rank {self.rank}: unknown step kind {s['kind']!r}")
+        if calls:
+            segments.append((calls, None))
+        self._segments = segments
+
+    def _kernel_call(self, s: dict) -> tuple:
+        try:
+            fn = getattr(self._lib, s["symbol"])
+        except AttributeError:
+            raise ArtifactError(f"kernels.so of rank {self.rank} has no symbol {s['symbol']!r} (node {s['node']})") \
+                from None
+        fn.argtypes = (_PP, _PP)
+        fn.restype = None
+        ins = (_VP * max(len(s["inputs"]), 1))(*[self.buffers[i].ptr for i in s["inputs"]])
+        outs = (_VP * max(len(s["outputs"]), 1))(*[self.buffers[i].ptr for i in s["outputs"]])
+        return fn, ctypes.cast(ins, _PP), ctypes.cast(outs, _PP), ins, outs
+
+    def _make_groups(self) -> dict[str, Communicator]:
+        groups = self.manifest.get("mesh", {}).get("groups", {})
+        res = {}
+        for key in sorted(groups):
+            res[key] = self.comm.split(groups[key]) if self.world_size > 1 else self.comm
+        return res
+
+    def _collective_call(self, s: dict):
+        kind, attrs = s["collective"], s.get("attrs", {})
+        group = self.groups.get(s["group"])
+        if group is None:
+            raise ArtifactError(f"program.json of rank {self.rank}: collective {s['node']} uses mesh axes "
+                                f"{s['group']!r}, which mesh groups do not list")
+        n = attrs.get("group_size", group.size)
+        if n != group.size or attrs.get("group_index", group.rank) != group.rank:
+            raise ArtifactError(f"rank {self.rank}: collective {s['node']} expects member {attrs.get('group_index')} "
+                                f"of a group of {n}, but the communicator of mesh axes {s['group']} makes it member "
+                                f"{group.rank} of {group.size}")
+        x = self.buffers[s["inputs"][0]].array
+        y = self.buffers[s["outputs"][0]].array
+        if kind == "all_reduce":
+            return functools.partial(group.all_reduce, x, attrs.get("op", "sum"), y)
+        if kind == "all_gather":
+            return functools.partial(group.all_gather, x, attrs["dim"], attrs["global_size"], y)
+        if kind == "reduce_scatter":
+            return functools.partial(group.reduce_scatter, x, attrs["dim"], attrs.get("op", "sum"), y)
+        if kind == "all_to_all":
+            return functools.partial(group.all_to_all, x, attrs["src_dim"], attrs["dst_dim"], attrs["src_size"], y)
+        raise ArtifactError(f"program.json of rank {self.rank}: unknown collective {kind!r} ({s['node']})")
+
+    # ------------------------------------------------------------------- running -----------
+    @property
+    def input_names(self) -> list[str]:
+        """The model's input names, in order."""
+        return [n for n, _ in self.input_specs]
+
+    @property
+    def output_names(self) -> list[str]:
+        """The model's output names, in order."""
+        return [n for n, _ in self.output_specs]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the program once.
+
+        Parameters
+        ----------
+        inputs
+            One array per model input, keyed by name, with exactly the compiled shape and dtype
+            (every rank receives the full inputs).
+
+        Returns
+        -------
+        dict
+            This rank's outputs keyed by the model's output names (fresh arrays).
+
+        Raises
+        ------
+        InputError
+            Naming the input that is missing, unknown, or of the wrong shape or dtype.
+        """
+        self._bind(inputs)
+        for calls, coll in self._segments:
+            for fn, a, b, _, _ in calls:
+                fn(a, b)
+            if coll is not None:
+                coll()
+        return {name: buf.array.copy() for name, buf in self.output_specs}
+
+    def _bind(self, inputs: Mapping[str, np.ndarray]) -> None:
+        if not isinstance(inputs, Mapping):
+            raise InputNameError(f"run() takes a dict of input name -> array, got {type(inputs).__name__}")
+        names = {n for n, _ in self.input_specs}
+        unknown = sorted(set(inputs) - names)
+        if unknown:
+            raise InputNameError(f"unknown input(s) {unknown}; the model's inputs are {self.input_names}", unknown[0])
+        for name, buf in self.input_specs:
+            if name not in inputs:
+                raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
+            a = np.asarray(inputs[name])
+            if a.shape != buf.shape:
+                raise InputShapeError(f"input {name!r} has shape {a.shape}, the program was compiled for "
+                                      f"{buf.shape}; compile again with input_shapes to change it", name)
+            if a.dtype != buf.dtype:
+                raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
+                                      f"convert it with .astype('{buf.dtype}')", name)
+            np.copyto(buf.array, a)
+
+    def close(self) -> None:
+        """Free the sub-communicators (the world communicator belongs to the caller)."""
+        for g in getattr(self, "groups", {}).values():
+            if g is not self.comm:
+                g.close()
+        self.groups = {}
+
+    def __repr__(self) -> str:
+        return (f"RankProgram(rank {self.rank} of {self.world_size}, {self._n_kernels} kernels, "
+                f"{self._n_collectives} collectives, inputs {self.input_names}, outputs {self.output_names})")

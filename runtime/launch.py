@@ -1,0 +1,483 @@
+"""Start ranks and run an out_dir: the ``shardflow run`` command.
+
+``shardflow run OUT --nproc N --inputs in.npz --outputs out.npz``
+
+* Started plainly, it launches N local ranks: through ``mpiexec -n N`` when mpiexec and mpi4py
+  are available, else through its own spawner (N child processes finding each other with a TCP
+  rendezvous at ``MASTER_ADDR:MASTER_PORT``).
+* Started by a launcher — ``mpiexec -n N shardflow run OUT ...``, ``srun``, or torchrun-style
+  variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) — each
+  process finds its rank and runs it.
+
+Every rank reads the full inputs; rank 0 writes the outputs (an npz keyed by the ONNX output
+names, assembled from the ranks' shards when an output is not replicated). A world size that
+does not match the artifacts is refused before anything runs. A rank that dies makes every other
+rank exit non-zero within seconds, naming it (:mod:`shardflow.runtime.comm.watchdog`); the
+spawner also kills any rank still alive 60 s after the first failure.
+
+Also runnable as ``python -m shardflow.runtime.launch OUT ...`` (no compiler needed).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .artifact import ArtifactError, list_ranks, read_json, read_manifest, rank_dir
+from .errors import ShardflowError
+from .executor import WorldSizeError
+
+__all__ = ["LaunchEnv", "detect_environment", "main", "add_run_arguments", "artifact_world_size", "LaunchError"]
+
+log = logging.getLogger("shardflow.runtime.launch")
+
+#: Seconds the spawner waits after the first failing rank before killing the others.
+FAILURE_GRACE_S = 50.0
+
+
+class LaunchError(ShardflowError):
+    """Ranks could not be started, or a rank failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """How this process was started.
+
+    ``launched_by`` is ``mpi`` (mpiexec / srun with PMI), ``env`` (``RANK``/``WORLD_SIZE``
+    variables: torchrun style or ``shardflow run``'s spawner) or ``single`` (no launcher).
+    """
+
+    launched_by: str
+    rank: int
+    size: int
+    local_rank: int = 0
+    local_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    source: str = ""
+
+
+def _int(environ: Mapping[str, str], *names: str) -> int | None:
+    for n in names:
+        v = environ.get(n)
+        if v not in (None, ""):
+            try:
+                return int(v)
+            except ValueError:
+                raise LaunchError(f"environment variable {n}={v!r} is not an integer") from None
+    return None
+
+
+def detect_environment(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Find this process's rank from the launcher's environment variables.
+
+    Recognized: MPICH/Intel MPI (``PMI_RANK``, ``PMI_SIZE``), Open MPI
+    (``OMPI_COMM_WORLD_RANK``...), MVAPICH, PMIx, Slurm's ``srun`` (``SLURM_PROCID``,
+    ``SLURM_NTASKS``; through PMI unless ``MASTER_PORT`` is set) and torchrun-style ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+    """
+    e = os.environ if environ is None else environ
+    addr = e.get("MASTER_ADDR") or None
+    port = _int(e, "MASTER_PORT")
+    for rank_var, size_var, local_var, lsize_var, what in (
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpiexec (PMI)"),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
+            ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
+             "MVAPICH"),
+            ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE", "PMIx")):
+        r = _int(e, rank_var)
+        n = _int(e, size_var)
+        if r is not None and n is not None:
+            return LaunchEnv("mpi", r, n, _int(e, local_var) or 0, _int(e, lsize_var) or 1, addr, port, what)
+    r, n = _int(e, "SLURM_PROCID"), _int(e, "SLURM_NTASKS")
+    if r is not None and n is not None and _int(e, "RANK") is None:
+        by = "env" if port is not None else "mpi"
+        return LaunchEnv(by, r, n, _int(e, "SLURM_LOCALID") or 0, _int(e, "SLURM_NTASKS_PER_NODE") or 1, addr, port,
+                         "srun")
+    r, n = _int(e, "RANK"), _int(e, "WORLD_SIZE")
+    if r is not None and n is not None:
+        return LaunchEnv("env", r, n, _int(e, "LOCAL_RANK") or 0, _int(e, "LOCAL_WORLD_SIZE") or n, addr, port,
+                         "RANK/WORLD_SIZE variables")
+    return LaunchEnv("single", 0, 1, source="no launcher")
+
+
+def artifact_world_size(out_dir: str | os.PathLike) -> int:
+    """The world size an out_dir was compiled for (from ``rank0/manifest.json``)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist; compile the model first (`shardflow compile`)")
+    m = read_manifest(rank_dir(out, 0))
+    n = int(m["world_size"])
+    ranks = list_ranks(out)
+    if ranks != list(range(n)):
+        raise ArtifactError(f"{str(out_dir)!r} is compiled for {n} ranks but holds rank directories {ranks}")
+    return n
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------
+def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``shardflow run`` (shared by ``shardflow`` and ``python -m shardflow.runtime.launch``)."""
+    p.add_argument("out_dir", help="an out_dir written by `shardflow compile`")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="number of ranks to start (default: the world size the out_dir was compiled for; must "
+                        "equal it). Ignored when started under mpiexec/srun/torchrun, except that it must match")
+    p.add_argument("--inputs", metavar="IN.npz", default=None,
+                   help="the model inputs: an .npz keyed by the ONNX input names (every rank reads it whole)")
+    p.add_argument("--outputs", metavar="OUT.npz", default=None,
+                   help="where rank 0 writes the outputs, an .npz keyed by the ONNX output names")
+    p.add_argument("--backend", choices=("auto", "mpi", "tcp", "nccl"), default=None,
+                   help="communicator: mpi (mpi4py), tcp (sockets), nccl (GPUs); default: the compiled comm_backend, "
+                        "where auto means mpi under mpiexec, else tcp (nccl for cuda)")
+    p.add_argument("--launcher", choices=("auto", "mpiexec", "spawn"), default=None,
+                   help="how to start local ranks: mpiexec, or spawn (own processes, TCP rendezvous); default auto: "
+                        "mpiexec when it and mpi4py are available (or $SHARDFLOW_LAUNCHER)")
+    p.add_argument("--repeat", type=int, default=1, help="run the program this many times (timing; default 1)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed runs before the timed ones (default 0)")
+    p.add_argument("--timeout", type=float, default=0.0,
+                   help="kill every rank after this many seconds (default 0: no limit)")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact files")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    return add_run_arguments(argparse.ArgumentParser(
+        prog="shardflow run", description="Run a compiled out_dir on N ranks; rank 0 writes the outputs."))
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int | None):
+        super().__init__("%(message)s")
+        self.prefix = f"[rank {rank}] " if rank is not None else ""
+
+    def format(self, record):
+        msg = super().format(record)
+        if record.levelno >= logging.WARNING and not msg.startswith("shardflow"):
+            msg = f"{record.levelname.lower()}: {msg}"
+        return self.prefix + msg
+
+
+def _setup_logging(rank: int | None, verbose: bool) -> None:
+    root = logging.getLogger("shardflow")
+    for h in list(root.handlers):
+        if getattr(h, "_shardflow_cli", False):
+            root.removeHandler(h)
+    h = logging.StreamHandler(sys.stderr)
+    h._shardflow_cli = True
+    h.setFormatter(_RankFormatter(rank))
+    root.addHandler(h)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``shardflow run``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    env = detect_environment()
+    if env.launched_by != "single":
+        _setup_logging(env.rank, args.verbose)
+        return _worker(args, env)
+    _setup_logging(None, args.verbose)
+    try:
+        world = artifact_world_size(args.out_dir)
+        nproc = world if args.nproc is None else args.nproc
+        if nproc != world:
+            raise WorldSizeError(f"--nproc {nproc} does not match {args.out_dir!r}, which was compiled for {world} "
+                                 f"ranks; run with --nproc {world} or compile again for {nproc} ranks")
+        if args.inputs is not None and not Path(args.inputs).is_file():
+            raise LaunchError(f"--inputs {args.inputs!r} does not exist")
+    except ShardflowError as exc:
+        log.error("%s", exc)
+        return 2
+    if nproc == 1:
+        _setup_logging(0, args.verbose)
+        return _worker(args, LaunchEnv("single", 0, 1, source="single process"))
+    return _spawn(args, argv, nproc)
+
+
+# ---------------------------------------------------------------------------------------
+# parent: start N ranks
+# ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _use_mpiexec(args) -> str | None:
+    choice = args.launcher or os.environ.get("SHARDFLOW_LAUNCHER", "auto")
+    if choice not in ("auto", "mpiexec", "spawn"):
+        raise LaunchError(f"SHARDFLOW_LAUNCHER={choice!r}: use auto, mpiexec or spawn")
+    if choice == "spawn":
+        return None
+    exe = shutil.which("mpiexec")
+    try:
+        import importlib.util
+
+        has_mpi4py = importlib.util.find_spec("mpi4py") is not None
+    except (ImportError, ValueError):
+        has_mpi4py = False
+    if choice == "mpiexec" and (exe is None or not has_mpi4py):
+        raise LaunchError("--launcher mpiexec: " + ("mpiexec is not on PATH" if exe is None else
+                                                    "mpi4py is not installed (pip install 'shardflow[mpi]')"))
+    if args.backend == "tcp" and choice == "auto":
+        return None
+    return exe if has_mpi4py else None
+
+
+def _threads_per_rank(nproc: int) -> str:
+    return str(max(1, (os.cpu_count() or 1) // nproc))
+
+
+def _spawn(args, argv: list[str], nproc: int) -> int:
+    try:
+        mpiexec = _use_mpiexec(args)
+    except LaunchError as exc:
+        log.error("%s", exc)
+        return 2
+    child = [sys.executable, "-m", "shardflow.runtime.launch", *argv]
+    base_env = dict(os.environ)
+    base_env.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        base_env.pop(k, None)
+    deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
+    if mpiexec is not None:
+        cmd = [mpiexec, "-n", str(nproc), *child]
+        log.debug("starting %s", " ".join(cmd))
+        proc = subprocess.Popen(cmd, env=base_env, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    log.error("shardflow run: --timeout %g s passed; killing the ranks", args.timeout)
+                    _kill_group(proc)
+                    proc.wait()
+                    return 124
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            _kill_group(proc)
+            proc.wait()
+            return 130
+        if proc.returncode != 0:
+            log.error("shardflow run: mpiexec exited with status %d (a rank failed; see its messages above)",
+                      proc.returncode)
+        return proc.returncode
+    port = _free_port()
+    procs = []
+    for r in range(nproc):
+        env = dict(base_env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(child, env=env, start_new_session=True))
+    log.debug("spawned %d ranks (pids %s), rendezvous at 127.0.0.1:%d", nproc, [p.pid for p in procs], port)
+    return _supervise(procs, deadline, args.timeout)
+
+
+def _kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _describe_status(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: float) -> int:
+    from .comm.watchdog import EXIT_PEER_FAILED
+
+    ended: list[tuple[int, int]] = []  # (rank, status) in the order the failures were seen
+    first_at: float | None = None
+    try:
+        while True:
+            running = 0
+            for r, p in enumerate(procs):
+                rc = p.poll()
+                if rc is None:
+                    running += 1
+                elif rc != 0 and all(r != k for k, _ in ended):
+                    ended.append((r, rc))
+                    first_at = first_at or time.monotonic()
+            if not running:
+                break
+            now = time.monotonic()
+            if first_at is not None and now - first_at > FAILURE_GRACE_S:
+                log.error("shardflow run: killing the ranks still alive %g s after the first failure", FAILURE_GRACE_S)
+                for p in procs:
+                    if p.poll() is None:
+                        _kill_group(p)
+            if deadline is not None and now > deadline:
+                log.error("shardflow run: --timeout %g s passed; killing the ranks", timeout)
+                for p in procs:
+                    if p.poll() is None:
+                        _kill_group(p)
+                for p in procs:
+                    p.wait()
+                return 124
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p)
+        return 130
+    if not ended:
+        return 0
+    # the cause: the first rank that failed on its own (not because a peer failed)
+    causes = [(r, rc) for r, rc in ended if rc != EXIT_PEER_FAILED] or ended
+    r, rc = causes[0]
+    others = [f"rank {k} {_describe_status(p.returncode)}" for k, p in enumerate(procs) if k != r]
+    log.error("shardflow run: rank %d %s; %s", r, _describe_status(rc), "; ".join(others))
+    return rc if rc > 0 else 128 - rc
+
+
+# ---------------------------------------------------------------------------------------
+# one rank
+# ---------------------------------------------------------------------------------------
+def _die(message: str, code: int = 1) -> int:
+    """Log and leave at once (no MPI_Finalize that could wait for ranks in a collective)."""
+    log.error("%s", message)
+    for h in logging.getLogger("shardflow").handlers:
+        h.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _worker(args, env: LaunchEnv) -> int:
+    from .comm import RankFailedError, create_world, host_communicator
+    from .comm.watchdog import EXIT_PEER_FAILED, Watchdog
+    from .executor import load
+
+    try:
+        world = artifact_world_size(args.out_dir)
+        if env.size != world:
+            raise WorldSizeError(f"{args.out_dir!r} was compiled for {world} ranks but {env.size} were started "
+                                 f"({env.source}); start exactly {world}")
+        if args.nproc is not None and args.nproc != env.size:
+            raise WorldSizeError(f"--nproc {args.nproc} but {env.size} ranks were started ({env.source})")
+        manifest = read_manifest(rank_dir(args.out_dir, env.rank))
+        inputs = _read_inputs(args.inputs)
+    except ShardflowError as exc:
+        return _die(f"rank {env.rank}: {exc}", 2)
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = _threads_per_rank(max(env.local_size, 1))
+    backend = args.backend or manifest.get("comm_backend", "auto")
+    try:
+        comm = create_world(backend, launched_by=env.launched_by, rank=env.rank, size=env.size,
+                            target=manifest["target"], master_addr=env.master_addr, master_port=env.master_port,
+                            local_rank=env.local_rank)
+    except ShardflowError as exc:
+        return _die(f"rank {env.rank}: cannot connect the ranks: {exc}", 1)
+    watchdog = Watchdog(host_communicator(comm))
+    try:
+        prog = load(args.out_dir, env.rank, comm, verify=not args.no_verify)
+        for _ in range(max(args.warmup, 0)):
+            prog.run(inputs)
+        times = []
+        outs = {}
+        for _ in range(max(args.repeat, 1)):
+            t0 = time.perf_counter()
+            outs = prog.run(inputs)
+            times.append(time.perf_counter() - t0)
+        full = _assemble_outputs(args.out_dir, prog, host_communicator(comm), outs)
+        if env.rank == 0:
+            med = float(np.median(times)) * 1e3
+            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", args.out_dir, env.size, len(times), med)
+            if args.outputs:
+                _write_npz(args.outputs, full)
+                log.info("wrote %s (%s)", args.outputs,
+                         ", ".join(f"{k}: {list(v.shape)} {v.dtype}" for k, v in full.items()))
+    except RankFailedError as exc:
+        # the watchdog usually knows the root cause (the rank that died first): give it a moment
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return _die(f"rank {env.rank}: {exc}", EXIT_PEER_FAILED)
+    except ShardflowError as exc:
+        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1)
+    except Exception as exc:  # noqa: BLE001 - a rank must never leave the others waiting
+        log.exception("rank %d: unexpected error", env.rank)
+        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1)
+    watchdog.finish()
+    prog.close()
+    comm.close()
+    return 0
+
+
+def _read_inputs(path: str | None) -> dict[str, np.ndarray]:
+    if path is None:
+        return {}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise LaunchError(f"--inputs {path!r} does not exist") from None
+    except (ValueError, OSError) as exc:
+        raise LaunchError(f"--inputs {path!r} is not a readable .npz file ({exc})") from None
+
+
+def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _assemble_outputs(out_dir: str, prog, comm, outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rank 0 gets every output whole: replicated outputs as they are, sharded ones from the
+    ranks holding distinct pieces (``bounds`` in the manifests)."""
+    specs = {o["name"]: o for o in prog.manifest["outputs"]}
+    sharded = [n for n in prog.output_names
+               if specs.get(n, {}).get("bounds") is not None
+               and [list(b) for b in specs[n]["bounds"]] != [[0, d] for d in specs[n]["global_shape"]]]
+    if not sharded or prog.world_size == 1:
+        return outs
+    for n in sharded:
+        if "P" in specs[n].get("placement", ""):
+            raise LaunchError(f"output {n!r} is Partial ({specs[n]['placement']}) on the ranks; compile with a "
+                              "replicated or sharded output placement to run it with `shardflow run`")
+    manifests = [read_manifest(rank_dir(out_dir, r)) for r in range(prog.world_size)]
+    res = dict(outs)
+    for n in sharded:
+        pieces: dict[tuple, int] = {}
+        for r, m in enumerate(manifests):
+            spec = next(o for o in m["outputs"] if o["name"] == n)
+            pieces.setdefault(tuple(tuple(b) for b in spec["bounds"]), r)
+        spec0 = specs[n]
+        if prog.rank == 0:
+            full = np.empty(spec0["global_shape"], np.dtype(spec0["dtype"]))
+            recvs = {r: np.empty(tuple(b - a for a, b in box), full.dtype) for box, r in pieces.items() if r != 0}
+            comm.exchange({}, recvs)
+            for box, r in pieces.items():
+                full[tuple(slice(a, b) for a, b in box)] = outs[n] if r == 0 else recvs[r]
+            res[n] = full
+        elif prog.rank in pieces.values():
+            comm.exchange({0: np.ascontiguousarray(outs[n])}, {})
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The planner against analytic optima: Megatron's MLP plan under a memory budget, axis choice
+on a mesh with a slow axis, determinism, layer aliasing, baselines, plan I/O and config errors."""
+import json
+import os
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from shardflow.compiler import ConfigError, ShardflowError, load_onnx
+from shardflow.compiler.parallel import ShardingPlan, partition, search, simulate
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import mlp  # noqa: E402
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["matmul+add", "gemm"])
+def mlp_graph(request):
+    return load_onnx(mlp(LAYERS, gemm=request.param))
+
+
+def _budget(graph, mesh, frac=0.6):
+    rep = search(graph, {"mesh_shape": mesh, "algo": "replicate"})
+    return int(rep.params_bytes * frac)
+
+
+def _tp_collectives_ok(plan, layers):
+    """L/2 all-reduces or reduce-scatter + all-gather pairs, and nothing else."""
+    kinds = Counter(c.kind for c in plan.collectives)
+    assert set(kinds) <= {"all_reduce", "reduce_scatter", "all_gather"}, kinds
+    assert kinds["reduce_scatter"] == kinds["all_gather"], kinds
+    assert kinds["all_reduce"] + kinds["reduce_scatter"] == layers // 2, kinds
+
+
+def test_mlp_under_budget_gets_megatron_plan(mlp_graph):
+    budget = _budget(mlp_graph, [4])
+    plan = search(mlp_graph, {"mesh_shape": [4], "memory_budget_bytes": budget, "axis_latency_us": 0})
+    assert plan.memory_bytes <= budget
+    _tp_collectives_ok(plan, LAYERS)
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    want = mlp_graph.run({"x": x})["y"]
+    got = simulate(partition(mlp_graph, plan), {"x": x}, plan.mesh)["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_slow_axis_carries_at_most_the_output_collective(mlp_graph):
+    cfg = {"mesh_shape": [2, 2], "memory_budget_bytes": _budget(mlp_graph, [2, 2]),
+           "axis_bandwidth_GBps": [10, 100], "axis_latency_us": 0}
+    plan = search(mlp_graph, cfg)
+    on_slow = [c for c in plan.collectives if 0 in c.mesh_axes]
+    assert len(on_slow) <= 1 and all(c.consumer.startswith("output:") for c in on_slow), on_slow
+    tp = [c for c in plan.collectives if 0 not in c.mesh_axes]
+    kinds = Counter(c.kind for c in tp)
+    assert kinds["all_reduce"] + kinds["reduce_scatter"] == LAYERS // 2, kinds
+
+
+def test_plans_are_deterministic(tmp_path, mlp_graph):
+    cfg = {"mesh_shape": [2, 2], "memory_budget_bytes": _budget(mlp_graph, [2, 2])}
+    a, b = tmp_path / "a", tmp_path / "b"
+    search(mlp_graph, cfg).save(a)
+    search(mlp_graph, cfg).save(b)
+    assert (a / "plan.json").read_bytes() == (b / "plan.json").read_bytes()
+    assert (a / "plan.txt").read_text() == (b / "plan.txt").read_text()
+
+
+def test_ilp_never_above_a_feasible_baseline(mlp_graph):
+    for mesh in ([2], [4], [2, 2]):
+        for budget in (None, _budget(mlp_graph, mesh, 0.8)):
+            cfg = {"mesh_shape": mesh}
+            if budget:
+                cfg["memory_budget_bytes"] = budget
+            ilp = search(mlp_graph, cfg)
+            for algo in ("megatron", "data", "replicate"):
+                base = search(mlp_graph, {"mesh_shape": mesh, "algo": algo})
+                if budget is None or base.memory_bytes <= budget:
+                    assert ilp.cost <= base.cost * (1 + 1e-9), (mesh, budget, algo, ilp.cost, base.cost)
+
+
+def test_layer_aliasing_costs_at_most_two_percent():
+    graph = load_onnx(mlp(8, gemm=True))
+    for mesh in ([4], [2, 2]):
+        cfg = {"mesh_shape": mesh, "memory_budget_bytes": _budget(graph, mesh), "axis_latency_us": 1}
+        aliased = search(graph, cfg)
+        exact = search(graph, {**cfg, "alias_layers": False})
+        assert aliased.cost <= exact.cost * 1.02, (aliased.cost, exact.cost)
+
+
+def test_infeasible_budget_names_the_minimum(mlp_graph):
+    with pytest.raises(ShardflowError, match=r"least any plan needs is about [\d,]+ bytes") as info:
+        search(mlp_graph, {"mesh_shape": [2], "memory_budget_bytes": 1000})
+    need = int(str(info.value).split("about ")[1].split(" bytes")[0].replace(",", ""))
+    plan = search(mlp_graph, {"mesh_shape": [2], "memory_budget_bytes": need + 64})
+    assert plan.memory_bytes <= need + 64
+
+
+def test_save_load_preload_and_explain(tmp_path, mlp_graph):
+    cfg = {"mesh_shape": [4], "memory_budget_bytes": _budget(mlp_graph, [4])}
+    plan = search(mlp_graph, cfg)
+    plan.save(tmp_path)
+    loaded = ShardingPlan.load(tmp_path / "plan.json", graph=mlp_graph)
+    assert {k: str(v) for k, v in loaded.op_specs.items()} == {k: str(v) for k, v in plan.op_specs.items()}
+    again = search(mlp_graph, {**cfg, "preload_plan": str(tmp_path)})
+    assert json.dumps(again.to_dict()["ops"]) == json.dumps(plan.to_dict()["ops"])
+    x = np.ones((8, 64), np.float32)
+    np.testing.assert_allclose(simulate(partition(mlp_graph, again), {"x": x}, again.mesh)["y"],
+                               mlp_graph.run({"x": x})["y"], rtol=1e-4, atol=1e-4)
+    name = next(iter(plan.op_specs))
+    text = plan.explain(name)
+    assert name in text and "mesh axis" in text
+    with pytest.raises(ShardflowError, match="no op named"):
+        plan.explain("nope")
+    lines = plan.to_text().splitlines()
+    assert sum(1 for ln in lines if not ln.startswith(("#", "output"))) == len(mlp_graph.nodes)
+
+
+def test_stale_plan_is_refused(tmp_path, mlp_graph):
+    plan = search(mlp_graph, {"mesh_shape": [2]})
+    plan.save(tmp_path)
+    other = load_onnx(mlp(2))
+    with pytest.raises(ConfigError, match="another graph"):
+        search(other, {"mesh_shape": [2], "preload_plan": str(tmp_path)})
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({}, "mesh_shape"),
+    ({"mesh_shape": [2], "bandwith": 1}, "did you mean 'axis_bandwidth_GBps'|unknown key"),
+    ({"mesh_shape": [2], "algo": "magic"}, "algo"),
+    ({"mesh_shape": [2], "solver": "gurobi"}, "solver"),
+    ({"mesh_shape": [0]}, "mesh_shape"),
+    ({"mesh_shape": [2, 2], "axis_bandwidth_GBps": [1, 2, 3]}, "axis_bandwidth_GBps"),
+    ({"mesh_shape": [2], "memory_budget_bytes": -5}, "memory_budget_bytes"),
+    ({"mesh_shape": [2], "rank_map": [0, 0]}, "rank_map"),
+    ({"mesh_shape": [2], "input_placements": {"x": "S(7)"}}, "rank"),
+])
+def test_config_errors(mlp_graph, cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        search(mlp_graph, cfg)
+
+
+def test_highs_solver_gives_the_same_cost(mlp_graph):
+    cfg = {"mesh_shape": [4], "memory_budget_bytes": _budget(mlp_graph, [4]), "axis_latency_us": 0}
+    a = search(mlp_graph, cfg)
+    b = search(mlp_graph, {**cfg, "solver": "highs"})
+    assert b.cost == pytest.approx(a.cost, rel=1e-6)
