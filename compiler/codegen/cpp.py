@@ -32,12 +32,13 @@ __all__ = ["generate_cpu_source", "CpuSource", "kernel_source", "STORAGE_CTYPE",
 
 log = logging.getLogger(__name__)
 
-STORAGE_CTYPE = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+STORAGE_CTYPE = {"bool": "uint8_t", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
                  "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
                  "float16": "_Float16", "float32": "float", "float64": "double"}
 #: Arithmetic happens in these types: float16 values are computed in float32 (rounded at stores and
-#: at explicit casts only).
-COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float")
+#: at explicit casts only). Bools are stored as bytes (0/1, numpy's layout; ``uint8_t`` loads
+#: vectorize where C++ ``bool`` loads do not) and computed as ``bool``.
+COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float", bool="bool")
 
 _SMALL_INTS = {"int8", "int16", "uint8", "uint16"}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -128,6 +129,7 @@ class _Printer:
         self.lines: list[str] = []
         self.var_names: dict[int, str] = {}
         self.used_names: set[str] = set()
+        self.simd_minmax: dict[str, str] = {}
 
     # names ------------------------------------------------------------------------------------
     def var(self, v: Var) -> str:
@@ -192,7 +194,13 @@ class _Printer:
         if isinstance(e, TensorElement):
             buf: Buffer = e.tensor
             s = f"{buf.name}[{self.index(buf, e.indices)}]"
-            return f"(float){s}" if (buf.dtype == "float16" and buf.role != "temp") else s
+            if buf.role == "temp":
+                return s
+            if buf.dtype == "float16":
+                return f"(float){s}"
+            if buf.dtype == "bool":
+                return f"({s} != 0)"
+            return s
         if isinstance(e, Cast):
             src = self.dt(e.a)
             dst = self.dt(e)
@@ -214,7 +222,8 @@ class _Printer:
             t = promote(e.a, e.b, self.dtypes)
             return f"({self.expr(e.a, t)} {_CMP[op]} {self.expr(e.b, t)})"
         if op in ("and", "or"):
-            return f"({self.truth(e.a)} {'&&' if op == 'and' else '||'} {self.truth(e.b)})"
+            # both sides are pure and safe to evaluate: & and | keep loops free of branches
+            return f"({self.truth(e.a)} {'&' if op == 'and' else '|'} {self.truth(e.b)})"
         if op == "xor":
             return f"({self.truth(e.a)} != {self.truth(e.b)})"
         r = self.dt(e)
@@ -304,6 +313,8 @@ class _Printer:
                 src = self.dt(s.value)
                 v = self.expr(s.value) if src is not None and _kind(src) == "f" else self.expr(s.value, "float32")
                 self.emit(f"{target} = (_Float16)({v});", depth)
+            elif buf.dtype == "bool" and buf.role != "temp":
+                self.emit(f"{target} = (uint8_t)({self.expr(s.value, 'bool')});", depth)
             else:
                 self.emit(f"{target} = {self.expr(s.value, buf.dtype)};", depth)
         elif isinstance(s, If):
@@ -327,7 +338,12 @@ class _Printer:
         elif s.op == "prod":
             self.emit(f"{acc} *= {self.expr(s.value, dt)};", depth)
         elif s.op in ("max", "min"):
-            if dt == "bool":
+            flag = self.simd_minmax.get(acc)
+            if flag is not None:  # inside an omp simd max/min reduction: NaN tracked by a flag
+                cmp = ">" if s.op == "max" else "<"
+                self.emit(f"{{ const {COMPUTE_CTYPE[dt]} v_ = {self.expr(s.value, dt)}; {flag} |= (v_ != v_); "
+                          f"{acc} = v_ {cmp} {acc} ? v_ : {acc}; }}", depth)
+            elif dt == "bool":
                 self.emit(f"{acc} = {acc} {'||' if s.op == 'max' else '&&'} {self.expr(s.value, dt)};", depth)
             else:
                 fn = "sf_max" if s.op == "max" else "sf_min"
@@ -346,16 +362,27 @@ class _Printer:
             self.stmts(s.body, depth + 1)
             self.emit("}", depth)
             return
+        flag = None
         if s.parallel:
             self.emit("#pragma omp parallel for schedule(static)", depth)
         elif s.reduction is not None:
             acc, op = s.reduction
             ct = COMPUTE_CTYPE[acc.dtype]
-            if ct in ("float", "double") and op in ("sum", "mean", "prod") and _simple_body(s.body):
-                self.emit(f"#pragma omp simd reduction({'*' if op == 'prod' else '+'}:{acc.name})", depth)
+            if ct in ("float", "double") and _simple_body(s.body):
+                if op in ("sum", "mean", "prod"):
+                    self.emit(f"#pragma omp simd reduction({'*' if op == 'prod' else '+'}:{acc.name})", depth)
+                elif op in ("max", "min"):
+                    # OpenMP's max/min ignore NaN; numpy's propagate it: keep a NaN flag beside
+                    flag = f"{acc.name}_nan"
+                    self.emit(f"int {flag} = 0;", depth)
+                    self.emit(f"#pragma omp simd reduction({op}:{acc.name}) reduction(|:{flag})", depth)
+                    self.simd_minmax[acc.name] = flag
         self.emit(f"for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{", depth)
         self.stmts(s.body, depth + 1)
         self.emit("}", depth)
+        if flag is not None:
+            del self.simd_minmax[s.reduction[0].name]
+            self.emit(f"if ({flag}) {s.reduction[0].name} = std::numeric_limits<{ct}>::quiet_NaN();", depth)
 
     def flat_loop(self, s: FlatLoop, depth: int):
         vars_ = s.vars

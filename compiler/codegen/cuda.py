@@ -107,6 +107,19 @@ class KernelLaunch:
     op_name: str
     kind: str = "elementwise"
 
+    def to_dict(self) -> dict:
+        """Plain JSON-ready form (what a rank program stores; the runtime reads it without the
+        compiler)."""
+        return {"symbol": self.symbol, "grid": list(self.grid), "block": list(self.block),
+                "shared_mem": self.shared_mem, "args": list(self.args), "num_inputs": self.num_inputs,
+                "op_name": self.op_name, "kind": self.kind}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelLaunch":
+        """Inverse of :meth:`to_dict`."""
+        return cls(d["symbol"], tuple(d["grid"]), tuple(d["block"]), int(d["shared_mem"]), tuple(d["args"]),
+                   int(d["num_inputs"]), d["op_name"], d.get("kind", "elementwise"))
+
 
 # ----------------------------------------------------------------------------------------------
 # dtypes
@@ -954,10 +967,14 @@ class _Emitter:
                 blk.lines.append(f"for ({it} {r} = {coop.lane}; {r} < {total}; {r} += {coop.lanes}) {{")
                 inner = 1
                 dec = []
+                big = [v for v in e.vars if v.extent != 1]
                 for v, nm in reversed(list(zip(e.vars, names))):
                     if v.extent != 1:
-                        dec.append(f"  const {it} {nm} = ({r} / {inner}) % {v.extent};" if inner > 1
-                                   else f"  const {it} {nm} = {r} % {v.extent};")
+                        if v is big[0]:  # the outermost varying variable needs no modulo (r < total)
+                            dec.append(f"  const {it} {nm} = {r} / {inner};" if inner > 1 else f"  const {it} {nm} = {r};")
+                        else:
+                            dec.append(f"  const {it} {nm} = ({r} / {inner}) % {v.extent};" if inner > 1
+                                       else f"  const {it} {nm} = {r} % {v.extent};")
                     inner *= v.extent
                 blk.lines += list(reversed(dec))
                 blk.lines += ["  " + ln for ln in body_blk.lines]
@@ -1080,12 +1097,29 @@ def _plan_rows(gc: GridCompute, value: Expr, an: _Analysis):
     inner = ext_of([v for v in axes if v not in full])
     red = max(_prod([v.extent for v in r.vars]) for r in coop)
     if inner <= 1:
-        # one reduction set per output element: parallelize the reduction only when it pays
-        if rows >= 4096 or red <= 16:
+        # One reduction set per output element. Lanes split a reduction when it is long enough and
+        # its reads are contiguous along the reduced axis (a row sum); a thread per output walks it
+        # alone when reductions are short, or strided across outputs (a column sum: neighbouring
+        # threads then read neighbouring addresses).
+        if red <= 16 or (rows >= 4096 and not any(_contiguous_reduction(r) for r in coop)):
             return None
     work = max(red, inner)
     lanes = _THREADS if (work >= 2048 or (rows < 512 and work >= 512)) else 32
     return row_axes, {id(r) for r in coop}, lanes
+
+
+def _contiguous_reduction(r: Reduce) -> bool:
+    """Whether some read in ``r``'s body walks memory with unit stride along ``r``'s last variable."""
+    last = [v for v in r.vars if v.extent > 1]
+    if not last:
+        return False
+    k = last[-1]
+    for n in walk(r.body):
+        if isinstance(n, TensorElement) and n.indices:
+            f = affine_form(n.indices[-1])
+            if f is not None and f[0].get(k) == 1:
+                return True
+    return False
 
 
 def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysis,

@@ -972,7 +972,15 @@ class _Emitter:
     def _select(self, e: IfThenElse) -> Expr:
         c = self.emit(e.cond)
         if self._speculation_safe(e.then, [64]) and self._speculation_safe(e.other, [64]):
-            return IfThenElse(c, self.emit(e.then), self.emit(e.other))
+            # both sides are computed unconditionally; sides that read memory go to locals first so
+            # that the C compiler sees plain loads and a select (vectorizable without masked loads)
+            sides = []
+            for side in (e.then, e.other):
+                p = self.emit(side)
+                if not isinstance(p, (Var, Const, Local)) and any(isinstance(n, TensorElement) for n in walk(p)):
+                    p = self.new_local(self.dtype(side) or "float64", p)
+                sides.append(p)
+            return IfThenElse(c, sides[0], sides[1])
         loc = self.new_local(self.dtype(e) or "float64")
         then_b: list = []
         other_b: list = []

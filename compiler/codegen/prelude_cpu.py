@@ -279,19 +279,20 @@ SF_INLINE double sf_erf(double x) { return std::erf(x); }
 // sign of an odd power), zero base gives 0 or inf, b == 0 or a == 1 gives 1. Branch-free, so a loop
 // whose exponent is read from a 0-d tensor still vectorizes.
 SF_INLINE float sf_pow(float a, float b) {
+  // bitwise & and | (not && and ||): no short-circuit branches, so the loop stays if-convertible
+  const float inf = std::numeric_limits<float>::infinity();
   float aa = a < 0 ? -a : a;
   float g = sf_exp(b * sf_log(aa));
   float bh = b * 0.5f;
   bool bint = std::nearbyint(b) == b;
-  bool bodd = bint && std::nearbyint(bh) != bh;
+  bool bodd = bint & (std::nearbyint(bh) != bh);
   float sg = bodd ? -g : g;
-  const float inf = std::numeric_limits<float>::infinity();
-  float r = a < 0 ? ((bint || a == -inf) ? sg : std::numeric_limits<float>::quiet_NaN()) : g;
+  float r = (a < 0) & !(bint | (a == -inf)) ? std::numeric_limits<float>::quiet_NaN() : (a < 0 ? sg : g);
   float z = b > 0 ? 0.0f : inf;
   z = bodd ? std::copysign(z, a) : z;
-  r = (a == 0 && b == b) ? z : r;
+  r = (a == 0) & (b == b) ? z : r;
   r = b == 2.0f ? a * a : (b == 3.0f ? a * a * a : r);
-  r = (b == 0.0f || a == 1.0f || (a == -1.0f && (b == inf || b == -inf))) ? 1.0f : r;
+  r = (b == 0.0f) | (a == 1.0f) | ((a == -1.0f) & ((b == inf) | (b == -inf))) ? 1.0f : r;
   return r;
 }
 SF_INLINE double sf_pow(double a, double b) { return std::pow(a, b); }

@@ -23,7 +23,7 @@ from shardflow.compiler.codegen.cuda import (CudaCodegenError, KernelLaunch, bui
                                              generate_cuda_source, lowerable)
 from shardflow.compiler.codegen.lower import CodegenError
 from shardflow.compiler.codegen.toolchain import CompileError
-from shardflow.compiler.ir import const_tensor
+from shardflow.compiler.ir import Tensor, const_tensor
 from shardflow.compiler.ops.conv import Conv
 from shardflow.compiler.ops.elementwise import Binary, Unary
 from shardflow.compiler.ops.linalg import Attention, Einsum, Gemm, MatMul
@@ -68,6 +68,8 @@ def _extra_cases(rng):
         ("row", Reduce, [f(3, 5000)], {"kind": "sum", "axes": (1,), "keepdims": False}),
         ("row", Reduce, [f(50, 70)], {"kind": "mean", "axes": (0, 1), "keepdims": False}),
         ("row", Reduce, [f(6, 40, 7)], {"kind": "max", "axes": (1,), "keepdims": True}),
+        ("row", Reduce, [f(4100, 40)], {"kind": "sum", "axes": (1,), "keepdims": True}),  # warp per row
+        ("elementwise", Reduce, [f(40, 4100)], {"kind": "sum", "axes": (0,), "keepdims": False}),  # column sums
         ("row", ArgReduce, [long_rows], {"kind": "argmax", "axis": 1, "keepdims": False}),
         ("row", ArgReduce, [long_rows], {"kind": "argmin", "axis": 1, "keepdims": True}),
         ("row", Attention, [f(1, 2, 17, 16), f(1, 2, 19, 16), f(1, 2, 19, 8)], {"scale_sqrt": 0.5}),
@@ -163,6 +165,13 @@ def test_attention_hoists_softmax_statistics_per_query_row():
     assert launch.kind == "row"
     body = src.text[src.text.index(launch.symbol):]
     assert "row" in body and body.count("__shfl_xor_sync") == 2  # max and sum over the keys, once per row
+
+
+def test_launch_round_trips_through_json():
+    import json
+    src = generate_cuda_source([c[1] for c in LOWERED[:5]])
+    for launch in src.launches.values():
+        assert KernelLaunch.from_dict(json.loads(json.dumps(launch.to_dict()))) == launch
 
 
 def test_unsupported_dtype_is_a_clear_error():
@@ -347,3 +356,39 @@ def test_nvrtc_fallback_builds_runnable_kernels(tmp_path):
             want = op.run(*arrays)
         for g, w in zip(_run(module, launches[name], op, arrays), want):
             _check(name, launches[name].kind, g, w)
+
+
+def _bf16_bits(x) -> np.ndarray:
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _from_bf16_bits(b) -> np.ndarray:
+    return (np.asarray(b).astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.gpu
+def test_bfloat16_kernels(tmp_path):
+    """bfloat16 tensors (numpy has none: passed as their 16-bit patterns): a bf16 tensor-core GEMM
+    and an elementwise op rounding to bf16."""
+    if not _have_gpu():
+        pytest.skip("no CUDA device (or cupy is not installed)")
+    import cupy
+    rng = np.random.default_rng(3)
+    a = _from_bf16_bits(_bf16_bits(rng.standard_normal((70, 40))))  # values exact in bf16
+    b = _from_bf16_bits(_bf16_bits(rng.standard_normal((40, 90))))
+    ta, tb = Tensor("a", a.shape, "bfloat16"), Tensor("b", b.shape, "bfloat16")
+    ops = [MatMul([ta, tb], name="mm"), Unary([ta], name="ex", fn="exp")]
+    path = str(tmp_path / "bf16.cubin")
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"))
+    assert launches["mm"].kind == "gemm-bf16"
+    module = cupy.RawModule(path=path)
+    for name, ins, want, rtol in (("mm", [a, b], a.astype(np.float64) @ b, None), ("ex", [a], np.exp(a), 8e-3)):
+        launch = launches[name]
+        out = cupy.zeros(want.shape, cupy.uint16)
+        args = tuple(cupy.asarray(_bf16_bits(x)) for x in ins) + (out,)
+        module.get_function(launch.symbol)(launch.grid, launch.block, args)
+        got = _from_bf16_bits(cupy.asnumpy(out))
+        if rtol is None:  # bf16 output of an fp32-accumulated product
+            np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+        else:
+            np.testing.assert_allclose(got, want, rtol=rtol)
