@@ -458,6 +458,9 @@ def _solve_ilp(problem: Problem) -> list[int]:
                 <= (budget - fixed) / _MB, f"mem_{k}"
     log.info("ILP: %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", len(s), len(edges),
              len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
+    if pulp.LpStatus[status] == "Optimal" and prob.sol_status != pulp.LpSolutionOptimal:
+        log.warning("the ILP solver stopped at time_limit_s=%s before proving optimality: the plan is the best "
+                    "found so far and may differ between runs; raise time_limit_s or mip_rel_gap", cfg.time_limit_s)
     if pulp.LpStatus[status] != "Optimal":
         if cfg.memory_budget_bytes is not None:
             need = _min_memory(problem)
