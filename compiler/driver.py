@@ -558,7 +558,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     from .parallel import partition, search
     from .parallel.comm_ops import Collective
     from .parallel.config import DistributedConfig
-    from .parallel.partition import local_bounds
 
     dcfg = DistributedConfig.from_dict(distributed_config)
     builder = _cuda_builder() if opt.target == "cuda" else _cpu_builder()
@@ -624,7 +623,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             for name, lt in zip(rg.output_names, rg.outputs):
                 gt = global_out[name]
                 spec = plan.output_specs.get(name)
-                bounds = local_bounds(gt.shape, spec, mesh, coord) if spec is not None else [(0, d) for d in gt.shape]
+                bounds = spec.local_bounds(gt.shape, mesh, r) if spec is not None else [(0, d) for d in gt.shape]
                 outputs.append({"name": name, "shape": list(lt.shape), "dtype": lt.dtype,
                                 "global_shape": list(gt.shape), "placement": str(spec) if spec is not None else "R",
                                 "bounds": [list(b) for b in bounds]})

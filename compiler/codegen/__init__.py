@@ -12,7 +12,7 @@ import time
 from typing import Sequence
 
 from .lower import CodegenError, lower_task, lowerable, why_not_lowerable
-from .toolchain import CompileError, ToolchainError, build_shared_library, default_cache_dir
+from .toolchain import CompileError, ToolchainError, build_shared_library, default_cache_dir, default_jobs
 
 __all__ = ["build_cpu_library", "lowerable", "why_not_lowerable", "lower_task", "generate_cpu_source",
            "CodegenError", "CompileError", "ToolchainError", "default_cache_dir"]
@@ -67,7 +67,10 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     if src.skipped:
         log.info("not compiled (run by the runtime or unsupported): %s",
                  ", ".join(f"{n} ({why})" for n, why in list(src.skipped.items())[:8]))
-    hit = build_shared_library(src.text, path, cache_dir=cache_dir, opt_level=opt_level, line_map=src.lines)
+    n_units = min(default_jobs(), max(1, len(src.kernels) // 16))
+    whole, lines = src.units(1)[0]
+    hit = build_shared_library(whole, path, cache_dir=cache_dir, opt_level=opt_level, line_map=lines,
+                               units=src.units(n_units) if n_units > 1 else None)
     log.info("cpu library %s: %d ops, %d kernels, source %.2f s, %s %.2f s", path, len(src.symbols),
-             len(src.lines), t1 - t0, "cache hit" if hit else "compile", time.perf_counter() - t1)
+             len(src.kernels), t1 - t0, "cache hit" if hit else "compile", time.perf_counter() - t1)
     return dict(src.symbols)

@@ -468,13 +468,74 @@ def generic_kernel_body(op) -> str:
 
 @dataclass
 class CpuSource:
-    """A generated translation unit: ``text``, the exported symbol of every lowered op
-    (``symbols[op.name]``), the ops left out with the reason (``skipped``) and, for error messages,
-    the line range of each kernel (``lines[symbol] = (first, last, op names)``)."""
-    text: str
+    """Generated C++ for a kernel library.
+
+    ``header`` (helpers, GEMM) followed by ``kernels`` (``[(symbol, definition), ...]``) is the one
+    translation unit of the library (:attr:`text`); :meth:`units` cuts it into several units that
+    compile in parallel. ``symbols[op.name]`` is the exported symbol of every lowered op,
+    ``skipped[op.name]`` the reason an op was left out, ``users[symbol]`` the ops sharing a kernel.
+    """
+    header: str = ""
+    kernels: list = field(default_factory=list)
     symbols: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)
-    lines: dict = field(default_factory=dict)
+    users: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The whole library as one translation unit."""
+        return self.units(1)[0][0]
+
+    @property
+    def lines(self) -> dict:
+        """``{symbol: (first_line, last_line, op names)}`` in :attr:`text`."""
+        return self.units(1)[0][1]
+
+    def units(self, n: int) -> list[tuple[str, dict]]:
+        """The library as ``n`` translation units (kernels split by size; the exported library
+        helpers go to the first), each with its ``{symbol: (first, last, op names)}`` line map."""
+        n = max(1, min(n, len(self.kernels)))
+        groups: list[list] = [[] for _ in range(n)]
+        sizes = [0] * n
+        for sym, text in sorted(self.kernels, key=lambda kv: -len(kv[1])):
+            g = sizes.index(min(sizes))
+            groups[g].append((sym, text))
+            sizes[g] += len(text)
+        order = {sym: k for k, (sym, _) in enumerate(self.kernels)}
+        res = []
+        for g, group in enumerate(groups):
+            group.sort(key=lambda kv: order[kv[0]])
+            head = self.header + ("\n" + _LIBRARY_EXTRAS if g == 0 else "") + "\n"
+            line = head.count("\n") + 1
+            parts, lmap = [head], {}
+            for sym, text in group:
+                cnt = text.count("\n")
+                lmap[sym] = (line, line + cnt, list(self.users.get(sym, [])))
+                line += cnt + 1
+                parts.append(text)
+            res.append(("\n".join(parts), lmap))
+        return res
+
+
+#: Exported once per library: thread control and the GEMM's instruction set, for the runtime.
+_LIBRARY_EXTRAS = r"""// ---- library information ----
+SF_EXPORT int shardflow_num_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+SF_EXPORT void shardflow_set_num_threads(int n) {
+#if defined(_OPENMP)
+  if (n > 0) omp_set_num_threads(n);
+#endif
+}
+SF_EXPORT const char* shardflow_cpu_isa() {
+  const SfUkr& u = sf_ukr();
+  return u.nr == 32 ? "avx512" : (u.nr == 16 ? "avx2" : "generic");
+}
+"""
 
 
 def kernel_source(op, clones: bool = False) -> tuple[str, str]:
@@ -503,7 +564,7 @@ def _wants_clones(op, policy: str) -> bool:
 
 
 def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
-    """Generate the C++ translation unit for ``ops``.
+    """Generate the C++ for a library with the kernels of ``ops``.
 
     Parameters
     ----------
@@ -515,13 +576,10 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
         and v4 (AVX-512) and picks one when the library loads; ``"all"``/``"none"`` for every/no
         kernel.
     """
-    out = CpuSource("")
-    parts = [PRELUDE, _clones_macro()]
     from .templates_cpu import TEMPLATE_PRELUDE
-    parts.append(TEMPLATE_PRELUDE)
-    header_lines = sum(p.count("\n") for p in parts) + len(parts)
-    by_sym: dict[str, list] = {}
+    out = CpuSource("\n".join([PRELUDE, _clones_macro(), TEMPLATE_PRELUDE]))
     defs: dict[str, str] = {}
+    users: dict[str, list] = {}
     for op in ops:
         why = why_not_lowerable(op)
         if why is not None:
@@ -529,28 +587,19 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
             continue
         try:
             sym, text = kernel_source(op, _wants_clones(op, clones))
-        except CodegenError:
-            raise
         except RecursionError as e:  # pragma: no cover - pathological expression depth
             raise CodegenError(f"{op.name} ({op.op_type}): expression too deep to lower") from e
         out.symbols[op.name] = sym
         if sym not in defs:
             defs[sym] = text
-            by_sym[sym] = [op]
+            users[sym] = [op]
         else:
-            by_sym[sym].append(op)
-    body_parts = []
-    line = header_lines + 1
+            users[sym].append(op)
     for sym, text in defs.items():
-        users = by_sym[sym]
-        names = ", ".join(o.name for o in users[:4]) + (f" (+{len(users) - 4} more)" if len(users) > 4 else "")
-        comment = f"// {_signature_comment(users[0])}\n// ops: {names}\n"
-        chunk = comment + text
-        n = chunk.count("\n")
-        out.lines[sym] = (line, line + n, [o.name for o in users])
-        line += n + 1
-        body_parts.append(chunk)
-    out.text = "\n".join(parts) + "\n" + "\n".join(body_parts)
+        us = users[sym]
+        names = ", ".join(o.name for o in us[:4]) + (f" (+{len(us) - 4} more)" if len(us) > 4 else "")
+        out.kernels.append((sym, f"// {_signature_comment(us[0])}\n// ops: {names}\n" + text))
+        out.users[sym] = [o.name for o in us]
     return out
 
 

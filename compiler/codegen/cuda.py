@@ -50,6 +50,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -58,7 +59,7 @@ import numpy as np
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
                        UnaryOp, Var, affine_form, walk)
 from ..ir.graph import Operator
-from ..ir.task import GridCompute, TensorInput
+from ..ir.task import GridCompute
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .lower import CodegenError
 from .toolchain import CompileError, ToolchainError, default_cache_dir
@@ -83,7 +84,7 @@ class KernelLaunch:
         The kernel's ``extern "C"`` name in the cubin. Ops whose kernels are identical (same
         shapes, dtypes and attributes, as in repeated layers) share one symbol.
     grid, block
-        Launch dimensions.
+        Launch dimensions; launch with exactly these (kernels rely on their block size).
     shared_mem
         Dynamic shared memory bytes to pass at launch (the kernels use static shared memory only,
         so this is 0 today).
@@ -704,7 +705,6 @@ class _Emitter:
         if size == 0:
             return _literal(0, dt), dt
         wide = size > _I32[1]
-        it = "long long" if wide else "int"
         terms = []
         stride = 1
         strides = []
@@ -1305,7 +1305,7 @@ def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
     return default
 
 
-def _lower_gemm(op: Operator, gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
+def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names) -> tuple[str, dict]:
     em = _Emitter(an, reads, names)
     red = plan.red
@@ -1405,7 +1405,7 @@ def _lower_op(op: Operator, symbol: str) -> tuple[str, KernelLaunch]:
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an)
         if plan is not None:
-            src, cfg = _lower_gemm(op, gc, value, plan, symbol, param_text, "out0", an, reads, names)
+            src, cfg = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names)
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name,
                                   f"gemm-{plan.prec}")
             return src, launch
@@ -1453,8 +1453,8 @@ def generate_cuda_source(ops: Sequence[Operator]) -> CudaSource:
     Returns
     -------
     CudaSource
-        ``text`` (the ``.cu`` source), ``launches`` (by op name) and ``lines`` (the 1-based line
-        range of each op's kernel, for error messages).
+        ``text`` (the ``.cu`` source), ``launches`` (by op name; ops with identical kernels share a
+        symbol) and ``lines`` (the 1-based line range of each op's kernel, for error messages).
 
     Raises
     ------
@@ -1638,11 +1638,13 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         GPU architecture, ``sm_XX`` (``sm_90a`` for Hopper-specific instructions). No GPU is
         needed to compile.
     cache_dir
-        Kernel cache folder (default ``$SHARDFLOW_CACHE_DIR/cuda`` or ``~/.cache/shardflow/cuda``).
-        Entries are keyed by the sha256 of the source, the compile command and the compiler
-        version, so a second build of the same program does not recompile.
+        Kernel cache folder (default: the cpu target's, ``$SHARDFLOW_CACHE_DIR`` or
+        ``~/.cache/shardflow/kernels``). Entries (``<sha256>.cubin``) are keyed by the sha256 of
+        the source, the compile command and the compiler version, so a second build of the same
+        program does not recompile.
     compiler
-        ``"auto"`` (nvcc when found, else NVRTC through cupy), ``"nvcc"`` or ``"nvrtc"``.
+        ``"auto"`` (nvcc when found, else NVRTC through cupy), ``"nvcc"`` or ``"nvrtc"``. nvcc is
+        ``$SHARDFLOW_NVCC``, the one on ``PATH``, or ``$CUDA_HOME/bin/nvcc``.
 
     Returns
     -------
@@ -1652,16 +1654,21 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     Raises
     ------
     CudaCodegenError
-        if an op cannot be lowered, no CUDA compiler is available, or compilation fails (the
-        message names the ops whose kernels failed).
+        if an op cannot be lowered.
+    ToolchainError
+        if no CUDA compiler is available.
+    CompileError
+        if compilation fails; its ``ops`` (and message) name the ops whose kernels failed.
     """
-    src = generate_cuda_source(ops)
-    nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
-    if compiler == "nvcc" and nvcc is None:
-        raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
     if compiler not in ("auto", "nvcc", "nvrtc"):
         raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
     _arch_flags(arch)
+    t0 = time.perf_counter()
+    src = generate_cuda_source(ops)
+    t1 = time.perf_counter()
+    nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
+    if compiler == "nvcc" and nvcc is None:
+        raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
     if nvcc is not None:
         tool = " ".join(cuda_compile_command(arch, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
     else:
@@ -1673,8 +1680,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     key = hashlib.sha256((src.text + "\0" + tool).encode()).hexdigest()
     cache = cache_dir or default_cache_dir()
     cached = os.path.join(cache, key[:2], key + ".cubin")
-    if os.path.exists(cached):
-        log.info("CUDA kernels found in the cache (%s)", cached)
+    hit = os.path.exists(cached)
+    if hit:
         with open(cached, "rb") as f:
             data = f.read()
     else:
@@ -1684,4 +1691,7 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         except OSError as exc:  # a read-only cache must not fail the build
             log.warning("cannot write the kernel cache %s: %s", cached, exc)
     _atomic_write(path, data)
+    log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, arch, len(src.launches),
+             len({launch.symbol for launch in src.launches.values()}), t1 - t0, "cache hit" if hit else "compile",
+             time.perf_counter() - t1)
     return dict(src.launches)

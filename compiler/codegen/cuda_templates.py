@@ -187,23 +187,28 @@ def gemm_kernel(*, symbol: str, params: str, prec: str, M: int, N: int, K: int, 
     bs_bytes = BK * ldb * size
     smem = max(as_bytes + bs_bytes, WM * WN * 16 * ldc * 4)
     smem = (smem + 127) // 128 * 128
-    a_per = BM * BK // T
-    b_per = BK * BN // T
-    if a_k_fast:
-        a_rc = f"const int sf_r = sf_e / {BK}; const int sf_c = sf_e % {BK};"
-    else:
-        a_rc = f"const int sf_r = sf_e % {BM}; const int sf_c = sf_e / {BM};"
-    if b_n_fast:
-        b_rc = f"const int sf_r = sf_e / {BN}; const int sf_c = sf_e % {BN};"
-    else:
-        b_rc = f"const int sf_r = sf_e % {BK}; const int sf_c = sf_e / {BK};"
+    # Each thread owns runs of 4 consecutive elements along the operand's fast dimension (the one
+    # read with unit stride), so the 4 reads of a run share one address computation.
+    def mapping(fast_is_col: bool, rows: int, cols: int) -> tuple[int, str]:
+        fast, slow = (cols, rows) if fast_is_col else (rows, cols)
+        per_line = fast // 4
+        lines_per_pass = T // per_line
+        passes = slow // lines_per_pass
+        f = f"(threadIdx.x % {per_line}) * 4 + (sf_t & 3)"
+        sl = f"threadIdx.x / {per_line} + (sf_t >> 2) * {lines_per_pass}"
+        rc = (f"const int sf_r = {sl}; const int sf_c = {f};" if fast_is_col
+              else f"const int sf_r = {f}; const int sf_c = {sl};")
+        return passes * 4, rc
+
+    a_per, a_rc = mapping(a_k_fast, BM, BK)
+    b_per, b_rc = mapping(b_n_fast, BK, BN)
+    assert a_per == BM * BK // T and b_per == BK * BN // T
 
     def a_loader(k0: str) -> str:
         return f"""{{
   const int sf_k0 = {k0};
   #pragma unroll
   for (int sf_t = 0; sf_t < {a_per}; ++sf_t) {{
-    const int sf_e = threadIdx.x + sf_t * {T};
     {a_rc}
     const int sf_m = sf_m0 + sf_r;
     const int sf_k = sf_k0 + sf_c;
@@ -220,7 +225,6 @@ def gemm_kernel(*, symbol: str, params: str, prec: str, M: int, N: int, K: int, 
   const int sf_k0 = {k0};
   #pragma unroll
   for (int sf_t = 0; sf_t < {b_per}; ++sf_t) {{
-    const int sf_e = threadIdx.x + sf_t * {T};
     {b_rc}
     const int sf_k = sf_k0 + sf_r;
     const int sf_n = sf_n0 + sf_c;
@@ -234,13 +238,11 @@ def gemm_kernel(*, symbol: str, params: str, prec: str, M: int, N: int, K: int, 
 
     store_ab = f"""#pragma unroll
 for (int sf_t = 0; sf_t < {a_per}; ++sf_t) {{
-  const int sf_e = threadIdx.x + sf_t * {T};
   {a_rc}
   sf_As[sf_r * {lda} + sf_c] = {cvt.format("sf_ra[sf_t]")};
 }}
 #pragma unroll
 for (int sf_t = 0; sf_t < {b_per}; ++sf_t) {{
-  const int sf_e = threadIdx.x + sf_t * {T};
   {b_rc}
   sf_Bs[sf_r * {ldb} + sf_c] = {cvt.format("sf_rb_[sf_t]")};
 }}"""

@@ -33,7 +33,7 @@ from typing import Sequence
 from .lower import CodegenError
 
 __all__ = ["CompileError", "ToolchainError", "cxx_compiler", "compiler_version", "compile_flags", "default_cache_dir",
-           "build_shared_library"]
+           "default_jobs", "build_shared_library"]
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,60 @@ def _blame(stderr: str, src_name: str, line_map: dict | None) -> list[str]:
     return ops
 
 
+def default_jobs() -> int:
+    """Parallel compiler processes: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _run_compilers(cmds: list[list[str]], jobs: int) -> list[subprocess.CompletedProcess]:
+    """Run compiler commands, at most ``jobs`` at a time; results in order."""
+    results: list = [None] * len(cmds)
+    running: list[tuple[int, subprocess.Popen]] = []
+    pending = list(range(len(cmds)))
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                i = pending.pop(0)
+                running.append((i, subprocess.Popen(cmds[i], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                    text=True)))
+            i, p = running.pop(0)
+            out, err = p.communicate()
+            results[i] = subprocess.CompletedProcess(cmds[i], p.returncode, out, err)
+    except OSError as e:
+        raise ToolchainError(f"cannot run the C++ compiler {cmds[0][0]!r}: {e}") from e
+    finally:
+        for _, p in running:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def _compile_error(failures: list[tuple[str, str, dict]]) -> CompileError:
+    ops: list[str] = []
+    heads = []
+    for err, name, lmap in failures:
+        for o in _blame(err, name, lmap):
+            if o not in ops:
+                ops.append(o)
+        heads.append("\n".join(err.strip().splitlines()[:25]))
+    who = (f" for op(s) {', '.join(ops[:10])}" + (f" (+{len(ops) - 10} more)" if len(ops) > 10 else "")) if ops else ""
+    return CompileError(f"the C++ compiler failed{who}; generated code that does not compile is a Shardflow bug, "
+                        f"please report it with this message:\n" + "\n".join(heads), ops)
+
+
 def build_shared_library(source: str, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
-                         line_map: dict | None = None, extra_flags: Sequence[str] = ()) -> bool:
+                         line_map: dict | None = None, units: Sequence[tuple[str, dict]] | None = None,
+                         jobs: int | None = None, extra_flags: Sequence[str] = ()) -> bool:
     """Compile ``source`` into the shared library ``path``, through the cache.
 
     Parameters
     ----------
     source
-        The complete C++ translation unit.
+        The complete C++ translation unit (and the cache key's text).
     path
         Where the library is written (atomically: temporary file + rename).
     cache_dir
@@ -134,7 +180,11 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     opt_level
         See :func:`compile_flags`.
     line_map
-        ``{symbol: (first_line, last_line, op_names)}`` to name the ops in compiler errors.
+        ``{symbol: (first_line, last_line, op_names)}`` of ``source``, to name the ops in errors.
+    units
+        The same code cut into several translation units ``[(text, line_map), ...]``; they are
+        compiled in parallel (``jobs`` processes, default: the usable CPUs) and linked. The cache
+        key stays the one of ``source``.
     extra_flags
         Appended to the command line (and the cache key).
 
@@ -161,26 +211,31 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         log.info("kernel cache hit %s", cached)
         _atomic_copy(cached, path)
         return True
+    units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
+    jobs = jobs or default_jobs()
     with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
-        src = os.path.join(tmp, f"kernels_{key[:12]}.cpp")
-        with open(src, "w") as f:
-            f.write(source)
         out = os.path.join(tmp, "lib.so")
-        cmd = cxx.split() + flags + [src, "-o", out]
+        names, cmds = [], []
+        for i, (text, _) in enumerate(units):
+            src = os.path.join(tmp, f"kernels_{key[:12]}_{i}.cpp")
+            with open(src, "w") as f:
+                f.write(text)
+            names.append(os.path.basename(src))
+            if len(units) == 1:
+                cmds.append(cxx.split() + flags + [src, "-o", out])
+            else:
+                cmds.append(cxx.split() + [f for f in flags if f != "-shared"] + ["-c", src, "-o", src[:-4] + ".o"])
         t0 = time.perf_counter()
-        log.info("compiling %d lines of C++: %s", source.count("\n"), " ".join(cmd))
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise ToolchainError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
-        if res.returncode != 0:
-            err = res.stderr or res.stdout
-            ops = _blame(err, os.path.basename(src), line_map)
-            head = "\n".join(err.strip().splitlines()[:25])
-            who = f" for op(s) {', '.join(ops[:10])}" + (f" (+{len(ops) - 10} more)" if len(ops) > 10 else "") \
-                if ops else ""
-            raise CompileError(f"the C++ compiler failed{who} (exit {res.returncode}); generated code that does not "
-                               f"compile is a Shardflow bug, please report it with this message:\n{head}", ops)
+        log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(units), " ".join(cmds[0]))
+        results = _run_compilers(cmds, jobs)
+        failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, units) if r.returncode != 0]
+        if failures:
+            raise _compile_error(failures)
+        if len(units) > 1:
+            objs = [c[-1] for c in cmds]
+            link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + objs + ["-o", out]], 1)[0]
+            if link.returncode != 0:
+                raise _compile_error([(link.stderr or link.stdout, "", {})])
         log.info("compiled in %.1f s", time.perf_counter() - t0)
         fd, tmp_cached = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=cache_dir)
         os.close(fd)

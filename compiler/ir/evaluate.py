@@ -13,7 +13,7 @@ import numpy as np
 
 from .expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce,
                    TensorElement, UnaryOp, Var, walk)
-from .task import ExternCompute, GridCompute, Task, TensorInput
+from .task import GridCompute, Task
 
 __all__ = ["evaluate_task", "evaluate_compute"]
 

@@ -21,28 +21,16 @@ from .mesh import DeviceMesh
 from .placement import Partial, Shard, TensorShardSpec, chunk_bounds
 from .plan import ShardingPlan
 
-__all__ = ["partition", "local_bounds"]
+__all__ = ["partition"]
 
 
-def local_bounds(shape: tuple[int, ...], spec: TensorShardSpec, mesh: DeviceMesh,
-                 coord: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Per dim, the ``[start, stop)`` range rank ``coord`` holds under ``spec`` (a dim split by
-    several mesh axes is split by the lower-numbered axis first, then each piece by the next)."""
-    bounds = [(0, d) for d in shape]
-    for m, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
-            lo, hi = bounds[p.dim]
-            a, b = chunk_bounds(hi - lo, mesh.shape[m], coord[m])
-            bounds[p.dim] = (lo + a, lo + b)
-    return bounds
+def local_shape(shape, spec: TensorShardSpec, mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
+    return spec.local_shape(shape, mesh, rank)
 
 
-def local_shape(shape, spec, mesh, coord) -> tuple[int, ...]:
-    return tuple(b - a for a, b in local_bounds(shape, spec, mesh, coord))
-
-
-def _slice_constant(value: np.ndarray, spec: TensorShardSpec, mesh: DeviceMesh, coord) -> np.ndarray:
-    bounds = local_bounds(value.shape, spec, mesh, coord)
+def _slice_constant(value: np.ndarray, spec: TensorShardSpec, mesh: DeviceMesh, rank: int) -> np.ndarray:
+    bounds = spec.local_bounds(value.shape, mesh, rank)
+    coord = mesh.coord_of(rank)
     local = value[tuple(slice(a, b) for a, b in bounds)]
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.op == "sum" and coord[m] != 0:
@@ -71,7 +59,7 @@ class _RankBuilder:
         if key in self.local:
             return self.local[key]
         if t.is_constant:
-            val = _slice_constant(t.value, dst, self.mesh, self.coord)
+            val = _slice_constant(t.value, dst, self.mesh, self.rank)
             name = t.name if dst.is_replicated else f"{t.name}@{dst}"
             res = const_tensor(val, name)
         else:
@@ -99,7 +87,7 @@ class _RankBuilder:
         if st.kind == "reduce_scatter":
             return comm_ops.ReduceScatter([x], name=name, mesh_axis=m, dim=st.tensor_dim, op=st.reduce_op,
                                           group_size=n, group_index=j)
-        dst_shape = local_shape(t.shape, st.dst, self.mesh, self.coord)
+        dst_shape = local_shape(t.shape, st.dst, self.mesh, self.rank)
         if st.kind == "all_gather":
             return comm_ops.AllGather([x], name=name, mesh_axis=m, dim=st.tensor_dim,
                                       global_size=dst_shape[st.tensor_dim], group_size=n)
@@ -121,7 +109,7 @@ class _RankBuilder:
             if sp is None:
                 raise ShardflowError(f"partition: the plan has no spec for op {op.name}; re-plan this graph")
             ins = [self.get(t, s) for t, s in zip(op.inputs, sp.input_specs)]
-            out_shapes = [local_shape(t.shape, s, self.mesh, self.coord) for t, s in zip(op.outputs, sp.output_specs)]
+            out_shapes = [local_shape(t.shape, s, self.mesh, self.rank) for t, s in zip(op.outputs, sp.output_specs)]
             local_op = op.localize(ins, out_shapes)
             self.nodes.append(local_op)
             for t, lt, s in zip(op.outputs, local_op.outputs, sp.output_specs):

@@ -252,7 +252,7 @@ class ShardingPlan:
             f"# modeled cost {self.cost * 1e6:.2f} us = compute {self.compute_cost * 1e6:.2f} us "
             f"+ communication {self.comm_cost * 1e6:.2f} us",
             f"# memory per rank: {self.params_bytes:,} B parameters + {self.peak_activation_bytes:,} B peak activations",
-            f"# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
+            "# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
                                   or "none"),
         ]
         incoming: dict[str, list[Reshard]] = {}

@@ -23,6 +23,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from ..passes.simplify import attr_key
 from .rules import OpShardSpec, op_strategies, replicated_strategy
 
 __all__ = ["search", "Problem", "op_flops", "local_bytes"]
+
+if TYPE_CHECKING:
+    from .plan import ShardingPlan
 
 log = logging.getLogger(__name__)
 
@@ -549,15 +553,17 @@ def _follow(problem: Problem, pick) -> dict[int, OpShardSpec]:
     for op in problem.graph.nodes:
         cands = problem.strategies[id(op)]
         chosen = pick(op, cands, assign)
-        if chosen is None:
-            best_key, chosen = None, None
-            for c in cands:
-                comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
-                key = (comm + c.compute_cost, -c.parallelism)
-                if best_key is None or key < best_key:
-                    best_key, chosen = key, c
-        assign[id(op)] = chosen
+        assign[id(op)] = chosen if chosen is not None else _cheapest(problem, op, cands, assign)
     return assign
+
+
+def _cheapest(problem: Problem, op: Operator, cands: list[OpShardSpec], assign) -> OpShardSpec:
+    """The candidate with the least resharding + compute given the inputs' specs so far (most
+    parallel on ties)."""
+    def key(c):
+        comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
+        return comm + c.compute_cost, -c.parallelism
+    return min(cands, key=key)
 
 
 def _is_weight_matmul(op: Operator) -> int | None:
@@ -613,13 +619,7 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
                       if (sp := problem.source_spec(t, assign)) is not None and sp.partial_axes]
         if partial_in:
             ok = [c for c in ok if all(c.input_specs[k].is_replicated for k in partial_in)] or ok
-        best_key, best = None, None
-        for c in ok:
-            comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
-            key = (comm + c.compute_cost, -c.parallelism)
-            if best_key is None or key < best_key:
-                best_key, best = key, c
-        return best
+        return _cheapest(problem, op, ok, assign)
 
     return _follow(problem, restricted)
 
@@ -630,13 +630,7 @@ def _data_parallel(problem: Problem) -> dict[int, OpShardSpec]:
 
     def pick(op, cands, assign):
         ok = [c for c in cands if all(sp.is_replicated for t, sp in zip(op.inputs, c.input_specs) if t.is_constant)]
-        best_key, best = None, None
-        for c in ok:
-            comm = sum(problem.edge_cost(t, sp, assign) for t, sp in zip(op.inputs, c.input_specs))
-            key = (comm + c.compute_cost, -c.parallelism)
-            if best_key is None or key < best_key:
-                best_key, best = key, c
-        return best
+        return _cheapest(problem, op, ok, assign)
 
     return _follow(problem, pick)
 

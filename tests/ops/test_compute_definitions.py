@@ -3,25 +3,19 @@
 Each module of ``shardflow.compiler.ops`` provides ``examples(rng)``: small instances
 ``(op class, input arrays, attrs)``. Every op class in the library must appear there.
 """
-import importlib
-import pkgutil
-
 import numpy as np
 import pytest
+from op_examples import op_examples
 
-import shardflow.compiler.ops as ops_pkg
 from shardflow.compiler.ir import const_tensor, evaluate_task
 from shardflow.compiler.ops import all_ops
 
 
 def _examples():
     res = []
-    for m in pkgutil.iter_modules(ops_pkg.__path__):
-        mod = importlib.import_module(f"{ops_pkg.__name__}.{m.name}")
-        if hasattr(mod, "examples"):
-            for k, (cls, arrays, attrs) in enumerate(mod.examples(np.random.default_rng(0))):
-                desc = ",".join(f"{a}={v}" for a, v in sorted(attrs.items()) if not isinstance(v, np.ndarray))
-                res.append(pytest.param(cls, arrays, attrs, id=f"{cls.op_type}-{k}-{desc[:40]}"))
+    for _, k, cls, arrays, attrs in op_examples():
+        desc = ",".join(f"{a}={v}" for a, v in sorted(attrs.items()) if not isinstance(v, np.ndarray))
+        res.append(pytest.param(cls, arrays, attrs, id=f"{cls.op_type}-{k}-{desc[:40]}"))
     return res
 
 

@@ -5,13 +5,10 @@ generate on a mesh, the op alone is planned with that strategy, partitioned into
 (with the collectives that resolve Partial outputs and reshard inputs) and simulated; the result
 must equal the op's unsharded result.
 """
-import importlib
-import pkgutil
-
 import numpy as np
 import pytest
+from op_examples import op_examples
 
-import shardflow.compiler.ops as ops_pkg
 from shardflow.compiler.ir import FlowGraph, Tensor
 from shardflow.compiler.parallel import partition, simulate
 from shardflow.compiler.parallel.config import DistributedConfig
@@ -23,13 +20,7 @@ MESHES = [(2,), (3,), (2, 2)]
 
 
 def _examples():
-    res = []
-    for m in pkgutil.iter_modules(ops_pkg.__path__):
-        mod = importlib.import_module(f"{ops_pkg.__name__}.{m.name}")
-        if hasattr(mod, "examples"):
-            for k, (cls, arrays, attrs) in enumerate(mod.examples(np.random.default_rng(0))):
-                res.append(pytest.param(cls, arrays, attrs, id=f"{m.name}-{cls.op_type}-{k}"))
-    return res
+    return [pytest.param(cls, arrays, attrs, id=f"{mod}-{cls.op_type}-{k}") for mod, k, cls, arrays, attrs in op_examples()]
 
 
 def _single_op_graph(cls, arrays, attrs):

@@ -1,18 +1,14 @@
 """The planner against analytic optima: Megatron's MLP plan under a memory budget, axis choice
 on a mesh with a slow axis, determinism, layer aliasing, baselines, plan I/O and config errors."""
 import json
-import os
-import sys
 from collections import Counter
 
 import numpy as np
 import pytest
+from models import mlp
 
 from shardflow.compiler import ConfigError, ShardflowError, load_onnx
 from shardflow.compiler.parallel import ShardingPlan, partition, search, simulate
-
-sys.path.insert(0, os.path.dirname(__file__))
-from models import mlp  # noqa: E402
 
 LAYERS = 4
 
