@@ -18,7 +18,7 @@ from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from . import comm_ops
 from .connect import connect
 from .mesh import DeviceMesh
-from .placement import Partial, Shard, TensorShardSpec, chunk_bounds
+from .placement import Partial, TensorShardSpec, chunk_bounds
 from .plan import ShardingPlan
 
 __all__ = ["partition"]
