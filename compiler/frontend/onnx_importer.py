@@ -58,7 +58,9 @@ def read_model(model: "str | os.PathLike | bytes | onnx.ModelProto") -> onnx.Mod
     if not proto.graph.node and not proto.graph.output:
         raise ModelFormatError(f"{where}: not an ONNX model (no graph); is this the right file?")
     try:
-        onnx.checker.check_model(proto)
+        # A path is checked by onnx's C++ loader directly, sparing a 1-2 s re-serialization of
+        # large models; protos and bytes are checked as protos.
+        onnx.checker.check_model(where if isinstance(model, (str, os.PathLike)) else proto)
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ModelFormatError(f"{where}: fails onnx.checker: {' '.join(msg)[:800]}; fix or re-export the model") \
