@@ -25,7 +25,7 @@ import numpy as np
 
 from ..ir.expr import BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var
 from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, Declare, FlatLoop, If, Kernel, Let,
-                    Local, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable, promote)
+                    Local, LocalArray, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable, promote)
 from .prelude_cpu import PRELUDE
 
 __all__ = ["generate_cpu_source", "CpuSource", "kernel_source", "STORAGE_CTYPE", "COMPUTE_CTYPE"]
@@ -135,7 +135,14 @@ class _Printer:
     def var(self, v: Var) -> str:
         n = self.var_names.get(id(v))
         if n is None:
-            base = v.name if re.fullmatch(r"[ikm]\d+(_\d+)?", v.name) else "v_" + re.sub(r"\W", "_", v.name)
+            if v.kind == "reduce":
+                # reduction variables get per-kernel names in order of use (the IR numbers them
+                # process-wide), so the same op always prints the same text: same symbol, cache hits
+                base = f"k{sum(1 for x in self.used_names if x.startswith('k'))}"
+            elif re.fullmatch(r"[im]\d+(_\d+)?", v.name):
+                base = v.name
+            else:
+                base = "v_" + re.sub(r"\W", "_", v.name)
             n, j = base, 2
             while n in self.used_names:
                 n, j = f"{base}_{j}", j + 1
@@ -194,7 +201,7 @@ class _Printer:
         if isinstance(e, TensorElement):
             buf: Buffer = e.tensor
             s = f"{buf.name}[{self.index(buf, e.indices)}]"
-            if buf.role == "temp":
+            if buf.role in ("temp", "local"):
                 return s
             if buf.dtype == "float16":
                 return f"(float){s}"
@@ -309,11 +316,11 @@ class _Printer:
         elif isinstance(s, Store):
             buf = s.buffer
             target = f"{buf.name}[{self.index(buf, s.indices)}]"
-            if buf.dtype == "float16" and buf.role != "temp":
+            if buf.dtype == "float16" and buf.role not in ("temp", "local"):
                 src = self.dt(s.value)
                 v = self.expr(s.value) if src is not None and _kind(src) == "f" else self.expr(s.value, "float32")
                 self.emit(f"{target} = (_Float16)({v});", depth)
-            elif buf.dtype == "bool" and buf.role != "temp":
+            elif buf.dtype == "bool" and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = (uint8_t)({self.expr(s.value, 'bool')});", depth)
             else:
                 self.emit(f"{target} = {self.expr(s.value, buf.dtype)};", depth)
@@ -324,6 +331,9 @@ class _Printer:
                 self.emit("} else {", depth)
                 self.stmts(s.other, depth + 1)
             self.emit("}", depth)
+        elif isinstance(s, LocalArray):
+            b = s.buffer
+            self.emit(f"alignas(64) {COMPUTE_CTYPE[b.dtype]} {b.name}[{b.size}];", depth)
         elif isinstance(s, Loop):
             self.loop(s, depth)
         elif isinstance(s, FlatLoop):
@@ -545,6 +555,8 @@ def kernel_source(op, clones: bool = False) -> tuple[str, str]:
     body = template_body(op)
     if body is None:
         body = generic_kernel_body(op)
+    else:
+        clones = False  # a template's kernel only calls the GEMM, which dispatches on the CPU itself
     attr = "SF_CLONES " if clones else ""
     digest = hashlib.sha256((attr + body).encode()).hexdigest()[:16]
     sym = f"sf_{re.sub(r'[^a-z0-9]', '', op.op_type.lower())[:24]}_{digest}"

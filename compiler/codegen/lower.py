@@ -37,7 +37,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfTh
 from ..ir.task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["CodegenError", "Buffer", "Local", "Kernel", "Loop", "FlatLoop", "Block", "Let", "Declare", "Assign",
-           "Accumulate", "Store", "If", "Comment", "lower_task", "lowerable", "why_not_lowerable", "value_dtype",
+           "Accumulate", "Store", "If", "Comment", "LocalArray", "lower_task", "lowerable", "why_not_lowerable", "value_dtype",
            "SUPPORTED_DTYPES", "FLOAT_FUNCS"]
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ FLOAT_FUNCS = frozenset({"exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "as
 _BOOL_BINARY = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor"})
 _BOOL_UNARY = frozenset({"not", "isnan", "isinf", "isposinf", "isneginf"})
 _CMP = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+#: Functions worth caching a row of values for (see ``_NestLowerer._row_caches``).
+_COSTLY = frozenset({"exp", "log", "tanh", "erf", "sigmoid", "sin", "cos", "log1p", "expm1"})
 
 #: Largest temporary (bytes) a materialized reduction may use; larger ones are recomputed inline.
 MAX_TEMP_BYTES = 1 << 28
@@ -191,6 +193,12 @@ class If:
 @dataclass
 class Comment:
     text: str
+
+
+@dataclass
+class LocalArray:
+    """Declare a small array local to the current scope (``buffer.role == "local"``)."""
+    buffer: Buffer
 
 
 @dataclass
@@ -416,9 +424,11 @@ class _Interner:
             v = self.table[t] = len(self.table)
         return v
 
-    def key(self, e: Expr, free_order: Sequence[Var] = (), memo: dict | None = None) -> int:
+    def key(self, e: Expr, free_order: Sequence[Var] = (), memo: dict | None = None,
+            opaque: frozenset = frozenset()) -> int:
         """Key of ``e`` with ``free_order[p]`` renamed to position ``p`` and bound (reduction)
-        variables numbered in traversal order; other variables keep their identity."""
+        variables numbered in traversal order; other variables, and the nodes whose ids are in
+        ``opaque``, keep their identity."""
         memo = {} if memo is None else memo
         pos = {id(v): p for p, v in enumerate(free_order)}
         bound: dict[int, int] = {}
@@ -427,7 +437,9 @@ class _Interner:
             k = id(x)
             if k in memo:
                 return memo[k][1]
-            if isinstance(x, Var):
+            if k in opaque:
+                t = ("O", k)
+            elif isinstance(x, Var):
                 if id(x) in pos:
                     t = ("F", pos[id(x)])
                 elif id(x) in bound:
@@ -789,8 +801,7 @@ class _NestLowerer:
         temp = Buffer(f"tmp{len(kl.temps)}", [v.extent for v in order], dt, "temp", len(kl.temps))
         kl.temps.append(temp)
         sub = _NestLowerer(kl, new_axes, value, temp)
-        self.pre.append(Comment(f"{temp.name}[{', '.join(v.name for v in order)}] = {R.op} over "
-                                f"{', '.join(f'{v.name}<{v.extent}' for v in R.vars)}"))
+        self.pre.append(Comment(f"{temp.name}{list(temp.shape)} = {R.op} over {[v.extent for v in R.vars]} values"))
         self.pre.extend(sub.lower())
         kl.temp_cache[ckey] = temp
         return TensorElement(temp, tuple(order))
@@ -801,12 +812,13 @@ class _NestLowerer:
         if any(a.extent == 0 for a in axes):
             return []
         value = self._rewrite(self.value, _Ctx(axes, True))
+        value, rows = self._row_caches(value)
         em = _Emitter(self.kl, value)
+        em.row_cache = {id(r): buf for r, buf in rows}
         out: list = list(self.pre)
         body: list = []
         em.block = body
-        for r in self.hoisted.get(0, []):
-            em.emit(r)
+        self._emit_hoisted(em, 0, rows)
         if n == 0:
             v = em.emit(value)
             body.append(Store(self.target, (), v))
@@ -820,16 +832,14 @@ class _NestLowerer:
         body.append(flat)
         em.push_scope(flat.body)
         for L in range(1, c + 1):
-            for r in self.hoisted.get(L, []):
-                em.emit(r)
+            self._emit_hoisted(em, L, rows)
         loops_opened = 0
         for d in range(c, n):
             loop = Loop(axes[d], axes[d].extent, [])
             em.block.append(loop)
             em.push_scope(loop.body)
             loops_opened += 1
-            for r in self.hoisted.get(d + 1, []):
-                em.emit(r)
+            self._emit_hoisted(em, d + 1, rows)
         v = em.emit(value)
         em.block.append(Store(self.target, tuple(axes), v))
         for _ in range(loops_opened + 1):
@@ -841,6 +851,57 @@ class _NestLowerer:
                 inner.parallel = True
         out.append(Block(body))
         return out
+
+    def _emit_hoisted(self, em: "_Emitter", level: int, rows: list):
+        hoisted = self.hoisted.get(level, [])
+        for r, buf in rows:
+            if any(h is r for h in hoisted):
+                em.block.append(LocalArray(buf))
+        for r in hoisted:
+            em.emit(r)
+
+    def _row_caches(self, value: Expr) -> tuple[Expr, list]:
+        """Keep a per-row reduction's element values when the output needs them again.
+
+        Softmax sums ``exp(x[.., k] - max)`` over the last axis and then divides
+        ``exp(x[.., i] - max)`` by the sum: the same values with ``k`` renamed to the innermost
+        output axis. The sum's loop stores them in a row array (a local of the row's iteration,
+        so threads never share it) and the output loop reads them back instead of recomputing the
+        exponentials. Only for bodies with a costly function and rows of at most 64 KiB.
+        """
+        axes, n = self.axes, len(self.axes)
+        cands = self.hoisted.get(n - 1, []) if n >= 1 else []
+        if not cands:
+            return value, []
+        last = axes[-1]
+        kl = self.kl
+        opaque = frozenset(id(r) for rs in self.hoisted.values() for r in rs)
+        vmemo: dict = {}
+        vkeys = {}
+        for node in walk(value):
+            if isinstance(node, (Var, Const, Local, Reduce)) or id(node) in opaque:
+                continue
+            if last not in free_vars(node, self.fv_memo):
+                continue
+            vkeys.setdefault(kl.interner.key(node, axes, vmemo, opaque), node)
+        rows, repl = [], {}
+        for r in cands:
+            if len(r.vars) != 1 or r.vars[0].extent != last.extent or r.op not in ("sum", "mean", "prod", "max", "min"):
+                continue
+            if not any(isinstance(x, UnaryOp) and x.op in _COSTLY or isinstance(x, BinOp) and x.op == "pow"
+                       for x in walk(r.body)):
+                continue
+            kb = kl.interner.key(r.body, tuple(axes[:n - 1]) + (r.vars[0],), None, opaque - {id(r)})
+            node = vkeys.get(kb)
+            dt = value_dtype(r.body, kl.dtypes)
+            if node is None or dt is None or id(node) in repl or last.extent * 8 > (1 << 16):
+                continue
+            buf = Buffer(f"row{next(kl.counter)}", (last.extent,), dt, "local", 0)
+            rows.append((r, buf))
+            repl[id(node)] = TensorElement(buf, (last,))
+        if not repl:
+            return value, []
+        return transform(value, lambda old, new: repl.get(id(old))), rows
 
     def _work_estimate(self, value: Expr) -> int:
         """Rough scalar-operation count of the nest: elements × (1 + reduction trip counts)."""
@@ -862,6 +923,7 @@ class _Emitter:
         self.blocks: list[list] = []
         self.block: list = []
         self.ranges = _Ranges(kl.interner, kl.dtypes)
+        self.row_cache: dict[int, Buffer] = {}
 
     # scopes ---------------------------------------------------------------------------------
     def push_scope(self, block: list):
@@ -1013,6 +1075,11 @@ class _Emitter:
             self.push_scope(lp.body)
             loops.append(lp)
         val = self.emit(R.body)
+        row = self.row_cache.get(id(R))
+        if row is not None:
+            if not isinstance(val, (Var, Const, Local)):
+                val = self.new_local(self.dtype(R.body) or "float64", val)
+            self.block.append(Store(row, (R.vars[0],), val))
         self.block.append(Accumulate(acc, R.op, val, idx, R.vars[0] if idx is not None else None))
         for _ in R.vars:
             self.pop_scope()

@@ -158,7 +158,10 @@ template <class T> SF_INLINE T sf_sign(T a) {
   else return T(a > 0);
 }
 template <class T> SF_INLINE T sf_reciprocal(T a) {
-  if constexpr (std::numeric_limits<T>::is_integer) return a == 0 ? T(0) : T(T(1) / a);
+  // numpy: 1 // 0 gives the minimum for 32- and 64-bit signed ints, else 0
+  if constexpr (std::numeric_limits<T>::is_integer)
+    return a == 0 ? ((std::numeric_limits<T>::is_signed && sizeof(T) >= 4) ? std::numeric_limits<T>::min() : T(0))
+                  : T(T(1) / a);
   else return T(1) / a;
 }
 

@@ -8,7 +8,8 @@ its own ``target`` attribute, so the library still loads on any x86-64. Threads 
 packing and the C tiles; small products run on the calling thread. Batched matmuls split the batch
 across threads when each product is small. ``M == 1`` (a row vector times a matrix) skips packing.
 
-Conv is im2col (skipped for 1×1, stride 1, no padding) followed by the GEMM per image and group,
+Conv is a GEMM per image and group, ``w[OCG, C*KH*KW] @ im2col(x)``, whose B panels are packed
+straight from the image (no im2col buffer; a 1×1, stride-1, unpadded conv uses the image as B),
 with the bias added in the GEMM's epilogue. Depthwise and 3-D convolutions use the generic loop
 nest. Every other op, and other dtypes, use the generic lowering.
 """
@@ -226,21 +227,12 @@ static void sf_gemv_row(int64_t N, int64_t K, const float* __restrict__ A, int64
 // A is packed once for all of K; B per chunk of SF_NC columns; each thread owns C tiles and runs the
 // whole K loop on a tile, so the tile stays in its cache.
 constexpr int64_t SF_NC = 4096;
-static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
-                     const float* B, int64_t rsb, int64_t csb, float* C, int64_t ldc, float alpha,
-                     const float* bias, int64_t rbs, int64_t cbs, bool allow_parallel) {
-  if (M <= 0 || N <= 0) return;
-  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
-  if (K <= 0) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
-    sf_gemm_epilogue(C, ldc, 0, M, 0, N, alpha, bias, rbs, cbs);
-    return;
-  }
-  if (M == 1 && csb == 1) {
-    sf_gemv_row(N, K, A, csa, B, rsb, C, alpha, bias, cbs, par);
-    return;
-  }
+// pack_b(jc, nc, p, nr, k0, kc, Bp): pack columns jc + [p*nr, p*nr + nr) (of the nc-column chunk at jc,
+// zero past nc) and rows [k0, k0 + kc) of B into Bp as [kc][nr]
+template <class PackB>
+static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
+                            const PackB& pack_b, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
+                            int64_t cbs, bool par) {
   const SfUkr& u = sf_ukr();
   const int64_t mr = u.mr, nr = u.nr;
   const int64_t nkb = (K + SF_KC - 1) / SF_KC;
@@ -262,21 +254,25 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
     for (int64_t jc = 0; jc < N; jc += SF_NC) {
       const int64_t nc = std::min<int64_t>(SF_NC, N - jc);
       const int64_t np = (nc + nr - 1) / nr;
-      const float* Bc = B + jc * csb;
       #pragma omp for collapse(2) schedule(static)
       for (int64_t kb = 0; kb < nkb; ++kb)
         for (int64_t p = 0; p < np; ++p) {
           const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-          sf_pack_b(Bc, rsb, csb, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
+          pack_b(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
         }
-      int64_t mpt = std::max<int64_t>(1, std::min<int64_t>(mp, 96 / mr));   // m panels per tile
-      int64_t npt = std::max<int64_t>(1, std::min<int64_t>(np, 256 / nr));  // n panels per tile
-      while (nt > 1 && ((mp + mpt - 1) / mpt) * ((np + npt - 1) / npt) < 2 * nt && (mpt > 1 || npt > 1)) {
-        if (npt >= mpt && npt > 1) npt = (npt + 1) / 2; else mpt = (mpt + 1) / 2;
+      // tiles of at most ~96 rows x 256 columns, equal sized, and (with threads) at least 4 per thread
+      // where the panels allow it; threads take tiles dynamically
+      int64_t ntm = (mp * mr + 95) / 96, ntn = (np * nr + 255) / 256;
+      ntm = std::max<int64_t>(1, std::min(ntm, mp));
+      ntn = std::max<int64_t>(1, std::min(ntn, np));
+      while (nt > 1 && ntm * ntn < 4 * nt && (ntm < mp || ntn < np)) {
+        if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
       }
-      const int64_t ntm = (mp + mpt - 1) / mpt, ntn = (np + npt - 1) / npt;
+      const int64_t mpt = (mp + ntm - 1) / ntm, npt = (np + ntn - 1) / ntn;  // panels per tile
+      ntm = (mp + mpt - 1) / mpt;
+      ntn = (np + npt - 1) / npt;
       float* Cc = C + jc;
-      #pragma omp for collapse(2) schedule(static)
+      #pragma omp for collapse(2) schedule(dynamic, 1)
       for (int64_t tm = 0; tm < ntm; ++tm) {
         for (int64_t tn = 0; tn < ntn; ++tn) {
           const int64_t ip0 = tm * mpt, ip1 = std::min(mp, ip0 + mpt);
@@ -300,6 +296,79 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
       }
     }
   }
+}
+
+static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
+                     const float* B, int64_t rsb, int64_t csb, float* C, int64_t ldc, float alpha,
+                     const float* bias, int64_t rbs, int64_t cbs, bool allow_parallel) {
+  if (M <= 0 || N <= 0) return;
+  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
+  if (K <= 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
+    sf_gemm_epilogue(C, ldc, 0, M, 0, N, alpha, bias, rbs, cbs);
+    return;
+  }
+  if (M == 1 && csb == 1) {
+    sf_gemv_row(N, K, A, csa, B, rsb, C, alpha, bias, cbs, par);
+    return;
+  }
+  auto pack = [=](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
+    sf_pack_b(B + jc * csb, rsb, csb, nc, p, nr, k0, kc, Bp);
+  };
+  sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, par);
+}
+
+// One image (and group) of a 2-D convolution as a GEMM whose B operand, the im2col matrix
+// B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
+// is packed straight from the image: no im2col buffer, one pass less over memory.
+struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
+
+static void sf_pack_b_conv(const float* __restrict__ x, const SfConvGeom& g, int64_t j0, int64_t cols, int64_t nr,
+                           int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const int64_t r = k0 + k;
+    const int64_t kw = r % g.KW, kh = (r / g.KW) % g.KH, c = r / (g.KW * g.KH);
+    const float* xc = x + c * g.H * g.W;
+    float* dst = Bp + k * nr;
+    const int64_t off = kw * g.DW - g.PL;
+    // output columns ow with 0 <= ow*SW + off < W
+    const int64_t lo = off >= 0 ? 0 : (-off + g.SW - 1) / g.SW;
+    const int64_t hi = g.W - off <= 0 ? 0 : (g.W - off + g.SW - 1) / g.SW;
+    int64_t j = 0, oh = j0 / g.OW, ow = j0 % g.OW;
+    while (j < cols) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
+      float* d = dst + j;
+      if (ih < 0 || ih >= g.H) {
+        for (int64_t t = 0; t < seg; ++t) d[t] = 0.0f;
+      } else {
+        const float* xr = xc + ih * g.W;
+        const int64_t a = std::min(seg, std::max<int64_t>(0, lo - ow));
+        const int64_t b = std::max(a, std::min(seg, hi - ow));
+        for (int64_t t = 0; t < a; ++t) d[t] = 0.0f;
+        if (g.SW == 1) { const float* src = xr + ow + off; for (int64_t t = a; t < b; ++t) d[t] = src[t]; }
+        else { for (int64_t t = a; t < b; ++t) d[t] = xr[(ow + t) * g.SW + off]; }
+        for (int64_t t = b; t < seg; ++t) d[t] = 0.0f;
+      }
+      j += seg;
+      ow = 0;
+      ++oh;
+    }
+    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+  }
+}
+
+// y[OCG, OH*OW] = w[OCG, C*KH*KW] @ im2col(x) + bias
+static void sf_conv2d_gemm(const float* x, const SfConvGeom& g, const float* w, int64_t ocg, float* y,
+                           const float* bias) {
+  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
+  const bool par = sf_max_threads() > 1 && (double)ocg * P * K >= 262144.0;
+  auto pack = [x, &g](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
+    const int64_t j0 = jc + p * nr;
+    sf_pack_b_conv(x, g, j0, std::min(nr, nc - p * nr), nr, k0, kc, Bp);
+  };
+  sf_sgemm_packed(ocg, P, K, w, K, 1, pack, y, P, 1.0f, bias, 1, 0, par);
 }
 
 // Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)
@@ -331,31 +400,6 @@ static void sf_sgemm_batched(int nb, const int64_t* bshape, const int64_t* astr,
       int64_t ao, bo, co;
       offsets(b, ao, bo, co);
       sf_sgemm(M, N, K, A + ao, rsa, csa, B + bo, rsb, csb, C + co, ldc, alpha, bias, rbs, cbs, true);
-    }
-  }
-}
-
-// cols[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 outside)
-static void sf_im2col(const float* __restrict__ x, int64_t C, int64_t H, int64_t W, int64_t KH, int64_t KW,
-                      int64_t SH, int64_t SW, int64_t DH, int64_t DW, int64_t PT, int64_t PL, int64_t OH, int64_t OW,
-                      float* __restrict__ cols) {
-  const int64_t rows = C * KH * KW, P = OH * OW;
-  #pragma omp parallel for schedule(static) if (rows * P >= (1 << 16))
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t kw = r % KW, kh = (r / KW) % KH, c = r / (KW * KH);
-    const float* xc = x + c * H * W;
-    float* dst = cols + r * P;
-    for (int64_t oh = 0; oh < OH; ++oh) {
-      const int64_t ih = oh * SH + kh * DH - PT;
-      float* d = dst + oh * OW;
-      if (ih < 0 || ih >= H) { for (int64_t ow = 0; ow < OW; ++ow) d[ow] = 0.0f; continue; }
-      const float* xr = xc + ih * W;
-      const int64_t off = kw * DW - PL;
-      if (SW == 1) {
-        for (int64_t ow = 0; ow < OW; ++ow) { const int64_t iw = ow + off; d[ow] = (iw >= 0 && iw < W) ? xr[iw] : 0.0f; }
-      } else {
-        for (int64_t ow = 0; ow < OW; ++ow) { const int64_t iw = ow * SW + off; d[ow] = (iw >= 0 && iw < W) ? xr[iw] : 0.0f; }
-      }
     }
   }
 }
@@ -444,7 +488,7 @@ def _matmul(op) -> str | None:
 def _gemm(op) -> str | None:
     ta, tb = bool(op.attrs.get("trans_a", False)), bool(op.attrs.get("trans_b", False))
     alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
-    a, b = op.inputs[0].shape, op.inputs[1].shape
+    a = op.inputs[0].shape
     M, N = op.outputs[0].shape
     K = a[0] if ta else a[1]
     rsa, csa = (1, M) if ta else (K, 1)
@@ -510,20 +554,20 @@ def _conv(op) -> str | None:
     lines = _args(op)
     bias = "in2 + g * %d" % ocg if len(op.inputs) > 2 else "nullptr"
     lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
-                 + (" (1x1: no im2col)" if direct else f" via im2col ({KH}x{KW}, stride {SH}x{SW}, dilation "
-                                                       f"{DH}x{DW}, pad {PT},{PL})"))
+                 + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({KH}x{KW}, "
+                                                          f"stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL})"))
     if not direct:
-        lines.append(f"  float* __restrict__ cols = static_cast<float*>(sf_workspace(3, {max(KK * P, 1) * 4}));")
+        lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
+                     f"{OH}, {OW}}};")
     lines.append(f"  for (int64_t n = 0; n < {Nb}; ++n) {{")
     lines.append(f"    for (int64_t g = 0; g < {g}; ++g) {{")
     lines.append(f"      const float* xg = in0 + (n * {C} + g * {icg}) * {H * W};")
+    lines.append(f"      float* yg = out0 + (n * {oc} + g * {ocg}) * {P};")
     if direct:
-        src = "xg"
+        lines.append(f"      sf_sgemm({ocg}, {P}, {KK}, in1 + g * {ocg * KK}, {KK}, 1, xg, {P}, 1, yg, {P}, 1.0f, {bias}, "
+                     f"1, 0, true);")
     else:
-        lines.append(f"      sf_im2col(xg, {icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, {OH}, {OW}, cols);")
-        src = "cols"
-    lines.append(f"      sf_sgemm({ocg}, {P}, {KK}, in1 + g * {ocg * KK}, {KK}, 1, {src}, {P}, 1, "
-                 f"out0 + (n * {oc} + g * {ocg}) * {P}, {P}, 1.0f, {bias}, 1, 0, true);")
+        lines.append(f"      sf_conv2d_gemm(xg, geom, in1 + g * {ocg * KK}, {ocg}, yg, {bias});")
     lines.append("    }")
     lines.append("  }")
     return "\n".join(lines)

@@ -1,0 +1,516 @@
+"""Generated C++ kernels (target="cpu") agree with the ops' numpy implementations.
+
+Every op example of every ``shardflow.compiler.ops`` module (``tests/op_examples.py``, as in
+``tests/ops/test_compute_definitions.py``) plus larger cases that reach the GEMM tiling, the
+threaded loops and the AVX2/AVX-512 clones are compiled into ONE library per test session and run
+through the kernel ABI with ctypes.
+"""
+import ctypes
+import os
+import time
+
+import numpy as np
+import pytest
+from op_examples import op_examples
+
+from shardflow.compiler.codegen import (CompileError, build_cpu_library, generate_cpu_source, lower_task, lowerable,
+                                        why_not_lowerable)
+from shardflow.compiler.codegen import lower as lower_mod
+from shardflow.compiler.codegen import toolchain
+from shardflow.compiler.errors import ShardflowError
+from shardflow.compiler.ir import Operator, Tensor, const_tensor
+from shardflow.compiler.ir.expr import BinOp, UnaryOp
+from shardflow.compiler.ir.task import compute
+from shardflow.compiler.ops.conv import Conv
+from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
+from shardflow.compiler.ops.linalg import Attention, Gemm, MatMul
+from shardflow.compiler.ops.norm import LayerNorm
+from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax, TopK
+from shardflow.compiler.ops.transform import Concat, Gather, Transpose
+from shardflow.compiler.parallel.comm_ops import AllReduce
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="the cpu kernels are built with a POSIX C++ toolchain")
+
+
+# --------------------------------------------------------------------------- cases
+def _examples():
+    res = []
+    for mod, k, cls, arrays, attrs in op_examples():
+        desc = ",".join(f"{a}={v}" for a, v in sorted(attrs.items()) if not isinstance(v, np.ndarray))
+        res.append((f"{cls.op_type}-{mod}-{k}-{desc[:40]}", cls, arrays, attrs))
+    return res
+
+
+def _t(shape, dtype="float32"):
+    return Tensor("t", shape, dtype)
+
+
+def _rand(rng, t):
+    if t.dtype == "bool":
+        return rng.random(t.shape) > 0.4
+    if np.dtype(t.dtype).kind in "iu":
+        return rng.integers(-3, 4, t.shape).astype(t.dtype)
+    return rng.standard_normal(t.shape).astype(t.dtype)
+
+
+def _large():
+    """Shapes past the GEMM blocking (K > 256, M and N off the 12x32 / 6x16 tiles), threaded loops
+    and reductions long enough to use the vectorized paths."""
+    ops = [
+        MatMul([_t((2, 37, 300)), _t((300, 77))]),                    # batch folded into M, two K blocks
+        MatMul([_t((3, 1, 29, 40)), _t((5, 40, 33))]),                # broadcast batch dims
+        MatMul([_t((1, 300)), _t((300, 129))]),                       # M == 1 (no packing)
+        MatMul([_t((300,)), _t((4, 300, 50))]),                       # vector @ batched matrix
+        MatMul([_t((50, 300)), _t((300,))]),                          # matrix @ vector
+        Gemm([_t((300, 45)), _t((70, 300)), _t((70,))], trans_a=True, trans_b=True, alpha=0.5, beta=2.0),
+        Gemm([_t((64, 96)), _t((96, 80)), _t((64, 1))], beta=0.25),
+        Conv([_t((2, 8, 17, 15)), _t((12, 4, 3, 3)), _t((12,))], group=2, pads=(1, 2, 0, 1), strides=(2, 1),
+             dilations=(1, 2)),
+        Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
+        Conv([_t((2, 6, 40)), _t((10, 6, 5)), _t((10,))], pads=(2, 2), strides=(3,)),
+        Conv([_t((1, 6, 8, 8)), _t((6, 1, 3, 3))], group=6, pads=(1, 1, 1, 1)),  # depthwise: generic nest
+        Softmax([_t((2, 3, 130, 70))], axes=(3,), log=False),
+        Softmax([_t((4, 130, 40))], axes=(1,), log=False),            # middle axis: materialized stats
+        LayerNorm([_t((3, 50, 300)), _t((300,)), _t((300,))], axis=2, epsilon=1e-5, stash="float32", stats=True),
+        Reduce([_t((40, 500))], kind="max", axes=(1,), keepdims=False),
+        Reduce([_t((7, 300, 11))], kind="sum", axes=(0, 2), keepdims=True),
+        Binary([_t((8, 64, 300)), _t((300,))], fn="add"),
+        Binary([_t((6, 5000)), _t(())], fn="pow"),
+        Unary([_t((6, 5000))], fn="erf"),
+        Unary([_t((6, 5000))], fn="tanh"),
+        Where([_t((1, 1, 64, 64), "bool"), _t((2, 4, 64, 64)), _t(())]),
+        Transpose([_t((2, 64, 12, 32))], perm=(0, 2, 3, 1)),
+        Gather([_t((1000, 64)), _t((4, 50), "int64")], axis=0),
+        Attention([_t((2, 4, 30, 16)), _t((2, 2, 40, 16)), _t((2, 2, 40, 24))], scale_sqrt=0.5),
+        ArgReduce([_t((30, 700))], kind="argmax", axis=1, keepdims=False),
+    ]
+    rng = np.random.default_rng(1)
+    res = []
+    for k, op in enumerate(ops):
+        arrays = [_rand(rng, t) for t in op.inputs]
+        if op.op_type == "Binary" and op.attrs["fn"] == "pow":
+            arrays[1] = np.array(3.0, np.float32)
+        if op.op_type == "Gather":
+            arrays[1] = rng.integers(-1000, 1000, op.inputs[1].shape)
+        res.append((f"large-{k}-{op.op_type}", op, arrays))
+    return res
+
+
+class _Fn(Operator):
+    """Test-only op: one UNARY_FUNCS/BINARY_FUNCS function on its inputs; ``op.run`` is the
+    reference evaluator (the default ``Operator.numpy``)."""
+
+    def compute(self, *xs):
+        fn = self.attrs["fn"]
+        if len(xs) == 1:
+            return compute("y", xs[0].shape, lambda *i: UnaryOp(fn, xs[0][i]))
+        return compute("y", xs[0].shape, lambda *i: BinOp(fn, xs[0][i], xs[1][i]))
+
+
+_FVALS = np.array([-2.5, -1.0, -0.5, -0.0, 0.0, 0.3, 0.5, 1.0, 1.5, 2.5, 3.0, 7.25, 100.0, -100.0, np.inf, -np.inf,
+                   np.nan, 1e-30, -40.0, 0.999], np.float64)
+_IVALS = np.array([-7, -5, -2, -1, 0, 1, 2, 3, 5, 7, 64, -64, 100, -100, 127, -128, 4, 9, -9, 1], np.int64)
+
+
+def _fn_cases():
+    """Every unary and binary function on the dtypes numpy accepts it for, with NaN, infinities,
+    signed zeros, negative operands and zero divisors."""
+    from shardflow.compiler.ir.expr import BINARY_FUNCS, UNARY_FUNCS
+    int_unary = {"neg", "abs", "sign", "bitnot", "not", "isnan", "isinf", "isposinf", "isneginf", "floor", "ceil",
+                 "round", "reciprocal", "exp", "sqrt", "erf"}
+    bool_unary = {"not", "bitnot", "isnan", "isinf"}
+    f16_unary = {"exp", "tanh", "erf", "sigmoid", "sqrt", "neg", "round", "log", "abs", "rsqrt"}
+    bits = {"bitand", "bitor", "bitxor", "shl", "shr"}
+    bool_binary = {"and", "or", "xor", "add", "mul", "max", "min", "eq", "ne", "lt", "ge", "bitand", "bitor", "bitxor"}
+    small_int_binary = {"add", "sub", "mul", "floordiv", "mod", "fmod", "truncdiv", "max", "min", "bitand", "shl", "shr",
+                        "lt", "eq"}
+    f16_binary = {"add", "mul", "div", "pow", "max", "sub"}
+    rng = np.random.default_rng(3)
+    f = np.concatenate([_FVALS, rng.uniform(-3, 3, 12)])
+    ii = np.concatenate([_IVALS, rng.integers(-50, 50, 12)])
+    arr = {"float32": f.astype(np.float32), "float64": f, "float16": np.clip(f, -60000, 60000).astype(np.float16),
+           "int64": ii, "int8": np.clip(ii, -128, 127).astype(np.int8), "uint8": (ii % 256).astype(np.uint8),
+           "bool": ii % 3 == 0}
+    cases = []
+    for fn in sorted(UNARY_FUNCS):
+        dts = ["float32", "float64"] + (["int64"] if fn in int_unary else []) + (["bool"] if fn in bool_unary else []) \
+            + (["float16"] if fn in f16_unary else [])
+        if fn == "bitnot":
+            dts = ["int64", "bool"]
+        for dt in dts:
+            cases.append((f"fn-{fn}-{dt}", fn, [arr[dt]]))
+    for fn in sorted(BINARY_FUNCS):
+        dts = (["float32", "float64"] if fn not in bits else []) + ["int64"] \
+            + (["int8", "uint8"] if fn in small_int_binary else []) + (["bool"] if fn in bool_binary else []) \
+            + (["float16"] if fn in f16_binary else [])
+        for dt in dts:
+            a = arr[dt]
+            b = np.roll(a, 7)
+            if fn == "pow" and dt in ("int64", "int8", "uint8"):
+                a, b = np.clip(a, -3, 3), np.abs(b) % 5
+            if fn in ("shl", "shr"):
+                b = np.abs(b) % 70 if dt == "int64" else np.abs(b) % 9
+            cases.append((f"fn-{fn}-{dt}", fn, [a, b.astype(a.dtype)]))
+    return cases
+
+
+EXAMPLES = _examples()
+LARGE = _large()
+FNS = _fn_cases()
+
+
+def _example_op(cls, arrays, attrs, name):
+    return cls([const_tensor(a) for a in arrays], name=name, **attrs)
+
+
+@pytest.fixture(scope="session")
+def library(tmp_path_factory):
+    """One library with every lowerable example and the large cases (``-O1``: compile time)."""
+    d = tmp_path_factory.mktemp("cpu_kernels")
+    cases = {}
+    for cid, cls, arrays, attrs in EXAMPLES:
+        op = _example_op(cls, arrays, attrs, cid)
+        cases[cid] = (op, arrays)
+    for cid, op, arrays in LARGE:
+        op.name = cid
+        cases[cid] = (op, arrays)
+    for cid, fn, arrays in FNS:
+        cases[cid] = (_Fn([_t(a.shape, str(a.dtype)) for a in arrays], name=cid, fn=fn), arrays)
+    ops = [op for op, _ in cases.values()]
+    t0 = time.perf_counter()
+    symbols = build_cpu_library(ops, str(d / "kernels.so"), cache_dir=str(d / "cache"), opt_level=1)
+    build_s = time.perf_counter() - t0
+    lib = ctypes.CDLL(str(d / "kernels.so"))
+    return {"lib": lib, "symbols": symbols, "cases": cases, "dir": d, "ops": ops, "build_s": build_s}
+
+
+def run_kernel(lib, symbol, op, arrays):
+    ins = [np.ascontiguousarray(a, dtype=t.dtype) for a, t in zip(arrays, op.inputs)]
+    outs = [np.empty(t.shape, t.dtype) for t in op.outputs]
+    ia = (ctypes.c_void_p * max(len(ins), 1))(*[a.ctypes.data for a in ins])
+    oa = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
+    fn = getattr(lib, symbol)
+    fn.restype = None
+    fn(ia, oa)
+    return outs
+
+
+def assert_matches(got, want, dtypes):
+    assert len(got) == len(want)
+    for g, w, dt in zip(got, want, dtypes):
+        assert g.shape == w.shape and g.dtype == np.dtype(dt)
+        if w.dtype.kind == "f":
+            f16 = w.dtype == np.float16
+            np.testing.assert_allclose(g, w, rtol=2e-3 if f16 else 1e-5, atol=1e-3 if f16 else 1e-6, equal_nan=True)
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
+# --------------------------------------------------------------------------- agreement
+@pytest.mark.parametrize("cid", [c[0] for c in EXAMPLES])
+def test_example_kernel_matches_numpy(library, cid):
+    op, arrays = library["cases"][cid]
+    if not lowerable(op):
+        assert cid not in library["symbols"]
+        pytest.skip(f"not lowerable: {why_not_lowerable(op)}")
+    want = op.run(*arrays)
+    with np.errstate(all="ignore"):
+        got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
+    assert_matches(got, want, [t.dtype for t in op.outputs])
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in LARGE])
+def test_large_kernel_matches_numpy(library, cid):
+    op, arrays = library["cases"][cid]
+    want = op.run(*arrays)
+    got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
+    if op.op_type in ("MatMul", "Gemm", "Conv", "Attention"):
+        # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w))))
+    else:
+        # long float32 reductions: our summation order differs from numpy's pairwise sums
+        for g, w, t in zip(got, want, op.outputs):
+            assert g.dtype == np.dtype(t.dtype) and g.shape == w.shape
+            if w.dtype.kind == "f":
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+            else:
+                np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in FNS])
+def test_function_semantics_match_the_evaluator(library, cid):
+    op, arrays = library["cases"][cid]
+    with np.errstate(all="ignore"):
+        want = op.run(*arrays)
+        got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
+    g, w = got[0], want[0]
+    assert g.dtype == w.dtype
+    if w.dtype.kind == "f":
+        # float16 math runs in float32 (numpy rounds each op to half): a few half ulps
+        tol = dict(rtol=2e-3, atol=1e-3) if w.dtype == np.float16 else dict(rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g, w, equal_nan=True, **tol)
+    else:
+        np.testing.assert_array_equal(g, w)
+
+
+_ISA_SCRIPT = r"""
+import ctypes, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])
+lib.shardflow_cpu_isa.restype = ctypes.c_char_p
+print(lib.shardflow_cpu_isa().decode())
+data = np.load(sys.argv[2], allow_pickle=True)
+for case in data["cases"]:
+    sym, ins, outs = case
+    got = [np.empty_like(w) for w in outs]
+    ia = (ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins])
+    oa = (ctypes.c_void_p * len(got))(*[o.ctypes.data for o in got])
+    getattr(lib, sym)(ia, oa)
+    for g, w in zip(got, outs):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w))))
+print("ok", len(data["cases"]))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
+    """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels, forced with SHARDFLOW_CPU_ISA, give
+    the same results (this machine would otherwise only run the widest one it supports)."""
+    import subprocess
+    import sys
+    cases = []
+    for cid, op, arrays in LARGE:
+        if op.op_type in ("MatMul", "Gemm", "Conv") and cid in library["symbols"]:
+            want = op.run(*arrays)
+            cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
+    np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
+    script = tmp_path / "isa.py"
+    script.write_text(_ISA_SCRIPT)
+    env = dict(os.environ, SHARDFLOW_CPU_ISA=isa)
+    res = subprocess.run([sys.executable, str(script), str(library["dir"] / "kernels.so"), str(tmp_path / "cases.npz")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, last = res.stdout.split("\n")[0], res.stdout.strip().split("\n")[-1]
+    assert last == f"ok {len(cases)}" and len(cases) >= 9
+    assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
+
+
+def test_every_lowerable_example_is_in_the_library(library):
+    lowered = [cid for cid, cls, a, attrs in EXAMPLES if lowerable(library["cases"][cid][0])]
+    assert len(lowered) >= 250
+    assert all(cid in library["symbols"] for cid in lowered)
+    skipped = {library["cases"][cid][0].op_type for cid, *_ in EXAMPLES if cid not in library["symbols"]}
+    assert skipped == {"TopK"}
+
+
+def test_constants_are_inputs_not_baked(library):
+    """The kernel of an op built on constant tensors reads whatever arrays it is given."""
+    cid = next(c for c in library["cases"] if c.startswith("MatMul-linalg-0"))
+    op, arrays = library["cases"][cid]
+    rng = np.random.default_rng(5)
+    other = [rng.standard_normal(a.shape).astype(a.dtype) for a in arrays]
+    got = run_kernel(library["lib"], library["symbols"][cid], op, other)
+    np.testing.assert_allclose(got[0], other[0] @ other[1], rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_matmul_speed(library, tmp_path):
+    """Prints the generated GEMM's time for a GPT-2 projection next to numpy's (no assertion on
+    speed: timings on shared CI machines are noise; the values are checked)."""
+    op = MatMul([_t((1, 128, 768)), _t((768, 768))], name="gpt2_proj")
+    syms = build_cpu_library([op], str(tmp_path / "mm.so"), cache_dir=str(library["dir"] / "cache"), opt_level=2)
+    lib = ctypes.CDLL(str(tmp_path / "mm.so"))
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((1, 128, 768)).astype(np.float32), rng.standard_normal((768, 768)).astype(np.float32)
+
+    def best(f, n=10):
+        f()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return min(ts) * 1e3
+    out = run_kernel(lib, syms["gpt2_proj"], op, [a, b])
+    np.testing.assert_allclose(out[0], a @ b, rtol=1e-4, atol=1e-3)
+    tk = best(lambda: run_kernel(lib, syms["gpt2_proj"], op, [a, b]))
+    tn = best(lambda: a @ b)
+    print(f"\n[cpu codegen] matmul 128x768x768 fp32: kernel {tk:.3f} ms, numpy {tn:.3f} ms "
+          f"({2 * 128 * 768 * 768 / tk / 1e6:.1f} GFLOP/s); test library built in {library['build_s']:.1f} s")
+
+
+# --------------------------------------------------------------------------- semantics
+def _build_and_run(tmp_path, op, arrays, opt_level=1):
+    syms = build_cpu_library([op], str(tmp_path / f"{op.op_type}.so"), cache_dir=str(tmp_path / "cache"),
+                             opt_level=opt_level)
+    lib = ctypes.CDLL(str(tmp_path / f"{op.op_type}.so"))
+    return run_kernel(lib, syms[op.name], op, arrays)
+
+
+def test_numpy_edge_semantics(tmp_path):
+    """Python-style floor division and modulo, integer division by zero, NaN in max and argmax,
+    first-index ties, float→int truncation and wrap-around, float16 storage: in one library."""
+    ia = np.array([[-7, 7, -7, 7, 5, -5]], np.int64)
+    ib = np.array([[2, -2, -2, 2, 0, 0]], np.int64)
+    fa = np.array([[-7.5, 7.5, np.nan, 1e20, -1.5, 300.7]], np.float32)
+    amax = np.array([[1.0, 3.0, 3.0, 2.0], [np.nan, 5.0, np.nan, 1.0], [2.0, 2.0, 2.0, 2.0]], np.float32)
+    h = np.array([[0.1, -2.5, 65504.0, 1e-4]], np.float16)
+    cases = [
+        (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="floordiv", name="fd"), [ia, ib]),
+        (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="mod", name="md"), [ia, ib]),
+        (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="fmod", name="fm"), [ia, ib]),
+        (Reduce([_t(amax.shape)], kind="max", axes=(1,), keepdims=False, name="mx"), [amax]),
+        (ArgReduce([_t(amax.shape)], kind="argmax", axis=1, keepdims=False, name="am"), [amax]),
+        (CastOp([_t(fa.shape)], to="uint8", name="cu8"), [fa]),
+        (CastOp([_t(fa.shape)], to="int32", name="ci32"), [fa]),
+        (Unary([_t(h.shape, "float16")], fn="exp", name="h_exp"), [h]),
+        (Unary([_t(fa.shape)], fn="round", name="rnd"), [np.array([[0.5, 1.5, 2.5, -0.5, -1.5, 2.4]], np.float32)]),
+    ]
+    syms = build_cpu_library([op for op, _ in cases], str(tmp_path / "edge.so"), cache_dir=str(tmp_path / "c"),
+                             opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "edge.so"))
+    with np.errstate(all="ignore"):
+        for op, arrays in cases:
+            got = run_kernel(lib, syms[op.name], op, arrays)
+            want = op.run(*arrays)
+            assert_matches(got, want, [t.dtype for t in op.outputs])
+    fd = run_kernel(lib, syms["fd"], cases[0][0], cases[0][1])[0]
+    assert fd.tolist() == [[-4, -4, 3, 3, 0, 0]]
+    am = run_kernel(lib, syms["am"], cases[4][0], cases[4][1])[0]
+    assert am.tolist() == [1, 0, 0]
+
+
+def test_out_of_range_gather_indices_are_clamped(tmp_path):
+    """Indices from data are clamped into the tensor (as the reference evaluator does), never read
+    out of bounds."""
+    op = Gather([_t((5, 3)), _t((4,), "int64")], axis=0, name="g")
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    idx = np.array([1, 10**12, -10**12, -1], np.int64)
+    got = _build_and_run(tmp_path, op, [x, idx])[0]
+    np.testing.assert_array_equal(got, x[[1, 4, 0, 4]])
+
+
+# --------------------------------------------------------------------------- lowering structure
+def _loop_depth(body, depth=0):
+    best = depth
+    for s in body:
+        if isinstance(s, (lower_mod.Loop, lower_mod.FlatLoop)):
+            best = max(best, _loop_depth(s.body, depth + 1))
+        elif isinstance(s, lower_mod.Block):
+            best = max(best, _loop_depth(s.body, depth))
+        elif isinstance(s, lower_mod.If):
+            best = max(best, _loop_depth(s.then, depth), _loop_depth(s.other, depth))
+    return best
+
+
+def test_softmax_reductions_are_hoisted():
+    """Softmax over the last axis: per row a max loop, a sum loop and the elementwise loop, side by
+    side (depth 2), not a reduction inside the elementwise loop (O(n²))."""
+    op = Softmax([_t((4, 8, 64))], axes=(2,), log=False)
+    k = lower_task(op.task, op.name, op.op_type)
+    assert _loop_depth(k.body) == 2
+    assert not k.temps
+    # the sum's exponentials are kept in a row array and read back by the output loop
+    kernel = generate_cpu_source([op]).kernels[0][1]
+    assert kernel.count("sf_exp(") == 1 and "row" in kernel
+    # over a middle axis the two statistics are materialized once per (outer, inner) position
+    op = Softmax([_t((4, 64, 8))], axes=(1,), log=False)
+    k = lower_task(op.task, op.name, op.op_type)
+    assert len(k.temps) == 2 and [t.shape for t in k.temps] == [(4, 8), (4, 8)]
+    assert _loop_depth(k.body) == 3
+
+
+def test_attention_scores_are_materialized_once():
+    """The three score reductions of Attention are one temporary (equal up to renaming)."""
+    op = Attention([_t((1, 2, 5, 4)), _t((1, 2, 6, 4)), _t((1, 2, 6, 3))], scale_sqrt=0.5)
+    k = lower_task(op.task, op.name, op.op_type)
+    assert [t.shape for t in k.temps] == [(1, 2, 5, 6)]
+
+
+def test_guarded_reads_become_branches_and_safe_ones_selects():
+    src = generate_cpu_source([Concat([_t((2, 3)), _t((2, 2))], axis=1, name="cat"),
+                               Where([_t((2, 3), "bool"), _t((2, 3)), _t((3,))], name="wh")]).text
+    cat = src[src.index("// ops: cat"):]
+    cat = cat[:cat.index("SF_EXPORT")]
+    assert "if (" in cat and "min<" not in cat      # branch; the refined reads need no clamping
+    wh = src[src.index("// ops: wh"):]
+    wh = wh[:wh.index("SF_EXPORT")]
+    assert "if (" not in wh and " ? " in wh          # both sides safe: a select
+
+
+# --------------------------------------------------------------------------- library building
+def test_collectives_and_extern_ops_are_left_out(tmp_path):
+    x = _t((4, 6))
+    ar = AllReduce([x], mesh_axis=0, group_size=2, op="sum", name="ar")
+    tk = TopK([x], k=2, axis=1, largest=True, name="tk")
+    mm = MatMul([x, _t((6, 3))], name="mm")
+    assert not lowerable(ar) and "collective" in why_not_lowerable(ar)
+    assert not lowerable(tk) and lowerable(mm)
+    syms = build_cpu_library([ar, tk, mm], str(tmp_path / "l.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    assert set(syms) == {"mm"}
+
+
+def test_identical_ops_share_one_kernel(tmp_path):
+    a = Binary([_t((3, 4)), _t((4,))], fn="add", name="a1")
+    b = Binary([_t((3, 4)), _t((4,))], fn="add", name="a2")
+    c = Binary([_t((3, 5)), _t((5,))], fn="add", name="a3")
+    src = generate_cpu_source([a, b, c])
+    assert src.symbols["a1"] == src.symbols["a2"] != src.symbols["a3"]
+    assert len(src.kernels) == 2 and src.text.count("SF_EXPORT void sf_binary") == 2
+    # ops built separately (their reduction variables numbered differently by the IR) print the
+    # same text, so a recompile in the same process hits the cache too
+    s1 = generate_cpu_source([Softmax([_t((2, 5, 7))], axes=(1,), log=False, name="s")])
+    s2 = generate_cpu_source([Softmax([_t((2, 5, 7))], axes=(1,), log=False, name="s")])
+    assert s1.text == s2.text
+
+
+def test_second_build_hits_the_cache(tmp_path, monkeypatch):
+    ops = [Binary([_t((3, 4)), _t((4,))], fn="mul", name="m"), Unary([_t((5,))], fn="exp", name="e")]
+    cache = str(tmp_path / "cache")
+    first = build_cpu_library(ops, str(tmp_path / "a.so"), cache_dir=cache, opt_level=1)
+    assert len([f for f in os.listdir(cache) if f.endswith(".so")]) == 1
+
+    def no_compiler(*a, **k):
+        raise AssertionError("the compiler ran although the library is cached")
+    monkeypatch.setattr(toolchain, "_run_compilers", no_compiler)
+    t0 = time.perf_counter()
+    second = build_cpu_library(ops, str(tmp_path / "b.so"), cache_dir=cache, opt_level=1)
+    assert time.perf_counter() - t0 < 5.0
+    assert first == second
+    assert open(tmp_path / "a.so", "rb").read() == open(tmp_path / "b.so", "rb").read()
+    lib = ctypes.CDLL(str(tmp_path / "b.so"))
+    x = np.arange(5, dtype=np.float32)
+    np.testing.assert_allclose(run_kernel(lib, second["e"], ops[1], [x])[0], np.exp(x), rtol=1e-6)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
+
+
+def test_cache_dir_defaults_to_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFLOW_CACHE_DIR", str(tmp_path / "envcache"))
+    build_cpu_library([Unary([_t((3,))], fn="neg", name="n")], str(tmp_path / "n.so"), opt_level=1)
+    assert any(f.endswith(".so") for f in os.listdir(tmp_path / "envcache"))
+
+
+def test_compiler_errors_name_the_op(tmp_path, monkeypatch):
+    from shardflow.compiler.codegen import cpp
+
+    real = cpp.kernel_source
+
+    def broken(op, clones=False):
+        sym, text = real(op, clones)
+        if op.name == "bad":
+            text = text.replace("{\n", "{\n  this_is_not_cpp;\n", 1)
+        return sym, text
+    monkeypatch.setattr(cpp, "kernel_source", broken)
+    ops = [Unary([_t((3,))], fn="neg", name="good"), Unary([_t((4,))], fn="abs", name="bad")]
+    with pytest.raises(CompileError) as ei:
+        build_cpu_library(ops, str(tmp_path / "x.so"), cache_dir=str(tmp_path / "c"), opt_level=0)
+    assert isinstance(ei.value, ShardflowError)
+    assert ei.value.ops == ["bad"] and "bad" in str(ei.value) and "this_is_not_cpp" in str(ei.value)
+    assert not (tmp_path / "x.so").exists()
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(toolchain.ToolchainError, match="no-such-compiler-xyz"):
+        build_cpu_library([Unary([_t((3,))], fn="neg", name="n")], str(tmp_path / "n.so"),
+                          cache_dir=str(tmp_path / "c"))
