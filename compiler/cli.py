@@ -215,8 +215,7 @@ def _cmd_plan(args) -> int:
 
 def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     """A JSON-able summary of an out_dir (what ``shardflow inspect`` prints)."""
-    from shardflow.runtime.artifact import (ArtifactError, list_ranks, read_json, read_manifest, read_mesh,
-                                            read_weights, verify_files)
+    from shardflow.runtime.artifact import ArtifactError, list_ranks, read_json, read_manifest, read_mesh, verify_files
 
     out = Path(out_dir)
     if not out.is_dir():

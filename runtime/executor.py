@@ -112,7 +112,11 @@ class _Buffer:
 
 
 class RankProgram:
-    """One rank's compiled program, loaded and ready to run (see :func:`load`)."""
+    """One rank's compiled program, loaded and ready to run (see :func:`load`).
+
+    A program owns one activation arena: calls to :meth:`run` must not overlap (use one
+    ``RankProgram`` per thread).
+    """
 
     def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True):
         self.out_dir = Path(out_dir)
@@ -128,9 +132,9 @@ class RankProgram:
         self.target = m["target"]
         if self.rank != rank:
             raise ArtifactError(f"{str(self.directory)!r} holds the program of rank {self.rank}, not {rank}")
-        if self.target != "cpu":
-            raise ShardflowError(f"{str(out_dir)!r} was compiled for target {self.target!r}; running "
-                                 f"{self.target} artifacts is not implemented yet in this runtime (only 'cpu')")
+        if self.target not in ("cpu", "cuda"):
+            raise ShardflowError(f"{str(out_dir)!r} was compiled for target {self.target!r}; this runtime runs "
+                                 "'cpu' and 'cuda' artifacts")
         if comm is None:
             if self.world_size > 1:
                 raise WorldSizeError(f"{str(out_dir)!r} has {self.world_size} ranks; pass the world communicator "
@@ -178,7 +182,18 @@ class RankProgram:
         self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
         self.output_specs = [(name, self.buffers[i]) for name, i in p["outputs"]]
         self._lib = None
+        self._native = None
+        self._engine = None
         steps = p["steps"]
+        if self.target == "cuda":
+            from .cuda_exec import CudaEngine
+
+            self.groups = self._make_groups()
+            self._engine = CudaEngine(self, use_graph=bool(self.manifest.get("cuda_graph", True)))
+            self._segments = []
+            self._n_kernels = sum(1 for s in steps if s["kind"] == "kernel")
+            self._n_collectives = len(steps) - self._n_kernels
+            return
         if any(s["kind"] == "kernel" for s in steps):
             lib_path = self.directory / p.get("kernels_file", "kernels.so")
             try:
@@ -203,6 +218,34 @@ class RankProgram:
         if calls:
             segments.append((calls, None))
         self._segments = segments
+        self._native = self._native_segments(p.get("runner_file"))
+
+    def _native_segments(self, runner_file: str | None) -> list | None:
+        """Per segment ``(sf_run_steps, n, fns, ins, outs)`` when the artifact has a native runner."""
+        if not runner_file or self._lib is None:
+            return None
+        path = self.directory / runner_file
+        if runner_file not in self.manifest["files"]:
+            raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {runner_file}")
+        try:
+            lib = ctypes.CDLL(str(path.resolve()), mode=getattr(os, "RTLD_LOCAL", 0))
+            run = lib.sf_run_steps
+        except (OSError, AttributeError) as exc:
+            log.warning("rank %d: cannot use the native runner %s (%s); calling kernels from Python", self.rank,
+                        path, exc)
+            return None
+        run.argtypes = (ctypes.c_long, _VP, _VP, _VP)
+        run.restype = None
+        self._runner_lib = lib
+        res = []
+        for calls, _ in self._segments:
+            n = len(calls)
+            fns = (_VP * max(n, 1))(*[ctypes.cast(c[0], _VP).value for c in calls])
+            ins = (_VP * max(n, 1))(*[ctypes.addressof(c[3]) for c in calls])
+            outs = (_VP * max(n, 1))(*[ctypes.addressof(c[4]) for c in calls])
+            res.append((run, n, ctypes.addressof(fns), ctypes.addressof(ins), ctypes.addressof(outs),
+                        (fns, ins, outs)))
+        return res
 
     def _kernel_call(self, s: dict) -> tuple:
         try:
@@ -269,39 +312,56 @@ class RankProgram:
         Returns
         -------
         dict
-            This rank's outputs keyed by the model's output names (fresh arrays).
+            This rank's outputs keyed by the model's output names (fresh arrays). On a cuda
+            target the outputs are cupy arrays when any input was a cupy array, else numpy.
 
         Raises
         ------
         InputError
             Naming the input that is missing, unknown, or of the wrong shape or dtype.
         """
-        self._bind(inputs)
-        for calls, coll in self._segments:
-            for fn, a, b, _, _ in calls:
-                fn(a, b)
-            if coll is not None:
-                coll()
+        arrays = self._check_inputs(inputs)
+        if self._engine is not None:
+            return self._engine.run(arrays)
+        for name, buf in self.input_specs:
+            a = arrays[name]
+            np.copyto(buf.array, a.get() if type(a).__module__.startswith("cupy") else a)
+        if self._native is not None:
+            for (run, n, fns, ins, outs, _), (_, coll) in zip(self._native, self._segments):
+                if n:
+                    run(n, fns, ins, outs)
+                if coll is not None:
+                    coll()
+        else:
+            for calls, coll in self._segments:
+                for fn, a, b, _, _ in calls:
+                    fn(a, b)
+                if coll is not None:
+                    coll()
         return {name: buf.array.copy() for name, buf in self.output_specs}
 
-    def _bind(self, inputs: Mapping[str, np.ndarray]) -> None:
+    def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(inputs, Mapping):
             raise InputNameError(f"run() takes a dict of input name -> array, got {type(inputs).__name__}")
         names = {n for n, _ in self.input_specs}
         unknown = sorted(set(inputs) - names)
         if unknown:
             raise InputNameError(f"unknown input(s) {unknown}; the model's inputs are {self.input_names}", unknown[0])
+        res = {}
         for name, buf in self.input_specs:
             if name not in inputs:
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
-            a = np.asarray(inputs[name])
-            if a.shape != buf.shape:
+            a = inputs[name]
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                a = np.asarray(a)
+            if tuple(a.shape) != buf.shape:
                 raise InputShapeError(f"input {name!r} has shape {a.shape}, the program was compiled for "
                                       f"{buf.shape}; compile again with input_shapes to change it", name)
             if a.dtype != buf.dtype:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)
-            np.copyto(buf.array, a)
+            res[name] = a
+        return res
 
     def close(self) -> None:
         """Free the sub-communicators (the world communicator belongs to the caller)."""

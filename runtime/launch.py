@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .artifact import ArtifactError, list_ranks, read_json, read_manifest, rank_dir
+from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir
 from .errors import ShardflowError
 from .executor import WorldSizeError
 
@@ -42,7 +42,8 @@ __all__ = ["LaunchEnv", "detect_environment", "main", "add_run_arguments", "arti
 
 log = logging.getLogger("shardflow.runtime.launch")
 
-#: Seconds the spawner waits after the first failing rank before killing the others.
+#: Seconds the spawner waits after the first failing rank before killing the others
+#: (``SHARDFLOW_FAILURE_GRACE`` overrides it).
 FAILURE_GRACE_S = 50.0
 
 
@@ -257,25 +258,7 @@ def _spawn(args, argv: list[str], nproc: int) -> int:
         base_env.pop(k, None)
     deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
     if mpiexec is not None:
-        cmd = [mpiexec, "-n", str(nproc), *child]
-        log.debug("starting %s", " ".join(cmd))
-        proc = subprocess.Popen(cmd, env=base_env, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if deadline is not None and time.monotonic() > deadline:
-                    log.error("shardflow run: --timeout %g s passed; killing the ranks", args.timeout)
-                    _kill_group(proc)
-                    proc.wait()
-                    return 124
-                time.sleep(0.05)
-        except KeyboardInterrupt:
-            _kill_group(proc)
-            proc.wait()
-            return 130
-        if proc.returncode != 0:
-            log.error("shardflow run: mpiexec exited with status %d (a rank failed; see its messages above)",
-                      proc.returncode)
-        return proc.returncode
+        return _run_mpiexec(mpiexec, nproc, child, base_env, deadline, args.timeout)
     port = _free_port()
     procs = []
     for r in range(nproc):
@@ -284,6 +267,88 @@ def _spawn(args, argv: list[str], nproc: int) -> int:
         procs.append(subprocess.Popen(child, env=env, start_new_session=True))
     log.debug("spawned %d ranks (pids %s), rendezvous at 127.0.0.1:%d", nproc, [p.pid for p in procs], port)
     return _supervise(procs, deadline, args.timeout)
+
+
+def _is_hydra(mpiexec: str) -> bool:
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in out.stdout + out.stderr
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline: float | None,
+                 timeout: float) -> int:
+    """Run the ranks under mpiexec. With MPICH's hydra, automatic cleanup is off so that the
+    ranks' watchdog reports which rank failed; the ranks' pids (written to a folder) let this
+    process kill any rank still alive ``SHARDFLOW_FAILURE_GRACE`` seconds after the first failure."""
+    import tempfile
+
+    grace = float(os.environ.get("SHARDFLOW_FAILURE_GRACE", FAILURE_GRACE_S))
+    pid_dir = tempfile.mkdtemp(prefix="shardflow-pids-")
+    env = dict(env, SHARDFLOW_PID_DIR=pid_dir)
+    cmd = [mpiexec, *(["-disable-auto-cleanup"] if _is_hydra(mpiexec) else []), "-n", str(nproc), *child]
+    log.debug("starting %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    pids: dict[int, int] = {}
+    first_dead: tuple[int, float] | None = None
+
+    def kill_all():
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _kill_group(proc)
+
+    try:
+        while proc.poll() is None:
+            for name in os.listdir(pid_dir):
+                if name.startswith("rank") and name.endswith(".pid"):
+                    r = int(name[4:-4])
+                    if r not in pids:
+                        try:
+                            pids[r] = int(Path(pid_dir, name).read_text() or 0)
+                        except (OSError, ValueError):
+                            pass
+            now = time.monotonic()
+            if first_dead is None:
+                for r, pid in pids.items():
+                    if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists():
+                        first_dead = (r, now)
+                        break
+            elif now - first_dead[1] > grace:
+                log.error("shardflow run: killing the ranks still alive %g s after rank %d failed", grace,
+                          first_dead[0])
+                kill_all()
+            if deadline is not None and now > deadline:
+                log.error("shardflow run: --timeout %g s passed; killing the ranks", timeout)
+                kill_all()
+                proc.wait()
+                return 124
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        kill_all()
+        proc.wait()
+        return 130
+    finally:
+        shutil.rmtree(pid_dir, ignore_errors=True)
+    if proc.returncode != 0:
+        log.error("shardflow run: mpiexec exited with status %d%s", proc.returncode,
+                  f"; rank {first_dead[0]} failed first" if first_dead else " (a rank failed; see its messages above)")
+    return proc.returncode
 
 
 def _kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
@@ -308,6 +373,7 @@ def _describe_status(rc: int) -> str:
 def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: float) -> int:
     from .comm.watchdog import EXIT_PEER_FAILED
 
+    grace = float(os.environ.get("SHARDFLOW_FAILURE_GRACE", FAILURE_GRACE_S))
     ended: list[tuple[int, int]] = []  # (rank, status) in the order the failures were seen
     first_at: float | None = None
     try:
@@ -323,8 +389,8 @@ def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: f
             if not running:
                 break
             now = time.monotonic()
-            if first_at is not None and now - first_at > FAILURE_GRACE_S:
-                log.error("shardflow run: killing the ranks still alive %g s after the first failure", FAILURE_GRACE_S)
+            if first_at is not None and now - first_at > grace:
+                log.error("shardflow run: killing the ranks still alive %g s after the first failure", grace)
                 for p in procs:
                     if p.poll() is None:
                         _kill_group(p)
@@ -355,9 +421,12 @@ def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: f
 # ---------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------
-def _die(message: str, code: int = 1) -> int:
-    """Log and leave at once (no MPI_Finalize that could wait for ranks in a collective)."""
+def _die(message: str, code: int = 1, hard: bool = True) -> int:
+    """Log, then leave at once when other ranks exist (no MPI_Finalize that could wait for ranks
+    stuck in a collective); a single process just returns ``code``."""
     log.error("%s", message)
+    if not hard:
+        return code
     for h in logging.getLogger("shardflow").handlers:
         h.flush()
     sys.stdout.flush()
@@ -367,6 +436,8 @@ def _die(message: str, code: int = 1) -> int:
 
 def _worker(args, env: LaunchEnv) -> int:
     from .comm import RankFailedError, create_world, host_communicator
+
+    hard = env.size > 1 or env.launched_by == "mpi"
     from .comm.watchdog import EXIT_PEER_FAILED, Watchdog
     from .executor import load
 
@@ -380,7 +451,13 @@ def _worker(args, env: LaunchEnv) -> int:
         manifest = read_manifest(rank_dir(args.out_dir, env.rank))
         inputs = _read_inputs(args.inputs)
     except ShardflowError as exc:
-        return _die(f"rank {env.rank}: {exc}", 2)
+        return _die(f"rank {env.rank}: {exc}", 2, hard)
+    pid_dir = os.environ.get("SHARDFLOW_PID_DIR")
+    if pid_dir:
+        try:
+            Path(pid_dir, f"rank{env.rank}.pid").write_text(str(os.getpid()))
+        except OSError:
+            pid_dir = None
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = _threads_per_rank(max(env.local_size, 1))
     backend = args.backend or manifest.get("comm_backend", "auto")
@@ -389,7 +466,7 @@ def _worker(args, env: LaunchEnv) -> int:
                             target=manifest["target"], master_addr=env.master_addr, master_port=env.master_port,
                             local_rank=env.local_rank)
     except ShardflowError as exc:
-        return _die(f"rank {env.rank}: cannot connect the ranks: {exc}", 1)
+        return _die(f"rank {env.rank}: cannot connect the ranks: {exc}", 1, hard)
     watchdog = Watchdog(host_communicator(comm))
     try:
         prog = load(args.out_dir, env.rank, comm, verify=not args.no_verify)
@@ -414,15 +491,20 @@ def _worker(args, env: LaunchEnv) -> int:
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             time.sleep(0.05)
-        return _die(f"rank {env.rank}: {exc}", EXIT_PEER_FAILED)
+        return _die(f"rank {env.rank}: {exc}", EXIT_PEER_FAILED, hard)
     except ShardflowError as exc:
-        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1)
+        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
     except Exception as exc:  # noqa: BLE001 - a rank must never leave the others waiting
         log.exception("rank %d: unexpected error", env.rank)
-        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1)
+        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
     watchdog.finish()
     prog.close()
     comm.close()
+    if pid_dir:
+        try:
+            Path(pid_dir, f"rank{env.rank}.done").write_text("")
+        except OSError:
+            pass
     return 0
 
 

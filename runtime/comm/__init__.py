@@ -72,7 +72,9 @@ def create_world(backend: str, *, launched_by: str, rank: int, size: int, target
         raise CommError("comm_backend 'mpi' needs ranks started by mpiexec (or srun with PMI); start them with "
                         f"`mpiexec -n {size} shardflow run ...` or use comm_backend 'auto'")
     host: Communicator
-    if launched_by == "mpi":
+    if size == 1 and launched_by != "mpi":
+        host = SelfCommunicator()
+    elif launched_by == "mpi":
         from .mpi import MPICommunicator
 
         host = MPICommunicator()

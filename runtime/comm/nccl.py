@@ -68,8 +68,10 @@ class NCCLCommunicator(Communicator):
             cupy.cuda.Device(device).use()
         self.device = cupy.cuda.Device().id
         uid = nccl.get_unique_id() if bootstrap.rank == 0 else None
-        raw = bootstrap.broadcast_bytes(np.asarray(uid, np.int64).tobytes() if uid is not None else None)
-        uid = tuple(int(v) for v in np.frombuffer(raw, np.int64))
+        if uid is not None:  # cupy returns bytes (recent) or a tuple of ints (older)
+            uid = b"B" + bytes(uid) if isinstance(uid, (bytes, bytearray)) else b"T" + np.asarray(uid, np.int64).tobytes()
+        raw = bootstrap.broadcast_bytes(uid)
+        uid = raw[1:] if raw[:1] == b"B" else tuple(int(v) for v in np.frombuffer(raw[1:], np.int64))
         self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         self._types = {np.dtype(k): getattr(nccl, v) for k, v in (
             ("float16", "NCCL_FLOAT16"), ("float32", "NCCL_FLOAT32"), ("float64", "NCCL_FLOAT64"),

@@ -113,7 +113,6 @@ class Watchdog:
         sel.register(self._listener, selectors.EVENT_READ, None)
         start = time.monotonic()
         last_hb = 0.0
-        pending: dict[socket.socket, bytearray] = {}
         while not self._stop.is_set():
             for key, _ in sel.select(timeout=min(self.heartbeat_s, 0.5)):
                 if key.data is None:

@@ -1,0 +1,197 @@
+"""Running a cuda rank program with cupy: device arena, cubin kernels, CUDA graphs.
+
+The weight shard is uploaded once and the activation arena allocated once on the rank's device;
+every kernel step becomes a ``cupy.RawModule`` function with its launch dimensions (from
+``program.json``) and its argument views precomputed. After one eager warm-up run the program is
+captured into CUDA graphs: one graph for the whole run when every collective can be captured
+(world size 1, or NCCL all-reduces, which are issued inside the graph), else one graph per run of
+kernels between collectives, the collectives running eagerly in between (e.g. MPI with host
+staging, several ranks sharing one GPU). Everything is ordered on one stream.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import numpy as np
+
+from .artifact import ArtifactError
+from .errors import ShardflowError
+
+__all__ = ["CudaEngine"]
+
+log = logging.getLogger(__name__)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ShardflowError(f"running cuda artifacts needs cupy ({exc}); pip install 'shardflow[cuda12]' "
+                             "(or [cuda13])") from None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise ShardflowError("running cuda artifacts needs a CUDA device; none is visible")
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise ShardflowError(f"running cuda artifacts needs a CUDA device ({exc})") from None
+    return cupy
+
+
+class CudaEngine:
+    """Device state and the run loop of one cuda rank program (used by ``RankProgram``)."""
+
+    def __init__(self, prog, use_graph: bool = True):
+        cp = _cupy()
+        self.cp = cp
+        self.prog = prog
+        p = prog.program
+        self.device = cp.cuda.Device().id
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.weights = cp.asarray(prog.weights) if prog.weights.nbytes else cp.zeros(1, cp.uint8)
+            self.arena = cp.zeros(max(int(p["arena_bytes"]), 1), cp.uint8)
+        self.views = []
+        for b in p["buffers"]:
+            dtype = np.dtype(b["dtype"])
+            shape = tuple(b["shape"])
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            store = self.weights if b["storage"] == "weights" else self.arena
+            off = int(b["offset"])
+            self.views.append(store[off:off + n].view(dtype).reshape(shape))
+        self.inputs = [(name, self.views[i], prog.buffers[i]) for name, i in p["inputs"]]
+        self.outputs = [(name, self.views[i]) for name, i in p["outputs"]]
+        path = prog.directory / p.get("kernels_file", "kernels.cubin")
+        steps = p["steps"]
+        self.module = None
+        if any(s["kind"] == "kernel" for s in steps):
+            try:
+                self.module = cp.RawModule(path=str(path))
+            except Exception as exc:  # noqa: BLE001 - cupy raises several types for a bad cubin
+                raise ArtifactError(f"cannot load {str(path)!r} on device {self.device}: {exc}") from None
+        segments: list[tuple[list, Any]] = []
+        launches: list = []
+        self.capturable = True
+        for s in steps:
+            if s["kind"] == "kernel":
+                launches.append(self._launch(s))
+            else:
+                fn, safe = self._collective(s)
+                self.capturable &= safe
+                segments.append((launches, fn))
+                launches = []
+        if launches:
+            segments.append((launches, None))
+        self.segments = segments
+        self.use_graph = use_graph
+        self.graphs: list | None = None
+        self.runs = 0
+
+    def _launch(self, s: dict):
+        launch = s.get("launch") or {}
+        if "grid" not in launch or "block" not in launch:
+            raise ArtifactError(f"program.json of rank {self.prog.rank}: kernel {s['node']} has no launch dimensions")
+        try:
+            fn = self.module.get_function(s["symbol"])
+        except Exception:  # noqa: BLE001
+            raise ArtifactError(f"the cubin of rank {self.prog.rank} has no kernel {s['symbol']!r} ({s['node']})") \
+                from None
+        grid, block = tuple(launch["grid"]), tuple(launch["block"])
+        args = tuple(self.views[i] for i in list(s["inputs"]) + list(s["outputs"]))
+        if 0 in grid:
+            return None  # nothing to compute (empty output)
+        return functools.partial(fn, grid, block, args, shared_mem=int(launch.get("shared_mem", 0)))
+
+    def _collective(self, s: dict):
+        prog = self.prog
+        kind, attrs = s["collective"], s.get("attrs", {})
+        group = prog.groups.get(s["group"])
+        if group is None:
+            raise ArtifactError(f"program.json of rank {prog.rank}: collective {s['node']} uses mesh axes "
+                                f"{s['group']!r}, which the mesh groups do not list")
+        x = self.views[s["inputs"][0]]
+        y = self.views[s["outputs"][0]]
+        if kind == "all_reduce":
+            fn = functools.partial(group.all_reduce, x, attrs.get("op", "sum"), y)
+        elif kind == "all_gather":
+            fn = functools.partial(group.all_gather, x, attrs["dim"], attrs["global_size"], y)
+        elif kind == "reduce_scatter":
+            fn = functools.partial(group.reduce_scatter, x, attrs["dim"], attrs.get("op", "sum"), y)
+        elif kind == "all_to_all":
+            fn = functools.partial(group.all_to_all, x, attrs["src_dim"], attrs["dst_dim"], attrs["src_size"], y)
+        else:
+            raise ArtifactError(f"program.json of rank {prog.rank}: unknown collective {kind!r} ({s['node']})")
+        safe = group.size == 1 or (
+            kind == "all_reduce" and getattr(group, "capturable_all_reduce", lambda *a: False)(x, attrs.get("op", "sum")))
+        return fn, safe
+
+    # ---------------------------------------------------------------------------------------
+    def _run_segment_kernels(self, launches) -> None:
+        for f in launches:
+            if f is not None:
+                f()
+
+    def _eager(self) -> None:
+        with self.stream:
+            for launches, coll in self.segments:
+                self._run_segment_kernels(launches)
+                if coll is not None:
+                    coll()
+
+    def _capture(self, body) -> Any:
+        s = self.stream
+        with s:
+            s.begin_capture()
+            try:
+                body()
+            finally:
+                graph = s.end_capture()
+        return graph
+
+    def _build_graphs(self) -> None:
+        if self.capturable:
+            self.graphs = [(self._capture(self._eager_in_capture), None)]
+        else:
+            self.graphs = [(self._capture(functools.partial(self._run_segment_kernels, launches))
+                            if any(f is not None for f in launches) else None, coll)
+                           for launches, coll in self.segments]
+        log.debug("rank %d: captured %d CUDA graph(s)", self.prog.rank,
+                  sum(1 for g in self.graphs if g[0] is not None))
+
+    def _eager_in_capture(self) -> None:
+        for launches, coll in self.segments:
+            self._run_segment_kernels(launches)
+            if coll is not None:
+                coll()
+
+    def run(self, inputs) -> dict:
+        cp = self.cp
+        device_io = any(type(a).__module__.startswith("cupy") for a in inputs.values())
+        with self.stream:
+            for name, view, _ in self.inputs:
+                a = inputs[name]
+                if type(a).__module__.startswith("cupy"):
+                    cp.copyto(view, a)
+                else:
+                    view.set(np.ascontiguousarray(a), stream=self.stream)
+        if self.use_graph and self.graphs is None and self.runs >= 1:
+            self._build_graphs()
+        if self.graphs is None:
+            self._eager()
+        elif self.capturable:
+            self.graphs[0][0].launch(self.stream)
+        else:
+            with self.stream:
+                for g, coll in self.graphs:
+                    if g is not None:
+                        g.launch(self.stream)
+                    if coll is not None:
+                        coll()
+        self.runs += 1
+        with self.stream:
+            if device_io:
+                outs = {name: view.copy() for name, view in self.outputs}
+            else:
+                outs = {name: view.get(stream=self.stream) for name, view in self.outputs}
+        self.stream.synchronize()
+        return outs

@@ -1,0 +1,92 @@
+"""The `shardflow` command line: help, plan, inspect, compile errors."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import callback_kernels as CK
+import handmade
+from shardflow.compiler import cli, driver
+
+MODELS = Path(__file__).parent.parent / "models"
+SHARDFLOW = [sys.executable, "-m", "shardflow.compiler.cli"]
+
+
+def sh(*args, timeout=120):
+    return subprocess.run(SHARDFLOW + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_documents_every_flag():
+    top = sh("--help")
+    assert top.returncode == 0
+    for cmd in ("compile", "run", "plan", "inspect"):
+        assert cmd in top.stdout
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for cmd, p in sub.choices.items():
+        out = sh(cmd, "--help")
+        assert out.returncode == 0, out.stderr
+        for action in p._actions:
+            for flag in action.option_strings:
+                assert flag in out.stdout, (cmd, flag)
+            assert action.help, (cmd, action.option_strings or action.dest)
+
+
+def test_parse_helpers():
+    assert cli.parse_mesh("2x2") == [2, 2] and cli.parse_mesh("4") == [4]
+    assert cli.parse_shapes(["input_ids=2x24", "s="]) == {"input_ids": [2, 24], "s": []}
+    for bad in ("2x", "0", "a"):
+        with pytest.raises(cli._CLIError):
+            cli.parse_mesh(bad)
+    with pytest.raises(cli._CLIError, match="NAME=DIMS"):
+        cli.parse_shapes(["2x24"])
+
+
+def test_plan_prints_plan_txt(tmp_path):
+    out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2", "--algo", "megatron", "-o", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# Shardflow plan (megatron) on mesh [2]")
+    assert out.stdout == (tmp_path / "plan.txt").read_text()
+    assert json.loads((tmp_path / "plan.json").read_text())["algo"] == "megatron"
+
+
+def test_compile_errors_are_reported(tmp_path):
+    out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--mesh", "2y2")
+    assert out.returncode == 2 and "--mesh '2y2'" in out.stderr
+    cfg = tmp_path / "opt.json"
+    cfg.write_text(json.dumps({"targett": "cpu"}))
+    out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--optimization-config", cfg)
+    assert out.returncode == 1 and "ConfigError" in out.stderr and "did you mean 'target'" in out.stderr
+    out = sh("compile", tmp_path / "missing.onnx", "-o", tmp_path / "o")
+    assert out.returncode == 1 and "missing.onnx" in out.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_inspect_summarizes_and_verifies(tmp_path, monkeypatch, capsys):
+    CK.BUILT.clear()
+    monkeypatch.setattr(driver, "_cpu_builder", lambda: CK.build_callback_library)
+    driver.compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2, 2], "algo": "megatron"},
+                   out_dir=tmp_path / "o")
+    out = sh("inspect", tmp_path / "o", "--verify")
+    assert out.returncode == 0, out.stderr
+    assert "target cpu" in out.stdout and "mesh [2, 2]" in out.stdout and "4 rank(s)" in out.stdout
+    assert len(re.findall(r"^rank \d \[\d, \d\]: 15 kernels; collectives all_reduce@1×2.*checksums ok$",
+                          out.stdout, re.M)) == 4
+    info = json.loads(sh("inspect", tmp_path / "o", "--json").stdout)
+    assert info["world_size"] == 4 and info["inputs"][0]["name"] == "x"
+    w = tmp_path / "o" / "rank3" / "weights.bin"
+    data = bytearray(w.read_bytes())
+    data[0] ^= 1
+    w.write_bytes(bytes(data))
+    out = sh("inspect", tmp_path / "o", "--verify")
+    assert out.returncode == 1 and "rank3/weights.bin" in out.stdout
+
+
+def test_inspect_handmade(tmp_path):
+    handmade.make_artifact(tmp_path / "h", (2,))
+    out = sh("inspect", tmp_path / "h")
+    assert out.returncode == 0, out.stderr
+    assert "all_reduce@0×1" in out.stdout and "all_gather@0×1" in out.stdout

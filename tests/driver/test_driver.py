@@ -1,0 +1,242 @@
+"""compile(): config validation, the out_dir format, buffer plans, atomic writes, and the programs'
+results (run in-process with the callback stand-in for the kernel codegen, against onnxruntime)."""
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import callback_kernels as CK
+from shardflow.compiler import ConfigError, ShardflowError, compile, driver
+from shardflow.compiler.driver import OptimizationConfig, plan_buffers
+from shardflow.runtime import load
+from shardflow.runtime.artifact import sha256_file
+from shardflow.runtime.comm import InProcessWorld
+
+MODELS = Path(__file__).parent.parent / "models"
+
+
+def inputs_of(model: str) -> dict:
+    base = model.rsplit("_", 1)[0]
+    return dict(np.load(MODELS / f"{base}_inputs.npz"))
+
+
+def reference(model: str, inputs: dict) -> dict:
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(str(MODELS / f"{model}.onnx"), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, inputs)))
+
+
+@pytest.fixture
+def callback_codegen(monkeypatch):
+    """Compile with the callback stand-in for the cpu codegen."""
+    CK.BUILT.clear()
+    monkeypatch.setattr(driver, "_cpu_builder", lambda: CK.build_callback_library)
+    return CK
+
+
+def run_in_threads(out_dir, world, inputs):
+    comms = InProcessWorld(world).communicators()
+    outs, errors = [None] * world, []
+
+    def work(r):
+        try:
+            prog = load(out_dir, r, comms[r])
+            CK.attach(prog, CK.BUILT[r])
+            outs[r] = prog.run(inputs)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return outs
+
+
+# ---------------------------------------------------------------------------------------
+# optimization_config
+# ---------------------------------------------------------------------------------------
+def test_optimization_config_defaults_and_validation():
+    c = OptimizationConfig.from_dict(None)
+    assert (c.target, c.arch, c.precision, c.fuse, c.cuda_graph, c.search_space, c.comm_backend) == \
+        ("cpu", None, "float32", True, True, 1, "auto")
+    assert OptimizationConfig.from_dict({"target": "cuda"}).arch == "sm_90"
+    assert OptimizationConfig.from_dict({"target": "cuda", "arch": "sm_80", "comm_backend": "nccl"}).arch == "sm_80"
+    bad = [({"targt": "cpu"}, "unknown key 'targt'; did you mean 'target'"),
+           ({"target": "tpu"}, "choose one of"),
+           ({"target": 1}, "need one of"),
+           ({"arch": "sm_90"}, "only applies to target 'cuda'"),
+           ({"target": "cuda", "arch": "hopper"}, "use a CUDA architecture"),
+           ({"fuse": "yes"}, "need true or false"),
+           ({"cuda_graph": 1}, "need true or false"),
+           ({"search_space": 3}, "choose 0, 1 or 2"),
+           ({"search_space": True}, "need 0, 1 or 2"),
+           ({"precision": "int8"}, "choose one of"),
+           ({"comm_backend": "gloo"}, "choose one of"),
+           ({"comm_backend": "nccl"}, "needs target 'cuda'"),
+           ([1, 2], "must be a dict")]
+    for cfg, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            OptimizationConfig.from_dict(cfg)
+
+
+def test_precision_other_than_float32_is_not_implemented_yet(tmp_path):
+    with pytest.raises(ShardflowError, match="precision 'float16' is not implemented yet"):
+        compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2]},
+                optimization_config={"precision": "float16"}, out_dir=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_distributed_config_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'mesh'"):
+        compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh": [2]}, out_dir=tmp_path / "o")
+
+
+# ---------------------------------------------------------------------------------------
+# buffer plan
+# ---------------------------------------------------------------------------------------
+def test_plan_buffers_never_overlaps_live_blocks():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        blocks = []
+        for _ in range(int(rng.integers(1, 40))):
+            a = int(rng.integers(-1, 20))
+            blocks.append((int(rng.integers(0, 5000)), a, a + int(rng.integers(0, 8))))
+        offs, total = plan_buffers(blocks)
+        for i, (si, ai, bi) in enumerate(blocks):
+            assert offs[i] % 64 == 0 and offs[i] + si <= total
+            for j, (sj, aj, bj) in enumerate(blocks[:i]):
+                if si and sj and not (bi < aj or bj < ai):  # live at the same time
+                    assert offs[i] + si <= offs[j] or offs[j] + sj <= offs[i], (blocks[i], blocks[j])
+    # a chain reuses memory: a -> b -> c needs two slots, not three
+    offs, total = plan_buffers([(640, 0, 1), (640, 1, 2), (640, 2, 3)])
+    assert total == 1280 and offs[0] == offs[2]
+
+
+# ---------------------------------------------------------------------------------------
+# out_dir format and atomicity
+# ---------------------------------------------------------------------------------------
+def test_out_dir_layout_and_manifest(tmp_path, callback_codegen):
+    out = tmp_path / "mlp"
+    res = compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2, 2], "algo": "megatron"},
+                  optimization_config={"target": "cpu"}, out_dir=out)
+    assert res.world_size == 4 and res.out_dir == out.resolve() and res.plan.mesh.shape == (2, 2)
+    assert set(res.timings) == {"import", "search", "partition", "codegen", "write", "total"}
+    assert sorted(p.name for p in out.iterdir()) == ["mesh.json", "plan.json", "plan.txt", "rank0", "rank1", "rank2",
+                                                     "rank3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp"]  # no temporary left
+    mesh = json.loads((out / "mesh.json").read_text())
+    assert mesh["world_size"] == 4 and mesh["groups"]["0"] == [[0, 2], [1, 3]] and mesh["groups"]["1"] == [[0, 1],
+                                                                                                           [2, 3]]
+    for r in range(4):
+        d = out / f"rank{r}"
+        m = json.loads((d / "manifest.json").read_text())
+        assert m["artifact_format"] == 1 and m["rank"] == r and m["world_size"] == 4 and m["target"] == "cpu"
+        assert m["mesh"]["coord"] == [r // 2, r % 2] and m["mesh"]["shape"] == [2, 2]
+        assert m["inputs"] == [{"name": "x", "shape": [2, 32], "dtype": "float32", "placement": "RR"}]
+        assert m["outputs"][0]["name"] == "output" and m["outputs"][0]["global_shape"] == [2, 16]
+        assert m["outputs"][0]["bounds"] == [[0, 2], [0, 16]]
+        assert sorted(set(m["files"]) - {"runner.so"}) == ["kernels.so", "program.json", "weights.bin"]
+        for name, info in m["files"].items():
+            assert info["sha256"] == sha256_file(d / name)
+        prog = json.loads((d / "program.json").read_text())
+        kinds = [s["kind"] for s in prog["steps"]]
+        assert kinds.count("collective") == 2 and m["collectives"] == 2
+        assert all(s["group"] == "1" for s in prog["steps"] if s["kind"] == "collective")
+        assert prog["weights_bytes"] == (d / "weights.bin").stat().st_size
+    outs = run_in_threads(out, 4, inputs_of("mlp_ts17"))
+    ref = reference("mlp_ts17", inputs_of("mlp_ts17"))
+    for o in outs:
+        np.testing.assert_allclose(o["output"], ref["output"], rtol=1e-3, atol=1e-3)
+
+
+def test_native_runner_and_python_loop_agree(tmp_path, callback_codegen):
+    res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "g")
+    if not (res.rank_dirs[0] / "runner.so").exists():
+        pytest.skip("no C++ compiler for the native runner")
+    prog = load(res.out_dir)
+    CK.attach(prog, CK.BUILT[0])
+    assert prog._native is not None
+    inputs = inputs_of("gpt2_ts17")
+    native = prog.run(inputs)
+    prog._native = None
+    looped = prog.run(inputs)
+    np.testing.assert_array_equal(native["logits"], looped["logits"])
+
+
+def test_interrupted_compile_leaves_no_out_dir(tmp_path, monkeypatch):
+    calls = []
+
+    def builder(ops, path, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while building rank 1
+        return CK.build_callback_library(ops, path)
+
+    monkeypatch.setattr(driver, "_cpu_builder", lambda: builder)
+    out = tmp_path / "o"
+    with pytest.raises(KeyboardInterrupt):
+        compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2]}, out_dir=out)
+    assert list(tmp_path.iterdir()) == []
+    # an existing out_dir survives an interrupted recompile untouched
+    out.mkdir()
+    (out / "keep").write_text("x")
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2]}, out_dir=out)
+    assert [p.name for p in tmp_path.iterdir()] == ["o"] and (out / "keep").read_text() == "x"
+
+
+def test_codegen_errors_leave_no_out_dir(tmp_path, monkeypatch):
+    def builder(ops, path, **kw):
+        raise ShardflowError("kernel generation failed for node X")
+
+    monkeypatch.setattr(driver, "_cpu_builder", lambda: builder)
+    with pytest.raises(ShardflowError, match="node X"):
+        compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2]}, out_dir=tmp_path / "o")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_views_alias_and_the_arena_reuses_memory(tmp_path, callback_codegen):
+    res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "g")
+    prog = json.loads((tmp_path / "g" / "rank0" / "program.json").read_text())
+    ops = CK.BUILT[0]
+    assert not any(op.op_type == "Reshape" for op in ops)  # reshapes alias their input: no kernel
+    activations = sum(int(np.prod(b["shape"])) * np.dtype(b["dtype"]).itemsize
+                      for b in prog["buffers"] if b["storage"] == "arena")
+    assert prog["arena_bytes"] < activations / 3, (prog["arena_bytes"], activations)
+    outs = run_in_threads(res.out_dir, 1, inputs_of("gpt2_ts17"))
+    ref = reference("gpt2_ts17", inputs_of("gpt2_ts17"))
+    np.testing.assert_allclose(outs[0]["logits"], ref["logits"], rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# every test model on meshes [2], [4], [2, 2] (in-process ranks, callback kernels)
+# ---------------------------------------------------------------------------------------
+DEFAULT = ["gpt2_ts17", "bert_dynamo18", "llama_ts17", "vit_dynamo18", "resnet_ts17", "t5_encoder_ts17", "mlp_ts17"]
+OTHER = ["gpt2_dynamo18", "bert_ts17", "llama_dynamo18", "vit_ts17", "resnet_dynamo18", "t5_encoder_dynamo18",
+         "mlp_dynamo18"]
+
+
+def _cases():
+    for models, marks in ((DEFAULT, ()), (OTHER, (pytest.mark.slow,))):
+        for m in models:
+            for mesh, algo in (([2], "megatron"), ([4], "data"), ([2, 2], "data")):
+                yield pytest.param(m, mesh, algo, marks=marks, id=f"{m}-{'x'.join(map(str, mesh))}-{algo}")
+
+
+@pytest.mark.parametrize("model,mesh,algo", list(_cases()))
+def test_programs_match_onnxruntime(tmp_path, callback_codegen, model, mesh, algo):
+    res = compile(MODELS / f"{model}.onnx", distributed_config={"mesh_shape": mesh, "algo": algo},
+                  out_dir=tmp_path / "o")
+    inputs = inputs_of(model)
+    ref = reference(model, inputs)
+    outs = run_in_threads(res.out_dir, res.world_size, inputs)
+    for r, o in enumerate(outs):
+        for k, v in ref.items():
+            np.testing.assert_allclose(o[k], v, rtol=1e-3, atol=1e-3, err_msg=f"rank {r} output {k}")

@@ -1,0 +1,78 @@
+"""Real ranks: `shardflow compile` with the cpu codegen, then `shardflow run` on 2 and 4 processes
+(mpiexec when available, else the own spawner), outputs against onnxruntime (rtol/atol 1e-3)."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MODELS = Path(__file__).parent.parent / "models"
+SHARDFLOW = [sys.executable, "-m", "shardflow.compiler.cli"]
+
+
+def _codegen_available() -> bool:
+    try:
+        from shardflow.compiler.codegen import build_cpu_library  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+pytestmark = pytest.mark.skipif(not _codegen_available(), reason="needs the cpu codegen and a C++ compiler")
+HAS_MPI = shutil.which("mpiexec") is not None and importlib.util.find_spec("mpi4py") is not None
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "MV2_", "HYDRA_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def compile_and_run(tmp_path, model, mesh, algo, launcher="auto"):
+    base = model.rsplit("_", 1)[0]
+    inputs = MODELS / f"{base}_inputs.npz"
+    out = tmp_path / "out"
+    proc = subprocess.run(SHARDFLOW + ["compile", str(MODELS / f"{model}.onnx"), "-o", str(out), "--mesh", mesh,
+                                       "--algo", algo], capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    world = int(np.prod([int(d) for d in mesh.split("x")]))
+    proc = subprocess.run(SHARDFLOW + ["run", str(out), "--nproc", str(world), "--inputs", str(inputs), "--outputs",
+                                       str(tmp_path / "out.npz"), "--launcher", launcher],
+                          capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ort = pytest.importorskip("onnxruntime")
+    feeds = dict(np.load(inputs))
+    sess = ort.InferenceSession(str(MODELS / f"{model}.onnx"), providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    got = np.load(tmp_path / "out.npz")
+    assert sorted(got.files) == sorted(ref)
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-3, atol=1e-3, err_msg=k)
+
+
+FAST = [("mlp_ts17", "2", "megatron"), ("mlp_ts17", "4", "data"), ("mlp_ts17", "2x2", "data"),
+        ("mlp_dynamo18", "2x2", "megatron"), ("gpt2_ts17", "2x2", "data")]
+ALL = ["gpt2_ts17", "gpt2_dynamo18", "bert_ts17", "bert_dynamo18", "llama_ts17", "llama_dynamo18", "vit_ts17",
+       "vit_dynamo18", "resnet_ts17", "resnet_dynamo18", "t5_encoder_ts17", "t5_encoder_dynamo18"]
+
+
+def _cases():
+    for m, mesh, algo in FAST:
+        yield pytest.param(m, mesh, algo, id=f"{m}-{mesh}-{algo}")
+    for m in ALL:
+        for mesh, algo in (("2", "megatron"), ("4", "data"), ("2x2", "data")):
+            if (m, mesh, algo) not in FAST:
+                yield pytest.param(m, mesh, algo, marks=pytest.mark.slow, id=f"{m}-{mesh}-{algo}")
+
+
+@pytest.mark.parametrize("model,mesh,algo", list(_cases()))
+def test_real_ranks_match_onnxruntime(tmp_path, model, mesh, algo):
+    compile_and_run(tmp_path, model, mesh, algo)
+
+
+def test_real_ranks_with_the_own_spawner(tmp_path):
+    compile_and_run(tmp_path, "mlp_ts17", "2x2", "data", launcher="spawn")

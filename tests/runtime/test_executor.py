@@ -1,0 +1,179 @@
+"""The runtime on hand-written artifacts (real C kernels, no compiler): load, verify, run, errors."""
+import json
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import handmade
+from shardflow.runtime import (ChecksumError, InputDtypeError, InputError, InputNameError, InputShapeError,
+                               ShardflowError, VersionError, WorldSizeError, load)
+from shardflow.runtime.artifact import ArtifactError, atomic_output_dir
+from shardflow.runtime.comm import InProcessWorld
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("handmade")
+    return {name: handmade.make_artifact(d / name, mesh) for name, mesh in
+            (("o1", (1,)), ("o2", (2,)), ("o4", (2, 2)), ("o4b", (4,)))}
+
+
+@pytest.fixture
+def x():
+    return np.random.default_rng(0).standard_normal(handmade.SHAPE).astype(np.float32)
+
+
+def check(outs, x, world):
+    want = handmade.expected(x, world)
+    assert sorted(outs) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(outs[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def run_ranks(out_dir, world, inputs):
+    comms = InProcessWorld(world).communicators()
+    outs, errors = [None] * world, []
+
+    def work(r):
+        try:
+            prog = load(out_dir, r, comms[r])
+            outs[r] = prog.run(inputs)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return outs
+
+
+def test_single_rank(arts, x):
+    prog = load(arts["o1"])
+    assert prog.input_names == ["x"] and prog.output_names == ["y", "g"]
+    check(prog.run({"x": x}), x, 1)
+    out = prog.run({"x": x})
+    out["y"][...] = 0  # outputs are fresh arrays
+    check(prog.run({"x": x}), x, 1)
+
+
+@pytest.mark.parametrize("name,world", [("o2", 2), ("o4", 4), ("o4b", 4)])
+def test_ranks_in_threads(arts, x, name, world):
+    for outs in run_ranks(arts[name], world, {"x": x}):
+        check(outs, x, world)
+
+
+def test_input_errors_name_the_input(arts, x):
+    prog = load(arts["o1"])
+    with pytest.raises(InputShapeError, match=r"input 'x' has shape \(4, 5\)") as info:
+        prog.run({"x": x[:, :5]})
+    assert info.value.input_name == "x" and isinstance(info.value, InputError)
+    with pytest.raises(InputDtypeError, match="input 'x' has dtype float64") as info:
+        prog.run({"x": x.astype(np.float64)})
+    assert info.value.input_name == "x"
+    with pytest.raises(InputNameError, match="missing input 'x'"):
+        prog.run({})
+    with pytest.raises(InputNameError, match=r"unknown input\(s\) \['z'\]"):
+        prog.run({"x": x, "z": x})
+
+
+@pytest.mark.parametrize("victim", ["weights.bin", "program.json", "kernels.so"])
+def test_a_corrupted_byte_is_refused_naming_the_file(arts, tmp_path, victim):
+    out = tmp_path / "bad"
+    shutil.copytree(arts["o2"], out)
+    path = out / "rank1" / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=f"rank1/{victim}") as info:
+        load(out, 1, InProcessWorld(2).communicators()[1])  # fails before any communication
+    assert info.value.path.endswith(f"rank1/{victim}")
+
+
+def test_missing_file_and_other_format_version(arts, tmp_path):
+    out = tmp_path / "v"
+    shutil.copytree(arts["o1"], out)
+    m = json.loads((out / "rank0" / "manifest.json").read_text())
+    m["artifact_format"] = 99
+    (out / "rank0" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(VersionError, match="artifact format 99"):
+        load(out)
+    shutil.rmtree(out)
+    shutil.copytree(arts["o1"], out)
+    (out / "rank0" / "kernels.so").unlink()
+    with pytest.raises(ChecksumError, match="kernels.so.*missing"):
+        load(out)
+    with pytest.raises(ArtifactError, match="does not exist"):
+        load(tmp_path / "nowhere")
+
+
+def test_world_size_mismatch_is_refused(arts):
+    with pytest.raises(WorldSizeError, match="has 2 ranks; pass the world communicator"):
+        load(arts["o2"])
+    comms = InProcessWorld(2).communicators()
+    with pytest.raises(WorldSizeError, match="compiled for 4 ranks but the communicator has 2"):
+        load(arts["o4"], 0, comms[0])
+    with pytest.raises(WorldSizeError, match="no rank7/ directory"):
+        load(arts["o4"], 7)
+
+
+def _has_cuda_device():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(_has_cuda_device(), reason="checks the message given without cupy or a GPU")
+def test_cuda_artifacts_need_cupy_and_a_device(arts, tmp_path):
+    out = tmp_path / "cuda"
+    shutil.copytree(arts["o1"], out)
+    m = json.loads((out / "rank0" / "manifest.json").read_text())
+    m["target"] = "cuda"
+    (out / "rank0" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ShardflowError, match="running cuda artifacts needs (cupy|a CUDA device)"):
+        load(out)
+
+
+def test_runtime_needs_no_compiler(arts, x):
+    code = f"""
+import sys, numpy as np
+import shardflow.runtime, shardflow.runtime.launch, shardflow.runtime.comm.tcp, shardflow.runtime.comm.watchdog
+import shardflow.runtime.comm.mpi, shardflow.runtime.comm.nccl, shardflow.runtime.comm.inprocess
+p = shardflow.runtime.load({str(arts['o1'])!r})
+p.run({{'x': np.zeros((4, 6), np.float32)}})
+bad = [m for m in sys.modules if m.startswith(('shardflow.compiler', 'onnx', 'pulp'))]
+assert not bad, bad
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_atomic_output_dir(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output_dir(out) as tmp:
+            (tmp / "new.txt").write_text("new")
+            raise KeyboardInterrupt
+    assert (out / "old.txt").read_text() == "old" and not (out / "new.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with atomic_output_dir(out) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    fresh = tmp_path / "fresh"
+    with pytest.raises(RuntimeError):
+        with atomic_output_dir(fresh):
+            raise RuntimeError("boom")
+    assert not fresh.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

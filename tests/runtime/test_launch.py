@@ -1,0 +1,217 @@
+"""``shardflow run``: launching ranks (mpiexec, own spawner, torchrun-style variables) and faults."""
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import handmade
+from shardflow.runtime.launch import LaunchEnv, detect_environment
+
+HAS_MPI = shutil.which("mpiexec") is not None and importlib.util.find_spec("mpi4py") is not None
+LAUNCHERS = [pytest.param("mpiexec", marks=pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")),
+             "spawn"]
+RUN = [sys.executable, "-m", "shardflow.compiler.cli", "run"]
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("handmade")
+    x = np.random.default_rng(1).standard_normal(handmade.SHAPE).astype(np.float32)
+    np.savez(d / "in.npz", x=x)
+    res = {name: handmade.make_artifact(d / name, mesh) for name, mesh in
+           (("o2", (2,)), ("o4", (2, 2)), ("o4b", (4,)))}
+    res["inputs"] = d / "in.npz"
+    res["x"] = x
+    return res
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "MV2_", "HYDRA_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra)
+    return env
+
+
+def test_detect_environment():
+    assert detect_environment({}) == LaunchEnv("single", 0, 1, source="no launcher")
+    e = detect_environment({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (e.launched_by, e.rank, e.size, e.local_rank, e.local_size) == ("mpi", 1, 4, 1, 2)
+    e = detect_environment({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8"})
+    assert (e.launched_by, e.rank, e.size) == ("mpi", 3, 8)
+    e = detect_environment({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "h",
+                            "MASTER_PORT": "29500"})
+    assert (e.launched_by, e.rank, e.size, e.master_addr, e.master_port) == ("env", 2, 4, "h", 29500)
+    e = detect_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1"})
+    assert (e.launched_by, e.rank, e.size, e.local_rank) == ("mpi", 5, 6, 1)
+    e = detect_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "MASTER_PORT": "1234"})
+    assert e.launched_by == "env"
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("name,world", [("o2", 2), ("o4", 4)])
+def test_run_writes_rank0_outputs(arts, tmp_path, launcher, name, world):
+    out = tmp_path / "out.npz"
+    proc = subprocess.run(RUN + [str(arts[name]), "--nproc", str(world), "--inputs", str(arts["inputs"]),
+                                 "--outputs", str(out), "--launcher", launcher],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    got = np.load(out)
+    want = handmade.expected(arts["x"], world)
+    assert sorted(got.files) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_style_variables(arts, tmp_path):
+    port = _free_port()
+    out = tmp_path / "out.npz"
+    procs = [subprocess.Popen([sys.executable, "-m", "shardflow.runtime.launch", str(arts["o4b"]), "--inputs",
+                               str(arts["inputs"]), "--outputs", str(out)],
+                              env=clean_env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port)), stderr=subprocess.PIPE, text=True)
+             for r in range(4)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errs
+    np.testing.assert_allclose(np.load(out)["y"], handmade.expected(arts["x"], 4)["y"], rtol=1e-6)
+
+
+def test_world_size_mismatch_is_refused_at_start(arts):
+    proc = subprocess.run(RUN + [str(arts["o4"]), "--nproc", "2", "--inputs", str(arts["inputs"])],
+                          capture_output=True, text=True, timeout=60, env=clean_env())
+    assert proc.returncode == 2
+    assert "--nproc 2 does not match" in proc.stderr and "compiled for 4 ranks" in proc.stderr
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "shardflow.runtime.launch", str(arts["o4"])],
+                              env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert all(p.returncode == 2 for p in procs)
+    assert all("compiled for 4 ranks but 2 were started" in e for e in errs)
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")
+def test_world_size_mismatch_under_mpiexec(arts):
+    proc = subprocess.run([shutil.which("mpiexec"), "-n", "2"] + RUN + [str(arts["o4"])], capture_output=True,
+                          text=True, timeout=60, env=clean_env())
+    assert proc.returncode != 0
+    assert proc.stderr.count("compiled for 4 ranks but 2 were started") == 2
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_corrupted_weights_are_refused_naming_the_file(arts, tmp_path, launcher):
+    out = tmp_path / "bad"
+    shutil.copytree(arts["o2"], out)
+    path = out / "rank1" / "weights.bin"
+    data = bytearray(path.read_bytes())
+    data[7] ^= 1
+    path.write_bytes(bytes(data))
+    t0 = time.monotonic()
+    proc = subprocess.run(RUN + [str(out), "--inputs", str(arts["inputs"]), "--launcher", launcher],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode != 0
+    assert "ChecksumError" in proc.stderr and "rank1/weights.bin" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def _rank_pids(token: str) -> dict[int, int]:
+    """Rank → pid of the worker processes started with SF_TEST_TOKEN=token."""
+    res = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        d = dict(x.split(b"=", 1) for x in env if b"=" in x)
+        if d.get(b"SF_TEST_TOKEN") != token.encode() or b"shardflow.runtime.launch" not in cmd:
+            continue
+        r = d.get(b"PMI_RANK") or d.get(b"RANK")
+        if r is not None:
+            res[int(r)] = int(pid)
+    return res
+
+
+def _fault(arts, launcher, sig, victim, extra_env=None, wait_s=90):
+    token = f"t{os.getpid()}-{launcher}-{sig}-{victim}-{time.monotonic_ns()}"
+    env = clean_env(SF_TEST_TOKEN=token, **(extra_env or {}))
+    proc = subprocess.Popen(RUN + [str(arts["o4"]), "--inputs", str(arts["inputs"]), "--repeat", "100000000",
+                                   "--launcher", launcher], env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_rank_pids(token)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = _rank_pids(token)
+        assert len(pids) == 4, f"ranks did not start: {pids}"
+        time.sleep(2.0)  # let them run
+        t_kill = time.monotonic()
+        os.kill(pids[victim], sig)
+        _, err = proc.communicate(timeout=wait_s)
+        elapsed = time.monotonic() - t_kill
+        survivors = _rank_pids(token)
+        return proc.returncode, err, elapsed, survivors
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _rank_pids(token).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_killed_rank_stops_every_rank(arts, launcher):
+    rc, err, elapsed, survivors = _fault(arts, launcher, signal.SIGKILL, victim=1)
+    assert rc != 0 and not survivors
+    assert elapsed < 60
+    assert "rank 1" in err.lower(), err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_hung_rank_stops_every_rank(arts, launcher):
+    rc, err, elapsed, survivors = _fault(arts, launcher, signal.SIGSTOP, victim=2,
+                                         extra_env={"SHARDFLOW_HEARTBEAT_TIMEOUT": "4",
+                                                    "SHARDFLOW_FAILURE_GRACE": "5"})
+    assert rc != 0 and not survivors
+    assert elapsed < 60
+    assert "rank 2 stopped answering" in err, err
+
+
+def test_wrong_input_shape_is_a_typed_error_naming_the_input(arts, tmp_path):
+    np.savez(tmp_path / "bad.npz", x=np.zeros((4, 5), np.float32))
+    proc = subprocess.run(RUN + [str(arts["o2"]), "--inputs", str(tmp_path / "bad.npz")], capture_output=True,
+                          text=True, timeout=120, env=clean_env())
+    assert proc.returncode != 0
+    assert "InputShapeError: input 'x' has shape (4, 5)" in proc.stderr
+
+
+def test_single_rank_in_process(tmp_path, capsys):
+    from shardflow.compiler import cli
+
+    out = handmade.make_artifact(tmp_path / "o1", (1,))
+    x = np.ones(handmade.SHAPE, np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    assert cli.main(["run", str(out), "--inputs", str(tmp_path / "in.npz"), "--outputs",
+                     str(tmp_path / "out.npz")]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], handmade.expected(x, 1)["y"])
+    np.savez(tmp_path / "bad.npz", x=np.ones((4, 6), np.float64))
+    assert cli.main(["run", str(out), "--inputs", str(tmp_path / "bad.npz")]) == 1  # returns, does not exit
