@@ -3,7 +3,7 @@
 The pipeline: :func:`~shardflow.compiler.load_onnx` → :func:`~shardflow.compiler.parallel.search`
 → :func:`~shardflow.compiler.parallel.partition` → per rank: kernels (codegen), the rank program
 (steps and a buffer plan that reuses memory by liveness) and the weight shard → the out_dir
-(format: :mod:`shardflow.runtime.artifact`, ``rfcs/0002-artifacts-and-runtime.md``).
+(format: :mod:`shardflow.runtime.artifact`, ``rfcs/0003-artifacts-and-runtime.md``).
 
 ``optimization_config`` keys (all optional):
 
@@ -471,17 +471,43 @@ def _kernel_entry(k: Any) -> Any:
     return k
 
 
-def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int) -> None:
-    with open(path, "wb") as f:
-        pos = 0
-        for off, a in weights:
-            if off > pos:
-                f.write(b"\0" * (off - pos))
-                pos = off
-            f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
-            pos += a.nbytes
-        if total > pos:
-            f.write(b"\0" * (total - pos))
+def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int) -> str:
+    """Write the weight shard; return its sha256, computed by a second thread while writing
+    (both release the GIL on large buffers)."""
+    import hashlib
+    import queue
+    import threading
+
+    h = hashlib.sha256()
+    todo: queue.Queue = queue.Queue(maxsize=64)
+
+    def hasher() -> None:
+        while (data := todo.get()) is not None:
+            h.update(data)
+
+    t = threading.Thread(target=hasher, daemon=True)
+    t.start()
+
+    def put(f, data) -> None:
+        todo.put(data)
+        f.write(data)
+
+    try:
+        with open(path, "wb") as f:
+            pos = 0
+            for off, a in weights:
+                if off > pos:
+                    put(f, b"\0" * (off - pos))
+                    pos = off
+                if a.size:
+                    put(f, memoryview(a.reshape(-1).view(np.uint8)))
+                pos += a.nbytes
+            if total > pos:
+                put(f, b"\0" * (total - pos))
+    finally:
+        todo.put(None)
+        t.join()
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -690,7 +716,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             if runner is not None and ops:
                 (rdir / "runner.so").write_bytes(runner)
                 program["runner_file"] = "runner.so"
-            _write_weights(rdir / "weights.bin", weights, wbytes)
+            weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)
             outputs = []
@@ -719,7 +745,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 "kernels": sum(1 for s in program["steps"] if s["kind"] == "kernel"),
                 "collectives": sum(1 for s in program["steps"] if s["kind"] == "collective"),
             }
-            finalize_rank_dir(rdir, manifest)
+            finalize_rank_dir(rdir, manifest, known={"weights.bin": weights_sha})
             timings["write"] += time.perf_counter() - t
             ranks_info.append({"kernels": manifest["kernels"], "collectives": manifest["collectives"],
                                "arena_bytes": program["arena_bytes"], "weights_bytes": program["weights_bytes"]})

@@ -12,7 +12,7 @@ An out_dir holds::
         kernels.so                the compiled kernels (cpu)
         weights.bin               the rank's weight shard (each tensor 64-byte aligned)
 
-The format is described in ``rfcs/0002-artifacts-and-runtime.md``. This module depends only on
+The format is described in ``rfcs/0003-artifacts-and-runtime.md``. This module depends only on
 the standard library and numpy; the compiler's driver uses its writers, the runtime its readers.
 """
 from __future__ import annotations
@@ -107,13 +107,17 @@ def read_json(path: str | os.PathLike, what: str | None = None) -> Any:
             from None
 
 
-def finalize_rank_dir(directory: str | os.PathLike, manifest: dict) -> dict:
-    """Add the sha256 of every file in ``directory`` to ``manifest`` and write ``manifest.json``."""
+def finalize_rank_dir(directory: str | os.PathLike, manifest: dict, known: dict[str, str] | None = None) -> dict:
+    """Add the sha256 of every file in ``directory`` to ``manifest`` and write ``manifest.json``.
+
+    ``known`` maps file names to sha256 digests the writer computed while writing them.
+    """
     directory = Path(directory)
     files = {}
+    known = known or {}
     for p in sorted(directory.iterdir()):
         if p.is_file() and p.name != "manifest.json":
-            files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            files[p.name] = {"sha256": known.get(p.name) or sha256_file(p), "bytes": p.stat().st_size}
     manifest = dict(manifest)
     manifest["artifact_format"] = ARTIFACT_FORMAT
     manifest["files"] = files
