@@ -1,0 +1,82 @@
+"""CPU latency of one rank vs onnxruntime, per model, in the same run.
+
+Compiles each model for one rank (target cpu), runs it with ``shardflow.runtime.load`` and runs
+onnxruntime on the same inputs with the same thread count, and prints median latencies and the
+ratio (ours / onnxruntime; lower is better). Models: the committed test models, and with
+``--sized`` also GPT-2-, BERT- and Llama-sized exports (needs torch + transformers; slow).
+
+    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = os.path.join(HERE, "..", "tests", "models")
+COMMITTED = ["gpt2_ts17", "bert_dynamo18", "llama_ts17", "resnet_ts17", "vit_dynamo18", "t5_encoder_ts17"]
+
+
+def _median_ms(fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str) -> None:
+    import onnxruntime as ort
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    out = os.path.join(work, name)
+    compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
+    prog = load(out, rank=0)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    ours = _median_ms(lambda: prog.run(feeds), repeat)
+    ref = _median_ms(lambda: sess.run(None, feeds), repeat)
+    err = max(float(np.max(np.abs(prog.run(feeds)[o.name] - r)))
+              for o, r in zip(sess.get_outputs(), sess.run(None, feeds)))
+    print(f"{name:<22} shardflow {ours:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours / ref:5.2f}   "
+          f"max |diff| {err:.1e}", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--sized", action="store_true", help="also export GPT-2-small-sized models (slow)")
+    args = ap.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    print(f"threads: {args.threads}")
+    with tempfile.TemporaryDirectory() as work:
+        for m in COMMITTED:
+            feeds = dict(np.load(os.path.join(MODELS, f"{m.rsplit('_', 1)[0]}_inputs.npz")))
+            bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work)
+        if args.sized:
+            sys.path.insert(0, MODELS)
+            from export_models import export_gpt2
+
+            path = os.path.join(work, "gpt2_small.onnx")
+            info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
+            feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
+                     if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
+            bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work)
+
+
+if __name__ == "__main__":
+    main()
