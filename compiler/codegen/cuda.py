@@ -57,7 +57,7 @@ from typing import Sequence
 import numpy as np
 
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
-                       UnaryOp, Var, affine_form, walk)
+                       UnaryOp, Var, affine_form, walk, rebuild)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
@@ -527,20 +527,6 @@ class _Analysis:
 # inlining reads of other computes of the same task
 # ----------------------------------------------------------------------------------------------
 
-def _rebuild(e: Expr, kids: list[Expr]) -> Expr:
-    if isinstance(e, BinOp):
-        return BinOp(e.op, kids[0], kids[1])
-    if isinstance(e, UnaryOp):
-        return UnaryOp(e.op, kids[0])
-    if isinstance(e, Cast):
-        return Cast(kids[0], e.dtype)
-    if isinstance(e, IfThenElse):
-        return IfThenElse(kids[0], kids[1], kids[2])
-    if isinstance(e, TensorElement):
-        return TensorElement(e.tensor, tuple(kids))
-    if isinstance(e, Reduce):
-        return Reduce(e.vars, kids[0], e.op)
-    return e
 
 
 def _map_tree(e: Expr, fn, memo: dict) -> Expr:
@@ -551,7 +537,7 @@ def _map_tree(e: Expr, fn, memo: dict) -> Expr:
     kids = [_map_tree(c, fn, memo) for c in e.children()]
     r = fn(e, kids)
     if r is None:
-        r = e if all(a is b for a, b in zip(kids, e.children())) else _rebuild(e, kids)
+        r = e if all(a is b for a, b in zip(kids, e.children())) else rebuild(e, kids)
     memo[k] = r
     return r
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import ShardflowError
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
-                       UnaryOp, Var, affine_form, walk)
+                       UnaryOp, Var, affine_form, walk, rebuild)
 from ..ir.task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["CodegenError", "Buffer", "Local", "Kernel", "Loop", "FlatLoop", "Block", "Let", "Declare", "Assign",
@@ -336,21 +336,6 @@ def accumulator_dtype(r: Reduce, memo: dict) -> str:
 # structure helpers
 # ---------------------------------------------------------------------------------------------
 
-def _rebuild(e: Expr, kids: list[Expr]) -> Expr:
-    """``e`` with new children (``kids`` in ``children()`` order)."""
-    if isinstance(e, BinOp):
-        return BinOp(e.op, kids[0], kids[1])
-    if isinstance(e, UnaryOp):
-        return UnaryOp(e.op, kids[0])
-    if isinstance(e, Cast):
-        return Cast(kids[0], e.dtype)
-    if isinstance(e, IfThenElse):
-        return IfThenElse(kids[0], kids[1], kids[2])
-    if isinstance(e, TensorElement):
-        return TensorElement(e.tensor, tuple(kids))
-    if isinstance(e, Reduce):
-        return Reduce(e.vars, kids[0], e.op)
-    return e
 
 
 def transform(e: Expr, fn, memo: dict | None = None) -> Expr:
@@ -364,7 +349,7 @@ def transform(e: Expr, fn, memo: dict | None = None) -> Expr:
             return memo[k][1]
         kids = x.children()
         new_kids = [go(c) for c in kids]
-        y = x if all(a is b for a, b in zip(kids, new_kids)) else _rebuild(x, new_kids)
+        y = x if all(a is b for a, b in zip(kids, new_kids)) else rebuild(x, new_kids)
         z = fn(x, y)
         if z is None:
             z = y
@@ -758,7 +743,7 @@ class _NestLowerer:
         else:
             kids = e.children()
             new = [self._rewrite(c, ctx) for c in kids]
-            r = e if all(a is b for a, b in zip(kids, new)) else _rebuild(e, new)
+            r = e if all(a is b for a, b in zip(kids, new)) else rebuild(e, new)
         self.rewrite_memo[k] = (e, r)
         return r
 
@@ -969,7 +954,7 @@ class _Emitter:
             r = self._read(e)
         elif isinstance(e, (BinOp, UnaryOp, Cast)):
             kids = [self.emit(c) for c in e.children()]
-            r = _rebuild(e, kids) if any(a is not b for a, b in zip(e.children(), kids)) else e
+            r = rebuild(e, kids) if any(a is not b for a, b in zip(e.children(), kids)) else e
         elif isinstance(e, IfThenElse):
             r = self._select(e)
         elif isinstance(e, Reduce):
@@ -1025,7 +1010,7 @@ class _Emitter:
             if isinstance(x, (Var, Const, Local)):
                 return x
             kids = x.children()
-            return _rebuild(x, [pure(c) for c in kids]) if kids else x
+            return rebuild(x, [pure(c) for c in kids]) if kids else x
         try:
             return self.ranges.in_bounds(pure(ix), ext)
         except CodegenError:

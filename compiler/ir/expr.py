@@ -342,6 +342,23 @@ def affine_form(e: Expr) -> tuple[dict[Var, int], int] | None:
     return None
 
 
+def rebuild(e: Expr, kids: list[Expr]) -> Expr:
+    """``e`` with new children (``kids`` in ``e.children()`` order); leaves are returned as is."""
+    if isinstance(e, BinOp):
+        return BinOp(e.op, kids[0], kids[1])
+    if isinstance(e, UnaryOp):
+        return UnaryOp(e.op, kids[0])
+    if isinstance(e, Cast):
+        return Cast(kids[0], e.dtype)
+    if isinstance(e, IfThenElse):
+        return IfThenElse(kids[0], kids[1], kids[2])
+    if isinstance(e, TensorElement):
+        return TensorElement(e.tensor, tuple(kids))
+    if isinstance(e, Reduce):
+        return Reduce(e.vars, kids[0], e.op)
+    return e
+
+
 def free_vars(e: Expr) -> set[Var]:
     """Axis variables used in ``e`` (reduction variables bound inside ``e`` included)."""
     return {n for n in walk(e) if isinstance(n, Var)}
