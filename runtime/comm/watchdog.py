@@ -263,7 +263,7 @@ class Watchdog:
                             timeout_s)
             self._stop.set()
             self._send_all(_BYE)
-            for s in self._conns.values():
+            for s in list(self._conns.values()):  # the monitor thread may still drop closed peers
                 s.close()
             self._listener.close()
         else:
