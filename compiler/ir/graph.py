@@ -228,6 +228,8 @@ class FlowGraph:
         self.output_names = list(output_names) if output_names is not None else [t.name for t in self.outputs]
         self.name = name
         self.nodes = list(nodes) if nodes is not None else topological_sort(self.outputs)
+        #: Free-form annotations of later stages (partition records the rank and the mesh here).
+        self.meta: dict[str, Any] = {}
 
     # queries -------------------------------------------------------------------------
     def consumers(self) -> dict[int, list[Operator]]:
@@ -371,7 +373,9 @@ class FlowGraph:
                 new_t.name, new_t.value = old_t.name, old_t.value
                 mapping[id(old_t)] = new_t
             nodes.append(new)
-        return FlowGraph(inputs, [m(t) for t in self.outputs], nodes, list(self.output_names), self.name)
+        res = FlowGraph(inputs, [m(t) for t in self.outputs], nodes, list(self.output_names), self.name)
+        res.meta = dict(self.meta)
+        return res
 
     # printing ------------------------------------------------------------------------
     def __str__(self) -> str:

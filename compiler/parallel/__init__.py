@@ -4,7 +4,7 @@ Typical use::
 
     plan = search(graph, {"mesh_shape": [2, 2]})
     rank_graphs = partition(graph, plan)
-    outputs = simulate(rank_graphs, inputs, plan.mesh)    # the single-process oracle
+    outputs = simulate(rank_graphs, inputs)    # the single-process oracle
 """
 from .config import DistributedConfig
 from .connect import connect

@@ -120,6 +120,7 @@ class _RankBuilder:
                    for name, t in zip(g.output_names, g.outputs)]
         rg = FlowGraph(inputs, outputs, self.nodes, list(g.output_names), name=f"{g.name}.rank{self.rank}")
         rg.validate()
+        rg.meta.update(rank=self.rank, mesh=self.mesh)
         return rg
 
 

@@ -243,7 +243,7 @@ def _run_collective_step(ops: list[Collective], envs: list[dict], mesh: DeviceMe
 
 
 def simulate(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray],
-             mesh: DeviceMesh) -> dict[str, np.ndarray]:
+             mesh: DeviceMesh | None = None) -> dict[str, np.ndarray]:
     """Run the per-rank graphs together in this process and return rank 0's outputs.
 
     Parameters
@@ -256,7 +256,8 @@ def simulate(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray],
         their shards with :class:`~shardflow.compiler.parallel.comm_ops.LocalSlice`; a test may
         instead give each rank its own input names.
     mesh
-        The device mesh the collectives' ``mesh_axis`` refer to.
+        The device mesh the collectives' ``mesh_axis`` refer to; by default the one
+        :func:`~shardflow.compiler.parallel.partition.partition` recorded in the graphs' ``meta``.
 
     Returns
     -------
@@ -269,4 +270,8 @@ def simulate(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray],
         When the ranks' collective sequences differ (kind, mesh axis, dims, reduction, group
         size), or a group disagrees on sizes.
     """
+    if mesh is None:
+        mesh = rank_graphs[0].meta.get("mesh") if rank_graphs else None
+        if mesh is None:
+            raise GraphError("simulate: the rank graphs carry no mesh (they were not made by partition); pass mesh=")
     return simulate_ranks(rank_graphs, inputs, mesh)[0]

@@ -141,3 +141,11 @@ def test_highs_solver_gives_the_same_cost(mlp_graph):
     a = search(mlp_graph, cfg)
     b = search(mlp_graph, {**cfg, "solver": "highs"})
     assert b.cost == pytest.approx(a.cost, rel=1e-6)
+
+
+def test_simulate_takes_the_mesh_partition_recorded(mlp_graph):
+    plan = search(mlp_graph, {"mesh_shape": [2, 2], "algo": "megatron"})
+    ranks = partition(mlp_graph, plan)
+    assert [g.meta["rank"] for g in ranks] == [0, 1, 2, 3] and ranks[0].meta["mesh"] == plan.mesh
+    x = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    np.testing.assert_allclose(simulate(ranks, {"x": x})["y"], mlp_graph.run({"x": x})["y"], rtol=1e-4, atol=1e-4)
