@@ -154,8 +154,8 @@ def _spatial_input(ctx, x, dtypes=_FLOATS) -> int:
 
 # convolution -------------------------------------------------------------------------------------
 
-@onnx_op("Conv")
-def conv(ctx):
+def _conv_operands(ctx):
+    """Conv/ConvTranspose: x, w, optional bias, spatial rank, kernel, strides and dilations, checked."""
     x, w = ctx.input(0), ctx.input(1)
     bias = ctx.inputs[2] if ctx.has_input(2) else None
     _same_dtype(ctx, x, w, bias)
@@ -165,7 +165,12 @@ def conv(ctx):
     kernel = _ints(ctx, "kernel_shape", n, 0) if ctx.has_attr("kernel_shape") else w.shape[2:]
     if tuple(kernel) != w.shape[2:]:
         raise ctx.shape_error(f"kernel_shape={list(kernel)} does not match the weight's shape {w.shape}")
-    strides, dil = _ints(ctx, "strides", n, 1), _ints(ctx, "dilations", n, 1)
+    return x, w, bias, n, kernel, _ints(ctx, "strides", n, 1), _ints(ctx, "dilations", n, 1)
+
+
+@onnx_op("Conv")
+def conv(ctx):
+    x, w, bias, n, kernel, strides, dil = _conv_operands(ctx)
     pads = _forward_pads(ctx, x.shape[2:], kernel, strides, dil)
     group = int(ctx.attr("group", 1))
     ins = [x, w] + ([bias] if bias is not None else [])
@@ -174,16 +179,7 @@ def conv(ctx):
 
 @onnx_op("ConvTranspose")
 def conv_transpose(ctx):
-    x, w = ctx.input(0), ctx.input(1)
-    bias = ctx.inputs[2] if ctx.has_input(2) else None
-    _same_dtype(ctx, x, w, bias)
-    n = _spatial_input(ctx, x)
-    if w.ndim != x.ndim:
-        raise ctx.shape_error(f"weight of shape {w.shape} must have the input's rank {x.ndim}")
-    kernel = _ints(ctx, "kernel_shape", n, 0) if ctx.has_attr("kernel_shape") else w.shape[2:]
-    if tuple(kernel) != w.shape[2:]:
-        raise ctx.shape_error(f"kernel_shape={list(kernel)} does not match the weight's shape {w.shape}")
-    strides, dil = _ints(ctx, "strides", n, 1), _ints(ctx, "dilations", n, 1)
+    x, w, bias, n, kernel, strides, dil = _conv_operands(ctx)
     out_pad = _ints(ctx, "output_padding", n, 0)
     ins_sp = x.shape[2:]
     natural = [strides[d] * (ins_sp[d] - 1) + out_pad[d] + (kernel[d] - 1) * dil[d] + 1 for d in range(n)]
