@@ -12,7 +12,9 @@ key               meaning                                                       
 ================  =========================================================================  ==========
 ``target``        ``"cpu"`` (C++ kernels in a ``.so``) or ``"cuda"``                         ``"cpu"``
 ``arch``          GPU architecture for cuda, e.g. ``"sm_90"`` (cpu: must be unset)           ``"sm_90"``
-``precision``     ``"float32"``; ``"float16"``/``"bfloat16"`` are not implemented yet        ``"float32"``
+``precision``     ``"float32"`` (cuda GEMMs: 3xTF32, fp32-accurate); ``"tf32"`` (cuda only:   ``"float32"``
+                  one TF32 product, faster, relative error ~1e-3); ``"float16"``/
+                  ``"bfloat16"`` are not implemented yet
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
 ``search_space``  kernel tuning level: 0 (none), 1 (a few candidates), 2 (wide search)        ``1``
@@ -46,7 +48,7 @@ __all__ = ["compile", "CompileResult", "OptimizationConfig", "build_program", "p
 log = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "cuda")
-PRECISIONS = ("float32", "float16", "bfloat16")
+PRECISIONS = ("float32", "tf32", "float16", "bfloat16")
 COMM_BACKENDS = ("auto", "mpi", "nccl", "tcp")
 
 
@@ -116,6 +118,9 @@ class OptimizationConfig:
             if kw["precision"] not in PRECISIONS:
                 raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r}: choose one of "
                                   f"{list(PRECISIONS)}")
+        if kw.get("precision") == "tf32" and target != "cuda":
+            raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (TF32 is a "
+                              "GPU tensor-core format); use 'float32'")
         for key in ("fuse", "cuda_graph"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
@@ -641,8 +646,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     """
     t_all = time.perf_counter()
     opt = OptimizationConfig.from_dict(optimization_config)
-    if opt.precision != "float32":
-        raise ShardflowError(f"precision {opt.precision!r} is not implemented yet; use 'float32'")
+    if opt.precision not in ("float32", "tf32"):
+        raise ShardflowError(f"precision {opt.precision!r} is not implemented yet; use 'float32' (or 'tf32' on cuda)")
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
         raise ConfigError(f"distributed_config must be a dict, got {type(distributed_config).__name__}")
     from .parallel import partition, search
@@ -659,6 +664,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
 
+                kw["precision"] = opt.precision
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
     plan = search(graph, dcfg)

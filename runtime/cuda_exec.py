@@ -4,9 +4,10 @@ The weight shard is uploaded once and the activation arena allocated once on the
 every kernel step becomes a ``cupy.RawModule`` function with its launch dimensions (from
 ``program.json``) and its argument views precomputed. After one eager warm-up run the program is
 captured into CUDA graphs: one graph for the whole run when every collective can be captured
-(world size 1, or NCCL all-reduces, which are issued inside the graph), else one graph per run of
-kernels between collectives, the collectives running eagerly in between (e.g. MPI with host
-staging, several ranks sharing one GPU). Everything is ordered on one stream.
+(world size 1, or NCCL: each collective is prepared once on fixed staging buffers, see
+:mod:`.comm.prepared`, so its copies and NCCL calls are issued inside the graph), else one graph
+per run of kernels between collectives, the collectives running eagerly in between (MPI or TCP
+with host staging, e.g. several ranks sharing one GPU). Everything is ordered on one stream.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .artifact import ArtifactError
+from .comm.prepared import prepare
 from .errors import ShardflowError
 
 __all__ = ["CudaEngine"]
@@ -109,21 +111,11 @@ class CudaEngine:
         if group is None:
             raise ArtifactError(f"program.json of rank {prog.rank}: collective {s['node']} uses mesh axes "
                                 f"{s['group']!r}, which the mesh groups do not list")
-        x = self.views[s["inputs"][0]]
-        y = self.views[s["outputs"][0]]
-        if kind == "all_reduce":
-            fn = functools.partial(group.all_reduce, x, attrs.get("op", "sum"), y)
-        elif kind == "all_gather":
-            fn = functools.partial(group.all_gather, x, attrs["dim"], attrs["global_size"], y)
-        elif kind == "reduce_scatter":
-            fn = functools.partial(group.reduce_scatter, x, attrs["dim"], attrs.get("op", "sum"), y)
-        elif kind == "all_to_all":
-            fn = functools.partial(group.all_to_all, x, attrs["src_dim"], attrs["dst_dim"], attrs["src_size"], y)
-        else:
+        if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             raise ArtifactError(f"program.json of rank {prog.rank}: unknown collective {kind!r} ({s['node']})")
-        safe = group.size == 1 or (
-            kind == "all_reduce" and getattr(group, "capturable_all_reduce", lambda *a: False)(x, attrs.get("op", "sum")))
-        return fn, safe
+        with self.stream:  # staging buffers are allocated once, here, on the rank's stream
+            pc = prepare(group, kind, self.views[s["inputs"][0]], self.views[s["outputs"][0]], attrs)
+        return pc, pc.capturable
 
     # ---------------------------------------------------------------------------------------
     def _run_segment_kernels(self, launches) -> None:

@@ -25,7 +25,8 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
     * a sum of a product of two operands that separate into (batch, M, K) and (batch, N, K)
       index spaces (MatMul, Gemm, batched/broadcast matmul, Einsum, convolution as implicit
       GEMM) in float32/float16/bfloat16 with M, N >= 16: the tensor-core GEMM template of
-      :mod:`.cuda_templates` (TF32 for float32, see there for its tolerance), with the rest of
+      :mod:`.cuda_templates` (3xTF32 for float32, or TF32 with ``precision="tf32"``; see there
+      for the tolerances), with the rest of
       the expression as its epilogue.
 
 Semantics follow the reference evaluator (:mod:`shardflow.compiler.ir.evaluate`) node by node:
@@ -1217,10 +1218,12 @@ class _GemmPlan:
     b_n_fast: bool = True
 
 
-_GEMM_PREC = {"float32": "tf32", "float16": "f16", "bfloat16": "bf16"}
+_GEMM_PREC = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+#: ``precision`` values of :func:`build_cuda_library` and the template float32 GEMMs use with each
+FP32_GEMM = {"float32": "f32", "tf32": "tf32", "float16": "f32", "bfloat16": "f32"}
 
 
-def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis) -> _GemmPlan | None:
+def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -> _GemmPlan | None:
     reduces = [n for n in walk(value) if isinstance(n, Reduce)]
     if len(reduces) != 1 or reduces[0].op != "sum":
         return None
@@ -1228,7 +1231,7 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis) -> _GemmPlan | None:
     if any(isinstance(n, Reduce) for n in walk(red.body) if n is not red):
         return None
     bd = an.dtype(red.body)
-    prec = _GEMM_PREC.get(bd or "")
+    prec = fp32 if bd == "float32" else _GEMM_PREC.get(bd or "")
     if prec is None:
         return None
     axes = list(gc.axes)
@@ -1312,7 +1315,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         kdec, kbinds = _decompose("sf_k", list(red.vars), "int", "k", names)
         binds = {v: x for v, x in {**mbinds, **kbinds}.items() if v.extent != 1}
         blk = _Block(bblk, binds)
-        x = em.value_as(expr, "float32" if plan.prec == "tf32" else an.dtype(red.body), blk)
+        x = em.value_as(expr, "float32" if plan.prec in ("tf32", "f32") else an.dtype(red.body), blk)
         lines = mdec + kdec + blk.lines + [f"sf_v = {x};"]
         return "\n".join(lines)
 
@@ -1370,7 +1373,7 @@ def _symbol(index: int, op: Operator) -> str:
     return f"sf_k{index}_{_SANITIZE.sub('_', op.name)[:48]}"
 
 
-def _lower_op(op: Operator, symbol: str) -> tuple[str, KernelLaunch]:
+def _lower_op(op: Operator, symbol: str, fp32: str = "f32") -> tuple[str, KernelLaunch]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -1389,7 +1392,7 @@ def _lower_op(op: Operator, symbol: str) -> tuple[str, KernelLaunch]:
 
     if len(task.outputs) == 1 and _prod(task.outputs[0].shape) > 0:
         gc, value = task.outputs[0], values[0]
-        plan = _plan_gemm(gc, value, an)
+        plan = _plan_gemm(gc, value, an, fp32)
         if plan is not None:
             src, cfg = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names)
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name,
@@ -1428,7 +1431,7 @@ class CudaSource:
     lines: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def generate_cuda_source(ops: Sequence[Operator]) -> CudaSource:
+def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32") -> CudaSource:
     """Generate the CUDA translation unit for ``ops`` (no compilation).
 
     Parameters
@@ -1447,6 +1450,9 @@ def generate_cuda_source(ops: Sequence[Operator]) -> CudaSource:
     CudaCodegenError
         if an op uses a dtype or expression the cuda target cannot lower, or two ops share a name.
     """
+    if precision not in FP32_GEMM:
+        raise CudaCodegenError(f"precision {precision!r}: choose one of {sorted(FP32_GEMM)}")
+    fp32 = FP32_GEMM[precision]
     chunks = [PRELUDE]
     line = PRELUDE.count("\n") + 1
     launches: dict[str, KernelLaunch] = {}
@@ -1458,7 +1464,7 @@ def generate_cuda_source(ops: Sequence[Operator]) -> CudaSource:
         if op.name in launches:
             raise CudaCodegenError(f"two ops are named {op.name!r}; kernel names must be unique")
         try:
-            src, launch = _lower_op(op, _PLACEHOLDER)
+            src, launch = _lower_op(op, _PLACEHOLDER, fp32)
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -1610,7 +1616,7 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
 
 
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
-                       compiler: str = "auto") -> dict[str, KernelLaunch]:
+                       compiler: str = "auto", precision: str = "float32") -> dict[str, KernelLaunch]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -1631,6 +1637,11 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     compiler
         ``"auto"`` (nvcc when found, else NVRTC through cupy), ``"nvcc"`` or ``"nvrtc"``. nvcc is
         ``$SHARDFLOW_NVCC``, the one on ``PATH``, or ``$CUDA_HOME/bin/nvcc``.
+    precision
+        How float32 contractions use the tensor cores: ``"float32"`` (default) 3xTF32, accurate
+        to fp32 rounding; ``"tf32"`` one TF32 product (about 3x faster on the tensor cores,
+        relative error up to ~``1e-3``). ``"float16"``/``"bfloat16"`` programs use half-precision
+        GEMMs for their half-precision ops and 3xTF32 for any float32 one.
 
     Returns
     -------
@@ -1650,7 +1661,7 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
     _arch_flags(arch)
     t0 = time.perf_counter()
-    src = generate_cuda_source(ops)
+    src = generate_cuda_source(ops, precision)
     t1 = time.perf_counter()
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
     if compiler == "nvcc" and nvcc is None:

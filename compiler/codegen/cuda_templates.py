@@ -4,10 +4,15 @@ The prelude defines small device helpers with numpy's semantics (floor division 
 NaN-propagating maximum, shifts past the bit width, half-precision rounding). The GEMM template
 is a tiled shared-memory kernel on the tensor cores through ``nvcuda::wmma``:
 
-* ``tf32``: fp32 operands rounded to TF32 (10 explicit mantissa bits, relative rounding error up
+* ``tf32`` (``precision="tf32"``): fp32 operands rounded to TF32 (10 explicit mantissa bits, relative rounding error up
   to ``2**-11``) when staged in shared memory, fp32 accumulation (``m16n16k8``). On random normal
   data the largest error is about ``3e-4`` of the largest output magnitude (measured on an H100
   for K up to 4096); the tests accept ``rtol=1e-2, atol=1e-2 * max|C|``;
+* ``f32`` (the default for float32 models, ``precision="float32"``): 3xTF32. Operands are
+  staged in shared memory as exact fp32 and split in registers into ``hi = tf32(x)`` and
+  ``lo = tf32(x - hi)``; each step issues ``lo(a)·hi(b) + hi(a)·lo(b) + hi(a)·hi(b)`` on the
+  tensor cores (the dropped ``lo·lo`` term is ~``2**-22`` relative), which gives fp32-level
+  accuracy at a third of TF32's tensor-core rate;
 * ``f16`` / ``bf16``: half-precision operands, fp32 accumulation (``m16n16k16``).
 
 Tiles (:data:`GEMM_CONFIGS`): 64×64 per block of 4 warps (each 32×32), or 128×128 per block of 8
@@ -149,6 +154,8 @@ _PREC = {
     # storage type in shared memory, fragment element type, fragment k, row padding (elements),
     # conversion from a float register to the staged element
     "tf32": ("float", "nvcuda::wmma::precision::tf32", 8, 4, "nvcuda::wmma::__float_to_tf32({})"),
+    # 3xTF32: fp32 staged exactly, split into a TF32 "big" part and a TF32 remainder in registers
+    "f32": ("float", "nvcuda::wmma::precision::tf32", 8, 4, "{}"),
     "f16": ("__half", "__half", 16, 8, "__float2half_rn({})"),
     "bf16": ("__nv_bfloat16", "__nv_bfloat16", 16, 8, "__float2bfloat16_rn({})"),
 }
@@ -248,6 +255,42 @@ for (int sf_t = 0; sf_t < {b_per}; ++sf_t) {{
 }}"""
 
     ktiles = (K + BK - 1) // BK
+    if prec == "f32":
+        # a*b ~ hi(a)*hi(b) + hi(a)*lo(b) + lo(a)*hi(b), hi = tf32(x), lo = tf32(x - hi): the dropped
+        # lo*lo term is below fp32 rounding; the small products go first
+        mma = f"""wmma::fragment<wmma::matrix_a, 16, 16, {fk}, {ft}, wmma::row_major> sf_fa_lo[{FM}];
+wmma::fragment<wmma::matrix_b, 16, 16, {fk}, {ft}, wmma::row_major> sf_fb_lo[{FN}];
+#pragma unroll
+for (int i = 0; i < {FM}; ++i)
+  #pragma unroll
+  for (int t = 0; t < sf_fa[i].num_elements; ++t) {{
+    const float sf_x = sf_fa[i].x[t];
+    const float sf_h = wmma::__float_to_tf32(sf_x);
+    sf_fa[i].x[t] = sf_h;
+    sf_fa_lo[i].x[t] = wmma::__float_to_tf32(sf_x - sf_h);
+  }}
+#pragma unroll
+for (int j = 0; j < {FN}; ++j)
+  #pragma unroll
+  for (int t = 0; t < sf_fb[j].num_elements; ++t) {{
+    const float sf_x = sf_fb[j].x[t];
+    const float sf_h = wmma::__float_to_tf32(sf_x);
+    sf_fb[j].x[t] = sf_h;
+    sf_fb_lo[j].x[t] = wmma::__float_to_tf32(sf_x - sf_h);
+  }}
+#pragma unroll
+for (int i = 0; i < {FM}; ++i)
+  #pragma unroll
+  for (int j = 0; j < {FN}; ++j) {{
+    wmma::mma_sync(sf_acc_f[i][j], sf_fa_lo[i], sf_fb[j], sf_acc_f[i][j]);
+    wmma::mma_sync(sf_acc_f[i][j], sf_fa[i], sf_fb_lo[j], sf_acc_f[i][j]);
+    wmma::mma_sync(sf_acc_f[i][j], sf_fa[i], sf_fb[j], sf_acc_f[i][j]);
+  }}"""
+    else:
+        mma = f"""#pragma unroll
+for (int i = 0; i < {FM}; ++i)
+  #pragma unroll
+  for (int j = 0; j < {FN}; ++j) wmma::mma_sync(sf_acc_f[i][j], sf_fa[i], sf_fb[j], sf_acc_f[i][j]);"""
     src = f"""extern "C" __global__ void __launch_bounds__({T}) {symbol}({params}) {{
   using namespace nvcuda;
   __shared__ __align__(128) unsigned char sf_smem[{smem}];
@@ -290,10 +333,7 @@ for (int sf_t = 0; sf_t < {b_per}; ++sf_t) {{
         #pragma unroll
         for (int j = 0; j < {FN}; ++j)
           wmma::load_matrix_sync(sf_fb[j], sf_Bs + sf_kk * {ldb} + sf_wn * {FN * 16} + j * 16, {ldb});
-        #pragma unroll
-        for (int i = 0; i < {FM}; ++i)
-          #pragma unroll
-          for (int j = 0; j < {FN}; ++j) wmma::mma_sync(sf_acc_f[i][j], sf_fa[i], sf_fb[j], sf_acc_f[i][j]);
+{_indent(mma, 8)}
       }}
     }}
     __syncthreads();

@@ -251,6 +251,32 @@ class Communicator(ABC):
         full = self._allreduce(x, op)
         return full[self.rank * c:(self.rank + 1) * c]
 
+    # ------------------------------------------- into-buffer primitives (prepared calls) -----
+    #: True when the ``*_into`` primitives on device arrays are stream-ordered device work only
+    #: (no host synchronization, no allocation), so that a CUDA graph may capture them.
+    capture_safe: bool = False
+
+    def _capturable(self, dtype, op: str | None) -> bool:
+        """Whether the ``*_into`` primitives for ``dtype`` (and reduction ``op``; ``None`` for a
+        plain data movement) may be captured into a CUDA graph."""
+        return False
+
+    def _allgather_into(self, x, out) -> None:
+        """``out`` (shape ``(size,) + x.shape``) receives every member's ``x``."""
+        out[...] = self._allgather_equal(x)
+
+    def _allreduce_into(self, x, out, op: str) -> None:
+        """``out`` (shape of ``x``) receives ``op`` over every member's ``x``."""
+        out[...] = x if self.size == 1 else self._allreduce(x, op)
+
+    def _reduce_scatter_into(self, x, out, op: str) -> None:
+        """``x`` has shape ``(size * c, ...)``; ``out`` (``(c, ...)``) receives this member's rows."""
+        out[...] = self._reduce_scatter_equal(x, op)
+
+    def _exchange_into(self, sends, recvs) -> None:
+        """:meth:`exchange` on C-contiguous blocks of preallocated buffers."""
+        self.exchange(sends, recvs)
+
     # ----------------------------------------------------------------- collectives ----------
     def all_reduce(self, x, op: str = "sum", out=None):
         """Every member gets the element-wise ``op`` of all members' ``x``.

@@ -155,6 +155,38 @@ class NCCLCommunicator(Communicator):
                                     self._stream())
         return self._finish_avg(res, op)
 
+    # into-buffer primitives: stream-ordered NCCL calls on preallocated buffers (capturable) ---
+    capture_safe = True
+
+    def _capturable(self, dtype, op: str | None) -> bool:
+        return op is None or self._native(dtype, op) is not None
+
+    def _allgather_into(self, x, out) -> None:
+        if x.nbytes:
+            self.comm.allGather(x.data.ptr, out.data.ptr, x.nbytes, self.nccl.NCCL_UINT8, self._stream())
+
+    def _native_into(self, dtype, op: str):
+        vt, nop = self._native(dtype, op)
+        if op == "avg" and dtype != np.bool_:
+            nop = getattr(self.nccl, "NCCL_AVG", 4)  # ncclAvg (NCCL >= 2.10): integers round toward zero
+        return vt, nop
+
+    def _allreduce_into(self, x, out, op: str) -> None:
+        if self._native(x.dtype, op) is None:
+            return super()._allreduce_into(x, out, op)
+        vt, nop = self._native_into(x.dtype, op)
+        if x.size:
+            self.comm.allReduce(x.view(vt).data.ptr, out.view(vt).data.ptr, x.size, self._types[vt], nop,
+                                self._stream())
+
+    def _reduce_scatter_into(self, x, out, op: str) -> None:
+        if self._native(x.dtype, op) is None:
+            return super()._reduce_scatter_into(x, out, op)
+        vt, nop = self._native_into(x.dtype, op)
+        if out.size:
+            self.comm.reduceScatter(x.view(vt).data.ptr, out.view(vt).data.ptr, out.size, self._types[vt], nop,
+                                    self._stream())
+
     def _finish_avg(self, res, op: str):
         if op != "avg" or res.dtype == np.bool_:
             return res

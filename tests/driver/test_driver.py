@@ -79,6 +79,8 @@ def test_optimization_config_defaults_and_validation():
            ({"precision": "int8"}, "choose one of"),
            ({"comm_backend": "gloo"}, "choose one of"),
            ({"comm_backend": "nccl"}, "needs target 'cuda'"),
+           ({"precision": "tf32"}, "only applies to target 'cuda'"),
+           ({"precision": "fp8"}, "choose one of"),
            ([1, 2], "must be a dict")]
     for cfg, msg in bad:
         with pytest.raises(ConfigError, match=msg):
