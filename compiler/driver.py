@@ -13,8 +13,10 @@ key               meaning                                                       
 ``target``        ``"cpu"`` (C++ kernels in a ``.so``) or ``"cuda"``                         ``"cpu"``
 ``arch``          GPU architecture for cuda, e.g. ``"sm_90"`` (cpu: must be unset)           ``"sm_90"``
 ``precision``     ``"float32"`` (cuda GEMMs: 3xTF32, fp32-accurate); ``"tf32"`` (cuda only:   ``"float32"``
-                  one TF32 product, faster, relative error ~1e-3); ``"float16"``/
-                  ``"bfloat16"`` are not implemented yet
+                  one TF32 product, faster, relative error ~1e-3); ``"float16"``: the
+                  operands of contractions rounded to float16 (weights stored in float16),
+                  fp32 accumulation, everything else float32 (passes/precision.py);
+                  ``"bfloat16"`` is not implemented yet
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
 ``search_space``  kernel tuning level: 0 (none), 1 (a few candidates), 2 (wide search)        ``1``
@@ -646,8 +648,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     """
     t_all = time.perf_counter()
     opt = OptimizationConfig.from_dict(optimization_config)
-    if opt.precision not in ("float32", "tf32"):
-        raise ShardflowError(f"precision {opt.precision!r} is not implemented yet; use 'float32' (or 'tf32' on cuda)")
+    if opt.precision == "bfloat16":
+        raise ShardflowError("precision 'bfloat16' is not implemented yet; use 'float32', 'float16' or (cuda) 'tf32'")
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
         raise ConfigError(f"distributed_config must be a dict, got {type(distributed_config).__name__}")
     from .parallel import partition, search
@@ -663,8 +665,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     graph = _load_model(model, input_shapes)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
+    if opt.precision in ("float16", "bfloat16"):
+        from .passes.precision import HalfPrecisionContractions
 
-                kw["precision"] = opt.precision
+        graph = HalfPrecisionContractions(opt.precision).run(graph)
+
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
     plan = search(graph, dcfg)
@@ -709,9 +714,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             ops = [op for op in rg.nodes if not isinstance(op, Collective) and id(op) not in view_ids]
             t = time.perf_counter()
             log.info("rank %d (%d of %d): generating %d kernels (%s)", r, r + 1, world, len(ops), opt.target)
-            kw = {"fuse": opt.fuse, "search_space": opt.search_space}
+            # tensors fusion must still write: read by collectives or views (not compiled here), or outputs
+            keep = {t.name for op in rg.nodes if id(op) in view_ids or isinstance(op, Collective) for t in op.inputs}
+            keep.update(t.name for t in rg.outputs)
+            kw = {"fuse": opt.fuse, "keep": sorted(keep), "search_space": opt.search_space}
             if opt.target == "cuda":
                 kw["arch"] = opt.arch
+                kw["precision"] = opt.precision
             kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if ops else {}
             if ops and not (rdir / kernels_name).is_file():
                 raise ShardflowError(f"rank {r}: codegen did not write {kernels_name}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Any, Collection, Sequence
 
 from .lower import CodegenError, lower_task, lowerable, why_not_lowerable
 from .toolchain import CompileError, ToolchainError, build_shared_library, default_cache_dir, default_jobs
@@ -26,7 +26,8 @@ def generate_cpu_source(ops, clones: str = "auto"):
     return gen(ops, clones)
 
 
-def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None, opt_level: int = 2) -> dict[str, str]:
+def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
+                      fuse: bool = False, keep: Collection[str] = ()) -> dict[str, Any]:
     """Compile the kernels of ``ops`` into the shared library ``path``.
 
     Parameters
@@ -43,6 +44,10 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         the cached library.
     opt_level
         0: ``-O0``; 1: ``-O1`` (quick builds); 2 (default) and 3: ``-O3``.
+    fuse
+        Fuse injective ops into their neighbours' kernels (:mod:`.fusion`; the GEMM and
+        convolution templates stay alone). ``keep`` names tensors that must still be written
+        (graph outputs, inputs of collectives or of ops compiled elsewhere).
 
     Returns
     -------
@@ -50,7 +55,9 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         ``op.name`` → exported symbol, for every lowered op. Each symbol is a function
         ``extern "C" void f(const void* const* inputs, void* const* outputs)`` taking the op's
         inputs and outputs in order as contiguous row-major arrays of their static shapes and
-        dtypes. Ops with identical kernels share a symbol.
+        dtypes. Ops with identical kernels share a symbol. With ``fuse``, the last op of a fused
+        group maps to ``{"symbol", "inputs", "outputs"}`` (tensor names) and the group's other
+        ops to ``None``.
 
     Raises
     ------
@@ -62,7 +69,14 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         no C++ compiler.
     """
     t0 = time.perf_counter()
-    src = generate_cpu_source(list(ops))
+    groups = list(ops)
+    if fuse:
+        from .fusion import fuse as fuse_ops
+        from .templates_cpu import template_kind
+
+        groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None,
+                          epilogue_after_reduce=False)
+    src = generate_cpu_source(groups)
     t1 = time.perf_counter()
     if src.skipped:
         log.info("not compiled (run by the runtime or unsupported): %s",
@@ -73,4 +87,7 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
                                units=src.units(n_units) if n_units > 1 else None)
     log.info("cpu library %s: %d ops, %d kernels, source %.2f s, %s %.2f s", path, len(src.symbols),
              len(src.kernels), t1 - t0, "cache hit" if hit else "compile", time.perf_counter() - t1)
-    return dict(src.symbols)
+    if not fuse:
+        return dict(src.symbols)
+    from .fusion import kernel_entries
+    return kernel_entries(groups, dict(src.symbols))

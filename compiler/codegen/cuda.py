@@ -1269,11 +1269,26 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -
     for x in (a_expr, b_expr):
         if any(isinstance(n, Reduce) for n in walk(x)):
             return None
+    if bd == "float32":
+        # float32 products of half values (operands rounded to float16/bfloat16, e.g. by the
+        # precision pass): exact on the half-precision tensor cores
+        ha, hb = _half_source(a_expr, an), _half_source(b_expr, an)
+        if ha is not None and ha == hb:
+            prec = _GEMM_PREC[ha]
     kvars = set(red.vars)
     plan = _GemmPlan(red, prec, a_expr, b_expr, m_ax, n_ax, b_ax)
     plan.a_k_fast = _fast_dim(a_expr, kvars, set(m_ax), default=True)
     plan.b_n_fast = not _fast_dim(b_expr, kvars, set(n_ax), default=False)
     return plan
+
+
+def _half_source(e: Expr, an: _Analysis) -> str | None:
+    """``float16``/``bfloat16`` when ``e`` is a float32 cast of a value of that type, else None."""
+    if isinstance(e, Cast) and e.dtype == "float32":
+        dt = an.dtype(e.a)
+        if dt in ("float16", "bfloat16"):
+            return dt
+    return None
 
 
 def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
@@ -1616,7 +1631,8 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
 
 
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
-                       compiler: str = "auto", precision: str = "float32") -> dict[str, KernelLaunch]:
+                       compiler: str = "auto", precision: str = "float32", fuse: bool = False,
+                       keep: Sequence[str] = ()) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -1642,11 +1658,17 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         to fp32 rounding; ``"tf32"`` one TF32 product (about 3x faster on the tensor cores,
         relative error up to ~``1e-3``). ``"float16"``/``"bfloat16"`` programs use half-precision
         GEMMs for their half-precision ops and 3xTF32 for any float32 one.
+    fuse
+        Fuse injective ops into their neighbours' kernels (:mod:`.fusion`: element-wise epilogues
+        of GEMMs and reductions, cheap prologues). ``keep`` names tensors that must still be
+        written (graph outputs, inputs of collectives or of ops compiled elsewhere).
 
     Returns
     -------
-    dict[str, KernelLaunch]
-        The launch of each lowered op, by op name.
+    dict[str, KernelLaunch | None]
+        The launch of each lowered op, by op name. With ``fuse``, a fused group's launch (its
+        ``args`` name the group's inputs and output) is under its last op and the group's other
+        ops map to ``None``.
 
     Raises
     ------
@@ -1661,6 +1683,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
     _arch_flags(arch)
     t0 = time.perf_counter()
+    if fuse:
+        from .fusion import fuse as fuse_ops
+        ops = fuse_ops(list(ops), keep=keep)
     src = generate_cuda_source(ops, precision)
     t1 = time.perf_counter()
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
@@ -1691,4 +1716,6 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, arch, len(src.launches),
              len({launch.symbol for launch in src.launches.values()}), t1 - t0, "cache hit" if hit else "compile",
              time.perf_counter() - t1)
+    if fuse:
+        return {m.name: None for op in ops for m in getattr(op, "members", [])[:-1]} | dict(src.launches)
     return dict(src.launches)

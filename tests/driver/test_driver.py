@@ -87,10 +87,10 @@ def test_optimization_config_defaults_and_validation():
             OptimizationConfig.from_dict(cfg)
 
 
-def test_precision_other_than_float32_is_not_implemented_yet(tmp_path):
-    with pytest.raises(ShardflowError, match="precision 'float16' is not implemented yet"):
+def test_bfloat16_precision_is_not_implemented_yet(tmp_path):
+    with pytest.raises(ShardflowError, match="precision 'bfloat16' is not implemented yet"):
         compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2]},
-                optimization_config={"precision": "float16"}, out_dir=tmp_path / "o")
+                optimization_config={"precision": "bfloat16"}, out_dir=tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 

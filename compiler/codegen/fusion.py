@@ -1,0 +1,219 @@
+"""Operator fusion for the code generators: prologue and epilogue fusion of injective ops.
+
+:func:`fuse` groups the ops of one rank's program; each group of two or more ops becomes one
+:class:`FusedOp` whose compute definition chains its members' definitions (a grid compute reading
+another grid compute, which both code generators inline), so the group is one kernel and its
+inner tensors are never written to memory.
+
+Rules (``ops`` in topological order; a tensor is *inner* when every reader is in the same group
+and it is not in ``keep``):
+
+* **Epilogue**: an injective op (elementwise, cast, transpose, broadcast...) joins the group that
+  produces one of its inputs ``t`` when it is ``t``'s only reader. After a group that reduces
+  (a contraction, softmax, a normalization), it must read ``t`` element-wise, exactly at its own
+  output index (``y[i] = f(t[i], ...)``), so each reduced value is computed once.
+* **Prologue**: any op joins the group that produces its input ``t`` (its only reader) when that
+  group has no reduction, and, for contractions (:data:`CONTRACTIONS`, which read each operand
+  element many times), when it is only data movement and casts (:data:`CHEAP`): a residual add
+  before a LayerNorm, or a transpose or cast before a matmul, is computed while loading.
+* An op may join the groups of several inputs (a weight's cast and an activation's cast before a
+  matmul), at most one of which reduces; the groups merge. Ops with several outputs,
+  extern outputs (sorting) or random values, and the ops in ``barriers`` (the cpu target's
+  GEMM/convolution templates) are never fused.
+
+The fused op computes exactly what its members compute one after another (its ``numpy`` runs
+them in order); tests compare both on every op example.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Collection, Sequence
+
+import numpy as np
+
+from ..ir.expr import Cast, Expr, TensorElement, Var, infer_dtype, walk
+from ..ir.graph import Operator, Tensor
+from ..ir.task import GridCompute, Task, TensorInput
+from .lower import transform
+
+__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS"]
+
+log = logging.getLogger(__name__)
+
+#: Op types cheap enough to be recomputed while an operand is loaded (data movement and casts).
+CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice", "AffineGather"})
+#: Ops that read each operand element many times (a fused prologue is recomputed on every read):
+#: only :data:`CHEAP` prologues join them.
+CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "MatMulInteger"})
+
+
+def _remap(value: Expr, mapping: dict[int, object]) -> Expr:
+    """``value`` with reads of the tensors in ``mapping`` (by id) redirected, indices kept."""
+    def fn(old, new):
+        if isinstance(new, TensorElement) and id(new.tensor) in mapping:
+            return TensorElement(mapping[id(new.tensor)], new.indices)
+        return None
+    return transform(value, fn)
+
+
+class FusedOp(Operator):
+    """Several ops computed as one kernel (see :mod:`.fusion`).
+
+    ``members`` are the original ops in order; the last one's output is the fused op's output.
+    Inputs are the members' inputs that no member produces, in order of first use.
+    """
+
+    op_type = "Fused"
+
+    def __init__(self, members: Sequence[Operator], name: str | None = None):
+        members = list(members)
+        produced = {id(op.outputs[0]) for op in members}
+        inputs: list[Tensor] = []
+        for op in members:
+            for t in op.inputs:
+                if id(t) not in produced and all(t is not u for u in inputs):
+                    inputs.append(t)
+        self.members = members
+        super().__init__(inputs, name=name or members[-1].name,
+                         fused=" + ".join(f"{op.op_type}({op.name})" for op in members))
+        self.outputs[0].name = members[-1].outputs[0].name  # the tensor the group writes
+
+    def compute(self, *placeholders: TensorInput) -> Task:
+        env: dict[int, object] = {id(t): p for t, p in zip(self.inputs, placeholders)}
+        last = None
+        for op in self.members:
+            mapping = {id(ph): env[id(t)] for ph, t in zip(op.task.inputs, op.inputs)}
+            gc = op.task.outputs[0]
+            value = _remap(gc.value, mapping)
+            dt = gc.dtype
+            if dt is not None and infer_dtype(value) != dt:
+                value = Cast(value, dt)  # the member's output dtype, as its kernel would store it
+            last = GridCompute(f"{op.name}:0", gc.shape, gc.axes, value, dt)
+            env[id(op.outputs[0])] = last
+        return Task("Fused", list(placeholders), [last], {})
+
+    def numpy(self, *arrays: np.ndarray) -> list[np.ndarray]:
+        env = {id(t): a for t, a in zip(self.inputs, arrays)}
+        out = None
+        for op in self.members:
+            out = op.run(*[env[id(t)] for t in op.inputs])[0]
+            env[id(op.outputs[0])] = out
+        return [out]
+
+    def clone(self, inputs=None) -> "FusedOp":
+        raise NotImplementedError("a FusedOp exists only inside code generation; clone its members")
+
+
+def _single(op: Operator) -> bool:
+    return (len(op.outputs) == 1 and not op.task.is_extern and not op.data_dependent_values
+            and not getattr(type(op), "collective", "") and isinstance(op.task.outputs[0], GridCompute))
+
+
+def _has_reduce(op: Operator) -> bool:
+    from ..ir.expr import Reduce
+    return any(isinstance(n, Reduce) for n in walk(op.task.outputs[0].value))
+
+
+def _reads_elementwise(op: Operator, k: int) -> bool:
+    """Op reads its input ``k`` only at its own output index (same shape, no broadcast)."""
+    gc = op.task.outputs[0]
+    ph = op.task.inputs[k]
+    if tuple(ph.shape) != tuple(gc.shape):
+        return False
+    reads = [n for n in walk(gc.value) if isinstance(n, TensorElement) and n.tensor is ph]
+    return bool(reads) and all(len(n.indices) == len(gc.axes) and all(i is v for i, v in zip(n.indices, gc.axes))
+                               for n in reads)
+
+
+def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
+         barriers: Callable[[Operator], bool] = lambda op: False,
+         epilogue_after_reduce: bool = True) -> list[Operator]:
+    """Group ``ops`` (one rank's compute ops, in topological order) into kernels.
+
+    Parameters
+    ----------
+    ops
+        The ops to compile; tensors they read that none of them produces are kernel inputs.
+    keep
+        Names of tensors that must be materialized although only fused ops read them (graph
+        outputs, inputs of collectives and of ops compiled elsewhere).
+    barriers
+        Ops that must stay alone (e.g. the cpu target's template kernels).
+    epilogue_after_reduce
+        Whether element-wise consumers may join a group that reduces (the cuda GEMM template
+        applies them in its epilogue; the cpu target keeps its contractions in templates).
+
+    Returns
+    -------
+    list[Operator]
+        The ops to compile, in order: original ops and :class:`FusedOp` groups.
+    """
+    readers: dict[int, int] = {}
+    for op in ops:
+        for t in {id(t): t for t in op.inputs}.values():
+            readers[id(t)] = readers.get(id(t), 0) + 1
+    keep = set(keep)
+    groups: list[list[Operator]] = []
+    group_of: dict[int, int] = {}  # id(tensor) -> index of the group whose last output it is
+
+    pos = {id(op): i for i, op in enumerate(ops)}
+    for op in ops:
+        take: list[int] = []  # the groups this op joins (their last outputs are inner tensors then)
+        if _single(op) and not barriers(op):
+            reducing = False
+            for k, t in enumerate(op.inputs):
+                g = group_of.get(id(t))
+                if g is None or g in take or readers.get(id(t)) != 1 or t.name in keep:
+                    continue
+                if sum(1 for u in op.inputs if u is t) != 1:
+                    continue
+                members = groups[g]
+                reduces = any(_has_reduce(m) for m in members)
+                if reduces:  # only as an element-wise epilogue, of one reducing group
+                    if reducing or not (type(op).injective and epilogue_after_reduce and _reads_elementwise(op, k)):
+                        continue
+                    reducing = True
+                elif op.op_type in CONTRACTIONS and not all(m.op_type in CHEAP for m in members):
+                    continue
+                take.append(g)
+        if take:
+            joined = take[0]
+            merged = sorted((m for g in take for m in groups[g]), key=lambda m: pos[id(m)])
+            for g in take[1:]:
+                groups[g] = []
+            groups[joined] = merged + [op]
+            for t in op.inputs:
+                if group_of.get(id(t)) in take:
+                    del group_of[id(t)]
+        else:
+            groups.append([op])
+            joined = len(groups) - 1
+        if _single(op) and not barriers(op):
+            group_of[id(op.outputs[0])] = joined
+
+    groups = [g for g in groups if g]
+    res: list[Operator] = []
+    for members in sorted(groups, key=lambda g: pos[id(g[-1])]):  # a group runs where its last member ran
+        res.append(members[0] if len(members) == 1 else FusedOp(members))
+    n_fused = sum(len(g) for g in groups if len(g) > 1)
+    log.debug("fusion: %d ops -> %d kernels (%d ops in %d fused groups)", len(ops), len(res), n_fused,
+              sum(1 for g in groups if len(g) > 1))
+    return res
+
+
+def kernel_entries(groups: Sequence[Operator], built: dict) -> dict:
+    """What a code generator returns per original op name, from what it ``built`` per group name:
+    a fused group's entry, with the group's kernel inputs and outputs named, goes to its last
+    member (where it runs); the other members map to ``None`` (no kernel of their own)."""
+    res: dict = {}
+    for g in groups:
+        if g.name not in built:
+            continue
+        if not isinstance(g, FusedOp):
+            res[g.name] = built[g.name]
+            continue
+        for m in g.members[:-1]:
+            res[m.name] = None
+        res[g.name] = {"symbol": built[g.name], "inputs": [t.name for t in g.inputs],
+                       "outputs": [t.name for t in g.outputs]}
+    return res

@@ -1,0 +1,93 @@
+"""Lower-precision contractions: ``optimization_config["precision"]`` ``"float16"``/``"bfloat16"``.
+
+:class:`HalfPrecisionContractions` rounds the operands of every float32 contraction (MatMul,
+Gemm, Conv, ConvTranspose, Einsum) to float16 or bfloat16 and leaves everything else in float32:
+
+* weights (constant operands) are converted once, at compile time, and stored in the half type
+  (half the bytes); the contraction reads them through a ``Cast`` to float32;
+* activations go through ``Cast(Cast(x, half), float32)``;
+* biases (Gemm's ``C``, Conv's ``B``) and the output stay float32; products are exact in float32
+  and are accumulated in float32.
+
+So the graph states exactly what a tensor-core GEMM with half operands and fp32 accumulation
+computes; the cuda code generator fuses the casts into the GEMM's operand loads and recognises
+half operands (:func:`shardflow.compiler.codegen.cuda._plan_gemm`), and the reference evaluator
+and the cpu target compute the same values. Unlike ``torch.autocast`` no activation is stored in
+half precision, so the error is only the operand rounding: about ``2**-11`` (float16) or
+``2**-8`` (bfloat16) relative per operand; see ``rfcs/0004-precision-and-fusion.md`` for the
+tolerances the tests use.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import ShardflowError
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from .base import GraphPass
+
+__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS"]
+
+log = logging.getLogger(__name__)
+
+#: The operands (by input index) of each contraction that are rounded; the others (biases) stay.
+HALF_OPERANDS = {"MatMul": (0, 1), "Gemm": (0, 1), "Conv": (0, 1), "ConvTranspose": (0, 1), "Einsum": None}
+
+
+def _half_dtype(name: str):
+    if name == "float16":
+        return np.float16
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - ml_dtypes comes with onnx
+            raise ShardflowError("precision 'bfloat16' needs the ml_dtypes package (installed with onnx)") from None
+        return ml_dtypes.bfloat16
+    raise ShardflowError(f"precision {name!r}: choose 'float16' or 'bfloat16'")
+
+
+class HalfPrecisionContractions(GraphPass):
+    """Round the float32 operands of contractions to ``dtype`` (``"float16"`` or ``"bfloat16"``)."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.np_dtype = _half_dtype(dtype)
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import CastOp
+
+        nodes: list[Operator] = []
+        weights: dict[int, Tensor] = {}  # one converted copy per weight, shared by its readers
+        n_ops = n_weights = 0
+        for op in graph.nodes:
+            which = HALF_OPERANDS.get(op.op_type, ())
+            if which is None:
+                which = tuple(range(len(op.inputs)))
+            idx = [k for k in which if k < len(op.inputs) and op.inputs[k].dtype == "float32"]
+            if op.outputs[0].dtype != "float32" or not idx:
+                nodes.append(op)
+                continue
+            inputs = list(op.inputs)
+            for k in idx:
+                t = inputs[k]
+                if t.is_constant:
+                    if id(t) not in weights:
+                        half = const_tensor(np.asarray(t.value).astype(self.np_dtype), f"{t.name}.{self.dtype}")
+                        back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
+                        nodes.append(back)
+                        weights[id(t)] = back.outputs[0]
+                        n_weights += 1
+                    inputs[k] = weights[id(t)]
+                else:
+                    down = CastOp([t], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
+                    up = CastOp([down.outputs[0]], name=f"{op.name}.in{k}.float32", to="float32")
+                    nodes += [down, up]
+                    inputs[k] = up.outputs[0]
+            op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
+            nodes.append(op)
+            n_ops += 1
+        graph.nodes = nodes
+        log.info("precision %s: %d contractions read %s operands (%d weights converted)", self.dtype, n_ops,
+                 self.dtype, n_weights)
+        return graph

@@ -1,0 +1,177 @@
+"""Operator fusion (compiler/codegen/fusion.py): which ops are grouped, and that a fused kernel
+computes exactly what its members compute one after another.
+
+Every op example is wrapped as ``cast -> op -> neg`` (a cheap prologue and an element-wise
+epilogue where the rules allow them), fused, compiled by the cpu code generator and compared with
+the members' numpy execution; the same fused ops are generated (and, with nvcc, compiled) for cuda.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import numpy as np
+import pytest
+
+from shardflow.compiler.codegen import build_cpu_library
+from shardflow.compiler.codegen.cuda import build_cuda_library, generate_cuda_source
+from shardflow.compiler.codegen.fusion import FusedOp, fuse
+from shardflow.compiler.codegen.lower import lowerable
+from shardflow.compiler.ir import Tensor, const_tensor
+from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary
+from shardflow.compiler.ops.linalg import MatMul
+from shardflow.compiler.ops.norm import LayerNorm
+from shardflow.compiler.ops.reduce import Softmax
+from shardflow.compiler.ops.transform import Transpose
+from op_examples import op_examples
+
+
+def _f(*shape):
+    return Tensor("x", shape, "float32")
+
+
+def _kinds(groups):
+    return [[m.op_type for m in g.members] if isinstance(g, FusedOp) else g.op_type for g in groups]
+
+
+# ------------------------------------------------------------------------------------ rules
+def test_gemm_epilogue_and_prologue_on_cuda_but_not_around_cpu_templates():
+    w, b = const_tensor(np.ones((16, 12), np.float32)), const_tensor(np.ones(12, np.float32))
+    t = Transpose([_f(16, 8)], perm=(1, 0))
+    mm = MatMul([t.outputs[0], w])
+    add = Binary([mm.outputs[0], b], fn="add")
+    act = Unary([add.outputs[0]], fn="tanh")
+    ops = [t, mm, add, act]
+    assert _kinds(fuse(ops)) == [["Transpose", "MatMul", "Binary", "Unary"]]
+    assert _kinds(fuse(ops, barriers=lambda op: op.op_type == "MatMul", epilogue_after_reduce=False)) == \
+        ["Transpose", "MatMul", ["Binary", "Unary"]]
+
+
+def test_tensors_to_keep_or_read_twice_are_written():
+    a = Unary([_f(4, 5)], fn="exp")
+    b = Unary([a.outputs[0]], fn="neg")
+    c = Binary([a.outputs[0], b.outputs[0]], fn="add")
+    # a is read by b and c: written; b -> c fuses
+    assert _kinds(fuse([a, b, c])) == ["Unary", ["Unary", "Binary"]]
+    assert _kinds(fuse([a, b, c], keep={b.outputs[0].name})) == ["Unary", "Unary", "Binary"]
+
+
+def test_reductions_take_element_wise_epilogues_only():
+    mm = MatMul([_f(8, 16), _f(16, 12)])
+    sm = Softmax([mm.outputs[0]], axes=(1,))  # reads each row many times: would recompute the GEMM
+    tr = Transpose([mm.outputs[0]], perm=(1, 0))
+    assert _kinds(fuse([mm, sm])) == ["MatMul", "Softmax"]
+    assert _kinds(fuse([mm, tr])) == ["MatMul", "Transpose"]
+    add = Binary([_f(4, 32), _f(4, 32)], fn="add")
+    ln = LayerNorm([add.outputs[0], const_tensor(np.ones(32, np.float32)), const_tensor(np.zeros(32, np.float32))],
+                   axis=1, epsilon=1e-5, stash="float32")
+    assert _kinds(fuse([add, ln])) == [["Binary", "LayerNorm"]]  # residual add as a prologue
+    ex = Unary([_f(16, 12)], fn="exp")
+    mm2 = MatMul([_f(8, 16), ex.outputs[0]])
+    assert _kinds(fuse([ex, mm2])) == ["Unary", "MatMul"]  # not cheap: would be recomputed per tile
+
+
+def test_group_runs_where_its_last_member_ran():
+    a = Unary([_f(3)], fn="exp")
+    other = Unary([_f(3)], fn="abs")  # read twice: written, not fused
+    b = Binary([a.outputs[0], other.outputs[0]], fn="add")
+    d = Binary([other.outputs[0], _f(3)], fn="mul")
+    groups = fuse([a, other, b, d])
+    assert _kinds(groups) == ["Unary", ["Unary", "Binary"], "Binary"]
+    fused = groups[1]
+    assert fused.outputs[0].name == b.outputs[0].name and [t.name for t in fused.inputs] == [
+        a.inputs[0].name, other.outputs[0].name]
+
+
+def test_an_op_joins_several_cheap_groups():
+    x, w = _f(40, 64), const_tensor(np.ones((64, 48), np.float16))
+    c = CastOp([x], to="float16")
+    c2 = CastOp([c.outputs[0]], to="float32")
+    wc = CastOp([w], to="float32")
+    mm = MatMul([c2.outputs[0], wc.outputs[0]])
+    assert _kinds(fuse([c, c2, wc, mm])) == [["Cast", "Cast", "Cast", "MatMul"]]
+    # float32 products of half values run on the half-precision tensor cores
+    assert [l.kind for l in generate_cuda_source(fuse([c, c2, wc, mm])).launches.values()] == ["gemm-f16"]
+
+
+# ------------------------------------------------------------------------------- numerics
+def _chains():
+    """``cast -> op -> neg`` around every single-output lowerable op example with float data."""
+    res = []
+    for mod, k, cls, arrays, attrs in op_examples():
+        ins = [const_tensor(a) for a in arrays]
+        try:
+            op = cls(ins, name="probe", **attrs)
+        except Exception:  # noqa: BLE001
+            continue
+        if len(op.outputs) != 1 or not lowerable(op) or op.data_dependent_values:
+            continue
+        if not arrays or np.asarray(arrays[0]).dtype.kind != "f" or op.outputs[0].dtype not in ("float32", "float64"):
+            continue
+        name = f"{cls.op_type}-{mod}-{k}"
+        x0 = Tensor(f"{name}.x0", np.shape(arrays[0]), str(np.asarray(arrays[0]).dtype))
+        cast = CastOp([x0], name=f"{name}.cast", to=x0.dtype)
+        core = cls([cast.outputs[0]] + ins[1:], name=f"{name}.op", **attrs)
+        neg = Unary([core.outputs[0]], name=f"{name}.neg", fn="neg")
+        res.append((name, [cast, core, neg], arrays))
+    return res
+
+
+CHAINS = _chains()
+
+
+def _reference(chain, arrays):
+    cast, core, neg = chain
+    y = cast.run(arrays[0])[0]
+    y = core.run(y, *arrays[1:])[0]
+    return neg.run(y)[0]
+
+
+def test_many_chains_fuse():
+    fused = sum(isinstance(g, FusedOp) and len(g.members) == 3 for _, ops, _ in CHAINS for g in fuse(ops))
+    assert len(CHAINS) > 60 and fused > len(CHAINS) // 2, (len(CHAINS), fused)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_fused_cpu_kernels_match_their_members(tmp_path):
+    ops = [op for _, chain, _ in CHAINS for op in chain]
+    entries = build_cpu_library(ops, str(tmp_path / "k.so"), cache_dir=str(tmp_path / "c"), opt_level=1, fuse=True)
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    checked = 0
+    for name, chain, arrays in CHAINS:
+        e = entries[chain[-1].name]
+        if isinstance(e, str):  # not fused (a template, or rules): members run one by one elsewhere
+            continue
+        assert entries[chain[0].name] is None
+        tensors = {chain[0].inputs[0].name: arrays[0]}
+        tensors.update({t.name: t.value for op in chain for t in op.inputs if t.value is not None})
+        ins = [np.ascontiguousarray(tensors[n]) for n in e["inputs"]]
+        out = np.empty(chain[-1].outputs[0].shape, chain[-1].outputs[0].dtype)
+        ia = (ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins])
+        oa = (ctypes.c_void_p * 1)(out.ctypes.data)
+        fn = getattr(lib, e["symbol"])
+        fn.restype = None
+        fn(ia, oa)
+        with np.errstate(all="ignore"):
+            want = _reference(chain, arrays)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=name)
+        checked += 1
+    assert checked > len(CHAINS) // 2
+
+
+def test_fused_cuda_kernels_generate_and_compile(tmp_path):
+    ops = [op for _, chain, _ in CHAINS for op in chain]
+    generate_cuda_source(fuse(ops))
+    # a float16-rounded operand, a bias and an activation around a matmul: one tensor-core kernel
+    c = CastOp([_f(40, 64)], to="float16")
+    c2 = CastOp([c.outputs[0]], to="float32")
+    mm = MatMul([c2.outputs[0], const_tensor(np.ones((64, 48), np.float32))])
+    add = Binary([mm.outputs[0], const_tensor(np.ones(48, np.float32))], fn="add")
+    act = Unary([add.outputs[0]], fn="tanh")
+    src = generate_cuda_source(fuse([c, c2, mm, add, act]))
+    assert [l.kind for l in src.launches.values()] == ["gemm-f32"]
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    res = build_cuda_library(ops, str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=str(tmp_path / "c"), fuse=True)
+    assert (tmp_path / "k.cubin").stat().st_size > 0
+    assert any(v is None for v in res.values())
