@@ -531,46 +531,6 @@ def _call_with_supported(fn: Callable, *args, **kw):
     return fn(*args, **{k: v for k, v in kw.items() if k in params})
 
 
-#: A model-independent native loop over a segment of kernels (``runner.so`` in every cpu rank
-#: directory): one ctypes call per segment instead of one per kernel.
-RUNNER_SOURCE = r"""// shardflow rank-program runner: calls a run of kernels in one native loop.
-typedef void (*sf_kernel)(const void* const*, void* const*);
-extern "C" __attribute__((visibility("default")))
-void sf_run_steps(long n, const sf_kernel* fns, const void* const* const* ins, void* const* const* outs) {
-    for (long i = 0; i < n; ++i) fns[i](ins[i], outs[i]);
-}
-"""
-
-
-def _build_runner(path: Path) -> bool:
-    """Compile :data:`RUNNER_SOURCE` into ``path`` (through the kernel cache when the codegen's
-    toolchain is available); False when no C++ compiler works (the runtime then loops in Python)."""
-    try:
-        from .codegen.toolchain import build_shared_library
-
-        build_shared_library(RUNNER_SOURCE, str(path), opt_level=2)
-        return True
-    except Exception as exc:  # noqa: BLE001 - fall back to a direct compiler call, then to no runner
-        log.debug("runner through the codegen toolchain failed (%s); calling the compiler directly", exc)
-    import shutil
-    import subprocess
-    import tempfile
-
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        return False
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "runner.cpp"
-        src.write_text(RUNNER_SOURCE)
-        proc = subprocess.run([cxx, "-O2", "-shared", "-fPIC", "-o", str(path), str(src)], capture_output=True,
-                              text=True)
-    if proc.returncode != 0:
-        log.warning("cannot compile the native runner (%s); ranks will call kernels from Python",
-                    proc.stderr.strip()[:200])
-        return False
-    return True
-
-
 def _cpu_builder() -> Callable:
     try:
         mod = importlib.import_module("shardflow.compiler.codegen")
@@ -690,13 +650,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     ranks_info: list[dict] = []
     out = Path(out_dir)
     kernels_name = "kernels.so" if opt.target == "cpu" else "kernels.cubin"
-    runner: bytes | None = None
-    if opt.target == "cpu":
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as d:
-            if _build_runner(Path(d) / "runner.so"):
-                runner = (Path(d) / "runner.so").read_bytes()
     with atomic_output_dir(out) as tmp:
         t = time.perf_counter()
         plan.save(tmp)
@@ -728,9 +681,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             t = time.perf_counter()
             program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views)
             program["kernels_file"] = kernels_name
-            if runner is not None and ops:
-                (rdir / "runner.so").write_bytes(runner)
-                program["runner_file"] = "runner.so"
             weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)

@@ -1,7 +1,9 @@
 """Shardflow runtime: loads per-rank artifacts and runs them.
 
 The runtime never imports the compiler; it owns the base of the error hierarchy so that
-both halves raise the same :class:`ShardflowError`.
+both halves raise the same :class:`ShardflowError`. Cpu programs run through the native library
+of :mod:`shardflow.runtime.native` (``libshardflow_native.so``, built when the package is
+installed).
 """
 from .errors import ShardflowError
 
@@ -10,6 +12,8 @@ __version__ = "0.1.0"
 from .artifact import ArtifactError, ChecksumError, VersionError  # noqa: E402
 from .executor import (InputDtypeError, InputError, InputNameError, InputShapeError, RankProgram,  # noqa: E402
                        WorldSizeError, load)
+from .native import NativeLibraryError  # noqa: E402
 
 __all__ = ["ShardflowError", "__version__", "load", "RankProgram", "ArtifactError", "ChecksumError", "VersionError",
-           "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "WorldSizeError"]
+           "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "WorldSizeError",
+           "NativeLibraryError"]

@@ -2,12 +2,15 @@
 
 Loading verifies the manifest's format version and the sha256 of every file, reads the weight
 shard into one aligned buffer, allocates the activation arena once, opens ``kernels.so`` and
-precomputes, for every kernel step, the ctypes function and its two pointer arrays. A run then
-copies the inputs into the arena, walks the steps in a tight loop (``fn(inputs, outputs)`` for a
-kernel; the communicator for a collective) and copies the outputs out.
+precomputes, for every step, the kernel's function and its two pointer arrays, laid out as the
+flat arrays of ``sf_run_program`` in the native runtime library (:mod:`shardflow.runtime.native`).
+A run then copies the inputs into the arena, makes one native call that walks the steps
+(``fn(inputs, outputs)`` for a kernel; a callback into the communicator for a collective) and
+copies the outputs out.
 
 Kernel ABI (cpu): ``extern "C" void sym(const void* const* inputs, void* const* outputs)`` on
-contiguous row-major arrays of the op's static shapes and dtypes.
+contiguous row-major arrays of the op's static shapes and dtypes (``sf_kernel_fn`` in
+``runtime/native/include/shardflow/runtime.h``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import native
 from .artifact import (ALIGNMENT, ArtifactError, aligned_empty, read_json, read_manifest, read_weights, rank_dir,
                        verify_files)
 from .comm.base import Communicator, SelfCommunicator
@@ -218,34 +222,36 @@ class RankProgram:
         if calls:
             segments.append((calls, None))
         self._segments = segments
-        self._native = self._native_segments(p.get("runner_file"))
+        # artifacts of older versions may list a runner.so: the native library replaces it
+        self._native = self._native_program() if steps else None
 
-    def _native_segments(self, runner_file: str | None) -> list | None:
-        """Per segment ``(sf_run_steps, n, fns, ins, outs)`` when the artifact has a native runner."""
-        if not runner_file or self._lib is None:
-            return None
-        path = self.directory / runner_file
-        if runner_file not in self.manifest["files"]:
-            raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {runner_file}")
+    def _native_program(self) -> tuple:
+        """``(sf_run_program, args)`` over all steps: a kernel's function and pointer arrays, or a
+        null function for a collective, which the library hands back to :meth:`_collective_step`."""
+        lib = native.load()
+        entries: list = []  # per step: (kernel call or None, collective or None)
+        for calls, coll in self._segments:
+            entries += [(c, None) for c in calls]
+            if coll is not None:
+                entries.append((None, coll))
+        n = len(entries)
+        fns = (_VP * n)(*[ctypes.cast(c[0], _VP).value if c else None for c, _ in entries])
+        ins = (_VP * n)(*[ctypes.addressof(c[3]) if c else None for c, _ in entries])
+        outs = (_VP * n)(*[ctypes.addressof(c[4]) if c else None for c, _ in entries])
+        self._step_collectives = [coll for _, coll in entries]
+        self._native_arrays = (lib, fns, ins, outs)  # keep alive as long as the program
+        self._collective_cb = native.COLLECTIVE_FN(self._collective_step)
+        self._native_error: BaseException | None = None
+        return lib.sf_run_program, (n, ctypes.addressof(fns), ctypes.addressof(ins), ctypes.addressof(outs),
+                                    self._collective_cb, None)
+
+    def _collective_step(self, _ctx: Any, step: int) -> int:
         try:
-            lib = ctypes.CDLL(str(path.resolve()), mode=getattr(os, "RTLD_LOCAL", 0))
-            run = lib.sf_run_steps
-        except (OSError, AttributeError) as exc:
-            log.warning("rank %d: cannot use the native runner %s (%s); calling kernels from Python", self.rank,
-                        path, exc)
-            return None
-        run.argtypes = (ctypes.c_long, _VP, _VP, _VP)
-        run.restype = None
-        self._runner_lib = lib
-        res = []
-        for calls, _ in self._segments:
-            n = len(calls)
-            fns = (_VP * max(n, 1))(*[ctypes.cast(c[0], _VP).value for c in calls])
-            ins = (_VP * max(n, 1))(*[ctypes.addressof(c[3]) for c in calls])
-            outs = (_VP * max(n, 1))(*[ctypes.addressof(c[4]) for c in calls])
-            res.append((run, n, ctypes.addressof(fns), ctypes.addressof(ins), ctypes.addressof(outs),
-                        (fns, ins, outs)))
-        return res
+            self._step_collectives[step]()
+        except BaseException as exc:  # noqa: BLE001 - a ctypes callback cannot raise: run() re-raises it
+            self._native_error = exc
+            return 1
+        return 0
 
     def _kernel_call(self, s: dict) -> tuple:
         try:
@@ -327,11 +333,12 @@ class RankProgram:
             a = arrays[name]
             np.copyto(buf.array, a.get() if type(a).__module__.startswith("cupy") else a)
         if self._native is not None:
-            for (run, n, fns, ins, outs, _), (_, coll) in zip(self._native, self._segments):
-                if n:
-                    run(n, fns, ins, outs)
-                if coll is not None:
-                    coll()
+            run, args = self._native
+            if run(*args):
+                exc, self._native_error = self._native_error, None
+                if exc is None:
+                    raise ShardflowError(f"rank {self.rank}: the native runner stopped without an error")
+                raise exc
         else:
             for calls, coll in self._segments:
                 for fn, a, b, _, _ in calls:
