@@ -1,0 +1,122 @@
+"""Helpers shared by the GPU benchmarks: making ``shardflow`` importable, a time budget, the
+device name, and plain-text tables."""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
+
+
+def ensure_shardflow() -> None:
+    """Make ``import shardflow.compiler`` / ``shardflow.runtime`` work from a plain checkout.
+
+    When the package is not installed (and no ``PYTHONPATH`` provides it), a folder holding a
+    ``shardflow`` directory with symlinks to this checkout's ``compiler/`` and ``runtime/`` is put
+    on ``sys.path`` (what ``pip install -e .`` would map).
+    """
+    try:
+        import shardflow.compiler  # noqa: F401
+        import shardflow.runtime  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for mod in [m for m in sys.modules if m == "shardflow" or m.startswith("shardflow.")]:
+        del sys.modules[mod]
+    root = os.path.join(tempfile.gettempdir(), f"shardflow-bench-pkg-{os.getuid()}")
+    pkg = os.path.join(root, "shardflow")
+    os.makedirs(pkg, exist_ok=True)
+    for sub in ("compiler", "runtime"):
+        link = os.path.join(pkg, sub)
+        target = os.path.join(REPO, sub)
+        if os.path.realpath(link) != os.path.realpath(target):
+            if os.path.islink(link):
+                os.unlink(link)
+            os.symlink(target, link)
+    sys.path.insert(0, root)
+    import shardflow.compiler  # noqa: F401
+    import shardflow.runtime  # noqa: F401
+
+
+class Budget:
+    """Wall-clock budget of a whole run; optional steps ask :meth:`allows` before starting."""
+
+    def __init__(self, seconds: float | None):
+        self.t0 = time.monotonic()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        """Seconds left (infinite without a budget)."""
+        if self.seconds is None:
+            return float("inf")
+        return self.seconds - (time.monotonic() - self.t0)
+
+    def allows(self, need_s: float) -> bool:
+        """Whether a step expected to take ``need_s`` seconds still fits."""
+        return self.left() >= need_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def device_name() -> str:
+    """The GPU's name as torch (else cupy) reports it, or ``"no-gpu"``."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no cupy or no device
+        pass
+    return "no-gpu"
+
+
+def slug(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def table(header: list[str], rows: list[list], align: str | None = None) -> str:
+    """A fixed-width text table; ``align`` has one ``<`` or ``>`` per column (default: text left,
+    numbers right)."""
+    cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    if align is None:
+        align = "".join(">" if rows and isinstance(rows[0][i], (int, float)) else "<" for i in range(len(header)))
+    lines = []
+    for k, r in enumerate(cells):
+        lines.append("  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def dump_json(path: str | None, data: dict) -> None:
+    """Write ``data`` to ``path`` (nothing when ``path`` is None)."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+
+
+def fmt(x, spec: str = ".3f") -> str:
+    """Format a number, or ``-`` for a missing one."""
+    return "-" if x is None else format(x, spec)

@@ -1,0 +1,471 @@
+"""End to end: GPT-2 small and a Llama-style model, Shardflow (one cuda rank) vs torch eager and
+torch.compile, at batch 1x128 and 8x128.
+
+    python benchmarks/gpu/models.py [--models gpt2_small,llama] [--batches 1,8] [--precision float32]
+                                    [--compile-modes default,reduce-overhead] [--dry-run] [--json OUT.json]
+
+Models (see ``export_models.py``): GPT-2 small (``GPT2Config()`` defaults, 124M parameters) and a
+Llama-style causal LM (width 1024, 8 layers, 16 heads, SwiGLU 2816, vocabulary 32000; 168M), random
+weights, input ``input_ids`` int64 ``[B, 128]``, output the logits. Each is built and exported to
+ONNX (TorchScript exporter, opset 17, dynamic batch) on the machine that runs the benchmark, so
+torch is timed on exactly the weights we compile; nothing large needs to travel.
+
+Ours
+    ``shardflow.compiler.compile(onnx, distributed_config={"mesh_shape": [1], "algo": "replicate"},
+    optimization_config={"target": "cuda", "arch": ARCH, "precision": PRECISION}, out_dir=...,
+    input_shapes={"input_ids": [B, 128]})`` per batch size, then ``shardflow.runtime.load(out_dir)``.
+    ``run({"input_ids": cupy array})`` copies the input into the program's arena, replays the
+    program's CUDA graph (captured on the second run; the first runs eagerly), copies the logits out
+    into a fresh cupy array and synchronizes its stream.
+
+torch
+    The same module on the GPU with transformers' ``"sdpa"`` attention (the default a torch user
+    gets; the ONNX was exported with ``"eager"`` attention, same function) and no attention mask,
+    under ``torch.no_grad()``. ``torch.compile(model, mode=MODE, dynamic=False)`` for each of
+    ``--compile-modes`` (default: ``default`` and ``reduce-overhead``, the latter replays CUDA graphs
+    like our runtime does); the torch.compile figure is the faster of the modes for each batch
+    (``torch_compile_mode`` in the JSON says which). A mode that fails to compile is recorded with
+    its error and left out.
+
+Precision
+    ``--precision`` is passed to ``optimization_config`` (``float32``: our GEMMs use 3xTF32,
+    fp32-accurate; ``tf32``: one TF32 product). torch's ``allow_tf32`` (matmul and cuDNN) follows
+    ``--torch-tf32`` (``auto``: on exactly when our compiled programs contain TF32 GEMM kernels,
+    kind ``gemm-tf32``, i.e. with ``--precision tf32``), so both sides use the same GEMM arithmetic.
+    ``float16``/``bfloat16`` cast the torch model to that dtype (our compiler may refuse them).
+
+Timing (same for every contender)
+    Host wall-clock of one call followed by a device synchronization, after warm-up calls (our
+    first two runs, torch.compile's compiling call, and ``--warmup`` more each); the median over
+    ``--repeat`` calls is the latency (``*_min_ms`` is the fastest call). This is end-to-end latency
+    as a caller sees it, launch overheads included.
+
+Accuracy (reported, not asserted)
+    Our logits against torch eager in float32 with TF32 off (the strict reference): ``max_abs_diff``
+    and ``rel_diff = max_abs_diff / max|ref|``; the torch.compile outputs against the same
+    reference, too.
+
+``--dry-run`` exports and compiles (nvcc, no GPU) every model and batch and runs nothing;
+``--target cpu`` is a self-test of this script on a machine without a GPU (our cpu target and torch
+on the CPU; the figures mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Budget, dump_json, ensure_shardflow, fmt, table  # noqa: E402
+
+MODELS = ("gpt2_small", "llama")
+BATCHES = (1, 8)
+COMPILE_MODES = ("default", "reduce-overhead")
+# rough seconds each step needs on an H100 machine (16 cores); a step is skipped when the run's
+# time budget no longer holds it (recorded as skipped)
+NEED_S = {"compile": 60, "ours": 10, "eager": 10, "torch_compile": 90}
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class _Device:
+    """What differs between the real run (cuda) and the CPU self-test."""
+
+    def __init__(self, target: str):
+        import torch
+
+        self.target = target
+        self.torch = torch
+        self.tdev = torch.device("cuda" if target == "cuda" else "cpu")
+        if target == "cuda":
+            import cupy
+
+            self.cp = cupy
+
+    def sync(self) -> None:
+        if self.target == "cuda":
+            self.torch.cuda.synchronize()
+
+    def ours_input(self, ids_np):
+        return self.cp.asarray(ids_np) if self.target == "cuda" else ids_np
+
+    def as_torch(self, a):
+        """Our output (cupy or numpy) as a torch tensor on the torch device (no copy for cupy)."""
+        if self.target == "cuda":
+            return self.torch.as_tensor(a, device=self.tdev)
+        return self.torch.from_numpy(a)
+
+    def set_tf32(self, on: bool) -> None:
+        self.torch.backends.cuda.matmul.allow_tf32 = on
+        self.torch.backends.cudnn.allow_tf32 = on
+
+
+def _time_calls(call, sync, repeat: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        call()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeat": repeat}
+
+
+def _diff(got, ref) -> dict:
+    d = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    return {"max_abs_diff": d, "ref_max_abs": scale, "rel_diff": d / scale if scale else None,
+            "finite": bool(got.float().isfinite().all().item())}
+
+
+def _gemm_kinds(out_dir: str) -> list[str]:
+    with open(os.path.join(out_dir, "rank0", "program.json")) as f:
+        prog = json.load(f)
+    kinds = set()
+    for s in prog["steps"]:
+        if s.get("kind") == "kernel":
+            for k in str(s.get("launch", {}).get("kind", "")).split("+"):
+                if k.startswith("gemm"):
+                    kinds.add(k)
+    return sorted(kinds)
+
+
+# ----------------------------------------------------------------------------------------------
+# one model
+# ----------------------------------------------------------------------------------------------
+
+def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log) -> tuple:
+    """The torch module (CPU, eager attention) and its ONNX path/info: exported into ``work``, or
+    reused from ``export_dir`` when it holds ``<name>.onnx``, ``.json`` and ``.state.pt``."""
+    import torch
+
+    import export_models as em
+
+    if export_dir:
+        paths = [os.path.join(export_dir, f"{name}{ext}") for ext in (".onnx", ".json", ".state.pt")]
+        if all(os.path.exists(p) for p in paths):
+            with open(paths[1]) as f:
+                info = json.load(f)
+            if bool(info.get("tiny")) == tiny:
+                wrapper, _ = em.build(name, "eager", tiny=tiny)
+                wrapper.load_state_dict(torch.load(paths[2], map_location="cpu"))
+                info["path"] = paths[0]
+                info["reused_export"] = True
+                log(f"{name}: reusing {paths[0]}")
+                return wrapper, info
+    out = export_dir or work
+    path = os.path.join(out, f"{name}.onnx")
+    wrapper, info = em.export(name, path, tiny=tiny)
+    if export_dir:
+        torch.save(wrapper.state_dict(), os.path.join(export_dir, f"{name}.state.pt"))
+        with open(os.path.join(export_dir, f"{name}.json"), "w") as f:
+            json.dump(info, f, indent=1)
+    log(f"{name}: {info['n_params'] / 1e6:.1f}M parameters, exported in {info['export_s']:.1f} s "
+        f"({info['size_bytes'] / 1e6:.0f} MB)")
+    return wrapper, info
+
+
+def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
+                 search_space: int | None) -> dict:
+    """Compile one batch size; returns the record (timings, kernel kinds)."""
+    from shardflow.compiler import compile as sf_compile
+
+    opt = {"target": target, "precision": precision}
+    if target == "cuda":
+        opt["arch"] = arch
+    if search_space is not None:
+        opt["search_space"] = search_space
+    t0 = time.perf_counter()
+    res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
+                     out_dir=out_dir, input_shapes={"input_ids": [batch, 128]})
+    rec = {"compile_s": time.perf_counter() - t0, "compile_timings": dict(res.timings),
+           "kernels": res.ranks[0]["kernels"] if res.ranks else None}
+    try:
+        rec["gemm_kinds"] = _gemm_kinds(str(out_dir))
+    except (OSError, KeyError, ValueError):
+        rec["gemm_kinds"] = None
+    return rec
+
+
+def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
+    """Export, compile and (unless dry-run) time one model at every batch size."""
+    ensure_shardflow()
+    res: dict = {"batches": {}}
+    try:
+        wrapper, info = prepare(name, work, args.export_dir, args.tiny, log)
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"export failed: {_err(exc)}"
+        log(f"{name}: {res['error']}")
+        return res
+    res.update(config=info["config"], n_params=info["n_params"], export_s=info["export_s"],
+               onnx_bytes=info["size_bytes"])
+    vocab = info["config"]["vocab_size"]
+    compiled = {}
+    for b in args.batches:
+        key = f"{b}x128"
+        rec = res["batches"].setdefault(key, {"batch": b, "seq": 128})
+        if not budget.allows(NEED_S["compile"] * (0.2 if args.tiny else 1)):
+            rec["ours_skipped"] = "time budget"
+            continue
+        out_dir = os.path.join(work, f"{name}-b{b}")
+        try:
+            rec.update(compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch,
+                                    precision=args.precision, search_space=args.search_space))
+            compiled[b] = out_dir
+            log(f"{name} {key}: compiled in {rec['compile_s']:.1f} s ({rec['kernels']} kernels, GEMM kinds "
+                f"{rec['gemm_kinds']})")
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            rec["compile_error"] = _err(exc)
+            log(f"{name} {key}: compile failed: {rec['compile_error']}")
+            if args.verbose:
+                traceback.print_exc()
+    save()
+    if args.dry_run:
+        return res
+
+    dev = _Device(args.target)
+    torch = dev.torch
+    kinds = {k for b in compiled for k in (res["batches"][f"{b}x128"].get("gemm_kinds") or [])}
+    tf32 = {"on": True, "off": False}.get(args.torch_tf32, args.precision == "tf32" or "gemm-tf32" in kinds)
+    res["torch_tf32"] = tf32
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.precision, torch.float32)
+    rng = np.random.default_rng(0)
+    ids_np = {b: rng.integers(0, vocab, (b, 128)).astype("int64") for b in args.batches}
+    ids_t = {b: torch.from_numpy(ids_np[b]).to(dev.tdev) for b in args.batches}
+
+    # strict fp32 references (TF32 off), eager attention
+    import export_models as em
+
+    model = wrapper.to(dev.tdev)
+    dev.set_tf32(False)
+    refs = {}
+    with torch.no_grad():
+        for b in args.batches:
+            refs[b] = model(ids_t[b]).float()
+    res["attention"] = em.set_attention(model, "sdpa")
+    model = model.to(tdtype)
+    dev.set_tf32(tf32)
+
+    # ours
+    for b, out_dir in compiled.items():
+        rec = res["batches"][f"{b}x128"]
+        if not budget.allows(NEED_S["ours"]):
+            rec["ours_skipped"] = "time budget"
+            continue
+        try:
+            from shardflow.runtime import load
+
+            prog = load(out_dir)
+            feeds = {"input_ids": dev.ours_input(ids_np[b])}
+            first = prog.run(feeds)["logits"]  # eager run
+            rec.update(_diff(dev.as_torch(first), refs[b]))
+            del first
+            prog.run(feeds)  # captures the CUDA graph
+            t = _time_calls(lambda: prog.run(feeds), dev.sync, args.repeat, args.warmup)
+            rec.update(ours_ms=t["ms"], ours_min_ms=t["min_ms"], repeat=t["repeat"])
+            log(f"{name} {b}x128: ours {t['ms']:.3f} ms  (max |diff| vs torch fp32 {rec['max_abs_diff']:.2e}, "
+                f"rel {fmt(rec['rel_diff'], '.1e')})")
+            prog.close()
+        except Exception as exc:  # noqa: BLE001
+            rec["ours_error"] = _err(exc)
+            log(f"{name} {b}x128: ours failed: {rec['ours_error']}")
+            if args.verbose:
+                traceback.print_exc()
+        gc.collect()
+        save()
+
+    # torch eager
+    for b in args.batches:
+        rec = res["batches"][f"{b}x128"]
+        if not budget.allows(NEED_S["eager"]):
+            rec["torch_eager_skipped"] = "time budget"
+            continue
+        try:
+            with torch.no_grad():
+                t = _time_calls(lambda: model(ids_t[b]), dev.sync, args.repeat, args.warmup)
+            rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
+            log(f"{name} {b}x128: torch eager {t['ms']:.3f} ms")
+        except Exception as exc:  # noqa: BLE001
+            rec["torch_eager_error"] = _err(exc)
+            log(f"{name} {b}x128: torch eager failed: {rec['torch_eager_error']}")
+    save()
+
+    # torch.compile
+    for mode in args.compile_modes:
+        torch._dynamo.reset()
+        kw = {} if mode == "default" else {"mode": mode}
+        cm = torch.compile(model, dynamic=False, **kw)
+        step = (lambda: torch.compiler.cudagraph_mark_step_begin()) if mode == "reduce-overhead" else (lambda: None)
+
+        def call(b):
+            step()
+            return cm(ids_t[b])
+
+        for b in args.batches:
+            rec = res["batches"][f"{b}x128"]
+            tc = rec.setdefault("torch_compile", {})
+            if not budget.allows(NEED_S["torch_compile"] * (0.2 if args.tiny else 1)):
+                tc[mode] = {"skipped": "time budget"}
+                continue
+            try:
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    y = call(b)
+                    dev.sync()
+                    compile_s = time.perf_counter() - t0
+                    d = _diff(y, refs[b])
+                    del y
+                    t = _time_calls(lambda: call(b), dev.sync, args.repeat, args.warmup)
+                tc[mode] = {"ms": t["ms"], "min_ms": t["min_ms"], "compile_s": compile_s,
+                            "max_abs_diff": d["max_abs_diff"], "rel_diff": d["rel_diff"]}
+                log(f"{name} {b}x128: torch.compile({mode}) {t['ms']:.3f} ms (compiled in {compile_s:.0f} s)")
+            except Exception as exc:  # noqa: BLE001
+                tc[mode] = {"error": _err(exc)}
+                log(f"{name} {b}x128: torch.compile({mode}) failed: {tc[mode]['error']}")
+                if args.verbose:
+                    traceback.print_exc()
+            save()
+        cm = None
+        torch._dynamo.reset()
+        gc.collect()
+
+    for rec in res["batches"].values():
+        _ratios(rec)
+    model = refs = None
+    gc.collect()
+    if args.target == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _ratios(rec: dict) -> None:
+    ok = {m: v["ms"] for m, v in rec.get("torch_compile", {}).items() if "ms" in v}
+    if ok:
+        mode = min(ok, key=ok.get)
+        rec["torch_compile_ms"], rec["torch_compile_mode"] = ok[mode], mode
+    if rec.get("ours_ms") is not None:
+        if rec.get("torch_compile_ms"):
+            rec["vs_torch_compile"] = rec["ours_ms"] / rec["torch_compile_ms"]
+        if rec.get("torch_eager_ms"):
+            rec["vs_torch_eager"] = rec["ours_ms"] / rec["torch_eager_ms"]
+
+
+def headline(res: dict, name: str) -> dict:
+    """``<name>_vs_torch_compile``: our latency / torch.compile latency, worst (largest) over the
+    batches; None unless every batch has both figures."""
+    recs = list(res.get("batches", {}).values())
+    r = [x.get("vs_torch_compile") for x in recs]
+    e = [x.get("vs_torch_eager") for x in recs]
+    return {f"{name}_vs_torch_compile": max(r) if r and None not in r else None,
+            f"{name}_vs_torch_eager": max(e) if e and None not in e else None}
+
+
+def format_table(models: dict) -> str:
+    rows = []
+    for name, res in models.items():
+        if "error" in res:
+            rows.append([name, "-", res["error"][:60]] + [""] * 8)
+            continue
+        for key, r in res.get("batches", {}).items():
+            tc = r.get("torch_compile", {})
+            note = r.get("compile_error") or r.get("ours_error") or r.get("ours_skipped") or ""
+            rows.append([name, key, fmt(r.get("ours_ms")), fmt(r.get("torch_eager_ms")),
+                         fmt(tc.get("default", {}).get("ms")), fmt(tc.get("reduce-overhead", {}).get("ms")),
+                         fmt(r.get("vs_torch_compile")), fmt(r.get("vs_torch_eager")),
+                         fmt(r.get("max_abs_diff"), ".1e"), fmt(r.get("compile_s"), ".1f"), note[:60]])
+    return table(["model", "batch", "ours ms", "eager ms", "compile ms", "reduce-oh ms", "ours/compile",
+                  "ours/eager", "max|diff|", "our compile s", "note"], rows, align="<<>>>>>>>><")
+
+
+# ----------------------------------------------------------------------------------------------
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model options (also used by run_all.py)."""
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--precision", default="float32", help="optimization_config['precision']")
+    ap.add_argument("--torch-tf32", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--compile-modes", default=",".join(COMPILE_MODES),
+                    help="torch.compile modes, comma-separated ('' for none)")
+    ap.add_argument("--repeat", type=int, default=50, help="timed calls per contender (median)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--search-space", type=int, default=None, help="optimization_config['search_space']")
+    ap.add_argument("--export-dir", help="reuse/keep exported models here (<name>.onnx/.json/.state.pt)")
+    ap.add_argument("--tiny", action="store_true", help="2-layer narrow models (script tests)")
+    ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: self-test of this script without a GPU (numbers meaningless)")
+    ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+
+
+def normalize_args(args) -> None:
+    if isinstance(args.models, str):
+        args.models = [m for m in args.models.split(",") if m]
+        bad = [m for m in args.models if m not in MODELS]
+        if bad:
+            raise SystemExit(f"unknown model(s) {bad}; choose from {list(MODELS)}")
+    if isinstance(args.batches, str):
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+    if isinstance(args.compile_modes, str):
+        args.compile_modes = [m for m in args.compile_modes.split(",") if m]
+
+
+def bench(args, work: str, budget: Budget, log=print, save=lambda: None, section: dict | None = None) -> dict:
+    """Run every model; fills and returns the ``models`` JSON section (``save()`` is called after
+    each step so a caller can write partial results)."""
+    normalize_args(args)
+    section = section if section is not None else {}
+    section.update(dry_run=args.dry_run, precision=args.precision, arch=args.arch, target=args.target,
+                   compile_modes=list(args.compile_modes), repeat=args.repeat, warmup=args.warmup,
+                   tiny=args.tiny, models={})
+    try:
+        import torch
+        import transformers
+
+        section.update(torch=torch.__version__, transformers=transformers.__version__)
+    except ImportError as exc:
+        section["error"] = _err(exc)
+        return section
+    for name in args.models:
+        section["models"][name] = {}
+        section["models"][name] = bench_model(name, args, work, budget, log, save)
+        if not args.dry_run:
+            section.update(headline(section["models"][name], name))
+        save()
+    section["table"] = format_table(section["models"])
+    return section
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--dry-run", action="store_true", help="export and compile only (no GPU needed)")
+    ap.add_argument("--work-dir", help="where artifacts go (default: a temporary folder, removed)")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip steps that no longer fit in this time")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    ensure_shardflow()
+    with tempfile.TemporaryDirectory(prefix="sf-models-", dir=args.work_dir) as work:
+        section = bench(args, work, Budget(args.budget_s))
+    print(section["table"])
+    for k in ("gpt2_small_vs_torch_compile", "llama_vs_torch_compile"):
+        if k in section:
+            print(f"{k} = {fmt(section[k])}")
+    dump_json(args.json, section)
+    return section
+
+
+if __name__ == "__main__":
+    main()
