@@ -16,7 +16,7 @@ key               meaning                                                       
                   one TF32 product, faster, relative error ~1e-3); ``"float16"``: the
                   operands of contractions rounded to float16 (weights stored in float16),
                   fp32 accumulation, everything else float32 (passes/precision.py);
-                  ``"bfloat16"`` is not implemented yet
+                  ``"bfloat16"`` likewise with bfloat16 (cuda only)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
 ``search_space``  kernel tuning level: 0 (none), 1 (a few candidates), 2 (wide search)        ``1``
@@ -120,9 +120,10 @@ class OptimizationConfig:
             if kw["precision"] not in PRECISIONS:
                 raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r}: choose one of "
                                   f"{list(PRECISIONS)}")
-        if kw.get("precision") == "tf32" and target != "cuda":
-            raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (TF32 is a "
-                              "GPU tensor-core format); use 'float32'")
+        if kw.get("precision") in ("tf32", "bfloat16") and target != "cuda":
+            raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
+                              "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
+                              "'float32' or 'float16'")
         for key in ("fuse", "cuda_graph"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
@@ -608,8 +609,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     """
     t_all = time.perf_counter()
     opt = OptimizationConfig.from_dict(optimization_config)
-    if opt.precision == "bfloat16":
-        raise ShardflowError("precision 'bfloat16' is not implemented yet; use 'float32', 'float16' or (cuda) 'tf32'")
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
         raise ConfigError(f"distributed_config must be a dict, got {type(distributed_config).__name__}")
     from .parallel import partition, search

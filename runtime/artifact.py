@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import ShardflowError
 
-__all__ = ["ARTIFACT_FORMAT", "ALIGNMENT", "ArtifactError", "ChecksumError", "VersionError", "sha256_file",
+__all__ = ["buffer_dtype", "ARTIFACT_FORMAT", "ALIGNMENT", "ArtifactError", "ChecksumError", "VersionError", "sha256_file",
            "write_json", "read_json", "finalize_rank_dir", "read_manifest", "verify_files", "read_weights",
            "atomic_output_dir", "rank_dir", "read_mesh", "aligned_empty", "list_ranks"]
 
@@ -159,6 +159,26 @@ def verify_files(directory: str | os.PathLike, manifest: dict, skip: tuple[str, 
         if got != info["sha256"]:
             raise ChecksumError(f"checksum mismatch in {str(path)!r}: sha256 {got[:16]}… but the manifest says "
                                 f"{info['sha256'][:16]}…; the file is corrupted, copy or compile it again", str(path))
+
+
+def buffer_dtype(name: str, device: bool = False) -> np.dtype:
+    """The numpy dtype of a program buffer's dtype name. ``bfloat16`` (no numpy type) is
+    ``ml_dtypes.bfloat16`` on the host when that package is installed, else its 16-bit pattern
+    (``uint16``); on the device (``device=True``, cupy has no bfloat16) always ``uint16``: kernels
+    only need the bytes."""
+    if name == "bfloat16":
+        if not device:
+            try:
+                import ml_dtypes
+
+                return np.dtype(ml_dtypes.bfloat16)
+            except ImportError:
+                pass
+        return np.dtype(np.uint16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise ArtifactError(f"unknown buffer dtype {name!r} in program.json") from None
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import ArtifactError
+from .artifact import ArtifactError, buffer_dtype
 from .comm.prepared import prepare
 from .errors import ShardflowError
 
@@ -55,7 +55,7 @@ class CudaEngine:
             self.arena = cp.zeros(max(int(p["arena_bytes"]), 1), cp.uint8)
         self.views = []
         for b in p["buffers"]:
-            dtype = np.dtype(b["dtype"])
+            dtype = buffer_dtype(b["dtype"], device=True)
             shape = tuple(b["shape"])
             n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             store = self.weights if b["storage"] == "weights" else self.arena

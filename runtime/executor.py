@@ -24,8 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import native
-from .artifact import (ALIGNMENT, ArtifactError, aligned_empty, read_json, read_manifest, read_weights, rank_dir,
-                       verify_files)
+from .artifact import (ALIGNMENT, ArtifactError, aligned_empty, buffer_dtype, read_json, read_manifest,
+                       read_weights, rank_dir, verify_files)
 from .comm.base import Communicator, SelfCommunicator
 from .errors import ShardflowError
 
@@ -173,7 +173,7 @@ class RankProgram:
         self.buffers: list[_Buffer] = []
         for k, b in enumerate(p["buffers"]):
             buf = _Buffer()
-            buf.name, buf.shape, buf.dtype = b["name"], tuple(b["shape"]), np.dtype(b["dtype"])
+            buf.name, buf.shape, buf.dtype = b["name"], tuple(b["shape"]), buffer_dtype(b["dtype"])
             nbytes = int(np.prod(buf.shape, dtype=np.int64)) * buf.dtype.itemsize
             store = self.weights if b["storage"] == "weights" else self.arena
             off = int(b["offset"])

@@ -41,7 +41,7 @@ __all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS"]
 log = logging.getLogger(__name__)
 
 #: Op types cheap enough to be recomputed while an operand is loaded (data movement and casts).
-CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice", "AffineGather"})
+CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice", "AffineGather", "LocalSlice"})
 #: Ops that read each operand element many times (a fused prologue is recomputed on every read):
 #: only :data:`CHEAP` prologues join them.
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "MatMulInteger"})

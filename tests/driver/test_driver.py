@@ -80,18 +80,12 @@ def test_optimization_config_defaults_and_validation():
            ({"comm_backend": "gloo"}, "choose one of"),
            ({"comm_backend": "nccl"}, "needs target 'cuda'"),
            ({"precision": "tf32"}, "only applies to target 'cuda'"),
+           ({"precision": "bfloat16"}, "only applies to target 'cuda'"),
            ({"precision": "fp8"}, "choose one of"),
            ([1, 2], "must be a dict")]
     for cfg, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             OptimizationConfig.from_dict(cfg)
-
-
-def test_bfloat16_precision_is_not_implemented_yet(tmp_path):
-    with pytest.raises(ShardflowError, match="precision 'bfloat16' is not implemented yet"):
-        compile(MODELS / "mlp_ts17.onnx", distributed_config={"mesh_shape": [2]},
-                optimization_config={"precision": "bfloat16"}, out_dir=tmp_path / "o")
-    assert not (tmp_path / "o").exists()
 
 
 def test_bad_distributed_config_is_a_config_error(tmp_path):
