@@ -3,9 +3,11 @@
 Compiles each model for one rank (target cpu), runs it with ``shardflow.runtime.load`` and runs
 onnxruntime on the same inputs with the same thread count, and prints median latencies and the
 ratio (ours / onnxruntime; lower is better). Models: the committed test models, and with
-``--sized`` also GPT-2-, BERT- and Llama-sized exports (needs torch + transformers; slow).
+``--sized`` also a GPT-2-small-sized export (124M parameters, 128 tokens) and a ResNet-50-sized one
+(transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image), exported with
+torch.onnx.export at opset 17 (needs torch + transformers; slow). ``--only`` picks models by name.
 
-    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized]
+    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--only resnet]
 """
 from __future__ import annotations
 
@@ -55,27 +57,51 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
           f"max |diff| {err:.1e}", flush=True)
 
 
+def export_resnet50(path: str) -> dict:
+    """Export a randomly initialised ResNet-50 (transformers' ResNetConfig defaults: bottleneck
+    blocks, depths 3-4-6-3, widths 256-2048) fed one 3x224x224 image, output ``last_hidden_state``
+    ([1, 2048, 7, 7]). Returns the feeds."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from export_models import _PixelHidden, export_module
+    from transformers import ResNetConfig, ResNetModel
+
+    torch.manual_seed(0)
+    model = _PixelHidden(ResNetModel(ResNetConfig()).eval())
+    feeds = {"pixel_values": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    export_module(model, feeds, ["pixel_values"], ["last_hidden_state"], path, dynamo=False, opset=17)
+    return feeds
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=50)
-    ap.add_argument("--sized", action="store_true", help="also export GPT-2-small-sized models (slow)")
+    ap.add_argument("--sized", action="store_true", help="also export GPT-2-small- and ResNet-50-sized models (slow)")
+    ap.add_argument("--only", default="", help="only the models whose name contains this text")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"threads: {args.threads}")
     with tempfile.TemporaryDirectory() as work:
         for m in COMMITTED:
+            if args.only not in m:
+                continue
             feeds = dict(np.load(os.path.join(MODELS, f"{m.rsplit('_', 1)[0]}_inputs.npz")))
             bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work)
         if args.sized:
             sys.path.insert(0, MODELS)
-            from export_models import export_gpt2
+            if args.only in "gpt2_small_124M":
+                from export_models import export_gpt2
 
-            path = os.path.join(work, "gpt2_small.onnx")
-            info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
-            feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
-                     if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
-            bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work)
+                path = os.path.join(work, "gpt2_small.onnx")
+                info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
+                feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
+                         if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
+                bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work)
+            if args.only in "resnet50_224":
+                path = os.path.join(work, "resnet50.onnx")
+                feeds = export_resnet50(path)
+                bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ _STD_MATH = {"sin": "std::sin", "cos": "std::cos", "tan": "std::tan", "asin": "s
              "floor": "std::floor", "ceil": "std::ceil"}
 
 
+#: Reduction loops shorter than this are not marked ``omp simd``.
+SIMD_MIN_EXTENT = 16
+
+
 def _kind(dt: str) -> str:
     return np.dtype(dt).kind
 
@@ -378,7 +382,9 @@ class _Printer:
         elif s.reduction is not None:
             acc, op = s.reduction
             ct = COMPUTE_CTYPE[acc.dtype]
-            if ct in ("float", "double") and _simple_body(s.body):
+            # (a short loop, such as a pooling window's row, is unrolled as it is: a vectorized
+            # reduction's set-up and final combine cost more than its few elements)
+            if ct in ("float", "double") and s.extent >= SIMD_MIN_EXTENT and _simple_body(s.body):
                 if op in ("sum", "mean", "prod"):
                     self.emit(f"#pragma omp simd reduction({'*' if op == 'prod' else '+'}:{acc.name})", depth)
                 elif op in ("max", "min"):
@@ -551,12 +557,12 @@ SF_EXPORT const char* shardflow_cpu_isa() {
 def kernel_source(op, clones: bool = False) -> tuple[str, str]:
     """``(symbol, definition)`` of ``op``'s kernel; the symbol is derived from the text, so equal
     kernels get equal symbols."""
-    from .templates_cpu import template_body  # the heavy-op templates
+    from .templates_cpu import CLONED_TEMPLATES, template_body, template_kind  # the heavy-op templates
     body = template_body(op)
     if body is None:
         body = generic_kernel_body(op)
-    else:
-        clones = False  # a template's kernel only calls the GEMM, which dispatches on the CPU itself
+    elif template_kind(op) not in CLONED_TEMPLATES:
+        clones = False  # a GEMM template's kernel only calls the GEMM, which dispatches on the CPU itself
     attr = "SF_CLONES " if clones else ""
     digest = hashlib.sha256((attr + body).encode()).hexdigest()[:16]
     sym = f"sf_{re.sub(r'[^a-z0-9]', '', op.op_type.lower())[:24]}_{digest}"

@@ -44,11 +44,11 @@ static void* sf_workspace(int slot, size_t bytes) {
 // ---- numpy-equal scalar semantics --------------------------------------------------------------
 template <class T> SF_INLINE bool sf_isfloat() { return std::numeric_limits<T>::is_iec559; }
 
-// np.maximum / np.minimum: NaN propagates
-SF_INLINE float sf_max(float a, float b) { return (a > b || a != a) ? a : b; }
-SF_INLINE double sf_max(double a, double b) { return (a > b || a != a) ? a : b; }
-SF_INLINE float sf_min(float a, float b) { return (a < b || a != a) ? a : b; }
-SF_INLINE double sf_min(double a, double b) { return (a < b || a != a) ? a : b; }
+// np.maximum / np.minimum: NaN propagates (bitwise | keeps them branch-free: a max of data is unpredictable)
+SF_INLINE float sf_max(float a, float b) { return ((a > b) | (a != a)) ? a : b; }
+SF_INLINE double sf_max(double a, double b) { return ((a > b) | (a != a)) ? a : b; }
+SF_INLINE float sf_min(float a, float b) { return ((a < b) | (a != a)) ? a : b; }
+SF_INLINE double sf_min(double a, double b) { return ((a < b) | (a != a)) ? a : b; }
 template <class T> SF_INLINE T sf_max(T a, T b) { return a > b ? a : b; }
 template <class T> SF_INLINE T sf_min(T a, T b) { return a < b ? a : b; }
 

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind"]
+__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "CLONED_TEMPLATES"]
 
 TEMPLATE_PRELUDE = r"""
 // ---- GEMM (float32) -----------------------------------------------------------------------------
@@ -319,56 +319,292 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
   sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, par);
 }
 
-// One image (and group) of a 2-D convolution as a GEMM whose B operand, the im2col matrix
-// B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
-// is packed straight from the image: no im2col buffer, one pass less over memory.
-struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
+// ---- Convolution: the weights read in place ------------------------------------------------------
+// A conv is a GEMM per image and group, y[OCG, OH*OW] = w[OCG, K] @ im2col(x) with K = C*KH*KW. Its A,
+// the weights, is read where it lies by these micro-kernels (one weight broadcast per row and k), so
+// weights are never packed (packing them cost more than the products for small images). B, the im2col
+// matrix, is packed per tile into panels of VL*nv columns, [kc][VL*nv]. A kernel computes an MR x (VL*nv)
+// block of C, MR = 1..mr and nv = 1..nv_max chosen at the call, so row and column remainders cost no
+// padding work; the last nr columns (nr <= VL*nv) and MR rows are stored.
+typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                         float* __restrict__ C, int64_t ldc, int64_t nr, bool first);
 
-static void sf_pack_b_conv(const float* __restrict__ x, const SfConvGeom& g, int64_t j0, int64_t cols, int64_t nr,
-                           int64_t k0, int64_t kc, float* __restrict__ Bp) {
+#if defined(__x86_64__)
+template <int MR, int NV>
+__attribute__((target("avx512f")))
+static void sf_cukr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                           float* __restrict__ C, int64_t ldc, int64_t nr, bool first) {
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    const int64_t r = k0 + k;
-    const int64_t kw = r % g.KW, kh = (r / g.KW) % g.KH, c = r / (g.KW * g.KH);
-    const float* xc = x + c * g.H * g.W;
-    float* dst = Bp + k * nr;
-    const int64_t off = kw * g.DW - g.PL;
-    // output columns ow with 0 <= ow*SW + off < W
-    const int64_t lo = off >= 0 ? 0 : (-off + g.SW - 1) / g.SW;
-    const int64_t hi = g.W - off <= 0 ? 0 : (g.W - off + g.SW - 1) / g.SW;
-    int64_t j = 0, oh = j0 / g.OW, ow = j0 % g.OW;
-    while (j < cols) {
-      const int64_t seg = std::min(cols - j, g.OW - ow);
-      const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
-      float* d = dst + j;
-      if (ih < 0 || ih >= g.H) {
-        for (int64_t t = 0; t < seg; ++t) d[t] = 0.0f;
-      } else {
-        const float* xr = xc + ih * g.W;
-        const int64_t a = std::min(seg, std::max<int64_t>(0, lo - ow));
-        const int64_t b = std::max(a, std::min(seg, hi - ow));
-        for (int64_t t = 0; t < a; ++t) d[t] = 0.0f;
-        if (g.SW == 1) { const float* src = xr + ow + off; for (int64_t t = a; t < b; ++t) d[t] = src[t]; }
-        else { for (int64_t t = a; t < b; ++t) d[t] = xr[(ow + t) * g.SW + off]; }
-        for (int64_t t = b; t < seg; ++t) d[t] = 0.0f;
-      }
-      j += seg;
-      ow = 0;
-      ++oh;
+    __m512 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(Bp + k * (16 * NV) + 16 * v);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(A[i * lda + k]);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, b[v], acc[i][v]);
     }
-    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+  }
+  #pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int64_t rem = nr - 16 * v;
+    const __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (rem > 0 ? (__mmask16)((1u << rem) - 1u) : (__mmask16)0);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      float* c = C + i * ldc + 16 * v;
+      __m512 r = acc[i][v];
+      if (!first) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, c));
+      _mm512_mask_storeu_ps(c, m, r);
+    }
   }
 }
 
-// y[OCG, OH*OW] = w[OCG, C*KH*KW] @ im2col(x) + bias
-static void sf_conv2d_gemm(const float* x, const SfConvGeom& g, const float* w, int64_t ocg, float* y,
-                           const float* bias) {
-  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
-  const bool par = sf_max_threads() > 1 && (double)ocg * P * K >= 262144.0;
-  auto pack = [x, &g](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
-    const int64_t j0 = jc + p * nr;
-    sf_pack_b_conv(x, g, j0, std::min(nr, nc - p * nr), nr, k0, kc, Bp);
-  };
-  sf_sgemm_packed(ocg, P, K, w, K, 1, pack, y, P, 1.0f, bias, 1, 0, par);
+template <int MR, int NV>
+__attribute__((target("avx2,fma")))
+static void sf_cukr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                         float* __restrict__ C, int64_t ldc, int64_t nr, bool first) {
+  __m256 acc[MR][NV];
+  #pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm256_load_ps(Bp + k * (8 * NV) + 8 * v);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(A + i * lda + k);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, b[v], acc[i][v]);
+    }
+  }
+  if (nr == 8 * NV) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        float* c = C + i * ldc + 8 * v;
+        __m256 r = acc[i][v];
+        if (!first) r = _mm256_add_ps(r, _mm256_loadu_ps(c));
+        _mm256_storeu_ps(c, r);
+      }
+    return;
+  }
+  alignas(32) float t[8 * NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(t + 8 * v, acc[i][v]);
+    float* c = C + i * ldc;
+    for (int64_t j = 0; j < nr; ++j) c[j] = first ? t[j] : c[j] + t[j];
+  }
+}
+#endif
+
+template <int MR>
+static void sf_cukr_generic(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                            float* __restrict__ C, int64_t ldc, int64_t nr, bool first) {
+  float t[MR][8] = {};
+  for (int64_t k = 0; k < kc; ++k)
+    for (int i = 0; i < MR; ++i) {
+      const float a = A[i * lda + k];
+      for (int j = 0; j < 8; ++j) t[i][j] += a * Bp[8 * k + j];
+    }
+  for (int i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < nr; ++j) C[i * ldc + j] = first ? t[i][j] : C[i * ldc + j] + t[i][j];
+}
+
+// fn[MR - 1][nv - 1]: an MR x (vl * nv) kernel
+struct SfCukr { SfCukrFn fn[12][2]; int64_t mr, nv, vl; };
+
+static SfCukr sf_pick_cukr() {
+  SfCukr u = {};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+  bool allow512 = !force || std::strcmp(force, "avx512") == 0;
+  bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("avx512f")) {
+#define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;
+    SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K(7) SF_K(8) SF_K(9) SF_K(10) SF_K(11) SF_K(12)
+#undef SF_K
+    u.mr = 12; u.nv = 2; u.vl = 16;
+    return u;
+  }
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+#define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx2<r, 1>; u.fn[r - 1][1] = sf_cukr_avx2<r, 2>;
+    SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6)
+#undef SF_K
+    u.mr = 6; u.nv = 2; u.vl = 8;
+    return u;
+  }
+#endif
+  u.fn[0][0] = sf_cukr_generic<1>; u.fn[1][0] = sf_cukr_generic<2>;
+  u.fn[2][0] = sf_cukr_generic<3>; u.fn[3][0] = sf_cukr_generic<4>;
+  u.mr = 4; u.nv = 1; u.vl = 8;
+  return u;
+}
+static const SfCukr& sf_cukr() { static const SfCukr u = sf_pick_cukr(); return u; }
+
+// The im2col matrix of one image (and group) of a 2-D convolution,
+// B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
+// is packed panel by panel from the image; a padded image is first copied into a zero-bordered buffer,
+// so that every row of B is a few plain copies of input row pieces.
+struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
+
+// Rows [k0, k0 + kc) and columns [j0, j0 + cols) of the im2col matrix into Bp as [kc][nr] (zero past cols).
+// xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g, int64_t j0,
+                           int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  if ((sw != 1 || g.OW < 16) && nr <= 64) {
+    // short or strided row pieces: one gather per row of B, from the offsets of the columns' first tap
+    int32_t idx[64];
+    for (int64_t j = 0, oh = oh0, ow = ow0; j < cols; ++j) {
+      idx[j] = (int32_t)(oh * rstep + ow * sw);
+      if (++ow == g.OW) { ow = 0; ++oh; }
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      float* dst = Bp + k * nr;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = base[idx[j]];
+      for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;  // input row of output row oh0 at tap (kh, kw)
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      if (sw == 1) { for (int64_t t = 0; t < seg; ++t) d[t] = src[t]; }
+      else { for (int64_t t = 0; t < seg; ++t) d[t] = src[t * sw]; }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+  }
+}
+
+// B(k, j) = x[k * ldx + j] (a 1x1, stride-1, unpadded conv: the image is its own im2col matrix)
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_pack_b_rows(const float* __restrict__ x, int64_t ldx, int64_t j0, int64_t cols, int64_t nr,
+                           int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* src = x + (k0 + k) * ldx + j0;
+    float* dst = Bp + k * nr;
+    for (int64_t j = 0; j < cols; ++j) dst[j] = src[j];
+    for (int64_t j = cols; j < nr; ++j) dst[j] = 0.0f;
+  }
+}
+
+//: multiply-adds below which a convolution runs on the calling thread
+constexpr double SF_CONV_PAR_WORK = 131072.0;
+
+// y[n, gi*ocg + o, :] = w[gi*ocg + o, :] @ im2col(x[n, gi*C : (gi+1)*C]) + bias[gi*ocg + o] for every image
+// n < nimg and group gi < groups (x: [nimg, groups*C, H, W], w: [groups*ocg, C*KH*KW], y: [nimg,
+// groups*ocg, OH, OW]). direct: a 1x1, stride-1, unpadded conv. Tasks are tiles of C (up to ~96 rows x
+// 256 columns) of every image and group; a thread packs the B panels of its tile into its own buffer
+// (once per tile when K fits one block) and runs the K blocks over it.
+static void sf_conv2d(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
+                      int64_t nimg, int64_t groups, int64_t ocg, bool direct) {
+  const SfCukr& u = sf_cukr();
+  const int64_t M = ocg, P = g.OH * g.OW, K = g.C * g.KH * g.KW;
+  if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
+  const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
+  const int64_t nkb = std::max<int64_t>(1, (K + SF_KC - 1) / SF_KC), kcb = std::max<int64_t>(1, (K + nkb - 1) / nkb);
+  const int64_t mp = (M + mr - 1) / mr, np = (P + nrm - 1) / nrm;
+  const int nt = sf_max_threads();
+  const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
+  int64_t mpt = std::min<int64_t>(mp, std::max<int64_t>(1, 96 / mr));   // row panels per tile
+  int64_t npt = std::min<int64_t>(np, std::max<int64_t>(1, 256 / nrm));  // column panels per tile
+  auto ntiles = [&]() { return nimg * groups * ((mp + mpt - 1) / mpt) * ((np + npt - 1) / npt); };
+  // with threads: at least 2 tiles per thread where the panels allow it; columns first (splitting rows
+  // packs the same B panels twice)
+  while (par && ntiles() < 2 * nt && (mpt > 1 || npt > 1)) {
+    if (npt > 1) npt = (npt + 1) / 2; else mpt = (mpt + 1) / 2;
+  }
+  const int64_t ntm = (mp + mpt - 1) / mpt, ntn = (np + npt - 1) / npt;
+  const int64_t ntask = nimg * groups * ntm * ntn;
+  // the padded images: [nimg * groups * C][Hp][Wp], the input rows at (PT, PL)
+  const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  const bool padded = !direct && (Hp != g.H || Wp != g.W);
+  const int64_t nplanes = nimg * groups * g.C;
+  float* xpad = padded ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * Hp * Wp)) : nullptr;
+  const float* xs = padded ? xpad : x;
+  const int64_t ximg = g.C * (padded ? Hp * Wp : g.H * g.W);
+  #pragma omp parallel num_threads(nt) if (par)
+  {
+    if (padded) {
+      #pragma omp for schedule(static)
+      for (int64_t pl = 0; pl < nplanes; ++pl) {
+        const float* src = x + pl * g.H * g.W;
+        float* dst = xpad + pl * Hp * Wp;
+        for (int64_t r = 0; r < Hp; ++r) {
+          float* d = dst + r * Wp;
+          const int64_t ih = r - g.PT;
+          if (ih < 0 || ih >= g.H) { for (int64_t c = 0; c < Wp; ++c) d[c] = 0.0f; continue; }
+          for (int64_t c = 0; c < g.PL; ++c) d[c] = 0.0f;
+          for (int64_t c = 0; c < g.W; ++c) d[g.PL + c] = src[ih * g.W + c];
+          for (int64_t c = g.PL + g.W; c < Wp; ++c) d[c] = 0.0f;
+        }
+      }
+    }
+    float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * kcb * npt * nrm));
+    int64_t packed = -1;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < ntask; ++t) {
+      const int64_t tm = t % ntm, col = t / ntm;  // col: (image, group, column tile)
+      const int64_t tn = col % ntn, ng = col / ntn, gi = ng % groups;
+      const float* xg = xs + ng * ximg;
+      const float* wg = w + gi * M * K;
+      float* yg = y + ng * M * P;
+      const int64_t i0 = tm * mpt * mr, i1 = std::min(M, i0 + mpt * mr);
+      const int64_t j0 = tn * npt * nrm, j1 = std::min(P, j0 + npt * nrm);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
+        if (nkb > 1 || packed != col) {
+          for (int64_t j = j0; j < j1; j += nrm) {
+            const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
+            float* dst = Bp + (j - j0) * kc;
+            if (direct) sf_pack_b_rows(xg, P, j, cols, width, pc, kc, dst);
+            else sf_pack_b_conv(xg, padded ? Hp : g.H, padded ? Wp : g.W, g, j, cols, width, pc, kc, dst);
+          }
+          packed = col;
+        }
+        for (int64_t j = j0; j < j1; j += nrm) {
+          const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
+          const float* bp = Bp + (j - j0) * kc;
+          for (int64_t i = i0; i < i1; i += mr) {
+            const int64_t rows = std::min(mr, i1 - i);
+            u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * P + j, P, cols, kb == 0);
+          }
+        }
+      }
+      if (bias) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const float b = bias[gi * M + i];
+          float* yr = yg + i * P;
+          for (int64_t j = j0; j < j1; ++j) yr[j] += b;
+        }
+      }
+    }
+  }
 }
 
 // Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)
@@ -547,37 +783,133 @@ def _conv(op) -> str | None:
         DH, DW = dil
         PT, PL = pads[0], pads[1]
         OH, OW = out[2], out[3]
-    Nb, C = x[0], x[1]
+    Nb = x[0]
     P = OH * OW
     KK = icg * KH * KW
     direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and OH == H and OW == W
     lines = _args(op)
-    bias = "in2 + g * %d" % ocg if len(op.inputs) > 2 else "nullptr"
+    bias = "in2" if len(op.inputs) > 2 else "nullptr"
     lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
                  + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({KH}x{KW}, "
                                                           f"stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL})"))
-    if not direct:
-        lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
-                     f"{OH}, {OW}}};")
-    lines.append(f"  for (int64_t n = 0; n < {Nb}; ++n) {{")
-    lines.append(f"    for (int64_t g = 0; g < {g}; ++g) {{")
-    lines.append(f"      const float* xg = in0 + (n * {C} + g * {icg}) * {H * W};")
-    lines.append(f"      float* yg = out0 + (n * {oc} + g * {ocg}) * {P};")
-    if direct:
-        lines.append(f"      sf_sgemm({ocg}, {P}, {KK}, in1 + g * {ocg * KK}, {KK}, 1, xg, {P}, 1, yg, {P}, 1.0f, {bias}, "
-                     f"1, 0, true);")
+    lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
+                 f"{OH}, {OW}}};")
+    lines.append(f"  sf_conv2d(in0, in1, {bias}, out0, geom, {Nb}, {g}, {ocg}, {'true' if direct else 'false'});")
+    return "\n".join(lines)
+
+
+def _pool(op) -> str | None:
+    """MaxPool / AveragePool over 1 or 2 spatial dims (no indices output). Each output element
+    reduces its window in a register; the windows that lie inside the input (ranges computed here)
+    run a loop over output columns with the taps unrolled, which vectorizes; windows at the borders
+    take only their valid taps."""
+    kind = op.attrs.get("kind")
+    x, y = op.inputs[0].shape, op.outputs[0].shape
+    n_sp = len(x) - 2
+    if kind not in ("max", "avg") or op.attrs.get("with_indices", False) or n_sp not in (1, 2) or len(op.inputs) != 1:
+        return None
+    kern = tuple(op.attrs["kernel"])
+    strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
+    dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
+    pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
+    if n_sp == 1:
+        kern, strides, dil, pads = (1,) + kern, (1,) + strides, (1,) + dil, (0, pads[0], 0, pads[1])
+        H, W, OH, OW = 1, x[2], 1, y[2]
     else:
-        lines.append(f"      sf_conv2d_gemm(xg, geom, in1 + g * {ocg * KK}, {ocg}, yg, {bias});")
+        H, W, OH, OW = x[2], x[3], y[2], y[3]
+    KH, KW = kern
+    SH, SW = strides
+    DH, DW = dil
+    PT, PL, PB, PR = pads
+    planes = x[0] * x[1]
+    if KH * KW > 1024:
+        return None
+
+    def taps(o, k, s, d, p, n):  # taps kk of window o whose position o*s + kk*d - p lies in [0, n)
+        return [kk for kk in range(k) if 0 <= o * s + kk * d - p < n]
+
+    kh_lo, kh_hi = [], []
+    for oh in range(OH):
+        v = taps(oh, KH, SH, DH, PT, H)
+        kh_lo.append(v[0] if v else 0)
+        kh_hi.append(v[-1] + 1 if v else 0)
+    kw_lo, kw_hi = [], []
+    for ow in range(OW):
+        v = taps(ow, KW, SW, DW, PL, W)
+        kw_lo.append(v[0] if v else 0)
+        kw_hi.append(v[-1] + 1 if v else 0)
+    full_w = [ow for ow in range(OW) if kw_lo[ow] == 0 and kw_hi[ow] == KW]
+    # interior columns: one run [ow_a, ow_b) of windows with every tap inside (empty when none)
+    ow_a, ow_b = (full_w[0], full_w[-1] + 1) if full_w else (0, 0)
+    if full_w and len(full_w) != ow_b - ow_a:
+        ow_a = ow_b = 0
+    is_max = kind == "max"
+    init = "-std::numeric_limits<float>::infinity()" if is_max else "0.0f"
+
+    # max: maxss-shaped selects and a NaN flag (numpy propagates NaN), so nothing branches on data
+    def acc(v):
+        return f"m = {v} > m ? {v} : m; nan |= {v} != {v};" if is_max else f"m += {v};"
+    start = f"float m = {init};" + (" int nan = 0;" if is_max else "")
+    fin = "nan ? std::numeric_limits<float>::quiet_NaN() : m" if is_max else "m"
+    lines = _args(op)
+    lines.append(f"  // {'max' if is_max else 'average'} pool {KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pads "
+                 f"{list(pads)}: {planes} planes [{H}, {W}] -> [{OH}, {OW}]; columns [{ow_a}, {ow_b}) of the full rows "
+                 "have every tap inside")
+    lines.append(f"  static const int32_t kh_lo[] = {_arr(kh_lo)}, kh_hi[] = {_arr(kh_hi)};")
+    lines.append(f"  static const int32_t kw_lo[] = {_arr(kw_lo)}, kw_hi[] = {_arr(kw_hi)};")
+    div = ""
+    if not is_max:
+        if op.attrs.get("count_include_pad", False):
+            lo_h, hi_h, lo_w, hi_w = -PT, H + PB, -PL, W + PR
+        else:
+            lo_h, hi_h, lo_w, hi_w = 0, H, 0, W
+        cnt_h = [sum(1 for k in range(KH) if lo_h <= oh * SH + k * DH - PT < hi_h) for oh in range(OH)]
+        cnt_w = [sum(1 for k in range(KW) if lo_w <= ow * SW + k * DW - PL < hi_w) for ow in range(OW)]
+        lines.append(f"  static const float cnt_h[] = {{{', '.join(f'{c}.0f' for c in cnt_h)}}};")
+        lines.append(f"  static const float cnt_w[] = {{{', '.join(f'{c}.0f' for c in cnt_w)}}};")
+        div = " / (cnt_h[oh] * cnt_w[ow])"
+    work = planes * OH * OW * KH * KW
+    cond = "sf_max_threads() > 1" if work >= (1 << 16) and planes > 1 else "false"
+    lines.append(f"  #pragma omp parallel for schedule(static) if ({cond})")
+    lines.append(f"  for (int64_t pl = 0; pl < {planes}; ++pl) {{")
+    lines.append(f"    const float* __restrict__ xp = in0 + pl * {H * W};")
+    lines.append(f"    for (int64_t oh = 0; oh < {OH}; ++oh) {{")
+    lines.append(f"      float* __restrict__ yr = out0 + (pl * {OH} + oh) * {OW};")
+    lines.append("      auto border = [&](int64_t ow) {")
+    lines.append(f"        {start}")
+    lines.append("        for (int64_t kh = kh_lo[oh]; kh < kh_hi[oh]; ++kh)")
+    lines.append(f"          for (int64_t kw = kw_lo[ow]; kw < kw_hi[ow]; ++kw) {{ const float v = "
+                 f"xp[(oh * {SH} + kh * {DH} - {PT}) * {W} + ow * {SW} + kw * {DW} - {PL}]; {acc('v')} }}")
+    lines.append(f"        yr[ow] = {fin}{div};")
+    lines.append("      };")
+    if ow_b > ow_a:
+        lines.append(f"      if (kh_lo[oh] == 0 && kh_hi[oh] == {KH}) {{")
+        lines.append(f"        const float* __restrict__ xr = xp + (oh * {SH} - {PT}) * {W} - {PL};  // tap (0, 0) of column 0")
+        lines.append(f"        for (int64_t ow = 0; ow < {ow_a}; ++ow) border(ow);")
+        lines.append(f"        for (int64_t ow = {ow_a}; ow < {ow_b}; ++ow) {{")
+        lines.append(f"          {start}")
+        lines.append(f"          for (int64_t kh = 0; kh < {KH}; ++kh)")
+        lines.append(f"            for (int64_t kw = 0; kw < {KW}; ++kw) {{ const float v = "
+                     f"xr[kh * {DH * W} + ow * {SW} + kw * {DW}]; {acc('v')} }}")
+        lines.append(f"          yr[ow] = {fin}{div};")
+        lines.append("        }")
+        lines.append(f"        for (int64_t ow = {ow_b}; ow < {OW}; ++ow) border(ow);")
+        lines.append("        continue;")
+        lines.append("      }")
+    lines.append(f"      for (int64_t ow = 0; ow < {OW}; ++ow) border(ow);")
     lines.append("    }")
     lines.append("  }")
     return "\n".join(lines)
 
 
-_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv}
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "Pool": _pool}
+#: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
+#: call the GEMM, which picks its micro-kernel at run time).
+CLONED_TEMPLATES = frozenset({"Pool"})
 
 
 def template_kind(op) -> str | None:
-    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``) or ``None``."""
+    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``, ``"Pool"``) or ``None``."""
     fn = _TEMPLATES.get(op.op_type)
     if fn is None or not _all_f32(op) or len(op.outputs) != 1:
         return None
