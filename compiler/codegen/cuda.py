@@ -58,7 +58,7 @@ from typing import Sequence
 import numpy as np
 
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
-                       UnaryOp, Var, affine_form, walk, rebuild)
+                       UnaryOp, Var, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
@@ -1225,7 +1225,8 @@ FP32_GEMM = {"float32": "f32", "tf32": "tf32", "float16": "f32", "bfloat16": "f3
 
 def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -> _GemmPlan | None:
     reduces = [n for n in walk(value) if isinstance(n, Reduce)]
-    if len(reduces) != 1 or reduces[0].op != "sum":
+    # a fused epilogue that reads the product several times (x * f(x)) holds equal copies of it
+    if not reduces or len({format_expr(r) for r in reduces}) != 1 or reduces[0].op != "sum":
         return None
     red = reduces[0]
     if any(isinstance(n, Reduce) for n in walk(red.body) if n is not red):
@@ -1340,7 +1341,9 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     acc = "sf_acc"
     if rd != "float32":
         acc = _convert("sf_acc", "float32", rd)
-    em.subst[id(red)] = (acc, rd)
+    for r in walk(value):
+        if isinstance(r, Reduce):  # every copy of the product is the accumulator
+            em.subst[id(r)] = (acc, rd)
     mdec, mbinds = _decompose("sf_m", plan.m_axes, "int", "m", names)
     ndec, nbinds = _decompose("sf_n", plan.n_axes, "int", "n", names)
     binds = {v: x for v, x in {**mbinds, **nbinds}.items() if v.extent != 1}

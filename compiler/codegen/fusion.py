@@ -148,22 +148,23 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     list[Operator]
         The ops to compile, in order: original ops and :class:`FusedOp` groups.
     """
-    readers: dict[int, int] = {}
+    readers: dict[int, list[Operator]] = {}
     for op in ops:
         for t in {id(t): t for t in op.inputs}.values():
-            readers[id(t)] = readers.get(id(t), 0) + 1
+            readers.setdefault(id(t), []).append(op)
     keep = set(keep)
     groups: list[list[Operator]] = []
     group_of: dict[int, int] = {}  # id(tensor) -> index of the group whose last output it is
-
     pos = {id(op): i for i, op in enumerate(ops)}
+
+    # phase 1, in program order: an op joins the groups of inputs it is the only reader of
     for op in ops:
         take: list[int] = []  # the groups this op joins (their last outputs are inner tensors then)
         if _single(op) and not barriers(op):
             reducing = False
             for k, t in enumerate(op.inputs):
                 g = group_of.get(id(t))
-                if g is None or g in take or readers.get(id(t)) != 1 or t.name in keep:
+                if g is None or g in take or len(readers.get(id(t), ())) != 1 or t.name in keep:
                     continue
                 if sum(1 for u in op.inputs if u is t) != 1:
                     continue
@@ -190,6 +191,35 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
             joined = len(groups) - 1
         if _single(op) and not barriers(op):
             group_of[id(op.outputs[0])] = joined
+
+    # phase 2: a group whose output is read several times, all inside one other group, joins it
+    # (x -> GELU written as x * f(x): the GEMM producing x becomes the element-wise chain's prologue)
+    owner = {id(m): gi for gi, g in enumerate(groups) for m in g}
+    for gi in sorted(range(len(groups)), key=lambda i: pos[id(groups[i][-1])] if groups[i] else -1):
+        a = groups[gi]
+        if not a or not _single(a[-1]) or barriers(a[-1]):
+            continue
+        t = a[-1].outputs[0]
+        rs = readers.get(id(t), [])
+        homes = {owner[id(r)] for r in rs}
+        if len(rs) < 2 or len(homes) != 1 or t.name in keep or gi in homes:
+            continue
+        hi = homes.pop()
+        home = groups[hi]
+        if any(barriers(m) or not _single(m) for m in home):
+            continue
+        if any(_has_reduce(m) for m in a):
+            if not epilogue_after_reduce or any(_has_reduce(m) for m in home):
+                continue
+            if not all(type(r).injective and all(_reads_elementwise(r, k) for k, u in enumerate(r.inputs) if u is t)
+                       for r in rs):
+                continue
+        elif any(r.op_type in CONTRACTIONS for r in rs) and not all(m.op_type in CHEAP for m in a):
+            continue
+        groups[hi] = sorted(a + home, key=lambda m: pos[id(m)])
+        groups[gi] = []
+        for m in a:
+            owner[id(m)] = hi
 
     groups = [g for g in groups if g]
     res: list[Operator] = []

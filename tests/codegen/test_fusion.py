@@ -47,13 +47,57 @@ def test_gemm_epilogue_and_prologue_on_cuda_but_not_around_cpu_templates():
         ["Transpose", "MatMul", ["Binary", "Unary"]]
 
 
-def test_tensors_to_keep_or_read_twice_are_written():
+def test_tensors_to_keep_or_read_by_two_kernels_are_written():
     a = Unary([_f(4, 5)], fn="exp")
     b = Unary([a.outputs[0]], fn="neg")
     c = Binary([a.outputs[0], b.outputs[0]], fn="add")
-    # a is read by b and c: written; b -> c fuses
-    assert _kinds(fuse([a, b, c])) == ["Unary", ["Unary", "Binary"]]
+    # a is read twice, both times inside the group of b and c: it joins them
+    assert _kinds(fuse([a, b, c])) == [["Unary", "Unary", "Binary"]]
+    # b must be written: a's readers end up in two kernels, so a is written too
     assert _kinds(fuse([a, b, c], keep={b.outputs[0].name})) == ["Unary", "Unary", "Binary"]
+
+
+def test_gelu_written_as_x_times_f_x_is_the_gemm_epilogue(tmp_path):
+    """GPT-2's tanh GELU reads its input four times: the matmul, its bias and the whole GELU are
+    one tensor-core kernel on cuda; on cpu the GEMM stays a template and the GELU one kernel."""
+    mm = MatMul([_f(64, 32), const_tensor(np.ones((32, 48), np.float32))])
+    x = Binary([mm.outputs[0], const_tensor(np.ones(48, np.float32))], fn="add").outputs[0]
+    ops = [mm, x.producer]
+
+    def op(o):
+        ops.append(o)
+        return o.outputs[0]
+    c = lambda v: const_tensor(np.array(v, np.float32))  # noqa: E731
+    cube = op(Binary([x, c(3.0)], fn="pow"))
+    inner = op(Binary([x, op(Binary([c(0.044715), cube], fn="mul"))], fn="add"))
+    th = op(Unary([op(Binary([c(0.7978845608), inner], fn="mul"))], fn="tanh"))
+    half = op(Binary([x, c(0.5)], fn="mul"))
+    op(Binary([half, op(Binary([c(1.0), th], fn="add"))], fn="mul"))
+    groups = fuse(ops)
+    assert len(groups) == 1 and len(groups[0].members) == len(ops)
+    assert [l.kind for l in generate_cuda_source(groups).launches.values()] == ["gemm-f32"]
+    cpu = fuse(ops, barriers=lambda o: o.op_type == "MatMul", epilogue_after_reduce=False)
+    assert [len(getattr(g, "members", [g])) for g in cpu] == [1, len(ops) - 1]
+    if shutil.which("nvcc") is not None:
+        build_cuda_library(ops, str(tmp_path / "g.cubin"), arch="sm_90", cache_dir=str(tmp_path / "c"), fuse=True)
+    if shutil.which("g++") is None:
+        return
+    # the fused GELU kernel against the ops one by one (the whole GEMM+GELU chain fused on the cpu
+    # target too when the template is not a barrier: the generic lowering inlines the product)
+    a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    want = {id(mm.inputs[0]): a}
+    for o in ops:
+        want[id(o.outputs[0])] = o.run(*[want[id(t)] if id(t) in want else t.value for t in o.inputs])[0]
+    entries = build_cpu_library(ops, str(tmp_path / "g.so"), cache_dir=str(tmp_path / "c"), opt_level=1, fuse=True)
+    e = entries[ops[-1].name]
+    lib = ctypes.CDLL(str(tmp_path / "g.so"))
+    tensors = {t.name: (want[id(t)] if id(t) in want else t.value) for o in ops for t in o.inputs}
+    ins = [np.ascontiguousarray(tensors[n]) for n in e["inputs"]]
+    out = np.empty((64, 48), np.float32)
+    fn = getattr(lib, e["symbol"])
+    fn.restype = None
+    fn((ctypes.c_void_p * len(ins))(*[v.ctypes.data for v in ins]), (ctypes.c_void_p * 1)(out.ctypes.data))
+    np.testing.assert_allclose(out, want[id(ops[-1].outputs[0])], rtol=1e-5, atol=1e-6)
 
 
 def test_reductions_take_element_wise_epilogues_only():
