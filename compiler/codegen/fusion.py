@@ -16,6 +16,8 @@ and it is not in ``keep``):
   group has no reduction, and, for contractions (:data:`CONTRACTIONS`, which read each operand
   element many times), when it is only data movement and casts (:data:`CHEAP`): a residual add
   before a LayerNorm, or a transpose or cast before a matmul, is computed while loading.
+* A group whose output is read several times joins the group holding all its readers, under the
+  same conditions (GELU written as ``x * f(x)`` after a GEMM: one kernel).
 * An op may join the groups of several inputs (a weight's cast and an activation's cast before a
   matmul), at most one of which reduces; the groups merge. Ops with several outputs,
   extern outputs (sorting) or random values, and the ops in ``barriers`` (the cpu target's
