@@ -326,6 +326,182 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
 // matrix, is packed per tile into panels of VL*nv columns, [kc][VL*nv]. A kernel computes an MR x (VL*nv)
 // block of C, MR = 1..mr and nv = 1..nv_max chosen at the call, so row and column remainders cost no
 // padding work; the last nr columns (nr <= VL*nv) and MR rows are stored.
+// The im2col matrix of one image (and group) of a 2-D convolution,
+// B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
+// is packed panel by panel from the image; a padded image is first copied into a zero-bordered buffer,
+// so that every row of B is a few plain copies of input row pieces.
+struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
+
+// Rows [k0, k0 + kc) and columns [j0, j0 + cols) of the im2col matrix into Bp as [kc][nr] (zero past cols).
+// xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g, int64_t j0,
+                           int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  if ((sw != 1 || g.OW < 16) && nr <= 64) {
+    // short or strided row pieces: one gather per row of B, from the offsets of the columns' first tap
+    int32_t idx[64];
+    for (int64_t j = 0, oh = oh0, ow = ow0; j < cols; ++j) {
+      idx[j] = (int32_t)(oh * rstep + ow * sw);
+      if (++ow == g.OW) { ow = 0; ++oh; }
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      float* dst = Bp + k * nr;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = base[idx[j]];
+      for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;  // input row of output row oh0 at tap (kh, kw)
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      if (sw == 1) { for (int64_t t = 0; t < seg; ++t) d[t] = src[t]; }
+      else { for (int64_t t = 0; t < seg; ++t) d[t] = src[t * sw]; }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+  }
+}
+
+#if defined(__x86_64__)
+// The same with vectors. Long unit-stride row pieces: masked loads and stores of up to 16 (8) columns.
+// Short or strided ones: one gather per 16 (8) columns of a row of B, from the offsets of the columns'
+// first tap (the same for every row; the columns past cols are masked off, i.e. zero).
+__attribute__((target("avx512f")))
+static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                                  int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  if ((sw != 1 || g.OW < 16) && nr <= 64) {
+    // per group of 16 columns: their offsets o[t] (increasing) from the first one; when they span at most
+    // 32 floats, two masked loads and a two-register permute make the group, else a gather
+    int64_t off[4];
+    __m512i perm[4];
+    __mmask16 m0[4], m1[4], mc[4];
+    bool gather[4];
+    const int64_t nv = nr / 16;
+    for (int64_t v = 0, j = 0, oh = oh0, ow = ow0; v < nv; ++v) {
+      alignas(64) int32_t o[16] = {};
+      const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, cols - 16 * v));
+      int64_t first = 0, last = 0;
+      for (int64_t t = 0; t < n; ++t, ++j) {
+        const int64_t pos = oh * rstep + ow * sw;
+        if (t == 0) first = pos;
+        last = pos;
+        o[t] = (int32_t)(pos - first);
+        if (++ow == g.OW) { ow = 0; ++oh; }
+      }
+      const int64_t span = n ? last - first + 1 : 0;
+      off[v] = first;
+      perm[v] = _mm512_load_si512(o);
+      gather[v] = span > 32;
+      m0[v] = span >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << span) - 1u);
+      m1[v] = span <= 16 ? (__mmask16)0 : (span >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (span - 16)) - 1u));
+      mc[v] = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      float* dst = Bp + k * nr;
+      for (int64_t v = 0; v < nv; ++v) {
+        const float* src = base + off[v];
+        __m512 r;
+        if (gather[v]) {
+          r = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mc[v], perm[v], src, 4);
+        } else {
+          const __m512 lo = _mm512_maskz_loadu_ps(m0[v], src), hi = _mm512_maskz_loadu_ps(m1[v], src + 16);
+          r = _mm512_maskz_permutex2var_ps(mc[v], lo, perm[v], hi);
+        }
+        _mm512_store_ps(dst + 16 * v, r);
+      }
+      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      for (int64_t t = 0; t < seg; t += 16) {
+        const int64_t n = std::min<int64_t>(16, seg - t);
+        const __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+        if (sw == 1) _mm512_mask_storeu_ps(d + t, m, _mm512_maskz_loadu_ps(m, src + t));
+        else for (int64_t u = 0; u < n; ++u) d[t + u] = src[(t + u) * sw];
+      }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; t += 16) {
+      const int64_t n = std::min<int64_t>(16, nr - t);
+      _mm512_mask_storeu_ps(dst + t, n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u), _mm512_setzero_ps());
+    }
+    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+  }
+}
+
+__attribute__((target("avx2,fma")))
+static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                                int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
+  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if ((sw != 1 || g.OW < 8) && nr <= 64 && Hp * Wp * g.C < (int64_t(1) << 31)) {
+    alignas(32) int32_t idx[64];
+    for (int64_t j = 0, oh = oh0, ow = ow0; j < nr; ++j) {
+      idx[j] = j < cols ? (int32_t)(oh * rstep + ow * sw) : 0;
+      if (++ow == g.OW) { ow = 0; ++oh; }
+    }
+    const int64_t nv = nr / 8;
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      float* dst = Bp + k * nr;
+      for (int64_t v = 0; v < nv; ++v) {
+        const int n = (int)std::min<int64_t>(8, std::max<int64_t>(0, cols - 8 * v));
+        const __m256 m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota));
+        const __m256i iv = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8 * v));
+        _mm256_store_ps(dst + 8 * v, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, iv, m, 4));
+      }
+      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      for (int64_t t = 0; t < seg; t += 8) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, seg - t)), iota);
+        if (sw == 1) _mm256_maskstore_ps(d + t, m, _mm256_maskload_ps(src + t, m));
+        else for (int64_t u = 0; u < std::min<int64_t>(8, seg - t); ++u) d[t + u] = src[(t + u) * sw];
+      }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
+  }
+}
+#endif
+
+typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g, int64_t j0,
+                         int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp);
+
 typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
                          float* __restrict__ C, int64_t ldc, int64_t nr, bool first);
 
@@ -419,7 +595,7 @@ static void sf_cukr_generic(int64_t kc, const float* __restrict__ A, int64_t lda
 }
 
 // fn[MR - 1][nv - 1]: an MR x (vl * nv) kernel
-struct SfCukr { SfCukrFn fn[12][2]; int64_t mr, nv, vl; };
+struct SfCukr { SfCukrFn fn[12][2]; SfPackFn pack; int64_t mr, nv, vl; };
 
 static SfCukr sf_pick_cukr() {
   SfCukr u = {};
@@ -432,6 +608,7 @@ static SfCukr sf_pick_cukr() {
 #define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;
     SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K(7) SF_K(8) SF_K(9) SF_K(10) SF_K(11) SF_K(12)
 #undef SF_K
+    u.pack = sf_pack_b_conv_avx512;
     u.mr = 12; u.nv = 2; u.vl = 16;
     return u;
   }
@@ -439,81 +616,40 @@ static SfCukr sf_pick_cukr() {
 #define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx2<r, 1>; u.fn[r - 1][1] = sf_cukr_avx2<r, 2>;
     SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6)
 #undef SF_K
+    u.pack = sf_pack_b_conv_avx2;
     u.mr = 6; u.nv = 2; u.vl = 8;
     return u;
   }
 #endif
   u.fn[0][0] = sf_cukr_generic<1>; u.fn[1][0] = sf_cukr_generic<2>;
   u.fn[2][0] = sf_cukr_generic<3>; u.fn[3][0] = sf_cukr_generic<4>;
+  u.pack = sf_pack_b_conv;
   u.mr = 4; u.nv = 1; u.vl = 8;
   return u;
 }
 static const SfCukr& sf_cukr() { static const SfCukr u = sf_pick_cukr(); return u; }
 
-// The im2col matrix of one image (and group) of a 2-D convolution,
-// B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
-// is packed panel by panel from the image; a padded image is first copied into a zero-bordered buffer,
-// so that every row of B is a few plain copies of input row pieces.
-struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
-
-// Rows [k0, k0 + kc) and columns [j0, j0 + cols) of the im2col matrix into Bp as [kc][nr] (zero past cols).
-// xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check).
+// dst[Hp][Wp] = src[H][W] at (pt, pl), zero around it (no library calls for the short rows)
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-tree-loop-distribute-patterns")))
 #endif
-static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g, int64_t j0,
-                           int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
-  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
-  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
-  if ((sw != 1 || g.OW < 16) && nr <= 64) {
-    // short or strided row pieces: one gather per row of B, from the offsets of the columns' first tap
-    int32_t idx[64];
-    for (int64_t j = 0, oh = oh0, ow = ow0; j < cols; ++j) {
-      idx[j] = (int32_t)(oh * rstep + ow * sw);
-      if (++ow == g.OW) { ow = 0; ++oh; }
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
-      float* dst = Bp + k * nr;
-      for (int64_t j = 0; j < cols; ++j) dst[j] = base[idx[j]];
-      for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
-      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
-    }
-    return;
+static void sf_pad_plane(const float* __restrict__ src, int64_t H, int64_t W, int64_t pt, int64_t pl, int64_t Hp,
+                         int64_t Wp, float* __restrict__ dst) {
+  for (int64_t i = 0; i < pt * Wp; ++i) dst[i] = 0.0f;
+  for (int64_t r = 0; r < H; ++r) {
+    float* d = dst + (pt + r) * Wp;
+    const float* s = src + r * W;
+    for (int64_t c = 0; c < pl; ++c) d[c] = 0.0f;
+    for (int64_t c = 0; c < W; ++c) d[pl + c] = s[c];
+    for (int64_t c = pl + W; c < Wp; ++c) d[c] = 0.0f;
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
-    float* dst = Bp + k * nr;
-    const float* row = base + oh0 * rstep;  // input row of output row oh0 at tap (kh, kw)
-    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
-      const int64_t seg = std::min(cols - j, g.OW - ow);
-      const float* src = row + ow * sw;
-      float* d = dst + j;
-      if (sw == 1) { for (int64_t t = 0; t < seg; ++t) d[t] = src[t]; }
-      else { for (int64_t t = 0; t < seg; ++t) d[t] = src[t * sw]; }
-      j += seg;
-    }
-    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
-    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
-  }
+  for (int64_t i = (pt + H) * Wp; i < Hp * Wp; ++i) dst[i] = 0.0f;
 }
 
-// B(k, j) = x[k * ldx + j] (a 1x1, stride-1, unpadded conv: the image is its own im2col matrix)
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("no-tree-loop-distribute-patterns")))
-#endif
-static void sf_pack_b_rows(const float* __restrict__ x, int64_t ldx, int64_t j0, int64_t cols, int64_t nr,
-                           int64_t k0, int64_t kc, float* __restrict__ Bp) {
-  for (int64_t k = 0; k < kc; ++k) {
-    const float* src = x + (k0 + k) * ldx + j0;
-    float* dst = Bp + k * nr;
-    for (int64_t j = 0; j < cols; ++j) dst[j] = src[j];
-    for (int64_t j = cols; j < nr; ++j) dst[j] = 0.0f;
-  }
-}
-
-//: multiply-adds below which a convolution runs on the calling thread
+// multiply-adds below which a convolution runs on the calling thread
 constexpr double SF_CONV_PAR_WORK = 131072.0;
+// the most packed B (bytes) a thread keeps for reuse by its next tile
+constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
 
 // y[n, gi*ocg + o, :] = w[gi*ocg + o, :] @ im2col(x[n, gi*C : (gi+1)*C]) + bias[gi*ocg + o] for every image
 // n < nimg and group gi < groups (x: [nimg, groups*C, H, W], w: [groups*ocg, C*KH*KW], y: [nimg,
@@ -540,6 +676,9 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   }
   const int64_t ntm = (mp + mpt - 1) / mpt, ntn = (np + npt - 1) / npt;
   const int64_t ntask = nimg * groups * ntm * ntn;
+  // keep: a thread packs all K rows of its column tile once and reuses them for the next row tiles
+  // of the same column tile (consecutive tasks), when they fit SF_CONV_KEEP_BYTES
+  const bool keep = ntm > 1 && (nkb == 1 || (double)K * npt * nrm * sizeof(float) <= SF_CONV_KEEP_BYTES);
   // the padded images: [nimg * groups * C][Hp][Wp], the input rows at (PT, PL)
   const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
@@ -547,25 +686,17 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const int64_t nplanes = nimg * groups * g.C;
   float* xpad = padded ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * Hp * Wp)) : nullptr;
   const float* xs = padded ? xpad : x;
+  // a 1x1, stride-1, unpadded conv packs from the image as one row of P columns per channel
+  const SfConvGeom gs = direct ? SfConvGeom{K, 1, P, 1, 1, 1, 1, 1, 1, 0, 0, 1, P} : g;
+  const int64_t Hs = direct ? 1 : (padded ? Hp : g.H), Ws = direct ? P : (padded ? Wp : g.W);
   const int64_t ximg = g.C * (padded ? Hp * Wp : g.H * g.W);
   #pragma omp parallel num_threads(nt) if (par)
   {
     if (padded) {
       #pragma omp for schedule(static)
-      for (int64_t pl = 0; pl < nplanes; ++pl) {
-        const float* src = x + pl * g.H * g.W;
-        float* dst = xpad + pl * Hp * Wp;
-        for (int64_t r = 0; r < Hp; ++r) {
-          float* d = dst + r * Wp;
-          const int64_t ih = r - g.PT;
-          if (ih < 0 || ih >= g.H) { for (int64_t c = 0; c < Wp; ++c) d[c] = 0.0f; continue; }
-          for (int64_t c = 0; c < g.PL; ++c) d[c] = 0.0f;
-          for (int64_t c = 0; c < g.W; ++c) d[g.PL + c] = src[ih * g.W + c];
-          for (int64_t c = g.PL + g.W; c < Wp; ++c) d[c] = 0.0f;
-        }
-      }
+      for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
     }
-    float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * kcb * npt * nrm));
+    float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * (keep ? K : kcb) * npt * nrm));
     int64_t packed = -1;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntask; ++t) {
@@ -576,20 +707,21 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       float* yg = y + ng * M * P;
       const int64_t i0 = tm * mpt * mr, i1 = std::min(M, i0 + mpt * mr);
       const int64_t j0 = tn * npt * nrm, j1 = std::min(P, j0 + npt * nrm);
+      const bool pack = !keep || packed != col;
+      packed = col;
       for (int64_t kb = 0; kb < nkb; ++kb) {
         const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
-        if (nkb > 1 || packed != col) {
+        float* Bb = Bp + (keep ? pc * npt * nrm : 0);  // this K block's panels, [kc][width] each
+        if (pack) {
           for (int64_t j = j0; j < j1; j += nrm) {
             const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
-            float* dst = Bp + (j - j0) * kc;
-            if (direct) sf_pack_b_rows(xg, P, j, cols, width, pc, kc, dst);
-            else sf_pack_b_conv(xg, padded ? Hp : g.H, padded ? Wp : g.W, g, j, cols, width, pc, kc, dst);
+            float* dst = Bb + (j - j0) * kc;
+            u.pack(xg, Hs, Ws, gs, j, cols, width, pc, kc, dst);
           }
-          packed = col;
         }
         for (int64_t j = j0; j < j1; j += nrm) {
           const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
-          const float* bp = Bp + (j - j0) * kc;
+          const float* bp = Bb + (j - j0) * kc;
           for (int64_t i = i0; i < i1; i += mr) {
             const int64_t rows = std::min(mr, i1 - i);
             u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * P + j, P, cols, kb == 0);
@@ -869,7 +1001,7 @@ def _pool(op) -> str | None:
         lines.append(f"  static const float cnt_w[] = {{{', '.join(f'{c}.0f' for c in cnt_w)}}};")
         div = " / (cnt_h[oh] * cnt_w[ow])"
     work = planes * OH * OW * KH * KW
-    cond = "sf_max_threads() > 1" if work >= (1 << 16) and planes > 1 else "false"
+    cond = "sf_max_threads() > 1" if work >= (1 << 14) and planes > 1 else "false"
     lines.append(f"  #pragma omp parallel for schedule(static) if ({cond})")
     lines.append(f"  for (int64_t pl = 0; pl < {planes}; ++pl) {{")
     lines.append(f"    const float* __restrict__ xp = in0 + pl * {H * W};")
