@@ -21,7 +21,7 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import Conv
+from shardflow.compiler.ops.conv import Conv, Pool
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import Attention, Gemm, MatMul
 from shardflow.compiler.ops.norm import LayerNorm
@@ -69,6 +69,29 @@ def _large():
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
         Conv([_t((2, 6, 40)), _t((10, 6, 5)), _t((10,))], pads=(2, 2), strides=(3,)),
         Conv([_t((1, 6, 8, 8)), _t((6, 1, 3, 3))], group=6, pads=(1, 1, 1, 1)),  # depthwise: generic nest
+        # the conv template's paths: short rows (two-load permutes), K in two blocks packed once for
+        # the three row tiles, row and column remainders of every micro-kernel shape
+        Conv([_t((1, 40, 9, 9)), _t((200, 40, 3, 3)), _t((200,))], pads=(1, 1, 1, 1)),
+        Conv([_t((1, 3, 40, 40)), _t((20, 3, 5, 5)), _t((20,))], pads=(2, 2, 2, 2), strides=(2, 2)),  # strided rows
+        Conv([_t((1, 5, 20, 37)), _t((13, 5, 3, 3))], pads=(1, 2, 1, 0), dilations=(1, 2)),  # long rows: copies
+        Conv([_t((2, 6, 11, 13)), _t((12, 2, 3, 2)), _t((12,))], group=3, pads=(2, 1, 0, 3), strides=(3, 2),
+             dilations=(2, 3)),
+        Conv([_t((1, 300, 5, 7)), _t((130, 300, 1, 1)), _t((130,))]),  # 1x1: two K blocks, two row tiles
+        Conv([_t((2, 24, 9, 9)), _t((16, 24, 1, 1))], strides=(2, 2)),  # 1x1 strided: packed
+        Conv([_t((3, 8, 48, 48)), _t((13, 8, 3, 3)), _t((13,))], pads=(1, 1, 1, 1)),  # threads: many tiles
+        Conv([_t((2, 4, 5, 6)), _t((5, 4, 3, 3))], pads=(2, 2, 2, 2), dilations=(2, 2)),  # pads past the taps
+        # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
+        Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
+        Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),
+             ceil_mode=True),
+        Pool([_t((2, 3, 13, 11))], kind="avg", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), ceil_mode=True,
+             count_include_pad=False),
+        Pool([_t((2, 3, 13, 11))], kind="avg", kernel=(2, 4), strides=(1, 3), pads=(1, 2, 0, 1),
+             count_include_pad=True),
+        Pool([_t((2, 4, 50))], kind="max", kernel=(4,), strides=(3,), pads=(1, 2)),
+        Pool([_t((2, 4, 50))], kind="avg", kernel=(5,), strides=(2,), pads=(2, 2)),
+        Pool([_t((1, 16, 56, 56))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
+        Pool([_t((1, 2, 5, 5))], kind="max", kernel=(2, 2), strides=(2, 2), pads=(2, 2, 2, 2)),  # windows in the pads
         Softmax([_t((2, 3, 130, 70))], axes=(3,), log=False),
         Softmax([_t((4, 130, 40))], axes=(1,), log=False),            # middle axis: materialized stats
         LayerNorm([_t((3, 50, 300)), _t((300,)), _t((300,))], axis=2, epsilon=1e-5, stash="float32", stats=True),
@@ -355,6 +378,8 @@ def test_numpy_edge_semantics(tmp_path):
     fa = np.array([[-7.5, 7.5, np.nan, 1e20, -1.5, 300.7]], np.float32)
     amax = np.array([[1.0, 3.0, 3.0, 2.0], [np.nan, 5.0, np.nan, 1.0], [2.0, 2.0, 2.0, 2.0]], np.float32)
     h = np.array([[0.1, -2.5, 65504.0, 1e-4]], np.float16)
+    px = np.random.default_rng(5).standard_normal((1, 2, 7, 9)).astype(np.float32)
+    px[0, 0, 0, 0] = px[0, 0, 3, 4] = px[0, 1, 6, 8] = np.nan  # a border tap, an interior one, the last one
     cases = [
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="floordiv", name="fd"), [ia, ib]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="mod", name="md"), [ia, ib]),
@@ -365,6 +390,8 @@ def test_numpy_edge_semantics(tmp_path):
         (CastOp([_t(fa.shape)], to="int32", name="ci32"), [fa]),
         (Unary([_t(h.shape, "float16")], fn="exp", name="h_exp"), [h]),
         (Unary([_t(fa.shape)], fn="round", name="rnd"), [np.array([[0.5, 1.5, 2.5, -0.5, -1.5, 2.4]], np.float32)]),
+        (Pool([_t(px.shape)], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), name="mpool"), [px]),
+        (Pool([_t(px.shape)], kind="avg", kernel=(3, 2), strides=(1, 2), pads=(1, 0, 1, 1), name="apool"), [px]),
     ]
     syms = build_cpu_library([op for op, _ in cases], str(tmp_path / "edge.so"), cache_dir=str(tmp_path / "c"),
                              opt_level=1)
@@ -378,6 +405,9 @@ def test_numpy_edge_semantics(tmp_path):
     assert fd.tolist() == [[-4, -4, 3, 3, 0, 0]]
     am = run_kernel(lib, syms["am"], cases[4][0], cases[4][1])[0]
     assert am.tolist() == [1, 0, 0]
+    mp = run_kernel(lib, syms["mpool"], cases[-2][0], cases[-2][1])[0]
+    assert np.isnan(mp[0, 0, 0, 0]) and np.isnan(mp[0, 0, 1, 2]) and np.isnan(mp[0, 1, 3, 4])
+    assert np.isnan(mp).sum() == 1 + 2 + 1  # (3, 4) lies in the windows (1, 2) and (2, 2)
 
 
 def test_out_of_range_gather_indices_are_clamped(tmp_path):
