@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "CLONED_TEMPLATES"]
+__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilogue", "CLONED_TEMPLATES"]
 
 TEMPLATE_PRELUDE = r"""
 // ---- GEMM (float32) -----------------------------------------------------------------------------
@@ -656,8 +656,13 @@ constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
 // groups*ocg, OH, OW]). direct: a 1x1, stride-1, unpadded conv. Tasks are tiles of C (up to ~96 rows x
 // 256 columns) of every image and group; a thread packs the B panels of its tile into its own buffer
 // (once per tile when K fits one block) and runs the K blocks over it.
+// epi (optional) finishes a tile of y in place: epi(ctx, n, c0, c1, j0, j1) for image n, output channels
+// [c0, c1) and columns [j0, j1) of OH*OW (the bias, then the element-wise ops fused after the conv)
+typedef void (*SfConvEpi)(const void* ctx, int64_t n, int64_t c0, int64_t c1, int64_t j0, int64_t j1);
+
 static void sf_conv2d(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
-                      int64_t nimg, int64_t groups, int64_t ocg, bool direct) {
+                      int64_t nimg, int64_t groups, int64_t ocg, bool direct, SfConvEpi epi = nullptr,
+                      const void* ctx = nullptr) {
   const SfCukr& u = sf_cukr();
   const int64_t M = ocg, P = g.OH * g.OW, K = g.C * g.KH * g.KW;
   if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
@@ -728,7 +733,9 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
           }
         }
       }
-      if (bias) {
+      if (epi) {
+        epi(ctx, ng / groups, gi * M + i0, gi * M + i1, j0, j1);
+      } else if (bias) {
         for (int64_t i = i0; i < i1; ++i) {
           const float b = bias[gi * M + i];
           float* yr = yg + i * P;
@@ -889,7 +896,10 @@ def _flt(v: float) -> str:
     return r + ("f" if ("." in r or "e" in r) else ".0f")
 
 
-def _conv(op) -> str | None:
+def _conv(op, fused=None) -> str | None:
+    """Conv over 1 or 2 spatial dims through :func:`sf_conv2d`; with ``fused`` (a fused op whose first
+    member is ``op``, the others element-wise ops on its output), the kernel of the whole group: its
+    tiles are finished by the bias and those ops (:func:`_conv_epilogue`)."""
     x, w = op.inputs[0].shape, op.inputs[1].shape
     n_sp = len(x) - 2
     if n_sp not in (1, 2):
@@ -919,15 +929,132 @@ def _conv(op) -> str | None:
     P = OH * OW
     KK = icg * KH * KW
     direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and OH == H and OW == W
-    lines = _args(op)
-    bias = "in2" if len(op.inputs) > 2 else "nullptr"
+    epi = None
+    if fused is None:
+        lines = _args(op)
+        xin, win, bias = "in0", "in1", "in2" if len(op.inputs) > 2 else "nullptr"
+    else:
+        index = {id(t): k for k, t in enumerate(fused.inputs)}
+        xin, win = f"in{index[id(op.inputs[0])]}", f"in{index[id(op.inputs[1])]}"
+        b = f"in{index[id(op.inputs[2])]}[c_]" if len(op.inputs) > 2 else None
+        epi = _conv_epilogue(fused, oc, OH, OW, b)
+        if epi is None:
+            return None
+        lines = _args(fused)
+        bias = "nullptr"
     lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
                  + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({KH}x{KW}, "
                                                           f"stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL})"))
     lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
                  f"{OH}, {OW}}};")
-    lines.append(f"  sf_conv2d(in0, in1, {bias}, out0, geom, {Nb}, {g}, {ocg}, {'true' if direct else 'false'});")
+    args = f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {'true' if direct else 'false'}"
+    if epi is None:
+        lines.append(f"  sf_conv2d({args});")
+    else:
+        lines += epi
+        lines.append(f"  sf_conv2d({args}, epi_, &ctx_);")
     return "\n".join(lines)
+
+
+def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[str] | None:
+    """C++ defining ``epi_`` and ``ctx_`` for :func:`sf_conv2d`: per element of a tile, ``v_`` = the
+    conv's value (+ ``bias``), then each later member of ``fused`` as ``v_ = f(v_, other inputs)``.
+    ``None`` unless every later member is element-wise in the previous one's output (read only at
+    its own index) and reads the group's inputs only at output indices or constants, with nothing
+    that needs lowering (no reductions)."""
+    from ..ir.expr import Const, Reduce, TensorElement, Var
+    from ..ir.task import GridCompute
+    from .cpp import _Printer
+    from .lower import Buffer, Local, transform
+
+    members = list(fused.members)
+    shape = tuple(members[0].outputs[0].shape)
+    index = {id(t): k for k, t in enumerate(fused.inputs)}
+    names = ("n_", "c_", "h_", "w_") if len(shape) == 4 else ("n_", "c_", "w_")
+    v = Local("v_", "float32")
+    printer = _Printer(None)
+    stmts: list[str] = []
+    prev = members[0].outputs[0]
+    for m in members[1:]:
+        task = m.task
+        if len(m.outputs) != 1 or tuple(m.outputs[0].shape) != shape or m.outputs[0].dtype != "float32" \
+                or task.is_extern or len(task.outputs) != 1 or not isinstance(task.outputs[0], GridCompute):
+            return None
+        gc = task.outputs[0]
+        axes = list(gc.axes)
+        if len(axes) != len(shape):
+            return None
+        source = {id(ph): t for ph, t in zip(task.inputs, m.inputs)}
+        ok = [True]
+
+        def read(old, new, prev=prev, axes=axes, source=source, ok=ok):
+            if isinstance(old, Reduce):
+                ok[0] = False
+                return None
+            if not (isinstance(new, TensorElement) and id(new.tensor) in source):
+                return None
+            t = source[id(new.tensor)]
+            if t is prev:
+                if len(new.indices) != len(axes) or not all(i is a for i, a in zip(new.indices, axes)):
+                    ok[0] = False
+                return v
+            k = index.get(id(t))
+            if k is None:  # another member's output: not a plain chain
+                ok[0] = False
+                return None
+            for i, d in zip(new.indices, t.shape):
+                pos = next((p for p, a in enumerate(axes) if i is a), None)
+                inside = (pos is not None and shape[pos] <= d) or \
+                    (isinstance(i, Const) and isinstance(i.value, (int, np.integer)) and 0 <= int(i.value) < d)
+                if not inside:
+                    ok[0] = False
+            return TensorElement(Buffer(f"in{k}", t.shape, t.dtype, "input", k), new.indices)
+
+        value = transform(gc.value, read)
+        if not ok[0]:
+            return None
+        for a, name in zip(axes, names):
+            printer.var_names[id(a)] = name
+            printer.used_names.add(name)
+        try:
+            stmts.append(f"v_ = {printer.expr(value, 'float32')};")
+        except Exception:  # noqa: BLE001 - anything the printer cannot print stays generic
+            return None
+        prev = m.outputs[0]
+    P = OH * OW
+    lines = ["  // the conv's tiles are finished in place by: " + " -> ".join(m.op_type for m in members[1:]),
+             "  struct EpiCtx { const void* const* in; void* const* out; };",
+             "  const EpiCtx ctx_ = {inputs, outputs};",
+             "  const SfConvEpi epi_ = [](const void* p, int64_t n_, int64_t c0, int64_t c1, int64_t j0, int64_t j1) {",
+             "    const void* const* inputs = static_cast<const EpiCtx*>(p)->in;",
+             "    void* const* outputs = static_cast<const EpiCtx*>(p)->out;"]
+    lines += ["  " + ln for ln in _args(fused)]
+    lines += [f"    const int64_t h0 = j0 / {OW}, h1 = (j1 - 1) / {OW};",
+              "    for (int64_t c_ = c0; c_ < c1; ++c_) {",
+              f"      const float b_ = {bias or '0.0f'};",
+              f"      float* __restrict__ yr = out0 + (n_ * {oc} + c_) * {P};",
+              "      for (int64_t h_ = h0; h_ <= h1; ++h_) {",
+              f"        const int64_t wa = h_ == h0 ? j0 - h0 * {OW} : 0, wb = h_ == h1 ? j1 - h1 * {OW} : {OW};",
+              "        for (int64_t w_ = wa; w_ < wb; ++w_) {",
+              f"          float v_ = yr[h_ * {OW} + w_] + b_;"]
+    lines += ["          " + st for st in stmts]
+    lines += [f"          yr[h_ * {OW} + w_] = v_;", "        }", "      }", "    }", "  };"]
+    return lines
+
+
+def _fused(op) -> str | None:
+    """A fused group (:mod:`.fusion`) of a Conv and element-wise ops after it: the conv template with
+    the ops in its epilogue (see :func:`accepts_epilogue`)."""
+    members = list(getattr(op, "members", ()))
+    if len(members) < 2 or not accepts_epilogue(members[0]):
+        return None
+    return _conv(members[0], fused=op)
+
+
+def accepts_epilogue(op) -> bool:
+    """Whether ``op``'s template can apply element-wise ops to its output (a float32 Conv): a fused
+    group of ``op`` and such ops compiles to the template with the ops in its epilogue."""
+    return op.op_type == "Conv" and template_kind(op) == "Conv"
 
 
 def _pool(op) -> str | None:
@@ -1034,14 +1161,15 @@ def _pool(op) -> str | None:
     return "\n".join(lines)
 
 
-_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "Pool": _pool}
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "Pool": _pool, "Fused": _fused}
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool"})
 
 
 def template_kind(op) -> str | None:
-    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``, ``"Pool"``) or ``None``."""
+    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``, ``"Pool"``; ``"Fused"`` for a
+    conv with fused element-wise ops) or ``None``."""
     fn = _TEMPLATES.get(op.op_type)
     if fn is None or not _all_f32(op) or len(op.outputs) != 1:
         return None

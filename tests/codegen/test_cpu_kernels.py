@@ -544,3 +544,62 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(toolchain.ToolchainError, match="no-such-compiler-xyz"):
         build_cpu_library([Unary([_t((3,))], fn="neg", name="n")], str(tmp_path / "n.so"),
                           cache_dir=str(tmp_path / "c"))
+
+
+def test_conv_epilogue_fusion(tmp_path):
+    """A Conv followed by element-wise ops (a fused group, as codegen/fusion.py builds them) compiles
+    to the conv template finishing each tile with the bias and the ops, and computes what the members
+    compute one after another: residual adds, per-channel and scalar broadcasts, activations, an
+    operand that is the conv's own input, groups, strides, 1-D, threads."""
+    from shardflow.compiler.codegen.fusion import FusedOp
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+    from shardflow.compiler.ops.elementwise import Activation, Clip
+    from shardflow.compiler.ops.transform import Transpose
+
+    rng = np.random.default_rng(7)
+    arrays: dict[int, np.ndarray] = {}
+
+    def inp(*shape):
+        t = _t(shape)
+        arrays[id(t)] = rng.standard_normal(shape).astype(np.float32)
+        return t
+
+    def group(name, conv, *tail):
+        members, prev = [conv], conv.outputs[0]
+        for k, make in enumerate(tail):
+            op = make(prev)
+            op.name = f"{name}-{k}"
+            members.append(op)
+            prev = op.outputs[0]
+        conv.name = f"{name}-conv"
+        return FusedOp(members)
+
+    x5 = inp(1, 16, 8, 8)
+    cases = [
+        group("residual", Conv([inp(2, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(2, 16, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("scale", Conv([inp(2, 24, 7, 5), inp(16, 24, 1, 1)]),
+              lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Binary([y, inp()], fn="add"),
+              lambda y: Clip([y], lo=0.0, hi=0.5)),
+        group("conv1d", Conv([inp(2, 6, 40), inp(12, 3, 5), inp(12)], group=2, pads=(2, 1), strides=(3,)),
+              lambda y: Activation([y], kind="leaky_relu", alpha=0.1), lambda y: Activation([y], kind="sigmoid")),
+        group("threads", Conv([inp(1, 8, 48, 48), inp(24, 8, 3, 3), inp(24)], pads=(1, 1, 1, 1), strides=(2, 2)),
+              lambda y: Binary([y, inp(24, 1, 1)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("own-input", Conv([x5, inp(16, 16, 3, 3)], pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, x5], fn="sub")),
+    ]
+    other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
+                  lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
+    for g in cases:
+        assert template_kind(g) == "Fused", g.name
+    assert template_kind(other) is None
+    ops = cases + [other]
+    src = generate_cpu_source(ops)
+    assert src.text.count("sf_conv2d(in") == len(cases) and src.text.count(", epi_, &ctx_);") == len(cases)
+    syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "fused.so"))
+    for g in ops:
+        ins = [arrays[id(t)] for t in g.inputs]
+        want = g.run(*ins)[0]
+        got = run_kernel(lib, syms[g.name], g, ins)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(want))), err_msg=g.name)
