@@ -671,15 +671,15 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const int64_t mp = (M + mr - 1) / mr, np = (P + nrm - 1) / nrm;
   const int nt = sf_max_threads();
   const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
-  int64_t mpt = std::min<int64_t>(mp, std::max<int64_t>(1, 96 / mr));   // row panels per tile
-  int64_t npt = std::min<int64_t>(np, std::max<int64_t>(1, 256 / nrm));  // column panels per tile
-  auto ntiles = [&]() { return nimg * groups * ((mp + mpt - 1) / mpt) * ((np + npt - 1) / npt); };
-  // with threads: at least 2 tiles per thread where the panels allow it; columns first (splitting rows
-  // packs the same B panels twice)
-  while (par && ntiles() < 2 * nt && (mpt > 1 || npt > 1)) {
-    if (npt > 1) npt = (npt + 1) / 2; else mpt = (mpt + 1) / 2;
+  // tiles: ntm x ntn per image and group, of at most ~96 rows x 256 columns, the panels split evenly
+  // (tile t has panels [p * t / nt, p * (t + 1) / nt)). With threads: more tiles until every thread gets
+  // at least two and the count divides evenly (or there are many), splitting the wider side.
+  int64_t ntm = (mp + 7) / 8, ntn = (np + 7) / 8;
+  auto ntiles = [&]() { return nimg * groups * ntm * ntn; };
+  while (par && (ntiles() < 2 * nt || (ntiles() % nt != 0 && ntiles() < 8 * nt)) && (ntm < mp || ntn < np)) {
+    if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
   }
-  const int64_t ntm = (mp + mpt - 1) / mpt, ntn = (np + npt - 1) / npt;
+  const int64_t npt = (np + ntn - 1) / ntn;  // the most column panels of a tile
   const int64_t ntask = nimg * groups * ntm * ntn;
   // keep: a thread packs all K rows of its column tile once and reuses them for the next row tiles
   // of the same column tile (consecutive tasks), when they fit SF_CONV_KEEP_BYTES
@@ -710,8 +710,8 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       const float* xg = xs + ng * ximg;
       const float* wg = w + gi * M * K;
       float* yg = y + ng * M * P;
-      const int64_t i0 = tm * mpt * mr, i1 = std::min(M, i0 + mpt * mr);
-      const int64_t j0 = tn * npt * nrm, j1 = std::min(P, j0 + npt * nrm);
+      const int64_t i0 = mp * tm / ntm * mr, i1 = std::min(M, mp * (tm + 1) / ntm * mr);
+      const int64_t j0 = np * tn / ntn * nrm, j1 = std::min(P, np * (tn + 1) / ntn * nrm);
       const bool pack = !keep || packed != col;
       packed = col;
       for (int64_t kb = 0; kb < nkb; ++kb) {
