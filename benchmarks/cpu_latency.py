@@ -25,6 +25,19 @@ MODELS = os.path.join(HERE, "..", "tests", "models")
 COMMITTED = ["gpt2_ts17", "bert_dynamo18", "llama_ts17", "resnet_ts17", "vit_dynamo18", "t5_encoder_ts17"]
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def _median_ms(fn, repeat: int) -> float:
     for _ in range(3):
         fn()
@@ -81,7 +94,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="", help="only the models whose name contains this text")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    print(f"threads: {args.threads}")
+    print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
+          f"onnxruntime {__import__('onnxruntime').__version__}")
     with tempfile.TemporaryDirectory() as work:
         for m in COMMITTED:
             if args.only not in m:

@@ -410,22 +410,30 @@ static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int6
       m1[v] = span <= 16 ? (__mmask16)0 : (span >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (span - 16)) - 1u));
       mc[v] = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
     }
+    // groups 0 and 1 with their masks and permutes in registers (nr <= 32 for the 12 x 32 kernels)
+    const int64_t w1 = nv > 1 ? 1 : 0;
+    const __mmask16 a0 = m0[0], a1 = m1[0], ac = mc[0], b0 = m0[w1], b1 = m1[w1], bc = mc[w1];
+    const __m512i pa = perm[0], pb = perm[w1];
+    const int64_t oa = off[0], ob = off[w1];
+    const bool ga = gather[0], gb = gather[w1];
+#define SF_GROUP(SRC, M0, M1, MC, PERM, G, DST)                                                         \
+    if (G) {                                                                                           \
+      _mm512_store_ps(DST, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), MC, PERM, SRC, 4));            \
+    } else {                                                                                           \
+      const __m512 lo = _mm512_maskz_loadu_ps(M0, SRC), hi = _mm512_maskz_loadu_ps(M1, (SRC) + 16);     \
+      _mm512_store_ps(DST, _mm512_maskz_permutex2var_ps(MC, lo, PERM, hi));                             \
+    }
     for (int64_t k = 0; k < kc; ++k) {
       const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
       float* dst = Bp + k * nr;
-      for (int64_t v = 0; v < nv; ++v) {
-        const float* src = base + off[v];
-        __m512 r;
-        if (gather[v]) {
-          r = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mc[v], perm[v], src, 4);
-        } else {
-          const __m512 lo = _mm512_maskz_loadu_ps(m0[v], src), hi = _mm512_maskz_loadu_ps(m1[v], src + 16);
-          r = _mm512_maskz_permutex2var_ps(mc[v], lo, perm[v], hi);
-        }
-        _mm512_store_ps(dst + 16 * v, r);
+      SF_GROUP(base + oa, a0, a1, ac, pa, ga, dst)
+      if (nv > 1) { SF_GROUP(base + ob, b0, b1, bc, pb, gb, dst + 16) }
+      for (int64_t v = 2; v < nv; ++v) {
+        SF_GROUP(base + off[v], m0[v], m1[v], mc[v], perm[v], gather[v], dst + 16 * v)
       }
       if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
     }
+#undef SF_GROUP
     return;
   }
   for (int64_t k = 0; k < kc; ++k) {
