@@ -1139,6 +1139,30 @@ def _pool(op) -> str | None:
     cond = "sf_max_threads() > 1" if work >= (1 << 14) and planes > 1 else "false"
     lines.append(f"  #pragma omp parallel for schedule(static) if ({cond})")
     lines.append(f"  for (int64_t pl = 0; pl < {planes}; ++pl) {{")
+    # small planes (rows shorter than a vector have no interior run to vectorize): copied into a buffer
+    # padded with the neutral value, where every window is whole and one loop does all of them
+    Hq = max(H + PT, (OH - 1) * SH + (KH - 1) * DH + 1)
+    Wq = max(W + PL, (OW - 1) * SW + (KW - 1) * DW + 1)
+    if OW < 16 and Hq * Wq <= 4096 and (PT or PL or Hq > H or Wq > W):
+        fill = init
+        lines.append(f"    alignas(64) float xq[{Hq * Wq}];  // the plane at ({PT}, {PL}) of [{Hq}, {Wq}], {fill} around")
+        lines.append(f"    for (int64_t i = 0; i < {Hq * Wq}; ++i) xq[i] = {fill};")
+        lines.append(f"    for (int64_t r = 0; r < {H}; ++r)")
+        lines.append(f"      for (int64_t c = 0; c < {W}; ++c) xq[(r + {PT}) * {Wq} + {PL} + c] = in0[(pl * {H} + r) * {W} + c];")
+        lines.append(f"    for (int64_t oh = 0; oh < {OH}; ++oh) {{")
+        lines.append(f"      float* __restrict__ yr = out0 + (pl * {OH} + oh) * {OW};")
+        lines.append(f"      for (int64_t ow = 0; ow < {OW}; ++ow) {{")
+        lines.append(f"        {start}")
+        lines.append("        #pragma GCC unroll 8")
+        lines.append(f"        for (int64_t kh = 0; kh < {KH}; ++kh)")
+        lines.append("          #pragma GCC unroll 8")
+        lines.append(f"          for (int64_t kw = 0; kw < {KW}; ++kw) {{ const float v = "
+                     f"xq[(oh * {SH} + kh * {DH}) * {Wq} + ow * {SW} + kw * {DW}]; {acc('v')} }}")
+        lines.append(f"        yr[ow] = {fin}{div};")
+        lines.append("      }")
+        lines.append("    }")
+        lines.append("  }")
+        return "\n".join(lines)
     lines.append(f"    const float* __restrict__ xp = in0 + pl * {H * W};")
     lines.append(f"    for (int64_t oh = 0; oh < {OH}; ++oh) {{")
     lines.append(f"      float* __restrict__ yr = out0 + (pl * {OH} + oh) * {OW};")
