@@ -45,8 +45,8 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     opt_level
         0: ``-O0``; 1: ``-O1`` (quick builds); 2 (default) and 3: ``-O3``.
     fuse
-        Fuse injective ops into their neighbours' kernels (:mod:`.fusion`; the GEMM and
-        convolution templates stay alone). ``keep`` names tensors that must still be written
+        Fuse injective ops into their neighbours' kernels (:mod:`.fusion`; the GEMM templates
+        stay alone, the convolution template applies element-wise epilogues). ``keep`` names tensors that must still be written
         (graph outputs, inputs of collectives or of ops compiled elsewhere).
 
     Returns
@@ -72,10 +72,13 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     groups = list(ops)
     if fuse:
         from .fusion import fuse as fuse_ops
-        from .templates_cpu import template_kind
+        from .templates_cpu import accepts_epilogue, template_kind
 
-        groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None,
-                          epilogue_after_reduce=False)
+        def accept(group) -> bool:  # a template op inside a group: only as the conv template's epilogue
+            return not any(template_kind(m) for m in group.members) or template_kind(group) == "Fused"
+
+        groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None
+                          and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accept)
     src = generate_cpu_source(groups)
     t1 = time.perf_counter()
     if src.skipped:

@@ -129,7 +129,9 @@ def _reads_elementwise(op: Operator, k: int) -> bool:
 
 def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
          barriers: Callable[[Operator], bool] = lambda op: False,
-         epilogue_after_reduce: bool = True) -> list[Operator]:
+         no_prologue: Callable[[Operator], bool] = lambda op: False,
+         epilogue_after_reduce: bool = True,
+         accept: Callable[["FusedOp"], bool] = lambda group: True) -> list[Operator]:
     """Group ``ops`` (one rank's compute ops, in topological order) into kernels.
 
     Parameters
@@ -140,10 +142,15 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         Names of tensors that must be materialized although only fused ops read them (graph
         outputs, inputs of collectives and of ops compiled elsewhere).
     barriers
-        Ops that must stay alone (e.g. the cpu target's template kernels).
+        Ops that must stay alone (e.g. the cpu target's GEMM templates).
+    no_prologue
+        Ops that start their own group but may take epilogues (the cpu conv template).
     epilogue_after_reduce
         Whether element-wise consumers may join a group that reduces (the cuda GEMM template
-        applies them in its epilogue; the cpu target keeps its contractions in templates).
+        applies them in its epilogue).
+    accept
+        Called on every fused group; a group it refuses is split into its first op and the rest
+        (e.g. a template that cannot apply that epilogue).
 
     Returns
     -------
@@ -162,7 +169,7 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     # phase 1, in program order: an op joins the groups of inputs it is the only reader of
     for op in ops:
         take: list[int] = []  # the groups this op joins (their last outputs are inner tensors then)
-        if _single(op) and not barriers(op):
+        if _single(op) and not barriers(op) and not no_prologue(op):
             reducing = False
             for k, t in enumerate(op.inputs):
                 g = group_of.get(id(t))
@@ -208,7 +215,7 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
             continue
         hi = homes.pop()
         home = groups[hi]
-        if any(barriers(m) or not _single(m) for m in home):
+        if any(barriers(m) or not _single(m) for m in home) or no_prologue(home[0]):
             continue
         if any(_has_reduce(m) for m in a):
             if not epilogue_after_reduce or any(_has_reduce(m) for m in home):
@@ -226,7 +233,15 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     groups = [g for g in groups if g]
     res: list[Operator] = []
     for members in sorted(groups, key=lambda g: pos[id(g[-1])]):  # a group runs where its last member ran
-        res.append(members[0] if len(members) == 1 else FusedOp(members))
+        while len(members) > 1:
+            group = FusedOp(members)
+            if accept(group):
+                res.append(group)
+                break
+            res.append(members[0])
+            members = members[1:]
+        else:
+            res.append(members[0])
     n_fused = sum(len(g) for g in groups if len(g) > 1)
     log.debug("fusion: %d ops -> %d kernels (%d ops in %d fused groups)", len(ops), len(res), n_fused,
               sum(1 for g in groups if len(g) > 1))
