@@ -3,7 +3,8 @@
 Compiles each model for one rank (target cpu), runs it with ``shardflow.runtime.load`` and runs
 onnxruntime on the same inputs with the same thread count, and prints median latencies and the
 ratio (ours / onnxruntime; lower is better). Models: the committed test models, and with
-``--sized`` also a GPT-2-small-sized export (124M parameters, 128 tokens) and a ResNet-50-sized one
+``--sized`` also GPT-2-small-, BERT-base- and Llama-sized exports (124M, 110M, 170M parameters, 128
+tokens) and a ResNet-50-sized one
 (transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image), exported with
 torch.onnx.export at opset 17 (needs torch + transformers; slow). ``--only`` picks models by name.
 
@@ -86,11 +87,39 @@ def export_resnet50(path: str) -> dict:
     return feeds
 
 
+def export_text_model(kind: str, path: str, seq: int = 128) -> dict:
+    """Export a randomly initialised text encoder fed one sequence of ``seq`` tokens, output
+    ``last_hidden_state``. ``bert``: BERT-base (transformers' BertConfig defaults: 12 layers, 768
+    wide, 12 heads, 110M parameters). ``llama``: a Llama of 1024 wide, 8 layers, 16 heads (4 KV
+    heads), MLP 2816, vocab 32000 (~170M parameters; a 7B model does not fit this machine's
+    benchmark time). Returns the feeds."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from export_models import _HiddenState, export_module
+
+    torch.manual_seed(0)
+    if kind == "bert":
+        from transformers import BertConfig, BertModel
+        model = BertModel(BertConfig(attn_implementation="eager"), add_pooling_layer=False).eval()
+        vocab = 30522
+    else:
+        from transformers import LlamaConfig, LlamaModel
+        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                          num_key_value_heads=4, vocab_size=32000, use_cache=False, attn_implementation="eager")
+        model = LlamaModel(cfg).eval()
+        vocab = 32000
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, vocab, (1, seq)).astype(np.int64),
+             "attention_mask": np.ones((1, seq), np.int64)}
+    export_module(_HiddenState(model), feeds, list(feeds), ["last_hidden_state"], path, dynamo=False, opset=17)
+    return feeds
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=50)
-    ap.add_argument("--sized", action="store_true", help="also export GPT-2-small- and ResNet-50-sized models (slow)")
+    ap.add_argument("--sized", action="store_true", help="also export GPT-2-small-, BERT-base-, Llama- and ResNet-50-sized models (slow)")
     ap.add_argument("--only", default="", help="only the models whose name contains this text")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -112,6 +141,11 @@ def main(argv=None) -> None:
                 feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
                          if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
                 bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work)
+            for kind, name in (("bert", "bert_base_110M"), ("llama", "llama_1024x8_170M")):
+                if args.only in name:
+                    path = os.path.join(work, f"{kind}.onnx")
+                    feeds = export_text_model(kind, path)
+                    bench(name, path, feeds, args.threads, max(5, args.repeat // 10), work)
             if args.only in "resnet50_224":
                 path = os.path.join(work, "resnet50.onnx")
                 feeds = export_resnet50(path)
