@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -269,10 +270,19 @@ def _spawn(args, argv: list[str], nproc: int) -> int:
     return _supervise(procs, deadline, args.timeout)
 
 
+@functools.lru_cache(maxsize=8)
 def _is_hydra(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is MPICH's hydra (which takes ``-disable-auto-cleanup``). Decided from
+    the file names first (``mpiexec.hydra`` beside it, as MPICH installs it): asking
+    ``mpiexec --version`` can be slow on a loaded machine, and a wrong answer lets hydra kill every
+    rank before the watchdog names the one that failed."""
+    real = os.path.realpath(mpiexec)
+    if "hydra" in os.path.basename(real) or os.path.exists(os.path.join(os.path.dirname(real), "mpiexec.hydra")):
+        return True
     try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("cannot tell which MPI runs %s (%s); assuming it is not MPICH's hydra", mpiexec, exc)
         return False
     return "HYDRA" in out.stdout + out.stderr
 
