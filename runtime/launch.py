@@ -353,11 +353,15 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
         kill_all()
         proc.wait()
         return 130
+        if proc.returncode != 0:
+            failed = _failed_rank(pid_dir)
+            if failed is None and first_dead is not None:
+                failed = first_dead[0]
+            log.error("shardflow run: mpiexec exited with status %d%s", proc.returncode,
+                      f"; rank {failed} failed first" if failed is not None
+                      else " (a rank failed; see its messages above)")
     finally:
         shutil.rmtree(pid_dir, ignore_errors=True)
-    if proc.returncode != 0:
-        log.error("shardflow run: mpiexec exited with status %d%s", proc.returncode,
-                  f"; rank {first_dead[0]} failed first" if first_dead else " (a rank failed; see its messages above)")
     return proc.returncode
 
 
@@ -431,6 +435,40 @@ def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: f
 # ---------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------
+def _record_exit(pid_dir: str | None, rank: int, why: str) -> None:
+    """``rank{r}.exit`` in the launcher's folder: why this rank leaves (``peer N``: rank N failed;
+    ``error``: its own error). A rank killed by a signal leaves none."""
+    if pid_dir:
+        try:
+            Path(pid_dir, f"rank{rank}.exit").write_text(why)
+        except OSError:
+            pass
+
+
+def _failed_rank(pid_dir: str) -> int | None:
+    """The rank that failed first, from the ranks' exit records: the one the others name, else the
+    one that left with its own error, else the only one that left no record (killed)."""
+    named: dict[int, int] = {}
+    errors, silent = [], []
+    started = sorted(int(n[4:-4]) for n in os.listdir(pid_dir) if n.startswith("rank") and n.endswith(".pid"))
+    for r in started:
+        try:
+            why = Path(pid_dir, f"rank{r}.exit").read_text().split()
+        except OSError:
+            if not Path(pid_dir, f"rank{r}.done").exists():
+                silent.append(r)
+            continue
+        if why[:1] == ["peer"] and len(why) > 1 and why[1].lstrip("-").isdigit():
+            named[int(why[1])] = named.get(int(why[1]), 0) + 1
+        elif why[:1] == ["error"]:
+            errors.append(r)
+    if named:
+        return max(named, key=named.get)
+    if errors:
+        return errors[0]
+    return silent[0] if len(silent) == 1 else None
+
+
 def _die(message: str, code: int = 1, hard: bool = True) -> int:
     """Log, then leave at once when other ranks exist (no MPI_Finalize that could wait for ranks
     stuck in a collective); a single process just returns ``code``."""
@@ -477,7 +515,13 @@ def _worker(args, env: LaunchEnv) -> int:
                             local_rank=env.local_rank)
     except ShardflowError as exc:
         return _die(f"rank {env.rank}: cannot connect the ranks: {exc}", 1, hard)
-    watchdog = Watchdog(host_communicator(comm))
+    def on_peer_failure(message: str, failed: int | None) -> None:
+        # leave a record for the launcher (which cannot see the ranks' exit codes under mpiexec)
+        _record_exit(pid_dir, env.rank, f"peer {failed}" if failed is not None else "peer")
+        from .comm.watchdog import _default_fail
+        _default_fail(message, failed)
+
+    watchdog = Watchdog(host_communicator(comm), on_failure=on_peer_failure)
     try:
         prog = load(args.out_dir, env.rank, comm, verify=not args.no_verify)
         for _ in range(max(args.warmup, 0)):
@@ -501,11 +545,14 @@ def _worker(args, env: LaunchEnv) -> int:
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             time.sleep(0.05)
+        _record_exit(pid_dir, env.rank, f"peer {exc.rank}" if getattr(exc, "rank", None) is not None else "peer")
         return _die(f"rank {env.rank}: {exc}", EXIT_PEER_FAILED, hard)
     except ShardflowError as exc:
+        _record_exit(pid_dir, env.rank, "error")
         return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
     except Exception as exc:  # noqa: BLE001 - a rank must never leave the others waiting
         log.exception("rank %d: unexpected error", env.rank)
+        _record_exit(pid_dir, env.rank, "error")
         return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
     watchdog.finish()
     prog.close()
