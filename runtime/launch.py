@@ -349,10 +349,6 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
                 proc.wait()
                 return 124
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        kill_all()
-        proc.wait()
-        return 130
         if proc.returncode != 0:
             failed = _failed_rank(pid_dir)
             if failed is None and first_dead is not None:
@@ -360,6 +356,10 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
             log.error("shardflow run: mpiexec exited with status %d%s", proc.returncode,
                       f"; rank {failed} failed first" if failed is not None
                       else " (a rank failed; see its messages above)")
+    except KeyboardInterrupt:
+        kill_all()
+        proc.wait()
+        return 130
     finally:
         shutil.rmtree(pid_dir, ignore_errors=True)
     return proc.returncode
