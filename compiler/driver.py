@@ -19,7 +19,8 @@ key               meaning                                                       
                   ``"bfloat16"`` likewise with bfloat16 (cuda only)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
-``search_space``  kernel tuning level: 0 (none), 1 (a few candidates), 2 (wide search)        ``1``
+``search_space``  kernel tuning level 0, 1 or 2 (validated; no tuner yet: every level uses   ``1``
+                  the default tile heuristics, e.g. cuda_templates.choose_gemm_config)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
 ================  =========================================================================  ==========
 """
