@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine (the device tool runs it from the repository root; pip cannot
+# reach the network there, so the checkout goes on PYTHONPATH and missing wheels travel in .whl/):
+#
+#   bash benchmarks/gpu/device_session.sh suite   # pytest -m gpu (kernels against numpy, models on the GPU)
+#   bash benchmarks/gpu/device_session.sh bench   # benchmarks/gpu/run_all.py (GEMM vs cuBLAS, models vs torch)
+#
+# Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
+# <device>-<date>-gpu.json/.txt; copy them into benchmarks/results/ and commit them.
+# Wheels to carry (here: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl pulp mpi4py mpich`,
+# with `/.whl/` in .git/info/exclude), named in the tool's `carry`.
+set -uo pipefail
+what=${1:-suite}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+fi
+mkdir -p /tmp/pkg/shardflow
+ln -sfn "$PWD/compiler" /tmp/pkg/shardflow/compiler
+ln -sfn "$PWD/runtime" /tmp/pkg/shardflow/runtime
+export PYTHONPATH=/tmp/pkg:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export SHARDFLOW_CACHE_DIR=${SHARDFLOW_CACHE_DIR:-/tmp/sf-cache}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
+case "$what" in
+    suite)
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py \
+            tests/runtime/test_gpu_runtime.py 2>&1 | tee "$out/gpu-suite.txt" | tail -60
+        ;;
+    bench)
+        python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-540}" --jobs 12 2>&1 | tail -150
+        ;;
+    *)
+        echo "usage: $0 suite|bench" >&2
+        exit 2
+        ;;
+esac
