@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -585,35 +586,73 @@ def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
+_PLACEMENT = re.compile(r"S\((\d+)\)|R|P\((\w+)\)")
+
+
+def _placements(text: str) -> list[tuple[str, str | None]]:
+    """``"S(0)P(sum)R"`` → ``[("S", "0"), ("P", "sum"), ("R", None)]`` (one per mesh axis)."""
+    res, pos = [], 0
+    for m in _PLACEMENT.finditer(text or ""):
+        if m.start() != pos:
+            break
+        pos = m.end()
+        res.append(("S", m.group(1)) if m.group(1) is not None else ("P", m.group(2)) if m.group(2) else ("R", None))
+    if pos != len(text or ""):
+        raise LaunchError(f"cannot read the output placement {text!r} in the manifest")
+    return res
+
+
+def _reduce(blocks: list[np.ndarray], op: str) -> np.ndarray:
+    """``op`` over same-shaped blocks in member order (the compiler's oracle does the same)."""
+    from .comm.base import reduce_stacked
+
+    return reduce_stacked(blocks, op)
+
+
 def _assemble_outputs(out_dir: str, prog, comm, outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Rank 0 gets every output whole: replicated outputs as they are, sharded ones from the
-    ranks holding distinct pieces (``bounds`` in the manifests)."""
+    ranks holding distinct pieces (``bounds`` in the manifests), Partial ones (pending a sum, max,
+    min or average over some mesh axes) reduced over the ranks along those axes, in rank order."""
     specs = {o["name"]: o for o in prog.manifest["outputs"]}
-    sharded = [n for n in prog.output_names
-               if specs.get(n, {}).get("bounds") is not None
-               and [list(b) for b in specs[n]["bounds"]] != [[0, d] for d in specs[n]["global_shape"]]]
-    if not sharded or prog.world_size == 1:
+    todo = [n for n in prog.output_names
+            if n in specs and ("P(" in specs[n].get("placement", "")
+                               or (specs[n].get("bounds") is not None
+                                   and [list(b) for b in specs[n]["bounds"]] != [[0, d] for d in specs[n]["global_shape"]]))]
+    if not todo or prog.world_size == 1:
         return outs
-    for n in sharded:
-        if "P" in specs[n].get("placement", ""):
-            raise LaunchError(f"output {n!r} is Partial ({specs[n]['placement']}) on the ranks; compile with a "
-                              "replicated or sharded output placement to run it with `shardflow run`")
     manifests = [read_manifest(rank_dir(out_dir, r)) for r in range(prog.world_size)]
     res = dict(outs)
-    for n in sharded:
-        pieces: dict[tuple, int] = {}
-        for r, m in enumerate(manifests):
-            spec = next(o for o in m["outputs"] if o["name"] == n)
-            pieces.setdefault(tuple(tuple(b) for b in spec["bounds"]), r)
+    for n in todo:
         spec0 = specs[n]
+        axes = _placements(spec0.get("placement", ""))
+        partial = [(a, op) for a, (kind, op) in enumerate(axes) if kind == "P"]
+        ops = {op for _, op in partial}
+        if len(ops) > 1:
+            raise LaunchError(f"output {n!r} is Partial with several reductions ({spec0['placement']}); "
+                              "`shardflow run` reduces one kind at a time")
+        # the ranks whose blocks rank 0 needs: coordinate 0 along replicated axes; for each box,
+        # every rank along the partial axes, in rank order
+        boxes: dict[tuple, list[int]] = {}
+        for r, m in enumerate(manifests):
+            coord = m["mesh"]["coord"]
+            if any(kind == "R" and coord[a] != 0 for a, (kind, _) in enumerate(axes)):
+                continue
+            spec = next(o for o in m["outputs"] if o["name"] == n)
+            boxes.setdefault(tuple(tuple(b) for b in spec["bounds"]), []).append(r)
+        if not partial:
+            boxes = {box: rs[:1] for box, rs in boxes.items()}
+        needed = sorted({r for rs in boxes.values() for r in rs})
         if prog.rank == 0:
-            full = np.empty(spec0["global_shape"], np.dtype(spec0["dtype"]))
-            recvs = {r: np.empty(tuple(b - a for a, b in box), full.dtype) for box, r in pieces.items() if r != 0}
+            full = np.empty(spec0["global_shape"], np.dtype(outs[n].dtype))
+            recvs = {r: np.empty(tuple(b - a for a, b in box), full.dtype)
+                     for box, rs in boxes.items() for r in rs if r != 0}
             comm.exchange({}, recvs)
-            for box, r in pieces.items():
-                full[tuple(slice(a, b) for a, b in box)] = outs[n] if r == 0 else recvs[r]
+            op = next(iter(ops)) if ops else None
+            for box, rs in boxes.items():
+                blocks = [outs[n] if r == 0 else recvs[r] for r in rs]
+                full[tuple(slice(a, b) for a, b in box)] = _reduce(blocks, op) if op else blocks[0]
             res[n] = full
-        elif prog.rank in pieces.values():
+        elif prog.rank in needed:
             comm.exchange({0: np.ascontiguousarray(outs[n])}, {})
     return res
 
