@@ -125,10 +125,7 @@ class CudaEngine:
 
     def _eager(self) -> None:
         with self.stream:
-            for launches, coll in self.segments:
-                self._run_segment_kernels(launches)
-                if coll is not None:
-                    coll()
+            self._run_all()
 
     def _capture(self, body) -> Any:
         s = self.stream
@@ -142,7 +139,7 @@ class CudaEngine:
 
     def _build_graphs(self) -> None:
         if self.capturable:
-            self.graphs = [(self._capture(self._eager_in_capture), None)]
+            self.graphs = [(self._capture(self._run_all), None)]
         else:
             self.graphs = [(self._capture(functools.partial(self._run_segment_kernels, launches))
                             if any(f is not None for f in launches) else None, coll)
@@ -150,7 +147,8 @@ class CudaEngine:
         log.debug("rank %d: captured %d CUDA graph(s)", self.prog.rank,
                   sum(1 for g in self.graphs if g[0] is not None))
 
-    def _eager_in_capture(self) -> None:
+    def _run_all(self) -> None:
+        """Every kernel and collective in order, on the current stream (eagerly or while capturing)."""
         for launches, coll in self.segments:
             self._run_segment_kernels(launches)
             if coll is not None:

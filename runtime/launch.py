@@ -602,13 +602,6 @@ def _placements(text: str) -> list[tuple[str, str | None]]:
     return res
 
 
-def _reduce(blocks: list[np.ndarray], op: str) -> np.ndarray:
-    """``op`` over same-shaped blocks in member order (the compiler's oracle does the same)."""
-    from .comm.base import reduce_stacked
-
-    return reduce_stacked(blocks, op)
-
-
 def _assemble_outputs(out_dir: str, prog, comm, outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Rank 0 gets every output whole: replicated outputs as they are, sharded ones from the
     ranks holding distinct pieces (``bounds`` in the manifests), Partial ones (pending a sum, max,
@@ -620,6 +613,8 @@ def _assemble_outputs(out_dir: str, prog, comm, outs: dict[str, np.ndarray]) -> 
                                    and [list(b) for b in specs[n]["bounds"]] != [[0, d] for d in specs[n]["global_shape"]]))]
     if not todo or prog.world_size == 1:
         return outs
+    from .comm.base import reduce_stacked  # member order, as the compiler's oracle
+
     manifests = [read_manifest(rank_dir(out_dir, r)) for r in range(prog.world_size)]
     res = dict(outs)
     for n in todo:
@@ -650,7 +645,7 @@ def _assemble_outputs(out_dir: str, prog, comm, outs: dict[str, np.ndarray]) -> 
             op = next(iter(ops)) if ops else None
             for box, rs in boxes.items():
                 blocks = [outs[n] if r == 0 else recvs[r] for r in rs]
-                full[tuple(slice(a, b) for a, b in box)] = _reduce(blocks, op) if op else blocks[0]
+                full[tuple(slice(a, b) for a, b in box)] = reduce_stacked(blocks, op) if op else blocks[0]
             res[n] = full
         elif prog.rank in needed:
             comm.exchange({0: np.ascontiguousarray(outs[n])}, {})

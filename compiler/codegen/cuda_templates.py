@@ -258,26 +258,20 @@ for (int sf_t = 0; sf_t < {b_per}; ++sf_t) {{
     if prec == "f32":
         # a*b ~ hi(a)*hi(b) + hi(a)*lo(b) + lo(a)*hi(b), hi = tf32(x), lo = tf32(x - hi): the dropped
         # lo*lo term is below fp32 rounding; the small products go first
+        def split(frag: str, n: int) -> str:  # frag[i] -> its TF32 part, frag_lo[i] -> the TF32 remainder
+            return f"""#pragma unroll
+for (int i = 0; i < {n}; ++i)
+  #pragma unroll
+  for (int t = 0; t < {frag}[i].num_elements; ++t) {{
+    const float sf_x = {frag}[i].x[t];
+    const float sf_h = wmma::__float_to_tf32(sf_x);
+    {frag}[i].x[t] = sf_h;
+    {frag}_lo[i].x[t] = wmma::__float_to_tf32(sf_x - sf_h);
+  }}"""
         mma = f"""wmma::fragment<wmma::matrix_a, 16, 16, {fk}, {ft}, wmma::row_major> sf_fa_lo[{FM}];
 wmma::fragment<wmma::matrix_b, 16, 16, {fk}, {ft}, wmma::row_major> sf_fb_lo[{FN}];
-#pragma unroll
-for (int i = 0; i < {FM}; ++i)
-  #pragma unroll
-  for (int t = 0; t < sf_fa[i].num_elements; ++t) {{
-    const float sf_x = sf_fa[i].x[t];
-    const float sf_h = wmma::__float_to_tf32(sf_x);
-    sf_fa[i].x[t] = sf_h;
-    sf_fa_lo[i].x[t] = wmma::__float_to_tf32(sf_x - sf_h);
-  }}
-#pragma unroll
-for (int j = 0; j < {FN}; ++j)
-  #pragma unroll
-  for (int t = 0; t < sf_fb[j].num_elements; ++t) {{
-    const float sf_x = sf_fb[j].x[t];
-    const float sf_h = wmma::__float_to_tf32(sf_x);
-    sf_fb[j].x[t] = sf_h;
-    sf_fb_lo[j].x[t] = wmma::__float_to_tf32(sf_x - sf_h);
-  }}
+{split("sf_fa", FM)}
+{split("sf_fb", FN)}
 #pragma unroll
 for (int i = 0; i < {FM}; ++i)
   #pragma unroll

@@ -33,7 +33,7 @@ from typing import Callable, Collection, Sequence
 
 import numpy as np
 
-from ..ir.expr import Cast, Expr, TensorElement, Var, infer_dtype, walk
+from ..ir.expr import Cast, Expr, Reduce, TensorElement, infer_dtype, walk
 from ..ir.graph import Operator, Tensor
 from ..ir.task import GridCompute, Task, TensorInput
 from .lower import transform
@@ -112,7 +112,6 @@ def _single(op: Operator) -> bool:
 
 
 def _has_reduce(op: Operator) -> bool:
-    from ..ir.expr import Reduce
     return any(isinstance(n, Reduce) for n in walk(op.task.outputs[0].value))
 
 

@@ -308,10 +308,7 @@ class Communicator(ABC):
             return self._staged(self.all_gather, x, out, dim=dim, global_size=global_size)
         dim = _check_dim(x, dim, "all-gather")
         n = self.size
-        lo, hi = chunk_bounds(global_size, n, self.rank)
-        if x.shape[dim] != hi - lo:
-            raise CommError(f"all-gather: {self.describe_member(self.rank)} holds {x.shape[dim]} entries of dim "
-                            f"{dim}, but chunk {self.rank} of {global_size} over {n} ranks has {hi - lo}")
+        _check_chunk(self, x, dim, global_size, "all-gather")
         if n == 1:
             return _deliver(x, out)
         xp = array_module(x)
@@ -352,10 +349,7 @@ class Communicator(ABC):
         if src == dst:
             raise CommError(f"all-to-all: src_dim and dst_dim are both {src}")
         n, me = self.size, self.rank
-        lo, hi = chunk_bounds(src_size, n, me)
-        if x.shape[src] != hi - lo:
-            raise CommError(f"all-to-all: {self.describe_member(me)} holds {x.shape[src]} entries of dim {src}, "
-                            f"but chunk {me} of {src_size} over {n} ranks has {hi - lo}")
+        _check_chunk(self, x, src, src_size, "all-to-all")
         if n == 1:
             return _deliver(x, out)
         xp = array_module(x)
@@ -384,6 +378,14 @@ class Communicator(ABC):
             return dev
         out[...] = dev
         return out
+
+
+def _check_chunk(comm: "Communicator", x, dim: int, total: int, what: str) -> None:
+    """``x`` holds exactly this member's ``torch.chunk`` chunk of a dim of ``total`` entries."""
+    lo, hi = chunk_bounds(total, comm.size, comm.rank)
+    if x.shape[dim] != hi - lo:
+        raise CommError(f"{what}: {comm.describe_member(comm.rank)} holds {x.shape[dim]} entries of dim {dim}, but "
+                        f"chunk {comm.rank} of {total} over {comm.size} ranks has {hi - lo}")
 
 
 def _check_op(op: str) -> None:

@@ -77,7 +77,9 @@ class NCCLCommunicator(Communicator):
             ("float16", "NCCL_FLOAT16"), ("float32", "NCCL_FLOAT32"), ("float64", "NCCL_FLOAT64"),
             ("int8", "NCCL_INT8"), ("uint8", "NCCL_UINT8"), ("int32", "NCCL_INT32"), ("uint32", "NCCL_UINT32"),
             ("int64", "NCCL_INT64"), ("uint64", "NCCL_UINT64")) if hasattr(nccl, v)}
-        self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "avg": nccl.NCCL_SUM}
+        # ncclAvg (NCCL >= 2.10) is 4; older cupy builds do not name it
+        self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN,
+                     "avg": getattr(nccl, "NCCL_AVG", 4)}
         log.debug("rank %d: NCCL communicator of %d ranks on device %d", self.rank, self.size, self.device)
 
     def _stream(self) -> int:
@@ -119,41 +121,40 @@ class NCCLCommunicator(Communicator):
     def _allgather_equal(self, x):
         x = self._dev(x)
         res = self.cupy.empty((self.size,) + tuple(x.shape), x.dtype)
-        if x.nbytes:
-            self.comm.allGather(x.data.ptr, res.data.ptr, x.nbytes, self.nccl.NCCL_UINT8, self._stream())
+        self._allgather_into(x, res)
         return res
 
     def _native(self, dtype, op: str):
+        """``(dtype viewed, NCCL op)`` for a reduction NCCL does natively, else ``None`` (the generic
+        algorithm of the base class runs then): bool as uint8 max/min, float averages as ``ncclAvg``;
+        integer averages are not native (they round toward zero, done by the generic path)."""
+        dtype = np.dtype(dtype)
         if dtype == np.bool_:
             return np.dtype(np.uint8), (self.nccl.NCCL_MIN if op == "min" else self.nccl.NCCL_MAX)
-        if np.dtype(dtype) in self._types:
-            return np.dtype(dtype), self._ops[op]
-        return None
+        if dtype not in self._types or (op == "avg" and dtype.kind != "f"):
+            return None
+        return dtype, self._ops[op]
+
+    def _native_reduce(self, call: str, x, out, op: str) -> bool:
+        """NCCL ``call`` (allReduce or reduceScatter) from ``x`` into ``out``; False when not native."""
+        native = self._native(x.dtype, op)
+        if native is None:
+            return False
+        vt, nop = native
+        if out.size:
+            getattr(self.comm, call)(x.view(vt).data.ptr, out.view(vt).data.ptr, out.size, self._types[vt], nop,
+                                     self._stream())
+        return True
 
     def _allreduce(self, x, op: str):
         x = self._dev(x)
-        native = self._native(x.dtype, op)
-        if native is None:
-            return super()._allreduce(x, op)
-        vt, nop = native
         res = self.cupy.empty_like(x)
-        if x.size:
-            self.comm.allReduce(x.view(vt).data.ptr, res.view(vt).data.ptr, x.size, self._types[vt], nop,
-                                self._stream())
-        return self._finish_avg(res, op)
+        return res if self._native_reduce("allReduce", x, res, op) else super()._allreduce(x, op)
 
     def _reduce_scatter_equal(self, x, op: str):
         x = self._dev(x)
-        native = self._native(x.dtype, op)
-        if native is None:
-            return super()._reduce_scatter_equal(x, op)
-        vt, nop = native
-        c = x.shape[0] // self.size
-        res = self.cupy.empty((c,) + tuple(x.shape[1:]), x.dtype)
-        if res.size:
-            self.comm.reduceScatter(x.view(vt).data.ptr, res.view(vt).data.ptr, res.size, self._types[vt], nop,
-                                    self._stream())
-        return self._finish_avg(res, op)
+        res = self.cupy.empty((x.shape[0] // self.size,) + tuple(x.shape[1:]), x.dtype)
+        return res if self._native_reduce("reduceScatter", x, res, op) else super()._reduce_scatter_equal(x, op)
 
     # into-buffer primitives: stream-ordered NCCL calls on preallocated buffers (capturable) ---
     capture_safe = True
@@ -165,34 +166,13 @@ class NCCLCommunicator(Communicator):
         if x.nbytes:
             self.comm.allGather(x.data.ptr, out.data.ptr, x.nbytes, self.nccl.NCCL_UINT8, self._stream())
 
-    def _native_into(self, dtype, op: str):
-        vt, nop = self._native(dtype, op)
-        if op == "avg" and dtype != np.bool_:
-            nop = getattr(self.nccl, "NCCL_AVG", 4)  # ncclAvg (NCCL >= 2.10): integers round toward zero
-        return vt, nop
-
     def _allreduce_into(self, x, out, op: str) -> None:
-        if self._native(x.dtype, op) is None:
-            return super()._allreduce_into(x, out, op)
-        vt, nop = self._native_into(x.dtype, op)
-        if x.size:
-            self.comm.allReduce(x.view(vt).data.ptr, out.view(vt).data.ptr, x.size, self._types[vt], nop,
-                                self._stream())
+        if not self._native_reduce("allReduce", x, out, op):
+            super()._allreduce_into(x, out, op)
 
     def _reduce_scatter_into(self, x, out, op: str) -> None:
-        if self._native(x.dtype, op) is None:
-            return super()._reduce_scatter_into(x, out, op)
-        vt, nop = self._native_into(x.dtype, op)
-        if out.size:
-            self.comm.reduceScatter(x.view(vt).data.ptr, out.view(vt).data.ptr, out.size, self._types[vt], nop,
-                                    self._stream())
-
-    def _finish_avg(self, res, op: str):
-        if op != "avg" or res.dtype == np.bool_:
-            return res
-        if res.dtype.kind in "iu":
-            return self.cupy.trunc(res / self.size).astype(res.dtype)
-        return (res / self.size).astype(res.dtype)
+        if not self._native_reduce("reduceScatter", x, out, op):
+            super()._reduce_scatter_into(x, out, op)
 
     # sub-communicators --------------------------------------------------------------------
     def split(self, groups) -> "NCCLCommunicator":

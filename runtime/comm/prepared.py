@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import CommError, Communicator, _check_dim, array_module, chunk_bounds, padded_chunk
+from .base import CommError, Communicator, _check_chunk, _check_dim, array_module, chunk_bounds, padded_chunk
 
 __all__ = ["PreparedCollective", "prepare"]
 
@@ -164,15 +164,9 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
 def _check_local(comm: Communicator, kind: str, x, attrs) -> None:
     """The member's block of the split dim has the ``torch.chunk`` size the collective expects."""
     if kind == "all_gather":
-        dim, total = _check_dim(x, attrs["dim"], "all-gather"), int(attrs["global_size"])
+        _check_chunk(comm, x, _check_dim(x, attrs["dim"], "all-gather"), int(attrs["global_size"]), "all-gather")
     elif kind == "all_to_all":
-        dim, total = _check_dim(x, attrs["src_dim"], "all-to-all"), int(attrs["src_size"])
-    else:
-        return
-    lo, hi = chunk_bounds(total, comm.size, comm.rank)
-    if x.shape[dim] != hi - lo:
-        raise CommError(f"{kind}: {comm.describe_member(comm.rank)} holds {x.shape[dim]} entries of dim {dim}, but "
-                        f"chunk {comm.rank} of {total} over {comm.size} ranks has {hi - lo}")
+        _check_chunk(comm, x, _check_dim(x, attrs["src_dim"], "all-to-all"), int(attrs["src_size"]), "all-to-all")
 
 
 def _unprepared(comm: Communicator, kind: str, x, y, attrs):
