@@ -1,13 +1,13 @@
 """compile(): config validation, the out_dir format, buffer plans, atomic writes, and the programs'
 results (run in-process with the callback stand-in for the kernel codegen, against onnxruntime)."""
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import callback_kernels as CK
+from threads import run_threads
 from shardflow.compiler import ConfigError, ShardflowError, compile, driver
 from shardflow.compiler.driver import OptimizationConfig, plan_buffers
 from shardflow.runtime import load
@@ -37,25 +37,11 @@ def callback_codegen(monkeypatch):
 
 
 def run_in_threads(out_dir, world, inputs):
-    comms = InProcessWorld(world).communicators()
-    outs, errors = [None] * world, []
-
-    def work(r):
-        try:
-            prog = load(out_dir, r, comms[r])
-            CK.attach(prog, CK.BUILT[r])
-            outs[r] = prog.run(inputs)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return outs
+    def work(c):
+        prog = load(out_dir, c.rank, c)
+        CK.attach(prog, CK.BUILT[c.rank])
+        return prog.run(inputs)
+    return run_threads(InProcessWorld(world).communicators(), work, timeout=120)
 
 
 # ---------------------------------------------------------------------------------------

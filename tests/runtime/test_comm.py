@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,29 +19,11 @@ from shardflow.compiler.parallel.placement import chunk_bounds as ref_chunk_boun
 from shardflow.compiler.parallel.placement import padded_chunk as ref_padded_chunk
 from shardflow.runtime.comm import CommError, InProcessWorld, RankFailedError, SelfCommunicator
 from shardflow.runtime.comm.base import chunk_bounds, padded_chunk
+from threads import run_threads
 
 sim = importlib.import_module("shardflow.compiler.parallel.simulate")
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-
-
-def run_threads(comms, fn, timeout=60):
-    results, errors = [None] * len(comms), []
-
-    def work(i):
-        try:
-            results[i] = fn(comms[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def chunk_shape(shape, dim, size, n, j):

@@ -3,12 +3,12 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 import handmade
+from threads import run_threads
 from shardflow.runtime import (ChecksumError, InputDtypeError, InputError, InputNameError, InputShapeError,
                                ShardflowError, VersionError, WorldSizeError, load)
 from shardflow.runtime.artifact import ArtifactError, atomic_output_dir
@@ -35,24 +35,7 @@ def check(outs, x, world):
 
 
 def run_ranks(out_dir, world, inputs):
-    comms = InProcessWorld(world).communicators()
-    outs, errors = [None] * world, []
-
-    def work(r):
-        try:
-            prog = load(out_dir, r, comms[r])
-            outs[r] = prog.run(inputs)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return outs
+    return run_threads(InProcessWorld(world).communicators(), lambda c: load(out_dir, c.rank, c).run(inputs))
 
 
 def test_single_rank(arts, x):

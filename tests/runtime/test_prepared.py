@@ -10,7 +10,8 @@ from shardflow.runtime.comm import CommError, InProcessWorld, SelfCommunicator
 from shardflow.runtime.comm.base import chunk_bounds
 from shardflow.runtime.comm.prepared import prepare
 
-from test_comm import chunk_shape, run_threads
+from test_comm import chunk_shape
+from threads import run_threads
 
 sim = importlib.import_module("shardflow.compiler.parallel.simulate")
 
