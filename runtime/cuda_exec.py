@@ -102,7 +102,14 @@ class CudaEngine:
         args = tuple(self.views[i] for i in list(s["inputs"]) + list(s["outputs"]))
         if 0 in grid:
             return None  # nothing to compute (empty output)
-        return functools.partial(fn, grid, block, args, shared_mem=int(launch.get("shared_mem", 0)))
+        smem = int(launch.get("shared_mem", 0))
+        if smem > 48 * 1024:  # above the default limit a kernel must ask for its dynamic shared memory
+            try:
+                fn.max_dynamic_shared_size_bytes = smem
+            except Exception as exc:  # noqa: BLE001 - cupy raises CUDADriverError
+                raise ArtifactError(f"kernel {s['symbol']} ({s['node']}) needs {smem} bytes of shared memory, "
+                                    f"which device {self.device} cannot give: {exc}") from None
+        return functools.partial(fn, grid, block, args, shared_mem=smem)
 
     def _collective(self, s: dict):
         prog = self.prog

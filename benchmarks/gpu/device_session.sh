@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu/device_session.sh suite   # pytest -m gpu (kernels against numpy, models on the GPU)
 #   bash benchmarks/gpu/device_session.sh bench   # benchmarks/gpu/run_all.py (GEMM vs cuBLAS, models vs torch)
+#   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
 # <device>-<date>-gpu.json/.txt; copy them into benchmarks/results/ and commit them.
@@ -23,18 +24,27 @@ ln -sfn "$PWD/compiler" /tmp/pkg/shardflow/compiler
 ln -sfn "$PWD/runtime" /tmp/pkg/shardflow/runtime
 export PYTHONPATH=/tmp/pkg:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export SHARDFLOW_CACHE_DIR=${SHARDFLOW_CACHE_DIR:-/tmp/sf-cache}
+# mpi4py finds its MPI library by dlopen; without this it takes the image's Open MPI while the
+# carried MPICH mpiexec launches the ranks (each rank then sees a world of one)
+if [ -e /tmp/site/lib/libmpi.so.12 ]; then
+    export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12 LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
     suite)
-        python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py \
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py \
             tests/runtime/test_gpu_runtime.py 2>&1 | tee "$out/gpu-suite.txt" | tail -60
         ;;
     bench)
         python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-540}" --jobs 12 2>&1 | tail -150
         ;;
+    run)  # any command in this environment: device_session.sh run CMD ARGS...
+        shift
+        "$@"
+        ;;
     *)
-        echo "usage: $0 suite|bench" >&2
+        echo "usage: $0 suite|bench|run CMD..." >&2
         exit 2
         ;;
 esac

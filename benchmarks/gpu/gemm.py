@@ -114,6 +114,9 @@ def make_cases(m_values=M_VALUES, shapes=None, dtypes=DTYPES) -> list[Case]:
 # ----------------------------------------------------------------------------------------------
 
 def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: dict):
+    if extra.get("gemm_configs") == "*":  # one forced tile configuration for every case
+        extra = dict(extra, gemm_configs={case.id: extra["config"]})
+    extra = {k: v for k, v in extra.items() if k != "config"}
     from shardflow.compiler.codegen.cuda import build_cuda_library
     from shardflow.compiler.ir import Tensor
     from shardflow.compiler.ops.linalg import MatMul
@@ -126,13 +129,15 @@ def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: d
 
 
 def build(cases: list[Case], work: str, arch: str = "sm_90", jobs: int = 1, cache_dir: str | None = None,
-          search_space: int | None = None, log=print) -> dict:
+          search_space: int | None = None, config: str | None = None, log=print) -> dict:
     """Compile every case's kernel; returns ``{case.id: (cubin path, KernelLaunch, seconds)}``."""
     ensure_shardflow()
     from shardflow.compiler.codegen.cuda import build_cuda_library
 
     params = inspect.signature(build_cuda_library).parameters
     extra = {"search_space": search_space} if search_space is not None and "search_space" in params else {}
+    if config:
+        extra.update(gemm_configs="*", config=config)
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
     out = {}
@@ -329,11 +334,11 @@ def cases_from_args(args, prefix: str = "") -> list[Case]:
 
 
 def bench(cases: list[Case], work: str, *, arch: str, jobs: int, dry_run: bool, reps: int, use_graph: bool,
-          cache_dir: str | None = None, budget=None, log=print) -> dict:
+          cache_dir: str | None = None, budget=None, config: str | None = None, log=print) -> dict:
     """Build, then (unless ``dry_run``) check and time ``cases``; returns the ``gemm`` JSON section."""
     t0 = time.perf_counter()
-    built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, log=log)
-    section: dict = {"arch": arch, "build_s": time.perf_counter() - t0, "dry_run": dry_run,
+    built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, config=config, log=log)
+    section: dict = {"arch": arch, "config": config or "auto", "build_s": time.perf_counter() - t0, "dry_run": dry_run,
                      "min_launches_per_graph": LAUNCHES_PER_GRAPH, "reps": reps, "tolerance": TOLERANCE}
     if dry_run:
         section["kernels"] = [dict(asdict(c), id=c.id, **built[c.id][1].to_dict(), build_s=built[c.id][2])
@@ -355,12 +360,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", help="kernel cache (default: shardflow's)")
     ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--config", help="force this wgmma block tile (a WGMMA_CONFIGS name) on every case")
     args = ap.parse_args(argv)
     ensure_shardflow()
     cases = cases_from_args(args)
     with tempfile.TemporaryDirectory(prefix="sf-gemm-") as work:
         section = bench(cases, work, arch=args.arch, jobs=args.jobs, dry_run=args.dry_run, reps=args.reps,
-                        use_graph=not args.no_graph, cache_dir=args.cache_dir)
+                        use_graph=not args.no_graph, cache_dir=args.cache_dir, config=args.config)
     print(section["table"])
     if not args.dry_run:
         print(f"gemm_vs_cublas_min = {fmt(section.get('gemm_vs_cublas_min'))} "

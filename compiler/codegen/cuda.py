@@ -62,11 +62,12 @@ from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfTh
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
+from .cuda_wgmma import WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
 from .lower import CodegenError
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
 __all__ = ["KernelLaunch", "CudaSource", "CudaCodegenError", "build_cuda_library", "generate_cuda_source",
-           "cuda_compile_command", "lowerable"]
+           "cuda_compile_command", "compile_arch", "lowerable"]
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ class KernelLaunch:
     grid, block
         Launch dimensions; launch with exactly these (kernels rely on their block size).
     shared_mem
-        Dynamic shared memory bytes to pass at launch (the kernels use static shared memory only,
-        so this is 0 today).
+        Dynamic shared memory bytes to pass at launch (the wgmma GEMMs use up to 227 KB: raise the
+        kernel's dynamic shared memory limit to this before launching when it exceeds 48 KB).
     args
         Names of the tensors passed as pointers, in order: the op's inputs, then its outputs.
     num_inputs
@@ -1311,7 +1312,8 @@ def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
 
 
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
-                out_ptr: str, an: _Analysis, reads, names) -> tuple[str, dict]:
+                out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
+                config: str | None = None) -> tuple[str, dict, tuple | None]:
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1335,8 +1337,17 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         lines = mdec + kdec + blk.lines + [f"sf_v = {x};"]
         return "\n".join(lines)
 
-    load_a = side(plan.a, "sf_m", plan.m_axes)
-    load_b = side(plan.b, "sf_n", plan.n_axes)
+    direct = None
+    if wgmma and plan.prec in ("f16", "bf16"):
+        half = {"f16": "float16", "bf16": "bfloat16"}[plan.prec]
+        kv = list(red.vars)
+        da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, half, M, K, an, reads, bblk)
+        db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, half, N, K, an, reads, bblk)
+        if da is not None and db is not None:
+            direct = (da, db)
+    if direct is None:
+        load_a = side(plan.a, "sf_m", plan.m_axes)
+        load_b = side(plan.b, "sf_n", plan.n_axes)
     # epilogue
     acc = "sf_acc"
     if rd != "float32":
@@ -1364,11 +1375,82 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         terms.append(nm if st == 1 else f"{nm} * {st}{'LL' if wide else ''}")
     x = em.value_as(value, gc.dtype, eblk)
     epi = mdec + ndec + eblk.lines + [f"{out_ptr}[{' + '.join(terms) if terms else '0'}] = {_store(x, gc.dtype)};"]
+    if direct is not None:
+        return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
+                                 root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
+                                 a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config)
     src, launch = gemm_kernel(symbol=symbol, params=params, prec=plan.prec, M=M, N=N, K=K, batch=B,
                               root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                               load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,
                               epilogue="\n".join(epi), config=choose_gemm_config(M, N, B))
-    return src, launch
+    return src, launch, None
+
+
+def _composite_stride(axes: list, coefs: dict) -> int | None:
+    """The stride of the row-major composite index of ``axes`` (last fastest) in a flat offset
+    with coefficients ``coefs``, or None when the axes are not nested that way."""
+    live = [v for v in axes if v.extent != 1]
+    if not live:
+        return None
+    unit = coefs.get(live[-1], 0)
+    run = unit
+    for v in reversed(live):
+        if coefs.get(v, 0) != run:
+            return None
+        run *= v.extent
+    return unit or None
+
+
+def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, extent_o: int, K: int,
+                    an: _Analysis, reads, bblk: _Block) -> DirectOperand | None:
+    """``e`` as a dense read of a ``half`` tensor that the wgmma template can copy 16 bytes at a
+    time (:class:`~.cuda_wgmma.DirectOperand`), or None."""
+    inner = e.a if isinstance(e, Cast) and e.dtype == "float32" else e
+    if not isinstance(inner, TensorElement):
+        return None
+    ref = reads.get(id(inner.tensor))
+    if ref is None or ref[2] != half:
+        return None
+    ptr, shape, _ = ref
+    strides, st = [], 1
+    for ext in reversed(shape):
+        strides.append(st)
+        st *= ext
+    strides.reverse()
+    coefs: dict = {}
+    const = 0
+    for idx, ext, st in zip(inner.indices, shape, strides):
+        if ext == 1:
+            continue
+        f = affine_form(idx)
+        b = an.bounds(idx)
+        if f is None or b is None or b[0] < 0 or b[1] > ext - 1:
+            return None
+        for v, c in f[0].items():
+            coefs[v] = coefs.get(v, 0) + c * st
+        const += f[1] * st
+    coefs = {v: c for v, c in coefs.items() if c}
+    if not set(coefs) <= set(outer) | set(kvars) | set(batch):
+        return None
+    so, sk = _composite_stride(outer, coefs), _composite_stride(kvars, coefs)
+    if so is None or sk is None:
+        return None
+    if sk == 1 and so % 8 == 0 and K % 8 == 0:
+        k_major = True
+    elif so == 1 and sk % 8 == 0 and extent_o % 8 == 0:
+        k_major = False
+    else:
+        return None
+    terms = [str(const)] if const else []
+    for v in batch:
+        c = coefs.get(v, 0)
+        if c and v.extent != 1:
+            if c % 8:
+                return None
+            terms.append(f"(long long){bblk.binds[v][0]} * {c}LL")
+    if const % 8:
+        return None
+    return DirectOperand(ptr, " + ".join(terms) or "0LL", so, sk, k_major)
 
 
 # --- one op --------------------------------------------------------------------------------------
@@ -1391,7 +1473,8 @@ def _symbol(index: int, op: Operator) -> str:
     return f"sf_k{index}_{_SANITIZE.sub('_', op.name)[:48]}"
 
 
-def _lower_op(op: Operator, symbol: str, fp32: str = "f32") -> tuple[str, KernelLaunch]:
+def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
+              config: str | None = None) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -1412,10 +1495,12 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32") -> tuple[str, Kernel
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
         if plan is not None:
-            src, cfg = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names)
-            launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name,
-                                  f"gemm-{plan.prec}")
-            return src, launch
+            src, cfg, wrapper = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, wgmma,
+                                            config)
+            kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
+            launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
+                                  len(op.inputs), op.name, kind)
+            return src, launch, wrapper
 
     parts: list[_Part] = []
     for j, (gc, value) in enumerate(zip(task.outputs, values)):
@@ -1433,7 +1518,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32") -> tuple[str, Kernel
            + "\n".join(_indent(body, 2)) + "\n}\n")
     grid = max([p.grid for p in parts], default=1)
     kind = "+".join(dict.fromkeys(p.kind for p in parts)) or "empty"
-    return src, KernelLaunch(symbol, (grid, 1, 1), (_THREADS, 1, 1), 0, args, len(op.inputs), op.name, kind)
+    return src, KernelLaunch(symbol, (grid, 1, 1), (_THREADS, 1, 1), 0, args, len(op.inputs), op.name, kind), None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1449,13 +1534,23 @@ class CudaSource:
     lines: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32") -> CudaSource:
+def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", arch: str = "sm_80",
+                         gemm_configs: dict[str, str] | None = None) -> CudaSource:
     """Generate the CUDA translation unit for ``ops`` (no compilation).
 
     Parameters
     ----------
     ops
         Operators with static shapes; collectives and extern ops are skipped.
+    precision
+        See :func:`build_cuda_library`.
+    arch
+        ``sm_90``/``sm_90a`` let half-precision GEMMs with dense operands use the Hopper ``wgmma``
+        template (:mod:`.cuda_wgmma`; such a unit must be compiled for ``sm_90a``, see
+        :func:`compile_arch`); other architectures get the portable ``wmma`` template only.
+    gemm_configs
+        Block tile of the wgmma GEMM of some ops (op name -> a :data:`~.cuda_wgmma.WGMMA_CONFIGS`
+        name; the tuner's choices); the others get :func:`~.cuda_wgmma.choose_wgmma_config`'s.
 
     Returns
     -------
@@ -1476,13 +1571,15 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32") ->
     launches: dict[str, KernelLaunch] = {}
     spans: dict[str, tuple[int, int]] = {}
     seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
+    wrappers: set = set()  # wgmma instruction wrappers emitted so far
     for i, op in enumerate(ops):
         if not lowerable(op):
             continue
         if op.name in launches:
             raise CudaCodegenError(f"two ops are named {op.name!r}; kernel names must be unique")
         try:
-            src, launch = _lower_op(op, _PLACEHOLDER, fp32)
+            src, launch, wrapper = _lower_op(op, _PLACEHOLDER, fp32, arch in WGMMA_ARCHS,
+                                             (gemm_configs or {}).get(op.name))
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -1492,6 +1589,9 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32") ->
             continue
         symbol = _symbol(i, op)
         header = f"// node {re.sub(r'[^ -~]', '?', op.name)} ({op.op_type}) -> {launch.kind}\n"
+        if wrapper is not None and wrapper not in wrappers:  # helpers before their first use
+            header = wgmma_helpers({wrapper}, common=not wrappers) + header
+            wrappers.add(wrapper)
         text = header + src.replace(_PLACEHOLDER, symbol) + "\n"
         n = text.count("\n")
         span = (line, line + n - 1)
@@ -1510,6 +1610,15 @@ def _arch_flags(arch: str) -> list[str]:
     if m.group(2):
         return [f"-gencode=arch=compute_{m.group(1)}a,code=sm_{m.group(1)}a"]
     return [f"-arch={arch}"]
+
+
+def compile_arch(arch: str, src: "CudaSource") -> str:
+    """The architecture ``src`` is compiled for: ``sm_90a`` when it holds wgmma kernels (they need
+    the Hopper-specific target; an ``sm_90a`` cubin runs on the same GPUs as an ``sm_90`` one),
+    else ``arch``."""
+    if arch == "sm_90" and any(l.kind.startswith("gemm-wgmma") for l in src.launches.values()):
+        return "sm_90a"
+    return arch
 
 
 def cuda_compile_command(arch: str, src: str, out: str, nvcc: str = "nvcc") -> list[str]:
@@ -1635,7 +1744,8 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
 
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
-                       keep: Sequence[str] = ()) -> dict[str, KernelLaunch | None]:
+                       keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None
+                       ) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -1665,6 +1775,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         Fuse injective ops into their neighbours' kernels (:mod:`.fusion`: element-wise epilogues
         of GEMMs and reductions, cheap prologues). ``keep`` names tensors that must still be
         written (graph outputs, inputs of collectives or of ops compiled elsewhere).
+    gemm_configs
+        Block tiles of wgmma GEMMs by op name (see :func:`generate_cuda_source`).
 
     Returns
     -------
@@ -1689,7 +1801,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     if fuse:
         from .fusion import fuse as fuse_ops
         ops = fuse_ops(list(ops), keep=keep)
-    src = generate_cuda_source(ops, precision)
+    src = generate_cuda_source(ops, precision, arch, gemm_configs)
+    arch = compile_arch(arch, src)
     t1 = time.perf_counter()
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
     if compiler == "nvcc" and nvcc is None:

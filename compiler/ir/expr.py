@@ -21,7 +21,7 @@ import numpy as np
 __all__ = [
     "Expr", "Var", "Const", "BinOp", "UnaryOp", "Cast", "IfThenElse", "TensorElement", "Reduce",
     "as_expr", "eq", "ne", "logical_and", "logical_or", "logical_not", "maximum", "minimum",
-    "if_then_else", "cast", "UNARY_FUNCS", "BINARY_FUNCS", "REDUCE_OPS", "walk",
+    "if_then_else", "cast", "UNARY_FUNCS", "BINARY_FUNCS", "REDUCE_OPS", "walk", "dtype_kind",
 ]
 
 
@@ -428,3 +428,9 @@ def _promote(da: str | None, db: str | None, a: Expr, b: Expr) -> str | None:
     if da == "bfloat16" or db == "bfloat16":
         return "bfloat16"
     return str(np.result_type(da, db))
+
+
+def dtype_kind(dtype) -> str:
+    """numpy's kind letter of ``dtype`` (``"f"``, ``"i"``, ``"u"``, ``"b"``...), ``"f"`` for
+    ``bfloat16``, which numpy does not know without ml_dtypes."""
+    return "f" if str(dtype) == "bfloat16" else np.dtype(dtype).kind

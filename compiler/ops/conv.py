@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import ShapeError
-from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, eq, if_then_else, logical_and, maximum, minimum
+from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then_else, logical_and, maximum, minimum
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
@@ -607,7 +607,7 @@ class Resize(Operator):
         mode, ctm = self.attrs["mode"], self.attrs["coordinate_transformation_mode"]
         dt, sizes = x.dtype, tuple(self.attrs["sizes"])
         axes = self._axes(x.shape)
-        if mode != "nearest" and np.dtype(dt).kind != "f":
+        if mode != "nearest" and dtype_kind(dt) != "f":
             raise ShapeError(f"{self.name}: {mode} interpolation needs a floating-point input, got {dt}")
 
         def f(*i):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, eq, if_then_else, logical_and, maximum, minimum
+from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, reduce
 from .elementwise import broadcast_shape
@@ -81,7 +81,7 @@ class Gemm(Operator):
         if c and broadcast_shape([c[0].shape, shape], self.name) != shape:
             raise ShapeError(f"{self.name}: C of shape {c[0].shape} does not broadcast to the output {shape}")
         dt = a.dtype
-        num = (lambda v: Const(float(v), dt)) if np.dtype(dt).kind == "f" else (lambda v: Const(int(v), dt))
+        num = (lambda v: Const(float(v), dt)) if dtype_kind(dt) == "f" else (lambda v: Const(int(v), dt))
 
         def f(i, j):
             acc = reduce((k,), lambda kk: (a[kk, i] if ta else a[i, kk]) * (b[j, kk] if tb else b[kk, j]), "sum")

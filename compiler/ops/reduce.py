@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, UnaryOp, eq, if_then_else
+from ..ir.expr import Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then_else
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
 
@@ -54,7 +54,7 @@ def _input_index(rank: int, axes: Sequence[int], keepdims: bool, out: Sequence[E
 
 
 def _is_int(dtype: str) -> bool:
-    return np.dtype(dtype).kind in "iub"
+    return dtype_kind(dtype) in "iub"
 
 
 def _float_fn(fn: str, e: Expr, dtype: str) -> Expr:

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, as_expr, eq, if_then_else, infer_dtype, logical_and, maximum, minimum
+from ..ir.expr import Cast, Const, Expr, as_expr, dtype_kind, eq, if_then_else, infer_dtype, logical_and, maximum, minimum
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 from .elementwise import broadcast_read, broadcast_shape
@@ -725,13 +725,13 @@ class Range(Operator):
 
     def compute(self):
         dt, start, delta = self.attrs["dtype"], self.attrs["start"], self.attrs["delta"]
-        wide = "int64" if np.dtype(dt).kind in "iu" else "float64"
+        wide = "int64" if dtype_kind(dt) in "iu" else "float64"
         return compute("y", (self.attrs["size"],),
                        lambda i: Cast(_const(start, wide) + Cast(i, wide) * _const(delta, wide), dt), dtype=dt)
 
     def numpy(self):
         dt = self.attrs["dtype"]
-        wide = np.int64 if np.dtype(dt).kind in "iu" else np.float64
+        wide = np.int64 if dtype_kind(dt) in "iu" else np.float64
         i = np.arange(self.attrs["size"], dtype=wide)
         return [(wide(self.attrs["start"]) + i * wide(self.attrs["delta"])).astype(dt)]
 

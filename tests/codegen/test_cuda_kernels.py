@@ -256,11 +256,11 @@ def test_compiler_errors_name_the_op(tmp_path, monkeypatch):
     ops = [Unary([x], name="fine", fn="neg"), Unary([x], name="broken", fn="abs")]
     real = cg._lower_op
 
-    def bad(op, symbol, fp32="f32"):
-        src, launch = real(op, symbol, fp32)
+    def bad(op, symbol, *args):
+        src, launch, wrapper = real(op, symbol, *args)
         if op.name == "broken":
             src = src.replace("{", "{ this is not C++;", 1)
-        return src, launch
+        return src, launch, wrapper
 
     monkeypatch.setattr(cg, "_lower_op", bad)
     with pytest.raises(CompileError, match="broken") as info:
@@ -303,6 +303,8 @@ def _run(module, launch: KernelLaunch, op, arrays):
         if o.size:
             o.reshape(-1).view(cupy.uint8).fill(0x5A)
     fn = module.get_function(launch.symbol)
+    if launch.shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = launch.shared_mem
     fn(launch.grid, launch.block, tuple(ins + outs), shared_mem=launch.shared_mem)
     cupy.cuda.runtime.deviceSynchronize()
     return [cupy.asnumpy(o) for o in outs]

@@ -76,7 +76,7 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
                          "--jobs", "1", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     kernels = section["kernels"]
     assert [k["id"] for k in kernels] == ["gpt2_attn_out_M128_float16", "gpt2_attn_out_M128_bfloat16"]
-    assert [k["kind"] for k in kernels] == ["gemm-f16", "gemm-bf16"]
+    assert [k["kind"] for k in kernels] == ["gemm-wgmma-f16", "gemm-wgmma-bf16"]
     for k in kernels:
         assert k["grid"][0] * k["grid"][1] * k["grid"][2] > 0 and k["block"][0] in (128, 256)
     cubins = list((tmp_path / "cache").rglob("*.cubin"))
@@ -84,4 +84,4 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
     for k in kernels:
         assert any(k["symbol"].encode() in c.read_bytes() and c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
     assert json.loads(out.read_text())["kernels"] == kernels
-    assert "gemm-bf16" in section["table"]
+    assert "gemm-wgmma-bf16" in section["table"]

@@ -1,0 +1,182 @@
+"""The Hopper wgmma GEMM template (compiler/codegen/cuda_wgmma.py).
+
+Without a GPU: which products take it (dense float16/bfloat16 operands on sm_90), that every tile
+configuration and operand layout compiles for sm_90a with no local memory, and the operand
+analysis. ``pytest -m gpu``: every configuration × dtype × operand layout against numpy, at sizes
+that are not multiples of the tiles, batched and with a fused epilogue.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from shardflow.compiler.codegen.cuda import build_cuda_library, compile_arch, generate_cuda_source
+from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_config
+from shardflow.compiler.codegen.fusion import fuse
+from shardflow.compiler.codegen.lower import CodegenError
+from shardflow.compiler.ir import Tensor
+from shardflow.compiler.ops.elementwise import Binary, Unary
+from shardflow.compiler.ops.linalg import Gemm, MatMul
+
+needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc not installed")
+LAYOUTS = list(itertools.product((False, True), (False, True)))  # (trans_a, trans_b)
+
+
+def _gemm(M, N, K, dt, ta=False, tb=False, name="g"):
+    a = Tensor(f"{name}_a", (K, M) if ta else (M, K), dt)
+    b = Tensor(f"{name}_b", (N, K) if tb else (K, N), dt)
+    return Gemm([a, b], name=name, trans_a=ta, trans_b=tb)
+
+
+def test_dense_half_operands_take_wgmma_on_hopper_only():
+    mm = MatMul([Tensor("a", (256, 512), "float16"), Tensor("b", (512, 384), "float16")], name="mm")
+    src = generate_cuda_source([mm], arch="sm_90")
+    launch = src.launches["mm"]
+    assert launch.kind == "gemm-wgmma-f16" and launch.shared_mem > 48 * 1024
+    assert "wgmma.mma_async.sync.aligned.m64n" in src.text and compile_arch("sm_90", src) == "sm_90a"
+    old = generate_cuda_source([mm], arch="sm_80")
+    assert old.launches["mm"].kind == "gemm-f16" and compile_arch("sm_80", old) == "sm_80"
+    # a row length that breaks 16-byte alignment, float32, and a cast operand keep the wmma template
+    odd = MatMul([Tensor("a2", (64, 100), "float16"), Tensor("b2", (100, 36), "float16")], name="odd")
+    f32 = MatMul([Tensor("a3", (64, 64), "float32"), Tensor("b3", (64, 64), "float32")], name="f32")
+    kinds = {k: v.kind for k, v in generate_cuda_source([odd, f32], arch="sm_90").launches.items()}
+    assert kinds == {"odd": "gemm-f16", "f32": "gemm-f32"}
+
+
+def test_configs_follow_the_grid_and_can_be_forced():
+    assert choose_wgmma_config(8192, 4096, 1) == "128x256"
+    assert choose_wgmma_config(128, 768, 1) == "64x64"
+    g = _gemm(512, 512, 128, "float16")
+    for name, (wg, bn, _) in WGMMA_CONFIGS.items():
+        launch = generate_cuda_source([g], arch="sm_90", gemm_configs={"g": name}).launches["g"]
+        assert launch.block == (128 * wg, 1, 1)
+        assert launch.grid[0] == -(-512 // (64 * wg)) * -(-512 // bn)
+    with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
+        generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
+
+
+def test_batched_and_broadcast_operands_are_direct():
+    mm = MatMul([Tensor("a", (3, 100, 64), "bfloat16"), Tensor("b", (64, 72), "bfloat16")], name="bmm")
+    launch = generate_cuda_source([mm], arch="sm_90").launches["bmm"]
+    assert launch.kind == "gemm-wgmma-bf16"  # M = 300 folds the batch into rows
+    mm2 = MatMul([Tensor("a", (3, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bmm2")
+    src = generate_cuda_source([mm2], arch="sm_90")
+    assert src.launches["bmm2"].kind == "gemm-wgmma-f16" and src.launches["bmm2"].grid[2] == 3
+    # a broadcast batch on B's side folds into N, whose rows are then not evenly strided: wmma
+    mm3 = MatMul([Tensor("a", (2, 1, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bc")
+    assert generate_cuda_source([mm3], arch="sm_90").launches["bc"].kind == "gemm-f16"
+
+
+@needs_nvcc
+def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
+    ops = []
+    for i, (cfg, dt, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, ("float16", "bfloat16"), LAYOUTS)):
+        ops.append((_gemm(200, 136, 200, dt, ta, tb, name=f"g{i}"), cfg))
+    src = generate_cuda_source([o for o, _ in ops], arch="sm_90", gemm_configs={o.name: c for o, c in ops})
+    assert all(l.kind.startswith("gemm-wgmma") for l in src.launches.values())
+    cu = tmp_path / "k.cu"
+    cu.write_text(src.text)
+    proc = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                           "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(cu)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = proc.stderr
+    assert "spill" in report and " 0 bytes spill stores" in report
+    assert all(f" 0 bytes stack frame" in ln for ln in report.splitlines() if "stack frame" in ln)
+    assert "serialized" not in report  # ptxas warns when it has to serialize wgmma
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+def _gpu():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except Exception:  # noqa: BLE001
+        pass
+    pytest.skip("no CUDA device (or cupy is not installed)")
+
+
+def _bits(x: np.ndarray, dt: str) -> np.ndarray:
+    if dt == "float16":
+        return x.astype(np.float16)
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _value(bits: np.ndarray, dt: str) -> np.ndarray:
+    if dt == "float16":
+        return bits.astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _launch(cupy, module, launch, args):
+    fn = module.get_function(launch.symbol)
+    if launch.shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = launch.shared_mem
+    fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_every_config_and_layout_matches_numpy(tmp_path, dt):
+    cupy = _gpu()
+    rng = np.random.default_rng(0)
+    cases = []
+    for i, (cfg, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, LAYOUTS)):
+        M, N, K = (200, 136, 200) if i % 2 else (72, 264, 520)
+        cases.append((_gemm(M, N, K, dt, ta, tb, name=f"g{i}"), cfg, M, N, K, ta, tb))
+    path = str(tmp_path / "k.cubin")
+    launches = build_cuda_library([c[0] for c in cases], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                  gemm_configs={c[0].name: c[1] for c in cases})
+    module = cupy.RawModule(path=path)
+    bad = []
+    for op, cfg, M, N, K, ta, tb in cases:
+        launch = launches[op.name]
+        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}", (cfg, launch.kind)
+        a = _bits(rng.standard_normal((K, M) if ta else (M, K)), dt)
+        b = _bits(rng.standard_normal((N, K) if tb else (K, N)), dt)
+        want = (_value(a, dt).T if ta else _value(a, dt)).astype(np.float64) @ \
+            (_value(b, dt).T if tb else _value(b, dt)).astype(np.float64)
+        out = cupy.full((M, N), 0xFFFF, cupy.uint16)  # NaN in both half types: a missed element shows
+        _launch(cupy, module, launch, (cupy.asarray(a), cupy.asarray(b), out))
+        got = _value(cupy.asnumpy(out).view(np.float16) if dt == "float16" else cupy.asnumpy(out), dt)
+        err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
+        if not err < (4e-3 if dt == "float16" else 2e-2):  # NaN (an element not written) fails too
+            bad.append(f"{cfg} trans_a={ta} trans_b={tb} M={M} N={N} K={K}: err {err:.3g}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_batched_product_with_fused_epilogue(tmp_path):
+    """A batched float16 MatMul + bias + GELU-like epilogue fused into the wgmma kernel."""
+    cupy = _gpu()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 100, 64)).astype(np.float16)
+    w = rng.standard_normal((64, 72)).astype(np.float16)
+    bias = rng.standard_normal((72,)).astype(np.float16)
+    tx, tw, tb = Tensor("x", x.shape, "float16"), Tensor("w", w.shape, "float16"), Tensor("bias", bias.shape,
+                                                                                          "float16")
+    mm = MatMul([tx, tw], name="mm")
+    add = Binary([mm.outputs[0], tb], name="add", fn="add")
+    act = Unary([add.outputs[0]], name="act", fn="tanh")
+    ops = fuse([mm, add, act], keep=[act.outputs[0].name])
+    path = str(tmp_path / "k.cubin")
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"))
+    launch = launches["act"]
+    assert launch.kind == "gemm-wgmma-f16"
+    module = cupy.RawModule(path=path)
+    out = cupy.full((3, 100, 72), 0xFFFF, cupy.uint16).view(cupy.float16)
+    arrays = {"x": cupy.asarray(x), "w": cupy.asarray(w), "bias": cupy.asarray(bias), act.outputs[0].name: out}
+    _launch(cupy, module, launch, tuple(arrays[n] for n in launch.args))
+    want = np.tanh(x.astype(np.float64) @ w.astype(np.float64) + bias)
+    got = cupy.asnumpy(out).astype(np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=4e-3, rtol=4e-3)
