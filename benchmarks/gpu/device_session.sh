@@ -24,10 +24,20 @@ ln -sfn "$PWD/compiler" /tmp/pkg/shardflow/compiler
 ln -sfn "$PWD/runtime" /tmp/pkg/shardflow/runtime
 export PYTHONPATH=/tmp/pkg:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export SHARDFLOW_CACHE_DIR=${SHARDFLOW_CACHE_DIR:-/tmp/sf-cache}
-# mpi4py finds its MPI library by dlopen; without this it takes the image's Open MPI while the
-# carried MPICH mpiexec launches the ranks (each rank then sees a world of one)
-if [ -e /tmp/site/lib/libmpi.so.12 ]; then
-    export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12 LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# mpi4py finds its MPI library by dlopen, and `pip install --target` leaves the MPICH wheel's
+# lib/ out: without this mpi4py takes the image's Open MPI while the carried MPICH mpiexec
+# launches the ranks (each rank then sees a world of one)
+if compgen -G ".whl/mpich-*.whl" > /dev/null; then
+    mkdir -p /tmp/site/mpilib
+    python3 - <<'PY' || exit 1
+import glob, os, zipfile
+with zipfile.ZipFile(glob.glob(".whl/mpich-*.whl")[0]) as z:
+    for n in z.namelist():
+        if "/data/lib/" in n and not n.endswith("/"):
+            with open(os.path.join("/tmp/site/mpilib", os.path.basename(n)), "wb") as f:
+                f.write(z.read(n))
+PY
+    export MPI4PY_LIBMPI=/tmp/site/mpilib/libmpi.so.12 LD_LIBRARY_PATH=/tmp/site/mpilib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place

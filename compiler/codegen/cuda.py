@@ -1386,6 +1386,10 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     return src, launch, None
 
 
+def _half_cast(op: Operator) -> bool:
+    return op.op_type == "Cast" and op.outputs[0].dtype in ("float16", "bfloat16")
+
+
 def _composite_stride(axes: list, coefs: dict) -> int | None:
     """The stride of the row-major composite index of ``axes`` (last fastest) in a flat offset
     with coefficients ``coefs``, or None when the axes are not nested that way."""
@@ -1800,7 +1804,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     t0 = time.perf_counter()
     if fuse:
         from .fusion import fuse as fuse_ops
-        ops = fuse_ops(list(ops), keep=keep)
+        # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
+        # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM
+        ops = fuse_ops(list(ops), keep=keep, materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: False)
     src = generate_cuda_source(ops, precision, arch, gemm_configs)
     arch = compile_arch(arch, src)
     t1 = time.perf_counter()

@@ -130,7 +130,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
          barriers: Callable[[Operator], bool] = lambda op: False,
          no_prologue: Callable[[Operator], bool] = lambda op: False,
          epilogue_after_reduce: bool = True,
-         accept: Callable[["FusedOp"], bool] = lambda group: True) -> list[Operator]:
+         accept: Callable[["FusedOp"], bool] = lambda group: True,
+         materialize: Callable[[Operator], bool] = lambda op: False) -> list[Operator]:
     """Group ``ops`` (one rank's compute ops, in topological order) into kernels.
 
     Parameters
@@ -150,6 +151,10 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     accept
         Called on every fused group; a group it refuses is split into its first op and the rest
         (e.g. a template that cannot apply that epilogue).
+    materialize
+        Ops whose output is written for its readers: they may join their producers' groups, but
+        no reader joins theirs (the cuda target on Hopper: casts to float16/bfloat16, so that a
+        GEMM reads its half-precision operand from memory, 16 bytes at a time).
 
     Returns
     -------
@@ -173,6 +178,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
             for k, t in enumerate(op.inputs):
                 g = group_of.get(id(t))
                 if g is None or g in take or len(readers.get(id(t), ())) != 1 or t.name in keep:
+                    continue
+                if materialize(groups[g][-1]):
                     continue
                 if sum(1 for u in op.inputs if u is t) != 1:
                     continue
@@ -208,6 +215,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         if not a or not _single(a[-1]) or barriers(a[-1]):
             continue
         t = a[-1].outputs[0]
+        if materialize(a[-1]):
+            continue
         rs = readers.get(id(t), [])
         homes = {owner[id(r)] for r in rs}
         if len(rs) < 2 or len(homes) != 1 or t.name in keep or gi in homes:

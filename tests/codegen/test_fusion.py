@@ -138,6 +138,28 @@ def test_an_op_joins_several_cheap_groups():
     assert [l.kind for l in generate_cuda_source(fuse([c, c2, wc, mm])).launches.values()] == ["gemm-f16"]
 
 
+def test_materialized_half_casts_end_their_group():
+    """cuda on Hopper: the cast to float16 is written by its producer's kernel and the GEMM reads
+    that float16 tensor directly (the wgmma template), instead of inlining both casts."""
+    x, w = _f(64, 64), const_tensor(np.ones((64, 48), np.float16))
+    e = Unary([x], fn="exp")
+    c = CastOp([e.outputs[0]], to="float16")
+    c2 = CastOp([c.outputs[0]], to="float32")
+    wc = CastOp([w], to="float32")
+    mm = MatMul([c2.outputs[0], wc.outputs[0]])
+    half = lambda op: op.op_type == "Cast" and op.outputs[0].dtype == "float16"  # noqa: E731
+    groups = fuse([e, c, c2, wc, mm], materialize=half)
+    assert _kinds(groups) == [["Unary", "Cast"], ["Cast", "Cast", "MatMul"]]
+    assert groups[0].outputs[0].dtype == "float16"
+    kinds = [l.kind for l in generate_cuda_source(groups, arch="sm_90").launches.values()]
+    assert kinds == ["elementwise", "gemm-wgmma-f16"]
+    # without: the producer writes the float32 round trip, a float32 GEMM operand (wmma template)
+    plain = fuse([e, c, c2, wc, mm])
+    assert _kinds(plain) == [["Unary", "Cast", "Cast"], ["Cast", "MatMul"]]
+    assert [l.kind for l in generate_cuda_source(plain, arch="sm_90").launches.values()] == ["elementwise",
+                                                                                            "gemm-f16"]
+
+
 # ------------------------------------------------------------------------------- numerics
 def _chains():
     """``cast -> op -> neg`` around every single-output lowerable op example with float data."""
