@@ -153,11 +153,11 @@ def test_materialized_half_casts_end_their_group():
     assert groups[0].outputs[0].dtype == "float16"
     kinds = [l.kind for l in generate_cuda_source(groups, arch="sm_90").launches.values()]
     assert kinds == ["elementwise", "gemm-wgmma-f16"]
-    # without: the producer writes the float32 round trip, a float32 GEMM operand (wmma template)
+    # without: the producer writes the float32 round trip, and the GEMM is a float32 one (3xTF32)
     plain = fuse([e, c, c2, wc, mm])
     assert _kinds(plain) == [["Unary", "Cast", "Cast"], ["Cast", "MatMul"]]
     assert [l.kind for l in generate_cuda_source(plain, arch="sm_90").launches.values()] == ["elementwise",
-                                                                                            "gemm-f16"]
+                                                                                            "gemm-f32"]
 
 
 # ------------------------------------------------------------------------------- numerics
