@@ -40,12 +40,18 @@ __all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "DirectOperand", "choose_wgmma_config
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
 WGMMA_ARCHS = ("sm_90", "sm_90a")
 
-#: name -> (WG consumer warpgroups, BN, stages); BM = 64 * WG, BK = 64
+#: name -> (WG consumer warpgroups, BN, stages, warp-specialized); BM = 64 * WG, BK = 64.
+#: ``ws`` configurations add a producer warpgroup that only copies and hands stages to the
+#: consumers through mbarriers (no block-wide barrier per K step).
 WGMMA_CONFIGS = {
-    "128x256": (2, 256, 4),
-    "128x128": (2, 128, 6),
-    "64x128": (1, 128, 6),
-    "64x64": (1, 64, 8),
+    "128x256": (2, 256, 4, False),
+    "128x128": (2, 128, 6, False),
+    "64x128": (1, 128, 6, False),
+    "64x64": (1, 64, 8, False),
+    "ws128x256": (2, 256, 4, True),
+    "ws128x128": (2, 128, 6, True),
+    "ws64x128": (1, 128, 6, True),
+    "ws64x64": (1, 64, 8, True),
 }
 _BK = 64
 _SMEM_LIMIT = 227 * 1024
@@ -72,15 +78,16 @@ def _smem_bytes(wg: int, bn: int, stages: int) -> tuple[int, int, int]:
     b = bn * _BK * 2
     pipe = stages * (a + b)
     ctile = 64 * wg * (bn + 4) * 4
-    return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
+    # + the mbarriers (2 per stage) + alignment slack (tiles start on 1024-byte boundaries)
+    return a, b, max(pipe, ctile) + 16 * stages + 1024
 
 
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132) -> str:
     """The largest block tile that still gives most multiprocessors (``sms``) a block, else the
     smallest one."""
-    names = list(WGMMA_CONFIGS)
+    names = [n for n, c in WGMMA_CONFIGS.items() if not c[3]]
     for name in names:
-        wg, bn, _ = WGMMA_CONFIGS[name]
+        wg, bn, _, _ = WGMMA_CONFIGS[name]
         tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
         if tiles >= 0.75 * sms:
             return name
@@ -113,6 +120,22 @@ __device__ __forceinline__ void sf_cp_async16(unsigned dst, const void* src, boo
 }
 __device__ __forceinline__ void sf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void sf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void sf_mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void sf_mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void sf_mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void sf_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
 __device__ __forceinline__ void sf_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void sf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void sf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -133,31 +156,55 @@ def _indent(text: str, n: int) -> str:
     return "\n".join(pad + line if line else line for line in text.splitlines())
 
 
-def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str) -> str:
+def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str,
+            tid: str = "threadIdx.x") -> str:
     """Copies of one operand tile (``rows`` rows of the operand's M/N side × 64 K) into the stage at
-    shared address ``sm`` (a C expression), as 16-byte ``cp.async``."""
+    shared address ``sm`` (a C expression), as 16-byte ``cp.async``.
+
+    Thread ``t`` copies chunks ``t + i*T``; the per-thread part of each chunk's coordinates is
+    computed once and the rest is a compile-time step per ``i`` (few registers: the producer
+    warpgroup of the warp-specialized kernel runs on 40)."""
     chunks = rows * _BK // 8
     assert chunks % T == 0
     per = chunks // T
-    if op.k_major:  # [rows][64 K] rows of 128 bytes, chunk c of row r at r*128 + ((c ^ r%8) * 16)
-        coords = ("const int sf_r = sf_q >> 3; const int sf_c = sf_q & 7;\n"
-                  f"const int sf_o = {o0} + sf_r; const int sf_kk = sf_k0 + sf_c * 8;\n"
-                  "const unsigned sf_dst = sf_r * 128 + ((sf_c ^ (sf_r & 7)) << 4);")
-    else:  # panels of 64 rows (M/N) × 64 K: row = k, chunk c within the panel's 128-byte k row
+    if op.k_major:
+        # [rows][64 K]: row r, chunk c (8 K values) at r*128 + ((c ^ r%8) * 16); chunk q = t + i*T
+        # is row q/8 = t/8 + i*T/8, chunk c = t%8 (T/8 is a multiple of 8: the swizzle is per thread)
+        step_o, step_k, step_dst = T // 8, 0, (T // 8) * 128
+        first = ("const int sf_r0 = " + tid + " >> 3; const int sf_c0 = " + tid + " & 7;\n"
+                 f"const int sf_o0 = {o0} + sf_r0; const int sf_kk0 = sf_k0 + sf_c0 * 8;\n"
+                 "const unsigned sf_d0 = sf_r0 * 128 + ((sf_c0 ^ (sf_r0 & 7)) << 4);")
+        dst = "sf_d0 + sf_i * " + str(step_dst)
+    else:
+        # panels of 64 rows (M/N) × 64 K: k row kr, chunk c of panel p at p*8192 + kr*128 +
+        # ((c ^ kr%8) * 16); chunk q = t + i*T is k row q/per_k = t/per_k + i*T/per_k, chunk t%per_k
         per_k = rows // 8
-        coords = (f"const int sf_kr = sf_q / {per_k}; const int sf_cc = sf_q % {per_k};\n"
-                  "const int sf_p = sf_cc >> 3; const int sf_c = sf_cc & 7;\n"
-                  f"const int sf_o = {o0} + sf_cc * 8; const int sf_kk = sf_k0 + sf_kr;\n"
-                  f"const unsigned sf_dst = sf_p * {64 * 128} + sf_kr * 128 + ((sf_c ^ (sf_kr & 7)) << 4);")
-    wide = "(long long)"
-    return f"""#pragma unroll
-for (int sf_i = 0; sf_i < {per}; ++sf_i) {{
-  const int sf_q = threadIdx.x + sf_i * {T};
-{_indent(coords, 2)}
-  const bool sf_ok = sf_o < {extent_o} && sf_kk < {K};
-  const long long sf_off = sf_ok ? ({op.base}) + {wide}sf_o * {op.stride_o}LL + {wide}sf_kk * {op.stride_k}LL : 0LL;
-  sf_cp_async16({sm} + sf_dst, {op.ptr} + sf_off, sf_ok);
+        assert T % per_k == 0
+        step_o, step_k = 0, T // per_k
+        first = (f"const int sf_kr0 = {tid} / {per_k}; const int sf_cc = {tid} % {per_k};\n"
+                 f"const int sf_o0 = {o0} + sf_cc * 8; const int sf_kk0 = sf_k0 + sf_kr0;\n"
+                 f"const unsigned sf_p0 = (sf_cc >> 3) * {64 * 128}; const int sf_c0 = sf_cc & 7;")
+        # k row kr0 + i*step: (kr0 + i*step) % 8 = kr0 % 8 when step % 8 == 0, else (step = 4) the
+        # i*step term only flips bit 2
+        if step_k % 8 == 0:
+            swz = "(sf_c0 ^ (sf_kr0 & 7))"
+        else:
+            assert step_k == 4
+            swz = "(sf_c0 ^ ((sf_kr0 + sf_i * 4) & 7))"
+        dst = f"sf_p0 + (sf_kr0 + sf_i * {step_k}) * 128 + ({swz} << 4)"
+    return f"""{{
+{_indent(first, 2)}
+  const {_PTR_T} sf_g0 = {op.ptr} + ({op.base}) + (long long)sf_o0 * {op.stride_o}LL + (long long)sf_kk0 * {op.stride_k}LL;
+  #pragma unroll
+  for (int sf_i = 0; sf_i < {per}; ++sf_i) {{
+    const bool sf_ok = sf_o0 + sf_i * {step_o} < {extent_o} && sf_kk0 + sf_i * {step_k} < {K};
+    const long long sf_step = (long long)sf_i * {step_o * op.stride_o + step_k * op.stride_k}LL;
+    sf_cp_async16({sm} + {dst}, sf_ok ? sf_g0 + sf_step : {op.ptr}, sf_ok);
+  }}
 }}"""
+
+
+_PTR_T = "auto"
 
 
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
@@ -172,9 +219,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     config = config or choose_wgmma_config(M, N, batch)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
-    wg, BN, S = WGMMA_CONFIGS[config]
+    wg, BN, S, ws = WGMMA_CONFIGS[config]
     BM = 64 * wg
-    T = 128 * wg
+    T = 128 * (wg + ws)
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
@@ -195,12 +242,145 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     else:
         b_desc = f"sf_smem_desc(sf_sB + sf_ks * 2048, {64 * 128}, 1024)"
 
-    def load(tile: str, st: str) -> str:
+    def load(tile: str, st: str, threads: int = T) -> str:
         return (f"{{\n  const int sf_k0 = ({tile}) * {_BK};\n"
                 f"  const unsigned sf_sa = sf_base + ({st}) * {stage};\n"
                 f"  const unsigned sf_sb = sf_sa + {a_bytes};\n"
-                + _indent(_loader(a, BM, M, K, T, "sf_sa", "sf_m0"), 2) + "\n"
-                + _indent(_loader(b, BN, N, K, T, "sf_sb", "sf_n0"), 2) + "\n}")
+                + _indent(_loader(a, BM, M, K, threads, "sf_sa", "sf_m0"), 2) + "\n"
+                + _indent(_loader(b, BN, N, K, threads, "sf_sb", "sf_n0"), 2) + "\n}")
+
+    def mma(wgi: str) -> str:  # the four K=16 steps of one stage, for consumer warpgroup ``wgi``
+        return (f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < {_BK // 16}; ++sf_ks)\n"
+                f"  sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc.replace('sf_wg', wgi)}, {b_desc});\n"
+                "sf_wgmma_commit();")
+
+    def to_smem(wgi: str) -> str:  # wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), cols 8j + 2(l%4) (+1)
+        return f"""{{
+  const int sf_r = {wgi} * 64 + (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
+  const int sf_c = (sf_wl & 3) * 2;
+  #pragma unroll
+  for (int j = 0; j < {BN // 8}; ++j) {{
+    *reinterpret_cast<float2*>(sf_Cs + sf_r * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j], sf_d[4 * j + 1]);
+    *reinterpret_cast<float2*>(sf_Cs + (sf_r + 8) * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j + 2], sf_d[4 * j + 3]);
+  }}
+}}"""
+
+    def epilogue_loop(first: str, step: int) -> str:
+        return f"""for (int sf_e = {first}; sf_e < {BM * BN}; sf_e += {step}) {{
+  const int sf_m = sf_m0 + sf_e / {BN};
+  const int sf_n = sf_n0 + sf_e % {BN};
+  if (sf_m < {M} && sf_n < {N}) {{
+    const float sf_acc = sf_Cs[(sf_e / {BN}) * {ldc} + sf_e % {BN}];
+{_indent(epilogue, 4)}
+  }}
+}}"""
+
+    def batch_loop(code: str) -> str:
+        return (f"for (int sf_bz = blockIdx.z; sf_bz < {batch}; sf_bz += gridDim.z) {{\n"
+                + _indent(batch_code, 2) + "\n" + _indent(code, 2) + "\n}")
+
+    zero = f"float sf_d[{BN // 2}];\n#pragma unroll\nfor (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;"
+    if not ws:
+        # every thread copies; a block barrier per K step hands the stage to the tensor cores
+        setup = ""
+        body = f"""{zero}
+#pragma unroll
+for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
+  if (sf_s < {KT}) {{
+{_indent(load("sf_s", "sf_s"), 4)}
+  }}
+  sf_cp_commit();
+}}
+for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
+  sf_cp_wait<{S - 3}>();
+  sf_fence_async_smem();
+  __syncthreads();
+  const unsigned sf_sA = sf_base + (sf_kt % {S}) * {stage};
+  const unsigned sf_sB = sf_sA + {a_bytes};
+{_indent(mma("sf_wg"), 2)}
+  if (sf_kt + {S - 2} < {KT}) {{
+{_indent(load(f"sf_kt + {S - 2}", f"(sf_kt + {S - 2}) % {S}"), 4)}
+  }}
+  sf_cp_commit();
+  sf_wgmma_wait<1>();
+}}
+sf_wgmma_wait<0>();
+sf_cp_wait<0>();
+__syncthreads();
+{to_smem("sf_wg")}
+__syncthreads();
+{epilogue_loop("threadIdx.x", T)}
+__syncthreads();"""
+        body = batch_loop(body)
+    else:
+        # warpgroup 0 copies: it waits until the consumers release a stage (empty barrier), copies
+        # the K tile, and once the copies of the tile LAG steps back have landed (cp.async groups)
+        # fences them for the tensor cores and arrives on that tile's full barrier. The consumer
+        # warpgroups wait on full barriers and release each stage once its wgmma group is done.
+        lag = S - 2
+        region = max(S * stage, BM * ldc * 4)
+        full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
+        empty = lambda x: f"sf_bars + ({S} + ({x})) * 8"  # noqa: E731
+        setup = f"""const unsigned sf_bars = sf_base + {region};
+if (threadIdx.x == 0) {{
+  for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
+    sf_mbar_init({full("sf_s")}, 128);
+    sf_mbar_init({empty("sf_s")}, {wg * 128});
+  }}
+}}
+__syncthreads();
+int sf_it = 0;  // K tiles handed over in earlier batch iterations (barrier phases)"""
+        # 3 warpgroups share 64K registers (168 each at entry): with 128 accumulators per thread
+        # the consumers need more, which the producer gives up (its address arithmetic spills a
+        # little instead, off the critical path)
+        dec, inc = ("setmaxnreg.dec.sync.aligned.u32 40;", "setmaxnreg.inc.sync.aligned.u32 232;") \
+            if wg == 2 and BN == 256 else ("", "")
+        dec = f'asm volatile("{dec}\\n");' if dec else ""
+        inc = f'asm volatile("{inc}\\n");' if inc else ""
+        producer = f"""for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
+  const int sf_g = sf_it + sf_kt;
+  sf_mbar_wait({empty(f"sf_g % {S}")}, ((sf_g / {S}) & 1) ^ 1);
+{_indent(load("sf_kt", f"sf_g % {S}", 128), 2)}
+  sf_cp_commit();
+  if (sf_kt >= {lag}) {{
+    sf_cp_wait<{lag}>();
+    sf_fence_async_smem();
+    sf_mbar_arrive({full(f"(sf_g - {lag}) % {S}")});
+  }}
+}}
+sf_cp_wait<0>();
+sf_fence_async_smem();
+for (int sf_kt = max({KT} - {lag}, 0); sf_kt < {KT}; ++sf_kt) sf_mbar_arrive({full(f"(sf_it + sf_kt) % {S}")});
+__syncthreads();
+__syncthreads();
+sf_it += {KT};"""
+        consumer = f"""{zero}
+for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
+  const int sf_g = sf_it + sf_kt;
+  sf_mbar_wait({full(f"sf_g % {S}")}, (sf_g / {S}) & 1);
+  const unsigned sf_sA = sf_base + (sf_g % {S}) * {stage};
+  const unsigned sf_sB = sf_sA + {a_bytes};
+{_indent(mma("sf_cw"), 2)}
+  sf_wgmma_wait<1>();
+  if (sf_kt > 0) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
+}}
+sf_wgmma_wait<0>();
+sf_mbar_arrive({empty(f"(sf_it + {KT} - 1) % {S}")});
+__syncthreads();
+{to_smem("sf_cw")}
+sf_bar_sync(1, {wg * 128});
+{epilogue_loop("threadIdx.x - 128", wg * 128)}
+__syncthreads();
+sf_it += {KT};"""
+        # the two roles never join again (setmaxnreg needs each role in one branch)
+        body = f"""if (sf_wg == 0) {{
+  {dec}
+{_indent(batch_loop(producer), 2)}
+}} else {{
+  {inc}
+  const int sf_cw = sf_wg - 1;
+{_indent(batch_loop(consumer), 2)}
+}}"""
 
     group = 8
     src = f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}) {{
@@ -218,60 +398,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
   const int sf_m0 = (sf_first + (sf_bid % sf_gsz) % sf_rows) * {BM};
   const int sf_n0 = ((sf_bid % sf_gsz) / sf_rows) * {BN};
 {_indent(root, 2)}
-  for (int sf_bz = blockIdx.z; sf_bz < {batch}; sf_bz += gridDim.z) {{
-{_indent(batch_code, 4)}
-    float sf_d[{BN // 2}];
-    #pragma unroll
-    for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
-    #pragma unroll
-    for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
-      if (sf_s < {KT}) {{
-{_indent(load("sf_s", "sf_s"), 8)}
-      }}
-      sf_cp_commit();
-    }}
-    for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
-      sf_cp_wait<{S - 3}>();
-      sf_fence_async_smem();
-      __syncthreads();
-      const unsigned sf_sA = sf_base + (sf_kt % {S}) * {stage};
-      const unsigned sf_sB = sf_sA + {a_bytes};
-      sf_wgmma_fence();
-      #pragma unroll
-      for (int sf_ks = 0; sf_ks < {_BK // 16}; ++sf_ks)
-        sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc}, {b_desc});
-      sf_wgmma_commit();
-      if (sf_kt + {S - 2} < {KT}) {{
-{_indent(load(f"sf_kt + {S - 2}", f"(sf_kt + {S - 2}) % {S}"), 8)}
-      }}
-      sf_cp_commit();
-      sf_wgmma_wait<1>();
-    }}
-    sf_wgmma_wait<0>();
-    sf_cp_wait<0>();
-    __syncthreads();
-    // accumulators -> shared memory (wgmma D layout: warp w, lane l hold rows 16w + l/4 (+8),
-    // columns 8j + 2(l%4) (+1))
-    {{
-      const int sf_r = sf_wg * 64 + (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
-      const int sf_c = (sf_wl & 3) * 2;
-      #pragma unroll
-      for (int j = 0; j < {BN // 8}; ++j) {{
-        *reinterpret_cast<float2*>(sf_Cs + sf_r * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j], sf_d[4 * j + 1]);
-        *reinterpret_cast<float2*>(sf_Cs + (sf_r + 8) * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j + 2], sf_d[4 * j + 3]);
-      }}
-    }}
-    __syncthreads();
-    for (int sf_e = threadIdx.x; sf_e < {BM * BN}; sf_e += {T}) {{
-      const int sf_m = sf_m0 + sf_e / {BN};
-      const int sf_n = sf_n0 + sf_e % {BN};
-      if (sf_m < {M} && sf_n < {N}) {{
-        const float sf_acc = sf_Cs[(sf_e / {BN}) * {ldc} + sf_e % {BN}];
-{_indent(epilogue, 8)}
-      }}
-    }}
-    __syncthreads();
-  }}
+{_indent(setup, 2)}
+{_indent(body, 2)}
 }}
 """
     grid = (tiles_m * tiles_n, 1, max(1, min(batch, 65535)))
