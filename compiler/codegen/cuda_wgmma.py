@@ -82,16 +82,23 @@ def _smem_bytes(wg: int, bn: int, stages: int) -> tuple[int, int, int]:
     return a, b, max(pipe, ctile) + 16 * stages + 1024
 
 
+#: relative throughput of a full block of each (non-warp-specialized) tile on a large product,
+#: measured on an H100 (llama7b o projection, M=8192: 0.84, 0.68, 0.45, 0.31 of cuBLAS)
+_TILE_EFFICIENCY = {"128x256": 1.0, "128x128": 0.81, "64x128": 0.54, "64x64": 0.37}
+
+
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132) -> str:
-    """The largest block tile that still gives most multiprocessors (``sms``) a block, else the
-    smallest one."""
-    names = [n for n, c in WGMMA_CONFIGS.items() if not c[3]]
-    for name in names:
+    """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
+    its blocks keep busy over whole waves (one block per multiprocessor: every tile uses more than
+    half the shared memory) times the tile's own efficiency (:data:`_TILE_EFFICIENCY`). On the 24
+    float16 shapes of the H100 GEMM benchmark it picks the tile that measured fastest (each tile
+    forced in turn: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt)."""
+    def score(name: str) -> float:
         wg, bn, _, _ = WGMMA_CONFIGS[name]
         tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
-        if tiles >= 0.75 * sms:
-            return name
-    return names[-1]
+        waves = -(-tiles // sms)
+        return tiles / (waves * sms) * _TILE_EFFICIENCY[name]
+    return max(_TILE_EFFICIENCY, key=score)
 
 
 def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:

@@ -5,7 +5,9 @@ Gemm, Conv, ConvTranspose, Einsum) to float16 or bfloat16 and leaves everything 
 
 * weights (constant operands) are converted once, at compile time, and stored in the half type
   (half the bytes); the contraction reads them through a ``Cast`` to float32;
-* activations go through ``Cast(Cast(x, half), float32)``;
+* activations go through ``Cast(Cast(x, half), float32)``; when ``x`` is a reshape (a view, no
+  kernel) read by the contraction alone, the rounding moves before the reshape, so that the
+  producer's kernel writes the half values and the contraction reads them from memory;
 * biases (Gemm's ``C``, Conv's ``B``) and the output stay float32; products are exact in float32
   and are accumulated in float32.
 
@@ -60,6 +62,14 @@ class HalfPrecisionContractions(GraphPass):
         nodes: list[Operator] = []
         weights: dict[int, Tensor] = {}  # one converted copy per weight, shared by its readers
         n_ops = n_weights = 0
+        readers: dict[int, int] = {}
+        for op in graph.nodes:
+            for t in {id(t): t for t in op.inputs}.values():
+                readers[id(t)] = readers.get(id(t), 0) + 1
+        for t in graph.outputs:
+            readers[id(t)] = readers.get(id(t), 0) + 1
+        producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        dropped: set[int] = set()
         for op in graph.nodes:
             which = HALF_OPERANDS.get(op.op_type, ())
             if which is None:
@@ -80,14 +90,31 @@ class HalfPrecisionContractions(GraphPass):
                         n_weights += 1
                     inputs[k] = weights[id(t)]
                 else:
-                    down = CastOp([t], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
-                    up = CastOp([down.outputs[0]], name=f"{op.name}.in{k}.float32", to="float32")
-                    nodes += [down, up]
+                    # round before reshapes (views: no kernel) read by this contraction alone, so
+                    # that the producer's kernel writes the half values and the contraction reads them
+                    views, src = [], t
+                    while True:
+                        v = producer.get(id(src))
+                        if v is None or v.op_type != "Reshape" or readers.get(id(src)) != 1 \
+                                or v.inputs[0].is_constant:
+                            break
+                        views.append(v)
+                        src = v.inputs[0]
+                    down = CastOp([src], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
+                    nodes.append(down)
+                    cur = down.outputs[0]
+                    for v in reversed(views):
+                        moved = v.clone([cur, *v.inputs[1:]])
+                        nodes.append(moved)
+                        cur = moved.outputs[0]
+                        dropped.add(id(v))
+                    up = CastOp([cur], name=f"{op.name}.in{k}.float32", to="float32")
+                    nodes.append(up)
                     inputs[k] = up.outputs[0]
             op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
             nodes.append(op)
             n_ops += 1
-        graph.nodes = nodes
+        graph.nodes = [op for op in nodes if id(op) not in dropped]
         log.info("precision %s: %d contractions read %s operands (%d weights converted)", self.dtype, n_ops,
                  self.dtype, n_weights)
         return graph
