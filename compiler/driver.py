@@ -628,7 +628,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     if opt.precision in ("float16", "bfloat16"):
         from .passes.precision import HalfPrecisionContractions
 
-        graph = HalfPrecisionContractions(opt.precision).run(graph)
+        graph = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda").run(graph)
 
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)

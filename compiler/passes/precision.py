@@ -52,9 +52,14 @@ def _half_dtype(name: str):
 class HalfPrecisionContractions(GraphPass):
     """Round the float32 operands of contractions to ``dtype`` (``"float16"`` or ``"bfloat16"``)."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, k_major_weights: bool = False):
         self.dtype = dtype
         self.np_dtype = _half_dtype(dtype)
+        #: store a MatMul weight ``[K, N]`` whose rows are not 16-byte aligned (``N`` not a multiple
+        #: of 8, e.g. GPT-2's 50257-word output projection) transposed, as ``[N, K]`` read through a
+        #: Transpose: the cuda GEMM then copies it 16 bytes at a time (K-major) instead of falling
+        #: back to element-wise loads
+        self.k_major_weights = k_major_weights
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.elementwise import CastOp
@@ -83,7 +88,16 @@ class HalfPrecisionContractions(GraphPass):
                 t = inputs[k]
                 if t.is_constant:
                     if id(t) not in weights:
-                        half = const_tensor(np.asarray(t.value).astype(self.np_dtype), f"{t.name}.{self.dtype}")
+                        value = np.asarray(t.value).astype(self.np_dtype)
+                        if (self.k_major_weights and op.op_type == "MatMul" and k == 1 and value.ndim == 2
+                                and value.shape[1] % 8 and value.shape[0] % 8 == 0):
+                            from ..ops.transform import Transpose
+                            half = const_tensor(np.ascontiguousarray(value.T), f"{t.name}.{self.dtype}.T")
+                            flip = Transpose([half], name=f"{op.name}.w{k}.T", perm=(1, 0))
+                            nodes.append(flip)
+                            half = flip.outputs[0]
+                        else:
+                            half = const_tensor(value, f"{t.name}.{self.dtype}")
                         back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
                         nodes.append(back)
                         weights[id(t)] = back.outputs[0]

@@ -117,3 +117,33 @@ def test_bfloat16_is_cuda_only_and_cross_compiles_to_bf16_tensor_cores(tmp_path)
         kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
         assert kinds.count("gemm-wgmma-bf16") >= 8, kinds
         assert "bfloat16" in {b["dtype"] for b in program["buffers"] if b["storage"] == "weights"}
+
+
+def test_unaligned_weights_are_stored_k_major_for_cuda():
+    """A MatMul weight [K, N] with N not a multiple of 8 (GPT-2's 50257-word head) is stored [N, K]
+    behind a Transpose for cuda, so that the wgmma GEMM can copy it 16 bytes at a time; the values
+    are the same, and the reshape feeding the product is rounded before the reshape."""
+    from shardflow.compiler.codegen.cuda import generate_cuda_source
+    from shardflow.compiler.codegen.fusion import fuse
+    from shardflow.compiler.ops.transform import Reshape
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 50)).astype(np.float32)
+    x = Tensor("x", (2, 16, 64), "float32")
+    flat = Reshape([x], shape=(32, 64))
+    mm = MatMul([flat.outputs[0], const_tensor(w, "w")])
+    g = HalfPrecisionContractions("float16", k_major_weights=True).run(FlowGraph([x], mm.outputs))
+    g.validate()
+    assert [t.shape for t in g.constants() if t.dtype == "float16"] == [(50, 64)]
+    types = [op.op_type for op in g.nodes]
+    assert types.index("Cast") < types.index("Reshape")  # x rounded, then reshaped (a view)
+    xv = rng.standard_normal((2, 16, 64)).astype(np.float32)
+    got = g.run({"x": xv})[g.output_names[0]]
+    rnd = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    np.testing.assert_allclose(got, rnd(xv).reshape(32, 64) @ rnd(w), rtol=1e-5, atol=1e-5)
+    compute = [op for op in g.nodes if op.op_type != "Reshape"]
+    kinds = [l.kind for l in generate_cuda_source(fuse(compute), arch="sm_90").launches.values()]
+    assert "gemm-wgmma-f16" in kinds, kinds
+    mm2 = MatMul([flat.outputs[0], const_tensor(w, "w")])
+    plain = HalfPrecisionContractions("float16").run(FlowGraph([x], mm2.outputs))
+    assert [t.shape for t in plain.constants() if t.dtype == "float16"] == [(64, 50)]
