@@ -1,0 +1,127 @@
+"""Per-kernel times of one compiled cuda rank program: where a model's latency goes.
+
+    python benchmarks/gpu/kernel_profile.py OUT_DIR [--rank 0] [--reps 10] [--top 25] [--json FILE]
+    python benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 [--precision float16] [--work DIR]
+
+The first form profiles an artifact folder written by ``shardflow.compile(target="cuda")``; the
+second exports the model (``export_models.py``, as ``models.py`` does) and compiles it first.
+
+Method: the program runs once (inputs zero), then every kernel step is launched on its own, in
+program order, ``--reps`` times between two CUDA events on the engine's stream (inputs are the
+program's own buffers, so the kernels see the shapes and data layout of a real run); the figure is
+the median per launch. Back-to-back launches of one kernel hide most of the launch overhead and
+keep its operands warm in L2, so the sum is a lower bound of the graph replay time (printed beside
+it). Collectives are not timed. Prints the ``--top`` kernels and the totals per kernel kind.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ensure_shardflow, table  # noqa: E402
+
+
+def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
+    """Time every kernel step of ``out_dir``'s rank program; returns per-step records and totals."""
+    import cupy as cp
+    import numpy as np
+
+    from shardflow.runtime import load
+
+    prog = load(out_dir, rank=rank)
+    feeds = {name: np.zeros(shape, dtype) for name, (shape, dtype) in _input_specs(out_dir, rank).items()}
+    prog.run(feeds)
+    prog.run(feeds)  # second run: the engine captures its graph
+    engine = prog._engine
+    steps = [s for s in json.load(open(os.path.join(out_dir, f"rank{rank}", "program.json")))["steps"]
+             if s["kind"] == "kernel"]
+    launches = [f for seg, _ in engine.segments for f in seg]
+    assert len(launches) == len(steps), (len(launches), len(steps))
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    records = []
+    with engine.stream:
+        for s, f in zip(steps, launches):
+            if f is None:
+                continue
+            f()
+            times = []
+            for _ in range(3):
+                start.record(engine.stream)
+                for _ in range(reps):
+                    f()
+                end.record(engine.stream)
+                end.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, end) / reps)
+            records.append({"node": s["node"], "kind": s["launch"]["kind"], "grid": s["launch"]["grid"],
+                            "block": s["launch"]["block"], "ms": statistics.median(times)})
+    # the whole program as the runtime replays it
+    t = []
+    for _ in range(10):
+        start.record(engine.stream)
+        engine.graphs[0][0].launch(engine.stream) if engine.capturable else engine._eager()
+        end.record(engine.stream)
+        end.synchronize()
+        t.append(cp.cuda.get_elapsed_time(start, end))
+    by_kind: dict = {}
+    for r in records:
+        k = by_kind.setdefault(r["kind"], {"kernels": 0, "ms": 0.0})
+        k["kernels"] += 1
+        k["ms"] += r["ms"]
+    return {"steps": records, "sum_ms": sum(r["ms"] for r in records), "graph_ms": statistics.median(t),
+            "by_kind": by_kind}
+
+
+def _input_specs(out_dir: str, rank: int) -> dict:
+    p = json.load(open(os.path.join(out_dir, f"rank{rank}", "program.json")))
+    bufs = p["buffers"]
+    from shardflow.runtime.artifact import buffer_dtype
+    return {name: (tuple(bufs[i]["shape"]), buffer_dtype(bufs[i]["dtype"])) for name, i in p["inputs"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", nargs="?")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--model", help="export and compile this models.py model instead (gpt2_small, llama)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--precision", default="float16")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--work", help="keep the export and the artifacts here")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    ensure_shardflow()
+    out_dir = args.out_dir
+    if out_dir is None:
+        if not args.model:
+            ap.error("give an artifact folder or --model")
+        import models
+
+        work = args.work or tempfile.mkdtemp(prefix="sf-profile-")
+        _, info = models.prepare(args.model, work, work, False, print)
+        out_dir = os.path.join(work, f"{args.model}_{args.batch}x128_{args.precision}")
+        models.compile_ours(info["path"], args.batch, out_dir, target="cuda", arch=args.arch,
+                            precision=args.precision, search_space=None)
+    res = profile(out_dir, args.rank, args.reps)
+    top = sorted(res["steps"], key=lambda r: -r["ms"])[:args.top]
+    print(table(["ms", "kind", "grid", "block", "node"],
+                [[f"{r['ms']:.4f}", r["kind"], "x".join(map(str, r["grid"])), r["block"][0], r["node"][-70:]]
+                 for r in top], align=">><><"))
+    print(table(["kind", "kernels", "ms"], [[k, v["kernels"], f"{v['ms']:.3f}"]
+                                            for k, v in sorted(res["by_kind"].items(), key=lambda kv: -kv[1]["ms"])],
+                align="<>>"))
+    print(f"sum of kernels {res['sum_ms']:.3f} ms; whole program (graph replay) {res['graph_ms']:.3f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
