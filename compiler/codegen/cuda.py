@@ -1110,6 +1110,9 @@ def _contiguous_reduction(r: Reduce) -> bool:
     return False
 
 
+_ELEMENTS_PER_THREAD = 4
+
+
 def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysis,
                         reads, names) -> _Part:
     em = _Emitter(an, reads, names)
@@ -1139,11 +1142,16 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
         blk = _Block(root, binds)
         store(blk, e)
         code = list(root.lines)
+        # large outputs: each thread takes several elements (a quarter of the blocks, the loop
+        # unrolled) so that several independent loads are in flight per thread
+        per = _ELEMENTS_PER_THREAD if n >= _ELEMENTS_PER_THREAD * _THREADS * 264 else 1
+        if per > 1:
+            code.append(f"#pragma unroll {per}")
         code.append(f"for ({it} {e} = ({it})blockIdx.x * blockDim.x + threadIdx.x; {e} < {n}; "
                     f"{e} += ({it})gridDim.x * blockDim.x) {{")
         code += _indent(dec, 2) + _indent(blk.lines, 2)
         code.append("}")
-        grid = max(1, min(_MAX_GRID, -(-n // _THREADS)))
+        grid = max(1, min(_MAX_GRID, -(-n // (_THREADS * per))))
         return _Part(code, grid, "elementwise")
 
     row_axes, coop_ids, lanes = plan

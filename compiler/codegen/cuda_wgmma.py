@@ -90,14 +90,16 @@ _TILE_EFFICIENCY = {"128x256": 1.0, "128x128": 0.81, "64x128": 0.54, "64x64": 0.
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132) -> str:
     """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
     its blocks keep busy over whole waves (one block per multiprocessor: every tile uses more than
-    half the shared memory) times the tile's own efficiency (:data:`_TILE_EFFICIENCY`). On the 24
+    half the shared memory), times the useful fraction of the tiles (those past ``M`` or ``N``
+    compute zeros), times the tile's own efficiency (:data:`_TILE_EFFICIENCY`). On the 24
     float16 shapes of the H100 GEMM benchmark it picks the tile that measured fastest (each tile
     forced in turn: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt)."""
     def score(name: str) -> float:
         wg, bn, _, _ = WGMMA_CONFIGS[name]
         tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
         waves = -(-tiles // sms)
-        return tiles / (waves * sms) * _TILE_EFFICIENCY[name]
+        useful = M * N * batch / (tiles * 64 * wg * bn)  # tiles hanging over M or N do less work
+        return tiles / (waves * sms) * useful * _TILE_EFFICIENCY[name]
     return max(_TILE_EFFICIENCY, key=score)
 
 
