@@ -27,7 +27,10 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
       GEMM) in float32/float16/bfloat16 with M, N >= 16: the tensor-core GEMM template of
       :mod:`.cuda_templates` (3xTF32 for float32, or TF32 with ``precision="tf32"``; see there
       for the tolerances), with the rest of
-      the expression as its epilogue.
+      the expression as its epilogue. On ``sm_90`` a float16/bfloat16 product whose operands
+      are dense half-precision tensors (16-byte aligned rows) takes the Hopper template of
+      :mod:`.cuda_wgmma` instead (``wgmma`` fed by a ``cp.async`` pipeline; compiled for
+      ``sm_90a``).
 
 Semantics follow the reference evaluator (:mod:`shardflow.compiler.ir.evaluate`) node by node:
 numpy's result dtypes (computed by numpy itself on empty arrays), floor division and modulo,
