@@ -19,8 +19,8 @@ key               meaning                                                       
                   ``"bfloat16"`` likewise with bfloat16 (cuda only)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
-``search_space``  kernel tuning level 0, 1 or 2 (validated; no tuner yet: every level uses   ``1``
-                  the default tile heuristics, e.g. cuda_templates.choose_gemm_config)
+``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
+                  the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
 ================  =========================================================================  ==========
 """

@@ -1759,8 +1759,8 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
 
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
-                       keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None
-                       ) -> dict[str, KernelLaunch | None]:
+                       keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
+                       search_space: int = 1) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -1792,6 +1792,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         written (graph outputs, inputs of collectives or of ops compiled elsewhere).
     gemm_configs
         Block tiles of wgmma GEMMs by op name (see :func:`generate_cuda_source`).
+    search_space
+        ``0``/``1``: the default tile choice; ``2``: measure the wgmma GEMMs' tiles on this
+        machine's GPU when one is visible (:mod:`.tune`; choices cached beside the kernels).
 
     Returns
     -------
@@ -1818,12 +1821,21 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
         # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM
         ops = fuse_ops(list(ops), keep=keep, materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: False)
-    src = generate_cuda_source(ops, precision, arch, gemm_configs)
-    arch = compile_arch(arch, src)
-    t1 = time.perf_counter()
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
     if compiler == "nvcc" and nvcc is None:
         raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
+    cache = cache_dir or default_cache_dir()
+    if search_space >= 2 and arch in WGMMA_ARCHS:
+        from .tune import tune_gemms
+
+        def compile_unit(s: CudaSource) -> bytes:
+            a = compile_arch(arch, s)
+            return _compile_nvcc(nvcc, s, a) if nvcc is not None else _compile_nvrtc(s, a)
+        tuned = tune_gemms(ops, arch=arch, precision=precision, cache_dir=cache, compile_source=compile_unit)
+        gemm_configs = {**tuned, **(gemm_configs or {})}
+    src = generate_cuda_source(ops, precision, arch, gemm_configs)
+    arch = compile_arch(arch, src)
+    t1 = time.perf_counter()
     if nvcc is not None:
         tool = " ".join(cuda_compile_command(arch, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
     else:
@@ -1833,7 +1845,6 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
             raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
                                  "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
     key = hashlib.sha256((src.text + "\0" + tool).encode()).hexdigest()
-    cache = cache_dir or default_cache_dir()
     cached = os.path.join(cache, key[:2], key + ".cubin")
     hit = os.path.exists(cached)
     if hit:

@@ -1,0 +1,143 @@
+"""Kernel tuning for the cuda target (``optimization_config["search_space"]``).
+
+``search_space`` 0 and 1 use the documented default: :func:`~.cuda_wgmma.choose_wgmma_config`, a
+model of the H100 measurements (waves × useful fraction × per-tile throughput; it picks the
+fastest tile on all 24 float16 benchmark shapes). ``search_space=2`` measures instead: for each
+wgmma GEMM of the program, every block tile (the non-warp-specialized ones) is compiled alone,
+launched on random operands of the op's shapes on the GPU of the compiling machine, and timed with
+CUDA events (median of 3 × 10 back-to-back launches); the fastest is used. Choices are kept as
+JSON in ``<kernel cache>/tune/`` keyed by the kernel's source, the GPU's name and the candidates,
+so repeated layers and later builds measure nothing. Without a visible GPU (or cupy), level 2
+falls back to the default and says so in the log.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..ir.graph import Operator
+
+__all__ = ["tune_gemms", "gpu_name"]
+
+log = logging.getLogger(__name__)
+
+#: the tiles level 2 measures
+CANDIDATES = ("128x256", "128x128", "64x128", "64x64")
+
+
+def gpu_name() -> str | None:
+    """The name of the CUDA device cupy sees, or None (no cupy, no device)."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device
+        return None
+
+
+def _random_inputs(op: Operator, cupy):
+    rng = np.random.default_rng(0)
+    arrays = []
+    for t in op.inputs:
+        shape = tuple(t.shape)
+        if t.dtype in ("float16", "float32", "float64"):
+            a = rng.standard_normal(shape).astype(t.dtype)
+        elif t.dtype == "bfloat16":
+            a = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        else:  # indices and masks: zeros are in range
+            a = np.zeros(shape, np.uint8 if t.dtype == "bool" else t.dtype)
+        arrays.append(cupy.asarray(a))
+    for t in op.outputs:
+        arrays.append(cupy.empty(tuple(t.shape), np.uint16 if t.dtype == "bfloat16" else
+                                 (np.uint8 if t.dtype == "bool" else t.dtype)))
+    return arrays
+
+
+def measure_on_gpu(cubin: bytes, launch, op: Operator, reps: int = 10) -> float:
+    """Milliseconds per launch of ``launch`` (a KernelLaunch in ``cubin``) on random operands."""
+    import cupy
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        fn = cupy.RawModule(path=path).get_function(launch.symbol)
+        if launch.shared_mem > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = launch.shared_mem
+        args = tuple(_random_inputs(op, cupy))
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        for _ in range(2):
+            fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+        times = []
+        for _ in range(3):
+            start.record()
+            for _ in range(reps):
+                fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / reps)
+        return statistics.median(times)
+    finally:
+        os.unlink(path)
+
+
+def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir: str,
+               compile_source: Callable, measure: Callable | None = None,
+               device: str | None = None) -> dict[str, str]:
+    """Measured wgmma tiles for the GEMMs of ``ops``: op name -> tile name (only ops whose
+    choice was measured or cached; the others keep the default).
+
+    ``compile_source(src) -> cubin bytes`` compiles a :class:`~.cuda.CudaSource`; ``measure(cubin,
+    launch, op) -> ms`` times one kernel (default :func:`measure_on_gpu`); ``device`` names the GPU
+    the choices are for (default: the visible one; without one nothing is measured).
+    """
+    from .cuda import generate_cuda_source
+
+    device = device or gpu_name()
+    if device is None:
+        log.info("search_space=2: no CUDA device visible here; wgmma GEMMs use the default tile choice")
+        return {}
+    measure = measure or measure_on_gpu
+    base = generate_cuda_source(list(ops), precision, arch)
+    folder = os.path.join(cache_dir, "tune")
+    chosen: dict[str, str] = {}
+    for op in ops:
+        launch = base.launches.get(op.name)
+        if launch is None or not launch.kind.startswith("gemm-wgmma"):
+            continue
+        a, b = base.lines[op.name]
+        text = "\n".join(base.text.splitlines()[a - 1:b])
+        text = text[text.index('extern "C"'):].replace(launch.symbol, "K")  # the kernel alone
+        key = hashlib.sha256("\0".join([text, device, arch, precision, *CANDIDATES]).encode()).hexdigest()
+        path = os.path.join(folder, key[:2], key + ".json")
+        if os.path.exists(path):
+            with open(path) as f:
+                chosen[op.name] = json.load(f)["config"]
+            continue
+        times = {}
+        for cand in CANDIDATES:
+            src = generate_cuda_source([op], precision, arch, {op.name: cand})
+            times[cand] = float(measure(compile_source(src), src.launches[op.name], op))
+        best = min(times, key=times.get)
+        chosen[op.name] = best
+        log.info("tuned %s (%s): %s", op.name, ", ".join(f"{c} {t:.4f} ms" for c, t in times.items()), best)
+        record = {"config": best, "ms": times, "device": device, "op": op.name}
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + f".tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache must not fail the build
+            log.warning("cannot write the tuning cache %s: %s", path, exc)
+    return chosen

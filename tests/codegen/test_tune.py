@@ -1,0 +1,73 @@
+"""``search_space=2``: measured wgmma tiles (compiler/codegen/tune.py).
+
+The measuring function is replaced by a fake here (CI has no GPU): which tile wins, that the
+choice reaches the kernel, that it is cached per kernel source and device, and that without a GPU
+the default choice is kept. The real measurement (``measure_on_gpu``) needs cupy and a device.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import shutil
+
+import pytest
+
+from shardflow.compiler.codegen import tune
+from shardflow.compiler.codegen.cuda import build_cuda_library
+from shardflow.compiler.codegen.cuda_wgmma import choose_wgmma_config
+from shardflow.compiler.ir import Tensor
+from shardflow.compiler.ops.linalg import MatMul
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+def _ops():  # two identical layers and one other shape
+    mk = lambda n, m, k, nn: MatMul([Tensor(f"{n}a", (m, k), "float16"), Tensor(f"{n}b", (k, nn), "float16")],  # noqa: E731
+                                    name=n)
+    return [mk("l0", 1024, 256, 768), mk("l1", 1024, 256, 768), mk("head", 128, 256, 512)]
+
+
+@needs_nvcc
+def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(cubin, launch, op):
+        calls.append((op.name, launch.block[0], launch.grid[0]))
+        assert cubin  # compiled for real
+        return {128: 2.0, 256: 3.0}[launch.block[0]] / launch.grid[0]  # prefers many small blocks
+
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
+    monkeypatch.setattr(tune, "measure_on_gpu", fake)
+    cache = str(tmp_path / "cache")
+    launches = build_cuda_library(_ops(), str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
+    assert choose_wgmma_config(1024, 768, 1) != "64x64"  # the measurement, not the default, decided
+    assert launches["l0"].block == (128, 1, 1) and launches["l0"].grid[0] == 16 * 12  # 64x64 tiles
+    # l1 has l0's kernel: measured once; 4 tiles per distinct kernel
+    assert len(calls) == 8 and {c[0] for c in calls} == {"l0", "head"}
+    records = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
+    assert sorted(r["config"] for r in records) == ["64x64", "64x64"] and records[0]["device"] == "Fake GPU"
+    assert set(records[0]["ms"]) == set(tune.CANDIDATES)
+    # a second build reads the choices back: nothing is measured
+    monkeypatch.setattr(tune, "measure_on_gpu", lambda *a: pytest.fail("measured again"))
+    again = build_cuda_library(_ops(), str(tmp_path / "k2.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
+    assert again == launches
+    # another GPU measures for itself
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Other GPU")
+    monkeypatch.setattr(tune, "measure_on_gpu", fake)
+    calls.clear()
+    build_cuda_library(_ops(), str(tmp_path / "k3.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
+    assert len(calls) == 8
+
+
+def test_without_a_gpu_level_2_keeps_the_default(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tune, "gpu_name", lambda: None)
+    ops = _ops()
+    with caplog.at_level(logging.INFO, logger="shardflow.compiler.codegen.tune"):
+        chosen = tune.tune_gemms(ops, arch="sm_90", precision="float32", cache_dir=str(tmp_path),
+                                 compile_source=lambda s: pytest.fail("compiled"))
+    assert chosen == {} and "no CUDA device" in caplog.text
+    # cpu-only GEMMs (other architectures: no wgmma) are not tuned either
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
+    assert tune.tune_gemms(ops, arch="sm_80", precision="float32", cache_dir=str(tmp_path),
+                           compile_source=lambda s: pytest.fail("compiled")) == {}
