@@ -71,3 +71,17 @@ def test_without_a_gpu_level_2_keeps_the_default(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
     assert tune.tune_gemms(ops, arch="sm_80", precision="float32", cache_dir=str(tmp_path),
                            compile_source=lambda s: pytest.fail("compiled")) == {}
+
+
+@pytest.mark.gpu
+def test_measures_on_the_gpu(tmp_path):
+    if tune.gpu_name() is None:
+        pytest.skip("no CUDA device (or cupy is not installed)")
+    cache = str(tmp_path / "cache")
+    launches = build_cuda_library(_ops(), str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
+    records = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
+    assert len(records) == 2 and all(r["config"] in tune.CANDIDATES for r in records)
+    assert all(0 < t < 10 for r in records for t in r["ms"].values()), records
+    assert all(r["ms"][r["config"]] == min(r["ms"].values()) for r in records)
+    assert launches["l0"].kind == "gemm-wgmma-f16"
+    print({r["op"]: r["ms"] for r in records})
