@@ -203,7 +203,7 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
         dst = f"sf_p0 + (sf_kr0 + sf_i * {step_k}) * 128 + ({swz} << 4)"
     return f"""{{
 {_indent(first, 2)}
-  const {_PTR_T} sf_g0 = {op.ptr} + ({op.base}) + (long long)sf_o0 * {op.stride_o}LL + (long long)sf_kk0 * {op.stride_k}LL;
+  const auto sf_g0 = {op.ptr} + ({op.base}) + (long long)sf_o0 * {op.stride_o}LL + (long long)sf_kk0 * {op.stride_k}LL;
   #pragma unroll
   for (int sf_i = 0; sf_i < {per}; ++sf_i) {{
     const bool sf_ok = sf_o0 + sf_i * {step_o} < {extent_o} && sf_kk0 + sf_i * {step_k} < {K};
@@ -211,9 +211,6 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
     sf_cp_async16({sm} + {dst}, sf_ok ? sf_g0 + sf_step : {op.ptr}, sf_ok);
   }}
 }}"""
-
-
-_PTR_T = "auto"
 
 
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
