@@ -73,6 +73,10 @@ def _versions() -> dict:
     try:
         v["git_commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
                                          timeout=30).stdout.strip() or None
+        # a copied working tree (the device tool's) can carry a stale .git: say when files differ
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+        v["git_dirty"] = bool(dirty)
     except (OSError, subprocess.SubprocessError):
         v["git_commit"] = None
     return v
