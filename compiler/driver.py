@@ -522,6 +522,15 @@ def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int
 # ---------------------------------------------------------------------------------------
 # codegen adapters
 # ---------------------------------------------------------------------------------------
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def _call_with_supported(fn: Callable, *args, **kw):
     """Call ``fn`` passing only the keyword arguments its signature accepts."""
     try:
@@ -664,21 +673,30 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 raise GraphError(f"rank {r}: node names {dup} repeat; kernels are keyed by node name")
             views = [op for op in rg.nodes if not isinstance(op, Collective) and _is_view(op)]
             view_ids = {id(op) for op in views}
-            ops = [op for op in rg.nodes if not isinstance(op, Collective) and id(op) not in view_ids]
+            # views go to a codegen that takes them too: fusion may fold a reshape into a
+            # neighbour's kernel; the ones it leaves alone get no kernel and alias their input
+            with_views = _accepts(builder, "views")
+            ops = [op for op in rg.nodes if not isinstance(op, Collective) and (with_views or id(op) not in view_ids)]
             t = time.perf_counter()
-            log.info("rank %d (%d of %d): generating %d kernels (%s)", r, r + 1, world, len(ops), opt.target)
-            # tensors fusion must still write: read by collectives or views (not compiled here), or outputs
-            keep = {t.name for op in rg.nodes if id(op) in view_ids or isinstance(op, Collective) for t in op.inputs}
+            log.info("rank %d (%d of %d): generating kernels for %d ops (%s)", r, r + 1, world, len(ops),
+                     opt.target)
+            # tensors fusion must still write: read by collectives (not compiled here), by views the
+            # codegen does not see, or outputs
+            keep = {t.name for op in rg.nodes if isinstance(op, Collective) or (id(op) in view_ids and not with_views)
+                    for t in op.inputs}
             keep.update(t.name for t in rg.outputs)
-            kw = {"fuse": opt.fuse, "keep": sorted(keep), "search_space": opt.search_space}
+            kw = {"fuse": opt.fuse, "keep": sorted(keep), "search_space": opt.search_space,
+                  "views": [op.name for op in views]}
             if opt.target == "cuda":
                 kw["arch"] = opt.arch
                 kw["precision"] = opt.precision
-            kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if ops else {}
-            if ops and not (rdir / kernels_name).is_file():
+            compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels
+            kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
+            if compute and not (rdir / kernels_name).is_file():
                 raise ShardflowError(f"rank {r}: codegen did not write {kernels_name}")
             timings["codegen"] += time.perf_counter() - t
             t = time.perf_counter()
+            views = [op for op in views if op.name not in kernels]  # the ones not fused into a kernel
             program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views)
             program["kernels_file"] = kernels_name
             weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)

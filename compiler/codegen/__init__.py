@@ -27,7 +27,7 @@ def generate_cpu_source(ops, clones: str = "auto"):
 
 
 def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
-                      fuse: bool = False, keep: Collection[str] = ()) -> dict[str, Any]:
+                      fuse: bool = False, keep: Collection[str] = (), views: Collection[str] = ()) -> dict[str, Any]:
     """Compile the kernels of ``ops`` into the shared library ``path``.
 
     Parameters
@@ -48,6 +48,10 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         Fuse injective ops into their neighbours' kernels (:mod:`.fusion`; the GEMM templates
         stay alone, the convolution template applies element-wise epilogues). ``keep`` names tensors that must still be written
         (graph outputs, inputs of collectives or of ops compiled elsewhere).
+    views
+        Names of ops in ``ops`` that can run as views (no kernel): fusion may fold them into a
+        neighbour's kernel (:func:`.fusion.fuse`); the others get no kernel and no entry in
+        the result.
 
     Returns
     -------
@@ -78,7 +82,9 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
             return not any(template_kind(m) for m in group.members) or template_kind(group) == "Fused"
 
         groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None
-                          and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accept)
+                          and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accept, views=views)
+    from .fusion import drop_views
+    groups = drop_views(groups, views)
     src = generate_cpu_source(groups)
     t1 = time.perf_counter()
     if src.skipped:

@@ -1760,7 +1760,7 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
-                       search_space: int = 1) -> dict[str, KernelLaunch | None]:
+                       search_space: int = 1, views: Sequence[str] = ()) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -1795,6 +1795,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     search_space
         ``0``/``1``: the default tile choice; ``2``: measure the wgmma GEMMs' tiles on this
         machine's GPU when one is visible (:mod:`.tune`; choices cached beside the kernels).
+    views
+        Names of ops in ``ops`` that can run as views (no kernel): fusion may fold them into a
+        neighbour's kernel; the others get no kernel and no entry in the result.
 
     Returns
     -------
@@ -1820,7 +1823,10 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         from .fusion import fuse as fuse_ops
         # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
         # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM
-        ops = fuse_ops(list(ops), keep=keep, materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: False)
+        ops = fuse_ops(list(ops), keep=keep, materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: False,
+                       views=views)
+    from .fusion import drop_views
+    ops = drop_views(ops, views)
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
     if compiler == "nvcc" and nvcc is None:
         raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")

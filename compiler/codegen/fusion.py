@@ -33,7 +33,7 @@ from typing import Callable, Collection, Sequence
 
 import numpy as np
 
-from ..ir.expr import Cast, Expr, Reduce, TensorElement, infer_dtype, walk
+from ..ir.expr import Cast, Expr, Reduce, TensorElement, affine_form, infer_dtype, walk
 from ..ir.graph import Operator, Tensor
 from ..ir.task import GridCompute, Task, TensorInput
 from .lower import transform
@@ -131,7 +131,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
          no_prologue: Callable[[Operator], bool] = lambda op: False,
          epilogue_after_reduce: bool = True,
          accept: Callable[["FusedOp"], bool] = lambda group: True,
-         materialize: Callable[[Operator], bool] = lambda op: False) -> list[Operator]:
+         materialize: Callable[[Operator], bool] = lambda op: False,
+         views: Collection[str] = ()) -> list[Operator]:
     """Group ``ops`` (one rank's compute ops, in topological order) into kernels.
 
     Parameters
@@ -155,12 +156,21 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         Ops whose output is written for its readers: they may join their producers' groups, but
         no reader joins theirs (the cuda target on Hopper: casts to float16/bfloat16, so that a
         GEMM reads its half-precision operand from memory, 16 bytes at a time).
+    views
+        Names of the ops among ``ops`` that the runtime can run as views (a reshape whose output
+        aliases its input's bytes; no kernel). One whose input index is affine in its output
+        index (it only splits dims, e.g. ``[B*S, N] -> [B, S, N]``) may be fused like any
+        injective op, also as a GEMM's epilogue (the product then sees the split dims as a
+        composite M or N); the others, and any left alone, are returned as they are and must not
+        be compiled: :func:`drop_views` leaves them out.
 
     Returns
     -------
     list[Operator]
         The ops to compile, in order: original ops and :class:`FusedOp` groups.
     """
+    views = set(views)
+    fusable_view = {op.name for op in ops if op.name in views and _affine_view(op)}
     readers: dict[int, list[Operator]] = {}
     for op in ops:
         for t in {id(t): t for t in op.inputs}.values():
@@ -173,6 +183,9 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     # phase 1, in program order: an op joins the groups of inputs it is the only reader of
     for op in ops:
         take: list[int] = []  # the groups this op joins (their last outputs are inner tensors then)
+        if op.name in views and op.name not in fusable_view:
+            groups.append([op])  # stays a view: nothing joins it, it joins nothing
+            continue
         if _single(op) and not barriers(op) and not no_prologue(op):
             reducing = False
             for k, t in enumerate(op.inputs):
@@ -185,8 +198,10 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
                     continue
                 members = groups[g]
                 reduces = any(_has_reduce(m) for m in members)
-                if reduces:  # only as an element-wise epilogue, of one reducing group
-                    if reducing or not (type(op).injective and epilogue_after_reduce and _reads_elementwise(op, k)):
+                if reduces:  # only as an element-wise epilogue (or a GEMM's split view), of one reducing group
+                    split = op.name in fusable_view and any(m.op_type in CONTRACTIONS for m in members)
+                    if reducing or not (type(op).injective and epilogue_after_reduce
+                                        and (_reads_elementwise(op, k) or split)):
                         continue
                     reducing = True
                 elif op.op_type in CONTRACTIONS and not all(m.op_type in CHEAP for m in members):
@@ -212,7 +227,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     owner = {id(m): gi for gi, g in enumerate(groups) for m in g}
     for gi in sorted(range(len(groups)), key=lambda i: pos[id(groups[i][-1])] if groups[i] else -1):
         a = groups[gi]
-        if not a or not _single(a[-1]) or barriers(a[-1]):
+        if not a or not _single(a[-1]) or barriers(a[-1]) or (a[-1].name in views
+                                                             and a[-1].name not in fusable_view):
             continue
         t = a[-1].outputs[0]
         if materialize(a[-1]):
@@ -223,7 +239,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
             continue
         hi = homes.pop()
         home = groups[hi]
-        if any(barriers(m) or not _single(m) for m in home) or no_prologue(home[0]):
+        if any(barriers(m) or not _single(m) or (m.name in views and m.name not in fusable_view) for m in home) \
+                or no_prologue(home[0]):
             continue
         if any(_has_reduce(m) for m in a):
             if not epilogue_after_reduce or any(_has_reduce(m) for m in home):
@@ -238,7 +255,9 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         for m in a:
             owner[id(m)] = hi
 
-    groups = [g for g in groups if g]
+    # a group of views alone would be a copy kernel: they stay views
+    groups = [[m] for g in groups if g and all(m.name in views for m in g) for m in g] + \
+        [g for g in groups if g and not all(m.name in views for m in g)]
     res: list[Operator] = []
     for members in sorted(groups, key=lambda g: pos[id(g[-1])]):  # a group runs where its last member ran
         while len(members) > 1:
@@ -254,6 +273,24 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     log.debug("fusion: %d ops -> %d kernels (%d ops in %d fused groups)", len(ops), len(res), n_fused,
               sum(1 for g in groups if len(g) > 1))
     return res
+
+
+def _affine_view(op: Operator) -> bool:
+    """A reshape-like op whose input index is affine in its output index."""
+    if not _single(op) or len(op.inputs) != 1:
+        return False
+    gc = op.task.outputs[0]
+    v = gc.value
+    if isinstance(v, Cast):
+        v = v.a
+    return isinstance(v, TensorElement) and all(affine_form(i) is not None for i in v.indices)
+
+
+def drop_views(groups: Sequence[Operator], views: Collection[str]) -> list[Operator]:
+    """``groups`` (ops or :func:`fuse`'s result) without the view ops left alone: those run as
+    views and get no kernel."""
+    views = set(views)
+    return [g for g in groups if isinstance(g, FusedOp) or g.name not in views]
 
 
 def kernel_entries(groups: Sequence[Operator], built: dict) -> dict:

@@ -241,3 +241,36 @@ def test_fused_cuda_kernels_generate_and_compile(tmp_path):
     res = build_cuda_library(ops, str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=str(tmp_path / "c"), fuse=True)
     assert (tmp_path / "k.cubin").stat().st_size > 0
     assert any(v is None for v in res.values())
+
+
+def test_split_views_fuse_and_other_views_stay_views():
+    """A reshape that only splits dims (affine input index) joins a GEMM as its epilogue and
+    element-wise ops around it; one that merges dims (div/mod index) and views left alone stay
+    views (no kernel: drop_views leaves them out)."""
+    from shardflow.compiler.codegen.fusion import drop_views
+    from shardflow.compiler.ops.transform import Reshape
+
+    rng = np.random.default_rng(0)
+    x = const_tensor(rng.standard_normal((2, 8, 16)).astype(np.float32), "x")
+    w = const_tensor(rng.standard_normal((16, 24)).astype(np.float32), "w")
+    merge = Reshape([x], name="merge", shape=(16, 16))       # [B, S, K] -> [B*S, K]: div/mod index
+    mm = MatMul([merge.outputs[0], w], name="mm")
+    split = Reshape([mm.outputs[0]], name="split", shape=(2, 8, 24))  # [B*S, N] -> [B, S, N]: affine
+    act = Unary([split.outputs[0]], name="act", fn="tanh")
+    lone = Reshape([act.outputs[0]], name="lone", shape=(16, 24))
+    ops = [merge, mm, split, act, lone]
+    views = ["merge", "split", "lone"]
+    groups = fuse(ops, views=views)
+    assert [g.name for g in groups] == ["merge", "act", "lone"]
+    assert _kinds(groups)[1] == ["MatMul", "Reshape", "Unary"]
+    compiled = drop_views(groups, views)
+    assert [g.name for g in compiled] == ["act"]
+    # the fused kernel computes what the members compute; on cuda it is still a GEMM
+    want = np.tanh(x.value.reshape(16, 16) @ w.value).reshape(2, 8, 24)
+    np.testing.assert_allclose(compiled[0].numpy(x.value.reshape(16, 16), w.value)[0], want, rtol=1e-5)
+    src = generate_cuda_source(compiled, arch="sm_90")
+    assert src.launches["act"].kind == "gemm-f32"
+    # views only: a group of them would be a copy, so they stay views
+    v1 = Reshape([_f(4, 6)], name="v1", shape=(2, 2, 6))
+    v2 = Reshape([v1.outputs[0]], name="v2", shape=(4, 6))
+    assert drop_views(fuse([v1, v2], views=["v1", "v2"]), ["v1", "v2"]) == []

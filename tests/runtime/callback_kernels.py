@@ -23,7 +23,8 @@ BUILT: list[list] = []
 _CB = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
 
 
-def build_callback_library(ops, path, cache_dir=None, **_):
+def build_callback_library(ops, path, cache_dir=None, views=(), **_):
+    ops = [op for op in ops if op.name not in set(views)]  # views run as views (no fusion here)
     src = ["typedef void (*cb_t)(int, const void* const*, void* const*);", "static cb_t cb = 0;",
            'extern "C" void sf_set_callback(cb_t f) { cb = f; }']
     names = {}
