@@ -1296,11 +1296,18 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -
 
 
 def _half_source(e: Expr, an: _Analysis) -> str | None:
-    """``float16``/``bfloat16`` when ``e`` is a float32 cast of a value of that type, else None."""
+    """``float16``/``bfloat16`` when ``e`` is a float32 cast of a value of that type (possibly
+    selected against zero, as convolution padding reads are), else None: its values are then
+    exact in that type."""
     if isinstance(e, Cast) and e.dtype == "float32":
         dt = an.dtype(e.a)
         if dt in ("float16", "bfloat16"):
             return dt
+    if isinstance(e, IfThenElse):
+        sides = [x for x in (e.then, e.other) if not (isinstance(x, Const) and x.value == 0)]
+        found = {_half_source(x, an) for x in sides}
+        if len(found) == 1 and None not in found:
+            return found.pop()
     return None
 
 

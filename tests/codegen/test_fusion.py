@@ -274,3 +274,24 @@ def test_split_views_fuse_and_other_views_stay_views():
     v1 = Reshape([_f(4, 6)], name="v1", shape=(2, 2, 6))
     v2 = Reshape([v1.outputs[0]], name="v2", shape=(4, 6))
     assert drop_views(fuse([v1, v2], views=["v1", "v2"]), ["v1", "v2"]) == []
+
+
+def test_padded_convolution_of_half_values_uses_half_tensor_cores():
+    """A convolution reads its (materialized) float16 input through the padding select: its
+    values are still exact in float16, so the product runs on the float16 tensor cores."""
+    from shardflow.compiler.ops.conv import Conv
+
+    x = _f(1, 16, 14, 14)
+    r = Unary([x], fn="abs")
+    c1 = CastOp([r.outputs[0]], to="float16")
+    c2 = CastOp([c1.outputs[0]], to="float32")
+    wc = CastOp([const_tensor(np.ones((32, 16, 3, 3), np.float16))], to="float32")
+    conv = Conv([c2.outputs[0], wc.outputs[0]], pads=(1, 1, 1, 1))
+    half = lambda op: op.op_type == "Cast" and op.outputs[0].dtype == "float16"  # noqa: E731
+    groups = fuse([r, c1, c2, wc, conv], materialize=half)
+    assert [l.kind for l in generate_cuda_source(groups, arch="sm_90").launches.values()] == ["elementwise",
+                                                                                             "gemm-f16"]
+    # a float32 operand (the abs written in float32 after the round trip) stays a float32 product
+    plain = fuse([r, c1, c2, wc, conv])
+    assert [l.kind for l in generate_cuda_source(plain, arch="sm_90").launches.values()] == ["elementwise",
+                                                                                            "gemm-f32"]
