@@ -314,7 +314,7 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
     log.debug("starting %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     pids: dict[int, int] = {}
-    first_dead: tuple[int, float] | None = None
+    first_dead: tuple[int | None, float] | None = None  # (rank, when) of the first rank seen gone
 
     def kill_all():
         for pid in pids.values():
@@ -336,13 +336,13 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
                             pass
             now = time.monotonic()
             if first_dead is None:
-                for r, pid in pids.items():
-                    if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists():
-                        first_dead = (r, now)
-                        break
+                dead = [r for r, pid in pids.items()
+                        if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists()]
+                if dead:  # several found gone at once: which went first is unknown (None)
+                    first_dead = (dead[0] if len(dead) == 1 else None, now)
             elif now - first_dead[1] > grace:
-                log.error("shardflow run: killing the ranks still alive %g s after rank %d failed", grace,
-                          first_dead[0])
+                log.error("shardflow run: killing the ranks still alive %g s after %s failed", grace,
+                          "a rank" if first_dead[0] is None else f"rank {first_dead[0]}")
                 kill_all()
             if deadline is not None and now > deadline:
                 log.error("shardflow run: --timeout %g s passed; killing the ranks", timeout)
@@ -353,7 +353,7 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
         if proc.returncode != 0:
             failed = _failed_rank(pid_dir)
             if failed is None and first_dead is not None:
-                failed = first_dead[0]
+                failed = first_dead[0]  # None when the ranks were found gone together
             log.error("shardflow run: mpiexec exited with status %d%s", proc.returncode,
                       f"; rank {failed} failed first" if failed is not None
                       else " (a rank failed; see its messages above)")

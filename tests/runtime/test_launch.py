@@ -1,6 +1,7 @@
 """``shardflow run``: launching ranks (mpiexec, own spawner, torchrun-style variables) and faults."""
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -182,7 +183,14 @@ def test_a_killed_rank_stops_every_rank(arts, launcher):
     rc, err, elapsed, survivors = _fault(arts, launcher, signal.SIGKILL, victim=1)
     assert rc != 0 and not survivors
     assert elapsed < 60
-    assert "rank 1" in err.lower(), err
+    named = re.findall(r"rank (\d+) failed first", err)
+    if launcher == "mpiexec" and not named:
+        # under mpiexec the launcher learns which rank failed from the ranks' exit records or from
+        # seeing one rank gone before the others; on a loaded machine MPICH can end the survivors
+        # before either (no record, all found gone at once): then it says so, and names nobody
+        assert "a rank failed" in err, err
+    else:
+        assert "rank 1" in err.lower() and set(named) <= {"1"}, err
 
 
 @pytest.mark.slow
