@@ -522,24 +522,27 @@ def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int
 # ---------------------------------------------------------------------------------------
 # codegen adapters
 # ---------------------------------------------------------------------------------------
-def _accepts(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` takes the keyword argument ``name``."""
+def _keywords(fn: Callable) -> set[str] | None:
+    """The keyword arguments ``fn`` takes; None when it takes any (``**kw``) or cannot be inspected."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params)
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name``."""
+    names = _keywords(fn)
+    return names is None or name in names
 
 
 def _call_with_supported(fn: Callable, *args, **kw):
     """Call ``fn`` passing only the keyword arguments its signature accepts."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn(*args, **kw)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn(*args, **kw)
-    return fn(*args, **{k: v for k, v in kw.items() if k in params})
+    names = _keywords(fn)
+    return fn(*args, **(kw if names is None else {k: v for k, v in kw.items() if k in names}))
 
 
 def _cpu_builder() -> Callable:

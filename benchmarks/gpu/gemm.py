@@ -113,10 +113,9 @@ def make_cases(m_values=M_VALUES, shapes=None, dtypes=DTYPES) -> list[Case]:
 # building (nvcc; no GPU)
 # ----------------------------------------------------------------------------------------------
 
-def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: dict):
-    if extra.get("gemm_configs") == "*":  # one forced tile configuration for every case
-        extra = dict(extra, gemm_configs={case.id: extra["config"]})
-    extra = {k: v for k, v in extra.items() if k != "config"}
+def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: dict, config: str | None):
+    if config:  # one forced tile configuration for every case
+        extra = dict(extra, gemm_configs={case.id: config})
     from shardflow.compiler.codegen.cuda import build_cuda_library
     from shardflow.compiler.ir import Tensor
     from shardflow.compiler.ops.linalg import MatMul
@@ -136,13 +135,11 @@ def build(cases: list[Case], work: str, arch: str = "sm_90", jobs: int = 1, cach
 
     params = inspect.signature(build_cuda_library).parameters
     extra = {"search_space": search_space} if search_space is not None and "search_space" in params else {}
-    if config:
-        extra.update(gemm_configs="*", config=config)
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        futs = {pool.submit(_build_one, c, work, arch, cache_dir, extra): c for c in cases}
+        futs = {pool.submit(_build_one, c, work, arch, cache_dir, extra, config): c for c in cases}
         for f in concurrent.futures.as_completed(futs):
             out[futs[f].id] = f.result()
     log(f"built {len(cases)} GEMM kernels for {arch} in {time.perf_counter() - t0:.1f} s ({jobs} at a time)")

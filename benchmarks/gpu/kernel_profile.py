@@ -33,13 +33,17 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
 
     from shardflow.runtime import load
 
+    from shardflow.runtime.artifact import buffer_dtype
+
+    with open(os.path.join(out_dir, f"rank{rank}", "program.json")) as f:
+        program = json.load(f)
+    bufs = program["buffers"]
+    feeds = {name: np.zeros(tuple(bufs[i]["shape"]), buffer_dtype(bufs[i]["dtype"])) for name, i in program["inputs"]}
     prog = load(out_dir, rank=rank)
-    feeds = {name: np.zeros(shape, dtype) for name, (shape, dtype) in _input_specs(out_dir, rank).items()}
     prog.run(feeds)
     prog.run(feeds)  # second run: the engine captures its graph
     engine = prog._engine
-    steps = [s for s in json.load(open(os.path.join(out_dir, f"rank{rank}", "program.json")))["steps"]
-             if s["kind"] == "kernel"]
+    steps = [s for s in program["steps"] if s["kind"] == "kernel"]
     launches = [f for seg, _ in engine.segments for f in seg]
     assert len(launches) == len(steps), (len(launches), len(steps))
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -63,7 +67,10 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
     t = []
     for _ in range(10):
         start.record(engine.stream)
-        engine.graphs[0][0].launch(engine.stream) if engine.capturable else engine._eager()
+        if engine.capturable:
+            engine.graphs[0][0].launch(engine.stream)
+        else:
+            engine._eager()
         end.record(engine.stream)
         end.synchronize()
         t.append(cp.cuda.get_elapsed_time(start, end))
@@ -74,13 +81,6 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
         k["ms"] += r["ms"]
     return {"steps": records, "sum_ms": sum(r["ms"] for r in records), "graph_ms": statistics.median(t),
             "by_kind": by_kind}
-
-
-def _input_specs(out_dir: str, rank: int) -> dict:
-    p = json.load(open(os.path.join(out_dir, f"rank{rank}", "program.json")))
-    bufs = p["buffers"]
-    from shardflow.runtime.artifact import buffer_dtype
-    return {name: (tuple(bufs[i]["shape"]), buffer_dtype(bufs[i]["dtype"])) for name, i in p["inputs"]}
 
 
 def main(argv=None) -> dict:

@@ -697,13 +697,7 @@ class _Emitter:
             return _literal(0, dt), dt
         wide = size > _I32[1]
         terms = []
-        stride = 1
-        strides = []
-        for ext in reversed(shape):
-            strides.append(stride)
-            stride *= ext
-        strides.reverse()
-        for ie, ext, st in zip(e.indices, shape, strides):
+        for ie, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
             if ext == 1:
                 continue
             x, src = self.value(ie, blk)
@@ -1022,6 +1016,15 @@ _MAX_GRID = 32768
 _WIDE = 2 ** 31 - 2 ** 25  # loop counters above this use 64-bit ints (grid-stride steps must not overflow)
 
 
+def _row_major_strides(shape) -> list[int]:
+    """Element strides of a dense row-major array of ``shape``."""
+    strides, s = [], 1
+    for ext in reversed(shape):
+        strides.append(s)
+        s *= ext
+    return strides[::-1]
+
+
 def _prod(xs) -> int:
     return int(np.prod(list(xs), dtype=np.int64)) if xs else 1
 
@@ -1127,12 +1130,7 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
             root.binds[v] = ("0", "int32")
     plan = _plan_rows(gc, value, an)
     out_dt = gc.dtype
-    strides = []
-    s = 1
-    for ext in reversed(gc.shape):
-        strides.append(s)
-        s *= ext
-    strides.reverse()
+    strides = _row_major_strides(gc.shape)
 
     def store(blk: _Block, off: str):
         x = em.value_as(value, out_dt, blk)
@@ -1379,13 +1377,8 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     eblk = _Block(bblk, binds)
     n_out = _prod(gc.shape)
     wide = n_out > _I32[1]
-    strides, s = [], 1
-    for ext in reversed(gc.shape):
-        strides.append(s)
-        s *= ext
-    strides.reverse()
     terms = []
-    for v, st in zip(gc.axes, strides):
+    for v, st in zip(gc.axes, _row_major_strides(gc.shape)):
         b = binds.get(v) or bblk.binds.get(v)
         if b is None:
             continue
@@ -1434,14 +1427,9 @@ def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, e
     if ref is None or ref[2] != half:
         return None
     ptr, shape, _ = ref
-    strides, st = [], 1
-    for ext in reversed(shape):
-        strides.append(st)
-        st *= ext
-    strides.reverse()
     coefs: dict = {}
     const = 0
-    for idx, ext, st in zip(inner.indices, shape, strides):
+    for idx, ext, st in zip(inner.indices, shape, _row_major_strides(shape)):
         if ext == 1:
             continue
         f = affine_form(idx)
@@ -1838,22 +1826,23 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     if compiler == "nvcc" and nvcc is None:
         raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
     cache = cache_dir or default_cache_dir()
+
+    def compile_unit(s: CudaSource) -> bytes:
+        a = compile_arch(arch, s)
+        return _compile_nvcc(nvcc, s, a) if nvcc is not None else _compile_nvrtc(s, a)
+
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
-
-        def compile_unit(s: CudaSource) -> bytes:
-            a = compile_arch(arch, s)
-            return _compile_nvcc(nvcc, s, a) if nvcc is not None else _compile_nvrtc(s, a)
         tuned = tune_gemms(ops, arch=arch, precision=precision, cache_dir=cache, compile_source=compile_unit)
         gemm_configs = {**tuned, **(gemm_configs or {})}
     src = generate_cuda_source(ops, precision, arch, gemm_configs)
-    arch = compile_arch(arch, src)
     t1 = time.perf_counter()
+    target = compile_arch(arch, src)
     if nvcc is not None:
-        tool = " ".join(cuda_compile_command(arch, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
+        tool = " ".join(cuda_compile_command(target, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
     else:
         try:
-            tool = f"nvrtc {arch}\n" + _nvrtc_version()
+            tool = f"nvrtc {target}\n" + _nvrtc_version()
         except ImportError:
             raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
                                  "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
@@ -1864,13 +1853,13 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         with open(cached, "rb") as f:
             data = f.read()
     else:
-        data = _compile_nvcc(nvcc, src, arch) if nvcc is not None else _compile_nvrtc(src, arch)
+        data = compile_unit(src)
         try:
             _atomic_write(cached, data)
         except OSError as exc:  # a read-only cache must not fail the build
             log.warning("cannot write the kernel cache %s: %s", cached, exc)
     _atomic_write(path, data)
-    log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, arch, len(src.launches),
+    log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, target, len(src.launches),
              len({launch.symbol for launch in src.launches.values()}), t1 - t0, "cache hit" if hit else "compile",
              time.perf_counter() - t1)
     if fuse:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cuda_templates import _indent
 from .lower import CodegenError
 
 __all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "DirectOperand", "choose_wgmma_config", "wgmma_gemm_kernel", "wgmma_helpers"]
@@ -109,6 +110,7 @@ def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n_acc))
     return (f"__device__ __forceinline__ void sf_wgmma_{bn}_{ab}_{trans_a}{trans_b}(float* d, unsigned long long da, "
             f"unsigned long long db) {{\n"
+            f"  // scale-d is a predicate operand: always accumulate (the accumulators start at zero)\n"
             f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
             f"               \"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab} {{{regs}}}, "
             f"%{n_acc}, %{n_acc + 1}, p, 1, 1, {trans_a}, {trans_b};\\n}}\\n\"\n"
@@ -158,11 +160,6 @@ def wgmma_helpers(used: set[tuple[int, str, int, int]], common: bool = True) -> 
     """One inline-asm wrapper per (BN, type, transpose A, transpose B) in ``used``, after the
     common helpers (``common``: once per translation unit)."""
     return (WGMMA_HELPERS if common else "") + "".join(_wgmma_asm(*u) for u in sorted(used))
-
-
-def _indent(text: str, n: int) -> str:
-    pad = " " * n
-    return "\n".join(pad + line if line else line for line in text.splitlines())
 
 
 def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str,
@@ -339,10 +336,8 @@ int sf_it = 0;  // K tiles handed over in earlier batch iterations (barrier phas
         # 3 warpgroups share 64K registers (168 each at entry): with 128 accumulators per thread
         # the consumers need more, which the producer gives up (its address arithmetic spills a
         # little instead, off the critical path)
-        dec, inc = ("setmaxnreg.dec.sync.aligned.u32 40;", "setmaxnreg.inc.sync.aligned.u32 232;") \
-            if wg == 2 and BN == 256 else ("", "")
-        dec = f'asm volatile("{dec}\\n");' if dec else ""
-        inc = f'asm volatile("{inc}\\n");' if inc else ""
+        dec, inc = ('asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\\n");',
+                    'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");') if wg == 2 and BN == 256 else ("", "")
         producer = f"""for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
   const int sf_g = sf_it + sf_kt;
   sf_mbar_wait({empty(f"sf_g % {S}")}, ((sf_g / {S}) & 1) ^ 1);
@@ -409,4 +404,4 @@ sf_it += {KT};"""
 }}
 """
     grid = (tiles_m * tiles_n, 1, max(1, min(batch, 65535)))
-    return src, {"grid": grid, "block": (T, 1, 1), "shared_mem": smem, "config": config}, wrapper
+    return src, {"grid": grid, "block": (T, 1, 1), "shared_mem": smem}, wrapper

@@ -171,6 +171,7 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     """
     views = set(views)
     fusable_view = {op.name for op in ops if op.name in views and _affine_view(op)}
+    frozen = views - fusable_view  # views that stay views: nothing joins them, they join nothing
     readers: dict[int, list[Operator]] = {}
     for op in ops:
         for t in {id(t): t for t in op.inputs}.values():
@@ -183,8 +184,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     # phase 1, in program order: an op joins the groups of inputs it is the only reader of
     for op in ops:
         take: list[int] = []  # the groups this op joins (their last outputs are inner tensors then)
-        if op.name in views and op.name not in fusable_view:
-            groups.append([op])  # stays a view: nothing joins it, it joins nothing
+        if op.name in frozen:
+            groups.append([op])
             continue
         if _single(op) and not barriers(op) and not no_prologue(op):
             reducing = False
@@ -227,20 +228,16 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     owner = {id(m): gi for gi, g in enumerate(groups) for m in g}
     for gi in sorted(range(len(groups)), key=lambda i: pos[id(groups[i][-1])] if groups[i] else -1):
         a = groups[gi]
-        if not a or not _single(a[-1]) or barriers(a[-1]) or (a[-1].name in views
-                                                             and a[-1].name not in fusable_view):
+        if not a or not _single(a[-1]) or barriers(a[-1]) or a[-1].name in frozen or materialize(a[-1]):
             continue
         t = a[-1].outputs[0]
-        if materialize(a[-1]):
-            continue
         rs = readers.get(id(t), [])
         homes = {owner[id(r)] for r in rs}
         if len(rs) < 2 or len(homes) != 1 or t.name in keep or gi in homes:
             continue
         hi = homes.pop()
         home = groups[hi]
-        if any(barriers(m) or not _single(m) or (m.name in views and m.name not in fusable_view) for m in home) \
-                or no_prologue(home[0]):
+        if any(barriers(m) or not _single(m) or m.name in frozen for m in home) or no_prologue(home[0]):
             continue
         if any(_has_reduce(m) for m in a):
             if not epilogue_after_reduce or any(_has_reduce(m) for m in home):

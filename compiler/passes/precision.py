@@ -62,19 +62,14 @@ class HalfPrecisionContractions(GraphPass):
         self.k_major_weights = k_major_weights
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.elementwise import CastOp
-
         nodes: list[Operator] = []
         weights: dict[int, Tensor] = {}  # one converted copy per weight, shared by its readers
-        n_ops = n_weights = 0
-        readers: dict[int, int] = {}
-        for op in graph.nodes:
-            for t in {id(t): t for t in op.inputs}.values():
-                readers[id(t)] = readers.get(id(t), 0) + 1
-        for t in graph.outputs:
-            readers[id(t)] = readers.get(id(t), 0) + 1
+        n_ops = 0
+        consumers = graph.consumers()
+        outputs = {id(t) for t in graph.outputs}
+        sole = lambda t: len(consumers.get(id(t), ())) == 1 and id(t) not in outputs  # noqa: E731
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        dropped: set[int] = set()
+        dropped: set[int] = set()  # reshapes moved behind a rounding (re-created on the half values)
         for op in graph.nodes:
             which = HALF_OPERANDS.get(op.op_type, ())
             if which is None:
@@ -88,47 +83,56 @@ class HalfPrecisionContractions(GraphPass):
                 t = inputs[k]
                 if t.is_constant:
                     if id(t) not in weights:
-                        value = np.asarray(t.value).astype(self.np_dtype)
-                        if (self.k_major_weights and op.op_type == "MatMul" and k == 1 and value.ndim == 2
-                                and value.shape[1] % 8 and value.shape[0] % 8 == 0):
-                            from ..ops.transform import Transpose
-                            half = const_tensor(np.ascontiguousarray(value.T), f"{t.name}.{self.dtype}.T")
-                            flip = Transpose([half], name=f"{op.name}.w{k}.T", perm=(1, 0))
-                            nodes.append(flip)
-                            half = flip.outputs[0]
-                        else:
-                            half = const_tensor(value, f"{t.name}.{self.dtype}")
-                        back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
-                        nodes.append(back)
-                        weights[id(t)] = back.outputs[0]
-                        n_weights += 1
+                        weights[id(t)] = self._weight(op, k, t, nodes)
                     inputs[k] = weights[id(t)]
                 else:
-                    # round before reshapes (views: no kernel) read by this contraction alone, so
-                    # that the producer's kernel writes the half values and the contraction reads them
-                    views, src = [], t
-                    while True:
-                        v = producer.get(id(src))
-                        if v is None or v.op_type != "Reshape" or readers.get(id(src)) != 1 \
-                                or v.inputs[0].is_constant:
-                            break
-                        views.append(v)
-                        src = v.inputs[0]
-                    down = CastOp([src], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
-                    nodes.append(down)
-                    cur = down.outputs[0]
-                    for v in reversed(views):
-                        moved = v.clone([cur, *v.inputs[1:]])
-                        nodes.append(moved)
-                        cur = moved.outputs[0]
-                        dropped.add(id(v))
-                    up = CastOp([cur], name=f"{op.name}.in{k}.float32", to="float32")
-                    nodes.append(up)
-                    inputs[k] = up.outputs[0]
+                    inputs[k] = self._activation(op, k, t, nodes, dropped, producer, sole)
             op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
             nodes.append(op)
             n_ops += 1
         graph.nodes = [op for op in nodes if id(op) not in dropped]
         log.info("precision %s: %d contractions read %s operands (%d weights converted)", self.dtype, n_ops,
-                 self.dtype, n_weights)
+                 self.dtype, len(weights))
         return graph
+
+    def _weight(self, op: Operator, k: int, t: Tensor, nodes: list[Operator]) -> Tensor:
+        """Weight ``t`` converted once to the half type, read back as float32."""
+        from ..ops.elementwise import CastOp
+
+        value = np.asarray(t.value).astype(self.np_dtype)
+        if (self.k_major_weights and op.op_type == "MatMul" and k == 1 and value.ndim == 2
+                and value.shape[1] % 8 and value.shape[0] % 8 == 0):
+            from ..ops.transform import Transpose
+            half = const_tensor(np.ascontiguousarray(value.T), f"{t.name}.{self.dtype}.T")
+            flip = Transpose([half], name=f"{op.name}.w{k}.T", perm=(1, 0))
+            nodes.append(flip)
+            half = flip.outputs[0]
+        else:
+            half = const_tensor(value, f"{t.name}.{self.dtype}")
+        back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
+        nodes.append(back)
+        return back.outputs[0]
+
+    def _activation(self, op: Operator, k: int, t: Tensor, nodes: list[Operator], dropped: set[int],
+                    producer: dict[int, Operator], sole) -> Tensor:
+        """``Cast(Cast(t, half), float32)``, rounded before the reshapes (views: no kernel) that only
+        this contraction reads, so that the producer's kernel writes the half values and the
+        contraction reads them from memory."""
+        from ..ops.elementwise import CastOp
+
+        views, src = [], t
+        while (v := producer.get(id(src))) is not None and v.op_type == "Reshape" and sole(src) \
+                and not v.inputs[0].is_constant:
+            views.append(v)
+            src = v.inputs[0]
+        down = CastOp([src], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
+        nodes.append(down)
+        cur = down.outputs[0]
+        for v in reversed(views):
+            moved = v.clone([cur, *v.inputs[1:]])
+            nodes.append(moved)
+            cur = moved.outputs[0]
+            dropped.add(id(v))
+        up = CastOp([cur], name=f"{op.name}.in{k}.float32", to="float32")
+        nodes.append(up)
+        return up.outputs[0]
