@@ -20,6 +20,7 @@ import numpy as np
 from .artifact import ArtifactError, buffer_dtype
 from .comm.prepared import prepare
 from .errors import ShardflowError
+from .tma import kernel_args
 
 __all__ = ["CudaEngine"]
 
@@ -102,6 +103,8 @@ class CudaEngine:
         args = tuple(self.views[i] for i in list(s["inputs"]) + list(s["outputs"]))
         if 0 in grid:
             return None  # nothing to compute (empty output)
+        if launch.get("tensor_maps"):  # TMA-fed kernels: the buffers' addresses are fixed from here on
+            args = kernel_args(launch["tensor_maps"], args, f"kernel {s['symbol']} ({s['node']})")
         smem = int(launch.get("shared_mem", 0))
         if smem > 48 * 1024:  # above the default limit a kernel must ask for its dynamic shared memory
             try:

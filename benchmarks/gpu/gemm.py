@@ -202,13 +202,15 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
         b = torch.randn(case.K, case.N, device=dev, generator=gen).to(dt)
         c = torch.empty(case.M, case.N, device=dev, dtype=dt)
         sets.append((a, b, c))
+    from shardflow.runtime.tma import kernel_args
+
     module = cp.RawModule(path=cubin)
     fn = module.get_function(launch.symbol)
     if launch.shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = launch.shared_mem
     stream = torch.cuda.Stream()
     cstream = cp.cuda.ExternalStream(stream.cuda_stream)
-    views = [tuple(_cupy_view(x, cp) for x in s) for s in sets]
+    views = [kernel_args(launch.tensor_maps, [_cupy_view(x, cp) for x in s]) for s in sets]
     grid, block, smem = tuple(launch.grid), tuple(launch.block), int(launch.shared_mem)
 
     def ours(i):

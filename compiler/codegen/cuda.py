@@ -102,6 +102,9 @@ class KernelLaunch:
     kind
         ``"elementwise"``, ``"row"``, ``"gemm-tf32"``, ``"gemm-f16"``, ``"gemm-bf16"`` (the kinds of
         its parts, joined by ``+`` for multi-output ops).
+    tensor_maps
+        Descriptions of the tensor maps the kernel takes after its tensor arguments (TMA-fed wgmma
+        GEMMs; see :mod:`shardflow.runtime.tma`, whose ``kernel_args`` builds the arguments).
     """
 
     symbol: str
@@ -112,19 +115,24 @@ class KernelLaunch:
     num_inputs: int
     op_name: str
     kind: str = "elementwise"
+    tensor_maps: tuple = ()
 
     def to_dict(self) -> dict:
         """Plain JSON-ready form (what a rank program stores; the runtime reads it without the
         compiler)."""
-        return {"symbol": self.symbol, "grid": list(self.grid), "block": list(self.block),
-                "shared_mem": self.shared_mem, "args": list(self.args), "num_inputs": self.num_inputs,
-                "op_name": self.op_name, "kind": self.kind}
+        d = {"symbol": self.symbol, "grid": list(self.grid), "block": list(self.block),
+             "shared_mem": self.shared_mem, "args": list(self.args), "num_inputs": self.num_inputs,
+             "op_name": self.op_name, "kind": self.kind}
+        if self.tensor_maps:
+            d["tensor_maps"] = [dict(m) for m in self.tensor_maps]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelLaunch":
         """Inverse of :meth:`to_dict`."""
         return cls(d["symbol"], tuple(d["grid"]), tuple(d["block"]), int(d["shared_mem"]), tuple(d["args"]),
-                   int(d["num_inputs"]), d["op_name"], d.get("kind", "elementwise"))
+                   int(d["num_inputs"]), d["op_name"], d.get("kind", "elementwise"),
+                   tuple(d.get("tensor_maps", ())))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -767,8 +775,10 @@ class _Emitter:
             expr = f"fmod({a}, {b})" if is_f else f"sf_fmod_int<{ct}>({a}, {b})"
         elif op == "pow":
             if is_f:
-                if isinstance(e.b, Const) and not isinstance(e.b.value, bool) and e.b.value == 2:
-                    expr = f"({a} * {a})"
+                if isinstance(e.b, Const) and not isinstance(e.b.value, bool) and e.b.value in (2, 3, 4):
+                    # small integer powers as products (GPT-2's GELU cubes): pow() takes the slow
+                    # general path (logarithm, exponential, special cases) for every element
+                    expr = "(" + " * ".join([a] * int(e.b.value)) + ")"
                 else:
                     expr = f"pow({a}, {b})"
             else:
@@ -1509,7 +1519,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
                                             config)
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
-                                  len(op.inputs), op.name, kind)
+                                  len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())))
             return src, launch, wrapper
 
     parts: list[_Part] = []

@@ -22,14 +22,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from shardflow.runtime.tma import kernel_args
 from ..ir.graph import Operator
 
 __all__ = ["tune_gemms", "gpu_name"]
 
 log = logging.getLogger(__name__)
 
-#: the tiles level 2 measures
-CANDIDATES = ("128x256", "128x128", "64x128", "64x64")
+#: the tiles level 2 measures (a ``tma`` tile only where it applies: one unbatched product)
+CANDIDATES = ("128x256", "128x128", "64x128", "64x64", "tma128x256", "tma128x192", "tma128x128", "tma64x128")
 
 
 def gpu_name() -> str | None:
@@ -74,7 +75,7 @@ def measure_on_gpu(cubin: bytes, launch, op: Operator, reps: int = 10) -> float:
         fn = cupy.RawModule(path=path).get_function(launch.symbol)
         if launch.shared_mem > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = launch.shared_mem
-        args = tuple(_random_inputs(op, cupy))
+        args = kernel_args(launch.tensor_maps, _random_inputs(op, cupy))
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         for _ in range(2):
             fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
@@ -127,6 +128,8 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         times = {}
         for cand in CANDIDATES:
             src = generate_cuda_source([op], precision, arch, {op.name: cand})
+            if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
+                continue  # a batched product: the tile falls back to a cp.async one measured anyway
             times[cand] = float(measure(compile_source(src), src.launches[op.name], op))
         best = min(times, key=times.get)
         chosen[op.name] = best

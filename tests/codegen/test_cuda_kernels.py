@@ -30,6 +30,7 @@ from shardflow.compiler.ops.elementwise import Binary, Unary
 from shardflow.compiler.ops.linalg import Attention, Einsum, Gemm, MatMul
 from shardflow.compiler.ops.norm import LayerNorm, RMSNorm
 from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax
+from shardflow.runtime.tma import kernel_args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ def _run(module, launch: KernelLaunch, op, arrays):
     fn = module.get_function(launch.symbol)
     if launch.shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = launch.shared_mem
-    fn(launch.grid, launch.block, tuple(ins + outs), shared_mem=launch.shared_mem)
+    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, ins + outs), shared_mem=launch.shared_mem)
     cupy.cuda.runtime.deviceSynchronize()
     return [cupy.asnumpy(o) for o in outs]
 

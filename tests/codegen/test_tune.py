@@ -35,7 +35,7 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     def fake(cubin, launch, op):
         calls.append((op.name, launch.block[0], launch.grid[0]))
         assert cubin  # compiled for real
-        return {128: 2.0, 256: 3.0}[launch.block[0]] / launch.grid[0]  # prefers many small blocks
+        return {128: 2.0, 256: 3.0, 384: 4.0}[launch.block[0]] / launch.grid[0]  # prefers many small blocks
 
     monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
     monkeypatch.setattr(tune, "measure_on_gpu", fake)
@@ -43,8 +43,8 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     launches = build_cuda_library(_ops(), str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
     assert choose_wgmma_config(1024, 768, 1) != "64x64"  # the measurement, not the default, decided
     assert launches["l0"].block == (128, 1, 1) and launches["l0"].grid[0] == 16 * 12  # 64x64 tiles
-    # l1 has l0's kernel: measured once; 4 tiles per distinct kernel
-    assert len(calls) == 8 and {c[0] for c in calls} == {"l0", "head"}
+    # l1 has l0's kernel: measured once; 8 tiles (4 cp.async, 4 TMA) per distinct kernel
+    assert len(calls) == 16 and {c[0] for c in calls} == {"l0", "head"}
     records = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
     assert sorted(r["config"] for r in records) == ["64x64", "64x64"] and records[0]["device"] == "Fake GPU"
     assert set(records[0]["ms"]) == set(tune.CANDIDATES)
@@ -57,7 +57,7 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "measure_on_gpu", fake)
     calls.clear()
     build_cuda_library(_ops(), str(tmp_path / "k3.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
-    assert len(calls) == 8
+    assert len(calls) == 16
 
 
 def test_without_a_gpu_level_2_keeps_the_default(tmp_path, monkeypatch, caplog):

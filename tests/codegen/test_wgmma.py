@@ -14,13 +14,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from shardflow.compiler.codegen.cuda import build_cuda_library, compile_arch, generate_cuda_source
+from shardflow.compiler.codegen.cuda import KernelLaunch, build_cuda_library, compile_arch, generate_cuda_source
 from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_config
 from shardflow.compiler.codegen.fusion import fuse
 from shardflow.compiler.codegen.lower import CodegenError
 from shardflow.compiler.ir import Tensor
 from shardflow.compiler.ops.elementwise import Binary, Unary
 from shardflow.compiler.ops.linalg import Gemm, MatMul
+from shardflow.runtime.tma import kernel_args
 
 needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc not installed")
 LAYOUTS = list(itertools.product((False, True), (False, True)))  # (trans_a, trans_b)
@@ -48,13 +49,16 @@ def test_dense_half_operands_take_wgmma_on_hopper_only():
 
 
 def test_configs_follow_the_grid_and_can_be_forced():
-    assert choose_wgmma_config(8192, 4096, 1) == "128x256"
+    assert choose_wgmma_config(8192, 4096, 1) == "tma128x256"
+    assert choose_wgmma_config(8192, 4096, 2) == "128x256"  # batched: no TMA tile
     assert choose_wgmma_config(128, 768, 1) == "64x64"
     g = _gemm(512, 512, 128, "float16")
-    for name, (wg, bn, _, ws) in WGMMA_CONFIGS.items():
+    for name, (wg, bn, _, mode) in WGMMA_CONFIGS.items():
         launch = generate_cuda_source([g], arch="sm_90", gemm_configs={"g": name}).launches["g"]
-        assert launch.block == (128 * (wg + ws), 1, 1)
-        assert launch.grid[0] == -(-512 // (64 * wg)) * -(-512 // bn)
+        assert launch.block == (128 * (wg + (mode != "cp")), 1, 1)
+        tiles = -(-512 // (64 * wg)) * -(-512 // bn)
+        assert launch.grid[0] == (min(tiles, 132) if mode == "tma" else tiles)  # tma: persistent blocks
+        assert bool(launch.tensor_maps) == (mode == "tma")
     with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
 
@@ -69,6 +73,22 @@ def test_batched_and_broadcast_operands_are_direct():
     # a broadcast batch on B's side folds into N, whose rows are then not evenly strided: wmma
     mm3 = MatMul([Tensor("a", (2, 1, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bc")
     assert generate_cuda_source([mm3], arch="sm_90").launches["bc"].kind == "gemm-f16"
+
+
+def test_tma_tiles_describe_their_tensor_maps_and_batched_products_fall_back():
+    # A [K=200][M=72] (MN-major: 64 x 64 boxes), B [N=136][K=200] (K-major: one 64 x 128 box)
+    g = _gemm(72, 136, 200, "bfloat16", ta=True, tb=True)
+    launch = generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "tma128x128"}).launches["g"]
+    a, b = launch.tensor_maps
+    assert a == {"arg": 0, "offset": 0, "dtype": "bfloat16", "dims": [72, 200], "strides": [144], "box": [64, 64],
+                 "swizzle": 128}
+    assert b == {"arg": 1, "offset": 0, "dtype": "bfloat16", "dims": [200, 136], "strides": [400], "box": [64, 128],
+                 "swizzle": 128}
+    assert KernelLaunch.from_dict(launch.to_dict()) == launch  # program.json keeps them
+    # a batched product has no single 2-D map per operand: the same tile through cp.async
+    mm = MatMul([Tensor("a", (3, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bmm")
+    launch = generate_cuda_source([mm], arch="sm_90", gemm_configs={"bmm": "tma128x256"}).launches["bmm"]
+    assert launch.tensor_maps == () and launch.block == (256, 1, 1) and launch.grid[2] == 3
 
 
 @needs_nvcc
@@ -130,7 +150,7 @@ def _launch(cupy, module, launch, args):
     fn = module.get_function(launch.symbol)
     if launch.shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = launch.shared_mem
-    fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, args), shared_mem=launch.shared_mem)
     cupy.cuda.runtime.deviceSynchronize()
 
 
@@ -164,29 +184,48 @@ def test_every_config_and_layout_matches_numpy(tmp_path, dt):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.gpu
-def test_batched_product_with_fused_epilogue(tmp_path):
-    """A batched float16 MatMul + bias + GELU-like epilogue fused into the wgmma kernel."""
+def _bias_tanh_matches_numpy(tmp_path, x, w, bias, config=None):
+    """x @ w + bias, then tanh, fused into one wgmma kernel (``config``: its tile) and run; returns
+    the launch after checking the result against numpy."""
     cupy = _gpu()
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((3, 100, 64)).astype(np.float16)
-    w = rng.standard_normal((64, 72)).astype(np.float16)
-    bias = rng.standard_normal((72,)).astype(np.float16)
-    tx, tw, tb = Tensor("x", x.shape, "float16"), Tensor("w", w.shape, "float16"), Tensor("bias", bias.shape,
-                                                                                          "float16")
+    tx, tw, tb = (Tensor(n, a.shape, "float16") for n, a in (("x", x), ("w", w), ("bias", bias)))
     mm = MatMul([tx, tw], name="mm")
     add = Binary([mm.outputs[0], tb], name="add", fn="add")
     act = Unary([add.outputs[0]], name="act", fn="tanh")
     ops = fuse([mm, add, act], keep=[act.outputs[0].name])
     path = str(tmp_path / "k.cubin")
-    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"))
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                  gemm_configs={"act": config} if config else None)
     launch = launches["act"]
     assert launch.kind == "gemm-wgmma-f16"
     module = cupy.RawModule(path=path)
-    out = cupy.full((3, 100, 72), 0xFFFF, cupy.uint16).view(cupy.float16)
+    out = cupy.full(x.shape[:-1] + w.shape[-1:], 0xFFFF, cupy.uint16).view(cupy.float16)
     arrays = {"x": cupy.asarray(x), "w": cupy.asarray(w), "bias": cupy.asarray(bias), act.outputs[0].name: out}
     _launch(cupy, module, launch, tuple(arrays[n] for n in launch.args))
     want = np.tanh(x.astype(np.float64) @ w.astype(np.float64) + bias)
     got = cupy.asnumpy(out).astype(np.float32)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, atol=4e-3, rtol=4e-3)
+    return launch
+
+
+@pytest.mark.gpu
+def test_batched_product_with_fused_epilogue(tmp_path):
+    """A batched float16 MatMul + bias + tanh epilogue fused into the wgmma kernel."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 100, 64)).astype(np.float16)
+    w = rng.standard_normal((64, 72)).astype(np.float16)
+    _bias_tanh_matches_numpy(tmp_path, x, w, rng.standard_normal((72,)).astype(np.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c, v in WGMMA_CONFIGS.items() if v[3] == "tma"])
+def test_persistent_tma_gemm_with_fused_epilogue(tmp_path, cfg):
+    """More tiles than blocks (each persistent block loops over several), rows and columns past the
+    last tile, K not a multiple of 64, and a bias + tanh epilogue fused into the TMA kernel."""
+    rng = np.random.default_rng(2)
+    M, N, K = 4200, 1160, 328
+    x = rng.standard_normal((M, K)).astype(np.float16)
+    w = (rng.standard_normal((K, N)) / 8).astype(np.float16)
+    launch = _bias_tanh_matches_numpy(tmp_path, x, w, rng.standard_normal((N,)).astype(np.float16), cfg)
+    assert launch.tensor_maps and launch.grid[0] == 132

@@ -113,3 +113,23 @@ def test_lower_precisions_on_one_gpu(tmp_path, model, precision, rel):
     prog = load(out)
     _close(prog.run(inputs), ref, rel)
     _close(prog.run(inputs), ref, rel)  # CUDA graph replay
+
+
+@pytest.mark.parametrize("tile", ["tma128x128", "tma64x128"])
+def test_tma_gemms_in_a_compiled_model(tmp_path, monkeypatch, tile):
+    """Every float16 GEMM on a persistent TMA tile: the runtime encodes the tensor maps from the
+    arena's addresses once, eagerly and inside the CUDA graph."""
+    if _cupy() is None:
+        pytest.skip("needs cupy and a CUDA device")
+    import json
+
+    from shardflow.compiler.codegen import cuda_wgmma
+    from shardflow.runtime import load
+
+    monkeypatch.setattr(cuda_wgmma, "choose_wgmma_config", lambda M, N, batch, sms=132: tile)
+    out, inputs, ref = _compile(tmp_path, "gpt2_ts17", [1], "replicate", precision="float16")
+    steps = json.loads((out / "rank0" / "program.json").read_text())["steps"]
+    assert any(s.get("launch", {}).get("tensor_maps") for s in steps)
+    prog = load(out)
+    _close(prog.run(inputs), ref, 5e-3)
+    _close(prog.run(inputs), ref, 5e-3)  # CUDA graph replay
