@@ -97,7 +97,7 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     b = bn * _BK * 2
     pipe = stages * (a + b)
     if mode == "tma":  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
-        return a, b, pipe + wg * _STAGE_BYTES + 16 * stages + 1024
+        return a, b, pipe + wg * _STAGE_BYTES + 16 * stages + 16 + 1024  # + the split-K flag
     ctile = 64 * wg * (bn + 4) * 4
     # + the mbarriers (2 per stage) + alignment slack (tiles start on 1024-byte boundaries)
     return a, b, max(pipe, ctile) + 16 * stages + 1024
@@ -121,21 +121,23 @@ _TILE_EFFICIENCY = {"128x256": 1.0 * _CP_FACTOR, "128x128": 0.81 * _CP_FACTOR, "
                     "tma128x256": 1.1, "tma128x192": 1.12, "tma128x128": 0.76, "tma64x128": 0.40}
 
 
-def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132) -> str:
+def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None) -> str:
     """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
     its blocks keep busy over whole waves (one block per multiprocessor: every tile uses more than
     half the shared memory; a persistent ``tma`` grid runs the same waves of tiles), times the
     useful fraction of the tiles (those past ``M`` or ``N`` compute zeros), times the tile's own
-    efficiency (:data:`_TILE_EFFICIENCY`). Batched products choose among the ``cp`` tiles (the
+    efficiency (:data:`_TILE_EFFICIENCY`); with ``K``, a ``tma`` tile's blocks include its K splits
+    (:func:`split_count`). Batched products choose among the ``cp`` tiles (the
     ``tma`` kernel takes one product). On the 24 float16 shapes of the H100 GEMM benchmark the
     choice measured within 10% of the fastest tile on 23 (geomean 0.79 of cuBLAS, against 0.80 for
     the fastest tile of each shape)."""
     def score(name: str) -> float:
-        wg, bn, _, _ = WGMMA_CONFIGS[name]
+        wg, bn, _, mode = WGMMA_CONFIGS[name]
         tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
-        waves = -(-tiles // sms)
+        units = tiles * (split_count(tiles, K, sms) if mode == "tma" and K else 1)  # split-K: more blocks
+        waves = -(-units // sms)
         useful = M * N * batch / (tiles * 64 * wg * bn)  # tiles hanging over M or N do less work
-        return tiles / (waves * sms) * useful * _TILE_EFFICIENCY[name]
+        return units / (waves * sms) * useful * _TILE_EFFICIENCY[name]
     names = [n for n in _TILE_EFFICIENCY if batch == 1 or WGMMA_CONFIGS[n][3] != "tma"]
     return max(names, key=score)
 
@@ -268,7 +270,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     ``(sf_m, sf_n)`` and stores the result; ``root`` runs once per thread; ``batch_code``
     decomposes ``sf_bz`` into the batch axes (the operands' ``base`` expressions may use them).
     """
-    config = config or choose_wgmma_config(M, N, batch)
+    config = config or choose_wgmma_config(M, N, batch, K=K)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][3] == "tma":
@@ -491,6 +493,19 @@ def _tensor_map(op: DirectOperand, rows: int, extent_o: int, K: int, ab: str) ->
             "swizzle": 128}
 
 
+def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS) -> int:
+    """K splits of a ``tma`` product with ``tiles`` output tiles: where the tiles fill less than
+    half the multiprocessors and K is long, each tile's K range is cut into up to ``sms // tiles``
+    pieces of at least 4 K tiles (then at most 16), computed by different blocks and summed by
+    the last of them (:func:`_tma_kernel`); 1 otherwise. No split is empty."""
+    kt = -(-K // _BK)
+    if 2 * tiles > sms or kt < 8:
+        return 1
+    want = max(1, min(sms // tiles, kt // 4, 16))
+    per = -(-kt // want)
+    return -(-kt // per)
+
+
 def _tma_copies(op: DirectOperand, rows: int, sm: str, o0: str, tmap: str) -> str:
     if op.k_major:
         return f"sf_tma_2d({sm}, &{tmap}, sf_k0, {o0}, sf_full);"
@@ -517,6 +532,9 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     KT = -(-K // _BK)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
+    splits = split_count(tiles, K)
+    per = -(-KT // splits)  # K tiles per split
+    units = tiles * splits
     ta, tb = (0 if a.k_major else 1), (0 if b.k_major else 1)
     a_desc = (f"sf_smem_desc(sf_sA + sf_cw * {64 * 128} + sf_ks * 32, 16, 1024)" if a.k_major
               else f"sf_smem_desc(sf_sA + sf_cw * {64 * 128} + sf_ks * 2048, {64 * 128}, 1024)")
@@ -525,7 +543,10 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
     empty = lambda x: f"sf_bars + ({S} + ({x})) * 8"  # noqa: E731
     group = 8
-    tile = f"""const int sf_gsz = {group * tiles_n};
+    tile = f"""const int sf_t = sf_u / {splits};  // output tile
+const int sf_kb = (sf_u % {splits}) * {per};  // its K split: K tiles [sf_kb, sf_ke)
+const int sf_ke = min(sf_kb + {per}, {KT});
+const int sf_gsz = {group * tiles_n};
 const int sf_first = (sf_t / sf_gsz) * {group};
 const int sf_rows = min({tiles_m} - sf_first, {group});
 const int sf_m0 = (sf_first + (sf_t % sf_gsz) % sf_rows) * {BM};
@@ -533,9 +554,9 @@ const int sf_n0 = ((sf_t % sf_gsz) / sf_rows) * {BN};"""
     # 3 warpgroups share 64K registers: the consumers take what the producer does not need
     dec, inc = ('asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\\n");',
                 'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");') if wg == 2 else ("", "")
-    producer = f"""for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{
+    producer = f"""for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
 {_indent(tile, 2)}
-  for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt, ++sf_g) {{
+  for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({empty("sf_s")}, ((sf_g / {S}) & 1) ^ 1);
     const unsigned sf_full = {full("sf_s")};
@@ -553,17 +574,40 @@ const int sf_n0 = ((sf_t % sf_gsz) / sf_rows) * {BN};"""
         f"*reinterpret_cast<float2*>(sf_Cw + (sf_r + 8) * {_LDS} + {jj * 8} + sf_c) = "
         f"make_float2(sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 2}], sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 3}]);"
         for jj in range(_CHUNK // 8))
+    nreg, tc = BN // 2, wg * 128
+    # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
+    # coalesced) and counts itself in; the last split of a tile reads all of them back and sums
+    # them in split order (the same bits whichever block is last), resets the count for the next
+    # launch and runs the epilogue. The partials and counts are module globals sized here (one stream runs a program).
+    reduce = "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
+const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_t * {splits * nreg * tc} + sf_tc;  // split 0 of the tile
+float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
+#pragma unroll
+for (int r = 0; r < {nreg}; ++r) __stcg(sf_mine + r * {tc}, sf_d[r]);
+__threadfence();
+sf_bar_sync(3, {tc});
+if (sf_tc == 0) *sf_flag = atomicAdd(&{{SYMBOL}}_cnt[sf_t], 1u) == {splits - 1};
+sf_bar_sync(3, {tc});
+if (!*sf_flag) continue;  // another split of this tile finishes it
+__threadfence();
+#pragma unroll
+for (int r = 0; r < {nreg}; ++r) sf_d[r] = 0.0f;
+for (int sf_q = 0; sf_q < {splits}; ++sf_q, sf_p += {nreg * tc}) {{  // this split's own partial too
+  #pragma unroll
+  for (int r = 0; r < {nreg}; ++r) sf_d[r] += __ldcg(sf_p + r * {tc});
+}}
+if (sf_tc == 0) {{SYMBOL}}_cnt[sf_t] = 0u;"""
     consumer = f"""const int sf_cw = sf_wg - 1;
 float* sf_Cw = sf_Cs + sf_cw * {64 * _LDS};
 // wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
 const int sf_r = (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
 const int sf_c = (sf_wl & 3) * 2;
-for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{
+for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
 {_indent(tile, 2)}
   float sf_d[{BN // 2}];
   #pragma unroll
   for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
-  for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt, ++sf_g) {{
+  for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({full("sf_s")}, (sf_g / {S}) & 1);
     const unsigned sf_sA = sf_base + sf_s * {stage};
@@ -574,10 +618,11 @@ for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{
       sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc}, {b_desc});
     sf_wgmma_commit();
     sf_wgmma_wait<1>();
-    if (sf_kt > 0) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
+    if (sf_kt > sf_kb) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
   }}
   sf_wgmma_wait<0>();
   sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
+{_indent(reduce, 2)}
   #pragma unroll
   for (int sf_ch = 0; sf_ch < {BN // _CHUNK}; ++sf_ch) {{
 {_indent(chunk_rows, 4)}
@@ -595,12 +640,16 @@ for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{
     sf_bar_sync(1 + sf_cw, 128);
   }}
 }}"""
-    src = f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB) {{
+    globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+                                       f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits done per tile\n")
+    src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
   const unsigned sf_base = (sf_raw + 1023u) & ~1023u;
   float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw) + {S * stage});
   const unsigned sf_bars = sf_base + {S * stage + wg * _STAGE_BYTES};
+  volatile int* sf_flag = reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stage + wg * _STAGE_BYTES + 16 * S});
+  (void)sf_flag;
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
   const int sf_bz = 0;  // one product: batch index 0
@@ -628,6 +677,7 @@ for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{
 }}
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
-    launch = {"grid": (min(tiles, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem,
+    src = src.replace("{SYMBOL}", symbol)
+    launch = {"grid": (min(units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem,
               "tensor_maps": maps}
     return src, launch, (BN, ab, ta, tb)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from shardflow.compiler.codegen.cuda import KernelLaunch, build_cuda_library, compile_arch, generate_cuda_source
-from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_config
+from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_config, split_count
 from shardflow.compiler.codegen.fusion import fuse
 from shardflow.compiler.codegen.lower import CodegenError
 from shardflow.compiler.ir import Tensor
@@ -73,6 +73,17 @@ def test_batched_and_broadcast_operands_are_direct():
     # a broadcast batch on B's side folds into N, whose rows are then not evenly strided: wmma
     mm3 = MatMul([Tensor("a", (2, 1, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bc")
     assert generate_cuda_source([mm3], arch="sm_90").launches["bc"].kind == "gemm-f16"
+
+
+def test_split_k_only_for_few_tiles_and_long_k():
+    assert split_count(12, 3072) == 10  # 48 K tiles: 10 splits of 5 (none empty)
+    assert split_count(64, 4096) == 2
+    assert split_count(72, 8192) == 1 and split_count(12, 448) == 1  # enough tiles; short K
+    for tiles in range(1, 70):
+        for K in (512, 768, 1000, 3072, 4096, 11008):
+            s, kt = split_count(tiles, K), -(-K // 64)
+            per = -(-kt // s)
+            assert (s - 1) * per < kt and (s == 1 or tiles * s <= 132 and per >= 4)
 
 
 def test_tma_tiles_describe_their_tensor_maps_and_batched_products_fall_back():
@@ -199,13 +210,14 @@ def _bias_tanh_matches_numpy(tmp_path, x, w, bias, config=None):
     launch = launches["act"]
     assert launch.kind == "gemm-wgmma-f16"
     module = cupy.RawModule(path=path)
-    out = cupy.full(x.shape[:-1] + w.shape[-1:], 0xFFFF, cupy.uint16).view(cupy.float16)
-    arrays = {"x": cupy.asarray(x), "w": cupy.asarray(w), "bias": cupy.asarray(bias), act.outputs[0].name: out}
-    _launch(cupy, module, launch, tuple(arrays[n] for n in launch.args))
     want = np.tanh(x.astype(np.float64) @ w.astype(np.float64) + bias)
-    got = cupy.asnumpy(out).astype(np.float32)
-    assert not np.isnan(got).any()
-    np.testing.assert_allclose(got, want, atol=4e-3, rtol=4e-3)
+    for _ in range(2):  # twice: a split-K kernel must leave its tile counters ready for the next launch
+        out = cupy.full(x.shape[:-1] + w.shape[-1:], 0xFFFF, cupy.uint16).view(cupy.float16)
+        arrays = {"x": cupy.asarray(x), "w": cupy.asarray(w), "bias": cupy.asarray(bias), act.outputs[0].name: out}
+        _launch(cupy, module, launch, tuple(arrays[n] for n in launch.args))
+        got = cupy.asnumpy(out).astype(np.float32)
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, want, atol=4e-3, rtol=4e-3)
     return launch
 
 
@@ -229,3 +241,18 @@ def test_persistent_tma_gemm_with_fused_epilogue(tmp_path, cfg):
     w = (rng.standard_normal((K, N)) / 8).astype(np.float16)
     launch = _bias_tanh_matches_numpy(tmp_path, x, w, rng.standard_normal((N,)).astype(np.float16), cfg)
     assert launch.tensor_maps and launch.grid[0] == 132
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["tma64x128", "tma128x128"])
+def test_split_k_tma_gemm(tmp_path, cfg):
+    """A short, deep product (M = 128, K = 3000): few tiles, so K is split over several blocks
+    whose partial sums the last one adds up before the fused epilogue."""
+    rng = np.random.default_rng(3)
+    M, N, K = 128, 776, 3000
+    x = (rng.standard_normal((M, K)) / 8).astype(np.float16)
+    w = (rng.standard_normal((K, N)) / 8).astype(np.float16)
+    launch = _bias_tanh_matches_numpy(tmp_path, x, w, rng.standard_normal((N,)).astype(np.float16), cfg)
+    wg, bn = WGMMA_CONFIGS[cfg][:2]
+    tiles = -(-M // (64 * wg)) * -(-N // bn)
+    assert launch.grid[0] == tiles * split_count(tiles, K) and split_count(tiles, K) > 1
