@@ -779,8 +779,8 @@ class _Emitter:
                     # small integer powers as products (GPT-2's GELU cubes): pow() takes the slow
                     # general path (logarithm, exponential, special cases) for every element
                     expr = "(" + " * ".join([a] * int(e.b.value)) + ")"
-                else:
-                    expr = f"pow({a}, {b})"
+                else:  # the same, tested at run time (an exponent read from a weight)
+                    expr = f"sf_fpow({a}, ({ct}){b})"
             else:
                 expr = f"sf_ipow<{ct}>({a}, {b})"
         elif op in ("max", "min"):

@@ -106,6 +106,15 @@ template <typename T> __device__ __forceinline__ T sf_ipow(T a, T b) {
   return r;
 }
 
+// float power: small integer exponents (a weight scalar, as in GPT-2's GELU cube, is the same for
+// every thread, so the branch does not diverge) as products; pow's general path otherwise
+template <typename T> __device__ __forceinline__ T sf_fpow(T a, T b) {
+  if (b == (T)2) return a * a;
+  if (b == (T)3) return a * a * a;
+  if (b == (T)1) return a;
+  return pow(a, b);
+}
+
 // numpy maximum/minimum: NaN propagates
 template <typename T> __device__ __forceinline__ T sf_fmax(T a, T b) { return (a >= b || isnan(a)) ? a : b; }
 template <typename T> __device__ __forceinline__ T sf_fmin(T a, T b) { return (a <= b || isnan(a)) ? a : b; }

@@ -111,14 +111,18 @@ _STAGE_BYTES = 64 * _LDS * 4
 
 #: relative throughput of a full block of each tile on a large product. The ``cp`` tiles keep their
 #: relative figures measured on an H100 (llama7b o projection, M=8192: 0.84, 0.68, 0.45, 0.31 of
-#: cuBLAS) times one factor against the ``tma`` tiles; the ``tma`` figures and that factor were
-#: fitted (benchmarks/gpu/fit_tiles.py) to the H100 sweep in which every tile ran every float16
-#: benchmark shape, so that the score below picks the tile that measured fastest where it can
-#: (benchmarks/results/h100-2026-11-22-wgmma-tiles.txt, h100-2026-11-22-tma-tiles.txt)
-_CP_FACTOR = 0.56
+#: cuBLAS) times one factor against the ``tma`` tiles; the ``tma`` figures, that factor and the
+#: split-K factor were fitted (benchmarks/gpu/fit_tiles.py) to H100 sweeps in which every tile ran
+#: every float16 benchmark shape, so that the score below picks the tile that measured fastest
+#: where it can (benchmarks/results/h100-2026-11-22-{wgmma,tma,tma-split4}-tiles.txt). The model
+#: misses what makes skinny products (M = 128) fast: there the tuner (search_space 2) measures.
+_CP_FACTOR = 0.58
 _TILE_EFFICIENCY = {"128x256": 1.0 * _CP_FACTOR, "128x128": 0.81 * _CP_FACTOR, "64x128": 0.54 * _CP_FACTOR,
                     "64x64": 0.37 * _CP_FACTOR,
-                    "tma128x256": 1.1, "tma128x192": 1.12, "tma128x128": 0.76, "tma64x128": 0.40}
+                    "tma128x256": 1.18, "tma128x192": 1.2, "tma128x128": 0.48, "tma64x128": 0.42}
+#: what a split-K product's partial sums cost, as a factor on its score (same fit: splitting
+#: measured slower than a smaller unsplit tile on most shapes, much faster on a few)
+_SPLIT_EFFICIENCY = 0.2
 
 
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None) -> str:
@@ -129,15 +133,16 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
     efficiency (:data:`_TILE_EFFICIENCY`); with ``K``, a ``tma`` tile's blocks include its K splits
     (:func:`split_count`). Batched products choose among the ``cp`` tiles (the
     ``tma`` kernel takes one product). On the 24 float16 shapes of the H100 GEMM benchmark the
-    choice measured within 10% of the fastest tile on 23 (geomean 0.79 of cuBLAS, against 0.80 for
+    choice measured within 10% of the fastest tile on 22 (geomean 0.79 of cuBLAS, against 0.81 for
     the fastest tile of each shape)."""
     def score(name: str) -> float:
         wg, bn, _, mode = WGMMA_CONFIGS[name]
         tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
-        units = tiles * (split_count(tiles, K, sms) if mode == "tma" and K else 1)  # split-K: more blocks
+        splits = split_count(tiles, K, sms) if mode == "tma" and K else 1  # split-K: more blocks
+        units = tiles * splits
         waves = -(-units // sms)
         useful = M * N * batch / (tiles * 64 * wg * bn)  # tiles hanging over M or N do less work
-        return units / (waves * sms) * useful * _TILE_EFFICIENCY[name]
+        return units / (waves * sms) * useful * _TILE_EFFICIENCY[name] * (_SPLIT_EFFICIENCY if splits > 1 else 1.0)
     names = [n for n in _TILE_EFFICIENCY if batch == 1 or WGMMA_CONFIGS[n][3] != "tma"]
     return max(names, key=score)
 
@@ -496,12 +501,13 @@ def _tensor_map(op: DirectOperand, rows: int, extent_o: int, K: int, ab: str) ->
 def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS) -> int:
     """K splits of a ``tma`` product with ``tiles`` output tiles: where the tiles fill less than
     half the multiprocessors and K is long, each tile's K range is cut into up to ``sms // tiles``
-    pieces of at least 4 K tiles (then at most 16), computed by different blocks and summed by
-    the last of them (:func:`_tma_kernel`); 1 otherwise. No split is empty."""
+    pieces of at least 16 K tiles (1024 values; shorter pieces measured slower than no split on
+    the H100: their partial sums cost more than the parallelism gains), computed by different
+    blocks and summed by the last of them (:func:`_tma_kernel`); 1 otherwise. No split is empty."""
     kt = -(-K // _BK)
-    if 2 * tiles > sms or kt < 8:
+    if 2 * tiles > sms or kt < 32:
         return 1
-    want = max(1, min(sms // tiles, kt // 4, 16))
+    want = max(1, min(sms // tiles, kt // 16, 16))
     per = -(-kt // want)
     return -(-kt // per)
 
