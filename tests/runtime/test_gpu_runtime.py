@@ -28,11 +28,12 @@ def _cupy():
 
 def _compile(tmp_path, model, mesh, algo, **opt):
     from shardflow.compiler import compile
+    from shardflow.compiler.codegen.toolchain import ToolchainError
 
     try:
         res = compile(MODELS / f"{model}.onnx", distributed_config={"mesh_shape": mesh, "algo": algo},
                       optimization_config={"target": "cuda", "arch": "sm_90", **opt}, out_dir=tmp_path / "o")
-    except Exception as exc:  # noqa: BLE001 - no nvcc/NVRTC here
+    except ToolchainError as exc:  # no nvcc/NVRTC here (any other failure is a failure)
         pytest.skip(f"cannot cross-compile for cuda here: {exc}")
     inputs = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
     ort = pytest.importorskip("onnxruntime")
@@ -126,7 +127,7 @@ def test_tma_gemms_in_a_compiled_model(tmp_path, monkeypatch, tile):
     from shardflow.compiler.codegen import cuda_wgmma
     from shardflow.runtime import load
 
-    monkeypatch.setattr(cuda_wgmma, "choose_wgmma_config", lambda M, N, batch, sms=132: tile)
+    monkeypatch.setattr(cuda_wgmma, "choose_wgmma_config", lambda *args, **kwargs: tile)
     out, inputs, ref = _compile(tmp_path, "gpt2_ts17", [1], "replicate", precision="float16")
     steps = json.loads((out / "rank0" / "program.json").read_text())["steps"]
     assert any(s.get("launch", {}).get("tensor_maps") for s in steps)
