@@ -11,7 +11,9 @@ tables as ``.txt`` beside it. The JSON holds
 * ``gemm_vs_cublas_min``: minimum over the GEMM cases of our TFLOP/s / cuBLAS TFLOP/s (``gemm.py``);
 * ``gpt2_small_vs_torch_compile``: our GPT-2 small latency / torch.compile latency, the worst of
   batches 1x128 and 8x128 (torch.compile: the faster of its modes per batch; ``models.py``), and
-  the same for ``llama`` and against torch eager;
+  the same for ``llama`` and against torch eager; ``*_vs_torch_compile_static_outputs``: the
+  same with the outputs left in place on both sides (ours ``copy_outputs=False`` against torch's
+  reduce-overhead mode, whose outputs stay in its CUDA graph's memory);
 * ``device``, ``date``, software versions, the command line, and every raw figure (sections
   ``gemm`` and ``models``).
 
@@ -38,8 +40,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, Budget, device_name, ensure_shardflow, fmt, slug, today  # noqa: E402
 
-HEADLINES = ("gemm_vs_cublas_min", "gpt2_small_vs_torch_compile", "gpt2_small_vs_torch_eager",
-             "llama_vs_torch_compile", "llama_vs_torch_eager")
+HEADLINES = ("gemm_vs_cublas_min", "gpt2_small_vs_torch_compile", "gpt2_small_vs_torch_compile_static_outputs",
+             "gpt2_small_vs_torch_eager", "llama_vs_torch_compile", "llama_vs_torch_compile_static_outputs",
+             "llama_vs_torch_eager")
 
 
 def _versions() -> dict:

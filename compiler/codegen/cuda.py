@@ -959,6 +959,8 @@ class _Emitter:
         else:
             if total > 0:
                 r = self.new("r")
+                if total >= _ROW_UNROLL * coop.lanes:  # several independent loads in flight per lane
+                    blk.lines.append(f"#pragma unroll {_ROW_UNROLL}")  # (same order of additions)
                 blk.lines.append(f"for ({it} {r} = {coop.lane}; {r} < {total}; {r} += {coop.lanes}) {{")
                 inner = 1
                 dec = []
@@ -1024,6 +1026,12 @@ class _Emitter:
 _THREADS = 256
 _MAX_GRID = 32768
 _WIDE = 2 ** 31 - 2 ** 25  # loop counters above this use 64-bit ints (grid-stride steps must not overflow)
+
+
+#: unroll factor of the lane loops of row kernels (LayerNorm, softmax, reductions): a warp per row
+#: of GPT-2's 1024 x 768 LayerNorm leaves the GPU at 8 warps per multiprocessor, latency-bound
+#: unless each lane has several loads in flight
+_ROW_UNROLL = 4
 
 
 def _row_major_strides(shape) -> list[int]:
@@ -1201,6 +1209,8 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
     code += root.lines
     code.append(head)
     code += _indent(rdec, 2) + _indent(rblk.lines, 2)
+    if inner >= _ROW_UNROLL * lanes:
+        code.append(f"  #pragma unroll {_ROW_UNROLL}")
     code.append(f"  for ({it} {el} = sf_lane; {el} < {inner}; {el} += {lanes}) {{")
     code += _indent(edec, 4) + _indent(eblk.lines, 4)
     code.append("  }")

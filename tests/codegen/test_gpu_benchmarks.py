@@ -48,14 +48,15 @@ def test_headline_figures():
     assert s["gemm_vs_cublas_geomean"] == pytest.approx(1.0)
     assert s["all_correct"] is False and s["gemm_vs_cublas_min_bfloat16"] == 2.0
     models = _load("models")
-    rec = {"ours_ms": 3.0, "torch_eager_ms": 6.0,
+    rec = {"ours_ms": 3.0, "ours_view_ms": 2.5, "torch_eager_ms": 6.0,
            "torch_compile": {"default": {"ms": 4.0}, "reduce-overhead": {"ms": 2.0}, "max-autotune": {"error": "x"}}}
     models._ratios(rec)
     assert rec["torch_compile_mode"] == "reduce-overhead" and rec["vs_torch_compile"] == 1.5
-    assert rec["vs_torch_eager"] == 0.5
-    res = {"batches": {"1x128": {"vs_torch_compile": 0.8, "vs_torch_eager": 0.3},
-                       "8x128": {"vs_torch_compile": 1.2, "vs_torch_eager": 0.2}}}
-    assert models.headline(res, "gpt2_small") == {"gpt2_small_vs_torch_compile": 1.2, "gpt2_small_vs_torch_eager": 0.3}
+    assert rec["vs_torch_eager"] == 0.5 and rec["vs_torch_compile_static"] == 1.25
+    res = {"batches": {"1x128": {"vs_torch_compile": 0.8, "vs_torch_eager": 0.3, "vs_torch_compile_static": 0.7},
+                       "8x128": {"vs_torch_compile": 1.2, "vs_torch_eager": 0.2, "vs_torch_compile_static": 0.9}}}
+    assert models.headline(res, "gpt2_small") == {"gpt2_small_vs_torch_compile": 1.2, "gpt2_small_vs_torch_eager": 0.3,
+                                                  "gpt2_small_vs_torch_compile_static_outputs": 0.9}
     res["batches"]["8x128"].pop("vs_torch_compile")  # a batch without a figure: no headline
     assert models.headline(res, "gpt2_small")["gpt2_small_vs_torch_compile"] is None
 
@@ -78,7 +79,7 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
     assert [k["id"] for k in kernels] == ["gpt2_attn_out_M128_float16", "gpt2_attn_out_M128_bfloat16"]
     assert [k["kind"] for k in kernels] == ["gemm-wgmma-f16", "gemm-wgmma-bf16"]
     for k in kernels:
-        assert k["grid"][0] * k["grid"][1] * k["grid"][2] > 0 and k["block"][0] in (128, 256)
+        assert k["grid"][0] * k["grid"][1] * k["grid"][2] > 0 and k["block"][0] in (128, 256, 384)
     cubins = list((tmp_path / "cache").rglob("*.cubin"))
     assert len(cubins) == 2
     for k in kernels:

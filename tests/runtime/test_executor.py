@@ -47,6 +47,19 @@ def test_single_rank(arts, x):
     check(prog.run({"x": x}), x, 1)
 
 
+def test_outputs_as_views_of_the_program_buffers(arts, x):
+    prog = load(arts["o1"])
+    views = prog.run({"x": x}, copy_outputs=False)
+    check(views, x, 1)
+    assert not views["y"].flags.writeable
+    with pytest.raises(ValueError):
+        views["y"][...] = 0
+    kept = {k: v.copy() for k, v in views.items()}
+    check(prog.run({"x": 2 * x}), 2 * x, 1)  # the next run overwrites what the views show
+    assert not np.array_equal(views["y"], kept["y"])
+    check(views, 2 * x, 1)
+
+
 @pytest.mark.parametrize("name,world", [("o2", 2), ("o4", 4), ("o4b", 4)])
 def test_ranks_in_threads(arts, x, name, world):
     for outs in run_ranks(arts[name], world, {"x": x}):
