@@ -6,8 +6,10 @@ Gemm, Conv, ConvTranspose, Einsum) to float16 or bfloat16 and leaves everything 
 * weights (constant operands) are converted once, at compile time, and stored in the half type
   (half the bytes); the contraction reads them through a ``Cast`` to float32;
 * activations go through ``Cast(Cast(x, half), float32)``; when ``x`` is a reshape (a view, no
-  kernel) read by the contraction alone, the rounding moves before the reshape, so that the
-  producer's kernel writes the half values and the contraction reads them from memory;
+  kernel) read by the contraction alone, or a chain of slices, reshapes and transposes read
+  only by rounded operands of batched products (the attention's Q, K, V), the rounding moves
+  before those data-movement ops (they commute exactly), so that the producer's kernel writes the
+  half values and the contraction reads them from memory;
 * biases (Gemm's ``C``, Conv's ``B``) and the output stay float32; products are exact in float32
   and are accumulated in float32.
 
@@ -67,15 +69,14 @@ class HalfPrecisionContractions(GraphPass):
         n_ops = 0
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
-        sole = lambda t: len(consumers.get(id(t), ())) == 1 and id(t) not in outputs  # noqa: E731
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        dropped: set[int] = set()  # reshapes moved behind a rounding (re-created on the half values)
+        self._consumers, self._outputs, self._producer = consumers, outputs, producer
+        self._halves: dict[int, Tensor] = {}  # tensor -> its rounded (half-typed) twin
+        self._memo: dict[int, bool] = {}
+        dropped: set[int] = set()  # movement ops moved behind a rounding (re-created on the half values)
         for op in graph.nodes:
-            which = HALF_OPERANDS.get(op.op_type, ())
-            if which is None:
-                which = tuple(range(len(op.inputs)))
-            idx = [k for k in which if k < len(op.inputs) and op.inputs[k].dtype == "float32"]
-            if op.outputs[0].dtype != "float32" or not idx:
+            idx = _rounded(op)
+            if not idx:
                 nodes.append(op)
                 continue
             inputs = list(op.inputs)
@@ -86,7 +87,7 @@ class HalfPrecisionContractions(GraphPass):
                         weights[id(t)] = self._weight(op, k, t, nodes)
                     inputs[k] = weights[id(t)]
                 else:
-                    inputs[k] = self._activation(op, k, t, nodes, dropped, producer, sole)
+                    inputs[k] = self._activation(op, k, t, nodes, dropped)
             op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
             nodes.append(op)
             n_ops += 1
@@ -113,26 +114,76 @@ class HalfPrecisionContractions(GraphPass):
         nodes.append(back)
         return back.outputs[0]
 
-    def _activation(self, op: Operator, k: int, t: Tensor, nodes: list[Operator], dropped: set[int],
-                    producer: dict[int, Operator], sole) -> Tensor:
-        """``Cast(Cast(t, half), float32)``, rounded before the reshapes (views: no kernel) that only
-        this contraction reads, so that the producer's kernel writes the half values and the
-        contraction reads them from memory."""
+    def _activation(self, op: Operator, k: int, t: Tensor, nodes: list[Operator], dropped: set[int]) -> Tensor:
+        """``Cast(Cast(t, half), float32)``; the rounding moves before the data-movement ops that
+        lead to ``t`` where nothing else needs their values in float32 (:meth:`_half`), so that
+        the producer's kernel writes the half values and the contraction reads them from memory."""
         from ..ops.elementwise import CastOp
 
-        views, src = [], t
-        while (v := producer.get(id(src))) is not None and v.op_type == "Reshape" and sole(src) \
-                and not v.inputs[0].is_constant:
-            views.append(v)
-            src = v.inputs[0]
-        down = CastOp([src], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
-        nodes.append(down)
-        cur = down.outputs[0]
-        for v in reversed(views):
-            moved = v.clone([cur, *v.inputs[1:]])
-            nodes.append(moved)
-            cur = moved.outputs[0]
-            dropped.add(id(v))
-        up = CastOp([cur], name=f"{op.name}.in{k}.float32", to="float32")
+        up = CastOp([self._half(op, k, t, nodes, dropped)], name=f"{op.name}.in{k}.float32", to="float32")
         nodes.append(up)
         return up.outputs[0]
+
+    def _half(self, op: Operator, k: int, t: Tensor, nodes: list[Operator], dropped: set[int]) -> Tensor:
+        """``t`` rounded to the half type, as a half-typed tensor (one per tensor, shared). When
+        ``t`` comes out of a data-movement op whose input may be rounded instead (rounding and
+        moving values commute exactly), that op is re-created on the rounded input: a reshape
+        (a view) read by this contraction alone, or any movement (slice, transpose, reshape) whose
+        input feeds only rounded operands of batched products (:meth:`_rounded_only`) -- the
+        attention's Q, K and V slices of one QKV projection, whose GEMM then writes half values and
+        whose batched products read them in place. (Plain 2-D products do not take a transpose
+        that way: their operand would no longer be a dense strided read.)"""
+        from ..ops.elementwise import CastOp
+
+        if id(t) in self._halves:
+            return self._halves[id(t)]
+        p = self._producer.get(id(t))
+        src = p.inputs[0] if p is not None and p.op_type in _MOVEMENT and p.inputs else None
+        sole = len(self._consumers.get(id(t), ())) == 1 and id(t) not in self._outputs
+        if src is not None and not src.is_constant and src.dtype == "float32" and len(p.outputs) == 1 and (
+                (p.op_type == "Reshape" and sole) or self._rounded_only(src)):
+            moved = p.clone([self._half(op, k, src, nodes, dropped), *p.inputs[1:]])
+            nodes.append(moved)
+            dropped.add(id(p))
+            half = moved.outputs[0]
+        else:
+            down = CastOp([t], name=f"{op.name}.in{k}.{self.dtype}", to=self.dtype)
+            nodes.append(down)
+            half = down.outputs[0]
+        self._halves[id(t)] = half
+        return half
+
+    def _rounded_only(self, t: Tensor) -> bool:
+        """Whether every reader of ``t`` rounds it: a batched MatMul reading it only as a rounded
+        operand, or a single-output movement op whose output is itself rounded only."""
+        if id(t) in self._memo:
+            return self._memo[id(t)]
+        self._memo[id(t)] = False  # (no cycles in a graph; guards the recursion anyway)
+        readers = self._consumers.get(id(t), ())
+        ok = bool(readers) and id(t) not in self._outputs and t.dtype == "float32"
+        for c in readers:
+            if not ok:
+                break
+            if c.op_type in _MOVEMENT:
+                ok = (len(c.outputs) == 1 and c.inputs[0] is t and all(x is not t for x in c.inputs[1:])
+                      and self._rounded_only(c.outputs[0]))
+            else:
+                slots = [i for i, x in enumerate(c.inputs) if x is t]
+                ok = (c.op_type == "MatMul" and min(len(x.shape) for x in c.inputs) >= 3
+                      and set(slots) <= set(_rounded(c)))
+        self._memo[id(t)] = ok
+        return ok
+
+
+#: ops that only move values (rounding before or after them gives the same values)
+_MOVEMENT = frozenset({"Reshape", "Transpose", "Slice", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def _rounded(op: Operator) -> list[int]:
+    """The inputs of ``op`` that the pass rounds (float32 operands of a float32 contraction)."""
+    which = HALF_OPERANDS.get(op.op_type, ())
+    if which is None:
+        which = tuple(range(len(op.inputs)))
+    if not op.outputs or op.outputs[0].dtype != "float32":
+        return []
+    return [k for k in which if k < len(op.inputs) and op.inputs[k].dtype == "float32"]

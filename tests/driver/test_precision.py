@@ -47,6 +47,43 @@ def test_the_pass_rounds_operands_and_keeps_biases_and_outputs_float32(dtype):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_attention_operands_are_rounded_where_the_projection_writes_them():
+    """One QKV projection sliced, reshaped and transposed into Q, K^T and V for two batched
+    products: the rounding moves up to the projection's output (one Cast, shared), the movement
+    ops run on half values; the 2-D output projection's transposed input keeps its own rounding
+    after the transpose (a transposed 2-D operand would not be a dense strided read)."""
+    from shardflow.compiler.ops.transform import Reshape, Slice, Transpose
+
+    rng = np.random.default_rng(1)
+    b, s, h, d = 2, 4, 2, 8
+    x = Tensor("x", (b, s, h * d), "float32")
+    qkv = MatMul([x, const_tensor(rng.standard_normal((h * d, 3 * h * d)).astype(np.float32))], name="qkv")
+    heads = []
+    for i in range(3):
+        sl = Slice([qkv.outputs[0]], name=f"slice{i}", starts=(0, 0, i * h * d), steps=(1, 1, 1),
+                   sizes=(b, s, h * d))
+        r = Reshape([sl.outputs[0]], name=f"split{i}", shape=(b, s, h, d))
+        heads.append(Transpose([r.outputs[0]], name=f"heads{i}", perm=(0, 2, 3, 1) if i == 1 else (0, 2, 1, 3)))
+    scores = MatMul([heads[0].outputs[0], heads[1].outputs[0]], name="scores")
+    ctx = MatMul([scores.outputs[0], heads[2].outputs[0]], name="ctx")
+    back = Transpose([ctx.outputs[0]], name="back", perm=(0, 2, 1, 3))
+    flat = Reshape([back.outputs[0]], name="flat", shape=(b * s, h * d))
+    out = MatMul([flat.outputs[0], const_tensor(rng.standard_normal((h * d, 5)).astype(np.float32))], name="out")
+    g = FlowGraph([x], out.outputs)
+    xv = rng.standard_normal(x.shape).astype(np.float32)
+    want = g.run({"x": xv})[g.output_names[0]]
+    g = HalfPrecisionContractions("float16").run(g)
+    g.validate()
+    by_name = {op.name: op for op in g.nodes}
+    casts = [op for op in g.nodes if op.op_type == "Cast" and op.outputs[0].dtype == "float16"]
+    assert sorted(c.inputs[0].name for c in casts) == sorted(["x", qkv.outputs[0].name, scores.outputs[0].name,
+                                                              back.outputs[0].name])
+    assert all(by_name[f"heads{i}"].outputs[0].dtype == "float16" for i in range(3))
+    assert by_name["back"].outputs[0].dtype == "float32"  # rounded after the transpose, as before
+    got = g.run({"x": xv})[g.output_names[0]]
+    np.testing.assert_allclose(got, want, rtol=5e-3, atol=5e-3 * float(np.abs(want).max()))
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 @pytest.mark.parametrize("model", ["gpt2_ts17", "resnet_ts17"])
 def test_float16_model_on_cpu_matches_onnxruntime(tmp_path, model):
