@@ -60,11 +60,13 @@ def _split_rule4(tiles: int, K: int, sms: int = 132) -> int:
     return -(-kt // -(-kt // want))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Fit, print the comparison, and return the fitted figures (``cp_factor``, ``split``, and
+    one per ``tma`` tile)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", nargs="+", required=True)
     ap.add_argument("--split-sweep", nargs="*", default=[])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ensure_shardflow()
     from shardflow.compiler.codegen import cuda_wgmma as W
 
@@ -133,6 +135,7 @@ def main() -> None:
         label = lambda t: f"{t}/{splits(t, M, *shapes[c])}"  # noqa: E731
         got = f"{v[ch]:>6.3f}" if ch in v else "     -"
         print(f"{c:<22} {M:>5}  {label(ch):<14} {got}  {label(fast):<14} {v[fast]:>6.3f}")
+    return {"cp_factor": factor, "split": split_factor, **tma}
 
 
 if __name__ == "__main__":

@@ -86,3 +86,18 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
         assert any(k["symbol"].encode() in c.read_bytes() and c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
     assert json.loads(out.read_text())["kernels"] == kernels
     assert "gemm-wgmma-bf16" in section["table"]
+
+
+def test_tile_table_is_the_fit_of_the_committed_sweeps(capsys):
+    """cuda_wgmma's tile efficiencies are what fit_tiles.py fits to the H100 sweeps in
+    benchmarks/results (so the table and its stated origin cannot drift apart)."""
+    from shardflow.compiler.codegen import cuda_wgmma as W
+
+    res = os.path.join(BENCH, "..", "results")
+    fit = _load("fit_tiles").main(["--sweep", os.path.join(res, "h100-2026-11-22-wgmma-tiles.txt"),
+                                   os.path.join(res, "h100-2026-11-22-tma-tiles.txt"), "--split-sweep",
+                                   os.path.join(res, "h100-2026-11-22-tma-split4-tiles.txt")])
+    assert fit["cp_factor"] == W._CP_FACTOR and fit["split"] == W._SPLIT_EFFICIENCY
+    assert {k: v for k, v in fit.items() if k.startswith("tma")} == \
+        {k: v for k, v in W._TILE_EFFICIENCY.items() if k.startswith("tma")}
+    assert "shipped table: geomean 0.790" in capsys.readouterr().out
