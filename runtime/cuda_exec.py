@@ -50,6 +50,7 @@ class CudaEngine:
         self.prog = prog
         p = prog.program
         self.device = cp.cuda.Device().id
+        self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
         self.stream = cp.cuda.Stream(non_blocking=True)
         with self.stream:
             self.weights = cp.asarray(prog.weights) if prog.weights.nbytes else cp.zeros(1, cp.uint8)
@@ -103,6 +104,8 @@ class CudaEngine:
         args = tuple(self.views[i] for i in list(s["inputs"]) + list(s["outputs"]))
         if 0 in grid:
             return None  # nothing to compute (empty output)
+        if launch.get("persistent") and grid[0] > self.sms:  # blocks loop over the work: one per SM
+            grid = (self.sms,) + grid[1:]
         if launch.get("tensor_maps"):  # TMA-fed kernels: the buffers' addresses are fixed from here on
             args = kernel_args(launch["tensor_maps"], args, f"kernel {s['symbol']} ({s['node']})")
         smem = int(launch.get("shared_mem", 0))

@@ -105,6 +105,10 @@ class KernelLaunch:
     tensor_maps
         Descriptions of the tensor maps the kernel takes after its tensor arguments (TMA-fed wgmma
         GEMMs; see :mod:`shardflow.runtime.tma`, whose ``kernel_args`` builds the arguments).
+    persistent
+        The blocks loop over the work (``gridDim.x`` at a time): ``grid`` is sized for 132
+        multiprocessors, and a launcher may lower ``grid[0]`` to the device's count (any value
+        is correct; more blocks than multiprocessors would run in a second, unbalanced wave).
     """
 
     symbol: str
@@ -116,6 +120,7 @@ class KernelLaunch:
     op_name: str
     kind: str = "elementwise"
     tensor_maps: tuple = ()
+    persistent: bool = False
 
     def to_dict(self) -> dict:
         """Plain JSON-ready form (what a rank program stores; the runtime reads it without the
@@ -125,6 +130,8 @@ class KernelLaunch:
              "op_name": self.op_name, "kind": self.kind}
         if self.tensor_maps:
             d["tensor_maps"] = [dict(m) for m in self.tensor_maps]
+        if self.persistent:
+            d["persistent"] = True
         return d
 
     @classmethod
@@ -132,7 +139,7 @@ class KernelLaunch:
         """Inverse of :meth:`to_dict`."""
         return cls(d["symbol"], tuple(d["grid"]), tuple(d["block"]), int(d["shared_mem"]), tuple(d["args"]),
                    int(d["num_inputs"]), d["op_name"], d.get("kind", "elementwise"),
-                   tuple(d.get("tensor_maps", ())))
+                   tuple(d.get("tensor_maps", ())), bool(d.get("persistent", False)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1529,7 +1536,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
                                             config)
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
-                                  len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())))
+                                  len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())),
+                                  bool(cfg.get("persistent", False)))
             return src, launch, wrapper
 
     parts: list[_Part] = []

@@ -69,8 +69,8 @@ WGMMA_CONFIGS = {
     "tma128x128": (2, 128, 6, "tma"),
     "tma64x128": (1, 128, 8, "tma"),
 }
-#: multiprocessors a persistent (``tma``) grid is sized for (an H100 SXM / H200 has 132; on a GPU
-#: with fewer the extra blocks wait for a free one, still correct)
+#: multiprocessors a persistent (``tma``) grid is sized for (an H100 SXM / H200 has 132); the launch
+#: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
 PERSISTENT_SMS = 132
 _BK = 64
 _SMEM_LIMIT = 227 * 1024
@@ -684,6 +684,6 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
-    launch = {"grid": (min(units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem,
+    launch = {"grid": (min(units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
     return src, launch, (BN, ab, ta, tb)

@@ -96,7 +96,7 @@ def test_tma_tiles_describe_their_tensor_maps_and_batched_products_fall_back():
                  "swizzle": 128}
     assert b == {"arg": 1, "offset": 0, "dtype": "bfloat16", "dims": [200, 136], "strides": [400], "box": [64, 128],
                  "swizzle": 128}
-    assert KernelLaunch.from_dict(launch.to_dict()) == launch  # program.json keeps them
+    assert launch.persistent and KernelLaunch.from_dict(launch.to_dict()) == launch  # program.json keeps them
     # a batched product has no single 2-D map per operand: the same tile through cp.async
     mm = MatMul([Tensor("a", (3, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bmm")
     launch = generate_cuda_source([mm], arch="sm_90", gemm_configs={"bmm": "tma128x256"}).launches["bmm"]
