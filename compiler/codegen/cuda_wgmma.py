@@ -50,20 +50,17 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")
 
 #: name -> (WG consumer warpgroups, BN, stages, mode); BM = 64 * WG, BK = 64. Modes:
 #: ``cp``: every thread copies with ``cp.async``, a block barrier per K step hands a stage to the
-#: tensor cores; ``ws``: a producer warpgroup copies with ``cp.async`` and hands stages over through
-#: mbarriers; ``tma``: persistent blocks (one per multiprocessor, looping over the tiles) whose
-#: producer thread loads each stage with two bulk tensor copies (TMA) that complete on the stage's
+#: tensor cores; ``tma``: persistent blocks (one per multiprocessor, looping over the tiles) whose
+#: producer thread loads each stage with bulk tensor copies (TMA) that complete on the stage's
 #: mbarrier, so the next tile's loads run during the current tile's epilogue (dense operands of an
 #: unbatched product only; the launch carries tensor-map descriptions, see shardflow.runtime.tma).
+#: (A ``cp.async`` producer warpgroup with mbarrier hand-off measured slower than both on every
+#: benchmark shape: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt, ``ws*``; removed.)
 WGMMA_CONFIGS = {
     "128x256": (2, 256, 4, "cp"),
     "128x128": (2, 128, 6, "cp"),
     "64x128": (1, 128, 6, "cp"),
     "64x64": (1, 64, 8, "cp"),
-    "ws128x256": (2, 256, 4, "ws"),
-    "ws128x128": (2, 128, 6, "ws"),
-    "ws64x128": (1, 128, 6, "ws"),
-    "ws64x64": (1, 64, 8, "ws"),
     "tma128x256": (2, 256, 4, "tma"),
     "tma128x192": (2, 192, 5, "tma"),
     "tma128x128": (2, 128, 6, "tma"),
@@ -283,10 +280,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config)
         config = _TMA_FALLBACK[config]
-    wg, BN, S, mode = WGMMA_CONFIGS[config]
-    ws = mode == "ws"
+    wg, BN, S, _ = WGMMA_CONFIGS[config]
     BM = 64 * wg
-    T = 128 * (wg + ws)
+    T = 128 * wg
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
@@ -346,10 +342,8 @@ for (int sf_e = {first}; sf_e < {BM * BN}; sf_e += {step}) {{
                 + _indent(batch_code, 2) + "\n" + _indent(code, 2) + "\n}")
 
     zero = f"float sf_d[{BN // 2}];\n#pragma unroll\nfor (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;"
-    if not ws:
-        # every thread copies; a block barrier per K step hands the stage to the tensor cores
-        setup = ""
-        body = f"""{zero}
+    # every thread copies; a block barrier per K step hands the stage to the tensor cores
+    body = f"""{zero}
 #pragma unroll
 for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
   if (sf_s < {KT}) {{
@@ -377,74 +371,7 @@ __syncthreads();
 __syncthreads();
 {epilogue_loop("threadIdx.x", T)}
 __syncthreads();"""
-        body = batch_loop(body)
-    else:
-        # warpgroup 0 copies: it waits until the consumers release a stage (empty barrier), copies
-        # the K tile, and once the copies of the tile LAG steps back have landed (cp.async groups)
-        # fences them for the tensor cores and arrives on that tile's full barrier. The consumer
-        # warpgroups wait on full barriers and release each stage once its wgmma group is done.
-        lag = S - 2
-        region = max(S * stage, BM * ldc * 4)
-        full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
-        empty = lambda x: f"sf_bars + ({S} + ({x})) * 8"  # noqa: E731
-        setup = f"""const unsigned sf_bars = sf_base + {region};
-if (threadIdx.x == 0) {{
-  for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
-    sf_mbar_init({full("sf_s")}, 128);
-    sf_mbar_init({empty("sf_s")}, {wg * 128});
-  }}
-}}
-__syncthreads();
-int sf_it = 0;  // K tiles handed over in earlier batch iterations (barrier phases)"""
-        # 3 warpgroups share 64K registers (168 each at entry): with 128 accumulators per thread
-        # the consumers need more, which the producer gives up (its address arithmetic spills a
-        # little instead, off the critical path)
-        dec, inc = ('asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\\n");',
-                    'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");') if wg == 2 and BN == 256 else ("", "")
-        producer = f"""for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
-  const int sf_g = sf_it + sf_kt;
-  sf_mbar_wait({empty(f"sf_g % {S}")}, ((sf_g / {S}) & 1) ^ 1);
-{_indent(load("sf_kt", f"sf_g % {S}", 128), 2)}
-  sf_cp_commit();
-  if (sf_kt >= {lag}) {{
-    sf_cp_wait<{lag}>();
-    sf_fence_async_smem();
-    sf_mbar_arrive({full(f"(sf_g - {lag}) % {S}")});
-  }}
-}}
-sf_cp_wait<0>();
-sf_fence_async_smem();
-for (int sf_kt = max({KT} - {lag}, 0); sf_kt < {KT}; ++sf_kt) sf_mbar_arrive({full(f"(sf_it + sf_kt) % {S}")});
-__syncthreads();
-__syncthreads();
-sf_it += {KT};"""
-        consumer = f"""{zero}
-for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
-  const int sf_g = sf_it + sf_kt;
-  sf_mbar_wait({full(f"sf_g % {S}")}, (sf_g / {S}) & 1);
-  const unsigned sf_sA = sf_base + (sf_g % {S}) * {stage};
-  const unsigned sf_sB = sf_sA + {a_bytes};
-{_indent(mma("sf_cw"), 2)}
-  sf_wgmma_wait<1>();
-  if (sf_kt > 0) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
-}}
-sf_wgmma_wait<0>();
-sf_mbar_arrive({empty(f"(sf_it + {KT} - 1) % {S}")});
-__syncthreads();
-{to_smem("sf_cw")}
-sf_bar_sync(1, {wg * 128});
-{epilogue_loop("threadIdx.x - 128", wg * 128)}
-__syncthreads();
-sf_it += {KT};"""
-        # the two roles never join again (setmaxnreg needs each role in one branch)
-        body = f"""if (sf_wg == 0) {{
-  {dec}
-{_indent(batch_loop(producer), 2)}
-}} else {{
-  {inc}
-  const int sf_cw = sf_wg - 1;
-{_indent(batch_loop(consumer), 2)}
-}}"""
+    body = batch_loop(body)
 
     group = 8
     src = f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}) {{
@@ -462,7 +389,6 @@ sf_it += {KT};"""
   const int sf_m0 = (sf_first + (sf_bid % sf_gsz) % sf_rows) * {BM};
   const int sf_n0 = ((sf_bid % sf_gsz) / sf_rows) * {BN};
 {_indent(root, 2)}
-{_indent(setup, 2)}
 {_indent(body, 2)}
 }}
 """
