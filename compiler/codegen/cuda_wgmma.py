@@ -510,7 +510,8 @@ const int sf_n0 = ((sf_t % sf_gsz) / sf_rows) * {BN};"""
     # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
     # coalesced) and counts itself in; the last split of a tile reads all of them back and sums
     # them in split order (the same bits whichever block is last), resets the count for the next
-    # launch and runs the epilogue. The partials and counts are module globals sized here (one stream runs a program).
+    # launch and runs the epilogue. The partials and counts are module globals sized here (a
+    # program runs on one stream, so no two launches of a kernel are in flight at once).
     reduce = "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
 const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_t * {splits * nreg * tc} + sf_tc;  // split 0 of the tile
 float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
@@ -574,13 +575,15 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
 }}"""
     globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
                                        f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits done per tile\n")
-    src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB) {{
+    map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
+    src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
   const unsigned sf_base = (sf_raw + 1023u) & ~1023u;
   float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw) + {S * stage});
   const unsigned sf_bars = sf_base + {S * stage + wg * _STAGE_BYTES};
-  volatile int* sf_flag = reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stage + wg * _STAGE_BYTES + 16 * S});
+  volatile int* sf_flag =  // split-K: whether this block finishes the tile
+      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stage + wg * _STAGE_BYTES + 16 * S});
   (void)sf_flag;
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
