@@ -77,7 +77,7 @@ def encode_tensor_map(spec: dict, address: int, what: str = "a kernel") -> np.nd
     if origin % 16 or any(int(s) % 16 for s in strides):
         raise TensorMapError(f"tensor map of {what}: address {origin:#x} or strides {strides} are not multiples "
                              "of 16 bytes, which the copy engine needs")
-    out = np.zeros(1, _MAP_DTYPE)
+    out = _aligned_map()
     c_dims = (ctypes.c_uint64 * rank)(*dims)
     c_strides = (ctypes.c_uint64 * max(rank - 1, 1))(*(strides or [0]))
     c_box = (ctypes.c_uint32 * rank)(*box)
@@ -88,6 +88,14 @@ def encode_tensor_map(spec: dict, address: int, what: str = "a kernel") -> np.nd
         raise TensorMapError(f"tensor map of {what}: cuTensorMapEncodeTiled failed (CUresult {status}) for dims "
                              f"{dims}, strides {strides}, box {box}, address {origin:#x}")
     return out
+
+
+def _aligned_map() -> np.ndarray:
+    """A zeroed size-one array of the map's type at a 128-byte aligned host address (the CUDA
+    header declares ``CUtensorMap`` with that alignment; numpy only promises 16)."""
+    raw = np.zeros(2 * _MAP_DTYPE.itemsize, np.uint8)
+    skip = -raw.ctypes.data % 128
+    return raw[skip:skip + _MAP_DTYPE.itemsize].view(_MAP_DTYPE)
 
 
 def _address(a: Any) -> int:

@@ -31,3 +31,11 @@ def test_misaligned_addresses_and_strides_are_refused_with_the_kernel_named():
 def test_host_arrays_are_refused():
     with pytest.raises(TensorMapError, match="device arrays"):
         kernel_args([SPEC], [np.zeros((128, 64), np.float16)])
+
+
+def test_maps_are_built_at_aligned_host_addresses():
+    from shardflow.runtime.tma import _aligned_map
+
+    for _ in range(8):
+        m = _aligned_map()
+        assert m.shape == (1,) and m.nbytes == 128 and m.ctypes.data % 128 == 0 and not m.view(np.uint8).any()
