@@ -50,7 +50,11 @@ def _encoder():
     except OSError as exc:
         raise TensorMapError(f"TMA kernels need the CUDA driver library libcuda.so.1 ({exc}); run them on a "
                              "machine with an NVIDIA GPU and driver") from None
-    fn = lib.cuTensorMapEncodeTiled
+    try:
+        fn = lib.cuTensorMapEncodeTiled
+    except AttributeError:
+        raise TensorMapError("the CUDA driver has no cuTensorMapEncodeTiled (a driver for CUDA 12.0 or newer is "
+                             "needed for TMA kernels; or compile for an architecture before sm_90)") from None
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
