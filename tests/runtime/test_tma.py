@@ -39,3 +39,19 @@ def test_maps_are_built_at_aligned_host_addresses():
     for _ in range(8):
         m = _aligned_map()
         assert m.shape == (1,) and m.nbytes == 128 and m.ctypes.data % 128 == 0 and not m.view(np.uint8).any()
+
+
+def test_no_cuda_driver_is_a_clear_error(monkeypatch):
+    import ctypes
+
+    from shardflow.runtime import tma
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    tma._encoder.cache_clear()
+    try:
+        with pytest.raises(TensorMapError, match="libcuda.so.1"):
+            encode_tensor_map(SPEC, 0x10000)
+    finally:
+        tma._encoder.cache_clear()
