@@ -11,7 +11,8 @@ as :func:`cuda_wgmma.split_count` does now, and is left out otherwise. The model
 ``cuda_wgmma.choose_wgmma_config`` (waves of blocks x useful fraction x efficiency x the split
 factor where K is split); the ``cp`` tiles keep their relative efficiencies times one factor,
 the ``tma`` tiles get one each, all chosen by coordinate search to maximize the geometric mean of
-the chosen tiles' measured ratios to cuBLAS (a choice without a measurement counts as 0.3). No
+the chosen tiles' measured ratios to cuBLAS (a choice without a measurement counts as 0.3); the
+choice itself is ``choose_wgmma_config`` with the trial figures. No
 GPU needed::
 
     python benchmarks/gpu/fit_tiles.py --sweep benchmarks/results/h100-2026-11-22-wgmma-tiles.txt \
@@ -93,14 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row[t] = r
 
     def pick(eff: dict, M: int, N: int, K: int) -> str:
-        def score(name):
-            wg, bn, _, _ = W.WGMMA_CONFIGS[name]
-            tiles = tiles_of(name, M, N)
-            s = splits(name, M, N, K)
-            units = tiles * s
-            return (units / (-(-units // 132) * 132) * M * N / (tiles * 64 * wg * bn) * eff[name]
-                    * (eff["split"] if s > 1 else 1.0))
-        return max((n for n in eff if n != "split"), key=score)
+        tiles = {n: e for n, e in eff.items() if n != "split"}
+        return W.choose_wgmma_config(M, N, 1, K=K, efficiency=tiles, split_efficiency=eff["split"])
 
     def geomean(eff: dict) -> float:
         return math.exp(sum(math.log(v.get(pick(eff, M, *shapes[c]), 0.3)) for (c, M), v in data.items())

@@ -29,8 +29,8 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
       for the tolerances), with the rest of
       the expression as its epilogue. On ``sm_90`` a float16/bfloat16 product whose operands
       are dense half-precision tensors (16-byte aligned rows) takes the Hopper template of
-      :mod:`.cuda_wgmma` instead (``wgmma`` fed by a ``cp.async`` pipeline; compiled for
-      ``sm_90a``).
+      :mod:`.cuda_wgmma` instead (``wgmma`` fed by a ``cp.async`` pipeline, or for unbatched
+      products by the bulk tensor copy engine in a persistent kernel; compiled for ``sm_90a``).
 
 Semantics follow the reference evaluator (:mod:`shardflow.compiler.ir.evaluate`) node by node:
 numpy's result dtypes (computed by numpy itself on empty arrays), floor division and modulo,

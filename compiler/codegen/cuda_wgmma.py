@@ -96,8 +96,7 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     if mode == "tma":  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
         return a, b, pipe + wg * _STAGE_BYTES + 16 * stages + 16 + 1024  # + the split-K flag
     ctile = 64 * wg * (bn + 4) * 4
-    # + the mbarriers (2 per stage) + alignment slack (tiles start on 1024-byte boundaries)
-    return a, b, max(pipe, ctile) + 16 * stages + 1024
+    return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
 
 
 #: the ``tma`` epilogue stages 64 rows x 32 columns of fp32 accumulators per warpgroup, rows
@@ -113,16 +112,17 @@ _STAGE_BYTES = 64 * _LDS * 4
 #: every float16 benchmark shape, so that the score below picks the tile that measured fastest
 #: where it can (benchmarks/results/h100-2026-11-22-{wgmma,tma,tma-split4}-tiles.txt). The model
 #: misses what makes skinny products (M = 128) fast: there the tuner (search_space 2) measures.
-_CP_FACTOR = 0.58
+_CP_FACTOR = 0.56
 _TILE_EFFICIENCY = {"128x256": 1.0 * _CP_FACTOR, "128x128": 0.81 * _CP_FACTOR, "64x128": 0.54 * _CP_FACTOR,
                     "64x64": 0.37 * _CP_FACTOR,
-                    "tma128x256": 1.18, "tma128x192": 1.2, "tma128x128": 0.48, "tma64x128": 0.42}
+                    "tma128x256": 1.18, "tma128x192": 1.2, "tma128x128": 0.46, "tma64x128": 0.40}
 #: what a split-K product's partial sums cost, as a factor on its score (same fit: splitting
 #: measured slower than a smaller unsplit tile on most shapes, much faster on a few)
 _SPLIT_EFFICIENCY = 0.2
 
 
-def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None) -> str:
+def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None,
+                        efficiency: dict | None = None, split_efficiency: float | None = None) -> str:
     """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
     its blocks keep busy over whole waves (one block per multiprocessor: every tile uses more than
     half the shared memory; a persistent ``tma`` grid runs the same waves of tiles), times the
@@ -131,7 +131,11 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
     (:func:`split_count`). Batched products choose among the ``cp`` tiles (the
     ``tma`` kernel takes one product). On the 24 float16 shapes of the H100 GEMM benchmark the
     choice measured within 10% of the fastest tile on 22 (geomean 0.79 of cuBLAS, against 0.81 for
-    the fastest tile of each shape)."""
+    the fastest tile of each shape). ``efficiency``/``split_efficiency`` replace the shipped
+    figures (the fit of benchmarks/gpu/fit_tiles.py tries others)."""
+    eff = _TILE_EFFICIENCY if efficiency is None else efficiency
+    split_eff = _SPLIT_EFFICIENCY if split_efficiency is None else split_efficiency
+
     def score(name: str) -> float:
         wg, bn, _, mode = WGMMA_CONFIGS[name]
         tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
@@ -139,8 +143,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
         units = tiles * splits
         waves = -(-units // sms)
         useful = M * N * batch / (tiles * 64 * wg * bn)  # tiles hanging over M or N do less work
-        return units / (waves * sms) * useful * _TILE_EFFICIENCY[name] * (_SPLIT_EFFICIENCY if splits > 1 else 1.0)
-    names = [n for n in _TILE_EFFICIENCY if batch == 1 or WGMMA_CONFIGS[n][3] != "tma"]
+        return units / (waves * sms) * useful * eff[name] * (split_eff if splits > 1 else 1.0)
+    names = [n for n in eff if batch == 1 or WGMMA_CONFIGS[n][3] != "tma"]
     return max(names, key=score)
 
 
@@ -215,14 +219,13 @@ def wgmma_helpers(used: set[tuple[int, str, int, int]], common: bool = True) -> 
     return (WGMMA_HELPERS if common else "") + "".join(_wgmma_asm(*u) for u in sorted(used))
 
 
-def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str,
-            tid: str = "threadIdx.x") -> str:
+def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str) -> str:
     """Copies of one operand tile (``rows`` rows of the operand's M/N side × 64 K) into the stage at
     shared address ``sm`` (a C expression), as 16-byte ``cp.async``.
 
     Thread ``t`` copies chunks ``t + i*T``; the per-thread part of each chunk's coordinates is
-    computed once and the rest is a compile-time step per ``i`` (few registers: the producer
-    warpgroup of the warp-specialized kernel runs on 40)."""
+    computed once and the rest is a compile-time step per ``i``."""
+    tid = "threadIdx.x"
     chunks = rows * _BK // 8
     assert chunks % T == 0
     per = chunks // T
@@ -263,6 +266,39 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
 }}"""
 
 
+def _mma_stage(a: DirectOperand, b: DirectOperand, BN: int, ab: str, wg: str) -> str:
+    """The four K=16 wgmma of one stage (shared addresses ``sf_sA``/``sf_sB``) for the warpgroup
+    whose 64 rows of A start at ``wg * 64`` (a C expression), committed as one group.
+
+    Descriptors: K-major rows of 128 B, 8-row groups 1024 B apart (SBO), the K step moves 32 B;
+    MN-major panels of 64 rows (8192 B apart: LBO), 8-k-row groups 1024 B apart (SBO), the K step
+    moves 16 k rows (2048 B)."""
+    ta, tb = (0 if a.k_major else 1), (0 if b.k_major else 1)
+    if a.k_major:
+        a_desc = f"sf_smem_desc(sf_sA + {wg} * {64 * 128} + sf_ks * 32, 16, 1024)"
+    else:
+        a_desc = f"sf_smem_desc(sf_sA + {wg} * {64 * 128} + sf_ks * 2048, {64 * 128}, 1024)"
+    if b.k_major:
+        b_desc = "sf_smem_desc(sf_sB + sf_ks * 32, 16, 1024)"
+    else:
+        b_desc = f"sf_smem_desc(sf_sB + sf_ks * 2048, {64 * 128}, 1024)"
+    return (f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < {_BK // 16}; ++sf_ks)\n"
+            f"  sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc}, {b_desc});\n"
+            "sf_wgmma_commit();")
+
+
+_GROUP = 8  # row tiles per group of the block order: they share their column tile in L2
+
+
+def _grouped_tile(index: str, tiles_m: int, tiles_n: int, BM: int, BN: int) -> str:
+    """``sf_m0``/``sf_n0`` of output tile ``index`` (a C expression) in the grouped order."""
+    return f"""const int sf_gsz = {_GROUP * tiles_n};
+const int sf_first = ({index} / sf_gsz) * {_GROUP};
+const int sf_rows = min({tiles_m} - sf_first, {_GROUP});
+const int sf_m0 = (sf_first + ({index} % sf_gsz) % sf_rows) * {BM};
+const int sf_n0 = (({index} % sf_gsz) / sf_rows) * {BN};"""
+
+
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
                       batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
                       config: str | None = None) -> tuple[str, dict, tuple[int, str, int, int]]:
@@ -288,36 +324,20 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     stage = a_bytes + b_bytes
     KT = -(-K // _BK)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
-    ta, tb = (0 if a.k_major else 1), (0 if b.k_major else 1)
-    wrapper = (BN, ab, ta, tb)
+    wrapper = (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)
     ldc = BN + 4
-    # descriptors: K-major rows of 128 B, 8-row groups 1024 B apart (SBO), the K step moves 32 B;
-    # MN-major panels of 64 rows (8192 B apart: LBO), 8-k-row groups 1024 B apart (SBO), the K step
-    # moves 16 k rows (2048 B)
-    if a.k_major:
-        a_desc = f"sf_smem_desc(sf_sA + sf_wg * {64 * 128} + sf_ks * 32, 16, 1024)"
-    else:
-        a_desc = f"sf_smem_desc(sf_sA + sf_wg * {64 * 128} + sf_ks * 2048, {64 * 128}, 1024)"
-    if b.k_major:
-        b_desc = "sf_smem_desc(sf_sB + sf_ks * 32, 16, 1024)"
-    else:
-        b_desc = f"sf_smem_desc(sf_sB + sf_ks * 2048, {64 * 128}, 1024)"
 
-    def load(tile: str, st: str, threads: int = T) -> str:
+    def load(tile: str, st: str) -> str:
         return (f"{{\n  const int sf_k0 = ({tile}) * {_BK};\n"
                 f"  const unsigned sf_sa = sf_base + ({st}) * {stage};\n"
                 f"  const unsigned sf_sb = sf_sa + {a_bytes};\n"
-                + _indent(_loader(a, BM, M, K, threads, "sf_sa", "sf_m0"), 2) + "\n"
-                + _indent(_loader(b, BN, N, K, threads, "sf_sb", "sf_n0"), 2) + "\n}")
+                + _indent(_loader(a, BM, M, K, T, "sf_sa", "sf_m0"), 2) + "\n"
+                + _indent(_loader(b, BN, N, K, T, "sf_sb", "sf_n0"), 2) + "\n}")
 
-    def mma(wgi: str) -> str:  # the four K=16 steps of one stage, for consumer warpgroup ``wgi``
-        return (f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < {_BK // 16}; ++sf_ks)\n"
-                f"  sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc.replace('sf_wg', wgi)}, {b_desc});\n"
-                "sf_wgmma_commit();")
-
-    def to_smem(wgi: str) -> str:  # wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), cols 8j + 2(l%4) (+1)
-        return f"""{{
-  const int sf_r = {wgi} * 64 + (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
+    # accumulators -> shared memory (wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns
+    # 8j + 2(l%4) (+1)), then the epilogue, unrolled: independent elements overlap their latency
+    to_smem = f"""{{
+  const int sf_r = sf_wg * 64 + (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
   const int sf_c = (sf_wl & 3) * 2;
   #pragma unroll
   for (int j = 0; j < {BN // 8}; ++j) {{
@@ -325,10 +345,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     *reinterpret_cast<float2*>(sf_Cs + (sf_r + 8) * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j + 2], sf_d[4 * j + 3]);
   }}
 }}"""
-
-    def epilogue_loop(first: str, step: int) -> str:  # unrolled: independent elements overlap their latency
-        return f"""#pragma unroll 4
-for (int sf_e = {first}; sf_e < {BM * BN}; sf_e += {step}) {{
+    epilogue_loop = f"""#pragma unroll 4
+for (int sf_e = threadIdx.x; sf_e < {BM * BN}; sf_e += {T}) {{
   const int sf_m = sf_m0 + sf_e / {BN};
   const int sf_n = sf_n0 + sf_e % {BN};
   if (sf_m < {M} && sf_n < {N}) {{
@@ -336,14 +354,10 @@ for (int sf_e = {first}; sf_e < {BM * BN}; sf_e += {step}) {{
 {_indent(epilogue, 4)}
   }}
 }}"""
-
-    def batch_loop(code: str) -> str:
-        return (f"for (int sf_bz = blockIdx.z; sf_bz < {batch}; sf_bz += gridDim.z) {{\n"
-                + _indent(batch_code, 2) + "\n" + _indent(code, 2) + "\n}")
-
-    zero = f"float sf_d[{BN // 2}];\n#pragma unroll\nfor (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;"
     # every thread copies; a block barrier per K step hands the stage to the tensor cores
-    body = f"""{zero}
+    body = f"""float sf_d[{BN // 2}];
+#pragma unroll
+for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
 #pragma unroll
 for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
   if (sf_s < {KT}) {{
@@ -357,7 +371,7 @@ for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
   __syncthreads();
   const unsigned sf_sA = sf_base + (sf_kt % {S}) * {stage};
   const unsigned sf_sB = sf_sA + {a_bytes};
-{_indent(mma("sf_wg"), 2)}
+{_indent(_mma_stage(a, b, BN, ab, "sf_wg"), 2)}
   if (sf_kt + {S - 2} < {KT}) {{
 {_indent(load(f"sf_kt + {S - 2}", f"(sf_kt + {S - 2}) % {S}"), 4)}
   }}
@@ -367,13 +381,12 @@ for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
 sf_wgmma_wait<0>();
 sf_cp_wait<0>();
 __syncthreads();
-{to_smem("sf_wg")}
+{to_smem}
 __syncthreads();
-{epilogue_loop("threadIdx.x", T)}
+{epilogue_loop}
 __syncthreads();"""
-    body = batch_loop(body)
-
-    group = 8
+    body = (f"for (int sf_bz = blockIdx.z; sf_bz < {batch}; sf_bz += gridDim.z) {{\n"
+            + _indent(batch_code, 2) + "\n" + _indent(body, 2) + "\n}")
     src = f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
@@ -381,13 +394,7 @@ __syncthreads();"""
   float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw));
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
-  // grouped block order: {group} row tiles share their column tile in L2
-  const int sf_bid = blockIdx.x;
-  const int sf_gsz = {group} * {tiles_n};
-  const int sf_first = (sf_bid / sf_gsz) * {group};
-  const int sf_rows = min({tiles_m} - sf_first, {group});
-  const int sf_m0 = (sf_first + (sf_bid % sf_gsz) % sf_rows) * {BM};
-  const int sf_n0 = ((sf_bid % sf_gsz) / sf_rows) * {BN};
+{_indent(_grouped_tile("(int)blockIdx.x", tiles_m, tiles_n, BM, BN), 2)}
 {_indent(root, 2)}
 {_indent(body, 2)}
 }}
@@ -467,22 +474,12 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     splits = split_count(tiles, K)
     per = -(-KT // splits)  # K tiles per split
     units = tiles * splits
-    ta, tb = (0 if a.k_major else 1), (0 if b.k_major else 1)
-    a_desc = (f"sf_smem_desc(sf_sA + sf_cw * {64 * 128} + sf_ks * 32, 16, 1024)" if a.k_major
-              else f"sf_smem_desc(sf_sA + sf_cw * {64 * 128} + sf_ks * 2048, {64 * 128}, 1024)")
-    b_desc = ("sf_smem_desc(sf_sB + sf_ks * 32, 16, 1024)" if b.k_major
-              else f"sf_smem_desc(sf_sB + sf_ks * 2048, {64 * 128}, 1024)")
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
     empty = lambda x: f"sf_bars + ({S} + ({x})) * 8"  # noqa: E731
-    group = 8
     tile = f"""const int sf_t = sf_u / {splits};  // output tile
 const int sf_kb = (sf_u % {splits}) * {per};  // its K split: K tiles [sf_kb, sf_ke)
 const int sf_ke = min(sf_kb + {per}, {KT});
-const int sf_gsz = {group * tiles_n};
-const int sf_first = (sf_t / sf_gsz) * {group};
-const int sf_rows = min({tiles_m} - sf_first, {group});
-const int sf_m0 = (sf_first + (sf_t % sf_gsz) % sf_rows) * {BM};
-const int sf_n0 = ((sf_t % sf_gsz) / sf_rows) * {BN};"""
+""" + _grouped_tile("sf_t", tiles_m, tiles_n, BM, BN)
     # 3 warpgroups share 64K registers: the consumers take what the producer does not need
     dec, inc = ('asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\\n");',
                 'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");') if wg == 2 else ("", "")
@@ -545,11 +542,7 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
     sf_mbar_wait({full("sf_s")}, (sf_g / {S}) & 1);
     const unsigned sf_sA = sf_base + sf_s * {stage};
     const unsigned sf_sB = sf_sA + {a_bytes};
-    sf_wgmma_fence();
-    #pragma unroll
-    for (int sf_ks = 0; sf_ks < {_BK // 16}; ++sf_ks)
-      sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc}, {b_desc});
-    sf_wgmma_commit();
+{_indent(_mma_stage(a, b, BN, ab, "sf_cw"), 4)}
     sf_wgmma_wait<1>();
     if (sf_kt > sf_kb) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
   }}
@@ -615,4 +608,4 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
     src = src.replace("{SYMBOL}", symbol)
     launch = {"grid": (min(units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
-    return src, launch, (BN, ab, ta, tb)
+    return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)

@@ -1,9 +1,10 @@
 """Kernel tuning for the cuda target (``optimization_config["search_space"]``).
 
 ``search_space`` 0 and 1 use the documented default: :func:`~.cuda_wgmma.choose_wgmma_config`, a
-model of the H100 measurements (waves × useful fraction × per-tile throughput; it picks the
-fastest tile on all 24 float16 benchmark shapes). ``search_space=2`` measures instead: for each
-wgmma GEMM of the program, every block tile (the non-warp-specialized ones) is compiled alone,
+model fitted to H100 measurements (waves × useful fraction × per-tile throughput; within 10% of
+the fastest tile on 22 of the 24 float16 benchmark shapes). ``search_space=2`` measures instead:
+for each wgmma GEMM of the program, every block tile (:data:`CANDIDATES`; the TMA ones only for
+unbatched products) is compiled alone,
 launched on random operands of the op's shapes on the GPU of the compiling machine, and timed with
 CUDA events (median of 3 × 10 back-to-back launches); the fastest is used. Choices are kept as
 JSON in ``<kernel cache>/tune/`` keyed by the kernel's source, the GPU's name and the candidates,
@@ -102,7 +103,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
     launch, op) -> ms`` times one kernel (default :func:`measure_on_gpu`); ``device`` names the GPU
     the choices are for (default: the visible one; without one nothing is measured).
     """
-    from .cuda import generate_cuda_source
+    from .cuda import _atomic_write, generate_cuda_source
 
     device = device or gpu_name()
     if device is None:
@@ -136,11 +137,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         log.info("tuned %s (%s): %s", op.name, ", ".join(f"{c} {t:.4f} ms" for c, t in times.items()), best)
         record = {"config": best, "ms": times, "device": device, "op": op.name}
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = path + f".tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(record, f, indent=1)
-            os.replace(tmp, path)
+            _atomic_write(path, json.dumps(record, indent=1).encode())
         except OSError as exc:  # a read-only cache must not fail the build
             log.warning("cannot write the tuning cache %s: %s", path, exc)
     return chosen
