@@ -641,6 +641,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         from .passes.precision import HalfPrecisionContractions
 
         graph = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda").run(graph)
+        if opt.target == "cuda":  # one fused kernel per attention (passes/attention.py)
+            from .passes.attention import FuseAttention
+
+            graph = FuseAttention().run(graph)
 
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)

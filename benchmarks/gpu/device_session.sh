@@ -44,7 +44,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
     suite)
-        python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py \
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/codegen/test_attention.py \
             tests/codegen/test_tune.py \
             tests/runtime/test_gpu_runtime.py 2>&1 | tee "$out/gpu-suite.txt" | tail -60
         ;;
@@ -54,7 +54,7 @@ case "$what" in
     all)  # the suite, then the benchmark (float16 models), then a kernel profile of GPT-2 small 8x128;
           # the timeouts add up to under the device tool's 600 s per call (measured: 178 + 285 + 60 s)
         timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py \
-            tests/codegen/test_wgmma.py tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py 2>&1 \
+            tests/codegen/test_wgmma.py tests/codegen/test_tune.py tests/codegen/test_attention.py tests/runtime/test_gpu_runtime.py 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         mkdir -p /tmp/sf-export
         timeout 300 python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-285}" --jobs 14 \

@@ -966,9 +966,8 @@ class _Emitter:
         else:
             if total > 0:
                 r = self.new("r")
-                if total >= _ROW_UNROLL * coop.lanes:  # several independent loads in flight per lane
-                    blk.lines.append(f"#pragma unroll {_ROW_UNROLL}")  # (same order of additions)
-                blk.lines.append(f"for ({it} {r} = {coop.lane}; {r} < {total}; {r} += {coop.lanes}) {{")
+                # several independent loads in flight per lane (same order of additions)
+                blk.lines += _lane_loop(it, r, coop.lane, total, coop.lanes)
                 inner = 1
                 dec = []
                 big = [v for v in e.vars if v.extent != 1]
@@ -1039,6 +1038,28 @@ _WIDE = 2 ** 31 - 2 ** 25  # loop counters above this use 64-bit ints (grid-stri
 #: of GPT-2's 1024 x 768 LayerNorm leaves the GPU at 8 warps per multiprocessor, latency-bound
 #: unless each lane has several loads in flight
 _ROW_UNROLL = 4
+#: lane loops of at most this many steps per lane are unrolled completely, so that every load of
+#: a pass over the row is in flight at once (GPT-2's LayerNorm: 24 steps, three passes)
+_ROW_FULL_UNROLL = 32
+
+
+def _lane_loop(it: str, var: str, lane: str, total: int, lanes: int) -> list[str]:
+    """The head of a loop of ``var`` over ``lane, lane + lanes, ... < total``, opening a ``{``.
+
+    A short loop (at most ``_ROW_FULL_UNROLL`` steps per lane) counts steps from 0, so its trip
+    count is a constant and it unrolls completely; a longer one is unrolled by ``_ROW_UNROLL``.
+    Either way each lane visits the same elements in the same order.
+    """
+    steps = -(-total // lanes)
+    if steps <= _ROW_FULL_UNROLL and steps > 1:
+        step = f"{var}_s"
+        head = ["#pragma unroll", f"for (int {step} = 0; {step} < {steps}; ++{step}) {{",
+                f"  const {it} {var} = {lane} + {step} * {lanes};"]
+        if total % lanes:
+            head.append(f"  if ({var} >= {total}) break;")
+        return head
+    head = [f"#pragma unroll {_ROW_UNROLL}"] if total >= _ROW_UNROLL * lanes else []
+    return head + [f"for ({it} {var} = {lane}; {var} < {total}; {var} += {lanes}) {{"]
 
 
 def _row_major_strides(shape) -> list[int]:
@@ -1216,9 +1237,7 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
     code += root.lines
     code.append(head)
     code += _indent(rdec, 2) + _indent(rblk.lines, 2)
-    if inner >= _ROW_UNROLL * lanes:
-        code.append(f"  #pragma unroll {_ROW_UNROLL}")
-    code.append(f"  for ({it} {el} = sf_lane; {el} < {inner}; {el} += {lanes}) {{")
+    code += _indent(_lane_loop(it, el, "sf_lane", inner, lanes), 2)
     code += _indent(edec, 4) + _indent(eblk.lines, 4)
     code.append("  }")
     code.append("}")
@@ -1490,6 +1509,127 @@ def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, e
     return DirectOperand(ptr, " + ".join(terms) or "0LL", so, sk, k_major)
 
 
+# --- fused attention -----------------------------------------------------------------------------
+
+def _attention_member(op: Operator) -> Operator | None:
+    """The mixed-precision ``Attention`` op that ``op`` is or holds (a fused group's member)."""
+    members = getattr(op, "members", [op])
+    att = [m for m in members if m.op_type == "Attention"]
+    if len(att) != 1:
+        return None
+    a = att[0].attrs
+    if (a.get("acc_dtype") != "float32" or a.get("probs_dtype") not in ("float16", "bfloat16") or a.get("qk_mode")
+            is not None or a.get("is_causal") or a.get("has_nonpad") or a.get("softcap", 0.0) > 0
+            or a.get("left_window", -1) >= 0 or a.get("right_window", -1) >= 0 or a.get("softmax_dtype")
+            or a.get("past_len")):
+        return None
+    return att[0]
+
+
+def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: _Analysis, reads,
+                     names) -> tuple[str, dict] | None:
+    """``op`` (an ``Attention`` with its fused prologue and element-wise epilogue) as the fused
+    attention kernel (:mod:`.cuda_attention`), or None where that kernel does not apply."""
+    from ..ir.expr import Var
+    from ..ir.task import TensorInput
+    from .cuda_attention import MAX_HEAD, AttnOperand, attention_kernel
+    from .fusion import _remap
+
+    q_t, k_t, v_t = att.inputs[:3]
+    half = att.attrs["probs_dtype"]
+    if not (q_t.dtype == k_t.dtype == v_t.dtype == half):
+        return None
+    b_, hq, hk, s_len, l_len, d_len, dv = att._geometry(q_t, k_t, v_t)
+    if d_len % 16 or dv % 16 or d_len > MAX_HEAD or dv > MAX_HEAD or hq % hk:
+        return None
+    mask = att.inputs[3] if att.attrs.get("has_mask") else None
+    if mask is not None and (mask.dtype != "float32" or mask.shape[-1] != l_len):
+        return None
+    # the group's definitions up to the attention, which becomes a placeholder for the epilogue
+    members = getattr(op, "members", [op])
+    env: dict[int, object] = {id(t): ph for t, ph in zip(op.inputs, op.task.inputs)}
+    y_shape = tuple(att.outputs[0].shape)
+    acc_ph = TensorInput("sf_attention", y_shape, "float32")
+    for m in members:
+        if m is att:
+            env[id(m.outputs[0])] = acc_ph
+            continue
+        gc = m.task.outputs[0]
+        value = _remap(gc.value, {id(ph): env[id(t)] for ph, t in zip(m.task.inputs, m.inputs)})
+        if gc.dtype is not None and an.dtype(value) != gc.dtype:
+            value = Cast(value, gc.dtype)
+        env[id(m.outputs[0])] = GridCompute(f"{m.name}:0", gc.shape, gc.axes, value, gc.dtype)
+    vb, vh, vhk, vi, vj = (Var(n, e) for n, e in (("sf_b", b_), ("sf_h", hq), ("sf_hk", hk), ("sf_i", s_len),
+                                                  ("sf_j", l_len)))
+
+    def operand(t, head, row, width) -> AttnOperand | None:
+        vd = Var("sf_d", width)
+        if t.ndim == 4:
+            idx = [vb, head, row, vd]
+        else:
+            idx = [vb, row, BinOp("add", BinOp("mul", head, Const(width)), vd)]
+        e = _inline_computes(TensorElement(env[id(t)], idx), an)
+        if not isinstance(e, TensorElement) or id(e.tensor) not in reads:
+            return None
+        ptr, shape, dt = reads[id(e.tensor)]
+        if dt != half:
+            return None
+        coefs: dict = {}
+        const = 0
+        for ix, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
+            if ext == 1:
+                continue
+            f = affine_form(ix)
+            bd = an.bounds(ix)
+            if f is None or bd is None or bd[0] < 0 or bd[1] > ext - 1:
+                return None
+            for var, c in f[0].items():
+                coefs[var] = coefs.get(var, 0) + c * st
+            const += f[1] * st
+        if set(coefs) - {vb, head, row, vd} or coefs.get(vd) != 1:
+            return None
+        o = AttnOperand(ptr, const, coefs.get(vb, 0), coefs.get(head, 0), coefs.get(row, 0))
+        if any(x % 8 for x in (o.const, o.sb, o.sh, o.sr)):
+            return None  # 16-byte copies
+        return o
+
+    q_op, k_op, v_op = operand(q_t, vh, vi, d_len), operand(k_t, vhk, vj, d_len), operand(v_t, vhk, vj, dv)
+    if q_op is None or k_op is None or v_op is None:
+        return None
+    em = _Emitter(an, reads, names)
+    root = _Block(None, {vb: ("sf_b", "int32"), vh: ("sf_h", "int32"), vhk: ("sf_hk", "int32")})
+    bias_code = None
+    if mask is not None:  # the additive mask at (b, h, i, j), broadcast as the op's definition reads it
+        full = (b_, hq, s_len, l_len)
+        off = 4 - mask.ndim
+        pos = (vb, vh, vi, vj)[off:]
+        idx = [Const(0) if ext == 1 and full[off + n] != 1 else pos[n] for n, ext in enumerate(mask.shape)]
+        bias = _inline_computes(TensorElement(env[id(mask)], idx), an)
+        bblk = _Block(root, {vi: ("sf_i", "int32"), vj: ("sf_j", "int32")})
+        x = em.value_as(bias, "float32", bblk)
+        bias_code = "\n".join(bblk.lines + [f"sf_bias = {x};"])
+    # the epilogue: the group's output element, reading the attention's value at its own index
+    last = env[id(members[-1].outputs[0])]
+    gc = op.task.outputs[0]
+    if tuple(gc.shape) != y_shape:
+        return None
+    value = TensorElement(acc_ph, list(gc.axes)) if last is acc_ph else _inline_computes(last.value, an)
+    for n in walk(value):
+        if isinstance(n, TensorElement) and n.tensor is acc_ph:
+            if list(n.indices) != list(gc.axes):
+                return None  # not element-wise at its own index
+            em.subst[id(n)] = ("sf_acc", "float32")
+    out_idx = ["sf_b", "sf_h", "sf_i", "sf_e"] if len(y_shape) == 4 else ["sf_b", "sf_i", f"(sf_h * {dv} + sf_e)"]
+    eblk = _Block(root, {v: (f"sf_x{j}", "int32") for j, v in enumerate(gc.axes)})
+    x = em.value_as(value, gc.dtype, eblk)
+    offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
+    epi = [f"const int sf_x{j} = {ix};" for j, ix in enumerate(out_idx)] + eblk.lines + \
+        [f"out0[{offset}] = {_store(x, gc.dtype)};"]
+    return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
+                            D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
+                            root="\n".join(root.lines), bias=bias_code, epilogue="\n".join(epi))
+
+
 # --- one op --------------------------------------------------------------------------------------
 
 def _is_collective(op: Operator) -> bool:
@@ -1511,7 +1651,7 @@ def _symbol(index: int, op: Operator) -> str:
 
 
 def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
-              config: str | None = None) -> tuple[str, KernelLaunch, tuple | None]:
+              config: str | None = None, mma: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -1528,6 +1668,13 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
     args = tuple(t.name for t in op.inputs) + tuple(t.name for t in op.outputs)
     values = [_inline_computes(gc.value, an) for gc in task.outputs]
 
+    att = _attention_member(op) if mma and len(task.outputs) == 1 else None
+    if att is not None:
+        fused = _lower_attention(op, att, symbol, param_text, an, reads, names)
+        if fused is not None:
+            src, cfg = fused
+            return src, KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg["shared_mem"], args, len(op.inputs),
+                                     op.name, f"attention-{_GEMM_PREC[att.attrs['probs_dtype']]}"), None
     if len(task.outputs) == 1 and _prod(task.outputs[0].shape) > 0:
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
@@ -1610,6 +1757,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     spans: dict[str, tuple[int, int]] = {}
     seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
     wrappers: set = set()  # wgmma instruction wrappers emitted so far
+    attention_helpers = False
     for i, op in enumerate(ops):
         if not lowerable(op):
             continue
@@ -1617,7 +1765,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
             raise CudaCodegenError(f"two ops are named {op.name!r}; kernel names must be unique")
         try:
             src, launch, wrapper = _lower_op(op, _PLACEHOLDER, fp32, arch in WGMMA_ARCHS,
-                                             (gemm_configs or {}).get(op.name))
+                                             (gemm_configs or {}).get(op.name), _sm(arch) >= 80)
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -1627,6 +1775,10 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
             continue
         symbol = _symbol(i, op)
         header = f"// node {re.sub(r'[^ -~]', '?', op.name)} ({op.op_type}) -> {launch.kind}\n"
+        if launch.kind.startswith("attention") and not attention_helpers:
+            from .cuda_attention import ATTENTION_HELPERS
+            header = ATTENTION_HELPERS + header
+            attention_helpers = True
         if wrapper is not None and wrapper not in wrappers:  # helpers before their first use
             header = wgmma_helpers({wrapper}, common=not wrappers) + header
             wrappers.add(wrapper)
@@ -1639,6 +1791,12 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         spans[op.name] = span
         launches[op.name] = dataclasses.replace(launch, symbol=symbol)
     return CudaSource("".join(chunks), launches, spans)
+
+
+def _sm(arch: str) -> int:
+    """The compute capability of ``sm_XY[a]`` as ``XY`` (0 when it is not of that form)."""
+    m = re.fullmatch(r"sm_(\d+)a?", arch)
+    return int(m.group(1)) if m else 0
 
 
 def _arch_flags(arch: str) -> list[str]:

@@ -102,6 +102,9 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
 #: the ``tma`` epilogue stages 64 rows x 32 columns of fp32 accumulators per warpgroup, rows
 #: padded to 40 floats (the fragment stores of a half warp then hit 32 distinct banks)
 _CHUNK, _LDS = 32, 40
+#: unroll of the epilogue loops: a residual add or a bias reads global memory per element, and
+#: the loads of all 16 elements a thread has in a TMA chunk go out together when fully unrolled
+_EPILOGUE_UNROLL = 16
 _STAGE_BYTES = 64 * _LDS * 4
 
 
@@ -345,7 +348,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     *reinterpret_cast<float2*>(sf_Cs + (sf_r + 8) * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j + 2], sf_d[4 * j + 3]);
   }}
 }}"""
-    epilogue_loop = f"""#pragma unroll 4
+    epilogue_loop = f"""#pragma unroll {_EPILOGUE_UNROLL}
 for (int sf_e = threadIdx.x; sf_e < {BM * BN}; sf_e += {T}) {{
   const int sf_m = sf_m0 + sf_e / {BN};
   const int sf_n = sf_n0 + sf_e % {BN};
@@ -553,7 +556,7 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
   for (int sf_ch = 0; sf_ch < {BN // _CHUNK}; ++sf_ch) {{
 {_indent(chunk_rows, 4)}
     sf_bar_sync(1 + sf_cw, 128);
-    #pragma unroll 4
+    #pragma unroll {_EPILOGUE_UNROLL}
     for (int sf_i = 0; sf_i < {64 * _CHUNK // 128}; ++sf_i) {{
       const int sf_e = sf_wl + sf_i * 128;
       const int sf_m = sf_m0 + sf_cw * 64 + sf_e / {_CHUNK};

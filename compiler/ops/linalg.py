@@ -20,6 +20,14 @@ from .elementwise import broadcast_shape
 __all__ = ["MatMul", "Gemm", "Einsum", "MatMulInteger", "QLinearMatMul", "Attention", "parse_einsum"]
 
 
+def _np_half(name: str):
+    """The numpy type of ``float16``/``bfloat16`` (ml_dtypes' for the latter)."""
+    if name == "bfloat16":
+        import ml_dtypes  # installed with onnx
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
     """Read ``x`` whose leading dims broadcast against ``batch_shape`` and whose last dims are ``tail``."""
     nb = x.ndim - len(tail)
@@ -328,6 +336,13 @@ class Attention(Operator):
     ``past_len``, or ``nonpad[b] - S`` with ``nonpad_kv_seqlen`` and no past. ``softmax_dtype``
     computes the softmax in another dtype. ``qk_mode`` (0-3) adds the ``qk_matmul_output``
     output: the (softcapped) scores, the scores plus bias, or the probabilities.
+
+    Mixed precision (set by :class:`~shardflow.compiler.passes.attention.FuseAttention`, not by
+    ONNX): with ``acc_dtype`` (``"float32"``) ``q``, ``k``, ``v`` may be float16/bfloat16; every
+    value is computed in ``acc_dtype`` and the score is ``sum_d q[d] * k[j, d] * scale`` (``scale``,
+    applied after the sum as a product followed by ``Mul`` computes it). With ``probs_dtype`` the
+    probabilities are rounded to that type before they weigh ``v`` (what a tensor-core product
+    of half-precision probabilities computes). The output is ``acc_dtype``.
     """
 
     def _geometry(self, q, k, v):
@@ -355,10 +370,15 @@ class Attention(Operator):
     def compute(self, q, k, v, *extra):
         a = self.attrs
         b_, hq, hk, s_len, l_len, d_len, dv = self._geometry(q, k, v)
-        rep, dt = hq // hk, q.dtype
+        rep, acc = hq // hk, a.get("acc_dtype")
+        dt = acc or q.dtype
         extra = list(extra)
         mask = extra.pop(0) if a.get("has_mask") else None
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
+
+        def read(t, bi, h, j, e, head):
+            x = self._read(t, bi, h, j, e, head)
+            return Cast(x, acc) if acc and t.dtype != acc else x
         bias_shape = (b_, hq, s_len, l_len)
         if mask is not None and (mask.ndim > 4 or mask.shape[-1] > l_len or broadcast_shape(
                 [mask.shape[:-1], bias_shape[:-1]], self.name) != bias_shape[:-1]):
@@ -373,8 +393,12 @@ class Attention(Operator):
             return h if rep == 1 else h // rep
 
         def score(bi, h, i, j):
-            dot = reduce((d_len,), lambda e: (self._read(q, bi, h, i, e, d_len) * c)
-                         * (self._read(k, bi, kv_head(h), j, e, d_len) * c), "sum")
+            if acc:
+                dot = reduce((d_len,), lambda e: read(q, bi, h, i, e, d_len) * read(k, bi, kv_head(h), j, e, d_len),
+                             "sum") * Const(a["scale"], dt)
+            else:
+                dot = reduce((d_len,), lambda e: (read(q, bi, h, i, e, d_len) * c)
+                             * (read(k, bi, kv_head(h), j, e, d_len) * c), "sum")
             if cap > 0:
                 dot = UnaryOp("tanh", dot / Const(cap, dt)) * Const(cap, dt)
             return dot
@@ -435,12 +459,15 @@ class Attention(Operator):
                 v_ = UnaryOp("exp", lg(j) - m) / den
                 if masked is not None:
                     v_ = if_then_else(masked, Const(0, sdt), v_)
-                return v_ if sdt == dt else Cast(v_, dt)
+                v_ = v_ if sdt == dt else Cast(v_, dt)
+                if a.get("probs_dtype"):
+                    v_ = Cast(Cast(v_, a["probs_dtype"]), dt)
+                return v_
             return p
 
         def y4(bi, h, i, e):
             p = probs(bi, h, i)
-            return reduce((l_len,), lambda j: p(j) * self._read(v, bi, kv_head(h), j, e, dv), "sum")
+            return reduce((l_len,), lambda j: p(j) * read(v, bi, kv_head(h), j, e, dv), "sum")
 
         if q.ndim == 4:
             y = compute("y", (b_, hq, s_len, dv), y4, dtype=dt)
@@ -461,6 +488,8 @@ class Attention(Operator):
     def numpy(self, q, k, v, *extra):
         a = self.attrs
         b_, hq, hk, s_len, l_len, d_len, dv = self._geometry(q, k, v)
+        if a.get("acc_dtype"):
+            q, k, v = (np.asarray(t).astype(a["acc_dtype"]) for t in (q, k, v))
         dt = q.dtype
         extra = list(extra)
         mask = extra.pop(0) if a.get("has_mask") else None
@@ -473,7 +502,10 @@ class Attention(Operator):
             k4, v4 = np.repeat(k4, hq // hk, axis=1), np.repeat(v4, hq // hk, axis=1)
         c = dt.type(a.get("scale_sqrt", 1.0))
         with np.errstate(all="ignore"):
-            score = np.matmul(q4 * c, np.swapaxes(k4 * c, 2, 3))
+            if a.get("acc_dtype"):
+                score = np.matmul(q4, np.swapaxes(k4, 2, 3)) * dt.type(a["scale"])
+            else:
+                score = np.matmul(q4 * c, np.swapaxes(k4 * c, 2, 3))
             cap = a.get("softcap", 0.0)
             if cap > 0:
                 score = np.tanh(score / dt.type(cap)) * dt.type(cap)
@@ -512,6 +544,8 @@ class Attention(Operator):
             p = e / e.sum(axis=-1, keepdims=True)
             masked = np.isneginf(np.broadcast_to(bias, logits.shape).max(axis=-1, keepdims=True))
             p = np.where(masked, sdt.type(0), p).astype(dt)
+            if a.get("probs_dtype"):
+                p = p.astype(_np_half(a["probs_dtype"])).astype(dt)
             y = np.matmul(p, v4)
         if q.ndim == 3:
             y = y.transpose(0, 2, 1, 3).reshape(b_, s_len, hq * dv)
@@ -569,5 +603,10 @@ def examples(rng: np.random.Generator):
                                                           "qk_mode": 0}),
         (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
          {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
+        # the mixed-precision form FuseAttention makes: half Q/K/V (3-D here), float32 mask/output
+        (Attention, [f(2, 3, 32).astype(np.float16), f(2, 5, 32).astype(np.float16), f(2, 5, 32).astype(np.float16),
+                     np.where(rng.random((2, 1, 3, 5)) > 0.3, 0, -3.4e38).astype(np.float32)],
+         {"scale_sqrt": 0.5, "scale": 0.25, "q_heads": 2, "kv_heads": 2, "has_mask": True, "acc_dtype": "float32",
+          "probs_dtype": "float16"}),
     ]
     return res

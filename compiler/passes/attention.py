@@ -1,0 +1,228 @@
+"""Attention fusion: a ``softmax(Q Kᵀ · scale + bias) V`` written as separate ops becomes one
+:class:`~shardflow.compiler.ops.linalg.Attention` op.
+
+Exporters (``torch.onnx.export`` of GPT-2, BERT, T5...) write attention as two batched MatMuls
+around a scale, an additive mask and a Softmax, with the heads split and merged by reshapes and
+transposes. Run after :class:`~.precision.HalfPrecisionContractions`, which rounds the operands
+of both products to float16/bfloat16, this pass matches::
+
+    s = MatMul(Cast(Qh, f32), Cast(KTh, f32))        Qh [B, H, S, D], KTh [B, H, D, L] half
+    s = Mul(s, c) | Div(s, c)                         c a constant scalar (optional)
+    s = Add(s, bias) | Add(bias, s)                   bias broadcast to [B, H, S, L] (optional)
+    p = Softmax(s, axis=-1)
+    y = MatMul(Cast(Cast(p, half), f32), Cast(Vh, f32))
+
+(every intermediate read only by the next op) and replaces it with
+``Attention(Q, K, V[, bias], acc_dtype="float32", probs_dtype=half, scale=c)``, which computes
+exactly these values (float32 scores of the half operands, float32 softmax, probabilities
+rounded to the half type). Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a
+``[B, S, H*D]`` tensor and the result goes back through ``Transpose`` (and element-wise casts)
+to ``Reshape(.., [B, S, H*Dv])``, the op reads and writes the ``[B, S, H*D]`` forms directly
+(its 3-D form), so no transpose is left. The cuda target computes the op with one fused kernel
+(:mod:`shardflow.compiler.codegen.cuda_attention`) that never writes the score matrix.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ..ir.graph import FlowGraph, Operator, Tensor
+from .base import GraphPass
+
+__all__ = ["FuseAttention"]
+
+log = logging.getLogger(__name__)
+
+_HALF = ("float16", "bfloat16")
+
+
+def _is(op: Operator | None, op_type: str, **attrs) -> bool:
+    return op is not None and op.op_type == op_type and all(op.attrs.get(k) == v for k, v in attrs.items())
+
+
+class FuseAttention(GraphPass):
+    """Replace attention written as MatMul/Softmax/MatMul on half operands by one ``Attention``."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        self._producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        self._consumers = graph.consumers()
+        self._outputs = {id(t) for t in graph.outputs}
+        replace: dict[int, Tensor] = {}  # old tensor -> new one
+        insert: dict[int, list[Operator]] = {}  # id(op) -> new ops to place right after it
+        n = 0
+        for op in list(graph.nodes):
+            if not _is(op, "MatMul"):
+                continue
+            found = self._match(op)
+            if found is None:
+                continue
+            new_ops, old, new = found
+            insert[id(op)] = new_ops
+            replace[id(old)] = new
+            n += 1
+        if not n:
+            return graph
+        nodes: list[Operator] = []
+        for op in graph.nodes:
+            op.inputs = [replace.get(id(t), t) for t in op.inputs]
+            nodes.append(op)
+            nodes += insert.get(id(op), [])
+        graph.nodes = nodes
+        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
+        from .simplify import EliminateDeadCode
+        graph = EliminateDeadCode().run(graph)
+        log.info("attention: %d softmax(QK^T)V patterns fused into Attention ops", n)
+        return graph
+
+    # ---------------------------------------------------------------------------------------
+    def _only(self, t: Tensor) -> Operator | None:
+        """The single op reading ``t`` (None when several do, or ``t`` is a graph output)."""
+        rs = self._consumers.get(id(t), [])
+        if len(rs) != 1 or id(t) in self._outputs or sum(1 for u in rs[0].inputs if u is t) != 1:
+            return None
+        return rs[0]
+
+    def _prod(self, t: Tensor) -> Operator | None:
+        return self._producer.get(id(t))
+
+    def _half_of(self, t: Tensor) -> Tensor | None:
+        """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16."""
+        p = self._prod(t)
+        if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
+            return p.inputs[0]
+        return None
+
+    def _scalar(self, t: Tensor) -> float | None:
+        if t.is_constant and t.size == 1 and np.asarray(t.value).dtype.kind == "f":
+            return float(np.asarray(t.value).reshape(()))
+        return None
+
+    def _heads_3d(self, t: Tensor, perm: tuple) -> tuple[Tensor, int] | None:
+        """``(x, H)`` when ``t = Transpose(Reshape(x, [B, S, H, D]), perm)`` with ``x`` of shape
+        ``[B, S, H*D]``."""
+        tr = self._prod(t)
+        if not _is(tr, "Transpose", perm=perm):
+            return None
+        rs = self._prod(tr.inputs[0])
+        if not _is(rs, "Reshape"):
+            return None
+        x = rs.inputs[0]
+        r4 = rs.outputs[0].shape
+        if len(r4) != 4 or len(x.shape) != 3 or tuple(x.shape) != (r4[0], r4[1], r4[2] * r4[3]):
+            return None
+        return x, r4[2]
+
+    def _match(self, mm2: Operator):
+        from ..ops.elementwise import CastOp
+        from ..ops.linalg import Attention
+        from ..ops.transform import Transpose
+
+        if len(mm2.outputs[0].shape) != 4:
+            return None
+        vh = self._half_of(mm2.inputs[1])
+        up = self._prod(mm2.inputs[0])
+        if vh is None or not _is(up, "Cast", to="float32") or self._only(up.outputs[0]) is not mm2:
+            return None
+        down = self._prod(up.inputs[0])
+        if not _is(down, "Cast") or down.attrs.get("to") != vh.dtype or self._only(down.outputs[0]) is not up:
+            return None
+        sm = self._prod(down.inputs[0])
+        if not _is(sm, "Softmax") or sm.attrs.get("log") or tuple(sm.attrs.get("axes", ())) != (3,) \
+                or self._only(sm.outputs[0]) is not down:
+            return None
+        s = sm.inputs[0]
+        bias = None
+        scale = 1.0
+        p = self._prod(s)
+        if _is(p, "Binary", fn="add") and self._only(s) is sm:
+            a, b = p.inputs
+            pa, pb = self._prod(a), self._prod(b)
+            if _is(pa, "MatMul") or _is(pa, "Binary", fn="mul") or _is(pa, "Binary", fn="div"):
+                s, bias = a, b
+            elif _is(pb, "MatMul") or _is(pb, "Binary", fn="mul") or _is(pb, "Binary", fn="div"):
+                s, bias = b, a
+            else:
+                return None
+            nxt = p
+            p = self._prod(s)
+        else:
+            nxt = sm
+        if (_is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div")) and self._only(s) is nxt:
+            a, b = p.inputs
+            c = self._scalar(b)
+            if c is None and p.attrs["fn"] == "mul":
+                c, a = self._scalar(a), b
+            if c is None or c == 0 or not math.isfinite(c):
+                return None
+            scale = c if p.attrs["fn"] == "mul" else 1.0 / c
+            nxt, s = p, a
+            p = self._prod(s)
+        mm1 = p
+        if not _is(mm1, "MatMul") or self._only(s) is not nxt:
+            return None
+        qh, kth = self._half_of(mm1.inputs[0]), self._half_of(mm1.inputs[1])
+        if qh is None or kth is None or not (qh.dtype == kth.dtype == vh.dtype):
+            return None
+        shapes = [tuple(t.shape) for t in (qh, kth, vh)]
+        if any(len(sh) != 4 for sh in shapes):
+            return None
+        (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
+        if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
+            return None  # (batch broadcasting is left to the two products)
+        if bias is not None:
+            bs = tuple(bias.shape)
+            want = (b_, h_, s_len, l_len)
+            if (len(bs) > 4 or not bs or bs[-1] != l_len or bias.dtype != "float32"
+                    or any(e not in (1, w) for e, w in zip(bs, want[4 - len(bs):]))):
+                return None
+        half = vh.dtype
+        new_ops: list[Operator] = []
+        name = mm2.name
+        # the operands: 3-D [B, S, H*D] forms where the heads were split by a reshape + transpose
+        q3, k3, v3 = self._heads_3d(qh, (0, 2, 1, 3)), self._heads_3d(kth, (0, 2, 3, 1)), \
+            self._heads_3d(vh, (0, 2, 1, 3))
+        out_chain = self._output_chain(mm2.outputs[0], (b_, s_len, h_ * dv))
+        three_d = q3 is not None and out_chain is not None
+        q = q3[0] if three_d else qh
+        if k3 is not None:
+            k = k3[0]
+        else:
+            tk = self._prod(kth)
+            if _is(tk, "Transpose", perm=(0, 1, 3, 2)):
+                k = tk.inputs[0]
+            else:
+                flip = Transpose([kth], name=f"{name}.K", perm=(0, 1, 3, 2))
+                new_ops.append(flip)
+                k = flip.outputs[0]
+        v = v3[0] if v3 is not None else vh
+        ins = [q, k, v] + ([bias] if bias is not None else [])
+        att = Attention(ins, name=f"{name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
+                        scale_sqrt=math.sqrt(abs(scale)), has_mask=bias is not None, acc_dtype="float32",
+                        probs_dtype=half)
+        new_ops.append(att)
+        y = att.outputs[0]
+        if not three_d:
+            return new_ops, mm2.outputs[0], y
+        casts, reshape = out_chain
+        for c in casts:  # element-wise casts after the transpose, re-made on the 3-D result
+            nc = CastOp([y], name=f"{c.name}.3d", to=c.attrs["to"])
+            new_ops.append(nc)
+            y = nc.outputs[0]
+        return new_ops, reshape.outputs[0], y
+
+    def _output_chain(self, t: Tensor, shape3: tuple):
+        """``(casts, reshape)`` when ``t`` is read by ``Transpose(0, 2, 1, 3)`` alone, then by
+        element-wise casts, then by a ``Reshape`` to ``shape3`` (each the only reader)."""
+        tr = self._only(t)
+        if not _is(tr, "Transpose", perm=(0, 2, 1, 3)):
+            return None
+        casts = []
+        cur = self._only(tr.outputs[0])
+        while _is(cur, "Cast"):
+            casts.append(cur)
+            cur = self._only(cur.outputs[0])
+        if not _is(cur, "Reshape") or tuple(cur.outputs[0].shape) != tuple(shape3):
+            return None
+        return casts, cur

@@ -1,0 +1,191 @@
+"""Fused attention: the graph pass (compiler/passes/attention.py) and the cuda kernel
+(compiler/codegen/cuda_attention.py).
+
+* Without a GPU: the pass on the exported test models keeps every value (the reference evaluator
+  gives the same bits before and after), removes the transposes and the softmax, and the cuda
+  target compiles every attention into one ``attention-f16`` kernel (nvcc, sm_90).
+* ``pytest -m gpu``: the kernel against the op's numpy definition at odd sizes (queries and keys
+  not multiples of 64, several key steps), head sizes 16-128, grouped heads, bfloat16, 3-D and
+  4-D operands, broadcast masks and rows whose every key is masked. Tolerance: ``1e-2`` of the
+  output's scale (the probabilities are rounded to the half type before the division by their
+  sum, the definition rounds them after: rfcs/0005-hopper-gemm.md, decision 15).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardflow.compiler import compile, load_onnx
+from shardflow.compiler.codegen import cuda as cg
+from shardflow.compiler.codegen.cuda import build_cuda_library, generate_cuda_source
+from shardflow.compiler.ir import Tensor
+from shardflow.compiler.ops.linalg import Attention
+from shardflow.compiler.passes.attention import FuseAttention
+from shardflow.compiler.passes.precision import HalfPrecisionContractions
+from shardflow.runtime.tma import kernel_args
+
+MODELS = Path(__file__).parent.parent / "models"
+
+
+@pytest.mark.parametrize("model,three_d", [("gpt2_ts17", True), ("gpt2_dynamo18", False), ("bert_ts17", True),
+                                           ("llama_ts17", False), ("vit_ts17", True)])
+def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
+    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    ref = HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx")).run(feeds)
+    g = FuseAttention().run(HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx")))
+    g.validate()
+    atts = [op for op in g.nodes if op.op_type == "Attention"]
+    assert len(atts) == 2  # one per layer
+    assert not [op for op in g.nodes if op.op_type == "Softmax"]
+    assert all((op.inputs[0].ndim == 3) == three_d for op in atts)
+    got = g.run(feeds)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_the_pass_leaves_other_patterns_alone():
+    """A softmax whose scores are also an output, and a product of float32 operands, stay as they are."""
+    from shardflow.compiler.ir.graph import FlowGraph
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+
+    q, k, v = (Tensor(n, (1, 2, 8, 16), "float32") for n in "qkv")
+    from shardflow.compiler.ops.transform import Transpose
+    kt = Transpose([k], perm=(0, 1, 3, 2))
+    s = MatMul([q, kt.outputs[0]])
+    p = Softmax([s.outputs[0]], axes=(3,))
+    y = MatMul([p.outputs[0], v])
+    g = FuseAttention().run(FlowGraph([q, k, v], y.outputs + s.outputs))
+    assert [op.op_type for op in g.nodes] == ["Transpose", "MatMul", "Softmax", "MatMul"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_gpt2_compiles_each_attention_into_one_kernel(tmp_path):
+    out = tmp_path / "o"
+    compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]},
+            optimization_config={"precision": "float16", "target": "cuda"}, out_dir=out)
+    program = json.loads((out / "rank0" / "program.json").read_text())
+    kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert kinds.count("attention-f16") == 2, kinds
+    assert "row" not in {k for k, s in zip(kinds, program["steps"]) if "Softmax" in s.get("node", "")}
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel
+# ----------------------------------------------------------------------------------------------
+
+def _bits(x: np.ndarray, half: str) -> np.ndarray:
+    if half == "float16":
+        return x.astype(np.float16)
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # truncated: exact below
+
+
+def _rounded(x: np.ndarray, half: str) -> np.ndarray:
+    """Values exact in ``half``, as float32."""
+    if half == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    return ((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16) << 16).view(np.float32)
+
+
+def _case(rng, half, b, hq, hk, s, l, d, dv, three_d, mask_shape, masked_rows=()):
+    def t(*shape):
+        return _rounded(rng.standard_normal(shape).astype(np.float32), half)
+    if three_d:
+        arrays = [t(b, s, hq * d), t(b, l, hk * d), t(b, l, hk * dv)]
+    else:
+        arrays = [t(b, hq, s, d), t(b, hk, l, d), t(b, hk, l, dv)]
+    attrs = {"q_heads": hq, "kv_heads": hk, "scale": 1.0 / np.sqrt(d), "scale_sqrt": d ** -0.25,
+             "acc_dtype": "float32", "probs_dtype": half}
+    if mask_shape is not None:
+        m = np.where(rng.random(mask_shape) > 0.2, rng.standard_normal(mask_shape), -np.inf).astype(np.float32)
+        for r in masked_rows:
+            m[..., r, :] = -np.inf
+        arrays.append(m)
+        attrs["has_mask"] = True
+    return arrays, attrs
+
+
+CASES = {
+    "gpt2-like": ("float16", 2, 3, 3, 128, 128, 64, 64, True, (2, 1, 128, 128), ()),
+    "odd-sizes": ("float16", 1, 2, 2, 77, 150, 32, 32, False, (77, 150), ()),
+    "head128-v64": ("float16", 1, 2, 2, 65, 65, 128, 64, False, None, ()),
+    "grouped-heads": ("float16", 2, 4, 2, 40, 200, 16, 48, True, (2, 1, 1, 200), ()),
+    "masked-rows": ("float16", 1, 1, 1, 70, 70, 64, 64, False, (1, 1, 70, 70), (3, 69)),
+    "bfloat16": ("bfloat16", 2, 2, 2, 100, 100, 64, 64, True, (2, 2, 100, 100), ()),
+}
+
+
+def _ops():
+    rng = np.random.default_rng(5)
+    res = {}
+    for name, (half, *geo) in CASES.items():
+        arrays, attrs = _case(rng, half, *geo)
+        ins = [Tensor(f"{name}.{k}", a.shape, half if k < 3 else "float32") for k, a in enumerate(arrays)]
+        res[name] = (Attention(ins, name=name, **attrs), arrays, half)
+    return res
+
+
+def test_every_case_takes_the_fused_kernel():
+    ops = _ops()
+    src = generate_cuda_source([op for op, _, _ in ops.values()], arch="sm_90")
+    for name, (op, _, half) in ops.items():
+        launch = src.launches[name]
+        assert launch.kind == f"attention-{'f16' if half == 'float16' else 'bf16'}", name
+        assert launch.block == (128, 1, 1)
+        assert launch.grid == (-(-op.outputs[0].shape[-2 if op.inputs[0].ndim == 4 else 1] // 64),
+                               op.attrs["q_heads"], op.inputs[0].shape[0])
+
+
+def test_unsupported_head_sizes_keep_the_generic_kernel():
+    q, k, v = Tensor("q", (1, 2, 8, 24), "float16"), Tensor("k", (1, 2, 8, 24), "float16"), \
+        Tensor("v", (1, 2, 8, 24), "float16")
+    op = Attention([q, k, v], name="a", scale=0.5, scale_sqrt=0.7, acc_dtype="float32", probs_dtype="float16")
+    assert not generate_cuda_source([op], arch="sm_90").launches["a"].kind.startswith("attention")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    if cg._find_nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    d = tmp_path_factory.mktemp("att")
+    ops = _ops()
+    launches = build_cuda_library([op for op, _, _ in ops.values()], str(d / "k.cubin"), arch="sm_90",
+                                  cache_dir=str(d / "c"))
+    return ops, launches, str(d / "k.cubin")
+
+
+def test_the_kernels_compile_for_sm90(library):
+    ops, launches, path = library
+    assert open(path, "rb").read()[:4] == b"\x7fELF"
+    assert all(launches[n].kind.startswith("attention") for n in ops)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_kernel_matches_the_definition(library, name):
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError
+    except Exception:
+        pytest.skip("no CUDA device (or cupy is not installed)")
+    ops, launches, path = library
+    op, arrays, half = ops[name]
+    want = op.run(*arrays)[0]
+    module = cupy.RawModule(path=path)
+    launch = launches[name]
+    ins = [cupy.asarray(_bits(a, half) if k < 3 else a) for k, a in enumerate(arrays)]
+    out = cupy.full(want.shape, np.nan, np.float32)
+    fn = module.get_function(launch.symbol)
+    if launch.shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = launch.shared_mem
+    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, ins + [out]), shared_mem=launch.shared_mem)
+    got = cupy.asnumpy(out)
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * scale)
+    if name == "masked-rows":
+        assert not got[0, 0, [3, 69]].any()  # every key masked: 0, as the definition says
