@@ -1462,6 +1462,24 @@ def _composite_stride(axes: list, coefs: dict) -> int | None:
     return unit or None
 
 
+def _flat_affine(e: TensorElement, shape, an: _Analysis) -> tuple[dict, int] | None:
+    """The flat row-major offset of read ``e`` (of a tensor of ``shape``) as ``(coefficient per
+    variable, constant)``, or None when it is not affine or an index may leave its dim."""
+    coefs: dict = {}
+    const = 0
+    for idx, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
+        if ext == 1:
+            continue
+        f = affine_form(idx)
+        b = an.bounds(idx)
+        if f is None or b is None or b[0] < 0 or b[1] > ext - 1:
+            return None
+        for v, c in f[0].items():
+            coefs[v] = coefs.get(v, 0) + c * st
+        const += f[1] * st
+    return {v: c for v, c in coefs.items() if c}, const
+
+
 def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, extent_o: int, K: int,
                     an: _Analysis, reads, bblk: _Block) -> DirectOperand | None:
     """``e`` as a dense read of a ``half`` tensor that the wgmma template can copy 16 bytes at a
@@ -1473,19 +1491,10 @@ def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, e
     if ref is None or ref[2] != half:
         return None
     ptr, shape, _ = ref
-    coefs: dict = {}
-    const = 0
-    for idx, ext, st in zip(inner.indices, shape, _row_major_strides(shape)):
-        if ext == 1:
-            continue
-        f = affine_form(idx)
-        b = an.bounds(idx)
-        if f is None or b is None or b[0] < 0 or b[1] > ext - 1:
-            return None
-        for v, c in f[0].items():
-            coefs[v] = coefs.get(v, 0) + c * st
-        const += f[1] * st
-    coefs = {v: c for v, c in coefs.items() if c}
+    flat = _flat_affine(inner, shape, an)
+    if flat is None:
+        return None
+    coefs, const = flat
     if not set(coefs) <= set(outer) | set(kvars) | set(batch):
         return None
     so, sk = _composite_stride(outer, coefs), _composite_stride(kvars, coefs)
@@ -1572,20 +1581,10 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         if not isinstance(e, TensorElement) or id(e.tensor) not in reads:
             return None
         ptr, shape, dt = reads[id(e.tensor)]
-        if dt != half:
+        flat = _flat_affine(e, shape, an) if dt == half else None
+        if flat is None:
             return None
-        coefs: dict = {}
-        const = 0
-        for ix, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
-            if ext == 1:
-                continue
-            f = affine_form(ix)
-            bd = an.bounds(ix)
-            if f is None or bd is None or bd[0] < 0 or bd[1] > ext - 1:
-                return None
-            for var, c in f[0].items():
-                coefs[var] = coefs.get(var, 0) + c * st
-            const += f[1] * st
+        coefs, const = flat
         if set(coefs) - {vb, head, row, vd} or coefs.get(vd) != 1:
             return None
         o = AttnOperand(ptr, const, coefs.get(vb, 0), coefs.get(head, 0), coefs.get(row, 0))
