@@ -360,8 +360,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--config", help="force this wgmma block tile (a WGMMA_CONFIGS name) on every case")
+    ap.add_argument("--split-min-kt", type=int, help="sweep: fewest K tiles per split-K piece "
+                    "(sets cuda_wgmma.SPLIT_MIN_KT for this run)")
     args = ap.parse_args(argv)
     ensure_shardflow()
+    if args.split_min_kt:
+        from shardflow.compiler.codegen import cuda_wgmma
+        cuda_wgmma.SPLIT_MIN_KT = args.split_min_kt
     cases = cases_from_args(args)
     with tempfile.TemporaryDirectory(prefix="sf-gemm-") as work:
         section = bench(cases, work, arch=args.arch, jobs=args.jobs, dry_run=args.dry_run, reps=args.reps,

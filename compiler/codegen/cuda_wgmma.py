@@ -434,6 +434,10 @@ def _tensor_map(op: DirectOperand, rows: int, extent_o: int, K: int, ab: str) ->
             "swizzle": 128}
 
 
+#: fewest K tiles of a split (:func:`split_count`); ``benchmarks/gpu/gemm.py --split-min-kt`` sweeps it
+SPLIT_MIN_KT = 16
+
+
 def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS) -> int:
     """K splits of a ``tma`` product with ``tiles`` output tiles: where the tiles fill less than
     half the multiprocessors and K is long, each tile's K range is cut into up to ``sms // tiles``
@@ -441,9 +445,9 @@ def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS) -> int:
     the H100: their partial sums cost more than the parallelism gains), computed by different
     blocks and summed by the last of them (:func:`_tma_kernel`); 1 otherwise. No split is empty."""
     kt = -(-K // _BK)
-    if 2 * tiles > sms or kt < 32:
+    if 2 * tiles > sms or kt < 2 * SPLIT_MIN_KT:
         return 1
-    want = max(1, min(sms // tiles, kt // 16, 16))
+    want = max(1, min(sms // tiles, kt // SPLIT_MIN_KT, 16))
     per = -(-kt // want)
     return -(-kt // per)
 
@@ -508,10 +512,15 @@ const int sf_ke = min(sf_kb + {per}, {KT});
         for jj in range(_CHUNK // 8))
     nreg, tc = BN // 2, wg * 128
     # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
-    # coalesced) and counts itself in; the last split of a tile reads all of them back and sums
-    # them in split order (the same bits whichever block is last), resets the count for the next
-    # launch and runs the epilogue. The partials and counts are module globals sized here (a
-    # program runs on one stream, so no two launches of a kernel are in flight at once).
+    # coalesced) and counts itself in. When every unit has a block of its own (the usual case:
+    # split_count keeps units <= multiprocessors, and then all blocks are resident at once), the
+    # splits of a tile wait for each other and each sums a share of the tile's 32-column chunks and
+    # runs their epilogue; otherwise (a grid lowered below the unit count) the last split of a
+    # tile sums all of it. Either way a chunk is summed in split order (the same bits whichever
+    # block does it), and the counts are reset for the next launch. The partials and counts are
+    # module globals sized here (a program runs on one stream: no two launches of a kernel are in
+    # flight at once).
+    nch = BN // _CHUNK
     reduce = "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
 const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_t * {splits * nreg * tc} + sf_tc;  // split 0 of the tile
 float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
@@ -519,17 +528,45 @@ float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
 for (int r = 0; r < {nreg}; ++r) __stcg(sf_mine + r * {tc}, sf_d[r]);
 __threadfence();
 sf_bar_sync(3, {tc});
-if (sf_tc == 0) *sf_flag = atomicAdd(&{{SYMBOL}}_cnt[sf_t], 1u) == {splits - 1};
-sf_bar_sync(3, {tc});
-if (!*sf_flag) continue;  // another split of this tile finishes it
-__threadfence();
-#pragma unroll
-for (int r = 0; r < {nreg}; ++r) sf_d[r] = 0.0f;
-for (int sf_q = 0; sf_q < {splits}; ++sf_q, sf_p += {nreg * tc}) {{  // this split's own partial too
+if (sf_spread) {{
+  if (sf_tc == 0) {{
+    atomicAdd(&{{SYMBOL}}_cnt[sf_t], 1u);
+    while (*reinterpret_cast<volatile unsigned*>(&{{SYMBOL}}_cnt[sf_t]) < {splits}u) __nanosleep(32);
+  }}
+  sf_bar_sync(3, {tc});
+  __threadfence();
   #pragma unroll
-  for (int r = 0; r < {nreg}; ++r) sf_d[r] += __ldcg(sf_p + r * {tc});
-}}
-if (sf_tc == 0) {{SYMBOL}}_cnt[sf_t] = 0u;"""
+  for (int sf_ch = 0; sf_ch < {nch}; ++sf_ch) {{
+    if (sf_ch % {splits} != sf_u % {splits}) continue;  // this split's share of the chunks
+    #pragma unroll
+    for (int r = sf_ch * {4 * _CHUNK // 8}; r < (sf_ch + 1) * {4 * _CHUNK // 8}; ++r) {{
+      float sf_sum = 0.0f;
+      for (int sf_q = 0; sf_q < {splits}; ++sf_q) sf_sum += __ldcg(sf_p + (size_t)sf_q * {nreg * tc} + r * {tc});
+      sf_d[r] = sf_sum;
+    }}
+  }}
+}} else {{
+  if (sf_tc == 0) *sf_flag = atomicAdd(&{{SYMBOL}}_cnt[sf_t], 1u) == {splits - 1};
+  sf_bar_sync(3, {tc});
+  if (!*sf_flag) continue;  // another split of this tile finishes it
+  __threadfence();
+  #pragma unroll
+  for (int r = 0; r < {nreg}; ++r) sf_d[r] = 0.0f;
+  for (int sf_q = 0; sf_q < {splits}; ++sf_q, sf_p += {nreg * tc}) {{  // this split's own partial too
+    #pragma unroll
+    for (int r = 0; r < {nreg}; ++r) sf_d[r] += __ldcg(sf_p + r * {tc});
+  }}
+  if (sf_tc == 0) {{SYMBOL}}_cnt[sf_t] = 0u;
+}}"""
+    skip = "" if splits == 1 else f"""if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;  // another split's chunk
+"""
+    finish = "" if splits == 1 else f"""if (sf_spread) {{  // the last of the tile's splits to get here resets its counts
+  sf_bar_sync(3, {tc});
+  if (sf_tc == 0 && atomicAdd(&{{SYMBOL}}_done[sf_t], 1u) == {splits - 1}u) {{
+    {{SYMBOL}}_cnt[sf_t] = 0u;
+    {{SYMBOL}}_done[sf_t] = 0u;
+  }}
+}}"""
     consumer = f"""const int sf_cw = sf_wg - 1;
 float* sf_Cw = sf_Cs + sf_cw * {64 * _LDS};
 // wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
@@ -554,7 +591,7 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
 {_indent(reduce, 2)}
   #pragma unroll
   for (int sf_ch = 0; sf_ch < {BN // _CHUNK}; ++sf_ch) {{
-{_indent(chunk_rows, 4)}
+{_indent(skip + chunk_rows, 4)}
     sf_bar_sync(1 + sf_cw, 128);
     #pragma unroll {_EPILOGUE_UNROLL}
     for (int sf_i = 0; sf_i < {64 * _CHUNK // 128}; ++sf_i) {{
@@ -568,9 +605,11 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
     }}
     sf_bar_sync(1 + sf_cw, 128);
   }}
+{_indent(finish, 2)}
 }}"""
     globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
-                                       f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits done per tile\n")
+                                       f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
+                                       f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
@@ -585,6 +624,8 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
   const int sf_wl = threadIdx.x & 127;
   const int sf_bz = 0;  // one product: batch index 0
   (void)sf_bz;
+  const bool sf_spread = gridDim.x >= {units};  // split-K: every unit has its own resident block
+  (void)sf_spread;
 {_indent(root, 2)}
 {_indent(batch_code, 2)}
   if (threadIdx.x == 0) {{

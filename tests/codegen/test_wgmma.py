@@ -7,6 +7,7 @@ that are not multiples of the tiles, batched and with a fused epilogue.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import subprocess
@@ -254,3 +255,37 @@ def test_split_k_tma_gemm(tmp_path, cfg):
     wg, bn = WGMMA_CONFIGS[cfg][:2]
     tiles = -(-M // (64 * wg)) * -(-N // bn)
     assert launch.grid[0] == tiles * split_count(tiles, K) and split_count(tiles, K) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_min_kt", [4, 16])
+def test_split_k_reductions_give_the_same_bits(tmp_path, monkeypatch, split_min_kt):
+    """A split-K product launched with a block per unit (the splits of a tile wait for each other
+    and sum a share of its chunks each) and with fewer blocks (the last split of a tile sums it
+    all): both sum in split order, so the outputs are bitwise equal, and equal numpy's within the
+    float16 rounding; three launches each (the counters are reset for the next)."""
+    from shardflow.compiler.codegen import cuda_wgmma
+    cupy = _gpu()
+    monkeypatch.setattr(cuda_wgmma, "SPLIT_MIN_KT", split_min_kt)
+    rng = np.random.default_rng(4)
+    M, N, K = 128, 776, 3000
+    op = _gemm(M, N, K, "float16", False, False, name="sk")
+    path = str(tmp_path / "k.cubin")
+    launch = build_cuda_library([op], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                gemm_configs={"sk": "tma64x128"})["sk"]
+    tiles = 2 * -(-N // 128)
+    units = tiles * split_count(tiles, K)
+    assert split_count(tiles, K) > 1 and launch.grid[0] == units
+    module = cupy.RawModule(path=path)
+    a = _bits(rng.standard_normal((M, K)) / 8, "float16")
+    b = _bits(rng.standard_normal((K, N)) / 8, "float16")
+    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
+    outs = []
+    for grid in (units, units, 5, units):
+        out = cupy.full((M, N), 0xFFFF, cupy.uint16)
+        _launch(cupy, module, dataclasses.replace(launch, grid=(grid, 1, 1)), (cupy.asarray(a), cupy.asarray(b), out))
+        outs.append(cupy.asnumpy(out))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    got = outs[0].view(np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
