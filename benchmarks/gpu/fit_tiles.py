@@ -4,20 +4,22 @@ shipped table chooses.
 Input: files written by ``gemm.py --config C`` runs (one ``== C`` line, then that tile's case
 lines, for each tile): ``--sweep`` files measured the tiles as they are now wherever a TMA tile
 does not split K (benchmarks/results/h100-2026-11-22-wgmma-tiles.txt: the cp.async tiles;
-h100-2026-11-22-tma-tiles.txt: the TMA tiles before split-K), ``--split-sweep`` files the TMA
-tiles with split-K under the first rule (at least 4 K tiles per split,
-h100-2026-11-22-tma-split4-tiles.txt): a split case counts where that rule split the same way
-as :func:`cuda_wgmma.split_count` does now, and is left out otherwise. The model is the one of
+h100-2026-11-22-tma-tiles.txt: the TMA tiles before split-K); ``--spread-sweep`` files
+(``gemm.py --config C --split-min-kt S`` runs, ``== C split-min-kt S`` sections:
+h100-2026-11-23-tma-spread-split-tiles.txt, M = 128 and 1024, the only sizes that split) measured
+the TMA tiles with split-K as it is now; their sections with ``S`` = ``cuda_wgmma.SPLIT_MIN_KT``
+replace the older figures of the same cases and tiles. (The sweep of the first split-K, with
+its serial reduction, h100-2026-11-22-tma-split4-tiles.txt, is superseded.) The model is the one of
 ``cuda_wgmma.choose_wgmma_config`` (waves of blocks x useful fraction x efficiency x the split
 factor where K is split); the ``cp`` tiles keep their relative efficiencies times one factor,
-the ``tma`` tiles get one each, all chosen by coordinate search to maximize the geometric mean of
+the ``tma`` tiles get one each and a split factor each, all chosen by coordinate search to maximize the geometric mean of
 the chosen tiles' measured ratios to cuBLAS (a choice without a measurement counts as 0.3); the
 choice itself is ``choose_wgmma_config`` with the trial figures. No
 GPU needed::
 
     python benchmarks/gpu/fit_tiles.py --sweep benchmarks/results/h100-2026-11-22-wgmma-tiles.txt \
         benchmarks/results/h100-2026-11-22-tma-tiles.txt \
-        --split-sweep benchmarks/results/h100-2026-11-22-tma-split4-tiles.txt
+        --spread-sweep benchmarks/results/h100-2026-11-23-tma-spread-split-tiles.txt
 """
 from __future__ import annotations
 
@@ -33,18 +35,21 @@ from gemm import PROJECTIONS  # noqa: E402
 
 CP_RELATIVE = {"128x256": 1.0, "128x128": 0.81, "64x128": 0.54, "64x64": 0.37}
 GRID = [x / 100 for x in range(20, 131, 2)]
+GRID_SPLIT = [x / 100 for x in range(10, 131, 2)]
 
 
-def read_sweep(paths: list[str], dtype: str = "float16") -> dict[tuple[str, int], dict[str, float]]:
-    """(case name, M) -> {tile: ratio to cuBLAS}."""
+def read_sweep(paths: list[str], dtype: str = "float16",
+               split_min_kt: int | None = None) -> dict[tuple[str, int], dict[str, float]]:
+    """(case name, M) -> {tile: ratio to cuBLAS}; with ``split_min_kt``, only the sections
+    measured with that ``--split-min-kt``."""
     data: dict = {}
     for path in paths:
         tile = None
         with open(path) as f:
             for ln in f:
-                m = re.match(r"== (\S+)", ln)
+                m = re.match(r"== (\S+)(?: split-min-kt (\d+))?", ln)
                 if m:
-                    tile = m.group(1)
+                    tile = m.group(1) if split_min_kt is None or m.group(2) == str(split_min_kt) else None
                     continue
                 m = re.match(rf"\s+(\S+)_M(\d+)_{dtype}\s+ours .*ratio ([\d.]+)", ln)
                 if m and tile:
@@ -52,21 +57,12 @@ def read_sweep(paths: list[str], dtype: str = "float16") -> dict[tuple[str, int]
     return data
 
 
-def _split_rule4(tiles: int, K: int, sms: int = 132) -> int:
-    """The split count of the first split-K rule (commit 7f9c1e7), to read its sweep."""
-    kt = -(-K // 64)
-    if 2 * tiles > sms or kt < 8:
-        return 1
-    want = max(1, min(sms // tiles, kt // 4, 16))
-    return -(-kt // -(-kt // want))
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Fit, print the comparison, and return the fitted figures (``cp_factor``, ``split``, and
     one per ``tma`` tile)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", nargs="+", required=True)
-    ap.add_argument("--split-sweep", nargs="*", default=[])
+    ap.add_argument("--spread-sweep", nargs="*", default=[])
     args = ap.parse_args(argv)
     ensure_shardflow()
     from shardflow.compiler.codegen import cuda_wgmma as W
@@ -80,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     def splits(name: str, M: int, N: int, K: int) -> int:
         return W.split_count(tiles_of(name, M, N), K) if W.WGMMA_CONFIGS[name][3] == "tma" else 1
 
-    plain, split = read_sweep(args.sweep), read_sweep(args.split_sweep)
+    plain = read_sweep(args.sweep)
     data: dict = {}
     for (c, M), v in plain.items():
         N, K = shapes[c]
@@ -88,10 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         for t, r in v.items():
             if t in W.WGMMA_CONFIGS and splits(t, M, N, K) == 1:  # (tiles no longer shipped are left out)
                 row[t] = r
-        for t, r in split.get((c, M), {}).items():
-            s = splits(t, M, N, K)
-            if s > 1 and s == _split_rule4(tiles_of(t, M, N), K):
-                row[t] = r
+    for (c, M), v in read_sweep(args.spread_sweep, split_min_kt=W.SPLIT_MIN_KT).items():
+        data.setdefault((c, M), {}).update({t: r for t, r in v.items() if t in W.WGMMA_CONFIGS})
 
     def pick(eff: dict, M: int, N: int, K: int) -> str:
         tiles = {n: e for n, e in eff.items() if n != "split"}
@@ -102,24 +96,27 @@ def main(argv: list[str] | None = None) -> dict:
                         / len(data))
 
     tma = {t: 1.0 for t in W.WGMMA_CONFIGS if t.startswith("tma")}
-    factor, split_factor = 0.8, 1.0
+    factor, split_factor = 0.8, {t: 1.0 for t in tma}
 
     def table(t, f, sf):
         return {**{c: r * f for c, r in CP_RELATIVE.items()}, **t, "split": sf}
     for _ in range(6):  # coordinate search
-        for key in [*tma, "factor", "split"]:
+        for key in [*tma, "factor", *(f"split:{t}" for t in tma)]:
+            sk = key.partition("split:")[2]
+
             def trial(x):
                 return geomean(table({**tma, key: x} if key in tma else tma, x if key == "factor" else factor,
-                                     x if key == "split" else split_factor))
-            values = {x: trial(x) for x in GRID}
-            best = max(GRID, key=lambda x: (round(values[x], 12), -x))  # ties: the smallest
+                                     {**split_factor, sk: x} if sk else split_factor))
+            grid = GRID_SPLIT if sk else GRID
+            values = {x: trial(x) for x in grid}
+            best = max(grid, key=lambda x: (round(values[x], 12), -x))  # ties: the smallest
             if key == "factor":
                 factor = best
-            elif key == "split":
-                split_factor = best
+            elif sk:
+                split_factor[sk] = best
             else:
                 tma[key] = best
-    print(f"fitted: cp factor {factor}, split factor {split_factor}, tma {tma}; "
+    print(f"fitted: cp factor {factor}, split factors {split_factor}, tma {tma}; "
           f"geomean {geomean(table(tma, factor, split_factor)):.3f}")
     shipped = {**W._TILE_EFFICIENCY, "split": W._SPLIT_EFFICIENCY}
     best_all = math.exp(sum(math.log(max(v.values())) for v in data.values()) / len(data))

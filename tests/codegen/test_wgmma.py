@@ -77,15 +77,15 @@ def test_batched_and_broadcast_operands_are_direct():
 
 
 def test_split_k_only_for_few_tiles_and_long_k():
-    assert split_count(12, 3072) == 3  # 48 K tiles: 3 splits of 16
-    assert split_count(32, 11008) == 4 and split_count(2, 11008) == 10  # 172 K tiles: 4 x 43; 10 x 18 (last 10)
+    assert split_count(12, 3072) == 6  # 48 K tiles: 6 splits of 8
+    assert split_count(32, 11008) == 4 and split_count(2, 11008) == 16  # 172 K tiles: 4 x 43; 16 x 11 (last 7)
     assert split_count(64, 4096) == 2
     assert split_count(72, 8192) == 1 and split_count(12, 768) == 1  # enough tiles; short K
     for tiles in range(1, 70):
         for K in (512, 768, 1000, 3072, 4096, 11008):
             s, kt = split_count(tiles, K), -(-K // 64)
             per = -(-kt // s)
-            assert (s - 1) * per < kt and (s == 1 or tiles * s <= 132 and per >= 16)
+            assert (s - 1) * per < kt and (s == 1 or tiles * s <= 132 and per >= 8)
 
 
 def test_tma_tiles_describe_their_tensor_maps_and_batched_products_fall_back():
