@@ -641,10 +641,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         from .passes.precision import HalfPrecisionContractions
 
         graph = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda").run(graph)
-        if opt.target == "cuda":  # one fused kernel per attention (passes/attention.py)
-            from .passes.attention import FuseAttention
-
-            graph = FuseAttention().run(graph)
 
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
@@ -672,6 +668,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         timings["write"] += time.perf_counter() - t
         for r, rg in enumerate(rank_graphs):
+            if opt.target == "cuda" and opt.precision in ("float16", "bfloat16"):
+                # one fused kernel per attention (passes/attention.py), on each rank's graph: the
+                # plan shards the separate ops (by heads), the pass then fuses each rank's share
+                from .passes.attention import FuseAttention
+
+                rg = FuseAttention().run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

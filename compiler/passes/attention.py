@@ -3,8 +3,9 @@
 
 Exporters (``torch.onnx.export`` of GPT-2, BERT, T5...) write attention as two batched MatMuls
 around a scale, an additive mask and a Softmax, with the heads split and merged by reshapes and
-transposes. Run after :class:`~.precision.HalfPrecisionContractions`, which rounds the operands
-of both products to float16/bfloat16, this pass matches::
+transposes. The cuda driver runs this pass on each rank's graph (after the plan is applied, so
+the search and the partitioner see the separate ops), whose products
+:class:`~.precision.HalfPrecisionContractions` rounded to float16/bfloat16. It matches::
 
     s = MatMul(Cast(Qh, f32), Cast(KTh, f32))        Qh [B, H, S, D], KTh [B, H, D, L] half
     s = Mul(s, c) | Div(s, c)                         c a constant scalar (optional)
@@ -12,7 +13,7 @@ of both products to float16/bfloat16, this pass matches::
     p = Softmax(s, axis=-1)
     y = MatMul(Cast(Cast(p, half), f32), Cast(Vh, f32))
 
-(every intermediate read only by the next op) and replaces it with
+(every intermediate read only by the next op, the result not a graph output) and replaces it with
 ``Attention(Q, K, V[, bias], acc_dtype="float32", probs_dtype=half, scale=c)``, which computes
 exactly these values (float32 scores of the half operands, float32 softmax, probabilities
 rounded to the half type). Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a
@@ -59,6 +60,8 @@ class FuseAttention(GraphPass):
             if found is None:
                 continue
             new_ops, old, new = found
+            if id(old) in self._outputs:  # (the graph's outputs keep their tensors and names)
+                continue
             insert[id(op)] = new_ops
             replace[id(old)] = new
             n += 1

@@ -47,6 +47,27 @@ def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
+def test_rank_graphs_fused_after_partitioning_match_onnxruntime(model):
+    """The driver fuses each rank's graph after the plan is applied (so a plan may shard the
+    separate ops); two ranks' fused graphs, simulated, give the model's outputs."""
+    from shardflow.compiler.parallel import partition, search
+    from shardflow.compiler.parallel.config import DistributedConfig
+    from shardflow.compiler.parallel.simulate import simulate
+
+    ort = pytest.importorskip("onnxruntime")
+    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    sess = ort.InferenceSession(str(MODELS / f"{model}.onnx"), providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    g = HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx"))
+    plan = search(g, DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
+    ranks = [FuseAttention().run(rg) for rg in partition(g, plan)]
+    assert all(sum(op.op_type == "Attention" for op in rg.nodes) == 2 for rg in ranks)
+    got = simulate(ranks, feeds)
+    for k, v in ref.items():  # float16 operands: rfcs/0004's tolerance
+        np.testing.assert_allclose(got[k], v, rtol=5e-3, atol=5e-3 * float(np.abs(v).max()), err_msg=k)
+
+
 def test_the_pass_leaves_other_patterns_alone():
     """A softmax whose scores are also an output, and a product of float32 operands, stay as they are."""
     from shardflow.compiler.ir.graph import FlowGraph
