@@ -1670,7 +1670,11 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
     att = _attention_member(op) if mma and len(task.outputs) == 1 else None
     if att is not None:
         fused = _lower_attention(op, att, symbol, param_text, an, reads, names)
-        if fused is not None:
+        if fused is None:
+            log.warning("%s: the fused attention kernel does not apply (operand layout, head size or "
+                        "epilogue); it gets the generic kernel, which recomputes the scores per output "
+                        "element", op.name)
+        else:
             src, cfg = fused
             return src, KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg["shared_mem"], args, len(op.inputs),
                                      op.name, f"attention-{_GEMM_PREC[att.attrs['probs_dtype']]}"), None

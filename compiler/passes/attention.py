@@ -120,7 +120,6 @@ class FuseAttention(GraphPass):
     def _match(self, mm2: Operator):
         from ..ops.elementwise import CastOp
         from ..ops.linalg import Attention
-        from ..ops.transform import Transpose
 
         if len(mm2.outputs[0].shape) != 4:
             return None
@@ -193,12 +192,9 @@ class FuseAttention(GraphPass):
             k = k3[0]
         else:
             tk = self._prod(kth)
-            if _is(tk, "Transpose", perm=(0, 1, 3, 2)):
-                k = tk.inputs[0]
-            else:
-                flip = Transpose([kth], name=f"{name}.K", perm=(0, 1, 3, 2))
-                new_ops.append(flip)
-                k = flip.outputs[0]
+            if not _is(tk, "Transpose", perm=(0, 1, 3, 2)):
+                return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
+            k = tk.inputs[0]
         v = v3[0] if v3 is not None else vh
         ins = [q, k, v] + ([bias] if bias is not None else [])
         att = Attention(ins, name=f"{name}.attention", q_heads=h_, kv_heads=h_, scale=scale,

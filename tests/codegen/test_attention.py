@@ -84,6 +84,61 @@ def test_the_pass_leaves_other_patterns_alone():
     assert [op.op_type for op in g.nodes] == ["Transpose", "MatMul", "Softmax", "MatMul"]
 
 
+def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool):
+    """softmax(Q K^T / 4 + bias) V on half inputs, written out as the precision pass leaves it."""
+    from shardflow.compiler.ir import const_tensor
+    from shardflow.compiler.ir.graph import FlowGraph
+    from shardflow.compiler.ops.elementwise import Binary, CastOp
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Transpose
+
+    q, v = Tensor("q", (2, 3, 40, 32), "float16"), Tensor("v", (2, 3, 70, 16), "float16")
+    k = Tensor("k", (2, 3, 70, 32) if k_transposed else (2, 3, 32, 70), "float16")
+    bias = Tensor("bias", (2, 1, 40, 70), "float32")
+    ops = []
+
+    def add(op):
+        ops.append(op)
+        return op.outputs[0]
+    kt = add(Transpose([k], name="kt", perm=(0, 1, 3, 2))) if k_transposed else k
+    s = add(MatMul([add(CastOp([q], name="q32", to="float32")), add(CastOp([kt], name="k32", to="float32"))],
+                   name="qk"))
+    c = const_tensor(np.array(4.0 if scale_op == "div" else 0.25, np.float32))
+    s = add(Binary([s, c], name="scale", fn=scale_op))
+    s = add(Binary([bias, s] if bias_left else [s, bias], name="mask", fn="add"))
+    p = add(Softmax([s], name="sm", axes=(3,)))
+    p = add(CastOp([add(CastOp([p], name="p16", to="float16"))], name="p32", to="float32"))
+    y = add(MatMul([p, add(CastOp([v], name="v32", to="float32"))], name="pv"))
+    return FlowGraph([q, k, v, bias], [add(Binary([y, const_tensor(np.float32(1.0))], name="out", fn="mul"))]), ops
+
+
+@pytest.mark.parametrize("scale_op,bias_left", [("div", True), ("mul", False)])
+def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
+    """Div or Mul by the scale, the mask on either side of the Add, Kᵀ a transpose of K (the op
+    reads K): fused, same values, and the cuda code takes the fused kernel. Kᵀ stored as such
+    (its head dim not contiguous for the kernel) is left alone."""
+    g, _ = _hand_written_attention("div", False, False)
+    assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
+    rng = np.random.default_rng(7)
+    k_transposed = True
+    g, _ = _hand_written_attention(scale_op, bias_left, k_transposed)
+    feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float16),
+             "k": rng.standard_normal((2, 3, 70, 32) if k_transposed else (2, 3, 32, 70)).astype(np.float16),
+             "v": rng.standard_normal((2, 3, 70, 16)).astype(np.float16),
+             "bias": np.where(rng.random((2, 1, 40, 70)) > 0.3, 0, -np.inf).astype(np.float32)}
+    want = g.run(feeds)
+    g = FuseAttention().run(g)
+    assert [op.op_type for op in g.nodes].count("Attention") == 1 and "Softmax" not in [op.op_type for op in g.nodes]
+    got = g.run(feeds)
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w)
+    from shardflow.compiler.codegen.fusion import fuse
+    groups = fuse([op for op in g.nodes], keep=[t.name for t in g.outputs])
+    src = generate_cuda_source(groups, arch="sm_90")
+    assert [l.kind for l in src.launches.values()].count("attention-f16") == 1, src.launches
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_gpt2_compiles_each_attention_into_one_kernel(tmp_path):
     out = tmp_path / "o"
