@@ -12,7 +12,8 @@ replace the older figures of the same cases and tiles. (The sweep of the first s
 its serial reduction, h100-2026-11-22-tma-split4-tiles.txt, is superseded.) The model is the one of
 ``cuda_wgmma.choose_wgmma_config`` (waves of blocks x useful fraction x efficiency x the split
 factor where K is split); the ``cp`` tiles keep their relative efficiencies times one factor,
-the ``tma`` tiles get one each and a split factor each, all chosen by coordinate search to maximize the geometric mean of
+the ``tma`` tiles get one each and a split factor each, all chosen by coordinate search to
+maximize the geometric mean of
 the chosen tiles' measured ratios to cuBLAS (a choice without a measurement counts as 0.3); the
 choice itself is ``choose_wgmma_config`` with the trial figures. No
 GPU needed::

@@ -38,7 +38,9 @@ __device__ __forceinline__ void sf_att_cp16(unsigned dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(full ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void sf_att_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void sf_att_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+template <int N> __device__ __forceinline__ void sf_att_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
 __device__ __forceinline__ void sf_ldm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -95,6 +97,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                 .replace('"r"(A2)', f'"r"({a2})').replace('"r"(A3)', f'"r"({a3})')
                 .replace('"r"(B0)', f'"r"({b0})').replace('"r"(B1)', f'"r"({b1})') + ";")
 
+    p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
     bias_code = ""
     if bias:
         bias_code = "\n".join("              " + ln for ln in bias.splitlines())
@@ -227,8 +230,8 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
         unsigned b0, b1, b2, b3;
         sf_ldm_x4_t((unsigned)__cvta_generic_to_shared(vs + (kk * 16 + ((sf_lane >> 3) & 1) * 8 + (sf_lane & 7)) * {ldv}
                                                         + n * 8 + (sf_lane >> 4) * 8), b0, b1, b2, b3);
-        {mma_call("sf_o[n]", "sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]", "b0", "b1")}
-        {mma_call("sf_o[n + 1]", "sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]", "b2", "b3")}
+        {mma_call("sf_o[n]", *p_frag, "b0", "b1")}
+        {mma_call("sf_o[n + 1]", *p_frag, "b2", "b3")}
       }}
     }}
     __syncthreads();  // the stage is loaded again two steps on

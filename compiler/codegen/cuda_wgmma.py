@@ -562,9 +562,10 @@ if (sf_spread) {{
   }}
   if (sf_tc == 0) {{SYMBOL}}_cnt[sf_t] = 0u;
 }}"""
-    skip = "" if splits == 1 else f"""if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;  // another split's chunk
+    skip = "" if splits == 1 else f"""// another split's chunk
+if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;
 """
-    finish = "" if splits == 1 else f"""if (sf_spread) {{  // the last of the tile's splits to get here resets its counts
+    finish = "" if splits == 1 else f"""if (sf_spread) {{  // the last split of the tile to get here resets the counts
   sf_bar_sync(3, {tc});
   if (sf_tc == 0 && atomicAdd(&{{SYMBOL}}_done[sf_t], 1u) == {splits - 1}u) {{
     {{SYMBOL}}_cnt[sf_t] = 0u;

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from model_refs import onnxruntime_reference
 
 from shardflow.compiler import compile, load_onnx
 from shardflow.compiler.codegen import cuda as cg
@@ -55,10 +56,7 @@ def test_rank_graphs_fused_after_partitioning_match_onnxruntime(model):
     from shardflow.compiler.parallel.config import DistributedConfig
     from shardflow.compiler.parallel.simulate import simulate
 
-    ort = pytest.importorskip("onnxruntime")
-    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
-    sess = ort.InferenceSession(str(MODELS / f"{model}.onnx"), providers=["CPUExecutionProvider"])
-    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    feeds, ref = onnxruntime_reference(model)
     g = HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx"))
     plan = search(g, DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
     ranks = [FuseAttention().run(rg) for rg in partition(g, plan)]
@@ -136,7 +134,7 @@ def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
     from shardflow.compiler.codegen.fusion import fuse
     groups = fuse([op for op in g.nodes], keep=[t.name for t in g.outputs])
     src = generate_cuda_source(groups, arch="sm_90")
-    assert [l.kind for l in src.launches.values()].count("attention-f16") == 1, src.launches
+    assert [launch.kind for launch in src.launches.values()].count("attention-f16") == 1, src.launches
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
@@ -167,13 +165,13 @@ def _rounded(x: np.ndarray, half: str) -> np.ndarray:
     return ((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16) << 16).view(np.float32)
 
 
-def _case(rng, half, b, hq, hk, s, l, d, dv, three_d, mask_shape, masked_rows=()):
+def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=()):
     def t(*shape):
         return _rounded(rng.standard_normal(shape).astype(np.float32), half)
     if three_d:
-        arrays = [t(b, s, hq * d), t(b, l, hk * d), t(b, l, hk * dv)]
+        arrays = [t(b, s, hq * d), t(b, kv_len, hk * d), t(b, kv_len, hk * dv)]
     else:
-        arrays = [t(b, hq, s, d), t(b, hk, l, d), t(b, hk, l, dv)]
+        arrays = [t(b, hq, s, d), t(b, hk, kv_len, d), t(b, hk, kv_len, dv)]
     attrs = {"q_heads": hq, "kv_heads": hk, "scale": 1.0 / np.sqrt(d), "scale_sqrt": d ** -0.25,
              "acc_dtype": "float32", "probs_dtype": half}
     if mask_shape is not None:

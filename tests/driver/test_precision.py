@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from model_refs import onnxruntime_reference
 
 from shardflow.compiler import ConfigError, compile, load_onnx
 from shardflow.compiler.ir import Tensor, const_tensor
@@ -87,10 +88,7 @@ def test_attention_operands_are_rounded_where_the_projection_writes_them():
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 @pytest.mark.parametrize("model", ["gpt2_ts17", "resnet_ts17"])
 def test_float16_model_on_cpu_matches_onnxruntime(tmp_path, model):
-    ort = pytest.importorskip("onnxruntime")
-    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
-    sess = ort.InferenceSession(str(MODELS / f"{model}.onnx"), providers=["CPUExecutionProvider"])
-    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    feeds, ref = onnxruntime_reference(model)
     sizes = {}
     for prec in ("float32", "float16"):
         out = tmp_path / prec
@@ -127,10 +125,7 @@ def test_bfloat16_graph_on_two_ranks_matches_onnxruntime(model):
     from shardflow.compiler.parallel.config import DistributedConfig
     from shardflow.compiler.parallel.simulate import simulate
 
-    ort = pytest.importorskip("onnxruntime")
-    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
-    sess = ort.InferenceSession(str(MODELS / f"{model}.onnx"), providers=["CPUExecutionProvider"])
-    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    feeds, ref = onnxruntime_reference(model)
     g = HalfPrecisionContractions("bfloat16").run(load_onnx(MODELS / f"{model}.onnx"))
     plan = search(g, DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
     got = simulate(partition(g, plan), feeds)
