@@ -637,10 +637,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     graph = _load_model(model, input_shapes)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
-    if opt.precision in ("float16", "bfloat16"):
-        from .passes.precision import HalfPrecisionContractions
-
-        graph = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda").run(graph)
 
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
@@ -668,12 +664,19 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         timings["write"] += time.perf_counter() - t
         for r, rg in enumerate(rank_graphs):
-            if opt.target == "cuda" and opt.precision in ("float16", "bfloat16"):
-                # one fused kernel per attention (passes/attention.py), on each rank's graph: the
-                # plan shards the separate ops (by heads), the pass then fuses each rank's share
-                from .passes.attention import FuseAttention
+            if opt.precision in ("float16", "bfloat16"):
+                # half operands on each rank's graph, after the plan: the search sees the float32
+                # graph, whose weights are constants (a weight read through a Cast is not one to
+                # the megatron baseline); rounding commutes with the slicing of the plan, and the
+                # collectives carry the float32 values they carried before
+                from .passes.precision import HalfPrecisionContractions
 
-                rg = FuseAttention().run(rg)
+                rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda").run(rg)
+                if opt.target == "cuda":
+                    # one fused kernel per attention (passes/attention.py), on this rank's share
+                    from .passes.attention import FuseAttention
+
+                    rg = FuseAttention().run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

@@ -50,16 +50,16 @@ def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
 
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
 def test_rank_graphs_fused_after_partitioning_match_onnxruntime(model):
-    """The driver fuses each rank's graph after the plan is applied (so a plan may shard the
-    separate ops); two ranks' fused graphs, simulated, give the model's outputs."""
+    """The driver plans the float32 graph, then rounds and fuses each rank's graph (so the plan
+    shards the separate ops); two ranks' fused graphs, simulated, give the model's outputs."""
     from shardflow.compiler.parallel import partition, search
     from shardflow.compiler.parallel.config import DistributedConfig
     from shardflow.compiler.parallel.simulate import simulate
 
     feeds, ref = onnxruntime_reference(model)
-    g = HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx"))
+    g = load_onnx(MODELS / f"{model}.onnx")
     plan = search(g, DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
-    ranks = [FuseAttention().run(rg) for rg in partition(g, plan)]
+    ranks = [FuseAttention().run(HalfPrecisionContractions("float16").run(rg)) for rg in partition(g, plan)]
     assert all(sum(op.op_type == "Attention" for op in rg.nodes) == 2 for rg in ranks)
     got = simulate(ranks, feeds)
     for k, v in ref.items():  # float16 operands: rfcs/0004's tolerance
