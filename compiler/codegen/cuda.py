@@ -1539,35 +1539,25 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
                      names) -> tuple[str, dict] | None:
     """``op`` (an ``Attention`` with its fused prologue and element-wise epilogue) as the fused
     attention kernel (:mod:`.cuda_attention`), or None where that kernel does not apply."""
-    from ..ir.expr import Var
     from ..ir.task import TensorInput
     from .cuda_attention import MAX_HEAD, AttnOperand, attention_kernel
-    from .fusion import _remap
+    from .fusion import chain
 
     q_t, k_t, v_t = att.inputs[:3]
     half = att.attrs["probs_dtype"]
     if not (q_t.dtype == k_t.dtype == v_t.dtype == half):
         return None
     b_, hq, hk, s_len, l_len, d_len, dv = att._geometry(q_t, k_t, v_t)
-    if d_len % 16 or dv % 16 or d_len > MAX_HEAD or dv > MAX_HEAD or hq % hk:
+    if d_len % 16 or dv % 16 or d_len > MAX_HEAD or dv > MAX_HEAD:
         return None
     mask = att.inputs[3] if att.attrs.get("has_mask") else None
     if mask is not None and (mask.dtype != "float32" or mask.shape[-1] != l_len):
         return None
     # the group's definitions up to the attention, which becomes a placeholder for the epilogue
     members = getattr(op, "members", [op])
-    env: dict[int, object] = {id(t): ph for t, ph in zip(op.inputs, op.task.inputs)}
     y_shape = tuple(att.outputs[0].shape)
     acc_ph = TensorInput("sf_attention", y_shape, "float32")
-    for m in members:
-        if m is att:
-            env[id(m.outputs[0])] = acc_ph
-            continue
-        gc = m.task.outputs[0]
-        value = _remap(gc.value, {id(ph): env[id(t)] for ph, t in zip(m.task.inputs, m.inputs)})
-        if gc.dtype is not None and an.dtype(value) != gc.dtype:
-            value = Cast(value, gc.dtype)
-        env[id(m.outputs[0])] = GridCompute(f"{m.name}:0", gc.shape, gc.axes, value, gc.dtype)
+    env = chain(members, op.inputs, op.task.inputs, given={id(att.outputs[0]): acc_ph})
     vb, vh, vhk, vi, vj = (Var(n, e) for n, e in (("sf_b", b_), ("sf_h", hq), ("sf_hk", hk), ("sf_i", s_len),
                                                   ("sf_j", l_len)))
 

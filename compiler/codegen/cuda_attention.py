@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cuda_templates import _indent
+
 __all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "BLOCK_Q", "BLOCK_K", "MAX_HEAD"]
 
 #: queries per block (4 warps x 16 rows) and keys per step
@@ -82,32 +84,31 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
     ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` known).
     """
+    if D % 16 or Dv % 16:
+        raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
     ab, ht, pack, h2 = _MMA[half]
     ldq, ldv = D + 8, Dv + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
     q_elems, k_elems, v_elems = BLOCK_Q * ldq, BLOCK_K * ldq, BLOCK_K * ldv
     smem = 2 * (q_elems + 2 * k_elems + 2 * v_elems)
     nkb = -(-L // BLOCK_K)
     kd, nd = D // 16, Dv // 8
-    mma = (f'asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0, %1, %2, %3}}, '
-           f'{{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n" : "+f"(C[0]), "+f"(C[1]), "+f"(C[2]), '
-           f'"+f"(C[3]) : "r"(A0), "r"(A1), "r"(A2), "r"(A3), "r"(B0), "r"(B1))')
 
-    def mma_call(c, a0, a1, a2, a3, b0, b1):
-        return (mma.replace("C[", f"{c}[").replace('"r"(A0)', f'"r"({a0})').replace('"r"(A1)', f'"r"({a1})')
-                .replace('"r"(A2)', f'"r"({a2})').replace('"r"(A3)', f'"r"({a3})')
-                .replace('"r"(B0)', f'"r"({b0})').replace('"r"(B1)', f'"r"({b1})') + ";")
+    def mma_call(c, a0, a1, a2, a3, b0, b1):  # C (4 floats) += A (16 x 16, 4 regs) B (16 x 8, 2 regs)
+        outs = ", ".join(f'"+f"({c}[{i}])' for i in range(4))
+        ins = ", ".join(f'"r"({x})' for x in (a0, a1, a2, a3, b0, b1))
+        return (f'asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0, %1, %2, %3}}, '
+                f'{{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n" : {outs} : {ins});')
 
     p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
     bias_code = ""
     if bias:
-        bias_code = "\n".join("              " + ln for ln in bias.splitlines())
         bias_code = f"""            {{
               float sf_bias;
-{bias_code}
+{_indent(bias, 14)}
               x += sf_bias;
             }}"""
-    epi = "\n".join("          " + ln for ln in epilogue.splitlines())
-    root_code = "\n".join("  " + ln for ln in root.splitlines())
+    epi = _indent(epilogue, 10)
+    root_code = _indent(root, 2)
     src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
   extern __shared__ __align__(16) unsigned char sf_dyn[];
   {ht}* sf_Qs = reinterpret_cast<{ht}*>(sf_dyn);
@@ -258,7 +259,5 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
   }}
 }}
 """
-    if nd % 2:
-        raise ValueError("Dv must be a multiple of 16")
     cfg = {"grid": (-(-S // BLOCK_Q), H, B), "block": (128, 1, 1), "shared_mem": smem}
     return src, cfg

@@ -81,18 +81,8 @@ class FusedOp(Operator):
         self.outputs[0].name = members[-1].outputs[0].name  # the tensor the group writes
 
     def compute(self, *placeholders: TensorInput) -> Task:
-        env: dict[int, object] = {id(t): p for t, p in zip(self.inputs, placeholders)}
-        last = None
-        for op in self.members:
-            mapping = {id(ph): env[id(t)] for ph, t in zip(op.task.inputs, op.inputs)}
-            gc = op.task.outputs[0]
-            value = _remap(gc.value, mapping)
-            dt = gc.dtype
-            if dt is not None and infer_dtype(value) != dt:
-                value = Cast(value, dt)  # the member's output dtype, as its kernel would store it
-            last = GridCompute(f"{op.name}:0", gc.shape, gc.axes, value, dt)
-            env[id(op.outputs[0])] = last
-        return Task("Fused", list(placeholders), [last], {})
+        env = chain(self.members, self.inputs, placeholders)
+        return Task("Fused", list(placeholders), [env[id(self.members[-1].outputs[0])]], {})
 
     def numpy(self, *arrays: np.ndarray) -> list[np.ndarray]:
         env = {id(t): a for t, a in zip(self.inputs, arrays)}
@@ -104,6 +94,26 @@ class FusedOp(Operator):
 
     def clone(self, inputs=None) -> "FusedOp":
         raise NotImplementedError("a FusedOp exists only inside code generation; clone its members")
+
+
+def chain(members: Sequence[Operator], inputs: Sequence[Tensor], placeholders: Sequence[object],
+          given: dict[int, object] | None = None) -> dict[int, object]:
+    """``id(tensor)`` -> its definition in a group: ``inputs`` are ``placeholders``, each member's
+    output a grid compute reading the earlier ones (cast to the member's output dtype, as its
+    kernel would store it); the outputs in ``given`` (by id) take the value there instead (a code
+    generator's own computation of that member)."""
+    env: dict[int, object] = {id(t): p for t, p in zip(inputs, placeholders)}
+    for op in members:
+        out = op.outputs[0]
+        if given and id(out) in given:
+            env[id(out)] = given[id(out)]
+            continue
+        gc = op.task.outputs[0]
+        value = _remap(gc.value, {id(ph): env[id(t)] for ph, t in zip(op.task.inputs, op.inputs)})
+        if gc.dtype is not None and infer_dtype(value) != gc.dtype:
+            value = Cast(value, gc.dtype)
+        env[id(out)] = GridCompute(f"{op.name}:0", gc.shape, gc.axes, value, gc.dtype)
+    return env
 
 
 def _single(op: Operator) -> bool:

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor
 from .base import GraphPass
+from .simplify import EliminateDeadCode
 
 __all__ = ["FuseAttention"]
 
@@ -60,8 +61,6 @@ class FuseAttention(GraphPass):
             if found is None:
                 continue
             new_ops, old, new = found
-            if id(old) in self._outputs:  # (the graph's outputs keep their tensors and names)
-                continue
             insert[id(op)] = new_ops
             replace[id(old)] = new
             n += 1
@@ -74,7 +73,6 @@ class FuseAttention(GraphPass):
             nodes += insert.get(id(op), [])
         graph.nodes = nodes
         graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
-        from .simplify import EliminateDeadCode
         graph = EliminateDeadCode().run(graph)
         log.info("attention: %d softmax(QK^T)V patterns fused into Attention ops", n)
         return graph
@@ -102,8 +100,8 @@ class FuseAttention(GraphPass):
             return float(np.asarray(t.value).reshape(()))
         return None
 
-    def _heads_3d(self, t: Tensor, perm: tuple) -> tuple[Tensor, int] | None:
-        """``(x, H)`` when ``t = Transpose(Reshape(x, [B, S, H, D]), perm)`` with ``x`` of shape
+    def _heads_3d(self, t: Tensor, perm: tuple) -> Tensor | None:
+        """``x`` when ``t = Transpose(Reshape(x, [B, S, H, D]), perm)`` with ``x`` of shape
         ``[B, S, H*D]``."""
         tr = self._prod(t)
         if not _is(tr, "Transpose", perm=perm):
@@ -115,7 +113,7 @@ class FuseAttention(GraphPass):
         r4 = rs.outputs[0].shape
         if len(r4) != 4 or len(x.shape) != 3 or tuple(x.shape) != (r4[0], r4[1], r4[2] * r4[3]):
             return None
-        return x, r4[2]
+        return x
 
     def _match(self, mm2: Operator):
         from ..ops.elementwise import CastOp
@@ -179,37 +177,29 @@ class FuseAttention(GraphPass):
             if (len(bs) > 4 or not bs or bs[-1] != l_len or bias.dtype != "float32"
                     or any(e not in (1, w) for e, w in zip(bs, want[4 - len(bs):]))):
                 return None
-        half = vh.dtype
-        new_ops: list[Operator] = []
-        name = mm2.name
         # the operands: 3-D [B, S, H*D] forms where the heads were split by a reshape + transpose
         q3, k3, v3 = self._heads_3d(qh, (0, 2, 1, 3)), self._heads_3d(kth, (0, 2, 3, 1)), \
             self._heads_3d(vh, (0, 2, 1, 3))
         out_chain = self._output_chain(mm2.outputs[0], (b_, s_len, h_ * dv))
         three_d = q3 is not None and out_chain is not None
-        q = q3[0] if three_d else qh
-        if k3 is not None:
-            k = k3[0]
-        else:
+        old = out_chain[1].outputs[0] if three_d else mm2.outputs[0]
+        if id(old) in self._outputs:  # (the graph's outputs keep their tensors and names)
+            return None
+        if k3 is None:
             tk = self._prod(kth)
             if not _is(tk, "Transpose", perm=(0, 1, 3, 2)):
                 return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
-            k = tk.inputs[0]
-        v = v3[0] if v3 is not None else vh
-        ins = [q, k, v] + ([bias] if bias is not None else [])
-        att = Attention(ins, name=f"{name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
+            k3 = tk.inputs[0]
+        ins = [q3 if three_d else qh, k3, v3 if v3 is not None else vh] + ([bias] if bias is not None else [])
+        att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), has_mask=bias is not None, acc_dtype="float32",
-                        probs_dtype=half)
-        new_ops.append(att)
+                        probs_dtype=vh.dtype)
+        new_ops: list[Operator] = [att]
         y = att.outputs[0]
-        if not three_d:
-            return new_ops, mm2.outputs[0], y
-        casts, reshape = out_chain
-        for c in casts:  # element-wise casts after the transpose, re-made on the 3-D result
-            nc = CastOp([y], name=f"{c.name}.3d", to=c.attrs["to"])
-            new_ops.append(nc)
-            y = nc.outputs[0]
-        return new_ops, reshape.outputs[0], y
+        for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result
+            new_ops.append(CastOp([y], name=f"{c.name}.3d", to=c.attrs["to"]))
+            y = new_ops[-1].outputs[0]
+        return new_ops, old, y
 
     def _output_chain(self, t: Tensor, shape3: tuple):
         """``(casts, reshape)`` when ``t`` is read by ``Transpose(0, 2, 1, 3)`` alone, then by
