@@ -315,8 +315,9 @@ class RankProgram:
             One array per model input, keyed by name, with exactly the compiled shape and dtype
             (every rank receives the full inputs).
         copy_outputs
-            ``True`` (default): the outputs are fresh arrays. ``False``: they are read-only views
-            of the program's own output buffers, valid until the next ``run`` overwrites them (no
+            ``True`` (default): the outputs are fresh arrays. ``False``: they are views of the
+            program's own output buffers (read-only numpy views; cupy arrays cannot be marked so,
+            do not write them), valid until the next ``run`` overwrites them (no
             copy: what ``torch.compile(mode="reduce-overhead")`` returns too). On a cuda target
             with numpy inputs the outputs are copied to the host either way.
 
