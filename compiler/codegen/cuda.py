@@ -562,6 +562,27 @@ def _map_tree(e: Expr, fn, memo: dict) -> Expr:
     return r
 
 
+#: dtypes whose one-element constant inputs are written into the kernel as literals
+_BAKED = ("float32", "float64", "int32", "int64", "bool")
+
+
+def _scalar_constants(op: Operator) -> dict[int, Const]:
+    """``id(placeholder) -> Const`` for the one-element constant inputs of ``op`` (weights such
+    as GPT-2's GELU constants and its cube's exponent 3): the kernel uses their values as literals
+    instead of reading them, so ``Pow(x, 3)`` becomes ``x * x * x`` at code generation (not a
+    test per element with ``pow``'s general path compiled beside it) and the reads go away."""
+    return {id(ph): Const(np.asarray(t.value).reshape(()).item(), ph.dtype)
+            for ph, t in zip(op.task.inputs, op.inputs)
+            if t.is_constant and t.size == 1 and ph.dtype in _BAKED}
+
+
+def _bake(value: Expr, scalars: dict[int, Const]) -> Expr:
+    """``value`` with its reads of the ``scalars`` placeholders replaced by their constants."""
+    if not scalars:
+        return value
+    return _map_tree(value, lambda e, _k: scalars.get(id(e.tensor)) if isinstance(e, TensorElement) else None, {})
+
+
 def _inline_computes(value: Expr, an: _Analysis) -> Expr:
     """Replace reads of other grid computes (fused definitions) by their definitions, with the
     read indices clamped as the evaluator does."""
@@ -1528,10 +1549,9 @@ def _attention_member(op: Operator) -> Operator | None:
         return None
     a = att[0].attrs
     if (a.get("acc_dtype") != "float32" or a.get("probs_dtype") not in ("float16", "bfloat16") or a.get("qk_mode")
-            is not None or a.get("is_causal") or a.get("has_nonpad") or a.get("softcap", 0.0) > 0
-            or a.get("left_window", -1) >= 0 or a.get("right_window", -1) >= 0 or a.get("softmax_dtype")
-            or a.get("past_len")):
-        return None
+            is not None or a.get("has_nonpad") or a.get("softcap", 0.0) > 0 or a.get("left_window", -1) >= 0
+            or a.get("right_window", -1) >= 0 or a.get("softmax_dtype")):
+        return None  # (past_len moves only the causal diagonal: the keys already hold the cache)
     return att[0]
 
 
@@ -1551,7 +1571,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     if d_len % 16 or dv % 16 or d_len > MAX_HEAD or dv > MAX_HEAD:
         return None
     mask = att.inputs[3] if att.attrs.get("has_mask") else None
-    if mask is not None and (mask.dtype != "float32" or mask.shape[-1] != l_len):
+    if mask is not None and (mask.dtype not in ("float32", "bool") or mask.shape[-1] > l_len):
         return None
     # the group's definitions up to the attention, which becomes a placeholder for the epilogue
     members = getattr(op, "members", [op])
@@ -1593,16 +1613,25 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         off = 4 - mask.ndim
         pos = (vb, vh, vi, vj)[off:]
         idx = [Const(0) if ext == 1 and full[off + n] != 1 else pos[n] for n, ext in enumerate(mask.shape)]
-        bias = _inline_computes(TensorElement(env[id(mask)], idx), an)
+        bias = _bake(_inline_computes(TensorElement(env[id(mask)], idx), an), _scalar_constants(op))
         bblk = _Block(root, {vi: ("sf_i", "int32"), vj: ("sf_j", "int32")})
-        x = em.value_as(bias, "float32", bblk)
-        bias_code = "\n".join(bblk.lines + [f"sf_bias = {x};"])
+        neg_inf = "__int_as_float(0xff800000)"
+        if mask.dtype == "bool":  # a key the mask does not allow: -inf
+            x = f"({em.value_as(bias, 'bool', bblk)} ? 0.0f : {neg_inf})"
+        else:
+            x = em.value_as(bias, "float32", bblk)
+        lines = bblk.lines + [f"sf_bias = {x};"]
+        if mask.shape[-1] < l_len:  # keys past the mask's last one: -inf (and nothing read there)
+            lines = [f"if (sf_j < {mask.shape[-1]}) {{"] + _indent(lines, 2) + ["} else {", f"  sf_bias = {neg_inf};",
+                                                                                 "}"]
+        bias_code = "\n".join(lines)
     # the epilogue: the group's output element, reading the attention's value at its own index
     last = env[id(members[-1].outputs[0])]
     gc = op.task.outputs[0]
     if tuple(gc.shape) != y_shape:
         return None
-    value = TensorElement(acc_ph, list(gc.axes)) if last is acc_ph else _inline_computes(last.value, an)
+    value = TensorElement(acc_ph, list(gc.axes)) if last is acc_ph else \
+        _bake(_inline_computes(last.value, an), _scalar_constants(op))
     for n in walk(value):
         if isinstance(n, TensorElement) and n.tensor is acc_ph:
             if list(n.indices) != list(gc.axes):
@@ -1616,7 +1645,8 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         [f"out0[{offset}] = {_store(x, gc.dtype)};"]
     return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
-                            root="\n".join(root.lines), bias=bias_code, epilogue="\n".join(epi))
+                            root="\n".join(root.lines), bias=bias_code, epilogue="\n".join(epi),
+                            causal=int(att.attrs.get("past_len", 0)) if att.attrs.get("is_causal") else None)
 
 
 # --- one op --------------------------------------------------------------------------------------
@@ -1655,7 +1685,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         params.append(f"{_STORE_CTYPE[gc.dtype]}* __restrict__ out{j}")
     param_text = ", ".join(params) if params else ""
     args = tuple(t.name for t in op.inputs) + tuple(t.name for t in op.outputs)
-    values = [_inline_computes(gc.value, an) for gc in task.outputs]
+    scalars = _scalar_constants(op)
+    values = [_bake(_inline_computes(gc.value, an), scalars) for gc in task.outputs]
 
     att = _attention_member(op) if mma and len(task.outputs) == 1 else None
     if att is not None:

@@ -9,7 +9,9 @@ output: the online softmax of FlashAttention), and the probabilities, rounded to
 in the registers that held the scores, multiply the V tile on the tensor cores. The score
 matrix is never written to memory, so memory is linear in the sequence length. At the end each
 row is divided by its sum (a row whose every bias is -inf gives 0, as the op's definition says)
-and handed to the fused epilogue element by element.
+and handed to the fused epilogue element by element. With a causal mask (``is_causal``: query
+``i`` sees keys ``j <= i + past_len``) the kernel masks the scores past the diagonal itself and
+does not visit the key blocks wholly past it (rfcs/0005-hopper-gemm.md, decision 18).
 
 Requirements (else the generic lowering runs): head sizes multiples of 16 up to 128; Q, K and V
 dense half tensors whose head dimension is contiguous and whose other strides and offset are
@@ -77,12 +79,16 @@ def _base(o: AttnOperand, head: str) -> str:
 
 def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: int, L: int, D: int,
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
-                     root: str, bias: str | None, epilogue: str) -> tuple[str, dict]:
+                     root: str, bias: str | None, epilogue: str, causal: int | None = None) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
     ``bias``: C lines that set ``float sf_bias`` from ``sf_b, sf_h, sf_i, sf_j`` (or None);
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
     ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` known).
+    ``causal``: None, or the offset ``c`` of a causal mask: query ``i`` sees keys ``j <= i + c``
+    only. The key blocks wholly past that diagonal are not visited (about half the work for a
+    long sequence), and the blocks of queries are taken last first, so that the ones with the
+    most keys start first.
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
@@ -100,6 +106,14 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                 f'{{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n" : {outs} : {ins});')
 
     p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
+    if causal is None:
+        q_block, causal_test, nkb_code, nkb_bound = "blockIdx.x", "", "", str(nkb)
+    else:  # heaviest query blocks first; the key blocks that hold a key some row of the block sees
+        q_block = "(gridDim.x - 1 - blockIdx.x)"
+        causal_test = " && sf_j <= sf_i" + (f" + {causal}" if causal > 0 else f" - {-causal}" if causal else "")
+        nkb_code = (f"  const int sf_last = sf_q0 + {BLOCK_Q - 1 + causal};  // the last key the block's rows see\n"
+                    f"  const int sf_nkb = sf_last < 0 ? 0 : min({nkb}, sf_last / {BLOCK_K} + 1);\n")
+        nkb_bound = "sf_nkb"
     bias_code = ""
     if bias:
         bias_code = f"""            {{
@@ -114,7 +128,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
   {ht}* sf_Qs = reinterpret_cast<{ht}*>(sf_dyn);
   {ht}* sf_Ks = sf_Qs + {q_elems};  // two stages
   {ht}* sf_Vs = sf_Ks + {2 * k_elems};  // two stages
-  const int sf_b = blockIdx.z, sf_h = blockIdx.y, sf_q0 = blockIdx.x * {BLOCK_Q};
+  const int sf_b = blockIdx.z, sf_h = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};
   const int sf_hk = sf_h / {rep};
   const int sf_warp = threadIdx.x >> 5, sf_lane = threadIdx.x & 31;
   const int sf_g = sf_lane >> 2, sf_t = sf_lane & 3;
@@ -141,7 +155,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                   sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + cc * 8, j < {L});
     }}
   }};
-  sf_load_kv(0, 0);
+{nkb_code}  sf_load_kv(0, 0);
   sf_att_commit();
   // this warp's 16 query rows as mma A fragments, loaded once
   sf_att_wait<0>();
@@ -156,9 +170,9 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
   #pragma unroll
   for (int n = 0; n < {nd}; ++n) sf_o[n][0] = sf_o[n][1] = sf_o[n][2] = sf_o[n][3] = 0.0f;
   float sf_m[2] = {{__int_as_float(0xff800000), __int_as_float(0xff800000)}}, sf_l[2] = {{0.0f, 0.0f}};
-  for (int kb = 0; kb < {nkb}; ++kb) {{
+  for (int kb = 0; kb < {nkb_bound}; ++kb) {{
     const int st = kb & 1;
-    if (kb + 1 < {nkb}) sf_load_kv(kb + 1, st ^ 1);
+    if (kb + 1 < {nkb_bound}) sf_load_kv(kb + 1, st ^ 1);
     sf_att_commit();
     sf_att_wait<1>();
     __syncthreads();
@@ -187,7 +201,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
         const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
         const int sf_j = kb * {BLOCK_K} + n * 8 + sf_t * 2 + (r & 1);
         float x = sf_s[n][r] * {scale!r}f;
-        if (sf_j < {L} && sf_i < {S}) {{
+        if (sf_j < {L} && sf_i < {S}{causal_test}) {{
 {bias_code}
         }} else {{
           x = __int_as_float(0xff800000);

@@ -456,7 +456,7 @@ def attention(ctx):
     k_in = presents[0] if past_k is not None else k
     v_in = presents[1] if past_v is not None else v
     ins = [q, k_in, v_in] + [t for t in (mask, nonpad) if t is not None]
-    op = Attention(ins, name=ctx.name, q_heads=qh, kv_heads=kvh, scale_sqrt=math.sqrt(scale),
+    op = Attention(ins, name=ctx.name, q_heads=qh, kv_heads=kvh, scale_sqrt=math.sqrt(scale), scale=scale,
                    is_causal=bool(ctx.attr("is_causal", 0)), past_len=past_k.shape[2] if past_k is not None else 0,
                    softcap=float(ctx.attr("softcap", 0.0)), has_mask=mask is not None, has_nonpad=nonpad is not None,
                    left_window=left, right_window=right, qk_mode=mode if wants[3] else None,

@@ -19,8 +19,11 @@ exactly these values (float32 scores of the half operands, float32 softmax, prob
 rounded to the half type). Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a
 ``[B, S, H*D]`` tensor and the result goes back through ``Transpose`` (and element-wise casts)
 to ``Reshape(.., [B, S, H*Dv])``, the op reads and writes the ``[B, S, H*D]`` forms directly
-(its 3-D form), so no transpose is left. The cuda target computes the op with one fused kernel
-(:mod:`shardflow.compiler.codegen.cuda_attention`) that never writes the score matrix.
+(its 3-D form), so no transpose is left. A constant mask that hides every key past a diagonal
+(GPT-2's and Llama's causal masks, ``finfo.min`` above it) becomes ``is_causal`` (and is dropped
+when it is 0 elsewhere): same values, and the kernel skips the hidden blocks of keys. The cuda
+target computes the op with one fused kernel (:mod:`shardflow.compiler.codegen.cuda_attention`)
+that never writes the score matrix.
 """
 from __future__ import annotations
 
@@ -42,6 +45,36 @@ _HALF = ("float16", "bfloat16")
 
 def _is(op: Operator | None, op_type: str, **attrs) -> bool:
     return op is not None and op.op_type == op_type and all(op.attrs.get(k) == v for k, v in attrs.items())
+
+
+#: an additive mask entry at or below this hides its key exactly: with scores and the row's
+#: largest logit below 1e29 in magnitude, ``exp(logit - max)`` underflows to 0 as for ``-inf``
+_HIDDEN = -1e30
+
+
+def _causal(mask: np.ndarray, s_len: int, l_len: int) -> tuple[int | None, bool]:
+    """``(offset, keep)`` when the constant additive ``mask`` (broadcast to ``[.., S, L]``) is
+    causal: every key ``j > i + offset`` is hidden (``<= _HIDDEN`` or ``-inf``) and every query
+    row keeps a key above ``_HIDDEN`` among the others, so masking them with ``-inf`` instead
+    (``is_causal``) gives the same probabilities, bit for bit. ``keep``: whether the mask is
+    still needed for the other keys (False when they are all 0). ``(None, True)`` otherwise.
+    The offsets tried are 0 and ``L - S`` (the queries are the last ``S`` positions, as with a
+    KV cache), the smaller first (it hides more)."""
+    if mask.ndim < 2 or mask.shape[-2] != s_len or mask.dtype.kind != "f" or np.isnan(mask).any():
+        return None, True
+    i = np.arange(s_len).reshape(-1, 1)
+    j = np.arange(l_len).reshape(1, -1)
+    for off in sorted({0, l_len - s_len}):
+        if off < 0:
+            continue
+        seen = np.broadcast_to(j <= i + off, mask.shape)
+        if not (mask[~seen] <= _HIDDEN).all():
+            continue
+        shown = np.where(seen, mask, -np.inf)
+        if not ((shown > _HIDDEN).any(axis=-1).all() and (mask[seen] < np.inf).all()):
+            continue
+        return off, bool(mask[seen].any())
+    return None, True
 
 
 class FuseAttention(GraphPass):
@@ -190,10 +223,16 @@ class FuseAttention(GraphPass):
             if not _is(tk, "Transpose", perm=(0, 1, 3, 2)):
                 return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
             k3 = tk.inputs[0]
+        causal = {}
+        if bias is not None and bias.is_constant:
+            off, keep = _causal(np.asarray(bias.value), s_len, l_len)
+            if off is not None:
+                causal = {"is_causal": True, "past_len": off}
+                bias = bias if keep else None
         ins = [q3 if three_d else qh, k3, v3 if v3 is not None else vh] + ([bias] if bias is not None else [])
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), has_mask=bias is not None, acc_dtype="float32",
-                        probs_dtype=vh.dtype)
+                        probs_dtype=vh.dtype, **causal)
         new_ops: list[Operator] = [att]
         y = att.outputs[0]
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result

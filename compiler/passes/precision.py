@@ -11,7 +11,12 @@ Gemm, Conv, ConvTranspose, Einsum) to float16 or bfloat16 and leaves everything 
   before those data-movement ops (they commute exactly), so that the producer's kernel writes the
   half values and the contraction reads them from memory;
 * biases (Gemm's ``C``, Conv's ``B``) and the output stay float32; products are exact in float32
-  and are accumulated in float32.
+  and are accumulated in float32;
+* an ONNX ``Attention`` (opset 23+) reads its Q, K and V rounded, as the two batched products of
+  an exported attention do: it becomes the mixed-precision form of the op (half Q, K, V, float32
+  scores, softmax and output, the probabilities rounded to the half type before they weigh V;
+  :class:`~shardflow.compiler.ops.linalg.Attention`), which the cuda target computes with its
+  fused attention kernel. Masks stay float32 (or bool).
 
 So the graph states exactly what a tensor-core GEMM with half operands and fp32 accumulation
 computes; the cuda code generator fuses the casts into the GEMM's operand loads and recognises
@@ -75,6 +80,10 @@ class HalfPrecisionContractions(GraphPass):
         self._memo: dict[int, bool] = {}
         dropped: set[int] = set()  # movement ops moved behind a rounding (re-created on the half values)
         for op in graph.nodes:
+            if _half_attention(op):
+                self._attention(op, nodes, dropped, weights)
+                n_ops += 1
+                continue
             idx = _rounded(op)
             if not idx:
                 nodes.append(op)
@@ -113,6 +122,30 @@ class HalfPrecisionContractions(GraphPass):
         back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
         nodes.append(back)
         return back.outputs[0]
+
+    def _attention(self, op: Operator, nodes: list[Operator], dropped: set[int], weights: dict) -> None:
+        """``op`` (a float32 ``Attention``) in its mixed-precision form on half Q, K, V. The new op
+        takes over the old one's output tensors, so their readers are unchanged."""
+        inputs = list(op.inputs)
+        for k in range(3):
+            t = inputs[k]
+            if t.is_constant:
+                if (id(t), "half") not in weights:
+                    weights[(id(t), "half")] = const_tensor(np.asarray(t.value).astype(self.np_dtype),
+                                                            f"{t.name}.{self.dtype}")
+                inputs[k] = weights[(id(t), "half")]
+            else:
+                inputs[k] = self._half(op, k, t, nodes, dropped)
+        a = op.attrs
+        mixed = type(op)(inputs, name=op.name, **{**a, "acc_dtype": "float32", "probs_dtype": self.dtype,
+                                                   "scale": a.get("scale", a.get("scale_sqrt", 1.0) ** 2)})
+        if [(t.shape, t.dtype) for t in mixed.outputs] != [(t.shape, t.dtype) for t in op.outputs]:
+            raise ShardflowError(f"node {op.name}: the mixed-precision Attention changes the outputs "
+                                 f"{[t.shape for t in op.outputs]}; this is a bug")
+        for t in op.outputs:
+            t.producer = mixed
+        mixed.outputs = list(op.outputs)
+        nodes.append(mixed)
 
     def _activation(self, op: Operator, k: int, t: Tensor, nodes: list[Operator], dropped: set[int]) -> Tensor:
         """``Cast(Cast(t, half), float32)``; the rounding moves before the data-movement ops that
@@ -169,14 +202,23 @@ class HalfPrecisionContractions(GraphPass):
                       and self._rounded_only(c.outputs[0]))
             else:
                 slots = [i for i, x in enumerate(c.inputs) if x is t]
-                ok = (c.op_type == "MatMul" and min(len(x.shape) for x in c.inputs) >= 3
-                      and set(slots) <= set(_rounded(c)))
+                ok = ((c.op_type == "MatMul" and min(len(x.shape) for x in c.inputs) >= 3
+                       and set(slots) <= set(_rounded(c))) or (_half_attention(c) and max(slots) < 3))
         self._memo[id(t)] = ok
         return ok
 
 
 #: ops that only move values (rounding before or after them gives the same values)
 _MOVEMENT = frozenset({"Reshape", "Transpose", "Slice", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def _half_attention(op: Operator) -> bool:
+    """Whether ``op`` is a float32 ``Attention`` that the pass gives half Q, K and V: one output
+    (no ``qk_matmul_output``), no ``softmax_precision``, not already mixed."""
+    a = op.attrs
+    return (op.op_type == "Attention" and len(op.outputs) == 1 and op.outputs[0].dtype == "float32"
+            and all(t.dtype == "float32" for t in op.inputs[:3]) and not a.get("acc_dtype")
+            and not a.get("softmax_dtype") and a.get("qk_mode") is None)
 
 
 def _rounded(op: Operator) -> list[int]:

@@ -2,11 +2,14 @@
 (compiler/codegen/cuda_attention.py).
 
 * Without a GPU: the pass on the exported test models keeps every value (the reference evaluator
-  gives the same bits before and after), removes the transposes and the softmax, and the cuda
-  target compiles every attention into one ``attention-f16`` kernel (nvcc, sm_90).
+  gives the same bits before and after), removes the transposes and the softmax, turns a
+  constant causal mask into ``is_causal`` (same bits), and the cuda target compiles every
+  attention into one ``attention-f16`` kernel (nvcc, sm_90). ONNX ``Attention`` ops (opset 23)
+  get half Q, K, V under a half precision and match onnxruntime on one and two ranks.
 * ``pytest -m gpu``: the kernel against the op's numpy definition at odd sizes (queries and keys
   not multiples of 64, several key steps), head sizes 16-128, grouped heads, bfloat16, 3-D and
-  4-D operands, broadcast masks and rows whose every key is masked. Tolerance: ``1e-2`` of the
+  4-D operands, broadcast masks, bool masks shorter than the keys, causal masks (with a KV
+  cache's offset) and rows whose every key is masked. Tolerance: ``1e-2`` of the
   output's scale (the probabilities are rounded to the half type before the division by their
   sum, the definition rounds them after: rfcs/0005-hopper-gemm.md, decision 15).
 """
@@ -80,6 +83,149 @@ def test_the_pass_leaves_other_patterns_alone():
     y = MatMul([p.outputs[0], v])
     g = FuseAttention().run(FlowGraph([q, k, v], y.outputs + s.outputs))
     assert [op.op_type for op in g.nodes] == ["Transpose", "MatMul", "Softmax", "MatMul"]
+
+
+def _without_mask_input(model: str):
+    """The test model with ``attention_mask`` bound to ones, as an export without that input
+    (GPT-2 small in benchmarks/gpu/) has it: the mask folds into a constant."""
+    import onnx
+    from onnx import numpy_helper
+
+    from shardflow.compiler.passes.simplify import FoldConstants
+
+    m = onnx.load(MODELS / f"{model}.onnx")
+    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    m.graph.input.remove(next(i for i in m.graph.input if i.name == "attention_mask"))
+    m.graph.initializer.append(numpy_helper.from_array(np.ones_like(feeds.pop("attention_mask")), "attention_mask"))
+    return FoldConstants().run(load_onnx(m)), feeds
+
+
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_dynamo18"])
+def test_a_constant_causal_mask_becomes_is_causal_with_the_same_values(model):
+    g, feeds = _without_mask_input(model)
+    g = HalfPrecisionContractions("float16").run(g)
+    ref = g.run(feeds)
+    g = FuseAttention().run(g)
+    atts = [op for op in g.nodes if op.op_type == "Attention"]
+    assert len(atts) == 2 and all(op.attrs["is_causal"] and op.attrs["past_len"] == 0 and len(op.inputs) == 3
+                                  for op in atts)
+    got = g.run(feeds)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_which_constant_masks_count_as_causal():
+    from shardflow.compiler.passes.attention import _causal
+
+    low = np.finfo(np.float32).min
+    tri = np.where(np.tril(np.ones((6, 6), bool)), 0, low).astype(np.float32)
+    assert _causal(tri, 6, 6) == (0, False)
+    assert _causal(np.where(tri == 0, 0, -np.inf).astype(np.float32)[None, None], 6, 6) == (0, False)
+    # 3 queries after 5 cached keys: the diagonal moves by L - S; a top-left one (offset 0) too
+    last = np.where(np.arange(8)[None] <= np.arange(3)[:, None] + 5, 0, low).astype(np.float32)
+    assert _causal(last, 3, 8) == (5, False)
+    assert _causal(np.where(np.arange(8)[None] <= np.arange(3)[:, None], 0, low).astype(np.float32), 3, 8) == (0, False)
+    padded = tri.copy()
+    padded[:, 1] = np.where(np.arange(6) >= 1, low, padded[:, 1])  # key 1 is padding, row 0 keeps key 0
+    assert _causal(np.stack([tri, padded])[:, None], 6, 6) == (0, True)
+    biased = tri + np.tril(np.full((6, 6), 0.5, np.float32))  # other entries not 0: the mask stays
+    assert _causal(biased, 6, 6) == (0, True)
+    no_key = tri.copy()
+    no_key[2, :] = low  # a row with every key hidden: softmax spreads it over all keys, not causal ones
+    assert _causal(no_key, 6, 6) == (None, True)
+    assert _causal(np.where(tri == 0, 0, -1e4).astype(np.float32), 6, 6) == (None, True)  # not hidden exactly
+    assert _causal(np.zeros((6, 6), np.float32), 6, 6) == (None, True)
+    assert _causal(tri[:1], 6, 6) == (None, True)  # one row broadcast: no diagonal
+
+
+def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, b=2, s=40, e=64, hq=4, hk=2):
+    """An opset-23 ``Attention`` between projections: ``x [B, S, E]`` -> Q, K, V (``hk`` key/value
+    heads, 3-D with head counts or 4-D through reshapes and transposes) -> Attention -> ``out``;
+    with ``mask`` a float additive mask ``m [S, S]`` is an input."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(3)
+    d = e // hq
+    w = {n: (rng.standard_normal(sh) * 0.2).astype(np.float32) for n, sh in
+         (("wq", (e, e)), ("wk", (e, hk * d)), ("wv", (e, hk * d)), ("wo", (e, e)))}
+    nodes = [oh.make_node("MatMul", ["x", f"w{n}"], [f"{n}3"]) for n in "qkv"]
+    heads = {}
+    for n, h in (("q", hq), ("k", hk), ("v", hk)):
+        if four_d:
+            w[f"{n}_shape"] = np.array([b, s, h, d], np.int64)
+            nodes += [oh.make_node("Reshape", [f"{n}3", f"{n}_shape"], [f"{n}r"]),
+                      oh.make_node("Transpose", [f"{n}r"], [f"{n}4"], perm=[0, 2, 1, 3])]
+        heads[n] = f"{n}4" if four_d else f"{n}3"
+    att = {"is_causal": int(causal)} if four_d else {"is_causal": int(causal), "q_num_heads": hq, "kv_num_heads": hk}
+    nodes.append(oh.make_node("Attention", [heads["q"], heads["k"], heads["v"]] + (["m"] if mask else []),
+                              ["y"], **att))
+    if four_d:
+        w["y_shape"] = np.array([b, s, e], np.int64)
+        nodes += [oh.make_node("Transpose", ["y"], ["yt"], perm=[0, 2, 1, 3]),
+                  oh.make_node("Reshape", ["yt", "y_shape"], ["y3"])]
+    nodes.append(oh.make_node("MatMul", ["y3" if four_d else "y", "wo"], ["out"]))
+    inputs = [oh.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, e])]
+    feeds = {"x": rng.standard_normal((b, s, e)).astype(np.float32)}
+    if mask:
+        inputs.append(oh.make_tensor_value_info("m", TensorProto.FLOAT, [s, s]))
+        feeds["m"] = np.where(rng.random((s, s)) > 0.2, rng.standard_normal((s, s)), -np.inf).astype(np.float32)
+        feeds["m"][:, 0] = 0.0  # every query keeps key 0
+    graph = oh.make_graph(nodes, "attention", inputs, [oh.make_tensor_value_info("out", TensorProto.FLOAT, [b, s, e])],
+                          [numpy_helper.from_array(v, n) for n, v in w.items()])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)])
+    onnx.checker.check_model(model)
+    return model, feeds
+
+
+def _ort(model, feeds):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+ONNX_ATTENTION = {"causal-3d": (True, False, False), "mask-4d": (False, True, True),
+                  "causal-mask-4d": (True, True, True)}
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(ONNX_ATTENTION))
+def test_onnx_attention_reads_half_operands_and_matches_onnxruntime(case, half):
+    """An ONNX ``Attention`` under half precision becomes the mixed-precision op (half Q, K, V
+    that the projections write, float32 softmax): one rank and two ranks (simulated, the plan
+    on the float32 graph as the driver makes it) within rfcs/0004's tolerance of onnxruntime."""
+    from shardflow.compiler.parallel import partition, search
+    from shardflow.compiler.parallel.config import DistributedConfig
+    from shardflow.compiler.parallel.simulate import simulate
+
+    model, feeds = _onnx_attention_model(*ONNX_ATTENTION[case])
+    ref = _ort(model, feeds)
+    tol = 5e-3 if half == "float16" else 2e-2
+    g = HalfPrecisionContractions(half).run(load_onnx(model))
+    g.validate()
+    (att,) = [op for op in g.nodes if op.op_type == "Attention"]
+    assert [t.dtype for t in att.inputs[:3]] == [half] * 3 and att.attrs["probs_dtype"] == half
+    got = g.run(feeds)
+    plan = search(load_onnx(model), DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
+    ranks = [HalfPrecisionContractions(half).run(rg) for rg in partition(load_onnx(model), plan)]
+    for result in (got, simulate(ranks, feeds)):
+        v = ref["out"]
+        np.testing.assert_allclose(result["out"], v, rtol=tol, atol=tol * float(np.abs(v).max()))
+
+
+@pytest.mark.parametrize("case", list(ONNX_ATTENTION))
+def test_onnx_attention_takes_the_fused_kernel(case):
+    """On cuda the projections write the half Q, K, V and the attention is one fused kernel."""
+    from shardflow.compiler.codegen.fusion import fuse
+
+    model, _ = _onnx_attention_model(*ONNX_ATTENTION[case])
+    g = HalfPrecisionContractions("float16").run(load_onnx(model))
+    src = generate_cuda_source(fuse(list(g.nodes), keep=g.output_names), arch="sm_90")
+    kinds = [launch.kind for launch in src.launches.values()]
+    assert kinds.count("attention-f16") == 1, kinds
+    assert ("sf_j <= sf_i" in src.text) == ONNX_ATTENTION[case][0]
 
 
 def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool):
@@ -165,7 +311,7 @@ def _rounded(x: np.ndarray, half: str) -> np.ndarray:
     return ((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16) << 16).view(np.float32)
 
 
-def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=()):
+def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=(), causal=None, bool_mask=False):
     def t(*shape):
         return _rounded(rng.standard_normal(shape).astype(np.float32), half)
     if three_d:
@@ -175,11 +321,14 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
     attrs = {"q_heads": hq, "kv_heads": hk, "scale": 1.0 / np.sqrt(d), "scale_sqrt": d ** -0.25,
              "acc_dtype": "float32", "probs_dtype": half}
     if mask_shape is not None:
-        m = np.where(rng.random(mask_shape) > 0.2, rng.standard_normal(mask_shape), -np.inf).astype(np.float32)
+        keep = rng.random(mask_shape) > 0.2
+        m = keep if bool_mask else np.where(keep, rng.standard_normal(mask_shape), -np.inf).astype(np.float32)
         for r in masked_rows:
-            m[..., r, :] = -np.inf
+            m[..., r, :] = False if bool_mask else -np.inf
         arrays.append(m)
         attrs["has_mask"] = True
+    if causal is not None:
+        attrs.update(is_causal=True, past_len=causal)
     return arrays, attrs
 
 
@@ -190,6 +339,12 @@ CASES = {
     "grouped-heads": ("float16", 2, 4, 2, 40, 200, 16, 48, True, (2, 1, 1, 200), ()),
     "masked-rows": ("float16", 1, 1, 1, 70, 70, 64, 64, False, (1, 1, 70, 70), (3, 69)),
     "bfloat16": ("bfloat16", 2, 2, 2, 100, 100, 64, 64, True, (2, 2, 100, 100), ()),
+    # is_causal: key blocks past the diagonal skipped; a KV cache (past_len) moves the diagonal
+    "causal": ("float16", 2, 3, 3, 150, 150, 64, 64, True, None, (), 0),
+    "causal-kv-cache": ("float16", 1, 4, 2, 40, 230, 32, 32, False, (1, 1, 40, 230), (), 190),
+    "causal-bfloat16": ("bfloat16", 1, 2, 2, 129, 129, 128, 128, False, (129, 129), (5,), 0),
+    # a bool mask (ONNX Attention's other kind) shorter than the keys: the keys past it are masked
+    "bool-mask-short": ("float16", 2, 2, 1, 50, 100, 32, 32, False, (2, 1, 50, 70), (7,), None, True),
 }
 
 
@@ -198,7 +353,7 @@ def _ops():
     res = {}
     for name, (half, *geo) in CASES.items():
         arrays, attrs = _case(rng, half, *geo)
-        ins = [Tensor(f"{name}.{k}", a.shape, half if k < 3 else "float32") for k, a in enumerate(arrays)]
+        ins = [Tensor(f"{name}.{k}", a.shape, half if k < 3 else str(a.dtype)) for k, a in enumerate(arrays)]
         res[name] = (Attention(ins, name=name, **attrs), arrays, half)
     return res
 
@@ -263,3 +418,5 @@ def test_the_kernel_matches_the_definition(library, name):
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * scale)
     if name == "masked-rows":
         assert not got[0, 0, [3, 69]].any()  # every key masked: 0, as the definition says
+    if name == "bool-mask-short":
+        assert not got[:, :, 7].any()

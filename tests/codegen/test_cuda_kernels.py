@@ -150,6 +150,28 @@ def test_identical_ops_share_one_kernel():
     assert src.launches["layer1"].args == tuple(t.name for t in ops[1].inputs + ops[1].outputs)
 
 
+def test_scalar_weights_are_written_as_literals():
+    """A one-element constant input (GPT-2's GELU: ``Pow(x, w)`` with ``w = 3`` a weight, and its
+    scale factors) is not read by the kernel: its value is a literal, and the cube is a product
+    (not ``pow``'s general path behind a test per element). A scalar read from an activation
+    keeps its read."""
+    from shardflow.compiler.codegen.fusion import fuse
+    from shardflow.compiler.ir.graph import FlowGraph
+
+    x, y = Tensor("x", (64, 96), "float32"), Tensor("y", (1,), "float32")
+    cube = Binary([x, const_tensor(np.array([3.0], np.float32))], name="cube", fn="pow")
+    scaled = Binary([cube.outputs[0], const_tensor(np.float32(0.044715))], name="scaled", fn="mul")
+    out = Binary([scaled.outputs[0], y], name="out", fn="add")
+    g = FlowGraph([x, y], out.outputs)
+    (group,) = fuse(list(g.nodes), keep=g.output_names)
+    src = generate_cuda_source([group]).text
+    body = src[src.index('extern "C" __global__'):]
+    assert "sf_fpow(" not in body and "pow(" not in body
+    assert "0.044714998453855515f" in body
+    assert body.count("in2[") == 0 and body.count("in1[") == 0  # the two weights: inputs 1 and 2
+    assert "in3[" in body  # the activation y
+
+
 def test_source_is_deterministic():
     ops = [c[1] for c in CASES[:40]] + [c[1] for c in CASES if c[0].startswith("extra.")]
     assert generate_cuda_source(ops).text == generate_cuda_source(ops).text
