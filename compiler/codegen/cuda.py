@@ -1607,24 +1607,26 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         return None
     em = _Emitter(an, reads, names)
     root = _Block(None, {vb: ("sf_b", "int32"), vh: ("sf_h", "int32"), vhk: ("sf_hk", "int32")})
-    bias_code = None
-    if mask is not None:  # the additive mask at (b, h, i, j), broadcast as the op's definition reads it
+    # the additive masks at (b, h, i, j), broadcast as the op's definition reads them, in its order
+    biases = []
+    adds = att.inputs[len(att.inputs) - att.attrs.get("extra_biases", 0):]
+    for m in ([mask] if mask is not None else []) + adds:
         full = (b_, hq, s_len, l_len)
-        off = 4 - mask.ndim
+        off = 4 - m.ndim
         pos = (vb, vh, vi, vj)[off:]
-        idx = [Const(0) if ext == 1 and full[off + n] != 1 else pos[n] for n, ext in enumerate(mask.shape)]
-        bias = _bake(_inline_computes(TensorElement(env[id(mask)], idx), an), _scalar_constants(op))
+        idx = [Const(0) if ext == 1 and full[off + n] != 1 else pos[n] for n, ext in enumerate(m.shape)]
+        bias = _bake(_inline_computes(TensorElement(env[id(m)], idx), an), _scalar_constants(op))
         bblk = _Block(root, {vi: ("sf_i", "int32"), vj: ("sf_j", "int32")})
         neg_inf = "__int_as_float(0xff800000)"
-        if mask.dtype == "bool":  # a key the mask does not allow: -inf
+        if m.dtype == "bool":  # a key the mask does not allow: -inf
             x = f"({em.value_as(bias, 'bool', bblk)} ? 0.0f : {neg_inf})"
         else:
             x = em.value_as(bias, "float32", bblk)
         lines = bblk.lines + [f"sf_bias = {x};"]
-        if mask.shape[-1] < l_len:  # keys past the mask's last one: -inf (and nothing read there)
-            lines = [f"if (sf_j < {mask.shape[-1]}) {{"] + _indent(lines, 2) + ["} else {", f"  sf_bias = {neg_inf};",
-                                                                                 "}"]
-        bias_code = "\n".join(lines)
+        if m.shape[-1] < l_len:  # keys past the mask's last one: -inf (and nothing read there)
+            lines = [f"if (sf_j < {m.shape[-1]}) {{"] + _indent(lines, 2) + ["} else {", f"  sf_bias = {neg_inf};",
+                                                                              "}"]
+        biases.append("\n".join(lines))
     # the epilogue: the group's output element, reading the attention's value at its own index
     last = env[id(members[-1].outputs[0])]
     gc = op.task.outputs[0]
@@ -1645,8 +1647,9 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         [f"out0[{offset}] = {_store(x, gc.dtype)};"]
     return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
-                            root="\n".join(root.lines), bias=bias_code, epilogue="\n".join(epi),
-                            causal=int(att.attrs.get("past_len", 0)) if att.attrs.get("is_causal") else None)
+                            root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),
+                            causal=int(att.attrs.get("past_len", 0)) if att.attrs.get("is_causal") else None,
+                            empty_rows_zero=bool(att.attrs.get("has_mask") or att.attrs.get("is_causal")))
 
 
 # --- one op --------------------------------------------------------------------------------------

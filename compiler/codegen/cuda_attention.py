@@ -26,6 +26,7 @@ budget of the precision (rfcs/0004-precision-and-fusion.md).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cuda_templates import _indent
@@ -79,16 +80,19 @@ def _base(o: AttnOperand, head: str) -> str:
 
 def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: int, L: int, D: int,
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
-                     root: str, bias: str | None, epilogue: str, causal: int | None = None) -> tuple[str, dict]:
+                     root: str, biases: Sequence[str], epilogue: str, causal: int | None = None,
+                     empty_rows_zero: bool = True) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
-    ``bias``: C lines that set ``float sf_bias`` from ``sf_b, sf_h, sf_i, sf_j`` (or None);
+    ``biases``: for each additive bias, in the order they are added to a score, C lines that set
+    ``float sf_bias`` from ``sf_b, sf_h, sf_i, sf_j``;
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
     ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` known).
     ``causal``: None, or the offset ``c`` of a causal mask: query ``i`` sees keys ``j <= i + c``
     only. The key blocks wholly past that diagonal are not visited (about half the work for a
     long sequence), and the blocks of queries are taken last first, so that the ones with the
-    most keys start first.
+    most keys start first. ``empty_rows_zero``: a row whose every key is masked gives 0 (the
+    ONNX op's rule), else NaN (``0 / 0``, what a softmax over ``-inf`` everywhere gives).
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
@@ -114,13 +118,12 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
         nkb_code = (f"  const int sf_last = sf_q0 + {BLOCK_Q - 1 + causal};  // the last key the block's rows see\n"
                     f"  const int sf_nkb = sf_last < 0 ? 0 : min({nkb}, sf_last / {BLOCK_K} + 1);\n")
         nkb_bound = "sf_nkb"
-    bias_code = ""
-    if bias:
-        bias_code = f"""            {{
+    bias_code = "\n".join(f"""            {{
               float sf_bias;
 {_indent(bias, 14)}
               x += sf_bias;
-            }}"""
+            }}""" for bias in biases)
+    normalised = "sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f" if empty_rows_zero else "sf_o[n][r] / sf_sum"
     epi = _indent(epilogue, 10)
     root_code = _indent(root, 2)
     src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
@@ -264,7 +267,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
       const int sf_e = n * 8 + sf_t * 2 + (r & 1);
       if (sf_i < {S}) {{
         const float sf_sum = sf_l[r >> 1];
-        const float sf_acc = sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f;
+        const float sf_acc = {normalised};
         {{
 {epi}
         }}

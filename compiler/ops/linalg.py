@@ -342,7 +342,10 @@ class Attention(Operator):
     value is computed in ``acc_dtype`` and the score is ``sum_d q[d] * k[j, d] * scale`` (``scale``,
     applied after the sum as a product followed by ``Mul`` computes it). With ``probs_dtype`` the
     probabilities are rounded to that type before they weigh ``v`` (what a tensor-core product
-    of half-precision probabilities computes). The output is ``acc_dtype``.
+    of half-precision probabilities computes). The output is ``acc_dtype``. ``extra_biases`` (n,
+    also set by the pass only) says that n more float inputs follow, additive biases broadcast
+    like the mask and added after it one by one (T5 adds its position bias, then the mask:
+    ``(s + b1) + b2`` is not ``s + (b1 + b2)`` in floating point).
     """
 
     def _geometry(self, q, k, v):
@@ -375,14 +378,18 @@ class Attention(Operator):
         extra = list(extra)
         mask = extra.pop(0) if a.get("has_mask") else None
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
+        adds = extra[:a.get("extra_biases", 0)]
 
         def read(t, bi, h, j, e, head):
             x = self._read(t, bi, h, j, e, head)
             return Cast(x, acc) if acc and t.dtype != acc else x
         bias_shape = (b_, hq, s_len, l_len)
-        if mask is not None and (mask.ndim > 4 or mask.shape[-1] > l_len or broadcast_shape(
-                [mask.shape[:-1], bias_shape[:-1]], self.name) != bias_shape[:-1]):
-            raise ShapeError(f"{self.name}: attn_mask of shape {mask.shape} does not broadcast to {bias_shape}")
+        for m in ([mask] if mask is not None else []) + adds:
+            if m.ndim > 4 or m.shape[-1] > l_len or broadcast_shape([m.shape[:-1], bias_shape[:-1]],
+                                                                   self.name) != bias_shape[:-1]:
+                raise ShapeError(f"{self.name}: attn_mask of shape {m.shape} does not broadcast to {bias_shape}")
+        if any(m.shape[-1] != l_len or m.dtype != dt for m in adds):
+            raise ShapeError(f"{self.name}: the extra biases {[m.shape for m in adds]} must be {dt} with {l_len} keys")
         if nonpad is not None and nonpad.shape != (b_,):
             raise ShapeError(f"{self.name}: nonpad_kv_seqlen has shape {nonpad.shape}, expected ({b_},)")
         c = Const(a.get("scale_sqrt", 1.0), dt)
@@ -408,21 +415,24 @@ class Attention(Operator):
                 return Cast(nonpad[bi], "int64") - s_len
             return as_expr(a.get("past_len", 0))
 
+        def at(m, bi, h, i, j):
+            """Element ``(b, h, i, j)`` of ``m`` broadcast to the scores."""
+            off = 4 - m.ndim
+            pos = (bi, h, i, j)[off:]
+            return m[tuple(as_expr(0) if e == 1 and bias_shape[off + n] != 1 else pos[n]
+                           for n, e in enumerate(m.shape))]
+
         def bias(bi, h, i, j):
             """The additive mask at ``(b, h, i, j)``, or None without masking."""
             allowed = []
             val = None
             if mask is not None:
-                off = 4 - mask.ndim
-                pos = (bi, h, i, j)[off:]
-                idx = tuple(as_expr(0) if e == 1 and bias_shape[off + n] != 1 else pos[n]
-                            for n, e in enumerate(mask.shape))
                 if mask.shape[-1] < l_len:
                     allowed.append(j < mask.shape[-1])
                 if mask.dtype == "bool":
-                    allowed.append(mask[idx])
+                    allowed.append(at(mask, bi, h, i, j))
                 else:
-                    val = mask[idx]
+                    val = at(mask, bi, h, i, j)
             if a.get("is_causal"):
                 allowed.append(j <= i + offset(bi))
             if left >= 0:
@@ -444,7 +454,10 @@ class Attention(Operator):
         def logits(bi, h, i, j):
             sc = score(bi, h, i, j)
             bs = bias(bi, h, i, j)
-            return sc if bs is None else sc + bs
+            x = sc if bs is None else sc + bs
+            for m in adds:
+                x = x + at(m, bi, h, i, j)
+            return x
 
         def probs(bi, h, i):
             """``p(j)``: the guarded softmax over j (in ``softmax_dtype``)."""
@@ -494,6 +507,7 @@ class Attention(Operator):
         extra = list(extra)
         mask = extra.pop(0) if a.get("has_mask") else None
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
+        adds = extra[:a.get("extra_biases", 0)]
 
         def to4(t, h):
             return t if t.ndim == 4 else t.reshape(t.shape[0], t.shape[1], h, -1).transpose(0, 2, 1, 3)
@@ -537,6 +551,8 @@ class Attention(Operator):
                 allowed = allowed & (j_idx < nonpad.reshape(-1, 1, 1, 1))
             bias = np.where(allowed, val, dt.type(-np.inf)).astype(dt)
             logits = score + bias
+            for m in adds:
+                logits = logits + m
             sdt = np.dtype(a.get("softmax_dtype") or dt)
             lg = logits.astype(sdt)
             mx = lg.max(axis=-1, keepdims=True)
@@ -603,10 +619,16 @@ def examples(rng: np.random.Generator):
                                                           "qk_mode": 0}),
         (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
          {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
-        # the mixed-precision form FuseAttention makes: half Q/K/V (3-D here), float32 mask/output
+        # the mixed-precision form: half Q/K/V (3-D here), float32 mask/output
         (Attention, [f(2, 3, 32).astype(np.float16), f(2, 5, 32).astype(np.float16), f(2, 5, 32).astype(np.float16),
                      np.where(rng.random((2, 1, 3, 5)) > 0.3, 0, -3.4e38).astype(np.float32)],
          {"scale_sqrt": 0.5, "scale": 0.25, "q_heads": 2, "kv_heads": 2, "has_mask": True, "acc_dtype": "float32",
           "probs_dtype": "float16"}),
+        # T5's as FuseAttention makes it: unscaled, a position bias [1, H, S, L] then a mask
+        # [B, 1, 1, L] added after it, both as extra biases (no mask rule)
+        (Attention, [f(2, 2, 3, 16).astype(np.float16), f(2, 2, 5, 16).astype(np.float16),
+                     f(2, 2, 5, 16).astype(np.float16), f(1, 2, 3, 5),
+                     np.where(rng.random((2, 1, 1, 5)) > 0.3, 0, -3.4e38).astype(np.float32)],
+         {"scale": 1.0, "extra_biases": 2, "acc_dtype": "float32", "probs_dtype": "float16"}),
     ]
     return res

@@ -9,13 +9,14 @@ the search and the partitioner see the separate ops), whose products
 
     s = MatMul(Cast(Qh, f32), Cast(KTh, f32))        Qh [B, H, S, D], KTh [B, H, D, L] half
     s = Mul(s, c) | Div(s, c)                         c a constant scalar (optional)
-    s = Add(s, bias) | Add(bias, s)                   bias broadcast to [B, H, S, L] (optional)
+    s = Add(s, bias) | Add(bias, s)                   bias broadcast to [B, H, S, L] (none, one or
+                                                      more, added in turn: T5's position bias and mask)
     p = Softmax(s, axis=-1)
     y = MatMul(Cast(Cast(p, half), f32), Cast(Vh, f32))
 
 (every intermediate read only by the next op, the result not a graph output) and replaces it with
-``Attention(Q, K, V[, bias], acc_dtype="float32", probs_dtype=half, scale=c)``, which computes
-exactly these values (float32 scores of the half operands, float32 softmax, probabilities
+``Attention(Q, K, V, *biases, extra_biases=len(biases), acc_dtype="float32", probs_dtype=half,
+scale=c)``, which computes exactly these values (float32 scores of the half operands, float32 softmax, probabilities
 rounded to the half type). Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a
 ``[B, S, H*D]`` tensor and the result goes back through ``Transpose`` (and element-wise casts)
 to ``Reshape(.., [B, S, H*Dv])``, the op reads and writes the ``[B, S, H*D]`` forms directly
@@ -41,6 +42,8 @@ __all__ = ["FuseAttention"]
 log = logging.getLogger(__name__)
 
 _HALF = ("float16", "bfloat16")
+#: additive biases matched between the scores and the softmax (T5: a position bias, then the mask)
+_MAX_BIASES = 3
 
 
 def _is(op: Operator | None, op_type: str, **attrs) -> bool:
@@ -121,6 +124,14 @@ class FuseAttention(GraphPass):
     def _prod(self, t: Tensor) -> Operator | None:
         return self._producer.get(id(t))
 
+    def _scores_side(self, t: Tensor, depth: int = _MAX_BIASES) -> bool:
+        """Whether ``t`` may be the scores side of an addition: a product, a scaling, or an
+        addition one of whose sides is (the other side is then a bias)."""
+        p = self._prod(t)
+        if _is(p, "MatMul") or _is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div"):
+            return True
+        return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
+
     def _half_of(self, t: Tensor) -> Tensor | None:
         """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16."""
         p = self._prod(t)
@@ -166,22 +177,22 @@ class FuseAttention(GraphPass):
                 or self._only(sm.outputs[0]) is not down:
             return None
         s = sm.inputs[0]
-        bias = None
+        biases: list[Tensor] = []  # the additive biases, from the last added to the first
         scale = 1.0
         p = self._prod(s)
-        if _is(p, "Binary", fn="add") and self._only(s) is sm:
+        nxt = sm
+        while _is(p, "Binary", fn="add") and self._only(s) is nxt and len(biases) < _MAX_BIASES:
             a, b = p.inputs
-            pa, pb = self._prod(a), self._prod(b)
-            if _is(pa, "MatMul") or _is(pa, "Binary", fn="mul") or _is(pa, "Binary", fn="div"):
-                s, bias = a, b
-            elif _is(pb, "MatMul") or _is(pb, "Binary", fn="mul") or _is(pb, "Binary", fn="div"):
-                s, bias = b, a
+            if self._scores_side(a):
+                s = a
+                biases.append(b)
+            elif self._scores_side(b):
+                s = b
+                biases.append(a)
             else:
                 return None
             nxt = p
             p = self._prod(s)
-        else:
-            nxt = sm
         if (_is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div")) and self._only(s) is nxt:
             a, b = p.inputs
             c = self._scalar(b)
@@ -204,7 +215,8 @@ class FuseAttention(GraphPass):
         (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
         if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
             return None  # (batch broadcasting is left to the two products)
-        if bias is not None:
+        biases.reverse()  # in the order they are added
+        for bias in biases:
             bs = tuple(bias.shape)
             want = (b_, h_, s_len, l_len)
             if (len(bs) > 4 or not bs or bs[-1] != l_len or bias.dtype != "float32"
@@ -224,15 +236,17 @@ class FuseAttention(GraphPass):
                 return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
             k3 = tk.inputs[0]
         causal = {}
-        if bias is not None and bias.is_constant:
-            off, keep = _causal(np.asarray(bias.value), s_len, l_len)
+        if len(biases) == 1 and biases[0].is_constant:
+            off, keep = _causal(np.asarray(biases[0].value), s_len, l_len)
             if off is not None:
                 causal = {"is_causal": True, "past_len": off}
-                bias = bias if keep else None
-        ins = [q3 if three_d else qh, k3, v3 if v3 is not None else vh] + ([bias] if bias is not None else [])
+                biases = biases if keep else []
+        ins = [q3 if three_d else qh, k3, v3 if v3 is not None else vh] + biases
+        # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
+        # every key is -inf, the Softmax of the matched ops gives NaN)
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
-                        scale_sqrt=math.sqrt(abs(scale)), has_mask=bias is not None, acc_dtype="float32",
-                        probs_dtype=vh.dtype, **causal)
+                        scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32", probs_dtype=vh.dtype,
+                        extra_biases=len(biases), **causal)
         new_ops: list[Operator] = [att]
         y = att.outputs[0]
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result

@@ -36,7 +36,8 @@ MODELS = Path(__file__).parent.parent / "models"
 
 
 @pytest.mark.parametrize("model,three_d", [("gpt2_ts17", True), ("gpt2_dynamo18", False), ("bert_ts17", True),
-                                           ("llama_ts17", False), ("vit_ts17", True)])
+                                           ("llama_ts17", False), ("vit_ts17", True), ("t5_encoder_ts17", True),
+                                           ("t5_encoder_dynamo18", True)])
 def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
     feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
     ref = HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx")).run(feeds)
@@ -46,6 +47,9 @@ def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
     assert len(atts) == 2  # one per layer
     assert not [op for op in g.nodes if op.op_type == "Softmax"]
     assert all((op.inputs[0].ndim == 3) == three_d for op in atts)
+    # the additive biases in the order they are added (T5: its position bias, then the mask)
+    biases = 2 if model.startswith("t5") else 0 if model.startswith("vit") else 1
+    assert all(op.attrs.get("extra_biases", 0) == biases and not op.attrs.get("has_mask") for op in atts)
     got = g.run(feeds)
     for k, v in ref.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
@@ -284,9 +288,10 @@ def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-def test_gpt2_compiles_each_attention_into_one_kernel(tmp_path):
+@pytest.mark.parametrize("model", ["gpt2_ts17", "t5_encoder_ts17"])
+def test_each_attention_compiles_into_one_kernel(tmp_path, model):
     out = tmp_path / "o"
-    compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]},
+    compile(MODELS / f"{model}.onnx", distributed_config={"mesh_shape": [1]},
             optimization_config={"precision": "float16", "target": "cuda"}, out_dir=out)
     program = json.loads((out / "rank0" / "program.json").read_text())
     kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
@@ -311,7 +316,8 @@ def _rounded(x: np.ndarray, half: str) -> np.ndarray:
     return ((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16) << 16).view(np.float32)
 
 
-def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=(), causal=None, bool_mask=False):
+def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=(), causal=None, bool_mask=False,
+          extra_shape=None):
     def t(*shape):
         return _rounded(rng.standard_normal(shape).astype(np.float32), half)
     if three_d:
@@ -329,6 +335,13 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
         attrs["has_mask"] = True
     if causal is not None:
         attrs.update(is_causal=True, past_len=causal)
+    if extra_shape is not None:  # an additive bias added after the mask (if any)
+        extra = np.where(rng.random(extra_shape) > 0.1, rng.standard_normal(extra_shape),
+                         np.finfo(np.float32).min).astype(np.float32)
+        if mask_shape is None:
+            extra[..., 9, :] = -np.inf  # no mask's rule: softmax over nothing, NaN
+        arrays.append(extra)
+        attrs["extra_biases"] = 1
     return arrays, attrs
 
 
@@ -345,6 +358,10 @@ CASES = {
     "causal-bfloat16": ("bfloat16", 1, 2, 2, 129, 129, 128, 128, False, (129, 129), (5,), 0),
     # a bool mask (ONNX Attention's other kind) shorter than the keys: the keys past it are masked
     "bool-mask-short": ("float16", 2, 2, 1, 50, 100, 32, 32, False, (2, 1, 50, 70), (7,), None, True),
+    # T5: a position bias [1, H, S, L], then a padding mask [B, 1, 1, L] added to it
+    "two-biases": ("float16", 2, 4, 4, 72, 72, 64, 64, True, (1, 4, 72, 72), (), None, False, (2, 1, 1, 72)),
+    # FuseAttention's form: biases without the mask's rule, so a row hidden everywhere is NaN
+    "biases-only": ("float16", 1, 2, 2, 66, 66, 32, 32, False, None, (), None, False, (1, 2, 66, 66)),
 }
 
 
@@ -420,3 +437,5 @@ def test_the_kernel_matches_the_definition(library, name):
         assert not got[0, 0, [3, 69]].any()  # every key masked: 0, as the definition says
     if name == "bool-mask-short":
         assert not got[:, :, 7].any()
+    if name == "biases-only":
+        assert np.isnan(want[:, :, 9]).all() and np.isnan(got[:, :, 9]).all()
