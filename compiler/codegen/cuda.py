@@ -1560,7 +1560,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     """``op`` (an ``Attention`` with its fused prologue and element-wise epilogue) as the fused
     attention kernel (:mod:`.cuda_attention`), or None where that kernel does not apply."""
     from ..ir.task import TensorInput
-    from .cuda_attention import MAX_HEAD, AttnOperand, attention_kernel
+    from .cuda_attention import AttnOperand, attention_kernel, takes_heads
     from .fusion import chain
 
     q_t, k_t, v_t = att.inputs[:3]
@@ -1568,7 +1568,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     if not (q_t.dtype == k_t.dtype == v_t.dtype == half):
         return None
     b_, hq, hk, s_len, l_len, d_len, dv = att._geometry(q_t, k_t, v_t)
-    if d_len % 16 or dv % 16 or d_len > MAX_HEAD or dv > MAX_HEAD:
+    if not takes_heads(d_len, dv):
         return None
     mask = att.inputs[3] if att.attrs.get("has_mask") else None
     if mask is not None and (mask.dtype not in ("float32", "bool") or mask.shape[-1] > l_len):

@@ -31,12 +31,18 @@ from dataclasses import dataclass
 
 from .cuda_templates import _indent
 
-__all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "BLOCK_Q", "BLOCK_K", "MAX_HEAD"]
+__all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "BLOCK_Q", "BLOCK_K", "MAX_HEAD", "takes_heads"]
 
 #: queries per block (4 warps x 16 rows) and keys per step
 BLOCK_Q, BLOCK_K = 64, 64
 #: largest head size (Q/K and V) the kernel takes
 MAX_HEAD = 128
+
+
+def takes_heads(d: int, dv: int) -> bool:
+    """Whether the kernel takes head sizes ``d`` (Q, K) and ``dv`` (V): multiples of 16 up to
+    ``MAX_HEAD``."""
+    return d % 16 == 0 and dv % 16 == 0 and 0 < d <= MAX_HEAD and 0 < dv <= MAX_HEAD
 
 ATTENTION_HELPERS = r"""
 __device__ __forceinline__ void sf_att_cp16(unsigned dst, const void* src, bool full) {

@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from ..codegen.cuda_attention import takes_heads
 from ..ir.graph import FlowGraph, Operator, Tensor
 from .base import GraphPass
 from .simplify import EliminateDeadCode
@@ -215,6 +216,8 @@ class FuseAttention(GraphPass):
         (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
         if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
             return None  # (batch broadcasting is left to the two products)
+        if not takes_heads(d, dv):
+            return None  # the generic lowering of the op would be slower than the separate ops
         biases.reverse()  # in the order they are added
         for bias in biases:
             bs = tuple(bias.shape)

@@ -232,7 +232,7 @@ def test_onnx_attention_takes_the_fused_kernel(case):
     assert ("sf_j <= sf_i" in src.text) == ONNX_ATTENTION[case][0]
 
 
-def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool):
+def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool, d: int = 32):
     """softmax(Q K^T / 4 + bias) V on half inputs, written out as the precision pass leaves it."""
     from shardflow.compiler.ir import const_tensor
     from shardflow.compiler.ir.graph import FlowGraph
@@ -241,8 +241,8 @@ def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool):
     from shardflow.compiler.ops.reduce import Softmax
     from shardflow.compiler.ops.transform import Transpose
 
-    q, v = Tensor("q", (2, 3, 40, 32), "float16"), Tensor("v", (2, 3, 70, 16), "float16")
-    k = Tensor("k", (2, 3, 70, 32) if k_transposed else (2, 3, 32, 70), "float16")
+    q, v = Tensor("q", (2, 3, 40, d), "float16"), Tensor("v", (2, 3, 70, 16), "float16")
+    k = Tensor("k", (2, 3, 70, d) if k_transposed else (2, 3, d, 70), "float16")
     bias = Tensor("bias", (2, 1, 40, 70), "float32")
     ops = []
 
@@ -265,8 +265,12 @@ def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool):
 def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
     """Div or Mul by the scale, the mask on either side of the Add, Kᵀ a transpose of K (the op
     reads K): fused, same values, and the cuda code takes the fused kernel. Kᵀ stored as such
-    (its head dim not contiguous for the kernel) is left alone."""
+    (its head dim not contiguous for the kernel) and head sizes the kernel does not take are
+    left alone."""
     g = _hand_written_attention("div", False, False)
+    assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
+    # a head size the fused kernel does not take (not a multiple of 16): the separate ops stay
+    g = _hand_written_attention("div", False, True, d=24)
     assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
     rng = np.random.default_rng(7)
     k_transposed = True
