@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = {f"{model}_{proj.replace('|', '_')}": (n, k) for model, proj, n, k in PROJECTIONS}
 
     def tiles_of(name: str, M: int, N: int) -> int:
-        wg, bn = W.WGMMA_CONFIGS[name][:2]
-        return -(-M // (64 * wg)) * -(-N // bn)
+        return -(-M // W.tile_rows(name)) * -(-N // W.WGMMA_CONFIGS[name][1])
 
     def splits(name: str, M: int, N: int, K: int) -> int:
         return W.split_count(tiles_of(name, M, N), K) if W.WGMMA_CONFIGS[name][3] == "tma" else 1

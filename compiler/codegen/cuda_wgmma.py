@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "DirectOperand", "choose_wgmma_config", "wgmma_gemm_kernel", "wgmma_helpers"]
+__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "DirectOperand", "choose_wgmma_config", "tile_rows", "wgmma_gemm_kernel",
+           "wgmma_helpers"]
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
 WGMMA_ARCHS = ("sm_90", "sm_90a")
@@ -53,7 +54,10 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")
 #: tensor cores; ``tma``: persistent blocks (one per multiprocessor, looping over the tiles) whose
 #: producer thread loads each stage with bulk tensor copies (TMA) that complete on the stage's
 #: mbarrier, so the next tile's loads run during the current tile's epilogue (dense operands of an
-#: unbatched product only; the launch carries tensor-map descriptions, see shardflow.runtime.tma).
+#: unbatched product only; the launch carries tensor-map descriptions, see shardflow.runtime.tma);
+#: ``pp``: the ``tma`` kernel in ping-pong: each of the WG consumer warpgroups takes whole 64-row
+#: tiles, the block's tiles alternating between them, so that one's epilogue runs while the other's
+#: products run (BM = 64; see :func:`_tma_kernel`).
 #: (A ``cp.async`` producer warpgroup with mbarrier hand-off measured slower than both on every
 #: benchmark shape: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt, ``ws*``; removed.)
 WGMMA_CONFIGS = {
@@ -65,6 +69,11 @@ WGMMA_CONFIGS = {
     "tma128x192": (2, 192, 5, "tma"),
     "tma128x128": (2, 128, 6, "tma"),
     "tma64x128": (1, 128, 8, "tma"),
+    # ping-pong (not measured yet: out of the default choice and of the tuner's candidates until a
+    # GPU run has timed them; ``gemm_configs`` / ``benchmarks/gpu/gemm.py --config`` select them)
+    "pp64x256": (2, 256, 5, "pp"),
+    "pp64x192": (2, 192, 6, "pp"),
+    "pp64x128": (2, 128, 8, "pp"),
 }
 #: multiprocessors a persistent (``tma``) grid is sized for (an H100 SXM / H200 has 132); the launch
 #: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
@@ -90,10 +99,10 @@ class DirectOperand:
 
 
 def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, int, int]:
-    a = 64 * wg * _BK * 2
+    a = 64 * (1 if mode == "pp" else wg) * _BK * 2
     b = bn * _BK * 2
     pipe = stages * (a + b)
-    if mode == "tma":  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
+    if mode in ("tma", "pp"):  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
         return a, b, pipe + wg * _STAGE_BYTES + 16 * stages + 16 + 1024  # + the split-K flag
     ctile = 64 * wg * (bn + 4) * 4
     return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
@@ -126,6 +135,13 @@ _TILE_EFFICIENCY = {"128x256": 1.0 * _CP_FACTOR, "128x128": 0.81 * _CP_FACTOR, "
 _SPLIT_EFFICIENCY = {"tma128x256": 0.1, "tma128x192": 0.1, "tma128x128": 0.1, "tma64x128": 0.52}
 
 
+def tile_rows(name: str) -> int:
+    """Rows of one output tile of configuration ``name``: 64 per consumer warpgroup, or 64 for a
+    ping-pong tile (each warpgroup takes a tile of its own)."""
+    wg, _, _, mode = WGMMA_CONFIGS[name]
+    return 64 if mode == "pp" else 64 * wg
+
+
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None,
                         efficiency: dict | None = None, split_efficiency: dict | None = None) -> str:
     """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
@@ -143,11 +159,12 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
 
     def score(name: str) -> float:
         wg, bn, _, mode = WGMMA_CONFIGS[name]
-        tiles = -(-M // (64 * wg)) * -(-N // bn) * batch
+        bm = tile_rows(name)
+        tiles = -(-M // bm) * -(-N // bn) * batch
         splits = split_count(tiles, K, sms) if mode == "tma" and K else 1  # split-K: more blocks
         units = tiles * splits
         waves = -(-units // sms)
-        useful = M * N * batch / (tiles * 64 * wg * bn)  # tiles hanging over M or N do less work
+        useful = M * N * batch / (tiles * bm * bn)  # tiles hanging over M or N do less work
         return units / (waves * sms) * useful * eff[name] * (split_eff[name] if splits > 1 else 1.0)
     names = [n for n in eff if batch == 1 or WGMMA_CONFIGS[n][3] != "tma"]
     return max(names, key=score)
@@ -155,7 +172,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
 
 #: the ``cp`` tile a ``tma`` configuration falls back to where TMA cannot load the operands
 #: (batched products: their operands are not one 2-D tensor map each)
-_TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128": "128x128", "tma64x128": "64x128"}
+_TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128": "128x128", "tma64x128": "64x128",
+                 "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128"}
 
 
 def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:
@@ -208,6 +226,9 @@ __device__ __forceinline__ void sf_tma_2d(unsigned dst, const SfTmap* map, int c
 }
 __device__ __forceinline__ void sf_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void sf_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void sf_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void sf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -316,7 +337,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     config = config or choose_wgmma_config(M, N, batch, K=K)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
-    if WGMMA_CONFIGS[config][3] == "tma":
+    if WGMMA_CONFIGS[config][3] in ("tma", "pp"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config)
@@ -472,17 +493,25 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     complete on that barrier. The consumer warpgroups (64 rows each) wait on ``full``, run the
     stage's four wgmma, and free the stage once that group has completed. Each tile's epilogue goes
     through a 64 x 32 staging tile per warpgroup (accumulator fragments in, one coalesced element
-    per thread out) while the producer already loads the next tile."""
-    wg, BN, S, _ = WGMMA_CONFIGS[config]
-    BM = 64 * wg
+    per thread out) while the producer already loads the next tile.
+
+    Ping-pong (mode ``pp``): each consumer warpgroup takes whole 64-row tiles, the block's tiles
+    (in the producer's order) alternating between the two, so one's epilogue overlaps the other's
+    products. A warpgroup starts the main loop of its tile only once the other has issued the main
+    loop of the tile before (named barriers 4/5): the stages then reach the tensor cores in the
+    producer's order, and a warpgroup never waits on a stage barrier more than one phase ahead of
+    it (the phase parity would be ambiguous). No split-K."""
+    wg, BN, S, mode = WGMMA_CONFIGS[config]
+    pp = mode == "pp"
+    BM = tile_rows(config)
     T = 128 * (wg + 1)
-    a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, "tma")
+    a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
     KT = -(-K // _BK)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
-    splits = split_count(tiles, K)
+    splits = 1 if pp else split_count(tiles, K)
     per = -(-KT // splits)  # K tiles per split
     units = tiles * splits
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
@@ -572,26 +601,38 @@ if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;
     {{SYMBOL}}_done[sf_t] = 0u;
   }}
 }}"""
+    if pp:  # this warpgroup's tiles: every other one of the block's; sf_g skips the other's K tiles
+        loop = f"""int sf_i = sf_cw;  // index of the tile among the block's
+for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * gridDim.x, sf_i += 2) {{"""
+        start = f"""  sf_g = sf_i * {KT};
+  if (sf_i > 0) sf_bar_sync(4 + ((sf_i - 1) & 1), 256);  // the tile before: main loop issued
+"""
+        handoff = f"""  if (sf_u + (int)gridDim.x < {units})  // the block's next tile (the other warpgroup's) may start
+    sf_bar_arrive(4 + (sf_i & 1), 256);
+"""
+    else:
+        loop = f"for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{"
+        start = handoff = ""
     consumer = f"""const int sf_cw = sf_wg - 1;
 float* sf_Cw = sf_Cs + sf_cw * {64 * _LDS};
 // wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
 const int sf_r = (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
 const int sf_c = (sf_wl & 3) * 2;
-for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
+{loop}
 {_indent(tile, 2)}
   float sf_d[{BN // 2}];
   #pragma unroll
   for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
-  for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
+{start}  for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({full("sf_s")}, (sf_g / {S}) & 1);
     const unsigned sf_sA = sf_base + sf_s * {stage};
     const unsigned sf_sB = sf_sA + {a_bytes};
-{_indent(_mma_stage(a, b, BN, ab, "sf_cw"), 4)}
+{_indent(_mma_stage(a, b, BN, ab, "0" if pp else "sf_cw"), 4)}
     sf_wgmma_wait<1>();
     if (sf_kt > sf_kb) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
   }}
-  sf_wgmma_wait<0>();
+{handoff}  sf_wgmma_wait<0>();
   sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
 {_indent(reduce, 2)}
   #pragma unroll
@@ -601,7 +642,7 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
     #pragma unroll {_EPILOGUE_UNROLL}
     for (int sf_i = 0; sf_i < {64 * _CHUNK // 128}; ++sf_i) {{
       const int sf_e = sf_wl + sf_i * 128;
-      const int sf_m = sf_m0 + sf_cw * 64 + sf_e / {_CHUNK};
+      const int sf_m = sf_m0 + {"" if pp else "sf_cw * 64 + "}sf_e / {_CHUNK};
       const int sf_n = sf_n0 + sf_ch * {_CHUNK} + sf_e % {_CHUNK};
       if (sf_m < {M} && sf_n < {N}) {{
         const float sf_acc = sf_Cw[(sf_e / {_CHUNK}) * {_LDS} + sf_e % {_CHUNK}];
@@ -636,7 +677,7 @@ for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
   if (threadIdx.x == 0) {{
     for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
       sf_mbar_init({full("sf_s")}, 1);
-      sf_mbar_init({empty("sf_s")}, {wg * 128});
+      sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128});
     }}
     asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");
   }}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardflow.compiler.codegen.cuda import KernelLaunch, build_cuda_library, compile_arch, generate_cuda_source
-from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_config, split_count
+from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_config, split_count, tile_rows
 from shardflow.compiler.codegen.fusion import fuse
 from shardflow.compiler.codegen.lower import CodegenError
 from shardflow.compiler.ir import Tensor
@@ -51,15 +51,18 @@ def test_dense_half_operands_take_wgmma_on_hopper_only():
 
 def test_configs_follow_the_grid_and_can_be_forced():
     assert choose_wgmma_config(8192, 4096, 1) == "tma128x256"
+    # the ping-pong tiles are chosen only by name until a GPU run has measured them
+    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith("pp") for m in (128, 1024, 8192)
+                   for n in (768, 3072) for k in (768, 3072))
     assert choose_wgmma_config(8192, 4096, 2) == "128x256"  # batched: no TMA tile
     assert choose_wgmma_config(128, 768, 1) == "64x64"
     g = _gemm(512, 512, 128, "float16")
     for name, (wg, bn, _, mode) in WGMMA_CONFIGS.items():
         launch = generate_cuda_source([g], arch="sm_90", gemm_configs={"g": name}).launches["g"]
         assert launch.block == (128 * (wg + (mode != "cp")), 1, 1)
-        tiles = -(-512 // (64 * wg)) * -(-512 // bn)
-        assert launch.grid[0] == (min(tiles, 132) if mode == "tma" else tiles)  # tma: persistent blocks
-        assert bool(launch.tensor_maps) == (mode == "tma")
+        tiles = -(-512 // tile_rows(name)) * -(-512 // bn)  # pp: a 64-row tile per warpgroup
+        assert launch.grid[0] == (tiles if mode == "cp" else min(tiles, 132))  # tma, pp: persistent blocks
+        assert bool(launch.tensor_maps) == (mode != "cp")
     with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
 
@@ -230,10 +233,11 @@ def test_batched_product_with_fused_epilogue(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [c for c, v in WGMMA_CONFIGS.items() if v[3] == "tma"])
+@pytest.mark.parametrize("cfg", [c for c, v in WGMMA_CONFIGS.items() if v[3] != "cp"])
 def test_persistent_tma_gemm_with_fused_epilogue(tmp_path, cfg):
-    """More tiles than blocks (each persistent block loops over several), rows and columns past the
-    last tile, K not a multiple of 64, and a bias + tanh epilogue fused into the TMA kernel."""
+    """More tiles than blocks (each persistent block loops over several; ping-pong: its two
+    warpgroups take turns), rows and columns past the last tile, K not a multiple of 64, and a
+    bias + tanh epilogue fused into the TMA kernel."""
     rng = np.random.default_rng(2)
     M, N, K = 4200, 1160, 328
     x = rng.standard_normal((M, K)).astype(np.float16)
