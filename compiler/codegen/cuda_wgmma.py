@@ -602,13 +602,13 @@ if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;
   }}
 }}"""
     if pp:  # this warpgroup's tiles: every other one of the block's; sf_g skips the other's K tiles
-        loop = f"""int sf_i = sf_cw;  // index of the tile among the block's
-for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * gridDim.x, sf_i += 2) {{"""
-        start = f"""  sf_g = sf_i * {KT};
-  if (sf_i > 0) sf_bar_sync(4 + ((sf_i - 1) & 1), 256);  // the tile before: main loop issued
+        loop = f"""int sf_pi = sf_cw;  // index of the tile among the block's
+for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * gridDim.x, sf_pi += 2) {{"""
+        start = f"""  sf_g = sf_pi * {KT};
+  if (sf_pi > 0) sf_bar_sync(4 + ((sf_pi - 1) & 1), 256);  // the tile before: main loop issued
 """
         handoff = f"""  if (sf_u + (int)gridDim.x < {units})  // the block's next tile (the other warpgroup's) may start
-    sf_bar_arrive(4 + (sf_i & 1), 256);
+    sf_bar_arrive(4 + (sf_pi & 1), 256);
 """
     else:
         loop = f"for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{"
