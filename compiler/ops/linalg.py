@@ -345,7 +345,9 @@ class Attention(Operator):
     of half-precision probabilities computes). The output is ``acc_dtype``. ``extra_biases`` (n,
     also set by the pass only) says that n more float inputs follow, additive biases broadcast
     like the mask and added after it one by one (T5 adds its position bias, then the mask:
-    ``(s + b1) + b2`` is not ``s + (b1 + b2)`` in floating point).
+    ``(s + b1) + b2`` is not ``s + (b1 + b2)`` in floating point). ``y_3d`` (the pass too): the
+    output is ``[B, S, Hq*Dv]`` even when ``q`` is 4-D (Llama's Q comes out of the rotary
+    embedding in heads, its output goes to the projection merged).
     """
 
     def _geometry(self, q, k, v):
@@ -482,7 +484,7 @@ class Attention(Operator):
             p = probs(bi, h, i)
             return reduce((l_len,), lambda j: p(j) * read(v, bi, kv_head(h), j, e, dv), "sum")
 
-        if q.ndim == 4:
+        if q.ndim == 4 and not a.get("y_3d"):
             y = compute("y", (b_, hq, s_len, dv), y4, dtype=dt)
         else:
             y = compute("y", (b_, s_len, hq * dv), lambda bi, i, ce: y4(bi, ce // dv, i, ce % dv), dtype=dt)
@@ -563,7 +565,7 @@ class Attention(Operator):
             if a.get("probs_dtype"):
                 p = p.astype(_np_half(a["probs_dtype"])).astype(dt)
             y = np.matmul(p, v4)
-        if q.ndim == 3:
+        if q.ndim == 3 or a.get("y_3d"):
             y = y.transpose(0, 2, 1, 3).reshape(b_, s_len, hq * dv)
         mode = a.get("qk_mode")
         if mode is None:

@@ -16,15 +16,20 @@ the search and the partitioner see the separate ops), whose products
 
 (every intermediate read only by the next op, the result not a graph output) and replaces it with
 ``Attention(Q, K, V, *biases, extra_biases=len(biases), acc_dtype="float32", probs_dtype=half,
-scale=c)``, which computes exactly these values (float32 scores of the half operands, float32 softmax, probabilities
-rounded to the half type). Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a
-``[B, S, H*D]`` tensor and the result goes back through ``Transpose`` (and element-wise casts)
-to ``Reshape(.., [B, S, H*Dv])``, the op reads and writes the ``[B, S, H*D]`` forms directly
-(its 3-D form), so no transpose is left. A constant mask that hides every key past a diagonal
-(GPT-2's and Llama's causal masks, ``finfo.min`` above it) becomes ``is_causal`` (and is dropped
-when it is 0 elsewhere): same values, and the kernel skips the hidden blocks of keys. The cuda
-target computes the op with one fused kernel (:mod:`shardflow.compiler.codegen.cuda_attention`)
-that never writes the score matrix.
+scale=c)``, which computes exactly these values (float32 scores of the half operands, float32
+softmax, probabilities rounded to the half type).
+
+Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a ``[B, S, H*D]`` tensor
+and the result goes back through ``Transpose`` (and element-wise casts) to ``Reshape(..,
+[B, S, H*Dv])``, the op reads and writes the ``[B, S, H*D]`` forms directly (its 3-D form), so
+no transpose is left; where only the output is merged that way (Llama's Q comes out of the
+rotary embedding in heads), the op writes the 3-D form from 4-D operands (``y_3d``).
+
+A constant mask that hides every key past a diagonal (GPT-2's and Llama's causal masks,
+``finfo.min`` above it) becomes ``is_causal`` (and is dropped when it is 0 elsewhere): same
+values, and the kernel skips the hidden blocks of keys. The cuda target computes the op with one
+fused kernel (:mod:`shardflow.compiler.codegen.cuda_attention`) that never writes the score
+matrix.
 """
 from __future__ import annotations
 
@@ -229,7 +234,7 @@ class FuseAttention(GraphPass):
         q3, k3, v3 = self._heads_3d(qh, (0, 2, 1, 3)), self._heads_3d(kth, (0, 2, 3, 1)), \
             self._heads_3d(vh, (0, 2, 1, 3))
         out_chain = self._output_chain(mm2.outputs[0], (b_, s_len, h_ * dv))
-        three_d = q3 is not None and out_chain is not None
+        three_d = out_chain is not None  # the output in the [B, S, H*Dv] form (Q too where it can)
         old = out_chain[1].outputs[0] if three_d else mm2.outputs[0]
         if id(old) in self._outputs:  # (the graph's outputs keep their tensors and names)
             return None
@@ -244,12 +249,13 @@ class FuseAttention(GraphPass):
             if off is not None:
                 causal = {"is_causal": True, "past_len": off}
                 biases = biases if keep else []
-        ins = [q3 if three_d else qh, k3, v3 if v3 is not None else vh] + biases
+        q_in = q3 if three_d and q3 is not None else qh
+        ins = [q_in, k3, v3 if v3 is not None else vh] + biases
         # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
         # every key is -inf, the Softmax of the matched ops gives NaN)
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32", probs_dtype=vh.dtype,
-                        extra_biases=len(biases), **causal)
+                        extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
         new_ops: list[Operator] = [att]
         y = att.outputs[0]
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result

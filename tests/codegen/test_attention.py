@@ -35,10 +35,13 @@ from shardflow.runtime.tma import kernel_args
 MODELS = Path(__file__).parent.parent / "models"
 
 
-@pytest.mark.parametrize("model,three_d", [("gpt2_ts17", True), ("gpt2_dynamo18", False), ("bert_ts17", True),
-                                           ("llama_ts17", False), ("vit_ts17", True), ("t5_encoder_ts17", True),
-                                           ("t5_encoder_dynamo18", True)])
-def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
+@pytest.mark.parametrize("model,three_d,y_3d", [("gpt2_ts17", True, True), ("gpt2_dynamo18", False, False),
+                                                ("bert_ts17", True, True), ("llama_ts17", False, True),
+                                                ("vit_ts17", True, True), ("t5_encoder_ts17", True, True),
+                                                ("t5_encoder_dynamo18", True, True)])
+def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d, y_3d):
+    """``three_d``: Q in the [B, S, H*D] form; ``y_3d``: the output (Llama's Q comes out of the
+    rotary embedding in heads, but its output is merged for the projection: no transpose left)."""
     feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
     ref = HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx")).run(feeds)
     g = FuseAttention().run(HalfPrecisionContractions("float16").run(load_onnx(MODELS / f"{model}.onnx")))
@@ -46,7 +49,7 @@ def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d):
     atts = [op for op in g.nodes if op.op_type == "Attention"]
     assert len(atts) == 2  # one per layer
     assert not [op for op in g.nodes if op.op_type == "Softmax"]
-    assert all((op.inputs[0].ndim == 3) == three_d for op in atts)
+    assert all((op.inputs[0].ndim == 3) == three_d and (op.outputs[0].ndim == 3) == y_3d for op in atts)
     # the additive biases in the order they are added (T5: its position bias, then the mask)
     biases = 2 if model.startswith("t5") else 0 if model.startswith("vit") else 1
     assert all(op.attrs.get("extra_biases", 0) == biases and not op.attrs.get("has_mask") for op in atts)
@@ -321,7 +324,7 @@ def _rounded(x: np.ndarray, half: str) -> np.ndarray:
 
 
 def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=(), causal=None, bool_mask=False,
-          extra_shape=None):
+          extra_shape=None, y_3d=False):
     def t(*shape):
         return _rounded(rng.standard_normal(shape).astype(np.float32), half)
     if three_d:
@@ -346,6 +349,8 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
             extra[..., 9, :] = -np.inf  # no mask's rule: softmax over nothing, NaN
         arrays.append(extra)
         attrs["extra_biases"] = 1
+    if y_3d:
+        attrs["y_3d"] = True
     return arrays, attrs
 
 
@@ -366,6 +371,8 @@ CASES = {
     "two-biases": ("float16", 2, 4, 4, 72, 72, 64, 64, True, (1, 4, 72, 72), (), None, False, (2, 1, 1, 72)),
     # FuseAttention's form: biases without the mask's rule, so a row hidden everywhere is NaN
     "biases-only": ("float16", 1, 2, 2, 66, 66, 32, 32, False, None, (), None, False, (1, 2, 66, 66)),
+    # Llama's: 4-D operands (Q and K out of the rotary embedding), causal, the output merged [B, S, H*D]
+    "heads-in-merged-out": ("float16", 2, 4, 4, 100, 100, 64, 64, False, None, (), 0, False, None, True),
 }
 
 
