@@ -11,7 +11,10 @@ and it is not in ``keep``):
 * **Epilogue**: an injective op (elementwise, cast, transpose, broadcast...) joins the group that
   produces one of its inputs ``t`` when it is ``t``'s only reader. After a group that reduces
   (a contraction, softmax, a normalization), it must read ``t`` element-wise, exactly at its own
-  output index (``y[i] = f(t[i], ...)``), so each reduced value is computed once.
+  output index (``y[i] = f(t[i], ...)``), so each reduced value is computed once; or, after a
+  group that is not a contraction, read ``t`` as one value per row of its output (``t`` of shape
+  ``[..., 1]``, reduced with ``keepdims``: ``y[i, j] = f(x[i, j], t[i, 0])``, as in a decomposed
+  RMSNorm or softmax), which the row kernels compute once per row before the row's elements.
 * **Prologue**: any op joins the group that produces its input ``t`` (its only reader) when that
   group has no reduction, and, for contractions (:data:`CONTRACTIONS`, which read each operand
   element many times), when it is only data movement and casts (:data:`CHEAP`): a residual add
@@ -33,7 +36,7 @@ from typing import Callable, Collection, Sequence
 
 import numpy as np
 
-from ..ir.expr import Cast, Expr, Reduce, TensorElement, affine_form, infer_dtype, walk
+from ..ir.expr import Cast, Const, Expr, Reduce, TensorElement, affine_form, infer_dtype, walk
 from ..ir.graph import Operator, Tensor
 from ..ir.task import GridCompute, Task, TensorInput
 from .lower import transform
@@ -136,6 +139,25 @@ def _reads_elementwise(op: Operator, k: int) -> bool:
                                for n in reads)
 
 
+def _reads_row_statistic(op: Operator, k: int) -> bool:
+    """Op reads its input ``k``, one value per row (its trailing dims are 1 where the output's are
+    not: a statistic reduced with ``keepdims``, like RMSNorm's ``1 / sqrt(mean(x^2) + eps)``),
+    only at its own index's leading part, broadcast along the row."""
+    gc = op.task.outputs[0]
+    ph = op.task.inputs[k]
+    out, shp = tuple(gc.shape), tuple(ph.shape)
+    if len(shp) != len(out):
+        return False
+    r = len(shp)
+    while r > 0 and shp[r - 1] == 1 and out[r - 1] != 1:
+        r -= 1
+    if r == len(shp) or shp[:r] != out[:r]:
+        return False
+    reads = [n for n in walk(gc.value) if isinstance(n, TensorElement) and n.tensor is ph]
+    return bool(reads) and all(len(n.indices) == len(out) and all(i is v for i, v in zip(n.indices[:r], gc.axes[:r]))
+                               and all(isinstance(i, Const) for i in n.indices[r:]) for n in reads)
+
+
 def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
          barriers: Callable[[Operator], bool] = lambda op: False,
          no_prologue: Callable[[Operator], bool] = lambda op: False,
@@ -209,10 +231,14 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
                     continue
                 members = groups[g]
                 reduces = any(_has_reduce(m) for m in members)
-                if reduces:  # only as an element-wise epilogue (or a GEMM's split view), of one reducing group
-                    split = op.name in fusable_view and any(m.op_type in CONTRACTIONS for m in members)
+                if reduces:  # only as an element-wise epilogue (or a GEMM's split view), of one reducing group,
+                    # or reading a row statistic that group computes (not a contraction's: its template
+                    # has no such epilogue), which the row kernel then computes once per row
+                    contraction = any(m.op_type in CONTRACTIONS for m in members)
+                    split = op.name in fusable_view and contraction
+                    row = not contraction and _reads_row_statistic(op, k)
                     if reducing or not (type(op).injective and epilogue_after_reduce
-                                        and (_reads_elementwise(op, k) or split)):
+                                        and (_reads_elementwise(op, k) or split or row)):
                         continue
                     reducing = True
                 elif op.op_type in CONTRACTIONS and not all(m.op_type in CHEAP for m in members):

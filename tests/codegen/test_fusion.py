@@ -115,6 +115,53 @@ def test_reductions_take_element_wise_epilogues_only():
     assert _kinds(fuse([ex, mm2])) == ["Unary", "MatMul"]  # not cheap: would be recomputed per tile
 
 
+def _decomposed_rms_norm(shape=(4, 6, 96)):
+    """Llama's RMSNorm as exporters write it: x * (1 / sqrt(mean(x^2) + eps)) * w."""
+    from shardflow.compiler.ops.reduce import Reduce
+
+    c = lambda v: const_tensor(np.array(v, np.float32))  # noqa: E731
+    x = Tensor("x", shape, "float32")
+    ops = []
+
+    def op(o):
+        ops.append(o)
+        return o.outputs[0]
+    ms = op(Reduce([op(Binary([x, c(2.0)], fn="pow"))], kind="mean", axes=(len(shape) - 1,), keepdims=True))
+    r = op(Binary([c(1.0), op(Unary([op(Binary([ms, c(1e-6)], fn="add"))], fn="sqrt"))], fn="div"))
+    w = const_tensor(np.random.default_rng(1).standard_normal(shape[-1]).astype(np.float32))
+    op(Binary([w, op(Binary([x, r], fn="mul"))], fn="mul"))
+    return x, ops
+
+
+def test_a_row_statistic_and_its_broadcast_readers_are_one_row_kernel(tmp_path):
+    """A decomposed RMSNorm: the reduction's per-row value (``[.., 1]``) read along the row by
+    ``x * r`` joins it: one kernel, which computes the statistic once per row (cuda: the row
+    kernel), not one kernel for the statistic and one for the product. A contraction's ``[M, 1]``
+    output read that way stays its own kernel (its template has no such epilogue)."""
+    x, ops = _decomposed_rms_norm()
+    groups = fuse(ops)
+    assert len(groups) == 1 and len(groups[0].members) == len(ops)
+    assert [launch.kind for launch in generate_cuda_source(groups).launches.values()] == ["row"]
+    gemv = MatMul([_f(8, 16), _f(16, 1)])
+    scaled = Binary([_f(8, 12), gemv.outputs[0]], fn="mul")
+    assert _kinds(fuse([gemv, scaled])) == ["MatMul", "Binary"]
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return
+    xv = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+    want = {id(x): xv}
+    for o in ops:
+        want[id(o.outputs[0])] = o.run(*[want[id(t)] if id(t) in want else t.value for t in o.inputs])[0]
+    entries = build_cpu_library(ops, str(tmp_path / "r.so"), cache_dir=str(tmp_path / "c"), opt_level=1, fuse=True)
+    e = entries[ops[-1].name]
+    tensors = {t.name: (want[id(t)] if id(t) in want else t.value) for o in ops for t in o.inputs}
+    ins = [np.ascontiguousarray(tensors[n]) for n in e["inputs"]]
+    out = np.empty(x.shape, np.float32)
+    fn = getattr(ctypes.CDLL(str(tmp_path / "r.so")), e["symbol"])
+    fn.restype = None
+    fn((ctypes.c_void_p * len(ins))(*[v.ctypes.data for v in ins]), (ctypes.c_void_p * 1)(out.ctypes.data))
+    np.testing.assert_allclose(out, want[id(ops[-1].outputs[0])], rtol=1e-5, atol=1e-6)
+
+
 def test_group_runs_where_its_last_member_ran():
     a = Unary([_f(3)], fn="exp")
     other = Unary([_f(3)], fn="abs")  # read twice: written, not fused
