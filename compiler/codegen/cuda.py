@@ -1608,6 +1608,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     em = _Emitter(an, reads, names)
     root = _Block(None, {vb: ("sf_b", "int32"), vh: ("sf_h", "int32"), vhk: ("sf_hk", "int32")})
     # the additive masks at (b, h, i, j), broadcast as the op's definition reads them, in its order
+    scalars = _scalar_constants(op)
     biases = []
     adds = att.inputs[len(att.inputs) - att.attrs.get("extra_biases", 0):]
     for m in ([mask] if mask is not None else []) + adds:
@@ -1615,7 +1616,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         off = 4 - m.ndim
         pos = (vb, vh, vi, vj)[off:]
         idx = [Const(0) if ext == 1 and full[off + n] != 1 else pos[n] for n, ext in enumerate(m.shape)]
-        bias = _bake(_inline_computes(TensorElement(env[id(m)], idx), an), _scalar_constants(op))
+        bias = _bake(_inline_computes(TensorElement(env[id(m)], idx), an), scalars)
         bblk = _Block(root, {vi: ("sf_i", "int32"), vj: ("sf_j", "int32")})
         neg_inf = "__int_as_float(0xff800000)"
         if m.dtype == "bool":  # a key the mask does not allow: -inf
@@ -1632,8 +1633,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     gc = op.task.outputs[0]
     if tuple(gc.shape) != y_shape:
         return None
-    value = TensorElement(acc_ph, list(gc.axes)) if last is acc_ph else \
-        _bake(_inline_computes(last.value, an), _scalar_constants(op))
+    value = TensorElement(acc_ph, list(gc.axes)) if last is acc_ph else _bake(_inline_computes(last.value, an), scalars)
     for n in walk(value):
         if isinstance(n, TensorElement) and n.tensor is acc_ph:
             if list(n.indices) != list(gc.axes):

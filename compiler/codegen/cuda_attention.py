@@ -8,8 +8,8 @@ registers, scaled, biased and folded into a running softmax (row maximum, rescal
 output: the online softmax of FlashAttention), and the probabilities, rounded to the half type
 in the registers that held the scores, multiply the V tile on the tensor cores. The score
 matrix is never written to memory, so memory is linear in the sequence length. At the end each
-row is divided by its sum (a row whose every bias is -inf gives 0, as the op's definition says)
-and handed to the fused epilogue element by element. With a causal mask (``is_causal``: query
+row is divided by its sum (a row whose every key is masked gives 0 under the op's mask rule,
+NaN without it, as the op's definition says) and handed to the fused epilogue element by element. With a causal mask (``is_causal``: query
 ``i`` sees keys ``j <= i + past_len``) the kernel masks the scores past the diagonal itself and
 does not visit the key blocks wholly past it (rfcs/0005-hopper-gemm.md, decision 18).
 
