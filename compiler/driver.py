@@ -664,6 +664,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         timings["write"] += time.perf_counter() - t
         for r, rg in enumerate(rank_graphs):
+            if opt.target == "cuda":
+                # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
+                from .passes.projections import MergeProjections
+
+                rg = MergeProjections().run(rg)
             if opt.precision in ("float16", "bfloat16"):
                 # half operands on each rank's graph, after the plan: the search sees the float32
                 # graph, whose weights are constants (a weight read through a Cast is not one to

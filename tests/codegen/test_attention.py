@@ -58,18 +58,23 @@ def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d, y_3
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
-@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17", "bert_ts17"])
 def test_rank_graphs_fused_after_partitioning_match_onnxruntime(model):
-    """The driver plans the float32 graph, then rounds and fuses each rank's graph (so the plan
-    shards the separate ops); two ranks' fused graphs, simulated, give the model's outputs."""
+    """The driver plans the float32 graph, then merges the projections, rounds and fuses each
+    rank's graph (so the plan shards the separate ops); two ranks' fused graphs, simulated, give
+    the model's outputs."""
     from shardflow.compiler.parallel import partition, search
     from shardflow.compiler.parallel.config import DistributedConfig
     from shardflow.compiler.parallel.simulate import simulate
+    from shardflow.compiler.passes.projections import MergeProjections
 
     feeds, ref = onnxruntime_reference(model)
     g = load_onnx(MODELS / f"{model}.onnx")
     plan = search(g, DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
-    ranks = [FuseAttention().run(HalfPrecisionContractions("float16").run(rg)) for rg in partition(g, plan)]
+    ranks = [FuseAttention().run(HalfPrecisionContractions("float16").run(MergeProjections().run(rg)))
+             for rg in partition(g, plan)]
+    if model != "gpt2_ts17":  # (GPT-2's export has one QKV projection already)
+        assert all(sum(op.name.endswith(".merged") for op in rg.nodes) == 2 for rg in ranks)
     assert all(sum(op.op_type == "Attention" for op in rg.nodes) == 2 for rg in ranks)
     got = simulate(ranks, feeds)
     for k, v in ref.items():  # float16 operands: rfcs/0004's tolerance

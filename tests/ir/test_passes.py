@@ -203,3 +203,28 @@ def test_simplify_removes_shape_glue():
         out = g.run({"x": x})
         assert out["z"].shape == (2, 12)
         np.testing.assert_array_equal(out["z"], want)
+
+
+@pytest.mark.parametrize("model,merged", [("bert_ts17", 2), ("llama_ts17", 2), ("t5_encoder_dynamo18", 2),
+                                          ("vit_ts17", 2), ("gpt2_ts17", 0)])
+def test_merge_projections_of_one_activation(model, merged):
+    """Q, K and V projections of one activation (BERT's with their biases) become one product
+    and three slices, with the same values; Llama's gate and up projections, which meet in
+    SiLU(gate) * up, stay apart; GPT-2's export has one QKV projection already."""
+    from shardflow.compiler.passes.projections import MergeProjections
+
+    models = os.path.join(os.path.dirname(__file__), "..", "models")
+    feeds = dict(np.load(os.path.join(models, f"{model.rsplit('_', 1)[0]}_inputs.npz")))
+    g = load_onnx(os.path.join(models, f"{model}.onnx"))
+    before_mm = sum(op.op_type == "MatMul" for op in g.nodes)
+    g, before, after = run_pass(g, MergeProjections().run, feeds)
+    assert_same(before, after)
+    merged_ops = [op for op in g.nodes if op.name.endswith(".merged")]
+    assert len(merged_ops) == merged
+    # width 64 each; Llama's key/value projections have 2 heads of 16 (grouped), 32 columns
+    assert all(op.inputs[1].shape == (64, 128 if model.startswith("llama") else 192) for op in merged_ops)
+    assert sum(op.op_type == "MatMul" for op in g.nodes) == before_mm - 2 * merged
+    if model.startswith("bert"):  # the biases merged with them
+        assert sum(op.name.endswith(".merged_bias") for op in g.nodes) == merged
+    if model.startswith("llama"):
+        assert sum("gate_proj" in op.name or "up_proj" in op.name for op in g.nodes if op.op_type == "MatMul") == 4

@@ -1,0 +1,129 @@
+"""Projections of one activation merged into one product: ``x @ Wq``, ``x @ Wk``, ``x @ Wv``
+(each maybe ``+ b``) become ``x @ [Wq | Wk | Wv] (+ [bq | bk | bv])`` and three slices.
+
+Most exporters (BERT, Llama, T5, ViT...) write the attention's projections as separate MatMuls of
+one activation with constant weights. On a GPU each is a GEMM of its own, and at the sizes of one
+transformer layer (``N`` = the hidden size) few of them fill the multiprocessors: GPT-2, whose
+export has one QKV projection, runs one GEMM with three times the columns instead. The cuda
+driver runs this pass on each rank's graph (after the plan, so the search and the partitioner
+see the separate ops and each rank merges its own shards) before
+:class:`~.precision.HalfPrecisionContractions`, which then rounds the merged product's output
+once where every slice is read as a rounded operand (BERT's Q, K, V: the GEMM writes half values
+for the attention). Each output column is the same sum of products as before (the merged
+product's columns are independent), so the values equal the separate products' up to the
+summation order a GEMM implementation picks for a shape.
+
+Matched: two or more ``MatMul(x, W_i)`` reading the same non-constant ``x`` as their first
+operand, each ``W_i`` a constant 2-D ``[K, N_i]`` of one dtype; when every one of them is read
+only by ``Add(., b_i)`` with a constant ``b_i`` of shape ``[N_i]``, the biases are merged too.
+Every result must go only to head splits (reshapes, transposes, casts): Llama's gate and up
+projections meet in ``SiLU(gate) * up``, which the up projection's GEMM computes in its epilogue
+from the gate's output; merged, that product would need a kernel of its own.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from .base import GraphPass
+from .simplify import EliminateDeadCode
+
+__all__ = ["MergeProjections"]
+
+log = logging.getLogger(__name__)
+
+#: what reads a merged projection's output: the attention's head split (reshapes, transposes, casts)
+_HEAD_SPLIT = frozenset({"Reshape", "Transpose", "Cast", "Slice", "Squeeze", "Unsqueeze", "Flatten", "Split"})
+
+
+class MergeProjections(GraphPass):
+    """Merge the constant-weight MatMuls of one activation (and their constant biases)."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import Binary
+        from ..ops.linalg import MatMul
+        from ..ops.transform import Slice
+
+        consumers = graph.consumers()
+        outputs = {id(t) for t in graph.outputs}
+        by_input: dict[int, list[Operator]] = {}
+        for op in graph.nodes:
+            if (op.op_type == "MatMul" and len(op.inputs) == 2 and not op.inputs[0].is_constant
+                    and op.inputs[1].is_constant and op.inputs[1].ndim == 2 and op.inputs[0].ndim >= 2
+                    and op.inputs[0] is not op.inputs[1]):
+                by_input.setdefault(id(op.inputs[0]), []).append(op)
+        insert: dict[int, list[Operator]] = {}  # id(first member) -> the merged ops
+        replace: dict[int, Tensor] = {}  # old output -> its slice
+        n = 0
+        for members in by_input.values():
+            w_dtype = members[0].inputs[1].dtype
+            members = [m for m in members if m.inputs[1].dtype == w_dtype and m.outputs[0].dtype == w_dtype]
+            if len(members) < 2:
+                continue
+            biases = [self._bias(m, consumers, outputs) for m in members]
+            with_bias = all(b is not None for b in biases)
+            ends = [b[0].outputs[0] if with_bias else m.outputs[0] for m, b in zip(members, biases)]
+            if not all(consumers.get(id(t)) and all(c.op_type in _HEAD_SPLIT for c in consumers[id(t)])
+                       for t in ends):
+                continue  # not head splits (Llama's gate and up meet in SiLU(gate) * up: left alone)
+            x = members[0].inputs[0]
+            w = const_tensor(np.concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
+                             f"{members[0].name}.merged_w")
+            mm = MatMul([x, w], name=f"{members[0].name}.merged")
+            new_ops: list[Operator] = [mm]
+            y = mm.outputs[0]
+            if with_bias:
+                b = const_tensor(np.concatenate([np.asarray(a.inputs[k].value).reshape(-1) for a, k in biases]),
+                                 f"{members[0].name}.merged_b")
+                add = Binary([y, b], name=f"{members[0].name}.merged_bias", fn="add")
+                new_ops.append(add)
+                y = add.outputs[0]
+            start = 0
+            for m, old in zip(members, ends):
+                width = m.inputs[1].shape[1]
+                rank = y.ndim
+                sl = Slice([y], name=f"{old.name}.slice", starts=(0,) * (rank - 1) + (start,),
+                           steps=(1,) * rank, sizes=y.shape[:-1] + (width,))
+                if sl.outputs[0].shape != old.shape or sl.outputs[0].dtype != old.dtype:
+                    break  # (a broadcast product whose output is not x's rows: left alone)
+                new_ops.append(sl)
+                replace[id(old)] = sl.outputs[0]
+                start += width
+            else:
+                insert[id(members[0])] = new_ops
+                n += 1
+                continue
+            for old in ends:  # undo this group's replacements
+                replace.pop(id(old), None)
+        if not n:
+            return graph
+        nodes: list[Operator] = []
+        for op in graph.nodes:
+            nodes += insert.get(id(op), [])
+            op.inputs = [replace.get(id(t), t) for t in op.inputs]
+            nodes.append(op)
+        graph.nodes = nodes
+        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
+        graph = EliminateDeadCode().run(graph)
+        log.info("projections: %d groups of products of one activation merged", n)
+        return graph
+
+    @staticmethod
+    def _bias(mm: Operator, consumers, outputs) -> tuple[Operator, int] | None:
+        """``(add, k)`` when ``mm``'s output is read only by ``Add`` with a constant ``[N]`` bias
+        at input ``k`` (and is not a graph output)."""
+        out = mm.outputs[0]
+        rs = consumers.get(id(out), [])
+        if len(rs) != 1 or id(out) in outputs or rs[0].op_type != "Binary" or rs[0].attrs.get("fn") != "add":
+            return None
+        add = rs[0]
+        if len(add.inputs) != 2 or sum(1 for t in add.inputs if t is out) != 1:
+            return None
+        k = 1 if add.inputs[0] is out else 0
+        b = add.inputs[k]
+        if not b.is_constant or b.dtype != out.dtype or b.size != out.shape[-1] or b.ndim > 1 and \
+                b.shape != (1,) * (b.ndim - 1) + (out.shape[-1],) or add.outputs[0].shape != out.shape:
+            return None
+        return add, k
