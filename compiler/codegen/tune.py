@@ -6,7 +6,10 @@ the fastest tile on 22 of the 24 float16 benchmark shapes). ``search_space=2`` m
 for each wgmma GEMM of the program, every block tile (:data:`CANDIDATES`; the TMA ones only for
 unbatched products) is compiled alone,
 launched on random operands of the op's shapes on the GPU of the compiling machine, and timed with
-CUDA events (median of 3 × 10 back-to-back launches); the fastest is used. Choices are kept as
+CUDA events (median of 3 × 10 back-to-back launches); the fastest is used. A candidate whose
+output on those operands differs from the default tile's (by more than 1% of the output's
+largest value, or NaN where the default has a number) is not used: speed must not buy a
+wrong kernel. Choices are kept as
 JSON in ``<kernel cache>/tune/`` keyed by the kernel's source, the GPU's name and the candidates,
 so repeated layers and later builds measure nothing. Without a visible GPU (or cupy), level 2
 falls back to the default and says so in the log.
@@ -65,43 +68,76 @@ def _random_inputs(op: Operator, cupy):
     return arrays
 
 
-def measure_on_gpu(cubin: bytes, launch, op: Operator, reps: int = 10) -> float:
-    """Milliseconds per launch of ``launch`` (a KernelLaunch in ``cubin``) on random operands."""
-    import cupy
-
+def _loaded(cupy, cubin: bytes, launch):
+    """The kernel of ``launch`` loaded from ``cubin`` (a module of its own: split-K counters fresh)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
         path = f.name
     try:
         fn = cupy.RawModule(path=path).get_function(launch.symbol)
-        if launch.shared_mem > 48 * 1024:
-            fn.max_dynamic_shared_size_bytes = launch.shared_mem
-        args = kernel_args(launch.tensor_maps, _random_inputs(op, cupy))
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        for _ in range(2):
-            fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-        times = []
-        for _ in range(3):
-            start.record()
-            for _ in range(reps):
-                fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / reps)
-        return statistics.median(times)
     finally:
         os.unlink(path)
+    if launch.shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = launch.shared_mem
+    return fn
+
+
+def output_on_gpu(cubin: bytes, launch, op: Operator):
+    """The output of one launch of ``launch`` on the random operands :func:`measure_on_gpu` uses
+    (the same for every candidate), as a float32 device array; elements it does not write are NaN."""
+    import cupy
+
+    fn = _loaded(cupy, cubin, launch)
+    arrays = _random_inputs(op, cupy)
+    out = arrays[len(op.inputs)]
+    bits = out.dtype == cupy.uint16  # bfloat16, stored as its bits
+    out[...] = 0xFFFF if bits else np.nan  # (0xFFFF: a NaN in bfloat16)
+    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, arrays), shared_mem=launch.shared_mem)
+    return (out.astype(cupy.uint32) << 16).view(cupy.float32) if bits else out.astype(cupy.float32)
+
+
+def _agrees(got, want) -> bool:
+    """``got`` within 1% of ``want``'s largest magnitude, and a number wherever ``want`` is one
+    (numpy or cupy arrays)."""
+    xp = __import__("cupy") if type(want).__module__.startswith("cupy") else np
+    finite = xp.isfinite(want)
+    if bool((finite & ~xp.isfinite(got)).any()):
+        return False
+    scale = float(xp.abs(xp.where(finite, want, 0)).max()) if want.size else 0.0
+    return bool((xp.abs(xp.where(finite, got - want, 0)) <= 1e-2 * scale).all())
+
+
+def measure_on_gpu(cubin: bytes, launch, op: Operator, reps: int = 10) -> float:
+    """Milliseconds per launch of ``launch`` (a KernelLaunch in ``cubin``) on random operands."""
+    import cupy
+
+    fn = _loaded(cupy, cubin, launch)
+    args = kernel_args(launch.tensor_maps, _random_inputs(op, cupy))
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(2):
+        fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    times = []
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            fn(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / reps)
+    return statistics.median(times)
 
 
 def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir: str,
-               compile_source: Callable, measure: Callable | None = None,
+               compile_source: Callable, measure: Callable | None = None, output: Callable | None = None,
                device: str | None = None) -> dict[str, str]:
     """Measured wgmma tiles for the GEMMs of ``ops``: op name -> tile name (only ops whose
     choice was measured or cached; the others keep the default).
 
     ``compile_source(src) -> cubin bytes`` compiles a :class:`~.cuda.CudaSource`; ``measure(cubin,
-    launch, op) -> ms`` times one kernel (default :func:`measure_on_gpu`); ``device`` names the GPU
-    the choices are for (default: the visible one; without one nothing is measured).
+    launch, op) -> ms`` times one kernel (default :func:`measure_on_gpu`); ``output(cubin, launch,
+    op)`` is its result on the same operands (default :func:`output_on_gpu`), which must agree with
+    the default tile's for the candidate to count; ``device`` names the GPU the choices are for
+    (default: the visible one; without one nothing is measured).
     """
     from .cuda import _atomic_write, generate_cuda_source
 
@@ -110,6 +146,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         log.info("search_space=2: no CUDA device visible here; wgmma GEMMs use the default tile choice")
         return {}
     measure = measure or measure_on_gpu
+    output = output or output_on_gpu
     base = generate_cuda_source(list(ops), precision, arch)
     folder = os.path.join(cache_dir, "tune")
     chosen: dict[str, str] = {}
@@ -126,16 +163,27 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
             with open(path) as f:
                 chosen[op.name] = json.load(f)["config"]
             continue
-        times = {}
+        times, wrong = {}, []
+        alone = generate_cuda_source([op], precision, arch)  # the default tile: the reference values
+        want = output(compile_source(alone), alone.launches[op.name], op)
         for cand in CANDIDATES:
             src = generate_cuda_source([op], precision, arch, {op.name: cand})
             if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
                 continue  # a batched product: the tile falls back to a cp.async one measured anyway
-            times[cand] = float(measure(compile_source(src), src.launches[op.name], op))
+            cubin, launch = compile_source(src), src.launches[op.name]
+            if not _agrees(output(cubin, launch, op), want):
+                wrong.append(cand)
+                continue
+            times[cand] = float(measure(cubin, launch, op))
+        if wrong:
+            log.warning("tuning %s: tiles %s give other values than the default tile on the same operands; "
+                        "not used", op.name, wrong)
+        if not times:
+            continue  # (every candidate disagreed: the default stays)
         best = min(times, key=times.get)
         chosen[op.name] = best
         log.info("tuned %s (%s): %s", op.name, ", ".join(f"{c} {t:.4f} ms" for c, t in times.items()), best)
-        record = {"config": best, "ms": times, "device": device, "op": op.name}
+        record = {"config": best, "ms": times, "device": device, "op": op.name, "rejected": wrong}
         try:
             _atomic_write(path, json.dumps(record, indent=1).encode())
         except OSError as exc:  # a read-only cache must not fail the build

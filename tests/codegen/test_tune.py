@@ -1,8 +1,9 @@
 """``search_space=2``: measured wgmma tiles (compiler/codegen/tune.py).
 
 The measuring function is replaced by a fake here (CI has no GPU): which tile wins, that the
-choice reaches the kernel, that it is cached per kernel source and device, and that without a GPU
-the default choice is kept. The real measurement (``measure_on_gpu``) needs cupy and a device.
+choice reaches the kernel, that it is cached per kernel source and device, that a tile whose
+values differ from the default tile's is not used, and that without a GPU the default choice is
+kept. The real measurement (``measure_on_gpu``) needs cupy and a device.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import logging
 import shutil
 
+import numpy as np
 import pytest
 
 from shardflow.compiler.codegen import tune
@@ -39,6 +41,7 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
     monkeypatch.setattr(tune, "measure_on_gpu", fake)
+    monkeypatch.setattr(tune, "output_on_gpu", lambda cubin, launch, op: np.zeros(op.outputs[0].shape, np.float32))
     cache = str(tmp_path / "cache")
     launches = build_cuda_library(_ops(), str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
     assert choose_wgmma_config(1024, 768, 1) != "64x64"  # the measurement, not the default, decided
@@ -47,7 +50,7 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     assert len(calls) == 16 and {c[0] for c in calls} == {"l0", "head"}
     records = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
     assert sorted(r["config"] for r in records) == ["64x64", "64x64"] and records[0]["device"] == "Fake GPU"
-    assert set(records[0]["ms"]) == set(tune.CANDIDATES)
+    assert set(records[0]["ms"]) == set(tune.CANDIDATES) and records[0]["rejected"] == []
     # a second build reads the choices back: nothing is measured
     monkeypatch.setattr(tune, "measure_on_gpu", lambda *a: pytest.fail("measured again"))
     again = build_cuda_library(_ops(), str(tmp_path / "k2.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
@@ -58,6 +61,35 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     calls.clear()
     build_cuda_library(_ops(), str(tmp_path / "k3.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
     assert len(calls) == 16
+
+
+def test_a_tile_with_other_values_is_not_used_however_fast(tmp_path, monkeypatch, caplog):
+    """The fastest tile gives other values than the default tile on the same operands (a NaN
+    where the default has a number, or an element off by more than 1% of the largest): it is
+    not chosen, and the log and the cache record say so."""
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
+    monkeypatch.setattr(tune, "measure_on_gpu", lambda cubin, launch, op: 1.0 / launch.grid[0])  # the most blocks
+    fastest = "64x64"  # (16 x 12 blocks: the most of any tile at 1024 x 768)
+
+    def output(cubin, launch, op):
+        out = np.ones(op.outputs[0].shape, np.float32)
+        if launch.grid[0] == 16 * 12:  # the fastest tile's kernel
+            out[3, 5] = bad
+        return out
+    monkeypatch.setattr(tune, "output_on_gpu", output)
+    for bad in (np.nan, 1.02):
+        cache = str(tmp_path / f"cache{bad}")
+        with caplog.at_level(logging.WARNING, logger="shardflow.compiler.codegen.tune"):
+            chosen = tune.tune_gemms(_ops()[:1], arch="sm_90", precision="float16", cache_dir=cache,
+                                     compile_source=lambda src: b"cubin")
+        assert chosen["l0"] != fastest and fastest in caplog.text and "not used" in caplog.text
+        (record,) = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
+        assert record["rejected"] == [fastest] and fastest not in record["ms"]
+    # within 1%: the same values (another summation order)
+    bad = 1.005
+    chosen = tune.tune_gemms(_ops()[:1], arch="sm_90", precision="float16", cache_dir=str(tmp_path / "ok"),
+                             compile_source=lambda src: b"cubin")
+    assert chosen["l0"] == fastest
 
 
 def test_without_a_gpu_level_2_keeps_the_default(tmp_path, monkeypatch, caplog):
