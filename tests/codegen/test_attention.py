@@ -409,6 +409,35 @@ def test_unsupported_head_sizes_keep_the_generic_kernel():
     assert not generate_cuda_source([op], arch="sm_90").launches["a"].kind.startswith("attention")
 
 
+@pytest.mark.parametrize("s_len,l_len,past", [(150, 150, 0), (40, 230, 190), (129, 129, 0), (64, 300, 5),
+                                               (100, 60, 0)])
+def test_causal_kernels_visit_every_key_their_rows_see(s_len, l_len, past):
+    """The generated bounds of a causal kernel (the key blocks a block of queries visits, taken
+    from its source) hold every key ``j <= i + past`` of every row ``i`` of the block: the skipped
+    blocks hold none (and, past the last row, a block holds one it must see)."""
+    import re
+
+    from shardflow.compiler.codegen.cuda_attention import BLOCK_K, BLOCK_Q
+
+    q, k, v = Tensor("q", (1, 1, s_len, 32), "float16"), Tensor("k", (1, 1, l_len, 32), "float16"), \
+        Tensor("v", (1, 1, l_len, 32), "float16")
+    op = Attention([q, k, v], name="a", scale=0.5, acc_dtype="float32", probs_dtype="float16", is_causal=True,
+                   past_len=past)
+    src = generate_cuda_source([op], arch="sm_90")
+    assert src.launches["a"].kind == "attention-f16"
+    text = src.text
+    last = int(re.search(r"const int sf_last = sf_q0 \+ (-?\d+);", text).group(1))
+    nkb, step = (int(x) for x in re.search(r"sf_nkb = sf_last < 0 \? 0 : min\((\d+), sf_last / (\d+) \+ 1\);",
+                                             text).groups())
+    assert step == BLOCK_K and nkb == -(-l_len // BLOCK_K) and "(gridDim.x - 1 - blockIdx.x)" in text
+    for q0 in range(0, s_len, BLOCK_Q):
+        visited = 0 if q0 + last < 0 else min(nkb, (q0 + last) // step + 1)
+        rows = range(q0, min(q0 + BLOCK_Q, s_len))
+        seen = [j for j in range(l_len) if any(j <= i + past for i in rows)]
+        assert all(j < visited * BLOCK_K for j in seen), (q0, visited)
+        assert not seen or max(seen) >= (visited - 1) * BLOCK_K  # no block visited for nothing
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     if cg._find_nvcc() is None:
