@@ -22,6 +22,10 @@ key               meaning                                                       
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
+``gemm_tiles``    cuda only: ``{node name pattern: tile}`` forces wgmma GEMM tiles (names of ``{}``
+                  ``codegen/cuda_wgmma.WGMMA_CONFIGS``) on the GEMM kernels whose op, or an
+                  op fused into them, matches the ``fnmatch`` pattern (first match wins;
+                  over the tuned and the default choice)
 ================  =========================================================================  ==========
 """
 from __future__ import annotations
@@ -69,6 +73,7 @@ class OptimizationConfig:
     cuda_graph: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
+    gemm_tiles: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, cfg: "Mapping[str, Any] | OptimizationConfig | None") -> "OptimizationConfig":
@@ -132,6 +137,9 @@ class OptimizationConfig:
             kw["search_space"] = typed("search_space", (int,), "0, 1 or 2")
             if kw["search_space"] not in (0, 1, 2):
                 raise ConfigError(f"optimization_config['search_space'] = {kw['search_space']!r}: choose 0, 1 or 2")
+        if "gemm_tiles" in cfg:
+            kw["gemm_tiles"] = _gemm_tiles(typed("gemm_tiles", (dict,), "a dict {node name pattern: tile name}"),
+                                           target)
         if "comm_backend" in cfg:
             kw["comm_backend"] = typed("comm_backend", (str,), f"one of {list(COMM_BACKENDS)}")
             if kw["comm_backend"] not in COMM_BACKENDS:
@@ -144,6 +152,22 @@ class OptimizationConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _gemm_tiles(tiles: dict, target: str) -> dict:
+    """``optimization_config["gemm_tiles"]`` checked: cuda only, string patterns, known tiles."""
+    from .codegen.cuda_wgmma import WGMMA_CONFIGS
+
+    if target != "cuda":
+        raise ConfigError("optimization_config['gemm_tiles'] only applies to target 'cuda' (the wgmma GEMM tiles)")
+    for pattern, tile in tiles.items():
+        if not isinstance(pattern, str) or not isinstance(tile, str):
+            raise ConfigError(f"optimization_config['gemm_tiles']: {pattern!r}: {tile!r}: give node name patterns "
+                              "and tile names as strings")
+        if tile not in WGMMA_CONFIGS:
+            raise ConfigError(f"optimization_config['gemm_tiles'][{pattern!r}] = {tile!r}: choose one of "
+                              f"{sorted(WGMMA_CONFIGS)}")
+    return dict(tiles)
 
 
 # ---------------------------------------------------------------------------------------
@@ -707,6 +731,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             if opt.target == "cuda":
                 kw["arch"] = opt.arch
                 kw["precision"] = opt.precision
+                if opt.gemm_tiles:
+                    kw["gemm_tiles"] = opt.gemm_tiles
             compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels
             kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
             if compute and not (rdir / kernels_name).is_file():

@@ -182,7 +182,7 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log) -> tu
 
 
 def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
-                 search_space: int | None) -> dict:
+                 search_space: int | None, gemm_tiles: dict | None = None) -> dict:
     """Compile one batch size; returns the record (timings, kernel kinds)."""
     from shardflow.compiler import compile as sf_compile
 
@@ -191,6 +191,8 @@ def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch:
         opt["arch"] = arch
     if search_space is not None:
         opt["search_space"] = search_space
+    if gemm_tiles:
+        opt["gemm_tiles"] = gemm_tiles
     t0 = time.perf_counter()
     res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
                      out_dir=out_dir, input_shapes={"input_ids": [batch, 128]})
@@ -226,7 +228,8 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
         out_dir = os.path.join(work, f"{name}-b{b}")
         try:
             rec.update(compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch,
-                                    precision=args.precision, search_space=args.search_space))
+                                    precision=args.precision, search_space=args.search_space,
+                                    gemm_tiles=json.loads(args.gemm_tiles) if args.gemm_tiles else None))
             compiled[b] = out_dir
             log(f"{name} {key}: compiled in {rec['compile_s']:.1f} s ({rec['kernels']} kernels, GEMM kinds "
                 f"{rec['gemm_kinds']})")
@@ -419,6 +422,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=50, help="timed calls per contender (median)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--search-space", type=int, default=None, help="optimization_config['search_space']")
+    ap.add_argument("--gemm-tiles", default="", help="optimization_config['gemm_tiles'] as JSON, e.g. "
+                    "'{\"*lm_head*\": \"pp64x256\"}'")
     ap.add_argument("--export-dir", help="reuse/keep exported models here (<name>.onnx/.json/.state.pt)")
     ap.add_argument("--tiny", action="store_true", help="2-layer narrow models (script tests)")
     ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",

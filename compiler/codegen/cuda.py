@@ -44,6 +44,7 @@ bfloat16, keeps float32.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import itertools
@@ -1965,10 +1966,38 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
+def _match_tiles(ops: Sequence[Operator], tiles: dict[str, str]) -> dict[str, str]:
+    """Op (kernel) name -> tile for the ops that ``tiles``' first matching pattern names (an op
+    matches when its name or the name of an op fused into it does); patterns that match no
+    GEMM are logged."""
+    if not tiles:
+        return {}
+    res: dict[str, str] = {}
+    used: set[str] = set()
+    for op in ops:
+        names = [op.name] + [m.name for m in getattr(op, "members", [])]
+        for pattern, tile in tiles.items():
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                if _holds_product(op):
+                    res[op.name] = tile
+                    used.add(pattern)
+                break
+    for pattern in tiles:
+        if pattern not in used:
+            log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program", pattern)
+    return res
+
+
+def _holds_product(op: Operator) -> bool:
+    """Whether ``op``'s kernel holds a product (a GEMM template candidate)."""
+    return any(m.op_type in ("MatMul", "Gemm", "Einsum", "Conv") for m in getattr(op, "members", [op]))
+
+
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
-                       search_space: int = 1, views: Sequence[str] = ()) -> dict[str, KernelLaunch | None]:
+                       search_space: int = 1, views: Sequence[str] = (),
+                       gemm_tiles: dict[str, str] | None = None) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -2000,6 +2029,10 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         written (graph outputs, inputs of collectives or of ops compiled elsewhere).
     gemm_configs
         Block tiles of wgmma GEMMs by op name (see :func:`generate_cuda_source`).
+    gemm_tiles
+        ``{fnmatch pattern: tile}``: the tile of the GEMM kernels whose op, or one of the ops fused
+        into it, matches a pattern (the first that does); over the tuned choices, under
+        ``gemm_configs`` (``optimization_config["gemm_tiles"]``).
     search_space
         ``0``/``1``: the default tile choice; ``2``: measure the wgmma GEMMs' tiles on this
         machine's GPU when one is visible (:mod:`.tune`; choices cached beside the kernels).
@@ -2044,10 +2077,14 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         a = compile_arch(arch, s)
         return _compile_nvcc(nvcc, s, a) if nvcc is not None else _compile_nvrtc(s, a)
 
+    forced = _match_tiles(ops, gemm_tiles or {})
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
-        tuned = tune_gemms(ops, arch=arch, precision=precision, cache_dir=cache, compile_source=compile_unit)
-        gemm_configs = {**tuned, **(gemm_configs or {})}
+        tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
+                           cache_dir=cache, compile_source=compile_unit)
+        gemm_configs = {**tuned, **forced, **(gemm_configs or {})}
+    elif forced:
+        gemm_configs = {**forced, **(gemm_configs or {})}
     src = generate_cuda_source(ops, precision, arch, gemm_configs)
     t1 = time.perf_counter()
     target = compile_arch(arch, src)

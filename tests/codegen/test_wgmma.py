@@ -112,6 +112,32 @@ def test_tma_tiles_describe_their_tensor_maps_and_batched_products_fall_back():
 
 
 @needs_nvcc
+def test_gemm_tiles_force_the_tile_of_matching_kernels(tmp_path, caplog):
+    """optimization_config["gemm_tiles"]: a pattern naming an op fused into a GEMM kernel (GPT-2's
+    c_fc projection, whose kernel is named after its epilogue's cast) sets that kernel's tile;
+    the others keep theirs; a pattern naming no GEMM is logged."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from shardflow.compiler import compile
+
+    model = Path(__file__).parent.parent / "models" / "gpt2_ts17.onnx"
+    blocks = {}
+    for name, tiles in (("default", None), ("forced", {"*c_fc*": "128x256", "*no_such_op*": "64x64"})):
+        opt = {"target": "cuda", "precision": "float16", **({"gemm_tiles": tiles} if tiles else {})}
+        with caplog.at_level(logging.WARNING, logger="shardflow.compiler.codegen.cuda"):
+            compile(model, distributed_config={"mesh_shape": [1]}, optimization_config=opt, out_dir=tmp_path / name)
+        program = json.loads((tmp_path / name / "rank0" / "program.json").read_text())
+        blocks[name] = {s["node"]: s["launch"]["block"][0] for s in program["steps"]
+                        if s["kind"] == "kernel" and s["launch"]["kind"].startswith("gemm-wgmma")}
+    fc = [n for n in blocks["default"] if n.endswith("mlp/c_proj/Gemm.in0.float16")]  # c_fc + GELU + cast
+    assert len(fc) == 2 and all(blocks["default"][n] == 128 and blocks["forced"][n] == 256 for n in fc)
+    assert all(blocks["forced"][n] == b for n, b in blocks["default"].items() if n not in fc)
+    assert "'*no_such_op*' names no GEMM kernel" in caplog.text
+
+
+@needs_nvcc
 def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
     ops = []
     for i, (cfg, dt, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, ("float16", "bfloat16"), LAYOUTS)):

@@ -53,6 +53,8 @@ def test_optimization_config_defaults_and_validation():
         ("cpu", None, "float32", True, True, 1, "auto")
     assert OptimizationConfig.from_dict({"target": "cuda"}).arch == "sm_90"
     assert OptimizationConfig.from_dict({"target": "cuda", "arch": "sm_80", "comm_backend": "nccl"}).arch == "sm_80"
+    assert c.gemm_tiles == {} and OptimizationConfig.from_dict(
+        {"target": "cuda", "gemm_tiles": {"*lm_head*": "pp64x256"}}).gemm_tiles == {"*lm_head*": "pp64x256"}
     bad = [({"targt": "cpu"}, "unknown key 'targt'; did you mean 'target'"),
            ({"target": "tpu"}, "choose one of"),
            ({"target": 1}, "need one of"),
@@ -68,6 +70,10 @@ def test_optimization_config_defaults_and_validation():
            ({"precision": "tf32"}, "only applies to target 'cuda'"),
            ({"precision": "bfloat16"}, "only applies to target 'cuda'"),
            ({"precision": "fp8"}, "choose one of"),
+           ({"gemm_tiles": {"*": "64x64"}}, "only applies to target 'cuda'"),
+           ({"target": "cuda", "gemm_tiles": {"*": "huge"}}, r"\['gemm_tiles'\]\['\*'\] = 'huge': choose one of"),
+           ({"target": "cuda", "gemm_tiles": {3: "64x64"}}, "as strings"),
+           ({"target": "cuda", "gemm_tiles": ["64x64"]}, "need a dict"),
            ([1, 2], "must be a dict")]
     for cfg, msg in bad:
         with pytest.raises(ConfigError, match=msg):
