@@ -70,7 +70,8 @@ WGMMA_CONFIGS = {
     "tma128x128": (2, 128, 6, "tma"),
     "tma64x128": (1, 128, 8, "tma"),
     # ping-pong (not measured yet: out of the default choice and of the tuner's candidates until a
-    # GPU run has timed them; ``gemm_configs`` / ``benchmarks/gpu/gemm.py --config`` select them)
+    # GPU run has timed them; optimization_config["gemm_tiles"] and benchmarks/gpu/gemm.py --config
+    # select them)
     "pp64x256": (2, 256, 5, "pp"),
     "pp64x192": (2, 192, 6, "pp"),
     "pp64x128": (2, 128, 8, "pp"),
