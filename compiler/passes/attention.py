@@ -168,6 +168,7 @@ class FuseAttention(GraphPass):
     def _match(self, mm2: Operator):
         from ..ops.elementwise import CastOp
         from ..ops.linalg import Attention
+        from ..ops.transform import Reshape
 
         if len(mm2.outputs[0].shape) != 4:
             return None
@@ -261,11 +262,15 @@ class FuseAttention(GraphPass):
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result
             new_ops.append(CastOp([y], name=f"{c.name}.3d", to=c.attrs["to"]))
             y = new_ops[-1].outputs[0]
+        if three_d and old.ndim == 2:  # the rows [B*S, H*Dv]: a view of the 3-D result
+            new_ops.append(Reshape([y], name=f"{out_chain[1].name}.rows", shape=tuple(old.shape)))
+            y = new_ops[-1].outputs[0]
         return new_ops, old, y
 
     def _output_chain(self, t: Tensor, shape3: tuple):
         """``(casts, reshape)`` when ``t`` is read by ``Transpose(0, 2, 1, 3)`` alone, then by
-        element-wise casts, then by a ``Reshape`` to ``shape3`` (each the only reader)."""
+        element-wise casts, then by a ``Reshape`` to ``shape3`` ``[B, S, H*Dv]`` or to its rows
+        ``[B*S, H*Dv]`` (torch's dynamo exporter, before a 2-D ``Gemm``), each the only reader."""
         tr = self._only(t)
         if not _is(tr, "Transpose", perm=(0, 2, 1, 3)):
             return None
@@ -274,6 +279,7 @@ class FuseAttention(GraphPass):
         while _is(cur, "Cast"):
             casts.append(cur)
             cur = self._only(cur.outputs[0])
-        if not _is(cur, "Reshape") or tuple(cur.outputs[0].shape) != tuple(shape3):
+        b_, s_len, width = shape3
+        if not _is(cur, "Reshape") or tuple(cur.outputs[0].shape) not in (tuple(shape3), (b_ * s_len, width)):
             return None
         return casts, cur

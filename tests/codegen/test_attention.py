@@ -35,7 +35,7 @@ from shardflow.runtime.tma import kernel_args
 MODELS = Path(__file__).parent.parent / "models"
 
 
-@pytest.mark.parametrize("model,three_d,y_3d", [("gpt2_ts17", True, True), ("gpt2_dynamo18", False, False),
+@pytest.mark.parametrize("model,three_d,y_3d", [("gpt2_ts17", True, True), ("gpt2_dynamo18", True, True),
                                                 ("bert_ts17", True, True), ("llama_ts17", False, True),
                                                 ("vit_ts17", True, True), ("t5_encoder_ts17", True, True),
                                                 ("t5_encoder_dynamo18", True, True)])
