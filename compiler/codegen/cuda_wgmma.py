@@ -167,7 +167,7 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
         waves = -(-units // sms)
         useful = M * N * batch / (tiles * bm * bn)  # tiles hanging over M or N do less work
         return units / (waves * sms) * useful * eff[name] * (split_eff[name] if splits > 1 else 1.0)
-    names = [n for n in eff if batch == 1 or WGMMA_CONFIGS[n][3] != "tma"]
+    names = [n for n in eff if batch == 1 or WGMMA_CONFIGS[n][3] == "cp"]
     return max(names, key=score)
 
 

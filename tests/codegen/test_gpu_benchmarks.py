@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -101,3 +102,24 @@ def test_tile_table_is_the_fit_of_the_committed_sweeps(capsys):
     assert {k: v for k, v in fit.items() if k.startswith("tma")} == \
         {k: v for k, v in W._TILE_EFFICIENCY.items() if k.startswith("tma")}
     assert "shipped table: geomean 0.831" in capsys.readouterr().out
+
+
+def test_the_fit_takes_ping_pong_tiles_from_a_sweep(tmp_path):
+    """A sweep with a ping-pong tile's section (here: the tma128x256 figures, relabelled and made
+    10% better) gives that tile an efficiency of its own, which then wins shapes."""
+    res = os.path.join(BENCH, "..", "results")
+    lines, section = [], None
+    with open(os.path.join(res, "h100-2026-11-22-tma-tiles.txt")) as f:
+        for ln in f:
+            if ln.startswith("== "):
+                section = ln.split()[1]
+            elif section == "tma128x256" and re.match(r"\s+\S+_M\d+_float16\s+ours ", ln):  # a case line
+                head, ratio = ln.rsplit(" ratio ", 1)
+                value, rest = ratio.split(maxsplit=1)
+                lines.append(f"{head} ratio {float(value) * 1.1:.3f} {rest}")
+    assert lines
+    sweep = tmp_path / "pp.txt"
+    sweep.write_text("== pp64x256\n" + "".join(lines))
+    fit = _load("fit_tiles").main(["--sweep", os.path.join(res, "h100-2026-11-22-wgmma-tiles.txt"),
+                                   os.path.join(res, "h100-2026-11-22-tma-tiles.txt"), str(sweep)])
+    assert fit["pp64x256"] > 0 and "pp64x256" not in fit["split"]
