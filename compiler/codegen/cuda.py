@@ -1550,9 +1550,8 @@ def _attention_member(op: Operator) -> Operator | None:
         return None
     a = att[0].attrs
     if (a.get("acc_dtype") != "float32" or a.get("probs_dtype") not in ("float16", "bfloat16") or a.get("qk_mode")
-            is not None or a.get("has_nonpad") or a.get("softcap", 0.0) > 0 or a.get("left_window", -1) >= 0
-            or a.get("right_window", -1) >= 0 or a.get("softmax_dtype")):
-        return None  # (past_len moves only the causal diagonal: the keys already hold the cache)
+            is not None or a.get("has_nonpad") or a.get("softmax_dtype")):
+        return None  # (past_len moves only the diagonal of the causal mask and the windows)
     return att[0]
 
 
@@ -1641,6 +1640,12 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
                 return None  # not element-wise at its own index
             em.subst[id(n)] = ("sf_acc", "float32")
     out_idx = ["sf_b", "sf_h", "sf_i", "sf_e"] if len(y_shape) == 4 else ["sf_b", "sf_i", f"(sf_h * {dv} + sf_e)"]
+    # the band of keys a query sees: j <= i + hi (causal, right window), j >= i + off - left (left window)
+    a = att.attrs
+    off, left, right = int(a.get("past_len", 0)), int(a.get("left_window", -1)), int(a.get("right_window", -1))
+    hi = off if a.get("is_causal") else None
+    if right >= 0:
+        hi = off + right if hi is None else min(hi, off + right)
     eblk = _Block(root, {v: (f"sf_x{j}", "int32") for j, v in enumerate(gc.axes)})
     x = em.value_as(value, gc.dtype, eblk)
     offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
@@ -1649,8 +1654,8 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
                             root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),
-                            causal=int(att.attrs.get("past_len", 0)) if att.attrs.get("is_causal") else None,
-                            empty_rows_zero=bool(att.attrs.get("has_mask") or att.attrs.get("is_causal")))
+                            empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0),
+                            causal=hi, lo=None if left < 0 else off - left, softcap=float(a.get("softcap", 0.0)))
 
 
 # --- one op --------------------------------------------------------------------------------------

@@ -9,9 +9,12 @@ output: the online softmax of FlashAttention), and the probabilities, rounded to
 in the registers that held the scores, multiply the V tile on the tensor cores. The score
 matrix is never written to memory, so memory is linear in the sequence length. At the end each
 row is divided by its sum (a row whose every key is masked gives 0 under the op's mask rule,
-NaN without it, as the op's definition says) and handed to the fused epilogue element by element. With a causal mask (``is_causal``: query
-``i`` sees keys ``j <= i + past_len``) the kernel masks the scores past the diagonal itself and
-does not visit the key blocks wholly past it (rfcs/0005-hopper-gemm.md, decision 18).
+NaN without it, as the op's definition says) and handed to the fused epilogue element by
+element. With a causal mask (``is_causal``: query ``i`` sees keys ``j <= i + past_len``) or a
+sliding window (``left_window``/``right_window`` around that diagonal) the kernel masks the
+scores outside the band itself and does not visit the key blocks wholly outside it; a softcap
+(``softcap``) bounds the scaled scores with ``tanh`` before the masks are added
+(rfcs/0005-hopper-gemm.md, decision 18).
 
 Requirements (else the generic lowering runs): head sizes multiples of 16 up to 128; Q, K and V
 dense half tensors whose head dimension is contiguous and whose other strides and offset are
@@ -87,18 +90,21 @@ def _base(o: AttnOperand, head: str) -> str:
 def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: int, L: int, D: int,
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
                      root: str, biases: Sequence[str], epilogue: str, causal: int | None = None,
-                     empty_rows_zero: bool = True) -> tuple[str, dict]:
+                     empty_rows_zero: bool = True, lo: int | None = None, softcap: float = 0.0) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
     ``biases``: for each additive bias, in the order they are added to a score, C lines that set
     ``float sf_bias`` from ``sf_b, sf_h, sf_i, sf_j``;
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
     ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` known).
-    ``causal``: None, or the offset ``c`` of a causal mask: query ``i`` sees keys ``j <= i + c``
-    only. The key blocks wholly past that diagonal are not visited (about half the work for a
+    ``causal``: None, or the offset ``c`` of a causal mask (or of a window's upper edge): query
+    ``i`` sees keys ``j <= i + c`` only. The key blocks wholly past that diagonal are not visited (about half the work for a
     long sequence), and the blocks of queries are taken last first, so that the ones with the
-    most keys start first. ``empty_rows_zero``: a row whose every key is masked gives 0 (the
-    ONNX op's rule), else NaN (``0 / 0``, what a softmax over ``-inf`` everywhere gives).
+    most keys start first. ``lo``: None, or the first key query ``i`` sees, ``i + lo`` (a
+    sliding window); the key blocks wholly before it are not visited. ``softcap`` (> 0):
+    scores become ``tanh(s / softcap) * softcap`` before the biases. ``empty_rows_zero``: a row
+    whose every key is masked gives 0 (the ONNX op's rule), else NaN (``0 / 0``, what a softmax
+    over ``-inf`` everywhere gives).
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
@@ -116,14 +122,24 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                 f'{{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n" : {outs} : {ins});')
 
     p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
+    def offset(c: int) -> str:
+        return f" + {c}" if c > 0 else f" - {-c}" if c else ""
     if causal is None:
         q_block, causal_test, nkb_code, nkb_bound = "blockIdx.x", "", "", str(nkb)
     else:  # heaviest query blocks first; the key blocks that hold a key some row of the block sees
         q_block = "(gridDim.x - 1 - blockIdx.x)"
-        causal_test = " && sf_j <= sf_i" + (f" + {causal}" if causal > 0 else f" - {-causal}" if causal else "")
-        nkb_code = (f"  const int sf_last = sf_q0 + {BLOCK_Q - 1 + causal};  // the last key the block's rows see\n"
+        causal_test = f" && sf_j <= sf_i{offset(causal)}"
+        nkb_code = (f"  const int sf_last = min(sf_q0 + {BLOCK_Q - 1}, {S - 1}){offset(causal)};  // the last key "
+                    "the block's rows see\n"
                     f"  const int sf_nkb = sf_last < 0 ? 0 : min({nkb}, sf_last / {BLOCK_K} + 1);\n")
         nkb_bound = "sf_nkb"
+    kb0, stage = "0", "kb & 1"
+    if lo is not None:  # the key blocks from the one that holds the first key the block's first row sees
+        causal_test += f" && sf_j >= sf_i{offset(lo)}"
+        nkb_code += (f"  const int sf_first = sf_q0{offset(lo)};  // the first key the block's rows see\n"
+                     f"  const int sf_kb0 = sf_first <= 0 ? 0 : sf_first / {BLOCK_K};\n")
+        kb0, stage = "sf_kb0", "(kb - sf_kb0) & 1"
+    cap = f"        x = tanhf(x / {softcap!r}f) * {softcap!r}f;\n" if softcap > 0 else ""
     bias_code = "\n".join(f"""            {{
               float sf_bias;
 {_indent(bias, 14)}
@@ -164,7 +180,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                   sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + cc * 8, j < {L});
     }}
   }};
-{nkb_code}  sf_load_kv(0, 0);
+{nkb_code}  sf_load_kv({kb0}, 0);
   sf_att_commit();
   // this warp's 16 query rows as mma A fragments, loaded once
   sf_att_wait<0>();
@@ -179,8 +195,8 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
   #pragma unroll
   for (int n = 0; n < {nd}; ++n) sf_o[n][0] = sf_o[n][1] = sf_o[n][2] = sf_o[n][3] = 0.0f;
   float sf_m[2] = {{__int_as_float(0xff800000), __int_as_float(0xff800000)}}, sf_l[2] = {{0.0f, 0.0f}};
-  for (int kb = 0; kb < {nkb_bound}; ++kb) {{
-    const int st = kb & 1;
+  for (int kb = {kb0}; kb < {nkb_bound}; ++kb) {{
+    const int st = {stage};
     if (kb + 1 < {nkb_bound}) sf_load_kv(kb + 1, st ^ 1);
     sf_att_commit();
     sf_att_wait<1>();
@@ -210,7 +226,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
         const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
         const int sf_j = kb * {BLOCK_K} + n * 8 + sf_t * 2 + (r & 1);
         float x = sf_s[n][r] * {scale!r}f;
-        if (sf_j < {L} && sf_i < {S}{causal_test}) {{
+{cap}        if (sf_j < {L} && sf_i < {S}{causal_test}) {{
 {bias_code}
         }} else {{
           x = __int_as_float(0xff800000);

@@ -329,7 +329,7 @@ def _rounded(x: np.ndarray, half: str) -> np.ndarray:
 
 
 def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_rows=(), causal=None, bool_mask=False,
-          extra_shape=None, y_3d=False):
+          extra_shape=None, y_3d=False, more=None):
     def t(*shape):
         return _rounded(rng.standard_normal(shape).astype(np.float32), half)
     if three_d:
@@ -356,6 +356,7 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
         attrs["extra_biases"] = 1
     if y_3d:
         attrs["y_3d"] = True
+    attrs.update(more or {})
     return arrays, attrs
 
 
@@ -378,6 +379,12 @@ CASES = {
     "biases-only": ("float16", 1, 2, 2, 66, 66, 32, 32, False, None, (), None, False, (1, 2, 66, 66)),
     # Llama's: 4-D operands (Q and K out of the rotary embedding), causal, the output merged [B, S, H*D]
     "heads-in-merged-out": ("float16", 2, 4, 4, 100, 100, 64, 64, False, None, (), 0, False, None, True),
+    # a causal sliding window (Mistral's) with a softcap (Gemma 2's): key blocks before the window skipped
+    "window-softcap": ("float16", 2, 2, 2, 200, 200, 64, 64, False, None, (), 0, False, None, False,
+                       {"left_window": 70, "softcap": 2.0}),
+    # a window on both sides of a KV cache's diagonal, no causal mask, with a mask
+    "window-kv-cache": ("bfloat16", 1, 2, 2, 40, 230, 32, 32, False, (1, 1, 40, 230), (), None, False, None, False,
+                        {"past_len": 190, "left_window": 50, "right_window": 3}),
 }
 
 
@@ -409,6 +416,15 @@ def test_unsupported_head_sizes_keep_the_generic_kernel():
     assert not generate_cuda_source([op], arch="sm_90").launches["a"].kind.startswith("attention")
 
 
+def _last_key(text: str, q0: int) -> int:
+    """The last key a block of queries from ``q0`` sees, by the generated ``sf_last`` line."""
+    import re
+
+    m = re.search(r"const int sf_last = min\(sf_q0 \+ (\d+), (\d+)\)(?: ([+-]) (\d+))?;", text)
+    shift = 0 if m.group(3) is None else int(m.group(4)) * (1 if m.group(3) == "+" else -1)
+    return min(q0 + int(m.group(1)), int(m.group(2))) + shift
+
+
 @pytest.mark.parametrize("s_len,l_len,past", [(150, 150, 0), (40, 230, 190), (129, 129, 0), (64, 300, 5),
                                                (100, 60, 0)])
 def test_causal_kernels_visit_every_key_their_rows_see(s_len, l_len, past):
@@ -426,16 +442,46 @@ def test_causal_kernels_visit_every_key_their_rows_see(s_len, l_len, past):
     src = generate_cuda_source([op], arch="sm_90")
     assert src.launches["a"].kind == "attention-f16"
     text = src.text
-    last = int(re.search(r"const int sf_last = sf_q0 \+ (-?\d+);", text).group(1))
     nkb, step = (int(x) for x in re.search(r"sf_nkb = sf_last < 0 \? 0 : min\((\d+), sf_last / (\d+) \+ 1\);",
                                              text).groups())
     assert step == BLOCK_K and nkb == -(-l_len // BLOCK_K) and "(gridDim.x - 1 - blockIdx.x)" in text
     for q0 in range(0, s_len, BLOCK_Q):
-        visited = 0 if q0 + last < 0 else min(nkb, (q0 + last) // step + 1)
+        last = _last_key(text, q0)
+        visited = 0 if last < 0 else min(nkb, last // step + 1)
         rows = range(q0, min(q0 + BLOCK_Q, s_len))
         seen = [j for j in range(l_len) if any(j <= i + past for i in rows)]
         assert all(j < visited * BLOCK_K for j in seen), (q0, visited)
         assert not seen or max(seen) >= (visited - 1) * BLOCK_K  # no block visited for nothing
+
+
+@pytest.mark.parametrize("past,left,right,causal", [(0, 70, -1, True), (190, 50, 3, False), (5, 0, 0, False),
+                                                    (0, 200, 64, False)])
+def test_window_kernels_visit_the_key_blocks_of_their_band(past, left, right, causal):
+    """With sliding windows the generated bounds (first and last key block of a block of queries)
+    hold every key ``i + past - left <= j <= i + past + right`` (``j <= i + past`` too if causal)
+    of every row of the block, and visit no block before or after those keys."""
+    import re
+
+    from shardflow.compiler.codegen.cuda_attention import BLOCK_K, BLOCK_Q
+
+    s_len, l_len = 150, 300
+    q, k, v = Tensor("q", (1, 1, s_len, 32), "float16"), Tensor("k", (1, 1, l_len, 32), "float16"), \
+        Tensor("v", (1, 1, l_len, 32), "float16")
+    op = Attention([q, k, v], name="a", scale=0.5, acc_dtype="float32", probs_dtype="float16", is_causal=causal,
+                   past_len=past, left_window=left, right_window=right)
+    text = generate_cuda_source([op], arch="sm_90").text
+    assert "sf_load_kv(sf_kb0, 0)" in text and "for (int kb = sf_kb0;" in text
+    first = re.search(r"const int sf_first = sf_q0(?: ([+-]) (\d+))?;", text)
+    lo = 0 if first.group(1) is None else int(first.group(2)) * (1 if first.group(1) == "+" else -1)
+    for q0 in range(0, s_len, BLOCK_Q):
+        kb0 = 0 if q0 + lo <= 0 else (q0 + lo) // BLOCK_K
+        last = _last_key(text, q0)
+        end = min(-(-l_len // BLOCK_K), last // BLOCK_K + 1) if last >= 0 else 0
+        rows = range(q0, min(q0 + BLOCK_Q, s_len))
+        hi = min(right, 0) if causal and right >= 0 else (0 if causal else right)
+        seen = [j for j in range(l_len) if any(i + past - left <= j <= i + past + hi for i in rows)]
+        assert all(kb0 * BLOCK_K <= j < end * BLOCK_K for j in seen), (q0, kb0, end)
+        assert not seen or (min(seen) < (kb0 + 1) * BLOCK_K and max(seen) >= (end - 1) * BLOCK_K)
 
 
 @pytest.fixture(scope="module")
