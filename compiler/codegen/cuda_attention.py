@@ -98,9 +98,9 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
     ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` known).
     ``causal``: None, or the offset ``c`` of a causal mask (or of a window's upper edge): query
-    ``i`` sees keys ``j <= i + c`` only. The key blocks wholly past that diagonal are not visited (about half the work for a
-    long sequence), and the blocks of queries are taken last first, so that the ones with the
-    most keys start first. ``lo``: None, or the first key query ``i`` sees, ``i + lo`` (a
+    ``i`` sees keys ``j <= i + c`` only. The key blocks wholly past that diagonal are not
+    visited (about half the work for a long sequence), and the blocks of queries are taken last
+    first, so that the ones with the most keys start first. ``lo``: None, or the first key query ``i`` sees, ``i + lo`` (a
     sliding window); the key blocks wholly before it are not visited. ``softcap`` (> 0):
     scores become ``tanh(s / softcap) * softcap`` before the biases. ``empty_rows_zero``: a row
     whose every key is masked gives 0 (the ONNX op's rule), else NaN (``0 / 0``, what a softmax
