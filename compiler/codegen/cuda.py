@@ -1971,31 +1971,16 @@ def _compile_nvrtc(src: CudaSource, arch: str) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-def _match_tiles(ops: Sequence[Operator], tiles: dict[str, str]) -> dict[str, str]:
-    """Op (kernel) name -> tile for the ops that ``tiles``' first matching pattern names (an op
-    matches when its name or the name of an op fused into it does); patterns that match no
-    GEMM are logged."""
-    if not tiles:
-        return {}
-    res: dict[str, str] = {}
-    used: set[str] = set()
+def _match_tiles(ops: Sequence[Operator], tiles: dict[str, str]) -> dict[str, list[str]]:
+    """Pattern -> the names of the ops (kernels) it forces a tile on: the first pattern of
+    ``tiles`` that matches an op's name, or the name of an op fused into it."""
+    res: dict[str, list[str]] = {pattern: [] for pattern in tiles}
     for op in ops:
         names = [op.name] + [m.name for m in getattr(op, "members", [])]
-        for pattern, tile in tiles.items():
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                if _holds_product(op):
-                    res[op.name] = tile
-                    used.add(pattern)
-                break
-    for pattern in tiles:
-        if pattern not in used:
-            log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program", pattern)
+        pattern = next((p for p in tiles if any(fnmatch.fnmatchcase(n, p) for n in names)), None)
+        if pattern is not None:
+            res[pattern].append(op.name)
     return res
-
-
-def _holds_product(op: Operator) -> bool:
-    """Whether ``op``'s kernel holds a product (a GEMM template candidate)."""
-    return any(m.op_type in ("MatMul", "Gemm", "Einsum", "Conv") for m in getattr(op, "members", [op]))
 
 
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
@@ -2082,15 +2067,17 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         a = compile_arch(arch, s)
         return _compile_nvcc(nvcc, s, a) if nvcc is not None else _compile_nvrtc(s, a)
 
-    forced = _match_tiles(ops, gemm_tiles or {})
+    matched = _match_tiles(ops, gemm_tiles or {})
+    forced = {name: gemm_tiles[pattern] for pattern, names in matched.items() for name in names}
+    tuned = {}
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
                            cache_dir=cache, compile_source=compile_unit)
-        gemm_configs = {**tuned, **forced, **(gemm_configs or {})}
-    elif forced:
-        gemm_configs = {**forced, **(gemm_configs or {})}
-    src = generate_cuda_source(ops, precision, arch, gemm_configs)
+    src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})})
+    for pattern, names in matched.items():
+        if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):
+            log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program (wgmma)", pattern)
     t1 = time.perf_counter()
     target = compile_arch(arch, src)
     if nvcc is not None:

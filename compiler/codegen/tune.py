@@ -147,6 +147,12 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         return {}
     measure = measure or measure_on_gpu
     output = output or output_on_gpu
+    cubins: dict[str, bytes] = {}  # source text -> cubin (the default tile is also a candidate)
+
+    def compiled(src) -> bytes:
+        if src.text not in cubins:
+            cubins[src.text] = compile_source(src)
+        return cubins[src.text]
     base = generate_cuda_source(list(ops), precision, arch)
     folder = os.path.join(cache_dir, "tune")
     chosen: dict[str, str] = {}
@@ -165,12 +171,12 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
             continue
         times, wrong = {}, []
         alone = generate_cuda_source([op], precision, arch)  # the default tile: the reference values
-        want = output(compile_source(alone), alone.launches[op.name], op)
+        want = output(compiled(alone), alone.launches[op.name], op)
         for cand in CANDIDATES:
             src = generate_cuda_source([op], precision, arch, {op.name: cand})
             if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
                 continue  # a batched product: the tile falls back to a cp.async one measured anyway
-            cubin, launch = compile_source(src), src.launches[op.name]
+            cubin, launch = compiled(src), src.launches[op.name]
             if not _agrees(output(cubin, launch, op), want):
                 wrong.append(cand)
                 continue
