@@ -40,8 +40,7 @@ import numpy as np
 
 from ..codegen.cuda_attention import takes_heads
 from ..ir.graph import FlowGraph, Operator, Tensor
-from .base import GraphPass
-from .simplify import EliminateDeadCode
+from .base import GraphPass, splice
 
 __all__ = ["FuseAttention"]
 
@@ -108,14 +107,7 @@ class FuseAttention(GraphPass):
             n += 1
         if not n:
             return graph
-        nodes: list[Operator] = []
-        for op in graph.nodes:
-            op.inputs = [replace.get(id(t), t) for t in op.inputs]
-            nodes.append(op)
-            nodes += insert.get(id(op), [])
-        graph.nodes = nodes
-        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
-        graph = EliminateDeadCode().run(graph)
+        graph = splice(graph, insert, replace)
         log.info("attention: %d softmax(QK^T)V patterns fused into Attention ops", n)
         return graph
 

@@ -11,9 +11,9 @@ import os
 import time
 from typing import Callable, Iterable, Sequence
 
-from ..ir.graph import FlowGraph
+from ..ir.graph import FlowGraph, Operator, Tensor
 
-__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument"]
+__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument", "splice"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,22 @@ class GraphPass:
 
     def __call__(self, graph: FlowGraph) -> FlowGraph:
         return self.run(graph)
+
+
+def splice(graph: FlowGraph, after: dict[int, list[Operator]], replace: dict[int, Tensor]) -> FlowGraph:
+    """``graph`` with the new ops ``after[id(op)]`` placed right after ``op``, every later read
+    (and graph output) of a tensor in ``replace`` (by id) redirected to its replacement, and the
+    ops left without readers removed: how a rewriting pass puts its result in."""
+    from .simplify import EliminateDeadCode
+
+    nodes: list[Operator] = []
+    for op in graph.nodes:
+        op.inputs = [replace.get(id(t), t) for t in op.inputs]
+        nodes.append(op)
+        nodes += after.get(id(op), [])
+    graph.nodes = nodes
+    graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
+    return EliminateDeadCode().run(graph)
 
 
 class PassPipeline:

@@ -27,8 +27,7 @@ import logging
 import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
-from .base import GraphPass
-from .simplify import EliminateDeadCode
+from .base import GraphPass, splice
 
 __all__ = ["MergeProjections"]
 
@@ -81,32 +80,18 @@ class MergeProjections(GraphPass):
                 new_ops.append(add)
                 y = add.outputs[0]
             start = 0
-            for m, old in zip(members, ends):
+            for m, old in zip(members, ends):  # (the same leading dims: x's, and the bias Add keeps them)
                 width = m.inputs[1].shape[1]
-                rank = y.ndim
-                sl = Slice([y], name=f"{old.name}.slice", starts=(0,) * (rank - 1) + (start,),
-                           steps=(1,) * rank, sizes=y.shape[:-1] + (width,))
-                if sl.outputs[0].shape != old.shape or sl.outputs[0].dtype != old.dtype:
-                    break  # (a broadcast product whose output is not x's rows: left alone)
+                sl = Slice([y], name=f"{old.name}.slice", starts=(0,) * (y.ndim - 1) + (start,),
+                           steps=(1,) * y.ndim, sizes=y.shape[:-1] + (width,))
                 new_ops.append(sl)
                 replace[id(old)] = sl.outputs[0]
                 start += width
-            else:
-                insert[id(members[0])] = new_ops
-                n += 1
-                continue
-            for old in ends:  # undo this group's replacements
-                replace.pop(id(old), None)
+            insert[id(members[0])] = new_ops  # after the first member: before any reader of the others
+            n += 1
         if not n:
             return graph
-        nodes: list[Operator] = []
-        for op in graph.nodes:
-            nodes += insert.get(id(op), [])
-            op.inputs = [replace.get(id(t), t) for t in op.inputs]
-            nodes.append(op)
-        graph.nodes = nodes
-        graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
-        graph = EliminateDeadCode().run(graph)
+        graph = splice(graph, insert, replace)
         log.info("projections: %d groups of products of one activation merged", n)
         return graph
 
