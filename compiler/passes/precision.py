@@ -77,11 +77,12 @@ class HalfPrecisionContractions(GraphPass):
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
         self._consumers, self._outputs, self._producer = consumers, outputs, producer
         self._halves: dict[int, Tensor] = {}  # tensor -> its rounded (half-typed) twin
+        self._half_consts: dict[int, Tensor] = {}  # weight -> its values stored in the half type
         self._memo: dict[int, bool] = {}
         dropped: set[int] = set()  # movement ops moved behind a rounding (re-created on the half values)
         for op in graph.nodes:
             if _half_attention(op):
-                self._attention(op, nodes, dropped, weights)
+                self._attention(op, nodes, dropped)
                 n_ops += 1
                 continue
             idx = _rounded(op)
@@ -102,40 +103,40 @@ class HalfPrecisionContractions(GraphPass):
             n_ops += 1
         graph.nodes = [op for op in nodes if id(op) not in dropped]
         log.info("precision %s: %d contractions read %s operands (%d weights converted)", self.dtype, n_ops,
-                 self.dtype, len(weights))
+                 self.dtype, len(set(weights) | set(self._half_consts)))
         return graph
 
     def _weight(self, op: Operator, k: int, t: Tensor, nodes: list[Operator]) -> Tensor:
         """Weight ``t`` converted once to the half type, read back as float32."""
         from ..ops.elementwise import CastOp
 
-        value = np.asarray(t.value).astype(self.np_dtype)
-        if (self.k_major_weights and op.op_type == "MatMul" and k == 1 and value.ndim == 2
-                and value.shape[1] % 8 and value.shape[0] % 8 == 0):
+        if (self.k_major_weights and op.op_type == "MatMul" and k == 1 and t.ndim == 2
+                and t.shape[1] % 8 and t.shape[0] % 8 == 0):
             from ..ops.transform import Transpose
+            value = np.asarray(t.value).astype(self.np_dtype)
             half = const_tensor(np.ascontiguousarray(value.T), f"{t.name}.{self.dtype}.T")
             flip = Transpose([half], name=f"{op.name}.w{k}.T", perm=(1, 0))
             nodes.append(flip)
             half = flip.outputs[0]
         else:
-            half = const_tensor(value, f"{t.name}.{self.dtype}")
+            half = self._half_const(t)
         back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
         nodes.append(back)
         return back.outputs[0]
 
-    def _attention(self, op: Operator, nodes: list[Operator], dropped: set[int], weights: dict) -> None:
+    def _half_const(self, t: Tensor) -> Tensor:
+        """Weight ``t``'s values stored in the half type (one copy per weight)."""
+        if id(t) not in self._half_consts:
+            self._half_consts[id(t)] = const_tensor(np.asarray(t.value).astype(self.np_dtype), f"{t.name}.{self.dtype}")
+        return self._half_consts[id(t)]
+
+    def _attention(self, op: Operator, nodes: list[Operator], dropped: set[int]) -> None:
         """``op`` (a float32 ``Attention``) in its mixed-precision form on half Q, K, V. The new op
         takes over the old one's output tensors, so their readers are unchanged."""
         inputs = list(op.inputs)
         for k in range(3):
             t = inputs[k]
-            if t.is_constant:
-                if (id(t), "half") not in weights:
-                    weights[(id(t), "half")] = const_tensor(np.asarray(t.value).astype(self.np_dtype),
-                                                            f"{t.name}.{self.dtype}")
-                inputs[k] = weights[(id(t), "half")]
-            else:
-                inputs[k] = self._half(op, k, t, nodes, dropped)
+            inputs[k] = self._half_const(t) if t.is_constant else self._half(op, k, t, nodes, dropped)
         a = op.attrs
         mixed = type(op)(inputs, name=op.name, **{**a, "acc_dtype": "float32", "probs_dtype": self.dtype,
                                                    "scale": a.get("scale", a.get("scale_sqrt", 1.0) ** 2)})
