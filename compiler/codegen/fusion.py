@@ -128,34 +128,36 @@ def _has_reduce(op: Operator) -> bool:
     return any(isinstance(n, Reduce) for n in walk(op.task.outputs[0].value))
 
 
-def _reads_elementwise(op: Operator, k: int) -> bool:
-    """Op reads its input ``k`` only at its own output index (same shape, no broadcast)."""
-    gc = op.task.outputs[0]
-    ph = op.task.inputs[k]
-    if tuple(ph.shape) != tuple(gc.shape):
-        return False
-    reads = [n for n in walk(gc.value) if isinstance(n, TensorElement) and n.tensor is ph]
-    return bool(reads) and all(len(n.indices) == len(gc.axes) and all(i is v for i, v in zip(n.indices, gc.axes))
-                               for n in reads)
-
-
-def _reads_row_statistic(op: Operator, k: int) -> bool:
-    """Op reads its input ``k``, one value per row (its trailing dims are 1 where the output's are
-    not: a statistic reduced with ``keepdims``, like RMSNorm's ``1 / sqrt(mean(x^2) + eps)``),
-    only at its own index's leading part, broadcast along the row."""
+def _read_prefix(op: Operator, k: int) -> int | None:
+    """``r`` when op reads its input ``k`` only as ``t[i_0, .., i_{r-1}, c, ..]``: the first ``r``
+    axes of its own output index, then constants for ``t``'s trailing dims of extent 1 where the
+    output's are not (a per-row value, broadcast along the row); None for any other read."""
     gc = op.task.outputs[0]
     ph = op.task.inputs[k]
     out, shp = tuple(gc.shape), tuple(ph.shape)
     if len(shp) != len(out):
-        return False
+        return None
     r = len(shp)
     while r > 0 and shp[r - 1] == 1 and out[r - 1] != 1:
         r -= 1
-    if r == len(shp) or shp[:r] != out[:r]:
-        return False
+    if shp[:r] != out[:r]:
+        return None
     reads = [n for n in walk(gc.value) if isinstance(n, TensorElement) and n.tensor is ph]
-    return bool(reads) and all(len(n.indices) == len(out) and all(i is v for i, v in zip(n.indices[:r], gc.axes[:r]))
-                               and all(isinstance(i, Const) for i in n.indices[r:]) for n in reads)
+    ok = bool(reads) and all(len(n.indices) == len(out) and all(i is v for i, v in zip(n.indices[:r], gc.axes))
+                             and all(isinstance(i, Const) for i in n.indices[r:]) for n in reads)
+    return r if ok else None
+
+
+def _reads_elementwise(op: Operator, k: int) -> bool:
+    """Op reads its input ``k`` only at its own output index (same shape, no broadcast)."""
+    return _read_prefix(op, k) == len(op.task.outputs[0].shape)
+
+
+def _reads_row_statistic(op: Operator, k: int) -> bool:
+    """Op reads its input ``k``, one value per row (a statistic reduced with ``keepdims``, like
+    RMSNorm's ``1 / sqrt(mean(x^2) + eps)``), broadcast along the row."""
+    r = _read_prefix(op, k)
+    return r is not None and r < len(op.task.outputs[0].shape)
 
 
 def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
