@@ -94,7 +94,6 @@ class FuseAttention(GraphPass):
         self._outputs = {id(t) for t in graph.outputs}
         replace: dict[int, Tensor] = {}  # old tensor -> new one
         insert: dict[int, list[Operator]] = {}  # id(op) -> new ops to place right after it
-        n = 0
         for op in list(graph.nodes):
             if not _is(op, "MatMul"):
                 continue
@@ -104,12 +103,9 @@ class FuseAttention(GraphPass):
             new_ops, old, new = found
             insert[id(op)] = new_ops
             replace[id(old)] = new
-            n += 1
-        if not n:
-            return graph
-        graph = splice(graph, insert, replace)
-        log.info("attention: %d softmax(QK^T)V patterns fused into Attention ops", n)
-        return graph
+        if insert:
+            log.info("attention: %d softmax(QK^T)V patterns fused into Attention ops", len(insert))
+        return splice(graph, insert, replace)
 
     # ---------------------------------------------------------------------------------------
     def _only(self, t: Tensor) -> Operator | None:

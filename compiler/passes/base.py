@@ -43,6 +43,8 @@ def splice(graph: FlowGraph, after: dict[int, list[Operator]], replace: dict[int
     ops left without readers removed: how a rewriting pass puts its result in."""
     from .simplify import EliminateDeadCode
 
+    if not after and not replace:
+        return graph
     nodes: list[Operator] = []
     for op in graph.nodes:
         op.inputs = [replace.get(id(t), t) for t in op.inputs]

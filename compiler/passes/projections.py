@@ -55,7 +55,6 @@ class MergeProjections(GraphPass):
                 by_input.setdefault(id(op.inputs[0]), []).append(op)
         insert: dict[int, list[Operator]] = {}  # id(first member) -> the merged ops
         replace: dict[int, Tensor] = {}  # old output -> its slice
-        n = 0
         for members in by_input.values():
             w_dtype = members[0].inputs[1].dtype
             members = [m for m in members if m.inputs[1].dtype == w_dtype and m.outputs[0].dtype == w_dtype]
@@ -88,12 +87,9 @@ class MergeProjections(GraphPass):
                 replace[id(old)] = sl.outputs[0]
                 start += width
             insert[id(members[0])] = new_ops  # after the first member: before any reader of the others
-            n += 1
-        if not n:
-            return graph
-        graph = splice(graph, insert, replace)
-        log.info("projections: %d groups of products of one activation merged", n)
-        return graph
+        if insert:
+            log.info("projections: %d groups of products of one activation merged", len(insert))
+        return splice(graph, insert, replace)
 
     @staticmethod
     def _bias(mm: Operator, consumers, outputs) -> tuple[Operator, int] | None:
