@@ -643,6 +643,36 @@ class _Coop:
     lane: str = "sf_lane"
 
 
+@dataclass
+class _Lanes:
+    """Consecutive outputs along axis ``var`` that one thread's GEMM epilogue computes together:
+    lane ``j`` of ``width`` is the output at ``var + j``. A read that steps one element with
+    ``var`` (and starts on a multiple of ``width``) is one vector load, made by lane 0
+    (``loaded``: read node -> the loaded vector's name); the other lanes take their element."""
+
+    var: Var
+    width: int
+    j: int = 0
+    loaded: dict[int, str] = field(default_factory=dict)
+
+    def unit_stride(self, e: TensorElement, shape: tuple[int, ...], an: "_Analysis") -> bool:
+        flat: dict[Var, int] = {}
+        const = 0
+        for ie, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
+            if ext == 1:
+                continue
+            f = affine_form(ie)
+            b = an.bounds(ie)
+            if f is None or b is None or b[0] < 0 or b[1] > ext - 1:  # not affine, or clamped
+                return False
+            coefs, c = f
+            const += c * st
+            for v, k in coefs.items():
+                flat[v] = flat.get(v, 0) + k * st
+        return (flat.get(self.var) == 1 and const % self.width == 0
+                and all(k % self.width == 0 for v, k in flat.items() if v is not self.var))
+
+
 class _Emitter:
     def __init__(self, an: _Analysis, reads: dict[int, tuple[str, tuple[int, ...], str]], names):
         self.an = an
@@ -651,6 +681,7 @@ class _Emitter:
         self.subst: dict[int, tuple[str, str]] = {}
         self.coop_ids: set[int] = set()
         self.uses_block_smem = False
+        self.lanes: _Lanes | None = None  # set while a vectorized GEMM epilogue is emitted
 
     def new(self, prefix: str = "v") -> str:
         return f"{prefix}{next(self.names)}"
@@ -732,6 +763,10 @@ class _Emitter:
         size = int(np.prod(shape, dtype=np.int64))
         if size == 0:
             return _literal(0, dt), dt
+        lanes = self.lanes
+        vector = lanes is not None and lanes.unit_stride(e, shape, self.an)
+        if vector and lanes.j > 0:
+            return self._ssa(blk, dt, _load(f"{lanes.loaded[id(e)]}.v[{lanes.j}]", dt))
         wide = size > _I32[1]
         terms = []
         for ie, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
@@ -752,6 +787,11 @@ class _Emitter:
                 x = f"(int)({x})"
             terms.append(x if st == 1 else f"({x}) * {st}{'LL' if wide else ''}")
         off = " + ".join(terms) if terms else "0"
+        if vector:  # lane 0: the lanes' elements in one access
+            vt = f"SfVec{lanes.width}<{_STORE_CTYPE[dt]}>"
+            q = lanes.loaded[id(e)] = self.new("q")
+            blk.lines.append(f"const {vt} {q} = *reinterpret_cast<const {vt}*>({ptr} + {off});")
+            return self._ssa(blk, dt, _load(f"{q}.v[0]", dt))
         name = self.new()
         blk.lines.append(f"const {_REG_CTYPE[dt]} {name} = {_load(f'{ptr}[{off}]', dt)};")
         return name, dt
@@ -1395,6 +1435,10 @@ def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
     return default
 
 
+#: output columns one thread's Hopper GEMM epilogue handles together (RFC 0005 decision 22)
+_EPILOGUE_VEC = 4
+
+
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
                 config: str | None = None) -> tuple[str, dict, tuple | None]:
@@ -1433,31 +1477,58 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         load_a = side(plan.a, "sf_m", plan.m_axes)
         load_b = side(plan.b, "sf_n", plan.n_axes)
     # epilogue
-    acc = "sf_acc"
-    if rd != "float32":
-        acc = _convert("sf_acc", "float32", rd)
-    for r in walk(value):
-        if isinstance(r, Reduce):  # every copy of the product is the accumulator
-            em.subst[id(r)] = (acc, rd)
     mdec, mbinds = _decompose("sf_m", plan.m_axes, "int", "m", names)
     ndec, nbinds = _decompose("sf_n", plan.n_axes, "int", "n", names)
     binds = {v: x for v, x in {**mbinds, **nbinds}.items() if v.extent != 1}
-    eblk = _Block(bblk, binds)
-    n_out = _prod(gc.shape)
-    wide = n_out > _I32[1]
-    terms = []
-    for v, st in zip(gc.axes, _row_major_strides(gc.shape)):
-        b = binds.get(v) or bblk.binds.get(v)
-        if b is None:
-            continue
-        nm = f"(long long){b[0]}" if wide else b[0]
-        terms.append(nm if st == 1 else f"{nm} * {st}{'LL' if wide else ''}")
-    x = em.value_as(value, gc.dtype, eblk)
-    epi = mdec + ndec + eblk.lines + [f"{out_ptr}[{' + '.join(terms) if terms else '0'}] = {_store(x, gc.dtype)};"]
+    wide = _prod(gc.shape) > _I32[1]
+
+    def out_index(bs: dict) -> str:
+        terms = []
+        for v, st in zip(gc.axes, _row_major_strides(gc.shape)):
+            b = bs.get(v) or bblk.binds.get(v)
+            if b is None:
+                continue
+            nm = f"(long long){b[0]}" if wide else b[0]
+            terms.append(nm if st == 1 else f"{nm} * {st}{'LL' if wide else ''}")
+        return " + ".join(terms) if terms else "0"
+
+    def emit(blk: _Block, acc: str) -> str:  # the output value, with every copy of the product = acc
+        for r in walk(value):
+            if isinstance(r, Reduce):
+                em.subst[id(r)] = (acc if rd == "float32" else _convert(acc, "float32", rd), rd)
+        return _store(em.value_as(value, gc.dtype, blk), gc.dtype)
+
+    # the Hopper templates give each thread four consecutive columns when the row's last axis
+    # allows (RFC 0005 decision 22); the lanes share what does not depend on that axis
+    inner = next((v for v in reversed(plan.n_axes) if v.extent != 1), None)
+    vec = _EPILOGUE_VEC if direct is not None and inner is not None and inner.extent % _EPILOGUE_VEC == 0 else 1
+    if vec == 1:
+        eblk = _Block(bblk, binds)
+        x = emit(eblk, "sf_acc")
+        epi = mdec + ndec + eblk.lines + [f"{out_ptr}[{out_index(binds)}] = {x};"]
+    else:
+        sblk = _Block(bblk, {v: x for v, x in binds.items() if v is not inner})
+        first, it = binds[inner]
+        em.lanes = _Lanes(inner, vec)
+        lane_blocks, outs = [], []
+        for j in range(vec):
+            em.lanes.j = j
+            lb = _Block(sblk, {inner: (first if j == 0 else f"({first} + {j})", it)})
+            outs.append(emit(lb, f"sf_acc[{j}]"))
+            lane_blocks.append(lb)
+        em.lanes = None
+        epi = mdec + ndec + sblk.lines + [ln for lb in lane_blocks for ln in lb.lines]
+        if [v for v in gc.axes if v.extent != 1][-1] is inner:  # contiguous in the output too: one store
+            vt = f"SfVec{vec}<{_STORE_CTYPE[gc.dtype]}>"
+            epi += [f"{vt} sf_o;"] + [f"sf_o.v[{j}] = {x};" for j, x in enumerate(outs)]
+            epi.append(f"*reinterpret_cast<{vt}*>({out_ptr} + {out_index(binds)}) = sf_o;")
+        else:
+            epi += [f"{out_ptr}[{out_index({**binds, inner: lb.binds[inner]})}] = {x};"
+                    for lb, x in zip(lane_blocks, outs)]
     if direct is not None:
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
                                  root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
-                                 a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config)
+                                 a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config, vec=vec)
     src, launch = gemm_kernel(symbol=symbol, params=params, prec=plan.prec, M=M, N=N, K=K, batch=B,
                               root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                               load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,

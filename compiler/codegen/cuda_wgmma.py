@@ -118,6 +118,34 @@ _EPILOGUE_UNROLL = 4
 _STAGE_BYTES = 64 * _LDS * 4
 
 
+def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread: str, cols: int, smem: str,
+                   ld: int, m: str, n: str, M: int, N: int, unroll: int) -> str:
+    """The loop running ``epilogue`` over a tile of accumulators staged in shared memory (``smem``,
+    rows of ``ld`` floats): ``groups`` groups of ``vec`` consecutive columns of a ``cols``-column
+    tile, thread ``thread`` of ``threads`` taking every ``threads``-th group; ``m``/``n`` are the
+    output row and column of the tile's first element. With ``vec == 1`` the epilogue reads
+    ``float sf_acc``, else ``float sf_acc[vec]`` for columns ``sf_n .. sf_n + vec - 1``, which are
+    all inside ``N`` when ``sf_n`` is (``N`` is a multiple of ``vec``)."""
+    per_row = cols // vec
+    col = f"sf_e % {per_row}" if vec == 1 else f"(sf_e % {per_row}) * {vec}"
+    if vec == 1:
+        acc = f"const float sf_acc = {smem}[(sf_e / {per_row}) * {ld} + {col}];"
+    else:
+        assert vec == 4 and N % vec == 0 and ld % vec == 0 and cols % vec == 0, (vec, N, ld, cols)
+        acc = (f"const float4 sf_a4 = *reinterpret_cast<const float4*>({smem} + (sf_e / {per_row}) * {ld} + {col});\n"
+               "const float sf_acc[4] = {sf_a4.x, sf_a4.y, sf_a4.z, sf_a4.w};")
+    return f"""#pragma unroll {max(1, unroll // vec)}
+for (int sf_i = 0; sf_i < {-(-groups // threads)}; ++sf_i) {{
+  const int sf_e = {thread} + sf_i * {threads};
+  const int sf_m = {m} + sf_e / {per_row};
+  const int sf_n = {n} + {col};
+  if ({"sf_e < %d && " % groups if groups % threads else ""}sf_m < {M} && sf_n < {N}) {{
+{_indent(acc, 4)}
+{_indent(epilogue, 4)}
+  }}
+}}"""
+
+
 #: relative throughput of a full block of each tile on a large product. The ``cp`` tiles keep their
 #: relative figures measured on an H100 (llama7b o projection, M=8192: 0.84, 0.68, 0.45, 0.31 of
 #: cuBLAS) times one factor against the ``tma`` tiles; the ``tma`` figures, that factor and the
@@ -328,12 +356,14 @@ const int sf_n0 = (({index} % sf_gsz) / sf_rows) * {BN};"""
 
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
                       batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
-                      config: str | None = None) -> tuple[str, dict, tuple[int, str, int, int]]:
+                      config: str | None = None, vec: int = 1) -> tuple[str, dict, tuple[int, str, int, int]]:
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
     ``ab`` is ``"f16"`` or ``"bf16"``. ``epilogue`` reads ``float sf_acc`` for output
     ``(sf_m, sf_n)`` and stores the result; ``root`` runs once per thread; ``batch_code``
     decomposes ``sf_bz`` into the batch axes (the operands' ``base`` expressions may use them).
+    With ``vec = 4`` (``N`` a multiple of 4) the epilogue handles four consecutive columns: it
+    reads ``float sf_acc[4]`` for outputs ``(sf_m, sf_n + j)``, all inside the product.
     """
     config = config or choose_wgmma_config(M, N, batch, K=K)
     if config not in WGMMA_CONFIGS:
@@ -341,7 +371,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     if WGMMA_CONFIGS[config][3] in ("tma", "pp"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
-                               a=a, b=b, epilogue=epilogue, config=config)
+                               a=a, b=b, epilogue=epilogue, config=config, vec=vec)
         config = _TMA_FALLBACK[config]
     wg, BN, S, _ = WGMMA_CONFIGS[config]
     BM = 64 * wg
@@ -372,15 +402,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     *reinterpret_cast<float2*>(sf_Cs + (sf_r + 8) * {ldc} + j * 8 + sf_c) = make_float2(sf_d[4 * j + 2], sf_d[4 * j + 3]);
   }}
 }}"""
-    epilogue_loop = f"""#pragma unroll {_EPILOGUE_UNROLL}
-for (int sf_e = threadIdx.x; sf_e < {BM * BN}; sf_e += {T}) {{
-  const int sf_m = sf_m0 + sf_e / {BN};
-  const int sf_n = sf_n0 + sf_e % {BN};
-  if (sf_m < {M} && sf_n < {N}) {{
-    const float sf_acc = sf_Cs[(sf_e / {BN}) * {ldc} + sf_e % {BN}];
-{_indent(epilogue, 4)}
-  }}
-}}"""
+    epilogue_loop = _epilogue_loop(epilogue, vec, groups=BM * BN // vec, threads=T, thread="threadIdx.x", cols=BN,
+                                   smem="sf_Cs", ld=ldc, m="sf_m0", n="sf_n0", M=M, N=N, unroll=_EPILOGUE_UNROLL)
     # every thread copies; a block barrier per K step hands the stage to the tensor cores
     body = f"""float sf_d[{BN // 2}];
 #pragma unroll
@@ -486,7 +509,7 @@ def _tma_copies(op: DirectOperand, rows: int, sm: str, o0: str, tmap: str) -> st
 
 
 def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, root: str, batch_code: str,
-                a: DirectOperand, b: DirectOperand, epilogue: str, config: str) -> tuple[str, dict, tuple]:
+                a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int) -> tuple[str, dict, tuple]:
     """A persistent warp-specialized GEMM: ``gridDim.x`` blocks (at most :data:`PERSISTENT_SMS`)
     take tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the grouped order. Warpgroup 0 is the
     producer: its first thread waits until a stage is free (``empty`` mbarrier), announces the
@@ -545,6 +568,9 @@ const int sf_ke = min(sf_kb + {per}, {KT});
         f"make_float2(sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 2}], sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 3}]);"
         for jj in range(_CHUNK // 8))
     nreg, tc = BN // 2, wg * 128
+    chunk_loop = _epilogue_loop(epilogue, vec, groups=64 * _CHUNK // vec, threads=128, thread="sf_wl", cols=_CHUNK,
+                                smem="sf_Cw", ld=_LDS, m="sf_m0" if pp else "sf_m0 + sf_cw * 64",
+                                n=f"sf_n0 + sf_ch * {_CHUNK}", M=M, N=N, unroll=_EPILOGUE_UNROLL)
     # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
     # coalesced) and counts itself in. When every unit has a block of its own (the usual case:
     # split_count keeps units <= multiprocessors, and then all blocks are resident at once), the
@@ -640,16 +666,7 @@ const int sf_c = (sf_wl & 3) * 2;
   for (int sf_ch = 0; sf_ch < {BN // _CHUNK}; ++sf_ch) {{
 {_indent(skip + chunk_rows, 4)}
     sf_bar_sync(1 + sf_cw, 128);
-    #pragma unroll {_EPILOGUE_UNROLL}
-    for (int sf_i = 0; sf_i < {64 * _CHUNK // 128}; ++sf_i) {{
-      const int sf_e = sf_wl + sf_i * 128;
-      const int sf_m = sf_m0 + {"" if pp else "sf_cw * 64 + "}sf_e / {_CHUNK};
-      const int sf_n = sf_n0 + sf_ch * {_CHUNK} + sf_e % {_CHUNK};
-      if (sf_m < {M} && sf_n < {N}) {{
-        const float sf_acc = sf_Cw[(sf_e / {_CHUNK}) * {_LDS} + sf_e % {_CHUNK}];
-{_indent(epilogue, 8)}
-      }}
-    }}
+{_indent(chunk_loop, 4)}
     sf_bar_sync(1 + sf_cw, 128);
   }}
 {_indent(finish, 2)}

@@ -22,6 +22,7 @@ from shardflow.compiler.codegen.lower import CodegenError
 from shardflow.compiler.ir import Tensor
 from shardflow.compiler.ops.elementwise import Binary, Unary
 from shardflow.compiler.ops.linalg import Gemm, MatMul
+from shardflow.compiler.ops.transform import Transpose
 from shardflow.runtime.tma import kernel_args
 
 needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc not installed")
@@ -161,6 +162,55 @@ def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
             frames[kernel] = int(m.group(1))
     assert len(frames) == len(ops)
     assert all(f == 0 for f in frames.values()), frames  # no local memory
+
+
+def _residual_epilogue(N, res_t=False, M=200, K=328):
+    """``x @ w + bias + res`` in float16 (``res`` read transposed with ``res_t``), fused; returns
+    the ops and their inputs' shapes. ``w`` is stored ``[N, K]`` when N is odd (its rows must be
+    16-byte aligned for the wgmma kernel)."""
+    x, bias = Tensor("x", (M, K), "float16"), Tensor("bias", (N,), "float16")
+    w = Tensor("w", (N, K) if N % 2 else (K, N), "float16")
+    res = Tensor("res", (N, M) if res_t else (M, N), "float16")
+    mm = Gemm([x, w], name="mm", trans_b=bool(N % 2))
+    add = Binary([mm.outputs[0], bias], name="add", fn="add")
+    ops = [mm, add]
+    if res_t:
+        ops.append(Transpose([res], name="tr", perm=[1, 0]))
+    out = Binary([add.outputs[0], ops[-1].outputs[0] if res_t else res], name="out", fn="add")
+    return fuse(ops + [out], keep=[out.outputs[0].name]), {"x": (M, K), "w": w.shape, "bias": (N,), "res": res.shape}
+
+
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
+def test_epilogue_takes_four_columns_per_thread(tmp_path, cfg):
+    """RFC 0005 decision 22: when the row length is a multiple of 4, each thread's epilogue
+    handles four consecutive outputs; reads that step by one element along the row (bias,
+    residual) are one vector load, and so is the store. A residual read across rows stays per
+    element; an odd row length keeps one output per thread. All compile with no local memory."""
+    cases = {"vec": _residual_epilogue(136), "odd": _residual_epilogue(137), "res_t": _residual_epilogue(136, True)}
+    srcs = {}
+    for name, (ops, _) in cases.items():
+        assert len(ops) == 1
+        src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
+        assert src.launches["out"].kind == "gemm-wgmma-f16"
+        srcs[name] = src.text
+        body = src.text[src.text.index('extern "C" __global__'):]
+        loads = body.count("reinterpret_cast<const SfVec4<__half>*>")
+        if name == "odd":
+            assert "SfVec4" not in body and "const float sf_acc = " in body
+        else:
+            assert "const float sf_acc[4] = {sf_a4.x, sf_a4.y, sf_a4.z, sf_a4.w};" in body
+            assert "*reinterpret_cast<SfVec4<__half>*>(out0 + " in body  # one store of four
+            assert loads == (2 if name == "vec" else 1), (name, loads)  # bias and residual / bias only
+    if __import__("shutil").which("nvcc") is None:
+        return
+    for name, text in srcs.items():
+        cu = tmp_path / f"{name}.cu"
+        cu.write_text(text)
+        proc = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                               "-Xptxas", "-v", "-o", str(tmp_path / f"{name}.cubin"), str(cu)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert re.search(r"\b0 bytes stack frame", proc.stderr) and "serialized" not in proc.stderr, proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,3 +393,30 @@ def test_split_k_reductions_give_the_same_bits(tmp_path, monkeypatch, split_min_
         np.testing.assert_array_equal(o, outs[0])
     got = outs[0].view(np.float16).astype(np.float32)
     np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x256",
+                                 pytest.param("pp64x128", id="pingpong-pp64x128")])  # run apart with -k pingpong
+def test_residual_epilogues_match_numpy(tmp_path, cfg):
+    """GEMM + bias + residual (RFC 0005 decision 22): four columns per thread with vector reads and
+    stores (N = 136), one column per thread (N = 137), and a residual read across rows; rows and
+    columns past the last tile."""
+    cupy = _gpu()
+    rng = np.random.default_rng(5)
+    for name, (N, res_t) in {"vec": (136, False), "odd": (137, False), "res_t": (136, True)}.items():
+        ops, shapes = _residual_epilogue(N, res_t, M=1100)
+        path = str(tmp_path / f"{name}.cubin")
+        launch = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                    gemm_configs={"out": cfg})["out"]
+        arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16) for k, v in shapes.items()}
+        res = arrays["res"].T if res_t else arrays["res"]
+        w = arrays["w"].T if N % 2 else arrays["w"]
+        want = arrays["x"].astype(np.float64) @ w.astype(np.float64) + arrays["bias"] + res
+        out = cupy.full((1100, N), 0xFFFF, cupy.uint16).view(cupy.float16)
+        dev = {k: cupy.asarray(v) for k, v in arrays.items()}
+        dev[ops[0].outputs[0].name] = out
+        _launch(cupy, cupy.RawModule(path=path), launch, tuple(dev[n] for n in launch.args))
+        got = cupy.asnumpy(out).astype(np.float32)
+        assert not np.isnan(got).any(), name
+        np.testing.assert_allclose(got, want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
