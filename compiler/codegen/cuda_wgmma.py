@@ -253,6 +253,9 @@ __device__ __forceinline__ void sf_tma_2d(unsigned dst, const SfTmap* map, int c
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
+__device__ __forceinline__ void sf_tma_prefetch(const SfTmap* map) {  // the descriptor into the cache
+  asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
 __device__ __forceinline__ void sf_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 }
@@ -693,6 +696,8 @@ const int sf_c = (sf_wl & 3) * 2;
 {_indent(root, 2)}
 {_indent(batch_code, 2)}
   if (threadIdx.x == 0) {{
+    sf_tma_prefetch(&sf_tmA);  // the first copies need the descriptors: fetch them while the block sets up
+    sf_tma_prefetch(&sf_tmB);
     for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
       sf_mbar_init({full("sf_s")}, 1);
       sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128});
