@@ -1,0 +1,209 @@
+"""The cuda target's element-wise and row kernels run on the host against numpy, in CI.
+
+``pytest -m gpu`` runs every generated kernel on a GPU (test_cuda_kernels.py), but most sessions
+and CI have none. Here the same cases' element-wise and row kernels (every op example and the
+larger extra cases) are compiled with g++ against tests/cuda_host.py's emulation of the CUDA
+constructs they use (threads as coroutines, ``__syncthreads``, warp shuffles, shared memory) and
+compared with ``op.run`` under the GPU tests' tolerances. Tensor-core kernels (GEMM, attention)
+need the GPU; test_epilogue_host.py runs the Hopper GEMM's epilogue alone.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from cuda_host import build, run
+from test_cuda_kernels import LOWERED, _check
+
+from shardflow.compiler.codegen.cuda import generate_cuda_source
+from shardflow.compiler.codegen.cuda_templates import PRELUDE
+from shardflow.compiler.ir import Tensor
+from shardflow.compiler.ops.norm import LayerNorm
+from shardflow.compiler.ops.reduce import Softmax
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+
+#: kernel kinds the emulation runs (no tensor cores)
+HOST_KINDS = ("elementwise", "row", "empty")
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    ops = [c[1] for c in LOWERED]
+    kinds = generate_cuda_source(ops).launches
+    cases = [c for c in LOWERED if kinds[c[0]].kind.split("+")[0] in HOST_KINDS]
+    src = generate_cuda_source([c[1] for c in cases])
+    return {"kernels": build(src.text, str(tmp_path_factory.mktemp("host"))), "launches": src.launches,
+            "cases": {c[0]: c for c in cases}}
+
+
+def _host_cases():
+    kinds = generate_cuda_source([c[1] for c in LOWERED]).launches
+    return [c[0] for c in LOWERED if kinds[c[0]].kind.split("+")[0] in HOST_KINDS]
+
+
+HOST_CASES = _host_cases()
+
+
+def test_most_kernels_are_covered():
+    kinds = {k: v.kind.split("+")[0] for k, v in generate_cuda_source([c[1] for c in LOWERED]).launches.items()}
+    assert len(HOST_CASES) == sum(1 for k in kinds.values() if k in HOST_KINDS) > 250
+    assert {kinds[n] for n in HOST_CASES} == set(HOST_KINDS)
+
+
+@pytest.mark.parametrize("name", HOST_CASES)
+def test_kernel_on_the_host_matches_numpy(host, name):
+    _, op, arrays, _ = host["cases"][name]
+    launch = host["launches"][name]
+    with np.errstate(all="ignore"):
+        want = op.run(*arrays)
+    got = run(host["kernels"], launch, arrays, [(t.shape, t.dtype) for t in op.outputs])
+    for g, w in zip(got, want):
+        _check(name, launch.kind, g, w)
+
+
+def test_the_emulation_sees_a_missing_barrier(tmp_path):
+    """The emulation is no rubber stamp: without the barrier between the warps' partial sums and
+    their reading, the block reduction of the softmax's sum reads the maxima the warps left there
+    and gives another result; a warp whose lanes wait at a warp and a block barrier is reported
+    as a deadlock, not a hang."""
+    x = np.random.default_rng(0).standard_normal((4, 3000)).astype(np.float32)
+    op = Softmax([Tensor("x", x.shape, "float32")], name="sm", axes=(1,))
+    src = generate_cuda_source([op])
+    launch = src.launches["sm"]
+    parts = src.text.split("__syncthreads();")
+    assert launch.grid == (4, 1, 1) and len(parts) == 5  # before and after each of two reductions' writes
+    want = op.run(x)[0]
+    good = run(build(src.text, str(tmp_path)), launch, [x], [(want.shape, want.dtype)])[0]
+    _check("sm", launch.kind, good, want)
+    broken = "__syncthreads();".join(parts[:4]) + parts[4]  # the sum's partials read unguarded
+    bad = run(build(broken, str(tmp_path)), launch, [x], [(want.shape, want.dtype)])[0]
+    assert not np.allclose(bad, want, equal_nan=True)
+    i = src.text.index('extern "C"')
+    split = "if ((threadIdx.x & 31) < 16) __syncwarp(); else __syncthreads();"  # half a warp at each
+    body = src.text[i:].replace("__syncthreads();", split, 1)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run(build(src.text[:i] + body, str(tmp_path)), launch, [x], [(want.shape, want.dtype)])
+
+
+def test_layernorm_of_a_long_row(tmp_path):
+    """A LayerNorm row longer than a block's threads, half-precision output (the precision pass's
+    form), against numpy."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 2304)).astype(np.float32)
+    g, b = rng.standard_normal(2304).astype(np.float32), rng.standard_normal(2304).astype(np.float32)
+    op = LayerNorm([Tensor(n, a.shape, "float32") for n, a in (("x", x), ("g", g), ("b", b))], name="ln", axis=1,
+                   epsilon=1e-5, stash="float32")
+    src = generate_cuda_source([op])
+    launch = src.launches["ln"]
+    want = op.run(x, g, b)
+    got = run(build(src.text, str(tmp_path)), launch, [x, g, b], [(t.shape, t.dtype) for t in op.outputs])
+    for o, w in zip(got, want):
+        _check("ln", launch.kind, o, w)
+
+
+def test_fused_chains_on_the_host_match_their_members(tmp_path):
+    """``cast -> op -> neg`` around every lowerable op example (test_fusion.py's chains): each
+    fused kernel (element-wise or row) against its members run one by one."""
+    from test_fusion import CHAINS, _reference
+
+    from shardflow.compiler.codegen.fusion import fuse
+
+    src = generate_cuda_source(fuse([op for _, chain, _ in CHAINS for op in chain]))
+    kernels = build(src.text, str(tmp_path))
+    checked = 0
+    for name, chain, arrays in CHAINS:
+        launch = src.launches[chain[-1].name]
+        tensors = {chain[0].inputs[0].name: arrays[0]}
+        tensors.update({t.name: t.value for op in chain for t in op.inputs if t.value is not None})
+        out = chain[-1].outputs[0]
+        got = run(kernels, launch, [tensors[n] for n in launch.args[:launch.num_inputs]], [(out.shape, out.dtype)])
+        with np.errstate(all="ignore"):
+            want = _reference(chain, arrays)
+        _check(name, launch.kind, got[0], want)
+        checked += 1
+    assert checked == len(CHAINS) > 200
+
+
+def test_decomposed_rms_norm_is_one_row_kernel_on_the_host(tmp_path):
+    """Llama's RMSNorm as exporters write it (pow, mean, add, sqrt, div, two products) is one row
+    kernel since session 6 (RFC 0004): against its members."""
+    from test_fusion import _decomposed_rms_norm
+
+    from shardflow.compiler.codegen.fusion import fuse
+
+    x, ops = _decomposed_rms_norm((3, 5, 1000))
+    (group,) = fuse(ops)
+    src = generate_cuda_source([group])
+    launch = src.launches[group.name]
+    assert launch.kind == "row"
+    xv = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+    vals = {id(x): xv}
+    for o in ops:
+        vals[id(o.outputs[0])] = o.run(*[vals[id(t)] if id(t) in vals else t.value for t in o.inputs])[0]
+    tensors = {t.name: (vals[id(t)] if id(t) in vals else t.value) for o in ops for t in o.inputs}
+    got = run(build(src.text, str(tmp_path)), launch, [tensors[n] for n in launch.args[:launch.num_inputs]],
+              [(x.shape, "float32")])
+    _check(group.name, launch.kind, got[0], vals[id(ops[-1].outputs[0])])
+
+
+def _rank_graph_for_cuda(model: str):
+    """A committed test model as the driver hands it to the cuda code generator at float16 on one
+    device: imported, planned, merged projections, half operands, fused attention."""
+    from model_refs import MODELS
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.parallel.partition import partition
+    from shardflow.compiler.parallel.search import search
+    from shardflow.compiler.passes.attention import FuseAttention
+    from shardflow.compiler.passes.precision import HalfPrecisionContractions
+    from shardflow.compiler.passes.projections import MergeProjections
+
+    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    graph = load_onnx(str(MODELS / f"{model}.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
+    (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
+    rg = MergeProjections().run(rg)
+    rg = HalfPrecisionContractions("float16", k_major_weights=True).run(rg)
+    return FuseAttention().run(rg), feeds
+
+
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17", "t5_encoder_ts17", "bert_ts17"])
+def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
+    """Every element-wise and row kernel of a test model's float16 cuda program (LayerNorm,
+    RMSNorm, GELU, rotary embeddings, masks, casts: the kernels between the GEMMs and the
+    attention) on the activations the reference evaluator computes, against the evaluator."""
+    from shardflow.compiler.codegen.fusion import fuse
+
+    rg, feeds = _rank_graph_for_cuda(model)
+    env = {t.name: feeds[t.name] for t in rg.inputs}
+    for op in rg.nodes:
+        with np.errstate(all="ignore"):
+            outs = op.run(*[env[t.name] if t.name in env else t.value for t in op.inputs])
+        env.update({t.name: v for t, v in zip(op.outputs, outs)})
+    groups = fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    host_groups = [g for g in groups if g.name in src.launches
+                   and src.launches[g.name].kind.split("+")[0] in HOST_KINDS and src.launches[g.name].grid[0] > 0]
+    assert len(host_groups) >= 5
+    symbols = sorted({src.launches[g.name].symbol for g in host_groups})  # layers share kernels
+    kernels = build(PRELUDE + "".join(_kernel_text(src.text, s) for s in symbols), str(tmp_path))
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    for g in host_groups:
+        launch = src.launches[g.name]
+        names = launch.args
+        ins = [env[n] if n in env else consts[n] for n in names[:launch.num_inputs]]
+        outs = run(kernels, launch, ins, [(env[n].shape, env[n].dtype) for n in names[launch.num_inputs:]])
+        for n, o in zip(names[launch.num_inputs:], outs):
+            _check(f"{model}: {g.name} -> {n}", launch.kind, o, env[n])
+
+
+def _kernel_text(text: str, symbol: str) -> str:
+    """One kernel's definition out of a generated translation unit (to its matching brace)."""
+    start = text.rindex('extern "C"', 0, text.index(f" {symbol}("))
+    depth, j = 0, text.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start:j + 1] + "\n"
+        j += 1
