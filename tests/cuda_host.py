@@ -2,20 +2,31 @@
 
 The cuda target's element-wise, row and attention kernels are C++ with a few CUDA constructs:
 thread and block indices, ``__shared__`` arrays, ``__syncthreads``, ``__shfl_xor_sync``,
-half-precision conversions, device math, and (attention) ``cp.async`` copies, ``ldmatrix`` and
-``mma.sync.m16n8k16``, which the shim implements after the PTX ISA's fragment layouts (the
-copies complete at once; a warp's matrix instruction waits for all its lanes, like a shuffle).
+half-precision conversions and device math; the attention kernel's ``ldmatrix`` and
+``mma.sync.m16n8k16`` (after the PTX ISA's fragment layouts: a warp's matrix instruction waits for
+all its lanes, like a shuffle); and the Hopper GEMMs' asynchronous machinery, modelled so that a
+missing wait shows: ``cp.async`` copies land only at the ``wait_group`` that covers their group,
+``wgmma`` products (operands read through their shared-memory descriptors, 128-byte swizzle) run
+only at the ``wait_group`` that covers them, bulk tensor copies (TMA, from the emulation's own
+tensor maps) land a random number of scheduler rounds after they were issued and in any order,
+completing their bytes on mbarriers (phases, parity waits, transaction counts), and named
+barriers (``bar.sync``/``bar.arrive``) count their threads.
 :func:`build` compiles a generated translation unit with g++ against that shim: every CUDA thread
 of a block is a coroutine (``ucontext``) on one host thread, a block's threads run until each
 finishes or waits at a barrier, a barrier opens when every thread of the block (or, for a warp
 instruction or ``__syncwarp``, of the warp) that has not exited waits at it, and the blocks of
-the grid run one after another. Nothing runs concurrently, so a result does not depend on timing;
-a barrier that can never open (lanes of one warp waiting at different barriers) is reported as a
-deadlock instead of hanging.
+the grid run one after another (a persistent kernel takes a smaller grid, each block looping over
+more tiles). Nothing runs concurrently: a run is one interleaving, chosen by a seed (with a seed
+above 1, threads also sit out scheduler rounds at random). A wait that can never end (lanes of one
+warp at different barriers, or every live thread polling what nothing changes any more) is
+reported as a deadlock instead of hanging.
 
 Host math (glibc) is not bit-identical to CUDA's device math (within a few ulps either way), so
-checks use the tolerances of the GPU tests. The GEMM templates (wmma, wgmma, TMA) are out of
-reach: :func:`build` refuses them.
+checks use the tolerances of the GPU tests. Not emulated: the wmma GEMM template (``nvcuda::wmma``)
+(:func:`build` refuses it), and a split-K kernel on a grid where its splits wait for each other
+(that needs all its blocks resident at once: here it is reported as a deadlock; run it on fewer
+blocks than units). What the shim cannot show: timing, the memory model (a missing
+``__threadfence``), bank conflicts, register limits.
 """
 from __future__ import annotations
 
@@ -32,7 +43,10 @@ _SHIM = r"""
 #include <math.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <type_traits>
 #include <ucontext.h>
 #include <vector>
@@ -45,6 +59,7 @@ _SHIM = r"""
 #define __shared__ static
 #define __align__(n) alignas(n)
 #define __expf(x) expf(x)  // (glibc declares an internal __expf it does not export)
+#define __grid_constant__
 
 typedef _Float16 __half;
 struct __nv_bfloat16 { unsigned short x; };
@@ -61,6 +76,9 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return {(unsigned short)(u >> 16)};
 }
 static inline __nv_bfloat16 __double2bfloat16(double d) { return __float2bfloat16_rn((float)d); }
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
 struct __half2 { __half x, y; };
 struct __nv_bfloat162 { __nv_bfloat16 x, y; };
 static inline __half2 __floats2half2_rn(float a, float b) { return {(__half)a, (__half)b}; }
@@ -78,8 +96,22 @@ struct SfDim3 { unsigned x, y, z; };
 static SfDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace sf_emu {
-enum State { RUN, BAR, WARP, DONE };
-struct Thread { ucontext_t ctx; State state; int buf, xbuf; SfDim3 idx; };
+enum State { RUN, BAR, WARP, DONE, SPIN };  // SPIN: runnable, but polling something
+struct Copy { unsigned dst; const void* src; bool full; };  // a 16-byte cp.async
+struct Mma { float* d; unsigned long long da, db; int bn; bool bf; int ta, tb; };  // a wgmma
+// a thread's asynchronous operations in groups (the last one still open, not committed)
+template <typename T> struct Groups {
+  std::vector<std::vector<T>> g{1};
+  void add(const T& op) { g.back().push_back(op); }
+  void commit() { g.emplace_back(); }
+  template <typename F> void wait(int n, F run) {  // until at most n committed groups are pending
+    while ((int)g.size() - 1 > n) {
+      for (const T& op : g.front()) run(op);
+      g.erase(g.begin());
+    }
+  }
+};
+struct Thread { ucontext_t ctx; State state; int buf, xbuf; SfDim3 idx; Groups<Copy> copies; Groups<Mma> mmas; };
 static std::vector<Thread> threads;
 static std::vector<std::vector<char>> stacks;
 static std::vector<unsigned long long> slots[2];  // shuffle values, double-buffered per thread
@@ -87,6 +119,7 @@ struct Words { unsigned w[8]; };
 static std::vector<Words> xslots[2];  // the operands of warp-wide matrix instructions, likewise
 static std::vector<unsigned char> dyn;  // the block's dynamic shared memory
 static int cur;
+static unsigned long long epoch;  // counts events that can end a wait (deadlock detection)
 static ucontext_t sched;
 static void (*body)(void**);
 static void** body_args;
@@ -94,6 +127,7 @@ static void** body_args;
 static void entry() {
   body(body_args);
   threads[cur].state = DONE;
+  ++epoch;
   swapcontext(&threads[cur].ctx, &sched);
 }
 static void wait(State s) {
@@ -158,18 +192,162 @@ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, un
     c[q] = acc;
   }
 }
+static void spin() { wait(SPIN); }
+
+// mbarriers (keyed by their shared-memory address) and named barriers, reset for every block
+struct Mbar { unsigned count, pending, phase; long long tx; };
+static std::map<unsigned, Mbar> mbars;
+struct Named { unsigned arrived, generation; };
+static Named named[16];
+static void mbar_check(Mbar& b) {
+  if (b.pending == 0 && b.tx == 0) { b.phase += 1; b.pending = b.count; ++epoch; }
+}
+static Mbar& mbar(unsigned addr) {
+  auto it = mbars.find(addr);
+  if (it == mbars.end()) { fprintf(stderr, "sf_emu: mbarrier %u used before init\n", addr); abort(); }
+  return it->second;
+}
+static inline unsigned swizzle128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
+static void copy16(const Copy& c) {
+  if (c.full) memcpy(dyn.data() + c.dst, c.src, 16);
+  else memset(dyn.data() + c.dst, 0, 16);
+}
+struct Tma;
+static std::vector<Tma*> tmas;  // bulk tensor copies in flight
+static unsigned long long rng = 1;  // which copies land in a round (deterministic)
+static bool coin() { rng = rng * 6364136223846793005ull + 1442695040888963407ull; return (rng >> 33) & 1; }
 }  // namespace sf_emu
+
+// the TMA kernels' helpers (cuda_wgmma.WGMMA_HELPERS)
+struct alignas(64) SfTmap {  // the emulation's own tensor map: what the copies need (128 bytes, as CUtensorMap)
+  unsigned long long base, dim0, dim1, stride1;
+  unsigned box0, box1, elem, swizzle;
+  unsigned char pad[128 - 48];
+};
+static inline unsigned long long sf_smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16)
+       | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+// cp.async: a copy lands when a wait_group lets no later than its group be pending
+static inline void sf_cp_async16(unsigned dst, const void* src, bool full) {
+  sf_emu::threads[sf_emu::cur].copies.add({dst, src, full});
+}
+static inline void sf_cp_commit() { sf_emu::threads[sf_emu::cur].copies.commit(); }
+template <int N> static inline void sf_cp_wait() { sf_emu::threads[sf_emu::cur].copies.wait(N, sf_emu::copy16); }
+static inline void sf_mbar_init(unsigned bar, unsigned count) { sf_emu::mbars[bar] = {count, count, 0, 0}; }
+static inline void sf_mbar_arrive(unsigned bar) {
+  sf_emu::Mbar& b = sf_emu::mbar(bar);
+  b.pending -= 1;
+  ++sf_emu::epoch;
+  sf_emu::mbar_check(b);
+}
+static inline void sf_mbar_expect_tx(unsigned bar, unsigned bytes) {
+  sf_emu::Mbar& b = sf_emu::mbar(bar);
+  b.tx += bytes;
+  sf_mbar_arrive(bar);
+}
+// try_wait.parity: passes once the phase of that parity has completed (the current phase differs)
+static inline void sf_mbar_wait(unsigned bar, unsigned parity) {
+  while ((sf_emu::mbar(bar).phase & 1u) == (parity & 1u)) sf_emu::spin();
+}
+// a 2-D bulk tensor copy: the box at (c0, c1) (elements outside the tensor read as 0) into shared
+// memory with the 128-byte swizzle, completing its bytes on mbarrier `bar`; copies in flight land
+// in a random order, a few rounds of the scheduler after they were issued
+struct sf_emu::Tma { unsigned dst; SfTmap map; int c0, c1; unsigned bar; };
+static inline void sf_tma_land(const sf_emu::Tma& t) {
+  const SfTmap* m = &t.map;
+  const unsigned dst = t.dst, bar = t.bar;
+  const int c0 = t.c0, c1 = t.c1;
+  unsigned char* smem = sf_emu::dyn.data();
+  const unsigned row = m->box0 * m->elem;
+  for (unsigned y = 0; y < m->box1; ++y)
+    for (unsigned x = 0; x < m->box0; ++x) {
+      const long long gx = (long long)c0 + x, gy = (long long)c1 + y;
+      unsigned a = dst + y * row + x * m->elem;
+      if (m->swizzle == 128) a = sf_emu::swizzle128(a);
+      if (gx >= 0 && gy >= 0 && gx < (long long)m->dim0 && gy < (long long)m->dim1)
+        memcpy(smem + a, reinterpret_cast<const unsigned char*>(m->base) + gy * m->stride1 + gx * m->elem, m->elem);
+      else
+        memset(smem + a, 0, m->elem);
+    }
+  sf_emu::Mbar& b = sf_emu::mbar(bar);
+  b.tx -= (long long)row * m->box1;
+  ++sf_emu::epoch;
+  sf_emu::mbar_check(b);
+}
+static inline void sf_tma_2d(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar) {
+  sf_emu::tmas.push_back(new sf_emu::Tma{dst, *m, c0, c1, bar});
+}
+static inline void sf_tma_prefetch(const SfTmap*) {}
+// bar.sync / bar.arrive: barrier `id` completes when `count` threads arrived at it
+static inline void sf_bar_arrive(int id, int count) {
+  sf_emu::Named& b = sf_emu::named[id];
+  ++sf_emu::epoch;
+  if (++b.arrived == (unsigned)count) { b.arrived = 0; b.generation += 1; }
+}
+static inline void sf_bar_sync(int id, int count) {
+  const unsigned gen = sf_emu::named[id].generation;
+  sf_bar_arrive(id, count);
+  while (sf_emu::named[id].generation == gen) sf_emu::spin();
+}
+static inline void sf_fence_async_smem() {}
+static inline void sf_wgmma_fence() {}
+static inline void sf_emu_wgmma_run(const sf_emu::Mma& op);
+// wgmma: a group's products run (reading shared memory then) when a wait_group lets no later than
+// it be pending, so a stage freed too early shows as wrong operands
+static inline void sf_wgmma_commit() { sf_emu::threads[sf_emu::cur].mmas.commit(); }
+template <int N> static inline void sf_wgmma_wait() { sf_emu::threads[sf_emu::cur].mmas.wait(N, sf_emu_wgmma_run); }
+// wgmma.mma_async m64nNk16, float accumulators, operands in shared memory (128-byte swizzle) by
+// descriptor: K-major (trans 0) element (row r, k) at start + (r/8) SBO + (r%8) 128 + 2k; MN-major
+// (trans 1) element (k, r) at start + (r/64) LBO + (k/8) SBO + (k%8) 128 + 2 (r%64). Each thread of
+// the warpgroup updates its own accumulators (warp w, lane l: rows 16w + l/4 (+8), columns
+// 8j + 2(l%4) (+1)); the operands are read when the instruction is issued.
+static inline float sf_emu_operand(unsigned long long desc, int trans, int r, int k, bool bf) {
+  const unsigned start = (unsigned)(desc & 0x3FFFull) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
+  const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
+  const unsigned a = trans ? start + (r / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + 2 * (r % 64)
+                           : start + (r / 8) * sbo + (r % 8) * 128 + 2 * k;
+  unsigned short h;
+  memcpy(&h, sf_emu::dyn.data() + sf_emu::swizzle128(a), 2);
+  return sf_emu::half_value(h, bf);
+}
+static inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long long db, int bn, bool bf, int ta,
+                                int tb) {
+  sf_emu::threads[sf_emu::cur].mmas.add({d, da, db, bn, bf, ta, tb});
+}
+static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
+  float* d = op.d;
+  const unsigned long long da = op.da, db = op.db;
+  const int bn = op.bn, ta = op.ta, tb = op.tb;
+  const bool bf = op.bf;
+  const int t = sf_emu::cur % 128, w = t / 32, l = t % 32;
+  for (int j = 0; j < bn / 8; ++j)
+    for (int q = 0; q < 4; ++q) {
+      const int row = 16 * w + l / 4 + (q / 2) * 8, col = 8 * j + 2 * (l % 4) + (q % 2);
+      float acc = d[4 * j + q];
+      for (int k = 0; k < 16; ++k)
+        acc += sf_emu_operand(da, ta, row, k, bf) * sf_emu_operand(db, tb, col, k, bf);
+      d[4 * j + q] = acc;
+    }
+}
+static inline void __threadfence() {}
+static inline void __nanosleep(unsigned) { sf_emu::spin(); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  ++sf_emu::epoch;
+  return old;
+}
+static inline void __stcg(float* p, float v) { *p = v; }
+static inline float __ldcg(const float* p) { return *p; }
 
 static inline unsigned __cvta_generic_to_shared(const void* p) {
   return (unsigned)(reinterpret_cast<const unsigned char*>(p) - sf_emu::dyn.data());
 }
 // the attention kernel's helpers (cuda_attention.ATTENTION_HELPERS): copies complete at once
-static inline void sf_att_cp16(unsigned dst, const void* src, bool full) {
-  if (full) memcpy(sf_emu::dyn.data() + dst, src, 16);
-  else memset(sf_emu::dyn.data() + dst, 0, 16);
-}
-static inline void sf_att_commit() {}
-template <int N> static inline void sf_att_wait() {}
+static inline void sf_att_cp16(unsigned dst, const void* src, bool full) { sf_cp_async16(dst, src, full); }
+static inline void sf_att_commit() { sf_cp_commit(); }
+template <int N> static inline void sf_att_wait() { sf_cp_wait<N>(); }
 static inline void sf_ldm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
   unsigned r[4];
   sf_emu::ldmatrix(addr, r, false);
@@ -208,7 +386,7 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
 
 // runs body(args) as every thread of every block; returns 0, or 1 on a deadlock
 extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                             unsigned bx, unsigned by, unsigned bz, unsigned smem) {
+                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed) {
   using namespace sf_emu;
   const int n = (int)(bx * by * bz);
   threads.assign(n, Thread());
@@ -224,10 +402,17 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
   gridDim = {gx, gy, gz};
   for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
     blockIdx = {x, y, z};
+    mbars.clear();
+    for (Named& b : named) b = {0, 0};
+    for (Tma* t : tmas) delete t;
+    tmas.clear();
+    rng = seed;
     for (int t = 0; t < n; ++t) {
       Thread& th = threads[t];
       th.state = RUN;
       th.buf = th.xbuf = 0;
+      th.copies = Groups<Copy>();
+      th.mmas = Groups<Mma>();
       th.idx = {(unsigned)t % bx, ((unsigned)t / bx) % by, (unsigned)t / (bx * by)};
       getcontext(&th.ctx);
       th.ctx.uc_stack.ss_sp = stacks[t].data();
@@ -235,12 +420,31 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
       th.ctx.uc_link = nullptr;
       makecontext(&th.ctx, entry, 0);
     }
+    int idle = 0;  // rounds in a row in which nothing happened that could end a wait
     for (;;) {
+      const unsigned long long before = epoch;
+      bool spinning_only = true;
+      bool skipped = false;
       for (int t = 0; t < n; ++t) {
-        if (threads[t].state != RUN) continue;
+        if (threads[t].state != RUN && threads[t].state != SPIN) continue;
+        if (seed > 1 && !coin() && !coin()) {  // with a seed: a thread sits out a round now and then
+          skipped = true;
+          continue;
+        }
+        spinning_only = spinning_only && threads[t].state == SPIN;
+        threads[t].state = RUN;
         cur = t;
         threadIdx = threads[t].idx;
         swapcontext(&sched, &threads[t].ctx);
+      }
+      for (size_t i = 0; i < tmas.size();) {  // some of the copies in flight land
+        if (coin()) {
+          sf_tma_land(*tmas[i]);
+          delete tmas[i];
+          tmas.erase(tmas.begin() + i);
+        } else {
+          ++i;
+        }
       }
       bool done = true, released = false;
       for (int w = 0; w < n; w += 32) {  // a warp whose live lanes all wait at a shuffle or __syncwarp
@@ -253,6 +457,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
         if (any && all) {
           for (int t = w; t < w + 32 && t < n; ++t) if (threads[t].state == WARP) threads[t].state = RUN;
           released = true;
+          ++epoch;
         }
       }
       bool all_bar = true;
@@ -264,29 +469,45 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
       if (!released && all_bar) {
         for (int t = 0; t < n; ++t) if (threads[t].state == BAR) threads[t].state = RUN;
         released = true;
+        ++epoch;
       }
-      bool running = false;
-      for (int t = 0; t < n; ++t) running = running || threads[t].state == RUN;
-      if (!running) return 1;  // every live thread waits, and no barrier can open
+      bool running = false, spinning = false;
+      for (int t = 0; t < n; ++t) {
+        running = running || threads[t].state == RUN;
+        spinning = spinning || threads[t].state == SPIN;
+      }
+      if (!running && !spinning) return 1;  // every live thread waits, and no barrier can open
+      idle = (!running && spinning_only && epoch == before && tmas.empty()) ? idle + 1 : 0;
+      if (idle > (skipped ? 64 : 1)) return 1;  // polling what nothing changes any more
     }
   }
   return 0;
 }
 """
 
-#: constructs of the GEMM templates, which the emulation cannot run (wmma, wgmma, TMA, cp.async)
-_REFUSED = ("nvcuda::wmma", "asm volatile", "wgmma", "SfTmap")
+#: what the emulation cannot run: the wmma GEMM template, and any inline PTX it does not replace
+_REFUSED = ("nvcuda::wmma", "asm volatile")
+_WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16)_(\d)(\d)\(float\* d, "
+                    r"unsigned long long da, unsigned long long db\) \{.*?\n\}\n", re.S)
+_NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init)[^"]*"[^;]*;')
 _MMA = re.compile(r'asm volatile\("mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*" : '
                   r'([^:]*) : ([^;]*)\);')
-_DYN = "extern __shared__ __align__(16) unsigned char sf_dyn[];"
 
 
 def _host_source(text: str) -> str:
     """The generated source with what the shim provides in its place: the attention kernel's
     helpers and ``mma.sync`` statements, the dynamic shared memory."""
     from shardflow.compiler.codegen.cuda_attention import ATTENTION_HELPERS
+    from shardflow.compiler.codegen.cuda_wgmma import WGMMA_HELPERS
 
-    text = text.replace(ATTENTION_HELPERS, "").replace(_DYN, "unsigned char* sf_dyn = sf_emu::dyn.data();")
+    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, "")
+    text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",
+                  "unsigned char* sf_dyn = sf_emu::dyn.data();", text)
+    text = _NO_OP_ASM.sub("", text)  # register budgets and the mbarrier-init fence: nothing to do here
+    text = _WGMMA.sub(lambda m: (f"static inline void sf_wgmma_{m.group(1)}_{m.group(2)}_{m.group(3)}{m.group(4)}("
+                                 "float* d, unsigned long long da, unsigned long long db) {\n"
+                                 f"  sf_emu_wgmma(d, da, db, {m.group(1)}, {str(m.group(2) == 'bf16').lower()}, "
+                                 f"{m.group(3)}, {m.group(4)});\n}}\n"), text)
 
     def mma(m: re.Match) -> str:
         c = re.findall(r'"\+f"\(([^)]*)\)', m.group(2))
@@ -304,12 +525,14 @@ class HostKernels:
         self.signatures = signatures
         self.lib.sf_emu_launch.restype = ctypes.c_int
 
-    def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0) -> None:
+    def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1) -> None:
         """Run ``symbol`` over ``grid`` x ``block`` on numpy ``arrays`` (its parameters, in
         order: contiguous arrays whose memory the kernel reads and writes), with ``shared_mem``
-        bytes of dynamic shared memory."""
+        bytes of dynamic shared memory. ``seed`` > 1 also lets threads sit out scheduler rounds
+        at random (another interleaving for each seed); bulk copies land at random either way."""
         types = self.signatures[symbol]
-        if len(types) != len(arrays):
+        maps = [a for a in arrays if isinstance(a, np.ndarray) and a.dtype == _MAP]
+        if len(types) != len(arrays) or len(maps) != types.count("const SfTmap"):
             raise ValueError(f"{symbol} takes {len(types)} arguments, got {len(arrays)}")
         for a in arrays:
             if not a.flags.c_contiguous:
@@ -318,7 +541,7 @@ class HostKernels:
         body = ctypes.cast(getattr(self.lib, f"sf_emu_body_{symbol}"), ctypes.c_void_p)
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        if self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem)):
+        if self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed)):
             raise RuntimeError(f"{symbol}: deadlock (the threads of a block wait at barriers that cannot open)")
 
 
@@ -328,9 +551,9 @@ def _signatures(text: str) -> dict[str, list[str]]:
         params = [p.strip() for p in m.group(2).split(",") if p.strip()]
         types = []
         for p in params:
-            typ = p.rsplit(" ", 1)[0].replace("__restrict__", "").strip()
-            if not typ.endswith("*"):
-                raise ValueError(f"kernel {m.group(1)}: parameter {p!r} is not a pointer")
+            typ = " ".join(p.rsplit(" ", 1)[0].replace("__restrict__", "").replace("__grid_constant__", "").split())
+            if not (typ.endswith("*") or typ == "const SfTmap"):
+                raise ValueError(f"kernel {m.group(1)}: parameter {p!r} is not a pointer or tensor map")
             types.append(typ)
         sigs[m.group(1)] = types
     return sigs
@@ -347,7 +570,8 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
     body = "\n".join(ln for ln in text.splitlines() if not ln.startswith("#include <cuda") and ln != "#include <mma.h>")
     tramp = []
     for sym, types in sigs.items():
-        args = ", ".join(f"({t})a[{i}]" for i, t in enumerate(types))
+        args = ", ".join(f"*(const SfTmap*)a[{i}]" if t == "const SfTmap" else f"({t})a[{i}]"
+                         for i, t in enumerate(types))
         tramp.append(f'extern "C" void sf_emu_body_{sym}(void** a) {{ {sym}({args}); }}')
     src = _SHIM + body + "\n" + "\n".join(tramp) + "\n"
     work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-host-")
@@ -366,12 +590,36 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
     return HostKernels(ctypes.CDLL(lib), sigs)
 
 
-def run(kernels: HostKernels, launch, inputs, output_specs) -> list[np.ndarray]:
+#: the emulation's tensor map (the shim's SfTmap): base, dims, row stride, box, element size, swizzle
+_MAP = np.dtype([("base", "<u8"), ("dim0", "<u8"), ("dim1", "<u8"), ("stride1", "<u8"), ("box0", "<u4"),
+                 ("box1", "<u4"), ("elem", "<u4"), ("swizzle", "<u4"), ("pad", "V80")], align=True)
+
+
+def tensor_map(spec: dict, array: np.ndarray) -> np.ndarray:
+    """The shim's tensor map of a launch's description ``spec`` (see shardflow.runtime.tma) over
+    ``array``, as a one-element array (passed by value)."""
+    if len(spec["dims"]) != 2:
+        raise ValueError("the emulation copies 2-D boxes only")
+    elem = np.dtype(np.float32 if spec["dtype"] == "float32" else np.uint16).itemsize
+    m = np.zeros(1, _MAP)
+    m["base"] = array.ctypes.data + int(spec.get("offset", 0)) * elem
+    m["dim0"], m["dim1"] = spec["dims"]
+    m["stride1"] = spec["strides"][0]
+    m["box0"], m["box1"] = spec["box"]
+    m["elem"], m["swizzle"] = elem, int(spec.get("swizzle", 128))
+    return m
+
+
+def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1) -> list[np.ndarray]:
     """Run one generated kernel (its :class:`KernelLaunch`) on numpy ``inputs``; outputs of
-    ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows."""
+    ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows.
+    ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
+    over several tiles, keep the emulation short)."""
     ins = [np.ascontiguousarray(a) for a in inputs]
     outs = [np.empty(s, d) for s, d in output_specs]
     for o in outs:
         o.reshape(-1).view(np.uint8)[...] = 0x5A
-    kernels.launch(launch.symbol, launch.grid, launch.block, ins + outs, launch.shared_mem)
+    arrays = ins + outs
+    maps = [tensor_map(spec, arrays[int(spec["arg"])]) for spec in launch.tensor_maps]
+    kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed)
     return outs

@@ -1,11 +1,13 @@
-"""The cuda target's element-wise and row kernels run on the host against numpy, in CI.
+"""The cuda target's kernels run on the host against numpy, in CI (tests/cuda_host.py's shim).
 
-``pytest -m gpu`` runs every generated kernel on a GPU (test_cuda_kernels.py), but most sessions
-and CI have none. Here the same cases' element-wise and row kernels (every op example and the
-larger extra cases) are compiled with g++ against tests/cuda_host.py's emulation of the CUDA
-constructs they use (threads as coroutines, ``__syncthreads``, warp shuffles, shared memory) and
-compared with ``op.run`` under the GPU tests' tolerances. Tensor-core kernels (GEMM, attention)
-need the GPU; test_epilogue_host.py runs the Hopper GEMM's epilogue alone.
+``pytest -m gpu`` runs every generated kernel on a GPU (test_cuda_kernels.py and the others), but
+most sessions and CI have none. Here the kernels are compiled with g++ against an emulation of
+the CUDA they use (threads as coroutines, barriers, warp shuffles, shared memory, ``ldmatrix`` and
+``mma.sync``, and the Hopper GEMMs' ``cp.async``, TMA, mbarriers and ``wgmma``, asynchronous as on
+the GPU) and compared with numpy and the reference evaluator under the GPU tests' tolerances:
+every element-wise and row kernel of every op example, the fused chains, the fused attention
+cases, every wgmma tile (ping-pong ones under random interleavings), split-K, GEMM epilogues,
+and the float16 programs of the test models. Only the wmma GEMM template stays GPU-only.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from cuda_host import build, run
 from test_cuda_kernels import LOWERED, _check
 
 from shardflow.compiler.codegen.cuda import generate_cuda_source
-from shardflow.compiler.codegen.cuda_templates import PRELUDE
 from shardflow.compiler.ir import Tensor
 from shardflow.compiler.ops.norm import LayerNorm
 from shardflow.compiler.ops.reduce import Softmax
@@ -170,9 +171,10 @@ def _rank_graph_for_cuda(model: str):
 
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17", "t5_encoder_ts17", "bert_ts17"])
 def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
-    """Every element-wise, row and fused-attention kernel of a test model's float16 cuda program
-    (LayerNorm, RMSNorm, GELU, rotary embeddings, masks, casts, attention with its epilogue: all
-    but the GEMMs) on the activations the reference evaluator computes, against the evaluator.
+    """Every element-wise, row, fused-attention and wgmma GEMM kernel of a test model's float16
+    cuda program (LayerNorm, RMSNorm, GELU, rotary embeddings, masks, casts, attention and GEMMs
+    with their fused epilogues: all but the wmma GEMMs, which the shim does not run) on the
+    activations the reference evaluator computes, against the evaluator.
     (Llama's test model keeps the generic attention kernel, a row kernel checked here too: its V
     comes through the grouped heads' Expand, which the fused kernel does not read.)"""
     from shardflow.compiler.codegen.fusion import fuse
@@ -185,13 +187,16 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
         env.update({t.name: v for t, v in zip(op.outputs, outs)})
     groups = fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
-    kinds = HOST_KINDS + ("attention-f16",)
+    kinds = HOST_KINDS + ("attention-f16", "gemm-wgmma-f16")
     host_groups = [g for g in groups if g.name in src.launches
                    and src.launches[g.name].kind.split("+")[0] in kinds and src.launches[g.name].grid[0] > 0]
     assert len(host_groups) >= 5
-    assert model == "llama_ts17" or any(src.launches[g.name].kind == "attention-f16" for g in host_groups)
-    symbols = sorted({src.launches[g.name].symbol for g in host_groups})  # layers share kernels
-    kernels = build(PRELUDE + "".join(_kernel_text(src.text, s) for s in symbols), str(tmp_path))
+    checked = {src.launches[g.name].kind for g in host_groups}
+    assert "attention-f16" in checked if model != "llama_ts17" else "gemm-wgmma-f16" in checked
+    text = src.text  # without the kernels the shim cannot run (layers share kernels: each symbol once)
+    for sym in {launch.symbol for launch in src.launches.values()} - {src.launches[g.name].symbol for g in host_groups}:
+        text = text.replace(_kernel_text(text, sym), "")
+    kernels = build(text, str(tmp_path))
     consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
     for g in host_groups:
         launch = src.launches[g.name]
@@ -203,13 +208,13 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
 
 
 def _kernel_text(text: str, symbol: str) -> str:
-    """One kernel's definition out of a generated translation unit (to its matching brace)."""
+    """One kernel's definition in a generated translation unit (to its matching brace)."""
     start = text.rindex('extern "C"', 0, text.index(f" {symbol}("))
     depth, j = 0, text.index("{", start)
     while True:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[start:j + 1] + "\n"
+            return text[start:j + 1]
         j += 1
 
 
@@ -245,3 +250,90 @@ def test_attention_kernel_on_the_host_matches_the_definition(attention, name):
     if half == "bfloat16":
         ins[:3] = [a.view(np.uint16) for a in ins[:3]]
     check_case(name, run(kernels, launch, ins, [(want.shape, np.float32)])[0], want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hopper GEMMs: wgmma, TMA, mbarriers, named barriers (the shim's asynchronous model)
+# ----------------------------------------------------------------------------------------------
+
+def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,), dt="float16"):
+    """A half GEMM on tile ``cfg`` run on the host (persistent kernels on ``grid`` blocks), against
+    numpy, for each scheduling ``seed``; returns the launch."""
+    from test_wgmma import _bits, _gemm, _value
+
+    op = _gemm(M, N, K, dt, ta, tb, name="g")
+    src = generate_cuda_source([op], arch="sm_90", gemm_configs={"g": cfg})
+    launch = src.launches["g"]
+    assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}"
+    kernels = build(src.text, str(tmp_path))
+    rng = np.random.default_rng(0)
+    a = _bits(rng.standard_normal((K, M) if ta else (M, K)), dt)
+    b = _bits(rng.standard_normal((N, K) if tb else (K, N)), dt)
+    want = (_value(a, dt).T if ta else _value(a, dt)).astype(np.float64) @ \
+        (_value(b, dt).T if tb else _value(b, dt)).astype(np.float64)
+    for seed in seeds:
+        out = run(kernels, launch, [a, b], [((M, N), np.uint16)], grid=grid, seed=seed)[0]
+        got = _value(out.view(np.float16) if dt == "float16" else out, dt)
+        err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
+        assert err < (4e-3 if dt == "float16" else 2e-2), (cfg, ta, tb, seed, err)  # NaN (a missed element) fails
+    return launch
+
+
+def _wgmma_cases():
+    from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS
+
+    cases = []
+    for i, cfg in enumerate(WGMMA_CONFIGS):  # every tile; the four operand layouts spread over them
+        ta, tb = [(False, False), (True, True), (False, True), (True, False)][i % 4]
+        cases.append(pytest.param(cfg, ta, tb, id=f"{cfg}-{'T' if ta else 'N'}{'T' if tb else 'N'}"))
+    return cases
+
+
+@pytest.mark.parametrize("cfg,ta,tb", _wgmma_cases())
+def test_wgmma_gemms_on_the_host_match_numpy(tmp_path, cfg, ta, tb):
+    """Every wgmma tile (cp.async, persistent TMA, ping-pong) at sizes that are not multiples of
+    the tile, with bulk copies landing late and in any order, cp.async copies and wgmma products
+    completing only at their wait_group (so a stage freed too early shows)."""
+    from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS
+
+    persistent = WGMMA_CONFIGS[cfg][3] != "cp"
+    _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=(3, 1, 1) if persistent else None)
+
+
+@pytest.mark.parametrize("cfg", ["pp64x128", "pp64x256"])
+def test_pingpong_hand_over_under_random_interleavings(tmp_path, cfg):
+    """Ping-pong (RFC 0005 decision 20) with one block taking 5 tiles (its consumer warpgroups
+    alternate, the second has fewer) and 10 K tiles each (more than half the stages: the case
+    where a warpgroup could wait on a stage barrier two phases ahead without the hand-over), under
+    several random interleavings; bfloat16 too. (Without the hand-over these deadlock here.)"""
+    _wgmma_gemm(tmp_path, cfg, 300, 128, 640, grid=(1, 1, 1), seeds=range(2, 6))
+    _wgmma_gemm(tmp_path, cfg, 300, 128, 640, grid=(1, 1, 1), seeds=(7,), dt="bfloat16")
+
+
+def test_split_k_on_the_host(tmp_path):
+    """A short, deep product split along K; with fewer blocks than units the last split of a tile
+    sums every split's partials before the epilogue; twice, so the counters are reset."""
+    from shardflow.compiler.codegen.cuda_wgmma import split_count
+
+    launch = _wgmma_gemm(tmp_path, "tma64x128", 128, 776, 3000, grid=(7, 1, 1), seeds=(1, 3))
+    assert split_count(2 * 7, 3000) > 1 and launch.grid[0] > 7
+
+
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
+def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
+    """GEMM + bias + residual as whole kernels (RFC 0005 decision 22: four columns per thread,
+    vector reads and stores), one column per thread (odd N), a residual read across rows."""
+    from test_wgmma import _residual_epilogue
+
+    rng = np.random.default_rng(5)
+    for name, (N, res_t) in {"vec": (136, False), "odd": (137, False), "res_t": (136, True)}.items():
+        ops, shapes = _residual_epilogue(N, res_t, M=300)
+        src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
+        launch = src.launches["out"]
+        arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16) for k, v in shapes.items()}
+        w = arrays["w"].T if N % 2 else arrays["w"]
+        want = arrays["x"].astype(np.float64) @ w.astype(np.float64) + arrays["bias"] + \
+            (arrays["res"].T if res_t else arrays["res"])
+        got = run(build(src.text, str(tmp_path)), launch, [arrays[n] for n in launch.args[:launch.num_inputs]],
+                  [((300, N), np.float16)], grid=(2, 1, 1) if launch.tensor_maps else None)[0]
+        np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
