@@ -1,8 +1,10 @@
 """Run generated CUDA kernels on the host, without a GPU (a test tool, not part of shardflow).
 
-The cuda target's element-wise, row and attention kernels are C++ with a few CUDA constructs:
-thread and block indices, ``__shared__`` arrays, ``__syncthreads``, ``__shfl_xor_sync``,
-half-precision conversions and device math; the attention kernel's ``ldmatrix`` and
+The cuda target's kernels are C++ with a few CUDA constructs: thread and block indices,
+``__shared__`` arrays, ``__syncthreads``, ``__shfl_xor_sync``, half-precision conversions and
+device math; the portable GEMM template's ``nvcuda::wmma`` API (each lane holds its fragment's
+whole tile: the template only uses fragments through the API or element-wise); the attention
+kernel's ``ldmatrix`` and
 ``mma.sync.m16n8k16`` (after the PTX ISA's fragment layouts: a warp's matrix instruction waits for
 all its lanes, like a shuffle); and the Hopper GEMMs' asynchronous machinery, modelled so that a
 missing wait shows: ``cp.async`` copies land only at the ``wait_group`` that covers their group,
@@ -22,11 +24,12 @@ warp at different barriers, or every live thread polling what nothing changes an
 reported as a deadlock instead of hanging.
 
 Host math (glibc) is not bit-identical to CUDA's device math (within a few ulps either way), so
-checks use the tolerances of the GPU tests. Not emulated: the wmma GEMM template (``nvcuda::wmma``)
-(:func:`build` refuses it), and a split-K kernel on a grid where its splits wait for each other
-(that needs all its blocks resident at once: here it is reported as a deadlock; run it on fewer
-blocks than units). What the shim cannot show: timing, the memory model (a missing
-``__threadfence``), bank conflicts, register limits.
+checks use the tolerances of the GPU tests. Not emulated: a split-K kernel on a grid where its
+splits wait for each other (that needs all its blocks resident at once: here it is reported as a
+deadlock; run it on fewer blocks than units), and inline PTX the shim does not replace
+(:func:`build` refuses it). What the shim cannot show: timing, the memory model (a missing
+``__threadfence``), bank conflicts, register and shared-memory limits, and the wmma fragments'
+real register layout.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ _SHIM = r"""
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __expf(x) expf(x)  // (glibc declares an internal __expf it does not export)
 #define __grid_constant__
 
@@ -91,6 +94,62 @@ template <typename A, typename B> static inline std::common_type_t<A, B> min(A a
 template <typename A, typename B> static inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 using std::isnan;
 using std::isinf;
+
+// the portable wmma GEMM template's API: every lane holds its fragment's whole tile (the
+// emulation's layout; the template only touches fragments element-wise or through this API)
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+namespace precision { struct tf32 {}; }
+template <typename T> struct element { typedef T type; };
+template <> struct element<precision::tf32> { typedef float type; };
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+  static constexpr int rows = std::is_same<Use, matrix_b>::value ? K : M;
+  static constexpr int cols = std::is_same<Use, matrix_a>::value ? K : N;
+  static constexpr int num_elements = rows * cols;
+  typename element<T>::type x[rows * cols];
+};
+static inline float value(float v) { return v; }
+static inline float value(__half v) { return (float)v; }
+static inline float value(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename F, typename V> static inline void fill_fragment(F& f, V v) {
+  for (int i = 0; i < F::num_elements; ++i) f.x[i] = v;
+}
+template <typename F, typename P> static inline void load_matrix_sync(F& f, const P* p, unsigned ld) {
+  for (int r = 0; r < F::rows; ++r)
+    for (int c = 0; c < F::cols; ++c) f.x[r * F::cols + c] = p[r * ld + c];
+}
+// (every lane computes the whole product, k in order for each element; vectorized along n)
+template <typename D, typename A, typename B, typename C>
+__attribute__((optimize("O3"))) static inline void mma_sync(D& d, const A& a, const B& b, const C& c) {
+  float out[D::num_elements], bv[B::num_elements];
+  for (int i = 0; i < B::num_elements; ++i) bv[i] = value(b.x[i]);
+  for (int i = 0; i < D::num_elements; ++i) out[i] = c.x[i];
+  for (int r = 0; r < D::rows; ++r)
+    for (int k = 0; k < A::cols; ++k) {
+      const float av = value(a.x[r * A::cols + k]);
+      for (int n = 0; n < D::cols; ++n) out[r * D::cols + n] += av * bv[k * B::cols + n];
+    }
+  for (int i = 0; i < D::num_elements; ++i) d.x[i] = out[i];
+}
+template <typename F> static inline void store_matrix_sync(float* p, const F& f, unsigned ld, layout_t) {
+  for (int r = 0; r < F::rows; ++r)
+    for (int c = 0; c < F::cols; ++c) p[r * ld + c] = f.x[r * F::cols + c];
+}
+static inline float __float_to_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa bits, ties away from 0
+  unsigned u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  memcpy(&x, &u, 4);
+  return x;
+}
+}  // namespace wmma
+}  // namespace nvcuda
 
 struct SfDim3 { unsigned x, y, z; };
 static SfDim3 threadIdx, blockIdx, blockDim, gridDim;
@@ -485,8 +544,8 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
 }
 """
 
-#: what the emulation cannot run: the wmma GEMM template, and any inline PTX it does not replace
-_REFUSED = ("nvcuda::wmma", "asm volatile")
+#: what the emulation cannot run: inline PTX it does not replace
+_REFUSED = ("asm volatile",)
 _WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16)_(\d)(\d)\(float\* d, "
                     r"unsigned long long da, unsigned long long db\) \{.*?\n\}\n", re.S)
 _NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init)[^"]*"[^;]*;')
@@ -582,7 +641,7 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
         with open(cpp, "w") as f:
             f.write(src)
         tmp = lib + ".tmp"
-        proc = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-o", tmp, cpp],
+        proc = subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o", tmp, cpp],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on {cpp}:\n{proc.stderr[-4000:]}")
