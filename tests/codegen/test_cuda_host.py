@@ -321,3 +321,21 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         got = run(build(src.text, str(tmp_path)), launch, [arrays[n] for n in launch.args[:launch.num_inputs]],
                   [((300, N), np.float16)], grid=(2, 1, 1) if launch.tensor_maps else None)[0]
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
+
+
+def test_epilogue_of_a_transposed_output_on_the_host(tmp_path):
+    """An output whose rows are not contiguous (``mk,kn->nm``): four columns per thread, each
+    stored on its own (decision 22's other store path)."""
+    from shardflow.compiler.ops.linalg import Einsum
+
+    x, w = Tensor("x", (200, 72), "float16"), Tensor("w", (72, 136), "float16")
+    op = Einsum([x, w], name="e", equation="mk,kn->nm")
+    src = generate_cuda_source([op], arch="sm_90")
+    launch = src.launches["e"]
+    assert "sf_acc[4]" in src.text and "SfVec4<__half> sf_o" not in src.text
+    rng = np.random.default_rng(0)
+    xv, wv = rng.standard_normal(x.shape).astype(np.float16), rng.standard_normal(w.shape).astype(np.float16)
+    got = run(build(src.text, str(tmp_path)), launch, [xv, wv], [((136, 200), np.float16)],
+              grid=(3, 1, 1) if launch.tensor_maps else None)[0]
+    want = (xv.astype(np.float64) @ wv.astype(np.float64)).T
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
