@@ -656,19 +656,10 @@ class _Lanes:
     loaded: dict[int, str] = field(default_factory=dict)
 
     def unit_stride(self, e: TensorElement, shape: tuple[int, ...], an: "_Analysis") -> bool:
-        flat: dict[Var, int] = {}
-        const = 0
-        for ie, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
-            if ext == 1:
-                continue
-            f = affine_form(ie)
-            b = an.bounds(ie)
-            if f is None or b is None or b[0] < 0 or b[1] > ext - 1:  # not affine, or clamped
-                return False
-            coefs, c = f
-            const += c * st
-            for v, k in coefs.items():
-                flat[v] = flat.get(v, 0) + k * st
+        f = _flat_affine(e, shape, an)  # None: not affine, or clamped
+        if f is None:
+            return False
+        flat, const = f
         return (flat.get(self.var) == 1 and const % self.width == 0
                 and all(k % self.width == 0 for v, k in flat.items() if v is not self.var))
 
