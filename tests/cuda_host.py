@@ -21,7 +21,9 @@ the grid run one after another (a persistent kernel takes a smaller grid, each b
 more tiles). Nothing runs concurrently: a run is one interleaving, chosen by a seed (with a seed
 above 1, threads also sit out scheduler rounds at random). A wait that can never end (lanes of one
 warp at different barriers, or every live thread polling what nothing changes any more) is
-reported as a deadlock instead of hanging.
+reported as a deadlock instead of hanging, and a vector access (``SfVec4``, ``float4``,
+``float2``) at an address that is not a multiple of its size, which faults on a GPU, fails the run
+(arguments are aligned as in the runtime's arena).
 
 Host math (glibc) is not bit-identical to CUDA's device math (within a few ulps either way), so
 checks use the tolerances of the GPU tests. Not emulated: a split-K kernel on a grid where its
@@ -109,6 +111,7 @@ namespace precision { struct tf32 {}; }
 template <typename T> struct element { typedef T type; };
 template <> struct element<precision::tf32> { typedef float type; };
 template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+  static_assert(!std::is_same<Layout, col_major>::value, "the emulation loads row-major fragments only");
   static constexpr int rows = std::is_same<Use, matrix_b>::value ? K : M;
   static constexpr int cols = std::is_same<Use, matrix_a>::value ? K : N;
   static constexpr int num_elements = rows * cols;
@@ -137,7 +140,8 @@ __attribute__((optimize("O3"))) static inline void mma_sync(D& d, const A& a, co
     }
   for (int i = 0; i < D::num_elements; ++i) d.x[i] = out[i];
 }
-template <typename F> static inline void store_matrix_sync(float* p, const F& f, unsigned ld, layout_t) {
+template <typename F> static inline void store_matrix_sync(float* p, const F& f, unsigned ld, layout_t layout) {
+  if (layout != mem_row_major) { fprintf(stderr, "sf_emu: column-major stores are not emulated\n"); abort(); }
   for (int r = 0; r < F::rows; ++r)
     for (int c = 0; c < F::cols; ++c) p[r * ld + c] = f.x[r * F::cols + c];
 }
@@ -152,6 +156,11 @@ static inline float __float_to_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa
 }  // namespace nvcuda
 
 struct SfDim3 { unsigned x, y, z; };
+struct alignas(64) SfTmap {  // the emulation's own tensor map: what the copies need (128 bytes, as CUtensorMap)
+  unsigned long long base, dim0, dim1, stride1;
+  unsigned box0, box1, elem, swizzle;
+  unsigned char pad[128 - 48];
+};
 static SfDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace sf_emu {
@@ -201,10 +210,12 @@ static const Words* exchange(const unsigned* w, int n) {
   wait(WARP);
   return &xslots[buf][me & ~31];
 }
-static inline float half_value(unsigned bits, bool bf) {
-  bits &= 0xffffu;
-  if (bf) { unsigned u = bits << 16; float f; memcpy(&f, &u, 4); return f; }
-  unsigned short h = (unsigned short)bits; __half x; memcpy(&x, &h, 2); return (float)x;
+static inline float half_value(unsigned bits, bool bf) {  // the low 16 bits as a half value
+  const unsigned short h = (unsigned short)bits;
+  if (bf) return __bfloat162float({h});
+  __half x;
+  memcpy(&x, &h, 2);
+  return (float)x;
 }
 // ldmatrix .x4 (.trans): lanes 8m..8m+7 address the rows of 8 x 8 matrix m; lane l gets, of matrix
 // m, row l/4, columns 2(l%4) and 2(l%4)+1 (transposed: column l/4, rows 2(l%4) and 2(l%4)+1)
@@ -271,22 +282,18 @@ static void copy16(const Copy& c) {
   if (c.full) memcpy(dyn.data() + c.dst, c.src, 16);
   else memset(dyn.data() + c.dst, 0, 16);
 }
-struct Tma;
-static std::vector<Tma*> tmas;  // bulk tensor copies in flight
+struct Tma { unsigned dst; SfTmap map; int c0, c1; unsigned bar; };
+static std::vector<Tma> tmas;  // bulk tensor copies in flight
+static int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
+template <typename V, typename P> static V* at(P* p) {
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(V)) ++misaligned;
+  return reinterpret_cast<V*>(p);
+}
 static unsigned long long rng = 1;  // which copies land in a round (deterministic)
 static bool coin() { rng = rng * 6364136223846793005ull + 1442695040888963407ull; return (rng >> 33) & 1; }
 }  // namespace sf_emu
 
-// the TMA kernels' helpers (cuda_wgmma.WGMMA_HELPERS)
-struct alignas(64) SfTmap {  // the emulation's own tensor map: what the copies need (128 bytes, as CUtensorMap)
-  unsigned long long base, dim0, dim1, stride1;
-  unsigned box0, box1, elem, swizzle;
-  unsigned char pad[128 - 48];
-};
-static inline unsigned long long sf_smem_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16)
-       | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
+// the TMA kernels' helpers (cuda_wgmma.WGMMA_HELPERS; its sf_smem_desc is kept as generated)
 // cp.async: a copy lands when a wait_group lets no later than its group be pending
 static inline void sf_cp_async16(unsigned dst, const void* src, bool full) {
   sf_emu::threads[sf_emu::cur].copies.add({dst, src, full});
@@ -312,30 +319,27 @@ static inline void sf_mbar_wait(unsigned bar, unsigned parity) {
 // a 2-D bulk tensor copy: the box at (c0, c1) (elements outside the tensor read as 0) into shared
 // memory with the 128-byte swizzle, completing its bytes on mbarrier `bar`; copies in flight land
 // in a random order, a few rounds of the scheduler after they were issued
-struct sf_emu::Tma { unsigned dst; SfTmap map; int c0, c1; unsigned bar; };
 static inline void sf_tma_land(const sf_emu::Tma& t) {
-  const SfTmap* m = &t.map;
-  const unsigned dst = t.dst, bar = t.bar;
-  const int c0 = t.c0, c1 = t.c1;
+  const SfTmap& m = t.map;
   unsigned char* smem = sf_emu::dyn.data();
-  const unsigned row = m->box0 * m->elem;
-  for (unsigned y = 0; y < m->box1; ++y)
-    for (unsigned x = 0; x < m->box0; ++x) {
-      const long long gx = (long long)c0 + x, gy = (long long)c1 + y;
-      unsigned a = dst + y * row + x * m->elem;
-      if (m->swizzle == 128) a = sf_emu::swizzle128(a);
-      if (gx >= 0 && gy >= 0 && gx < (long long)m->dim0 && gy < (long long)m->dim1)
-        memcpy(smem + a, reinterpret_cast<const unsigned char*>(m->base) + gy * m->stride1 + gx * m->elem, m->elem);
+  const unsigned row = m.box0 * m.elem;
+  for (unsigned y = 0; y < m.box1; ++y)
+    for (unsigned x = 0; x < m.box0; ++x) {
+      const long long gx = (long long)t.c0 + x, gy = (long long)t.c1 + y;
+      unsigned a = t.dst + y * row + x * m.elem;
+      if (m.swizzle == 128) a = sf_emu::swizzle128(a);
+      if (gx >= 0 && gy >= 0 && gx < (long long)m.dim0 && gy < (long long)m.dim1)
+        memcpy(smem + a, reinterpret_cast<const unsigned char*>(m.base) + gy * m.stride1 + gx * m.elem, m.elem);
       else
-        memset(smem + a, 0, m->elem);
+        memset(smem + a, 0, m.elem);
     }
-  sf_emu::Mbar& b = sf_emu::mbar(bar);
-  b.tx -= (long long)row * m->box1;
+  sf_emu::Mbar& b = sf_emu::mbar(t.bar);
+  b.tx -= (long long)row * m.box1;
   ++sf_emu::epoch;
   sf_emu::mbar_check(b);
 }
 static inline void sf_tma_2d(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar) {
-  sf_emu::tmas.push_back(new sf_emu::Tma{dst, *m, c0, c1, bar});
+  sf_emu::tmas.push_back({dst, *m, c0, c1, bar});
 }
 static inline void sf_tma_prefetch(const SfTmap*) {}
 // bar.sync / bar.arrive: barrier `id` completes when `count` threads arrived at it
@@ -360,7 +364,7 @@ template <int N> static inline void sf_wgmma_wait() { sf_emu::threads[sf_emu::cu
 // descriptor: K-major (trans 0) element (row r, k) at start + (r/8) SBO + (r%8) 128 + 2k; MN-major
 // (trans 1) element (k, r) at start + (r/64) LBO + (k/8) SBO + (k%8) 128 + 2 (r%64). Each thread of
 // the warpgroup updates its own accumulators (warp w, lane l: rows 16w + l/4 (+8), columns
-// 8j + 2(l%4) (+1)); the operands are read when the instruction is issued.
+// 8j + 2(l%4) (+1)); the operands are read when a wait_group completes the instruction.
 static inline float sf_emu_operand(unsigned long long desc, int trans, int r, int k, bool bf) {
   const unsigned start = (unsigned)(desc & 0x3FFFull) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
   const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
@@ -375,18 +379,14 @@ static inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long l
   sf_emu::threads[sf_emu::cur].mmas.add({d, da, db, bn, bf, ta, tb});
 }
 static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
-  float* d = op.d;
-  const unsigned long long da = op.da, db = op.db;
-  const int bn = op.bn, ta = op.ta, tb = op.tb;
-  const bool bf = op.bf;
   const int t = sf_emu::cur % 128, w = t / 32, l = t % 32;
-  for (int j = 0; j < bn / 8; ++j)
+  for (int j = 0; j < op.bn / 8; ++j)
     for (int q = 0; q < 4; ++q) {
       const int row = 16 * w + l / 4 + (q / 2) * 8, col = 8 * j + 2 * (l % 4) + (q % 2);
-      float acc = d[4 * j + q];
+      float acc = op.d[4 * j + q];
       for (int k = 0; k < 16; ++k)
-        acc += sf_emu_operand(da, ta, row, k, bf) * sf_emu_operand(db, tb, col, k, bf);
-      d[4 * j + q] = acc;
+        acc += sf_emu_operand(op.da, op.ta, row, k, op.bf) * sf_emu_operand(op.db, op.tb, col, k, op.bf);
+      op.d[4 * j + q] = acc;
     }
 }
 static inline void __threadfence() {}
@@ -403,7 +403,7 @@ static inline float __ldcg(const float* p) { return *p; }
 static inline unsigned __cvta_generic_to_shared(const void* p) {
   return (unsigned)(reinterpret_cast<const unsigned char*>(p) - sf_emu::dyn.data());
 }
-// the attention kernel's helpers (cuda_attention.ATTENTION_HELPERS): copies complete at once
+// the attention kernel's helpers (cuda_attention.ATTENTION_HELPERS): cp.async as above
 static inline void sf_att_cp16(unsigned dst, const void* src, bool full) { sf_cp_async16(dst, src, full); }
 static inline void sf_att_commit() { sf_cp_commit(); }
 template <int N> static inline void sf_att_wait() { sf_cp_wait<N>(); }
@@ -443,7 +443,8 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
   return r;
 }
 
-// runs body(args) as every thread of every block; returns 0, or 1 on a deadlock
+// runs body(args) as every thread of every block; returns 0, 1 on a deadlock, 2 after a misaligned
+// vector access
 extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
                              unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed) {
   using namespace sf_emu;
@@ -455,6 +456,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
   xslots[0].assign(n, Words());
   xslots[1].assign(n, Words());
   dyn.assign(smem, 0x5A);  // (garbage, as on a GPU)
+  misaligned = 0;
   sf_emu::body = body;
   body_args = args;
   blockDim = {bx, by, bz};
@@ -463,7 +465,6 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
     blockIdx = {x, y, z};
     mbars.clear();
     for (Named& b : named) b = {0, 0};
-    for (Tma* t : tmas) delete t;
     tmas.clear();
     rng = seed;
     for (int t = 0; t < n; ++t) {
@@ -498,8 +499,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
       }
       for (size_t i = 0; i < tmas.size();) {  // some of the copies in flight land
         if (coin()) {
-          sf_tma_land(*tmas[i]);
-          delete tmas[i];
+          sf_tma_land(tmas[i]);
           tmas.erase(tmas.begin() + i);
         } else {
           ++i;
@@ -540,26 +540,29 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
       if (idle > (skipped ? 64 : 1)) return 1;  // polling what nothing changes any more
     }
   }
-  return 0;
+  return misaligned ? 2 : 0;
 }
 """
 
-#: what the emulation cannot run: inline PTX it does not replace
-_REFUSED = ("asm volatile",)
 _WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16)_(\d)(\d)\(float\* d, "
                     r"unsigned long long da, unsigned long long db\) \{.*?\n\}\n", re.S)
 _NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init)[^"]*"[^;]*;')
+#: the vector types of the generated code, whose accesses are checked for alignment
+_VECTOR = re.compile(r"reinterpret_cast<(const )?((?:SfVec4<[\w ]+>)|float4|float2)\*>\(")
 _MMA = re.compile(r'asm volatile\("mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*" : '
                   r'([^:]*) : ([^;]*)\);')
 
 
 def _host_source(text: str) -> str:
-    """The generated source with what the shim provides in its place: the attention kernel's
-    helpers and ``mma.sync`` statements, the dynamic shared memory."""
+    """The generated source with what the shim provides in its place: the helpers with inline PTX
+    (but the descriptor encoding, kept as generated), ``mma.sync``, ``wgmma`` and no-op PTX
+    statements, the dynamic shared memory; vector accesses go through an alignment check."""
     from shardflow.compiler.codegen.cuda_attention import ATTENTION_HELPERS
     from shardflow.compiler.codegen.cuda_wgmma import WGMMA_HELPERS
 
-    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, "")
+    desc = re.search(r"__device__ __forceinline__ unsigned long long sf_smem_desc\(.*?\n\}\n", WGMMA_HELPERS, re.S)
+    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, desc.group(0))
+    text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",
                   "unsigned char* sf_dyn = sf_emu::dyn.data();", text)
     text = _NO_OP_ASM.sub("", text)  # register budgets and the mbarrier-init fence: nothing to do here
@@ -600,8 +603,11 @@ class HostKernels:
         body = ctypes.cast(getattr(self.lib, f"sf_emu_body_{symbol}"), ctypes.c_void_p)
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        if self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed)):
+        status = self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed))
+        if status == 1:
             raise RuntimeError(f"{symbol}: deadlock (the threads of a block wait at barriers that cannot open)")
+        if status == 2:
+            raise RuntimeError(f"{symbol}: a vector access at an address that is not a multiple of its size")
 
 
 def _signatures(text: str) -> dict[str, list[str]]:
@@ -622,9 +628,8 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
     """Compile the generated CUDA translation unit ``text`` for the host (g++, cached by content
     under ``work_dir``) and load it."""
     text = _host_source(text)
-    for c in _REFUSED:
-        if c in text:
-            raise ValueError(f"the host emulation cannot run the GEMM templates ({c!r} in the source)")
+    if "asm volatile" in text:
+        raise ValueError("the host emulation has no replacement for some inline PTX of this source")
     sigs = _signatures(text)
     body = "\n".join(ln for ln in text.splitlines() if not ln.startswith("#include <cuda") and ln != "#include <mma.h>")
     tramp = []
@@ -669,13 +674,23 @@ def tensor_map(spec: dict, array: np.ndarray) -> np.ndarray:
     return m
 
 
+def _aligned(shape, dtype) -> np.ndarray:
+    """An empty array aligned as the runtime's arena places buffers."""
+    from shardflow.runtime.artifact import aligned_empty
+
+    return aligned_empty(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
+
+
 def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1) -> list[np.ndarray]:
     """Run one generated kernel (its :class:`KernelLaunch`) on numpy ``inputs``; outputs of
-    ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows.
+    ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows;
+    every argument is aligned as in the runtime's arena (64 bytes).
     ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
     over several tiles, keep the emulation short)."""
-    ins = [np.ascontiguousarray(a) for a in inputs]
-    outs = [np.empty(s, d) for s, d in output_specs]
+    ins = [_aligned(np.shape(a), np.asarray(a).dtype) for a in inputs]
+    for i, a in zip(ins, inputs):
+        i[...] = a
+    outs = [_aligned(s, d) for s, d in output_specs]
     for o in outs:
         o.reshape(-1).view(np.uint8)[...] = 0x5A
     arrays = ins + outs

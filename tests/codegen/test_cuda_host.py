@@ -303,23 +303,36 @@ def test_split_k_on_the_host(tmp_path):
     assert split_count(2 * 7, 3000) > 1 and launch.grid[0] > 7
 
 
+EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, row as (heads, N // heads))
+    "vec": (136, "float16", False, None),  # four columns per thread: vector reads and store
+    "vec-f32": (136, "float32", False, None),
+    "odd": (137, "float16", False, None),  # one column per thread
+    "res_t": (136, "float16", True, None),  # the residual read per element
+    "two-axes": (144, "float32", False, 3),  # rows of 3 x 48: the lanes step along the 48
+    "short-inner": (136, "float32", False, 4),  # 4 x 34: N a multiple of 4, the last axis not
+}
+
+
 @pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
 def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
-    """GEMM + bias + residual as whole kernels (RFC 0005 decision 22: four columns per thread,
-    vector reads and stores), one column per thread (odd N), a residual read across rows."""
+    """GEMM + bias + residual as whole kernels (RFC 0005 decision 22): four columns per thread
+    with vector reads and stores (every vector access aligned), one column per thread, a residual
+    read across rows, a row of two axes, float16 and float32 additions."""
     from test_wgmma import _residual_epilogue
 
     rng = np.random.default_rng(5)
-    for name, (N, res_t) in {"vec": (136, False), "odd": (137, False), "res_t": (136, True)}.items():
-        ops, shapes = _residual_epilogue(N, res_t, M=300)
+    for name, (N, dt, res_t, heads) in EPILOGUES.items():
+        ops, shapes = _residual_epilogue(N, res_t, M=300, dt=dt, heads=heads)
         src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
         launch = src.launches["out"]
-        arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16) for k, v in shapes.items()}
-        w = arrays["w"].T if N % 2 else arrays["w"]
-        want = arrays["x"].astype(np.float64) @ w.astype(np.float64) + arrays["bias"] + \
-            (arrays["res"].T if res_t else arrays["res"])
+        assert launch.kind == "gemm-wgmma-f16" and ("sf_acc[4]" in src.text) == (name not in ("odd", "short-inner"))
+        arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16 if k in "xw" else dt)
+                  for k, v in shapes.items()}
+        w = arrays["w"].T if N % 2 else arrays["w"].reshape(arrays["w"].shape[0], -1)
+        res = arrays["res"].T if res_t else arrays["res"]
+        want = ((arrays["x"].astype(np.float64) @ w.astype(np.float64)).reshape(res.shape) + arrays["bias"] + res)
         got = run(build(src.text, str(tmp_path)), launch, [arrays[n] for n in launch.args[:launch.num_inputs]],
-                  [((300, N), np.float16)], grid=(2, 1, 1) if launch.tensor_maps else None)[0]
+                  [(res.shape, dt)], grid=(2, 1, 1) if launch.tensor_maps else None)[0]
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
 

@@ -20,8 +20,8 @@ from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, choose_wgmma_co
 from shardflow.compiler.codegen.fusion import fuse
 from shardflow.compiler.codegen.lower import CodegenError
 from shardflow.compiler.ir import Tensor
-from shardflow.compiler.ops.elementwise import Binary, Unary
-from shardflow.compiler.ops.linalg import Gemm, MatMul
+from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary
+from shardflow.compiler.ops.linalg import Einsum, Gemm, MatMul
 from shardflow.compiler.ops.transform import Transpose
 from shardflow.runtime.tma import kernel_args
 
@@ -164,20 +164,24 @@ def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
     assert all(f == 0 for f in frames.values()), frames  # no local memory
 
 
-def _residual_epilogue(N, res_t=False, M=200, K=328):
-    """``x @ w + bias + res`` in float16 (``res`` read transposed with ``res_t``), fused; returns
-    the ops and their inputs' shapes. ``w`` is stored ``[N, K]`` when N is odd (its rows must be
-    16-byte aligned for the wgmma kernel)."""
-    x, bias = Tensor("x", (M, K), "float16"), Tensor("bias", (N,), "float16")
-    w = Tensor("w", (N, K) if N % 2 else (K, N), "float16")
-    res = Tensor("res", (N, M) if res_t else (M, N), "float16")
-    mm = Gemm([x, w], name="mm", trans_b=bool(N % 2))
-    add = Binary([mm.outputs[0], bias], name="add", fn="add")
-    ops = [mm, add]
+def _residual_epilogue(N, res_t=False, M=200, K=328, dt="float16", heads=None):
+    """``x @ w + bias + res`` (``res`` read transposed with ``res_t``), fused: the product in
+    float16, the additions in ``dt`` (the product cast first when that is float32). ``w`` is
+    stored ``[N, K]`` when N is odd (a ``[K, N]`` one needs 16-byte aligned rows for the wgmma
+    kernel); with ``heads`` the row is two axes (``heads``, ``N // heads``): an einsum
+    ``mk,knd->mnd``. Returns the ops and their inputs' shapes."""
+    row = (heads, N // heads) if heads else (N,)
+    x, bias = Tensor("x", (M, K), "float16"), Tensor("bias", row, dt)
+    w = Tensor("w", (N, K) if N % 2 else (K,) + row, "float16")
+    res = Tensor("res", row[::-1] + (M,) if res_t else (M,) + row, dt)
+    ops = [Einsum([x, w], name="mm", equation="mk,knd->mnd") if heads else Gemm([x, w], name="mm", trans_b=bool(N % 2))]
+    if dt != "float16":
+        ops.append(CastOp([ops[-1].outputs[0]], name="cast", to=dt))
+    ops.append(Binary([ops[-1].outputs[0], bias], name="add", fn="add"))
     if res_t:
-        ops.append(Transpose([res], name="tr", perm=[1, 0]))
-    out = Binary([add.outputs[0], ops[-1].outputs[0] if res_t else res], name="out", fn="add")
-    return fuse(ops + [out], keep=[out.outputs[0].name]), {"x": (M, K), "w": w.shape, "bias": (N,), "res": res.shape}
+        ops.append(Transpose([res], name="tr", perm=list(range(res.ndim))[::-1]))
+    out = Binary([ops[-2 if res_t else -1].outputs[0], ops[-1].outputs[0] if res_t else res], name="out", fn="add")
+    return fuse(ops + [out], keep=[out.outputs[0].name]), {"x": (M, K), "w": w.shape, "bias": row, "res": res.shape}
 
 
 @pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
