@@ -17,19 +17,20 @@ barriers (``bar.sync``/``bar.arrive``) count their threads.
 of a block is a coroutine (``ucontext``) on one host thread, a block's threads run until each
 finishes or waits at a barrier, a barrier opens when every thread of the block (or, for a warp
 instruction or ``__syncwarp``, of the warp) that has not exited waits at it, and the blocks of
-the grid run one after another (a persistent kernel takes a smaller grid, each block looping over
-more tiles). Nothing runs concurrently: a run is one interleaving, chosen by a seed (with a seed
-above 1, threads also sit out scheduler rounds at random). A wait that can never end (lanes of one
+the grid run one after another, or a given number at a time with their threads interleaved (as
+blocks resident on different multiprocessors run at once; a persistent kernel takes a smaller
+grid, each block looping over more tiles). Nothing runs in parallel: a run is one interleaving,
+chosen by a seed (with a seed above 1, threads also sit out scheduler rounds at random). A wait that can never end (lanes of one
 warp at different barriers, or every live thread polling what nothing changes any more) is
 reported as a deadlock instead of hanging, and a vector access (``SfVec4``, ``float4``,
 ``float2``) at an address that is not a multiple of its size, which faults on a GPU, fails the run
 (arguments are aligned as in the runtime's arena).
 
 Host math (glibc) is not bit-identical to CUDA's device math (within a few ulps either way), so
-checks use the tolerances of the GPU tests. Not emulated: a split-K kernel on a grid where its
-splits wait for each other (that needs all its blocks resident at once: here it is reported as a
-deadlock; run it on fewer blocks than units), and inline PTX the shim does not replace
-(:func:`build` refuses it). What the shim cannot show: timing, the memory model (a missing
+checks use the tolerances of the GPU tests. Kernels whose blocks wait for each other (split-K
+spread over a full grid, stream-K) need all their blocks resident (``resident``); run alone, one
+waiting for a later block is reported as a deadlock. Inline PTX the shim does not replace is not
+emulated (:func:`build` refuses it). What the shim cannot show: timing, the memory model (a missing
 ``__threadfence``), bank conflicts, register and shared-memory limits, and the wmma fragments'
 real register layout.
 """
@@ -51,6 +52,7 @@ _SHIM = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <map>
 #include <type_traits>
 #include <ucontext.h>
@@ -185,8 +187,11 @@ static std::vector<std::vector<char>> stacks;
 static std::vector<unsigned long long> slots[2];  // shuffle values, double-buffered per thread
 struct Words { unsigned w[8]; };
 static std::vector<Words> xslots[2];  // the operands of warp-wide matrix instructions, likewise
-static std::vector<unsigned char> dyn;  // the block's dynamic shared memory
-static int cur;
+static std::vector<unsigned char> dyn;  // the current block's dynamic shared memory
+static int cur;  // the running thread (over the resident blocks: block cur / nthr, thread cur % nthr)
+static int nthr;  // threads per block
+static inline int lane_of(int t) { return (t % nthr) & 31; }
+static inline int warp_of(int t) { return t - lane_of(t); }  // the thread of lane 0 of t's warp
 static unsigned long long epoch;  // counts events that can end a wait (deadlock detection)
 static ucontext_t sched;
 static void (*body)(void**);
@@ -208,7 +213,7 @@ static const Words* exchange(const unsigned* w, int n) {
   threads[me].xbuf ^= 1;
   memcpy(xslots[buf][me].w, w, n * sizeof(unsigned));
   wait(WARP);
-  return &xslots[buf][me & ~31];
+  return &xslots[buf][warp_of(me)];
 }
 static inline float half_value(unsigned bits, bool bf) {  // the low 16 bits as a half value
   const unsigned short h = (unsigned short)bits;
@@ -221,7 +226,7 @@ static inline float half_value(unsigned bits, bool bf) {  // the low 16 bits as 
 // m, row l/4, columns 2(l%4) and 2(l%4)+1 (transposed: column l/4, rows 2(l%4) and 2(l%4)+1)
 static void ldmatrix(unsigned addr, unsigned* r, bool trans) {
   const Words* all = exchange(&addr, 1);
-  const int lane = cur & 31;
+  const int lane = lane_of(cur);
   for (int m = 0; m < 4; ++m) {
     unsigned short lo, hi;
     if (!trans) {
@@ -254,7 +259,7 @@ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, un
       B[2 * t + 8 + i][g] = half_value(all[l].w[5] >> (16 * i), bf);
     }
   }
-  const int lane = cur & 31, g = lane / 4, t = lane % 4;
+  const int lane = lane_of(cur), g = lane / 4, t = lane % 4;
   for (int q = 0; q < 4; ++q) {
     const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
     float acc = c[q];
@@ -264,7 +269,7 @@ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, un
 }
 static void spin() { wait(SPIN); }
 
-// mbarriers (keyed by their shared-memory address) and named barriers, reset for every block
+// mbarriers (keyed by their shared-memory address) and named barriers of the current block
 struct Mbar { unsigned count, pending, phase; long long tx; };
 static std::map<unsigned, Mbar> mbars;
 struct Named { unsigned arrived, generation; };
@@ -284,6 +289,25 @@ static void copy16(const Copy& c) {
 }
 struct Tma { unsigned dst; SfTmap map; int c0, c1; unsigned bar; };
 static std::vector<Tma> tmas;  // bulk tensor copies in flight
+// the state of each resident block; the current block's lives in the globals above (switching
+// swaps it back: the shared memory's storage, which threads hold pointers into, never moves)
+struct Block { std::vector<unsigned char> dyn; std::map<unsigned, Mbar> mbars; Named named[16]; std::vector<Tma> tmas;
+               SfDim3 idx; };
+static std::vector<Block> blocks;
+static int curblk = -1;
+static void swap_state(Block& b) {
+  std::swap(dyn, b.dyn);
+  std::swap(mbars, b.mbars);
+  std::swap(named, b.named);
+  std::swap(tmas, b.tmas);
+}
+static void enter(int b) {  // make block b the current one
+  if (b == curblk) return;
+  if (curblk >= 0) swap_state(blocks[curblk]);
+  swap_state(blocks[b]);
+  curblk = b;
+  blockIdx = blocks[b].idx;
+}
 static int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
 template <typename V, typename P> static V* at(P* p) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(V)) ++misaligned;
@@ -379,7 +403,7 @@ static inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long l
   sf_emu::threads[sf_emu::cur].mmas.add({d, da, db, bn, bf, ta, tb});
 }
 static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
-  const int t = sf_emu::cur % 128, w = t / 32, l = t % 32;
+  const int t = sf_emu::cur % sf_emu::nthr % 128, w = t / 32, l = t % 32;
   for (int j = 0; j < op.bn / 8; ++j)
     for (int q = 0; q < 4; ++q) {
       const int row = 16 * w + l / 4 + (q / 2) * 8, col = 8 * j + 2 * (l % 4) + (q % 2);
@@ -394,6 +418,12 @@ static inline void __nanosleep(unsigned) { sf_emu::spin(); }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = old + v;
+  ++sf_emu::epoch;
+  return old;
+}
+static inline unsigned atomicExch(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = v;
   ++sf_emu::epoch;
   return old;
 }
@@ -435,45 +465,54 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
   memcpy(&raw, &v, sizeof(T));
   slots[buf][me] = raw;
   wait(WARP);
-  const int lane = me & 31;
-  const int src = (me & ~31) | (((lane ^ lane_mask) < (lane / width + 1) * width) ? (lane ^ lane_mask) : lane);
+  const int lane = lane_of(me);
+  const int src = warp_of(me) + (((lane ^ lane_mask) < (lane / width + 1) * width) ? (lane ^ lane_mask) : lane);
   T r;
   raw = slots[buf][src];
   memcpy(&r, &raw, sizeof(T));
   return r;
 }
 
-// runs body(args) as every thread of every block; returns 0, 1 on a deadlock, 2 after a misaligned
-// vector access
+// runs body(args) as every thread of every block, `resident` blocks at a time (their threads
+// interleaved, as blocks resident on different multiprocessors run at once); returns 0, 1 on a
+// deadlock, 2 after a misaligned vector access
 extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed) {
+                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident) {
   using namespace sf_emu;
-  const int n = (int)(bx * by * bz);
-  threads.assign(n, Thread());
-  if ((int)stacks.size() < n) stacks.resize(n, std::vector<char>(256 * 1024));
-  slots[0].assign(n, 0);
-  slots[1].assign(n, 0);
-  xslots[0].assign(n, Words());
-  xslots[1].assign(n, Words());
-  dyn.assign(smem, 0x5A);  // (garbage, as on a GPU)
+  const int n = (int)(bx * by * bz), total = (int)(gx * gy * gz);
+  const int nb = (int)std::max(1u, std::min(resident, (unsigned)total));
+  nthr = n;
+  threads.assign(n * nb, Thread());
+  if ((int)stacks.size() < n * nb) stacks.resize(n * nb, std::vector<char>(256 * 1024));
+  slots[0].assign(n * nb, 0);
+  slots[1].assign(n * nb, 0);
+  xslots[0].assign(n * nb, Words());
+  xslots[1].assign(n * nb, Words());
   misaligned = 0;
   sf_emu::body = body;
   body_args = args;
   blockDim = {bx, by, bz};
   gridDim = {gx, gy, gz};
-  for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
-    blockIdx = {x, y, z};
-    mbars.clear();
-    for (Named& b : named) b = {0, 0};
-    tmas.clear();
+  for (int first = 0; first < total; first += nb) {  // a wave of resident blocks
+    const int live = std::min(nb, total - first);
+    if (curblk >= 0) swap_state(blocks[curblk]);
+    curblk = -1;
+    blocks.assign(live, Block());
+    for (int b = 0; b < live; ++b) {
+      const unsigned i = (unsigned)(first + b);
+      blocks[b].idx = {i % gx, (i / gx) % gy, i / (gx * gy)};
+      blocks[b].dyn.assign(smem, 0x5A);  // (garbage, as on a GPU)
+    }
     rng = seed;
-    for (int t = 0; t < n; ++t) {
+    const int nt = n * live;
+    for (int t = 0; t < nt; ++t) {
       Thread& th = threads[t];
       th.state = RUN;
       th.buf = th.xbuf = 0;
       th.copies = Groups<Copy>();
       th.mmas = Groups<Mma>();
-      th.idx = {(unsigned)t % bx, ((unsigned)t / bx) % by, (unsigned)t / (bx * by)};
+      const unsigned l = (unsigned)(t % n);
+      th.idx = {l % bx, (l / bx) % by, l / (bx * by)};
       getcontext(&th.ctx);
       th.ctx.uc_stack.ss_sp = stacks[t].data();
       th.ctx.uc_stack.ss_size = stacks[t].size();
@@ -485,7 +524,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
       const unsigned long long before = epoch;
       bool spinning_only = true;
       bool skipped = false;
-      for (int t = 0; t < n; ++t) {
+      for (int t = 0; t < nt; ++t) {
         if (threads[t].state != RUN && threads[t].state != SPIN) continue;
         if (seed > 1 && !coin() && !coin()) {  // with a seed: a thread sits out a round now and then
           skipped = true;
@@ -494,49 +533,58 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
         spinning_only = spinning_only && threads[t].state == SPIN;
         threads[t].state = RUN;
         cur = t;
+        enter(t / n);
         threadIdx = threads[t].idx;
         swapcontext(&sched, &threads[t].ctx);
       }
-      for (size_t i = 0; i < tmas.size();) {  // some of the copies in flight land
-        if (coin()) {
-          sf_tma_land(tmas[i]);
-          tmas.erase(tmas.begin() + i);
-        } else {
-          ++i;
+      bool in_flight = false;
+      for (int b = 0; b < live; ++b) {  // some of the copies in flight land
+        enter(b);
+        for (size_t i = 0; i < tmas.size();) {
+          if (coin()) {
+            sf_tma_land(tmas[i]);
+            tmas.erase(tmas.begin() + i);
+          } else {
+            ++i;
+          }
         }
+        in_flight = in_flight || !tmas.empty();
       }
       bool done = true, released = false;
-      for (int w = 0; w < n; w += 32) {  // a warp whose live lanes all wait at a shuffle or __syncwarp
-        bool all = true, any = false;
-        for (int t = w; t < w + 32 && t < n; ++t) {
-          if (threads[t].state == DONE) continue;
-          any = true;
-          all = all && threads[t].state == WARP;
+      for (int b = 0; b < live; ++b) {
+        for (int w = b * n; w < (b + 1) * n; w += 32) {  // a warp whose live lanes all wait at a shuffle or __syncwarp
+          bool all = true, any = false;
+          for (int t = w; t < w + 32 && t < (b + 1) * n; ++t) {
+            if (threads[t].state == DONE) continue;
+            any = true;
+            all = all && threads[t].state == WARP;
+          }
+          if (any && all) {
+            for (int t = w; t < w + 32 && t < (b + 1) * n; ++t) if (threads[t].state == WARP) threads[t].state = RUN;
+            released = true;
+            ++epoch;
+          }
         }
-        if (any && all) {
-          for (int t = w; t < w + 32 && t < n; ++t) if (threads[t].state == WARP) threads[t].state = RUN;
+        bool all_bar = true, any_bar = false;
+        for (int t = b * n; t < (b + 1) * n; ++t) {
+          if (threads[t].state != DONE) done = false;
+          if (threads[t].state != DONE && threads[t].state != BAR) all_bar = false;
+          any_bar = any_bar || threads[t].state == BAR;
+        }
+        if (all_bar && any_bar) {
+          for (int t = b * n; t < (b + 1) * n; ++t) if (threads[t].state == BAR) threads[t].state = RUN;
           released = true;
           ++epoch;
         }
       }
-      bool all_bar = true;
-      for (int t = 0; t < n; ++t) {
-        if (threads[t].state != DONE) done = false;
-        if (threads[t].state != DONE && threads[t].state != BAR) all_bar = false;
-      }
       if (done) break;
-      if (!released && all_bar) {
-        for (int t = 0; t < n; ++t) if (threads[t].state == BAR) threads[t].state = RUN;
-        released = true;
-        ++epoch;
-      }
       bool running = false, spinning = false;
-      for (int t = 0; t < n; ++t) {
+      for (int t = 0; t < nt; ++t) {
         running = running || threads[t].state == RUN;
         spinning = spinning || threads[t].state == SPIN;
       }
-      if (!running && !spinning) return 1;  // every live thread waits, and no barrier can open
-      idle = (!running && spinning_only && epoch == before && tmas.empty()) ? idle + 1 : 0;
+      if (!running && !spinning && !released) return 1;  // every live thread waits, and no barrier can open
+      idle = (!running && spinning_only && epoch == before && !in_flight) ? idle + 1 : 0;
       if (idle > (skipped ? 64 : 1)) return 1;  // polling what nothing changes any more
     }
   }
@@ -587,11 +635,13 @@ class HostKernels:
         self.signatures = signatures
         self.lib.sf_emu_launch.restype = ctypes.c_int
 
-    def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1) -> None:
+    def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1, resident: int = 1) -> None:
         """Run ``symbol`` over ``grid`` x ``block`` on numpy ``arrays`` (its parameters, in
         order: contiguous arrays whose memory the kernel reads and writes), with ``shared_mem``
         bytes of dynamic shared memory. ``seed`` > 1 also lets threads sit out scheduler rounds
-        at random (another interleaving for each seed); bulk copies land at random either way."""
+        at random (another interleaving for each seed); bulk copies land at random either way.
+        ``resident`` blocks run at once, their threads interleaved (blocks that wait for each
+        other, as a persistent kernel's may, need all of theirs)."""
         types = self.signatures[symbol]
         maps = [a for a in arrays if isinstance(a, np.ndarray) and a.dtype == _MAP]
         if len(types) != len(arrays) or len(maps) != types.count("const SfTmap"):
@@ -603,9 +653,11 @@ class HostKernels:
         body = ctypes.cast(getattr(self.lib, f"sf_emu_body_{symbol}"), ctypes.c_void_p)
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        status = self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed))
+        status = self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed),
+                                        ctypes.c_uint(resident))
         if status == 1:
-            raise RuntimeError(f"{symbol}: deadlock (the threads of a block wait at barriers that cannot open)")
+            raise RuntimeError(f"{symbol}: deadlock (threads wait at barriers that cannot open, or poll what nothing "
+                               "changes any more)")
         if status == 2:
             raise RuntimeError(f"{symbol}: a vector access at an address that is not a multiple of its size")
 
@@ -681,12 +733,14 @@ def _aligned(shape, dtype) -> np.ndarray:
     return aligned_empty(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
 
 
-def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1) -> list[np.ndarray]:
+def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1,
+        resident: int = 1) -> list[np.ndarray]:
     """Run one generated kernel (its :class:`KernelLaunch`) on numpy ``inputs``; outputs of
     ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows;
     every argument is aligned as in the runtime's arena (64 bytes).
     ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
-    over several tiles, keep the emulation short)."""
+    over several tiles, keep the emulation short); ``resident`` blocks run at once (see
+    :meth:`HostKernels.launch`)."""
     ins = [_aligned(np.shape(a), np.asarray(a).dtype) for a in inputs]
     for i, a in zip(ins, inputs):
         i[...] = a
@@ -695,5 +749,5 @@ def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int
         o.reshape(-1).view(np.uint8)[...] = 0x5A
     arrays = ins + outs
     maps = [tensor_map(spec, arrays[int(spec["arg"])]) for spec in launch.tensor_maps]
-    kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed)
+    kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed, resident)
     return outs

@@ -12,8 +12,8 @@ replace the older figures of the same cases and tiles. (The sweep of the first s
 its serial reduction, h100-2026-11-22-tma-split4-tiles.txt, is superseded.) The model is the one of
 ``cuda_wgmma.choose_wgmma_config`` (waves of blocks x useful fraction x efficiency x the split
 factor where K is split); the ``cp`` tiles keep their relative efficiencies times one factor,
-the ``tma`` tiles get one each and a split factor each (the ``pp`` ones, where a sweep has
-them, one each), all chosen by coordinate search to
+the ``tma`` tiles get one each and a split factor each (the ``pp`` and ``sk`` ones, where a
+sweep has them, one each), all chosen by coordinate search to
 maximize the geometric mean of
 the chosen tiles' measured ratios to cuBLAS (a choice without a measurement counts as 0.3); the
 choice itself is ``choose_wgmma_config`` with the trial figures. No
@@ -61,7 +61,7 @@ def read_sweep(paths: list[str], dtype: str = "float16",
 
 def main(argv: list[str] | None = None) -> dict:
     """Fit, print the comparison, and return the fitted figures (``cp_factor``, ``split``, and
-    one per ``tma`` tile, and per ``pp`` tile that a sweep measured)."""
+    one per ``tma`` tile, and per ``pp`` or ``sk`` tile that a sweep measured)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", nargs="+", required=True)
     ap.add_argument("--spread-sweep", nargs="*", default=[])
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     tma = {t: 1.0 for t in W.WGMMA_CONFIGS if t.startswith("tma")}
     split_factor = {t: 1.0 for t in tma}
-    # the ping-pong tiles where a sweep measured them (they get an efficiency each, no split)
-    tma.update({t: 1.0 for row in data.values() for t in row if W.WGMMA_CONFIGS[t][3] == "pp"})
+    # the ping-pong and stream-K tiles where a sweep measured them (an efficiency each, no split)
+    tma.update({t: 1.0 for row in data.values() for t in row if W.WGMMA_CONFIGS[t][3] in ("pp", "sk")})
     factor = 0.8
 
     def table(t, f, sf):

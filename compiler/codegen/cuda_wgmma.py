@@ -57,7 +57,10 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")
 #: unbatched product only; the launch carries tensor-map descriptions, see shardflow.runtime.tma);
 #: ``pp``: the ``tma`` kernel in ping-pong: each of the WG consumer warpgroups takes whole 64-row
 #: tiles, the block's tiles alternating between them, so that one's epilogue runs while the other's
-#: products run (BM = 64; see :func:`_tma_kernel`).
+#: products run (BM = 64; see :func:`_tma_kernel`); ``sk``: the ``tma`` kernel in stream-K: the tiles
+#: past the last whole wave, and one wave before them, are cut by K tile into one equal range per
+#: block, so that every block has the same work; a tile split between blocks is finished by the
+#: block that began it, which adds the others' partial sums (see :func:`_stream_k_ranges`).
 #: (A ``cp.async`` producer warpgroup with mbarrier hand-off measured slower than both on every
 #: benchmark shape: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt, ``ws*``; removed.)
 WGMMA_CONFIGS = {
@@ -75,6 +78,11 @@ WGMMA_CONFIGS = {
     "pp64x256": (2, 256, 5, "pp"),
     "pp64x192": (2, 192, 6, "pp"),
     "pp64x128": (2, 128, 8, "pp"),
+    # stream-K (not measured yet; likewise out of the default choice and of the tuner's candidates)
+    "sk128x256": (2, 256, 4, "sk"),
+    "sk128x192": (2, 192, 5, "sk"),
+    "sk128x128": (2, 128, 6, "sk"),
+    "sk64x128": (1, 128, 8, "sk"),
 }
 #: multiprocessors a persistent (``tma``) grid is sized for (an H100 SXM / H200 has 132); the launch
 #: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
@@ -103,7 +111,7 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     a = 64 * (1 if mode == "pp" else wg) * _BK * 2
     b = bn * _BK * 2
     pipe = stages * (a + b)
-    if mode in ("tma", "pp"):  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
+    if mode in ("tma", "pp", "sk"):  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
         return a, b, pipe + wg * _STAGE_BYTES + 16 * stages + 16 + 1024  # + the split-K flag
     ctile = 64 * wg * (bn + 4) * 4
     return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
@@ -178,7 +186,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
     half the shared memory; a persistent ``tma`` grid runs the same waves of tiles), times the
     useful fraction of the tiles (those past ``M`` or ``N`` compute zeros), times the tile's own
     efficiency (:data:`_TILE_EFFICIENCY`); with ``K``, a ``tma`` tile's blocks include its K splits
-    (:func:`split_count`). Batched products choose among the ``cp`` tiles (the
+    (:func:`split_count`), and a stream-K (``sk``) tile keeps every block busy. Batched products
+    choose among the ``cp`` tiles (the
     ``tma`` kernel takes one product). On the 24 float16 shapes of the H100 GEMM benchmark the
     choice measured within 10% of the fastest tile on 22 (geomean 0.79 of cuBLAS, against 0.81 for
     the fastest tile of each shape). ``efficiency``/``split_efficiency`` replace the shipped
@@ -190,10 +199,12 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
         wg, bn, _, mode = WGMMA_CONFIGS[name]
         bm = tile_rows(name)
         tiles = -(-M // bm) * -(-N // bn) * batch
+        useful = M * N * batch / (tiles * bm * bn)  # tiles hanging over M or N do less work
+        if mode == "sk" and K:  # stream-K: every block (up to one per K tile) the same share of the work
+            return min(1.0, tiles * -(-K // _BK) / sms) * useful * eff[name]
         splits = split_count(tiles, K, sms) if mode == "tma" and K else 1  # split-K: more blocks
         units = tiles * splits
         waves = -(-units // sms)
-        useful = M * N * batch / (tiles * bm * bn)  # tiles hanging over M or N do less work
         return units / (waves * sms) * useful * eff[name] * (split_eff[name] if splits > 1 else 1.0)
     names = [n for n in eff if batch == 1 or WGMMA_CONFIGS[n][3] == "cp"]
     return max(names, key=score)
@@ -202,7 +213,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
 #: the ``cp`` tile a ``tma`` configuration falls back to where TMA cannot load the operands
 #: (batched products: their operands are not one 2-D tensor map each)
 _TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128": "128x128", "tma64x128": "64x128",
-                 "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128"}
+                 "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128",
+                 "sk128x256": "128x256", "sk128x192": "128x256", "sk128x128": "128x128", "sk64x128": "64x128"}
 
 
 def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:
@@ -371,7 +383,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     config = config or choose_wgmma_config(M, N, batch, K=K)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
-    if WGMMA_CONFIGS[config][3] in ("tma", "pp"):
+    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config, vec=vec)
@@ -511,6 +523,74 @@ def _tma_copies(op: DirectOperand, rows: int, sm: str, o0: str, tmap: str) -> st
                      for p in range(rows // 64))
 
 
+def _stream_k_ranges(tiles: int, KT: int) -> str:
+    """Stream-K work split (kernel preamble): with ``G`` blocks, whole tiles ``blockIdx.x + i G``
+    while every block has one, then the rest (the last partial wave and one full wave before it,
+    or every tile when there are fewer tiles than blocks) as one run of K tiles cut into ``G``
+    equal ranges, a range crossing tile boundaries where it falls. With as many tiles as a whole
+    number of waves there is no range: the kernel is the plain persistent one."""
+    return f"""const int sf_G = min((int)gridDim.x, {PERSISTENT_SMS});  // (the partial sums have {PERSISTENT_SMS} slots)
+if ((int)blockIdx.x >= sf_G) return;
+const int sf_skt = {tiles} % sf_G == 0 ? 0 : {tiles} < sf_G ? {tiles} : sf_G + {tiles} % sf_G;  // stream-K tiles
+const int sf_dpt = {tiles} - sf_skt;  // whole tiles, a multiple of G
+const long long sf_W = (long long)sf_skt * {KT};  // K tiles of the stream-K tiles
+const long long sf_lo = sf_W * blockIdx.x / sf_G, sf_hi = sf_W * (blockIdx.x + 1) / sf_G;  // this block's"""
+
+
+def _stream_k_pieces(KT: int) -> str:
+    """The loop over a stream-K block's work (producer and consumer alike): output tile ``sf_t``,
+    K tiles ``[sf_kb, sf_ke)``."""
+    return f"""long long sf_it = sf_lo;  // the next K tile of the range
+for (int sf_u = blockIdx.x;; sf_u += sf_G) {{
+  int sf_t, sf_kb, sf_ke;  // output tile, its K tiles [sf_kb, sf_ke)
+  if (sf_u < sf_dpt) {{  // a whole tile
+    sf_t = sf_u;
+    sf_kb = 0;
+    sf_ke = {KT};
+  }} else {{  // the next piece of the range: to the end of its tile or of the range
+    if (sf_it >= sf_hi) break;
+    sf_t = sf_dpt + (int)(sf_it / {KT});
+    sf_kb = (int)(sf_it % {KT});
+    sf_ke = (int)min((long long){KT}, sf_kb + (sf_hi - sf_it));
+    sf_it += sf_ke - sf_kb;
+  }}"""
+
+
+def _stream_k_fixup(KT: int, nreg: int, tc: int) -> str:
+    """After a stream-K piece's main loop (consumer threads): a piece that does not start its tile
+    stores its partial sums (the block's only such piece: only a range's first piece can start
+    inside a tile) and flags them; the piece that starts a tile it does not finish adds the later
+    pieces' sums, which the next blocks computed first thing in their ranges, in block order (the
+    same bits for a given grid), and goes on to the epilogue. Only a block with a lower index
+    waits, on blocks of higher index that never wait before they flag: every block is resident
+    (one per multiprocessor, the grid at most the multiprocessor count), so this cannot deadlock."""
+    return f"""const int sf_tc = threadIdx.x - 128;
+if (sf_kb > 0) {{  // a later piece of a tile an earlier block began: hand the sums over
+  float* sf_mine = {{SYMBOL}}_ws + (size_t)blockIdx.x * {nreg * tc} + sf_tc;
+  #pragma unroll
+  for (int r = 0; r < {nreg}; ++r) __stcg(sf_mine + r * {tc}, sf_d[r]);
+  __threadfence();
+  sf_bar_sync(3, {tc});
+  if (sf_tc == 0) atomicExch(&{{SYMBOL}}_skf[blockIdx.x], 1u);
+  continue;
+}}
+if (sf_ke < {KT}) {{  // the tile's first piece: add the others, the next blocks' first pieces
+  const long long sf_end = (long long)(sf_t - sf_dpt + 1) * {KT};
+  for (int sf_q = blockIdx.x + 1; sf_q < sf_G && sf_W * sf_q / sf_G < sf_end; ++sf_q) {{
+    if (sf_W * (sf_q + 1) / sf_G == sf_W * sf_q / sf_G) continue;  // an empty range
+    if (sf_tc == 0) {{
+      while (*reinterpret_cast<volatile unsigned*>(&{{SYMBOL}}_skf[sf_q]) == 0u) __nanosleep(32);
+      {{SYMBOL}}_skf[sf_q] = 0u;  // (for the next launch; the sums stay until then)
+    }}
+    sf_bar_sync(3, {tc});
+    __threadfence();
+    const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_q * {nreg * tc} + sf_tc;
+    #pragma unroll
+    for (int r = 0; r < {nreg}; ++r) sf_d[r] += __ldcg(sf_p + r * {tc});
+  }}
+}}"""
+
+
 def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, root: str, batch_code: str,
                 a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int) -> tuple[str, dict, tuple]:
     """A persistent warp-specialized GEMM: ``gridDim.x`` blocks (at most :data:`PERSISTENT_SMS`)
@@ -529,7 +609,7 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     producer's order, and a warpgroup never waits on a stage barrier more than one phase ahead of
     it (the phase parity would be ambiguous). No split-K."""
     wg, BN, S, mode = WGMMA_CONFIGS[config]
-    pp = mode == "pp"
+    pp, sk = mode == "pp", mode == "sk"
     BM = tile_rows(config)
     T = 128 * (wg + 1)
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
@@ -538,7 +618,7 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     KT = -(-K // _BK)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
-    splits = 1 if pp else split_count(tiles, K)
+    splits = split_count(tiles, K) if mode == "tma" else 1
     per = -(-KT // splits)  # K tiles per split
     units = tiles * splits
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
@@ -547,11 +627,13 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
 const int sf_kb = (sf_u % {splits}) * {per};  // its K split: K tiles [sf_kb, sf_ke)
 const int sf_ke = min(sf_kb + {per}, {KT});
 """ + _grouped_tile("sf_t", tiles_m, tiles_n, BM, BN)
+    # the block's work: its units in turn, or (stream-K) its whole tiles, then its range of K tiles
+    head = (_stream_k_pieces(KT) + "\n" + _indent(_grouped_tile("sf_t", tiles_m, tiles_n, BM, BN), 2) if sk else
+            f"for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{\n{_indent(tile, 2)}")
     # 3 warpgroups share 64K registers: the consumers take what the producer does not need
     dec, inc = ('asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\\n");',
                 'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");') if wg == 2 else ("", "")
-    producer = f"""for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{
-{_indent(tile, 2)}
+    producer = f"""{head}
   for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({empty("sf_s")}, ((sf_g / {S}) & 1) ^ 1);
@@ -584,7 +666,7 @@ const int sf_ke = min(sf_kb + {per}, {KT});
     # module globals sized here (a program runs on one stream: no two launches of a kernel are in
     # flight at once).
     nch = BN // _CHUNK
-    reduce = "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
+    reduce = _stream_k_fixup(KT, nreg, tc) if sk else "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
 const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_t * {splits * nreg * tc} + sf_tc;  // split 0 of the tile
 float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
 #pragma unroll
@@ -632,8 +714,9 @@ if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;
   }}
 }}"""
     if pp:  # this warpgroup's tiles: every other one of the block's; sf_g skips the other's K tiles
-        loop = f"""int sf_pi = sf_cw;  // index of the tile among the block's
-for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * gridDim.x, sf_pi += 2) {{"""
+        consumer_head = f"""int sf_pi = sf_cw;  // index of the tile among the block's
+for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * gridDim.x, sf_pi += 2) {{
+{_indent(tile, 2)}"""
         start = f"""  sf_g = sf_pi * {KT};
   if (sf_pi > 0) sf_bar_sync(4 + ((sf_pi - 1) & 1), 256);  // the tile before: main loop issued
 """
@@ -641,15 +724,13 @@ for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * grid
     sf_bar_arrive(4 + (sf_pi & 1), 256);
 """
     else:
-        loop = f"for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{"
-        start = handoff = ""
+        consumer_head, start, handoff = head, "", ""
     consumer = f"""const int sf_cw = sf_wg - 1;
 float* sf_Cw = sf_Cs + sf_cw * {64 * _LDS};
 // wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
 const int sf_r = (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
 const int sf_c = (sf_wl & 3) * 2;
-{loop}
-{_indent(tile, 2)}
+{consumer_head}
   float sf_d[{BN // 2}];
   #pragma unroll
   for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
@@ -674,9 +755,13 @@ const int sf_c = (sf_wl & 3) * 2;
   }}
 {_indent(finish, 2)}
 }}"""
-    globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
-                                       f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
-                                       f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
+    if sk:
+        globals_ = (f"__device__ float {symbol}_ws[{PERSISTENT_SMS * nreg * tc}];  // stream-K partials, one per block\n"
+                    f"__device__ unsigned {symbol}_skf[{PERSISTENT_SMS}];  // block q's partials are stored\n")
+    else:
+        globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+                                           f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
+                                           f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
@@ -693,6 +778,7 @@ const int sf_c = (sf_wl & 3) * 2;
   (void)sf_bz;
   const bool sf_spread = gridDim.x >= {units};  // split-K: every unit has its own resident block
   (void)sf_spread;
+{_indent(_stream_k_ranges(tiles, KT), 2) if sk else ""}
 {_indent(root, 2)}
 {_indent(batch_code, 2)}
   if (threadIdx.x == 0) {{
@@ -719,6 +805,6 @@ const int sf_c = (sf_wl & 3) * 2;
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
-    launch = {"grid": (min(units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
+    launch = {"grid": (min(tiles * KT if sk else units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
     return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)

@@ -240,9 +240,11 @@ def test_attention_kernel_on_the_host_matches_the_definition(attention, name):
 # Hopper GEMMs: wgmma, TMA, mbarriers, named barriers (the shim's asynchronous model)
 # ----------------------------------------------------------------------------------------------
 
-def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,), dt="float16"):
-    """A half GEMM on tile ``cfg`` run on the host (persistent kernels on ``grid`` blocks), against
-    numpy, for each scheduling ``seed``; returns the launch."""
+def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,), dt="float16", launches=1):
+    """A half GEMM on tile ``cfg`` run on the host (persistent kernels on ``grid`` blocks, all
+    resident at once), against numpy, for each scheduling ``seed`` (``launches`` times each, on
+    the same kernel, A negated every other time: what a launch leaves behind must not leak into
+    the next); returns the launch and the outputs (of the launches on A as given)."""
     from test_wgmma import _bits, _gemm, _value
 
     op = _gemm(M, N, K, dt, ta, tb, name="g")
@@ -255,12 +257,18 @@ def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,
     b = _bits(rng.standard_normal((N, K) if tb else (K, N)), dt)
     want = (_value(a, dt).T if ta else _value(a, dt)).astype(np.float64) @ \
         (_value(b, dt).T if tb else _value(b, dt)).astype(np.float64)
+    outs = []
     for seed in seeds:
-        out = run(kernels, launch, [a, b], [((M, N), np.uint16)], grid=grid, seed=seed)[0]
-        got = _value(out.view(np.float16) if dt == "float16" else out, dt)
-        err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
-        assert err < (4e-3 if dt == "float16" else 2e-2), (cfg, ta, tb, seed, err)  # NaN (a missed element) fails
-    return launch
+        for j in range(launches):
+            sign = -1 if j % 2 else 1  # (flipping the sign bit negates a float16 or bfloat16 value)
+            out = run(kernels, launch, [(a.view(np.uint16) ^ np.uint16(0x8000)).view(a.dtype) if j % 2 else a, b], [((M, N), np.uint16)], grid=grid,
+                      seed=seed, resident=(grid or launch.grid)[0] if launch.persistent else 1)[0]
+            got = _value(out.view(np.float16) if dt == "float16" else out, dt)
+            err = float(np.max(np.abs(got - sign * want))) / float(np.max(np.abs(want)))
+            assert err < (4e-3 if dt == "float16" else 2e-2), (cfg, ta, tb, seed, j, err)  # NaN (a missed element) fails
+            if sign == 1:
+                outs.append(out)
+    return launch, outs
 
 
 def _wgmma_cases():
@@ -299,8 +307,37 @@ def test_split_k_on_the_host(tmp_path):
     sums every split's partials before the epilogue; twice, so the counters are reset."""
     from shardflow.compiler.codegen.cuda_wgmma import split_count
 
-    launch = _wgmma_gemm(tmp_path, "tma64x128", 128, 776, 3000, grid=(7, 1, 1), seeds=(1, 3))
+    launch, _ = _wgmma_gemm(tmp_path, "tma64x128", 128, 776, 3000, grid=(7, 1, 1), seeds=(1, 3))
     assert split_count(2 * 7, 3000) > 1 and launch.grid[0] > 7
+
+
+def test_split_k_spread_over_a_full_grid_on_the_host(tmp_path):
+    """Split-K with a block per unit, all resident (the GPU's case): the splits of a tile wait for
+    each other and each sums a share of the tile's chunks; the same bits as the last-split sum on
+    a smaller grid, under several interleavings, twice per run (the counters are reset)."""
+    launch, spread = _wgmma_gemm(tmp_path, "tma64x128", 64, 136, 1152, seeds=(1, 2, 3), launches=2)
+    assert launch.grid[0] == 4  # 2 tiles x 2 splits
+    _, last = _wgmma_gemm(tmp_path, "tma64x128", 64, 136, 1152, grid=(3, 1, 1))
+    assert all(np.array_equal(o, last[0]) for o in spread)
+
+
+@pytest.mark.parametrize("cfg,M,N,K,blocks", [
+    ("sk64x128", 200, 136, 200, 3),  # 8 tiles on 3 blocks: 3 whole, 5 cut into 3 ranges
+    ("sk64x128", 100, 136, 640, 3),  # 4 tiles on 3 blocks: one wave and the rest, all in ranges
+    ("sk64x128", 64, 248, 640, 3),  # 2 tiles on 3 blocks: each tile in 2 pieces
+    ("sk64x128", 64, 104, 640, 4),  # 1 tile on 4 blocks: its first piece adds three others
+    ("sk64x128", 64, 104, 128, 4),  # 2 K tiles on 4 blocks: empty ranges
+    ("sk64x128", 192, 136, 200, 3),  # 6 tiles on 3 blocks: whole waves, no range
+    ("sk128x256", 130, 264, 520, 3),  # 4 tiles of 128 x 256
+])
+def test_stream_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
+    """Stream-K (RFC 0005 decision 24) with its blocks resident together: whole tiles, then ranges
+    of K tiles crossing tile boundaries; a tile's first piece waits for the later pieces' partial
+    sums (the next blocks') and adds them in block order. The same bits under several random
+    interleavings, each launched twice (the flags are reset for the next launch)."""
+    _, outs = _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(1, 2, 5), launches=2)
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
 
 
 EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, row as (heads, N // heads))

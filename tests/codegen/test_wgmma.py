@@ -26,10 +26,12 @@ from shardflow.compiler.ops.transform import Transpose
 from shardflow.runtime.tma import kernel_args
 
 needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc not installed")
-#: the tiles that have run on a GPU; the ping-pong ones have their own GPU test (test_pingpong_*),
-#: which benchmarks/gpu/device_session.sh runs apart, under its own time limit, until they have
+#: the tiles that have run on a GPU; the ping-pong and stream-K ones have their own GPU tests
+#: (test_pingpong_*, test_stream_k_*), which benchmarks/gpu/device_session.sh runs apart, under
+#: their own time limit, until they have (a wrong hand-over or flag would hang, not fail)
 PINGPONG = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "pp"]
-MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG]
+STREAM_K = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "sk"]
+MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG + STREAM_K]
 LAYOUTS = list(itertools.product((False, True), (False, True)))  # (trans_a, trans_b)
 
 
@@ -56,8 +58,8 @@ def test_dense_half_operands_take_wgmma_on_hopper_only():
 
 def test_configs_follow_the_grid_and_can_be_forced():
     assert choose_wgmma_config(8192, 4096, 1) == "tma128x256"
-    # the ping-pong tiles are chosen only by name until a GPU run has measured them
-    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith("pp") for m in (128, 1024, 8192)
+    # the ping-pong and stream-K tiles are chosen only by name until a GPU run has measured them
+    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith(("pp", "sk")) for m in (128, 1024, 8192)
                    for n in (768, 3072) for k in (768, 3072))
     assert choose_wgmma_config(8192, 4096, 2) == "128x256"  # batched: no TMA tile
     assert choose_wgmma_config(128, 768, 1) == "64x64"
@@ -66,7 +68,8 @@ def test_configs_follow_the_grid_and_can_be_forced():
         launch = generate_cuda_source([g], arch="sm_90", gemm_configs={"g": name}).launches["g"]
         assert launch.block == (128 * (wg + (mode != "cp")), 1, 1)
         tiles = -(-512 // tile_rows(name)) * -(-512 // bn)  # pp: a 64-row tile per warpgroup
-        assert launch.grid[0] == (tiles if mode == "cp" else min(tiles, 132))  # tma, pp: persistent blocks
+        units = tiles * 2 if mode == "sk" else tiles  # stream-K: a block per K tile (2), up to one per SM
+        assert launch.grid[0] == (tiles if mode == "cp" else min(units, 132))  # tma, pp, sk: persistent blocks
         assert bool(launch.tensor_maps) == (mode != "cp")
     with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
@@ -274,6 +277,54 @@ def test_pingpong_tiles_match_numpy(tmp_path, dt):
             assert launch.tensor_maps and launch.grid[0] == 132
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_stream_k_tiles_match_numpy(tmp_path, dt):
+    """The stream-K tiles (RFC 0005 decision 24), every layout (few tiles: every block a range of
+    K tiles); then GPT-2's attention output projection at M = 1024 (N = K = 768: 96 tiles of 64 x
+    128 or 48 of 128 x 128 on 132 blocks, every tile in pieces) and a product of several waves
+    with a fused epilogue, each launched twice (the flags are reset for the next launch)."""
+    _configs_match_numpy(tmp_path, dt, STREAM_K)
+    if dt == "float16":
+        rng = np.random.default_rng(6)
+        for M, N, K in ((1024, 768, 768), (4100, 1160, 328)):
+            x = rng.standard_normal((M, K)).astype(np.float16)
+            w = (rng.standard_normal((K, N)) / 8).astype(np.float16)
+            bias = rng.standard_normal((N,)).astype(np.float16)
+            for cfg in STREAM_K:
+                (tmp_path / f"{cfg}-{M}").mkdir()
+                launch = _bias_tanh_matches_numpy(tmp_path / f"{cfg}-{M}", x, w, bias, cfg)
+                assert launch.tensor_maps and launch.grid[0] == 132
+
+
+@pytest.mark.gpu
+def test_stream_k_gives_the_same_bits_on_a_grid(tmp_path):
+    """A stream-K product (GPT-2's c_proj shape at M = 1024) gives the same bits launch after launch
+    on one grid, whichever block finishes first; on a smaller grid (other ranges) numpy's values
+    within the float16 rounding."""
+    cupy = _gpu()
+    rng = np.random.default_rng(7)
+    M, N, K = 1024, 768, 3072
+    op = _gemm(M, N, K, "float16", False, False, name="sk")
+    path = str(tmp_path / "k.cubin")
+    launch = build_cuda_library([op], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                gemm_configs={"sk": "sk64x128"})["sk"]
+    module = cupy.RawModule(path=path)
+    a = _bits(rng.standard_normal((M, K)) / 8, "float16")
+    b = _bits(rng.standard_normal((K, N)) / 8, "float16")
+    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
+    outs = {}
+    for grid in (132, 132, 97, 132, 97):
+        out = cupy.full((M, N), 0xFFFF, cupy.uint16)
+        _launch(cupy, module, dataclasses.replace(launch, grid=(grid, 1, 1)), (cupy.asarray(a), cupy.asarray(b), out))
+        outs.setdefault(grid, []).append(cupy.asnumpy(out))
+    for same in outs.values():
+        for o in same[1:]:
+            np.testing.assert_array_equal(o, same[0])
+        got = same[0].view(np.float16).astype(np.float32)
+        np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+
+
 def _configs_match_numpy(tmp_path, dt, configs):
     cupy = _gpu()
     rng = np.random.default_rng(0)
@@ -400,8 +451,9 @@ def test_split_k_reductions_give_the_same_bits(tmp_path, monkeypatch, split_min_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x256",
-                                 pytest.param("pp64x128", id="pingpong-pp64x128")])  # run apart with -k pingpong
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x256",  # (run apart: -k "pingpong or stream_k")
+                                 pytest.param("pp64x128", id="pingpong-pp64x128"),
+                                 pytest.param("sk64x128", id="stream_k-sk64x128")])
 def test_residual_epilogues_match_numpy(tmp_path, cfg):
     """GEMM + bias + residual (RFC 0005 decision 22): four columns per thread with vector reads and
     stores (N = 136), one column per thread (N = 137), and a residual read across rows; rows and
