@@ -20,9 +20,9 @@ instruction or ``__syncwarp``, of the warp) that has not exited waits at it, and
 the grid run one after another, or a given number at a time with their threads interleaved (as
 blocks resident on different multiprocessors run at once; a persistent kernel takes a smaller
 grid, each block looping over more tiles). Nothing runs in parallel: a run is one interleaving,
-chosen by a seed (with a seed above 1, threads also sit out scheduler rounds at random). A wait that can never end (lanes of one
-warp at different barriers, or every live thread polling what nothing changes any more) is
-reported as a deadlock instead of hanging, and a vector access (``SfVec4``, ``float4``,
+chosen by a seed (with a seed above 1, threads also sit out scheduler rounds at random). A wait
+that can never end (lanes of one warp at different barriers, or every live thread polling what
+nothing changes any more) is reported as a deadlock instead of hanging, and a vector access (``SfVec4``, ``float4``,
 ``float2``) at an address that is not a multiple of its size, which faults on a GPU, fails the run
 (arguments are aligned as in the runtime's arena).
 

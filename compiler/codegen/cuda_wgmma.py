@@ -529,7 +529,7 @@ def _stream_k_ranges(tiles: int, KT: int) -> str:
     or every tile when there are fewer tiles than blocks) as one run of K tiles cut into ``G``
     equal ranges, a range crossing tile boundaries where it falls. With as many tiles as a whole
     number of waves there is no range: the kernel is the plain persistent one."""
-    return f"""const int sf_G = min((int)gridDim.x, {PERSISTENT_SMS});  // (the partial sums have {PERSISTENT_SMS} slots)
+    return f"""const int sf_G = min((int)gridDim.x, {PERSISTENT_SMS});  // ({PERSISTENT_SMS} partial-sum slots)
 if ((int)blockIdx.x >= sf_G) return;
 const int sf_skt = {tiles} % sf_G == 0 ? 0 : {tiles} < sf_G ? {tiles} : sf_G + {tiles} % sf_G;  // stream-K tiles
 const int sf_dpt = {tiles} - sf_skt;  // whole tiles, a multiple of G
@@ -756,12 +756,13 @@ const int sf_c = (sf_wl & 3) * 2;
 {_indent(finish, 2)}
 }}"""
     if sk:
-        globals_ = (f"__device__ float {symbol}_ws[{PERSISTENT_SMS * nreg * tc}];  // stream-K partials, one per block\n"
+        globals_ = (f"__device__ float {symbol}_ws[{PERSISTENT_SMS * nreg * tc}];  // stream-K partials per block\n"
                     f"__device__ unsigned {symbol}_skf[{PERSISTENT_SMS}];  // block q's partials are stored\n")
     else:
-        globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
-                                           f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
-                                           f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
+        globals_ = "" if splits == 1 else (
+            f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+            f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
+            f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
@@ -805,6 +806,7 @@ const int sf_c = (sf_wl & 3) * 2;
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
-    launch = {"grid": (min(tiles * KT if sk else units, PERSISTENT_SMS), 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
+    blocks = min(tiles * KT if sk else units, PERSISTENT_SMS)  # stream-K: up to a block per K tile
+    launch = {"grid": (blocks, 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
     return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)
