@@ -302,27 +302,34 @@ def test_stream_k_gives_the_same_bits_on_a_grid(tmp_path):
     """A stream-K product (GPT-2's c_proj shape at M = 1024) gives the same bits launch after launch
     on one grid, whichever block finishes first; on a smaller grid (other ranges) numpy's values
     within the float16 rounding."""
-    cupy = _gpu()
-    rng = np.random.default_rng(7)
-    M, N, K = 1024, 768, 3072
-    op = _gemm(M, N, K, "float16", False, False, name="sk")
-    path = str(tmp_path / "k.cubin")
-    launch = build_cuda_library([op], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
-                                gemm_configs={"sk": "sk64x128"})["sk"]
-    module = cupy.RawModule(path=path)
-    a = _bits(rng.standard_normal((M, K)) / 8, "float16")
-    b = _bits(rng.standard_normal((K, N)) / 8, "float16")
-    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
-    outs = {}
-    for grid in (132, 132, 97, 132, 97):
-        out = cupy.full((M, N), 0xFFFF, cupy.uint16)
-        _launch(cupy, module, dataclasses.replace(launch, grid=(grid, 1, 1)), (cupy.asarray(a), cupy.asarray(b), out))
-        outs.setdefault(grid, []).append(cupy.asnumpy(out))
+    _, outs, want = _product_on_grids(tmp_path, "sk64x128", 1024, 768, 3072, (132, 132, 97, 132, 97), seed=7)
     for same in outs.values():
         for o in same[1:]:
             np.testing.assert_array_equal(o, same[0])
         got = same[0].view(np.float16).astype(np.float32)
         np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+
+
+def _product_on_grids(tmp_path, cfg, M, N, K, grids, seed):
+    """A float16 product ``[M, K] @ [K, N]`` (random operands of ``seed``) on tile ``cfg``,
+    launched on each of ``grids`` (block counts; None: the launch's own) in turn; returns the
+    launch, the outputs by grid and numpy's product."""
+    cupy = _gpu()
+    rng = np.random.default_rng(seed)
+    op = _gemm(M, N, K, "float16", False, False, name="p")
+    path = str(tmp_path / "k.cubin")
+    launch = build_cuda_library([op], path, arch="sm_90", cache_dir=str(tmp_path / "c"), gemm_configs={"p": cfg})["p"]
+    module = cupy.RawModule(path=path)
+    a = _bits(rng.standard_normal((M, K)) / 8, "float16")
+    b = _bits(rng.standard_normal((K, N)) / 8, "float16")
+    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
+    outs = {}
+    for grid in grids:
+        out = cupy.full((M, N), 0xFFFF, cupy.uint16)
+        _launch(cupy, module, dataclasses.replace(launch, grid=(grid or launch.grid[0], 1, 1)),
+                (cupy.asarray(a), cupy.asarray(b), out))
+        outs.setdefault(grid, []).append(cupy.asnumpy(out))
+    return launch, outs, want
 
 
 def _configs_match_numpy(tmp_path, dt, configs):
@@ -424,26 +431,13 @@ def test_split_k_reductions_give_the_same_bits(tmp_path, monkeypatch, split_min_
     all): both sum in split order, so the outputs are bitwise equal, and equal numpy's within the
     float16 rounding; three launches each (the counters are reset for the next)."""
     from shardflow.compiler.codegen import cuda_wgmma
-    cupy = _gpu()
     monkeypatch.setattr(cuda_wgmma, "SPLIT_MIN_KT", split_min_kt)
-    rng = np.random.default_rng(4)
     M, N, K = 128, 776, 3000
-    op = _gemm(M, N, K, "float16", False, False, name="sk")
-    path = str(tmp_path / "k.cubin")
-    launch = build_cuda_library([op], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
-                                gemm_configs={"sk": "tma64x128"})["sk"]
+    launch, by_grid, want = _product_on_grids(tmp_path, "tma64x128", M, N, K, (None, None, 5, None), seed=4)
     tiles = 2 * -(-N // 128)
     units = tiles * split_count(tiles, K)
     assert split_count(tiles, K) > 1 and launch.grid[0] == units
-    module = cupy.RawModule(path=path)
-    a = _bits(rng.standard_normal((M, K)) / 8, "float16")
-    b = _bits(rng.standard_normal((K, N)) / 8, "float16")
-    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
-    outs = []
-    for grid in (units, units, 5, units):
-        out = cupy.full((M, N), 0xFFFF, cupy.uint16)
-        _launch(cupy, module, dataclasses.replace(launch, grid=(grid, 1, 1)), (cupy.asarray(a), cupy.asarray(b), out))
-        outs.append(cupy.asnumpy(out))
+    outs = by_grid[None] + by_grid[5]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
     got = outs[0].view(np.float16).astype(np.float32)
