@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu/device_session.sh suite   # pytest -m gpu (kernels against numpy, models on the GPU)
 #   bash benchmarks/gpu/device_session.sh bench   # benchmarks/gpu/run_all.py (GEMM vs cuBLAS, models vs torch)
 #   bash benchmarks/gpu/device_session.sh all     # suite + bench (float16) + GPT-2 kernel profile, < 10 min
+#   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -72,12 +73,33 @@ case "$what" in
             --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
         tail -12 "$out/profile.txt"
         ;;
+    sweep)  # every float16 benchmark shape on each tile (default: the shipped TMA tiles, for a same-day
+            # reference, then the unmeasured ping-pong and stream-K ones), one `== TILE` section each
+            # (the format fit_tiles.py reads), then the refit with these figures in; stops starting
+            # tiles after 480 s so that the call ends inside the device tool's 600 s
+        shift
+        tiles=("$@")
+        [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk128x256 sk128x192 sk128x128
+                                         sk64x128 pp64x256 pp64x192 pp64x128)
+        sweep="$out/gemm-sweep.txt"
+        echo "# benchmarks/gpu/gemm.py --dtypes float16 --config C --jobs 14 for each tile C, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$sweep"
+        start=$SECONDS
+        for c in "${tiles[@]}"; do
+            if (( SECONDS - start > 480 )); then echo "(time is up: $c and later not run)" | tee -a "$sweep"; break; fi
+            echo "== $c" >> "$sweep"
+            timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float16 --config "$c" --jobs 14 2>&1 \
+                | grep -E " ours |WRONG|Error|error" >> "$sweep"
+            echo "$c: $(grep -c " ours " "$sweep") case lines so far ($((SECONDS - start)) s)"
+        done
+        python3 benchmarks/gpu/fit_tiles.py --sweep benchmarks/results/h100-2026-11-22-wgmma-tiles.txt "$sweep" \
+            --spread-sweep benchmarks/results/h100-2026-11-23-tma-spread-split-tiles.txt 2>&1 | tee "$out/fit.txt" | tail -40
+        ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
         "$@"
         ;;
     *)
-        echo "usage: $0 suite|bench|run CMD..." >&2
+        echo "usage: $0 suite|bench|all|sweep [TILE...]|run CMD..." >&2
         exit 2
         ;;
 esac
