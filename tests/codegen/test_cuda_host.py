@@ -177,6 +177,33 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     evaluator.
     (Llama's test model keeps the generic attention kernel, a row kernel checked here too: its V
     comes through the grouped heads' Expand, which the fused kernel does not read.)"""
+    rg, env, consts, groups = _model_values(model)
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
+    assert len(host_groups) >= 15 and {src.launches[g.name].kind for g in host_groups} >= {"row", "elementwise"}
+    checked = {src.launches[g.name].kind for g in host_groups}
+    assert "attention-f16" in checked if model != "llama_ts17" else "gemm-wgmma-f16" in checked
+    _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
+
+
+@pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128"])
+def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
+    """Every wgmma GEMM of the Llama test model's float16 program (the gate projection, and the up
+    projection with SiLU(gate) * up and the cast for the down projection in its epilogue) forced
+    onto a stream-K or ping-pong tile, run on 3 resident blocks (more blocks than K tiles: empty
+    stream-K ranges), against the evaluator."""
+    rg, env, consts, groups = _model_values("llama_ts17")
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    gemms = [g for g in groups if g.name in src.launches and src.launches[g.name].kind.startswith("gemm-wgmma")]
+    assert len(gemms) >= 4
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16", gemm_configs={g.name: cfg for g in gemms})
+    assert all(src.launches[g.name].persistent for g in gemms)
+    _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=(3, 1, 1))
+
+
+def _model_values(model: str):
+    """A test model's float16 rank graph for cuda, every tensor's value by name (the evaluator's,
+    on the model's inputs), the constants by name, and the graph's kernel groups."""
     from shardflow.compiler.codegen.fusion import fuse
 
     rg, feeds = _rank_graph_for_cuda(model)
@@ -185,19 +212,20 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
         with np.errstate(all="ignore"):
             outs = op.run(*[env[t.name] if t.name in env else t.value for t in op.inputs])
         env.update({t.name: v for t, v in zip(op.outputs, outs)})
-    groups = fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
-    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
-    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
-    assert len(host_groups) >= 15 and {src.launches[g.name].kind for g in host_groups} >= {"row", "elementwise"}
-    checked = {src.launches[g.name].kind for g in host_groups}
-    assert "attention-f16" in checked if model != "llama_ts17" else "gemm-wgmma-f16" in checked
-    kernels = build(src.text, str(tmp_path))
     consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    for g in host_groups:
+    return rg, env, consts, fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
+
+
+def _check_kernels(model, kernels, src, groups, env, consts, grid=None):
+    """Run each group's kernel on the evaluator's values of its inputs and check its outputs
+    (persistent kernels on ``grid`` blocks, all resident, when given)."""
+    for g in groups:
         launch = src.launches[g.name]
         names = launch.args
         ins = [env[n] if n in env else consts[n] for n in names[:launch.num_inputs]]
-        outs = run(kernels, launch, ins, [(env[n].shape, env[n].dtype) for n in names[launch.num_inputs:]])
+        persistent = grid is not None and launch.persistent
+        outs = run(kernels, launch, ins, [(env[n].shape, env[n].dtype) for n in names[launch.num_inputs:]],
+                   grid=grid if persistent else None, resident=grid[0] if persistent else 1)
         for n, o in zip(names[launch.num_inputs:], outs):
             _check(f"{model}: {g.name} -> {n}", launch.kind, o, env[n])
 
