@@ -360,7 +360,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--config", help="force this wgmma block tile (a WGMMA_CONFIGS name) on every case")
-    ap.add_argument("--split-min-kt", type=int, help="sweep: fewest K tiles per split-K piece "
+    ap.add_argument("--split-min-kt", type=int, help="sweep: fewest K tiles per split-K piece, and per "
+                    "stream-K block on average "
                     "(sets cuda_wgmma.SPLIT_MIN_KT for this run)")
     args = ap.parse_args(argv)
     ensure_shardflow()

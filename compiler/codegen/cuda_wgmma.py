@@ -201,7 +201,7 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
         tiles = -(-M // bm) * -(-N // bn) * batch
         useful = M * N * batch / (tiles * bm * bn)  # tiles hanging over M or N do less work
         if mode == "sk" and K:  # stream-K: every block (up to one per K tile) the same share of the work
-            return min(1.0, tiles * -(-K // _BK) / sms) * useful * eff[name]
+            return stream_k_blocks(tiles, -(-K // _BK), sms) / sms * useful * eff[name]
         splits = split_count(tiles, K, sms) if mode == "tma" and K else 1  # split-K: more blocks
         units = tiles * splits
         waves = -(-units // sms)
@@ -516,6 +516,14 @@ def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS) -> int:
     return -(-kt // per)
 
 
+def stream_k_blocks(tiles: int, KT: int, sms: int = PERSISTENT_SMS) -> int:
+    """Blocks of a stream-K product of ``tiles`` output tiles of ``KT`` K tiles each: one per
+    multiprocessor, fewer where that would leave a block under :data:`SPLIT_MIN_KT` K tiles on
+    average (each split tile costs a round trip of partial sums; the split-K piece length that
+    measured best, not measured for stream-K yet)."""
+    return max(1, min(sms, -(-tiles * KT // SPLIT_MIN_KT)))
+
+
 def _tma_copies(op: DirectOperand, rows: int, sm: str, o0: str, tmap: str) -> str:
     if op.k_major:
         return f"sf_tma_2d({sm}, &{tmap}, sf_k0, {o0}, sf_full);"
@@ -806,7 +814,7 @@ const int sf_c = (sf_wl & 3) * 2;
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
-    blocks = min(tiles * KT if sk else units, PERSISTENT_SMS)  # stream-K: up to a block per K tile
+    blocks = stream_k_blocks(tiles, KT) if sk else min(units, PERSISTENT_SMS)
     launch = {"grid": (blocks, 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
     return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)
