@@ -66,7 +66,7 @@ from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfTh
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
-from .cuda_wgmma import WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
+from .cuda_wgmma import STREAM_K_WORKSPACE, WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
 from .lower import CodegenError
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
@@ -1852,7 +1852,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     spans: dict[str, tuple[int, int]] = {}
     seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
     wrappers: set = set()  # wgmma instruction wrappers emitted so far
-    attention_helpers = False
+    attention_helpers = stream_k = False
     for i, op in enumerate(ops):
         if not lowerable(op):
             continue
@@ -1874,6 +1874,9 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
             from .cuda_attention import ATTENTION_HELPERS
             header = ATTENTION_HELPERS + header
             attention_helpers = True
+        if "sf_sk_ws" in src and not stream_k:  # the stream-K workspace, shared by the unit's kernels
+            header = STREAM_K_WORKSPACE + header
+            stream_k = True
         if wrapper is not None and wrapper not in wrappers:  # helpers before their first use
             header = wgmma_helpers({wrapper}, common=not wrappers) + header
             wrappers.add(wrapper)

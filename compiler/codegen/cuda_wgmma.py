@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "DirectOperand", "choose_wgmma_config", "tile_rows", "wgmma_gemm_kernel",
+__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config", "tile_rows", "wgmma_gemm_kernel",
            "wgmma_helpers"]
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
@@ -84,11 +84,17 @@ WGMMA_CONFIGS = {
     "sk128x128": (2, 128, 6, "sk"),
     "sk64x128": (1, 128, 8, "sk"),
 }
+#: the stream-K partial sums (one slot per block, sized for the largest tile) and flags, declared once
+#: per translation unit (:data:`STREAM_K_WORKSPACE`) and shared by its stream-K kernels: a program's
+#: kernels run one at a time on its stream, and a launch leaves every flag it set reset
+_SK_SLOT = max(v[1] // 2 * v[0] * 128 for v in WGMMA_CONFIGS.values() if v[3] == "sk")
 #: multiprocessors a persistent (``tma``) grid is sized for (an H100 SXM / H200 has 132); the launch
 #: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
 PERSISTENT_SMS = 132
 _BK = 64
 _SMEM_LIMIT = 227 * 1024
+STREAM_K_WORKSPACE = (f"__device__ float sf_sk_ws[{PERSISTENT_SMS * _SK_SLOT}];  // stream-K partial sums, per block\n"
+                      f"__device__ unsigned sf_sk_flag[{PERSISTENT_SMS}];  // block q's partial sums are stored\n")
 
 
 @dataclass(frozen=True)
@@ -574,12 +580,12 @@ def _stream_k_fixup(KT: int, nreg: int, tc: int) -> str:
     (one per multiprocessor, the grid at most the multiprocessor count), so this cannot deadlock."""
     return f"""const int sf_tc = threadIdx.x - 128;
 if (sf_kb > 0) {{  // a later piece of a tile an earlier block began: hand the sums over
-  float* sf_mine = {{SYMBOL}}_ws + (size_t)blockIdx.x * {nreg * tc} + sf_tc;
+  float* sf_mine = sf_sk_ws + (size_t)blockIdx.x * {nreg * tc} + sf_tc;
   #pragma unroll
   for (int r = 0; r < {nreg}; ++r) __stcg(sf_mine + r * {tc}, sf_d[r]);
   __threadfence();
   sf_bar_sync(3, {tc});
-  if (sf_tc == 0) atomicExch(&{{SYMBOL}}_skf[blockIdx.x], 1u);
+  if (sf_tc == 0) atomicExch(&sf_sk_flag[blockIdx.x], 1u);
   continue;
 }}
 if (sf_ke < {KT}) {{  // the tile's first piece: add the others, the next blocks' first pieces
@@ -587,12 +593,12 @@ if (sf_ke < {KT}) {{  // the tile's first piece: add the others, the next blocks
   for (int sf_q = blockIdx.x + 1; sf_q < sf_G && sf_W * sf_q / sf_G < sf_end; ++sf_q) {{
     if (sf_W * (sf_q + 1) / sf_G == sf_W * sf_q / sf_G) continue;  // an empty range
     if (sf_tc == 0) {{
-      while (*reinterpret_cast<volatile unsigned*>(&{{SYMBOL}}_skf[sf_q]) == 0u) __nanosleep(32);
-      {{SYMBOL}}_skf[sf_q] = 0u;  // (for the next launch; the sums stay until then)
+      while (*reinterpret_cast<volatile unsigned*>(&sf_sk_flag[sf_q]) == 0u) __nanosleep(32);
+      sf_sk_flag[sf_q] = 0u;  // (for the next launch; the sums stay until then)
     }}
     sf_bar_sync(3, {tc});
     __threadfence();
-    const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_q * {nreg * tc} + sf_tc;
+    const float* sf_p = sf_sk_ws + (size_t)sf_q * {nreg * tc} + sf_tc;
     #pragma unroll
     for (int r = 0; r < {nreg}; ++r) sf_d[r] += __ldcg(sf_p + r * {tc});
   }}
@@ -763,14 +769,10 @@ const int sf_c = (sf_wl & 3) * 2;
   }}
 {_indent(finish, 2)}
 }}"""
-    if sk:
-        globals_ = (f"__device__ float {symbol}_ws[{PERSISTENT_SMS * nreg * tc}];  // stream-K partials per block\n"
-                    f"__device__ unsigned {symbol}_skf[{PERSISTENT_SMS}];  // block q's partials are stored\n")
-    else:
-        globals_ = "" if splits == 1 else (
-            f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
-            f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
-            f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
+    globals_ = "" if splits == 1 else (
+        f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+        f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
+        f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
