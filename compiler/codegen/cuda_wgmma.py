@@ -774,6 +774,7 @@ const int sf_c = (sf_wl & 3) * 2;
         f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
         f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
+    sk_setup = _indent(_stream_k_ranges(tiles, KT), 2) + "\n" if sk else ""
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
@@ -789,8 +790,7 @@ const int sf_c = (sf_wl & 3) * 2;
   (void)sf_bz;
   const bool sf_spread = gridDim.x >= {units};  // split-K: every unit has its own resident block
   (void)sf_spread;
-{_indent(_stream_k_ranges(tiles, KT), 2) if sk else ""}
-{_indent(root, 2)}
+{sk_setup}{_indent(root, 2)}
 {_indent(batch_code, 2)}
   if (threadIdx.x == 0) {{
     sf_tma_prefetch(&sf_tmA);  // the first copies need the descriptors: fetch them while the block sets up
