@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config", "tile_rows", "wgmma_gemm_kernel",
-           "wgmma_helpers"]
+__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config",
+           "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
 WGMMA_ARCHS = ("sm_90", "sm_90a")
@@ -621,7 +621,11 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     products. A warpgroup starts the main loop of its tile only once the other has issued the main
     loop of the tile before (named barriers 4/5): the stages then reach the tensor cores in the
     producer's order, and a warpgroup never waits on a stage barrier more than one phase ahead of
-    it (the phase parity would be ambiguous). No split-K."""
+    it (the phase parity would be ambiguous). No split-K.
+
+    Stream-K (mode ``sk``): the same roles, over whole tiles and then a range of K tiles per block
+    (:func:`_stream_k_ranges`, :func:`_stream_k_pieces`); a piece that starts inside a tile hands
+    its partial sums to the block that began the tile (:func:`_stream_k_fixup`). No split-K."""
     wg, BN, S, mode = WGMMA_CONFIGS[config]
     pp, sk = mode == "pp", mode == "sk"
     BM = tile_rows(config)
