@@ -1612,8 +1612,8 @@ def _attention_member(op: Operator) -> Operator | None:
         return None
     a = att[0].attrs
     if (a.get("acc_dtype") != "float32" or a.get("probs_dtype") not in ("float16", "bfloat16") or a.get("qk_mode")
-            is not None or a.get("has_nonpad") or a.get("softmax_dtype")):
-        return None  # (past_len moves only the diagonal of the causal mask and the windows)
+            is not None or a.get("softmax_dtype")):
+        return None  # (past_len and nonpad_kv_seqlen move only the diagonal and the last key seen)
     return att[0]
 
 
@@ -1634,6 +1634,9 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         return None
     mask = att.inputs[3] if att.attrs.get("has_mask") else None
     if mask is not None and (mask.dtype not in ("float32", "bool") or mask.shape[-1] > l_len):
+        return None
+    nonpad = att.inputs[3 + (mask is not None)] if att.attrs.get("has_nonpad") else None
+    if nonpad is not None and not nonpad.dtype.startswith(("int", "uint")):
         return None
     # the group's definitions up to the attention, which becomes a placeholder for the epilogue
     members = getattr(op, "members", [op])
@@ -1705,9 +1708,19 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     # the band of keys a query sees: j <= i + hi (causal, right window), j >= i + off - left (left window)
     a = att.attrs
     off, left, right = int(a.get("past_len", 0)), int(a.get("left_window", -1)), int(a.get("right_window", -1))
-    hi = off if a.get("is_causal") else None
-    if right >= 0:
-        hi = off + right if hi is None else min(hi, off + right)
+    keys = None
+    if nonpad is not None:  # keys j < nonpad[b] (at most L); the diagonal at nonpad[b] - S without a past
+        e = _bake(_inline_computes(TensorElement(env[id(nonpad)], [vb]), an), scalars)
+        n = em.value_as(e, "int64", root)
+        root.lines += [f"const long long sf_npv = max(-(1LL << 30), min((long long)({n}), 1LL << 30));",
+                       f"const int sf_np = (int)max(0LL, min(sf_npv, {l_len}LL));  // the keys the rows see",
+                       f"const int sf_npo = (int)sf_npv - {s_len};  // their diagonal's offset"]
+        keys = "sf_np"
+    shift = (lambda d: f"sf_npo + {d}" if d >= 0 else f"sf_npo - {-d}") if nonpad is not None and not off else \
+        (lambda d: off + d)  # noqa: E731
+    hi = shift(0) if a.get("is_causal") else None
+    if right >= 0:  # (with a causal mask too, the window's upper edge is past the diagonal: the diagonal)
+        hi = shift(right) if hi is None else hi
     eblk = _Block(root, {v: (f"sf_x{j}", "int32") for j, v in enumerate(gc.axes)})
     x = em.value_as(value, gc.dtype, eblk)
     offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
@@ -1716,8 +1729,10 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
                             root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),
-                            empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0),
-                            causal=hi, lo=None if left < 0 else off - left, softcap=float(a.get("softcap", 0.0)))
+                            empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0
+                                                 or nonpad is not None),
+                            causal=hi, lo=None if left < 0 else shift(-left), softcap=float(a.get("softcap", 0.0)),
+                            keys=keys)
 
 
 # --- one op --------------------------------------------------------------------------------------

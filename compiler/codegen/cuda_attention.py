@@ -12,7 +12,9 @@ row is divided by its sum (a row whose every key is masked gives 0 under the op'
 NaN without it, as the op's definition says) and handed to the fused epilogue element by
 element. With a causal mask (``is_causal``: query ``i`` sees keys ``j <= i + past_len``) or a
 sliding window (``left_window``/``right_window`` around that diagonal) the kernel masks the
-scores outside the band itself and does not visit the key blocks wholly outside it; a softcap
+scores outside the band itself and does not visit the key blocks wholly outside it; likewise for
+the keys past a batch's ``nonpad_kv_seqlen`` (a padded KV cache: the count is read per block at
+run time, and without a past it also places the diagonal, at ``nonpad - S``); a softcap
 (``softcap``) bounds the scaled scores with ``tanh`` before the masks are added
 (rfcs/0005-hopper-gemm.md, decision 18).
 
@@ -89,8 +91,9 @@ def _base(o: AttnOperand, head: str) -> str:
 
 def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: int, L: int, D: int,
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
-                     root: str, biases: Sequence[str], epilogue: str, causal: int | None = None,
-                     empty_rows_zero: bool = True, lo: int | None = None, softcap: float = 0.0) -> tuple[str, dict]:
+                     root: str, biases: Sequence[str], epilogue: str, causal: int | str | None = None,
+                     empty_rows_zero: bool = True, lo: int | str | None = None, softcap: float = 0.0,
+                     keys: str | None = None) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
     ``biases``: for each additive bias, in the order they are added to a score, C lines that set
@@ -104,7 +107,10 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     sliding window); the key blocks wholly before it are not visited. ``softcap`` (> 0):
     scores become ``tanh(s / softcap) * softcap`` before the biases. ``empty_rows_zero``: a row
     whose every key is masked gives 0 (the ONNX op's rule), else NaN (``0 / 0``, what a softmax
-    over ``-inf`` everywhere gives).
+    over ``-inf`` everywhere gives). ``keys``: None, or a C expression (of ``sf_b``, set by
+    ``root``) for the number of keys the batch's rows see, in ``[0, L]`` (ONNX's
+    ``nonpad_kv_seqlen``): the key blocks past it are not visited. ``causal`` and ``lo`` may be C
+    expressions of the same kind (the diagonal of a padded KV cache, ``nonpad - S``).
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
@@ -122,17 +128,22 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                 f'{{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n" : {outs} : {ins});')
 
     p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
-    def offset(c: int) -> str:
+    def offset(c: int | str) -> str:
+        if isinstance(c, str):
+            return f" + ({c})"
         return f" + {c}" if c > 0 else f" - {-c}" if c else ""
+    key_limit = str(L) if keys is None else keys
+    blocks = str(nkb) if keys is None else f"({keys} + {BLOCK_K - 1}) / {BLOCK_K}"  # key blocks with a key
     if causal is None:
-        q_block, causal_test, nkb_code, nkb_bound = "blockIdx.x", "", "", str(nkb)
+        q_block, causal_test = "blockIdx.x", ""
+        nkb_code = "" if keys is None else f"  const int sf_nkb = {blocks};\n"
     else:  # heaviest query blocks first; the key blocks that hold a key some row of the block sees
         q_block = "(gridDim.x - 1 - blockIdx.x)"
         causal_test = f" && sf_j <= sf_i{offset(causal)}"
         nkb_code = (f"  const int sf_last = min(sf_q0 + {BLOCK_Q - 1}, {S - 1}){offset(causal)};  // the last key "
                     "the block's rows see\n"
-                    f"  const int sf_nkb = sf_last < 0 ? 0 : min({nkb}, sf_last / {BLOCK_K} + 1);\n")
-        nkb_bound = "sf_nkb"
+                    f"  const int sf_nkb = sf_last < 0 ? 0 : min({blocks}, sf_last / {BLOCK_K} + 1);\n")
+    nkb_bound = str(nkb) if causal is None and keys is None else "sf_nkb"
     kb0, stage = "0", "kb & 1"
     if lo is not None:  # the key blocks from the one that holds the first key the block's first row sees
         causal_test += f" && sf_j >= sf_i{offset(lo)}"
@@ -226,7 +237,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
         const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
         const int sf_j = kb * {BLOCK_K} + n * 8 + sf_t * 2 + (r & 1);
         float x = sf_s[n][r] * {scale!r}f;
-{cap}        if (sf_j < {L} && sf_i < {S}{causal_test}) {{
+{cap}        if (sf_j < {key_limit} && sf_i < {S}{causal_test}) {{
 {bias_code}
         }} else {{
           x = __int_as_float(0xff800000);

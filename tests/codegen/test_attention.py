@@ -9,7 +9,7 @@
 * ``pytest -m gpu``: the kernel against the op's numpy definition at odd sizes (queries and keys
   not multiples of 64, several key steps), head sizes 16-128, grouped heads, bfloat16, 3-D and
   4-D operands, broadcast masks, bool masks shorter than the keys, causal masks (with a KV
-  cache's offset) and rows whose every key is masked. Tolerance: ``1e-2`` of the
+  cache's offset), padded KV caches (``nonpad_kv_seqlen``) and rows whose every key is masked. Tolerance: ``1e-2`` of the
   output's scale (the probabilities are rounded to the half type before the division by their
   sum, the definition rounds them after: rfcs/0005-hopper-gemm.md, decision 15).
 """
@@ -150,10 +150,11 @@ def test_which_constant_masks_count_as_causal():
     assert _causal(tri[:1], 6, 6) == (None, True)  # one row broadcast: no diagonal
 
 
-def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, b=2, s=40, e=64, hq=4, hk=2):
+def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, nonpad: bool = False, b=2, s=40, e=64, hq=4, hk=2):
     """An opset-23 ``Attention`` between projections: ``x [B, S, E]`` -> Q, K, V (``hk`` key/value
     heads, 3-D with head counts or 4-D through reshapes and transposes) -> Attention -> ``out``;
-    with ``mask`` a float additive mask ``m [S, S]`` is an input."""
+    with ``mask`` a float additive mask ``m [S, S]`` is an input; with ``nonpad`` (opset 24) the
+    keys each batch's rows see, ``np [B]``."""
     import onnx
     from onnx import TensorProto, numpy_helper
     from onnx import helper as oh
@@ -171,8 +172,8 @@ def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, b=2, s=40, e=6
                       oh.make_node("Transpose", [f"{n}r"], [f"{n}4"], perm=[0, 2, 1, 3])]
         heads[n] = f"{n}4" if four_d else f"{n}3"
     att = {"is_causal": int(causal)} if four_d else {"is_causal": int(causal), "q_num_heads": hq, "kv_num_heads": hk}
-    nodes.append(oh.make_node("Attention", [heads["q"], heads["k"], heads["v"]] + (["m"] if mask else []),
-                              ["y"], **att))
+    optional = ["m" if mask else "", "", "", "np"] if nonpad else (["m"] if mask else [])
+    nodes.append(oh.make_node("Attention", [heads["q"], heads["k"], heads["v"]] + optional, ["y"], **att))
     if four_d:
         w["y_shape"] = np.array([b, s, e], np.int64)
         nodes += [oh.make_node("Transpose", ["y"], ["yt"], perm=[0, 2, 1, 3]),
@@ -184,9 +185,12 @@ def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, b=2, s=40, e=6
         inputs.append(oh.make_tensor_value_info("m", TensorProto.FLOAT, [s, s]))
         feeds["m"] = np.where(rng.random((s, s)) > 0.2, rng.standard_normal((s, s)), -np.inf).astype(np.float32)
         feeds["m"][:, 0] = 0.0  # every query keeps key 0
+    if nonpad:
+        inputs.append(oh.make_tensor_value_info("np", TensorProto.INT64, [b]))
+        feeds["np"] = np.array([s, 23][:b], np.int64)
     graph = oh.make_graph(nodes, "attention", inputs, [oh.make_tensor_value_info("out", TensorProto.FLOAT, [b, s, e])],
                           [numpy_helper.from_array(v, n) for n, v in w.items()])
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 24 if nonpad else 23)])
     onnx.checker.check_model(model)
     return model, feeds
 
@@ -199,7 +203,8 @@ def _ort(model, feeds):
 
 
 ONNX_ATTENTION = {"causal-3d": (True, False, False), "mask-4d": (False, True, True),
-                  "causal-mask-4d": (True, True, True)}
+                  "causal-mask-4d": (True, True, True), "nonpad-3d": (False, False, False, True),
+                  "nonpad-mask-4d": (False, True, True, True)}
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
@@ -238,6 +243,7 @@ def test_onnx_attention_takes_the_fused_kernel(case):
     kinds = [launch.kind for launch in src.launches.values()]
     assert kinds.count("attention-f16") == 1, kinds
     assert ("sf_j <= sf_i" in src.text) == ONNX_ATTENTION[case][0]
+    assert ("const int sf_np = " in src.text) == (len(ONNX_ATTENTION[case]) > 3)  # nonpad_kv_seqlen read
 
 
 def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool, d: int = 32):
@@ -345,6 +351,10 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
             m[..., r, :] = False if bool_mask else -np.inf
         arrays.append(m)
         attrs["has_mask"] = True
+    more = dict(more or {})
+    if "nonpad" in more:  # ONNX's nonpad_kv_seqlen: the keys each batch's rows see
+        arrays.append(np.asarray(more.pop("nonpad"), np.int64))
+        attrs["has_nonpad"] = True
     if causal is not None:
         attrs.update(is_causal=True, past_len=causal)
     if extra_shape is not None:  # an additive bias added after the mask (if any)
@@ -356,7 +366,7 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
         attrs["extra_biases"] = 1
     if y_3d:
         attrs["y_3d"] = True
-    attrs.update(more or {})
+    attrs.update(more)
     return arrays, attrs
 
 
@@ -385,6 +395,13 @@ CASES = {
     # a window on both sides of a KV cache's diagonal, no causal mask, with a mask
     "window-kv-cache": ("bfloat16", 1, 2, 2, 40, 230, 32, 32, False, (1, 1, 40, 230), (), None, False, None, False,
                         {"past_len": 190, "left_window": 50, "right_window": 3}),
+    # a padded KV cache (ONNX nonpad_kv_seqlen): keys past each batch's count unseen, their blocks
+    # skipped; one batch sees no key (its rows give 0), one sees more keys than there are
+    "nonpad": ("float16", 4, 2, 1, 40, 230, 64, 64, True, (4, 1, 40, 230), (), None, False, None, False,
+               {"nonpad": [230, 100, 0, 500]}),
+    # and causal: the diagonal at nonpad[b] - S (no past), with a sliding window below it
+    "nonpad-causal": ("float16", 3, 2, 2, 70, 230, 32, 32, False, None, (), 0, False, None, False,
+                      {"nonpad": [230, 131, 60], "left_window": 90}),
 }
 
 
@@ -534,5 +551,7 @@ def check_case(name: str, got: np.ndarray, want: np.ndarray) -> None:
         assert not got[0, 0, [3, 69]].any()  # every key masked: 0, as the definition says
     if name == "bool-mask-short":
         assert not got[:, :, 7].any()
+    if name == "nonpad":
+        assert not got[2].any()  # no key seen: 0
     if name == "biases-only":
         assert np.isnan(want[:, :, 9]).all() and np.isnan(got[:, :, 9]).all()
