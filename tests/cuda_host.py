@@ -415,6 +415,10 @@ static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
 }
 static inline void __threadfence() {}
 static inline void __nanosleep(unsigned) { sf_emu::spin(); }
+// (no time limit here: a wait that nothing can end is reported as a deadlock)
+static inline void sf_grid_wait(const volatile unsigned* p, unsigned at_least) {
+  while (*p < at_least) sf_emu::spin();
+}
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = old + v;

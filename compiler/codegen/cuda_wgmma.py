@@ -248,6 +248,15 @@ __device__ __forceinline__ unsigned long long sf_smem_desc(unsigned addr, unsign
 __device__ __forceinline__ void sf_cp_async16(unsigned dst, const void* src, bool full) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(full ? 16 : 0) : "memory");
 }
+// a wait for other blocks of the grid (split-K, stream-K): about half a minute (2^36 cycles) without
+// the count reached fails the launch instead of hanging, as where the blocks cannot all be resident
+__device__ __forceinline__ void sf_grid_wait(const volatile unsigned* p, unsigned at_least) {
+  const long long t0 = clock64();
+  while (*p < at_least) {
+    __nanosleep(32);
+    if (clock64() - t0 > (1LL << 36)) __trap();
+  }
+}
 __device__ __forceinline__ void sf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void sf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void sf_mbar_init(unsigned bar, unsigned count) {
@@ -593,7 +602,7 @@ if (sf_ke < {KT}) {{  // the tile's first piece: add the others, the next blocks
   for (int sf_q = blockIdx.x + 1; sf_q < sf_G && sf_W * sf_q / sf_G < sf_end; ++sf_q) {{
     if (sf_W * (sf_q + 1) / sf_G == sf_W * sf_q / sf_G) continue;  // an empty range
     if (sf_tc == 0) {{
-      while (*reinterpret_cast<volatile unsigned*>(&sf_sk_flag[sf_q]) == 0u) __nanosleep(32);
+      sf_grid_wait(&sf_sk_flag[sf_q], 1u);
       sf_sk_flag[sf_q] = 0u;  // (for the next launch; the sums stay until then)
     }}
     sf_bar_sync(3, {tc});
@@ -694,7 +703,7 @@ sf_bar_sync(3, {tc});
 if (sf_spread) {{
   if (sf_tc == 0) {{
     atomicAdd(&{{SYMBOL}}_cnt[sf_t], 1u);
-    while (*reinterpret_cast<volatile unsigned*>(&{{SYMBOL}}_cnt[sf_t]) < {splits}u) __nanosleep(32);
+    sf_grid_wait(&{{SYMBOL}}_cnt[sf_t], {splits}u);
   }}
   sf_bar_sync(3, {tc});
   __threadfence();
