@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu/device_session.sh suite   # pytest -m gpu (kernels against numpy, models on the GPU)
 #   bash benchmarks/gpu/device_session.sh bench   # benchmarks/gpu/run_all.py (GEMM vs cuBLAS, models vs torch)
 #   bash benchmarks/gpu/device_session.sh all     # suite + bench (float16) + GPT-2 kernel profile, < 10 min
+#   bash benchmarks/gpu/device_session.sh newtiles  # GPU tests of the ping-pong and stream-K tiles, stream-K sweep
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
@@ -41,6 +42,25 @@ with zipfile.ZipFile(glob.glob(".whl/mpich-*.whl")[0]) as z:
 PY
     export MPI4PY_LIBMPI=/tmp/site/mpilib/libmpi.so.12 LD_LIBRARY_PATH=/tmp/site/mpilib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+# sweep_tiles BUDGET_S TILE...: every float16 benchmark shape on each tile, one `== TILE` section
+# each in $out/gemm-sweep.txt (the format fit_tiles.py reads; appended to, so that calls add up),
+# no tile started after BUDGET_S seconds; then the refit with every section so far ($out/fit.txt)
+sweep_tiles() {
+    local budget=$1 start=$SECONDS sweep="$out/gemm-sweep.txt"
+    shift
+    [ -f "$sweep" ] || echo "# benchmarks/gpu/gemm.py --dtypes float16 --config C --jobs 14 for each tile C," \
+        "$(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$sweep"
+    for c in "$@"; do
+        if (( SECONDS - start > budget )); then echo "(time is up: $c and later not run)" | tee -a "$sweep"; break; fi
+        echo "== $c" >> "$sweep"
+        timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float16 --config "$c" --jobs 14 2>&1 \
+            | grep -E " ours |WRONG|Error|error" >> "$sweep"
+        echo "$c: $(grep -c " ours " "$sweep") case lines so far ($((SECONDS - start)) s)"
+    done
+    python3 benchmarks/gpu/fit_tiles.py --sweep benchmarks/results/h100-2026-11-22-wgmma-tiles.txt \
+        benchmarks/results/h100-2026-11-22-tma-tiles.txt "$sweep" \
+        --spread-sweep benchmarks/results/h100-2026-11-23-tma-spread-split-tiles.txt 2>&1 | tee "$out/fit.txt" | tail -40
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
@@ -57,49 +77,41 @@ case "$what" in
         python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-540}" --jobs 12 2>&1 | tail -150
         ;;
     all)  # the suite, then the benchmark (float16 models), then a kernel profile of GPT-2 small 8x128;
-          # the timeouts (210 + 60 + 250 + 75 s) add up to under the device tool's 600 s per call
-          # (measured in session 5: 205 + 170 + 60 s); the ping-pong and stream-K tiles' tests run
-          # apart (not yet run on a GPU: a hang there must not take the rest down)
+          # the timeouts (210 + 265 + 75 s) add up to under the device tool's 600 s per call
+          # (measured in session 5: 205 + 170 + 60 s); the ping-pong and stream-K tiles' tests are
+          # left to `newtiles` (not yet run on a GPU: a hang there must not take the rest down)
         timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not pingpong and not stream_k" tests/codegen/test_cuda_kernels.py \
             tests/codegen/test_wgmma.py tests/codegen/test_tune.py tests/codegen/test_attention.py tests/runtime/test_gpu_runtime.py 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
-        timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pingpong or stream_k" tests/codegen/test_wgmma.py \
-            2>&1 | tee "$out/gpu-suite-pp-sk.txt" | tail -5
         mkdir -p /tmp/sf-export
-        timeout 250 python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-235}" --jobs 14 \
+        timeout 265 python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-250}" --jobs 14 \
             --precision float16 --export-dir /tmp/sf-export > "$out/bench.txt" 2>&1
         tail -30 "$out/bench.txt"
         timeout 75 python3 benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 --work /tmp/sf-export \
             --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
         tail -12 "$out/profile.txt"
         ;;
+    newtiles)  # the tiles no GPU has run yet: their GPU tests (under a time limit: a wrong hand-over or
+               # flag would hang, or trap after half a minute), then the stream-K tiles on every float16
+               # shape in the time left (see sweep)
+        timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pingpong or stream_k" tests/codegen/test_wgmma.py \
+            2>&1 | tee "$out/gpu-suite-pp-sk.txt" | tail -15
+        sweep_tiles $((540 - SECONDS)) sk64x128 sk128x192 sk128x256 sk128x128
+        ;;
     sweep)  # every float16 benchmark shape on each tile (default: the shipped TMA tiles, for a same-day
-            # reference, then the unmeasured ping-pong and stream-K ones), one `== TILE` section each
-            # (the format fit_tiles.py reads), then the refit with these figures in; stops starting
-            # tiles after 480 s so that the call ends inside the device tool's 600 s
+            # reference, then the unmeasured stream-K and ping-pong ones), then the refit with them in
         shift
         tiles=("$@")
-        [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk128x256 sk128x192 sk128x128
-                                         sk64x128 pp64x256 pp64x192 pp64x128)
-        sweep="$out/gemm-sweep.txt"
-        echo "# benchmarks/gpu/gemm.py --dtypes float16 --config C --jobs 14 for each tile C, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$sweep"
-        start=$SECONDS
-        for c in "${tiles[@]}"; do
-            if (( SECONDS - start > 480 )); then echo "(time is up: $c and later not run)" | tee -a "$sweep"; break; fi
-            echo "== $c" >> "$sweep"
-            timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float16 --config "$c" --jobs 14 2>&1 \
-                | grep -E " ours |WRONG|Error|error" >> "$sweep"
-            echo "$c: $(grep -c " ours " "$sweep") case lines so far ($((SECONDS - start)) s)"
-        done
-        python3 benchmarks/gpu/fit_tiles.py --sweep benchmarks/results/h100-2026-11-22-wgmma-tiles.txt "$sweep" \
-            --spread-sweep benchmarks/results/h100-2026-11-23-tma-spread-split-tiles.txt 2>&1 | tee "$out/fit.txt" | tail -40
+        [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk64x128 sk128x192 sk128x256
+                                         sk128x128 pp64x256 pp64x192 pp64x128)
+        sweep_tiles "${SWEEP_S:-480}" "${tiles[@]}"
         ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
         "$@"
         ;;
     *)
-        echo "usage: $0 suite|bench|all|sweep [TILE...]|run CMD..." >&2
+        echo "usage: $0 suite|bench|all|newtiles|sweep [TILE...]|run CMD..." >&2
         exit 2
         ;;
 esac
