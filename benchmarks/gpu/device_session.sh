@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu/device_session.sh suite   # pytest -m gpu (kernels against numpy, models on the GPU)
 #   bash benchmarks/gpu/device_session.sh bench   # benchmarks/gpu/run_all.py (GEMM vs cuBLAS, models vs torch)
 #   bash benchmarks/gpu/device_session.sh all     # suite + bench (float16) + GPT-2 kernel profile, < 10 min
-#   bash benchmarks/gpu/device_session.sh newtiles  # GPU tests of the ping-pong and stream-K tiles, stream-K sweep
+#   bash benchmarks/gpu/device_session.sh newtiles  # ping-pong/stream-K GPU tests, then GPT-2 8x128 with them
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
@@ -92,11 +92,22 @@ case "$what" in
         tail -12 "$out/profile.txt"
         ;;
     newtiles)  # the tiles no GPU has run yet: their GPU tests (under a time limit: a wrong hand-over or
-               # flag would hang, or trap after half a minute), then the stream-K tiles on every float16
-               # shape in the time left (see sweep)
-        timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pingpong or stream_k" tests/codegen/test_wgmma.py \
+               # flag would hang, or trap after half a minute), then GPT-2 small at 8x128 with them on
+               # the products they are meant for (stream-K on the three whose 96 tiles leave 36 of 132
+               # multiprocessors idle, ping-pong on the lm_head): the kernel profile (compare with
+               # `all`'s) and the end-to-end figure against torch.compile
+        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pingpong or stream_k" tests/codegen/test_wgmma.py \
             2>&1 | tee "$out/gpu-suite-pp-sk.txt" | tail -15
-        sweep_tiles $((540 - SECONDS)) sk64x128 sk128x192 sk128x256 sk128x128
+        tiles='{"*/attn/c_attn/Gemm": "sk128x192", "*/attn/c_proj/Gemm": "sk64x128", "*/mlp/c_proj/Gemm": "sk64x128",
+                "*/lm_head/MatMul": "pp64x256"}'
+        mkdir -p /tmp/sf-export
+        timeout 100 python3 benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 --work /tmp/sf-export \
+            --gemm-tiles "$tiles" --top 40 --json "$out/profile-newtiles.json" > "$out/profile-newtiles.txt" 2>&1
+        tail -12 "$out/profile-newtiles.txt"
+        timeout 190 python3 benchmarks/gpu/models.py --models gpt2_small --batches 8 --precision float16 \
+            --compile-modes reduce-overhead --export-dir /tmp/sf-export --gemm-tiles "$tiles" \
+            --json "$out/models-newtiles.json" > "$out/models-newtiles.txt" 2>&1
+        tail -20 "$out/models-newtiles.txt"
         ;;
     sweep)  # every float16 benchmark shape on each tile (default: the shipped TMA tiles, for a same-day
             # reference, then the unmeasured stream-K and ping-pong ones), then the refit with them in

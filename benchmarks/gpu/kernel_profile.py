@@ -94,6 +94,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--precision", default="float16")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--work", help="keep the export and the artifacts here")
+    ap.add_argument("--gemm-tiles", default="", help="with --model: optimization_config['gemm_tiles'] as JSON")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     ensure_shardflow()
@@ -105,9 +106,10 @@ def main(argv=None) -> dict:
 
         work = args.work or tempfile.mkdtemp(prefix="sf-profile-")
         _, info = models.prepare(args.model, work, work, False, print)
-        out_dir = os.path.join(work, f"{args.model}_{args.batch}x128_{args.precision}")
+        tiles = json.loads(args.gemm_tiles) if args.gemm_tiles else None
+        out_dir = os.path.join(work, f"{args.model}_{args.batch}x128_{args.precision}" + ("_tiles" if tiles else ""))
         models.compile_ours(info["path"], args.batch, out_dir, target="cuda", arch=args.arch,
-                            precision=args.precision, search_space=None)
+                            precision=args.precision, search_space=None, gemm_tiles=tiles)
     res = profile(out_dir, args.rank, args.reps)
     top = sorted(res["steps"], key=lambda r: -r["ms"])[:args.top]
     print(table(["ms", "kind", "grid", "block", "node"],
