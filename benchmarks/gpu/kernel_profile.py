@@ -68,9 +68,9 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
     for _ in range(10):
         start.record(engine.stream)
         if engine.capturable:
-            engine.graphs[0][0].launch(engine.stream)
+            engine._graph("all")[0][0].launch(engine.stream)
         else:
-            engine._eager()
+            engine._eager(engine.segments)
         end.record(engine.stream)
         end.synchronize()
         t.append(cp.cuda.get_elapsed_time(start, end))

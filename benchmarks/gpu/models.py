@@ -15,8 +15,9 @@ Ours
     optimization_config={"target": "cuda", "arch": ARCH, "precision": PRECISION}, out_dir=...,
     input_shapes={"input_ids": [B, 128]})`` per batch size, then ``shardflow.runtime.load(out_dir)``.
     ``run({"input_ids": cupy array})`` copies the input into the program's arena, replays the
-    program's CUDA graph (captured on the second run; the first runs eagerly), copies the logits out
-    into a fresh cupy array and synchronizes its stream. Timed a second way with
+    program's CUDA graph (captured on the second run; the first runs eagerly), returns the logits in
+    a fresh cupy array and synchronizes its stream (since session 8 the last kernel writes them
+    straight into that array, rfcs/0003; before, they were copied out of the program's buffer). Timed a second way with
     ``run(..., copy_outputs=False)`` (``ours_view_ms``): the logits stay in the program's buffer,
     valid until the next run, which is what ``torch.compile(mode="reduce-overhead")`` returns too
     (its outputs live in the CUDA graph's memory pool); ``vs_torch_compile_static`` compares those

@@ -1,0 +1,159 @@
+"""The cuda engine's run loop (runtime/cuda_exec.py) without a GPU: cupy replaced by a numpy stand-in
+whose kernels are Python functions and whose CUDA graphs record launches and replay them.
+
+What this checks is the engine's own bookkeeping: eager first run, then captured graphs; the
+graph of every step, and the one without the trailing kernels that write fresh output arrays
+(``copy_outputs=True`` with device inputs); that those arrays are new on every run, untouched by
+later runs, and hold the same values as the arena's. The real thing runs in
+tests/runtime/test_gpu_runtime.py (``pytest -m gpu``).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+class _Array(np.ndarray):
+    """A "device" array: numpy memory, cupy's ``get``/``set``/``data.ptr``."""
+
+    def get(self, stream=None):
+        return np.array(self)
+
+    def set(self, a, stream=None):
+        np.copyto(self, a)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+_Array.__module__ = "cupy"  # what the engine recognises device arrays by
+
+
+class _Graph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, stream):
+        for fn, args in self.calls:
+            fn(*args)
+
+
+class _Stream:
+    capturing: list | None = None  # the launches recorded while a stream captures
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def begin_capture(self):
+        _Stream.capturing = []
+
+    def end_capture(self):
+        calls, _Stream.capturing = _Stream.capturing, None
+        return _Graph(calls)
+
+    def synchronize(self):
+        pass
+
+
+class _Function:
+    def __init__(self, body, log):
+        self.body, self.log = body, log
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        if _Stream.capturing is not None:
+            _Stream.capturing.append((self.run, (args,)))
+        else:
+            self.run(args)
+
+    def run(self, args):
+        self.log.append(self.body.__name__)
+        self.body(*args)
+
+
+def _fake_cupy(kernels: dict, log: list):
+    cp = types.ModuleType("cupy")
+    cp.uint8 = np.uint8
+    cp.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, CUDARuntimeError=RuntimeError),
+        Device=lambda: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 132}),
+        Stream=_Stream)
+    cp.asarray = lambda a: np.array(a).view(_Array)
+    cp.zeros = lambda n, dtype: np.zeros(n, dtype).view(_Array)
+    cp.empty = lambda shape, dtype: np.full(shape, np.nan, dtype).view(_Array)
+    cp.copyto = np.copyto
+    cp.RawModule = lambda path: types.SimpleNamespace(get_function=lambda name: _Function(kernels[name], log))
+    return cp
+
+
+def _program():
+    """x (input) + w (weights) -> h; y = 2 h (output, written by the last kernel); all float32."""
+    def buf(name, shape, storage, offset):
+        return {"name": name, "shape": list(shape), "dtype": "float32", "storage": storage, "offset": offset}
+    buffers = [buf("x", (4,), "arena", 0), buf("w", (4,), "weights", 0), buf("h", (4,), "arena", 16),
+               buf("y", (4,), "arena", 32)]
+    launch = {"grid": [1, 1, 1], "block": [32, 1, 1]}
+    steps = [{"kind": "kernel", "node": "add", "symbol": "add", "inputs": [0, 1], "outputs": [2], "launch": launch},
+             {"kind": "kernel", "node": "twice", "symbol": "twice", "inputs": [2], "outputs": [3], "launch": launch}]
+    return {"buffers": buffers, "steps": steps, "inputs": [["x", 0]], "outputs": [["y", 3]], "arena_bytes": 48}
+
+
+def add(x, w, h):
+    np.add(x, w, out=h)
+
+
+def twice(h, y):
+    np.multiply(h, 2, out=y)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    log: list = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy({"add": add, "twice": twice}, log))
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    prog = types.SimpleNamespace(program=_program(), weights=np.arange(4, dtype=np.float32).view(np.uint8),
+                                 buffers=[None] * 4, directory=Path("."), rank=0, groups={})
+    return CudaEngine(prog), log
+
+
+def test_runs_eagerly_then_from_graphs(engine):
+    eng, log = engine
+    x = np.ones(4, np.float32)
+    want = 2 * (x + np.arange(4))
+    for _ in range(3):  # eager, then the graph of every step, captured once and replayed
+        np.testing.assert_array_equal(eng.run({"x": x})["y"], want)
+    assert set(eng.graphs) == {"all"} and len(eng.graphs["all"][0][0].calls) == 2
+    assert log == ["add", "twice"] * 3
+
+
+def test_fresh_outputs_are_written_by_the_last_kernel(engine):
+    eng, log = engine
+    assert len(eng.tail) == 1 and eng.fresh == {3}
+    x = np.ones(4, np.float32).view(_Array)
+    arena_y = eng.outputs[0][2]
+    runs = []
+    for k in range(4):  # eager, then the graph without the last kernel, which runs on its own
+        runs.append(eng.run({"x": x * (k + 1)}))
+        y = runs[-1]["y"]
+        assert type(y) is _Array and y.data.ptr != arena_y.data.ptr
+        np.testing.assert_array_equal(y, 2 * ((k + 1) + np.arange(4)))
+    assert len({r["y"].data.ptr for r in runs}) == 4  # a new array each run
+    assert set(eng.graphs) == {"body"} and len(eng.graphs["body"][0][0].calls) == 1
+    assert log == ["add", "twice"] * 4
+    # the arena's own output buffer, when asked for (and the earlier fresh arrays left alone)
+    view = eng.run({"x": x * 9}, copy_outputs=False)["y"]
+    assert view.data.ptr == arena_y.data.ptr
+    np.testing.assert_array_equal(view, 2 * (9 + np.arange(4)))
+    np.testing.assert_array_equal(runs[0]["y"], 2 * (1 + np.arange(4)))
+    assert set(eng.graphs) == {"body", "all"}
