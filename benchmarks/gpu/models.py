@@ -17,11 +17,12 @@ Ours
     ``run({"input_ids": cupy array})`` copies the input into the program's arena, replays the
     program's CUDA graph (captured on the second run; the first runs eagerly), returns the logits in
     a fresh cupy array and synchronizes its stream (since session 8 the last kernel writes them
-    straight into that array, rfcs/0003; before, they were copied out of the program's buffer). Timed a second way with
-    ``run(..., copy_outputs=False)`` (``ours_view_ms``): the logits stay in the program's buffer,
-    valid until the next run, which is what ``torch.compile(mode="reduce-overhead")`` returns too
-    (its outputs live in the CUDA graph's memory pool); ``vs_torch_compile_static`` compares those
-    two, like for like. At 8x128 GPT-2's float32 logits are 206 MB, so the copy is not negligible.
+    straight into that array, rfcs/0003; before, they were copied out of the program's buffer, 206
+    MB of float32 logits for GPT-2 at 8x128). Timed a second way with ``run(...,
+    copy_outputs=False)`` (``ours_view_ms``): the logits stay in the program's buffer, valid until
+    the next run, which is what ``torch.compile(mode="reduce-overhead")`` returns too (its outputs
+    live in the CUDA graph's memory pool); ``vs_torch_compile_static`` compares those two, like for
+    like.
 
 torch
     The same module on the GPU with transformers' ``"sdpa"`` attention (the default a torch user
