@@ -309,6 +309,10 @@ static void enter(int b) {  // make block b the current one
   blockIdx = blocks[b].idx;
 }
 static int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
+static int trapped;  // a thread called __trap()
+// clock64(): advances by clock_step a call; a step above 1 also counts as progress, so that a wait
+// with a time limit reaches it instead of being reported as a deadlock
+static unsigned long long clock_now, clock_step = 1;
 template <typename V, typename P> static V* at(P* p) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(V)) ++misaligned;
   return reinterpret_cast<V*>(p);
@@ -415,9 +419,14 @@ static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
 }
 static inline void __threadfence() {}
 static inline void __nanosleep(unsigned) { sf_emu::spin(); }
-// (no time limit here: a wait that nothing can end is reported as a deadlock)
-static inline void sf_grid_wait(const volatile unsigned* p, unsigned at_least) {
-  while (*p < at_least) sf_emu::spin();
+static inline long long clock64() {
+  sf_emu::clock_now += sf_emu::clock_step;
+  if (sf_emu::clock_step > 1) ++sf_emu::epoch;
+  return (long long)sf_emu::clock_now;
+}
+static inline void __trap() {  // the launch fails (the thread stops here)
+  sf_emu::trapped = 1;
+  sf_emu::wait(sf_emu::DONE);
 }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
@@ -479,9 +488,10 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
 
 // runs body(args) as every thread of every block, `resident` blocks at a time (their threads
 // interleaved, as blocks resident on different multiprocessors run at once); returns 0, 1 on a
-// deadlock, 2 after a misaligned vector access
+// deadlock, 2 after a misaligned vector access, 3 after a __trap()
 extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident) {
+                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
+                             unsigned long long clock_step) {
   using namespace sf_emu;
   const int n = (int)(bx * by * bz), total = (int)(gx * gy * gz);
   const int nb = (int)std::max(1u, std::min(resident, (unsigned)total));
@@ -492,7 +502,9 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
   slots[1].assign(n * nb, 0);
   xslots[0].assign(n * nb, Words());
   xslots[1].assign(n * nb, Words());
-  misaligned = 0;
+  misaligned = trapped = 0;
+  sf_emu::clock_step = clock_step;
+  sf_emu::clock_now = 0;
   sf_emu::body = body;
   body_args = args;
   blockDim = {bx, by, bz};
@@ -581,6 +593,8 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
           ++epoch;
         }
       }
+      if (trapped) return 3;
+      if (clock_now > (1ull << 40)) return 1;  // past any time limit: waiting for what never comes
       if (done) break;
       bool running = false, spinning = false;
       for (int t = 0; t < nt; ++t) {
@@ -607,13 +621,14 @@ _MMA = re.compile(r'asm volatile\("mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.
 
 def _host_source(text: str) -> str:
     """The generated source with what the shim provides in its place: the helpers with inline PTX
-    (but the descriptor encoding, kept as generated), ``mma.sync``, ``wgmma`` and no-op PTX
+    (but the descriptor encoding and the grid-wide wait, kept as generated), ``mma.sync``, ``wgmma`` and no-op PTX
     statements, the dynamic shared memory; vector accesses go through an alignment check."""
     from shardflow.compiler.codegen.cuda_attention import ATTENTION_HELPERS
     from shardflow.compiler.codegen.cuda_wgmma import WGMMA_HELPERS
 
-    desc = re.search(r"__device__ __forceinline__ unsigned long long sf_smem_desc\(.*?\n\}\n", WGMMA_HELPERS, re.S)
-    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, desc.group(0))
+    kept = "".join(re.search(rf"__device__ __forceinline__ [\w ]+ {name}\(.*?\n\}}\n", WGMMA_HELPERS, re.S).group(0)
+                   for name in ("sf_smem_desc", "sf_grid_wait"))
+    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, kept)
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",
                   "unsigned char* sf_dyn = sf_emu::dyn.data();", text)
@@ -639,13 +654,15 @@ class HostKernels:
         self.signatures = signatures
         self.lib.sf_emu_launch.restype = ctypes.c_int
 
-    def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1, resident: int = 1) -> None:
+    def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1, resident: int = 1,
+               clock_step: int = 1) -> None:
         """Run ``symbol`` over ``grid`` x ``block`` on numpy ``arrays`` (its parameters, in
         order: contiguous arrays whose memory the kernel reads and writes), with ``shared_mem``
         bytes of dynamic shared memory. ``seed`` > 1 also lets threads sit out scheduler rounds
         at random (another interleaving for each seed); bulk copies land at random either way.
         ``resident`` blocks run at once, their threads interleaved (blocks that wait for each
-        other, as a persistent kernel's may, need all of theirs)."""
+        other, as a persistent kernel's may, need all of theirs). ``clock64()`` advances by
+        ``clock_step`` a call (above 1, waits with a time limit reach it)."""
         types = self.signatures[symbol]
         maps = [a for a in arrays if isinstance(a, np.ndarray) and a.dtype == _MAP]
         if len(types) != len(arrays) or len(maps) != types.count("const SfTmap"):
@@ -658,10 +675,12 @@ class HostKernels:
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         status = self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed),
-                                        ctypes.c_uint(resident))
+                                        ctypes.c_uint(resident), ctypes.c_ulonglong(clock_step))
         if status == 1:
             raise RuntimeError(f"{symbol}: deadlock (threads wait at barriers that cannot open, or poll what nothing "
                                "changes any more)")
+        if status == 3:
+            raise RuntimeError(f"{symbol}: __trap() (the launch fails)")
         if status == 2:
             raise RuntimeError(f"{symbol}: a vector access at an address that is not a multiple of its size")
 
@@ -738,13 +757,13 @@ def _aligned(shape, dtype) -> np.ndarray:
 
 
 def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1,
-        resident: int = 1) -> list[np.ndarray]:
+        resident: int = 1, clock_step: int = 1) -> list[np.ndarray]:
     """Run one generated kernel (its :class:`KernelLaunch`) on numpy ``inputs``; outputs of
     ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows;
     every argument is aligned as in the runtime's arena (64 bytes).
     ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
     over several tiles, keep the emulation short); ``resident`` blocks run at once (see
-    :meth:`HostKernels.launch`)."""
+    :meth:`HostKernels.launch`, also for ``clock_step``)."""
     ins = [_aligned(np.shape(a), np.asarray(a).dtype) for a in inputs]
     for i, a in zip(ins, inputs):
         i[...] = a
@@ -753,5 +772,6 @@ def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int
         o.reshape(-1).view(np.uint8)[...] = 0x5A
     arrays = ins + outs
     maps = [tensor_map(spec, arrays[int(spec["arg"])]) for spec in launch.tensor_maps]
-    kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed, resident)
+    kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed, resident,
+                   clock_step)
     return outs

@@ -370,6 +370,26 @@ def test_stream_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
     _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
 
 
+def test_a_wait_on_blocks_that_never_run_fails_the_launch(tmp_path):
+    """Stream-K's first piece of a tile waits for the next blocks' partial sums; where those blocks
+    cannot run (here: one block at a time) the generated wait gives up after 2^36 cycles and traps,
+    so the launch fails instead of hanging (with the clock standing still, the emulation calls it
+    a deadlock)."""
+    from test_wgmma import _gemm
+
+    op = _gemm(64, 104, 640, "float16", name="g")
+    src = generate_cuda_source([op], arch="sm_90", gemm_configs={"g": "sk64x128"})
+    launch = src.launches["g"]
+    kernels = build(src.text, str(tmp_path))
+    a, b = np.ones((64, 640), np.float16), np.ones((640, 104), np.float16)
+    with pytest.raises(RuntimeError, match="__trap"):
+        run(kernels, launch, [a, b], [((64, 104), np.uint16)], grid=(4, 1, 1), clock_step=1 << 32)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run(kernels, launch, [a, b], [((64, 104), np.uint16)], grid=(4, 1, 1))
+    out = run(kernels, launch, [a, b], [((64, 104), np.uint16)], grid=(4, 1, 1), resident=4, clock_step=1 << 20)[0]
+    assert (out.view(np.float16) == 640).all()  # all resident: no wait lasts that long
+
+
 EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, row as (heads, N // heads))
     "vec": (136, "float16", False, None),  # four columns per thread: vector reads and store
     "vec-f32": (136, "float32", False, None),
