@@ -50,10 +50,12 @@ sweep_tiles() {
     shift
     [ -f "$sweep" ] || echo "# benchmarks/gpu/gemm.py --dtypes float16 --config C --jobs 14 for each tile C," \
         "$(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$sweep"
-    for c in "$@"; do
+    for c in "$@"; do  # TILE, or TILE@KT: with --split-min-kt KT (a section the refit leaves out)
         if (( SECONDS - start > budget )); then echo "(time is up: $c and later not run)" | tee -a "$sweep"; break; fi
-        echo "== $c" >> "$sweep"
-        timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float16 --config "$c" --jobs 14 2>&1 \
+        local tile=${c%@*} kt=() head="== ${c%@*}"
+        [[ $c == *@* ]] && kt=(--split-min-kt "${c#*@}") && head="$head split-min-kt ${c#*@}"
+        echo "$head" >> "$sweep"
+        timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float16 --config "$tile" "${kt[@]}" --jobs 14 2>&1 \
             | grep -E " ours |WRONG|Error|error" >> "$sweep"
         echo "$c: $(grep -c " ours " "$sweep") case lines so far ($((SECONDS - start)) s)"
     done
@@ -110,11 +112,12 @@ case "$what" in
         tail -20 "$out/models-newtiles.txt"
         ;;
     sweep)  # every float16 benchmark shape on each tile (default: the shipped TMA tiles, for a same-day
-            # reference, then the unmeasured stream-K and ping-pong ones), then the refit with them in
+            # reference, then the unmeasured stream-K and ping-pong ones, and sk64x128 with blocks of
+            # 4 K tiles on average instead of 8), then the refit with them in
         shift
         tiles=("$@")
         [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk64x128 sk128x192 sk128x256
-                                         sk128x128 pp64x256 pp64x192 pp64x128)
+                                         sk128x128 pp64x256 pp64x192 pp64x128 sk64x128@4)
         sweep_tiles "${SWEEP_S:-480}" "${tiles[@]}"
         ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...

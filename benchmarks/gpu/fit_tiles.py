@@ -43,7 +43,7 @@ GRID_SPLIT = [x / 100 for x in range(10, 131, 2)]
 def read_sweep(paths: list[str], dtype: str = "float16",
                split_min_kt: int | None = None) -> dict[tuple[str, int], dict[str, float]]:
     """(case name, M) -> {tile: ratio to cuBLAS}; with ``split_min_kt``, only the sections
-    measured with that ``--split-min-kt``."""
+    measured with that ``--split-min-kt``, else only those measured without one."""
     data: dict = {}
     for path in paths:
         tile = None
@@ -51,7 +51,7 @@ def read_sweep(paths: list[str], dtype: str = "float16",
             for ln in f:
                 m = re.match(r"== (\S+)(?: split-min-kt (\d+))?", ln)
                 if m:
-                    tile = m.group(1) if split_min_kt is None or m.group(2) == str(split_min_kt) else None
+                    tile = m.group(1) if m.group(2) == (None if split_min_kt is None else str(split_min_kt)) else None
                     continue
                 m = re.match(rf"\s+(\S+)_M(\d+)_{dtype}\s+ours .*ratio ([\d.]+)", ln)
                 if m and tile:
