@@ -108,7 +108,7 @@ class CudaEngine:
         segments: list[tuple[list, Any]] = []
         launches: list = []
         self.capturable = True
-        n_tail, self.fresh = fresh_output_writers(p)
+        n_tail, self.fresh_buffers = fresh_output_writers(p)
         self.tail = []  # (launch, [(argument position, buffer)]) of the kernels that may write fresh outputs
         for k, s in enumerate(steps):
             if s["kind"] == "kernel":
@@ -124,8 +124,10 @@ class CudaEngine:
         if launches:
             segments.append((launches, None))
         self.segments = segments
-        # the same without the trailing kernels (they come after the last collective)
-        self.body = segments[:-1] + [(segments[-1][0][:len(segments[-1][0]) - n_tail], None)] if n_tail else segments
+        self.body = segments  # the same without the trailing kernels (they come after the last collective)
+        if n_tail:
+            last, _ = segments[-1]
+            self.body = segments[:-1] + [(last[:len(last) - n_tail], None)]
         self.use_graph = use_graph
         self.graphs: dict | None = None  # "all" / "body" -> the captured graphs
         self.runs = 0
@@ -246,7 +248,7 @@ class CudaEngine:
         self.runs += 1
         with self.stream:
             if fresh:
-                arrays = {i: cp.empty(view.shape, view.dtype) for _, i, view in self.outputs if i in self.fresh}
+                arrays = {i: cp.empty(view.shape, view.dtype) for _, i, view in self.outputs if i in self.fresh_buffers}
                 self._run_tail(arrays)
                 outs = {name: arrays[i] if i in arrays else view.copy() for name, i, view in self.outputs}
             elif device_io:  # views of the arena when not copied (valid until the next run)

@@ -42,6 +42,12 @@ with zipfile.ZipFile(glob.glob(".whl/mpich-*.whl")[0]) as z:
 PY
     export MPI4PY_LIBMPI=/tmp/site/mpilib/libmpi.so.12 LD_LIBRARY_PATH=/tmp/site/mpilib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+# the GPU tests; the ping-pong and stream-K tiles' ones (-k "$new_tiles") run apart, under their own
+# time limit, until the tiles have run on a GPU (a wrong hand-over between warpgroups, or a flag
+# between blocks, would hang, or trap after half a minute, rather than fail)
+gpu_tests=(tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/codegen/test_attention.py
+           tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py)
+new_tiles="pingpong or stream_k"
 # sweep_tiles BUDGET_S TILE...: every float16 benchmark shape on each tile, one `== TILE` section
 # each in $out/gemm-sweep.txt (the format fit_tiles.py reads; appended to, so that calls add up),
 # no tile started after BUDGET_S seconds; then the refit with every section so far ($out/fit.txt)
@@ -67,13 +73,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
     suite)
-        python3 -m pytest -q -m gpu -p no:cacheprovider -k "not pingpong and not stream_k" tests/codegen/test_cuda_kernels.py \
-            tests/codegen/test_wgmma.py tests/codegen/test_attention.py tests/codegen/test_tune.py \
-            tests/runtime/test_gpu_runtime.py 2>&1 | tee "$out/gpu-suite.txt" | tail -60
-        # the ping-pong and stream-K tiles apart, under their own limit, until they have run on a GPU
-        # (a wrong hand-over between warpgroups, or a flag between blocks, would hang rather than fail)
-        timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pingpong or stream_k" tests/codegen/test_wgmma.py \
-            2>&1 | tee "$out/gpu-suite-pp-sk.txt" | tail -15
+        python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles)" "${gpu_tests[@]}" 2>&1 \
+            | tee "$out/gpu-suite.txt" | tail -60
+        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
+            | tee "$out/gpu-suite-pp-sk.txt" | tail -15
         ;;
     bench)
         python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-540}" --jobs 12 2>&1 | tail -150
@@ -82,8 +85,7 @@ case "$what" in
           # the timeouts (210 + 265 + 75 s) add up to under the device tool's 600 s per call
           # (measured in session 5: 205 + 170 + 60 s); the ping-pong and stream-K tiles' tests are
           # left to `newtiles` (not yet run on a GPU: a hang there must not take the rest down)
-        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not pingpong and not stream_k" tests/codegen/test_cuda_kernels.py \
-            tests/codegen/test_wgmma.py tests/codegen/test_tune.py tests/codegen/test_attention.py tests/runtime/test_gpu_runtime.py 2>&1 \
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         mkdir -p /tmp/sf-export
         timeout 265 python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-250}" --jobs 14 \
@@ -93,13 +95,12 @@ case "$what" in
             --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
         tail -12 "$out/profile.txt"
         ;;
-    newtiles)  # the tiles no GPU has run yet: their GPU tests (under a time limit: a wrong hand-over or
-               # flag would hang, or trap after half a minute), then GPT-2 small at 8x128 with them on
-               # the products they are meant for (stream-K on the three whose 96 tiles leave 36 of 132
-               # multiprocessors idle, ping-pong on the lm_head): the kernel profile (compare with
-               # `all`'s) and the end-to-end figure against torch.compile
-        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -k "pingpong or stream_k" tests/codegen/test_wgmma.py \
-            2>&1 | tee "$out/gpu-suite-pp-sk.txt" | tail -15
+    newtiles)  # the tiles no GPU has run yet: their GPU tests (under a time limit), then GPT-2 small
+               # at 8x128 with them on the products they are meant for (stream-K on the three whose
+               # 96 tiles leave 36 of 132 multiprocessors idle, ping-pong on the lm_head): the kernel
+               # profile (compare with `all`'s) and the end-to-end figure against torch.compile
+        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
+            | tee "$out/gpu-suite-pp-sk.txt" | tail -15
         tiles='{"*/attn/c_attn/Gemm": "sk128x192", "*/attn/c_proj/Gemm": "sk64x128", "*/mlp/c_proj/Gemm": "sk64x128",
                 "*/lm_head/MatMul": "pp64x256"}'
         mkdir -p /tmp/sf-export

@@ -1716,8 +1716,10 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
                        f"const int sf_np = (int)max(0LL, min(sf_npv, {l_len}LL));  // the keys the rows see",
                        f"const int sf_npo = (int)sf_npv - {s_len};  // their diagonal's offset"]
         keys = "sf_np"
-    shift = (lambda d: f"sf_npo + {d}" if d >= 0 else f"sf_npo - {-d}") if nonpad is not None and not off else \
-        (lambda d: off + d)  # noqa: E731
+    def shift(d: int) -> int | str:  # the diagonal (key i + offset for query i) moved by d keys
+        if nonpad is None or off:
+            return off + d
+        return f"sf_npo + {d}" if d >= 0 else f"sf_npo - {-d}"
     hi = shift(0) if a.get("is_causal") else None
     if right >= 0:  # (with a causal mask too, the window's upper edge is past the diagonal: the diagonal)
         hi = shift(right) if hi is None else hi

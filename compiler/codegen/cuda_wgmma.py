@@ -782,10 +782,9 @@ const int sf_c = (sf_wl & 3) * 2;
   }}
 {_indent(finish, 2)}
 }}"""
-    globals_ = "" if splits == 1 else (
-        f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
-        f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
-        f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
+    globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+                                       f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
+                                       f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     sk_setup = _indent(_stream_k_ranges(tiles, KT), 2) + "\n" if sk else ""
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{

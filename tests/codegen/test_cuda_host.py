@@ -177,7 +177,7 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     evaluator.
     (Llama's test model keeps the generic attention kernel, a row kernel checked here too: its V
     comes through the grouped heads' Expand, which the fused kernel does not read.)"""
-    rg, env, consts, groups = _model_values(model)
+    env, consts, groups = _model_values(model)
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     assert len(host_groups) >= 15 and {src.launches[g.name].kind for g in host_groups} >= {"row", "elementwise"}
@@ -192,7 +192,7 @@ def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
     projection with SiLU(gate) * up and the cast for the down projection in its epilogue) forced
     onto a stream-K or ping-pong tile, run on 3 resident blocks (more blocks than K tiles: empty
     stream-K ranges), against the evaluator."""
-    rg, env, consts, groups = _model_values("llama_ts17")
+    env, consts, groups = _model_values("llama_ts17")
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     gemms = [g for g in groups if g.name in src.launches and src.launches[g.name].kind.startswith("gemm-wgmma")]
     assert len(gemms) >= 4
@@ -202,8 +202,8 @@ def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
 
 
 def _model_values(model: str):
-    """A test model's float16 rank graph for cuda, every tensor's value by name (the evaluator's,
-    on the model's inputs), the constants by name, and the graph's kernel groups."""
+    """For a test model's float16 rank graph for cuda: every tensor's value by name (the
+    evaluator's, on the model's inputs), the constants by name, and the graph's kernel groups."""
     from shardflow.compiler.codegen.fusion import fuse
 
     rg, feeds = _rank_graph_for_cuda(model)
@@ -213,7 +213,7 @@ def _model_values(model: str):
             outs = op.run(*[env[t.name] if t.name in env else t.value for t in op.inputs])
         env.update({t.name: v for t, v in zip(op.outputs, outs)})
     consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    return rg, env, consts, fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
+    return env, consts, fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
 
 
 def _check_kernels(model, kernels, src, groups, env, consts, grid=None):

@@ -139,7 +139,7 @@ def test_runs_eagerly_then_from_graphs(engine):
 
 def test_fresh_outputs_are_written_by_the_last_kernel(engine):
     eng, log = engine
-    assert len(eng.tail) == 1 and eng.fresh == {3}
+    assert len(eng.tail) == 1 and eng.fresh_buffers == {3}
     x = np.ones(4, np.float32).view(_Array)
     arena_y = eng.outputs[0][2]
     runs = []
