@@ -16,7 +16,7 @@ __all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph"
 
 
 def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping[str, Sequence[int]] | None = None,
-              simplify: bool = True, instruments=()) -> FlowGraph:
+              simplify: bool = True, instruments=(), input_values: Mapping[str, object] | None = None) -> FlowGraph:
     """Import an ONNX model into a :class:`FlowGraph`.
 
     Parameters
@@ -29,6 +29,11 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
         Run constant folding, no-op removal, CSE and dead-code elimination (default ``True``).
     instruments
         Callables ``(pass_name, graph)`` run after each pass (e.g. ``passes.DumpGraph(dir)``).
+    input_values
+        Values for graph inputs that are fixed for the compiled program, by input name (arrays of
+        the declared type and a shape the model allows). Each becomes a constant and leaves the
+        graph's inputs, so that shapes and parameters computed from it (a ``Reshape``'s shape, a
+        ``Resize``'s sizes, reduction axes, a ``TopK``'s ``k``) are known at compile time.
 
     Returns
     -------
@@ -42,12 +47,15 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
     UnsupportedOperatorError
         Some operators or attributes are not supported (all are listed).
     ShapeError
-        A dynamic dim has no shape in ``input_shapes`` or ``input_shapes`` names a non-input.
+        A dynamic dim has no shape in ``input_shapes``, ``input_shapes`` or ``input_values`` names
+        a non-input, or a value's shape is not one the model allows.
+    DtypeError
+        A value in ``input_values`` does not have (or fit) the input's declared element type.
     """
     from .frontend import import_onnx
     from .passes import simplify as run_passes
 
-    graph = import_onnx(model, input_shapes)
+    graph = import_onnx(model, input_shapes, input_values)
     if simplify:
         graph = run_passes(graph, instruments)
     else:

@@ -3,10 +3,11 @@
 ::
 
     shardflow compile MODEL.onnx -o OUT [--mesh 2x2] [--target cpu|cuda] [--arch sm_90]
-                      [--shape NAME=2x24 ...] [--algo ilp|megatron|data|replicate]
+                      [--shape NAME=2x24 ...] [--value NAME=FILE.npy ...]
+                      [--algo ilp|megatron|data|replicate]
                       [--distributed-config FILE.json] [--optimization-config FILE.json]
     shardflow run OUT --nproc N --inputs in.npz --outputs out.npz
-    shardflow plan MODEL.onnx --mesh 2x2 [--shape NAME=2x24 ...] [--algo ...]
+    shardflow plan MODEL.onnx --mesh 2x2 [--shape NAME=2x24 ...] [--value NAME=FILE.npy ...] [--algo ...]
     shardflow inspect OUT [--verify]
 
 Flags override the keys of the config files. Progress goes to stderr.
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["main", "build_parser", "parse_mesh", "parse_shapes"]
+__all__ = ["main", "build_parser", "parse_mesh", "parse_shapes", "parse_values"]
 
 log = logging.getLogger("shardflow.cli")
 
@@ -62,6 +63,26 @@ def parse_shapes(items: Sequence[str] | None) -> dict[str, list[int]] | None:
     return res
 
 
+def parse_values(items: Sequence[str] | None) -> dict[str, Any] | None:
+    """``["axes=axes.npy"]`` → ``{"axes": <the array in axes.npy>}`` (inputs bound at compile time)."""
+    if not items:
+        return None
+    import numpy as np
+
+    res: dict[str, Any] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise _CLIError(f"--value {item!r}: use NAME=FILE.npy, e.g. axes=axes.npy")
+        try:
+            res[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise _CLIError(f"--value {item!r}: cannot read {path} as a .npy array ({exc})") from None
+        if not isinstance(res[name], np.ndarray):
+            raise _CLIError(f"--value {item!r}: {path} holds several arrays (.npz); give one .npy per input")
+    return res
+
+
 def _read_config(path: str | None, what: str) -> dict:
     if path is None:
         return {}
@@ -97,6 +118,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                         "--distributed-config; default 1 (a single rank)")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS", default=None,
                    help="static shape of an input with dynamic dims, e.g. input_ids=2x24 (repeat per input)")
+    p.add_argument("--value", action="append", metavar="NAME=FILE.npy", default=None,
+                   help="bind an input to the array in FILE.npy at compile time: it becomes a constant and the "
+                        "program no longer takes it (for shape-steering inputs such as axes or sizes; repeat "
+                        "per input)")
     p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")
@@ -192,7 +217,7 @@ def _cmd_compile(args) -> int:
         ocfg["arch"] = args.arch
         ocfg.setdefault("target", "cuda")
     result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
-                            input_shapes=parse_shapes(args.shape))
+                            input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
     print(result.summary())
     return 0
 
@@ -203,7 +228,7 @@ def _cmd_plan(args) -> int:
 
     _setup_logging(False, args.verbose)
     dcfg = _distributed_config(args)
-    graph = load_onnx(args.model, input_shapes=parse_shapes(args.shape))
+    graph = load_onnx(args.model, input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
     plan = search(graph, dcfg)
     if args.out:
         plan.save(args.out)

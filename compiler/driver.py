@@ -591,14 +591,15 @@ def _cuda_builder() -> Callable:
 # ---------------------------------------------------------------------------------------
 # compile
 # ---------------------------------------------------------------------------------------
-def _load_model(model, input_shapes) -> FlowGraph:
+def _load_model(model, input_shapes, input_values=None) -> FlowGraph:
     if isinstance(model, FlowGraph):
-        if input_shapes:
-            raise ConfigError("input_shapes applies to ONNX models; a FlowGraph already has static shapes")
+        if input_shapes or input_values:
+            raise ConfigError("input_shapes and input_values apply to ONNX models; a FlowGraph already has static "
+                              "shapes and its own inputs")
         return model
     from . import load_onnx
 
-    return load_onnx(model, input_shapes=input_shapes)
+    return load_onnx(model, input_shapes=input_shapes, input_values=input_values)
 
 
 def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
@@ -614,7 +615,8 @@ def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
 
 
 def compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
-            out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None) -> CompileResult:
+            out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None,
+            input_values: Mapping[str, Any] | None = None) -> CompileResult:
     """Compile ``model`` into one artifact per rank in ``out_dir``.
 
     Parameters
@@ -631,6 +633,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         next to it and renamed at the end, so an interrupted compile leaves no ``out_dir``.
     input_shapes
         Shapes of inputs with dynamic dims, by input name.
+    input_values
+        Values of inputs fixed at compile time, by input name; they become constants and the
+        compiled program no longer takes them (:func:`~shardflow.compiler.load_onnx`).
 
     Returns
     -------
@@ -658,7 +663,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
-    graph = _load_model(model, input_shapes)
+    graph = _load_model(model, input_shapes, input_values)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
 

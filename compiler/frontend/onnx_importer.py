@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
+from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .registry import NodeContext, find_handler, onnx_dtype
 
@@ -79,10 +79,12 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
 
 
 class _Importer:
-    def __init__(self, proto: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None):
+    def __init__(self, proto: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None,
+                 input_values: Mapping[str, object] | None = None):
         self.proto = proto
         self.opset = _default_opset(proto)
         self.input_shapes = dict(input_shapes or {})
+        self.input_values = dict(input_values or {})
         self.nodes: list[Operator] = []
         self.env: dict[str, Tensor] = {}
         self._counter = itertools.count()
@@ -146,10 +148,15 @@ class _Importer:
         init_names = {i.name for i in g.initializer}
         real = [vi for vi in g.input if vi.name not in init_names]
         names = {vi.name for vi in real}
-        unknown = sorted(set(self.input_shapes) - names)
-        if unknown:
-            raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model; "
-                             f"its inputs are {sorted(names)}")
+        for what, given in (("input_shapes", self.input_shapes), ("input_values", self.input_values)):
+            unknown = sorted(set(given) - names)
+            if unknown:
+                raise ShapeError(f"{what} names {unknown}, which are not inputs of the model; "
+                                 f"its inputs are {sorted(names)}")
+        both = sorted(set(self.input_shapes) & set(self.input_values))
+        if both:
+            raise ShapeError(f"inputs {both} are in both input_shapes and input_values; a bound input's shape is "
+                             "its value's, so give it in input_values only")
         res = []
         for vi in real:
             tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
@@ -157,6 +164,10 @@ class _Importer:
                 raise UnsupportedOperatorError(f"graph input {vi.name!r} is not a tensor (sequence/map/optional "
                                                "inputs are not supported)")
             dtype = onnx_dtype(tt.elem_type, f"graph input {vi.name!r}")
+            if vi.name in self.input_values:
+                self.env[vi.name] = self._bound_input(vi.name, tt, dtype)
+                self._used_names.add(vi.name)
+                continue
             shape = self._input_shape(vi.name, tt)
             t = Tensor(vi.name, shape, dtype)
             self.env[vi.name] = t
@@ -164,10 +175,44 @@ class _Importer:
             res.append(t)
         return res
 
+    def _bound_input(self, name: str, tt, dtype: str) -> Tensor:
+        """Graph input ``name`` bound to ``input_values[name]``: a constant of the declared type."""
+        given = self.input_values[name]
+        try:
+            arr = np.asarray(given)
+        except Exception as exc:
+            raise ShapeError(f"input_values[{name!r}] is not array-like ({type(exc).__name__}: {exc})") from None
+        if arr.dtype.kind not in "biuf" or (arr.dtype.kind == "b") != (dtype == "bool"):
+            raise DtypeError(f"input_values[{name!r}] has dtype {arr.dtype}, but the model declares {dtype}")
+        if arr.dtype.kind == "f" and np.dtype(dtype).kind in "iu":
+            raise DtypeError(f"input_values[{name!r}] holds floats (dtype {arr.dtype}), but the model declares "
+                             f"{dtype}; pass integers")
+        converted = arr.astype(dtype)
+        if arr.dtype.kind in "iu" and not np.array_equal(converted.astype(arr.dtype), arr):
+            raise DtypeError(f"input_values[{name!r}] does not fit the declared type {dtype}")
+        self._check_declared(name, tt, tuple(arr.shape), "input_values", "value of shape")
+        log.info("graph input %r bound at import to a constant of shape %s", name, list(arr.shape))
+        return const_tensor(np.ascontiguousarray(converted), name)
+
+    @staticmethod
+    def _declared(tt) -> list | None:
+        if not tt.HasField("shape"):
+            return None
+        return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+
+    def _check_declared(self, name: str, tt, shape: tuple[int, ...], what: str, noun: str) -> None:
+        declared = self._declared(tt)
+        if declared is None:
+            return
+        if len(declared) != len(shape):
+            raise ShapeError(f"{what}[{name!r}]: {noun} {shape} has rank {len(shape)}, but the model "
+                             f"declares rank {len(declared)} ({declared})")
+        for d, (want, got) in enumerate(zip(declared, shape)):
+            if isinstance(want, int) and want != got:
+                raise ShapeError(f"{what}[{name!r}]: {noun} {shape}: dim {d} is fixed to {want} by the model")
+
     def _input_shape(self, name: str, tt) -> tuple[int, ...]:
-        declared = None
-        if tt.HasField("shape"):
-            declared = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        declared = self._declared(tt)
         if name in self.input_shapes:
             given = self.input_shapes[name]
             try:
@@ -176,13 +221,7 @@ class _Importer:
                 raise ShapeError(f"input_shapes[{name!r}] = {given!r} is not a tuple of ints") from None
             if any(d < 0 for d in shape):
                 raise ShapeError(f"input_shapes[{name!r}] = {shape} has a negative dim")
-            if declared is not None:
-                if len(declared) != len(shape):
-                    raise ShapeError(f"input_shapes[{name!r}] = {shape} has rank {len(shape)}, but the model "
-                                     f"declares rank {len(declared)} ({declared})")
-                for d, (want, got) in enumerate(zip(declared, shape)):
-                    if isinstance(want, int) and want != got:
-                        raise ShapeError(f"input_shapes[{name!r}] = {shape}: dim {d} is fixed to {want} by the model")
+            self._check_declared(name, tt, shape, "input_shapes", "shape")
             return shape
         if declared is None:
             raise ShapeError(f"graph input {name!r} has no declared shape; pass input_shapes={{{name!r}: (...)}}")
@@ -249,7 +288,12 @@ def _any_handler(domain: str, op_type: str) -> bool:
     return find_handler(domain, op_type, 10_000) is not None or find_handler(domain, op_type, 1) is not None
 
 
-def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None) -> FlowGraph:
-    """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph."""
+def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
+                input_values: Mapping[str, object] | None = None) -> FlowGraph:
+    """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph.
+
+    ``input_values`` binds graph inputs to constants (they leave the graph's inputs); see
+    :func:`shardflow.compiler.load_onnx`.
+    """
     proto = read_model(model)
-    return _Importer(proto, input_shapes).run()
+    return _Importer(proto, input_shapes, input_values).run()

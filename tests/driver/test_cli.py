@@ -45,6 +45,28 @@ def test_parse_helpers():
         cli.parse_shapes(["2x24"])
 
 
+def test_values_bind_inputs_at_compile_time(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], name="sum", keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6]),
+         helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])]), opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, tmp_path / "m.onnx")
+    np.save(tmp_path / "axes.npy", np.array([1]))
+    out = sh("plan", tmp_path / "m.onnx", "--mesh", "2")
+    assert out.returncode == 1 and "input 1 ('axes') must be known" in out.stderr and "--value" in out.stderr
+    out = sh("plan", tmp_path / "m.onnx", "--mesh", "2", "--value", f"axes={tmp_path / 'axes.npy'}")
+    assert out.returncode == 0, out.stderr
+    assert cli.parse_values([f"axes={tmp_path / 'axes.npy'}"])["axes"].tolist() == [1]
+    for bad in ("axes", f"axes={tmp_path / 'missing.npy'}"):
+        with pytest.raises(cli._CLIError, match="--value"):
+            cli.parse_values([bad])
+
+
 def test_plan_prints_plan_txt(tmp_path):
     out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2", "--algo", "megatron", "-o", tmp_path)
     assert out.returncode == 0, out.stderr

@@ -143,6 +143,26 @@ def test_out_dir_layout_and_manifest(tmp_path, callback_codegen):
         np.testing.assert_allclose(o["output"], ref["output"], rtol=1e-3, atol=1e-3)
 
 
+def test_input_values_become_constants_of_the_program(tmp_path, callback_codegen):
+    from onnx import TensorProto, helper
+
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
+         helper.make_node("MatMul", ["r", "x"], ["y"], name="matmul")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4]),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])]), opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ShardflowError, match="input_values"):
+        compile(model, distributed_config={"mesh_shape": [2]}, out_dir=tmp_path / "m")
+    res = compile(model, distributed_config={"mesh_shape": [2]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "m", input_values={"shape": np.array([4, 4])})
+    m = json.loads((res.out_dir / "rank0" / "manifest.json").read_text())
+    assert [i["name"] for i in m["inputs"]] == ["x"]
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    for o in run_in_threads(res.out_dir, 2, {"x": x}):
+        np.testing.assert_allclose(o["y"], x @ x, rtol=1e-5, atol=1e-5)
+
+
 def test_native_runner_and_python_loop_agree(tmp_path, callback_codegen):
     res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "g")
     prog = load(res.out_dir)

@@ -177,8 +177,43 @@ def test_unsupported_attribute_value():
 def test_non_constant_shape_argument_is_refused():
     model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
                        [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
-    with pytest.raises(UnsupportedOperatorError, match=r"node reshape \(Reshape\): input 1 \('s'\) must be known"):
+    with pytest.raises(UnsupportedOperatorError, match=r"node reshape \(Reshape\): input 1 \('s'\) must be known"
+                       r".*input_values"):
         load_onnx(model)
+
+
+def test_input_values_bind_a_shape_argument():
+    model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
+                       [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
+    g = load_onnx(model, input_values={"s": [3, 2]})
+    assert [t.name for t in g.inputs] == ["x"]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(g.run({"x": x})["y"], x.reshape(3, 2))
+    # a dynamic dim of a bound input takes the value's size
+    dyn = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
+                     [vi("x", F, [2, 3]), vi("s", I64, ["r"])], [vi("y", F, ["n"])])
+    assert load_onnx(dyn, input_values={"s": np.array([6], np.int32)}).outputs[0].shape == (6,)
+
+
+def test_bad_input_values():
+    model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
+                       [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
+    with pytest.raises(ShapeError, match=r"input_values names \['t'\], which are not inputs"):
+        load_onnx(model, input_values={"t": [3, 2]})
+    with pytest.raises(ShapeError, match=r"input_values\['s'\]: value of shape \(3,\): dim 0 is fixed to 2"):
+        load_onnx(model, input_values={"s": [3, 2, 1]})
+    with pytest.raises(ShapeError, match=r"input_values\['s'\]: value of shape \(\) has rank 0"):
+        load_onnx(model, input_values={"s": 6})
+    with pytest.raises(DtypeError, match=r"input_values\['s'\] holds floats"):
+        load_onnx(model, input_values={"s": [3.0, 2.0]})
+    with pytest.raises(DtypeError, match=r"input_values\['s'\] has dtype <U1"):
+        load_onnx(model, input_values={"s": ["3", "2"]})
+    with pytest.raises(DtypeError, match=r"input_values\['x'\] does not fit"):
+        load_onnx(make_model([helper.make_node("Identity", ["x"], ["y"], name="id")],
+                             [vi("x", TensorProto.INT8, [1])], [vi("y", TensorProto.INT8, [1])]),
+                  input_values={"x": [300]})
+    with pytest.raises(ShapeError, match=r"inputs \['s'\] are in both input_shapes and input_values"):
+        load_onnx(model, input_shapes={"s": [2]}, input_values={"s": [3, 2]})
 
 
 # property-based: random corruptions of valid models ---------------------------------------------
