@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: Largest result (elements) computed eagerly at import; bigger ones stay ops.
 EAGER_LIMIT = 1 << 24
+#: Most nodes imported from control-flow bodies (unrolled loops) in one model.
+MAX_INLINED_NODES = 200_000
 _SUPPORTED_DOMAINS = ("", "ai.onnx")
 
 
@@ -89,6 +91,9 @@ class _Importer:
         self.env: dict[str, Tensor] = {}
         self._counter = itertools.count()
         self._used_names: set[str] = set()
+        #: prefix of the names of ops imported from a subgraph (``"loop/iter3/"``); see import_subgraph
+        self.scope = ""
+        self._inlined_nodes = 0
 
     def fresh_name(self, base: str) -> str:
         while True:
@@ -106,15 +111,7 @@ class _Importer:
     def run(self) -> FlowGraph:
         g = self.proto.graph
         self._check_supported()
-        for init in g.initializer:
-            try:
-                arr = numpy_helper.to_array(init)
-            except Exception as exc:
-                raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
-            onnx_dtype(init.data_type, f"initializer {init.name!r}")
-            # ascontiguousarray alone would turn a 0-d (scalar) initializer into shape (1,)
-            self.env[init.name] = const_tensor(np.ascontiguousarray(arr).reshape(arr.shape), init.name)
-            self._used_names.add(init.name)
+        self._initializers(g)
         inputs = self._graph_inputs()
         for node in g.node:
             self._import_node(node)
@@ -126,9 +123,69 @@ class _Importer:
             names.append(vi.name)
         return FlowGraph(inputs, outputs, self.nodes, names, name=g.name or "graph")
 
+    def _initializers(self, g: onnx.GraphProto) -> None:
+        for init in g.initializer:
+            try:
+                arr = numpy_helper.to_array(init)
+            except Exception as exc:
+                raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
+            onnx_dtype(init.data_type, f"initializer {init.name!r}")
+            # ascontiguousarray alone would turn a 0-d (scalar) initializer into shape (1,)
+            name = init.name if init.name not in self._used_names else self.fresh_name(init.name + "_")
+            self.env[init.name] = const_tensor(np.ascontiguousarray(arr).reshape(arr.shape), name)
+            self._used_names.add(name)
+
+    # subgraphs (If, Loop, Scan: handlers_control) --------------------------------------------
+    def import_subgraph(self, graph: onnx.GraphProto, bindings: Sequence[Tensor], scope: str) -> list[Tensor]:
+        """Import the nodes of ``graph`` (a control-flow body) inline, its formal inputs bound to
+        ``bindings``, and return its outputs. Names of the enclosing scopes stay visible in the
+        body and the body's names do not leak out; the ops it adds are named ``scope + name``
+        (``scope`` is the full prefix, e.g. ``"loop/iter3/"``)."""
+        if len(bindings) != len(graph.input):
+            raise ModelFormatError(f"{scope.rstrip('/')}: the body takes {len(graph.input)} inputs, "
+                                   f"{len(bindings)} given")
+        saved_env, saved_scope = self.env, self.scope
+        self.env, self.scope = dict(saved_env), scope
+        try:
+            self._initializers(graph)
+            for vi, t in zip(graph.input, bindings):
+                self.env[vi.name] = t
+            for node in graph.node:
+                self._inlined_nodes += 1
+                if self._inlined_nodes > MAX_INLINED_NODES:
+                    raise UnsupportedOperatorError(
+                        f"{self.scope.rstrip('/')}: unrolling the model's loops would import more than "
+                        f"{MAX_INLINED_NODES} nodes; loops that long are not supported")
+                self._import_node(node)
+            outs = []
+            for vi in graph.output:
+                if vi.name not in self.env:
+                    raise ModelFormatError(f"{self.scope.rstrip('/')}: body output {vi.name!r} is not produced "
+                                           "by any node")
+                outs.append(self.env[vi.name])
+            return outs
+        finally:
+            self.env, self.scope = saved_env, saved_scope
+
+    def emit(self, op_type: str, inputs: Sequence[Tensor], opset: int, base: str, **attrs) -> Tensor:
+        """Import one ONNX node ``op_type`` of ``opset`` reading ``inputs``, named ``base/<op_type><k>``:
+        a handler's way to reuse other handlers (a slice, a concatenation). Returns its output."""
+        key = self.fresh_name(f"{base}/{op_type}")
+        names = [f"{key}:in{k}" for k in range(len(inputs))]
+        self.env.update(zip(names, inputs))
+        node = onnx.helper.make_node(op_type, names, [key], name=key, **attrs)
+        saved_scope, self.scope = self.scope, ""  # the name is complete already
+        try:
+            self._import_node(node, opset=opset)
+            return self.env.pop(key)
+        finally:
+            self.scope = saved_scope
+            for n in names:
+                self.env.pop(n, None)
+
     def _check_supported(self) -> None:
         missing: dict[str, list[str]] = {}
-        for n in self.proto.graph.node:
+        for n in _all_nodes(self.proto.graph):
             domain = "" if n.domain in _SUPPORTED_DOMAINS else n.domain
             opset = self.opset if not domain else _domain_opset(self.proto, domain)
             if find_handler(domain, n.op_type, opset) is None:
@@ -190,7 +247,7 @@ class _Importer:
         converted = arr.astype(dtype)
         if arr.dtype.kind in "iu" and not np.array_equal(converted.astype(arr.dtype), arr):
             raise DtypeError(f"input_values[{name!r}] does not fit the declared type {dtype}")
-        self._check_declared(name, tt, tuple(arr.shape), "input_values", "value of shape")
+        self._check_declared(tt, tuple(arr.shape), f"input_values[{name!r}] of shape {tuple(arr.shape)}")
         log.info("graph input %r bound at import to a constant of shape %s", name, list(arr.shape))
         return const_tensor(np.ascontiguousarray(converted), name)
 
@@ -200,16 +257,17 @@ class _Importer:
             return None
         return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
 
-    def _check_declared(self, name: str, tt, shape: tuple[int, ...], what: str, noun: str) -> None:
+    def _check_declared(self, tt, shape: tuple[int, ...], label: str) -> None:
+        """``shape`` (described by ``label`` in errors) against the input's declared shape."""
         declared = self._declared(tt)
         if declared is None:
             return
         if len(declared) != len(shape):
-            raise ShapeError(f"{what}[{name!r}]: {noun} {shape} has rank {len(shape)}, but the model "
-                             f"declares rank {len(declared)} ({declared})")
+            raise ShapeError(f"{label} has rank {len(shape)}, but the model declares rank {len(declared)} "
+                             f"({declared})")
         for d, (want, got) in enumerate(zip(declared, shape)):
             if isinstance(want, int) and want != got:
-                raise ShapeError(f"{what}[{name!r}]: {noun} {shape}: dim {d} is fixed to {want} by the model")
+                raise ShapeError(f"{label}: dim {d} is fixed to {want} by the model")
 
     def _input_shape(self, name: str, tt) -> tuple[int, ...]:
         declared = self._declared(tt)
@@ -221,7 +279,7 @@ class _Importer:
                 raise ShapeError(f"input_shapes[{name!r}] = {given!r} is not a tuple of ints") from None
             if any(d < 0 for d in shape):
                 raise ShapeError(f"input_shapes[{name!r}] = {shape} has a negative dim")
-            self._check_declared(name, tt, shape, "input_shapes", "shape")
+            self._check_declared(tt, shape, f"input_shapes[{name!r}] = {shape}")
             return shape
         if declared is None:
             raise ShapeError(f"graph input {name!r} has no declared shape; pass input_shapes={{{name!r}: (...)}}")
@@ -231,9 +289,10 @@ class _Importer:
                              f"input_shapes={{{name!r}: (...)}}")
         return tuple(declared)
 
-    def _import_node(self, node: onnx.NodeProto) -> None:
+    def _import_node(self, node: onnx.NodeProto, opset: int | None = None) -> None:
         domain = "" if node.domain in _SUPPORTED_DOMAINS else node.domain
-        opset = self.opset if not domain else _domain_opset(self.proto, domain)
+        if opset is None:
+            opset = self.opset if not domain else _domain_opset(self.proto, domain)
         handler = find_handler(domain, node.op_type, opset)
         inputs: list[Tensor | None] = []
         for name in node.input:
@@ -259,15 +318,25 @@ class _Importer:
         for name, t in zip(node.output, outs):
             if not name or t is None:
                 continue
-            if id(t) in created and t.name not in self._used_names:
-                t.name = name
-            elif id(t) in created:
+            if id(t) in created:  # ONNX names are unique per graph, not across unrolled loop bodies
                 t.name = name if name not in self._used_names else self.fresh_name(name + "_")
             self._used_names.add(t.name)
             self.env[name] = t
         for name in node.output[len(outs):]:
             if name:
                 raise ctx.unsupported(f"output {name!r}")
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """The nodes of ``graph`` and, recursively, of the subgraphs in their attributes."""
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _all_nodes(g)
 
 
 def _default_opset(proto: onnx.ModelProto) -> int:

@@ -95,7 +95,7 @@ class NodeContext:
         self.opset = opset
         self.inputs = inputs
         self._importer = importer
-        self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
+        self.name = getattr(importer, "scope", "") + (node.name or f"{node.op_type}({', '.join(node.output)})")
         self._attrs = {a.name: a for a in node.attribute}
         self.created: list[Operator] = []
 
@@ -168,6 +168,22 @@ class NodeContext:
         if isinstance(v, onnx.GraphProto) or (isinstance(v, list) and v and isinstance(v[0], onnx.GraphProto)):
             raise self.unsupported(f"subgraph attribute {name!r} (control flow)")
         return v
+
+    def graph_attr(self, name: str) -> onnx.GraphProto:
+        """Subgraph attribute ``name`` (the body of If, Loop, Scan)."""
+        a = self._attrs.get(name)
+        if a is None or a.type != onnx.AttributeProto.GRAPH:
+            raise self.invalid(f"required subgraph attribute {name!r} is missing")
+        return a.g
+
+    def subgraph(self, graph: onnx.GraphProto, bindings: list[Tensor], scope: str) -> list[Tensor]:
+        """Import ``graph`` inline with its inputs bound to ``bindings``; its outputs. The ops it
+        adds are named ``<this node>/<scope>/<their name>``."""
+        return self._importer.import_subgraph(graph, bindings, f"{self.name}/{scope}/")
+
+    def emit(self, op_type: str, inputs: list[Tensor], opset: int, **attrs) -> Tensor:
+        """Import one ``op_type`` node of ``opset`` (another handler's work) reading ``inputs``."""
+        return self._importer.emit(op_type, inputs, opset, self.name, **attrs)
 
     def tensor_value(self, proto: onnx.TensorProto) -> np.ndarray:
         onnx_dtype(proto.data_type, f"node {self.name}")

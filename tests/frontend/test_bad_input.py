@@ -200,9 +200,9 @@ def test_bad_input_values():
                        [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
     with pytest.raises(ShapeError, match=r"input_values names \['t'\], which are not inputs"):
         load_onnx(model, input_values={"t": [3, 2]})
-    with pytest.raises(ShapeError, match=r"input_values\['s'\]: value of shape \(3,\): dim 0 is fixed to 2"):
+    with pytest.raises(ShapeError, match=r"input_values\['s'\] of shape \(3,\): dim 0 is fixed to 2"):
         load_onnx(model, input_values={"s": [3, 2, 1]})
-    with pytest.raises(ShapeError, match=r"input_values\['s'\]: value of shape \(\) has rank 0"):
+    with pytest.raises(ShapeError, match=r"input_values\['s'\] of shape \(\) has rank 0"):
         load_onnx(model, input_values={"s": 6})
     with pytest.raises(DtypeError, match=r"input_values\['s'\] holds floats"):
         load_onnx(model, input_values={"s": [3.0, 2.0]})
