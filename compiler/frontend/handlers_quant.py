@@ -1,0 +1,112 @@
+"""Handlers for linear quantization: ``QuantizeLinear`` and ``DequantizeLinear``.
+
+Both are composed from the elementwise ops the other handlers build (``Cast``, ``Sub``, ``Mul``,
+``Div``, ``Round``, ``Add``, ``Clip``), so they get compute definitions, sharding rules and
+kernels like any elementwise chain, and a dequantized constant weight is folded at import:
+
+* ``DequantizeLinear``: ``y = (float32(x) - float32(zero_point)) * scale``, in float32, cast to
+  the scale's type (or ``output_dtype``);
+* ``QuantizeLinear``: ``y = clip(round_half_even(x / scale) + zero_point, qmin, qmax)``, the
+  division in the wider of the input and scale types (or ``precision``), the result in the zero
+  point's type (or ``output_dtype``, default uint8).
+
+Scales and zero points are per tensor (one value), per axis (a vector along ``axis``) or blocked
+(``block_size`` consecutive entries along ``axis`` share one; opset 21+), as the ONNX reference
+computes them. The element types are those Shardflow has (8-, 16- and 32-bit integers); 2-, 4-,
+6- and 8-bit float types raise :class:`~shardflow.compiler.errors.DtypeError` at import.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.graph import Tensor
+from .registry import NodeContext, onnx_dtype, onnx_op
+
+_OPSET = 13  # of the elementwise nodes emitted
+_RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
+_CODES = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "float16": 10, "float64": 11}
+
+
+def _cast(ctx: NodeContext, t: Tensor, dtype: str) -> Tensor:
+    return t if t.dtype == dtype else ctx.emit("Cast", [t], _OPSET, to=_CODES[dtype])
+
+
+def _spread(ctx: NodeContext, v: Tensor, x: Tensor, axis: int, block: int, what: str) -> Tensor:
+    """``v`` (a scale or zero point) broadcastable against ``x``: one value as is, a vector along
+    ``axis``, or with ``block_size`` > 0 each entry repeated over its block along ``axis``."""
+    if v.size == 1:
+        return v if v.ndim == 0 else ctx.emit("Reshape", [v, ctx.constant(np.array([], np.int64))], _OPSET)
+    if not block:
+        if v.ndim != 1 or v.shape[0] != x.shape[axis]:
+            raise ctx.shape_error(f"{what} of shape {list(v.shape)} is neither one value nor a vector of the "
+                                  f"{x.shape[axis]} entries of axis {axis} of the input {list(x.shape)}")
+        dims = [1] * x.ndim
+        dims[axis] = v.shape[0]
+        return ctx.emit("Reshape", [v, ctx.constant(np.array(dims, np.int64))], _OPSET)
+    if block < 0:
+        raise ctx.invalid(f"block_size must be positive, got {block}")
+    want = list(x.shape)
+    want[axis] = -(-x.shape[axis] // block)
+    if list(v.shape) != want:
+        raise ctx.shape_error(f"{what} of shape {list(v.shape)} does not block the input {list(x.shape)} by "
+                              f"{block} along axis {axis} (expected {want})")
+    rows = ctx.constant(np.arange(x.shape[axis], dtype=np.int64) // block)
+    return ctx.emit("Gather", [v, rows], _OPSET, axis=axis)
+
+
+def _layout(ctx: NodeContext) -> tuple[Tensor, int, int]:
+    x = ctx.input(0)
+    axis = int(ctx.attr("axis", 1))
+    if x.ndim and not -x.ndim <= axis < x.ndim:
+        raise ctx.invalid(f"axis {axis} is out of range for an input of rank {x.ndim}")
+    return x, axis % x.ndim if x.ndim else 0, int(ctx.attr("block_size", 0))
+
+
+def _attr_dtype(ctx: NodeContext, name: str) -> str | None:
+    code = int(ctx.attr(name, 0))
+    return onnx_dtype(code, f"node {ctx.name} attribute {name!r}") if code else None
+
+
+@onnx_op("DequantizeLinear", since=10)
+def dequantize_linear(ctx):
+    x, axis, block = _layout(ctx)
+    scale = ctx.input(1)
+    if x.dtype not in ("int8", "uint8", "int16", "uint16", "int32"):
+        raise ctx.unsupported(f"quantized input type {x.dtype}")
+    out = _attr_dtype(ctx, "output_dtype") or scale.dtype
+    if scale.dtype not in ("float32", "float16") or out not in ("float32", "float16"):
+        raise ctx.unsupported(f"scale type {scale.dtype} with output type {out} (float32 and float16 are)")
+    y = _cast(ctx, x, "float32")
+    if ctx.has_input(2):
+        zp = ctx.input(2)
+        if zp.dtype != x.dtype:
+            raise ctx.invalid(f"the zero point's type {zp.dtype} differs from the input's {x.dtype}")
+        y = ctx.emit("Sub", [y, _cast(ctx, _spread(ctx, zp, x, axis, block, "the zero point"), "float32")], _OPSET)
+    y = ctx.emit("Mul", [y, _cast(ctx, _spread(ctx, scale, x, axis, block, "the scale"), "float32")], _OPSET)
+    return [_cast(ctx, y, out)]
+
+
+@onnx_op("QuantizeLinear", since=10)
+def quantize_linear(ctx):
+    x, axis, block = _layout(ctx)
+    scale = ctx.input(1)
+    out = _attr_dtype(ctx, "output_dtype")
+    if ctx.has_input(2):
+        if out and out != ctx.input(2).dtype:
+            raise ctx.invalid(f"output_dtype {out} differs from the zero point's type {ctx.input(2).dtype}")
+        out = ctx.input(2).dtype
+    out = out or "uint8"
+    if out not in _RANGES:
+        raise ctx.unsupported(f"quantized output type {out} ({sorted(_RANGES)} are)")
+    div = _attr_dtype(ctx, "precision") or str(np.result_type(np.dtype(x.dtype), np.dtype(scale.dtype)))
+    if div not in ("float32", "float16", "float64"):
+        raise ctx.unsupported(f"a division in {div}")
+    q = ctx.emit("Div", [_cast(ctx, x, div), _cast(ctx, _spread(ctx, scale, x, axis, block, "the scale"), div)],
+                 _OPSET)
+    q = _cast(ctx, ctx.emit("Round", [q], _OPSET), "int32")
+    if ctx.has_input(2):
+        zp = _cast(ctx, _spread(ctx, ctx.input(2), x, axis, block, "the zero point"), "int32")
+        q = ctx.emit("Add", [q, zp], _OPSET)
+    lo, hi = _RANGES[out]
+    q = ctx.emit("Clip", [q, ctx.constant(np.int32(lo)), ctx.constant(np.int32(hi))], _OPSET)
+    return [_cast(ctx, q, out)]

@@ -1,0 +1,125 @@
+"""QuantizeLinear / DequantizeLinear (handlers_quant) against onnxruntime and the ONNX reference."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from shardflow.compiler import DtypeError, ShapeError, load_onnx
+from shardflow.compiler.parallel import partition, search, simulate
+
+NP2ONNX = {np.dtype(k): v for k, v in [("float32", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16),
+                                       ("int8", TensorProto.INT8), ("uint8", TensorProto.UINT8),
+                                       ("int16", TensorProto.INT16), ("uint16", TensorProto.UINT16),
+                                       ("int32", TensorProto.INT32)]}
+
+
+def one_node(op, x, scale, zp, out_dtype, opset, **attrs):
+    """A model of one ``op`` node; ``x`` is the graph input, scale and zero point are initializers."""
+    inits = [numpy_helper.from_array(scale, "scale")] + ([numpy_helper.from_array(zp, "zp")] if zp is not None
+                                                         else [])
+    node = helper.make_node(op, ["x", "scale"] + (["zp"] if zp is not None else []), ["y"], name="q", **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", NP2ONNX[x.dtype], list(x.shape))],
+                          [helper.make_tensor_value_info("y", NP2ONNX[np.dtype(out_dtype)], list(x.shape))], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def reference(m, feeds, use_ort):
+    if use_ort:
+        ort = pytest.importorskip("onnxruntime")
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return ReferenceEvaluator(m).run(None, feeds)[0]
+
+
+RNG = np.random.default_rng(0)
+X = (RNG.standard_normal((3, 4, 6)) * 40).astype(np.float32)
+X[0, 0, :4] = [0.5, 1.5, 2.5, -2.5]  # ties round to even
+Q_CASES = [
+    # id, scale, zero point, attrs, opset, use onnxruntime
+    ("tensor-uint8-default", np.float32(0.7), None, {}, 13, True),
+    ("tensor-int8", np.float32(1.0), np.int8(-3), {}, 13, True),
+    ("axis1-uint8", np.array([0.5, 1, 2, 4], np.float32), np.array([0, 10, 128, 255], np.uint8), {"axis": 1}, 13,
+     True),
+    ("axis-neg-int16", np.linspace(0.01, 0.1, 6).astype(np.float32), np.arange(6).astype(np.int16) * 100,
+     {"axis": -1}, 21, True),
+    ("blocked-int8", np.abs(RNG.standard_normal((3, 2, 6))).astype(np.float32) + 0.1,
+     RNG.integers(-5, 5, (3, 2, 6)).astype(np.int8), {"axis": 1, "block_size": 3}, 21, True),
+    ("blocked-ragged-uint16", np.abs(RNG.standard_normal((3, 4, 2))).astype(np.float32) + 0.01, None,
+     {"axis": 2, "block_size": 4, "output_dtype": TensorProto.UINT16}, 21, False),
+    ("f16-scale-precision", np.float16(0.3), np.uint8(7), {"precision": TensorProto.FLOAT16}, 23, False),
+]
+
+
+@pytest.mark.parametrize("case", Q_CASES, ids=[c[0] for c in Q_CASES])
+def test_quantize_linear(case):
+    _, scale, zp, attrs, opset, use_ort = case
+    out = zp.dtype if zp is not None else np.dtype({TensorProto.UINT16: "uint16"}.get(attrs.get("output_dtype"),
+                                                                                        "uint8"))
+    m = one_node("QuantizeLinear", X, np.asarray(scale), None if zp is None else np.asarray(zp), out, opset, **attrs)
+    got = load_onnx(m).run({"x": X})["y"]
+    want = reference(m, {"x": X}, use_ort)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+D_CASES = [
+    ("tensor-uint8", np.uint8, np.float32(0.25), np.uint8(128), {}, 13, True),
+    ("axis0-int8", np.int8, np.array([0.5, 2, 3], np.float32), np.array([-1, 0, 5], np.int8), {"axis": 0}, 13, True),
+    ("int32-no-zero-point", np.int32, np.float32(1e-3), None, {}, 13, True),
+    ("blocked-int16-f16", np.int16, (np.abs(RNG.standard_normal((3, 4, 3))) + 0.1).astype(np.float16),
+     RNG.integers(-9, 9, (3, 4, 3)).astype(np.int16), {"axis": 2, "block_size": 2}, 21, True),
+    ("output-dtype-uint16", np.uint16, np.float16(0.5), np.uint16(300), {"output_dtype": TensorProto.FLOAT}, 23,
+     False),
+]
+
+
+@pytest.mark.parametrize("case", D_CASES, ids=[c[0] for c in D_CASES])
+def test_dequantize_linear(case):
+    _, dtype, scale, zp, attrs, opset, use_ort = case
+    info = np.iinfo(dtype)
+    x = RNG.integers(max(info.min, -30000), min(info.max, 30000), (3, 4, 6)).astype(dtype)
+    out = {TensorProto.FLOAT: np.float32}.get(attrs.get("output_dtype"), np.asarray(scale).dtype)
+    m = one_node("DequantizeLinear", x, np.asarray(scale), None if zp is None else np.asarray(zp), out, opset,
+                 **attrs)
+    got = load_onnx(m).run({"x": x})["y"]
+    want = reference(m, {"x": x}, use_ort)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_bad_scales_name_the_node():
+    x = np.zeros((2, 4), np.uint8)
+    m = one_node("DequantizeLinear", x, np.ones(3, np.float32), None, np.float32, 13, axis=1)
+    with pytest.raises(ShapeError, match=r"node q \(DequantizeLinear\): the scale of shape \[3\] is neither"):
+        load_onnx(m)
+    m = one_node("DequantizeLinear", x, np.ones((2, 3), np.float32), None, np.float32, 21, axis=1, block_size=2)
+    with pytest.raises(ShapeError, match=r"does not block the input \[2, 4\] by 2 along axis 1 \(expected \[2, 2\]"):
+        load_onnx(m)
+    m = one_node("QuantizeLinear", x.astype(np.float32), np.float32(1), None, np.uint8, 21,
+                 output_dtype=TensorProto.FLOAT8E4M3FN)
+    with pytest.raises(DtypeError, match=r"node q attribute 'output_dtype'.*FLOAT8E4M3FN"):
+        load_onnx(m)
+
+
+def test_weight_only_int8_matmul_folds_and_shards():
+    """An int8 weight with per-column scales dequantized before a MatMul: folded to a float32
+    weight at import, then sharded over two ranks."""
+    w = RNG.integers(-127, 127, (16, 8)).astype(np.int8)
+    scale = (np.abs(RNG.standard_normal(8)) / 50).astype(np.float32)
+    nodes = [helper.make_node("DequantizeLinear", ["w", "scale"], ["wf"], axis=1),
+             helper.make_node("MatMul", ["x", "wf"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(scale, "scale")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    x = RNG.standard_normal((4, 16)).astype(np.float32)
+    graph = load_onnx(m)
+    assert [op.op_type for op in graph.nodes] == ["MatMul"]
+    want = x @ (w.astype(np.float32) * scale)  # onnxruntime quantizes x on this pattern (its QDQ fusion)
+    np.testing.assert_allclose(graph.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+    got = simulate(partition(graph, search(graph, {"mesh_shape": [2]})), {"x": x})
+    np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5)
