@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.graph import Tensor
 from ..ops.elementwise import Activation, Binary, CastOp, Clip, Identity, Unary, Where
-from .registry import onnx_dtype, onnx_op
+from .registry import NodeContext, onnx_dtype, onnx_op
 
 _FLOATS = ("float16", "float32", "float64")
 
@@ -163,6 +164,23 @@ def gelu(ctx):
     if approx not in ("none", "tanh"):
         raise ctx.invalid(f"approximate must be 'none' or 'tanh', got {approx!r}")
     return _activation("gelu" if approx == "none" else "gelu_tanh")(ctx)
+
+
+def swish(ctx: NodeContext, x: Tensor, alpha: float, name: str) -> Tensor:
+    """Add ``x * sigmoid(alpha * x)`` (ONNX Swish, the gate of SwiGLU) to the graph as Mul, Sigmoid, Mul;
+    ``name`` names the final op. Floating-point ``x`` only."""
+    if x.dtype not in _FLOATS:
+        raise ctx.unsupported(f"dtype {x.dtype}")
+    scaled = x
+    if alpha != 1.0:
+        scaled = ctx.add(Binary([x, ctx.constant(np.asarray(alpha, x.dtype))], name=name + "/scaled", fn="mul"))
+    gate = ctx.add(Activation([scaled], name=name + "/sigmoid", kind="sigmoid"))
+    return ctx.add(Binary([x, gate], name=name, fn="mul"))
+
+
+@onnx_op("Swish", since=24)
+def swish24(ctx):
+    return [swish(ctx, ctx.input(0), float(ctx.attr("alpha", 1.0)), ctx.name)]
 
 
 @onnx_op("PRelu", since=7)
