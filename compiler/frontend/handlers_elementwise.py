@@ -75,8 +75,8 @@ def div(ctx):
 def mod(ctx):
     fmod = ctx.attr("fmod", 0)
     a = ctx.input(0)
-    if a.dtype in _FLOATS and not fmod:
-        raise ctx.invalid("fmod must be 1 for floating-point inputs")
+    if a.dtype in _FLOATS and not fmod and ctx.opset < 28:  # opset 28 defines the floored modulo of floats
+        raise ctx.invalid("fmod must be 1 for floating-point inputs before opset 28")
     return [ctx.add(Binary([a, ctx.input(1)], name=ctx.name, fn="fmod" if fmod else "mod"))]
 
 
