@@ -1,4 +1,4 @@
-"""Handlers for reductions, arg-reductions, the softmax family, CumSum, TopK and normalizations."""
+"""Handlers for reductions, arg-reductions, the softmax family, CumSum, CumProd, TopK and normalizations."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -6,7 +6,7 @@ from typing import Iterable
 import numpy as np
 
 from ..ops.norm import LRN, BatchNorm, GroupNorm, InstanceNorm, LayerNorm, LpNorm, MeanVarianceNorm, RMSNorm
-from ..ops.reduce import ArgReduce, CumSum, Hardmax, Reduce, Softmax, TopK
+from ..ops.reduce import ArgReduce, CumProd, CumSum, Hardmax, Reduce, Softmax, TopK
 from .registry import NodeContext, onnx_dtype, onnx_op
 
 _FLOATS = ("float16", "float32", "float64")
@@ -133,16 +133,22 @@ def hardmax(ctx):
 
 # CumSum, TopK -----------------------------------------------------------------------------------
 
-@onnx_op("CumSum", since=11)
-def cumsum(ctx):
-    x = ctx.input(0)
-    if x.dtype == "bool":
-        raise ctx.invalid("bool input")
-    axis = np.asarray(ctx.const(1))
-    if axis.size != 1 or axis.dtype.kind not in "iu":
-        raise ctx.invalid(f"axis must be one integer, got {axis.tolist()!r}")
-    return [ctx.add(CumSum([x], name=ctx.name, axis=_axis(ctx, axis.item(), x.ndim),
-                           exclusive=bool(ctx.attr("exclusive", 0)), reverse=bool(ctx.attr("reverse", 0))))]
+def _cumulative_handler(cls):
+    """CumSum (opset 11+) and CumProd (opset 26+): ``axis`` is a constant scalar input."""
+    def handler(ctx):
+        x = ctx.input(0)
+        if x.dtype == "bool":
+            raise ctx.invalid("bool input")
+        axis = np.asarray(ctx.const(1))
+        if axis.size != 1 or axis.dtype.kind not in "iu":
+            raise ctx.invalid(f"axis must be one integer, got {axis.tolist()!r}")
+        return [ctx.add(cls([x], name=ctx.name, axis=_axis(ctx, axis.item(), x.ndim),
+                            exclusive=bool(ctx.attr("exclusive", 0)), reverse=bool(ctx.attr("reverse", 0))))]
+    return handler
+
+
+onnx_op("CumSum", since=11)(_cumulative_handler(CumSum))
+onnx_op("CumProd", since=26)(_cumulative_handler(CumProd))
 
 
 @onnx_op("TopK")

@@ -1,4 +1,4 @@
-"""Reductions, arg-reductions, the softmax family, cumulative sums and top-k.
+"""Reductions, arg-reductions, the softmax family, cumulative sums and products, and top-k.
 
 A plain reduction (sum, mean, max, min, prod, sum of squares, L1) has its ``reduce`` node as the
 whole output value, so the planner can recognise a partial result when a reduced axis is split.
@@ -8,7 +8,7 @@ stay whole on one rank.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from ..ir.expr import Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then_else
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
 
-__all__ = ["Reduce", "ArgReduce", "Softmax", "Hardmax", "CumSum", "TopK", "REDUCE_KINDS", "with_axes",
+__all__ = ["Reduce", "ArgReduce", "Softmax", "Hardmax", "CumSum", "CumProd", "TopK", "REDUCE_KINDS", "with_axes",
            "reduced_shape"]
 
 #: Reduction kinds of :class:`Reduce`.
@@ -251,13 +251,22 @@ class Hardmax(Operator):
         return [np.moveaxis(onehot.reshape(xt.shape), dest, axes)]
 
 
-class CumSum(Operator):
-    """Cumulative sum along ``axis``; ``exclusive`` leaves out the element itself, ``reverse``
-    sums from the end."""
+#: The identity and numpy scan of each combination of :class:`_Cumulative`.
+_SCANS = {"sum": (0, np.cumsum), "prod": (1, np.cumprod)}
 
-    def compute(self, x: TensorInput):
+
+class _Cumulative(Operator):
+    """Cumulative ``combine`` (a :data:`~shardflow.compiler.ir.expr.REDUCE_OPS` name with an
+    identity: ``"sum"`` or ``"prod"``) along ``axis``; ``exclusive`` leaves out the element
+    itself, ``reverse`` runs from the end. Subclasses name the combination and define
+    ``compute`` (so that the op library lists them, not this base)."""
+
+    combine: ClassVar[str] = ""
+
+    def _scan(self, x: TensorInput):
         axis, excl, rev = self.attrs["axis"], bool(self.attrs["exclusive"]), bool(self.attrs["reverse"])
         n, dt = x.shape[axis], x.dtype
+        identity = Const(_SCANS[self.combine][0], dt)
 
         def f(*i):
             ia = i[axis]
@@ -267,26 +276,47 @@ class CumSum(Operator):
                     cond = k > ia if excl else k >= ia
                 else:
                     cond = k < ia if excl else k <= ia
-                return if_then_else(cond, x[with_axes(i, (axis,), (k,))], Const(0, dt))
+                return if_then_else(cond, x[with_axes(i, (axis,), (k,))], identity)
 
-            return reduce((n,), body, "sum")
+            return reduce((n,), body, self.combine)
 
         return compute("y", x.shape, f, dtype=dt)
 
     def numpy(self, x):
         axis, excl, rev = self.attrs["axis"], bool(self.attrs["exclusive"]), bool(self.attrs["reverse"])
+        identity, scan = _SCANS[self.combine]
         if rev:
             x = np.flip(x, axis)
-        if excl:  # y[j] = sum of x[:j]
-            y = np.zeros_like(x)
+        if excl:  # y[j] combines x[:j]; y[0] is the identity
+            y = np.full_like(x, identity)
             head, tail = [slice(None)] * x.ndim, [slice(None)] * x.ndim
             head[axis], tail[axis] = slice(0, -1), slice(1, None)
-            np.cumsum(x[tuple(head)], axis=axis, dtype=x.dtype, out=y[tuple(tail)])
+            scan(x[tuple(head)], axis=axis, dtype=x.dtype, out=y[tuple(tail)])
         else:
-            y = np.cumsum(x, axis=axis, dtype=x.dtype)
+            y = scan(x, axis=axis, dtype=x.dtype)
         if rev:
             y = np.flip(y, axis)
         return [np.ascontiguousarray(y)]
+
+
+class CumSum(_Cumulative):
+    """Cumulative sum along ``axis``; ``exclusive`` leaves out the element itself, ``reverse``
+    sums from the end."""
+
+    combine = "sum"
+
+    def compute(self, x: TensorInput):
+        return self._scan(x)
+
+
+class CumProd(_Cumulative):
+    """Cumulative product along ``axis``; ``exclusive`` leaves out the element itself (the
+    first product is 1), ``reverse`` multiplies from the end."""
+
+    combine = "prod"
+
+    def compute(self, x: TensorInput):
+        return self._scan(x)
 
 
 class TopK(Operator):
@@ -341,6 +371,11 @@ def examples(rng: np.random.Generator):
     res += [(CumSum, [x], {"axis": a, "exclusive": e, "reverse": r})
             for a, e, r in ((1, False, False), (2, True, False), (0, False, True), (2, True, True))]
     res += [(CumSum, [xi], {"axis": 2, "exclusive": True, "reverse": False})]
+    xp = (rng.uniform(0.5, 1.5, (2, 3, 4)) * rng.choice([-1, 1], (2, 3, 4))).astype(np.float32)
+    res += [(CumProd, [xp], {"axis": a, "exclusive": e, "reverse": r})
+            for a, e, r in ((1, False, False), (2, True, False), (0, False, True), (2, True, True))]
+    res += [(CumProd, [xi], {"axis": 2, "exclusive": False, "reverse": True}),
+            (CumProd, [xi.astype(np.int64)], {"axis": 1, "exclusive": True, "reverse": False})]
     res += [(TopK, [ties], {"k": 3, "axis": 1, "largest": True}), (TopK, [ties], {"k": 2, "axis": 1, "largest": False}),
             (TopK, [x], {"k": 2, "axis": 0, "largest": True})]
     return res

@@ -1,0 +1,287 @@
+"""Handlers for ONNX ops built from other IR ops or constants: the window functions (HannWindow,
+HammingWindow, BlackmanWindow), the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
+AffineGrid, Col2Im and MaxUnpool.
+
+Windows depend only on their size, which must be known at import; they become constants. The
+losses are composed from LogSoftmax, GatherElements, Gather, Where, Reduce and element-wise ops,
+following the function bodies of the ONNX schemas. AffineGrid is a constant base grid times
+theta (MatMul); Col2Im is a grouped ConvTranspose with one-hot kernels; MaxUnpool scatters into
+zeros (ScatterElements).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ir.graph import Tensor
+from ..ops.conv import ConvTranspose
+from ..ops.elementwise import Binary, Unary, Where
+from ..ops.linalg import MatMul
+from ..ops.reduce import Reduce, Softmax
+from ..ops.transform import Full, Gather, GatherElements, Reshape, ScatterElements, Transpose
+from .registry import NodeContext, onnx_dtype, onnx_op
+
+_FLOATS = ("float16", "float32", "float64")
+
+
+# Window functions -------------------------------------------------------------------------------
+
+#: ``w[n] = a0 - a1 cos(2 pi n / N) + a2 cos(4 pi n / N)`` with these ``(a0, a1, a2)``.
+_WINDOWS = {"HannWindow": (0.5, 0.5, 0.0), "HammingWindow": (25 / 46, 21 / 46, 0.0),
+            "BlackmanWindow": (0.42, 0.5, 0.08)}
+
+
+def _window_values(kind: str, size: int, periodic: bool) -> np.ndarray:
+    """The ``kind`` window (an ONNX op type of :data:`_WINDOWS`) of ``size`` points, in float64.
+
+    ``N = size`` (periodic) or ``size - 1`` (symmetric), as the schemas' function bodies. A
+    symmetric window of one point is ``0 / 0``, i.e. NaN, as in onnxruntime and the ONNX reference.
+    """
+    a0, a1, a2 = _WINDOWS[kind]
+    with np.errstate(all="ignore"):
+        angle = np.arange(size, dtype=np.float64) * (2 * np.pi / np.float64(size if periodic else size - 1))
+        return a0 - a1 * np.cos(angle) + a2 * np.cos(2 * angle)
+
+
+def _window_handler(kind: str):
+    def handler(ctx: NodeContext):
+        size = np.asarray(ctx.const(0))
+        if size.size != 1 or size.dtype.kind not in "iu":
+            raise ctx.invalid(f"size must be one integer, got {size.tolist()!r}")
+        size = int(size.item())
+        if size < 1:
+            raise ctx.invalid(f"size must be positive, got {size}")
+        dtype = onnx_dtype(int(ctx.attr("output_datatype", 1)), f"node {ctx.name} attribute 'output_datatype'")
+        if dtype == "bool":
+            raise ctx.invalid("output_datatype bool is not allowed by the schema")
+        w = _window_values(kind, size, bool(ctx.attr("periodic", 1)))
+        if dtype not in _FLOATS:
+            if np.isnan(w).any():
+                raise ctx.invalid(f"a symmetric window of size {size} is NaN (0/0), which has no {dtype} value")
+            # the cast truncates the exact values: where those are integers (the peak 1 at n = N/2,
+            # and 0s), float rounding must not give 0.999... or -1e-17
+            r = np.round(w)
+            w = np.where(np.abs(w - r) < 1e-9, r, w)
+        return [ctx.constant(w.astype(dtype))]
+    return handler
+
+
+for _kind in _WINDOWS:
+    onnx_op(_kind, since=17)(_window_handler(_kind))
+
+
+# Losses -----------------------------------------------------------------------------------------
+
+def _loss_reduction(ctx: NodeContext) -> str:
+    red = ctx.attr("reduction", "mean")
+    if red not in ("none", "sum", "mean"):
+        raise ctx.invalid(f"reduction must be 'none', 'sum' or 'mean', got {red!r}")
+    return red
+
+
+def _check_loss_operands(ctx: NodeContext, x: Tensor, target: Tensor, weight: Tensor | None) -> None:
+    if x.dtype not in _FLOATS:
+        raise ctx.unsupported(f"dtype {x.dtype} (expected a floating-point input)")
+    if x.ndim < 2:
+        raise ctx.shape_error(f"input of shape {x.shape} has no class dim (expected [N, C, d1, ...])")
+    if target.dtype not in ("int32", "int64"):
+        raise ctx.invalid(f"target must be int32 or int64, got {target.dtype}")
+    want = (x.shape[0],) + x.shape[2:]
+    if target.shape != want:
+        raise ctx.shape_error(f"target has shape {target.shape}; expected {want} for an input of shape {x.shape}")
+    if weight is not None and (weight.shape != (x.shape[1],) or weight.dtype != x.dtype):
+        raise ctx.shape_error(f"weight is {weight.dtype}{list(weight.shape)}; expected {x.dtype}[{x.shape[1]}]")
+
+
+def _nll_loss(ctx: NodeContext, logp: Tensor, target: Tensor, weight: Tensor | None) -> Tensor:
+    """The negative log-likelihood of log-probabilities ``logp`` [N, C, d...] at the classes
+    ``target`` [N, d...], weighted, with ``ignore_index`` and the node's reduction (the function
+    body of NegativeLogLikelihoodLoss)."""
+    reduction = _loss_reduction(ctx)
+    name, dt, ti = ctx.name, logp.dtype, target.dtype
+    last = reduction == "none"
+    ignore = ctx.attr("ignore_index", None)
+    if ignore is not None and not np.iinfo(ti).min <= ignore <= np.iinfo(ti).max:
+        ignore = None  # no target value can equal it
+    column = (target.shape[0], 1) + target.shape[1:]
+    mask = None
+    if ignore is not None:
+        mask = ctx.add(Binary([target, ctx.constant(np.asarray(ignore).astype(ti))], name=f"{name}/ignored",
+                              fn="eq"))
+        # ignored positions read class 0 (any index in range), then their loss is zeroed
+        target = ctx.add(Where([mask, ctx.constant(np.zeros((), ti)), target], name=f"{name}/target"))
+    picked = ctx.add(GatherElements([logp, ctx.add(Reshape([target], name=f"{name}/column", shape=column))],
+                                    name=f"{name}/pick", axis=1))
+    picked = ctx.add(Reshape([picked], name=f"{name}/picked", shape=target.shape))
+    zero = ctx.constant(np.zeros((), dt))
+    if mask is not None:
+        picked = ctx.add(Where([mask, zero, picked], name=f"{name}/unignored"))
+    weights = None
+    if weight is not None:
+        weights = ctx.add(Gather([weight, target], name=f"{name}/weights", axis=0))
+        if mask is not None:
+            weights = ctx.add(Where([mask, zero, weights], name=f"{name}/weights_unignored"))
+    elif mask is not None and reduction == "mean":
+        weights = ctx.add(Where([mask, zero, ctx.constant(np.ones((), dt))], name=f"{name}/counted"))
+    loss = ctx.add(Unary([picked], name=name if last and weight is None else f"{name}/neg", fn="neg"))
+    if weight is not None:
+        loss = ctx.add(Binary([loss, weights], name=name if last else f"{name}/weighted", fn="mul"))
+    if last:
+        return loss
+    axes = tuple(range(loss.ndim))
+    if reduction == "mean" and weights is None:
+        return ctx.add(Reduce([loss], name=name, kind="mean", axes=axes, keepdims=False))
+    total = ctx.add(Reduce([loss], name=name if reduction == "sum" else f"{name}/sum", kind="sum", axes=axes,
+                           keepdims=False))
+    if reduction == "sum":
+        return total
+    count = ctx.add(Reduce([weights], name=f"{name}/weight_sum", kind="sum", axes=axes, keepdims=False))
+    return ctx.add(Binary([total, count], name=name, fn="div"))
+
+
+@onnx_op("NegativeLogLikelihoodLoss", since=12)
+def negative_log_likelihood_loss(ctx):
+    x, target = ctx.input(0), ctx.input(1)
+    weight = ctx.input(2) if ctx.has_input(2) else None
+    _check_loss_operands(ctx, x, target, weight)
+    return [_nll_loss(ctx, x, target, weight)]
+
+
+@onnx_op("SoftmaxCrossEntropyLoss", since=12)
+def softmax_cross_entropy_loss(ctx):
+    """The loss of ``LogSoftmax(scores, axis=1)``; the log-probabilities are the optional second
+    output."""
+    x, target = ctx.input(0), ctx.input(1)
+    weight = ctx.input(2) if ctx.has_input(2) else None
+    _check_loss_operands(ctx, x, target, weight)
+    log_prob = ctx.add(Softmax([x], name=f"{ctx.name}/log_prob", axes=(1,), log=True))
+    return [_nll_loss(ctx, log_prob, target, weight), log_prob]
+
+
+# AffineGrid -------------------------------------------------------------------------------------
+
+def _grid_coords(n: int, align_corners: bool) -> np.ndarray:
+    """``n`` evenly spaced positions in [-1, 1]: pixel centres (``align_corners``: the corner
+    pixels' centres are -1 and 1; otherwise their outer edges are)."""
+    k = np.arange(n, dtype=np.float64)
+    if align_corners:
+        return k * (2.0 / (n - 1)) - 1.0
+    return (2.0 * k + 1.0) / n - 1.0
+
+
+@onnx_op("AffineGrid", since=20)
+def affine_grid(ctx):
+    """``grid[n, (d,) h, w] = theta[n] @ (x_w, y_h, (z_d,) 1)``: a constant homogeneous base grid
+    [(D*)H*W, 3 or 4] times the transposed theta, reshaped."""
+    theta = ctx.input(0)
+    size = np.asarray(ctx.const(1))
+    if theta.dtype not in _FLOATS:
+        raise ctx.unsupported(f"dtype {theta.dtype} (expected a floating-point theta)")
+    if size.ndim != 1 or size.size not in (4, 5) or size.dtype.kind not in "iu":
+        raise ctx.invalid(f"size must be 4 or 5 integers [N, C, (D,) H, W], got {size.tolist()!r}")
+    n, spatial = int(size[0]), [int(v) for v in size[2:]]
+    nd = len(spatial)
+    if theta.shape != (n, nd, nd + 1):
+        raise ctx.shape_error(f"theta has shape {theta.shape}; expected {(n, nd, nd + 1)} for size {size.tolist()}")
+    if min(spatial) < 1:
+        raise ctx.shape_error(f"size {size.tolist()} has an empty spatial dim")
+    align = bool(ctx.attr("align_corners", 0))
+    if align and 1 in spatial:
+        # 2 / (n - 1) positions apart: one position has none (onnxruntime puts it at 1, the
+        # ONNX reference and PyTorch at -1)
+        raise ctx.unsupported(f"align_corners=1 with a spatial extent of 1 (size {size.tolist()}), whose "
+                              "position the spec leaves undefined,")
+    # the homogeneous coordinates (x, y, (z,) 1): x runs along the last dim, z along the first
+    axes = np.meshgrid(*[_grid_coords(e, align) for e in spatial], indexing="ij")
+    base = np.stack(list(axes)[::-1] + [np.ones(spatial)], axis=-1).reshape(-1, nd + 1).astype(theta.dtype)
+    theta_t = ctx.add(Transpose([theta], name=f"{ctx.name}/theta_t", perm=(0, 2, 1)))
+    grid = ctx.add(MatMul([ctx.constant(base), theta_t], name=f"{ctx.name}/grid"))
+    return [ctx.add(Reshape([grid], name=ctx.name, shape=(n, *spatial, nd)))]
+
+
+# Col2Im -----------------------------------------------------------------------------------------
+
+def _int_list(ctx: NodeContext, i: int, what: str) -> list[int]:
+    v = np.asarray(ctx.const(i))
+    if v.ndim != 1 or v.dtype.kind not in "iu":
+        raise ctx.invalid(f"{what} must be a 1-D integer tensor, got {v.tolist()!r}")
+    return [int(e) for e in v]
+
+
+def _attr_ints(ctx: NodeContext, name: str, n: int, default: int) -> tuple[int, ...]:
+    v = [int(e) for e in ctx.attr(name, [default] * n)]
+    if len(v) != n:
+        raise ctx.invalid(f"{name}={v} must have {n} values")
+    return tuple(v)
+
+
+@onnx_op("Col2Im", since=18)
+def col2im(ctx):
+    """Sum the columns of ``x`` [N, C*prod(block), L] back into images [N, C, *image_shape]: a
+    ConvTranspose (group C) of ``x`` viewed as [N, C*K, *blocks] with one-hot kernels, kernel
+    channel ``c*K + k`` selecting kernel position ``k`` (row-major)."""
+    x = ctx.input(0)
+    image, block = _int_list(ctx, 1, "image_shape"), _int_list(ctx, 2, "block_shape")
+    nd = len(image)
+    if x.dtype not in _FLOATS:
+        raise ctx.unsupported(f"dtype {x.dtype} (expected a floating-point input)")
+    if nd < 1 or len(block) != nd or x.ndim != 3:
+        raise ctx.shape_error(f"input {x.shape}, image_shape {image} and block_shape {block} do not fit "
+                              "(expected [N, C*prod(block_shape), L] and two lists of the same length)")
+    if min(image + block) < 1:
+        raise ctx.invalid(f"image_shape {image} and block_shape {block} must be positive")
+    strides, dil = _attr_ints(ctx, "strides", nd, 1), _attr_ints(ctx, "dilations", nd, 1)
+    pads = _attr_ints(ctx, "pads", 2 * nd, 0)
+    if min(strides + dil) < 1 or min(pads) < 0:
+        raise ctx.invalid(f"strides {strides} and dilations {dil} must be positive, pads {pads} non-negative")
+    blocks = [(image[d] + pads[d] + pads[nd + d] - dil[d] * (block[d] - 1) - 1) // strides[d] + 1
+              for d in range(nd)]
+    k = math.prod(block)
+    if x.shape[1] % k or min(blocks) < 1 or x.shape[2] != math.prod(blocks):
+        raise ctx.shape_error(f"input {x.shape} does not fit image_shape {image}, block_shape {block}, strides "
+                              f"{list(strides)}, dilations {list(dil)}, pads {list(pads)}: expected dim 1 a multiple "
+                              f"of {k} and dim 2 = {' * '.join(map(str, blocks))} blocks")
+    c = x.shape[1] // k
+    onehot = np.eye(k, dtype=x.dtype).reshape(k, 1, *block)
+    weight = ctx.constant(np.tile(onehot, (c,) + (1,) * (nd + 1)))
+    cols = ctx.add(Reshape([x], name=f"{ctx.name}/blocks", shape=(x.shape[0], x.shape[1], *blocks)))
+    return [ctx.add(ConvTranspose([cols, weight], name=ctx.name, group=c, strides=strides, dilations=dil,
+                                  pads=pads, output_shape=tuple(image)))]
+
+
+# MaxUnpool --------------------------------------------------------------------------------------
+
+@onnx_op("MaxUnpool", since=9)
+def max_unpool(ctx):
+    """Zeros of the unpooled shape with ``x`` written at the flat indices ``I`` (over the whole
+    output, as MaxPool's indices): a ScatterElements of the flattened tensors."""
+    x, idx = ctx.input(0), ctx.input(1)
+    if x.ndim < 3:
+        raise ctx.shape_error(f"input must be [N, C, spatial...], got shape {x.shape}")
+    if idx.shape != x.shape or idx.dtype != "int64":
+        raise ctx.shape_error(f"indices are {idx.dtype}{list(idx.shape)}; expected int64{list(x.shape)}")
+    nd = x.ndim - 2
+    kernel = _attr_ints(ctx, "kernel_shape", nd, 0) if ctx.has_attr("kernel_shape") else None
+    if kernel is None:
+        raise ctx.invalid("required attribute 'kernel_shape' is missing")
+    strides, pads = _attr_ints(ctx, "strides", nd, 1), _attr_ints(ctx, "pads", 2 * nd, 0)
+    if min(kernel + strides) < 1 or min(pads) < 0:
+        raise ctx.invalid(f"kernel_shape {kernel} and strides {strides} must be positive, pads {pads} non-negative")
+    shape = tuple(x.shape[:2]) + tuple((x.shape[2 + d] - 1) * strides[d] - pads[d] - pads[nd + d] + kernel[d]
+                                       for d in range(nd))
+    if ctx.has_input(2):
+        given = tuple(_int_list(ctx, 2, "output_shape"))
+        if given != shape:
+            # onnxruntime flattens the indices over output_shape, the ONNX reference (and the backend
+            # test data) over the inferred shape, padded at the end: the spec does not say which
+            raise ctx.unsupported(f"output_shape {list(given)} different from the inferred shape {list(shape)} "
+                                  "(the spec leaves the layout of the indices ambiguous)")
+    if min(shape) < 1:
+        raise ctx.shape_error(f"the unpooled shape {list(shape)} is empty")
+    total = math.prod(shape)
+    zeros = ctx.add(Full([], name=f"{ctx.name}/zeros", shape=(total,), value=0, dtype=x.dtype))
+    flat_x = ctx.add(Reshape([x], name=f"{ctx.name}/flat_x", shape=(x.size,)))
+    flat_i = ctx.add(Reshape([idx], name=f"{ctx.name}/flat_i", shape=(x.size,)))
+    flat = ctx.add(ScatterElements([zeros, flat_i, flat_x], name=f"{ctx.name}/scatter", axis=0, reduction="none"))
+    return [ctx.add(Reshape([flat], name=ctx.name, shape=shape))]

@@ -1,0 +1,256 @@
+"""CumProd, the window functions, the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
+AffineGrid, Col2Im and MaxUnpool imported from small ONNX models and run with FlowGraph.run
+against onnxruntime; the errors for what is refused; and composed ops compiled for the cpu target."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, compile, load_onnx
+from shardflow.runtime import load
+
+ort = pytest.importorskip("onnxruntime")
+
+_ONNX = {np.dtype(k): v for k, v in {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+                                     "float64": TensorProto.DOUBLE, "int32": TensorProto.INT32,
+                                     "int64": TensorProto.INT64}.items()}
+RNG = np.random.default_rng(0)
+
+
+def node_model(op, feeds, consts=None, opset=17, outputs=("y",), **attrs):
+    """One ``op`` node reading the feeds then the constants (``None`` leaves an input out); the
+    outputs' types come from shape inference."""
+    consts = consts or {}
+    names = list(feeds) + [k if v is not None else "" for k, v in consts.items()]
+    node = helper.make_node(op, names, list(outputs), name="node", **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(k, _ONNX[v.dtype], v.shape)
+                                        for k, v in feeds.items()], [],
+                          [numpy_helper.from_array(v, k) for k, v in consts.items() if v is not None])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10 if opset >= 21 else 8
+    inferred = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m, strict_mode=True).graph.value_info}
+    m.graph.output.extend(inferred[o] if o in inferred and inferred[o].type.tensor_type.HasField("shape")
+                          else helper.make_tensor_value_info(o, TensorProto.FLOAT, ["n"]) for o in outputs)
+    return m
+
+
+def check(model, feeds, rtol=1e-5, atol=1e-6):
+    """Shardflow's results equal onnxruntime's (dtype, shape, values)."""
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    want = dict(zip(names, sess.run(None, feeds)))
+    got = load_onnx(model).run(feeds)
+    for n in names:
+        assert got[n].dtype == want[n].dtype, n
+        assert got[n].shape == want[n].shape, n
+        if want[n].dtype.kind == "f":
+            np.testing.assert_allclose(got[n], want[n], rtol=rtol, atol=atol, equal_nan=True, err_msg=n)
+        else:
+            np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+    return got
+
+
+# CumProd ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("dtype,axis", [("float32", -1), ("float64", 0), ("int32", 1), ("int64", 2)])
+def test_cumprod(exclusive, reverse, dtype, axis):
+    if dtype.startswith("float"):
+        x = (RNG.uniform(0.5, 1.5, (3, 4, 5)) * RNG.choice([-1, 1], (3, 4, 5))).astype(dtype)
+    else:
+        x = RNG.integers(-3, 4, (3, 4, 5)).astype(dtype)
+    check(node_model("CumProd", {"x": x}, {"axis": np.array(axis, np.int32)}, opset=26, exclusive=exclusive,
+                     reverse=reverse), {"x": x})
+
+
+def test_cumprod_needs_a_constant_axis_in_range():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(UnsupportedOperatorError, match="node .*CumProd.*input 1 .*known at compile time"):
+        load_onnx(node_model("CumProd", {"x": x, "axis": np.array(0, np.int64)}, opset=26))
+    with pytest.raises(ModelFormatError, match="axis 2 is out of range"):
+        load_onnx(node_model("CumProd", {"x": x}, {"axis": np.array(2, np.int64)}, opset=26))
+
+
+# Windows ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["HannWindow", "HammingWindow", "BlackmanWindow"])
+@pytest.mark.parametrize("periodic", [0, 1])
+@pytest.mark.parametrize("out", [TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32])
+@pytest.mark.parametrize("size", [1, 5, 8, 11])
+def test_window(op, periodic, out, size):
+    model = node_model(op, {}, {"size": np.array(size, np.int64)}, periodic=periodic, output_datatype=out)
+    if size == 1 and not periodic and out == TensorProto.INT32:
+        with pytest.raises(ModelFormatError, match="node node .*size 1 is NaN"):
+            load_onnx(model)
+        return
+    got = check(model, {}, atol=1e-6)
+    if size == 1 and not periodic:
+        assert np.isnan(got["y"]).all()  # 0/0 by the schema's definition, as onnxruntime
+    assert load_onnx(model).nodes == []  # a constant
+
+
+def test_window_values_against_numpy():
+    n = np.arange(16)
+    np.testing.assert_allclose(load_onnx(node_model("HannWindow", {}, {"size": np.array(16, np.int32)},
+                                                    periodic=0)).run({})["y"],
+                               np.hanning(16), atol=1e-6)
+    np.testing.assert_allclose(load_onnx(node_model("BlackmanWindow", {}, {"size": np.array(16, np.int64)},
+                                                    periodic=1, output_datatype=TensorProto.DOUBLE)).run({})["y"],
+                               0.42 - 0.5 * np.cos(2 * np.pi * n / 16) + 0.08 * np.cos(4 * np.pi * n / 16),
+                               atol=1e-12)
+
+
+def test_window_size_must_be_known():
+    with pytest.raises(UnsupportedOperatorError, match="node node .*input 0 .*known at compile time"):
+        load_onnx(node_model("HannWindow", {"size": np.array(4, np.int64)}))
+    model = node_model("HammingWindow", {}, {"size": np.array(1, np.int64)})
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(0, np.int64), "size"))
+    with pytest.raises(ModelFormatError, match="size must be positive"):
+        load_onnx(model)
+
+
+# Losses -------------------------------------------------------------------------------------------
+SHAPES = {"NC": (4, 5), "NCd1d2": (2, 5, 3, 2)}
+
+
+def _loss_feeds(shape, weight, ignore, dtype="float32", tdtype="int64"):
+    x = RNG.standard_normal(shape).astype(dtype)
+    t = RNG.integers(0, shape[1], (shape[0],) + shape[2:]).astype(tdtype)
+    if ignore is not None:
+        t.flat[::3] = ignore
+    feeds = {"x": x, "t": t}
+    if weight:
+        feeds["w"] = RNG.uniform(0.1, 1.0, shape[1]).astype(dtype)
+    return feeds
+
+
+@pytest.mark.parametrize("op,opset", [("NegativeLogLikelihoodLoss", 13), ("NegativeLogLikelihoodLoss", 22),
+                                      ("SoftmaxCrossEntropyLoss", 12), ("SoftmaxCrossEntropyLoss", 13)])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weight,ignore", [(False, None), (True, None), (False, 1), (True, -1)])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_loss(op, opset, reduction, weight, ignore, shape):
+    feeds = _loss_feeds(SHAPES[shape], weight, ignore)
+    kw = {} if ignore is None else {"ignore_index": ignore}
+    outputs = ("y", "log_prob") if op == "SoftmaxCrossEntropyLoss" else ("y",)
+    check(node_model(op, feeds, opset=opset, outputs=outputs, reduction=reduction, **kw), feeds, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_int32_targets_float64_and_an_ignore_index_out_of_range():
+    feeds = _loss_feeds((3, 4, 5), True, None, dtype="float64", tdtype="int32")
+    check(node_model("SoftmaxCrossEntropyLoss", feeds, opset=13, reduction="mean", ignore_index=1 << 40), feeds)
+    check(node_model("NegativeLogLikelihoodLoss", feeds, opset=13, reduction="sum", ignore_index=2), feeds)
+
+
+def test_loss_errors():
+    feeds = _loss_feeds((3, 4), False, None)
+    with pytest.raises(ModelFormatError, match="node node .*reduction must be"):
+        load_onnx(node_model("NegativeLogLikelihoodLoss", feeds, opset=13, reduction="max"))
+    bad = {"x": feeds["x"], "t": np.zeros((4,), np.int64)}
+    with pytest.raises((ShapeError, ModelFormatError), match="target"):
+        load_onnx(node_model("SoftmaxCrossEntropyLoss", bad, opset=13))
+
+
+# AffineGrid, Col2Im, MaxUnpool --------------------------------------------------------------------
+@pytest.mark.parametrize("size,align_corners", [((2, 3, 4, 5), 0), ((2, 3, 4, 5), 1), ((1, 1, 1, 3), 0),
+                                                ((2, 1, 3, 2, 4), 0), ((2, 1, 3, 2, 4), 1), ((1, 2, 1, 1, 2), 0)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_affine_grid(size, align_corners, dtype):
+    nd = len(size) - 2
+    theta = RNG.standard_normal((size[0], nd, nd + 1)).astype(dtype)
+    check(node_model("AffineGrid", {"theta": theta}, {"size": np.array(size, np.int64)}, opset=20,
+                     align_corners=align_corners), {"theta": theta}, atol=1e-6 if dtype == "float32" else 1e-12)
+
+
+def test_affine_grid_errors():
+    theta = np.zeros((2, 2, 3), np.float32)
+    with pytest.raises(UnsupportedOperatorError, match="input 1 .*known at compile time"):
+        load_onnx(node_model("AffineGrid", {"theta": theta, "size": np.array([2, 1, 3, 3], np.int64)}, opset=20))
+    with pytest.raises(ShapeError, match=r"theta has shape \(2, 2, 3\); expected \(3, 2, 3\)"):
+        load_onnx(node_model("AffineGrid", {"theta": theta}, {"size": np.array([3, 1, 3, 3], np.int64)}, opset=20))
+    # a single position with align_corners: onnxruntime puts it at 1, the ONNX reference at -1
+    with pytest.raises(UnsupportedOperatorError, match="node node .*align_corners=1 with a spatial extent of 1"):
+        load_onnx(node_model("AffineGrid", {"theta": theta}, {"size": np.array([2, 1, 1, 3], np.int64)}, opset=20,
+                             align_corners=1))
+
+
+@pytest.mark.parametrize("image,block,attrs", [
+    ((5, 6), (2, 3), {}),
+    ((7, 6), (3, 2), {"strides": [2, 1], "pads": [1, 0, 2, 1], "dilations": [1, 2]}),
+    ((6, 5), (2, 2), {"strides": [3, 2]}),  # blocks leave the last rows and columns uncovered
+    ((3, 4, 5), (1, 2, 2), {"pads": [0, 1, 0, 0, 1, 1]}),
+], ids=["plain", "strided-padded-dilated", "uncovered", "3d"])
+def test_col2im(image, block, attrs):
+    nd = len(image)
+    st, dil = attrs.get("strides", [1] * nd), attrs.get("dilations", [1] * nd)
+    pads = attrs.get("pads", [0] * 2 * nd)
+    blocks = [(image[d] + pads[d] + pads[nd + d] - dil[d] * (block[d] - 1) - 1) // st[d] + 1 for d in range(nd)]
+    x = RNG.standard_normal((2, 3 * int(np.prod(block)), int(np.prod(blocks)))).astype(np.float32)
+    check(node_model("Col2Im", {"x": x}, {"image_shape": np.array(image, np.int64),
+                                          "block_shape": np.array(block, np.int64)}, opset=18, **attrs), {"x": x})
+
+
+def test_col2im_refuses_a_column_count_that_does_not_fit():
+    x = np.zeros((1, 4, 7), np.float32)
+    model = node_model("Col2Im", {"x": x}, {"image_shape": np.array([3, 4], np.int64),
+                                            "block_shape": np.array([2, 2], np.int64)}, opset=18)
+    with pytest.raises(ShapeError, match="node node .*expected dim 1 a multiple of 4 and dim 2 = 2 \\* 3 blocks"):
+        load_onnx(model)
+
+
+def _pool_unpool(x, opset, out_shape=None, **attrs):
+    """MaxPool (values and indices) then MaxUnpool with the same attributes."""
+    nodes = [helper.make_node("MaxPool", ["x"], ["v", "i"], **attrs),
+             helper.make_node("MaxUnpool", ["v", "i"] + (["s"] if out_shape is not None else []), ["y"], name="node",
+                              **attrs)]
+    inits = [numpy_helper.from_array(np.array(out_shape, np.int64), "s")] if out_shape is not None else []
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [f"d{k}" for k in range(x.ndim)])],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("opset", [11, 18])
+@pytest.mark.parametrize("shape,attrs", [((2, 3, 6, 8), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+                                         ((1, 2, 7, 5), {"kernel_shape": [3, 2], "strides": [2, 1],
+                                                         "pads": [1, 0, 1, 1]}),
+                                         ((2, 2, 9), {"kernel_shape": [3], "strides": [3]})])
+def test_max_unpool(opset, shape, attrs):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    got = check(_pool_unpool(x, opset, **attrs), {"x": x})
+    assert (got["y"] != 0).sum() > 0
+
+
+def test_max_unpool_with_output_shape():
+    x = RNG.standard_normal((1, 2, 4, 4)).astype(np.float32)
+    check(_pool_unpool(x, 11, out_shape=[1, 2, 4, 4], kernel_shape=[2, 2], strides=[2, 2]), {"x": x})
+    x = RNG.standard_normal((1, 2, 5, 5)).astype(np.float32)
+    with pytest.raises(UnsupportedOperatorError, match="node node .*output_shape \\[1, 2, 5, 5\\] different"):
+        load_onnx(_pool_unpool(x, 11, out_shape=[1, 2, 5, 5], kernel_shape=[2, 2], strides=[2, 2]))
+
+
+# compiled for the cpu target ----------------------------------------------------------------------
+def _sce_case():
+    feeds = _loss_feeds((4, 6, 3), True, 2)
+    return feeds, node_model("SoftmaxCrossEntropyLoss", feeds, opset=13, outputs=("y", "log_prob"),
+                             reduction="mean", ignore_index=2)
+
+
+def _col2im_case():
+    feeds = {"x": RNG.standard_normal((2, 2 * 6, 3 * 4)).astype(np.float32)}
+    return feeds, node_model("Col2Im", feeds, {"image_shape": np.array([5, 6], np.int64),
+                                               "block_shape": np.array([2, 3], np.int64)}, opset=18,
+                             strides=[2, 1], pads=[1, 0, 0, 0])
+
+
+@pytest.mark.parametrize("case", [_sce_case, _col2im_case], ids=["sce", "col2im"])
+def test_composed_ops_compiled_for_cpu(tmp_path, case):
+    feeds, model = case()
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out")
+    got = load(res.out_dir).run(feeds)
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=name)
