@@ -36,6 +36,9 @@ def _spread(ctx: NodeContext, v: Tensor, x: Tensor, axis: int, block: int, what:
     ``axis``, or with ``block_size`` > 0 each entry repeated over its block along ``axis``."""
     if v.size == 1:
         return v if v.ndim == 0 else ctx.emit("Reshape", [v, ctx.constant(np.array([], np.int64))], _OPSET)
+    if not -x.ndim <= axis < x.ndim:  # the axis matters only here, not for one value
+        raise ctx.invalid(f"axis {axis} is out of range for an input of rank {x.ndim}")
+    axis %= x.ndim
     if not block:
         if v.ndim != 1 or v.shape[0] != x.shape[axis]:
             raise ctx.shape_error(f"{what} of shape {list(v.shape)} is neither one value nor a vector of the "
@@ -55,11 +58,7 @@ def _spread(ctx: NodeContext, v: Tensor, x: Tensor, axis: int, block: int, what:
 
 
 def _layout(ctx: NodeContext) -> tuple[Tensor, int, int]:
-    x = ctx.input(0)
-    axis = int(ctx.attr("axis", 1))
-    if x.ndim and not -x.ndim <= axis < x.ndim:
-        raise ctx.invalid(f"axis {axis} is out of range for an input of rank {x.ndim}")
-    return x, axis % x.ndim if x.ndim else 0, int(ctx.attr("block_size", 0))
+    return ctx.input(0), int(ctx.attr("axis", 1)), int(ctx.attr("block_size", 0))
 
 
 def _attr_dtype(ctx: NodeContext, name: str) -> str | None:

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import numpy_helper
 
 from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
@@ -357,12 +358,54 @@ def _any_handler(domain: str, op_type: str) -> bool:
     return find_handler(domain, op_type, 10_000) is not None or find_handler(domain, op_type, 1) is not None
 
 
+#: Domain under which ops are expanded into the function bodies of their ONNX schemas.
+_EXPANDED_DOMAIN = "ai.shardflow.expanded"
+
+
+def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with its model-local functions inlined, and with every node of an op that has no
+    handler here but that the ONNX schema defines as a function of other ops (e.g.
+    ``DynamicQuantizeLinear``) replaced by that body, converted to the model's opset. Returns
+    ``proto`` itself when there is nothing to inline."""
+    opset = _default_opset(proto)
+    bodies: dict[str, onnx.FunctionProto] = {}
+    for n in _all_nodes(proto.graph):
+        if n.domain not in _SUPPORTED_DOMAINS or n.op_type in bodies or find_handler("", n.op_type, opset):
+            continue
+        try:
+            schema = onnx.defs.get_schema(n.op_type, opset, "")
+        except onnx.defs.SchemaError:
+            continue
+        if schema.has_function:
+            bodies[n.op_type] = schema.function_body
+    if not proto.functions and not bodies:
+        return proto
+    if bodies:
+        log.info("expanding %s into their ONNX function bodies", sorted(bodies))
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)  # the caller's proto stays as it was
+        proto = copy
+        for n in _all_nodes(proto.graph):
+            if n.domain in _SUPPORTED_DOMAINS and n.op_type in bodies:
+                n.domain = _EXPANDED_DOMAIN
+        for op, body in bodies.items():
+            f = proto.functions.add()
+            f.CopyFrom(body)
+            f.domain, f.name = _EXPANDED_DOMAIN, op
+        proto.opset_import.append(onnx.helper.make_opsetid(_EXPANDED_DOMAIN, 1))
+    try:
+        return onnx.inliner.inline_local_functions(proto, convert_version=True)
+    except Exception as exc:
+        raise ModelFormatError(f"the model's functions cannot be inlined ({type(exc).__name__}: {exc})") from None
+
+
 def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
                 input_values: Mapping[str, object] | None = None) -> FlowGraph:
     """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph.
 
-    ``input_values`` binds graph inputs to constants (they leave the graph's inputs); see
+    Model-local functions are inlined first (:func:`inline_functions`). ``input_values`` binds
+    graph inputs to constants (they leave the graph's inputs); see
     :func:`shardflow.compiler.load_onnx`.
     """
-    proto = read_model(model)
+    proto = inline_functions(read_model(model))
     return _Importer(proto, input_shapes, input_values).run()

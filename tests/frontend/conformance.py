@@ -29,9 +29,14 @@ def node_cases():
         return load_model_tests(kind="node")
 
 
+def _arrays(values) -> list:
+    """The data set's values, numpy scalars (0-d tensors in the .pb files) as 0-d arrays."""
+    return [np.asarray(v) if isinstance(v, np.generic) else v for v in values]
+
+
 def is_tensor_only(case) -> bool:
     for inputs, outputs in case.data_sets:
-        for a in list(inputs) + list(outputs):
+        for a in _arrays(inputs) + _arrays(outputs):
             if not isinstance(a, np.ndarray) or a.dtype.kind in "OUSV" or a.dtype.names:
                 return False
             if a.dtype.type.__name__ not in np.sctypeDict:  # ml_dtypes (bfloat16, float8...)
@@ -71,6 +76,7 @@ def run_case(case) -> tuple[str, str]:
     bound = []
     try:
         for inputs, expected in case.data_sets:
+            inputs, expected = _arrays(inputs), _arrays(expected)
             if len(inputs) != len(graph_inputs):
                 return "skipped", "optional inputs left out of the data set"
             g, feeds, bound = _import_binding(case, dict(zip(graph_inputs, inputs)))

@@ -1,4 +1,5 @@
-"""If, Loop and Scan: resolved at import (handlers_control), checked against onnxruntime."""
+"""If, Loop and Scan resolved at import (handlers_control), and functions inlined at import
+(model-local ones, and ops the ONNX schema defines as functions), checked against onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
@@ -167,3 +168,36 @@ def test_nested_control_flow_reads_every_enclosing_scope_and_shards():
     plan = search(g, {"mesh_shape": [2]})
     got = simulate(partition(g, plan), {"x": x})
     np.testing.assert_allclose(got["y"], g.run({"x": x})["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_model_local_functions_are_inlined():
+    """A local function calling another, with an attribute reference, used twice."""
+    alpha = helper.make_attribute_ref("alpha", onnx.AttributeProto.FLOAT)
+    leaky = helper.make_node("LeakyRelu", ["x"], ["y"])
+    leaky.attribute.append(alpha)
+    inner = helper.make_function("my", "Act", ["x"], ["y"], [leaky], [helper.make_opsetid("", 17)], ["alpha"])
+    outer = helper.make_function("my", "Block", ["x", "w"], ["y"],
+                                 [helper.make_node("MatMul", ["x", "w"], ["h"]),
+                                  helper.make_node("Act", ["h"], ["y"], domain="my", alpha=0.3)],
+                                 [helper.make_opsetid("", 17), helper.make_opsetid("my", 1)])
+    rng = np.random.default_rng(4)
+    m = helper.make_model(helper.make_graph(
+        [helper.make_node("Block", ["x", "w1"], ["h1"], domain="my"),
+         helper.make_node("Block", ["h1", "w2"], ["y"], domain="my")], "g",
+        [vi("x", F, [2, 4])], [vi("y", F, [2, 4])],
+        [const("w1", rng.standard_normal((4, 4)).astype(np.float32)),
+         const("w2", rng.standard_normal((4, 4)).astype(np.float32))]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my", 1)], functions=[inner, outer])
+    onnx.checker.check_model(m)
+    check(m, {"x": rng.standard_normal((2, 4)).astype(np.float32)})
+
+
+def test_ops_defined_by_onnx_functions_are_expanded():
+    """DynamicQuantizeLinear has no handler; its ONNX schema defines it as a function of other
+    ops, which is imported instead. The caller's model is left as it was."""
+    m = model([helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "scale", "zp"], name="dq")],
+              [vi("x", F, [3, 5])], [vi("y", TensorProto.UINT8, [3, 5]), vi("scale", F, []),
+                                     vi("zp", TensorProto.UINT8, [])], opset=13)
+    x = np.random.default_rng(5).standard_normal((3, 5)).astype(np.float32) * 3 + 1
+    check(m, {"x": x})
+    assert m.graph.node[0].domain == "" and not m.functions
