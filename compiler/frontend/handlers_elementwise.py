@@ -232,9 +232,12 @@ def identity(ctx):
 
 @onnx_op("Dropout")
 def dropout(ctx):
-    # Inference: identity. A training_mode input that is true would need randomness.
+    # Inference: identity. So is training mode with a ratio of 0 (every element kept, scale 1);
+    # any other ratio would need randomness.
     if ctx.has_input(2) and bool(np.asarray(ctx.const(2)).item()):
-        raise ctx.unsupported("training_mode=True")
+        ratio = np.asarray(ctx.const(1)).item() if ctx.has_input(1) else 0.5
+        if ratio != 0:
+            raise ctx.unsupported(f"training_mode=True with ratio {ratio} (random masks)")
     x = ctx.input(0)
     y = ctx.add(Identity([x], name=ctx.name))
     if len(ctx.node.output) > 1 and ctx.node.output[1]:

@@ -210,8 +210,8 @@ def batch_normalization(ctx):
         training = any(_wants_output(ctx, k) for k in range(1, 5))
     else:
         training = not ctx.attr("is_test", 0) or any(_wants_output(ctx, k) for k in range(1, 5))
-    if training:
-        raise ctx.unsupported("training mode (batch statistics and running-statistic updates)")
+    if training and ctx.opset < 14:
+        raise ctx.unsupported("training mode before opset 14 (its saved-statistics outputs)")
     if x.ndim < 2:
         raise ctx.shape_error(f"input of shape {x.shape} has no channel dim")
     params = [ctx.input(k) for k in range(1, 5)]
@@ -222,7 +222,29 @@ def batch_normalization(ctx):
     for name, t in zip(("scale", "B", "input_mean", "input_var"), params):
         if t.shape != want:
             raise ctx.shape_error(f"{name} has shape {t.shape}; expected {want} for an input of shape {x.shape}")
+    if training:
+        return _batch_norm_training(ctx, x, *params)
     return [ctx.add(BatchNorm([x] + params, name=ctx.name, epsilon=float(ctx.attr("epsilon", 1e-5))))]
+
+
+def _batch_norm_training(ctx: NodeContext, x, scale, bias, mean, var) -> list:
+    """Training mode (opset 14+): normalize with the batch's mean and population variance per
+    channel, and return the running statistics updated with ``momentum`` (as the ONNX reference)."""
+    axes = [a for a in range(x.ndim) if a != 1]
+    batch_mean = ctx.emit("ReduceMean", [x], 13, axes=axes, keepdims=0)
+    per_channel = ctx.constant(np.array([x.shape[1]] + [1] * (x.ndim - 2), np.int64))
+    centered = ctx.emit("Sub", [x, ctx.emit("Reshape", [batch_mean, per_channel], 13)], 13)
+    batch_var = ctx.emit("ReduceMean", [ctx.emit("Mul", [centered, centered], 13)], 13, axes=axes, keepdims=0)
+    y = ctx.add(BatchNorm([x, scale, bias, batch_mean, batch_var], name=ctx.name,
+                          epsilon=float(ctx.attr("epsilon", 1e-5))))
+    momentum = float(ctx.attr("momentum", 0.9))
+
+    def running(old, new):
+        kept = ctx.emit("Mul", [old, ctx.constant(np.asarray(momentum, x.dtype))], 13)
+        return ctx.emit("Add", [kept, ctx.emit("Mul", [new, ctx.constant(np.asarray(1 - momentum, x.dtype))], 13)],
+                        13)
+
+    return [y, running(mean, batch_mean), running(var, batch_var)]
 
 
 @onnx_op("InstanceNormalization")

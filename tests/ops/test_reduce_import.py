@@ -242,12 +242,32 @@ def test_axes_from_a_graph_input_is_refused():
         load_onnx(m)
 
 
-def test_batchnorm_training_is_refused():
-    p = np.ones(3, np.float32)
-    m = node_model("BatchNormalization", {"x": X}, {"s": p, "b": p, "m": p, "v": p}, opset=15, n_out=3,
-                   training_mode=1)
-    with pytest.raises(UnsupportedOperatorError, match="training mode"):
+def test_batchnorm_training_mode():
+    """Opset 14+: batch statistics normalize, the running statistics come back updated (against
+    the ONNX reference, onnxruntime's CPU build has no training mode); before opset 14 the
+    training outputs differ and are refused."""
+    from onnx.reference import ReferenceEvaluator
+
+    s, b, mu = RNG.standard_normal((3, 3)).astype(np.float32)
+    var = (np.abs(RNG.standard_normal(3)) + 0.1).astype(np.float32)
+    m = node_model("BatchNormalization", {"x": X}, {"s": s, "b": b, "m": mu, "v": var}, opset=15, n_out=3,
+                   training_mode=1, momentum=0.8, epsilon=1e-3)
+    got = load_onnx(m).run({"x": X})
+    for k, want in enumerate(ReferenceEvaluator(m).run(None, {"x": X})):
+        np.testing.assert_allclose(got[f"y{k}"], want, rtol=1e-5, atol=1e-5)
+    m = node_model("BatchNormalization", {"x": X}, {"s": s, "b": b, "m": mu, "v": var}, opset=9, n_out=5)
+    with pytest.raises(UnsupportedOperatorError, match="training mode before opset 14"):
         load_onnx(m)
+
+
+def test_dropout_in_training_mode_with_ratio_zero_is_the_identity():
+    keep = node_model("Dropout", {"x": X}, {"r": np.float32(0), "t": np.array(True)}, opset=13, n_out=2)
+    got = load_onnx(keep).run({"x": X})
+    np.testing.assert_array_equal(got["y0"], X)
+    assert got["y1"].dtype == bool and got["y1"].all()
+    drop = node_model("Dropout", {"x": X}, {"r": np.float32(0.5), "t": np.array(True)}, opset=13)
+    with pytest.raises(UnsupportedOperatorError, match=r"training_mode=True with ratio 0.5 \(random masks\)"):
+        load_onnx(drop)
 
 
 def test_topk_k_too_large():
