@@ -336,3 +336,65 @@ def linear_attention(ctx):
     present = _reshape(ctx, state, (b, hkv, dk, dv), f"{n}/present_f32")
     present_dtype = past.dtype if past is not None else q.dtype
     return [out, ctx.add(CastOp([present], name=f"{n}/present_state", to=present_dtype))]
+
+
+# flex attention (ai.onnx.preview) -------------------------------------------------------------------
+
+_SOFTMAX_PRECISIONS = {1: "float32", 10: "float16", 11: "float64"}
+
+
+def _repeat_heads(ctx: NodeContext, t: Tensor, group: int) -> Tensor:
+    """``[B, H, S, E]`` -> ``[B, H * group, S, E]``, each head repeated ``group`` times in place
+    (grouped-query attention: query head ``h`` reads key/value head ``h // group``)."""
+    if group == 1:
+        return t
+    b, h, s, e = t.shape
+    wide = ctx.emit("Unsqueeze", [t, ctx.constant(np.array([2], np.int64))], 13)
+    wide = ctx.emit("Expand", [wide, ctx.constant(np.array([b, h, group, s, e], np.int64))], 13)
+    return ctx.emit("Reshape", [wide, ctx.constant(np.array([b, h * group, s, e], np.int64))], 13)
+
+
+def _modifier(ctx: NodeContext, name: str, t: Tensor) -> Tensor:
+    """``t`` through the subgraph attribute ``name`` (one rank-4 tensor in, one of the same shape
+    and type out), or ``t`` when the node has none."""
+    if not ctx.has_attr(name):
+        return t
+    outs = ctx.subgraph(ctx.graph_attr(name), [t], name)
+    if len(outs) != 1 or outs[0].shape != t.shape or outs[0].dtype != t.dtype:
+        raise ctx.invalid(f"{name} must give one tensor of shape {list(t.shape)} and type {t.dtype}")
+    return outs[0]
+
+
+@onnx_op("FlexAttention", since=1, domain="ai.onnx.preview")
+def flex_attention(ctx):
+    """``FlexAttention`` (preview): ``softmax(score_mod(Q K^T * scale)) -> prob_mod -> @ V``, the
+    modifier subgraphs imported inline on the score and probability tensors; grouped key/value
+    heads are repeated. Arithmetic as the ONNX reference: the scale split as ``sqrt(scale)`` on Q
+    and K, the product in the input type, softmax and the second product in ``softmax_precision``
+    (float32 for half inputs)."""
+    q = _float_input(ctx, 0)
+    k, v = _float_input(ctx, 1, q.dtype), _float_input(ctx, 2, q.dtype)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ctx.shape_error(f"Q, K and V must be rank 4, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    (b, hq, _, e), (_, hkv, s, _) = q.shape, k.shape
+    if k.shape[0] != b or v.shape[:3] != (b, hkv, s) or k.shape[3] != e or hkv < 1 or hq % hkv:
+        raise ctx.shape_error(f"Q {list(q.shape)}, K {list(k.shape)} and V {list(v.shape)} do not fit: batch and "
+                              "head size shared, K and V of one shape up to V's head size, and Q's heads a multiple "
+                              "of K's")
+    precision = int(ctx.attr("softmax_precision", 0))
+    if precision and precision not in _SOFTMAX_PRECISIONS:
+        raise ctx.unsupported(f"softmax_precision {precision}")
+    compute = _SOFTMAX_PRECISIONS.get(precision) or ("float32" if q.dtype == "float16" else q.dtype)
+    scale = float(ctx.attr("scale", 1.0 / math.sqrt(e)))
+    root = ctx.constant(np.asarray(np.sqrt(np.float32(scale)), q.dtype))
+    k, v = _repeat_heads(ctx, k, hq // hkv), _repeat_heads(ctx, v, hq // hkv)
+    kt = ctx.emit("Transpose", [ctx.emit("Mul", [k, root], 13)], 13, perm=[0, 1, 3, 2])
+    scores = ctx.emit("MatMul", [ctx.emit("Mul", [q, root], 13), kt], 13)
+    scores = _modifier(ctx, "score_mod", _as(ctx, scores, compute))
+    probs = _modifier(ctx, "prob_mod", ctx.emit("Softmax", [scores], 13, axis=-1))
+    return [_as(ctx, ctx.emit("MatMul", [probs, _as(ctx, v, compute)], 13), v.dtype)]
+
+
+def _as(ctx: NodeContext, t: Tensor, dtype: str) -> Tensor:
+    codes = {"float32": 1, "float16": 10, "float64": 11}
+    return t if t.dtype == dtype else ctx.emit("Cast", [t], 13, to=codes[dtype])

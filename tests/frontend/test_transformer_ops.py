@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, compile, load_onnx
@@ -281,3 +281,44 @@ def test_compiled_for_cpu(tmp_path, name):
     got = load(res.out_dir).run(inputs)
     for out, w in zip(model.graph.output, want):
         np.testing.assert_allclose(got[out.name], w, rtol=1e-5, atol=1e-5, err_msg=out.name)
+
+
+# FlexAttention (ai.onnx.preview) --------------------------------------------------------------------
+
+def _flex_model(q_shape, kv_heads, dtype=TensorProto.FLOAT, **attrs):
+    """FlexAttention with a causal score_mod (the ONNX reference's evaluator lets a modifier read no
+    enclosing name, so the mask is a Constant inside it) and a prob_mod that squares the
+    probabilities."""
+    b, h, length, e = q_shape
+    mask = np.triu(np.full((length, length), -1e9, np.float32), 1)
+    score_mod = helper.make_graph([helper.make_node("Constant", [], ["mask"], value=numpy_helper.from_array(mask)),
+                                   helper.make_node("Add", ["s", "mask"], ["s_out"])], "score_mod",
+                                  [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)],
+                                  [helper.make_tensor_value_info("s_out", TensorProto.FLOAT, None)])
+    prob_mod = helper.make_graph([helper.make_node("Mul", ["p", "p"], ["p_out"])], "prob_mod",
+                                 [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)],
+                                 [helper.make_tensor_value_info("p_out", TensorProto.FLOAT, None)])
+    node = helper.make_node("FlexAttention", ["q", "k", "v"], ["y"], name="flex", domain="ai.onnx.preview",
+                            score_mod=score_mod, prob_mod=prob_mod, **attrs)
+    kv = [b, kv_heads, length, e]
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, dtype, s)
+                                        for n, s in (("q", list(q_shape)), ("k", kv), ("v", kv))],
+                          [helper.make_tensor_value_info("y", dtype, list(q_shape))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("ai.onnx.preview", 1)])
+
+
+@pytest.mark.parametrize("kv_heads,dtype,attrs", [(4, np.float32, {}), (2, np.float32, {"scale": 0.3}),
+                                                  (1, np.float16, {})])
+def test_flex_attention_matches_the_reference(kv_heads, dtype, attrs):
+    m = _flex_model((2, 4, 6, 8), kv_heads, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), **attrs)
+    rng = np.random.default_rng(7)
+    feeds = {"q": rng.standard_normal((2, 4, 6, 8)).astype(dtype),
+             "k": rng.standard_normal((2, kv_heads, 6, 8)).astype(dtype),
+             "v": rng.standard_normal((2, kv_heads, 6, 8)).astype(dtype)}
+    want = ReferenceEvaluator(m).run(None, feeds)[0]
+    graph = load_onnx(m)
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(graph.run(feeds)["y"], want, rtol=tol, atol=tol)
+    if dtype == np.float32:
+        got = simulate(partition(graph, search(graph, {"mesh_shape": [2]})), feeds)
+        np.testing.assert_allclose(got["y"], want, rtol=tol, atol=tol)
