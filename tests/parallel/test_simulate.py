@@ -213,3 +213,19 @@ def test_collective_over_two_mesh_axes():
     for gr in graphs:
         gr.nodes[1].attrs["mesh_axis"] = (0, 1)
     assert not np.array_equal(simulate(graphs, {"a": a}, mesh)["y"], a)
+
+
+@pytest.mark.parametrize("mesh_shape", [[1], [2]])
+def test_scalar_constants_stay_scalars_on_every_rank(mesh_shape):
+    """A 0-d constant read by an op on a 0-d value (min(reduce_min(x), 0), as in
+    DynamicQuantizeLinear): its shard is 0-d too (it used to become shape (1,))."""
+    from shardflow.compiler.ops.reduce import Reduce
+    from shardflow.compiler.parallel import partition, search
+
+    x = Tensor("x", (2, 3), "float32")
+    red = Reduce([x], kind="min", axes=(0, 1), keepdims=False)
+    low = Binary([red.outputs[0], const_tensor(np.float32(0))], fn="min")
+    graph = FlowGraph([x], low.outputs, [red, low], ["y"])
+    xv = rng.standard_normal((2, 3)).astype(np.float32) + 3
+    got = simulate(partition(graph, search(graph, {"mesh_shape": mesh_shape})), {"x": xv})
+    assert got["y"].shape == () and got["y"] == 0
