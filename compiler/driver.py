@@ -427,11 +427,12 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             continue
         seen_roots.add(id(r))
         if r.is_constant:
-            value = np.ascontiguousarray(np.asarray(r.value, dtype=np.dtype(r.dtype)))
+            value = np.asarray(r.value, dtype=np.dtype(r.dtype))
             if value.shape != r.shape:
-                value = np.ascontiguousarray(np.broadcast_to(value, r.shape)) if value.size == 1 else None
-                if value is None:
+                if value.size != 1:
                     raise GraphError(f"rank {rank}: constant {r.name} holds a value of another shape than {r.shape}")
+                value = np.broadcast_to(value.reshape(()), r.shape)  # one value stands for all
+            value = np.ascontiguousarray(value).reshape(r.shape)  # ascontiguousarray alone makes 0-d 1-d
             w_off[id(r)] = wpos
             weights.append((wpos, value))
             wpos = _align(wpos + value.nbytes)

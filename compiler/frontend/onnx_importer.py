@@ -250,7 +250,7 @@ class _Importer:
             raise DtypeError(f"input_values[{name!r}] does not fit the declared type {dtype}")
         self._check_declared(tt, tuple(arr.shape), f"input_values[{name!r}] of shape {tuple(arr.shape)}")
         log.info("graph input %r bound at import to a constant of shape %s", name, list(arr.shape))
-        return const_tensor(np.ascontiguousarray(converted), name)
+        return const_tensor(np.ascontiguousarray(converted).reshape(converted.shape), name)
 
     @staticmethod
     def _declared(tt) -> list | None:

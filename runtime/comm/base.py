@@ -77,6 +77,12 @@ def array_module(x: Any):
     return np
 
 
+def contiguous(x: Any):
+    """``x`` as a C-contiguous array of the same shape, numpy or cupy (``ascontiguousarray`` alone
+    returns a 0-d array as 1-d, which broke collectives on scalars)."""
+    return array_module(x).ascontiguousarray(x).reshape(x.shape)
+
+
 def _is_device_array(x: Any) -> bool:
     return type(x).__module__.startswith("cupy")
 
@@ -233,11 +239,12 @@ class Communicator(ABC):
     def _allgather_equal(self, x):
         """Stack every member's same-shaped ``x``: shape ``(size,) + x.shape``."""
         xp = array_module(x)
-        x = xp.ascontiguousarray(x)
+        x = contiguous(x)
         res = xp.empty((self.size,) + tuple(x.shape), x.dtype)
         res[self.rank] = x
         peers = [p for p in range(self.size) if p != self.rank]
-        self.exchange({p: x for p in peers}, {p: res[p] for p in peers})
+        # res[p, ...] is a view even for 0-d x (res[p] would be a numpy scalar, a copy)
+        self.exchange({p: x for p in peers}, {p: res[p, ...] for p in peers})
         return res
 
     def _allreduce(self, x, op: str):
@@ -296,7 +303,7 @@ class Communicator(ABC):
         if self.size == 1:
             res = x
         else:
-            res = self._allreduce(array_module(x).ascontiguousarray(x), op)
+            res = self._allreduce(contiguous(x), op)
         return _deliver(res, out)
 
     def all_gather(self, x, dim: int, global_size: int, out=None):

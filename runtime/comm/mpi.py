@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from .base import Communicator, CommError, _my_group, byte_view
+from .base import Communicator, CommError, _my_group, byte_view, contiguous
 
 __all__ = ["MPICommunicator", "mpi_available"]
 
@@ -84,7 +84,7 @@ class MPICommunicator(Communicator):
         return [bytes(b) for b in self.comm.allgather(bytes(data))]
 
     def _allgather_equal(self, x):
-        x = np.ascontiguousarray(x)
+        x = contiguous(x)
         res = np.empty((self.size,) + x.shape, x.dtype)
         if x.nbytes:
             self.comm.Allgather([byte_view(x), self.MPI.BYTE], [byte_view(res), self.MPI.BYTE])

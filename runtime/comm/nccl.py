@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from .base import Communicator, CommError, _my_group
+from .base import Communicator, CommError, _my_group, contiguous
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -89,7 +89,7 @@ class NCCLCommunicator(Communicator):
         if not type(x).__module__.startswith("cupy"):
             raise CommError(f"the nccl backend communicates device (cupy) arrays, got {type(x).__name__}; use the "
                             "mpi backend for host arrays")
-        return self.cupy.ascontiguousarray(x)
+        return contiguous(x)
 
     # primitives ---------------------------------------------------------------------------
     def exchange(self, sends, recvs) -> None:

@@ -193,6 +193,12 @@ def test_input_values_bind_a_shape_argument():
     dyn = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
                      [vi("x", F, [2, 3]), vi("s", I64, ["r"])], [vi("y", F, ["n"])])
     assert load_onnx(dyn, input_values={"s": np.array([6], np.int32)}).outputs[0].shape == (6,)
+    # a bound scalar stays a scalar
+    scalar = make_model([helper.make_node("Add", ["x", "k"], ["y"], name="add")],
+                        [vi("x", F, [2]), vi("k", F, [])], [vi("y", F, [2])])
+    g = load_onnx(scalar, input_values={"k": np.float32(2)})
+    np.testing.assert_array_equal(g.run({"x": np.ones(2, np.float32)})["y"], [3, 3])
+    assert g.nodes[0].inputs[1].shape == ()
 
 
 def test_bad_input_values():

@@ -36,12 +36,13 @@ def check(comm, members, tag, seed):
         elif not np.array_equal(got, ref):
             bad.append(f"{tag} {what}: values differ")
 
-    for dt in ("float32", "float64", "int64", "int32", "bool", "float16"):
-        xs = operands(seed, n, lambda rng, j: (rng.standard_normal((3, 5)) * 7).astype(dt))
+    for dt, shape in [(dt, (3, 5)) for dt in ("float32", "float64", "int64", "int32", "bool", "float16")] + \
+            [("float32", ())]:  # a scalar (a full reduction's partial sums)
+        xs = operands(seed, n, lambda rng, j: np.asarray(rng.standard_normal(shape) * 7).astype(dt))
         for op in ("sum", "max", "min", "avg"):
             out = np.empty_like(xs[me])
             comm.all_reduce(xs[me], op, out=out)
-            same(out, S.all_reduce(xs, op)[me], f"all_reduce {dt} {op}")
+            same(out, S.all_reduce(xs, op)[me], f"all_reduce {dt}{list(shape)} {op}")
     for size, dim in ((7, 1), (3, 0), (1, 2), (0, 1), (8, 1)):
         def piece(rng, j, size=size, dim=dim):
             lo, hi = chunk_bounds(size, n, j)

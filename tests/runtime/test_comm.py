@@ -43,9 +43,10 @@ def test_chunking_matches_the_compiler():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "int32", "bool", "float16"])
-def test_all_reduce_is_bit_identical_to_the_oracle(n, dtype):
+@pytest.mark.parametrize("shape", [(3, 5), ()])
+def test_all_reduce_is_bit_identical_to_the_oracle(n, dtype, shape):
     rng = np.random.default_rng(n)
-    xs = [(rng.standard_normal((3, 5)) * 7).astype(dtype) for _ in range(n)]
+    xs = [np.asarray(rng.standard_normal(shape) * 7).astype(dtype) for _ in range(n)]
     comms = InProcessWorld(n).communicators()
     for op in ("sum", "max", "min", "avg"):
         got = run_threads(comms, lambda c: c.all_reduce(xs[c.rank], op))
