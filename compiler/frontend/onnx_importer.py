@@ -94,6 +94,7 @@ class _Importer:
         self._used_names: set[str] = set()
         #: prefix of the names of ops imported from a subgraph (``"loop/iter3/"``); see import_subgraph
         self.scope = ""
+        self._graph_input_ids: dict[int, str] = {}
         self._inlined_nodes = 0
 
     def fresh_name(self, base: str) -> str:
@@ -135,6 +136,21 @@ class _Importer:
             name = init.name if init.name not in self._used_names else self.fresh_name(init.name + "_")
             self.env[init.name] = const_tensor(np.ascontiguousarray(arr).reshape(arr.shape), name)
             self._used_names.add(name)
+
+    def input_dependencies(self, t: Tensor) -> list[str]:
+        """The graph inputs whose values ``t`` depends on (for errors asking to bind them)."""
+        producer = {id(o): op for op in self.nodes for o in op.outputs}
+        found, seen, todo = set(), set(), [t]
+        while todo:
+            u = todo.pop()
+            if id(u) in seen:
+                continue
+            seen.add(id(u))
+            if id(u) in self._graph_input_ids:
+                found.add(self._graph_input_ids[id(u)])
+            elif id(u) in producer:
+                todo.extend(x for x in producer[id(u)].inputs if x.value is None)
+        return sorted(found)
 
     # subgraphs (If, Loop, Scan: handlers_control) --------------------------------------------
     def import_subgraph(self, graph: onnx.GraphProto, bindings: Sequence[Tensor], scope: str) -> list[Tensor]:
@@ -228,6 +244,7 @@ class _Importer:
                 continue
             shape = self._input_shape(vi.name, tt)
             t = Tensor(vi.name, shape, dtype)
+            self._graph_input_ids[id(t)] = vi.name
             self.env[vi.name] = t
             self._used_names.add(vi.name)
             res.append(t)

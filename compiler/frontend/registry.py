@@ -132,11 +132,12 @@ class NodeContext:
             return default
         t = self.inputs[i]
         if t.value is None:
+            deps = self._importer.input_dependencies(t)
             raise UnsupportedOperatorError(
                 f"node {self.name} ({self.node.op_type}): input {i} ({self.node.input[i]!r}) must be known at "
-                "compile time (a constant or computable from shapes), but it depends on graph inputs; "
-                "data-dependent shapes and parameters are not supported. If the graph inputs it depends on "
-                "are fixed for your use, bind them at import: load_onnx(..., input_values={name: array}), "
+                f"compile time (a constant or computable from shapes), but it depends on graph inputs {deps}; "
+                "data-dependent shapes and parameters are not supported. If those inputs are fixed for your "
+                "use, bind them at import: load_onnx(..., input_values={name: array}), "
                 "compile(..., input_values=...) or --value NAME=FILE.npy",
                 {self.node.op_type: [self.name]})
         return t.value

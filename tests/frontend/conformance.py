@@ -44,14 +44,15 @@ def is_tensor_only(case) -> bool:
     return bool(case.data_sets)
 
 
-#: The message of a handler that needs an input's value at import (registry.NodeContext.const).
-_NEEDS_VALUE = re.compile(r"input \d+ \('([^']*)'\) must be known at compile time")
+#: The message of a handler that needs an input's value at import (registry.NodeContext.const),
+#: naming the graph inputs that value depends on.
+_NEEDS_VALUE = re.compile(r"must be known at compile time .* depends on graph inputs \[([^\]]*)\]")
 
 
 def _import_binding(case, feeds: dict) -> tuple:
-    """``load_onnx`` the case with every input shape given; where a handler needs the value of a
-    graph input (axes, sizes, a shape), bind that input at import (``input_values``) and retry.
-    Returns the graph, the feeds it still takes and the names bound."""
+    """``load_onnx`` the case with every input shape given; where a handler needs a value computed
+    from graph inputs (axes, sizes, a shape), bind those inputs at import (``input_values``) and
+    retry. Returns the graph, the feeds it still takes and the names bound."""
     bound: dict = {}
     while True:
         try:
@@ -60,9 +61,10 @@ def _import_binding(case, feeds: dict) -> tuple:
             return g, rest, sorted(bound)
         except UnsupportedOperatorError as exc:
             m = _NEEDS_VALUE.search(str(exc))
-            if not m or m.group(1) not in feeds or m.group(1) in bound:
+            names = re.findall(r"'([^']*)'", m.group(1)) if m else []
+            if not names or any(n not in feeds or n in bound for n in names):
                 raise
-            bound[m.group(1)] = feeds[m.group(1)]
+            bound.update({n: feeds[n] for n in names})
 
 
 def run_case(case) -> tuple[str, str]:

@@ -178,7 +178,13 @@ def test_non_constant_shape_argument_is_refused():
     model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
                        [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
     with pytest.raises(UnsupportedOperatorError, match=r"node reshape \(Reshape\): input 1 \('s'\) must be known"
-                       r".*input_values"):
+                       r".*depends on graph inputs \['s'\].*input_values"):
+        load_onnx(model)
+    # the inputs a computed value depends on are named
+    model = make_model([helper.make_node("Add", ["s", "t"], ["st"], name="add"),
+                        helper.make_node("Reshape", ["x", "st"], ["y"], name="reshape")],
+                       [vi("x", F, [2, 3]), vi("s", I64, [2]), vi("t", I64, [2])], [vi("y", F, [3, 2])])
+    with pytest.raises(UnsupportedOperatorError, match=r"input 1 \('st'\).*depends on graph inputs \['s', 't'\]"):
         load_onnx(model)
 
 
