@@ -10,6 +10,7 @@ from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperator
 from shardflow.runtime import load
 
 ort = pytest.importorskip("onnxruntime")
+from onnx_oracles import check_against_ort  # noqa: E402
 
 _ONNX = {np.dtype(k): v for k, v in {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
                                      "float64": TensorProto.DOUBLE, "int32": TensorProto.INT32,
@@ -36,18 +37,7 @@ def node_model(op, feeds, consts=None, opset=17, outputs=("y",), **attrs):
 
 def check(model, feeds, rtol=1e-5, atol=1e-6):
     """Shardflow's results equal onnxruntime's (dtype, shape, values)."""
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    want = dict(zip(names, sess.run(None, feeds)))
-    got = load_onnx(model).run(feeds)
-    for n in names:
-        assert got[n].dtype == want[n].dtype, n
-        assert got[n].shape == want[n].shape, n
-        if want[n].dtype.kind == "f":
-            np.testing.assert_allclose(got[n], want[n], rtol=rtol, atol=atol, equal_nan=True, err_msg=n)
-        else:
-            np.testing.assert_array_equal(got[n], want[n], err_msg=n)
-    return got
+    return check_against_ort(model, feeds, rtol, atol, equal_nan=True)
 
 
 # CumProd ------------------------------------------------------------------------------------------

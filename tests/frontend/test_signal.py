@@ -7,7 +7,6 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, compile, load_onnx
 from shardflow.compiler.frontend.handlers_signal import dft_matrix, irfft_matrix
@@ -15,6 +14,7 @@ from shardflow.compiler.parallel import partition, search, simulate
 from shardflow.runtime import load
 
 ort = pytest.importorskip("onnxruntime")
+from onnx_oracles import run_ort, run_reference  # noqa: E402
 
 _TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.float64): onnx.TensorProto.DOUBLE,
           np.dtype(np.int64): onnx.TensorProto.INT64}
@@ -33,15 +33,6 @@ def make_model(op: str, opset: int, inputs: dict, consts: dict | None = None, or
         [helper.make_tensor_value_info("y", first, [None] * 4)],
         [numpy_helper.from_array(v, n) for n, v in consts.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def run_ort(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)[0]
-
-
-def run_reference(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
-    return ReferenceEvaluator(model).run(None, feeds)[0]
 
 
 def check(model: onnx.ModelProto, feeds: dict, reference=run_ort, tol: float = 2e-5) -> np.ndarray:

@@ -12,6 +12,7 @@ from shardflow.compiler.ops.norm import GroupNorm
 from shardflow.compiler.ops.reduce import Reduce
 
 ort = pytest.importorskip("onnxruntime")
+from onnx_oracles import check_against_ort  # noqa: E402
 
 _NP2ONNX = {np.dtype(k): v for k, v in {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
                                         "float64": TensorProto.DOUBLE, "int32": TensorProto.INT32,
@@ -33,17 +34,7 @@ def make_model(nodes, feeds: dict, consts: dict, outputs, opset: int) -> onnx.Mo
 
 
 def check(model: onnx.ModelProto, feeds: dict, rtol=1e-5, atol=1e-6):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    want = dict(zip(names, sess.run(None, feeds)))
-    got = load_onnx(model).run(feeds)
-    for n in names:
-        assert got[n].dtype == want[n].dtype, n
-        assert got[n].shape == want[n].shape, n
-        if want[n].dtype.kind == "f":
-            np.testing.assert_allclose(got[n], want[n], rtol=rtol, atol=atol, err_msg=n)
-        else:
-            np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+    check_against_ort(model, feeds, rtol, atol)
 
 
 def node_model(op, feeds, consts=None, opset=18, n_out=1, **attrs):
