@@ -432,7 +432,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
                 if value.size != 1:
                     raise GraphError(f"rank {rank}: constant {r.name} holds a value of another shape than {r.shape}")
                 value = np.broadcast_to(value.reshape(()), r.shape)  # one value stands for all
-            value = np.ascontiguousarray(value).reshape(r.shape)  # ascontiguousarray alone makes 0-d 1-d
+            value = np.asarray(value, order="C")  # not ascontiguousarray: it makes 0-d values 1-d
             w_off[id(r)] = wpos
             weights.append((wpos, value))
             wpos = _align(wpos + value.nbytes)

@@ -231,7 +231,7 @@ class CudaEngine:
                 if type(a).__module__.startswith("cupy"):
                     cp.copyto(view, a)
                 else:
-                    view.set(np.ascontiguousarray(a).reshape(a.shape), stream=self.stream)
+                    view.set(np.asarray(a, order="C"), stream=self.stream)
         if self.use_graph and self.graphs is None and self.runs >= 1:
             self.graphs = {}  # captured from now on, each kind on its first use
         fresh = device_io and copy_outputs and bool(self.tail)  # the last kernels write fresh arrays

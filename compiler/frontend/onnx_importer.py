@@ -132,9 +132,9 @@ class _Importer:
             except Exception as exc:
                 raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
             onnx_dtype(init.data_type, f"initializer {init.name!r}")
-            # ascontiguousarray alone would turn a 0-d (scalar) initializer into shape (1,)
+            # not ascontiguousarray: it would turn a 0-d (scalar) initializer into shape (1,)
             name = init.name if init.name not in self._used_names else self.fresh_name(init.name + "_")
-            self.env[init.name] = const_tensor(np.ascontiguousarray(arr).reshape(arr.shape), name)
+            self.env[init.name] = const_tensor(np.asarray(arr, order="C"), name)
             self._used_names.add(name)
 
     def input_dependencies(self, t: Tensor) -> list[str]:
@@ -267,7 +267,7 @@ class _Importer:
             raise DtypeError(f"input_values[{name!r}] does not fit the declared type {dtype}")
         self._check_declared(tt, tuple(arr.shape), f"input_values[{name!r}] of shape {tuple(arr.shape)}")
         log.info("graph input %r bound at import to a constant of shape %s", name, list(arr.shape))
-        return const_tensor(np.ascontiguousarray(converted).reshape(converted.shape), name)
+        return const_tensor(np.asarray(converted, order="C"), name)
 
     @staticmethod
     def _declared(tt) -> list | None:

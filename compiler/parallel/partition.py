@@ -35,7 +35,7 @@ def _slice_constant(value: np.ndarray, spec: TensorShardSpec, mesh: DeviceMesh, 
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.op == "sum" and coord[m] != 0:
             local = np.zeros_like(local)  # the value lives on the group's first rank only
-    return np.ascontiguousarray(local).reshape(local.shape)  # ascontiguousarray alone makes a 0-d value 1-d
+    return np.asarray(local, order="C")  # not ascontiguousarray: it makes a 0-d value 1-d
 
 
 class _RankBuilder:

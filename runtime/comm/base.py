@@ -78,9 +78,9 @@ def array_module(x: Any):
 
 
 def contiguous(x: Any):
-    """``x`` as a C-contiguous array of the same shape, numpy or cupy (``ascontiguousarray`` alone
-    returns a 0-d array as 1-d, which broke collectives on scalars)."""
-    return array_module(x).ascontiguousarray(x).reshape(x.shape)
+    """``x`` as a C-contiguous array of the same shape, numpy or cupy (not ``ascontiguousarray``,
+    which returns a 0-d array as 1-d and broke collectives on scalars)."""
+    return array_module(x).asarray(x, order="C")
 
 
 def _is_device_array(x: Any) -> bool:
