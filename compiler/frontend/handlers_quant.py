@@ -24,13 +24,6 @@ from .registry import NodeContext, onnx_dtype, onnx_op
 
 _OPSET = 13  # of the elementwise nodes emitted
 _RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
-_CODES = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "float16": 10, "float64": 11}
-
-
-def _cast(ctx: NodeContext, t: Tensor, dtype: str) -> Tensor:
-    return t if t.dtype == dtype else ctx.emit("Cast", [t], _OPSET, to=_CODES[dtype])
-
-
 def _spread(ctx: NodeContext, v: Tensor, x: Tensor, axis: int, block: int, what: str) -> Tensor:
     """``v`` (a scale or zero point) broadcastable against ``x``: one value as is, a vector along
     ``axis``, or with ``block_size`` > 0 each entry repeated over its block along ``axis``."""
@@ -75,14 +68,14 @@ def dequantize_linear(ctx):
     out = _attr_dtype(ctx, "output_dtype") or scale.dtype
     if scale.dtype not in ("float32", "float16") or out not in ("float32", "float16"):
         raise ctx.unsupported(f"scale type {scale.dtype} with output type {out} (float32 and float16 are)")
-    y = _cast(ctx, x, "float32")
+    y = ctx.cast(x, "float32")
     if ctx.has_input(2):
         zp = ctx.input(2)
         if zp.dtype != x.dtype:
             raise ctx.invalid(f"the zero point's type {zp.dtype} differs from the input's {x.dtype}")
-        y = ctx.emit("Sub", [y, _cast(ctx, _spread(ctx, zp, x, axis, block, "the zero point"), "float32")], _OPSET)
-    y = ctx.emit("Mul", [y, _cast(ctx, _spread(ctx, scale, x, axis, block, "the scale"), "float32")], _OPSET)
-    return [_cast(ctx, y, out)]
+        y = ctx.emit("Sub", [y, ctx.cast(_spread(ctx, zp, x, axis, block, "the zero point"), "float32")], _OPSET)
+    y = ctx.emit("Mul", [y, ctx.cast(_spread(ctx, scale, x, axis, block, "the scale"), "float32")], _OPSET)
+    return [ctx.cast(y, out)]
 
 
 @onnx_op("QuantizeLinear", since=10)
@@ -100,12 +93,12 @@ def quantize_linear(ctx):
     div = _attr_dtype(ctx, "precision") or str(np.result_type(np.dtype(x.dtype), np.dtype(scale.dtype)))
     if div not in ("float32", "float16", "float64"):
         raise ctx.unsupported(f"a division in {div}")
-    q = ctx.emit("Div", [_cast(ctx, x, div), _cast(ctx, _spread(ctx, scale, x, axis, block, "the scale"), div)],
+    q = ctx.emit("Div", [ctx.cast(x, div), ctx.cast(_spread(ctx, scale, x, axis, block, "the scale"), div)],
                  _OPSET)
-    q = _cast(ctx, ctx.emit("Round", [q], _OPSET), "int32")
+    q = ctx.cast(ctx.emit("Round", [q], _OPSET), "int32")
     if ctx.has_input(2):
-        zp = _cast(ctx, _spread(ctx, ctx.input(2), x, axis, block, "the zero point"), "int32")
+        zp = ctx.cast(_spread(ctx, ctx.input(2), x, axis, block, "the zero point"), "int32")
         q = ctx.emit("Add", [q, zp], _OPSET)
     lo, hi = _RANGES[out]
     q = ctx.emit("Clip", [q, ctx.constant(np.int32(lo)), ctx.constant(np.int32(hi))], _OPSET)
-    return [_cast(ctx, q, out)]
+    return [ctx.cast(q, out)]

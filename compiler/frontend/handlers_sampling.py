@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 _OPSET = 13  # of the nodes emitted
 _CUBIC_A = -0.75
-_CODES = {"float32": 1, "int64": 7, "float16": 10, "float64": 11}
 #: Adaptive RoiAlign sampling (``sampling_ratio`` = 0): samples per bin axis above which a warning is
 #: logged, and above which the node is refused (the taps of a bin grow with the square).
 _MANY_SAMPLES = 64
@@ -60,10 +59,6 @@ def _e(ctx: NodeContext, op: str, *inputs: Tensor, **attrs) -> Tensor:
 
 def _c(ctx: NodeContext, value, dtype: str) -> Tensor:
     return ctx.constant(np.asarray(value, dtype=dtype))
-
-
-def _cast(ctx: NodeContext, t: Tensor, dtype: str) -> Tensor:
-    return t if t.dtype == dtype else _e(ctx, "Cast", t, to=_CODES[dtype])
 
 
 def _reshape(ctx: NodeContext, t: Tensor, shape) -> Tensor:
@@ -122,7 +117,7 @@ def _gather_taps(ctx: NodeContext, table: Tensor, base: Tensor, taps: list[_Taps
         flat = _e(ctx, "Expand", flat, _c(ctx, shape, "int64"))
     values = _e(ctx, "Gather", table, flat, axis=0)
     if weight is not None:
-        values = _e(ctx, "Mul", values, _unsqueeze_last(ctx, _cast(ctx, weight, table.dtype)))
+        values = _e(ctx, "Mul", values, _unsqueeze_last(ctx, ctx.cast(weight, table.dtype)))
     if valid is not None:
         values = _e(ctx, "Where", _unsqueeze_last(ctx, valid), values, _c(ctx, 0, table.dtype))
     return values
@@ -222,7 +217,7 @@ def _grid_axis_taps(ctx: NodeContext, u: Tensor, length: int, mode: str, padding
                    _e(ctx, "LessOrEqual", pos, _c(ctx, length - 1, ft)))
     elif padding == "reflection":
         pos = _reflect(ctx, pos, lo, hi)
-    index = _cast(ctx, _clip(ctx, pos, 0, length - 1), "int64")   # truncation, as int() in the reference
+    index = ctx.cast(_clip(ctx, pos, 0, length - 1), "int64")   # truncation, as int() in the reference
     index, weight, valid = (None if v is None else _reshape(ctx, v, shape) for v in (index, weight, valid))
     return _Taps(index, stride, weight, valid)
 
@@ -271,7 +266,7 @@ def grid_sample(ctx):
     taps = []
     for k, length in enumerate(spatial):                 # grid[..., d - 1 - k] addresses spatial axis k
         comp = _e(ctx, "Gather", g, _c(ctx, d - 1 - k, "int64"), axis=2)
-        u = _cast(ctx, _denormalize(ctx, comp, length, align), coord)
+        u = ctx.cast(_denormalize(ctx, comp, length, align), coord)
         taps.append(_grid_axis_taps(ctx, u, length, mode, padding, align, int(np.prod(spatial[k + 1:])),
                                     (n, q) + (1,) * k + (m,) + (1,) * (d - 1 - k)))
     base = _c(ctx, (np.arange(n) * int(np.prod(spatial))).reshape((n,) + (1,) * (d + 1)), "int64")
@@ -308,7 +303,7 @@ def _roi_axis_taps(ctx: NodeContext, start: Tensor, bin_size: Tensor, grid: Tens
     weight = _e(ctx, "Where", _c(ctx, [True, False], "bool"), _e(ctx, "Sub", _c(ctx, 1, dt), frac), frac)
     weight = _e(ctx, "Where", _unsqueeze_last(ctx, outside), _c(ctx, 0, dt), weight)
     index = _e(ctx, "Concat", _unsqueeze_last(ctx, low), _unsqueeze_last(ctx, high), axis=-1)
-    return _cast(ctx, index, "int64"), weight
+    return ctx.cast(index, "int64"), weight
 
 
 def _roi_attrs(ctx: NodeContext) -> tuple[str, int, int, int, float, bool]:
@@ -421,7 +416,7 @@ def roi_align(ctx):
     y_axis, x_axis = (r, oh, 1, sh_n, 1, 2, 1), (r, 1, ow, 1, sw_n, 1, 2)
     taps = [_Taps(_reshape(ctx, ty, y_axis), w, _reshape(ctx, wy, y_axis)),
             _Taps(_reshape(ctx, tx, x_axis), 1, _reshape(ctx, wx, x_axis))]
-    base = _e(ctx, "Mul", _cast(ctx, batch, "int64"), _c(ctx, h * w, "int64"))
+    base = _e(ctx, "Mul", ctx.cast(batch, "int64"), _c(ctx, h * w, "int64"))
     values = _gather_taps(ctx, _image_table(ctx, x), _reshape(ctx, base, (r,) + (1,) * 6), taps, shape)
 
     if mode == "avg":

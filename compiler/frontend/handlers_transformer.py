@@ -390,11 +390,6 @@ def flex_attention(ctx):
     k, v = _repeat_heads(ctx, k, hq // hkv), _repeat_heads(ctx, v, hq // hkv)
     kt = ctx.emit("Transpose", [ctx.emit("Mul", [k, root], 13)], 13, perm=[0, 1, 3, 2])
     scores = ctx.emit("MatMul", [ctx.emit("Mul", [q, root], 13), kt], 13)
-    scores = _modifier(ctx, "score_mod", _as(ctx, scores, compute))
+    scores = _modifier(ctx, "score_mod", ctx.cast(scores, compute))
     probs = _modifier(ctx, "prob_mod", ctx.emit("Softmax", [scores], 13, axis=-1))
-    return [_as(ctx, ctx.emit("MatMul", [probs, _as(ctx, v, compute)], 13), v.dtype)]
-
-
-def _as(ctx: NodeContext, t: Tensor, dtype: str) -> Tensor:
-    codes = {"float32": 1, "float16": 10, "float64": 11}
-    return t if t.dtype == dtype else ctx.emit("Cast", [t], 13, to=codes[dtype])
+    return [ctx.cast(ctx.emit("MatMul", [probs, ctx.cast(v, compute)], 13), v.dtype)]

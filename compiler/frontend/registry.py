@@ -37,6 +37,10 @@ _DTYPES = {
 }
 
 
+#: ONNX element type of each dtype name (the inverse of ``_DTYPES``).
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
 def onnx_dtype(code: int, where: str) -> str:
     """Map an ONNX element type to a numpy dtype name, or raise :class:`DtypeError` naming ``where``."""
     if code in _DTYPES:
@@ -181,6 +185,10 @@ class NodeContext:
         """Import ``graph`` inline with its inputs bound to ``bindings``; its outputs. The ops it
         adds are named ``<this node>/<scope>/<their name>``."""
         return self._importer.import_subgraph(graph, bindings, f"{self.name}/{scope}/")
+
+    def cast(self, t: Tensor, dtype: str) -> Tensor:
+        """``t`` converted to ``dtype`` by an ONNX ``Cast`` (``t`` itself when it has that type)."""
+        return t if t.dtype == dtype else self.emit("Cast", [t], 13, to=_CODES[dtype])
 
     def emit(self, op_type: str, inputs: list[Tensor], opset: int, **attrs) -> Tensor:
         """Import one ``op_type`` node of ``opset`` (another handler's work) reading ``inputs``."""
