@@ -19,6 +19,8 @@ key               meaning                                                       
                   ``"bfloat16"`` likewise with bfloat16 (cuda only)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
+``prepack``       cpu: store the constant weights of float32 MatMul/Gemm packed for the      ``True``
+                  GEMM kernel (passes/prepack.py) instead of packing them on every call
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -71,6 +73,7 @@ class OptimizationConfig:
     precision: str = "float32"
     fuse: bool = True
     cuda_graph: bool = True
+    prepack: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -130,7 +133,7 @@ class OptimizationConfig:
             raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
                               "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
                               "'float32' or 'float16'")
-        for key in ("fuse", "cuda_graph"):
+        for key in ("fuse", "cuda_graph", "prepack"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if "search_space" in cfg:
@@ -712,6 +715,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     from .passes.attention import FuseAttention
 
                     rg = FuseAttention().run(rg)
+            if opt.target == "cpu" and opt.prepack:
+                # constant GEMM weights packed once, here, instead of on every call (passes/prepack.py)
+                from .passes.prepack import PrepackWeights
+
+                rg = PrepackWeights().run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

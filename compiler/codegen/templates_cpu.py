@@ -27,13 +27,16 @@ namespace {
 
 constexpr int64_t SF_KC = 256;
 
-typedef void (*SfUkrFn)(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+// Bp: a panel of B, [kc][ldb] with the tile's columns first in each row (ldb = the kernel's width
+// for panels packed per call, SF_PANEL for prepacked weights). Its loads are unaligned: a prepacked
+// weight lies wherever the caller put it (the runtime aligns weights to 64 bytes; the kernel ABI does not ask it).
+typedef void (*SfUkrFn)(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
                         float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first);
 
 #if defined(__x86_64__)
 // 12 x 32 tile, AVX-512
 __attribute__((target("avx512f")))
-static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
                           float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
   __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
   __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
@@ -42,7 +45,7 @@ static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float*
   __m512 c80 = _mm512_setzero_ps(), c81 = _mm512_setzero_ps(), c90 = _mm512_setzero_ps(), c91 = _mm512_setzero_ps();
   __m512 ca0 = _mm512_setzero_ps(), ca1 = _mm512_setzero_ps(), cb0 = _mm512_setzero_ps(), cb1 = _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_load_ps(Bp + 32 * k), b1 = _mm512_load_ps(Bp + 32 * k + 16);
+    const __m512 b0 = _mm512_loadu_ps(Bp + ldb * k), b1 = _mm512_loadu_ps(Bp + ldb * k + 16);
     const float* a = Ap + 12 * k;
     __m512 av;
 #define SF_ROW(r, c0, c1) av = _mm512_set1_ps(a[r]); c0 = _mm512_fmadd_ps(av, b0, c0); c1 = _mm512_fmadd_ps(av, b1, c1);
@@ -69,13 +72,13 @@ static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float*
 
 // 6 x 16 tile, AVX2 + FMA
 __attribute__((target("avx2,fma")))
-static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
                         float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
   __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
   __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
   __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_load_ps(Bp + 16 * k), b1 = _mm256_load_ps(Bp + 16 * k + 8);
+    const __m256 b0 = _mm256_loadu_ps(Bp + ldb * k), b1 = _mm256_loadu_ps(Bp + ldb * k + 8);
     const float* a = Ap + 6 * k;
     __m256 av;
 #define SF_ROW(r, c0, c1) av = _mm256_broadcast_ss(a + r); c0 = _mm256_fmadd_ps(av, b0, c0); c1 = _mm256_fmadd_ps(av, b1, c1);
@@ -101,13 +104,13 @@ static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* _
 #endif
 
 // 4 x 8 tile, any CPU (two SSE registers per row when vectorized)
-static void sf_ukr_generic(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp,
+static void sf_ukr_generic(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
                            float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
   float t[4][8] = {};
   for (int64_t k = 0; k < kc; ++k) {
     for (int i = 0; i < 4; ++i) {
       const float a = Ap[4 * k + i];
-      for (int j = 0; j < 8; ++j) t[i][j] += a * Bp[8 * k + j];
+      for (int j = 0; j < 8; ++j) t[i][j] += a * Bp[ldb * k + j];
     }
   }
   for (int64_t i = 0; i < mr; ++i)
@@ -223,24 +226,22 @@ static void sf_gemv_row(int64_t N, int64_t K, const float* __restrict__ A, int64
   }
 }
 
-// C[M, N] = alpha * (A @ B) + bias, A(i, k) = A[i*rsa + k*csa], B(k, j) = B[k*rsb + j*csb], C row stride ldc.
-// A is packed once for all of K; B per chunk of SF_NC columns; each thread owns C tiles and runs the
-// whole K loop on a tile, so the tile stays in its cache.
+// C[M, N] = alpha * (A @ B) + bias, A(i, k) = A[i*rsa + k*csa], C row stride ldc, B from a source
+// (below). A is packed once for all of K; B comes in chunks of at most SF_NC columns; each thread
+// owns C tiles and runs the whole K loop on a tile, so the tile stays in its cache.
+// A source of B has: chunk (columns per chunk); prepare(jc, nc, np, nr, nkb), run by every thread
+// of the team before the chunk at jc is used (packing it, if it packs); and
+// panel(np, nr, pc, kc, jp, ldb), the [kc][ldb] panel of the chunk's columns jp*nr.. and rows pc..
 constexpr int64_t SF_NC = 4096;
-// pack_b(jc, nc, p, nr, k0, kc, Bp): pack columns jc + [p*nr, p*nr + nr) (of the nc-column chunk at jc,
-// zero past nc) and rows [k0, k0 + kc) of B into Bp as [kc][nr]
-template <class PackB>
-static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
-                            const PackB& pack_b, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
+template <class BSource>
+static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
+                            const BSource& bsrc, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
                             int64_t cbs, bool par) {
   const SfUkr& u = sf_ukr();
   const int64_t mr = u.mr, nr = u.nr;
   const int64_t nkb = (K + SF_KC - 1) / SF_KC;
   const int64_t mp = (M + mr - 1) / mr;
-  const int64_t ncm = std::min<int64_t>(N, SF_NC);
-  const int64_t npm = (ncm + nr - 1) / nr;
   float* Ap = static_cast<float*>(sf_workspace(1, sizeof(float) * mp * mr * K));
-  float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * npm * nr * K));
   const int nt = par ? sf_max_threads() : 1;
   const bool epi = alpha != 1.0f || bias != nullptr;
   #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -251,15 +252,10 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
         const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
         sf_pack_a(A, rsa, csa, M, p, mr, pc, kc, Ap + mp * mr * pc + p * mr * kc);
       }
-    for (int64_t jc = 0; jc < N; jc += SF_NC) {
-      const int64_t nc = std::min<int64_t>(SF_NC, N - jc);
+    for (int64_t jc = 0; jc < N; jc += bsrc.chunk) {
+      const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc);
       const int64_t np = (nc + nr - 1) / nr;
-      #pragma omp for collapse(2) schedule(static)
-      for (int64_t kb = 0; kb < nkb; ++kb)
-        for (int64_t p = 0; p < np; ++p) {
-          const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-          pack_b(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
-        }
+      bsrc.prepare(jc, nc, np, nr, nkb);
       // tiles of at most ~96 rows x 256 columns, equal sized, and (with threads) at least 4 per thread
       // where the panels allow it; threads take tiles dynamically
       int64_t ntm = (mp * mr + 95) / 96, ntn = (np * nr + 255) / 256;
@@ -280,12 +276,13 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
           for (int64_t kb = 0; kb < nkb; ++kb) {
             const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
             const float* Ab = Ap + mp * mr * pc;
-            const float* Bb = Bp + np * nr * pc;
             for (int64_t jp = jp0; jp < jp1; ++jp) {
               const int64_t nrr = std::min(nr, nc - jp * nr);
+              int64_t ldb;
+              const float* Bb = bsrc.panel(jc, np, nr, pc, kc, jp, ldb);
               for (int64_t ip = ip0; ip < ip1; ++ip) {
                 const int64_t mrr = std::min(mr, M - ip * mr);
-                u.fn(kc, Ab + ip * mr * kc, Bb + jp * nr * kc, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr, kb == 0);
+                u.fn(kc, Ab + ip * mr * kc, Bb, ldb, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr, kb == 0);
               }
             }
           }
@@ -298,15 +295,69 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
   }
 }
 
+// B packed per call into the workspace, a chunk at a time: pack(jc, nc, p, nr, k0, kc, Bp) packs columns
+// jc + [p*nr, p*nr + nr) (of the nc-column chunk at jc, zero past nc) and rows [k0, k0 + kc) of B into Bp
+// as [kc][nr]
+template <class PackB>
+struct SfPackPerCall {
+  const PackB& pack;
+  float* Bp;
+  int64_t K, chunk;
+  void prepare(int64_t jc, int64_t nc, int64_t np, int64_t nr, int64_t nkb) const {
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+        pack(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
+      }
+  }
+  const float* panel(int64_t, int64_t np, int64_t nr, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb) const {
+    ldb = nr;
+    return Bp + np * nr * pc + jp * nr * kc;
+  }
+};
+
+template <class PackB>
+static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
+                            const PackB& pack_b, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
+                            int64_t cbs, bool par) {
+  const int64_t nr = sf_ukr().nr;
+  const int64_t npm = (std::min<int64_t>(N, SF_NC) + nr - 1) / nr;
+  float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * npm * nr * K));
+  const SfPackPerCall<PackB> src{pack_b, Bp, K, SF_NC};
+  sf_sgemm_driver(M, N, K, A, rsa, csa, src, C, ldc, alpha, bias, rbs, cbs, par);
+}
+
+// A weight B[K, N] packed at compile time (PackedMatMul): [ceil(N / SF_PANEL)][K][SF_PANEL], B[k, j] at
+// [j / SF_PANEL][k][j % SF_PANEL], zero columns past N. A kernel narrower than a panel reads a part of it
+// (ldb = SF_PANEL); kernel widths divide SF_PANEL.
+constexpr int64_t SF_PANEL = 32;
+struct SfPrepacked {
+  const float* Bp;
+  int64_t K, chunk;
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t) const {}
+  const float* panel(int64_t jc, int64_t, int64_t nr, int64_t pc, int64_t, int64_t jp, int64_t& ldb) const {
+    const int64_t j = jc + jp * nr;
+    ldb = SF_PANEL;
+    return Bp + (j / SF_PANEL) * K * SF_PANEL + pc * SF_PANEL + j % SF_PANEL;
+  }
+};
+
+// C = alpha * 0 + bias when nothing is contracted (K == 0)
+static void sf_gemm_empty_k(int64_t M, int64_t N, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
+                            int64_t cbs) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
+  sf_gemm_epilogue(C, ldc, 0, M, 0, N, alpha, bias, rbs, cbs);
+}
+
 static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
                      const float* B, int64_t rsb, int64_t csb, float* C, int64_t ldc, float alpha,
                      const float* bias, int64_t rbs, int64_t cbs, bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
   const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
   if (K <= 0) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
-    sf_gemm_epilogue(C, ldc, 0, M, 0, N, alpha, bias, rbs, cbs);
+    sf_gemm_empty_k(M, N, C, ldc, alpha, bias, rbs, cbs);
     return;
   }
   if (M == 1 && csb == 1) {
@@ -317,6 +368,43 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
     sf_pack_b(B + jc * csb, rsb, csb, nc, p, nr, k0, kc, Bp);
   };
   sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, par);
+}
+
+// y[1, N] = a[1, K] @ B for a prepacked B: threads split the panels
+SF_CLONES
+static void sf_gemv_panels(int64_t N, int64_t K, const float* __restrict__ A, int64_t csa, const float* __restrict__ Bp,
+                           float* __restrict__ C, float alpha, const float* __restrict__ bias, int64_t cbs, bool par) {
+  const int64_t np = (N + SF_PANEL - 1) / SF_PANEL;
+  #pragma omp parallel for schedule(static) if (par && N * K >= (1 << 16) && np > 1)
+  for (int64_t p = 0; p < np; ++p) {
+    const float* __restrict__ b = Bp + p * K * SF_PANEL;
+    float acc[SF_PANEL];
+    for (int64_t j = 0; j < SF_PANEL; ++j) acc[j] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = A[k * csa];
+      for (int64_t j = 0; j < SF_PANEL; ++j) acc[j] += a * b[k * SF_PANEL + j];
+    }
+    const int64_t j0 = p * SF_PANEL, nj = std::min(N - j0, SF_PANEL);
+    for (int64_t j = 0; j < nj; ++j) C[j0 + j] = alpha * acc[j] + (bias ? bias[(j0 + j) * cbs] : 0.0f);
+  }
+}
+
+// C[M, N] = alpha * (A @ B) + bias with B prepacked (SfPrepacked)
+static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
+                               const float* Bp, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
+                               int64_t cbs, bool allow_parallel) {
+  if (M <= 0 || N <= 0) return;
+  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
+  if (K <= 0) {
+    sf_gemm_empty_k(M, N, C, ldc, alpha, bias, rbs, cbs);
+    return;
+  }
+  if (M == 1) {
+    sf_gemv_panels(N, K, A, csa, Bp, C, alpha, bias, cbs, par);
+    return;
+  }
+  const SfPrepacked src{Bp, K, N};
+  sf_sgemm_driver(M, N, K, A, rsa, csa, src, C, ldc, alpha, bias, rbs, cbs, par);
 }
 
 // ---- Convolution: the weights read in place ------------------------------------------------------
@@ -868,6 +956,21 @@ def _matmul(op) -> str | None:
     return "\n".join(lines)
 
 
+def _gemm_bias(op, beta: float, lines: list[str]) -> tuple[str, int, int]:
+    """The bias operand ``C`` (input 2, broadcasting to ``[M, N]``) of a GEMM as the template's
+    ``(pointer, row stride, column stride)``; ``beta != 1`` scales it once into a temporary."""
+    cs = op.inputs[2].shape
+    full = (1,) * (2 - len(cs)) + tuple(cs)
+    rbs = 0 if full[0] == 1 else full[1]
+    cbs = 0 if full[1] == 1 else 1
+    if beta == 1:
+        return "in2", rbs, cbs
+    n = _prod(cs)
+    lines.append(f"  float* __restrict__ cb_ = static_cast<float*>(sf_workspace(0, {max(n, 1) * 4}));")
+    lines.append(f"  for (int64_t i = 0; i < {n}; ++i) cb_[i] = {_flt(beta)} * in2[i];")
+    return "cb_", rbs, cbs
+
+
 def _gemm(op) -> str | None:
     ta, tb = bool(op.attrs.get("trans_a", False)), bool(op.attrs.get("trans_b", False))
     alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
@@ -877,25 +980,33 @@ def _gemm(op) -> str | None:
     rsa, csa = (1, M) if ta else (K, 1)
     rsb, csb = (1, K) if tb else (N, 1)
     lines = _args(op)
-    bias, rbs, cbs = "nullptr", 0, 0
     has_c = len(op.inputs) > 2 and beta != 0
-    if has_c:
-        cs = op.inputs[2].shape
-        off = 2 - len(cs)
-        full = (1,) * off + tuple(cs)
-        rbs = 0 if full[0] == 1 else full[1]
-        cbs = 0 if full[1] == 1 else 1
-        bias = "in2"
-        if beta != 1:
-            # scale C once into a temporary: bias = beta * C
-            n = _prod(cs)
-            lines.append(f"  float* __restrict__ cb_ = static_cast<float*>(sf_workspace(0, {max(n, 1) * 4}));")
-            lines.append(f"  for (int64_t i = 0; i < {n}; ++i) cb_[i] = {_flt(beta)} * in2[i];")
-            bias = "cb_"
+    bias, rbs, cbs = _gemm_bias(op, beta, lines) if has_c else ("nullptr", 0, 0)
     lines.append(f"  // Gemm: {_flt(alpha)} * [{M}, {K}]{'ᵀ' if ta else ''} @ [{K}, {N}]{'ᵀ' if tb else ''}"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if has_c else ""))
     lines.append(f"  sf_sgemm({M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, {_flt(alpha)}, {bias}, "
                  f"{rbs}, {cbs}, true);")
+    return "\n".join(lines)
+
+
+def _packed_matmul(op) -> str | None:
+    """PackedMatMul: ``a`` with its leading dims folded into M, times the weight packed at compile
+    time (``passes/prepack.py``), plus Gemm's bias."""
+    a = op.inputs[0].shape
+    K, N = a[-1], int(op.attrs["n"])
+    M = _prod(a[:-1])
+    alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
+    lines = _args(op)
+    bias, rbs, cbs = "nullptr", 0, 0
+    if len(op.inputs) > 2 and beta != 0:
+        cs = op.inputs[2].shape
+        if len(cs) > 2 or (len(cs) == 2 and len(a) != 2):
+            return None  # a bias over more than one matrix of rows: the generic lowering
+        bias, rbs, cbs = _gemm_bias(op, beta, lines)
+    lines.append(f"  // PackedMatMul: {_flt(alpha)} * [{M}, {K}] @ [{K}, {N}] (packed)"
+                 + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
+    lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, "
+                 "true);")
     return "\n".join(lines)
 
 
@@ -970,7 +1081,7 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
     ``None`` unless every later member is element-wise in the previous one's output (read only at
     its own index) and reads the group's inputs only at output indices or constants, with nothing
     that needs lowering (no reductions)."""
-    from ..ir.expr import Const, Reduce, TensorElement, Var
+    from ..ir.expr import Const, Reduce, TensorElement
     from ..ir.task import GridCompute
     from .cpp import _Printer
     from .lower import Buffer, Local, transform
@@ -1193,7 +1304,7 @@ def _pool(op) -> str | None:
     return "\n".join(lines)
 
 
-_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "Pool": _pool, "Fused": _fused}
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv, "Pool": _pool, "Fused": _fused}
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool"})

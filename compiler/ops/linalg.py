@@ -17,7 +17,7 @@ from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, reduce
 from .elementwise import broadcast_shape
 
-__all__ = ["MatMul", "Gemm", "Einsum", "MatMulInteger", "QLinearMatMul", "Attention", "parse_einsum"]
+__all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul", "Attention", "parse_einsum"]
 
 
 def _np_half(name: str):
@@ -48,6 +48,17 @@ def _matmul_shapes(name: str, a_shape, b_shape) -> tuple[tuple[int, ...], int]:
     batch = broadcast_shape([a_shape[:-2], b_shape[:-2]], name)
     out = batch + (a_shape[-2:-1] if len(a_shape) >= 2 else ()) + (b_shape[-1:] if len(b_shape) >= 2 else ())
     return out, k_a
+
+
+def _gemm_numpy(a: np.ndarray, b: np.ndarray, c: tuple, attrs: dict) -> np.ndarray:
+    """``alpha * a @ b + beta * c[0]`` (``c`` empty: no bias) in ``a``'s dtype, as Gemm computes it."""
+    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
+    y = np.matmul(a, b)
+    if alpha != 1:
+        y = np.asarray(alpha, a.dtype) * y
+    if c and beta != 0:
+        y = y + (c[0] if beta == 1 else np.asarray(beta, a.dtype) * c[0])
+    return np.asarray(y, a.dtype)
 
 
 class MatMul(Operator):
@@ -107,13 +118,69 @@ class Gemm(Operator):
     def numpy(self, a, b, *c):
         a = a.T if self.attrs.get("trans_a", False) else a
         b = b.T if self.attrs.get("trans_b", False) else b
+        return [_gemm_numpy(a, b, c, self.attrs)]
+
+
+
+#: Columns per panel of a weight packed for the cpu GEMM (:class:`PackedMatMul`): the width of the
+#: widest micro-kernel (AVX-512, 32 floats); the narrower kernels (16, 8) read parts of a panel.
+PANEL = 32
+
+
+def pack_panels(b: np.ndarray) -> np.ndarray:
+    """A matrix ``b[K, N]`` as :class:`PackedMatMul` reads it: ``[ceil(N / PANEL), K, PANEL]``,
+    ``b[k, j]`` at ``[j // PANEL, k, j % PANEL]``, zero in the columns past ``N``."""
+    k, n = b.shape
+    npanel = -(-n // PANEL)
+    padded = np.zeros((k, npanel * PANEL), b.dtype)
+    padded[:, :n] = b
+    return np.ascontiguousarray(padded.reshape(k, npanel, PANEL).transpose(1, 0, 2))
+
+
+class PackedMatMul(Operator):
+    """``y = alpha * a @ B + beta * c`` with the constant ``B[K, N]`` stored in panels
+    (:func:`pack_panels`): the form the cpu target gives a MatMul or Gemm whose weight is a
+    constant (``passes/prepack.py``), so its GEMM reads the weight as packed at compile time
+    instead of packing it on every call.
+
+    Inputs ``a[..., K]``, ``bp[ceil(N / PANEL), K, PANEL]``, optionally ``c`` (broadcasts to the
+    output ``[..., N]``). Attributes ``n`` (``N``), ``alpha``, ``beta`` (as in Gemm).
+    """
+
+    def compute(self, a, bp, *c):
+        n = int(self.attrs["n"])
         alpha, beta = self.attrs.get("alpha", 1.0), self.attrs.get("beta", 1.0)
-        y = np.matmul(a, b)
-        if alpha != 1:
-            y = np.asarray(alpha, a.dtype) * y
-        if c and beta != 0:
-            y = y + (c[0] if beta == 1 else np.asarray(beta, a.dtype) * c[0])
-        return [np.asarray(y, a.dtype)]
+        if a.ndim < 1 or bp.ndim != 3 or bp.shape[2] != PANEL or bp.shape[1] != a.shape[-1] \
+                or bp.shape[0] != -(-n // PANEL):
+            raise ShapeError(f"{self.name}: PackedMatMul takes a[..., K] and panels [ceil(N/{PANEL}), K, {PANEL}] "
+                             f"with N = {n}, got shapes {a.shape} and {bp.shape}")
+        shape = tuple(a.shape[:-1]) + (n,)
+        if c and broadcast_shape([c[0].shape, shape], self.name) != shape:
+            raise ShapeError(f"{self.name}: C of shape {c[0].shape} does not broadcast to the output {shape}")
+        k, dt = a.shape[-1], a.dtype
+
+        def f(*i):
+            rows, j = i[:-1], i[-1]
+            acc = reduce((k,), lambda kk: a[tuple(rows) + (kk,)] * bp[j // PANEL, kk, j % PANEL], "sum")
+            if alpha != 1:
+                acc = Const(float(alpha), dt) * acc
+            if c and beta != 0:
+                off = len(shape) - c[0].ndim
+                bias = c[0][tuple(as_expr(0) if e == 1 and shape[off + d] != 1 else i[off + d]
+                                  for d, e in enumerate(c[0].shape))]
+                acc = acc + (bias if beta == 1 else Const(float(beta), dt) * bias)
+            return acc
+        return compute("y", shape, f, dtype=dt)
+
+    def local_attrs(self, inputs, output_shapes):
+        # a shard of the output's columns reads whole panels (the rules split ``j // PANEL`` only
+        # when the shards' bounds are multiples of PANEL): ``n`` becomes the shard's width
+        return dict(self.attrs, n=int(output_shapes[0][-1]))
+
+    def numpy(self, a, bp, *c):
+        n = int(self.attrs["n"])
+        b = bp.transpose(1, 0, 2).reshape(bp.shape[1], -1)[:, :n]
+        return [_gemm_numpy(a, b, c, self.attrs)]
 
 
 def parse_einsum(equation: str, shapes: list[tuple[int, ...]], where: str = "Einsum"):
@@ -588,6 +655,11 @@ def examples(rng: np.random.Generator):
         (Gemm, [f(4, 3), f(5, 4), f(5)], {"trans_a": True, "trans_b": True, "alpha": 0.5, "beta": 2.0}),
         (Gemm, [f(3, 4), f(4, 5), f(3, 1)], {"alpha": 1.0, "beta": 1.0}),
         (Gemm, [f(3, 4), f(5, 4), f(1)], {"trans_b": True, "beta": 0.0}),
+        (PackedMatMul, [f(3, 4), pack_panels(f(4, 5))], {"n": 5}),
+        (PackedMatMul, [f(2, 3, 4), pack_panels(f(4, 40))], {"n": 40}),
+        (PackedMatMul, [f(4), pack_panels(f(4, 33))], {"n": 33}),
+        (PackedMatMul, [f(3, 4), pack_panels(f(4, 5)), f(5)], {"n": 5, "alpha": 0.5, "beta": 2.0}),
+        (PackedMatMul, [f(3, 4), pack_panels(f(4, 64)), f(3, 1)], {"n": 64}),
         (Einsum, [f(2, 3, 4), f(2, 4, 5)], {"equation": "bij,bjk->bik"}),
         (Einsum, [f(3, 3)], {"equation": "ii"}),
         (Einsum, [f(2, 3, 3)], {"equation": "...ii->...i"}),

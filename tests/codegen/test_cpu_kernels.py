@@ -23,7 +23,7 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, Pool
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import Attention, Gemm, MatMul
+from shardflow.compiler.ops.linalg import Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Transpose
@@ -64,6 +64,13 @@ def _large():
         MatMul([_t((50, 300)), _t((300,))]),                          # matrix @ vector
         Gemm([_t((300, 45)), _t((70, 300)), _t((70,))], trans_a=True, trans_b=True, alpha=0.5, beta=2.0),
         Gemm([_t((64, 96)), _t((96, 80)), _t((64, 1))], beta=0.25),
+        # weights packed at compile time: the kernels read 32-column panels (the AVX2 and portable
+        # ones a part of each); column tails, two K blocks, M == 1, biases
+        PackedMatMul([_t((2, 37, 300)), _t((3, 300, 32))], n=77),
+        PackedMatMul([_t((1, 300)), _t((5, 300, 32))], n=129),
+        PackedMatMul([_t((300,)), _t((2, 300, 32))], n=50),
+        PackedMatMul([_t((64, 96)), _t((3, 96, 32)), _t((64, 1))], n=80, alpha=0.5, beta=0.25),
+        PackedMatMul([_t((130, 520)), _t((9, 520, 32)), _t((280,))], n=280),
         Conv([_t((2, 8, 17, 15)), _t((12, 4, 3, 3)), _t((12,))], group=2, pads=(1, 2, 0, 1), strides=(2, 1),
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
@@ -247,7 +254,7 @@ def test_large_kernel_matches_numpy(library, cid):
     op, arrays = library["cases"][cid]
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
-    if op.op_type in ("MatMul", "Gemm", "Conv", "Attention"):
+    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "Attention"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w))))
@@ -304,7 +311,7 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     import sys
     cases = []
     for cid, op, arrays in LARGE:
-        if op.op_type in ("MatMul", "Gemm", "Conv") and cid in library["symbols"]:
+        if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv") and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
@@ -315,7 +322,7 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     first, last = res.stdout.split("\n")[0], res.stdout.strip().split("\n")[-1]
-    assert last == f"ok {len(cases)}" and len(cases) >= 9
+    assert last == f"ok {len(cases)}" and len(cases) >= 14
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
 
 

@@ -1,0 +1,81 @@
+"""Weights packed at compile time for the cpu GEMM.
+
+The cpu target's GEMM (``codegen/templates_cpu.py``) copies ``B`` into panels of 32 columns on
+every call before it multiplies (BLIS-style packing). When ``B`` is a constant, that copy is the
+same on every call: :class:`PrepackWeights` does it once, here, and stores the weight packed
+(:func:`~shardflow.compiler.ops.linalg.pack_panels`), so the kernel reads the panels straight from
+the weights. A MatMul ``a @ B`` or Gemm ``alpha * a @ op(B) + beta * c`` (``trans_a`` unset) on
+float32 with a constant 2-D ``B`` becomes a
+:class:`~shardflow.compiler.ops.linalg.PackedMatMul` of the same name and output.
+
+It runs on each rank's graph after partition (the plan sees the MatMul; the weight is packed
+shard by shard), for the cpu target only. A weight that another kind of op also reads stays as
+it is, so that the rank never stores a weight twice; the packed copy is shared by all the
+contractions reading the same weight. Values are unchanged: the same products are summed in the
+same order as with packing per call.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from .base import GraphPass, splice
+
+__all__ = ["PrepackWeights"]
+
+log = logging.getLogger(__name__)
+
+
+def _weight(op: Operator) -> Tensor | None:
+    """The constant ``B`` of a MatMul/Gemm this pass can pack, or ``None``."""
+    if op.op_type not in ("MatMul", "Gemm") or len(op.outputs) != 1:
+        return None
+    a, b = op.inputs[0], op.inputs[1]
+    if not b.is_constant or b.ndim != 2 or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs):
+        return None
+    if op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or a.ndim != 2):
+        return None
+    if a.ndim < 1 or 0 in b.shape:
+        return None
+    return b
+
+
+class PrepackWeights(GraphPass):
+    """Replace each float32 MatMul/Gemm with a constant 2-D weight by a PackedMatMul reading the
+    weight packed in panels (see the module docstring)."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.linalg import PackedMatMul, pack_panels
+
+        consumers = graph.consumers()
+        outputs = {id(t) for t in graph.outputs}
+        packed: dict[int, Tensor] = {}  # weight (by id, with its orientation) -> its panels
+        after: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for op in graph.nodes:
+            b = _weight(op)
+            if b is None or id(b) in outputs or any(_weight(c) is not b for c in consumers.get(id(b), [])):
+                continue
+            trans = op.op_type == "Gemm" and bool(op.attrs.get("trans_b", False))
+            key = (id(b), trans)
+            if key not in packed:
+                value = np.asarray(b.value, np.float32)
+                packed[key] = const_tensor(pack_panels(value.T if trans else value),
+                                           f"{b.name}.panels" + (".T" if trans else ""))
+            n = b.shape[0] if trans else b.shape[1]
+            attrs = {"n": n}
+            inputs = [op.inputs[0], packed[key]]
+            if op.op_type == "Gemm":
+                attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
+                if len(op.inputs) > 2 and attrs["beta"] != 0:
+                    inputs.append(op.inputs[2])
+            # splice redirects the graph's ops, not the new ones: read the earlier replacements here
+            inputs = [replace.get(id(t), t) for t in inputs]
+            new = PackedMatMul(inputs, name=op.name, **attrs)
+            after[id(op)] = [new]
+            replace[id(op.outputs[0])] = new.outputs[0]
+        if after:
+            log.debug("packed %d weights for %d contractions", len(packed), len(after))
+        return splice(graph, after, replace)

@@ -1,0 +1,123 @@
+"""Weights packed at compile time for the cpu GEMM (compiler/passes/prepack.py): which
+contractions the pass rewrites, that the rewritten graph computes the same values, and that
+compiled ranks (one, and two with sharded weights) match onnxruntime while their programs read
+the packed weights."""
+import json
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from threads import run_threads
+
+from shardflow.compiler import compile
+from shardflow.compiler.ir import Tensor, const_tensor
+from shardflow.compiler.ir.graph import FlowGraph
+from shardflow.compiler.ops.elementwise import Binary
+from shardflow.compiler.ops.linalg import PANEL, Gemm, MatMul, pack_panels
+from shardflow.compiler.passes.prepack import PrepackWeights
+from shardflow.runtime import load
+from shardflow.runtime.comm import InProcessWorld
+
+
+def test_pack_panels_layout():
+    b = np.arange(3 * 40, dtype=np.float32).reshape(3, 40)
+    p = pack_panels(b)
+    assert p.shape == (2, 3, PANEL) and p.flags.c_contiguous
+    for k in range(3):
+        for j in range(40):
+            assert p[j // PANEL, k, j % PANEL] == b[k, j]
+    assert not p[1, :, 40 - PANEL:].any()  # the columns past N are zero
+
+
+def _graph(rng):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    x = Tensor("x", (2, 5, 40), "float32")
+    x2 = Tensor("x2", (5, 40), "float32")
+    i = Tensor("i", (5, 4), "int64")
+    shared, also_added, out_w = const_tensor(f(40, 40)), const_tensor(f(40, 40)), const_tensor(f(40, 3))
+    ops = [
+        MatMul([x, const_tensor(f(40, 70))], name="mm3d"),                     # batch folded into M, N tail
+        Gemm([x2, const_tensor(f(33, 40)), const_tensor(f(33))], name="gemm_tb", trans_b=True, alpha=0.5,
+             beta=2.0),                                                         # B transposed at packing
+        MatMul([x2, shared], name="shared_a"),                                  # two readers, one packed copy
+        MatMul([x2, shared], name="shared_b"),
+        MatMul([x2, also_added], name="kept_mm"),                               # its weight is also added:
+        Binary([also_added, also_added], name="kept_add", fn="add"),            # stays as it is
+        Gemm([const_tensor(f(40, 5)), const_tensor(f(40, 7))], name="gemm_ta", trans_a=True),  # A transposed
+        MatMul([x2, out_w], name="out_weight"),                                 # weight is a graph output
+        MatMul([i, const_tensor(rng.integers(-3, 4, (4, 6)))], name="int_mm"),
+    ]
+    outs = [o.outputs[0] for o in ops] + [out_w]
+    return FlowGraph([x, x2, i], outs)
+
+
+def test_the_pass_rewrites_float32_contractions_with_constant_weights_and_keeps_the_values():
+    rng = np.random.default_rng(0)
+    g = _graph(rng)
+    feeds = {"x": rng.standard_normal((2, 5, 40)).astype(np.float32),
+             "x2": rng.standard_normal((5, 40)).astype(np.float32), "i": rng.integers(-3, 4, (5, 4))}
+    want = g.run(feeds)
+    g = PrepackWeights().run(g)
+    g.validate()
+    kinds = {op.name: op.op_type for op in g.nodes}
+    assert kinds == {"mm3d": "PackedMatMul", "gemm_tb": "PackedMatMul", "shared_a": "PackedMatMul",
+                     "shared_b": "PackedMatMul", "kept_mm": "MatMul", "kept_add": "Binary", "gemm_ta": "Gemm",
+                     "out_weight": "MatMul", "int_mm": "MatMul"}
+    by = {op.name: op for op in g.nodes}
+    assert by["shared_a"].inputs[1] is by["shared_b"].inputs[1]
+    assert by["mm3d"].inputs[1].shape == (3, 40, PANEL) and by["gemm_tb"].inputs[1].shape == (2, 40, PANEL)
+    got = g.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def _onnx_model(rng, path):
+    """x[4, 48] -> MatMul(W1[48, 100]) -> Gemm(W2ᵀ[64, 100], b2, alpha, beta) -> MatMul(W3[64, 30])."""
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = [numpy_helper.from_array(f(48, 100), "w1"), numpy_helper.from_array(f(64, 100), "w2"),
+             numpy_helper.from_array(f(64), "b2"), numpy_helper.from_array(f(64, 30), "w3")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="fc1"),
+             helper.make_node("Gemm", ["h1", "w2", "b2"], ["h2"], name="fc2", transB=1, alpha=0.7, beta=1.5),
+             helper.make_node("MatMul", ["h2", "w3"], ["y"], name="fc3")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 48])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 30])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path.write_bytes(model.SerializeToString())
+    return model
+
+
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
+def test_compiled_ranks_read_packed_weights_and_match_onnxruntime(tmp_path, mesh, algo):
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(1)
+    path = tmp_path / "mlp.onnx"
+    _onnx_model(rng, path)
+    x = rng.standard_normal((4, 48)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    out = tmp_path / "out"
+    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
+            out_dir=out)
+    world = int(np.prod(mesh))
+    for r in range(world):
+        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+        kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+        assert kinds.count("PackedMatMul") == 3 and "MatMul" not in kinds and "Gemm" not in kinds
+        packed = [b for b in program["buffers"] if b["name"].endswith((".panels", ".panels.T"))]
+        assert len(packed) == 3 and all(b["storage"] == "weights" and b["shape"][-1] == PANEL for b in packed)
+
+    def work(c):
+        return load(out, c.rank, c).run({"x": x})["y"]
+    got = run_threads(InProcessWorld(world).communicators(), work, timeout=120)
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+
+
+def test_prepack_false_keeps_the_contractions(tmp_path):
+    rng = np.random.default_rng(2)
+    path = tmp_path / "mlp.onnx"
+    _onnx_model(rng, path)
+    out = tmp_path / "out"
+    compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu", "prepack": False},
+            out_dir=out)
+    program = json.loads((out / "rank0" / "program.json").read_text())
+    assert [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"] == ["MatMul", "Gemm", "MatMul"]
