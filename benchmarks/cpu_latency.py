@@ -7,8 +7,10 @@ ratio (ours / onnxruntime; lower is better). Models: the committed test models, 
 tokens) and a ResNet-50-sized one
 (transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image), exported with
 torch.onnx.export at opset 17 (needs torch + transformers; slow). ``--only`` picks models by name.
+``--compare-prepack`` also times each model compiled with ``optimization_config["prepack"] = False``
+(GEMM weights packed on every call) in the same run, interleaved with the default build.
 
-    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--only resnet]
+    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--only resnet] [--compare-prepack]
 """
 from __future__ import annotations
 
@@ -39,36 +41,47 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _median_ms(fn, repeat: int) -> float:
+def _medians_ms(fns: list, repeat: int) -> list[float]:
+    """Median latency of each of ``fns``, timed round-robin (one call of each per round), so that
+    the machine's drifts in speed fall on all of them alike."""
     for _ in range(3):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(ts) for ts in times]
 
 
-def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str) -> None:
+def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,
+          compare_prepack: bool = False) -> None:
     import onnxruntime as ort
 
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
-    out = os.path.join(work, name)
-    compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
-    prog = load(out, rank=0)
+    progs = []
+    for prepack in (True, False) if compare_prepack else (True,):
+        out = os.path.join(work, f"{name}-{prepack}")
+        compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu", "prepack": prepack},
+                out_dir=out)
+        progs.append(load(out, rank=0))
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    ours = _median_ms(lambda: prog.run(feeds), repeat)
-    ref = _median_ms(lambda: sess.run(None, feeds), repeat)
-    err = max(float(np.max(np.abs(prog.run(feeds)[o.name] - r)))
+    # our builds round-robin; onnxruntime apart: its pool's threads spin for a while after a run
+    # and slow down whatever runs next on the same cores
+    ours = _medians_ms([lambda p=p: p.run(feeds) for p in progs], repeat)
+    ref, = _medians_ms([lambda: sess.run(None, feeds)], repeat)
+    err = max(float(np.max(np.abs(progs[0].run(feeds)[o.name] - r)))
               for o, r in zip(sess.get_outputs(), sess.run(None, feeds)))
-    print(f"{name:<22} shardflow {ours:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours / ref:5.2f}   "
-          f"max |diff| {err:.1e}", flush=True)
+    extra = f"   without prepack {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare_prepack else ""
+    print(f"{name:<22} shardflow {ours[0]:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours[0] / ref:5.2f}   "
+          f"max |diff| {err:.1e}{extra}", flush=True)
 
 
 def export_resnet50(path: str) -> dict:
@@ -121,6 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--sized", action="store_true", help="also export GPT-2-small-, BERT-base-, Llama- and ResNet-50-sized models (slow)")
     ap.add_argument("--only", default="", help="only the models whose name contains this text")
+    ap.add_argument("--compare-prepack", action="store_true",
+                    help="also time each model compiled with optimization_config['prepack'] = False")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
@@ -130,7 +145,7 @@ def main(argv=None) -> None:
             if args.only not in m:
                 continue
             feeds = dict(np.load(os.path.join(MODELS, f"{m.rsplit('_', 1)[0]}_inputs.npz")))
-            bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work)
+            bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, args.compare_prepack)
         if args.sized:
             sys.path.insert(0, MODELS)
             if args.only in "gpt2_small_124M":
@@ -140,16 +155,18 @@ def main(argv=None) -> None:
                 info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
                 feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
                          if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
-                bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work)
+                bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work,
+                      args.compare_prepack)
             for kind, name in (("bert", "bert_base_110M"), ("llama", "llama_1024x8_170M")):
                 if args.only in name:
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = export_text_model(kind, path)
-                    bench(name, path, feeds, args.threads, max(5, args.repeat // 10), work)
+                    bench(name, path, feeds, args.threads, max(5, args.repeat // 10), work,
+                      args.compare_prepack)
             if args.only in "resnet50_224":
                 path = os.path.join(work, "resnet50.onnx")
                 feeds = export_resnet50(path)
-                bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work)
+                bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, args.compare_prepack)
 
 
 if __name__ == "__main__":
