@@ -256,9 +256,11 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
       const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc);
       const int64_t np = (nc + nr - 1) / nr;
       bsrc.prepare(jc, nc, np, nr, nkb);
-      // tiles of at most ~96 rows x 256 columns, equal sized, and (with threads) at least 4 per thread
-      // where the panels allow it; threads take tiles dynamically
-      int64_t ntm = (mp * mr + 95) / 96, ntn = (np * nr + 255) / 256;
+      // tiles of at most ~144 rows x 256 columns, equal sized, and (with threads) at least 4 per thread
+      // where the panels allow it; threads take tiles dynamically. 144 rows keep the 128 tokens of a
+      // sequence in one row of tiles, so each B panel is read once (measured: 128 x 768 @ 768 x 50257
+      // 12% faster than with 96-row tiles; the other GPT-2 shapes unchanged or up to 4% faster)
+      int64_t ntm = (mp * mr + 143) / 144, ntn = (np * nr + 255) / 256;
       ntm = std::max<int64_t>(1, std::min(ntm, mp));
       ntn = std::max<int64_t>(1, std::min(ntn, np));
       while (nt > 1 && ntm * ntn < 4 * nt && (ntm < mp || ntn < np)) {
