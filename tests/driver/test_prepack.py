@@ -121,3 +121,12 @@ def test_prepack_false_keeps_the_contractions(tmp_path):
             out_dir=out)
     program = json.loads((out / "rank0" / "program.json").read_text())
     assert [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"] == ["MatMul", "Gemm", "MatMul"]
+
+
+def test_prepack_must_be_a_bool():
+    from shardflow.compiler import ConfigError
+    from shardflow.compiler.driver import OptimizationConfig
+
+    assert OptimizationConfig.from_dict(None).prepack is True
+    with pytest.raises(ConfigError, match=r"optimization_config\['prepack'\] = 'yes': need true or false"):
+        OptimizationConfig.from_dict({"prepack": "yes"})
