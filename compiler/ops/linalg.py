@@ -17,7 +17,8 @@ from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, reduce
 from .elementwise import broadcast_shape
 
-__all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul", "Attention", "parse_einsum"]
+__all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
+           "Attention", "parse_einsum"]
 
 
 def _np_half(name: str):
@@ -119,7 +120,6 @@ class Gemm(Operator):
         a = a.T if self.attrs.get("trans_a", False) else a
         b = b.T if self.attrs.get("trans_b", False) else b
         return [_gemm_numpy(a, b, c, self.attrs)]
-
 
 
 #: Columns per panel of a weight packed for the cpu GEMM (:class:`PackedMatMul`): the width of the

@@ -9,10 +9,12 @@ float32 with a constant 2-D ``B`` becomes a
 :class:`~shardflow.compiler.ops.linalg.PackedMatMul` of the same name and output.
 
 It runs on each rank's graph after partition (the plan sees the MatMul; the weight is packed
-shard by shard), for the cpu target only. A weight that another kind of op also reads stays as
-it is, so that the rank never stores a weight twice; the packed copy is shared by all the
-contractions reading the same weight. Values are unchanged: the same products are summed in the
-same order as with packing per call.
+shard by shard), for the cpu target only. A weight that another kind of op also reads, or that
+one Gemm reads transposed and another not, stays as it is, so that the rank never stores a weight
+twice; the packed copy is shared by all the contractions reading the same weight. Values are
+unchanged where ``M > 1``: the same products are summed in the same order as with packing per
+call. A single row (``M == 1``) is summed in ``k`` order instead of four ``k`` at a time (a
+difference of rounding).
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ from .base import GraphPass, splice
 __all__ = ["PrepackWeights"]
 
 log = logging.getLogger(__name__)
+
+
+def _transposed(op: Operator) -> bool:
+    return op.op_type == "Gemm" and bool(op.attrs.get("trans_b", False))
 
 
 def _weight(op: Operator) -> Tensor | None:
@@ -51,22 +57,23 @@ class PrepackWeights(GraphPass):
 
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
-        packed: dict[int, Tensor] = {}  # weight (by id, with its orientation) -> its panels
+        packed: dict[int, Tensor] = {}  # weight (by id) -> its panels
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
             b = _weight(op)
-            if b is None or id(b) in outputs or any(_weight(c) is not b for c in consumers.get(id(b), [])):
+            readers = consumers.get(id(b), [])
+            if b is None or id(b) in outputs or any(_weight(c) is not b or _transposed(c) != _transposed(op)
+                                                    for c in readers):
                 continue
-            trans = op.op_type == "Gemm" and bool(op.attrs.get("trans_b", False))
-            key = (id(b), trans)
-            if key not in packed:
+            trans = _transposed(op)
+            if id(b) not in packed:
                 value = np.asarray(b.value, np.float32)
-                packed[key] = const_tensor(pack_panels(value.T if trans else value),
-                                           f"{b.name}.panels" + (".T" if trans else ""))
+                packed[id(b)] = const_tensor(pack_panels(value.T if trans else value),
+                                             f"{b.name}.panels" + (".T" if trans else ""))
             n = b.shape[0] if trans else b.shape[1]
             attrs = {"n": n}
-            inputs = [op.inputs[0], packed[key]]
+            inputs = [op.inputs[0], packed[id(b)]]
             if op.op_type == "Gemm":
                 attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
                 if len(op.inputs) > 2 and attrs["beta"] != 0:

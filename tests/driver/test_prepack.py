@@ -35,6 +35,7 @@ def _graph(rng):
     x2 = Tensor("x2", (5, 40), "float32")
     i = Tensor("i", (5, 4), "int64")
     shared, also_added, out_w = const_tensor(f(40, 40)), const_tensor(f(40, 40)), const_tensor(f(40, 3))
+    mixed = const_tensor(f(40, 40))
     ops = [
         MatMul([x, const_tensor(f(40, 70))], name="mm3d"),                     # batch folded into M, N tail
         Gemm([x2, const_tensor(f(33, 40)), const_tensor(f(33))], name="gemm_tb", trans_b=True, alpha=0.5,
@@ -45,6 +46,8 @@ def _graph(rng):
         Binary([also_added, also_added], name="kept_add", fn="add"),            # stays as it is
         Gemm([const_tensor(f(40, 5)), const_tensor(f(40, 7))], name="gemm_ta", trans_a=True),  # A transposed
         MatMul([x2, out_w], name="out_weight"),                                 # weight is a graph output
+        Gemm([x2, mixed], name="mixed_t", trans_b=True),                        # read transposed and not:
+        MatMul([x2, mixed], name="mixed_n"),                                    # two layouts, not packed
         MatMul([i, const_tensor(rng.integers(-3, 4, (4, 6)))], name="int_mm"),
     ]
     outs = [o.outputs[0] for o in ops] + [out_w]
@@ -62,7 +65,7 @@ def test_the_pass_rewrites_float32_contractions_with_constant_weights_and_keeps_
     kinds = {op.name: op.op_type for op in g.nodes}
     assert kinds == {"mm3d": "PackedMatMul", "gemm_tb": "PackedMatMul", "shared_a": "PackedMatMul",
                      "shared_b": "PackedMatMul", "kept_mm": "MatMul", "kept_add": "Binary", "gemm_ta": "Gemm",
-                     "out_weight": "MatMul", "int_mm": "MatMul"}
+                     "out_weight": "MatMul", "mixed_t": "Gemm", "mixed_n": "MatMul", "int_mm": "MatMul"}
     by = {op.name: op for op in g.nodes}
     assert by["shared_a"].inputs[1] is by["shared_b"].inputs[1]
     assert by["mm3d"].inputs[1].shape == (3, 40, PANEL) and by["gemm_tb"].inputs[1].shape == (2, 40, PANEL)
