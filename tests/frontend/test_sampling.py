@@ -63,8 +63,8 @@ def grid_model(opset: int, inputs: dict, **attrs) -> onnx.ModelProto:
     return make_model("GridSample", opset, inputs, x.shape[:2] + g.shape[1:-1], **attrs)
 
 
-@pytest.mark.parametrize("d,mode,padding,align", itertools.product(
-    (2, 3), ("nearest", "linear", "cubic"), ("zeros", "border", "reflection"), (0, 1)))
+@pytest.mark.parametrize("d,mode,padding,align", list(itertools.product(
+    (2, 3), ("nearest", "linear", "cubic"), ("zeros", "border", "reflection"), (0, 1))))
 def test_grid_sample(d, mode, padding, align):
     inputs = grid_inputs(d, seed=d + align)
     model = grid_model(20, inputs, mode=mode, padding_mode=padding, align_corners=align)
@@ -91,8 +91,8 @@ def test_grid_sample_nearest_rounds_half_to_even():
     np.testing.assert_array_equal(y.ravel(), [0, 2, 2, 4])
 
 
-@pytest.mark.parametrize("mode,padding", itertools.product(("nearest", "linear", "cubic"),
-                                                          ("zeros", "border", "reflection")))
+@pytest.mark.parametrize("mode,padding", list(itertools.product(("nearest", "linear", "cubic"),
+                                                               ("zeros", "border", "reflection"))))
 def test_grid_sample_1d_and_single_pixel_axis(mode, padding):
     rng = np.random.default_rng(4)
     line = {"x": rng.standard_normal((2, 3, 5)).astype(np.float32),
