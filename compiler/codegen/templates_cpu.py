@@ -1,4 +1,4 @@
-"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm and 2-D/1-D Conv.
+"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm, PackedMatMul and 2-D/1-D Conv.
 
 They share one GEMM (in :data:`TEMPLATE_PRELUDE`), written like BLIS: for each block of 256 of the
 contracted dim, B is packed into panels of NR columns and A into panels of MR rows (zero padded),
@@ -7,6 +7,8 @@ when first used, from the CPU: AVX-512 (12×32), AVX2+FMA (6×16) or SSE (4×8);
 its own ``target`` attribute, so the library still loads on any x86-64. Threads (OpenMP) split the
 packing and the C tiles; small products run on the calling thread. Batched matmuls split the batch
 across threads when each product is small. ``M == 1`` (a row vector times a matrix) skips packing.
+A PackedMatMul (a constant weight, ``passes/prepack.py``) reads B from panels of ``PANEL`` columns
+packed at compile time instead of packing it on every call.
 
 Conv is a GEMM per image and group, ``w[OCG, C*KH*KW] @ im2col(x)``, whose B panels are packed
 straight from the image (no im2col buffer; a 1×1, stride-1, unpadded conv uses the image as B),
@@ -18,6 +20,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from ..ops.linalg import PANEL
 
 __all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilogue", "CLONED_TEMPLATES"]
 
@@ -338,7 +342,7 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
 // A weight B[K, N] packed at compile time (PackedMatMul): [ceil(N / SF_PANEL)][K][SF_PANEL], B[k, j] at
 // [j / SF_PANEL][k][j % SF_PANEL], zero columns past N. A kernel narrower than a panel reads a part of it
 // (ldb = SF_PANEL); kernel widths divide SF_PANEL.
-constexpr int64_t SF_PANEL = 32;
+constexpr int64_t SF_PANEL = @PANEL@;  // ops.linalg.PANEL
 struct SfPrepacked {
   const float* Bp;
   int64_t K, chunk;
@@ -349,6 +353,11 @@ struct SfPrepacked {
     return Bp + (j / SF_PANEL) * K * SF_PANEL + pc * SF_PANEL + j % SF_PANEL;
   }
 };
+
+// whether a product is worth the threads (smaller ones run on the calling thread)
+static inline bool sf_gemm_parallel(int64_t M, int64_t N, int64_t K, bool allow) {
+  return allow && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
+}
 
 // C = alpha * 0 + bias when nothing is contracted (K == 0)
 static void sf_gemm_empty_k(int64_t M, int64_t N, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
@@ -362,7 +371,7 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
                      const float* B, int64_t rsb, int64_t csb, float* C, int64_t ldc, float alpha,
                      const float* bias, int64_t rbs, int64_t cbs, bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
-  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
+  const bool par = sf_gemm_parallel(M, N, K, allow_parallel);
   if (K <= 0) {
     sf_gemm_empty_k(M, N, C, ldc, alpha, bias, rbs, cbs);
     return;
@@ -401,7 +410,7 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
                                const float* Bp, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
                                int64_t cbs, bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
-  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
+  const bool par = sf_gemm_parallel(M, N, K, allow_parallel);
   if (K <= 0) {
     sf_gemm_empty_k(M, N, C, ldc, alpha, bias, rbs, cbs);
     return;
@@ -883,7 +892,7 @@ static void sf_sgemm_batched(int nb, const int64_t* bshape, const int64_t* astr,
 }
 
 }  // namespace
-"""
+""".replace("@PANEL@", str(PANEL))
 
 
 def _prod(xs) -> int:
@@ -1012,8 +1021,8 @@ def _packed_matmul(op) -> str | None:
         bias, rbs, cbs = _gemm_bias(op, beta, lines)
     lines.append(f"  // PackedMatMul: {_flt(alpha)} * [{M}, {K}] @ [{K}, {N}] (packed)"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
-    lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, "
-                 "true);")
+    lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, "
+                 f"{cbs}, true);")
     return "\n".join(lines)
 
 
@@ -1311,7 +1320,8 @@ def _pool(op) -> str | None:
     return "\n".join(lines)
 
 
-_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv, "Pool": _pool, "Fused": _fused}
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv, "Pool": _pool,
+              "Fused": _fused}
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool"})

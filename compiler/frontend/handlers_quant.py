@@ -24,6 +24,8 @@ from .registry import NodeContext, onnx_dtype, onnx_op
 
 _OPSET = 13  # of the elementwise nodes emitted
 _RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
+
+
 def _spread(ctx: NodeContext, v: Tensor, x: Tensor, axis: int, block: int, what: str) -> Tensor:
     """``v`` (a scale or zero point) broadcastable against ``x``: one value as is, a vector along
     ``axis``, or with ``block_size`` > 0 each entry repeated over its block along ``axis``."""
