@@ -218,7 +218,12 @@ def test_merge_projections_of_one_activation(model, merged):
     g = load_onnx(os.path.join(models, f"{model}.onnx"))
     before_mm = sum(op.op_type == "MatMul" for op in g.nodes)
     g, before, after = run_pass(g, MergeProjections().run, feeds)
-    assert_same(before, after)
+    # the reference evaluator multiplies with numpy, whose BLAS may block a [64, 192] product
+    # differently from three [64, 64] ones (OpenBLAS's Zen kernels do): equal up to rounding
+    assert list(before) == list(after)
+    for k in before:
+        assert before[k].dtype == after[k].dtype and before[k].shape == after[k].shape
+        np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
     merged_ops = [op for op in g.nodes if op.name.endswith(".merged")]
     assert len(merged_ops) == merged
     # width 64 each; Llama's key/value projections have 2 heads of 16 (grouped), 32 columns
