@@ -684,11 +684,16 @@ static void sf_cukr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, c
       }
     return;
   }
-  alignas(32) float t[8 * NV];
+  // every index of acc a constant (unrolled), else GCC keeps acc in memory and stores all of it on
+  // every k step (measured: a 3x3 conv 3.5x slower)
+  alignas(32) float t[MR][8 * NV];
+  #pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(t[i] + 8 * v, acc[i][v]);
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < NV; ++v) _mm256_store_ps(t + 8 * v, acc[i][v]);
     float* c = C + i * ldc;
-    for (int64_t j = 0; j < nr; ++j) c[j] = first ? t[j] : c[j] + t[j];
+    for (int64_t j = 0; j < nr; ++j) c[j] = first ? t[i][j] : c[j] + t[i][j];
   }
 }
 #endif
