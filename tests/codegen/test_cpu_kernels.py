@@ -87,6 +87,15 @@ def _large():
         Conv([_t((2, 24, 9, 9)), _t((16, 24, 1, 1))], strides=(2, 2)),  # 1x1 strided: packed
         Conv([_t((3, 8, 48, 48)), _t((13, 8, 3, 3)), _t((13,))], pads=(1, 1, 1, 1)),  # threads: many tiles
         Conv([_t((2, 4, 5, 6)), _t((5, 4, 3, 3))], pads=(2, 2, 2, 2), dilations=(2, 2)),  # pads past the taps
+        # horizontal stride 1 with rows of at least one panel: AVX2 reads B from the image, panels
+        # of one output row (16, 16, 5; 16, 12 with two K blocks; a 1x1's one row of 99; no padding,
+        # so the masked tail ends at the input's last float; groups)
+        Conv([_t((1, 10, 12, 37)), _t((14, 10, 3, 3)), _t((14,))], pads=(1, 1, 1, 1)),
+        Conv([_t((2, 40, 9, 27)), _t((20, 40, 3, 3)), _t((20,))], pads=(0, 2, 1, 1), strides=(2, 1),
+             dilations=(2, 1)),
+        Conv([_t((1, 24, 9, 11)), _t((30, 24, 1, 1)), _t((30,))]),
+        Conv([_t((1, 4, 6, 20)), _t((8, 4, 3, 3))]),
+        Conv([_t((1, 12, 5, 18)), _t((12, 4, 3, 3))], group=3, pads=(1, 1, 1, 1)),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
         Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),
