@@ -877,7 +877,8 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       #pragma omp for schedule(static)
       for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
     }
-    float* Bp = unpacked ? nullptr : static_cast<float*>(sf_workspace(2, sizeof(float) * (keep ? K : kcb) * npt * nrm));
+    float* Bp = unpacked ? nullptr
+                         : static_cast<float*>(sf_workspace(2, sizeof(float) * (keep ? K : kcb) * npt * nrm));
     int64_t packed = -1;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntask; ++t) {
