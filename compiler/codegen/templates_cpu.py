@@ -12,7 +12,9 @@ packed at compile time instead of packing it on every call.
 
 Conv is a GEMM per image and group, ``w[OCG, C*KH*KW] @ im2col(x)``, whose B panels are packed
 straight from the image (no im2col buffer; a 1×1, stride-1, unpadded conv uses the image as B),
-with the bias added in the GEMM's epilogue. Depthwise and 3-D convolutions use the generic loop
+with the bias added in the GEMM's epilogue. With AVX2 a conv of horizontal stride 1 whose output
+rows fill a panel is not packed at all: its micro-kernel loads each panel row from the image
+through a table of tap offsets. Depthwise and 3-D convolutions use the generic loop
 nest. Every other op, and other dtypes, use the generic lowering.
 """
 from __future__ import annotations
@@ -816,7 +818,8 @@ constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
 // n < nimg and group gi < groups (x: [nimg, groups*C, H, W], w: [groups*ocg, C*KH*KW], y: [nimg,
 // groups*ocg, OH, OW]). direct: a 1x1, stride-1, unpadded conv. Tasks are tiles of C (up to ~96 rows x
 // 256 columns) of every image and group; a thread packs the B panels of its tile into its own buffer
-// (once per tile when K fits one block) and runs the K blocks over it.
+// (once per tile when K fits one block) and runs the K blocks over it, or (unpacked, below) reads them
+// from the image.
 // epi (optional) finishes a tile of y in place: epi(ctx, n, c0, c1, j0, j1) for image n, output channels
 // [c0, c1) and columns [j0, j1) of OH*OW (the bias, then the element-wise ops fused after the conv)
 typedef void (*SfConvEpi)(const void* ctx, int64_t n, int64_t c0, int64_t c1, int64_t j0, int64_t j1);
