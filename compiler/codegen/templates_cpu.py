@@ -438,6 +438,10 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
 // so that every row of B is a few plain copies of input row pieces.
 struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
 
+// floats a buffer of packed conv panels has past its end: a pack may store whole vectors past a row's
+// last column (the AVX2 one, below)
+constexpr int64_t SF_PACK_SLACK = 16;
+
 // Rows [k0, k0 + kc) and columns [j0, j0 + cols) of the im2col matrix into Bp as [kc][nr] (zero past cols).
 // xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -481,7 +485,8 @@ static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp,
 }
 
 #if defined(__x86_64__)
-// The same with vectors. Long unit-stride row pieces: masked loads and stores of up to 16 (8) columns.
+// The same with vectors. Long unit-stride row pieces: masked loads and stores of up to 16 (8) columns
+// (AVX2: whole-vector stores, see there).
 // Short or strided ones: one gather per 16 (8) columns of a row of B, from the offsets of the columns'
 // first tap (the same for every row; the columns past cols are masked off, i.e. zero).
 __attribute__((target("avx512f")))
@@ -592,6 +597,11 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
     }
     return;
   }
+  // unit stride: whole-vector stores, also past a row piece's end (up to 7 floats past column nr of row
+  // k, i.e. into the next row or panel, which is packed later, or the buffer's SF_PACK_SLACK); AMD's
+  // masked stores are slow (measured on Zen 3: 70% of this function's time, 21% of a 3x3 conv at 14x14).
+  // Loads are whole vectors too, except (masked) where 8 floats would pass the end of the image.
+  const float* xend = xp + g.C * Hp * Wp;
   for (int64_t k = 0; k < kc; ++k) {
     const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
     float* dst = Bp + k * nr;
@@ -601,9 +611,14 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
       const float* src = row + ow * sw;
       float* d = dst + j;
       for (int64_t t = 0; t < seg; t += 8) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, seg - t)), iota);
-        if (sw == 1) _mm256_maskstore_ps(d + t, m, _mm256_maskload_ps(src + t, m));
-        else for (int64_t u = 0; u < std::min<int64_t>(8, seg - t); ++u) d[t + u] = src[(t + u) * sw];
+        if (sw != 1) {
+          for (int64_t u = 0; u < std::min<int64_t>(8, seg - t); ++u) d[t + u] = src[(t + u) * sw];
+        } else if (src + t + 8 <= xend) {
+          _mm256_storeu_ps(d + t, _mm256_loadu_ps(src + t));
+        } else {
+          const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, seg - t)), iota);
+          _mm256_storeu_ps(d + t, _mm256_maskload_ps(src + t, m));
+        }
       }
       j += seg;
     }
@@ -885,7 +900,8 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
     }
     float* Bp = unpacked ? nullptr
-                         : static_cast<float*>(sf_workspace(2, sizeof(float) * (keep ? K : kcb) * npt * nrm));
+                         : static_cast<float*>(
+                               sf_workspace(2, sizeof(float) * ((keep ? K : kcb) * npt * nrm + SF_PACK_SLACK)));
     int64_t packed = -1;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntask; ++t) {
