@@ -577,7 +577,7 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
   int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
   const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  if ((sw > 2 || g.OW < 8) && nr <= 64 && Hp * Wp * g.C < (int64_t(1) << 31)) {
+  if ((sw != 1 || g.OW < 8) && nr <= 64 && Hp * Wp * g.C < (int64_t(1) << 31)) {
     alignas(32) int32_t idx[64];
     for (int64_t j = 0, oh = oh0, ow = ow0; j < nr; ++j) {
       idx[j] = j < cols ? (int32_t)(oh * rstep + ow * sw) : 0;
@@ -597,12 +597,10 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
     }
     return;
   }
-  // rows of 8 pixels or more at stride 1 or 2: whole-vector stores, also past a row piece's end (up to 7
-  // floats past column nr of row k, i.e. into the next row or panel, which is packed later, or the
-  // buffer's SF_PACK_SLACK); AMD's masked stores are slow (measured on Zen 3: 70% of this function's
-  // time, 21% of a 3x3 conv at 14x14). Loads are whole vectors too (stride 2: two, their even elements
-  // shuffled together; on Zen 3 a gather took 23% of a stride-2 conv's time), except where they would
-  // pass the end of the image (stride 1: masked; stride 2: one element at a time).
+  // unit stride: whole-vector stores, also past a row piece's end (up to 7 floats past column nr of row
+  // k, i.e. into the next row or panel, which is packed later, or the buffer's SF_PACK_SLACK); AMD's
+  // masked stores are slow (measured on Zen 3: 70% of this function's time, 21% of a 3x3 conv at 14x14).
+  // Loads are whole vectors too, except (masked) where 8 floats would pass the end of the image.
   const float* xend = xp + g.C * Hp * Wp;
   for (int64_t k = 0; k < kc; ++k) {
     const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
@@ -613,17 +611,8 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
       const float* src = row + ow * sw;
       float* d = dst + j;
       for (int64_t t = 0; t < seg; t += 8) {
-        if (sw > 2) {  // (huge images or panels only: gathers above)
+        if (sw != 1) {
           for (int64_t u = 0; u < std::min<int64_t>(8, seg - t); ++u) d[t + u] = src[(t + u) * sw];
-        } else if (sw == 2) {
-          if (src + 2 * t + 16 <= xend) {
-            const __m256 lo = _mm256_loadu_ps(src + 2 * t), hi = _mm256_loadu_ps(src + 2 * t + 8);
-            // [lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6] -> [lo0 lo2 lo4 lo6 hi0 hi2 hi4 hi6]
-            const __m256 ev = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
-            _mm256_storeu_ps(d + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xd8)));
-          } else {
-            for (int64_t u = 0; u < std::min<int64_t>(8, seg - t); ++u) d[t + u] = src[(t + u) * 2];
-          }
         } else if (src + t + 8 <= xend) {
           _mm256_storeu_ps(d + t, _mm256_loadu_ps(src + t));
         } else {
