@@ -16,6 +16,8 @@ key                       meaning                                               
 ``solver``                ``cbc`` or ``highs``                                         ``cbc``
 ``time_limit_s``          ILP solver time limit                                        60
 ``mip_rel_gap``           ILP relative optimality gap                                  0 (exact)
+``max_nodes``             ILP node limit per solve (``cbc`` only): a search bounded    none
+                          by work, so the same plan on every machine
 ``input_placements``      graph input name → spec string (``"S(0)R"``), default R      all R
 ``output_placements``     graph output name → spec string, default R                   all R
 ``preload_plan``          path to a saved ``plan.json`` (or its folder) to reuse       none
@@ -50,6 +52,7 @@ class DistributedConfig:
     solver: str = "cbc"
     time_limit_s: float = 60.0
     mip_rel_gap: float = 0.0
+    max_nodes: int | None = None
     input_placements: dict = field(default_factory=dict)
     output_placements: dict = field(default_factory=dict)
     preload_plan: str | None = None
@@ -92,13 +95,21 @@ class DistributedConfig:
         budget = cfg.get("memory_budget_bytes")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ConfigError(f"distributed_config['memory_budget_bytes'] = {budget!r}: need a positive int")
+        max_nodes = cfg.get("max_nodes")
+        if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes <= 0):
+            raise ConfigError(f"distributed_config['max_nodes'] = {max_nodes!r}: need a positive int (or leave it out "
+                              "for no node limit)")
+        if max_nodes is not None and solver == "highs":
+            # PuLP (3.3) has no status for HiGHS's node limit (kSolutionLimit) and raises a KeyError on it
+            raise ConfigError("distributed_config['max_nodes'] works with solver 'cbc' only (PuLP cannot read the "
+                              "status HiGHS stops with at a node limit); drop 'max_nodes' or use solver 'cbc'")
         return cls(
             mesh_shape=shape, mesh_axis_names=names, rank_map=rank_map,
             axis_bandwidth_GBps=_per_axis(cfg.get("axis_bandwidth_GBps"), n, "axis_bandwidth_GBps"),
             axis_latency_us=_per_axis(cfg.get("axis_latency_us"), n, "axis_latency_us", allow_zero=True),
             memory_budget_bytes=budget, algo=algo, solver=solver,
             time_limit_s=_positive(cfg.get("time_limit_s", 60.0), "time_limit_s"),
-            mip_rel_gap=_nonneg(cfg.get("mip_rel_gap", 0.0), "mip_rel_gap"),
+            mip_rel_gap=_nonneg(cfg.get("mip_rel_gap", 0.0), "mip_rel_gap"), max_nodes=max_nodes,
             input_placements=_placements(cfg.get("input_placements", {}), "input_placements"),
             output_placements=_placements(cfg.get("output_placements", {}), "output_placements"),
             preload_plan=_opt_str(cfg.get("preload_plan"), "preload_plan"),

@@ -463,16 +463,19 @@ def _solve_ilp(problem: Problem) -> list[int]:
     log.info("ILP: %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", len(s), len(edges),
              len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
     if pulp.LpStatus[status] == "Optimal" and prob.sol_status != pulp.LpSolutionOptimal:
-        log.warning("the ILP solver stopped at time_limit_s=%s before proving optimality: the plan is the best "
-                    "found so far and may differ between runs; raise time_limit_s or mip_rel_gap", cfg.time_limit_s)
+        log.warning("the ILP solver stopped at a limit (time_limit_s=%s, max_nodes=%s) before proving optimality: "
+                    "the plan is the best found so far%s; raise the limits or mip_rel_gap", cfg.time_limit_s,
+                    cfg.max_nodes, "" if cfg.max_nodes else " and may differ between runs (max_nodes instead "
+                    "bounds the search by work, the same on every machine)")
     if pulp.LpStatus[status] != "Optimal":
-        if cfg.memory_budget_bytes is not None:
+        if cfg.memory_budget_bytes is not None and pulp.LpStatus[status] == "Infeasible":
             need = _min_memory(problem)
             raise ShardflowError(
                 f"no plan fits memory_budget_bytes={cfg.memory_budget_bytes:,} on mesh {list(cfg.mesh_shape)}: "
                 f"the least any plan needs is about {need:,} bytes per rank; raise the budget or use a larger mesh")
-        raise ShardflowError(f"the ILP solver ended with status {pulp.LpStatus[status]}; "
-                             "raise time_limit_s or mip_rel_gap")
+        raise ShardflowError(f"the ILP solver ended with status {pulp.LpStatus[status]} before finding a plan "
+                             f"(time_limit_s={cfg.time_limit_s}, max_nodes={cfg.max_nodes}); raise time_limit_s or "
+                             "max_nodes, or set mip_rel_gap")
     choice = {}
     for a, vs in s.items():
         vals = [v.value() or 0.0 for v in vs]
@@ -540,7 +543,8 @@ def _solver(cfg: DistributedConfig):
 
     if cfg.solver == "highs":
         return pulp.HiGHS(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1,
+                             maxNodes=cfg.max_nodes)
 
 
 # ----------------------------------------------------------------------------------------------

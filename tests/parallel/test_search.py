@@ -62,6 +62,26 @@ def test_plans_are_deterministic(tmp_path, mlp_graph):
     assert (a / "plan.txt").read_text() == (b / "plan.txt").read_text()
 
 
+def test_node_limit_bounds_a_budgeted_2d_search(tmp_path, caplog):
+    """A memory budget on a 2-D mesh makes the MIP hard (GPT-2's test export: ~20 s to prove the
+    optimum). ``max_nodes`` stops each solve after that many branch-and-bound nodes: the plan still
+    fits, the warning says a limit stopped the search (and not that the plan may differ between
+    runs), and two runs give the same plan."""
+    import logging
+    import os
+    graph = load_onnx(os.path.join(os.path.dirname(__file__), "..", "models", "gpt2_ts17.onnx"))
+    budget = int(search(graph, {"mesh_shape": [2, 2], "algo": "replicate"}).memory_bytes * 0.75)
+    cfg = {"mesh_shape": [2, 2], "memory_budget_bytes": budget, "max_nodes": 1}
+    with caplog.at_level(logging.WARNING, logger="shardflow.compiler.parallel.search"):
+        plans = [search(graph, cfg) for _ in range(2)]
+    stops = [r.getMessage() for r in caplog.records if "stopped at a limit" in r.getMessage()]
+    assert stops and all("max_nodes=1" in m and "may differ" not in m for m in stops)
+    for k, plan in enumerate(plans):
+        assert plan.memory_bytes <= budget and plan.collectives
+        plan.save(tmp_path / str(k))
+    assert (tmp_path / "0" / "plan.json").read_bytes() == (tmp_path / "1" / "plan.json").read_bytes()
+
+
 def test_ilp_never_above_a_feasible_baseline(mlp_graph):
     for mesh in ([2], [4], [2, 2]):
         for budget in (None, _budget(mlp_graph, mesh, 0.8)):
@@ -130,6 +150,10 @@ def test_stale_plan_is_refused(tmp_path, mlp_graph):
     ({"mesh_shape": [2], "memory_budget_bytes": -5}, "memory_budget_bytes"),
     ({"mesh_shape": [2], "rank_map": [0, 0]}, "rank_map"),
     ({"mesh_shape": [2], "input_placements": {"x": "S(7)"}}, "rank"),
+    ({"mesh_shape": [2], "max_nodes": 0}, "max_nodes"),
+    ({"mesh_shape": [2], "max_nodes": True}, "max_nodes"),
+    ({"mesh_shape": [2], "max_nodes": 2.5}, "max_nodes"),
+    ({"mesh_shape": [2], "max_nodes": 10, "solver": "highs"}, "max_nodes.*cbc"),
 ])
 def test_config_errors(mlp_graph, cfg, match):
     with pytest.raises(ConfigError, match=match):
