@@ -127,8 +127,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                         "replicate baselines")
     p.add_argument("--distributed-config", metavar="FILE.json", default=None,
                    help="a JSON object of distributed_config keys (mesh_shape, axis_bandwidth_GBps, "
-                        "axis_latency_us, memory_budget_bytes, algo, solver, time_limit_s, max_nodes, input_placements, "
-                        "output_placements, ...); flags override it")
+                        "axis_latency_us, memory_budget_bytes, algo, solver, time_limit_s, max_nodes, "
+                        "input_placements, output_placements, ...); flags override it")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -928,26 +928,27 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
             j += cols;
           }
         }
-      }
-      const bool pack = !keep || packed != col;
-      packed = col;
-      for (int64_t kb = 0; kb < (unpacked ? 0 : nkb); ++kb) {
-        const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
-        float* Bb = Bp + (keep ? pc * npt * nrm : 0);  // this K block's panels, [kc][width] each
-        if (pack) {
-          for (int64_t j = j0; j < j1; j += nrm) {
-            const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
-            float* dst = Bb + (j - j0) * kc;
-            u.pack(xg, Hs, Ws, gs, j, cols, width, pc, kc, dst);
+      } else {
+        const bool pack = !keep || packed != col;
+        packed = col;
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
+          float* Bb = Bp + (keep ? pc * npt * nrm : 0);  // this K block's panels, [kc][width] each
+          if (pack) {
+            for (int64_t j = j0; j < j1; j += nrm) {
+              const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
+              float* dst = Bb + (j - j0) * kc;
+              u.pack(xg, Hs, Ws, gs, j, cols, width, pc, kc, dst);
+            }
           }
-        }
-        for (int64_t j = j0; j < j1; j += nrm) {
-          const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
-          const float* bp = Bb + (j - j0) * kc;
-          const int64_t step = nv == 1 ? u.mr1 : mr;
-          for (int64_t i = i0; i < i1; i += step) {
-            const int64_t rows = std::min(step, i1 - i);
-            u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * P + j, P, cols, kb == 0);
+          for (int64_t j = j0; j < j1; j += nrm) {
+            const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
+            const float* bp = Bb + (j - j0) * kc;
+            const int64_t step = nv == 1 ? u.mr1 : mr;
+            for (int64_t i = i0; i < i1; i += step) {
+              const int64_t rows = std::min(step, i1 - i);
+              u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * P + j, P, cols, kb == 0);
+            }
           }
         }
       }

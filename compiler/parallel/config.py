@@ -92,13 +92,8 @@ class DistributedConfig:
         solver = cfg.get("solver", "cbc")
         if solver not in SOLVERS:
             raise ConfigError(f"distributed_config['solver'] = {solver!r}: choose one of {list(SOLVERS)}")
-        budget = cfg.get("memory_budget_bytes")
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
-            raise ConfigError(f"distributed_config['memory_budget_bytes'] = {budget!r}: need a positive int")
-        max_nodes = cfg.get("max_nodes")
-        if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes <= 0):
-            raise ConfigError(f"distributed_config['max_nodes'] = {max_nodes!r}: need a positive int (or leave it out "
-                              "for no node limit)")
+        budget = _opt_positive_int(cfg.get("memory_budget_bytes"), "memory_budget_bytes")
+        max_nodes = _opt_positive_int(cfg.get("max_nodes"), "max_nodes")
         if max_nodes is not None and solver == "highs":
             # PuLP (3.3) has no status for HiGHS's node limit (kSolutionLimit) and raises a KeyError on it
             raise ConfigError("distributed_config['max_nodes'] works with solver 'cbc' only (PuLP cannot read the "
@@ -138,6 +133,12 @@ def _per_axis(v, n, key, allow_zero=False) -> tuple[float, ...] | None:
             raise ConfigError(f"distributed_config[{key!r}] = {v!r}: values must be positive numbers")
         out.append(float(x))
     return tuple(out)
+
+
+def _opt_positive_int(v, key) -> int | None:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+        raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a positive int (or leave it out)")
+    return v
 
 
 def _positive(v, key) -> float:

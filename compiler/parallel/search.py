@@ -465,8 +465,9 @@ def _solve_ilp(problem: Problem) -> list[int]:
     if pulp.LpStatus[status] == "Optimal" and prob.sol_status != pulp.LpSolutionOptimal:
         log.warning("the ILP solver stopped at a limit (time_limit_s=%s, max_nodes=%s) before proving optimality: "
                     "the plan is the best found so far%s; raise the limits or mip_rel_gap", cfg.time_limit_s,
-                    cfg.max_nodes, "" if cfg.max_nodes else " and may differ between runs (max_nodes instead "
-                    "bounds the search by work, the same on every machine)")
+                    cfg.max_nodes, " (the same on every machine, unless time_limit_s came first)" if cfg.max_nodes
+                    else " and may differ between runs (max_nodes instead bounds the search by work, the same on "
+                    "every machine)")
     if pulp.LpStatus[status] != "Optimal":
         if cfg.memory_budget_bytes is not None and pulp.LpStatus[status] == "Infeasible":
             need = _min_memory(problem)

@@ -96,9 +96,8 @@ def _large():
         Conv([_t((1, 24, 9, 11)), _t((30, 24, 1, 1)), _t((30,))]),
         Conv([_t((1, 4, 6, 20)), _t((8, 4, 3, 3))]),
         Conv([_t((1, 12, 5, 18)), _t((12, 4, 3, 3))], group=3, pads=(1, 1, 1, 1)),
-        # packed rows of 8+ pixels at horizontal stride 2 (AVX2: two loads, even elements shuffled);
-        # unpadded, so the last taps' loads would pass the image's end (those go element by element);
-        # a 1x1 with more than 1024 output channels (packed at stride 1, whole-vector stores)
+        # packed rows of 8+ pixels at horizontal stride 2, unpadded, so the last taps reach the image's
+        # end; a 1x1 with more than 1024 output channels (packed at stride 1: whole-vector stores)
         Conv([_t((1, 4, 17, 35)), _t((10, 4, 3, 3)), _t((10,))], strides=(2, 2)),
         Conv([_t((1, 3, 6, 9)), _t((1030, 3, 1, 1))]),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
