@@ -2145,9 +2145,29 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
     cache = cache_dir or default_cache_dir()
 
-    def compile_unit(s: CudaSource) -> bytes:
-        a = compile_arch(arch, s)
-        return _compile_nvcc(nvcc, s, a) if nvcc is not None else _compile_nvrtc(s, a)
+    def tool_of(target: str) -> str:  # what, besides the source, a cached cubin depends on
+        if nvcc is not None:
+            return " ".join(cuda_compile_command(target, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
+        try:
+            return f"nvrtc {target}\n" + _nvrtc_version()
+        except ImportError:
+            raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
+                                 "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
+
+    def compile_unit(s: CudaSource) -> tuple[bytes, bool]:
+        """The cubin of ``s`` from the kernel cache, else compiled and cached; and whether it was a hit."""
+        target = compile_arch(arch, s)
+        key = hashlib.sha256((s.text + "\0" + tool_of(target)).encode()).hexdigest()
+        cached = os.path.join(cache, key[:2], key + ".cubin")
+        if os.path.exists(cached):
+            with open(cached, "rb") as f:
+                return f.read(), True
+        data = _compile_nvcc(nvcc, s, target) if nvcc is not None else _compile_nvrtc(s, target)
+        try:
+            _atomic_write(cached, data)
+        except OSError as exc:  # a read-only cache must not fail the build
+            log.warning("cannot write the kernel cache %s: %s", cached, exc)
+        return data, False
 
     matched = _match_tiles(ops, gemm_tiles or {})
     forced = {name: gemm_tiles[pattern] for pattern, names in matched.items() for name in names}
@@ -2155,35 +2175,16 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
-                           cache_dir=cache, compile_source=compile_unit)
+                           cache_dir=cache, compile_source=lambda s: compile_unit(s)[0])
     src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})})
     for pattern, names in matched.items():
         if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):
             log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program (wgmma)", pattern)
     t1 = time.perf_counter()
-    target = compile_arch(arch, src)
-    if nvcc is not None:
-        tool = " ".join(cuda_compile_command(target, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
-    else:
-        try:
-            tool = f"nvrtc {target}\n" + _nvrtc_version()
-        except ImportError:
-            raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
-                                 "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
-    key = hashlib.sha256((src.text + "\0" + tool).encode()).hexdigest()
-    cached = os.path.join(cache, key[:2], key + ".cubin")
-    hit = os.path.exists(cached)
-    if hit:
-        with open(cached, "rb") as f:
-            data = f.read()
-    else:
-        data = compile_unit(src)
-        try:
-            _atomic_write(cached, data)
-        except OSError as exc:  # a read-only cache must not fail the build
-            log.warning("cannot write the kernel cache %s: %s", cached, exc)
+    data, hit = compile_unit(src)
     _atomic_write(path, data)
-    log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, target, len(src.launches),
+    log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, compile_arch(arch, src),
+             len(src.launches),
              len({launch.symbol for launch in src.launches.values()}), t1 - t0, "cache hit" if hit else "compile",
              time.perf_counter() - t1)
     if fuse:

@@ -9,13 +9,16 @@ launched on random operands of the op's shapes on the GPU of the compiling machi
 CUDA events (median of 3 × 10 back-to-back launches); the fastest is used. A candidate whose
 output on those operands differs from the default tile's (by more than 1% of the output's
 largest value, or NaN where the default has a number) is not used: speed must not buy a
-wrong kernel. Choices are kept as
+wrong kernel. The candidates of all the program's GEMMs are compiled before any is timed, one
+compiler process per cpu at once, and their cubins go into the kernel cache like the program's.
+Choices are kept as
 JSON in ``<kernel cache>/tune/`` keyed by the kernel's source, the GPU's name and the candidates,
 so repeated layers and later builds measure nothing. Without a visible GPU (or cupy), level 2
 falls back to the default and says so in the log.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -147,15 +150,10 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         return {}
     measure = measure or measure_on_gpu
     output = output or output_on_gpu
-    cubins: dict[str, bytes] = {}  # source text -> cubin (the default tile is also a candidate)
-
-    def compiled(src) -> bytes:
-        if src.text not in cubins:
-            cubins[src.text] = compile_source(src)
-        return cubins[src.text]
     base = generate_cuda_source(list(ops), precision, arch)
     folder = os.path.join(cache_dir, "tune")
     chosen: dict[str, str] = {}
+    todo = {}  # cache path -> (op, the default tile's source, {candidate: source}, names of ops with its kernel)
     for op in ops:
         launch = base.launches.get(op.name)
         if launch is None or not launch.kind.startswith("gemm-wgmma"):
@@ -169,14 +167,24 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
             with open(path) as f:
                 chosen[op.name] = json.load(f)["config"]
             continue
-        times, wrong = {}, []
-        alone = generate_cuda_source([op], precision, arch)  # the default tile: the reference values
-        want = output(compiled(alone), alone.launches[op.name], op)
+        if path in todo:  # another op with this kernel (a repeated layer): measured once
+            todo[path][3].append(op.name)
+            continue
+        cands = {}
         for cand in CANDIDATES:
             src = generate_cuda_source([op], precision, arch, {op.name: cand})
             if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
                 continue  # a batched product: the tile falls back to a cp.async one measured anyway
-            cubin, launch = compiled(src), src.launches[op.name]
+            cands[cand] = src
+        todo[path] = (op, generate_cuda_source([op], precision, arch), cands, [op.name])
+    # every candidate is compiled before any is timed, all at once (nvcc runs apart from Python)
+    sources = {s.text: s for _, alone, cands, _ in todo.values() for s in (alone, *cands.values())}
+    cubins = _compile_concurrently(list(sources.values()), compile_source)
+    for path, (op, alone, cands, names) in todo.items():
+        want = output(cubins[alone.text], alone.launches[op.name], op)  # the default tile: the reference
+        times, wrong = {}, []
+        for cand, src in cands.items():
+            cubin, launch = cubins[src.text], src.launches[op.name]
             if not _agrees(output(cubin, launch, op), want):
                 wrong.append(cand)
                 continue
@@ -187,7 +195,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         if not times:
             continue  # (every candidate disagreed: the default stays)
         best = min(times, key=times.get)
-        chosen[op.name] = best
+        chosen.update(dict.fromkeys(names, best))
         log.info("tuned %s (%s): %s", op.name, ", ".join(f"{c} {t:.4f} ms" for c, t in times.items()), best)
         record = {"config": best, "ms": times, "device": device, "op": op.name, "rejected": wrong}
         try:
@@ -195,3 +203,15 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         except OSError as exc:  # a read-only cache must not fail the build
             log.warning("cannot write the tuning cache %s: %s", path, exc)
     return chosen
+
+
+def _compile_concurrently(sources: list, compile_source: Callable) -> dict[str, bytes]:
+    """Source text -> cubin for each of ``sources``, compiled by up to one thread per cpu (each
+    waits on its own compiler process). The first compile error is raised, after the others end."""
+    if not sources:
+        return {}
+    workers = max(1, min(len(sources), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shardflow-tune") as pool:
+        futures = [pool.submit(compile_source, s) for s in sources]
+        concurrent.futures.wait(futures)
+    return {s.text: f.result() for s, f in zip(sources, futures)}

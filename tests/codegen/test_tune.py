@@ -10,13 +10,16 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import itertools
 import shutil
+import threading
 
 import numpy as np
 import pytest
 
-from shardflow.compiler.codegen import tune
+from shardflow.compiler.codegen import cuda, tune
 from shardflow.compiler.codegen.cuda import build_cuda_library
+from shardflow.compiler.codegen.toolchain import CompileError
 from shardflow.compiler.codegen.cuda_wgmma import choose_wgmma_config
 from shardflow.compiler.ir import Tensor
 from shardflow.compiler.ops.linalg import MatMul
@@ -42,6 +45,10 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
     monkeypatch.setattr(tune, "measure_on_gpu", fake)
     monkeypatch.setattr(tune, "output_on_gpu", lambda cubin, launch, op: np.zeros(op.outputs[0].shape, np.float32))
+    compiled = []  # every nvcc run: the candidates' too go through the kernel cache
+    real_nvcc = cuda._compile_nvcc
+    monkeypatch.setattr(cuda, "_compile_nvcc",
+                        lambda nvcc, src, arch: compiled.append(src) or real_nvcc(nvcc, src, arch))
     cache = str(tmp_path / "cache")
     launches = build_cuda_library(_ops(), str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
     assert choose_wgmma_config(1024, 768, 1) != "64x64"  # the measurement, not the default, decided
@@ -51,6 +58,8 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     records = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
     assert sorted(r["config"] for r in records) == ["64x64", "64x64"] and records[0]["device"] == "Fake GPU"
     assert set(records[0]["ms"]) == set(tune.CANDIDATES) and records[0]["rejected"] == []
+    # per distinct kernel its 8 tiles (the default tile among them), and the program
+    assert len(compiled) == 2 * 8 + 1
     # a second build reads the choices back: nothing is measured
     monkeypatch.setattr(tune, "measure_on_gpu", lambda *a: pytest.fail("measured again"))
     again = build_cuda_library(_ops(), str(tmp_path / "k2.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
@@ -59,8 +68,36 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "gpu_name", lambda: "Other GPU")
     monkeypatch.setattr(tune, "measure_on_gpu", fake)
     calls.clear()
+    compiled.clear()
     build_cuda_library(_ops(), str(tmp_path / "k3.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
-    assert len(calls) == 16
+    assert len(calls) == 16 and compiled == []  # measured again, from the cached cubins
+
+
+def test_candidates_compile_at_once_and_a_compile_error_is_raised(tmp_path, monkeypatch):
+    """The candidates of all GEMMs are compiled concurrently (each compile waits here until
+    another one runs beside it: compiled one by one, the barrier would time out); a candidate's
+    compile error stops the tuning with that error."""
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
+    monkeypatch.setattr(tune.os, "cpu_count", lambda: 2)
+    both = threading.Barrier(2, timeout=30)
+
+    def compile_source(src):
+        both.wait()
+        return src.text.encode()
+    chosen = tune.tune_gemms(_ops(), arch="sm_90", precision="float16", cache_dir=str(tmp_path / "a"),
+                             compile_source=compile_source, measure=lambda cubin, launch, op: 1.0 / launch.grid[0],
+                             output=lambda cubin, launch, op: np.zeros(op.outputs[0].shape, np.float32))
+    assert set(chosen) == {"l0", "l1", "head"} and chosen["l0"] == chosen["l1"]
+
+    count = itertools.count()
+
+    def failing(src):  # the third compile fails
+        if next(count) == 2:
+            raise CompileError("nvcc failed on the kernels of l0", ["l0"])
+        return b"cubin"
+    with pytest.raises(CompileError, match="l0"):
+        tune.tune_gemms(_ops(), arch="sm_90", precision="float16", cache_dir=str(tmp_path / "b"),
+                        compile_source=failing, measure=lambda *a: 1.0, output=lambda *a: np.zeros(1))
 
 
 def test_a_tile_with_other_values_is_not_used_however_fast(tmp_path, monkeypatch, caplog):
