@@ -15,7 +15,7 @@ R → P(op)       ``local_partial``    free: ``sum`` keeps the value on the grou
                                      first rank (zeros elsewhere); max, min, avg
                                      keep it everywhere
 S(a) → P        via ``R``            all-gather, then local partial
-P(x) → P(y)     unsupported          :class:`ReshardingError`
+P(x) → P(y)     via ``R``            all-reduce with x, then local partial y
 ==============  ===================  ========================================
 
 **Order.** A step on mesh axis ``i`` is legal only when it keeps the nested-split order of the
@@ -57,7 +57,7 @@ STEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local
 
 
 class ReshardingError(ShardflowError):
-    """The requested resharding is not supported (``P(x) → P(y)``, mixed partial reductions)."""
+    """The requested resharding is not supported (a spec mixing partial reductions)."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def connect(src: TensorShardSpec | str, dst: TensorShardSpec | str, shape: Seque
     Raises
     ------
     ReshardingError
-        For ``P(x) → P(y)`` on one axis with ``x != y``, or a spec mixing ``Partial`` reductions.
+        For a spec mixing ``Partial`` reductions. (``P(x) → P(y)`` on one axis with ``x != y``
+        reduces to ``R`` first, then makes the new partial value locally.)
     ShapeError
         When a spec does not fit the mesh or the tensor's rank.
     """
@@ -175,10 +176,6 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
         if len(spec.partial_ops) > 1:
             raise ReshardingError(f"shard spec {spec} mixes partial reductions {list(spec.partial_ops)}; their "
                                   "combined value depends on the reduction order")
-    for a, (p, q) in enumerate(zip(src, dst)):
-        if isinstance(p, Partial) and isinstance(q, Partial) and p != q:
-            raise ReshardingError(f"cannot turn {src} into {dst}: mesh axis {a} goes from {p} to {q}; reduce "
-                                  "first (to R) and make a new partial value instead")
     if src == dst:
         return Resharding(src, dst, shape, dtype, (), 0.0)
     candidates = [tuple(dict.fromkeys((p, Replicate(), q))) for p, q in zip(src, dst)]

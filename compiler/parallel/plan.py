@@ -17,7 +17,7 @@ from ..ir.graph import FlowGraph
 from .connect import connect
 from .mesh import DeviceMesh
 from .placement import TensorShardSpec
-from .rules import OpShardSpec
+from .rules import PARTIAL_SUMS, OpShardSpec
 
 if TYPE_CHECKING:
     from .search import Problem
@@ -288,8 +288,9 @@ class ShardingPlan:
         lines = [f"{node} ({self.op_types[node]}): {sp}"]
         for m, v in enumerate(sp.assignment):
             axis = self.mesh.axis_names[m]
-            lines.append(f"  mesh axis {axis} (size {self.mesh.shape[m]}): "
-                         + (f"splits loop variable {v}" if v else "work replicated"))
+            what = ("works on partial sums (a linear op: partial inputs, partial output)" if v == PARTIAL_SUMS
+                    else f"splits loop variable {v}" if v else "work replicated")
+            lines.append(f"  mesh axis {axis} (size {self.mesh.shape[m]}): {what}")
         for k, red in enumerate(sp.reductions):
             for m, op in red:
                 lines.append(f"  output {k} is Partial({op}) over mesh axis {self.mesh.axis_names[m]}; "

@@ -16,6 +16,16 @@ proves valid:
 * a reduction variable may be sharded only when the output is ``c * reduce(...) + rest`` (linear),
   giving ``Partial(op)``; the terms in ``rest`` then read their inputs as ``Partial`` too.
 
+A mesh axis may also split no loop variable but carry partial sums through the op
+(:data:`PARTIAL_SUMS`): when the output is a homogeneous linear function of some float inputs
+(``a + b``, ``a - b``, ``a * w``, ``a / w``, ``-a``, casts between floats, sums and means,
+reshapes, transposes, slices, gathers of ``a``, selects between ``a`` and zero, with ``w`` not
+among them), running the op on each rank's partial sums of those inputs gives partial sums of the
+output. Those inputs are then ``Partial(sum)`` along the axis, the others ``Replicate``, and the
+output ``Partial(sum)``. This lets a plan add the partial sums of two row-parallel products
+before one all-reduce (a parallel attention + MLP block), or carry a bias or residual add
+(its replicated operand made partial by a local zeroing) to a later reduce-scatter.
+
 Nothing here is written per op: the same analysis covers matmul, convolution, gathers,
 reshapes and normalizations. Extern outputs (sorting) contribute their declared ``axis_map``.
 """
@@ -24,14 +34,20 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ..ir.expr import (BinOp, Cast, Const, Expr, Reduce, TensorElement, UnaryOp, Var, affine_form, walk)
+import numpy as np
+
+from ..ir.expr import (BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement, UnaryOp, Var, affine_form,
+                       infer_dtype, walk)
 from ..ir.graph import Operator
 from ..ir.task import ExternCompute, GridCompute
 from .placement import Partial, Placement, Replicate, Shard, TensorShardSpec
 
-__all__ = ["OpShardSpec", "op_strategies", "replicated_strategy"]
+__all__ = ["OpShardSpec", "op_strategies", "replicated_strategy", "PARTIAL_SUMS"]
 
 _PARTIAL_OPS = {"sum": "sum", "max": "max", "min": "min", "mean": "avg"}
+
+#: the assignment of a mesh axis along which an op runs on partial sums (see the module's docstring)
+PARTIAL_SUMS = "partial sums"
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,107 @@ def _linear_reduce(value: Expr) -> tuple[Reduce, list[Expr], bool] | None:
                 if found is not None and _linear_read(other):
                     return found[0], found[1] + [other], False
     return None
+
+
+_ZERO, _INDEPENDENT, _LINEAR = "zero", "independent", "linear"
+
+
+def _degree(value: Expr, linear_in: set[int]) -> str | None:
+    """How ``value`` depends on the reads of the task inputs whose ids are in ``linear_in``:
+    ``_ZERO`` (the constant 0), ``_INDEPENDENT`` (it does not read them), ``_LINEAR`` (a
+    homogeneous linear function of them, with coefficients that do not read them), or ``None``."""
+    memo: dict[int, str | None] = {}
+
+    def join_sum(a, b):  # a + b, and the branches of a select
+        if a is None or b is None:
+            return None
+        if a == _ZERO:
+            return b
+        if b == _ZERO or a == b:
+            return a
+        return None  # linear + independent: affine
+
+    def go(e: Expr) -> str | None:
+        k = id(e)
+        if k not in memo:
+            memo[k] = visit(e)
+        return memo[k]
+
+    def visit(e: Expr) -> str | None:
+        if isinstance(e, Const):
+            return _ZERO if e.value == 0 else _INDEPENDENT
+        if isinstance(e, Var):
+            return _INDEPENDENT
+        if isinstance(e, TensorElement):
+            if any(go(i) not in (_ZERO, _INDEPENDENT) for i in e.indices):
+                return None  # a partial sum used as an index
+            return _LINEAR if id(e.tensor) in linear_in else _INDEPENDENT
+        if isinstance(e, Cast):
+            d = go(e.a)
+            if d == _LINEAR and (_np_kind(e.dtype) != "f" or _np_kind(infer_dtype(e.a)) != "f"):
+                return None  # rounding a partial sum to an integer is not the sum's rounding
+            return d
+        if isinstance(e, UnaryOp):
+            d = go(e.a)
+            if e.op == "neg" or d is None:
+                return d
+            return _INDEPENDENT if d != _LINEAR else None
+        if isinstance(e, BinOp):
+            a, b = go(e.a), go(e.b)
+            if a is None or b is None:
+                return None
+            if e.op in ("add", "sub"):
+                return join_sum(a, b)
+            if e.op == "mul":
+                if _LINEAR in (a, b):
+                    return None if a == b else _LINEAR  # (0 * x: linear too)
+                return _ZERO if _ZERO in (a, b) else _INDEPENDENT
+            if e.op == "div" and b != _LINEAR:
+                return a if a != _ZERO else _ZERO
+            return None if _LINEAR in (a, b) else _INDEPENDENT
+        if isinstance(e, IfThenElse):
+            if go(e.cond) not in (_ZERO, _INDEPENDENT):
+                return None
+            return join_sum(go(e.then), go(e.other))
+        if isinstance(e, Reduce):
+            d = go(e.body)
+            return d if d != _LINEAR or e.op in ("sum", "mean") else None
+        return None
+
+    return go(value)
+
+
+def _np_kind(dtype: str | None) -> str:
+    """numpy's kind letter of ``dtype`` (``"f"`` for bfloat16), ``""`` when unknown."""
+    if dtype is None:
+        return ""
+    return "f" if dtype == "bfloat16" else np.dtype(dtype).kind
+
+
+def _partial_input_sets(out: GridCompute, task_inputs, max_inputs: int = 4) -> list[tuple[int, ...]]:
+    """The sets of input positions in which the output is a homogeneous linear function (all
+    float, the output too): the inputs an op may take as partial sums."""
+    n = len(task_inputs)
+    if n > max_inputs or _np_kind(out.dtype) != "f" or out.reduces():
+        return []  # (a product or a reduction of partial sums is valid too, but dearer than reducing first)
+    floats = [k for k, t in enumerate(task_inputs) if _np_kind(t.dtype) == "f"]
+    res = []
+    for size in range(1, len(floats) + 1):
+        for ks in itertools.combinations(floats, size):
+            if _degree(out.value, {id(task_inputs[k]) for k in ks}) == _LINEAR:
+                res.append(ks)
+    return res
+
+
+def _with_partial_sums(spec: OpShardSpec, axes: tuple[int, ...], inputs: tuple[int, ...]) -> OpShardSpec:
+    """``spec`` with ``inputs`` and the output ``Partial(sum)`` along the mesh ``axes`` (which it
+    does not split)."""
+    def put(ts: TensorShardSpec) -> TensorShardSpec:
+        return TensorShardSpec(tuple(Partial("sum") if m in axes else p for m, p in enumerate(ts.placements)))
+    ins = tuple(put(ts) if k in inputs else ts for k, ts in enumerate(spec.input_specs))
+    return OpShardSpec(ins, (put(spec.output_specs[0]),), (spec.reductions[0] + tuple((m, "sum") for m in axes),),
+                       tuple(PARTIAL_SUMS if m in axes else v for m, v in enumerate(spec.assignment)),
+                       spec.parallelism)
 
 
 class _OutputAnalysis:
@@ -293,6 +410,19 @@ def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec
             continue
         seen.add(key)
         res.append(spec)
+    sets = _partial_input_sets(task.outputs[0], task.inputs)
+    for spec in list(res) if sets else []:
+        if any(op != "sum" for _, op in spec.reductions[0]):
+            continue  # P(sum) beside P(max)/P(avg) has no defined value
+        free = [m for m, v in enumerate(spec.assignment) if v is None and mesh_shape[m] > 1]
+        for r in range(1, len(free) + 1):
+            for axes in itertools.combinations(free, r):
+                for ks in sets:
+                    new = _with_partial_sums(spec, axes, ks)
+                    key = (new.input_specs, new.output_specs)
+                    if key not in seen:
+                        seen.add(key)
+                        res.append(new)
     return res
 
 

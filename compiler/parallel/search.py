@@ -37,7 +37,7 @@ from .cost import CostModel
 from .mesh import DeviceMesh
 from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
-from .rules import OpShardSpec, op_strategies, replicated_strategy
+from .rules import PARTIAL_SUMS, OpShardSpec, op_strategies, replicated_strategy
 
 __all__ = ["search", "Problem", "op_flops", "local_bytes"]
 
@@ -120,10 +120,14 @@ class Problem:
         self._connect_cache: dict = {}
         self.strategies: dict[int, list[OpShardSpec]] = {}
         same_op: dict[tuple, list[OpShardSpec]] = {}  # repeated layers have identical ops
+        partial_sums = cfg.partial_sums is True or (cfg.partial_sums == "auto" and not (
+            cfg.memory_budget_bytes is not None and sum(n > 1 for n in self.mesh_shape) > 1))
         for op in graph.nodes:
             key = (type(op), attr_key(op.attrs), tuple((t.shape, t.dtype) for t in op.inputs))
             if key not in same_op:
                 specs = op_strategies(op, self.mesh_shape) or [replicated_strategy(op, nd)]
+                if not partial_sums:
+                    specs = [s for s in specs if PARTIAL_SUMS not in s.assignment]
                 same_op[key] = [self._with_cost(op, s) for s in specs]
             self.strategies[id(op)] = same_op[key]
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
@@ -255,32 +259,48 @@ class Problem:
             self._group_choices(g)
 
     def _group_choices(self, g: Group) -> None:
+        """Per leader strategy, the members' strategies that follow it. Where members could carry
+        the leader's partial sums on (:data:`~.rules.PARTIAL_SUMS`), there are two choices: carried
+        as far as the members' own costs prefer, and resolved at the first member (what a
+        consumer outside the group may want); the ILP picks."""
+        seen = set()
         for lead in self.strategies[id(g.leader)]:
-            assign = {id(g.leader): lead}
-            cost = lead.compute_cost
-            for op in g.members[1:]:
-                # Follow: keep the spec the group hands over when some candidate accepts it as is.
-                lead_t = next(t for t in op.inputs if not t.is_constant)
-                p = self.producer_of[id(lead_t)]
-                have = assign[id(p)].output_specs[p.outputs.index(lead_t)]
-                k = op.inputs.index(lead_t)
-                # ... and do not split work along mesh axes where the handed-over tensor is whole.
-                whole = [m for m, pl in enumerate(have.placements) if isinstance(pl, Replicate)]
-                allowed = [c for c in self.strategies[id(op)] if all(c.assignment[m] is None for m in whole)]
-                cands = [c for c in allowed if c.input_specs[k] == have] or allowed or self.strategies[id(op)]
-                best, best_cost = None, math.inf
-                for cand in cands:
-                    c = cand.compute_cost
-                    for t, sp in zip(op.inputs, cand.input_specs):
-                        p = self.producer_of.get(id(t))
-                        if p is not None and id(p) in assign:
-                            c += self.reshard_cost(t, assign[id(p)].output_specs[p.outputs.index(t)], sp)
-                    if c < best_cost - 1e-15:
-                        best, best_cost = cand, c
-                assign[id(op)] = best
-                cost += best_cost
-            g.choices.append(assign)
-            g.node_cost.append(cost)
+            for carry in (True, False):
+                assign, cost = self._follow_leader(g, lead, carry)
+                key = tuple(id(s) for s in assign.values())
+                if key not in seen:
+                    seen.add(key)
+                    g.choices.append(assign)
+                    g.node_cost.append(cost)
+
+    def _follow_leader(self, g: Group, lead: OpShardSpec, carry_partial_sums: bool):
+        assign = {id(g.leader): lead}
+        cost = lead.compute_cost
+        for op in g.members[1:]:
+            # Follow: keep the spec the group hands over when some candidate accepts it as is.
+            lead_t = next(t for t in op.inputs if not t.is_constant)
+            p = self.producer_of[id(lead_t)]
+            have = assign[id(p)].output_specs[p.outputs.index(lead_t)]
+            k = op.inputs.index(lead_t)
+            # ... and do not split work along mesh axes where the handed-over tensor is whole.
+            whole = [m for m, pl in enumerate(have.placements) if isinstance(pl, Replicate)]
+            options = self.strategies[id(op)]
+            if not carry_partial_sums:
+                options = [c for c in options if PARTIAL_SUMS not in c.assignment] or options
+            allowed = [c for c in options if all(c.assignment[m] is None for m in whole)]
+            cands = [c for c in allowed if c.input_specs[k] == have] or allowed or options
+            best, best_cost = None, math.inf
+            for cand in cands:
+                c = cand.compute_cost
+                for t, sp in zip(op.inputs, cand.input_specs):
+                    p = self.producer_of.get(id(t))
+                    if p is not None and id(p) in assign:
+                        c += self.reshard_cost(t, assign[id(p)].output_specs[p.outputs.index(t)], sp)
+                if c < best_cost - 1e-15:
+                    best, best_cost = cand, c
+            assign[id(op)] = best
+            cost += best_cost
+        return assign, cost
 
     def external_inputs(self, g: Group):
         """(tensor, member op, input index) reads of ``g`` from outside it."""
@@ -553,10 +573,11 @@ def _solver(cfg: DistributedConfig):
 
 def _follow(problem: Problem, pick) -> dict[int, OpShardSpec]:
     """Assign ops in order: ``pick(op, candidates, assign)`` may choose; otherwise the candidate
-    whose inputs arrive without resharding (most parallel first), else replicated."""
+    whose inputs arrive without resharding (most parallel first), else replicated. Baselines
+    resolve partial sums where they arise (no :data:`~.rules.PARTIAL_SUMS` strategies)."""
     assign: dict[int, OpShardSpec] = {}
     for op in problem.graph.nodes:
-        cands = problem.strategies[id(op)]
+        cands = [c for c in problem.strategies[id(op)] if PARTIAL_SUMS not in c.assignment]
         chosen = pick(op, cands, assign)
         assign[id(op)] = chosen if chosen is not None else _cheapest(problem, op, cands, assign)
     return assign

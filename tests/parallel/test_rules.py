@@ -72,3 +72,31 @@ def test_softmax_axis_is_never_split():
     op = Softmax([x], axes=(1,), log=False)
     specs = {str(s) for s in op_strategies(op, (2,))}
     assert specs == {"(R) -> (R)", "(S(0)) -> (S(0))"}
+
+
+def test_partial_sums_go_through_linear_ops_only():
+    """An op takes partial sums (and gives one) exactly where its output is a homogeneous linear
+    function of those inputs: a + b, a * w, transposes, zero and edge padding do; a + w (w whole),
+    a * b, activations, padding with a nonzero fill, casts to integers and products do not."""
+    from shardflow.compiler.ops.elementwise import Activation, Binary, CastOp, Where
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.transform import Pad, Transpose
+
+    a, b = Tensor("a", (4, 6), "float32"), Tensor("b", (4, 6), "float32")
+    cond = Tensor("c", (4, 6), "bool")
+
+    def partial(op):
+        return {str(s) for s in op_strategies(op, (2,)) if "partial sums" in s.assignment}
+    assert partial(Binary([a, b], fn="add")) == {"(P(sum), P(sum)) -> (P(sum))"}
+    assert partial(Binary([a, b], fn="sub")) == {"(P(sum), P(sum)) -> (P(sum))"}
+    assert partial(Binary([a, b], fn="mul")) == {"(P(sum), R) -> (P(sum))", "(R, P(sum)) -> (P(sum))"}
+    assert partial(Binary([a, b], fn="div")) == {"(P(sum), R) -> (P(sum))"}
+    assert partial(Transpose([a], perm=[1, 0])) == {"(P(sum)) -> (P(sum))"}
+    assert partial(Pad([a], begin=[1, 0], end=[0, 2], mode="constant", value=0.0)) == {"(P(sum)) -> (P(sum))"}
+    assert partial(Pad([a], begin=[1, 0], end=[0, 0], mode="edge")) == {"(P(sum)) -> (P(sum))"}  # copies: linear
+    assert partial(Where([cond, a, b])) == {"(R, P(sum), P(sum)) -> (P(sum))"}
+    assert partial(CastOp([a], to="float64")) == {"(P(sum)) -> (P(sum))"}
+    for op in (Binary([a, b], fn="max"), Activation([a], kind="relu"), CastOp([a], to="int32"),
+               Pad([a], begin=[1, 0], end=[0, 0], mode="constant", value=1.0),
+               MatMul([a, Tensor("w", (6, 8), "float32")])):
+        assert partial(op) == set(), op

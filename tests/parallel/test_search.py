@@ -5,7 +5,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from models import mlp
+from models import mlp, parallel_block
 
 from shardflow.compiler import ConfigError, ShardflowError, load_onnx
 from shardflow.compiler.parallel import ShardingPlan, partition, search, simulate
@@ -40,6 +40,40 @@ def test_mlp_under_budget_gets_megatron_plan(mlp_graph):
     want = mlp_graph.run({"x": x})["y"]
     got = simulate(partition(mlp_graph, plan), {"x": x}, plan.mesh)["y"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", [[4], [2, 2]])
+def test_parallel_branches_share_one_all_reduce(mesh):
+    """x + mlp_a(x) + mlp_b(x) under a budget that forces Megatron's split of both branches: the
+    optimum adds the branches' partial sums (and x and the biases, made partial locally) and
+    all-reduces once; the Megatron baseline, resolving each partial sum where it arises,
+    twice. On [4] the ILP's cost is the baseline's less one all-reduce of y (on [2, 2] it may
+    also split work over the other axis: at most that)."""
+    graph = load_onnx(parallel_block())
+    cfg = {"mesh_shape": mesh, "memory_budget_bytes": _budget(graph, mesh), "axis_latency_us": 0}
+    if len(mesh) > 1:  # (with a budget on a 2-D mesh, 'auto' leaves partial sums out: see below)
+        cfg["partial_sums"] = True
+    plan = search(graph, cfg)
+    meg = search(graph, {**cfg, "algo": "megatron"})
+    kinds = Counter(c.kind for c in plan.collectives)
+    assert kinds["all_reduce"] + kinds["reduce_scatter"] == 1, plan.to_text()
+    assert Counter(c.kind for c in meg.collectives)["all_reduce"] == 2
+    one = max(r.cost for r in meg.reshards)  # an all-reduce of y (each branch's is the same size)
+    if len(mesh) == 1:
+        assert plan.cost == pytest.approx(meg.cost - one, rel=1e-6)
+    assert plan.cost <= meg.cost - one + 1e-15
+    assert plan.op_specs["residual_b"].assignment.count("partial sums") >= 1
+    assert "works on partial sums" in plan.explain("residual_b")
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    got = simulate(partition(graph, plan), {"x": x}, plan.mesh)["y"]
+    np.testing.assert_allclose(got, graph.run({"x": x})["y"], rtol=1e-4, atol=1e-4)
+    # partial_sums: false (and 'auto' under a budget on a 2-D mesh): the earlier search space, two reductions
+    offs = [search(graph, {**cfg, "partial_sums": False})]
+    if len(mesh) > 1:
+        offs.append(search(graph, {**cfg, "partial_sums": "auto"}))
+    for off in offs:
+        assert sum(1 for c in off.collectives if c.kind in ("all_reduce", "reduce_scatter")) == 2
+        assert all("partial sums" not in sp.assignment for sp in off.op_specs.values()) and off.cost > plan.cost
 
 
 def test_slow_axis_carries_at_most_the_output_collective(mlp_graph):
@@ -154,6 +188,7 @@ def test_stale_plan_is_refused(tmp_path, mlp_graph):
     ({"mesh_shape": [2], "max_nodes": True}, "max_nodes"),
     ({"mesh_shape": [2], "max_nodes": 2.5}, "max_nodes"),
     ({"mesh_shape": [2], "max_nodes": 10, "solver": "highs"}, "max_nodes.*cbc"),
+    ({"mesh_shape": [2], "partial_sums": "yes"}, "partial_sums.*'auto'"),
 ])
 def test_config_errors(mlp_graph, cfg, match):
     with pytest.raises(ConfigError, match=match):
