@@ -22,7 +22,7 @@ def inputs_for(file):
 def test_every_model_exported_with_both_exporters():
     kinds = {(e["model"], e["exporter"]) for e in EXPORTS.values()}
     models = {m for m, _ in kinds}
-    assert models == {"gpt2", "bert", "llama", "vit", "t5_encoder", "resnet", "mlp"}
+    assert models == {"gpt2", "bert", "llama", "neox", "vit", "t5_encoder", "resnet", "mlp"}
     assert all((m, x) in kinds for m in models for x in ("torchscript", "dynamo"))
 
 

@@ -198,6 +198,26 @@ def build_llama():
     return _HiddenState(model), _text_inputs(), ["last_hidden_state"]
 
 
+def build_neox():
+    """GPT-NeoX (Pythia): attention and MLP in parallel from the same input, both added to the
+    residual (``use_parallel_residual``), the block shape of GPT-J, GPT-NeoX and PaLM."""
+    from transformers import GPTNeoXConfig, GPTNeoXModel
+
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        use_parallel_residual=True,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    model = GPTNeoXModel(cfg).eval()
+    return _HiddenState(model), _text_inputs(), ["last_hidden_state"]
+
+
 def build_vit():
     from transformers import ViTConfig, ViTModel
 
@@ -271,6 +291,7 @@ MODELS = {
     "gpt2": _build_gpt2_default,
     "bert": build_bert,
     "llama": build_llama,
+    "neox": build_neox,
     "vit": build_vit,
     "t5_encoder": build_t5_encoder,
     "resnet": build_resnet,
