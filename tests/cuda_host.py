@@ -36,12 +36,14 @@ real register layout.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import hashlib
 import os
 import re
 import subprocess
 import tempfile
+import threading
 
 import numpy as np
 
@@ -720,13 +722,20 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
         cpp = os.path.join(work_dir, f"k{key}.cpp")
         with open(cpp, "w") as f:
             f.write(src)
-        tmp = lib + ".tmp"
+        tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"  # (builds may run side by side)
         proc = subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o", tmp, cpp],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on {cpp}:\n{proc.stderr[-4000:]}")
         os.replace(tmp, lib)
     return HostKernels(ctypes.CDLL(lib), sigs)
+
+
+def build_all(texts: list[str], work_dir: str | None = None) -> list[HostKernels]:
+    """:func:`build` of each of ``texts``, the compilers running side by side (one per cpu)."""
+    work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-host-")
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(texts), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda t: build(t, work_dir), texts))
 
 
 #: the emulation's tensor map (the shim's SfTmap): base, dims, row stride, box, element size, swizzle

@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
-from cuda_host import build, run
+from cuda_host import build, build_all, run
 from test_cuda_kernels import LOWERED, _check
 
 from shardflow.compiler.codegen.cuda import generate_cuda_source
@@ -408,9 +408,13 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
     from test_wgmma import _residual_epilogue
 
     rng = np.random.default_rng(5)
+    cases = {name: _residual_epilogue(N, res_t, M=300, dt=dt, heads=heads)
+             for name, (N, dt, res_t, heads) in EPILOGUES.items()}
+    srcs = {name: generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
+            for name, (ops, _) in cases.items()}
+    kernels = dict(zip(srcs, build_all([src.text for src in srcs.values()], str(tmp_path))))
     for name, (N, dt, res_t, heads) in EPILOGUES.items():
-        ops, shapes = _residual_epilogue(N, res_t, M=300, dt=dt, heads=heads)
-        src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
+        shapes, src = cases[name][1], srcs[name]
         launch = src.launches["out"]
         assert launch.kind == "gemm-wgmma-f16" and ("sf_acc[4]" in src.text) == (name not in ("odd", "short-inner"))
         arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16 if k in "xw" else dt)
@@ -418,7 +422,7 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         w = arrays["w"].T if N % 2 else arrays["w"].reshape(arrays["w"].shape[0], -1)
         res = arrays["res"].T if res_t else arrays["res"]
         want = ((arrays["x"].astype(np.float64) @ w.astype(np.float64)).reshape(res.shape) + arrays["bias"] + res)
-        got = run(build(src.text, str(tmp_path)), launch, [arrays[n] for n in launch.args[:launch.num_inputs]],
+        got = run(kernels[name], launch, [arrays[n] for n in launch.args[:launch.num_inputs]],
                   [(res.shape, dt)], grid=(2, 1, 1) if launch.tensor_maps else None)[0]
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
