@@ -154,12 +154,14 @@ def _spatial_input(ctx, x, dtypes=_FLOATS) -> int:
 
 # convolution -------------------------------------------------------------------------------------
 
-def _conv_operands(ctx):
-    """Conv/ConvTranspose: x, w, optional bias, spatial rank, kernel, strides and dilations, checked."""
-    x, w = ctx.input(0), ctx.input(1)
-    bias = ctx.inputs[2] if ctx.has_input(2) else None
+def _conv_operands(ctx, operands=None, dtypes=_FLOATS):
+    """Conv/ConvTranspose: x, w, optional bias (the node's inputs, or ``operands``), spatial rank,
+    kernel, strides and dilations, checked."""
+    if operands is None:
+        operands = ctx.input(0), ctx.input(1), (ctx.inputs[2] if ctx.has_input(2) else None)
+    x, w, bias = operands
     _same_dtype(ctx, x, w, bias)
-    n = _spatial_input(ctx, x)
+    n = _spatial_input(ctx, x, dtypes)
     if w.ndim != x.ndim:
         raise ctx.shape_error(f"weight of shape {w.shape} must have the input's rank {x.ndim}")
     kernel = _ints(ctx, "kernel_shape", n, 0) if ctx.has_attr("kernel_shape") else w.shape[2:]

@@ -1,4 +1,5 @@
-"""Handlers for linear quantization: ``QuantizeLinear`` and ``DequantizeLinear``.
+"""Handlers for linear quantization: ``QuantizeLinear``, ``DequantizeLinear``, ``ConvInteger`` and
+``QLinearConv``.
 
 Both are composed from the elementwise ops the other handlers build (``Cast``, ``Sub``, ``Mul``,
 ``Div``, ``Round``, ``Add``, ``Clip``), so they get compute definitions, sharding rules and
@@ -10,6 +11,14 @@ kernels like any elementwise chain, and a dequantized constant weight is folded 
   division in the wider of the input and scale types (or ``precision``), the result in the zero
   point's type (or ``output_dtype``, default uint8).
 
+* ``ConvInteger``: an int32 ``Conv`` of ``int32(x) - x_zero_point`` and ``int32(w) - w_zero_point``
+  (the weight's zero point one value or one per output channel), padding with zeros after the
+  shift, as the ONNX reference computes it;
+* ``QLinearConv``: that int32 convolution plus the int32 bias ``B``, times
+  ``x_scale * w_scale / y_scale`` (formed in the scales' type, ``w_scale`` one value or one per
+  output channel) in float64, rounded half to even, plus ``y_zero_point``, clipped to the output
+  type's range (that of ``y_zero_point``).
+
 Scales and zero points are per tensor (one value), per axis (a vector along ``axis``) or blocked
 (``block_size`` consecutive entries along ``axis`` share one; opset 21+), as the ONNX reference
 computes them. The element types are those Shardflow has (8-, 16- and 32-bit integers); 2-, 4-,
@@ -20,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.graph import Tensor
+from ..ops.conv import Conv
+from .handlers_linalg import _conv_operands, _forward_pads
 from .registry import NodeContext, onnx_dtype, onnx_op
 
 _OPSET = 13  # of the elementwise nodes emitted
@@ -101,6 +112,64 @@ def quantize_linear(ctx):
     if ctx.has_input(2):
         zp = ctx.cast(_spread(ctx, ctx.input(2), x, axis, block, "the zero point"), "int32")
         q = ctx.emit("Add", [q, zp], _OPSET)
+    lo, hi = _RANGES[out]
+    q = ctx.emit("Clip", [q, ctx.constant(np.int32(lo)), ctx.constant(np.int32(hi))], _OPSET)
+    return [ctx.cast(q, out)]
+
+
+def _shifted(ctx: NodeContext, t: Tensor, zp: Tensor | None, what: str) -> Tensor:
+    """``int32(t) - int32(zp)``; ``zp`` one value, or for the weight (``what`` "w") one per
+    output channel."""
+    if t.dtype not in ("int8", "uint8"):
+        raise ctx.unsupported(f"{t.dtype} {what} (int8/uint8 expected)")
+    y = ctx.cast(t, "int32")
+    if zp is None:
+        return y
+    if zp.dtype != t.dtype:
+        raise ctx.invalid(f"{what}_zero_point has type {zp.dtype}, {what} has {t.dtype}")
+    if zp.size != 1 and what != "w":
+        raise ctx.shape_error(f"{what}_zero_point must be one value, got shape {list(zp.shape)}")
+    return ctx.emit("Sub", [y, ctx.cast(_spread(ctx, zp, t, 0, 0, f"{what}_zero_point"), "int32")], _OPSET)
+
+
+def _conv_int32(ctx: NodeContext, x: Tensor, w: Tensor, bias: Tensor | None, name: str) -> Tensor:
+    """The node's convolution (its attributes) of int32 operands, accumulated in int32."""
+    x, w, bias, _, kernel, strides, dil = _conv_operands(ctx, (x, w, bias), dtypes=("int32",))
+    pads = _forward_pads(ctx, x.shape[2:], kernel, strides, dil)
+    return ctx.add(Conv([x, w] + ([bias] if bias is not None else []), name=name,
+                        group=int(ctx.attr("group", 1)), strides=strides, dilations=dil, pads=pads))
+
+
+@onnx_op("ConvInteger", since=10)
+def conv_integer(ctx):
+    x, w = ctx.input(0), ctx.input(1)
+    xzp = ctx.inputs[2] if ctx.has_input(2) else None
+    wzp = ctx.inputs[3] if ctx.has_input(3) else None
+    return [_conv_int32(ctx, _shifted(ctx, x, xzp, "x"), _shifted(ctx, w, wzp, "w"), None, ctx.name)]
+
+
+@onnx_op("QLinearConv", since=10)
+def qlinear_conv(ctx):
+    x, xs, xzp, w, ws, wzp, ys, yzp = (ctx.input(i) for i in range(8))
+    bias = ctx.input(8) if ctx.has_input(8) else None
+    if any(t.dtype not in ("float32", "float16", "float64") for t in (xs, ws, ys)):
+        raise ctx.invalid("scales must be floating point")
+    if xs.size != 1 or ys.size != 1:
+        raise ctx.shape_error("x_scale and y_scale must be one value each")
+    if bias is not None and (bias.dtype != "int32" or bias.shape != (w.shape[0],)):
+        raise ctx.invalid(f"B must be an int32 vector of the {w.shape[0]} output channels, got {bias.dtype} "
+                          f"{list(bias.shape)}")
+    out = yzp.dtype
+    if out not in ("int8", "uint8"):
+        raise ctx.unsupported(f"{out} output (int8/uint8 expected)")
+    acc = _conv_int32(ctx, _shifted(ctx, x, xzp, "x"), _shifted(ctx, w, wzp, "w"), bias, f"{ctx.name}/conv_int32")
+    # the multiplier in the scales' type, per output channel along the output's axis 1
+    mult = ctx.emit("Div", [ctx.emit("Mul", [_spread(ctx, xs, acc, 1, 0, "x_scale"),
+                                             _spread(ctx, ws, acc, 1, 0, "w_scale")], _OPSET),
+                            _spread(ctx, ys, acc, 1, 0, "y_scale")], _OPSET)
+    r = ctx.emit("Mul", [ctx.cast(acc, "float64"), ctx.cast(mult, "float64")], _OPSET)
+    q = ctx.emit("Add", [ctx.cast(ctx.emit("Round", [r], _OPSET), "int32"),
+                         ctx.cast(_spread(ctx, yzp, acc, 1, 0, "y_zero_point"), "int32")], _OPSET)
     lo, hi = _RANGES[out]
     q = ctx.emit("Clip", [q, ctx.constant(np.int32(lo)), ctx.constant(np.int32(hi))], _OPSET)
     return [ctx.cast(q, out)]

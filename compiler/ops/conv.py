@@ -695,6 +695,9 @@ def examples(rng: np.random.Generator):
         (Conv, [f(1, 2, 5, 5), f(4, 1, 2, 2)], {"group": 2, "strides": (2, 2), "pads": (0, 0, 1, 1)}),
         (Conv, [f(1, 2, 7), f(3, 2, 3), f(3)], {"strides": (2,), "pads": (2, 1), "dilations": (2,)}),
         (Conv, [f(1, 1, 3, 4, 3), f(2, 1, 2, 2, 2)], {"pads": (1, 0, 0, 0, 1, 1)}),
+        # int32 (ConvInteger, QLinearConv): exact integer sums
+        (Conv, [rng.integers(-128, 128, (1, 3, 6, 5)).astype(np.int32), rng.integers(-128, 128, (4, 3, 3, 3))
+                .astype(np.int32), rng.integers(-1000, 1000, (4,)).astype(np.int32)], {"pads": (1, 1, 0, 1)}),
         (ConvTranspose, [f(1, 2, 3, 3), f(2, 3, 3, 3)], {"output_shape": (5, 5)}),
         (ConvTranspose, [f(1, 4, 3, 2), f(4, 1, 3, 2), f(2)], {"group": 2, "strides": (3, 2), "pads": (1, 0, 1, 1),
                                                                "dilations": (1, 2), "output_shape": (8, 5)}),
