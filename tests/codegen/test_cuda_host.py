@@ -322,7 +322,7 @@ def test_wgmma_gemms_on_the_host_match_numpy(tmp_path, cfg, ta, tb):
     _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=(3, 1, 1) if persistent else None)
 
 
-@pytest.mark.parametrize("cfg", ["pp64x128", "pp64x256"])
+@pytest.mark.parametrize("cfg", ["pp64x128", pytest.param("pp64x256", marks=pytest.mark.slow)])  # (opt-in tiles)
 def test_pingpong_hand_over_under_random_interleavings(tmp_path, cfg):
     """Ping-pong (RFC 0005 decision 20) with one block taking 5 tiles (its consumer warpgroups
     alternate, the second has fewer) and 10 K tiles each (more than half the stages: the case
@@ -351,14 +351,17 @@ def test_split_k_spread_over_a_full_grid_on_the_host(tmp_path):
     assert all(np.array_equal(o, last[0]) for o in spread)
 
 
+# (stream-K tiles run only where gemm_tiles names them: four of the seven cases, ~45 s of host
+# emulation, run with `pytest -m slow`)
 @pytest.mark.parametrize("cfg,M,N,K,blocks", [
     ("sk64x128", 200, 136, 200, 3),  # 8 tiles on 3 blocks: 3 whole, 5 cut into 3 ranges
-    ("sk64x128", 100, 136, 640, 3),  # 4 tiles on 3 blocks: one wave and the rest, all in ranges
-    ("sk64x128", 64, 248, 640, 3),  # 2 tiles on 3 blocks: each tile in 2 pieces
+    pytest.param("sk64x128", 100, 136, 640, 3, marks=pytest.mark.slow),  # 4 tiles on 3 blocks: one wave and
+    # the rest, all in ranges
+    pytest.param("sk64x128", 64, 248, 640, 3, marks=pytest.mark.slow),  # 2 tiles on 3 blocks: each in 2 pieces
     ("sk64x128", 64, 104, 640, 4),  # 1 tile on 4 blocks: its first piece adds three others
     ("sk64x128", 64, 104, 128, 4),  # 2 K tiles on 4 blocks: empty ranges
-    ("sk64x128", 192, 136, 200, 3),  # 6 tiles on 3 blocks: whole waves, no range
-    ("sk128x256", 130, 264, 520, 3),  # 4 tiles of 128 x 256
+    pytest.param("sk64x128", 192, 136, 200, 3, marks=pytest.mark.slow),  # 6 tiles on 3 blocks: whole waves
+    pytest.param("sk128x256", 130, 264, 520, 3, marks=pytest.mark.slow),  # 4 tiles of 128 x 256
 ])
 def test_stream_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
     """Stream-K (RFC 0005 decision 24) with its blocks resident together: whole tiles, then ranges
