@@ -23,20 +23,17 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "models"))
 
 
 def export_neox(path: str, width: int, seq: int = 128) -> None:
-    """A GPT-NeoX (parallel attention + MLP residual) of ``width``, 2 layers, ``width // 64`` heads."""
+    """The test models' GPT-NeoX (parallel attention + MLP residual, 2 layers) at ``width``,
+    ``width // 64`` heads, MLP 4x, vocabulary 256, fed one sequence of ``seq`` tokens."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from export_models import _HiddenState, export_module, make_inputs
-    from transformers import GPTNeoXConfig, GPTNeoXModel
+    from export_models import build_neox, export_module, make_inputs
 
     torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=256, hidden_size=width, num_hidden_layers=2, num_attention_heads=width // 64,
-                        intermediate_size=4 * width, use_parallel_residual=True, max_position_embeddings=512,
-                        attn_implementation="eager", use_cache=False)
-    model = _HiddenState(GPTNeoXModel(cfg).eval())
+    module, _, outs = build_neox(width=width, intermediate=4 * width, heads=width // 64, positions=512,
+                                 vocab_size=256)
     specs = [("input_ids", (1, seq), "int64", "ids"), ("attention_mask", (1, seq), "int64", "mask")]
-    export_module(model, make_inputs(specs, seed=0, vocab_size=256), [s[0] for s in specs], ["last_hidden_state"],
-                  path)
+    export_module(module, make_inputs(specs, seed=0, vocab_size=256), [s[0] for s in specs], outs, path)
 
 
 def main(argv=None) -> None:

@@ -18,13 +18,14 @@ proves valid:
 
 A mesh axis may also split no loop variable but carry partial sums through the op
 (:data:`PARTIAL_SUMS`): when the output is a homogeneous linear function of some float inputs
-(``a + b``, ``a - b``, ``a * w``, ``a / w``, ``-a``, casts between floats, sums and means,
-reshapes, transposes, slices, gathers of ``a``, selects between ``a`` and zero, with ``w`` not
-among them), running the op on each rank's partial sums of those inputs gives partial sums of the
-output. Those inputs are then ``Partial(sum)`` along the axis, the others ``Replicate``, and the
-output ``Partial(sum)``. This lets a plan add the partial sums of two row-parallel products
-before one all-reduce (a parallel attention + MLP block), or carry a bias or residual add
-(its replicated operand made partial by a local zeroing) to a later reduce-scatter.
+(``a + b``, ``a - b``, ``a * w``, ``a / w``, ``-a``, casts between floats, reshapes,
+transposes, slices, gathers of ``a``, selects between ``a`` and zero, with ``w`` not among
+them; ops with reductions are left out), running the op on each rank's partial sums of those
+inputs gives partial sums of the output. Those inputs are then ``Partial(sum)`` along the axis,
+the others ``Replicate``, and the output ``Partial(sum)``. This lets a plan add the partial sums
+of two row-parallel products before one all-reduce (a parallel attention + MLP block), or carry
+a bias or residual add (its replicated operand made partial by a local zeroing) to a later
+reduce-scatter.
 
 Nothing here is written per op: the same analysis covers matmul, convolution, gathers,
 reshapes and normalizations. Extern outputs (sorting) contribute their declared ``axis_map``.
@@ -234,10 +235,7 @@ def _degree(value: Expr, linear_in: set[int]) -> str | None:
             if go(e.cond) not in (_ZERO, _INDEPENDENT):
                 return None
             return join_sum(go(e.then), go(e.other))
-        if isinstance(e, Reduce):
-            d = go(e.body)
-            return d if d != _LINEAR or e.op in ("sum", "mean") else None
-        return None
+        return None  # (reductions: their outputs get no partial-sums strategies, see _partial_input_sets)
 
     return go(value)
 

@@ -198,18 +198,19 @@ def build_llama():
     return _HiddenState(model), _text_inputs(), ["last_hidden_state"]
 
 
-def build_neox():
-    """GPT-NeoX (Pythia): attention and MLP in parallel from the same input, both added to the
-    residual (``use_parallel_residual``), the block shape of GPT-J, GPT-NeoX and PaLM."""
+def build_neox(width=64, intermediate=128, heads=4, positions=64, vocab_size=VOCAB):
+    """GPT-NeoX (Pythia), 2 layers: attention and MLP in parallel from the same input, both added
+    to the residual (``use_parallel_residual``), the block shape of GPT-J, GPT-NeoX and PaLM. The
+    defaults are the test model's; ``benchmarks/plan_partial_sums.py`` builds a wider one."""
     from transformers import GPTNeoXConfig, GPTNeoXModel
 
     cfg = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
+        num_attention_heads=heads,
+        max_position_embeddings=positions,
         use_parallel_residual=True,
         use_cache=False,
         attn_implementation="eager",
