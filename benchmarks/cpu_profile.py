@@ -30,6 +30,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "models"))
+from cpu_latency import _cpu_model, _medians_ms, export_resnet50, export_text_model  # noqa: E402
 
 
 def profile_ours(path: str, feeds: dict, reps: int, work: str) -> dict:
@@ -40,11 +41,7 @@ def profile_ours(path: str, feeds: dict, reps: int, work: str) -> dict:
     out = os.path.join(work, "prog")
     compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
     prog = load(out, rank=0)
-    runs = []
-    for _ in range(3 + reps):
-        t0 = time.perf_counter()
-        prog.run(feeds, copy_outputs=False)
-        runs.append(time.perf_counter() - t0)
+    run_ms, = _medians_ms([lambda: prog.run(feeds, copy_outputs=False)], reps)
     kernel_steps = [s for s in prog.program["steps"] if s["kind"] == "kernel"]
     calls = [c for calls, _ in prog._segments for c in calls]  # (fn, ins, outs, ...) per kernel step
     assert len(calls) == len(kernel_steps)
@@ -57,7 +54,7 @@ def profile_ours(path: str, feeds: dict, reps: int, work: str) -> dict:
             fn(a, b)
             times.append(time.perf_counter() - t0)
         steps.append({"node": s["node"], "op_type": s.get("op_type", "?"), "ms": 1e3 * statistics.median(times)})
-    return {"run_ms": 1e3 * statistics.median(runs[3:]), "steps": steps}
+    return {"run_ms": run_ms, "steps": steps}
 
 
 def profile_onnxruntime(path: str, feeds: dict, threads: int, reps: int, work: str) -> dict:
@@ -73,11 +70,7 @@ def profile_onnxruntime(path: str, feeds: dict, threads: int, reps: int, work: s
             opts.profile_file_prefix = os.path.join(work, "ort")
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
     plain = session(False)
-    runs = []
-    for _ in range(3 + reps):
-        t0 = time.perf_counter()
-        plain.run(None, feeds)
-        runs.append(time.perf_counter() - t0)
+    run_ms, = _medians_ms([lambda: plain.run(None, feeds)], reps)
     prof = session(True)
     for _ in range(3 + reps):
         prof.run(None, feeds)
@@ -91,7 +84,7 @@ def profile_onnxruntime(path: str, feeds: dict, threads: int, reps: int, work: s
         elif e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and 0 <= run < 3 + reps:
             per_run[e["args"].get("op_name", "?")][run] += e["dur"] / 1e3
     by_type = {k: statistics.median(v[3:]) for k, v in per_run.items()}
-    return {"run_ms": 1e3 * statistics.median(runs[3:]), "by_type": by_type}
+    return {"run_ms": run_ms, "by_type": by_type}
 
 
 def default_feeds(path: str) -> dict:
@@ -123,7 +116,6 @@ def main(argv=None) -> None:
     if (args.model is None) == (args.sized is None):
         ap.error("give a model file or --sized, not both")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    from cpu_latency import _cpu_model, export_resnet50, export_text_model
 
     with tempfile.TemporaryDirectory() as work:
         path = args.model
