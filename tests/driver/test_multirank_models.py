@@ -94,8 +94,6 @@ def test_parallel_residual_model_adds_partial_sums_on_real_ranks(tmp_path):
 
     graph = load_onnx(str(MODELS / "neox_ts17.onnx"))
     budget = int(search(graph, {"mesh_shape": [2], "algo": "replicate"}).memory_bytes * 0.75)
-    plan = search(graph, {"mesh_shape": [2], "memory_budget_bytes": budget})
-    assert any("partial sums" in sp.assignment for sp in plan.op_specs.values())
     compile_and_run(tmp_path, "neox_ts17", "2", "ilp", config={"memory_budget_bytes": budget})
     saved = json.loads((tmp_path / "out" / "plan.json").read_text())  # the plan the ranks ran
     assert any("partial sums" in o["assignment"] for o in saved["ops"])
