@@ -57,8 +57,11 @@ def _model(name: str, path: str):
     return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * OC * C * K * K * OH * OH
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, shapes=None, model=None, description=None) -> None:
+    """Time one compiled model per shape name against onnxruntime (``model(name, path)`` writes the
+    model with input ``x`` and output ``y`` and returns ``(x, flops)``); :mod:`cpu_gemm` reuses it."""
+    shapes, model = shapes or SHAPES, model or _model
+    ap = argparse.ArgumentParser(description=(description or __doc__).split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--only", default="", help="comma-separated shape names")
@@ -73,15 +76,15 @@ def main(argv=None) -> None:
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
-    names = [n for n in args.only.split(",") if n] or list(SHAPES)
-    work = args.work or tempfile.mkdtemp(prefix="shardflow-conv-")
+    names = [n for n in args.only.split(",") if n] or list(shapes)
+    work = args.work or tempfile.mkdtemp(prefix="shardflow-kernels-")
     os.makedirs(work, exist_ok=True)
     tags = [t for t in args.dirs.split(",") if t] or [args.tag]
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; onnxruntime "
           f"{ort.__version__}; builds: {', '.join(tags)}")
     for name in names:
         path = os.path.join(work, f"{name}.onnx")
-        x, flops = _model(name, path)
+        x, flops = model(name, path)
         if not args.dirs:
             compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                     out_dir=os.path.join(work, f"{name}-{args.tag}"))

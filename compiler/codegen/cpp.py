@@ -468,9 +468,20 @@ def _arg_decls(kernel: Kernel) -> list[str]:
     return lines
 
 
+def constant_scalars(op) -> dict:
+    """Index -> value of the inputs of ``op`` that are constants of one element (a GELU's 0.5, 3 and
+    0.044715, a LayerNorm's epsilon as a tensor): the generic kernel writes them as literals."""
+    out = {}
+    for k, t in enumerate(op.inputs):
+        if t.is_constant and t.size == 1 and t.dtype in COMPUTE_CTYPE:
+            out[k] = np.asarray(t.value).reshape(()).item()
+    return out
+
+
 def generic_kernel_body(op) -> str:
-    """The body (statements between the braces) of the generic kernel for ``op``."""
-    kernel = lower_task(op.task, op.name, op.op_type)
+    """The body (statements between the braces) of the generic kernel for ``op``; constant scalar
+    inputs are literals in it (:func:`constant_scalars`)."""
+    kernel = lower_task(op.task, op.name, op.op_type, constant_scalars(op))
     p = _Printer(kernel)
     for line in _arg_decls(kernel):
         p.emit(line, 1)

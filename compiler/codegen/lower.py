@@ -1101,8 +1101,10 @@ def reduce_init(e: Expr) -> tuple[str, str] | None:
 class KernelLowerer:
     """Lowers every output of one task into one :class:`Kernel`."""
 
-    def __init__(self, task: Task, op_name: str = "", op_type: str = ""):
+    def __init__(self, task: Task, op_name: str = "", op_type: str = "", scalars: dict | None = None):
         self.task = task
+        # reads of one-element inputs whose value is known (constants): literals in the code
+        self.scalars = {id(task.inputs[k]): Const(v, task.inputs[k].dtype) for k, v in (scalars or {}).items()}
         self.op_name, self.op_type = op_name or task.name, op_type or task.name
         self.inputs = [Buffer(f"in{k}", t.shape, t.dtype, "input", k) for k, t in enumerate(task.inputs)]
         self.outputs = [Buffer(f"out{k}", o.shape, o.dtype, "output", k) for k, o in enumerate(task.outputs)]
@@ -1129,6 +1131,8 @@ class KernelLowerer:
                 gc = new.tensor
                 inner = substitute(gc.value, dict(zip(gc.axes, new.indices)))
                 return self._bind(inner)
+            if isinstance(new, TensorElement) and id(new.tensor) in self.scalars:
+                return self.scalars[id(new.tensor)]
             return None
         return transform(value, fn)
 
@@ -1145,12 +1149,14 @@ class KernelLowerer:
         return Kernel(self.op_name, self.op_type, self.inputs, self.outputs, self.temps, body)
 
 
-def lower_task(task: Task, op_name: str = "", op_type: str = "") -> Kernel:
-    """Lower every output of ``task`` to loop nests.
+def lower_task(task: Task, op_name: str = "", op_type: str = "", scalars: dict | None = None) -> Kernel:
+    """Lower every output of ``task`` to loop nests. ``scalars`` maps the index of a one-element
+    input to its value: its reads become that literal (the kernel still takes the input), so that
+    the C++ compiler folds it (``x ** 3`` becomes ``x * x * x``, a multiply by 1 disappears).
 
     Raises
     ------
     CodegenError
         for an extern output or an expression the lowering does not know.
     """
-    return KernelLowerer(task, op_name, op_type).lower()
+    return KernelLowerer(task, op_name, op_type, scalars).lower()

@@ -32,18 +32,26 @@ TEMPLATE_PRELUDE = r"""
 namespace {
 
 constexpr int64_t SF_KC = 256;
+// columns per panel of a weight packed at compile time (ops.linalg.PANEL): the AVX2 kernel's width
+constexpr int64_t SF_PANEL = @PANEL@;
+static_assert(SF_PANEL == 16, "the GEMM kernels read prepacked panels of 16 columns");
 
 // Bp: a panel of B, [kc][ldb] with the tile's columns first in each row (ldb = the kernel's width
-// for panels packed per call, SF_PANEL for prepacked weights). Its loads are unaligned: a prepacked
-// weight lies wherever the caller put it (the runtime aligns weights to 64 bytes; the kernel ABI does not ask it).
+// for panels packed per call, SF_PANEL for prepacked weights). The AVX-512 kernel (32 columns) reads
+// its columns 16.. at Bp + bnext (+ ldb * k): 16 in a panel packed per call, the next prepacked
+// panel, or 0 where the tile has no such columns (it then reads the first ones again and stores none
+// of them); the other kernels ignore bnext. Its loads are unaligned: a
+// prepacked weight lies wherever the caller put it (the runtime aligns weights to 64 bytes; the kernel
+// ABI does not ask it).
 typedef void (*SfUkrFn)(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
-                        float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first);
+                        int64_t bnext, float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first);
 
 #if defined(__x86_64__)
 // 12 x 32 tile, AVX-512
 __attribute__((target("avx512f")))
 static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
-                          float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
+                          int64_t bnext, float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
+  const float* __restrict__ Bq = Bp + bnext;
   __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
   __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
   __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
@@ -54,8 +62,8 @@ static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float*
     // B's rows 16 ahead: a prepacked weight comes from memory, once per call (measured 10-15% on the
     // GPT-2/Llama projections with weights not in cache; a prefetch never faults past the end)
     _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + 16)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + 16) + 16), _MM_HINT_T0);
-    const __m512 b0 = _mm512_loadu_ps(Bp + ldb * k), b1 = _mm512_loadu_ps(Bp + ldb * k + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(Bq + ldb * (k + 16)), _MM_HINT_T0);
+    const __m512 b0 = _mm512_loadu_ps(Bp + ldb * k), b1 = _mm512_loadu_ps(Bq + ldb * k);
     const float* a = Ap + 12 * k;
     __m512 av;
 #define SF_ROW(r, c0, c1) av = _mm512_set1_ps(a[r]); c0 = _mm512_fmadd_ps(av, b0, c0); c1 = _mm512_fmadd_ps(av, b1, c1);
@@ -80,35 +88,41 @@ static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float*
   }
 }
 
-// 6 x 16 tile, AVX2 + FMA
+// MR x 16 tile, AVX2 + FMA (MR <= 6: the A panels are 6 rows wide, so a tail panel of MR rows
+// computes those only; measured on Zen 3, 32 x 768 @ 768 x 3072 with the 6-row kernel on its 2-row
+// tail spent 12% more multiply-adds)
+template <int MR>
 __attribute__((target("avx2,fma")))
-static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
+static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb, int64_t,
                         float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
-  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
-  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  __m256 acc[MR][2];
+  #pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + 16)), _MM_HINT_T0);  // as in the AVX-512 kernel
     const __m256 b0 = _mm256_loadu_ps(Bp + ldb * k), b1 = _mm256_loadu_ps(Bp + ldb * k + 8);
     const float* a = Ap + 6 * k;
-    __m256 av;
-#define SF_ROW(r, c0, c1) av = _mm256_broadcast_ss(a + r); c0 = _mm256_fmadd_ps(av, b0, c0); c1 = _mm256_fmadd_ps(av, b1, c1);
-    SF_ROW(0, c00, c01) SF_ROW(1, c10, c11) SF_ROW(2, c20, c21) SF_ROW(3, c30, c31) SF_ROW(4, c40, c41) SF_ROW(5, c50, c51)
-#undef SF_ROW
+    #pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i);
+      acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+    }
   }
-  alignas(32) float t[6][16];
-  _mm256_store_ps(t[0], c00); _mm256_store_ps(t[0] + 8, c01); _mm256_store_ps(t[1], c10); _mm256_store_ps(t[1] + 8, c11);
-  _mm256_store_ps(t[2], c20); _mm256_store_ps(t[2] + 8, c21); _mm256_store_ps(t[3], c30); _mm256_store_ps(t[3] + 8, c31);
-  _mm256_store_ps(t[4], c40); _mm256_store_ps(t[4] + 8, c41); _mm256_store_ps(t[5], c50); _mm256_store_ps(t[5] + 8, c51);
-  if (mr == 6 && nr == 16) {
-    for (int i = 0; i < 6; ++i) {
+  if (nr == 16) {
+    #pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      if (i >= mr) break;
       float* cr = C + i * ldc;
-      __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
+      __m256 v0 = acc[i][0], v1 = acc[i][1];
       if (!first) { v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr)); v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr + 8)); }
       _mm256_storeu_ps(cr, v0); _mm256_storeu_ps(cr + 8, v1);
     }
     return;
   }
+  alignas(32) float t[MR][16];
+  #pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) { _mm256_store_ps(t[i], acc[i][0]); _mm256_store_ps(t[i] + 8, acc[i][1]); }
   for (int64_t i = 0; i < mr; ++i)
     for (int64_t j = 0; j < nr; ++j) C[i * ldc + j] = first ? t[i][j] : C[i * ldc + j] + t[i][j];
 }
@@ -116,7 +130,7 @@ static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* _
 
 // 4 x 8 tile, any CPU (two SSE registers per row when vectorized)
 static void sf_ukr_generic(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
-                           float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
+                           int64_t, float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
   float t[4][8] = {};
   for (int64_t k = 0; k < kc; ++k) {
     for (int i = 0; i < 4; ++i) {
@@ -128,7 +142,15 @@ static void sf_ukr_generic(int64_t kc, const float* __restrict__ Ap, const float
     for (int64_t j = 0; j < nr; ++j) C[i * ldc + j] = first ? t[i][j] : C[i * ldc + j] + t[i][j];
 }
 
-struct SfUkr { SfUkrFn fn; int64_t mr, nr; };
+// fn[r - 1]: the kernel for a panel of A with r rows of C (r <= mr; the same function where the ISA's
+// kernel takes any count)
+struct SfUkr { SfUkrFn fn[12]; int64_t mr, nr; };
+
+static SfUkr sf_ukr_all(SfUkrFn fn, int64_t mr, int64_t nr) {
+  SfUkr u = {{}, mr, nr};
+  for (auto& f : u.fn) f = fn;
+  return u;
+}
 
 static SfUkr sf_pick_ukr() {
 #if defined(__x86_64__)
@@ -136,10 +158,11 @@ static SfUkr sf_pick_ukr() {
   const char* force = std::getenv("SHARDFLOW_CPU_ISA");
   bool allow512 = !force || std::strcmp(force, "avx512") == 0;
   bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
-  if (allow512 && __builtin_cpu_supports("avx512f")) return {sf_ukr_avx512, 12, 32};
-  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {sf_ukr_avx2, 6, 16};
+  if (allow512 && __builtin_cpu_supports("avx512f")) return sf_ukr_all(sf_ukr_avx512, 12, 32);
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {{sf_ukr_avx2<1>, sf_ukr_avx2<2>, sf_ukr_avx2<3>, sf_ukr_avx2<4>, sf_ukr_avx2<5>, sf_ukr_avx2<6>}, 6, 16};
 #endif
-  return {sf_ukr_generic, 4, 8};
+  return sf_ukr_all(sf_ukr_generic, 4, 8);
 }
 static const SfUkr& sf_ukr() { static const SfUkr u = sf_pick_ukr(); return u; }
 
@@ -242,7 +265,8 @@ static void sf_gemv_row(int64_t N, int64_t K, const float* __restrict__ A, int64
 // owns C tiles and runs the whole K loop on a tile, so the tile stays in its cache.
 // A source of B has: chunk (columns per chunk); prepare(jc, nc, np, nr, nkb), run by every thread
 // of the team before the chunk at jc is used (packing it, if it packs); and
-// panel(np, nr, pc, kc, jp, ldb), the [kc][ldb] panel of the chunk's columns jp*nr.. and rows pc..
+// panel(jc, np, nr, cols, pc, kc, jp, ldb, bnext), the [kc][ldb] panel of the chunk's columns jp*nr..
+// (cols of them) and rows pc.., with bnext for kernels wider than SF_PANEL (SfUkrFn)
 constexpr int64_t SF_NC = 4096;
 template <class BSource>
 static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
@@ -291,11 +315,12 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
             const float* Ab = Ap + mp * mr * pc;
             for (int64_t jp = jp0; jp < jp1; ++jp) {
               const int64_t nrr = std::min(nr, nc - jp * nr);
-              int64_t ldb;
-              const float* Bb = bsrc.panel(jc, np, nr, pc, kc, jp, ldb);
+              int64_t ldb, bnext;
+              const float* Bb = bsrc.panel(jc, np, nr, nrr, pc, kc, jp, ldb, bnext);
               for (int64_t ip = ip0; ip < ip1; ++ip) {
                 const int64_t mrr = std::min(mr, M - ip * mr);
-                u.fn(kc, Ab + ip * mr * kc, Bb, ldb, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr, kb == 0);
+                u.fn[mrr - 1](kc, Ab + ip * mr * kc, Bb, ldb, bnext, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr,
+                              kb == 0);
               }
             }
           }
@@ -324,8 +349,10 @@ struct SfPackPerCall {
         pack(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
       }
   }
-  const float* panel(int64_t, int64_t np, int64_t nr, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb) const {
+  const float* panel(int64_t, int64_t np, int64_t nr, int64_t, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
+                     int64_t& bnext) const {
     ldb = nr;
+    bnext = 16;
     return Bp + np * nr * pc + jp * nr * kc;
   }
 };
@@ -343,15 +370,18 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
 
 // A weight B[K, N] packed at compile time (PackedMatMul): [ceil(N / SF_PANEL)][K][SF_PANEL], B[k, j] at
 // [j / SF_PANEL][k][j % SF_PANEL], zero columns past N. A kernel narrower than a panel reads a part of it
-// (ldb = SF_PANEL); kernel widths divide SF_PANEL.
-constexpr int64_t SF_PANEL = @PANEL@;  // ops.linalg.PANEL
+// (ldb = SF_PANEL); the AVX-512 one (32 columns, starting at a panel's first) reads two adjacent
+// panels (bnext). Measured on Zen 3 (AVX2), the GPT-2/Llama projections at 1x128 tokens took 5-14%
+// less time with panels of 16 columns than with panels of 32 read half at a time.
 struct SfPrepacked {
   const float* Bp;
   int64_t K, chunk;
   void prepare(int64_t, int64_t, int64_t, int64_t, int64_t) const {}
-  const float* panel(int64_t jc, int64_t, int64_t nr, int64_t pc, int64_t, int64_t jp, int64_t& ldb) const {
+  const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t, int64_t jp, int64_t& ldb,
+                     int64_t& bnext) const {
     const int64_t j = jc + jp * nr;
     ldb = SF_PANEL;
+    bnext = cols > SF_PANEL ? K * SF_PANEL : 0;
     return Bp + (j / SF_PANEL) * K * SF_PANEL + pc * SF_PANEL + j % SF_PANEL;
   }
 };
@@ -388,23 +418,73 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
   sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, par);
 }
 
+// y[1, N] = a[1, K] @ B for the prepacked panels [p0, p1) of B, four sums per column (k mod 4) so
+// that their multiply-adds do not wait on each other
+static void sf_gemv_panel_range(int64_t p0, int64_t p1, int64_t N, int64_t K, const float* __restrict__ A,
+                                int64_t csa, const float* __restrict__ Bp, float* __restrict__ C, float alpha,
+                                const float* __restrict__ bias, int64_t cbs) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* __restrict__ b = Bp + p * K * SF_PANEL;
+    float acc[4][SF_PANEL] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = A[k * csa];
+      for (int64_t j = 0; j < SF_PANEL; ++j) acc[k & 3][j] += a * b[k * SF_PANEL + j];
+    }
+    const int64_t j0 = p * SF_PANEL, nj = std::min(N - j0, SF_PANEL);
+    for (int64_t j = 0; j < nj; ++j)
+      C[j0 + j] = alpha * ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) + (bias ? bias[(j0 + j) * cbs] : 0.0f);
+  }
+}
+
+#if defined(__x86_64__)
+// The same with AVX2 (GCC's own vectorization of the loop above shuffles lanes: about 2x slower on Zen 3)
+__attribute__((target("avx2,fma")))
+static void sf_gemv_panel_range_avx2(int64_t p0, int64_t p1, int64_t N, int64_t K, const float* __restrict__ A,
+                                     int64_t csa, const float* __restrict__ Bp, float* __restrict__ C, float alpha,
+                                     const float* __restrict__ bias, int64_t cbs) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* __restrict__ b = Bp + p * K * SF_PANEL;
+    __m256 acc[4][2];
+    #pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + (k + 32) * SF_PANEL), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + (k + 34) * SF_PANEL), _MM_HINT_T0);
+      #pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 a = _mm256_set1_ps(A[(k + u) * csa]);
+        acc[u][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + (k + u) * SF_PANEL), acc[u][0]);
+        acc[u][1] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + (k + u) * SF_PANEL + 8), acc[u][1]);
+      }
+    }
+    for (; k < K; ++k) {
+      const __m256 a = _mm256_set1_ps(A[k * csa]);
+      acc[0][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + k * SF_PANEL), acc[0][0]);
+      acc[0][1] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + k * SF_PANEL + 8), acc[0][1]);
+    }
+    alignas(32) float t[SF_PANEL];
+    for (int v = 0; v < 2; ++v)
+      _mm256_store_ps(t + 8 * v, _mm256_add_ps(_mm256_add_ps(acc[0][v], acc[1][v]), _mm256_add_ps(acc[2][v], acc[3][v])));
+    const int64_t j0 = p * SF_PANEL, nj = std::min(N - j0, SF_PANEL);
+    for (int64_t j = 0; j < nj; ++j) C[j0 + j] = alpha * t[j] + (bias ? bias[(j0 + j) * cbs] : 0.0f);
+  }
+}
+#endif
+
 // y[1, N] = a[1, K] @ B for a prepacked B: threads split the panels
-SF_CLONES
 static void sf_gemv_panels(int64_t N, int64_t K, const float* __restrict__ A, int64_t csa, const float* __restrict__ Bp,
                            float* __restrict__ C, float alpha, const float* __restrict__ bias, int64_t cbs, bool par) {
   const int64_t np = (N + SF_PANEL - 1) / SF_PANEL;
-  #pragma omp parallel for schedule(static) if (par && N * K >= (1 << 16) && np > 1)
-  for (int64_t p = 0; p < np; ++p) {
-    const float* __restrict__ b = Bp + p * K * SF_PANEL;
-    float acc[SF_PANEL];
-    for (int64_t j = 0; j < SF_PANEL; ++j) acc[j] = 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = A[k * csa];
-      for (int64_t j = 0; j < SF_PANEL; ++j) acc[j] += a * b[k * SF_PANEL + j];
-    }
-    const int64_t j0 = p * SF_PANEL, nj = std::min(N - j0, SF_PANEL);
-    for (int64_t j = 0; j < nj; ++j) C[j0 + j] = alpha * acc[j] + (bias ? bias[(j0 + j) * cbs] : 0.0f);
-  }
+  const int64_t nt = par && N * K >= (1 << 16) ? std::min<int64_t>(sf_max_threads(), np) : 1;
+  auto range = sf_gemv_panel_range;
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           sf_ukr().nr >= SF_PANEL;  // not where SHARDFLOW_CPU_ISA asks for less
+  if (avx2) range = sf_gemv_panel_range_avx2;
+#endif
+  #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+  for (int64_t t = 0; t < nt; ++t) range(np * t / nt, np * (t + 1) / nt, N, K, A, csa, Bp, C, alpha, bias, cbs);
 }
 
 // C[M, N] = alpha * (A @ B) + bias with B prepacked (SfPrepacked)

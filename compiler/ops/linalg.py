@@ -123,8 +123,10 @@ class Gemm(Operator):
 
 
 #: Columns per panel of a weight packed for the cpu GEMM (:class:`PackedMatMul`): the width of the
-#: widest micro-kernel (AVX-512, 32 floats); the narrower kernels (16, 8) read parts of a panel.
-PANEL = 32
+#: AVX2 micro-kernel (16 floats); the SSE one (8) reads half a panel, the AVX-512 one (32) two
+#: adjacent panels. 16 rather than 32: on Zen 3 (AVX2) the GPT-2/Llama projections at 1x128 tokens
+#: took 5-14% less time (``benchmarks/cpu_gemm.py``).
+PANEL = 16
 
 
 def pack_panels(b: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, Pool
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import Attention, Gemm, MatMul, PackedMatMul
+from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Transpose
@@ -45,6 +45,11 @@ def _t(shape, dtype="float32"):
     return Tensor("t", shape, dtype)
 
 
+def _panels(k, n):
+    """The packed form of a [k, n] weight (ops.linalg.pack_panels)."""
+    return _t((-(-n // PANEL), k, PANEL))
+
+
 def _rand(rng, t):
     if t.dtype == "bool":
         return rng.random(t.shape) > 0.4
@@ -64,13 +69,18 @@ def _large():
         MatMul([_t((50, 300)), _t((300,))]),                          # matrix @ vector
         Gemm([_t((300, 45)), _t((70, 300)), _t((70,))], trans_a=True, trans_b=True, alpha=0.5, beta=2.0),
         Gemm([_t((64, 96)), _t((96, 80)), _t((64, 1))], beta=0.25),
-        # weights packed at compile time: the kernels read 32-column panels (the AVX2 and portable
-        # ones a part of each); column tails, two K blocks, M == 1, biases
-        PackedMatMul([_t((2, 37, 300)), _t((3, 300, 32))], n=77),
-        PackedMatMul([_t((1, 300)), _t((5, 300, 32))], n=129),
-        PackedMatMul([_t((300,)), _t((2, 300, 32))], n=50),
-        PackedMatMul([_t((64, 96)), _t((3, 96, 32)), _t((64, 1))], n=80, alpha=0.5, beta=0.25),
-        PackedMatMul([_t((130, 520)), _t((9, 520, 32)), _t((280,))], n=280),
+        # weights packed at compile time: panels of PANEL (16) columns, which the AVX2 kernel reads
+        # whole, the portable one by halves and the AVX-512 one two at a time (an odd count: the last
+        # tile reads one); column tails, two K blocks, M == 1, biases, every row tail of the 6-row
+        # AVX2 kernel (M mod 6 = 1..5: 7, 74, 9, 64, 11)
+        PackedMatMul([_t((2, 37, 300)), _panels(300, 77)], n=77),
+        PackedMatMul([_t((1, 300)), _panels(300, 129)], n=129),
+        PackedMatMul([_t((300,)), _panels(300, 50)], n=50),
+        PackedMatMul([_t((64, 96)), _panels(96, 80), _t((64, 1))], n=80, alpha=0.5, beta=0.25),
+        PackedMatMul([_t((130, 520)), _panels(520, 280), _t((280,))], n=280),
+        PackedMatMul([_t((7, 40)), _panels(40, 33)], n=33),
+        PackedMatMul([_t((9, 40)), _panels(40, 48), _t((48,))], n=48),
+        PackedMatMul([_t((11, 600)), _panels(600, 20)], n=20),
         Conv([_t((2, 8, 17, 15)), _t((12, 4, 3, 3)), _t((12,))], group=2, pads=(1, 2, 0, 1), strides=(2, 1),
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col

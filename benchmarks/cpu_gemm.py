@@ -1,0 +1,50 @@
+"""CPU latency of single weight products (x @ W + b, W constant) vs onnxruntime.
+
+The shapes are the projections of the transformers in ``cpu_latency.py --sized`` at 1x128 tokens
+(GPT-2 small and BERT-base: 768 -> 2304/768/3072 and back; the Llama-style model: 1024 -> 2816
+and back; GPT-2's tied lm_head 768 -> 50257) and other token counts (1, 8, 32, 512). Each is an ONNX
+``MatMul`` + ``Add``, compiled for one cpu rank (a PackedMatMul with the bias in its epilogue)
+and run with ``shardflow.runtime.load``; onnxruntime runs the same model with the same thread
+count. Prints median latencies, GFLOP/s, the ratio (ours / onnxruntime) and the largest difference.
+
+    python benchmarks/cpu_gemm.py [--threads 2] [--repeat 30] [--only fc_768_3072]
+    python benchmarks/cpu_gemm.py --build-only --tag old --work /tmp/gemms   # at one commit
+    python benchmarks/cpu_gemm.py --dirs old,new --work /tmp/gemms           # both, round-robin
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_conv import main as _time_models  # noqa: E402
+
+# name: (tokens M, input features K, output features N)
+SHAPES = {
+    "qkv_768_2304": (128, 768, 2304), "proj_768_768": (128, 768, 768), "fc_768_3072": (128, 768, 3072),
+    "fc2_3072_768": (128, 3072, 768), "up_1024_2816": (128, 1024, 2816), "down_2816_1024": (128, 2816, 1024),
+    "lm_head_768_50257": (128, 768, 50257), "fc_m1_768_3072": (1, 768, 3072), "fc_m8_768_3072": (8, 768, 3072),
+    "fc_m32_768_3072": (32, 768, 3072), "fc_m512_768_3072": (512, 768, 3072),
+}
+
+
+def _model(name: str, path: str):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    M, K, N = SHAPES[name]
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return rng.standard_normal((M, K)).astype(np.float32), 2.0 * M * K * N
+
+
+if __name__ == "__main__":
+    sys.exit(_time_models(shapes=SHAPES, model=_model, description=__doc__))
