@@ -105,6 +105,8 @@ def _distributed_config(args) -> dict:
     cfg.setdefault("mesh_shape", [1])
     if args.algo is not None:
         cfg["algo"] = args.algo
+    if args.device is not None:
+        cfg["device"] = args.device
     return cfg
 
 
@@ -125,6 +127,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")
+    p.add_argument("--device", choices=("cpu", "h100"), default=None,
+                   help="what a rank computes on, for the cost model (compute against communication); default: "
+                        "the compile target's (cpu or h100), h100 for `shardflow plan`")
     p.add_argument("--distributed-config", metavar="FILE.json", default=None,
                    help="a JSON object of distributed_config keys (mesh_shape, axis_bandwidth_GBps, "
                         "axis_latency_us, memory_budget_bytes, algo, solver, time_limit_s, max_nodes, "

@@ -662,6 +662,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     from .parallel.config import DistributedConfig
 
     dcfg = DistributedConfig.from_dict(distributed_config)
+    if dcfg.device is None:
+        # plan for what the ranks will compute on: a cpu rank is ~500x slower than an H100 (the
+        # search's own default), so the same collective costs far less next to its compute
+        from .parallel.cost import DEVICE_PROFILES
+
+        dcfg = dataclasses.replace(dcfg, device=DEVICE_PROFILES[opt.target])
     builder = _cuda_builder() if opt.target == "cuda" else _cpu_builder()
     timings: dict[str, float] = {}
 

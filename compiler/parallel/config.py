@@ -27,6 +27,11 @@ key                       meaning                                               
                           summed parallel branches): ``true``, ``false``, or
                           ``auto``: true except under a memory budget on a mesh
                           with two axes or more, where the MIP got 2.5-3x slower
+``device``                what one rank computes on, for the cost model's roofline:    see left
+                          ``"h100"``, ``"cpu"`` (:data:`~.cost.DEVICE_PROFILES`), or
+                          ``{"peak_tflops": x, "mem_bandwidth_GBps": y}``. Default:
+                          the compile target's (``compile``: cpu -> ``"cpu"``, cuda
+                          -> ``"h100"``); ``search`` alone: ``"h100"``
 ========================  ===========================================================  ============
 """
 from __future__ import annotations
@@ -63,6 +68,7 @@ class DistributedConfig:
     preload_plan: str | None = None
     alias_layers: bool = True
     partial_sums: bool | str = "auto"
+    device: Any = None  # a cost.DeviceProfile, or None for the caller's default
 
     @classmethod
     def from_dict(cls, cfg: "Mapping[str, Any] | DistributedConfig") -> "DistributedConfig":
@@ -116,7 +122,31 @@ class DistributedConfig:
             preload_plan=_opt_str(cfg.get("preload_plan"), "preload_plan"),
             alias_layers=_bool(cfg.get("alias_layers", True), "alias_layers"),
             partial_sums=_bool_or_auto(cfg.get("partial_sums", "auto"), "partial_sums"),
+            device=_device(cfg.get("device")),
         )
+
+
+def _device(v):
+    from .cost import DEVICE_PROFILES, DeviceProfile
+
+    if v is None or isinstance(v, DeviceProfile):
+        return v
+    if isinstance(v, str):
+        by_name = {p.name: p for p in DEVICE_PROFILES.values()} | {"h100": DEVICE_PROFILES["cuda"]}
+        if v not in by_name:
+            raise ConfigError(f"distributed_config['device'] = {v!r}: choose one of {sorted(by_name)}, or give "
+                              "{'peak_tflops': ..., 'mem_bandwidth_GBps': ...}")
+        return by_name[v]
+    if isinstance(v, Mapping):
+        extra = set(v) - {"name", "peak_tflops", "mem_bandwidth_GBps"}
+        if extra or not {"peak_tflops", "mem_bandwidth_GBps"} <= set(v):
+            raise ConfigError(f"distributed_config['device'] = {v!r}: need the keys 'peak_tflops' and "
+                              "'mem_bandwidth_GBps' (and optionally 'name'), nothing else")
+        peak = _positive(v["peak_tflops"], "device.peak_tflops")
+        bw = _positive(v["mem_bandwidth_GBps"], "device.mem_bandwidth_GBps")
+        return DeviceProfile(str(v.get("name", "custom")), peak * 1e12, bw * 1e9)
+    raise ConfigError(f"distributed_config['device'] = {v!r}: need a device name or a dict of "
+                      "'peak_tflops' and 'mem_bandwidth_GBps'")
 
 
 def _int_tuple(v, key) -> tuple[int, ...]:

@@ -76,7 +76,9 @@ class ShardingPlan:
                  compute_cost: float, comm_cost: float, params_bytes: int, peak_activation_bytes: int,
                  op_types: dict[str, str], output_specs: dict[str, TensorShardSpec],
                  input_specs: dict[str, TensorShardSpec], search_seconds: float = 0.0,
-                 bandwidth: tuple | None = None, latency: tuple | None = None):
+                 bandwidth: tuple | None = None, latency: tuple | None = None, device=None):
+        from .cost import H100
+
         self.mesh = mesh
         self.algo = algo
         self.op_specs = op_specs
@@ -93,12 +95,14 @@ class ShardingPlan:
         self.search_seconds = search_seconds
         self.bandwidth = bandwidth
         self.latency = latency
+        self.device = device or H100  # the cost model's DeviceProfile
 
     def cost_model(self):
         """The cost model the plan was made with (connect orders multi-axis steps by it)."""
         from .cost import CostModel
 
-        return CostModel(self.mesh, axis_bandwidth_GBps=self.bandwidth, axis_latency_us=self.latency)
+        return CostModel(self.mesh, axis_bandwidth_GBps=self.bandwidth, axis_latency_us=self.latency,
+                         device=self.device)
 
     @property
     def memory_bytes(self) -> int:
@@ -139,7 +143,7 @@ class ShardingPlan:
         return cls(problem.mesh, algo, op_specs, tensor_specs, reshards, total, comp, comm, params, peak,
                    {op.name: op.op_type for op in g.nodes},
                    dict(zip(g.output_names, problem.output_specs)), dict(problem.input_specs), search_seconds,
-                   problem.cost_model.bandwidth_GBps, problem.cost_model.latency_us)
+                   problem.cost_model.bandwidth_GBps, problem.cost_model.latency_us, problem.cost_model.device)
 
     # persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -149,6 +153,8 @@ class ShardingPlan:
             "mesh": self.mesh.to_dict(),
             "axis_bandwidth_GBps": list(self.bandwidth) if self.bandwidth else None,
             "axis_latency_us": list(self.latency) if self.latency else None,
+            "device": {"name": self.device.name, "peak_flops": self.device.peak_flops,
+                       "mem_bandwidth": self.device.mem_bandwidth},
             "cost_s": _num(self.cost),
             "compute_cost_s": _num(self.compute_cost),
             "comm_cost_s": _num(self.comm_cost),
@@ -218,7 +224,7 @@ class ShardingPlan:
                        float(d["cost_s"]), float(d["compute_cost_s"]), float(d["comm_cost_s"]),
                        int(d["params_bytes"]), int(d["peak_activation_bytes"]), types,
                        {k: parse(v) for k, v in d["outputs"].items()}, {k: parse(v) for k, v in d["inputs"].items()},
-                       0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"))
+                       0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"), _device(d.get("device")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed plan.json ({type(exc).__name__}: {exc})") from None
         if graph is not None:
@@ -250,7 +256,8 @@ class ShardingPlan:
         lines = [
             f"# Shardflow plan ({self.algo}) on mesh {list(self.mesh.shape)} {list(self.mesh.axis_names)}",
             f"# modeled cost {self.cost * 1e6:.2f} us = compute {self.compute_cost * 1e6:.2f} us "
-            f"+ communication {self.comm_cost * 1e6:.2f} us",
+            f"+ communication {self.comm_cost * 1e6:.2f} us (device {self.device.name}: "
+            f"{self.device.peak_flops / 1e12:g} TFLOP/s, {self.device.mem_bandwidth / 1e9:g} GB/s)",
             f"# memory per rank: {self.params_bytes:,} B parameters + {self.peak_activation_bytes:,} B peak activations",
             "# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
                                   or "none"),
@@ -318,3 +325,12 @@ def _step_text(st) -> str:
 
 def _num(x: float) -> float:
     return float(f"{x:.9g}")
+
+
+def _device(d):
+    """The DeviceProfile a plan.json records (None for plans written before it did: the H100)."""
+    if d is None:
+        return None
+    from .cost import DeviceProfile
+
+    return DeviceProfile(str(d["name"]), float(d["peak_flops"]), float(d["mem_bandwidth"]))

@@ -33,7 +33,7 @@ from ..ir.graph import FlowGraph, Operator, Tensor
 from ..ir.task import GridCompute
 from .config import DistributedConfig
 from .connect import connect
-from .cost import CostModel
+from .cost import H100, CostModel
 from .mesh import DeviceMesh
 from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
@@ -110,7 +110,7 @@ class Problem:
         self.mesh = DeviceMesh(cfg.mesh_shape, cfg.mesh_axis_names, cfg.rank_map)
         self.mesh_shape = tuple(cfg.mesh_shape)
         self.cost_model = CostModel(self.mesh, axis_bandwidth_GBps=cfg.axis_bandwidth_GBps,
-                                    axis_latency_us=cfg.axis_latency_us)
+                                    axis_latency_us=cfg.axis_latency_us, device=cfg.device or H100)
         nd = len(self.mesh_shape)
         self.replicated = TensorShardSpec((Replicate(),) * nd)
         self.input_specs = {t.name: self._parse_placement(cfg.input_placements, t.name, t)

@@ -73,6 +73,9 @@ def test_plan_prints_plan_txt(tmp_path):
     assert out.stdout.startswith("# Shardflow plan (megatron) on mesh [2]")
     assert out.stdout == (tmp_path / "plan.txt").read_text()
     assert json.loads((tmp_path / "plan.json").read_text())["algo"] == "megatron"
+    assert "(device h100-sxm:" in out.stdout.splitlines()[1]  # `shardflow plan` plans for the H100 by default
+    out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2", "--device", "cpu")
+    assert out.returncode == 0 and "(device cpu: 2 TFLOP/s, 200 GB/s)" in out.stdout.splitlines()[1], out.stderr
 
 
 def test_compile_errors_are_reported(tmp_path):

@@ -118,6 +118,8 @@ def test_out_dir_layout_and_manifest(tmp_path, callback_codegen):
     assert sorted(p.name for p in out.iterdir()) == ["mesh.json", "plan.json", "plan.txt", "rank0", "rank1", "rank2",
                                                      "rank3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp"]  # no temporary left
+    # compile plans for the target's device (search alone would plan for an H100)
+    assert json.loads((out / "plan.json").read_text())["device"]["name"] == "cpu" and res.plan.device.name == "cpu"
     mesh = json.loads((out / "mesh.json").read_text())
     assert mesh["world_size"] == 4 and mesh["groups"]["0"] == [[0, 2], [1, 3]] and mesh["groups"]["1"] == [[0, 1],
                                                                                                            [2, 3]]

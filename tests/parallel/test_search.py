@@ -189,6 +189,11 @@ def test_stale_plan_is_refused(tmp_path, mlp_graph):
     ({"mesh_shape": [2], "max_nodes": 2.5}, "max_nodes"),
     ({"mesh_shape": [2], "max_nodes": 10, "solver": "highs"}, "max_nodes.*cbc"),
     ({"mesh_shape": [2], "partial_sums": "yes"}, "partial_sums.*'auto'"),
+    ({"mesh_shape": [2], "device": "tpu"}, "device.*'cpu'"),
+    ({"mesh_shape": [2], "device": 5}, "device"),
+    ({"mesh_shape": [2], "device": {"peak_tflops": 1}}, "mem_bandwidth_GBps"),
+    ({"mesh_shape": [2], "device": {"peak_tflops": 0, "mem_bandwidth_GBps": 10}}, "peak_tflops"),
+    ({"mesh_shape": [2], "device": {"peak_tflops": 1, "mem_bandwidth_GBps": 10, "cores": 4}}, "nothing else"),
 ])
 def test_config_errors(mlp_graph, cfg, match):
     with pytest.raises(ConfigError, match=match):
@@ -208,3 +213,29 @@ def test_simulate_takes_the_mesh_partition_recorded(mlp_graph):
     assert [g.meta["rank"] for g in ranks] == [0, 1, 2, 3] and ranks[0].meta["mesh"] == plan.mesh
     x = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
     np.testing.assert_allclose(simulate(ranks, {"x": x})["y"], mlp_graph.run({"x": x})["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_device_profile_decides_between_compute_and_communication(tmp_path):
+    """The cost model's device: on an H100 a 64x256 @ 256x1024 @ 1024x256 MLP computes in well
+    under a collective's 5 us latency, so the plan stays replicated; on a cpu socket (2 TFLOP/s)
+    the same products take ~17 us each and splitting them over 2 ranks pays (compute halves,
+    one collective). The device is saved in plan.json and named in plan.txt."""
+    g = load_onnx(mlp(layers=2, batch=64, hidden=256))
+    plans = {d: {a: search(g, {"mesh_shape": [2], "device": d, "algo": a}) for a in ("ilp", "replicate")}
+             for d in ("h100", "cpu")}
+    gpu, cpu = plans["h100"], plans["cpu"]
+    assert gpu["ilp"].device.name == "h100-sxm" and cpu["ilp"].device.name == "cpu"
+    assert not gpu["ilp"].collectives and gpu["ilp"].cost == pytest.approx(gpu["replicate"].cost)
+    assert len(cpu["ilp"].collectives) == 1 and cpu["ilp"].cost < 0.7 * cpu["replicate"].cost
+    assert cpu["ilp"].compute_cost == pytest.approx(cpu["replicate"].compute_cost / 2, rel=0.05)
+    # search alone plans for the H100; a custom profile between the two is accepted
+    assert search(g, {"mesh_shape": [2]}).device.name == "h100-sxm"
+    own = search(g, {"mesh_shape": [2], "device": {"name": "mine", "peak_tflops": 2, "mem_bandwidth_GBps": 200}})
+    assert own.device == cpu["ilp"].device.__class__("mine", 2e12, 200e9) and own.cost == pytest.approx(cpu["ilp"].cost)
+    cpu["ilp"].save(tmp_path)
+    loaded = ShardingPlan.load(tmp_path / "plan.json", graph=g)
+    assert loaded.device == cpu["ilp"].device and "device cpu: 2 TFLOP/s, 200 GB/s" in loaded.to_text()
+    d = json.loads((tmp_path / "plan.json").read_text())
+    del d["device"]  # a plan.json written before plans recorded it: the H100, as it was made for
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert ShardingPlan.load(tmp_path / "old.json", graph=g).device.name == "h100-sxm"
