@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu/device_session.sh all     # suite + bench (float16) + GPT-2 kernel profile, < 10 min
 #   bash benchmarks/gpu/device_session.sh newtiles  # ping-pong/stream-K GPU tests, then GPT-2 8x128 with them
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
+#   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (its
+#                                                 # AVX-512 GEMM kernel: the dev and CI machines have no AVX-512)
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -121,12 +123,18 @@ case "$what" in
                                          sk128x128 pp64x256 pp64x192 pp64x128 sk64x128@4)
         sweep_tiles "${SWEEP_S:-480}" "${tiles[@]}"
         ;;
+    cpu)  # the cpu kernels against numpy on this host, with the ISA it has (the AVX-512 GEMM reads two
+          # 16-column prepacked panels per tile: compiled everywhere, run only where a CPU has AVX-512)
+        grep -o -m1 'avx512f' /proc/cpuinfo || echo "no avx512f on this host"
+        timeout 400 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_cpu_kernels.py \
+            tests/driver/test_prepack.py 2>&1 | tee "$out/cpu-kernels.txt" | tail -15
+        ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
         "$@"
         ;;
     *)
-        echo "usage: $0 suite|bench|all|newtiles|sweep [TILE...]|run CMD..." >&2
+        echo "usage: $0 suite|bench|all|newtiles|sweep [TILE...]|cpu|run CMD..." >&2
         exit 2
         ;;
 esac
