@@ -51,20 +51,25 @@ log = logging.getLogger(__name__)
 # costs of single ops
 
 def op_flops(op: Operator) -> float:
-    """Arithmetic operations of ``op`` (per output element: its expression nodes, with every
-    reduction body counted once per reduced element)."""
+    """Arithmetic operations of ``op``: its expression nodes once per output element, and each
+    reduction's body once per reduced element and per distinct value of the output indices the
+    reduction depends on (a LayerNorm's row mean once per row, not once per element of the row, as
+    the kernels compute it; a MatMul's sum once per output element)."""
     total = 0.0
     for out in op.task.outputs:
         size = float(np.prod(out.shape, dtype=np.float64)) if out.shape else 1.0
         if not isinstance(out, GridCompute):
             total += size * max(1.0, math.log2(max(2.0, size)))
             continue
+        extent = {id(v): float(v.extent) for v in out.axes}
         per = 1.0
         for n in walk(out.value):
             if isinstance(n, Reduce):
                 ext = float(np.prod([v.extent for v in n.vars], dtype=np.float64))
                 body_ops = sum(1 for m in walk(n.body) if isinstance(m, (BinOp, UnaryOp)))
-                per += ext * max(1, body_ops + 1)
+                deps = {id(m) for m in walk(n) if id(m) in extent}
+                times = float(np.prod([extent[d] for d in deps], dtype=np.float64))
+                total += times * ext * max(1, body_ops + 1)
             elif isinstance(n, (BinOp, UnaryOp)):
                 per += 1
         total += size * per

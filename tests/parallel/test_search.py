@@ -239,3 +239,25 @@ def test_device_profile_decides_between_compute_and_communication(tmp_path):
     del d["device"]  # a plan.json written before plans recorded it: the H100, as it was made for
     (tmp_path / "old.json").write_text(json.dumps(d))
     assert ShardingPlan.load(tmp_path / "old.json", graph=g).device.name == "h100-sxm"
+
+
+def test_op_flops_count_a_row_statistic_once_per_row():
+    """A LayerNorm's mean and variance, and a softmax's max and sum, depend on the row only: they
+    count once per row (as the kernels compute them), not once per element of the row, which made
+    a replicated BERT-base LayerNorm cost as much as 1/6 of a projection on the cpu profile. A
+    MatMul's sum depends on both output indices and still counts per element."""
+    from shardflow.compiler.ir import Tensor
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.norm import LayerNorm
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.parallel.search import op_flops
+
+    rows, width = 128, 768
+    x = Tensor("x", (rows, width), "float32")
+    ln = LayerNorm([x, Tensor("g", (width,), "float32"), Tensor("b", (width,), "float32")], axis=1, epsilon=1e-5,
+                   stash="float32")
+    sm = Softmax([x], axes=(1,))
+    for op in (ln, sm):
+        assert 3 * rows * width <= op_flops(op) <= 20 * rows * width, (op.op_type, op_flops(op) / (rows * width))
+    mm = MatMul([x, Tensor("w", (width, 64), "float32")])
+    assert 2 * rows * 64 * width <= op_flops(mm) <= 2 * rows * 64 * (width + 2)
