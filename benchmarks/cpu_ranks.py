@@ -7,6 +7,9 @@ with an inputs .npz. Each variant is compiled (``shardflow compile``) and run wi
 --repeat R --warmup 3`` (mpiexec when installed); the figure is rank 0's median time per run. The
 ranks share this machine's cores, so on a 2-core machine N = 2 ranks of 1 thread compete with one
 rank of 2 threads: what it shows is the plan and the communication overhead, not a speed-up.
+First it times MPI all-reduces of 4 KB to 12 MB between the ranks (mpi4py, median of 30), the
+figures to set ``axis_bandwidth_GBps`` and ``axis_latency_us`` from (the defaults, 100 GB/s and
+5 us, are NVLink-like).
 
     python benchmarks/cpu_ranks.py [--nproc 2] [--threads 2] [--repeat 10] [--model M.onnx --inputs IN.npz]
 """
@@ -35,6 +38,31 @@ def _sh(*args, env=None) -> str:
     return res.stdout + res.stderr
 
 
+_ALLREDUCE = r'''
+import time, numpy as np
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+for n in (1024, 98304, 786432, 3145728):
+    a = np.ones(n, np.float32); b = np.empty_like(a)
+    for _ in range(5): c.Allreduce(a, b)
+    ts = []
+    for _ in range(30):
+        c.Barrier(); t = time.perf_counter(); c.Allreduce(a, b); ts.append(time.perf_counter() - t)
+    if c.rank == 0: print(f"all-reduce {4 * n / 1e6:8.3f} MB  {np.median(ts) * 1e6:9.1f} us", flush=True)
+'''
+
+
+def _allreduce_times(nproc: int) -> None:
+    import shutil
+
+    if shutil.which("mpiexec") is None:
+        print("(no mpiexec: all-reduce times skipped)")
+        return
+    res = subprocess.run(["mpiexec", "-n", str(nproc), sys.executable, "-c", _ALLREDUCE], capture_output=True,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    print(res.stdout.rstrip() or f"(mpiexec failed: {res.stderr[-500:]})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
@@ -55,6 +83,7 @@ def main(argv=None) -> None:
                 (f"{args.nproc} ranks, megatron", args.nproc, ["--algo", "megatron"])]
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; {args.threads} threads in all; "
           f"model {os.path.basename(model)}")
+    _allreduce_times(args.nproc)
     for name, n, flags in variants:
         out = os.path.join(work, re.sub(r"\W+", "_", name))
         _sh("compile", model, "-o", out, "--mesh", n, "-q", *flags)
