@@ -1,8 +1,9 @@
 """Weights packed at compile time for the cpu GEMM.
 
-The cpu target's GEMM (``codegen/templates_cpu.py``) copies ``B`` into panels of 32 columns on
-every call before it multiplies (BLIS-style packing). When ``B`` is a constant, that copy is the
-same on every call: :class:`PrepackWeights` does it once, here, and stores the weight packed
+The cpu target's GEMM (``codegen/templates_cpu.py``) copies ``B`` into panels of its kernel's
+width on every call before it multiplies (BLIS-style packing). When ``B`` is a constant, that copy
+is the same on every call: :class:`PrepackWeights` does it once, here, and stores the weight packed
+in panels of :data:`~shardflow.compiler.ops.linalg.PANEL` (16) columns
 (:func:`~shardflow.compiler.ops.linalg.pack_panels`), so the kernel reads the panels straight from
 the weights. A MatMul ``a @ B`` or Gemm ``alpha * a @ op(B) + beta * c`` (``trans_a`` unset) on
 float32 with a constant 2-D ``B`` becomes a
@@ -13,8 +14,8 @@ shard by shard), for the cpu target only. A weight that another kind of op also 
 one Gemm reads transposed and another not, stays as it is, so that the rank never stores a weight
 twice; the packed copy is shared by all the contractions reading the same weight. Values are
 unchanged where ``M > 1``: the same products are summed in the same order as with packing per
-call. A single row (``M == 1``) is summed in ``k`` order instead of four ``k`` at a time (a
-difference of rounding).
+call. A single row (``M == 1``) is summed in four partial sums by ``k mod 4`` (a difference of
+rounding).
 """
 from __future__ import annotations
 
