@@ -99,7 +99,7 @@ static void sf_ukr_avx2(int64_t kc, const float* __restrict__ Ap, const float* _
   #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + 16)), _MM_HINT_T0);  // as in the AVX-512 kernel
+    _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + 64)), _MM_HINT_T0);  // as in the AVX-512 kernel
     const __m256 b0 = _mm256_loadu_ps(Bp + ldb * k), b1 = _mm256_loadu_ps(Bp + ldb * k + 8);
     const float* a = Ap + 6 * k;
     #pragma GCC unroll 6
@@ -310,19 +310,26 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
         for (int64_t tn = 0; tn < ntn; ++tn) {
           const int64_t ip0 = tm * mpt, ip1 = std::min(mp, ip0 + mpt);
           const int64_t jp0 = tn * npt, jp1 = std::min(np, jp0 + npt);
-          for (int64_t kb = 0; kb < nkb; ++kb) {
+          // one K block of one column panel against the tile's rows
+          auto block = [&](int64_t kb, int64_t jp) {
             const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
             const float* Ab = Ap + mp * mr * pc;
-            for (int64_t jp = jp0; jp < jp1; ++jp) {
-              const int64_t nrr = std::min(nr, nc - jp * nr);
-              int64_t ldb, bnext;
-              const float* Bb = bsrc.panel(jc, np, nr, nrr, pc, kc, jp, ldb, bnext);
-              for (int64_t ip = ip0; ip < ip1; ++ip) {
-                const int64_t mrr = std::min(mr, M - ip * mr);
-                u.fn[mrr - 1](kc, Ab + ip * mr * kc, Bb, ldb, bnext, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr,
-                              kb == 0);
-              }
+            const int64_t nrr = std::min(nr, nc - jp * nr);
+            int64_t ldb, bnext;
+            const float* Bb = bsrc.panel(jc, np, nr, nrr, pc, kc, jp, ldb, bnext);
+            for (int64_t ip = ip0; ip < ip1; ++ip) {
+              const int64_t mrr = std::min(mr, M - ip * mr);
+              u.fn[mrr - 1](kc, Ab + ip * mr * kc, Bb, ldb, bnext, Cc + ip * mr * ldc + jp * nr, ldc, mrr, nrr,
+                            kb == 0);
             }
+          };
+          if (ip1 - ip0 <= 2) {
+            // few rows: each B panel is read once, so walk it down all of K (one stream from memory)
+            for (int64_t jp = jp0; jp < jp1; ++jp)
+              for (int64_t kb = 0; kb < nkb; ++kb) block(kb, jp);
+          } else {
+            for (int64_t kb = 0; kb < nkb; ++kb)
+              for (int64_t jp = jp0; jp < jp1; ++jp) block(kb, jp);
           }
           if (epi)
             sf_gemm_epilogue(C, ldc, ip0 * mr, std::min(M, ip1 * mr), jc + jp0 * nr, jc + std::min(nc, jp1 * nr),
