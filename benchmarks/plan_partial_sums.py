@@ -44,9 +44,10 @@ def main(argv=None) -> None:
     from export_models import export_gpt2
 
     from shardflow.compiler import load_onnx
+    from shardflow.compiler.cli import parse_mesh
     from shardflow.compiler.parallel import search
 
-    meshes = [[int(x) for x in m.split("x")] for m in args.meshes.split(";")]
+    meshes = [parse_mesh(m) for m in args.meshes.split(";")]
     print(f"{'model':<10} {'mesh':<7} {'partial_sums':<13} {'plan s':>7} {'cost us':>10} {'comm us':>9}  collectives")
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"gpt2": os.path.join(tmp, "gpt2.onnx"), "neox": os.path.join(tmp, "neox.onnx")}

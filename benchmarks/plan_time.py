@@ -29,9 +29,10 @@ def main(argv=None):
     from export_models import export_gpt2
 
     from shardflow.compiler import load_onnx
+    from shardflow.compiler.cli import parse_mesh
     from shardflow.compiler.parallel import search
 
-    meshes = [[int(x) for x in m.split("x")] for m in args.meshes.split(";")]
+    meshes = [parse_mesh(m) for m in args.meshes.split(";")]
     print(f"{'model':<14} {'mesh':<7} {'algo':<10} {'plan s':>8} {'cost us':>12} {'collectives':>12} {'memory MB':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for depth in args.depths:
