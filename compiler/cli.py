@@ -175,6 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("-o", "--out", default=None, metavar="DIR", help="also save plan.json and plan.txt into DIR")
     pp.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
+    pk = sub.add_parser("calibrate", help="measure this machine's ranks and links for the cost model",
+                        description="Start the mesh's ranks on this machine, time a GEMM, a memory stream and the "
+                                    "collectives along every mesh axis, and write the fitted figures as a "
+                                    "distributed_config fragment (mesh_shape, axis_bandwidth_GBps, axis_latency_us, "
+                                    "device) for `shardflow compile --distributed-config OUT`.")
+    pk.add_argument("--mesh", metavar="DxD", required=True,
+                    help="ranks per axis joined by 'x' (2, 2x2): the ranks started and the axes timed")
+    pk.add_argument("-o", "--out", required=True, metavar="FILE.json", help="where to write the figures")
+    pk.add_argument("--launcher", choices=("auto", "mpiexec", "spawn"), default=None,
+                    help="how to start the ranks, as for `shardflow run` (default auto)")
+    pk.add_argument("--backend", choices=("auto", "mpi", "tcp"), default=None,
+                    help="communicator whose collectives are timed, as for `shardflow run` (default auto: mpi "
+                         "under mpiexec, else tcp); use the one your runs use")
+    pk.add_argument("--trials", type=int, default=5, help="timings per figure, the median is kept (default 5)")
+    pk.add_argument("--timeout", type=float, default=900.0, help="kill the ranks after this many seconds (900)")
+    pk.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
     pi = sub.add_parser("inspect", help="summarize an out_dir",
                         description="Print what an out_dir holds: target, mesh, plan, and per rank its kernels, "
                                     "collectives, memory, inputs and outputs.")
@@ -240,6 +257,18 @@ def _cmd_plan(args) -> int:
     sys.stdout.write(plan.to_text())
     if not plan.to_text().endswith("\n"):
         sys.stdout.write("\n")
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    from .calibrate import calibrate
+
+    _setup_logging(False, args.verbose)
+    cal = calibrate(parse_mesh(args.mesh), launcher=args.launcher, backend=args.backend, trials=args.trials,
+                    timeout_s=args.timeout)
+    cal.save(args.out)
+    print(cal.report())
+    print(f"wrote {args.out}; use it with `shardflow compile MODEL --distributed-config {args.out}`")
     return 0
 
 
@@ -331,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardflow.runtime.errors import ShardflowError
 
     try:
-        return {"compile": _cmd_compile, "plan": _cmd_plan, "inspect": _cmd_inspect}[args.command](args)
+        return {"compile": _cmd_compile, "plan": _cmd_plan, "inspect": _cmd_inspect,
+                "calibrate": _cmd_calibrate}[args.command](args)
     except _CLIError as exc:
         print(f"shardflow {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -40,7 +40,8 @@ from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir
 from .errors import ShardflowError
 from .executor import WorldSizeError
 
-__all__ = ["LaunchEnv", "detect_environment", "main", "add_run_arguments", "artifact_world_size", "LaunchError"]
+__all__ = ["LaunchEnv", "detect_environment", "main", "add_run_arguments", "artifact_world_size", "LaunchError",
+           "start_ranks"]
 
 log = logging.getLogger("shardflow.runtime.launch")
 
@@ -248,19 +249,33 @@ def _threads_per_rank(nproc: int) -> str:
 
 
 def _spawn(args, argv: list[str], nproc: int) -> int:
+    return start_ranks("shardflow.runtime.launch", argv, nproc, launcher=args.launcher, backend=args.backend,
+                       timeout=args.timeout)
+
+
+def start_ranks(module: str, argv: Sequence[str], nproc: int, *, launcher: str | None = None,
+                backend: str | None = None, timeout: float = 0.0) -> int:
+    """Start ``nproc`` local ranks of ``python -m module *argv`` and wait for them.
+
+    ``launcher`` is ``auto`` (mpiexec when it and mpi4py are installed, else own processes with a
+    TCP rendezvous through ``RANK``/``WORLD_SIZE``/``MASTER_PORT``), ``mpiexec`` or ``spawn``;
+    ``None`` reads ``$SHARDFLOW_LAUNCHER``. A ``backend`` of ``tcp`` under ``auto`` spawns.
+    Every rank is killed after ``timeout`` seconds (0: no limit), and the others shortly after
+    one fails. Returns the exit status (0 when every rank succeeded).
+    """
     try:
-        mpiexec = _use_mpiexec(args)
+        mpiexec = _use_mpiexec(argparse.Namespace(launcher=launcher, backend=backend))
     except LaunchError as exc:
         log.error("%s", exc)
         return 2
-    child = [sys.executable, "-m", "shardflow.runtime.launch", *argv]
+    child = [sys.executable, "-m", module, *argv]
     base_env = dict(os.environ)
     base_env.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base_env.pop(k, None)
-    deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
+    deadline = time.monotonic() + timeout if timeout > 0 else None
     if mpiexec is not None:
-        return _run_mpiexec(mpiexec, nproc, child, base_env, deadline, args.timeout)
+        return _run_mpiexec(mpiexec, nproc, child, base_env, deadline, timeout)
     port = _free_port()
     procs = []
     for r in range(nproc):
@@ -268,7 +283,7 @@ def _spawn(args, argv: list[str], nproc: int) -> int:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(child, env=env, start_new_session=True))
     log.debug("spawned %d ranks (pids %s), rendezvous at 127.0.0.1:%d", nproc, [p.pid for p in procs], port)
-    return _supervise(procs, deadline, args.timeout)
+    return _supervise(procs, deadline, timeout)
 
 
 @functools.lru_cache(maxsize=8)
