@@ -4,14 +4,15 @@ H100 profile, and the Megatron baseline.
 
 The model is BERT-base (1x128 tokens, random weights; needs torch + transformers) or any ONNX file
 with an inputs .npz. Each variant is compiled (``shardflow compile``) and run with ``shardflow run
---repeat R --warmup 3`` (mpiexec when installed); the figure is rank 0's median time per run. The
+--repeat R --warmup 3`` (mpiexec when installed), in ``--rounds`` rounds over the variants in turn;
+the figure is the median over rounds of rank 0's median time per run. The
 ranks share this machine's cores, so on a 2-core machine N = 2 ranks of 1 thread compete with one
 rank of 2 threads: what it shows is the plan and the communication overhead, not a speed-up.
 First it runs ``shardflow calibrate --mesh N`` (prints what it measured: GEMM and memory throughput
 per rank, the collectives' times and the fitted link figures) and adds a variant planned with
 those figures (``--distributed-config`` the calibration file).
 
-    python benchmarks/cpu_ranks.py [--nproc 2] [--threads 2] [--repeat 10] [--model M.onnx --inputs IN.npz]
+    python benchmarks/cpu_ranks.py [--nproc 2] [--threads 2] [--repeat 10] [--rounds 3] [--model M.onnx --inputs IN.npz]
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads in all (split over ranks)")
-    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=10, help="runs per `shardflow run` (its median is one figure)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds over the variants in turn; the figure is the median over rounds (default 3)")
     ap.add_argument("--model", default=None, help="an ONNX model (default: export BERT-base)")
     ap.add_argument("--inputs", default=None, help="its inputs (.npz keyed by input name)")
     args = ap.parse_args(argv)
@@ -66,15 +69,24 @@ def main(argv=None) -> None:
                 (f"{args.nproc} ranks, calibrated plan", args.nproc, ["--distributed-config", calibration]),
                 (f"{args.nproc} ranks, h100 plan", args.nproc, ["--device", "h100"]),
                 (f"{args.nproc} ranks, megatron", args.nproc, ["--algo", "megatron"])]
+    plans = {}
     for name, n, flags in variants:
         out = os.path.join(work, re.sub(r"\W+", "_", name))
         _sh("compile", model, "-o", out, "--mesh", n, "-q", *flags)
-        plan = open(os.path.join(out, "plan.txt")).read().splitlines()
-        log = _sh("run", out, "--nproc", n, "--inputs", inputs, "--repeat", args.repeat, "--warmup", 3,
-                  env=_threads_env(args.threads, n))
-        med = re.search(r"median ([0-9.]+) ms", log)
-        print(f"{name:<26} {float(med.group(1)):9.2f} ms   {plan[3][2:]:<40} {plan[1][2:]}", flush=True)
-
+        plans[name] = open(os.path.join(out, "plan.txt")).read().splitlines()
+    # rounds over the variants in turn, so that a slow spell of the machine does not land on one
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    for _ in range(args.rounds):
+        for name, n, _ in variants:
+            out = os.path.join(work, re.sub(r"\W+", "_", name))
+            log = _sh("run", out, "--nproc", n, "--inputs", inputs, "--repeat", args.repeat, "--warmup", 3,
+                      env=_threads_env(args.threads, n))
+            times[name].append(float(re.search(r"median ([0-9.]+) ms", log).group(1)))
+    for name, _, _ in variants:
+        plan = plans[name]
+        rounds = " ".join(f"{t:.1f}" for t in times[name])
+        print(f"{name:<26} {np.median(times[name]):9.2f} ms (rounds: {rounds})   {plan[3][2:]:<40} {plan[1][2:]}",
+              flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

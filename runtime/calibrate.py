@@ -62,25 +62,26 @@ def _timed(comm, fn: Callable[[], object], reps: int, trials: int) -> float:
 
 
 def _collective_call(group, kind: str, nbytes: int):
-    """A closure running collective ``kind`` on a per-rank buffer of ``nbytes``, and the bytes the
-    cost model's formula takes for it (:mod:`shardflow.compiler.parallel.cost`)."""
+    """A prepared collective ``kind`` on a per-rank buffer of ``nbytes`` (as a rank program runs
+    it: :func:`~shardflow.runtime.comm.prepared.prepare`), and the bytes the cost model's formula
+    takes for it (:mod:`shardflow.compiler.parallel.cost`)."""
+    from .comm.prepared import prepare
+
     n = group.size
     elems = max(nbytes // 4, n) // n * n  # divisible by the group
     x = np.ones(elems, np.float32)
     if kind == "all_reduce":
-        out = np.empty_like(x)
-        return (lambda: group.all_reduce(x, "sum", out=out)), elems * 4
+        return prepare(group, kind, x, np.empty_like(x), {"op": "sum"}), elems * 4
     if kind == "all_gather":
-        out = np.empty(elems * n, np.float32)
-        return (lambda: group.all_gather(x, 0, elems * n, out=out)), elems * n * 4
+        return prepare(group, kind, x, np.empty(elems * n, np.float32), {"dim": 0, "global_size": elems * n}), \
+            elems * n * 4
     if kind == "reduce_scatter":
-        out = np.empty(elems // n, np.float32)
-        return (lambda: group.reduce_scatter(x, 0, "sum", out=out)), elems * 4
+        return prepare(group, kind, x, np.empty(elems // n, np.float32), {"dim": 0, "op": "sum"}), elems * 4
     if kind == "all_to_all":
-        # each rank holds chunk `rank` of dim 0 and all of dim 1; the group's buffers total n * nbytes
-        y = x.reshape(1, elems)
-        out = np.empty((n, elems // n), np.float32)
-        return (lambda: group.all_to_all(y, 0, 1, n, out=out)), elems * n * 4
+        # [1, elems] split on dim 0 (one row per member) becomes [n, elems / n] split on dim 1: the
+        # group's buffers total n * nbytes
+        return prepare(group, kind, x.reshape(1, elems), np.empty((n, elems // n), np.float32),
+                       {"src_dim": 0, "dst_dim": 1, "src_size": n}), elems * n * 4
     raise ValueError(f"unknown collective {kind!r}")
 
 

@@ -15,7 +15,6 @@ contiguous row-major arrays of the op's static shapes and dtypes (``sf_kernel_fn
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 from pathlib import Path
@@ -26,7 +25,8 @@ import numpy as np
 from . import native
 from .artifact import (ALIGNMENT, ArtifactError, aligned_empty, buffer_dtype, read_json, read_manifest,
                        read_weights, rank_dir, verify_files)
-from .comm.base import Communicator, SelfCommunicator
+from .comm.base import CommError, Communicator, SelfCommunicator
+from .comm.prepared import prepare
 from .errors import ShardflowError
 
 __all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
@@ -285,15 +285,13 @@ class RankProgram:
                                 f"{group.rank} of {group.size}")
         x = self.buffers[s["inputs"][0]].array
         y = self.buffers[s["outputs"][0]].array
-        if kind == "all_reduce":
-            return functools.partial(group.all_reduce, x, attrs.get("op", "sum"), y)
-        if kind == "all_gather":
-            return functools.partial(group.all_gather, x, attrs["dim"], attrs["global_size"], y)
-        if kind == "reduce_scatter":
-            return functools.partial(group.reduce_scatter, x, attrs["dim"], attrs.get("op", "sum"), y)
-        if kind == "all_to_all":
-            return functools.partial(group.all_to_all, x, attrs["src_dim"], attrs["dst_dim"], attrs["src_size"], y)
-        raise ArtifactError(f"program.json of rank {self.rank}: unknown collective {kind!r} ({s['node']})")
+        if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            raise ArtifactError(f"program.json of rank {self.rank}: unknown collective {kind!r} ({s['node']})")
+        try:
+            # staging buffers allocated once; chunks laid end to end go straight between x and y
+            return prepare(group, kind, x, y, attrs)
+        except CommError as exc:
+            raise ArtifactError(f"program.json of rank {self.rank}: collective {s['node']}: {exc}") from None
 
     # ------------------------------------------------------------------- running -----------
     @property

@@ -3,7 +3,8 @@
 All-reduce and reduce-scatter use MPI's native collectives for the dtypes MPI can reduce
 (floats of 32/64 bits, integers, bool through ``uint8`` max/min); other dtypes (float16) are
 gathered and reduced in member order. All-gather moves raw bytes with ``MPI_Allgather``;
-all-to-all is grouped ``Isend``/``Irecv``. Sub-communicators come from ``MPI_Comm_split``.
+all-to-all is grouped ``Isend``/``Irecv``. The into-buffer primitives of prepared collectives
+write the result straight into the destination. Sub-communicators come from ``MPI_Comm_split``.
 
 Several ranks may share one GPU through this backend (NCCL refuses that): device arrays are
 copied to the host, communicated, and copied back.
@@ -14,7 +15,7 @@ import logging
 
 import numpy as np
 
-from .base import Communicator, CommError, _my_group, byte_view, contiguous
+from .base import Communicator, CommError, _is_device_array, _my_group, byte_view, contiguous
 
 __all__ = ["MPICommunicator", "mpi_available"]
 
@@ -118,6 +119,36 @@ class MPICommunicator(Communicator):
         if res.size:
             self.comm.Reduce_scatter_block(x.view(view_dtype), res.view(view_dtype), op=mpi_op)
         return _finish_avg(res, op, self.size)
+
+    # into-buffer primitives: MPI writes the result straight into the given host buffer ------
+    def _allgather_into(self, x, out) -> None:
+        if _is_device_array(x) or _is_device_array(out) or not out.flags.c_contiguous:
+            return super()._allgather_into(x, out)
+        x = contiguous(x)
+        if x.nbytes:
+            self.comm.Allgather([byte_view(x), self.MPI.BYTE], [byte_view(out), self.MPI.BYTE])
+
+    def _reduce_into(self, x, out, op: str, call: str) -> bool:
+        """MPI ``call`` (Allreduce, Reduce_scatter_block) from ``x`` into ``out``; False when it
+        cannot (a dtype MPI does not reduce, device or strided buffers, overlapping ones)."""
+        native = self._native(x.dtype, op)
+        if (native is None or _is_device_array(x) or _is_device_array(out) or not x.flags.c_contiguous
+                or not out.flags.c_contiguous or np.shares_memory(x, out)):
+            return False
+        view_dtype, mpi_op = native
+        if out.size:
+            getattr(self.comm, call)(x.view(view_dtype), out.view(view_dtype), op=mpi_op)
+        if op == "avg" and out.dtype != np.bool_:
+            out[...] = _finish_avg(out, op, self.size)
+        return True
+
+    def _allreduce_into(self, x, out, op: str) -> None:
+        if self.size == 1 or not self._reduce_into(x, out, op, "Allreduce"):
+            super()._allreduce_into(x, out, op)
+
+    def _reduce_scatter_into(self, x, out, op: str) -> None:
+        if not self._reduce_into(x, out, op, "Reduce_scatter_block"):
+            super()._reduce_scatter_into(x, out, op)
 
     # sub-communicators --------------------------------------------------------------------
     def split(self, groups) -> "MPICommunicator":

@@ -7,7 +7,9 @@ of them and calls the backend's ``*_into`` primitives, which write into a given 
 device backend (NCCL) every step is then a stream-ordered kernel or NCCL call on preallocated
 memory, so the call can be captured into a CUDA graph together with the kernels around it
 (``capturable``); host-staged backends (MPI/TCP with cupy arrays) cannot be captured and are
-called eagerly between graph segments.
+called eagerly between graph segments. On host arrays, an all-gather or reduce-scatter whose
+members' chunks are the outermost blocks of the whole tensor (every dim before the split one has
+one entry, the split is even) needs no staging: it runs from ``x`` straight into ``y``.
 
 The semantics are those of the unprepared methods of
 :class:`~shardflow.runtime.comm.base.Communicator` (``torch.chunk`` chunks, padding to
@@ -16,6 +18,8 @@ The semantics are those of the unprepared methods of
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+import numpy as np
 
 from .base import CommError, Communicator, _check_chunk, _check_dim, array_module, chunk_bounds, padded_chunk
 
@@ -86,6 +90,10 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
         _check_local(comm, kind, x, attrs)
         c = padded_chunk(g, n)
         rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
+        if not device and _in_place(x, y, dim, g, n):
+            # the chunks are the outermost blocks of y: every member's x goes straight to its place
+            send, recv = x.reshape((c,) + rest), y.reshape((n, c) + rest)
+            return PreparedCollective(comm, kind, lambda: comm._allgather_into(send, recv), False)
         send = xp.zeros((c,) + rest, x.dtype)  # the padding rows stay zero
         recv = xp.empty((n, c) + rest, x.dtype)
         lo, hi = chunk_bounds(g, n, me)
@@ -104,12 +112,16 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
         c = padded_chunk(size, n)
         lo, hi = chunk_bounds(size, n, me)
         rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
-        send = xp.zeros((n * c,) + rest, x.dtype)
-        recv = xp.empty((c,) + rest, x.dtype)
         out_view = _moved(xp, y, dim)
         if out_view.shape[0] != hi - lo:
             raise CommError(f"reduce-scatter: {comm.describe_member(me)} expects {hi - lo} entries of dim {dim}, the "
                             f"output buffer has {out_view.shape[0]}")
+        if not device and _in_place(y, x, dim, size, n):
+            # the members' chunks are the outermost blocks of x: reduce from x straight into y
+            send, recv = x.reshape((size,) + rest), y.reshape((c,) + rest)
+            return PreparedCollective(comm, kind, lambda: comm._reduce_scatter_into(send, recv, op), False)
+        send = xp.zeros((n * c,) + rest, x.dtype)
+        recv = xp.empty((c,) + rest, x.dtype)
 
         def reduce_scatter():
             send[:size] = _moved(xp, x, dim)
@@ -159,6 +171,14 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
                     ym[a:b] = recv[j, :b - a, :hi_d - lo_d]
         return PreparedCollective(comm, kind, all_to_all, capturable, (send, recv))
     raise CommError(f"unknown collective {kind!r}")
+
+
+def _in_place(part, whole, dim: int, size: int, n: int) -> bool:
+    """Whether ``whole`` (``size`` entries of ``dim``) is the ``n`` members' equal chunks ``part``
+    laid end to end in memory: ``size`` divides evenly, every dim before ``dim`` has one entry,
+    and both buffers are C-contiguous and do not overlap (then no staging copy is needed)."""
+    return (size % n == 0 and all(s == 1 for s in whole.shape[:dim]) and part.flags.c_contiguous
+            and whole.flags.c_contiguous and not np.shares_memory(part, whole))
 
 
 def _check_local(comm: Communicator, kind: str, x, attrs) -> None:

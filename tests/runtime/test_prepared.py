@@ -94,3 +94,21 @@ def test_bad_buffers_are_refused():
     comms = InProcessWorld(2).communicators()
     with pytest.raises(CommError, match="chunk 0 of 5"):
         prepare(comms[0], "all_gather", x, np.zeros((5, 3), np.float32), {"dim": 0, "global_size": 5})
+
+
+def test_chunks_laid_end_to_end_need_no_staging_buffers():
+    comms = InProcessWorld(2).communicators()
+    x, y = np.zeros((1, 4, 3), np.float32), np.zeros((1, 8, 3), np.float32)
+    assert prepare(comms[0], "all_gather", x, y, {"dim": 1, "global_size": 8})._keep == ()
+    assert prepare(comms[0], "reduce_scatter", y, x, {"dim": 1, "op": "sum"})._keep == ()
+    # a dim before the split one with two entries, an uneven split: staged through fixed buffers
+    x2, y2 = np.zeros((2, 4, 3), np.float32), np.zeros((2, 8, 3), np.float32)
+    assert len(prepare(comms[0], "all_gather", x2, y2, {"dim": 1, "global_size": 8})._keep) == 2
+    x3, y3 = np.zeros((1, 4, 3), np.float32), np.zeros((1, 7, 3), np.float32)
+    assert len(prepare(comms[0], "all_gather", x3, y3, {"dim": 1, "global_size": 7})._keep) == 2
+    # ... and the unstaged ones give the oracle's result
+    rng = np.random.default_rng(3)
+    rounds = _two_rounds(lambda r: [rng.standard_normal((1, 4, 3)).astype(np.float32) for _ in range(2)])
+    got = _run_prepared(comms, "all_gather", rounds, [(1, 8, 3)] * 2, {"dim": 1, "global_size": 8})
+    for g, ref in zip(got, sim.all_gather(rounds[1], 1, 8)):
+        assert np.array_equal(g, ref)
