@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import ConfigError, ShardflowError
 
-__all__ = ["Calibration", "calibrate", "fit_links", "probe_models", "GEMM_SHAPE", "STREAM_ELEMENTS"]
+__all__ = ["Calibration", "calibrate", "compile_probe", "fit_links", "probe_models", "GEMM_SHAPE", "STREAM_ELEMENTS"]
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,13 @@ def _fmt_bytes(n: int) -> str:
 
 
 def calibrate(mesh_shape: Sequence[int], *, target: str = "cpu", launcher: str | None = None,
-              backend: str | None = None, trials: int = 5, timeout_s: float = 900.0) -> Calibration:
-    """Measure this machine with ``prod(mesh_shape)`` local ranks and fit the cost model to it.
+              backend: str | None = None, trials: int = 5, timeout_s: float = 900.0) -> Calibration | None:
+    """Measure this machine's ranks and links and fit the cost model to them.
+
+    Started plainly, it starts ``prod(mesh_shape)`` local ranks (as ``shardflow run`` does).
+    Started as one rank of several (``mpiexec -n N``, ``srun``, torchrun-style variables: e.g.
+    ranks on several hosts), this process is that rank: every rank compiles the probes into its
+    own temporary folder and rank 0 gathers the timings.
 
     Parameters
     ----------
@@ -212,16 +217,16 @@ def calibrate(mesh_shape: Sequence[int], *, target: str = "cpu", launcher: str |
     trials
         Timings per figure (the median is kept).
     timeout_s
-        Kill the ranks after this long.
+        Kill the ranks after this long (local ranks only).
 
     Returns
     -------
-    Calibration
-        ``.config`` is the ``distributed_config`` fragment; ``.save(path)`` writes it.
+    Calibration or None
+        ``.config`` is the ``distributed_config`` fragment; ``.save(path)`` writes it. ``None``
+        on the ranks other than 0 when started by a launcher.
     """
-    from shardflow.runtime.launch import start_ranks
-
-    from .driver import compile as compile_model
+    from shardflow.runtime.calibrate import run_rank
+    from shardflow.runtime.launch import detect_environment, start_ranks
 
     if target != "cpu":
         raise ConfigError(f"calibrate: target {target!r} is not measured yet (only 'cpu'); for GPUs give "
@@ -233,29 +238,52 @@ def calibrate(mesh_shape: Sequence[int], *, target: str = "cpu", launcher: str |
     if trials < 1:
         raise ConfigError(f"calibrate: trials = {trials}: need at least 1")
     nproc = int(np.prod(shape))
+    env = detect_environment()
+    as_rank = env.launched_by != "single"
+    if as_rank and env.size != nproc:
+        raise ConfigError(f"calibrate: mesh {shape} has {nproc} ranks but {env.size} were started ({env.source}); "
+                          f"start {nproc}")
     probes = probe_models()
     with tempfile.TemporaryDirectory(prefix="shardflow-calibrate-") as tmp:
-        argv = ["--mesh", "x".join(map(str, shape)), "--trials", str(trials),
-                "--result", os.path.join(tmp, "result.json")]
+        dirs = {}
         for name, p in probes.items():
-            out = os.path.join(tmp, name)
+            dirs[name] = os.path.join(tmp, name)
             log.info("compiling the %s probe", name)
-            compile_model(p["model"], distributed_config={"mesh_shape": [1]},
-                          optimization_config={"target": target}, out_dir=out)
-            argv += ["--probe", f"{name}={out}"]
-        if backend is not None:
-            argv += ["--backend", backend]
-        log.info("timing on %d rank(s)", nproc)
-        rc = start_ranks("shardflow.runtime.calibrate", argv, nproc, launcher=launcher, backend=backend,
-                         timeout=timeout_s)
-        result_path = Path(tmp, "result.json")
-        if rc != 0 or not result_path.is_file():
-            raise ShardflowError(f"calibrate: the ranks failed (exit status {rc}); see their messages above")
-        measured = json.loads(result_path.read_text())
-    links = fit_links(measured["collectives"])
+            compile_probe(p["model"], target, dirs[name])
+        if as_rank:
+            measured = run_rank(shape, dirs, trials=trials, backend=backend or "auto", env=env)
+            if measured is None:
+                return None
+        else:
+            argv = ["--mesh", "x".join(map(str, shape)), "--trials", str(trials),
+                    "--result", os.path.join(tmp, "result.json")]
+            argv += [a for name, d in dirs.items() for a in ("--probe", f"{name}={d}")]
+            if backend is not None:
+                argv += ["--backend", backend]
+            log.info("timing on %d rank(s)", nproc)
+            rc = start_ranks("shardflow.runtime.calibrate", argv, nproc, launcher=launcher, backend=backend,
+                             timeout=timeout_s)
+            result_path = Path(tmp, "result.json")
+            if rc != 0 or not result_path.is_file():
+                raise ShardflowError(f"calibrate: the ranks failed (exit status {rc}); see their messages above")
+            measured = json.loads(result_path.read_text())
+    return _fit(shape, target, probes, measured)
+
+
+def compile_probe(model, target: str, out_dir: str) -> None:
+    """Compile a probe model for one rank of ``target`` into ``out_dir``."""
+    from .driver import compile as compile_model
+
+    compile_model(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": target},
+                  out_dir=out_dir)
+
+
+def _fit(shape: list[int], target: str, probes: dict, measured: dict) -> Calibration:
     from .parallel.cost import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
 
+    links = fit_links(measured["collectives"])
     t = measured["programs_s"]
+    nproc = int(np.prod(shape))
     threads = measured["threads_per_rank"]
     name = (f"{target} calibrated on {socket.gethostname()} ({platform.processor() or platform.machine()}), "
             f"{datetime.date.today().isoformat()}: {nproc} rank(s) x {threads} thread(s)")

@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
     pk = sub.add_parser("calibrate", help="measure this machine's ranks and links for the cost model",
-                        description="Start the mesh's ranks on this machine, time a GEMM, a memory stream and the "
+                        description="Start the mesh's ranks on this machine (or, started under mpiexec/srun, be "
+                                    "one of them), time a GEMM, a memory stream and the "
                                     "collectives along every mesh axis, and write the fitted figures as a "
                                     "distributed_config fragment (mesh_shape, axis_bandwidth_GBps, axis_latency_us, "
                                     "device) for `shardflow compile --distributed-config OUT`.")
@@ -266,6 +267,8 @@ def _cmd_calibrate(args) -> int:
     _setup_logging(False, args.verbose)
     cal = calibrate(parse_mesh(args.mesh), launcher=args.launcher, backend=args.backend, trials=args.trials,
                     timeout_s=args.timeout)
+    if cal is None:  # a rank other than 0 under mpiexec/srun: rank 0 writes and reports
+        return 0
     cal.save(args.out)
     print(cal.report())
     print(f"wrote {args.out}; use it with `shardflow compile MODEL --distributed-config {args.out}`")

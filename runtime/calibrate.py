@@ -25,7 +25,8 @@ import numpy as np
 
 from .errors import ShardflowError
 
-__all__ = ["COLLECTIVE_KINDS", "BUFFER_BYTES", "axis_groups", "time_collectives", "time_program", "main"]
+__all__ = ["COLLECTIVE_KINDS", "BUFFER_BYTES", "axis_groups", "time_collectives", "time_program", "run_rank",
+           "main"]
 
 log = logging.getLogger("shardflow.runtime.calibrate")
 
@@ -152,39 +153,59 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of one calibration rank; rank 0 writes ``--result``."""
+def run_rank(mesh_shape: Sequence[int], probes: dict[str, str], *, trials: int = 5, backend: str = "auto",
+             env=None) -> dict | None:
+    """This process's rank of a calibration started by a launcher (``shardflow calibrate``'s own,
+    mpiexec, srun, torchrun-style variables): connect, time the one-rank ``probes`` (name ->
+    out_dir) and the collectives, and return the timings on rank 0 (``None`` on the others).
+
+    A rank that fails logs why and leaves the process at once (status 1) when other ranks exist,
+    so that none waits for it in a collective.
+    """
     from .comm import create_world
-    from .launch import _die, _setup_logging, _threads_per_rank, detect_environment
+    from .launch import _die, _threads_per_rank, detect_environment
+
+    env = env or detect_environment()
+    hard = env.size > 1 or env.launched_by == "mpi"
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = _threads_per_rank(max(env.local_size, 1))
+    try:
+        comm = create_world(backend, launched_by=env.launched_by, rank=env.rank, size=env.size,
+                            master_addr=env.master_addr, master_port=env.master_port, local_rank=env.local_rank)
+    except ShardflowError as exc:
+        _die(f"rank {env.rank}: cannot connect the ranks: {exc}", 1, hard)
+        raise
+    try:
+        programs = {name: time_program(comm, path, trials=trials) for name, path in probes.items()}
+        records = time_collectives(comm, mesh_shape, trials=trials)
+    except Exception as exc:  # noqa: BLE001 - a rank must never leave the others waiting
+        _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
+        raise
+    comm.barrier()
+    result = {"mesh_shape": list(mesh_shape), "backend": comm.backend,
+              "threads_per_rank": os.environ["OMP_NUM_THREADS"], "programs_s": programs, "collectives": records}
+    comm.close()
+    return result if env.rank == 0 else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of one calibration rank started by ``shardflow calibrate``; rank 0 writes
+    ``--result``."""
+    from .launch import _setup_logging, detect_environment
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     env = detect_environment()
     _setup_logging(env.rank, args.verbose)
-    hard = env.size > 1 or env.launched_by == "mpi"
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = _threads_per_rank(max(env.local_size, 1))
-    mesh = [int(d) for d in args.mesh.split("x")]
+    probes = dict(item.partition("=")[::2] for item in args.probe)
     try:
-        comm = create_world(args.backend, launched_by=env.launched_by, rank=env.rank, size=env.size,
-                            master_addr=env.master_addr, master_port=env.master_port, local_rank=env.local_rank)
-    except ShardflowError as exc:
-        return _die(f"rank {env.rank}: cannot connect the ranks: {exc}", 1, hard)
-    try:
-        programs = {}
-        for item in args.probe:
-            name, _, path = item.partition("=")
-            programs[name] = time_program(comm, path, trials=args.trials)
-        records = time_collectives(comm, mesh, trials=args.trials)
-    except Exception as exc:  # noqa: BLE001 - a rank must never leave the others waiting
-        return _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
-    if env.rank == 0:
-        result = {"mesh_shape": mesh, "backend": comm.backend, "threads_per_rank": os.environ["OMP_NUM_THREADS"],
-                  "programs_s": programs, "collectives": records}
+        result = run_rank([int(d) for d in args.mesh.split("x")], probes, trials=args.trials,
+                          backend=args.backend, env=env)
+    except ShardflowError:
+        return 1
+    if result is not None:
         tmp = Path(args.result).with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(args.result)
-    comm.barrier()
-    comm.close()
     return 0
 
 

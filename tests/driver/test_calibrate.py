@@ -161,3 +161,19 @@ def _mlp():
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 64])], [w1, w2])
     return onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")
+def test_calibrate_started_under_mpiexec_is_one_rank_of_it(tmp_path):
+    out = tmp_path / "machine.json"
+    mpiexec = [shutil.which("mpiexec"), "-n", "2"]
+    res = subprocess.run(mpiexec + SHARDFLOW + ["calibrate", "--mesh", "2", "-o", str(out), "--trials", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("wrote ") == 1  # rank 0 reports and writes
+    assert DistributedConfig.from_dict(json.loads(out.read_text())).mesh_shape == (2,)
+    bad = subprocess.run(mpiexec + SHARDFLOW + ["calibrate", "--mesh", "4", "-o", str(tmp_path / "bad.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "mesh [4] has 4 ranks but 2 were started" in bad.stderr
+    assert not (tmp_path / "bad.json").exists()
