@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ConfigError, ShardflowError
-from ..ir.expr import BinOp, Reduce, UnaryOp, walk
+from ..ir.expr import BinOp, Reduce, TensorElement, UnaryOp, walk
 from ..ir.graph import FlowGraph, Operator, Tensor
 from ..ir.task import GridCompute
 from .config import DistributedConfig
@@ -39,7 +39,7 @@ from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
 from .rules import PARTIAL_SUMS, OpShardSpec, op_strategies, replicated_strategy
 
-__all__ = ["search", "Problem", "op_flops", "local_bytes"]
+__all__ = ["search", "Problem", "op_flops", "op_input_reads", "local_bytes"]
 
 if TYPE_CHECKING:
     from .plan import ShardingPlan
@@ -74,6 +74,38 @@ def op_flops(op: Operator) -> float:
                 per += 1
         total += size * per
     return total
+
+
+def op_input_reads(op: Operator) -> list[float | None]:
+    """Elements of each input that ``op``'s compute definition reads, per input (``None`` where
+    the definition does not say: extern computes). An access counts once per output element and
+    per element of the reductions around it, so a gather of a few rows of a table reads those
+    rows, a slice its part, an element-wise op its whole input; a matmul's count exceeds its
+    operands' sizes (each is read whole). The cost model takes the smaller of this and the size."""
+    task = op.task
+    if task.is_extern or len(task.inputs) != len(op.inputs):
+        return [None] * len(op.inputs)
+    position = {id(t): i for i, t in enumerate(task.inputs)}
+    reads = [0.0] * len(task.inputs)
+    seen: set[int] = set()
+
+    def visit(e, times: float) -> None:
+        if id(e) in seen:
+            return
+        seen.add(id(e))
+        if isinstance(e, Reduce):
+            times *= float(np.prod([v.extent for v in e.vars], dtype=np.float64))
+        elif isinstance(e, TensorElement):
+            if id(e.tensor) in position:
+                reads[position[id(e.tensor)]] += times
+            elif isinstance(e.tensor, GridCompute):  # another compute of the same definition
+                visit(e.tensor.value, times)
+        for c in e.children():
+            visit(c, times)
+
+    for out in task.outputs:
+        visit(out.value, float(np.prod(out.shape, dtype=np.float64)) if out.shape else 1.0)
+    return reads
 
 
 def local_numel(shape: tuple[int, ...], spec: TensorShardSpec, mesh_shape: tuple[int, ...]) -> int:
@@ -156,7 +188,10 @@ class Problem:
     # costs --------------------------------------------------------------------------
     def _with_cost(self, op: Operator, s: OpShardSpec) -> OpShardSpec:
         flops = op_flops(op) / s.parallelism
-        nbytes = sum(local_bytes(t, sp, self.mesh_shape) for t, sp in zip(op.inputs, s.input_specs))
+        # an input moves its local bytes, or fewer when the op reads only part of it (a gather's rows)
+        nbytes = sum(local_bytes(t, sp, self.mesh_shape) if r is None else
+                     min(local_bytes(t, sp, self.mesh_shape), r / s.parallelism * np.dtype(t.dtype).itemsize)
+                     for t, sp, r in zip(op.inputs, s.input_specs, op_input_reads(op)))
         nbytes += sum(local_bytes(t, sp, self.mesh_shape) for t, sp in zip(op.outputs, s.output_specs))
         cost = self.cost_model.compute_time(flops, nbytes)
         return OpShardSpec(s.input_specs, s.output_specs, s.reductions, s.assignment, s.parallelism, cost)
