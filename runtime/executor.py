@@ -15,8 +15,10 @@ contiguous row-major arrays of the op's static shapes and dtypes (``sf_kernel_fn
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -209,14 +211,20 @@ class RankProgram:
         segments: list[tuple[list, Any]] = []
         calls: list = []
         self._n_kernels = self._n_collectives = 0
+        self._profile_steps: list[tuple[dict, Any]] = []  # (what the step is, a call running it alone)
         for s in steps:
             if s["kind"] == "kernel":
-                calls.append(self._kernel_call(s))
+                call = self._kernel_call(s)
+                calls.append(call)
                 self._n_kernels += 1
+                info = {"kind": "kernel", "node": s["node"], "what": s.get("op_type", "")}
+                self._profile_steps.append((info, functools.partial(call[0], call[1], call[2])))
             elif s["kind"] == "collective":
-                segments.append((calls, self._collective_call(s)))
+                coll = self._collective_call(s)
+                segments.append((calls, coll))
                 calls = []
                 self._n_collectives += 1
+                self._profile_steps.append(({"kind": "collective", "node": s["node"], "what": s["collective"]}, coll))
             else:
                 raise ArtifactError(f"program.json of rank {self.rank}: unknown step kind {s['kind']!r}")
         if calls:
@@ -355,6 +363,48 @@ class RankProgram:
         for v in views.values():
             v.flags.writeable = False
         return views
+
+    def profile(self, inputs: Mapping[str, np.ndarray], *, repeat: int = 10, warmup: int = 1) -> list[dict]:
+        """Time every step of the program on ``inputs``: ``repeat`` runs, step by step, with a
+        timer around each kernel call and each collective (after ``warmup`` untimed runs).
+
+        The runs go through Python one step at a time instead of the native runner (a microsecond
+        or so more per step), so their sum is a little above :meth:`run`'s time. A collective's
+        time includes waiting for the slowest member of its group: compare ranks to tell the wait
+        from the transfer. Collective: every rank of a multi-rank program calls it together.
+
+        Returns
+        -------
+        list of dict
+            Per step, in program order: ``index``, ``kind`` (``kernel`` or ``collective``),
+            ``node`` (the ONNX node; a fused kernel is named after its last node), ``what`` (the
+            op type or the collective) and ``ms``, the median over the runs.
+
+        Raises
+        ------
+        ShardflowError
+            For a cuda program (``benchmarks/gpu/kernel_profile.py`` times its kernels with CUDA
+            events).
+        """
+        if self._engine is not None:
+            raise ShardflowError("profile: cuda programs are not profiled here yet; benchmarks/gpu/kernel_profile.py "
+                                 "times their kernels with CUDA events")
+        if repeat < 1 or warmup < 0:
+            raise ValueError(f"profile: repeat = {repeat} must be at least 1 and warmup = {warmup} at least 0")
+        for _ in range(warmup):
+            self.run(inputs, copy_outputs=False)
+        arrays = self._check_inputs(inputs)
+        times = np.zeros((repeat, len(self._profile_steps)))
+        clock = time.perf_counter
+        for r in range(repeat):
+            for name, buf in self.input_specs:
+                np.copyto(buf.array, arrays[name])
+            for k, (_, call) in enumerate(self._profile_steps):
+                t0 = clock()
+                call()
+                times[r, k] = clock() - t0
+        med = np.median(times, axis=0) * 1e3
+        return [dict(info, index=k, ms=float(med[k])) for k, (info, _) in enumerate(self._profile_steps)]
 
     def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(inputs, Mapping):

@@ -151,6 +151,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "mpiexec when it and mpi4py are available (or $SHARDFLOW_LAUNCHER)")
     p.add_argument("--repeat", type=int, default=1, help="run the program this many times (timing; default 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed runs before the timed ones (default 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, time every kernel and collective of every rank (--repeat runs, "
+                        "stepping from Python) and print where the time goes (cpu programs)")
+    p.add_argument("--profile-json", metavar="FILE.json", default=None,
+                   help="with --profile: also write every rank's step times to FILE.json (rank 0)")
     p.add_argument("--timeout", type=float, default=0.0,
                    help="kill every rank after this many seconds (default 0: no limit)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact files")
@@ -556,6 +561,8 @@ def _worker(args, env: LaunchEnv) -> int:
                 _write_npz(args.outputs, full)
                 log.info("wrote %s (%s)", args.outputs,
                          ", ".join(f"{k}: {list(v.shape)} {v.dtype}" for k, v in full.items()))
+        if args.profile or args.profile_json:
+            _profile(args, prog, host_communicator(comm), inputs, env.rank)
     except RankFailedError as exc:
         # the watchdog usually knows the root cause (the rank that died first): give it a moment
         deadline = time.monotonic() + 3.0
@@ -579,6 +586,25 @@ def _worker(args, env: LaunchEnv) -> int:
         except OSError:
             pass
     return 0
+
+
+def _profile(args, prog, host, inputs: dict, rank: int) -> None:
+    """Every rank times its steps; rank 0 prints the report (and writes ``--profile-json``)."""
+    import json
+
+    from .profile import format_profile
+
+    repeat = max(args.repeat, 1)
+    steps = prog.profile(inputs, repeat=repeat, warmup=1)
+    per_rank = [json.loads(b) for b in host.allgather_bytes(json.dumps(steps).encode())]
+    if rank != 0:
+        return
+    log.info("%s", format_profile(per_rank, repeat))
+    if args.profile_json:
+        tmp = Path(args.profile_json).with_name(Path(args.profile_json).name + ".tmp")
+        tmp.write_text(json.dumps({"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank}, indent=1))
+        tmp.replace(args.profile_json)
+        log.info("wrote %s", args.profile_json)
 
 
 def _read_inputs(path: str | None) -> dict[str, np.ndarray]:

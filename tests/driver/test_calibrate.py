@@ -16,6 +16,7 @@ from shardflow.compiler.parallel.mesh import DeviceMesh
 from shardflow.compiler.parallel.search import op_flops
 from shardflow.runtime.calibrate import BUFFER_BYTES, axis_groups, time_collectives
 from shardflow.runtime.comm import InProcessWorld
+from models import mlp
 from threads import run_threads
 
 HAS_MPI = shutil.which("mpiexec") is not None and importlib.util.find_spec("mpi4py") is not None
@@ -135,7 +136,7 @@ def test_calibrate_command_writes_a_config_that_compile_and_plan_take(tmp_path, 
     # the plan is priced with the calibrated figures
     from shardflow.compiler.parallel import search
 
-    plan = search(load_onnx(_mlp()), cfg)
+    plan = search(load_onnx(mlp(layers=2)), cfg)
     assert "calibrated" in plan.to_text()
 
 
@@ -148,19 +149,6 @@ def test_calibrate_command_reports_ranks_that_cannot_connect(tmp_path):
     assert "needs ranks started by mpiexec" in res.stderr and "calibrate: the ranks failed" in res.stderr
     assert not (tmp_path / "m.json").exists()
 
-
-def _mlp():
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    w1 = numpy_helper.from_array(rng.standard_normal((64, 256)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(rng.standard_normal((256, 64)).astype(np.float32), "w2")
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
-                           helper.make_node("MatMul", ["r", "w2"], ["y"])], "mlp",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 64])], [w1, w2])
-    return onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 @pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")

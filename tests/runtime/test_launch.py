@@ -1,5 +1,6 @@
 """``shardflow run``: launching ranks (mpiexec, own spawner, torchrun-style variables) and faults."""
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -69,6 +70,29 @@ def test_run_writes_rank0_outputs(arts, tmp_path, launcher, name, world):
     assert sorted(got.files) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_profile_reports_every_step_of_every_rank(arts, tmp_path, launcher):
+    report = tmp_path / "profile.json"
+    proc = subprocess.run(RUN + [str(arts["o4"]), "--nproc", "4", "--inputs", str(arts["inputs"]), "--repeat", "3",
+                                 "--profile", "--profile-json", str(report), "--launcher", launcher],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(report.read_text())
+    assert got["repeat"] == 3 and len(got["ranks"]) == 4
+    for r, steps in enumerate(got["ranks"]):
+        program = json.loads((arts["o4"] / f"rank{r}" / "program.json").read_text())["steps"]
+        assert [(s["kind"], s["node"]) for s in steps] == [(p["kind"], p["node"]) for p in program]
+        assert [s["index"] for s in steps] == list(range(len(program)))
+        assert all(s["ms"] >= 0 for s in steps)
+        kinds = {s["what"] for s in steps if s["kind"] == "collective"}
+        assert kinds == {p["collective"] for p in program if p["kind"] == "collective"}
+    assert "profile: median of 3 run(s)" in proc.stderr
+    for r in range(4):  # one line per rank in the table
+        assert re.search(rf"^\[rank 0\]\s+{r}\s+[0-9.]+\s+[0-9.]+", proc.stderr, re.M) or \
+            re.search(rf"^\s+{r}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", proc.stderr, re.M)
+    assert "slowest steps" in proc.stderr
 
 
 def _free_port():

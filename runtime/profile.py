@@ -1,0 +1,41 @@
+"""The report of ``shardflow run --profile``: where each rank's time goes, step by step.
+
+:meth:`~shardflow.runtime.executor.RankProgram.profile` times every step of one rank; rank 0
+gathers the ranks' records and :func:`format_profile` prints, per rank, the time in kernels and
+in collectives (a collective's time includes waiting for its group's slowest member, so a rank
+that waits more than the others is the fast one), the collectives per kind, and the slowest steps.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+__all__ = ["format_profile"]
+
+
+def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 15) -> str:
+    """A text report of the ranks' step times (``per_rank[r]``: rank r's
+    :meth:`~shardflow.runtime.executor.RankProgram.profile` records)."""
+    lines = [f"profile: median of {repeat} run(s) per step, stepping through the program from Python",
+             f"{'rank':>4}  {'kernels ms':>10}  {'collectives ms':>14}  {'sum ms':>9}  collectives (count, ms)"]
+    for r, steps in enumerate(per_rank):
+        kern = sum(s["ms"] for s in steps if s["kind"] == "kernel")
+        by_kind: dict[str, list[float]] = defaultdict(list)
+        for s in steps:
+            if s["kind"] == "collective":
+                by_kind[s["what"]].append(s["ms"])
+        coll = sum(sum(v) for v in by_kind.values())
+        kinds = ", ".join(f"{k} {len(v)} ({sum(v):.2f})" for k, v in sorted(by_kind.items())) or "none"
+        lines.append(f"{r:>4}  {kern:10.2f}  {coll:14.2f}  {kern + coll:9.2f}  {kinds}")
+    n_steps = {len(steps) for steps in per_rank}
+    if len(n_steps) == 1:  # same program shape on every rank: the slowest rank's time per step
+        slowest = [max(((steps[k]["ms"], r) for r, steps in enumerate(per_rank)), key=lambda t: t[0])
+                   for k in range(n_steps.pop())]
+        order = sorted(range(len(slowest)), key=lambda k: -slowest[k][0])[:top]
+        lines.append(f"the {len(order)} slowest steps (time on the slowest rank):")
+        lines.append(f"{'ms':>9}  {'rank':>4}  {'step':>5}  {'kind':<10}  {'what':<16}  node")
+        for k in order:
+            s = per_rank[slowest[k][1]][k]
+            lines.append(f"{slowest[k][0]:9.3f}  {slowest[k][1]:>4}  {k:>5}  {s['kind']:<10}  {s['what']:<16}  "
+                         f"{s['node']}")
+    return "\n".join(lines)

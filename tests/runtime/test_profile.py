@@ -1,0 +1,46 @@
+"""RankProgram.profile and the report of `shardflow run --profile`."""
+import json
+
+import numpy as np
+import onnxruntime
+import pytest
+
+from models import mlp
+from shardflow.compiler import compile
+from shardflow.runtime import load
+from shardflow.runtime.profile import format_profile
+
+
+def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
+    compile(mlp(layers=2, batch=8, hidden=16), distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
+    prog = load(tmp_path / "out", 0)
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    ref = onnxruntime.InferenceSession(mlp(layers=2, batch=8, hidden=16).SerializeToString()).run(None, {"x": x})[0]
+    steps = prog.profile({"x": x}, repeat=3)
+    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())["steps"]
+    assert [(s["kind"], s["node"], s["index"]) for s in steps] == [(p["kind"], p["node"], k)
+                                                                 for k, p in enumerate(program)]
+    assert all(s["kind"] == "kernel" and s["ms"] > 0 for s in steps)
+    (got,) = prog.run({"x": x}).values()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="repeat"):
+        prog.profile({"x": x}, repeat=0)
+
+
+def test_report_sums_each_rank_and_names_the_slowest_rank_of_each_step():
+    def step(kind, what, node, ms):
+        return {"kind": kind, "what": what, "node": node, "ms": ms}
+    ranks = [[step("kernel", "MatMul", "a", 2.0), step("collective", "all_reduce", "ar", 0.5),
+              step("kernel", "Add", "b", 0.1)],
+             [step("kernel", "MatMul", "a", 1.0), step("collective", "all_reduce", "ar", 1.5),
+              step("kernel", "Add", "b", 0.3)]]
+    text = format_profile(ranks, repeat=4, top=2)
+    lines = text.splitlines()
+    assert "median of 4 run(s)" in lines[0]
+    assert lines[2].split()[:4] == ["0", "2.10", "0.50", "2.60"] and "all_reduce 1 (0.50)" in lines[2]
+    assert lines[3].split()[:4] == ["1", "1.30", "1.50", "2.80"]
+    assert "the 2 slowest steps" in lines[4]
+    first, second = lines[6].split(), lines[7].split()
+    assert first[:5] == ["2.000", "0", "0", "kernel", "MatMul"]  # step a: rank 0 is slower
+    assert second[:5] == ["1.500", "1", "1", "collective", "all_reduce"]
