@@ -599,7 +599,11 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
     per_rank = [json.loads(b) for b in host.allgather_bytes(json.dumps(steps).encode())]
     if rank != 0:
         return
-    log.info("%s", format_profile(per_rank, repeat))
+    try:
+        plan = json.loads(Path(args.out_dir, "plan.json").read_text())
+    except (OSError, ValueError):
+        plan = None
+    log.info("%s", format_profile(per_rank, repeat, plan=plan))
     if args.profile_json:
         tmp = Path(args.profile_json).with_name(Path(args.profile_json).name + ".tmp")
         tmp.write_text(json.dumps({"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank}, indent=1))

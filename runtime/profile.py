@@ -13,9 +13,10 @@ from typing import Sequence
 __all__ = ["format_profile"]
 
 
-def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 15) -> str:
+def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 15, plan: dict | None = None) -> str:
     """A text report of the ranks' step times (``per_rank[r]``: rank r's
-    :meth:`~shardflow.runtime.executor.RankProgram.profile` records)."""
+    :meth:`~shardflow.runtime.executor.RankProgram.profile` records); with the out_dir's
+    ``plan`` (``plan.json``), also the plan's modeled compute and communication beside them."""
     lines = [f"profile: median of {repeat} run(s) per step, stepping through the program from Python",
              f"{'rank':>4}  {'kernels ms':>10}  {'collectives ms':>14}  {'sum ms':>9}  collectives (count, ms)"]
     for r, steps in enumerate(per_rank):
@@ -27,6 +28,10 @@ def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 1
         coll = sum(sum(v) for v in by_kind.values())
         kinds = ", ".join(f"{k} {len(v)} ({sum(v):.2f})" for k, v in sorted(by_kind.items())) or "none"
         lines.append(f"{r:>4}  {kern:10.2f}  {coll:14.2f}  {kern + coll:9.2f}  {kinds}")
+    if plan and "compute_cost_s" in plan and "comm_cost_s" in plan:
+        device = plan.get("device", {}).get("name", "h100-sxm")
+        lines.append(f"modeled by the plan (device {device}): compute {plan['compute_cost_s'] * 1e3:.2f} ms, "
+                     f"communication {plan['comm_cost_s'] * 1e3:.2f} ms per rank")
     n_steps = {len(steps) for steps in per_rank}
     if len(n_steps) == 1:  # same program shape on every rank: the slowest rank's time per step
         slowest = [max(((steps[k]["ms"], r) for r, steps in enumerate(per_rank)), key=lambda t: t[0])

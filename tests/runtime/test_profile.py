@@ -44,3 +44,11 @@ def test_report_sums_each_rank_and_names_the_slowest_rank_of_each_step():
     first, second = lines[6].split(), lines[7].split()
     assert first[:5] == ["2.000", "0", "0", "kernel", "MatMul"]  # step a: rank 0 is slower
     assert second[:5] == ["1.500", "1", "1", "collective", "all_reduce"]
+
+
+def test_report_puts_the_plans_modeled_times_beside_the_measured_ones():
+    ranks = [[{"kind": "kernel", "what": "MatMul", "node": "a", "ms": 2.0}]]
+    plan = {"compute_cost_s": 0.0015, "comm_cost_s": 0.00025, "device": {"name": "cpu"}}
+    text = format_profile(ranks, repeat=1, plan=plan)
+    assert "modeled by the plan (device cpu): compute 1.50 ms, communication 0.25 ms per rank" in text
+    assert "modeled" not in format_profile(ranks, repeat=1)
