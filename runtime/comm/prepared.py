@@ -160,14 +160,18 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
             recvs_out.append((j, a, b))
         peers = [p for p in range(n) if p != me]
 
+        # this member's own block goes from x to y directly; only the peers' pass the staging blocks
+        own_src = chunk_bounds(src_size, n, me)
+
         def all_to_all():
             for k, a, b in sends_in:
-                if b > a and local_src:
+                if k != me and b > a and local_src:
                     send[k, :local_src, :b - a] = xm[:, a:b]
             comm._exchange_into({p: send[p] for p in peers}, {p: recv[p] for p in peers})
-            recv[me] = send[me]
+            if own_src[1] > own_src[0] and hi_d > lo_d:
+                ym[own_src[0]:own_src[1]] = xm[:, lo_d:hi_d]
             for j, a, b in recvs_out:
-                if b > a and hi_d > lo_d:
+                if j != me and b > a and hi_d > lo_d:
                     ym[a:b] = recv[j, :b - a, :hi_d - lo_d]
         return PreparedCollective(comm, kind, all_to_all, capturable, (send, recv))
     raise CommError(f"unknown collective {kind!r}")

@@ -111,6 +111,22 @@ def check_prepared(comm, tag, seed, same):
                 x[...] = xs[me]
                 pc()
             same(y, ref, f"prepared reduce_scatter {base} dim {dim} {op}")
+    for src_size, dst_size, src, dst in ((7, 5, 0, 1), (8, 6, 1, 2), (5, 2, 2, 0)):
+        def shape(j, of_output, src_size=src_size, dst_size=dst_size, src=src, dst=dst):
+            s = [2, 3, 4]
+            lo, hi = chunk_bounds(src_size, n, j)
+            dlo, dhi = chunk_bounds(dst_size, n, j)
+            s[src], s[dst] = (src_size, dhi - dlo) if of_output else (hi - lo, dst_size)
+            return s
+        rounds = [operands(seed + src_size + r, n,
+                           lambda rng, j, shape=shape: rng.standard_normal(shape(j, False)).astype(np.float32))
+                  for r in range(2)]
+        x, y = np.empty(shape(me, False), np.float32), np.empty(shape(me, True), np.float32)
+        pc = prepare(comm, "all_to_all", x, y, {"src_dim": src, "dst_dim": dst, "src_size": src_size})
+        for xs in rounds:
+            x[...] = xs[me]
+            pc()
+        same(y, S.all_to_all(rounds[1], src, dst, src_size)[me], f"prepared all_to_all {src}->{dst}")
     return []
 
 
