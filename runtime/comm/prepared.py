@@ -90,10 +90,8 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
         _check_local(comm, kind, x, attrs)
         c = padded_chunk(g, n)
         rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
-        if not device and _in_place(x, y, dim, g, n):
-            # the chunks are the outermost blocks of y: every member's x goes straight to its place
-            send, recv = x.reshape((c,) + rest), y.reshape((n, c) + rest)
-            return PreparedCollective(comm, kind, lambda: comm._allgather_into(send, recv), False)
+        if not device and _host_layout_ok(x, y):
+            return _host_all_gather(comm, x, y, dim, g)
         send = xp.zeros((c,) + rest, x.dtype)  # the padding rows stay zero
         recv = xp.empty((n, c) + rest, x.dtype)
         lo, hi = chunk_bounds(g, n, me)
@@ -116,10 +114,8 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
         if out_view.shape[0] != hi - lo:
             raise CommError(f"reduce-scatter: {comm.describe_member(me)} expects {hi - lo} entries of dim {dim}, the "
                             f"output buffer has {out_view.shape[0]}")
-        if not device and _in_place(y, x, dim, size, n):
-            # the members' chunks are the outermost blocks of x: reduce from x straight into y
-            send, recv = x.reshape((size,) + rest), y.reshape((c,) + rest)
-            return PreparedCollective(comm, kind, lambda: comm._reduce_scatter_into(send, recv, op), False)
+        if not device and _host_layout_ok(x, y):
+            return _host_reduce_scatter(comm, x, y, dim, op)
         send = xp.zeros((n * c,) + rest, x.dtype)
         recv = xp.empty((c,) + rest, x.dtype)
 
@@ -177,12 +173,73 @@ def prepare(comm: Communicator, kind: str, x: Any, y: Any, attrs: Mapping[str, A
     raise CommError(f"unknown collective {kind!r}")
 
 
-def _in_place(part, whole, dim: int, size: int, n: int) -> bool:
-    """Whether ``whole`` (``size`` entries of ``dim``) is the ``n`` members' equal chunks ``part``
-    laid end to end in memory: ``size`` divides evenly, every dim before ``dim`` has one entry,
-    and both buffers are C-contiguous and do not overlap (then no staging copy is needed)."""
-    return (size % n == 0 and all(s == 1 for s in whole.shape[:dim]) and part.flags.c_contiguous
-            and whole.flags.c_contiguous and not np.shares_memory(part, whole))
+def _host_layout_ok(x, y) -> bool:
+    """Host buffers the collectives may view in their own layout (C-contiguous, not overlapping)."""
+    return x.flags.c_contiguous and y.flags.c_contiguous and not np.shares_memory(x, y)
+
+
+def _outer_inner(shape, dim: int) -> tuple[int, int]:
+    return int(np.prod(shape[:dim], dtype=np.int64)), int(np.prod(shape[dim + 1:], dtype=np.int64))
+
+
+def _host_all_gather(comm: Communicator, x, y, dim: int, g: int) -> PreparedCollective:
+    """All-gather of host buffers in their own layout: ``x`` as ``[outer, chunk, inner]``, ``y``
+    as ``[outer, g, inner]``, member ``j``'s chunk landing in ``y[:, lo_j:hi_j]`` in runs of
+    ``chunk * inner`` contiguous elements (moving the dim to the front instead made two
+    transposing copies). An even split sends ``x`` itself; with ``outer == 1`` as well, the
+    members' chunks are ``y``'s consecutive blocks and arrive in place."""
+    n, me = comm.size, comm.rank
+    c = padded_chunk(g, n)
+    outer, inner = _outer_inner(y.shape, dim)
+    lo, hi = chunk_bounds(g, n, me)
+    even = g % n == 0
+    x3, y3 = x.reshape(outer, hi - lo, inner), y.reshape(outer, g, inner)
+    if even and outer == 1:
+        recv_in_place = y.reshape(n, 1, c, inner)
+        return PreparedCollective(comm, "all_gather", lambda: comm._allgather_into(x3, recv_in_place), False)
+    send = x3 if even else np.zeros((outer, c, inner), x.dtype)  # padding stays zero
+    recv = np.empty((n, outer, c, inner), x.dtype)
+    bounds = [chunk_bounds(g, n, j) for j in range(n)]
+
+    def all_gather():
+        if not even:
+            send[:, :hi - lo] = x3
+        comm._allgather_into(send, recv)
+        for j, (a, b) in enumerate(bounds):
+            if b > a:
+                y3[:, a:b] = recv[j, :, :b - a]
+    return PreparedCollective(comm, "all_gather", all_gather, False, (send, recv))
+
+
+def _host_reduce_scatter(comm: Communicator, x, y, dim: int, op: str) -> PreparedCollective:
+    """Reduce-scatter of host buffers in their own layout (see :func:`_host_all_gather`): the send
+    buffer holds member ``j``'s chunk of ``x`` as block ``j`` (runs of ``chunk * inner``
+    elements), or is ``x`` itself when ``outer == 1`` and the split is even; an even split
+    reduces straight into ``y``."""
+    n, me = comm.size, comm.rank
+    size = x.shape[dim]
+    c = padded_chunk(size, n)
+    outer, inner = _outer_inner(x.shape, dim)
+    lo, hi = chunk_bounds(size, n, me)
+    even = size % n == 0
+    x3, y3 = x.reshape(outer, size, inner), y.reshape(outer, hi - lo, inner)
+    if even and outer == 1:
+        send_in_place = x.reshape(n, c, inner)  # block j: member j's chunk
+        return PreparedCollective(comm, "reduce_scatter", lambda: comm._reduce_scatter_into(send_in_place, y3, op),
+                                  False)
+    send = np.zeros((n, outer, c, inner), x.dtype)  # padding stays zero
+    send_blocks = send.reshape(n * outer, c, inner)
+    recv = y3 if even else np.empty((outer, c, inner), x.dtype)
+    bounds = [chunk_bounds(size, n, j) for j in range(n)]
+
+    def reduce_scatter():
+        for j, (a, b) in enumerate(bounds):
+            if b > a:
+                send[j, :, :b - a] = x3[:, a:b]
+        comm._reduce_scatter_into(send_blocks, recv, op)
+        if not even:
+            y3[...] = recv[:, :hi - lo]
+    return PreparedCollective(comm, "reduce_scatter", reduce_scatter, False, (send, recv))
 
 
 def _check_local(comm: Communicator, kind: str, x, attrs) -> None:

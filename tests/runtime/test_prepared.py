@@ -96,16 +96,19 @@ def test_bad_buffers_are_refused():
         prepare(comms[0], "all_gather", x, np.zeros((5, 3), np.float32), {"dim": 0, "global_size": 5})
 
 
-def test_chunks_laid_end_to_end_need_no_staging_buffers():
+def test_host_collectives_stage_only_what_their_layout_needs():
     comms = InProcessWorld(2).communicators()
     x, y = np.zeros((1, 4, 3), np.float32), np.zeros((1, 8, 3), np.float32)
     assert prepare(comms[0], "all_gather", x, y, {"dim": 1, "global_size": 8})._keep == ()
     assert prepare(comms[0], "reduce_scatter", y, x, {"dim": 1, "op": "sum"})._keep == ()
-    # a dim before the split one with two entries, an uneven split: staged through fixed buffers
+    # a dim before the split one with two entries: x is sent as it is, the chunks arrive in a
+    # receive buffer and are copied into y; an uneven split also stages x (padded)
     x2, y2 = np.zeros((2, 4, 3), np.float32), np.zeros((2, 8, 3), np.float32)
-    assert len(prepare(comms[0], "all_gather", x2, y2, {"dim": 1, "global_size": 8})._keep) == 2
+    send, recv = prepare(comms[0], "all_gather", x2, y2, {"dim": 1, "global_size": 8})._keep
+    assert np.shares_memory(send, x2) and not np.shares_memory(recv, y2)
     x3, y3 = np.zeros((1, 4, 3), np.float32), np.zeros((1, 7, 3), np.float32)
-    assert len(prepare(comms[0], "all_gather", x3, y3, {"dim": 1, "global_size": 7})._keep) == 2
+    send, recv = prepare(comms[0], "all_gather", x3, y3, {"dim": 1, "global_size": 7})._keep
+    assert not np.shares_memory(send, x3) and not np.shares_memory(recv, y3)
     # ... and the unstaged ones give the oracle's result
     rng = np.random.default_rng(3)
     rounds = _two_rounds(lambda r: [rng.standard_normal((1, 4, 3)).astype(np.float32) for _ in range(2)])
