@@ -177,6 +177,10 @@ class Calibration:
                  f"(add of 2 x {STREAM_ELEMENTS * 4 >> 20} MiB: {self.measured['programs_s']['stream'] * 1e3:.3f} ms)",
                  f"links ({self.measured['backend']} backend, {self.measured['threads_per_rank']} thread(s) per rank):"]
         shape = self.config["mesh_shape"]
+        if not self.links:
+            lines[-1] = ("links: none measured (no mesh axis has two ranks or more); the file keeps the defaults, "
+                         f"{self.config['axis_bandwidth_GBps']} GB/s and {self.config['axis_latency_us']} us")
+            return "\n".join(lines)
         for axis, fit in self.links.items():
             lines.append(f"  axis {axis} ({shape[axis]} ranks): latency {fit['latency_us']:.2f} us, bandwidth "
                          f"{fit['bandwidth_GBps']:.3f} GB/s (worst fit error {fit['max_rel_error'] * 100:.0f}%)")

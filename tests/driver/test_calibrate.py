@@ -165,3 +165,15 @@ def test_calibrate_started_under_mpiexec_is_one_rank_of_it(tmp_path):
     assert bad.returncode != 0
     assert "mesh [4] has 4 ranks but 2 were started" in bad.stderr
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_report_of_a_single_rank_says_no_link_was_measured():
+    from shardflow.compiler.calibrate import Calibration
+
+    cal = Calibration({"mesh_shape": [1], "axis_bandwidth_GBps": [100.0], "axis_latency_us": [5.0],
+                       "device": {"name": "cpu calibrated", "peak_tflops": 0.09, "mem_bandwidth_GBps": 16.0}},
+                      {"programs_s": {"gemm": 0.012, "stream": 0.006}, "backend": "self", "threads_per_rank": "2",
+                       "collectives": []}, {})
+    text = cal.report()
+    assert "peak 90.0 GFLOP/s" in text and "memory 16.0 GB/s" in text
+    assert "links: none measured" in text and "collective" not in text
