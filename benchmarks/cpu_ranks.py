@@ -2,8 +2,8 @@
 for plans made with the cpu device profile (the compile default for the cpu target), with the
 H100 profile, and the Megatron baseline.
 
-The model is BERT-base (1x128 tokens, random weights; needs torch + transformers) or any ONNX file
-with an inputs .npz. Each variant is compiled (``shardflow compile``) and run with ``shardflow run
+The model is BERT-base or a 170M Llama (``--export``; 1x128 tokens, random weights; needs torch +
+transformers) or any ONNX file with an inputs .npz. Each variant is compiled (``shardflow compile``) and run with ``shardflow run
 --repeat R --warmup 3`` (mpiexec when installed), in ``--rounds`` rounds over the variants in turn;
 the figure is the median over rounds of rank 0's median time per run. The
 ranks share this machine's cores, so on a 2-core machine N = 2 ranks of 1 thread compete with one
@@ -12,7 +12,8 @@ First it runs ``shardflow calibrate --mesh N`` (prints what it measured: GEMM an
 per rank, the collectives' times and the fitted link figures) and adds a variant planned with
 those figures (``--distributed-config`` the calibration file).
 
-    python benchmarks/cpu_ranks.py [--nproc 2] [--threads 2] [--repeat 10] [--rounds 3] [--model M.onnx --inputs IN.npz]
+    python benchmarks/cpu_ranks.py [--nproc 2] [--threads 2] [--repeat 10] [--rounds 3] [--export bert|llama]
+    python benchmarks/cpu_ranks.py --model M.onnx --inputs IN.npz
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=10, help="runs per `shardflow run` (its median is one figure)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over the variants in turn; the figure is the median over rounds (default 3)")
-    ap.add_argument("--model", default=None, help="an ONNX model (default: export BERT-base)")
+    ap.add_argument("--model", default=None, help="an ONNX model (default: export --export's model)")
+    ap.add_argument("--export", choices=("bert", "llama"), default="bert",
+                    help="the model exported when --model is not given: BERT-base or the 170M Llama (default bert)")
     ap.add_argument("--inputs", default=None, help="its inputs (.npz keyed by input name)")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="shardflow-ranks-")
@@ -58,8 +61,8 @@ def main(argv=None) -> None:
     if model is None:
         from cpu_latency import export_text_model
 
-        model, inputs = os.path.join(work, "bert.onnx"), os.path.join(work, "bert_in.npz")
-        np.savez(inputs, **export_text_model("bert", model))
+        model, inputs = os.path.join(work, f"{args.export}.onnx"), os.path.join(work, f"{args.export}_in.npz")
+        np.savez(inputs, **export_text_model(args.export, model))
     calibration = os.path.join(work, "machine.json")
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; {args.threads} threads in all; "
           f"model {os.path.basename(model)}")
