@@ -115,6 +115,8 @@ def time_collectives(comm, mesh_shape: Sequence[int], *, buffer_bytes: Sequence[
                 records.append({"axis": axis, "group_size": n, "kind": kind, "buffer_bytes": int(b),
                                 "nbytes": int(nbytes), "seconds": secs})
                 log.debug("axis %d %s %d B: %.1f us", axis, kind, b, secs * 1e6)
+        if group is not comm:
+            group.close()
     return records
 
 
