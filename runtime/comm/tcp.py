@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 _MAGIC = 0x53464C57  # "SFLW"
 _CHUNK = 1 << 22
+#: Microseconds an exchange polls its sockets without sleeping before it waits in ``select``
+#: (``SHARDFLOW_TCP_SPIN_US``; 0 turns it off). A sleeping rank takes tens of microseconds to
+#: wake when its peer's bytes arrive; polling first, as MPI's shared-memory transport does,
+#: saves that on short messages and costs a busy core for at most this long.
+SPIN_US = float(os.environ.get("SHARDFLOW_TCP_SPIN_US", "100"))
 
 
 def local_ip_towards(host: str) -> str:
@@ -280,6 +285,11 @@ class TCPCommunicator(Communicator):
             if p == self.rank or p not in self._peers:
                 raise CommError(f"exchange: rank {self.rank} cannot receive from {p}")
             in_state[p] = [bytearray(8), memoryview(byte_view(buf)), 0, 0]  # header, payload, stage, pos
+        if SPIN_US > 0:
+            self._poll(out_state, in_state, time.perf_counter() + SPIN_US * 1e-6)
+            if not out_state and not in_state:
+                sel.close()
+                return
         for p in set(out_state) | set(in_state):
             ev = (selectors.EVENT_WRITE if p in out_state else 0) | (selectors.EVENT_READ if p in in_state else 0)
             sel.register(self._peers[p], ev, p)
@@ -295,15 +305,10 @@ class TCPCommunicator(Communicator):
                 for key, ev in ready:
                     p = key.data
                     sock = self._peers[p]
-                    try:
-                        if ev & selectors.EVENT_WRITE and p in out_state:
-                            self._send_some(p, sock, out_state)
-                        if ev & selectors.EVENT_READ and p in in_state:
-                            self._recv_some(p, sock, in_state)
-                    except (ConnectionError, OSError) as exc:
-                        raise RankFailedError(f"rank {self.global_ranks[self.rank]}: lost the connection to "
-                                              f"{self.describe_member(p)} ({exc}); it probably died",
-                                              self.global_ranks[p]) from None
+                    if ev & selectors.EVENT_WRITE and p in out_state:
+                        self._guarded(p, self._send_some, out_state)
+                    if ev & selectors.EVENT_READ and p in in_state:
+                        self._guarded(p, self._recv_some, in_state)
                     ev_new = (selectors.EVENT_WRITE if p in out_state else 0) | \
                              (selectors.EVENT_READ if p in in_state else 0)
                     if ev_new == 0:
@@ -312,6 +317,24 @@ class TCPCommunicator(Communicator):
                         sel.modify(sock, ev_new, p)
         finally:
             sel.close()
+
+    def _poll(self, out_state, in_state, until: float) -> None:
+        """Move bytes on every pending socket without blocking, until all is done or ``until``."""
+        while out_state or in_state:
+            for p in list(out_state):
+                self._guarded(p, self._send_some, out_state)
+            for p in list(in_state):
+                self._guarded(p, self._recv_some, in_state)
+            if time.perf_counter() > until:
+                return
+
+    def _guarded(self, p, step, state) -> None:
+        try:
+            step(p, self._peers[p], state)
+        except (ConnectionError, OSError) as exc:
+            raise RankFailedError(f"rank {self.global_ranks[self.rank]}: lost the connection to "
+                                  f"{self.describe_member(p)} ({exc}); it probably died",
+                                  self.global_ranks[p]) from None
 
     @staticmethod
     def _send_some(p, sock, out_state) -> None:

@@ -172,12 +172,14 @@ def test_mpi_collectives_across_processes(n, mesh):
     assert proc.stdout.count(": ok") == n
 
 
-@pytest.mark.parametrize("n,mesh", [(2, "2"), (4, "2x2")])
-def test_tcp_collectives_across_processes(n, mesh):
+@pytest.mark.parametrize("n,mesh,spin_us", [(2, "2", "100"), (4, "2x2", "100"), (2, "2", "0")])
+def test_tcp_collectives_across_processes(n, mesh, spin_us):
+    """With and without polling the sockets before waiting in select (SHARDFLOW_TCP_SPIN_US)."""
     port = _free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   SHARDFLOW_TCP_SPIN_US=spin_us)
         for k in [k for k in env if k.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_"))]:
             env.pop(k)
         procs.append(subprocess.Popen([sys.executable, str(HERE / "comm_check.py"), "tcp", mesh], env=env,
