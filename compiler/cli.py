@@ -98,10 +98,26 @@ def _read_config(path: str | None, what: str) -> dict:
     return cfg
 
 
+#: The keys of a `shardflow calibrate` file that `--calibration` takes.
+CALIBRATED_KEYS = ("device", "axis_bandwidth_GBps", "axis_latency_us")
+
+
 def _distributed_config(args) -> dict:
     cfg = _read_config(args.distributed_config, "distributed-config")
     if args.mesh is not None:
         cfg["mesh_shape"] = parse_mesh(args.mesh)
+    if getattr(args, "calibration", None) is not None:
+        cal = _read_config(args.calibration, "calibration")
+        missing = [k for k in ("mesh_shape",) + CALIBRATED_KEYS if k not in cal]
+        if missing:
+            raise _CLIError(f"--calibration {args.calibration!r} lacks {missing}; write it with `shardflow calibrate`")
+        cfg.setdefault("mesh_shape", cal["mesh_shape"])
+        if list(cfg["mesh_shape"]) != list(cal["mesh_shape"]):
+            raise _CLIError(f"--calibration {args.calibration!r} measured the links of mesh {cal['mesh_shape']}, "
+                            f"the plan is for mesh {cfg['mesh_shape']}; calibrate with --mesh "
+                            f"{'x'.join(map(str, cfg['mesh_shape']))}")
+        for k in CALIBRATED_KEYS:  # what the config file or a flag sets wins
+            cfg.setdefault(k, cal[k])
     cfg.setdefault("mesh_shape", [1])
     if args.algo is not None:
         cfg["algo"] = args.algo
@@ -130,6 +146,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "h100"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")
+    p.add_argument("--calibration", metavar="FILE.json", default=None,
+                   help="a file written by `shardflow calibrate`: its device and link figures, unless "
+                        "--distributed-config or --device sets them (the meshes must match)")
     p.add_argument("--distributed-config", metavar="FILE.json", default=None,
                    help="a JSON object of distributed_config keys (mesh_shape, axis_bandwidth_GBps, "
                         "axis_latency_us, memory_budget_bytes, algo, solver, time_limit_s, max_nodes, "
@@ -271,7 +290,8 @@ def _cmd_calibrate(args) -> int:
         return 0
     cal.save(args.out)
     print(cal.report())
-    print(f"wrote {args.out}; use it with `shardflow compile MODEL --distributed-config {args.out}`")
+    print(f"wrote {args.out}; use it with `shardflow compile MODEL --calibration {args.out}` (or as the "
+          "--distributed-config)")
     return 0
 
 

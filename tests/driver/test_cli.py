@@ -115,3 +115,24 @@ def test_inspect_handmade(tmp_path):
     out = sh("inspect", tmp_path / "h")
     assert out.returncode == 0, out.stderr
     assert "all_reduce@0×1" in out.stdout and "all_gather@0×1" in out.stdout
+
+
+def test_calibration_flag_takes_device_and_links_unless_set(tmp_path):
+    cal = {"mesh_shape": [2], "axis_bandwidth_GBps": [3.5], "axis_latency_us": [8.0],
+           "device": {"name": "cpu calibrated here", "peak_tflops": 0.09, "mem_bandwidth_GBps": 16.0}}
+    f = tmp_path / "machine.json"
+    f.write_text(json.dumps(cal))
+    model = MODELS / "mlp_ts17.onnx"
+    res = sh("plan", model, "--calibration", f)  # the mesh comes from the calibration
+    assert res.returncode == 0, res.stderr
+    assert "mesh [2]" in res.stdout and "device cpu calibrated here: 0.09 TFLOP/s, 16 GB/s" in res.stdout
+    res = sh("plan", model, "--calibration", f, "--device", "h100")
+    assert res.returncode == 0 and "device h100-sxm" in res.stdout
+    args = cli.build_parser().parse_args(["plan", str(model), "--calibration", str(f)])
+    dcfg = cli._distributed_config(args)
+    assert dcfg["axis_bandwidth_GBps"] == [3.5] and dcfg["axis_latency_us"] == [8.0]
+    bad = sh("plan", model, "--calibration", f, "--mesh", "2x2")
+    assert bad.returncode == 2 and "measured the links of mesh [2]" in bad.stderr and "--mesh 2x2" in bad.stderr
+    f.write_text(json.dumps({"mesh_shape": [2]}))
+    bad = sh("plan", model, "--calibration", f)
+    assert bad.returncode == 2 and "lacks" in bad.stderr and "shardflow calibrate" in bad.stderr
