@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import ConfigError, ShardflowError
 
-__all__ = ["Calibration", "calibrate", "compile_probe", "fit_links", "probe_models", "GEMM_SHAPE", "STREAM_ELEMENTS"]
+__all__ = ["Calibration", "calibrate", "fit_links", "probe_models", "GEMM_SHAPE", "STREAM_ELEMENTS"]
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,9 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :attr:`config` as JSON (atomically)."""
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.config, indent=2) + "\n")
-        tmp.replace(p)
+        from shardflow.runtime.artifact import write_json
+
+        write_json(path, self.config)
 
     def report(self) -> str:
         """The fitted figures and, per collective, measured against modeled time."""
@@ -253,7 +252,7 @@ def calibrate(mesh_shape: Sequence[int], *, target: str = "cpu", launcher: str |
         for name, p in probes.items():
             dirs[name] = os.path.join(tmp, name)
             log.info("compiling the %s probe", name)
-            compile_probe(p["model"], target, dirs[name])
+            _compile_probe(p["model"], target, dirs[name])
         if as_rank:
             measured = run_rank(shape, dirs, trials=trials, backend=backend or "auto", env=env)
             if measured is None:
@@ -274,7 +273,7 @@ def calibrate(mesh_shape: Sequence[int], *, target: str = "cpu", launcher: str |
     return _fit(shape, target, probes, measured)
 
 
-def compile_probe(model, target: str, out_dir: str) -> None:
+def _compile_probe(model, target: str, out_dir: str) -> None:
     """Compile a probe model for one rank of ``target`` into ``out_dir``."""
     from .driver import compile as compile_model
 

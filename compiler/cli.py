@@ -106,7 +106,7 @@ def _distributed_config(args) -> dict:
     cfg = _read_config(args.distributed_config, "distributed-config")
     if args.mesh is not None:
         cfg["mesh_shape"] = parse_mesh(args.mesh)
-    if getattr(args, "calibration", None) is not None:
+    if args.calibration is not None:
         cal = _read_config(args.calibration, "calibration")
         missing = [k for k in ("mesh_shape",) + CALIBRATED_KEYS if k not in cal]
         if missing:

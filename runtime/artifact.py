@@ -88,10 +88,14 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented JSON."""
-    with open(path, "w") as f:
+    """Write ``obj`` as indented JSON, under a temporary name renamed at the end (a reader never
+    sees half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=False)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def read_json(path: str | os.PathLike, what: str | None = None) -> Any:

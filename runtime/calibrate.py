@@ -12,17 +12,16 @@ what a program whose ranks wait for each other sees.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import struct
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from .artifact import write_json
 from .errors import ShardflowError
 
 __all__ = ["COLLECTIVE_KINDS", "BUFFER_BYTES", "axis_groups", "time_collectives", "time_program", "run_rank",
@@ -205,9 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardflowError:
         return 1
     if result is not None:
-        tmp = Path(args.result).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.result)
+        write_json(args.result, result)
     return 0
 
 

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir
+from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir, write_json
 from .errors import ShardflowError
 from .executor import WorldSizeError
 
@@ -228,8 +228,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _use_mpiexec(args) -> str | None:
-    choice = args.launcher or os.environ.get("SHARDFLOW_LAUNCHER", "auto")
+def _use_mpiexec(launcher: str | None, backend: str | None) -> str | None:
+    choice = launcher or os.environ.get("SHARDFLOW_LAUNCHER", "auto")
     if choice not in ("auto", "mpiexec", "spawn"):
         raise LaunchError(f"SHARDFLOW_LAUNCHER={choice!r}: use auto, mpiexec or spawn")
     if choice == "spawn":
@@ -244,7 +244,7 @@ def _use_mpiexec(args) -> str | None:
     if choice == "mpiexec" and (exe is None or not has_mpi4py):
         raise LaunchError("--launcher mpiexec: " + ("mpiexec is not on PATH" if exe is None else
                                                     "mpi4py is not installed (pip install 'shardflow[mpi]')"))
-    if args.backend == "tcp" and choice == "auto":
+    if backend == "tcp" and choice == "auto":
         return None
     return exe if has_mpi4py else None
 
@@ -269,7 +269,7 @@ def start_ranks(module: str, argv: Sequence[str], nproc: int, *, launcher: str |
     one fails. Returns the exit status (0 when every rank succeeded).
     """
     try:
-        mpiexec = _use_mpiexec(argparse.Namespace(launcher=launcher, backend=backend))
+        mpiexec = _use_mpiexec(launcher, backend)
     except LaunchError as exc:
         log.error("%s", exc)
         return 2
@@ -605,9 +605,7 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
         plan = None
     log.info("%s", format_profile(per_rank, repeat, plan=plan))
     if args.profile_json:
-        tmp = Path(args.profile_json).with_name(Path(args.profile_json).name + ".tmp")
-        tmp.write_text(json.dumps({"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank}, indent=1))
-        tmp.replace(args.profile_json)
+        write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank})
         log.info("wrote %s", args.profile_json)
 
 

@@ -165,7 +165,8 @@ class Problem:
                 specs = op_strategies(op, self.mesh_shape) or [replicated_strategy(op, nd)]
                 if not partial_sums:
                     specs = [s for s in specs if PARTIAL_SUMS not in s.assignment]
-                same_op[key] = [self._with_cost(op, s) for s in specs]
+                reads = op_input_reads(op)
+                same_op[key] = [self._with_cost(op, s, reads) for s in specs]
             self.strategies[id(op)] = same_op[key]
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
         self._build_groups()
@@ -186,12 +187,13 @@ class Problem:
         return spec
 
     # costs --------------------------------------------------------------------------
-    def _with_cost(self, op: Operator, s: OpShardSpec) -> OpShardSpec:
+    def _with_cost(self, op: Operator, s: OpShardSpec, reads: list | None = None) -> OpShardSpec:
         flops = op_flops(op) / s.parallelism
         # an input moves its local bytes, or fewer when the op reads only part of it (a gather's rows)
-        nbytes = sum(local_bytes(t, sp, self.mesh_shape) if r is None else
-                     min(local_bytes(t, sp, self.mesh_shape), r / s.parallelism * np.dtype(t.dtype).itemsize)
-                     for t, sp, r in zip(op.inputs, s.input_specs, op_input_reads(op)))
+        nbytes = 0.0
+        for t, sp, r in zip(op.inputs, s.input_specs, op_input_reads(op) if reads is None else reads):
+            b = local_bytes(t, sp, self.mesh_shape)
+            nbytes += b if r is None else min(b, r / s.parallelism * np.dtype(t.dtype).itemsize)
         nbytes += sum(local_bytes(t, sp, self.mesh_shape) for t, sp in zip(op.outputs, s.output_specs))
         cost = self.cost_model.compute_time(flops, nbytes)
         return OpShardSpec(s.input_specs, s.output_specs, s.reductions, s.assignment, s.parallelism, cost)

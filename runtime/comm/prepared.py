@@ -7,9 +7,10 @@ of them and calls the backend's ``*_into`` primitives, which write into a given 
 device backend (NCCL) every step is then a stream-ordered kernel or NCCL call on preallocated
 memory, so the call can be captured into a CUDA graph together with the kernels around it
 (``capturable``); host-staged backends (MPI/TCP with cupy arrays) cannot be captured and are
-called eagerly between graph segments. On host arrays, an all-gather or reduce-scatter whose
-members' chunks are the outermost blocks of the whole tensor (every dim before the split one has
-one entry, the split is even) needs no staging: it runs from ``x`` straight into ``y``.
+called eagerly between graph segments. On host arrays, all-gathers and reduce-scatters keep the
+buffers' own layout, ``[outer, chunk, inner]``, and stage only what that layout needs (nothing
+when every dim before the split one has one entry and the split is even); an all-to-all's own
+block goes from ``x`` to ``y`` directly.
 
 The semantics are those of the unprepared methods of
 :class:`~shardflow.runtime.comm.base.Communicator` (``torch.chunk`` chunks, padding to
