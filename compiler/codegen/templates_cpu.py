@@ -1052,6 +1052,63 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   }
 }
 
+// A conv with its weights packed at compile time as GEMM panels (PackedConv, passes/prepack.py), for small
+// images: per image, yt[P, OC] = im2col(x)^T[P, K] @ W^T[K, OC] by the prepacked GEMM (the output pixels are
+// its rows, the output channels its columns), then yt is transposed into y[OC, P] and finished by the
+// bias or the fused element-wise ops (epi). A 1x1, stride-1, unpadded conv reads the image itself as A
+// (column-major: pixel p, channel c at x[c * P + p]); the others first copy their im2col matrix, [K][P].
+// Where it pays: a 7x7 or 14x14 image gives the direct kernels rows of 7 or 14 pixels and B panels to pack
+// on every call, while the GEMM streams weights packed once and keeps full 6 x 16 tiles.
+static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* __restrict__ col, bool par) {
+  const int64_t K = g.C * g.KH * g.KW, P = g.OH * g.OW;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t kw = k % g.KW, kh = (k / g.KW) % g.KH, c = k / (g.KW * g.KH);
+    const float* __restrict__ xc = x + c * g.H * g.W;
+    float* __restrict__ dst = col + k * P;
+    for (int64_t oh = 0; oh < g.OH; ++oh) {
+      const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
+      float* __restrict__ d = dst + oh * g.OW;
+      if (ih < 0 || ih >= g.H) {
+        for (int64_t ow = 0; ow < g.OW; ++ow) d[ow] = 0.0f;
+        continue;
+      }
+      const float* __restrict__ xr = xc + ih * g.W;
+      for (int64_t ow = 0; ow < g.OW; ++ow) {
+        const int64_t iw = ow * g.SW + kw * g.DW - g.PL;
+        d[ow] = (iw >= 0 && iw < g.W) ? xr[iw] : 0.0f;
+      }
+    }
+  }
+}
+
+static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
+                             int64_t nimg, int64_t OC, bool direct, SfConvEpi epi = nullptr,
+                             const void* ctx = nullptr) {
+  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
+  if (nimg <= 0 || OC <= 0 || P <= 0) return;
+  const bool par = sf_max_threads() > 1 && (double)P * OC * K >= SF_CONV_PAR_WORK;
+  float* yt = static_cast<float*>(sf_workspace(5, sizeof(float) * P * OC));
+  float* col = direct ? nullptr : static_cast<float*>(sf_workspace(3, sizeof(float) * K * P));
+  constexpr int64_t CB = 16;  // channels per block of the transposition
+  const int64_t ncb = (OC + CB - 1) / CB;
+  for (int64_t n = 0; n < nimg; ++n) {
+    const float* xi = x + n * g.C * g.H * g.W;
+    if (!direct) sf_im2col(xi, g, col, par);
+    sf_sgemm_prepacked(P, OC, K, direct ? xi : col, 1, P, wp, yt, OC, 1.0f, epi ? nullptr : bias, 0, 1, true);
+    float* yi = y + n * OC * P;
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t cb = 0; cb < ncb; ++cb) {
+      const int64_t c0 = cb * CB, c1 = std::min(OC, c0 + CB);
+      for (int64_t p = 0; p < P; ++p) {
+        const float* __restrict__ src = yt + p * OC;
+        for (int64_t c = c0; c < c1; ++c) yi[c * P + p] = src[c];
+      }
+      if (epi) epi(ctx, n, c0, c1, 0, P);
+    }
+  }
+}
+
 // Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)
 static void sf_sgemm_batched(int nb, const int64_t* bshape, const int64_t* astr, const int64_t* bstr,
                              const int64_t* cstr, int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa,
@@ -1229,14 +1286,18 @@ def _conv(op, fused=None) -> str | None:
     """Conv over 1 or 2 spatial dims through :func:`sf_conv2d`; with ``fused`` (a fused op whose first
     member is ``op``, the others element-wise ops on its output), the kernel of the whole group: its
     tiles are finished by the bias and those ops (:func:`_conv_epilogue`)."""
-    x, w = op.inputs[0].shape, op.inputs[1].shape
+    x = op.inputs[0].shape
     n_sp = len(x) - 2
     if n_sp not in (1, 2):
         return None
     g = int(op.attrs.get("group", 1))
-    oc, icg = w[0], w[1]
+    packed = op.op_type == "PackedConv"  # weights in GEMM panels: sf_conv2d_packed
+    if packed:
+        oc, icg, kern = int(op.attrs["oc"]), x[1], tuple(int(k) for k in op.attrs["kernel"])
+    else:
+        w = op.inputs[1].shape
+        oc, icg, kern = w[0], w[1], tuple(w[2:])
     ocg = oc // g
-    kern = tuple(w[2:])
     if icg * _prod(kern) < 4 or ocg < 4:
         return None  # depthwise-like: the generic nest is better
     strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
@@ -1271,17 +1332,23 @@ def _conv(op, fused=None) -> str | None:
             return None
         lines = _args(fused)
         bias = "nullptr"
-    lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
-                 + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({KH}x{KW}, "
-                                                          f"stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL})"))
+    geometry = f"{KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL}"
+    if packed:
+        lines.append(f"  // PackedConv: {Nb} images of [{P}, {KK}] @ [{KK}, {oc}] (weights packed), transposed; "
+                     + ("1x1: the image is A" if direct else f"A = im2col of the image ({geometry})"))
+    else:
+        lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
+                     + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({geometry})"))
     lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
                  f"{OH}, {OW}}};")
-    args = f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {'true' if direct else 'false'}"
+    direct_arg = "true" if direct else "false"
+    fn, args = ("sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}") if packed else \
+        ("sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}")
     if epi is None:
-        lines.append(f"  sf_conv2d({args});")
+        lines.append(f"  {fn}({args});")
     else:
         lines += epi
-        lines.append(f"  sf_conv2d({args}, epi_, &ctx_);")
+        lines.append(f"  {fn}({args}, epi_, &ctx_);")
     return "\n".join(lines)
 
 
@@ -1381,9 +1448,9 @@ def _fused(op) -> str | None:
 
 
 def accepts_epilogue(op) -> bool:
-    """Whether ``op``'s template can apply element-wise ops to its output (a float32 Conv): a fused
+    """Whether ``op``'s template can apply element-wise ops to its output (a float32 Conv or PackedConv): a fused
     group of ``op`` and such ops compiles to the template with the ops in its epilogue."""
-    return op.op_type == "Conv" and template_kind(op) == "Conv"
+    return op.op_type in ("Conv", "PackedConv") and template_kind(op) == op.op_type
 
 
 def _pool(op) -> str | None:
@@ -1514,8 +1581,8 @@ def _pool(op) -> str | None:
     return "\n".join(lines)
 
 
-_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv, "Pool": _pool,
-              "Fused": _fused}
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
+              "PackedConv": _conv, "Pool": _pool, "Fused": _fused}
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool"})

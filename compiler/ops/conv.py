@@ -20,7 +20,7 @@ from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size", "pool_output_size"]
+__all__ = ["Conv", "PackedConv", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size", "pool_output_size"]
 
 
 def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int) -> int:
@@ -137,18 +137,29 @@ class Conv(Operator):
     ``strides``, ``dilations``, ``pads``.
     """
 
-    def compute(self, x, w, *bias):
-        n_sp = x.ndim - 2
-        if n_sp < 1 or w.ndim != x.ndim:
+    def _weight_shape(self, x, w) -> tuple[int, ...]:
+        """``[OC, C/group, *kernel]``: the shape of the weight the op reads."""
+        if w.ndim != x.ndim:
             raise ShapeError(f"{self.name}: Conv takes x [N, C, spatial...] and w of the same rank, got {x.shape} "
                              f"and {w.shape}")
+        return tuple(w.shape)
+
+    def _weight_at(self, w, oc, ic, k):
+        """The weight of output channel ``oc``, input channel ``ic`` (of its group) and tap ``k``."""
+        return w[(oc, ic, *k)]
+
+    def compute(self, x, w, *bias):
+        n_sp = x.ndim - 2
+        wshape = self._weight_shape(x, w)
+        if n_sp < 1:
+            raise ShapeError(f"{self.name}: Conv takes x [N, C, spatial...], got {x.shape}")
         g = self.attrs.get("group", 1)
         s, dil, pb, pe = _spatial(self, x, n_sp)
         n, c = x.shape[:2]
-        oc, icg = w.shape[:2]
-        kern = w.shape[2:]
+        oc, icg = wshape[:2]
+        kern = wshape[2:]
         if g < 1 or c != icg * g or oc % g:
-            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {w.shape}; with group={g} w must be "
+            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {wshape}; with group={g} w must be "
                              f"[M, C/group, ...] with M divisible by group")
         if bias and bias[0].shape != (oc,):
             raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
@@ -174,7 +185,7 @@ class Conv(Operator):
                 cond = _window_guard(pos, [0] * n_sp, list(ins), may_low, may_high)
                 if cond is not None:
                     v = if_then_else(cond, v, Const(0, dt))
-                return v * w[(oci, ic, *k)]
+                return v * self._weight_at(w, oci, ic, k)
             acc = reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
@@ -208,6 +219,50 @@ class Conv(Operator):
         return [np.ascontiguousarray(y, dtype=x.dtype)]
 
 
+
+class PackedConv(Conv):
+    """A :class:`Conv` (one group) whose constant weight is stored as the GEMM's packed panels: the
+    form the cpu target gives a conv on small images (``passes/prepack.py``), computed as
+    ``y^T[P, OC] = im2col(x)^T[P, K] @ W^T[K, OC]`` with the output pixels as the GEMM's rows.
+
+    Inputs ``x [N, C, *in]``, ``wp [ceil(OC / PANEL), K, PANEL]`` =
+    :func:`~shardflow.compiler.ops.linalg.pack_panels` of ``w.reshape(OC, K).T`` with
+    ``K = C * prod(kernel)`` (``w[oc, c, *k]`` at ``[oc // PANEL, c * prod(kernel) + flat(k), oc % PANEL]``),
+    optional ``bias [OC]``. Attributes: Conv's (``group`` 1), ``oc`` and ``kernel``.
+    """
+
+    def _weight_shape(self, x, wp) -> tuple[int, ...]:
+        from .linalg import PANEL
+
+        oc, kern = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"])
+        c = x.shape[1] if x.ndim >= 3 else -1
+        if self.attrs.get("group", 1) != 1 or len(kern) != x.ndim - 2 \
+                or tuple(wp.shape) != (-(-oc // PANEL), c * math.prod(kern), PANEL):
+            raise ShapeError(f"{self.name}: PackedConv takes x [N, C, spatial...] and panels [ceil(OC/{PANEL}), "
+                             f"C * prod(kernel), {PANEL}] (one group), got {x.shape} and {wp.shape} with "
+                             f"oc={oc}, kernel={kern}")
+        return (oc, c) + kern
+
+    def _weight_at(self, wp, oc, ic, k):
+        from .linalg import PANEL
+
+        kern = tuple(int(v) for v in self.attrs["kernel"])
+        flat = ic
+        for kk, n in zip(k, kern):
+            flat = flat * n + kk
+        return wp[oc // PANEL, flat, oc % PANEL]
+
+    def weight(self, wp: np.ndarray) -> np.ndarray:
+        """The conv weight ``[OC, C, *kernel]`` the panels hold."""
+        oc, kern = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"])
+        k = wp.shape[1]
+        return np.ascontiguousarray(wp.transpose(1, 0, 2).reshape(k, -1)[:, :oc].T).reshape(
+            (oc, k // math.prod(kern)) + kern)
+
+    def numpy(self, x, wp, *bias):
+        return super().numpy(x, self.weight(wp), *bias)
+
+
 class ConvTranspose(Operator):
     """N-D transposed convolution (the gradient of :class:`Conv` with respect to its input).
 
@@ -226,7 +281,7 @@ class ConvTranspose(Operator):
         s, dil, pb, _ = _spatial(self, x, n_sp)
         n, c = x.shape[:2]
         if g < 1 or w.shape[0] != c or c % g:
-            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {w.shape}; with group={g} w must be "
+            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {wshape}; with group={g} w must be "
                              f"[C, M/group, ...] with C divisible by group")
         icg, ocg = c // g, w.shape[1]
         oc = ocg * g
@@ -684,6 +739,13 @@ class Resize(Operator):
         return [np.ascontiguousarray(res)]
 
 
+def _panels(w: np.ndarray) -> np.ndarray:
+    """A conv weight ``[OC, C, *kernel]`` as :class:`PackedConv` reads it."""
+    from .linalg import pack_panels
+
+    return pack_panels(w.reshape(w.shape[0], -1).T)
+
+
 def examples(rng: np.random.Generator):
     """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -698,6 +760,9 @@ def examples(rng: np.random.Generator):
         # int32 (ConvInteger, QLinearConv): exact integer sums
         (Conv, [rng.integers(-128, 128, (1, 3, 6, 5)).astype(np.int32), rng.integers(-128, 128, (4, 3, 3, 3))
                 .astype(np.int32), rng.integers(-1000, 1000, (4,)).astype(np.int32)], {"pads": (1, 1, 0, 1)}),
+        (PackedConv, [f(2, 3, 5, 4), _panels(f(20, 3, 3, 2)), f(20)], {"oc": 20, "kernel": (3, 2), "strides": (2, 1),
+                                                                      "pads": (1, 0, 1, 1), "dilations": (1, 2)}),
+        (PackedConv, [f(1, 4, 6), _panels(f(5, 4, 1))], {"oc": 5, "kernel": (1,)}),
         (ConvTranspose, [f(1, 2, 3, 3), f(2, 3, 3, 3)], {"output_shape": (5, 5)}),
         (ConvTranspose, [f(1, 4, 3, 2), f(4, 1, 3, 2), f(2)], {"group": 2, "strides": (3, 2), "pads": (1, 0, 1, 1),
                                                                "dilations": (1, 2), "output_shape": (8, 5)}),

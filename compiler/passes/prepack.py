@@ -20,6 +20,7 @@ rounding).
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -49,11 +50,39 @@ def _weight(op: Operator) -> Tensor | None:
     return b
 
 
+#: A conv whose output has at most this many pixels per image becomes a PackedConv (module docstring).
+CONV_MAX_PIXELS = 256
+
+
+def _conv_weight(op: Operator, max_pixels: int) -> Tensor | None:
+    """The constant weight of a Conv this pass turns into a PackedConv, or ``None``."""
+    if op.op_type != "Conv" or len(op.outputs) != 1 or int(op.attrs.get("group", 1)) != 1:
+        return None
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    if not w.is_constant or x.ndim not in (3, 4) or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs):
+        return None
+    if 0 in x.shape or 0 in w.shape or math.prod(y.shape[2:]) > max_pixels:
+        return None
+    return w
+
+
 class PrepackWeights(GraphPass):
     """Replace each float32 MatMul/Gemm with a constant 2-D weight by a PackedMatMul reading the
-    weight packed in panels (see the module docstring)."""
+    weight packed in panels, and each float32 Conv on small images by a PackedConv (see the module
+    docstring).
+
+    Parameters
+    ----------
+    conv_max_pixels
+        Convs whose output images have at most this many pixels are packed; default
+        :data:`CONV_MAX_PIXELS`; 0 packs none.
+    """
+
+    def __init__(self, conv_max_pixels: int = CONV_MAX_PIXELS):
+        self.conv_max_pixels = conv_max_pixels
 
     def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.conv import PackedConv
         from ..ops.linalg import PackedMatMul, pack_panels
 
         consumers = graph.consumers()
@@ -62,6 +91,16 @@ class PrepackWeights(GraphPass):
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
+            w = _conv_weight(op, self.conv_max_pixels)
+            if w is not None and id(w) not in outputs and all(c is op for c in consumers.get(id(w), [])):
+                value = np.asarray(w.value, np.float32)
+                wp = const_tensor(pack_panels(value.reshape(value.shape[0], -1).T), f"{w.name}.panels")
+                attrs = dict(op.attrs, oc=int(w.shape[0]), kernel=tuple(int(k) for k in w.shape[2:]))
+                inputs = [replace.get(id(t), t) for t in [op.inputs[0], wp] + list(op.inputs[2:])]
+                new = PackedConv(inputs, name=op.name, **attrs)
+                after[id(op)] = [new]
+                replace[id(op.outputs[0])] = new.outputs[0]
+                continue
             b = _weight(op)
             readers = consumers.get(id(b), [])
             if b is None or id(b) in outputs or any(_weight(c) is not b or _transposed(c) != _transposed(op)
@@ -85,5 +124,5 @@ class PrepackWeights(GraphPass):
             after[id(op)] = [new]
             replace[id(op.outputs[0])] = new.outputs[0]
         if after:
-            log.debug("packed %d weights for %d contractions", len(packed), len(after))
+            log.debug("packed %d GEMM weights; %d ops rewritten", len(packed), len(after))
         return splice(graph, after, replace)

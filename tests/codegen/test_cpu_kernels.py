@@ -21,7 +21,7 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import Conv, Pool
+from shardflow.compiler.ops.conv import Conv, PackedConv, Pool
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LayerNorm
@@ -110,6 +110,15 @@ def _large():
         # end; a 1x1 with more than 1024 output channels (packed at stride 1: whole-vector stores)
         Conv([_t((1, 4, 17, 35)), _t((10, 4, 3, 3)), _t((10,))], strides=(2, 2)),
         Conv([_t((1, 3, 6, 9)), _t((1030, 3, 1, 1))]),
+        # convs as the prepacked GEMM (passes/prepack.py): 1x1 reading the image, im2col with padding,
+        # stride and dilation, 1-D, several images, column tails, K in two blocks, threads
+        PackedConv([_t((2, 64, 7, 7)), _panels(64, 100), _t((100,))], oc=100, kernel=(1, 1)),
+        PackedConv([_t((1, 20, 9, 8)), _panels(180, 37), _t((37,))], oc=37, kernel=(3, 3), pads=(1, 1, 1, 1)),
+        PackedConv([_t((3, 6, 13, 11)), _panels(54, 21)], oc=21, kernel=(3, 3), strides=(2, 2), pads=(1, 0, 2, 1),
+                   dilations=(2, 1)),
+        PackedConv([_t((2, 24, 9, 9)), _panels(24, 16)], oc=16, kernel=(1, 1), strides=(2, 2)),
+        PackedConv([_t((2, 5, 30)), _panels(25, 9), _t((9,))], oc=9, kernel=(5,), pads=(2, 2), strides=(3,)),
+        PackedConv([_t((1, 256, 14, 14)), _panels(2304, 70), _t((70,))], oc=70, kernel=(3, 3), pads=(1, 1, 1, 1)),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
         Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),
@@ -277,7 +286,7 @@ def test_large_kernel_matches_numpy(library, cid):
     op, arrays = library["cases"][cid]
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
-    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "Attention"):
+    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "Attention"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w))))
@@ -644,14 +653,22 @@ def test_conv_epilogue_fusion(tmp_path):
         group("own-input", Conv([x5, inp(16, 16, 3, 3)], pads=(1, 1, 1, 1)),
               lambda y: Binary([y, x5], fn="sub")),
     ]
+    packed = [  # PackedConv (passes/prepack.py): the epilogue runs after the transposition
+        group("packed-residual", PackedConv([inp(2, 8, 9, 11), inp(3, 72, PANEL), inp(40)], oc=40, kernel=(3, 3),
+                                            pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(2, 40, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("packed-1x1", PackedConv([inp(2, 24, 7, 5), inp(1, 24, PANEL)], oc=16, kernel=(1, 1)),
+              lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
+    ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
-    for g in cases:
+    for g in cases + packed:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
-    ops = cases + [other]
+    ops = cases + packed + [other]
     src = generate_cpu_source(ops)
-    assert src.text.count("sf_conv2d(in") == len(cases) and src.text.count(", epi_, &ctx_);") == len(cases)
+    assert src.text.count("sf_conv2d(in") == len(cases) and src.text.count("sf_conv2d_packed(in") == len(packed)
+    assert src.text.count(", epi_, &ctx_);") == len(cases + packed)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
