@@ -20,7 +20,8 @@ key               meaning                                                       
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
 ``prepack``       cpu: store the constant weights of float32 MatMul/Gemm packed for the      ``True``
-                  GEMM kernel (passes/prepack.py) instead of packing them on every call
+                  GEMM kernel (passes/prepack.py) instead of packing them on every call;
+                  also those of 1x1 convs on small images (run as that GEMM)
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``

@@ -1,4 +1,4 @@
-"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm, PackedMatMul and 2-D/1-D Conv.
+"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm, PackedMatMul and 2-D/1-D Conv and PackedConv.
 
 They share one GEMM (in :data:`TEMPLATE_PRELUDE`), written like BLIS: for each block of 256 of the
 contracted dim, B is packed into panels of NR columns and A into panels of MR rows (zero padded),
@@ -14,8 +14,9 @@ Conv is a GEMM per image and group, ``w[OCG, C*KH*KW] @ im2col(x)``, whose B pan
 straight from the image (no im2col buffer; a 1×1, stride-1, unpadded conv uses the image as B),
 with the bias added in the GEMM's epilogue. With AVX2 a conv of horizontal stride 1 whose output
 rows fill a panel is not packed at all: its micro-kernel loads each panel row from the image
-through a table of tap offsets. Depthwise and 3-D convolutions use the generic loop
-nest. Every other op, and other dtypes, use the generic lowering.
+through a table of tap offsets. A PackedConv (a 1x1 conv on a small image, ``passes/prepack.py``) is
+the prepacked GEMM with the output pixels as rows, transposed back. Depthwise and 3-D convolutions
+use the generic loop nest. Every other op, and other dtypes, use the generic lowering.
 """
 from __future__ import annotations
 
@@ -1073,13 +1074,71 @@ static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* _
         for (int64_t ow = 0; ow < g.OW; ++ow) d[ow] = 0.0f;
         continue;
       }
-      const float* __restrict__ xr = xc + ih * g.W;
-      for (int64_t ow = 0; ow < g.OW; ++ow) {
-        const int64_t iw = ow * g.SW + kw * g.DW - g.PL;
-        d[ow] = (iw >= 0 && iw < g.W) ? xr[iw] : 0.0f;
-      }
+      // the columns ow in [lo, hi) read inside the row (iw = ow * SW + kw * DW - PL in [0, W)); zero elsewhere
+      const int64_t off = kw * g.DW - g.PL;
+      const int64_t lo = std::min(g.OW, off >= 0 ? 0 : (-off + g.SW - 1) / g.SW);
+      const int64_t hi = std::max(lo, std::min(g.OW, g.W - off > 0 ? (g.W - off + g.SW - 1) / g.SW : 0));
+      const float* __restrict__ xr = xc + ih * g.W + off;
+      for (int64_t ow = 0; ow < lo; ++ow) d[ow] = 0.0f;
+      if (g.SW == 1) { for (int64_t ow = lo; ow < hi; ++ow) d[ow] = xr[ow]; }
+      else { for (int64_t ow = lo; ow < hi; ++ow) d[ow] = xr[ow * g.SW]; }
+      for (int64_t ow = hi; ow < g.OW; ++ow) d[ow] = 0.0f;
     }
   }
+}
+
+// y[c][p] = t[p][c] (row stride ld) for the columns c in [c0, c1) and rows p in [0, P)
+static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
+                                     float* __restrict__ y) {
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t c = c0; c < c1; ++c) y[c * P + p] = t[p * ld + c];
+}
+
+#if defined(__x86_64__)
+// The same in 8 x 8 tiles through AVX2 registers (the scalar loop's strided stores cost as much as the
+// 1x1 conv's GEMM at 14 x 14 pixels)
+__attribute__((target("avx2,fma")))
+static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
+                                   float* __restrict__ y) {
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8) {
+    int64_t p = 0;
+    for (; p + 8 <= P; p += 8) {
+      __m256 r[8], u[8], v[8];
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(t + (p + i) * ld + c);
+      #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        u[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        u[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      #pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {
+        v[4 * i] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        v[4 * i + 1] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        v[4 * i + 2] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        v[4 * i + 3] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(y + (c + i) * P + p, _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+        _mm256_storeu_ps(y + (c + i + 4) * P + p, _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+      }
+    }
+    for (; p < P; ++p)
+      for (int64_t i = 0; i < 8; ++i) y[(c + i) * P + p] = t[p * ld + c + i];
+  }
+  if (c < c1) sf_transpose_cols_scalar(t, ld, P, c, c1, y);
+}
+#endif
+
+static void sf_transpose_cols(const float* t, int64_t ld, int64_t P, int64_t c0, int64_t c1, float* y) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           sf_ukr().nr >= SF_PANEL;  // not where SHARDFLOW_CPU_ISA asks for less
+  if (avx2) { sf_transpose_cols_avx2(t, ld, P, c0, c1, y); return; }
+#endif
+  sf_transpose_cols_scalar(t, ld, P, c0, c1, y);
 }
 
 static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
@@ -1100,10 +1159,7 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
     #pragma omp parallel for schedule(static) if (par)
     for (int64_t cb = 0; cb < ncb; ++cb) {
       const int64_t c0 = cb * CB, c1 = std::min(OC, c0 + CB);
-      for (int64_t p = 0; p < P; ++p) {
-        const float* __restrict__ src = yt + p * OC;
-        for (int64_t c = c0; c < c1; ++c) yi[c * P + p] = src[c];
-      }
+      sf_transpose_cols(yt, OC, P, c0, c1, yi);
       if (epi) epi(ctx, n, c0, c1, 0, P);
     }
   }

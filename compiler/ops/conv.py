@@ -20,7 +20,8 @@ from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size", "pool_output_size"]
+__all__ = ["Conv", "PackedConv", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size",
+           "pool_output_size"]
 
 
 def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int) -> int:
@@ -281,7 +282,7 @@ class ConvTranspose(Operator):
         s, dil, pb, _ = _spatial(self, x, n_sp)
         n, c = x.shape[:2]
         if g < 1 or w.shape[0] != c or c % g:
-            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {wshape}; with group={g} w must be "
+            raise ShapeError(f"{self.name}: x has {c} channels and w has shape {w.shape}; with group={g} w must be "
                              f"[C, M/group, ...] with C divisible by group")
         icg, ocg = c // g, w.shape[1]
         oc = ocg * g

@@ -16,6 +16,12 @@ twice; the packed copy is shared by all the contractions reading the same weight
 unchanged where ``M > 1``: the same products are summed in the same order as with packing per
 call. A single row (``M == 1``) is summed in four partial sums by ``k mod 4`` (a difference of
 rounding).
+
+A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
+image) whose constant weight nothing else reads becomes a
+:class:`~shardflow.compiler.ops.conv.PackedConv`: its weight ``[OC, C, 1, 1]`` is stored as the
+panels of ``Wᵀ[C, OC]``, and its kernel computes each image as ``x(im2col)ᵀ @ Wᵀ`` with the
+prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on small images").
 """
 from __future__ import annotations
 
@@ -50,8 +56,8 @@ def _weight(op: Operator) -> Tensor | None:
     return b
 
 
-#: A conv whose output has at most this many pixels per image becomes a PackedConv (module docstring).
-CONV_MAX_PIXELS = 256
+#: A 1x1 conv whose output has at most this many pixels per image becomes a PackedConv (module docstring).
+CONV_MAX_PIXELS = 196
 
 
 def _conv_weight(op: Operator, max_pixels: int) -> Tensor | None:
@@ -61,7 +67,7 @@ def _conv_weight(op: Operator, max_pixels: int) -> Tensor | None:
     x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
     if not w.is_constant or x.ndim not in (3, 4) or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs):
         return None
-    if 0 in x.shape or 0 in w.shape or math.prod(y.shape[2:]) > max_pixels:
+    if 0 in x.shape or 0 in w.shape or math.prod(y.shape[2:]) > max_pixels or math.prod(w.shape[2:]) != 1:
         return None
     return w
 

@@ -138,22 +138,23 @@ def test_prepack_must_be_a_bool():
 
 
 def test_the_pass_packs_convs_on_small_images_only():
-    """Convs of one group on float32 with a constant weight read by nothing else, whose output images
-    have at most CONV_MAX_PIXELS pixels, become PackedConvs computing the same values."""
+    """1x1 convs of one group on float32 with a constant weight read by nothing else, whose output
+    images have at most CONV_MAX_PIXELS pixels, become PackedConvs computing the same values."""
     from shardflow.compiler.ops.conv import Conv
     from shardflow.compiler.passes.prepack import CONV_MAX_PIXELS
 
     rng = np.random.default_rng(3)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    weights = [f(20, 8, 3, 3), f(20), f(12, 8, 1, 1), f(12, 8, 3, 3), f(8, 2, 3, 3), f(8, 8, 1, 1)]
+    weights = [f(20, 8, 1, 1), f(20), f(12, 8, 1, 1), f(12, 8, 1, 1), f(8, 2, 1, 1), f(8, 8, 1, 1), f(6, 8, 3, 3)]
 
     def build():  # the pass rewrites the graph it is given
         small, large = Tensor("small", (2, 8, 9, 9), "float32"), Tensor("large", (1, 8, 17, 17), "float32")
         w = [const_tensor(v) for v in weights]
         ops = [
-            Conv([small, w[0], w[1]], name="c3x3", pads=(1, 1, 1, 1)),
-            Conv([small, w[2]], name="c1x1", strides=(2, 2)),
-            Conv([large, w[3]], name="c_large", pads=(1, 1, 1, 1)),                    # 289 pixels
+            Conv([small, w[0], w[1]], name="c1x1", pads=(1, 1, 1, 1)),                  # 11 x 11 pixels
+            Conv([small, w[2]], name="c1x1_s2", strides=(2, 2)),
+            Conv([large, w[3]], name="c_large"),                                        # 289 pixels
+            Conv([small, w[6]], name="c3x3", pads=(1, 1, 1, 1)),                        # not 1x1
             Conv([small, w[4]], name="c_grouped", group=4),
             Conv([small, w[5]], name="c_shared_a"),                                     # one weight, two
             Conv([small, w[5]], name="c_shared_b"),                                     # readers: kept
@@ -161,16 +162,16 @@ def test_the_pass_packs_convs_on_small_images_only():
         ]
         return FlowGraph([small, large, ops[-1].inputs[1]], [o.outputs[0] for o in ops])
 
-    assert 9 * 9 <= CONV_MAX_PIXELS < 17 * 17
+    assert 11 * 11 <= CONV_MAX_PIXELS < 17 * 17
     feeds = {"small": f(2, 8, 9, 9), "large": f(1, 8, 17, 17), "w_in": f(4, 8, 1, 1)}
     want = build().run(feeds)
     packed = PrepackWeights().run(build())
     packed.validate()
     assert {op.name: op.op_type for op in packed.nodes} == {
-        "c3x3": "PackedConv", "c1x1": "PackedConv", "c_large": "Conv", "c_grouped": "Conv", "c_shared_a": "Conv",
-        "c_shared_b": "Conv", "c_weight_input": "Conv"}
+        "c1x1": "PackedConv", "c1x1_s2": "PackedConv", "c_large": "Conv", "c3x3": "Conv", "c_grouped": "Conv",
+        "c_shared_a": "Conv", "c_shared_b": "Conv", "c_weight_input": "Conv"}
     by = {op.name: op for op in packed.nodes}
-    assert by["c3x3"].inputs[1].shape == (-(-20 // PANEL), 8 * 9, PANEL)
+    assert by["c1x1"].inputs[1].shape == (-(-20 // PANEL), 8, PANEL)
     got = packed.run(feeds)
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
@@ -179,9 +180,9 @@ def test_the_pass_packs_convs_on_small_images_only():
 
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, algo):
-    """A small conv net (3x3 + bias + Relu, a strided 1x1 with a residual add, a 1x1 head) compiled
-    for one and two cpu ranks: its convs are PackedConvs with their epilogues fused, and the output
-    is onnxruntime's."""
+    """A small conv net (3x3 + bias + Relu, a strided 1x1, a 1x1 with a residual add, a 1x1 head)
+    compiled for one and two cpu ranks: its 1x1 convs are PackedConvs (epilogues fused), and the
+    output is onnxruntime's."""
     ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(4)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -194,7 +195,8 @@ def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, a
              helper.make_node("Conv", ["c2", "w3"], ["c3"], name="conv3"),
              helper.make_node("Add", ["c3", "c2"], ["a3"]),
              helper.make_node("Conv", ["a3", "w4"], ["y"], name="head")]
-    graph = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 12, 12])],
+    graph = helper.make_graph(nodes, "convnet",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 12, 12])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 10, 6, 6])], inits)
     path = tmp_path / "convnet.onnx"
     path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
@@ -206,8 +208,8 @@ def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, a
     world = int(np.prod(mesh))
     for r in range(world):
         program = json.loads((out / f"rank{r}" / "program.json").read_text())
-        assert any(b["name"] == "w1.panels" for b in program["buffers"])
-        assert not any(b["name"] in ("w1", "w2", "w3", "w4") for b in program["buffers"])
+        names = {b["name"] for b in program["buffers"]}
+        assert {"w2.panels", "w3.panels", "w4.panels"} <= names and not names & {"w2", "w3", "w4"}
 
     def work(c):
         return load(out, c.rank, c).run({"x": x})["y"]
