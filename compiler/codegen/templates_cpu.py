@@ -1066,8 +1066,8 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
 // its rows, the output channels its columns), then yt is transposed into y[OC, P] and finished by the
 // bias or the fused element-wise ops (epi). A 1x1, stride-1, unpadded conv reads the image itself as A
 // (column-major: pixel p, channel c at x[c * P + p]); the others first copy their im2col matrix, [K][P].
-// Where it pays: a 7x7 or 14x14 image gives the direct kernels rows of 7 or 14 pixels and B panels to pack
-// on every call, while the GEMM streams weights packed once and keeps full 6 x 16 tiles.
+// Where it pays (1x1 convs at 7x7 and 14x14, rfcs/0002): the conv template's B panels would be rows of 7 or
+// 14 pixels packed on every call, while the GEMM streams weights packed once and keeps full 6 x 16 tiles.
 static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* __restrict__ col, bool par) {
   const int64_t K = g.C * g.KH * g.KW, P = g.OH * g.OW;
   #pragma omp parallel for schedule(static) if (par)
@@ -1103,8 +1103,7 @@ static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, in
 }
 
 #if defined(__x86_64__)
-// The same in 8 x 8 tiles through AVX2 registers (the scalar loop's strided stores cost as much as the
-// 1x1 conv's GEMM at 14 x 14 pixels)
+// The same in 8 x 8 tiles through AVX2 registers (the scalar loop stores one float at a time, P floats apart)
 __attribute__((target("avx2,fma")))
 static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
                                    float* __restrict__ y) {

@@ -220,10 +220,9 @@ class Conv(Operator):
         return [np.ascontiguousarray(y, dtype=x.dtype)]
 
 
-
 class PackedConv(Conv):
     """A :class:`Conv` (one group) whose constant weight is stored as the GEMM's packed panels: the
-    form the cpu target gives a conv on small images (``passes/prepack.py``), computed as
+    form the cpu target gives a 1x1 conv on small images (``passes/prepack.py``), computed as
     ``y^T[P, OC] = im2col(x)^T[P, K] @ W^T[K, OC]`` with the output pixels as the GEMM's rows.
 
     Inputs ``x [N, C, *in]``, ``wp [ceil(OC / PANEL), K, PANEL]`` =
