@@ -33,7 +33,7 @@ from ..ir.graph import FlowGraph, Operator, Tensor
 from ..ir.task import GridCompute
 from .config import DistributedConfig
 from .connect import connect
-from .cost import H100, CostModel
+from .cost import H100, CostModel, itemsize
 from .mesh import DeviceMesh
 from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
@@ -118,7 +118,7 @@ def local_numel(shape: tuple[int, ...], spec: TensorShardSpec, mesh_shape: tuple
 
 
 def local_bytes(t: Tensor, spec: TensorShardSpec, mesh_shape: tuple[int, ...]) -> int:
-    return local_numel(t.shape, spec, mesh_shape) * np.dtype(t.dtype).itemsize
+    return local_numel(t.shape, spec, mesh_shape) * itemsize(t.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ class Problem:
         nbytes = 0.0
         for t, sp, r in zip(op.inputs, s.input_specs, op_input_reads(op) if reads is None else reads):
             b = local_bytes(t, sp, self.mesh_shape)
-            nbytes += b if r is None else min(b, r / s.parallelism * np.dtype(t.dtype).itemsize)
+            nbytes += b if r is None else min(b, r / s.parallelism * itemsize(t.dtype))
         nbytes += sum(local_bytes(t, sp, self.mesh_shape) for t, sp in zip(op.outputs, s.output_specs))
         cost = self.cost_model.compute_time(flops, nbytes)
         return OpShardSpec(s.input_specs, s.output_specs, s.reductions, s.assignment, s.parallelism, cost)

@@ -91,6 +91,19 @@ def _onnx_model(rng, path):
     return model
 
 
+def _compiled_ranks(path, out, mesh, algo, x):
+    """Compile ``path`` for cpu ranks on ``mesh`` into ``out``; each rank's program.json and the
+    output ``y`` every rank computes from ``x`` (in-process ranks)."""
+    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
+            out_dir=out)
+    world = int(np.prod(mesh))
+    programs = [json.loads((out / f"rank{r}" / "program.json").read_text()) for r in range(world)]
+
+    def work(c):
+        return load(out, c.rank, c).run({"x": x})["y"]
+    return programs, run_threads(InProcessWorld(world).communicators(), work, timeout=120)
+
+
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_read_packed_weights_and_match_onnxruntime(tmp_path, mesh, algo):
     ort = pytest.importorskip("onnxruntime")
@@ -99,20 +112,12 @@ def test_compiled_ranks_read_packed_weights_and_match_onnxruntime(tmp_path, mesh
     _onnx_model(rng, path)
     x = rng.standard_normal((4, 48)).astype(np.float32)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    out = tmp_path / "out"
-    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
-            out_dir=out)
-    world = int(np.prod(mesh))
-    for r in range(world):
-        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
+    for program in programs:
         kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
         assert kinds.count("PackedMatMul") == 3 and "MatMul" not in kinds and "Gemm" not in kinds
         packed = [b for b in program["buffers"] if b["name"].endswith((".panels", ".panels.T"))]
         assert len(packed) == 3 and all(b["storage"] == "weights" and b["shape"][-1] == PANEL for b in packed)
-
-    def work(c):
-        return load(out, c.rank, c).run({"x": x})["y"]
-    got = run_threads(InProcessWorld(world).communicators(), work, timeout=120)
     for g in got:
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
@@ -202,16 +207,9 @@ def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, a
     path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
     x = f(2, 16, 12, 12)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    out = tmp_path / "out"
-    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
-            out_dir=out)
-    world = int(np.prod(mesh))
-    for r in range(world):
-        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
+    for program in programs:
         names = {b["name"] for b in program["buffers"]}
         assert {"w2.panels", "w3.panels", "w4.panels"} <= names and not names & {"w2", "w3", "w4"}
-
-    def work(c):
-        return load(out, c.rank, c).run({"x": x})["y"]
-    for g in run_threads(InProcessWorld(world).communicators(), work, timeout=120):
+    for g in got:
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
