@@ -22,6 +22,9 @@ key               meaning                                                       
 ``prepack``       cpu: store the constant weights of float32 MatMul/Gemm packed for the      ``True``
                   GEMM kernel (passes/prepack.py) instead of packing them on every call;
                   also those of 1x1 convs on small images (run as that GEMM)
+``winograd``      cpu: 3x3 stride-1 convs of 64+ channels (on enough pixels) as Winograd         ``True``
+                  F(4x4, 3x3) or F(2x2, 3x3) with the weights transformed at compile time
+                  (passes/prepack.py); fewer products, rounding ~1e-5 relative off the direct sum
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -75,6 +78,7 @@ class OptimizationConfig:
     fuse: bool = True
     cuda_graph: bool = True
     prepack: bool = True
+    winograd: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -134,7 +138,7 @@ class OptimizationConfig:
             raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
                               "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
                               "'float32' or 'float16'")
-        for key in ("fuse", "cuda_graph", "prepack"):
+        for key in ("fuse", "cuda_graph", "prepack", "winograd"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if "search_space" in cfg:
@@ -722,11 +726,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     from .passes.attention import FuseAttention
 
                     rg = FuseAttention().run(rg)
-            if opt.target == "cpu" and opt.prepack:
-                # constant GEMM weights packed once, here, instead of on every call (passes/prepack.py)
-                from .passes.prepack import PrepackWeights
+            if opt.target == "cpu" and (opt.prepack or opt.winograd):
+                # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
+                # Winograd's, their weights transformed here (passes/prepack.py)
+                from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
 
-                rg = PrepackWeights().run(rg)
+                rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=opt.winograd,
+                                    gemm=opt.prepack).run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

@@ -1,4 +1,4 @@
-"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm, PackedMatMul and 2-D/1-D Conv and PackedConv.
+"""Fast CPU kernels for the heavy ops: float32 MatMul, Gemm, PackedMatMul, 2-D/1-D Conv, PackedConv, WinogradConv.
 
 They share one GEMM (in :data:`TEMPLATE_PRELUDE`), written like BLIS: for each block of 256 of the
 contracted dim, B is packed into panels of NR columns and A into panels of MR rows (zero padded),
@@ -15,7 +15,9 @@ straight from the image (no im2col buffer; a 1×1, stride-1, unpadded conv uses 
 with the bias added in the GEMM's epilogue. With AVX2 a conv of horizontal stride 1 whose output
 rows fill a panel is not packed at all: its micro-kernel loads each panel row from the image
 through a table of tap offsets. A PackedConv (a 1x1 conv on a small image, ``passes/prepack.py``) is
-the prepacked GEMM with the output pixels as rows, transposed back. Depthwise and 3-D convolutions
+the prepacked GEMM with the output pixels as rows, transposed back. A WinogradConv (a 3x3 stride-1 conv,
+``passes/prepack.py``) transforms its input tiles, runs one prepacked GEMM per transform position (tiles
+as rows) and transforms the products back into output tiles. Depthwise and 3-D convolutions
 use the generic loop nest. Every other op, and other dtypes, use the generic lowering.
 """
 from __future__ import annotations
@@ -1172,6 +1174,246 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
   }
 }
 
+// ---- Winograd convolution: F(m x m, 3 x 3) (WinogradConv, passes/prepack.py) ------------------------
+// A 3x3, stride-1 conv computes each m x m tile of its output from an (m+2) x (m+2) tile d of its input
+// as A^T [ sum_c (G w G^T) .* (B^T d B) ] A (Lavin and Gray): (m+2)^2 products per tile and channel pair
+// instead of 9 m^2. The weights' side U = G w G^T is made at compile time; per image the kernel
+// transforms the input tiles, V[xi][t][c] = (B^T d_{t,c} B)[xi], runs one GEMM per position xi,
+// M[xi][t][oc] = V[xi] @ U[xi] (the prepacked GEMM: tiles as rows, U[xi] as panels [C][OC]), and
+// transforms M back into the output tiles, adding the bias (or the epilogue, epi, finishes them).
+// Rows of tiles go in chunks (V and M of a chunk stay in the caches); threads take whole chunks when
+// there are enough of them, else they share each step of one chunk (lanes of 8 channels, the GEMMs).
+template <int M> struct SfWino;
+template <> struct SfWino<2> {  // interpolation points 0, 1, -1 and infinity
+  static constexpr int A = 4;
+  template <class V> static inline void in(const V* d, V* r) {  // r = B^T d
+    r[0] = d[0] - d[2]; r[1] = d[1] + d[2]; r[2] = d[2] - d[1]; r[3] = d[1] - d[3];
+  }
+  template <class V> static inline void out(const V* s, V* o) {  // o = A^T s
+    o[0] = s[0] + s[1] + s[2]; o[1] = s[1] - s[2] - s[3];
+  }
+};
+template <> struct SfWino<4> {  // points 0, 1, -1, 2, -2 and infinity
+  static constexpr int A = 6;
+  template <class V> static inline void in(const V* d, V* r) {
+    const V a = d[4] - 4.0f * d[2], b = d[3] - 4.0f * d[1], c = d[4] - d[2], e = 2.0f * (d[3] - d[1]);
+    r[0] = 4.0f * d[0] - 5.0f * d[2] + d[4]; r[1] = a + b; r[2] = a - b; r[3] = c + e; r[4] = c - e;
+    r[5] = 4.0f * d[1] - 5.0f * d[3] + d[5];
+  }
+  template <class V> static inline void out(const V* s, V* o) {
+    const V a = s[1] + s[2], b = s[1] - s[2], c = s[3] + s[4], e = s[3] - s[4];
+    o[0] = s[0] + a + c; o[1] = b + 2.0f * e; o[2] = a + 4.0f * c; o[3] = b + 8.0f * e + s[5];
+  }
+};
+
+typedef float SfV8 __attribute__((vector_size(32)));  // 8 channels, one per lane
+typedef int SfI8 __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SF_SHUF8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+#define SF_SHUF8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shuffle(a, b, SfI8{i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
+
+// r[j][l] = the old r[l][j]: an 8 x 8 transposition in registers (unpack, shuffle, swap of halves)
+__attribute__((always_inline)) static inline void sf_tr8(SfV8 (&r)[8]) {
+  SfV8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = SF_SHUF8(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = SF_SHUF8(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = SF_SHUF8(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = SF_SHUF8(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = SF_SHUF8(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = SF_SHUF8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = SF_SHUF8(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = SF_SHUF8(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// floats a padded image for sf_wino_in_body has past its end (it loads 8 columns from a tile's first)
+constexpr int64_t SF_WINO_SLACK = 8;
+
+// V[xi][t - t0][c] (row stride C, xi stride (t1 - t0) * C) for the tiles [t0, t1) and channels [c0, c1)
+// of the padded image xp ([C][Hp][Wp] + SF_WINO_SLACK; tile t = (th, tw) reads rows th*m.. and columns
+// tw*m..): per tile and 8 channels, each row of the tile is 8 loads of 8 floats transposed into
+// vectors of one column's 8 channels
+template <int M>
+__attribute__((always_inline)) static inline void sf_wino_in_body(const float* __restrict__ xp, int64_t Hp, int64_t Wp,
+                                                                   int64_t C, int64_t TW, int64_t t0, int64_t t1,
+                                                                   int64_t c0, int64_t c1, float* __restrict__ V) {
+  constexpr int A = SfWino<M>::A;
+  const int64_t plane = Hp * Wp, xs = (t1 - t0) * C;
+  for (int64_t c = c0; c < c1; c += 8) {
+    const int nl = (int)std::min<int64_t>(8, c1 - c);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* src = xp + c * plane + (t / TW) * M * Wp + (t % TW) * M;
+      SfV8 d[A][A], r[A][A], col[A], rc[A];
+      for (int i = 0; i < A; ++i) {
+        SfV8 rows[8];
+        for (int l = 0; l < 8; ++l) {
+          if (l < nl) std::memcpy(&rows[l], src + l * plane + i * Wp, sizeof(SfV8));
+          else rows[l] = SfV8{};
+        }
+        sf_tr8(rows);
+        for (int j = 0; j < A; ++j) d[i][j] = rows[j];
+      }
+      for (int j = 0; j < A; ++j) {  // columns: r[.][j] = B^T d[.][j]
+        for (int i = 0; i < A; ++i) col[i] = d[i][j];
+        SfWino<M>::in(col, rc);
+        for (int i = 0; i < A; ++i) r[i][j] = rc[i];
+      }
+      float* dst = V + (t - t0) * C + c;
+      for (int i = 0; i < A; ++i) {  // rows: (r B)[i] = B^T r[i]^T
+        SfWino<M>::in(r[i], rc);
+        for (int j = 0; j < A; ++j) {
+          float* o = dst + (i * A + j) * xs;
+          if (nl == 8) std::memcpy(o, &rc[j], sizeof(SfV8));
+          else for (int l = 0; l < nl; ++l) o[l] = rc[j][l];
+        }
+      }
+    }
+  }
+}
+
+// The output tiles [t0, t1) for the channels [o0, o1) from Mt[xi][t - t0][oc] (row stride OC), + bias
+template <int M>
+__attribute__((always_inline)) static inline void sf_wino_out_body(const float* __restrict__ Mt, int64_t OC, int64_t TW,
+                                                                    int64_t OH, int64_t OW, int64_t t0, int64_t t1,
+                                                                    int64_t o0, int64_t o1, const float* bias,
+                                                                    float* __restrict__ y) {
+  constexpr int A = SfWino<M>::A;
+  const int64_t xs = (t1 - t0) * OC, P = OH * OW;
+  for (int64_t oc = o0; oc < o1; oc += 8) {
+    const int nl = (int)std::min<int64_t>(8, o1 - oc);
+    SfV8 b = {};
+    if (bias) for (int l = 0; l < nl; ++l) b[l] = bias[oc + l];
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* src = Mt + (t - t0) * OC + oc;
+      SfV8 s[A][A], r[M][A], col[A], rc[M];
+      for (int i = 0; i < A; ++i)
+        for (int j = 0; j < A; ++j) {
+          if (nl == 8) std::memcpy(&s[i][j], src + (i * A + j) * xs, sizeof(SfV8));
+          else { SfV8 v = {}; for (int l = 0; l < nl; ++l) v[l] = src[(i * A + j) * xs + l]; s[i][j] = v; }
+        }
+      for (int j = 0; j < A; ++j) {
+        for (int i = 0; i < A; ++i) col[i] = s[i][j];
+        SfWino<M>::out(col, rc);
+        for (int i = 0; i < M; ++i) r[i][j] = rc[i];
+      }
+      const int64_t oh0 = (t / TW) * M, ow0 = (t % TW) * M;
+      const int mh = (int)std::min<int64_t>(M, OH - oh0), mw = (int)std::min<int64_t>(M, OW - ow0);
+      float* dst = y + oc * P + oh0 * OW + ow0;
+      for (int i = 0; i < mh; ++i) {
+        SfWino<M>::out(r[i], rc);
+        for (int j = 0; j < mw; ++j) {
+          const SfV8 v = rc[j] + b;
+          for (int l = 0; l < nl; ++l) dst[l * P + i * OW + j] = v[l];
+        }
+      }
+    }
+  }
+}
+
+template <int M>
+static void sf_wino_in_generic(const float* xp, int64_t Hp, int64_t Wp, int64_t C, int64_t TW, int64_t t0, int64_t t1,
+                               int64_t c0, int64_t c1, float* V) {
+  sf_wino_in_body<M>(xp, Hp, Wp, C, TW, t0, t1, c0, c1, V);
+}
+template <int M>
+static void sf_wino_out_generic(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0,
+                                int64_t t1, int64_t o0, int64_t o1, const float* bias, float* y) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y);
+}
+#if defined(__x86_64__)
+template <int M>
+__attribute__((target("avx2,fma")))
+static void sf_wino_in_avx2(const float* xp, int64_t Hp, int64_t Wp, int64_t C, int64_t TW, int64_t t0, int64_t t1,
+                            int64_t c0, int64_t c1, float* V) {
+  sf_wino_in_body<M>(xp, Hp, Wp, C, TW, t0, t1, c0, c1, V);
+}
+template <int M>
+__attribute__((target("avx2,fma")))
+static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0, int64_t t1,
+                             int64_t o0, int64_t o1, const float* bias, float* y) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y);
+}
+#endif
+
+// y[n] = conv3x3(x[n], w) + bias for n < nimg (x: [nimg, C, H, W], y: [nimg, OC, OH, OW], stride 1, pads
+// g.PT/g.PL at the start), from U = [A*A][ceil(OC / SF_PANEL)][C][SF_PANEL] (the weights' transform, its
+// [C][OC] matrix per position in GEMM panels); epi as in sf_conv2d
+template <int M>
+static void sf_conv2d_winograd(const float* x, const float* U, const float* bias, float* y, const SfConvGeom& g,
+                               int64_t nimg, int64_t OC, SfConvEpi epi = nullptr, const void* ctx = nullptr) {
+  constexpr int A = SfWino<M>::A, A2 = A * A;
+  auto in = sf_wino_in_generic<M>;
+  auto out = sf_wino_out_generic<M>;
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && sf_ukr().nr >= SF_PANEL;
+  if (avx2) { in = sf_wino_in_avx2<M>; out = sf_wino_out_avx2<M>; }
+#endif
+  const int64_t C = g.C, OH = g.OH, OW = g.OW, P = OH * OW;
+  if (nimg <= 0 || OC <= 0 || P <= 0) return;
+  // the padded image holds whole tiles: Hp >= OH + 2 = H + PT + PB (and Wp likewise), so the input fits at (PT, PL)
+  const int64_t TH = (OH + M - 1) / M, TW = (OW + M - 1) / M, Hp = TH * M + 2, Wp = TW * M + 2;
+  const int64_t upos = (OC + SF_PANEL - 1) / SF_PANEL * SF_PANEL * C;  // floats of U per position
+  const int nt = sf_max_threads();
+  const bool par = nt > 1 && (double)nimg * P * OC * C * 9 >= SF_CONV_PAR_WORK;
+  // rows of tiles per chunk: V and M of a chunk within about 512 KiB, at least one row
+  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(TH, 131072 / (A2 * TW * (C + OC))));
+  const int64_t nch = (TH + R - 1) / R, nwork = nimg * nch;
+  const bool whole = !par || nwork >= 2 * nt;  // threads take whole chunks
+  float* xpad = static_cast<float*>(sf_workspace(3, sizeof(float) * (nimg * C * Hp * Wp + SF_WINO_SLACK)));
+  const int64_t vsz = A2 * R * TW * C, msz = A2 * R * TW * OC;
+  float* shared = whole ? nullptr : static_cast<float*>(sf_workspace(4, sizeof(float) * (vsz + msz)));
+  auto gemms = [&](int64_t tb, const float* V, float* Mt, int64_t x0, int64_t x1) {
+    for (int64_t xi = x0; xi < x1; ++xi)
+      sf_sgemm_prepacked(tb, OC, C, V + xi * tb * C, C, 1, U + xi * upos, Mt + xi * tb * OC, OC, 1.0f, nullptr, 0, 0,
+                         false);
+  };
+  #pragma omp parallel num_threads(nt) if (par)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t pl = 0; pl < nimg * C; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
+    if (whole) {
+      float* V = static_cast<float*>(sf_workspace(4, sizeof(float) * (vsz + msz)));
+      float* Mt = V + vsz;
+      #pragma omp for schedule(static)
+      for (int64_t wk = 0; wk < nwork; ++wk) {
+        const int64_t n = wk / nch, th0 = (wk % nch) * R, th1 = std::min(TH, th0 + R);
+        const int64_t t0 = th0 * TW, t1 = th1 * TW, tb = t1 - t0;
+        in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 0, C, V);
+        gemms(tb, V, Mt, 0, A2);
+        float* yn = y + n * OC * P;
+        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn);
+        if (epi) epi(ctx, n, 0, OC, th0 * M * OW, std::min(OH, th1 * M) * OW);
+      }
+    } else {
+      float* V = shared;
+      float* Mt = V + vsz;
+      const int64_t ncb = (C + 7) / 8, nob = (OC + 7) / 8;
+      for (int64_t wk = 0; wk < nwork; ++wk) {
+        const int64_t n = wk / nch, th0 = (wk % nch) * R, th1 = std::min(TH, th0 + R);
+        const int64_t t0 = th0 * TW, t1 = th1 * TW, tb = t1 - t0;
+        #pragma omp for schedule(static)
+        for (int64_t cb = 0; cb < ncb; ++cb) in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 8 * cb, std::min(C, 8 * cb + 8), V);
+        #pragma omp for schedule(static)
+        for (int64_t xi = 0; xi < A2; ++xi) gemms(tb, V, Mt, xi, xi + 1);
+        float* yn = y + n * OC * P;
+        #pragma omp for schedule(static)
+        for (int64_t ob = 0; ob < nob; ++ob) {
+          const int64_t o0 = 8 * ob, o1 = std::min(OC, o0 + 8);
+          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn);
+          if (epi) epi(ctx, n, o0, o1, th0 * M * OW, std::min(OH, th1 * M) * OW);
+        }
+      }
+    }
+  }
+}
+
 // Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)
 static void sf_sgemm_batched(int nb, const int64_t* bshape, const int64_t* astr, const int64_t* bstr,
                              const int64_t* cstr, int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa,
@@ -1355,8 +1597,13 @@ def _conv(op, fused=None) -> str | None:
         return None
     g = int(op.attrs.get("group", 1))
     packed = op.op_type == "PackedConv"  # weights in GEMM panels: sf_conv2d_packed
+    wino = int(op.attrs["m"]) if op.op_type == "WinogradConv" else 0  # sf_conv2d_winograd<m>
     if packed:
         oc, icg, kern = int(op.attrs["oc"]), x[1], tuple(int(k) for k in op.attrs["kernel"])
+    elif wino:
+        if n_sp != 2:
+            return None
+        oc, icg, kern = int(op.attrs["oc"]), x[1], (3, 3)
     else:
         w = op.inputs[1].shape
         oc, icg, kern = w[0], w[1], tuple(w[2:])
@@ -1396,7 +1643,11 @@ def _conv(op, fused=None) -> str | None:
         lines = _args(fused)
         bias = "nullptr"
     geometry = f"{KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL}"
-    if packed:
+    if wino:
+        a = wino + 2
+        lines.append(f"  // WinogradConv F({wino}x{wino}, 3x3): {Nb} images, {a * a} GEMMs [tiles, {icg}] @ [{icg}, {oc}] "
+                     f"per chunk of tiles (pad {PT},{PL})")
+    elif packed:
         lines.append(f"  // PackedConv: {Nb} images of [{P}, {KK}] @ [{KK}, {oc}] (weights packed), transposed; "
                      + ("1x1: the image is A" if direct else f"A = im2col of the image ({geometry})"))
     else:
@@ -1405,8 +1656,12 @@ def _conv(op, fused=None) -> str | None:
     lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
                  f"{OH}, {OW}}};")
     direct_arg = "true" if direct else "false"
-    fn, args = ("sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}") if packed else \
-        ("sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}")
+    if wino:
+        fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}"
+    elif packed:
+        fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}"
+    else:
+        fn, args = "sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}"
     if epi is None:
         lines.append(f"  {fn}({args});")
     else:
@@ -1513,7 +1768,7 @@ def _fused(op) -> str | None:
 def accepts_epilogue(op) -> bool:
     """Whether ``op``'s template can apply element-wise ops to its output (a float32 Conv or PackedConv): a fused
     group of ``op`` and such ops compiles to the template with the ops in its epilogue."""
-    return op.op_type in ("Conv", "PackedConv") and template_kind(op) == op.op_type
+    return op.op_type in ("Conv", "PackedConv", "WinogradConv") and template_kind(op) == op.op_type
 
 
 def _pool(op) -> str | None:
@@ -1645,7 +1900,7 @@ def _pool(op) -> str | None:
 
 
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
-              "PackedConv": _conv, "Pool": _pool, "Fused": _fused}
+              "PackedConv": _conv, "WinogradConv": _conv, "Pool": _pool, "Fused": _fused}
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool"})

@@ -20,7 +20,8 @@ from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size",
+__all__ = ["Conv", "PackedConv", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
+           "Resize", "conv_output_size",
            "pool_output_size"]
 
 
@@ -261,6 +262,98 @@ class PackedConv(Conv):
 
     def numpy(self, x, wp, *bias):
         return super().numpy(x, self.weight(wp), *bias)
+
+
+#: Winograd's minimal filtering F(m x m, 3 x 3) (Lavin and Gray, 2016) for m = 2 and 4: ``(B^T, G, A^T)``
+#: with the interpolation points 0, 1, -1 (and 2, -2 for m = 4) and infinity. A 1-D output tile of m
+#: values is ``A^T [(G g) * (B^T d)]`` for the m + 2 inputs ``d`` and the 3 taps ``g``.
+WINOGRAD = {
+    2: (np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64),
+        np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], np.float64),
+        np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)),
+    4: (np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0],
+                  [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], np.float64),
+        np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
+                  [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], np.float64),
+        np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]], np.float64)),
+}
+#: A left inverse of each ``G`` (``L @ G = I``), sparse: the taps back from their transform.
+_WINOGRAD_LEFT = {2: {0: {0: 1.0}, 1: {1: 1.0, 2: -1.0}, 2: {3: 1.0}},
+                  4: {0: {0: 4.0}, 1: {1: -3.0, 2: 3.0}, 2: {5: 1.0}}}
+
+
+def winograd_weights(w: np.ndarray, m: int) -> np.ndarray:
+    """The input :class:`WinogradConv` reads for the 3x3 weights ``w [OC, C, 3, 3]``:
+    ``[(m+2)^2, ceil(OC / PANEL), C, PANEL]``, position ``xi = a * (m+2) + b`` holding
+    ``U[xi][c, oc] = (G w[oc, c] G^T)[a, b]`` as :func:`~shardflow.compiler.ops.linalg.pack_panels`
+    of the ``[C, OC]`` matrix (summed in float64, rounded once to float32)."""
+    from .linalg import pack_panels
+
+    g = WINOGRAD[m][1]
+    u = np.einsum("ak,ockl,bl->abco", g, np.asarray(w, np.float64), g).astype(np.float32)
+    a = m + 2
+    return np.stack([pack_panels(u[i, j]) for i in range(a) for j in range(a)])
+
+
+class WinogradConv(Conv):
+    """A 3x3 :class:`Conv` of stride 1, dilation 1 and one group computed by Winograd's minimal filtering
+    ``F(m x m, 3 x 3)`` (:data:`WINOGRAD`): the form the cpu target gives such convs where it measured
+    faster (``passes/prepack.py``). Each ``m x m`` output tile costs ``(m+2)^2`` products per channel pair
+    instead of ``9 m^2``; the rounding differs from a direct sum (the transforms add and scale inputs
+    and partial sums: about 1e-6 relative for m = 2 and 1e-5 for m = 4 on unit-scale values).
+
+    Inputs ``x [N, C, H, W]``, ``u`` = :func:`winograd_weights` of ``w [OC, C, 3, 3]``, optional
+    ``bias [OC]``. Attributes: Conv's ``pads`` (strides and dilations 1, group 1), ``oc`` and ``m`` (2 or 4).
+    The compute definition reads the taps back from ``u`` (``G``'s left inverse).
+    """
+
+    def _weight_shape(self, x, u) -> tuple[int, ...]:
+        from .linalg import PANEL
+
+        oc, m = int(self.attrs["oc"]), int(self.attrs["m"])
+        c = x.shape[1] if x.ndim == 4 else -1
+        a = m + 2
+        unit = tuple(self.attrs.get("strides") or ()) + tuple(self.attrs.get("dilations") or ())
+        if m not in WINOGRAD or x.ndim != 4 or self.attrs.get("group", 1) != 1 or any(v != 1 for v in unit) \
+                or tuple(u.shape) != (a * a, -(-oc // PANEL), c, PANEL):
+            raise ShapeError(f"{self.name}: WinogradConv takes x [N, C, H, W] and u [(m+2)^2, ceil(OC/{PANEL}), C, "
+                             f"{PANEL}] with m in {sorted(WINOGRAD)}, stride 1, dilation 1 and one group; got "
+                             f"{x.shape} and {u.shape} with oc={oc}, m={m}, attrs {dict(self.attrs)}")
+        return (oc, c, 3, 3)
+
+    def _weight_at(self, u, oc, ic, k):
+        from .linalg import PANEL
+
+        m = int(self.attrs["m"])
+        a, left = m + 2, _WINOGRAD_LEFT[m]
+        kh, kw = k
+
+        def tap(r, s):  # w[oc, ic, r, s] = sum_ab L[r, a] L[s, b] u[a, b]
+            res = None
+            for i, li in left[r].items():
+                for j, lj in left[s].items():
+                    term = u[i * a + j, oc // PANEL, ic, oc % PANEL]
+                    term = term if li * lj == 1 else term * Const(li * lj, u.dtype)
+                    res = term if res is None else res + term
+            return res
+
+        def row(r):
+            return if_then_else(eq(kw, 0), tap(r, 0), if_then_else(eq(kw, 1), tap(r, 1), tap(r, 2)))
+        return if_then_else(eq(kh, 0), row(0), if_then_else(eq(kh, 1), row(1), row(2)))
+
+    def weight(self, u: np.ndarray) -> np.ndarray:
+        """The 3x3 weights ``[OC, C, 3, 3]`` that ``u`` is the transform of (exact up to rounding)."""
+        m, oc = int(self.attrs["m"]), int(self.attrs["oc"])
+        a = m + 2
+        lm = np.zeros((3, a))
+        for r, row in _WINOGRAD_LEFT[m].items():
+            for i, v in row.items():
+                lm[r, i] = v
+        full = u.astype(np.float64).transpose(0, 2, 1, 3).reshape(a, a, u.shape[2], -1)[..., :oc]  # [a, b, C, OC]
+        return np.einsum("ka,abco,lb->ockl", lm, full, lm).astype(np.float32)
+
+    def numpy(self, x, u, *bias):
+        return super().numpy(x, self.weight(u), *bias)
 
 
 class ConvTranspose(Operator):
@@ -765,6 +858,9 @@ def examples(rng: np.random.Generator):
         (PackedConv, [f(2, 3, 5, 4), _panels(f(3, 3, 3, 2)), f(3)], {"oc": 3, "kernel": (3, 2), "strides": (2, 1),
                                                                     "pads": (1, 0, 1, 1), "dilations": (1, 2)}),
         (PackedConv, [f(1, 4, 6), _panels(f(2, 4, 1))], {"oc": 2, "kernel": (1,)}),
+        (WinogradConv, [f(1, 3, 5, 6), winograd_weights(f(3, 3, 3, 3), 2)], {"oc": 3, "m": 2, "pads": (1, 1, 1, 1)}),
+        (WinogradConv, [f(2, 2, 7, 5), winograd_weights(f(3, 2, 3, 3), 4), f(3)], {"oc": 3, "m": 4,
+                                                                                   "pads": (0, 1, 2, 0)}),
         (ConvTranspose, [f(1, 2, 3, 3), f(2, 3, 3, 3)], {"output_shape": (5, 5)}),
         (ConvTranspose, [f(1, 4, 3, 2), f(4, 1, 3, 2), f(2)], {"group": 2, "strides": (3, 2), "pads": (1, 0, 1, 1),
                                                                "dilations": (1, 2), "output_shape": (8, 5)}),

@@ -22,6 +22,12 @@ image) whose constant weight nothing else reads becomes a
 :class:`~shardflow.compiler.ops.conv.PackedConv`: its weight ``[OC, C, 1, 1]`` is stored as the
 panels of ``Wᵀ[C, OC]``, and its kernel computes each image as ``x(im2col)ᵀ @ Wᵀ`` with the
 prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on small images").
+
+A float32 3×3 Conv of stride 1, dilation 1 and one group with a constant weight nothing else reads,
+at least :data:`WINOGRAD_MIN_CHANNELS` input and output channels and enough output pixels
+(:func:`winograd_tile`), becomes a :class:`~shardflow.compiler.ops.conv.WinogradConv`: Winograd's
+F(4×4, 3×3) or F(2×2, 3×3), its weight stored transformed (``G w Gᵀ``, 36 or 16 values per 3×3
+filter, in GEMM panels). Its rounding differs from the direct sum (rfcs/0002, "Winograd").
 """
 from __future__ import annotations
 
@@ -72,23 +78,64 @@ def _conv_weight(op: Operator, max_pixels: int) -> Tensor | None:
     return w
 
 
+#: Winograd needs at least this many input and output channels: below, the transforms (per channel)
+#: cost more than the products they save (measured on Zen 3: 16 -> 16 channels at 56x56 1.8x slower
+#: with F(4x4), 32 -> 32 at 112x112 1.15x; 64 -> 64 at 56x56 1.2x faster).
+WINOGRAD_MIN_CHANNELS = 64
+
+
+def winograd_tile(c: int, oc: int, oh: int, ow: int, images: int = 1) -> int:
+    """The output tile ``m`` of the Winograd ``F(m x m, 3 x 3)`` that a 3x3 stride-1 conv of ``c -> oc``
+    channels with ``images`` images of ``oh x ow`` output pixels gets; 0 keeps the direct conv.
+
+    Each transformed weight is used once per tile (its GEMM's rows), and F(4x4)'s weights are 4x the
+    3x3 ones (36 / 9; F(2x2)'s 16 / 9): F(4x4) where there are at least 40 of its tiles, else F(2x2)
+    where there are at least 16 of its tiles, else none (rfcs/0002, "Winograd")."""
+    if min(c, oc) < WINOGRAD_MIN_CHANNELS:
+        return 0
+    for m, least in ((4, 40), (2, 16)):
+        if images * -(-oh // m) * -(-ow // m) >= least:
+            return m
+    return 0
+
+
+def _winograd(op: Operator) -> tuple[Tensor, int] | None:
+    """The constant weight and tile size of a Conv this pass turns into a WinogradConv, or ``None``."""
+    if op.op_type != "Conv" or len(op.outputs) != 1 or int(op.attrs.get("group", 1)) != 1:
+        return None
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    if not w.is_constant or x.ndim != 4 or tuple(w.shape[2:]) != (3, 3) \
+            or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape or 0 in w.shape:
+        return None
+    if any(v != 1 for v in tuple(op.attrs.get("strides") or ()) + tuple(op.attrs.get("dilations") or ())):
+        return None
+    m = winograd_tile(int(x.shape[1]), int(w.shape[0]), int(y.shape[2]), int(y.shape[3]), int(x.shape[0]))
+    return (w, m) if m else None
+
+
 class PrepackWeights(GraphPass):
     """Replace each float32 MatMul/Gemm with a constant 2-D weight by a PackedMatMul reading the
-    weight packed in panels, and each float32 Conv on small images by a PackedConv (see the module
-    docstring).
+    weight packed in panels, each float32 1x1 Conv on small images by a PackedConv, and each float32
+    3x3 stride-1 Conv that :func:`winograd_tile` picks by a WinogradConv (see the module docstring).
 
     Parameters
     ----------
     conv_max_pixels
-        Convs whose output images have at most this many pixels are packed; default
+        1x1 convs whose output images have at most this many pixels are packed; default
         :data:`CONV_MAX_PIXELS`; 0 packs none.
+    winograd
+        Turn the 3x3 convs :func:`winograd_tile` picks into WinogradConvs (``optimization_config["winograd"]``).
+    gemm
+        Pack the MatMul/Gemm weights.
     """
 
-    def __init__(self, conv_max_pixels: int = CONV_MAX_PIXELS):
+    def __init__(self, conv_max_pixels: int = CONV_MAX_PIXELS, winograd: bool = True, gemm: bool = True):
         self.conv_max_pixels = conv_max_pixels
+        self.winograd = winograd
+        self.gemm = gemm
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.conv import PackedConv
+        from ..ops.conv import PackedConv, WinogradConv, winograd_weights
         from ..ops.linalg import PackedMatMul, pack_panels
 
         consumers = graph.consumers()
@@ -97,6 +144,15 @@ class PrepackWeights(GraphPass):
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
+            wm = _winograd(op) if self.winograd else None
+            if wm is not None and id(wm[0]) not in outputs and all(c is op for c in consumers.get(id(wm[0]), [])):
+                w, m = wm
+                u = const_tensor(winograd_weights(np.asarray(w.value, np.float32), m), f"{w.name}.winograd{m}")
+                inputs = [replace.get(id(t), t) for t in [op.inputs[0], u] + list(op.inputs[2:])]
+                new = WinogradConv(inputs, name=op.name, **dict(op.attrs, oc=int(w.shape[0]), m=m))
+                after[id(op)] = [new]
+                replace[id(op.outputs[0])] = new.outputs[0]
+                continue
             w = _conv_weight(op, self.conv_max_pixels)
             if w is not None and id(w) not in outputs and all(c is op for c in consumers.get(id(w), [])):
                 value = np.asarray(w.value, np.float32)
@@ -107,7 +163,7 @@ class PrepackWeights(GraphPass):
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue
-            b = _weight(op)
+            b = _weight(op) if self.gemm else None
             readers = consumers.get(id(b), [])
             if b is None or id(b) in outputs or any(_weight(c) is not b or _transposed(c) != _transposed(op)
                                                     for c in readers):

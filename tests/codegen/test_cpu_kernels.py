@@ -21,7 +21,7 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import Conv, PackedConv, Pool
+from shardflow.compiler.ops.conv import Conv, PackedConv, Pool, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LayerNorm
@@ -48,6 +48,11 @@ def _t(shape, dtype="float32"):
 def _panels(k, n):
     """The packed form of a [k, n] weight (ops.linalg.pack_panels)."""
     return _t((-(-n // PANEL), k, PANEL))
+
+
+def _wino(c, oc, m):
+    """The Winograd form of a [oc, c, 3, 3] weight (ops.conv.winograd_weights)."""
+    return _t(((m + 2) ** 2, -(-oc // PANEL), c, PANEL))
 
 
 def _rand(rng, t):
@@ -119,6 +124,14 @@ def _large():
         PackedConv([_t((2, 24, 9, 9)), _panels(24, 16)], oc=16, kernel=(1, 1), strides=(2, 2)),
         PackedConv([_t((2, 5, 30)), _panels(25, 9), _t((9,))], oc=9, kernel=(5,), pads=(2, 2), strides=(3,)),
         PackedConv([_t((1, 256, 14, 14)), _panels(2304, 70), _t((70,))], oc=70, kernel=(3, 3), pads=(1, 1, 1, 1)),
+        # Winograd F(2x2) and F(4x4) (passes/prepack.py): whole chunks per thread (56x56), threads sharing
+        # each step of one chunk (7x7), channel lanes and panels with tails, tiles past the output, pads
+        # on one side only, several images, one row of tiles per chunk
+        WinogradConv([_t((1, 64, 56, 56)), _wino(64, 64, 2), _t((64,))], oc=64, m=2, pads=(1, 1, 1, 1)),
+        WinogradConv([_t((1, 96, 7, 7)), _wino(96, 40, 2), _t((40,))], oc=40, m=2, pads=(1, 1, 1, 1)),
+        WinogradConv([_t((2, 10, 13, 11)), _wino(10, 21, 4)], oc=21, m=4, pads=(1, 0, 2, 1)),
+        WinogradConv([_t((1, 32, 28, 28)), _wino(32, 48, 4), _t((48,))], oc=48, m=4, pads=(1, 1, 1, 1)),
+        WinogradConv([_t((3, 200, 9, 30)), _wino(200, 260, 2), _t((260,))], oc=260, m=2, pads=(0, 1, 0, 1)),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
         Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),
@@ -154,6 +167,9 @@ def _large():
             arrays[1] = np.array(3.0, np.float32)
         if op.op_type == "Gather":
             arrays[1] = rng.integers(-1000, 1000, op.inputs[1].shape)
+        if op.op_type == "WinogradConv":  # the transform of 3x3 weights
+            w = rng.standard_normal((op.attrs["oc"], op.inputs[0].shape[1], 3, 3)).astype(np.float32)
+            arrays[1] = winograd_weights(w, op.attrs["m"])
         res.append((f"large-{k}-{op.op_type}", op, arrays))
     return res
 
@@ -286,7 +302,7 @@ def test_large_kernel_matches_numpy(library, cid):
     op, arrays = library["cases"][cid]
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
-    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "Attention"):
+    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "Attention"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w))))
@@ -660,15 +676,28 @@ def test_conv_epilogue_fusion(tmp_path):
         group("packed-1x1", PackedConv([inp(2, 24, 7, 5), inp(1, 24, PANEL)], oc=16, kernel=(1, 1)),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
+    def wino(c, oc, m):  # the transform of random 3x3 weights
+        t = _wino(c, oc, m)
+        arrays[id(t)] = winograd_weights(rng.standard_normal((oc, c, 3, 3)).astype(np.float32), m)
+        return t
+
+    winograd = [  # WinogradConv: the epilogue runs on each chunk of output rows (whole-chunk and shared steps)
+        group("winograd-residual", WinogradConv([inp(2, 16, 9, 11), wino(16, 40, 4), inp(40)], oc=40, m=4,
+                                                pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(2, 40, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("winograd-scale", WinogradConv([inp(1, 24, 40, 40), wino(24, 16, 2)], oc=16, m=2, pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
+    ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
-    for g in cases + packed:
+    for g in cases + packed + winograd:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
-    ops = cases + packed + [other]
+    ops = cases + packed + winograd + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(cases) and src.text.count("sf_conv2d_packed(in") == len(packed)
-    assert src.text.count(", epi_, &ctx_);") == len(cases + packed)
+    assert src.text.count("sf_conv2d_winograd<4>(in") == 1 and src.text.count("sf_conv2d_winograd<2>(in") == 1
+    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:

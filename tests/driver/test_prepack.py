@@ -91,11 +91,11 @@ def _onnx_model(rng, path):
     return model
 
 
-def _compiled_ranks(path, out, mesh, algo, x):
-    """Compile ``path`` for cpu ranks on ``mesh`` into ``out``; each rank's program.json and the
-    output ``y`` every rank computes from ``x`` (in-process ranks)."""
-    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
-            out_dir=out)
+def _compiled_ranks(path, out, mesh, algo, x, **options):
+    """Compile ``path`` for cpu ranks on ``mesh`` into ``out`` (more ``optimization_config`` in ``options``);
+    each rank's program.json and the output ``y`` every rank computes from ``x`` (in-process ranks)."""
+    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo},
+            optimization_config={"target": "cpu", **options}, out_dir=out)
     world = int(np.prod(mesh))
     programs = [json.loads((out / f"rank{r}" / "program.json").read_text()) for r in range(world)]
 
@@ -213,3 +213,105 @@ def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, a
         assert {"w2.panels", "w3.panels", "w4.panels"} <= names and not names & {"w2", "w3", "w4"}
     for g in got:
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+
+
+def test_winograd_tile_rule():
+    from shardflow.compiler.passes.prepack import winograd_tile
+
+    assert winograd_tile(64, 64, 28, 28) == 4       # 49 tiles of 4x4
+    assert winograd_tile(64, 64, 14, 14) == 2       # 16 of 4x4, 49 of 2x2
+    assert winograd_tile(512, 512, 7, 7) == 2       # 16 of 2x2
+    assert winograd_tile(64, 64, 6, 6) == 0         # 9 of 2x2
+    assert winograd_tile(64, 64, 14, 14, images=3) == 4
+    assert winograd_tile(32, 64, 56, 56) == 0 and winograd_tile(64, 48, 56, 56) == 0  # few channels
+
+
+def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
+    """3x3 convs of stride 1, dilation 1, one group and a constant weight read by nothing else, that
+    winograd_tile picks, become WinogradConvs whose values are the conv's to rounding; winograd=False
+    keeps them."""
+    from shardflow.compiler.ops.conv import Conv, WinogradConv
+
+    rng = np.random.default_rng(5)
+    f = lambda *s: (rng.standard_normal(s) / 24).astype(np.float32)  # noqa: E731
+    weights = [f(64, 64, 3, 3), f(64), f(64, 64, 3, 3), f(64, 64, 3, 3), f(64, 64, 3, 3), f(64, 32, 3, 3),
+               f(32, 64, 3, 3), f(64, 64, 3, 3)]
+
+    def build():
+        x28, x12 = Tensor("x28", (1, 64, 28, 28), "float32"), Tensor("x12", (1, 64, 12, 12), "float32")
+        w = [const_tensor(v) for v in weights]
+        ops = [
+            Conv([x28, w[0], w[1]], name="f4", pads=(1, 1, 1, 1)),                      # 49 tiles of 4x4
+            Conv([x12, w[2]], name="f2", pads=(1, 1, 1, 1)),                            # 9 of 4x4, 36 of 2x2
+            Conv([x28, w[3]], name="strided", strides=(2, 2), pads=(1, 1, 1, 1)),
+            Conv([x28, w[4]], name="dilated", dilations=(2, 2), pads=(2, 2, 2, 2)),
+            Conv([x12, w[5]], name="grouped", group=2, pads=(1, 1, 1, 1)),
+            Conv([x12, w[6]], name="few_out", pads=(1, 1, 1, 1)),
+            Conv([x12, w[7]], name="shared_a"),                                         # one weight, two
+            Conv([x12, w[7]], name="shared_b"),                                         # readers: kept
+        ]
+        return FlowGraph([x28, x12], [o.outputs[0] for o in ops])
+
+    feeds = {"x28": rng.standard_normal((1, 64, 28, 28)).astype(np.float32),
+             "x12": rng.standard_normal((1, 64, 12, 12)).astype(np.float32)}
+    want = build().run(feeds)
+    g = PrepackWeights().run(build())
+    g.validate()
+    kinds = {op.name: (op.op_type, op.attrs.get("m")) for op in g.nodes}
+    assert kinds == {"f4": ("WinogradConv", 4), "f2": ("WinogradConv", 2), "strided": ("Conv", None),
+                     "dilated": ("Conv", None), "grouped": ("Conv", None), "few_out": ("Conv", None),
+                     "shared_a": ("Conv", None), "shared_b": ("Conv", None)}
+    by = {op.name: op for op in g.nodes}
+    assert isinstance(by["f4"], WinogradConv) and by["f4"].inputs[1].shape == (36, 64 // PANEL, 64, PANEL)
+    got = g.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5 * float(np.abs(v).max()), err_msg=k)
+    assert "WinogradConv" not in {op.op_type for op in PrepackWeights(winograd=False).run(build()).nodes}
+
+
+def _winograd_net(rng, path):
+    """x [2, 128, 20, 20] -> 3x3 conv + bias -> Relu -> 2x2 max pool -> 3x3 conv -> + the pool -> y."""
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = [numpy_helper.from_array(f(128, 128, 3, 3) / 34, "w1"), numpy_helper.from_array(f(128), "b1"),
+             numpy_helper.from_array(f(128, 128, 3, 3) / 34, "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             helper.make_node("Add", ["c2", "p1"], ["y"])]
+    graph = helper.make_graph(nodes, "winograd",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128, 20, 20])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 128, 10, 10])], inits)
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+
+
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "ilp"), ([2], "megatron")])
+def test_compiled_ranks_run_winograd_convs_and_match_onnxruntime(tmp_path, mesh, algo):
+    """Two 3x3 convs of 128 channels compiled for one and two cpu ranks run as WinogradConvs (their
+    weights transformed, the Relu fused) and match onnxruntime; ``winograd: False`` keeps Conv."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(6)
+    path = tmp_path / "winograd.onnx"
+    _winograd_net(rng, path)
+    x = rng.standard_normal((2, 128, 20, 20)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
+    for program in programs:
+        names = {b["name"] for b in program["buffers"]}
+        assert any(n.startswith("w1.winograd") for n in names) and any(n.startswith("w2.winograd") for n in names)
+        assert not names & {"w1", "w2"}
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
+    if mesh == [1]:
+        programs, got = _compiled_ranks(path, tmp_path / "direct", mesh, algo, x, winograd=False)
+        assert {"w1", "w2"} <= {b["name"] for b in programs[0]["buffers"]}
+        np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_winograd_must_be_a_bool():
+    from shardflow.compiler import ConfigError
+    from shardflow.compiler.driver import OptimizationConfig
+
+    assert OptimizationConfig.from_dict(None).winograd is True
+    with pytest.raises(ConfigError, match=r"optimization_config\['winograd'\] = 1: need true or false"):
+        OptimizationConfig.from_dict({"winograd": 1})
