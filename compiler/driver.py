@@ -24,7 +24,8 @@ key               meaning                                                       
                   also those of 1x1 convs on small images (run as that GEMM)
 ``winograd``      cpu: 3x3 stride-1 convs of 64+ channels (on enough pixels) as Winograd         ``True``
                   F(4x4, 3x3) or F(2x2, 3x3) with the weights transformed at compile time
-                  (passes/prepack.py); fewer products, rounding ~1e-5 relative off the direct sum
+                  (passes/prepack.py); fewer products, rounding ~1e-5 relative off the direct sum;
+                  off under ``memory_budget_bytes`` (the larger weights are not in the plan)
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -702,6 +703,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     ranks_info: list[dict] = []
     out = Path(out_dir)
     kernels_name = "kernels.so" if opt.target == "cpu" else "kernels.cubin"
+    # Winograd's weights are up to 4x the 3x3 ones, more than the plan counted against a memory budget
+    winograd = opt.winograd and dcfg.memory_budget_bytes is None
+    if opt.winograd and not winograd and opt.target == "cpu":
+        log.info("memory_budget_bytes is set: 3x3 convs stay direct (Winograd's weights would exceed what the plan "
+                 "counted)")
     with atomic_output_dir(out) as tmp:
         t = time.perf_counter()
         plan.save(tmp)
@@ -726,12 +732,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     from .passes.attention import FuseAttention
 
                     rg = FuseAttention().run(rg)
-            if opt.target == "cpu" and (opt.prepack or opt.winograd):
+            if opt.target == "cpu" and (opt.prepack or winograd):
                 # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
                 # Winograd's, their weights transformed here (passes/prepack.py)
                 from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
 
-                rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=opt.winograd,
+                rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
                                     gemm=opt.prepack).run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()

@@ -288,7 +288,8 @@ def _winograd_net(rng, path):
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_run_winograd_convs_and_match_onnxruntime(tmp_path, mesh, algo):
     """Two 3x3 convs of 128 channels compiled for one and two cpu ranks run as WinogradConvs (their
-    weights transformed, the Relu fused) and match onnxruntime; ``winograd: False`` keeps Conv."""
+    weights transformed, the Relu fused) and match onnxruntime; ``winograd: False`` and a memory budget
+    keep Conv."""
     ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(6)
     path = tmp_path / "winograd.onnx"
@@ -306,6 +307,11 @@ def test_compiled_ranks_run_winograd_convs_and_match_onnxruntime(tmp_path, mesh,
         programs, got = _compiled_ranks(path, tmp_path / "direct", mesh, algo, x, winograd=False)
         assert {"w1", "w2"} <= {b["name"] for b in programs[0]["buffers"]}
         np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
+        # under a memory budget the plan counted the 3x3 weights: they stay so
+        compile(path, distributed_config={"mesh_shape": mesh, "memory_budget_bytes": 1 << 30},
+                optimization_config={"target": "cpu"}, out_dir=tmp_path / "budget")
+        program = json.loads((tmp_path / "budget" / "rank0" / "program.json").read_text())
+        assert {"w1", "w2"} <= {b["name"] for b in program["buffers"]}
 
 
 def test_winograd_must_be_a_bool():
