@@ -353,13 +353,15 @@ print("ok", len(data["cases"]))
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
-    """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels, forced with SHARDFLOW_CPU_ISA, give
-    the same results (this machine would otherwise only run the widest one it supports)."""
+    """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels (and the conv kernels and Winograd
+    transforms of each), forced with SHARDFLOW_CPU_ISA, give the same results (this machine would
+    otherwise only run the widest one it supports)."""
     import subprocess
     import sys
     cases = []
     for cid, op, arrays in LARGE:
-        if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv") and cid in library["symbols"]:
+        if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv") \
+                and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
