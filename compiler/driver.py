@@ -24,7 +24,7 @@ key               meaning                                                       
                   also those of 1x1 convs on small images (run as that GEMM)
 ``winograd``      cpu: 3x3 stride-1 convs of 64+ channels (on enough pixels) as Winograd         ``True``
                   F(4x4, 3x3) or F(2x2, 3x3) with the weights transformed at compile time
-                  (passes/prepack.py); fewer products, rounding ~1e-5 relative off the direct sum;
+                  (passes/prepack.py); fewer products, rounding up to ~7e-6 of the largest output (direct: 4e-7);
                   off under ``memory_budget_bytes`` (the larger weights are not in the plan)
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)

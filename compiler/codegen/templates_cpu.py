@@ -169,6 +169,17 @@ static SfUkr sf_pick_ukr() {
 }
 static const SfUkr& sf_ukr() { static const SfUkr u = sf_pick_ukr(); return u; }
 
+// whether the AVX2 versions of the helper kernels (GEMV, transpositions, Winograd transforms) apply: the
+// CPU has AVX2 and FMA and SHARDFLOW_CPU_ISA does not ask for less (the GEMM's kernel is 16+ wide)
+static bool sf_avx2_helpers() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && sf_ukr().nr >= SF_PANEL;
+  return yes;
+#else
+  return false;
+#endif
+}
+
 static inline int sf_max_threads() {
 #if defined(_OPENMP)
   return omp_get_max_threads();
@@ -497,9 +508,7 @@ static void sf_gemv_panels(int64_t N, int64_t K, const float* __restrict__ A, in
   const int64_t nt = par && N * K >= (1 << 16) ? std::min<int64_t>(sf_max_threads(), np) : 1;
   auto range = sf_gemv_panel_range;
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           sf_ukr().nr >= SF_PANEL;  // not where SHARDFLOW_CPU_ISA asks for less
-  if (avx2) range = sf_gemv_panel_range_avx2;
+  if (sf_avx2_helpers()) range = sf_gemv_panel_range_avx2;
 #endif
   #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t t = 0; t < nt; ++t) range(np * t / nt, np * (t + 1) / nt, N, K, A, csa, Bp, C, alpha, bias, cbs);
@@ -1143,9 +1152,7 @@ static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int6
 
 static void sf_transpose_cols(const float* t, int64_t ld, int64_t P, int64_t c0, int64_t c1, float* y) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           sf_ukr().nr >= SF_PANEL;  // not where SHARDFLOW_CPU_ISA asks for less
-  if (avx2) { sf_transpose_cols_avx2(t, ld, P, c0, c1, y); return; }
+  if (sf_avx2_helpers()) { sf_transpose_cols_avx2(t, ld, P, c0, c1, y); return; }
 #endif
   sf_transpose_cols_scalar(t, ld, P, c0, c1, y);
 }
@@ -1352,8 +1359,7 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
   auto in = sf_wino_in_generic<M>;
   auto out = sf_wino_out_generic<M>;
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && sf_ukr().nr >= SF_PANEL;
-  if (avx2) { in = sf_wino_in_avx2<M>; out = sf_wino_out_avx2<M>; }
+  if (sf_avx2_helpers()) { in = sf_wino_in_avx2<M>; out = sf_wino_out_avx2<M>; }
 #endif
   const int64_t C = g.C, OH = g.OH, OW = g.OW, P = OH * OW;
   if (nimg <= 0 || OC <= 0 || P <= 0) return;

@@ -300,7 +300,8 @@ class WinogradConv(Conv):
     ``F(m x m, 3 x 3)`` (:data:`WINOGRAD`): the form the cpu target gives such convs where it measured
     faster (``passes/prepack.py``). Each ``m x m`` output tile costs ``(m+2)^2`` products per channel pair
     instead of ``9 m^2``; the rounding differs from a direct sum (the transforms add and scale inputs
-    and partial sums: about 1e-6 relative for m = 2 and 1e-5 for m = 4 on unit-scale values).
+    and partial sums; measured on ResNet-50's shapes against a float64 reference: 5e-7 of the output's largest
+    value for m = 2, 6e-6 to 7e-6 for m = 4, the direct conv 3.5e-7).
 
     Inputs ``x [N, C, H, W]``, ``u`` = :func:`winograd_weights` of ``w [OC, C, 3, 3]``, optional
     ``bias [OC]``. Attributes: Conv's ``pads`` (strides and dilations 1, group 1), ``oc`` and ``m`` (2 or 4).

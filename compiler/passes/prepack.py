@@ -66,14 +66,22 @@ def _weight(op: Operator) -> Tensor | None:
 CONV_MAX_PIXELS = 196
 
 
-def _conv_weight(op: Operator, max_pixels: int) -> Tensor | None:
-    """The constant weight of a Conv this pass turns into a PackedConv, or ``None``."""
+def _conv_weight(op: Operator) -> Tensor | None:
+    """The constant weight of a float32 Conv of one group and one output with no empty dim, or ``None``:
+    what both conv rewrites below ask first."""
     if op.op_type != "Conv" or len(op.outputs) != 1 or int(op.attrs.get("group", 1)) != 1:
         return None
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
-    if not w.is_constant or x.ndim not in (3, 4) or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs):
+    x, w = op.inputs[0], op.inputs[1]
+    if not w.is_constant or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs):
         return None
-    if 0 in x.shape or 0 in w.shape or math.prod(y.shape[2:]) > max_pixels or math.prod(w.shape[2:]) != 1:
+    return None if 0 in x.shape or 0 in w.shape else w
+
+
+def _packed_conv(op: Operator, max_pixels: int) -> Tensor | None:
+    """The weight of a Conv this pass turns into a PackedConv (1x1, at most ``max_pixels``), or ``None``."""
+    w = _conv_weight(op)
+    if w is None or op.inputs[0].ndim not in (3, 4) or math.prod(op.outputs[0].shape[2:]) > max_pixels \
+            or math.prod(w.shape[2:]) != 1:
         return None
     return w
 
@@ -101,13 +109,10 @@ def winograd_tile(c: int, oc: int, oh: int, ow: int, images: int = 1) -> int:
 
 def _winograd(op: Operator) -> tuple[Tensor, int] | None:
     """The constant weight and tile size of a Conv this pass turns into a WinogradConv, or ``None``."""
-    if op.op_type != "Conv" or len(op.outputs) != 1 or int(op.attrs.get("group", 1)) != 1:
-        return None
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
-    if not w.is_constant or x.ndim != 4 or tuple(w.shape[2:]) != (3, 3) \
-            or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape or 0 in w.shape:
-        return None
-    if any(v != 1 for v in tuple(op.attrs.get("strides") or ()) + tuple(op.attrs.get("dilations") or ())):
+    w = _conv_weight(op)
+    x, y = op.inputs[0], op.outputs[0]
+    if w is None or x.ndim != 4 or tuple(w.shape[2:]) != (3, 3) \
+            or any(v != 1 for v in tuple(op.attrs.get("strides") or ()) + tuple(op.attrs.get("dilations") or ())):
         return None
     m = winograd_tile(int(x.shape[1]), int(w.shape[0]), int(y.shape[2]), int(y.shape[3]), int(x.shape[0]))
     return (w, m) if m else None
@@ -145,21 +150,19 @@ class PrepackWeights(GraphPass):
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
             wm = _winograd(op) if self.winograd else None
-            if wm is not None and id(wm[0]) not in outputs and all(c is op for c in consumers.get(id(wm[0]), [])):
-                w, m = wm
-                u = const_tensor(winograd_weights(np.asarray(w.value, np.float32), m), f"{w.name}.winograd{m}")
-                inputs = [replace.get(id(t), t) for t in [op.inputs[0], u] + list(op.inputs[2:])]
-                new = WinogradConv(inputs, name=op.name, **dict(op.attrs, oc=int(w.shape[0]), m=m))
-                after[id(op)] = [new]
-                replace[id(op.outputs[0])] = new.outputs[0]
-                continue
-            w = _conv_weight(op, self.conv_max_pixels)
+            w = wm[0] if wm is not None else _packed_conv(op, self.conv_max_pixels)
             if w is not None and id(w) not in outputs and all(c is op for c in consumers.get(id(w), [])):
                 value = np.asarray(w.value, np.float32)
-                wp = const_tensor(pack_panels(value.reshape(value.shape[0], -1).T), f"{w.name}.panels")
-                attrs = dict(op.attrs, oc=int(w.shape[0]), kernel=tuple(int(k) for k in w.shape[2:]))
-                inputs = [replace.get(id(t), t) for t in [op.inputs[0], wp] + list(op.inputs[2:])]
-                new = PackedConv(inputs, name=op.name, **attrs)
+                if wm is not None:  # the weight's Winograd transform
+                    m = wm[1]
+                    weight = const_tensor(winograd_weights(value, m), f"{w.name}.winograd{m}")
+                    cls, attrs = WinogradConv, dict(op.attrs, oc=int(w.shape[0]), m=m)
+                else:  # the weight as GEMM panels of W^T
+                    weight = const_tensor(pack_panels(value.reshape(value.shape[0], -1).T), f"{w.name}.panels")
+                    kernel = tuple(int(k) for k in w.shape[2:])
+                    cls, attrs = PackedConv, dict(op.attrs, oc=int(w.shape[0]), kernel=kernel)
+                inputs = [replace.get(id(t), t) for t in [op.inputs[0], weight] + list(op.inputs[2:])]
+                new = cls(inputs, name=op.name, **attrs)
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue

@@ -215,6 +215,21 @@ def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, a
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [2, 4])
+def test_winograd_transforms_are_a_correlation(m):
+    """The (B^T, G, A^T) of ops.conv.WINOGRAD (what the kernel's transforms hard-code) give m outputs of a
+    3-tap correlation, and WinogradConv.weight inverts winograd_weights."""
+    from shardflow.compiler.ops.conv import WINOGRAD, WinogradConv, winograd_weights
+
+    bt, g, at = WINOGRAD[m]
+    rng = np.random.default_rng(m)
+    d, taps = rng.standard_normal(m + 2), rng.standard_normal(3)
+    np.testing.assert_allclose(at @ ((g @ taps) * (bt @ d)), [d[i:i + 3] @ taps for i in range(m)], atol=1e-12)
+    w = rng.standard_normal((20, 5, 3, 3)).astype(np.float32)
+    op = WinogradConv([Tensor("x", (1, 5, 8, 8), "float32"), const_tensor(winograd_weights(w, m))], oc=20, m=m)
+    np.testing.assert_allclose(op.weight(op.inputs[1].value), w, rtol=1e-5, atol=1e-6)
+
+
 def test_winograd_tile_rule():
     from shardflow.compiler.passes.prepack import winograd_tile
 
