@@ -550,13 +550,14 @@ struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
 constexpr int64_t SF_PACK_SLACK = 16;
 
 // Rows [k0, k0 + kc) and columns [j0, j0 + cols) of the im2col matrix into Bp as [kc][nr] (zero past cols).
-// xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check).
+// xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check); row k of B starts at
+// xp + koff[k] (its tap at output pixel (0, 0)).
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-tree-loop-distribute-patterns")))
 #endif
-static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g, int64_t j0,
-                           int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
-  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                           const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
+                           int64_t kc, float* __restrict__ Bp) {
   const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
   if ((sw != 1 || g.OW < 16) && nr <= 64) {
     // short or strided row pieces: one gather per row of B, from the offsets of the columns' first tap
@@ -566,16 +567,15 @@ static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp,
       if (++ow == g.OW) { ow = 0; ++oh; }
     }
     for (int64_t k = 0; k < kc; ++k) {
-      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      const float* base = xp + koff[k0 + k];
       float* dst = Bp + k * nr;
       for (int64_t j = 0; j < cols; ++j) dst[j] = base[idx[j]];
       for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
-      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
     }
     return;
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    const float* base = xp + koff[k0 + k];
     float* dst = Bp + k * nr;
     const float* row = base + oh0 * rstep;  // input row of output row oh0 at tap (kh, kw)
     for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
@@ -587,7 +587,6 @@ static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp,
       j += seg;
     }
     for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
-    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
   }
 }
 
@@ -598,8 +597,8 @@ static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp,
 // first tap (the same for every row; the columns past cols are masked off, i.e. zero).
 __attribute__((target("avx512f")))
 static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
-                                  int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
-  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+                                  const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
+                                  int64_t kc, float* __restrict__ Bp) {
   const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
   if ((sw != 1 || g.OW < 16) && nr <= 64) {
     // per group of 16 columns: their offsets o[t] (increasing) from the first one; when they span at most
@@ -642,20 +641,19 @@ static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int6
       _mm512_store_ps(DST, _mm512_maskz_permutex2var_ps(MC, lo, PERM, hi));                             \
     }
     for (int64_t k = 0; k < kc; ++k) {
-      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      const float* base = xp + koff[k0 + k];
       float* dst = Bp + k * nr;
       SF_GROUP(base + oa, a0, a1, ac, pa, ga, dst)
       if (nv > 1) { SF_GROUP(base + ob, b0, b1, bc, pb, gb, dst + 16) }
       for (int64_t v = 2; v < nv; ++v) {
         SF_GROUP(base + off[v], m0[v], m1[v], mc[v], perm[v], gather[v], dst + 16 * v)
       }
-      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
     }
 #undef SF_GROUP
     return;
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    const float* base = xp + koff[k0 + k];
     float* dst = Bp + k * nr;
     const float* row = base + oh0 * rstep;
     for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
@@ -674,14 +672,13 @@ static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int6
       const int64_t n = std::min<int64_t>(16, nr - t);
       _mm512_mask_storeu_ps(dst + t, n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u), _mm512_setzero_ps());
     }
-    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
   }
 }
 
 __attribute__((target("avx2,fma")))
 static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
-                                int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp) {
-  int64_t kw = k0 % g.KW, kh = (k0 / g.KW) % g.KH, c = k0 / (g.KW * g.KH);
+                                const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
+                                int64_t kc, float* __restrict__ Bp) {
   const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   if ((sw != 1 || g.OW < 8) && nr <= 64 && Hp * Wp * g.C < (int64_t(1) << 31)) {
@@ -692,7 +689,7 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
     }
     const int64_t nv = nr / 8;
     for (int64_t k = 0; k < kc; ++k) {
-      const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+      const float* base = xp + koff[k0 + k];
       float* dst = Bp + k * nr;
       for (int64_t v = 0; v < nv; ++v) {
         const int n = (int)std::min<int64_t>(8, std::max<int64_t>(0, cols - 8 * v));
@@ -700,7 +697,6 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
         const __m256i iv = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8 * v));
         _mm256_store_ps(dst + 8 * v, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, iv, m, 4));
       }
-      if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
     }
     return;
   }
@@ -710,7 +706,7 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
   // Loads are whole vectors too, except (masked) where 8 floats would pass the end of the image.
   const float* xend = xp + g.C * Hp * Wp;
   for (int64_t k = 0; k < kc; ++k) {
-    const float* base = xp + (c * Hp + kh * g.DH) * Wp + kw * g.DW;
+    const float* base = xp + koff[k0 + k];
     float* dst = Bp + k * nr;
     const float* row = base + oh0 * rstep;
     for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
@@ -730,13 +726,13 @@ static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_
       j += seg;
     }
     for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
-    if (++kw == g.KW) { kw = 0; if (++kh == g.KH) { kh = 0; ++c; } }
   }
 }
 #endif
 
-typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g, int64_t j0,
-                         int64_t cols, int64_t nr, int64_t k0, int64_t kc, float* __restrict__ Bp);
+typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                         const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc,
+                         float* __restrict__ Bp);
 
 typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
                          float* __restrict__ C, int64_t ldc, int64_t nr, bool first);
@@ -935,6 +931,39 @@ static void sf_pad_plane(const float* __restrict__ src, int64_t H, int64_t W, in
   for (int64_t i = (pt + H) * Wp; i < Hp * Wp; ++i) dst[i] = 0.0f;
 }
 
+// The SH x SW phases of one channel of a strided conv's padded image, each [Hh][Wh]: phase (a, b) holds
+// xp[i * SH + a][j * SW + b], where xp is src[H][W] placed at (pt, pl) in zeros (0 past its end too). Tap
+// (kh, kw) of output pixel (oh, ow) is xp[oh * SH + kh * DH][ow * SW + kw * DW], i.e. pixel (oh + q, ow + r)
+// of phase ((kh * DH) % SH, (kw * DW) % SW) with q = kh * DH / SH, r = kw * DW / SW: unit stride in ow.
+// t: scratch of SW * Wh floats (a padded input row).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_phase_planes(const float* __restrict__ src, int64_t H, int64_t W, int64_t pt, int64_t pl, int64_t SH,
+                            int64_t SW, int64_t Hh, int64_t Wh, float* __restrict__ dst, float* __restrict__ t) {
+  const int64_t Wt = SW * Wh, n = std::max<int64_t>(0, std::min(W, Wt - pl));  // the row's floats inside t
+  for (int64_t c = 0; c < Wt; ++c) t[c] = 0.0f;
+  for (int64_t a = 0; a < SH; ++a) {
+    for (int64_t i = 0; i < Hh; ++i) {
+      const int64_t r = i * SH + a - pt;
+      float* d = dst + (a * SW * Hh + i) * Wh;  // row i of phase (a, 0); phase (a, b) is b * Hh * Wh further
+      if (r < 0 || r >= H) {
+        for (int64_t b = 0; b < SW; ++b)
+          for (int64_t j = 0; j < Wh; ++j) d[b * Hh * Wh + j] = 0.0f;
+        continue;
+      }
+      for (int64_t c = 0; c < n; ++c) t[pl + c] = src[r * W + c];  // the padding around stays zero
+      if (SW == 2) {  // a constant stride: vectorized (even and odd floats)
+        float* __restrict__ d1 = d + Hh * Wh;
+        for (int64_t j = 0; j < Wh; ++j) { d[j] = t[2 * j]; d1[j] = t[2 * j + 1]; }
+      } else {
+        for (int64_t b = 0; b < SW; ++b)
+          for (int64_t j = 0; j < Wh; ++j) d[b * Hh * Wh + j] = t[j * SW + b];
+      }
+    }
+  }
+}
+
 // multiply-adds below which a convolution runs on the calling thread
 constexpr double SF_CONV_PAR_WORK = 131072.0;
 // the most packed B (bytes) a thread keeps for reuse by its next tile
@@ -977,34 +1006,56 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   // the padded images: [nimg * groups * C][Hp][Wp], the input rows at (PT, PL)
   const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
-  const bool padded = !direct && (Hp != g.H || Wp != g.W);
   const int64_t nplanes = nimg * groups * g.C;
-  float* xpad = padded ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * Hp * Wp)) : nullptr;
-  const float* xs = padded ? xpad : x;
-  // a 1x1, stride-1, unpadded conv packs from the image as one row of P columns per channel
-  const SfConvGeom gs = direct ? SfConvGeom{K, 1, P, 1, 1, 1, 1, 1, 1, 0, 0, 1, P} : g;
-  const int64_t Hs = direct ? 1 : (padded ? Hp : g.H), Ws = direct ? P : (padded ? Wp : g.W);
-  const int64_t ximg = g.C * (padded ? Hp * Wp : g.H * g.W);
   // unpacked: B is read from the image where it lies (no packing), a panel being up to nrm consecutive
   // pixels of one output row, its row k at offset off[k]. Needs the ISA's kernels (AVX2), a unit
   // horizontal stride, and pays off where packing is dear for its reuse, i.e. fewer than 1024 output
   // channels, and the rows fill whole panels (a 1x1 conv's one row of P pixels at least 4 panels):
   // measured on Zen 3, 3x3 64->64 at 56x56 1.5x faster, 1x1 256->64 at 56x56 1.4x; at 7x7 and at 1024
   // output channels packing was 10-45% faster.
-  const bool unpacked = u.dfn[0][0][0] && gs.SW == 1 && M < 1024 && (direct ? P >= 4 * nrm : gs.OW >= nrm) &&
-                        (double)ximg < 2147483647.0;
-  int32_t* off = nullptr;
-  if (unpacked) {
-    off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
-    for (int64_t c = 0, k = 0; c < gs.C; ++c)
-      for (int64_t kh = 0; kh < gs.KH; ++kh)
-        for (int64_t kw = 0; kw < gs.KW; ++kw) off[k++] = (int32_t)((c * Hs + kh * gs.DH) * Ws + kw * gs.DW);
-  }
+  // phased: a strided conv whose taps overlap (a window wider than the stride) reads the SH x SW phases
+  // of its padded image (sf_phase_planes, [nimg * groups * C][SH * SW][Hh][Wh]), where each tap's pixels
+  // are consecutive: packed with plain copies instead of gathers, or unpacked where output rows are long
+  // (at least 3 panels; unpacked at 28 pixels a row was 10-15% slower). Measured on Zen 3 (rfcs/0002):
+  // the 7x7 stride-2 stem 1.3x faster, 3x3 stride-2 convs to 56x56 and 112x112 1.15-1.45x; windows as
+  // wide as the stride (patches) lost 5% to the extra copy, so they are read as before.
+  const int64_t S2 = g.SH * g.SW, Hh = (Hp + g.SH - 1) / g.SH, Wh = (Wp + g.SW - 1) / g.SW;
+  const bool phased = !direct && S2 > 1 && ((g.KH - 1) * g.DH >= g.SH || (g.KW - 1) * g.DW >= g.SW) &&
+                      (double)nplanes * S2 * Hh * Wh < 2147483647.0;
+  const bool padded = !direct && !phased && (Hp != g.H || Wp != g.W);
+  float* xpad = padded || phased
+                    ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * (phased ? S2 * Hh * Wh : Hp * Wp)))
+                    : nullptr;
+  const float* xs = padded || phased ? xpad : x;
+  // the geometry the B panels are read with: a 1x1, stride-1, unpadded conv's image is one row of P
+  // columns per channel; a phased conv's phases are channels of stride 1 (taps located by off[k])
+  const SfConvGeom gs = direct   ? SfConvGeom{K, 1, P, 1, 1, 1, 1, 1, 1, 0, 0, 1, P}
+                        : phased ? SfConvGeom{g.C * S2, Hh, Wh, g.KH, g.KW, 1, 1, g.DH, g.DW, 0, 0, g.OH, g.OW}
+                                 : g;
+  const int64_t Hs = direct ? 1 : phased ? Hh : (padded ? Hp : g.H);
+  const int64_t Ws = direct ? P : phased ? Wh : (padded ? Wp : g.W);
+  const int64_t ximg = gs.C * Hs * Ws;
+  const bool unpacked = u.dfn[0][0][0] && gs.SW == 1 && M < 1024 && (double)ximg < 2147483647.0 &&
+                        (direct ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm);
+  // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
+  int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
+  for (int64_t c = 0, k = 0; c < (direct ? K : g.C); ++c)
+    for (int64_t kh = 0; kh < gs.KH; ++kh)
+      for (int64_t kw = 0; kw < gs.KW; ++kw) {
+        const int64_t dh = kh * gs.DH, dw = kw * gs.DW;  // phased: phase (dh % SH, dw % SW) at (dh / SH, dw / SW)
+        off[k++] = (int32_t)(phased ? ((c * S2 + dh % g.SH * g.SW + dw % g.SW) * Hh + dh / g.SH) * Wh + dw / g.SW
+                                    : (c * Hs + dh) * Ws + dw);
+      }
   #pragma omp parallel num_threads(nt) if (par)
   {
     if (padded) {
       #pragma omp for schedule(static)
       for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
+    } else if (phased) {
+      float* t = static_cast<float*>(sf_workspace(2, sizeof(float) * g.SW * Wh));
+      #pragma omp for schedule(static)
+      for (int64_t pl = 0; pl < nplanes; ++pl)
+        sf_phase_planes(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, g.SH, g.SW, Hh, Wh, xpad + pl * S2 * Hh * Wh, t);
     }
     float* Bp = unpacked ? nullptr
                          : static_cast<float*>(
@@ -1045,7 +1096,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
             for (int64_t j = j0; j < j1; j += nrm) {
               const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
               float* dst = Bb + (j - j0) * kc;
-              u.pack(xg, Hs, Ws, gs, j, cols, width, pc, kc, dst);
+              u.pack(xg, Hs, Ws, gs, off, j, cols, width, pc, kc, dst);
             }
           }
           for (int64_t j = j0; j < j1; j += nrm) {

@@ -115,6 +115,10 @@ def _large():
         # end; a 1x1 with more than 1024 output channels (packed at stride 1: whole-vector stores)
         Conv([_t((1, 4, 17, 35)), _t((10, 4, 3, 3)), _t((10,))], strides=(2, 2)),
         Conv([_t((1, 3, 6, 9)), _t((1030, 3, 1, 1))]),
+        # strided convs of long output rows (3+ panels), read unpacked from their image's phases: two
+        # images, uneven pads; groups, stride 3 and a dilated tap (phases no tap reads)
+        Conv([_t((2, 3, 61, 101)), _t((10, 3, 7, 7)), _t((10,))], pads=(3, 3, 2, 4), strides=(2, 2)),
+        Conv([_t((1, 4, 20, 150)), _t((10, 2, 2, 4))], group=2, strides=(3, 3), dilations=(2, 1)),
         # convs as the prepacked GEMM (passes/prepack.py): 1x1 reading the image, im2col with padding,
         # stride and dilation, 1-D, several images, column tails, K in two blocks, threads
         PackedConv([_t((2, 64, 7, 7)), _panels(64, 100), _t((100,))], oc=100, kernel=(1, 1)),
