@@ -30,11 +30,27 @@ log = logging.getLogger(__name__)
 
 _MAGIC = 0x53464C57  # "SFLW"
 _CHUNK = 1 << 22
-#: Microseconds an exchange polls its sockets without sleeping before it waits in ``select``
-#: (``SHARDFLOW_TCP_SPIN_US``; 0 turns it off). A sleeping rank takes tens of microseconds to
-#: wake when its peer's bytes arrive; polling first, as MPI's shared-memory transport does,
-#: saves that on short messages and costs a busy core for at most this long.
-SPIN_US = float(os.environ.get("SHARDFLOW_TCP_SPIN_US", "100"))
+#: Microseconds an exchange polls its sockets without sleeping before it waits in ``select``,
+#: unless ``SHARDFLOW_TCP_SPIN_US`` says otherwise when the communicator is made (0 turns it off).
+#: A sleeping rank takes tens of microseconds to wake when its peer's bytes arrive; polling
+#: first, as MPI's shared-memory transport does, saves that on short messages and costs a busy
+#: core for at most this long.
+SPIN_US = 100.0
+
+
+def spin_us_from_env() -> float:
+    """``SHARDFLOW_TCP_SPIN_US`` as a number of microseconds (:data:`SPIN_US` when unset)."""
+    text = os.environ.get("SHARDFLOW_TCP_SPIN_US", "").strip()
+    if not text:
+        return SPIN_US
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0:
+        raise CommError(f"SHARDFLOW_TCP_SPIN_US={text!r} is not a number of microseconds >= 0 (0 turns the "
+                        f"polling off; unset, {SPIN_US:g})")
+    return value
 
 
 def local_ip_towards(host: str) -> str:
@@ -212,11 +228,12 @@ class TCPCommunicator(Communicator):
     backend = "tcp"
 
     def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], listener: socket.socket | None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, spin_us: float | None = None):
         super().__init__(rank, size)
         self._peers = peers
         self._listener = listener
         self.timeout_s = timeout_s
+        self.spin_us = spin_us_from_env() if spin_us is None else spin_us
         self._store: TCPStore | None = None
         self._store_server: TCPStoreServer | None = None
 
@@ -239,6 +256,7 @@ class TCPCommunicator(Communicator):
         """
         if timeout_s is None and os.environ.get("SHARDFLOW_COMM_TIMEOUT"):
             timeout_s = float(os.environ["SHARDFLOW_COMM_TIMEOUT"]) or None
+        spin_us = spin_us_from_env()  # before any socket is opened: a bad value leaves nothing behind
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("", 0))
         listener.listen(max(size, 1))
@@ -270,7 +288,7 @@ class TCPCommunicator(Communicator):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)
         log.debug("rank %d: connected to %d peers over TCP", rank, len(peers))
-        return cls(rank, size, peers, listener, timeout_s)
+        return cls(rank, size, peers, listener, timeout_s, spin_us)
 
     def exchange(self, sends, recvs) -> None:
         sel = selectors.DefaultSelector()
@@ -285,8 +303,8 @@ class TCPCommunicator(Communicator):
             if p == self.rank or p not in self._peers:
                 raise CommError(f"exchange: rank {self.rank} cannot receive from {p}")
             in_state[p] = [bytearray(8), memoryview(byte_view(buf)), 0, 0]  # header, payload, stage, pos
-        if SPIN_US > 0:
-            self._poll(out_state, in_state, time.perf_counter() + SPIN_US * 1e-6)
+        if self.spin_us > 0:
+            self._poll(out_state, in_state, time.perf_counter() + self.spin_us * 1e-6)
             if not out_state and not in_state:
                 sel.close()
                 return

@@ -134,6 +134,28 @@ def test_bad_arguments_raise_comm_errors():
         comms[0].split([[0], [0, 1]])
 
 
+def test_tcp_spin_setting_is_read_when_connecting(monkeypatch):
+    """SHARDFLOW_TCP_SPIN_US is read when a communicator connects, not at import; a bad value is a
+    CommError naming the variable, raised before any socket is opened."""
+    from shardflow.runtime.comm.tcp import SPIN_US, TCPCommunicator, TCPStore
+
+    class NoStore(TCPStore):
+        def __init__(self):
+            self.host, self.timeout_s = "127.0.0.1", 1.0
+
+        def set(self, key, value):
+            raise AssertionError("a socket was used before the setting was checked")
+
+    monkeypatch.delenv("SHARDFLOW_TCP_SPIN_US", raising=False)
+    assert TCPCommunicator(0, 1, {}, None).spin_us == SPIN_US
+    monkeypatch.setenv("SHARDFLOW_TCP_SPIN_US", "0")
+    assert TCPCommunicator(0, 1, {}, None).spin_us == 0.0
+    for bad in ("fast", "-5", "nan"):
+        monkeypatch.setenv("SHARDFLOW_TCP_SPIN_US", bad)
+        with pytest.raises(CommError, match="SHARDFLOW_TCP_SPIN_US"):
+            TCPCommunicator.connect(0, 2, NoStore())
+
+
 def test_a_missing_peer_raises_rank_failed_naming_it():
     world = InProcessWorld(2, timeout_s=0.3)
     c0, _ = world.communicators()
