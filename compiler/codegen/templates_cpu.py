@@ -1023,10 +1023,10 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const bool phased = !direct && S2 > 1 && ((g.KH - 1) * g.DH >= g.SH || (g.KW - 1) * g.DW >= g.SW) &&
                       (double)nplanes * S2 * Hh * Wh < 2147483647.0;
   const bool padded = !direct && !phased && (Hp != g.H || Wp != g.W);
-  float* xpad = padded || phased
-                    ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * (phased ? S2 * Hh * Wh : Hp * Wp)))
-                    : nullptr;
-  const float* xs = padded || phased ? xpad : x;
+  const bool copied = padded || phased;  // B is read from xpad, the image's copy
+  const int64_t plane = phased ? S2 * Hh * Wh : Hp * Wp;  // floats per channel of xpad
+  float* xpad = copied ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * plane)) : nullptr;
+  const float* xs = copied ? xpad : x;
   // the geometry the B panels are read with: a 1x1, stride-1, unpadded conv's image is one row of P
   // columns per channel; a phased conv's phases are channels of stride 1 (taps located by off[k])
   const SfConvGeom gs = direct   ? SfConvGeom{K, 1, P, 1, 1, 1, 1, 1, 1, 0, 0, 1, P}
@@ -1050,12 +1050,12 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   {
     if (padded) {
       #pragma omp for schedule(static)
-      for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
+      for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * plane);
     } else if (phased) {
       float* t = static_cast<float*>(sf_workspace(2, sizeof(float) * g.SW * Wh));
       #pragma omp for schedule(static)
       for (int64_t pl = 0; pl < nplanes; ++pl)
-        sf_phase_planes(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, g.SH, g.SW, Hh, Wh, xpad + pl * S2 * Hh * Wh, t);
+        sf_phase_planes(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, g.SH, g.SW, Hh, Wh, xpad + pl * plane, t);
     }
     float* Bp = unpacked ? nullptr
                          : static_cast<float*>(

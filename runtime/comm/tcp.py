@@ -45,12 +45,12 @@ def spin_us_from_env() -> float:
         return SPIN_US
     try:
         value = float(text)
+        if value >= 0.0:  # not negative, not NaN
+            return value
     except ValueError:
-        value = -1.0
-    if not value >= 0.0:
-        raise CommError(f"SHARDFLOW_TCP_SPIN_US={text!r} is not a number of microseconds >= 0 (0 turns the "
-                        f"polling off; unset, {SPIN_US:g})")
-    return value
+        pass
+    raise CommError(f"SHARDFLOW_TCP_SPIN_US={text!r} is not a number of microseconds >= 0 (0 turns the "
+                    f"polling off; unset, {SPIN_US:g})")
 
 
 def local_ip_towards(host: str) -> str:
