@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir, write_json
-from .errors import ShardflowError
+from .errors import ShardflowError, number_from_env
 from .executor import WorldSizeError
 
 __all__ = ["LaunchEnv", "detect_environment", "main", "add_run_arguments", "artifact_world_size", "LaunchError",
@@ -270,6 +270,7 @@ def start_ranks(module: str, argv: Sequence[str], nproc: int, *, launcher: str |
     """
     try:
         mpiexec = _use_mpiexec(launcher, backend)
+        grace = number_from_env("SHARDFLOW_FAILURE_GRACE", FAILURE_GRACE_S, "seconds", LaunchError)
     except LaunchError as exc:
         log.error("%s", exc)
         return 2
@@ -280,7 +281,7 @@ def start_ranks(module: str, argv: Sequence[str], nproc: int, *, launcher: str |
         base_env.pop(k, None)
     deadline = time.monotonic() + timeout if timeout > 0 else None
     if mpiexec is not None:
-        return _run_mpiexec(mpiexec, nproc, child, base_env, deadline, timeout)
+        return _run_mpiexec(mpiexec, nproc, child, base_env, deadline, timeout, grace)
     port = _free_port()
     procs = []
     for r in range(nproc):
@@ -288,7 +289,7 @@ def start_ranks(module: str, argv: Sequence[str], nproc: int, *, launcher: str |
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(child, env=env, start_new_session=True))
     log.debug("spawned %d ranks (pids %s), rendezvous at 127.0.0.1:%d", nproc, [p.pid for p in procs], port)
-    return _supervise(procs, deadline, timeout)
+    return _supervise(procs, deadline, timeout, grace)
 
 
 @functools.lru_cache(maxsize=8)
@@ -321,13 +322,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline: float | None,
-                 timeout: float) -> int:
+                 timeout: float, grace: float) -> int:
     """Run the ranks under mpiexec. With MPICH's hydra, automatic cleanup is off so that the
     ranks' watchdog reports which rank failed; the ranks' pids (written to a folder) let this
     process kill any rank still alive ``SHARDFLOW_FAILURE_GRACE`` seconds after the first failure."""
     import tempfile
 
-    grace = float(os.environ.get("SHARDFLOW_FAILURE_GRACE", FAILURE_GRACE_S))
     pid_dir = tempfile.mkdtemp(prefix="shardflow-pids-")
     env = dict(env, SHARDFLOW_PID_DIR=pid_dir)
     cmd = [mpiexec, *(["-disable-auto-cleanup"] if _is_hydra(mpiexec) else []), "-n", str(nproc), *child]
@@ -405,10 +405,9 @@ def _describe_status(rc: int) -> str:
     return f"exited with status {rc}"
 
 
-def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: float) -> int:
+def _supervise(procs: list[subprocess.Popen], deadline: float | None, timeout: float, grace: float) -> int:
     from .comm.watchdog import EXIT_PEER_FAILED
 
-    grace = float(os.environ.get("SHARDFLOW_FAILURE_GRACE", FAILURE_GRACE_S))
     ended: list[tuple[int, int]] = []  # (rank, status) in the order the failures were seen
     first_at: float | None = None
     try:

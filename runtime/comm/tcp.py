@@ -13,7 +13,6 @@ A peer that closes its connection (it died) raises :class:`RankFailedError` nami
 from __future__ import annotations
 
 import logging
-import os
 import selectors
 import socket
 import struct
@@ -22,6 +21,7 @@ import time
 
 import numpy as np
 
+from ..errors import number_from_env
 from .base import Communicator, CommError, RankFailedError, byte_view
 
 __all__ = ["TCPStoreServer", "TCPStore", "TCPCommunicator", "local_ip_towards"]
@@ -40,17 +40,7 @@ SPIN_US = 100.0
 
 def spin_us_from_env() -> float:
     """``SHARDFLOW_TCP_SPIN_US`` as a number of microseconds (:data:`SPIN_US` when unset)."""
-    text = os.environ.get("SHARDFLOW_TCP_SPIN_US", "").strip()
-    if not text:
-        return SPIN_US
-    try:
-        value = float(text)
-        if value >= 0.0:  # not negative, not NaN
-            return value
-    except ValueError:
-        pass
-    raise CommError(f"SHARDFLOW_TCP_SPIN_US={text!r} is not a number of microseconds >= 0 (0 turns the "
-                    f"polling off; unset, {SPIN_US:g})")
+    return number_from_env("SHARDFLOW_TCP_SPIN_US", SPIN_US, "microseconds (0 turns the polling off)", CommError)
 
 
 def local_ip_towards(host: str) -> str:
@@ -254,9 +244,10 @@ class TCPCommunicator(Communicator):
             Receive timeout of collectives (``None``: wait forever; the launcher's watchdog
             detects dead ranks). Defaults to ``SHARDFLOW_COMM_TIMEOUT`` when set.
         """
-        if timeout_s is None and os.environ.get("SHARDFLOW_COMM_TIMEOUT"):
-            timeout_s = float(os.environ["SHARDFLOW_COMM_TIMEOUT"]) or None
-        spin_us = spin_us_from_env()  # before any socket is opened: a bad value leaves nothing behind
+        # Both settings are read before any socket is opened: a bad value leaves nothing behind.
+        if timeout_s is None:
+            timeout_s = number_from_env("SHARDFLOW_COMM_TIMEOUT", 0.0, "seconds (0: wait forever)", CommError) or None
+        spin_us = spin_us_from_env()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("", 0))
         listener.listen(max(size, 1))

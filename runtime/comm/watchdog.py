@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Callable
 
-from .base import Communicator
+from ..errors import number_from_env
+from .base import Communicator, CommError
 from .tcp import local_ip_towards
 
 __all__ = ["Watchdog", "EXIT_PEER_FAILED"]
@@ -68,7 +69,7 @@ class Watchdog:
         self.global_ranks = comm.global_ranks
         self.heartbeat_s = heartbeat_s
         self.timeout_s = float(timeout_s if timeout_s is not None
-                               else os.environ.get("SHARDFLOW_HEARTBEAT_TIMEOUT", 30.0))
+                               else number_from_env("SHARDFLOW_HEARTBEAT_TIMEOUT", 30.0, "seconds", CommError))
         self.on_failure = on_failure or _default_fail
         self._lock = threading.Lock()
         self._stop = threading.Event()

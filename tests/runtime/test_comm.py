@@ -154,6 +154,36 @@ def test_tcp_spin_setting_is_read_when_connecting(monkeypatch):
         monkeypatch.setenv("SHARDFLOW_TCP_SPIN_US", bad)
         with pytest.raises(CommError, match="SHARDFLOW_TCP_SPIN_US"):
             TCPCommunicator.connect(0, 2, NoStore())
+    monkeypatch.delenv("SHARDFLOW_TCP_SPIN_US")
+    monkeypatch.setenv("SHARDFLOW_COMM_TIMEOUT", "10s")
+    with pytest.raises(CommError, match="SHARDFLOW_COMM_TIMEOUT='10s' is not a number of seconds"):
+        TCPCommunicator.connect(0, 2, NoStore())
+
+
+def test_number_settings_from_the_environment(monkeypatch):
+    """Every numeric SHARDFLOW_* setting is parsed by one function: unset or empty gives the
+    default, a number >= 0 is taken, anything else is the caller's error type naming the variable."""
+    from shardflow.runtime.comm.watchdog import Watchdog
+    from shardflow.runtime.errors import ShardflowError, number_from_env
+
+    monkeypatch.delenv("SF_TEST_NUMBER", raising=False)
+    assert number_from_env("SF_TEST_NUMBER", 2.5, "seconds") == 2.5
+    monkeypatch.setenv("SF_TEST_NUMBER", " ")
+    assert number_from_env("SF_TEST_NUMBER", 2.5, "seconds") == 2.5
+    monkeypatch.setenv("SF_TEST_NUMBER", "0.25")
+    assert number_from_env("SF_TEST_NUMBER", 2.5, "seconds") == 0.25
+    for bad in ("abc", "-1", "nan", "1e"):
+        monkeypatch.setenv("SF_TEST_NUMBER", bad)
+        with pytest.raises(ShardflowError, match=f"SF_TEST_NUMBER='{bad}' is not a number of seconds >= 0"):
+            number_from_env("SF_TEST_NUMBER", 2.5, "seconds")
+        with pytest.raises(CommError):
+            number_from_env("SF_TEST_NUMBER", 2.5, "seconds", CommError)
+    comm = InProcessWorld(1).communicators()[0]
+    monkeypatch.setenv("SHARDFLOW_HEARTBEAT_TIMEOUT", "7")
+    assert Watchdog(comm).timeout_s == 7.0
+    monkeypatch.setenv("SHARDFLOW_HEARTBEAT_TIMEOUT", "seven")
+    with pytest.raises(CommError, match="SHARDFLOW_HEARTBEAT_TIMEOUT"):
+        Watchdog(comm)
 
 
 def test_a_missing_peer_raises_rank_failed_naming_it():

@@ -57,6 +57,16 @@ def test_detect_environment():
     assert e.launched_by == "env"
 
 
+def test_a_bad_failure_grace_is_reported_before_any_rank_starts(monkeypatch, caplog):
+    from shardflow.runtime import launch
+
+    monkeypatch.setenv("SHARDFLOW_FAILURE_GRACE", "soon")
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a rank was started"))
+    with caplog.at_level("ERROR", logger=launch.log.name):
+        assert launch.start_ranks("shardflow.runtime.launch", [], 2, launcher="spawn") == 2
+    assert "SHARDFLOW_FAILURE_GRACE='soon' is not a number of seconds" in caplog.text
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("name,world", [("o2", 2), ("o4", 4)])
 def test_run_writes_rank0_outputs(arts, tmp_path, launcher, name, world):
