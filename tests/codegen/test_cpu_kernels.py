@@ -637,7 +637,10 @@ def test_conv_epilogue_fusion(tmp_path):
     """A Conv followed by element-wise ops (a fused group, as codegen/fusion.py builds them) compiles
     to the conv template finishing each tile with the bias and the ops, and computes what the members
     compute one after another: residual adds, per-channel and scalar broadcasts, activations, an
-    operand that is the conv's own input, groups, strides, 1-D, threads."""
+    operand that is the conv's own input, groups, strides, 1-D, threads. A residual Add and a Relu
+    after it (either optional) are applied by the kernels as they store (``SfFin``), checked also with
+    the AVX2 and portable kernels forced: 1x1 read from the image and packed, two K blocks, images
+    and groups, column tails."""
     from shardflow.compiler.codegen.fusion import FusedOp
     from shardflow.compiler.codegen.templates_cpu import template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
@@ -662,9 +665,22 @@ def test_conv_epilogue_fusion(tmp_path):
         return FusedOp(members)
 
     x5 = inp(1, 16, 8, 8)
-    cases = [
+    finish = [  # sf_conv2d's kernels apply these as they store
         group("residual", Conv([inp(2, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(2, 16, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("relu-1x1-unpacked", Conv([inp(1, 16, 20, 21), inp(24, 16, 1, 1), inp(24)]),
+              lambda y: Activation([y], kind="relu")),
+        group("add-two-k-blocks", Conv([inp(1, 40, 9, 13), inp(20, 40, 3, 3)], pads=(1, 1, 1, 1)),
+              lambda y: Binary([inp(1, 20, 9, 13), y], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("groups-images", Conv([inp(2, 8, 10, 37), inp(12, 4, 3, 3), inp(12)], group=2, pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(2, 12, 10, 37)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("strided-relu", Conv([inp(1, 8, 30, 30), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1),
+                                   strides=(2, 2)),
+              lambda y: Activation([y], kind="relu")),
+    ]
+    cases = [
+        group("relu-then-add", Conv([inp(1, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1)),
+              lambda y: Activation([y], kind="relu"), lambda y: Binary([y, inp(1, 16, 9, 11)], fn="add")),
         group("scale", Conv([inp(2, 24, 7, 5), inp(16, 24, 1, 1)]),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Binary([y, inp()], fn="add"),
               lambda y: Clip([y], lo=0.0, hi=0.5)),
@@ -675,10 +691,14 @@ def test_conv_epilogue_fusion(tmp_path):
         group("own-input", Conv([x5, inp(16, 16, 3, 3)], pads=(1, 1, 1, 1)),
               lambda y: Binary([y, x5], fn="sub")),
     ]
-    packed = [  # PackedConv (passes/prepack.py): the epilogue runs after the transposition
+    finish_packed = [  # PackedConv: the transposition adds the residual, then the Relu
         group("packed-residual", PackedConv([inp(2, 8, 9, 11), inp(3, 72, PANEL), inp(40)], oc=40, kernel=(3, 3),
                                             pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(2, 40, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("packed-relu", PackedConv([inp(1, 16, 7, 7), inp(2, 16, PANEL), inp(20)], oc=20, kernel=(1, 1)),
+              lambda y: Activation([y], kind="relu")),
+    ]
+    packed = [  # PackedConv (passes/prepack.py): the epilogue runs after the transposition
         group("packed-1x1", PackedConv([inp(2, 24, 7, 5), inp(1, 24, PANEL)], oc=16, kernel=(1, 1)),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
@@ -696,14 +716,17 @@ def test_conv_epilogue_fusion(tmp_path):
     ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
-    for g in cases + packed + winograd:
+    finish += finish_packed
+    for g in finish + cases + packed + winograd:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
-    ops = cases + packed + winograd + [other]
+    ops = finish + cases + packed + winograd + [other]
     src = generate_cpu_source(ops)
-    assert src.text.count("sf_conv2d(in") == len(cases) and src.text.count("sf_conv2d_packed(in") == len(packed)
+    assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed)
+    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed)
     assert src.text.count("sf_conv2d_winograd<4>(in") == 1 and src.text.count("sf_conv2d_winograd<2>(in") == 1
     assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd)
+    assert src.text.count("the tiles are finished as they are stored") == len(finish)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
@@ -711,3 +734,14 @@ def test_conv_epilogue_fusion(tmp_path):
         want = g.run(*ins)[0]
         got = run_kernel(lib, syms[g.name], g, ins)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(want))), err_msg=g.name)
+    import subprocess
+    import sys
+    cases = [(syms[g.name], [arrays[id(t)] for t in g.inputs], g.run(*[arrays[id(t)] for t in g.inputs]))
+             for g in finish + cases]
+    np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
+    (tmp_path / "isa.py").write_text(_ISA_SCRIPT)
+    for isa in ("avx2", "generic"):
+        res = subprocess.run([sys.executable, str(tmp_path / "isa.py"), str(tmp_path / "fused.so"),
+                              str(tmp_path / "cases.npz")], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, SHARDFLOW_CPU_ISA=isa))
+        assert res.returncode == 0 and res.stdout.strip().endswith(f"ok {len(cases)}"), (isa, res.stderr[-3000:])
