@@ -804,7 +804,7 @@ static void sf_cukr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda,
       if (fin) {
         if (fin->bias) r = _mm512_add_ps(r, _mm512_set1_ps(fin->bias[i]));
         if (fin->res) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
-        if (fin->relu) r = _mm512_max_ps(r, _mm512_setzero_ps());
+        if (fin->relu) r = _mm512_max_ps(_mm512_setzero_ps(), r);  // a NaN stays NaN, as in Relu
       }
       _mm512_mask_storeu_ps(c, m, r);
     }
@@ -827,7 +827,7 @@ static inline void sf_cukr_store_avx2(const __m256 (&acc)[MR][NV], float* __rest
         if (fin) {
           if (fin->bias) r = _mm256_add_ps(r, _mm256_broadcast_ss(fin->bias + i));
           if (fin->res) r = _mm256_add_ps(r, _mm256_loadu_ps(fin->res + i * ldc + 8 * v));
-          if (fin->relu) r = _mm256_max_ps(r, _mm256_setzero_ps());
+          if (fin->relu) r = _mm256_max_ps(_mm256_setzero_ps(), r);  // a NaN stays NaN, as in Relu
         }
         _mm256_storeu_ps(c, r);
       }
@@ -1224,7 +1224,7 @@ static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, in
 __attribute__((target("avx2,fma"), always_inline))
 static inline void sf_put8(float* __restrict__ y, const float* __restrict__ res, bool relu, int64_t at, __m256 v) {
   if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + at));
-  if (relu) v = _mm256_max_ps(v, _mm256_setzero_ps());
+  if (relu) v = _mm256_max_ps(_mm256_setzero_ps(), v);  // a NaN stays NaN
   _mm256_storeu_ps(y + at, v);
 }
 
@@ -1405,12 +1405,14 @@ __attribute__((always_inline)) static inline void sf_wino_in_body(const float* _
   }
 }
 
-// The output tiles [t0, t1) for the channels [o0, o1) from Mt[xi][t - t0][oc] (row stride OC), + bias
+// The output tiles [t0, t1) for the channels [o0, o1) from Mt[xi][t - t0][oc] (row stride OC), + bias,
+// + res (optional, laid out as y), then max(., 0) if relu
 template <int M>
 __attribute__((always_inline)) static inline void sf_wino_out_body(const float* __restrict__ Mt, int64_t OC, int64_t TW,
                                                                     int64_t OH, int64_t OW, int64_t t0, int64_t t1,
                                                                     int64_t o0, int64_t o1, const float* bias,
-                                                                    float* __restrict__ y) {
+                                                                    float* __restrict__ y, const float* __restrict__ res,
+                                                                    bool relu) {
   constexpr int A = SfWino<M>::A;
   const int64_t xs = (t1 - t0) * OC, P = OH * OW;
   for (int64_t oc = o0; oc < o1; oc += 8) {
@@ -1432,12 +1434,14 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
       }
       const int64_t oh0 = (t / TW) * M, ow0 = (t % TW) * M;
       const int mh = (int)std::min<int64_t>(M, OH - oh0), mw = (int)std::min<int64_t>(M, OW - ow0);
-      float* dst = y + oc * P + oh0 * OW + ow0;
+      const int64_t at = oc * P + oh0 * OW + ow0;
       for (int i = 0; i < mh; ++i) {
         SfWino<M>::out(r[i], rc);
         for (int j = 0; j < mw; ++j) {
-          const SfV8 v = rc[j] + b;
-          for (int l = 0; l < nl; ++l) dst[l * P + i * OW + j] = v[l];
+          SfV8 v = rc[j] + b;
+          if (res) for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
+          if (relu) { const SfV8 z = {}; v = v < z ? z : v; }  // a NaN stays NaN
+          for (int l = 0; l < nl; ++l) y[at + l * P + i * OW + j] = v[l];
         }
       }
     }
@@ -1451,8 +1455,9 @@ static void sf_wino_in_generic(const float* xp, int64_t Hp, int64_t Wp, int64_t 
 }
 template <int M>
 static void sf_wino_out_generic(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0,
-                                int64_t t1, int64_t o0, int64_t o1, const float* bias, float* y) {
-  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y);
+                                int64_t t1, int64_t o0, int64_t o1, const float* bias, float* y, const float* res,
+                                bool relu) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, relu);
 }
 #if defined(__x86_64__)
 template <int M>
@@ -1464,8 +1469,8 @@ static void sf_wino_in_avx2(const float* xp, int64_t Hp, int64_t Wp, int64_t C, 
 template <int M>
 __attribute__((target("avx2,fma")))
 static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0, int64_t t1,
-                             int64_t o0, int64_t o1, const float* bias, float* y) {
-  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y);
+                             int64_t o0, int64_t o1, const float* bias, float* y, const float* res, bool relu) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, relu);
 }
 #endif
 
@@ -1473,8 +1478,10 @@ static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH
 // g.PT/g.PL at the start), from U = [A*A][ceil(OC / SF_PANEL)][C][SF_PANEL] (the weights' transform, its
 // [C][OC] matrix per position in GEMM panels); epi as in sf_conv2d
 template <int M>
+// epi, res and relu as in sf_conv2d (res and relu applied by the output transform)
 static void sf_conv2d_winograd(const float* x, const float* U, const float* bias, float* y, const SfConvGeom& g,
-                               int64_t nimg, int64_t OC, SfConvEpi epi = nullptr, const void* ctx = nullptr) {
+                               int64_t nimg, int64_t OC, SfConvEpi epi = nullptr, const void* ctx = nullptr,
+                               const float* res = nullptr, bool relu = false) {
   constexpr int A = SfWino<M>::A, A2 = A * A;
   auto in = sf_wino_in_generic<M>;
   auto out = sf_wino_out_generic<M>;
@@ -1488,13 +1495,35 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
   const int64_t upos = (OC + SF_PANEL - 1) / SF_PANEL * SF_PANEL * C;  // floats of U per position
   const int nt = sf_max_threads();
   const bool par = nt > 1 && (double)nimg * P * OC * C * 9 >= SF_CONV_PAR_WORK;
-  // rows of tiles per chunk: V and M of a chunk within about 512 KiB, at least one row
-  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(TH, 131072 / (A2 * TW * (C + OC))));
-  const int64_t nch = (TH + R - 1) / R, nwork = nimg * nch;
+  // chunks of an image's T tiles (row-major), equal sized: V and M of a chunk within about 512 KiB, and
+  // with threads a multiple of their count per image (whole rows of tiles instead, 7 chunks of 2 rows
+  // at 56x56 on 2 threads, left one thread idle an eighth of the time: measured on Zen 3, 3x3 64->64
+  // at 56x56 5-6% faster split evenly, at 28x28 4-9%, rfcs/0002)
+  const int64_t T = TH * TW, tmax = std::max<int64_t>(1, 131072 / (A2 * (C + OC)));
+  int64_t nch = (T + tmax - 1) / tmax;
+  if (par) nch = std::min(T, (nch + nt - 1) / nt * nt);
+  const int64_t nwork = nimg * nch, R = (T + nch - 1) / nch;  // R: the most tiles of a chunk
+  auto tile0 = [T, nch](int64_t k) { return T * k / nch; };  // chunk k holds tiles [tile0(k), tile0(k + 1))
   const bool whole = !par || nwork >= 2 * nt;  // threads take whole chunks
   float* xpad = static_cast<float*>(sf_workspace(3, sizeof(float) * (nimg * C * Hp * Wp + SF_WINO_SLACK)));
-  const int64_t vsz = A2 * R * TW * C, msz = A2 * R * TW * OC;
+  const int64_t vsz = A2 * R * C, msz = A2 * R * OC;
   float* shared = whole ? nullptr : static_cast<float*>(sf_workspace(4, sizeof(float) * (vsz + msz)));
+  // the epilogue of image n's output channels [o0, o1) over the pixels of tiles [t0, t1): one call per
+  // run of whole tile rows, one per pixel row of a partial one
+  auto finish = [&](int64_t n, int64_t o0, int64_t o1, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1;) {
+      const int64_t th = t / TW, tw = t % TW, oh0 = th * M, oh1 = std::min(OH, oh0 + M);
+      if (tw == 0 && t1 - t >= TW) {
+        const int64_t rows = (t1 - t) / TW;
+        epi(ctx, n, o0, o1, oh0 * OW, std::min(OH, (th + rows) * M) * OW);
+        t += rows * TW;
+      } else {
+        const int64_t tw1 = std::min(TW, tw + (t1 - t)), w0 = tw * M, w1 = std::min(OW, tw1 * M);
+        for (int64_t oh = oh0; oh < oh1; ++oh) epi(ctx, n, o0, o1, oh * OW + w0, oh * OW + w1);
+        t += tw1 - tw;
+      }
+    }
+  };
   auto gemms = [&](int64_t tb, const float* V, float* Mt, int64_t x0, int64_t x1) {
     for (int64_t xi = x0; xi < x1; ++xi)
       sf_sgemm_prepacked(tb, OC, C, V + xi * tb * C, C, 1, U + xi * upos, Mt + xi * tb * OC, OC, 1.0f, nullptr, 0, 0,
@@ -1509,21 +1538,19 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
       float* Mt = V + vsz;
       #pragma omp for schedule(static)
       for (int64_t wk = 0; wk < nwork; ++wk) {
-        const int64_t n = wk / nch, th0 = (wk % nch) * R, th1 = std::min(TH, th0 + R);
-        const int64_t t0 = th0 * TW, t1 = th1 * TW, tb = t1 - t0;
+        const int64_t n = wk / nch, t0 = tile0(wk % nch), t1 = tile0(wk % nch + 1), tb = t1 - t0;
         in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 0, C, V);
         gemms(tb, V, Mt, 0, A2);
         float* yn = y + n * OC * P;
-        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn);
-        if (epi) epi(ctx, n, 0, OC, th0 * M * OW, std::min(OH, th1 * M) * OW);
+        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, relu);
+        if (epi) finish(n, 0, OC, t0, t1);
       }
     } else {
       float* V = shared;
       float* Mt = V + vsz;
       const int64_t ncb = (C + 7) / 8, nob = (OC + 7) / 8;
       for (int64_t wk = 0; wk < nwork; ++wk) {
-        const int64_t n = wk / nch, th0 = (wk % nch) * R, th1 = std::min(TH, th0 + R);
-        const int64_t t0 = th0 * TW, t1 = th1 * TW, tb = t1 - t0;
+        const int64_t n = wk / nch, t0 = tile0(wk % nch), t1 = tile0(wk % nch + 1), tb = t1 - t0;
         #pragma omp for schedule(static)
         for (int64_t cb = 0; cb < ncb; ++cb) in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 8 * cb, std::min(C, 8 * cb + 8), V);
         #pragma omp for schedule(static)
@@ -1532,8 +1559,8 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
         #pragma omp for schedule(static)
         for (int64_t ob = 0; ob < nob; ++ob) {
           const int64_t o0 = 8 * ob, o1 = std::min(OC, o0 + 8);
-          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn);
-          if (epi) epi(ctx, n, o0, o1, th0 * M * OW, std::min(OH, th1 * M) * OW);
+          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, relu);
+          if (epi) finish(n, o0, o1, t0, t1);
         }
       }
     }
@@ -1763,8 +1790,8 @@ def _conv(op, fused=None) -> str | None:
         index = {id(t): k for k, t in enumerate(fused.inputs)}
         xin, win = f"in{index[id(op.inputs[0])]}", f"in{index[id(op.inputs[1])]}"
         bias = f"in{index[id(op.inputs[2])]}" if len(op.inputs) > 2 else "nullptr"
-        simple = None if wino else _kernel_finish(fused, index)
-        if simple is not None:  # the kernels (or PackedConv's transposition) finish the tiles: no epi
+        simple = _kernel_finish(fused, index)
+        if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
             res, relu = simple
             finish = f", nullptr, nullptr, {res}, {'true' if relu else 'false'}"
         else:
