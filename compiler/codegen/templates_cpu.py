@@ -2059,6 +2059,9 @@ def _pool(op) -> str | None:
         lines.append("  }")
         return "\n".join(lines)
     lines.append(f"    const float* __restrict__ xp = in0 + pl * {H * W};")
+    if KH > 1:
+        lines += _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT, PL, ow_a, ow_b)
+        return "\n".join(lines)
     lines.append(f"    for (int64_t oh = 0; oh < {OH}; ++oh) {{")
     lines.append(f"      float* __restrict__ yr = out0 + (pl * {OH} + oh) * {OW};")
     lines.append("      auto border = [&](int64_t ow) {")
@@ -2092,6 +2095,61 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "PackedConv": _conv, "WinogradConv": _conv, "Pool": _pool, "Fused": _fused}
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
+def _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT, PL, ow_a, ow_b) -> list[str]:
+    """The body of :func:`_pool`'s plane loop for windows of several rows: a max (or sum) is taken
+    along each input row first (``hb[r][ow]``, the KW taps of column ``ow``), then down the KH rows
+    of each output row, so that an input row shared by several windows (3x3 stride 2: 112 rows for
+    56 x 3 windows) is reduced once, and the second pass reads contiguous rows. The max is a plain
+    ``v > m ? v : m`` (a vmaxps) with a NaN flag on the side, so a NaN is kept, as numpy does;
+    an average divides the window's sum by its count. Measured on Zen 3 (rfcs/0002, kernel time):
+    ResNet's 3x3 stride-2 max pool at 112x112, 64 channels, 0.20 -> 0.13 ms; 3x3 stride 1 at 56x56,
+    256 channels, 0.52 -> 0.20 ms."""
+    red = "m = v > m ? v : m; nan |= v != v;" if is_max else "m += v;"
+    start = f"float m = {init};" + (" int nan = 0;" if is_max else "")
+    done = "nan ? std::numeric_limits<float>::quiet_NaN() : m" if is_max else "m"
+    return [
+        f"    float* __restrict__ hb = static_cast<float*>(sf_workspace(0, sizeof(float) * {H * OW}));  // [{H}][{OW}]",
+        f"    for (int64_t r = 0; r < {H}; ++r) {{  // along the rows: the taps kw_lo[ow]..kw_hi[ow] of each column",
+        f"      const float* __restrict__ xr = xp + r * {W};",
+        f"      float* __restrict__ hr = hb + r * {OW};",
+        "      auto border = [&](int64_t ow) {",
+        f"        {start}",
+        f"        for (int64_t kw = kw_lo[ow]; kw < kw_hi[ow]; ++kw) {{ const float v = xr[ow * {SW} + kw * {DW} - {PL}]; "
+        f"{red} }}",
+        f"        hr[ow] = {done};",
+        "      };",
+        f"      for (int64_t ow = 0; ow < {ow_a}; ++ow) border(ow);",
+        f"      for (int64_t ow = {ow_a}; ow < {ow_b}; ++ow) {{",
+        f"        {start}",
+        "        #pragma GCC unroll 8",
+        f"        for (int64_t kw = 0; kw < {KW}; ++kw) {{ const float v = xr[ow * {SW} + kw * {DW} - {PL}]; {red} }}",
+        f"        hr[ow] = {done};",
+        "      }",
+        f"      for (int64_t ow = {max(ow_b, ow_a)}; ow < {OW}; ++ow) border(ow);",
+        "    }",
+        f"    for (int64_t oh = 0; oh < {OH}; ++oh) {{  // down the rows kh_lo[oh]..kh_hi[oh] of each window",
+        f"      float* __restrict__ yr = out0 + (pl * {OH} + oh) * {OW};",
+        f"      const int64_t r0 = oh * {SH} - {PT};  // the input row of tap kh = 0",
+        f"      if (kh_lo[oh] == 0 && kh_hi[oh] == {KH}) {{",
+        f"        for (int64_t ow = 0; ow < {OW}; ++ow) {{",
+        f"          {start}",
+        "          #pragma GCC unroll 8",
+        f"          for (int64_t kh = 0; kh < {KH}; ++kh) {{ const float v = hb[(r0 + kh * {DH}) * {OW} + ow]; {red} }}",
+        f"          yr[ow] = {done}{div};",
+        "        }",
+        "      } else {",
+        f"        for (int64_t ow = 0; ow < {OW}; ++ow) {{",
+        f"          {start}",
+        f"          for (int64_t kh = kh_lo[oh]; kh < kh_hi[oh]; ++kh) {{ const float v = hb[(r0 + kh * {DH}) * {OW} + ow]; "
+        f"{red} }}",
+        f"          yr[ow] = {done}{div};",
+        "        }",
+        "      }",
+        "    }",
+        "  }",
+    ]
+
+
 CLONED_TEMPLATES = frozenset({"Pool"})
 
 

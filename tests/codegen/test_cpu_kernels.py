@@ -148,6 +148,14 @@ def _large():
         Pool([_t((2, 4, 50))], kind="avg", kernel=(5,), strides=(2,), pads=(2, 2)),
         Pool([_t((1, 16, 56, 56))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 2, 5, 5))], kind="max", kernel=(2, 2), strides=(2, 2), pads=(2, 2, 2, 2)),  # windows in the pads
+        # rows of at least 16 outputs: along the rows, then down (separable), with the same edge cases
+        Pool([_t((1, 3, 40, 45))], kind="max", kernel=(3, 2), strides=(2, 1), dilations=(2, 1), pads=(1, 0, 2, 1),
+             ceil_mode=True),
+        Pool([_t((2, 2, 33, 40))], kind="avg", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), ceil_mode=True,
+             count_include_pad=False),
+        Pool([_t((1, 2, 20, 64))], kind="avg", kernel=(2, 4), strides=(1, 3), pads=(1, 2, 0, 1),
+             count_include_pad=True),
+        Pool([_t((1, 2, 20, 40))], kind="max", kernel=(2, 2), strides=(2, 2), pads=(2, 2, 2, 2)),
         Softmax([_t((2, 3, 130, 70))], axes=(3,), log=False),
         Softmax([_t((4, 130, 40))], axes=(1,), log=False),            # middle axis: materialized stats
         LayerNorm([_t((3, 50, 300)), _t((300,)), _t((300,))], axis=2, epsilon=1e-5, stash="float32", stats=True),
@@ -466,6 +474,8 @@ def test_numpy_edge_semantics(tmp_path):
     amax = np.array([[1.0, 3.0, 3.0, 2.0], [np.nan, 5.0, np.nan, 1.0], [2.0, 2.0, 2.0, 2.0]], np.float32)
     h = np.array([[0.1, -2.5, 65504.0, 1e-4]], np.float16)
     px = np.random.default_rng(5).standard_normal((1, 2, 7, 9)).astype(np.float32)
+    pw = np.random.default_rng(6).standard_normal((1, 2, 9, 40)).astype(np.float32)  # rows of 20 outputs
+    pw[0, 0, 0, 0] = pw[0, 0, 4, 7] = pw[0, 1, 8, 39] = np.nan
     px[0, 0, 0, 0] = px[0, 0, 3, 4] = px[0, 1, 6, 8] = np.nan  # a border tap, an interior one, the last one
     cases = [
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="floordiv", name="fd"), [ia, ib]),
@@ -479,6 +489,7 @@ def test_numpy_edge_semantics(tmp_path):
         (Unary([_t(fa.shape)], fn="round", name="rnd"), [np.array([[0.5, 1.5, 2.5, -0.5, -1.5, 2.4]], np.float32)]),
         (Pool([_t(px.shape)], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), name="mpool"), [px]),
         (Pool([_t(px.shape)], kind="avg", kernel=(3, 2), strides=(1, 2), pads=(1, 0, 1, 1), name="apool"), [px]),
+        (Pool([_t(pw.shape)], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), name="wpool"), [pw]),
     ]
     syms = build_cpu_library([op for op, _ in cases], str(tmp_path / "edge.so"), cache_dir=str(tmp_path / "c"),
                              opt_level=1)
@@ -492,9 +503,12 @@ def test_numpy_edge_semantics(tmp_path):
     assert fd.tolist() == [[-4, -4, 3, 3, 0, 0]]
     am = run_kernel(lib, syms["am"], cases[4][0], cases[4][1])[0]
     assert am.tolist() == [1, 0, 0]
-    mp = run_kernel(lib, syms["mpool"], cases[-2][0], cases[-2][1])[0]
+    mp = run_kernel(lib, syms["mpool"], *cases[-3])[0]
     assert np.isnan(mp[0, 0, 0, 0]) and np.isnan(mp[0, 0, 1, 2]) and np.isnan(mp[0, 1, 3, 4])
     assert np.isnan(mp).sum() == 1 + 2 + 1  # (3, 4) lies in the windows (1, 2) and (2, 2)
+    wp = run_kernel(lib, syms["wpool"], cases[-1][0], cases[-1][1])[0]  # the separable path
+    assert np.isnan(wp[0, 0, 0, 0]) and np.isnan(wp[0, 1, 4, 19]) and np.isnan(wp[0, 0, 2, 3:5]).all()
+    assert np.isnan(wp).sum() == 1 + 2 + 1  # (4, 7) lies in the windows (2, 3) and (2, 4)
 
 
 def test_out_of_range_gather_indices_are_clamped(tmp_path):
