@@ -99,7 +99,10 @@ def _large():
         Conv([_t((2, 6, 11, 13)), _t((12, 2, 3, 2)), _t((12,))], group=3, pads=(2, 1, 0, 3), strides=(3, 2),
              dilations=(2, 3)),
         Conv([_t((1, 300, 5, 7)), _t((130, 300, 1, 1)), _t((130,))]),  # 1x1: two K blocks, two row tiles
-        Conv([_t((2, 24, 9, 9)), _t((16, 24, 1, 1))], strides=(2, 2)),  # 1x1 strided: packed
+        Conv([_t((2, 24, 9, 9)), _t((16, 24, 1, 1))], strides=(2, 2)),  # 1x1 strided: picked pixels, packed
+        Conv([_t((1, 16, 30, 41)), _t((24, 16, 1, 1)), _t((24,))], strides=(2, 3)),  # picked, read unpacked
+        Conv([_t((2, 8, 24, 26)), _t((12, 4, 1, 1))], group=2, strides=(2, 2)),  # picked, images and groups
+        Conv([_t((1, 8, 9, 9)), _t((8, 8, 1, 1))], pads=(1, 1, 1, 1), strides=(2, 2)),  # padded 1x1: not picked
         Conv([_t((3, 8, 48, 48)), _t((13, 8, 3, 3)), _t((13,))], pads=(1, 1, 1, 1)),  # threads: many tiles
         Conv([_t((2, 4, 5, 6)), _t((5, 4, 3, 3))], pads=(2, 2, 2, 2), dilations=(2, 2)),  # pads past the taps
         # horizontal stride 1 with rows of at least one panel: AVX2 reads B from the image, panels
