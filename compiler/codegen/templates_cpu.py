@@ -745,6 +745,12 @@ struct SfFin { const float* bias; const float* res; bool relu; };
 typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
                          float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin);
 
+// v + *r (r optional), then max(v, 0) if relu: a conv output finished (a NaN stays NaN)
+static inline float sf_fin1(float v, const float* r, bool relu) {
+  if (r) v += *r;
+  return relu ? std::max(v, 0.0f) : v;
+}
+
 // row i of a kernel's block, t[0..nr), into c (added to it unless first), finished by fin
 static inline void sf_store_row(const float* t, float* __restrict__ c, int64_t nr, bool first, const SfFin* fin,
                                 int i, int64_t ldc) {
@@ -754,8 +760,7 @@ static inline void sf_store_row(const float* t, float* __restrict__ c, int64_t n
   for (int64_t j = 0; j < nr; ++j) {
     float v = first ? t[j] : c[j] + t[j];
     if (b) v += *b;
-    if (r) v += r[j];
-    c[j] = relu ? std::max(v, 0.0f) : v;
+    c[j] = sf_fin1(v, r ? r + j : nullptr, relu);
   }
 }
 
@@ -1122,7 +1127,8 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
         sf_phase_planes(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, g.SH, g.SW, Hh, Wh, xpad + pl * plane, t);
     } else if (picked) {
       #pragma omp for schedule(static)
-      for (int64_t pl = 0; pl < nplanes; ++pl) sf_pick_plane(x + pl * g.H * g.W, g.W, g.SH, g.SW, g.OH, g.OW, xpad + pl * P);
+      for (int64_t pl = 0; pl < nplanes; ++pl)
+        sf_pick_plane(x + pl * g.H * g.W, g.W, g.SH, g.SW, g.OH, g.OW, xpad + pl * P);
     }
     float* Bp = unpacked ? nullptr
                          : static_cast<float*>(
@@ -1226,17 +1232,12 @@ static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* _
   }
 }
 
-// y[c][p] = t[p][c] (row stride ld) for the columns c in [c0, c1) and rows p in [0, P)
 // y[c * P + p] = t[p * ld + c] for c in [c0, c1), finished: + res[c * P + p] (res optional, laid out as
 // y), then max(., 0) if relu
 static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
                                      float* __restrict__ y, const float* __restrict__ res, bool relu) {
   for (int64_t c = c0; c < c1; ++c)
-    for (int64_t p = 0; p < P; ++p) {
-      float v = t[p * ld + c];
-      if (res) v += res[c * P + p];
-      y[c * P + p] = relu ? std::max(v, 0.0f) : v;
-    }
+    for (int64_t p = 0; p < P; ++p) y[c * P + p] = sf_fin1(t[p * ld + c], res ? res + c * P + p : nullptr, relu);
 }
 
 #if defined(__x86_64__)
@@ -1278,11 +1279,8 @@ static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int6
       }
     }
     for (; p < P; ++p)
-      for (int64_t i = 0; i < 8; ++i) {
-        float v = t[p * ld + c + i];
-        if (res) v += res[(c + i) * P + p];
-        y[(c + i) * P + p] = relu ? std::max(v, 0.0f) : v;
-      }
+      for (int64_t i = 0; i < 8; ++i)
+        y[(c + i) * P + p] = sf_fin1(t[p * ld + c + i], res ? res + (c + i) * P + p : nullptr, relu);
   }
   if (c < c1) sf_transpose_cols_scalar(t, ld, P, c, c1, y, res, relu);
 }
@@ -1431,8 +1429,8 @@ template <int M>
 __attribute__((always_inline)) static inline void sf_wino_out_body(const float* __restrict__ Mt, int64_t OC, int64_t TW,
                                                                     int64_t OH, int64_t OW, int64_t t0, int64_t t1,
                                                                     int64_t o0, int64_t o1, const float* bias,
-                                                                    float* __restrict__ y, const float* __restrict__ res,
-                                                                    bool relu) {
+                                                                    float* __restrict__ y,
+                                                                    const float* __restrict__ res, bool relu) {
   constexpr int A = SfWino<M>::A;
   const int64_t xs = (t1 - t0) * OC, P = OH * OW;
   for (int64_t oc = o0; oc < o1; oc += 8) {
@@ -1496,9 +1494,9 @@ static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH
 
 // y[n] = conv3x3(x[n], w) + bias for n < nimg (x: [nimg, C, H, W], y: [nimg, OC, OH, OW], stride 1, pads
 // g.PT/g.PL at the start), from U = [A*A][ceil(OC / SF_PANEL)][C][SF_PANEL] (the weights' transform, its
-// [C][OC] matrix per position in GEMM panels); epi as in sf_conv2d
+// [C][OC] matrix per position in GEMM panels); epi, res and relu as in sf_conv2d (res and relu applied by
+// the output transform)
 template <int M>
-// epi, res and relu as in sf_conv2d (res and relu applied by the output transform)
 static void sf_conv2d_winograd(const float* x, const float* U, const float* bias, float* y, const SfConvGeom& g,
                                int64_t nimg, int64_t OC, SfConvEpi epi = nullptr, const void* ctx = nullptr,
                                const float* res = nullptr, bool relu = false) {
@@ -1854,8 +1852,9 @@ def _conv(op, fused=None) -> str | None:
 
 
 def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, bool] | None:
-    """``(residual, relu)`` where the ops after ``fused``'s conv are those :func:`sf_conv2d`'s kernels
-    apply as they store (``SfFin``): an Add of a tensor shaped as the output (``residual``: its
+    """``(residual, relu)`` where the ops after ``fused``'s conv are those the conv kernels apply as
+    they store their output (``SfFin`` in :func:`sf_conv2d`, ``PackedConv``'s transposition,
+    Winograd's output transform): an Add of a tensor shaped as the output (``residual``: its
     argument, else ``"nullptr"``), then a Relu, either optional; else ``None`` (the generic epilogue)."""
     members = list(fused.members)
     prev = members[0].outputs[0]
@@ -2111,10 +2110,6 @@ def _pool(op) -> str | None:
     return "\n".join(lines)
 
 
-_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
-              "PackedConv": _conv, "WinogradConv": _conv, "Pool": _pool, "Fused": _fused}
-#: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
-#: call the GEMM, which picks its micro-kernel at run time).
 def _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT, PL, ow_a, ow_b) -> list[str]:
     """The body of :func:`_pool`'s plane loop for windows of several rows: a max (or sum) is taken
     along each input row first (``hb[r][ow]``, the KW taps of column ``ow``), then down the KH rows
@@ -2134,8 +2129,8 @@ def _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT,
         f"      float* __restrict__ hr = hb + r * {OW};",
         "      auto border = [&](int64_t ow) {",
         f"        {start}",
-        f"        for (int64_t kw = kw_lo[ow]; kw < kw_hi[ow]; ++kw) {{ const float v = xr[ow * {SW} + kw * {DW} - {PL}]; "
-        f"{red} }}",
+        f"        for (int64_t kw = kw_lo[ow]; kw < kw_hi[ow]; ++kw) {{ "
+        f"const float v = xr[ow * {SW} + kw * {DW} - {PL}]; {red} }}",
         f"        hr[ow] = {done};",
         "      };",
         f"      for (int64_t ow = 0; ow < {ow_a}; ++ow) border(ow);",
@@ -2154,14 +2149,15 @@ def _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT,
         f"        for (int64_t ow = 0; ow < {OW}; ++ow) {{",
         f"          {start}",
         "          #pragma GCC unroll 8",
-        f"          for (int64_t kh = 0; kh < {KH}; ++kh) {{ const float v = hb[(r0 + kh * {DH}) * {OW} + ow]; {red} }}",
+        f"          for (int64_t kh = 0; kh < {KH}; ++kh) {{ "
+        f"const float v = hb[(r0 + kh * {DH}) * {OW} + ow]; {red} }}",
         f"          yr[ow] = {done}{div};",
         "        }",
         "      } else {",
         f"        for (int64_t ow = 0; ow < {OW}; ++ow) {{",
         f"          {start}",
-        f"          for (int64_t kh = kh_lo[oh]; kh < kh_hi[oh]; ++kh) {{ const float v = hb[(r0 + kh * {DH}) * {OW} + ow]; "
-        f"{red} }}",
+        f"          for (int64_t kh = kh_lo[oh]; kh < kh_hi[oh]; ++kh) {{ "
+        f"const float v = hb[(r0 + kh * {DH}) * {OW} + ow]; {red} }}",
         f"          yr[ow] = {done}{div};",
         "        }",
         "      }",
@@ -2170,6 +2166,10 @@ def _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT,
     ]
 
 
+_TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
+              "PackedConv": _conv, "WinogradConv": _conv, "Pool": _pool, "Fused": _fused}
+#: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
+#: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool"})
 
 
