@@ -1,5 +1,7 @@
 """The root of Shardflow's user-facing error hierarchy."""
 
+import os
+
 
 class ShardflowError(Exception):
     """Base class of every error Shardflow raises for bad input or unsupported features.
@@ -16,8 +18,6 @@ def number_from_env(name: str, default: float, meaning: str,
     ``meaning`` (what the number is, e.g. ``"seconds"``), so that a typo in a launch script is
     reported as such instead of as a bare ``ValueError`` deep inside the runtime.
     """
-    import os
-
     text = os.environ.get(name, "").strip()
     if not text:
         return default

@@ -1108,6 +1108,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
                         (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm);
   // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
+  const bool finish = !epi && (bias || res || relu);  // the kernels finish y (SfFin) on the last K block
   for (int64_t c = 0, k = 0; c < (flat ? K : g.C); ++c)
     for (int64_t kh = 0; kh < gs.KH; ++kh)
       for (int64_t kw = 0; kw < gs.KW; ++kw) {
@@ -1142,7 +1143,6 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       const float* wg = w + gi * M * K;
       float* yg = y + ng * M * P;
       const float* rg = res ? res + ng * M * P : nullptr;
-      const bool finish = !epi && (bias || res || relu);
       SfFin fin = {nullptr, nullptr, relu};
       // the kernel's finish: on the last K block only, its pointers at the call's first row and column
       auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {

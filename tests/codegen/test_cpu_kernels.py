@@ -366,27 +366,33 @@ print("ok", len(data["cases"]))
 """
 
 
+def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
+    """Run ``cases`` ``[(symbol, inputs, wanted outputs)]`` of the library at ``lib_path`` in a fresh
+    process with ``SHARDFLOW_CPU_ISA=isa`` (:data:`_ISA_SCRIPT` compares them); returns the ISA the
+    library picked and the script's last line (``ok N`` when all N matched)."""
+    import subprocess
+    import sys
+    np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
+    script = tmp_path / "isa.py"
+    script.write_text(_ISA_SCRIPT)
+    res = subprocess.run([sys.executable, str(script), str(lib_path), str(tmp_path / "cases.npz")],
+                         capture_output=True, text=True, env=dict(os.environ, SHARDFLOW_CPU_ISA=isa), timeout=300)
+    assert res.returncode == 0, (isa, res.stderr[-3000:])
+    return res.stdout.split("\n")[0], res.stdout.strip().split("\n")[-1]
+
+
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels (and the conv kernels and Winograd
     transforms of each), forced with SHARDFLOW_CPU_ISA, give the same results (this machine would
     otherwise only run the widest one it supports)."""
-    import subprocess
-    import sys
     cases = []
     for cid, op, arrays in LARGE:
         if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv") \
                 and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
-    np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
-    script = tmp_path / "isa.py"
-    script.write_text(_ISA_SCRIPT)
-    env = dict(os.environ, SHARDFLOW_CPU_ISA=isa)
-    res = subprocess.run([sys.executable, str(script), str(library["dir"] / "kernels.so"), str(tmp_path / "cases.npz")],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    first, last = res.stdout.split("\n")[0], res.stdout.strip().split("\n")[-1]
+    first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
     assert last == f"ok {len(cases)}" and len(cases) >= 14
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
 
@@ -509,7 +515,7 @@ def test_numpy_edge_semantics(tmp_path):
     mp = run_kernel(lib, syms["mpool"], *cases[-3])[0]
     assert np.isnan(mp[0, 0, 0, 0]) and np.isnan(mp[0, 0, 1, 2]) and np.isnan(mp[0, 1, 3, 4])
     assert np.isnan(mp).sum() == 1 + 2 + 1  # (3, 4) lies in the windows (1, 2) and (2, 2)
-    wp = run_kernel(lib, syms["wpool"], cases[-1][0], cases[-1][1])[0]  # the separable path
+    wp = run_kernel(lib, syms["wpool"], *cases[-1])[0]  # the separable path
     assert np.isnan(wp[0, 0, 0, 0]) and np.isnan(wp[0, 1, 4, 19]) and np.isnan(wp[0, 0, 2, 3:5]).all()
     assert np.isnan(wp).sum() == 1 + 2 + 1  # (4, 7) lies in the windows (2, 3) and (2, 4)
 
@@ -758,14 +764,7 @@ def test_conv_epilogue_fusion(tmp_path):
         want = g.run(*ins)[0]
         got = run_kernel(lib, syms[g.name], g, ins)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(want))), err_msg=g.name)
-    import subprocess
-    import sys
-    cases = [(syms[g.name], [arrays[id(t)] for t in g.inputs], g.run(*[arrays[id(t)] for t in g.inputs]))
-             for g in finish + cases]
-    np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
-    (tmp_path / "isa.py").write_text(_ISA_SCRIPT)
+    forced = [(syms[g.name], [arrays[id(t)] for t in g.inputs], g.run(*[arrays[id(t)] for t in g.inputs]))
+              for g in finish + cases]
     for isa in ("avx2", "generic"):
-        res = subprocess.run([sys.executable, str(tmp_path / "isa.py"), str(tmp_path / "fused.so"),
-                              str(tmp_path / "cases.npz")], capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, SHARDFLOW_CPU_ISA=isa))
-        assert res.returncode == 0 and res.stdout.strip().endswith(f"ok {len(cases)}"), (isa, res.stderr[-3000:])
+        assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
