@@ -21,7 +21,7 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import Conv, PackedConv, Pool, WinogradConv, winograd_weights
+from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LayerNorm
@@ -139,6 +139,21 @@ def _large():
         WinogradConv([_t((2, 10, 13, 11)), _wino(10, 21, 4)], oc=21, m=4, pads=(1, 0, 2, 1)),
         WinogradConv([_t((1, 32, 28, 28)), _wino(32, 48, 4), _t((48,))], oc=48, m=4, pads=(1, 1, 1, 1)),
         WinogradConv([_t((3, 200, 9, 30)), _wino(200, 260, 2), _t((260,))], oc=260, m=2, pads=(0, 1, 0, 1)),
+        # the transposed-conv template (a GEMM into columns, then col2im): output padding, groups with
+        # stride, dilation and uneven pads, 1-D, stride 1, an output past the columns' reach (negative end pads:
+        # bias only there), K in two blocks, threads, and a thin one left to the generic nest
+        ConvTranspose([_t((2, 8, 9, 7)), _t((8, 6, 3, 3)), _t((6,))], strides=(2, 2), pads=(1, 1, 1, 1),
+                      output_shape=(18, 14)),
+        ConvTranspose([_t((2, 8, 5, 6)), _t((8, 3, 3, 2)), _t((6,))], group=2, strides=(3, 2), pads=(2, 0, 1, 1),
+                      dilations=(2, 3), output_shape=(15, 12)),
+        ConvTranspose([_t((2, 8, 30)), _t((8, 4, 5)), _t((4,))], strides=(3,), pads=(1, 2), output_shape=(90,)),
+        ConvTranspose([_t((1, 6, 7, 9)), _t((6, 5, 3, 3)), _t((5,))], pads=(1, 1, 1, 1), output_shape=(7, 9)),
+        ConvTranspose([_t((1, 4, 5, 5)), _t((4, 8, 2, 2))], strides=(2, 2), pads=(0, 0, -2, -1),
+                      output_shape=(12, 11)),
+        ConvTranspose([_t((1, 300, 5, 6)), _t((300, 20, 2, 2)), _t((20,))], strides=(2, 2), output_shape=(10, 12)),
+        ConvTranspose([_t((1, 32, 24, 24)), _t((32, 16, 4, 4)), _t((16,))], strides=(2, 2), pads=(1, 1, 1, 1),
+                      output_shape=(48, 48)),
+        ConvTranspose([_t((1, 6, 5, 5)), _t((6, 1, 3, 3))], group=6, strides=(2, 2), output_shape=(11, 11)),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
         Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),
@@ -186,7 +201,52 @@ def _large():
             w = rng.standard_normal((op.attrs["oc"], op.inputs[0].shape[1], 3, 3)).astype(np.float32)
             arrays[1] = winograd_weights(w, op.attrs["m"])
         res.append((f"large-{k}-{op.op_type}", op, arrays))
-    return res
+    return res + _attention_cases()
+
+
+def _attention_cases():
+    """The Attention template's cases (sf_attention): masks float and bool, broadcast and with fewer keys
+    than K, rows every key of which is excluded (their output is 0), NaN in a mask, nonpad_kv_seqlen with
+    and without a past, causal with a past, windows, softcap, grouped K/V heads, the 3-D forms, several
+    blocks of query rows (causal blocks skipping keys), keys past 4096 (8-row blocks), one query row."""
+    rng = np.random.default_rng(3)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    fmask = np.where(rng.random((3, 7)) > 0.3, rng.standard_normal((3, 7)), -np.inf).astype(np.float32)
+    fmask[1] = -np.inf  # every key masked: the row is 0
+    bmask = rng.random((2, 1, 3, 9)) > 0.4
+    bmask[1, 0, 2] = False
+    nanmask = f(1, 1, 4, 6)
+    nanmask[0, 0, 1, 2] = np.nan  # row 1's output is NaN
+    nanmask[0, 0, 2] = -np.inf
+    nanmask[0, 0, 2, 4] = np.nan  # so is row 2's: a NaN among -inf is not "every key masked"
+    cases = [
+        ("gqa", Attention([_t((2, 4, 3, 8)), _t((2, 2, 9, 8)), _t((2, 2, 9, 5))], scale_sqrt=0.6),
+         [f(2, 4, 3, 8), f(2, 2, 9, 8), f(2, 2, 9, 5)]),
+        ("float-mask-causal-past", Attention([_t((2, 2, 3, 8)), _t((2, 2, 9, 8)), _t((2, 2, 9, 8)), _t((3, 7))],
+                                             scale_sqrt=0.5, has_mask=True, is_causal=True, past_len=5),
+         [f(2, 2, 3, 8), f(2, 2, 9, 8), f(2, 2, 9, 8), fmask]),
+        ("bool-mask-nonpad-softcap-3d", Attention([_t((2, 3, 12)), _t((2, 9, 12)), _t((2, 9, 6)),
+                                                   _t((2, 1, 3, 9), "bool"), _t((2,), "int64")],
+                                                  q_heads=2, kv_heads=2, scale_sqrt=0.7, softcap=1.5, has_mask=True,
+                                                  has_nonpad=True, is_causal=True),
+         [f(2, 3, 12), f(2, 9, 12), f(2, 9, 6), bmask, np.array([7, 4], np.int64)]),
+        ("nonpad-past-windows", Attention([_t((2, 2, 4, 8)), _t((2, 1, 10, 8)), _t((2, 1, 10, 8)),
+                                           _t((2,), "int64")], scale_sqrt=0.5, has_nonpad=True, past_len=4,
+                                          is_causal=True, left_window=2, right_window=1),
+         [f(2, 2, 4, 8), f(2, 1, 10, 8), f(2, 1, 10, 8), np.array([10, 6], np.int64)]),
+        ("nan-mask-y3d", Attention([_t((1, 2, 4, 8)), _t((1, 2, 6, 8)), _t((1, 2, 6, 8)), _t((1, 1, 4, 6))],
+                                   scale_sqrt=0.5, has_mask=True, y_3d=True),
+         [f(1, 2, 4, 8), f(1, 2, 6, 8), f(1, 2, 6, 8), nanmask]),
+        ("causal-blocks", Attention([_t((1, 3, 150, 16)), _t((1, 3, 150, 16)), _t((1, 3, 150, 16))],
+                                    scale_sqrt=0.5, is_causal=True),
+         [f(1, 3, 150, 16), f(1, 3, 150, 16), f(1, 3, 150, 16)]),
+        ("long-keys", Attention([_t((1, 1, 20, 8)), _t((1, 1, 5000, 8)), _t((1, 1, 5000, 4))], scale_sqrt=0.5),
+         [f(1, 1, 20, 8), f(1, 1, 5000, 8), f(1, 1, 5000, 4)]),
+        ("one-row", Attention([_t((1, 2, 1, 8)), _t((1, 2, 33, 8)), _t((1, 2, 33, 8))], scale_sqrt=0.5,
+                              is_causal=True, past_len=32),
+         [f(1, 2, 1, 8), f(1, 2, 33, 8), f(1, 2, 33, 8)]),
+    ]
+    return [(f"attention-{name}", op, arrays) for name, op, arrays in cases]
 
 
 class _Fn(Operator):
@@ -317,7 +377,8 @@ def test_large_kernel_matches_numpy(library, cid):
     op, arrays = library["cases"][cid]
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
-    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "Attention"):
+    if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
+                      "Attention"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(w))))
@@ -383,18 +444,42 @@ def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
-    """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels (and the conv kernels and Winograd
-    transforms of each), forced with SHARDFLOW_CPU_ISA, give the same results (this machine would
-    otherwise only run the widest one it supports)."""
+    """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels (and the conv kernels, Winograd
+    transforms and packing of each), forced with SHARDFLOW_CPU_ISA, give the same results (this machine
+    would otherwise only run the widest one it supports); the transposed convs and attention run on them."""
     cases = []
     for cid, op, arrays in LARGE:
-        if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv") \
-                and cid in library["symbols"]:
+        if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
+                          "Attention") and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
     assert last == f"ok {len(cases)}" and len(cases) >= 14
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
+
+
+def test_transposed_convs_use_their_template():
+    """The large ConvTranspose cases run the GEMM + col2im template (the generic nest is ~100x slower
+    on such shapes, benchmarks/cpu_conv.py); the depthwise-like one stays generic."""
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+
+    kinds = {cid: template_kind(op) for cid, op, _ in LARGE if op.op_type == "ConvTranspose"}
+    assert len(kinds) == 8
+    thin = [cid for cid, op, _ in LARGE if op.op_type == "ConvTranspose" and op.attrs.get("group") == 6]
+    assert [cid for cid, k in kinds.items() if k is None] == thin and len(thin) == 1
+    assert all(k == "ConvTranspose" for cid, k in kinds.items() if cid not in thin)
+
+
+def test_attention_uses_its_template(library):
+    """Every float32 Attention case above runs sf_attention; the mixed-precision and qk_matmul_output
+    forms (the op examples) keep the generic nest, which computes them."""
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+
+    att = [(cid, op) for cid, op, _ in LARGE if op.op_type == "Attention"]
+    assert len(att) == 9 and all(template_kind(op) == "Attention" for _, op in att)
+    examples = [op for op, _ in library["cases"].values() if op.op_type == "Attention"]
+    generic = [op for op in examples if op.attrs.get("qk_mode") is not None or op.attrs.get("acc_dtype")]
+    assert len(generic) == 6 and all(template_kind(op) is None for op in generic)
 
 
 def test_every_lowerable_example_is_in_the_library(library):
@@ -663,7 +748,7 @@ def test_conv_epilogue_fusion(tmp_path):
     operand that is the conv's own input, groups, strides, 1-D, threads. A residual Add and a Relu
     after it (either optional) are applied by the kernels as they store (``SfFin``), checked also with
     the AVX2 and portable kernels forced: 1x1 read from the image and packed, two K blocks, images
-    and groups, column tails."""
+    and groups, column tails. A ConvTranspose's epilogue finishes each plane after its fold."""
     from shardflow.compiler.codegen.fusion import FusedOp
     from shardflow.compiler.codegen.templates_cpu import template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
@@ -742,20 +827,29 @@ def test_conv_epilogue_fusion(tmp_path):
         group("winograd-scale", WinogradConv([inp(1, 24, 40, 40), wino(24, 16, 2)], oc=16, m=2, pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
+    transposed = [  # ConvTranspose: the epilogue (bias first) finishes each folded plane
+        group("convT-relu", ConvTranspose([inp(2, 8, 7, 6), inp(8, 12, 3, 3), inp(12)], strides=(2, 2),
+                                          pads=(1, 1, 1, 1), output_shape=(14, 12)),
+              lambda y: Activation([y], kind="relu")),
+        group("convT-groups-residual", ConvTranspose([inp(1, 8, 9), inp(8, 3, 4)], group=2, strides=(2,),
+                                                     pads=(1, 1), output_shape=(18,)),
+              lambda y: Binary([y, inp(1, 6, 18)], fn="add"), lambda y: Activation([y], kind="sigmoid")),
+    ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
     finish += finish_packed + finish_wino
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the Relu, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
-    for g in finish + cases + packed + winograd:
+    for g in finish + cases + packed + winograd + transposed:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
-    ops = finish + cases + packed + winograd + [other]
+    ops = finish + cases + packed + winograd + transposed + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino)
     assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed)
     assert src.text.count("sf_conv2d_winograd<4>(in") == 2 and src.text.count("sf_conv2d_winograd<2>(in") == 1
-    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd)
+    assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
+    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed)
     assert src.text.count("the tiles are finished as they are stored") == len(finish)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))

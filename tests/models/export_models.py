@@ -9,7 +9,8 @@ Optional: ``python tests/models/export_models.py --out DIR --only gpt2 bert``.
 Every model is built from a transformers config (or plain ``torch.nn``) with random weights after
 ``torch.manual_seed(0)``; nothing is downloaded (``HF_HUB_OFFLINE=1``). Each model is exported with
 the TorchScript exporter (``dynamo=False``, opset 17 -> ``<name>_ts17.onnx``) and with the dynamo
-exporter (``dynamo=True``, opset 18 -> ``<name>_dynamo18.onnx``). Shapes are static (batch 2,
+exporter (``dynamo=True``, opset 18 -> ``<name>_dynamo18.onnx``), except where ``EXPORTS`` says
+otherwise (``llama_sdpa``: dynamo at opset 23 only, ``llama_sdpa_dynamo23.onnx``). Shapes are static (batch 2,
 sequence 8 for text models). Each wrapper returns a single tensor (last_hidden_state or logits).
 Weights are stored inside the .onnx file (no external data). Every file is checked with
 ``onnx.checker`` and run with onnxruntime (CPU), and compared with the torch module on the
@@ -179,7 +180,7 @@ def build_bert():
     return _HiddenState(model), _text_inputs(), ["last_hidden_state"]
 
 
-def build_llama():
+def build_llama(attn_implementation="eager"):
     from transformers import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(
@@ -192,7 +193,7 @@ def build_llama():
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
         use_cache=False,
-        attn_implementation="eager",
+        attn_implementation=attn_implementation,
     )
     model = LlamaModel(cfg).eval()
     return _HiddenState(model), _text_inputs(), ["last_hidden_state"]
@@ -283,15 +284,26 @@ def build_mlp():
     return model, specs, ["output"]
 
 
+def build_llama_sdpa():
+    """Llama with torch's scaled_dot_product_attention, which the dynamo exporter at opset 23 writes as
+    ONNX ``Attention`` ops (grouped K/V heads, the padding mask as a bool mask)."""
+    return build_llama(attn_implementation="sdpa")
+
+
 def _build_gpt2_default():
     wrapper, outs = build_gpt2(n_inner=128)
     return wrapper, _text_inputs(), outs
 
 
+#: (exporter, dynamo, opset) of each model's exports, unless EXPORTS says otherwise.
+DEFAULT_EXPORTS = (("torchscript", False, TS_OPSET), ("dynamo", True, DYNAMO_OPSET))
+EXPORTS = {"llama_sdpa": (("dynamo", True, 23),)}  # the model is there for opset 23's Attention op
+
 MODELS = {
     "gpt2": _build_gpt2_default,
     "bert": build_bert,
     "llama": build_llama,
+    "llama_sdpa": build_llama_sdpa,
     "neox": build_neox,
     "vit": build_vit,
     "t5_encoder": build_t5_encoder,
@@ -572,7 +584,7 @@ def export_all(out_dir=HERE, only=None, verbose=True):
         alt_feeds = make_inputs(specs, seed=1, pad=False)
         _atomic_write(os.path.join(out_dir, f"{name}_inputs.npz"), lambda p: np.savez(p, **feeds))
         input_names = [s[0] for s in specs]
-        for exporter, dynamo, opset in (("torchscript", False, TS_OPSET), ("dynamo", True, DYNAMO_OPSET)):
+        for exporter, dynamo, opset in EXPORTS.get(name, DEFAULT_EXPORTS):
             fname = f"{name}_{'dynamo' if dynamo else 'ts'}{opset}.onnx"
             path = os.path.join(out_dir, fname)
             entry = {

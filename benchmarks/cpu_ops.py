@@ -1,0 +1,66 @@
+"""CPU latency of the ops with their own templates beside the GEMM/conv ones, vs onnxruntime.
+
+Transposed convolutions (a U-Net/GAN decoder's upsampling: 2x2 and 4x4 stride 2, 3x3 stride 2 with
+output padding) and the ONNX ``Attention`` op (opset 23, what torch's dynamo exporter writes for
+``scaled_dot_product_attention``: causal, GPT-2-small heads, and grouped K/V heads with a padding
+mask, as a Llama exports). Each model is one op after a ``Split`` of its input ``x`` (Attention) or the
+op alone (ConvTranspose), compiled for one cpu rank and timed with ``shardflow.runtime.load`` against
+onnxruntime with the same thread count, in the same run. Options as :mod:`cpu_conv` (``--dirs A,B``
+compares builds made with ``--build-only --tag A`` round-robin).
+
+    python benchmarks/cpu_ops.py [--threads 2] [--repeat 30] [--only convT_4x4s2_16,attn_causal_512]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_conv import main as _main  # noqa: E402
+
+# name: (input channels, input height = width, output channels, kernel, stride, pad, output padding)
+CONV_T = {"convT_2x2s2_56": (64, 56, 32, 2, 2, 0, 0), "convT_3x3s2_28": (128, 28, 64, 3, 2, 1, 1),
+          "convT_4x4s2_16": (256, 16, 128, 4, 2, 1, 0)}
+# name: (batch, query heads, K/V heads, sequence, head size, causal, padding mask)
+ATTENTION = {"attn_causal_128": (1, 12, 12, 128, 64, True, False), "attn_causal_512": (1, 12, 12, 512, 64, True, False),
+             "attn_gqa_mask_256": (2, 32, 8, 256, 128, False, True)}
+
+
+def _model(name: str, path: str):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    info = helper.make_tensor_value_info
+    if name in CONV_T:
+        C, H, OC, K, S, P, OP = CONV_T[name]
+        w = (rng.standard_normal((C, OC, K, K)) * 0.1).astype(np.float32)
+        b = rng.standard_normal(OC).astype(np.float32)
+        OH = (H - 1) * S - 2 * P + K + OP
+        node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], kernel_shape=[K, K], strides=[S, S],
+                                pads=[P] * 4, output_padding=[OP, OP])
+        g = helper.make_graph([node], name, [info("x", TensorProto.FLOAT, [1, C, H, H])],
+                              [info("y", TensorProto.FLOAT, [1, OC, OH, OH])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * OC * C * K * K * H * H
+    B, HQ, HK, S, D, causal, padded = ATTENTION[name]
+    nodes = [helper.make_node("Split", ["x", "sizes"], ["q", "k", "v"], axis=1),
+             helper.make_node("Attention", ["q", "k", "v"] + (["m"] if padded else []), ["y"], is_causal=int(causal))]
+    inits = [numpy_helper.from_array(np.array([HQ, HK, HK], np.int64), "sizes")]
+    if padded:  # the last quarter of the keys of the second sequence are padding
+        mask = np.ones((B, 1, S, S), bool)  # onnxruntime wants the rows spelled out
+        mask[-1, ..., -S // 4:] = False
+        inits.append(numpy_helper.from_array(mask, "m"))
+    g = helper.make_graph(nodes, name, [info("x", TensorProto.FLOAT, [B, HQ + 2 * HK, S, D])],
+                          [info("y", TensorProto.FLOAT, [B, HQ, S, D])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), path)
+    flops = 4.0 * B * HQ * S * S * D * (0.5 if causal else 1.0)  # the products a causal mask leaves
+    return rng.standard_normal((B, HQ + 2 * HK, S, D)).astype(np.float32), flops
+
+
+if __name__ == "__main__":
+    sys.exit(_main(shapes={**{n: None for n in CONV_T}, **{n: None for n in ATTENTION}}, model=_model,
+                   description=__doc__))
