@@ -1394,6 +1394,59 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
   }
 }
 
+// ---- Depthwise convolution (one input channel per group) --------------------------------------------
+// Output plane t of image n reads input channel c = (t mod (C*ocm)) / ocm (ocm output channels per input
+// channel). Each output row starts at the bias; every tap (kh, kw) whose input row lies inside adds
+// w * the input row's pixels over the output columns whose input column lies inside (a range per kw,
+// computed once: a division per row and tap cost 7x7 convs most of their time), the row staying in L1
+// through its taps; then max(., 0) if relu, and epi (as in sf_conv2d) on the plane.
+SF_CLONES
+static void sf_dw_plane(const float* __restrict__ xp, const float* __restrict__ wp, float bv, float* __restrict__ yp,
+                        const SfConvGeom& g, const int64_t* __restrict__ lo, const int64_t* __restrict__ hi,
+                        bool relu) {
+  const int64_t SW = g.SW, OW = g.OW;
+  for (int64_t oh = 0; oh < g.OH; ++oh) {
+    float* __restrict__ yr = yp + oh * OW;
+    for (int64_t ow = 0; ow < OW; ++ow) yr[ow] = bv;
+    for (int64_t kh = 0; kh < g.KH; ++kh) {
+      const int64_t ih = oh * g.SH - g.PT + kh * g.DH;
+      if (ih < 0 || ih >= g.H) continue;
+      const float* __restrict__ xr = xp + ih * g.W;
+      for (int64_t kw = 0; kw < g.KW; ++kw) {
+        const int64_t off = kw * g.DW - g.PL, a = lo[kw], b = hi[kw];
+        const float wv = wp[kh * g.KW + kw];
+        if (SW == 1) { for (int64_t ow = a; ow < b; ++ow) yr[ow] += wv * xr[ow + off]; }
+        else if (SW == 2) { for (int64_t ow = a; ow < b; ++ow) yr[ow] += wv * xr[2 * ow + off]; }
+        else { for (int64_t ow = a; ow < b; ++ow) yr[ow] += wv * xr[ow * SW + off]; }
+      }
+    }
+    if (relu)
+      for (int64_t ow = 0; ow < OW; ++ow) yr[ow] = yr[ow] < 0.0f ? 0.0f : yr[ow];  // NaN stays NaN
+  }
+}
+
+static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
+                              int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
+                              bool relu = false) {
+  const int64_t OC = C * ocm, planes = nimg * OC, OP = g.OH * g.OW;
+  // tap kw's output columns [lo, hi) read inside the input row: 0 <= ow*SW + kw*DW - PL < W
+  int64_t* lo = static_cast<int64_t*>(sf_workspace(4, sizeof(int64_t) * 2 * g.KW));
+  int64_t* hi = lo + g.KW;
+  for (int64_t kw = 0; kw < g.KW; ++kw) {
+    const int64_t off = kw * g.DW - g.PL;
+    lo[kw] = std::min(g.OW, off >= 0 ? 0 : (-off + g.SW - 1) / g.SW);
+    hi[kw] = std::max(lo[kw], std::min(g.OW, g.W - off > 0 ? (g.W - off + g.SW - 1) / g.SW : 0));
+  }
+  const bool par = sf_max_threads() > 1 && planes > 1 && (double)planes * OP * g.KH * g.KW >= SF_CONV_PAR_WORK;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t t = 0; t < planes; ++t) {
+    const int64_t n = t / OC, oc = t % OC;
+    sf_dw_plane(x + (n * C + oc / ocm) * g.H * g.W, w + oc * g.KH * g.KW, bias ? bias[oc] : 0.0f, y + t * OP, g,
+                lo, hi, relu);
+    if (epi) epi(ctx, n, oc, oc + 1, 0, OP);
+  }
+}
+
 // ---- Transposed convolution (ConvTranspose over 1 or 2 spatial dims) ------------------------------
 // Per image and group, cols[OCG*KH*KW, H*W] = W_g^T @ x_g by the GEMM (W_g^T read in place from w [C, OCG,
 // KH, KW]: A[m, k] = w[(g*ICG + k) * OCG*KH*KW + m], so the GEMM packs it; the image's channels are B's
@@ -2070,8 +2123,9 @@ def _conv(op, fused=None) -> str | None:
         w = op.inputs[1].shape
         oc, icg, kern = w[0], w[1], tuple(w[2:])
     ocg = oc // g
-    if icg * _prod(kern) < 4 or ocg < 4:
-        return None  # depthwise-like: the generic nest is better
+    depthwise = not packed and not wino and icg == 1 and g == x[1]  # sf_conv_depthwise
+    if (icg * _prod(kern) < 4 or ocg < 4) and not depthwise:
+        return None  # thin groups that are not depthwise: the generic nest
     strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
     dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
     pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
@@ -2098,9 +2152,12 @@ def _conv(op, fused=None) -> str | None:
         lines = _args(op)
     else:
         simple = _kernel_finish(fused, index)
+        if simple is not None and depthwise and simple[0] != "nullptr":
+            simple = None  # the depthwise kernel applies a Relu only; a residual add goes to the epilogue
         if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
             res, relu = simple
-            finish = f", nullptr, nullptr, {res}, {'true' if relu else 'false'}"
+            relu = "true" if relu else "false"
+            finish = f", nullptr, nullptr, {relu}" if depthwise else f", nullptr, nullptr, {res}, {relu}"
         else:
             epi = _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else f"{bias}[c_]")
             if epi is None:
@@ -2108,7 +2165,9 @@ def _conv(op, fused=None) -> str | None:
             bias = "nullptr"
         lines = _args(fused)
     geometry = f"{KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL}"
-    if wino:
+    if depthwise:
+        lines.append(f"  // depthwise Conv: {Nb} images, {g} channels, {ocg} output(s) each ({geometry})")
+    elif wino:
         a = wino + 2
         lines.append(f"  // WinogradConv F({wino}x{wino}, 3x3): {Nb} images, {a * a} GEMMs [tiles, {icg}] @ [{icg}, {oc}] "
                      f"per chunk of tiles (pad {PT},{PL})")
@@ -2121,7 +2180,9 @@ def _conv(op, fused=None) -> str | None:
     lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
                  f"{OH}, {OW}}};")
     direct_arg = "true" if direct else "false"
-    if wino:
+    if depthwise:
+        fn, args = "sf_conv_depthwise", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}"
+    elif wino:
         fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}"
     elif packed:
         fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}"

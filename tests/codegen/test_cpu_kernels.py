@@ -90,7 +90,15 @@ def _large():
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
         Conv([_t((2, 6, 40)), _t((10, 6, 5)), _t((10,))], pads=(2, 2), strides=(3,)),
-        Conv([_t((1, 6, 8, 8)), _t((6, 1, 3, 3))], group=6, pads=(1, 1, 1, 1)),  # depthwise: generic nest
+        # depthwise (sf_conv_depthwise): a row's taps over column ranges; strides 1, 2 and 3, dilation,
+        # uneven pads, 7x7, two outputs per channel, 1-D (a causal conv's left pad), several images
+        Conv([_t((1, 6, 8, 8)), _t((6, 1, 3, 3))], group=6, pads=(1, 1, 1, 1)),
+        Conv([_t((2, 5, 17, 23)), _t((5, 1, 3, 3)), _t((5,))], group=5, pads=(1, 0, 2, 1), strides=(2, 2)),
+        Conv([_t((1, 4, 20, 31)), _t((8, 1, 3, 3)), _t((8,))], group=4, pads=(2, 2, 2, 2), dilations=(2, 2)),
+        Conv([_t((1, 3, 30, 29)), _t((3, 1, 7, 7)), _t((3,))], group=3, pads=(3, 3, 3, 3)),
+        Conv([_t((1, 4, 19, 40)), _t((4, 1, 3, 5))], group=4, pads=(0, 1, 1, 2), strides=(1, 3)),
+        Conv([_t((2, 6, 50)), _t((6, 1, 4)), _t((6,))], group=6, pads=(3, 0)),
+        Conv([_t((1, 96, 14, 14)), _t((96, 1, 3, 3)), _t((96,))], group=96, pads=(1, 1, 1, 1)),  # threads
         # the conv template's paths: short rows (two-load permutes), K in two blocks packed once for
         # the three row tiles, row and column remainders of every micro-kernel shape
         Conv([_t((1, 40, 9, 9)), _t((200, 40, 3, 3)), _t((200,))], pads=(1, 1, 1, 1)),
@@ -748,7 +756,8 @@ def test_conv_epilogue_fusion(tmp_path):
     operand that is the conv's own input, groups, strides, 1-D, threads. A residual Add and a Relu
     after it (either optional) are applied by the kernels as they store (``SfFin``), checked also with
     the AVX2 and portable kernels forced: 1x1 read from the image and packed, two K blocks, images
-    and groups, column tails. A ConvTranspose's epilogue finishes each plane after its fold."""
+    and groups, column tails. A ConvTranspose's epilogue finishes each plane after its fold; a depthwise
+    conv's Relu clamps its rows, other ops (a residual too) run on its planes."""
     from shardflow.compiler.codegen.fusion import FusedOp
     from shardflow.compiler.codegen.templates_cpu import template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
@@ -827,6 +836,15 @@ def test_conv_epilogue_fusion(tmp_path):
         group("winograd-scale", WinogradConv([inp(1, 24, 40, 40), wino(24, 16, 2)], oc=16, m=2, pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
+    depthwise = [  # sf_conv_depthwise: a Relu alone clamps the rows as they finish; other ops run on each plane
+        group("dw-relu", Conv([inp(2, 8, 9, 11), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1)),
+              lambda y: Activation([y], kind="relu")),
+        group("dw-relu6", Conv([inp(1, 8, 12, 10), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1),
+                               strides=(2, 2)),
+              lambda y: Clip([y], lo=0.0, hi=6.0)),
+        group("dw-residual-relu", Conv([inp(1, 6, 9, 9), inp(6, 1, 5, 5)], group=6, pads=(2, 2, 2, 2)),
+              lambda y: Binary([y, inp(1, 6, 9, 9)], fn="add"), lambda y: Activation([y], kind="relu")),
+    ]
     transposed = [  # ConvTranspose: the epilogue (bias first) finishes each folded plane
         group("convT-relu", ConvTranspose([inp(2, 8, 7, 6), inp(8, 12, 3, 3), inp(12)], strides=(2, 2),
                                           pads=(1, 1, 1, 1), output_shape=(14, 12)),
@@ -840,17 +858,20 @@ def test_conv_epilogue_fusion(tmp_path):
     finish += finish_packed + finish_wino
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the Relu, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
-    for g in finish + cases + packed + winograd + transposed:
+    for g in finish + cases + packed + winograd + transposed + depthwise:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
-    ops = finish + cases + packed + winograd + transposed + [other]
+    arrays[id(depthwise[0].inputs[0])].flat[7] = np.nan  # the Relu keeps a NaN
+    ops = finish + cases + packed + winograd + transposed + depthwise + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino)
     assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed)
     assert src.text.count("sf_conv2d_winograd<4>(in") == 2 and src.text.count("sf_conv2d_winograd<2>(in") == 1
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
-    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed)
-    assert src.text.count("the tiles are finished as they are stored") == len(finish)
+    assert src.text.count("sf_conv_depthwise(in") == len(depthwise)
+    assert src.text.count("sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, true);") == 1
+    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise) - 1
+    assert src.text.count("the tiles are finished as they are stored") == len(finish) + 1  # + dw-relu
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
