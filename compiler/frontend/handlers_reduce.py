@@ -266,8 +266,26 @@ def group_normalization(ctx):
         raise ctx.invalid(f"num_groups must be positive, got {groups}")
     per_channel = ctx.opset >= 21
     stash = _stash(ctx) if per_channel else x.dtype
-    return [ctx.add(GroupNorm([x, ctx.input(1), ctx.input(2)], name=ctx.name, groups=groups,
-                              epsilon=float(ctx.attr("epsilon", 1e-5)), stash=stash, per_channel=per_channel))]
+    eps = float(ctx.attr("epsilon", 1e-5))
+    scale, bias = ctx.input(1), ctx.input(2)
+    if not per_channel or x.ndim < 2 or x.shape[1] % groups or (x.shape[1],) != scale.shape or \
+            (x.shape[1],) != bias.shape:
+        # the op checks its operands and names what is wrong (opset 18's per-group form: onnx's checker
+        # refuses it as deprecated before this)
+        return [ctx.add(GroupNorm([x, scale, bias], name=ctx.name, groups=groups, epsilon=eps, stash=stash,
+                                  per_channel=per_channel))]
+    # as a LayerNorm over each group, [N, G, C/G * spatial] (GroupNorm's own definition computes the
+    # group's statistics again for every channel of it: 3.4x onnxruntime's time on a diffusion UNet's
+    # 320 x 64 x 64, 0.16x as a LayerNorm), then the per-channel affine: the same operations in the same
+    # order
+    n, c = x.shape[:2]
+    rows = ctx.emit("Reshape", [x, ctx.constant(np.array([n, groups, x.size // max(n * groups, 1)], np.int64))], 14)
+    normed = ctx.add(LayerNorm([rows, ctx.constant(np.ones(1, x.dtype))], name=f"{ctx.name}/normalize", axis=2,
+                               epsilon=eps, stash=stash))
+    y = ctx.emit("Reshape", [normed, ctx.constant(np.array(x.shape, np.int64))], 14)
+    shape = ctx.constant(np.array((c,) + (1,) * (x.ndim - 2), np.int64))
+    y = ctx.emit("Mul", [y, ctx.emit("Reshape", [scale, shape], 14)], 14)
+    return [ctx.emit("Add", [y, ctx.emit("Reshape", [bias, shape], 14)], 14)]
 
 
 @onnx_op("LpNormalization")

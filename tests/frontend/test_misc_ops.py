@@ -244,3 +244,31 @@ def test_composed_ops_compiled_for_cpu(tmp_path, case):
     got = load(res.out_dir).run(feeds)
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
+    """GroupNormalization (opset 21) imports as a LayerNorm over [N, G, C/G * spatial] and the
+    per-channel affine after it (scale and bias graph inputs here); it computes what the GroupNorm op
+    computes, in the graph and compiled for cpu."""
+    opset = 21
+    from shardflow.compiler.ops.norm import GroupNorm
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 6, 5, 7)).astype(np.float32)
+    s, b = (rng.standard_normal(6).astype(np.float32) for _ in range(2))
+    node = helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=3, epsilon=1e-3)
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([node], "gn", [vi("x", TensorProto.FLOAT, x.shape), vi("s", TensorProto.FLOAT, s.shape),
+                                         vi("b", TensorProto.FLOAT, b.shape)], [vi("y", TensorProto.FLOAT, x.shape)])
+    path = tmp_path / "gn.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), path)
+    graph = load_onnx(str(path))
+    assert "LayerNorm" in graph.op_types() and "GroupNorm" not in graph.op_types()
+    op = GroupNorm([graph.inputs[0], graph.inputs[1], graph.inputs[2]], name="ref", groups=3, epsilon=1e-3,
+                   stash="float32", per_channel=True)
+    want = op.run(x, s, b)[0]
+    feeds = {"x": x, "s": s, "b": b}
+    np.testing.assert_allclose(graph.run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=str(tmp_path / "o"))
+    np.testing.assert_allclose(load(str(tmp_path / "o"), rank=0).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
