@@ -1,14 +1,16 @@
 """CPU latency of the ops with their own templates beside the GEMM/conv ones, vs onnxruntime.
 
 Transposed convolutions (a U-Net/GAN decoder's upsampling: 2x2 and 4x4 stride 2, 3x3 stride 2 with
-output padding) and the ONNX ``Attention`` op (opset 23, what torch's dynamo exporter writes for
+output padding), the ONNX ``Attention`` op (opset 23, what torch's dynamo exporter writes for
 ``scaled_dot_product_attention``: causal, GPT-2-small heads, and grouped K/V heads with a padding
-mask, as a Llama exports). Each model is one op after a ``Split`` of its input ``x`` (Attention) or the
-op alone (ConvTranspose), compiled for one cpu rank and timed with ``shardflow.runtime.load`` against
-onnxruntime with the same thread count, in the same run. Options as :mod:`cpu_conv` (``--dirs A,B``
-compares builds made with ``--build-only --tag A`` round-robin).
+mask, as a Llama exports), depthwise convs (MobileNetV2's 3x3 at 112x112, stride 2 at 56x56 and
+14x14; ConvNeXt's 7x7) and GroupNormalization (a diffusion UNet's 32 groups of 320 channels at
+64x64). Each model is one op after a ``Split`` of its input ``x`` (Attention) or the op alone,
+compiled for one cpu rank and timed with ``shardflow.runtime.load`` against onnxruntime with the
+same thread count, in the same run. Options as :mod:`cpu_conv` (``--dirs A,B`` compares builds made
+with ``--build-only --tag A`` round-robin).
 
-    python benchmarks/cpu_ops.py [--threads 2] [--repeat 30] [--only convT_4x4s2_16,attn_causal_512]
+    python benchmarks/cpu_ops.py [--threads 2] [--repeat 30] [--only convT_4x4s2_16,attn_causal_512,dw7_56_96]
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ from cpu_conv import main as _main  # noqa: E402
 # name: (input channels, input height = width, output channels, kernel, stride, pad, output padding)
 CONV_T = {"convT_2x2s2_56": (64, 56, 32, 2, 2, 0, 0), "convT_3x3s2_28": (128, 28, 64, 3, 2, 1, 1),
           "convT_4x4s2_16": (256, 16, 128, 4, 2, 1, 0)}
+# name: (channels, input height = width, kernel, stride)
+DEPTHWISE = {"dw3_112_32": (32, 112, 3, 1), "dw3s2_56_144": (144, 56, 3, 2), "dw3_14_576": (576, 14, 3, 1),
+             "dw7_56_96": (96, 56, 7, 1)}
+# name: (channels, height = width, groups)
+GROUP_NORM = {"groupnorm_320_64": (320, 64, 32)}
 # name: (batch, query heads, K/V heads, sequence, head size, causal, padding mask)
 ATTENTION = {"attn_causal_128": (1, 12, 12, 128, 64, True, False), "attn_causal_512": (1, 12, 12, 512, 64, True, False),
              "attn_gqa_mask_256": (2, 32, 8, 256, 128, False, True)}
@@ -46,6 +53,27 @@ def _model(name: str, path: str):
                               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
         return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * OC * C * K * K * H * H
+    if name in DEPTHWISE:
+        C, H, K, S = DEPTHWISE[name]
+        w = rng.standard_normal((C, 1, K, K)).astype(np.float32)
+        b = rng.standard_normal(C).astype(np.float32)
+        OH = (H + 2 * (K // 2) - K) // S + 1
+        node = helper.make_node("Conv", ["x", "w", "b"], ["y"], group=C, kernel_shape=[K, K], strides=[S, S],
+                                pads=[K // 2] * 4)
+        g = helper.make_graph([node], name, [info("x", TensorProto.FLOAT, [1, C, H, H])],
+                              [info("y", TensorProto.FLOAT, [1, C, OH, OH])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * C * K * K * OH * OH
+    if name in GROUP_NORM:
+        C, H, G = GROUP_NORM[name]
+        node = helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=G)
+        g = helper.make_graph([node], name, [info("x", TensorProto.FLOAT, [1, C, H, H])],
+                              [info("y", TensorProto.FLOAT, [1, C, H, H])],
+                              [numpy_helper.from_array(rng.standard_normal(C).astype(np.float32), "s"),
+                               numpy_helper.from_array(rng.standard_normal(C).astype(np.float32), "b")])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
+        return rng.standard_normal((1, C, H, H)).astype(np.float32), 8.0 * C * H * H  # ~8 flops per element
     B, HQ, HK, S, D, causal, padded = ATTENTION[name]
     nodes = [helper.make_node("Split", ["x", "sizes"], ["q", "k", "v"], axis=1),
              helper.make_node("Attention", ["q", "k", "v"] + (["m"] if padded else []), ["y"], is_causal=int(causal))]
@@ -62,5 +90,5 @@ def _model(name: str, path: str):
 
 
 if __name__ == "__main__":
-    sys.exit(_main(shapes={**{n: None for n in CONV_T}, **{n: None for n in ATTENTION}}, model=_model,
+    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *ATTENTION, *DEPTHWISE, *GROUP_NORM]), model=_model,
                    description=__doc__))
