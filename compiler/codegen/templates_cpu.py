@@ -1447,6 +1447,55 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
   }
 }
 
+// ---- 3-D convolution --------------------------------------------------------------------------------
+// Per image and group, a slab of output depth slices at a time: its im2col matrix col[K][slab pixels]
+// (K = C*KD*KH*KW, zero where a tap reads the padding) is copied, then y[OCG, slab] = w[OCG, K] @ col by
+// the GEMM with the bias as its epilogue. Slabs keep col near 16 MB.
+struct SfConv3Geom { int64_t C, D, H, W, KD, KH, KW, SD, SH, SW, DD, DH, DW, PF, PT, PL, OD, OH, OW; };
+
+static void sf_conv3d(const float* x, const float* w, const float* bias, float* y, const SfConv3Geom& g,
+                      int64_t nimg, int64_t groups, int64_t ocg) {
+  const int64_t K = g.C * g.KD * g.KH * g.KW, P2 = g.OH * g.OW, P = g.OD * P2, IP = g.D * g.H * g.W;
+  if (nimg <= 0 || groups <= 0 || ocg <= 0 || P <= 0) return;
+  const int64_t slab = std::max<int64_t>(1, std::min<int64_t>(g.OD, (int64_t(1) << 22) / std::max<int64_t>(K * P2, 1)));
+  float* col = static_cast<float*>(sf_workspace(3, sizeof(float) * K * slab * P2));
+  const bool par = sf_max_threads() > 1 && (double)K * slab * P2 >= 65536.0;
+  for (int64_t ng = 0; ng < nimg * groups; ++ng) {
+    const float* xg = x + ng * g.C * IP;
+    for (int64_t d0 = 0; d0 < g.OD; d0 += slab) {
+      const int64_t nd = std::min(slab, g.OD - d0), ld = nd * P2;
+      #pragma omp parallel for schedule(static) if (par)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t kw = k % g.KW, kh = (k / g.KW) % g.KH, kd = (k / (g.KW * g.KH)) % g.KD;
+        const int64_t c = k / (g.KW * g.KH * g.KD);
+        // the output columns [lo, hi) that read inside the row: 0 <= ow*SW + off < W
+        const int64_t off = kw * g.DW - g.PL;
+        const int64_t lo = std::min(g.OW, off >= 0 ? 0 : (-off + g.SW - 1) / g.SW);
+        const int64_t hi = std::max(lo, std::min(g.OW, g.W - off > 0 ? (g.W - off + g.SW - 1) / g.SW : 0));
+        for (int64_t od = d0; od < d0 + nd; ++od) {
+          const int64_t id = od * g.SD - g.PF + kd * g.DD;
+          for (int64_t oh = 0; oh < g.OH; ++oh) {
+            const int64_t ih = oh * g.SH - g.PT + kh * g.DH;
+            float* __restrict__ dst = col + k * ld + (od - d0) * P2 + oh * g.OW;
+            if (id < 0 || id >= g.D || ih < 0 || ih >= g.H) {
+              for (int64_t ow = 0; ow < g.OW; ++ow) dst[ow] = 0.0f;
+              continue;
+            }
+            const float* __restrict__ xr = xg + (c * g.D + id) * g.H * g.W + ih * g.W + off;
+            for (int64_t ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;
+            if (g.SW == 1) { for (int64_t ow = lo; ow < hi; ++ow) dst[ow] = xr[ow]; }
+            else { for (int64_t ow = lo; ow < hi; ++ow) dst[ow] = xr[ow * g.SW]; }
+            for (int64_t ow = hi; ow < g.OW; ++ow) dst[ow] = 0.0f;
+          }
+        }
+      }
+      const int64_t gi = ng % groups;
+      sf_sgemm(ocg, ld, K, w + gi * ocg * K, K, 1, col, ld, 1, y + ng * ocg * P + d0 * P2, P, 1.0f,
+               bias ? bias + gi * ocg : nullptr, 1, 0, true);
+    }
+  }
+}
+
 // ---- Transposed convolution (ConvTranspose over 1 or 2 spatial dims) ------------------------------
 // Per image and group, cols[OCG*KH*KW, H*W] = W_g^T @ x_g by the GEMM (W_g^T read in place from w [C, OCG,
 // KH, KW]: A[m, k] = w[(g*ICG + k) * OCG*KH*KW + m], so the GEMM packs it; the image's channels are B's
@@ -2094,6 +2143,25 @@ def _flt(v: float) -> str:
     return r + ("f" if ("." in r or "e" in r) else ".0f")
 
 
+def _conv3d(op) -> str | None:
+    """Conv over 3 spatial dims through :func:`sf_conv3d` (im2col slabs and the GEMM); no fused ops."""
+    x, w, out = op.inputs[0].shape, op.inputs[1].shape, op.outputs[0].shape
+    g = int(op.attrs.get("group", 1))
+    oc, icg = w[0], w[1]
+    strides = tuple(op.attrs.get("strides") or (1, 1, 1))
+    dil = tuple(op.attrs.get("dilations") or (1, 1, 1))
+    pads = tuple(op.attrs.get("pads") or (0,) * 6)
+    geom = (icg, *x[2:], *w[2:], *strides, *dil, *pads[:3], *out[2:])
+    lines = _args(op)
+    lines.append(f"  // Conv 3-D: {x[0]} images, {g} group(s) of [{oc // g}, {icg * _prod(w[2:])}] @ im2col "
+                 f"[{icg * _prod(w[2:])}, {_prod(out[2:])}] (kernel {list(w[2:])}, strides {list(strides)}, "
+                 f"dilations {list(dil)}, pads {list(pads)})")
+    lines.append(f"  static const SfConv3Geom geom = {_arr(geom)};")
+    bias = "in2" if len(op.inputs) > 2 else "nullptr"
+    lines.append(f"  sf_conv3d(in0, in1, {bias}, out0, geom, {x[0]}, {g}, {oc // g});")
+    return "\n".join(lines)
+
+
 def _conv_io(op, fused) -> tuple[dict[int, int], str, str, str | None]:
     """``(index, x, w, bias)``: the kernel's names of a conv's input, weight and bias (``None`` without
     one), arguments of ``op``'s own kernel or of ``fused``'s (``index``: tensor id -> argument)."""
@@ -2108,6 +2176,8 @@ def _conv(op, fused=None) -> str | None:
     tiles are finished by the bias and those ops (:func:`_conv_epilogue`)."""
     x = op.inputs[0].shape
     n_sp = len(x) - 2
+    if n_sp == 3 and op.op_type == "Conv" and fused is None:
+        return _conv3d(op)
     if n_sp not in (1, 2):
         return None
     g = int(op.attrs.get("group", 1))
@@ -2417,7 +2487,8 @@ def _fused(op) -> str | None:
 def accepts_epilogue(op) -> bool:
     """Whether ``op``'s template can apply element-wise ops to its output (a float32 Conv or PackedConv): a fused
     group of ``op`` and such ops compiles to the template with the ops in its epilogue."""
-    return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose") and template_kind(op) == op.op_type
+    return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose") and op.inputs[0].ndim <= 4 \
+        and template_kind(op) == op.op_type
 
 
 def _pool(op) -> str | None:

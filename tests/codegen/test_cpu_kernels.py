@@ -147,6 +147,13 @@ def _large():
         WinogradConv([_t((2, 10, 13, 11)), _wino(10, 21, 4)], oc=21, m=4, pads=(1, 0, 2, 1)),
         WinogradConv([_t((1, 32, 28, 28)), _wino(32, 48, 4), _t((48,))], oc=48, m=4, pads=(1, 1, 1, 1)),
         WinogradConv([_t((3, 200, 9, 30)), _wino(200, 260, 2), _t((260,))], oc=260, m=2, pads=(0, 1, 0, 1)),
+        # 3-D convs (im2col slabs and the GEMM): padding, strides, dilation, groups, bias, several images,
+        # slabs of depth slices (a K of 2 blocks: 300 channels), threads
+        Conv([_t((2, 4, 6, 7, 9)), _t((6, 2, 3, 2, 3)), _t((6,))], group=2, pads=(1, 0, 2, 1, 1, 0),
+             strides=(2, 1, 2), dilations=(2, 2, 1)),
+        Conv([_t((1, 300, 3, 4, 5)), _t((10, 300, 1, 3, 3)), _t((10,))], pads=(0, 1, 1, 0, 1, 1)),
+        Conv([_t((1, 8, 12, 16, 16)), _t((16, 8, 3, 3, 3))], pads=(1,) * 6),
+        Conv([_t((1, 64, 3, 48, 48)), _t((4, 64, 3, 3, 3)), _t((4,))], pads=(1,) * 6),  # one depth slice per slab
         # the transposed-conv template (a GEMM into columns, then col2im): output padding, groups with
         # stride, dilation and uneven pads, 1-D, stride 1, an output past the columns' reach (negative end pads:
         # bias only there), K in two blocks, threads, and a thin one left to the generic nest
@@ -464,6 +471,16 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
     assert last == f"ok {len(cases)}" and len(cases) >= 14
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
+
+
+def test_3d_convs_use_their_template():
+    """3-D convs run sf_conv3d (the generic nest was 26-28x onnxruntime's time, rfcs/0002); fused ops
+    after one stay apart (its template has no epilogue)."""
+    from shardflow.compiler.codegen.templates_cpu import accepts_epilogue, template_body, template_kind
+
+    convs = [op for _, op, _ in LARGE if op.op_type == "Conv" and op.inputs[0].ndim == 5]
+    assert len(convs) == 4 and all(template_kind(op) == "Conv" for op in convs)
+    assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
 
 
 def test_transposed_convs_use_their_template():
