@@ -4,11 +4,11 @@ Transposed convolutions (a U-Net/GAN decoder's upsampling: 2x2 and 4x4 stride 2,
 output padding), the ONNX ``Attention`` op (opset 23, what torch's dynamo exporter writes for
 ``scaled_dot_product_attention``: causal, GPT-2-small heads, and grouped K/V heads with a padding
 mask, as a Llama exports), depthwise convs (MobileNetV2's 3x3 at 112x112, stride 2 at 56x56 and
-14x14; ConvNeXt's 7x7) and GroupNormalization (a diffusion UNet's 32 groups of 320 channels at
-64x64). Each model is one op after a ``Split`` of its input ``x`` (Attention) or the op alone,
-compiled for one cpu rank and timed with ``shardflow.runtime.load`` against onnxruntime with the
-same thread count, in the same run. Options as :mod:`cpu_conv` (``--dirs A,B`` compares builds made
-with ``--build-only --tag A`` round-robin).
+14x14; ConvNeXt's 7x7), a 3-D conv (3x3x3, 16 -> 32 channels at 16x32x32) and GroupNormalization (a
+diffusion UNet's 32 groups of 320 channels at 64x64). Each model is one op after a ``Split`` of its
+input ``x`` (Attention) or the op alone, compiled for one cpu rank and timed with
+``shardflow.runtime.load`` against onnxruntime with the same thread count, in the same run. Options
+as :mod:`cpu_conv` (``--dirs A,B`` compares builds made with ``--build-only --tag A`` round-robin).
 
     python benchmarks/cpu_ops.py [--threads 2] [--repeat 30] [--only convT_4x4s2_16,attn_causal_512,dw7_56_96]
 """
@@ -28,6 +28,8 @@ CONV_T = {"convT_2x2s2_56": (64, 56, 32, 2, 2, 0, 0), "convT_3x3s2_28": (128, 28
 # name: (channels, input height = width, kernel, stride)
 DEPTHWISE = {"dw3_112_32": (32, 112, 3, 1), "dw3s2_56_144": (144, 56, 3, 2), "dw3_14_576": (576, 14, 3, 1),
              "dw7_56_96": (96, 56, 7, 1)}
+# name: (input channels, depth, height = width, output channels): 3x3x3, pad 1
+CONV3D = {"conv3d_16_16": (16, 16, 32, 32)}
 # name: (channels, height = width, groups)
 GROUP_NORM = {"groupnorm_320_64": (320, 64, 32)}
 # name: (batch, query heads, K/V heads, sequence, head size, causal, padding mask)
@@ -65,6 +67,14 @@ def _model(name: str, path: str):
                               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
         return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * C * K * K * OH * OH
+    if name in CONV3D:
+        C, D, H, OC = CONV3D[name]
+        w = (rng.standard_normal((OC, C, 3, 3, 3)) * 0.1).astype(np.float32)
+        node = helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3, 3], pads=[1] * 6)
+        g = helper.make_graph([node], name, [info("x", TensorProto.FLOAT, [1, C, D, H, H])],
+                              [info("y", TensorProto.FLOAT, [1, OC, D, H, H])], [numpy_helper.from_array(w, "w")])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return rng.standard_normal((1, C, D, H, H)).astype(np.float32), 2.0 * OC * C * 27 * D * H * H
     if name in GROUP_NORM:
         C, H, G = GROUP_NORM[name]
         node = helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=G)
@@ -90,5 +100,5 @@ def _model(name: str, path: str):
 
 
 if __name__ == "__main__":
-    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *ATTENTION, *DEPTHWISE, *GROUP_NORM]), model=_model,
+    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *ATTENTION, *DEPTHWISE, *CONV3D, *GROUP_NORM]), model=_model,
                    description=__doc__))
