@@ -188,6 +188,14 @@ static inline int sf_max_threads() {
 #endif
 }
 
+// the indices [lo, hi) of [0, n_out) whose o * s + off lies in [0, n_in): the output columns that read
+// inside an input row (im2col, depthwise), or the input columns a transposed conv's tap lands inside its
+// output (lo >= hi: none)
+static inline void sf_inside(int64_t off, int64_t s, int64_t n_in, int64_t n_out, int64_t& lo, int64_t& hi) {
+  lo = std::min(n_out, off >= 0 ? 0 : (-off + s - 1) / s);
+  hi = std::max(lo, std::min(n_out, n_in - off > 0 ? (n_in - off + s - 1) / s : 0));
+}
+
 #if defined(__x86_64__)
 // r[t] = lane t of each of r[0..7] (an 8 x 8 transposition in registers)
 __attribute__((target("avx2,fma"), always_inline))
@@ -1310,8 +1318,8 @@ static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* _
       }
       // the columns ow in [lo, hi) read inside the row (iw = ow * SW + kw * DW - PL in [0, W)); zero elsewhere
       const int64_t off = kw * g.DW - g.PL;
-      const int64_t lo = std::min(g.OW, off >= 0 ? 0 : (-off + g.SW - 1) / g.SW);
-      const int64_t hi = std::max(lo, std::min(g.OW, g.W - off > 0 ? (g.W - off + g.SW - 1) / g.SW : 0));
+      int64_t lo, hi;
+      sf_inside(off, g.SW, g.W, g.OW, lo, hi);
       const float* __restrict__ xr = xc + ih * g.W + off;
       for (int64_t ow = 0; ow < lo; ++ow) d[ow] = 0.0f;
       if (g.SW == 1) { for (int64_t ow = lo; ow < hi; ++ow) d[ow] = xr[ow]; }
@@ -1433,9 +1441,7 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
   int64_t* lo = static_cast<int64_t*>(sf_workspace(4, sizeof(int64_t) * 2 * g.KW));
   int64_t* hi = lo + g.KW;
   for (int64_t kw = 0; kw < g.KW; ++kw) {
-    const int64_t off = kw * g.DW - g.PL;
-    lo[kw] = std::min(g.OW, off >= 0 ? 0 : (-off + g.SW - 1) / g.SW);
-    hi[kw] = std::max(lo[kw], std::min(g.OW, g.W - off > 0 ? (g.W - off + g.SW - 1) / g.SW : 0));
+    sf_inside(kw * g.DW - g.PL, g.SW, g.W, g.OW, lo[kw], hi[kw]);
   }
   const bool par = sf_max_threads() > 1 && planes > 1 && (double)planes * OP * g.KH * g.KW >= SF_CONV_PAR_WORK;
   #pragma omp parallel for schedule(static) if (par)
@@ -1457,7 +1463,7 @@ static void sf_conv3d(const float* x, const float* w, const float* bias, float* 
                       int64_t nimg, int64_t groups, int64_t ocg) {
   const int64_t K = g.C * g.KD * g.KH * g.KW, P2 = g.OH * g.OW, P = g.OD * P2, IP = g.D * g.H * g.W;
   if (nimg <= 0 || groups <= 0 || ocg <= 0 || P <= 0) return;
-  const int64_t slab = std::max<int64_t>(1, std::min<int64_t>(g.OD, (int64_t(1) << 22) / std::max<int64_t>(K * P2, 1)));
+  const int64_t slab = std::clamp<int64_t>((int64_t(1) << 22) / std::max<int64_t>(K * P2, 1), 1, g.OD);  // slices
   float* col = static_cast<float*>(sf_workspace(3, sizeof(float) * K * slab * P2));
   const bool par = sf_max_threads() > 1 && (double)K * slab * P2 >= 65536.0;
   for (int64_t ng = 0; ng < nimg * groups; ++ng) {
@@ -1468,10 +1474,9 @@ static void sf_conv3d(const float* x, const float* w, const float* bias, float* 
       for (int64_t k = 0; k < K; ++k) {
         const int64_t kw = k % g.KW, kh = (k / g.KW) % g.KH, kd = (k / (g.KW * g.KH)) % g.KD;
         const int64_t c = k / (g.KW * g.KH * g.KD);
-        // the output columns [lo, hi) that read inside the row: 0 <= ow*SW + off < W
         const int64_t off = kw * g.DW - g.PL;
-        const int64_t lo = std::min(g.OW, off >= 0 ? 0 : (-off + g.SW - 1) / g.SW);
-        const int64_t hi = std::max(lo, std::min(g.OW, g.W - off > 0 ? (g.W - off + g.SW - 1) / g.SW : 0));
+        int64_t lo, hi;
+        sf_inside(off, g.SW, g.W, g.OW, lo, hi);
         for (int64_t od = d0; od < d0 + nd; ++od) {
           const int64_t id = od * g.SD - g.PF + kd * g.DD;
           for (int64_t oh = 0; oh < g.OH; ++oh) {
@@ -1531,13 +1536,12 @@ static void sf_conv_transpose2d(const float* x, const float* w, const float* bia
         for (int64_t kh = 0; kh < g.KH; ++kh) {
           // the input rows [h0, h1) whose tap kh lands inside: 0 <= ih*SH + ro < OH
           const int64_t ro = kh * g.DH - g.PT;
-          const int64_t h0 = std::min(g.H, ro >= 0 ? 0 : (-ro + g.SH - 1) / g.SH);
-          const int64_t h1 = std::max(h0, std::min(g.H, g.OH - ro > 0 ? (g.OH - ro + g.SH - 1) / g.SH : 0));
+          int64_t h0, h1;
+          sf_inside(ro, g.SH, g.OH, g.H, h0, h1);
           // tap kw lands the input columns [w0, w1) on output columns iw*SW + co
           auto cols_of = [&](int64_t kw, int64_t& w0, int64_t& w1, int64_t& co) {
             co = kw * g.DW - g.PL;
-            w0 = std::min(g.W, co >= 0 ? 0 : (-co + g.SW - 1) / g.SW);
-            w1 = std::max(w0, std::min(g.W, g.OW - co > 0 ? (g.OW - co + g.SW - 1) / g.SW : 0));
+            sf_inside(co, g.SW, g.OW, g.W, w0, w1);
           };
           auto add = [&](float* __restrict__ yr, const float* __restrict__ cr, int64_t i0, int64_t i1) {
             if (g.SW == 1) { for (int64_t iw = i0; iw < i1; ++iw) yr[iw] += cr[iw]; }
@@ -2688,18 +2692,22 @@ _MIXED_DTYPES = frozenset({"Attention"})
 CLONED_TEMPLATES = frozenset({"Pool"})
 
 
-def template_kind(op) -> str | None:
-    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``, ``"Pool"``; ``"Fused"`` for a
-    conv with fused element-wise ops) or ``None``."""
+def _template_fn(op):
+    """The template function for ``op``'s type when its outputs and dtypes fit one, else ``None``."""
     fn = _TEMPLATES.get(op.op_type)
     if fn is None or len(op.outputs) != 1 or (op.op_type not in _MIXED_DTYPES and not _all_f32(op)):
         return None
-    return op.op_type if fn(op) is not None else None
+    return fn
+
+
+def template_kind(op) -> str | None:
+    """The template that implements ``op`` (``"MatMul"``, ``"Gemm"``, ``"Conv"``, ``"Pool"``; ``"Fused"`` for a
+    conv with fused element-wise ops) or ``None``."""
+    fn = _template_fn(op)
+    return op.op_type if fn is not None and fn(op) is not None else None
 
 
 def template_body(op) -> str | None:
     """The kernel body for ``op`` from a template, or ``None`` when the generic lowering applies."""
-    fn = _TEMPLATES.get(op.op_type)
-    if fn is None or len(op.outputs) != 1 or (op.op_type not in _MIXED_DTYPES and not _all_f32(op)):
-        return None
-    return fn(op)
+    fn = _template_fn(op)
+    return fn(op) if fn is not None else None
