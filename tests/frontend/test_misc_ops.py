@@ -250,7 +250,6 @@ def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
     """GroupNormalization (opset 21) imports as a LayerNorm over [N, G, C/G * spatial] and the
     per-channel affine after it (scale and bias graph inputs here); it computes what the GroupNorm op
     computes, in the graph and compiled for cpu."""
-    opset = 21
     from shardflow.compiler.ops.norm import GroupNorm
 
     rng = np.random.default_rng(0)
@@ -261,7 +260,7 @@ def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
     g = helper.make_graph([node], "gn", [vi("x", TensorProto.FLOAT, x.shape), vi("s", TensorProto.FLOAT, s.shape),
                                          vi("b", TensorProto.FLOAT, b.shape)], [vi("y", TensorProto.FLOAT, x.shape)])
     path = tmp_path / "gn.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), path)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
     graph = load_onnx(str(path))
     assert "LayerNorm" in graph.op_types() and "GroupNorm" not in graph.op_types()
     op = GroupNorm([graph.inputs[0], graph.inputs[1], graph.inputs[2]], name="ref", groups=3, epsilon=1e-3,
