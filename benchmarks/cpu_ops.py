@@ -32,6 +32,14 @@ DEPTHWISE = {"dw3_112_32": (32, 112, 3, 1), "dw3s2_56_144": (144, 56, 3, 2), "dw
 CONV3D = {"conv3d_16_16": (16, 16, 32, 32)}
 # name: (channels, height = width, groups)
 GROUP_NORM = {"groupnorm_320_64": (320, 64, 32)}
+# name: (op, input shape, attributes): ops whose lowering is the generic loop nest or a plain loop
+SIMPLE = {"resize_nearest2x_64_80": ("Resize", (1, 64, 80, 80), {"mode": "nearest", "scale": 2.0}),
+          "resize_linear2x_64_80": ("Resize", (1, 64, 80, 80), {"mode": "linear", "scale": 2.0}),
+          "resize_linear_ac_256_28": ("Resize", (1, 256, 28, 28), {"mode": "linear", "scale": 2.0,
+                                                                   "coordinate_transformation_mode": "align_corners"}),
+          "softmax_12x512x512": ("Softmax", (1, 12, 512, 512), {"axis": -1}),
+          "layernorm_1024x768": ("LayerNormalization", (1024, 768), {"axis": -1}),
+          "instnorm_64_112": ("InstanceNormalization", (1, 64, 112, 112), {})}
 # name: (batch, query heads, K/V heads, sequence, head size, causal, padding mask)
 ATTENTION = {"attn_causal_128": (1, 12, 12, 128, 64, True, False), "attn_causal_512": (1, 12, 12, 512, 64, True, False),
              "attn_gqa_mask_256": (2, 32, 8, 256, 128, False, True)}
@@ -84,6 +92,8 @@ def _model(name: str, path: str):
                                numpy_helper.from_array(rng.standard_normal(C).astype(np.float32), "b")])
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
         return rng.standard_normal((1, C, H, H)).astype(np.float32), 8.0 * C * H * H  # ~8 flops per element
+    if name in SIMPLE:
+        return _simple(name, path, rng)
     B, HQ, HK, S, D, causal, padded = ATTENTION[name]
     nodes = [helper.make_node("Split", ["x", "sizes"], ["q", "k", "v"], axis=1),
              helper.make_node("Attention", ["q", "k", "v"] + (["m"] if padded else []), ["y"], is_causal=int(causal))]
@@ -99,6 +109,29 @@ def _model(name: str, path: str):
     return rng.standard_normal((B, HQ + 2 * HK, S, D)).astype(np.float32), flops
 
 
+def _simple(name: str, path: str, rng):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    op, shape, attrs = SIMPLE[name]
+    attrs, inits, ins, out_shape = dict(attrs), [], ["x"], list(shape)
+    if op == "Resize":
+        scale = attrs.pop("scale")
+        scales = np.array([1, 1, scale, scale], np.float32)
+        inits.append(numpy_helper.from_array(scales, "scales"))
+        ins += ["", "scales"]
+        out_shape = [int(d * s) for d, s in zip(shape, scales)]
+    elif op in ("LayerNormalization", "InstanceNormalization"):
+        n = shape[-1] if op == "LayerNormalization" else shape[1]
+        inits += [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), k) for k in ("s", "b")]
+        ins += ["s", "b"]
+    info = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node(op, ins, ["y"], **attrs)], name, [info("x", TensorProto.FLOAT, shape)],
+                          [info("y", TensorProto.FLOAT, out_shape)], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return rng.standard_normal(shape).astype(np.float32), float(np.prod(out_shape))  # "GF/s": elements per ns
+
+
 if __name__ == "__main__":
-    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *ATTENTION, *DEPTHWISE, *CONV3D, *GROUP_NORM]), model=_model,
+    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *ATTENTION, *DEPTHWISE, *CONV3D, *GROUP_NORM, *SIMPLE]), model=_model,
                    description=__doc__))

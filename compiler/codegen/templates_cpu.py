@@ -2485,14 +2485,17 @@ def _fused(op) -> str | None:
         return None
     if members[0].op_type == "ConvTranspose":
         return _conv_transpose(members[0], fused=op)
+    if members[0].op_type == "Resize":
+        return _resize(members[0], fused=op)
     return _conv(members[0], fused=op)
 
 
 def accepts_epilogue(op) -> bool:
-    """Whether ``op``'s template can apply element-wise ops to its output (a float32 Conv or PackedConv): a fused
-    group of ``op`` and such ops compiles to the template with the ops in its epilogue."""
-    return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose") and op.inputs[0].ndim <= 4 \
-        and template_kind(op) == op.op_type
+    """Whether ``op``'s template can apply element-wise ops to its output (a float32 conv, transposed
+    conv or Resize of a 3-D or 4-D tensor): a fused group of ``op`` and such ops compiles to the
+    template with the ops in its epilogue."""
+    return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose", "Resize") \
+        and op.inputs[0].ndim in (3, 4) and template_kind(op) == op.op_type
 
 
 def _pool(op) -> str | None:
@@ -2682,14 +2685,150 @@ def _pool_separable(is_max, init, div, H, W, OH, OW, KH, KW, SH, SW, DH, DW, PT,
     ]
 
 
+def _resize(op, fused=None) -> str | None:
+    """Resize (nearest, linear, cubic; any coordinate transformation, antialias, crop) of the last
+    one or two dims, from per-axis tap tables computed here (:meth:`Resize.axis_taps`, float64,
+    stored as int32 indices and float weights): each output row is a weighted sum of ``TH`` input
+    rows already resized along W (``hb``, a cache of ``TH`` such rows; row ``r`` lives in slot
+    ``r % TH``, and the taps of one output row are consecutive rows, so they never share a slot;
+    2x upsampling resizes each input row along W once). A row resized along W gathers ``TW``
+    columns per output. Nearest rows are gathers (or copies of the previous output row). Work is
+    split over planes, and over bands of rows when there are few planes. ``fused``: a group whose
+    later members run per band as the conv template's epilogue does (:func:`_conv_epilogue`)."""
+    x, y = op.inputs[0].shape, op.outputs[0].shape
+    r = len(x)
+    if len(op.inputs) != 1 or r < 1 or op.attrs.get("mode") not in ("nearest", "linear", "cubic"):
+        return None
+    taps = op.axis_taps(x)
+    if any(t is not None for t in taps[:-2]):
+        return None  # a leading dim resized: the generic nest
+    H, OH = (x[-2], y[-2]) if r >= 2 else (1, 1)
+    W, OW = x[-1], y[-1]
+    th = taps[-2] if r >= 2 else None
+    tw = taps[-1]
+    TH = 1 if th is None else th[0].shape[1]
+    TW = 1 if tw is None else tw[0].shape[1]
+    if TH > 32 or TW > 32 or max(H, W, OH, OW) >= 2 ** 31 \
+            or not math.isfinite(float(op.attrs.get("extrapolation_value", 0.0))):
+        return None
+    planes = _prod(x[:-2]) if r >= 2 else 1
+    nearest = op.attrs["mode"] == "nearest"
+    epi = None
+    if fused is not None:
+        if r not in (3, 4):
+            return None
+        epi = _conv_epilogue(fused, x[1], OH, OW, None)
+        if epi is None:
+            return None
+    xin = f"in{[id(t) for t in (fused or op).inputs].index(id(op.inputs[0]))}"
+    lines = _args(fused or op)
+    lines.append(f"  // resize ({op.attrs['mode']}, {op.attrs['coordinate_transformation_mode']}): {planes} planes "
+                 f"[{H}, {W}] -> [{OH}, {OW}], {TH} x {TW} taps")
+    if epi:
+        lines += epi
+
+    def table(name, v, tap_major=True):  # [taps][out] so that a loop over outputs reads it in order
+        vals = list(v.T.reshape(-1) if tap_major else v.reshape(-1))
+        if v.dtype.kind == "f":
+            return f"  static const float {name}[] = {{{', '.join(_flt(float(np.float32(w))) for w in vals)}}};"
+        return f"  static const int32_t {name}[] = {_arr(vals)};"
+
+    outside = []
+    if th is not None:
+        lines.append(table("ih", th[0], tap_major=False))  # [OH][TH]: the rows of one output row together
+        if not nearest:
+            lines.append(table("wh", th[1], tap_major=False))
+        if th[2] is not None and th[2].any():
+            lines.append(table("oh_out", th[2].astype(np.int64)))
+            outside.append("oh_out[oh]")
+    if tw is not None:
+        lines.append(table("iw", tw[0]))
+        if not nearest:
+            lines.append(table("ww", tw[1]))
+        if tw[2] is not None and tw[2].any():
+            lines.append(table("ow_out", tw[2].astype(np.int64)))
+            outside.append("ow_out[ow]")
+    # the row src resized along W into dst
+    if tw is None:
+        hrow = None
+    elif nearest:
+        hrow = ["for (int64_t ow = 0; ow < OW; ++ow) dst[ow] = src[iw[ow]];"]
+    elif TW <= 4:
+        terms = " + ".join(f"ww[{k} * OW + ow] * src[iw[{k} * OW + ow]]" for k in range(TW))
+        hrow = [f"for (int64_t ow = 0; ow < OW; ++ow) dst[ow] = {terms};"]
+    else:
+        hrow = ["for (int64_t ow = 0; ow < OW; ++ow) dst[ow] = ww[ow] * src[iw[ow]];",
+                "for (int64_t k = 1; k < TW; ++k)",
+                "  for (int64_t ow = 0; ow < OW; ++ow) dst[ow] += ww[k * OW + ow] * src[iw[k * OW + ow]];"]
+    lines.append(f"  constexpr int64_t H = {H}, W = {W}, OH = {OH}, OW = {OW}, TH = {TH}, TW = {TW};")
+    if hrow is not None:
+        lines.append("  auto hrow = [](const float* __restrict__ src, float* __restrict__ dst) {")
+        lines += ["    " + ln for ln in hrow]
+        lines.append("  };")
+    bands = 1 if planes >= 16 else min(OH, -(-16 // planes))
+    work = planes * OH * OW * (TH + TW)
+    cond = "sf_max_threads() > 1" if work >= (1 << 14) and planes * bands > 1 else "false"
+    lines.append(f"  #pragma omp parallel for schedule(static) if ({cond})")
+    lines.append(f"  for (int64_t item = 0; item < {planes * bands}; ++item) {{")
+    lines.append(f"    const int64_t pl = item / {bands}, band = item % {bands};")
+    lines.append(f"    const int64_t r0 = band * OH / {bands}, r1 = (band + 1) * OH / {bands};")
+    lines.append(f"    const float* __restrict__ xp = {xin} + pl * H * W;")
+    lines.append("    float* __restrict__ yp = out0 + pl * OH * OW;")
+    row_of = "ih[oh]" if th is not None else "oh"
+    if TH == 1:
+        lines.append("    for (int64_t oh = r0; oh < r1; ++oh) {")
+        lines.append("      float* __restrict__ yr = yp + oh * OW;")
+        if th is not None:  # a row that repeats the previous one (nearest upsampling) is copied
+            lines.append(f"      if (oh > r0 && {row_of} == ih[oh - 1]) std::memcpy(yr, yr - OW, sizeof(float) * OW);")
+            lines.append(f"      else {'hrow' if hrow else 'std::memcpy'}(xp + {row_of} * W, yr"
+                         f"{'' if hrow else ', sizeof(float) * OW'});")
+        else:
+            lines.append(f"      hrow(xp + {row_of} * W, yr);")
+    else:
+        if hrow is not None:
+            lines.append("    float* __restrict__ hb = static_cast<float*>(sf_workspace(0, sizeof(float) * TH * OW));")
+            lines.append("    int64_t cached[TH];")
+            lines.append("    for (int64_t k = 0; k < TH; ++k) cached[k] = -1;")
+        lines.append("    for (int64_t oh = r0; oh < r1; ++oh) {")
+        lines.append("      float* __restrict__ yr = yp + oh * OW;")
+        lines.append("      const float* rows[TH];")
+        lines.append("      for (int64_t k = 0; k < TH; ++k) {")
+        lines.append("        const int64_t row = ih[oh * TH + k];")
+        if hrow is not None:
+            lines.append("        float* slot = hb + (row % TH) * OW;")
+            lines.append("        if (cached[row % TH] != row) { hrow(xp + row * W, slot); cached[row % TH] = row; }")
+            lines.append("        rows[k] = slot;")
+        else:
+            lines.append("        rows[k] = xp + row * W;")
+        lines.append("      }")
+        if TH <= 4:
+            terms = " + ".join(f"wh[oh * TH + {k}] * rows[{k}][ow]" for k in range(TH))
+            lines.append(f"      for (int64_t ow = 0; ow < OW; ++ow) yr[ow] = {terms};")
+        else:
+            lines.append("      for (int64_t ow = 0; ow < OW; ++ow) yr[ow] = wh[oh * TH] * rows[0][ow];")
+            lines.append("      for (int64_t k = 1; k < TH; ++k) {")
+            lines.append("        const float wk = wh[oh * TH + k];")
+            lines.append("        const float* __restrict__ rk = rows[k];")
+            lines.append("        for (int64_t ow = 0; ow < OW; ++ow) yr[ow] += wk * rk[ow];")
+            lines.append("      }")
+    if outside:
+        ev = _flt(float(op.attrs.get("extrapolation_value", 0.0)))
+        lines.append(f"      for (int64_t ow = 0; ow < OW; ++ow) if ({' | '.join(outside)}) yr[ow] = {ev};")
+    lines.append("    }")
+    if epi:
+        lines.append(f"    epi_(&ctx_, pl / {x[1]}, pl % {x[1]}, pl % {x[1]} + 1, r0 * OW, r1 * OW);")
+    lines.append("  }")
+    return "\n".join(lines)
+
+
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
-              "Attention": _attention, "Fused": _fused}
+              "Attention": _attention, "Resize": _resize, "Fused": _fused}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
-CLONED_TEMPLATES = frozenset({"Pool"})
+CLONED_TEMPLATES = frozenset({"Pool", "Resize"})
 
 
 def _template_fn(op):

@@ -797,20 +797,21 @@ class Resize(Operator):
             return val
         return compute("y", sizes, f, dtype=dt)
 
-    def numpy(self, x):
+    def axis_taps(self, in_shape) -> list:
+        """Per dim of the input: ``None`` where the dim is copied, else ``(index, weight, outside)``:
+        ``index[o, t]`` (int64, clamped into the input) and ``weight[o, t]`` (float64) are the taps
+        that interpolate output index ``o`` (one tap of weight 1 for ``nearest``), and ``outside[o]``
+        (bool, ``tf_crop_and_resize`` only, else ``None``) marks outputs that take
+        ``extrapolation_value``. What :meth:`numpy` computes with, and the cpu template's tables."""
         mode, ctm = self.attrs["mode"], self.attrs["coordinate_transformation_mode"]
-        sizes = tuple(self.attrs["sizes"])
-        res = x if mode == "nearest" else x.astype(np.float64)
-        outside = np.zeros(sizes, bool) if ctm == "tf_crop_and_resize" else None
-        for d, (copy, scale, rd) in enumerate(self._axes(x.shape)):
+        sizes, res = tuple(self.attrs["sizes"]), []
+        for d, (copy, scale, rd) in enumerate(self._axes(in_shape)):
             if copy:
+                res.append(None)
                 continue
-            n = x.shape[d]
+            n = in_shape[d]
             xo = _source_coord_np(ctm, scale, n, sizes[d], rd)
-            if outside is not None:
-                shape = [1] * x.ndim
-                shape[d] = -1
-                outside = outside | ((xo < 0) | (xo > n - 1)).reshape(shape)
+            outside = ((xo < 0) | (xo > n - 1)) if ctm == "tf_crop_and_resize" else None
             fl = np.floor(xo)
             t = xo - fl
             base = fl.astype(np.int64)
@@ -818,12 +819,31 @@ class Resize(Operator):
                 nm = self.attrs.get("nearest_mode", "round_prefer_floor")
                 up = {"round_prefer_floor": t > 0.5, "round_prefer_ceil": t >= 0.5, "floor": np.zeros_like(t, bool),
                       "ceil": t > 0}[nm]
-                res = np.take(res, np.clip(base + up, 0, n - 1), axis=d)
+                res.append((np.clip(base + up, 0, n - 1)[:, None], np.ones((len(t), 1)), outside))
                 continue
             offs, ws = _taps(self.attrs, scale, t, base, n, _NumpyOps)
-            idx = base[:, None] + np.asarray(offs)[None, :]
-            ws = np.stack([np.broadcast_to(w_, t.shape) for w_ in ws], axis=1)
-            g = np.take(res, np.clip(idx, 0, n - 1), axis=d)  # (..., out, taps, ...)
+            idx = np.clip(base[:, None] + np.asarray(offs)[None, :], 0, n - 1)
+            res.append((idx, np.stack([np.broadcast_to(w_, t.shape) for w_ in ws], axis=1), outside))
+        return res
+
+    def numpy(self, x):
+        sizes = tuple(self.attrs["sizes"])
+        nearest = self.attrs["mode"] == "nearest"
+        res = x if nearest else x.astype(np.float64)
+        outside = np.zeros(sizes, bool) if self.attrs["coordinate_transformation_mode"] == "tf_crop_and_resize" \
+            else None
+        for d, taps in enumerate(self.axis_taps(x.shape)):
+            if taps is None:
+                continue
+            idx, ws, out_d = taps
+            if outside is not None:
+                shape = [1] * x.ndim
+                shape[d] = -1
+                outside = outside | out_d.reshape(shape)
+            if nearest:
+                res = np.take(res, idx[:, 0], axis=d)
+                continue
+            g = np.take(res, idx, axis=d)  # (..., out, taps, ...)
             wshape = [1] * g.ndim
             wshape[d], wshape[d + 1] = ws.shape
             res = (g * ws.reshape(wshape)).sum(axis=d + 1)

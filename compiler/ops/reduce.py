@@ -195,7 +195,8 @@ class Softmax(Operator):
             s = reduce(ext, lambda *k: UnaryOp("exp", at(k) - m), "sum")
             if log:
                 return x[i] - m - UnaryOp("log", s)
-            return UnaryOp("exp", x[i] - m) / s
+            # times 1 / sum (one division per row, not per element; within an ulp of the quotient)
+            return UnaryOp("exp", x[i] - m) * (Const(1.0, x.dtype) / s)
 
         return compute("y", x.shape, f, dtype=x.dtype)
 

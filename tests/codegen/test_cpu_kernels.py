@@ -21,7 +21,7 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, WinogradConv, winograd_weights
+from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LayerNorm
@@ -61,6 +61,13 @@ def _rand(rng, t):
     if np.dtype(t.dtype).kind in "iu":
         return rng.integers(-3, 4, t.shape).astype(t.dtype)
     return rng.standard_normal(t.shape).astype(t.dtype)
+
+
+def _resize(x, out, mode, ctm, **attrs):
+    """A Resize of ``x`` (a tensor or a shape) to ``out`` with the scales ``out / x.shape`` (every dim)."""
+    x = x if isinstance(x, Tensor) else _t(x)
+    return Resize([x], mode=mode, coordinate_transformation_mode=ctm, sizes=out,
+                  scales=tuple(o / i for o, i in zip(out, x.shape)), **attrs)
 
 
 def _large():
@@ -169,6 +176,26 @@ def _large():
         ConvTranspose([_t((1, 32, 24, 24)), _t((32, 16, 4, 4)), _t((16,))], strides=(2, 2), pads=(1, 1, 1, 1),
                       output_shape=(48, 48)),
         ConvTranspose([_t((1, 6, 5, 5)), _t((6, 1, 3, 3))], group=6, strides=(2, 2), output_shape=(11, 11)),
+        # the Resize template: nearest (every rounding, integer and odd scales), linear and cubic (rows
+        # resized along W cached and combined), only H or only W resized, antialias (many taps), crop
+        # with extrapolation, 1-D/2-D/5-D inputs, bands of rows (few planes) and threads over planes
+        _resize((1, 3, 10, 12), (1, 3, 20, 24), "nearest", "asymmetric", nearest_mode="floor"),
+        _resize((2, 3, 7, 9), (2, 3, 11, 5), "nearest", "half_pixel", nearest_mode="round_prefer_floor"),
+        _resize((1, 2, 9, 8), (1, 2, 13, 19), "nearest", "align_corners", nearest_mode="round_prefer_ceil"),
+        _resize((1, 2, 9, 8), (1, 2, 4, 19), "nearest", "tf_half_pixel_for_nn", nearest_mode="ceil"),
+        _resize((1, 4, 9, 10), (1, 4, 18, 20), "linear", "half_pixel"),
+        _resize((1, 32, 8, 8), (1, 32, 16, 16), "linear", "pytorch_half_pixel"),
+        _resize((2, 3, 17, 15), (2, 3, 6, 7), "linear", "align_corners"),
+        _resize((1, 2, 5, 17), (1, 2, 5, 40), "linear", "pytorch_half_pixel"),
+        _resize((1, 2, 12, 7), (1, 2, 30, 7), "cubic", "half_pixel_symmetric"),
+        _resize((1, 3, 11, 13), (1, 3, 25, 20), "cubic", "asymmetric", cubic_coeff_a=-0.5, exclude_outside=True),
+        _resize((1, 2, 40, 33), (1, 2, 12, 10), "cubic", "half_pixel", antialias=True),
+        _resize((1, 2, 40, 33), (1, 2, 12, 10), "linear", "half_pixel", antialias=True),
+        _resize((1, 2, 9, 10), (1, 2, 7, 16), "linear", "tf_crop_and_resize", extrapolation_value=5.0,
+                roi=(0.0, 0.0, -0.2, 0.1, 1.0, 1.0, 0.9, 1.3)),
+        _resize((2, 3, 10), (2, 3, 25), "linear", "half_pixel"),
+        _resize((7, 9), (14, 20), "cubic", "half_pixel"),
+        _resize((1, 2, 3, 6, 6), (1, 2, 3, 12, 12), "nearest", "asymmetric", nearest_mode="floor"),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
         Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),
@@ -774,7 +801,8 @@ def test_conv_epilogue_fusion(tmp_path):
     after it (either optional) are applied by the kernels as they store (``SfFin``), checked also with
     the AVX2 and portable kernels forced: 1x1 read from the image and packed, two K blocks, images
     and groups, column tails. A ConvTranspose's epilogue finishes each plane after its fold; a depthwise
-    conv's Relu clamps its rows, other ops (a residual too) run on its planes."""
+    conv's Relu clamps its rows, other ops (a residual too) run on its planes; a Resize's run on its
+    bands of rows."""
     from shardflow.compiler.codegen.fusion import FusedOp
     from shardflow.compiler.codegen.templates_cpu import template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
@@ -870,16 +898,24 @@ def test_conv_epilogue_fusion(tmp_path):
                                                      pads=(1, 1), output_shape=(18,)),
               lambda y: Binary([y, inp(1, 6, 18)], fn="add"), lambda y: Activation([y], kind="sigmoid")),
     ]
+    resized = [  # Resize: the epilogue runs on each band of rows (few planes) or plane (many)
+        group("resize-fpn-add", _resize(inp(1, 4, 6, 7), (1, 4, 12, 14), "nearest", "asymmetric", nearest_mode="floor"),
+              lambda y: Binary([y, inp(1, 4, 12, 14)], fn="add")),
+        group("resize-planes-relu", _resize(inp(2, 16, 5, 6), (2, 16, 10, 9), "linear", "half_pixel"),
+              lambda y: Binary([y, inp(16, 1, 1)], fn="mul"), lambda y: Activation([y], kind="relu")),
+        group("resize-1d-sigmoid", _resize(inp(2, 3, 10), (2, 3, 25), "cubic", "half_pixel"),
+              lambda y: Activation([y], kind="sigmoid")),
+    ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
     finish += finish_packed + finish_wino
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the Relu, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
-    for g in finish + cases + packed + winograd + transposed + depthwise:
+    for g in finish + cases + packed + winograd + transposed + depthwise + resized:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
     arrays[id(depthwise[0].inputs[0])].flat[7] = np.nan  # the Relu keeps a NaN
-    ops = finish + cases + packed + winograd + transposed + depthwise + [other]
+    ops = finish + cases + packed + winograd + transposed + depthwise + resized + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino)
     assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed)
@@ -889,6 +925,7 @@ def test_conv_epilogue_fusion(tmp_path):
     assert src.text.count("sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, true);") == 1
     assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise) - 1
     assert src.text.count("the tiles are finished as they are stored") == len(finish) + 1  # + dw-relu
+    assert src.text.count("epi_(&ctx_, pl / ") == len(resized)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:

@@ -221,3 +221,62 @@ def test_resize_opset10_and_upsample9_match_onnxruntime(mode, scales):
     _check("Resize", {"x": x, "s": s}, {"mode": mode}, initializers=("s",), opset=10)
     if min(scales) >= 1:
         _check("Upsample", {"x": x, "s": s}, {"mode": mode}, initializers=("s",), opset=9)
+
+
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "data"), ([2], "megatron")])
+def test_fpn_top_down_step_compiles_to_the_resize_template(tmp_path, monkeypatch, mesh, algo):
+    """A feature pyramid's top-down step (a 1x1 conv's output resized 2x, nearest, plus the lateral
+    features, then a Relu) compiled for cpu ranks: the Resize runs its template with the Add and the
+    Relu as its epilogue, and every rank's output matches onnxruntime."""
+    import json
+
+    from threads import run_threads
+
+    from shardflow.compiler import compile
+    from shardflow.compiler.codegen import templates_cpu
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+
+    fused_with = []
+    real = templates_cpu._resize
+
+    def resize(op, fused=None):
+        body = real(op, fused)
+        if fused is not None and body is not None:
+            fused_with.append([m.op_type for m in fused.members])
+        return body
+    monkeypatch.setattr(templates_cpu, "_resize", resize)
+    rng = np.random.default_rng(14)
+    inits = [numpy_helper.from_array(_f(rng, 16, 8, 1, 1), "w_top"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    nodes = [helper.make_node("Conv", ["top", "w_top"], ["t"]),
+             helper.make_node("Resize", ["t", "", "scales"], ["up"], mode="nearest",
+                              coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+             helper.make_node("Add", ["up", "lat"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "fpn", [info("top", TensorProto.FLOAT, [2, 8, 7, 9]),
+                                             info("lat", TensorProto.FLOAT, [2, 16, 14, 18])],
+                              [info("y", TensorProto.FLOAT, [2, 16, 14, 18])], inits)
+    path = tmp_path / "fpn.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)]), path)
+    feeds = {"top": _f(rng, 2, 8, 7, 9), "lat": _f(rng, 2, 16, 14, 18)}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    out = tmp_path / "out"
+    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
+            out_dir=out)
+    world = int(np.prod(mesh))
+    kernels = [[s["node"] for s in json.loads((out / f"rank{r}" / "program.json").read_text())["steps"]
+                if s["kind"] == "kernel"] for r in range(world)]
+    if algo == "data":
+        # each rank slices its images of `lat` (a LocalSlice member, which the epilogue does not
+        # inline): the Resize runs its template alone, the slice, Add and Relu one fused kernel
+        assert fused_with == [] and all(k == ["top/local_slice0->S(0)", "Conv(t)", "Resize(up)", "Relu(y)"]
+                                        for k in kernels), kernels
+    else:  # the conv, then the Resize with its epilogue
+        assert fused_with and all(f == ["Resize", "Binary", "Activation"] for f in fused_with), fused_with
+        assert all(k == ["Conv(t)", "Relu(y)"] for k in kernels), kernels
+
+    def work(c):
+        return load(out, c.rank, c).run(feeds)["y"]
+    for got in run_threads(InProcessWorld(world).communicators(), work, timeout=120):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
