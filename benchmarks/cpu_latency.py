@@ -6,11 +6,14 @@ ratio (ours / onnxruntime; lower is better). Models: the committed test models, 
 ``--sized`` also GPT-2-small-, BERT-base- and Llama-sized exports (124M, 110M, 170M parameters, 128
 tokens) and a ResNet-50-sized one
 (transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image), exported with
-torch.onnx.export at opset 17 (needs torch + transformers; slow). ``--only`` picks models by name.
+torch.onnx.export at opset 17 (needs torch + transformers; slow); with ``--light`` the 9 CNNs the
+onnx package ships for its backend tests (``onnx/backend/test/data/light``: AlexNet, DenseNet-121,
+Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size graphs with
+synthetic weights, one 224x224 image). ``--only`` picks models by name.
 ``--compare-prepack`` also times each model compiled with ``optimization_config["prepack"] = False``
 (GEMM weights packed on every call) in the same run, interleaved with the default build.
 
-    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--only resnet] [--compare-prepack]
+    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet] [--compare-prepack]
 """
 from __future__ import annotations
 
@@ -133,6 +136,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--sized", action="store_true", help="also export GPT-2-small-, BERT-base-, Llama- and ResNet-50-sized models (slow)")
+    ap.add_argument("--light", action="store_true", help="also the onnx package's light CNN models")
     ap.add_argument("--only", default="", help="only the models whose name contains this text")
     ap.add_argument("--compare-prepack", action="store_true",
                     help="also time each model compiled with optimization_config['prepack'] = False")
@@ -146,6 +150,20 @@ def main(argv=None) -> None:
                 continue
             feeds = dict(np.load(os.path.join(MODELS, f"{m.rsplit('_', 1)[0]}_inputs.npz")))
             bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, args.compare_prepack)
+        if args.light:
+            import onnx
+
+            light = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+            for f in sorted(os.listdir(light)):
+                if f.endswith(".onnx") and args.only in f:
+                    path = os.path.join(light, f)
+                    graph = onnx.load(path).graph
+                    inits = {i.name for i in graph.initializer}
+                    inp, = [i for i in graph.input if i.name not in inits]
+                    shape = [d.dim_value for d in inp.type.tensor_type.shape.dim]
+                    n = int(np.prod(shape))  # the onnx backend runner's input: a ramp in [0, 1)
+                    feeds = {inp.name: (np.arange(n).reshape(shape) / n).astype(np.float32)}
+                    bench(f[:-5], path, feeds, args.threads, max(5, args.repeat // 5), work, args.compare_prepack)
         if args.sized:
             sys.path.insert(0, MODELS)
             if args.only in "gpt2_small_124M":

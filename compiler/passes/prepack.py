@@ -110,8 +110,10 @@ def winograd_tile(c: int, oc: int, oh: int, ow: int, images: int = 1) -> int:
 def _winograd(op: Operator) -> tuple[Tensor, int] | None:
     """The constant weight and tile size of a Conv this pass turns into a WinogradConv, or ``None``."""
     w = _conv_weight(op)
+    if w is None:
+        return None
     x, y = op.inputs[0], op.outputs[0]
-    if w is None or x.ndim != 4 or tuple(w.shape[2:]) != (3, 3) \
+    if x.ndim != 4 or tuple(w.shape[2:]) != (3, 3) \
             or any(v != 1 for v in tuple(op.attrs.get("strides") or ()) + tuple(op.attrs.get("dilations") or ())):
         return None
     m = winograd_tile(int(x.shape[1]), int(w.shape[0]), int(y.shape[2]), int(y.shape[3]), int(x.shape[0]))

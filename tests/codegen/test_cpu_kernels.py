@@ -81,6 +81,9 @@ def _large():
         MatMul([_t((50, 300)), _t((300,))]),                          # matrix @ vector
         Gemm([_t((300, 45)), _t((70, 300)), _t((70,))], trans_a=True, trans_b=True, alpha=0.5, beta=2.0),
         Gemm([_t((64, 96)), _t((96, 80)), _t((64, 1))], beta=0.25),
+        # one row times a transposed weight: dot products, four columns at a time (a tail of 3), threads
+        Gemm([_t((1, 1000)), _t((203, 1000)), _t((203,))], trans_b=True, alpha=0.5, beta=2.0),
+        Gemm([_t((1, 37)), _t((6, 37))], trans_b=True),
         # weights packed at compile time: panels of PANEL (16) columns, which the AVX2 kernel reads
         # whole, the portable one by halves and the AVX-512 one two at a time (an odd count: the last
         # tile reads one); column tails, two K blocks, M == 1, biases, every row tail of the 6-row

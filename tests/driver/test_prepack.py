@@ -284,6 +284,20 @@ def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
     assert "WinogradConv" not in {op.op_type for op in PrepackWeights(winograd=False).run(build()).nodes}
 
 
+def test_ops_without_inputs_pass_through():
+    """A weight made at run time (ConstantOfShape above the fold limit, as in onnx's light AlexNet)
+    comes from an op with no inputs; the pass skipped such ops only after reading their first input
+    (an IndexError). The conv that reads it is left as it is (its weight is no constant)."""
+    from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.ops.transform import Full
+
+    x = Tensor("x", (1, 64, 12, 12), "float32")
+    full = Full([], name="w", shape=(64, 64, 3, 3), value=0.01, dtype="float32")
+    conv = Conv([x, full.outputs[0]], name="conv", pads=(1, 1, 1, 1))
+    g = PrepackWeights().run(FlowGraph([x], [conv.outputs[0]]))
+    assert [op.op_type for op in g.nodes] == ["Full", "Conv"]
+
+
 def _winograd_net(rng, path):
     """x [2, 128, 20, 20] -> 3x3 conv + bias -> Relu -> 2x2 max pool -> 3x3 conv -> + the pool -> y."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
