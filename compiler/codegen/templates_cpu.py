@@ -1496,14 +1496,16 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
 // ---- 3-D convolution --------------------------------------------------------------------------------
 // Per image and group, a slab of output depth slices at a time: its im2col matrix col[K][slab pixels]
 // (K = C*KD*KH*KW, zero where a tap reads the padding) is copied, then y[OCG, slab] = w[OCG, K] @ col by
-// the GEMM with the bias as its epilogue. Slabs keep col near 16 MB.
+// the GEMM with the bias as its epilogue. Slabs keep col within 2 MB (or one slice), so that the GEMM
+// packs it from the cache: 3x3x3 16 -> 32 channels at 16x32x32 took 5.3 ms with slabs of 16 MB, 4.05 ms
+// with one slice (1.7 MB) each (Zen 4, onnxruntime 2.97 ms).
 struct SfConv3Geom { int64_t C, D, H, W, KD, KH, KW, SD, SH, SW, DD, DH, DW, PF, PT, PL, OD, OH, OW; };
 
 static void sf_conv3d(const float* x, const float* w, const float* bias, float* y, const SfConv3Geom& g,
                       int64_t nimg, int64_t groups, int64_t ocg) {
   const int64_t K = g.C * g.KD * g.KH * g.KW, P2 = g.OH * g.OW, P = g.OD * P2, IP = g.D * g.H * g.W;
   if (nimg <= 0 || groups <= 0 || ocg <= 0 || P <= 0) return;
-  const int64_t slab = std::clamp<int64_t>((int64_t(1) << 22) / std::max<int64_t>(K * P2, 1), 1, g.OD);  // slices
+  const int64_t slab = std::clamp<int64_t>((int64_t(1) << 19) / std::max<int64_t>(K * P2, 1), 1, g.OD);  // slices
   float* col = static_cast<float*>(sf_workspace(3, sizeof(float) * K * slab * P2));
   const bool par = sf_max_threads() > 1 && (double)K * slab * P2 >= 65536.0;
   for (int64_t ng = 0; ng < nimg * groups; ++ng) {
