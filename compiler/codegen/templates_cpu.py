@@ -2820,10 +2820,15 @@ def _resize(op, fused=None) -> str | None:
     if TH == 1:
         lines.append("    for (int64_t oh = r0; oh < r1; ++oh) {")
         lines.append("      float* __restrict__ yr = yp + oh * OW;")
-        if th is not None:  # a row that repeats the previous one (nearest upsampling) is copied
-            lines.append(f"      if (oh > r0 && {row_of} == ih[oh - 1]) std::memcpy(yr, yr - OW, sizeof(float) * OW);")
-            lines.append(f"      else {'hrow' if hrow else 'std::memcpy'}(xp + {row_of} * W, yr"
-                         f"{'' if hrow else ', sizeof(float) * OW'});")
+        if th is not None:
+            fresh = f"hrow(xp + {row_of} * W, yr);" if hrow else \
+                f"std::memcpy(yr, xp + {row_of} * W, sizeof(float) * OW);"
+            if "oh_out[oh]" in outside:  # the previous row may hold the extrapolation value: no copies
+                lines.append(f"      {fresh}")
+            else:  # a row that repeats the previous one (nearest upsampling) is copied
+                lines.append(f"      if (oh > r0 && {row_of} == ih[oh - 1]) "
+                             "std::memcpy(yr, yr - OW, sizeof(float) * OW);")
+                lines.append(f"      else {fresh}")
         else:
             lines.append(f"      hrow(xp + {row_of} * W, yr);")
     else:

@@ -196,6 +196,9 @@ def _large():
         _resize((1, 2, 40, 33), (1, 2, 12, 10), "linear", "half_pixel", antialias=True),
         _resize((1, 2, 9, 10), (1, 2, 7, 16), "linear", "tf_crop_and_resize", extrapolation_value=5.0,
                 roi=(0.0, 0.0, -0.2, 0.1, 1.0, 1.0, 0.9, 1.3)),
+        _resize((1, 2, 9, 10), (1, 2, 14, 16), "nearest", "tf_crop_and_resize", extrapolation_value=5.0,
+                nearest_mode="floor", roi=(0.0, 0.0, -0.1, 0.1, 1.0, 1.0, 0.9, 1.3)),  # a row outside, then its source
+        _resize((1, 3, 6, 20), (1, 3, 13, 20), "nearest", "asymmetric", nearest_mode="floor"),  # rows copied
         _resize((2, 3, 10), (2, 3, 25), "linear", "half_pixel"),
         _resize((7, 9), (14, 20), "cubic", "half_pixel"),
         _resize((1, 2, 3, 6, 6), (1, 2, 3, 12, 12), "nearest", "asymmetric", nearest_mode="floor"),
