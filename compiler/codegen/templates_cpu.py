@@ -2759,9 +2759,13 @@ def _resize(op, fused=None) -> str | None:
     if fused is not None:
         if r not in (3, 4):
             return None
-        epi = _conv_epilogue(fused, x[1], OH, OW, None)
+        # 4-D: a band is rows r0..r1 of channel pl % C of image pl / C; 3-D [N, C, W]: the kernel's
+        # rows are the channels (H = C, copied), so a band is channels r0..r1 of image pl
+        epi = _conv_epilogue(fused, x[1], OH if r == 4 else 1, OW, None)
         if epi is None:
             return None
+        epi_call = (f"epi_(&ctx_, pl / {x[1]}, pl % {x[1]}, pl % {x[1]} + 1, r0 * OW, r1 * OW);" if r == 4
+                    else "epi_(&ctx_, pl, r0, r1, 0, OW);")
     xin = f"in{[id(t) for t in (fused or op).inputs].index(id(op.inputs[0]))}"
     lines = _args(fused or op)
     lines.append(f"  // resize ({op.attrs['mode']}, {op.attrs['coordinate_transformation_mode']}): {planes} planes "
@@ -2772,7 +2776,7 @@ def _resize(op, fused=None) -> str | None:
     def table(name, v, tap_major=True):  # [taps][out] so that a loop over outputs reads it in order
         vals = list(v.T.reshape(-1) if tap_major else v.reshape(-1))
         if v.dtype.kind == "f":
-            return f"  static const float {name}[] = {{{', '.join(_flt(float(np.float32(w))) for w in vals)}}};"
+            return f"  static const float {name}[] = {{{', '.join(_flt(w) for w in vals)}}};"
         return f"  static const int32_t {name}[] = {_arr(vals)};"
 
     outside = []
@@ -2863,7 +2867,7 @@ def _resize(op, fused=None) -> str | None:
         lines.append(f"      for (int64_t ow = 0; ow < OW; ++ow) if ({' | '.join(outside)}) yr[ow] = {ev};")
     lines.append("    }")
     if epi:
-        lines.append(f"    epi_(&ctx_, pl / {x[1]}, pl % {x[1]}, pl % {x[1]} + 1, r0 * OW, r1 * OW);")
+        lines.append(f"    {epi_call}")
     lines.append("  }")
     return "\n".join(lines)
 

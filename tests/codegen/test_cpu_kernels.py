@@ -911,6 +911,8 @@ def test_conv_epilogue_fusion(tmp_path):
               lambda y: Binary([y, inp(16, 1, 1)], fn="mul"), lambda y: Activation([y], kind="relu")),
         group("resize-1d-sigmoid", _resize(inp(2, 3, 10), (2, 3, 25), "cubic", "half_pixel"),
               lambda y: Activation([y], kind="sigmoid")),
+        group("resize-1d-residual", _resize(inp(2, 3, 10), (2, 3, 25), "linear", "half_pixel"),  # rows = channels
+              lambda y: Binary([y, inp(2, 3, 25)], fn="add"), lambda y: Binary([y, inp(3, 1)], fn="mul")),
     ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
@@ -931,7 +933,7 @@ def test_conv_epilogue_fusion(tmp_path):
     assert src.text.count("sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, true);") == 1
     assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise) - 1
     assert src.text.count("the tiles are finished as they are stored") == len(finish) + 1  # + dw-relu
-    assert src.text.count("epi_(&ctx_, pl / ") == len(resized)
+    assert src.text.count("epi_(&ctx_, pl") == len(resized)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
