@@ -120,7 +120,7 @@ class RMSNorm(Operator):
 
 
 class BatchNorm(Operator):
-    """Inference batch normalization: ``scale * (x - mean) / sqrt(var + epsilon) + bias``.
+    """Inference batch normalization: ``(x - mean) * (scale / sqrt(var + epsilon)) + bias``.
 
     The parameters are indexed by the input dims from 1 on (shape ``(C,)``, or ``x.shape[1:]`` for
     the per-activation form of old opsets) and the arithmetic is done in their promoted dtype.
@@ -139,7 +139,8 @@ class BatchNorm(Operator):
 
         def y(*i):
             s, b, m, v = (_cast(t[tuple(i[1:1 + t.ndim])], t.dtype, cdt) for t in params)
-            r = s * (_cast(x[i], x.dtype, cdt) - m) / UnaryOp("sqrt", v + Const(eps, cdt)) + b
+            # (x - mean) times a per-channel factor: a kernel computes the factor once per channel
+            r = (_cast(x[i], x.dtype, cdt) - m) * (s / UnaryOp("sqrt", v + Const(eps, cdt))) + b
             return _cast(r, cdt, x.dtype)
 
         return compute("y", x.shape, y, dtype=x.dtype)
@@ -150,7 +151,7 @@ class BatchNorm(Operator):
 
         cdt = np.result_type(x, scale, bias, mean, var)
         with np.errstate(all="ignore"):
-            y = p(scale) * (x.astype(cdt) - p(mean)) / np.sqrt(p(var) + cdt.type(self.attrs["epsilon"])) + p(bias)
+            y = (x.astype(cdt) - p(mean)) * (p(scale) / np.sqrt(p(var) + cdt.type(self.attrs["epsilon"]))) + p(bias)
         return [y.astype(x.dtype, copy=False)]
 
 
