@@ -188,15 +188,6 @@ static inline int sf_max_threads() {
 #endif
 }
 
-// the calling thread's index in its parallel region (0 outside one), below sf_max_threads()
-static inline int sf_thread_index() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
 // the indices [lo, hi) of [0, n_out) whose o * s + off lies in [0, n_in): the output columns that read
 // inside an input row (im2col, depthwise), or the input columns a transposed conv's tap lands inside its
 // output (lo >= hi: none)
@@ -1453,13 +1444,15 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
 
 // ---- Depthwise convolution (one input channel per group) --------------------------------------------
 // Output plane t of image n reads input channel c = (t mod (C*ocm)) / ocm (ocm output channels per input
-// channel). A plane is computed in bands of output rows (threads take (plane, band) items). A band's input
+// channel). With one output per channel and 8+ channels, sf_conv_depthwise_blocked (below) computes 16
+// channels at a time; otherwise (channel multipliers, a few channels) a plane is computed on its own, in
+// bands of output rows (threads take (plane, band) items). A band's input
 // is first copied, zero-padded, into its stride phases: phase (ph, pw) holds the padded input's pixels
 // (row*SH + ph, col*SW + pw) in rows of We = OW + (the largest tap column offset) floats, so that tap
 // (kh, kw) reads phase ((kh*DH) mod SH, (kw*DW) mod SW) at a fixed offset of (kh*DH / SH) rows and
 // (kw*DW / SW) columns, and the band's output, as rows of We, is one long contiguous sum over the taps
 // of w * (the phase from that offset): no bounds per row or tap (the padding is in the copy) and no
-// short rows (14x14 planes took 5x onnxruntime's time row by row). Then the band's first OW columns of
+// short rows (a 14x14 plane's rows were each a vector or less). Then the band's first OW columns of
 // each row are copied out (max(., 0) if relu) and epi (as in sf_conv2d) finishes them.
 struct SfDwPlan {
   int64_t We, BR, maxqh, nph, PS, ZS, per;  // row, band rows, tap row reach, phases, floats: phase, sums, all
@@ -1563,11 +1556,232 @@ static void sf_dw_band(const float* __restrict__ xp, const float* __restrict__ w
   }
 }
 
+// ---- Depthwise convolution in blocks of 16 channels ----------------------------------------------------
+// For one output per channel and 8+ channels: threads take (image, block of 16 channels, band of output
+// rows) items. The band's input rows are transposed into xt[row][padded column][16 channels] (zero in the
+// padding and in the lanes of missing channels), so that an output pixel's 16 channels are one vector:
+// bias + sum over taps of w[tap][16] * xt[row*SH + kh*DH][col*SW + kw*DW], over a run of output columns
+// at a time (any stride or dilation, whole-vector loads); each output row is transposed back into its 16
+// planes (max(., 0) if relu) and epi (as in sf_conv2d) finishes the band. Small planes (7x7, 14x14) do
+// whole-vector work where a plane's rows would be a vector or less.
+constexpr int64_t SF_DWC = 16;
+
+// t[j * 16 + c] = src[c * ld + j] for c < nc, 0 for nc <= c < 16; j < n
+static void sf_to_vec16_generic(const float* __restrict__ src, int64_t ld, int64_t nc, int64_t n,
+                                float* __restrict__ t) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < SF_DWC; ++c) t[j * SF_DWC + c] = c < nc ? src[c * ld + j] : 0.0f;
+}
+
+// dst[c * ld + j] = t[j * 16 + c] (max(., 0) if relu) for c < nc, j < n
+static void sf_from_vec16_generic(const float* __restrict__ t, int64_t n, int64_t nc, float* __restrict__ dst,
+                                  int64_t ld, bool relu) {
+  for (int64_t c = 0; c < nc; ++c)
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = t[j * SF_DWC + c];
+      dst[c * ld + j] = relu && v < 0.0f ? 0.0f : v;  // NaN stays NaN
+    }
+}
+
+// yt[ow * 16 + c] for ow < OW: output row r of the band (xt as above, rows of Wp columns), weights wt[T][16],
+// bias bv[16]; runs of 4 columns (the last run reads past the row: xt has room)
+SF_CLONES
+static void sf_dwc_row_generic(const float* __restrict__ xt, int64_t Wp, const float* __restrict__ wt,
+                               const float* __restrict__ bv, const SfConvGeom& g, int64_t r, float* __restrict__ yt) {
+  const int64_t S16 = g.SW * SF_DWC;
+  for (int64_t ow0 = 0; ow0 < g.OW; ow0 += 4) {
+    float a[4][SF_DWC];
+    for (int b = 0; b < 4; ++b)
+      for (int c = 0; c < SF_DWC; ++c) a[b][c] = bv[c];
+    for (int64_t kh = 0; kh < g.KH; ++kh) {
+      const float* __restrict__ xr = xt + ((r * g.SH + kh * g.DH) * Wp + ow0 * g.SW) * SF_DWC;
+      for (int64_t kw = 0; kw < g.KW; ++kw) {
+        const float* __restrict__ wv = wt + (kh * g.KW + kw) * SF_DWC;
+        const float* __restrict__ xp = xr + kw * g.DW * SF_DWC;
+        for (int b = 0; b < 4; ++b)
+          for (int c = 0; c < SF_DWC; ++c) a[b][c] += wv[c] * xp[b * S16 + c];
+      }
+    }
+    for (int64_t b = 0; b < std::min<int64_t>(4, g.OW - ow0); ++b)
+      for (int c = 0; c < SF_DWC; ++c) yt[(ow0 + b) * SF_DWC + c] = a[b][c];
+  }
+}
+
+#if defined(__x86_64__)
+// lanes [0, m) set (m in 1..8): the columns of a run of 8 that exist
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256i sf_lanes8(int64_t m) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// as sf_to_vec16_generic, in 8 x 8 transpositions (the last run of columns by masked loads)
+__attribute__((target("avx2,fma")))
+static void sf_to_vec16_avx2(const float* __restrict__ src, int64_t ld, int64_t nc, int64_t n,
+                             float* __restrict__ t) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t m = std::min<int64_t>(8, n - j);
+    const __m256i k = sf_lanes8(m);
+    for (int64_t h = 0; h < SF_DWC; h += 8) {
+      __m256 r[8];
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        r[i] = h + i >= nc ? _mm256_setzero_ps()
+             : m == 8 ? _mm256_loadu_ps(src + (h + i) * ld + j) : _mm256_maskload_ps(src + (h + i) * ld + j, k);
+      sf_tr8x8(r);
+      for (int64_t i = 0; i < m; ++i) _mm256_storeu_ps(t + (j + i) * SF_DWC + h, r[i]);
+    }
+  }
+}
+
+// as sf_from_vec16_generic, in 8 x 8 transpositions (the last run of columns by masked stores; t has
+// room for whole runs)
+__attribute__((target("avx2,fma")))
+static void sf_from_vec16_avx2(const float* __restrict__ t, int64_t n, int64_t nc, float* __restrict__ dst,
+                               int64_t ld, bool relu) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t m = std::min<int64_t>(8, n - j);
+    const __m256i k = sf_lanes8(m);
+    for (int64_t h = 0; h < nc; h += 8) {
+      __m256 r[8];
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(t + (j + i) * SF_DWC + h);
+      sf_tr8x8(r);
+      const int64_t nh = std::min<int64_t>(8, nc - h);
+      for (int64_t i = 0; i < nh; ++i) {
+        const __m256 v = relu ? _mm256_max_ps(_mm256_setzero_ps(), r[i]) : r[i];  // NaN stays NaN
+        if (m == 8) _mm256_storeu_ps(dst + (h + i) * ld + j, v);
+        else _mm256_maskstore_ps(dst + (h + i) * ld + j, k, v);
+      }
+    }
+  }
+}
+
+// as sf_dwc_row_generic, runs of 4 columns of two 8-lane halves
+__attribute__((target("avx2,fma")))
+static void sf_dwc_row_avx2(const float* __restrict__ xt, int64_t Wp, const float* __restrict__ wt,
+                            const float* __restrict__ bv, const SfConvGeom& g, int64_t r, float* __restrict__ yt) {
+  const int64_t S16 = g.SW * SF_DWC;
+  for (int64_t ow0 = 0; ow0 < g.OW; ow0 += 4) {
+    __m256 a[4][2];
+    #pragma GCC unroll 4
+    for (int b = 0; b < 4; ++b) { a[b][0] = _mm256_loadu_ps(bv); a[b][1] = _mm256_loadu_ps(bv + 8); }
+    for (int64_t kh = 0; kh < g.KH; ++kh) {
+      const float* xr = xt + ((r * g.SH + kh * g.DH) * Wp + ow0 * g.SW) * SF_DWC;
+      for (int64_t kw = 0; kw < g.KW; ++kw) {
+        const float* wk = wt + (kh * g.KW + kw) * SF_DWC;
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        const float* xp = xr + kw * g.DW * SF_DWC;
+        #pragma GCC unroll 4
+        for (int b = 0; b < 4; ++b) {
+          a[b][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + b * S16), a[b][0]);
+          a[b][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + b * S16 + 8), a[b][1]);
+        }
+      }
+    }
+    const int64_t nb = std::min<int64_t>(4, g.OW - ow0);
+    for (int64_t b = 0; b < nb; ++b) {
+      _mm256_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b][0]);
+      _mm256_storeu_ps(yt + (ow0 + b) * SF_DWC + 8, a[b][1]);
+    }
+  }
+}
+
+// as sf_dwc_row_generic, runs of 8 columns of one 16-lane vector
+__attribute__((target("avx512f")))
+static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const float* __restrict__ wt,
+                              const float* __restrict__ bv, const SfConvGeom& g, int64_t r, float* __restrict__ yt) {
+  const int64_t S16 = g.SW * SF_DWC;
+  for (int64_t ow0 = 0; ow0 < g.OW; ow0 += 8) {
+    __m512 a[8];
+    #pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) a[b] = _mm512_loadu_ps(bv);
+    for (int64_t kh = 0; kh < g.KH; ++kh) {
+      const float* xr = xt + ((r * g.SH + kh * g.DH) * Wp + ow0 * g.SW) * SF_DWC;
+      for (int64_t kw = 0; kw < g.KW; ++kw) {
+        const __m512 wv = _mm512_loadu_ps(wt + (kh * g.KW + kw) * SF_DWC);
+        const float* xp = xr + kw * g.DW * SF_DWC;
+        #pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + b * S16), a[b]);
+      }
+    }
+    const int64_t nb = std::min<int64_t>(8, g.OW - ow0);
+    for (int64_t b = 0; b < nb; ++b) _mm512_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b]);
+  }
+}
+#endif
+
+// the columns a run of the row kernels reads past its row: 8 runs' strides (xt's room past its last row)
+static inline int64_t sf_dwc_room(const SfConvGeom& g) { return 8 * g.SW * SF_DWC; }
+
+static void sf_conv_depthwise_blocked(const float* x, const float* w, const float* bias, float* y,
+                                      const SfConvGeom& g, int64_t nimg, int64_t C, SfConvEpi epi, const void* ctx,
+                                      bool relu) {
+  const int64_t T = g.KH * g.KW, ncb = (C + SF_DWC - 1) / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW;
+  const int64_t Wp = (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1, reach = (g.KH - 1) * g.DH + 1;
+  // bands: about 32K floats (128 KB) of transposed input rows
+  const int64_t rows = std::max<int64_t>(reach, 32768 / (Wp * SF_DWC));
+  const int64_t BR = std::clamp<int64_t>((rows - reach) / g.SH + 1, 1, g.OH), nbands = (g.OH + BR - 1) / BR;
+  const int64_t xsz = ((BR - 1) * g.SH + reach) * Wp * SF_DWC + sf_dwc_room(g);
+  const int64_t per = xsz + (g.OW + 8) * SF_DWC + T * SF_DWC + SF_DWC;
+  const int64_t jlo = std::min(g.PL, Wp), jhi = std::clamp(g.PL + g.W, jlo, Wp);  // xt's columns inside the input
+#if defined(__x86_64__)
+  const int isa = sf_ukr().nr == 32 ? 2 : (sf_avx2_helpers() ? 1 : 0);
+#else
+  const int isa = 0;
+#endif
+  const int64_t items = nimg * ncb * nbands;
+  const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * C * OP * T >= SF_CONV_PAR_WORK;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t band = it % nbands, cb = it / nbands % ncb, n = it / (nbands * ncb);
+    const int64_t c0 = cb * SF_DWC, nc = std::min(SF_DWC, C - c0), oh0 = band * BR, nb = std::min(BR, g.OH - oh0);
+    float* xt = static_cast<float*>(sf_workspace(3, sizeof(float) * per));
+    float* yt = xt + xsz;
+    float* wt = yt + (g.OW + 8) * SF_DWC;
+    float* bv = wt + T * SF_DWC;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < SF_DWC; ++c) wt[t * SF_DWC + c] = c < nc ? w[(c0 + c) * T + t] : 0.0f;
+    for (int64_t c = 0; c < SF_DWC; ++c) bv[c] = c < nc && bias ? bias[c0 + c] : 0.0f;
+    const int64_t ih0 = oh0 * g.SH - g.PT, nrows = (nb - 1) * g.SH + reach;
+    const float* xc = x + (n * C + c0) * HW;
+    for (int64_t rr = 0; rr < nrows; ++rr) {
+      const int64_t ih = ih0 + rr;
+      float* d = xt + rr * Wp * SF_DWC;
+      if (ih < 0 || ih >= g.H || jlo >= jhi) { std::memset(d, 0, sizeof(float) * Wp * SF_DWC); continue; }
+      std::memset(d, 0, sizeof(float) * jlo * SF_DWC);
+      const float* src = xc + ih * g.W + (jlo - g.PL);
+#if defined(__x86_64__)
+      if (isa) sf_to_vec16_avx2(src, HW, nc, jhi - jlo, d + jlo * SF_DWC);
+      else
+#endif
+        sf_to_vec16_generic(src, HW, nc, jhi - jlo, d + jlo * SF_DWC);
+      std::memset(d + jhi * SF_DWC, 0, sizeof(float) * (Wp - jhi) * SF_DWC);
+    }
+    std::memset(xt + nrows * Wp * SF_DWC, 0, sizeof(float) * sf_dwc_room(g));
+    float* yc = y + (n * C + c0) * OP;
+    for (int64_t r = 0; r < nb; ++r) {
+#if defined(__x86_64__)
+      if (isa == 2) sf_dwc_row_avx512(xt, Wp, wt, bv, g, r, yt);
+      else if (isa == 1) sf_dwc_row_avx2(xt, Wp, wt, bv, g, r, yt);
+      else
+#endif
+        sf_dwc_row_generic(xt, Wp, wt, bv, g, r, yt);
+#if defined(__x86_64__)
+      if (isa) sf_from_vec16_avx2(yt, g.OW, nc, yc + (oh0 + r) * g.OW, OP, relu);
+      else
+#endif
+        sf_from_vec16_generic(yt, g.OW, nc, yc + (oh0 + r) * g.OW, OP, relu);
+    }
+    if (epi) epi(ctx, n, c0, c0 + nc, oh0 * g.OW, (oh0 + nb) * g.OW);
+  }
+}
+
 static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
                               int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
                               bool relu = false) {
   const int64_t OC = C * ocm, planes = nimg * OC, OP = g.OH * g.OW, T = g.KH * g.KW;
   if (planes <= 0 || OP <= 0) return;
+  if (ocm == 1 && C >= 8) { sf_conv_depthwise_blocked(x, w, bias, y, g, nimg, C, epi, ctx, relu); return; }
   SfDwPlan p;
   const int64_t maxqw = (g.KW - 1) * g.DW / g.SW;
   p.We = g.OW + maxqw;
@@ -1594,15 +1808,13 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
   p.per = p.nph * p.PS + p.ZS;
   for (int64_t t = 0; t < T; ++t) p.toff[t] = tph[t] * p.PS + (t / g.KW * g.DH / g.SH) * p.We + t % g.KW * g.DW / g.SW;
   const int64_t nbands = (g.OH + p.BR - 1) / p.BR, items = planes * nbands;
-  const int nt = sf_max_threads();
-  float* scratch = static_cast<float*>(sf_workspace(3, sizeof(float) * p.per * nt));
-  const bool par = nt > 1 && items > 1 && (double)planes * OP * T >= SF_CONV_PAR_WORK;
+  const bool par = sf_max_threads() > 1 && items > 1 && (double)planes * OP * T >= SF_CONV_PAR_WORK;
   #pragma omp parallel for schedule(static) if (par)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t t = it / nbands, oh0 = it % nbands * p.BR, nb = std::min(p.BR, g.OH - oh0);
     const int64_t n = t / OC, oc = t % OC;
     sf_dw_band(x + (n * C + oc / ocm) * g.H * g.W, w + oc * T, bias ? bias[oc] : 0.0f, y + t * OP, g, p, oh0, nb,
-               relu, scratch + sf_thread_index() * p.per);
+               relu, static_cast<float*>(sf_workspace(3, sizeof(float) * p.per)));  // the thread's own
     if (epi) epi(ctx, n, oc, oc + 1, oh0 * g.OW, (oh0 + nb) * g.OW);
   }
 }

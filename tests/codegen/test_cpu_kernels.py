@@ -109,6 +109,18 @@ def _large():
         Conv([_t((1, 4, 19, 40)), _t((4, 1, 3, 5))], group=4, pads=(0, 1, 1, 2), strides=(1, 3)),
         Conv([_t((2, 6, 50)), _t((6, 1, 4)), _t((6,))], group=6, pads=(3, 0)),
         Conv([_t((1, 96, 14, 14)), _t((96, 1, 3, 3)), _t((96,))], group=96, pads=(1, 1, 1, 1)),  # threads
+        # 8+ channels (blocks of 16, sf_conv_depthwise_blocked): a block of 4 left over and bands of rows
+        # (two images); stride 2 with uneven pads; strides 3x2, dilations and a 5x3 kernel; 7x7 on 8
+        # channels (half a block); 1-D (a causal conv's left pad); planes narrower than a run of 8
+        # columns (three blocks); a last input column no tap reads
+        Conv([_t((2, 20, 100, 37)), _t((20, 1, 3, 3)), _t((20,))], group=20, pads=(1, 1, 1, 1)),
+        Conv([_t((1, 24, 31, 29)), _t((24, 1, 3, 3))], group=24, pads=(1, 0, 2, 1), strides=(2, 2)),
+        Conv([_t((1, 16, 40, 45)), _t((16, 1, 5, 3)), _t((16,))], group=16, pads=(4, 2, 3, 1), strides=(3, 2),
+             dilations=(2, 3)),
+        Conv([_t((1, 8, 30, 29)), _t((8, 1, 7, 7)), _t((8,))], group=8, pads=(3, 3, 3, 3)),
+        Conv([_t((2, 32, 70)), _t((32, 1, 4)), _t((32,))], group=32, pads=(3, 0)),
+        Conv([_t((1, 40, 5, 5)), _t((40, 1, 3, 3))], group=40, pads=(1, 1, 1, 1)),
+        Conv([_t((1, 16, 12, 30)), _t((16, 1, 3, 3))], group=16, strides=(2, 2)),
         # the conv template's paths: short rows (two-load permutes), K in two blocks packed once for
         # the three row tiles, row and column remainders of every micro-kernel shape
         Conv([_t((1, 40, 9, 9)), _t((200, 40, 3, 3)), _t((200,))], pads=(1, 1, 1, 1)),
@@ -807,8 +819,8 @@ def test_conv_epilogue_fusion(tmp_path):
     after it (either optional) are applied by the kernels as they store (``SfFin``), checked also with
     the AVX2 and portable kernels forced: 1x1 read from the image and packed, two K blocks, images
     and groups, column tails. A ConvTranspose's epilogue finishes each plane after its fold; a depthwise
-    conv's Relu clamps its rows, other ops (a residual too) run on its planes; a Resize's run on its
-    bands of rows."""
+    conv's Relu clamps its rows, other ops (a residual too) run on its planes or blocks of channels' bands
+    of rows (the depthwise ones also forced to AVX2 and portable); a Resize's run on its bands of rows."""
     from shardflow.compiler.codegen.fusion import FusedOp
     from shardflow.compiler.codegen.templates_cpu import template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
@@ -895,6 +907,10 @@ def test_conv_epilogue_fusion(tmp_path):
               lambda y: Clip([y], lo=0.0, hi=6.0)),
         group("dw-residual-relu", Conv([inp(1, 6, 9, 9), inp(6, 1, 5, 5)], group=6, pads=(2, 2, 2, 2)),
               lambda y: Binary([y, inp(1, 6, 9, 9)], fn="add"), lambda y: Activation([y], kind="relu")),
+        # blocks of 16 channels (one of 4) and bands of rows: the ops run on each block's band
+        group("dw-blocks-residual", Conv([inp(2, 20, 100, 37), inp(20, 1, 3, 3), inp(20)], group=20,
+                                         pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(2, 20, 100, 37)], fn="add"), lambda y: Binary([y, inp(20, 1, 1)], fn="mul")),
     ]
     transposed = [  # ConvTranspose: the epilogue (bias first) finishes each folded plane
         group("convT-relu", ConvTranspose([inp(2, 8, 7, 6), inp(8, 12, 3, 3), inp(12)], strides=(2, 2),
@@ -942,6 +958,6 @@ def test_conv_epilogue_fusion(tmp_path):
         got = run_kernel(lib, syms[g.name], g, ins)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(want))), err_msg=g.name)
     forced = [(syms[g.name], [arrays[id(t)] for t in g.inputs], g.run(*[arrays[id(t)] for t in g.inputs]))
-              for g in finish + cases]
+              for g in finish + cases + depthwise]
     for isa in ("avx2", "generic"):
         assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
