@@ -76,13 +76,11 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     groups = list(ops)
     if fuse:
         from .fusion import fuse as fuse_ops
-        from .templates_cpu import accepts_epilogue, template_kind
-
-        def accept(group) -> bool:  # a template op inside a group: only as the conv template's epilogue
-            return not any(template_kind(m) for m in group.members) or template_kind(group) == "Fused"
+        from .templates_cpu import accepts_epilogue, accepts_group, template_kind
 
         groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None
-                          and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accept, views=views)
+                          and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accepts_group,
+                          views=views)
     from .fusion import drop_views
     groups = drop_views(groups, views)
     src = generate_cpu_source(groups)

@@ -184,8 +184,9 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         Whether element-wise consumers may join a group that reduces (the cuda GEMM template
         applies them in its epilogue).
     accept
-        Called on every fused group; a group it refuses is split into its first op and the rest
-        (e.g. a template that cannot apply that epilogue).
+        Called on every fused group; a group it refuses is split into its longest prefix it takes
+        (a conv template and the element-wise ops it applies as its epilogue) or else its first op,
+        and the rest, which is tried again.
     materialize
         Ops whose output is written for its readers: they may join their producers' groups, but
         no reader joins theirs (the cuda target on Hopper: casts to float16/bfloat16, so that a
@@ -300,14 +301,28 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
             if accept(group):
                 res.append(group)
                 break
-            res.append(members[0])
-            members = members[1:]
+            k = _accepted_prefix(members, accept)
+            res.append(FusedOp(members[:k]) if k > 1 else members[0])
+            members = members[k:]
         else:
             res.append(members[0])
     n_fused = sum(len(g) for g in groups if len(g) > 1)
     log.debug("fusion: %d ops -> %d kernels (%d ops in %d fused groups)", len(ops), len(res), n_fused,
               sum(1 for g in groups if len(g) > 1))
     return res
+
+
+def _accepted_prefix(members: list[Operator], accept: Callable[["FusedOp"], bool]) -> int:
+    """The length of the longest proper prefix of a refused group that ``accept`` takes and
+    whose inner tensors the rest does not read (a conv with its element-wise epilogue, before the
+    reshape that ended its group: that one then runs as a view or on its own); 1 when none."""
+    for k in range(len(members) - 1, 1, -1):
+        inner = {id(m.outputs[0]) for m in members[:k - 1]}
+        if any(id(t) in inner for m in members[k:] for t in m.inputs):
+            continue
+        if accept(FusedOp(members[:k])):
+            return k
+    return 1
 
 
 def _affine_view(op: Operator) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..ops.linalg import PANEL
 
-__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilogue", "CLONED_TEMPLATES"]
+__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilogue", "accepts_group", "CLONED_TEMPLATES"]
 
 TEMPLATE_PRELUDE = r"""
 // ---- GEMM (float32) -----------------------------------------------------------------------------
@@ -2864,6 +2864,12 @@ def accepts_epilogue(op) -> bool:
     template with the ops in its epilogue."""
     return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose", "Resize") \
         and op.inputs[0].ndim in (3, 4) and template_kind(op) == op.op_type
+
+
+def accepts_group(group) -> bool:
+    """Whether a fused group compiles on the cpu target: one of ops without templates, or a
+    template op with the element-wise ops its template applies as its epilogue."""
+    return not any(template_kind(m) for m in group.members) or template_kind(group) == "Fused"
 
 
 def _pool(op) -> str | None:

@@ -345,3 +345,38 @@ def test_padded_convolution_of_half_values_uses_half_tensor_cores():
     plain = fuse([r, c1, c2, wc, conv])
     assert [l.kind for l in generate_cuda_source(plain, arch="sm_90").launches.values()] == ["elementwise",
                                                                                             "gemm-f32"]
+
+
+def test_a_refused_group_keeps_its_longest_accepted_prefix():
+    """A conv's group that ends in a reshape the conv template cannot apply (a ShuffleNet unit's
+    channel split) is split into the conv with its element-wise epilogue and the reshape, which then
+    runs as a view; a prefix is not cut off where the rest reads one of its inner tensors (the
+    conv's output here): the conv then runs alone."""
+    from shardflow.compiler.codegen.fusion import drop_views
+    from shardflow.compiler.codegen.templates_cpu import accepts_epilogue, accepts_group, template_kind
+    from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.ops.elementwise import Activation
+    from shardflow.compiler.ops.norm import BatchNorm
+    from shardflow.compiler.ops.transform import Reshape
+
+    def c(*shape):
+        return const_tensor(np.ones(shape, np.float32))
+
+    def groups(ops, views):
+        return fuse(ops, barriers=lambda op: template_kind(op) is not None and not accepts_epilogue(op),
+                    no_prologue=accepts_epilogue, accept=accepts_group, views=views)
+
+    conv = Conv([_f(1, 16, 10, 10), c(16, 4, 3, 3)], name="conv", group=4, pads=(1, 1, 1, 1))
+    assert template_kind(conv) == "Conv"
+    bn = BatchNorm([conv.outputs[0], c(16), c(16), c(16), c(16)], name="bn", epsilon=1e-5)
+    relu = Activation([bn.outputs[0]], name="relu", kind="relu")
+    split = Reshape([relu.outputs[0]], name="split", shape=(1, 4, 4, 10, 10))
+    got = groups([conv, bn, relu, split], ["split"])
+    assert _kinds(got) == [["Conv", "BatchNorm", "Activation"], "Reshape"]
+    assert template_kind(got[0]) == "Fused" and [g.name for g in drop_views(got, ["split"])] == ["relu"]
+
+    relu = Activation([conv.outputs[0]], name="relu", kind="relu")  # conv -> relu(y) * -y: the epilogue
+    neg = Unary([conv.outputs[0]], name="neg", fn="neg")  # chain reads only the op before it
+    mul = Binary([relu.outputs[0], neg.outputs[0]], name="mul", fn="mul")
+    got = groups([conv, relu, neg, mul], [])
+    assert _kinds(got) == ["Conv", ["Activation", "Unary", "Binary"]]

@@ -280,3 +280,87 @@ def test_fpn_top_down_step_compiles_to_the_resize_template(tmp_path, monkeypatch
         return load(out, c.rank, c).run(feeds)["y"]
     for got in run_threads(InProcessWorld(world).communicators(), work, timeout=120):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _shufflenet_units(rng, c=48, groups=4):
+    """Two ShuffleNet units with random weights: a stride-2 one (1x1 group conv, BatchNorm, Relu,
+    channel shuffle, 3x3 depthwise stride 2, 1x1 group conv, concatenated with the 3x3 average
+    pooled input) and a stride-1 one (the same convs, its output added to its input)."""
+    nodes, inits = [], []
+
+    def w(name, *shape):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name))
+        return name
+
+    def bn(x, name, ch):
+        s, b, m = (w(f"{name}_{k}", ch) for k in "sbm")
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, ch).astype(np.float32), f"{name}_v"))
+        nodes.append(helper.make_node("BatchNormalization", [x, s, b, m, f"{name}_v"], [name], epsilon=1e-5))
+        return name
+
+    def unit(x, name, cin, cout, stride, hw):
+        mid = cout // 4
+        nodes.append(helper.make_node("Conv", [x, w(f"{name}_w1", mid, cin // groups, 1, 1)], [f"{name}_c1"],
+                                      group=groups))
+        nodes.append(helper.make_node("Relu", [bn(f"{name}_c1", f"{name}_bn1", mid)], [f"{name}_r1"]))
+        inits.append(numpy_helper.from_array(np.array([-1, groups, mid // groups, hw, hw], np.int64), f"{name}_s5"))
+        inits.append(numpy_helper.from_array(np.array([-1, mid, hw, hw], np.int64), f"{name}_s4"))
+        nodes.extend([helper.make_node("Reshape", [f"{name}_r1", f"{name}_s5"], [f"{name}_g"]),
+                      helper.make_node("Transpose", [f"{name}_g"], [f"{name}_t"], perm=[0, 2, 1, 3, 4]),
+                      helper.make_node("Reshape", [f"{name}_t", f"{name}_s4"], [f"{name}_sh"])])
+        nodes.append(helper.make_node("Conv", [f"{name}_sh", w(f"{name}_dw", mid, 1, 3, 3)], [f"{name}_d"],
+                                      group=mid, pads=[1, 1, 1, 1], strides=[stride, stride]))
+        out = cout - cin if stride == 2 else cout
+        w3 = w(f"{name}_w3", out, mid // groups, 1, 1)
+        nodes.append(helper.make_node("Conv", [bn(f"{name}_d", f"{name}_bn2", mid), w3], [f"{name}_c3"], group=groups))
+        y = bn(f"{name}_c3", f"{name}_bn3", out)
+        if stride == 2:
+            nodes.append(helper.make_node("AveragePool", [x], [f"{name}_p"], kernel_shape=[3, 3], strides=[2, 2],
+                                          pads=[1, 1, 1, 1]))
+            nodes.append(helper.make_node("Concat", [f"{name}_p", y], [f"{name}_cat"], axis=1))
+        else:
+            nodes.append(helper.make_node("Add", [x, y], [f"{name}_cat"]))
+        nodes.append(helper.make_node("Relu", [f"{name}_cat"], [f"{name}_y"]))
+        return f"{name}_y"
+
+    y = unit(unit("x", "u1", 24, c * 2, 2, 28), "u2", c * 2, c * 2, 1, 14)
+    nodes.append(helper.make_node("Identity", [y], ["y"]))
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "shufflenet_units", [info("x", TensorProto.FLOAT, [2, 24, 28, 28])],
+                              [info("y", TensorProto.FLOAT, [2, c * 2, 14, 14])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+
+
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "data"), ([2], "megatron")])
+def test_shufflenet_units_compiled_for_cpu_ranks_match_onnxruntime(tmp_path, mesh, algo):
+    """Two ShuffleNet units (group and depthwise convs in blocks of channels, stride 2, BatchNorms
+    and Relus as conv epilogues, the channel shuffle's reshapes as views, a concat and a residual)
+    compiled for cpu ranks: every rank's output matches onnxruntime; on one rank each 1x1 conv's
+    BatchNorm and Relu are its epilogue (no kernel of their own before the shuffle)."""
+    import json
+
+    from threads import run_threads
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+
+    rng = np.random.default_rng(15)
+    path = tmp_path / "units.onnx"
+    onnx.save(_shufflenet_units(rng), path)
+    feeds = {"x": _f(rng, 2, 24, 28, 28)}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    out = tmp_path / "out"
+    compile(path, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
+            out_dir=out)
+    world = int(np.prod(mesh))
+    if world == 1:
+        kernels = [s["node"] for s in json.loads((out / "rank0" / "program.json").read_text())["steps"]
+                   if s["kind"] == "kernel"]
+        assert "Relu(u1_r1)" in kernels and "Relu(u2_r1)" in kernels, kernels  # conv + BN + Relu, one kernel
+        assert not any(k.startswith(("Reshape(u1_g)", "Reshape(u2_g)")) for k in kernels), kernels
+
+    def work(c):
+        return load(out, c.rank, c).run(feeds)["y"]
+    for got in run_threads(InProcessWorld(world).communicators(), work, timeout=120):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
