@@ -97,8 +97,8 @@ def main(argv=None, shapes=None, model=None, description=None) -> None:
         sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         ref = sess.run(None, {"x": x})[0]
         err = max(float(np.max(np.abs(p.run({"x": x})["y"] - ref))) for p in progs)
-        ours = _medians_ms([lambda p=p: p.run({"x": x}, copy_outputs=False) for p in progs], args.repeat)
-        theirs, = _medians_ms([lambda: sess.run(None, {"x": x})], args.repeat)
+        *ours, theirs = _medians_ms([lambda p=p: p.run({"x": x}, copy_outputs=False) for p in progs]
+                                    + [lambda: sess.run(None, {"x": x})], args.repeat, block=5)
         cols = "  ".join(f"{t} {m:7.3f} ms ({flops / m / 1e6:5.1f} GF/s, ratio {m / theirs:4.2f})"
                          for t, m in zip(tags, ours))
         print(f"{name:<18} {cols}   onnxruntime {theirs:7.3f} ms ({flops / theirs / 1e6:5.1f} GF/s)   "

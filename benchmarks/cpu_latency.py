@@ -44,18 +44,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _medians_ms(fns: list, repeat: int) -> list[float]:
-    """Median latency of each of ``fns``, timed round-robin (one call of each per round), so that
-    the machine's drifts in speed fall on all of them alike."""
+def _medians_ms(fns: list, repeat: int, block: int = 1) -> list[float]:
+    """Median latency of each of ``fns`` over ``repeat`` timed calls, taken round-robin in blocks
+    of ``block`` calls of each (each block after one untimed call), so that the machine's drifts in
+    speed (neighbours on this VM come and go within seconds) fall on all of them alike. Blocks of
+    several calls with a call untimed in front keep one engine's threads, still spinning after its
+    block, from being timed against the next: onnxruntime's pool spins after a run, OpenMP's
+    threads after a parallel region."""
     for _ in range(3):
         for fn in fns:
             fn()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
+    for _ in range((repeat + block - 1) // block):
         for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+            if block > 1:
+                fn()
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
     return [1e3 * statistics.median(ts) for ts in times]
 
 
@@ -76,10 +83,8 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    # our builds round-robin; onnxruntime apart: its pool's threads spin for a while after a run
-    # and slow down whatever runs next on the same cores
-    ours = _medians_ms([lambda p=p: p.run(feeds) for p in progs], repeat)
-    ref, = _medians_ms([lambda: sess.run(None, feeds)], repeat)
+    *ours, ref = _medians_ms([lambda p=p: p.run(feeds) for p in progs] + [lambda: sess.run(None, feeds)], repeat,
+                             block=5)
     err = max(float(np.max(np.abs(progs[0].run(feeds)[o.name] - r)))
               for o, r in zip(sess.get_outputs(), sess.run(None, feeds)))
     extra = f"   without prepack {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare_prepack else ""
