@@ -5,7 +5,8 @@ onnxruntime on the same inputs with the same thread count, and prints median lat
 ratio (ours / onnxruntime; lower is better). Models: the committed test models, and with
 ``--sized`` also GPT-2-small-, BERT-base- and Llama-sized exports (124M, 110M, 170M parameters, 128
 tokens) and a ResNet-50-sized one
-(transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image), exported with
+(transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image) and MobileNetV2- and
+ConvNeXt-tiny-sized ones (depthwise convs; the configs' defaults, one image), exported with
 torch.onnx.export at opset 17 (needs torch + transformers; slow); with ``--light`` the 9 CNNs the
 onnx package ships for its backend tests (``onnx/backend/test/data/light``: AlexNet, DenseNet-121,
 Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size graphs with
@@ -108,6 +109,28 @@ def export_resnet50(path: str) -> dict:
     return feeds
 
 
+def export_vision_model(kind: str, path: str) -> dict:
+    """Export a randomly initialised vision model built on depthwise convs, fed one 3x224x224 image,
+    output ``last_hidden_state``: ``mobilenet_v2`` (transformers' MobileNetV2Config defaults: 3x3
+    depthwise convs with ReLU6, 3.4M parameters) or ``convnext_tiny`` (ConvNextConfig defaults: 7x7
+    depthwise convs, LayerNorm, GELU, 28M parameters). Returns the feeds."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from export_models import _PixelHidden, export_module
+
+    torch.manual_seed(0)
+    if kind == "mobilenet_v2":
+        from transformers import MobileNetV2Config, MobileNetV2Model
+        model = MobileNetV2Model(MobileNetV2Config(), add_pooling_layer=False)
+    else:
+        from transformers import ConvNextConfig, ConvNextModel
+        model = ConvNextModel(ConvNextConfig())
+    feeds = {"pixel_values": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    export_module(_PixelHidden(model.eval()), feeds, ["pixel_values"], ["last_hidden_state"], path, dynamo=False,
+                  opset=17)
+    return feeds
+
+
 def export_text_model(kind: str, path: str, seq: int = 128) -> dict:
     """Export a randomly initialised text encoder fed one sequence of ``seq`` tokens, output
     ``last_hidden_state``. ``bert``: BERT-base (transformers' BertConfig defaults: 12 layers, 768
@@ -190,6 +213,12 @@ def main(argv=None) -> None:
                 path = os.path.join(work, "resnet50.onnx")
                 feeds = export_resnet50(path)
                 bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, args.compare_prepack)
+            for kind in ("mobilenet_v2", "convnext_tiny"):
+                if args.only in f"{kind}_224":
+                    path = os.path.join(work, f"{kind}.onnx")
+                    feeds = export_vision_model(kind, path)
+                    bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
+                          args.compare_prepack)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Graph passes and the pass pipeline."""
 from .base import DumpGraph, GraphPass, Instrument, PassPipeline
-from .simplify import (EliminateCommonSubexpressions, EliminateDeadCode, FoldConstants, RemoveNoOps,
-                       default_passes)
+from .simplify import (EliminateCommonSubexpressions, EliminateDeadCode, FoldConstants, FoldPadIntoConv,
+                       RemoveNoOps, default_passes)
 
 __all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument", "FoldConstants", "RemoveNoOps",
-           "EliminateCommonSubexpressions", "EliminateDeadCode", "default_passes", "simplify"]
+           "EliminateCommonSubexpressions", "FoldPadIntoConv", "EliminateDeadCode", "default_passes", "simplify"]
 
 
 def simplify(graph, instruments=()):

@@ -1,5 +1,5 @@
-"""Simplification passes: constant folding, no-op removal, common-subexpression elimination and
-dead-code elimination."""
+"""Simplification passes: constant folding, no-op removal, common-subexpression elimination,
+zero padding folded into convolutions and dead-code elimination."""
 from __future__ import annotations
 
 import hashlib
@@ -10,8 +10,8 @@ import numpy as np
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor, topological_sort
 from .base import GraphPass
 
-__all__ = ["FoldConstants", "RemoveNoOps", "EliminateCommonSubexpressions", "EliminateDeadCode",
-           "default_passes"]
+__all__ = ["FoldConstants", "RemoveNoOps", "EliminateCommonSubexpressions", "FoldPadIntoConv",
+           "EliminateDeadCode", "default_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,42 @@ class EliminateCommonSubexpressions(GraphPass):
         return graph
 
 
+class FoldPadIntoConv(GraphPass):
+    """A zero ``Pad`` of a conv's input's spatial dims (TensorFlow-style "same" padding, as
+    transformers' MobileNet writes it) becomes the conv's own ``pads`` when the conv is the pad's
+    only reader: the padded copy is never made (onnxruntime folds it too). Only constant-mode pads
+    of 0 (the attribute, no fill input) with no cropping and none on the batch or channel dims."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.conv import Conv
+
+        consumers = graph.consumers()
+        outputs = {id(t) for t in graph.outputs}
+        producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        after: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for op in graph.nodes:
+            pad = producer.get(id(op.inputs[0])) if type(op) is Conv and op.inputs else None
+            if pad is None or pad.op_type != "Pad" or len(pad.inputs) != 1 or id(pad.outputs[0]) in outputs \
+                    or len(consumers.get(id(pad.outputs[0]), [])) != 1:
+                continue
+            begin, end = tuple(pad.attrs["begin"]), tuple(pad.attrs["end"])
+            if pad.attrs.get("mode", "constant") != "constant" or float(pad.attrs.get("value", 0)) != 0.0 \
+                    or min(begin + end) < 0 or any(begin[:2]) or any(end[:2]):
+                continue
+            n_sp = op.inputs[0].ndim - 2
+            pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
+            new_pads = tuple(int(p) + int(b) for p, b in zip(pads[:n_sp], begin[2:])) + \
+                tuple(int(p) + int(e) for p, e in zip(pads[n_sp:], end[2:]))
+            new = Conv([pad.inputs[0]] + list(op.inputs[1:]), name=op.name, **dict(op.attrs, pads=new_pads))
+            after[id(op)] = [new]
+            replace[id(op.outputs[0])] = new.outputs[0]
+        if after:
+            log.debug("folded %d zero pads into their convs", len(after))
+        from .base import splice
+        return splice(graph, after, replace)
+
+
 class EliminateDeadCode(GraphPass):
     """Drop ops whose results do not reach a graph output."""
 
@@ -124,4 +160,4 @@ class EliminateDeadCode(GraphPass):
 
 def default_passes() -> list[GraphPass]:
     """The simplification pipeline ``load_onnx`` runs."""
-    return [FoldConstants(), RemoveNoOps(), EliminateCommonSubexpressions(), EliminateDeadCode()]
+    return [FoldConstants(), RemoveNoOps(), EliminateCommonSubexpressions(), FoldPadIntoConv(), EliminateDeadCode()]

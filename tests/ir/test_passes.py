@@ -10,7 +10,8 @@ from shardflow.compiler import load_onnx
 from shardflow.compiler.ir import FlowGraph, Tensor, const_tensor
 from shardflow.compiler.ops.elementwise import Activation, Binary, CastOp, Identity, Unary
 from shardflow.compiler.passes import (DumpGraph, EliminateCommonSubexpressions, EliminateDeadCode,
-                                       FoldConstants, PassPipeline, RemoveNoOps, default_passes, simplify)
+                                       FoldConstants, FoldPadIntoConv, PassPipeline, RemoveNoOps, default_passes,
+                                       simplify)
 
 
 def run_pass(graph: FlowGraph, p, f: dict) -> tuple[FlowGraph, dict, dict]:
@@ -118,6 +119,47 @@ def test_eliminate_dead_code():
     g, before, after = run_pass(g, EliminateDeadCode(), {"x": X})
     assert [op.name for op in g.nodes] == ["live", "out"]
     assert_same(before, after)
+
+
+def test_fold_zero_pads_into_convs():
+    """A zero pad of the spatial dims read only by a conv becomes the conv's pads (added to its own);
+    a pad read twice, one of another value, one of the channel dim and an edge pad stay."""
+    from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.ops.transform import Pad
+
+    rng = np.random.default_rng(3)
+    x = Tensor("x", (1, 4, 7, 9), "float32")
+    w = const_tensor(rng.standard_normal((4, 1, 3, 3)).astype(np.float32), "w")
+    w2 = const_tensor(rng.standard_normal((5, 4, 2, 2)).astype(np.float32), "w2")
+
+    def pad(name, begin, end, **attrs):
+        return Pad([x], name=name, begin=begin, end=end, **dict(dict(mode="constant", value=0.0), **attrs))
+
+    same = pad("same", (0, 0, 0, 1), (0, 0, 1, 2))            # TF "same" padding, uneven
+    c1 = Conv([same.outputs[0], w], name="c1", group=4, strides=(2, 2), pads=(1, 0, 0, 1))
+    twice = pad("twice", (0, 0, 1, 1), (0, 0, 1, 1))          # also read by c3: stays
+    c2 = Conv([twice.outputs[0], w2], name="c2")
+    c3 = Conv([twice.outputs[0], w2], name="c3", strides=(2, 2))
+    ones = pad("ones", (0, 0, 1, 1), (0, 0, 1, 1), value=1.0)
+    c4 = Conv([ones.outputs[0], w2], name="c4")
+    chans = pad("chans", (0, 1, 1, 1), (0, 3, 1, 1))
+    w8 = const_tensor(rng.standard_normal((5, 8, 2, 2)).astype(np.float32), "w8")
+    c5 = Conv([chans.outputs[0], w8], name="c5")
+    edge = pad("edge", (0, 0, 1, 1), (0, 0, 1, 1), mode="edge")
+    c6 = Conv([edge.outputs[0], w2], name="c6")
+    ops = [same, c1, twice, c2, c3, ones, c4, chans, c5, edge, c6]
+    g = FlowGraph([x], [op.outputs[0] for op in (c1, c2, c3, c4, c5, c6)], nodes=ops,
+                  output_names=[f"y{k}" for k in range(6)])
+    f = {"x": rng.standard_normal((1, 4, 7, 9)).astype(np.float32)}
+    before = g.run(f)
+    g = FoldPadIntoConv()(g)
+    g.validate()
+    after = g.run(f)
+    names = [op.name for op in g.nodes]
+    assert names == ["c1", "twice", "c2", "c3", "ones", "c4", "chans", "c5", "edge", "c6"]
+    assert g.nodes[0].inputs[0] is x and tuple(g.nodes[0].attrs["pads"]) == (1, 1, 1, 3)
+    for k in before:
+        np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
 
 
 def test_default_pipeline_reaches_a_fixpoint():
