@@ -47,11 +47,12 @@ def _cpu_model() -> str:
 
 def _medians_ms(fns: list, repeat: int, block: int = 1) -> list[float]:
     """Median latency of each of ``fns`` over ``repeat`` timed calls, taken round-robin in blocks
-    of ``block`` calls of each (each block after one untimed call), so that the machine's drifts in
-    speed (neighbours on this VM come and go within seconds) fall on all of them alike. Blocks of
-    several calls with a call untimed in front keep one engine's threads, still spinning after its
-    block, from being timed against the next: onnxruntime's pool spins after a run, OpenMP's
-    threads after a parallel region."""
+    of ``block`` calls of each, so that the machine's drifts in speed (neighbours on this VM come
+    and go within seconds) fall on all of them alike. With ``block > 1`` each block starts after
+    50 ms idle and one untimed call: the previous engine's threads keep spinning after its last
+    run (onnxruntime's pool: a count of spins, which goes on for 100 ms and more while another
+    engine's threads share the cores), and timed against them our MobileNetV2 took 18.9 ms instead
+    of 10.7 (benchmarks/results/...-s22.txt)."""
     for _ in range(3):
         for fn in fns:
             fn()
@@ -59,6 +60,7 @@ def _medians_ms(fns: list, repeat: int, block: int = 1) -> list[float]:
     for _ in range((repeat + block - 1) // block):
         for fn, ts in zip(fns, times):
             if block > 1:
+                time.sleep(0.05)
                 fn()
             for _ in range(block):
                 t0 = time.perf_counter()
