@@ -1443,127 +1443,14 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
 }
 
 // ---- Depthwise convolution (one input channel per group) --------------------------------------------
-// Output plane t of image n reads input channel c = (t mod (C*ocm)) / ocm (ocm output channels per input
-// channel). With one output per channel and 8+ channels, sf_conv_depthwise_blocked (below) computes 16
-// channels at a time; otherwise (channel multipliers, a few channels) a plane is computed on its own, in
-// bands of output rows (threads take (plane, band) items). A band's input
-// is first copied, zero-padded, into its stride phases: phase (ph, pw) holds the padded input's pixels
-// (row*SH + ph, col*SW + pw) in rows of We = OW + (the largest tap column offset) floats, so that tap
-// (kh, kw) reads phase ((kh*DH) mod SH, (kw*DW) mod SW) at a fixed offset of (kh*DH / SH) rows and
-// (kw*DW / SW) columns, and the band's output, as rows of We, is one long contiguous sum over the taps
-// of w * (the phase from that offset): no bounds per row or tap (the padding is in the copy) and no
-// short rows (a 14x14 plane's rows were each a vector or less). Then the band's first OW columns of
-// each row are copied out (max(., 0) if relu) and epi (as in sf_conv2d) finishes them.
-struct SfDwPlan {
-  int64_t We, BR, maxqh, nph, PS, ZS, per;  // row, band rows, tap row reach, phases, floats: phase, sums, all
-  int64_t *ph, *pw, *lo, *hi;                // each phase's row and column, and its columns inside the input
-  int64_t* toff;                             // tap t's offset in the phases (phase * PS + row * We + column)
-};
-
-// z[0, n) = bv + sum over taps t of wt[t] * ph[toff[t] + i], in blocks of 64 (n rounded up: the phases and
-// z have room)
-static void sf_dw_sum_generic(const float* __restrict__ ph, const int64_t* __restrict__ toff,
-                              const float* __restrict__ wt, int64_t T, float bv, float* __restrict__ z, int64_t n) {
-  for (int64_t i0 = 0; i0 < n; i0 += 64) {
-    float acc[64];
-    for (int j = 0; j < 64; ++j) acc[j] = bv;
-    for (int64_t t = 0; t < T; ++t) {
-      const float wv = wt[t];
-      const float* __restrict__ s = ph + toff[t] + i0;
-      for (int j = 0; j < 64; ++j) acc[j] += wv * s[j];
-    }
-    for (int j = 0; j < 64; ++j) z[i0 + j] = acc[j];
-  }
-}
-
-#if defined(__x86_64__)
-__attribute__((target("avx2,fma")))
-static void sf_dw_sum_avx2(const float* __restrict__ ph, const int64_t* __restrict__ toff,
-                           const float* __restrict__ wt, int64_t T, float bv, float* __restrict__ z, int64_t n) {
-  for (int64_t i0 = 0; i0 < n; i0 += 64) {
-    __m256 a[8];
-    #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_set1_ps(bv);
-    for (int64_t t = 0; t < T; ++t) {
-      const __m256 wv = _mm256_set1_ps(wt[t]);
-      const float* s = ph + toff[t] + i0;
-      #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(s + 8 * j), a[j]);
-    }
-    #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(z + i0 + 8 * j, a[j]);
-  }
-}
-
-__attribute__((target("avx512f")))
-static void sf_dw_sum_avx512(const float* __restrict__ ph, const int64_t* __restrict__ toff,
-                             const float* __restrict__ wt, int64_t T, float bv, float* __restrict__ z, int64_t n) {
-  for (int64_t i0 = 0; i0 < n; i0 += 64) {
-    __m512 a[4];
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) a[j] = _mm512_set1_ps(bv);
-    for (int64_t t = 0; t < T; ++t) {
-      const __m512 wv = _mm512_set1_ps(wt[t]);
-      const float* s = ph + toff[t] + i0;
-      #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(s + 16 * j), a[j]);
-    }
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(z + i0 + 16 * j, a[j]);
-  }
-}
-#endif
-
-static void sf_dw_sum(const float* ph, const int64_t* toff, const float* wt, int64_t T, float bv, float* z,
-                      int64_t n) {
-#if defined(__x86_64__)
-  if (sf_ukr().nr == 32) { sf_dw_sum_avx512(ph, toff, wt, T, bv, z, n); return; }
-  if (sf_avx2_helpers()) { sf_dw_sum_avx2(ph, toff, wt, T, bv, z, n); return; }
-#endif
-  sf_dw_sum_generic(ph, toff, wt, T, bv, z, n);
-}
-
-// rows [oh0, oh0 + nb) of output plane yp from input plane xp (weights wp, bias bv), in scratch s
-static void sf_dw_band(const float* __restrict__ xp, const float* __restrict__ wp, float bv, float* __restrict__ yp,
-                       const SfConvGeom& g, const SfDwPlan& p, int64_t oh0, int64_t nb, bool relu,
-                       float* __restrict__ s) {
-  const int64_t We = p.We, Hb = nb + p.maxqh;
-  for (int64_t q = 0; q < p.nph; ++q) {
-    float* __restrict__ P = s + q * p.PS;
-    const int64_t lo = p.lo[q], hi = p.hi[q], off = p.pw[q] - g.PL;
-    for (int64_t r = 0; r < Hb; ++r) {
-      const int64_t ih = (oh0 + r) * g.SH + p.ph[q] - g.PT;
-      float* __restrict__ d = P + r * We;
-      if (ih < 0 || ih >= g.H || lo >= hi) {
-        std::memset(d, 0, sizeof(float) * We);
-        continue;
-      }
-      const float* __restrict__ xr = xp + ih * g.W + off;
-      for (int64_t c = 0; c < lo; ++c) d[c] = 0.0f;
-      if (g.SW == 1) std::memcpy(d + lo, xr + lo, sizeof(float) * (hi - lo));
-      else for (int64_t c = lo; c < hi; ++c) d[c] = xr[c * g.SW];
-      for (int64_t c = hi; c < We; ++c) d[c] = 0.0f;
-    }
-    std::memset(P + Hb * We, 0, sizeof(float) * (p.PS - Hb * We));  // read only for discarded columns
-  }
-  float* __restrict__ z = s + p.nph * p.PS;
-  sf_dw_sum(s, p.toff, wp, g.KH * g.KW, bv, z, nb * We);
-  for (int64_t r = 0; r < nb; ++r) {
-    const float* __restrict__ zr = z + r * We;
-    float* __restrict__ yr = yp + (oh0 + r) * g.OW;
-    if (relu) { for (int64_t c = 0; c < g.OW; ++c) yr[c] = zr[c] < 0.0f ? 0.0f : zr[c]; }  // NaN stays NaN
-    else std::memcpy(yr, zr, sizeof(float) * g.OW);
-  }
-}
-
-// ---- Depthwise convolution in blocks of 16 channels ----------------------------------------------------
-// For one output per channel and 8+ channels: threads take (image, block of 16 channels, band of output
-// rows) items. The band's input rows are transposed into xt[row][padded column][16 channels] (zero in the
-// padding and in the lanes of missing channels), so that an output pixel's 16 channels are one vector:
-// bias + sum over taps of w[tap][16] * xt[row*SH + kh*DH][col*SW + kw*DW], over a run of output columns
-// at a time (any stride or dilation, whole-vector loads); each output row is transposed back into its 16
-// planes (max(., 0) if relu) and epi (as in sf_conv2d) finishes the band. Small planes (7x7, 14x14) do
-// whole-vector work where a plane's rows would be a vector or less.
+// Output channel oc = ic * ocm + j of image n reads input channel ic (ocm outputs per input channel).
+// Threads take (image, j, block of 16 input channels, band of output rows) items. The band's input rows
+// are transposed into xt[row][padded column][16 channels] (zero in the padding and in the lanes of
+// missing channels), so that an output pixel's 16 channels are one vector: bias + sum over taps of
+// w[tap][16] * xt[row*SH + kh*DH][col*SW + kw*DW], over a run of output columns at a time (any stride or
+// dilation, whole-vector loads); each output row is transposed back into its 16 planes (max(., 0) if
+// relu) and epi (as in sf_conv2d) finishes the band. Small planes (7x7, 14x14) do whole-vector work where
+// a plane's rows would be a vector or less (row by row they took 5x onnxruntime's time).
 constexpr int64_t SF_DWC = 16;
 
 // t[j * 16 + c] = src[c * ld + j] for c < nc, 0 for nc <= c < 16; j < n
@@ -1713,10 +1600,11 @@ static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const fl
 // the columns a run of the row kernels reads past its row: 8 runs' strides (xt's room past its last row)
 static inline int64_t sf_dwc_room(const SfConvGeom& g) { return 8 * g.SW * SF_DWC; }
 
-static void sf_conv_depthwise_blocked(const float* x, const float* w, const float* bias, float* y,
-                                      const SfConvGeom& g, int64_t nimg, int64_t C, SfConvEpi epi, const void* ctx,
-                                      bool relu) {
-  const int64_t T = g.KH * g.KW, ncb = (C + SF_DWC - 1) / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW;
+static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
+                              int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
+                              bool relu = false) {
+  const int64_t T = g.KH * g.KW, ncb = (C + SF_DWC - 1) / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW, OC = C * ocm;
+  if (nimg <= 0 || OC <= 0 || OP <= 0) return;
   const int64_t Wp = (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1, reach = (g.KH - 1) * g.DH + 1;
   // bands: about 32K floats (128 KB) of transposed input rows
   const int64_t rows = std::max<int64_t>(reach, 32768 / (Wp * SF_DWC));
@@ -1729,19 +1617,20 @@ static void sf_conv_depthwise_blocked(const float* x, const float* w, const floa
 #else
   const int isa = 0;
 #endif
-  const int64_t items = nimg * ncb * nbands;
-  const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * C * OP * T >= SF_CONV_PAR_WORK;
+  const int64_t items = nimg * ocm * ncb * nbands;
+  const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * OC * OP * T >= SF_CONV_PAR_WORK;
   #pragma omp parallel for schedule(static) if (par)
   for (int64_t it = 0; it < items; ++it) {
-    const int64_t band = it % nbands, cb = it / nbands % ncb, n = it / (nbands * ncb);
+    const int64_t band = it % nbands, cb = it / nbands % ncb, j = it / (nbands * ncb) % ocm;
+    const int64_t n = it / (nbands * ncb * ocm);
     const int64_t c0 = cb * SF_DWC, nc = std::min(SF_DWC, C - c0), oh0 = band * BR, nb = std::min(BR, g.OH - oh0);
     float* xt = static_cast<float*>(sf_workspace(3, sizeof(float) * per));
     float* yt = xt + xsz;
     float* wt = yt + (g.OW + 8) * SF_DWC;
     float* bv = wt + T * SF_DWC;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = 0; c < SF_DWC; ++c) wt[t * SF_DWC + c] = c < nc ? w[(c0 + c) * T + t] : 0.0f;
-    for (int64_t c = 0; c < SF_DWC; ++c) bv[c] = c < nc && bias ? bias[c0 + c] : 0.0f;
+    for (int64_t t = 0; t < T; ++t)  // output channel (c0 + c) * ocm + j
+      for (int64_t c = 0; c < SF_DWC; ++c) wt[t * SF_DWC + c] = c < nc ? w[((c0 + c) * ocm + j) * T + t] : 0.0f;
+    for (int64_t c = 0; c < SF_DWC; ++c) bv[c] = c < nc && bias ? bias[(c0 + c) * ocm + j] : 0.0f;
     const int64_t ih0 = oh0 * g.SH - g.PT, nrows = (nb - 1) * g.SH + reach;
     const float* xc = x + (n * C + c0) * HW;
     for (int64_t rr = 0; rr < nrows; ++rr) {
@@ -1758,7 +1647,7 @@ static void sf_conv_depthwise_blocked(const float* x, const float* w, const floa
       std::memset(d + jhi * SF_DWC, 0, sizeof(float) * (Wp - jhi) * SF_DWC);
     }
     std::memset(xt + nrows * Wp * SF_DWC, 0, sizeof(float) * sf_dwc_room(g));
-    float* yc = y + (n * C + c0) * OP;
+    float* yc = y + (n * OC + c0 * ocm + j) * OP;  // its channels ocm planes apart
     for (int64_t r = 0; r < nb; ++r) {
 #if defined(__x86_64__)
       if (isa == 2) sf_dwc_row_avx512(xt, Wp, wt, bv, g, r, yt);
@@ -1767,55 +1656,14 @@ static void sf_conv_depthwise_blocked(const float* x, const float* w, const floa
 #endif
         sf_dwc_row_generic(xt, Wp, wt, bv, g, r, yt);
 #if defined(__x86_64__)
-      if (isa) sf_from_vec16_avx2(yt, g.OW, nc, yc + (oh0 + r) * g.OW, OP, relu);
+      if (isa) sf_from_vec16_avx2(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, relu);
       else
 #endif
-        sf_from_vec16_generic(yt, g.OW, nc, yc + (oh0 + r) * g.OW, OP, relu);
+        sf_from_vec16_generic(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, relu);
     }
-    if (epi) epi(ctx, n, c0, c0 + nc, oh0 * g.OW, (oh0 + nb) * g.OW);
-  }
-}
-
-static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
-                              int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
-                              bool relu = false) {
-  const int64_t OC = C * ocm, planes = nimg * OC, OP = g.OH * g.OW, T = g.KH * g.KW;
-  if (planes <= 0 || OP <= 0) return;
-  if (ocm == 1 && C >= 8) { sf_conv_depthwise_blocked(x, w, bias, y, g, nimg, C, epi, ctx, relu); return; }
-  SfDwPlan p;
-  const int64_t maxqw = (g.KW - 1) * g.DW / g.SW;
-  p.We = g.OW + maxqw;
-  p.maxqh = (g.KH - 1) * g.DH / g.SH;
-  // the phases the taps read, in first-use order
-  int64_t* tph = static_cast<int64_t*>(sf_workspace(4, sizeof(int64_t) * 6 * T));
-  p.toff = tph + T; p.ph = tph + 2 * T; p.pw = tph + 3 * T; p.lo = tph + 4 * T; p.hi = tph + 5 * T;
-  p.nph = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t h = t / g.KW * g.DH % g.SH, v = t % g.KW * g.DW % g.SW;
-    int64_t q = 0;
-    while (q < p.nph && (p.ph[q] != h || p.pw[q] != v)) ++q;
-    if (q == p.nph) {
-      p.ph[q] = h; p.pw[q] = v;
-      sf_inside(v - g.PL, g.SW, g.W, p.We, p.lo[q], p.hi[q]);
-      ++p.nph;
-    }
-    tph[t] = q;
-  }
-  // band rows: the band's phases and sums within about 24 KB
-  p.BR = std::clamp<int64_t>(6144 / std::max<int64_t>(p.We * (p.nph + 1), 1) - p.maxqh, 1, g.OH);
-  p.PS = ((p.BR + p.maxqh) * p.We + p.We + 64 + 15) / 16 * 16;
-  p.ZS = (p.BR * p.We + 63) / 64 * 64;
-  p.per = p.nph * p.PS + p.ZS;
-  for (int64_t t = 0; t < T; ++t) p.toff[t] = tph[t] * p.PS + (t / g.KW * g.DH / g.SH) * p.We + t % g.KW * g.DW / g.SW;
-  const int64_t nbands = (g.OH + p.BR - 1) / p.BR, items = planes * nbands;
-  const bool par = sf_max_threads() > 1 && items > 1 && (double)planes * OP * T >= SF_CONV_PAR_WORK;
-  #pragma omp parallel for schedule(static) if (par)
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t t = it / nbands, oh0 = it % nbands * p.BR, nb = std::min(p.BR, g.OH - oh0);
-    const int64_t n = t / OC, oc = t % OC;
-    sf_dw_band(x + (n * C + oc / ocm) * g.H * g.W, w + oc * T, bias ? bias[oc] : 0.0f, y + t * OP, g, p, oh0, nb,
-               relu, static_cast<float*>(sf_workspace(3, sizeof(float) * p.per)));  // the thread's own
-    if (epi) epi(ctx, n, oc, oc + 1, oh0 * g.OW, (oh0 + nb) * g.OW);
+    if (epi && ocm == 1) epi(ctx, n, c0, c0 + nc, oh0 * g.OW, (oh0 + nb) * g.OW);
+    else if (epi)
+      for (int64_t c = c0; c < c0 + nc; ++c) epi(ctx, n, c * ocm + j, c * ocm + j + 1, oh0 * g.OW, (oh0 + nb) * g.OW);
   }
 }
 

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor, topological_sort
-from .base import GraphPass
+from .base import GraphPass, splice
 
 __all__ = ["FoldConstants", "RemoveNoOps", "EliminateCommonSubexpressions", "FoldPadIntoConv",
            "EliminateDeadCode", "default_passes"]
@@ -145,7 +145,6 @@ class FoldPadIntoConv(GraphPass):
             replace[id(op.outputs[0])] = new.outputs[0]
         if after:
             log.debug("folded %d zero pads into their convs", len(after))
-        from .base import splice
         return splice(graph, after, replace)
 
 

@@ -911,6 +911,10 @@ def test_conv_epilogue_fusion(tmp_path):
         group("dw-blocks-residual", Conv([inp(2, 20, 100, 37), inp(20, 1, 3, 3), inp(20)], group=20,
                                          pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(2, 20, 100, 37)], fn="add"), lambda y: Binary([y, inp(20, 1, 1)], fn="mul")),
+        # two outputs per input channel: the ops run on each output channel's band
+        group("dw-multiplier-residual", Conv([inp(1, 4, 9, 10), inp(8, 1, 3, 3), inp(8)], group=4,
+                                             pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(1, 8, 9, 10)], fn="add"), lambda y: Binary([y, inp(8, 1, 1)], fn="mul")),
     ]
     transposed = [  # ConvTranspose: the epilogue (bias first) finishes each folded plane
         group("convT-relu", ConvTranspose([inp(2, 8, 7, 6), inp(8, 12, 3, 3), inp(12)], strides=(2, 2),
