@@ -568,18 +568,27 @@ SF_EXPORT const char* shardflow_cpu_isa() {
 def kernel_source(op, clones: bool = False) -> tuple[str, str]:
     """``(symbol, definition)`` of ``op``'s kernel; the symbol is derived from the text, so equal
     kernels get equal symbols."""
-    from .templates_cpu import CLONED_TEMPLATES, template_body, template_kind  # the heavy-op templates
+    from .templates_cpu import CLONED_TEMPLATES, FILE_SCOPE_BEGIN, FILE_SCOPE_END, template_body, template_kind
     body = template_body(op)
+    # a template's functions of the file (a conv's epilogue): cloned as a generic kernel would be
+    scoped_attr = "SF_CLONES " if clones else ""
     if body is None:
         body = generic_kernel_body(op)
     elif template_kind(op) not in CLONED_TEMPLATES:
         clones = False  # a GEMM template's kernel only calls the GEMM, which dispatches on the CPU itself
+    scoped = []
+    while FILE_SCOPE_BEGIN in body:
+        a = body.index(FILE_SCOPE_BEGIN)
+        b = body.index(FILE_SCOPE_END, a)
+        scoped.append(body[a + len(FILE_SCOPE_BEGIN):b].strip("\n").replace("SF_ATTR ", scoped_attr) + "\n")
+        body = body[:a] + body[b + len(FILE_SCOPE_END):].lstrip("\n")
     attr = "SF_CLONES " if clones else ""
-    digest = hashlib.sha256((attr + body).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((attr + "".join(scoped) + body).encode()).hexdigest()[:16]
     sym = f"sf_{re.sub(r'[^a-z0-9]', '', op.op_type.lower())[:24]}_{digest}"
-    text = (f"{attr}static void {sym}_impl(const void* const* inputs, void* const* outputs) {{\n{body}\n}}\n"
+    text = ("".join(scoped) + f"{attr}static void {sym}_impl(const void* const* inputs, void* const* outputs) {{\n"
+            f"{body.rstrip()}\n}}\n"
             f"SF_EXPORT void {sym}(const void* const* inputs, void* const* outputs) {{ {sym}_impl(inputs, outputs); }}\n")
-    return sym, text
+    return sym, text.replace("SF_SYM", sym)
 
 
 def _wants_clones(op, policy: str) -> bool:

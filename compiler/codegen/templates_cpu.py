@@ -1178,6 +1178,7 @@ constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
 // shaped as y: a residual), then max(., 0) if relu (measured on Zen 3, rfcs/0002: ResNet's 1x1 convs
 // with a Relu, or a residual Add and a Relu, 9-15% faster at 56x56 and 28x28 than with the ops in epi).
 typedef void (*SfConvEpi)(const void* ctx, int64_t n, int64_t c0, int64_t c1, int64_t j0, int64_t j1);
+struct SfEpiCtx { const void* const* in; void* const* out; };  // what a generated epilogue reads
 
 static void sf_conv2d(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
                       int64_t nimg, int64_t groups, int64_t ocg, bool direct, SfConvEpi epi = nullptr,
@@ -1600,11 +1601,195 @@ static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const fl
 // the columns a run of the row kernels reads past its row: 8 runs' strides (xt's room past its last row)
 static inline int64_t sf_dwc_room(const SfConvGeom& g) { return 8 * g.SW * SF_DWC; }
 
+// ---- Depthwise convolution at stride 1 with output rows as wide as the input's: flat planes ----------
+// Output pixel p = oh * W + ow of a channel reads, at tap (kh, kw), input pixel p + e * W + d (e = kh * DH -
+// PT, d = kw * DW - PL) when input row oh + e and column ow + d exist. A plane is then runs of 16 output
+// pixels across its rows, each tap one masked load and one multiply-add: no transposition, and narrow
+// planes (7x7, 14x14) fill their vectors. A run's column masks depend on its first column only, so they
+// repeat every W / gcd(W, 16) runs (a table); its row masks cut the runs of the first and last rows.
+constexpr int64_t SF_DWF = 16;
+
+// bits [lo, hi) of a run's 16 lanes
+static inline uint32_t sf_lane_bits(int64_t lo, int64_t hi) {
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, SF_DWF);
+  return hi <= lo ? 0u : ((1u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+
+// runs after which the column masks repeat
+static inline int64_t sf_dwf_period(int64_t W) {
+  int64_t a = W, b = SF_DWF;
+  while (b) { const int64_t t = a % b; a = b; b = t; }
+  return W / a;
+}
+
+// planes whose rows are a run or less (7x7, 14x14): 0.75x the blocks' time in MobileNetV2 (Zen 4). Wider
+// rows stay with the blocks: there the flat runs' nine unaligned loads and masks took as long (1.0-1.7x)
+static inline bool sf_dwf_fits(const SfConvGeom& g) {
+  return g.SH == 1 && g.SW == 1 && g.OW == g.W && g.W <= SF_DWF;
+}
+
+// the lanes of the run of pixels p0... whose tap row e exists (lanes past the plane are not stored)
+static inline uint32_t sf_dwf_rows(const SfConvGeom& g, int64_t p0, int64_t e) {
+  return sf_lane_bits(-e * g.W - p0, (g.H - e) * g.W - p0);
+}
+
+// y[p] for runs [v0, v1) of one plane (x: its input plane, wc[KH * KW] its weights, b its bias; colm: the
+// column masks, period x KW); max(., 0) if relu
+SF_CLONES
+static void sf_dwf_generic(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
+                           const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+  const int64_t OP = g.OH * g.OW;
+  for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
+    const int64_t p0 = v * SF_DWF;
+    float a[SF_DWF];
+    for (int l = 0; l < SF_DWF; ++l) a[l] = b;
+    for (int64_t kh = 0; kh < g.KH; ++kh) {
+      const int64_t e = kh * g.DH - g.PT;
+      const uint32_t rm = sf_dwf_rows(g, p0, e);
+      for (int64_t kw = 0; kw < g.KW; ++kw) {
+        const uint32_t m = rm & colm[q * g.KW + kw];
+        const float wk = wc[kh * g.KW + kw];
+        const float* xr = x + (p0 + e * g.W + kw * g.DW - g.PL);
+        for (int l = 0; l < SF_DWF; ++l)
+          if (m >> l & 1u) a[l] += wk * xr[l];
+      }
+    }
+    const int64_t n = std::min(SF_DWF, OP - p0);
+    for (int64_t l = 0; l < n; ++l) y[p0 + l] = relu && a[l] < 0.0f ? 0.0f : a[l];  // NaN stays NaN
+  }
+}
+
+#if defined(__x86_64__)
+// lanes l of 8 where bit l of bits is set
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256i sf_bits8(uint32_t bits) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), sel), sel);
+}
+
+// as sf_dwf_generic, a run as two 8-lane halves; KH_, KW_ > 0: the kernel's size, the weights in registers
+template <int KH_, int KW_>
+__attribute__((target("avx2,fma")))
+static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
+                        const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+  const int64_t KH = KH_ ? KH_ : g.KH, KW = KW_ ? KW_ : g.KW, OP = g.OH * g.OW;
+  constexpr int TR = KH_ * KW_ > 0 ? KH_ * KW_ : 1;
+  __m256 wr[TR];
+  if (KH_ > 0) for (int t = 0; t < TR; ++t) wr[t] = _mm256_set1_ps(wc[t]);
+  for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
+    const int64_t p0 = v * SF_DWF;
+    __m256 a0 = _mm256_set1_ps(b), a1 = a0;
+    for (int64_t kh = 0; kh < KH; ++kh) {
+      const int64_t e = kh * g.DH - g.PT;
+      const uint32_t rm = sf_dwf_rows(g, p0, e);
+      if (!rm) continue;
+      const float* xr = x + (p0 + e * g.W - g.PL);
+      for (int64_t kw = 0; kw < KW; ++kw) {
+        const uint32_t m = rm & colm[q * KW + kw];
+        const __m256 wk = KH_ > 0 ? wr[kh * KW + kw] : _mm256_set1_ps(wc[kh * KW + kw]);
+        const float* xp = xr + kw * g.DW;
+        if (m == 0xFFFFu) {
+          a0 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xp), a0);
+          a1 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xp + 8), a1);
+        } else {
+          a0 = _mm256_fmadd_ps(wk, _mm256_maskload_ps(xp, sf_bits8(m & 0xFFu)), a0);
+          a1 = _mm256_fmadd_ps(wk, _mm256_maskload_ps(xp + 8, sf_bits8(m >> 8)), a1);
+        }
+      }
+    }
+    if (relu) { a0 = _mm256_max_ps(_mm256_setzero_ps(), a0); a1 = _mm256_max_ps(_mm256_setzero_ps(), a1); }
+    if (OP - p0 >= SF_DWF) {
+      _mm256_storeu_ps(y + p0, a0);
+      _mm256_storeu_ps(y + p0 + 8, a1);
+    } else {  // the plane's last run
+      alignas(32) float t[SF_DWF];
+      _mm256_store_ps(t, a0);
+      _mm256_store_ps(t + 8, a1);
+      std::memcpy(y + p0, t, sizeof(float) * (OP - p0));
+    }
+  }
+}
+
+// as sf_dwf_avx2, a run one 16-lane vector
+template <int KH_, int KW_>
+__attribute__((target("avx512f")))
+static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
+                          const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+  const int64_t KH = KH_ ? KH_ : g.KH, KW = KW_ ? KW_ : g.KW, OP = g.OH * g.OW;
+  constexpr int TR = KH_ * KW_ > 0 ? KH_ * KW_ : 1;
+  __m512 wr[TR];
+  if (KH_ > 0) for (int t = 0; t < TR; ++t) wr[t] = _mm512_set1_ps(wc[t]);
+  for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
+    const int64_t p0 = v * SF_DWF;
+    __m512 a = _mm512_set1_ps(b);
+    for (int64_t kh = 0; kh < KH; ++kh) {
+      const int64_t e = kh * g.DH - g.PT;
+      const uint32_t rm = sf_dwf_rows(g, p0, e);
+      if (!rm) continue;
+      const float* xr = x + (p0 + e * g.W - g.PL);
+      for (int64_t kw = 0; kw < KW; ++kw) {
+        const __m512 wk = KH_ > 0 ? wr[kh * KW + kw] : _mm512_set1_ps(wc[kh * KW + kw]);
+        a = _mm512_fmadd_ps(wk, _mm512_maskz_loadu_ps((__mmask16)(rm & colm[q * KW + kw]), xr + kw * g.DW), a);
+      }
+    }
+    if (relu) a = _mm512_max_ps(_mm512_setzero_ps(), a);
+    _mm512_mask_storeu_ps(y + p0, (__mmask16)sf_lane_bits(0, OP - p0), a);
+  }
+}
+#endif
+
+static void sf_conv_depthwise_flat(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
+                                   int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi, const void* ctx, bool relu) {
+  const int64_t T = g.KH * g.KW, HW = g.H * g.W, OP = g.OH * g.OW, OC = C * ocm;
+  const int64_t nv = (OP + SF_DWF - 1) / SF_DWF, period = sf_dwf_period(g.W);
+  uint16_t* colm = static_cast<uint16_t*>(sf_workspace(4, sizeof(uint16_t) * period * g.KW));
+  for (int64_t q = 0; q < period; ++q)
+    for (int64_t kw = 0; kw < g.KW; ++kw) {
+      uint32_t m = 0;
+      for (int64_t l = 0; l < SF_DWF; ++l) {
+        const int64_t c = (q * SF_DWF + l) % g.W + kw * g.DW - g.PL;
+        if (c >= 0 && c < g.W) m |= 1u << l;
+      }
+      colm[q * g.KW + kw] = (uint16_t)m;
+    }
+  // bands of up to 256 runs (16 KB of output), so that large planes of few channels still share out
+  const int64_t nbands = (nv + 255) / 256, BV = (nv + nbands - 1) / nbands, items = nimg * OC * nbands;
+#if defined(__x86_64__)
+  const int isa = sf_ukr().nr == 32 ? 2 : (sf_avx2_helpers() ? 1 : 0);
+#else
+  const int isa = 0;
+#endif
+  const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * OC * OP * T >= SF_CONV_PAR_WORK;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t band = it % nbands, oc = it / nbands % OC, n = it / (nbands * OC);
+    const int64_t v0 = band * BV, v1 = std::min(nv, v0 + BV);
+    const float* xc = x + (n * C + oc / ocm) * HW;
+    const float* wc = w + oc * T;
+    const float b = bias ? bias[oc] : 0.0f;
+    float* yc = y + (n * OC + oc) * OP;
+#if defined(__x86_64__)
+    const bool k3 = g.KH == 3 && g.KW == 3, k5 = g.KH == 5 && g.KW == 5;
+    if (isa == 2 && k3) sf_dwf_avx512<3, 3>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else if (isa == 2 && k5) sf_dwf_avx512<5, 5>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else if (isa == 2) sf_dwf_avx512<0, 0>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else if (isa == 1 && k3) sf_dwf_avx2<3, 3>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else if (isa == 1 && k5) sf_dwf_avx2<5, 5>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else if (isa == 1) sf_dwf_avx2<0, 0>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else
+#endif
+      sf_dwf_generic(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    if (epi) epi(ctx, n, oc, oc + 1, v0 * SF_DWF, std::min(v1 * SF_DWF, OP));
+  }
+}
+
 static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
                               int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
                               bool relu = false) {
   const int64_t T = g.KH * g.KW, ncb = (C + SF_DWC - 1) / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW, OC = C * ocm;
   if (nimg <= 0 || OC <= 0 || OP <= 0) return;
+  if (sf_dwf_fits(g)) { sf_conv_depthwise_flat(x, w, bias, y, g, nimg, C, ocm, epi, ctx, relu); return; }
   const int64_t Wp = (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1, reach = (g.KH - 1) * g.DH + 1;
   // bands: about 32K floats (128 KB) of transposed input rows
   const int64_t rows = std::max<int64_t>(reach, 32768 / (Wp * SF_DWC));
@@ -2607,6 +2792,32 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, bool] | None:
     return res, relu
 
 
+def _flat_plane(value, axes, shape):
+    """``value`` (an epilogue member's element, over ``axes`` of a 4-D output ``shape``) with the row
+    axis replaced by 0, so that the column axis runs over a channel's flat pixels; ``None`` unless the
+    two axes appear only as the last two indices of reads of tensors whose last two dims are the
+    output's (there the flat index is the same)."""
+    from ..ir.expr import Const, TensorElement, Var
+    from .lower import substitute
+
+    h, w = axes[-2], axes[-1]
+    memo: dict[int, bool] = {}
+
+    def ok(e) -> bool:
+        k = id(e)
+        if k not in memo:
+            if isinstance(e, Var):
+                memo[k] = e is not h and e is not w
+            elif isinstance(e, TensorElement) and len(e.indices) >= 2 and e.indices[-2] is h \
+                    and e.indices[-1] is w and tuple(e.tensor.shape[-2:]) == tuple(shape[-2:]):
+                memo[k] = all(ok(i) for i in e.indices[:-2])
+            else:
+                memo[k] = all(ok(c) for c in e.children())
+        return memo[k]
+
+    return substitute(value, {h: Const(0)}) if ok(value) else None
+
+
 def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[str] | None:
     """C++ defining ``epi_`` and ``ctx_`` for :func:`sf_conv2d`: per element of a tile, ``v_`` = the
     conv's value (+ ``bias``), then each later member of ``fused`` as ``v_ = f(v_, other inputs)``.
@@ -2625,6 +2836,7 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
     v = Local("v_", "float32")
     printer = _Printer(None)
     stmts: list[str] = []
+    flat: list[str] | None = [] if len(shape) == 4 else None  # the statements over flat pixels w_ = j
     prev = members[0].outputs[0]
     for m in members[1:]:
         task = m.task
@@ -2664,32 +2876,50 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
         value = transform(gc.value, read)
         if not ok[0]:
             return None
+        flat_value = _flat_plane(value, axes, shape) if flat is not None else None
+        if flat_value is None:
+            flat = None
         for a, name in zip(axes, names):
             printer.var_names[id(a)] = name
             printer.used_names.add(name)
         try:
             stmts.append(f"v_ = {printer.expr(value, 'float32')};")
+            if flat is not None:
+                flat.append(f"v_ = {printer.expr(flat_value, 'float32')};")
         except Exception:  # noqa: BLE001 - anything the printer cannot print stays generic
             return None
         prev = m.outputs[0]
     P = OH * OW
+    # the epilogue is a function of the file (marked for kernel_source), so that it is compiled for the
+    # kernel's instruction sets too (a lambda's body would not be: SSE loops)
     lines = ["  // the conv's tiles are finished in place by: " + " -> ".join(m.op_type for m in members[1:]),
-             "  struct EpiCtx { const void* const* in; void* const* out; };",
-             "  const EpiCtx ctx_ = {inputs, outputs};",
-             "  const SfConvEpi epi_ = [](const void* p, int64_t n_, int64_t c0, int64_t c1, int64_t j0, int64_t j1) {",
-             "    const void* const* inputs = static_cast<const EpiCtx*>(p)->in;",
-             "    void* const* outputs = static_cast<const EpiCtx*>(p)->out;"]
-    lines += ["  " + ln for ln in _args(fused)]
-    lines += [f"    const int64_t h0 = j0 / {OW}, h1 = (j1 - 1) / {OW};",
-              "    for (int64_t c_ = c0; c_ < c1; ++c_) {",
-              f"      const float b_ = {bias or '0.0f'};",
-              f"      float* __restrict__ yr = out0 + (n_ * {oc} + c_) * {P};",
-              "      for (int64_t h_ = h0; h_ <= h1; ++h_) {",
-              f"        const int64_t wa = h_ == h0 ? j0 - h0 * {OW} : 0, wb = h_ == h1 ? j1 - h1 * {OW} : {OW};",
-              "        for (int64_t w_ = wa; w_ < wb; ++w_) {",
-              f"          float v_ = yr[h_ * {OW} + w_] + b_;"]
-    lines += ["          " + st for st in stmts]
-    lines += [f"          yr[h_ * {OW} + w_] = v_;", "        }", "      }", "    }", "  };"]
+             "  const SfEpiCtx ctx_ = {inputs, outputs};",
+             "  const SfConvEpi epi_ = SF_SYM_epi;",
+             FILE_SCOPE_BEGIN,
+             "SF_ATTR static void SF_SYM_epi(const void* p, int64_t n_, int64_t c0, int64_t c1, int64_t j0, "
+             "int64_t j1) {",
+             "  const void* const* inputs = static_cast<const SfEpiCtx*>(p)->in;",
+             "  void* const* outputs = static_cast<const SfEpiCtx*>(p)->out;"]
+    lines += _args(fused)
+    if flat is not None:  # one loop over the tile's pixels of a channel (rows of OW would be short)
+        lines += ["  for (int64_t c_ = c0; c_ < c1; ++c_) {",
+                  f"    const float b_ = {bias or '0.0f'};",
+                  f"    float* __restrict__ yr = out0 + (n_ * {oc} + c_) * {P};",
+                  "    for (int64_t w_ = j0; w_ < j1; ++w_) {",
+                  "      float v_ = yr[w_] + b_;"]
+        lines += ["      " + st for st in flat]
+        lines += ["      yr[w_] = v_;", "    }", "  }", "}", FILE_SCOPE_END]
+        return lines
+    lines += [f"  const int64_t h0 = j0 / {OW}, h1 = (j1 - 1) / {OW};",
+              "  for (int64_t c_ = c0; c_ < c1; ++c_) {",
+              f"    const float b_ = {bias or '0.0f'};",
+              f"    float* __restrict__ yr = out0 + (n_ * {oc} + c_) * {P};",
+              "    for (int64_t h_ = h0; h_ <= h1; ++h_) {",
+              f"      const int64_t wa = h_ == h0 ? j0 - h0 * {OW} : 0, wb = h_ == h1 ? j1 - h1 * {OW} : {OW};",
+              "      for (int64_t w_ = wa; w_ < wb; ++w_) {",
+              f"        float v_ = yr[h_ * {OW} + w_] + b_;"]
+    lines += ["        " + st for st in stmts]
+    lines += [f"        yr[h_ * {OW} + w_] = v_;", "      }", "    }", "  }", "}", FILE_SCOPE_END]
     return lines
 
 
@@ -3060,6 +3290,9 @@ _MIXED_DTYPES = frozenset({"Attention"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool", "Resize"})
+# a template body's lines between these two are definitions of the file, put before the kernel (``SF_SYM``:
+# the kernel's symbol; ``SF_ATTR``: its instruction-set clones); see cpp.kernel_source
+FILE_SCOPE_BEGIN, FILE_SCOPE_END = "//<file-scope>", "//</file-scope>"
 
 
 def _template_fn(op):

@@ -7,6 +7,7 @@ through the kernel ABI with ctypes.
 """
 import ctypes
 import os
+import re
 import time
 
 import numpy as np
@@ -121,6 +122,14 @@ def _large():
         Conv([_t((2, 32, 70)), _t((32, 1, 4)), _t((32,))], group=32, pads=(3, 0)),
         Conv([_t((1, 40, 5, 5)), _t((40, 1, 3, 3))], group=40, pads=(1, 1, 1, 1)),
         Conv([_t((1, 16, 12, 30)), _t((16, 1, 3, 3))], group=16, strides=(2, 2)),
+        # stride 1, output rows as wide as the input's and at most 16 (sf_conv_depthwise_flat: runs of 16
+        # pixels across rows): two outputs per channel, images and bands of runs (16 columns); 5x5 with
+        # uneven vertical pads (an output row fewer); dilation; 7x7 (no unrolled kernel); 1-D, causal
+        Conv([_t((2, 6, 300, 16)), _t((12, 1, 3, 3)), _t((12,))], group=6, pads=(1, 1, 1, 1)),
+        Conv([_t((1, 5, 13, 9)), _t((5, 1, 5, 5)), _t((5,))], group=5, pads=(0, 2, 3, 2)),
+        Conv([_t((1, 4, 10, 7)), _t((4, 1, 3, 3))], group=4, pads=(2, 2, 2, 2), dilations=(2, 2)),
+        Conv([_t((1, 3, 9, 12)), _t((3, 1, 7, 7)), _t((3,))], group=3, pads=(3, 3, 3, 3)),
+        Conv([_t((2, 6, 12)), _t((6, 1, 3)), _t((6,))], group=6, pads=(2, 0)),
         # the conv template's paths: short rows (two-load permutes), K in two blocks packed once for
         # the three row tiles, row and column remainders of every micro-kernel shape
         Conv([_t((1, 40, 9, 9)), _t((200, 40, 3, 3)), _t((200,))], pads=(1, 1, 1, 1)),
@@ -911,6 +920,9 @@ def test_conv_epilogue_fusion(tmp_path):
         group("dw-blocks-residual", Conv([inp(2, 20, 100, 37), inp(20, 1, 3, 3), inp(20)], group=20,
                                          pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(2, 20, 100, 37)], fn="add"), lambda y: Binary([y, inp(20, 1, 1)], fn="mul")),
+        # rows of at most 16 pixels (runs of 16 pixels across rows) in two bands of runs: each band's ops
+        group("dw-flat-bands", Conv([inp(1, 3, 320, 16), inp(3, 1, 3, 3), inp(3)], group=3, pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(1, 3, 320, 16)], fn="add"), lambda y: Binary([y, inp(3, 1, 1)], fn="mul")),
         # two outputs per input channel: the ops run on each output channel's band
         group("dw-multiplier-residual", Conv([inp(1, 4, 9, 10), inp(8, 1, 3, 3), inp(8)], group=4,
                                              pads=(1, 1, 1, 1)),
@@ -936,6 +948,10 @@ def test_conv_epilogue_fusion(tmp_path):
     ]
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
+    # operands broadcast along a row or a column: the epilogue loops over rows (elsewhere over a channel's
+    # pixels as one run)
+    cases.append(group("row-column-broadcast", Conv([inp(1, 8, 6, 10), inp(16, 8, 3, 3)], pads=(1, 1, 1, 1)),
+                       lambda y: Binary([y, inp(10)], fn="add"), lambda y: Binary([y, inp(6, 1)], fn="mul")))
     finish += finish_packed + finish_wino
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the Relu, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
@@ -954,6 +970,9 @@ def test_conv_epilogue_fusion(tmp_path):
     assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise) - 1
     assert src.text.count("the tiles are finished as they are stored") == len(finish) + 1  # + dw-relu
     assert src.text.count("epi_(&ctx_, pl") == len(resized)
+    # the epilogues are functions of the file, compiled for each instruction set where the kernel is large
+    epis = re.findall(r"(SF_CLONES )?static void sf_fused_\w+_epi\(", src.text)
+    assert len(epis) == len(cases + packed + winograd + transposed + depthwise + resized) - 1 and any(epis)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
