@@ -1623,15 +1623,16 @@ static inline int64_t sf_dwf_period(int64_t W) {
   return W / a;
 }
 
-// planes whose rows are a run or less (7x7, 14x14): 0.75x the blocks' time in MobileNetV2 (Zen 4). Wider
-// rows stay with the blocks: there the flat runs' nine unaligned loads and masks took as long (1.0-1.7x)
+// MobileNetV2's stride-1 3x3s in 0.72-0.84x the blocks' time at 112x112, 56x56 and 28x28, 0.65-0.7x at
+// 14x14 and 7x7 (Zen 4); the blocks keep strided convs and rows of other widths
 static inline bool sf_dwf_fits(const SfConvGeom& g) {
-  return g.SH == 1 && g.SW == 1 && g.OW == g.W && g.W <= SF_DWF;
+  return g.SH == 1 && g.SW == 1 && g.OW == g.W && sf_dwf_period(g.W) * g.KW <= 4096;
 }
 
-// the lanes of the run of pixels p0... whose tap row e exists (lanes past the plane are not stored)
-static inline uint32_t sf_dwf_rows(const SfConvGeom& g, int64_t p0, int64_t e) {
-  return sf_lane_bits(-e * g.W - p0, (g.H - e) * g.W - p0);
+// the lanes of the run of pixels p0... whose tap row e exists in an input of H rows of W (lanes past the
+// plane are not stored)
+static inline uint32_t sf_dwf_rows(int64_t H, int64_t W, int64_t p0, int64_t e) {
+  return sf_lane_bits(-e * W - p0, (H - e) * W - p0);
 }
 
 // y[p] for runs [v0, v1) of one plane (x: its input plane, wc[KH * KW] its weights, b its bias; colm: the
@@ -1639,18 +1640,20 @@ static inline uint32_t sf_dwf_rows(const SfConvGeom& g, int64_t p0, int64_t e) {
 SF_CLONES
 static void sf_dwf_generic(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                            const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+  // the geometry in locals: a store to y could alias g, which the taps would read again
+  const int64_t KH0 = g.KH, KW0 = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
   const int64_t OP = g.OH * g.OW;
   for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
     const int64_t p0 = v * SF_DWF;
     float a[SF_DWF];
     for (int l = 0; l < SF_DWF; ++l) a[l] = b;
-    for (int64_t kh = 0; kh < g.KH; ++kh) {
-      const int64_t e = kh * g.DH - g.PT;
-      const uint32_t rm = sf_dwf_rows(g, p0, e);
-      for (int64_t kw = 0; kw < g.KW; ++kw) {
-        const uint32_t m = rm & colm[q * g.KW + kw];
-        const float wk = wc[kh * g.KW + kw];
-        const float* xr = x + (p0 + e * g.W + kw * g.DW - g.PL);
+    for (int64_t kh = 0; kh < KH0; ++kh) {
+      const int64_t e = kh * DH - PT;
+      const uint32_t rm = sf_dwf_rows(H, W, p0, e);
+      for (int64_t kw = 0; kw < KW0; ++kw) {
+        const uint32_t m = rm & colm[q * KW0 + kw];
+        const float wk = wc[kh * KW0 + kw];
+        const float* xr = x + (p0 + e * W + kw * DW - PL);
         for (int l = 0; l < SF_DWF; ++l)
           if (m >> l & 1u) a[l] += wk * xr[l];
       }
@@ -1673,7 +1676,9 @@ template <int KH_, int KW_>
 __attribute__((target("avx2,fma")))
 static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                         const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
-  const int64_t KH = KH_ ? KH_ : g.KH, KW = KW_ ? KW_ : g.KW, OP = g.OH * g.OW;
+  // the geometry in locals: a store to y could alias g, which the taps would read again
+  const int64_t KH0 = g.KH, KW0 = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
+  const int64_t KH = KH_ ? KH_ : KH0, KW = KW_ ? KW_ : KW0, OP = g.OH * g.OW;
   constexpr int TR = KH_ * KW_ > 0 ? KH_ * KW_ : 1;
   __m256 wr[TR];
   if (KH_ > 0) for (int t = 0; t < TR; ++t) wr[t] = _mm256_set1_ps(wc[t]);
@@ -1681,14 +1686,14 @@ static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, cons
     const int64_t p0 = v * SF_DWF;
     __m256 a0 = _mm256_set1_ps(b), a1 = a0;
     for (int64_t kh = 0; kh < KH; ++kh) {
-      const int64_t e = kh * g.DH - g.PT;
-      const uint32_t rm = sf_dwf_rows(g, p0, e);
+      const int64_t e = kh * DH - PT;
+      const uint32_t rm = sf_dwf_rows(H, W, p0, e);
       if (!rm) continue;
-      const float* xr = x + (p0 + e * g.W - g.PL);
+      const float* xr = x + (p0 + e * W - PL);
       for (int64_t kw = 0; kw < KW; ++kw) {
         const uint32_t m = rm & colm[q * KW + kw];
         const __m256 wk = KH_ > 0 ? wr[kh * KW + kw] : _mm256_set1_ps(wc[kh * KW + kw]);
-        const float* xp = xr + kw * g.DW;
+        const float* xp = xr + kw * DW;
         if (m == 0xFFFFu) {
           a0 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xp), a0);
           a1 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xp + 8), a1);
@@ -1716,7 +1721,9 @@ template <int KH_, int KW_>
 __attribute__((target("avx512f")))
 static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                           const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
-  const int64_t KH = KH_ ? KH_ : g.KH, KW = KW_ ? KW_ : g.KW, OP = g.OH * g.OW;
+  // the geometry in locals: a store to y could alias g, which the taps would read again
+  const int64_t KH0 = g.KH, KW0 = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
+  const int64_t KH = KH_ ? KH_ : KH0, KW = KW_ ? KW_ : KW0, OP = g.OH * g.OW;
   constexpr int TR = KH_ * KW_ > 0 ? KH_ * KW_ : 1;
   __m512 wr[TR];
   if (KH_ > 0) for (int t = 0; t < TR; ++t) wr[t] = _mm512_set1_ps(wc[t]);
@@ -1724,13 +1731,13 @@ static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, co
     const int64_t p0 = v * SF_DWF;
     __m512 a = _mm512_set1_ps(b);
     for (int64_t kh = 0; kh < KH; ++kh) {
-      const int64_t e = kh * g.DH - g.PT;
-      const uint32_t rm = sf_dwf_rows(g, p0, e);
+      const int64_t e = kh * DH - PT;
+      const uint32_t rm = sf_dwf_rows(H, W, p0, e);
       if (!rm) continue;
-      const float* xr = x + (p0 + e * g.W - g.PL);
+      const float* xr = x + (p0 + e * W - PL);
       for (int64_t kw = 0; kw < KW; ++kw) {
         const __m512 wk = KH_ > 0 ? wr[kh * KW + kw] : _mm512_set1_ps(wc[kh * KW + kw]);
-        a = _mm512_fmadd_ps(wk, _mm512_maskz_loadu_ps((__mmask16)(rm & colm[q * KW + kw]), xr + kw * g.DW), a);
+        a = _mm512_fmadd_ps(wk, _mm512_maskz_loadu_ps((__mmask16)(rm & colm[q * KW + kw]), xr + kw * DW), a);
       }
     }
     if (relu) a = _mm512_max_ps(_mm512_setzero_ps(), a);

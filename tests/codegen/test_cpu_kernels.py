@@ -101,31 +101,33 @@ def _large():
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
         Conv([_t((2, 6, 40)), _t((10, 6, 5)), _t((10,))], pads=(2, 2), strides=(3,)),
-        # depthwise (sf_conv_depthwise): a row's taps over column ranges; strides 1, 2 and 3, dilation,
-        # uneven pads, 7x7, two outputs per channel, 1-D (a causal conv's left pad), several images
+        # depthwise (sf_conv_depthwise): strides 1, 2 and 3, dilation, uneven pads, 7x7, two outputs per
+        # channel (in blocks: an output row wider than the input's), 1-D (a causal conv's left pad), images
         Conv([_t((1, 6, 8, 8)), _t((6, 1, 3, 3))], group=6, pads=(1, 1, 1, 1)),
         Conv([_t((2, 5, 17, 23)), _t((5, 1, 3, 3)), _t((5,))], group=5, pads=(1, 0, 2, 1), strides=(2, 2)),
-        Conv([_t((1, 4, 20, 31)), _t((8, 1, 3, 3)), _t((8,))], group=4, pads=(2, 2, 2, 2), dilations=(2, 2)),
+        Conv([_t((1, 4, 20, 31)), _t((8, 1, 3, 3)), _t((8,))], group=4, pads=(2, 2, 2, 3), dilations=(2, 2)),
         Conv([_t((1, 3, 30, 29)), _t((3, 1, 7, 7)), _t((3,))], group=3, pads=(3, 3, 3, 3)),
         Conv([_t((1, 4, 19, 40)), _t((4, 1, 3, 5))], group=4, pads=(0, 1, 1, 2), strides=(1, 3)),
         Conv([_t((2, 6, 50)), _t((6, 1, 4)), _t((6,))], group=6, pads=(3, 0)),
         Conv([_t((1, 96, 14, 14)), _t((96, 1, 3, 3)), _t((96,))], group=96, pads=(1, 1, 1, 1)),  # threads
-        # 8+ channels (blocks of 16, sf_conv_depthwise_blocked): a block of 4 left over and bands of rows
-        # (two images); stride 2 with uneven pads; strides 3x2, dilations and a 5x3 kernel; 7x7 on 8
-        # channels (half a block); 1-D (a causal conv's left pad); planes narrower than a run of 8
-        # columns (three blocks); a last input column no tap reads
-        Conv([_t((2, 20, 100, 37)), _t((20, 1, 3, 3)), _t((20,))], group=20, pads=(1, 1, 1, 1)),
+        # blocks of 16 channels (strided, or output rows not as wide as the input's): a block of 4 left
+        # over and bands of rows (two images); stride 2 with uneven pads; strides 3x2, dilations and a
+        # 5x3 kernel; 7x7 on 8 channels (half a block); 1-D; planes narrower than a run of 8 columns
+        # (three blocks); a last input column no tap reads
+        Conv([_t((2, 20, 100, 37)), _t((20, 1, 3, 3)), _t((20,))], group=20, pads=(1, 1, 1, 2)),
         Conv([_t((1, 24, 31, 29)), _t((24, 1, 3, 3))], group=24, pads=(1, 0, 2, 1), strides=(2, 2)),
         Conv([_t((1, 16, 40, 45)), _t((16, 1, 5, 3)), _t((16,))], group=16, pads=(4, 2, 3, 1), strides=(3, 2),
              dilations=(2, 3)),
-        Conv([_t((1, 8, 30, 29)), _t((8, 1, 7, 7)), _t((8,))], group=8, pads=(3, 3, 3, 3)),
-        Conv([_t((2, 32, 70)), _t((32, 1, 4)), _t((32,))], group=32, pads=(3, 0)),
-        Conv([_t((1, 40, 5, 5)), _t((40, 1, 3, 3))], group=40, pads=(1, 1, 1, 1)),
+        Conv([_t((1, 8, 30, 29)), _t((8, 1, 7, 7)), _t((8,))], group=8, pads=(3, 3, 3, 2)),
+        Conv([_t((2, 32, 70)), _t((32, 1, 4)), _t((32,))], group=32, pads=(3, 1)),
+        Conv([_t((1, 40, 5, 5)), _t((40, 1, 3, 3))], group=40, pads=(1, 1, 1, 0)),
         Conv([_t((1, 16, 12, 30)), _t((16, 1, 3, 3))], group=16, strides=(2, 2)),
-        # stride 1, output rows as wide as the input's and at most 16 (sf_conv_depthwise_flat: runs of 16
-        # pixels across rows): two outputs per channel, images and bands of runs (16 columns); 5x5 with
-        # uneven vertical pads (an output row fewer); dilation; 7x7 (no unrolled kernel); 1-D, causal
+        # stride 1, output rows as wide as the input's (sf_conv_depthwise_flat: runs of 16 pixels across
+        # rows): two outputs per channel, images and bands of runs (16 columns); 5x5 with uneven vertical
+        # pads (an output row fewer); dilation; 7x7 (no unrolled kernel); 1-D, causal; rows of 37 (runs
+        # start at every column) on 20 channels (some inputs below are also flat)
         Conv([_t((2, 6, 300, 16)), _t((12, 1, 3, 3)), _t((12,))], group=6, pads=(1, 1, 1, 1)),
+        Conv([_t((1, 20, 30, 37)), _t((20, 1, 3, 3)), _t((20,))], group=20, pads=(1, 1, 1, 1)),
         Conv([_t((1, 5, 13, 9)), _t((5, 1, 5, 5)), _t((5,))], group=5, pads=(0, 2, 3, 2)),
         Conv([_t((1, 4, 10, 7)), _t((4, 1, 3, 3))], group=4, pads=(2, 2, 2, 2), dilations=(2, 2)),
         Conv([_t((1, 3, 9, 12)), _t((3, 1, 7, 7)), _t((3,))], group=3, pads=(3, 3, 3, 3)),
@@ -916,17 +918,18 @@ def test_conv_epilogue_fusion(tmp_path):
               lambda y: Clip([y], lo=0.0, hi=6.0)),
         group("dw-residual-relu", Conv([inp(1, 6, 9, 9), inp(6, 1, 5, 5)], group=6, pads=(2, 2, 2, 2)),
               lambda y: Binary([y, inp(1, 6, 9, 9)], fn="add"), lambda y: Activation([y], kind="relu")),
-        # blocks of 16 channels (one of 4) and bands of rows: the ops run on each block's band
+        # blocks of 16 channels (one of 4; output rows wider than the input's) and bands of rows: each block's band
         group("dw-blocks-residual", Conv([inp(2, 20, 100, 37), inp(20, 1, 3, 3), inp(20)], group=20,
-                                         pads=(1, 1, 1, 1)),
-              lambda y: Binary([y, inp(2, 20, 100, 37)], fn="add"), lambda y: Binary([y, inp(20, 1, 1)], fn="mul")),
-        # rows of at most 16 pixels (runs of 16 pixels across rows) in two bands of runs: each band's ops
-        group("dw-flat-bands", Conv([inp(1, 3, 320, 16), inp(3, 1, 3, 3), inp(3)], group=3, pads=(1, 1, 1, 1)),
-              lambda y: Binary([y, inp(1, 3, 320, 16)], fn="add"), lambda y: Binary([y, inp(3, 1, 1)], fn="mul")),
-        # two outputs per input channel: the ops run on each output channel's band
+                                         pads=(1, 1, 1, 2)),
+              lambda y: Binary([y, inp(2, 20, 100, 38)], fn="add"), lambda y: Binary([y, inp(20, 1, 1)], fn="mul")),
+        # stride 1, rows as wide as the input's (runs of 16 pixels across rows) in two bands of runs, two
+        # outputs per channel: each output channel's band's ops
+        group("dw-flat-bands", Conv([inp(1, 3, 320, 16), inp(6, 1, 3, 3), inp(6)], group=3, pads=(1, 1, 1, 1)),
+              lambda y: Binary([y, inp(1, 6, 320, 16)], fn="add"), lambda y: Binary([y, inp(6, 1, 1)], fn="mul")),
+        # two outputs per input channel, in blocks: the ops run on each output channel's band
         group("dw-multiplier-residual", Conv([inp(1, 4, 9, 10), inp(8, 1, 3, 3), inp(8)], group=4,
-                                             pads=(1, 1, 1, 1)),
-              lambda y: Binary([y, inp(1, 8, 9, 10)], fn="add"), lambda y: Binary([y, inp(8, 1, 1)], fn="mul")),
+                                             pads=(1, 1, 1, 2)),
+              lambda y: Binary([y, inp(1, 8, 9, 11)], fn="add"), lambda y: Binary([y, inp(8, 1, 1)], fn="mul")),
     ]
     transposed = [  # ConvTranspose: the epilogue (bias first) finishes each folded plane
         group("convT-relu", ConvTranspose([inp(2, 8, 7, 6), inp(8, 12, 3, 3), inp(12)], strides=(2, 2),
