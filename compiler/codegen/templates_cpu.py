@@ -1623,10 +1623,11 @@ static inline int64_t sf_dwf_period(int64_t W) {
   return W / a;
 }
 
-// MobileNetV2's stride-1 3x3s in 0.72-0.84x the blocks' time at 112x112, 56x56 and 28x28, 0.65-0.7x at
-// 14x14 and 7x7 (Zen 4); the blocks keep strided convs and rows of other widths
+// 3x3 only: MobileNetV2's stride-1 3x3s take 0.72-0.84x the blocks' time at 112x112, 56x56 and 28x28,
+// 0.65-0.7x at 14x14 and 7x7 (Zen 4), but 5x5s took 1.2-1.6x and a 7x7 (ConvNeXt's, 56x56) 1.8x: the
+// masks per tap cost more than the blocks' transpositions there. The blocks keep the other convs.
 static inline bool sf_dwf_fits(const SfConvGeom& g) {
-  return g.SH == 1 && g.SW == 1 && g.OW == g.W && sf_dwf_period(g.W) * g.KW <= 4096;
+  return g.KH == 3 && g.KW == 3 && g.SH == 1 && g.SW == 1 && g.OW == g.W && sf_dwf_period(g.W) * g.KW <= 4096;
 }
 
 // the lanes of the run of pixels p0... whose tap row e exists in an input of H rows of W (lanes past the
@@ -1671,17 +1672,16 @@ static inline __m256i sf_bits8(uint32_t bits) {
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), sel), sel);
 }
 
-// as sf_dwf_generic, a run as two 8-lane halves; KH_, KW_ > 0: the kernel's size, the weights in registers
-template <int KH_, int KW_>
+// as sf_dwf_generic for a 3x3 kernel, a run as two 8-lane halves, the weights in registers
 __attribute__((target("avx2,fma")))
 static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                         const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
-  const int64_t KH0 = g.KH, KW0 = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
-  const int64_t KH = KH_ ? KH_ : KH0, KW = KW_ ? KW_ : KW0, OP = g.OH * g.OW;
-  constexpr int TR = KH_ * KW_ > 0 ? KH_ * KW_ : 1;
-  __m256 wr[TR];
-  if (KH_ > 0) for (int t = 0; t < TR; ++t) wr[t] = _mm256_set1_ps(wc[t]);
+  const int64_t H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
+  constexpr int64_t KH = 3, KW = 3;
+  const int64_t OP = g.OH * g.OW;
+  __m256 wr[KH * KW];
+  for (int t = 0; t < KH * KW; ++t) wr[t] = _mm256_set1_ps(wc[t]);
   for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
     const int64_t p0 = v * SF_DWF;
     __m256 a0 = _mm256_set1_ps(b), a1 = a0;
@@ -1692,7 +1692,7 @@ static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, cons
       const float* xr = x + (p0 + e * W - PL);
       for (int64_t kw = 0; kw < KW; ++kw) {
         const uint32_t m = rm & colm[q * KW + kw];
-        const __m256 wk = KH_ > 0 ? wr[kh * KW + kw] : _mm256_set1_ps(wc[kh * KW + kw]);
+        const __m256 wk = wr[kh * KW + kw];
         const float* xp = xr + kw * DW;
         if (m == 0xFFFFu) {
           a0 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xp), a0);
@@ -1717,16 +1717,15 @@ static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, cons
 }
 
 // as sf_dwf_avx2, a run one 16-lane vector
-template <int KH_, int KW_>
 __attribute__((target("avx512f")))
 static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                           const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
-  const int64_t KH0 = g.KH, KW0 = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
-  const int64_t KH = KH_ ? KH_ : KH0, KW = KW_ ? KW_ : KW0, OP = g.OH * g.OW;
-  constexpr int TR = KH_ * KW_ > 0 ? KH_ * KW_ : 1;
-  __m512 wr[TR];
-  if (KH_ > 0) for (int t = 0; t < TR; ++t) wr[t] = _mm512_set1_ps(wc[t]);
+  const int64_t H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
+  constexpr int64_t KH = 3, KW = 3;
+  const int64_t OP = g.OH * g.OW;
+  __m512 wr[KH * KW];
+  for (int t = 0; t < KH * KW; ++t) wr[t] = _mm512_set1_ps(wc[t]);
   for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
     const int64_t p0 = v * SF_DWF;
     __m512 a = _mm512_set1_ps(b);
@@ -1736,7 +1735,7 @@ static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, co
       if (!rm) continue;
       const float* xr = x + (p0 + e * W - PL);
       for (int64_t kw = 0; kw < KW; ++kw) {
-        const __m512 wk = KH_ > 0 ? wr[kh * KW + kw] : _mm512_set1_ps(wc[kh * KW + kw]);
+        const __m512 wk = wr[kh * KW + kw];
         a = _mm512_fmadd_ps(wk, _mm512_maskz_loadu_ps((__mmask16)(rm & colm[q * KW + kw]), xr + kw * DW), a);
       }
     }
@@ -1777,13 +1776,8 @@ static void sf_conv_depthwise_flat(const float* x, const float* w, const float* 
     const float b = bias ? bias[oc] : 0.0f;
     float* yc = y + (n * OC + oc) * OP;
 #if defined(__x86_64__)
-    const bool k3 = g.KH == 3 && g.KW == 3, k5 = g.KH == 5 && g.KW == 5;
-    if (isa == 2 && k3) sf_dwf_avx512<3, 3>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
-    else if (isa == 2 && k5) sf_dwf_avx512<5, 5>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
-    else if (isa == 2) sf_dwf_avx512<0, 0>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
-    else if (isa == 1 && k3) sf_dwf_avx2<3, 3>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
-    else if (isa == 1 && k5) sf_dwf_avx2<5, 5>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
-    else if (isa == 1) sf_dwf_avx2<0, 0>(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    if (isa == 2) sf_dwf_avx512(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    else if (isa == 1) sf_dwf_avx2(xc, wc, b, yc, g, colm, period, v0, v1, relu);
     else
 #endif
       sf_dwf_generic(xc, wc, b, yc, g, colm, period, v0, v1, relu);

@@ -122,14 +122,20 @@ def _large():
         Conv([_t((2, 32, 70)), _t((32, 1, 4)), _t((32,))], group=32, pads=(3, 1)),
         Conv([_t((1, 40, 5, 5)), _t((40, 1, 3, 3))], group=40, pads=(1, 1, 1, 0)),
         Conv([_t((1, 16, 12, 30)), _t((16, 1, 3, 3))], group=16, strides=(2, 2)),
-        # stride 1, output rows as wide as the input's (sf_conv_depthwise_flat: runs of 16 pixels across
-        # rows): two outputs per channel, images and bands of runs (16 columns); 5x5 with uneven vertical
-        # pads (an output row fewer); dilation; 7x7 (no unrolled kernel); 1-D, causal; rows of 37 (runs
-        # start at every column) on 20 channels (some inputs below are also flat)
+        # 3x3, stride 1, output rows as wide as the input's (sf_conv_depthwise_flat: runs of 16 pixels
+        # across rows): two outputs per channel, images and bands of runs (16 columns); rows of 37 (runs
+        # start at every column) on 20 channels; uneven vertical pads (an output row fewer); dilation (some
+        # convs above are flat too). Then, with such rows, 3x5, 5x3, 5x5, 7x7, 1-D and strided convs: in
+        # blocks
+        Conv([_t((1, 4, 8, 11)), _t((4, 1, 3, 5))], group=4, pads=(1, 2, 1, 2)),
+        Conv([_t((1, 4, 9, 8)), _t((4, 1, 5, 3))], group=4, pads=(2, 1, 2, 1)),
+        Conv([_t((1, 2, 6, 4)), _t((2, 1, 3, 3))], group=2, pads=(1, 2, 1, 3), strides=(1, 2)),
+        Conv([_t((1, 3, 10, 9)), _t((3, 1, 3, 3))], group=3, pads=(1, 1, 1, 1), strides=(2, 1)),
         Conv([_t((2, 6, 300, 16)), _t((12, 1, 3, 3)), _t((12,))], group=6, pads=(1, 1, 1, 1)),
         Conv([_t((1, 20, 30, 37)), _t((20, 1, 3, 3)), _t((20,))], group=20, pads=(1, 1, 1, 1)),
-        Conv([_t((1, 5, 13, 9)), _t((5, 1, 5, 5)), _t((5,))], group=5, pads=(0, 2, 3, 2)),
+        Conv([_t((1, 5, 13, 9)), _t((5, 1, 3, 3)), _t((5,))], group=5, pads=(0, 1, 1, 1)),
         Conv([_t((1, 4, 10, 7)), _t((4, 1, 3, 3))], group=4, pads=(2, 2, 2, 2), dilations=(2, 2)),
+        Conv([_t((1, 5, 13, 9)), _t((5, 1, 5, 5)), _t((5,))], group=5, pads=(0, 2, 3, 2)),
         Conv([_t((1, 3, 9, 12)), _t((3, 1, 7, 7)), _t((3,))], group=3, pads=(3, 3, 3, 3)),
         Conv([_t((2, 6, 12)), _t((6, 1, 3)), _t((6,))], group=6, pads=(2, 0)),
         # the conv template's paths: short rows (two-load permutes), K in two blocks packed once for
