@@ -1,0 +1,63 @@
+"""Per-kernel times of two cpu builds of one model, paired: which kernels a change made faster or slower.
+
+Both builds (``compile(..., out_dir=DIR)`` with ``mesh_shape [1]`` and target ``cpu``, e.g. one at an old
+commit and one at the new) are loaded in one process and profiled in alternating rounds
+(``Program.profile``: each kernel step timed on its own, in program order). This VM's speed changes by up to
+2x within minutes, so figures taken apart are not comparable; alternating rounds see the same phases, and the
+ratio is taken per round (new / old), then its median. Prints per kernel: the old and new minimum over the
+rounds (ms), the paired ratio and the node; first the sums.
+
+    python benchmarks/cpu_compare_builds.py OLD_DIR NEW_DIR [--rounds 21] [--only conv_3x3] [--build MODEL.onnx]
+
+``--build MODEL.onnx`` compiles the model into NEW_DIR first (with the checked-out code). Inputs: random
+normal floats (the program's input shapes and dtypes), the same for both builds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--repeat", type=int, default=5, help="runs per round and build")
+    ap.add_argument("--only", default="", help="print only the kernels whose node name contains this text")
+    ap.add_argument("--build", default="", help="compile this model into NEW first")
+    args = ap.parse_args(argv)
+    from shardflow.runtime import load
+
+    if args.build:
+        from shardflow.compiler import compile
+        compile(args.build, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                out_dir=args.new)
+    dirs = [args.old, args.new]
+    progs = [json.load(open(os.path.join(d, "rank0", "program.json"))) for d in dirs]
+    names = [[s["node"] for s in p["steps"]] for p in progs]
+    if names[0] != names[1]:
+        sys.exit("the two builds have different steps (kernels fused differently): compare whole runs instead "
+                 "(benchmarks/cpu_latency.py)")
+    bufs = {b["name"]: b for b in progs[0]["buffers"]}
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(bufs[n]["shape"]).astype(bufs[n]["dtype"]) for n, _ in progs[0]["inputs"]}
+    ps = [load(d, rank=0) for d in dirs]
+    times = [[], []]
+    for _ in range(args.rounds):
+        for k in range(2):
+            times[k].append([s["ms"] for s in ps[k].profile(feeds, repeat=args.repeat, warmup=1)])
+    old, new = (np.array(t) for t in times)
+    print(f"sum of the kernels: old {old.min(0).sum():.3f} ms, new {new.min(0).sum():.3f} ms, "
+          f"paired {np.median(new.sum(1) / old.sum(1)):.3f}")
+    for i, n in enumerate(names[0]):
+        if args.only in n:
+            print(f"{old[:, i].min():9.4f} {new[:, i].min():9.4f}  paired {np.median(new[:, i] / old[:, i]):5.2f}  {n}")
+
+
+if __name__ == "__main__":
+    main()
