@@ -1601,7 +1601,7 @@ static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const fl
 // the columns a run of the row kernels reads past its row: 8 runs' strides (xt's room past its last row)
 static inline int64_t sf_dwc_room(const SfConvGeom& g) { return 8 * g.SW * SF_DWC; }
 
-// ---- Depthwise convolution at stride 1 with output rows as wide as the input's: flat planes ----------
+// ---- Depthwise 3x3 convolution at stride 1 with output rows as wide as the input's: flat planes ------
 // Output pixel p = oh * W + ow of a channel reads, at tap (kh, kw), input pixel p + e * W + d (e = kh * DH -
 // PT, d = kw * DW - PL) when input row oh + e and column ow + d exist. A plane is then runs of 16 output
 // pixels across its rows, each tap one masked load and one multiply-add: no transposition, and narrow
@@ -1637,23 +1637,23 @@ static inline uint32_t sf_dwf_rows(int64_t H, int64_t W, int64_t p0, int64_t e) 
 }
 
 // y[p] for runs [v0, v1) of one plane (x: its input plane, wc[KH * KW] its weights, b its bias; colm: the
-// column masks, period x KW); max(., 0) if relu
+// column masks, period x KW); max(., 0) if relu. Any kernel size (the AVX kernels: 3x3)
 SF_CLONES
 static void sf_dwf_generic(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                            const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
-  const int64_t KH0 = g.KH, KW0 = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
+  const int64_t KH = g.KH, KW = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
   const int64_t OP = g.OH * g.OW;
   for (int64_t v = v0, q = v0 % period; v < v1; ++v, q = q + 1 == period ? 0 : q + 1) {
     const int64_t p0 = v * SF_DWF;
     float a[SF_DWF];
     for (int l = 0; l < SF_DWF; ++l) a[l] = b;
-    for (int64_t kh = 0; kh < KH0; ++kh) {
+    for (int64_t kh = 0; kh < KH; ++kh) {
       const int64_t e = kh * DH - PT;
       const uint32_t rm = sf_dwf_rows(H, W, p0, e);
-      for (int64_t kw = 0; kw < KW0; ++kw) {
-        const uint32_t m = rm & colm[q * KW0 + kw];
-        const float wk = wc[kh * KW0 + kw];
+      for (int64_t kw = 0; kw < KW; ++kw) {
+        const uint32_t m = rm & colm[q * KW + kw];
+        const float wk = wc[kh * KW + kw];
         const float* xr = x + (p0 + e * W + kw * DW - PL);
         for (int l = 0; l < SF_DWF; ++l)
           if (m >> l & 1u) a[l] += wk * xr[l];
