@@ -1601,6 +1601,15 @@ static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const fl
 // the columns a run of the row kernels reads past its row: 8 runs' strides (xt's room past its last row)
 static inline int64_t sf_dwc_room(const SfConvGeom& g) { return 8 * g.SW * SF_DWC; }
 
+// the depthwise kernels' instruction set: 2 AVX-512, 1 AVX2, 0 portable
+static inline int sf_dw_isa() {
+#if defined(__x86_64__)
+  return sf_ukr().nr == 32 ? 2 : (sf_avx2_helpers() ? 1 : 0);
+#else
+  return 0;
+#endif
+}
+
 // ---- Depthwise 3x3 convolution at stride 1 with output rows as wide as the input's: flat planes ------
 // Output pixel p = oh * W + ow of a channel reads, at tap (kh, kw), input pixel p + e * W + d (e = kh * DH -
 // PT, d = kw * DW - PL) when input row oh + e and column ow + d exist. A plane is then runs of 16 output
@@ -1761,11 +1770,7 @@ static void sf_conv_depthwise_flat(const float* x, const float* w, const float* 
     }
   // bands of up to 256 runs (16 KB of output), so that large planes of few channels still share out
   const int64_t nbands = (nv + 255) / 256, BV = (nv + nbands - 1) / nbands, items = nimg * OC * nbands;
-#if defined(__x86_64__)
-  const int isa = sf_ukr().nr == 32 ? 2 : (sf_avx2_helpers() ? 1 : 0);
-#else
-  const int isa = 0;
-#endif
+  const int isa = sf_dw_isa();
   const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * OC * OP * T >= SF_CONV_PAR_WORK;
   #pragma omp parallel for schedule(static) if (par)
   for (int64_t it = 0; it < items; ++it) {
@@ -1798,11 +1803,7 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
   const int64_t xsz = ((BR - 1) * g.SH + reach) * Wp * SF_DWC + sf_dwc_room(g);
   const int64_t per = xsz + (g.OW + 8) * SF_DWC + T * SF_DWC + SF_DWC;
   const int64_t jlo = std::min(g.PL, Wp), jhi = std::clamp(g.PL + g.W, jlo, Wp);  // xt's columns inside the input
-#if defined(__x86_64__)
-  const int isa = sf_ukr().nr == 32 ? 2 : (sf_avx2_helpers() ? 1 : 0);
-#else
-  const int isa = 0;
-#endif
+  const int isa = sf_dw_isa();
   const int64_t items = nimg * ocm * ncb * nbands;
   const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * OC * OP * T >= SF_CONV_PAR_WORK;
   #pragma omp parallel for schedule(static) if (par)
