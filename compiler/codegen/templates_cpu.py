@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from ..ops.linalg import PANEL
+from .cpp import literal
 
 __all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilogue", "accepts_group", "CLONED_TEMPLATES"]
 
@@ -874,30 +875,49 @@ typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, c
                          const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc,
                          float* __restrict__ Bp);
 
+// The clamp a conv's kernels apply as they store its output, when on: min(max(v, lo), hi) (a fused Relu:
+// [0, inf); a fused Clip: its bounds, ReLU6's [0, 6]). A NaN stays NaN, as in Relu and Clip: max and min
+// return v when it is NaN (std::max(v, lo), and _mm*_max_ps(lo, v) whose second operand is v).
+struct SfClamp { bool on; float lo, hi; };
+
+static inline float sf_clamp(float v, const SfClamp& k) { return k.on ? std::min(std::max(v, k.lo), k.hi) : v; }
+
 // The finish of a conv's output block that the kernels apply as they store its last K block: + bias[i]
-// of row i (bias null: none), + res[i * ldc + j] (the residual, laid out as C; null: none), then
-// max(., 0) when relu. One per kernel call, its pointers at the call's first row and column.
-struct SfFin { const float* bias; const float* res; bool relu; };
+// of row i (bias null: none), + res[i * ldc + j] (the residual, laid out as C; null: none), then the
+// clamp. One per kernel call, its pointers at the call's first row and column.
+struct SfFin { const float* bias; const float* res; SfClamp clamp; };
 
 typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
                          float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin);
 
-// v + *r (r optional), then max(v, 0) if relu: a conv output finished (a NaN stays NaN)
-static inline float sf_fin1(float v, const float* r, bool relu) {
+// v + *r (r optional), then clamped: a conv output finished
+static inline float sf_fin1(float v, const float* r, const SfClamp& k) {
   if (r) v += *r;
-  return relu ? std::max(v, 0.0f) : v;
+  return sf_clamp(v, k);
 }
+
+#if defined(__x86_64__)
+// sf_clamp of 16 and 8 lanes
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 sf_clamp16(__m512 v, const SfClamp& k) {
+  return _mm512_min_ps(_mm512_set1_ps(k.hi), _mm512_max_ps(_mm512_set1_ps(k.lo), v));
+}
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 sf_clamp8(__m256 v, const SfClamp& k) {
+  return _mm256_min_ps(_mm256_set1_ps(k.hi), _mm256_max_ps(_mm256_set1_ps(k.lo), v));
+}
+#endif
 
 // row i of a kernel's block, t[0..nr), into c (added to it unless first), finished by fin
 static inline void sf_store_row(const float* t, float* __restrict__ c, int64_t nr, bool first, const SfFin* fin,
                                 int i, int64_t ldc) {
   const float* b = fin && fin->bias ? fin->bias + i : nullptr;
   const float* r = fin && fin->res ? fin->res + i * ldc : nullptr;
-  const bool relu = fin && fin->relu;
+  const SfClamp k = fin ? fin->clamp : SfClamp{};
   for (int64_t j = 0; j < nr; ++j) {
     float v = first ? t[j] : c[j] + t[j];
     if (b) v += *b;
-    c[j] = sf_fin1(v, r ? r + j : nullptr, relu);
+    c[j] = sf_fin1(v, r ? r + j : nullptr, k);
   }
 }
 
@@ -946,7 +966,7 @@ static void sf_cukr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda,
       if (fin) {
         if (fin->bias) r = _mm512_add_ps(r, _mm512_set1_ps(fin->bias[i]));
         if (fin->res) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
-        if (fin->relu) r = _mm512_max_ps(_mm512_setzero_ps(), r);  // a NaN stays NaN, as in Relu
+        if (fin->clamp.on) r = sf_clamp16(r, fin->clamp);
       }
       _mm512_mask_storeu_ps(c, m, r);
     }
@@ -969,7 +989,7 @@ static inline void sf_cukr_store_avx2(const __m256 (&acc)[MR][NV], float* __rest
         if (fin) {
           if (fin->bias) r = _mm256_add_ps(r, _mm256_broadcast_ss(fin->bias + i));
           if (fin->res) r = _mm256_add_ps(r, _mm256_loadu_ps(fin->res + i * ldc + 8 * v));
-          if (fin->relu) r = _mm256_max_ps(_mm256_setzero_ps(), r);  // a NaN stays NaN, as in Relu
+          if (fin->clamp.on) r = sf_clamp8(r, fin->clamp);
         }
         _mm256_storeu_ps(c, r);
       }
@@ -1175,14 +1195,14 @@ constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
 // epi (optional) finishes a tile of y in place: epi(ctx, n, c0, c1, j0, j1) for image n, output channels
 // [c0, c1) and columns [j0, j1) of OH*OW (the bias, then the element-wise ops fused after the conv).
 // Without epi, the kernels finish y as they store their last K block: + bias, + res (optional, a tensor
-// shaped as y: a residual), then max(., 0) if relu (measured on Zen 3, rfcs/0002: ResNet's 1x1 convs
+// shaped as y: a residual), then the clamp (a Relu or Clip; measured on Zen 3, rfcs/0002: ResNet's 1x1 convs
 // with a Relu, or a residual Add and a Relu, 9-15% faster at 56x56 and 28x28 than with the ops in epi).
 typedef void (*SfConvEpi)(const void* ctx, int64_t n, int64_t c0, int64_t c1, int64_t j0, int64_t j1);
 struct SfEpiCtx { const void* const* in; void* const* out; };  // what a generated epilogue reads
 
 static void sf_conv2d(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
                       int64_t nimg, int64_t groups, int64_t ocg, bool direct, SfConvEpi epi = nullptr,
-                      const void* ctx = nullptr, const float* res = nullptr, bool relu = false) {
+                      const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
   const SfCukr& u = sf_cukr();
   const int64_t M = ocg, P = g.OH * g.OW, K = g.C * g.KH * g.KW;
   if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
@@ -1246,7 +1266,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
                         (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm);
   // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
-  const bool finish = !epi && (bias || res || relu);  // the kernels finish y (SfFin) on the last K block
+  const bool finish = !epi && (bias || res || clamp.on);  // the kernels finish y (SfFin) on the last K block
   for (int64_t c = 0, k = 0; c < (flat ? K : g.C); ++c)
     for (int64_t kh = 0; kh < gs.KH; ++kh)
       for (int64_t kw = 0; kw < gs.KW; ++kw) {
@@ -1281,7 +1301,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       const float* wg = w + gi * M * K;
       float* yg = y + ng * M * P;
       const float* rg = res ? res + ng * M * P : nullptr;
-      SfFin fin = {nullptr, nullptr, relu};
+      SfFin fin = {nullptr, nullptr, clamp};
       // the kernel's finish: on the last K block only, its pointers at the call's first row and column
       auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {
         if (!finish || kb != nkb - 1) return nullptr;
@@ -1370,27 +1390,34 @@ static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* _
   }
 }
 
-// y[c * P + p] = t[p * ld + c] for c in [c0, c1), finished: + res[c * P + p] (res optional, laid out as
-// y), then max(., 0) if relu
+// y[c * P + p] = t[p * ld + c] for c in [c0, c1), finished: + bias[c] (bias optional), + res[c * P + p]
+// (res optional, laid out as y), then clamped
 static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
-                                     float* __restrict__ y, const float* __restrict__ res, bool relu) {
-  for (int64_t c = c0; c < c1; ++c)
-    for (int64_t p = 0; p < P; ++p) y[c * P + p] = sf_fin1(t[p * ld + c], res ? res + c * P + p : nullptr, relu);
+                                     float* __restrict__ y, const float* __restrict__ bias,
+                                     const float* __restrict__ res, SfClamp clamp) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float b = bias ? bias[c] : 0.0f;
+    for (int64_t p = 0; p < P; ++p)
+      y[c * P + p] = sf_fin1(bias ? t[p * ld + c] + b : t[p * ld + c], res ? res + c * P + p : nullptr, clamp);
+  }
 }
 
 #if defined(__x86_64__)
 // y[at..at + 8) = v, finished as in sf_transpose_cols_scalar
 __attribute__((target("avx2,fma"), always_inline))
-static inline void sf_put8(float* __restrict__ y, const float* __restrict__ res, bool relu, int64_t at, __m256 v) {
+static inline void sf_put8(float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ res,
+                           const SfClamp& clamp, int64_t c, int64_t at, __m256 v) {
+  if (bias) v = _mm256_add_ps(v, _mm256_broadcast_ss(bias + c));
   if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + at));
-  if (relu) v = _mm256_max_ps(_mm256_setzero_ps(), v);  // a NaN stays NaN
+  if (clamp.on) v = sf_clamp8(v, clamp);
   _mm256_storeu_ps(y + at, v);
 }
 
 // The same in 8 x 8 tiles through AVX2 registers (the scalar loop stores one float at a time, P floats apart)
 __attribute__((target("avx2,fma")))
 static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
-                                   float* __restrict__ y, const float* __restrict__ res, bool relu) {
+                                   float* __restrict__ y, const float* __restrict__ bias,
+                                   const float* __restrict__ res, SfClamp clamp) {
   int64_t c = c0;
   for (; c + 8 <= c1; c += 8) {
     int64_t p = 0;
@@ -1400,28 +1427,31 @@ static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int6
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(t + (p + i) * ld + c);
       sf_tr8x8(r);
       #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) sf_put8(y, res, relu, (c + i) * P + p, r[i]);
+      for (int i = 0; i < 8; ++i) sf_put8(y, bias, res, clamp, c + i, (c + i) * P + p, r[i]);
     }
     for (; p < P; ++p)
-      for (int64_t i = 0; i < 8; ++i)
-        y[(c + i) * P + p] = sf_fin1(t[p * ld + c + i], res ? res + (c + i) * P + p : nullptr, relu);
+      for (int64_t i = 0; i < 8; ++i) {
+        const float v = t[p * ld + c + i];
+        y[(c + i) * P + p] = sf_fin1(bias ? v + bias[c + i] : v, res ? res + (c + i) * P + p : nullptr, clamp);
+      }
   }
-  if (c < c1) sf_transpose_cols_scalar(t, ld, P, c, c1, y, res, relu);
+  if (c < c1) sf_transpose_cols_scalar(t, ld, P, c, c1, y, bias, res, clamp);
 }
 #endif
 
 static void sf_transpose_cols(const float* t, int64_t ld, int64_t P, int64_t c0, int64_t c1, float* y,
-                              const float* res, bool relu) {
+                              const float* bias, const float* res, const SfClamp& clamp) {
 #if defined(__x86_64__)
-  if (sf_avx2_helpers()) { sf_transpose_cols_avx2(t, ld, P, c0, c1, y, res, relu); return; }
+  if (sf_avx2_helpers()) { sf_transpose_cols_avx2(t, ld, P, c0, c1, y, bias, res, clamp); return; }
 #endif
-  sf_transpose_cols_scalar(t, ld, P, c0, c1, y, res, relu);
+  sf_transpose_cols_scalar(t, ld, P, c0, c1, y, bias, res, clamp);
 }
 
-// epi, res and relu as in sf_conv2d (the bias is added by the GEMM, res and relu by the transposition)
+// epi, res and clamp as in sf_conv2d (the transposition adds the bias, res and the clamp: the GEMM's own bias
+// step is a pass of its own over yt)
 static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
                              int64_t nimg, int64_t OC, bool direct, SfConvEpi epi = nullptr,
-                             const void* ctx = nullptr, const float* res = nullptr, bool relu = false) {
+                             const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
   if (nimg <= 0 || OC <= 0 || P <= 0) return;
   const bool par = sf_max_threads() > 1 && (double)P * OC * K >= SF_CONV_PAR_WORK;
@@ -1432,12 +1462,12 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
   for (int64_t n = 0; n < nimg; ++n) {
     const float* xi = x + n * g.C * g.H * g.W;
     if (!direct) sf_im2col(xi, g, col, par);
-    sf_sgemm_prepacked(P, OC, K, direct ? xi : col, 1, P, wp, yt, OC, 1.0f, epi ? nullptr : bias, 0, 1, true);
+    sf_sgemm_prepacked(P, OC, K, direct ? xi : col, 1, P, wp, yt, OC, 1.0f, nullptr, 0, 0, true);
     float* yi = y + n * OC * P;
     #pragma omp parallel for schedule(static) if (par)
     for (int64_t cb = 0; cb < ncb; ++cb) {
       const int64_t c0 = cb * CB, c1 = std::min(OC, c0 + CB);
-      sf_transpose_cols(yt, OC, P, c0, c1, yi, res ? res + n * OC * P : nullptr, relu);
+      sf_transpose_cols(yt, OC, P, c0, c1, yi, epi ? nullptr : bias, res ? res + n * OC * P : nullptr, clamp);
       if (epi) epi(ctx, n, c0, c1, 0, P);
     }
   }
@@ -1449,8 +1479,8 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
 // are transposed into xt[row][padded column][16 channels] (zero in the padding and in the lanes of
 // missing channels), so that an output pixel's 16 channels are one vector: bias + sum over taps of
 // w[tap][16] * xt[row*SH + kh*DH][col*SW + kw*DW], over a run of output columns at a time (any stride or
-// dilation, whole-vector loads); each output row is transposed back into its 16 planes (max(., 0) if
-// relu) and epi (as in sf_conv2d) finishes the band. Small planes (7x7, 14x14) do whole-vector work where
+// dilation, whole-vector loads); each output row is transposed back into its 16 planes (clamped as in
+// SfFin) and epi (as in sf_conv2d) finishes the band. Small planes (7x7, 14x14) do whole-vector work where
 // a plane's rows would be a vector or less (row by row they took 5x onnxruntime's time).
 constexpr int64_t SF_DWC = 16;
 
@@ -1461,14 +1491,11 @@ static void sf_to_vec16_generic(const float* __restrict__ src, int64_t ld, int64
     for (int64_t c = 0; c < SF_DWC; ++c) t[j * SF_DWC + c] = c < nc ? src[c * ld + j] : 0.0f;
 }
 
-// dst[c * ld + j] = t[j * 16 + c] (max(., 0) if relu) for c < nc, j < n
+// dst[c * ld + j] = t[j * 16 + c] (clamped) for c < nc, j < n
 static void sf_from_vec16_generic(const float* __restrict__ t, int64_t n, int64_t nc, float* __restrict__ dst,
-                                  int64_t ld, bool relu) {
+                                  int64_t ld, SfClamp clamp) {
   for (int64_t c = 0; c < nc; ++c)
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = t[j * SF_DWC + c];
-      dst[c * ld + j] = relu && v < 0.0f ? 0.0f : v;  // NaN stays NaN
-    }
+    for (int64_t j = 0; j < n; ++j) dst[c * ld + j] = sf_clamp(t[j * SF_DWC + c], clamp);
 }
 
 // yt[ow * 16 + c] for ow < OW: output row r of the band (xt as above, rows of Wp columns), weights wt[T][16],
@@ -1525,7 +1552,7 @@ static void sf_to_vec16_avx2(const float* __restrict__ src, int64_t ld, int64_t 
 // room for whole runs)
 __attribute__((target("avx2,fma")))
 static void sf_from_vec16_avx2(const float* __restrict__ t, int64_t n, int64_t nc, float* __restrict__ dst,
-                               int64_t ld, bool relu) {
+                               int64_t ld, SfClamp clamp) {
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t m = std::min<int64_t>(8, n - j);
     const __m256i k = sf_lanes8(m);
@@ -1536,7 +1563,7 @@ static void sf_from_vec16_avx2(const float* __restrict__ t, int64_t n, int64_t n
       sf_tr8x8(r);
       const int64_t nh = std::min<int64_t>(8, nc - h);
       for (int64_t i = 0; i < nh; ++i) {
-        const __m256 v = relu ? _mm256_max_ps(_mm256_setzero_ps(), r[i]) : r[i];  // NaN stays NaN
+        const __m256 v = clamp.on ? sf_clamp8(r[i], clamp) : r[i];
         if (m == 8) _mm256_storeu_ps(dst + (h + i) * ld + j, v);
         else _mm256_maskstore_ps(dst + (h + i) * ld + j, k, v);
       }
@@ -1646,10 +1673,10 @@ static inline uint32_t sf_dwf_rows(int64_t H, int64_t W, int64_t p0, int64_t e) 
 }
 
 // y[p] for runs [v0, v1) of one plane (x: its input plane, wc[KH * KW] its weights, b its bias; colm: the
-// column masks, period x KW); max(., 0) if relu. Any kernel size (the AVX kernels: 3x3)
+// column masks, period x KW); clamped. Any kernel size (the AVX kernels: 3x3)
 SF_CLONES
 static void sf_dwf_generic(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
-                           const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+                           const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, SfClamp clamp) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
   const int64_t KH = g.KH, KW = g.KW, H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
   const int64_t OP = g.OH * g.OW;
@@ -1669,7 +1696,7 @@ static void sf_dwf_generic(const float* x, const float* wc, float b, float* y, c
       }
     }
     const int64_t n = std::min(SF_DWF, OP - p0);
-    for (int64_t l = 0; l < n; ++l) y[p0 + l] = relu && a[l] < 0.0f ? 0.0f : a[l];  // NaN stays NaN
+    for (int64_t l = 0; l < n; ++l) y[p0 + l] = sf_clamp(a[l], clamp);
   }
 }
 
@@ -1684,7 +1711,7 @@ static inline __m256i sf_bits8(uint32_t bits) {
 // as sf_dwf_generic for a 3x3 kernel, a run as two 8-lane halves, the weights in registers
 __attribute__((target("avx2,fma")))
 static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
-                        const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+                        const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, SfClamp clamp) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
   const int64_t H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
   constexpr int64_t KH = 3, KW = 3;
@@ -1712,7 +1739,7 @@ static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, cons
         }
       }
     }
-    if (relu) { a0 = _mm256_max_ps(_mm256_setzero_ps(), a0); a1 = _mm256_max_ps(_mm256_setzero_ps(), a1); }
+    if (clamp.on) { a0 = sf_clamp8(a0, clamp); a1 = sf_clamp8(a1, clamp); }
     if (OP - p0 >= SF_DWF) {
       _mm256_storeu_ps(y + p0, a0);
       _mm256_storeu_ps(y + p0 + 8, a1);
@@ -1728,7 +1755,7 @@ static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, cons
 // as sf_dwf_avx2, a run one 16-lane vector
 __attribute__((target("avx512f")))
 static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
-                          const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, bool relu) {
+                          const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, SfClamp clamp) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
   const int64_t H = g.H, W = g.W, DH = g.DH, DW = g.DW, PT = g.PT, PL = g.PL;
   constexpr int64_t KH = 3, KW = 3;
@@ -1748,14 +1775,15 @@ static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, co
         a = _mm512_fmadd_ps(wk, _mm512_maskz_loadu_ps((__mmask16)(rm & colm[q * KW + kw]), xr + kw * DW), a);
       }
     }
-    if (relu) a = _mm512_max_ps(_mm512_setzero_ps(), a);
+    if (clamp.on) a = sf_clamp16(a, clamp);
     _mm512_mask_storeu_ps(y + p0, (__mmask16)sf_lane_bits(0, OP - p0), a);
   }
 }
 #endif
 
 static void sf_conv_depthwise_flat(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
-                                   int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi, const void* ctx, bool relu) {
+                                   int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi, const void* ctx,
+                                   SfClamp clamp) {
   const int64_t T = g.KH * g.KW, HW = g.H * g.W, OP = g.OH * g.OW, OC = C * ocm;
   const int64_t nv = (OP + SF_DWF - 1) / SF_DWF, period = sf_dwf_period(g.W);
   uint16_t* colm = static_cast<uint16_t*>(sf_workspace(4, sizeof(uint16_t) * period * g.KW));
@@ -1781,21 +1809,21 @@ static void sf_conv_depthwise_flat(const float* x, const float* w, const float* 
     const float b = bias ? bias[oc] : 0.0f;
     float* yc = y + (n * OC + oc) * OP;
 #if defined(__x86_64__)
-    if (isa == 2) sf_dwf_avx512(xc, wc, b, yc, g, colm, period, v0, v1, relu);
-    else if (isa == 1) sf_dwf_avx2(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+    if (isa == 2) sf_dwf_avx512(xc, wc, b, yc, g, colm, period, v0, v1, clamp);
+    else if (isa == 1) sf_dwf_avx2(xc, wc, b, yc, g, colm, period, v0, v1, clamp);
     else
 #endif
-      sf_dwf_generic(xc, wc, b, yc, g, colm, period, v0, v1, relu);
+      sf_dwf_generic(xc, wc, b, yc, g, colm, period, v0, v1, clamp);
     if (epi) epi(ctx, n, oc, oc + 1, v0 * SF_DWF, std::min(v1 * SF_DWF, OP));
   }
 }
 
 static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
                               int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
-                              bool relu = false) {
+                              SfClamp clamp = {}) {
   const int64_t T = g.KH * g.KW, ncb = (C + SF_DWC - 1) / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW, OC = C * ocm;
   if (nimg <= 0 || OC <= 0 || OP <= 0) return;
-  if (sf_dwf_fits(g)) { sf_conv_depthwise_flat(x, w, bias, y, g, nimg, C, ocm, epi, ctx, relu); return; }
+  if (sf_dwf_fits(g)) { sf_conv_depthwise_flat(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
   const int64_t Wp = (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1, reach = (g.KH - 1) * g.DH + 1;
   // bands: about 32K floats (128 KB) of transposed input rows
   const int64_t rows = std::max<int64_t>(reach, 32768 / (Wp * SF_DWC));
@@ -1843,10 +1871,10 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
 #endif
         sf_dwc_row_generic(xt, Wp, wt, bv, g, r, yt);
 #if defined(__x86_64__)
-      if (isa) sf_from_vec16_avx2(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, relu);
+      if (isa) sf_from_vec16_avx2(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, clamp);
       else
 #endif
-        sf_from_vec16_generic(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, relu);
+        sf_from_vec16_generic(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, clamp);
     }
     if (epi && ocm == 1) epi(ctx, n, c0, c0 + nc, oh0 * g.OW, (oh0 + nb) * g.OW);
     else if (epi)
@@ -2216,13 +2244,13 @@ __attribute__((always_inline)) static inline void sf_wino_in_body(const float* _
 }
 
 // The output tiles [t0, t1) for the channels [o0, o1) from Mt[xi][t - t0][oc] (row stride OC), + bias,
-// + res (optional, laid out as y), then max(., 0) if relu
+// + res (optional, laid out as y), then clamped
 template <int M>
 __attribute__((always_inline)) static inline void sf_wino_out_body(const float* __restrict__ Mt, int64_t OC, int64_t TW,
                                                                     int64_t OH, int64_t OW, int64_t t0, int64_t t1,
                                                                     int64_t o0, int64_t o1, const float* bias,
                                                                     float* __restrict__ y,
-                                                                    const float* __restrict__ res, bool relu) {
+                                                                    const float* __restrict__ res, SfClamp clamp) {
   constexpr int A = SfWino<M>::A;
   const int64_t xs = (t1 - t0) * OC, P = OH * OW;
   for (int64_t oc = o0; oc < o1; oc += 8) {
@@ -2250,7 +2278,11 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
         for (int j = 0; j < mw; ++j) {
           SfV8 v = rc[j] + b;
           if (res) for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
-          if (relu) { const SfV8 z = {}; v = v < z ? z : v; }  // a NaN stays NaN
+          if (clamp.on) {  // a NaN stays NaN (the comparisons are false)
+            const SfV8 lo = clamp.lo - SfV8{}, hi = clamp.hi - SfV8{};
+            v = v < lo ? lo : v;
+            v = hi < v ? hi : v;
+          }
           for (int l = 0; l < nl; ++l) y[at + l * P + i * OW + j] = v[l];
         }
       }
@@ -2266,8 +2298,8 @@ static void sf_wino_in_generic(const float* xp, int64_t Hp, int64_t Wp, int64_t 
 template <int M>
 static void sf_wino_out_generic(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0,
                                 int64_t t1, int64_t o0, int64_t o1, const float* bias, float* y, const float* res,
-                                bool relu) {
-  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, relu);
+                                SfClamp clamp) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, clamp);
 }
 #if defined(__x86_64__)
 template <int M>
@@ -2279,19 +2311,20 @@ static void sf_wino_in_avx2(const float* xp, int64_t Hp, int64_t Wp, int64_t C, 
 template <int M>
 __attribute__((target("avx2,fma")))
 static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0, int64_t t1,
-                             int64_t o0, int64_t o1, const float* bias, float* y, const float* res, bool relu) {
-  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, relu);
+                             int64_t o0, int64_t o1, const float* bias, float* y, const float* res,
+                             SfClamp clamp) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, clamp);
 }
 #endif
 
 // y[n] = conv3x3(x[n], w) + bias for n < nimg (x: [nimg, C, H, W], y: [nimg, OC, OH, OW], stride 1, pads
 // g.PT/g.PL at the start), from U = [A*A][ceil(OC / SF_PANEL)][C][SF_PANEL] (the weights' transform, its
-// [C][OC] matrix per position in GEMM panels); epi, res and relu as in sf_conv2d (res and relu applied by
+// [C][OC] matrix per position in GEMM panels); epi, res and clamp as in sf_conv2d (res and clamp applied by
 // the output transform)
 template <int M>
 static void sf_conv2d_winograd(const float* x, const float* U, const float* bias, float* y, const SfConvGeom& g,
                                int64_t nimg, int64_t OC, SfConvEpi epi = nullptr, const void* ctx = nullptr,
-                               const float* res = nullptr, bool relu = false) {
+                               const float* res = nullptr, SfClamp clamp = {}) {
   constexpr int A = SfWino<M>::A, A2 = A * A;
   auto in = sf_wino_in_generic<M>;
   auto out = sf_wino_out_generic<M>;
@@ -2352,7 +2385,7 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
         in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 0, C, V);
         gemms(tb, V, Mt, 0, A2);
         float* yn = y + n * OC * P;
-        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, relu);
+        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, clamp);
         if (epi) finish(n, 0, OC, t0, t1);
       }
     } else {
@@ -2369,7 +2402,7 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
         #pragma omp for schedule(static)
         for (int64_t ob = 0; ob < nob; ++ob) {
           const int64_t o0 = 8 * ob, o1 = std::min(OC, o0 + 8);
-          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, relu);
+          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, clamp);
           if (epi) finish(n, o0, o1, t0, t1);
         }
       }
@@ -2546,8 +2579,7 @@ def _packed_matmul(op) -> str | None:
 
 
 def _flt(v: float) -> str:
-    r = repr(float(np.float32(v)))
-    return r + ("f" if ("." in r or "e" in r) else ".0f")
+    return literal(v, "float32")
 
 
 def _conv3d(op) -> str | None:
@@ -2630,11 +2662,10 @@ def _conv(op, fused=None) -> str | None:
     else:
         simple = _kernel_finish(fused, index)
         if simple is not None and depthwise and simple[0] != "nullptr":
-            simple = None  # the depthwise kernel applies a Relu only; a residual add goes to the epilogue
+            simple = None  # the depthwise kernels apply a clamp only; a residual add goes to the epilogue
         if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
-            res, relu = simple
-            relu = "true" if relu else "false"
-            finish = f", nullptr, nullptr, {relu}" if depthwise else f", nullptr, nullptr, {res}, {relu}"
+            res, clamp = simple
+            finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
         else:
             epi = _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else f"{bias}[c_]")
             if epi is None:
@@ -2767,21 +2798,26 @@ def _attention(op) -> str | None:
     return "\n".join(lines)
 
 
-def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, bool] | None:
-    """``(residual, relu)`` where the ops after ``fused``'s conv are those the conv kernels apply as
+def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
+    """``(residual, clamp)`` where the ops after ``fused``'s conv are those the conv kernels apply as
     they store their output (``SfFin`` in :func:`sf_conv2d`, ``PackedConv``'s transposition,
-    Winograd's output transform): an Add of a tensor shaped as the output (``residual``: its
-    argument, else ``"nullptr"``), then a Relu, either optional; else ``None`` (the generic epilogue)."""
+    Winograd's output transform, the depthwise kernels' stores): an Add of a tensor shaped as the
+    output (``residual``: its argument, else ``"nullptr"``), then a Relu or a Clip (``clamp``: an
+    ``SfClamp`` literal, ``"SfClamp{}"`` without), either optional; else ``None`` (the generic
+    epilogue)."""
     members = list(fused.members)
     prev = members[0].outputs[0]
     shape = tuple(prev.shape)
-    res, relu = "nullptr", False
+    res, clamp = "nullptr", None
     for m in members[1:]:
         out = m.outputs[0]
-        if relu or len(m.outputs) != 1 or tuple(out.shape) != shape or out.dtype != "float32":
-            return None  # nothing after the Relu
+        if clamp or len(m.outputs) != 1 or tuple(out.shape) != shape or out.dtype != "float32":
+            return None  # nothing after the clamp
         if m.op_type == "Activation" and m.attrs.get("kind") == "relu" and m.inputs[0] is prev:
-            relu = True
+            clamp = (0.0, math.inf)
+        elif m.op_type == "Clip" and m.inputs[0] is prev:
+            lo, hi = m.attrs.get("lo"), m.attrs.get("hi")
+            clamp = (-math.inf if lo is None else lo, math.inf if hi is None else hi)
         elif m.op_type == "Binary" and m.attrs.get("fn") == "add" and res == "nullptr" and len(m.inputs) == 2:
             other = [t for t in m.inputs if t is not prev]
             if len(other) != 1 or tuple(other[0].shape) != shape or other[0].dtype != "float32" \
@@ -2791,7 +2827,10 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, bool] | None:
         else:
             return None
         prev = out
-    return res, relu
+    if clamp is None:
+        return res, "SfClamp{}"
+    lo, hi = (_flt(v) for v in clamp)
+    return res, f"SfClamp{{true, {lo}, {hi}}}"
 
 
 def _flat_plane(value, axes, shape):

@@ -833,11 +833,12 @@ def test_conv_epilogue_fusion(tmp_path):
     to the conv template finishing each tile with the bias and the ops, and computes what the members
     compute one after another: residual adds, per-channel and scalar broadcasts, activations, an
     operand that is the conv's own input, groups, strides, 1-D, threads. A residual Add and a Relu
-    after it (either optional) are applied by the kernels as they store (``SfFin``), checked also with
-    the AVX2 and portable kernels forced: 1x1 read from the image and packed, two K blocks, images
-    and groups, column tails. A ConvTranspose's epilogue finishes each plane after its fold; a depthwise
-    conv's Relu clamps its rows, other ops (a residual too) run on its planes or blocks of channels' bands
-    of rows (the depthwise ones also forced to AVX2 and portable); a Resize's run on its bands of rows."""
+    or a Clip after it (either optional; ReLU6, one bound, crossed bounds) are applied by the kernels as
+    they store (``SfFin``), checked also with the AVX2 and portable kernels forced: 1x1 read from the
+    image and packed, two K blocks, images and groups, column tails. A ConvTranspose's epilogue
+    finishes each plane after its fold; a depthwise conv's Relu or Clip clamps its rows or runs, other
+    ops (a residual too) run on its planes or blocks of channels' bands of rows (the depthwise ones also
+    forced to AVX2 and portable); a Resize's run on its bands of rows."""
     from shardflow.compiler.codegen.fusion import FusedOp
     from shardflow.compiler.codegen.templates_cpu import template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
@@ -916,12 +917,14 @@ def test_conv_epilogue_fusion(tmp_path):
         group("winograd-scale", WinogradConv([inp(1, 24, 40, 40), wino(24, 16, 2)], oc=16, m=2, pads=(1, 1, 1, 1)),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
-    depthwise = [  # sf_conv_depthwise: a Relu alone clamps the rows as they finish; other ops run on each plane
+    finish_dw = [  # sf_conv_depthwise: a Relu or a Clip alone clamps the rows (or runs) as they finish
         group("dw-relu", Conv([inp(2, 8, 9, 11), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1)),
               lambda y: Activation([y], kind="relu")),
         group("dw-relu6", Conv([inp(1, 8, 12, 10), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1),
                                strides=(2, 2)),
               lambda y: Clip([y], lo=0.0, hi=6.0)),
+    ]
+    depthwise = [  # other ops run on each plane
         group("dw-residual-relu", Conv([inp(1, 6, 9, 9), inp(6, 1, 5, 5)], group=6, pads=(2, 2, 2, 2)),
               lambda y: Binary([y, inp(1, 6, 9, 9)], fn="add"), lambda y: Activation([y], kind="relu")),
         # blocks of 16 channels (one of 4; output rows wider than the input's) and bands of rows: each block's band
@@ -961,27 +964,57 @@ def test_conv_epilogue_fusion(tmp_path):
     # pixels as one run)
     cases.append(group("row-column-broadcast", Conv([inp(1, 8, 6, 10), inp(16, 8, 3, 3)], pads=(1, 1, 1, 1)),
                        lambda y: Binary([y, inp(10)], fn="add"), lambda y: Binary([y, inp(6, 1)], fn="mul")))
+    # Clips the kernels apply as they store: ReLU6 (1x1 read from the image), a lower bound after a
+    # residual, an upper bound alone (PackedConv), crossed bounds after a residual (min > max: all max;
+    # Winograd), a flat depthwise conv's runs
+    finish.append(group("relu6-1x1", Conv([inp(1, 16, 20, 21), inp(24, 16, 1, 1), inp(24)]),
+                        lambda y: Clip([y], lo=0.0, hi=6.0)))
+    finish.append(group("residual-clip-lo", Conv([inp(2, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1)),
+                        lambda y: Binary([y, inp(2, 16, 9, 11)], fn="add"), lambda y: Clip([y], lo=-0.5)))
+    finish_packed.append(group("packed-clip-hi", PackedConv([inp(1, 16, 7, 7), inp(2, 16, PANEL), inp(20)], oc=20,
+                                                            kernel=(1, 1)),
+                               lambda y: Clip([y], hi=0.5)))
+    finish_wino.append(group("winograd-clip-crossed", WinogradConv([inp(1, 16, 9, 11), wino(16, 24, 4), inp(24)],
+                                                                   oc=24, m=4, pads=(1, 1, 1, 1)),
+                             lambda y: Binary([y, inp(1, 24, 9, 11)], fn="add"),
+                             lambda y: Clip([y], lo=0.5, hi=-0.5)))
+    finish_dw.append(group("dw-flat-clip", Conv([inp(2, 8, 12, 10), inp(8, 1, 3, 3), inp(8)], group=8,
+                                                pads=(1, 1, 1, 1)),
+                           lambda y: Clip([y], lo=-1.0, hi=1.0)))
+    finish.append(group("strided-clip-crossed", Conv([inp(1, 8, 30, 30), inp(16, 8, 3, 3), inp(16)],
+                                                     pads=(1, 1, 1, 1), strides=(2, 2)),
+                        lambda y: Clip([y], lo=0.25, hi=-0.25)))
+    # a Relu or a Clip of another tensor than the conv's output is not the kernels' to apply
+    cases += [group(f"{kind}-of-another", Conv([inp(1, 8, 9, 11), inp(16, 8, 3, 3)], pads=(1, 1, 1, 1)),
+                    lambda y, kind=kind: (Clip([inp(1, 16, 9, 11)], lo=0.0, hi=0.5) if kind == "clip"
+                                          else Activation([inp(1, 16, 9, 11)], kind="relu")))
+              for kind in ("clip", "relu")]
     finish += finish_packed + finish_wino
-    for g in finish:  # a NaN in the residual (or the input) stays NaN through the Relu, as in numpy
+    for g in finish:  # a NaN in the residual (or the input) stays NaN through the clamp, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
-    for g in finish + cases + packed + winograd + transposed + depthwise + resized:
+    for g in finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized:
         assert template_kind(g) == "Fused", g.name
     assert template_kind(other) is None
-    arrays[id(depthwise[0].inputs[0])].flat[7] = np.nan  # the Relu keeps a NaN
-    ops = finish + cases + packed + winograd + transposed + depthwise + resized + [other]
+    for g in finish_dw:
+        arrays[id(g.inputs[0])].flat[7] = np.nan  # the clamp keeps a NaN
+    ops = finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino)
     assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed)
-    assert src.text.count("sf_conv2d_winograd<4>(in") == 2 and src.text.count("sf_conv2d_winograd<2>(in") == 1
+    assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 1
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
-    assert src.text.count("sf_conv_depthwise(in") == len(depthwise)
-    assert src.text.count("sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, true);") == 1
-    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise) - 1
-    assert src.text.count("the tiles are finished as they are stored") == len(finish) + 1  # + dw-relu
+    assert src.text.count("sf_conv_depthwise(in") == len(finish_dw + depthwise)
+    inf = "std::numeric_limits<float>::infinity()"
+    assert src.text.count(f"sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, "
+                          f"SfClamp{{true, 0.0f, {inf}}});") == 1
+    assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 2 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
+    assert src.text.count(f"SfClamp{{true, (-{inf}), 0.5f}}") == 1
+    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise)
+    assert src.text.count("the tiles are finished as they are stored") == len(finish + finish_dw)
     assert src.text.count("epi_(&ctx_, pl") == len(resized)
     # the epilogues are functions of the file, compiled for each instruction set where the kernel is large
     epis = re.findall(r"(SF_CLONES )?static void sf_fused_\w+_epi\(", src.text)
-    assert len(epis) == len(cases + packed + winograd + transposed + depthwise + resized) - 1 and any(epis)
+    assert len(epis) == len(cases + packed + winograd + transposed + depthwise + resized) and any(epis)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
@@ -990,6 +1023,6 @@ def test_conv_epilogue_fusion(tmp_path):
         got = run_kernel(lib, syms[g.name], g, ins)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(want))), err_msg=g.name)
     forced = [(syms[g.name], [arrays[id(t)] for t in g.inputs], g.run(*[arrays[id(t)] for t in g.inputs]))
-              for g in finish + cases + depthwise]
+              for g in finish + cases + finish_dw + depthwise]
     for isa in ("avx2", "generic"):
         assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
