@@ -138,6 +138,20 @@ def _large():
         Conv([_t((1, 5, 13, 9)), _t((5, 1, 5, 5)), _t((5,))], group=5, pads=(0, 2, 3, 2)),
         Conv([_t((1, 3, 9, 12)), _t((3, 1, 7, 7)), _t((3,))], group=3, pads=(3, 3, 3, 3)),
         Conv([_t((2, 6, 12)), _t((6, 1, 3)), _t((6,))], group=6, pads=(2, 0)),
+        # 3x3 at horizontal stride 2, rows of 8 or more (sf_conv_depthwise_s2 with AVX-512: runs of 16 of a
+        # row): two outputs per channel, vertical stride 1 and dilation 2, bands of rows, row tails; two
+        # columns of left padding and taps past the right edge, images; the right padding read by a
+        # run's second load (rows of 49) and by its column after them (rows of 31). Then 3x5, 5x3,
+        # horizontal dilation 2 and stride 3: in blocks
+        Conv([_t((1, 2, 300, 70)), _t((4, 1, 3, 3)), _t((4,))], group=2, pads=(1, 1, 1, 0), strides=(1, 2),
+             dilations=(2, 1)),
+        Conv([_t((2, 3, 20, 41)), _t((3, 1, 3, 3)), _t((3,))], group=3, pads=(2, 2, 2, 2), strides=(2, 2)),
+        Conv([_t((1, 2, 9, 49)), _t((2, 1, 3, 3))], group=2, pads=(1, 1, 1, 1), strides=(2, 2)),
+        Conv([_t((1, 2, 9, 31)), _t((2, 1, 3, 3))], group=2, pads=(1, 1, 1, 1), strides=(2, 2)),
+        Conv([_t((1, 3, 14, 40)), _t((3, 1, 5, 3))], group=3, pads=(2, 1, 2, 1), strides=(2, 2)),
+        Conv([_t((1, 3, 12, 40)), _t((3, 1, 3, 5))], group=3, pads=(1, 2, 1, 2), strides=(2, 2)),
+        Conv([_t((1, 3, 12, 40)), _t((3, 1, 3, 3))], group=3, pads=(1, 2, 1, 2), strides=(2, 2), dilations=(1, 2)),
+        Conv([_t((1, 3, 12, 50)), _t((3, 1, 3, 3))], group=3, pads=(1, 1, 1, 1), strides=(2, 3)),
         # the conv template's paths: short rows (two-load permutes), K in two blocks packed once for
         # the three row tiles, row and column remainders of every micro-kernel shape
         Conv([_t((1, 40, 9, 9)), _t((200, 40, 3, 3)), _t((200,))], pads=(1, 1, 1, 1)),
@@ -989,6 +1003,14 @@ def test_conv_epilogue_fusion(tmp_path):
                     lambda y, kind=kind: (Clip([inp(1, 16, 9, 11)], lo=0.0, hi=0.5) if kind == "clip"
                                           else Activation([inp(1, 16, 9, 11)], kind="relu")))
               for kind in ("clip", "relu")]
+    # stride 2 (AVX-512: runs of a row): ReLU6 in the kernel; other ops on each band of rows (three bands)
+    finish_dw.append(group("dw-s2-relu6", Conv([inp(1, 8, 40, 38), inp(8, 1, 3, 3), inp(8)], group=8,
+                                               pads=(1, 1, 1, 1), strides=(2, 2)),
+                           lambda y: Clip([y], lo=0.0, hi=6.0)))
+    depthwise.append(group("dw-s2-bands", Conv([inp(1, 2, 600, 36), inp(2, 1, 3, 3), inp(2)], group=2,
+                                               pads=(1, 1, 1, 1), strides=(2, 2)),
+                           lambda y: Binary([y, inp(1, 2, 300, 18)], fn="add"),
+                           lambda y: Binary([y, inp(2, 1, 1)], fn="mul")))
     finish += finish_packed + finish_wino
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the clamp, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
@@ -1007,7 +1029,7 @@ def test_conv_epilogue_fusion(tmp_path):
     inf = "std::numeric_limits<float>::infinity()"
     assert src.text.count(f"sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, "
                           f"SfClamp{{true, 0.0f, {inf}}});") == 1
-    assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 2 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
+    assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 3 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
     assert src.text.count(f"SfClamp{{true, (-{inf}), 0.5f}}") == 1
     assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise)
     assert src.text.count("the tiles are finished as they are stored") == len(finish + finish_dw)
