@@ -933,6 +933,30 @@ static inline void sf_prefetch_rows(const float* p, int64_t ld, int64_t width) {
 }
 
 #if defined(__x86_64__)
+// C[MR][nr] (+)= the accumulators (nr <= 16 * NV), finished by fin, for the AVX-512 conv kernels
+template <int MR, int NV>
+__attribute__((target("avx512f"), always_inline))
+static inline void sf_cukr_store_avx512(const __m512 (&acc)[MR][NV], float* __restrict__ C, int64_t ldc, int64_t nr,
+                                        bool first, const SfFin* fin) {
+  #pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int64_t rem = nr - 16 * v;
+    const __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (rem > 0 ? (__mmask16)((1u << rem) - 1u) : (__mmask16)0);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      float* c = C + i * ldc + 16 * v;
+      __m512 r = acc[i][v];
+      if (!first) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, c));
+      if (fin) {
+        if (fin->bias) r = _mm512_add_ps(r, _mm512_set1_ps(fin->bias[i]));
+        if (fin->res) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
+        if (fin->clamp.on) r = sf_clamp16(r, fin->clamp);
+      }
+      _mm512_mask_storeu_ps(c, m, r);
+    }
+  }
+}
+
 template <int MR, int NV>
 __attribute__((target("avx512f")))
 static void sf_cukr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
@@ -954,23 +978,37 @@ static void sf_cukr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda,
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, b[v], acc[i][v]);
     }
   }
-  #pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    const int64_t rem = nr - 16 * v;
-    const __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (rem > 0 ? (__mmask16)((1u << rem) - 1u) : (__mmask16)0);
+  sf_cukr_store_avx512<MR, NV>(acc, C, ldc, nr, first, fin);
+}
+
+// as sf_cukr_avx512 with B read from the image (xb + off[k], nr <= 16 * NV consecutive floats per k)
+template <int MR, int NV, bool TAIL>
+__attribute__((target("avx512f")))
+static void sf_dkr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ xb,
+                          const int32_t* __restrict__ off, float* __restrict__ C, int64_t ldc, int64_t nr, bool first,
+                          const SfFin* fin) {
+  if (fin && fin->res) sf_prefetch_rows<MR>(fin->res, ldc, 16 * NV);
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const int64_t rem = nr - 16 * (NV - 1);  // the last vector's columns, 1..16
+  const __mmask16 tail = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* src = xb + off[k];
+    __m512 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      b[v] = TAIL && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, src + 16 * v) : _mm512_loadu_ps(src + 16 * v);
     #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      float* c = C + i * ldc + 16 * v;
-      __m512 r = acc[i][v];
-      if (!first) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, c));
-      if (fin) {
-        if (fin->bias) r = _mm512_add_ps(r, _mm512_set1_ps(fin->bias[i]));
-        if (fin->res) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
-        if (fin->clamp.on) r = sf_clamp16(r, fin->clamp);
-      }
-      _mm512_mask_storeu_ps(c, m, r);
+      const __m512 av = _mm512_set1_ps(A[i * lda + k]);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, b[v], acc[i][v]);
     }
   }
+  sf_cukr_store_avx512<MR, NV>(acc, C, ldc, nr, first, fin);
 }
 
 // C[MR][nr] (+)= the accumulators (nr <= 8 * NV), for the AVX2 conv kernels below
@@ -1092,7 +1130,9 @@ static SfCukr sf_pick_cukr() {
   bool allow512 = !force || std::strcmp(force, "avx512") == 0;
   bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
   if (allow512 && __builtin_cpu_supports("avx512f")) {
-#define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;
+#define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;                 \
+    u.dfn[r - 1][0][0] = sf_dkr_avx512<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx512<r, 1, true>;             \
+    u.dfn[r - 1][1][0] = sf_dkr_avx512<r, 2, false>; u.dfn[r - 1][1][1] = sf_dkr_avx512<r, 2, true>;
     SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K(7) SF_K(8) SF_K(9) SF_K(10) SF_K(11) SF_K(12)
 #undef SF_K
     u.pack = sf_pack_b_conv_avx512;
@@ -1229,11 +1269,13 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
   const int64_t nplanes = nimg * groups * g.C;
   // unpacked: B is read from the image where it lies (no packing), a panel being up to nrm consecutive
-  // pixels of one output row, its row k at offset off[k]. Needs the ISA's kernels (AVX2), a unit
-  // horizontal stride, and pays off where packing is dear for its reuse, i.e. fewer than 1024 output
-  // channels, and the rows fill whole panels (a 1x1 conv's one row of P pixels at least 4 panels):
-  // measured on Zen 3, 3x3 64->64 at 56x56 1.5x faster, 1x1 256->64 at 56x56 1.4x; at 7x7 and at 1024
-  // output channels packing was 10-45% faster.
+  // pixels of one output row, its row k at offset off[k]. Needs the ISA's kernels (AVX2, AVX-512), a
+  // unit horizontal stride, and pays off where packing is dear for its reuse, i.e. fewer than 1024
+  // output channels, and the rows fill whole panels (a 1x1 conv's one row of P pixels at least 4
+  // panels): measured on Zen 3, 3x3 64->64 at 56x56 1.5x faster, 1x1 256->64 at 56x56 1.4x; at 7x7 and
+  // at 1024 output channels packing was 10-45% faster. With AVX-512 (Zen 4, paired runs) MobileNetV2's
+  // 1x1 convs of K = 96..192 at 56x56 and 28x28 took 0.73-0.82x the packed time, but K = 16 1.04x and
+  // its stem (3x3 stride 2, K = 27) 1.09x: 16-lane kernels read B from the image from K = 32 on.
   // phased: a strided conv whose taps overlap (a window wider than the stride) reads the SH x SW phases
   // of its padded image (sf_phase_planes, [nimg * groups * C][SH * SW][Hh][Wh]), where each tap's pixels
   // are consecutive: packed with plain copies instead of gathers, or unpacked where output rows are long
@@ -1263,7 +1305,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const int64_t Ws = flat ? P : phased ? Wh : (padded ? Wp : g.W);
   const int64_t ximg = gs.C * Hs * Ws;
   const bool unpacked = u.dfn[0][0][0] && gs.SW == 1 && M < 1024 && (double)ximg < 2147483647.0 &&
-                        (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm);
+                        (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm) && (vl < 16 || K >= 32);
   // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
   const bool finish = !epi && (bias || res || clamp.on);  // the kernels finish y (SfFin) on the last K block
