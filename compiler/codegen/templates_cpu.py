@@ -1274,8 +1274,11 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   // output channels, and the rows fill whole panels (a 1x1 conv's one row of P pixels at least 4
   // panels): measured on Zen 3, 3x3 64->64 at 56x56 1.5x faster, 1x1 256->64 at 56x56 1.4x; at 7x7 and
   // at 1024 output channels packing was 10-45% faster. With AVX-512 (Zen 4, paired runs) MobileNetV2's
-  // 1x1 convs of K = 96..192 at 56x56 and 28x28 took 0.73-0.82x the packed time, but K = 16 1.04x and
-  // its stem (3x3 stride 2, K = 27) 1.09x: 16-lane kernels read B from the image from K = 32 on.
+  // 1x1 convs (M = 16..32, K = 96..192) at 56x56 and 28x28 took 0.73-0.82x the packed time, ResNet-50's
+  // 1x1s (M = 64..256) 0.83-0.98x, DenseNet's 3x3 128->32 at 56x56 0.91x and the 7x7 stride-2 stems (K =
+  // 147, phased) 0.91-0.95x; but K = 16 1.04x, MobileNetV2's stem (K = 27) 1.09x, SqueezeNet's 3x3 16->64
+  // at 55x55 (M = 64) 1.08x and Inception's 1x1s of M = 64..112 at 13x13 1.06-1.11x (M = 24 0.8x). So with
+  // 16 lanes: K >= 32 and M <= 32, or a phased conv, or a 1x1 of 512 pixels or more.
   // phased: a strided conv whose taps overlap (a window wider than the stride) reads the SH x SW phases
   // of its padded image (sf_phase_planes, [nimg * groups * C][SH * SW][Hh][Wh]), where each tap's pixels
   // are consecutive: packed with plain copies instead of gathers, or unpacked where output rows are long
@@ -1305,7 +1308,8 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const int64_t Ws = flat ? P : phased ? Wh : (padded ? Wp : g.W);
   const int64_t ximg = gs.C * Hs * Ws;
   const bool unpacked = u.dfn[0][0][0] && gs.SW == 1 && M < 1024 && (double)ximg < 2147483647.0 &&
-                        (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm) && (vl < 16 || K >= 32);
+                        (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm) &&
+                        (vl < 16 || (K >= 32 && (M <= 32 || phased || (flat && P >= 512))));
   // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
   const bool finish = !epi && (bias || res || clamp.on);  // the kernels finish y (SfFin) on the last K block
