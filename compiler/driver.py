@@ -296,6 +296,48 @@ def _is_view(op: Operator) -> bool:
         return False
 
 
+def _concatenate_in_place(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor], at: dict[int, int]) -> list:
+    """``raw_steps`` without the Concat kernels whose inputs can be written in place, by their producers,
+    into the concatenation (``alias[id(input)]`` = its output, ``at[id(input)]`` = the byte offset).
+
+    A Concat qualifies when it is a kernel of its own, every dim before its axis is 1 (each input is then
+    one contiguous run of the output), every input starts ``ALIGNMENT``-aligned in it, and every input is
+    written by exactly one kernel step (so no graph input or constant; a Concat made in place counts as
+    its kernel), is no graph output, no view of another tensor, not placed into an earlier concatenation,
+    and appears once. The concatenation then costs no copy (CNNs' channel concatenations: Inception, SqueezeNet,
+    DenseNet, whose chained concatenations become prefixes of the last one) and the inputs no memory of
+    their own.
+    """
+    writers: dict[int, int] = {}
+    for kind, _, _, outs, _ in raw_steps:
+        for t in outs:
+            writers[id(t)] = writers.get(id(t), 0) + (2 if kind != "kernel" else 1)
+    graph_outputs = {id(t) for t in g.outputs}
+    keep = []
+    for step in raw_steps:
+        kind, _, ins, outs, op = step
+        y = op.outputs[0]
+        if (kind != "kernel" or op.op_type != "Concat" or len(outs) != 1 or outs[0] is not y
+                or [id(t) for t in ins] != [id(t) for t in op.inputs] or id(y) in alias):
+            keep.append(step)
+            continue
+        axis = int(op.attrs["axis"])
+        offsets, off, ok = [], 0, int(np.prod(y.shape[:axis], dtype=np.int64)) == 1
+        for t in ins:
+            ok = ok and (t.dtype == y.dtype and off % ALIGNMENT == 0 and id(t) not in graph_outputs
+                         and id(t) not in alias
+                         and writers.get(id(t)) == 1
+                         and sum(u is t for u in ins) == 1)
+            offsets.append(off)
+            off += t.nbytes
+        if not ok or off != y.nbytes:
+            keep.append(step)
+            continue
+        for t, o in zip(ins, offsets):
+            alias[id(t)], at[id(t)] = y, o
+    return keep
+
+
 def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: int = 0,
                   group_key: Callable[[tuple[int, ...]], str] | None = None,
                   view_ops: Sequence[Operator] = ()) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
@@ -336,12 +378,20 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
     for t in g.outputs:
         by_name.setdefault(t.name, t)
     views = {id(op) for op in view_ops}
-    alias: dict[int, Tensor] = {}  # view output -> root tensor
+    alias: dict[int, Tensor] = {}  # view output or concatenated-in-place tensor -> the tensor holding its bytes
+    at: dict[int, int] = {}  # a concatenated-in-place tensor -> its byte offset in the concatenation
 
     def root(t: Tensor) -> Tensor:
         while id(t) in alias:
             t = alias[id(t)]
         return t
+
+    def offset_in_root(t: Tensor) -> int:
+        off = 0
+        while id(t) in alias:
+            off += at.get(id(t), 0)
+            t = alias[id(t)]
+        return off
 
     # steps, in node order
     raw_steps: list[tuple[str, Any, list[Tensor], list[Tensor], Operator]] = []
@@ -371,6 +421,8 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         else:
             raise ShardflowError(f"rank {rank}: codegen returned {k!r} for node {op.name}; expected a symbol name")
 
+    raw_steps = _concatenate_in_place(raw_steps, g, alias, at)
+
     # materialization check: every step input exists when it runs
     ready = {id(t) for t in g.inputs}
     for kind, _, ins, outs, op in raw_steps:
@@ -388,6 +440,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
     # buffers: one per distinct tensor; storage blocks per root
     buffers: list[dict] = []
     buf_of: dict[int, int] = {}
+    tensor_of: list[Tensor] = []  # buffer index -> its tensor
     roots: dict[int, Tensor] = {}
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -396,6 +449,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
     def buffer(t: Tensor) -> int:
         if id(t) not in buf_of:
             buf_of[id(t)] = len(buffers)
+            tensor_of.append(t)
             r = root(t)
             roots[id(t)] = r
             buffers.append({"name": t.name, "shape": list(t.shape), "dtype": t.dtype})
@@ -455,7 +509,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         if id(r) in w_off:
             b["storage"], b["offset"] = "weights", w_off[id(r)]
         else:
-            b["storage"], b["offset"] = "arena", a_off[id(r)]
+            b["storage"], b["offset"] = "arena", a_off[id(r)] + offset_in_root(tensor_of[bi])
 
     steps = []
     for kind, k, ins, outs, op in raw_steps:

@@ -248,3 +248,73 @@ def test_programs_match_onnxruntime(tmp_path, callback_codegen, model, mesh, alg
     for r, o in enumerate(outs):
         for k, v in ref.items():
             np.testing.assert_allclose(o[k], v, rtol=1e-3, atol=1e-3, err_msg=f"rank {r} output {k}")
+
+
+# ---------------------------------------------------------------------------------------
+# concatenations in place
+# ---------------------------------------------------------------------------------------
+def test_concatenations_in_place(tmp_path):
+    """Channel concatenations whose inputs each come from one kernel are written in place by those
+    kernels (no Concat step; each input's buffer a run of the output's), chained ones too (a DenseNet
+    block: a conv reads the first concatenation, a prefix of the second, and writes the second's next
+    channels); the others keep their Concat kernel: a graph input, one tensor twice, a graph output,
+    another axis than the outermost non-unit one, inputs not 64-byte aligned in the output, a tensor
+    already in another concatenation. The
+    results equal onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits, nodes = [], []
+
+    def conv(name, x, cin, cout):
+        w = numpy_helper.from_array(rng.standard_normal((cout, cin, 3, 3)).astype(np.float32), f"{name}_w")
+        inits.append(w)
+        nodes.append(helper.make_node("Conv", [x, w.name], [name], pads=[1, 1, 1, 1]))
+        return name
+
+    def concat(name, xs, axis=1):
+        nodes.append(helper.make_node("Concat", xs, [name], axis=axis))
+        return name
+
+    conv("a", "x", 4, 4)
+    conv("b0", "x", 4, 4)
+    nodes.append(helper.make_node("Relu", ["b0"], ["b"]))
+    concat("c1", ["a", "b"])                 # in place
+    conv("d", "c1", 8, 4)                    # reads c1 (a prefix of c2), writes c2's last channels
+    concat("c2", ["c1", "d"])                # in place: c1 and its inputs are runs of c2
+    conv("e", "c2", 12, 4)
+    concat("k_input", ["x", "e"])            # a graph input: kept
+    conv("f", "c2", 12, 4)
+    concat("k_twice", ["f", "f"])            # one tensor twice: kept
+    conv("g", "c2", 12, 4)
+    concat("k_output", ["g", "f"])           # g is a graph output: kept
+    concat("k_axis", ["e", "f"], axis=2)     # rows of 4 channels: not one run each, kept
+    concat("k_again", ["e", "b"])            # b is in c1 already: kept
+    for name in ("h", "h2"):  # [1, 1, 3, 3]
+        inits.append(numpy_helper.from_array(rng.standard_normal((1, 4, 3, 3)).astype(np.float32), f"{name}_w"))
+        nodes.append(helper.make_node("Conv", ["x", f"{name}_w"], [name], strides=[2, 2]))
+    concat("k_align", ["h", "h2"])           # 9 floats each: the second would start unaligned, kept
+    outs = {"c2": [1, 12, 8, 8], "k_input": [1, 8, 8, 8], "k_twice": [1, 8, 8, 8], "k_output": [1, 8, 8, 8],
+            "g": [1, 4, 8, 8], "k_axis": [1, 4, 16, 8], "k_again": [1, 8, 8, 8], "k_align": [1, 2, 3, 3]}
+    graph = helper.make_graph(nodes, "concats", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, v) for n, v in outs.items()],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    path = tmp_path / "concats.onnx"
+    onnx.save(model, path)
+    res = compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "o")
+    prog = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    kept = sorted(s["node"] for s in prog["steps"] if s["op_type"] == "Concat")
+    assert kept == [f"Concat({n})" for n in ("k_again", "k_align", "k_axis", "k_input", "k_output", "k_twice")], kept
+    at = {b["name"]: b["offset"] for b in prog["buffers"] if b["storage"] == "arena"}
+    run = 4 * 64 * 4  # bytes of 4 channels of 8x8
+    assert at["a"] == at["c1"] == at["c2"] and at["b"] == at["c2"] + run and at["d"] == at["c2"] + 2 * run
+    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    got = load(res.out_dir, rank=0).run({"x": x})
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(list(outs), {"x": x})
+    for name, w in zip(outs, want):
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-4, err_msg=name)
