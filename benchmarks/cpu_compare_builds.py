@@ -5,7 +5,9 @@ commit and one at the new) are loaded in one process and profiled in alternating
 (``Program.profile``: each kernel step timed on its own, in program order). This VM's speed changes by up to
 2x within minutes, so figures taken apart are not comparable; alternating rounds see the same phases, and the
 ratio is taken per round (new / old), then its median. Prints per kernel: the old and new minimum over the
-rounds (ms), the paired ratio and the node; first the sums.
+rounds (ms), the paired ratio and the node; first the sums, and whole runs (``run``, median of each round's
+runs) paired the same way. Builds whose steps differ (a change that removes or fuses kernels) are compared by
+their sums and whole runs, and kernel by kernel where a node is in both; the others are listed.
 
     python benchmarks/cpu_compare_builds.py OLD_DIR NEW_DIR [--rounds 21] [--only conv_3x3] [--build MODEL.onnx]
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import time
 
 import numpy as np
 
@@ -41,22 +43,35 @@ def main(argv=None) -> None:
     progs = [json.load(open(os.path.join(d, "rank0", "program.json"))) for d in dirs]
     names = [[s["node"] for s in p["steps"]] for p in progs]
     if names[0] != names[1]:
-        sys.exit("the two builds have different steps (kernels fused differently): compare whole runs instead "
-                 "(benchmarks/cpu_latency.py)")
+        only = [[n for n in names[k] if n not in set(names[1 - k])] for k in range(2)]
+        print(f"steps only in old: {len(only[0])} {only[0][:8]}{' ...' if len(only[0]) > 8 else ''}")
+        print(f"steps only in new: {len(only[1])} {only[1][:8]}{' ...' if len(only[1]) > 8 else ''}")
     bufs = {b["name"]: b for b in progs[0]["buffers"]}
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal(bufs[n]["shape"]).astype(bufs[n]["dtype"]) for n, _ in progs[0]["inputs"]}
     ps = [load(d, rank=0) for d in dirs]
-    times = [[], []]
+    times, runs = [[], []], [[], []]
     for _ in range(args.rounds):
         for k in range(2):
             times[k].append([s["ms"] for s in ps[k].profile(feeds, repeat=args.repeat, warmup=1)])
+            ps[k].run(feeds, copy_outputs=False)
+            laps = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                ps[k].run(feeds, copy_outputs=False)
+                laps.append(time.perf_counter() - t0)
+            runs[k].append(1e3 * float(np.median(laps)))
     old, new = (np.array(t) for t in times)
+    run_old, run_new = (np.array(r) for r in runs)
     print(f"sum of the kernels: old {old.min(0).sum():.3f} ms, new {new.min(0).sum():.3f} ms, "
           f"paired {np.median(new.sum(1) / old.sum(1)):.3f}")
+    print(f"whole runs: old {run_old.min():.3f} ms, new {run_new.min():.3f} ms, "
+          f"paired {np.median(run_new / run_old):.3f}")
+    at = {n: i for i, n in enumerate(names[1])}
     for i, n in enumerate(names[0]):
-        if args.only in n:
-            print(f"{old[:, i].min():9.4f} {new[:, i].min():9.4f}  paired {np.median(new[:, i] / old[:, i]):5.2f}  {n}")
+        if args.only in n and n in at:
+            j = at[n]
+            print(f"{old[:, i].min():9.4f} {new[:, j].min():9.4f}  paired {np.median(new[:, j] / old[:, i]):5.2f}  {n}")
 
 
 if __name__ == "__main__":
