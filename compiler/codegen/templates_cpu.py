@@ -1911,6 +1911,66 @@ static void sf_dws2_avx512(const float* x, const float* wc, float b, float* y, c
 }
 #endif
 
+// ---- Max pools of windows 2 or 3 wide at horizontal stride 2 (AVX-512) ------------------------------
+// As the stride-2 depthwise kernel above: a run of 16 outputs of output row oh reads, from each input row
+// of its window, columns c0 + [0, 33) (c0 = 2 * ow0 - PL) by masked loads filled with -inf where the
+// columns lie outside the input; their even, odd and next-even lanes (permutes) are the taps kw = 0, 1,
+// 2. A NaN anywhere in a window makes its output NaN (unordered compares), as numpy's max does. Planes
+// [p0, p1) of x ([H][W] each) into y ([OH][OW] each); KW 2 or 3, dilation 1.
+#if defined(__x86_64__)
+__attribute__((target("avx512f")))
+static void sf_maxpool_s2_avx512(const float* x, float* y, int64_t p0, int64_t p1, int64_t H, int64_t W, int64_t OH,
+                                 int64_t OW, int64_t KH, int64_t KW, int64_t SH, int64_t PT, int64_t PL) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i next = _mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 qnan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  for (int64_t pl = p0; pl < p1; ++pl) {
+    const float* xp = x + pl * H * W;
+    float* yp = y + pl * OH * OW;
+    for (int64_t oh = 0; oh < OH; ++oh)
+      for (int64_t ow0 = 0; ow0 < OW; ow0 += SF_DWF) {
+        const int64_t c0 = 2 * ow0 - PL;
+        const __mmask16 m0 = (__mmask16)sf_lane_bits(-c0, W - c0), m1 = (__mmask16)sf_lane_bits(-c0 - 16, W - c0 - 16);
+        const __mmask16 m2 = (__mmask16)(KW == 3 ? sf_lane_bits(-c0 - 32, W - c0 - 32) & 1u : 0u);
+        __m512 m = ninf;
+        __mmask16 nan = 0;
+        for (int64_t kh = 0; kh < KH; ++kh) {
+          const int64_t ih = oh * SH + kh - PT;
+          if (ih < 0 || ih >= H) continue;
+          const float* xr = xp + ih * W + c0;
+          const __m512 lo = _mm512_mask_loadu_ps(ninf, m0, xr), hi = _mm512_mask_loadu_ps(ninf, m1, xr + 16);
+          const __m512 e = _mm512_permutex2var_ps(lo, even, hi), o = _mm512_permutex2var_ps(lo, odd, hi);
+          nan |= _mm512_cmp_ps_mask(e, o, _CMP_UNORD_Q);
+          m = _mm512_max_ps(m, _mm512_max_ps(e, o));
+          if (KW == 3) {
+            const __m512 n = _mm512_permutex2var_ps(e, next, _mm512_mask_loadu_ps(ninf, m2, xr + 32));
+            nan |= _mm512_cmp_ps_mask(n, n, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, n);
+          }
+        }
+        const __mmask16 st = (__mmask16)sf_lane_bits(0, OW - ow0);
+        _mm512_mask_storeu_ps(yp + oh * OW + ow0, st, _mm512_mask_mov_ps(m, nan, qnan));
+      }
+  }
+}
+#endif
+
+// whether sf_maxpool_s2 runs (AVX-512), and its loop over planes (threads when par)
+static inline bool sf_maxpool_s2_fits() { return sf_dw_isa() == 2; }
+
+static void sf_maxpool_s2(const float* x, float* y, int64_t planes, int64_t H, int64_t W, int64_t OH, int64_t OW,
+                          int64_t KH, int64_t KW, int64_t SH, int64_t PT, int64_t PL, bool par) {
+#if defined(__x86_64__)
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t pl = 0; pl < planes; ++pl) sf_maxpool_s2_avx512(x, y, pl, pl + 1, H, W, OH, OW, KH, KW, SH, PT, PL);
+#else
+  (void)x; (void)y; (void)planes; (void)H; (void)W; (void)OH; (void)OW; (void)KH; (void)KW; (void)SH; (void)PT;
+  (void)PL; (void)par;
+#endif
+}
+
 // items: (image, output channel, band of rows), bands of up to 256 runs
 static void sf_conv_depthwise_s2(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
                                  int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi, const void* ctx,
@@ -3179,6 +3239,12 @@ def _pool(op) -> str | None:
         div = " / (cnt_h[oh] * cnt_w[ow])"
     work = planes * OH * OW * KH * KW
     cond = "sf_max_threads() > 1" if work >= (1 << 14) and planes > 1 else "false"
+    if is_max and n_sp == 2 and KW in (2, 3) and SW == 2 and DW == 1 and DH == 1 and OW >= 8:
+        lines.append("  if (sf_maxpool_s2_fits()) {  // AVX-512: runs of 16 outputs, even and odd columns by permutes")
+        lines.append(f"    sf_maxpool_s2(in0, out0, {planes}, {H}, {W}, {OH}, {OW}, {KH}, {KW}, {SH}, {PT}, {PL}, "
+                     f"{cond});")
+        lines.append("    return;")
+        lines.append("  }")
     lines.append(f"  #pragma omp parallel for schedule(static) if ({cond})")
     lines.append(f"  for (int64_t pl = 0; pl < {planes}; ++pl) {{")
     # small planes (rows shorter than a vector have no interior run to vectorize): copied into a buffer

@@ -265,6 +265,19 @@ def _large():
         Pool([_t((1, 2, 20, 64))], kind="avg", kernel=(2, 4), strides=(1, 3), pads=(1, 2, 0, 1),
              count_include_pad=True),
         Pool([_t((1, 2, 20, 40))], kind="max", kernel=(2, 2), strides=(2, 2), pads=(2, 2, 2, 2)),
+        # max windows 2 or 3 wide at horizontal stride 2, rows of 16 outputs or more (with AVX-512 in runs
+        # of 16; above: the 56x56 and 20x40 ones, and the NaN case of test_numpy_edge_semantics): a
+        # vertical stride of 3 with ceil_mode (taps past the right and bottom edges), the right padding
+        # read by a run's second load (rows of 49) and by its column after them (rows of 31); then a
+        # horizontal stride of 3, a dilation along the rows or down the columns, windows 4 wide: the
+        # separable loops
+        Pool([_t((1, 2, 30, 37))], kind="max", kernel=(2, 3), strides=(3, 2), pads=(0, 1, 1, 0), ceil_mode=True),
+        Pool([_t((1, 4, 10, 49))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
+        Pool([_t((1, 4, 10, 31))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
+        Pool([_t((1, 2, 12, 50))], kind="max", kernel=(3, 3), strides=(2, 3)),
+        Pool([_t((1, 2, 12, 50))], kind="max", kernel=(3, 3), strides=(2, 2), dilations=(1, 2)),
+        Pool([_t((1, 2, 20, 40))], kind="max", kernel=(3, 3), strides=(2, 2), dilations=(2, 1)),
+        Pool([_t((1, 2, 12, 50))], kind="max", kernel=(2, 4), strides=(2, 2)),
         Softmax([_t((2, 3, 130, 70))], axes=(3,), log=False),
         Softmax([_t((4, 130, 40))], axes=(1,), log=False),            # middle axis: materialized stats
         LayerNorm([_t((3, 50, 300)), _t((300,)), _t((300,))], axis=2, epsilon=1e-5, stash="float32", stats=True),
