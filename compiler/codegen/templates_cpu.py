@@ -1878,6 +1878,30 @@ static inline bool sf_dws2_fits(const SfConvGeom& g) {
 }
 
 #if defined(__x86_64__)
+// A run of 16 outputs at horizontal stride 2 starting at input column c0 of rows W wide: the masks of its
+// loads (columns c0 + [0, 16), c0 + [16, 32) and column c0 + 32), and of one input row xr (at column c0)
+// the taps kw = 0, 1, 2 of its outputs (t2 only when KW3), columns outside the row taking the value fill.
+// Shared by the stride-2 depthwise conv and max pool kernels.
+struct SfS2Run { __mmask16 m0, m1, m2; };
+
+static inline SfS2Run sf_s2_run(int64_t c0, int64_t W) {
+  return {(__mmask16)sf_lane_bits(-c0, W - c0), (__mmask16)sf_lane_bits(-c0 - 16, W - c0 - 16),
+          (__mmask16)(sf_lane_bits(-c0 - 32, W - c0 - 32) & 1u)};
+}
+
+template <bool KW3>
+__attribute__((target("avx512f"), always_inline))
+static inline void sf_s2_taps(const float* xr, const SfS2Run& r, __m512 fill, __m512& t0, __m512& t1, __m512& t2) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512 lo = _mm512_mask_loadu_ps(fill, r.m0, xr), hi = _mm512_mask_loadu_ps(fill, r.m1, xr + 16);
+  t0 = _mm512_permutex2var_ps(lo, even, hi);
+  t1 = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+  if (KW3) {
+    const __m512i next = _mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16);
+    t2 = _mm512_permutex2var_ps(t0, next, _mm512_mask_loadu_ps(fill, r.m2, xr + 32));
+  }
+}
+
 // rows [r0, r1) of one output plane (x: its input plane, wc[9] its weights, b its bias), clamped
 __attribute__((target("avx512f")))
 static void sf_dws2_avx512(const float* x, const float* wc, float b, float* y, const SfConvGeom& g, int64_t r0,
@@ -1886,24 +1910,19 @@ static void sf_dws2_avx512(const float* x, const float* wc, float b, float* y, c
   const int64_t H = g.H, W = g.W, OW = g.OW, SH = g.SH, DH = g.DH, PT = g.PT, PL = g.PL;
   __m512 wr[9];
   for (int t = 0; t < 9; ++t) wr[t] = _mm512_set1_ps(wc[t]);
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i next = _mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16);
   for (int64_t oh = r0; oh < r1; ++oh)
     for (int64_t ow0 = 0; ow0 < OW; ow0 += SF_DWF) {
       const int64_t c0 = 2 * ow0 - PL;
-      const __mmask16 m0 = (__mmask16)sf_lane_bits(-c0, W - c0), m1 = (__mmask16)sf_lane_bits(-c0 - 16, W - c0 - 16);
-      const __mmask16 m2 = (__mmask16)(sf_lane_bits(-c0 - 32, W - c0 - 32) & 1u);
+      const SfS2Run run = sf_s2_run(c0, W);
       __m512 a = _mm512_set1_ps(b);
       for (int64_t kh = 0; kh < 3; ++kh) {
         const int64_t ih = oh * SH + kh * DH - PT;
         if (ih < 0 || ih >= H) continue;
-        const float* xr = x + ih * W + c0;
-        const __m512 lo = _mm512_maskz_loadu_ps(m0, xr), hi = _mm512_maskz_loadu_ps(m1, xr + 16);
-        const __m512 e = _mm512_permutex2var_ps(lo, even, hi);
-        a = _mm512_fmadd_ps(wr[kh * 3], e, a);
-        a = _mm512_fmadd_ps(wr[kh * 3 + 1], _mm512_permutex2var_ps(lo, odd, hi), a);
-        a = _mm512_fmadd_ps(wr[kh * 3 + 2], _mm512_permutex2var_ps(e, next, _mm512_maskz_loadu_ps(m2, xr + 32)), a);
+        __m512 t0, t1, t2;
+        sf_s2_taps<true>(x + ih * W + c0, run, _mm512_setzero_ps(), t0, t1, t2);
+        a = _mm512_fmadd_ps(wr[kh * 3], t0, a);
+        a = _mm512_fmadd_ps(wr[kh * 3 + 1], t1, a);
+        a = _mm512_fmadd_ps(wr[kh * 3 + 2], t2, a);
       }
       if (clamp.on) a = sf_clamp16(a, clamp);
       _mm512_mask_storeu_ps(y + oh * OW + ow0, (__mmask16)sf_lane_bits(0, OW - ow0), a);
@@ -1921,9 +1940,6 @@ static void sf_dws2_avx512(const float* x, const float* wc, float b, float* y, c
 __attribute__((target("avx512f")))
 static void sf_maxpool_s2_avx512(const float* x, float* y, int64_t p0, int64_t p1, int64_t H, int64_t W, int64_t OH,
                                  int64_t OW, int64_t KH, int64_t KW, int64_t SH, int64_t PT, int64_t PL) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i next = _mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 qnan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   for (int64_t pl = p0; pl < p1; ++pl) {
@@ -1932,23 +1948,22 @@ static void sf_maxpool_s2_avx512(const float* x, float* y, int64_t p0, int64_t p
     for (int64_t oh = 0; oh < OH; ++oh)
       for (int64_t ow0 = 0; ow0 < OW; ow0 += SF_DWF) {
         const int64_t c0 = 2 * ow0 - PL;
-        const __mmask16 m0 = (__mmask16)sf_lane_bits(-c0, W - c0), m1 = (__mmask16)sf_lane_bits(-c0 - 16, W - c0 - 16);
-        const __mmask16 m2 = (__mmask16)(KW == 3 ? sf_lane_bits(-c0 - 32, W - c0 - 32) & 1u : 0u);
+        const SfS2Run run = sf_s2_run(c0, W);
         __m512 m = ninf;
         __mmask16 nan = 0;
         for (int64_t kh = 0; kh < KH; ++kh) {
           const int64_t ih = oh * SH + kh - PT;
           if (ih < 0 || ih >= H) continue;
-          const float* xr = xp + ih * W + c0;
-          const __m512 lo = _mm512_mask_loadu_ps(ninf, m0, xr), hi = _mm512_mask_loadu_ps(ninf, m1, xr + 16);
-          const __m512 e = _mm512_permutex2var_ps(lo, even, hi), o = _mm512_permutex2var_ps(lo, odd, hi);
-          nan |= _mm512_cmp_ps_mask(e, o, _CMP_UNORD_Q);
-          m = _mm512_max_ps(m, _mm512_max_ps(e, o));
+          __m512 t0, t1, t2;
           if (KW == 3) {
-            const __m512 n = _mm512_permutex2var_ps(e, next, _mm512_mask_loadu_ps(ninf, m2, xr + 32));
-            nan |= _mm512_cmp_ps_mask(n, n, _CMP_UNORD_Q);
-            m = _mm512_max_ps(m, n);
+            sf_s2_taps<true>(xp + ih * W + c0, run, ninf, t0, t1, t2);
+            nan |= _mm512_cmp_ps_mask(t2, t2, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, t2);
+          } else {
+            sf_s2_taps<false>(xp + ih * W + c0, run, ninf, t0, t1, t2);
           }
+          nan |= _mm512_cmp_ps_mask(t0, t1, _CMP_UNORD_Q);
+          m = _mm512_max_ps(m, _mm512_max_ps(t0, t1));
         }
         const __mmask16 st = (__mmask16)sf_lane_bits(0, OW - ow0);
         _mm512_mask_storeu_ps(yp + oh * OW + ow0, st, _mm512_mask_mov_ps(m, nan, qnan));
