@@ -16,7 +16,9 @@ key               meaning                                                       
                   one TF32 product, faster, relative error ~1e-3); ``"float16"``: the
                   operands of contractions rounded to float16 (weights stored in float16),
                   fp32 accumulation, everything else float32 (passes/precision.py);
-                  ``"bfloat16"`` likewise with bfloat16 (cuda only)
+                  ``"bfloat16"`` likewise with bfloat16 (cuda only). On cuda, at every
+                  precision, a model's own float16/bfloat16 ``Attention`` ops compute in
+                  float32 and round the output (passes/attention.py)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
 ``prepack``       cpu: store the constant weights of float32 MatMul/Gemm packed for the      ``True``
@@ -786,6 +788,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     from .passes.attention import FuseAttention
 
                     rg = FuseAttention().run(rg)
+            if opt.target == "cuda":
+                # attention that is half in the model: float32 inside, one fused kernel (passes/attention.py)
+                from .passes.attention import HalfAttentionInFloat32
+
+                rg = HalfAttentionInFloat32().run(rg)
             if opt.target == "cpu" and (opt.prepack or winograd):
                 # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
                 # Winograd's, their weights transformed here (passes/prepack.py)

@@ -39,10 +39,11 @@ import math
 import numpy as np
 
 from ..codegen.cuda_attention import takes_heads
-from ..ir.graph import FlowGraph, Operator, Tensor
+from ..errors import ShardflowError
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, splice
 
-__all__ = ["FuseAttention"]
+__all__ = ["FuseAttention", "HalfAttentionInFloat32"]
 
 log = logging.getLogger(__name__)
 
@@ -271,3 +272,60 @@ class FuseAttention(GraphPass):
         if not _is(cur, "Reshape") or tuple(cur.outputs[0].shape) not in (tuple(shape3), (b_ * s_len, width)):
             return None
         return casts, cur
+
+
+class HalfAttentionInFloat32(GraphPass):
+    """An ``Attention`` that is float16/bfloat16 in the model computes in float32 and rounds its
+    output once (the cuda driver, on each rank's graph, at every precision).
+
+    ONNX defines a half ``Attention`` in its own type: the scaled Q and K, the scores, the softmax
+    and the weighted sum are each rounded to float16 (``softmax_precision`` may widen the softmax
+    alone). GPU attention kernels (FlashAttention, cuDNN, onnxruntime's CUDA kernels) accumulate
+    in float32 instead, and so does ours (:mod:`~shardflow.compiler.codegen.cuda_attention`), which
+    reads half Q, K, V and computes the mixed-precision form of the op. This pass writes the op in
+    that form, ``Cast(Attention(Q, K, V, mask, acc_dtype="float32", probs_dtype=half), half)``,
+    which the cuda target compiles into one fused kernel writing the half output: its values are
+    closer to the exact result than the half definition's, and differ from them by the half
+    type's roundings (the tolerance of rfcs/0004: ``5e-3`` of the output's scale for float16,
+    ``2e-2`` for bfloat16; a test against onnxruntime's float16 kernel). A half additive mask is
+    read in float32 (a constant one converted here, exactly; another through a ``Cast``).
+
+    Left as they are: ops with ``qk_matmul_output`` (``qk_mode``), a softmax in float64, or Q, K, V
+    of different types."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import CastOp
+
+        changed = 0
+        nodes: list[Operator] = []
+        for op in graph.nodes:
+            a = op.attrs
+            half = op.inputs[0].dtype if op.op_type == "Attention" else None
+            if (half not in _HALF or any(t.dtype != half for t in op.inputs[:3]) or len(op.outputs) != 1
+                    or op.outputs[0].dtype != half or a.get("acc_dtype") or a.get("qk_mode") is not None
+                    or a.get("extra_biases") or a.get("softmax_dtype") not in (None, "float32")):
+                nodes.append(op)
+                continue
+            inputs = list(op.inputs)
+            if a.get("has_mask") and inputs[3].dtype in _HALF:
+                m = inputs[3]
+                if m.is_constant:
+                    inputs[3] = const_tensor(np.asarray(m.value).astype(np.float32), f"{m.name}.float32")
+                else:
+                    nodes.append(CastOp([m], name=f"{op.name}.mask.float32", to="float32"))
+                    inputs[3] = nodes[-1].outputs[0]
+            mixed = type(op)(inputs, name=f"{op.name}.float32",
+                             **{**a, "acc_dtype": "float32", "probs_dtype": half, "softmax_dtype": None,
+                                "scale": a.get("scale", a.get("scale_sqrt", 1.0) ** 2)})
+            out = op.outputs[0]
+            if mixed.outputs[0].shape != out.shape:
+                raise ShardflowError(f"node {op.name}: its float32 form has the output shape "
+                                     f"{mixed.outputs[0].shape}, not {out.shape}; this is a bug")
+            cast = CastOp([mixed.outputs[0]], name=op.name, to=half)
+            out.producer, cast.outputs = cast, [out]  # the graph's readers and outputs keep the tensor
+            nodes += [mixed, cast]
+            changed += 1
+        if changed:
+            log.info("attention: %d half-precision Attention ops computed in float32", changed)
+            graph.nodes = nodes
+        return graph

@@ -5,7 +5,9 @@
   gives the same bits before and after), removes the transposes and the softmax, turns a
   constant causal mask into ``is_causal`` (same bits), and the cuda target compiles every
   attention into one ``attention-f16`` kernel (nvcc, sm_90). ONNX ``Attention`` ops (opset 23)
-  get half Q, K, V under a half precision and match onnxruntime on one and two ranks.
+  get half Q, K, V under a half precision and match onnxruntime on one and two ranks; those that
+  are float16 in the model compute in float32 (one fused kernel) within float16's tolerance of
+  onnxruntime's float16 kernel.
 * ``pytest -m gpu``: the kernel against the op's numpy definition at odd sizes (queries and keys
   not multiples of 64, several key steps), head sizes 16-128, grouped heads, bfloat16, 3-D and
   4-D operands, broadcast masks, bool masks shorter than the keys, causal masks (with a KV
@@ -246,6 +248,92 @@ def test_onnx_attention_takes_the_fused_kernel(case):
     assert ("const int sf_np = " in src.text) == (len(ONNX_ATTENTION[case]) > 3)  # nonpad_kv_seqlen read
 
 
+def _float16_attention_model(case: str, constant_mask: bool = False):
+    """``_onnx_attention_model``'s model and inputs in float16 throughout (weights, input, mask,
+    output), as a model exported in half precision is; with ``constant_mask`` the mask is a
+    weight instead of an input."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model, feeds = _onnx_attention_model(*ONNX_ATTENTION[case])
+    feeds = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    for init in model.graph.initializer:
+        a = numpy_helper.to_array(init)
+        if a.dtype == np.float32:
+            init.CopyFrom(numpy_helper.from_array(a.astype(np.float16), init.name))
+    for vi in list(model.graph.input) + list(model.graph.output):
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    if constant_mask:
+        model.graph.input.remove(next(i for i in model.graph.input if i.name == "m"))
+        model.graph.initializer.append(numpy_helper.from_array(feeds.pop("m"), "m"))
+    onnx.checker.check_model(model)
+    return model, feeds
+
+
+HALF_ONNX_ATTENTION = [(case, False) for case in ONNX_ATTENTION] + [("causal-mask-4d", True)]
+
+
+@pytest.mark.parametrize("case,constant_mask", HALF_ONNX_ATTENTION)
+def test_half_onnx_attention_computes_in_float32_and_matches_onnxruntime(case, constant_mask):
+    """A float16 ``Attention`` of the model itself (its definition computes in float16) becomes the
+    float32 op on the half Q, K, V with a cast of its output (HalfAttentionInFloat32): within
+    rfcs/0004's float16 tolerance of onnxruntime's float16 kernel and of the float32 model, and on
+    cuda one fused kernel with the output cast and the float16 mask read in its code (no kernel
+    of their own)."""
+    from shardflow.compiler.codegen.fusion import fuse
+    from shardflow.compiler.passes.attention import HalfAttentionInFloat32
+
+    model, feeds = _float16_attention_model(case, constant_mask)
+    ref16 = _ort(model, feeds)["out"].astype(np.float32)
+    model32, feeds32 = _onnx_attention_model(*ONNX_ATTENTION[case])
+    ref32 = _ort(model32, feeds32)["out"]
+    g = HalfAttentionInFloat32().run(load_onnx(model))
+    g.validate()
+    (att,) = [op for op in g.nodes if op.op_type == "Attention"]
+    assert [t.dtype for t in att.inputs[:3]] == ["float16"] * 3 and att.outputs[0].dtype == "float32"
+    assert att.attrs["acc_dtype"] == "float32" and att.attrs["probs_dtype"] == "float16"
+    if att.attrs.get("has_mask"):
+        assert att.inputs[3].dtype == "float32" and att.inputs[3].is_constant == constant_mask
+    assert g.outputs[0].name == "out" and g.outputs[0].dtype == "float16"
+    got = g.run(feeds)["out"].astype(np.float32)
+    for ref in (ref16, ref32):
+        np.testing.assert_allclose(got, ref, rtol=5e-3, atol=5e-3 * float(np.abs(ref32).max()))
+    src = generate_cuda_source(fuse(list(g.nodes), keep=g.output_names), arch="sm_90")
+    kinds = [launch.kind for launch in src.launches.values()]
+    assert kinds.count("attention-f16") == 1 and "elementwise" not in kinds and "row" not in kinds, kinds
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_which_half_attention_ops_compute_in_float32(half):
+    """Q, K, V and the output in one half type, one output, a softmax in the input type or in
+    float32: the float32 form (bfloat16 too, its kernel ``attention-bf16``); with the scores as a
+    second output (``qk_matmul_output``) or a float64 softmax: as it was."""
+    from shardflow.compiler.codegen.fusion import fuse
+    from shardflow.compiler.ir.graph import FlowGraph
+    from shardflow.compiler.passes.attention import HalfAttentionInFloat32
+
+    def graph(**attrs):
+        q, k, v = (Tensor(n, (1, 2, 24, 32), half) for n in "qkv")
+        m = Tensor("m", (24, 24), half)
+        op = Attention([q, k, v, m], name="att", has_mask=True, scale_sqrt=0.5, **attrs)
+        return FlowGraph([q, k, v, m], list(op.outputs))
+
+    for attrs in ({}, {"softmax_dtype": "float32"}):
+        g = HalfAttentionInFloat32().run(graph(**attrs))
+        g.validate()
+        assert [op.op_type for op in g.nodes] == ["Cast", "Attention", "Cast"]
+        assert g.nodes[1].attrs["scale"] == 0.25 and g.nodes[1].attrs["softmax_dtype"] is None
+        src = generate_cuda_source(fuse(list(g.nodes), keep=g.output_names), arch="sm_90")
+        assert [launch.kind for launch in src.launches.values()] == [f"attention-{_MMA_NAME[half]}"]
+    for attrs in ({"softmax_dtype": "float64"}, {"qk_mode": 0}):
+        g = HalfAttentionInFloat32().run(graph(**attrs))
+        assert [op.op_type for op in g.nodes] == ["Attention"]
+
+
+_MMA_NAME = {"float16": "f16", "bfloat16": "bf16"}
+
+
 def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool, d: int = 32):
     """softmax(Q K^T / 4 + bias) V on half inputs, written out as the precision pass leaves it."""
     from shardflow.compiler.ir import const_tensor
@@ -315,6 +403,21 @@ def test_each_attention_compiles_into_one_kernel(tmp_path, model):
     kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
     assert kinds.count("attention-f16") == 2, kinds
     assert "row" not in {k for k, s in zip(kinds, program["steps"]) if "Softmax" in s.get("node", "")}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_a_half_model_attention_compiles_into_one_kernel_at_every_precision(tmp_path):
+    """The driver runs HalfAttentionInFloat32 on cuda whatever ``precision`` says (the model's
+    own float16 ``Attention``, on two ranks: each computes its heads)."""
+    model, _ = _float16_attention_model("mask-4d")
+    for precision in ("float32", "float16"):
+        out = tmp_path / precision
+        compile(model, distributed_config={"mesh_shape": [2], "algo": "megatron"},
+                optimization_config={"precision": precision, "target": "cuda"}, out_dir=out)
+        for r in range(2):
+            program = json.loads((out / f"rank{r}" / "program.json").read_text())
+            kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+            assert kinds.count("attention-f16") == 1 and "row" not in kinds, kinds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,3 +658,27 @@ def check_case(name: str, got: np.ndarray, want: np.ndarray) -> None:
         assert not got[2].any()  # no key seen: 0
     if name == "biases-only":
         assert np.isnan(want[:, :, 9]).all() and np.isnan(got[:, :, 9]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal-3d", "nonpad-mask-4d"])
+def test_a_half_model_attention_on_the_gpu_matches_onnxruntime(tmp_path, case):
+    """A float16 model's own ``Attention`` compiled for cuda (one fused kernel computing in
+    float32) and run eagerly and as a CUDA graph, against onnxruntime's float16 kernel."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError
+    except Exception:
+        pytest.skip("no CUDA device (or cupy is not installed)")
+    from shardflow.runtime import load
+
+    model, feeds = _float16_attention_model(case)
+    ref = _ort(model, feeds)["out"].astype(np.float32)
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+            out_dir=tmp_path / "o")
+    prog = load(tmp_path / "o")
+    for _ in range(2):  # the second run replays the CUDA graph
+        got = prog.run(feeds)["out"]
+        got = (got.get() if hasattr(got, "get") else got).astype(np.float32)
+        np.testing.assert_allclose(got, ref, rtol=5e-3, atol=5e-3 * float(np.abs(ref).max()))

@@ -186,6 +186,24 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
+@pytest.mark.parametrize("case", ["causal-3d", "nonpad-mask-4d"])
+def test_half_onnx_attention_program_on_the_host(tmp_path, case):
+    """Every kernel of the cuda program of a float16 model's own ``Attention`` (its projections,
+    and the fused attention computing in float32 that reads the float16 mask and writes the
+    float16 output: passes/attention.py's HalfAttentionInFloat32), against the evaluator."""
+    from test_attention import _float16_attention_model
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.passes.attention import HalfAttentionInFloat32
+
+    model, feeds = _float16_attention_model(case)
+    env, consts, groups = _graph_values(HalfAttentionInFloat32().run(load_onnx(model)), feeds)
+    src = generate_cuda_source(groups, arch="sm_90")
+    kinds = [src.launches[g.name].kind for g in groups]
+    assert kinds.count("attention-f16") == 1 and len(kinds) == 5, kinds
+    _check_kernels(case, build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
 @pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128"])
 def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
     """Every wgmma GEMM of the Llama test model's float16 program (the gate projection, and the up
@@ -204,9 +222,13 @@ def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
 def _model_values(model: str):
     """For a test model's float16 rank graph for cuda: every tensor's value by name (the
     evaluator's, on the model's inputs), the constants by name, and the graph's kernel groups."""
+    return _graph_values(*_rank_graph_for_cuda(model))
+
+
+def _graph_values(rg, feeds):
+    """``_model_values`` of graph ``rg`` on inputs ``feeds``."""
     from shardflow.compiler.codegen.fusion import fuse
 
-    rg, feeds = _rank_graph_for_cuda(model)
     env = {t.name: feeds[t.name] for t in rg.inputs}
     for op in rg.nodes:
         with np.errstate(all="ignore"):
