@@ -51,38 +51,38 @@ typedef void (*SfUkrFn)(int64_t kc, const float* __restrict__ Ap, const float* _
                         int64_t bnext, float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first);
 
 #if defined(__x86_64__)
-// 12 x 32 tile, AVX-512
+// MR x 32 tile, AVX-512 (MR <= 12: the A panels are 12 rows wide; a panel of fewer rows computes
+// those only, so M = 8 does not pay for 12 rows)
+template <int MR>
 __attribute__((target("avx512f")))
 static void sf_ukr_avx512(int64_t kc, const float* __restrict__ Ap, const float* __restrict__ Bp, int64_t ldb,
                           int64_t bnext, float* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first) {
   const float* __restrict__ Bq = Bp + bnext;
-  __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
-  __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
-  __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
-  __m512 c60 = _mm512_setzero_ps(), c61 = _mm512_setzero_ps(), c70 = _mm512_setzero_ps(), c71 = _mm512_setzero_ps();
-  __m512 c80 = _mm512_setzero_ps(), c81 = _mm512_setzero_ps(), c90 = _mm512_setzero_ps(), c91 = _mm512_setzero_ps();
-  __m512 ca0 = _mm512_setzero_ps(), ca1 = _mm512_setzero_ps(), cb0 = _mm512_setzero_ps(), cb1 = _mm512_setzero_ps();
+  __m512 acc[MR][2];
+  #pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
     // B's rows 16 ahead: a prepacked weight comes from memory, once per call (measured 10-15% on the
     // GPT-2/Llama projections with weights not in cache; a prefetch never faults past the end)
-    _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + 16)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(Bq + ldb * (k + 16)), _MM_HINT_T0);
+    constexpr int64_t ahead = MR >= 12 ? 16 : MR >= 8 ? 32 : 64;
+    _mm_prefetch(reinterpret_cast<const char*>(Bp + ldb * (k + ahead)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(Bq + ldb * (k + ahead)), _MM_HINT_T0);
     const __m512 b0 = _mm512_loadu_ps(Bp + ldb * k), b1 = _mm512_loadu_ps(Bq + ldb * k);
     const float* a = Ap + 12 * k;
-    __m512 av;
-#define SF_ROW(r, c0, c1) av = _mm512_set1_ps(a[r]); c0 = _mm512_fmadd_ps(av, b0, c0); c1 = _mm512_fmadd_ps(av, b1, c1);
-    SF_ROW(0, c00, c01) SF_ROW(1, c10, c11) SF_ROW(2, c20, c21) SF_ROW(3, c30, c31)
-    SF_ROW(4, c40, c41) SF_ROW(5, c50, c51) SF_ROW(6, c60, c61) SF_ROW(7, c70, c71)
-    SF_ROW(8, c80, c81) SF_ROW(9, c90, c91) SF_ROW(10, ca0, ca1) SF_ROW(11, cb0, cb1)
-#undef SF_ROW
+    #pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i]);
+      acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+    }
   }
-  const __m512 rows[12][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51},
-                              {c60, c61}, {c70, c71}, {c80, c81}, {c90, c91}, {ca0, ca1}, {cb0, cb1}};
   const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1u);
   const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff : (nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : (__mmask16)0);
-  for (int64_t i = 0; i < mr; ++i) {
+  #pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+    if (i >= mr) break;
     float* cr = C + i * ldc;
-    __m512 v0 = rows[i][0], v1 = rows[i][1];
+    __m512 v0 = acc[i][0], v1 = acc[i][1];
     if (!first) {
       v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, cr));
       v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, cr + 16));
@@ -162,7 +162,10 @@ static SfUkr sf_pick_ukr() {
   const char* force = std::getenv("SHARDFLOW_CPU_ISA");
   bool allow512 = !force || std::strcmp(force, "avx512") == 0;
   bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
-  if (allow512 && __builtin_cpu_supports("avx512f")) return sf_ukr_all(sf_ukr_avx512, 12, 32);
+  if (allow512 && __builtin_cpu_supports("avx512f"))
+    return {{sf_ukr_avx512<1>, sf_ukr_avx512<2>, sf_ukr_avx512<3>, sf_ukr_avx512<4>, sf_ukr_avx512<5>,
+             sf_ukr_avx512<6>, sf_ukr_avx512<7>, sf_ukr_avx512<8>, sf_ukr_avx512<9>, sf_ukr_avx512<10>,
+             sf_ukr_avx512<11>, sf_ukr_avx512<12>}, 12, 32};
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {{sf_ukr_avx2<1>, sf_ukr_avx2<2>, sf_ukr_avx2<3>, sf_ukr_avx2<4>, sf_ukr_avx2<5>, sf_ukr_avx2<6>}, 6, 16};
 #endif
