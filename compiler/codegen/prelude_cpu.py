@@ -273,15 +273,22 @@ SF_INLINE double sf_erf(double x) { return std::erf(x); }
 // pow: a * a and a * a * a for the exponents 2 and 3 (squares, GELU's cube), else exp(b * log|a|)
 // (a few ulp) with numpy's special cases: negative base gives NaN unless b is an integer (then the
 // sign of an odd power), zero base gives 0 or inf, b == 0 or a == 1 gives 1. Branch-free, so a loop
-// whose exponent is read from a 0-d tensor still vectorizes.
+// whose exponent is a literal vectorizes (GCC 12; one whose exponent is read from memory does not).
 SF_INLINE float sf_pow(float a, float b) {
   // bitwise & and | (not && and ||): no short-circuit branches, so the loop stays if-convertible
   const float inf = std::numeric_limits<float>::infinity();
   float aa = a < 0 ? -a : a;
   float g = sf_exp(b * sf_log(aa));
-  float bh = b * 0.5f;
-  bool bint = std::nearbyint(b) == b;
-  bool bodd = bint & (std::nearbyint(bh) != bh);
+  // whether b is an integer, and an odd one, without std::nearbyint (with it GCC 12 vectorized no such
+  // loop): below 2^23 through an int32 conversion; from 2^23 on every float is an integer, and below
+  // 2^24 its parity is the lowest mantissa bit (above, all are even). (A NaN b counts as an integer
+  // here: g is NaN then, and so is the result.)
+  float ab = b < 0 ? -b : b;
+  bool small = ab < 8388608.0f;  // (false for NaN)
+  float bs = small ? b : 0.0f;
+  int32_t bi = (int32_t)bs;
+  bool bint = (float)bi == bs;
+  bool bodd = bint & (small ? (bi & 1) != 0 : (ab < 16777216.0f) & ((sf_float_to_bits(b) & 1) != 0));
   float sg = bodd ? -g : g;
   float r = (a < 0) & !(bint | (a == -inf)) ? std::numeric_limits<float>::quiet_NaN() : (a < 0 ? sg : g);
   float z = b > 0 ? 0.0f : inf;

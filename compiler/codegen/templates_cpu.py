@@ -3523,14 +3523,48 @@ def _resize(op, fused=None) -> str | None:
     return "\n".join(lines)
 
 
+def _lrn(op) -> str | None:
+    """LRN across channels: per image and channel, the window's squares summed into a row of the
+    plane's pixels (channel by channel, in the window's order, as the definition sums them), then
+    ``x / (bias + alpha / size * s) ** beta`` along the row. Plain loops over contiguous pixels
+    that vectorize (``sf_pow`` is branch-free); the generic lowering checked every tap's channel
+    per pixel and did not (Inception-v1's 192 x 55 x 55 LRN: rfcs/0002)."""
+    x = op.inputs[0].shape
+    if len(x) < 3:
+        return None
+    size, N, C = int(op.attrs["size"]), x[0], x[1]
+    P, lo = _prod(x[2:]), (int(op.attrs["size"]) - 1) // 2
+    alpha, beta, bias = (float(op.attrs["alpha"]) / size, float(op.attrs["beta"]), float(op.attrs["bias"]))
+    lines = _args(op)
+    lines += [
+        f"  // LRN over {C} channels of {P} pixels ({N} images): window channels [c - {lo}, c + {size - 1 - lo}]",
+        f"  #pragma omp parallel for schedule(static) if (sf_max_threads() > 1 && {N * C * P * size} >= 65536)",
+        f"  for (int64_t t = 0; t < {N * C}; ++t) {{",
+        f"    const int64_t c = t % {C};",
+        f"    const int64_t k0 = std::max<int64_t>(0, {lo} - c), k1 = std::min<int64_t>({size}, {C + lo} - c);",
+        f"    const float* __restrict__ xc = in0 + t * {P};",
+        f"    float* __restrict__ yc = out0 + t * {P};",
+        f"    float* __restrict__ ss = static_cast<float*>(sf_workspace(0, sizeof(float) * {P}));",
+        f"    for (int64_t p = 0; p < {P}; ++p) ss[p] = 0.0f;",
+        "    for (int64_t k = k0; k < k1; ++k) {",
+        f"      const float* __restrict__ xk = xc + (k - {lo}) * {P};",
+        f"      for (int64_t p = 0; p < {P}; ++p) ss[p] += xk[p] * xk[p];",
+        "    }",
+        f"    for (int64_t p = 0; p < {P}; ++p)",
+        f"      yc[p] = xc[p] / sf_pow({_flt(bias)} + {_flt(alpha)} * ss[p], {_flt(beta)});",
+        "  }",
+    ]
+    return "\n".join(lines)
+
+
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
-              "Attention": _attention, "Resize": _resize, "Fused": _fused}
+              "Attention": _attention, "Resize": _resize, "LRN": _lrn, "Fused": _fused}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
-CLONED_TEMPLATES = frozenset({"Pool", "Resize"})
+CLONED_TEMPLATES = frozenset({"Pool", "Resize", "LRN"})
 # a template body's lines between these two are definitions of the file, put before the kernel (``SF_SYM``:
 # the kernel's symbol; ``SF_ATTR``: its instruction-set clones); see cpp.kernel_source
 FILE_SCOPE_BEGIN, FILE_SCOPE_END = "//<file-scope>", "//</file-scope>"

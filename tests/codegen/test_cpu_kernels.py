@@ -25,7 +25,7 @@ from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
-from shardflow.compiler.ops.norm import LayerNorm
+from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Transpose
 from shardflow.compiler.parallel.comm_ops import AllReduce
@@ -281,6 +281,11 @@ def _large():
         Softmax([_t((2, 3, 130, 70))], axes=(3,), log=False),
         Softmax([_t((4, 130, 40))], axes=(1,), log=False),            # middle axis: materialized stats
         LayerNorm([_t((3, 50, 300)), _t((300,)), _t((300,))], axis=2, epsilon=1e-5, stash="float32", stats=True),
+        # LRN's template: windows cut at both ends of the channels (size 5 of 7, and an even size), two
+        # images, a plane of 3 x 19 pixels (not a whole number of vectors), 1-D and 3-D pixels
+        LRN([_t((2, 7, 3, 19))], size=5, alpha=1e-2, beta=0.75, bias=1.0),
+        LRN([_t((1, 9, 40))], size=4, alpha=0.3, beta=0.5, bias=2.0),
+        LRN([_t((1, 3, 2, 3, 5))], size=7, alpha=0.1, beta=1.5, bias=0.5),
         Reduce([_t((40, 500))], kind="max", axes=(1,), keepdims=False),
         Reduce([_t((7, 300, 11))], kind="sum", axes=(0, 2), keepdims=True),
         Binary([_t((8, 64, 300)), _t((300,))], fn="add"),
@@ -674,7 +679,7 @@ def _build_and_run(tmp_path, op, arrays, opt_level=1):
 
 
 def test_numpy_edge_semantics(tmp_path):
-    """Python-style floor division and modulo, integer division by zero, NaN in max and argmax,
+    """Python-style floor division and modulo, integer division by zero, pow's signs, NaN in max and argmax,
     first-index ties, float→int truncation and wrap-around, float16 storage: in one library."""
     ia = np.array([[-7, 7, -7, 7, 5, -5]], np.int64)
     ib = np.array([[2, -2, -2, 2, 0, 0]], np.int64)
@@ -685,7 +690,12 @@ def test_numpy_edge_semantics(tmp_path):
     pw = np.random.default_rng(6).standard_normal((1, 2, 9, 40)).astype(np.float32)  # rows of 20 outputs
     pw[0, 0, 0, 0] = pw[0, 0, 4, 7] = pw[0, 1, 8, 39] = np.nan
     px[0, 0, 0, 0] = px[0, 0, 3, 4] = px[0, 1, 6, 8] = np.nan  # a border tap, an interior one, the last one
+    # pow's integer and odd exponents (the sign of a negative base's power) past 2^23 and 2^24, NaN
+    pa, pb = (v.astype(np.float32) for v in np.meshgrid(
+        [-1.0, -2.0, -0.5, -0.0, 2.0, np.nan, -np.inf, 1.5],
+        [np.nan, 8388609.0, -8388609.0, 8388608.0, 16777218.0, 1e30, 3.0, 5.0, 0.75, -0.75, 2.0, 0.0], indexing="ij"))
     cases = [
+        (Binary([_t(pa.shape), _t(pb.shape)], fn="pow", name="pw"), [pa, pb]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="floordiv", name="fd"), [ia, ib]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="mod", name="md"), [ia, ib]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="fmod", name="fm"), [ia, ib]),
@@ -707,9 +717,11 @@ def test_numpy_edge_semantics(tmp_path):
             got = run_kernel(lib, syms[op.name], op, arrays)
             want = op.run(*arrays)
             assert_matches(got, want, [t.dtype for t in op.outputs])
-    fd = run_kernel(lib, syms["fd"], cases[0][0], cases[0][1])[0]
+    fd = run_kernel(lib, syms["fd"], cases[1][0], cases[1][1])[0]
     assert fd.tolist() == [[-4, -4, 3, 3, 0, 0]]
-    am = run_kernel(lib, syms["am"], cases[4][0], cases[4][1])[0]
+    pw_ = run_kernel(lib, syms["pw"], *cases[0])[0]
+    assert pw_[0, 1] == -1.0 and pw_[0, 3] == pw_[0, 4] == 1.0 and pw_[1, 1] == -np.inf and np.isnan(pw_[0, 8])
+    am = run_kernel(lib, syms["am"], cases[5][0], cases[5][1])[0]
     assert am.tolist() == [1, 0, 0]
     mp = run_kernel(lib, syms["mpool"], *cases[-3])[0]
     assert np.isnan(mp[0, 0, 0, 0]) and np.isnan(mp[0, 0, 1, 2]) and np.isnan(mp[0, 1, 3, 4])
