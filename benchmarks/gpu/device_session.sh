@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu/device_session.sh all     # suite + bench (float16) + GPT-2 kernel profile, < 10 min
 #   bash benchmarks/gpu/device_session.sh newtiles  # ping-pong/stream-K GPU tests, then GPT-2 8x128 with them
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
-#   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (its
-#                                                 # AVX-512 GEMM kernel: the dev and CI machines have no AVX-512)
+#   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (another
+#                                                 # AVX-512 CPU than the Zen 4 dev VM's; CI's may have none)
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
