@@ -3581,14 +3581,65 @@ def _lrn(op) -> str | None:
     return "\n".join(lines)
 
 
+#: the dtypes the scan template runs in their own C type (numpy's cumsum/cumprod with dtype=x.dtype)
+_SCAN_DTYPES = ("float32", "float64", "int32", "int64", "uint32", "uint64")
+#: columns of a scan's inner dims one task carries (its running values on the stack)
+_SCAN_CHUNK = 256
+
+
+def _scan(op) -> str | None:
+    """CumSum / CumProd as a running value per position of the inner dims, carried along ``axis``
+    (forward or reversed; ``exclusive`` stores before combining): one pass, where the definition
+    (and the generic lowering) combines the whole axis for every output, n^2 / 2 operations (64 x
+    4096 floats: 44 ms against onnxruntime's 0.87). The values are combined in the definition's
+    order (the running value, then the next element). Tasks of up to 256 inner columns per outer
+    index, in parallel; the inner loop vectorizes."""
+    from .cpp import STORAGE_CTYPE, literal
+
+    x, y = op.inputs[0], op.outputs[0]
+    if x.dtype not in _SCAN_DTYPES or y.dtype != x.dtype or len(op.inputs) != 1:
+        return None
+    axis, excl, rev = int(op.attrs["axis"]), bool(op.attrs["exclusive"]), bool(op.attrs["reverse"])
+    n, outer, inner = x.shape[axis], _prod(x.shape[:axis]), _prod(x.shape[axis + 1:])
+    if n * outer * inner == 0:
+        return None
+    ct, comb = STORAGE_CTYPE[x.dtype], "+" if op.op_type == "CumSum" else "*"
+    ident = literal(0 if op.op_type == "CumSum" else 1, x.dtype)
+    chunk = min(inner, _SCAN_CHUNK)
+    nch = -(-inner // chunk)
+    step = [f"        acc[c - c0] = acc[c - c0] {comb} xr[c];", "        yr[c] = acc[c - c0];"]
+    if excl:
+        step.reverse()
+    lines = [f"  const {ct}* __restrict__ in0 = static_cast<const {ct}*>(inputs[0]);",
+             f"  {ct}* __restrict__ out0 = static_cast<{ct}*>(outputs[0]);",
+             f"  // {op.op_type} along axis {axis} ({n} positions{', reversed' if rev else ''}"
+             f"{', exclusive' if excl else ''}): {outer} outer x {inner} inner, tasks of {chunk} inner columns",
+             f"  #pragma omp parallel for schedule(static) if (sf_max_threads() > 1 && {outer * n * inner} >= 65536)",
+             f"  for (int64_t t = 0; t < {outer * nch}; ++t) {{",
+             f"    const int64_t o = t / {nch}, c0 = t % {nch} * {chunk}, c1 = std::min<int64_t>({inner}, c0 + {chunk});",
+             f"    {ct} acc[{chunk}];",
+             f"    for (int64_t c = c0; c < c1; ++c) acc[c - c0] = {ident};",
+             f"    for (int64_t s = 0; s < {n}; ++s) {{",
+             f"      const int64_t j = {f'{n - 1} - s' if rev else 's'};",
+             f"      const {ct}* __restrict__ xr = in0 + (o * {n} + j) * {inner};",
+             f"      {ct}* __restrict__ yr = out0 + (o * {n} + j) * {inner};",
+             "      for (int64_t c = c0; c < c1; ++c) {",
+             *step,
+             "      }",
+             "    }",
+             "  }"]
+    return "\n".join(lines)
+
+
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
-              "Attention": _attention, "Resize": _resize, "LRN": _lrn, "Fused": _fused}
+              "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
+              "Fused": _fused}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
-CLONED_TEMPLATES = frozenset({"Pool", "Resize", "LRN"})
+CLONED_TEMPLATES = frozenset({"Pool", "Resize", "LRN", "CumSum", "CumProd"})
 # a template body's lines between these two are definitions of the file, put before the kernel (``SF_SYM``:
 # the kernel's symbol; ``SF_ATTR``: its instruction-set clones); see cpp.kernel_source
 FILE_SCOPE_BEGIN, FILE_SCOPE_END = "//<file-scope>", "//</file-scope>"

@@ -26,7 +26,7 @@ from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, R
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LRN, LayerNorm
-from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax, TopK
+from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Transpose
 from shardflow.compiler.parallel.comm_ops import AllReduce
 
@@ -297,6 +297,13 @@ def _large():
         Gather([_t((1000, 64)), _t((4, 50), "int64")], axis=0),
         Attention([_t((2, 4, 30, 16)), _t((2, 2, 40, 16)), _t((2, 2, 40, 24))], scale_sqrt=0.5),
         ArgReduce([_t((30, 700))], kind="argmax", axis=1, keepdims=False),
+        # the scan template: inner dims of two tasks (256 + 44 columns), reversed and exclusive; a last axis
+        # (one column a task) in int64; a first axis; unsigned wrap-around
+        CumSum([_t((3, 40, 300))], axis=1, exclusive=True, reverse=True),
+        CumSum([_t((5, 700), "int64")], axis=1, exclusive=False, reverse=False),
+        CumProd([_t((30, 4, 3), "float64")], axis=0, exclusive=True, reverse=False),
+        CumSum([_t((600, 2), "uint32")], axis=0, exclusive=False, reverse=True),
+        CumProd([_t((2, 9, 5), "int32")], axis=2, exclusive=False, reverse=True),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -575,6 +582,16 @@ def test_3d_convs_use_their_template():
     convs = [op for _, op, _ in LARGE if op.op_type == "Conv" and op.inputs[0].ndim == 5]
     assert len(convs) == 4 and all(template_kind(op) == "Conv" for op in convs)
     assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
+
+
+def test_scans_and_lrn_use_their_templates():
+    """CumSum/CumProd (one pass; the definition's lowering is quadratic in the axis) and LRN (rows that
+    vectorize) take their templates in the dtypes they run in; float16 keeps the generic nest."""
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+
+    ops = [op for _, op, _ in LARGE if op.op_type in ("CumSum", "CumProd", "LRN")]
+    assert len(ops) == 8 and all(template_kind(op) == op.op_type for op in ops)
+    assert template_kind(CumSum([_t((4, 5), "float16")], axis=1, exclusive=False, reverse=False)) is None
 
 
 def test_transposed_convs_use_their_template():
