@@ -27,7 +27,7 @@ from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
-from shardflow.compiler.ops.transform import Concat, Gather, Transpose
+from shardflow.compiler.ops.transform import Concat, Gather, Pad, Transpose
 from shardflow.compiler.parallel.comm_ops import AllReduce
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the cpu kernels are built with a POSIX C++ toolchain")
@@ -304,6 +304,12 @@ def _large():
         CumProd([_t((30, 4, 3), "float64")], axis=0, exclusive=True, reverse=False),
         CumSum([_t((600, 2), "uint32")], axis=0, exclusive=False, reverse=True),
         CumProd([_t((2, 9, 5), "int32")], axis=2, exclusive=False, reverse=True),
+        # the pad template: reflect on both spatial dims (one pad wider than the plane: reflected twice), edge
+        # on the last dim of a 3-D tensor, wrap on the rows only, reflect of a single column
+        Pad([_t((2, 3, 9, 20))], begin=(0, 0, 2, 3), end=(0, 0, 9, 1), mode="reflect"),
+        Pad([_t((4, 5, 33))], begin=(0, 0, 4), end=(0, 0, 2), mode="edge"),
+        Pad([_t((1, 2, 6, 7))], begin=(0, 0, 3, 0), end=(0, 0, 8, 0), mode="wrap"),
+        Pad([_t((1, 3, 5, 1))], begin=(0, 0, 1, 2), end=(0, 0, 0, 2), mode="reflect"),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -584,14 +590,17 @@ def test_3d_convs_use_their_template():
     assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
 
 
-def test_scans_and_lrn_use_their_templates():
-    """CumSum/CumProd (one pass; the definition's lowering is quadratic in the axis) and LRN (rows that
-    vectorize) take their templates in the dtypes they run in; float16 keeps the generic nest."""
+def test_scans_lrn_and_pads_use_their_templates():
+    """CumSum/CumProd (one pass; the definition's lowering is quadratic in the axis), LRN (rows that
+    vectorize) and reflect/edge/wrap pads (row copies) take their templates in the dtypes they run in;
+    float16 scans and constant pads (fast and fusable in the generic nest) keep it."""
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
-    ops = [op for _, op, _ in LARGE if op.op_type in ("CumSum", "CumProd", "LRN")]
-    assert len(ops) == 8 and all(template_kind(op) == op.op_type for op in ops)
+    ops = [op for _, op, _ in LARGE if op.op_type in ("CumSum", "CumProd", "LRN", "Pad")]
+    assert len(ops) == 12 and all(template_kind(op) == op.op_type for op in ops)
     assert template_kind(CumSum([_t((4, 5), "float16")], axis=1, exclusive=False, reverse=False)) is None
+    assert template_kind(Pad([_t((1, 2, 6, 7))], begin=(0, 0, 1, 1), end=(0, 0, 1, 1), mode="constant")) is None
+    assert template_kind(Pad([_t((4, 6, 7))], begin=(1, 0, 0), end=(0, 0, 0), mode="edge")) is None
 
 
 def test_transposed_convs_use_their_template():
