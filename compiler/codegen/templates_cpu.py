@@ -2742,6 +2742,69 @@ def _matmul(op) -> str | None:
     return "\n".join(lines)
 
 
+def _einsum(op) -> str | None:
+    """A two-operand Einsum that is a (batched) matrix product: every label is a batch label (both
+    operands and the output), the one row label (A and the output), the one column label (B and the
+    output; either may be absent) or the one contracted label (both operands, not the output), with
+    the row or the column label last in the output. It runs as ``sf_sgemm_batched`` with each
+    operand read in place through its labels' strides (a transposed operand is just other strides);
+    the output's matrix is written row by row, or transposed (``C^T = B^T A^T``) when the row label
+    is the last. Other equations (several labels of a kind, a label summed within one operand,
+    repeated or broadcast labels) keep the generic nest, which sums one output element at a time
+    ("bij,bjk->bik" at 8 x 128 x 64 x 128: 3.8 ms against onnxruntime's 0.19)."""
+    from ..ops.linalg import parse_einsum
+
+    if len(op.inputs) != 2:
+        return None
+    x0, x1 = op.inputs
+    (la, lb), out, ext, _ = parse_einsum(op.attrs["equation"], [x0.shape, x1.shape], op.name)
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(out)) != len(out) or not out:
+        return None
+    if any(ext[lab] != e for labs, t in ((la, x0), (lb, x1)) for lab, e in zip(labs, t.shape)):
+        return None  # a broadcast (extent-1) dim
+
+    def strides(labs, shape):
+        st, acc = {}, 1
+        for lab, e in zip(reversed(labs), reversed(shape)):
+            st[lab] = acc
+            acc *= e
+        return st
+    sa, sb, so = strides(la, x0.shape), strides(lb, x1.shape), strides(out, op.outputs[0].shape)
+    batch = [lab for lab in out if lab in sa and lab in sb]
+    rows = [lab for lab in out if lab in sa and lab not in sb]
+    cols = [lab for lab in out if lab in sb and lab not in sa]
+    red = [lab for lab in la if lab in sb and lab not in out]
+    if len(rows) > 1 or len(cols) > 1 or len(red) != 1 or set(la) | set(lb) != set(out) | set(red):
+        return None
+    m, n, k = (rows or [None])[0], (cols or [None])[0], red[0]
+    if n is not None and out[-1] == n:  # C = A B, rows of C at stride so[m]
+        first, second, fs, ss, r, c = x0, x1, sa, sb, m, n
+    elif m is not None and out[-1] == m:  # C^T = B^T A^T: B's column label is C's row
+        first, second, fs, ss, r, c = x1, x0, sb, sa, n, m
+    elif m is None and n is None:
+        first, second, fs, ss, r, c = x0, x1, sa, sb, None, None
+    else:
+        return None
+    M, N, K = ext[r] if r else 1, ext[c] if c else 1, ext[k]
+    ldc = so[r] if r else N
+    ia, ib = (0, 1) if first is x0 else (1, 0)
+    lines = _args(op)
+    lines.append(f"  // Einsum {op.attrs['equation']!r}: batch {[ext[lab] for lab in batch]} of [{M}, {K}] @ [{K}, {N}]"
+                 + (" (the output transposed: B^T A^T)" if first is x1 else ""))
+    rsa, csa = (fs[r] if r else 0), fs[k]
+    rsb, csb = ss[k], (ss[c] if c else 0)
+    if not batch:
+        lines.append(f"  sf_sgemm({M}, {N}, {K}, in{ia}, {rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, nullptr, 0, "
+                     "0, true);")
+    else:
+        lines.append(f"  static const int64_t bshape[] = {_arr([ext[lab] for lab in batch])}, "
+                     f"astr[] = {_arr([fs[lab] for lab in batch])}, bstr[] = {_arr([ss[lab] for lab in batch])}, "
+                     f"cstr[] = {_arr([so[lab] for lab in batch])};")
+        lines.append(f"  sf_sgemm_batched({len(batch)}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in{ia}, {rsa}, {csa}, "
+                     f"in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, nullptr, 0, 0);")
+    return "\n".join(lines)
+
+
 def _gemm_bias(op, beta: float, lines: list[str]) -> tuple[str, int, int]:
     """The bias operand ``C`` (input 2, broadcasting to ``[M, N]``) of a GEMM as the template's
     ``(pointer, row stride, column stride)``; ``beta != 1`` scales it once into a temporary."""
@@ -3668,7 +3731,8 @@ def _scan(op) -> str | None:
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
-              "Pad": _pad, "Fused": _fused}
+              "Pad": _pad, "Einsum": _einsum,
+              "Fused": _fused}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

@@ -24,7 +24,7 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import PANEL, Attention, Gemm, MatMul, PackedMatMul
+from shardflow.compiler.ops.linalg import PANEL, Attention, Einsum, Gemm, MatMul, PackedMatMul
 from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Pad, Transpose
@@ -310,6 +310,15 @@ def _large():
         Pad([_t((4, 5, 33))], begin=(0, 0, 4), end=(0, 0, 2), mode="edge"),
         Pad([_t((1, 2, 6, 7))], begin=(0, 0, 3, 0), end=(0, 0, 8, 0), mode="wrap"),
         Pad([_t((1, 3, 5, 1))], begin=(0, 0, 1, 2), end=(0, 0, 0, 2), mode="reflect"),
+        # Einsums that are matrix products: batched; two batch labels with K^T read in place (attention's
+        # scores); the output transposed (its row label last); a dot per batch; vector @ matrix; matrix @ vector;
+        Einsum([_t((3, 37, 300)), _t((3, 300, 29))], equation="bij,bjk->bik"),
+        Einsum([_t((2, 3, 20, 16)), _t((2, 3, 33, 16))], equation="bhqd,bhkd->bhqk"),
+        Einsum([_t((45, 70)), _t((30, 70))], equation="ij,kj->ki"),
+        Einsum([_t((6, 50)), _t((6, 50))], equation="bi,bi->b"),
+        Einsum([_t((40,)), _t((40, 23))], equation="i,ij->j"),
+        Einsum([_t((23, 40)), _t((40,))], equation="ik,k->i"),
+        Einsum([_t((4, 9, 30)), _t((4, 30, 11))], equation="bij,bjk->ibk"),  # rows of C apart (a batch between)
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -590,10 +599,11 @@ def test_3d_convs_use_their_template():
     assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
 
 
-def test_scans_lrn_and_pads_use_their_templates():
+def test_scans_lrn_pads_and_einsums_use_their_templates():
     """CumSum/CumProd (one pass; the definition's lowering is quadratic in the axis), LRN (rows that
-    vectorize) and reflect/edge/wrap pads (row copies) take their templates in the dtypes they run in;
-    float16 scans and constant pads (fast and fusable in the generic nest) keep it."""
+    vectorize), reflect/edge/wrap pads (row copies) and Einsums that are matrix products (the GEMM)
+    take their templates in the dtypes they run in; float16 scans, constant pads (fast and fusable in
+    the generic nest) and other einsums keep it."""
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     ops = [op for _, op, _ in LARGE if op.op_type in ("CumSum", "CumProd", "LRN", "Pad")]
@@ -601,6 +611,12 @@ def test_scans_lrn_and_pads_use_their_templates():
     assert template_kind(CumSum([_t((4, 5), "float16")], axis=1, exclusive=False, reverse=False)) is None
     assert template_kind(Pad([_t((1, 2, 6, 7))], begin=(0, 0, 1, 1), end=(0, 0, 1, 1), mode="constant")) is None
     assert template_kind(Pad([_t((4, 6, 7))], begin=(1, 0, 0), end=(0, 0, 0), mode="edge")) is None
+    einsums = [op for _, op, _ in LARGE if op.op_type == "Einsum"]
+    assert len(einsums) == 7 and all(template_kind(op) == "Einsum" for op in einsums)
+    # a label summed within one operand, a broadcast batch, two row labels, a batch label last: the nest
+    for eq, shapes in (("bij,bjk->bk", ((2, 3, 4), (2, 4, 5))), ("bij,bjk->bik", ((1, 3, 4), (2, 4, 5))),
+                       ("bij,jk->bik", ((2, 3, 4), (4, 5))), ("ijb,jkb->ikb", ((3, 4, 2), (4, 5, 2)))):
+        assert template_kind(Einsum([_t(shapes[0]), _t(shapes[1])], equation=eq)) is None, eq
 
 
 def test_transposed_convs_use_their_template():
