@@ -2778,11 +2778,11 @@ def _einsum(op) -> str | None:
         return None
     m, n, k = (rows or [None])[0], (cols or [None])[0], red[0]
     if n is not None and out[-1] == n:  # C = A B, rows of C at stride so[m]
-        first, second, fs, ss, r, c = x0, x1, sa, sb, m, n
+        first, fs, ss, r, c = x0, sa, sb, m, n
     elif m is not None and out[-1] == m:  # C^T = B^T A^T: B's column label is C's row
-        first, second, fs, ss, r, c = x1, x0, sb, sa, n, m
+        first, fs, ss, r, c = x1, sb, sa, n, m
     elif m is None and n is None:
-        first, second, fs, ss, r, c = x0, x1, sa, sb, None, None
+        first, fs, ss, r, c = x0, sa, sb, None, None
     else:
         return None
     M, N, K = ext[r] if r else 1, ext[c] if c else 1, ext[k]
@@ -2794,8 +2794,8 @@ def _einsum(op) -> str | None:
     rsa, csa = (fs[r] if r else 0), fs[k]
     rsb, csb = ss[k], (ss[c] if c else 0)
     if not batch:
-        lines.append(f"  sf_sgemm({M}, {N}, {K}, in{ia}, {rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, nullptr, 0, "
-                     "0, true);")
+        lines.append(f"  sf_sgemm({M}, {N}, {K}, in{ia}, {rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, "
+                     "nullptr, 0, 0, true);")
     else:
         lines.append(f"  static const int64_t bshape[] = {_arr([ext[lab] for lab in batch])}, "
                      f"astr[] = {_arr([fs[lab] for lab in batch])}, bstr[] = {_arr([ss[lab] for lab in batch])}, "
