@@ -3677,6 +3677,53 @@ def _pad(op) -> str | None:
     return "\n".join(lines)
 
 
+def _topk(op) -> str | None:
+    """TopK (the op's definition is an extern: no loop nest sorts): per row along ``axis``, the
+    positions ordered by value (descending for ``largest``, NaN first, as numpy's stable argsort of
+    the reversed axis gives; ascending otherwise, NaN last), equal values by lower position, and the
+    first k of them (``std::partial_sort``) written with their int64 positions. Rows in parallel,
+    each copied to a buffer of (value, position) first when the axis is not the last."""
+    from .cpp import STORAGE_CTYPE
+
+    x = op.inputs[0]
+    if len(op.inputs) != 1 or len(op.outputs) != 2 or x.dtype not in ("float32", "float64", "int32", "int64") \
+            or op.outputs[0].dtype != x.dtype or op.outputs[1].dtype != "int64":
+        return None
+    k, axis, largest = int(op.attrs["k"]), int(op.attrs["axis"]), bool(op.attrs.get("largest", True))
+    n, outer, inner = x.shape[axis], _prod(x.shape[:axis]), _prod(x.shape[axis + 1:])
+    if not 0 < k <= n or outer * inner == 0:
+        return None
+    ct = STORAGE_CTYPE[x.dtype]
+    flt = x.dtype.startswith("float")
+    if largest:
+        before = "(a > b) | ((a != a) & (b == b))" if flt else "a > b"
+    else:
+        before = "(a < b) | ((a == a) & (b != b))" if flt else "a < b"
+    lines = [f"  const {ct}* __restrict__ in0 = static_cast<const {ct}*>(inputs[0]);",
+             f"  {ct}* __restrict__ out0 = static_cast<{ct}*>(outputs[0]);",
+             "  int64_t* __restrict__ out1 = static_cast<int64_t*>(outputs[1]);",
+             f"  // TopK: the {k} {'largest' if largest else 'smallest'} of {n} along axis {axis} "
+             f"({outer} x {inner} rows), sorted, ties by lower position",
+             f"  #pragma omp parallel for schedule(static) if (sf_max_threads() > 1 && {outer * inner * n} >= 65536)",
+             f"  for (int64_t t = 0; t < {outer * inner}; ++t) {{",
+             f"    const int64_t o = t / {inner}, i = t % {inner};",
+             f"    const {ct}* __restrict__ xr = in0 + o * {n * inner} + i;",
+             f"    int32_t* __restrict__ pos = static_cast<int32_t*>(sf_workspace(0, sizeof(int32_t) * {n}));",
+             f"    for (int32_t j = 0; j < {n}; ++j) pos[j] = j;",
+             f"    auto ahead = []({ct} a, {ct} b) {{ return {before}; }};  // value a goes before value b",
+             f"    auto first = [xr, ahead](int32_t p, int32_t q) {{  // position p goes before position q",
+             f"      const {ct} a = xr[(int64_t)p * {inner}], b = xr[(int64_t)q * {inner}];",
+             "      return ahead(a, b) || (!ahead(b, a) && p < q);",
+             "    };",
+             f"    std::partial_sort(pos, pos + {k}, pos + {n}, first);",
+             f"    for (int64_t j = 0; j < {k}; ++j) {{",
+             f"      out0[(o * {k} + j) * {inner} + i] = xr[(int64_t)pos[j] * {inner}];",
+             f"      out1[(o * {k} + j) * {inner} + i] = pos[j];",
+             "    }",
+             "  }"]
+    return "\n".join(lines)
+
+
 #: the dtypes the scan template runs in their own C type (numpy's cumsum/cumprod with dtype=x.dtype)
 _SCAN_DTYPES = ("float32", "float64", "int32", "int64", "uint32", "uint64")
 #: columns of a scan's inner dims one task carries (its running values on the stack)
@@ -3732,9 +3779,11 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum,
-              "Fused": _fused}
+              "TopK": _topk, "Fused": _fused}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK"})
+#: Templates of ops with more than one output (they check their outputs themselves).
+_MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others
 #: call the GEMM, which picks its micro-kernel at run time).
 CLONED_TEMPLATES = frozenset({"Pool", "Resize", "LRN", "CumSum", "CumProd", "Pad"})
@@ -3746,7 +3795,8 @@ FILE_SCOPE_BEGIN, FILE_SCOPE_END = "//<file-scope>", "//</file-scope>"
 def _template_fn(op):
     """The template function for ``op``'s type when its outputs and dtypes fit one, else ``None``."""
     fn = _TEMPLATES.get(op.op_type)
-    if fn is None or len(op.outputs) != 1 or (op.op_type not in _MIXED_DTYPES and not _all_f32(op)):
+    if fn is None or (len(op.outputs) != 1 and op.op_type not in _MULTI_OUTPUT) \
+            or (op.op_type not in _MIXED_DTYPES and not _all_f32(op)):
         return None
     return fn
 

@@ -319,6 +319,10 @@ def _large():
         Einsum([_t((40,)), _t((40, 23))], equation="i,ij->j"),
         Einsum([_t((23, 40)), _t((40,))], equation="ik,k->i"),
         Einsum([_t((4, 9, 30)), _t((4, 30, 11))], equation="bij,bjk->ibk"),  # rows of C apart (a batch between)
+        # TopK's template: a middle axis (rows strided), k = n, int64 values with ties, float64 smallest
+        TopK([_t((3, 300, 5))], k=17, axis=1, largest=True),
+        TopK([_t((20, 9), "int64")], k=9, axis=1, largest=False),
+        TopK([_t((40, 3), "float64")], k=4, axis=0, largest=False),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -490,11 +494,19 @@ def assert_matches(got, want, dtypes):
             np.testing.assert_array_equal(g, w)
 
 
+def _compiled_for_cpu(op) -> bool:
+    """Whether the cpu target compiles ``op``: the generic lowering or a template (TopK's definition is
+    an extern, which only the template implements)."""
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+
+    return lowerable(op) or template_kind(op) is not None
+
+
 # --------------------------------------------------------------------------- agreement
 @pytest.mark.parametrize("cid", [c[0] for c in EXAMPLES])
 def test_example_kernel_matches_numpy(library, cid):
     op, arrays = library["cases"][cid]
-    if not lowerable(op):
+    if not _compiled_for_cpu(op):
         assert cid not in library["symbols"]
         pytest.skip(f"not lowerable: {why_not_lowerable(op)}")
     want = op.run(*arrays)
@@ -644,11 +656,11 @@ def test_attention_uses_its_template(library):
 
 
 def test_every_lowerable_example_is_in_the_library(library):
-    lowered = [cid for cid, cls, a, attrs in EXAMPLES if lowerable(library["cases"][cid][0])]
+    lowered = [cid for cid, cls, a, attrs in EXAMPLES if _compiled_for_cpu(library["cases"][cid][0])]
     assert len(lowered) >= 250
     assert all(cid in library["symbols"] for cid in lowered)
-    skipped = {library["cases"][cid][0].op_type for cid, *_ in EXAMPLES if cid not in library["symbols"]}
-    assert skipped == {"TopK"}
+    assert [cid for cid, *_ in EXAMPLES if cid not in library["symbols"]] == []
+    assert sum(library["cases"][cid][0].op_type == "TopK" for cid in lowered) == 3  # by the template
 
 
 def test_constants_are_inputs_not_baked(library):
@@ -736,8 +748,11 @@ def test_numpy_edge_semantics(tmp_path):
     pa, pb = (v.astype(np.float32) for v in np.meshgrid(
         [-1.0, -2.0, -0.5, -0.0, 2.0, np.nan, -np.inf, 1.5],
         [np.nan, 8388609.0, -8388609.0, 8388608.0, 16777218.0, 1e30, 3.0, 5.0, 0.75, -0.75, 2.0, 0.0], indexing="ij"))
+    tk = np.array([[1.0, np.nan, 3.0, np.nan, 2.0, 3.0, -np.inf, 0.0]], np.float32)  # NaN ordering, ties
     cases = [
         (Binary([_t(pa.shape), _t(pb.shape)], fn="pow", name="pw"), [pa, pb]),
+        (TopK([_t(tk.shape)], k=5, axis=1, largest=True, name="tk_hi"), [tk]),
+        (TopK([_t(tk.shape)], k=7, axis=1, largest=False, name="tk_lo"), [tk]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="floordiv", name="fd"), [ia, ib]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="mod", name="md"), [ia, ib]),
         (Binary([_t(ia.shape, "int64"), _t(ib.shape, "int64")], fn="fmod", name="fm"), [ia, ib]),
@@ -759,11 +774,13 @@ def test_numpy_edge_semantics(tmp_path):
             got = run_kernel(lib, syms[op.name], op, arrays)
             want = op.run(*arrays)
             assert_matches(got, want, [t.dtype for t in op.outputs])
-    fd = run_kernel(lib, syms["fd"], cases[1][0], cases[1][1])[0]
+    fd = run_kernel(lib, syms["fd"], cases[3][0], cases[3][1])[0]
     assert fd.tolist() == [[-4, -4, 3, 3, 0, 0]]
     pw_ = run_kernel(lib, syms["pw"], *cases[0])[0]
     assert pw_[0, 1] == -1.0 and pw_[0, 3] == pw_[0, 4] == 1.0 and pw_[1, 1] == -np.inf and np.isnan(pw_[0, 8])
-    am = run_kernel(lib, syms["am"], cases[5][0], cases[5][1])[0]
+    assert run_kernel(lib, syms["tk_hi"], *cases[1])[1].tolist() == [[1, 3, 2, 5, 4]]  # NaN first, then 3 at 2 before 5
+    assert run_kernel(lib, syms["tk_lo"], *cases[2])[1].tolist() == [[6, 7, 0, 4, 2, 5, 1]]  # NaN last
+    am = run_kernel(lib, syms["am"], cases[7][0], cases[7][1])[0]
     assert am.tolist() == [1, 0, 0]
     mp = run_kernel(lib, syms["mpool"], *cases[-3])[0]
     assert np.isnan(mp[0, 0, 0, 0]) and np.isnan(mp[0, 0, 1, 2]) and np.isnan(mp[0, 1, 3, 4])
@@ -833,14 +850,17 @@ def test_guarded_reads_become_branches_and_safe_ones_selects():
 
 # --------------------------------------------------------------------------- library building
 def test_collectives_and_extern_ops_are_left_out(tmp_path):
+    """Collectives are the runtime's; an op with an extern output only compiles through a template
+    (TopK's, in the types it takes: not float16)."""
     x = _t((4, 6))
     ar = AllReduce([x], mesh_axis=0, group_size=2, op="sum", name="ar")
     tk = TopK([x], k=2, axis=1, largest=True, name="tk")
+    tk16 = TopK([_t((4, 6), "float16")], k=2, axis=1, largest=True, name="tk16")
     mm = MatMul([x, _t((6, 3))], name="mm")
     assert not lowerable(ar) and "collective" in why_not_lowerable(ar)
-    assert not lowerable(tk) and lowerable(mm)
-    syms = build_cpu_library([ar, tk, mm], str(tmp_path / "l.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
-    assert set(syms) == {"mm"}
+    assert not lowerable(tk) and not lowerable(tk16) and lowerable(mm)
+    syms = build_cpu_library([ar, tk, tk16, mm], str(tmp_path / "l.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    assert set(syms) == {"mm", "tk"}
 
 
 def test_identical_ops_share_one_kernel(tmp_path):

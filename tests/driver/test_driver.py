@@ -318,3 +318,31 @@ def test_concatenations_in_place(tmp_path):
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(list(outs), {"x": x})
     for name, w in zip(outs, want):
         np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-4, err_msg=name)
+
+
+def test_topk_model_on_one_and_two_cpu_ranks_matches_onnxruntime(tmp_path):
+    """TopK (whose definition is an extern: only the cpu template sorts) after a projection, values and
+    indices, with ties, on one rank and on two (the plan's choice) against onnxruntime."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(4)
+    w = np.round(rng.standard_normal((16, 300)), 1).astype(np.float32)  # rounded: ties among the scores
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["s"]), helper.make_node("TopK", ["s", "k"], ["v", "i"], axis=-1)]
+    graph = helper.make_graph(nodes, "topk", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+                              [helper.make_tensor_value_info("v", TensorProto.FLOAT, [8, 7]),
+                               helper.make_tensor_value_info("i", TensorProto.INT64, [8, 7])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([7], np.int64), "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.round(rng.standard_normal((8, 16)), 0).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "a")
+    got = load(tmp_path / "a").run({"x": x})
+    np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["i"], want[1])
+    compile(model, distributed_config={"mesh_shape": [2]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "b")
+    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "b", c.rank, c).run({"x": x}))
+    for got in outs:
+        np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got["i"], want[1])
