@@ -3711,7 +3711,7 @@ def _topk(op) -> str | None:
              f"    int32_t* __restrict__ pos = static_cast<int32_t*>(sf_workspace(0, sizeof(int32_t) * {n}));",
              f"    for (int32_t j = 0; j < {n}; ++j) pos[j] = j;",
              f"    auto ahead = []({ct} a, {ct} b) {{ return {before}; }};  // value a goes before value b",
-             f"    auto first = [xr, ahead](int32_t p, int32_t q) {{  // position p goes before position q",
+             "    auto first = [xr, ahead](int32_t p, int32_t q) {  // position p goes before position q",
              f"      const {ct} a = xr[(int64_t)p * {inner}], b = xr[(int64_t)q * {inner}];",
              "      return ahead(a, b) || (!ahead(b, a) && p < q);",
              "    };",

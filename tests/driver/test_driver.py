@@ -323,7 +323,6 @@ def test_concatenations_in_place(tmp_path):
 def test_topk_model_on_one_and_two_cpu_ranks_matches_onnxruntime(tmp_path):
     """TopK (whose definition is an extern: only the cpu template sorts) after a projection, values and
     indices, with ties, on one rank and on two (the plan's choice) against onnxruntime."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -337,11 +336,12 @@ def test_topk_model_on_one_and_two_cpu_ranks_matches_onnxruntime(tmp_path):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     x = np.round(rng.standard_normal((8, 16)), 0).astype(np.float32)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "a")
+    cpu = {"target": "cpu"}
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config=cpu, out_dir=tmp_path / "a")
     got = load(tmp_path / "a").run({"x": x})
     np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got["i"], want[1])
-    compile(model, distributed_config={"mesh_shape": [2]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "b")
+    compile(model, distributed_config={"mesh_shape": [2]}, optimization_config=cpu, out_dir=tmp_path / "b")
     outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "b", c.rank, c).run({"x": x}))
     for got in outs:
         np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
