@@ -323,6 +323,13 @@ def _large():
         TopK([_t((3, 300, 5))], k=17, axis=1, largest=True),
         TopK([_t((20, 9), "int64")], k=9, axis=1, largest=False),
         TopK([_t((40, 3), "float64")], k=4, axis=0, largest=False),
+        # the blocked transpose (64 Ki elements or more): NCHW -> NHWC, NHWC -> NCHW with a batch, a matrix with
+        # partial tiles, and a size-1 dim between the blocks
+        Transpose([_t((1, 64, 40, 30))], perm=(0, 2, 3, 1)),
+        Transpose([_t((2, 20, 30, 70))], perm=(0, 3, 1, 2)),
+        Transpose([_t((300, 250))], perm=(1, 0)),
+        Transpose([_t((70, 1, 1000))], perm=(2, 1, 0)),
+        Transpose([_t((40, 50, 40))], perm=(1, 0, 2)),  # rows of 40 move whole: the generic nest
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -623,6 +630,10 @@ def test_scans_lrn_pads_and_einsums_use_their_templates():
     assert template_kind(CumSum([_t((4, 5), "float16")], axis=1, exclusive=False, reverse=False)) is None
     assert template_kind(Pad([_t((1, 2, 6, 7))], begin=(0, 0, 1, 1), end=(0, 0, 1, 1), mode="constant")) is None
     assert template_kind(Pad([_t((4, 6, 7))], begin=(1, 0, 0), end=(0, 0, 0), mode="edge")) is None
+    blocked = [op for _, op, _ in LARGE if op.op_type == "Transpose" and template_kind(op) == "Transpose"]
+    assert len(blocked) == 4
+    assert template_kind(Transpose([_t((4, 128, 12, 64))], perm=(0, 2, 1, 3))) is None  # rows of 64 move whole
+    assert template_kind(Transpose([_t((2, 64, 12, 32))], perm=(0, 2, 3, 1))) is None  # small: fuses in the nest
     einsums = [op for _, op, _ in LARGE if op.op_type == "Einsum"]
     assert len(einsums) == 7 and all(template_kind(op) == "Einsum" for op in einsums)
     # a label summed within one operand, a broadcast batch, two row labels, a batch label last: the nest

@@ -1,0 +1,120 @@
+"""CPU time of single ops without a GEMM or conv in them, against onnxruntime: a survey for ops whose
+generic lowering does more work than the op (rfcs/0002, session 25).
+
+Each case is one ONNX node, compiled for one cpu rank. Prints the kernel's time alone
+(``Program.profile``, 20 runs), our whole ``run()`` (its input and output copies included) and
+onnxruntime's whole call (same thread count; alternating blocks of 10 calls, the minimum of 5
+blocks), the ratios, and the largest difference of the first output.
+
+    OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_op_survey.py [CASE ...]    # default: every case
+
+(``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS threads otherwise spin beside the runs.)
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, numpy_helper
+from onnx import helper as oh
+
+from shardflow.compiler import compile
+from shardflow.runtime import load
+
+
+def _f32(name, shape):
+    return oh.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _i64(name, shape):
+    return oh.make_tensor_value_info(name, TensorProto.INT64, shape)
+
+
+def _const(name, value):
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _case(op, inputs, outputs, consts=(), **attrs):
+    """(model, input shapes): one ``op`` node reading ``inputs`` ({name: shape}) and constants."""
+    node = oh.make_node(op, list(inputs) + [c.name for c in consts], [o.name for o in outputs], **attrs)
+    graph = oh.make_graph([node], op, [_f32(n, s) for n, s in inputs.items()], outputs, list(consts))
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+    onnx.checker.check_model(model)
+    return model, inputs
+
+
+def cases(rng):
+    pads = _const("p", np.array([0, 0, 3, 3, 0, 0, 3, 3], np.int64))
+    img, padded = [1, 64, 128, 128], [1, 64, 134, 134]
+    return {
+        "instnorm_64_128": _case("InstanceNormalization", {"x": img}, [_f32("y", img)],
+                                 [_const("s", rng.standard_normal(64).astype(np.float32)),
+                                  _const("b", rng.standard_normal(64).astype(np.float32))], epsilon=1e-5),
+        "layernorm_512_768": _case("LayerNormalization", {"x": [512, 768]}, [_f32("y", [512, 768])],
+                                   [_const("s", rng.standard_normal(768).astype(np.float32)),
+                                    _const("b", rng.standard_normal(768).astype(np.float32))], axis=-1),
+        "softmax_12_512": _case("Softmax", {"x": [12, 512, 512]}, [_f32("y", [12, 512, 512])], axis=-1),
+        "pad_reflect": _case("Pad", {"x": img}, [_f32("y", padded)], [pads], mode="reflect"),
+        "pad_edge": _case("Pad", {"x": img}, [_f32("y", padded)], [pads], mode="edge"),
+        "pad_constant": _case("Pad", {"x": img}, [_f32("y", padded)], [pads], mode="constant"),
+        "reducemean_hw": _case("ReduceMean", {"x": [1, 256, 56, 56]}, [_f32("y", [1, 256, 1, 1])],
+                               [_const("a", np.array([2, 3], np.int64))], keepdims=1),
+        "reduce_l2": _case("ReduceL2", {"x": [512, 1024]}, [_f32("y", [512])], [_const("a", np.array([1], np.int64))],
+                           keepdims=0),
+        "argmax": _case("ArgMax", {"x": [512, 1024]}, [_i64("y", [512])], axis=1, keepdims=0),
+        "depth_to_space": _case("DepthToSpace", {"x": [1, 256, 64, 64]}, [_f32("y", [1, 64, 128, 128])], blocksize=2,
+                                mode="CRD"),
+        "cumsum": _case("CumSum", {"x": [64, 4096]}, [_f32("y", [64, 4096])], [_const("a", np.array(1, np.int64))]),
+        "gelu": _case("Gelu", {"x": [512, 3072]}, [_f32("y", [512, 3072])]),
+        "hardswish": _case("HardSwish", {"x": [1, 64, 112, 112]}, [_f32("y", [1, 64, 112, 112])]),
+        "topk_64": _case("TopK", {"x": [64, 4096]}, [_f32("y", [64, 64]), _i64("i", [64, 64])],
+                         [_const("k", np.array([64], np.int64))], axis=-1),
+        "tile": _case("Tile", {"x": [1, 64, 64, 64]}, [_f32("y", [2, 64, 128, 128])],
+                      [_const("r", np.array([2, 1, 2, 2], np.int64))]),
+        "transpose_nhwc": _case("Transpose", {"x": img}, [_f32("y", [1, 128, 128, 64])], perm=[0, 2, 3, 1]),
+        "einsum_bmm": _case("Einsum", {"x": [8, 128, 64], "w": [8, 64, 128]}, [_f32("y", [8, 128, 128])],
+                            equation="bij,bjk->bik"),
+    }
+
+
+def _calls(fn, blocks=5, per=10):
+    fn()
+    best = float("inf")
+    for _ in range(blocks):
+        t = time.perf_counter()
+        for _ in range(per):
+            fn()
+        best = min(best, (time.perf_counter() - t) / per * 1e3)
+    return best
+
+
+def main(only) -> None:
+    rng = np.random.default_rng(0)
+    work = tempfile.mkdtemp(prefix="sf-op-survey-")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    for name, (model, shapes) in cases(rng).items():
+        if only and name not in only:
+            continue
+        feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        out = f"{work}/{name}"
+        compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
+        prog = load(out)
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        first = model.graph.output[0].name
+        diff = float(np.abs(prog.run(feeds)[first] - sess.run(None, feeds)[0]).max())
+        kernel = sum(p["ms"] for p in prog.profile(feeds, repeat=20, warmup=3))
+        ours = theirs = float("inf")
+        for _ in range(2):  # alternate the engines
+            ours = min(ours, _calls(lambda: prog.run(feeds)))
+            theirs = min(theirs, _calls(lambda: sess.run(None, feeds)))
+        print(f"{name:20s} kernel {kernel:8.3f} ms  run {ours:8.3f} ms  onnxruntime {theirs:8.3f} ms  "
+              f"run/ort {ours / theirs:5.2f}  kernel/ort {kernel / theirs:5.2f}  max |diff| {diff:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
