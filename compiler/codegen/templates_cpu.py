@@ -3686,10 +3686,11 @@ def _topk(op) -> str | None:
     from .cpp import STORAGE_CTYPE
 
     x = op.inputs[0]
-    if len(op.inputs) != 1 or len(op.outputs) != 2 or x.dtype not in ("float32", "float64", "int32", "int64") \
+    if len(op.inputs) != 1 or len(op.outputs) != 2 or x.ndim == 0 \
+            or x.dtype not in ("float32", "float64", "int32", "int64") \
             or op.outputs[0].dtype != x.dtype or op.outputs[1].dtype != "int64":
         return None
-    k, axis, largest = int(op.attrs["k"]), int(op.attrs["axis"]), bool(op.attrs.get("largest", True))
+    k, axis, largest = int(op.attrs["k"]), int(op.attrs["axis"]) % x.ndim, bool(op.attrs.get("largest", True))
     n, outer, inner = x.shape[axis], _prod(x.shape[:axis]), _prod(x.shape[axis + 1:])
     if not 0 < k <= n or outer * inner == 0:
         return None
@@ -3787,9 +3788,9 @@ def _scan(op) -> str | None:
     from .cpp import STORAGE_CTYPE, literal
 
     x, y = op.inputs[0], op.outputs[0]
-    if x.dtype not in _SCAN_DTYPES or y.dtype != x.dtype or len(op.inputs) != 1:
+    if x.dtype not in _SCAN_DTYPES or y.dtype != x.dtype or len(op.inputs) != 1 or x.ndim == 0:
         return None
-    axis, excl, rev = int(op.attrs["axis"]), bool(op.attrs["exclusive"]), bool(op.attrs["reverse"])
+    axis, excl, rev = int(op.attrs["axis"]) % x.ndim, bool(op.attrs["exclusive"]), bool(op.attrs["reverse"])
     n, outer, inner = x.shape[axis], _prod(x.shape[:axis]), _prod(x.shape[axis + 1:])
     if n * outer * inner == 0:
         return None

@@ -630,6 +630,11 @@ def test_scans_lrn_pads_and_einsums_use_their_templates():
     assert template_kind(CumSum([_t((4, 5), "float16")], axis=1, exclusive=False, reverse=False)) is None
     assert template_kind(Pad([_t((1, 2, 6, 7))], begin=(0, 0, 1, 1), end=(0, 0, 1, 1), mode="constant")) is None
     assert template_kind(Pad([_t((4, 6, 7))], begin=(1, 0, 0), end=(0, 0, 0), mode="edge")) is None
+    from shardflow.compiler.codegen.templates_cpu import template_body
+    for neg, pos in ((TopK([_t((5, 300))], k=3, axis=-1), TopK([_t((5, 300))], k=3, axis=1)),
+                     (CumSum([_t((5, 30, 4))], axis=-2, exclusive=False, reverse=False),
+                      CumSum([_t((5, 30, 4))], axis=1, exclusive=False, reverse=False))):
+        assert template_body(neg) == template_body(pos)  # a negative axis counts from the end
     blocked = [op for _, op, _ in LARGE if op.op_type == "Transpose" and template_kind(op) == "Transpose"]
     assert len(blocked) == 4
     assert template_kind(Transpose([_t((4, 128, 12, 64))], perm=(0, 2, 1, 3))) is None  # rows of 64 move whole
