@@ -3681,8 +3681,8 @@ def _topk(op) -> str | None:
     """TopK (the op's definition is an extern: no loop nest sorts): per row along ``axis``, the
     positions ordered by value (descending for ``largest``, NaN first, as numpy's stable argsort of
     the reversed axis gives; ascending otherwise, NaN last), equal values by lower position, and the
-    first k of them (``std::partial_sort``) written with their int64 positions. Rows in parallel,
-    each copied to a buffer of (value, position) first when the axis is not the last."""
+    first k of them (``std::partial_sort`` of a position buffer; values read through the axis's
+    stride) written with their int64 positions. Rows in parallel."""
     from .cpp import STORAGE_CTYPE
 
     x = op.inputs[0]

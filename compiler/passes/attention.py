@@ -295,6 +295,7 @@ class HalfAttentionInFloat32(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.elementwise import CastOp
+        from .precision import mixed_attention_attrs
 
         changed = 0
         nodes: list[Operator] = []
@@ -314,9 +315,8 @@ class HalfAttentionInFloat32(GraphPass):
                 else:
                     nodes.append(CastOp([m], name=f"{op.name}.mask.float32", to="float32"))
                     inputs[3] = nodes[-1].outputs[0]
-            mixed = type(op)(inputs, name=f"{op.name}.float32",
-                             **{**a, "acc_dtype": "float32", "probs_dtype": half, "softmax_dtype": None,
-                                "scale": a.get("scale", a.get("scale_sqrt", 1.0) ** 2)})
+            attrs = {**mixed_attention_attrs(a, half), "softmax_dtype": None}  # (a float32 softmax: the same)
+            mixed = type(op)(inputs, name=f"{op.name}.float32", **attrs)
             out = op.outputs[0]
             if mixed.outputs[0].shape != out.shape:
                 raise ShardflowError(f"node {op.name}: its float32 form has the output shape "

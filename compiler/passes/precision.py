@@ -36,12 +36,19 @@ from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass
 
-__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS"]
+__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs"]
 
 log = logging.getLogger(__name__)
 
 #: The operands (by input index) of each contraction that are rounded; the others (biases) stay.
 HALF_OPERANDS = {"MatMul": (0, 1), "Gemm": (0, 1), "Conv": (0, 1), "ConvTranspose": (0, 1), "Einsum": None}
+
+
+def mixed_attention_attrs(attrs: dict, half: str) -> dict:
+    """The attributes of an ``Attention`` op's mixed-precision form (half Q, K, V; float32 scores,
+    softmax and output; probabilities rounded to ``half``): the scale applied after the sum."""
+    return {**attrs, "acc_dtype": "float32", "probs_dtype": half,
+            "scale": attrs.get("scale", attrs.get("scale_sqrt", 1.0) ** 2)}
 
 
 def _half_dtype(name: str):
@@ -137,9 +144,7 @@ class HalfPrecisionContractions(GraphPass):
         for k in range(3):
             t = inputs[k]
             inputs[k] = self._half_const(t) if t.is_constant else self._half(op, k, t, nodes, dropped)
-        a = op.attrs
-        mixed = type(op)(inputs, name=op.name, **{**a, "acc_dtype": "float32", "probs_dtype": self.dtype,
-                                                   "scale": a.get("scale", a.get("scale_sqrt", 1.0) ** 2)})
+        mixed = type(op)(inputs, name=op.name, **mixed_attention_attrs(op.attrs, self.dtype))
         if [(t.shape, t.dtype) for t in mixed.outputs] != [(t.shape, t.dtype) for t in op.outputs]:
             raise ShardflowError(f"node {op.name}: the mixed-precision Attention changes the outputs "
                                  f"{[t.shape for t in op.outputs]}; this is a bug")
