@@ -107,8 +107,10 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGES),
     package_dir=PACKAGES,
-    # the native sources travel with the package: shardflow.runtime.native can rebuild the library
-    package_data={"shardflow.runtime.native": ["CMakeLists.txt", "include/shardflow/*.h", "src/*.cpp"]},
+    # the native sources travel with the package: shardflow.runtime.native can rebuild the library;
+    # the cpu code generator puts its kernel library's C++ (cpu_library/) into every source it writes
+    package_data={"shardflow.runtime.native": ["CMakeLists.txt", "include/shardflow/*.h", "src/*.cpp"],
+                  "shardflow.compiler.codegen": ["cpu_library/*.h", "cpu_library/README.md"]},
     install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7,<4"],
     extras_require={
         # torch/transformers export test models on the fly (tests and benchmarks only, never at runtime)

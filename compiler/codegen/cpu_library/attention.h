@@ -1,0 +1,133 @@
+// ---- Attention (ONNX Attention, float32) ----------------------------------------------------------
+namespace {
+
+// softmax(c^2 Q K^T [softcapped] + bias) V per batch and query head, a block of query rows at a time: the
+// scores of the block's keys by the GEMM into a [rows][keys] workspace, the rows' softmax there, then their
+// output rows by a second GEMM. Keys that no row of the block may see (causal, windows, nonpad_kv_seqlen,
+// a mask with fewer keys) are left out of both GEMMs. Blocks are the threads' tasks (each GEMM on one
+// thread), taken dynamically: causal blocks grow with their rows.
+struct SfAttn {
+  int64_t B, Hq, Hk, S, L, D, Dv;
+  int64_t qs[3], ks[3], vs[3], ys[3];  // element strides of (batch, head, row); a row's elements are contiguous
+  float c2, cap;                       // the scale of the sums (scale_sqrt squared); softcap, 0 for none
+  bool causal;
+  int64_t past, left, right;           // causal offset without nonpad (past_len); windows, -1 = unbounded
+  int mkind;                           // mask: 0 none, 1 float (added), 2 bool (false excludes the key)
+  int64_t ms[3], mlen;                 // the mask's strides along (batch, head, row), 0 = broadcast; its key
+                                       // count (its keys are contiguous)
+  bool nonpad;                         // nonpad_kv_seqlen given: keys j < nonpad[b]; offset nonpad[b] - S
+};
+
+// the keys [lo, hi) row i may see before the mask's values (lo >= hi: none)
+static inline void sf_attn_range(const SfAttn& a, int64_t i, int64_t off, int64_t npb, int64_t& lo, int64_t& hi) {
+  lo = 0; hi = a.L;
+  if (a.mkind) hi = std::min(hi, a.mlen);
+  if (npb >= 0) hi = std::min(hi, npb);
+  if (a.causal) hi = std::min(hi, i + off + 1);
+  if (a.right >= 0) hi = std::min(hi, i + off + a.right + 1);
+  if (a.left >= 0) lo = std::max(lo, i + off - a.left);
+}
+
+// one row of scores s[c0 .. c1) (key j at s[j - c0]) into probabilities, 0 outside the row's keys; the row is
+// 0 where every key is excluded (the mask's values -inf included), as ONNX's reference computes; a NaN anywhere
+// makes the row NaN (through the sum). Each step is its own loop, the reductions `omp simd` (vectorized).
+SF_CLONES
+static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t lo, int64_t hi, const SfAttn& a,
+                        const float* __restrict__ fm, const uint8_t* __restrict__ bm) {
+  float* __restrict__ r = s - c0;
+  lo = std::max(lo, c0); hi = std::min(hi, c1);
+  for (int64_t j = c0; j < std::min(lo, c1); ++j) r[j] = 0.0f;
+  for (int64_t j = std::max(hi, lo); j < c1; ++j) r[j] = 0.0f;
+  if (lo >= hi) return;
+  const float ninf = -std::numeric_limits<float>::infinity(), c2 = a.c2, cap = a.cap;
+  if (cap > 0.0f) {
+    const float inv = 1.0f / cap;
+    for (int64_t j = lo; j < hi; ++j) r[j] = sf_tanh(r[j] * c2 * inv) * cap;
+  } else {
+    for (int64_t j = lo; j < hi; ++j) r[j] *= c2;
+  }
+  bool nan = false, keep = true;  // keep: some key is left (the mask's values are not all -inf)
+  if (a.mkind == 1) {
+    float bmax = ninf;
+    #pragma omp simd reduction(max:bmax) reduction(|:nan)
+    for (int64_t j = lo; j < hi; ++j) {
+      const float b = fm[j];
+      nan |= b != b;
+      bmax = b > bmax ? b : bmax;
+      r[j] += b;
+    }
+    keep = nan || bmax != ninf;
+  } else if (a.mkind == 2) {
+    int any = 0;
+    #pragma omp simd reduction(|:any)
+    for (int64_t j = lo; j < hi; ++j) {
+      any |= bm[j];
+      r[j] = bm[j] ? r[j] : ninf;
+    }
+    keep = any != 0;
+  }
+  if (!keep) {
+    for (int64_t j = lo; j < hi; ++j) r[j] = 0.0f;
+    return;
+  }
+  float m = ninf;
+  #pragma omp simd reduction(max:m)
+  for (int64_t j = lo; j < hi; ++j) m = r[j] > m ? r[j] : m;
+  float sum = 0.0f;
+  #pragma omp simd reduction(+:sum)
+  for (int64_t j = lo; j < hi; ++j) {
+    const float e = r[j] == ninf ? 0.0f : sf_exp(r[j] - m);
+    r[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t j = lo; j < hi; ++j) r[j] *= inv;
+}
+
+static void sf_attention(const float* q, const float* k, const float* v, const void* mask, const int64_t* nonpad,
+                         float* y, const SfAttn& a) {
+  if (a.B <= 0 || a.Hq <= 0 || a.S <= 0 || a.Dv <= 0) return;
+  const int64_t rep = a.Hq / a.Hk;
+  // rows per block: the block's scores stay near 1 MB (at most 64 rows, at least 8)
+  const int64_t R = std::max<int64_t>(8, std::min<int64_t>(64, 262144 / std::max<int64_t>(a.L, 1)));
+  const int64_t nblk = (a.S + R - 1) / R, tasks = a.B * a.Hq * nblk;
+  const int nt = (double)a.B * a.Hq * a.S * a.L * (a.D + a.Dv) >= 262144.0 ? sf_max_threads() : 1;
+  const float* fm = a.mkind == 1 ? static_cast<const float*>(mask) : nullptr;
+  const uint8_t* bm = a.mkind == 2 ? static_cast<const uint8_t*>(mask) : nullptr;
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t blk = t % nblk, h = (t / nblk) % a.Hq, b = t / (nblk * a.Hq), hk = h / rep;
+    const int64_t i0 = blk * R, rows = std::min(R, a.S - i0);
+    const int64_t npb = a.nonpad ? nonpad[b] : -1;
+    const int64_t off = a.nonpad && a.past == 0 ? npb - a.S : a.past;
+    float* yb = y + b * a.ys[0] + h * a.ys[1] + i0 * a.ys[2];
+    // the keys [c0, c1) some row of the block may see
+    int64_t c0 = a.L, c1 = 0;
+    for (int64_t i = i0; i < i0 + rows; ++i) {
+      int64_t lo, hi;
+      sf_attn_range(a, i, off, npb, lo, hi);
+      if (lo < hi) { c0 = std::min(c0, lo); c1 = std::max(c1, hi); }
+    }
+    if (c0 >= c1) {  // no row sees a key: the block's output is 0
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t e = 0; e < a.Dv; ++e) yb[r * a.ys[2] + e] = 0.0f;
+      continue;
+    }
+    const int64_t n = c1 - c0;
+    float* sc = static_cast<float*>(sf_workspace(0, sizeof(float) * rows * n));
+    const float* qb = q + b * a.qs[0] + h * a.qs[1] + i0 * a.qs[2];
+    const float* kb = k + b * a.ks[0] + hk * a.ks[1] + c0 * a.ks[2];
+    const float* vb = v + b * a.vs[0] + hk * a.vs[1] + c0 * a.vs[2];
+    sf_sgemm(rows, n, a.D, qb, a.qs[2], 1, kb, 1, a.ks[2], sc, n, 1.0f, nullptr, 0, 0, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      int64_t lo, hi;
+      sf_attn_range(a, i, off, npb, lo, hi);
+      const int64_t mo = b * a.ms[0] + h * a.ms[1] + i * a.ms[2];
+      sf_attn_row(sc + r * n, c0, c1, lo, hi, a, fm ? fm + mo : nullptr, bm ? bm + mo : nullptr);
+    }
+    sf_sgemm(rows, a.Dv, n, sc, n, 1, vb, a.vs[2], 1, yb, a.ys[2], 1.0f, nullptr, 0, 0, false);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,849 @@
+// ---- Convolution: the weights read in place ------------------------------------------------------
+namespace {
+
+// A conv is a GEMM per image and group, y[OCG, OH*OW] = w[OCG, K] @ im2col(x) with K = C*KH*KW. Its A,
+// the weights, is read where it lies by these micro-kernels (one weight broadcast per row and k), so
+// weights are never packed (packing them cost more than the products for small images). B, the im2col
+// matrix, is packed per tile into panels of VL*nv columns, [kc][VL*nv]. A kernel computes an MR x (VL*nv)
+// block of C, MR = 1..mr and nv = 1..nv_max chosen at the call, so row and column remainders cost no
+// padding work; the last nr columns (nr <= VL*nv) and MR rows are stored.
+// The im2col matrix of one image (and group) of a 2-D convolution,
+// B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
+// is packed panel by panel from the image; a padded image is first copied into a zero-bordered buffer,
+// so that every row of B is a few plain copies of input row pieces.
+struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
+
+// floats a buffer of packed conv panels has past its end: a pack may store whole vectors past a row's
+// last column (the AVX2 one, below)
+constexpr int64_t SF_PACK_SLACK = 16;
+
+// Rows [k0, k0 + kc) and columns [j0, j0 + cols) of the im2col matrix into Bp as [kc][nr] (zero past cols).
+// xp: the image, [C][Hp][Wp] with the padding already in it (no bounds to check); row k of B starts at
+// xp + koff[k] (its tap at output pixel (0, 0)).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_pack_b_conv(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                           const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
+                           int64_t kc, float* __restrict__ Bp) {
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  if ((sw != 1 || g.OW < 16) && nr <= 64) {
+    // short or strided row pieces: one gather per row of B, from the offsets of the columns' first tap
+    int32_t idx[64];
+    for (int64_t j = 0, oh = oh0, ow = ow0; j < cols; ++j) {
+      idx[j] = (int32_t)(oh * rstep + ow * sw);
+      if (++ow == g.OW) { ow = 0; ++oh; }
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + koff[k0 + k];
+      float* dst = Bp + k * nr;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = base[idx[j]];
+      for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + koff[k0 + k];
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;  // input row of output row oh0 at tap (kh, kw)
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      if (sw == 1) { for (int64_t t = 0; t < seg; ++t) d[t] = src[t]; }
+      else { for (int64_t t = 0; t < seg; ++t) d[t] = src[t * sw]; }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+  }
+}
+
+#if defined(__x86_64__)
+// The same with vectors. Long unit-stride row pieces: masked loads and stores of up to 16 (8) columns
+// (AVX2: whole-vector stores, see there).
+// Short or strided ones: one gather per 16 (8) columns of a row of B, from the offsets of the columns'
+// first tap (the same for every row; the columns past cols are masked off, i.e. zero).
+__attribute__((target("avx512f")))
+static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                                  const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
+                                  int64_t kc, float* __restrict__ Bp) {
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  if ((sw != 1 || g.OW < 16) && nr <= 64) {
+    // per group of 16 columns: their offsets o[t] (increasing) from the first one; when they span at most
+    // 32 floats, two masked loads and a two-register permute make the group, else a gather
+    int64_t off[4];
+    __m512i perm[4];
+    __mmask16 m0[4], m1[4], mc[4];
+    bool gather[4];
+    const int64_t nv = nr / 16;
+    for (int64_t v = 0, j = 0, oh = oh0, ow = ow0; v < nv; ++v) {
+      alignas(64) int32_t o[16] = {};
+      const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, cols - 16 * v));
+      int64_t first = 0, last = 0;
+      for (int64_t t = 0; t < n; ++t, ++j) {
+        const int64_t pos = oh * rstep + ow * sw;
+        if (t == 0) first = pos;
+        last = pos;
+        o[t] = (int32_t)(pos - first);
+        if (++ow == g.OW) { ow = 0; ++oh; }
+      }
+      const int64_t span = n ? last - first + 1 : 0;
+      off[v] = first;
+      perm[v] = _mm512_load_si512(o);
+      gather[v] = span > 32;
+      m0[v] = span >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << span) - 1u);
+      m1[v] = span <= 16 ? (__mmask16)0 : (span >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (span - 16)) - 1u));
+      mc[v] = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    }
+    // groups 0 and 1 with their masks and permutes in registers (nr <= 32 for the 12 x 32 kernels)
+    const int64_t w1 = nv > 1 ? 1 : 0;
+    const __mmask16 a0 = m0[0], a1 = m1[0], ac = mc[0], b0 = m0[w1], b1 = m1[w1], bc = mc[w1];
+    const __m512i pa = perm[0], pb = perm[w1];
+    const int64_t oa = off[0], ob = off[w1];
+    const bool ga = gather[0], gb = gather[w1];
+#define SF_GROUP(SRC, M0, M1, MC, PERM, G, DST)                                                         \
+    if (G) {                                                                                           \
+      _mm512_store_ps(DST, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), MC, PERM, SRC, 4));            \
+    } else {                                                                                           \
+      const __m512 lo = _mm512_maskz_loadu_ps(M0, SRC), hi = _mm512_maskz_loadu_ps(M1, (SRC) + 16);     \
+      _mm512_store_ps(DST, _mm512_maskz_permutex2var_ps(MC, lo, PERM, hi));                             \
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + koff[k0 + k];
+      float* dst = Bp + k * nr;
+      SF_GROUP(base + oa, a0, a1, ac, pa, ga, dst)
+      if (nv > 1) { SF_GROUP(base + ob, b0, b1, bc, pb, gb, dst + 16) }
+      for (int64_t v = 2; v < nv; ++v) {
+        SF_GROUP(base + off[v], m0[v], m1[v], mc[v], perm[v], gather[v], dst + 16 * v)
+      }
+    }
+#undef SF_GROUP
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + koff[k0 + k];
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      for (int64_t t = 0; t < seg; t += 16) {
+        const int64_t n = std::min<int64_t>(16, seg - t);
+        const __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+        if (sw == 1) _mm512_mask_storeu_ps(d + t, m, _mm512_maskz_loadu_ps(m, src + t));
+        else for (int64_t u = 0; u < n; ++u) d[t + u] = src[(t + u) * sw];
+      }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; t += 16) {
+      const int64_t n = std::min<int64_t>(16, nr - t);
+      _mm512_mask_storeu_ps(dst + t, n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u), _mm512_setzero_ps());
+    }
+  }
+}
+
+__attribute__((target("avx2,fma")))
+static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                                const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
+                                int64_t kc, float* __restrict__ Bp) {
+  const int64_t oh0 = j0 / g.OW, ow0 = j0 % g.OW, sw = g.SW, rstep = g.SH * Wp;
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if ((sw != 1 || g.OW < 8) && nr <= 64 && Hp * Wp * g.C < (int64_t(1) << 31)) {
+    alignas(32) int32_t idx[64];
+    for (int64_t j = 0, oh = oh0, ow = ow0; j < nr; ++j) {
+      idx[j] = j < cols ? (int32_t)(oh * rstep + ow * sw) : 0;
+      if (++ow == g.OW) { ow = 0; ++oh; }
+    }
+    const int64_t nv = nr / 8;
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* base = xp + koff[k0 + k];
+      float* dst = Bp + k * nr;
+      for (int64_t v = 0; v < nv; ++v) {
+        const int n = (int)std::min<int64_t>(8, std::max<int64_t>(0, cols - 8 * v));
+        const __m256 m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota));
+        const __m256i iv = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8 * v));
+        _mm256_store_ps(dst + 8 * v, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, iv, m, 4));
+      }
+    }
+    return;
+  }
+  // unit stride: whole-vector stores, also past a row piece's end (up to 7 floats past column nr of row
+  // k, i.e. into the next row or panel, which is packed later, or the buffer's SF_PACK_SLACK); AMD's
+  // masked stores are slow (measured on Zen 3: 70% of this function's time, 21% of a 3x3 conv at 14x14).
+  // Loads are whole vectors too, except (masked) where 8 floats would pass the end of the image.
+  const float* xend = xp + g.C * Hp * Wp;
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* base = xp + koff[k0 + k];
+    float* dst = Bp + k * nr;
+    const float* row = base + oh0 * rstep;
+    for (int64_t j = 0, ow = ow0; j < cols; ow = 0, row += rstep) {
+      const int64_t seg = std::min(cols - j, g.OW - ow);
+      const float* src = row + ow * sw;
+      float* d = dst + j;
+      for (int64_t t = 0; t < seg; t += 8) {
+        if (sw != 1) {
+          for (int64_t u = 0; u < std::min<int64_t>(8, seg - t); ++u) d[t + u] = src[(t + u) * sw];
+        } else if (src + t + 8 <= xend) {
+          _mm256_storeu_ps(d + t, _mm256_loadu_ps(src + t));
+        } else {
+          const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, seg - t)), iota);
+          _mm256_storeu_ps(d + t, _mm256_maskload_ps(src + t, m));
+        }
+      }
+      j += seg;
+    }
+    for (int64_t t = cols; t < nr; ++t) dst[t] = 0.0f;
+  }
+}
+#endif
+
+typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
+                         const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc,
+                         float* __restrict__ Bp);
+
+// The clamp a conv's kernels apply as they store its output, when on: min(max(v, lo), hi) (a fused Relu:
+// [0, inf); a fused Clip: its bounds, ReLU6's [0, 6]). A NaN stays NaN, as in Relu and Clip: max and min
+// return v when it is NaN (std::max(v, lo), and _mm*_max_ps(lo, v) whose second operand is v).
+struct SfClamp { bool on; float lo, hi; };
+
+static inline float sf_clamp(float v, const SfClamp& k) { return k.on ? std::min(std::max(v, k.lo), k.hi) : v; }
+
+// The finish of a conv's output block that the kernels apply as they store its last K block: + bias[i]
+// of row i (bias null: none), + res[i * ldc + j] (the residual, laid out as C; null: none), then the
+// clamp. One per kernel call, its pointers at the call's first row and column.
+struct SfFin { const float* bias; const float* res; SfClamp clamp; };
+
+typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                         float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin);
+
+// v + *r (r optional), then clamped: a conv output finished
+static inline float sf_fin1(float v, const float* r, const SfClamp& k) {
+  if (r) v += *r;
+  return sf_clamp(v, k);
+}
+
+#if defined(__x86_64__)
+// sf_clamp of 16 and 8 lanes
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 sf_clamp16(__m512 v, const SfClamp& k) {
+  return _mm512_min_ps(_mm512_set1_ps(k.hi), _mm512_max_ps(_mm512_set1_ps(k.lo), v));
+}
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 sf_clamp8(__m256 v, const SfClamp& k) {
+  return _mm256_min_ps(_mm256_set1_ps(k.hi), _mm256_max_ps(_mm256_set1_ps(k.lo), v));
+}
+#endif
+
+// row i of a kernel's block, t[0..nr), into c (added to it unless first), finished by fin
+static inline void sf_store_row(const float* t, float* __restrict__ c, int64_t nr, bool first, const SfFin* fin,
+                                int i, int64_t ldc) {
+  const float* b = fin && fin->bias ? fin->bias + i : nullptr;
+  const float* r = fin && fin->res ? fin->res + i * ldc : nullptr;
+  const SfClamp k = fin ? fin->clamp : SfClamp{};
+  for (int64_t j = 0; j < nr; ++j) {
+    float v = first ? t[j] : c[j] + t[j];
+    if (b) v += *b;
+    c[j] = sf_fin1(v, r ? r + j : nullptr, k);
+  }
+}
+
+// the lines of rows [0, MR) x [0, width) of p (row stride ld) asked for, so that a kernel's residual
+// arrives while it multiplies (read at the block's store, it stalled on every call)
+template <int MR>
+static inline void sf_prefetch_rows(const float* p, int64_t ld, int64_t width) {
+  #pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+    __builtin_prefetch(p + i * ld);
+    __builtin_prefetch(p + i * ld + width - 1);
+  }
+}
+
+#if defined(__x86_64__)
+// C[MR][nr] (+)= the accumulators (nr <= 16 * NV), finished by fin, for the AVX-512 conv kernels
+template <int MR, int NV>
+__attribute__((target("avx512f"), always_inline))
+static inline void sf_cukr_store_avx512(const __m512 (&acc)[MR][NV], float* __restrict__ C, int64_t ldc, int64_t nr,
+                                        bool first, const SfFin* fin) {
+  #pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int64_t rem = nr - 16 * v;
+    const __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (rem > 0 ? (__mmask16)((1u << rem) - 1u) : (__mmask16)0);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      float* c = C + i * ldc + 16 * v;
+      __m512 r = acc[i][v];
+      if (!first) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, c));
+      if (fin) {
+        if (fin->bias) r = _mm512_add_ps(r, _mm512_set1_ps(fin->bias[i]));
+        if (fin->res) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
+        if (fin->clamp.on) r = sf_clamp16(r, fin->clamp);
+      }
+      _mm512_mask_storeu_ps(c, m, r);
+    }
+  }
+}
+
+template <int MR, int NV>
+__attribute__((target("avx512f")))
+static void sf_cukr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                           float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin) {
+  if (fin && fin->res) sf_prefetch_rows<MR>(fin->res, ldc, 16 * NV);
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(Bp + k * (16 * NV) + 16 * v);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(A[i * lda + k]);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, b[v], acc[i][v]);
+    }
+  }
+  sf_cukr_store_avx512<MR, NV>(acc, C, ldc, nr, first, fin);
+}
+
+// as sf_cukr_avx512 with B read from the image (xb + off[k], nr <= 16 * NV consecutive floats per k)
+template <int MR, int NV, bool TAIL>
+__attribute__((target("avx512f")))
+static void sf_dkr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ xb,
+                          const int32_t* __restrict__ off, float* __restrict__ C, int64_t ldc, int64_t nr, bool first,
+                          const SfFin* fin) {
+  if (fin && fin->res) sf_prefetch_rows<MR>(fin->res, ldc, 16 * NV);
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const int64_t rem = nr - 16 * (NV - 1);  // the last vector's columns, 1..16
+  const __mmask16 tail = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* src = xb + off[k];
+    __m512 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      b[v] = TAIL && v == NV - 1 ? _mm512_maskz_loadu_ps(tail, src + 16 * v) : _mm512_loadu_ps(src + 16 * v);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(A[i * lda + k]);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, b[v], acc[i][v]);
+    }
+  }
+  sf_cukr_store_avx512<MR, NV>(acc, C, ldc, nr, first, fin);
+}
+
+// C[MR][nr] (+)= the accumulators (nr <= 8 * NV), for the AVX2 conv kernels below
+template <int MR, int NV>
+__attribute__((target("avx2,fma"), always_inline))
+static inline void sf_cukr_store_avx2(const __m256 (&acc)[MR][NV], float* __restrict__ C, int64_t ldc, int64_t nr,
+                                      bool first, const SfFin* fin) {
+  if (nr == 8 * NV) {
+    #pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        float* c = C + i * ldc + 8 * v;
+        __m256 r = acc[i][v];
+        if (!first) r = _mm256_add_ps(r, _mm256_loadu_ps(c));
+        if (fin) {
+          if (fin->bias) r = _mm256_add_ps(r, _mm256_broadcast_ss(fin->bias + i));
+          if (fin->res) r = _mm256_add_ps(r, _mm256_loadu_ps(fin->res + i * ldc + 8 * v));
+          if (fin->clamp.on) r = sf_clamp8(r, fin->clamp);
+        }
+        _mm256_storeu_ps(c, r);
+      }
+    return;
+  }
+  // every index of acc a constant (unrolled), else GCC keeps acc in memory and stores all of it on
+  // every k step of the caller's loop (measured: a 3x3 conv 3.5x slower)
+  alignas(32) float t[MR][8 * NV];
+  #pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(t[i] + 8 * v, acc[i][v]);
+  for (int i = 0; i < MR; ++i) sf_store_row(t[i], C + i * ldc, nr, first, fin, i, ldc);
+}
+
+template <int MR, int NV>
+__attribute__((target("avx2,fma")))
+static void sf_cukr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                         float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin) {
+  if (fin && fin->res) sf_prefetch_rows<MR>(fin->res, ldc, 8 * NV);
+  __m256 acc[MR][NV];
+  #pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm256_load_ps(Bp + k * (8 * NV) + 8 * v);
+    #pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(A + i * lda + k);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, b[v], acc[i][v]);
+    }
+  }
+  sf_cukr_store_avx2<MR, NV>(acc, C, ldc, nr, first, fin);
+}
+
+// The same with B read from the image where it lies (a conv of horizontal stride 1): row k of the
+// panel is the nr consecutive pixels at xb + off[k] (off[k]: the offset of tap k, i.e. of channel c at
+// (kh, kw)). TAIL: nr < 8 * NV, the last vector's load is masked (never reads past the image).
+template <int MR, int NV, bool TAIL>
+__attribute__((target("avx2,fma")))
+static void sf_dkr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ xb,
+                        const int32_t* __restrict__ off, float* __restrict__ C, int64_t ldc, int64_t nr, bool first,
+                        const SfFin* fin) {
+  if (fin && fin->res) sf_prefetch_rows<MR>(fin->res, ldc, 8 * NV);
+  __m256 acc[MR][NV];
+  #pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nr - 8 * (NV - 1))),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* src = xb + off[k];
+    __m256 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      b[v] = TAIL && v == NV - 1 ? _mm256_maskload_ps(src + 8 * v, tail) : _mm256_loadu_ps(src + 8 * v);
+    #pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(A + i * lda + k);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, b[v], acc[i][v]);
+    }
+  }
+  sf_cukr_store_avx2<MR, NV>(acc, C, ldc, nr, first, fin);
+}
+#endif
+
+template <int MR>
+static void sf_cukr_generic(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
+                            float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin) {
+  float t[MR][8] = {};
+  for (int64_t k = 0; k < kc; ++k)
+    for (int i = 0; i < MR; ++i) {
+      const float a = A[i * lda + k];
+      for (int j = 0; j < 8; ++j) t[i][j] += a * Bp[8 * k + j];
+    }
+  for (int i = 0; i < MR; ++i) sf_store_row(t[i], C + i * ldc, nr, first, fin, i, ldc);
+}
+
+typedef void (*SfDkrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ xb,
+                        const int32_t* __restrict__ off, float* __restrict__ C, int64_t ldc, int64_t nr, bool first,
+                        const SfFin* fin);
+
+// fn[MR - 1][nv - 1]: an MR x (vl * nv) kernel on packed panels; dfn[MR - 1][nv - 1][tail]: the same
+// reading B from the image (null where the ISA has none: those convs pack). Rows per call: mr, or mr1
+// for one-vector panels (AVX2: 12 x 8, whose 12 independent sums hide the FMA latency; measured on
+// Zen 3, a 1-column panel of a 3x3 conv at 7x7 took 30% less time than with 6 x 8)
+struct SfCukr { SfCukrFn fn[12][2]; SfDkrFn dfn[12][2][2]; SfPackFn pack; int64_t mr, mr1, nv, vl; };
+
+static SfCukr sf_pick_cukr() {
+  SfCukr u = {};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+  bool allow512 = !force || std::strcmp(force, "avx512") == 0;
+  bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("avx512f")) {
+#define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;                 \
+    u.dfn[r - 1][0][0] = sf_dkr_avx512<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx512<r, 1, true>;             \
+    u.dfn[r - 1][1][0] = sf_dkr_avx512<r, 2, false>; u.dfn[r - 1][1][1] = sf_dkr_avx512<r, 2, true>;
+    SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K(7) SF_K(8) SF_K(9) SF_K(10) SF_K(11) SF_K(12)
+#undef SF_K
+    u.pack = sf_pack_b_conv_avx512;
+    u.mr = u.mr1 = 12; u.nv = 2; u.vl = 16;
+    return u;
+  }
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+#define SF_K1(r) u.fn[r - 1][0] = sf_cukr_avx2<r, 1>;                                                        \
+    u.dfn[r - 1][0][0] = sf_dkr_avx2<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx2<r, 1, true>;
+#define SF_K(r) SF_K1(r) u.fn[r - 1][1] = sf_cukr_avx2<r, 2>;                                                   \
+    u.dfn[r - 1][1][0] = sf_dkr_avx2<r, 2, false>; u.dfn[r - 1][1][1] = sf_dkr_avx2<r, 2, true>;
+    SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K1(7) SF_K1(8) SF_K1(9) SF_K1(10) SF_K1(11) SF_K1(12)
+#undef SF_K
+#undef SF_K1
+    u.pack = sf_pack_b_conv_avx2;
+    u.mr = 6; u.mr1 = 12; u.nv = 2; u.vl = 8;
+    return u;
+  }
+#endif
+  u.fn[0][0] = sf_cukr_generic<1>; u.fn[1][0] = sf_cukr_generic<2>;
+  u.fn[2][0] = sf_cukr_generic<3>; u.fn[3][0] = sf_cukr_generic<4>;
+  u.pack = sf_pack_b_conv;
+  u.mr = u.mr1 = 4; u.nv = 1; u.vl = 8;
+  return u;
+}
+static const SfCukr& sf_cukr() { static const SfCukr u = sf_pick_cukr(); return u; }
+
+// dst[Hp][Wp] = src[H][W] at (pt, pl), zero around it (no library calls for the short rows)
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_pad_plane(const float* __restrict__ src, int64_t H, int64_t W, int64_t pt, int64_t pl, int64_t Hp,
+                         int64_t Wp, float* __restrict__ dst) {
+  for (int64_t i = 0; i < pt * Wp; ++i) dst[i] = 0.0f;
+  for (int64_t r = 0; r < H; ++r) {
+    float* d = dst + (pt + r) * Wp;
+    const float* s = src + r * W;
+    for (int64_t c = 0; c < pl; ++c) d[c] = 0.0f;
+    for (int64_t c = 0; c < W; ++c) d[pl + c] = s[c];
+    for (int64_t c = pl + W; c < Wp; ++c) d[c] = 0.0f;
+  }
+  for (int64_t i = (pt + H) * Wp; i < Hp * Wp; ++i) dst[i] = 0.0f;
+}
+
+// The SH x SW phases of one channel of a strided conv's padded image, each [Hh][Wh]: phase (a, b) holds
+// xp[i * SH + a][j * SW + b], where xp is src[H][W] placed at (pt, pl) in zeros (0 past its end too). Tap
+// (kh, kw) of output pixel (oh, ow) is xp[oh * SH + kh * DH][ow * SW + kw * DW], i.e. pixel (oh + q, ow + r)
+// of phase ((kh * DH) % SH, (kw * DW) % SW) with q = kh * DH / SH, r = kw * DW / SW: unit stride in ow.
+// t: scratch of SW * Wh floats (a padded input row).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void sf_phase_planes(const float* __restrict__ src, int64_t H, int64_t W, int64_t pt, int64_t pl, int64_t SH,
+                            int64_t SW, int64_t Hh, int64_t Wh, float* __restrict__ dst, float* __restrict__ t) {
+  const int64_t Wt = SW * Wh, n = std::max<int64_t>(0, std::min(W, Wt - pl));  // the row's floats inside t
+  for (int64_t c = 0; c < Wt; ++c) t[c] = 0.0f;
+  for (int64_t a = 0; a < SH; ++a) {
+    for (int64_t i = 0; i < Hh; ++i) {
+      const int64_t r = i * SH + a - pt;
+      float* d = dst + (a * SW * Hh + i) * Wh;  // row i of phase (a, 0); phase (a, b) is b * Hh * Wh further
+      if (r < 0 || r >= H) {
+        for (int64_t b = 0; b < SW; ++b)
+          for (int64_t j = 0; j < Wh; ++j) d[b * Hh * Wh + j] = 0.0f;
+        continue;
+      }
+      for (int64_t c = 0; c < n; ++c) t[pl + c] = src[r * W + c];  // the padding around stays zero
+      if (SW == 2) {  // a constant stride: vectorized (even and odd floats)
+        float* __restrict__ d1 = d + Hh * Wh;
+        for (int64_t j = 0; j < Wh; ++j) { d[j] = t[2 * j]; d1[j] = t[2 * j + 1]; }
+      } else {
+        for (int64_t b = 0; b < SW; ++b)
+          for (int64_t j = 0; j < Wh; ++j) d[b * Hh * Wh + j] = t[j * SW + b];
+      }
+    }
+  }
+}
+
+// dst[OH][OW] = src[oh * SH][ow * SW] of a plane of width W (a stride-2 row vectorized by GCC)
+static void sf_pick_plane(const float* __restrict__ src, int64_t W, int64_t SH, int64_t SW, int64_t OH, int64_t OW,
+                          float* __restrict__ dst) {
+  for (int64_t oh = 0; oh < OH; ++oh) {
+    const float* __restrict__ s = src + oh * SH * W;
+    float* __restrict__ d = dst + oh * OW;
+    if (SW == 2) { for (int64_t ow = 0; ow < OW; ++ow) d[ow] = s[2 * ow]; }
+    else { for (int64_t ow = 0; ow < OW; ++ow) d[ow] = s[ow * SW]; }
+  }
+}
+
+// multiply-adds below which a convolution runs on the calling thread
+constexpr double SF_CONV_PAR_WORK = 131072.0;
+// the most packed B (bytes) a thread keeps for reuse by its next tile
+constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
+
+// y[n, gi*ocg + o, :] = w[gi*ocg + o, :] @ im2col(x[n, gi*C : (gi+1)*C]) + bias[gi*ocg + o] for every image
+// n < nimg and group gi < groups (x: [nimg, groups*C, H, W], w: [groups*ocg, C*KH*KW], y: [nimg,
+// groups*ocg, OH, OW]). direct: a 1x1, stride-1, unpadded conv. Tasks are tiles of C (up to ~96 rows x
+// 256 columns) of every image and group; a thread packs the B panels of its tile into its own buffer
+// (once per tile when K fits one block) and runs the K blocks over it, or (unpacked, below) reads them
+// from the image.
+// epi (optional) finishes a tile of y in place: epi(ctx, n, c0, c1, j0, j1) for image n, output channels
+// [c0, c1) and columns [j0, j1) of OH*OW (the bias, then the element-wise ops fused after the conv).
+// Without epi, the kernels finish y as they store their last K block: + bias, + res (optional, a tensor
+// shaped as y: a residual), then the clamp (a Relu or Clip; measured on Zen 3, rfcs/0002: ResNet's 1x1 convs
+// with a Relu, or a residual Add and a Relu, 9-15% faster at 56x56 and 28x28 than with the ops in epi).
+typedef void (*SfConvEpi)(const void* ctx, int64_t n, int64_t c0, int64_t c1, int64_t j0, int64_t j1);
+struct SfEpiCtx { const void* const* in; void* const* out; };  // what a generated epilogue reads
+
+static void sf_conv2d(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
+                      int64_t nimg, int64_t groups, int64_t ocg, bool direct, SfConvEpi epi = nullptr,
+                      const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
+  const SfCukr& u = sf_cukr();
+  const int64_t M = ocg, P = g.OH * g.OW, K = g.C * g.KH * g.KW;
+  if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
+  const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
+  const int64_t nkb = std::max<int64_t>(1, (K + SF_KC - 1) / SF_KC), kcb = std::max<int64_t>(1, (K + nkb - 1) / nkb);
+  const int64_t mp = (M + mr - 1) / mr, np = (P + nrm - 1) / nrm;
+  const int nt = sf_max_threads();
+  const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
+  // tiles: ntm x ntn per image and group, of at most ~96 rows x 256 columns, the panels split evenly
+  // (tile t has panels [p * t / nt, p * (t + 1) / nt)). With threads: more tiles until every thread gets
+  // at least two and the count divides evenly (or there are many), splitting the wider side.
+  int64_t ntm = (mp + 7) / 8, ntn = (np + 7) / 8;
+  auto ntiles = [&]() { return nimg * groups * ntm * ntn; };
+  while (par && (ntiles() < 2 * nt || (ntiles() % nt != 0 && ntiles() < 8 * nt)) && (ntm < mp || ntn < np)) {
+    if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
+  }
+  const int64_t npt = (np + ntn - 1) / ntn;  // the most column panels of a tile
+  const int64_t ntask = nimg * groups * ntm * ntn;
+  // keep: a thread packs all K rows of its column tile once and reuses them for the next row tiles
+  // of the same column tile (consecutive tasks), when they fit SF_CONV_KEEP_BYTES
+  const bool keep = ntm > 1 && (nkb == 1 || (double)K * npt * nrm * sizeof(float) <= SF_CONV_KEEP_BYTES);
+  // the padded images: [nimg * groups * C][Hp][Wp], the input rows at (PT, PL)
+  const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  const int64_t nplanes = nimg * groups * g.C;
+  // unpacked: B is read from the image where it lies (no packing), a panel being up to nrm consecutive
+  // pixels of one output row, its row k at offset off[k]. Needs the ISA's kernels (AVX2, AVX-512), a
+  // unit horizontal stride, and pays off where packing is dear for its reuse, i.e. fewer than 1024
+  // output channels, and the rows fill whole panels (a 1x1 conv's one row of P pixels at least 4
+  // panels): measured on Zen 3, 3x3 64->64 at 56x56 1.5x faster, 1x1 256->64 at 56x56 1.4x; at 7x7 and
+  // at 1024 output channels packing was 10-45% faster. With AVX-512 (Zen 4, paired runs) MobileNetV2's
+  // 1x1 convs (M = 16..32, K = 96..192) at 56x56 and 28x28 took 0.73-0.82x the packed time, ResNet-50's
+  // 1x1s (M = 64..256) 0.83-0.98x, DenseNet's 3x3 128->32 at 56x56 0.91x and the 7x7 stride-2 stems (K =
+  // 147, phased) 0.91-0.95x; but K = 16 1.04x, MobileNetV2's stem (K = 27) 1.09x, SqueezeNet's 3x3 16->64
+  // at 55x55 (M = 64) 1.08x and Inception's 1x1s of M = 64..112 at 13x13 1.06-1.11x (M = 24 0.8x). So with
+  // 16 lanes: K >= 32 and M <= 32, or a phased conv, or a 1x1 of 512 pixels or more.
+  // phased: a strided conv whose taps overlap (a window wider than the stride) reads the SH x SW phases
+  // of its padded image (sf_phase_planes, [nimg * groups * C][SH * SW][Hh][Wh]), where each tap's pixels
+  // are consecutive: packed with plain copies instead of gathers, or unpacked where output rows are long
+  // (at least 3 panels; unpacked at 28 pixels a row was 10-15% slower). Measured on Zen 3 (rfcs/0002):
+  // the 7x7 stride-2 stem 1.3x faster, 3x3 stride-2 convs to 56x56 and 112x112 1.15-1.45x; windows as
+  // wide as the stride (patches) lost 5% to the extra copy, so they are read as before.
+  const int64_t S2 = g.SH * g.SW, Hh = (Hp + g.SH - 1) / g.SH, Wh = (Wp + g.SW - 1) / g.SW;
+  const bool phased = !direct && S2 > 1 && ((g.KH - 1) * g.DH >= g.SH || (g.KW - 1) * g.DW >= g.SW) &&
+                      (double)nplanes * S2 * Hh * Wh < 2147483647.0;
+  // picked: an unpadded strided 1x1 conv reads only every SH-th row and SW-th column; those pixels are
+  // copied out first (OH x OW per channel), and the conv becomes a direct one (its B read unpacked
+  // where the direct rule says so) instead of gathering B (measured on Zen 3, rfcs/0002: 256->512 at
+  // 56x56 stride 2, 5-9% faster)
+  const bool picked = !direct && g.KH == 1 && g.KW == 1 && g.PT == 0 && g.PL == 0 && S2 > 1;
+  const bool flat = direct || picked;  // B is [C][P]: one row of P pixels per channel
+  const bool padded = !flat && !phased && (Hp != g.H || Wp != g.W);
+  const bool copied = padded || phased || picked;  // B is read from xpad, the image's copy
+  const int64_t plane = phased ? S2 * Hh * Wh : picked ? P : Hp * Wp;  // floats per channel of xpad
+  float* xpad = copied ? static_cast<float*>(sf_workspace(3, sizeof(float) * nplanes * plane)) : nullptr;
+  const float* xs = copied ? xpad : x;
+  // the geometry the B panels are read with: a 1x1, stride-1, unpadded conv's image is one row of P
+  // columns per channel; a phased conv's phases are channels of stride 1 (taps located by off[k])
+  const SfConvGeom gs = flat     ? SfConvGeom{K, 1, P, 1, 1, 1, 1, 1, 1, 0, 0, 1, P}
+                        : phased ? SfConvGeom{g.C * S2, Hh, Wh, g.KH, g.KW, 1, 1, g.DH, g.DW, 0, 0, g.OH, g.OW}
+                                 : g;
+  const int64_t Hs = flat ? 1 : phased ? Hh : (padded ? Hp : g.H);
+  const int64_t Ws = flat ? P : phased ? Wh : (padded ? Wp : g.W);
+  const int64_t ximg = gs.C * Hs * Ws;
+  const bool unpacked = u.dfn[0][0][0] && gs.SW == 1 && M < 1024 && (double)ximg < 2147483647.0 &&
+                        (flat ? P >= 4 * nrm : gs.OW >= (phased ? 3 : 1) * nrm) &&
+                        (vl < 16 || (K >= 32 && (M <= 32 || phased || (flat && P >= 512))));
+  // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
+  int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
+  const bool finish = !epi && (bias || res || clamp.on);  // the kernels finish y (SfFin) on the last K block
+  for (int64_t c = 0, k = 0; c < (flat ? K : g.C); ++c)
+    for (int64_t kh = 0; kh < gs.KH; ++kh)
+      for (int64_t kw = 0; kw < gs.KW; ++kw) {
+        const int64_t dh = kh * gs.DH, dw = kw * gs.DW;  // phased: phase (dh % SH, dw % SW) at (dh / SH, dw / SW)
+        off[k++] = (int32_t)(phased ? ((c * S2 + dh % g.SH * g.SW + dw % g.SW) * Hh + dh / g.SH) * Wh + dw / g.SW
+                                    : (c * Hs + dh) * Ws + dw);
+      }
+  #pragma omp parallel num_threads(nt) if (par)
+  {
+    if (padded) {
+      #pragma omp for schedule(static)
+      for (int64_t pl = 0; pl < nplanes; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * plane);
+    } else if (phased) {
+      float* t = static_cast<float*>(sf_workspace(2, sizeof(float) * g.SW * Wh));
+      #pragma omp for schedule(static)
+      for (int64_t pl = 0; pl < nplanes; ++pl)
+        sf_phase_planes(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, g.SH, g.SW, Hh, Wh, xpad + pl * plane, t);
+    } else if (picked) {
+      #pragma omp for schedule(static)
+      for (int64_t pl = 0; pl < nplanes; ++pl)
+        sf_pick_plane(x + pl * g.H * g.W, g.W, g.SH, g.SW, g.OH, g.OW, xpad + pl * P);
+    }
+    float* Bp = unpacked ? nullptr
+                         : static_cast<float*>(
+                               sf_workspace(2, sizeof(float) * ((keep ? K : kcb) * npt * nrm + SF_PACK_SLACK)));
+    int64_t packed = -1;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < ntask; ++t) {
+      const int64_t tm = t % ntm, col = t / ntm;  // col: (image, group, column tile)
+      const int64_t tn = col % ntn, ng = col / ntn, gi = ng % groups;
+      const float* xg = xs + ng * ximg;
+      const float* wg = w + gi * M * K;
+      float* yg = y + ng * M * P;
+      const float* rg = res ? res + ng * M * P : nullptr;
+      SfFin fin = {nullptr, nullptr, clamp};
+      // the kernel's finish: on the last K block only, its pointers at the call's first row and column
+      auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {
+        if (!finish || kb != nkb - 1) return nullptr;
+        fin.bias = bias ? bias + gi * M + i : nullptr;
+        fin.res = rg ? rg + i * P + j : nullptr;
+        return &fin;
+      };
+      const int64_t i0 = mp * tm / ntm * mr, i1 = std::min(M, mp * (tm + 1) / ntm * mr);
+      const int64_t j0 = np * tn / ntn * nrm, j1 = std::min(P, np * (tn + 1) / ntn * nrm);
+      if (unpacked) {
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
+          for (int64_t j = j0; j < j1;) {
+            const int64_t oh = j / gs.OW, ow = j % gs.OW;
+            const int64_t cols = std::min(std::min(nrm, gs.OW - ow), j1 - j), nv = (cols + vl - 1) / vl;
+            const float* xb = xg + oh * gs.SH * Ws + ow;
+            const int64_t step = nv == 1 ? u.mr1 : mr;
+            for (int64_t i = i0; i < i1; i += step) {
+              const int64_t rows = std::min(step, i1 - i);
+              u.dfn[rows - 1][nv - 1][cols < nv * vl](kc, wg + i * K + pc, K, xb, off + pc, yg + i * P + j, P, cols,
+                                                      kb == 0, last(kb, i, j));
+            }
+            j += cols;
+          }
+        }
+      } else {
+        const bool pack = !keep || packed != col;
+        packed = col;
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
+          float* Bb = Bp + (keep ? pc * npt * nrm : 0);  // this K block's panels, [kc][width] each
+          if (pack) {
+            for (int64_t j = j0; j < j1; j += nrm) {
+              const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
+              float* dst = Bb + (j - j0) * kc;
+              u.pack(xg, Hs, Ws, gs, off, j, cols, width, pc, kc, dst);
+            }
+          }
+          for (int64_t j = j0; j < j1; j += nrm) {
+            const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
+            const float* bp = Bb + (j - j0) * kc;
+            const int64_t step = nv == 1 ? u.mr1 : mr;
+            for (int64_t i = i0; i < i1; i += step) {
+              const int64_t rows = std::min(step, i1 - i);
+              u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * P + j, P, cols, kb == 0, last(kb, i, j));
+            }
+          }
+        }
+      }
+      if (epi) epi(ctx, ng / groups, gi * M + i0, gi * M + i1, j0, j1);
+    }
+  }
+}
+
+// A conv with its weights packed at compile time as GEMM panels (PackedConv, passes/prepack.py), for small
+// images: per image, yt[P, OC] = im2col(x)^T[P, K] @ W^T[K, OC] by the prepacked GEMM (the output pixels are
+// its rows, the output channels its columns), then yt is transposed into y[OC, P] and finished by the
+// bias or the fused element-wise ops (epi). A 1x1, stride-1, unpadded conv reads the image itself as A
+// (column-major: pixel p, channel c at x[c * P + p]); the others first copy their im2col matrix, [K][P].
+// Where it pays (1x1 convs at 7x7 and 14x14, rfcs/0002): the conv template's B panels would be rows of 7 or
+// 14 pixels packed on every call, while the GEMM streams weights packed once and keeps full 6 x 16 tiles.
+static void sf_im2col(const float* __restrict__ x, const SfConvGeom& g, float* __restrict__ col, bool par) {
+  const int64_t K = g.C * g.KH * g.KW, P = g.OH * g.OW;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t kw = k % g.KW, kh = (k / g.KW) % g.KH, c = k / (g.KW * g.KH);
+    const float* __restrict__ xc = x + c * g.H * g.W;
+    float* __restrict__ dst = col + k * P;
+    for (int64_t oh = 0; oh < g.OH; ++oh) {
+      const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
+      float* __restrict__ d = dst + oh * g.OW;
+      if (ih < 0 || ih >= g.H) {
+        for (int64_t ow = 0; ow < g.OW; ++ow) d[ow] = 0.0f;
+        continue;
+      }
+      // the columns ow in [lo, hi) read inside the row (iw = ow * SW + kw * DW - PL in [0, W)); zero elsewhere
+      const int64_t off = kw * g.DW - g.PL;
+      int64_t lo, hi;
+      sf_inside(off, g.SW, g.W, g.OW, lo, hi);
+      const float* __restrict__ xr = xc + ih * g.W + off;
+      for (int64_t ow = 0; ow < lo; ++ow) d[ow] = 0.0f;
+      if (g.SW == 1) { for (int64_t ow = lo; ow < hi; ++ow) d[ow] = xr[ow]; }
+      else { for (int64_t ow = lo; ow < hi; ++ow) d[ow] = xr[ow * g.SW]; }
+      for (int64_t ow = hi; ow < g.OW; ++ow) d[ow] = 0.0f;
+    }
+  }
+}
+
+// y[c * P + p] = t[p * ld + c] for c in [c0, c1), finished: + bias[c] (bias optional), + res[c * P + p]
+// (res optional, laid out as y), then clamped
+static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
+                                     float* __restrict__ y, const float* __restrict__ bias,
+                                     const float* __restrict__ res, SfClamp clamp) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float b = bias ? bias[c] : 0.0f;
+    for (int64_t p = 0; p < P; ++p)
+      y[c * P + p] = sf_fin1(bias ? t[p * ld + c] + b : t[p * ld + c], res ? res + c * P + p : nullptr, clamp);
+  }
+}
+
+#if defined(__x86_64__)
+// y[at..at + 8) = v, finished as in sf_transpose_cols_scalar
+__attribute__((target("avx2,fma"), always_inline))
+static inline void sf_put8(float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ res,
+                           const SfClamp& clamp, int64_t c, int64_t at, __m256 v) {
+  if (bias) v = _mm256_add_ps(v, _mm256_broadcast_ss(bias + c));
+  if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + at));
+  if (clamp.on) v = sf_clamp8(v, clamp);
+  _mm256_storeu_ps(y + at, v);
+}
+
+// The same in 8 x 8 tiles through AVX2 registers (the scalar loop stores one float at a time, P floats apart)
+__attribute__((target("avx2,fma")))
+static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
+                                   float* __restrict__ y, const float* __restrict__ bias,
+                                   const float* __restrict__ res, SfClamp clamp) {
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8) {
+    int64_t p = 0;
+    for (; p + 8 <= P; p += 8) {
+      __m256 r[8];
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(t + (p + i) * ld + c);
+      sf_tr8x8(r);
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) sf_put8(y, bias, res, clamp, c + i, (c + i) * P + p, r[i]);
+    }
+    for (; p < P; ++p)
+      for (int64_t i = 0; i < 8; ++i) {
+        const float v = t[p * ld + c + i];
+        y[(c + i) * P + p] = sf_fin1(bias ? v + bias[c + i] : v, res ? res + (c + i) * P + p : nullptr, clamp);
+      }
+  }
+  if (c < c1) sf_transpose_cols_scalar(t, ld, P, c, c1, y, bias, res, clamp);
+}
+#endif
+
+static void sf_transpose_cols(const float* t, int64_t ld, int64_t P, int64_t c0, int64_t c1, float* y,
+                              const float* bias, const float* res, const SfClamp& clamp) {
+#if defined(__x86_64__)
+  if (sf_avx2_helpers()) { sf_transpose_cols_avx2(t, ld, P, c0, c1, y, bias, res, clamp); return; }
+#endif
+  sf_transpose_cols_scalar(t, ld, P, c0, c1, y, bias, res, clamp);
+}
+
+// epi, res and clamp as in sf_conv2d (the transposition adds the bias, res and the clamp: the GEMM's own bias
+// step is a pass of its own over yt)
+static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
+                             int64_t nimg, int64_t OC, bool direct, SfConvEpi epi = nullptr,
+                             const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
+  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
+  if (nimg <= 0 || OC <= 0 || P <= 0) return;
+  const bool par = sf_max_threads() > 1 && (double)P * OC * K >= SF_CONV_PAR_WORK;
+  float* yt = static_cast<float*>(sf_workspace(5, sizeof(float) * P * OC));
+  float* col = direct ? nullptr : static_cast<float*>(sf_workspace(3, sizeof(float) * K * P));
+  constexpr int64_t CB = 16;  // channels per block of the transposition
+  const int64_t ncb = (OC + CB - 1) / CB;
+  for (int64_t n = 0; n < nimg; ++n) {
+    const float* xi = x + n * g.C * g.H * g.W;
+    if (!direct) sf_im2col(xi, g, col, par);
+    sf_sgemm_prepacked(P, OC, K, direct ? xi : col, 1, P, wp, yt, OC, 1.0f, nullptr, 0, 0, true);
+    float* yi = y + n * OC * P;
+    #pragma omp parallel for schedule(static) if (par)
+    for (int64_t cb = 0; cb < ncb; ++cb) {
+      const int64_t c0 = cb * CB, c1 = std::min(OC, c0 + CB);
+      sf_transpose_cols(yt, OC, P, c0, c1, yi, epi ? nullptr : bias, res ? res + n * OC * P : nullptr, clamp);
+      if (epi) epi(ctx, n, c0, c1, 0, P);
+    }
+  }
+}
+
+}  // namespace
