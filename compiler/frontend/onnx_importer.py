@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 import onnx.inliner
+import onnx.shape_inference
 from onnx import numpy_helper
 
 from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
@@ -413,7 +414,20 @@ def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return onnx.inliner.inline_local_functions(proto, convert_version=True)
     except Exception as exc:
-        raise ModelFormatError(f"the model's functions cannot be inlined ({type(exc).__name__}: {exc})") from None
+        first = exc
+    # Converting a body written for another opset (DynamicQuantizeLinear's is opset 11) needs the
+    # types of the values at each call, which a model need not declare (onnxruntime's
+    # quantize_dynamic declares none): infer them, inline, and keep only the value_info the model had.
+    try:
+        typed = onnx.shape_inference.infer_shapes(proto)
+        declared = {v.name for v in proto.graph.value_info}
+        out = onnx.inliner.inline_local_functions(typed, convert_version=True)
+    except Exception:
+        raise ModelFormatError(f"the model's functions cannot be inlined ({type(first).__name__}: {first})") from None
+    kept = [v for v in out.graph.value_info if v.name in declared]
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(kept)
+    return out
 
 
 def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,

@@ -1,6 +1,8 @@
 """QuantizeLinear / DequantizeLinear (handlers_quant) against onnxruntime and the ONNX reference."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -35,6 +37,7 @@ def reference(m, feeds, use_ort):
     return ReferenceEvaluator(m).run(None, feeds)[0]
 
 
+MODELS = Path(__file__).resolve().parents[1] / "models"
 RNG = np.random.default_rng(0)
 X = (RNG.standard_normal((3, 4, 6)) * 40).astype(np.float32)
 X[0, 0, :4] = [0.5, 1.5, 2.5, -2.5]  # ties round to even
@@ -178,3 +181,40 @@ def test_quantized_conv_matches_onnxruntime_compiled_and_sharded(kind, tmp_path)
     np.testing.assert_array_equal(load(tmp_path / "out", rank=0).run({"x": x})["y"], want)
     plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
     np.testing.assert_array_equal(simulate(partition(g, plan), {"x": x}, plan.mesh)["y"], want)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
+    """onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear`` + ``MatMulInteger``
+    per projection) declares no types for the quantized activations, which the opset-11 function
+    body of ``DynamicQuantizeLinear`` needs to be converted to the model's opset 17: the import
+    infers them. Evaluated, compiled for one cpu rank and split over two, it equals onnxruntime."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    ort = pytest.importorskip("onnxruntime")
+    src = MODELS / f"{name}_ts17.onnx"
+    path = tmp_path / "q8.onnx"
+    quantize_dynamic(str(src), str(path), weight_type=QuantType.QInt8)
+    m = onnx.load(path)
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {n.op_type for n in m.graph.node}
+    feeds = {k: v for k, v in np.load(MODELS / f"{name}_inputs.npz").items() if k in {i.name for i in m.graph.input}}
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    want = dict(zip(names, sess.run(None, feeds)))
+    g = load_onnx(str(path))
+    tol = {n: 1e-5 * float(np.abs(w).max()) for n, w in want.items()}
+    got = g.run(feeds)
+    for n in names:
+        np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "out")
+    got = load(tmp_path / "out", rank=0).run(feeds)
+    for n in names:
+        np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
+    plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
+    got = simulate(partition(g, plan), feeds, plan.mesh)
+    for n in names:
+        np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
