@@ -34,8 +34,8 @@ __all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilog
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
-_LIBRARY_FILES = ("gemm.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h", "attention.h",
-                  "winograd.h")
+_LIBRARY_FILES = ("gemm.h", "gemm_int8.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
+                  "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
 
 
@@ -230,6 +230,30 @@ def _packed_matmul(op) -> str | None:
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
     lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, "
                  f"{cbs}, true);")
+    return "\n".join(lines)
+
+
+def _packed_matmul_integer(op) -> str | None:
+    """PackedMatMulInteger: ``a`` (int8/uint8) with its leading dims folded into M times the int8
+    weight packed at compile time, in int32 (``cpu_library/gemm_int8.h``); a zero point per row of a
+    batched ``a`` runs one GEMM per matrix."""
+    a, out = op.inputs[0], op.outputs[0]
+    azp = op.inputs[3] if len(op.inputs) > 3 else None
+    if a.dtype not in ("int8", "uint8") or out.dtype != "int32" or (azp is not None and azp.dtype != a.dtype):
+        return None
+    K, N = a.shape[-1], int(op.attrs["n"])
+    rows = a.shape[-2] if a.ndim >= 2 else 1
+    per_row = azp is not None and int(np.prod(azp.shape)) > 1
+    count, M = (_prod(a.shape[:-2]), rows) if per_row else (1, _prod(a.shape[:-1]))
+    lines = ["  const unsigned char* in0 = static_cast<const unsigned char*>(inputs[0]);",
+             "  const int8_t* in1 = static_cast<const int8_t*>(inputs[1]);",
+             "  const int32_t* in2 = static_cast<const int32_t*>(inputs[2]);",
+             f"  const void* zp = {'inputs[3]' if azp is not None else 'nullptr'};",
+             "  int32_t* out0 = static_cast<int32_t*>(outputs[0]);",
+             f"  // PackedMatMulInteger: {count} x [{M}, {K}] ({a.dtype}) @ [{K}, {N}] (int8, packed) in int32",
+             f"  for (int64_t b = 0; b < {count}; ++b)",
+             f"    sf_igemm_prepacked({M}, {N}, {K}, in0 + b * {M * K}, {str(a.dtype == 'int8').lower()}, zp, "
+             f"{str(per_row).lower()}, in1, in2, out0 + b * {M * N}, {N}, true);"]
     return "\n".join(lines)
 
 
@@ -1201,9 +1225,9 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum,
-              "TopK": _topk, "Transpose": _transpose, "Fused": _fused}
+              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "Fused": _fused}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

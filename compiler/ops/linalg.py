@@ -18,7 +18,7 @@ from ..ir.task import TensorInput, compute, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "Attention", "parse_einsum"]
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "Attention", "parse_einsum"]
 
 
 def _np_half(name: str):
@@ -350,6 +350,87 @@ class MatMulInteger(Operator):
         return [np.asarray(np.matmul(av, bv), np.int32)]
 
 
+#: Columns per panel of an int8 weight packed for the cpu integer GEMM (:class:`PackedMatMulInteger`):
+#: one AVX-512 register of int32 sums; the contracted dim goes in groups of four (VNNI's
+#: ``vpdpbusd`` multiplies four unsigned by four signed bytes and adds them to one int32 lane).
+INT8_PANEL = 16
+
+
+def pack_int8_panels(b: np.ndarray, b_zero_point: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A constant int8 or uint8 matrix ``b[K, N]`` (and its zero point: none, one, or one per column)
+    as :class:`PackedMatMulInteger` reads it: ``(bp, bc)``.
+
+    ``bp`` (int8) ``[ceil(N / 16), ceil(K / 4), 16, 4]`` holds ``b' = b`` (int8) or ``b - 128``
+    (uint8, so that every weight is a signed byte) with ``b'[k, j]`` at ``[j // 16, k // 4, j % 16,
+    k % 4]``, zero past ``K`` and ``N``. ``bc`` (int32) ``[2, 16 * ceil(N / 16)]``: row 0 the zero
+    point in the same terms (``bzp - 128`` or ``bzp``, so ``b - bzp = b' - bc[0]``), row 1 the sums of
+    ``b'`` over ``k`` (the kernel's correction for ``a``'s zero point)."""
+    k, n = b.shape
+    shift = 128 if b.dtype == np.uint8 else 0
+    bs = b.astype(np.int32) - shift
+    npanel, ngroup = -(-n // INT8_PANEL), -(-k // 4)
+    padded = np.zeros((ngroup * 4, npanel * INT8_PANEL), np.int32)
+    padded[:k, :n] = bs
+    bp = padded.reshape(ngroup, 4, npanel, INT8_PANEL).transpose(2, 0, 3, 1).astype(np.int8)
+    bc = np.zeros((2, npanel * INT8_PANEL), np.int32)
+    zp = np.zeros(n, np.int32) if b_zero_point is None else np.broadcast_to(
+        np.asarray(b_zero_point).reshape(-1).astype(np.int32), (n,))
+    bc[0, :n] = zp - shift
+    bc[1, :n] = bs.sum(axis=0)
+    return np.ascontiguousarray(bp), bc
+
+
+class PackedMatMulInteger(Operator):
+    """:class:`MatMulInteger` with a constant 2-D weight packed by :func:`pack_int8_panels`: the form
+    the cpu target gives it (``passes/prepack.py``), so that its integer GEMM reads the weight in
+    the layout of its kernels (and its column sums) instead of converting it on every call.
+
+    Inputs ``a[..., K]`` (int8 or uint8), ``bp``, ``bc`` and optionally ``a_zero_point`` (``a``'s
+    dtype; a scalar or one per row of ``a``). Attribute ``n`` (``N``). With ``a' = a`` (uint8) or
+    ``a + 128`` (int8, as a byte: ``a ^ 0x80``) and ``z = a_zero_point`` in the same terms, the
+    definition is the kernel's identity, ``sum_k a' b' - bc[0, n] sum_k a' - z bc[1, n] + K z bc[0, n]``
+    (``= sum_k (a - a_zero_point)(b - b_zero_point)``), in int32 with wrap-around like MatMulInteger.
+    """
+
+    def compute(self, a, bp, bc, *azp):
+        n = int(self.attrs["n"])
+        if a.ndim < 1 or a.dtype not in ("int8", "uint8") or bp.ndim != 4 or tuple(bp.shape[2:]) != (INT8_PANEL, 4) \
+                or bp.shape[1] != -(-a.shape[-1] // 4) or bp.shape[0] != -(-n // INT8_PANEL) \
+                or tuple(bc.shape) != (2, bp.shape[0] * INT8_PANEL):
+            raise ShapeError(f"{self.name}: PackedMatMulInteger takes a[..., K] (int8/uint8), panels "
+                             f"[ceil(N/{INT8_PANEL}), ceil(K/4), {INT8_PANEL}, 4] and column terms [2, "
+                             f"{INT8_PANEL} * ceil(N/{INT8_PANEL})] with N = {n}, got shapes {a.shape}, {bp.shape} "
+                             f"and {bc.shape}")
+        z = azp[0] if azp else None
+        _check_qparam(self.name, z, "a_zero_point", a.shape[-2] if a.ndim >= 2 else 1)
+        shape = tuple(a.shape[:-1]) + (n,)
+        k = a.shape[-1]
+        shift = Const(128 if a.dtype == "int8" else 0, "int32")
+
+        def f(*i):
+            rows, j = i[:-1], i[-1]
+
+            def a_(kk):
+                return Cast(a[tuple(rows) + (kk,)], "int32") + shift
+            dot = reduce((k,), lambda kk: a_(kk) * Cast(bp[j // INT8_PANEL, kk // 4, j % INT8_PANEL, kk % 4], "int32"),
+                         "sum")
+            acc = dot - bc[0, j] * reduce((k,), a_, "sum")
+            if z is None and a.dtype == "uint8":
+                return acc
+            zv = shift if z is None else Cast(_qparam_read(z, rows[-1] if a.ndim >= 2 else 0), "int32") + shift
+            return acc - zv * bc[1, j] + Const(k, "int32") * zv * bc[0, j]
+        return compute("y", shape, f, dtype="int32")
+
+    def numpy(self, a, bp, bc, *azp):
+        n, k = int(self.attrs["n"]), a.shape[-1]
+        shift = 128 if a.dtype == np.int8 else 0
+        b = bp.transpose(1, 3, 0, 2).reshape(bp.shape[1] * 4, -1)[:k, :n].astype(np.int64)
+        av = a.astype(np.int64) + shift
+        z = (_qparam_np(azp[0], True, a.ndim).astype(np.int64) + shift) if azp else np.int64(shift)
+        y = np.matmul(av, b) - bc[0, :n] * av.sum(axis=-1, keepdims=True) - z * bc[1, :n] + k * z * bc[0, :n]
+        return [np.asarray(y).astype(np.int32)]
+
+
 class QLinearMatMul(Operator):
     """Quantized matmul: ``y = saturate(round(((a - azp) @ (b - bzp)) * (a_scale * b_scale / y_scale)) + yzp)``.
 
@@ -646,6 +727,7 @@ def examples(rng: np.random.Generator):
     """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
+    i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)  # noqa: E731
     res = [
         (MatMul, [f(3, 4), f(4, 5)], {}),
         (MatMul, [f(2, 1, 3, 4), f(3, 4, 2)], {}),
@@ -675,6 +757,11 @@ def examples(rng: np.random.Generator):
         (MatMulInteger, [u8(3, 4), u8(4, 2), np.array(7, np.uint8), np.array([1, 2], np.uint8)], {"has_azp": True}),
         (MatMulInteger, [u8(2, 3, 4), u8(4, 2)], {}),
         (MatMulInteger, [u8(3, 4), u8(4, 2), np.array([5], np.uint8)], {"has_azp": False}),
+        (PackedMatMulInteger, [u8(3, 5), *pack_int8_panels(u8(5, 17), np.array(3, np.uint8)), np.array(7, np.uint8)],
+         {"n": 17}),
+        (PackedMatMulInteger, [i8(2, 3, 9), *pack_int8_panels(i8(9, 4))], {"n": 4}),
+        (PackedMatMulInteger, [i8(9), *pack_int8_panels(u8(9, 33), u8(33)), np.array([-5], np.int8)], {"n": 33}),
+        (PackedMatMulInteger, [u8(3, 8), *pack_int8_panels(i8(8, 16), np.array(0, np.int8)), u8(3)], {"n": 16}),
         (QLinearMatMul, [u8(2, 3, 4), np.array(0.05, np.float32), np.array(3, np.uint8), u8(4, 5),
                          np.array([0.02], np.float32), np.array([7], np.uint8), np.array(0.3, np.float32),
                          np.array(10, np.uint8)], {}),

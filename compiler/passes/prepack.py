@@ -17,6 +17,12 @@ unchanged where ``M > 1``: the same products are summed in the same order as wit
 call. A single row (``M == 1``) is summed in four partial sums by ``k mod 4`` (a difference of
 rounding).
 
+A MatMulInteger ``(a - azp) @ (B - bzp)`` with a constant 2-D int8/uint8 ``B`` (and a constant or no
+``bzp``) that only such ops read becomes a
+:class:`~shardflow.compiler.ops.linalg.PackedMatMulInteger`: ``B`` in panels of 16 columns and
+groups of 4 along ``K`` (:func:`~shardflow.compiler.ops.linalg.pack_int8_panels`, the layout of
+the integer GEMM's VNNI kernel), signed, with its column sums. The int32 results are the same.
+
 A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
 image) whose constant weight nothing else reads becomes a
 :class:`~shardflow.compiler.ops.conv.PackedConv`: its weight ``[OC, C, 1, 1]`` is stored as the
@@ -42,6 +48,21 @@ from .base import GraphPass, splice
 __all__ = ["PrepackWeights"]
 
 log = logging.getLogger(__name__)
+
+
+def _int8_weight(op: Operator) -> tuple[Tensor, Tensor | None] | None:
+    """The constant 2-D weight and constant zero point (or ``None``) of a MatMulInteger this pass
+    packs for the integer GEMM, or ``None``."""
+    if op.op_type != "MatMulInteger" or len(op.outputs) != 1:
+        return None
+    a, b = op.inputs[0], op.inputs[1]
+    has_azp = bool(op.attrs.get("has_azp", False))
+    zps = list(op.inputs[2:])
+    bzp = zps[1] if has_azp and len(zps) > 1 else (zps[0] if not has_azp and zps else None)
+    if not b.is_constant or b.ndim != 2 or a.ndim < 1 or (bzp is not None and not bzp.is_constant) \
+            or 0 in b.shape or 0 in a.shape:
+        return None
+    return b, bzp
 
 
 def _transposed(op: Operator) -> bool:
@@ -143,14 +164,28 @@ class PrepackWeights(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import PackedConv, WinogradConv, winograd_weights
-        from ..ops.linalg import PackedMatMul, pack_panels
+        from ..ops.linalg import PackedMatMul, PackedMatMulInteger, pack_int8_panels, pack_panels
 
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
         packed: dict[int, Tensor] = {}  # weight (by id) -> its panels
+        packed_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, zero point) -> bp, bc
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
+            q = _int8_weight(op) if self.gemm else None
+            if q is not None and id(q[0]) not in outputs \
+                    and all((_int8_weight(c) or (None,))[0] is q[0] for c in consumers.get(id(q[0]), [])):
+                b, bzp = q
+                key = (id(b), id(bzp))
+                if key not in packed_int8:
+                    bp, bc = pack_int8_panels(np.asarray(b.value), None if bzp is None else np.asarray(bzp.value))
+                    packed_int8[key] = (const_tensor(bp, f"{b.name}.i8panels"), const_tensor(bc, f"{b.name}.i8cols"))
+                inputs = [op.inputs[0], *packed_int8[key]] + ([op.inputs[2]] if op.attrs.get("has_azp") else [])
+                new = PackedMatMulInteger([replace.get(id(t), t) for t in inputs], name=op.name, n=int(b.shape[1]))
+                after[id(op)] = [new]
+                replace[id(op.outputs[0])] = new.outputs[0]
+                continue
             wm = _winograd(op) if self.winograd else None
             w = wm[0] if wm is not None else _packed_conv(op, self.conv_max_pixels)
             if w is not None and id(w) not in outputs and all(c is op for c in consumers.get(id(w), [])):

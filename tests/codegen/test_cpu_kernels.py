@@ -24,7 +24,8 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import PANEL, Attention, Einsum, Gemm, MatMul, PackedMatMul
+from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, Gemm, MatMul, PackedMatMul,
+                                           PackedMatMulInteger, pack_int8_panels)
 from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Pad, Transpose
@@ -54,6 +55,15 @@ def _panels(k, n):
 def _wino(c, oc, m):
     """The Winograd form of a [oc, c, 3, 3] weight (ops.conv.winograd_weights)."""
     return _t(((m + 2) ** 2, -(-oc // PANEL), c, PANEL))
+
+
+def _i8mm(a_shape, n, dtype, zp):
+    """A PackedMatMulInteger of ``a`` (``dtype``) times a packed int8 weight of ``n`` columns; ``zp``: the
+    shape of ``a``'s zero point (``None``: none)."""
+    k = a_shape[-1]
+    ins = [_t(a_shape, dtype), _t((-(-n // INT8_PANEL), -(-k // 4), INT8_PANEL, 4), "int8"),
+           _t((2, INT8_PANEL * -(-n // INT8_PANEL)), "int32")]
+    return PackedMatMulInteger(ins + ([_t(zp, dtype)] if zp is not None else []), n=n)
 
 
 def _rand(rng, t):
@@ -330,6 +340,15 @@ def _large():
         Transpose([_t((300, 250))], perm=(1, 0)),
         Transpose([_t((70, 1, 1000))], perm=(2, 1, 0)),
         Transpose([_t((40, 50, 40))], perm=(1, 0, 2)),  # rows of 40 move whole: the generic nest
+        # the integer GEMM (cpu_library/gemm_int8.h): K past one block of 256 with a tail of 3 (groups of 4),
+        # N off the 64-wide VNNI tile and the 16-column panel, every row tail of the 6-row and 4-row kernels,
+        # uint8/int8 A, a zero point per tensor, per row of a batched A, or none
+        _i8mm((2, 37, 303), 77, "uint8", ()),
+        _i8mm((130, 520), 200, "int8", (130,)),
+        _i8mm((3, 11, 40), 20, "uint8", (11,)),
+        _i8mm((1, 1000), 130, "int8", None),
+        _i8mm((1000,), 33, "uint8", (1,)),
+        _i8mm((9, 64), 64, "int8", ()),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -339,6 +358,12 @@ def _large():
             arrays[1] = np.array(3.0, np.float32)
         if op.op_type == "Gather":
             arrays[1] = rng.integers(-1000, 1000, op.inputs[1].shape)
+        if op.op_type == "PackedMatMulInteger":  # the whole byte range, and a packed weight with its zero point
+            lo = {"uint8": 0, "int8": -128}
+            arrays = [rng.integers(lo[t.dtype], lo[t.dtype] + 256, t.shape).astype(t.dtype) if t.dtype != "int32"
+                      else None for t in op.inputs]
+            b = rng.integers(-128, 128, (op.inputs[0].shape[-1], op.attrs["n"])).astype(np.int8)
+            arrays[1:3] = pack_int8_panels(b, rng.integers(-128, 128, op.attrs["n"]).astype(np.int8))
         if op.op_type == "WinogradConv":  # the transform of 3x3 weights
             w = rng.standard_normal((op.attrs["oc"], op.inputs[0].shape[1], 3, 3)).astype(np.float32)
             arrays[1] = winograd_weights(w, op.attrs["m"])
@@ -572,7 +597,10 @@ for case in data["cases"]:
     oa = (ctypes.c_void_p * len(got))(*[o.ctypes.data for o in got])
     getattr(lib, sym)(ia, oa)
     for g, w in zip(got, outs):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(w))))
+        if w.dtype.kind in "iu":  # the integer GEMM: exact
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(w))))
 print("ok", len(data["cases"]))
 """
 
@@ -596,15 +624,16 @@ def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
 def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels (and the conv kernels, Winograd
     transforms and packing of each), forced with SHARDFLOW_CPU_ISA, give the same results (this machine
-    would otherwise only run the widest one it supports); the transposed convs and attention run on them."""
+    would otherwise only run the widest one it supports); the transposed convs and attention run on them,
+    and the integer GEMM's AVX2 (4x8, int16 pairs) and portable (4x16) kernels match exactly."""
     cases = []
     for cid, op, arrays in LARGE:
         if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                          "Attention") and cid in library["symbols"]:
+                          "Attention", "PackedMatMulInteger") and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
-    assert last == f"ok {len(cases)}" and len(cases) >= 14
+    assert last == f"ok {len(cases)}" and len(cases) >= 20
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
 
 

@@ -12,8 +12,8 @@ from threads import run_threads
 from shardflow.compiler import compile
 from shardflow.compiler.ir import Tensor, const_tensor
 from shardflow.compiler.ir.graph import FlowGraph
-from shardflow.compiler.ops.elementwise import Binary
-from shardflow.compiler.ops.linalg import PANEL, Gemm, MatMul, pack_panels
+from shardflow.compiler.ops.elementwise import Binary, CastOp
+from shardflow.compiler.ops.linalg import INT8_PANEL, PANEL, Gemm, MatMul, MatMulInteger, pack_panels
 from shardflow.compiler.passes.prepack import PrepackWeights
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
@@ -74,6 +74,46 @@ def test_the_pass_rewrites_float32_contractions_with_constant_weights_and_keeps_
     got = g.run(feeds)
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_int8_weights_are_packed_for_the_integer_gemm_with_the_same_values():
+    """MatMulInteger with a constant int8/uint8 weight (and a constant or no zero point) becomes a
+    PackedMatMulInteger reading the weight as the integer GEMM's panels; two readers share one copy; a
+    weight something else reads, or whose zero point is computed, stays as it is. Same int32 values."""
+    rng = np.random.default_rng(3)
+    i8 = lambda *s: const_tensor(rng.integers(-128, 128, s).astype(np.int8))  # noqa: E731
+    u8 = lambda *s: const_tensor(rng.integers(0, 256, s).astype(np.uint8))  # noqa: E731
+    xu = Tensor("xu", (2, 5, 40), "uint8")
+    xs = Tensor("xs", (5, 40), "int8")
+    azp = Tensor("azp", (), "int8")
+    bzp_in = Tensor("bzp", (), "int8")
+    shared, cast_too, computed = i8(40, 24), i8(40, 8), i8(40, 8)
+    ops = [
+        MatMulInteger([xu, i8(40, 70), u8(), i8()], name="zp_both", has_azp=True),
+        MatMulInteger([xs, u8(40, 33), azp, u8(33)], name="per_column", has_azp=True),
+        MatMulInteger([xs, shared], name="shared_a"),
+        MatMulInteger([xs, shared, azp], name="shared_b", has_azp=True),
+        MatMulInteger([xs, cast_too], name="kept_mm"),
+        CastOp([cast_too], name="kept_cast", to="int32"),
+        MatMulInteger([xs, computed, bzp_in], name="computed_zp"),
+    ]
+    g = FlowGraph([xu, xs, azp, bzp_in], [o.outputs[0] for o in ops])
+    feeds = {"xu": rng.integers(0, 256, (2, 5, 40)).astype(np.uint8),
+             "xs": rng.integers(-128, 128, (5, 40)).astype(np.int8), "azp": np.array(-7, np.int8),
+             "bzp": np.array(3, np.int8)}
+    want = g.run(feeds)
+    g = PrepackWeights().run(g)
+    g.validate()
+    kinds = {op.name: op.op_type for op in g.nodes}
+    assert kinds == {"zp_both": "PackedMatMulInteger", "per_column": "PackedMatMulInteger",
+                     "shared_a": "PackedMatMulInteger", "shared_b": "PackedMatMulInteger", "kept_mm": "MatMulInteger",
+                     "kept_cast": "Cast", "computed_zp": "MatMulInteger"}
+    by = {op.name: op for op in g.nodes}
+    assert by["shared_a"].inputs[1] is by["shared_b"].inputs[1]
+    assert by["zp_both"].inputs[1].shape == (-(-70 // INT8_PANEL), 10, INT8_PANEL, 4)
+    got = g.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
 def _onnx_model(rng, path):

@@ -1,6 +1,7 @@
 """QuantizeLinear / DequantizeLinear (handlers_quant) against onnxruntime and the ONNX reference."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,9 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
     compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
             out_dir=tmp_path / "out")
+    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
+    kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert "PackedMatMulInteger" in kinds and "MatMulInteger" not in kinds  # the integer GEMM's template
     got = load(tmp_path / "out", rank=0).run(feeds)
     for n in names:
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)

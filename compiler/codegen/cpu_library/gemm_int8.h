@@ -1,0 +1,215 @@
+// ---- Integer GEMM (PackedMatMulInteger: uint8/int8 times a packed int8 weight, int32 sums) ----------
+namespace {
+
+// The weight comes packed at compile time (ops.linalg.pack_int8_panels): panels of SF_I8_PANEL columns,
+// each [ceil(K / 4)][16][4] signed bytes b' (b, or b - 128 for uint8), and bc[2][16 * panels]: the
+// zero point in those terms and the column sums of b'. A is copied per call into rows of unsigned bytes
+// a' (a, or a + 128 for int8) padded to a multiple of 4, with their sums; then
+//   C = sum_k a' b' - bc[0] * rowsum(a') - z * bc[1] + K * z * bc[0]
+// (z: A's zero point plus the same 128), which equals sum_k (a - azp)(b - bzp) modulo 2^32.
+constexpr int64_t SF_I8_PANEL = 16;
+// k groups of 4 per block: a block of 4 panels (64 columns) is 16 KB and stays in L1 across A's rows
+constexpr int64_t SF_I8_KGB = 64;
+
+// C[0..mr)[0..nc) (+)= A'[rows][4 g0 .. 4 g1) . B'(same k), for one tile of the kernel's width:
+// A' rows lda bytes (or int16s) apart; B at the tile's first panel and first group, panels ldp bytes apart
+using SfI8Ukr = void (*)(int64_t ng, const void* A, int64_t lda, const int8_t* B, int64_t ldp, int32_t* C,
+                         int64_t ldc, int64_t mr, int64_t nc, bool first);
+
+static inline void sf_i8_store(int32_t* __restrict__ C, const int32_t* __restrict__ t, int64_t nc, bool first) {
+  if (first)
+    for (int64_t j = 0; j < nc; ++j) C[j] = t[j];
+  else
+    for (int64_t j = 0; j < nc; ++j) C[j] += t[j];
+}
+
+// 4 rows x one panel (16 columns), any CPU; A' as bytes
+static void sf_i8ukr_generic(int64_t ng, const void* Av, int64_t lda, const int8_t* __restrict__ B, int64_t,
+                             int32_t* __restrict__ C, int64_t ldc, int64_t mr, int64_t nc, bool first) {
+  const uint8_t* __restrict__ A = static_cast<const uint8_t*>(Av);
+  int32_t t[4][16] = {};
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t i = 0; i < mr; ++i)
+      for (int j = 0; j < 16; ++j) {
+        int32_t s = 0;
+        for (int q = 0; q < 4; ++q) s += int32_t(A[i * lda + 4 * g + q]) * int32_t(B[64 * g + 4 * j + q]);
+        t[i][j] += s;
+      }
+  for (int64_t i = 0; i < mr; ++i) sf_i8_store(C + i * ldc, t[i], nc, first);
+}
+
+#if defined(__x86_64__)
+// MR rows x NP panels with AVX-512 VNNI: vpdpbusd adds four byte products into each int32 lane
+template <int MR, int NP>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void sf_i8ukr_vnni(int64_t ng, const void* Av, int64_t lda, const int8_t* __restrict__ B, int64_t ldp,
+                          int32_t* __restrict__ C, int64_t ldc, int64_t, int64_t nc, bool first) {
+  const uint8_t* __restrict__ A = static_cast<const uint8_t*>(Av);
+  __m512i acc[MR][NP];
+  #pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i b[NP];
+    #pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) b[p] = _mm512_loadu_si512(B + p * ldp + 64 * g);
+    #pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      int32_t four;
+      std::memcpy(&four, A + i * lda + 4 * g, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+      #pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_dpbusd_epi32(acc[i][p], a, b[p]);
+    }
+  }
+  #pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      const int64_t cols = std::min<int64_t>(16, nc - 16 * p);
+      if (cols <= 0) continue;
+      const __mmask16 m = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+      int32_t* c = C + i * ldc + 16 * p;
+      __m512i v = acc[i][p];
+      if (!first) v = _mm512_add_epi32(v, _mm512_maskz_loadu_epi32(m, c));
+      _mm512_mask_storeu_epi32(c, m, v);
+    }
+}
+
+template <int MR>
+static void sf_i8ukr_vnni_rows(int64_t ng, const void* A, int64_t lda, const int8_t* B, int64_t ldp, int32_t* C,
+                               int64_t ldc, int64_t mr, int64_t nc, bool first) {
+  switch ((nc + 15) / 16) {
+    case 1: sf_i8ukr_vnni<MR, 1>(ng, A, lda, B, ldp, C, ldc, mr, nc, first); break;
+    case 2: sf_i8ukr_vnni<MR, 2>(ng, A, lda, B, ldp, C, ldc, mr, nc, first); break;
+    case 3: sf_i8ukr_vnni<MR, 3>(ng, A, lda, B, ldp, C, ldc, mr, nc, first); break;
+    default: sf_i8ukr_vnni<MR, 4>(ng, A, lda, B, ldp, C, ldc, mr, nc, first); break;
+  }
+}
+
+// MR rows x half a panel (8 columns) with AVX2: A' widened to int16 when packed, the weight's bytes
+// widened as loaded; vpmaddwd sums products of pairs exactly, so each register holds two partial sums
+// per column (k mod 4 in {0, 1} and {2, 3}), added pairwise at the end
+template <int MR>
+__attribute__((target("avx2")))
+static void sf_i8ukr_avx2(int64_t ng, const void* Av, int64_t lda, const int8_t* __restrict__ B, int64_t,
+                          int32_t* __restrict__ C, int64_t ldc, int64_t, int64_t nc, bool first) {
+  const int16_t* __restrict__ A = static_cast<const int16_t*>(Av);
+  __m256i lo[MR], hi[MR];
+  #pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int8_t* b = B + 64 * g;
+    const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+    #pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      int64_t four;
+      std::memcpy(&four, A + i * lda + 4 * g, 8);
+      const __m256i a = _mm256_set1_epi64x(four);
+      lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(a, b0));
+      hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(a, b1));
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    // hadd: [c0 c1 c4 c5 | c2 c3 c6 c7]; the permute puts the 64-bit pairs in column order
+    const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[i], hi[i]), 0xD8);
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), s);
+    sf_i8_store(C + i * ldc, t, std::min<int64_t>(8, nc), first);
+  }
+}
+#endif
+
+// the kernel, its rows and columns per tile, and whether it reads A' as int16
+struct SfI8Kernel { SfI8Ukr fn[6]; int64_t mr, width; bool wide; const char* isa; };
+
+static SfI8Kernel sf_pick_i8() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+  const bool allow512 = !force || std::strcmp(force, "avx512") == 0;
+  const bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+      && __builtin_cpu_supports("avx512vnni"))
+    return {{sf_i8ukr_vnni_rows<1>, sf_i8ukr_vnni_rows<2>, sf_i8ukr_vnni_rows<3>, sf_i8ukr_vnni_rows<4>,
+             sf_i8ukr_vnni_rows<5>, sf_i8ukr_vnni_rows<6>}, 6, 64, false, "avx512vnni"};
+  if (allow2 && __builtin_cpu_supports("avx2"))
+    return {{sf_i8ukr_avx2<1>, sf_i8ukr_avx2<2>, sf_i8ukr_avx2<3>, sf_i8ukr_avx2<4>, nullptr, nullptr}, 4, 8, true,
+            "avx2"};
+#endif
+  return {{sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, nullptr, nullptr}, 4, 16, false,
+          "generic"};
+}
+static const SfI8Kernel& sf_i8_kernel() { static const SfI8Kernel k = sf_pick_i8(); return k; }
+
+// C[M, N] (int32, rows ldc apart) = (A - azp) @ (B - bzp) for A [M, K] (rows of K bytes, signed when
+// a_signed) and B packed as above; azp: nullptr, one value (azp_per_row false) or one per row
+static void sf_igemm_prepacked(int64_t M, int64_t N, int64_t K, const void* A, bool a_signed, const void* azp,
+                               bool azp_per_row, const int8_t* bp, const int32_t* bc, int32_t* C, int64_t ldc,
+                               bool allow_parallel) {
+  if (M <= 0 || N <= 0) return;
+  const SfI8Kernel& kr = sf_i8_kernel();
+  const int64_t ng = (K + 3) / 4, lda = 4 * ng;  // A' row: K values and zeros up to a multiple of 4
+  const int64_t ldp = 64 * ng;                    // bytes per weight panel
+  const int64_t esz = kr.wide ? 2 : 1;
+  const int32_t* bsum = bc + SF_I8_PANEL * ((N + SF_I8_PANEL - 1) / SF_I8_PANEL);  // bc's second row
+  if (ng == 0) {  // nothing contracted: every sum is empty
+    for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(int32_t) * N);
+    return;
+  }
+  char* ws = static_cast<char*>(sf_workspace(1, size_t(M) * (lda * esz + 2 * sizeof(int32_t)) + 64));
+  int32_t* rowsum = reinterpret_cast<int32_t*>(ws);
+  int32_t* zrow = rowsum + M;
+  void* Ap = ws + 2 * sizeof(int32_t) * M;
+  const uint8_t* a8 = static_cast<const uint8_t*>(A);
+  const uint8_t flip = a_signed ? 0x80 : 0;  // a + 128 as an unsigned byte
+  const int32_t shift = a_signed ? 128 : 0;
+  for (int64_t i = 0; i < M; ++i) {
+    const uint8_t* src = a8 + i * K;
+    int32_t s = 0;
+    if (kr.wide) {
+      int16_t* dst = static_cast<int16_t*>(Ap) + i * lda;
+      for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = int16_t(v); s += v; }
+      for (int64_t k = K; k < lda; ++k) dst[k] = 0;
+    } else {
+      uint8_t* dst = static_cast<uint8_t*>(Ap) + i * lda;
+      for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = v; s += v; }
+      for (int64_t k = K; k < lda; ++k) dst[k] = 0;
+    }
+    rowsum[i] = s;
+    int32_t z = 0;
+    if (azp) {
+      const int64_t at = azp_per_row ? i : 0;
+      z = a_signed ? int32_t(static_cast<const int8_t*>(azp)[at]) : int32_t(static_cast<const uint8_t*>(azp)[at]);
+    }
+    zrow[i] = z + shift;
+  }
+  const int64_t tiles = (N + kr.width - 1) / kr.width;
+  const bool par = allow_parallel && sf_max_threads() > 1 && tiles > 1 && (double)M * N * K >= 1048576.0;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t j0 = t * kr.width, nc = std::min(kr.width, N - j0);
+    // the tile's first panel, and the half of it the AVX2 kernel's 8 columns start at
+    const int8_t* Bt = bp + (j0 / SF_I8_PANEL) * ldp + 4 * (j0 % SF_I8_PANEL);
+    for (int64_t g0 = 0; g0 < ng; g0 += SF_I8_KGB) {
+      const int64_t gn = std::min(SF_I8_KGB, ng - g0);
+      for (int64_t i0 = 0; i0 < M; i0 += kr.mr) {
+        const int64_t mr = std::min(kr.mr, M - i0);
+        const void* Ai = static_cast<const char*>(Ap) + (i0 * lda + 4 * g0) * esz;
+        kr.fn[mr - 1](gn, Ai, lda, Bt + 64 * g0, ldp, C + i0 * ldc + j0, ldc, mr, nc, g0 == 0);
+      }
+    }
+    // the zero points' terms: C += (K z - rowsum) bc[0] - z bc[1]
+    for (int64_t i = 0; i < M; ++i) {
+      const int32_t u = int32_t(uint32_t(K) * uint32_t(zrow[i]) - uint32_t(rowsum[i])), z = zrow[i];
+      int32_t* c = C + i * ldc;
+      for (int64_t j = j0; j < j0 + nc; ++j)
+        c[j] = int32_t(uint32_t(c[j]) + uint32_t(u) * uint32_t(bc[j]) - uint32_t(z) * uint32_t(bsum[j]));
+    }
+  }
+}
+
+}  // namespace
