@@ -6,6 +6,9 @@ and back; GPT-2's tied lm_head 768 -> 50257) and other token counts (1, 8, 32, 5
 ``MatMul`` + ``Add``, compiled for one cpu rank (a PackedMatMul with the bias in its epilogue)
 and run with ``shardflow.runtime.load``; onnxruntime runs the same model with the same thread
 count. Prints median latencies, GFLOP/s, the ratio (ours / onnxruntime) and the largest difference.
+The ``int8_`` shapes are ``MatMulInteger`` nodes instead (uint8 ``x`` with a zero point times a constant
+int8 ``W``, int32 ``y``: a PackedMatMulInteger, ``cpu_library/gemm_int8.h``; "GFLOP/s" counts their
+multiply-adds as two operations too).
 
     python benchmarks/cpu_gemm.py [--threads 2] [--repeat 30] [--only fc_768_3072]
     python benchmarks/cpu_gemm.py --build-only --tag old --work /tmp/gemms   # at one commit
@@ -28,6 +31,8 @@ SHAPES = {
     "lm_head_768_50257": (128, 768, 50257), "fc_m1_768_3072": (1, 768, 3072), "fc_m8_768_3072": (8, 768, 3072),
     "fc_m32_768_3072": (32, 768, 3072), "fc_m512_768_3072": (512, 768, 3072),
 }
+SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("proj_768_768", "fc_768_3072", "fc2_3072_768", "lm_head_768_50257",
+                                                "fc_m1_768_3072", "fc_m8_768_3072")})
 
 
 def _model(name: str, path: str):
@@ -36,6 +41,14 @@ def _model(name: str, path: str):
 
     M, K, N = SHAPES[name]
     rng = np.random.default_rng(0)
+    if name.startswith("int8_"):
+        inits = [numpy_helper.from_array(rng.integers(-128, 128, (K, N)).astype(np.int8), "w"),
+                 numpy_helper.from_array(np.array(117, np.uint8), "xzp")]
+        g = helper.make_graph([helper.make_node("MatMulInteger", ["x", "w", "xzp"], ["y"])], name,
+                              [helper.make_tensor_value_info("x", TensorProto.UINT8, [M, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, [M, N])], inits)
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return rng.integers(0, 256, (M, K)).astype(np.uint8), 2.0 * M * K * N
     w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]

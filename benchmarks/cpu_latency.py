@@ -13,8 +13,13 @@ Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size
 synthetic weights, one 224x224 image). ``--only`` picks models by name.
 ``--compare-prepack`` also times each model compiled with ``optimization_config["prepack"] = False``
 (GEMM weights packed on every call) in the same run, interleaved with the default build.
+``--int8`` also times a copy of each transformer (the committed ones, and the sized ones with
+``--sized``) quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
+and ``MatMulInteger`` per projection), named ``<model>_int8``; its max |diff| is larger than the float
+models' (an activation that rounds the other way in one engine moves the next layer's sums).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet] [--compare-prepack]
+                                     [--int8]
 """
 from __future__ import annotations
 
@@ -95,6 +100,15 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
           f"max |diff| {err:.1e}{extra}", flush=True)
 
 
+def int8_copy(path: str) -> str:
+    """``path`` quantized by onnxruntime's ``quantize_dynamic`` (signed int8 weights), next to it."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    out = path[:-len(".onnx")] + "_int8.onnx"
+    quantize_dynamic(path, out, weight_type=QuantType.QInt8)
+    return out
+
+
 def export_resnet50(path: str) -> dict:
     """Export a randomly initialised ResNet-50 (transformers' ResNetConfig defaults: bottleneck
     blocks, depths 3-4-6-3, widths 256-2048) fed one 3x224x224 image, output ``last_hidden_state``
@@ -170,7 +184,14 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="", help="only the models whose name contains this text")
     ap.add_argument("--compare-prepack", action="store_true",
                     help="also time each model compiled with optimization_config['prepack'] = False")
+    ap.add_argument("--int8", action="store_true",
+                    help="also time the transformers quantized by onnxruntime's quantize_dynamic")
     args = ap.parse_args(argv)
+
+    def bench_text(name, path, feeds, repeat):
+        bench(name, path, feeds, args.threads, repeat, work, args.compare_prepack)
+        if args.int8:
+            bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, args.compare_prepack)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
           f"onnxruntime {__import__('onnxruntime').__version__}")
@@ -179,6 +200,12 @@ def main(argv=None) -> None:
             if args.only not in m:
                 continue
             feeds = dict(np.load(os.path.join(MODELS, f"{m.rsplit('_', 1)[0]}_inputs.npz")))
+            if m.startswith(("gpt2", "bert", "llama")):
+                copy = os.path.join(work, f"{m}.onnx")  # (quantize_dynamic writes next to it)
+                with open(os.path.join(MODELS, f"{m}.onnx"), "rb") as src, open(copy, "wb") as dst:
+                    dst.write(src.read())
+                bench_text(m, copy, feeds, args.repeat)
+                continue
             bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, args.compare_prepack)
         if args.light:
             import onnx
@@ -203,14 +230,12 @@ def main(argv=None) -> None:
                 info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
                 feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
                          if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
-                bench("gpt2_small_124M", path, feeds, args.threads, max(5, args.repeat // 10), work,
-                      args.compare_prepack)
+                bench_text("gpt2_small_124M", path, feeds, max(5, args.repeat // 10))
             for kind, name in (("bert", "bert_base_110M"), ("llama", "llama_1024x8_170M")):
                 if args.only in name:
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = export_text_model(kind, path)
-                    bench(name, path, feeds, args.threads, max(5, args.repeat // 10), work,
-                      args.compare_prepack)
+                    bench_text(name, path, feeds, max(5, args.repeat // 10))
             if args.only in "resnet50_224":
                 path = os.path.join(work, "resnet50.onnx")
                 feeds = export_resnet50(path)

@@ -340,10 +340,10 @@ def _large():
         Transpose([_t((300, 250))], perm=(1, 0)),
         Transpose([_t((70, 1, 1000))], perm=(2, 1, 0)),
         Transpose([_t((40, 50, 40))], perm=(1, 0, 2)),  # rows of 40 move whole: the generic nest
-        # the integer GEMM (cpu_library/gemm_int8.h): K past one block of 256 with a tail of 3 (groups of 4),
+        # the integer GEMM (cpu_library/gemm_int8.h): K past one block of 1024 with a tail of 3 (groups of 4),
         # N off the 64-wide VNNI tile and the 16-column panel, every row tail of the 6-row and 4-row kernels,
         # uint8/int8 A, a zero point per tensor, per row of a batched A, or none
-        _i8mm((2, 37, 303), 77, "uint8", ()),
+        _i8mm((2, 37, 1103), 77, "uint8", ()),
         _i8mm((130, 520), 200, "int8", (130,)),
         _i8mm((3, 11, 40), 20, "uint8", (11,)),
         _i8mm((1, 1000), 130, "int8", None),

@@ -8,8 +8,10 @@ namespace {
 //   C = sum_k a' b' - bc[0] * rowsum(a') - z * bc[1] + K * z * bc[0]
 // (z: A's zero point plus the same 128), which equals sum_k (a - azp)(b - bzp) modulo 2^32.
 constexpr int64_t SF_I8_PANEL = 16;
-// k groups of 4 per block: a block of 4 panels (64 columns) is 16 KB and stays in L1 across A's rows
-constexpr int64_t SF_I8_KGB = 64;
+// k groups of 4 per block (1024 values of k): a block of 4 panels (64 columns, 64 KB) stays in L2 across
+// A's rows. Measured on Zen 4 (benchmarks/cpu_gemm.py int8_*): blocks of 64 groups (16 KB, L1) were
+// 3-7% slower at K = 768 and 3072: C is read and written again after each block.
+constexpr int64_t SF_I8_KGB = 256;
 
 // C[0..mr)[0..nc) (+)= A'[rows][4 g0 .. 4 g1) . B'(same k), for one tile of the kernel's width:
 // A' rows lda bytes (or int16s) apart; B at the tile's first panel and first group, panels ldp bytes apart
@@ -167,47 +169,51 @@ static void sf_igemm_prepacked(int64_t M, int64_t N, int64_t K, const void* A, b
   const uint8_t* a8 = static_cast<const uint8_t*>(A);
   const uint8_t flip = a_signed ? 0x80 : 0;  // a + 128 as an unsigned byte
   const int32_t shift = a_signed ? 128 : 0;
-  for (int64_t i = 0; i < M; ++i) {
-    const uint8_t* src = a8 + i * K;
-    int32_t s = 0;
-    if (kr.wide) {
-      int16_t* dst = static_cast<int16_t*>(Ap) + i * lda;
-      for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = int16_t(v); s += v; }
-      for (int64_t k = K; k < lda; ++k) dst[k] = 0;
-    } else {
-      uint8_t* dst = static_cast<uint8_t*>(Ap) + i * lda;
-      for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = v; s += v; }
-      for (int64_t k = K; k < lda; ++k) dst[k] = 0;
-    }
-    rowsum[i] = s;
-    int32_t z = 0;
-    if (azp) {
-      const int64_t at = azp_per_row ? i : 0;
-      z = a_signed ? int32_t(static_cast<const int8_t*>(azp)[at]) : int32_t(static_cast<const uint8_t*>(azp)[at]);
-    }
-    zrow[i] = z + shift;
-  }
   const int64_t tiles = (N + kr.width - 1) / kr.width;
   const bool par = allow_parallel && sf_max_threads() > 1 && tiles > 1 && (double)M * N * K >= 1048576.0;
-  #pragma omp parallel for schedule(static) if (par)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t j0 = t * kr.width, nc = std::min(kr.width, N - j0);
-    // the tile's first panel, and the half of it the AVX2 kernel's 8 columns start at
-    const int8_t* Bt = bp + (j0 / SF_I8_PANEL) * ldp + 4 * (j0 % SF_I8_PANEL);
-    for (int64_t g0 = 0; g0 < ng; g0 += SF_I8_KGB) {
-      const int64_t gn = std::min(SF_I8_KGB, ng - g0);
-      for (int64_t i0 = 0; i0 < M; i0 += kr.mr) {
-        const int64_t mr = std::min(kr.mr, M - i0);
-        const void* Ai = static_cast<const char*>(Ap) + (i0 * lda + 4 * g0) * esz;
-        kr.fn[mr - 1](gn, Ai, lda, Bt + 64 * g0, ldp, C + i0 * ldc + j0, ldc, mr, nc, g0 == 0);
-      }
-    }
-    // the zero points' terms: C += (K z - rowsum) bc[0] - z bc[1]
+  #pragma omp parallel if (par)
+  {
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
-      const int32_t u = int32_t(uint32_t(K) * uint32_t(zrow[i]) - uint32_t(rowsum[i])), z = zrow[i];
-      int32_t* c = C + i * ldc;
-      for (int64_t j = j0; j < j0 + nc; ++j)
-        c[j] = int32_t(uint32_t(c[j]) + uint32_t(u) * uint32_t(bc[j]) - uint32_t(z) * uint32_t(bsum[j]));
+      const uint8_t* src = a8 + i * K;
+      int32_t s = 0;
+      if (kr.wide) {
+        int16_t* dst = static_cast<int16_t*>(Ap) + i * lda;
+        for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = int16_t(v); s += v; }
+        for (int64_t k = K; k < lda; ++k) dst[k] = 0;
+      } else {
+        uint8_t* dst = static_cast<uint8_t*>(Ap) + i * lda;
+        for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = v; s += v; }
+        for (int64_t k = K; k < lda; ++k) dst[k] = 0;
+      }
+      rowsum[i] = s;
+      int32_t z = 0;
+      if (azp) {
+        const int64_t at = azp_per_row ? i : 0;
+        z = a_signed ? int32_t(static_cast<const int8_t*>(azp)[at]) : int32_t(static_cast<const uint8_t*>(azp)[at]);
+      }
+      zrow[i] = z + shift;
+    }
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t j0 = t * kr.width, nc = std::min(kr.width, N - j0);
+      // the tile's first panel, and the half of it the AVX2 kernel's 8 columns start at
+      const int8_t* Bt = bp + (j0 / SF_I8_PANEL) * ldp + 4 * (j0 % SF_I8_PANEL);
+      for (int64_t g0 = 0; g0 < ng; g0 += SF_I8_KGB) {
+        const int64_t gn = std::min(SF_I8_KGB, ng - g0);
+        for (int64_t i0 = 0; i0 < M; i0 += kr.mr) {
+          const int64_t mr = std::min(kr.mr, M - i0);
+          const void* Ai = static_cast<const char*>(Ap) + (i0 * lda + 4 * g0) * esz;
+          kr.fn[mr - 1](gn, Ai, lda, Bt + 64 * g0, ldp, C + i0 * ldc + j0, ldc, mr, nc, g0 == 0);
+        }
+      }
+      // the zero points' terms: C += (K z - rowsum) bc[0] - z bc[1]
+      for (int64_t i = 0; i < M; ++i) {
+        const int32_t u = int32_t(uint32_t(K) * uint32_t(zrow[i]) - uint32_t(rowsum[i])), z = zrow[i];
+        int32_t* c = C + i * ldc;
+        for (int64_t j = j0; j < j0 + nc; ++j)
+          c[j] = int32_t(uint32_t(c[j]) + uint32_t(u) * uint32_t(bc[j]) - uint32_t(z) * uint32_t(bsum[j]));
+      }
     }
   }
 }
