@@ -636,13 +636,14 @@ def _cheapest(problem: Problem, op: Operator, cands: list[OpShardSpec], assign) 
 
 def _is_weight_matmul(op: Operator) -> int | None:
     """Input position of the constant weight of a matmul-like op (a 2-D constant read by the
-    top-level reduction), or None."""
+    top-level reduction), or None. Scalar inputs computed at run time (a MatMulInteger's zero point
+    of its activation, from DynamicQuantizeLinear) do not count as a second activation."""
     if len(op.task.outputs) != 1 or not isinstance(op.task.outputs[0], GridCompute):
         return None
     if not any(isinstance(n, Reduce) and n.op == "sum" for n in walk(op.task.outputs[0].value)):
         return None
     consts = [k for k, t in enumerate(op.inputs) if t.is_constant and t.ndim == 2]
-    acts = [k for k, t in enumerate(op.inputs) if not t.is_constant]
+    acts = [k for k, t in enumerate(op.inputs) if not t.is_constant and t.ndim > 0]
     return consts[0] if len(consts) >= 1 and len(acts) == 1 else None
 
 

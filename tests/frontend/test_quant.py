@@ -189,11 +189,15 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
     """onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear`` + ``MatMulInteger``
     per projection) declares no types for the quantized activations, which the opset-11 function
     body of ``DynamicQuantizeLinear`` needs to be converted to the model's opset 17: the import
-    infers them. Evaluated, compiled for one cpu rank and split over two, it equals onnxruntime."""
+    infers them. Evaluated, compiled for one cpu rank (the integer GEMM's template), simulated on two
+    ranks and compiled for two, it equals onnxruntime."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from threads import run_threads
 
     from shardflow.compiler import compile
     from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
 
     ort = pytest.importorskip("onnxruntime")
     src = MODELS / f"{name}_ts17.onnx"
@@ -219,6 +223,21 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
     for n in names:
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
     plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
+    # Megatron splits the projections' weights (their activation's zero point, a run-time scalar, does not
+    # count as a second activation); the quantization ranges of split activations are all-reduced (min/max)
+    split = [not plan.op_specs[n.name].input_specs[1].is_replicated for n in g.nodes if n.op_type == "MatMulInteger"]
+    assert any(split) and (name != "bert" or all(split)), split  # GPT-2's later blocks run split by tokens
     got = simulate(partition(g, plan), feeds, plan.mesh)
     for n in names:
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
+    # two compiled cpu ranks (in-process): each packs its shard of the weights; partial int32 sums all-reduced
+    compile(str(path), distributed_config={"mesh_shape": [2], "algo": "megatron"},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out2")
+    for r in range(2):
+        program = json.loads((tmp_path / "out2" / f"rank{r}" / "program.json").read_text())
+        assert "PackedMatMulInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+    ranks = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "out2", c.rank, c).run(feeds),
+                        timeout=120)
+    for got in ranks:
+        for n in names:
+            np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
