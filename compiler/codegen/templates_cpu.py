@@ -17,8 +17,10 @@ rows fill a panel is not packed at all: its micro-kernel loads each panel row fr
 through a table of tap offsets. A PackedConv (a 1x1 conv on a small image, ``passes/prepack.py``) is
 the prepacked GEMM with the output pixels as rows, transposed back. A WinogradConv (a 3x3 stride-1 conv,
 ``passes/prepack.py``) transforms its input tiles, runs one prepacked GEMM per transform position (tiles
-as rows) and transforms the products back into output tiles. Depthwise and 3-D convolutions
-use the generic loop nest. Every other op, and other dtypes, use the generic lowering.
+as rows) and transforms the products back into output tiles. A PackedMatMulInteger (int8/uint8 times a
+weight packed at compile time, int32 sums) runs the integer GEMM of ``cpu_library/gemm_int8.h``.
+Depthwise, 3-D and transposed convs, pools, attention, Resize, LRN, scans, pads, TopK and large transposes have
+templates of their own (below); every other op, and other dtypes, use the generic lowering.
 """
 from __future__ import annotations
 
