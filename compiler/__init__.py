@@ -16,7 +16,8 @@ __all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph"
 
 
 def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping[str, Sequence[int]] | None = None,
-              simplify: bool = True, instruments=(), input_values: Mapping[str, object] | None = None) -> FlowGraph:
+              simplify: bool = True, instruments=(), input_values: Mapping[str, object] | None = None,
+              int8_qdq: bool = False) -> FlowGraph:
     """Import an ONNX model into a :class:`FlowGraph`.
 
     Parameters
@@ -34,6 +35,11 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
         the declared type and a shape the model allows). Each becomes a constant and leaves the
         graph's inputs, so that shapes and parameters computed from it (a ``Reshape``'s shape, a
         ``Resize``'s sizes, reduction axes, a ``TopK``'s ``k``) are known at compile time.
+    int8_qdq
+        Rewrite each MatMul of two ``DequantizeLinear``'d int8/uint8 values (QDQ models) into the
+        integer product it stands for, ``MatMulInteger`` then the product of the scales
+        (``frontend/qdq.py``): the same values with the sum exact. ``compile`` does it for the cpu
+        target (``optimization_config["int8_qdq"]``).
 
     Returns
     -------
@@ -55,7 +61,7 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
     from .frontend import import_onnx
     from .passes import simplify as run_passes
 
-    graph = import_onnx(model, input_shapes, input_values)
+    graph = import_onnx(model, input_shapes, input_values, int8_qdq=int8_qdq)
     if simplify:
         graph = run_passes(graph, instruments)
     else:

@@ -28,6 +28,10 @@ key               meaning                                                       
                   F(4x4, 3x3) or F(2x2, 3x3) with the weights transformed at compile time
                   (passes/prepack.py); fewer products, rounding up to ~7e-6 of the largest output (direct: 4e-7);
                   off under ``memory_budget_bytes`` (the larger weights are not in the plan)
+``int8_qdq``      cpu: a MatMul of two DequantizeLinear'd int8/uint8 values (QDQ models, e.g.   ``True``
+                  onnxruntime's quantize_static) runs as the integer product it stands for,
+                  exact in int32 then scaled, on the int8 GEMM (frontend/qdq.py); ``False``
+                  keeps the float MatMul of the dequantized values
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -82,6 +86,7 @@ class OptimizationConfig:
     cuda_graph: bool = True
     prepack: bool = True
     winograd: bool = True
+    int8_qdq: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -141,7 +146,7 @@ class OptimizationConfig:
             raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
                               "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
                               "'float32' or 'float16'")
-        for key in ("fuse", "cuda_graph", "prepack", "winograd"):
+        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if "search_space" in cfg:
@@ -657,7 +662,7 @@ def _cuda_builder() -> Callable:
 # ---------------------------------------------------------------------------------------
 # compile
 # ---------------------------------------------------------------------------------------
-def _load_model(model, input_shapes, input_values=None) -> FlowGraph:
+def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False) -> FlowGraph:
     if isinstance(model, FlowGraph):
         if input_shapes or input_values:
             raise ConfigError("input_shapes and input_values apply to ONNX models; a FlowGraph already has static "
@@ -665,7 +670,7 @@ def _load_model(model, input_shapes, input_values=None) -> FlowGraph:
         return model
     from . import load_onnx
 
-    return load_onnx(model, input_shapes=input_shapes, input_values=input_values)
+    return load_onnx(model, input_shapes=input_shapes, input_values=input_values, int8_qdq=int8_qdq)
 
 
 def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
@@ -735,7 +740,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
-    graph = _load_model(model, input_shapes, input_values)
+    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
 

@@ -431,12 +431,17 @@ def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
-                input_values: Mapping[str, object] | None = None) -> FlowGraph:
+                input_values: Mapping[str, object] | None = None, int8_qdq: bool = False) -> FlowGraph:
     """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph.
 
     Model-local functions are inlined first (:func:`inline_functions`). ``input_values`` binds
-    graph inputs to constants (they leave the graph's inputs); see
+    graph inputs to constants (they leave the graph's inputs); ``int8_qdq`` rewrites QDQ MatMuls
+    into integer products (:func:`~shardflow.compiler.frontend.qdq.fuse_qdq_matmuls`); see
     :func:`shardflow.compiler.load_onnx`.
     """
     proto = inline_functions(read_model(model))
+    if int8_qdq:
+        from .qdq import fuse_qdq_matmuls
+
+        proto = fuse_qdq_matmuls(proto)
     return _Importer(proto, input_shapes, input_values).run()

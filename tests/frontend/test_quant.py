@@ -241,3 +241,98 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
     for got in ranks:
         for n in names:
             np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
+
+
+def _qdq_copy(name, tmp_path, per_channel):
+    """The committed ``name`` model in onnxruntime's static QDQ format (uint8 activations calibrated on
+    its own inputs, int8 weights, per tensor or per output channel) and those inputs."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    src = MODELS / f"{name}_ts17.onnx"
+    inputs = {i.name for i in onnx.load(src).graph.input}
+    feeds = {k: v for k, v in np.load(MODELS / f"{name}_inputs.npz").items() if k in inputs}
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.left = [feeds]
+
+        def get_next(self):
+            return self.left.pop() if self.left else None
+
+    path = tmp_path / f"{name}_qdq.onnx"
+    quantize_static(str(src), str(path), Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    return path, feeds
+
+
+@pytest.mark.parametrize("name,per_channel", [("bert", False), ("gpt2", True), ("llama", True)])
+def test_qdq_matmuls_run_as_integer_products(name, per_channel, tmp_path):
+    """A QDQ model's MatMuls and Gemms between DequantizeLinear'd int8 values become MatMulInteger
+    times the scales (frontend/qdq.py): the same values as the float MatMuls of the dequantized
+    operands and as onnxruntime's unoptimized session (the format's reference semantics; its
+    optimized one rounds some activations the other way), evaluated and compiled for a cpu rank,
+    where they run the integer GEMM."""
+    ort = pytest.importorskip("onnxruntime")
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    path, feeds = _qdq_copy(name, tmp_path, per_channel)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    want = dict(zip(names, sess.run(None, feeds)))
+    tol = {n: 1e-5 * float(np.abs(w).max()) for n, w in want.items()}
+    plain, fused = load_onnx(str(path)), load_onnx(str(path), int8_qdq=True)
+    assert not any(op.op_type == "MatMulInteger" for op in plain.nodes)
+    assert sum(op.op_type == "MatMulInteger" for op in fused.nodes) >= {"bert": 12, "gpt2": 9, "llama": 14}[name]
+    for got in (plain.run(feeds), fused.run(feeds)):
+        for n in names:
+            np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "out")
+    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
+    assert "PackedMatMulInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+    got = load(tmp_path / "out", rank=0).run(feeds)
+    for n in names:
+        np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
+
+
+def test_qdq_gemm_terms_and_what_stays_float():
+    """A Gemm with transB, alpha, beta and C over a per-row-quantized weight becomes MatMulInteger
+    (weight transposed), the scales times alpha, plus beta * C; a MatMul whose activation scale is a
+    graph input (not an initializer) stays a float MatMul. Values equal the float graph's."""
+    from shardflow.compiler.frontend.qdq import fuse_qdq_matmuls
+
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "sx"),
+             numpy_helper.from_array(np.array(120, np.uint8), "zx"),
+             numpy_helper.from_array(rng.integers(-128, 128, (6, 10)).astype(np.int8), "w"),
+             numpy_helper.from_array((rng.random(6) * 0.02 + 0.01).astype(np.float32), "sw"),
+             numpy_helper.from_array(rng.integers(-5, 5, 6).astype(np.int8), "zw"),
+             numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "c"),
+             numpy_helper.from_array(rng.integers(-128, 128, (10, 4)).astype(np.int8), "w2"),
+             numpy_helper.from_array(np.array(0.03, np.float32), "sw2")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["wd"], axis=0),
+             helper.make_node("Gemm", ["xd", "wd", "c"], ["y"], name="gemm", transB=1, alpha=0.5, beta=2.0),
+             helper.make_node("QuantizeLinear", ["x", "s_in", "zx"], ["xq2"]),
+             helper.make_node("DequantizeLinear", ["xq2", "s_in", "zx"], ["xd2"]),
+             helper.make_node("DequantizeLinear", ["w2", "sw2"], ["wd2"]),
+             helper.make_node("MatMul", ["xd2", "wd2"], ["y2"], name="kept")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 10]),
+                                       helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6]),
+                           helper.make_tensor_value_info("y2", TensorProto.FLOAT, [3, 4])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])  # (the reference evaluator's Q/DQ)
+    onnx.checker.check_model(m)
+    out = fuse_qdq_matmuls(m)
+    assert [n.op_type for n in out.graph.node].count("MatMulInteger") == 1 and "Gemm" not in [
+        n.op_type for n in out.graph.node] and "kept" in [n.name for n in out.graph.node if n.op_type == "MatMul"]
+    feeds = {"x": rng.standard_normal((3, 10)).astype(np.float32) * 3, "s_in": np.array(0.04, np.float32)}
+    want = ReferenceEvaluator(m).run(None, feeds)
+    for got, w in zip(load_onnx(m, int8_qdq=True).run(feeds).values(), want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+    for got, w in zip(ReferenceEvaluator(out).run(None, feeds), want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,128 @@
+"""Integer matmuls out of QDQ models, for the cpu target.
+
+A model in the QDQ format (onnxruntime's ``quantize_static`` default, and most quantization tools)
+keeps its MatMuls in float and marks the quantized values with ``DequantizeLinear``: ``MatMul(
+DequantizeLinear(xq, sx, zx), DequantizeLinear(Wq, sw, zw))``. Imported as it is, the weight's
+dequantization folds into a float weight and the product runs the float GEMM. :func:`fuse_qdq_matmuls`
+rewrites each such MatMul, before import, into the integer product it stands for,
+
+    Mul(Cast(MatMulInteger(xq, Wq, zx, zw), float), sx * sw)
+
+which is the same value, ``sum_k sx (xq - zx) sw (Wq - zw)``, with the sum exact in int32 instead of
+rounded in float32; the cpu target runs it on the integer GEMM (``PackedMatMulInteger``). The driver
+applies it for the cpu target only (the cuda target has no integer GEMM template).
+
+A MatMul, or a Gemm without ``transA`` (``alpha`` joins the scales, ``beta * C`` is added after),
+is rewritten when both inputs come from DequantizeLinear nodes of this graph (not a subgraph)
+whose scales and zero points are initializers: the activation's per tensor, int8 or uint8, with a
+zero point; the weight a 2-D int8/uint8 initializer, per tensor or per output column (``axis`` 1,
+or 0 under ``transB``, whose weight is stored transposed once more), without ``block_size``; both
+scales float32. Anything else is left as it is.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = ["fuse_qdq_matmuls"]
+
+log = logging.getLogger(__name__)
+
+_INT8 = (TensorProto.INT8, TensorProto.UINT8)
+
+
+def _dq_parts(node, inits: dict, weight):
+    """``(x, scale, zero point)`` of a DequantizeLinear node this rewrite takes (arrays for the
+    initializers; ``x`` a name), or ``None``. ``weight``: ``False`` for the activation, ``True`` for a
+    ``[K, N]`` weight, ``"transposed"`` for an ``[N, K]`` one (a Gemm's ``transB``)."""
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("block_size", 0):
+        return None
+    names = list(node.input) + [""] * (3 - len(node.input))
+    x, s, z = names[:3]
+    if s not in inits or inits[s].data_type != TensorProto.FLOAT or (z and z not in inits):
+        return None
+    scale = numpy_helper.to_array(inits[s])
+    zp = numpy_helper.to_array(inits[z]) if z else None
+    if not weight:
+        if scale.size != 1 or zp is None or zp.size != 1 or inits[z].data_type not in _INT8:
+            return None
+        return x, scale.reshape(()), zp
+    if x not in inits or inits[x].data_type not in _INT8 or len(inits[x].dims) != 2:
+        return None
+    n_axis = 0 if weight == "transposed" else 1  # the output columns' axis of the stored weight
+    n = inits[x].dims[n_axis]
+    if scale.size != 1 and (scale.shape != (n,) or attrs.get("axis", 1) not in (n_axis, n_axis - 2)):
+        return None
+    if zp is not None and (zp.shape != scale.shape or inits[z].data_type != inits[x].data_type):
+        return None
+    return x, scale, zp
+
+
+def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` (a copy) with each QDQ MatMul as an integer product (module docstring); ``proto``
+    itself when there is none."""
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    plans = []
+    for k, node in enumerate(g.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "MatMul" and len(node.input) != 2 or attrs.get("transA", 0):
+            continue
+        a = _dq_parts(producer.get(node.input[0]), inits, weight=False)
+        b = _dq_parts(producer.get(node.input[1]), inits, weight="transposed" if attrs.get("transB", 0) else True)
+        if a is None or b is None:
+            continue
+        plans.append((k, a, b, attrs))
+    if not plans:
+        return proto
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    g = out.graph
+    nodes = list(g.node)
+    replaced: dict[int, list] = {}
+    for k, (x, sx, zx), (w, sw, zw), attrs in plans:
+        mm = nodes[k]
+        base = (mm.name or mm.output[0]) + "_int8"
+        zx_name, scale_name = f"{base}.x_zero_point", f"{base}.scale"
+        alpha = np.float32(attrs.get("alpha", 1.0))
+        g.initializer.append(numpy_helper.from_array(np.asarray(zx).reshape(()), zx_name))
+        g.initializer.append(numpy_helper.from_array(
+            (sx.astype(np.float32) * sw.astype(np.float32) * alpha).astype(np.float32), scale_name))
+        if attrs.get("transB", 0):  # MatMulInteger takes [K, N]: a transposed copy of the int8 weight
+            w_t = f"{base}.weight_t"
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[w]).T), w_t))
+            w = w_t
+        ins = [x, w, zx_name]
+        if zw is not None and np.any(zw):
+            zw_name = f"{base}.w_zero_point"
+            g.initializer.append(numpy_helper.from_array(zw.reshape(-1) if zw.ndim else zw, zw_name))
+            ins.append(zw_name)
+        bias = mm.input[2] if mm.op_type == "Gemm" and len(mm.input) > 2 and mm.input[2] else ""
+        beta = float(attrs.get("beta", 1.0))
+        scaled = f"{base}.scaled" if bias and beta != 0 else mm.output[0]
+        replaced[k] = [
+            helper.make_node("MatMulInteger", ins, [f"{base}.int32"], name=f"{base}"),
+            helper.make_node("Cast", [f"{base}.int32"], [f"{base}.float"], name=f"{base}.cast", to=TensorProto.FLOAT),
+            helper.make_node("Mul", [f"{base}.float", scale_name], [scaled], name=f"{base}.mul"),
+        ]
+        if scaled != mm.output[0]:  # Gemm's beta * C
+            if beta != 1.0:
+                g.initializer.append(numpy_helper.from_array(np.array(beta, np.float32), f"{base}.beta"))
+                replaced[k].append(helper.make_node("Mul", [bias, f"{base}.beta"], [f"{base}.bias"],
+                                                    name=f"{base}.beta_mul"))
+                bias = f"{base}.bias"
+            replaced[k].append(helper.make_node("Add", [scaled, bias], [mm.output[0]], name=f"{base}.add"))
+    del g.node[:]
+    for k, node in enumerate(nodes):
+        g.node.extend(replaced.get(k, [node]))
+    log.info("%d QDQ MatMuls as integer products (MatMulInteger)", len(plans))
+    return out
