@@ -13,10 +13,11 @@ Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size
 synthetic weights, one 224x224 image). ``--only`` picks models by name.
 ``--compare-prepack`` also times each model compiled with ``optimization_config["prepack"] = False``
 (GEMM weights packed on every call) in the same run, interleaved with the default build.
-``--int8`` also times a copy of each transformer (the committed ones, and the sized ones with
-``--sized``) quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
-and ``MatMulInteger`` per projection), named ``<model>_int8``; its max |diff| is larger than the float
-models' (an activation that rounds the other way in one engine moves the next layer's sums).
+``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
+``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
+and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
+format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff| is larger than the
+float models' (an activation that rounds the other way in one engine moves the next layer's sums).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet] [--compare-prepack]
                                      [--int8]
@@ -109,6 +110,24 @@ def int8_copy(path: str) -> str:
     return out
 
 
+def qdq_copy(path: str, feeds: dict) -> str:
+    """``path`` quantized by onnxruntime's ``quantize_static`` in the QDQ format (uint8 activations
+    calibrated on ``feeds``, int8 weights per tensor), next to it."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.left = [feeds]
+
+        def get_next(self):
+            return self.left.pop() if self.left else None
+
+    out = path[:-len(".onnx")] + "_qdq.onnx"
+    quantize_static(path, out, Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8)
+    return out
+
+
 def export_resnet50(path: str) -> dict:
     """Export a randomly initialised ResNet-50 (transformers' ResNetConfig defaults: bottleneck
     blocks, depths 3-4-6-3, widths 256-2048) fed one 3x224x224 image, output ``last_hidden_state``
@@ -192,6 +211,7 @@ def main(argv=None) -> None:
         bench(name, path, feeds, args.threads, repeat, work, args.compare_prepack)
         if args.int8:
             bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, args.compare_prepack)
+            bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, args.compare_prepack)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
           f"onnxruntime {__import__('onnxruntime').__version__}")
