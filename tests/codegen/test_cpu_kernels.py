@@ -807,6 +807,14 @@ def test_numpy_edge_semantics(tmp_path):
         (CastOp([_t(fa.shape)], to="int32", name="ci32"), [fa]),
         (Unary([_t(h.shape, "float16")], fn="exp", name="h_exp"), [h]),
         (Unary([_t(fa.shape)], fn="round", name="rnd"), [np.array([[0.5, 1.5, 2.5, -0.5, -1.5, 2.4]], np.float32)]),
+        # round half to even without std::nearbyint: ties, the last fractions below 2^23 / 2^52, integers above,
+        # huge values, NaN and infinities, and the sign of a zero result
+        (Unary([_t((1, 16))], fn="round", name="rnd32"), [np.array([[
+            4194304.5, 4194305.5, 8388607.5, -8388607.5, 8388608.0, 8388609.0, 16777216.0, 1e30, -1e30, np.nan,
+            np.inf, -np.inf, -0.3, -0.5, 0.49999997, 3.5]], np.float32)]),
+        (Unary([_t((1, 10), "float64")], fn="round", name="rnd64"), [np.array([[
+            2.0 ** 51 + 0.5, 2.0 ** 52 - 0.5, -(2.0 ** 52 - 0.5), 2.0 ** 52 + 1, 1e300, np.nan, -np.inf, -0.3,
+            0.49999999999999994, -2.5]], np.float64)]),
         (Pool([_t(px.shape)], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), name="mpool"), [px]),
         (Pool([_t(px.shape)], kind="avg", kernel=(3, 2), strides=(1, 2), pads=(1, 0, 1, 1), name="apool"), [px]),
         (Pool([_t(pw.shape)], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), name="wpool"), [pw]),
@@ -827,6 +835,10 @@ def test_numpy_edge_semantics(tmp_path):
     assert run_kernel(lib, syms["tk_lo"], *cases[2])[1].tolist() == [[6, 7, 0, 4, 2, 5, 1]]  # NaN last
     am = run_kernel(lib, syms["am"], cases[7][0], cases[7][1])[0]
     assert am.tolist() == [1, 0, 0]
+    for op, (x,) in (c for c in cases if c[0].name in ("rnd32", "rnd64")):  # exactly numpy's, signed zeros too
+        got = run_kernel(lib, syms[op.name], op, [x])[0]
+        np.testing.assert_array_equal(got, np.round(x))
+        assert (np.signbit(got) == np.signbit(np.round(x))).all()
     mp = run_kernel(lib, syms["mpool"], *cases[-3])[0]
     assert np.isnan(mp[0, 0, 0, 0]) and np.isnan(mp[0, 0, 1, 2]) and np.isnan(mp[0, 1, 3, 4])
     assert np.isnan(mp).sum() == 1 + 2 + 1  # (3, 4) lies in the windows (1, 2) and (2, 2)
