@@ -302,17 +302,10 @@ SF_INLINE float sf_rsqrt(float x) { return 1.0f / std::sqrt(x); }
 SF_INLINE double sf_rsqrt(double x) { return 1.0 / std::sqrt(x); }
 SF_INLINE float sf_sigmoid(float x) { return 1.0f / (1.0f + sf_exp(-x)); }
 SF_INLINE double sf_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-// round half to even, as std::nearbyint in the default rounding mode, written as arithmetic that GCC
-// vectorizes (a loop calling std::nearbyint stays scalar: QuantizeLinear's rounding kept whole fused
-// kernels, softmax included, scalar): below 2^23 (2^52), adding and subtracting 2^23 rounds the fraction
-// away in the current rounding mode; from there up every float (double) is an integer; NaN and inf pass
-SF_INLINE float sf_round(float x) {
-  const float a = std::fabs(x), r = (a + 8388608.0f) - 8388608.0f;
-  return a < 8388608.0f ? std::copysign(r, x) : x;
-}
-SF_INLINE double sf_round(double x) {
-  const double a = std::fabs(x), r = (a + 4503599627370496.0) - 4503599627370496.0;
-  return a < 4503599627370496.0 ? std::copysign(r, x) : x;
-}
+// std::nearbyint: GCC vectorizes it as roundps/roundpd (SSE4.1, x86-64-v2 and up). An arithmetic
+// form (adding and subtracting 2^23 below 2^23, with the sign restored) measured 1.1x slower on a QDQ
+// BERT's quantize kernels (1.16-1.47x per kernel, session 26)
+SF_INLINE float sf_round(float x) { return std::nearbyint(x); }
+SF_INLINE double sf_round(double x) { return std::nearbyint(x); }
 
 }  // namespace
