@@ -126,7 +126,7 @@ static void sf_i8ukr_avx2(int64_t ng, const void* Av, int64_t lda, const int8_t*
 #endif
 
 // the kernel, its rows and columns per tile, and whether it reads A' as int16
-struct SfI8Kernel { SfI8Ukr fn[6]; int64_t mr, width; bool wide; const char* isa; };
+struct SfI8Kernel { SfI8Ukr fn[6]; int64_t mr, width; bool wide; };
 
 static SfI8Kernel sf_pick_i8() {
 #if defined(__x86_64__)
@@ -137,13 +137,11 @@ static SfI8Kernel sf_pick_i8() {
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
       && __builtin_cpu_supports("avx512vnni"))
     return {{sf_i8ukr_vnni_rows<1>, sf_i8ukr_vnni_rows<2>, sf_i8ukr_vnni_rows<3>, sf_i8ukr_vnni_rows<4>,
-             sf_i8ukr_vnni_rows<5>, sf_i8ukr_vnni_rows<6>}, 6, 64, false, "avx512vnni"};
+             sf_i8ukr_vnni_rows<5>, sf_i8ukr_vnni_rows<6>}, 6, 64, false};
   if (allow2 && __builtin_cpu_supports("avx2"))
-    return {{sf_i8ukr_avx2<1>, sf_i8ukr_avx2<2>, sf_i8ukr_avx2<3>, sf_i8ukr_avx2<4>, nullptr, nullptr}, 4, 8, true,
-            "avx2"};
+    return {{sf_i8ukr_avx2<1>, sf_i8ukr_avx2<2>, sf_i8ukr_avx2<3>, sf_i8ukr_avx2<4>, nullptr, nullptr}, 4, 8, true};
 #endif
-  return {{sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, nullptr, nullptr}, 4, 16, false,
-          "generic"};
+  return {{sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, nullptr, nullptr}, 4, 16, false};
 }
 static const SfI8Kernel& sf_i8_kernel() { static const SfI8Kernel k = sf_pick_i8(); return k; }
 
