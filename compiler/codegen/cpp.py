@@ -126,6 +126,18 @@ def convert(s: str, src: str | None, dst: str) -> str:
 # printing one kernel
 # ---------------------------------------------------------------------------------------------
 
+
+def _bound_operand(e: BinOp):
+    """The operand of ``e`` that is a float constant other than NaN and zero, if any."""
+    for c in (e.b, e.a):
+        if isinstance(c, Const) and isinstance(c.value, (int, float, np.integer, np.floating)) \
+                and not isinstance(c.value, bool):
+            v = float(c.value)
+            if v == v and v != 0.0:
+                return c
+    return None
+
+
 class _Printer:
     def __init__(self, kernel: Kernel):
         self.k = kernel
@@ -252,6 +264,14 @@ class _Printer:
             if r == "bool" and op in ("max", "min"):
                 return f"({a} {'||' if op == 'max' else '&&'} {b})"
             if _kind(r) == "f":
+                bound = _bound_operand(e)
+                if op in ("max", "min") and bound is not None:
+                    # np.maximum(x, c) for a constant c neither NaN nor zero in one comparison
+                    # (helpers.h): the two tests of sf_max became branches that stopped a QDQ
+                    # model's clamped quantize chains from vectorizing
+                    c = a if bound is e.a else b
+                    x = b if bound is e.a else a
+                    return f"sf_{op}_const({x}, {c})"
                 return f"{_HELPER_BIN[op]}({a}, {b})"
             return f"{_HELPER_BIN[op]}<{ct}>({a}, {b})"
         raise CodegenError(f"binary op {op} is not supported by the cpu emitter")
@@ -266,7 +286,7 @@ class _Printer:
             if _kind(src) != "f":
                 return "false"
             a = self.expr(e.a, src)
-            return {"isnan": f"({a} != {a})", "isinf": f"std::isinf({a})",
+            return {"isnan": f"sf_isnan({a})", "isinf": f"std::isinf({a})",
                     "isposinf": f"({a} == std::numeric_limits<{COMPUTE_CTYPE[src]}>::infinity())",
                     "isneginf": f"({a} == -std::numeric_limits<{COMPUTE_CTYPE[src]}>::infinity())"}[op]
         ct = COMPUTE_CTYPE[r]

@@ -67,7 +67,7 @@ from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import STREAM_K_WORKSPACE, WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
-from .lower import CodegenError
+from .lower import CodegenError, hashcons
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
 __all__ = ["KernelLaunch", "CudaSource", "CudaCodegenError", "build_cuda_library", "generate_cuda_source",
@@ -1774,7 +1774,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
     param_text = ", ".join(params) if params else ""
     args = tuple(t.name for t in op.inputs) + tuple(t.name for t in op.outputs)
     scalars = _scalar_constants(op)
-    values = [_bake(_inline_computes(gc.value, an), scalars) for gc in task.outputs]
+    # (each read of a fused producer inlines a copy of it: one object per distinct value again)
+    values = [hashcons(_bake(_inline_computes(gc.value, an), scalars)) for gc in task.outputs]
 
     att = _attention_member(op) if mma and len(task.outputs) == 1 else None
     if att is not None:

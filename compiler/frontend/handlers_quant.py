@@ -9,7 +9,9 @@ kernels like any elementwise chain, and a dequantized constant weight is folded 
   the scale's type (or ``output_dtype``);
 * ``QuantizeLinear``: ``y = clip(round_half_even(x / scale) + zero_point, qmin, qmax)``, the
   division in the wider of the input and scale types (or ``precision``), the result in the zero
-  point's type (or ``output_dtype``, default uint8).
+  point's type (or ``output_dtype``, default uint8); saturating as onnxruntime does (infinities
+  and values past the int32 range to the nearer end; NaN to ``qmin`` on x86; the ONNX reference
+  evaluator casts to int32 first and gets ``qmin`` for all of them).
 
 * ``ConvInteger``: an int32 ``Conv`` of ``int32(x) - x_zero_point`` and ``int32(w) - w_zero_point``
   (the weight's zero point one value or one per output channel), padding with zeros after the
@@ -108,13 +110,28 @@ def quantize_linear(ctx):
         raise ctx.unsupported(f"a division in {div}")
     q = ctx.emit("Div", [ctx.cast(x, div), ctx.cast(_spread(ctx, scale, x, axis, block, "the scale"), div)],
                  _OPSET)
-    q = ctx.cast(ctx.emit("Round", [q], _OPSET), "int32")
-    if ctx.has_input(2):
-        zp = ctx.cast(_spread(ctx, ctx.input(2), x, axis, block, "the zero point"), "int32")
-        q = ctx.emit("Add", [q, zp], _OPSET)
+    zp = _spread(ctx, ctx.input(2), x, axis, block, "the zero point") if ctx.has_input(2) else None
+    return [_saturate(ctx, ctx.emit("Round", [q], _OPSET), zp, out)]
+
+
+def _saturate(ctx: NodeContext, r: Tensor, zp: Tensor | None, out: str) -> Tensor:
+    """``clip(r + zp, qmin, qmax)`` as ``out`` for the rounded float ``r``, saturating as
+    onnxruntime does: values beyond the int32 range and infinities to the nearer end. ``r`` is
+    clamped to +-2^24 in float first, so that its int32 conversion is in range (C++ and numpy
+    leave out-of-range conversions undefined; x86 gives INT32_MIN, which turned +inf into
+    ``qmin``); past 2^24 every result saturates anyway. NaN stays NaN through the clamp and
+    converts as the machine does (x86: INT32_MIN, hence ``qmin``, onnxruntime's answer); a
+    select for it kept GCC from vectorizing a QDQ model's fused kernels (17x slower GELU)."""
+    big = float(1 << 24)
+    if r.dtype == "float16":
+        r = ctx.cast(r, "float32")
+    r = ctx.emit("Clip", [r, ctx.constant(np.array(-big, r.dtype)), ctx.constant(np.array(big, r.dtype))], _OPSET)
+    q = ctx.cast(r, "int32")
+    if zp is not None:
+        q = ctx.emit("Add", [q, ctx.cast(zp, "int32")], _OPSET)
     lo, hi = _RANGES[out]
     q = ctx.emit("Clip", [q, ctx.constant(np.int32(lo)), ctx.constant(np.int32(hi))], _OPSET)
-    return [ctx.cast(q, out)]
+    return ctx.cast(q, out)
 
 
 def _shifted(ctx: NodeContext, t: Tensor, zp: Tensor | None, what: str) -> Tensor:
@@ -168,8 +185,4 @@ def qlinear_conv(ctx):
                                              _spread(ctx, ws, acc, 1, 0, "w_scale")], _OPSET),
                             _spread(ctx, ys, acc, 1, 0, "y_scale")], _OPSET)
     r = ctx.emit("Mul", [ctx.cast(acc, "float64"), ctx.cast(mult, "float64")], _OPSET)
-    q = ctx.emit("Add", [ctx.cast(ctx.emit("Round", [r], _OPSET), "int32"),
-                         ctx.cast(_spread(ctx, yzp, acc, 1, 0, "y_zero_point"), "int32")], _OPSET)
-    lo, hi = _RANGES[out]
-    q = ctx.emit("Clip", [q, ctx.constant(np.int32(lo)), ctx.constant(np.int32(hi))], _OPSET)
-    return [ctx.cast(q, out)]
+    return [_saturate(ctx, ctx.emit("Round", [r], _OPSET), _spread(ctx, yzp, acc, 1, 0, "y_zero_point"), out)]

@@ -41,6 +41,16 @@ static void* sf_workspace(int slot, size_t bytes) {
 // ---- numpy-equal scalar semantics --------------------------------------------------------------
 template <class T> SF_INLINE bool sf_isfloat() { return std::numeric_limits<T>::is_iec559; }
 
+// x != x through a call, so that the printed expression names its argument once (a QDQ chain's
+// NaN tests nest: inline, each doubled the text of the steps below it)
+template <class T> SF_INLINE bool sf_isnan(T x) { return x != x; }
+
+// np.maximum(x, c) / np.minimum(x, c) for a constant c neither NaN nor zero (the printer checks):
+// one comparison, a select GCC keeps branch-free; a NaN x fails it and passes through, and x == c
+// has c's bits. A call, so that the printed expression names x once (nested clamps would double it)
+template <class T> SF_INLINE T sf_max_const(T x, T c) { return c > x ? c : x; }
+template <class T> SF_INLINE T sf_min_const(T x, T c) { return c < x ? c : x; }
+
 // np.maximum / np.minimum: NaN propagates (bitwise | keeps them branch-free: a max of data is unpredictable)
 SF_INLINE float sf_max(float a, float b) { return ((a > b) | (a != a)) ? a : b; }
 SF_INLINE double sf_max(double a, double b) { return ((a > b) | (a != a)) ? a : b; }
