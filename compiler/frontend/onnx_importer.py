@@ -434,14 +434,16 @@ def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
                 input_values: Mapping[str, object] | None = None, int8_qdq: bool = False) -> FlowGraph:
     """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph.
 
-    Model-local functions are inlined first (:func:`inline_functions`). ``input_values`` binds
+    Model-local functions are inlined first (:func:`inline_functions`) and quantize/dequantize
+    round trips with one scale dropped (:func:`~shardflow.compiler.frontend.qdq.drop_requantizations`,
+    exact). ``input_values`` binds
     graph inputs to constants (they leave the graph's inputs); ``int8_qdq`` rewrites QDQ MatMuls
     into integer products (:func:`~shardflow.compiler.frontend.qdq.fuse_qdq_matmuls`); see
     :func:`shardflow.compiler.load_onnx`.
     """
-    proto = inline_functions(read_model(model))
-    if int8_qdq:
-        from .qdq import fuse_qdq_matmuls
+    from .qdq import drop_requantizations, fuse_qdq_matmuls
 
+    proto = drop_requantizations(inline_functions(read_model(model)))
+    if int8_qdq:
         proto = fuse_qdq_matmuls(proto)
     return _Importer(proto, input_shapes, input_values).run()

@@ -18,6 +18,14 @@ whose scales and zero points are initializers: the activation's per tensor, int8
 zero point; the weight a 2-D int8/uint8 initializer, per tensor or per output column (``axis`` 1,
 or 0 under ``transB``, whose weight is stored transposed once more), without ``block_size``; both
 scales float32. Anything else is left as it is.
+
+:func:`drop_requantizations` (all targets) removes the other half of the format's cost: the
+quantizer wraps data-movement ops (Reshape, Transpose, Gather of an embedding...) in
+``QuantizeLinear(move(DequantizeLinear(q, s, z)), s, z)`` with the same scale and zero point, and
+that is ``move(q)`` exactly: ``(q - z) * s / s`` in float32 is within ``|q - z| * 2^-23`` of the
+integer ``q - z`` (at most 65535 * 2^-23 < 0.5 for 8- and 16-bit types, for a normal scale), so it
+rounds back to it, and ``q`` is inside the clamp. Each such pair cost a multiplication, a
+division, a rounding and two clamps per element in the fused kernels.
 """
 from __future__ import annotations
 
@@ -27,11 +35,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["fuse_qdq_matmuls"]
+__all__ = ["drop_requantizations", "fuse_qdq_matmuls"]
 
 log = logging.getLogger(__name__)
 
 _INT8 = (TensorProto.INT8, TensorProto.UINT8)
+_INT16 = (TensorProto.INT16, TensorProto.UINT16)
+#: ops whose first input's elements pass to the output unchanged (moved, repeated or dropped)
+_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Gather"})
 
 
 def _dq_parts(node, inits: dict, weight):
@@ -125,4 +136,83 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
     for k, node in enumerate(nodes):
         g.node.extend(replaced.get(k, [node]))
     log.info("%d QDQ MatMuls as integer products (MatMulInteger)", len(plans))
+    return out
+
+
+def _scalar_init(name: str, inits: dict):
+    """The value of ``name`` when it is a one-element initializer (an array of its type), else None."""
+    t = inits.get(name)
+    if t is None or int(np.prod(t.dims)) != 1:
+        return None
+    return numpy_helper.to_array(t).reshape(())
+
+
+def _same_quantization(dq, q, inits: dict) -> bool:
+    """Whether DequantizeLinear ``dq`` and QuantizeLinear ``q`` use one per-tensor float32 scale,
+    normal and finite after times 65535, and one explicit 8- or 16-bit integer zero point (which
+    also makes ``q``'s output type ``dq``'s input type)."""
+    for n in (dq, q):
+        if n.domain not in ("", "ai.onnx") or len(n.input) < 3 or not n.input[2]:
+            return False
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if attrs.get("block_size", 0) or "output_dtype" in attrs and attrs["output_dtype"] != 0:
+            return False
+    s1, s2 = _scalar_init(dq.input[1], inits), _scalar_init(q.input[1], inits)
+    z1, z2 = _scalar_init(dq.input[2], inits), _scalar_init(q.input[2], inits)
+    if s1 is None or s2 is None or z1 is None or z2 is None:
+        return False
+    t1, t2 = inits[dq.input[2]].data_type, inits[q.input[2]].data_type
+    if t1 != t2 or t1 not in _INT8 + _INT16 or int(z1) != int(z2):
+        return False
+    if inits[dq.input[1]].data_type != TensorProto.FLOAT or inits[q.input[1]].data_type != TensorProto.FLOAT:
+        return False
+    s = np.float32(s1)
+    return bool(s == np.float32(s2) and np.isfinite(s * np.float32(65535))
+                and abs(s) >= np.finfo(np.float32).tiny)
+
+
+def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` (a copy) with each ``QuantizeLinear(move(DequantizeLinear(q, s, z)), s, z)`` as
+    ``move(q)`` (module docstring): ``move`` a chain of zero or more :data:`_MOVES` ops through
+    their first input, scale and zero point the same per-tensor initializer values. The moves are
+    copied onto ``q`` (the float ones stay for their other readers, or go as dead code); ``proto``
+    itself when there is none."""
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    plans: dict[int, list] = {}
+    for k, node in enumerate(g.node):
+        if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx"):
+            continue
+        chain, p = [], producer.get(node.input[0])
+        while p is not None and p.op_type in _MOVES and p.domain in ("", "ai.onnx") and p.input:
+            chain.append(p)
+            p = producer.get(p.input[0])
+        if p is None or p.op_type != "DequantizeLinear" or not _same_quantization(p, node, inits):
+            continue
+        y, src = node.output[0], p.input[0]
+        if not chain:
+            plans[k] = [helper.make_node("Identity", [src], [y], name=f"{node.name or y}.requantized")]
+            continue
+        copies = []
+        for i, m in enumerate(reversed(chain)):
+            out = y if i == len(chain) - 1 else f"{y}.requantized.{i}"
+            c = onnx.NodeProto()
+            c.CopyFrom(m)
+            c.input[0] = src
+            del c.output[:]
+            c.output.append(out)
+            c.name = f"{m.name or m.output[0]}.on_{y}"
+            copies.append(c)
+            src = out
+        plans[k] = copies
+    if not plans:
+        return proto
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    nodes = list(out.graph.node)
+    del out.graph.node[:]
+    for k, node in enumerate(nodes):
+        out.graph.node.extend(plans.get(k, [node]))
+    log.info("%d QuantizeLinear(DequantizeLinear) round trips with one scale dropped", len(plans))
     return out

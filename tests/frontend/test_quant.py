@@ -336,3 +336,80 @@ def test_qdq_gemm_terms_and_what_stays_float():
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
     for got, w in zip(ReferenceEvaluator(out).run(None, feeds), want):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "uint16", "int16"])
+def test_a_dequantize_quantize_round_trip_with_one_scale_is_exact_in_float32(dtype):
+    """The premise of drop_requantizations: round((q - z) * s / s) == q - z in float32 for every
+    q and z of the type and normal scales across the exponent range, up to the largest whose
+    65535-fold is finite."""
+    info = np.iinfo(dtype)
+    q = np.arange(info.min, info.max + 1, dtype=np.int64)
+    rng = np.random.default_rng(7)
+    f32 = np.finfo(np.float32)
+    scales = np.concatenate([[f32.tiny, np.float32(f32.max / 65536), 1.0, 0.1, 1 / 3],
+                             2.0 ** rng.uniform(-126, 110, 40) * rng.uniform(1, 2, 40)]).astype(np.float32)
+    for z in (info.min, 0, info.max, int(rng.integers(info.min, info.max))):
+        n = (q - z).astype(np.float32)
+        for s in scales:
+            with np.errstate(over="raise", under="ignore"):
+                back = np.round((n * s) / s)
+            assert np.array_equal(back, n), (dtype, z, s)
+
+
+def _round_trip_model():
+    """x -> Q(sa, za) -> DQ -> Reshape -> Transpose -> Q(sa, za) -> DQ -> ``moved``; an embedding
+    (uint8 weight) -> DQ(sw, zw) -> Gather(ids) -> Q(sw, zw) -> DQ -> ``embedded``; and the same
+    chain from x requantized with another scale (``rescaled``) and with another zero point
+    (``shifted``), which must stay."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(np.array(v, dt), n) for n, v, dt in [
+        ("sa", 0.037, np.float32), ("za", 121, np.uint8), ("sb", 0.05, np.float32), ("zb", 118, np.uint8),
+        ("sw", 0.0123, np.float32), ("zw", 3, np.int8), ("shape", [4, 6, 5], np.int64)]]
+    inits.append(numpy_helper.from_array(rng.integers(-128, 128, (50, 7)).astype(np.int8), "w"))
+    n = helper.make_node
+    nodes = [n("QuantizeLinear", ["x", "sa", "za"], ["xq"]), n("DequantizeLinear", ["xq", "sa", "za"], ["xd"]),
+             n("Reshape", ["xd", "shape"], ["xr"]), n("Transpose", ["xr"], ["xt"], perm=[2, 0, 1]),
+             n("QuantizeLinear", ["xt", "sa", "za"], ["mq"]), n("DequantizeLinear", ["mq", "sa", "za"], ["moved"]),
+             n("QuantizeLinear", ["xt", "sb", "za"], ["rq"]), n("DequantizeLinear", ["rq", "sb", "za"], ["rescaled"]),
+             n("QuantizeLinear", ["xt", "sa", "zb"], ["tq"]), n("DequantizeLinear", ["tq", "sa", "zb"], ["shifted"]),
+             n("DequantizeLinear", ["w", "sw", "zw"], ["wd"]), n("Gather", ["wd", "ids"], ["g"]),
+             n("QuantizeLinear", ["g", "sw", "zw"], ["gq"]), n("DequantizeLinear", ["gq", "sw", "zw"], ["embedded"])]
+    f = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [f("x", TensorProto.FLOAT, [120]), f("ids", TensorProto.INT64, [2, 3])],
+                          [f(o, TensorProto.FLOAT, [5, 4, 6]) for o in ("moved", "rescaled", "shifted")]
+                          + [f("embedded", TensorProto.FLOAT, [2, 3, 7])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_requantizations_with_one_scale_are_dropped_and_values_stay_exact(tmp_path):
+    """QuantizeLinear(move(DequantizeLinear(q))) with the same scale and zero point becomes
+    move(q) (Reshape/Transpose and an embedding's Gather copied onto the integers); other scales or
+    zero points stay requantizations. Values equal onnxruntime's unoptimized session exactly,
+    evaluated and compiled for a cpu rank (ties, saturation and NaN included)."""
+    ort = pytest.importorskip("onnxruntime")
+    from shardflow.compiler import compile
+    from shardflow.compiler.frontend.qdq import drop_requantizations
+    from shardflow.runtime import load
+
+    m = _round_trip_model()
+    out = drop_requantizations(m)
+    kinds = [nd.op_type for nd in out.graph.node]
+    assert kinds.count("QuantizeLinear") == 3 and kinds.count("Gather") == 2 and kinds.count("Transpose") == 2
+    assert {nd.output[0]: nd.op_type for nd in out.graph.node}["mq"] == "Transpose"
+    assert {nd.output[0]: list(nd.input) for nd in out.graph.node}["gq"] == ["w", "ids"]
+    assert drop_requantizations(out) is out
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(120) * 3).astype(np.float32)
+    x[:6] = [np.nan, np.inf, -np.inf, 0.037 * 2.5, 1e9, -0.037 * 121]
+    feeds = {"x": x, "ids": np.array([[0, 49, 7], [7, 3, 12]], np.int64)}
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    for got in (load_onnx(m).run(feeds), load(tmp_path / "o", rank=0).run(feeds)):
+        for name, w in want.items():
+            np.testing.assert_array_equal(got[name], w, err_msg=name)
