@@ -918,8 +918,7 @@ class _NestLowerer:
         for r in cands:
             if len(r.vars) != 1 or r.vars[0].extent != last.extent or r.op not in ("sum", "mean", "prod", "max", "min"):
                 continue
-            if not any(isinstance(x, UnaryOp) and x.op in _COSTLY or isinstance(x, BinOp) and x.op == "pow"
-                       for x in walk(r.body)):
+            if not _worth_caching(r.body):
                 continue
             kb = kl.interner.key(r.body, tuple(axes[:n - 1]) + (r.vars[0],), None, opaque - {id(r)})
             node = vkeys.get(kb)
@@ -944,16 +943,16 @@ class _NestLowerer:
         axes, n = self.axes, len(self.axes)
         kl = self.kl
         opaque = frozenset(id(r) for rs in self.hoisted.values() for r in rs)
-        cached = {id(r) for r, _ in rows}
+        cached = {id(r): b for r, b in rows}  # (a row the output reads serves later reductions too)
         new_red: dict[int, Reduce] = {}
         for i, ra in enumerate(cands):
-            if len(ra.vars) != 1 or id(ra) in cached or not _worth_caching(ra.body):
+            if len(ra.vars) != 1 or not _worth_caching(ra.body):
                 continue
             dt = value_dtype(ra.body, kl.dtypes)
             if dt is None or ra.vars[0].extent * 8 > (1 << 16):
                 continue
             ka = kl.interner.key(ra.body, tuple(axes[:n - 1]) + (ra.vars[0],), None, opaque)
-            buf = None
+            buf = cached.get(id(ra))
             for j in range(i + 1, len(cands)):
                 rb = new_red.get(id(cands[j]), cands[j])
                 if len(rb.vars) != 1 or rb.vars[0].extent != ra.vars[0].extent:
@@ -968,7 +967,7 @@ class _NestLowerer:
                 if buf is None:
                     buf = Buffer(f"row{next(kl.counter)}", (ra.vars[0].extent,), dt, "local", 0)
                     rows.append((ra, buf))
-                    cached.add(id(ra))
+                    cached[id(ra)] = buf
                 read = TensorElement(buf, (rb.vars[0],))
                 body = transform(rb.body, lambda old, new, hits=hits, read=read: read if id(old) in hits else None)
                 new_red[id(cands[j])] = Reduce(rb.vars, body, rb.op)

@@ -458,3 +458,41 @@ def test_quantize_dequantize_chains_stay_in_32_bit_lanes_and_are_computed_once(t
         np.testing.assert_array_equal(got["kept"], i.astype(np.uint8).astype(np.float32))
         np.testing.assert_array_equal(got["kept"], want["kept"])
         np.testing.assert_array_equal(got["clipped"], np.clip(i, 0, 255).astype(np.float32))
+
+
+def test_a_layer_norm_output_reads_the_mean_pass_row_of_a_quantized_input(tmp_path):
+    """LayerNorm of a dequantized value plus a residual: the mean pass stores the chain's values
+    in a row array, and both the variance pass and the output loop read it (the chain's rounding
+    is printed once); values equal onnxruntime's."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime import InferenceSession
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.codegen import generate_cpu_source
+    from shardflow.runtime import load
+
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(np.array(0.021, np.float32), "s"),
+             numpy_helper.from_array(np.array(7, np.uint8), "z"),
+             numpy_helper.from_array(rng.standard_normal(256).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal(256).astype(np.float32), "beta")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+             helper.make_node("Add", ["d", "r"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "ln", [f("x", TensorProto.FLOAT, [6, 256]), f("r", TensorProto.FLOAT, [6, 256])],
+                              [f("y", TensorProto.FLOAT, [6, 256])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    g = load_onnx(model)
+    kernel, = [text for _, text in generate_cpu_source(fuse(g.nodes, keep={t.name for t in g.outputs})).kernels]
+    body = kernel[kernel.index("// output"):]
+    assert body.count("sf_round(") == 1 and body.count("alignas(64)") == 1, body
+    out_loop = body[body.rindex("for ("):]
+    assert "row" in out_loop and "in0[" not in out_loop, out_loop
+    feeds = {"x": (rng.standard_normal((6, 256)) * 2).astype(np.float32),
+             "r": rng.standard_normal((6, 256)).astype(np.float32)}
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=str(tmp_path))
+    got = load(str(tmp_path), rank=0).run(feeds)["y"]
+    want = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
