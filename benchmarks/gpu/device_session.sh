@@ -2,6 +2,8 @@
 # One command for a lent GPU machine (the device tool runs it from the repository root; pip cannot
 # reach the network there, so the checkout goes on PYTHONPATH and missing wheels travel in .whl/):
 #
+#   bash benchmarks/gpu/device_session.sh lease   # the one call a 15-minute lease holds (start included):
+#                                                 # suite, new tiles' tests, bench, profile, under LEASE_S=480 s
 #   bash benchmarks/gpu/device_session.sh suite   # pytest -m gpu (kernels against numpy, models on the GPU)
 #   bash benchmarks/gpu/device_session.sh bench   # benchmarks/gpu/run_all.py (GEMM vs cuBLAS, models vs torch)
 #   bash benchmarks/gpu/device_session.sh all     # suite + bench (float16) + GPT-2 kernel profile, < 10 min
@@ -97,6 +99,35 @@ case "$what" in
             --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
         tail -12 "$out/profile.txt"
         ;;
+    lease)  # a lent task has 15 minutes of device time, the machine's start (1-2 min) and idle time
+            # included: one call (timeout_s 560) with everything in order of what issue 5's acceptance
+            # needs, each step under its own limit and none started past the deadline (LEASE_S, default
+            # 480 s): the GPU suite (session 5: 205 s), the ping-pong/stream-K tests (never run on a GPU:
+            # a hang is cut at 60 s), the benchmark's results file (float16 GEMMs vs cuBLAS, GPT-2 and
+            # Llama vs torch.compile; it skips what no longer fits and rewrites its JSON after each step),
+            # then the GPT-2 8x128 kernel profile if a minute is left
+        deadline=$((SECONDS + ${LEASE_S:-480}))
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles)" "${gpu_tests[@]}" 2>&1 \
+            | tee "$out/gpu-suite.txt" | tail -15
+        echo "suite done at ${SECONDS} s"
+        timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
+            | tee "$out/gpu-suite-pp-sk.txt" | tail -8
+        budget=$((deadline - SECONDS - 75))
+        mkdir -p /tmp/sf-export
+        if (( budget > 60 )); then
+            timeout $((budget + 15)) python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "$budget" --jobs 14 \
+                --precision float16 --export-dir /tmp/sf-export > "$out/bench.txt" 2>&1
+            tail -30 "$out/bench.txt"
+        else
+            echo "(no time left for the benchmark: ${budget} s)"
+        fi
+        if (( deadline - SECONDS > 60 )); then
+            timeout $((deadline - SECONDS)) python3 benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 \
+                --work /tmp/sf-export --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
+            tail -12 "$out/profile.txt"
+        fi
+        echo "lease done at ${SECONDS} s"
+        ;;
     newtiles)  # the tiles no GPU has run yet: their GPU tests (under a time limit), then GPT-2 small
                # at 8x128 with them on the products they are meant for (stream-K on the three whose
                # 96 tiles leave 36 of 132 multiprocessors idle, ping-pong on the lm_head): the kernel
@@ -134,7 +165,7 @@ case "$what" in
         "$@"
         ;;
     *)
-        echo "usage: $0 suite|bench|all|newtiles|sweep [TILE...]|cpu|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|cpu|run CMD..." >&2
         exit 2
         ;;
 esac
