@@ -1192,3 +1192,37 @@ def test_conv_epilogue_fusion(tmp_path):
               for g in finish + cases + finish_dw + depthwise]
     for isa in ("avx2", "generic"):
         assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
+
+
+def test_the_math_helpers_keep_a_quantized_chain_loop_vectorizable(tmp_path):
+    """A QDQ GELU's loop (rounding, the +-2^24 and byte clamps, sf_tanh, sf_log, sf_pow with a literal
+    exponent) is vectorized by the C++ compiler at -O3 for x86-64-v3: the helpers' selects take one
+    comparison each. With sf_tanh's small-x test as two comparisons joined by && (and sf_log's
+    +inf/NaN test by ||), GCC 12 if-converted them into a mask of another width than the clamps'
+    and left the loop scalar (GPT-2 small's QDQ GELU kernels: 13 ms instead of 0.7)."""
+    import platform
+    import shutil
+    import subprocess
+
+    from shardflow.compiler.codegen.cpp import PRELUDE
+
+    cxx = os.environ.get("CXX", "g++")
+    if platform.machine() not in ("x86_64", "AMD64") or not shutil.which(cxx.split()[0]):
+        pytest.skip("needs an x86-64 C++ compiler")
+    clamp = "sf_min_const(sf_max_const(sf_round({}), -16777216.0f), 16777216.0f)"
+    q = "(float)(sf_min<int32_t>(sf_max<int32_t>((int32_t)(" + clamp + ") + {}, 0), 255))"
+    src = PRELUDE + (
+        "\nextern \"C\" void k(const float* __restrict__ x, const int32_t* __restrict__ a,\n"
+        "                      float* __restrict__ y, int n) {\n"
+        "  for (int i = 0; i < n; ++i) {\n"
+        f"    float t = ({q.format('((float)a[i] * 3e-5f + x[i]) / 0.02f', 124)} - 124.0f) * 0.02f;\n"
+        f"    y[i] = {q.format('sf_tanh(t * 0.79f) / 0.0078f', 127)} + sf_log(t) + sf_pow(t, 3.0f);\n"
+        "  }\n}\n")
+    (tmp_path / "k.cpp").write_text(src)
+    flags = [f for f in toolchain.compile_flags(2) if f not in ("-shared", "-fopenmp") and not f.startswith("-m")]
+    res = subprocess.run(cxx.split() + flags + ["-march=x86-64-v3", "-c", str(tmp_path / "k.cpp"), "-o",
+                                                 str(tmp_path / "k.o"), "-fopt-info-vec-optimized"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = src[:src.index("float t = (")].count("\n") + 1
+    assert re.search(rf"k\.cpp:{line - 1}:\d+: optimized: loop vectorized", res.stderr), res.stderr[-3000:]
