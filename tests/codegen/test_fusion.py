@@ -496,3 +496,63 @@ def test_a_layer_norm_output_reads_the_mean_pass_row_of_a_quantized_input(tmp_pa
     got = load(str(tmp_path), rank=0).run(feeds)["y"]
     want = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_scalar_is_computed_once_per_row_and_the_output_loop_vectorizes(tmp_path):
+    """A QDQ RMSNorm: the row's quantized ``1 / sqrt(mean(x^2) + eps)`` depends on the row only and
+    is computed into a local before the output loop (not per element), and that loop is vectorized
+    by the C++ compiler (x86-64-v3). Computed inside it, the clamps' selects on the row value became
+    a loop-invariant mask GCC 12 did not vectorize (a QDQ Llama's RMSNorm kernels: 2.5 ms, not 0.2).
+    Values equal onnxruntime's."""
+    import platform
+    import subprocess
+
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime import InferenceSession
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.codegen import generate_cpu_source, toolchain
+    from shardflow.runtime import load
+
+    def qdq(x, y, s, z):
+        inits.extend([numpy_helper.from_array(np.array(s, np.float32), f"{y}_s"),
+                      numpy_helper.from_array(np.array(z, np.uint8), f"{y}_z")])
+        nodes.append(helper.make_node("QuantizeLinear", [x, f"{y}_s", f"{y}_z"], [f"{y}_q"]))
+        nodes.append(helper.make_node("DequantizeLinear", [f"{y}_q", f"{y}_s", f"{y}_z"], [y]))
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+             numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+             numpy_helper.from_array(rng.standard_normal(512).astype(np.float32), "w")]
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["mse"])]
+    qdq("mse", "msq", 0.0045, 0)
+    nodes += [helper.make_node("Sqrt", ["msq"], ["rt"]), helper.make_node("Reciprocal", ["rt"], ["inv"])]
+    qdq("inv", "invq", 0.0054, 0)
+    nodes += [helper.make_node("Mul", ["x", "invq"], ["xn"]), helper.make_node("Mul", ["xn", "w"], ["h"])]
+    qdq("h", "y", 0.033, 125)
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "rms", [f("x", TensorProto.FLOAT, [16, 512])],
+                              [f("y", TensorProto.FLOAT, [16, 512])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = load_onnx(model)
+    src = generate_cpu_source(fuse(g.nodes, keep={t.name for t in g.outputs}))
+    kernel, = [text for _, text in src.kernels if "sf_sqrt(" in text]
+    loop = kernel.rindex("for (")
+    assert "sf_sqrt(" in kernel[kernel.index("// output"):loop] and "sf_sqrt(" not in kernel[loop:], kernel
+    if platform.machine() in ("x86_64", "AMD64"):
+        whole, _ = src.units(1)[0]
+        (tmp_path / "k.cpp").write_text(whole)
+        flags = [x for x in toolchain.compile_flags(2) if x not in ("-shared", "-w") and not x.startswith("-m")]
+        res = subprocess.run(["g++"] + flags + ["-march=x86-64-v3", "-c", str(tmp_path / "k.cpp"), "-o",
+                                                str(tmp_path / "k.o"), "-fopt-info-vec-optimized"],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        line = whole[:whole.index(kernel) + loop].count("\n") + 1
+        assert re.search(rf"k\.cpp:{line}:\d+: optimized: loop vectorized", res.stderr), (line, res.stderr[-3000:])
+    x = rng.standard_normal((16, 512)).astype(np.float32)
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=str(tmp_path / "o"))
+    got = load(str(tmp_path / "o"), rank=0).run({"x": x})["y"]
+    want = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.033 + 1e-6)
