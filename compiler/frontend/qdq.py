@@ -155,7 +155,8 @@ def _same_quantization(dq, q, inits: dict) -> bool:
         if n.domain not in ("", "ai.onnx") or len(n.input) < 3 or not n.input[2]:
             return False
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        if attrs.get("block_size", 0) or "output_dtype" in attrs and attrs["output_dtype"] != 0:
+        if attrs.get("block_size", 0) or attrs.get("output_dtype", 0) or attrs.get("precision", 0) not in (
+                0, TensorProto.FLOAT):
             return False
     s1, s2 = _scalar_init(dq.input[1], inits), _scalar_init(q.input[1], inits)
     z1, z2 = _scalar_init(dq.input[2], inits), _scalar_init(q.input[2], inits)

@@ -413,3 +413,21 @@ def test_requantizations_with_one_scale_are_dropped_and_values_stay_exact(tmp_pa
     for got in (load_onnx(m).run(feeds), load(tmp_path / "o", rank=0).run(feeds)):
         for name, w in want.items():
             np.testing.assert_array_equal(got[name], w, err_msg=name)
+
+
+def test_a_requantization_in_another_precision_stays():
+    """A QuantizeLinear dividing in float16 (``precision``, opset 23) or a DequantizeLinear giving
+    float16 (``output_dtype``) is not the float32 round trip drop_requantizations proves exact: kept."""
+    from shardflow.compiler.frontend.qdq import drop_requantizations
+
+    inits = [numpy_helper.from_array(np.array(0.037, np.float32), "s"),
+             numpy_helper.from_array(np.array(9, np.uint8), "z")]
+    f = helper.make_tensor_value_info
+    for q_attrs, dq_attrs in (({"precision": TensorProto.FLOAT16}, {}), ({}, {"output_dtype": TensorProto.FLOAT16}),
+                              ({}, {})):
+        nodes = [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], **dq_attrs),
+                 helper.make_node("QuantizeLinear", ["d", "s", "z"], ["y"], **q_attrs)]
+        g = helper.make_graph(nodes, "g", [f("q", TensorProto.UINT8, [4])], [f("y", TensorProto.UINT8, [4])], inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+        kept = [n.op_type for n in drop_requantizations(m).graph.node] == ["DequantizeLinear", "QuantizeLinear"]
+        assert kept == bool(q_attrs or dq_attrs), (q_attrs, dq_attrs)
