@@ -925,7 +925,8 @@ class _NestLowerer:
         ``exp(x[.., i] - max)`` by the sum: the same values with ``k`` renamed to the innermost
         output axis. The sum's loop stores them in a row array (a local of the row's iteration,
         so threads never share it) and the output loop reads them back instead of recomputing the
-        exponentials. Only for bodies with a costly function and rows of at most 64 KiB.
+        exponentials (or a LayerNorm's output its input's quantize chain). Only for bodies worth
+        more than a load (:func:`_worth_caching`) and rows of at most 64 KiB.
         """
         axes, n = self.axes, len(self.axes)
         cands = self.hoisted.get(n - 1, []) if n >= 1 else []
