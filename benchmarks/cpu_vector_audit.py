@@ -53,9 +53,10 @@ def kernel_source(model: str) -> tuple[str, dict]:
     return whole, lines
 
 
-def innermost_loops(text_lines: list[str], first: int, last: int) -> list[tuple[int, int]]:
-    """``(for line, closing line)`` of the loops between ``first`` and ``last`` (1-based) with no
-    loop inside them (brace counting on the generated code's layout: one statement per line)."""
+def innermost_loops(text_lines: list[str], first: int, last: int) -> list[tuple[int, int, int]]:
+    """``(for line, closing line, enclosing loop's for line or 0)`` of the loops between ``first``
+    and ``last`` (1-based) with no loop inside them (brace counting on the generated code's layout:
+    one statement per line)."""
     loops, stack = [], []  # stack: [for line, has an inner loop, brace depth inside it]
     depth = 0
     for no in range(first, last + 1):
@@ -64,12 +65,13 @@ def innermost_loops(text_lines: list[str], first: int, last: int) -> list[tuple[
         if is_for:
             for s in stack:
                 s[1] = True
+            parent = stack[-1][0] if stack else 0
             if "{" in line and line.count("{") == line.count("}"):  # the whole loop on one line
-                loops.append((no, no))
+                loops.append((no, no, parent))
                 continue
             if not line.rstrip().endswith("{"):  # a one-statement body on the next line
                 if no + 1 <= last and not re.match(r"\s*for \(", text_lines[no]):
-                    loops.append((no, no + 1))
+                    loops.append((no, no + 1, parent))
                 continue
         depth += line.count("{") - line.count("}")
         if is_for:
@@ -77,7 +79,7 @@ def innermost_loops(text_lines: list[str], first: int, last: int) -> list[tuple[
         while stack and depth < stack[-1][2]:
             no_for, has_inner, _ = stack.pop()
             if not has_inner:
-                loops.append((no_for, no))
+                loops.append((no_for, no, stack[-1][0] if stack else 0))
     return loops
 
 
@@ -113,13 +115,15 @@ def main(argv=None) -> None:
     text_lines = whole.splitlines()
     n_loops = n_scalar = 0
     for sym, (first, last, ops) in sorted(lmap.items(), key=lambda kv: kv[1][0]):
-        for start, end in innermost_loops(text_lines, first, last):
+        for start, end, parent in innermost_loops(text_lines, first, last):
             body = [text_lines[start - 1].split("{", 1)[-1]] if start == end else text_lines[start:end]
             if not any("=" in b for b in body):
                 continue  # a loop of calls (a template's batch loop): nothing to vectorize here
             n_loops += 1
-            # (an `omp simd` loop is reported at its pragma's line)
-            ok = start in vectorized or (start - 1 in vectorized and "#pragma omp simd" in text_lines[start - 2])
+            # (an `omp simd` loop is reported at its pragma's line; a few taps' loop inside one the
+            # compiler vectorizes, as a pool's, is unrolled into it)
+            ok = any(no in vectorized or (no - 1 in vectorized and "#pragma omp simd" in text_lines[no - 2])
+                     for no in (start, parent) if no)
             n_scalar += not ok
             if ok and not args.all:
                 continue
