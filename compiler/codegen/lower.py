@@ -76,7 +76,8 @@ def _worth_caching(body: Expr) -> bool:
     division or rounding, or more than a few operations."""
     ops = 0
     for x in walk(body):
-        if isinstance(x, UnaryOp) and (x.op in _COSTLY or x.op == "round") or isinstance(x, BinOp) and x.op in ("div", "pow"):
+        if (isinstance(x, UnaryOp) and (x.op in _COSTLY or x.op == "round")
+                or isinstance(x, BinOp) and x.op in ("div", "pow")):
             return True
         ops += isinstance(x, (BinOp, UnaryOp, Cast, IfThenElse))
     return ops > 6
@@ -1002,11 +1003,10 @@ class _NestLowerer:
                 new_red[id(cands[j])] = Reduce(rb.vars, body, rb.op)
         if not new_red:
             return value, rows
-        final = {k: r for k, r in new_red.items()}
         for L, rs in self.hoisted.items():
-            self.hoisted[L] = [final.get(id(r), r) for r in rs]
-        rows = [(final.get(id(r), r), b) for r, b in rows]
-        return transform(value, lambda old, new: final.get(id(old))), rows
+            self.hoisted[L] = [new_red.get(id(r), r) for r in rs]
+        rows = [(new_red.get(id(r), r), b) for r, b in rows]
+        return transform(value, lambda old, new: new_red.get(id(old))), rows
 
     def _work_estimate(self, value: Expr) -> int:
         """Rough scalar-operation count of the nest: elements × (1 + reduction trip counts)."""

@@ -98,10 +98,9 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     g = out.graph
-    nodes = list(g.node)
     replaced: dict[int, list] = {}
     for k, (x, sx, zx), (w, sw, zw), attrs in plans:
-        mm = nodes[k]
+        mm = g.node[k]
         base = (mm.name or mm.output[0]) + "_int8"
         zx_name, scale_name = f"{base}.x_zero_point", f"{base}.scale"
         alpha = np.float32(attrs.get("alpha", 1.0))
@@ -132,11 +131,17 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
                                                     name=f"{base}.beta_mul"))
                 bias = f"{base}.bias"
             replaced[k].append(helper.make_node("Add", [scaled, bias], [mm.output[0]], name=f"{base}.add"))
-    del g.node[:]
-    for k, node in enumerate(nodes):
-        g.node.extend(replaced.get(k, [node]))
+    _splice(g, replaced)
     log.info("%d QDQ MatMuls as integer products (MatMulInteger)", len(plans))
     return out
+
+
+def _splice(graph: onnx.GraphProto, replaced: dict[int, list]) -> None:
+    """``graph``'s node ``k`` replaced by the nodes ``replaced[k]``, in place, in order."""
+    nodes = list(graph.node)
+    del graph.node[:]
+    for k, node in enumerate(nodes):
+        graph.node.extend(replaced.get(k, [node]))
 
 
 def _scalar_init(name: str, inits: dict):
@@ -211,9 +216,6 @@ def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
     out = onnx.ModelProto()
     out.CopyFrom(proto)
-    nodes = list(out.graph.node)
-    del out.graph.node[:]
-    for k, node in enumerate(nodes):
-        out.graph.node.extend(plans.get(k, [node]))
+    _splice(out.graph, plans)
     log.info("%d QuantizeLinear(DequantizeLinear) round trips with one scale dropped", len(plans))
     return out

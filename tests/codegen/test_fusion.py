@@ -384,10 +384,10 @@ def test_a_refused_group_keeps_its_longest_accepted_prefix():
 
 
 def _qdq_softmax_model(scores: bool):
-    """x -> Q/DQ -> * 0.125 -> Q/DQ -> Softmax -> Q/DQ (``probs``; ``scores`` also an output
-    with ``scores``) as a QDQ model writes a quantized attention's softmax, and two integer casts: ``kept`` = float(uint8(i))
-    of any int32 (the byte conversion wraps, so it must stay), ``clipped`` = the same of
-    Clip(i, 0, 255) (the conversion changes nothing and may go)."""
+    """x -> Q/DQ -> * 0.125 -> Q/DQ -> Softmax -> Q/DQ (``probs``; the softmax's input ``scores``
+    also an output with ``scores``) as a QDQ model writes a quantized attention's softmax, and two
+    integer casts: ``kept`` = float(uint8(i)) of any int32 (the byte conversion wraps, so it must
+    stay), ``clipped`` = the same of Clip(i, 0, 255) (the conversion changes nothing and may go)."""
     from onnx import TensorProto, helper, numpy_helper
 
     def qdq(x, y, s, z):
