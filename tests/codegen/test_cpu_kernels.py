@@ -202,6 +202,12 @@ def _large():
         PackedConv([_t((2, 24, 9, 9)), _panels(24, 16)], oc=16, kernel=(1, 1), strides=(2, 2)),
         PackedConv([_t((2, 5, 30)), _panels(25, 9), _t((9,))], oc=9, kernel=(5,), pads=(2, 2), strides=(3,)),
         PackedConv([_t((1, 256, 14, 14)), _panels(2304, 70), _t((70,))], oc=70, kernel=(3, 3), pads=(1, 1, 1, 1)),
+        # strided PackedConvs read from the channel-blocked image (AVX-512): rows of 14 + 3 pixels, 20 channels
+        # (a block of 16 and one of 4), 40 outputs (a block of 32 and one of 8), bias, two images; a 7x7
+        # window with stride (3, 2) on one image
+        PackedConv([_t((2, 20, 9, 33)), _panels(180, 40), _t((40,))], oc=40, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   strides=(2, 2)),
+        PackedConv([_t((1, 3, 23, 30)), _panels(147, 17)], oc=17, kernel=(7, 7), pads=(3, 3, 3, 3), strides=(3, 2)),
         # Winograd F(2x2) and F(4x4) (passes/prepack.py): whole chunks per thread (56x56), threads sharing
         # each step of one chunk (7x7), channel lanes and panels with tails, tiles past the output, pads
         # on one side only, several images, one row of tiles per chunk
@@ -1053,10 +1059,15 @@ def test_conv_epilogue_fusion(tmp_path):
               lambda y: Binary([y, inp(2, 40, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
         group("packed-relu", PackedConv([inp(1, 16, 7, 7), inp(2, 16, PANEL), inp(20)], oc=20, kernel=(1, 1)),
               lambda y: Activation([y], kind="relu")),
+        group("packed-s2-residual", PackedConv([inp(2, 20, 9, 33), inp(2, 180, PANEL), inp(24)], oc=24,
+                                               kernel=(3, 3), pads=(1, 1, 1, 1), strides=(2, 2)),
+              lambda y: Binary([y, inp(2, 24, 5, 17)], fn="add"), lambda y: Activation([y], kind="relu")),
     ]
     packed = [  # PackedConv (passes/prepack.py): the epilogue runs after the transposition
         group("packed-1x1", PackedConv([inp(2, 24, 7, 5), inp(1, 24, PANEL)], oc=16, kernel=(1, 1)),
               lambda y: Binary([y, inp(1, 16, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
+        group("packed-s2", PackedConv([inp(1, 20, 9, 33), inp(3, 180, PANEL)], oc=40, kernel=(3, 3), strides=(2, 2)),
+              lambda y: Binary([y, inp(1, 40, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
     def wino(c, oc, m):  # the transform of random 3x3 weights
         t = _wino(c, oc, m)

@@ -223,6 +223,77 @@ def test_the_pass_packs_convs_on_small_images_only():
     assert {op.op_type for op in PrepackWeights(conv_max_pixels=0).run(build()).nodes} == {"Conv"}
 
 
+def test_the_pass_packs_strided_convs_of_long_products_only():
+    """2-D convs of horizontal stride 2 with a window wider than 1x1 and at least STRIDED_MIN_K products
+    per output become PackedConvs computing the same values; shorter products, stride 1 or 3, and
+    ``strided=False`` keep the Conv."""
+    from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.passes.prepack import STRIDED_MIN_K
+
+    rng = np.random.default_rng(5)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32) / 10  # noqa: E731
+    weights = [f(20, 128, 3, 3), f(20), f(20, 8, 3, 3), f(20, 128, 3, 3), f(20, 128, 3, 3), f(24, 128, 3, 3)]
+
+    def build():
+        x, xs = Tensor("x", (2, 128, 9, 11), "float32"), Tensor("xs", (1, 8, 9, 11), "float32")
+        w = [const_tensor(v) for v in weights]
+        ops = [
+            Conv([x, w[0], w[1]], name="s2", strides=(2, 2), pads=(1, 1, 1, 1)),         # K = 1152
+            Conv([xs, w[2]], name="s2_short", strides=(2, 2)),                         # K = 72
+            Conv([x, w[3]], name="s1", pads=(1, 1, 1, 1)),                             # stride 1 (few pixels:
+            Conv([x, w[4]], name="s3", strides=(3, 3)),                                # not Winograd's either)
+            Conv([x, w[5]], name="s12", strides=(1, 2), dilations=(2, 1), pads=(0, 1, 2, 0)),
+        ]
+        return FlowGraph([x, xs], [o.outputs[0] for o in ops])
+
+    assert 8 * 9 < STRIDED_MIN_K <= 128 * 9
+    feeds = {"x": f(2, 128, 9, 11), "xs": f(1, 8, 9, 11)}
+    want = build().run(feeds)
+    packed = PrepackWeights(winograd=False).run(build())
+    packed.validate()
+    assert {op.name: op.op_type for op in packed.nodes} == {
+        "s2": "PackedConv", "s2_short": "Conv", "s1": "Conv", "s3": "Conv", "s12": "PackedConv"}
+    got = packed.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-4, err_msg=k)
+    kept = PrepackWeights(winograd=False, strided=False).run(build())
+    assert {op.name: op.op_type for op in kept.nodes}["s2"] == "Conv"
+
+
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
+def test_compiled_ranks_run_strided_packed_convs_and_match_onnxruntime(tmp_path, mesh, algo):
+    """Two 3x3 stride-2 convs of 128 channels, one + bias + a residual + Relu (the kernel's finish), one
+    * 0.5 then Sigmoid (an epilogue), their sum the output, compiled for one and two cpu ranks: both are
+    PackedConvs, read from the channel-blocked image on an AVX-512 host (rows of 14 + 3 pixels; 40 output
+    channels: a block of 32 and one of 8), and the output is onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(6)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = [numpy_helper.from_array(f(40, 128, 3, 3) / 30, "w1"), numpy_helper.from_array(f(40), "b1"),
+             numpy_helper.from_array(f(2, 40, 6, 17), "r"), numpy_helper.from_array(f(40, 128, 3, 3) / 30, "w2"),
+             numpy_helper.from_array(np.float32(0.5), "half")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv1"),
+             helper.make_node("Add", ["c1", "r"], ["a1"]),
+             helper.make_node("Relu", ["a1"], ["r1"]),
+             helper.make_node("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 0], strides=[2, 2],
+                              name="conv2"),
+             helper.make_node("Mul", ["c2", "half"], ["m2"]),
+             helper.make_node("Sigmoid", ["m2"], ["s2"]),
+             helper.make_node("Add", ["r1", "s2"], ["y"])]
+    graph = helper.make_graph(nodes, "strided", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128, 11, 34])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 40, 6, 17])], inits)
+    path = tmp_path / "strided.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    x = f(2, 128, 11, 34)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
+    for program in programs:
+        kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+        assert {"w1.panels", "w2.panels"} <= {b["name"] for b in program["buffers"]} and "Conv" not in kinds
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, algo):
     """A small conv net (3x3 + bias + Relu, a strided 1x1, a 1x1 with a residual add, a 1x1 head)

@@ -820,6 +820,200 @@ static void sf_transpose_cols(const float* t, int64_t ld, int64_t P, int64_t c0,
   sf_transpose_cols_scalar(t, ld, P, c0, c1, y, bias, res, clamp);
 }
 
+#if defined(__x86_64__)
+// PackedConv read from its image (AVX-512; sf_conv2d_packed_direct), the image first blocked by 16
+// channels, [C / 16][Hp][Wp][16] (sf_block16): one tile is MR output pixels of one output row (PS floats
+// apart from xb: the stride times 16) by the 16 * NV output channels of NV weight panels (pstride floats
+// apart): acc[i][v] = sum over k of xb[off[k] + i * PS] * wp[v][k][0..16). A pixel's value is a broadcast
+// (its address a constant displacement from xb + off[k]; the 16 channels of one tap share a cache line) and
+// a panel row a vector load, so nothing is packed per tile, whatever the stride. The channels are the
+// vector lanes, so the tile is stored transposed: each vector of 16 channels of one pixel scattered to
+// y[oc][p] (P apart), finished first (+ bias[oc], + res[oc][p] gathered, the clamp). Channels from nvalid
+// on are the panels' zero padding, masked off.
+template <int MR, int NV, int PS>
+__attribute__((target("avx512f")))
+static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
+                           const float* __restrict__ wp, int64_t pstride, float* __restrict__ y, int64_t P,
+                           int64_t nvalid, const float* __restrict__ bias, const float* __restrict__ res,
+                           const SfClamp& clamp) {
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* s = xb + off[k];
+    __m512 b[NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(wp + v * pstride + 16 * k);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(s[i * PS]);
+      #pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
+    }
+  }
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set1_epi32((int32_t)P),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  #pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = std::min<int64_t>(16, nvalid - 16 * v);
+    if (n <= 0) break;
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * v) : _mm512_setzero_ps();
+    float* yv = y + 16 * v * P;
+    const float* rv = res ? res + 16 * v * P : nullptr;
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      __m512 r = bias ? _mm512_add_ps(acc[i][v], bv) : acc[i][v];
+      if (rv) r = _mm512_add_ps(r, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, lanes, rv + i, 4));
+      if (clamp.on) r = sf_clamp16(r, clamp);
+      _mm512_mask_i32scatter_ps(yv + i, m, lanes, r, 4);
+    }
+  }
+}
+
+typedef void (*SfPdkrFn)(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
+                         const float* __restrict__ wp, int64_t pstride, float* __restrict__ y, int64_t P,
+                         int64_t nvalid, const float* __restrict__ bias, const float* __restrict__ res,
+                         const SfClamp& clamp);
+
+// the most pixels of a tile (NV = 2: 28 accumulators, 2 panel rows and a broadcast in 32 registers)
+constexpr int64_t SF_PDK_MR = 14;
+
+// fn[stride - 1][nv - 1][MR - 1]
+struct SfPdkr { SfPdkrFn fn[2][2][SF_PDK_MR]; };
+
+template <int PS, int NV, int... MR>
+static void sf_pdkr_fill(SfPdkrFn* dst, std::integer_sequence<int, MR...>) {
+  ((dst[MR] = sf_pdkr_avx512<MR + 1, NV, PS>), ...);
+}
+
+static const SfPdkr& sf_pdkr() {
+  static const SfPdkr u = [] {
+    SfPdkr t = {};
+    sf_pdkr_fill<16, 1>(t.fn[0][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<16, 2>(t.fn[0][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<32, 1>(t.fn[1][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<32, 2>(t.fn[1][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+    return t;
+  }();
+  return u;
+}
+
+// dst[Hp][Wp][16] = channels [0, cn) of src (planes [H][W], plane floats apart) placed at (pt, pl), zero
+// around them; lanes from cn on are left as they are (no tap reads them). 8 x 8 transpositions.
+__attribute__((target("avx512f,avx2,fma")))
+static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane, int64_t H, int64_t W, int64_t pt,
+                       int64_t pl, int64_t Hp, int64_t Wp, float* __restrict__ dst) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int64_t r = 0; r < Hp; ++r) {
+    float* d = dst + r * Wp * 16;
+    const int64_t ih = r - pt;
+    if (ih < 0 || ih >= H) {
+      for (int64_t j = 0; j < Wp; ++j) _mm512_storeu_ps(d + 16 * j, z);
+      continue;
+    }
+    for (int64_t j = 0; j < pl; ++j) _mm512_storeu_ps(d + 16 * j, z);
+    for (int64_t j = pl + W; j < Wp; ++j) _mm512_storeu_ps(d + 16 * j, z);
+    float* di = d + pl * 16;
+    const float* s = src + ih * W;
+    int64_t w = 0;
+    for (; w + 8 <= W; w += 8) {
+      #pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        if (8 * h >= cn) break;
+        __m256 t[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) t[i] = 8 * h + i < cn ? _mm256_loadu_ps(s + (8 * h + i) * plane + w) : _mm256_setzero_ps();
+        sf_tr8x8(t);
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(di + (w + i) * 16 + 8 * h, t[i]);
+      }
+    }
+    for (; w < W; ++w)
+      for (int64_t c = 0; c < cn; ++c) di[w * 16 + c] = s[c * plane + w];
+  }
+}
+#endif
+
+// PackedConv without im2col, GEMM or transposition where the host has AVX-512 and the horizontal stride is
+// 1 or 2 (else false: the caller takes the GEMM path). Each image is first blocked by 16 channels
+// (sf_block16, with its padding). Tasks are (image, block of 32 output channels, run of output rows; a 1x1,
+// stride-1, unpadded conv's image is one row of P pixels, cut in runs of 56); each row is cut in tiles of at
+// most SF_PDK_MR pixels, every tile reading the block's panels (K x 32 floats, kept in L2 by the task) and
+// its pixels from the blocked image. epi (optional) finishes each task's channels and pixels in place.
+static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float* bias, float* y,
+                                    const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, SfConvEpi epi,
+                                    const void* ctx, const float* res, SfClamp clamp) {
+#if defined(__x86_64__)
+  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+  if ((force && std::strcmp(force, "avx512") != 0) || !__builtin_cpu_supports("avx512f")) return false;
+  // strided windows only: measured on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs of ResNet-50 17-22%
+  // faster than the conv template, while 1x1 convs (stride 1 or 2) on 7x7 and 14x14 images were 2-22% slower
+  // than the GEMM below and 3x3 stride-1 ones slower than Winograd
+  if (direct || g.SW != 2 || g.KH * g.KW == 1) return false;
+  const int64_t sw = g.SW;
+  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
+  // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
+  const int64_t H = direct ? 1 : g.H, W = direct ? P : g.W;
+  const int64_t Hp = direct ? 1 : std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  const int64_t Wp = direct ? P : std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  const int64_t cbs = Hp * Wp * 16, ximg = ncb * cbs;
+  if ((double)ximg >= 2147483647.0 || 16.0 * P >= 2147483647.0) return false;
+  const int64_t OWr = direct ? std::min<int64_t>(P, 4 * SF_PDK_MR) : g.OW, nrows = direct ? (P + OWr - 1) / OWr : g.OH;
+  constexpr int64_t CB = 32;
+  const int64_t nob = (OC + CB - 1) / CB, pstride = K * 16;
+  const int nt = sf_max_threads();
+  const bool par = nt > 1 && (double)nimg * P * OC * K >= SF_CONV_PAR_WORK;
+  // runs of rows per task: enough tasks for 4 per thread
+  const int64_t want = par ? (4 * nt + nimg * nob - 1) / (nimg * nob) : 1;
+  const int64_t nrb = std::max<int64_t>(1, std::min(nrows, want)), ntask = nimg * nob * nrb;
+  float* xb16 = static_cast<float*>(sf_workspace(3, sizeof(float) * (nimg * ximg + 16)));
+  int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
+  for (int64_t c = 0, k = 0; c < g.C; ++c)
+    for (int64_t kh = 0; kh < g.KH; ++kh)
+      for (int64_t kw = 0; kw < g.KW; ++kw)
+        off[k++] = (int32_t)((c / 16) * cbs + (direct ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
+  const SfPdkr& u = sf_pdkr();
+  const int64_t pt = direct ? 0 : g.PT, pl = direct ? 0 : g.PL;
+  #pragma omp parallel num_threads(nt) if (par)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < nimg * ncb; ++b) {
+      const int64_t n = b / ncb, cb = b % ncb;
+      sf_block16(x + (n * g.C + cb * 16) * g.H * g.W, std::min<int64_t>(16, g.C - cb * 16), g.H * g.W, H, W, pt, pl,
+                 Hp, Wp, xb16 + n * ximg + cb * cbs);
+    }
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < ntask; ++t) {
+      const int64_t rb = t % nrb, ob = (t / nrb) % nob, n = t / (nrb * nob);
+      const int64_t r0 = nrows * rb / nrb, r1 = nrows * (rb + 1) / nrb;
+      const int64_t c0 = ob * CB, nvalid = std::min(CB, OC - c0), nv = nvalid > 16 ? 2 : 1;
+      const float* xi = xb16 + n * ximg;
+      float* yb = y + (n * OC + c0) * P;
+      const float* rsd = res ? res + (n * OC + c0) * P : nullptr;
+      const float* wb = wp + (c0 / 16) * pstride;
+      const float* bb = epi || !bias ? nullptr : bias + c0;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t p0 = r * OWr, len = std::min(OWr, P - p0);
+        const float* xr = xi + (direct ? p0 : r * g.SH * Wp) * 16;
+        for (int64_t j = 0; j < len;) {
+          const int64_t mr = std::min(SF_PDK_MR, len - j);
+          u.fn[sw - 1][nv - 1][mr - 1](K, xr + j * sw * 16, off, wb, pstride, yb + p0 + j, P, nvalid, bb,
+                                       rsd ? rsd + p0 + j : nullptr, clamp);
+          j += mr;
+        }
+      }
+      if (epi) epi(ctx, n, c0, c0 + nvalid, r0 * OWr, std::min(P, r1 * OWr));
+    }
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 // epi, res and clamp as in sf_conv2d (the transposition adds the bias, res and the clamp: the GEMM's own bias
 // step is a pass of its own over yt)
 static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
@@ -827,6 +1021,7 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
                              const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
   if (nimg <= 0 || OC <= 0 || P <= 0) return;
+  if (sf_conv2d_packed_direct(x, wp, bias, y, g, nimg, OC, direct, epi, ctx, res, clamp)) return;
   const bool par = sf_max_threads() > 1 && (double)P * OC * K >= SF_CONV_PAR_WORK;
   float* yt = static_cast<float*>(sf_workspace(5, sizeof(float) * P * OC));
   float* col = direct ? nullptr : static_cast<float*>(sf_workspace(3, sizeof(float) * K * P));

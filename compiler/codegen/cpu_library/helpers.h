@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <algorithm>
+#include <utility>
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
