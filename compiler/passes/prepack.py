@@ -32,8 +32,9 @@ prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on 
 A float32 2-D Conv of one group with a window wider than 1×1, horizontal stride 2 and at least
 :data:`STRIDED_MIN_K` products per output (``C·KH·KW``) whose constant weight nothing else reads also
 becomes a PackedConv: on an AVX-512 host its kernel reads the image blocked by 16 channels, the output
-channels as vector lanes, with no im2col, GEMM packing or phase copies (rfcs/0002, "Strided convs as
-PackedConv"); elsewhere it runs as im2col and the prepacked GEMM.
+channels as vector lanes, with no im2col, GEMM packing or phase copies (so do the 1×1 PackedConvs of at
+least 1024 output channels; rfcs/0002, "Strided convs as PackedConv"); elsewhere it runs as im2col and
+the prepacked GEMM.
 
 A float32 3×3 Conv of stride 1, dilation 1 and one group with a constant weight nothing else reads,
 at least :data:`WINOGRAD_MIN_CHANNELS` input and output channels and enough output pixels

@@ -208,6 +208,9 @@ def _large():
         PackedConv([_t((2, 20, 9, 33)), _panels(180, 40), _t((40,))], oc=40, kernel=(3, 3), pads=(1, 1, 1, 1),
                    strides=(2, 2)),
         PackedConv([_t((1, 3, 23, 30)), _panels(147, 17)], oc=17, kernel=(7, 7), pads=(3, 3, 3, 3), strides=(3, 2)),
+        # a 1x1 of 1024+ outputs, read blocked as well: 1030 channels (32 blocks of 32 and one of 6), runs of
+        # 14 pixels crossing the image's rows, two images
+        PackedConv([_t((2, 24, 7, 9)), _panels(24, 1030), _t((1030,))], oc=1030, kernel=(1, 1)),
         # Winograd F(2x2) and F(4x4) (passes/prepack.py): whole chunks per thread (56x56), threads sharing
         # each step of one chunk (7x7), channel lanes and panels with tails, tiles past the output, pads
         # on one side only, several images, one row of tiles per chunk
@@ -1059,6 +1062,9 @@ def test_conv_epilogue_fusion(tmp_path):
               lambda y: Binary([y, inp(2, 40, 9, 11)], fn="add"), lambda y: Activation([y], kind="relu")),
         group("packed-relu", PackedConv([inp(1, 16, 7, 7), inp(2, 16, PANEL), inp(20)], oc=20, kernel=(1, 1)),
               lambda y: Activation([y], kind="relu")),
+        group("packed-wide-residual", PackedConv([inp(1, 20, 7, 7), inp(64, 20, PANEL), inp(1024)], oc=1024,
+                                                 kernel=(1, 1)),
+              lambda y: Binary([y, inp(1, 1024, 7, 7)], fn="add"), lambda y: Activation([y], kind="relu")),
         group("packed-s2-residual", PackedConv([inp(2, 20, 9, 33), inp(2, 180, PANEL), inp(24)], oc=24,
                                                kernel=(3, 3), pads=(1, 1, 1, 1), strides=(2, 2)),
               lambda y: Binary([y, inp(2, 24, 5, 17)], fn="add"), lambda y: Activation([y], kind="relu")),

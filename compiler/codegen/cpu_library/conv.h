@@ -821,15 +821,47 @@ static void sf_transpose_cols(const float* t, int64_t ld, int64_t P, int64_t c0,
 }
 
 #if defined(__x86_64__)
+// r[j] = lane j of each of r[0..15] (a 16 x 16 transposition in registers)
+__attribute__((target("avx512f"), always_inline))
+static inline void sf_tr16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  #pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  #pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h)
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      t[8 * h + j] = _mm512_shuffle_f32x4(u[8 * h + j], u[8 * h + 4 + j], 0x88);
+      t[8 * h + 4 + j] = _mm512_shuffle_f32x4(u[8 * h + j], u[8 * h + 4 + j], 0xdd);
+    }
+  #pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
 // PackedConv read from its image (AVX-512; sf_conv2d_packed_direct), the image first blocked by 16
 // channels, [C / 16][Hp][Wp][16] (sf_block16): one tile is MR output pixels of one output row (PS floats
 // apart from xb: the stride times 16) by the 16 * NV output channels of NV weight panels (pstride floats
 // apart): acc[i][v] = sum over k of xb[off[k] + i * PS] * wp[v][k][0..16). A pixel's value is a broadcast
 // (its address a constant displacement from xb + off[k]; the 16 channels of one tap share a cache line) and
 // a panel row a vector load, so nothing is packed per tile, whatever the stride. The channels are the
-// vector lanes, so the tile is stored transposed: each vector of 16 channels of one pixel scattered to
-// y[oc][p] (P apart), finished first (+ bias[oc], + res[oc][p] gathered, the clamp). Channels from nvalid
-// on are the panels' zero padding, masked off.
+// vector lanes, so the tile is stored transposed: each 16 x MR block of the accumulators transposed in
+// registers (sf_tr16) into one vector of pixels per channel, finished (+ bias[oc], + res[oc][p], the
+// clamp) and stored at y[oc][p]. Channels from nvalid on are the panels' zero padding, not stored.
 template <int MR, int NV, int PS>
 __attribute__((target("avx512f")))
 static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
@@ -853,22 +885,23 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
     }
   }
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set1_epi32((int32_t)P),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  #pragma GCC unroll 4
+  const __mmask16 pm = (__mmask16)((1u << MR) - 1u);  // the tile's pixels
+  #pragma GCC unroll 2
   for (int v = 0; v < NV; ++v) {
     const int64_t n = std::min<int64_t>(16, nvalid - 16 * v);
     if (n <= 0) break;
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * v) : _mm512_setzero_ps();
-    float* yv = y + 16 * v * P;
-    const float* rv = res ? res + 16 * v * P : nullptr;
+    __m512 r[16];
     #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      __m512 r = bias ? _mm512_add_ps(acc[i][v], bv) : acc[i][v];
-      if (rv) r = _mm512_add_ps(r, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, lanes, rv + i, 4));
-      if (clamp.on) r = sf_clamp16(r, clamp);
-      _mm512_mask_i32scatter_ps(yv + i, m, lanes, r, 4);
+    for (int i = 0; i < 16; ++i) r[i] = i < MR ? acc[i][v] : _mm512_setzero_ps();
+    sf_tr16(r);  // r[l]: channel 16 * v + l of the tile's pixels
+    #pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) {
+      if (l >= n) break;
+      const int64_t c = 16 * v + l;
+      __m512 o = bias ? _mm512_add_ps(r[l], _mm512_set1_ps(bias[c])) : r[l];
+      if (res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(pm, res + c * P));
+      if (clamp.on) o = sf_clamp16(o, clamp);
+      _mm512_mask_storeu_ps(y + c * P, pm, o);
     }
   }
 }
@@ -949,11 +982,12 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
 #if defined(__x86_64__)
   const char* force = std::getenv("SHARDFLOW_CPU_ISA");
   if ((force && std::strcmp(force, "avx512") != 0) || !__builtin_cpu_supports("avx512f")) return false;
-  // strided windows only: measured on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs of ResNet-50 17-22%
-  // faster than the conv template, while 1x1 convs (stride 1 or 2) on 7x7 and 14x14 images were 2-22% slower
-  // than the GEMM below and 3x3 stride-1 ones slower than Winograd
-  if (direct || g.SW != 2 || g.KH * g.KW == 1) return false;
-  const int64_t sw = g.SW;
+  // strided windows, and 1x1 stride-1 convs of at least 1024 output channels: measured on an AVX-512 Xeon
+  // (rfcs/0002), 3x3 stride-2 convs of ResNet-50 17-22% faster than the conv template, 1x1 256->1024 at
+  // 14x14 and 512->2048 at 7x7 8-10% faster than the GEMM below; 1x1s of 256 and 512 outputs 1-23% slower,
+  // strided 1x1s 1.5x (the whole image blocked for a quarter of its pixels)
+  if (direct ? OC < 1024 : (g.SW != 2 || g.KH * g.KW == 1)) return false;
+  const int64_t sw = direct ? 1 : g.SW;
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
   const int64_t H = direct ? 1 : g.H, W = direct ? P : g.W;
