@@ -29,9 +29,10 @@ image) whose constant weight nothing else reads becomes a
 panels of ``Wᵀ[C, OC]``, and its kernel computes each image as ``x(im2col)ᵀ @ Wᵀ`` with the
 prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on small images").
 
-A float32 2-D Conv of one group with a window wider than 1×1, horizontal stride 2 and at least
-:data:`STRIDED_MIN_K` products per output (``C·KH·KW``) whose constant weight nothing else reads also
-becomes a PackedConv: on an AVX-512 host its kernel reads the image blocked by 16 channels, the output
+A float32 2-D Conv of one group with a window wider than 1×1, at least :data:`STRIDED_MIN_K` products
+per output (``C·KH·KW``) and horizontal stride 2, or 3×3 of stride 1 on images of at most
+:data:`SMALL_MAX_PIXELS` output pixels (before the Winograd rule below), whose constant weight nothing
+else reads also becomes a PackedConv: on an AVX-512 host its kernel reads the image blocked by 16 channels, the output
 channels as vector lanes, with no im2col, GEMM packing or phase copies (so do the 1×1 PackedConvs of at
 least 1024 output channels; rfcs/0002, "Strided convs as PackedConv"); elsewhere it runs as im2col and
 the prepacked GEMM.
@@ -105,23 +106,33 @@ def _conv_weight(op: Operator) -> Tensor | None:
     return None if 0 in x.shape or 0 in w.shape else w
 
 
-#: A strided conv (horizontal stride 2, a window wider than 1x1) becomes a PackedConv from this many
-#: products per output (C * KH * KW) on: measured on an AVX-512 Xeon, ResNet-50's 3x3 stride-2 convs (K =
-#: 1152..4608) took 0.72-0.84x the conv template's time; its 7x7 stride-2 stem (K = 147) 1.3x.
+#: A conv with a window wider than 1x1 becomes a PackedConv from this many products per output (C * KH *
+#: KW) on, at horizontal stride 2 or on small images: measured on an AVX-512 Xeon, ResNet-50's 3x3 stride-2
+#: convs (K = 1152..4608) took 0.72-0.84x the conv template's time, its 7x7 stride-2 stem (K = 147) 1.3x.
 STRIDED_MIN_K = 1024
+
+#: A 3x3 stride-1 conv with at least STRIDED_MIN_K products per output becomes a
+#: PackedConv (instead of a WinogradConv or the conv template) on images of at most this many output
+#: pixels: Winograd's F(2x2) weights, 16/9 of the 3x3 ones, are each used by a few tiles only, and read
+#: from memory in a whole model (measured on an AVX-512 Xeon: ResNet-50's 512->512 3x3s at 7x7 0.81-0.82x
+#: the WinogradConv's time, the model 0.97; its 256->256 3x3s at 14x14 1.14-1.26x, kept as Winograd's).
+SMALL_MAX_PIXELS = 64
 
 
 def _packed_conv(op: Operator, max_pixels: int, strided: bool = False) -> Tensor | None:
     """The weight of a Conv this pass turns into a PackedConv (1x1 of at most ``max_pixels`` pixels per
-    image; with ``strided``, also a 2-D window wider than 1x1 at horizontal stride 2 with at least
-    :data:`STRIDED_MIN_K` products per output), or ``None``."""
+    image; with ``strided``, also a 2-D window wider than 1x1 with at least :data:`STRIDED_MIN_K`
+    products per output at horizontal stride 2, or 3x3 at stride 1 on images of at most
+    :data:`SMALL_MAX_PIXELS` output pixels), or ``None``."""
     w = _conv_weight(op)
     if w is None or op.inputs[0].ndim not in (3, 4):
         return None
+    pixels = math.prod(op.outputs[0].shape[2:])
     if math.prod(w.shape[2:]) == 1:
-        return w if math.prod(op.outputs[0].shape[2:]) <= max_pixels else None
+        return w if pixels <= max_pixels else None
     strides = tuple(op.attrs.get("strides") or (1,) * (w.ndim - 2))
-    if strided and w.ndim == 4 and strides[1] == 2 and math.prod(w.shape[1:]) >= STRIDED_MIN_K:
+    if strided and w.ndim == 4 and math.prod(w.shape[1:]) >= STRIDED_MIN_K \
+            and (strides[1] == 2 or (strides == (1, 1) and w.shape[2:] == (3, 3) and pixels <= SMALL_MAX_PIXELS)):
         return w
     return None
 
@@ -210,8 +221,9 @@ class PrepackWeights(GraphPass):
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue
-            wm = _winograd(op) if self.winograd else None
-            w = wm[0] if wm is not None else _packed_conv(op, self.conv_max_pixels, self.strided)
+            w = _packed_conv(op, self.conv_max_pixels, self.strided)  # before Winograd: small images
+            wm = _winograd(op) if self.winograd and w is None else None
+            w = wm[0] if wm is not None else w
             if w is not None and id(w) not in outputs and all(c is op for c in consumers.get(id(w), [])):
                 value = np.asarray(w.value, np.float32)
                 if wm is not None:  # the weight's Winograd transform

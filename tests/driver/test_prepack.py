@@ -225,8 +225,8 @@ def test_the_pass_packs_convs_on_small_images_only():
 
 def test_the_pass_packs_strided_convs_of_long_products_only():
     """2-D convs of horizontal stride 2 with a window wider than 1x1 and at least STRIDED_MIN_K products
-    per output become PackedConvs computing the same values; shorter products, stride 1 or 3, and
-    ``strided=False`` keep the Conv."""
+    per output become PackedConvs computing the same values; shorter products, stride 1 (on images
+    larger than SMALL_MAX_PIXELS) or 3, and ``strided=False`` keep the Conv."""
     from shardflow.compiler.ops.conv import Conv
     from shardflow.compiler.passes.prepack import STRIDED_MIN_K
 
@@ -258,6 +258,40 @@ def test_the_pass_packs_strided_convs_of_long_products_only():
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-4, err_msg=k)
     kept = PrepackWeights(winograd=False, strided=False).run(build())
     assert {op.name: op.op_type for op in kept.nodes}["s2"] == "Conv"
+
+
+def test_3x3_convs_on_small_images_are_packed_convs_before_winograd():
+    """A 3x3 stride-1 conv of at least STRIDED_MIN_K products per output on an image of at most
+    SMALL_MAX_PIXELS output pixels becomes a PackedConv even where Winograd's rule would take it (a
+    7x7 image of 128 channels); at 9x9, or 5x5 windows, or short products it does not."""
+    from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.passes.prepack import SMALL_MAX_PIXELS, STRIDED_MIN_K, winograd_tile
+
+    rng = np.random.default_rng(7)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32) / 10  # noqa: E731
+    weights = [f(64, 128, 3, 3), f(64, 128, 3, 3), f(64, 128, 5, 5), f(64, 64, 3, 3)]
+
+    def build():
+        x7, x9 = Tensor("x7", (1, 128, 7, 7), "float32"), Tensor("x9", (1, 128, 9, 9), "float32")
+        x7s = Tensor("x7s", (1, 64, 7, 7), "float32")
+        w = [const_tensor(v) for v in weights]
+        ops = [Conv([x7, w[0]], name="small", pads=(1, 1, 1, 1)),
+               Conv([x9, w[1]], name="larger", pads=(1, 1, 1, 1)),
+               Conv([x7, w[2]], name="w5x5", pads=(2, 2, 2, 2)),
+               Conv([x7s, w[3]], name="short", pads=(1, 1, 1, 1))]
+        return FlowGraph([x7, x9, x7s], [o.outputs[0] for o in ops])
+
+    assert 49 <= SMALL_MAX_PIXELS < 81 and 64 * 9 < STRIDED_MIN_K <= 128 * 9
+    assert winograd_tile(128, 64, 7, 7) and winograd_tile(128, 64, 9, 9) and winograd_tile(64, 64, 7, 7)
+    feeds = {"x7": f(1, 128, 7, 7), "x9": f(1, 128, 9, 9), "x7s": f(1, 64, 7, 7)}
+    want = build().run(feeds)
+    packed = PrepackWeights().run(build())
+    assert {op.name: op.op_type for op in packed.nodes} == {
+        "small": "PackedConv", "larger": "WinogradConv", "w5x5": "Conv", "short": "WinogradConv"}
+    got = packed.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-4, err_msg=k)
+    assert {op.name: op.op_type for op in PrepackWeights(strided=False).run(build()).nodes}["small"] == "WinogradConv"
 
 
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
