@@ -983,10 +983,12 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   const char* force = std::getenv("SHARDFLOW_CPU_ISA");
   if ((force && std::strcmp(force, "avx512") != 0) || !__builtin_cpu_supports("avx512f")) return false;
   // windows wider than 1x1 (passes/prepack.py makes PackedConvs of those at stride 2, or stride 1 on small
-  // images), and 1x1 stride-1 convs of at least 1024 output channels: measured on an AVX-512 Xeon
-  // (rfcs/0002), 1x1 256->1024 at 14x14 and 512->2048 at 7x7 8-10% faster than the GEMM below; 1x1s of 256
-  // and 512 outputs 1-23% slower, strided 1x1s 1.5x (the whole image blocked for a quarter of its pixels)
-  if (direct ? OC < 1024 : ((g.SW != 1 && g.SW != 2) || g.KH * g.KW == 1)) return false;
+  // images), and 1x1 stride-1 convs of at least twice as many output channels as input channels (the
+  // blocked image read by many blocks of 32): measured on an AVX-512 Xeon (rfcs/0002), 1x1 256->1024 at
+  // 14x14 and 512->2048 at 7x7 8-10% faster than the GEMM below, MobileNetV2's 6x expansions at 14x14 and
+  // 7x7 14-31%; the reductions 1024->256 and 2048->512 1-23% slower, strided 1x1s 1.5x (the whole image
+  // blocked for a quarter of its pixels)
+  if (direct ? OC < 2 * g.C : ((g.SW != 1 && g.SW != 2) || g.KH * g.KW == 1)) return false;
   const int64_t sw = direct ? 1 : g.SW;
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
