@@ -24,24 +24,28 @@ groups of 4 along ``K`` (:func:`~shardflow.compiler.ops.linalg.pack_int8_panels`
 the integer GEMM's VNNI kernel), signed, with its column sums. The int32 results are the same.
 
 A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
-image) whose constant weight nothing else reads becomes a
+image) with a constant weight becomes a
 :class:`~shardflow.compiler.ops.conv.PackedConv`: its weight ``[OC, C, 1, 1]`` is stored as the
 panels of ``Wᵀ[C, OC]``, and its kernel computes each image as ``x(im2col)ᵀ @ Wᵀ`` with the
 prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on small images").
 
 A float32 2-D Conv of one group with a window wider than 1×1, at least :data:`STRIDED_MIN_K` products
 per output (``C·KH·KW``) and horizontal stride 2, or 3×3 of stride 1 on images of at most
-:data:`SMALL_MAX_PIXELS` output pixels (before the Winograd rule below), whose constant weight nothing
-else reads also becomes a PackedConv: on an AVX-512 host its kernel reads the image blocked by 16 channels, the output
+:data:`SMALL_MAX_PIXELS` output pixels (before the Winograd rule below), with a constant weight also
+becomes a PackedConv: on an AVX-512 host its kernel reads the image blocked by 16 channels, the output
 channels as vector lanes, with no im2col, GEMM packing or phase copies (so do the 1×1 PackedConvs of at
-least 1024 output channels; rfcs/0002, "Strided convs as PackedConv"); elsewhere it runs as im2col and
-the prepacked GEMM.
+least twice as many output channels as input channels; rfcs/0002, "Strided convs as PackedConv");
+elsewhere it runs as im2col and the prepacked GEMM.
 
-A float32 3×3 Conv of stride 1, dilation 1 and one group with a constant weight nothing else reads,
-at least :data:`WINOGRAD_MIN_CHANNELS` input and output channels and enough output pixels
-(:func:`winograd_tile`), becomes a :class:`~shardflow.compiler.ops.conv.WinogradConv`: Winograd's
+A float32 3×3 Conv of stride 1, dilation 1 and one group with a constant weight, at least
+:data:`WINOGRAD_MIN_CHANNELS` input and output channels and enough output pixels
+(:func:`winograd_tile`) becomes a :class:`~shardflow.compiler.ops.conv.WinogradConv`: Winograd's
 F(4×4, 3×3) or F(2×2, 3×3), its weight stored transformed (``G w Gᵀ``, 36 or 16 values per 3×3
 filter, in GEMM panels). Its rounding differs from the direct sum (rfcs/0002, "Winograd").
+
+A conv weight is rewritten only when nothing but convs taking the same form (PackedConv, or
+WinogradConv of the same tile) reads it; those share the one rewritten copy (equal constants, such
+as the onnx package's light models' fills, are one tensor after import).
 """
 from __future__ import annotations
 
@@ -197,6 +201,14 @@ class PrepackWeights(GraphPass):
         self.gemm = gemm
         self.strided = strided
 
+    def _conv_form(self, op: Operator) -> tuple[Tensor, int] | None:
+        """``(weight, m)`` of a Conv this pass rewrites (``m``: 0 for a PackedConv, the tile of a
+        WinogradConv; the PackedConv rules first: small images), or ``None``."""
+        w = _packed_conv(op, self.conv_max_pixels, self.strided)
+        if w is not None:
+            return w, 0
+        return _winograd(op) if self.winograd else None
+
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import PackedConv, WinogradConv, winograd_weights
         from ..ops.linalg import PackedMatMul, PackedMatMulInteger, pack_int8_panels, pack_panels
@@ -205,6 +217,7 @@ class PrepackWeights(GraphPass):
         outputs = {id(t) for t in graph.outputs}
         packed: dict[int, Tensor] = {}  # weight (by id) -> its panels
         packed_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, zero point) -> bp, bc
+        conv_weights: dict[tuple[int, int], Tensor] = {}  # (weight, Winograd tile or 0) -> its new form
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
@@ -221,17 +234,23 @@ class PrepackWeights(GraphPass):
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue
-            w = _packed_conv(op, self.conv_max_pixels, self.strided)  # before Winograd: small images
-            wm = _winograd(op) if self.winograd and w is None else None
-            w = wm[0] if wm is not None else w
-            if w is not None and id(w) not in outputs and all(c is op for c in consumers.get(id(w), [])):
-                value = np.asarray(w.value, np.float32)
-                if wm is not None:  # the weight's Winograd transform
-                    m = wm[1]
-                    weight = const_tensor(winograd_weights(value, m), f"{w.name}.winograd{m}")
+            form = self._conv_form(op)
+            w = form[0] if form is not None else None
+            # a weight several convs read (equal constants deduplicated at import) is rewritten once when
+            # every reader takes the same form
+            if w is not None and id(w) not in outputs and all(
+                    (f := self._conv_form(c)) is not None and f[0] is w and f[1] == form[1]
+                    for c in consumers.get(id(w), [])):
+                m = form[1]
+                if (id(w), m) not in conv_weights:
+                    value = np.asarray(w.value, np.float32)
+                    conv_weights[(id(w), m)] = (
+                        const_tensor(winograd_weights(value, m), f"{w.name}.winograd{m}") if m else  # G w G^T
+                        const_tensor(pack_panels(value.reshape(value.shape[0], -1).T), f"{w.name}.panels"))
+                weight = conv_weights[(id(w), m)]
+                if m:
                     cls, attrs = WinogradConv, dict(op.attrs, oc=int(w.shape[0]), m=m)
                 else:  # the weight as GEMM panels of W^T
-                    weight = const_tensor(pack_panels(value.reshape(value.shape[0], -1).T), f"{w.name}.panels")
                     kernel = tuple(int(k) for k in w.shape[2:])
                     cls, attrs = PackedConv, dict(op.attrs, oc=int(w.shape[0]), kernel=kernel)
                 inputs = [replace.get(id(t), t) for t in [op.inputs[0], weight] + list(op.inputs[2:])]

@@ -183,14 +183,16 @@ def test_prepack_must_be_a_bool():
 
 
 def test_the_pass_packs_convs_on_small_images_only():
-    """1x1 convs of one group on float32 with a constant weight read by nothing else, whose output
-    images have at most CONV_MAX_PIXELS pixels, become PackedConvs computing the same values."""
+    """1x1 convs of one group on float32 with a constant weight, whose output images have at most
+    CONV_MAX_PIXELS pixels, become PackedConvs computing the same values; convs sharing a weight share
+    one packed copy when all of them are packed, and keep the weight when one of them is not."""
     from shardflow.compiler.ops.conv import Conv
     from shardflow.compiler.passes.prepack import CONV_MAX_PIXELS
 
     rng = np.random.default_rng(3)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    weights = [f(20, 8, 1, 1), f(20), f(12, 8, 1, 1), f(12, 8, 1, 1), f(8, 2, 1, 1), f(8, 8, 1, 1), f(6, 8, 3, 3)]
+    weights = [f(20, 8, 1, 1), f(20), f(12, 8, 1, 1), f(12, 8, 1, 1), f(8, 2, 1, 1), f(8, 8, 1, 1), f(6, 8, 3, 3),
+               f(4, 8, 1, 1)]
 
     def build():  # the pass rewrites the graph it is given
         small, large = Tensor("small", (2, 8, 9, 9), "float32"), Tensor("large", (1, 8, 17, 17), "float32")
@@ -202,7 +204,9 @@ def test_the_pass_packs_convs_on_small_images_only():
             Conv([small, w[6]], name="c3x3", pads=(1, 1, 1, 1)),                        # not 1x1
             Conv([small, w[4]], name="c_grouped", group=4),
             Conv([small, w[5]], name="c_shared_a"),                                     # one weight, two
-            Conv([small, w[5]], name="c_shared_b"),                                     # readers: kept
+            Conv([small, w[5]], name="c_shared_b"),                                     # packed readers
+            Conv([small, w[7]], name="c_mixed_a"),                                      # one packed reader,
+            Conv([large, w[7]], name="c_mixed_b"),                                      # one not: kept
             Conv([small, Tensor("w_in", (4, 8, 1, 1), "float32")], name="c_weight_input"),
         ]
         return FlowGraph([small, large, ops[-1].inputs[1]], [o.outputs[0] for o in ops])
@@ -214,8 +218,10 @@ def test_the_pass_packs_convs_on_small_images_only():
     packed.validate()
     assert {op.name: op.op_type for op in packed.nodes} == {
         "c1x1": "PackedConv", "c1x1_s2": "PackedConv", "c_large": "Conv", "c3x3": "Conv", "c_grouped": "Conv",
-        "c_shared_a": "Conv", "c_shared_b": "Conv", "c_weight_input": "Conv"}
+        "c_shared_a": "PackedConv", "c_shared_b": "PackedConv", "c_mixed_a": "Conv", "c_mixed_b": "Conv",
+        "c_weight_input": "Conv"}
     by = {op.name: op for op in packed.nodes}
+    assert by["c_shared_a"].inputs[1] is by["c_shared_b"].inputs[1]
     assert by["c1x1"].inputs[1].shape == (-(-20 // PANEL), 8, PANEL)
     got = packed.run(feeds)
     for k, v in want.items():
@@ -387,15 +393,15 @@ def test_winograd_tile_rule():
 
 
 def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
-    """3x3 convs of stride 1, dilation 1, one group and a constant weight read by nothing else, that
-    winograd_tile picks, become WinogradConvs whose values are the conv's to rounding; winograd=False
-    keeps them."""
+    """3x3 convs of stride 1, dilation 1, one group and a constant weight, that winograd_tile picks,
+    become WinogradConvs whose values are the conv's to rounding (two of one tile sharing a weight share
+    its transform; two of different tiles keep it); winograd=False keeps them."""
     from shardflow.compiler.ops.conv import Conv, WinogradConv
 
     rng = np.random.default_rng(5)
     f = lambda *s: (rng.standard_normal(s) / 24).astype(np.float32)  # noqa: E731
     weights = [f(64, 64, 3, 3), f(64), f(64, 64, 3, 3), f(64, 64, 3, 3), f(64, 64, 3, 3), f(64, 32, 3, 3),
-               f(32, 64, 3, 3), f(64, 64, 3, 3)]
+               f(32, 64, 3, 3), f(64, 64, 3, 3), f(64, 64, 3, 3)]
 
     def build():
         x28, x12 = Tensor("x28", (1, 64, 28, 28), "float32"), Tensor("x12", (1, 64, 12, 12), "float32")
@@ -408,7 +414,9 @@ def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
             Conv([x12, w[5]], name="grouped", group=2, pads=(1, 1, 1, 1)),
             Conv([x12, w[6]], name="few_out", pads=(1, 1, 1, 1)),
             Conv([x12, w[7]], name="shared_a"),                                         # one weight, two
-            Conv([x12, w[7]], name="shared_b"),                                         # readers: kept
+            Conv([x12, w[7]], name="shared_b"),                                         # F(2x2) readers
+            Conv([x12, w[8]], name="mixed_a"),                                          # F(2x2) and F(4x4)
+            Conv([x28, w[8]], name="mixed_b", pads=(1, 1, 1, 1)),                       # readers: kept
         ]
         return FlowGraph([x28, x12], [o.outputs[0] for o in ops])
 
@@ -420,8 +428,10 @@ def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
     kinds = {op.name: (op.op_type, op.attrs.get("m")) for op in g.nodes}
     assert kinds == {"f4": ("WinogradConv", 4), "f2": ("WinogradConv", 2), "strided": ("Conv", None),
                      "dilated": ("Conv", None), "grouped": ("Conv", None), "few_out": ("Conv", None),
-                     "shared_a": ("Conv", None), "shared_b": ("Conv", None)}
+                     "shared_a": ("WinogradConv", 2), "shared_b": ("WinogradConv", 2), "mixed_a": ("Conv", None),
+                     "mixed_b": ("Conv", None)}
     by = {op.name: op for op in g.nodes}
+    assert by["shared_a"].inputs[1] is by["shared_b"].inputs[1]
     assert isinstance(by["f4"], WinogradConv) and by["f4"].inputs[1].shape == (36, 64 // PANEL, 64, PANEL)
     got = g.run(feeds)
     for k, v in want.items():
