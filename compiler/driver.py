@@ -804,7 +804,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
 
                 rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
-                                    gemm=opt.prepack, strided=opt.prepack).run(rg)
+                                    gemm=opt.prepack, windows=opt.prepack).run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

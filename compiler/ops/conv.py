@@ -223,10 +223,11 @@ class Conv(Operator):
 
 class PackedConv(Conv):
     """A :class:`Conv` (one group) whose constant weight is stored as the GEMM's packed panels: the
-    form the cpu target gives a 1x1 conv on small images and a conv of horizontal stride 2 with long
-    products (``passes/prepack.py``), computed as ``y^T[P, OC] = im2col(x)^T[P, K] @ W^T[K, OC]`` with
-    the output pixels as the GEMM's rows (a strided one, on an AVX-512 host, from the image blocked by 16
-    channels, the output channels as vector lanes: rfcs/0002).
+    form the cpu target gives a 1x1 conv on small images, and a wider window with long products at
+    horizontal stride 2 or (3x3) on small images (``passes/prepack.py``), computed as
+    ``y^T[P, OC] = im2col(x)^T[P, K] @ W^T[K, OC]`` with the output pixels as the GEMM's rows (the wider
+    windows and the 1x1 expansions, on an AVX-512 host, from the image blocked by 16 channels, the output
+    channels as vector lanes: rfcs/0002).
 
     Inputs ``x [N, C, *in]``, ``wp [ceil(OC / PANEL), K, PANEL]`` =
     :func:`~shardflow.compiler.ops.linalg.pack_panels` of ``w.reshape(OC, K).T`` with

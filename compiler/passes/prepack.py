@@ -123,9 +123,9 @@ STRIDED_MIN_K = 1024
 SMALL_MAX_PIXELS = 64
 
 
-def _packed_conv(op: Operator, max_pixels: int, strided: bool = False) -> Tensor | None:
+def _packed_conv(op: Operator, max_pixels: int, windows: bool = False) -> Tensor | None:
     """The weight of a Conv this pass turns into a PackedConv (1x1 of at most ``max_pixels`` pixels per
-    image; with ``strided``, also a 2-D window wider than 1x1 with at least :data:`STRIDED_MIN_K`
+    image; with ``windows``, also a 2-D window wider than 1x1 with at least :data:`STRIDED_MIN_K`
     products per output at horizontal stride 2, or 3x3 at stride 1 on images of at most
     :data:`SMALL_MAX_PIXELS` output pixels), or ``None``."""
     w = _conv_weight(op)
@@ -135,7 +135,7 @@ def _packed_conv(op: Operator, max_pixels: int, strided: bool = False) -> Tensor
     if math.prod(w.shape[2:]) == 1:
         return w if pixels <= max_pixels else None
     strides = tuple(op.attrs.get("strides") or (1,) * (w.ndim - 2))
-    if strided and w.ndim == 4 and math.prod(w.shape[1:]) >= STRIDED_MIN_K \
+    if windows and w.ndim == 4 and math.prod(w.shape[1:]) >= STRIDED_MIN_K \
             and (strides[1] == 2 or (strides == (1, 1) and w.shape[2:] == (3, 3) and pixels <= SMALL_MAX_PIXELS)):
         return w
     return None
@@ -177,9 +177,9 @@ def _winograd(op: Operator) -> tuple[Tensor, int] | None:
 
 class PrepackWeights(GraphPass):
     """Replace each float32 MatMul/Gemm with a constant 2-D weight by a PackedMatMul reading the
-    weight packed in panels, each float32 1x1 Conv on small images and each strided one it names by a
-    PackedConv, and each float32
-    3x3 stride-1 Conv that :func:`winograd_tile` picks by a WinogradConv (see the module docstring).
+    weight packed in panels, each float32 1x1 Conv on small images and each wider window
+    :func:`_packed_conv` names by a PackedConv, and each float32 3x3 stride-1 Conv that
+    :func:`winograd_tile` picks by a WinogradConv (see the module docstring).
 
     Parameters
     ----------
@@ -190,21 +190,22 @@ class PrepackWeights(GraphPass):
         Turn the 3x3 convs :func:`winograd_tile` picks into WinogradConvs (``optimization_config["winograd"]``).
     gemm
         Pack the MatMul/Gemm weights.
-    strided
-        Make PackedConvs of the strided convs :func:`_packed_conv` names (module docstring).
+    windows
+        Make PackedConvs of the convs with windows wider than 1x1 that :func:`_packed_conv` names (stride
+        2, or 3x3 on small images; module docstring).
     """
 
     def __init__(self, conv_max_pixels: int = CONV_MAX_PIXELS, winograd: bool = True, gemm: bool = True,
-                 strided: bool = True):
+                 windows: bool = True):
         self.conv_max_pixels = conv_max_pixels
         self.winograd = winograd
         self.gemm = gemm
-        self.strided = strided
+        self.windows = windows
 
     def _conv_form(self, op: Operator) -> tuple[Tensor, int] | None:
         """``(weight, m)`` of a Conv this pass rewrites (``m``: 0 for a PackedConv, the tile of a
         WinogradConv; the PackedConv rules first: small images), or ``None``."""
-        w = _packed_conv(op, self.conv_max_pixels, self.strided)
+        w = _packed_conv(op, self.conv_max_pixels, self.windows)
         if w is not None:
             return w, 0
         return _winograd(op) if self.winograd else None
@@ -218,6 +219,7 @@ class PrepackWeights(GraphPass):
         packed: dict[int, Tensor] = {}  # weight (by id) -> its panels
         packed_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, zero point) -> bp, bc
         conv_weights: dict[tuple[int, int], Tensor] = {}  # (weight, Winograd tile or 0) -> its new form
+        forms = {id(op): self._conv_form(op) for op in graph.nodes}
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
@@ -234,12 +236,12 @@ class PrepackWeights(GraphPass):
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue
-            form = self._conv_form(op)
+            form = forms[id(op)]
             w = form[0] if form is not None else None
             # a weight several convs read (equal constants deduplicated at import) is rewritten once when
             # every reader takes the same form
             if w is not None and id(w) not in outputs and all(
-                    (f := self._conv_form(c)) is not None and f[0] is w and f[1] == form[1]
+                    (f := forms.get(id(c))) is not None and f[0] is w and f[1] == form[1]
                     for c in consumers.get(id(w), [])):
                 m = form[1]
                 if (id(w), m) not in conv_weights:

@@ -232,7 +232,7 @@ def test_the_pass_packs_convs_on_small_images_only():
 def test_the_pass_packs_strided_convs_of_long_products_only():
     """2-D convs of horizontal stride 2 with a window wider than 1x1 and at least STRIDED_MIN_K products
     per output become PackedConvs computing the same values; shorter products, stride 1 (on images
-    larger than SMALL_MAX_PIXELS) or 3, and ``strided=False`` keep the Conv."""
+    larger than SMALL_MAX_PIXELS) or 3, and ``windows=False`` keep the Conv."""
     from shardflow.compiler.ops.conv import Conv
     from shardflow.compiler.passes.prepack import STRIDED_MIN_K
 
@@ -262,7 +262,7 @@ def test_the_pass_packs_strided_convs_of_long_products_only():
     got = packed.run(feeds)
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-4, err_msg=k)
-    kept = PrepackWeights(winograd=False, strided=False).run(build())
+    kept = PrepackWeights(winograd=False, windows=False).run(build())
     assert {op.name: op.op_type for op in kept.nodes}["s2"] == "Conv"
 
 
@@ -297,7 +297,7 @@ def test_3x3_convs_on_small_images_are_packed_convs_before_winograd():
     got = packed.run(feeds)
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-4, err_msg=k)
-    assert {op.name: op.op_type for op in PrepackWeights(strided=False).run(build()).nodes}["small"] == "WinogradConv"
+    assert {op.name: op.op_type for op in PrepackWeights(windows=False).run(build()).nodes}["small"] == "WinogradConv"
 
 
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])

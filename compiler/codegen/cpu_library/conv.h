@@ -970,8 +970,8 @@ static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane,
 }
 #endif
 
-// PackedConv without im2col, GEMM or transposition where the host has AVX-512 and the horizontal stride is
-// 1 or 2 (else false: the caller takes the GEMM path). Each image is first blocked by 16 channels
+// PackedConv without im2col, GEMM or transposition where the conv template runs its AVX-512 kernels, for
+// the convs named below (else false: the caller takes the GEMM path). Each image is first blocked by 16 channels
 // (sf_block16, with its padding). Tasks are (image, block of 32 output channels, run of output rows; a 1x1,
 // stride-1, unpadded conv's image is one row of P pixels, cut in runs of 56); each row is cut in tiles of at
 // most SF_PDK_MR pixels, every tile reading the block's panels (K x 32 floats, kept in L2 by the task) and
@@ -980,8 +980,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
                                     const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, SfConvEpi epi,
                                     const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
-  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
-  if ((force && std::strcmp(force, "avx512") != 0) || !__builtin_cpu_supports("avx512f")) return false;
+  if (sf_cukr().vl != 16) return false;  // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise)
   // windows wider than 1x1 (passes/prepack.py makes PackedConvs of those at stride 2, or stride 1 on small
   // images), and 1x1 stride-1 convs of at least twice as many output channels as input channels (the
   // blocked image read by many blocks of 32): measured on an AVX-512 Xeon (rfcs/0002), 1x1 256->1024 at
