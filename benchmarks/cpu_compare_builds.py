@@ -41,7 +41,8 @@ def main(argv=None) -> None:
                 out_dir=args.new)
     dirs = [args.old, args.new]
     progs = [json.load(open(os.path.join(d, "rank0", "program.json"))) for d in dirs]
-    names = [[s["node"] for s in p["steps"]] for p in progs]
+    # the steps a run times: not those run once at load (``load_steps``, compile's "precompute")
+    names = [[s["node"] for s in p["steps"][p.get("load_steps", 0):]] for p in progs]
     if names[0] != names[1]:
         only = [[n for n in names[k] if n not in set(names[1 - k])] for k in range(2)]
         print(f"steps only in old: {len(only[0])} {only[0][:8]}{' ...' if len(only[0]) > 8 else ''}")

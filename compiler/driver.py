@@ -32,6 +32,10 @@ key               meaning                                                       
                   onnxruntime's quantize_static) runs as the integer product it stands for,
                   exact in int32 then scaled, on the int8 GEMM (frontend/qdq.py); ``False``
                   keeps the float MatMul of the dequantized values
+``precompute``    steps computed from constants alone (ops constant folding leaves in the      ``True``
+                  graph because their results are too large to store, e.g. ``ConstantOfShape``
+                  fills of big weights) run once when the program loads, their results kept
+                  in memory between runs; ``False`` runs them on every call
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -87,6 +91,7 @@ class OptimizationConfig:
     prepack: bool = True
     winograd: bool = True
     int8_qdq: bool = True
+    precompute: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -146,7 +151,7 @@ class OptimizationConfig:
             raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
                               "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
                               "'float32' or 'float16'")
-        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq"):
+        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if "search_space" in cfg:
@@ -347,7 +352,8 @@ def _concatenate_in_place(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor
 
 def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: int = 0,
                   group_key: Callable[[tuple[int, ...]], str] | None = None,
-                  view_ops: Sequence[Operator] = ()) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
+                  view_ops: Sequence[Operator] = (), precompute: bool = True,
+                  ) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
     """Lay out one rank's program: steps, buffers (arena offsets by liveness, weight offsets).
 
     Parameters
@@ -364,6 +370,9 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         Maps a collective's mesh axes to its group key in the manifest.
     view_ops
         Ops whose output aliases input 0's bytes (no kernel; same buffer).
+    precompute
+        Put the kernel steps computed from constants alone first and count them in the program's
+        ``load_steps``: the runtime runs them once at load, their results keep their memory.
 
     Returns
     -------
@@ -429,6 +438,9 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             raise ShardflowError(f"rank {rank}: codegen returned {k!r} for node {op.name}; expected a symbol name")
 
     raw_steps = _concatenate_in_place(raw_steps, g, alias, at)
+    n_init = 0
+    if precompute:
+        raw_steps, n_init = _steps_at_load_first(raw_steps, root)
 
     # materialization check: every step input exists when it runs
     ready = {id(t) for t in g.inputs}
@@ -481,6 +493,12 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         r = root(t)
         last[id(r)] = n_steps
         first.setdefault(id(r), -1 if r.is_constant else n_steps)
+    # what the steps run at load write and a run reads (or returns) keeps its memory for good
+    for _, _, _, outs, _ in raw_steps[:n_init]:
+        for t in outs:
+            r = root(t)
+            if last[id(r)] >= n_init:
+                first[id(r)], last[id(r)] = -1, n_steps
 
     # weights: constants (by root), in first-use order
     weights: list[tuple[int, np.ndarray]] = []
@@ -548,7 +566,39 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         "outputs": [[name, buf_of[id(t)]] for name, t in zip(g.output_names, g.outputs)],
         "steps": steps,
     }
+    if n_init:
+        program["load_steps"] = n_init
     return program, weights, int(wpos)
+
+
+def _steps_at_load_first(raw_steps: list, root: Callable[[Tensor], Tensor]) -> tuple[list, int]:
+    """``(steps, n)``: ``raw_steps`` reordered so that the ``n`` kernel steps whose inputs are all
+    constants, or tensors only such steps write, come first (in their order), the others after them
+    (in theirs): the runtime runs the first ``n`` once, when it loads the program.
+
+    These are the ops constant folding leaves in the graph because their results are too large to
+    store (``FOLD_LIMIT``), e.g. a ``ConstantOfShape`` fill of a big weight. Moving them first keeps
+    the order topological: their inputs are constants or written by earlier such steps. Collectives and
+    ops whose values are not a function of their inputs (``data_dependent_values``) always run.
+    """
+    writers: dict[int, int] = {}
+    for _, _, _, outs, _ in raw_steps:
+        for t in outs:
+            writers[id(root(t))] = writers.get(id(root(t)), 0) + 1
+    at_load: dict[int, int] = {}  # root -> how many of its writers run at load
+    first, rest = [], []
+    for step in raw_steps:
+        kind, _, ins, outs, op = step
+        if kind == "kernel" and not op.data_dependent_values and all(
+                root(t).is_constant or at_load.get(id(root(t)), -1) == writers.get(id(root(t))) for t in ins):
+            first.append(step)
+            for t in outs:
+                at_load[id(root(t))] = at_load.get(id(root(t)), 0) + 1
+        else:
+            rest.append(step)
+    if first:
+        log.debug("%d steps computed from constants only run once at load", len(first))
+    return first + rest, len(first)
 
 
 def _why_no_kernel(op: Operator) -> str:
@@ -839,7 +889,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             timings["codegen"] += time.perf_counter() - t
             t = time.perf_counter()
             views = [op for op in views if op.name not in kernels]  # the ones not fused into a kernel
-            program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views)
+            program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute)
             program["kernels_file"] = kernels_name
             weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
             write_json(rdir / "program.json", program)

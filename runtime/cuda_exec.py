@@ -54,7 +54,8 @@ def fresh_output_writers(program: dict) -> tuple[int, frozenset[int]]:
     is a kernel whose every output buffer is a program output that no step reads and no other
     step writes, that is neither a program input nor weights, and that only one output name
     returns; the run of such steps must end
-    the program (so nothing after them reuses what they read). ``(0, frozenset())`` if none."""
+    the program (so nothing after them reuses what they read) and not reach into the steps run at
+    load (``load_steps``). ``(0, frozenset())`` if none."""
     steps = program["steps"]
     named = Counter(int(i) for _, i in program["outputs"])
     outputs = {i for i, k in named.items() if k == 1}  # (a buffer under two names: one copy for each)
@@ -63,7 +64,7 @@ def fresh_output_writers(program: dict) -> tuple[int, frozenset[int]]:
     writers = Counter(int(i) for s in steps for i in s.get("outputs", ()))
     buffers = program["buffers"]
     n = 0
-    for s in reversed(steps):
+    for s in reversed(steps[int(program.get("load_steps", 0)):]):
         outs = [int(i) for i in s.get("outputs", ())]
         if s["kind"] != "kernel" or not outs or any(
                 i not in outputs or i in read or i in inputs or writers[i] != 1 or buffers[i]["storage"] == "weights"
@@ -105,6 +106,15 @@ class CudaEngine:
                 self.module = cp.RawModule(path=str(path))
             except Exception as exc:  # noqa: BLE001 - cupy raises several types for a bad cubin
                 raise ArtifactError(f"cannot load {str(path)!r} on device {self.device}: {exc}") from None
+        # the leading steps computed from constants alone run once, now (compile's "precompute")
+        n_load = int(p.get("load_steps", 0))
+        for s in steps[:n_load]:
+            if s["kind"] != "kernel":
+                raise ArtifactError(f"program.json of rank {prog.rank}: step {s['node']} is a {s['kind']}, but "
+                                    f"the first {n_load} steps (load_steps) must be kernels")
+        with self.stream:
+            self._run_segment_kernels([self._launch(s) for s in steps[:n_load]])
+        steps = steps[n_load:]
         segments: list[tuple[list, Any]] = []
         launches: list = []
         self.capturable = True

@@ -4,6 +4,8 @@ Loading verifies the manifest's format version and the sha256 of every file, rea
 shard into one aligned buffer, allocates the activation arena once, opens ``kernels.so`` and
 precomputes, for every step, the kernel's function and its two pointer arrays, laid out as the
 flat arrays of ``sf_run_program`` in the native runtime library (:mod:`shardflow.runtime.native`).
+The program's first ``load_steps`` steps (kernels computed from constants alone, e.g. large fills
+constant folding left in the graph) run once, here; their results keep their memory in the arena.
 A run then copies the inputs into the arena, makes one native call that walks the steps
 (``fn(inputs, outputs)`` for a kernel; a callback into the communicator for a collective) and
 copies the outputs out.
@@ -191,6 +193,10 @@ class RankProgram:
         self._native = None
         self._engine = None
         steps = p["steps"]
+        self.load_steps = int(p.get("load_steps", 0))
+        if not 0 <= self.load_steps <= len(steps):
+            raise ArtifactError(f"program.json of rank {self.rank}: load_steps = {self.load_steps} is outside "
+                                f"[0, {len(steps)}] (the number of steps)")
         if self.target == "cuda":
             from .cuda_exec import CudaEngine
 
@@ -207,11 +213,19 @@ class RankProgram:
             except OSError as exc:
                 raise ArtifactError(f"cannot load {str(lib_path)!r}: {exc}") from None
         self.groups = self._make_groups()
+        # the leading steps computed from constants alone run once, now (compile's "precompute")
+        self._n_kernels = self._n_collectives = 0
+        for s in steps[:self.load_steps]:
+            if s["kind"] != "kernel":
+                raise ArtifactError(f"program.json of rank {self.rank}: step {s['node']} is a {s['kind']}, but "
+                                    f"the first {self.load_steps} steps (load_steps) must be kernels")
+            fn, a, b, _, _ = self._kernel_call(s)
+            fn(a, b)
+            self._n_kernels += 1
         # segments: runs of kernel calls, each followed by at most one collective
         segments: list[tuple[list, Any]] = []
         calls: list = []
-        self._n_kernels = self._n_collectives = 0
-        for s in steps:
+        for s in steps[self.load_steps:]:
             if s["kind"] == "kernel":
                 calls.append(self._kernel_call(s))
                 self._n_kernels += 1
@@ -225,10 +239,10 @@ class RankProgram:
             segments.append((calls, None))
         self._segments = segments
         # artifacts of older versions may list a runner.so: the native library replaces it
-        self._native = self._native_program() if steps else None
+        self._native = self._native_program() if segments else None
 
     def _native_program(self) -> tuple:
-        """``(sf_run_program, args)`` over all steps: a kernel's function and pointer arrays, or a
+        """``(sf_run_program, args)`` over the steps after the load steps: a kernel's function and pointer arrays, or a
         null function for a collective, which the library hands back to :meth:`_collective_step`."""
         lib = native.load()
         entries: list = []  # per step: (kernel call or None, collective or None)
@@ -399,9 +413,10 @@ class RankProgram:
                 call()
                 times[r, k] = clock() - t0
         med = np.median(times, axis=0) * 1e3
-        return [{"index": k, "kind": s["kind"], "node": s["node"],
+        n0 = self.load_steps  # run once at load: not timed
+        return [{"index": n0 + k, "kind": s["kind"], "node": s["node"],
                  "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"], "ms": float(med[k])}
-                for k, s in enumerate(self.program["steps"])]
+                for k, s in enumerate(self.program["steps"][n0:])]
 
     def _copy_inputs(self, arrays: Mapping[str, Any]) -> None:
         for name, buf in self.input_specs:

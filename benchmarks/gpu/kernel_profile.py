@@ -43,7 +43,7 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
     prog.run(feeds)
     prog.run(feeds)  # second run: the engine captures its graph
     engine = prog._engine
-    steps = [s for s in program["steps"] if s["kind"] == "kernel"]
+    steps = [s for s in program["steps"][program.get("load_steps", 0):] if s["kind"] == "kernel"]  # not at load
     launches = [f for seg, _ in engine.segments for f in seg]
     assert len(launches) == len(steps), (len(launches), len(steps))
     start, end = cp.cuda.Event(), cp.cuda.Event()

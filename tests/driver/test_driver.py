@@ -346,3 +346,88 @@ def test_topk_model_on_one_and_two_cpu_ranks_matches_onnxruntime(tmp_path):
     for got in outs:
         np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(got["i"], want[1])
+
+
+# ---------------------------------------------------------------------------------------
+# steps computed from constants alone run once at load
+# ---------------------------------------------------------------------------------------
+def _fill_model(path):
+    """Fills above the constant-fold limit: a weight computed from one (``Wc``), whose memory the
+    tensors made after its last reader would take if it were not kept, and a fill that is the first
+    part of a channel concatenation whose other part a conv writes on every run (in place when not
+    fused), whose memory the conv after its reader would take."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from shardflow.compiler.passes.simplify import FOLD_LIMIT
+
+    rng = np.random.default_rng(1)
+    assert 2048 * 2049 > FOLD_LIMIT and 65 * 256 * 256 > FOLD_LIMIT
+    inits = [numpy_helper.from_array(np.array([2048, 2049], np.int64), "wshape"),
+             numpy_helper.from_array(rng.standard_normal(2049).astype(np.float32), "col"),
+             numpy_helper.from_array(np.array([1, 65, 256, 256], np.int64), "fshape"),
+             numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "cw"),
+             numpy_helper.from_array(rng.standard_normal((2, 69, 1, 1)).astype(np.float32), "mw"),
+             numpy_helper.from_array(rng.standard_normal((2, 2, 1, 1)).astype(np.float32), "mw2")]
+    fill = lambda v: helper.make_tensor("v", TensorProto.FLOAT, [1], [v])  # noqa: E731
+    nodes = [helper.make_node("ConstantOfShape", ["wshape"], ["W0"], value=fill(0.01)),
+             helper.make_node("Mul", ["W0", "col"], ["Wc"]),
+             helper.make_node("MatMul", ["x", "Wc"], ["y"]),
+             helper.make_node("Add", ["xt", "y"], ["t"]),
+             helper.make_node("Relu", ["t"], ["tr"]),
+             helper.make_node("ReduceSum", ["tr"], ["s"], keepdims=0),
+             helper.make_node("ConstantOfShape", ["fshape"], ["F"], value=fill(0.5)),
+             helper.make_node("Conv", ["img", "cw"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["F", "c"], ["cat"], axis=1),
+             helper.make_node("Conv", ["cat", "mw"], ["m"]),
+             helper.make_node("Conv", ["m", "mw2"], ["m2"])]
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes, "fills",
+        [helper.make_tensor_value_info("x", f32, [1, 2048]), helper.make_tensor_value_info("xt", f32, [2048, 1]),
+         helper.make_tensor_value_info("img", f32, [1, 4, 256, 256])],
+        [helper.make_tensor_value_info("s", f32, []), helper.make_tensor_value_info("y", f32, [1, 2049]),
+         helper.make_tensor_value_info("m2", f32, [1, 2, 256, 256])],
+        inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+
+
+@pytest.mark.parametrize("cfg,at_load", [({}, {"Wc"}), ({"fuse": False}, {"W0", "Wc", "F"}),
+                                         ({"precompute": False}, set())], ids=["default", "unfused", "off"])
+def test_steps_from_constants_run_once_at_load(tmp_path, cfg, at_load):
+    """Ops constant folding leaves in the graph (results above ``FOLD_LIMIT``) come first in the program
+    and run once, at load (``load_steps``): the fill fused into the Mul that makes ``Wc``; unfused, also
+    the fills themselves, one of them written in place into a concatenation whose other part a conv
+    writes on every run (a fused Concat computes its fill part itself). What they write and a run reads
+    keeps its bytes for good: no other buffer shares them, but for the concatenation's parts. Two runs
+    on other inputs equal onnxruntime's; ``precompute: False`` runs every step every time."""
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "fills.onnx"
+    _fill_model(path)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    feeds = [{"x": rng.standard_normal((1, 2048)).astype(np.float32),
+              "xt": rng.standard_normal((2048, 1)).astype(np.float32),
+              "img": rng.standard_normal((1, 4, 256, 256)).astype(np.float32)} for _ in range(2)]
+    compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu", **cfg},
+            out_dir=tmp_path / "o")
+    prog = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    n = prog.get("load_steps", 0)
+    assert {prog["buffers"][i]["name"] for s in prog["steps"][:n] for i in s["outputs"]} == at_load
+    arena = {b["name"]: b for b in prog["buffers"] if b["storage"] == "arena"}
+    span = lambda b: (b["offset"], b["offset"] + int(np.prod(b["shape"])) * 4)  # noqa: E731
+    cat = span(arena["cat"])
+    assert "F" not in at_load or arena["F"]["offset"] == cat[0]  # unfused: the fill is written in place
+    for keep in at_load & {"Wc", "F"}:
+        lo, hi = span(arena[keep] if keep == "Wc" else arena["cat"])
+        for name, b in arena.items():
+            a, z = span(b)
+            if name != keep and a < hi and lo < z:
+                assert keep == "F" and cat[0] <= a and z <= cat[1], (keep, name)
+    p = load(tmp_path / "o", rank=0)
+    for f in feeds:
+        got = p.run(f)
+        for name, want in zip(["s", "y", "m2"], sess.run(["s", "y", "m2"], f)):
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-3, err_msg=name)

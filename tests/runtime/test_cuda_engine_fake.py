@@ -157,3 +157,32 @@ def test_fresh_outputs_are_written_by_the_last_kernel(engine):
     np.testing.assert_array_equal(view, 2 * (9 + np.arange(4)))
     np.testing.assert_array_equal(runs[0]["y"], 2 * (1 + np.arange(4)))
     assert set(eng.graphs) == {"body", "all"}
+
+
+def scale(w, c):
+    np.multiply(w, 3, out=c)
+
+
+def test_load_steps_run_once_before_the_graphs(monkeypatch):
+    """A program whose first step (``load_steps`` = 1) computes c = 3 w from the weights alone: the
+    engine launches it once when it loads, never in a run or a captured graph, and the runs read c."""
+    log: list = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy({"scale": scale, "add": add, "twice": twice}, log))
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    p = _program()
+    p["buffers"].append({"name": "c", "shape": [4], "dtype": "float32", "storage": "arena", "offset": 48})
+    p["arena_bytes"] = 64
+    launch = p["steps"][0]["launch"]
+    p["steps"][0]["inputs"] = [0, 4]  # add(x, c)
+    p["steps"].insert(0, {"kind": "kernel", "node": "scale", "symbol": "scale", "inputs": [1], "outputs": [4],
+                          "launch": launch})
+    p["load_steps"] = 1
+    prog = types.SimpleNamespace(program=p, weights=np.arange(4, dtype=np.float32).view(np.uint8),
+                                 buffers=[None] * 5, directory=Path("."), rank=0, groups={})
+    eng = CudaEngine(prog)
+    assert log == ["scale"]
+    for k in range(3):  # eager, then the graph of the two other steps
+        np.testing.assert_array_equal(eng.run({"x": np.full(4, k, np.float32)})["y"], 2 * (k + 3 * np.arange(4)))
+    assert len(eng.graphs["all"][0][0].calls) == 2
+    assert log == ["scale"] + ["add", "twice"] * 3

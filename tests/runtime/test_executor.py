@@ -110,6 +110,27 @@ def test_missing_file_and_other_format_version(arts, tmp_path):
         load(tmp_path / "nowhere")
 
 
+def test_load_steps_run_once_when_loading(arts, tmp_path, x):
+    """The first ``load_steps`` steps run once, at load (the compiler puts the steps computed from
+    constants alone there): here ``mul``, on whatever the input's buffer held at load, so runs on other
+    inputs give the same ``y``; an out-of-range count, or one that takes in a collective, is refused."""
+    out = tmp_path / "load"
+    shutil.copytree(arts["o1"], out)
+    path = out / "rank0" / "program.json"
+    program = json.loads(path.read_text())
+    for n, match in ((1, None), (2, "allreduce0 is a collective, but the first 2 steps"),
+                     (9, "load_steps = 9 is outside")):
+        path.write_text(json.dumps(dict(program, load_steps=n)))
+        if match:
+            with pytest.raises(ArtifactError, match=match):
+                load(out, verify=False)
+            continue
+        prog = load(out, verify=False)
+        ys = [prog.run({"x": x * (k + 1)})["y"] for k in range(2)]
+        np.testing.assert_array_equal(ys[0], ys[1])
+        assert [s["node"] for s in prog.profile({"x": x}, repeat=1)] == ["allreduce0", "add1", "rows", "gather"]
+
+
 def test_world_size_mismatch_is_refused(arts):
     with pytest.raises(WorldSizeError, match="has 2 ranks; pass the world communicator"):
         load(arts["o2"])
