@@ -1,7 +1,7 @@
 """CPU latency of single convolutions (each followed by a Relu, fused into it) vs onnxruntime.
 
 The shapes are ResNet-50's (one 224x224 image): 3x3 and 1x1 convs at 56x56, 28x28, 14x14 and
-7x7, the 7x7 stride-2 stem and the stride-2 ones. Each is compiled for one cpu rank and run with
+7x7, the 7x7 stride-2 stem and the stride-2 ones; and VGG-19's wider 3x3s. Each is compiled for one cpu rank and run with
 ``shardflow.runtime.load``; onnxruntime (all graph optimizations, so its NCHWc kernels) runs the
 same model with the same thread count, timed apart from ours (its pool's threads spin after a run).
 Prints median latencies, GFLOP/s, the ratio (ours / onnxruntime; lower is better) and the largest
@@ -36,6 +36,10 @@ SHAPES = {
     "1x1_7_512_2048": (512, 7, 2048, 1, 1, 0), "1x1_7_2048_512": (2048, 7, 512, 1, 1, 0),
     "stem_7x7_s2": (3, 224, 64, 7, 2, 3), "3x3_s2_56": (128, 56, 128, 3, 2, 1),
     "1x1_s2_56_256_512": (256, 56, 512, 1, 2, 0),
+    # VGG-19's 3x3s beyond ResNet-50's (wide channels on large images)
+    "3x3_224_64": (64, 224, 64, 3, 1, 1), "3x3_112_128": (128, 112, 128, 3, 1, 1),
+    "3x3_56_256": (256, 56, 256, 3, 1, 1), "3x3_28_512": (512, 28, 512, 3, 1, 1),
+    "3x3_14_512": (512, 14, 512, 3, 1, 1),
 }
 
 

@@ -219,6 +219,9 @@ def _large():
         WinogradConv([_t((2, 10, 13, 11)), _wino(10, 21, 4)], oc=21, m=4, pads=(1, 0, 2, 1)),
         WinogradConv([_t((1, 32, 28, 28)), _wino(32, 48, 4), _t((48,))], oc=48, m=4, pads=(1, 1, 1, 1)),
         WinogradConv([_t((3, 200, 9, 30)), _wino(200, 260, 2), _t((260,))], oc=260, m=2, pads=(0, 1, 0, 1)),
+        # weights beyond 1 MiB read once per image (one chunk of all its tiles), not once per chunk: the
+        # images above shared by the threads, these four taken whole by each thread
+        WinogradConv([_t((4, 130, 20, 20)), _wino(130, 136, 2), _t((136,))], oc=136, m=2, pads=(1, 1, 1, 1)),
         # 3-D convs (im2col slabs and the GEMM): padding, strides, dilation, groups, bias, several images,
         # slabs of depth slices (a K of 2 blocks: 300 channels), threads
         Conv([_t((2, 4, 6, 7, 9)), _t((6, 2, 3, 2, 3)), _t((6,))], group=2, pads=(1, 0, 2, 1, 1, 0),

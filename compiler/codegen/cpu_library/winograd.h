@@ -206,6 +206,11 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
   const int64_t T = TH * TW, tmax = std::max<int64_t>(1, 131072 / (A2 * (C + OC)));
   int64_t nch = (T + tmax - 1) / tmax;
   if (par) nch = std::min(T, (nch + nt - 1) / nt * nt);
+  {  // every chunk reads all of U: when U is beyond the L2 and that is more traffic than one chunk per image
+     // whose V and M leave the caches (written and read once more), take one chunk
+    const double ubytes = 4.0 * A2 * upos, spill = 2.0 * 4.0 * A2 * T * (C + OC);
+    if (nch > 1 && ubytes > 1048576.0 && (nch - 1) * ubytes > spill) nch = 1;
+  }
   const int64_t nwork = nimg * nch, R = (T + nch - 1) / nch;  // R: the most tiles of a chunk
   auto tile0 = [T, nch](int64_t k) { return T * k / nch; };  // chunk k holds tiles [tile0(k), tile0(k + 1))
   const bool whole = !par || nwork >= 2 * nt;  // threads take whole chunks
