@@ -466,9 +466,12 @@ def _record_exit(pid_dir: str | None, rank: int, why: str) -> None:
 
 
 def _failed_rank(pid_dir: str) -> int | None:
-    """The rank that failed first, from the ranks' exit records: the one the others name, else the
-    one that left with its own error, else the only one that left no record (killed)."""
+    """The rank that failed first, from the ranks' exit records: the one the others name (not counting
+    names of ranks that themselves left because of a peer: rank 0 leaves on rank 1's death, ranks 2
+    and 3 then may see rank 0 gone first), else the one that left with its own error, else the only
+    one that left no record (killed)."""
     named: dict[int, int] = {}
+    followers: set[int] = set()  # ranks that left because of a peer
     errors, silent = [], []
     started = sorted(int(n[4:-4]) for n in os.listdir(pid_dir) if n.startswith("rank") and n.endswith(".pid"))
     for r in started:
@@ -480,10 +483,12 @@ def _failed_rank(pid_dir: str) -> int | None:
             continue
         if why[:1] == ["peer"] and len(why) > 1 and why[1].lstrip("-").isdigit():
             named[int(why[1])] = named.get(int(why[1]), 0) + 1
+            followers.add(r)
         elif why[:1] == ["error"]:
             errors.append(r)
-    if named:
-        return max(named, key=named.get)
+    causes = {r: n for r, n in named.items() if r not in followers} or named
+    if causes:
+        return max(causes, key=causes.get)
     if errors:
         return errors[0]
     return silent[0] if len(silent) == 1 else None

@@ -227,6 +227,31 @@ def test_a_killed_rank_stops_every_rank(arts, launcher):
         assert "rank 1" in err.lower() and set(named) <= {"1"}, err
 
 
+def test_the_failed_rank_is_read_from_the_exit_records(tmp_path):
+    """Under mpiexec the launcher names the rank that failed first from the ranks' records: rank 1 was
+    killed (no record), rank 0 left naming it, ranks 2 and 3 saw rank 0 go first and named it; rank 0
+    is no cause (it left because of a peer), so rank 1 is. Without votes: the rank with its own error,
+    else the only one without a record."""
+    from shardflow.runtime.launch import _failed_rank
+
+    def records(**why):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        for r in range(4):
+            (d / f"rank{r}.pid").write_text("1")
+            if f"r{r}" in why:
+                (d / f"rank{r}.exit").write_text(why[f"r{r}"])
+        return str(d)
+
+    assert _failed_rank(records(r0="peer 1", r2="peer 0", r3="peer 0")) == 1
+    assert _failed_rank(records(r0="peer 1", r2="peer 1", r3="peer 1")) == 1
+    assert _failed_rank(records(r0="peer 2", r1="error", r3="peer 2")) == 2
+    assert _failed_rank(records(r1="error", r2="peer 0")) == 0  # rank 0 named, and no follower itself
+    assert _failed_rank(records(r0="error", r3="error")) == 0
+    assert _failed_rank(records(r0="peer 3", r1="peer 3", r2="peer 3")) == 3
+    assert _failed_rank(records()) is None  # four silent ranks: unknown
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_hung_rank_stops_every_rank(arts, launcher):
