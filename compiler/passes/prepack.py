@@ -30,12 +30,12 @@ panels of ``Wᵀ[C, OC]``, and its kernel computes each image as ``x(im2col)ᵀ 
 prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on small images").
 
 A float32 2-D Conv of one group with a window wider than 1×1, at least :data:`STRIDED_MIN_K` products
-per output (``C·KH·KW``) and horizontal stride 2, or 3×3 of stride 1 on images of at most
-:data:`SMALL_MAX_PIXELS` output pixels (before the Winograd rule below), with a constant weight also
-becomes a PackedConv: on an AVX-512 host its kernel reads the image blocked by 16 channels, the output
-channels as vector lanes, with no im2col, GEMM packing or phase copies (so do the 1×1 PackedConvs of at
-least twice as many output channels as input channels; rfcs/0002, "Strided convs as PackedConv");
-elsewhere it runs as im2col and the prepacked GEMM.
+per output (``C·KH·KW``) and horizontal stride 2, or 3×3 of stride 1 with at least :data:`SMALL_MIN_K`
+on images of at most :data:`SMALL_MAX_PIXELS` output pixels (before the Winograd rule below), with a
+constant weight also becomes a PackedConv: on an AVX-512 or AVX2 host its kernel reads the image blocked
+by 16 channels, the output channels as vector lanes, with no im2col, GEMM packing or phase copies (so do
+the 1×1 PackedConvs of at least twice as many output channels as input channels, with AVX-512; rfcs/0002,
+"Strided convs as PackedConv"); elsewhere it runs as im2col and the prepacked GEMM.
 
 A float32 3×3 Conv of stride 1, dilation 1 and one group with a constant weight, at least
 :data:`WINOGRAD_MIN_CHANNELS` input and output channels and enough output pixels
@@ -111,11 +111,16 @@ def _conv_weight(op: Operator) -> Tensor | None:
 
 
 #: A conv with a window wider than 1x1 becomes a PackedConv from this many products per output (C * KH *
-#: KW) on, at horizontal stride 2 or on small images: measured on an AVX-512 Xeon, ResNet-50's 3x3 stride-2
-#: convs (K = 1152..4608) took 0.72-0.84x the conv template's time, its 7x7 stride-2 stem (K = 147) 1.3x.
-STRIDED_MIN_K = 1024
+#: KW) on, at horizontal stride 2: measured on an AVX-512 Xeon, ResNet-50's 3x3 stride-2 convs (K =
+#: 1152..4608) took 0.72-0.84x the conv template's time, 3x3s of K = 288..864 0.78-0.85x (with AVX2 forced,
+#: its AVX2 kernel 0.77-0.94x), the 7x7 stride-2 stem (K = 147) 1.3x.
+STRIDED_MIN_K = 256
 
-#: A 3x3 stride-1 conv with at least STRIDED_MIN_K products per output becomes a
+#: A 3x3 stride-1 conv with at least this many products per output (C * 9) on small images (below) becomes a
+#: PackedConv (measured for ResNet-50's 512 -> 512 at 7x7).
+SMALL_MIN_K = 1024
+
+#: A 3x3 stride-1 conv with at least SMALL_MIN_K products per output becomes a
 #: PackedConv (instead of a WinogradConv or the conv template) on images of at most this many output
 #: pixels: Winograd's F(2x2) weights, 16/9 of the 3x3 ones, are each used by a few tiles only, and read
 #: from memory in a whole model (measured on an AVX-512 Xeon: ResNet-50's 512->512 3x3s at 7x7 0.81-0.82x
@@ -126,8 +131,8 @@ SMALL_MAX_PIXELS = 64
 def _packed_conv(op: Operator, max_pixels: int, windows: bool = False) -> Tensor | None:
     """The weight of a Conv this pass turns into a PackedConv (1x1 of at most ``max_pixels`` pixels per
     image; with ``windows``, also a 2-D window wider than 1x1 with at least :data:`STRIDED_MIN_K`
-    products per output at horizontal stride 2, or 3x3 at stride 1 on images of at most
-    :data:`SMALL_MAX_PIXELS` output pixels), or ``None``."""
+    products per output at horizontal stride 2, or 3x3 at stride 1 with at least :data:`SMALL_MIN_K` on
+    images of at most :data:`SMALL_MAX_PIXELS` output pixels), or ``None``."""
     w = _conv_weight(op)
     if w is None or op.inputs[0].ndim not in (3, 4):
         return None
@@ -135,8 +140,9 @@ def _packed_conv(op: Operator, max_pixels: int, windows: bool = False) -> Tensor
     if math.prod(w.shape[2:]) == 1:
         return w if pixels <= max_pixels else None
     strides = tuple(op.attrs.get("strides") or (1,) * (w.ndim - 2))
-    if windows and w.ndim == 4 and math.prod(w.shape[1:]) >= STRIDED_MIN_K \
-            and (strides[1] == 2 or (strides == (1, 1) and w.shape[2:] == (3, 3) and pixels <= SMALL_MAX_PIXELS)):
+    k = math.prod(w.shape[1:])
+    if windows and w.ndim == 4 and ((strides[1] == 2 and k >= STRIDED_MIN_K) or (
+            strides == (1, 1) and w.shape[2:] == (3, 3) and pixels <= SMALL_MAX_PIXELS and k >= SMALL_MIN_K)):
         return w
     return None
 

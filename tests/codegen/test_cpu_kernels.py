@@ -202,7 +202,8 @@ def _large():
         PackedConv([_t((2, 24, 9, 9)), _panels(24, 16)], oc=16, kernel=(1, 1), strides=(2, 2)),
         PackedConv([_t((2, 5, 30)), _panels(25, 9), _t((9,))], oc=9, kernel=(5,), pads=(2, 2), strides=(3,)),
         PackedConv([_t((1, 256, 14, 14)), _panels(2304, 70), _t((70,))], oc=70, kernel=(3, 3), pads=(1, 1, 1, 1)),
-        # strided PackedConvs read from the channel-blocked image (AVX-512): rows of 14 + 3 pixels, 20 channels
+        # strided PackedConvs read from the channel-blocked image (AVX-512; AVX2 when forced: rows of 6 + 6 + 5
+        # pixels, 16-channel panels): rows of 14 + 3 pixels, 20 channels
         # (a block of 16 and one of 4), 40 outputs (a block of 32 and one of 8), bias, two images; a 7x7
         # window with stride (3, 2) on one image
         PackedConv([_t((2, 20, 9, 33)), _panels(180, 40), _t((40,))], oc=40, kernel=(3, 3), pads=(1, 1, 1, 1),

@@ -252,7 +252,7 @@ def test_the_pass_packs_strided_convs_of_long_products_only():
         ]
         return FlowGraph([x, xs], [o.outputs[0] for o in ops])
 
-    assert 8 * 9 < STRIDED_MIN_K <= 128 * 9
+    assert 8 * 9 < STRIDED_MIN_K <= 32 * 9
     feeds = {"x": f(2, 128, 9, 11), "xs": f(1, 8, 9, 11)}
     want = build().run(feeds)
     packed = PrepackWeights(winograd=False).run(build())
@@ -267,11 +267,11 @@ def test_the_pass_packs_strided_convs_of_long_products_only():
 
 
 def test_3x3_convs_on_small_images_are_packed_convs_before_winograd():
-    """A 3x3 stride-1 conv of at least STRIDED_MIN_K products per output on an image of at most
+    """A 3x3 stride-1 conv of at least SMALL_MIN_K products per output on an image of at most
     SMALL_MAX_PIXELS output pixels becomes a PackedConv even where Winograd's rule would take it (a
     7x7 image of 128 channels); at 9x9, or 5x5 windows, or short products it does not."""
     from shardflow.compiler.ops.conv import Conv
-    from shardflow.compiler.passes.prepack import SMALL_MAX_PIXELS, STRIDED_MIN_K, winograd_tile
+    from shardflow.compiler.passes.prepack import SMALL_MAX_PIXELS, SMALL_MIN_K, winograd_tile
 
     rng = np.random.default_rng(7)
     f = lambda *s: rng.standard_normal(s).astype(np.float32) / 10  # noqa: E731
@@ -287,7 +287,7 @@ def test_3x3_convs_on_small_images_are_packed_convs_before_winograd():
                Conv([x7s, w[3]], name="short", pads=(1, 1, 1, 1))]
         return FlowGraph([x7, x9, x7s], [o.outputs[0] for o in ops])
 
-    assert 49 <= SMALL_MAX_PIXELS < 81 and 64 * 9 < STRIDED_MIN_K <= 128 * 9
+    assert 49 <= SMALL_MAX_PIXELS < 81 and 64 * 9 < SMALL_MIN_K <= 128 * 9
     assert winograd_tile(128, 64, 7, 7) and winograd_tile(128, 64, 9, 9) and winograd_tile(64, 64, 7, 7)
     feeds = {"x7": f(1, 128, 7, 7), "x9": f(1, 128, 9, 9), "x7s": f(1, 64, 7, 7)}
     want = build().run(feeds)
@@ -426,7 +426,7 @@ def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
     g = PrepackWeights().run(build())
     g.validate()
     kinds = {op.name: (op.op_type, op.attrs.get("m")) for op in g.nodes}
-    assert kinds == {"f4": ("WinogradConv", 4), "f2": ("WinogradConv", 2), "strided": ("Conv", None),
+    assert kinds == {"f4": ("WinogradConv", 4), "f2": ("WinogradConv", 2), "strided": ("PackedConv", None),
                      "dilated": ("Conv", None), "grouped": ("Conv", None), "few_out": ("Conv", None),
                      "shared_a": ("WinogradConv", 2), "shared_b": ("WinogradConv", 2), "mixed_a": ("Conv", None),
                      "mixed_b": ("Conv", None)}

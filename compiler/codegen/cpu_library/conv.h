@@ -934,21 +934,90 @@ static const SfPdkr& sf_pdkr() {
   return u;
 }
 
+// The same with AVX2 (16 registers of 8 floats): a tile is MR <= 6 pixels by the 16 output channels of one
+// weight panel (12 accumulators, the panel row's two halves and a broadcast), each 8 x MR block transposed
+// (sf_tr8x8) into one vector of pixels per channel, stored under a mask of MR lanes.
+template <int MR, int PS>
+__attribute__((target("avx2,fma")))
+static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
+                         const float* __restrict__ wp, float* __restrict__ y, int64_t P, int64_t nvalid,
+                         const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp) {
+  __m256 acc[MR][2];
+  #pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* s = xb + off[k];
+    const __m256 b0 = _mm256_loadu_ps(wp + 16 * k), b1 = _mm256_loadu_ps(wp + 16 * k + 8);
+    #pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(s + i * PS);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+    }
+  }
+  alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i pm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - MR));  // the tile's pixels
+  #pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {
+    const int64_t n = std::min<int64_t>(8, nvalid - 8 * v);
+    if (n <= 0) break;
+    __m256 r[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) r[i] = i < MR ? acc[i][v] : _mm256_setzero_ps();
+    sf_tr8x8(r);  // r[l]: channel 8 * v + l of the tile's pixels
+    #pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      if (l >= n) break;
+      const int64_t c = 8 * v + l;
+      __m256 o = bias ? _mm256_add_ps(r[l], _mm256_broadcast_ss(bias + c)) : r[l];
+      if (res) o = _mm256_add_ps(o, _mm256_maskload_ps(res + c * P, pm));
+      if (clamp.on) o = sf_clamp8(o, clamp);
+      _mm256_maskstore_ps(y + c * P, pm, o);
+    }
+  }
+}
+
+typedef void (*SfPdkr2Fn)(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
+                          const float* __restrict__ wp, float* __restrict__ y, int64_t P, int64_t nvalid,
+                          const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp);
+
+// the most pixels of an AVX2 tile
+constexpr int64_t SF_PDK_MR2 = 6;
+
+// fn[stride - 1][MR - 1]
+struct SfPdkr2 { SfPdkr2Fn fn[2][SF_PDK_MR2]; };
+
+template <int PS, int... MR>
+static void sf_pdkr2_fill(SfPdkr2Fn* dst, std::integer_sequence<int, MR...>) {
+  ((dst[MR] = sf_pdkr_avx2<MR + 1, PS>), ...);
+}
+
+static const SfPdkr2& sf_pdkr2() {
+  static const SfPdkr2 u = [] {
+    SfPdkr2 t = {};
+    sf_pdkr2_fill<16>(t.fn[0], std::make_integer_sequence<int, SF_PDK_MR2>{});
+    sf_pdkr2_fill<32>(t.fn[1], std::make_integer_sequence<int, SF_PDK_MR2>{});
+    return t;
+  }();
+  return u;
+}
+
 // dst[Hp][Wp][16] = channels [0, cn) of src (planes [H][W], plane floats apart) placed at (pt, pl), zero
-// around them; lanes from cn on are left as they are (no tap reads them). 8 x 8 transpositions.
-__attribute__((target("avx512f,avx2,fma")))
+// around them; lanes from cn on are left as they are (no tap reads them). 8 x 8 transpositions (AVX2: the
+// blocked image serves both kernels).
+__attribute__((target("avx2,fma")))
 static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane, int64_t H, int64_t W, int64_t pt,
                        int64_t pl, int64_t Hp, int64_t Wp, float* __restrict__ dst) {
-  const __m512 z = _mm512_setzero_ps();
+  const __m256 z = _mm256_setzero_ps();
   for (int64_t r = 0; r < Hp; ++r) {
     float* d = dst + r * Wp * 16;
     const int64_t ih = r - pt;
     if (ih < 0 || ih >= H) {
-      for (int64_t j = 0; j < Wp; ++j) _mm512_storeu_ps(d + 16 * j, z);
+      for (int64_t j = 0; j < 2 * Wp; ++j) _mm256_storeu_ps(d + 8 * j, z);
       continue;
     }
-    for (int64_t j = 0; j < pl; ++j) _mm512_storeu_ps(d + 16 * j, z);
-    for (int64_t j = pl + W; j < Wp; ++j) _mm512_storeu_ps(d + 16 * j, z);
+    for (int64_t j = 0; j < 2 * pl; ++j) _mm256_storeu_ps(d + 8 * j, z);
+    for (int64_t j = 2 * (pl + W); j < 2 * Wp; ++j) _mm256_storeu_ps(d + 8 * j, z);
     float* di = d + pl * 16;
     const float* s = src + ih * W;
     int64_t w = 0;
@@ -971,7 +1040,7 @@ static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane,
 #endif
 
 // PackedConv without im2col, GEMM or transposition where the conv template runs its AVX-512 kernels, for
-// the convs named below (else false: the caller takes the GEMM path). Each image is first blocked by 16 channels
+// the convs named below, or its AVX2 ones, for the windows (else false: the caller takes the GEMM path). Each image is first blocked by 16 channels
 // (sf_block16, with its padding). Tasks are (image, block of 32 output channels, run of output rows; a 1x1,
 // stride-1, unpadded conv's image is one row of P pixels, cut in runs of 56); each row is cut in tiles of at
 // most SF_PDK_MR pixels, every tile reading the block's panels (K x 32 floats, kept in L2 by the task) and
@@ -980,7 +1049,12 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
                                     const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, SfConvEpi epi,
                                     const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
-  if (sf_cukr().vl != 16) return false;  // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise)
+  // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise); with AVX2, windows at horizontal
+  // stride 2 only: measured with AVX2 forced on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs 0.77-0.94x
+  // the GEMM path's (or the conv template's) time, but 512->512 at 7x7 stride 1 1.15x and the 1x1 expansions
+  // were not measured
+  const int64_t vl = sf_cukr().vl;
+  if (vl != 16 && (vl != 8 || direct || g.SW != 2)) return false;
   // windows wider than 1x1 (passes/prepack.py makes PackedConvs of those at stride 2, or stride 1 on small
   // images), and 1x1 stride-1 convs of at least twice as many output channels as input channels (the
   // blocked image read by many blocks of 32): measured on an AVX-512 Xeon (rfcs/0002), 1x1 256->1024 at
@@ -1011,6 +1085,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       for (int64_t kw = 0; kw < g.KW; ++kw)
         off[k++] = (int32_t)((c / 16) * cbs + (direct ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
   const SfPdkr& u = sf_pdkr();
+  const SfPdkr2& u2 = sf_pdkr2();
   const int64_t pt = direct ? 0 : g.PT, pl = direct ? 0 : g.PL;
   #pragma omp parallel num_threads(nt) if (par)
   {
@@ -1033,6 +1108,17 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t p0 = r * OWr, len = std::min(OWr, P - p0);
         const float* xr = xi + (direct ? p0 : r * g.SH * Wp) * 16;
+        if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time
+          for (int64_t j = 0; j < len;) {
+            const int64_t mr = std::min(SF_PDK_MR2, len - j);
+            for (int64_t v = 0; v < nv; ++v)
+              u2.fn[sw - 1][mr - 1](K, xr + j * sw * 16, off, wb + v * pstride, yb + 16 * v * P + p0 + j, P,
+                                    std::min<int64_t>(16, nvalid - 16 * v), bb ? bb + 16 * v : nullptr,
+                                    rsd ? rsd + 16 * v * P + p0 + j : nullptr, clamp);
+            j += mr;
+          }
+          continue;
+        }
         for (int64_t j = 0; j < len;) {
           const int64_t mr = std::min(SF_PDK_MR, len - j);
           u.fn[sw - 1][nv - 1][mr - 1](K, xr + j * sw * 16, off, wb, pstride, yb + p0 + j, P, nvalid, bb,
