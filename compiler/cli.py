@@ -316,7 +316,7 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
                 key = f"{s['collective']}@{s['group']}"
                 kinds[key] = kinds.get(key, 0) + 1
         info = {"rank": r, "coord": m.get("mesh", {}).get("coord"), "kernels": m.get("kernels"),
-                "collectives": kinds, "arena_bytes": prog["arena_bytes"], "weights_bytes": prog["weights_bytes"],
+                "load_steps": int(prog.get("load_steps", 0)), "collectives": kinds, "arena_bytes": prog["arena_bytes"], "weights_bytes": prog["weights_bytes"],
                 "files": {k: v["bytes"] for k, v in m["files"].items()}}
         if verify:
             try:
@@ -359,7 +359,8 @@ def _cmd_inspect(args) -> int:
                                          for o in info["outputs"])]
         for r in info["ranks"]:
             coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
-            line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels; collectives {coll}; arena "
+            at_load = f" ({r['load_steps']} run once at load)" if r["load_steps"] else ""
+            line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels{at_load}; collectives {coll}; arena "
                     f"{_fmt_bytes(r['arena_bytes'])}, weights {_fmt_bytes(r['weights_bytes'])}")
             if "verified" in r:
                 line += "; checksums ok" if r["verified"] is True else f"; CHECKSUM ERROR: {r['verified']}"

@@ -114,7 +114,12 @@ def test_inspect_handmade(tmp_path):
     handmade.make_artifact(tmp_path / "h", (2,))
     out = sh("inspect", tmp_path / "h")
     assert out.returncode == 0, out.stderr
-    assert "all_reduce@0×1" in out.stdout and "all_gather@0×1" in out.stdout
+    assert "all_reduce@0×1" in out.stdout and "all_gather@0×1" in out.stdout and "at load" not in out.stdout
+    prog = tmp_path / "h" / "rank1" / "program.json"  # a first step run once at load (no --verify here)
+    prog.write_text(json.dumps(dict(json.loads(prog.read_text()), load_steps=1)))
+    out = sh("inspect", tmp_path / "h")
+    assert re.search(r"^rank 1 \[1\]: 3 kernels \(1 run once at load\);", out.stdout, re.M), out.stdout
+    assert json.loads(sh("inspect", tmp_path / "h", "--json").stdout)["ranks"][1]["load_steps"] == 1
 
 
 def test_calibration_flag_takes_device_and_links_unless_set(tmp_path):
