@@ -402,8 +402,9 @@ static void sf_gemv_dot(int64_t N, int64_t K, const float* __restrict__ A, const
 // C[M, N] = alpha * (A @ B) + bias, A(i, k) = A[i*rsa + k*csa], C row stride ldc, B from a source
 // (below). A is packed once for all of K; B comes in chunks of at most SF_NC columns; each thread
 // owns C tiles and runs the whole K loop on a tile, so the tile stays in its cache.
-// A source of B has: chunk (columns per chunk); prepare(jc, nc, np, nr, nkb), run by every thread
-// of the team before the chunk at jc is used (packing it, if it packs); and
+// A source of B has: chunk (columns per chunk); prepare(jc, nc, np, nr, nkb, team), run before the chunk
+// at jc is used (packing it, if it packs) by every thread of the team (team) or by the calling thread
+// alone; and
 // panel(jc, np, nr, cols, pc, kc, jp, ldb, bnext), the [kc][ldb] panel of the chunk's columns jp*nr..
 // (cols of them) and rows pc.., with bnext for kernels wider than SF_PANEL (SfUkrFn)
 constexpr int64_t SF_NC = 4096;
@@ -423,72 +424,93 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
   float* Ap = static_cast<float*>(sf_workspace(1, sizeof(float) * mp * mr * K));
   const int nt = par ? sf_max_threads() : 1;
   const bool epi = alpha != 1.0f || bias != nullptr;
-  #pragma omp parallel num_threads(nt) if (nt > 1)
+  auto pack = [&](int64_t kb, int64_t p) {
+    const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+    sf_pack_a(A, rsa, csa, row0(p), row0(p + 1) - row0(p), mr, pc, kc, Ap + mp * mr * pc + p * mr * kc);
+  };
+  // tiles of at most ~144 rows x 256 columns, equal sized, and (with threads) at least 4 per thread where
+  // the panels allow it, and a multiple of the threads below 8 per thread (9 tiles on 2 threads left one
+  // thread 5: 128 x 768 @ 768 x 2304 ran 10% slower than onnxruntime's); threads take tiles dynamically.
+  // 144 rows keep the 128 tokens of a sequence in one row of tiles, so each B panel is read once
+  // (measured: 128 x 768 @ 768 x 50257 12% faster than with 96-row tiles; the other GPT-2 shapes unchanged
+  // or up to 4% faster). Returns (row tiles, column tiles); mpt, npt: panels per tile
+  auto tiling = [&](int64_t np, int64_t& mpt, int64_t& npt) {
+    int64_t ntm = (mp * mr + 143) / 144, ntn = (np * nr + 255) / 256;
+    ntm = std::max<int64_t>(1, std::min(ntm, mp));
+    ntn = std::max<int64_t>(1, std::min(ntn, np));
+    auto count = [](int64_t t, int64_t panels) {  // tiles made of `panels` split `t` ways, equal sized
+      const int64_t per = (panels + t - 1) / t;
+      return (panels + per - 1) / per;
+    };
+    while (nt > 1 && (ntm < mp || ntn < np)) {
+      const int64_t tiles = count(ntm, mp) * count(ntn, np);
+      if (tiles >= 4 * nt && (tiles % nt == 0 || tiles >= 8 * nt)) break;
+      if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
+    }
+    mpt = (mp + ntm - 1) / ntm;
+    npt = (np + ntn - 1) / ntn;
+    return std::make_pair((mp + mpt - 1) / mpt, (np + npt - 1) / npt);
+  };
+  // the tile (tm, tn) of the chunk at jc (nc columns, np panels)
+  auto tile = [&](int64_t jc, int64_t nc, int64_t np, int64_t mpt, int64_t npt, int64_t tm, int64_t tn) {
+    float* Cc = C + jc;
+    const int64_t ip0 = tm * mpt, ip1 = std::min(mp, ip0 + mpt);
+    const int64_t jp0 = tn * npt, jp1 = std::min(np, jp0 + npt);
+    // one K block of one column panel against the tile's rows
+    auto block = [&](int64_t kb, int64_t jp) {
+      const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+      const float* Ab = Ap + mp * mr * pc;
+      const int64_t nrr = std::min(nr, nc - jp * nr);
+      int64_t ldb, bnext;
+      const float* Bb = bsrc.panel(jc, np, nr, nrr, pc, kc, jp, ldb, bnext);
+      for (int64_t ip = ip0; ip < ip1; ++ip) {
+        const int64_t mrr = row0(ip + 1) - row0(ip);
+        u.fn[mrr - 1](kc, Ab + ip * mr * kc, Bb, ldb, bnext, Cc + row0(ip) * ldc + jp * nr, ldc, mrr, nrr, kb == 0);
+      }
+    };
+    if (ip1 - ip0 <= 2) {
+      // few rows: each B panel is read once, so walk it down all of K (one stream from memory)
+      for (int64_t jp = jp0; jp < jp1; ++jp)
+        for (int64_t kb = 0; kb < nkb; ++kb) block(kb, jp);
+    } else {
+      for (int64_t kb = 0; kb < nkb; ++kb)
+        for (int64_t jp = jp0; jp < jp1; ++jp) block(kb, jp);
+    }
+    if (epi)
+      sf_gemm_epilogue(C, ldc, row0(ip0), row0(ip1), jc + jp0 * nr, jc + std::min(nc, jp1 * nr), alpha, bias, rbs,
+                       cbs);
+  };
+  // the chunks of B's columns, by the team's threads (team) or by the calling thread alone
+  auto chunks = [&](bool team) {
+    for (int64_t jc = 0; jc < N; jc += bsrc.chunk) {
+      const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc), np = (nc + nr - 1) / nr;
+      bsrc.prepare(jc, nc, np, nr, nkb, team);
+      int64_t mpt, npt;
+      const std::pair<int64_t, int64_t> nt2 = tiling(np, mpt, npt);
+      const int64_t ntm = nt2.first, ntn = nt2.second;
+      if (!team) {
+        for (int64_t t = 0; t < ntm * ntn; ++t) tile(jc, nc, np, mpt, npt, t / ntn, t % ntn);
+        continue;
+      }
+      #pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < ntm * ntn; ++t) tile(jc, nc, np, mpt, npt, t / ntn, t % ntn);
+    }
+  };
+  if (nt == 1) {
+    // one thread: no OpenMP region or worksharing (a product this small, e.g. one of Winograd's per
+    // position from inside a conv's own threads, paid for a nested team of one and its dynamic loop:
+    // Winograd's 64->64 3x3 at 56x56 0.72-0.86x the time with them, rfcs/0002)
+    for (int64_t kb = 0; kb < nkb; ++kb)
+      for (int64_t p = 0; p < mp; ++p) pack(kb, p);
+    chunks(false);
+    return;
+  }
+  #pragma omp parallel num_threads(nt)
   {
     #pragma omp for collapse(2) schedule(static)
     for (int64_t kb = 0; kb < nkb; ++kb)
-      for (int64_t p = 0; p < mp; ++p) {
-        const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-        sf_pack_a(A, rsa, csa, row0(p), row0(p + 1) - row0(p), mr, pc, kc, Ap + mp * mr * pc + p * mr * kc);
-      }
-    for (int64_t jc = 0; jc < N; jc += bsrc.chunk) {
-      const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc);
-      const int64_t np = (nc + nr - 1) / nr;
-      bsrc.prepare(jc, nc, np, nr, nkb);
-      // tiles of at most ~144 rows x 256 columns, equal sized, and (with threads) at least 4 per thread
-      // where the panels allow it, and a multiple of the threads below 8 per thread (9 tiles on 2
-      // threads left one thread 5: 128 x 768 @ 768 x 2304 ran 10% slower than onnxruntime's); threads
-      // take tiles dynamically. 144 rows keep the 128 tokens of a sequence in one row of tiles, so each B
-      // panel is read once (measured: 128 x 768 @ 768 x 50257 12% faster than with 96-row tiles; the
-      // other GPT-2 shapes unchanged or up to 4% faster)
-      int64_t ntm = (mp * mr + 143) / 144, ntn = (np * nr + 255) / 256;
-      ntm = std::max<int64_t>(1, std::min(ntm, mp));
-      ntn = std::max<int64_t>(1, std::min(ntn, np));
-      auto count = [](int64_t t, int64_t panels) {  // tiles made of `panels` split `t` ways, equal sized
-        const int64_t per = (panels + t - 1) / t;
-        return (panels + per - 1) / per;
-      };
-      while (nt > 1 && (ntm < mp || ntn < np)) {
-        const int64_t tiles = count(ntm, mp) * count(ntn, np);
-        if (tiles >= 4 * nt && (tiles % nt == 0 || tiles >= 8 * nt)) break;
-        if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
-      }
-      const int64_t mpt = (mp + ntm - 1) / ntm, npt = (np + ntn - 1) / ntn;  // panels per tile
-      ntm = (mp + mpt - 1) / mpt;
-      ntn = (np + npt - 1) / npt;
-      float* Cc = C + jc;
-      #pragma omp for collapse(2) schedule(dynamic, 1)
-      for (int64_t tm = 0; tm < ntm; ++tm) {
-        for (int64_t tn = 0; tn < ntn; ++tn) {
-          const int64_t ip0 = tm * mpt, ip1 = std::min(mp, ip0 + mpt);
-          const int64_t jp0 = tn * npt, jp1 = std::min(np, jp0 + npt);
-          // one K block of one column panel against the tile's rows
-          auto block = [&](int64_t kb, int64_t jp) {
-            const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-            const float* Ab = Ap + mp * mr * pc;
-            const int64_t nrr = std::min(nr, nc - jp * nr);
-            int64_t ldb, bnext;
-            const float* Bb = bsrc.panel(jc, np, nr, nrr, pc, kc, jp, ldb, bnext);
-            for (int64_t ip = ip0; ip < ip1; ++ip) {
-              const int64_t mrr = row0(ip + 1) - row0(ip);
-              u.fn[mrr - 1](kc, Ab + ip * mr * kc, Bb, ldb, bnext, Cc + row0(ip) * ldc + jp * nr, ldc, mrr, nrr,
-                            kb == 0);
-            }
-          };
-          if (ip1 - ip0 <= 2) {
-            // few rows: each B panel is read once, so walk it down all of K (one stream from memory)
-            for (int64_t jp = jp0; jp < jp1; ++jp)
-              for (int64_t kb = 0; kb < nkb; ++kb) block(kb, jp);
-          } else {
-            for (int64_t kb = 0; kb < nkb; ++kb)
-              for (int64_t jp = jp0; jp < jp1; ++jp) block(kb, jp);
-          }
-          if (epi)
-            sf_gemm_epilogue(C, ldc, row0(ip0), row0(ip1), jc + jp0 * nr, jc + std::min(nc, jp1 * nr),
-                             alpha, bias, rbs, cbs);
-        }
-      }
-    }
+      for (int64_t p = 0; p < mp; ++p) pack(kb, p);
+    chunks(true);
   }
 }
 
@@ -500,13 +522,19 @@ struct SfPackPerCall {
   const PackB& pack;
   float* Bp;
   int64_t K, chunk;
-  void prepare(int64_t jc, int64_t nc, int64_t np, int64_t nr, int64_t nkb) const {
+  void prepare(int64_t jc, int64_t nc, int64_t np, int64_t nr, int64_t nkb, bool team) const {
+    auto one = [&](int64_t kb, int64_t p) {
+      const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
+      pack(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
+    };
+    if (!team) {  // the calling thread alone (a worksharing loop would bind to an enclosing team)
+      for (int64_t kb = 0; kb < nkb; ++kb)
+        for (int64_t p = 0; p < np; ++p) one(kb, p);
+      return;
+    }
     #pragma omp for collapse(2) schedule(static)
     for (int64_t kb = 0; kb < nkb; ++kb)
-      for (int64_t p = 0; p < np; ++p) {
-        const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-        pack(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
-      }
+      for (int64_t p = 0; p < np; ++p) one(kb, p);
   }
   const float* panel(int64_t, int64_t np, int64_t nr, int64_t, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
                      int64_t& bnext) const {
@@ -535,7 +563,7 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
 struct SfPrepacked {
   const float* Bp;
   int64_t K, chunk;
-  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t) const {}
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t, bool) const {}
   const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t, int64_t jp, int64_t& ldb,
                      int64_t& bnext) const {
     const int64_t j = jc + jp * nr;
