@@ -438,9 +438,9 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             raise ShardflowError(f"rank {rank}: codegen returned {k!r} for node {op.name}; expected a symbol name")
 
     raw_steps = _concatenate_in_place(raw_steps, g, alias, at)
-    n_init = 0
+    n_load = 0
     if precompute:
-        raw_steps, n_init = _steps_at_load_first(raw_steps, root)
+        raw_steps, n_load = _steps_at_load_first(raw_steps, root)
 
     # materialization check: every step input exists when it runs
     ready = {id(t) for t in g.inputs}
@@ -494,10 +494,10 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         last[id(r)] = n_steps
         first.setdefault(id(r), -1 if r.is_constant else n_steps)
     # what the steps run at load write and a run reads (or returns) keeps its memory for good
-    for _, _, _, outs, _ in raw_steps[:n_init]:
+    for _, _, _, outs, _ in raw_steps[:n_load]:
         for t in outs:
             r = root(t)
-            if last[id(r)] >= n_init:
+            if last[id(r)] >= n_load:
                 first[id(r)], last[id(r)] = -1, n_steps
 
     # weights: constants (by root), in first-use order
@@ -566,8 +566,8 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         "outputs": [[name, buf_of[id(t)]] for name, t in zip(g.output_names, g.outputs)],
         "steps": steps,
     }
-    if n_init:
-        program["load_steps"] = n_init
+    if n_load:
+        program["load_steps"] = n_load
     return program, weights, int(wpos)
 
 

@@ -106,12 +106,8 @@ class CudaEngine:
                 self.module = cp.RawModule(path=str(path))
             except Exception as exc:  # noqa: BLE001 - cupy raises several types for a bad cubin
                 raise ArtifactError(f"cannot load {str(path)!r} on device {self.device}: {exc}") from None
-        # the leading steps computed from constants alone run once, now (compile's "precompute")
+        # the leading steps computed from constants alone (kernels: RankProgram checked) run once, now
         n_load = int(p.get("load_steps", 0))
-        for s in steps[:n_load]:
-            if s["kind"] != "kernel":
-                raise ArtifactError(f"program.json of rank {prog.rank}: step {s['node']} is a {s['kind']}, but "
-                                    f"the first {n_load} steps (load_steps) must be kernels")
         with self.stream:
             self._run_segment_kernels([self._launch(s) for s in steps[:n_load]])
         steps = steps[n_load:]

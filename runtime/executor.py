@@ -197,6 +197,10 @@ class RankProgram:
         if not 0 <= self.load_steps <= len(steps):
             raise ArtifactError(f"program.json of rank {self.rank}: load_steps = {self.load_steps} is outside "
                                 f"[0, {len(steps)}] (the number of steps)")
+        for s in steps[:self.load_steps]:
+            if s["kind"] != "kernel":
+                raise ArtifactError(f"program.json of rank {self.rank}: step {s['node']} is a {s['kind']}, but "
+                                    f"the first {self.load_steps} steps (load_steps) must be kernels")
         if self.target == "cuda":
             from .cuda_exec import CudaEngine
 
@@ -216,9 +220,6 @@ class RankProgram:
         # the leading steps computed from constants alone run once, now (compile's "precompute")
         self._n_kernels = self._n_collectives = 0
         for s in steps[:self.load_steps]:
-            if s["kind"] != "kernel":
-                raise ArtifactError(f"program.json of rank {self.rank}: step {s['node']} is a {s['kind']}, but "
-                                    f"the first {self.load_steps} steps (load_steps) must be kernels")
             fn, a, b, _, _ = self._kernel_call(s)
             fn(a, b)
             self._n_kernels += 1
@@ -242,8 +243,9 @@ class RankProgram:
         self._native = self._native_program() if segments else None
 
     def _native_program(self) -> tuple:
-        """``(sf_run_program, args)`` over the steps after the load steps: a kernel's function and pointer arrays, or a
-        null function for a collective, which the library hands back to :meth:`_collective_step`."""
+        """``(sf_run_program, args)`` over the steps after the load steps: a kernel's function and
+        pointer arrays, or a null function for a collective, which the library hands back to
+        :meth:`_collective_step`."""
         lib = native.load()
         entries: list = []  # per step: (kernel call or None, collective or None)
         for calls, coll in self._segments:
