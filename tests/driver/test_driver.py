@@ -431,3 +431,29 @@ def test_steps_from_constants_run_once_at_load(tmp_path, cfg, at_load):
         got = p.run(f)
         for name, want in zip(["s", "y", "m2"], sess.run(["s", "y", "m2"], f)):
             np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-3, err_msg=name)
+
+
+def test_steps_at_load_on_two_ranks(tmp_path):
+    """The fill model on two in-process ranks (Megatron's plan): each rank runs its own load steps (its
+    share of the weight made from the fill) once, and two runs equal onnxruntime's on every rank."""
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "fills.onnx"
+    _fill_model(path)
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((1, 2048)).astype(np.float32),
+             "xt": rng.standard_normal((2048, 1)).astype(np.float32),
+             "img": rng.standard_normal((1, 4, 256, 256)).astype(np.float32)}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["s", "y", "m2"], feeds)
+    res = compile(path, distributed_config={"mesh_shape": [2], "algo": "megatron"},
+                  optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    for r in range(2):
+        prog = json.loads((tmp_path / "o" / f"rank{r}" / "program.json").read_text())
+        assert prog.get("load_steps", 0) >= 1, r
+
+    def work(c):
+        prog = load(res.out_dir, c.rank, c)
+        return [prog.run(feeds) for _ in range(2)]
+    for r, runs in enumerate(run_threads(InProcessWorld(2).communicators(), work, timeout=300)):
+        for got in runs:
+            for name, w in zip(["s", "y", "m2"], want):
+                np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-3, err_msg=f"rank {r} {name}")
