@@ -316,7 +316,8 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
                 key = f"{s['collective']}@{s['group']}"
                 kinds[key] = kinds.get(key, 0) + 1
         info = {"rank": r, "coord": m.get("mesh", {}).get("coord"), "kernels": m.get("kernels"),
-                "load_steps": int(prog.get("load_steps", 0)), "collectives": kinds, "arena_bytes": prog["arena_bytes"], "weights_bytes": prog["weights_bytes"],
+                "load_steps": int(prog.get("load_steps", 0)), "collectives": kinds,
+                "arena_bytes": prog["arena_bytes"], "weights_bytes": prog["weights_bytes"],
                 "files": {k: v["bytes"] for k, v in m["files"].items()}}
         if verify:
             try:

@@ -1027,7 +1027,8 @@ static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane,
         if (8 * h >= cn) break;
         __m256 t[8];
         #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) t[i] = 8 * h + i < cn ? _mm256_loadu_ps(s + (8 * h + i) * plane + w) : _mm256_setzero_ps();
+        for (int i = 0; i < 8; ++i)
+          t[i] = 8 * h + i < cn ? _mm256_loadu_ps(s + (8 * h + i) * plane + w) : _mm256_setzero_ps();
         sf_tr8x8(t);
         #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) _mm256_storeu_ps(di + (w + i) * 16 + 8 * h, t[i]);
@@ -1040,19 +1041,20 @@ static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane,
 #endif
 
 // PackedConv without im2col, GEMM or transposition where the conv template runs its AVX-512 kernels, for
-// the convs named below, or its AVX2 ones, for the windows (else false: the caller takes the GEMM path). Each image is first blocked by 16 channels
-// (sf_block16, with its padding). Tasks are (image, block of 32 output channels, run of output rows; a 1x1,
-// stride-1, unpadded conv's image is one row of P pixels, cut in runs of 56); each row is cut in tiles of at
-// most SF_PDK_MR pixels, every tile reading the block's panels (K x 32 floats, kept in L2 by the task) and
-// its pixels from the blocked image. epi (optional) finishes each task's channels and pixels in place.
+// the convs named below, or its AVX2 ones, for the stride-2 windows (else false: the caller takes the GEMM
+// path). Each image is first blocked by 16 channels (sf_block16, with its padding). Tasks are (image, block
+// of 32 output channels, run of output rows; a 1x1, stride-1, unpadded conv's image is one row of P pixels,
+// cut in runs of 56); each row is cut in tiles of at most SF_PDK_MR pixels (AVX2: SF_PDK_MR2), every tile
+// reading the block's panels (K x 32 floats, kept in L2 by the task) and its pixels from the blocked image.
+// epi (optional) finishes each task's channels and pixels in place.
 static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float* bias, float* y,
                                     const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, SfConvEpi epi,
                                     const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
   // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise); with AVX2, windows at horizontal
-  // stride 2 only: measured with AVX2 forced on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs 0.77-0.94x
-  // the GEMM path's (or the conv template's) time, but 512->512 at 7x7 stride 1 1.15x and the 1x1 expansions
-  // were not measured
+  // stride 2 only: measured with AVX2 forced on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs took 0.77-0.94x
+  // the GEMM path's (or the conv template's) time, but 512->512 at 7x7 stride 1 1.15x (the 1x1 expansions
+  // were not measured with AVX2)
   const int64_t vl = sf_cukr().vl;
   if (vl != 16 && (vl != 8 || direct || g.SW != 2)) return false;
   // windows wider than 1x1 (passes/prepack.py makes PackedConvs of those at stride 2, or stride 1 on small

@@ -433,8 +433,9 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
   // thread 5: 128 x 768 @ 768 x 2304 ran 10% slower than onnxruntime's); threads take tiles dynamically.
   // 144 rows keep the 128 tokens of a sequence in one row of tiles, so each B panel is read once
   // (measured: 128 x 768 @ 768 x 50257 12% faster than with 96-row tiles; the other GPT-2 shapes unchanged
-  // or up to 4% faster). Returns (row tiles, column tiles); mpt, npt: panels per tile
-  auto tiling = [&](int64_t np, int64_t& mpt, int64_t& npt) {
+  // or up to 4% faster). The chunk of np column panels in ntm x ntn tiles of mpt x npt panels
+  struct SfTiles { int64_t mpt, npt, ntm, ntn; };
+  auto tiling = [&](int64_t np) {
     int64_t ntm = (mp * mr + 143) / 144, ntn = (np * nr + 255) / 256;
     ntm = std::max<int64_t>(1, std::min(ntm, mp));
     ntn = std::max<int64_t>(1, std::min(ntn, np));
@@ -447,9 +448,8 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
       if (tiles >= 4 * nt && (tiles % nt == 0 || tiles >= 8 * nt)) break;
       if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
     }
-    mpt = (mp + ntm - 1) / ntm;
-    npt = (np + ntn - 1) / ntn;
-    return std::make_pair((mp + mpt - 1) / mpt, (np + npt - 1) / npt);
+    const int64_t mpt = (mp + ntm - 1) / ntm, npt = (np + ntn - 1) / ntn;
+    return SfTiles{mpt, npt, (mp + mpt - 1) / mpt, (np + npt - 1) / npt};
   };
   // the tile (tm, tn) of the chunk at jc (nc columns, np panels)
   auto tile = [&](int64_t jc, int64_t nc, int64_t np, int64_t mpt, int64_t npt, int64_t tm, int64_t tn) {
@@ -485,15 +485,14 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
     for (int64_t jc = 0; jc < N; jc += bsrc.chunk) {
       const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc), np = (nc + nr - 1) / nr;
       bsrc.prepare(jc, nc, np, nr, nkb, team);
-      int64_t mpt, npt;
-      const std::pair<int64_t, int64_t> nt2 = tiling(np, mpt, npt);
-      const int64_t ntm = nt2.first, ntn = nt2.second;
+      const SfTiles ts = tiling(np);
+      const int64_t ntiles = ts.ntm * ts.ntn;
       if (!team) {
-        for (int64_t t = 0; t < ntm * ntn; ++t) tile(jc, nc, np, mpt, npt, t / ntn, t % ntn);
+        for (int64_t t = 0; t < ntiles; ++t) tile(jc, nc, np, ts.mpt, ts.npt, t / ts.ntn, t % ts.ntn);
         continue;
       }
       #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < ntm * ntn; ++t) tile(jc, nc, np, mpt, npt, t / ntn, t % ntn);
+      for (int64_t t = 0; t < ntiles; ++t) tile(jc, nc, np, ts.mpt, ts.npt, t / ts.ntn, t % ts.ntn);
     }
   };
   if (nt == 1) {
