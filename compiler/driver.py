@@ -36,6 +36,10 @@ key               meaning                                                       
                   graph because their results are too large to store, e.g. ``ConstantOfShape``
                   fills of big weights) run once when the program loads, their results kept
                   in memory between runs; ``False`` runs them on every call
+``blocked``       cpu: tensors between convs kept blocked by 16 channels, ``[N, C/16, H, W,   ``True``
+                  16]``, the layout the conv kernels compute in, instead of blocking each
+                  conv's image and transposing its output on every call (passes/layout.py);
+                  pools, element-wise ops and channel concatenations between them follow
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -92,6 +96,7 @@ class OptimizationConfig:
     winograd: bool = True
     int8_qdq: bool = True
     precompute: bool = True
+    blocked: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -151,7 +156,7 @@ class OptimizationConfig:
             raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
                               "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
                               "'float32' or 'float16'")
-        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute"):
+        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute", "blocked"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if "search_space" in cfg:
@@ -855,6 +860,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
                 rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
                                     gemm=opt.prepack, windows=opt.prepack).run(rg)
+            if opt.target == "cpu" and opt.blocked:
+                # the tensors between convs blocked by 16 channels, as the conv kernels compute (passes/layout.py)
+                from .passes.layout import BlockedLayout
+
+                rg = BlockedLayout(repack=dcfg.memory_budget_bytes is None).run(rg)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

@@ -1436,7 +1436,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
-    for v in gc.axes:
+    for v in list(gc.axes) + list(red.vars):  # the reduction's too (a 1x1 conv's window taps)
         if v.extent == 1:
             root.binds[v] = ("0", "int32")
     M = _prod([v.extent for v in plan.m_axes])

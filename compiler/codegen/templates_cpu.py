@@ -295,6 +295,12 @@ def _conv(op, fused=None) -> str | None:
     member is ``op``, the others element-wise ops on its output), the kernel of the whole group: its
     tiles are finished by the bias and those ops (:func:`_conv_epilogue`)."""
     x = op.inputs[0].shape
+    blocked = [bool(op.op_type in ("PackedConv", "WinogradConv") and op.attrs.get(k))
+               for k in ("blocked_in", "blocked_out")]
+    if op.op_type == "Conv" and (op.attrs.get("blocked_in") or op.attrs.get("blocked_out")):
+        return None  # the conv template reads and writes the plain layout
+    if blocked[0]:  # [N, C / 16, H, W, 16] (passes/layout.py): the conv's geometry is the logical shape's
+        x = (x[0], x[1] * x[-1]) + tuple(x[2:-1])
     n_sp = len(x) - 2
     if n_sp == 3 and op.op_type == "Conv" and fused is None:
         return _conv3d(op)
@@ -320,6 +326,8 @@ def _conv(op, fused=None) -> str | None:
     dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
     pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
     out = op.outputs[0].shape
+    if blocked[1]:
+        out = (out[0], out[1] * out[-1]) + tuple(out[2:-1])
     if n_sp == 1:
         H, W, KH, KW = 1, x[2], 1, kern[0]
         SH, SW, DH, DW, PT, PL = 1, strides[0], 1, dil[0], 0, pads[0]
@@ -348,7 +356,8 @@ def _conv(op, fused=None) -> str | None:
             res, clamp = simple
             finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
         else:
-            epi = _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else f"{bias}[c_]")
+            # the generic epilogue indexes the plain layout: a blocked output's group is not fused
+            epi = None if blocked[1] else _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else f"{bias}[c_]")
             if epi is None:
                 return None
             bias = "nullptr"
@@ -359,22 +368,25 @@ def _conv(op, fused=None) -> str | None:
     elif wino:
         a = wino + 2
         lines.append(f"  // WinogradConv F({wino}x{wino}, 3x3): {Nb} images, {a * a} GEMMs [tiles, {icg}] @ [{icg}, {oc}] "
-                     f"per chunk of tiles (pad {PT},{PL})")
+                     f"per chunk of tiles (pad {PT},{PL})"
+                     + "".join(f"; {w} blocked [N, C/16, H, W, 16]" for w, b in zip(("input", "output"), blocked) if b))
     elif packed:
         lines.append(f"  // PackedConv: {Nb} images of [{P}, {KK}] @ [{KK}, {oc}] (weights packed), transposed; "
-                     + ("1x1: the image is A" if direct else f"A = im2col of the image ({geometry})"))
+                     + ("1x1: the image is A" if direct else f"A = im2col of the image ({geometry})")
+                     + "".join(f"; {w} blocked [N, C/16, H, W, 16]" for w, b in zip(("input", "output"), blocked) if b))
     else:
         lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
                      + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({geometry})"))
     lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
                  f"{OH}, {OW}}};")
     direct_arg = "true" if direct else "false"
+    blk = " | ".join(f for f, b in zip(("SF_BLK_IN", "SF_BLK_OUT"), blocked) if b) or "0"
     if depthwise:
         fn, args = "sf_conv_depthwise", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}"
     elif wino:
-        fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}"
+        fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {blk}"
     elif packed:
-        fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}"
+        fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}, {blk}"
     else:
         fn, args = "sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}"
     if finish:
@@ -663,7 +675,7 @@ def accepts_epilogue(op) -> bool:
     conv or Resize of a 3-D or 4-D tensor): a fused group of ``op`` and such ops compiles to the
     template with the ops in its epilogue."""
     return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose", "Resize") \
-        and op.inputs[0].ndim in (3, 4) and template_kind(op) == op.op_type
+        and (op.inputs[0].ndim in (3, 4) or op.attrs.get("blocked_in")) and template_kind(op) == op.op_type
 
 
 def accepts_group(group) -> bool:
@@ -680,6 +692,8 @@ def _pool(op) -> str | None:
     kind = op.attrs.get("kind")
     x, y = op.inputs[0].shape, op.outputs[0].shape
     n_sp = len(x) - 2
+    if kind in ("max", "avg") and not op.attrs.get("with_indices", False) and n_sp == 3 and len(op.inputs) == 1:
+        return _pool_blocked(op)
     if kind not in ("max", "avg") or op.attrs.get("with_indices", False) or n_sp not in (1, 2) or len(op.inputs) != 1:
         return None
     kern = tuple(op.attrs["kernel"])
@@ -806,6 +820,68 @@ def _pool(op) -> str | None:
     lines.append(f"      for (int64_t ow = 0; ow < {OW}; ++ow) border(ow);")
     lines.append("    }")
     lines.append("  }")
+    return "\n".join(lines)
+
+
+def _pool_blocked(op) -> str | None:
+    """A 2-D MaxPool / AveragePool of a tensor in the blocked layout ``[N, C / 16, H, W, 16]``
+    (passes/layout.py): a 3-D pool whose last window is one lane (kernel, stride and dilation 1, no
+    padding). Each output pixel reduces its window's valid taps as vectors of 16 channels; else ``None``."""
+    x, y = op.inputs[0].shape, op.outputs[0].shape
+    kern = tuple(op.attrs["kernel"])
+    strides = tuple(op.attrs.get("strides") or (1, 1, 1))
+    dil = tuple(op.attrs.get("dilations") or (1, 1, 1))
+    pads = tuple(op.attrs.get("pads") or (0,) * 6)
+    L = x[-1]
+    if kern[2] != 1 or strides[2] != 1 or dil[2] != 1 or pads[2] or pads[5] or y[-1] != L or L != 16:
+        return None
+    (KH, KW), (SH, SW), (DH, DW) = kern[:2], strides[:2], dil[:2]
+    PT, PL, PB, PR = pads[0], pads[1], pads[3], pads[4]
+    H, W, OH, OW = x[2], x[3], y[2], y[3]
+    planes = x[0] * x[1]
+    is_max = op.attrs["kind"] == "max"
+
+    def span(o, k, s, d, p, n):  # the taps [lo, hi) of window o whose position o*s + kk*d - p lies in [0, n)
+        v = [kk for kk in range(k) if 0 <= o * s + kk * d - p < n]
+        return (v[0], v[-1] + 1) if v else (0, 0)
+    hs = [span(o, KH, SH, DH, PT, H) for o in range(OH)]
+    ws = [span(o, KW, SW, DW, PL, W) for o in range(OW)]
+    lines = _args(op)
+    lines.append(f"  // {'max' if is_max else 'average'} pool {KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pads "
+                 f"{[PT, PL, PB, PR]} of {planes} blocked planes [{H}, {W}, 16] -> [{OH}, {OW}, 16]")
+    lines.append(f"  static const int32_t kh_lo[] = {_arr([a for a, _ in hs])}, kh_hi[] = {_arr([b for _, b in hs])};")
+    lines.append(f"  static const int32_t kw_lo[] = {_arr([a for a, _ in ws])}, kw_hi[] = {_arr([b for _, b in ws])};")
+    div = ""
+    if not is_max:
+        lo_h, hi_h, lo_w, hi_w = (-PT, H + PB, -PL, W + PR) if op.attrs.get("count_include_pad", False) \
+            else (0, H, 0, W)
+        cnt = [[sum(1 for k in range(KH) if lo_h <= oh * SH + k * DH - PT < hi_h)
+                * sum(1 for k in range(KW) if lo_w <= ow * SW + k * DW - PL < hi_w) for ow in range(OW)]
+               for oh in range(OH)]
+        lines.append(f"  static const float cnt[] = {{{', '.join(f'{c}.0f' for row in cnt for c in row)}}};")
+        div = f" / cnt[oh * {OW} + ow]"
+    cond = "sf_max_threads() > 1" if planes * OH * OW * KH * KW * 16 >= (1 << 14) and planes * OH > 1 else "false"
+    init = "-std::numeric_limits<float>::infinity()" if is_max else "0.0f"
+    # max: a NaN propagates (v != v takes it; nothing is greater than a NaN held)
+    step = "m[l] = (v > m[l] || v != v) ? v : m[l];" if is_max else "m[l] += v;"
+    lines += [f"  #pragma omp parallel for schedule(static) if ({cond})",
+              f"  for (int64_t t = 0; t < {planes * OH}; ++t) {{",
+              f"    const int64_t pl = t / {OH}, oh = t % {OH};",
+              f"    const float* __restrict__ xp = in0 + pl * {H * W * 16};",
+              f"    float* __restrict__ yr = out0 + t * {OW * 16};",
+              f"    for (int64_t ow = 0; ow < {OW}; ++ow) {{",
+              "      float m[16];",
+              f"      for (int l = 0; l < 16; ++l) m[l] = {init};",
+              "      for (int64_t kh = kh_lo[oh]; kh < kh_hi[oh]; ++kh)",
+              "        for (int64_t kw = kw_lo[ow]; kw < kw_hi[ow]; ++kw) {",
+              f"          const float* __restrict__ s = xp + ((oh * {SH} + kh * {DH} - {PT}) * {W} + ow * {SW} "
+              f"+ kw * {DW} - {PL}) * 16;",
+              "          #pragma omp simd",
+              f"          for (int l = 0; l < 16; ++l) {{ const float v = s[l]; {step} }}",
+              "        }",
+              f"      for (int l = 0; l < 16; ++l) yr[ow * 16 + l] = m[l]{div};",
+              "    }",
+              "  }"]
     return "\n".join(lines)
 
 

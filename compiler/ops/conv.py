@@ -20,7 +20,7 @@ from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
+__all__ = ["Conv", "PackedConv", "BLOCK", "block_channels", "unblock_channels", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
            "Resize", "conv_output_size",
            "pool_output_size"]
 
@@ -132,11 +132,31 @@ def _pad_for(x: np.ndarray, kernel, strides, dil, pb, out, value) -> np.ndarray:
     return np.pad(x, pads, constant_values=value)[tuple(crop)]
 
 
+#: Channels per block of the cpu target's blocked layout: a tensor ``[N, C, H, W]`` (``C`` a multiple of
+#: BLOCK) stored as ``[N, C / BLOCK, H, W, BLOCK]`` (passes/layout.py).
+BLOCK = 16
+
+
+def block_channels(a: np.ndarray) -> np.ndarray:
+    """``[N, C, *spatial]`` in the blocked layout ``[N, C / BLOCK, *spatial, BLOCK]``."""
+    n, c = a.shape[:2]
+    b = a.reshape((n, c // BLOCK, BLOCK) + a.shape[2:])
+    return np.ascontiguousarray(np.moveaxis(b, 2, -1))
+
+
+def unblock_channels(a: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`block_channels`."""
+    b = np.moveaxis(a, -1, 2)
+    return np.ascontiguousarray(b.reshape((a.shape[0], a.shape[1] * BLOCK) + a.shape[2:-1]))
+
+
 class Conv(Operator):
     """N-D convolution ``y[n, oc, o] = bias[oc] + sum_{ic, k} x[n, g*ICG + ic, o*s + k*d - pb] * w[oc, ic, k]``.
 
     Inputs ``x [N, C, *in]``, ``w [OC, C/group, *k]``, optional ``bias [OC]``; attributes ``group``,
-    ``strides``, ``dilations``, ``pads``.
+    ``strides``, ``dilations``, ``pads``; ``blocked_in`` and ``blocked_out`` (2-D; the cpu target gives
+    them to PackedConv and WinogradConv only): ``x``, or ``y``, is in the blocked layout
+    ``[N, C / BLOCK, H, W, BLOCK]`` (:data:`BLOCK`; passes/layout.py), its channels a multiple of BLOCK.
     """
 
     def _weight_shape(self, x, w) -> tuple[int, ...]:
@@ -150,14 +170,40 @@ class Conv(Operator):
         """The weight of output channel ``oc``, input channel ``ic`` (of its group) and tap ``k``."""
         return w[(oc, ic, *k)]
 
+    def _x_shape(self, x) -> tuple[int, ...]:
+        """The logical ``[N, C, *in]`` of the input ``x`` (its shape unless ``blocked_in``)."""
+        if not self.attrs.get("blocked_in"):
+            return tuple(x.shape)
+        if x.ndim != 5 or x.shape[-1] != BLOCK:
+            raise ShapeError(f"{self.name}: a blocked input is [N, C/{BLOCK}, H, W, {BLOCK}], got {x.shape}")
+        return (x.shape[0], x.shape[1] * BLOCK) + tuple(x.shape[2:-1])
+
+    def _x_at(self, x, n, ch, pos):
+        """The input element of image ``n``, channel ``ch`` at spatial position ``pos``."""
+        if not self.attrs.get("blocked_in"):
+            return x[(n, ch, *pos)]
+        return x[(n, ch // BLOCK, *pos, ch % BLOCK)]
+
+    def _output(self, shape, f, dt):
+        """The compute of the output ``y[n, oc, *out] = f(n, oc, *out)`` over the logical ``shape`` (blocked
+        with ``blocked_out``)."""
+        if not self.attrs.get("blocked_out"):
+            return compute("y", shape, f, dtype=dt)
+        if shape[1] % BLOCK or len(shape) != 4:
+            raise ShapeError(f"{self.name}: a blocked output needs a 2-D conv of a multiple of {BLOCK} channels, "
+                             f"got [N, OC, ...] = {list(shape)}")
+        return compute("y", (shape[0], shape[1] // BLOCK) + tuple(shape[2:]) + (BLOCK,),
+                       lambda n, cb, *o: f(n, cb * BLOCK + o[-1], *o[:-1]), dtype=dt)
+
     def compute(self, x, w, *bias):
-        n_sp = x.ndim - 2
+        xs = self._x_shape(x)
+        n_sp = len(xs) - 2
         wshape = self._weight_shape(x, w)
         if n_sp < 1:
             raise ShapeError(f"{self.name}: Conv takes x [N, C, spatial...], got {x.shape}")
         g = self.attrs.get("group", 1)
         s, dil, pb, pe = _spatial(self, x, n_sp)
-        n, c = x.shape[:2]
+        n, c = xs[:2]
         oc, icg = wshape[:2]
         kern = wshape[2:]
         if g < 1 or c != icg * g or oc % g:
@@ -165,7 +211,7 @@ class Conv(Operator):
                              f"[M, C/group, ...] with M divisible by group")
         if bias and bias[0].shape != (oc,):
             raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
-        ins = x.shape[2:]
+        ins = xs[2:]
         out = tuple(conv_output_size(ins[d], kern[d], s[d], dil[d], pb[d], pe[d]) for d in range(n_sp))
         if min(out, default=1) < 1:
             raise ShapeError(f"{self.name}: the kernel {kern} (dilations {dil}) does not fit the padded input {ins}")
@@ -183,14 +229,14 @@ class Conv(Operator):
                 else:
                     ch = (oci // ocg) * icg + ic
                 pos = [_window_pos(o[d], k[d], s[d], dil[d], kern[d], pb[d]) for d in range(n_sp)]
-                v = x[(ni, ch, *pos)]
+                v = self._x_at(x, ni, ch, pos)
                 cond = _window_guard(pos, [0] * n_sp, list(ins), may_low, may_high)
                 if cond is not None:
                     v = if_then_else(cond, v, Const(0, dt))
                 return v * self._weight_at(w, oci, ic, k)
             acc = reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
-        return compute("y", (n, oc) + out, f, dtype=dt)
+        return self._output((n, oc) + out, f, dt)
 
     def local_attrs(self, inputs, output_shapes):
         """On channel shards the group count is the local channels over channels per group."""
@@ -200,11 +246,17 @@ class Conv(Operator):
         return attrs
 
     def numpy(self, x, w, *bias):
+        blocked_in, blocked_out = self.attrs.get("blocked_in"), self.attrs.get("blocked_out")
+        out = self.outputs[0].shape[2:-1] if blocked_out else self.outputs[0].shape[2:]
+        y = self._numpy(unblock_channels(x) if blocked_in else x, w, bias, out)
+        return [block_channels(y) if blocked_out else y]
+
+    def _numpy(self, x, w, bias, out) -> np.ndarray:
+        """The conv of ``x [N, C, *in]`` by ``w`` (+ ``bias``) with the output's spatial extents ``out``."""
         n_sp = x.ndim - 2
         g = self.attrs.get("group", 1)
         s, dil, pb, pe = _spatial(self, x, n_sp)
         kern = w.shape[2:]
-        out = self.outputs[0].shape[2:]
         cols = _windows(_pad_for(x, kern, s, dil, pb, out, 0), kern, s, dil, out)
         n, c = x.shape[:2]
         oc, icg = w.shape[:2]
@@ -218,7 +270,7 @@ class Conv(Operator):
         y = y.transpose(0, 1, 3, 2).reshape((n, oc) + out)
         if bias:
             y = y + bias[0].reshape((oc,) + (1,) * n_sp)
-        return [np.ascontiguousarray(y, dtype=x.dtype)]
+        return np.ascontiguousarray(y, dtype=x.dtype)
 
 
 class PackedConv(Conv):
@@ -239,8 +291,9 @@ class PackedConv(Conv):
         from .linalg import PANEL
 
         oc, kern = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"])
-        c = x.shape[1] if x.ndim >= 3 else -1
-        if self.attrs.get("group", 1) != 1 or len(kern) != x.ndim - 2 \
+        xs = self._x_shape(x)
+        c = xs[1] if len(xs) >= 3 else -1
+        if self.attrs.get("group", 1) != 1 or len(kern) != len(xs) - 2 \
                 or tuple(wp.shape) != (-(-oc // PANEL), c * math.prod(kern), PANEL):
             raise ShapeError(f"{self.name}: PackedConv takes x [N, C, spatial...] and panels [ceil(OC/{PANEL}), "
                              f"C * prod(kernel), {PANEL}] (one group), got {x.shape} and {wp.shape} with "
@@ -315,10 +368,11 @@ class WinogradConv(Conv):
         from .linalg import PANEL
 
         oc, m = int(self.attrs["oc"]), int(self.attrs["m"])
-        c = x.shape[1] if x.ndim == 4 else -1
+        xs = self._x_shape(x)
+        c = xs[1] if len(xs) == 4 else -1
         a = m + 2
         unit = tuple(self.attrs.get("strides") or ()) + tuple(self.attrs.get("dilations") or ())
-        if m not in WINOGRAD or x.ndim != 4 or self.attrs.get("group", 1) != 1 or any(v != 1 for v in unit) \
+        if m not in WINOGRAD or len(xs) != 4 or self.attrs.get("group", 1) != 1 or any(v != 1 for v in unit) \
                 or tuple(u.shape) != (a * a, -(-oc // PANEL), c, PANEL):
             raise ShapeError(f"{self.name}: WinogradConv takes x [N, C, H, W] and u [(m+2)^2, ceil(OC/{PANEL}), C, "
                              f"{PANEL}] with m in {sorted(WINOGRAD)}, stride 1, dilation 1 and one group; got "
@@ -882,7 +936,15 @@ def examples(rng: np.random.Generator):
         (PackedConv, [f(2, 3, 5, 4), _panels(f(3, 3, 3, 2)), f(3)], {"oc": 3, "kernel": (3, 2), "strides": (2, 1),
                                                                     "pads": (1, 0, 1, 1), "dilations": (1, 2)}),
         (PackedConv, [f(1, 4, 6), _panels(f(2, 4, 1))], {"oc": 2, "kernel": (1,)}),
+        # the blocked layout (passes/layout.py): in, out, both
+        (PackedConv, [f(1, 1, 5, 4, BLOCK), _panels(f(16, 16, 2, 2)), f(16)],
+         {"oc": 16, "kernel": (2, 2), "pads": (1, 1, 1, 0), "strides": (2, 1), "blocked_in": True}),
+        (PackedConv, [f(2, 3, 4, 5), _panels(f(32, 3, 1, 1))], {"oc": 32, "kernel": (1, 1), "blocked_out": True}),
+        (PackedConv, [f(1, 1, 6, 5, BLOCK), _panels(f(32, 16, 1, 1)), f(32)],
+         {"oc": 32, "kernel": (1, 1), "strides": (2, 2), "blocked_in": True, "blocked_out": True}),
         (WinogradConv, [f(1, 3, 5, 6), winograd_weights(f(3, 3, 3, 3), 2)], {"oc": 3, "m": 2, "pads": (1, 1, 1, 1)}),
+        (WinogradConv, [f(1, 1, 5, 6, BLOCK), winograd_weights(f(16, 16, 3, 3), 2), f(16)],
+         {"oc": 16, "m": 2, "pads": (1, 1, 1, 1), "blocked_in": True, "blocked_out": True}),
         (WinogradConv, [f(2, 2, 7, 5), winograd_weights(f(3, 2, 3, 3), 4), f(3)], {"oc": 3, "m": 4,
                                                                                    "pads": (0, 1, 2, 0)}),
         (ConvTranspose, [f(1, 2, 3, 3), f(2, 3, 3, 3)], {"output_shape": (5, 5)}),

@@ -212,6 +212,24 @@ def _large():
         # a 1x1 of 1024+ outputs, read blocked as well: 1030 channels (32 blocks of 32 and one of 6), runs of
         # 14 pixels crossing the image's rows, two images
         PackedConv([_t((2, 24, 7, 9)), _panels(24, 1030), _t((1030,))], oc=1030, kernel=(1, 1)),
+        # the blocked layout [N, C/16, H, W, 16] (passes/layout.py): read where it lies (1x1), padded (3x3),
+        # gathered (1x1 of stride 2), written as the kernels hold it (two panels of 16, one), from a plain
+        # image of 3 channels; pixel runs crossing rows, two images
+        PackedConv([_t((2, 2, 7, 9, 16)), _panels(32, 48), _t((48,))], oc=48, kernel=(1, 1), blocked_in=True,
+                   blocked_out=True),
+        PackedConv([_t((1, 2, 9, 11, 16)), _panels(288, 16)], oc=16, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   blocked_in=True),
+        PackedConv([_t((2, 1, 9, 8, 16)), _panels(16, 32), _t((32,))], oc=32, kernel=(1, 1), strides=(2, 2),
+                   blocked_in=True, blocked_out=True),
+        PackedConv([_t((1, 3, 23, 30)), _panels(147, 32), _t((32,))], oc=32, kernel=(7, 7), pads=(3, 3, 3, 3),
+                   strides=(2, 2), blocked_out=True),
+        PackedConv([_t((1, 1, 15, 17, 16)), _panels(144, 64), _t((64,))], oc=64, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   strides=(2, 2), blocked_in=True, blocked_out=True),
+        WinogradConv([_t((1, 4, 28, 28, 16)), _wino(64, 64, 4), _t((64,))], oc=64, m=4, pads=(1, 1, 1, 1),
+                     blocked_in=True, blocked_out=True),
+        WinogradConv([_t((2, 1, 9, 13, 16)), _wino(16, 32, 2)], oc=32, m=2, pads=(1, 0, 1, 1), blocked_in=True),
+        WinogradConv([_t((1, 40, 14, 14)), _wino(40, 48, 2), _t((48,))], oc=48, m=2, pads=(1, 1, 1, 1),
+                     blocked_out=True),
         # Winograd F(2x2) and F(4x4) (passes/prepack.py): whole chunks per thread (56x56), threads sharing
         # each step of one chunk (7x7), channel lanes and panels with tails, tiles past the output, pads
         # on one side only, several images, one row of tiles per chunk
@@ -280,6 +298,11 @@ def _large():
         Pool([_t((2, 4, 50))], kind="avg", kernel=(5,), strides=(2,), pads=(2, 2)),
         Pool([_t((1, 16, 56, 56))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 2, 5, 5))], kind="max", kernel=(2, 2), strides=(2, 2), pads=(2, 2, 2, 2)),  # windows in the pads
+        # blocked planes [N, C/16, H, W, 16] (passes/layout.py): the window's last extent is one lane
+        Pool([_t((2, 2, 17, 16, 16))], kind="max", kernel=(3, 3, 1), strides=(2, 2, 1), pads=(1, 1, 0, 1, 1, 0)),
+        Pool([_t((1, 1, 13, 11, 16))], kind="avg", kernel=(3, 3, 1), strides=(2, 2, 1), pads=(1, 1, 0, 1, 1, 0),
+             ceil_mode=True, count_include_pad=False),
+        Pool([_t((1, 3, 7, 7, 16))], kind="avg", kernel=(7, 7, 1)),
         # rows of at least 16 outputs: along the rows, then down (separable), with the same edge cases
         Pool([_t((1, 3, 40, 45))], kind="max", kernel=(3, 2), strides=(2, 1), dilations=(2, 1), pads=(1, 0, 2, 1),
              ceil_mode=True),
@@ -378,7 +401,8 @@ def _large():
             b = rng.integers(-128, 128, (op.inputs[0].shape[-1], op.attrs["n"])).astype(np.int8)
             arrays[1:3] = pack_int8_panels(b, rng.integers(-128, 128, op.attrs["n"]).astype(np.int8))
         if op.op_type == "WinogradConv":  # the transform of 3x3 weights
-            w = rng.standard_normal((op.attrs["oc"], op.inputs[0].shape[1], 3, 3)).astype(np.float32)
+            c = op.inputs[0].shape[1] * (op.inputs[0].shape[-1] if op.attrs.get("blocked_in") else 1)
+            w = rng.standard_normal((op.attrs["oc"], c, 3, 3)).astype(np.float32)
             arrays[1] = winograd_weights(w, op.attrs["m"])
         res.append((f"large-{k}-{op.op_type}", op, arrays))
     return res + _attention_cases()
@@ -1011,7 +1035,7 @@ def test_conv_epilogue_fusion(tmp_path):
     ops (a residual too) run on its planes or blocks of channels' bands of rows (the depthwise ones also
     forced to AVX2 and portable); a Resize's run on its bands of rows."""
     from shardflow.compiler.codegen.fusion import FusedOp
-    from shardflow.compiler.codegen.templates_cpu import template_kind
+    from shardflow.compiler.codegen.templates_cpu import accepts_group, template_kind
     from shardflow.compiler.ops.elementwise import Activation, Clip
     from shardflow.compiler.ops.transform import Transpose
 
@@ -1079,6 +1103,20 @@ def test_conv_epilogue_fusion(tmp_path):
         group("packed-s2", PackedConv([inp(1, 20, 9, 33), inp(3, 180, PANEL)], oc=40, kernel=(3, 3), strides=(2, 2)),
               lambda y: Binary([y, inp(1, 40, 1, 1)], fn="mul"), lambda y: Clip([y], lo=0.0, hi=0.5)),
     ]
+    finish_blocked = [  # blocked outputs (passes/layout.py): the kernels add the residual (blocked alike), clamp
+        group("blocked-residual", PackedConv([inp(2, 2, 9, 11, 16), inp(2, 32, PANEL), inp(32)], oc=32,
+                                             kernel=(1, 1), blocked_in=True, blocked_out=True),
+              lambda y: Binary([y, inp(2, 2, 9, 11, 16)], fn="add"), lambda y: Activation([y], kind="relu")),
+        group("blocked-s2-relu6", PackedConv([inp(1, 20, 9, 33), inp(2, 180, PANEL)], oc=32, kernel=(3, 3),
+                                             pads=(1, 1, 1, 1), strides=(2, 2), blocked_out=True),
+              lambda y: Clip([y], lo=0.0, hi=6.0)),
+    ]
+    unfused_blocked = [  # a blocked output's other element-wise ops: not fused (the epilogue indexes plain layouts)
+        group("blocked-scale", PackedConv([inp(1, 1, 7, 5, 16), inp(1, 16, PANEL)], oc=16, kernel=(1, 1),
+                                          blocked_in=True, blocked_out=True),
+              lambda y: Binary([y, inp(1, 1, 1, 1, 16)], fn="mul")),
+    ]
+
     def wino(c, oc, m):  # the transform of random 3x3 weights
         t = _wino(c, oc, m)
         arrays[id(t)] = winograd_weights(rng.standard_normal((oc, c, 3, 3)).astype(np.float32), m)
@@ -1176,7 +1214,9 @@ def test_conv_epilogue_fusion(tmp_path):
                                                pads=(1, 1, 1, 1), strides=(2, 2)),
                            lambda y: Binary([y, inp(1, 2, 300, 18)], fn="add"),
                            lambda y: Binary([y, inp(2, 1, 1)], fn="mul")))
-    finish += finish_packed + finish_wino
+    finish += finish_packed + finish_wino + finish_blocked
+    for g in unfused_blocked:
+        assert template_kind(g) is None and not accepts_group(g)
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the clamp, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
     for g in finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized:
@@ -1186,15 +1226,16 @@ def test_conv_epilogue_fusion(tmp_path):
         arrays[id(g.inputs[0])].flat[7] = np.nan  # the clamp keeps a NaN
     ops = finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + [other]
     src = generate_cpu_source(ops)
-    assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino)
-    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed)
+    assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino + finish_blocked)
+    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked)
+    assert src.text.count("SF_BLK_IN | SF_BLK_OUT, nullptr, nullptr, in3, SfClamp{true, 0.0f, ") == 1
     assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 1
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
     assert src.text.count("sf_conv_depthwise(in") == len(finish_dw + depthwise)
     inf = "std::numeric_limits<float>::infinity()"
     assert src.text.count(f"sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, "
                           f"SfClamp{{true, 0.0f, {inf}}});") == 1
-    assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 3 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
+    assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 4 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
     assert src.text.count(f"SfClamp{{true, (-{inf}), 0.5f}}") == 1
     assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise)
     assert src.text.count("the tiles are finished as they are stored") == len(finish + finish_dw)

@@ -862,12 +862,14 @@ static inline void sf_tr16(__m512 (&r)[16]) {
 // vector lanes, so the tile is stored transposed: each 16 x MR block of the accumulators transposed in
 // registers (sf_tr16) into one vector of pixels per channel, finished (+ bias[oc], + res[oc][p], the
 // clamp) and stored at y[oc][p]. Channels from nvalid on are the panels' zero padding, not stored.
+// blk: the output (and res) is blocked, [OC / 16][P][16] from y (y at the tile's first pixel of its first
+// block): each accumulator is one pixel's 16 channels, stored as it is (nvalid is 16 * NV).
 template <int MR, int NV, int PS>
 __attribute__((target("avx512f")))
 static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                            const float* __restrict__ wp, int64_t pstride, float* __restrict__ y, int64_t P,
                            int64_t nvalid, const float* __restrict__ bias, const float* __restrict__ res,
-                           const SfClamp& clamp) {
+                           const SfClamp& clamp, bool blk) {
   __m512 acc[MR][NV];
   #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
@@ -884,6 +886,20 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
       #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
     }
+  }
+  if (blk) {
+    #pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        __m512 o = _mm512_add_ps(acc[i][v], b);
+        if (res) o = _mm512_add_ps(o, _mm512_loadu_ps(res + 16 * (v * P + i)));
+        if (clamp.on) o = sf_clamp16(o, clamp);
+        _mm512_storeu_ps(y + 16 * (v * P + i), o);
+      }
+    }
+    return;
   }
   const __mmask16 pm = (__mmask16)((1u << MR) - 1u);  // the tile's pixels
   #pragma GCC unroll 2
@@ -909,7 +925,7 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
 typedef void (*SfPdkrFn)(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                          const float* __restrict__ wp, int64_t pstride, float* __restrict__ y, int64_t P,
                          int64_t nvalid, const float* __restrict__ bias, const float* __restrict__ res,
-                         const SfClamp& clamp);
+                         const SfClamp& clamp, bool blk);
 
 // the most pixels of a tile (NV = 2: 28 accumulators, 2 panel rows and a broadcast in 32 registers)
 constexpr int64_t SF_PDK_MR = 14;
@@ -936,12 +952,14 @@ static const SfPdkr& sf_pdkr() {
 
 // The same with AVX2 (16 registers of 8 floats): a tile is MR <= 6 pixels by the 16 output channels of one
 // weight panel (12 accumulators, the panel row's two halves and a broadcast), each 8 x MR block transposed
-// (sf_tr8x8) into one vector of pixels per channel, stored under a mask of MR lanes.
+// (sf_tr8x8) into one vector of pixels per channel, stored under a mask of MR lanes; blk: blocked as
+// sf_pdkr_avx512's, a pixel's 16 channels two vectors.
 template <int MR, int PS>
 __attribute__((target("avx2,fma")))
 static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                          const float* __restrict__ wp, float* __restrict__ y, int64_t P, int64_t nvalid,
-                         const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp) {
+                         const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp,
+                         bool blk) {
   __m256 acc[MR][2];
   #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -954,6 +972,20 @@ static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t*
       acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
     }
+  }
+  if (blk) {
+    #pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * v) : _mm256_setzero_ps();
+      #pragma GCC unroll 6
+      for (int i = 0; i < MR; ++i) {
+        __m256 o = _mm256_add_ps(acc[i][v], b);
+        if (res) o = _mm256_add_ps(o, _mm256_loadu_ps(res + 16 * i + 8 * v));
+        if (clamp.on) o = sf_clamp8(o, clamp);
+        _mm256_storeu_ps(y + 16 * i + 8 * v, o);
+      }
+    }
+    return;
   }
   alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
   const __m256i pm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - MR));  // the tile's pixels
@@ -979,7 +1011,8 @@ static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t*
 
 typedef void (*SfPdkr2Fn)(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                           const float* __restrict__ wp, float* __restrict__ y, int64_t P, int64_t nvalid,
-                          const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp);
+                          const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp,
+                          bool blk);
 
 // the most pixels of an AVX2 tile
 constexpr int64_t SF_PDK_MR2 = 6;
@@ -1040,39 +1073,71 @@ static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane,
 }
 #endif
 
+// The blocked layout of a 2-D conv's image or output (passes/layout.py), per image [C / 16][H][W][16], C
+// a multiple of 16: SF_BLK_IN, the input x is blocked; SF_BLK_OUT, the output y (and res) is.
+constexpr unsigned SF_BLK_IN = 1, SF_BLK_OUT = 2;
+
+// dst[Hp][Wp][16] = the blocked plane src[H][W][16] placed at (pt, pl), zero around it
+static void sf_pad_blocked(const float* __restrict__ src, int64_t H, int64_t W, int64_t pt, int64_t pl, int64_t Hp,
+                           int64_t Wp, float* __restrict__ dst) {
+  for (int64_t r = 0; r < Hp; ++r) {
+    float* d = dst + r * Wp * 16;
+    const int64_t ih = r - pt;
+    if (ih < 0 || ih >= H) {
+      std::memset(d, 0, sizeof(float) * Wp * 16);
+      continue;
+    }
+    std::memset(d, 0, sizeof(float) * pl * 16);
+    std::memcpy(d + pl * 16, src + ih * W * 16, sizeof(float) * W * 16);
+    std::memset(d + (pl + W) * 16, 0, sizeof(float) * (Wp - pl - W) * 16);
+  }
+}
+
 // PackedConv without im2col, GEMM or transposition where the conv template runs its AVX-512 kernels, for
 // the convs named below, or its AVX2 ones, for the stride-2 windows (else false: the caller takes the GEMM
 // path). Each image is first blocked by 16 channels (sf_block16, with its padding). Tasks are (image, block
 // of 32 output channels, run of output rows; a 1x1, stride-1, unpadded conv's image is one row of P pixels,
 // cut in runs of 56); each row is cut in tiles of at most SF_PDK_MR pixels (AVX2: SF_PDK_MR2), every tile
 // reading the block's panels (K x 32 floats, kept in L2 by the task) and its pixels from the blocked image.
-// epi (optional) finishes each task's channels and pixels in place.
+// epi (optional) finishes each task's channels and pixels in place. With blk (SF_BLK_IN, SF_BLK_OUT; no
+// epi), every conv of row stride 1 or 2 takes this path with either ISA: a blocked image is read where it
+// lies (a conv without padding) or copied into its padded form (sf_pad_blocked), a blocked output stored
+// as the kernels hold it.
 static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float* bias, float* y,
-                                    const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, SfConvEpi epi,
-                                    const void* ctx, const float* res, SfClamp clamp) {
+                                    const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, unsigned blk,
+                                    SfConvEpi epi, const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
-  // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise); with AVX2, windows at horizontal
-  // stride 2 only: measured with AVX2 forced on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs took 0.77-0.94x
-  // the GEMM path's (or the conv template's) time, but 512->512 at 7x7 stride 1 1.15x (the 1x1 expansions
-  // were not measured with AVX2)
   const int64_t vl = sf_cukr().vl;
-  if (vl != 16 && (vl != 8 || direct || g.SW != 2)) return false;
-  // windows wider than 1x1 (passes/prepack.py makes PackedConvs of those at stride 2, or stride 1 on small
-  // images), and 1x1 stride-1 convs of at least twice as many output channels as input channels (the
-  // blocked image read by many blocks of 32): measured on an AVX-512 Xeon (rfcs/0002), 1x1 256->1024 at
-  // 14x14 and 512->2048 at 7x7 8-10% faster than the GEMM below, MobileNetV2's 6x expansions at 14x14 and
-  // 7x7 14-31%; the reductions 1024->256 and 2048->512 1-23% slower, strided 1x1s 1.5x (the whole image
-  // blocked for a quarter of its pixels)
-  if (direct ? OC < 2 * g.C : ((g.SW != 1 && g.SW != 2) || g.KH * g.KW == 1)) return false;
-  const int64_t sw = direct ? 1 : g.SW;
+  if (blk) {
+    if ((vl != 16 && vl != 8) || (g.SW != 1 && g.SW != 2) || epi) return false;
+  } else {
+    // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise); with AVX2, windows at horizontal
+    // stride 2 only: measured with AVX2 forced on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs took 0.77-0.94x
+    // the GEMM path's (or the conv template's) time, but 512->512 at 7x7 stride 1 1.15x (the 1x1 expansions
+    // were not measured with AVX2)
+    if (vl != 16 && (vl != 8 || direct || g.SW != 2)) return false;
+    // windows wider than 1x1 (passes/prepack.py makes PackedConvs of those at stride 2, or stride 1 on small
+    // images), and 1x1 stride-1 convs of at least twice as many output channels as input channels (the
+    // blocked image read by many blocks of 32): measured on an AVX-512 Xeon (rfcs/0002), 1x1 256->1024 at
+    // 14x14 and 512->2048 at 7x7 8-10% faster than the GEMM below, MobileNetV2's 6x expansions at 14x14 and
+    // 7x7 14-31%; the reductions 1024->256 and 2048->512 1-23% slower, strided 1x1s 1.5x (the whole image
+    // blocked for a quarter of its pixels)
+    if (direct ? OC < 2 * g.C : ((g.SW != 1 && g.SW != 2) || g.KH * g.KW == 1)) return false;
+  }
+  // a strided 1x1 conv of a blocked image without padding: its pixels gathered into a dense blocked image
+  // first, then run as a 1x1 of stride 1 (each block of output channels read all of the strided image's
+  // lines: measured for ResNet-50's 1x1 256->512 of stride 2 at 56x56 1.25x slower than the conv template)
+  const bool sub = (blk & SF_BLK_IN) && !direct && g.KH * g.KW == 1 && g.PT == 0 && g.PL == 0;
+  const bool flat = direct || sub;  // the image is one row of P pixels
+  const int64_t sw = flat ? 1 : g.SW;
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
-  const int64_t H = direct ? 1 : g.H, W = direct ? P : g.W;
-  const int64_t Hp = direct ? 1 : std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
-  const int64_t Wp = direct ? P : std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  const int64_t H = flat ? 1 : g.H, W = flat ? P : g.W;
+  const int64_t Hp = flat ? 1 : std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  const int64_t Wp = flat ? P : std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
   const int64_t cbs = Hp * Wp * 16, ximg = ncb * cbs;
   if ((double)ximg >= 2147483647.0 || 16.0 * P >= 2147483647.0) return false;
-  const int64_t OWr = direct ? std::min<int64_t>(P, 4 * SF_PDK_MR) : g.OW, nrows = direct ? (P + OWr - 1) / OWr : g.OH;
+  const int64_t OWr = flat ? std::min<int64_t>(P, 4 * SF_PDK_MR) : g.OW, nrows = flat ? (P + OWr - 1) / OWr : g.OH;
   constexpr int64_t CB = 32;
   const int64_t nob = (OC + CB - 1) / CB, pstride = K * 16;
   const int nt = sf_max_threads();
@@ -1080,51 +1145,69 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   // runs of rows per task: enough tasks for 4 per thread
   const int64_t want = par ? (4 * nt + nimg * nob - 1) / (nimg * nob) : 1;
   const int64_t nrb = std::max<int64_t>(1, std::min(nrows, want)), ntask = nimg * nob * nrb;
-  float* xb16 = static_cast<float*>(sf_workspace(3, sizeof(float) * (nimg * ximg + 16)));
+  // a blocked image without padding is read where it lies
+  const bool inplace = (blk & SF_BLK_IN) && !sub && Hp == H && Wp == W && (direct || (g.PT == 0 && g.PL == 0));
+  float* xb16 = inplace ? nullptr : static_cast<float*>(sf_workspace(3, sizeof(float) * (nimg * ximg + 16)));
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
   for (int64_t c = 0, k = 0; c < g.C; ++c)
     for (int64_t kh = 0; kh < g.KH; ++kh)
       for (int64_t kw = 0; kw < g.KW; ++kw)
-        off[k++] = (int32_t)((c / 16) * cbs + (direct ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
+        off[k++] = (int32_t)((c / 16) * cbs + (flat ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
   const SfPdkr& u = sf_pdkr();
   const SfPdkr2& u2 = sf_pdkr2();
-  const int64_t pt = direct ? 0 : g.PT, pl = direct ? 0 : g.PL;
+  const int64_t pt = flat ? 0 : g.PT, pl = flat ? 0 : g.PL;
   #pragma omp parallel num_threads(nt) if (par)
   {
-    #pragma omp for schedule(static)
-    for (int64_t b = 0; b < nimg * ncb; ++b) {
-      const int64_t n = b / ncb, cb = b % ncb;
-      sf_block16(x + (n * g.C + cb * 16) * g.H * g.W, std::min<int64_t>(16, g.C - cb * 16), g.H * g.W, H, W, pt, pl,
-                 Hp, Wp, xb16 + n * ximg + cb * cbs);
+    // block cb of image n starts at the same offset in both layouts
+    if (!inplace) {
+      #pragma omp for schedule(static)
+      for (int64_t b = 0; b < nimg * ncb; ++b) {
+        const int64_t n = b / ncb, cb = b % ncb;
+        const float* src = x + (n * g.C + cb * 16) * g.H * g.W;
+        if (sub) {
+          float* d = xb16 + n * ximg + cb * cbs;
+          for (int64_t oh = 0; oh < g.OH; ++oh)
+            for (int64_t ow = 0; ow < g.OW; ++ow)
+              std::memcpy(d + (oh * g.OW + ow) * 16, src + (oh * g.SH * g.W + ow * g.SW) * 16, sizeof(float) * 16);
+        } else if (blk & SF_BLK_IN) {
+          sf_pad_blocked(src, H, W, pt, pl, Hp, Wp, xb16 + n * ximg + cb * cbs);
+        } else {
+          sf_block16(src, std::min<int64_t>(16, g.C - cb * 16), g.H * g.W, H, W, pt, pl, Hp, Wp,
+                     xb16 + n * ximg + cb * cbs);
+        }
+      }
     }
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntask; ++t) {
-      const int64_t rb = t % nrb, ob = (t / nrb) % nob, n = t / (nrb * nob);
+      const int64_t ob = t % nob, rb = (t / nob) % nrb, n = t / (nrb * nob);
       const int64_t r0 = nrows * rb / nrb, r1 = nrows * (rb + 1) / nrb;
       const int64_t c0 = ob * CB, nvalid = std::min(CB, OC - c0), nv = nvalid > 16 ? 2 : 1;
-      const float* xi = xb16 + n * ximg;
+      const float* xi = inplace ? x + n * ximg : xb16 + n * ximg;
+      const bool bo = blk & SF_BLK_OUT;
       float* yb = y + (n * OC + c0) * P;
       const float* rsd = res ? res + (n * OC + c0) * P : nullptr;
       const float* wb = wp + (c0 / 16) * pstride;
       const float* bb = epi || !bias ? nullptr : bias + c0;
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t p0 = r * OWr, len = std::min(OWr, P - p0);
-        const float* xr = xi + (direct ? p0 : r * g.SH * Wp) * 16;
+        const float* xr = xi + (flat ? p0 : r * g.SH * Wp) * 16;
         if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time
           for (int64_t j = 0; j < len;) {
             const int64_t mr = std::min(SF_PDK_MR2, len - j);
+            const int64_t yo = bo ? (p0 + j) * 16 : p0 + j;
             for (int64_t v = 0; v < nv; ++v)
-              u2.fn[sw - 1][mr - 1](K, xr + j * sw * 16, off, wb + v * pstride, yb + 16 * v * P + p0 + j, P,
+              u2.fn[sw - 1][mr - 1](K, xr + j * sw * 16, off, wb + v * pstride, yb + 16 * v * P + yo, P,
                                     std::min<int64_t>(16, nvalid - 16 * v), bb ? bb + 16 * v : nullptr,
-                                    rsd ? rsd + 16 * v * P + p0 + j : nullptr, clamp);
+                                    rsd ? rsd + 16 * v * P + yo : nullptr, clamp, bo);
             j += mr;
           }
           continue;
         }
         for (int64_t j = 0; j < len;) {
           const int64_t mr = std::min(SF_PDK_MR, len - j);
-          u.fn[sw - 1][nv - 1][mr - 1](K, xr + j * sw * 16, off, wb, pstride, yb + p0 + j, P, nvalid, bb,
-                                       rsd ? rsd + p0 + j : nullptr, clamp);
+          const int64_t yo = bo ? (p0 + j) * 16 : p0 + j;
+          u.fn[sw - 1][nv - 1][mr - 1](K, xr + j * sw * 16, off, wb, pstride, yb + yo, P, nvalid, bb,
+                                       rsd ? rsd + yo : nullptr, clamp, bo);
           j += mr;
         }
       }
@@ -1138,13 +1221,38 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
 }
 
 // epi, res and clamp as in sf_conv2d (the transposition adds the bias, res and the clamp: the GEMM's own bias
-// step is a pass of its own over yt)
+// step is a pass of its own over yt); blk as in sf_conv2d_packed_direct (without epi)
 static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
-                             int64_t nimg, int64_t OC, bool direct, SfConvEpi epi = nullptr,
+                             int64_t nimg, int64_t OC, bool direct, unsigned blk = 0, SfConvEpi epi = nullptr,
                              const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
   if (nimg <= 0 || OC <= 0 || P <= 0) return;
-  if (sf_conv2d_packed_direct(x, wp, bias, y, g, nimg, OC, direct, epi, ctx, res, clamp)) return;
+  if (sf_conv2d_packed_direct(x, wp, bias, y, g, nimg, OC, direct, blk, epi, ctx, res, clamp)) return;
+  if (blk) {  // no kernel here for the blocked layout: the plain conv, the layouts changed around it
+    const int64_t HW = g.H * g.W;
+    const float* xn = x;
+    if (blk & SF_BLK_IN) {
+      float* t = static_cast<float*>(sf_workspace(6, sizeof(float) * nimg * g.C * HW));
+      for (int64_t n = 0; n < nimg; ++n)
+        for (int64_t c = 0; c < g.C; ++c)
+          for (int64_t p = 0; p < HW; ++p)
+            t[(n * g.C + c) * HW + p] = x[(n * g.C + c / 16 * 16) * HW + p * 16 + c % 16];
+      xn = t;
+    }
+    if (!(blk & SF_BLK_OUT)) {
+      sf_conv2d_packed(xn, wp, bias, y, g, nimg, OC, direct, 0, epi, ctx, res, clamp);
+      return;
+    }
+    float* t = static_cast<float*>(sf_workspace(7, sizeof(float) * nimg * OC * P));
+    sf_conv2d_packed(xn, wp, bias, t, g, nimg, OC, direct);
+    for (int64_t n = 0; n < nimg; ++n)
+      for (int64_t c = 0; c < OC; ++c)
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t at = (n * OC + c / 16 * 16) * P + p * 16 + c % 16;
+          y[at] = sf_clamp(t[(n * OC + c) * P + p] + (res ? res[at] : 0.0f), clamp);
+        }
+    return;
+  }
   const bool par = sf_max_threads() > 1 && (double)P * OC * K >= SF_CONV_PAR_WORK;
   float* yt = static_cast<float*>(sf_workspace(5, sizeof(float) * P * OC));
   float* col = direct ? nullptr : static_cast<float*>(sf_workspace(3, sizeof(float) * K * P));

@@ -20,11 +20,11 @@ namespace {
 
 // Scratch memory: one grow-only buffer per slot and calling thread, kept for the process lifetime
 // (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col, 4: a conv's tap offsets, 5: a packed
-// conv's transposed output).
+// conv's transposed output, 6-7: a packed conv's plain image and output around the blocked layout).
 struct SfWorkspace {
-  void* p[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-  size_t n[6] = {0, 0, 0, 0, 0, 0};
-  ~SfWorkspace() { for (int i = 0; i < 6; ++i) std::free(p[i]); }
+  void* p[8] = {};
+  size_t n[8] = {};
+  ~SfWorkspace() { for (int i = 0; i < 8; ++i) std::free(p[i]); }
 };
 static void* sf_workspace(int slot, size_t bytes) {
   static thread_local SfWorkspace ws;

@@ -65,19 +65,29 @@ constexpr int64_t SF_WINO_SLACK = 8;
 // V[xi][t - t0][c] (row stride C, xi stride (t1 - t0) * C) for the tiles [t0, t1) and channels [c0, c1)
 // of the padded image xp ([C][Hp][Wp] + SF_WINO_SLACK; tile t = (th, tw) reads rows th*m.. and columns
 // tw*m..): per tile and 8 channels, each row of the tile is 8 loads of 8 floats transposed into
-// vectors of one column's 8 channels
+// vectors of one column's 8 channels. blk: xp is blocked, [C / 16][Hp][Wp][16] (c0, c1 multiples of 8):
+// a pixel's 8 channels are one load.
 template <int M>
 __attribute__((always_inline)) static inline void sf_wino_in_body(const float* __restrict__ xp, int64_t Hp, int64_t Wp,
                                                                    int64_t C, int64_t TW, int64_t t0, int64_t t1,
-                                                                   int64_t c0, int64_t c1, float* __restrict__ V) {
+                                                                   int64_t c0, int64_t c1, float* __restrict__ V,
+                                                                   bool blk) {
   constexpr int A = SfWino<M>::A;
-  const int64_t plane = Hp * Wp, xs = (t1 - t0) * C;
-  for (int64_t c = c0; c < c1; c += 8) {
-    const int nl = (int)std::min<int64_t>(8, c1 - c);
-    for (int64_t t = t0; t < t1; ++t) {
+  const int64_t plane = Hp * Wp, xs = (t1 - t0) * C, step = blk ? 16 : 8;
+  // blk: both halves of a pixel's line of 16 channels in turn (a half each pass over the tiles read twice
+  // as many lines)
+  for (int64_t cc = c0; cc < c1; cc += step)
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = cc; c < std::min(c1, cc + step); c += 8) {
+      const int nl = (int)std::min<int64_t>(8, c1 - c);
       const float* src = xp + c * plane + (t / TW) * M * Wp + (t % TW) * M;
       SfV8 d[A][A], r[A][A], col[A], rc[A];
-      for (int i = 0; i < A; ++i) {
+      if (blk) {
+        const float* b = xp + (c / 16) * plane * 16 + ((t / TW) * M * Wp + (t % TW) * M) * 16 + c % 16;
+        for (int i = 0; i < A; ++i)
+          for (int j = 0; j < A; ++j) std::memcpy(&d[i][j], b + (i * Wp + j) * 16, sizeof(SfV8));
+      }
+      for (int i = 0; i < A && !blk; ++i) {
         SfV8 rows[8];
         for (int l = 0; l < 8; ++l) {
           if (l < nl) std::memcpy(&rows[l], src + l * plane + i * Wp, sizeof(SfV8));
@@ -101,24 +111,27 @@ __attribute__((always_inline)) static inline void sf_wino_in_body(const float* _
         }
       }
     }
-  }
 }
 
 // The output tiles [t0, t1) for the channels [o0, o1) from Mt[xi][t - t0][oc] (row stride OC), + bias,
-// + res (optional, laid out as y), then clamped
+// + res (optional, laid out as y), then clamped. blk: y (and res) is blocked, [OC / 16][OH * OW][16] (o0,
+// o1 multiples of 8): a pixel's 8 channels are one store.
 template <int M>
 __attribute__((always_inline)) static inline void sf_wino_out_body(const float* __restrict__ Mt, int64_t OC, int64_t TW,
                                                                     int64_t OH, int64_t OW, int64_t t0, int64_t t1,
                                                                     int64_t o0, int64_t o1, const float* bias,
                                                                     float* __restrict__ y,
-                                                                    const float* __restrict__ res, SfClamp clamp) {
+                                                                    const float* __restrict__ res, SfClamp clamp,
+                                                                    bool blk) {
   constexpr int A = SfWino<M>::A;
-  const int64_t xs = (t1 - t0) * OC, P = OH * OW;
-  for (int64_t oc = o0; oc < o1; oc += 8) {
-    const int nl = (int)std::min<int64_t>(8, o1 - oc);
-    SfV8 b = {};
-    if (bias) for (int l = 0; l < nl; ++l) b[l] = bias[oc + l];
-    for (int64_t t = t0; t < t1; ++t) {
+  const int64_t xs = (t1 - t0) * OC, P = OH * OW, step = blk ? 16 : 8;
+  // blk: both halves of a pixel's line in turn, as in sf_wino_in_body
+  for (int64_t oo = o0; oo < o1; oo += step)
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t oc = oo; oc < std::min(o1, oo + step); oc += 8) {
+      const int nl = (int)std::min<int64_t>(8, o1 - oc);
+      SfV8 b = {};
+      if (bias) for (int l = 0; l < nl; ++l) b[l] = bias[oc + l];
       const float* src = Mt + (t - t0) * OC + oc;
       SfV8 s[A][A], r[M][A], col[A], rc[M];
       for (int i = 0; i < A; ++i)
@@ -134,58 +147,65 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
       const int64_t oh0 = (t / TW) * M, ow0 = (t % TW) * M;
       const int mh = (int)std::min<int64_t>(M, OH - oh0), mw = (int)std::min<int64_t>(M, OW - ow0);
       const int64_t at = oc * P + oh0 * OW + ow0;
+      const int64_t bat = (oc / 16) * P * 16 + (oh0 * OW + ow0) * 16 + oc % 16;  // blk: pixel (oh0, ow0)
       for (int i = 0; i < mh; ++i) {
         SfWino<M>::out(r[i], rc);
         for (int j = 0; j < mw; ++j) {
           SfV8 v = rc[j] + b;
-          if (res) for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
+          if (blk) {
+            SfV8 rv = {};
+            if (res) std::memcpy(&rv, res + bat + (i * OW + j) * 16, sizeof(SfV8));
+            v += rv;
+          } else if (res) {
+            for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
+          }
           if (clamp.on) {  // a NaN stays NaN (the comparisons are false)
             const SfV8 lo = clamp.lo - SfV8{}, hi = clamp.hi - SfV8{};
             v = v < lo ? lo : v;
             v = hi < v ? hi : v;
           }
-          for (int l = 0; l < nl; ++l) y[at + l * P + i * OW + j] = v[l];
+          if (blk) std::memcpy(y + bat + (i * OW + j) * 16, &v, sizeof(SfV8));
+          else for (int l = 0; l < nl; ++l) y[at + l * P + i * OW + j] = v[l];
         }
       }
     }
-  }
 }
 
 template <int M>
 static void sf_wino_in_generic(const float* xp, int64_t Hp, int64_t Wp, int64_t C, int64_t TW, int64_t t0, int64_t t1,
-                               int64_t c0, int64_t c1, float* V) {
-  sf_wino_in_body<M>(xp, Hp, Wp, C, TW, t0, t1, c0, c1, V);
+                               int64_t c0, int64_t c1, float* V, bool blk) {
+  sf_wino_in_body<M>(xp, Hp, Wp, C, TW, t0, t1, c0, c1, V, blk);
 }
 template <int M>
 static void sf_wino_out_generic(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0,
                                 int64_t t1, int64_t o0, int64_t o1, const float* bias, float* y, const float* res,
-                                SfClamp clamp) {
-  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, clamp);
+                                SfClamp clamp, bool blk) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, clamp, blk);
 }
 #if defined(__x86_64__)
 template <int M>
 __attribute__((target("avx2,fma")))
 static void sf_wino_in_avx2(const float* xp, int64_t Hp, int64_t Wp, int64_t C, int64_t TW, int64_t t0, int64_t t1,
-                            int64_t c0, int64_t c1, float* V) {
-  sf_wino_in_body<M>(xp, Hp, Wp, C, TW, t0, t1, c0, c1, V);
+                            int64_t c0, int64_t c1, float* V, bool blk) {
+  sf_wino_in_body<M>(xp, Hp, Wp, C, TW, t0, t1, c0, c1, V, blk);
 }
 template <int M>
 __attribute__((target("avx2,fma")))
 static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH, int64_t OW, int64_t t0, int64_t t1,
                              int64_t o0, int64_t o1, const float* bias, float* y, const float* res,
-                             SfClamp clamp) {
-  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, clamp);
+                             SfClamp clamp, bool blk) {
+  sf_wino_out_body<M>(Mt, OC, TW, OH, OW, t0, t1, o0, o1, bias, y, res, clamp, blk);
 }
 #endif
 
 // y[n] = conv3x3(x[n], w) + bias for n < nimg (x: [nimg, C, H, W], y: [nimg, OC, OH, OW], stride 1, pads
 // g.PT/g.PL at the start), from U = [A*A][ceil(OC / SF_PANEL)][C][SF_PANEL] (the weights' transform, its
 // [C][OC] matrix per position in GEMM panels); epi, res and clamp as in sf_conv2d (res and clamp applied by
-// the output transform)
+// the output transform); blk (SF_BLK_IN, SF_BLK_OUT; without epi): x, or y and res, blocked by 16 channels
 template <int M>
 static void sf_conv2d_winograd(const float* x, const float* U, const float* bias, float* y, const SfConvGeom& g,
-                               int64_t nimg, int64_t OC, SfConvEpi epi = nullptr, const void* ctx = nullptr,
-                               const float* res = nullptr, SfClamp clamp = {}) {
+                               int64_t nimg, int64_t OC, unsigned blk = 0, SfConvEpi epi = nullptr,
+                               const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
   constexpr int A = SfWino<M>::A, A2 = A * A;
   auto in = sf_wino_in_generic<M>;
   auto out = sf_wino_out_generic<M>;
@@ -194,6 +214,7 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
 #endif
   const int64_t C = g.C, OH = g.OH, OW = g.OW, P = OH * OW;
   if (nimg <= 0 || OC <= 0 || P <= 0) return;
+  const bool bi = blk & SF_BLK_IN, bo = blk & SF_BLK_OUT;
   // the padded image holds whole tiles: Hp >= OH + 2 = H + PT + PB (and Wp likewise), so the input fits at (PT, PL)
   const int64_t TH = (OH + M - 1) / M, TW = (OW + M - 1) / M, Hp = TH * M + 2, Wp = TW * M + 2;
   const int64_t upos = (OC + SF_PANEL - 1) / SF_PANEL * SF_PANEL * C;  // floats of U per position
@@ -241,17 +262,20 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
   #pragma omp parallel num_threads(nt) if (par)
   {
     #pragma omp for schedule(static)
-    for (int64_t pl = 0; pl < nimg * C; ++pl) sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
+    for (int64_t pl = 0; pl < nimg * C; pl += bi ? 16 : 1) {  // a plane, or a block of 16 (bi)
+      if (bi) sf_pad_blocked(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
+      else sf_pad_plane(x + pl * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, xpad + pl * Hp * Wp);
+    }
     if (whole) {
       float* V = static_cast<float*>(sf_workspace(4, sizeof(float) * (vsz + msz)));
       float* Mt = V + vsz;
       #pragma omp for schedule(static)
       for (int64_t wk = 0; wk < nwork; ++wk) {
         const int64_t n = wk / nch, t0 = tile0(wk % nch), t1 = tile0(wk % nch + 1), tb = t1 - t0;
-        in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 0, C, V);
+        in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 0, C, V, bi);
         gemms(tb, V, Mt, 0, A2);
         float* yn = y + n * OC * P;
-        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, clamp);
+        out(Mt, OC, TW, OH, OW, t0, t1, 0, OC, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, clamp, bo);
         if (epi) finish(n, 0, OC, t0, t1);
       }
     } else {
@@ -261,14 +285,16 @@ static void sf_conv2d_winograd(const float* x, const float* U, const float* bias
       for (int64_t wk = 0; wk < nwork; ++wk) {
         const int64_t n = wk / nch, t0 = tile0(wk % nch), t1 = tile0(wk % nch + 1), tb = t1 - t0;
         #pragma omp for schedule(static)
-        for (int64_t cb = 0; cb < ncb; ++cb) in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 8 * cb, std::min(C, 8 * cb + 8), V);
+        for (int64_t cb = 0; cb < ncb; ++cb)
+          in(xpad + n * C * Hp * Wp, Hp, Wp, C, TW, t0, t1, 8 * cb, std::min(C, 8 * cb + 8), V, bi);
         #pragma omp for schedule(static)
         for (int64_t xi = 0; xi < A2; ++xi) gemms(tb, V, Mt, xi, xi + 1);
         float* yn = y + n * OC * P;
         #pragma omp for schedule(static)
         for (int64_t ob = 0; ob < nob; ++ob) {
           const int64_t o0 = 8 * ob, o1 = std::min(OC, o0 + 8);
-          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, clamp);
+          out(Mt, OC, TW, OH, OW, t0, t1, o0, o1, epi ? nullptr : bias, yn, res ? res + n * OC * P : nullptr, clamp,
+              bo);
           if (epi) finish(n, o0, o1, t0, t1);
         }
       }

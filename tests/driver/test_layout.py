@@ -1,0 +1,137 @@
+"""The blocked layout between convs (passes/layout.py): which tensors it blocks, and compiled programs
+against onnxruntime with it on and off, on two cpu ranks."""
+import json
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import compile
+from shardflow.compiler.ir import FlowGraph, Tensor, const_tensor
+from shardflow.compiler.ops.conv import Conv, PackedConv, Pool
+from shardflow.compiler.ops.elementwise import Activation, Binary
+from shardflow.compiler.ops.reduce import Softmax
+from shardflow.compiler.passes.layout import BlockedLayout
+from shardflow.runtime import load
+from shardflow.runtime.comm import InProcessWorld
+from threads import run_threads
+
+
+def _net(rng, path, batch=1):
+    """x [batch, 16, 32, 32] -> 1x1 16->64, BatchNormalization, times and plus constants of one value per
+    channel, Relu, MaxPool -> 16x16 -> 3x3 64->64 (Winograd), Relu, 1x1
+    64->64, + the pool's output, Relu -> r; a 1x1 of stride 2 (64->48) and a 3x3 of stride 2 (64->16) of r,
+    concatenated (64 channels at 8x8), an average pool, a 1x1 to 20 channels (not a multiple of 16) -> y1;
+    and GlobalAveragePool of r (a reader of the plain layout) -> y2."""
+    def w(*shape, scale=0.2):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    inits = [numpy_helper.from_array(a, n) for n, a in [
+        ("w1", w(64, 16, 1, 1)), ("b1", w(64)), ("w2", w(64, 64, 3, 3, scale=0.05)), ("w3", w(64, 64, 1, 1)),
+        ("ws", w(48, 64, 1, 1)), ("wc", w(16, 64, 3, 3, scale=0.05)), ("bc", w(16)), ("wo", w(20, 64, 1, 1)),
+        ("g", 1 + w(64)), ("beta", w(64)), ("mu", w(64)), ("var", 0.5 + np.abs(w(64))), ("k", w(64, 1, 1)),
+        ("d", w(1, 64, 1, 1))]]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1", "b1"], ["c0"]),
+             n("BatchNormalization", ["c0", "g", "beta", "mu", "var"], ["bn"], epsilon=1e-3),
+             n("Mul", ["bn", "k"], ["m1"]), n("Add", ["d", "m1"], ["c1"]), n("Relu", ["c1"], ["r1"]),
+             n("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             n("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]), n("Relu", ["c2"], ["r2"]),
+             n("Conv", ["r2", "w3"], ["c3"]), n("Add", ["c3", "p1"], ["a3"]), n("Relu", ["a3"], ["r"]),
+             n("Conv", ["r", "ws"], ["s"], strides=[2, 2]),
+             n("Conv", ["r", "wc", "bc"], ["cc"], strides=[2, 2], pads=[1, 1, 1, 1]),
+             n("Concat", ["cc", "s"], ["cat"], axis=1),
+             n("AveragePool", ["cat"], ["ap"], kernel_shape=[2, 2]),
+             n("Conv", ["ap", "wo"], ["y1"]), n("GlobalAveragePool", ["r"], ["y2"])]
+    graph = helper.make_graph(
+        nodes, "blocked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16, 32, 32])],
+        [helper.make_tensor_value_info("y1", TensorProto.FLOAT, [batch, 20, 7, 7]),
+         helper.make_tensor_value_info("y2", TensorProto.FLOAT, [batch, 64, 1, 1])], inits)
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+
+
+def _run(path, out, mesh, x, **options):
+    compile(path, distributed_config={"mesh_shape": mesh}, optimization_config={"target": "cpu", **options},
+            out_dir=out)
+    world = int(np.prod(mesh))
+    programs = [json.loads((out / f"rank{r}" / "program.json").read_text()) for r in range(world)]
+
+    def work(c):
+        res = load(out, c.rank, c).run({"x": x})
+        return res["y1"], res["y2"]
+    return programs, run_threads(InProcessWorld(world).communicators(), work, timeout=120)
+
+
+@pytest.mark.parametrize("mesh", [[2]])
+def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
+    """The net's tensors between convs are blocked ([N, C/16, H, W, 16] buffers; the pool, the residual
+    add and the concatenation in that layout; the 1x1 of 20 channels writes the plain layout and
+    GlobalAveragePool reads a reorder), and every rank's outputs match onnxruntime's, as do those of the
+    program compiled with ``blocked: False`` (no 5-D buffer)."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(3)
+    path = tmp_path / "net.onnx"
+    _net(rng, path, batch=2)
+    x = rng.standard_normal((2, 16, 32, 32)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for blocked in (True, False):
+        programs, got = _run(path, tmp_path / f"out{blocked}", mesh, x, blocked=blocked)
+        for program in programs:
+            five = [b for b in program["buffers"] if len(b["shape"]) == 5]
+            steps = [s["node"] for s in program["steps"] if s["kind"] == "kernel"]
+            if not blocked:
+                assert not five
+                continue
+            assert len(five) >= 5 and all(b["shape"][-1] == 16 for b in five)
+            assert sum(name.endswith(".unblock") for name in steps) == 1  # r, for GlobalAveragePool
+        for y1, y2 in got:
+            np.testing.assert_allclose(y1, want[0], rtol=1e-4, atol=1e-4 * float(np.abs(want[0]).max()))
+            np.testing.assert_allclose(y2, want[1], rtol=1e-4, atol=1e-4 * float(np.abs(want[1]).max()))
+
+
+def _placeholder(*shape):
+    return Tensor("x", shape, "float32")
+
+
+def _w(*shape):
+    return const_tensor(np.ones(shape, np.float32))
+
+
+def test_which_tensors_are_blocked():
+    """A conv's output is blocked when a reader reads it natively (a conv, or an element-wise op or pool
+    whose own output is blocked); not a graph output, not 24 channels, not one only a Softmax reads;
+    a plain reader of a blocked tensor gets one reorder; convs keep their form when neither side is
+    blocked."""
+    x = _placeholder(1, 16, 8, 8)
+    a = Conv([x, _w(32, 16, 1, 1)], name="a")                        # blocked: b reads it
+    b = Conv([a.outputs[0], _w(32, 32, 3, 3)], name="b", pads=(1, 1, 1, 1))
+    relu = Activation([b.outputs[0]], name="relu", kind="relu")      # blocked: the pool reads it blocked
+    pool = Pool([relu.outputs[0]], name="pool", kind="max", kernel=(2, 2), strides=(2, 2))
+    c = Conv([pool.outputs[0], _w(24, 32, 1, 1)], name="c")          # 24 channels: plain
+    d = Conv([pool.outputs[0], _w(32, 32, 1, 1)], name="d")          # read by softmax and an add: plain
+    sm = Softmax([d.outputs[0]], name="sm", axes=(1,))
+    add = Binary([d.outputs[0], pool.outputs[0]], name="add", fn="add")
+    e = Conv([c.outputs[0], _w(16, 24, 1, 1)], name="e")             # plain in, plain out: stays a Conv
+    g = FlowGraph([x], [sm.outputs[0], add.outputs[0], e.outputs[0]], [a, b, relu, pool, c, d, sm, add, e])
+    g = BlockedLayout().run(g)
+    by = {op.name: op for op in g.nodes}
+    assert [t.ndim for t in by["b"].inputs[:1] + by["b"].outputs] == [5, 5]
+    assert by["a"].op_type == "PackedConv" and by["a"].attrs["blocked_out"] and not by["a"].attrs["blocked_in"]
+    assert by["pool"].attrs["kernel"] == (2, 2, 1) and by["pool"].outputs[0].shape == (1, 2, 4, 4, 16)
+    assert by["c"].attrs["blocked_in"] and not by["c"].attrs["blocked_out"] and by["c"].outputs[0].ndim == 4
+    assert by["d"].attrs["blocked_in"] and not by["d"].attrs["blocked_out"]
+    assert by["add"].outputs[0].ndim == 4 and by["add"].inputs[1].producer.name == "pool.unblock.view"
+    assert by["e"].op_type == "Conv"
+    assert sum(op.name.endswith(".unblock") for op in g.nodes) == 1
+    assert all(t.ndim == 4 for t in g.outputs)
+
+
+def test_a_memory_budget_keeps_conv_weights():
+    """With ``repack=False`` (a memory budget) plain Convs keep their weights; PackedConvs are laid out."""
+    x = _placeholder(1, 16, 8, 8)
+    a = Conv([x, _w(32, 16, 1, 1)], name="a")
+    p = PackedConv([a.outputs[0], _w(2, 32, 16)], name="p", oc=32, kernel=(1, 1))
+    q = PackedConv([p.outputs[0], _w(2, 32, 16)], name="q", oc=32, kernel=(1, 1))
+    g = BlockedLayout(repack=False).run(FlowGraph([x], [q.outputs[0]], [a, p, q]))
+    by = {op.name: op for op in g.nodes}
+    assert by["a"].op_type == "Conv" and by["p"].attrs["blocked_out"] and by["q"].attrs["blocked_in"]
