@@ -11,16 +11,17 @@ torch.onnx.export at opset 17 (needs torch + transformers; slow); with ``--light
 onnx package ships for its backend tests (``onnx/backend/test/data/light``: AlexNet, DenseNet-121,
 Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size graphs with
 synthetic weights, one 224x224 image). ``--only`` picks models by name.
-``--compare-prepack`` also times each model compiled with ``optimization_config["prepack"] = False``
-(GEMM weights packed on every call) in the same run, interleaved with the default build.
+``--compare-off KEY`` also times each model compiled with ``optimization_config[KEY] = False`` in the same
+run, interleaved with the default build (e.g. ``prepack``: GEMM weights packed on every call; ``blocked``:
+the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepack``.
 ``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
 format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff| is larger than the
 float models' (an activation that rounds the other way in one engine moves the next layer's sums).
 
-    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet] [--compare-prepack]
-                                     [--int8]
+    python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet]
+                                     [--compare-off blocked] [--int8]
 """
 from __future__ import annotations
 
@@ -76,17 +77,17 @@ def _medians_ms(fns: list, repeat: int, block: int = 1) -> list[float]:
 
 
 def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,
-          compare_prepack: bool = False) -> None:
+          compare: str | None = None) -> None:
     import onnxruntime as ort
 
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
     progs = []
-    for prepack in (True, False) if compare_prepack else (True,):
-        out = os.path.join(work, f"{name}-{prepack}")
-        compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu", "prepack": prepack},
-                out_dir=out)
+    for on in (True, False) if compare else (True,):
+        out = os.path.join(work, f"{name}-{on}")
+        compile(path, distributed_config={"mesh_shape": [1]},
+                optimization_config={"target": "cpu", **({} if on else {compare: False})}, out_dir=out)
         progs.append(load(out, rank=0))
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
@@ -96,7 +97,7 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
                              block=5)
     err = max(float(np.max(np.abs(progs[0].run(feeds)[o.name] - r)))
               for o, r in zip(sess.get_outputs(), sess.run(None, feeds)))
-    extra = f"   without prepack {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare_prepack else ""
+    extra = f"   without {compare} {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare else ""
     print(f"{name:<22} shardflow {ours[0]:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours[0] / ref:5.2f}   "
           f"max |diff| {err:.1e}{extra}", flush=True)
 
@@ -201,17 +202,19 @@ def main(argv=None) -> None:
     ap.add_argument("--sized", action="store_true", help="also export GPT-2-small-, BERT-base-, Llama- and ResNet-50-sized models (slow)")
     ap.add_argument("--light", action="store_true", help="also the onnx package's light CNN models")
     ap.add_argument("--only", default="", help="only the models whose name contains this text")
-    ap.add_argument("--compare-prepack", action="store_true",
-                    help="also time each model compiled with optimization_config['prepack'] = False")
+    ap.add_argument("--compare-off", default=None, metavar="KEY",
+                    help="also time each model compiled with optimization_config[KEY] = False")
+    ap.add_argument("--compare-prepack", action="store_true", help="the same as --compare-off prepack")
     ap.add_argument("--int8", action="store_true",
                     help="also time the transformers quantized by onnxruntime's quantize_dynamic")
     args = ap.parse_args(argv)
+    compare = "prepack" if args.compare_prepack else args.compare_off
 
     def bench_text(name, path, feeds, repeat):
-        bench(name, path, feeds, args.threads, repeat, work, args.compare_prepack)
+        bench(name, path, feeds, args.threads, repeat, work, compare)
         if args.int8:
-            bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, args.compare_prepack)
-            bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, args.compare_prepack)
+            bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, compare)
+            bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, compare)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
           f"onnxruntime {__import__('onnxruntime').__version__}")
@@ -226,7 +229,7 @@ def main(argv=None) -> None:
                     dst.write(src.read())
                 bench_text(m, copy, feeds, args.repeat)
                 continue
-            bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, args.compare_prepack)
+            bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, compare)
         if args.light:
             import onnx
 
@@ -240,7 +243,7 @@ def main(argv=None) -> None:
                     shape = [d.dim_value for d in inp.type.tensor_type.shape.dim]
                     n = int(np.prod(shape))  # the onnx backend runner's input: a ramp in [0, 1)
                     feeds = {inp.name: (np.arange(n).reshape(shape) / n).astype(np.float32)}
-                    bench(f[:-5], path, feeds, args.threads, max(5, args.repeat // 5), work, args.compare_prepack)
+                    bench(f[:-5], path, feeds, args.threads, max(5, args.repeat // 5), work, compare)
         if args.sized:
             sys.path.insert(0, MODELS)
             if args.only in "gpt2_small_124M":
@@ -259,13 +262,13 @@ def main(argv=None) -> None:
             if args.only in "resnet50_224":
                 path = os.path.join(work, "resnet50.onnx")
                 feeds = export_resnet50(path)
-                bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, args.compare_prepack)
+                bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, compare)
             for kind in ("mobilenet_v2", "convnext_tiny"):
                 if args.only in f"{kind}_224":
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = export_vision_model(kind, path)
                     bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
-                          args.compare_prepack)
+                          compare)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,7 @@ class BlockedLayout(GraphPass):
                 op.inputs = [read(t, False) for t in op.inputs]
                 nodes.append(op)
                 continue
+            new.outputs[0].name = op.outputs[0].name  # the model's name for it (buffers, profiles)
             new_of[id(op.outputs[0])] = new.outputs[0]
             nodes.append(new)
         graph.nodes = nodes
