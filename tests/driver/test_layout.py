@@ -21,14 +21,15 @@ def _net(rng, path, batch=1):
     """x [batch, 16, 32, 32] -> 1x1 16->64, BatchNormalization, times and plus constants of one value per
     channel, Relu, MaxPool -> 16x16 -> 3x3 64->64 (Winograd), Relu, 1x1
     64->64, + the pool's output, Relu -> r; a 1x1 of stride 2 (64->48) and a 3x3 of stride 2 (64->16) of r,
-    concatenated (64 channels at 8x8), an average pool, a 1x1 to 20 channels (not a multiple of 16) -> y1;
+    concatenated with a max pool of x (plain: a reorder), 80 channels at 8x8, an average pool, a 1x1 to 20
+    channels (not a multiple of 16) -> y1;
     and GlobalAveragePool of r (a reader of the plain layout) -> y2."""
     def w(*shape, scale=0.2):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     inits = [numpy_helper.from_array(a, n) for n, a in [
         ("w1", w(64, 16, 1, 1)), ("b1", w(64)), ("w2", w(64, 64, 3, 3, scale=0.05)), ("w3", w(64, 64, 1, 1)),
-        ("ws", w(48, 64, 1, 1)), ("wc", w(16, 64, 3, 3, scale=0.05)), ("bc", w(16)), ("wo", w(20, 64, 1, 1)),
+        ("ws", w(48, 64, 1, 1)), ("wc", w(16, 64, 3, 3, scale=0.05)), ("bc", w(16)), ("wo", w(20, 80, 1, 1)),
         ("g", 1 + w(64)), ("beta", w(64)), ("mu", w(64)), ("var", 0.5 + np.abs(w(64))), ("k", w(64, 1, 1)),
         ("d", w(1, 64, 1, 1))]]
     n = helper.make_node
@@ -40,7 +41,8 @@ def _net(rng, path, batch=1):
              n("Conv", ["r2", "w3"], ["c3"]), n("Add", ["c3", "p1"], ["a3"]), n("Relu", ["a3"], ["r"]),
              n("Conv", ["r", "ws"], ["s"], strides=[2, 2]),
              n("Conv", ["r", "wc", "bc"], ["cc"], strides=[2, 2], pads=[1, 1, 1, 1]),
-             n("Concat", ["cc", "s"], ["cat"], axis=1),
+             n("MaxPool", ["x"], ["px"], kernel_shape=[4, 4], strides=[4, 4]),
+             n("Concat", ["cc", "s", "px"], ["cat"], axis=1),
              n("AveragePool", ["cat"], ["ap"], kernel_shape=[2, 2]),
              n("Conv", ["ap", "wo"], ["y1"]), n("GlobalAveragePool", ["r"], ["y2"])]
     graph = helper.make_graph(
@@ -65,8 +67,8 @@ def _run(path, out, mesh, x, **options):
 @pytest.mark.parametrize("mesh", [[2]])
 def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
     """The net's tensors between convs are blocked ([N, C/16, H, W, 16] buffers; the pool, the residual
-    add and the concatenation in that layout; the 1x1 of 20 channels writes the plain layout and
-    GlobalAveragePool reads a reorder), and every rank's outputs match onnxruntime's, as do those of the
+    add and the concatenation in that layout, the concatenation's plain part through a reorder; the 1x1
+    of 20 channels writes the plain layout and GlobalAveragePool reads a reorder), and every rank's outputs match onnxruntime's, as do those of the
     program compiled with ``blocked: False`` (no 5-D buffer)."""
     ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(3)
@@ -84,6 +86,11 @@ def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
                 continue
             assert len(five) >= 5 and all(b["shape"][-1] == 16 for b in five)
             assert sum(name.endswith(".unblock") for name in steps) == 1  # r, for GlobalAveragePool
+            # the concatenation reads the plain pool of x (its reorder fused into the concatenation's kernel)
+            bufs = program["buffers"]
+            cat = [s for s in program["steps"] if s["kind"] == "kernel" and s["node"] == "Concat(cat)"]
+            assert len(cat) == 1 and len(bufs[cat[0]["outputs"][0]]["shape"]) == 5
+            assert sorted(len(bufs[i]["shape"]) for i in cat[0]["inputs"]) == [4, 5, 5]
         for y1, y2 in got:
             np.testing.assert_allclose(y1, want[0], rtol=1e-4, atol=1e-4 * float(np.abs(want[0]).max()))
             np.testing.assert_allclose(y2, want[1], rtol=1e-4, atol=1e-4 * float(np.abs(want[1]).max()))
