@@ -357,7 +357,8 @@ def _conv(op, fused=None) -> str | None:
             finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
         else:
             # the generic epilogue indexes the plain layout: a blocked output's group is not fused
-            epi = None if blocked[1] else _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else f"{bias}[c_]")
+            epi = None if blocked[1] else _conv_epilogue(fused, oc, OH, OW,
+                                                         None if bias == "nullptr" else f"{bias}[c_]")
             if epi is None:
                 return None
             bias = "nullptr"

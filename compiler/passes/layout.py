@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 def _conv_ok(op: Operator) -> bool:
     """Whether ``op`` is a conv the blocked kernels run: a float32 2-D Conv of one group with a constant
     weight, or a 2-D PackedConv, at a row stride of 1 or 2; or a WinogradConv."""
-    if op.op_type not in ("Conv", "PackedConv", "WinogradConv") or len(op.outputs) != 1 or int(op.attrs.get("group", 1)) != 1:
+    if op.op_type not in ("Conv", "PackedConv", "WinogradConv") or len(op.outputs) != 1 \
+            or int(op.attrs.get("group", 1)) != 1:
         return False
     x, w = op.inputs[0], op.inputs[1]
     if x.ndim != 4 or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape:
@@ -155,13 +156,13 @@ class BlockedLayout(GraphPass):
             if len(op.outputs) != 1 or not _shape_ok(op.outputs[0], outputs):
                 continue
             out = op.outputs[0]
-            # a plain Conv of a plain image writes the layout only when the image has no more channels than
-            # the output: the blocked kernel blocks the image first, and the conv template, reading it where
-            # it lies, beat that for 1x1 256->64 at 56x56 (0.49 against 0.65 ms; blocked in and out: 0.34)
             # a concatenation takes its plain parts through a reorder when one part is blocked (DenseNet's
             # first block: the stem's pool beside the layers' convs)
             concat = op.op_type == "Concat" and _follower(op) and any(id(t) in can for t in op.inputs) \
                 and all(id(t) in can or _shape_ok(t, set()) for t in op.inputs)
+            # a plain Conv of a plain image writes the layout only when the image has no more channels than
+            # the output: the blocked kernel blocks the image first, and the conv template, reading it where
+            # it lies, beat that for 1x1 256->64 at 56x56 (0.49 against 0.65 ms; blocked in and out: 0.34)
             if (id(op) in convs and (op.op_type != "Conv" or id(op.inputs[0]) in can
                                      or op.inputs[0].shape[1] <= out.shape[1])) \
                     or (_follower(op) and all(id(t) in can and _aligned(op, t, out) for t in _activations(op))) \
@@ -248,7 +249,7 @@ class BlockedLayout(GraphPass):
                                  dilations=tuple(attrs.get("dilations") or (1, 1)) + (1,),
                                  pads=(pads[0], pads[1], 0, pads[2], pads[3], 0))
                     new = Pool(inputs, name=op.name, **attrs)
-                elif op.op_type != "BatchNorm":
+                else:
                     new = type(op)(inputs, name=op.name, **op.attrs)
             else:
                 op.inputs = [read(t, False) for t in op.inputs]

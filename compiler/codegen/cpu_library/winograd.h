@@ -79,38 +79,38 @@ __attribute__((always_inline)) static inline void sf_wino_in_body(const float* _
   for (int64_t cc = c0; cc < c1; cc += step)
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = cc; c < std::min(c1, cc + step); c += 8) {
-      const int nl = (int)std::min<int64_t>(8, c1 - c);
-      const float* src = xp + c * plane + (t / TW) * M * Wp + (t % TW) * M;
-      SfV8 d[A][A], r[A][A], col[A], rc[A];
-      if (blk) {
-        const float* b = xp + (c / 16) * plane * 16 + ((t / TW) * M * Wp + (t % TW) * M) * 16 + c % 16;
-        for (int i = 0; i < A; ++i)
-          for (int j = 0; j < A; ++j) std::memcpy(&d[i][j], b + (i * Wp + j) * 16, sizeof(SfV8));
-      }
-      for (int i = 0; i < A && !blk; ++i) {
-        SfV8 rows[8];
-        for (int l = 0; l < 8; ++l) {
-          if (l < nl) std::memcpy(&rows[l], src + l * plane + i * Wp, sizeof(SfV8));
-          else rows[l] = SfV8{};
+        const int nl = (int)std::min<int64_t>(8, c1 - c);
+        const float* src = xp + c * plane + (t / TW) * M * Wp + (t % TW) * M;
+        SfV8 d[A][A], r[A][A], col[A], rc[A];
+        if (blk) {
+          const float* b = xp + (c / 16) * plane * 16 + ((t / TW) * M * Wp + (t % TW) * M) * 16 + c % 16;
+          for (int i = 0; i < A; ++i)
+            for (int j = 0; j < A; ++j) std::memcpy(&d[i][j], b + (i * Wp + j) * 16, sizeof(SfV8));
         }
-        sf_tr8(rows);
-        for (int j = 0; j < A; ++j) d[i][j] = rows[j];
-      }
-      for (int j = 0; j < A; ++j) {  // columns: r[.][j] = B^T d[.][j]
-        for (int i = 0; i < A; ++i) col[i] = d[i][j];
-        SfWino<M>::in(col, rc);
-        for (int i = 0; i < A; ++i) r[i][j] = rc[i];
-      }
-      float* dst = V + (t - t0) * C + c;
-      for (int i = 0; i < A; ++i) {  // rows: (r B)[i] = B^T r[i]^T
-        SfWino<M>::in(r[i], rc);
-        for (int j = 0; j < A; ++j) {
-          float* o = dst + (i * A + j) * xs;
-          if (nl == 8) std::memcpy(o, &rc[j], sizeof(SfV8));
-          else for (int l = 0; l < nl; ++l) o[l] = rc[j][l];
+        for (int i = 0; i < A && !blk; ++i) {
+          SfV8 rows[8];
+          for (int l = 0; l < 8; ++l) {
+            if (l < nl) std::memcpy(&rows[l], src + l * plane + i * Wp, sizeof(SfV8));
+            else rows[l] = SfV8{};
+          }
+          sf_tr8(rows);
+          for (int j = 0; j < A; ++j) d[i][j] = rows[j];
+        }
+        for (int j = 0; j < A; ++j) {  // columns: r[.][j] = B^T d[.][j]
+          for (int i = 0; i < A; ++i) col[i] = d[i][j];
+          SfWino<M>::in(col, rc);
+          for (int i = 0; i < A; ++i) r[i][j] = rc[i];
+        }
+        float* dst = V + (t - t0) * C + c;
+        for (int i = 0; i < A; ++i) {  // rows: (r B)[i] = B^T r[i]^T
+          SfWino<M>::in(r[i], rc);
+          for (int j = 0; j < A; ++j) {
+            float* o = dst + (i * A + j) * xs;
+            if (nl == 8) std::memcpy(o, &rc[j], sizeof(SfV8));
+            else for (int l = 0; l < nl; ++l) o[l] = rc[j][l];
+          }
         }
       }
-    }
 }
 
 // The output tiles [t0, t1) for the channels [o0, o1) from Mt[xi][t - t0][oc] (row stride OC), + bias,
@@ -129,46 +129,46 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
   for (int64_t oo = o0; oo < o1; oo += step)
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t oc = oo; oc < std::min(o1, oo + step); oc += 8) {
-      const int nl = (int)std::min<int64_t>(8, o1 - oc);
-      SfV8 b = {};
-      if (bias) for (int l = 0; l < nl; ++l) b[l] = bias[oc + l];
-      const float* src = Mt + (t - t0) * OC + oc;
-      SfV8 s[A][A], r[M][A], col[A], rc[M];
-      for (int i = 0; i < A; ++i)
+        const int nl = (int)std::min<int64_t>(8, o1 - oc);
+        SfV8 b = {};
+        if (bias) for (int l = 0; l < nl; ++l) b[l] = bias[oc + l];
+        const float* src = Mt + (t - t0) * OC + oc;
+        SfV8 s[A][A], r[M][A], col[A], rc[M];
+        for (int i = 0; i < A; ++i)
+          for (int j = 0; j < A; ++j) {
+            if (nl == 8) std::memcpy(&s[i][j], src + (i * A + j) * xs, sizeof(SfV8));
+            else { SfV8 v = {}; for (int l = 0; l < nl; ++l) v[l] = src[(i * A + j) * xs + l]; s[i][j] = v; }
+          }
         for (int j = 0; j < A; ++j) {
-          if (nl == 8) std::memcpy(&s[i][j], src + (i * A + j) * xs, sizeof(SfV8));
-          else { SfV8 v = {}; for (int l = 0; l < nl; ++l) v[l] = src[(i * A + j) * xs + l]; s[i][j] = v; }
+          for (int i = 0; i < A; ++i) col[i] = s[i][j];
+          SfWino<M>::out(col, rc);
+          for (int i = 0; i < M; ++i) r[i][j] = rc[i];
         }
-      for (int j = 0; j < A; ++j) {
-        for (int i = 0; i < A; ++i) col[i] = s[i][j];
-        SfWino<M>::out(col, rc);
-        for (int i = 0; i < M; ++i) r[i][j] = rc[i];
-      }
-      const int64_t oh0 = (t / TW) * M, ow0 = (t % TW) * M;
-      const int mh = (int)std::min<int64_t>(M, OH - oh0), mw = (int)std::min<int64_t>(M, OW - ow0);
-      const int64_t at = oc * P + oh0 * OW + ow0;
-      const int64_t bat = (oc / 16) * P * 16 + (oh0 * OW + ow0) * 16 + oc % 16;  // blk: pixel (oh0, ow0)
-      for (int i = 0; i < mh; ++i) {
-        SfWino<M>::out(r[i], rc);
-        for (int j = 0; j < mw; ++j) {
-          SfV8 v = rc[j] + b;
-          if (blk) {
-            SfV8 rv = {};
-            if (res) std::memcpy(&rv, res + bat + (i * OW + j) * 16, sizeof(SfV8));
-            v += rv;
-          } else if (res) {
-            for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
+        const int64_t oh0 = (t / TW) * M, ow0 = (t % TW) * M;
+        const int mh = (int)std::min<int64_t>(M, OH - oh0), mw = (int)std::min<int64_t>(M, OW - ow0);
+        const int64_t at = oc * P + oh0 * OW + ow0;
+        const int64_t bat = (oc / 16) * P * 16 + (oh0 * OW + ow0) * 16 + oc % 16;  // blk: pixel (oh0, ow0)
+        for (int i = 0; i < mh; ++i) {
+          SfWino<M>::out(r[i], rc);
+          for (int j = 0; j < mw; ++j) {
+            SfV8 v = rc[j] + b;
+            if (res && blk) {
+              SfV8 rv;
+              std::memcpy(&rv, res + bat + (i * OW + j) * 16, sizeof(SfV8));
+              v += rv;
+            } else if (res) {
+              for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
+            }
+            if (clamp.on) {  // a NaN stays NaN (the comparisons are false)
+              const SfV8 lo = clamp.lo - SfV8{}, hi = clamp.hi - SfV8{};
+              v = v < lo ? lo : v;
+              v = hi < v ? hi : v;
+            }
+            if (blk) std::memcpy(y + bat + (i * OW + j) * 16, &v, sizeof(SfV8));
+            else for (int l = 0; l < nl; ++l) y[at + l * P + i * OW + j] = v[l];
           }
-          if (clamp.on) {  // a NaN stays NaN (the comparisons are false)
-            const SfV8 lo = clamp.lo - SfV8{}, hi = clamp.hi - SfV8{};
-            v = v < lo ? lo : v;
-            v = hi < v ? hi : v;
-          }
-          if (blk) std::memcpy(y + bat + (i * OW + j) * 16, &v, sizeof(SfV8));
-          else for (int l = 0; l < nl; ++l) y[at + l * P + i * OW + j] = v[l];
         }
       }
-    }
 }
 
 template <int M>
