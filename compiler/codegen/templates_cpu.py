@@ -685,6 +685,13 @@ def accepts_group(group) -> bool:
     return not any(template_kind(m) for m in group.members) or template_kind(group) == "Fused"
 
 
+def _tap_span(o: int, k: int, s: int, d: int, p: int, n: int) -> tuple[int, int]:
+    """The taps ``[lo, hi)`` of window ``o`` whose positions ``o*s + kk*d - p`` lie in ``[0, n)`` (``(0, 0)``
+    when none does)."""
+    v = [kk for kk in range(k) if 0 <= o * s + kk * d - p < n]
+    return (v[0], v[-1] + 1) if v else (0, 0)
+
+
 def _pool(op) -> str | None:
     """MaxPool / AveragePool over 1 or 2 spatial dims (no indices output). Each output element
     reduces its window in a register; the windows that lie inside the input (ranges computed here)
@@ -714,19 +721,8 @@ def _pool(op) -> str | None:
     if KH * KW > 1024:
         return None
 
-    def taps(o, k, s, d, p, n):  # taps kk of window o whose position o*s + kk*d - p lies in [0, n)
-        return [kk for kk in range(k) if 0 <= o * s + kk * d - p < n]
-
-    kh_lo, kh_hi = [], []
-    for oh in range(OH):
-        v = taps(oh, KH, SH, DH, PT, H)
-        kh_lo.append(v[0] if v else 0)
-        kh_hi.append(v[-1] + 1 if v else 0)
-    kw_lo, kw_hi = [], []
-    for ow in range(OW):
-        v = taps(ow, KW, SW, DW, PL, W)
-        kw_lo.append(v[0] if v else 0)
-        kw_hi.append(v[-1] + 1 if v else 0)
+    kh_lo, kh_hi = map(list, zip(*(_tap_span(oh, KH, SH, DH, PT, H) for oh in range(OH))))
+    kw_lo, kw_hi = map(list, zip(*(_tap_span(ow, KW, SW, DW, PL, W) for ow in range(OW))))
     full_w = [ow for ow in range(OW) if kw_lo[ow] == 0 and kw_hi[ow] == KW]
     # interior columns: one run [ow_a, ow_b) of windows with every tap inside (empty when none)
     ow_a, ow_b = (full_w[0], full_w[-1] + 1) if full_w else (0, 0)
@@ -842,11 +838,8 @@ def _pool_blocked(op) -> str | None:
     planes = x[0] * x[1]
     is_max = op.attrs["kind"] == "max"
 
-    def span(o, k, s, d, p, n):  # the taps [lo, hi) of window o whose position o*s + kk*d - p lies in [0, n)
-        v = [kk for kk in range(k) if 0 <= o * s + kk * d - p < n]
-        return (v[0], v[-1] + 1) if v else (0, 0)
-    hs = [span(o, KH, SH, DH, PT, H) for o in range(OH)]
-    ws = [span(o, KW, SW, DW, PL, W) for o in range(OW)]
+    hs = [_tap_span(o, KH, SH, DH, PT, H) for o in range(OH)]
+    ws = [_tap_span(o, KW, SW, DW, PL, W) for o in range(OW)]
     lines = _args(op)
     lines.append(f"  // {'max' if is_max else 'average'} pool {KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pads "
                  f"{[PT, PL, PB, PR]} of {planes} blocked planes [{H}, {W}, 16] -> [{OH}, {OW}, 16]")
