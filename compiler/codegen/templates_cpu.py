@@ -356,9 +356,8 @@ def _conv(op, fused=None) -> str | None:
             res, clamp = simple
             finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
         else:
-            # the generic epilogue indexes the plain layout: a blocked output's group is not fused
-            epi = None if blocked[1] else _conv_epilogue(fused, oc, OH, OW,
-                                                         None if bias == "nullptr" else f"{bias}[c_]")
+            epi = _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else
+                                 f"{bias}[c_ * 16 + l_]" if blocked[1] else f"{bias}[c_]")
             if epi is None:
                 return None
             bias = "nullptr"
@@ -558,7 +557,9 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
     conv's value (+ ``bias``), then each later member of ``fused`` as ``v_ = f(v_, other inputs)``.
     ``None`` unless every later member is element-wise in the previous one's output (read only at
     its own index) and reads the group's inputs only at output indices or constants, with nothing
-    that needs lowering (no reductions)."""
+    that needs lowering (no reductions). A 5-D output is the blocked layout ``[N, C/16, H, W, 16]``
+    (passes/layout.py): its axes are ``n_, c_`` (the block), ``h_, w_, l_`` (the lane), ``bias`` indexed
+    so, and the epilogue's channel range may end inside a block."""
     from ..ir.expr import Const, Reduce, TensorElement
     from ..ir.task import GridCompute
     from .cpp import _Printer
@@ -567,7 +568,7 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
     members = list(fused.members)
     shape = tuple(members[0].outputs[0].shape)
     index = {id(t): k for k, t in enumerate(fused.inputs)}
-    names = ("n_", "c_", "h_", "w_") if len(shape) == 4 else ("n_", "c_", "w_")
+    names = {4: ("n_", "c_", "h_", "w_"), 5: ("n_", "c_", "h_", "w_", "l_")}.get(len(shape), ("n_", "c_", "w_"))
     v = Local("v_", "float32")
     printer = _Printer(None)
     stmts: list[str] = []
@@ -636,6 +637,20 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
              "  const void* const* inputs = static_cast<const SfEpiCtx*>(p)->in;",
              "  void* const* outputs = static_cast<const SfEpiCtx*>(p)->out;"]
     lines += _args(fused)
+    if len(shape) == 5:  # blocked: the lanes of a pixel innermost (a channel range may end inside a block)
+        lines += [f"  const int64_t h0 = j0 / {OW}, h1 = (j1 - 1) / {OW};",
+                  "  for (int64_t c_ = c0 / 16; c_ < (c1 + 15) / 16; ++c_) {",
+                  "    const int64_t la = std::max<int64_t>(c0 - 16 * c_, 0), lb = std::min<int64_t>(c1 - 16 * c_, 16);",
+                  f"    float* __restrict__ yb = out0 + (n_ * {oc // 16} + c_) * {P * 16};",
+                  "    for (int64_t h_ = h0; h_ <= h1; ++h_) {",
+                  f"      const int64_t wa = h_ == h0 ? j0 - h0 * {OW} : 0, wb = h_ == h1 ? j1 - h1 * {OW} : {OW};",
+                  "      for (int64_t w_ = wa; w_ < wb; ++w_) {",
+                  f"        float* __restrict__ yr = yb + (h_ * {OW} + w_) * 16;",
+                  "        for (int64_t l_ = la; l_ < lb; ++l_) {",
+                  f"          float v_ = yr[l_] + {bias or '0.0f'};"]
+        lines += ["          " + st for st in stmts]
+        lines += ["          yr[l_] = v_;", "        }", "      }", "    }", "  }", "}", FILE_SCOPE_END]
+        return lines
     if flat is not None:  # one loop over the tile's pixels of a channel (rows of OW would be short)
         lines += ["  for (int64_t c_ = c0; c_ < c1; ++c_) {",
                   f"    const float b_ = {bias or '0.0f'};",

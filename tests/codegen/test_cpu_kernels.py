@@ -1111,10 +1111,10 @@ def test_conv_epilogue_fusion(tmp_path):
                                              pads=(1, 1, 1, 1), strides=(2, 2), blocked_out=True),
               lambda y: Clip([y], lo=0.0, hi=6.0)),
     ]
-    unfused_blocked = [  # a blocked output's other element-wise ops: not fused (the epilogue indexes plain layouts)
-        group("blocked-scale", PackedConv([inp(1, 1, 7, 5, 16), inp(1, 16, PANEL)], oc=16, kernel=(1, 1),
+    epi_blocked = [  # a blocked output's other element-wise ops: the epilogue over the lanes of each pixel
+        group("blocked-scale", PackedConv([inp(1, 2, 7, 5, 16), inp(2, 32, PANEL), inp(32)], oc=32, kernel=(1, 1),
                                           blocked_in=True, blocked_out=True),
-              lambda y: Binary([y, inp(1, 1, 1, 1, 16)], fn="mul")),
+              lambda y: Binary([y, inp(1, 2, 1, 1, 16)], fn="mul"), lambda y: Activation([y], kind="sigmoid")),
     ]
 
     def wino(c, oc, m):  # the transform of random 3x3 weights
@@ -1122,6 +1122,11 @@ def test_conv_epilogue_fusion(tmp_path):
         arrays[id(t)] = winograd_weights(rng.standard_normal((oc, c, 3, 3)).astype(np.float32), m)
         return t
 
+    # threads sharing each step of one chunk: the epilogue's channel ranges of 8 end inside blocks of 16
+    epi_blocked.append(group("blocked-winograd-silu", WinogradConv([inp(1, 2, 7, 7, 16), wino(32, 32, 2), inp(32)],
+                                                                  oc=32, m=2, pads=(1, 1, 1, 1), blocked_in=True,
+                                                                  blocked_out=True),
+                             lambda y: Activation([y], kind="sigmoid"), lambda y: Binary([y, y], fn="mul")))
     finish_wino = [  # WinogradConv: the output transform adds the residual, then the Relu
         group("winograd-residual", WinogradConv([inp(2, 16, 9, 11), wino(16, 40, 4), inp(40)], oc=40, m=4,
                                                 pads=(1, 1, 1, 1)),
@@ -1215,21 +1220,19 @@ def test_conv_epilogue_fusion(tmp_path):
                            lambda y: Binary([y, inp(1, 2, 300, 18)], fn="add"),
                            lambda y: Binary([y, inp(2, 1, 1)], fn="mul")))
     finish += finish_packed + finish_wino + finish_blocked
-    for g in unfused_blocked:
-        assert template_kind(g) is None and not accepts_group(g)
     for g in finish:  # a NaN in the residual (or the input) stays NaN through the clamp, as in numpy
         arrays[id(g.inputs[-1 if len(g.inputs) > 3 else 0])].flat[5] = np.nan
-    for g in finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized:
-        assert template_kind(g) == "Fused", g.name
+    for g in finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + epi_blocked:
+        assert template_kind(g) == "Fused" and accepts_group(g), g.name
     assert template_kind(other) is None
     for g in finish_dw:
         arrays[id(g.inputs[0])].flat[7] = np.nan  # the clamp keeps a NaN
-    ops = finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + [other]
+    ops = finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + epi_blocked + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino + finish_blocked)
-    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked)
+    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked) + 1
     assert src.text.count("SF_BLK_IN | SF_BLK_OUT, nullptr, nullptr, in3, SfClamp{true, 0.0f, ") == 1
-    assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 1
+    assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 2
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
     assert src.text.count("sf_conv_depthwise(in") == len(finish_dw + depthwise)
     inf = "std::numeric_limits<float>::infinity()"
@@ -1237,12 +1240,12 @@ def test_conv_epilogue_fusion(tmp_path):
                           f"SfClamp{{true, 0.0f, {inf}}});") == 1
     assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 4 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
     assert src.text.count(f"SfClamp{{true, (-{inf}), 0.5f}}") == 1
-    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise)
+    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise + epi_blocked)
     assert src.text.count("the tiles are finished as they are stored") == len(finish + finish_dw)
     assert src.text.count("epi_(&ctx_, pl") == len(resized)
     # the epilogues are functions of the file, compiled for each instruction set where the kernel is large
     epis = re.findall(r"(SF_CLONES )?static void sf_fused_\w+_epi\(", src.text)
-    assert len(epis) == len(cases + packed + winograd + transposed + depthwise + resized) and any(epis)
+    assert len(epis) == len(cases + packed + winograd + transposed + depthwise + resized + epi_blocked) and any(epis)
     syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
@@ -1251,7 +1254,7 @@ def test_conv_epilogue_fusion(tmp_path):
         got = run_kernel(lib, syms[g.name], g, ins)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(want))), err_msg=g.name)
     forced = [(syms[g.name], [arrays[id(t)] for t in g.inputs], g.run(*[arrays[id(t)] for t in g.inputs]))
-              for g in finish + cases + finish_dw + depthwise]
+              for g in finish + cases + finish_dw + depthwise + epi_blocked]
     for isa in ("avx2", "generic"):
         assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
 

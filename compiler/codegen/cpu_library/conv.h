@@ -1099,17 +1099,17 @@ static void sf_pad_blocked(const float* __restrict__ src, int64_t H, int64_t W, 
 // of 32 output channels, run of output rows; a 1x1, stride-1, unpadded conv's image is one row of P pixels,
 // cut in runs of 56); each row is cut in tiles of at most SF_PDK_MR pixels (AVX2: SF_PDK_MR2), every tile
 // reading the block's panels (K x 32 floats, kept in L2 by the task) and its pixels from the blocked image.
-// epi (optional) finishes each task's channels and pixels in place. With blk (SF_BLK_IN, SF_BLK_OUT; no
-// epi), every conv of row stride 1 or 2 takes this path with either ISA: a blocked image is read where it
-// lies (a conv without padding) or copied into its padded form (sf_pad_blocked), a blocked output stored
-// as the kernels hold it.
+// epi (optional) finishes each task's channels and pixels in place (in the output's layout). With blk
+// (SF_BLK_IN, SF_BLK_OUT), every conv of row stride 1 or 2 takes this path with either ISA: a blocked image
+// is read where it lies (a conv without padding) or copied into its padded form (sf_pad_blocked), a
+// blocked output stored as the kernels hold it.
 static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float* bias, float* y,
                                     const SfConvGeom& g, int64_t nimg, int64_t OC, bool direct, unsigned blk,
                                     SfConvEpi epi, const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
   const int64_t vl = sf_cukr().vl;
   if (blk) {
-    if ((vl != 16 && vl != 8) || (g.SW != 1 && g.SW != 2) || epi) return false;
+    if ((vl != 16 && vl != 8) || (g.SW != 1 && g.SW != 2)) return false;
   } else {
     // the ISA picked once (AVX-512, unless SHARDFLOW_CPU_ISA says otherwise); with AVX2, windows at horizontal
     // stride 2 only: measured with AVX2 forced on an AVX-512 Xeon (rfcs/0002), 3x3 stride-2 convs took 0.77-0.94x
@@ -1221,7 +1221,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
 }
 
 // epi, res and clamp as in sf_conv2d (the transposition adds the bias, res and the clamp: the GEMM's own bias
-// step is a pass of its own over yt); blk as in sf_conv2d_packed_direct (without epi)
+// step is a pass of its own over yt); blk as in sf_conv2d_packed_direct
 static void sf_conv2d_packed(const float* x, const float* wp, const float* bias, float* y, const SfConvGeom& g,
                              int64_t nimg, int64_t OC, bool direct, unsigned blk = 0, SfConvEpi epi = nullptr,
                              const void* ctx = nullptr, const float* res = nullptr, SfClamp clamp = {}) {
@@ -1244,13 +1244,15 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
       return;
     }
     float* t = static_cast<float*>(sf_workspace(7, sizeof(float) * nimg * OC * P));
-    sf_conv2d_packed(xn, wp, bias, t, g, nimg, OC, direct);
-    for (int64_t n = 0; n < nimg; ++n)
+    sf_conv2d_packed(xn, wp, epi ? nullptr : bias, t, g, nimg, OC, direct);
+    for (int64_t n = 0; n < nimg; ++n) {
       for (int64_t c = 0; c < OC; ++c)
         for (int64_t p = 0; p < P; ++p) {
           const int64_t at = (n * OC + c / 16 * 16) * P + p * 16 + c % 16;
           y[at] = sf_clamp(t[(n * OC + c) * P + p] + (res ? res[at] : 0.0f), clamp);
         }
+      if (epi) epi(ctx, n, 0, OC, 0, P);
+    }
     return;
   }
   const bool par = sf_max_threads() > 1 && (double)P * OC * K >= SF_CONV_PAR_WORK;

@@ -201,7 +201,8 @@ static void sf_wino_out_avx2(const float* Mt, int64_t OC, int64_t TW, int64_t OH
 // y[n] = conv3x3(x[n], w) + bias for n < nimg (x: [nimg, C, H, W], y: [nimg, OC, OH, OW], stride 1, pads
 // g.PT/g.PL at the start), from U = [A*A][ceil(OC / SF_PANEL)][C][SF_PANEL] (the weights' transform, its
 // [C][OC] matrix per position in GEMM panels); epi, res and clamp as in sf_conv2d (res and clamp applied by
-// the output transform); blk (SF_BLK_IN, SF_BLK_OUT; without epi): x, or y and res, blocked by 16 channels
+// the output transform); blk (SF_BLK_IN, SF_BLK_OUT): x, or y and res (and what epi finishes), blocked by 16
+// channels
 template <int M>
 static void sf_conv2d_winograd(const float* x, const float* U, const float* bias, float* y, const SfConvGeom& g,
                                int64_t nimg, int64_t OC, unsigned blk = 0, SfConvEpi epi = nullptr,
