@@ -111,17 +111,17 @@ def _blocked_value(value: np.ndarray, name: str) -> Tensor:
     return const_tensor(block_channels(np.ascontiguousarray(value).reshape(1, -1, 1, 1)), name)
 
 
-def _batch_norm(op: Operator, x: Tensor) -> list[Operator]:
-    """A float32 BatchNorm of the blocked ``x`` as the element-wise ops it computes, its parameters blocked:
-    ``(x - mean) * (scale / sqrt(var + epsilon)) + bias``, the factor computed here in float32 as its
-    kernel computes it once per channel."""
+def _batch_norm(op: Operator, x: Tensor, blocked_const) -> list[Operator]:
+    """A float32 BatchNorm of the blocked ``x`` as the element-wise ops it computes, its parameters blocked
+    (``blocked_const``: one blocked copy per constant): ``(x - mean) * (scale / sqrt(var + epsilon)) +
+    bias``, the factor computed here in float32 as its kernel computes it once per channel."""
     from ..ops.elementwise import Binary
 
-    scale, bias, mean, var = (np.asarray(t.value, np.float32) for t in op.inputs[1:])
-    factor = scale / np.sqrt(var + np.float32(op.attrs["epsilon"]))
-    sub = Binary([x, _blocked_value(mean, f"{op.inputs[3].name}.blocked")], name=f"{op.name}.sub", fn="sub")
-    mul = Binary([sub.outputs[0], _blocked_value(factor, f"{op.name}.factor")], name=f"{op.name}.mul", fn="mul")
-    add = Binary([mul.outputs[0], _blocked_value(bias, f"{op.inputs[2].name}.blocked")], name=op.name, fn="add")
+    scale, var = (np.asarray(t.value, np.float32) for t in (op.inputs[1], op.inputs[4]))
+    factor = _blocked_value(scale / np.sqrt(var + np.float32(op.attrs["epsilon"])), f"{op.name}.factor")
+    sub = Binary([x, blocked_const(op.inputs[3])], name=f"{op.name}.sub", fn="sub")
+    mul = Binary([sub.outputs[0], factor], name=f"{op.name}.mul", fn="mul")
+    add = Binary([mul.outputs[0], blocked_const(op.inputs[2])], name=op.name, fn="add")
     return [sub, mul, add]
 
 
@@ -194,8 +194,6 @@ class BlockedLayout(GraphPass):
             return channel_consts[id(t)]
 
         def read(t: Tensor, native: bool) -> Tensor:
-            if native and id(t) not in blocked and t.ndim == 4 and t.shape[1] % 16 == 0 and not t.is_constant:
-                return to_blocked(t)  # a plain part of a blocked concatenation
             if id(t) not in blocked or native:
                 return new_of.get(id(t), t)
             if id(t) not in plain_of:
@@ -234,14 +232,16 @@ class BlockedLayout(GraphPass):
                 inputs = [read(x, id(x) in blocked), w] + [read(t, False) for t in op.inputs[2:]]
                 new = (PackedConv if op.op_type == "Conv" else type(op))(inputs, name=op.name, **attrs)
                 n_conv += 1
+            elif out_b and op.op_type == "BatchNorm":
+                *steps, new = _batch_norm(op, read(op.inputs[0], True), blocked_const)
+                nodes.extend(steps)
             elif out_b:
+                # activations blocked (a concatenation's plain parts through a reorder), single values as
+                # they are, constants of one value per channel blocked
                 acts = {id(t) for t in _activations(op)}
-                inputs = [read(t, True) if id(t) in acts else t if math.prod(t.shape) == 1 else blocked_const(t)
-                          for t in op.inputs]
-                if op.op_type == "BatchNorm":
-                    *steps, new = _batch_norm(op, inputs[0])
-                    nodes.extend(steps)
-                elif op.op_type == "Pool":
+                inputs = [(read(t, True) if id(t) in blocked else to_blocked(t)) if id(t) in acts
+                          else t if math.prod(t.shape) == 1 else blocked_const(t) for t in op.inputs]
+                if op.op_type == "Pool":
                     attrs = dict(op.attrs)
                     pads = tuple(attrs.get("pads") or (0,) * 4)
                     attrs.update(kernel=tuple(attrs["kernel"]) + (1,),
