@@ -20,9 +20,8 @@ from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "BLOCK", "block_channels", "unblock_channels", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
-           "Resize", "conv_output_size",
-           "pool_output_size"]
+__all__ = ["Conv", "PackedConv", "BLOCK", "block_channels", "unblock_channels", "WinogradConv", "winograd_weights",
+           "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size", "pool_output_size"]
 
 
 def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int) -> int:
