@@ -40,6 +40,9 @@ key               meaning                                                       
                   16]``, the layout the conv kernels compute in, instead of blocking each
                   conv's image and transposing its output on every call (passes/layout.py);
                   pools, element-wise ops and channel concatenations between them follow
+``fold_affine``   a conv's following BatchNormalization and element-wise Mul/Div/Add/Sub by    ``True``
+                  per-channel constants folded into its weight and bias at compile time, for
+                  every target (passes/fold.py); values change by rounding only
 ``search_space``  kernel tuning level 0, 1 or 2: 0/1 the default tile choice; 2 (cuda) times   ``1``
                   the wgmma GEMM tiles on this machine's GPU if one is visible (codegen/tune.py)
 ``comm_backend``  ``"auto"``, ``"mpi"``, ``"nccl"`` (cuda only) or ``"tcp"``                  ``"auto"``
@@ -97,6 +100,7 @@ class OptimizationConfig:
     int8_qdq: bool = True
     precompute: bool = True
     blocked: bool = True
+    fold_affine: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -156,7 +160,7 @@ class OptimizationConfig:
             raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
                               "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
                               "'float32' or 'float16'")
-        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute", "blocked"):
+        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute", "blocked", "fold_affine"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if "search_space" in cfg:
@@ -796,6 +800,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq)
+    if opt.fold_affine:
+        # BatchNorms and per-channel scales and shifts after convs become the convs' weights (passes/fold.py)
+        from .passes.fold import FoldAffineIntoConv
+
+        graph = FoldAffineIntoConv().run(graph.clone() if isinstance(model, FlowGraph) else graph)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
 
@@ -859,7 +868,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
 
                 rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
-                                    gemm=opt.prepack, windows=opt.prepack).run(rg)
+                                    gemm=opt.prepack, windows=opt.prepack, blocked=opt.blocked).run(rg)
             if opt.target == "cpu" and opt.blocked:
                 # the tensors between convs blocked by 16 channels, as the conv kernels compute (passes/layout.py)
                 from .passes.layout import BlockedLayout

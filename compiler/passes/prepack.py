@@ -153,23 +153,37 @@ def _packed_conv(op: Operator, max_pixels: int, windows: bool = False) -> Tensor
 WINOGRAD_MIN_CHANNELS = 64
 
 
-def winograd_tile(c: int, oc: int, oh: int, ow: int, images: int = 1) -> int:
+#: With the blocked layout between convs, Winograd's ``F(m x m)`` also needs this much work, tiles (over all
+#: images) x input channels x output channels: the direct conv on blocked tensors runs at 300-390 GFLOP/s
+#: on 2 AVX-512 cores, and Winograd's transforms and GEMMs of few rows only beat it on more work
+#: (``benchmarks/cpu_winograd.py``, the 3x3 between blocked 1x1s, Winograd / direct time: 64->64 at 28x28
+#: F(4x4) 1.25, 64->96 0.77, 64->64 at 56x56 0.79; at 14x14 F(2x2) 64->64 2.06, 128->128 1.23, 128->192
+#: 1.00, 192->192 0.97, 192->256 0.84, 256->256 0.83, 512->512 0.68; rfcs/0002, "Winograd against the
+#: blocked direct conv").
+WINOGRAD_MIN_WORK = {4: 250_000, 2: 2_000_000}
+
+
+def winograd_tile(c: int, oc: int, oh: int, ow: int, images: int = 1, blocked: bool = False) -> int:
     """The output tile ``m`` of the Winograd ``F(m x m, 3 x 3)`` that a 3x3 stride-1 conv of ``c -> oc``
     channels with ``images`` images of ``oh x ow`` output pixels gets; 0 keeps the direct conv.
 
     Each transformed weight is used once per tile (its GEMM's rows), and F(4x4)'s weights are 4x the
     3x3 ones (36 / 9; F(2x2)'s 16 / 9): F(4x4) where there are at least 40 of its tiles, else F(2x2)
-    where there are at least 16 of its tiles, else none (rfcs/0002, "Winograd")."""
+    where there are at least 16 of its tiles, else none (rfcs/0002, "Winograd"); with ``blocked`` (the
+    direct conv would run on the blocked layout, ``optimization_config["blocked"]``) each also needs
+    :data:`WINOGRAD_MIN_WORK`."""
     if min(c, oc) < WINOGRAD_MIN_CHANNELS:
         return 0
     for m, least in ((4, 40), (2, 16)):
-        if images * -(-oh // m) * -(-ow // m) >= least:
+        tiles = images * -(-oh // m) * -(-ow // m)
+        if tiles >= least and (not blocked or tiles * c * oc >= WINOGRAD_MIN_WORK[m]):
             return m
     return 0
 
 
-def _winograd(op: Operator) -> tuple[Tensor, int] | None:
-    """The constant weight and tile size of a Conv this pass turns into a WinogradConv, or ``None``."""
+def _winograd(op: Operator, blocked: bool) -> tuple[Tensor, int] | None:
+    """The constant weight and tile size of a Conv this pass turns into a WinogradConv (``blocked``: as
+    :func:`winograd_tile`), or ``None``."""
     w = _conv_weight(op)
     if w is None:
         return None
@@ -177,7 +191,7 @@ def _winograd(op: Operator) -> tuple[Tensor, int] | None:
     if x.ndim != 4 or tuple(w.shape[2:]) != (3, 3) \
             or any(v != 1 for v in tuple(op.attrs.get("strides") or ()) + tuple(op.attrs.get("dilations") or ())):
         return None
-    m = winograd_tile(int(x.shape[1]), int(w.shape[0]), int(y.shape[2]), int(y.shape[3]), int(x.shape[0]))
+    m = winograd_tile(int(x.shape[1]), int(w.shape[0]), int(y.shape[2]), int(y.shape[3]), int(x.shape[0]), blocked)
     return (w, m) if m else None
 
 
@@ -199,14 +213,18 @@ class PrepackWeights(GraphPass):
     windows
         Make PackedConvs of the convs with windows wider than 1x1 that :func:`_packed_conv` names (stride
         2, or 3x3 on small images; module docstring).
+    blocked
+        The blocked layout between convs follows (``optimization_config["blocked"]``): Winograd's rule
+        weighs it against the direct blocked conv (:func:`winograd_tile`).
     """
 
     def __init__(self, conv_max_pixels: int = CONV_MAX_PIXELS, winograd: bool = True, gemm: bool = True,
-                 windows: bool = True):
+                 windows: bool = True, blocked: bool = False):
         self.conv_max_pixels = conv_max_pixels
         self.winograd = winograd
         self.gemm = gemm
         self.windows = windows
+        self.blocked = blocked
 
     def _conv_form(self, op: Operator) -> tuple[Tensor, int] | None:
         """``(weight, m)`` of a Conv this pass rewrites (``m``: 0 for a PackedConv, the tile of a
@@ -214,7 +232,7 @@ class PrepackWeights(GraphPass):
         w = _packed_conv(op, self.conv_max_pixels, self.windows)
         if w is not None:
             return w, 0
-        return _winograd(op) if self.winograd else None
+        return _winograd(op, self.blocked) if self.winograd else None
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import PackedConv, WinogradConv, winograd_weights

@@ -19,7 +19,7 @@ from threads import run_threads
 
 def _net(rng, path, batch=1):
     """x [batch, 16, 32, 32] -> 1x1 16->64, BatchNormalization, times and plus constants of one value per
-    channel, Relu, MaxPool -> 16x16 -> 3x3 64->64 (Winograd), Relu, 1x1
+    channel, Relu, MaxPool -> 16x16 -> 3x3 64->64 (direct: too little work for Winograd), Relu, 1x1
     64->64, + the pool's output, Relu -> r; a 1x1 of stride 2 (64->48) and a 3x3 of stride 2 (64->16) of r,
     concatenated with a max pool of x (plain: a reorder), 80 channels at 8x8, an average pool, a 1x1 to 20
     channels (not a multiple of 16) -> y1;
@@ -77,7 +77,8 @@ def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
     x = rng.standard_normal((2, 16, 32, 32)).astype(np.float32)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for blocked in (True, False):
-        programs, got = _run(path, tmp_path / f"out{blocked}", mesh, x, blocked=blocked)
+        # the BatchNorm and the Mul, Add after it not folded into the conv (passes/fold.py): they follow the layout
+        programs, got = _run(path, tmp_path / f"out{blocked}", mesh, x, blocked=blocked, fold_affine=False)
         for program in programs:
             five = [b for b in program["buffers"] if len(b["shape"]) == 5]
             steps = [s["node"] for s in program["steps"] if s["kind"] == "kernel"]

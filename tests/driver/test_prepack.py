@@ -329,7 +329,8 @@ def test_compiled_ranks_run_strided_packed_convs_and_match_onnxruntime(tmp_path,
     programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
     for program in programs:
         kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
-        assert {"w1.panels", "w2.panels"} <= {b["name"] for b in program["buffers"]} and "Conv" not in kinds
+        # conv2's product by 0.5 is folded into its weight (passes/fold.py)
+        assert {"w1.panels", "conv2.folded_w.panels"} <= {b["name"] for b in program["buffers"]} and "Conv" not in kinds
     for g in got:
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
@@ -390,6 +391,13 @@ def test_winograd_tile_rule():
     assert winograd_tile(64, 64, 6, 6) == 0         # 9 of 2x2
     assert winograd_tile(64, 64, 14, 14, images=3) == 4
     assert winograd_tile(32, 64, 56, 56) == 0 and winograd_tile(64, 48, 56, 56) == 0  # few channels
+    # against the direct conv on blocked tensors: tiles x C x OC of at least 250,000 (F(4x4)), 2,000,000 (F(2x2))
+    assert winograd_tile(64, 64, 28, 28, blocked=True) == 0        # 49 x 64 x 64 = 200,704
+    assert winograd_tile(64, 96, 28, 28, blocked=True) == 4        # 301,056
+    assert winograd_tile(64, 64, 56, 56, blocked=True) == 4
+    assert winograd_tile(192, 192, 14, 14, blocked=True) == 0      # 49 tiles of 2x2: 1,806,336
+    assert winograd_tile(192, 256, 14, 14, blocked=True) == 2      # 2,408,448
+    assert winograd_tile(96, 96, 14, 14, images=8, blocked=True) == 4
 
 
 def test_the_pass_makes_winograd_convs_of_the_3x3_convs_it_picks():
@@ -472,15 +480,17 @@ def _winograd_net(rng, path):
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_run_winograd_convs_and_match_onnxruntime(tmp_path, mesh, algo):
     """Two 3x3 convs of 128 channels compiled for one and two cpu ranks run as WinogradConvs (their
-    weights transformed, the Relu fused) and match onnxruntime; ``winograd: False`` runs them directly,
-    and a memory budget keeps their weights as they are."""
+    weights transformed, the Relu fused) and match onnxruntime (``blocked: False``: the rule without the
+    blocked direct conv); with the blocked layout only the first (50 tiles of 4x4 over the two images)
+    does, the second (10x10: 50 tiles of 2x2, 819,200 < 2,000,000 of work) runs the blocked direct conv;
+    ``winograd: False`` runs them directly, and a memory budget keeps their weights as they are."""
     ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(6)
     path = tmp_path / "winograd.onnx"
     _winograd_net(rng, path)
     x = rng.standard_normal((2, 128, 20, 20)).astype(np.float32)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
+    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x, blocked=False)
     for program in programs:
         names = {b["name"] for b in program["buffers"]}
         assert any(n.startswith("w1.winograd") for n in names) and any(n.startswith("w2.winograd") for n in names)
@@ -488,6 +498,10 @@ def test_compiled_ranks_run_winograd_convs_and_match_onnxruntime(tmp_path, mesh,
     for g in got:
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
     if mesh == [1]:
+        programs, got = _compiled_ranks(path, tmp_path / "blocked", mesh, algo, x)
+        names = {b["name"] for b in programs[0]["buffers"]}
+        assert any(n.startswith("w1.winograd") for n in names) and not any(n.startswith("w2.winograd") for n in names)
+        np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
         programs, got = _compiled_ranks(path, tmp_path / "direct", mesh, algo, x, winograd=False)
         assert not any(".winograd" in b["name"] for b in programs[0]["buffers"])
         np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
