@@ -290,14 +290,21 @@ def _conv_io(op, fused) -> tuple[dict[int, int], str, str, str | None]:
     return index, x, w, f"in{index[id(op.inputs[2])]}" if len(op.inputs) > 2 else None
 
 
+def _blocked_depthwise(op) -> bool:
+    """Whether ``op`` is a 2-D depthwise Conv (one input and one output channel per group) that
+    ``sf_conv_depthwise`` runs on the blocked layout (``blocked_in``/``blocked_out``, passes/layout.py)."""
+    w = op.inputs[1].shape
+    return op.op_type == "Conv" and len(w) == 4 and w[1] == 1 and int(op.attrs.get("group", 1)) == w[0] \
+        and w[0] % 16 == 0
+
+
 def _conv(op, fused=None) -> str | None:
     """Conv over 1 or 2 spatial dims through :func:`sf_conv2d`; with ``fused`` (a fused op whose first
     member is ``op``, the others element-wise ops on its output), the kernel of the whole group: its
     tiles are finished by the bias and those ops (:func:`_conv_epilogue`)."""
     x = op.inputs[0].shape
-    blocked = [bool(op.op_type in ("PackedConv", "WinogradConv") and op.attrs.get(k))
-               for k in ("blocked_in", "blocked_out")]
-    if op.op_type == "Conv" and (op.attrs.get("blocked_in") or op.attrs.get("blocked_out")):
+    blocked = [bool(op.attrs.get(k)) for k in ("blocked_in", "blocked_out")]
+    if op.op_type == "Conv" and any(blocked) and not _blocked_depthwise(op):
         return None  # the conv template reads and writes the plain layout
     if blocked[0]:  # [N, C / 16, H, W, 16] (passes/layout.py): the conv's geometry is the logical shape's
         x = (x[0], x[1] * x[-1]) + tuple(x[2:-1])
@@ -364,7 +371,8 @@ def _conv(op, fused=None) -> str | None:
         lines = _args(fused)
     geometry = f"{KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pad {PT},{PL}"
     if depthwise:
-        lines.append(f"  // depthwise Conv: {Nb} images, {g} channels, {ocg} output(s) each ({geometry})")
+        lines.append(f"  // depthwise Conv: {Nb} images, {g} channels, {ocg} output(s) each ({geometry})"
+                     + "".join(f"; {w} blocked [N, C/16, H, W, 16]" for w, b in zip(("input", "output"), blocked) if b))
     elif wino:
         a = wino + 2
         lines.append(f"  // WinogradConv F({wino}x{wino}, 3x3): {Nb} images, {a * a} GEMMs [tiles, {icg}] @ [{icg}, {oc}] "
@@ -382,7 +390,7 @@ def _conv(op, fused=None) -> str | None:
     direct_arg = "true" if direct else "false"
     blk = " | ".join(f for f, b in zip(("SF_BLK_IN", "SF_BLK_OUT"), blocked) if b) or "0"
     if depthwise:
-        fn, args = "sf_conv_depthwise", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}"
+        fn, args = "sf_conv_depthwise", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {blk}"
     elif wino:
         fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {blk}"
     elif packed:

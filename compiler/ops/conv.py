@@ -154,13 +154,13 @@ class Conv(Operator):
 
     Inputs ``x [N, C, *in]``, ``w [OC, C/group, *k]``, optional ``bias [OC]``; attributes ``group``,
     ``strides``, ``dilations``, ``pads``; ``blocked_in`` and ``blocked_out`` (2-D; the cpu target gives
-    them to PackedConv and WinogradConv only): ``x``, or ``y``, is in the blocked layout
+    them to PackedConv, WinogradConv and depthwise Convs only): ``x``, or ``y``, is in the blocked layout
     ``[N, C / BLOCK, H, W, BLOCK]`` (:data:`BLOCK`; passes/layout.py), its channels a multiple of BLOCK.
     """
 
     def _weight_shape(self, x, w) -> tuple[int, ...]:
         """``[OC, C/group, *kernel]``: the shape of the weight the op reads."""
-        if w.ndim != x.ndim:
+        if w.ndim != len(self._x_shape(x)):
             raise ShapeError(f"{self.name}: Conv takes x [N, C, spatial...] and w of the same rank, got {x.shape} "
                              f"and {w.shape}")
         return tuple(w.shape)

@@ -12,7 +12,8 @@ its producer can write the layout and one of its readers reads it natively (both
 graph). Writers and native readers are the 2-D convs of one group with a constant weight and a row
 stride of 1 or 2 (they become :class:`~shardflow.compiler.ops.conv.PackedConv` with ``blocked_in`` /
 ``blocked_out``), the :class:`~shardflow.compiler.ops.conv.WinogradConv` (its transforms read and write
-either layout), and, when their output is blocked too, max and average pools (a 3-D pool whose last
+either layout), the 2-D depthwise convs (``group = C = OC``; Convs with ``blocked_in`` / ``blocked_out``,
+their weights as they are: ``sf_conv_depthwise`` computes 16 channels of a pixel as one vector), and, when their output is blocked too, max and average pools (a 3-D pool whose last
 window is one lane), concatenations of channels (the block axis) and element-wise ops whose other
 operands are blocked alike or constants of one value per channel (stored blocked, ``[1, C/16, 1, 1,
 16]``), a BatchNorm of constant parameters as the three element-wise ops it computes. An op whose output
@@ -56,6 +57,17 @@ def _conv_ok(op: Operator) -> bool:
         return False
     strides = tuple(op.attrs.get("strides") or (1, 1))
     return strides[1] in (1, 2)
+
+
+def _depthwise_ok(op: Operator) -> bool:
+    """Whether ``op`` is a depthwise conv the blocked kernels run: a float32 2-D Conv of one input and one
+    output channel per group (``group = C = OC``, a multiple of 16) with a constant weight, any stride."""
+    if op.op_type != "Conv" or len(op.outputs) != 1 or op.attrs.get("blocked_in") or op.attrs.get("blocked_out"):
+        return False
+    x, w = op.inputs[0], op.inputs[1]
+    return x.ndim == 4 and w.is_constant and w.ndim == 4 and w.shape[1] == 1 and 0 not in x.shape \
+        and int(op.attrs.get("group", 1)) == x.shape[1] == w.shape[0] and x.shape[1] % 16 == 0 \
+        and all(t.dtype == "float32" for t in list(op.inputs) + op.outputs)
 
 
 def _follower(op: Operator) -> bool:
@@ -150,6 +162,8 @@ class BlockedLayout(GraphPass):
 
         outputs = {id(t) for t in graph.outputs}
         convs = {id(op) for op in graph.nodes if _conv_ok(op) and (self.repack or op.op_type != "Conv")}
+        depthwise = {id(op) for op in graph.nodes if _depthwise_ok(op)}  # they keep their weights
+        convs |= depthwise
         # can: the producer can write the layout (forward)
         can: set[int] = set()
         for op in graph.nodes:
@@ -222,7 +236,7 @@ class BlockedLayout(GraphPass):
             if id(op) in convs and (out_b or id(op.inputs[0]) in blocked):
                 x, w = op.inputs[0], op.inputs[1]
                 attrs = dict(op.attrs, blocked_in=id(x) in blocked, blocked_out=out_b)
-                if op.op_type == "Conv":
+                if op.op_type == "Conv" and id(op) not in depthwise:
                     if id(w) not in panels:
                         value = np.asarray(w.value, np.float32)
                         panels[id(w)] = const_tensor(pack_panels(value.reshape(value.shape[0], -1).T),
@@ -230,7 +244,8 @@ class BlockedLayout(GraphPass):
                     w = panels[id(w)]
                     attrs.update(oc=int(op.inputs[1].shape[0]), kernel=tuple(int(k) for k in op.inputs[1].shape[2:]))
                 inputs = [read(x, id(x) in blocked), w] + [read(t, False) for t in op.inputs[2:]]
-                new = (PackedConv if op.op_type == "Conv" else type(op))(inputs, name=op.name, **attrs)
+                new = (PackedConv if op.op_type == "Conv" and id(op) not in depthwise else type(op))(
+                    inputs, name=op.name, **attrs)
                 n_conv += 1
             elif out_b and op.op_type == "BatchNorm":
                 *steps, new = _batch_norm(op, read(op.inputs[0], True), blocked_const)

@@ -230,6 +230,18 @@ def _large():
         WinogradConv([_t((2, 1, 9, 13, 16)), _wino(16, 32, 2)], oc=32, m=2, pads=(1, 0, 1, 1), blocked_in=True),
         WinogradConv([_t((1, 40, 14, 14)), _wino(40, 48, 2), _t((48,))], oc=48, m=2, pads=(1, 1, 1, 1),
                      blocked_out=True),
+        # depthwise convs on the blocked layout (sf_conv_depthwise's blocks, rows copied as they lie, output
+        # rows stored in place): both sides, stride 1 and 2, uneven pads, two images, a 5x5 with dilation;
+        # the input only (a stride-2 3x3 that the plain path runs in rows), the output only (a flat 3x3)
+        Conv([_t((2, 2, 14, 13, 16)), _t((32, 1, 3, 3)), _t((32,))], group=32, pads=(1, 1, 1, 1),
+             blocked_in=True, blocked_out=True),
+        Conv([_t((1, 3, 15, 17, 16)), _t((48, 1, 3, 3))], group=48, pads=(1, 0, 1, 2), strides=(2, 2),
+             blocked_in=True, blocked_out=True),
+        Conv([_t((1, 1, 12, 20, 16)), _t((16, 1, 5, 5)), _t((16,))], group=16, pads=(2, 4, 2, 4), dilations=(1, 2),
+             blocked_in=True, blocked_out=True),
+        Conv([_t((1, 2, 11, 33, 16)), _t((32, 1, 3, 3)), _t((32,))], group=32, pads=(1, 1, 1, 1), strides=(2, 2),
+             blocked_in=True),
+        Conv([_t((2, 16, 9, 10)), _t((16, 1, 3, 3)), _t((16,))], group=16, pads=(1, 1, 1, 1), blocked_out=True),
         # Winograd F(2x2) and F(4x4) (passes/prepack.py): whole chunks per thread (56x56), threads sharing
         # each step of one chunk (7x7), channel lanes and panels with tails, tiles past the output, pads
         # on one side only, several images, one row of tiles per chunk
@@ -679,7 +691,8 @@ def test_3d_convs_use_their_template():
     after one stay apart (its template has no epilogue)."""
     from shardflow.compiler.codegen.templates_cpu import accepts_epilogue, template_body, template_kind
 
-    convs = [op for _, op, _ in LARGE if op.op_type == "Conv" and op.inputs[0].ndim == 5]
+    convs = [op for _, op, _ in LARGE
+             if op.op_type == "Conv" and op.inputs[0].ndim == 5 and not op.attrs.get("blocked_in")]
     assert len(convs) == 4 and all(template_kind(op) == "Conv" for op in convs)
     assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
 
@@ -711,6 +724,19 @@ def test_scans_lrn_pads_and_einsums_use_their_templates():
     for eq, shapes in (("bij,bjk->bk", ((2, 3, 4), (2, 4, 5))), ("bij,bjk->bik", ((1, 3, 4), (2, 4, 5))),
                        ("bij,jk->bik", ((2, 3, 4), (4, 5))), ("ijb,jkb->ikb", ((3, 4, 2), (4, 5, 2)))):
         assert template_kind(Einsum([_t(shapes[0]), _t(shapes[1])], equation=eq)) is None, eq
+
+
+def test_blocked_depthwise_convs_use_their_template():
+    """The depthwise convs of the blocked layout run ``sf_conv_depthwise`` with the sides they have blocked;
+    a grouped conv of two channels per group with the attributes has no template."""
+    from shardflow.compiler.codegen.templates_cpu import template_body
+
+    ops = [op for _, op, _ in LARGE if op.op_type == "Conv" and (op.attrs.get("blocked_in") or
+                                                                op.attrs.get("blocked_out"))]
+    flags = [template_body(op).split("sf_conv_depthwise(")[1].split(")")[0].split(", ")[-1] for op in ops]
+    assert flags == ["SF_BLK_IN | SF_BLK_OUT"] * 3 + ["SF_BLK_IN", "SF_BLK_OUT"]
+    assert template_body(Conv([_t((1, 2, 6, 6, 16)), _t((16, 2, 3, 3))], group=16, pads=(1, 1, 1, 1),
+                              blocked_in=True)) is None
 
 
 def test_transposed_convs_use_their_template():
@@ -1236,7 +1262,7 @@ def test_conv_epilogue_fusion(tmp_path):
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
     assert src.text.count("sf_conv_depthwise(in") == len(finish_dw + depthwise)
     inf = "std::numeric_limits<float>::infinity()"
-    assert src.text.count(f"sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, nullptr, nullptr, "
+    assert src.text.count(f"sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, 0, nullptr, nullptr, "
                           f"SfClamp{{true, 0.0f, {inf}}});") == 1
     assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 4 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
     assert src.text.count(f"SfClamp{{true, (-{inf}), 0.5f}}") == 1

@@ -143,3 +143,65 @@ def test_a_memory_budget_keeps_conv_weights():
     g = BlockedLayout(repack=False).run(FlowGraph([x], [q.outputs[0]], [a, p, q]))
     by = {op.name: op for op in g.nodes}
     assert by["a"].op_type == "Conv" and by["p"].attrs["blocked_out"] and by["q"].attrs["blocked_in"]
+
+
+def test_depthwise_convs_follow_the_layout():
+    """A depthwise conv (group = C = OC, a multiple of 16) reads and writes the blocked layout and stays a
+    Conv with its weight as it is; one with two outputs per channel keeps the plain layout (the conv
+    before it writes plain)."""
+    x = _placeholder(1, 16, 8, 8)
+    a = Conv([x, _w(32, 16, 1, 1)], name="a")
+    dw = Conv([a.outputs[0], _w(32, 1, 3, 3)], name="dw", group=32, pads=(1, 1, 1, 1), strides=(2, 2))
+    b = Conv([dw.outputs[0], _w(32, 32, 1, 1)], name="b")
+    twice = Conv([b.outputs[0], _w(64, 1, 3, 3)], name="twice", group=32, pads=(1, 1, 1, 1))
+    g = BlockedLayout().run(FlowGraph([x], [twice.outputs[0]], [a, dw, b, twice]))
+    by = {op.name: op for op in g.nodes}
+    assert by["dw"].op_type == "Conv" and by["dw"].attrs["blocked_in"] and by["dw"].attrs["blocked_out"]
+    assert by["dw"].inputs[1] is dw.inputs[1] and by["dw"].outputs[0].shape == (1, 2, 4, 4, 16)
+    assert by["twice"].op_type == "Conv" and not by["twice"].attrs.get("blocked_in")
+    assert by["twice"].inputs[0] is by["b"].outputs[0] and not by["b"].attrs.get("blocked_out")
+
+
+def _mobile_block(rng, path):
+    """x [2, 16, 14, 14] -> 1x1 16->96, Clip(0, 6) -> depthwise 3x3 (bias), Clip(0, 6) -> 1x1 96->16, + x ->
+    depthwise 3x3 of stride 2 (16 channels), Relu -> y [2, 16, 7, 7] (MobileNetV2's inverted residual)."""
+    def w(*shape, scale=0.3):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    inits = [numpy_helper.from_array(a, n) for n, a in [
+        ("we", w(96, 16, 1, 1)), ("be", w(96)), ("wd", w(96, 1, 3, 3)), ("bd", w(96)), ("wp", w(16, 96, 1, 1)),
+        ("ws", w(16, 1, 3, 3)), ("lo", np.float32(0)), ("hi", np.float32(6))]]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "we", "be"], ["e"]), n("Clip", ["e", "lo", "hi"], ["e6"]),
+             n("Conv", ["e6", "wd", "bd"], ["d"], group=96, pads=[1, 1, 1, 1]), n("Clip", ["d", "lo", "hi"], ["d6"]),
+             n("Conv", ["d6", "wp"], ["p"]), n("Add", ["p", "x"], ["r"]),
+             n("Conv", ["r", "ws"], ["s"], group=16, pads=[1, 1, 1, 1], strides=[2, 2]), n("Relu", ["s"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "mobile", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 14, 14])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16, 7, 7])], inits)
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+
+
+def test_blocked_depthwise_programs_match_onnxruntime(tmp_path):
+    """The inverted residual on two cpu ranks: its depthwise conv runs on blocked tensors (the clamp in its
+    stores), and the outputs match onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(5)
+    path = tmp_path / "mobile.onnx"
+    _mobile_block(rng, path)
+    x = rng.standard_normal((2, 16, 14, 14)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    compile(path, distributed_config={"mesh_shape": [2]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    for r in range(2):
+        program = json.loads((tmp_path / "o" / f"rank{r}" / "program.json").read_text())
+        bufs = program["buffers"]
+        dws = [s for s in program["steps"] if s["kind"] == "kernel" and len(bufs[s["inputs"][1]]["shape"]) == 4
+               and bufs[s["inputs"][1]]["shape"][1] == 1]
+        # the first reads and writes blocked tensors; the second reads the residual add of the plain input x
+        ranks = [(len(bufs[s["inputs"][0]]["shape"]), len(bufs[s["outputs"][0]]["shape"])) for s in dws]
+        assert ranks == [(5, 5), (4, 4)]
+    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "o", c.rank, c).run({"x": x})["y"],
+                      timeout=120)
+    for y in got:
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

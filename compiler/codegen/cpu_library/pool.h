@@ -78,13 +78,17 @@ static void sf_conv_depthwise_s2(const float* x, const float* w, const float* bi
 #endif
 }
 
+// blk (SF_BLK_IN, SF_BLK_OUT; ocm 1, C a multiple of 16): x, or y, in the blocked layout [N, C/16, H, W, 16]
+// (passes/layout.py), whose pixels are the blocks' 16-channel vectors already: a band's input rows are copied
+// as they are (no transposition), and output rows are stored where the row kernels write them.
 static void sf_conv_depthwise(const float* x, const float* w, const float* bias, float* y, const SfConvGeom& g,
-                              int64_t nimg, int64_t C, int64_t ocm, SfConvEpi epi = nullptr, const void* ctx = nullptr,
-                              SfClamp clamp = {}) {
+                              int64_t nimg, int64_t C, int64_t ocm, unsigned blk = 0, SfConvEpi epi = nullptr,
+                              const void* ctx = nullptr, SfClamp clamp = {}) {
   const int64_t T = g.KH * g.KW, ncb = (C + SF_DWC - 1) / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW, OC = C * ocm;
   if (nimg <= 0 || OC <= 0 || OP <= 0) return;
-  if (sf_dwf_fits(g)) { sf_conv_depthwise_flat(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
-  if (sf_dws2_fits(g)) { sf_conv_depthwise_s2(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
+  const bool bin = blk & SF_BLK_IN, bout = blk & SF_BLK_OUT;
+  if (!blk && sf_dwf_fits(g)) { sf_conv_depthwise_flat(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
+  if (!blk && sf_dws2_fits(g)) { sf_conv_depthwise_s2(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
   const int64_t Wp = (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1, reach = (g.KH - 1) * g.DH + 1;
   // bands: about 32K floats (128 KB) of transposed input rows
   const int64_t rows = std::max<int64_t>(reach, 32768 / (Wp * SF_DWC));
@@ -114,23 +118,35 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
       float* d = xt + rr * Wp * SF_DWC;
       if (ih < 0 || ih >= g.H || jlo >= jhi) { std::memset(d, 0, sizeof(float) * Wp * SF_DWC); continue; }
       std::memset(d, 0, sizeof(float) * jlo * SF_DWC);
-      const float* src = xc + ih * g.W + (jlo - g.PL);
+      if (bin) {  // the block's row: its pixels' 16 channels as they lie
+        std::memcpy(d + jlo * SF_DWC, x + (((n * ncb + cb) * g.H + ih) * g.W + (jlo - g.PL)) * SF_DWC,
+                    sizeof(float) * (jhi - jlo) * SF_DWC);
+      } else {
+        const float* src = xc + ih * g.W + (jlo - g.PL);
 #if defined(__x86_64__)
-      if (isa) sf_to_vec16_avx2(src, HW, nc, jhi - jlo, d + jlo * SF_DWC);
-      else
+        if (isa) sf_to_vec16_avx2(src, HW, nc, jhi - jlo, d + jlo * SF_DWC);
+        else
 #endif
-        sf_to_vec16_generic(src, HW, nc, jhi - jlo, d + jlo * SF_DWC);
+          sf_to_vec16_generic(src, HW, nc, jhi - jlo, d + jlo * SF_DWC);
+      }
       std::memset(d + jhi * SF_DWC, 0, sizeof(float) * (Wp - jhi) * SF_DWC);
     }
     std::memset(xt + nrows * Wp * SF_DWC, 0, sizeof(float) * sf_dwc_room(g));
     float* yc = y + (n * OC + c0 * ocm + j) * OP;  // its channels ocm planes apart
     for (int64_t r = 0; r < nb; ++r) {
+      // a blocked output row is the row kernels' own layout: written in place, then clamped
+      float* yr = bout ? y + ((n * ncb + cb) * g.OH + oh0 + r) * g.OW * SF_DWC : yt;
 #if defined(__x86_64__)
-      if (isa == 2) sf_dwc_row_avx512(xt, Wp, wt, bv, g, r, yt);
-      else if (isa == 1) sf_dwc_row_avx2(xt, Wp, wt, bv, g, r, yt);
+      if (isa == 2) sf_dwc_row_avx512(xt, Wp, wt, bv, g, r, yr);
+      else if (isa == 1) sf_dwc_row_avx2(xt, Wp, wt, bv, g, r, yr);
       else
 #endif
-        sf_dwc_row_generic(xt, Wp, wt, bv, g, r, yt);
+        sf_dwc_row_generic(xt, Wp, wt, bv, g, r, yr);
+      if (bout) {
+        if (clamp.on)
+          for (int64_t k = 0; k < g.OW * SF_DWC; ++k) yr[k] = sf_clamp(yr[k], clamp);
+        continue;
+      }
 #if defined(__x86_64__)
       if (isa) sf_from_vec16_avx2(yt, g.OW, nc, yc + (oh0 + r) * g.OW, ocm * OP, clamp);
       else
