@@ -242,6 +242,8 @@ def _large():
         Conv([_t((1, 2, 11, 33, 16)), _t((32, 1, 3, 3)), _t((32,))], group=32, pads=(1, 1, 1, 1), strides=(2, 2),
              blocked_in=True),
         Conv([_t((2, 16, 9, 10)), _t((16, 1, 3, 3)), _t((16,))], group=16, pads=(1, 1, 1, 1), blocked_out=True),
+        # a 1x1 of a plain image of 24 channels writing the layout (MobileNetV2's expansions), two images
+        PackedConv([_t((2, 24, 9, 10)), _panels(24, 48), _t((48,))], oc=48, kernel=(1, 1), blocked_out=True),
         # Winograd F(2x2) and F(4x4) (passes/prepack.py): whole chunks per thread (56x56), threads sharing
         # each step of one chunk (7x7), channel lanes and panels with tails, tiles past the output, pads
         # on one side only, several images, one row of tiles per chunk

@@ -150,6 +150,45 @@ static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const fl
     for (int64_t b = 0; b < nb; ++b) _mm512_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b]);
   }
 }
+
+// Output row oh of one 16-channel block read from the blocked input where it lies (xb: the block's plane
+// [H][W][16]; no padded copy): runs of 8 output columns, those whose taps all lie inside the row by whole
+// vectors, the edge runs tap by tap; bias bv, clamped, stored to yr[OW][16].
+__attribute__((target("avx512f")))
+static void sf_dwb_row_avx512(const float* __restrict__ xb, const float* __restrict__ wt,
+                              const float* __restrict__ bv, const SfConvGeom& g, int64_t oh, SfClamp clamp,
+                              float* __restrict__ yr) {
+  const int64_t H = g.H, W = g.W, OW = g.OW, SW = g.SW, DW = g.DW, PL = g.PL, KW = g.KW, KH = g.KH;
+  const int64_t S16 = SW * SF_DWC;
+  for (int64_t ow0 = 0; ow0 < OW; ow0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, OW - ow0);
+    const bool inside = nb == 8 && ow0 * SW - PL >= 0 && (ow0 + 7) * SW + (KW - 1) * DW - PL < W;
+    __m512 a[8];
+    #pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) a[b] = _mm512_loadu_ps(bv);
+    for (int64_t kh = 0; kh < KH; ++kh) {
+      const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
+      if (ih < 0 || ih >= H) continue;
+      const float* xr = xb + ih * W * SF_DWC;
+      for (int64_t kw = 0; kw < KW; ++kw) {
+        const __m512 wv = _mm512_loadu_ps(wt + (kh * KW + kw) * SF_DWC);
+        const int64_t c0 = ow0 * SW + kw * DW - PL;
+        if (inside) {
+          const float* xp = xr + c0 * SF_DWC;
+          #pragma GCC unroll 8
+          for (int b = 0; b < 8; ++b) a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + b * S16), a[b]);
+        } else {
+          for (int64_t b = 0; b < nb; ++b) {
+            const int64_t c = c0 + b * SW;
+            if (c >= 0 && c < W) a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + c * SF_DWC), a[b]);
+          }
+        }
+      }
+    }
+    for (int64_t b = 0; b < nb; ++b)
+      _mm512_storeu_ps(yr + (ow0 + b) * SF_DWC, clamp.on ? sf_clamp16(a[b], clamp) : a[b]);
+  }
+}
 #endif
 
 // the columns a run of the row kernels reads past its row: 8 runs' strides (xt's room past its last row)

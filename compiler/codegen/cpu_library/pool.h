@@ -78,6 +78,45 @@ static void sf_conv_depthwise_s2(const float* x, const float* w, const float* bi
 #endif
 }
 
+// A blocked input with AVX-512: items (image, block of 16 channels, band of output rows), each output row read
+// from the blocked input where it lies (sf_dwb_row_avx512), stored blocked (bout) or transposed into the
+// block's 16 planes. ocm 1.
+static void sf_conv_depthwise_blocked(const float* x, const float* w, const float* bias, float* y,
+                                      const SfConvGeom& g, int64_t nimg, int64_t C, bool bout, SfConvEpi epi,
+                                      const void* ctx, SfClamp clamp) {
+#if defined(__x86_64__)
+  const int64_t T = g.KH * g.KW, ncb = C / SF_DWC, HW = g.H * g.W, OP = g.OH * g.OW;
+  // bands of about 4K output floats per item (a few rows), so that small planes of many blocks still share out
+  const int64_t BR = std::clamp<int64_t>(4096 / (g.OW * SF_DWC), 1, g.OH), nbands = (g.OH + BR - 1) / BR;
+  const int64_t items = nimg * ncb * nbands;
+  const bool par = sf_max_threads() > 1 && items > 1 && (double)nimg * C * OP * T >= SF_CONV_PAR_WORK;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t band = it % nbands, cb = it / nbands % ncb, n = it / (nbands * ncb);
+    const int64_t c0 = cb * SF_DWC, oh0 = band * BR, nb = std::min(BR, g.OH - oh0);
+    float* wt = static_cast<float*>(sf_workspace(3, sizeof(float) * ((T + 1) * SF_DWC + (g.OW + 8) * SF_DWC)));
+    float* bv = wt + T * SF_DWC;
+    float* yt = bv + SF_DWC;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < SF_DWC; ++c) wt[t * SF_DWC + c] = w[(c0 + c) * T + t];
+    for (int64_t c = 0; c < SF_DWC; ++c) bv[c] = bias ? bias[c0 + c] : 0.0f;
+    const float* xb = x + (n * ncb + cb) * HW * SF_DWC;
+    for (int64_t r = 0; r < nb; ++r) {
+      const int64_t oh = oh0 + r;
+      if (bout) {
+        sf_dwb_row_avx512(xb, wt, bv, g, oh, clamp, y + ((n * ncb + cb) * g.OH + oh) * g.OW * SF_DWC);
+      } else {
+        sf_dwb_row_avx512(xb, wt, bv, g, oh, clamp, yt);
+        sf_from_vec16_avx2(yt, g.OW, SF_DWC, y + (n * C + c0) * OP + oh * g.OW, OP, SfClamp{});
+      }
+    }
+    if (epi) epi(ctx, n, c0, c0 + SF_DWC, oh0 * g.OW, (oh0 + nb) * g.OW);
+  }
+#else
+  (void)x; (void)w; (void)bias; (void)y; (void)g; (void)nimg; (void)C; (void)bout; (void)epi; (void)ctx; (void)clamp;
+#endif
+}
+
 // blk (SF_BLK_IN, SF_BLK_OUT; ocm 1, C a multiple of 16): x, or y, in the blocked layout [N, C/16, H, W, 16]
 // (passes/layout.py), whose pixels are the blocks' 16-channel vectors already: a band's input rows are copied
 // as they are (no transposition), and output rows are stored where the row kernels write them.
@@ -89,6 +128,7 @@ static void sf_conv_depthwise(const float* x, const float* w, const float* bias,
   const bool bin = blk & SF_BLK_IN, bout = blk & SF_BLK_OUT;
   if (!blk && sf_dwf_fits(g)) { sf_conv_depthwise_flat(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
   if (!blk && sf_dws2_fits(g)) { sf_conv_depthwise_s2(x, w, bias, y, g, nimg, C, ocm, epi, ctx, clamp); return; }
+  if (bin && sf_dw_isa() == 2) { sf_conv_depthwise_blocked(x, w, bias, y, g, nimg, C, bout, epi, ctx, clamp); return; }
   const int64_t Wp = (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1, reach = (g.KH - 1) * g.DH + 1;
   // bands: about 32K floats (128 KB) of transposed input rows
   const int64_t rows = std::max<int64_t>(reach, 32768 / (Wp * SF_DWC));
