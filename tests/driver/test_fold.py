@@ -169,3 +169,17 @@ def test_fold_affine_must_be_a_switch(tmp_path):
     with pytest.raises(ConfigError, match="fold_affine"):
         compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"fold_affine": 1},
                 out_dir=tmp_path / "out")
+
+
+def test_compiling_a_flow_graph_leaves_it_as_it_was(tmp_path):
+    """``compile`` folds a copy of a FlowGraph it is given: the caller's graph keeps its BatchNorm."""
+    x = Tensor("x", (1, 4, 6, 6), "float32")
+    conv = Conv([x, _c(4, 4, 3, 3)], name="conv", pads=(1, 1, 1, 1))
+    bn = _bn(conv.outputs[0], "bn")
+    g = FlowGraph([x], bn.outputs, output_names=["y"])
+    feeds = {"x": RNG.standard_normal(x.shape).astype(np.float32)}
+    want = g.run(feeds)["y"]
+    compile(g, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    assert [op.name for op in g.nodes] == ["conv", "bn"] and g.outputs[0] is bn.outputs[0]
+    got = load(tmp_path / "o").run(feeds)["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
