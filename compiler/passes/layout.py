@@ -51,11 +51,12 @@ def _conv_ok(op: Operator) -> bool:
         return False
     if op.op_type == "Conv" and (not w.is_constant or w.ndim != 4):
         return False
-    # an image of fewer than 16 channels (a stem's 3) is never blocked: the conv stays as prepack made it (a
-    # blocked 3-channel image is 16/3 larger: ResNet-50's stem 0.88 -> 1.40 ms); one of 16 or more channels
-    # that are not a multiple of 16 is read plain and the conv may write the layout (MobileNetV2's 1x1
-    # 24->144 expansions at 56x56: 0.13 -> 0.10 ms, their depthwise convs reading blocked 0.17 -> 0.13)
-    if x.shape[1] < 16:
+    # an image of channels not a multiple of 16 is read plain and the conv may write the layout: a stem's
+    # window (3 channels) reads the image padded plane by plane (sf_conv2d_packed_direct's planar form; blocked,
+    # the 3-channel image was 16/3 larger: ResNet-50's stem 0.88 -> 1.40 ms; planar 0.86 -> 0.74, and the max
+    # pool and 1x1 after it follow the layout), MobileNetV2's 1x1 24->144 expansions at 56x56 0.13 -> 0.10 ms
+    # (their depthwise convs reading blocked 0.17 -> 0.13); a 1x1 of fewer than 16 channels stays as it is
+    if x.shape[1] < 16 and math.prod(w.shape[2:] if op.op_type == "Conv" else op.attrs["kernel"]) == 1:
         return False
     if op.attrs.get("blocked_in") or op.attrs.get("blocked_out"):
         return False

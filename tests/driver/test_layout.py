@@ -205,3 +205,18 @@ def test_blocked_depthwise_programs_match_onnxruntime(tmp_path):
                       timeout=120)
     for y in got:
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_a_stem_of_three_channels_writes_the_layout():
+    """A 7x7 stride-2 conv of a 3-channel image writes the layout (its image read plane by plane) when a conv
+    reads it; a 1x1 of 8 channels keeps its form."""
+    x = _placeholder(1, 3, 32, 32)
+    stem = Conv([x, _w(32, 3, 7, 7)], name="stem", pads=(3, 3, 3, 3), strides=(2, 2))
+    a = Conv([stem.outputs[0], _w(32, 32, 1, 1)], name="a")
+    x8 = Tensor("x8", (1, 8, 8, 8), "float32")
+    thin = Conv([x8, _w(32, 8, 1, 1)], name="thin")
+    b = Conv([thin.outputs[0], _w(32, 32, 1, 1)], name="b")
+    g = BlockedLayout().run(FlowGraph([x, x8], [a.outputs[0], b.outputs[0]], [stem, a, thin, b]))
+    by = {op.name: op for op in g.nodes}
+    assert by["stem"].op_type == "PackedConv" and by["stem"].attrs["blocked_out"] and a.name in by
+    assert by["a"].attrs["blocked_in"] and by["thin"].op_type == "Conv"

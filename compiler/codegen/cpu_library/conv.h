@@ -930,8 +930,9 @@ typedef void (*SfPdkrFn)(int64_t K, const float* __restrict__ xb, const int32_t*
 // the most pixels of a tile (NV = 2: 28 accumulators, 2 panel rows and a broadcast in 32 registers)
 constexpr int64_t SF_PDK_MR = 14;
 
-// fn[stride - 1][nv - 1][MR - 1]
-struct SfPdkr { SfPdkrFn fn[2][2][SF_PDK_MR]; };
+// fn[form][nv - 1][MR - 1], form: stride - 1 on a blocked image (pixels 16 or 32 floats apart), 2 + stride - 1
+// on a planar one (pixels 1 or 2 floats apart: images of fewer than 16 channels)
+struct SfPdkr { SfPdkrFn fn[4][2][SF_PDK_MR]; };
 
 template <int PS, int NV, int... MR>
 static void sf_pdkr_fill(SfPdkrFn* dst, std::integer_sequence<int, MR...>) {
@@ -945,6 +946,10 @@ static const SfPdkr& sf_pdkr() {
     sf_pdkr_fill<16, 2>(t.fn[0][1], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<32, 1>(t.fn[1][0], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<32, 2>(t.fn[1][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<1, 1>(t.fn[2][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<1, 2>(t.fn[2][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<2, 1>(t.fn[3][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<2, 2>(t.fn[3][1], std::make_integer_sequence<int, SF_PDK_MR>{});
     return t;
   }();
   return u;
@@ -1017,8 +1022,8 @@ typedef void (*SfPdkr2Fn)(int64_t K, const float* __restrict__ xb, const int32_t
 // the most pixels of an AVX2 tile
 constexpr int64_t SF_PDK_MR2 = 6;
 
-// fn[stride - 1][MR - 1]
-struct SfPdkr2 { SfPdkr2Fn fn[2][SF_PDK_MR2]; };
+// fn[form][MR - 1], form as SfPdkr's
+struct SfPdkr2 { SfPdkr2Fn fn[4][SF_PDK_MR2]; };
 
 template <int PS, int... MR>
 static void sf_pdkr2_fill(SfPdkr2Fn* dst, std::integer_sequence<int, MR...>) {
@@ -1030,6 +1035,8 @@ static const SfPdkr2& sf_pdkr2() {
     SfPdkr2 t = {};
     sf_pdkr2_fill<16>(t.fn[0], std::make_integer_sequence<int, SF_PDK_MR2>{});
     sf_pdkr2_fill<32>(t.fn[1], std::make_integer_sequence<int, SF_PDK_MR2>{});
+    sf_pdkr2_fill<1>(t.fn[2], std::make_integer_sequence<int, SF_PDK_MR2>{});
+    sf_pdkr2_fill<2>(t.fn[3], std::make_integer_sequence<int, SF_PDK_MR2>{});
     return t;
   }();
   return u;
@@ -1077,19 +1084,20 @@ static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane,
 // a multiple of 16: SF_BLK_IN, the input x is blocked; SF_BLK_OUT, the output y (and res) is.
 constexpr unsigned SF_BLK_IN = 1, SF_BLK_OUT = 2;
 
-// dst[Hp][Wp][16] = the blocked plane src[H][W][16] placed at (pt, pl), zero around it
+// dst[Hp][Wp][pf] = the plane src[H][W][pf] (pf floats a pixel: 16 blocked, 1 planar) placed at (pt, pl),
+// zero around it
 static void sf_pad_blocked(const float* __restrict__ src, int64_t H, int64_t W, int64_t pt, int64_t pl, int64_t Hp,
-                           int64_t Wp, float* __restrict__ dst) {
+                           int64_t Wp, float* __restrict__ dst, int64_t pf = 16) {
   for (int64_t r = 0; r < Hp; ++r) {
-    float* d = dst + r * Wp * 16;
+    float* d = dst + r * Wp * pf;
     const int64_t ih = r - pt;
     if (ih < 0 || ih >= H) {
-      std::memset(d, 0, sizeof(float) * Wp * 16);
+      std::memset(d, 0, sizeof(float) * Wp * pf);
       continue;
     }
-    std::memset(d, 0, sizeof(float) * pl * 16);
-    std::memcpy(d + pl * 16, src + ih * W * 16, sizeof(float) * W * 16);
-    std::memset(d + (pl + W) * 16, 0, sizeof(float) * (Wp - pl - W) * 16);
+    std::memset(d, 0, sizeof(float) * pl * pf);
+    std::memcpy(d + pl * pf, src + ih * W * pf, sizeof(float) * W * pf);
+    std::memset(d + (pl + W) * pf, 0, sizeof(float) * (Wp - pl - W) * pf);
   }
 }
 
@@ -1129,13 +1137,18 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   // lines: measured for ResNet-50's 1x1 256->512 of stride 2 at 56x56 1.25x slower than the conv template)
   const bool sub = (blk & SF_BLK_IN) && !direct && g.KH * g.KW == 1 && g.PT == 0 && g.PL == 0;
   const bool flat = direct || sub;  // the image is one row of P pixels
+  // a plain image of fewer than 16 channels (a stem's 3) is padded plane by plane, not blocked: its pixels are
+  // 1 or 2 floats apart in the tiles (blocked, its 3 channels took 16 floats a pixel: ResNet-50's 7x7 stem
+  // 1.4 ms against the conv template's 0.88)
+  const bool planar = !(blk & SF_BLK_IN) && !flat && g.C < 16;
+  const int64_t pxf = planar ? 1 : 16;  // floats per pixel of the padded image
   const int64_t sw = flat ? 1 : g.SW;
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
   const int64_t H = flat ? 1 : g.H, W = flat ? P : g.W;
   const int64_t Hp = flat ? 1 : std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = flat ? P : std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
-  const int64_t cbs = Hp * Wp * 16, ximg = ncb * cbs;
+  const int64_t cbs = Hp * Wp * pxf, ximg = planar ? g.C * cbs : ncb * cbs;
   if ((double)ximg >= 2147483647.0 || 16.0 * P >= 2147483647.0) return false;
   const int64_t OWr = flat ? std::min<int64_t>(P, 4 * SF_PDK_MR) : g.OW, nrows = flat ? (P + OWr - 1) / OWr : g.OH;
   constexpr int64_t CB = 32;
@@ -1152,14 +1165,19 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   for (int64_t c = 0, k = 0; c < g.C; ++c)
     for (int64_t kh = 0; kh < g.KH; ++kh)
       for (int64_t kw = 0; kw < g.KW; ++kw)
-        off[k++] = (int32_t)((c / 16) * cbs + (flat ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
+        off[k++] = (int32_t)(planar ? c * cbs + kh * g.DH * Wp + kw * g.DW
+                                    : (c / 16) * cbs + (flat ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
   const SfPdkr& u = sf_pdkr();
   const SfPdkr2& u2 = sf_pdkr2();
   const int64_t pt = flat ? 0 : g.PT, pl = flat ? 0 : g.PL;
   #pragma omp parallel num_threads(nt) if (par)
   {
     // block cb of image n starts at the same offset in both layouts
-    if (!inplace) {
+    if (planar) {
+      #pragma omp for schedule(static)
+      for (int64_t b = 0; b < nimg * g.C; ++b)
+        sf_pad_blocked(x + b * g.H * g.W, g.H, g.W, pt, pl, Hp, Wp, xb16 + b * cbs, 1);
+    } else if (!inplace) {
       #pragma omp for schedule(static)
       for (int64_t b = 0; b < nimg * ncb; ++b) {
         const int64_t n = b / ncb, cb = b % ncb;
@@ -1190,13 +1208,14 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       const float* bb = epi || !bias ? nullptr : bias + c0;
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t p0 = r * OWr, len = std::min(OWr, P - p0);
-        const float* xr = xi + (flat ? p0 : r * g.SH * Wp) * 16;
+        const float* xr = xi + (flat ? p0 : r * g.SH * Wp) * pxf;
+        const int64_t form = (planar ? 2 : 0) + sw - 1;
         if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time
           for (int64_t j = 0; j < len;) {
             const int64_t mr = std::min(SF_PDK_MR2, len - j);
             const int64_t yo = bo ? (p0 + j) * 16 : p0 + j;
             for (int64_t v = 0; v < nv; ++v)
-              u2.fn[sw - 1][mr - 1](K, xr + j * sw * 16, off, wb + v * pstride, yb + 16 * v * P + yo, P,
+              u2.fn[form][mr - 1](K, xr + j * sw * pxf, off, wb + v * pstride, yb + 16 * v * P + yo, P,
                                     std::min<int64_t>(16, nvalid - 16 * v), bb ? bb + 16 * v : nullptr,
                                     rsd ? rsd + 16 * v * P + yo : nullptr, clamp, bo);
             j += mr;
@@ -1206,7 +1225,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
         for (int64_t j = 0; j < len;) {
           const int64_t mr = std::min(SF_PDK_MR, len - j);
           const int64_t yo = bo ? (p0 + j) * 16 : p0 + j;
-          u.fn[sw - 1][nv - 1][mr - 1](K, xr + j * sw * 16, off, wb, pstride, yb + yo, P, nvalid, bb,
+          u.fn[form][nv - 1][mr - 1](K, xr + j * sw * pxf, off, wb, pstride, yb + yo, P, nvalid, bb,
                                        rsd ? rsd + yo : nullptr, clamp, bo);
           j += mr;
         }
