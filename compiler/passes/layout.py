@@ -7,18 +7,20 @@ one conv feeds another, both passes are wasted. :class:`BlockedLayout` keeps suc
 blocked layout ``[N, C / 16, H, W, 16]`` (:data:`~shardflow.compiler.ops.conv.BLOCK`): real 5-D
 tensors of the graph, so shapes, buffers and fusion need nothing new.
 
-Which tensors: a float32 4-D tensor of a multiple of 16 channels (not a graph output) is blocked when
-its producer can write the layout and one of its readers reads it natively (both computed over the
-graph). Writers and native readers are the 2-D convs of one group with a constant weight and a row
-stride of 1 or 2 (they become :class:`~shardflow.compiler.ops.conv.PackedConv` with ``blocked_in`` /
-``blocked_out``), the :class:`~shardflow.compiler.ops.conv.WinogradConv` (its transforms read and write
-either layout), the 2-D depthwise convs (``group = C = OC``; Convs with ``blocked_in`` / ``blocked_out``,
-their weights as they are: ``sf_conv_depthwise`` computes 16 channels of a pixel as one vector), and, when their output is blocked too, max and average pools (a 3-D pool whose last
-window is one lane), concatenations of channels (the block axis) and element-wise ops whose other
-operands are blocked alike or constants of one value per channel (stored blocked, ``[1, C/16, 1, 1,
-16]``), a BatchNorm of constant parameters as the three element-wise ops it computes. An op whose output
-stays plain reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a
-``Reshape``), made once per tensor.
+Which tensors: a float32 4-D tensor of a multiple of 16 channels (not a graph output) is blocked when its
+producer can write the layout and one of its readers reads it natively (both computed over the graph).
+Writers and native readers are the 2-D convs of one group with a constant weight and a row stride of 1 or 2
+(they become :class:`~shardflow.compiler.ops.conv.PackedConv` with ``blocked_in`` / ``blocked_out``), the
+:class:`~shardflow.compiler.ops.conv.WinogradConv` (its transforms read and write either layout), the 2-D
+depthwise convs (``group = C = OC``; Convs with ``blocked_in`` / ``blocked_out``, their weights as they are:
+``sf_conv_depthwise`` computes 16 channels of a pixel as one vector), and, when their output is blocked too,
+max and average pools (a 3-D pool whose last window is one lane), concatenations of channels (the block
+axis) and element-wise ops whose other operands are blocked alike or constants of one value per channel
+(stored blocked, ``[1, C/16, 1, 1, 16]``), a BatchNorm of constant parameters as the three element-wise ops
+it computes. A global average or max pool reads the layout natively too (a pool of the whole plane and one
+lane, its ``[N, C/16, 1, 1, 16]`` result viewed as ``[N, C, 1, 1]``). Any other op whose output stays plain
+reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a ``Reshape``), made
+once per tensor.
 Convs whose input and output both stay plain keep their form (prepack's choice: the conv template, a
 PackedConv, Winograd's).
 
@@ -73,6 +75,13 @@ def _depthwise_ok(op: Operator) -> bool:
     return x.ndim == 4 and w.is_constant and w.ndim == 4 and w.shape[1] == 1 and 0 not in x.shape \
         and int(op.attrs.get("group", 1)) == x.shape[1] == w.shape[0] and x.shape[1] % 16 == 0 \
         and all(t.dtype == "float32" for t in list(op.inputs) + op.outputs)
+
+
+def _global_pool(op: Operator) -> bool:
+    """Whether ``op`` is a global average or max pool of a 4-D float32 tensor (it reads the layout natively: a
+    pool of a window of the whole plane and one lane)."""
+    return op.op_type == "GlobalPool" and op.attrs.get("kind") in ("avg", "max") and op.inputs[0].ndim == 4 \
+        and op.inputs[0].dtype == "float32"
 
 
 def _follower(op: Operator) -> bool:
@@ -196,7 +205,7 @@ class BlockedLayout(GraphPass):
         for op in reversed(graph.nodes):
             if len(op.outputs) == 1 and id(op.outputs[0]) in can and id(op.outputs[0]) in want:
                 blocked.add(id(op.outputs[0]))
-            if id(op) in convs:
+            if id(op) in convs or _global_pool(op):
                 want.add(id(op.inputs[0]))
             elif _follower(op) and len(op.outputs) == 1 and id(op.outputs[0]) in blocked:
                 want.update(id(t) for t in _activations(op))
@@ -254,6 +263,15 @@ class BlockedLayout(GraphPass):
                 new = (PackedConv if op.op_type == "Conv" and id(op) not in depthwise else type(op))(
                     inputs, name=op.name, **attrs)
                 n_conv += 1
+            elif _global_pool(op) and id(op.inputs[0]) in blocked:
+                # a window of the whole plane and one lane, then the [N, C/16, 1, 1, 16] result viewed as
+                # [N, C, 1, 1] (the same order): no reorder of the whole tensor
+                b = read(op.inputs[0], True)
+                n, cb, h, w, lanes = b.shape
+                pool = Pool([b], name=f"{op.name}.blocked", kind=op.attrs["kind"], kernel=(h, w, 1), strides=(1, 1, 1),
+                            dilations=(1, 1, 1), pads=(0,) * 6)
+                nodes.append(pool)
+                new = Reshape([pool.outputs[0]], name=op.name, shape=(n, cb * lanes, 1, 1))
             elif out_b and op.op_type == "BatchNorm":
                 *steps, new = _batch_norm(op, read(op.inputs[0], True), blocked_const)
                 nodes.extend(steps)

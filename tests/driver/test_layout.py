@@ -23,7 +23,7 @@ def _net(rng, path, batch=1):
     64->64, + the pool's output, Relu -> r; a 1x1 of stride 2 (64->48) and a 3x3 of stride 2 (64->16) of r,
     concatenated with a max pool of x (plain: a reorder), 80 channels at 8x8, an average pool, a 1x1 to 20
     channels (not a multiple of 16) -> y1;
-    and GlobalAveragePool of r (a reader of the plain layout) -> y2."""
+    and GlobalAveragePool of r (a pool of the whole blocked plane) -> y2."""
     def w(*shape, scale=0.2):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -68,8 +68,9 @@ def _run(path, out, mesh, x, **options):
 def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
     """The net's tensors between convs are blocked ([N, C/16, H, W, 16] buffers; the pool, the residual
     add and the concatenation in that layout, the concatenation's plain part through a reorder; the 1x1
-    of 20 channels writes the plain layout and GlobalAveragePool reads a reorder), and every rank's outputs match onnxruntime's, as do those of the
-    program compiled with ``blocked: False`` (no 5-D buffer)."""
+    of 20 channels writes the plain layout and GlobalAveragePool pools the blocked r), and every rank's
+    outputs match onnxruntime's, as do those of the program compiled with ``blocked: False`` (no 5-D
+    buffer)."""
     ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(3)
     path = tmp_path / "net.onnx"
@@ -86,7 +87,10 @@ def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
                 assert not five
                 continue
             assert len(five) >= 5 and all(b["shape"][-1] == 16 for b in five)
-            assert sum(name.endswith(".unblock") for name in steps) == 1  # r, for GlobalAveragePool
+            # GlobalAveragePool reads r blocked (a pool of the whole plane, viewed as [N, C, 1, 1]): no reorder
+            assert not any(name.endswith(".unblock") for name in steps)
+            gap = [s for s in program["steps"] if s["kind"] == "kernel" and s["node"].endswith(".blocked")]
+            assert len(gap) == 1 and len(program["buffers"][gap[0]["inputs"][0]]["shape"]) == 5
             # the concatenation reads the plain pool of x (its reorder fused into the concatenation's kernel)
             bufs = program["buffers"]
             cat = [s for s in program["steps"] if s["kind"] == "kernel" and s["node"] == "Concat(cat)"]
