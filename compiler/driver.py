@@ -39,7 +39,8 @@ key               meaning                                                       
 ``blocked``       cpu: tensors between convs kept blocked by 16 channels, ``[N, C/16, H, W,   ``True``
                   16]``, the layout the conv kernels compute in, instead of blocking each
                   conv's image and transposing its output on every call (passes/layout.py);
-                  pools, element-wise ops and channel concatenations between them follow
+                  depthwise convs, pools, global pools, element-wise ops and channel
+                  concatenations between them follow, and stems (3-channel images) write it
 ``fold_affine``   a conv's following BatchNormalization and element-wise Mul/Div/Add/Sub by    ``True``
                   per-channel constants folded into its weight and bias at compile time, for
                   every target (passes/fold.py); values change by rounding only
