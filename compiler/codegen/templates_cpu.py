@@ -290,22 +290,12 @@ def _conv_io(op, fused) -> tuple[dict[int, int], str, str, str | None]:
     return index, x, w, f"in{index[id(op.inputs[2])]}" if len(op.inputs) > 2 else None
 
 
-def _blocked_depthwise(op) -> bool:
-    """Whether ``op`` is a 2-D depthwise Conv (one input and one output channel per group) that
-    ``sf_conv_depthwise`` runs on the blocked layout (``blocked_in``/``blocked_out``, passes/layout.py)."""
-    w = op.inputs[1].shape
-    return op.op_type == "Conv" and len(w) == 4 and w[1] == 1 and int(op.attrs.get("group", 1)) == w[0] \
-        and w[0] % 16 == 0
-
-
 def _conv(op, fused=None) -> str | None:
     """Conv over 1 or 2 spatial dims through :func:`sf_conv2d`; with ``fused`` (a fused op whose first
     member is ``op``, the others element-wise ops on its output), the kernel of the whole group: its
     tiles are finished by the bias and those ops (:func:`_conv_epilogue`)."""
     x = op.inputs[0].shape
     blocked = [bool(op.attrs.get(k)) for k in ("blocked_in", "blocked_out")]
-    if op.op_type == "Conv" and any(blocked) and not _blocked_depthwise(op):
-        return None  # the conv template reads and writes the plain layout
     if blocked[0]:  # [N, C / 16, H, W, 16] (passes/layout.py): the conv's geometry is the logical shape's
         x = (x[0], x[1] * x[-1]) + tuple(x[2:-1])
     n_sp = len(x) - 2
@@ -327,6 +317,8 @@ def _conv(op, fused=None) -> str | None:
         oc, icg, kern = w[0], w[1], tuple(w[2:])
     ocg = oc // g
     depthwise = not packed and not wino and icg == 1 and g == x[1]  # sf_conv_depthwise
+    if op.op_type == "Conv" and any(blocked) and not (depthwise and ocg == 1):
+        return None  # of plain Convs, only depthwise ones of one output per channel read or write the layout
     if (icg * _prod(kern) < 4 or ocg < 4) and not depthwise:
         return None  # thin groups that are not depthwise: the generic nest
     strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
