@@ -225,6 +225,12 @@ def _large():
                    strides=(2, 2), blocked_out=True),
         PackedConv([_t((1, 1, 15, 17, 16)), _panels(144, 64), _t((64,))], oc=64, kernel=(3, 3), pads=(1, 1, 1, 1),
                    strides=(2, 2), blocked_in=True, blocked_out=True),
+        # 7-pixel output rows (AVX-512: tiles of two rows, a lone last row of a task's run on its own): stride 1
+        # blocked both sides (two images, panels of 32 and 16 channels), stride 2 to a plain output (40 channels)
+        PackedConv([_t((2, 3, 7, 7, 16)), _panels(432, 48), _t((48,))], oc=48, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   blocked_in=True, blocked_out=True),
+        PackedConv([_t((1, 2, 14, 13, 16)), _panels(288, 40), _t((40,))], oc=40, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   strides=(2, 2), blocked_in=True),
         WinogradConv([_t((1, 4, 28, 28, 16)), _wino(64, 64, 4), _t((64,))], oc=64, m=4, pads=(1, 1, 1, 1),
                      blocked_in=True, blocked_out=True),
         WinogradConv([_t((2, 1, 9, 13, 16)), _wino(16, 32, 2)], oc=32, m=2, pads=(1, 0, 1, 1), blocked_in=True),
@@ -1138,6 +1144,9 @@ def test_conv_epilogue_fusion(tmp_path):
         group("blocked-s2-relu6", PackedConv([inp(1, 20, 9, 33), inp(2, 180, PANEL)], oc=32, kernel=(3, 3),
                                              pads=(1, 1, 1, 1), strides=(2, 2), blocked_out=True),
               lambda y: Clip([y], lo=0.0, hi=6.0)),
+        group("blocked-rows7-residual", PackedConv([inp(1, 2, 7, 7, 16), inp(2, 288, PANEL), inp(32)], oc=32,
+                                                  kernel=(3, 3), pads=(1, 1, 1, 1), blocked_in=True, blocked_out=True),
+              lambda y: Binary([y, inp(1, 2, 7, 7, 16)], fn="add"), lambda y: Activation([y], kind="relu")),
     ]
     epi_blocked = [  # a blocked output's other element-wise ops: the epilogue over the lanes of each pixel
         group("blocked-scale", PackedConv([inp(1, 2, 7, 5, 16), inp(2, 32, PANEL), inp(32)], oc=32, kernel=(1, 1),
@@ -1259,7 +1268,7 @@ def test_conv_epilogue_fusion(tmp_path):
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino + finish_blocked)
     assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked) + 1
-    assert src.text.count("SF_BLK_IN | SF_BLK_OUT, nullptr, nullptr, in3, SfClamp{true, 0.0f, ") == 1
+    assert src.text.count("SF_BLK_IN | SF_BLK_OUT, nullptr, nullptr, in3, SfClamp{true, 0.0f, ") == 2
     assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 2
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
     assert src.text.count("sf_conv_depthwise(in") == len(finish_dw + depthwise)
