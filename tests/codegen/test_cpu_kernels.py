@@ -323,6 +323,11 @@ def _large():
         Pool([_t((1, 1, 13, 11, 16))], kind="avg", kernel=(3, 3, 1), strides=(2, 2, 1), pads=(1, 1, 0, 1, 1, 0),
              ceil_mode=True, count_include_pad=False),
         Pool([_t((1, 3, 7, 7, 16))], kind="avg", kernel=(7, 7, 1)),
+        # windows inside the image (constant loops) beside border ones: dilated, padding counted; a max pool of
+        # stride 1
+        Pool([_t((1, 2, 12, 13, 16))], kind="avg", kernel=(3, 3, 1), dilations=(2, 2, 1), pads=(2, 1, 0, 2, 3, 0),
+             count_include_pad=True),
+        Pool([_t((2, 1, 9, 10, 16))], kind="max", kernel=(3, 2, 1), pads=(1, 0, 0, 1, 1, 0)),
         # rows of at least 16 outputs: along the rows, then down (separable), with the same edge cases
         Pool([_t((1, 3, 40, 45))], kind="max", kernel=(3, 2), strides=(2, 1), dilations=(2, 1), pads=(1, 0, 2, 1),
              ceil_mode=True),
