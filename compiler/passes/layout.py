@@ -78,10 +78,17 @@ def _depthwise_ok(op: Operator) -> bool:
 
 
 def _global_pool(op: Operator) -> bool:
-    """Whether ``op`` is a global average or max pool of a 4-D float32 tensor (it reads the layout natively: a
-    pool of a window of the whole plane and one lane)."""
-    return op.op_type == "GlobalPool" and op.attrs.get("kind") in ("avg", "max") and op.inputs[0].ndim == 4 \
-        and op.inputs[0].dtype == "float32"
+    """Whether ``op`` is a global average or max pool of a 4-D float32 tensor, or a 2-D pool of one window of
+    the whole plane (ResNet-50's 7x7 AveragePool) that way (it reads the layout natively: a pool of a window
+    of the whole plane and one lane)."""
+    x = op.inputs[0]
+    if op.attrs.get("kind") not in ("avg", "max") or x.ndim != 4 or x.dtype != "float32" or len(op.outputs) != 1:
+        return False
+    if op.op_type == "Pool":
+        return not op.attrs.get("with_indices") and len(op.inputs) == 1 \
+            and tuple(op.attrs["kernel"]) == tuple(x.shape[2:]) and not any(op.attrs.get("pads") or ()) \
+            and all(d == 1 for d in op.attrs.get("dilations") or ()) and tuple(op.outputs[0].shape[2:]) == (1, 1)
+    return op.op_type == "GlobalPool"
 
 
 def _follower(op: Operator) -> bool:
@@ -263,7 +270,7 @@ class BlockedLayout(GraphPass):
                 new = (PackedConv if op.op_type == "Conv" and id(op) not in depthwise else type(op))(
                     inputs, name=op.name, **attrs)
                 n_conv += 1
-            elif _global_pool(op) and id(op.inputs[0]) in blocked:
+            elif _global_pool(op) and id(op.inputs[0]) in blocked and not out_b:
                 # a window of the whole plane and one lane, then the [N, C/16, 1, 1, 16] result viewed as
                 # [N, C, 1, 1] (the same order): no reorder of the whole tensor
                 b = read(op.inputs[0], True)

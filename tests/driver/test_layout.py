@@ -23,7 +23,7 @@ def _net(rng, path, batch=1):
     64->64, + the pool's output, Relu -> r; a 1x1 of stride 2 (64->48) and a 3x3 of stride 2 (64->16) of r,
     concatenated with a max pool of x (plain: a reorder), 80 channels at 8x8, an average pool, a 1x1 to 20
     channels (not a multiple of 16) -> y1;
-    and GlobalAveragePool of r (a pool of the whole blocked plane) -> y2."""
+    and GlobalAveragePool of r plus a MaxPool of r's whole 16x16 plane (pools of the whole blocked plane) -> y2."""
     def w(*shape, scale=0.2):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
@@ -44,7 +44,8 @@ def _net(rng, path, batch=1):
              n("MaxPool", ["x"], ["px"], kernel_shape=[4, 4], strides=[4, 4]),
              n("Concat", ["cc", "s", "px"], ["cat"], axis=1),
              n("AveragePool", ["cat"], ["ap"], kernel_shape=[2, 2]),
-             n("Conv", ["ap", "wo"], ["y1"]), n("GlobalAveragePool", ["r"], ["y2"])]
+             n("Conv", ["ap", "wo"], ["y1"]), n("GlobalAveragePool", ["r"], ["g1"]),
+             n("MaxPool", ["r"], ["g2"], kernel_shape=[16, 16]), n("Add", ["g1", "g2"], ["y2"])]
     graph = helper.make_graph(
         nodes, "blocked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16, 32, 32])],
         [helper.make_tensor_value_info("y1", TensorProto.FLOAT, [batch, 20, 7, 7]),
@@ -87,10 +88,11 @@ def test_blocked_programs_match_onnxruntime(tmp_path, mesh):
                 assert not five
                 continue
             assert len(five) >= 5 and all(b["shape"][-1] == 16 for b in five)
-            # GlobalAveragePool reads r blocked (a pool of the whole plane, viewed as [N, C, 1, 1]): no reorder
+            # GlobalAveragePool and the 16x16 MaxPool read r blocked (a pool of the whole plane, viewed as
+            # [N, C, 1, 1]): no reorder
             assert not any(name.endswith(".unblock") for name in steps)
             gap = [s for s in program["steps"] if s["kind"] == "kernel" and s["node"].endswith(".blocked")]
-            assert len(gap) == 1 and len(program["buffers"][gap[0]["inputs"][0]]["shape"]) == 5
+            assert len(gap) == 2 and all(len(program["buffers"][s["inputs"][0]]["shape"]) == 5 for s in gap)
             # the concatenation reads the plain pool of x (its reorder fused into the concatenation's kernel)
             bufs = program["buffers"]
             cat = [s for s in program["steps"] if s["kind"] == "kernel" and s["node"] == "Concat(cat)"]
