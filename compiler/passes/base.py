@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..ir.graph import FlowGraph, Operator, Tensor
 
-__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument", "splice"]
+__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument", "per_channel", "splice"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,15 @@ class GraphPass:
 
     def __call__(self, graph: FlowGraph) -> FlowGraph:
         return self.run(graph)
+
+
+def per_channel(t: Tensor, y: Tensor) -> bool:
+    """Whether ``t`` is a constant that an element-wise op broadcasts against ``y [N, C, ...]`` as one value per
+    channel (or one value): no more dims than ``y``, none but the channel dim above 1."""
+    if not t.is_constant or t.ndim > y.ndim:
+        return False
+    full = (1,) * (y.ndim - t.ndim) + tuple(t.shape)
+    return all(d == 1 for k, d in enumerate(full) if k != 1) and full[1] in (1, y.shape[1])
 
 
 def splice(graph: FlowGraph, after: dict[int, list[Operator]], replace: dict[int, Tensor]) -> FlowGraph:

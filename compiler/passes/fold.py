@@ -25,7 +25,7 @@ import logging
 import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
-from .base import GraphPass, splice
+from .base import GraphPass, per_channel, splice
 
 __all__ = ["FoldAffineIntoConv"]
 
@@ -34,15 +34,12 @@ log = logging.getLogger(__name__)
 _FLOATS = ("float32", "float64")
 
 
-def _per_channel(c: Tensor, y: Tensor) -> np.ndarray | None:
+def _channel_values(c: Tensor, y: Tensor) -> np.ndarray | None:
     """``c``'s value as one float64 number per channel of ``y [N, C, ...]`` when ``c`` broadcasts against
     ``y`` along the channel dim only (and does not widen ``y``); else ``None``."""
-    if not c.is_constant or c.dtype != y.dtype or c.ndim > y.ndim:
+    if c.dtype != y.dtype or not per_channel(c, y):
         return None
-    full = (1,) * (y.ndim - c.ndim) + tuple(c.shape)
-    if any(d != 1 for k, d in enumerate(full) if k != 1) or full[1] not in (1, y.shape[1]):
-        return None
-    v = np.asarray(c.value, np.float64).reshape(full[1])
+    v = np.asarray(c.value, np.float64).reshape(-1)
     return np.broadcast_to(v, (y.shape[1],)) if np.all(np.isfinite(v)) else None
 
 
@@ -67,7 +64,7 @@ def _affine(op: Operator, y: Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     other = op.inputs[1] if first else op.inputs[0]
     if other is y:
         return None
-    v = _per_channel(other, y)
+    v = _channel_values(other, y)
     if v is None:
         return None
     one, zero = np.ones(c), np.zeros(c)

@@ -35,22 +35,29 @@ import math
 import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
-from .base import GraphPass
+from .base import GraphPass, per_channel
 
 __all__ = ["BlockedLayout"]
 
 log = logging.getLogger(__name__)
 
 
+def _plain_2d(op: Operator) -> bool:
+    """Whether ``op`` has one output, float32 inputs and output, a non-empty 4-D image and neither side blocked
+    yet (what both kinds of blocked conv below need)."""
+    x = op.inputs[0]
+    return len(op.outputs) == 1 and x.ndim == 4 and 0 not in x.shape \
+        and all(t.dtype == "float32" for t in list(op.inputs) + op.outputs) \
+        and not op.attrs.get("blocked_in") and not op.attrs.get("blocked_out")
+
+
 def _conv_ok(op: Operator) -> bool:
     """Whether ``op`` is a conv the blocked kernels run: a float32 2-D Conv of one group with a constant
     weight, or a 2-D PackedConv, at a row stride of 1 or 2; or a WinogradConv."""
-    if op.op_type not in ("Conv", "PackedConv", "WinogradConv") or len(op.outputs) != 1 \
-            or int(op.attrs.get("group", 1)) != 1:
+    if op.op_type not in ("Conv", "PackedConv", "WinogradConv") or int(op.attrs.get("group", 1)) != 1 \
+            or not _plain_2d(op):
         return False
     x, w = op.inputs[0], op.inputs[1]
-    if x.ndim != 4 or any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape:
-        return False
     if op.op_type == "Conv" and (not w.is_constant or w.ndim != 4):
         return False
     # an image of channels not a multiple of 16 is read plain and the conv may write the layout: a stem's
@@ -60,8 +67,6 @@ def _conv_ok(op: Operator) -> bool:
     # (their depthwise convs reading blocked 0.17 -> 0.13); a 1x1 of fewer than 16 channels stays as it is
     if x.shape[1] < 16 and math.prod(w.shape[2:] if op.op_type == "Conv" else op.attrs["kernel"]) == 1:
         return False
-    if op.attrs.get("blocked_in") or op.attrs.get("blocked_out"):
-        return False
     strides = tuple(op.attrs.get("strides") or (1, 1))
     return strides[1] in (1, 2)
 
@@ -69,12 +74,11 @@ def _conv_ok(op: Operator) -> bool:
 def _depthwise_ok(op: Operator) -> bool:
     """Whether ``op`` is a depthwise conv the blocked kernels run: a float32 2-D Conv of one input and one
     output channel per group (``group = C = OC``, a multiple of 16) with a constant weight, any stride."""
-    if op.op_type != "Conv" or len(op.outputs) != 1 or op.attrs.get("blocked_in") or op.attrs.get("blocked_out"):
+    if op.op_type != "Conv" or not _plain_2d(op):
         return False
     x, w = op.inputs[0], op.inputs[1]
-    return x.ndim == 4 and w.is_constant and w.ndim == 4 and w.shape[1] == 1 and 0 not in x.shape \
-        and int(op.attrs.get("group", 1)) == x.shape[1] == w.shape[0] and x.shape[1] % 16 == 0 \
-        and all(t.dtype == "float32" for t in list(op.inputs) + op.outputs)
+    return w.is_constant and w.ndim == 4 and w.shape[1] == 1 \
+        and int(op.attrs.get("group", 1)) == x.shape[1] == w.shape[0] and x.shape[1] % 16 == 0
 
 
 def _global_pool(op: Operator) -> bool:
@@ -108,15 +112,6 @@ def _follower(op: Operator) -> bool:
     return t in ("Activation", "Unary", "Binary", "Clip", "Identity")
 
 
-def _per_channel(t: Tensor, out: Tensor) -> bool:
-    """Whether ``t`` is a constant an element-wise op broadcasts over its 4-D output ``out`` as one value
-    per channel (or one value)."""
-    if not t.is_constant or t.ndim > 4:
-        return False
-    shape = (1,) * (4 - t.ndim) + tuple(t.shape)
-    return shape[0] == shape[2] == shape[3] == 1 and shape[1] in (1, out.shape[1])
-
-
 def _activations(op: Operator) -> list[Tensor]:
     """The inputs of a follower laid out as its output (the others: a BatchNorm's parameters, constants of
     one value per channel)."""
@@ -124,7 +119,7 @@ def _activations(op: Operator) -> list[Tensor]:
         return list(op.inputs)
     if op.op_type == "BatchNorm":
         return op.inputs[:1]
-    return [t for t in op.inputs if not _per_channel(t, op.outputs[0])]
+    return [t for t in op.inputs if not per_channel(t, op.outputs[0])]
 
 
 def _aligned(op: Operator, t: Tensor, out: Tensor) -> bool:
