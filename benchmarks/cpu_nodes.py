@@ -54,8 +54,16 @@ def main(argv=None) -> None:
     prog = load(build, rank=0)
     inits = {i.name for i in m.graph.initializer}
     rng = np.random.default_rng(0)
-    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
-             for i in m.graph.input if i.name not in inits}
+    feeds = {}
+    for i in m.graph.input:
+        if i.name in inits:
+            continue
+        shape, dtype = [d.dim_value for d in i.type.tensor_type.shape.dim], onnx.helper.tensor_dtype_to_np_dtype(
+            i.type.tensor_type.elem_type)
+        if dtype.kind == "f":
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+        else:  # token ids below every vocabulary's size; masks of ones
+            feeds[i.name] = np.ones(shape, dtype) if "mask" in i.name else rng.integers(0, 100, shape).astype(dtype)
     ours = [o for o in prog.profile(feeds, repeat=args.reps, warmup=2) if o["kind"] == "kernel"]
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = args.threads
