@@ -1,12 +1,14 @@
 """Handlers for ONNX ops built from other IR ops or constants: the window functions (HannWindow,
 HammingWindow, BlackmanWindow), the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im and MaxUnpool.
+AffineGrid, Col2Im, MaxUnpool, and OptionalHasElement / OptionalGetElement of tensors.
 
 Windows depend only on their size, which must be known at import; they become constants. The
 losses are composed from LogSoftmax, GatherElements, Gather, Where, Reduce and element-wise ops,
 following the function bodies of the ONNX schemas. AffineGrid is a constant base grid times
 theta (MatMul); Col2Im is a grouped ConvTranspose with one-hot kernels; MaxUnpool scatters into
-zeros (ScatterElements).
+zeros (ScatterElements). An optional graph input of a tensor type is compiled as present (the program
+takes the tensor; onnx_importer.py), so an optional's element is its tensor and it has one exactly when the
+node names an input.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 
 from ..ir.graph import Tensor
 from ..ops.conv import ConvTranspose
-from ..ops.elementwise import Binary, Unary, Where
+from ..ops.elementwise import Binary, Identity, Unary, Where
 from ..ops.linalg import MatMul
 from ..ops.reduce import Reduce, Softmax
 from ..ops.transform import Full, Gather, GatherElements, Reshape, ScatterElements, Transpose
@@ -285,3 +287,15 @@ def max_unpool(ctx):
     flat_i = ctx.add(Reshape([idx], name=f"{ctx.name}/flat_i", shape=(x.size,)))
     flat = ctx.add(ScatterElements([zeros, flat_i, flat_x], name=f"{ctx.name}/scatter", axis=0, reduction="none"))
     return [ctx.add(Reshape([flat], name=ctx.name, shape=shape))]
+
+
+# Optional values ---------------------------------------------------------------------------------
+
+@onnx_op("OptionalHasElement", since=15)
+def optional_has_element(ctx):
+    return [ctx.constant(np.array(ctx.has_input(0)))]
+
+
+@onnx_op("OptionalGetElement", since=15)
+def optional_get_element(ctx):
+    return [ctx.add(Identity([ctx.input(0)], name=ctx.name))]

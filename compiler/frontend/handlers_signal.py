@@ -1,4 +1,5 @@
-"""Handlers for the ONNX signal ops ``DFT`` (opsets 17 and 20) and ``STFT`` (opset 17).
+"""Handlers for the ONNX signal ops ``DFT`` (opsets 17 and 20), ``STFT`` and ``MelWeightMatrix`` (opset 17; a
+constant, computed at import as the ONNX reference does).
 
 Shapes are static, so a transform of length ``N`` is a product with a constant matrix: the cos and
 sin tables are computed in float64 at import and stored in the input's float type. Complex values
@@ -28,7 +29,7 @@ import logging
 import numpy as np
 
 from ..ir.graph import Tensor
-from .registry import REQUIRED, NodeContext, onnx_op
+from .registry import REQUIRED, NodeContext, onnx_dtype, onnx_op
 
 _OPSET = 13  # of the nodes emitted
 _FLOATS = ("float16", "float32", "float64")
@@ -200,3 +201,55 @@ def stft(ctx):
         x = ctx.emit("Mul", [x, _reshape(ctx, window, [1, 1, frame, 1])], _OPSET)
     bins = frame // 2 + 1 if onesided else frame
     return [_apply(ctx, x, 2, frame, dft_matrix(frame, comps, bins, frame, False, weights), 2)]
+
+
+# MelWeightMatrix -------------------------------------------------------------------------------
+def mel_weight_matrix(num_mel_bins: int, dft_length: int, sample_rate: np.ndarray, lower_edge_hertz: np.ndarray,
+                      upper_edge_hertz: np.ndarray) -> np.ndarray | None:
+    """The ``[dft_length // 2 + 1, num_mel_bins]`` matrix of triangular mel filters, in float64, computed in
+    the order of the ONNX reference's operations (the band edges are truncated to spectrogram bins, so they
+    follow its numpy types: the 0-d arrays given as inputs); ``None`` when an edge falls outside the bins."""
+    bins = dft_length // 2 + 1
+    f = np.arange(0, num_mel_bins + 2)
+    low_mel = 2595 * np.log1p(lower_edge_hertz / 700) / np.log(10)
+    high_mel = 2595 * np.log1p(upper_edge_hertz / 700) / np.log(10)
+    f = f * ((high_mel - low_mel) / f.shape[0]) + low_mel
+    f = 700 * np.expm1(f / 2595 * np.log(10))
+    edges = (((dft_length + 1) * f) // sample_rate).astype(np.int64)
+    if edges.min() < 0 or edges.max() >= bins:
+        return None
+    out = np.zeros((bins, num_mel_bins))
+    for i in range(num_mel_bins):
+        lo, mid, hi = (int(e) for e in edges[i:i + 3])
+        if mid == lo:
+            out[mid, i] = 1.0
+        else:
+            out[lo:mid + 1, i] = (np.arange(lo, mid + 1) - lo) / float(mid - lo)
+        if hi > mid:
+            out[mid:hi, i] = (hi - np.arange(mid, hi)) / float(hi - mid)
+    return out
+
+
+@onnx_op("MelWeightMatrix", since=17)
+def mel_weight_matrix_(ctx):
+    """A constant: all five inputs must be known at import."""
+    n_mel, length = _scalar(ctx, 0, "num_mel_bins"), _scalar(ctx, 1, "dft_length")
+    rate = np.asarray(ctx.const(2))
+    lo, hi = np.asarray(ctx.const(3)), np.asarray(ctx.const(4))
+    if rate.size != 1 or rate.dtype.kind not in "iu":
+        raise ctx.invalid(f"sample_rate must be one integer, got {rate.dtype} of shape {list(rate.shape)}")
+    for what, v in (("lower_edge_hertz", lo), ("upper_edge_hertz", hi)):
+        if v.size != 1 or v.dtype.kind != "f":
+            raise ctx.invalid(f"{what} must be one float, got {v.dtype} of shape {list(v.shape)}")
+    if n_mel < 1 or length < 1 or int(rate.ravel()[0]) < 1:
+        raise ctx.invalid(f"num_mel_bins ({n_mel}), dft_length ({length}) and sample_rate "
+                          f"({int(rate.ravel()[0])}) must be positive")
+    if not 0 <= float(lo.ravel()[0]) < float(hi.ravel()[0]):
+        raise ctx.invalid(f"the edges must satisfy 0 <= lower_edge_hertz < upper_edge_hertz, got "
+                          f"{float(lo.ravel()[0])} and {float(hi.ravel()[0])}")
+    m = mel_weight_matrix(n_mel, length, rate.reshape(()), lo.reshape(()), hi.reshape(()))
+    if m is None:
+        raise ctx.invalid(f"the filters' edges fall outside the {length // 2 + 1} spectrogram bins (upper_edge_hertz "
+                          f"{float(hi.ravel()[0])} above sample_rate / 2?)")
+    dtype = onnx_dtype(int(ctx.attr("output_datatype", 1)), f"node {ctx.name} attribute 'output_datatype'")
+    return [ctx.constant(m.astype(dtype))]

@@ -235,9 +235,13 @@ class _Importer:
         res = []
         for vi in real:
             tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if vi.type.HasField("optional_type") and vi.type.optional_type.elem_type.HasField("tensor_type"):
+                # an optional tensor is compiled as present: the program takes the tensor (no way to pass none)
+                tt = vi.type.optional_type.elem_type.tensor_type
+                log.info("graph input %r is an optional tensor: compiled as present", vi.name)
             if tt is None:
-                raise UnsupportedOperatorError(f"graph input {vi.name!r} is not a tensor (sequence/map/optional "
-                                               "inputs are not supported)")
+                raise UnsupportedOperatorError(f"graph input {vi.name!r} is not a tensor or an optional tensor "
+                                               "(sequence and map inputs are not supported)")
             dtype = onnx_dtype(tt.elem_type, f"graph input {vi.name!r}")
             if vi.name in self.input_values:
                 self.env[vi.name] = self._bound_input(vi.name, tt, dtype)

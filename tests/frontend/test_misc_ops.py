@@ -1,5 +1,5 @@
 """CumProd, the window functions, the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im and MaxUnpool imported from small ONNX models and run with FlowGraph.run
+AffineGrid, Col2Im, MaxUnpool and the optional-tensor ops imported from small ONNX models and run with FlowGraph.run
 against onnxruntime; the errors for what is refused; and composed ops compiled for the cpu target."""
 import numpy as np
 import onnx
@@ -271,3 +271,23 @@ def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
     compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
             out_dir=str(tmp_path / "o"))
     np.testing.assert_allclose(load(str(tmp_path / "o"), rank=0).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_optional_tensor_input_is_compiled_as_present(tmp_path):
+    """A graph input of an optional tensor type is the tensor (the program takes it): OptionalGetElement is
+    it, OptionalHasElement is True for it and False for a left-out input; compiled for the cpu target."""
+    opt = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 3]))
+    nodes = [helper.make_node("OptionalGetElement", ["x"], ["e"]), helper.make_node("Relu", ["e"], ["y"]),
+             helper.make_node("OptionalHasElement", ["x"], ["has"]),
+             helper.make_node("OptionalHasElement", [""], ["none"])]
+    g = helper.make_graph(nodes, "g", [helper.make_value_info("x", opt)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+                           helper.make_tensor_value_info("has", TensorProto.BOOL, []),
+                           helper.make_tensor_value_info("none", TensorProto.BOOL, [])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], np.float32)
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "out")
+    got = load(tmp_path / "out", 0).run({"x": x})
+    np.testing.assert_array_equal(got["y"], np.maximum(x, 0))
+    assert got["has"].dtype == np.bool_ and bool(got["has"]) and not bool(got["none"])

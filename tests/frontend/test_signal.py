@@ -230,3 +230,27 @@ def test_stft_sharded_over_two_ranks():
     assert str(plan.tensor_specs[graph.outputs[0].name]).startswith("S(")
     got = simulate(partition(graph, plan), {"x": x})
     np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def _mel_model(n_mel, length, rate, lo, hi):
+    consts = {"n": np.array(n_mel, np.int64), "len": np.array(length, np.int64), "rate": np.array(rate, np.int64),
+              "lo": np.array(lo, np.float32), "hi": np.array(hi, np.float32)}
+    node = helper.make_node("MelWeightMatrix", list(consts), ["y"], name="mel")
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, None])],
+                              [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("args", [(10, 64, 16000, 0.0, 8000.0), (40, 512, 22050, 125.0, 7600.0), (3, 8, 100, 1.0, 49.0)])
+def test_mel_weight_matrix_matches_the_onnx_reference(args):
+    """A constant of [dft_length // 2 + 1, num_mel_bins] triangular filters, exactly the reference's."""
+    model = _mel_model(*args)
+    want = run_reference(model, {})
+    got = load_onnx(model).run({})["y"]
+    assert got.shape == (args[1] // 2 + 1, args[0]) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mel_weight_matrix_edges_past_the_bins_are_refused():
+    with pytest.raises(ModelFormatError, match=r"node mel .*outside the 33 spectrogram bins"):
+        load_onnx(_mel_model(10, 64, 16000, 0.0, 12000.0))
