@@ -863,6 +863,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.attention import HalfAttentionInFloat32
 
                 rg = HalfAttentionInFloat32().run(rg)
+            if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
+                # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks
+                # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory
+                from .passes.attention import FuseAttention
+
+                rg = FuseAttention(float32=True).run(rg)
             if opt.target == "cpu" and (opt.prepack or winograd):
                 # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
                 # Winograd's, their weights transformed here (passes/prepack.py)

@@ -445,10 +445,14 @@ def _conv_transpose(op, fused=None) -> str | None:
 
 def _attention(op) -> str | None:
     """Attention (float32 Q/K/V and output; an optional float or bool mask, ``nonpad_kv_seqlen``, causal,
-    windows, softcap, grouped K/V heads, 3-D or 4-D forms) through :func:`sf_attention`. The mixed-precision
-    form made by FuseAttention, extra biases and the ``qk_matmul_output`` modes keep the generic nest."""
+    windows, softcap, grouped K/V heads, 3-D or 4-D forms) through :func:`sf_attention`; also the float32 form
+    FuseAttention makes on the cpu target (``acc_dtype`` float32: the sums scaled by ``scale``; one extra bias
+    in place of a mask, a row whose every logit is -inf NaN as a Softmax gives it). The mixed-precision form,
+    more extra biases and the ``qk_matmul_output`` modes keep the generic nest."""
     a = op.attrs
-    if a.get("acc_dtype") or a.get("probs_dtype") or a.get("qk_mode") is not None or a.get("extra_biases", 0) \
+    extra_biases = a.get("extra_biases", 0)
+    if a.get("acc_dtype") not in (None, "float32") or a.get("probs_dtype") or a.get("qk_mode") is not None \
+            or extra_biases > 1 or (extra_biases and (a.get("has_mask") or a.get("has_nonpad"))) \
             or a.get("softmax_dtype") not in (None, "float32") or not isinstance(a.get("past_len", 0), int):
         return None
     q, k, v = op.inputs[:3]
@@ -457,9 +461,10 @@ def _attention(op) -> str | None:
         return None
     b_, hq, hk, s_len, l_len, d, dv = op._geometry(q, k, v)
     extra = list(op.inputs[3:])
-    mask = extra.pop(0) if a.get("has_mask") else None
+    mask = extra.pop(0) if a.get("has_mask") or extra_biases else None
     nonpad = extra.pop(0) if a.get("has_nonpad") else None
-    if (mask is not None and mask.dtype not in ("float32", "bool")) or (nonpad is not None and nonpad.dtype != "int64"):
+    if (mask is not None and mask.dtype not in ("float32", "bool")) or (nonpad is not None and nonpad.dtype != "int64") \
+            or (extra_biases and mask.dtype != "float32"):
         return None
 
     def strides(t, heads, rows, width):  # (batch, head, row) element strides of a 4-D or 3-D [B, N, H*E] tensor
@@ -474,7 +479,8 @@ def _attention(op) -> str | None:
             st.append(0 if e == 1 else acc)
             acc *= e
         ms, mlen = tuple(reversed(st))[:3], int(mask.shape[-1])  # keys contiguous (a key dim of 1: mlen 1)
-    c = np.float32(a.get("scale_sqrt", 1.0))
+    # the scores' scale: scale_sqrt squared (ONNX scales Q and K), or the scale itself (acc_dtype: after the sum)
+    c2 = np.float32(a.get("scale", 1.0)) if a.get("acc_dtype") else np.float32(a.get("scale_sqrt", 1.0)) ** 2
     lines = _args(op)
     mask_arg = "inputs[3]" if mask is not None else "nullptr"
     np_arg = f"static_cast<const int64_t*>(inputs[{3 + (mask is not None)}])" if nonpad is not None else "nullptr"
@@ -483,10 +489,10 @@ def _attention(op) -> str | None:
                  f"[{l_len}, {dv}]{what}")
     lines.append(f"  static const SfAttn cfg = {{{b_}, {hq}, {hk}, {s_len}, {l_len}, {d}, {dv}, "
                  f"{_arr(strides(q, hq, s_len, d))}, {_arr(strides(k, hk, l_len, d))}, "
-                 f"{_arr(strides(v, hk, l_len, dv))}, {_arr(ys)}, {_flt(c * c)}, {_flt(a.get('softcap', 0.0))}, "
+                 f"{_arr(strides(v, hk, l_len, dv))}, {_arr(ys)}, {_flt(c2)}, {_flt(a.get('softcap', 0.0))}, "
                  f"{'true' if a.get('is_causal') else 'false'}, {int(a.get('past_len', 0))}, "
                  f"{int(a.get('left_window', -1))}, {int(a.get('right_window', -1))}, {mkind}, {_arr(ms)}, {mlen}, "
-                 f"{'true' if nonpad is not None else 'false'}}};")
+                 f"{'true' if nonpad is not None else 'false'}, {'true' if extra_biases else 'false'}}};")
     lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, out0, cfg);")
     return "\n".join(lines)
 

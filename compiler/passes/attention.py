@@ -87,7 +87,19 @@ def _causal(mask: np.ndarray, s_len: int, l_len: int) -> tuple[int | None, bool]
 
 
 class FuseAttention(GraphPass):
-    """Replace attention written as MatMul/Softmax/MatMul on half operands by one ``Attention``."""
+    """Replace attention written as MatMul/Softmax/MatMul on half operands by one ``Attention``.
+
+    ``float32=True`` (the cpu target at float32): the same pattern on float32 operands without the
+    casts, ``softmax(Q Kᵀ · scale + bias) V``, becomes ``Attention(..., acc_dtype="float32")`` (the
+    scores scaled after the sum, as the MatMul and Mul compute them; any bias added after the
+    scale, a row whose every logit is -inf NaN as the Softmax gives it), where the cpu template
+    computes it (:func:`~shardflow.compiler.codegen.templates_cpu.template_kind`): one bias at most
+    (GPT-2's and BERT's masks; T5's position bias and mask keep the separate ops). The op never
+    writes the ``[B, H, S, L]`` scores and reads and writes the heads in the ``[B, S, H*D]`` forms.
+    """
+
+    def __init__(self, float32: bool = False):
+        self.float32 = float32
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         self._producer = {id(t): op for op in graph.nodes for t in op.outputs}
@@ -128,7 +140,10 @@ class FuseAttention(GraphPass):
         return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
 
     def _half_of(self, t: Tensor) -> Tensor | None:
-        """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16."""
+        """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16 (float32 mode: ``t`` itself when
+        it is float32)."""
+        if self.float32:
+            return t if t.dtype == "float32" else None
         p = self._prod(t)
         if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
             return p.inputs[0]
@@ -162,13 +177,18 @@ class FuseAttention(GraphPass):
         if len(mm2.outputs[0].shape) != 4:
             return None
         vh = self._half_of(mm2.inputs[1])
-        up = self._prod(mm2.inputs[0])
-        if vh is None or not _is(up, "Cast", to="float32") or self._only(up.outputs[0]) is not mm2:
+        if vh is None:
             return None
-        down = self._prod(up.inputs[0])
-        if not _is(down, "Cast") or down.attrs.get("to") != vh.dtype or self._only(down.outputs[0]) is not up:
-            return None
-        sm = self._prod(down.inputs[0])
+        if self.float32:  # the probabilities straight from the Softmax
+            down, sm = mm2, self._prod(mm2.inputs[0])
+        else:  # the probabilities rounded to the half type: Cast(Cast(p, half), float32)
+            up = self._prod(mm2.inputs[0])
+            if not _is(up, "Cast", to="float32") or self._only(up.outputs[0]) is not mm2:
+                return None
+            down = self._prod(up.inputs[0])
+            if not _is(down, "Cast") or down.attrs.get("to") != vh.dtype or self._only(down.outputs[0]) is not up:
+                return None
+            sm = self._prod(down.inputs[0])
         if not _is(sm, "Softmax") or sm.attrs.get("log") or tuple(sm.attrs.get("axes", ())) != (3,) \
                 or self._only(sm.outputs[0]) is not down:
             return None
@@ -211,7 +231,7 @@ class FuseAttention(GraphPass):
         (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
         if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
             return None  # (batch broadcasting is left to the two products)
-        if not takes_heads(d, dv):
+        if not self.float32 and not takes_heads(d, dv):
             return None  # the generic lowering of the op would be slower than the separate ops
         biases.reverse()  # in the order they are added
         for bias in biases:
@@ -244,8 +264,14 @@ class FuseAttention(GraphPass):
         # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
         # every key is -inf, the Softmax of the matched ops gives NaN)
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
-                        scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32", probs_dtype=vh.dtype,
+                        scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32",
+                        **({} if self.float32 else {"probs_dtype": vh.dtype}),
                         extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
+        if self.float32:
+            from ..codegen.templates_cpu import template_kind
+
+            if template_kind(att) != "Attention":
+                return None  # the generic nest would be slower than the separate ops
         new_ops: list[Operator] = [att]
         y = att.outputs[0]
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result

@@ -85,8 +85,10 @@ def _global_pool(op: Operator) -> bool:
     """Whether ``op`` is a global average or max pool of a 4-D float32 tensor, or a 2-D pool of one window of
     the whole plane (ResNet-50's 7x7 AveragePool) that way (it reads the layout natively: a pool of a window
     of the whole plane and one lane)."""
+    if op.op_type not in ("Pool", "GlobalPool") or op.attrs.get("kind") not in ("avg", "max") or not op.inputs:
+        return False
     x = op.inputs[0]
-    if op.attrs.get("kind") not in ("avg", "max") or x.ndim != 4 or x.dtype != "float32" or len(op.outputs) != 1:
+    if x.ndim != 4 or x.dtype != "float32" or len(op.outputs) != 1:
         return False
     if op.op_type == "Pool":
         return not op.attrs.get("with_indices") and len(op.inputs) == 1 \

@@ -393,6 +393,86 @@ def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
     assert [launch.kind for launch in src.launches.values()].count("attention-f16") == 1, src.launches
 
 
+@pytest.mark.parametrize("model,fused,mesh", [("gpt2_ts17", 2, [1]), ("bert_dynamo18", 2, [1]), ("llama_ts17", 2, [1]),
+                                              ("gpt2_ts17", 2, [2]), ("t5_encoder_ts17", 0, [1])])
+def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path, model, fused, mesh):
+    """The cpu target at float32 fuses each MatMul/Softmax/MatMul attention (a padding mask as its one bias)
+    into an ``Attention`` step of the cpu template, on each rank's share of the heads; T5's two biases (the
+    position bias, then the mask) keep the separate ops. Outputs equal onnxruntime's."""
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+    from threads import run_threads
+
+    feeds, want = onnxruntime_reference(model)
+    out = tmp_path / "o"
+    compile(MODELS / f"{model}.onnx", distributed_config={"mesh_shape": mesh, "algo": "megatron"},
+            optimization_config={"target": "cpu"}, out_dir=out)
+    for r in range(mesh[0]):
+        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+        ops = [st.get("node", "") for st in program["steps"] if st["kind"] == "kernel"]
+        assert sum(n.endswith(".attention") for n in ops) == fused, ops
+        assert fused == 0 or not any("Softmax" in n for n in ops), ops
+    got = run_threads(InProcessWorld(mesh[0]).communicators(), lambda c: load(out, c.rank, c).run(feeds),
+                      timeout=120)
+    for res in got:
+        for name, w in want.items():
+            np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=name)
+
+
+def _float32_attention(bias_shape=(2, 1, 40, 70), two_biases=False):
+    """softmax(Q Kᵀ · 0.25 + bias) V on float32 [2, 3, *, 32] operands, written out as exporters do."""
+    from shardflow.compiler.ir import const_tensor
+    from shardflow.compiler.ir.graph import FlowGraph
+    from shardflow.compiler.ops.elementwise import Binary
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Transpose
+
+    q, k, v = Tensor("q", (2, 3, 40, 32), "float32"), Tensor("k", (2, 3, 70, 32), "float32"), \
+        Tensor("v", (2, 3, 70, 16), "float32")
+    biases = [Tensor("bias", bias_shape, "float32")] + ([Tensor("bias2", bias_shape, "float32")] if two_biases else [])
+    ops = []
+
+    def add(op):
+        ops.append(op)
+        return op.outputs[0]
+    s = add(MatMul([q, add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))], name="qk"))
+    s = add(Binary([s, const_tensor(np.array(0.25, np.float32))], name="scale", fn="mul"))
+    for i, bias in enumerate(biases):
+        s = add(Binary([s, bias], name=f"mask{i}", fn="add"))
+    y = add(MatMul([add(Softmax([s], name="sm", axes=(3,))), v], name="pv"))
+    return FlowGraph([q, k, v] + biases, [add(Binary([y, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
+
+
+def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
+    """FuseAttention(float32=True): one op whose reference values are the separate ops' (the scale after the
+    sum, the bias after the scale), compiled for the cpu to the same values up to rounding; a query row whose
+    bias hides every key is NaN as the Softmax makes it (ONNX Attention's own mask rule would give 0). Two
+    biases keep the separate ops (the cpu template adds one)."""
+    from shardflow.runtime import load
+
+    rng = np.random.default_rng(3)
+    g = _float32_attention()
+    bias = np.where(rng.random((2, 1, 40, 70)) > 0.3, 0, -np.inf).astype(np.float32)
+    bias[1, 0, 5] = -np.inf  # every key of a row hidden
+    feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float32),
+             "k": rng.standard_normal((2, 3, 70, 32)).astype(np.float32),
+             "v": rng.standard_normal((2, 3, 70, 16)).astype(np.float32), "bias": bias}
+    want = next(iter(g.run(feeds).values()))
+    assert np.isnan(want[1, :, 5]).all() and not np.isnan(np.delete(want, 5, axis=2)).any()
+    fused = FuseAttention(float32=True).run(g)
+    assert [op.op_type for op in fused.nodes] == ["Attention", "Binary"]
+    np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    compile(_float32_attention(), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert [st["node"] for st in program["steps"] if st["kind"] == "kernel"] == ["pv.attention", "out"]
+    got = next(iter(load(tmp_path / "o", 0).run(feeds).values()))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert "Attention" not in [op.op_type for op in FuseAttention(float32=True).run(_float32_attention(
+        two_biases=True)).nodes]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("model", ["gpt2_ts17", "t5_encoder_ts17"])
 def test_each_attention_compiles_into_one_kernel(tmp_path, model):

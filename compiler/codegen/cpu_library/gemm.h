@@ -191,7 +191,7 @@ static inline void sf_tr8x8(__m256 (&r)[8]) {
 }
 
 // sf_pack_a for the AVX2 kernel's 6-row panels of a row-major A: 8 x 8 transpositions (the scalar copy
-// stored one float at a time). Measured on Zen 3 with sf_pack_bt16_avx2: the attention template's kernels
+// stored one float at a time). Measured on Zen 3 with sf_pack_bt_avx2 (16 columns): the attention template's kernels
 // 8-9% faster (causal 12 x 128 x 64, grouped heads 2 x 32 x 256 x 128), GPT-2's projections 0-4%.
 __attribute__((target("avx2,fma")))
 static void sf_pack_a6_avx2(const float* __restrict__ A, int64_t rsa, int64_t i0, int64_t rows, int64_t k0,
@@ -240,23 +240,24 @@ static void sf_pack_a12_avx2(const float* __restrict__ A, int64_t rsa, int64_t i
 }
 
 // sf_pack_b for B whose columns are contiguous (B[k, j] at B[j * csb + k]: a K^T read in place) into
-// panels of 16: 8 x 8 transpositions
+// panels of nr = 16 or 32 columns: 8 x 8 transpositions (with AVX-512's panels of 32, the scalar copy had
+// taken 13% of a GPT-2 attention's time, 12 heads of 128 x 128 x 64)
 __attribute__((target("avx2,fma")))
-static void sf_pack_bt16_avx2(const float* __restrict__ B, int64_t csb, int64_t j0, int64_t cols, int64_t k0,
-                              int64_t kc, float* __restrict__ Bp) {
+static void sf_pack_bt_avx2(const float* __restrict__ B, int64_t csb, int64_t j0, int64_t cols, int64_t nr,
+                            int64_t k0, int64_t kc, float* __restrict__ Bp) {
   int64_t k = 0;
   for (; k + 8 <= kc; k += 8)
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < nr / 8; ++h) {
       __m256 r[8];
       #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i)
         r[i] = h * 8 + i < cols ? _mm256_loadu_ps(B + (j0 + h * 8 + i) * csb + k0 + k) : _mm256_setzero_ps();
       sf_tr8x8(r);
       #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(Bp + (k + t) * 16 + h * 8, r[t]);
+      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(Bp + (k + t) * nr + h * 8, r[t]);
     }
   for (; k < kc; ++k)
-    for (int64_t j = 0; j < 16; ++j) Bp[k * 16 + j] = j < cols ? B[(j0 + j) * csb + k0 + k] : 0.0f;
+    for (int64_t j = 0; j < nr; ++j) Bp[k * nr + j] = j < cols ? B[(j0 + j) * csb + k0 + k] : 0.0f;
 }
 
 // sf_pack_a where a column of A's panel is contiguous (rsa == 1: a 1x1 conv's image read in place by
@@ -317,8 +318,8 @@ static void sf_pack_b(const float* __restrict__ B, int64_t rsb, int64_t csb, int
   const int64_t j0 = p * nr;
   const int64_t cols = std::min<int64_t>(nr, N - j0);
 #if defined(__x86_64__)
-  if (csb != 1 && rsb == 1 && nr == 16 && sf_avx2_helpers()) {
-    sf_pack_bt16_avx2(B, csb, j0, cols, k0, kc, Bp);
+  if (csb != 1 && rsb == 1 && (nr == 16 || nr == 32) && sf_avx2_helpers()) {
+    sf_pack_bt_avx2(B, csb, j0, cols, nr, k0, kc, Bp);
     return;
   }
 #endif
