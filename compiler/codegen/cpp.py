@@ -552,7 +552,7 @@ class CpuSource:
         res = []
         for g, group in enumerate(groups):
             group.sort(key=lambda kv: order[kv[0]])
-            head = self.header + ("\n" + _LIBRARY_EXTRAS if g == 0 else "") + "\n"
+            head = _unit_defines(group) + self.header + ("\n" + _LIBRARY_EXTRAS if g == 0 else "") + "\n"
             line = head.count("\n") + 1
             parts, lmap = [head], {}
             for sym, text in group:
@@ -562,6 +562,18 @@ class CpuSource:
                 parts.append(text)
             res.append(("\n".join(parts), lmap))
         return res
+
+
+def _unit_defines(group: list) -> str:
+    """``#define`` lines that leave out of a translation unit the forms of the blocked direct conv kernels
+    (``sf_pdkr``, conv.h) that none of its kernels can take, by the markers ``templates_cpu._conv`` writes:
+    the planar forms (stems of fewer than 16 channels) and those of stride 2. Their instances were 40% of a
+    conv unit's compile time (25 -> 15 s for one 3x3 conv at -O3); a form compiled out makes the kernel fall
+    back to the GEMM path, so a wrong marker costs speed, not values."""
+    texts = [text for _, text in group]
+    lines = [f"#define {macro}\n" for marker, macro in (("sf-pdk-planar", "SF_PDK_NO_PLANAR"), ("sf-pdk-s2", "SF_PDK_NO_S2"))
+             if not any(marker in t for t in texts)]
+    return "".join(lines)
 
 
 #: Exported once per library: thread control and the GEMM's instruction set, for the runtime.

@@ -387,6 +387,11 @@ def _conv(op, fused=None) -> str | None:
         fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {blk}"
     elif packed:
         fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}, {blk}"
+        # the forms of the direct kernels this conv may take (cpp.CpuSource.units compiles the others out)
+        if not blocked[0] and icg < 16:
+            lines.append("  // sf-pdk-planar: an image of fewer than 16 channels, read plane by plane")
+        if SW == 2 and not (blocked[0] and KH * KW == 1 and PT == PL == 0):  # (a 1x1 gathers its pixels first)
+            lines.append("  // sf-pdk-s2: pixels of horizontal stride 2")
     else:
         fn, args = "sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}"
     if finish:

@@ -752,6 +752,30 @@ def test_blocked_depthwise_convs_use_their_template():
                               blocked_in=True)) is None
 
 
+def test_direct_conv_forms_no_kernel_takes_are_compiled_out(tmp_path, monkeypatch):
+    """A unit compiles the planar (stem) and stride-2 forms of the blocked direct kernels only where one of
+    its PackedConvs may take them (cpp._unit_defines, by the markers of templates_cpu._conv). A conv whose form
+    is compiled out anyway falls back to the GEMM path with the same values (every form left out here)."""
+    from shardflow.compiler.codegen import cpp
+
+    blocked = PackedConv([_t((1, 2, 9, 11, 16)), _panels(288, 32)], oc=32, kernel=(3, 3), pads=(1, 1, 1, 1),
+                         blocked_in=True, blocked_out=True)
+    stem = [op for _, op, _ in LARGE if op.op_type == "PackedConv" and op.inputs[0].shape == (1, 3, 23, 30)
+            and tuple(op.attrs["strides"]) == (2, 2)][0]
+    head = generate_cpu_source([blocked]).text[:80]
+    assert "#define SF_PDK_NO_PLANAR" in head and "#define SF_PDK_NO_S2" in head
+    assert "SF_PDK_NO" not in generate_cpu_source([stem]).text[:80]
+    monkeypatch.setattr(cpp, "_unit_defines", lambda group: "#define SF_PDK_NO_PLANAR\n#define SF_PDK_NO_S2\n")
+    cases = [(cid, op, arrays) for cid, op, arrays in LARGE if op.op_type == "PackedConv"]
+    syms = build_cpu_library([op for _, op, _ in cases], str(tmp_path / "k.so"), cache_dir=str(tmp_path / "c"),
+                             opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    for cid, op, arrays in cases:
+        want = op.run(*arrays)[0]
+        got = run_kernel(lib, syms[op.name], op, arrays)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()), err_msg=cid)
+
+
 def test_transposed_convs_use_their_template():
     """The large ConvTranspose cases run the GEMM + col2im template (the generic nest is ~100x slower
     on such shapes, benchmarks/cpu_conv.py); the depthwise-like one stays generic."""

@@ -956,18 +956,25 @@ static void sf_pdkr_fill(SfPdkrFn* dst, std::integer_sequence<int, MR...>) {
 static const SfPdkr& sf_pdkr() {
   static const SfPdkr u = [] {
     SfPdkr t = {};
+    // (forms no kernel of the unit takes are compiled out: SF_PDK_NO_S2, SF_PDK_NO_PLANAR, cpp._unit_defines)
     sf_pdkr_fill<16, 1>(t.fn[0][0], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<16, 2>(t.fn[0][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<32, 1>(t.fn[1][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<32, 2>(t.fn[1][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<1, 1>(t.fn[2][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<1, 2>(t.fn[2][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<2, 1>(t.fn[3][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<2, 2>(t.fn[3][1], std::make_integer_sequence<int, SF_PDK_MR>{});
     t.rows7[0][0] = sf_pdkr_avx512<14, 1, 16, 7>;
     t.rows7[0][1] = sf_pdkr_avx512<14, 2, 16, 7>;
+#ifndef SF_PDK_NO_S2
+    sf_pdkr_fill<32, 1>(t.fn[1][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<32, 2>(t.fn[1][1], std::make_integer_sequence<int, SF_PDK_MR>{});
     t.rows7[1][0] = sf_pdkr_avx512<14, 1, 32, 7>;
     t.rows7[1][1] = sf_pdkr_avx512<14, 2, 32, 7>;
+#endif
+#ifndef SF_PDK_NO_PLANAR
+    sf_pdkr_fill<1, 1>(t.fn[2][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<1, 2>(t.fn[2][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+#ifndef SF_PDK_NO_S2
+    sf_pdkr_fill<2, 1>(t.fn[3][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_fill<2, 2>(t.fn[3][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+#endif
+#endif
     return t;
   }();
   return u;
@@ -1055,9 +1062,15 @@ static const SfPdkr2& sf_pdkr2() {
   static const SfPdkr2 u = [] {
     SfPdkr2 t = {};
     sf_pdkr2_fill<16>(t.fn[0], std::make_integer_sequence<int, SF_PDK_MR2>{});
+#ifndef SF_PDK_NO_S2
     sf_pdkr2_fill<32>(t.fn[1], std::make_integer_sequence<int, SF_PDK_MR2>{});
+#endif
+#ifndef SF_PDK_NO_PLANAR
     sf_pdkr2_fill<1>(t.fn[2], std::make_integer_sequence<int, SF_PDK_MR2>{});
+#ifndef SF_PDK_NO_S2
     sf_pdkr2_fill<2>(t.fn[3], std::make_integer_sequence<int, SF_PDK_MR2>{});
+#endif
+#endif
     return t;
   }();
   return u;
@@ -1164,6 +1177,9 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   const bool planar = !(blk & SF_BLK_IN) && !flat && g.C < 16;
   const int64_t pxf = planar ? 1 : 16;  // floats per pixel of the padded image
   const int64_t sw = flat ? 1 : g.SW;
+  // the kernels' form; one compiled out of this unit (cpp._unit_defines) leaves the conv to the caller's GEMM path
+  const int64_t form = (planar ? 2 : 0) + sw - 1;
+  if (vl == 16 ? sf_pdkr().fn[form][0][0] == nullptr : sf_pdkr2().fn[form][0] == nullptr) return false;
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
   const int64_t H = flat ? 1 : g.H, W = flat ? P : g.W;
@@ -1241,7 +1257,6 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t p0 = r * OWr, len = std::min(OWr, P - p0);
         const float* xr = xi + (flat ? p0 : r * g.SH * Wp) * pxf;
-        const int64_t form = (planar ? 2 : 0) + sw - 1;
         if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time
           for (int64_t j = 0; j < len;) {
             const int64_t mr = std::min(SF_PDK_MR2, len - j);
