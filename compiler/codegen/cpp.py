@@ -571,8 +571,8 @@ def _unit_defines(group: list) -> str:
     conv unit's compile time (25 -> 15 s for one 3x3 conv at -O3); a form compiled out makes the kernel fall
     back to the GEMM path, so a wrong marker costs speed, not values."""
     texts = [text for _, text in group]
-    lines = [f"#define {macro}\n" for marker, macro in (("sf-pdk-planar", "SF_PDK_NO_PLANAR"), ("sf-pdk-s2", "SF_PDK_NO_S2"))
-             if not any(marker in t for t in texts)]
+    forms = (("sf-pdk-planar", "SF_PDK_NO_PLANAR"), ("sf-pdk-s2", "SF_PDK_NO_S2"))
+    lines = [f"#define {macro}\n" for marker, macro in forms if not any(marker in t for t in texts)]
     return "".join(lines)
 
 

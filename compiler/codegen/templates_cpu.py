@@ -468,8 +468,8 @@ def _attention(op) -> str | None:
     extra = list(op.inputs[3:])
     mask = extra.pop(0) if a.get("has_mask") or extra_biases else None
     nonpad = extra.pop(0) if a.get("has_nonpad") else None
-    if (mask is not None and mask.dtype not in ("float32", "bool")) or (nonpad is not None and nonpad.dtype != "int64") \
-            or (extra_biases and mask.dtype != "float32"):
+    if (mask is not None and mask.dtype not in ("float32", "bool")) or (extra_biases and mask.dtype != "float32") \
+            or (nonpad is not None and nonpad.dtype != "int64"):
         return None
 
     def strides(t, heads, rows, width):  # (batch, head, row) element strides of a 4-D or 3-D [B, N, H*E] tensor
@@ -718,6 +718,14 @@ def _tap_span(o: int, k: int, s: int, d: int, p: int, n: int) -> tuple[int, int]
     return (v[0], v[-1] + 1) if v else (0, 0)
 
 
+def _inside_run(spans: list, k: int) -> tuple[int, int]:
+    """The run ``[a, b)`` of windows whose ``k`` taps all lie inside the input (``spans``: their
+    :func:`_tap_span`), ``(0, 0)`` when there is none (or, defensively, when they are not one run)."""
+    inside = [o for o, span in enumerate(spans) if tuple(span) == (0, k)]
+    a, b = (inside[0], inside[-1] + 1) if inside else (0, 0)
+    return (a, b) if len(inside) == b - a else (0, 0)
+
+
 def _pool(op) -> str | None:
     """MaxPool / AveragePool over 1 or 2 spatial dims (no indices output). Each output element
     reduces its window in a register; the windows that lie inside the input (ranges computed here)
@@ -749,11 +757,7 @@ def _pool(op) -> str | None:
 
     kh_lo, kh_hi = map(list, zip(*(_tap_span(oh, KH, SH, DH, PT, H) for oh in range(OH))))
     kw_lo, kw_hi = map(list, zip(*(_tap_span(ow, KW, SW, DW, PL, W) for ow in range(OW))))
-    full_w = [ow for ow in range(OW) if kw_lo[ow] == 0 and kw_hi[ow] == KW]
-    # interior columns: one run [ow_a, ow_b) of windows with every tap inside (empty when none)
-    ow_a, ow_b = (full_w[0], full_w[-1] + 1) if full_w else (0, 0)
-    if full_w and len(full_w) != ow_b - ow_a:
-        ow_a = ow_b = 0
+    ow_a, ow_b = _inside_run(list(zip(kw_lo, kw_hi)), KW)  # interior columns (every tap inside)
     is_max = kind == "max"
     init = "-std::numeric_limits<float>::infinity()" if is_max else "0.0f"
 
@@ -866,10 +870,8 @@ def _pool_blocked(op) -> str | None:
 
     hs = [_tap_span(o, KH, SH, DH, PT, H) for o in range(OH)]
     ws = [_tap_span(o, KW, SW, DW, PL, W) for o in range(OW)]
-    # the windows inside the image (all taps valid) take constant loops the compiler unrolls; their columns
-    # are one run [a, b)
-    inside = [ow for ow in range(OW) if ws[ow] == (0, KW)]
-    a, b = (inside[0], inside[-1] + 1) if inside else (0, 0)
+    # the windows inside the image (all taps valid) take constant loops the compiler unrolls
+    ow_a, ow_b = _inside_run(ws, KW)
     lines = _args(op)
     lines.append(f"  // {'max' if is_max else 'average'} pool {KH}x{KW}, stride {SH}x{SW}, dilation {DH}x{DW}, pads "
                  f"{[PT, PL, PB, PR]} of {planes} blocked planes [{H}, {W}, 16] -> [{OH}, {OW}, 16]")
@@ -903,7 +905,7 @@ def _pool_blocked(op) -> str | None:
               f"    for (int64_t ow = 0; ow < {OW}; ++ow) {{",
               "      float m[16];",
               f"      for (int l = 0; l < 16; ++l) m[l] = {init};",
-              f"      if (rows_in && ow >= {a} && ow < {b}) {{",
+              f"      if (rows_in && ow >= {ow_a} && ow < {ow_b}) {{",
               f"        const float* __restrict__ s0 = xp + ((oh * {SH} - {PT}) * {W} + ow * {SW} - {PL}) * 16;",
               "        #pragma GCC unroll 8",
               f"        for (int64_t kh = 0; kh < {KH}; ++kh)",

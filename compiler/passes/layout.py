@@ -17,8 +17,9 @@ depthwise convs (``group = C = OC``; Convs with ``blocked_in`` / ``blocked_out``
 max and average pools (a 3-D pool whose last window is one lane), concatenations of channels (the block
 axis) and element-wise ops whose other operands are blocked alike or constants of one value per channel
 (stored blocked, ``[1, C/16, 1, 1, 16]``), a BatchNorm of constant parameters as the three element-wise ops
-it computes. A global average or max pool reads the layout natively too (a pool of the whole plane and one
-lane, its ``[N, C/16, 1, 1, 16]`` result viewed as ``[N, C, 1, 1]``). Any other op whose output stays plain
+it computes. A global average or max pool, or a 2-D one of a single whole-plane window, reads the layout
+natively too (a pool of the whole plane and one lane, its ``[N, C/16, 1, 1, 16]`` result viewed as
+``[N, C, 1, 1]``). Any other op whose output stays plain
 reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a ``Reshape``), made
 once per tensor.
 Convs whose input and output both stay plain keep their form (prepack's choice: the conv template, a

@@ -237,7 +237,8 @@ def _large():
         WinogradConv([_t((1, 40, 14, 14)), _wino(40, 48, 2), _t((48,))], oc=48, m=2, pads=(1, 1, 1, 1),
                      blocked_out=True),
         # depthwise convs on the blocked layout (sf_conv_depthwise: the blocked image read in place with AVX-512,
-        # its rows copied as they lie otherwise; output rows stored in place): both sides, stride 1 and 2, uneven pads, two images, a 5x5 with dilation;
+        # its rows copied as they lie otherwise; output rows stored in place): both sides, stride 1 and 2,
+        # uneven pads, two images, a 5x5 with dilation;
         # the input only (a stride-2 3x3 that the plain path runs in rows), the output only (a flat 3x3)
         Conv([_t((2, 2, 14, 13, 16)), _t((32, 1, 3, 3)), _t((32,))], group=32, pads=(1, 1, 1, 1),
              blocked_in=True, blocked_out=True),

@@ -236,12 +236,13 @@ def _mel_model(n_mel, length, rate, lo, hi):
     consts = {"n": np.array(n_mel, np.int64), "len": np.array(length, np.int64), "rate": np.array(rate, np.int64),
               "lo": np.array(lo, np.float32), "hi": np.array(hi, np.float32)}
     node = helper.make_node("MelWeightMatrix", list(consts), ["y"], name="mel")
-    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, None])],
-                              [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, None])
+    graph = helper.make_graph([node], "g", [], [y], [numpy_helper.from_array(v, k) for k, v in consts.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("args", [(10, 64, 16000, 0.0, 8000.0), (40, 512, 22050, 125.0, 7600.0), (3, 8, 100, 1.0, 49.0)])
+@pytest.mark.parametrize("args", [(10, 64, 16000, 0.0, 8000.0), (40, 512, 22050, 125.0, 7600.0),
+                                  (3, 8, 100, 1.0, 49.0)])
 def test_mel_weight_matrix_matches_the_onnx_reference(args):
     """A constant of [dft_length // 2 + 1, num_mel_bins] triangular filters, exactly the reference's."""
     model = _mel_model(*args)

@@ -1179,7 +1179,9 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   const int64_t sw = flat ? 1 : g.SW;
   // the kernels' form; one compiled out of this unit (cpp._unit_defines) leaves the conv to the caller's GEMM path
   const int64_t form = (planar ? 2 : 0) + sw - 1;
-  if (vl == 16 ? sf_pdkr().fn[form][0][0] == nullptr : sf_pdkr2().fn[form][0] == nullptr) return false;
+  const SfPdkr& u = sf_pdkr();
+  const SfPdkr2& u2 = sf_pdkr2();
+  if (vl == 16 ? u.fn[form][0][0] == nullptr : u2.fn[form][0] == nullptr) return false;
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
   const int64_t H = flat ? 1 : g.H, W = flat ? P : g.W;
@@ -1209,8 +1211,6 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       for (int64_t kw = 0; kw < g.KW; ++kw)
         off[k++] = (int32_t)(planar ? c * cbs + kh * g.DH * Wp + kw * g.DW
                                     : (c / 16) * cbs + (flat ? 0 : (kh * g.DH * Wp + kw * g.DW) * 16) + c % 16);
-  const SfPdkr& u = sf_pdkr();
-  const SfPdkr2& u2 = sf_pdkr2();
   // the kernels prefetch each tile's pixels of the next block of 16 channels (a pixel's 16 channels, one cache
   // line, serve 16 * taps values of k): the image's blocks lie P * 16 floats apart, too far for the hardware's
   // prefetcher to follow, and the first pass over each block read the lines the other thread wrote (its output

@@ -190,53 +190,45 @@ static inline void sf_tr8x8(__m256 (&r)[8]) {
   }
 }
 
-// sf_pack_a for the AVX2 kernel's 6-row panels of a row-major A: 8 x 8 transpositions (the scalar copy
-// stored one float at a time). Measured on Zen 3 with sf_pack_bt_avx2 (16 columns): the attention template's kernels
-// 8-9% faster (causal 12 x 128 x 64, grouped heads 2 x 32 x 256 x 128), GPT-2's projections 0-4%.
+// sf_pack_a for a row-major A into the kernels' panels of MR rows (6: the AVX2 kernel's, 12: the AVX-512 one's):
+// 8 x 8 transpositions of rows 0-7 (and 8-11, with four zero rows), each column stored as MR floats (the scalar
+// copy stored one float at a time). Measured on Zen 3 with sf_pack_bt_avx2 (16 columns), MR 6: the attention
+// template's kernels 8-9% faster (causal 12 x 128 x 64, grouped heads 2 x 32 x 256 x 128), GPT-2's projections
+// 0-4%; on the AVX-512 Xeon, MR 12: the copy 5.7% -> 3.4% of a 128 x 3072 @ 3072 x 768 product (GPT-2's second
+// MLP projection).
+template <int MR>
 __attribute__((target("avx2,fma")))
-static void sf_pack_a6_avx2(const float* __restrict__ A, int64_t rsa, int64_t i0, int64_t rows, int64_t k0,
-                            int64_t kc, float* __restrict__ Ap) {
-  int64_t k = 0;
-  for (; k + 8 <= kc; k += 8) {
-    __m256 r[8];
-    #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) r[i] = i < rows ? _mm256_loadu_ps(A + (i0 + i) * rsa + k0 + k) : _mm256_setzero_ps();
-    sf_tr8x8(r);
-    // column t's 6 rows at Ap[(k + t) * 6]: 8-wide stores whose last 2 lanes the next store overwrites,
-    // the last one as 4 + 2
-    #pragma GCC unroll 7
-    for (int t = 0; t < 7; ++t) _mm256_storeu_ps(Ap + (k + t) * 6, r[t]);
-    _mm_storeu_ps(Ap + (k + 7) * 6, _mm256_castps256_ps128(r[7]));
-    _mm_storel_pi(reinterpret_cast<__m64*>(Ap + (k + 7) * 6 + 4), _mm256_extractf128_ps(r[7], 1));
-  }
-  for (; k < kc; ++k)
-    for (int64_t i = 0; i < 6; ++i) Ap[k * 6 + i] = i < rows ? A[(i0 + i) * rsa + k0 + k] : 0.0f;
-}
-
-// The same for the AVX-512 kernel's panels of 12 rows: rows 0-7 and 8-11 transposed 8 x 8 (the second with
-// four zero rows), each column stored as 8 + 4 floats. Measured on the AVX-512 Xeon: the scalar copy took 5.7%
-// of a 128 x 3072 @ 3072 x 768 product (GPT-2's second MLP projection)
-__attribute__((target("avx2,fma")))
-static void sf_pack_a12_avx2(const float* __restrict__ A, int64_t rsa, int64_t i0, int64_t rows, int64_t k0,
-                             int64_t kc, float* __restrict__ Ap) {
+static void sf_pack_a_avx2(const float* __restrict__ A, int64_t rsa, int64_t i0, int64_t rows, int64_t k0,
+                           int64_t kc, float* __restrict__ Ap) {
+  static_assert(MR == 6 || MR == 12, "the kernels' panel heights");
   int64_t k = 0;
   for (; k + 8 <= kc; k += 8) {
     __m256 r[8], q[8];
     #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       r[i] = i < rows ? _mm256_loadu_ps(A + (i0 + i) * rsa + k0 + k) : _mm256_setzero_ps();
-      q[i] = i < 4 && 8 + i < rows ? _mm256_loadu_ps(A + (i0 + 8 + i) * rsa + k0 + k) : _mm256_setzero_ps();
+      q[i] = MR == 12 && i < 4 && 8 + i < rows ? _mm256_loadu_ps(A + (i0 + 8 + i) * rsa + k0 + k)
+                                                : _mm256_setzero_ps();
     }
     sf_tr8x8(r);
-    sf_tr8x8(q);
-    #pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      _mm256_storeu_ps(Ap + (k + t) * 12, r[t]);
-      _mm_storeu_ps(Ap + (k + t) * 12 + 8, _mm256_castps256_ps128(q[t]));
+    if constexpr (MR == 12) {
+      sf_tr8x8(q);
+      #pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        _mm256_storeu_ps(Ap + (k + t) * 12, r[t]);
+        _mm_storeu_ps(Ap + (k + t) * 12 + 8, _mm256_castps256_ps128(q[t]));
+      }
+    } else {
+      // column t's 6 rows at Ap[(k + t) * 6]: 8-wide stores whose last 2 lanes the next store overwrites,
+      // the last one as 4 + 2
+      #pragma GCC unroll 7
+      for (int t = 0; t < 7; ++t) _mm256_storeu_ps(Ap + (k + t) * 6, r[t]);
+      _mm_storeu_ps(Ap + (k + 7) * 6, _mm256_castps256_ps128(r[7]));
+      _mm_storel_pi(reinterpret_cast<__m64*>(Ap + (k + 7) * 6 + 4), _mm256_extractf128_ps(r[7], 1));
     }
   }
   for (; k < kc; ++k)
-    for (int64_t i = 0; i < 12; ++i) Ap[k * 12 + i] = i < rows ? A[(i0 + i) * rsa + k0 + k] : 0.0f;
+    for (int64_t i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? A[(i0 + i) * rsa + k0 + k] : 0.0f;
 }
 
 // sf_pack_b for B whose columns are contiguous (B[k, j] at B[j * csb + k]: a K^T read in place) into
@@ -286,9 +278,9 @@ static void sf_pack_a_cols_avx2(const float* __restrict__ src, int64_t csa, int6
 static void sf_pack_a(const float* __restrict__ A, int64_t rsa, int64_t csa, int64_t i0, int64_t rows, int64_t mr,
                       int64_t k0, int64_t kc, float* __restrict__ Ap) {
 #if defined(__x86_64__)
-  if (csa == 1 && mr == 6 && sf_avx2_helpers()) { sf_pack_a6_avx2(A, rsa, i0, rows, k0, kc, Ap); return; }
-  if (csa == 1 && mr == 12) { sf_pack_a12_avx2(A, rsa, i0, rows, k0, kc, Ap); return; }
   // (mr 12 and 6 are the AVX-512 and AVX2 kernels' widths: the instruction sets are there)
+  if (csa == 1 && mr == 6 && sf_avx2_helpers()) { sf_pack_a_avx2<6>(A, rsa, i0, rows, k0, kc, Ap); return; }
+  if (csa == 1 && mr == 12) { sf_pack_a_avx2<12>(A, rsa, i0, rows, k0, kc, Ap); return; }
   if (rsa == 1 && rows < mr && mr == 12) { sf_pack_a_cols_avx512(A + i0 + k0 * csa, csa, rows, kc, Ap); return; }
   if (rsa == 1 && rows < mr && mr == 6) { sf_pack_a_cols_avx2(A + i0 + k0 * csa, csa, rows, kc, Ap); return; }
 #endif
