@@ -107,7 +107,12 @@ case "$what" in
             # Llama vs torch.compile; it skips what no longer fits and rewrites its JSON after each step),
             # then the GPT-2 8x128 kernel profile if a minute is left
         deadline=$((SECONDS + ${LEASE_S:-480}))
-        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles)" "${gpu_tests[@]}" 2>&1 \
+        # the suite's time is mostly nvcc (session 5: 368 tests in 189 s): spread over the host's cores
+        # where pytest-xdist is there (the image has it; the kernel cache writes by rename)
+        xdist=()
+        python3 -c "import xdist" 2>/dev/null && xdist=(-n 6)
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" -k "not ($new_tiles)" \
+            "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         echo "suite done at ${SECONDS} s"
         timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
