@@ -193,6 +193,9 @@ def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, nonpad: bool =
     graph = oh.make_graph(nodes, "attention", inputs, [oh.make_tensor_value_info("out", TensorProto.FLOAT, [b, s, e])],
                           [numpy_helper.from_array(v, n) for n, v in w.items()])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 24 if nonpad else 23)])
+    # the IR version of the opset (onnx 1.18 / 1.19), not the onnx package's newest: an onnxruntime
+    # older than the package refuses a newer IR version (seen on the GPU image: IR 14, ORT 1.30)
+    model.ir_version = 12 if nonpad else 11
     onnx.checker.check_model(model)
     return model, feeds
 
