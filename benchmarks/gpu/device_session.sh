@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (another
 #                                                 # AVX-512 CPU than the Zen 4 dev VM's; CI's may have none)
+#   bash benchmarks/gpu/device_session.sh ncu [GEMM.PY ARGS...]   # Nsight Compute sections of ours and
+#                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -73,6 +75,20 @@ sweep_tiles() {
         benchmarks/results/h100-2026-11-22-tma-tiles.txt "$sweep" \
         --spread-sweep benchmarks/results/h100-2026-11-23-tma-spread-split-tiles.txt 2>&1 | tee "$out/fit.txt" | tail -40
 }
+# ncu_gemm LIMIT_S FILE GEMM.PY ARGS...: one launch of ours and one of cuBLAS per case (gemm.py --ncu) under
+# Nsight Compute (its speed of light, launch, occupancy, memory and warp-state sections; clocks left to
+# the GPU, as the timings run), written to $out/FILE
+ncu_gemm() {
+    local limit=$1 file=$2 ncu
+    shift 2
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu on this machine" | tee "$out/$file"; return; }
+    timeout "$limit" "$ncu" --profile-from-start off --clock-control none --section SpeedOfLight \
+        --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 benchmarks/gpu/gemm.py --reps 3 --jobs 14 --ncu "$@" > "$out/$file" 2>&1
+    grep -E "^  [a-z_0-9]+_M[0-9]+_|Duration|Compute \(SM\) Throughput|Memory Throughput|==PROF==|rror" \
+        "$out/$file" | head -60
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
@@ -105,7 +121,9 @@ case "$what" in
             # 480 s): the GPU suite (session 5: 205 s), the ping-pong/stream-K tests (never run on a GPU:
             # a hang is cut at 60 s), the benchmark's results file (float16 GEMMs vs cuBLAS, GPT-2 and
             # Llama vs torch.compile; it skips what no longer fits and rewrites its JSON after each step),
-            # then the GPT-2 8x128 kernel profile if a minute is left
+            # Nsight Compute on the GPT-2 products at M = 1024 if 150 s are left, then the GPT-2 8x128
+            # kernel profile if a minute is left (session 33 on an H200: 324 s in all, before the ncu step;
+            # 8 files come back, the device tool's limit)
         deadline=$((SECONDS + ${LEASE_S:-480}))
         # the suite's time is mostly nvcc (session 5: 368 tests in 189 s): spread over the host's cores
         # where pytest-xdist is there (the image has it; the kernel cache writes by rename)
@@ -125,6 +143,11 @@ case "$what" in
             tail -30 "$out/bench.txt"
         else
             echo "(no time left for the benchmark: ${budget} s)"
+        fi
+        # what the GPT-2 products at M = 1024 (0.71-0.82 of cuBLAS, none reaches 0.9 on any tile) spend
+        # their time on, next to cuBLAS's kernels (rfcs/0005 "Next")
+        if (( deadline - SECONDS > 150 )); then
+            ncu_gemm 90 ncu-gemm.txt --m 1024 --shapes gpt2 --dtypes float16
         fi
         if (( deadline - SECONDS > 60 )); then
             timeout $((deadline - SECONDS)) python3 benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 \
@@ -165,12 +188,18 @@ case "$what" in
         timeout 400 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_cpu_kernels.py \
             tests/driver/test_prepack.py 2>&1 | tee "$out/cpu-kernels.txt" | tail -15
         ;;
+    ncu)  # ours and cuBLAS's kernels under Nsight Compute: device_session.sh ncu [gemm.py args], e.g.
+          # `--m 8192 --shapes gpt2.fc2 --dtypes float16 --config sk128x128` (a stream-K kernel)
+        shift
+        [ $# -gt 0 ] || set -- --m 1024 --shapes gpt2 --dtypes float16
+        ncu_gemm 400 ncu-gemm.txt "$@"
+        ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
         "$@"
         ;;
     *)
-        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|cpu|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|ncu [ARGS...]|cpu|run CMD..." >&2
         exit 2
         ;;
 esac

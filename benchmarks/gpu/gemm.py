@@ -188,8 +188,12 @@ def _time(enqueue, stream, reps: int, torch, use_graph: bool, n: int) -> float:
     return statistics.median(times)
 
 
-def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph: bool, torch, cp) -> dict:
-    """Check and time one case (ours and cuBLAS); returns its JSON-ready record."""
+def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph: bool, torch, cp,
+             profile: bool = False) -> dict:
+    """Check and time one case (ours and cuBLAS); returns its JSON-ready record. With ``profile``,
+    one more launch of each (after the timings, on the first input set) runs between
+    ``cudaProfilerStart`` and ``cudaProfilerStop``: the launches ``ncu --profile-from-start off``
+    profiles."""
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
     dev = torch.device("cuda")
     set_bytes = 2 * (case.M * case.K + case.K * case.N + case.M * case.N)
@@ -250,13 +254,24 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
         method = "stream-loop"
         t_ours = _time(ours, stream, reps, torch, False, n)
         t_cublas = _time(cublas, stream, reps, torch, False, n)
+    if profile:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        ours(0)
+        cstream.synchronize()
+        with torch.cuda.stream(stream):
+            cublas(0)
+        stream.synchronize()
+        torch.cuda.profiler.stop()
     record.update(method=method, ours_ms=t_ours, cublas_ms=t_cublas, ours_tflops=case.flops / t_ours / 1e9,
                   cublas_tflops=case.flops / t_cublas / 1e9, ratio=t_cublas / t_ours)
     return record
 
 
-def run(cases: list[Case], built: dict, reps: int = 30, use_graph: bool = True, log=print, budget=None) -> list[dict]:
-    """Check and time every built case on the GPU; returns one record per case."""
+def run(cases: list[Case], built: dict, reps: int = 30, use_graph: bool = True, log=print, budget=None,
+        profile: bool = False) -> list[dict]:
+    """Check and time every built case on the GPU; returns one record per case (``profile``: see
+    ``run_case``)."""
     import cupy as cp
     import torch
 
@@ -269,7 +284,7 @@ def run(cases: list[Case], built: dict, reps: int = 30, use_graph: bool = True, 
             log(f"time budget spent: skipping the remaining {len(cases) - k} GEMM cases")
             break
         cubin, launch, _ = built[case.id]
-        rec = run_case(case, cubin, launch, reps, l2, use_graph, torch, cp)
+        rec = run_case(case, cubin, launch, reps, l2, use_graph, torch, cp, profile=profile)
         torch.cuda.empty_cache()  # the case's buffers are gone with run_case's frame
         rec["build_s"] = built[case.id][2]
         records.append(rec)
@@ -333,7 +348,8 @@ def cases_from_args(args, prefix: str = "") -> list[Case]:
 
 
 def bench(cases: list[Case], work: str, *, arch: str, jobs: int, dry_run: bool, reps: int, use_graph: bool,
-          cache_dir: str | None = None, budget=None, config: str | None = None, log=print) -> dict:
+          cache_dir: str | None = None, budget=None, config: str | None = None, log=print,
+          profile: bool = False) -> dict:
     """Build, then (unless ``dry_run``) check and time ``cases``; returns the ``gemm`` JSON section."""
     t0 = time.perf_counter()
     built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, config=config, log=log)
@@ -344,7 +360,7 @@ def bench(cases: list[Case], work: str, *, arch: str, jobs: int, dry_run: bool, 
                               for c in cases]
         section["table"] = format_dry(cases, built)
         return section
-    records = run(cases, built, reps=reps, use_graph=use_graph, log=log, budget=budget)
+    records = run(cases, built, reps=reps, use_graph=use_graph, log=log, budget=budget, profile=profile)
     section["records"] = records
     section.update(summarize(records))
     section["table"] = format_table(records)
@@ -363,6 +379,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--split-min-kt", type=int, help="sweep: fewest K tiles per split-K piece, and per "
                     "stream-K block on average "
                     "(sets cuda_wgmma.SPLIT_MIN_KT for this run)")
+    ap.add_argument("--ncu", action="store_true", help="after each case's timings, launch ours and cuBLAS once "
+                    "more between cudaProfilerStart/Stop (run under `ncu --profile-from-start off`)")
     args = ap.parse_args(argv)
     ensure_shardflow()
     if args.split_min_kt:
@@ -371,7 +389,8 @@ def main(argv=None) -> dict:
     cases = cases_from_args(args)
     with tempfile.TemporaryDirectory(prefix="sf-gemm-") as work:
         section = bench(cases, work, arch=args.arch, jobs=args.jobs, dry_run=args.dry_run, reps=args.reps,
-                        use_graph=not args.no_graph, cache_dir=args.cache_dir, config=args.config)
+                        use_graph=not args.no_graph, cache_dir=args.cache_dir, config=args.config,
+                        profile=args.ncu)
     print(section["table"])
     if not args.dry_run:
         print(f"gemm_vs_cublas_min = {fmt(section.get('gemm_vs_cublas_min'))} "
