@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (another
 #                                                 # AVX-512 CPU than the Zen 4 dev VM's; CI's may have none)
+#   bash benchmarks/gpu/device_session.sh kmajor  # GEMMs with B stored [N, K]: default tiles, then tma64x96/128x160
 #   bash benchmarks/gpu/device_session.sh ncu [GEMM.PY ARGS...]   # Nsight Compute sections of ours and
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
@@ -89,6 +90,21 @@ ncu_gemm() {
     grep -E "^  [a-z_0-9]+_M[0-9]+_|Duration|Compute \(SM\) Throughput|Memory Throughput|==PROF==|rror" \
         "$out/$file" | head -60
 }
+# kmajor: GEMMs with B stored [N, K] (gemm.py --b-layout nk) on the default tiles, then on the tiles for
+# a K-major B (tma64x96 on N = 768, tma128x160 on N = 2304), into $out/gemm-kmajor.txt
+kmajor() {
+    local f="$out/gemm-kmajor.txt" common=(--b-layout nk --dtypes float16,bfloat16 --jobs 14)
+    echo "# benchmarks/gpu/gemm.py --b-layout nk, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+    echo "== default tiles" >> "$f"
+    timeout 60 python3 benchmarks/gpu/gemm.py "${common[@]}" --m 128,1024,8192 --shapes gpt2 >> "$f" 2>&1
+    echo "== tma64x96" >> "$f"
+    timeout 45 python3 benchmarks/gpu/gemm.py "${common[@]}" --m 1024,8192 --shapes gpt2.attn_out,gpt2.fc2 \
+        --config tma64x96 >> "$f" 2>&1
+    echo "== tma128x160" >> "$f"
+    timeout 45 python3 benchmarks/gpu/gemm.py "${common[@]}" --m 1024,8192 --shapes gpt2.qkv --config tma128x160 \
+        >> "$f" 2>&1
+    grep -E "^==| ours |WRONG|rror" "$f"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
@@ -133,8 +149,9 @@ case "$what" in
             "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         echo "suite done at ${SECONDS} s"
+        echo "== the ping-pong and stream-K tiles' tests" >> "$out/gpu-suite.txt"
         timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
-            | tee "$out/gpu-suite-pp-sk.txt" | tail -8
+            | tee -a "$out/gpu-suite.txt" | tail -8
         budget=$((deadline - SECONDS - 75))
         mkdir -p /tmp/sf-export
         if (( budget > 60 )); then
@@ -143,6 +160,11 @@ case "$what" in
             tail -30 "$out/bench.txt"
         else
             echo "(no time left for the benchmark: ${budget} s)"
+        fi
+        # B stored [N, K]: the default tiles, then the 96- and 160-column tiles that fill the
+        # multiprocessors on GPT-2's shapes (RFC 0005 decision 27), against cuBLAS on the same layout
+        if (( deadline - SECONDS > 200 )); then
+            kmajor
         fi
         # what the GPT-2 products at M = 1024 (0.71-0.82 of cuBLAS, none reaches 0.9 on any tile) spend
         # their time on, next to cuBLAS's kernels (rfcs/0005 "Next")
@@ -188,6 +210,9 @@ case "$what" in
         timeout 400 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_cpu_kernels.py \
             tests/driver/test_prepack.py 2>&1 | tee "$out/cpu-kernels.txt" | tail -15
         ;;
+    kmajor)  # B stored [N, K]: default tiles, then the 96- and 160-column ones (a minute or two)
+        kmajor
+        ;;
     ncu)  # ours and cuBLAS's kernels under Nsight Compute: device_session.sh ncu [gemm.py args], e.g.
           # `--m 8192 --shapes gpt2.fc2 --dtypes float16 --config sk128x128` (a stream-K kernel)
         shift
@@ -199,7 +224,7 @@ case "$what" in
         "$@"
         ;;
     *)
-        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|ncu [ARGS...]|cpu|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|run CMD..." >&2
         exit 2
         ;;
 esac

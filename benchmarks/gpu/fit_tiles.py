@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
         return math.exp(sum(math.log(v.get(pick(eff, M, *shapes[c]), 0.3)) for (c, M), v in data.items())
                         / len(data))
 
-    tma = {t: 1.0 for t in W.WGMMA_CONFIGS if t.startswith("tma")}
+    # (the tiles of a column count that is not a multiple of 64 take a K-major B only, which the
+    # sweeps, with B [K, N], do not have)
+    tma = {t: 1.0 for t, v in W.WGMMA_CONFIGS.items() if t.startswith("tma") and v[1] % 64 == 0}
     split_factor = {t: 1.0 for t in tma}
     # the ping-pong and stream-K tiles where a sweep measured them (an efficiency each, no split)
     tma.update({t: 1.0 for row in data.values() for t in row if W.WGMMA_CONFIGS[t][3] in ("pp", "sk")})

@@ -86,19 +86,22 @@ class Case:
     N: int
     K: int
     dtype: str
+    b_layout: str = "kn"  # B stored [K, N] (MatMul's weight), or "nk": [N, K] (a Linear's, Gemm transB)
 
     @property
     def id(self) -> str:
-        return f"{self.model}_{self.proj.replace('|', '_')}_M{self.M}_{self.dtype}"
+        return f"{self.model}_{self.proj.replace('|', '_')}_M{self.M}_{self.dtype}" + \
+            ("_nk" if self.b_layout == "nk" else "")
 
     @property
     def flops(self) -> float:
         return 2.0 * self.M * self.N * self.K
 
 
-def make_cases(m_values=M_VALUES, shapes=None, dtypes=DTYPES) -> list[Case]:
+def make_cases(m_values=M_VALUES, shapes=None, dtypes=DTYPES, b_layout: str = "kn") -> list[Case]:
     """Cases for ``m_values`` x the projections selected by ``shapes`` (names ``gpt2``,
-    ``llama7b`` or ``model.proj`` such as ``gpt2.attn_out``; default all) x ``dtypes``."""
+    ``llama7b`` or ``model.proj`` such as ``gpt2.attn_out``; default all) x ``dtypes``, B stored
+    as ``b_layout`` says."""
     want = set(shapes) if shapes else None
     projs = [p for p in PROJECTIONS if want is None or p[0] in want or f"{p[0]}.{p[1]}" in want]
     if want is not None:
@@ -106,7 +109,7 @@ def make_cases(m_values=M_VALUES, shapes=None, dtypes=DTYPES) -> list[Case]:
         bad = sorted(want - known)
         if bad:
             raise SystemExit(f"unknown shape(s) {bad}; choose from {sorted(known)}")
-    return [Case(m, p, M, n, k, dt) for dt in dtypes for (m, p, n, k) in projs for M in m_values]
+    return [Case(m, p, M, n, k, dt, b_layout) for dt in dtypes for (m, p, n, k) in projs for M in m_values]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,9 +121,13 @@ def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: d
         extra = dict(extra, gemm_configs={case.id: config})
     from shardflow.compiler.codegen.cuda import build_cuda_library
     from shardflow.compiler.ir import Tensor
-    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.linalg import Gemm, MatMul
 
-    op = MatMul([Tensor("a", (case.M, case.K), case.dtype), Tensor("b", (case.K, case.N), case.dtype)], name=case.id)
+    a = Tensor("a", (case.M, case.K), case.dtype)
+    if case.b_layout == "nk":
+        op = Gemm([a, Tensor("b", (case.N, case.K), case.dtype)], name=case.id, trans_b=True)
+    else:
+        op = MatMul([a, Tensor("b", (case.K, case.N), case.dtype)], name=case.id)
     path = os.path.join(work, f"{case.id}.cubin")
     t0 = time.perf_counter()
     launches = build_cuda_library([op], path, arch=arch, cache_dir=cache_dir, **extra)
@@ -203,7 +210,8 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
     sets = []
     for _ in range(nsets):
         a = torch.randn(case.M, case.K, device=dev, generator=gen).to(dt)
-        b = torch.randn(case.K, case.N, device=dev, generator=gen).to(dt)
+        b = torch.randn(*((case.N, case.K) if case.b_layout == "nk" else (case.K, case.N)), device=dev,
+                        generator=gen).to(dt)
         c = torch.empty(case.M, case.N, device=dev, dtype=dt)
         sets.append((a, b, c))
     from shardflow.runtime.tma import kernel_args
@@ -220,9 +228,11 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
     def ours(i):
         fn(grid, block, views[i % nsets], shared_mem=smem, stream=cstream)
 
-    def cublas(i):
+    nk = case.b_layout == "nk"
+
+    def cublas(i):  # (B [N, K]: the transposed view, which cuBLAS takes as is)
         a, b, c = sets[i % nsets]
-        torch.matmul(a, b, out=c)
+        torch.matmul(a, b.t() if nk else b, out=c)
 
     # correctness: poison, run once, compare with an fp32 product of the same operands (TF32 off)
     a, b, c = sets[0]
@@ -231,11 +241,11 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
     torch.cuda.synchronize()
     ours(0)
     cstream.synchronize()
-    ref = a.float() @ b.float()
+    ref = a.float() @ (b.float().t() if nk else b.float())
     scale = ref.abs().max().item()
     nan = bool(torch.isnan(c).any().item())
     err = (c.float() - ref).abs().max().item() / scale
-    torch.matmul(a, b, out=c)
+    cublas(0)
     err_cublas = (c.float() - ref).abs().max().item() / scale
     del ref
     record = asdict(case)
@@ -339,12 +349,15 @@ def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "dtypes", default=",".join(DTYPES))
     ap.add_argument(p + "reps", type=int, default=30, help="graph replays timed per case (median)")
     ap.add_argument(p + "no-graph", action="store_true", help="time plain back-to-back launches")
+    ap.add_argument(p + "b-layout", choices=("kn", "nk"), default="kn",
+                    help="B stored [K, N] (MatMul's weight, the default) or [N, K] (a Linear's; cuBLAS gets the "
+                         "transposed view)")
 
 
 def cases_from_args(args, prefix: str = "") -> list[Case]:
     g = lambda k: getattr(args, (prefix + k).replace("-", "_"))  # noqa: E731
     return make_cases([int(x) for x in g("m").split(",") if x], [s for s in g("shapes").split(",") if s] or None,
-                      [d for d in g("dtypes").split(",") if d])
+                      [d for d in g("dtypes").split(",") if d], g("b-layout"))
 
 
 def bench(cases: list[Case], work: str, *, arch: str, jobs: int, dry_run: bool, reps: int, use_graph: bool,

@@ -72,6 +72,13 @@ WGMMA_CONFIGS = {
     "tma128x192": (2, 192, 5, "tma"),
     "tma128x128": (2, 128, 6, "tma"),
     "tma64x128": (1, 128, 8, "tma"),
+    # column counts that are not a multiple of 64, for a K-major B only (a weight stored [N, K]; an
+    # MN-major B is copied in panels of 64 columns): tiles that fill the 132 multiprocessors where
+    # the 64-multiples leave a quarter idle (GPT-2's N = 768 at M = 1024: 128 tiles of 64 x 96
+    # against 96 of 64 x 128; N = 2304: 120 of 128 x 160 against 96 of 128 x 192). Not measured
+    # yet: out of the default choice (see _KMAJOR_B_FALLBACK)
+    "tma64x96": (1, 96, 10, "tma"),
+    "tma128x160": (2, 160, 5, "tma"),
     # ping-pong (not measured yet: out of the default choice and of the tuner's candidates until a
     # GPU run has timed them; optimization_config["gemm_tiles"] and benchmarks/gpu/gemm.py --config
     # select them)
@@ -219,8 +226,14 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
 #: the ``cp`` tile a ``tma`` configuration falls back to where TMA cannot load the operands
 #: (batched products: their operands are not one 2-D tensor map each)
 _TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128": "128x128", "tma64x128": "64x128",
+                 "tma64x96": "64x128", "tma128x160": "128x256",
                  "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128",
                  "sk128x256": "128x256", "sk128x192": "128x256", "sk128x128": "128x128", "sk64x128": "64x128"}
+
+
+#: the tile a configuration whose column count is not a multiple of 64 takes where B is MN-major
+#: (its copies and descriptors work in panels of 64 columns)
+_KMAJOR_B_FALLBACK = {"tma64x96": "tma64x128", "tma128x160": "tma128x192"}
 
 
 def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:
@@ -398,6 +411,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     config = config or choose_wgmma_config(M, N, batch, K=K)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
+    if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
+        config = _KMAJOR_B_FALLBACK[config]
     if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,

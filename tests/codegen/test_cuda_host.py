@@ -344,6 +344,29 @@ def test_wgmma_gemms_on_the_host_match_numpy(tmp_path, cfg, ta, tb):
     _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=(3, 1, 1) if persistent else None)
 
 
+@pytest.mark.parametrize("cfg", ["tma64x96", "tma128x160"])
+def test_tiles_for_a_k_major_b_on_the_host(tmp_path, cfg):
+    """The tiles whose column count is not a multiple of 64 (for a weight stored ``[N, K]``):
+    both layouts of A, sizes that are not multiples of the tile, blocks with several tiles and a
+    split-K product, each against numpy; with an MN-major B the same forced tile takes the
+    64-multiple tile beside it (the kernel's shared memory tells which was built)."""
+    from shardflow.compiler.codegen.cuda_wgmma import _KMAJOR_B_FALLBACK, WGMMA_CONFIGS, _smem_bytes
+    from test_wgmma import _gemm
+
+    def smem(name):
+        wg, bn, stages, mode = WGMMA_CONFIGS[name]
+        return _smem_bytes(wg, bn, stages, mode)[2]
+
+    for i, (ta, M, N, K, grid) in enumerate([(False, 200, 136, 200, 3), (True, 136, 350, 328, 2),
+                                               (False, 72, 100, 1096, 8)]):
+        (tmp_path / str(i)).mkdir()
+        launch, _ = _wgmma_gemm(tmp_path / str(i), cfg, M, N, K, ta, True, grid=(grid, 1, 1))
+        assert launch.persistent and launch.shared_mem == smem(cfg)
+    mn = generate_cuda_source([_gemm(200, 136, 200, "float16", False, False)], arch="sm_90",
+                              gemm_configs={"g": cfg}).launches["g"]
+    assert mn.shared_mem == smem(_KMAJOR_B_FALLBACK[cfg])
+
+
 @pytest.mark.parametrize("cfg", ["pp64x128", pytest.param("pp64x256", marks=pytest.mark.slow)])  # (opt-in tiles)
 def test_pingpong_hand_over_under_random_interleavings(tmp_path, cfg):
     """Ping-pong (RFC 0005 decision 20) with one block taking 5 tiles (its consumer warpgroups
