@@ -50,13 +50,16 @@ key               meaning                                                       
 ``gemm_tiles``    cuda only: ``{node name pattern: tile}`` forces wgmma GEMM tiles (names of ``{}``
                   ``codegen/cuda_wgmma.WGMMA_CONFIGS``) on the GEMM kernels whose op, or an
                   op fused into them, matches the ``fnmatch`` pattern (first match wins;
-                  over the tuned and the default choice)
+                  over the tuned and the default choice). A tile for a K-major B
+                  (``tma64x96``, ``tma128x160``) also stores, at half precision, the
+                  ``[K, N]`` weight of a MatMul/Gemm whose own name matches as ``[N, K]``
 ================  =========================================================================  ==========
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import importlib
 import inspect
 import logging
@@ -199,6 +202,21 @@ def _gemm_tiles(tiles: dict, target: str) -> dict:
             raise ConfigError(f"optimization_config['gemm_tiles'][{pattern!r}] = {tile!r}: choose one of "
                               f"{sorted(WGMMA_CONFIGS)}")
     return dict(tiles)
+
+
+def _k_major_tiles(tiles: dict) -> Callable[[Operator], bool] | None:
+    """Whether an op's first matching ``gemm_tiles`` pattern (matched on the op's own name) forces
+    a tile that takes a K-major B only (a column count that is not a multiple of 64): the
+    precision pass then stores that op's weight ``[N, K]``. None without such a tile."""
+    from .codegen.cuda_wgmma import WGMMA_CONFIGS
+
+    if not any(WGMMA_CONFIGS[t][1] % 64 for t in (tiles or {}).values()):
+        return None
+
+    def wants(op: Operator) -> bool:
+        tile = next((t for p, t in tiles.items() if fnmatch.fnmatchcase(op.name, p)), None)
+        return tile is not None and WGMMA_CONFIGS[tile][1] % 64 != 0
+    return wants
 
 
 # ---------------------------------------------------------------------------------------
@@ -852,7 +870,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 # collectives carry the float32 values they carried before
                 from .passes.precision import HalfPrecisionContractions
 
-                rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda").run(rg)
+                rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda",
+                                               k_major_ops=_k_major_tiles(opt.gemm_tiles)).run(rg)
                 if opt.target == "cuda":
                     # one fused kernel per attention (passes/attention.py), on this rank's share
                     from .passes.attention import FuseAttention

@@ -92,6 +92,8 @@ ncu_gemm() {
 }
 # kmajor: GEMMs with B stored [N, K] (gemm.py --b-layout nk) on the default tiles, then on the tiles for
 # a K-major B (tma64x96 on N = 768, tma128x160 on N = 2304), into $out/gemm-kmajor.txt
+# the GPT-2 projections on the tiles for a K-major B (their weights then stored [N, K]: driver.py)
+kmajor_tiles='{"*/attn/c_proj/Gemm": "tma64x96", "*/mlp/c_proj/Gemm": "tma64x96", "*/attn/c_attn/Gemm": "tma128x160"}'
 kmajor() {
     local f="$out/gemm-kmajor.txt" common=(--b-layout nk --dtypes float16,bfloat16 --jobs 14)
     echo "# benchmarks/gpu/gemm.py --b-layout nk, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
@@ -138,8 +140,8 @@ case "$what" in
             # a hang is cut at 60 s), the benchmark's results file (float16 GEMMs vs cuBLAS, GPT-2 and
             # Llama vs torch.compile; it skips what no longer fits and rewrites its JSON after each step),
             # Nsight Compute on the GPT-2 products at M = 1024 if 150 s are left, then the GPT-2 8x128
-            # kernel profile if a minute is left (session 33 on an H200: 324 s in all, before the ncu step;
-            # 8 files come back, the device tool's limit)
+            # kernel profile if a minute is left (session 33 on an H200: 324 s in all, before the K-major
+            # and ncu steps; 8 files come back, the device tool's limit)
         deadline=$((SECONDS + ${LEASE_S:-480}))
         # the suite's time is mostly nvcc (session 5: 368 tests in 189 s): spread over the host's cores
         # where pytest-xdist is there (the image has it; the kernel cache writes by rename)
@@ -166,6 +168,13 @@ case "$what" in
         if (( deadline - SECONDS > 200 )); then
             kmajor
         fi
+        # GPT-2 small 8x128 with its weights stored [N, K] on those tiles, end to end against torch.compile
+        if (( deadline - SECONDS > 170 )); then
+            timeout 100 python3 benchmarks/gpu/models.py --models gpt2_small --batches 8 --precision float16 \
+                --compile-modes reduce-overhead --export-dir /tmp/sf-export --gemm-tiles "$kmajor_tiles" \
+                > "$out/models-kmajor.txt" 2>&1
+            tail -6 "$out/models-kmajor.txt"
+        fi
         # what the GPT-2 products at M = 1024 (0.71-0.82 of cuBLAS, none reaches 0.9 on any tile) spend
         # their time on, next to cuBLAS's kernels (rfcs/0005 "Next")
         if (( deadline - SECONDS > 150 )); then
@@ -173,7 +182,7 @@ case "$what" in
         fi
         if (( deadline - SECONDS > 60 )); then
             timeout $((deadline - SECONDS)) python3 benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 \
-                --work /tmp/sf-export --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
+                --work /tmp/sf-export --top 40 > "$out/profile.txt" 2>&1
             tail -12 "$out/profile.txt"
         fi
         echo "lease done at ${SECONDS} s"

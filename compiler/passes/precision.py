@@ -29,6 +29,7 @@ tolerances the tests use.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 
@@ -66,7 +67,8 @@ def _half_dtype(name: str):
 class HalfPrecisionContractions(GraphPass):
     """Round the float32 operands of contractions to ``dtype`` (``"float16"`` or ``"bfloat16"``)."""
 
-    def __init__(self, dtype: str, k_major_weights: bool = False):
+    def __init__(self, dtype: str, k_major_weights: bool = False,
+                 k_major_ops: "Callable[[Operator], bool] | None" = None):
         self.dtype = dtype
         self.np_dtype = _half_dtype(dtype)
         #: store a MatMul weight ``[K, N]`` whose rows are not 16-byte aligned (``N`` not a multiple
@@ -74,6 +76,9 @@ class HalfPrecisionContractions(GraphPass):
         #: Transpose: the cuda GEMM then copies it 16 bytes at a time (K-major) instead of falling
         #: back to element-wise loads
         self.k_major_weights = k_major_weights
+        #: the MatMul / Gemm (without ``trans_b``) ops whose ``[K, N]`` weight is stored ``[N, K]``
+        #: likewise, whatever ``N`` (the ops forced onto a cuda tile that needs a K-major B)
+        self.k_major_ops = k_major_ops
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         nodes: list[Operator] = []
@@ -117,8 +122,10 @@ class HalfPrecisionContractions(GraphPass):
         """Weight ``t`` converted once to the half type, read back as float32."""
         from ..ops.elementwise import CastOp
 
-        if (self.k_major_weights and op.op_type == "MatMul" and k == 1 and t.ndim == 2
-                and t.shape[1] % 8 and t.shape[0] % 8 == 0):
+        plain = op.op_type == "MatMul" or (op.op_type == "Gemm" and not op.attrs.get("trans_b"))
+        if k == 1 and t.ndim == 2 and t.shape[0] % 8 == 0 and plain and (
+                (self.k_major_weights and op.op_type == "MatMul" and t.shape[1] % 8)
+                or (self.k_major_ops is not None and self.k_major_ops(op))):
             from ..ops.transform import Transpose
             value = np.asarray(t.value).astype(self.np_dtype)
             half = const_tensor(np.ascontiguousarray(value.T), f"{t.name}.{self.dtype}.T")

@@ -149,9 +149,10 @@ def test_decomposed_rms_norm_is_one_row_kernel_on_the_host(tmp_path):
     _check(group.name, launch.kind, got[0], vals[id(ops[-1].outputs[0])])
 
 
-def _rank_graph_for_cuda(model: str):
+def _rank_graph_for_cuda(model: str, k_major_ops=None):
     """A committed test model as the driver hands it to the cuda code generator at float16 on one
-    device: imported, planned, merged projections, half operands, fused attention."""
+    device: imported, planned, merged projections, half operands (the weights of ``k_major_ops``
+    stored ``[N, K]``), fused attention."""
     from model_refs import MODELS
 
     from shardflow.compiler import load_onnx
@@ -165,7 +166,7 @@ def _rank_graph_for_cuda(model: str):
     graph = load_onnx(str(MODELS / f"{model}.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
     (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
     rg = MergeProjections().run(rg)
-    rg = HalfPrecisionContractions("float16", k_major_weights=True).run(rg)
+    rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
     return FuseAttention().run(rg), feeds
 
 
@@ -216,6 +217,25 @@ def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
     assert len(gemms) >= 4
     src = generate_cuda_source(groups, arch="sm_90", precision="float16", gemm_configs={g.name: cfg for g in gemms})
     assert all(src.launches[g.name].persistent for g in gemms)
+    _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=(3, 1, 1))
+
+
+def test_model_gemms_on_the_tiles_for_a_k_major_b_on_the_host(tmp_path):
+    """Every wgmma GEMM of the Llama test model's float16 program with its weight stored [N, K]
+    (the precision pass's ``k_major_ops``), on the 96- and 160-column tiles in turn, fused
+    epilogues (SiLU(gate) * up, the casts) included, on 3 resident blocks, against the
+    evaluator; each kernel built with the tile forced (not its fallback)."""
+    from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS, _smem_bytes
+
+    env, consts, groups = _graph_values(*_rank_graph_for_cuda("llama_ts17", k_major_ops=lambda op: True))
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    gemms = [g for g in groups if g.name in src.launches and src.launches[g.name].kind.startswith("gemm-wgmma")]
+    assert len(gemms) >= 4
+    tiles = {g.name: ("tma64x96", "tma128x160")[i % 2] for i, g in enumerate(gemms)}
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16", gemm_configs=tiles)
+    for g in gemms:
+        wg, bn, stages, mode = WGMMA_CONFIGS[tiles[g.name]]
+        assert src.launches[g.name].shared_mem == _smem_bytes(wg, bn, stages, mode)[2], g.name
     _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=(3, 1, 1))
 
 

@@ -149,6 +149,45 @@ def test_gemm_tiles_force_the_tile_of_matching_kernels(tmp_path, caplog):
 
 
 @needs_nvcc
+def test_gemm_tiles_for_a_k_major_b_store_the_matched_weights_n_by_k(tmp_path):
+    """A ``gemm_tiles`` pattern forcing a tile for a K-major B (96 columns) on GPT-2's c_proj
+    projections stores their float16 weights ``[N, K]`` (read through a Transpose) and their
+    kernels take that tile; the other GEMMs keep their weights ``[K, N]`` and their tiles. A
+    pattern forcing a 64-multiple tile changes no weight."""
+    import json
+    from pathlib import Path
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.codegen.cuda_wgmma import _smem_bytes
+    from shardflow.compiler.driver import _k_major_tiles
+    from shardflow.compiler.passes.precision import HalfPrecisionContractions
+
+    model = Path(__file__).parent.parent / "models" / "gpt2_ts17.onnx"
+    kmajor, plain = {"*/c_proj/Gemm": "tma64x96"}, {"*/c_proj/Gemm": "tma64x128"}
+    assert _k_major_tiles(plain) is None
+    graph = HalfPrecisionContractions("float16", k_major_weights=True,
+                                      k_major_ops=_k_major_tiles(kmajor)).run(load_onnx(str(model)))
+    flips = [op for op in graph.nodes if op.op_type == "Transpose" and op.name.endswith(".w1.T")]
+    # two c_proj per layer (the attention's output projection, the MLP's down projection), [K, N]
+    # weights stored [N, K]; (the test model's vocabulary is a multiple of 8: no flip for alignment)
+    assert len(flips) == 2 * sum(op.name.endswith("/attn/c_proj/Gemm") for op in graph.nodes) >= 2
+    assert all(op.name.split("/")[-2:-1] == ["c_proj"] for op in flips)
+    assert all(op.outputs[0].shape[::-1] == op.inputs[0].shape for op in flips)
+    smem = {}
+    for name, tiles in (("default", None), ("kmajor", kmajor), ("plain", plain)):
+        opt = {"target": "cuda", "precision": "float16", **({"gemm_tiles": tiles} if tiles else {})}
+        compile(model, distributed_config={"mesh_shape": [1]}, optimization_config=opt, out_dir=tmp_path / name)
+        program = json.loads((tmp_path / name / "rank0" / "program.json").read_text())
+        smem[name] = {s["node"]: s["launch"]["shared_mem"] for s in program["steps"]
+                      if s["kind"] == "kernel" and s["launch"]["kind"].startswith("gemm-wgmma")}
+    # the c_proj kernels (named after their residual Add) take the 96-column tile: B is K-major
+    want = _smem_bytes(1, 96, WGMMA_CONFIGS["tma64x96"][2], "tma")[2]
+    changed = {n for n in smem["default"] if smem["kmajor"][n] != smem["default"][n]}
+    assert len(changed) == len(flips) and all(smem["kmajor"][n] == want for n in changed)
+    assert want not in smem["plain"].values() and want not in smem["default"].values()
+
+
+@needs_nvcc
 def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
     ops = []
     for i, (cfg, dt, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, ("float16", "bfloat16"), LAYOUTS)):
