@@ -1,16 +1,19 @@
-"""Handlers for the ONNX sampling ops ``GridSample`` (opsets 16, 20, 22) and ``RoiAlign`` (10, 16, 22).
+"""Handlers for the ONNX sampling ops ``GridSample`` (opsets 16, 20, 22), ``RoiAlign`` (10, 16, 22) and
+``DeformConv`` (19, 22, 2-D).
 
-Neither has an operator of its own: both are composed (through ``ctx.emit``) from element-wise
+None has an operator of its own: each is composed (through ``ctx.emit``) from element-wise
 arithmetic, ``Floor``/``Round``/``Clip``/``Where``/``Cast``, a row ``Gather`` and a reduction,
 following the ONNX specification and its reference implementation (``onnx/reference/ops``) step
 for step, so that they get compute definitions, sharding rules and kernels like any other chain.
 
-Both ops sample an image at data-dependent positions. For each spatial axis they compute the
+All three sample an image at data-dependent positions. For each spatial axis they compute the
 integer positions of the taps around a sampling point with one weight per tap (per-axis, so that a
 d-dimensional sample needs ``m ** d`` taps from ``d`` small tensors); :func:`_gather_taps` turns
 the per-axis taps into row indices of the image laid out as ``[batch * pixels, channels]``,
 gathers the rows and weights them. GridSample then sums the taps; RoiAlign sums (``avg``) or
-takes the maximum (``max``) over the taps and the samples of each bin.
+takes the maximum (``max``) over the taps and the samples of each bin; DeformConv sums them (its
+bilinear samples are GridSample's with zeros padding at pixel coordinates, as the reference
+computes them), scales them by the mask and convolves them as an im2col MatMul.
 
 GridSample: modes nearest (round half to even), linear (``2 ** d`` taps) and cubic (``4 ** d``
 taps, A = -0.75) over any number d >= 1 of spatial axes (opset 16: 2-D only, modes bilinear /
@@ -433,3 +436,78 @@ def roi_align(ctx):
         if empty.any():                                  # no samples at all: the reference gives 0
             pooled = _e(ctx, "Where", _c(ctx, empty.reshape(r, 1, 1, 1), "bool"), _c(ctx, 0, x.dtype), pooled)
     return [ctx.add(Transpose([pooled], name=ctx.name, perm=(0, 3, 1, 2)))]
+
+
+# DeformConv -----------------------------------------------------------------------------------------
+
+@onnx_op("DeformConv", since=19)
+def deform_conv(ctx):
+    """``DeformConv`` (2-D, as the ONNX reference and onnxruntime implement it): each kernel tap of
+    each output pixel samples the image bilinearly (zero outside, as GridSample with zeros padding
+    at pixel coordinates) at its regular position plus a learned offset, scaled by an optional mask;
+    then a grouped convolution of the samples with ``W``, plus ``B``.
+
+    Composed like GridSample: the taps' positions ``[N * offset_group, kH * kW * oH * oW]`` per
+    axis, the image of each offset group as rows (its channels only), the four taps gathered and
+    summed; the samples laid out as an im2col ``[N, group, C / group * kH * kW, oH * oW]`` and one
+    batched MatMul with the weights ``[group, oC / group, C / group * kH * kW]``."""
+    x, w, offset = ctx.input(0), ctx.input(1), ctx.input(2)
+    if x.ndim != 4 or w.ndim != 4:
+        raise ctx.unsupported(f"a {x.ndim - 2}-D DeformConv (X {list(x.shape)}, W {list(w.shape)}; the 2-D one is)")
+    if x.dtype not in _FLOATS or w.dtype != x.dtype or offset.dtype != x.dtype:
+        raise ctx.invalid(f"X, W and offset must share one floating-point type, got {x.dtype}, {w.dtype}, "
+                          f"{offset.dtype}")
+    n, c, h, wd = x.shape
+    oc, cg = w.shape[0], w.shape[1]
+    kh, kw = (int(v) for v in ctx.attr("kernel_shape", list(w.shape[2:])))
+    if (kh, kw) != tuple(w.shape[2:]):
+        raise ctx.shape_error(f"kernel_shape {[kh, kw]} differs from W's {list(w.shape[2:])}")
+    group, og = int(ctx.attr("group", 1)), int(ctx.attr("offset_group", 1))
+    sh, sw = (int(v) for v in ctx.attr("strides", [1, 1]))
+    dh, dw = (int(v) for v in ctx.attr("dilations", [1, 1]))
+    pt, pl, pb, pr = (int(v) for v in ctx.attr("pads", [0, 0, 0, 0]))
+    if min(group, og, sh, sw, dh, dw) < 1 or min(pt, pl, pb, pr) < 0:
+        raise ctx.invalid("group, offset_group, strides and dilations must be positive and pads not negative")
+    if c != cg * group or oc % group or c % og:
+        raise ctx.shape_error(f"X's {c} channels, W {list(w.shape)}, group {group} and offset_group {og} do not "
+                              "fit (C = W.shape[1] * group, oC and C divisible by group and offset_group)")
+    oh = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    taps, pixels = kh * kw, oh * ow
+    if oh < 1 or ow < 1 or offset.shape != (n, og * 2 * taps, oh, ow):
+        raise ctx.shape_error(f"offset of shape {list(offset.shape)}, expected {[n, og * 2 * taps, oh, ow]}")
+    mask = ctx.input(4) if ctx.has_input(4) else None
+    if mask is not None and (mask.shape != (n, og * taps, oh, ow) or mask.dtype != x.dtype):
+        raise ctx.shape_error(f"mask of shape {list(mask.shape)} ({mask.dtype}), expected "
+                              f"{[n, og * taps, oh, ow]} ({x.dtype})")
+    bias = ctx.input(3) if ctx.has_input(3) else None
+    if bias is not None and bias.shape != (oc,):
+        raise ctx.shape_error(f"B of shape {list(bias.shape)}, expected [{oc}]")
+    ng, q, ft = n * og, taps * pixels, x.dtype
+
+    # sampling positions: the regular grid [kH, kW, oH, oW] plus the offsets, per axis
+    off = _reshape(ctx, offset, (ng, taps, 2, pixels))
+    base = {0: (np.arange(kh)[:, None, None, None] * dh + np.arange(oh)[None, None, :, None] * sh - pt),
+            1: (np.arange(kw)[None, :, None, None] * dw + np.arange(ow)[None, None, None, :] * sw - pl)}
+    axis_taps = []
+    for a, (length, stride, shape) in enumerate(((h, wd, (ng, q, 2, 1)), (wd, 1, (ng, q, 1, 2)))):
+        grid = np.broadcast_to(base[a], (kh, kw, oh, ow)).reshape(1, taps, pixels)
+        u = _e(ctx, "Add", _e(ctx, "Gather", off, _c(ctx, a, "int64"), axis=2), _c(ctx, grid, ft))
+        axis_taps.append(_grid_axis_taps(ctx, _reshape(ctx, u, (ng, q)), length, "linear", "zeros", True, stride,
+                                         shape))
+    # each offset group samples its own channels: the image as [N * og, C / og, H, W]
+    table = _image_table(ctx, _reshape(ctx, x, (ng, c // og, h, wd)))
+    first = _c(ctx, (np.arange(ng) * h * wd).reshape(ng, 1, 1, 1), "int64")
+    values = _gather_taps(ctx, table, first, axis_taps, (ng, q, 2, 2))            # [N og, Q, 2, 2, C/og]
+    sampled = _e(ctx, "ReduceSum", values, _c(ctx, [2, 3], "int64"), keepdims=0)  # [N og, Q, C/og]
+    if mask is not None:
+        sampled = _e(ctx, "Mul", sampled, _reshape(ctx, mask, (ng, q, 1)))
+    # im2col [N, group, C/group * kH * kW, oH * oW]: channel c = g * C/og + c' of offset group g
+    cols = _reshape(ctx, sampled, (n, og, taps, pixels, c // og))
+    cols = _e(ctx, "Transpose", cols, perm=[0, 1, 4, 2, 3])
+    cols = _reshape(ctx, cols, (n, group, cg * taps, pixels))
+    wm = _reshape(ctx, w, (1, group, oc // group, cg * taps))
+    y = _reshape(ctx, _e(ctx, "MatMul", wm, cols), (n, oc, oh, ow))
+    if bias is not None:
+        y = _e(ctx, "Add", y, _reshape(ctx, bias, (1, oc, 1, 1)))
+    return [ctx.add(Reshape([y], name=ctx.name, shape=(n, oc, oh, ow)))]

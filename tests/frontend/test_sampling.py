@@ -1,6 +1,7 @@
-"""GridSample and RoiAlign: imported models against onnxruntime (or the ONNX reference evaluator where
-onnxruntime lacks the case or departs from the reference), errors by type and message, a GridSample model
-sharded over two ranks, and GridSample and RoiAlign models compiled for the cpu target."""
+"""GridSample, RoiAlign and DeformConv: imported models against onnxruntime (or the ONNX reference
+evaluator where onnxruntime lacks the case or departs from the reference), errors by type and message,
+GridSample and DeformConv models sharded over two ranks, and models of the three compiled for the cpu
+target."""
 from __future__ import annotations
 
 import itertools
@@ -242,3 +243,91 @@ def test_roi_align_errors(attrs, error, match):
     with pytest.raises(error, match=match) as info:
         load_onnx(roi_model(16, inputs, const_rois=False, **{"sampling_ratio": 1, **attrs}))
     assert "node0" in str(info.value)
+
+
+# DeformConv -----------------------------------------------------------------------------------------
+
+def deform_inputs(n=2, c=4, oc=6, hw=(6, 7), k=(3, 3), group=1, og=1, strides=(1, 1), dil=(1, 1),
+                  pads=(1, 1, 1, 1), mask=True, bias=True, seed=0) -> tuple[dict, tuple]:
+    """Inputs of a DeformConv and its output shape; offsets up to +-3 pixels (some taps land off the
+    image, some between pixels, a few exactly on pixel centres)."""
+    rng = np.random.default_rng(seed)
+    oh = (hw[0] + pads[0] + pads[2] - dil[0] * (k[0] - 1) - 1) // strides[0] + 1
+    ow = (hw[1] + pads[1] + pads[3] - dil[1] * (k[1] - 1) - 1) // strides[1] + 1
+    inputs = {"x": rng.standard_normal((n, c) + hw).astype(np.float32),
+              "w": rng.standard_normal((oc, c // group) + k).astype(np.float32),
+              "offset": rng.uniform(-3, 3, (n, og * 2 * k[0] * k[1], oh, ow)).astype(np.float32)}
+    inputs["offset"].flat[::7] = np.round(inputs["offset"].flat[::7])
+    if bias:
+        inputs["b"] = rng.standard_normal(oc).astype(np.float32)
+    if mask:
+        inputs["mask"] = rng.uniform(0, 1, (n, og * k[0] * k[1], oh, ow)).astype(np.float32)
+    return inputs, (n, oc, oh, ow)
+
+
+def deform_model(inputs: dict, out_shape, const_weights=False, **attrs) -> onnx.ModelProto:
+    names = ["x", "w", "offset", "b" if "b" in inputs else "", "mask" if "mask" in inputs else ""]
+    while names[-1] == "":
+        names.pop()
+    node = helper.make_node("DeformConv", names, ["y"], name="node0", **attrs)
+    inits = {k: inputs[k] for k in ("w", "b") if const_weights and k in inputs}
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(k, onnx.TensorProto.FLOAT, v.shape) for k, v in inputs.items()
+                      if k not in inits],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, list(out_shape))],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("case", [
+    {},
+    {"mask": False, "bias": False},
+    {"group": 2, "og": 2, "c": 4, "oc": 4},
+    {"og": 4, "c": 4},
+    {"strides": (2, 1), "dil": (1, 2), "pads": (0, 2, 1, 1), "k": (2, 3)},
+    {"k": (1, 1), "pads": (0, 0, 0, 0), "hw": (5, 5)},
+])
+def test_deform_conv(case):
+    kw = dict(case)
+    inputs, out = deform_inputs(**kw)
+    attrs = {"kernel_shape": list(kw.get("k", (3, 3))), "pads": list(kw.get("pads", (1, 1, 1, 1))),
+             "strides": list(kw.get("strides", (1, 1))), "dilations": list(kw.get("dil", (1, 1))),
+             "group": kw.get("group", 1), "offset_group": kw.get("og", 1)}
+    model = deform_model(inputs, out, **attrs)
+    got = check(model, inputs, run_ort, tol=1e-4)
+    np.testing.assert_allclose(got, run_reference(model, inputs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("inputs_change,attrs,error,match", [
+    ({"x": np.zeros((1, 4, 5, 6, 7), np.float32)}, {}, UnsupportedOperatorError, "3-D DeformConv"),
+    ({"offset": np.zeros((2, 9, 6, 7), np.float32)}, {}, ShapeError, "offset of shape"),
+    ({}, {"group": 3}, ShapeError, "do not fit"),
+    ({}, {"strides": [0, 1]}, ModelFormatError, "must be positive"),
+    ({"mask": np.zeros((2, 9, 6, 6), np.float32)}, {}, ShapeError, "mask of shape"),
+])
+def test_deform_conv_errors(inputs_change, attrs, error, match):
+    inputs, out = deform_inputs()
+    inputs.update(inputs_change)
+    with pytest.raises(error, match=match):
+        load_onnx(deform_model(inputs, out, **{"pads": [1, 1, 1, 1], **attrs}))
+
+
+def test_deform_conv_compiled_for_cpu_and_on_two_ranks(tmp_path):
+    """Constant weights and bias, compiled for the cpu target, against onnxruntime; and the same graph
+    planned on two ranks (its batch split under a memory budget) and simulated."""
+    inputs, out = deform_inputs(n=2, c=8, oc=16, hw=(9, 10), og=2, group=2, seed=3)
+    model = deform_model(inputs, out, const_weights=True, kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         group=2, offset_group=2)
+    feeds = {k: inputs[k] for k in ("x", "offset", "mask")}
+    want = run_ort(model, feeds)
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "dc")
+    np.testing.assert_allclose(load(res.out_dir).run(feeds)["y"], want, rtol=1e-4, atol=1e-4)
+    graph = load_onnx(model)
+    # replicated it needs about 520 kB a rank; 400 kB makes the search split the batch
+    plan = search(graph, {"mesh_shape": [2], "memory_budget_bytes": 400_000})
+    assert str(plan.tensor_specs[graph.outputs[0].name]).startswith("S(")
+    got = simulate(partition(graph, plan), feeds)
+    np.testing.assert_allclose(got["y"], want, rtol=1e-4, atol=1e-4)
