@@ -322,10 +322,13 @@ def plan_buffers(blocks: Sequence[tuple[int, int, int]]) -> tuple[list[int], int
 
 
 def _is_view(op: Operator) -> bool:
-    """Ops whose single output has exactly the bytes of input 0 (row-major reshape, identity)."""
+    """Ops whose single output has exactly the bytes of input 0 (row-major reshape, identity, a
+    reinterpretation of the bytes as another type of the same width)."""
     if len(op.outputs) != 1 or not op.inputs:
         return False
     x, y = op.inputs[0], op.outputs[0]
+    if op.op_type == "BitCast":
+        return x.shape == y.shape
     if x.dtype != y.dtype or x.size != y.size:
         return False
     if op.op_type == "Reshape":

@@ -1344,13 +1344,24 @@ def _scan(op) -> str | None:
     return "\n".join(lines)
 
 
+def _bitcast(op) -> str:
+    """BitCast (an extern definition): the input's bytes copied as they are. The driver runs a
+    BitCast as a view of its input with no kernel; this one serves a BitCast compiled alone."""
+    from ..ops.elementwise import numpy_type
+
+    nbytes = op.outputs[0].size * numpy_type(op.outputs[0].dtype).itemsize
+    return ("  // BitCast: the bytes of the input, read as the output's type\n"
+            f"  std::memcpy(outputs[0], inputs[0], {nbytes});")
+
+
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum,
-              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "Fused": _fused}
+              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "Fused": _fused,
+              "BitCast": _bitcast}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "BitCast"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.graph import Tensor
-from ..ops.elementwise import Activation, Binary, CastOp, Clip, Identity, Unary, Where
+from ..ops.elementwise import Activation, BitCast, Binary, CastOp, Clip, Identity, Unary, Where, numpy_type
 from .registry import NodeContext, onnx_dtype, onnx_op
 
 _FLOATS = ("float16", "float32", "float64")
@@ -199,6 +199,18 @@ def cast(ctx):
     if ctx.attr("saturate", 1) != 1 and "float8" in to:
         raise ctx.unsupported("saturate=0")
     return [ctx.add(CastOp([x], name=ctx.name, to=to))]
+
+
+@onnx_op("BitCast", since=26)
+def bitcast(ctx):
+    to = onnx_dtype(ctx.attr("to"), f"node {ctx.name} attribute 'to'")
+    x = ctx.input(0)
+    width, src = numpy_type(to).itemsize, numpy_type(x.dtype).itemsize
+    if width != src:
+        raise ctx.invalid(f"'to' = {to} is not as wide as the input's {x.dtype} ({width} and {src} bytes)")
+    if x.value is not None:
+        return [ctx.constant(np.ascontiguousarray(x.value).view(numpy_type(to)).reshape(x.shape))]
+    return [ctx.add(BitCast([x], name=ctx.name, to=to))]
 
 
 @onnx_op("CastLike", since=15)

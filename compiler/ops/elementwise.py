@@ -13,7 +13,7 @@ from ..errors import ShapeError
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, UnaryOp, as_expr,
                        if_then_else, maximum, minimum)
 from ..ir.graph import Operator
-from ..ir.task import TensorInput, compute
+from ..ir.task import TensorInput, compute, extern
 
 __all__ = ["broadcast_shape", "broadcast_read", "Unary", "Binary", "CastOp", "Where", "Activation", "Clip",
            "Identity", "ACTIVATIONS"]
@@ -85,6 +85,28 @@ class CastOp(Operator):
 
     def passthrough_input(self):
         return 0 if self.inputs[0].dtype == self.attrs["to"] else None
+
+
+def numpy_type(name: str):
+    """The numpy type of a dtype name (``bfloat16``: ml_dtypes', installed with onnx)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class BitCast(Operator):
+    """``y`` = the bytes of ``x`` read as type ``to`` (of the same width; little endian, as ONNX says
+    and as every target here stores them). No index expression reinterprets bits, so the output is
+    an extern (each element of ``y`` is the element of ``x`` at the same index: sharded alike); the
+    driver runs it as a view of ``x``'s bytes, with no kernel."""
+
+    def compute(self, x: TensorInput):
+        return extern("y", x.shape, self.attrs["to"], tuple((0, d) for d in range(len(x.shape))),
+                      "a reinterpretation of the bytes")
+
+    def numpy(self, x):
+        return [np.ascontiguousarray(x).view(numpy_type(self.attrs["to"])).reshape(x.shape)]
 
 
 class Where(Operator):
@@ -220,7 +242,7 @@ def examples(rng: np.random.Generator):
             res.append((Binary, [np.abs(x) + 0.1, y], {"fn": fn}))
     res += [(CastOp, [x * 10], {"to": "int32"}), (CastOp, [i], {"to": "float16"}),
             (Where, [x > 0, x, y], {}), (Clip, [x], {"lo": -0.5, "hi": 0.5}), (Clip, [x], {"lo": None, "hi": 0.1}),
-            (Identity, [x], {})]
+            (Identity, [x], {}), (BitCast, [x], {"to": "int32"}), (BitCast, [x > 0], {"to": "uint8"})]
     params = {"alpha": 0.3, "beta": 0.4, "gamma": 1.2, "lambd": 0.5, "bias": 0.1}
     res += [(Activation, [x], {"kind": k, **params}) for k in _ACTIVATIONS]
     return res
