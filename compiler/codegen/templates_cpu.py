@@ -19,7 +19,8 @@ the prepacked GEMM with the output pixels as rows, transposed back. A WinogradCo
 ``passes/prepack.py``) transforms its input tiles, runs one prepacked GEMM per transform position (tiles
 as rows) and transforms the products back into output tiles. A PackedMatMulInteger (int8/uint8 times a
 weight packed at compile time, int32 sums) runs the integer GEMM of ``cpu_library/gemm_int8.h``.
-Depthwise, 3-D and transposed convs, pools, attention, Resize, LRN, scans, pads, TopK and large transposes have
+Depthwise, 3-D and transposed convs, pools, attention, Resize, LRN, scans, pads, TopK, Det, BitCast (a byte
+copy; the driver runs it as a view) and large transposes have
 templates of their own (below); every other op, and other dtypes, use the generic lowering.
 """
 from __future__ import annotations
@@ -1344,6 +1345,46 @@ def _scan(op) -> str | None:
     return "\n".join(lines)
 
 
+def _det(op) -> str | None:
+    """Det (an extern definition): each matrix's LU factorization with partial pivoting, in double,
+    the product of the pivots with the swaps' sign (0 at the first zero pivot). Matrices in parallel,
+    each in a per-thread workspace."""
+    from .cpp import STORAGE_CTYPE
+
+    x = op.inputs[0]
+    if x.dtype not in ("float32", "float64") or op.outputs[0].dtype != x.dtype:
+        return None
+    m, count = x.shape[-1], _prod(x.shape[:-2])
+    ct = STORAGE_CTYPE[x.dtype]
+    lines = [f"  const {ct}* __restrict__ in0 = static_cast<const {ct}*>(inputs[0]);",
+             f"  {ct}* __restrict__ out0 = static_cast<{ct}*>(outputs[0]);",
+             f"  // Det: {count} matrices of {m} x {m}, LU with partial pivoting in double",
+             f"  #pragma omp parallel for schedule(static) if (sf_max_threads() > 1 && {count * m * m * m} >= 262144)",
+             f"  for (int64_t b = 0; b < {count}; ++b) {{",
+             f"    double* __restrict__ a = static_cast<double*>(sf_workspace(0, sizeof(double) * {max(1, m * m)}));",
+             f"    for (int64_t e = 0; e < {m * m}; ++e) a[e] = (double)in0[b * {m * m} + e];",
+             "    double det = 1.0;",
+             f"    for (int64_t k = 0; k < {m}; ++k) {{",
+             "      int64_t p = k;",
+             f"      for (int64_t i = k + 1; i < {m}; ++i)",
+             f"        if (std::fabs(a[i * {m} + k]) > std::fabs(a[p * {m} + k])) p = i;",
+             f"      const double pivot = a[p * {m} + k];",
+             "      if (pivot == 0.0) { det = 0.0; break; }",
+             "      if (p != k) {",
+             f"        for (int64_t j = 0; j < {m}; ++j) std::swap(a[p * {m} + j], a[k * {m} + j]);",
+             "        det = -det;",
+             "      }",
+             "      det *= pivot;",
+             f"      for (int64_t i = k + 1; i < {m}; ++i) {{",
+             f"        const double f = a[i * {m} + k] / pivot;",
+             f"        for (int64_t j = k + 1; j < {m}; ++j) a[i * {m} + j] -= f * a[k * {m} + j];",
+             "      }",
+             "    }",
+             f"    out0[b] = ({ct})det;",
+             "  }"]
+    return "\n".join(lines)
+
+
 def _bitcast(op) -> str:
     """BitCast (an extern definition): the input's bytes copied as they are. The driver runs a
     BitCast as a view of its input with no kernel; this one serves a BitCast compiled alone."""
@@ -1359,9 +1400,9 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum,
               "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "Fused": _fused,
-              "BitCast": _bitcast}
+              "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "BitCast"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "BitCast", "Det"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

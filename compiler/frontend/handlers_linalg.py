@@ -11,7 +11,7 @@ import numpy as np
 
 from ..ops.conv import Conv, ConvTranspose, GlobalPool, Pool, Resize
 from ..ops.elementwise import Identity
-from ..ops.linalg import Attention, Einsum, Gemm, MatMul, MatMulInteger, QLinearMatMul
+from ..ops.linalg import Attention, Det, Einsum, Gemm, MatMul, MatMulInteger, QLinearMatMul
 from ..ops.transform import Concat, Reshape, Transpose
 from .registry import onnx_dtype, onnx_op
 
@@ -49,6 +49,16 @@ def gemm(ctx):
             raise ctx.shape_error(f"C of shape {c.shape} must be exactly ({m}, {n}) when broadcast=0")
     ins = [a, b] + ([c] if c is not None else [])
     return [ctx.add(Gemm(ins, name=ctx.name, alpha=alpha, beta=beta, trans_a=ta, trans_b=tb))]
+
+
+@onnx_op("Det", since=11)
+def det(ctx):
+    x = ctx.input(0)
+    if x.dtype not in ("float16", "float32", "float64"):
+        raise ctx.unsupported(f"Det of {x.dtype} (float16, float32 and float64 are)")
+    if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+        raise ctx.shape_error(f"X must be square matrices [..., M, M], got shape {list(x.shape)}")
+    return [ctx.add(Det([x], name=ctx.name))]
 
 
 @onnx_op("Einsum", since=12)

@@ -14,11 +14,11 @@ import numpy as np
 from ..errors import ShapeError
 from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum
 from ..ir.graph import Operator
-from ..ir.task import TensorInput, compute, reduce
+from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "Attention", "parse_einsum"]
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "Attention", "parse_einsum", "Det"]
 
 
 def _np_half(name: str):
@@ -723,6 +723,22 @@ class Attention(Operator):
         return [y, {3: p, 2: logits}.get(mode, score).astype(dt)]
 
 
+class Det(Operator):
+    """The determinants of the square matrices ``x[..., M, M]``: shape ``x.shape[:-2]``. No index
+    expression factorizes a matrix, so the output is an extern (sharded along the batch axes only);
+    the cpu target computes it with a template (LU with partial pivoting)."""
+
+    def compute(self, x: TensorInput):
+        if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+            raise ShapeError(f"{self.name}: Det takes square matrices [..., M, M], got shape {x.shape}")
+        return extern("y", x.shape[:-2], x.dtype, tuple((0, d) for d in range(x.ndim - 2)),
+                      "a determinant (an LU factorization)")
+
+    def numpy(self, x):
+        with np.errstate(all="ignore"):
+            return [np.asarray(np.linalg.det(x.astype(np.float64)), dtype=x.dtype).reshape(x.shape[:-2])]
+
+
 def examples(rng: np.random.Generator):
     """Small instances of every op in this module: ``(op class, input arrays, attrs)``."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -794,4 +810,5 @@ def examples(rng: np.random.Generator):
                      np.where(rng.random((2, 1, 1, 5)) > 0.3, 0, -3.4e38).astype(np.float32)],
          {"scale": 1.0, "extra_biases": 2, "acc_dtype": "float32", "probs_dtype": "float16"}),
     ]
+    res += [(Det, [f(3, 3)], {}), (Det, [f(2, 4, 4)], {}), (Det, [np.ones((2, 2, 2), np.float32)], {})]
     return res

@@ -1,12 +1,12 @@
 """CumProd, the window functions, the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool and the optional-tensor ops imported from small ONNX models and run with FlowGraph.run
+AffineGrid, Col2Im, MaxUnpool, Det and the optional-tensor ops imported from small ONNX models and run with FlowGraph.run
 against onnxruntime; the errors for what is refused; and composed ops compiled for the cpu target."""
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, compile, load_onnx
+from shardflow.compiler import ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError, compile, load_onnx
 from shardflow.runtime import load
 
 ort = pytest.importorskip("onnxruntime")
@@ -291,3 +291,54 @@ def test_an_optional_tensor_input_is_compiled_as_present(tmp_path):
     got = load(tmp_path / "out", 0).run({"x": x})
     np.testing.assert_array_equal(got["y"], np.maximum(x, 0))
     assert got["has"].dtype == np.bool_ and bool(got["has"]) and not bool(got["none"])
+
+
+# Det ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,dtype", [((3, 3), np.float32), ((2, 4, 5, 5), np.float32), ((1, 1), np.float32),
+                                         ((3, 6, 6), np.float64)])
+def test_det(shape, dtype):
+    x = RNG.standard_normal(shape).astype(dtype)
+    if len(shape) > 2:
+        x[0, ..., 1, :] = x[0, ..., 0, :] * 2  # singular matrices: 0
+    model = node_model("Det", {"x": x}, opset=22)
+    if dtype == np.float64:  # (onnxruntime has no float64 Det)
+        np.testing.assert_allclose(load_onnx(model).run({"x": x})["y"], np.linalg.det(x), rtol=1e-10, atol=1e-12)
+    else:
+        check(model, {"x": x}, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("x,error,match", [(np.zeros((3, 4), np.float32), ShapeError, "square matrices"),
+                                           (np.zeros((3, 3), np.int32), UnsupportedOperatorError, "Det of int32")])
+def test_det_refuses_other_shapes_and_types(x, error, match):
+    g = helper.make_graph([helper.make_node("Det", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", _ONNX[x.dtype], x.shape)],
+                          [helper.make_tensor_value_info("y", _ONNX[x.dtype], [3])])
+    with pytest.raises(error, match=match):
+        load_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)], ir_version=10))
+
+
+def test_det_compiled_for_cpu_and_on_two_ranks(tmp_path):
+    """A batch of determinants after a MatMul, compiled for the cpu target (the LU template), against
+    onnxruntime; and planned over two ranks (the batch split) and simulated."""
+    from shardflow.compiler.parallel import partition, search, simulate
+
+    x = RNG.standard_normal((8, 5, 5)).astype(np.float32)
+    w = RNG.standard_normal((5, 5)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Det", ["p"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 5, 5])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])],
+                          [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+    model.ir_version = 10
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "det")
+    np.testing.assert_allclose(load(res.out_dir).run({"x": x})["y"], want, rtol=1e-4, atol=1e-5)
+    graph = load_onnx(model)
+    plan = search(graph, {"mesh_shape": [2], "memory_budget_bytes": 1500})
+    assert str(plan.tensor_specs["y"]).startswith("S(")
+    np.testing.assert_allclose(simulate(partition(graph, plan), {"x": x})["y"], want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ShardflowError, match=r"no kernel for node .*\(Det\): extern output"):  # (no cuda kernel)
+        compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+                out_dir=tmp_path / "det-cuda")
