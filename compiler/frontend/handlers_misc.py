@@ -1,6 +1,7 @@
 """Handlers for ONNX ops built from other IR ops or constants: the window functions (HannWindow,
 HammingWindow, BlackmanWindow), the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool, and OptionalHasElement / OptionalGetElement of tensors.
+AffineGrid, Col2Im, MaxUnpool, OptionalHasElement / OptionalGetElement of tensors, and
+TfIdfVectorizer of integer tokens (composed from Gather, Equal, reductions and a MatMul).
 
 Windows depend only on their size, which must be known at import; they become constants. The
 losses are composed from LogSoftmax, GatherElements, Gather, Where, Reduce and element-wise ops,
@@ -299,3 +300,97 @@ def optional_has_element(ctx):
 @onnx_op("OptionalGetElement", since=15)
 def optional_get_element(ctx):
     return [ctx.add(Identity([ctx.input(0)], name=ctx.name))]
+
+
+# TfIdfVectorizer ----------------------------------------------------------------------------------
+
+_TFIDF_MODES = ("TF", "IDF", "TFIDF")
+
+
+def _tfidf_pool(ctx: NodeContext, pool: list[int], counts: list[int], lo: int, hi: int) -> dict[int, list]:
+    """The pool's n-grams of the counted sizes ``lo..hi``, by size: ``[(gram, pool index)]`` in the
+    reference's numbering (every n-gram of the pool has an index, counted or not; a repeated n-gram
+    counts under its last index, as the reference's map keeps it)."""
+    by_size: dict[int, dict[tuple, int]] = {}
+    k = 0
+    for size, start in enumerate(counts, 1):
+        end = counts[size] if size < len(counts) else len(pool)
+        if end < start or (end - start) % size:
+            raise ctx.invalid(f"ngram_counts {counts}: the {size}-grams [{start}, {end}) of the pool of {len(pool)} "
+                              f"are not whole {size}-grams")
+        for s in range(start, end, size):
+            if lo <= size <= hi:
+                by_size.setdefault(size, {})[tuple(pool[s:s + size])] = k
+            k += 1
+    return {n: sorted(((list(g), i) for g, i in grams.items()), key=lambda e: e[1]) for n, grams in by_size.items()}
+
+
+@onnx_op("TfIdfVectorizer", since=9)
+def tfidf_vectorizer(ctx):
+    """``TfIdfVectorizer`` of integer tokens (``pool_int64s``; a string pool is refused), as the
+    reference counts: for each skip distance ``d`` in ``1 .. max_skip_count + 1`` (unigrams at
+    ``d = 1`` only) and each start ``p``, the pool's n-grams matching ``x[p], x[p + d], ...`` (all
+    inside the row). Per n-gram size: the row's candidate n-grams gathered at constant positions
+    ``[B, starts, n]``, compared with the pool's ``[K, n]``, all-equal and inside the row, summed
+    over the starts: counts ``[B, K]``; a constant 0/1 matrix maps the pool's n-grams to their
+    ``ngram_indexes`` (MatMul), then the weighting (TF: the counts; IDF: the weight, or 1, where
+    the count is positive; TFIDF: the weight times the count)."""
+    x = ctx.input(0)
+    if ctx.has_attr("pool_strings"):
+        raise ctx.unsupported("a pool of strings (pool_int64s is)")
+    if x.dtype not in ("int32", "int64"):
+        raise ctx.unsupported(f"{x.dtype} tokens (int32 and int64 are)")
+    if x.ndim not in (1, 2):
+        raise ctx.shape_error(f"X must be [C] or [N, C], got shape {list(x.shape)}")
+    mode = ctx.attr("mode")
+    if mode not in _TFIDF_MODES:
+        raise ctx.invalid(f"mode must be one of {', '.join(_TFIDF_MODES)}, got {mode!r}")
+    lo, hi, skip = int(ctx.attr("min_gram_length")), int(ctx.attr("max_gram_length")), int(ctx.attr("max_skip_count"))
+    pool = [int(v) for v in ctx.attr("pool_int64s")]
+    counts = [int(v) for v in ctx.attr("ngram_counts")]
+    indexes = [int(v) for v in ctx.attr("ngram_indexes")]
+    weights = [float(v) for v in ctx.attr("weights", [])]
+    if not 1 <= lo <= hi or skip < 0:
+        raise ctx.invalid(f"min_gram_length {lo}, max_gram_length {hi} and max_skip_count {skip} must satisfy "
+                          "1 <= min <= max and skip >= 0")
+    if not indexes or min(indexes) < 0:
+        raise ctx.invalid(f"ngram_indexes {indexes} must be non-empty and not negative")
+    size = max(indexes) + 1
+    if weights and len(weights) != size:
+        raise ctx.invalid(f"{len(weights)} weights for {size} outputs (max(ngram_indexes) + 1)")
+    grams = _tfidf_pool(ctx, pool, counts, lo, hi)
+    if sum(len(g) for g in grams.values()) and max(i for g in grams.values() for _, i in g) >= len(indexes):
+        raise ctx.invalid(f"{len(indexes)} ngram_indexes for a pool of more n-grams")
+
+    def e(op: str, *inputs: Tensor, **attrs) -> Tensor:
+        return ctx.emit(op, list(inputs), 18, **attrs)  # (Reduce* with an axes input)
+
+    def c(value, dtype: str) -> Tensor:
+        return ctx.constant(np.asarray(value, dtype=dtype))
+
+    rows = e("Reshape", ctx.cast(x, "int64"), c([-1, x.shape[-1]], "int64"))      # [B, L]
+    b, length = (1 if x.ndim == 1 else x.shape[0]), x.shape[-1]
+    total = c(np.zeros((b, size)), "float32")
+    for n, entries in sorted(grams.items()):
+        dists = [1] if n == 1 else list(range(1, skip + 2))
+        pos = np.array([[p + i * d for i in range(n)] for d in dists for p in range(length)], np.int64).reshape(-1, n)
+        inside = pos[:, -1] < length
+        if not inside.any():
+            continue
+        pos = pos[inside]
+        cand = e("Gather", rows, c(pos, "int64"), axis=1)                            # [B, S, n]
+        want = c(np.array([g for g, _ in entries], np.int64), "int64")               # [K, n]
+        same = e("Equal", e("Unsqueeze", cand, c([2], "int64")), want)              # [B, S, K, n]
+        hit = e("ReduceMin", ctx.cast(same, "int32"), c([3], "int64"), keepdims=0)  # [B, S, K]
+        found = e("ReduceSum", hit, c([1], "int64"), keepdims=0)                     # [B, K]
+        scatter = np.zeros((len(entries), size), np.float32)
+        for row, (_, k) in enumerate(entries):
+            scatter[row, indexes[k]] = 1.0
+        total = e("Add", total, e("MatMul", ctx.cast(found, "float32"), c(scatter, "float32")))
+    if mode == "IDF":
+        total = e("Where", e("Greater", total, c(0, "float32")), c(weights or np.ones(size), "float32"),
+                  c(0, "float32"))
+    elif mode == "TFIDF" and weights:
+        total = e("Mul", total, c(weights, "float32"))
+    out = (size,) if x.ndim == 1 else (b, size)
+    return [ctx.add(Reshape([total], name=ctx.name, shape=out))]

@@ -1,5 +1,5 @@
 """CumProd, the window functions, the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool, Det and the optional-tensor ops imported from small ONNX models and run with FlowGraph.run
+AffineGrid, Col2Im, MaxUnpool, Det, TfIdfVectorizer and the optional-tensor ops imported from small ONNX models and run with FlowGraph.run
 against onnxruntime; the errors for what is refused; and composed ops compiled for the cpu target."""
 import numpy as np
 import onnx
@@ -342,3 +342,68 @@ def test_det_compiled_for_cpu_and_on_two_ranks(tmp_path):
     with pytest.raises(ShardflowError, match=r"no kernel for node .*\(Det\): extern output"):  # (no cuda kernel)
         compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
                 out_dir=tmp_path / "det-cuda")
+
+
+# TfIdfVectorizer ------------------------------------------------------------------------------------
+
+#: a pool of 4 unigrams, 3 bigrams (one repeating a unigram's token) and 2 trigrams
+_POOL = dict(pool_int64s=[2, 3, 5, 4, 5, 6, 7, 8, 6, 7, 2, 3, 4, 5, 6, 7], ngram_counts=[0, 4, 10],
+             ngram_indexes=[0, 1, 2, 3, 4, 5, 6, 7, 8])
+
+
+def tfidf_model(x, mode, lo, hi, skip, weights=None, indexes=None, opset=9):
+    attrs = dict(_POOL, mode=mode, min_gram_length=lo, max_gram_length=hi, max_skip_count=skip)
+    if indexes is not None:
+        attrs["ngram_indexes"] = indexes
+    if weights is not None:
+        attrs["weights"] = weights
+    size = max(attrs["ngram_indexes"]) + 1
+    node = helper.make_node("TfIdfVectorizer", ["x"], ["y"], name="node", **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", _ONNX[x.dtype], x.shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(x.shape[:-1]) + [size])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("mode,lo,hi,skip,weighted,shape,dtype", [
+    ("TF", 1, 3, 0, False, (2, 12), np.int64), ("TF", 2, 2, 3, False, (3, 10), np.int32),
+    ("TF", 1, 2, 5, False, (14,), np.int64), ("IDF", 1, 3, 2, True, (2, 12), np.int64),
+    ("IDF", 2, 3, 1, False, (2, 12), np.int32), ("TFIDF", 1, 3, 4, True, (4, 9), np.int64),
+    ("TFIDF", 3, 3, 2, False, (2, 7), np.int64)])
+def test_tfidf_vectorizer(mode, lo, hi, skip, weighted, shape, dtype):
+    x = RNG.integers(2, 9, shape).astype(dtype)
+    weights = [0.5, 1.5, 2.0, 0.25, 3.0, 1.0, 0.75, 2.5, 4.0] if weighted else None
+    check(tfidf_model(x, mode, lo, hi, skip, weights), {"x": x})
+
+
+def test_tfidf_vectorizer_n_grams_sharing_an_output_and_compiled(tmp_path):
+    """Two pool n-grams counted into one output (ngram_indexes repeats), compiled for the cpu target,
+    and a batch split over two ranks, against onnxruntime."""
+    from shardflow.compiler.parallel import partition, search, simulate
+
+    x = RNG.integers(2, 9, (8, 16)).astype(np.int64)
+    model = tfidf_model(x, "TF", 1, 3, 2, indexes=[0, 1, 2, 3, 4, 0, 5, 6, 1])
+    want = check(model, {"x": x})["y"]
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "tfidf")
+    np.testing.assert_array_equal(load(res.out_dir).run({"x": x})["y"], want)
+    graph = load_onnx(model)
+    plan = search(graph, {"mesh_shape": [2], "memory_budget_bytes": 10_000})  # (replicated: over 20 kB)
+    assert str(plan.tensor_specs[graph.outputs[0].name]).startswith("S(")
+    np.testing.assert_array_equal(simulate(partition(graph, plan), {"x": x})["y"], want)
+
+
+def test_tfidf_vectorizer_refusals():
+    x = np.zeros((2, 5), np.int64)
+    m = tfidf_model(x, "TF", 1, 2, 0)
+    m.graph.node[0].attribute.append(helper.make_attribute("pool_strings", ["a", "b"]))
+    with pytest.raises(UnsupportedOperatorError, match="a pool of strings"):
+        load_onnx(m)
+    with pytest.raises(ModelFormatError, match="are not whole 2-grams"):
+        m = tfidf_model(x, "TF", 1, 2, 0)
+        counts = next(a for a in m.graph.node[0].attribute if a.name == "ngram_counts")
+        counts.ints[:] = [0, 4, 9]  # 5 values for the bigrams
+        load_onnx(m)
+    with pytest.raises(ModelFormatError, match="mode must be one of"):
+        load_onnx(tfidf_model(x, "BM25", 1, 2, 0))
