@@ -1,11 +1,11 @@
 """Handlers for ONNX data-movement and shape ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose,
 Slice, Split, Concat, Pad, Tile, Expand, the Gather/Scatter family, Shape, Size, Constant,
 ConstantOfShape, Range, OneHot, Trilu, DepthToSpace, SpaceToDepth, EyeLike, NonZero, Compress,
-ReverseSequence, Unique and CenterCropPad.
+ReverseSequence, Unique, NonMaxSuppression and CenterCropPad.
 
 Shape arguments (target shapes, axes, pads, repeats, slice bounds...) must be known at import
-(``ctx.const``); ops whose output shape depends on data values (NonZero, Compress, Unique) are
-accepted only when those values are constants.
+(``ctx.const``); ops whose output shape depends on data values (NonZero, Compress, Unique,
+NonMaxSuppression) are accepted only when those values are constants.
 """
 from __future__ import annotations
 
@@ -695,3 +695,60 @@ def unique(ctx):
         y = np.take(x.reshape(-1) if axis is None else x, first, axis=0 if axis is None else axis)
     outs = [y, first, inverse.reshape(-1), counts]
     return [ctx.constant(np.asarray(v, dtype=None if k == 0 else np.int64)) for k, v in enumerate(outs)]
+
+
+def _iou_above(a: np.ndarray, b: np.ndarray, center: bool, threshold) -> bool:
+    """Whether boxes ``a`` and ``b`` overlap by more than ``threshold`` (intersection over union),
+    in the boxes' type and in the ONNX reference's order of operations; corner boxes may give their
+    corners in either order. No overlap, or an empty box, is never above."""
+    if center:
+        ax0, ax1, ay0, ay1 = a[0] - a[2] / 2, a[0] + a[2] / 2, a[1] - a[3] / 2, a[1] + a[3] / 2
+        bx0, bx1, by0, by1 = b[0] - b[2] / 2, b[0] + b[2] / 2, b[1] - b[3] / 2, b[1] + b[3] / 2
+    else:
+        (ax0, ax1), (bx0, bx1) = sorted((a[1], a[3])), sorted((b[1], b[3]))
+        (ay0, ay1), (by0, by1) = sorted((a[0], a[2])), sorted((b[0], b[2]))
+    ix0, ix1 = max(ax0, bx0), min(ax1, bx1)
+    iy0, iy1 = max(ay0, by0), min(ay1, by1)
+    if ix1 <= ix0 or iy1 <= iy0:
+        return False
+    inter = (ix1 - ix0) * (iy1 - iy0)
+    area_a, area_b = (ax1 - ax0) * (ay1 - ay0), (bx1 - bx0) * (by1 - by0)
+    union = area_a + area_b - inter
+    if inter <= 0 or area_a <= 0 or area_b <= 0 or union <= 0:
+        return False
+    return inter / union > threshold
+
+
+@onnx_op("NonMaxSuppression", since=10)
+def non_max_suppression(ctx):
+    """``NonMaxSuppression`` (its output's length depends on the values: constants only, like
+    NonZero): per batch and class, the boxes scoring above ``score_threshold`` (when given) by
+    descending score (ties: lower index first), each kept unless it overlaps a kept one by more
+    than ``iou_threshold``, at most ``max_output_boxes_per_class`` of them; rows ``[batch, class,
+    box]``."""
+    boxes, scores = np.asarray(ctx.const(0)), np.asarray(ctx.const(1))
+    if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3 or scores.shape[0] != boxes.shape[0] \
+            or scores.shape[2] != boxes.shape[1]:
+        raise ctx.shape_error(f"boxes [B, N, 4] and scores [B, C, N] expected, got {list(boxes.shape)} and "
+                              f"{list(scores.shape)}")
+    center = int(ctx.attr("center_point_box", 0))
+    if center not in (0, 1):
+        raise ctx.invalid(f"center_point_box must be 0 or 1, got {center}")
+    limit = np.asarray(ctx.const(2, np.zeros(0, np.int64))).reshape(-1)
+    iou = np.asarray(ctx.const(3, np.zeros(0, np.float32))).reshape(-1)
+    floor = np.asarray(ctx.const(4, np.zeros(0, np.float32))).reshape(-1)
+    limit = max(int(limit[0]), 0) if limit.size else 0
+    iou = iou[0] if iou.size else boxes.dtype.type(0)
+    picked = []
+    for b in range(boxes.shape[0]):
+        for c in range(scores.shape[1]):
+            s = scores[b, c]
+            order = [i for i in np.argsort(-s, kind="stable") if not floor.size or s[i] > floor[0]]
+            kept: list[int] = []
+            for i in order:
+                if len(kept) >= limit:
+                    break
+                if not any(_iou_above(boxes[b, i], boxes[b, j], bool(center), iou) for j in kept):
+                    kept.append(int(i))
+                    picked.append((b, c, int(i)))
+    return [ctx.constant(np.array(picked, np.int64).reshape(-1, 3))]

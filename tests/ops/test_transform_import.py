@@ -237,6 +237,41 @@ def test_constant_folding_of_value_dependent_ops():
     assert [op.op_type for op in g.nodes] == ["Slice"]   # condition [T, F, T] selects a stride-2 slice
 
 
+@pytest.mark.parametrize("center,thresholds", [(0, "all"), (0, "iou"), (1, "all"), (0, "none")])
+def test_non_max_suppression_of_constants(center, thresholds):
+    """NonMaxSuppression folded at import (its output's length depends on the values): 2 batches, 3
+    classes, 12 boxes with overlapping clusters, tied scores, corners given in either order, an
+    empty box; against onnxruntime."""
+    r = np.random.default_rng(7)
+    xy = np.repeat(r.uniform(0, 10, (2, 4, 2)), 3, axis=1) + r.uniform(-0.6, 0.6, (2, 12, 2))
+    wh = r.uniform(0.5, 3, (2, 12, 2))
+    if center:
+        boxes = np.concatenate([xy, wh], axis=2)
+    else:
+        boxes = np.concatenate([xy[..., ::-1], xy[..., ::-1] + wh[..., ::-1]], axis=2)
+        boxes[0, 1] = boxes[0, 1, [2, 3, 0, 1]]  # corners in the other order
+        boxes[1, 4, 2:] = boxes[1, 4, :2]  # an empty box
+    scores = np.round(r.uniform(0, 1, (2, 3, 12)), 1)  # ties
+    inits = {"boxes": boxes.astype(np.float32), "scores": scores.astype(np.float32),
+             "max": np.array([4], np.int64), "iou": np.array([0.3], np.float32), "floor": np.array([0.25], np.float32)}
+    names = {"all": ["boxes", "scores", "max", "iou", "floor"], "iou": ["boxes", "scores", "max", "iou"],
+             "none": ["boxes", "scores"]}[thresholds]
+    x = np.zeros(1, np.float32)
+    nodes = [helper.make_node("NonMaxSuppression", names, ["sel"], center_point_box=center),
+             helper.make_node("Identity", ["x"], ["xo"])]
+    g = _check(_model(nodes, {"x": x}, {"sel": (np.int64, 2), "xo": (np.float32, 1)},
+                      {k: inits[k] for k in names}), {"x": x})
+    assert not any(op.op_type == "NonMaxSuppression" for op in g.nodes)
+
+
+def test_non_max_suppression_of_computed_boxes_names_the_inputs():
+    boxes = np.zeros((1, 3, 4), np.float32)
+    m = _model([helper.make_node("NonMaxSuppression", ["boxes", "scores"], ["sel"])],
+               {"boxes": boxes, "scores": np.zeros((1, 2, 3), np.float32)}, {"sel": (np.int64, 2)})
+    with pytest.raises(UnsupportedOperatorError, match=r"must be known at compile time.*\['boxes'\]"):
+        load_onnx(m)
+
+
 def test_value_dependent_shapes_are_refused():
     x = rng.standard_normal((3, 4)).astype(np.float32)
     m = _model([helper.make_node("Compress", ["x", "cond"], ["y"], axis=0)],
