@@ -97,7 +97,8 @@ ncu_gemm() {
 kmajor_tiles='{"*/attn/c_proj/Gemm": "tma64x96", "*/mlp/c_proj/Gemm": "tma64x96", "*/attn/c_attn/Gemm": "tma128x160"}'
 kmajor() {
     local f="$out/gemm-kmajor.txt" common=(--b-layout nk --dtypes float16,bfloat16 --jobs 14)
-    echo "# benchmarks/gpu/gemm.py --b-layout nk, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+    echo "# benchmarks/gpu/gemm.py --b-layout nk, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" \
+        > "$f"
     echo "== default tiles" >> "$f"
     timeout 60 python3 benchmarks/gpu/gemm.py "${common[@]}" --m 128,1024,8192 --shapes gpt2 >> "$f" 2>&1
     echo "== tma64x96" >> "$f"

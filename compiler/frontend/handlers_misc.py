@@ -1,7 +1,8 @@
 """Handlers for ONNX ops built from other IR ops or constants: the window functions (HannWindow,
 HammingWindow, BlackmanWindow), the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool, OptionalHasElement / OptionalGetElement of tensors, and
-TfIdfVectorizer of integer tokens (composed from Gather, Equal, reductions and a MatMul).
+AffineGrid, Col2Im, MaxUnpool, OptionalHasElement / OptionalGetElement of tensors, TfIdfVectorizer
+of integer tokens (composed from Gather, Equal, reductions and a MatMul), and the training domain's
+optimizer updates (Adagrad, Momentum, Adam: element-wise).
 
 Windows depend only on their size, which must be known at import; they become constants. The
 losses are composed from LogSoftmax, GatherElements, Gather, Where, Reduce and element-wise ops,
@@ -394,3 +395,116 @@ def tfidf_vectorizer(ctx):
         total = e("Mul", total, c(weights, "float32"))
     out = (size,) if x.ndim == 1 else (b, size)
     return [ctx.add(Reshape([total], name=ctx.name, shape=out))]
+
+
+# Optimizer updates of the training domain ---------------------------------------------------------
+
+_TRAINING = "ai.onnx.preview.training"
+
+
+def _optimizer_groups(ctx: NodeContext, groups: int) -> tuple[Tensor, Tensor, list[list[Tensor]]]:
+    """The learning rate ``R``, the iteration ``T`` and ``groups`` lists of n tensors each (X, G,
+    then the optimizer's states), checked: floating tensors of one shape per position."""
+    n_in = ctx.num_inputs - 2
+    if n_in < groups or n_in % groups:
+        raise ctx.invalid(f"expects R, T and {groups} groups of tensors of one count each, got {ctx.num_inputs} "
+                          "inputs")
+    n = n_in // groups
+    lists = [[ctx.input(2 + g * n + i) for i in range(n)] for g in range(groups)]
+    for i in range(n):
+        x = lists[0][i]
+        if x.dtype not in _FLOATS or any(l[i].shape != x.shape or l[i].dtype != x.dtype for l in lists):
+            raise ctx.shape_error(f"tensor group {i}: X, G and the states must share one floating type and shape, "
+                                  f"got {[(str(l[i].dtype), list(l[i].shape)) for l in lists]}")
+    r, t = ctx.input(0), ctx.input(1)
+    if r.size != 1 or t.size != 1 or r.dtype not in _FLOATS or t.dtype != "int64":
+        raise ctx.shape_error(f"R must be a floating scalar and T an int64 scalar, got {r.dtype}{list(r.shape)} "
+                              f"and {t.dtype}{list(t.shape)}")
+    return r, t, lists
+
+
+class _Emit:
+    """Element-wise arithmetic on tensors and Python numbers (constants of ``dtype``), emitted as
+    default-domain ONNX ops."""
+
+    def __init__(self, ctx: NodeContext, dtype: str):
+        self.ctx, self.dtype = ctx, dtype
+
+    def t(self, v) -> Tensor:
+        return v if isinstance(v, Tensor) else self.ctx.constant(np.asarray(v, dtype=self.dtype))
+
+    def op(self, op: str, *xs) -> Tensor:
+        return self.ctx.emit(op, [self.t(x) for x in xs], 18)
+
+
+def _optimizer_scalars(e: _Emit, r: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``R`` and ``T`` in the tensors' type (0-d), and whether ``T > 0``."""
+    rt = e.op("Reshape", e.ctx.cast(r, e.dtype), e.ctx.constant(np.zeros(0, np.int64)))
+    tt = e.op("Reshape", e.ctx.cast(t, e.dtype), e.ctx.constant(np.zeros(0, np.int64)))
+    return rt, tt, e.op("Greater", tt, 0)
+
+
+@onnx_op("Adagrad", since=1, domain=_TRAINING)
+def adagrad(ctx):
+    """``Adagrad``: ``r = R / (1 + T decay)``, ``g = norm X + G``, ``H' = H + g^2``,
+    ``X' = X - r g / (sqrt(H') + eps)``; outputs X'..., H'...."""
+    r, t, (xs, gs, hs) = _optimizer_groups(ctx, 3)
+    norm, decay, eps = (float(ctx.attr(a, 0.0)) for a in ("norm_coefficient", "decay_factor", "epsilon"))
+    e = _Emit(ctx, xs[0].dtype)
+    rt, tt, _ = _optimizer_scalars(e, r, t)
+    rate = e.op("Div", rt, e.op("Add", 1, e.op("Mul", tt, decay)))
+    new_x, new_h = [], []
+    for x, g, h in zip(xs, gs, hs):
+        g = e.op("Add", e.op("Mul", norm, x), g)
+        h = e.op("Add", h, e.op("Mul", g, g))
+        new_x.append(e.op("Sub", x, e.op("Div", e.op("Mul", rate, g), e.op("Add", e.op("Sqrt", h), eps))))
+        new_h.append(h)
+    return new_x + new_h
+
+
+@onnx_op("Momentum", since=1, domain=_TRAINING)
+def momentum(ctx):
+    """``Momentum`` (``standard`` or ``nesterov``): ``g = norm X + G``, ``V' = alpha V + b g`` with
+    ``b = beta`` after the first iteration (``T > 0``), else 1; ``X' = X - R V'`` (nesterov:
+    ``X - R (g + alpha V')``); outputs X'..., V'...."""
+    r, t, (xs, gs, vs) = _optimizer_groups(ctx, 3)
+    mode = ctx.attr("mode")
+    if mode not in ("standard", "nesterov"):
+        raise ctx.invalid(f"mode must be 'standard' or 'nesterov', got {mode!r}")
+    alpha, beta, norm = (float(ctx.attr(a)) for a in ("alpha", "beta", "norm_coefficient"))
+    e = _Emit(ctx, xs[0].dtype)
+    rt, _, later = _optimizer_scalars(e, r, t)
+    b = e.op("Where", later, beta, 1)
+    new_x, new_v = [], []
+    for x, g, v in zip(xs, gs, vs):
+        g = e.op("Add", e.op("Mul", norm, x), g)
+        v = e.op("Add", e.op("Mul", alpha, v), e.op("Mul", b, g))
+        step = v if mode == "standard" else e.op("Add", g, e.op("Mul", alpha, v))
+        new_x.append(e.op("Sub", x, e.op("Mul", rt, step)))
+        new_v.append(v)
+    return new_x + new_v
+
+
+@onnx_op("Adam", since=1, domain=_TRAINING)
+def adam(ctx):
+    """``Adam``: ``g = norm X + G``, ``V' = alpha V + (1 - alpha) g``, ``H' = beta H + (1 - beta)
+    g^2``, ``r = R sqrt(1 - beta^T) / (1 - alpha^T)`` after the first iteration (``T > 0``), else
+    ``R``; ``X' = (1 - norm_post) (X - r V' / (sqrt(H') + eps))``; outputs X'..., V'..., H'...."""
+    r, t, (xs, gs, vs, hs) = _optimizer_groups(ctx, 4)
+    alpha, beta, eps = (float(ctx.attr(a, d)) for a, d in (("alpha", 0.9), ("beta", 0.999), ("epsilon", 0.0)))
+    norm, post = float(ctx.attr("norm_coefficient", 0.0)), float(ctx.attr("norm_coefficient_post", 0.0))
+    e = _Emit(ctx, xs[0].dtype)
+    rt, tt, later = _optimizer_scalars(e, r, t)
+    fixed = e.op("Div", e.op("Mul", rt, e.op("Sqrt", e.op("Sub", 1, e.op("Pow", beta, tt)))),
+                 e.op("Sub", 1, e.op("Pow", alpha, tt)))
+    rate = e.op("Where", later, fixed, rt)
+    new_x, new_v, new_h = [], [], []
+    for x, g, v, h in zip(xs, gs, vs, hs):
+        g = e.op("Add", e.op("Mul", norm, x), g)
+        v = e.op("Add", e.op("Mul", alpha, v), e.op("Mul", 1 - alpha, g))
+        h = e.op("Add", e.op("Mul", beta, h), e.op("Mul", 1 - beta, e.op("Mul", g, g)))
+        x = e.op("Sub", x, e.op("Mul", rate, e.op("Div", v, e.op("Add", e.op("Sqrt", h), eps))))
+        new_x.append(e.op("Mul", 1 - post, x))
+        new_v.append(v)
+        new_h.append(h)
+    return new_x + new_v + new_h

@@ -363,10 +363,16 @@ def _all_nodes(graph: onnx.GraphProto):
 
 
 def _default_opset(proto: onnx.ModelProto) -> int:
+    """The model's default-domain opset. A model that imports none (its nodes all of other
+    domains, e.g. the training optimizers') gets the newest the onnx package knows: only the
+    default-domain nodes that handlers compose, each at an opset of its own, use it then."""
     for imp in proto.opset_import:
         if imp.domain in _SUPPORTED_DOMAINS:
             return int(imp.version)
-    raise ModelFormatError("the model imports no version of the default ONNX operator set")
+    if any(n.domain in _SUPPORTED_DOMAINS for n in _all_nodes(proto.graph)):
+        raise ModelFormatError("the model imports no version of the default ONNX operator set but uses its "
+                               "operators")
+    return int(onnx.defs.onnx_opset_version())
 
 
 def _domain_opset(proto: onnx.ModelProto, domain: str) -> int:

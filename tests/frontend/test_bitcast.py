@@ -112,6 +112,7 @@ def test_bitcast_sharded_over_two_ranks():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_bitcast_compiled_for_cuda(tmp_path):
-    res = compile(bitcast_model("float32", "int32", (4, 6), pre=True, post=True), distributed_config={"mesh_shape": [1]},
-                  optimization_config={"target": "cuda"}, out_dir=tmp_path / "bc")
+    model = bitcast_model("float32", "int32", (4, 6), pre=True, post=True)
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+                  out_dir=tmp_path / "bc")
     assert res.ranks[0]["kernels"] == 2

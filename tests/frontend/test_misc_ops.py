@@ -1,12 +1,14 @@
 """CumProd, the window functions, the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool, Det, TfIdfVectorizer and the optional-tensor ops imported from small ONNX models and run with FlowGraph.run
-against onnxruntime; the errors for what is refused; and composed ops compiled for the cpu target."""
+AffineGrid, Col2Im, MaxUnpool, Det, TfIdfVectorizer, the training optimizers and the optional-tensor
+ops imported from small ONNX models and run with FlowGraph.run against onnxruntime (or the ONNX
+reference); the errors for what is refused; and composed ops compiled for the cpu target."""
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError, compile, load_onnx
+from shardflow.compiler import (ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError, compile,
+                                load_onnx)
 from shardflow.runtime import load
 
 ort = pytest.importorskip("onnxruntime")
@@ -407,3 +409,63 @@ def test_tfidf_vectorizer_refusals():
         load_onnx(m)
     with pytest.raises(ModelFormatError, match="mode must be one of"):
         load_onnx(tfidf_model(x, "BM25", 1, 2, 0))
+
+
+# Optimizer updates (ai.onnx.preview.training) ---------------------------------------------------------
+
+def optimizer_model(op, groups, shapes, **attrs):
+    """One ``op`` node (training domain, no default opset, as the ONNX test cases) on R, T and
+    ``groups`` groups of tensors of ``shapes``; outputs the updated tensors, group by group."""
+    names = [f"{g}{i}" for g in "xgvh"[:groups] for i in range(len(shapes))]
+    outs = [f"{n}_new" for n in names if not n.startswith("g")]
+    node = helper.make_node(op, ["r", "t"] + names, outs, domain="ai.onnx.preview.training", **attrs)
+    inputs = [helper.make_tensor_value_info("r", TensorProto.FLOAT, []),
+              helper.make_tensor_value_info("t", TensorProto.INT64, [])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[int(n[1:])]) for n in names]
+    g = helper.make_graph([node], "g", inputs,
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[int(n[1:-4])]) for n in outs])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("ai.onnx.preview.training", 1)])
+    m.ir_version = 8
+    return m, names
+
+
+@pytest.mark.parametrize("op,groups,attrs", [
+    ("Adagrad", 3, {"norm_coefficient": 0.01, "decay_factor": 0.1, "epsilon": 1e-6}),
+    ("Momentum", 3, {"alpha": 0.9, "beta": 0.5, "norm_coefficient": 0.02, "mode": "standard"}),
+    ("Momentum", 3, {"alpha": 0.8, "beta": 0.7, "norm_coefficient": 0.0, "mode": "nesterov"}),
+    ("Adam", 4, {"alpha": 0.85, "beta": 0.95, "epsilon": 1e-7, "norm_coefficient": 0.01,
+                 "norm_coefficient_post": 0.02}),
+])
+@pytest.mark.parametrize("step", [0, 3])
+def test_optimizer_updates(tmp_path, op, groups, attrs, step):
+    """Two tensors updated at iteration 0 (no bias correction, Momentum's first step) and 3, against
+    the ONNX reference; then compiled for the cpu target."""
+    from onnx.reference import ReferenceEvaluator
+
+    shapes = [(3, 4), (5,)]
+    model, names = optimizer_model(op, groups, shapes, **attrs)
+    feeds = {"r": np.array(0.1, np.float32), "t": np.array(step, np.int64)}
+    for n in names:
+        v = RNG.standard_normal(shapes[int(n[1:])]).astype(np.float32)
+        feeds[n] = v if n[0] in "xg" else np.abs(v)  # (states: Adagrad's and Adam's sums of squares)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    got = load_onnx(model).run(feeds)
+    outs = [o.name for o in model.graph.output]
+    for name, w in zip(outs, want):
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6)
+    if step:
+        res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                      out_dir=tmp_path / "opt")
+        ran = load(res.out_dir).run(feeds)
+        for name, w in zip(outs, want):
+            np.testing.assert_allclose(ran[name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_refusals():
+    model, _ = optimizer_model("Momentum", 3, [(2, 2)], alpha=0.9, beta=0.1, norm_coefficient=0.0, mode="heavy")
+    with pytest.raises(ModelFormatError, match="mode must be 'standard' or 'nesterov'"):
+        load_onnx(model)
+    model, _ = optimizer_model("Adagrad", 3, [(2, 2)])
+    model.graph.node[0].input.pop()  # one state short
+    with pytest.raises(ModelFormatError, match="groups of tensors of one count"):
+        load_onnx(model)
