@@ -1,8 +1,9 @@
 """Handlers for ONNX ops built from other IR ops or constants: the window functions (HannWindow,
 HammingWindow, BlackmanWindow), the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
 AffineGrid, Col2Im, MaxUnpool, OptionalHasElement / OptionalGetElement of tensors, TfIdfVectorizer
-of integer tokens (composed from Gather, Equal, reductions and a MatMul), and the training domain's
-optimizer updates (Adagrad, Momentum, Adam: element-wise).
+of integer tokens (composed from Gather, Equal, reductions and a MatMul), the training domain's
+optimizer updates (Adagrad, Momentum, Adam: element-wise), and ai.onnx.ml's Binarizer and
+ArrayFeatureExtractor.
 
 Windows depend only on their size, which must be known at import; they become constants. The
 losses are composed from LogSoftmax, GatherElements, Gather, Where, Reduce and element-wise ops,
@@ -508,3 +509,30 @@ def adam(ctx):
         new_v.append(v)
         new_h.append(h)
     return new_x + new_v + new_h
+
+
+# ai.onnx.ml: the element-wise and gathering ones ----------------------------------------------------
+
+@onnx_op("Binarizer", since=1, domain="ai.onnx.ml")
+def binarizer(ctx):
+    """``Binarizer``: 1 where ``X > threshold``, else 0, in X's type."""
+    x = ctx.input(0)
+    if x.dtype not in ("float32", "float64", "int32", "int64"):
+        raise ctx.unsupported(f"{x.dtype} inputs (float32, float64, int32 and int64 are)")
+    above = ctx.emit("Greater", [x, ctx.constant(np.asarray(ctx.attr("threshold", 0.0)).astype(x.dtype))], 13)
+    return [ctx.cast(above, x.dtype)]
+
+
+@onnx_op("ArrayFeatureExtractor", since=1, domain="ai.onnx.ml")
+def array_feature_extractor(ctx):
+    """``ArrayFeatureExtractor``: the entries of X's last axis at ``Y`` (flattened), as onnxruntime and
+    the reference lay it out: ``[..., len(Y)]``, ``[1, len(Y)]`` for a 1-D X."""
+    x, idx = ctx.input(0), ctx.input(1)
+    if idx.dtype != "int64":
+        raise ctx.invalid(f"Y must be int64, got {idx.dtype}")
+    if x.ndim == 0 or idx.size == 0:
+        raise ctx.shape_error(f"X {list(x.shape)} and Y {list(idx.shape)}: a non-scalar X and some indices needed")
+    flat = ctx.emit("Reshape", [idx, ctx.constant(np.array([-1], np.int64))], 13)
+    picked = ctx.emit("Gather", [x, flat], 13, axis=x.ndim - 1)
+    shape = (1, idx.size) if x.ndim == 1 else x.shape[:-1] + (idx.size,)
+    return [ctx.emit("Reshape", [picked, ctx.constant(np.array(shape, np.int64))], 13)]

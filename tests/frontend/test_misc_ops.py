@@ -469,3 +469,37 @@ def test_optimizer_refusals():
     model.graph.node[0].input.pop()  # one state short
     with pytest.raises(ModelFormatError, match="groups of tensors of one count"):
         load_onnx(model)
+
+
+# ai.onnx.ml: Binarizer, ArrayFeatureExtractor ----------------------------------------------------------
+
+def ml_model(op, feeds, consts=None, out_shape=None, out_type=None, **attrs):
+    consts = consts or {}
+    node = helper.make_node(op, list(feeds) + list(consts), ["y"], domain="ai.onnx.ml", **attrs)
+    first = next(iter(feeds.values()))
+    g = helper.make_graph([node], "g",
+                          [helper.make_tensor_value_info(k, _ONNX[v.dtype], v.shape) for k, v in feeds.items()],
+                          [helper.make_tensor_value_info("y", out_type or _ONNX[first.dtype], out_shape)],
+                          [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_binarizer(dtype):
+    x = (RNG.standard_normal((3, 5)) * 3).astype(dtype)
+    model = ml_model("Binarizer", {"x": x}, out_shape=[3, 5], threshold=0.5)
+    if dtype == np.float32:
+        check(model, {"x": x})
+    else:  # (onnxruntime's Binarizer takes float32 only)
+        got = load_onnx(model).run({"x": x})["y"]
+        assert got.dtype == dtype and np.array_equal(got, (x > 0.5).astype(dtype))
+
+
+@pytest.mark.parametrize("xshape,idx", [((3, 5), [[4, 0, 2]]), ((5,), [1, 3]), ((2, 3, 4), [[0, 3], [1, 1]])])
+def test_array_feature_extractor(xshape, idx):
+    x = RNG.standard_normal(xshape).astype(np.float32)
+    ind = np.array(idx, np.int64)
+    out = [1, ind.size] if len(xshape) == 1 else list(xshape[:-1]) + [ind.size]
+    check(ml_model("ArrayFeatureExtractor", {"x": x, "i": ind}, out_shape=out), {"x": x, "i": ind})
