@@ -56,6 +56,7 @@ _SHIM = r"""
 #include <cstring>
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <type_traits>
 #include <ucontext.h>
 #include <vector>
@@ -185,7 +186,11 @@ template <typename T> struct Groups {
 };
 struct Thread { ucontext_t ctx; State state; int buf, xbuf; SfDim3 idx; Groups<Copy> copies; Groups<Mma> mmas; };
 static std::vector<Thread> threads;
-static std::vector<std::vector<char>> stacks;
+// the threads' stacks: allocated uninitialized (glibc maps blocks this large on demand, so only the
+// pages a thread touches become resident: a full persistent grid, 132 blocks of 384 threads, would
+// hold 13 GB zero-filled) and released at the end of each launch
+static const size_t kStack = 256 * 1024;
+static std::vector<std::unique_ptr<char[]>> stacks;
 static std::vector<unsigned long long> slots[2];  // shuffle values, double-buffered per thread
 struct Words { unsigned w[8]; };
 static std::vector<Words> xslots[2];  // the operands of warp-wide matrix instructions, likewise
@@ -491,15 +496,15 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
 // runs body(args) as every thread of every block, `resident` blocks at a time (their threads
 // interleaved, as blocks resident on different multiprocessors run at once); returns 0, 1 on a
 // deadlock, 2 after a misaligned vector access, 3 after a __trap()
-extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
-                             unsigned long long clock_step) {
+static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
+                      unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
+                      unsigned long long clock_step) {
   using namespace sf_emu;
   const int n = (int)(bx * by * bz), total = (int)(gx * gy * gz);
   const int nb = (int)std::max(1u, std::min(resident, (unsigned)total));
   nthr = n;
   threads.assign(n * nb, Thread());
-  if ((int)stacks.size() < n * nb) stacks.resize(n * nb, std::vector<char>(256 * 1024));
+  while ((int)stacks.size() < n * nb) stacks.emplace_back(new char[kStack]);
   slots[0].assign(n * nb, 0);
   slots[1].assign(n * nb, 0);
   xslots[0].assign(n * nb, Words());
@@ -532,8 +537,8 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
       const unsigned l = (unsigned)(t % n);
       th.idx = {l % bx, (l / bx) % by, l / (bx * by)};
       getcontext(&th.ctx);
-      th.ctx.uc_stack.ss_sp = stacks[t].data();
-      th.ctx.uc_stack.ss_size = stacks[t].size();
+      th.ctx.uc_stack.ss_sp = stacks[t].get();
+      th.ctx.uc_stack.ss_size = kStack;
       th.ctx.uc_link = nullptr;
       makecontext(&th.ctx, entry, 0);
     }
@@ -609,6 +614,14 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
     }
   }
   return misaligned ? 2 : 0;
+}
+
+extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
+                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
+                             unsigned long long clock_step) {
+  const int r = sf_emu_run(body, args, gx, gy, gz, bx, by, bz, smem, seed, resident, clock_step);
+  std::vector<std::unique_ptr<char[]>>().swap(sf_emu::stacks);
+  return r;
 }
 """
 
