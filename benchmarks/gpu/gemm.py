@@ -206,12 +206,12 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
     set_bytes = 2 * (case.M * case.K + case.K * case.N + case.M * case.N)
     nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
     n = max(LAUNCHES_PER_GRAPH, nsets)  # every set used once per graph
+    nk = case.b_layout == "nk"  # B stored [N, K]
     gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
     sets = []
     for _ in range(nsets):
         a = torch.randn(case.M, case.K, device=dev, generator=gen).to(dt)
-        b = torch.randn(*((case.N, case.K) if case.b_layout == "nk" else (case.K, case.N)), device=dev,
-                        generator=gen).to(dt)
+        b = torch.randn(*((case.N, case.K) if nk else (case.K, case.N)), device=dev, generator=gen).to(dt)
         c = torch.empty(case.M, case.N, device=dev, dtype=dt)
         sets.append((a, b, c))
     from shardflow.runtime.tma import kernel_args
@@ -227,8 +227,6 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
 
     def ours(i):
         fn(grid, block, views[i % nsets], shared_mem=smem, stream=cstream)
-
-    nk = case.b_layout == "nk"
 
     def cublas(i):  # (B [N, K]: the transposed view, which cuBLAS takes as is)
         a, b, c = sets[i % nsets]

@@ -208,8 +208,6 @@ def bitcast(ctx):
     width, src = numpy_type(to).itemsize, numpy_type(x.dtype).itemsize
     if width != src:
         raise ctx.invalid(f"'to' = {to} is not as wide as the input's {x.dtype} ({width} and {src} bytes)")
-    if x.value is not None:
-        return [ctx.constant(np.ascontiguousarray(x.value).view(numpy_type(to)).reshape(x.shape))]
     return [ctx.add(BitCast([x], name=ctx.name, to=to))]
 
 

@@ -304,6 +304,16 @@ def optional_get_element(ctx):
     return [ctx.add(Identity([ctx.input(0)], name=ctx.name))]
 
 
+# ops composed from emitted default-domain ops (opset 18: the reductions take their axes as an input)
+
+def _e(ctx: NodeContext, op: str, *inputs: Tensor, **attrs) -> Tensor:
+    return ctx.emit(op, list(inputs), 18, **attrs)
+
+
+def _c(ctx: NodeContext, value, dtype: str) -> Tensor:
+    return ctx.constant(np.asarray(value, dtype=dtype))
+
+
 # TfIdfVectorizer ----------------------------------------------------------------------------------
 
 _TFIDF_MODES = ("TF", "IDF", "TFIDF")
@@ -361,18 +371,13 @@ def tfidf_vectorizer(ctx):
     if weights and len(weights) != size:
         raise ctx.invalid(f"{len(weights)} weights for {size} outputs (max(ngram_indexes) + 1)")
     grams = _tfidf_pool(ctx, pool, counts, lo, hi)
-    if sum(len(g) for g in grams.values()) and max(i for g in grams.values() for _, i in g) >= len(indexes):
+    ids = [k for entries in grams.values() for _, k in entries]
+    if ids and max(ids) >= len(indexes):
         raise ctx.invalid(f"{len(indexes)} ngram_indexes for a pool of more n-grams")
 
-    def e(op: str, *inputs: Tensor, **attrs) -> Tensor:
-        return ctx.emit(op, list(inputs), 18, **attrs)  # (Reduce* with an axes input)
-
-    def c(value, dtype: str) -> Tensor:
-        return ctx.constant(np.asarray(value, dtype=dtype))
-
-    rows = e("Reshape", ctx.cast(x, "int64"), c([-1, x.shape[-1]], "int64"))      # [B, L]
+    rows = _e(ctx, "Reshape", ctx.cast(x, "int64"), _c(ctx, [-1, x.shape[-1]], "int64"))  # [B, L]
     b, length = (1 if x.ndim == 1 else x.shape[0]), x.shape[-1]
-    total = c(np.zeros((b, size)), "float32")
+    total = None  # the counts [B, size], summed over the n-gram sizes
     for n, entries in sorted(grams.items()):
         dists = [1] if n == 1 else list(range(1, skip + 2))
         pos = np.array([[p + i * d for i in range(n)] for d in dists for p in range(length)], np.int64).reshape(-1, n)
@@ -380,20 +385,23 @@ def tfidf_vectorizer(ctx):
         if not inside.any():
             continue
         pos = pos[inside]
-        cand = e("Gather", rows, c(pos, "int64"), axis=1)                            # [B, S, n]
-        want = c(np.array([g for g, _ in entries], np.int64), "int64")               # [K, n]
-        same = e("Equal", e("Unsqueeze", cand, c([2], "int64")), want)              # [B, S, K, n]
-        hit = e("ReduceMin", ctx.cast(same, "int32"), c([3], "int64"), keepdims=0)  # [B, S, K]
-        found = e("ReduceSum", hit, c([1], "int64"), keepdims=0)                     # [B, K]
+        cand = _e(ctx, "Gather", rows, _c(ctx, pos, "int64"), axis=1)                        # [B, S, n]
+        want = _c(ctx, [g for g, _ in entries], "int64")                                     # [K, n]
+        same = _e(ctx, "Equal", _e(ctx, "Unsqueeze", cand, _c(ctx, [2], "int64")), want)    # [B, S, K, n]
+        hit = _e(ctx, "ReduceMin", ctx.cast(same, "int32"), _c(ctx, [3], "int64"), keepdims=0)  # [B, S, K]
+        found = _e(ctx, "ReduceSum", hit, _c(ctx, [1], "int64"), keepdims=0)                 # [B, K]
         scatter = np.zeros((len(entries), size), np.float32)
         for row, (_, k) in enumerate(entries):
             scatter[row, indexes[k]] = 1.0
-        total = e("Add", total, e("MatMul", ctx.cast(found, "float32"), c(scatter, "float32")))
+        counted = _e(ctx, "MatMul", ctx.cast(found, "float32"), _c(ctx, scatter, "float32"))
+        total = counted if total is None else _e(ctx, "Add", total, counted)
+    if total is None:  # (no n-gram of the counted sizes fits in a row)
+        total = _c(ctx, np.zeros((b, size)), "float32")
     if mode == "IDF":
-        total = e("Where", e("Greater", total, c(0, "float32")), c(weights or np.ones(size), "float32"),
-                  c(0, "float32"))
+        total = _e(ctx, "Where", _e(ctx, "Greater", total, _c(ctx, 0, "float32")),
+                   _c(ctx, weights or np.ones(size), "float32"), _c(ctx, 0, "float32"))
     elif mode == "TFIDF" and weights:
-        total = e("Mul", total, c(weights, "float32"))
+        total = _e(ctx, "Mul", total, _c(ctx, weights, "float32"))
     out = (size,) if x.ndim == 1 else (b, size)
     return [ctx.add(Reshape([total], name=ctx.name, shape=out))]
 
@@ -431,17 +439,15 @@ class _Emit:
     def __init__(self, ctx: NodeContext, dtype: str):
         self.ctx, self.dtype = ctx, dtype
 
-    def t(self, v) -> Tensor:
-        return v if isinstance(v, Tensor) else self.ctx.constant(np.asarray(v, dtype=self.dtype))
-
     def op(self, op: str, *xs) -> Tensor:
-        return self.ctx.emit(op, [self.t(x) for x in xs], 18)
+        return _e(self.ctx, op, *(x if isinstance(x, Tensor) else _c(self.ctx, x, self.dtype) for x in xs))
 
 
 def _optimizer_scalars(e: _Emit, r: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``R`` and ``T`` in the tensors' type (0-d), and whether ``T > 0``."""
-    rt = e.op("Reshape", e.ctx.cast(r, e.dtype), e.ctx.constant(np.zeros(0, np.int64)))
-    tt = e.op("Reshape", e.ctx.cast(t, e.dtype), e.ctx.constant(np.zeros(0, np.int64)))
+    scalar = _c(e.ctx, [], "int64")
+    rt = e.op("Reshape", e.ctx.cast(r, e.dtype), scalar)
+    tt = e.op("Reshape", e.ctx.cast(t, e.dtype), scalar)
     return rt, tt, e.op("Greater", tt, 0)
 
 
@@ -519,8 +525,7 @@ def binarizer(ctx):
     x = ctx.input(0)
     if x.dtype not in ("float32", "float64", "int32", "int64"):
         raise ctx.unsupported(f"{x.dtype} inputs (float32, float64, int32 and int64 are)")
-    above = ctx.emit("Greater", [x, ctx.constant(np.asarray(ctx.attr("threshold", 0.0)).astype(x.dtype))], 13)
-    return [ctx.cast(above, x.dtype)]
+    return [ctx.cast(_e(ctx, "Greater", x, _c(ctx, ctx.attr("threshold", 0.0), x.dtype)), x.dtype)]
 
 
 @onnx_op("ArrayFeatureExtractor", since=1, domain="ai.onnx.ml")
@@ -532,7 +537,6 @@ def array_feature_extractor(ctx):
         raise ctx.invalid(f"Y must be int64, got {idx.dtype}")
     if x.ndim == 0 or idx.size == 0:
         raise ctx.shape_error(f"X {list(x.shape)} and Y {list(idx.shape)}: a non-scalar X and some indices needed")
-    flat = ctx.emit("Reshape", [idx, ctx.constant(np.array([-1], np.int64))], 13)
-    picked = ctx.emit("Gather", [x, flat], 13, axis=x.ndim - 1)
+    picked = _e(ctx, "Gather", x, _e(ctx, "Reshape", idx, _c(ctx, [-1], "int64")), axis=x.ndim - 1)
     shape = (1, idx.size) if x.ndim == 1 else x.shape[:-1] + (idx.size,)
-    return [ctx.emit("Reshape", [picked, ctx.constant(np.array(shape, np.int64))], 13)]
+    return [_e(ctx, "Reshape", picked, _c(ctx, shape, "int64"))]

@@ -487,11 +487,11 @@ def deform_conv(ctx):
 
     # sampling positions: the regular grid [kH, kW, oH, oW] plus the offsets, per axis
     off = _reshape(ctx, offset, (ng, taps, 2, pixels))
-    base = {0: (np.arange(kh)[:, None, None, None] * dh + np.arange(oh)[None, None, :, None] * sh - pt),
-            1: (np.arange(kw)[None, :, None, None] * dw + np.arange(ow)[None, None, None, :] * sw - pl)}
+    at_h = np.arange(kh)[:, None, None, None] * dh + np.arange(oh)[None, None, :, None] * sh - pt
+    at_w = np.arange(kw)[None, :, None, None] * dw + np.arange(ow)[None, None, None, :] * sw - pl
     axis_taps = []
-    for a, (length, stride, shape) in enumerate(((h, wd, (ng, q, 2, 1)), (wd, 1, (ng, q, 1, 2)))):
-        grid = np.broadcast_to(base[a], (kh, kw, oh, ow)).reshape(1, taps, pixels)
+    for a, (base, length, stride, shape) in enumerate(((at_h, h, wd, (ng, q, 2, 1)), (at_w, wd, 1, (ng, q, 1, 2)))):
+        grid = np.broadcast_to(base, (kh, kw, oh, ow)).reshape(1, taps, pixels)
         u = _e(ctx, "Add", _e(ctx, "Gather", off, _c(ctx, a, "int64"), axis=2), _c(ctx, grid, ft))
         axis_taps.append(_grid_axis_taps(ctx, _reshape(ctx, u, (ng, q)), length, "linear", "zeros", True, stride,
                                          shape))

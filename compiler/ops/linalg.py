@@ -15,18 +15,10 @@ from ..errors import ShapeError
 from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
-from .elementwise import broadcast_shape
+from .elementwise import broadcast_shape, numpy_type
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
            "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "Attention", "parse_einsum", "Det"]
-
-
-def _np_half(name: str):
-    """The numpy type of ``float16``/``bfloat16`` (ml_dtypes' for the latter)."""
-    if name == "bfloat16":
-        import ml_dtypes  # installed with onnx
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
@@ -713,7 +705,7 @@ class Attention(Operator):
             masked = np.isneginf(np.broadcast_to(bias, logits.shape).max(axis=-1, keepdims=True))
             p = np.where(masked, sdt.type(0), p).astype(dt)
             if a.get("probs_dtype"):
-                p = p.astype(_np_half(a["probs_dtype"])).astype(dt)
+                p = p.astype(numpy_type(a["probs_dtype"])).astype(dt)
             y = np.matmul(p, v4)
         if q.ndim == 3 or a.get("y_3d"):
             y = y.transpose(0, 2, 1, 3).reshape(b_, s_len, hq * dv)

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from ..ops.elementwise import numpy_type
 from .base import GraphPass
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs"]
@@ -53,15 +54,9 @@ def mixed_attention_attrs(attrs: dict, half: str) -> dict:
 
 
 def _half_dtype(name: str):
-    if name == "float16":
-        return np.float16
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:  # pragma: no cover - ml_dtypes comes with onnx
-            raise ShardflowError("precision 'bfloat16' needs the ml_dtypes package (installed with onnx)") from None
-        return ml_dtypes.bfloat16
-    raise ShardflowError(f"precision {name!r}: choose 'float16' or 'bfloat16'")
+    if name not in ("float16", "bfloat16"):
+        raise ShardflowError(f"precision {name!r}: choose 'float16' or 'bfloat16'")
+    return numpy_type(name)
 
 
 class HalfPrecisionContractions(GraphPass):
