@@ -442,6 +442,8 @@ class RankProgram:
             if tuple(a.shape) != buf.shape:
                 raise InputShapeError(f"input {name!r} has shape {a.shape}, the program was compiled for "
                                       f"{buf.shape}; compile again with input_shapes to change it", name)
+            if a.dtype != buf.dtype and buf.dtype.name == "bfloat16" and a.dtype == np.dtype("V2"):
+                a = a.view(buf.dtype)  # how np.save / np.savez store ml_dtypes' bfloat16 (np.load reads V2)
             if a.dtype != buf.dtype:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)

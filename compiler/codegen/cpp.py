@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..ir.expr import BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var
+from ..ir.expr import BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var, dtype_kind, numpy_type
 from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, Declare, FlatLoop, If, Kernel, Let,
                     Local, LocalArray, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable, promote)
 from .prelude_cpu import PRELUDE
@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 
 STORAGE_CTYPE = {"bool": "uint8_t", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
                  "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
-                 "float16": "_Float16", "float32": "float", "float64": "double"}
-#: Arithmetic happens in these types: float16 values are computed in float32 (rounded at stores and
-#: at explicit casts only). Bools are stored as bytes (0/1, numpy's layout; ``uint8_t`` loads
+                 "float16": "_Float16", "bfloat16": "sf_bf16", "float32": "float", "float64": "double"}
+#: Arithmetic happens in these types: float16 and bfloat16 values are computed in float32 (rounded at
+#: stores and at explicit casts only; ``sf_bf16`` is the prelude's 16-bit storage type, this GCC has no
+#: ``__bf16``). Bools are stored as bytes (0/1, numpy's layout; ``uint8_t`` loads
 #: vectorize where C++ ``bool`` loads do not) and computed as ``bool``.
-COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float", bool="bool")
+COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float", bfloat16="float", bool="bool")
 
 _SMALL_INTS = {"int8", "int16", "uint8", "uint16"}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -59,7 +60,7 @@ SIMD_MIN_EXTENT = 16
 
 
 def _kind(dt: str) -> str:
-    return np.dtype(dt).kind
+    return dtype_kind(dt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def literal(value, dtype: str) -> str:
             return "(-2147483647 - 1)"
         return f"{ct}({v})" if ct != "int32_t" else str(v)
     v = float(value)
-    f32 = dtype in ("float32", "float16")
+    f32 = dtype in ("float32", "float16", "bfloat16")
     if math.isnan(v):
         return "std::numeric_limits<float>::quiet_NaN()" if f32 else "std::numeric_limits<double>::quiet_NaN()"
     if math.isinf(v):
@@ -92,6 +93,8 @@ def literal(value, dtype: str) -> str:
         return s if v > 0 else f"(-{s})"
     if dtype == "float16":
         v = float(np.float16(v))
+    if dtype == "bfloat16":
+        v = float(np.float32(v).astype(numpy_type("bfloat16")))
     if f32:
         r = repr(float(np.float32(v)))
         r = r if ("." in r or "e" in r or "inf" in r) else r + ".0"
@@ -109,6 +112,8 @@ def convert(s: str, src: str | None, dst: str) -> str:
         return f"({s} != 0)" if src != "bool" else s
     if dst == "float16":
         return f"(float)(_Float16)({s})"
+    if dst == "bfloat16":
+        return f"sf_bf16_round({s})" if COMPUTE_CTYPE[src] == "float" else f"sf_bf16_round((float)({s}))"
     ks, kd = _kind(src), _kind(dst)
     ct = COMPUTE_CTYPE[dst]
     if kd in "iu" and ks == "f":
@@ -221,12 +226,14 @@ class _Printer:
                 return s
             if buf.dtype == "float16":
                 return f"(float){s}"
+            if buf.dtype == "bfloat16":
+                return f"sf_bf16_to_float({s})"
             if buf.dtype == "bool":
                 return f"({s} != 0)"
             return s
         if isinstance(e, Cast):
             src = self.dt(e.a)
-            dst = self.dt(e)
+            dst = self.dt(e) if e.dtype != "bfloat16" else "bfloat16"  # (bfloat16 values compute as float32)
             if src is None:
                 return self.expr(e.a, dst)
             return convert(self.expr(e.a), src, dst)
@@ -344,6 +351,8 @@ class _Printer:
                 src = self.dt(s.value)
                 v = self.expr(s.value) if src is not None and _kind(src) == "f" else self.expr(s.value, "float32")
                 self.emit(f"{target} = (_Float16)({v});", depth)
+            elif buf.dtype == "bfloat16" and buf.role not in ("temp", "local"):
+                self.emit(f"{target} = sf_float_to_bf16({self.expr(s.value, 'float32')});", depth)
             elif buf.dtype == "bool" and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = (uint8_t)({self.expr(s.value, 'bool')});", depth)
             else:
@@ -480,12 +489,17 @@ def _arg_decls(kernel: Kernel) -> list[str]:
         offs = []
         for t in kernel.temps:
             offs.append(off)
-            off += (t.size * np.dtype(t.dtype).itemsize + 63) // 64 * 64
+            off += (t.size * _compute_itemsize(t.dtype) + 63) // 64 * 64
         lines.append(f"char* ws_ = static_cast<char*>(sf_workspace(0, {off}));")
         for t, o in zip(kernel.temps, offs):
             ct = COMPUTE_CTYPE[t.dtype]
             lines.append(f"{ct}* __restrict__ {t.name} = reinterpret_cast<{ct}*>(ws_ + {o});")
     return lines
+
+
+def _compute_itemsize(dt: str) -> int:
+    """Bytes of one value of ``dt`` in its compute type (a temporary holds computed values)."""
+    return 4 if COMPUTE_CTYPE[dt] == "float" else np.dtype(dt).itemsize
 
 
 def constant_scalars(op) -> dict:

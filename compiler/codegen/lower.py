@@ -59,7 +59,7 @@ class CodegenError(ShardflowError):
 
 #: Tensor dtypes the emitters store and load.
 SUPPORTED_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                    "float16", "float32", "float64")
+                    "float16", "bfloat16", "float32", "float64")
 
 #: Unary functions that numpy computes in floating point (integer inputs give floats).
 FLOAT_FUNCS = frozenset({"exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "asin", "acos", "atan", "sinh",
@@ -730,7 +730,7 @@ def why_not_lowerable(op) -> str | None:
             if isinstance(n, TensorElement):
                 if not isinstance(n.tensor, (TensorInput, GridCompute)):
                     return f"read of {type(n.tensor).__name__}"
-                if n.tensor.dtype not in SUPPORTED_DTYPES and n.tensor.dtype != "bfloat16":
+                if n.tensor.dtype not in SUPPORTED_DTYPES:
                     return f"dtype {n.tensor.dtype} of {n.tensor.name}"
             elif not isinstance(n, (BinOp, UnaryOp, Cast, IfThenElse, Reduce)):
                 return f"expression node {type(n).__name__}"

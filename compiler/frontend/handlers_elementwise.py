@@ -5,9 +5,8 @@ import numpy as np
 
 from ..ir.graph import Tensor
 from ..ops.elementwise import Activation, BitCast, Binary, CastOp, Clip, Identity, Unary, Where, numpy_type
-from .registry import NodeContext, onnx_dtype, onnx_op
+from .registry import FLOATS, NodeContext, onnx_dtype, onnx_op
 
-_FLOATS = ("float16", "float32", "float64")
 
 _UNARY = {
     "Neg": "neg", "Abs": "abs", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Sin": "sin", "Cos": "cos",
@@ -67,7 +66,7 @@ def pow_(ctx):
 def div(ctx):
     _check_broadcast(ctx)
     a, b = ctx.input(0), ctx.input(1)
-    fn = "div" if a.dtype in _FLOATS else "truncdiv"
+    fn = "div" if a.dtype in FLOATS else "truncdiv"
     return [ctx.add(Binary([a, b], name=ctx.name, fn=fn))]
 
 
@@ -75,7 +74,7 @@ def div(ctx):
 def mod(ctx):
     fmod = ctx.attr("fmod", 0)
     a = ctx.input(0)
-    if a.dtype in _FLOATS and not fmod and ctx.opset < 28:  # opset 28 defines the floored modulo of floats
+    if a.dtype in FLOATS and not fmod and ctx.opset < 28:  # opset 28 defines the floored modulo of floats
         raise ctx.invalid("fmod must be 1 for floating-point inputs before opset 28")
     return [ctx.add(Binary([a, ctx.input(1)], name=ctx.name, fn="fmod" if fmod else "mod"))]
 
@@ -128,7 +127,7 @@ def mean(ctx):
 def _activation(kind, **defaults):
     def handler(ctx):
         x = ctx.input(0)
-        if x.dtype not in _FLOATS:
+        if x.dtype not in FLOATS:
             raise ctx.unsupported(f"dtype {x.dtype}")
         params = {k: float(ctx.attr(k, v)) for k, v in defaults.items()}
         return [ctx.add(Activation([x], name=ctx.name, kind=kind, **params))]
@@ -153,7 +152,7 @@ onnx_op("Shrink", since=9)(_activation("shrink", lambd=0.5, bias=0.0))
 @onnx_op("Relu", since=14)
 def relu14(ctx):
     x = ctx.input(0)
-    if x.dtype in _FLOATS:
+    if x.dtype in FLOATS:
         return _activation("relu")(ctx)
     return [ctx.add(Binary([x, ctx.constant(np.zeros((), x.dtype))], name=ctx.name, fn="max"))]
 
@@ -169,7 +168,7 @@ def gelu(ctx):
 def swish(ctx: NodeContext, x: Tensor, alpha: float, name: str) -> Tensor:
     """Add ``x * sigmoid(alpha * x)`` (ONNX Swish, the gate of SwiGLU) to the graph as Mul, Sigmoid, Mul;
     ``name`` names the final op. Floating-point ``x`` only."""
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise ctx.unsupported(f"dtype {x.dtype}")
     scaled = x
     if alpha != 1.0:

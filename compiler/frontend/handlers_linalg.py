@@ -13,9 +13,8 @@ from ..ops.conv import Conv, ConvTranspose, GlobalPool, Pool, Resize
 from ..ops.elementwise import Identity
 from ..ops.linalg import Attention, Det, Einsum, Gemm, MatMul, MatMulInteger, QLinearMatMul
 from ..ops.transform import Concat, Reshape, Transpose
-from .registry import onnx_dtype, onnx_op
+from .registry import FLOATS, onnx_dtype, onnx_op
 
-_FLOATS = ("float16", "float32", "float64")
 _AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 
 
@@ -40,7 +39,7 @@ def gemm(ctx):
     c = ctx.inputs[2] if ctx.has_input(2) else None
     _same_dtype(ctx, a, b, c)
     alpha, beta = float(ctx.attr("alpha", 1.0)), float(ctx.attr("beta", 1.0))
-    if a.dtype not in _FLOATS and not (alpha.is_integer() and beta.is_integer()):
+    if a.dtype not in FLOATS and not (alpha.is_integer() and beta.is_integer()):
         raise ctx.unsupported(f"non-integral alpha={alpha} or beta={beta} with {a.dtype} inputs")
     ta, tb = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
     if c is not None and ctx.opset < 7 and not ctx.attr("broadcast", 0) and a.ndim == b.ndim == 2:
@@ -99,7 +98,7 @@ def qlinear_matmul(ctx):
     _int8(ctx, a, b, azp, bzp, yzp)
     if azp.dtype != a.dtype or bzp.dtype != b.dtype:
         raise ctx.invalid("zero points must have their operand's dtype")
-    if any(t.dtype not in _FLOATS for t in (a_s, b_s, y_s)):
+    if any(t.dtype not in FLOATS for t in (a_s, b_s, y_s)):
         raise ctx.invalid("scales must be floating point")
     return [ctx.add(QLinearMatMul(ins, name=ctx.name))]
 
@@ -153,7 +152,7 @@ def _forward_pads(ctx, ins, kernel, strides, dil) -> tuple[int, ...]:
     return tuple(begins + ends)
 
 
-def _spatial_input(ctx, x, dtypes=_FLOATS) -> int:
+def _spatial_input(ctx, x, dtypes=FLOATS) -> int:
     """The number of spatial dims of ``x`` (``[N, C, spatial...]``), checking its dtype."""
     if x.ndim < 3:
         raise ctx.shape_error(f"input must be [N, C, spatial...], got shape {x.shape}")
@@ -164,7 +163,7 @@ def _spatial_input(ctx, x, dtypes=_FLOATS) -> int:
 
 # convolution -------------------------------------------------------------------------------------
 
-def _conv_operands(ctx, operands=None, dtypes=_FLOATS):
+def _conv_operands(ctx, operands=None, dtypes=FLOATS):
     """Conv/ConvTranspose: x, w, optional bias (the node's inputs, or ``operands``), spatial rank,
     kernel, strides and dilations, checked."""
     if operands is None:
@@ -228,7 +227,7 @@ def conv_transpose(ctx):
 
 # pooling ------------------------------------------------------------------------------------------
 
-def _pool_attrs(ctx, x, dtypes=_FLOATS) -> dict:
+def _pool_attrs(ctx, x, dtypes=FLOATS) -> dict:
     n = _spatial_input(ctx, x, dtypes)
     if not ctx.has_attr("kernel_shape"):
         raise ctx.invalid("required attribute 'kernel_shape' is missing")
@@ -242,7 +241,7 @@ def _pool_attrs(ctx, x, dtypes=_FLOATS) -> dict:
 @onnx_op("MaxPool")
 def max_pool(ctx):
     x = ctx.input(0)
-    attrs = _pool_attrs(ctx, x, _FLOATS + ("int8", "uint8"))
+    attrs = _pool_attrs(ctx, x, FLOATS + ("int8", "uint8"))
     order = int(ctx.attr("storage_order", 0))
     if order not in (0, 1):
         raise ctx.invalid(f"storage_order must be 0 or 1, got {order}")
@@ -299,7 +298,7 @@ def _resize_op(ctx, x, *, mode, ctm, scales, sizes, roi=None, nearest_mode="floo
     """Add a :class:`Resize` after checking the resolved per-dim ``scales`` and ``sizes``."""
     if mode not in ("nearest", "linear", "cubic"):
         raise ctx.invalid(f"mode must be nearest, linear or cubic, got {mode!r}")
-    if mode != "nearest" and x.dtype not in _FLOATS:
+    if mode != "nearest" and x.dtype not in FLOATS:
         raise ctx.unsupported(f"{mode} interpolation of {x.dtype} data")
     if any(not math.isfinite(s) or s <= 0 for s in scales):
         raise ctx.invalid(f"scales {list(scales)} must be positive")
@@ -413,7 +412,7 @@ def resize(ctx):
 def attention(ctx):
     q, k, v = ctx.input(0), ctx.input(1), ctx.input(2)
     _same_dtype(ctx, q, k, v)
-    if q.dtype not in _FLOATS:
+    if q.dtype not in FLOATS:
         raise ctx.unsupported(f"dtype {q.dtype}")
     mask = ctx.inputs[3] if ctx.has_input(3) else None
     past_k = ctx.inputs[4] if ctx.has_input(4) else None

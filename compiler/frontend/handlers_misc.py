@@ -25,9 +25,8 @@ from ..ops.elementwise import Binary, Identity, Unary, Where
 from ..ops.linalg import MatMul
 from ..ops.reduce import Reduce, Softmax
 from ..ops.transform import Full, Gather, GatherElements, Reshape, ScatterElements, Transpose
-from .registry import NodeContext, onnx_dtype, onnx_op
+from .registry import FLOATS, NodeContext, onnx_dtype, onnx_op
 
-_FLOATS = ("float16", "float32", "float64")
 
 
 # Window functions -------------------------------------------------------------------------------
@@ -61,7 +60,7 @@ def _window_handler(kind: str):
         if dtype == "bool":
             raise ctx.invalid("output_datatype bool is not allowed by the schema")
         w = _window_values(kind, size, bool(ctx.attr("periodic", 1)))
-        if dtype not in _FLOATS:
+        if dtype not in FLOATS:
             if np.isnan(w).any():
                 raise ctx.invalid(f"a symmetric window of size {size} is NaN (0/0), which has no {dtype} value")
             # the cast truncates the exact values: where those are integers (the peak 1 at n = N/2,
@@ -86,7 +85,7 @@ def _loss_reduction(ctx: NodeContext) -> str:
 
 
 def _check_loss_operands(ctx: NodeContext, x: Tensor, target: Tensor, weight: Tensor | None) -> None:
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise ctx.unsupported(f"dtype {x.dtype} (expected a floating-point input)")
     if x.ndim < 2:
         raise ctx.shape_error(f"input of shape {x.shape} has no class dim (expected [N, C, d1, ...])")
@@ -181,7 +180,7 @@ def affine_grid(ctx):
     [(D*)H*W, 3 or 4] times the transposed theta, reshaped."""
     theta = ctx.input(0)
     size = np.asarray(ctx.const(1))
-    if theta.dtype not in _FLOATS:
+    if theta.dtype not in FLOATS:
         raise ctx.unsupported(f"dtype {theta.dtype} (expected a floating-point theta)")
     if size.ndim != 1 or size.size not in (4, 5) or size.dtype.kind not in "iu":
         raise ctx.invalid(f"size must be 4 or 5 integers [N, C, (D,) H, W], got {size.tolist()!r}")
@@ -229,7 +228,7 @@ def col2im(ctx):
     x = ctx.input(0)
     image, block = _int_list(ctx, 1, "image_shape"), _int_list(ctx, 2, "block_shape")
     nd = len(image)
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise ctx.unsupported(f"dtype {x.dtype} (expected a floating-point input)")
     if nd < 1 or len(block) != nd or x.ndim != 3:
         raise ctx.shape_error(f"input {x.shape}, image_shape {image} and block_shape {block} do not fit "
@@ -422,11 +421,11 @@ def _optimizer_groups(ctx: NodeContext, groups: int) -> tuple[Tensor, Tensor, li
     lists = [[ctx.input(2 + g * n + i) for i in range(n)] for g in range(groups)]
     for i in range(n):
         x = lists[0][i]
-        if x.dtype not in _FLOATS or any(l[i].shape != x.shape or l[i].dtype != x.dtype for l in lists):
+        if x.dtype not in FLOATS or any(l[i].shape != x.shape or l[i].dtype != x.dtype for l in lists):
             raise ctx.shape_error(f"tensor group {i}: X, G and the states must share one floating type and shape, "
                                   f"got {[(str(l[i].dtype), list(l[i].shape)) for l in lists]}")
     r, t = ctx.input(0), ctx.input(1)
-    if r.size != 1 or t.size != 1 or r.dtype not in _FLOATS or t.dtype != "int64":
+    if r.size != 1 or t.size != 1 or r.dtype not in FLOATS or t.dtype != "int64":
         raise ctx.shape_error(f"R must be a floating scalar and T an int64 scalar, got {r.dtype}{list(r.shape)} "
                               f"and {t.dtype}{list(t.shape)}")
     return r, t, lists

@@ -36,6 +36,8 @@ from .handlers_linalg import _conv_operands, _forward_pads
 from .registry import NodeContext, onnx_dtype, onnx_op
 
 _OPSET = 13  # of the elementwise nodes emitted
+#: the scale (and dequantized output) types: float16 and bfloat16 computed in float32
+_SCALES = ("float32", "float16", "bfloat16")
 _RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
 
 
@@ -81,8 +83,8 @@ def dequantize_linear(ctx):
     if x.dtype not in ("int8", "uint8", "int16", "uint16", "int32"):
         raise ctx.unsupported(f"quantized input type {x.dtype}")
     out = _attr_dtype(ctx, "output_dtype") or scale.dtype
-    if scale.dtype not in ("float32", "float16") or out not in ("float32", "float16"):
-        raise ctx.unsupported(f"scale type {scale.dtype} with output type {out} (float32 and float16 are)")
+    if scale.dtype not in _SCALES or out not in _SCALES:
+        raise ctx.unsupported(f"scale type {scale.dtype} with output type {out} ({', '.join(_SCALES)} are)")
     y = ctx.cast(x, "float32")
     if ctx.has_input(2):
         zp = ctx.input(2)
@@ -105,7 +107,8 @@ def quantize_linear(ctx):
     out = out or "uint8"
     if out not in _RANGES:
         raise ctx.unsupported(f"quantized output type {out} ({sorted(_RANGES)} are)")
-    div = _attr_dtype(ctx, "precision") or str(np.result_type(np.dtype(x.dtype), np.dtype(scale.dtype)))
+    div = _attr_dtype(ctx, "precision") or ("float32" if "bfloat16" in (x.dtype, scale.dtype) else
+                                            str(np.result_type(np.dtype(x.dtype), np.dtype(scale.dtype))))
     if div not in ("float32", "float16", "float64"):
         raise ctx.unsupported(f"a division in {div}")
     q = ctx.emit("Div", [ctx.cast(x, div), ctx.cast(_spread(ctx, scale, x, axis, block, "the scale"), div)],

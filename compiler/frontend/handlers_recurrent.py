@@ -34,7 +34,7 @@ from ..ir.graph import Tensor
 from ..ops.elementwise import Activation, Binary, Clip, Unary, Where
 from ..ops.linalg import Gemm
 from ..ops.transform import Concat, Reshape, Slice, Transpose
-from .registry import NodeContext, onnx_op
+from .registry import FLOATS, NodeContext, onnx_op
 
 __all__ = ["MAX_TIME_STEPS"]
 
@@ -45,7 +45,6 @@ MAX_TIME_STEPS = 4096
 #: Most inputs of one ``Concat`` when stacking the time steps (deeper sequences concatenate in a tree).
 _CONCAT_FANOUT = 16
 
-_FLOATS = ("float16", "float32", "float64")
 _DIRECTIONS = {"forward": (False,), "reverse": (True,), "bidirectional": (False, True)}
 
 
@@ -130,7 +129,7 @@ class _Recurrence:
         self.ctx = ctx
         self.gates = gates
         x, w, r = ctx.input(0), ctx.input(1), ctx.input(2)
-        if x.dtype not in _FLOATS:
+        if x.dtype not in FLOATS:
             raise ctx.unsupported(f"dtype {x.dtype} (float16, float32 or float64 expected)")
         direction = ctx.attr("direction", "forward")
         if not isinstance(direction, str) or direction not in _DIRECTIONS:

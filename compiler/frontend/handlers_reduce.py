@@ -7,9 +7,8 @@ import numpy as np
 
 from ..ops.norm import LRN, BatchNorm, GroupNorm, InstanceNorm, LayerNorm, LpNorm, MeanVarianceNorm, RMSNorm
 from ..ops.reduce import ArgReduce, CumProd, CumSum, Hardmax, Reduce, Softmax, TopK
-from .registry import NodeContext, onnx_dtype, onnx_op
+from .registry import FLOATS, NodeContext, onnx_dtype, onnx_op
 
-_FLOATS = ("float16", "float32", "float64")
 
 
 def _axis(ctx: NodeContext, a, rank: int, what: str = "axis") -> int:
@@ -32,13 +31,13 @@ def _axes(ctx: NodeContext, axes: Iterable, rank: int) -> tuple[int, ...]:
 
 def _require_float(ctx: NodeContext, *tensors) -> None:
     for t in tensors:
-        if t.dtype not in _FLOATS:
+        if t.dtype not in FLOATS:
             raise ctx.unsupported(f"dtype {t.dtype} (expected a floating-point input)")
 
 
 def _stash(ctx: NodeContext) -> str:
     st = onnx_dtype(ctx.attr("stash_type", 1), f"node {ctx.name} attribute 'stash_type'")
-    if st not in _FLOATS:
+    if st not in FLOATS:
         raise ctx.invalid(f"stash_type must be a floating-point type, got {st}")
     return st
 
@@ -59,7 +58,7 @@ def _reduce_handler(kind: str, axes_as_input: bool):
         x = ctx.input(0)
         if x.dtype == "bool" and kind not in ("max", "min"):
             raise ctx.invalid("bool input (only ReduceMax and ReduceMin take bool)")
-        if kind in ("log_sum", "log_sum_exp") and x.dtype not in _FLOATS:
+        if kind in ("log_sum", "log_sum_exp") and x.dtype not in FLOATS:
             raise ctx.unsupported(f"dtype {x.dtype} (the log of an integer reduction)")
         if axes_as_input:
             axes = ctx.const(1, None)

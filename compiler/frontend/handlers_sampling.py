@@ -41,8 +41,7 @@ import numpy as np
 from ..errors import UnsupportedOperatorError
 from ..ir.graph import Tensor
 from ..ops.transform import Reshape, Transpose
-from .handlers_elementwise import _FLOATS
-from .registry import NodeContext, onnx_op
+from .registry import FLOATS, NodeContext, onnx_op
 
 log = logging.getLogger(__name__)
 
@@ -252,9 +251,9 @@ def grid_sample(ctx):
     if grid.ndim != d + 2 or grid.shape[0] != x.shape[0] or grid.shape[-1] != d:
         raise ctx.shape_error(f"grid of shape {grid.shape} does not fit X of shape {x.shape} (expected "
                               f"[{x.shape[0]}, {', '.join(['*'] * d)}, {d}])")
-    if grid.dtype not in _FLOATS:
+    if grid.dtype not in FLOATS:
         raise ctx.invalid(f"grid must be floating point, got {grid.dtype}")
-    if mode != "nearest" and x.dtype not in _FLOATS:
+    if mode != "nearest" and x.dtype not in FLOATS:
         raise ctx.unsupported(f"{mode} interpolation of a {x.dtype} input (floating-point inputs are)")
     if x.size == 0 or grid.size == 0:
         raise ctx.unsupported(f"empty tensors (X {x.shape}, grid {grid.shape})")
@@ -357,7 +356,7 @@ def roi_align(ctx):
     bins by averaging (or taking the maximum of) bilinearly interpolated samples."""
     x, rois, batch = ctx.input(0), ctx.input(1), ctx.input(2)
     mode, oh, ow, ratio, scale, half_pixel = _roi_attrs(ctx)
-    if x.dtype not in _FLOATS or rois.dtype != x.dtype:
+    if x.dtype not in FLOATS or rois.dtype != x.dtype:
         raise ctx.unsupported(f"X of type {x.dtype} with rois of type {rois.dtype} (equal floating-point types are)")
     if x.ndim != 4:
         raise ctx.shape_error(f"X must be 4-D [N, C, H, W], got shape {x.shape}")
@@ -454,7 +453,7 @@ def deform_conv(ctx):
     x, w, offset = ctx.input(0), ctx.input(1), ctx.input(2)
     if x.ndim != 4 or w.ndim != 4:
         raise ctx.unsupported(f"a {x.ndim - 2}-D DeformConv (X {list(x.shape)}, W {list(w.shape)}; the 2-D one is)")
-    if x.dtype not in _FLOATS or w.dtype != x.dtype or offset.dtype != x.dtype:
+    if x.dtype not in FLOATS or w.dtype != x.dtype or offset.dtype != x.dtype:
         raise ctx.invalid(f"X, W and offset must share one floating-point type, got {x.dtype}, {w.dtype}, "
                           f"{offset.dtype}")
     n, c, h, wd = x.shape

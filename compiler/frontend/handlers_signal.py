@@ -29,10 +29,9 @@ import logging
 import numpy as np
 
 from ..ir.graph import Tensor
-from .registry import REQUIRED, NodeContext, onnx_dtype, onnx_op
+from .registry import FLOATS, REQUIRED, NodeContext, onnx_dtype, onnx_op
 
 _OPSET = 13  # of the nodes emitted
-_FLOATS = ("float16", "float32", "float64")
 _LARGE_MATRIX_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,8 @@ def _scalar(ctx: NodeContext, i: int, what: str, default: int | object = REQUIRE
 def _signal(ctx: NodeContext) -> tuple[Tensor, int]:
     """The input signal and its number of components (1: real, 2: complex)."""
     x = ctx.input(0)
-    if x.dtype not in _FLOATS:
-        raise ctx.unsupported(f"input type {x.dtype} ({', '.join(_FLOATS)} are)")
+    if x.dtype not in FLOATS:
+        raise ctx.unsupported(f"input type {x.dtype} ({', '.join(FLOATS)} are)")
     if x.ndim < 2 or x.shape[-1] not in (1, 2):
         raise ctx.shape_error(f"the input of shape {list(x.shape)} is neither real [..., 1] nor complex [..., 2]")
     return x, x.shape[-1]

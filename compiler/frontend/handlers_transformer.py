@@ -19,9 +19,9 @@ from ..ops.conv import Conv
 from ..ops.elementwise import Binary, CastOp, Identity, Unary
 from ..ops.linalg import MatMul
 from ..ops.transform import Concat, Expand, Gather, ScatterElements
-from .handlers_elementwise import _FLOATS, swish
+from .handlers_elementwise import swish
 from .handlers_transform import _axis, _reshape, _slice
-from .registry import NodeContext, onnx_op
+from .registry import FLOATS, NodeContext, onnx_op
 
 __all__ = ["MAX_UNROLLED_STEPS"]
 
@@ -36,7 +36,7 @@ MAX_UNROLLED_STEPS = 1024
 def _float_input(ctx: NodeContext, i: int, dtype: str | None = None) -> Tensor:
     """Input ``i``, checked to be floating point (and of ``dtype`` when given)."""
     t = ctx.input(i)
-    if t.dtype not in _FLOATS:
+    if t.dtype not in FLOATS:
         raise ctx.unsupported(f"dtype {t.dtype} of input {i}")
     if dtype is not None and t.dtype != dtype:
         raise ctx.invalid(f"input {i} has dtype {t.dtype}, but input 0 has {dtype}")

@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from ..ir.expr import dtype_kind, numpy_type
 from .registry import NodeContext, find_handler, onnx_dtype
 
 __all__ = ["import_onnx", "read_model"]
@@ -262,12 +263,13 @@ class _Importer:
             arr = np.asarray(given)
         except Exception as exc:
             raise ShapeError(f"input_values[{name!r}] is not array-like ({type(exc).__name__}: {exc})") from None
-        if arr.dtype.kind not in "biuf" or (arr.dtype.kind == "b") != (dtype == "bool"):
+        kind = dtype_kind(arr.dtype) if arr.dtype.kind == "V" else arr.dtype.kind
+        if kind not in "biuf" or (kind == "b") != (dtype == "bool"):
             raise DtypeError(f"input_values[{name!r}] has dtype {arr.dtype}, but the model declares {dtype}")
-        if arr.dtype.kind == "f" and np.dtype(dtype).kind in "iu":
+        if kind == "f" and dtype_kind(dtype) in "iu":
             raise DtypeError(f"input_values[{name!r}] holds floats (dtype {arr.dtype}), but the model declares "
                              f"{dtype}; pass integers")
-        converted = arr.astype(dtype)
+        converted = arr.astype(numpy_type(dtype))
         if arr.dtype.kind in "iu" and not np.array_equal(converted.astype(arr.dtype), arr):
             raise DtypeError(f"input_values[{name!r}] does not fit the declared type {dtype}")
         self._check_declared(tt, tuple(arr.shape), f"input_values[{name!r}] of shape {tuple(arr.shape)}")

@@ -31,11 +31,15 @@ REQUIRED = object()
 
 _DTYPES = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64", onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
     onnx.TensorProto.INT8: "int8", onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT32: "int32",
     onnx.TensorProto.INT64: "int64", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16",
     onnx.TensorProto.UINT32: "uint32", onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.BOOL: "bool",
 }
 
+
+#: The floating-point dtype names (handlers that take floats only check against these).
+FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 #: ONNX element type of each dtype name (the inverse of ``_DTYPES``).
 _CODES = {v: k for k, v in _DTYPES.items()}

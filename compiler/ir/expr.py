@@ -22,6 +22,7 @@ __all__ = [
     "Expr", "Var", "Const", "BinOp", "UnaryOp", "Cast", "IfThenElse", "TensorElement", "Reduce",
     "as_expr", "eq", "ne", "logical_and", "logical_or", "logical_not", "maximum", "minimum",
     "if_then_else", "cast", "UNARY_FUNCS", "BINARY_FUNCS", "REDUCE_OPS", "walk", "dtype_kind",
+    "numpy_type",
 ]
 
 
@@ -434,3 +435,11 @@ def dtype_kind(dtype) -> str:
     """numpy's kind letter of ``dtype`` (``"f"``, ``"i"``, ``"u"``, ``"b"``...), ``"f"`` for
     ``bfloat16``, which numpy does not know without ml_dtypes."""
     return "f" if str(dtype) == "bfloat16" else np.dtype(dtype).kind
+
+
+def numpy_type(name: str) -> np.dtype:
+    """The numpy type of a dtype name (``bfloat16``: ml_dtypes', installed with onnx)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import DtypeError, GraphError, ShapeError
 from .evaluate import evaluate_task
-from .expr import infer_dtype
+from .expr import infer_dtype, numpy_type
 from .task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["Tensor", "Operator", "FlowGraph", "const_tensor"]
@@ -54,7 +54,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * numpy_type(self.dtype).itemsize
 
     @property
     def is_constant(self) -> bool:
@@ -122,14 +122,23 @@ class Operator:
         return evaluate_task(self.task, list(arrays))
 
     # helpers ------------------------------------------------------------------------
+    #: bfloat16 inputs reach :meth:`numpy` as float32 (exactly), so every op computes in float32
+    #: and rounds its outputs to bfloat16 once, as the compiled kernels do (numpy's bfloat16
+    #: sums accumulate in bfloat16). False for ops that read the stored bits.
+    widens_bfloat16: ClassVar[bool] = True
+
     def run(self, *arrays: np.ndarray) -> list[np.ndarray]:
         """Execute with :meth:`numpy` and coerce outputs to the declared shapes and dtypes."""
+        if self.widens_bfloat16:
+            arrays = tuple(a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.name == "bfloat16" else a
+                           for a in arrays)
         outs = self.numpy(*arrays)
         res = []
         for t, a in zip(self.outputs, outs):
             a = np.asarray(a)
-            if a.dtype != np.dtype(t.dtype):
-                a = a.astype(t.dtype)
+            want = numpy_type(t.dtype)
+            if a.dtype != want:
+                a = a.astype(want)
             if a.shape != t.shape:
                 raise ShapeError(f"node {self.name} ({self.op_type}) produced shape {a.shape} for "
                                  f"output {t.name}, but its definition says {t.shape}; this is a bug")

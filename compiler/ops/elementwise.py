@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, UnaryOp, as_expr,
-                       if_then_else, maximum, minimum)
+                       if_then_else, maximum, minimum, numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern
 
@@ -87,14 +87,6 @@ class CastOp(Operator):
         return 0 if self.inputs[0].dtype == self.attrs["to"] else None
 
 
-def numpy_type(name: str):
-    """The numpy type of a dtype name (``bfloat16``: ml_dtypes', installed with onnx)."""
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 class BitCast(Operator):
     """``y`` = the bytes of ``x`` read as type ``to`` (of the same width; little endian, as ONNX says
     and as every target here stores them). No index expression reinterprets bits, so the output is
@@ -104,6 +96,9 @@ class BitCast(Operator):
     def compute(self, x: TensorInput):
         return extern("y", x.shape, self.attrs["to"], tuple((0, d) for d in range(len(x.shape))),
                       "a reinterpretation of the bytes")
+
+    #: the input's bytes as they are stored (a bfloat16 input is not widened first)
+    widens_bfloat16 = False
 
     def numpy(self, x):
         return [np.ascontiguousarray(x).view(numpy_type(self.attrs["to"])).reshape(x.shape)]

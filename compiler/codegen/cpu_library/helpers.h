@@ -39,6 +39,24 @@ static void* sf_workspace(int slot, size_t bytes) {
   return ws.p[slot];
 }
 
+// ---- bfloat16 storage ---------------------------------------------------------------------------
+// The upper half of a float32 (this GCC has no __bf16 arithmetic type): loads widen exactly, stores
+// round to nearest even as ml_dtypes and CUDA's __float2bfloat16_rn do (a NaN stays a quiet NaN).
+struct sf_bf16 { uint16_t bits; };
+SF_INLINE float sf_bf16_to_float(sf_bf16 h) {
+  uint32_t u = uint32_t(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+SF_INLINE sf_bf16 sf_float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return sf_bf16{uint16_t((u >> 16) | 0x40u)};
+  return sf_bf16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+SF_INLINE float sf_bf16_round(float f) { return sf_bf16_to_float(sf_float_to_bf16(f)); }
+
 // ---- numpy-equal scalar semantics --------------------------------------------------------------
 template <class T> SF_INLINE bool sf_isfloat() { return std::numeric_limits<T>::is_iec559; }
 
