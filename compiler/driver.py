@@ -75,6 +75,7 @@ from shardflow.runtime import __version__
 from shardflow.runtime.artifact import ALIGNMENT, atomic_output_dir, finalize_rank_dir, write_json
 
 from .errors import ConfigError, GraphError, ShardflowError
+from .ir.expr import numpy_type
 from .ir.graph import FlowGraph, Operator, Tensor
 
 __all__ = ["compile", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers", "TARGETS",
@@ -546,7 +547,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             continue
         seen_roots.add(id(r))
         if r.is_constant:
-            value = np.asarray(r.value, dtype=np.dtype(r.dtype))
+            value = np.asarray(r.value, dtype=numpy_type(r.dtype))
             if value.shape != r.shape:
                 if value.size != 1:
                     raise GraphError(f"rank {rank}: constant {r.name} holds a value of another shape than {r.shape}")
@@ -861,6 +862,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         timings["write"] += time.perf_counter() - t
         for r, rg in enumerate(rank_graphs):
+            # a bfloat16 model's partial sums reduced over ranks in float32 (passes/precision.py)
+            from .passes.precision import ReduceBfloat16InFloat32
+
+            rg = ReduceBfloat16InFloat32().run(rg)
             if opt.target == "cuda":
                 # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
                 from .passes.projections import MergeProjections
@@ -885,6 +890,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.attention import HalfAttentionInFloat32
 
                 rg = HalfAttentionInFloat32().run(rg)
+            if opt.target == "cpu":
+                # a bfloat16 model's products by the float32 templates, rounded to bfloat16 once
+                from .passes.precision import WidenBfloat16
+
+                rg = WidenBfloat16().run(rg)
             if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
                 # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks
                 # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory

@@ -181,6 +181,11 @@ class CudaEngine:
                                 f"{s['group']!r}, which the mesh groups do not list")
         if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             raise ArtifactError(f"program.json of rank {prog.rank}: unknown collective {kind!r} ({s['node']})")
+        if kind in ("all_reduce", "reduce_scatter") and prog.program["buffers"][s["inputs"][0]]["dtype"] == "bfloat16":
+            # (held as 16-bit patterns here, which a backend would sum as integers; the compiler
+            # reduces bfloat16 in float32 since session 34)
+            raise ArtifactError(f"program.json of rank {prog.rank}: {kind} {s['node']} reduces a bfloat16 buffer, "
+                                "which this runtime cannot do on a GPU; compile the model again")
         with self.stream:  # staging buffers are allocated once, here, on the rank's stream
             pc = prepare(group, kind, self.views[s["inputs"][0]], self.views[s["outputs"][0]], attrs)
         return pc, pc.capturable

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import ShardflowError
 from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
-                       UnaryOp, Var, affine_form, walk, rebuild)
+                       UnaryOp, Var, affine_form, dtype_kind, walk, rebuild)
 from ..ir.task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["CodegenError", "Buffer", "Local", "Kernel", "Loop", "FlatLoop", "Block", "Let", "Declare", "Assign",
@@ -236,7 +236,7 @@ def _norm_dtype(dt: str | None) -> str | None:
 
 
 def _kind(dt: str) -> str:
-    return np.dtype(dt).kind
+    return dtype_kind(dt)
 
 
 def _float_result(dt: str) -> str:

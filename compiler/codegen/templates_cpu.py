@@ -1388,7 +1388,7 @@ def _det(op) -> str | None:
 def _bitcast(op) -> str:
     """BitCast (an extern definition): the input's bytes copied as they are. The driver runs a
     BitCast as a view of its input with no kernel; this one serves a BitCast compiled alone."""
-    from ..ops.elementwise import numpy_type
+    from ..ir.expr import numpy_type
 
     nbytes = op.outputs[0].size * numpy_type(op.outputs[0].dtype).itemsize
     return ("  // BitCast: the bytes of the input, read as the output's type\n"

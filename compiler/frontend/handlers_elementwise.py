@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
-from ..ops.elementwise import Activation, BitCast, Binary, CastOp, Clip, Identity, Unary, Where, numpy_type
+from ..ops.elementwise import Activation, BitCast, Binary, CastOp, Clip, Identity, Unary, Where
 from .registry import FLOATS, NodeContext, onnx_dtype, onnx_op
 
 

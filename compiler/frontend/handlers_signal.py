@@ -28,6 +28,7 @@ import logging
 
 import numpy as np
 
+from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
 from .registry import FLOATS, REQUIRED, NodeContext, onnx_dtype, onnx_op
 
@@ -118,7 +119,7 @@ def _apply(ctx: NodeContext, x: Tensor, axis: int, rows: int, matrix: np.ndarray
     if x.shape[-2] > rows:
         x = ctx.emit("Slice", [x, *(ctx.constant(np.array([v], np.int64)) for v in (0, rows, last - 1))], _OPSET)
     lead = list(x.shape[:-2])
-    nbytes = matrix.size * np.dtype(x.dtype).itemsize
+    nbytes = matrix.size * numpy_type(x.dtype).itemsize
     if nbytes > _LARGE_MATRIX_BYTES:
         log.warning("node %s: the transform matrix %s takes %.0f MiB (a DFT of static length costs O(N^2))",
                     ctx.name, list(matrix.shape), nbytes / 2**20)

@@ -397,7 +397,7 @@ def infer_dtype(e: Expr) -> str | None:
                 r = "bool"
             else:
                 r = _promote(go(x.a), go(x.b), x.a, x.b)
-                if x.op == "div" and r is not None and np.dtype(r).kind in "iub":
+                if x.op == "div" and r is not None and dtype_kind(r) in "iub":
                     r = "float64"
         elif isinstance(x, UnaryOp):
             r = "bool" if x.op in _BOOL_UNARY else go(x.a)
@@ -423,7 +423,7 @@ def _promote(da: str | None, db: str | None, a: Expr, b: Expr) -> str | None:
     if da is None or db is None:
         strong = da or db
         weak = a if da is None else b
-        if isinstance(weak, Const) and isinstance(weak.value, float) and np.dtype(strong).kind in "iub":
+        if isinstance(weak, Const) and isinstance(weak.value, float) and dtype_kind(strong) in "iub":
             return "float64"
         return strong
     if da == "bfloat16" or db == "bfloat16":

@@ -348,7 +348,7 @@ class FlowGraph:
         env = {}
         for name, t in by_name.items():
             a = np.asarray(inputs[name])
-            if a.dtype != np.dtype(t.dtype):
+            if a.dtype != numpy_type(t.dtype):
                 raise DtypeError(f"input {name!r} has dtype {a.dtype}, the graph expects {t.dtype}; "
                                  f"convert it with .astype('{t.dtype}')")
             if a.shape != t.shape:

@@ -101,12 +101,12 @@ def _all(conds: list[Expr]) -> Expr | None:
 
 
 def _lowest(dtype: str) -> Const:
-    dt = np.dtype(dtype)
-    if dt.kind == "f":
+    k = dtype_kind(dtype)
+    if k == "f":
         return Const(-np.inf, dtype)
-    if dt.kind == "b":
+    if k == "b":
         return Const(False, dtype)
-    return Const(int(np.iinfo(dt).min), dtype)
+    return Const(int(np.iinfo(dtype).min), dtype)
 
 
 def _windows(xp: np.ndarray, kernel, strides, dil, out) -> np.ndarray:

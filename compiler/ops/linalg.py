@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum
+from ..ir.expr import (Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum,
+                       numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
-from .elementwise import broadcast_shape, numpy_type
+from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
            "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "Attention", "parse_einsum", "Det"]
@@ -697,7 +698,7 @@ class Attention(Operator):
             logits = score + bias
             for m in adds:
                 logits = logits + m
-            sdt = np.dtype(a.get("softmax_dtype") or dt)
+            sdt = numpy_type(a.get("softmax_dtype") or str(dt))
             lg = logits.astype(sdt)
             mx = lg.max(axis=-1, keepdims=True)
             e = np.exp(lg - mx)

@@ -66,12 +66,12 @@ def _float_fn(fn: str, e: Expr, dtype: str) -> Expr:
 
 def _empty_value(kind: str, dtype: str):
     """The value of a reduction over an empty set (ONNX reference / onnxruntime)."""
-    dt = np.dtype(dtype)
+    k = dtype_kind(dtype)
     if kind in ("max", "min"):
-        if dt.kind == "b":
+        if k == "b":
             return kind == "min"
-        if dt.kind in "iu":
-            info = np.iinfo(dt)
+        if k in "iu":
+            info = np.iinfo(dtype)
             return int(info.min if kind == "max" else info.max)
         return -math.inf if kind == "max" else math.inf
     if kind == "prod":
@@ -79,7 +79,7 @@ def _empty_value(kind: str, dtype: str):
     if kind in ("log_sum", "log_sum_exp"):
         return -math.inf
     if kind == "mean":
-        return 0 if dt.kind in "iu" else math.nan
+        return 0 if k in "iu" else math.nan
     return 0
 
 

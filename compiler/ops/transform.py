@@ -140,15 +140,15 @@ def _all(conds: Sequence[Expr]) -> Expr | None:
 
 
 def _reduction_identity(op: str, dtype: str) -> Const:
-    dt = np.dtype(dtype)
+    k = dtype_kind(dtype)
     if op == "add":
         return _const(0, dtype)
     if op == "mul":
         return _const(1, dtype)
-    if dt.kind == "b":
+    if k == "b":
         return _const(op == "min", dtype)
-    if dt.kind in "iu":
-        info = np.iinfo(dt)
+    if k in "iu":
+        info = np.iinfo(dtype)
         return _const(info.min if op == "max" else info.max, dtype)
     return _const(-np.inf if op == "max" else np.inf, dtype)
 

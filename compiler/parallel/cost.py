@@ -28,9 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import numpy as np
-
 from ..errors import ConfigError
+from ..ir.expr import numpy_type
 from .mesh import DeviceMesh
 
 __all__ = ["DeviceProfile", "CostModel", "H100", "CPU", "DEVICE_PROFILES", "DEFAULT_BANDWIDTH_GBPS",
@@ -206,6 +205,4 @@ def total_bytes(shape: Sequence[int], dtype: str) -> int:
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of ``dtype`` (numpy names, plus ``bfloat16``)."""
-    if str(dtype) == "bfloat16":
-        return 2
-    return np.dtype(dtype).itemsize
+    return numpy_type(str(dtype)).itemsize

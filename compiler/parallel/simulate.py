@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import DtypeError, GraphError, ShapeError
+from ..ir.expr import numpy_type
 from ..ir.graph import FlowGraph, Operator
 from .comm_ops import Collective
 from .mesh import DeviceMesh
@@ -161,7 +162,7 @@ def _bind(graph: FlowGraph, inputs: dict[str, np.ndarray], rank: int) -> dict[in
         if t.name not in inputs:
             raise ShapeError(f"rank {rank}: missing input {t.name!r}; the inputs given are {sorted(inputs)}")
         a = np.asarray(inputs[t.name])
-        if a.dtype != np.dtype(t.dtype):
+        if a.dtype != numpy_type(t.dtype):
             raise DtypeError(f"rank {rank}: input {t.name!r} has dtype {a.dtype}, the graph expects {t.dtype}")
         if a.shape != t.shape:
             raise ShapeError(f"rank {rank}: input {t.name!r} has shape {a.shape}, the graph expects {t.shape}")

@@ -35,10 +35,11 @@ import numpy as np
 
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
-from ..ops.elementwise import numpy_type
+from ..ir.expr import numpy_type
 from .base import GraphPass
 
-__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs"]
+__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenBfloat16", "WIDENED_OPS",
+           "ReduceBfloat16InFloat32"]
 
 log = logging.getLogger(__name__)
 
@@ -237,3 +238,82 @@ def _rounded(op: Operator) -> list[int]:
     if not op.outputs or op.outputs[0].dtype != "float32":
         return []
     return [k for k in which if k < len(op.inputs) and op.inputs[k].dtype == "float32"]
+
+
+#: The ops :class:`WidenBfloat16` computes in float32 on the cpu target (the cpu templates take
+#: float32 only; a bfloat16 product through the generic kernel is some 60x slower).
+WIDENED_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention")
+
+
+class WidenBfloat16(GraphPass):
+    """A bfloat16 model's contractions (and ``Attention`` ops) computed in float32, for the cpu
+    target: each such op whose floating-point inputs and outputs are all bfloat16 reads them
+    widened (exactly: a bfloat16 value is a float32 one; constant operands converted once, here,
+    and stored in float32) and its outputs are rounded back to bfloat16 once. These are the values
+    the op computes in bfloat16 storage (float32 products and sums, one rounding of each output;
+    :meth:`Operator.run <shardflow.compiler.ir.graph.Operator.run>`), through the float32
+    templates (blocked GEMM, direct and packed convolutions, fused attention). The weights take
+    twice the bytes of the model's."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import CastOp
+        from .base import splice
+
+        after: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        widened: dict[int, Tensor] = {}  # one float32 copy per tensor, shared by its readers
+        for op in graph.nodes:
+            floats = [t for t in list(op.inputs) + list(op.outputs) if t.dtype in ("float16", "bfloat16", "float32",
+                                                                                  "float64")]
+            if op.op_type not in WIDENED_OPS or not floats or any(t.dtype != "bfloat16" for t in floats):
+                continue
+            new: list[Operator] = []
+            inputs = []
+            for t in op.inputs:
+                t = replace.get(id(t), t)  # (the bfloat16 output of an op widened before)
+                if t.dtype == "bfloat16" and id(t) not in widened:
+                    if t.is_constant:
+                        widened[id(t)] = const_tensor(np.asarray(t.value).astype(np.float32), f"{t.name}.float32")
+                    else:
+                        cast = CastOp([t], name=f"{t.name}.float32", to="float32")
+                        new.append(cast)
+                        widened[id(t)] = cast.outputs[0]
+                inputs.append(widened.get(id(t), t) if t.dtype == "bfloat16" else t)
+            wide = op.clone(inputs)
+            new.append(wide)
+            for old, out in zip(op.outputs, wide.outputs):
+                back = CastOp([out], name=f"{op.name}.bfloat16", to="bfloat16")
+                new.append(back)
+                replace[id(old)] = back.outputs[0]
+            after[id(op)] = new
+        if after:
+            log.info("bfloat16: %d ops computed by the float32 cpu templates (%d operands widened)", len(after),
+                     len(widened))
+        return splice(graph, after, replace)
+
+
+class ReduceBfloat16InFloat32(GraphPass):
+    """The all-reduces and reduce-scatters of bfloat16 tensors (a bfloat16 model's partial sums)
+    carried in float32: widened before, rounded back after, so that the members' values are summed
+    in float32 and rounded once, whatever the backend (the runtime holds bfloat16 as 16-bit
+    patterns on a GPU, which no backend may sum as integers). Twice the bytes on those collectives;
+    the other collectives move bfloat16 bytes as they are."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import CastOp
+        from .base import splice
+
+        after: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for op in graph.nodes:
+            if getattr(op, "collective", "") not in ("all_reduce", "reduce_scatter") \
+                    or op.inputs[0].dtype != "bfloat16":
+                continue
+            wide = CastOp([replace.get(id(op.inputs[0]), op.inputs[0])], name=f"{op.name}.float32", to="float32")
+            red = op.clone([wide.outputs[0]])
+            back = CastOp([red.outputs[0]], name=f"{op.name}.bfloat16", to="bfloat16")
+            after[id(op)] = [wide, red, back]
+            replace[id(op.outputs[0])] = back.outputs[0]
+        if after:
+            log.info("bfloat16: %d reductions over ranks carried in float32", len(after))
+        return splice(graph, after, replace)

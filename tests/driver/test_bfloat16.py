@@ -1,0 +1,194 @@
+"""bfloat16 models (an LLM exported in bfloat16): imported, run by the numpy evaluator, compiled for
+the cpu target (16-bit storage, float32 arithmetic, the float32 templates for the products), split
+over ranks (partial sums reduced in float32) and compiled for cuda, against onnxruntime on the
+float32 model with the same rounded weights (onnxruntime has no bfloat16 products on the CPU).
+
+Every op computes in float32 and rounds each bfloat16 output once; a compiled kernel rounds at its
+stores only (intermediates of a fused kernel stay float32). So results differ from the float32
+reference by the bfloat16 roundings along the network: the model checks allow 2**-5 of the
+output's largest magnitude (measured: 0.3-1.5%), the single-op checks one rounding."""
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from model_refs import bfloat16_model
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import DtypeError, compile, load_onnx
+from shardflow.compiler.parallel import partition, search, simulate
+from shardflow.compiler.passes.precision import ReduceBfloat16InFloat32, WidenBfloat16
+from shardflow.runtime import load
+
+BF16 = ml_dtypes.bfloat16
+CPU = {"target": "cpu"}
+ONE = {"mesh_shape": [1]}
+
+
+def _close(got: np.ndarray, want: np.ndarray, rel: float = 2.0 ** -5) -> None:
+    got, want = np.asarray(got).astype(np.float32), np.asarray(want).astype(np.float32)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=rel * float(np.abs(want).max()))
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=18):
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                          [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs], list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+MODELS = ["gpt2_ts17", "llama_ts17", "bert_ts17", "llama_sdpa_dynamo23", "vit_ts17", "resnet_ts17"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_in_bfloat16_by_the_evaluator(model):
+    m, feeds, ref = bfloat16_model(model)
+    g = load_onnx(m)
+    assert any(t.dtype == "bfloat16" for op in g.nodes for t in op.inputs if t.is_constant)
+    got = g.run(feeds)
+    for k, v in ref.items():
+        assert got[k].dtype == BF16
+        _close(got[k], v)
+
+
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17", "llama_sdpa_dynamo23", "resnet_ts17"])
+def test_model_in_bfloat16_compiled_for_cpu(tmp_path, model):
+    m, feeds, ref = bfloat16_model(model)
+    res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
+    got = load(res.out_dir).run(feeds)
+    for k, v in ref.items():
+        assert got[k].dtype == BF16
+        _close(got[k], v)
+
+
+def test_bfloat16_products_take_the_float32_templates():
+    """On the cpu target each bfloat16 MatMul/Gemm/Conv becomes the same op on widened operands
+    (weights stored float32 once) and one rounding of its output; nothing else changes."""
+    m, feeds, _ = bfloat16_model("gpt2_ts17")
+    g = load_onnx(m)
+    want = g.run(feeds)
+    n_products = sum(op.op_type in ("MatMul", "Gemm") for op in g.nodes)
+    g = WidenBfloat16().run(g)
+    products = [op for op in g.nodes if op.op_type in ("MatMul", "Gemm")]
+    assert len(products) == n_products > 8
+    for op in products:
+        assert all(t.dtype == "float32" for t in list(op.inputs) + list(op.outputs)), op
+        assert all(t.is_constant or t.producer.op_type == "Cast" for t in op.inputs if t.dtype == "float32"), op
+    got = g.run(feeds)
+    for k in want:  # the same roundings: equal up to the float32 sums' order
+        _close(got[k], want[k], rel=2.0 ** -7)
+
+
+def _mlp(d=64, h=256, seed=0):
+    """x [4, d] -> MatMul -> Relu -> MatMul -> y, bfloat16: megatron splits the hidden dim, so the
+    second product's partial sums are all-reduced."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((d, h)) / np.sqrt(d)).astype(BF16)
+    w2 = (rng.standard_normal((h, d)) / np.sqrt(h)).astype(BF16)
+    m = _model([helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+                helper.make_node("MatMul", ["r", "w2"], ["y"])],
+               [("x", TensorProto.BFLOAT16, [4, d])], [("y", TensorProto.BFLOAT16, [4, d])],
+               [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    x = rng.standard_normal((4, d)).astype(BF16)
+    return m, x, w1, w2
+
+
+def test_partial_sums_of_bfloat16_are_reduced_in_float32():
+    m, x, _, _ = _mlp()
+    g = load_onnx(m)
+    plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
+    ranks = [ReduceBfloat16InFloat32().run(rg) for rg in partition(g, plan)]
+    for rg in ranks:
+        reductions = [op for op in rg.nodes if getattr(op, "collective", "") in ("all_reduce", "reduce_scatter")]
+        assert reductions and all(op.inputs[0].dtype == "float32" for op in reductions)
+    got = simulate(ranks, {"x": x})["y"]
+    assert got.dtype == BF16
+    _close(got, g.run({"x": x})["y"], rel=2.0 ** -7)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
+def test_bfloat16_mlp_on_two_ranks_equals_one_device(tmp_path):
+    """Compiled for cpu on a [2] mesh (megatron: an all-reduce of the bfloat16 partial sums, carried in
+    float32) and run by ``shardflow run`` on two processes, the npz files holding bfloat16 as numpy's
+    void ``V2``; against the same model compiled for one device."""
+    from test_multirank_models import clean_env
+
+    m, x, _, _ = _mlp(seed=1)
+    one = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "one")
+    want = load(one.out_dir).run({"x": x})["y"]
+    two = compile(m, distributed_config={"mesh_shape": [2], "algo": "megatron"}, optimization_config=CPU,
+                  out_dir=tmp_path / "two")
+    np.savez(tmp_path / "in.npz", x=x)
+    proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(two.out_dir), "--nproc", "2",
+                           "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")["y"]
+    assert got.dtype == np.dtype("V2")
+    _close(got.view(BF16), want, rel=2.0 ** -7)
+
+
+_SPECIALS = np.array([1.0, 1.00390625, 1.005859375, 1.0078125 + 2.0 ** -9, -2.0 ** -133, 3.4e38, 3.39e38, -0.0,
+                      np.inf, -np.inf, np.nan, 1e-40, 65504.0, -1.5e-3, 2.0 ** -126], np.float32)
+
+
+def test_cpu_rounding_to_bfloat16_is_ml_dtypes(tmp_path):
+    """The cpu kernels' float32 -> bfloat16 (round to nearest even; ties, overflow to inf, subnormals,
+    NaN, signed zero) and back, bit for bit, on ``Cast`` and on an op's store."""
+    x = np.concatenate([_SPECIALS, np.random.default_rng(0).standard_normal(49).astype(np.float32) * 1e3])
+    m = _model([helper.make_node("Cast", ["x"], ["c"], to=TensorProto.BFLOAT16),
+                helper.make_node("Mul", ["x", "two"], ["d"]), helper.make_node("Cast", ["d"], ["y"], to=TensorProto.BFLOAT16),
+                helper.make_node("Cast", ["c"], ["back"], to=TensorProto.FLOAT)],
+               [("x", TensorProto.FLOAT, [64])],
+               [("c", TensorProto.BFLOAT16, [64]), ("y", TensorProto.BFLOAT16, [64]), ("back", TensorProto.FLOAT, [64])],
+               [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
+    got = load(res.out_dir).run({"x": x})
+    with np.errstate(over="ignore"):
+        twice = (x * np.float32(2)).astype(BF16)
+    for k, want in (("c", x.astype(BF16)), ("y", twice),
+                    ("back", x.astype(BF16).astype(np.float32))):
+        assert got[k].dtype == want.dtype
+        assert got[k].view(np.uint16 if k != "back" else np.uint32).tolist() == \
+            want.view(np.uint16 if k != "back" else np.uint32).tolist(), k
+
+
+def test_bfloat16_sums_accumulate_in_float32(tmp_path):
+    """4096 ones: a bfloat16 accumulator stops at 256 (256 + 1 rounds to 256); the evaluator and
+    the cpu kernel sum in float32 and round once."""
+    m = _model([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)],
+               [("x", TensorProto.BFLOAT16, [4096])], [("y", TensorProto.BFLOAT16, [])])
+    x = np.ones(4096, BF16)
+    assert float(load_onnx(m).run({"x": x})["y"]) == 4096.0
+    res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
+    assert float(load(res.out_dir).run({"x": x})["y"]) == 4096.0
+
+
+def test_bfloat16_inputs_bound_at_import_and_checked():
+    m = _model([helper.make_node("Add", ["x", "b"], ["y"])],
+               [("x", TensorProto.BFLOAT16, [3]), ("b", TensorProto.BFLOAT16, [3])], [("y", TensorProto.BFLOAT16, [3])])
+    b = np.array([0.5, 1.5, -2.0], BF16)
+    g = load_onnx(m, input_values={"b": b})
+    assert [t.name for t in g.inputs] == ["x"]
+    assert g.run({"x": np.ones(3, BF16)})["y"].astype(np.float32).tolist() == [1.5, 2.5, -1.0]
+    with pytest.raises(DtypeError, match="bfloat16"):
+        load_onnx(m).run({"x": np.ones(3, np.float32), "b": b})
+
+
+def test_float8_is_refused_with_a_typed_error():
+    """bfloat16 is a supported element type now; float8 types still raise a clear DtypeError."""
+    m = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E4M3FN)],
+               [("x", TensorProto.FLOAT, [2])], [("y", TensorProto.FLOAT8E4M3FN, [2])], opset=19)
+    with pytest.raises(DtypeError, match="FLOAT8E4M3FN.*bfloat16"):
+        load_onnx(m)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_model_in_bfloat16_compiled_for_cuda(tmp_path):
+    m, _, _ = bfloat16_model("llama_ts17")
+    res = compile(m, distributed_config=ONE, optimization_config={"target": "cuda", "arch": "sm_90"},
+                  out_dir=tmp_path / "out")
+    assert res.ranks[0]["kernels"] > 10
+    assert (tmp_path / "out" / "rank0" / "kernels.cubin").stat().st_size > 0
