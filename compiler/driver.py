@@ -16,7 +16,7 @@ key               meaning                                                       
                   one TF32 product, faster, relative error ~1e-3); ``"float16"``: the
                   operands of contractions rounded to float16 (weights stored in float16),
                   fp32 accumulation, everything else float32 (passes/precision.py);
-                  ``"bfloat16"`` likewise with bfloat16 (cuda only). On cuda, at every
+                  ``"bfloat16"`` likewise with bfloat16. On cuda, at every
                   precision, a model's own float16/bfloat16 ``Attention`` ops compute in
                   float32 and round the output (passes/attention.py)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
@@ -161,10 +161,9 @@ class OptimizationConfig:
             if kw["precision"] not in PRECISIONS:
                 raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r}: choose one of "
                                   f"{list(PRECISIONS)}")
-        if kw.get("precision") in ("tf32", "bfloat16") and target != "cuda":
-            raise ConfigError(f"optimization_config['precision'] = {kw['precision']!r} only applies to target 'cuda' "
-                              "(a GPU tensor-core format; the cpu code generator has no bfloat16 storage); use "
-                              "'float32' or 'float16'")
+        if kw.get("precision") == "tf32" and target != "cuda":
+            raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (a GPU "
+                              "tensor-core format); use 'float32', 'float16' or 'bfloat16'")
         for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute", "blocked", "fold_affine"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
@@ -880,12 +879,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
                 rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda",
                                                k_major_ops=_k_major_tiles(opt.gemm_tiles)).run(rg)
-                if opt.target == "cuda":
-                    # one fused kernel per attention (passes/attention.py), on this rank's share
-                    from .passes.attention import FuseAttention
-
-                    rg = FuseAttention().run(rg)
             if opt.target == "cuda":
+                # one fused kernel per attention on half operands (those of the precision pass, or a
+                # float16/bfloat16 model's own; passes/attention.py), on this rank's share
+                from .passes.attention import FuseAttention
+
+                rg = FuseAttention().run(rg)
                 # attention that is half in the model: float32 inside, one fused kernel (passes/attention.py)
                 from .passes.attention import HalfAttentionInFloat32
 

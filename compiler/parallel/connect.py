@@ -180,6 +180,8 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
         return Resharding(src, dst, shape, dtype, (), 0.0)
     candidates = [tuple(dict.fromkeys((p, Replicate(), q))) for p, q in zip(src, dst)]
     isz = itemsize(dtype)
+    # the partial sums of bfloat16 travel in float32 (passes/precision.py ReduceBfloat16InFloat32)
+    rsz = 4 if str(dtype) == "bfloat16" else isz
     # Dijkstra over specs; priorities are integer femtoseconds (exact sums) then the step count
     best = {src: (0, 0)}
     prev: dict[TensorShardSpec, tuple[TensorShardSpec, CommStep]] = {}
@@ -195,9 +197,9 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
             for q in candidates[axis]:
                 if q == cur[axis]:
                     continue
-                skey = ("step", cur, axis, q, shape, isz)  # steps are shared by all searches on this shape
+                skey = ("step", cur, axis, q, shape, isz, rsz)  # steps are shared by all searches on this shape
                 step = cache[skey] if skey in cache else cache.setdefault(
-                    skey, _step(cur, axis, q, shape, isz, mesh, cost_model))
+                    skey, _step(cur, axis, q, shape, isz, mesh, cost_model, rsz))
                 if step is None:
                     continue
                 cand = (cost + round(step.cost * 1e15), nsteps + 1)
@@ -218,8 +220,10 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
 
 
 def _step(cur: TensorShardSpec, axis: int, q: Placement, shape: tuple[int, ...], isz: int, mesh: DeviceMesh,
-          cm: CostModel) -> CommStep | None:
-    """The step setting ``cur[axis]`` to ``q``, or ``None`` when it is not a legal single step."""
+          cm: CostModel, rsz: int | None = None) -> CommStep | None:
+    """The step setting ``cur[axis]`` to ``q``, or ``None`` when it is not a legal single step
+    (``isz``: bytes an element; ``rsz``: bytes an element of a reduction, default ``isz``)."""
+    rsz = isz if rsz is None else rsz
     p = cur[axis]
     new = cur.with_placement(axis, q)
     if len(new.partial_ops) > 1:
@@ -250,9 +254,9 @@ def _step(cur: TensorShardSpec, axis: int, q: Placement, shape: tuple[int, ...],
             kind, op = "local_partial", q.op
     elif isinstance(p, Partial):
         if isinstance(q, Replicate):
-            kind, op, nbytes = "all_reduce", p.op, math.prod(local) * isz
+            kind, op, nbytes = "all_reduce", p.op, math.prod(local) * rsz
         elif isinstance(q, Shard) and not split_later(q.dim):
-            kind, dim, op, nbytes = "reduce_scatter", q.dim, p.op, padded_to_group(q.dim) * isz
+            kind, dim, op, nbytes = "reduce_scatter", q.dim, p.op, padded_to_group(q.dim) * rsz
     if kind is None:
         return None
     cost = 0.0 if kind.startswith("local_") else cm.collective(kind, nbytes, axis)

@@ -19,6 +19,12 @@ the search and the partitioner see the separate ops), whose products
 scale=c)``, which computes exactly these values (float32 scores of the half operands, float32
 softmax, probabilities rounded to the half type).
 
+A model that is float16 or bfloat16 itself writes the same pattern without the casts, every
+tensor half (its scale and biases too). It becomes the same op on the half Q, K, V (biases read
+in float32, exactly) with its output rounded to the half type once: the fused kernel's values,
+which differ from the op-by-op definition (scores, scaled scores, biased scores, probabilities
+each rounded to the half type) by those roundings, as a fused element-wise kernel's do.
+
 Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a ``[B, S, H*D]`` tensor
 and the result goes back through ``Transpose`` (and element-wise casts) to ``Reshape(..,
 [B, S, H*Dv])``, the op reads and writes the ``[B, S, H*D]`` forms directly (its 3-D form), so
@@ -40,6 +46,7 @@ import numpy as np
 
 from ..codegen.cuda_attention import takes_heads
 from ..errors import ShardflowError
+from ..ir.expr import dtype_kind
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, splice
 
@@ -140,17 +147,17 @@ class FuseAttention(GraphPass):
         return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
 
     def _half_of(self, t: Tensor) -> Tensor | None:
-        """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16 (float32 mode: ``t`` itself when
-        it is float32)."""
+        """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16, or ``t`` itself when it is
+        half (a half model's own operands); float32 mode: ``t`` itself when it is float32."""
         if self.float32:
             return t if t.dtype == "float32" else None
         p = self._prod(t)
         if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
             return p.inputs[0]
-        return None
+        return t if t.dtype in _HALF else None
 
     def _scalar(self, t: Tensor) -> float | None:
-        if t.is_constant and t.size == 1 and np.asarray(t.value).dtype.kind == "f":
+        if t.is_constant and t.size == 1 and dtype_kind(t.dtype) == "f":
             return float(np.asarray(t.value).reshape(()))
         return None
 
@@ -179,7 +186,8 @@ class FuseAttention(GraphPass):
         vh = self._half_of(mm2.inputs[1])
         if vh is None:
             return None
-        if self.float32:  # the probabilities straight from the Softmax
+        native = not self.float32 and vh is mm2.inputs[1]  # a half model's own attention
+        if self.float32 or native:  # the probabilities straight from the Softmax
             down, sm = mm2, self._prod(mm2.inputs[0])
         else:  # the probabilities rounded to the half type: Cast(Cast(p, half), float32)
             up = self._prod(mm2.inputs[0])
@@ -223,7 +231,8 @@ class FuseAttention(GraphPass):
         if not _is(mm1, "MatMul") or self._only(s) is not nxt:
             return None
         qh, kth = self._half_of(mm1.inputs[0]), self._half_of(mm1.inputs[1])
-        if qh is None or kth is None or not (qh.dtype == kth.dtype == vh.dtype):
+        if qh is None or kth is None or not (qh.dtype == kth.dtype == vh.dtype) \
+                or (not self.float32 and native != (qh is mm1.inputs[0] and kth is mm1.inputs[1])):
             return None
         shapes = [tuple(t.shape) for t in (qh, kth, vh)]
         if any(len(sh) != 4 for sh in shapes):
@@ -237,7 +246,7 @@ class FuseAttention(GraphPass):
         for bias in biases:
             bs = tuple(bias.shape)
             want = (b_, h_, s_len, l_len)
-            if (len(bs) > 4 or not bs or bs[-1] != l_len or bias.dtype != "float32"
+            if (len(bs) > 4 or not bs or bs[-1] != l_len or bias.dtype != ("float32" if not native else vh.dtype)
                     or any(e not in (1, w) for e, w in zip(bs, want[4 - len(bs):]))):
                 return None
         # the operands: 3-D [B, S, H*D] forms where the heads were split by a reshape + transpose
@@ -253,6 +262,16 @@ class FuseAttention(GraphPass):
             if not _is(tk, "Transpose", perm=(0, 1, 3, 2)):
                 return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
             k3 = tk.inputs[0]
+        new_ops: list[Operator] = []
+        if native:  # the half biases read in float32 (exactly)
+            widened = []
+            for bias in biases:
+                if bias.is_constant:
+                    widened.append(const_tensor(np.asarray(bias.value).astype(np.float32), f"{bias.name}.float32"))
+                else:
+                    new_ops.append(CastOp([bias], name=f"{mm2.name}.bias{len(widened)}.float32", to="float32"))
+                    widened.append(new_ops[-1].outputs[0])
+            biases = widened
         causal = {}
         if len(biases) == 1 and biases[0].is_constant:
             off, keep = _causal(np.asarray(biases[0].value), s_len, l_len)
@@ -272,10 +291,13 @@ class FuseAttention(GraphPass):
 
             if template_kind(att) != "Attention":
                 return None  # the generic nest would be slower than the separate ops
-        new_ops: list[Operator] = [att]
+        new_ops.append(att)
         y = att.outputs[0]
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result
             new_ops.append(CastOp([y], name=f"{c.name}.3d", to=c.attrs["to"]))
+            y = new_ops[-1].outputs[0]
+        if y.dtype != old.dtype:  # (a half model's attention: its output rounded once)
+            new_ops.append(CastOp([y], name=f"{mm2.name}.attention.{old.dtype}", to=old.dtype))
             y = new_ops[-1].outputs[0]
         if three_d and old.ndim == 2:  # the rows [B*S, H*Dv]: a view of the 3-D result
             new_ops.append(Reshape([y], name=f"{out_chain[1].name}.rows", shape=tuple(old.shape)))

@@ -81,6 +81,28 @@ def test_bfloat16_products_take_the_float32_templates():
         _close(got[k], want[k], rel=2.0 ** -7)
 
 
+def test_attention_of_a_bfloat16_model_is_fused_for_cuda():
+    """FuseAttention (the cuda driver's) matches a bfloat16 model's own MatMul/Softmax/MatMul (no
+    casts, bfloat16 scale and mask) and writes one Attention on the bfloat16 Q, K, V whose output is
+    rounded once; the values stay those of the separate ops up to their bfloat16 roundings."""
+    from shardflow.compiler.passes.attention import FuseAttention
+
+    m, feeds, ref = bfloat16_model("gpt2_ts17")
+    g = load_onnx(m)
+    want = g.run(feeds)
+    fused = FuseAttention().run(g)
+    atts = [op for op in fused.nodes if op.op_type == "Attention"]
+    assert len(atts) == 2 and not any(op.op_type == "Softmax" for op in fused.nodes)
+    for op in atts:
+        assert [t.dtype for t in op.inputs[:3]] == ["bfloat16"] * 3 and op.attrs["probs_dtype"] == "bfloat16"
+        assert op.attrs["extra_biases"] == 1 and op.inputs[3].dtype == "float32"  # the mask, widened
+    got = fused.run(feeds)
+    for k, v in ref.items():
+        assert got[k].dtype == BF16
+        _close(got[k], want[k], rel=2.0 ** -6)
+        _close(got[k], v)
+
+
 def _mlp(d=64, h=256, seed=0):
     """x [4, d] -> MatMul -> Relu -> MatMul -> y, bfloat16: megatron splits the hidden dim, so the
     second product's partial sums are all-reduced."""
@@ -106,6 +128,20 @@ def test_partial_sums_of_bfloat16_are_reduced_in_float32():
     got = simulate(ranks, {"x": x})["y"]
     assert got.dtype == BF16
     _close(got, g.run({"x": x})["y"], rel=2.0 ** -7)
+
+
+def test_bfloat16_reductions_are_priced_in_float32():
+    """``connect`` prices a bfloat16 all-reduce / reduce-scatter at the float32 bytes it moves and a
+    bfloat16 all-gather at its own two bytes an element."""
+    from shardflow.compiler.parallel import CostModel, DeviceMesh, connect
+
+    mesh = DeviceMesh([2])
+    cm = CostModel(mesh)
+    for src, dst, ratio in (("P(sum)", "R", 1.0), ("P(sum)", "S(0)", 1.0), ("S(0)", "R", 0.5)):
+        bf = connect(src, dst, (64, 64), "bfloat16", mesh, cm)
+        f32 = connect(src, dst, (64, 64), "float32", mesh, cm)
+        assert [st.bytes for st in bf.steps] == [int(st.bytes * ratio) for st in f32.steps], (src, dst)
+        assert bf.steps[0].bytes > 0
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
@@ -192,3 +228,30 @@ def test_model_in_bfloat16_compiled_for_cuda(tmp_path):
                   out_dir=tmp_path / "out")
     assert res.ranks[0]["kernels"] > 10
     assert (tmp_path / "out" / "rank0" / "kernels.cubin").stat().st_size > 0
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["ts17", "dynamo18"])
+def test_llama_exported_in_bfloat16_by_torch(tmp_path, dynamo):
+    """The user's path: ``model.to(torch.bfloat16)``, ``torch.onnx.export`` (its RMSNorm casts to
+    float32 and back, rotary tables, causal masks in bfloat16), imported and compiled for cpu, against
+    torch's own bfloat16 forward of the module."""
+    import os
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+    import export_models as em
+
+    torch.manual_seed(0)
+    module = em.build_llama()[0].to(torch.bfloat16).eval()
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, em.VOCAB, (2, 8)), "attention_mask": np.ones((2, 8), np.int64)}
+    feeds["attention_mask"][1, 6:] = 0  # a padded row
+    path = em.export_module(module, feeds, list(feeds), ["y"], str(tmp_path / "llama.onnx"), dynamo=dynamo)
+    with torch.no_grad():
+        want = module(*(torch.from_numpy(v) for v in feeds.values())).float().numpy()
+    got = load_onnx(path).run(feeds)["y"]
+    assert got.dtype == BF16
+    _close(got, want, rel=2.0 ** -6)
+    res = compile(path, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
+    _close(load(res.out_dir).run(feeds)["y"], want, rel=2.0 ** -6)

@@ -68,7 +68,6 @@ def test_optimization_config_defaults_and_validation():
            ({"comm_backend": "gloo"}, "choose one of"),
            ({"comm_backend": "nccl"}, "needs target 'cuda'"),
            ({"precision": "tf32"}, "only applies to target 'cuda'"),
-           ({"precision": "bfloat16"}, "only applies to target 'cuda'"),
            ({"precision": "fp8"}, "choose one of"),
            ({"gemm_tiles": {"*": "64x64"}}, "only applies to target 'cuda'"),
            ({"target": "cuda", "gemm_tiles": {"*": "huge"}}, r"\['gemm_tiles'\]\['\*'\] = 'huge': choose one of"),
