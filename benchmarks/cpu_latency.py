@@ -14,6 +14,10 @@ synthetic weights, one 224x224 image). ``--only`` picks models by name.
 ``--compare-off KEY`` also times each model compiled with ``optimization_config[KEY] = False`` in the same
 run, interleaved with the default build (e.g. ``prepack``: GEMM weights packed on every call; ``blocked``:
 the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepack``.
+``--bf16`` also times a bfloat16 copy of each transformer (tests/models/to_bfloat16.py: weights, casts and
+graph types in bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to
+onnxruntime on the float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the
+CPU); its max |diff| is the bfloat16 roundings'.
 ``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
@@ -21,7 +25,7 @@ format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff|
 float models' (an activation that rounds the other way in one engine moves the next layer's sums).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet]
-                                     [--compare-off blocked] [--int8]
+                                     [--compare-off blocked] [--int8] [--bf16]
 """
 from __future__ import annotations
 
@@ -100,6 +104,35 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
     extra = f"   without {compare} {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare else ""
     print(f"{name:<22} shardflow {ours[0]:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours[0] / ref:5.2f}   "
           f"max |diff| {err:.1e}{extra}", flush=True)
+
+
+def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str) -> None:
+    """A bfloat16 copy of ``path`` compiled for one cpu rank, timed next to onnxruntime on the float32
+    model with the same rounded weights and inputs."""
+    import onnx
+    import onnxruntime as ort
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    sys.path.insert(0, MODELS)
+    from to_bfloat16 import bfloat16_feeds, to_bfloat16
+
+    bf, ref_model = to_bfloat16(onnx.load(path))
+    bf_feeds, ref_feeds = bfloat16_feeds(feeds)
+    out = os.path.join(work, f"{name}-bf16")
+    compile(bf, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
+    prog = load(out, rank=0)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(ref_model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    ours, ref = _medians_ms([lambda: prog.run(bf_feeds), lambda: sess.run(None, ref_feeds)], repeat, block=5)
+    got = prog.run(bf_feeds)
+    err = max(float(np.max(np.abs(got[o.name].astype(np.float32) - r)))
+              for o, r in zip(sess.get_outputs(), sess.run(None, ref_feeds)))
+    print(f"{name + '_bf16':<22} shardflow {ours:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours / ref:5.2f}   "
+          f"max |diff| {err:.1e}   (onnxruntime: float32, same weights)", flush=True)
 
 
 def int8_copy(path: str) -> str:
@@ -205,6 +238,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-off", default=None, metavar="KEY",
                     help="also time each model compiled with optimization_config[KEY] = False")
     ap.add_argument("--compare-prepack", action="store_true", help="the same as --compare-off prepack")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also time a bfloat16 copy of each transformer (next to onnxruntime in float32)")
     ap.add_argument("--int8", action="store_true",
                     help="also time the transformers quantized by onnxruntime's quantize_dynamic")
     args = ap.parse_args(argv)
@@ -212,6 +247,8 @@ def main(argv=None) -> None:
 
     def bench_text(name, path, feeds, repeat):
         bench(name, path, feeds, args.threads, repeat, work, compare)
+        if args.bf16:
+            bench_bfloat16(name, path, feeds, args.threads, repeat, work)
         if args.int8:
             bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, compare)
             bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, compare)
