@@ -14,7 +14,7 @@ synthetic weights, one 224x224 image). ``--only`` picks models by name.
 ``--compare-off KEY`` also times each model compiled with ``optimization_config[KEY] = False`` in the same
 run, interleaved with the default build (e.g. ``prepack``: GEMM weights packed on every call; ``blocked``:
 the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepack``.
-``--bf16`` also times a bfloat16 copy of each transformer (tests/models/to_bfloat16.py: weights, casts and
+``--bf16`` also times a bfloat16 copy of each transformer (tests/models/to_half.py: weights, casts and
 graph types in bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to
 onnxruntime on the float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the
 CPU); its max |diff| is the bfloat16 roundings'.
@@ -116,10 +116,10 @@ def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int,
     from shardflow.runtime import load
 
     sys.path.insert(0, MODELS)
-    from to_bfloat16 import bfloat16_feeds, to_bfloat16
+    from to_half import half_feeds, to_half
 
-    bf, ref_model = to_bfloat16(onnx.load(path))
-    bf_feeds, ref_feeds = bfloat16_feeds(feeds)
+    bf, ref_model = to_half(onnx.load(path), "bfloat16")
+    bf_feeds, ref_feeds = half_feeds(feeds, "bfloat16")
     out = os.path.join(work, f"{name}-bf16")
     compile(bf, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
     prog = load(out, rank=0)

@@ -890,10 +890,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
                 rg = HalfAttentionInFloat32().run(rg)
             if opt.target == "cpu":
-                # a bfloat16 model's products by the float32 templates, rounded to bfloat16 once
-                from .passes.precision import WidenBfloat16
+                # a float16/bfloat16 model's products by the float32 templates, rounded once
+                from .passes.precision import WidenHalfProducts
 
-                rg = WidenBfloat16().run(rg)
+                rg = WidenHalfProducts().run(rg)
             if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
                 # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks
                 # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory

@@ -19,19 +19,20 @@ def onnxruntime_reference(model: str) -> tuple[dict, dict]:
     return feeds, dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
-def bfloat16_model(model: str) -> tuple:
-    """``tests/models/<model>.onnx`` in bfloat16 (weights, constants, casts and graph types; what an
-    export of the module in bfloat16 stores; ``models/to_bfloat16.py``), its inputs likewise, and the
-    reference: onnxruntime on the float32 model with the same (rounded) weights and inputs, which
-    computes every op in float32. Returns ``(bfloat16 model, bfloat16 feeds, reference outputs)``."""
+def half_model(model: str, half: str = "bfloat16") -> tuple:
+    """``tests/models/<model>.onnx`` in ``half`` (float16 or bfloat16: weights, constants, casts and
+    graph types, what an export of the module in that type stores; ``models/to_half.py``), its
+    inputs likewise, and the reference: onnxruntime on the float32 model with the same (rounded)
+    weights and inputs, which computes every op in float32. Returns ``(model, feeds, reference
+    outputs)``."""
     import onnx
 
     if str(MODELS) not in sys.path:
         sys.path.insert(0, str(MODELS))
-    from to_bfloat16 import bfloat16_feeds, to_bfloat16
+    from to_half import half_feeds, to_half
 
     ort = pytest.importorskip("onnxruntime")
-    bf, ref = to_bfloat16(onnx.load(str(MODELS / f"{model}.onnx")))
-    bf_feeds, ref_feeds = bfloat16_feeds(dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz")))
+    low, ref = to_half(onnx.load(str(MODELS / f"{model}.onnx")), half)
+    low_feeds, ref_feeds = half_feeds(dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz")), half)
     sess = ort.InferenceSession(ref.SerializeToString(), providers=["CPUExecutionProvider"])
-    return bf, bf_feeds, dict(zip([o.name for o in sess.get_outputs()], sess.run(None, ref_feeds)))
+    return low, low_feeds, dict(zip([o.name for o in sess.get_outputs()], sess.run(None, ref_feeds)))

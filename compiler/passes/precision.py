@@ -35,10 +35,10 @@ import numpy as np
 
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
-from ..ir.expr import numpy_type
+from ..ir.expr import dtype_kind, numpy_type
 from .base import GraphPass
 
-__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenBfloat16", "WIDENED_OPS",
+__all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
            "ReduceBfloat16InFloat32"]
 
 log = logging.getLogger(__name__)
@@ -240,20 +240,19 @@ def _rounded(op: Operator) -> list[int]:
     return [k for k in which if k < len(op.inputs) and op.inputs[k].dtype == "float32"]
 
 
-#: The ops :class:`WidenBfloat16` computes in float32 on the cpu target (the cpu templates take
-#: float32 only; a bfloat16 product through the generic kernel is some 60x slower).
+#: The ops :class:`WidenHalfProducts` computes in float32 on the cpu target (the cpu templates take
+#: float32 only; a half product through the generic kernel is 60-70x slower).
 WIDENED_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention")
 
 
-class WidenBfloat16(GraphPass):
-    """A bfloat16 model's contractions (and ``Attention`` ops) computed in float32, for the cpu
-    target: each such op whose floating-point inputs and outputs are all bfloat16 reads them
-    widened (exactly: a bfloat16 value is a float32 one; constant operands converted once, here,
-    and stored in float32) and its outputs are rounded back to bfloat16 once. These are the values
-    the op computes in bfloat16 storage (float32 products and sums, one rounding of each output;
-    :meth:`Operator.run <shardflow.compiler.ir.graph.Operator.run>`), through the float32
-    templates (blocked GEMM, direct and packed convolutions, fused attention). The weights take
-    twice the bytes of the model's."""
+class WidenHalfProducts(GraphPass):
+    """A float16 or bfloat16 model's contractions (and ``Attention`` ops) computed in float32, for
+    the cpu target: each such op whose floating-point inputs and outputs are all of one half type
+    reads them widened (exactly; constant operands converted once, here, and stored in float32)
+    and its outputs are rounded back to the half type once. These are the values the generic
+    kernel computes on half storage (float32 products and sums, one rounding of each output), at
+    the speed of the float32 templates (blocked GEMM, direct and packed convolutions, fused
+    attention). The widened weights take twice the bytes of the model's."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.elementwise import CastOp
@@ -263,31 +262,31 @@ class WidenBfloat16(GraphPass):
         replace: dict[int, Tensor] = {}
         widened: dict[int, Tensor] = {}  # one float32 copy per tensor, shared by its readers
         for op in graph.nodes:
-            floats = [t for t in list(op.inputs) + list(op.outputs) if t.dtype in ("float16", "bfloat16", "float32",
-                                                                                  "float64")]
-            if op.op_type not in WIDENED_OPS or not floats or any(t.dtype != "bfloat16" for t in floats):
+            floats = {t.dtype for t in list(op.inputs) + list(op.outputs) if dtype_kind(t.dtype) == "f"}
+            if op.op_type not in WIDENED_OPS or len(floats) != 1 or not floats <= {"float16", "bfloat16"}:
                 continue
+            (half,) = floats
             new: list[Operator] = []
             inputs = []
             for t in op.inputs:
-                t = replace.get(id(t), t)  # (the bfloat16 output of an op widened before)
-                if t.dtype == "bfloat16" and id(t) not in widened:
+                t = replace.get(id(t), t)  # (the half output of an op widened before)
+                if t.dtype == half and id(t) not in widened:
                     if t.is_constant:
                         widened[id(t)] = const_tensor(np.asarray(t.value).astype(np.float32), f"{t.name}.float32")
                     else:
                         cast = CastOp([t], name=f"{t.name}.float32", to="float32")
                         new.append(cast)
                         widened[id(t)] = cast.outputs[0]
-                inputs.append(widened.get(id(t), t) if t.dtype == "bfloat16" else t)
+                inputs.append(widened.get(id(t), t) if t.dtype == half else t)
             wide = op.clone(inputs)
             new.append(wide)
             for old, out in zip(op.outputs, wide.outputs):
-                back = CastOp([out], name=f"{op.name}.bfloat16", to="bfloat16")
+                back = CastOp([out], name=f"{op.name}.{half}", to=half)
                 new.append(back)
                 replace[id(old)] = back.outputs[0]
             after[id(op)] = new
         if after:
-            log.info("bfloat16: %d ops computed by the float32 cpu templates (%d operands widened)", len(after),
+            log.info("half model: %d ops computed by the float32 cpu templates (%d operands widened)", len(after),
                      len(widened))
         return splice(graph, after, replace)
 

@@ -208,12 +208,12 @@ def test_half_onnx_attention_program_on_the_host(tmp_path, case):
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
 def test_bfloat16_model_program_on_the_host(tmp_path, model):
     """Every kernel of the cuda program of a model that is bfloat16 itself (weights, activations;
-    model_refs.bfloat16_model), as the driver builds it at the default precision (merged
+    model_refs.half_model), as the driver builds it at the default precision (merged
     projections, bfloat16 wgmma GEMMs with their epilogues, GPT-2's attention as one fused kernel
     reading bfloat16 Q, K, V, row and element-wise kernels storing bfloat16), against the evaluator
     (float32 arithmetic, each op's output rounded once). (Llama's test model keeps the generic
     attention kernel: its V comes through the grouped heads' Expand.)"""
-    from model_refs import bfloat16_model
+    from model_refs import half_model
 
     from shardflow.compiler import load_onnx
     from shardflow.compiler.parallel.partition import partition
@@ -221,7 +221,7 @@ def test_bfloat16_model_program_on_the_host(tmp_path, model):
     from shardflow.compiler.passes.attention import FuseAttention, HalfAttentionInFloat32
     from shardflow.compiler.passes.projections import MergeProjections
 
-    m, feeds, _ = bfloat16_model(model)
+    m, feeds, _ = half_model(model)
     graph = load_onnx(m)
     (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
     rg = HalfAttentionInFloat32().run(FuseAttention().run(MergeProjections().run(rg)))
