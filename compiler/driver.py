@@ -880,6 +880,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda",
                                                k_major_ops=_k_major_tiles(opt.gemm_tiles)).run(rg)
             if opt.target == "cuda":
+                # a half model's own weights stored [N, K] where the wgmma GEMM needs them so
+                from .passes.precision import HalfWeightsKMajor
+
+                rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
                 # one fused kernel per attention on half operands (those of the precision pass, or a
                 # float16/bfloat16 model's own; passes/attention.py), on this rank's share
                 from .passes.attention import FuseAttention

@@ -134,8 +134,10 @@ def _quiet():
             yield
 
 
-def export(name: str, path: str, tiny: bool = False):
-    """Build ``name`` and export it to ``path`` (single file, dynamic batch).
+def export(name: str, path: str, tiny: bool = False, dtype: str = "float32"):
+    """Build ``name`` and export it to ``path`` (single file, dynamic batch); ``dtype``
+    ``"bfloat16"``/``"float16"`` exports the module cast to that type (weights and activations; the
+    returned wrapper is float32 again, with those rounded weights).
 
     Returns
     -------
@@ -153,6 +155,7 @@ def export(name: str, path: str, tiny: bool = False):
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     wrapper.ones_mask = True
+    wrapper.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype])
     with tempfile.TemporaryDirectory(prefix=".export-", dir=d) as tmp:
         raw = os.path.join(tmp, "raw.onnx")
         with torch.no_grad(), _quiet():
@@ -165,7 +168,8 @@ def export(name: str, path: str, tiny: bool = False):
         del model
         os.replace(final, path)
     wrapper.ones_mask = False
-    info = {"name": name, "path": os.path.abspath(path), "config": cfg, "seq_len": SEQ,
+    wrapper.float()
+    info = {"name": name, "dtype": dtype, "path": os.path.abspath(path), "config": cfg, "seq_len": SEQ,
             "n_params": int(sum(p.numel() for p in wrapper.parameters())),
             "size_bytes": os.path.getsize(path), "export_s": round(time.perf_counter() - t0, 2),
             "inputs": {"input_ids": ["batch", SEQ]}, "outputs": {"logits": ["batch", SEQ, vocab]},

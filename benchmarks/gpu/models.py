@@ -38,7 +38,13 @@ Precision
     fp32-accurate; ``tf32``: one TF32 product). torch's ``allow_tf32`` (matmul and cuDNN) follows
     ``--torch-tf32`` (``auto``: on exactly when our compiled programs contain TF32 GEMM kernels,
     kind ``gemm-tf32``, i.e. with ``--precision tf32``), so both sides use the same GEMM arithmetic.
-    ``float16``/``bfloat16`` cast the torch model to that dtype (our compiler may refuse them).
+    ``float16``/``bfloat16`` cast the torch model to that dtype.
+
+Model dtype
+    ``--model-dtype bfloat16`` (or ``float16``) exports the module cast to that type, as a user with a
+    bfloat16 checkpoint would: we compile the bfloat16 ONNX itself (every op in float32, outputs
+    rounded to bfloat16; ``--precision`` stays ``float32``) and torch runs the same bfloat16 module.
+    The strict reference is the float32 module with the rounded weights.
 
 Timing (same for every contender)
     Host wall-clock of one call followed by a device synchronization, after warm-up calls (our
@@ -105,11 +111,13 @@ class _Device:
     def ours_input(self, ids_np):
         return self.cp.asarray(ids_np) if self.target == "cuda" else ids_np
 
-    def as_torch(self, a):
-        """Our output (cupy or numpy) as a torch tensor on the torch device (no copy for cupy)."""
-        if self.target == "cuda":
-            return self.torch.as_tensor(a, device=self.tdev)
-        return self.torch.from_numpy(a)
+    def as_torch(self, a, dtype: str = "float32"):
+        """Our output (cupy or numpy) as a torch tensor on the torch device (no copy for cupy); a
+        bfloat16 output (16-bit patterns: ``uint16`` in cupy, ml_dtypes' type in numpy) as torch's."""
+        if dtype == "bfloat16":
+            a = a.view("uint16") if self.target == "cuda" else a.view(np.uint16)
+        t = self.torch.as_tensor(a, device=self.tdev) if self.target == "cuda" else self.torch.from_numpy(a)
+        return t.view(self.torch.bfloat16) if dtype == "bfloat16" else t
 
     def set_tf32(self, on: bool) -> None:
         self.torch.backends.cuda.matmul.allow_tf32 = on
@@ -152,7 +160,7 @@ def _gemm_kinds(out_dir: str) -> list[str]:
 # one model
 # ----------------------------------------------------------------------------------------------
 
-def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log) -> tuple:
+def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype: str = "float32") -> tuple:
     """The torch module (CPU, eager attention) and its ONNX path/info: exported into ``work``, or
     reused from ``export_dir`` when it holds ``<name>.onnx``, ``.json`` and ``.state.pt``."""
     import torch
@@ -164,7 +172,7 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log) -> tu
         if all(os.path.exists(p) for p in paths):
             with open(paths[1]) as f:
                 info = json.load(f)
-            if bool(info.get("tiny")) == tiny:
+            if bool(info.get("tiny")) == tiny and info.get("dtype", "float32") == dtype:
                 wrapper, _ = em.build(name, "eager", tiny=tiny)
                 wrapper.load_state_dict(torch.load(paths[2], map_location="cpu"))
                 info["path"] = paths[0]
@@ -173,7 +181,7 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log) -> tu
                 return wrapper, info
     out = export_dir or work
     path = os.path.join(out, f"{name}.onnx")
-    wrapper, info = em.export(name, path, tiny=tiny)
+    wrapper, info = em.export(name, path, tiny=tiny, dtype=dtype)
     if export_dir:
         torch.save(wrapper.state_dict(), os.path.join(export_dir, f"{name}.state.pt"))
         with open(os.path.join(export_dir, f"{name}.json"), "w") as f:
@@ -212,7 +220,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
     ensure_shardflow()
     res: dict = {"batches": {}}
     try:
-        wrapper, info = prepare(name, work, args.export_dir, args.tiny, log)
+        wrapper, info = prepare(name, work, args.export_dir, args.tiny, log, args.model_dtype)
     except Exception as exc:  # noqa: BLE001
         res["error"] = f"export failed: {_err(exc)}"
         log(f"{name}: {res['error']}")
@@ -249,7 +257,8 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
     kinds = {k for b in compiled for k in (res["batches"][f"{b}x128"].get("gemm_kinds") or [])}
     tf32 = {"on": True, "off": False}.get(args.torch_tf32, args.precision == "tf32" or "gemm-tf32" in kinds)
     res["torch_tf32"] = tf32
-    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.precision, torch.float32)
+    half = args.model_dtype if args.model_dtype != "float32" else args.precision
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(half, torch.float32)
     rng = np.random.default_rng(0)
     ids_np = {b: rng.integers(0, vocab, (b, 128)).astype("int64") for b in args.batches}
     ids_t = {b: torch.from_numpy(ids_np[b]).to(dev.tdev) for b in args.batches}
@@ -279,7 +288,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             prog = load(out_dir)
             feeds = {"input_ids": dev.ours_input(ids_np[b])}
             first = prog.run(feeds)["logits"]  # eager run
-            rec.update(_diff(dev.as_torch(first), refs[b]))
+            rec.update(_diff(dev.as_torch(first, args.model_dtype), refs[b]))
             del first
             prog.run(feeds)  # captures the CUDA graph
             t = _time_calls(lambda: prog.run(feeds), dev.sync, args.repeat, args.warmup)
@@ -418,6 +427,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--precision", default="float32", help="optimization_config['precision']")
+    ap.add_argument("--model-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="export the module cast to this type (the ONNX model itself in it)")
     ap.add_argument("--torch-tf32", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--compile-modes", default=",".join(COMPILE_MODES),
                     help="torch.compile modes, comma-separated ('' for none)")
@@ -450,7 +461,8 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None, section
     each step so a caller can write partial results)."""
     normalize_args(args)
     section = section if section is not None else {}
-    section.update(dry_run=args.dry_run, precision=args.precision, arch=args.arch, target=args.target,
+    section.update(dry_run=args.dry_run, precision=args.precision, model_dtype=args.model_dtype, arch=args.arch,
+                   target=args.target,
                    compile_modes=list(args.compile_modes), repeat=args.repeat, warmup=args.warmup,
                    tiny=args.tiny, models={})
     try:

@@ -39,7 +39,7 @@ from ..ir.expr import dtype_kind, numpy_type
 from .base import GraphPass
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
-           "ReduceBfloat16InFloat32"]
+           "ReduceBfloat16InFloat32", "HalfWeightsKMajor"]
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +118,8 @@ class HalfPrecisionContractions(GraphPass):
         """Weight ``t`` converted once to the half type, read back as float32."""
         from ..ops.elementwise import CastOp
 
-        plain = op.op_type == "MatMul" or (op.op_type == "Gemm" and not op.attrs.get("trans_b"))
-        if k == 1 and t.ndim == 2 and t.shape[0] % 8 == 0 and plain and (
-                (self.k_major_weights and op.op_type == "MatMul" and t.shape[1] % 8)
-                or (self.k_major_ops is not None and self.k_major_ops(op))):
-            from ..ops.transform import Transpose
-            value = np.asarray(t.value).astype(self.np_dtype)
-            half = const_tensor(np.ascontiguousarray(value.T), f"{t.name}.{self.dtype}.T")
-            flip = Transpose([half], name=f"{op.name}.w{k}.T", perm=(1, 0))
-            nodes.append(flip)
-            half = flip.outputs[0]
+        if _stored_k_major(op, k, t, self.k_major_weights, self.k_major_ops):
+            half = _k_major(op, k, np.asarray(t.value).astype(self.np_dtype), f"{t.name}.{self.dtype}.T", nodes)
         else:
             half = self._half_const(t)
         back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
@@ -219,6 +211,50 @@ class HalfPrecisionContractions(GraphPass):
 
 #: ops that only move values (rounding before or after them gives the same values)
 _MOVEMENT = frozenset({"Reshape", "Transpose", "Slice", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def _stored_k_major(op: Operator, k: int, t: Tensor, unaligned: bool,
+                    k_major_ops: "Callable[[Operator], bool] | None") -> bool:
+    """Whether weight ``t`` (input ``k`` of ``op``), ``[K, N]``, is stored ``[N, K]``: a plain MatMul's
+    (or Gemm's without ``trans_b``) with ``K % 8 == 0``, when its rows are not 16-byte aligned
+    (``unaligned`` and ``N % 8``) or ``op`` is one of ``k_major_ops``."""
+    plain = op.op_type == "MatMul" or (op.op_type == "Gemm" and not op.attrs.get("trans_b"))
+    return k == 1 and t.ndim == 2 and t.shape[0] % 8 == 0 and plain and (
+        (unaligned and op.op_type == "MatMul" and t.shape[1] % 8) or (k_major_ops is not None and k_major_ops(op)))
+
+
+def _k_major(op: Operator, k: int, value: np.ndarray, name: str, nodes: list[Operator]) -> Tensor:
+    """``value`` ``[K, N]`` stored ``[N, K]`` and read through a Transpose appended to ``nodes``."""
+    from ..ops.transform import Transpose
+
+    flip = Transpose([const_tensor(np.ascontiguousarray(value.T), name)], name=f"{op.name}.w{k}.T", perm=(1, 0))
+    nodes.append(flip)
+    return flip.outputs[0]
+
+
+class HalfWeightsKMajor(GraphPass):
+    """A float16/bfloat16 model's own MatMul/Gemm weights stored ``[N, K]`` behind a Transpose (the
+    cuda target), under :class:`HalfPrecisionContractions`' rule for the weights it rounds: those whose
+    rows are not 16-byte aligned (GPT-2's 50257-word head; the wgmma GEMM then copies them 16 bytes at
+    a time instead of taking the portable kernel) and those of ``k_major_ops``."""
+
+    def __init__(self, k_major_ops: "Callable[[Operator], bool] | None" = None):
+        self.k_major_ops = k_major_ops
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        nodes: list[Operator] = []
+        n = 0
+        for op in graph.nodes:
+            t = op.inputs[1] if len(op.inputs) > 1 else None
+            if t is not None and t.is_constant and t.dtype in ("float16", "bfloat16") \
+                    and op.outputs[0].dtype == t.dtype and _stored_k_major(op, 1, t, True, self.k_major_ops):
+                op.inputs = [op.inputs[0], _k_major(op, 1, np.asarray(t.value), f"{t.name}.T", nodes), *op.inputs[2:]]
+                n += 1
+            nodes.append(op)
+        graph.nodes = nodes
+        if n:
+            log.info("half model: %d weights stored [N, K]", n)
+        return graph
 
 
 def _half_attention(op: Operator) -> bool:

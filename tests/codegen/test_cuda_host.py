@@ -234,6 +234,29 @@ def test_bfloat16_model_program_on_the_host(tmp_path, model):
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
+def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
+    """A bfloat16 model's own weight [K, N] with N not a multiple of 8 (GPT-2's 50257-word head) is
+    stored [N, K] behind a Transpose (passes/precision.py HalfWeightsKMajor), so the product is a
+    wgmma GEMM reading it K-major (not the portable kernel); against the evaluator."""
+    import ml_dtypes
+
+    from shardflow.compiler.ir import const_tensor
+    from shardflow.compiler.ir.graph import FlowGraph
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.passes.precision import HalfWeightsKMajor
+
+    rng = np.random.default_rng(3)
+    x = Tensor("x", (64, 96), "bfloat16")
+    mm = MatMul([x, const_tensor(rng.standard_normal((96, 37)).astype(ml_dtypes.bfloat16), "w")], name="head")
+    g = HalfWeightsKMajor().run(FlowGraph([x], mm.outputs))
+    assert [op.op_type for op in g.nodes] == ["Transpose", "MatMul"] and g.nodes[0].inputs[0].shape == (37, 96)
+    env, consts, groups = _graph_values(g, {"x": rng.standard_normal((64, 96)).astype(ml_dtypes.bfloat16)})
+    src = generate_cuda_source(groups, arch="sm_90")
+    (group,) = [gr for gr in groups if gr.name in src.launches]
+    assert src.launches[group.name].kind == "gemm-wgmma-bf16"
+    _check_kernels("k-major bf16", build(src.text, str(tmp_path)), src, [group], env, consts)
+
+
 @pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128"])
 def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
     """Every wgmma GEMM of the Llama test model's float16 program (the gate projection, and the up
