@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu/device_session.sh kmajor  # GEMMs with B stored [N, K]: default tiles, then tma64x96/128x160
 #   bash benchmarks/gpu/device_session.sh ncu [GEMM.PY ARGS...]   # Nsight Compute sections of ours and
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
+#   bash benchmarks/gpu/device_session.sh bf16models  # GPT-2 small and Llama exported in bfloat16 vs torch.compile
+#                                                 # on the same bfloat16 modules (1x128, 8x128), < 7 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -232,6 +234,15 @@ case "$what" in
         shift
         [ $# -gt 0 ] || set -- --m 1024 --shapes gpt2 --dtypes float16
         ncu_gemm 400 ncu-gemm.txt "$@"
+        ;;
+    bf16models)  # models that are bfloat16 themselves (a bfloat16 checkpoint exported as it is; session 34:
+                 # compiled in their own type, attention fused, head stored [N, K]) against torch eager and
+                 # torch.compile on the same bfloat16 modules; never run on a GPU yet
+        mkdir -p /tmp/sf-export-bf16
+        timeout 400 python3 benchmarks/gpu/models.py --models gpt2_small,llama --batches 1,8 --model-dtype bfloat16 \
+            --compile-modes reduce-overhead --export-dir /tmp/sf-export-bf16 --json "$out/models-bf16.json" \
+            > "$out/models-bf16.txt" 2>&1
+        tail -20 "$out/models-bf16.txt"
         ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
