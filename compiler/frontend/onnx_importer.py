@@ -62,15 +62,36 @@ def read_model(model: "str | os.PathLike | bytes | onnx.ModelProto") -> onnx.Mod
         raise ModelFormatError(f"expected a path, bytes or onnx.ModelProto, got {type(model).__name__}")
     if not proto.graph.node and not proto.graph.output:
         raise ModelFormatError(f"{where}: not an ONNX model (no graph); is this the right file?")
+    checked = _ort_default_domain_ops_moved(proto)
     try:
         # A path is checked by onnx's C++ loader directly, sparing a 1-2 s re-serialization of
         # large models; protos and bytes are checked as protos.
-        onnx.checker.check_model(where if isinstance(model, (str, os.PathLike)) else proto)
+        onnx.checker.check_model(where if isinstance(model, (str, os.PathLike)) and checked is proto else checked)
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ModelFormatError(f"{where}: fails onnx.checker: {' '.join(msg)[:800]}; fix or re-export the model") \
             from None
     return proto
+
+
+#: Operators onnxruntime registers in the default domain although ONNX does not define them (its
+#: optimizer writes them there; handlers_contrib.py imports them).
+ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+
+def _ort_default_domain_ops_moved(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` itself, or, where it has default-domain nodes of :data:`ORT_DEFAULT_DOMAIN_OPS`, a copy
+    with those nodes in onnxruntime's domain, which the checker then leaves to their runtime."""
+    if not any(n.op_type in ORT_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx") for n in _all_nodes(proto.graph)):
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for n in _all_nodes(copy.graph):
+        if n.op_type in ORT_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx"):
+            n.domain = "com.microsoft"
+    if not any(o.domain == "com.microsoft" for o in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return copy
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:

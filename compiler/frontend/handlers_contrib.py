@@ -1,0 +1,256 @@
+"""Handlers for onnxruntime's contrib operators (domain ``com.microsoft``, and
+``SimplifiedLayerNormalization``, which onnxruntime registers in the default domain): what
+``onnxruntime.transformers.optimizer`` writes into a model (fused layer norms, GELUs, BERT's
+``Attention``) and what ``onnxruntime.quantization``'s ``MatMulNBitsQuantizer`` writes (4-bit
+block-quantized weights). A model optimized or quantized that way for onnxruntime imports here.
+
+Each is composed from library ops (element-wise arithmetic, LayerNorm, RMSNorm, Attention, MatMul),
+after onnxruntime's ``docs/ContribOperators.md`` and checked against onnxruntime's CPU kernels.
+``MatMulNBits`` weights are dequantized at import (float weights, 8x the bytes of 4-bit ones: no
+low-bit kernels here yet). The operators of the NCHWc layout (``com.microsoft.nchwc``), which
+onnxruntime writes only for the machine it optimized on, are not contrib operators and stay refused.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ..ir.expr import numpy_type
+from ..ir.graph import Tensor
+from ..ops.transform import Transpose
+from .registry import FLOATS, NodeContext, onnx_op
+
+log = logging.getLogger(__name__)
+
+_MS = "com.microsoft"
+_OPSET = 23  # of the default-domain nodes emitted (Gelu 20, LayerNormalization 17, RMSNormalization 23)
+
+
+def _float_input(ctx: NodeContext, i: int) -> Tensor:
+    t = ctx.input(i)
+    if t.dtype not in FLOATS:
+        raise ctx.unsupported(f"dtype {t.dtype} of input {i}")
+    return t
+
+
+def _only_outputs(ctx: NodeContext, allowed: tuple[int, ...]) -> None:
+    """Refuse the node when it names an output outside ``allowed`` (optional statistics that the
+    composition does not compute), naming the output."""
+    for i, name in enumerate(ctx.node.output):
+        if name and i not in allowed:
+            raise ctx.unsupported(f"output {i} ({name!r}; onnxruntime's training statistics)")
+
+
+def _add(ctx: NodeContext, a: Tensor, b: Tensor | None) -> Tensor:
+    return a if b is None else ctx.emit("Add", [a, b], _OPSET)
+
+
+def _optional(ctx: NodeContext, i: int) -> Tensor | None:
+    return ctx.input(i) if ctx.has_input(i) else None
+
+
+# activations --------------------------------------------------------------------------------------
+
+@onnx_op("Gelu", since=1, domain=_MS)
+def gelu(ctx):
+    """``0.5 x (1 + erf(x / sqrt 2))``."""
+    return [ctx.emit("Gelu", [_float_input(ctx, 0)], _OPSET)]
+
+
+@onnx_op("BiasGelu", since=1, domain=_MS)
+def bias_gelu(ctx):
+    """``Gelu(A + B)``, B a bias broadcast along the last dim."""
+    return [ctx.emit("Gelu", [_add(ctx, _float_input(ctx, 0), _float_input(ctx, 1))], _OPSET)]
+
+
+@onnx_op("FastGelu", since=1, domain=_MS)
+def fast_gelu(ctx):
+    """GELU's tanh approximation of ``X (+ bias)``."""
+    x = _add(ctx, _float_input(ctx, 0), _optional(ctx, 1))
+    return [ctx.emit("Gelu", [x], _OPSET, approximate="tanh")]
+
+
+@onnx_op("QuickGelu", since=1, domain=_MS)
+def quick_gelu(ctx):
+    """``x * sigmoid(alpha x)`` (alpha 1.702 by default; 1: SiLU)."""
+    from .handlers_elementwise import swish
+
+    return [swish(ctx, _float_input(ctx, 0), float(ctx.attr("alpha", 1.702)), ctx.name)]
+
+
+# normalizations -----------------------------------------------------------------------------------
+
+def _skip_sum(ctx: NodeContext, bias_index: int) -> Tensor:
+    x, skip = _float_input(ctx, 0), _float_input(ctx, 1)
+    if skip.shape != x.shape and skip.shape != x.shape[-2:] and skip.shape != (1,) + x.shape[1:]:
+        raise ctx.shape_error(f"skip of shape {skip.shape} does not fit the input's {x.shape}")
+    return _add(ctx, ctx.emit("Add", [x, skip], _OPSET), _optional(ctx, bias_index))
+
+
+@onnx_op("SkipLayerNormalization", since=1, domain=_MS)
+def skip_layer_normalization(ctx):
+    """``LayerNorm(input + skip (+ bias))`` over the last dim, and the sum itself (output 3)."""
+    _only_outputs(ctx, (0, 3))
+    s = _skip_sum(ctx, 4)
+    ins = [s, _float_input(ctx, 2)] + ([ctx.input(3)] if ctx.has_input(3) else [])
+    y = ctx.emit("LayerNormalization", ins, _OPSET, axis=-1, epsilon=float(ctx.attr("epsilon", 1e-12)))
+    return [y, None, None, s]
+
+
+@onnx_op("SkipSimplifiedLayerNormalization", since=1, domain=_MS)
+def skip_simplified_layer_normalization(ctx):
+    """``RMSNorm(input + skip (+ bias))`` over the last dim, and the sum itself (output 3)."""
+    _only_outputs(ctx, (0, 3))
+    s = _skip_sum(ctx, 3)
+    y = ctx.emit("RMSNormalization", [s, _float_input(ctx, 2)], _OPSET, axis=-1,
+                 epsilon=float(ctx.attr("epsilon", 1e-12)))
+    return [y, None, None, s]
+
+
+@onnx_op("SimplifiedLayerNormalization", since=1)
+def simplified_layer_normalization(ctx):
+    """onnxruntime's RMSNorm (registered in the default domain; ONNX's own is RMSNormalization, 23)."""
+    _only_outputs(ctx, (0,))
+    stash = int(ctx.attr("stash_type", 1))
+    if stash != 1:
+        raise ctx.unsupported(f"stash_type {stash} (float32, 1, is)")
+    return [ctx.emit("RMSNormalization", [_float_input(ctx, 0), _float_input(ctx, 1)], _OPSET,
+                     axis=int(ctx.attr("axis", -1)), epsilon=float(ctx.attr("epsilon", 1e-5)))]
+
+
+# products ------------------------------------------------------------------------------------------
+
+@onnx_op("FusedMatMul", since=1, domain=_MS)
+def fused_matmul(ctx):
+    """``alpha * op(A) @ op(B)``, ``op`` swapping the last two dims where ``transA``/``transB``."""
+    a, b = _float_input(ctx, 0), _float_input(ctx, 1)
+    if ctx.attr("transBatchA", 0) or ctx.attr("transBatchB", 0):
+        raise ctx.unsupported("transBatchA/transBatchB")
+    ops = []
+    for t, key, what in ((a, "transA", "A"), (b, "transB", "B")):
+        if ctx.attr(key, 0):
+            if t.ndim < 2:
+                raise ctx.shape_error(f"{key} on a {t.ndim}-D input")
+            perm = tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2)
+            t = ctx.add(Transpose([t], name=f"{ctx.name}/{what}T", perm=perm))
+        ops.append(t)
+    y = ctx.emit("MatMul", ops, _OPSET)
+    alpha = float(ctx.attr("alpha", 1.0))
+    return [y if alpha == 1.0 else ctx.emit("Mul", [y, ctx.constant(np.array(alpha, numpy_type(a.dtype)))], _OPSET)]
+
+
+def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """The first ``count`` ``bits``-bit values packed least significant first along the last axis of the
+    uint8 array ``packed``."""
+    per = 8 // bits
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    vals = (packed[..., :, None] >> shifts) & np.uint8((1 << bits) - 1)
+    return vals.reshape(packed.shape[:-1] + (-1,))[..., :count]
+
+
+@onnx_op("MatMulNBits", since=1, domain=_MS)
+def matmul_nbits(ctx):
+    """``A @ W (+ bias)`` with ``W [K, N]`` stored as ``bits``-bit integers in blocks of ``block_size``
+    along K, one scale (and zero point) per block and column: dequantized here (constant inputs)."""
+    a = _float_input(ctx, 0)
+    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
+    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
+    if bits not in (2, 4, 8):
+        raise ctx.unsupported(f"bits={bits} (2, 4 and 8 are)")
+    if block < 16 or block & (block - 1):
+        raise ctx.invalid(f"block_size must be a power of 2 of at least 16, got {block}")
+    if a.shape[-1] != k:
+        raise ctx.shape_error(f"A's last dim is {a.shape[-1]}, K is {k}")
+    blocks = -(-k // block)
+    packed = ctx.const(1)
+    if packed.dtype != np.uint8 or packed.size != n * blocks * block * bits // 8:
+        raise ctx.invalid(f"B must be uint8 [N={n}, {blocks} blocks, {block * bits // 8} bytes], got "
+                          f"{packed.dtype} of shape {list(packed.shape)}")
+    q = _unpack(packed.reshape(n, blocks, block * bits // 8), bits, block).reshape(n, blocks * block)[:, :k]
+    scales = ctx.const(2).astype(np.float32)
+    if scales.size != n * blocks:
+        raise ctx.invalid(f"scales must hold N x blocks = {n * blocks} values, got {scales.size}")
+    scales = scales.reshape(n, blocks)
+    if ctx.has_input(3):
+        zp = ctx.const(3)
+        if zp.dtype == np.uint8:  # packed like B, each column's blocks padded to whole bytes
+            per_col = -(-blocks * bits // 8)
+            if zp.size != n * per_col:
+                raise ctx.invalid(f"packed zero points must be N x {per_col} bytes, got {zp.size}")
+            zp = _unpack(zp.reshape(n, per_col), bits, blocks).astype(np.float32)
+        elif zp.size == n * blocks:
+            zp = zp.astype(np.float32).reshape(n, blocks)
+        else:
+            raise ctx.invalid(f"zero points must be packed uint8 or one value per block, got {zp.dtype} of "
+                              f"{zp.size} values")
+    else:
+        zp = np.full((n, blocks), float(1 << (bits - 1)), np.float32)
+    group = np.arange(k) // block
+    if ctx.has_input(4):
+        g_idx = ctx.const(4).astype(np.int64).reshape(-1)
+        if g_idx.size != k or g_idx.min() < 0 or g_idx.max() >= blocks:
+            raise ctx.invalid(f"g_idx must give a block in [0, {blocks}) for each of the K = {k} rows")
+        group = g_idx
+    w = (q.astype(np.float32) - zp[:, group]) * scales[:, group]  # [N, K]
+    weight = ctx.constant(np.ascontiguousarray(w.T).astype(numpy_type(a.dtype)))
+    log.info("node %s: %d-bit weight [%d, %d] dequantized at import", ctx.name, bits, k, n)
+    return [_add(ctx, ctx.emit("MatMul", [a, weight], _OPSET), _optional(ctx, 5))]
+
+
+# attention -----------------------------------------------------------------------------------------
+
+@onnx_op("Attention", since=1, domain=_MS)
+def contrib_attention(ctx):
+    """BERT-style multi-head self-attention with its input projection: ``input @ weights + bias`` split
+    into Q, K, V, ``softmax(Q K^T * scale + mask) V`` per head, masked keys (and, ``unidirectional``,
+    later tokens) given ``mask_filter_value`` (-10000) as onnxruntime does. ``mask_index``: none,
+    ``[batch]`` key lengths, or a ``[batch, keys]`` 0/1 padding mask. No past state, attention bias
+    or rotary embedding."""
+    _only_outputs(ctx, (0,))
+    x, w = _float_input(ctx, 0), _float_input(ctx, 1)
+    for i, what in ((4, "past"), (5, "attention_bias"), (6, "past_sequence_length")):
+        if ctx.has_input(i):
+            raise ctx.unsupported(f"input {what}")
+    if ctx.attr("do_rotary", 0):
+        raise ctx.unsupported("do_rotary")
+    if x.ndim != 3 or w.ndim != 2 or w.shape[0] != x.shape[2]:
+        raise ctx.shape_error(f"input [batch, seq, in] {list(x.shape)} and weights [in, 3 hidden] "
+                              f"{list(w.shape)} do not fit")
+    heads = int(ctx.attr("num_heads"))
+    sizes = [int(s) for s in ctx.attr("qkv_hidden_sizes", [])] or [w.shape[1] // 3] * 3
+    if len(sizes) != 3 or sum(sizes) != w.shape[1] or sizes[0] != sizes[1] or any(s % heads for s in sizes):
+        raise ctx.shape_error(f"qkv_hidden_sizes {sizes} must be Q = K sizes, divisible by num_heads = {heads}, "
+                              f"summing to the weights' {w.shape[1]} columns")
+    b, s, _ = x.shape
+    qkv = _add(ctx, ctx.emit("MatMul", [x, w], _OPSET), _optional(ctx, 2))
+    starts = np.cumsum([0] + sizes)
+    q, k, v = (ctx.emit("Slice", [qkv, ctx.constant(np.array([starts[i]], np.int64)),
+                                  ctx.constant(np.array([starts[i + 1]], np.int64)),
+                                  ctx.constant(np.array([2], np.int64))], _OPSET) for i in range(3))
+    scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(sizes[0] // heads)
+    filt = float(ctx.attr("mask_filter_value", -10000.0))
+    hidden = np.zeros((b, s, s), bool)
+    if ctx.attr("unidirectional", 0):
+        hidden |= np.triu(np.ones((s, s), bool), 1)[None]
+    ins = [q, k, v]
+    if ctx.has_input(3):
+        m = ctx.input(3)
+        j = ctx.constant(np.arange(s, dtype=np.int64))
+        if m.ndim == 1 and m.shape == (b,):  # key lengths: keys at or past the length are masked
+            keep = ctx.emit("Less", [j, ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), ctx.constant(np.array([1]))],
+                                                 _OPSET)], _OPSET)
+        elif m.ndim == 2 and m.shape == (b, s):
+            keep = ctx.emit("Greater", [m, ctx.constant(np.zeros((), m.dtype))], _OPSET)
+        else:
+            raise ctx.unsupported(f"mask_index of shape {list(m.shape)} ([batch] lengths and [batch, keys] "
+                                  "padding masks are)")
+        keep = ctx.emit("Unsqueeze", [keep, ctx.constant(np.array([1, 2]))], _OPSET)  # [b, 1, 1, keys]
+        if hidden.any():
+            keep = ctx.emit("And", [keep, ctx.constant(~hidden[:, None])], _OPSET)
+        dt = numpy_type(x.dtype)
+        ins.append(ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(np.array(filt, dt))], _OPSET))
+    elif hidden.any():
+        ins.append(ctx.constant(np.where(hidden[:, None], np.float32(filt), np.float32(0)).astype(numpy_type(x.dtype))))
+    return [ctx.emit("Attention", ins, _OPSET, q_num_heads=heads, kv_num_heads=heads, scale=scale)]
