@@ -204,8 +204,8 @@ def matmul_nbits(ctx):
 @onnx_op("Attention", since=1, domain=_MS)
 def contrib_attention(ctx):
     """BERT-style multi-head self-attention with its input projection: ``input @ weights + bias`` split
-    into Q, K, V, ``softmax(Q K^T * scale + mask) V`` per head, masked keys (and, ``unidirectional``,
-    later tokens) given ``mask_filter_value`` (-10000) as onnxruntime does. ``mask_index``: none,
+    into Q, K, V, ``softmax(Q K^T * scale + mask) V`` per head, padded keys given ``mask_filter_value``
+    (-10000) and, ``unidirectional``, later tokens -inf, as onnxruntime's CPU kernel does. ``mask_index``: none,
     ``[batch]`` key lengths, or a ``[batch, keys]`` 0/1 padding mask. No past state, attention bias
     or rotary embedding."""
     _only_outputs(ctx, (0,))
@@ -231,26 +231,26 @@ def contrib_attention(ctx):
                                   ctx.constant(np.array([2], np.int64))], _OPSET) for i in range(3))
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(sizes[0] // heads)
     filt = float(ctx.attr("mask_filter_value", -10000.0))
-    hidden = np.zeros((b, s, s), bool)
-    if ctx.attr("unidirectional", 0):
-        hidden |= np.triu(np.ones((s, s), bool), 1)[None]
+    dt = numpy_type(x.dtype)
     ins = [q, k, v]
-    if ctx.has_input(3):
+    bias = None
+    if ctx.has_input(3):  # padded keys: mask_filter_value
         m = ctx.input(3)
-        j = ctx.constant(np.arange(s, dtype=np.int64))
         if m.ndim == 1 and m.shape == (b,):  # key lengths: keys at or past the length are masked
-            keep = ctx.emit("Less", [j, ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), ctx.constant(np.array([1]))],
-                                                 _OPSET)], _OPSET)
+            j = ctx.constant(np.arange(s, dtype=np.int64))
+            length = ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), ctx.constant(np.array([1]))], _OPSET)
+            keep = ctx.emit("Less", [j, length], _OPSET)
         elif m.ndim == 2 and m.shape == (b, s):
             keep = ctx.emit("Greater", [m, ctx.constant(np.zeros((), m.dtype))], _OPSET)
         else:
             raise ctx.unsupported(f"mask_index of shape {list(m.shape)} ([batch] lengths and [batch, keys] "
                                   "padding masks are)")
         keep = ctx.emit("Unsqueeze", [keep, ctx.constant(np.array([1, 2]))], _OPSET)  # [b, 1, 1, keys]
-        if hidden.any():
-            keep = ctx.emit("And", [keep, ctx.constant(~hidden[:, None])], _OPSET)
-        dt = numpy_type(x.dtype)
-        ins.append(ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(np.array(filt, dt))], _OPSET))
-    elif hidden.any():
-        ins.append(ctx.constant(np.where(hidden[:, None], np.float32(filt), np.float32(0)).astype(numpy_type(x.dtype))))
+        bias = ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(np.array(filt, dt))], _OPSET)
+    if ctx.attr("unidirectional", 0):  # later tokens: -inf (a padded key stays at the filter value)
+        later = np.triu(np.ones((1, 1, s, s), bool), 1)
+        bias = ctx.constant(np.where(later, -np.inf, 0).astype(dt)) if bias is None else \
+            ctx.emit("Where", [ctx.constant(later), ctx.constant(np.array(-np.inf, dt)), bias], _OPSET)
+    if bias is not None:
+        ins.append(bias)
     return [ctx.emit("Attention", ins, _OPSET, q_num_heads=heads, kv_num_heads=heads, scale=scale)]

@@ -1,0 +1,232 @@
+"""onnxruntime's contrib operators (handlers_contrib.py) against onnxruntime's CPU kernels: the test
+models rewritten by ``onnxruntime.transformers.optimizer`` (fused layer norms, GELUs, BERT's
+Attention) and quantized by ``MatMulNBitsQuantizer`` (4-bit weights), built at test time; single
+nodes for the attributes those models do not use. The reference session runs with onnxruntime's
+own graph optimizations off, so that its contrib kernels are what computes."""
+import logging
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from model_refs import MODELS
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import UnsupportedOperatorError, compile, load_onnx
+from shardflow.compiler.parallel import partition, search, simulate
+from shardflow.runtime import load
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime.transformers.optimizer")
+
+
+def _reference(model: onnx.ModelProto, feeds: dict) -> dict:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def _close(got: dict, want: dict, tol: float = 1e-5) -> None:
+    for k, v in want.items():
+        scale = max(float(np.abs(v).max()), 1.0)
+        np.testing.assert_allclose(got[k], v, rtol=tol, atol=tol * scale, err_msg=k)
+
+
+def _feeds(model: str) -> dict:
+    return dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+
+
+# (model, optimizer model_type, opt_level, the contrib ops it must contain)
+OPTIMIZED = [
+    ("gpt2_ts17", "gpt2", 1, {"SkipLayerNormalization", "FastGelu"}),
+    ("bert_ts17", "bert", 0, {"Attention", "BiasGelu", "SkipLayerNormalization"}),
+    ("llama_ts17", "gpt2", 99, {"QuickGelu", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"}),
+    ("t5_encoder_ts17", "t5", 1, {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"}),
+    ("vit_ts17", "vit", 1, {"Gelu", "SkipLayerNormalization"}),
+]
+
+
+def _optimized(tmp_path, model: str, model_type: str, level: int) -> onnx.ModelProto:
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    m = optimize_model(str(MODELS / f"{model}.onnx"), model_type=model_type, num_heads=4, hidden_size=64,
+                       opt_level=level)
+    path = tmp_path / f"{model}-opt.onnx"
+    m.save_model_to_file(str(path))  # (adds the com.microsoft opset import, as a user's file has it)
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize("model,model_type,level,ops", OPTIMIZED, ids=[o[0] for o in OPTIMIZED])
+def test_optimized_model_matches_onnxruntime(tmp_path, model, model_type, level, ops):
+    m = _optimized(tmp_path, model, model_type, level)
+    found = {n.op_type for n in m.graph.node if n.domain == "com.microsoft" or n.op_type in ops}
+    assert ops <= found, found
+    feeds = _feeds(model)
+    want = _reference(m, feeds)
+    _close(load_onnx(m).run(feeds), want)
+    if model in ("gpt2_ts17", "bert_ts17", "llama_ts17"):
+        res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                      out_dir=tmp_path / "out")
+        _close(load(res.out_dir).run(feeds), want, tol=1e-4)
+
+
+def test_contrib_attention_model_split_over_two_ranks(tmp_path):
+    """BERT with onnxruntime's fused Attention (its QKV projection inside the op) on a [2] mesh: the
+    composed ops shard by heads or rows like the exported ones."""
+    m = _optimized(tmp_path, "bert_ts17", "bert", 0)
+    feeds = _feeds("bert_ts17")
+    g = load_onnx(m)
+    got = simulate(partition(g, search(g, {"mesh_shape": [2], "algo": "megatron"})), feeds)
+    _close(got, _reference(m, feeds), tol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["bert_ts17", "llama_ts17"])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matmul_nbits_quantized_model_matches_onnxruntime(tmp_path, model, symmetric):
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    q = MatMulNBitsQuantizer(onnx.load(str(MODELS / f"{model}.onnx")), block_size=32, is_symmetric=symmetric)
+    q.process()
+    m = q.model.model
+    assert sum(n.op_type == "MatMulNBits" for n in m.graph.node) >= 6
+    feeds = _feeds(model)
+    want = _reference(m, feeds)
+    _close(load_onnx(m).run(feeds), want)
+    if not symmetric:
+        res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                      out_dir=tmp_path / "out")
+        _close(load(res.out_dir).run(feeds), want, tol=1e-4)
+
+
+# single nodes ---------------------------------------------------------------------------------------
+
+def _node_model(node, inputs, outputs, inits=()):
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                          [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs], list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+F = TensorProto.FLOAT
+
+
+def _nbits_node(k, n, bits, block, rng, zero_points: str, g_idx=False, bias=False):
+    """A MatMulNBits node on random codes, with its packed inputs (as the contrib spec lays them out)."""
+    blocks = -(-k // block)
+    codes = rng.integers(0, 1 << bits, (n, blocks * block)).astype(np.uint8)
+    per = 8 // bits
+    packed = np.zeros((n, blocks, block * bits // 8), np.uint8)
+    for j in range(per):
+        packed |= (codes.reshape(n, blocks, -1, per)[..., j] << (j * bits)).astype(np.uint8)
+    inits = [numpy_helper.from_array(packed, "B"),
+             numpy_helper.from_array(rng.uniform(0.01, 0.1, n * blocks).astype(np.float32), "scales")]
+    names = ["A", "B", "scales"]
+    if zero_points == "packed":
+        zp = rng.integers(0, 1 << bits, (n, -(-blocks * bits // 8) * per)).astype(np.uint8)
+        zpp = np.zeros((n, zp.shape[1] // per), np.uint8)
+        for j in range(per):
+            zpp |= (zp.reshape(n, -1, per)[..., j] << (j * bits)).astype(np.uint8)
+        inits.append(numpy_helper.from_array(zpp.reshape(-1), "zp"))
+        names.append("zp")
+    elif zero_points == "float":
+        inits.append(numpy_helper.from_array(rng.uniform(0, 1 << bits, n * blocks).astype(np.float32), "zp"))
+        names.append("zp")
+    else:
+        names.append("")
+    if g_idx:
+        inits.append(numpy_helper.from_array(rng.permutation(np.arange(k) // block).astype(np.int32), "g_idx"))
+        names.append("g_idx")
+    else:
+        names.append("")
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias"))
+        names.append("bias")
+    while names[-1] == "":
+        names.pop()
+    node = helper.make_node("MatMulNBits", names, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
+                            block_size=block)
+    return node, inits
+
+
+@pytest.mark.parametrize("bits,zero_points,g_idx,bias", [(4, "packed", False, True), (4, "none", False, False),
+                                                        (4, "float", True, False), (8, "packed", False, False),
+                                                        (2, "none", False, True)])
+def test_matmul_nbits_node(bits, zero_points, g_idx, bias):
+    """Codes, zero points (packed 4-bit, default 2**(bits - 1), or float), act-order ``g_idx`` and bias,
+    K not a multiple of the block (the last block padded), against onnxruntime."""
+    rng = np.random.default_rng(bits)
+    k, n, block = 80, 24, 32
+    node, inits = _nbits_node(k, n, bits, block, rng, zero_points, g_idx, bias)
+    m = _node_model(node, [("A", F, [3, 5, k])], [("Y", F, [3, 5, n])], inits)
+    feeds = {"A": rng.standard_normal((3, 5, k)).astype(np.float32)}
+    try:
+        want = _reference(m, feeds)
+    except Exception as exc:  # noqa: BLE001 - a variant this onnxruntime build has no kernel for
+        pytest.skip(f"onnxruntime cannot run this MatMulNBits variant: {exc}")
+    _close(load_onnx(m).run(feeds), want)
+
+
+def test_fused_matmul_node():
+    rng = np.random.default_rng(0)
+    node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain="com.microsoft", alpha=0.25, transA=1, transB=1)
+    m = _node_model(node, [("A", F, [2, 7, 5]), ("B", F, [2, 3, 7])], [("Y", F, [2, 5, 3])])
+    feeds = {"A": rng.standard_normal((2, 7, 5)).astype(np.float32),
+             "B": rng.standard_normal((2, 3, 7)).astype(np.float32)}
+    _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+@pytest.mark.parametrize("mask", ["none", "lengths", "padding"])
+@pytest.mark.parametrize("unidirectional", [0, 1])
+def test_contrib_attention_node(mask, unidirectional):
+    """Masks as key lengths or a 0/1 padding matrix (one sequence fully padded: every key gets the filter
+    value, a plain average, of the earlier keys where causal; later keys -inf), a V of another width
+    (qkv_hidden_sizes)."""
+    rng = np.random.default_rng(1)
+    b, s, d, heads, sizes = 3, 6, 16, 2, [8, 8, 12]
+    inits = [numpy_helper.from_array(rng.standard_normal((d, sum(sizes))).astype(np.float32) * 0.3, "W"),
+             numpy_helper.from_array(rng.standard_normal(sum(sizes)).astype(np.float32) * 0.1, "bias")]
+    ins = [("x", F, [b, s, d])]
+    names = ["x", "W", "bias"]
+    feeds = {"x": rng.standard_normal((b, s, d)).astype(np.float32)}
+    if mask == "lengths":
+        ins.append(("m", TensorProto.INT32, [b]))
+        names.append("m")
+        feeds["m"] = np.array([6, 3, 1], np.int32)
+    elif mask == "padding":
+        ins.append(("m", TensorProto.INT32, [b, s]))
+        names.append("m")
+        feeds["m"] = (rng.random((b, s)) > 0.3).astype(np.int32)
+        feeds["m"][2] = 0
+    node = helper.make_node("Attention", names, ["y"], domain="com.microsoft", num_heads=heads,
+                            qkv_hidden_sizes=sizes, unidirectional=unidirectional)
+    m = _node_model(node, ins, [("y", F, [b, s, sizes[2]])], inits)
+    _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+def test_skip_layer_normalization_with_bias_and_no_beta():
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), n) for n in ("gamma", "bias")]
+    node = helper.make_node("SkipLayerNormalization", ["x", "skip", "gamma", "", "bias"], ["y", "", "", "sum"],
+                            domain="com.microsoft", epsilon=1e-5)
+    m = _node_model(node, [("x", F, [2, 3, 8]), ("skip", F, [2, 3, 8])], [("y", F, [2, 3, 8]), ("sum", F, [2, 3, 8])],
+                    inits)
+    feeds = {k: rng.standard_normal((2, 3, 8)).astype(np.float32) for k in ("x", "skip")}
+    _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+def test_statistics_outputs_are_refused_by_name():
+    node = helper.make_node("SkipLayerNormalization", ["x", "skip", "gamma"], ["y", "mean"], domain="com.microsoft")
+    m = _node_model(node, [("x", F, [2, 8]), ("skip", F, [2, 8])], [("y", F, [2, 8]), ("mean", F, [2, 1])],
+                    [numpy_helper.from_array(np.ones(8, np.float32), "gamma")])
+    with pytest.raises(UnsupportedOperatorError, match="output 1 \\('mean'"):
+        load_onnx(m)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_optimized_model_compiles_for_cuda(tmp_path):
+    m = _optimized(tmp_path, "bert_ts17", "bert", 0)
+    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+                  out_dir=tmp_path / "out")
+    assert res.ranks[0]["kernels"] > 10
