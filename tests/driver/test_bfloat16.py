@@ -190,11 +190,10 @@ def test_cpu_rounding_to_bfloat16_is_ml_dtypes(tmp_path):
     """The cpu kernels' float32 -> bfloat16 (round to nearest even; ties, overflow to inf, subnormals,
     NaN, signed zero) and back, bit for bit, on ``Cast`` and on an op's store."""
     x = np.concatenate([_SPECIALS, np.random.default_rng(0).standard_normal(49).astype(np.float32) * 1e3])
-    m = _model([helper.make_node("Cast", ["x"], ["c"], to=TensorProto.BFLOAT16),
-                helper.make_node("Mul", ["x", "two"], ["d"]), helper.make_node("Cast", ["d"], ["y"], to=TensorProto.BFLOAT16),
-                helper.make_node("Cast", ["c"], ["back"], to=TensorProto.FLOAT)],
-               [("x", TensorProto.FLOAT, [64])],
-               [("c", TensorProto.BFLOAT16, [64]), ("y", TensorProto.BFLOAT16, [64]), ("back", TensorProto.FLOAT, [64])],
+    bf, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+    m = _model([helper.make_node("Cast", ["x"], ["c"], to=bf), helper.make_node("Mul", ["x", "two"], ["d"]),
+                helper.make_node("Cast", ["d"], ["y"], to=bf), helper.make_node("Cast", ["c"], ["back"], to=f32)],
+               [("x", f32, [64])], [("c", bf, [64]), ("y", bf, [64]), ("back", f32, [64])],
                [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
     res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
     got = load(res.out_dir).run({"x": x})
