@@ -254,3 +254,71 @@ def contrib_attention(ctx):
     if bias is not None:
         ins.append(bias)
     return [ctx.emit("Attention", ins, _OPSET, q_num_heads=heads, kv_num_heads=heads, scale=scale)]
+
+
+@onnx_op("GroupQueryAttention", since=1, domain=_MS)
+def group_query_attention(ctx):
+    """Grouped-query attention as onnxruntime-genai's LLMs write it, for the prompt: Q, K, V (or one
+    packed QKV), rotary embeddings from ``cos_cache``/``sin_cache`` at positions ``0..S-1``
+    (``do_rotary``), each query attending to the keys at or before it and before its sequence's
+    length ``seqlens_k + 1``, within ``local_window_size``, scores capped by ``softcap``. Outputs the
+    attention and the present key and value ``[batch, kv_heads, S, head]``. A non-empty past (a
+    decoding step, whose cache layout depends on the lengths at run time) is refused."""
+    _only_outputs(ctx, (0, 1, 2))
+    q = _float_input(ctx, 0)
+    heads, kv_heads = int(ctx.attr("num_heads")), int(ctx.attr("kv_num_heads"))
+    if q.ndim != 3:
+        raise ctx.shape_error(f"query must be [batch, seq, hidden], got {list(q.shape)}")
+    b, s, hidden = q.shape
+    if ctx.has_input(1) != ctx.has_input(2):
+        raise ctx.invalid("key and value must be given together")
+    if ctx.has_input(1):
+        k, v = _float_input(ctx, 1), _float_input(ctx, 2)
+        head = hidden // heads
+    else:  # packed [Q | K | V] along the hidden dim
+        head = hidden // (heads + 2 * kv_heads)
+        if head * (heads + 2 * kv_heads) != hidden:
+            raise ctx.shape_error(f"packed QKV width {hidden} is not (num_heads + 2 kv_num_heads) x head")
+        bounds = np.cumsum([0, heads * head, kv_heads * head, kv_heads * head])
+        q, k, v = (ctx.emit("Slice", [q, ctx.constant(np.array([bounds[i]], np.int64)),
+                                      ctx.constant(np.array([bounds[i + 1]], np.int64)),
+                                      ctx.constant(np.array([2], np.int64))], _OPSET) for i in range(3))
+    if k.shape != (b, s, kv_heads * head) or v.shape != k.shape:
+        raise ctx.shape_error(f"key and value must be [{b}, {s}, {kv_heads * head}], got {list(k.shape)} and "
+                              f"{list(v.shape)}")
+    for i in (3, 4):
+        if ctx.has_input(i) and ctx.input(i).size:
+            raise ctx.unsupported(f"a non-empty past ({list(ctx.input(i).shape)}; decoding steps with a KV cache)")
+    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
+        if ctx.has_input(i):
+            raise ctx.unsupported(f"input {what}")
+    if ctx.attr("smooth_softmax", 0) or ctx.attr("qk_output", 0):
+        raise ctx.unsupported("smooth_softmax / qk_output")
+    if ctx.has_input(6) and ctx.is_const(6) and int(np.asarray(ctx.const(6)).reshape(-1)[0]) != s:
+        raise ctx.unsupported(f"total_sequence_length {int(np.asarray(ctx.const(6)).reshape(-1)[0])} other than "
+                              f"the prompt's {s} (a past)")
+    if ctx.attr("do_rotary", 0):
+        pos = ctx.constant(np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy())
+        cos, sin = _float_input(ctx, 7), _float_input(ctx, 8)
+        rot = dict(interleaved=int(ctx.attr("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
+        q = ctx.emit("RotaryEmbedding", [q, cos, sin, pos], _OPSET, num_heads=heads, **rot)
+        k = ctx.emit("RotaryEmbedding", [k, cos, sin, pos], _OPSET, num_heads=kv_heads, **rot)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    allowed = j <= i
+    window = int(ctx.attr("local_window_size", -1))
+    if window > 0:
+        allowed &= j > i - window
+    keep = ctx.constant(allowed[None, None])  # [1, 1, S, S]
+    if ctx.has_input(5):  # keys at or past the sequence's length seqlens_k + 1 are hidden
+        total = ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), ctx.constant(np.array(1, np.int64))], _OPSET)
+        total = ctx.emit("Reshape", [total, ctx.constant(np.array([b, 1, 1, 1], np.int64))], _OPSET)
+        keep = ctx.emit("And", [keep, ctx.emit("Less", [ctx.constant(np.arange(s, dtype=np.int64)), total],
+                                               _OPSET)], _OPSET)
+    scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
+    y = ctx.emit("Attention", [q, k, v, keep], _OPSET, q_num_heads=heads, kv_num_heads=kv_heads, scale=scale,
+                 softcap=float(ctx.attr("softcap", 0.0)))
+    presents = []
+    for t, what in ((k, "key"), (v, "value")):
+        t4 = ctx.emit("Reshape", [t, ctx.constant(np.array([b, s, kv_heads, head], np.int64))], _OPSET)
+        presents.append(ctx.add(Transpose([t4], name=f"{ctx.name}/present_{what}", perm=(0, 2, 1, 3))))
+    return [y, *presents]
