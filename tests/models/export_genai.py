@@ -33,7 +33,8 @@ def build_source(folder: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
+    fast.save_pretrained(folder)
 
 
 def main() -> int:
