@@ -258,12 +258,16 @@ def contrib_attention(ctx):
 
 @onnx_op("GroupQueryAttention", since=1, domain=_MS)
 def group_query_attention(ctx):
-    """Grouped-query attention as onnxruntime-genai's LLMs write it, for the prompt: Q, K, V (or one
-    packed QKV), rotary embeddings from ``cos_cache``/``sin_cache`` at positions ``0..S-1``
-    (``do_rotary``), each query attending to the keys at or before it and before its sequence's
-    length ``seqlens_k + 1``, within ``local_window_size``, scores capped by ``softcap``. Outputs the
-    attention and the present key and value ``[batch, kv_heads, S, head]``. A non-empty past (a
-    decoding step, whose cache layout depends on the lengths at run time) is refused."""
+    """Grouped-query attention as onnxruntime-genai's LLMs write it: Q, K, V (or one packed QKV), the
+    past key and value ``[batch, kv_heads, P, head]``, each sequence's length ``seqlens_k + 1`` and the
+    ``total_sequence_length`` T (known from shapes), rotary embeddings from ``cos_cache``/``sin_cache``
+    (``do_rotary``), ``local_window_size``, ``softcap``; as onnxruntime's CPU kernel computes them.
+
+    The prompt (P = 0): positions ``0..S-1``, each query attending to the keys at or before it and
+    before its sequence's length; the present key and value are the new ones. A later step (P > 0):
+    each sequence's past length is ``p = seqlens_k + 1 - S``; its new tokens take positions
+    ``p..p+S-1`` (rotary and causal), the present (``max(P, T)`` long: a cache of fixed size when P
+    = T) holds the past before ``p``, the new keys and values after it, zeros past ``p + S``."""
     _only_outputs(ctx, (0, 1, 2))
     q = _float_input(ctx, 0)
     heads, kv_heads = int(ctx.attr("num_heads")), int(ctx.attr("kv_num_heads"))
@@ -280,45 +284,100 @@ def group_query_attention(ctx):
         if head * (heads + 2 * kv_heads) != hidden:
             raise ctx.shape_error(f"packed QKV width {hidden} is not (num_heads + 2 kv_num_heads) x head")
         bounds = np.cumsum([0, heads * head, kv_heads * head, kv_heads * head])
-        q, k, v = (ctx.emit("Slice", [q, ctx.constant(np.array([bounds[i]], np.int64)),
-                                      ctx.constant(np.array([bounds[i + 1]], np.int64)),
-                                      ctx.constant(np.array([2], np.int64))], _OPSET) for i in range(3))
+        q, k, v = (_slice_last(ctx, q, bounds[i], bounds[i + 1]) for i in range(3))
     if k.shape != (b, s, kv_heads * head) or v.shape != k.shape:
         raise ctx.shape_error(f"key and value must be [{b}, {s}, {kv_heads * head}], got {list(k.shape)} and "
                               f"{list(v.shape)}")
-    for i in (3, 4):
-        if ctx.has_input(i) and ctx.input(i).size:
-            raise ctx.unsupported(f"a non-empty past ({list(ctx.input(i).shape)}; decoding steps with a KV cache)")
     for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
         if ctx.has_input(i):
             raise ctx.unsupported(f"input {what}")
     if ctx.attr("smooth_softmax", 0) or ctx.attr("qk_output", 0):
         raise ctx.unsupported("smooth_softmax / qk_output")
-    if ctx.has_input(6) and ctx.is_const(6) and int(np.asarray(ctx.const(6)).reshape(-1)[0]) != s:
-        raise ctx.unsupported(f"total_sequence_length {int(np.asarray(ctx.const(6)).reshape(-1)[0])} other than "
-                              f"the prompt's {s} (a past)")
+    past_k, past_v = _optional(ctx, 3), _optional(ctx, 4)
+    if (past_k is None) != (past_v is None):
+        raise ctx.invalid("past_key and past_value must be given together")
+    n_past = past_k.shape[2] if past_k is not None else 0
+    if past_k is not None and (past_k.shape != (b, kv_heads, n_past, head) or past_v.shape != past_k.shape):
+        raise ctx.shape_error(f"past key and value must be [{b}, {kv_heads}, P, {head}], got {list(past_k.shape)} "
+                              f"and {list(past_v.shape)}")
+    if n_past and not ctx.has_input(5):
+        raise ctx.invalid("a past needs seqlens_k")
+    total = int(np.asarray(ctx.const(6)).reshape(-1)[0]) if ctx.has_input(6) and (n_past or ctx.is_const(6)) else s
+    if not n_past and total != s:
+        raise ctx.invalid(f"total_sequence_length {total} differs from the prompt's {s} with no past")
+    length = max(n_past, total) if n_past else s  # of the present key and value
+    i64 = lambda a: ctx.constant(np.asarray(a, np.int64))  # noqa: E731
+    # each sequence's past length p [b, 1] (0 for the prompt)
+    past_len = None
+    if n_past:
+        ends = ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), i64(1 - s)], _OPSET)
+        past_len = ctx.emit("Reshape", [ends, i64([b, 1])], _OPSET)
     if ctx.attr("do_rotary", 0):
-        pos = ctx.constant(np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy())
+        steps = i64(np.arange(s)[None, :])
+        pos = ctx.emit("Add", [past_len, steps], _OPSET) if n_past else i64(np.broadcast_to(np.arange(s), (b, s)))
         cos, sin = _float_input(ctx, 7), _float_input(ctx, 8)
         rot = dict(interleaved=int(ctx.attr("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
         q = ctx.emit("RotaryEmbedding", [q, cos, sin, pos], _OPSET, num_heads=heads, **rot)
         k = ctx.emit("RotaryEmbedding", [k, cos, sin, pos], _OPSET, num_heads=kv_heads, **rot)
-    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
-    allowed = j <= i
+    k4, v4 = (_heads_first(ctx, t, kv_heads, head, what) for t, what in ((k, "key"), (v, "value")))
+    if n_past:  # the present: past before p, the new tokens at p..p+S-1, zeros after
+        j = i64(np.arange(length)[None, None, :, None])                      # [1, 1, L, 1]
+        p4 = ctx.emit("Reshape", [past_len, i64([b, 1, 1, 1])], _OPSET)      # [b, 1, 1, 1]
+        rel = ctx.emit("Sub", [j, p4], _OPSET)                                # j - p
+        is_new = ctx.emit("And", [ctx.emit("GreaterOrEqual", [rel, i64(0)], _OPSET),
+                                  ctx.emit("Less", [rel, i64(s)], _OPSET)], _OPSET)
+        is_past = ctx.emit("Less", [j, p4], _OPSET)
+        idx = ctx.emit("Expand", [ctx.emit("Clip", [rel, i64(0), i64(s - 1)], _OPSET),
+                                  i64([b, kv_heads, length, head])], _OPSET)
+        presents = []
+        for new, past, what in ((k4, past_k, "key"), (v4, past_v, "value")):
+            if length > n_past:
+                past = ctx.emit("Pad", [past, i64([0, 0, 0, 0, 0, 0, length - n_past, 0])], _OPSET)
+            moved = ctx.emit("GatherElements", [new, idx], _OPSET, axis=2)
+            zero = ctx.constant(np.zeros((), numpy_type(new.dtype)))
+            presents.append(ctx.emit("Where", [is_past, past, ctx.emit("Where", [is_new, moved, zero], _OPSET)],
+                                     _OPSET))
+        k_att, v_att = presents
+    else:
+        presents = [k4, v4]
+        k_att, v_att = k4, v4
+    # which keys each query sees: at or before its position, before its sequence's end, in the window
+    qpos = np.arange(s)[:, None]
+    keys = np.arange(length)[None, :]
     window = int(ctx.attr("local_window_size", -1))
-    if window > 0:
-        allowed &= j > i - window
-    keep = ctx.constant(allowed[None, None])  # [1, 1, S, S]
+    if n_past:
+        at = ctx.emit("Add", [ctx.emit("Reshape", [past_len, i64([b, 1, 1, 1])], _OPSET),
+                              i64(qpos[None, None])], _OPSET)                 # [b, 1, S, 1] positions
+        kj = i64(keys[None, None])
+        keep = ctx.emit("LessOrEqual", [kj, at], _OPSET)
+        if window > 0:
+            keep = ctx.emit("And", [keep, ctx.emit("Greater", [kj, ctx.emit("Sub", [at, i64(window)], _OPSET)],
+                                                   _OPSET)], _OPSET)
+    else:
+        allowed = keys <= qpos
+        if window > 0:
+            allowed &= keys > qpos - window
+        keep = ctx.constant(allowed[None, None])  # [1, 1, S, S]
     if ctx.has_input(5):  # keys at or past the sequence's length seqlens_k + 1 are hidden
-        total = ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), ctx.constant(np.array(1, np.int64))], _OPSET)
-        total = ctx.emit("Reshape", [total, ctx.constant(np.array([b, 1, 1, 1], np.int64))], _OPSET)
-        keep = ctx.emit("And", [keep, ctx.emit("Less", [ctx.constant(np.arange(s, dtype=np.int64)), total],
-                                               _OPSET)], _OPSET)
+        ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), i64(1)], _OPSET),
+                                    i64([b, 1, 1, 1])], _OPSET)
+        keep = ctx.emit("And", [keep, ctx.emit("Less", [i64(np.arange(length)), ends], _OPSET)], _OPSET)
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
-    y = ctx.emit("Attention", [q, k, v, keep], _OPSET, q_num_heads=heads, kv_num_heads=kv_heads, scale=scale,
-                 softcap=float(ctx.attr("softcap", 0.0)))
-    presents = []
-    for t, what in ((k, "key"), (v, "value")):
-        t4 = ctx.emit("Reshape", [t, ctx.constant(np.array([b, s, kv_heads, head], np.int64))], _OPSET)
-        presents.append(ctx.add(Transpose([t4], name=f"{ctx.name}/present_{what}", perm=(0, 2, 1, 3))))
+    q4 = _heads_first(ctx, q, heads, head, "query")
+    y4 = ctx.emit("Attention", [q4, k_att, v_att, keep], _OPSET, scale=scale, softcap=float(ctx.attr("softcap", 0.0)))
+    y = ctx.emit("Reshape", [ctx.add(Transpose([y4], name=f"{ctx.name}/bshd", perm=(0, 2, 1, 3))),
+                             i64([b, s, heads * head])], _OPSET)
     return [y, *presents]
+
+
+def _slice_last(ctx: NodeContext, t: Tensor, lo: int, hi: int) -> Tensor:
+    """``t[..., lo:hi]``."""
+    return ctx.emit("Slice", [t, ctx.constant(np.array([lo], np.int64)), ctx.constant(np.array([hi], np.int64)),
+                              ctx.constant(np.array([t.ndim - 1], np.int64))], _OPSET)
+
+
+def _heads_first(ctx: NodeContext, t: Tensor, heads: int, head: int, what: str) -> Tensor:
+    """``[b, s, heads * head]`` -> ``[b, heads, s, head]``."""
+    b, s, _ = t.shape
+    r = ctx.emit("Reshape", [t, ctx.constant(np.array([b, s, heads, head], np.int64))], _OPSET)
+    return ctx.add(Transpose([r], name=f"{ctx.name}/{what}_bnsh", perm=(0, 2, 1, 3)))

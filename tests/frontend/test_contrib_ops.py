@@ -277,22 +277,42 @@ def test_genai_llama_split_over_two_ranks():
     _close(got, _reference(m, feeds), tol=1e-4)
 
 
-def test_genai_decoding_step_is_refused():
+@pytest.mark.parametrize("cache", ["grown", "fixed"])
+def test_genai_llama_decoding_step_matches_onnxruntime(tmp_path, cache):
+    """A decoding step after the right-padded prompt, its past the prompt's present: ``grown`` (past
+    8, mask 9, present 9: onnxruntime's own loop) or ``fixed`` (past and mask 16 long, present 16: a
+    cache of fixed size, one compile for every step); the shorter sequence's new token lands on its
+    first padded slot. Logits and presents against onnxruntime, by the evaluator and compiled for cpu."""
     m = onnx.load(str(MODELS / "llama_genai_fp32.onnx"))
-    shapes = {k: v.shape for k, v in _genai_feeds(padded=False).items()}
-    shapes.update({"input_ids": (2, 1), "attention_mask": (2, 9)})
-    shapes.update({k: (2, 2, 8, 16) for k in shapes if k.startswith("past")})
-    with pytest.raises(UnsupportedOperatorError, match="non-empty past"):
-        load_onnx(m, input_shapes=shapes)
+    prompt = _genai_feeds(padded=True)
+    first = _reference(m, prompt)
+    n = 8 if cache == "grown" else 16
+    mask = np.zeros((2, n + (cache == "grown")), np.int64)
+    mask[:, :8] = prompt["attention_mask"]
+    mask[:, 8] = 1
+    feeds = {"input_ids": np.array([[17], [42]], np.int64), "attention_mask": mask}
+    for layer in range(2):
+        for kv in ("key", "value"):
+            past = np.zeros((2, 2, n, 16), np.float32)
+            past[:, :, :8] = first[f"present.{layer}.{kv}"]
+            feeds[f"past_key_values.{layer}.{kv}"] = past
+    want = _reference(m, feeds)
+    shapes = {k: v.shape for k, v in feeds.items()}
+    _close(load_onnx(m, input_shapes=shapes).run(feeds), want)
+    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out", input_shapes=shapes)
+    _close(load(res.out_dir).run(feeds), want, tol=1e-4)
 
 
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("window,softcap,interleaved", [(-1, 0.0, 0), (3, 0.0, 1), (-1, 2.0, 0)])
-def test_group_query_attention_node(packed, window, softcap, interleaved):
-    """GroupQueryAttention alone, prompt step: packed or separate Q/K/V, a sliding window, a softcap,
-    interleaved rotary pairs, per-sequence lengths (one sequence shorter), against onnxruntime."""
+@pytest.mark.parametrize("n_past", [0, 5])
+def test_group_query_attention_node(packed, window, softcap, interleaved, n_past):
+    """GroupQueryAttention alone: packed or separate Q/K/V, a sliding window, a softcap, interleaved
+    rotary pairs, per-sequence lengths (one sequence shorter), the prompt or a decoding step after a
+    past of 5 (the shorter sequence's past 3), against onnxruntime."""
     rng = np.random.default_rng(4)
-    b, s, heads, kv, d = 2, 6, 4, 2, 16  # (onnxruntime's kernel takes head sizes of multiples of 16)
+    b, s, heads, kv, d = 2, 6 if not n_past else 1, 4, 2, 16  # (onnxruntime: head sizes multiples of 16)
     ins, names, feeds = [], [], {}
 
     def add(name, arr, t=F):
@@ -307,17 +327,23 @@ def test_group_query_attention_node(packed, window, softcap, interleaved):
         add("q", rng.standard_normal((b, s, heads * d)).astype(np.float32))
         add("k", rng.standard_normal((b, s, kv * d)).astype(np.float32))
         add("v", rng.standard_normal((b, s, kv * d)).astype(np.float32))
-    add("past_k", np.zeros((b, kv, 0, d), np.float32))
-    add("past_v", np.zeros((b, kv, 0, d), np.float32))
-    add("seqlens_k", np.array([s - 1, 3], np.int32), TensorProto.INT32)
-    add("total", np.array(s, np.int32), TensorProto.INT32)
+    add("past_k", rng.standard_normal((b, kv, n_past, d)).astype(np.float32))
+    add("past_v", rng.standard_normal((b, kv, n_past, d)).astype(np.float32))
+    add("seqlens_k", np.array([n_past + s - 1, 3 if not n_past else n_past + s - 3], np.int32), TensorProto.INT32)
+    if n_past:  # (a constant: the present's length follows from it)
+        ins.append(None)
+        names.append("total")
+    else:
+        add("total", np.array(s, np.int32), TensorProto.INT32)
     angles = np.arange(16)[:, None] * 0.3 ** np.arange(d // 2)[None, :]
     add("cos", np.cos(angles).astype(np.float32))
     add("sin", np.sin(angles).astype(np.float32))
     node = helper.make_node("GroupQueryAttention", names, ["y", "present_k", "present_v"], domain="com.microsoft",
                             num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=interleaved,
                             local_window_size=window, softcap=softcap)
-    outs = [("y", F, [b, s, heads * d]), ("present_k", F, [b, kv, s, d]), ("present_v", F, [b, kv, s, d])]
-    m = _node_model(node, ins, outs)
+    n = n_past + s
+    outs = [("y", F, [b, s, heads * d]), ("present_k", F, [b, kv, n, d]), ("present_v", F, [b, kv, n, d])]
+    ins = [i for i in ins if i is not None]
+    m = _node_model(node, ins, outs, [numpy_helper.from_array(np.array(n, np.int32), "total")] if n_past else ())
     m.opset_import[0].version = 21
     _close(load_onnx(m).run(feeds), _reference(m, feeds))
