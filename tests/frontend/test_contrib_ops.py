@@ -234,6 +234,15 @@ def test_optimized_model_compiles_for_cuda(tmp_path):
 
 # onnxruntime-genai's LLM format (tests/models/export_genai.py) --------------------------------------
 
+def _evaluated_and_compiled(tmp_path, m: onnx.ModelProto, feeds: dict, want: dict) -> None:
+    """``m`` on ``feeds`` (its static shapes) by the evaluator and compiled for one cpu rank, against ``want``."""
+    shapes = {k: v.shape for k, v in feeds.items()}
+    _close(load_onnx(m, input_shapes=shapes).run(feeds), want)
+    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out", input_shapes=shapes)
+    _close(load(res.out_dir).run(feeds), want, tol=1e-4)
+
+
 def _genai_feeds(padded: bool) -> dict:
     rng = np.random.default_rng(0)
     feeds = {"input_ids": rng.integers(0, 256, (2, 8)).astype(np.int64), "attention_mask": np.ones((2, 8), np.int64)}
@@ -261,12 +270,7 @@ def test_genai_llama_prompt_matches_onnxruntime(tmp_path, precision):
             if a.name == "accuracy_level":
                 a.i = 0
     feeds = _genai_feeds(padded=True)
-    want = _reference(ref_model, feeds)
-    shapes = {k: v.shape for k, v in feeds.items()}
-    _close(load_onnx(m, input_shapes=shapes).run(feeds), want)
-    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                  out_dir=tmp_path / "out", input_shapes=shapes)
-    _close(load(res.out_dir).run(feeds), want, tol=1e-4)
+    _evaluated_and_compiled(tmp_path, m, feeds, _reference(ref_model, feeds))
 
 
 def test_genai_llama_split_over_two_ranks():
@@ -296,12 +300,7 @@ def test_genai_llama_decoding_step_matches_onnxruntime(tmp_path, cache):
             past = np.zeros((2, 2, n, 16), np.float32)
             past[:, :, :8] = first[f"present.{layer}.{kv}"]
             feeds[f"past_key_values.{layer}.{kv}"] = past
-    want = _reference(m, feeds)
-    shapes = {k: v.shape for k, v in feeds.items()}
-    _close(load_onnx(m, input_shapes=shapes).run(feeds), want)
-    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                  out_dir=tmp_path / "out", input_shapes=shapes)
-    _close(load(res.out_dir).run(feeds), want, tol=1e-4)
+    _evaluated_and_compiled(tmp_path, m, feeds, _reference(m, feeds))
 
 
 @pytest.mark.parametrize("packed", [True, False])
