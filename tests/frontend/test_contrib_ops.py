@@ -354,3 +354,17 @@ def test_group_query_attention_node(packed, window, softcap, interleaved, n_past
     m = _node_model(node, ins, outs, [numpy_helper.from_array(np.array(n, np.int32), "total")] if n_past else ())
     m.opset_import[0].version = 21
     _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+def test_genai_generation_example_matches_onnxruntime(tmp_path):
+    """examples/genai_generate.py: the prompt program and the fixed-size-cache decoding program, each
+    compiled once, generate the same greedy tokens as onnxruntime running the same loop."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "genai_generate.py"
+    proc = subprocess.run([sys.executable, str(script), str(MODELS / "llama_genai_fp32.onnx"), "--new-tokens", "6",
+                           "--work", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the same tokens" in proc.stdout
