@@ -381,3 +381,95 @@ def _heads_first(ctx: NodeContext, t: Tensor, heads: int, head: int, what: str) 
     b, s, _ = t.shape
     r = ctx.emit("Reshape", [t, ctx.constant(np.array([b, s, heads, head], np.int64))], _OPSET)
     return ctx.add(Transpose([r], name=f"{ctx.name}/{what}_bnsh", perm=(0, 2, 1, 3)))
+
+
+@onnx_op("RotaryEmbedding", since=1, domain=_MS)
+def contrib_rotary_embedding(ctx):
+    """onnxruntime's rotary embedding: ONNX's (opset 23) with its inputs in another order
+    (input, position_ids, cos_cache, sin_cache) and ``position_ids`` also a single offset: positions
+    ``offset..offset+S-1`` for every sequence."""
+    x, pos = _float_input(ctx, 0), ctx.input(1)
+    cos, sin = _float_input(ctx, 2), _float_input(ctx, 3)
+    if ctx.attr("is_packed_batching", 0):
+        raise ctx.unsupported("is_packed_batching")
+    if float(ctx.attr("scale", 1.0)) != 1.0:
+        raise ctx.unsupported("a scale other than 1")
+    b, s = x.shape[0], x.shape[-2] if x.ndim == 4 else x.shape[1]
+    if pos.size == 1:  # an offset
+        pos = ctx.emit("Add", [ctx.emit("Reshape", [ctx.cast(pos, "int64"), ctx.constant(np.array([1, 1]))], _OPSET),
+                               ctx.constant(np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy())], _OPSET)
+    elif pos.shape != (b, s):
+        raise ctx.shape_error(f"position_ids must be [{b}, {s}] or one offset, got {list(pos.shape)}")
+    attrs = {"interleaved": int(ctx.attr("interleaved", 0))}
+    if ctx.attr("rotary_embedding_dim", 0):
+        attrs["rotary_embedding_dim"] = int(ctx.attr("rotary_embedding_dim"))
+    if x.ndim == 3:
+        heads = int(ctx.attr("num_heads", 0))
+        if not heads:  # (onnxruntime's default: the head size is the cache's width times 2)
+            heads = x.shape[2] // (2 * cos.shape[-1])
+        attrs["num_heads"] = heads
+    return [ctx.emit("RotaryEmbedding", [x, cos, sin, ctx.cast(pos, "int64")], _OPSET, **attrs)]
+
+
+@onnx_op("MultiHeadAttention", since=1, domain=_MS)
+def multi_head_attention(ctx):
+    """Multi-head attention on projected Q, K, V: ``query`` ``[b, s, hidden]``, ``key``/``value``
+    ``[b, l, hidden]`` or ``[b, heads, l, head]`` (cross attention), an optional ``bias`` for the three,
+    ``key_padding_mask`` (``[b]`` lengths or ``[b, l]`` 0/1: padded keys get ``mask_filter_value``),
+    ``attention_bias`` added to the scores, ``unidirectional`` (later keys -inf). Packed QKV/KV, a past,
+    and cache indirection are refused."""
+    _only_outputs(ctx, (0,))
+    q = _float_input(ctx, 0)
+    for i, what in ((6, "past_key"), (7, "past_value"), (8, "past_sequence_length"), (9, "cache_indirection")):
+        if ctx.has_input(i):
+            raise ctx.unsupported(f"input {what}")
+    if q.ndim != 3 or not ctx.has_input(1) or not ctx.has_input(2) or ctx.input(1).ndim == 5:
+        raise ctx.unsupported("packed QKV or KV (query [b, s, hidden] with separate key and value are)")
+    k, v = _float_input(ctx, 1), _float_input(ctx, 2)
+    heads = int(ctx.attr("num_heads"))
+    b, s, hidden = q.shape
+    if ctx.has_input(3):  # [q_hidden + k_hidden + v_hidden]
+        bias = ctx.input(3)
+        vh = v.shape[2] if v.ndim == 3 else v.shape[1] * v.shape[3]
+        kh = k.shape[2] if k.ndim == 3 else k.shape[1] * k.shape[3]
+        cuts = np.cumsum([0, hidden, kh, vh])
+        if bias.shape != (cuts[-1],):
+            raise ctx.shape_error(f"bias must be [{cuts[-1]}], got {list(bias.shape)}")
+        parts = [_slice_last(ctx, bias, cuts[i], cuts[i + 1]) for i in range(3)]
+        q = ctx.emit("Add", [q, parts[0]], _OPSET)
+        if k.ndim == 4 or v.ndim == 4:
+            raise ctx.unsupported("a bias with 4-D key/value")
+        k, v = ctx.emit("Add", [k, parts[1]], _OPSET), ctx.emit("Add", [v, parts[2]], _OPSET)
+    head = hidden // heads
+    q4 = _heads_first(ctx, q, heads, head, "query")
+    k4 = k if k.ndim == 4 else _heads_first(ctx, k, heads, k.shape[2] // heads, "key")
+    v4 = v if v.ndim == 4 else _heads_first(ctx, v, heads, v.shape[2] // heads, "value")
+    length = k4.shape[2]
+    dt = numpy_type(q.dtype)
+    i64 = lambda a: ctx.constant(np.asarray(a, np.int64))  # noqa: E731
+    bias_in = None
+    if ctx.has_input(4):
+        m = ctx.input(4)
+        if m.ndim == 1 and m.shape == (b,):
+            keep = ctx.emit("Less", [i64(np.arange(length)), ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), i64([1])],
+                                                                     _OPSET)], _OPSET)
+        elif m.ndim == 2 and m.shape == (b, length):
+            keep = ctx.emit("Greater", [m, ctx.constant(np.zeros((), numpy_type(m.dtype)))], _OPSET)
+        else:
+            raise ctx.unsupported(f"key_padding_mask of shape {list(m.shape)} ([batch] and [batch, keys] are)")
+        keep = ctx.emit("Unsqueeze", [keep, i64([1, 2])], _OPSET)
+        filt = float(ctx.attr("mask_filter_value", -10000.0))
+        bias_in = ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(np.array(filt, dt))], _OPSET)
+    if ctx.has_input(5):
+        ab = _float_input(ctx, 5)
+        bias_in = ab if bias_in is None else ctx.emit("Add", [bias_in, ab], _OPSET)
+    if ctx.attr("unidirectional", 0):
+        later = np.triu(np.ones((1, 1, s, length), bool), 1 + length - s)
+        inf = ctx.constant(np.array(-np.inf, dt))
+        bias_in = ctx.constant(np.where(later, -np.inf, 0).astype(dt)) if bias_in is None else \
+            ctx.emit("Where", [ctx.constant(later), inf, bias_in], _OPSET)
+    ins = [q4, k4, v4] + ([bias_in] if bias_in is not None else [])
+    scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
+    y4 = ctx.emit("Attention", ins, _OPSET, scale=scale)
+    return [ctx.emit("Reshape", [ctx.add(Transpose([y4], name=f"{ctx.name}/bshd", perm=(0, 2, 1, 3))),
+                                 i64([b, s, heads * v4.shape[3]])], _OPSET)]

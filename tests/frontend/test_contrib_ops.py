@@ -368,3 +368,56 @@ def test_genai_generation_example_matches_onnxruntime(tmp_path):
                            "--work", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the same tokens" in proc.stdout
+
+
+@pytest.mark.parametrize("positions", ["ids", "offset"])
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("layout", ["bsh", "bnsd"])
+def test_contrib_rotary_embedding_node(positions, interleaved, layout):
+    rng = np.random.default_rng(5)
+    b, s, n, d = 2, 5, 3, 8
+    shape = [b, s, n * d] if layout == "bsh" else [b, n, s, d]
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
+    angles = np.arange(32)[:, None] * 0.2 ** np.arange(d // 2)[None, :]
+    inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
+             numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+    if positions == "ids":
+        feeds["pos"] = rng.integers(0, 32, (b, s)).astype(np.int64)
+        ins = [("x", F, shape), ("pos", TensorProto.INT64, [b, s])]
+    else:
+        inits.append(numpy_helper.from_array(np.array([7], np.int64), "pos"))
+        ins = [("x", F, shape)]
+    node = helper.make_node("RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft",
+                            interleaved=interleaved, **({"num_heads": n} if layout == "bsh" else {}))
+    m = _node_model(node, ins, [("y", F, shape)], inits)
+    _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+@pytest.mark.parametrize("case", ["self-bias-padding", "self-lengths-causal", "cross-4d", "attention-bias"])
+def test_multi_head_attention_node(case):
+    rng = np.random.default_rng(6)
+    b, s, heads, d = 2, 5, 2, 8
+    length = 7 if case == "cross-4d" else s
+    feeds = {"q": rng.standard_normal((b, s, heads * d)).astype(np.float32)}
+    kv_shape = [b, heads, length, d] if case == "cross-4d" else [b, length, heads * d]
+    feeds["k"] = rng.standard_normal(kv_shape).astype(np.float32)
+    feeds["v"] = rng.standard_normal(kv_shape).astype(np.float32)
+    ins = [("q", F, [b, s, heads * d]), ("k", F, kv_shape), ("v", F, kv_shape)]
+    names, inits, attrs = ["q", "k", "v"], [], {}
+    if case == "self-bias-padding":
+        inits.append(numpy_helper.from_array(rng.standard_normal(3 * heads * d).astype(np.float32), "bias"))
+        feeds["m"] = np.array([[1, 1, 1, 0, 1], [0, 0, 0, 0, 0]], np.int32)
+        ins.append(("m", TensorProto.INT32, [b, length]))
+        names += ["bias", "m"]
+    elif case == "self-lengths-causal":
+        feeds["m"] = np.array([5, 2], np.int32)
+        ins.append(("m", TensorProto.INT32, [b]))
+        names += ["", "m"]
+        attrs["unidirectional"] = 1
+    elif case == "attention-bias":
+        feeds["ab"] = rng.standard_normal((1, heads, s, length)).astype(np.float32)
+        ins.append(("ab", F, [1, heads, s, length]))
+        names += ["", "", "ab"]
+    node = helper.make_node("MultiHeadAttention", names, ["y"], domain="com.microsoft", num_heads=heads, **attrs)
+    m = _node_model(node, ins, [("y", F, [b, s, heads * d])], inits)
+    _close(load_onnx(m).run(feeds), _reference(m, feeds))
