@@ -1,8 +1,10 @@
 """Handlers for onnxruntime's contrib operators (domain ``com.microsoft``, and
 ``SimplifiedLayerNormalization``, which onnxruntime registers in the default domain): what
 ``onnxruntime.transformers.optimizer`` writes into a model (fused layer norms, GELUs, BERT's
-``Attention``) and what ``onnxruntime.quantization``'s ``MatMulNBitsQuantizer`` writes (4-bit
-block-quantized weights). A model optimized or quantized that way for onnxruntime imports here.
+``Attention``, ``MultiHeadAttention``, ``RotaryEmbedding``), what ``onnxruntime.quantization``'s
+``MatMulNBitsQuantizer`` writes (4-bit block-quantized weights), and what onnxruntime-genai's model
+builder writes (``GroupQueryAttention`` with a KV cache). A model optimized or quantized that way for
+onnxruntime, or an onnxruntime-genai LLM, imports here.
 
 Each is composed from library ops (element-wise arithmetic, LayerNorm, RMSNorm, Attention, MatMul),
 after onnxruntime's ``docs/ContribOperators.md`` and checked against onnxruntime's CPU kernels.
