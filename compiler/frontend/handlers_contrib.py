@@ -475,3 +475,28 @@ def multi_head_attention(ctx):
     y4 = ctx.emit("Attention", ins, _OPSET, scale=scale)
     return [ctx.emit("Reshape", [ctx.add(Transpose([y4], name=f"{ctx.name}/bshd", perm=(0, 2, 1, 3))),
                                  i64([b, s, heads * v4.shape[3]])], _OPSET)]
+
+
+@onnx_op("EmbedLayerNormalization", since=1, domain=_MS)
+def embed_layer_normalization(ctx):
+    """BERT's embeddings: word (by ``input_ids``) + position (by ``position_ids``, default ``0..S-1``)
+    + segment (by ``segment_ids``) embeddings, LayerNorm'd; output 1 ``mask_index`` the number of
+    ones of each row of ``mask`` (int32, zeros without a mask), output 2 the sum before the norm."""
+    ids = ctx.input(0)
+    if ids.ndim != 2 or ids.dtype not in ("int32", "int64"):
+        raise ctx.invalid(f"input_ids must be [batch, seq] int32, got {ids.dtype} {list(ids.shape)}")
+    b, s = ids.shape
+    words, positions = _float_input(ctx, 2), _float_input(ctx, 3)
+    x = ctx.emit("Gather", [words, ids], _OPSET)
+    pos = ctx.input(9) if ctx.has_input(9) else ctx.constant(np.arange(s, dtype=np.int64)[None])
+    x = ctx.emit("Add", [x, ctx.emit("Gather", [positions, pos], _OPSET)], _OPSET)
+    if ctx.has_input(1) and ctx.has_input(4):
+        x = ctx.emit("Add", [x, ctx.emit("Gather", [_float_input(ctx, 4), ctx.input(1)], _OPSET)], _OPSET)
+    y = ctx.emit("LayerNormalization", [x, _float_input(ctx, 5), _float_input(ctx, 6)], _OPSET, axis=-1,
+                 epsilon=float(ctx.attr("epsilon", 1e-12)))
+    if ctx.has_input(7):
+        mask_index = ctx.emit("ReduceSum", [ctx.cast(ctx.input(7), "int32"), ctx.constant(np.array([1]))], _OPSET,
+                              keepdims=0)
+    else:
+        mask_index = ctx.constant(np.zeros(b, np.int32))
+    return [y, mask_index, x]

@@ -421,3 +421,26 @@ def test_multi_head_attention_node(case):
     node = helper.make_node("MultiHeadAttention", names, ["y"], domain="com.microsoft", num_heads=heads, **attrs)
     m = _node_model(node, ins, [("y", F, [b, s, heads * d])], inits)
     _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+@pytest.mark.parametrize("segments,mask", [(True, True), (False, False)])
+def test_embed_layer_normalization_node(segments, mask):
+    rng = np.random.default_rng(7)
+    b, s, h, vocab = 2, 6, 16, 30
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name) for name, shape in
+             (("words", (vocab, h)), ("positions", (16, h)), ("segs", (2, h)), ("gamma", (h,)), ("beta", (h,)))]
+    feeds = {"ids": rng.integers(0, vocab, (b, s)).astype(np.int32)}
+    ins = [("ids", TensorProto.INT32, [b, s])]
+    names = ["ids", "seg" if segments else "", "words", "positions", "segs" if segments else "", "gamma", "beta"]
+    if segments:
+        feeds["seg"] = rng.integers(0, 2, (b, s)).astype(np.int32)
+        ins.append(("seg", TensorProto.INT32, [b, s]))
+    if mask:
+        feeds["mask"] = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+        ins.append(("mask", TensorProto.INT32, [b, s]))
+        names.append("mask")
+    node = helper.make_node("EmbedLayerNormalization", names, ["y", "mask_index", "sum"], domain="com.microsoft",
+                            epsilon=1e-5)
+    outs = [("y", F, [b, s, h]), ("mask_index", TensorProto.INT32, [b]), ("sum", F, [b, s, h])]
+    m = _node_model(node, ins, outs, inits)
+    _close(load_onnx(m).run(feeds), _reference(m, feeds))
