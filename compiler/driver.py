@@ -74,7 +74,7 @@ import numpy as np
 from shardflow.runtime import __version__
 from shardflow.runtime.artifact import ALIGNMENT, atomic_output_dir, finalize_rank_dir, write_json
 
-from .errors import ConfigError, GraphError, ShardflowError
+from .errors import ConfigError, DtypeError, GraphError, ShardflowError
 from .ir.expr import numpy_type
 from .ir.graph import FlowGraph, Operator, Tensor
 
@@ -632,6 +632,19 @@ def _steps_at_load_first(raw_steps: list, root: Callable[[Tensor], Tensor]) -> t
     return first + rest, len(first)
 
 
+def _check_stored_dtypes(graph: FlowGraph, target: str) -> None:
+    """Refuse, naming the node, a tensor of a type the code generators do not store (float8: the
+    evaluator, ``load_onnx(...).run``, computes such models; the kernels do not)."""
+    from .codegen.lower import SUPPORTED_DTYPES
+
+    for op in graph.nodes:
+        for t in op.outputs:
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise DtypeError(f"node {op.name} ({op.op_type}) produces {t.name} of type {t.dtype}, which the "
+                                     f"{target} code generator does not store yet (supported: "
+                                     f"{', '.join(SUPPORTED_DTYPES)}); load_onnx(...).run computes the model")
+
+
 def _why_no_kernel(op: Operator) -> str:
     try:
         from .codegen import why_not_lowerable
@@ -922,6 +935,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             if len(set(names)) != len(names):
                 dup = sorted({n for n in names if names.count(n) > 1})[:5]
                 raise GraphError(f"rank {r}: node names {dup} repeat; kernels are keyed by node name")
+            _check_stored_dtypes(rg, opt.target)
             views = [op for op in rg.nodes if not isinstance(op, Collective) and _is_view(op)]
             view_ids = {id(op) for op in views}
             # views go to a codegen that takes them too: fusion may fold a reshape into a

@@ -719,14 +719,23 @@ def why_not_lowerable(op) -> str | None:
         dt = getattr(t, "dtype", None)
         if dt not in SUPPORTED_DTYPES:
             return f"dtype {dt} of {t.name} is not supported by the cpu code generator"
-    for o in task.outputs:
+    pending, seen = list(task.outputs), set()
+    while pending:  # the outputs' expressions and those of the grid computes they read (a fused group's members)
+        o = pending.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
         for n in walk(o.value):
+            if isinstance(n, TensorElement) and isinstance(n.tensor, GridCompute):
+                pending.append(n.tensor)
             if isinstance(n, (Var, Const)):
                 continue
             if isinstance(n, BinOp) and n.op not in BINARY_FUNCS:
                 return f"binary op {n.op}"
             if isinstance(n, UnaryOp) and n.op not in UNARY_FUNCS:
                 return f"unary op {n.op}"
+            if isinstance(n, Cast) and n.dtype not in SUPPORTED_DTYPES:
+                return f"a cast to {n.dtype}, a dtype the code generators do not store"
             if isinstance(n, TensorElement):
                 if not isinstance(n.tensor, (TensorInput, GridCompute)):
                     return f"read of {type(n.tensor).__name__}"

@@ -196,9 +196,8 @@ def prelu(ctx):
 def cast(ctx):
     to = onnx_dtype(ctx.attr("to"), f"node {ctx.name} attribute 'to'")
     x = ctx.input(0)
-    if ctx.attr("saturate", 1) != 1 and "float8" in to:
-        raise ctx.unsupported("saturate=0")
-    return [ctx.add(CastOp([x], name=ctx.name, to=to))]
+    extra = {"saturate": bool(ctx.attr("saturate", 1))} if to.startswith("float8") else {}
+    return [ctx.add(CastOp([x], name=ctx.name, to=to, **extra))]
 
 
 @onnx_op("BitCast", since=26)
@@ -213,7 +212,9 @@ def bitcast(ctx):
 
 @onnx_op("CastLike", since=15)
 def castlike(ctx):
-    return [ctx.add(CastOp([ctx.input(0)], name=ctx.name, to=ctx.input(1).dtype))]
+    to = ctx.input(1).dtype
+    extra = {"saturate": bool(ctx.attr("saturate", 1))} if to.startswith("float8") else {}
+    return [ctx.add(CastOp([ctx.input(0)], name=ctx.name, to=to, **extra))]
 
 
 @onnx_op("Where", since=9)

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..ir.graph import Tensor
 from ..ops.conv import Conv
+from ..ops.elementwise import CastOp
 from .handlers_linalg import _conv_operands, _forward_pads
 from .registry import NodeContext, onnx_dtype, onnx_op
 
@@ -80,7 +81,7 @@ def _attr_dtype(ctx: NodeContext, name: str) -> str | None:
 def dequantize_linear(ctx):
     x, axis, block = _layout(ctx)
     scale = ctx.input(1)
-    if x.dtype not in ("int8", "uint8", "int16", "uint16", "int32"):
+    if x.dtype not in ("int8", "uint8", "int16", "uint16", "int32") and not x.dtype.startswith("float8"):
         raise ctx.unsupported(f"quantized input type {x.dtype}")
     out = _attr_dtype(ctx, "output_dtype") or scale.dtype
     if scale.dtype not in _SCALES or out not in _SCALES:
@@ -105,8 +106,8 @@ def quantize_linear(ctx):
             raise ctx.invalid(f"output_dtype {out} differs from the zero point's type {ctx.input(2).dtype}")
         out = ctx.input(2).dtype
     out = out or "uint8"
-    if out not in _RANGES:
-        raise ctx.unsupported(f"quantized output type {out} ({sorted(_RANGES)} are)")
+    if out not in _RANGES and not out.startswith("float8"):
+        raise ctx.unsupported(f"quantized output type {out} ({sorted(_RANGES)} and the float8 types are)")
     div = _attr_dtype(ctx, "precision") or ("float32" if "bfloat16" in (x.dtype, scale.dtype) else
                                             str(np.result_type(np.dtype(x.dtype), np.dtype(scale.dtype))))
     if div not in ("float32", "float16", "float64"):
@@ -114,6 +115,10 @@ def quantize_linear(ctx):
     q = ctx.emit("Div", [ctx.cast(x, div), ctx.cast(_spread(ctx, scale, x, axis, block, "the scale"), div)],
                  _OPSET)
     zp = _spread(ctx, ctx.input(2), x, axis, block, "the zero point") if ctx.has_input(2) else None
+    if out.startswith("float8"):  # rounded (to nearest even) and saturated by the cast itself
+        if zp is not None:
+            q = ctx.emit("Add", [q, ctx.cast(zp, div)], _OPSET)
+        return [ctx.add(CastOp([q], name=ctx.name, to=out, saturate=bool(ctx.attr("saturate", 1))))]
     return [_saturate(ctx, ctx.emit("Round", [q], _OPSET), zp, out)]
 
 

@@ -22,7 +22,7 @@ __all__ = [
     "Expr", "Var", "Const", "BinOp", "UnaryOp", "Cast", "IfThenElse", "TensorElement", "Reduce",
     "as_expr", "eq", "ne", "logical_and", "logical_or", "logical_not", "maximum", "minimum",
     "if_then_else", "cast", "UNARY_FUNCS", "BINARY_FUNCS", "REDUCE_OPS", "walk", "dtype_kind",
-    "numpy_type",
+    "numpy_type", "ML_FLOATS",
 ]
 
 
@@ -117,7 +117,7 @@ class Cast(Expr):
     __slots__ = ("a", "dtype")
 
     def __init__(self, a: Expr, dtype: str):
-        self.a, self.dtype = a, str(np.dtype(dtype)) if dtype != "bfloat16" else dtype
+        self.a, self.dtype = a, str(np.dtype(dtype)) if dtype not in ML_FLOATS else dtype
 
     def children(self):
         return (self.a,)
@@ -431,15 +431,19 @@ def _promote(da: str | None, db: str | None, a: Expr, b: Expr) -> str | None:
     return str(np.result_type(da, db))
 
 
+#: The floating-point types numpy has through ml_dtypes (installed with onnx) only.
+ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+
+
 def dtype_kind(dtype) -> str:
     """numpy's kind letter of ``dtype`` (``"f"``, ``"i"``, ``"u"``, ``"b"``...), ``"f"`` for
-    ``bfloat16``, which numpy does not know without ml_dtypes."""
-    return "f" if str(dtype) == "bfloat16" else np.dtype(dtype).kind
+    ml_dtypes' floats (:data:`ML_FLOATS`), whose own kind is ``"V"`` or that numpy does not know."""
+    return "f" if str(dtype) in ML_FLOATS else np.dtype(dtype).kind
 
 
 def numpy_type(name: str) -> np.dtype:
-    """The numpy type of a dtype name (``bfloat16``: ml_dtypes', installed with onnx)."""
-    if name == "bfloat16":
+    """The numpy type of a dtype name (:data:`ML_FLOATS`: ml_dtypes')."""
+    if name in ML_FLOATS:
         import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)

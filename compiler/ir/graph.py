@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import DtypeError, GraphError, ShapeError
 from .evaluate import evaluate_task
-from .expr import infer_dtype, numpy_type
+from .expr import ML_FLOATS, infer_dtype, numpy_type
 from .task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["Tensor", "Operator", "FlowGraph", "const_tensor"]
@@ -122,15 +122,15 @@ class Operator:
         return evaluate_task(self.task, list(arrays))
 
     # helpers ------------------------------------------------------------------------
-    #: bfloat16 inputs reach :meth:`numpy` as float32 (exactly), so every op computes in float32
-    #: and rounds its outputs to bfloat16 once, as the compiled kernels do (numpy's bfloat16
-    #: sums accumulate in bfloat16). False for ops that read the stored bits.
+    #: bfloat16 (and float8) inputs reach :meth:`numpy` as float32 (exactly), so every op computes
+    #: in float32 and rounds its outputs to their type once, as the compiled kernels do (numpy's
+    #: bfloat16 sums accumulate in bfloat16). False for ops that read the stored bits.
     widens_bfloat16: ClassVar[bool] = True
 
     def run(self, *arrays: np.ndarray) -> list[np.ndarray]:
         """Execute with :meth:`numpy` and coerce outputs to the declared shapes and dtypes."""
         if self.widens_bfloat16:
-            arrays = tuple(a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.name == "bfloat16" else a
+            arrays = tuple(a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.name in ML_FLOATS else a
                            for a in arrays)
         outs = self.numpy(*arrays)
         res = []

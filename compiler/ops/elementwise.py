@@ -71,7 +71,8 @@ class Binary(Operator):
 
 
 class CastOp(Operator):
-    """``y = cast<to>(x)``."""
+    """``y = cast<to>(x)``. To a float8 type, ``saturate`` (ONNX's default) clamps values beyond its
+    largest finite one (infinities included) to it; otherwise they become NaN (or inf, E5M2)."""
 
     op_type = "Cast"
     injective = True
@@ -80,8 +81,16 @@ class CastOp(Operator):
         return compute("y", x.shape, lambda *i: Cast(x[i], self.attrs["to"]), dtype=self.attrs["to"])
 
     def numpy(self, x):
+        to = numpy_type(self.attrs["to"])
         with np.errstate(all="ignore"):
-            return [x.astype(self.attrs["to"])]
+            if self.attrs["to"].startswith("float8"):
+                import ml_dtypes
+
+                x = x.astype(np.float32) if x.dtype.kind != "f" else x
+                if self.attrs.get("saturate", True):
+                    big = float(ml_dtypes.finfo(to).max)
+                    x = np.clip(x, -big, big)
+            return [x.astype(to)]
 
     def passthrough_input(self):
         return 0 if self.inputs[0].dtype == self.attrs["to"] else None

@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 
 from shardflow.compiler import ShardflowError, UnsupportedOperatorError, load_onnx
+from shardflow.compiler.ir.expr import ML_FLOATS
 
 #: Tolerance multiplier over each case's own rtol/atol.
 TOLERANCE_FACTOR = 10.0
@@ -49,7 +50,7 @@ def is_tensor_only(case) -> bool:
         for a in _arrays(inputs) + _arrays(outputs):
             if not isinstance(a, np.ndarray) or a.dtype.names:
                 return False
-            if a.dtype.name == "bfloat16":
+            if a.dtype.name in ML_FLOATS:
                 continue
             if a.dtype.kind in "OUSV" or a.dtype.type.__module__.startswith("ml_dtypes"):
                 return False  # objects, strings, ml_dtypes' float8 and 4-bit types
@@ -106,6 +107,9 @@ def run_case(case) -> tuple[str, str]:
                     # one bfloat16 rounding (2**-8 relative; the references round after every op)
                     have, want = have.astype(np.float32), want.astype(np.float32)
                     rtol, atol = max(rtol, 2.0 ** -8), max(atol, 2.0 ** -8)
+                elif want.dtype.name in ML_FLOATS:  # float8: the casts' results, exactly
+                    have, want = have.astype(np.float32), want.astype(np.float32)
+                    rtol = atol = 0.0
                 if want.dtype.kind in "fc":
                     ok = np.allclose(have, want, rtol=rtol, atol=atol, equal_nan=True)
                 else:
