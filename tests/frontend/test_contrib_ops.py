@@ -444,3 +444,14 @@ def test_embed_layer_normalization_node(segments, mask):
     outs = [("y", F, [b, s, h]), ("mask_index", TensorProto.INT32, [b]), ("sum", F, [b, s, h])]
     m = _node_model(node, ins, outs, inits)
     _close(load_onnx(m).run(feeds), _reference(m, feeds))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_genai_llama_decoding_step_compiles_for_cuda(tmp_path):
+    """The 4-bit genai Llama's decoding step with a fixed-size cache, cross-compiled for sm_90."""
+    shapes = {"input_ids": (2, 1), "attention_mask": (2, 16)}
+    shapes.update({f"past_key_values.{layer}.{kv}": (2, 2, 16, 16) for layer in range(2) for kv in ("key", "value")})
+    res = compile(str(MODELS / "llama_genai_int4.onnx"), distributed_config={"mesh_shape": [1]},
+                  optimization_config={"target": "cuda", "arch": "sm_90"}, out_dir=tmp_path / "out",
+                  input_shapes=shapes)
+    assert res.ranks[0]["kernels"] > 20 and (tmp_path / "out" / "rank0" / "kernels.cubin").stat().st_size > 0
