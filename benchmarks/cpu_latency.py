@@ -80,10 +80,18 @@ def _medians_ms(fns: list, repeat: int, block: int = 1) -> list[float]:
     return [1e3 * statistics.median(ts) for ts in times]
 
 
-def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,
-          compare: str | None = None) -> None:
+def _onnxruntime(model, threads: int):
+    """An onnxruntime CPU session on ``model`` (a path or bytes) with ``threads`` intra-op threads."""
     import onnxruntime as ort
 
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,
+          compare: str | None = None) -> None:
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
@@ -93,10 +101,7 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
         compile(path, distributed_config={"mesh_shape": [1]},
                 optimization_config={"target": "cpu", **({} if on else {compare: False})}, out_dir=out)
         progs.append(load(out, rank=0))
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    sess = _onnxruntime(path, threads)
     *ours, ref = _medians_ms([lambda p=p: p.run(feeds) for p in progs] + [lambda: sess.run(None, feeds)], repeat,
                              block=5)
     err = max(float(np.max(np.abs(progs[0].run(feeds)[o.name] - r)))
@@ -110,7 +115,6 @@ def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int,
     """A bfloat16 copy of ``path`` compiled for one cpu rank, timed next to onnxruntime on the float32
     model with the same rounded weights and inputs."""
     import onnx
-    import onnxruntime as ort
 
     from shardflow.compiler import compile
     from shardflow.runtime import load
@@ -123,10 +127,7 @@ def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int,
     out = os.path.join(work, f"{name}-bf16")
     compile(bf, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
     prog = load(out, rank=0)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    sess = ort.InferenceSession(ref_model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = _onnxruntime(ref_model.SerializeToString(), threads)
     ours, ref = _medians_ms([lambda: prog.run(bf_feeds), lambda: sess.run(None, ref_feeds)], repeat, block=5)
     got = prog.run(bf_feeds)
     err = max(float(np.max(np.abs(got[o.name].astype(np.float32) - r)))

@@ -53,6 +53,55 @@ def _optional(ctx: NodeContext, i: int) -> Tensor | None:
     return ctx.input(i) if ctx.has_input(i) else None
 
 
+def _i64(ctx: NodeContext, value) -> Tensor:
+    return ctx.constant(np.asarray(value, np.int64))
+
+
+def _slice_last(ctx: NodeContext, t: Tensor, lo: int, hi: int) -> Tensor:
+    """``t[..., lo:hi]``."""
+    return ctx.emit("Slice", [t, _i64(ctx, [lo]), _i64(ctx, [hi]), _i64(ctx, [t.ndim - 1])], _OPSET)
+
+
+def _heads_first(ctx: NodeContext, t: Tensor, heads: int, head: int, what: str) -> Tensor:
+    """``[b, s, heads * head]`` -> ``[b, heads, s, head]``."""
+    b, s, _ = t.shape
+    r = ctx.emit("Reshape", [t, _i64(ctx, [b, s, heads, head])], _OPSET)
+    return ctx.add(Transpose([r], name=f"{ctx.name}/{what}_bnsh", perm=(0, 2, 1, 3)))
+
+
+def _heads_last(ctx: NodeContext, y: Tensor) -> Tensor:
+    """``[b, heads, s, head]`` -> ``[b, s, heads * head]``."""
+    b, heads, s, head = y.shape
+    t = ctx.add(Transpose([y], name=f"{ctx.name}/bshd", perm=(0, 2, 1, 3)))
+    return ctx.emit("Reshape", [t, _i64(ctx, [b, s, heads * head])], _OPSET)
+
+
+def _padding_bias(ctx: NodeContext, m: Tensor, b: int, keys: int, dtype: str) -> Tensor:
+    """The scores' bias ``[b, 1, 1, keys]`` of a key padding mask ``m``, ``[b]`` lengths (keys at or past
+    the length padded) or ``[b, keys]`` 0/1: 0 for a kept key, the node's ``mask_filter_value``
+    (-10000, as onnxruntime) for a padded one."""
+    if m.shape == (b,):
+        keep = ctx.emit("Less", [_i64(ctx, np.arange(keys)),
+                                 ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), _i64(ctx, [1])], _OPSET)], _OPSET)
+    elif m.shape == (b, keys):
+        keep = ctx.emit("Greater", [m, ctx.constant(np.zeros((), numpy_type(m.dtype)))], _OPSET)
+    else:
+        raise ctx.unsupported(f"a key mask of shape {list(m.shape)} ([batch] lengths and [batch, keys] 0/1 are)")
+    keep = ctx.emit("Unsqueeze", [keep, _i64(ctx, [1, 2])], _OPSET)
+    dt = numpy_type(dtype)
+    filt = np.array(float(ctx.attr("mask_filter_value", -10000.0)), dt)
+    return ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(filt)], _OPSET)
+
+
+def _hide_later(ctx: NodeContext, bias: Tensor | None, s: int, keys: int, dtype: str) -> Tensor:
+    """``bias`` (or none) with the keys after each query's position (the last ``s`` of ``keys``) at -inf."""
+    dt = numpy_type(dtype)
+    later = np.triu(np.ones((1, 1, s, keys), bool), 1 + keys - s)
+    if bias is None:
+        return ctx.constant(np.where(later, -np.inf, 0).astype(dt))
+    return ctx.emit("Where", [ctx.constant(later), ctx.constant(np.array(-np.inf, dt)), bias], _OPSET)
+
+
 # activations --------------------------------------------------------------------------------------
 
 @onnx_op("Gelu", since=1, domain=_MS)
@@ -228,33 +277,12 @@ def contrib_attention(ctx):
     b, s, _ = x.shape
     qkv = _add(ctx, ctx.emit("MatMul", [x, w], _OPSET), _optional(ctx, 2))
     starts = np.cumsum([0] + sizes)
-    q, k, v = (ctx.emit("Slice", [qkv, ctx.constant(np.array([starts[i]], np.int64)),
-                                  ctx.constant(np.array([starts[i + 1]], np.int64)),
-                                  ctx.constant(np.array([2], np.int64))], _OPSET) for i in range(3))
+    q, k, v = (_slice_last(ctx, qkv, starts[i], starts[i + 1]) for i in range(3))
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(sizes[0] // heads)
-    filt = float(ctx.attr("mask_filter_value", -10000.0))
-    dt = numpy_type(x.dtype)
-    ins = [q, k, v]
-    bias = None
-    if ctx.has_input(3):  # padded keys: mask_filter_value
-        m = ctx.input(3)
-        if m.ndim == 1 and m.shape == (b,):  # key lengths: keys at or past the length are masked
-            j = ctx.constant(np.arange(s, dtype=np.int64))
-            length = ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), ctx.constant(np.array([1]))], _OPSET)
-            keep = ctx.emit("Less", [j, length], _OPSET)
-        elif m.ndim == 2 and m.shape == (b, s):
-            keep = ctx.emit("Greater", [m, ctx.constant(np.zeros((), m.dtype))], _OPSET)
-        else:
-            raise ctx.unsupported(f"mask_index of shape {list(m.shape)} ([batch] lengths and [batch, keys] "
-                                  "padding masks are)")
-        keep = ctx.emit("Unsqueeze", [keep, ctx.constant(np.array([1, 2]))], _OPSET)  # [b, 1, 1, keys]
-        bias = ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(np.array(filt, dt))], _OPSET)
-    if ctx.attr("unidirectional", 0):  # later tokens: -inf (a padded key stays at the filter value)
-        later = np.triu(np.ones((1, 1, s, s), bool), 1)
-        bias = ctx.constant(np.where(later, -np.inf, 0).astype(dt)) if bias is None else \
-            ctx.emit("Where", [ctx.constant(later), ctx.constant(np.array(-np.inf, dt)), bias], _OPSET)
-    if bias is not None:
-        ins.append(bias)
+    bias = _padding_bias(ctx, ctx.input(3), b, s, x.dtype) if ctx.has_input(3) else None
+    if ctx.attr("unidirectional", 0):  # (a padded earlier key stays at the filter value)
+        bias = _hide_later(ctx, bias, s, s, x.dtype)
+    ins = [q, k, v] + ([bias] if bias is not None else [])
     return [ctx.emit("Attention", ins, _OPSET, q_num_heads=heads, kv_num_heads=heads, scale=scale)]
 
 
@@ -308,33 +336,30 @@ def group_query_attention(ctx):
     if not n_past and total != s:
         raise ctx.invalid(f"total_sequence_length {total} differs from the prompt's {s} with no past")
     length = max(n_past, total) if n_past else s  # of the present key and value
-    i64 = lambda a: ctx.constant(np.asarray(a, np.int64))  # noqa: E731
-    # each sequence's past length p [b, 1] (0 for the prompt)
-    past_len = None
-    if n_past:
-        ends = ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), i64(1 - s)], _OPSET)
-        past_len = ctx.emit("Reshape", [ends, i64([b, 1])], _OPSET)
+    # each sequence's end seqlens_k + 1 and, after a past, its past length p = end - S, as [b, 1, 1, 1]
+    ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), _i64(ctx, 1)], _OPSET),
+                                _i64(ctx, [b, 1, 1, 1])], _OPSET) if ctx.has_input(5) else None
+    p4 = ctx.emit("Sub", [ends, _i64(ctx, s)], _OPSET) if n_past else None
     if ctx.attr("do_rotary", 0):
-        steps = i64(np.arange(s)[None, :])
-        pos = ctx.emit("Add", [past_len, steps], _OPSET) if n_past else i64(np.broadcast_to(np.arange(s), (b, s)))
+        pos = (ctx.emit("Add", [ctx.emit("Reshape", [p4, _i64(ctx, [b, 1])], _OPSET), _i64(ctx, np.arange(s)[None])],
+                        _OPSET) if n_past else _i64(ctx, np.broadcast_to(np.arange(s), (b, s))))
         cos, sin = _float_input(ctx, 7), _float_input(ctx, 8)
         rot = dict(interleaved=int(ctx.attr("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
         q = ctx.emit("RotaryEmbedding", [q, cos, sin, pos], _OPSET, num_heads=heads, **rot)
         k = ctx.emit("RotaryEmbedding", [k, cos, sin, pos], _OPSET, num_heads=kv_heads, **rot)
     k4, v4 = (_heads_first(ctx, t, kv_heads, head, what) for t, what in ((k, "key"), (v, "value")))
     if n_past:  # the present: past before p, the new tokens at p..p+S-1, zeros after
-        j = i64(np.arange(length)[None, None, :, None])                      # [1, 1, L, 1]
-        p4 = ctx.emit("Reshape", [past_len, i64([b, 1, 1, 1])], _OPSET)      # [b, 1, 1, 1]
+        j = _i64(ctx, np.arange(length)[None, None, :, None])                 # [1, 1, L, 1]
         rel = ctx.emit("Sub", [j, p4], _OPSET)                                # j - p
-        is_new = ctx.emit("And", [ctx.emit("GreaterOrEqual", [rel, i64(0)], _OPSET),
-                                  ctx.emit("Less", [rel, i64(s)], _OPSET)], _OPSET)
+        is_new = ctx.emit("And", [ctx.emit("GreaterOrEqual", [rel, _i64(ctx, 0)], _OPSET),
+                                  ctx.emit("Less", [rel, _i64(ctx, s)], _OPSET)], _OPSET)
         is_past = ctx.emit("Less", [j, p4], _OPSET)
-        idx = ctx.emit("Expand", [ctx.emit("Clip", [rel, i64(0), i64(s - 1)], _OPSET),
-                                  i64([b, kv_heads, length, head])], _OPSET)
+        idx = ctx.emit("Expand", [ctx.emit("Clip", [rel, _i64(ctx, 0), _i64(ctx, s - 1)], _OPSET),
+                                  _i64(ctx, [b, kv_heads, length, head])], _OPSET)
         presents = []
-        for new, past, what in ((k4, past_k, "key"), (v4, past_v, "value")):
+        for new, past in ((k4, past_k), (v4, past_v)):
             if length > n_past:
-                past = ctx.emit("Pad", [past, i64([0, 0, 0, 0, 0, 0, length - n_past, 0])], _OPSET)
+                past = ctx.emit("Pad", [past, _i64(ctx, [0, 0, 0, 0, 0, 0, length - n_past, 0])], _OPSET)
             moved = ctx.emit("GatherElements", [new, idx], _OPSET, axis=2)
             zero = ctx.constant(np.zeros((), numpy_type(new.dtype)))
             presents.append(ctx.emit("Where", [is_past, past, ctx.emit("Where", [is_new, moved, zero], _OPSET)],
@@ -348,41 +373,23 @@ def group_query_attention(ctx):
     keys = np.arange(length)[None, :]
     window = int(ctx.attr("local_window_size", -1))
     if n_past:
-        at = ctx.emit("Add", [ctx.emit("Reshape", [past_len, i64([b, 1, 1, 1])], _OPSET),
-                              i64(qpos[None, None])], _OPSET)                 # [b, 1, S, 1] positions
-        kj = i64(keys[None, None])
+        at = ctx.emit("Add", [p4, _i64(ctx, qpos[None, None])], _OPSET)      # [b, 1, S, 1] positions
+        kj = _i64(ctx, keys[None, None])
         keep = ctx.emit("LessOrEqual", [kj, at], _OPSET)
         if window > 0:
-            keep = ctx.emit("And", [keep, ctx.emit("Greater", [kj, ctx.emit("Sub", [at, i64(window)], _OPSET)],
+            keep = ctx.emit("And", [keep, ctx.emit("Greater", [kj, ctx.emit("Sub", [at, _i64(ctx, window)], _OPSET)],
                                                    _OPSET)], _OPSET)
     else:
         allowed = keys <= qpos
         if window > 0:
             allowed &= keys > qpos - window
         keep = ctx.constant(allowed[None, None])  # [1, 1, S, S]
-    if ctx.has_input(5):  # keys at or past the sequence's length seqlens_k + 1 are hidden
-        ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), i64(1)], _OPSET),
-                                    i64([b, 1, 1, 1])], _OPSET)
-        keep = ctx.emit("And", [keep, ctx.emit("Less", [i64(np.arange(length)), ends], _OPSET)], _OPSET)
+    if ends is not None:  # keys at or past the sequence's end are hidden
+        keep = ctx.emit("And", [keep, ctx.emit("Less", [_i64(ctx, np.arange(length)), ends], _OPSET)], _OPSET)
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
     q4 = _heads_first(ctx, q, heads, head, "query")
     y4 = ctx.emit("Attention", [q4, k_att, v_att, keep], _OPSET, scale=scale, softcap=float(ctx.attr("softcap", 0.0)))
-    y = ctx.emit("Reshape", [ctx.add(Transpose([y4], name=f"{ctx.name}/bshd", perm=(0, 2, 1, 3))),
-                             i64([b, s, heads * head])], _OPSET)
-    return [y, *presents]
-
-
-def _slice_last(ctx: NodeContext, t: Tensor, lo: int, hi: int) -> Tensor:
-    """``t[..., lo:hi]``."""
-    return ctx.emit("Slice", [t, ctx.constant(np.array([lo], np.int64)), ctx.constant(np.array([hi], np.int64)),
-                              ctx.constant(np.array([t.ndim - 1], np.int64))], _OPSET)
-
-
-def _heads_first(ctx: NodeContext, t: Tensor, heads: int, head: int, what: str) -> Tensor:
-    """``[b, s, heads * head]`` -> ``[b, heads, s, head]``."""
-    b, s, _ = t.shape
-    r = ctx.emit("Reshape", [t, ctx.constant(np.array([b, s, heads, head], np.int64))], _OPSET)
-    return ctx.add(Transpose([r], name=f"{ctx.name}/{what}_bnsh", perm=(0, 2, 1, 3)))
+    return [_heads_last(ctx, y4), *presents]
 
 
 @onnx_op("RotaryEmbedding", since=1, domain=_MS)
@@ -398,8 +405,8 @@ def contrib_rotary_embedding(ctx):
         raise ctx.unsupported("a scale other than 1")
     b, s = x.shape[0], x.shape[-2] if x.ndim == 4 else x.shape[1]
     if pos.size == 1:  # an offset
-        pos = ctx.emit("Add", [ctx.emit("Reshape", [ctx.cast(pos, "int64"), ctx.constant(np.array([1, 1]))], _OPSET),
-                               ctx.constant(np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy())], _OPSET)
+        pos = ctx.emit("Add", [ctx.emit("Reshape", [ctx.cast(pos, "int64"), _i64(ctx, [1, 1])], _OPSET),
+                               _i64(ctx, np.broadcast_to(np.arange(s), (b, s)))], _OPSET)
     elif pos.shape != (b, s):
         raise ctx.shape_error(f"position_ids must be [{b}, {s}] or one offset, got {list(pos.shape)}")
     attrs = {"interleaved": int(ctx.attr("interleaved", 0))}
@@ -447,34 +454,15 @@ def multi_head_attention(ctx):
     k4 = k if k.ndim == 4 else _heads_first(ctx, k, heads, k.shape[2] // heads, "key")
     v4 = v if v.ndim == 4 else _heads_first(ctx, v, heads, v.shape[2] // heads, "value")
     length = k4.shape[2]
-    dt = numpy_type(q.dtype)
-    i64 = lambda a: ctx.constant(np.asarray(a, np.int64))  # noqa: E731
-    bias_in = None
-    if ctx.has_input(4):
-        m = ctx.input(4)
-        if m.ndim == 1 and m.shape == (b,):
-            keep = ctx.emit("Less", [i64(np.arange(length)), ctx.emit("Unsqueeze", [ctx.cast(m, "int64"), i64([1])],
-                                                                     _OPSET)], _OPSET)
-        elif m.ndim == 2 and m.shape == (b, length):
-            keep = ctx.emit("Greater", [m, ctx.constant(np.zeros((), numpy_type(m.dtype)))], _OPSET)
-        else:
-            raise ctx.unsupported(f"key_padding_mask of shape {list(m.shape)} ([batch] and [batch, keys] are)")
-        keep = ctx.emit("Unsqueeze", [keep, i64([1, 2])], _OPSET)
-        filt = float(ctx.attr("mask_filter_value", -10000.0))
-        bias_in = ctx.emit("Where", [keep, ctx.constant(np.zeros((), dt)), ctx.constant(np.array(filt, dt))], _OPSET)
+    bias_in = _padding_bias(ctx, ctx.input(4), b, length, q.dtype) if ctx.has_input(4) else None
     if ctx.has_input(5):
         ab = _float_input(ctx, 5)
         bias_in = ab if bias_in is None else ctx.emit("Add", [bias_in, ab], _OPSET)
     if ctx.attr("unidirectional", 0):
-        later = np.triu(np.ones((1, 1, s, length), bool), 1 + length - s)
-        inf = ctx.constant(np.array(-np.inf, dt))
-        bias_in = ctx.constant(np.where(later, -np.inf, 0).astype(dt)) if bias_in is None else \
-            ctx.emit("Where", [ctx.constant(later), inf, bias_in], _OPSET)
+        bias_in = _hide_later(ctx, bias_in, s, length, q.dtype)
     ins = [q4, k4, v4] + ([bias_in] if bias_in is not None else [])
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
-    y4 = ctx.emit("Attention", ins, _OPSET, scale=scale)
-    return [ctx.emit("Reshape", [ctx.add(Transpose([y4], name=f"{ctx.name}/bshd", perm=(0, 2, 1, 3))),
-                                 i64([b, s, heads * v4.shape[3]])], _OPSET)]
+    return [_heads_last(ctx, ctx.emit("Attention", ins, _OPSET, scale=scale))]
 
 
 @onnx_op("EmbedLayerNormalization", since=1, domain=_MS)

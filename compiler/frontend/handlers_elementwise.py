@@ -195,9 +195,14 @@ def prelu(ctx):
 @onnx_op("Cast", since=6)
 def cast(ctx):
     to = onnx_dtype(ctx.attr("to"), f"node {ctx.name} attribute 'to'")
-    x = ctx.input(0)
+    return [cast_op(ctx, ctx.input(0), to)]
+
+
+def cast_op(ctx: NodeContext, x: Tensor, to: str) -> Tensor:
+    """``x`` cast to ``to`` by a CastOp named after the node; to a float8 type with the node's
+    ``saturate`` (default 1)."""
     extra = {"saturate": bool(ctx.attr("saturate", 1))} if to.startswith("float8") else {}
-    return [ctx.add(CastOp([x], name=ctx.name, to=to, **extra))]
+    return ctx.add(CastOp([x], name=ctx.name, to=to, **extra))
 
 
 @onnx_op("BitCast", since=26)
@@ -212,9 +217,7 @@ def bitcast(ctx):
 
 @onnx_op("CastLike", since=15)
 def castlike(ctx):
-    to = ctx.input(1).dtype
-    extra = {"saturate": bool(ctx.attr("saturate", 1))} if to.startswith("float8") else {}
-    return [ctx.add(CastOp([ctx.input(0)], name=ctx.name, to=to, **extra))]
+    return [cast_op(ctx, ctx.input(0), ctx.input(1).dtype)]
 
 
 @onnx_op("Where", since=9)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..ir.graph import Tensor
 from ..ops.conv import Conv
-from ..ops.elementwise import CastOp
+from .handlers_elementwise import cast_op
 from .handlers_linalg import _conv_operands, _forward_pads
 from .registry import NodeContext, onnx_dtype, onnx_op
 
@@ -118,7 +118,7 @@ def quantize_linear(ctx):
     if out.startswith("float8"):  # rounded (to nearest even) and saturated by the cast itself
         if zp is not None:
             q = ctx.emit("Add", [q, ctx.cast(zp, div)], _OPSET)
-        return [ctx.add(CastOp([q], name=ctx.name, to=out, saturate=bool(ctx.attr("saturate", 1))))]
+        return [cast_op(ctx, q, out)]
     return [_saturate(ctx, ctx.emit("Round", [q], _OPSET), zp, out)]
 
 

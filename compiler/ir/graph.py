@@ -125,11 +125,11 @@ class Operator:
     #: bfloat16 (and float8) inputs reach :meth:`numpy` as float32 (exactly), so every op computes
     #: in float32 and rounds its outputs to their type once, as the compiled kernels do (numpy's
     #: bfloat16 sums accumulate in bfloat16). False for ops that read the stored bits.
-    widens_bfloat16: ClassVar[bool] = True
+    widens_ml_floats: ClassVar[bool] = True
 
     def run(self, *arrays: np.ndarray) -> list[np.ndarray]:
         """Execute with :meth:`numpy` and coerce outputs to the declared shapes and dtypes."""
-        if self.widens_bfloat16:
+        if self.widens_ml_floats:
             arrays = tuple(a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.name in ML_FLOATS else a
                            for a in arrays)
         outs = self.numpy(*arrays)

@@ -106,8 +106,8 @@ class BitCast(Operator):
         return extern("y", x.shape, self.attrs["to"], tuple((0, d) for d in range(len(x.shape))),
                       "a reinterpretation of the bytes")
 
-    #: the input's bytes as they are stored (a bfloat16 input is not widened first)
-    widens_bfloat16 = False
+    #: the input's bytes as they are stored (a bfloat16 or float8 input is not widened first)
+    widens_ml_floats = False
 
     def numpy(self, x):
         return [np.ascontiguousarray(x).view(numpy_type(self.attrs["to"])).reshape(x.shape)]

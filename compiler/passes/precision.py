@@ -291,40 +291,49 @@ class WidenHalfProducts(GraphPass):
     attention). The widened weights take twice the bytes of the model's."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.elementwise import CastOp
-        from .base import splice
-
-        after: dict[int, list[Operator]] = {}
-        replace: dict[int, Tensor] = {}
-        widened: dict[int, Tensor] = {}  # one float32 copy per tensor, shared by its readers
-        for op in graph.nodes:
+        def half(op: Operator) -> str | None:
             floats = {t.dtype for t in list(op.inputs) + list(op.outputs) if dtype_kind(t.dtype) == "f"}
-            if op.op_type not in WIDENED_OPS or len(floats) != 1 or not floats <= {"float16", "bfloat16"}:
-                continue
-            (half,) = floats
-            new: list[Operator] = []
-            inputs = []
-            for t in op.inputs:
-                t = replace.get(id(t), t)  # (the half output of an op widened before)
-                if t.dtype == half and id(t) not in widened:
-                    if t.is_constant:
-                        widened[id(t)] = const_tensor(np.asarray(t.value).astype(np.float32), f"{t.name}.float32")
-                    else:
-                        cast = CastOp([t], name=f"{t.name}.float32", to="float32")
-                        new.append(cast)
-                        widened[id(t)] = cast.outputs[0]
-                inputs.append(widened.get(id(t), t) if t.dtype == half else t)
-            wide = op.clone(inputs)
-            new.append(wide)
-            for old, out in zip(op.outputs, wide.outputs):
-                back = CastOp([out], name=f"{op.name}.{half}", to=half)
-                new.append(back)
-                replace[id(old)] = back.outputs[0]
-            after[id(op)] = new
-        if after:
-            log.info("half model: %d ops computed by the float32 cpu templates (%d operands widened)", len(after),
-                     len(widened))
-        return splice(graph, after, replace)
+            if op.op_type in WIDENED_OPS and len(floats) == 1 and floats <= {"float16", "bfloat16"}:
+                return floats.pop()
+            return None
+
+        return _in_float32(graph, half, "half model: %d ops computed by the float32 cpu templates")
+
+
+def _in_float32(graph: FlowGraph, half_of: "Callable[[Operator], str | None]", what: str) -> FlowGraph:
+    """Each op for which ``half_of`` names a half type computed on its inputs of that type widened to
+    float32 (exactly; a constant converted once, here; one widened copy per tensor, shared by its
+    readers) and its outputs rounded back to that type once; ``what`` (with the count) is logged."""
+    from ..ops.elementwise import CastOp
+    from .base import splice
+
+    after: dict[int, list[Operator]] = {}
+    replace: dict[int, Tensor] = {}
+    widened: dict[int, Tensor] = {}
+    for op in graph.nodes:
+        half = half_of(op)
+        if half is None:
+            continue
+        new: list[Operator] = []
+        inputs = []
+        for t in op.inputs:
+            t = replace.get(id(t), t)  # (the half output of an op widened before)
+            if t.dtype == half and id(t) not in widened:
+                if t.is_constant:
+                    widened[id(t)] = const_tensor(np.asarray(t.value).astype(np.float32), f"{t.name}.float32")
+                else:
+                    new.append(CastOp([t], name=f"{t.name}.float32", to="float32"))
+                    widened[id(t)] = new[-1].outputs[0]
+            inputs.append(widened.get(id(t), t) if t.dtype == half else t)
+        wide = op.clone(inputs)
+        new.append(wide)
+        for old, out in zip(op.outputs, wide.outputs):
+            new.append(CastOp([out], name=f"{op.name}.{half}", to=half))
+            replace[id(old)] = new[-1].outputs[0]
+        after[id(op)] = new
+    if after:
+        log.info(what, len(after))
+    return splice(graph, after, replace)
 
 
 class ReduceBfloat16InFloat32(GraphPass):
@@ -335,20 +344,8 @@ class ReduceBfloat16InFloat32(GraphPass):
     the other collectives move bfloat16 bytes as they are."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.elementwise import CastOp
-        from .base import splice
+        def half(op: Operator) -> str | None:
+            reduces = getattr(op, "collective", "") in ("all_reduce", "reduce_scatter")
+            return "bfloat16" if reduces and op.inputs[0].dtype == "bfloat16" else None
 
-        after: dict[int, list[Operator]] = {}
-        replace: dict[int, Tensor] = {}
-        for op in graph.nodes:
-            if getattr(op, "collective", "") not in ("all_reduce", "reduce_scatter") \
-                    or op.inputs[0].dtype != "bfloat16":
-                continue
-            wide = CastOp([replace.get(id(op.inputs[0]), op.inputs[0])], name=f"{op.name}.float32", to="float32")
-            red = op.clone([wide.outputs[0]])
-            back = CastOp([red.outputs[0]], name=f"{op.name}.bfloat16", to="bfloat16")
-            after[id(op)] = [wide, red, back]
-            replace[id(op.outputs[0])] = back.outputs[0]
-        if after:
-            log.info("bfloat16: %d reductions over ranks carried in float32", len(after))
-        return splice(graph, after, replace)
+        return _in_float32(graph, half, "bfloat16: %d reductions over ranks carried in float32")
