@@ -23,9 +23,14 @@ CPU); its max |diff| is the bfloat16 roundings'.
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
 format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff| is larger than the
 float models' (an activation that rounds the other way in one engine moves the next layer's sums).
+``--int4`` also times a copy of each transformer whose MatMul weights ``MatMulNBitsQuantizer`` made 4-bit
+(blocks of 32, zero points; ``<model>_int4``), the weights kept packed here (``cpu_library/lowbit.h``), next
+to onnxruntime on the same file at ``accuracy_level`` 0 (float32 activations, as ours).
+``--seq N`` exports the sized transformers for N tokens instead of 128 (``--seq 1``: a decoding step's
+products, without its KV cache).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet]
-                                     [--compare-off blocked] [--int8] [--bf16]
+                                     [--compare-off blocked] [--int8] [--bf16] [--int4] [--seq 1]
 """
 from __future__ import annotations
 
@@ -145,6 +150,19 @@ def int8_copy(path: str) -> str:
     return out
 
 
+def int4_copy(path: str) -> str:
+    """``path`` with its MatMul weights quantized to 4 bits by onnxruntime's ``MatMulNBitsQuantizer``
+    (blocks of 32 along K, a scale and a zero point each; ``accuracy_level`` 0), next to it."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    q = MatMulNBitsQuantizer(onnx.load(path), block_size=32, is_symmetric=False, accuracy_level=0)
+    q.process()
+    out = path[:-len(".onnx")] + "_int4.onnx"
+    q.model.save_model_to_file(out, use_external_data_format=False)
+    return out
+
+
 def qdq_copy(path: str, feeds: dict) -> str:
     """``path`` quantized by onnxruntime's ``quantize_static`` in the QDQ format (uint8 activations
     calibrated on ``feeds``, int8 weights per tensor), next to it."""
@@ -243,6 +261,9 @@ def main(argv=None) -> None:
                     help="also time a bfloat16 copy of each transformer (next to onnxruntime in float32)")
     ap.add_argument("--int8", action="store_true",
                     help="also time the transformers quantized by onnxruntime's quantize_dynamic")
+    ap.add_argument("--int4", action="store_true",
+                    help="also time the transformers with 4-bit weights (onnxruntime's MatMulNBitsQuantizer)")
+    ap.add_argument("--seq", type=int, default=128, help="tokens of the sized transformers' input")
     args = ap.parse_args(argv)
     compare = "prepack" if args.compare_prepack else args.compare_off
 
@@ -253,6 +274,8 @@ def main(argv=None) -> None:
         if args.int8:
             bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, compare)
             bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, compare)
+        if args.int4:
+            bench(f"{name}_int4", int4_copy(path), feeds, args.threads, repeat, work, compare)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
           f"onnxruntime {__import__('onnxruntime').__version__}")
@@ -288,14 +311,14 @@ def main(argv=None) -> None:
                 from export_models import export_gpt2
 
                 path = os.path.join(work, "gpt2_small.onnx")
-                info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
+                info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=args.seq, batch=1)
                 feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
                          if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
                 bench_text("gpt2_small_124M", path, feeds, max(5, args.repeat // 10))
             for kind, name in (("bert", "bert_base_110M"), ("llama", "llama_1024x8_170M")):
                 if args.only in name:
                     path = os.path.join(work, f"{kind}.onnx")
-                    feeds = export_text_model(kind, path)
+                    feeds = export_text_model(kind, path, args.seq)
                     bench_text(name, path, feeds, max(5, args.repeat // 10))
             if args.only in "resnet50_224":
                 path = os.path.join(work, "resnet50.onnx")

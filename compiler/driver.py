@@ -879,6 +879,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
             rg = ReduceBfloat16InFloat32().run(rg)
             if opt.target == "cuda":
+                # low-bit weights dequantized on this rank's shard (no cuda kernel on the codes; passes/lowbit.py)
+                from .passes.lowbit import DequantizeLowBitWeights
+
+                rg = DequantizeLowBitWeights().run(rg)
                 # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
                 from .passes.projections import MergeProjections
 

@@ -18,7 +18,9 @@ through a table of tap offsets. A PackedConv (a 1x1 conv on a small image, ``pas
 the prepacked GEMM with the output pixels as rows, transposed back. A WinogradConv (a 3x3 stride-1 conv,
 ``passes/prepack.py``) transforms its input tiles, runs one prepacked GEMM per transform position (tiles
 as rows) and transforms the products back into output tiles. A PackedMatMulInteger (int8/uint8 times a
-weight packed at compile time, int32 sums) runs the integer GEMM of ``cpu_library/gemm_int8.h``.
+weight packed at compile time, int32 sums) runs the integer GEMM of ``cpu_library/gemm_int8.h``; a
+MatMulNBits (2/4/8-bit codes in blocks, onnxruntime's layout) the GEMV or dequantizing GEMM of
+``cpu_library/lowbit.h``.
 Depthwise, 3-D and transposed convs, pools, attention, Resize, LRN, scans, pads, TopK, Det, BitCast (a byte
 copy; the driver runs it as a view) and large transposes have
 templates of their own (below); every other op, and other dtypes, use the generic lowering.
@@ -37,7 +39,7 @@ __all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilog
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
-_LIBRARY_FILES = ("gemm.h", "gemm_int8.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
+_LIBRARY_FILES = ("gemm.h", "gemm_int8.h", "lowbit.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
                   "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
 
@@ -258,6 +260,24 @@ def _packed_matmul_integer(op) -> str | None:
              f"    sf_igemm_prepacked({M}, {N}, {K}, in0 + b * {M * K}, {str(a.dtype == 'int8').lower()}, zp, "
              f"{str(per_row).lower()}, in1, in2, out0 + b * {M * N}, {N}, true);"]
     return "\n".join(lines)
+
+
+def _matmul_nbits(op) -> str | None:
+    """MatMulNBits: ``a`` (float32) with its leading dims folded into M times the low-bit weight as
+    stored (``cpu_library/lowbit.h``): a GEMV on the codes for one or two rows, else the GEMM with
+    each weight panel dequantized into its packing buffer."""
+    a, bq = op.inputs[0], op.inputs[1]
+    if a.dtype != "float32" or op.outputs[0].dtype != "float32":
+        return None
+    K, M = a.shape[-1], _prod(a.shape[:-1])
+    N, blocks = bq.shape[0], bq.shape[1]
+    bits, bs = int(op.attrs["bits"]), int(op.attrs["block_size"])
+    zp = "static_cast<const float*>(inputs[3])" if len(op.inputs) > 3 else "nullptr"
+    return "\n".join([
+        f"  // MatMulNBits: [{M}, {K}] @ [{K}, {N}] ({bits}-bit codes, blocks of {bs})",
+        f"  const SfNbits w{{static_cast<const uint8_t*>(inputs[1]), static_cast<const float*>(inputs[2]), {zp}, "
+        f"{K}, {N}, {bs}, {blocks}, {bits}}};",
+        f"  sf_matmul_nbits({M}, w, static_cast<const float*>(inputs[0]), static_cast<float*>(outputs[0]));"])
 
 
 def _flt(v: float) -> str:
@@ -1399,10 +1419,11 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum,
-              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "Fused": _fused,
+              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "BitCast", "Det"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "MatMulNBits", "BitCast",
+                           "Det"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

@@ -8,8 +8,9 @@ onnxruntime, or an onnxruntime-genai LLM, imports here.
 
 Each is composed from library ops (element-wise arithmetic, LayerNorm, RMSNorm, Attention, MatMul),
 after onnxruntime's ``docs/ContribOperators.md`` and checked against onnxruntime's CPU kernels.
-``MatMulNBits`` weights are dequantized at import (float weights, 8x the bytes of 4-bit ones: no
-low-bit kernels here yet). The operators of the NCHWc layout (``com.microsoft.nchwc``), which
+``MatMulNBits`` on float32 activations becomes the library's op of that name, its weight kept packed
+(the cpu target computes on the packed bytes; the cuda target dequantizes it per rank); on half
+activations, or with an act-order ``g_idx``, its weight is dequantized at import. The operators of the NCHWc layout (``com.microsoft.nchwc``), which
 onnxruntime writes only for the machine it optimized on, are not contrib operators and stay refused.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
+from ..ops.linalg import MatMulNBits, unpack_bits
 from ..ops.transform import Transpose
 from .registry import FLOATS, NodeContext, onnx_op
 
@@ -192,19 +194,12 @@ def fused_matmul(ctx):
     return [y if alpha == 1.0 else ctx.emit("Mul", [y, ctx.constant(np.array(alpha, numpy_type(a.dtype)))], _OPSET)]
 
 
-def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """The first ``count`` ``bits``-bit values packed least significant first along the last axis of the
-    uint8 array ``packed``."""
-    per = 8 // bits
-    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
-    vals = (packed[..., :, None] >> shifts) & np.uint8((1 << bits) - 1)
-    return vals.reshape(packed.shape[:-1] + (-1,))[..., :count]
-
-
 @onnx_op("MatMulNBits", since=1, domain=_MS)
 def matmul_nbits(ctx):
     """``A @ W (+ bias)`` with ``W [K, N]`` stored as ``bits``-bit integers in blocks of ``block_size``
-    along K, one scale (and zero point) per block and column: dequantized here (constant inputs)."""
+    along K, one scale (and zero point) per block and column. A float32 ``A`` becomes the library's
+    :class:`~shardflow.compiler.ops.linalg.MatMulNBits` (the weight stays packed); a float16/bfloat16
+    ``A`` or a ``g_idx`` that reorders the blocks (act-order) gets the weight dequantized here."""
     a = _float_input(ctx, 0)
     k, n = int(ctx.attr("K")), int(ctx.attr("N"))
     bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
@@ -219,34 +214,43 @@ def matmul_nbits(ctx):
     if packed.dtype != np.uint8 or packed.size != n * blocks * block * bits // 8:
         raise ctx.invalid(f"B must be uint8 [N={n}, {blocks} blocks, {block * bits // 8} bytes], got "
                           f"{packed.dtype} of shape {list(packed.shape)}")
-    q = _unpack(packed.reshape(n, blocks, block * bits // 8), bits, block).reshape(n, blocks * block)[:, :k]
+    packed = packed.reshape(n, blocks, block * bits // 8)
     scales = ctx.const(2).astype(np.float32)
     if scales.size != n * blocks:
         raise ctx.invalid(f"scales must hold N x blocks = {n * blocks} values, got {scales.size}")
     scales = scales.reshape(n, blocks)
+    zp = None
     if ctx.has_input(3):
         zp = ctx.const(3)
         if zp.dtype == np.uint8:  # packed like B, each column's blocks padded to whole bytes
             per_col = -(-blocks * bits // 8)
             if zp.size != n * per_col:
                 raise ctx.invalid(f"packed zero points must be N x {per_col} bytes, got {zp.size}")
-            zp = _unpack(zp.reshape(n, per_col), bits, blocks).astype(np.float32)
+            zp = unpack_bits(zp.reshape(n, per_col), bits, blocks).astype(np.float32)
         elif zp.size == n * blocks:
             zp = zp.astype(np.float32).reshape(n, blocks)
         else:
             raise ctx.invalid(f"zero points must be packed uint8 or one value per block, got {zp.dtype} of "
                               f"{zp.size} values")
-    else:
-        zp = np.full((n, blocks), float(1 << (bits - 1)), np.float32)
     group = np.arange(k) // block
     if ctx.has_input(4):
         g_idx = ctx.const(4).astype(np.int64).reshape(-1)
         if g_idx.size != k or g_idx.min() < 0 or g_idx.max() >= blocks:
             raise ctx.invalid(f"g_idx must give a block in [0, {blocks}) for each of the K = {k} rows")
         group = g_idx
-    w = (q.astype(np.float32) - zp[:, group]) * scales[:, group]  # [N, K]
+    attrs = {"bits": bits, "block_size": block}
+    if a.dtype == "float32" and np.array_equal(group, np.arange(k) // block):
+        ins = [a, ctx.constant(np.ascontiguousarray(packed)), ctx.constant(scales)]
+        ins += [ctx.constant(zp)] if zp is not None else []
+        y = ctx.add(MatMulNBits(ins, name=ctx.name, **attrs))
+        log.info("node %s: %d-bit weight [%d, %d] kept packed", ctx.name, bits, k, n)
+        return [_add(ctx, y, _optional(ctx, 5))]
+    q = unpack_bits(packed, bits, block).reshape(n, blocks * block)[:, :k].astype(np.float32)
+    z = np.float32(1 << (bits - 1)) if zp is None else zp[:, group]
+    w = (q - z) * scales[:, group]  # [N, K]
     weight = ctx.constant(np.ascontiguousarray(w.T).astype(numpy_type(a.dtype)))
-    log.info("node %s: %d-bit weight [%d, %d] dequantized at import", ctx.name, bits, k, n)
+    log.info("node %s: %d-bit weight [%d, %d] dequantized at import (%s)", ctx.name, bits, k, n,
+             "activations in " + a.dtype if a.dtype != "float32" else "g_idx reorders the blocks")
     return [_add(ctx, ctx.emit("MatMul", [a, weight], _OPSET), _optional(ctx, 5))]
 
 

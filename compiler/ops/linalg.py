@@ -12,14 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import (Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum,
+from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum,
                        numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "Attention", "parse_einsum", "Det"]
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "unpack_bits", "Attention", "parse_einsum",
+           "Det"]
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
@@ -424,6 +425,76 @@ class PackedMatMulInteger(Operator):
         return [np.asarray(y).astype(np.int32)]
 
 
+def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """The first ``count`` ``bits``-bit unsigned values packed least significant first along the last
+    axis of the uint8 array ``packed`` (onnxruntime's ``MatMulNBits`` layout)."""
+    per = 8 // bits
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    vals = (packed[..., :, None] >> shifts) & np.uint8((1 << bits) - 1)
+    return vals.reshape(packed.shape[:-1] + (-1,))[..., :count]
+
+
+class MatMulNBits(Operator):
+    """``y = a @ W`` with the weight ``W[K, N]`` kept as ``bits``-bit unsigned integers (2, 4 or 8) in
+    blocks of ``block_size`` along ``K``, one scale and zero point per block and column: onnxruntime's
+    ``MatMulNBits`` (``com.microsoft``), stored as its quantizer wrote it, so that a 4-bit weight
+    takes an eighth of the float32 bytes in the plan, the weights file and memory.
+
+    Inputs ``a[..., K]`` (float32), ``bq[N, blocks, block_size * bits / 8]`` (uint8, value ``k`` of a
+    column's block in bits ``(k % (8 / bits)) * bits`` of its byte ``k / (8 / bits)``), ``scales[N,
+    blocks]`` (float32) and optionally ``zero_points[N, blocks]`` (float32; default ``2^(bits - 1)``),
+    ``blocks = ceil(K / block_size)``. ``W[k, n] = (q[n, k] - zero_point[n, b]) * scale[n, b]`` with
+    ``b = k / block_size``. Attributes ``bits``, ``block_size``.
+
+    The planner splits ``N`` (whole columns) and ``K`` where each shard holds whole blocks (a
+    ``Partial`` sum). The cpu target computes it without dequantizing the weight into memory
+    (``cpu_library/lowbit.h``); the cuda target stores the weight dequantized (``passes/lowbit.py``).
+    """
+
+    def compute(self, a, bq, scales, *zp):
+        bits, bs = int(self.attrs["bits"]), int(self.attrs["block_size"])
+        if bits not in (2, 4, 8) or bs < 1 or bs * bits % 8:
+            raise ShapeError(f"{self.name}: MatMulNBits takes bits 2, 4 or 8 and a block of whole bytes, got bits "
+                             f"{bits}, block_size {bs}")
+        k = a.shape[-1] if a.ndim else 0
+        blocks = -(-k // bs)
+        if a.ndim < 1 or a.dtype != "float32" or bq.dtype != "uint8" or bq.ndim != 3 \
+                or tuple(bq.shape[1:]) != (blocks, bs * bits // 8) or scales.dtype != "float32" \
+                or tuple(scales.shape) != (bq.shape[0], blocks) \
+                or (zp and (zp[0].dtype != "float32" or tuple(zp[0].shape) != tuple(scales.shape))):
+            raise ShapeError(f"{self.name}: MatMulNBits takes a[..., K] (float32), bq[N, ceil(K / {bs}), "
+                             f"{bs * bits // 8}] (uint8), scales and zero points [N, ceil(K / {bs})] (float32), got "
+                             f"{[(t.dtype, tuple(t.shape)) for t in (a, bq, scales, *zp)]}")
+        n, per = int(bq.shape[0]), 8 // bits
+        shape = tuple(a.shape[:-1]) + (n,)
+        mask = Const((1 << bits) - 1, "int32")
+        default_zp = Const(float(1 << (bits - 1)), "float32")
+
+        def f(*i):
+            rows, j = tuple(i[:-1]), i[-1]
+
+            def term(kk):
+                blk = kk // bs
+                byte = Cast(bq[j, blk, (kk % bs) // per if per > 1 else kk % bs], "int32")
+                q = byte if per == 1 else BinOp("bitand", BinOp("shr", byte, Cast((kk % per) * bits, "int32")), mask)
+                w = (Cast(q, "float32") - (zp[0][j, blk] if zp else default_zp)) * scales[j, blk]
+                return a[rows + (kk,)] * w
+            return reduce((k,), term, "sum")
+        return compute("y", shape, f, dtype="float32")
+
+    def dequantized(self, bq: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k: int) -> np.ndarray:
+        """``W[K, N]`` (float32) from the stored weight."""
+        bits, bs = int(self.attrs["bits"]), int(self.attrs["block_size"])
+        q = unpack_bits(bq, bits, bs).reshape(bq.shape[0], -1)[:, :k].astype(np.float32)
+        g = np.arange(k) // bs
+        z = np.float32(1 << (bits - 1)) if zp is None else zp[:, g]
+        return np.ascontiguousarray(((q - z) * scales[:, g]).T)
+
+    def numpy(self, a, bq, scales, *zp):
+        w = self.dequantized(bq, scales, zp[0] if zp else None, a.shape[-1])
+        return [np.asarray(np.matmul(a, w), np.float32)]
+
+
 class QLinearMatMul(Operator):
     """Quantized matmul: ``y = saturate(round(((a - azp) @ (b - bzp)) * (a_scale * b_scale / y_scale)) + yzp)``.
 
@@ -771,6 +842,11 @@ def examples(rng: np.random.Generator):
         (PackedMatMulInteger, [i8(2, 3, 9), *pack_int8_panels(i8(9, 4))], {"n": 4}),
         (PackedMatMulInteger, [i8(9), *pack_int8_panels(u8(9, 33), u8(33)), np.array([-5], np.int8)], {"n": 33}),
         (PackedMatMulInteger, [u8(3, 8), *pack_int8_panels(i8(8, 16), np.array(0, np.int8)), u8(3)], {"n": 16}),
+        (MatMulNBits, [f(3, 40), u8(5, 3, 8), f(5, 3), rng.integers(0, 16, (5, 3)).astype(np.float32)],
+         {"bits": 4, "block_size": 16}),
+        (MatMulNBits, [f(2, 2, 32), u8(4, 2, 4), f(4, 2)], {"bits": 2, "block_size": 16}),
+        (MatMulNBits, [f(33), u8(3, 3, 16), f(3, 3), rng.integers(0, 256, (3, 3)).astype(np.float32)],
+         {"bits": 8, "block_size": 16}),
         (QLinearMatMul, [u8(2, 3, 4), np.array(0.05, np.float32), np.array(3, np.uint8), u8(4, 5),
                          np.array([0.02], np.float32), np.array([7], np.uint8), np.array(0.3, np.float32),
                          np.array(10, np.uint8)], {}),

@@ -131,7 +131,25 @@ def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tupl
                 return "shard", v
             if idx.op == "mod" and dim_extent == c:
                 return _FULL, None
+    if _only_residues(idx, v, n):
+        return _FULL, None
     return "invalid", None
+
+
+def _only_residues(idx: Expr, v: Var, n: int) -> bool:
+    """``v`` appears in ``idx`` only as ``v % c`` with every shard of ``v`` (``n`` of them) a multiple
+    of ``c`` long: each shard reads the positions the whole extent reads (a byte within a block of
+    packed 4-bit values, ``(k % block) // 2``)."""
+    def go(e: Expr) -> bool:
+        if e is v:
+            return False
+        if isinstance(e, BinOp) and e.op == "mod" and e.a is v and isinstance(e.b, Const) \
+                and isinstance(e.b.value, int) and e.b.value > 0:
+            return v.extent % (n * e.b.value) == 0
+        if isinstance(e, TensorElement):
+            return True
+        return all(go(c) for c in e.children())
+    return go(idx)
 
 
 def _reads(e: Expr) -> list[TensorElement]:
@@ -290,7 +308,9 @@ class _OutputAnalysis:
         self.reduce_vars = set(red.vars) if red is not None else set()
         self.reads = _reads(out.value)
         self.rest_reads = {id(t) for term in (self.lin[1] if self.lin else []) for t in _reads(term)}
-        # Variables used outside tensor indices (values, selects) cannot be split locally.
+        # Variables used outside tensor indices (values, selects) cannot be split locally, except as
+        # residues v % c when each shard is a multiple of c long (they are then the same locally)
+        self.residues: dict[Var, set[int]] = {}
         self.pinned = self._pinned_vars()
 
     def _pinned_vars(self) -> set[Var]:
@@ -301,7 +321,10 @@ class _OutputAnalysis:
             if (id(e), in_index) in seen:
                 return
             seen.add((id(e), in_index))
-            if isinstance(e, Var):
+            if not in_index and isinstance(e, BinOp) and e.op == "mod" and isinstance(e.a, Var) \
+                    and isinstance(e.b, Const) and isinstance(e.b.value, int) and e.b.value > 0:
+                self.residues.setdefault(e.a, set()).add(e.b.value)
+            elif isinstance(e, Var):
                 if not in_index:
                     pinned.add(e)
             elif isinstance(e, TensorElement):
@@ -323,6 +346,8 @@ class _OutputAnalysis:
                 if v in self.pinned:
                     return None
                 sharded[v] = sharded.get(v, 1) * mesh_shape[m]
+        if any(v.extent % (n * c) for v, n in sharded.items() for c in self.residues.get(v, ())):
+            return None
         if self.partial_op == "avg" and any(v.extent % n for v, n in sharded.items() if v in self.reduce_vars):
             return None  # a mean of uneven shards' means is not the mean
         for v, n in sharded.items():

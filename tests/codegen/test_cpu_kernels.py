@@ -24,8 +24,8 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, Gemm, MatMul, PackedMatMul,
-                                           PackedMatMulInteger, pack_int8_panels)
+from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, Gemm, MatMul, MatMulNBits,
+                                           PackedMatMul, PackedMatMulInteger, pack_int8_panels)
 from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Pad, Transpose
@@ -66,9 +66,18 @@ def _i8mm(a_shape, n, dtype, zp):
     return PackedMatMulInteger(ins + ([_t(zp, dtype)] if zp is not None else []), n=n)
 
 
+def _nbits(a_shape, n, bits, block, zp):
+    """A MatMulNBits of ``a`` times ``n`` columns of ``bits``-bit codes in blocks of ``block``."""
+    blocks = -(-a_shape[-1] // block)
+    ins = [_t(a_shape), _t((n, blocks, block * bits // 8), "uint8"), _t((n, blocks))]
+    return MatMulNBits(ins + ([_t((n, blocks))] if zp else []), bits=bits, block_size=block)
+
+
 def _rand(rng, t):
     if t.dtype == "bool":
         return rng.random(t.shape) > 0.4
+    if t.dtype == "uint8":  # bytes of packed codes (every bit pattern)
+        return rng.integers(0, 256, t.shape).astype(t.dtype)
     if np.dtype(t.dtype).kind in "iu":
         return rng.integers(-3, 4, t.shape).astype(t.dtype)
     return rng.standard_normal(t.shape).astype(t.dtype)
@@ -107,6 +116,18 @@ def _large():
         PackedMatMul([_t((7, 40)), _panels(40, 33)], n=33),
         PackedMatMul([_t((9, 40)), _panels(40, 48), _t((48,))], n=48),
         PackedMatMul([_t((11, 600)), _panels(600, 20)], n=20),
+        # low-bit weights: one row (the GEMV on 4-bit codes four columns at a time, a tail of 1, threads;
+        # blocks of 32 and 128 codes, K past the last whole block; zero points default or given), two
+        # rows, 2- and 8-bit codes (the portable loop), and rows through the GEMM (dequantizing panels
+        # of K blocks and column tails)
+        _nbits((1, 300), 203, 4, 32, True),
+        _nbits((1, 1, 512), 64, 4, 128, False),
+        _nbits((2, 64), 13, 4, 16, True),
+        _nbits((1, 100), 9, 2, 16, True),
+        _nbits((2, 40), 7, 8, 32, False),
+        _nbits((3, 37, 300), 77, 4, 32, True),
+        _nbits((5, 600), 40, 2, 64, False),
+        _nbits((9, 70), 33, 8, 16, True),
         Conv([_t((2, 8, 17, 15)), _t((12, 4, 3, 3)), _t((12,))], group=2, pads=(1, 2, 0, 1), strides=(2, 1),
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
@@ -616,7 +637,7 @@ def test_large_kernel_matches_numpy(library, cid):
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
     if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                      "Attention"):
+                      "Attention", "MatMulNBits"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(w))))
@@ -692,7 +713,7 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     cases = []
     for cid, op, arrays in LARGE:
         if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                          "Attention", "PackedMatMulInteger") and cid in library["symbols"]:
+                          "Attention", "PackedMatMulInteger", "MatMulNBits") and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)

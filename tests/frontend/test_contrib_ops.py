@@ -455,3 +455,82 @@ def test_genai_llama_decoding_step_compiles_for_cuda(tmp_path):
                   optimization_config={"target": "cuda", "arch": "sm_90"}, out_dir=tmp_path / "out",
                   input_shapes=shapes)
     assert res.ranks[0]["kernels"] > 20 and (tmp_path / "out" / "rank0" / "kernels.cubin").stat().st_size > 0
+
+
+def _genai_int4_reference(feeds: dict) -> dict:
+    """onnxruntime on the 4-bit genai Llama at accuracy level 0 (float32 activations, as ours)."""
+    m = onnx.load(str(MODELS / "llama_genai_int4.onnx"))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    return _reference(m, feeds)
+
+
+def test_genai_int4_weights_stay_packed(tmp_path):
+    """The 4-bit genai Llama imports with its MatMulNBits kept (codes, scales, zero points: not float
+    weights); compiled for cpu, the rank stores under a fifth of the float32 model's weight bytes (its
+    tied embedding stays float32) and runs the low-bit template; by the evaluator and compiled, against
+    onnxruntime. For cuda, each is dequantized on the rank (passes/lowbit.py): no MatMulNBits kernel."""
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+    from shardflow.compiler.passes.lowbit import DequantizeLowBitWeights
+
+    feeds = _genai_feeds(padded=True)
+    shapes = {k: v.shape for k, v in feeds.items()}
+    g = load_onnx(str(MODELS / "llama_genai_int4.onnx"), input_shapes=shapes)
+    nbits = [op for op in g.nodes if op.op_type == "MatMulNBits"]
+    assert len(nbits) >= 10 and all(op.inputs[1].dtype == "uint8" and template_kind(op) for op in nbits)
+    want = _genai_int4_reference(feeds)
+    _close(g.run(feeds), want)
+    sizes = {}
+    for name in ("int4", "fp32"):
+        res = compile(str(MODELS / f"llama_genai_{name}.onnx"), distributed_config={"mesh_shape": [1]},
+                      optimization_config={"target": "cpu"}, out_dir=tmp_path / name, input_shapes=shapes)
+        sizes[name] = res.ranks[0]["weights_bytes"]
+    assert sizes["int4"] < sizes["fp32"] / 2
+    _close(load(tmp_path / "int4").run(feeds), want, tol=1e-4)
+    deq = DequantizeLowBitWeights().run(g)
+    assert not any(op.op_type == "MatMulNBits" for op in deq.nodes)
+    _close(deq.run(feeds), want)
+
+
+def test_nbits_mlp_megatron_splits_columns_then_blocks():
+    """Megatron's MLP on 4-bit weights over two ranks: the first product column-parallel (codes and
+    scales split by column), the second row-parallel (whole blocks of K per rank, a partial sum
+    all-reduced); simulated against onnxruntime."""
+    rng = np.random.default_rng(7)
+    up, up_inits = _nbits_node(64, 128, 4, 32, rng, "packed")
+    down, down_inits = _nbits_node(128, 64, 4, 32, rng, "none")
+    for node, inits, x, y in ((up, up_inits, "x", "h"), (down, down_inits, "r", "y")):
+        node.input[0], node.output[0] = x, y
+        for t in inits:
+            node.input[list(node.input).index(t.name)] = t.name = f"{y}.{t.name}"
+    relu = helper.make_node("Relu", ["h"], ["r"])
+    g = helper.make_graph([up, relu, down], "mlp", [helper.make_tensor_value_info("x", F, [1, 4, 64])],
+                          [helper.make_tensor_value_info("y", F, [1, 4, 64])], up_inits + down_inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"x": rng.standard_normal((1, 4, 64)).astype(np.float32)}
+    graph = load_onnx(m)
+    plan = search(graph, {"mesh_shape": [2], "algo": "megatron"})
+    specs = [plan.op_specs[op.name] for op in graph.nodes if op.op_type == "MatMulNBits"]
+    assert [str(sp.input_specs[1]) for sp in specs] == ["S(0)", "S(1)"]
+    assert specs[1].output_specs[0].partial_axes
+    _close(simulate(partition(graph, plan), feeds), _reference(m, feeds), tol=1e-4)
+
+
+def test_genai_int4_split_over_two_ranks(tmp_path):
+    """The 4-bit genai Llama planned by the ILP over two ranks, compiled for cpu and run on two
+    in-process ranks, against onnxruntime."""
+    from threads import run_threads
+
+    from shardflow.runtime.comm import InProcessWorld
+
+    feeds = _genai_feeds(padded=False)
+    shapes = {k: v.shape for k, v in feeds.items()}
+    want = _genai_int4_reference(feeds)
+    res = compile(str(MODELS / "llama_genai_int4.onnx"), distributed_config={"mesh_shape": [2]},
+                  optimization_config={"target": "cpu"}, out_dir=tmp_path / "out", input_shapes=shapes)
+    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
+                       timeout=300)
+    for got in outs:
+        _close(got, want, tol=1e-4)

@@ -1,0 +1,334 @@
+// ---- Low-bit weights (MatMulNBits: 2/4/8-bit codes in blocks along K, a scale per block) ----------
+namespace {
+
+// The weight as ops.linalg.MatMulNBits stores it: column j's codes in bytes q + j * ldq (ldq = blocks *
+// bs * bits / 8), code k in byte k / per (per = 8 / bits), bits (k % per) * bits of it;
+// W[k, j] = (code - zero(j, b)) * scale[j * blocks + b] with b = k / bs; zp null: 2^(bits - 1).
+struct SfNbits {
+  const uint8_t* q;
+  const float* scale;
+  const float* zp;
+  int64_t K, N, bs, blocks, bits;  // bits 2, 4 or 8
+  int64_t per() const { return 8 / bits; }
+  int64_t ldq() const { return blocks * bs * bits / 8; }
+  int64_t blob() const { return bs * bits / 8; }
+  float zero(int64_t j, int64_t b) const { return zp ? zp[j * blocks + b] : float(1 << (bits - 1)); }
+  // floats per row of the GEMV's copy of A (sf_nbits_phases)
+  int64_t row_floats() const { return per() * ldq() + blocks; }
+};
+
+// A row a[K] for the GEMV kernels: ap[r * ldq + t] = a[per * t + r] (code r of each byte, its phase;
+// zero past K), then asum[b] = the sum of a over block b. Then, for column j,
+//   y[j] = sum_b scale[j, b] * (sum_r sum_t code_r(t) ap[r][t] - zero(j, b) * asum[b]),
+// t over block b's bytes: the codes are multiplied as read, never stored as floats.
+static void sf_nbits_phases(const SfNbits& w, const float* __restrict__ a, float* __restrict__ ap) {
+  const int64_t per = w.per(), ldq = w.ldq();
+  for (int64_t r = 0; r < per; ++r)
+    for (int64_t t = 0; t < ldq; ++t) {
+      const int64_t k = per * t + r;
+      ap[r * ldq + t] = k < w.K ? a[k] : 0.0f;
+    }
+  float* asum = ap + per * ldq;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    float s = 0.0f;
+    for (int64_t k = b * w.bs; k < std::min(w.K, (b + 1) * w.bs); ++k) s += a[k];
+    asum[b] = s;
+  }
+}
+
+// columns [j0, j1) of `rows` rows (their phases rf floats apart), any width and CPU
+static void sf_nbits_cols(const SfNbits& w, int64_t rows, int64_t j0, int64_t j1, const float* __restrict__ ap,
+                          float* __restrict__ y, int64_t ldy) {
+  const int64_t per = w.per(), ldq = w.ldq(), blob = w.blob(), rf = w.row_floats();
+  const int mask = (1 << w.bits) - 1;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* ai = ap + i * rf;
+    const float* asum = ai + per * ldq;
+    for (int64_t j = j0; j < j1; ++j) {
+      const uint8_t* __restrict__ qj = w.q + j * ldq;
+      float acc = 0.0f, zacc = 0.0f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        float d = 0.0f;
+        for (int64_t r = 0; r < per; ++r) {
+          const float* __restrict__ ar = ai + r * ldq;
+          const int sh = int(r) * int(w.bits);
+          #pragma omp simd reduction(+:d)
+          for (int64_t t = b * blob; t < (b + 1) * blob; ++t) d += float((qj[t] >> sh) & mask) * ar[t];
+        }
+        const float s = w.scale[j * w.blocks + b];
+        acc += s * d;
+        zacc += s * w.zero(j, b) * asum[b];
+      }
+      y[i * ldy + j] = acc - zacc;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// 4-bit codes, blocks of a multiple of 32 codes (16 bytes): R rows x C columns from column j0 (their
+// sums are independent chains; each row's loads serve C columns, each column's codes R rows). A byte's
+// low nibble is an even k, its high one the next odd k: a row's phases hold its even and odd elements.
+template <int R, int C>
+__attribute__((target("avx512f,avx512bw")))
+static void sf_nbits4_tile_avx512(const SfNbits& w, int64_t j0, const float* __restrict__ ap, float* __restrict__ y,
+                                  int64_t ldy) {
+  const int64_t ldq = w.ldq(), blob = w.blob(), rf = w.row_floats();
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m512 acc[R][C];
+  float zacc[R][C];
+  #pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) { acc[i][c] = _mm512_setzero_ps(); zacc[i][c] = 0.0f; }
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512 d[R][C];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) d[i][c] = _mm512_setzero_ps();
+    for (int64_t t = b * blob; t < (b + 1) * blob; t += 16) {
+      __m512 lo[C], hi[C];
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (j0 + c) * ldq + t));
+        lo[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)));
+        hi[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+      }
+      #pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const __m512 e = _mm512_loadu_ps(ap + i * rf + t), o = _mm512_loadu_ps(ap + i * rf + ldq + t);
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) d[i][c] = _mm512_fmadd_ps(hi[c], o, _mm512_fmadd_ps(lo[c], e, d[i][c]));
+      }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float s = w.scale[(j0 + c) * w.blocks + b], sz = s * w.zero(j0 + c, b);
+      #pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(s), d[i][c], acc[i][c]);
+        zacc[i][c] += sz * ap[i * rf + 2 * ldq + b];
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) y[i * ldy + j0 + c] = _mm512_reduce_add_ps(acc[i][c]) - zacc[i][c];
+}
+
+// bytes 0-7 of x as floats
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 sf_u8x8_ps(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)); }
+
+template <int R, int C>
+__attribute__((target("avx2,fma")))
+static void sf_nbits4_tile_avx2(const SfNbits& w, int64_t j0, const float* __restrict__ ap, float* __restrict__ y,
+                                int64_t ldy) {
+  const int64_t ldq = w.ldq(), blob = w.blob(), rf = w.row_floats();
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256 acc[R][C];
+  float zacc[R][C];
+  #pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) { acc[i][c] = _mm256_setzero_ps(); zacc[i][c] = 0.0f; }
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m256 d[R][C];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) d[i][c] = _mm256_setzero_ps();
+    for (int64_t t = b * blob; t < (b + 1) * blob; t += 16) {
+      __m256 f[C][4];  // codes of k = 2t.. even (low nibbles, bytes 0-7 and 8-15), then odd
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (j0 + c) * ldq + t));
+        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        f[c][0] = sf_u8x8_ps(lo);
+        f[c][1] = sf_u8x8_ps(_mm_srli_si128(lo, 8));
+        f[c][2] = sf_u8x8_ps(hi);
+        f[c][3] = sf_u8x8_ps(_mm_srli_si128(hi, 8));
+      }
+      #pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const float* e = ap + i * rf + t;
+        const float* o = e + ldq;
+        const __m256 e0 = _mm256_loadu_ps(e), e1 = _mm256_loadu_ps(e + 8);
+        const __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          __m256 s = _mm256_fmadd_ps(f[c][0], e0, d[i][c]);
+          s = _mm256_fmadd_ps(f[c][1], e1, s);
+          s = _mm256_fmadd_ps(f[c][2], o0, s);
+          d[i][c] = _mm256_fmadd_ps(f[c][3], o1, s);
+        }
+      }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float s = w.scale[(j0 + c) * w.blocks + b], sz = s * w.zero(j0 + c, b);
+      #pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(s), d[i][c], acc[i][c]);
+        zacc[i][c] += sz * ap[i * rf + 2 * ldq + b];
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, acc[i][c]);
+      y[i * ldy + j0 + c] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])) - zacc[i][c];
+    }
+}
+
+// one column group [j0, j0 + cols) of R rows by the ISA's tile: 4 columns (1 or 2 rows) or 2 (3 or 4
+// rows: the sums of R x C tiles and their block sums stay in registers), single columns for the tail
+template <int R>
+static void sf_nbits4_group(int isa, const SfNbits& w, int64_t j0, int64_t cols, const float* ap, float* y,
+                            int64_t ldy) {
+  constexpr int C = R <= 2 ? 4 : 2;
+  int64_t j = j0;
+  for (; j + C <= j0 + cols; j += C)
+    if (isa == 2) sf_nbits4_tile_avx512<R, C>(w, j, ap, y, ldy); else sf_nbits4_tile_avx2<R, C>(w, j, ap, y, ldy);
+  for (; j < j0 + cols; ++j)
+    if (isa == 2) sf_nbits4_tile_avx512<R, 1>(w, j, ap, y, ldy); else sf_nbits4_tile_avx2<R, 1>(w, j, ap, y, ldy);
+}
+#endif
+
+// 2: the AVX-512 tiles, 1: the AVX2 ones (4-bit codes in whole 16-byte chunks per block), 0: the portable loop
+static int sf_nbits_isa(const SfNbits& w) {
+#if defined(__x86_64__)
+  if (w.bits == 4 && w.blob() % 16 == 0) {
+    static const int isa = [] {
+      const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+      if ((!force || std::strcmp(force, "avx512") == 0) && __builtin_cpu_supports("avx512f")
+          && __builtin_cpu_supports("avx512bw"))
+        return 2;
+      return sf_avx2_helpers() ? 1 : 0;
+    }();
+    return isa;
+  }
+#endif
+  return 0;
+}
+
+// Y[rows, N] = A[rows, K] @ W for rows <= 4 (ldy: Y's row stride), threads splitting the columns (par)
+static void sf_nbits_gemv(const SfNbits& w, int64_t rows, const float* A, float* Y, int64_t ldy, bool par) {
+  const int64_t rf = w.row_floats();
+  float* ap = static_cast<float*>(sf_workspace(0, sizeof(float) * rows * rf));
+  for (int64_t i = 0; i < rows; ++i) sf_nbits_phases(w, A + i * w.K, ap + i * rf);
+  const int isa = sf_nbits_isa(w);
+  constexpr int64_t G = 16;  // columns per unit of work
+  const int64_t groups = (w.N + G - 1) / G;
+  #pragma omp parallel for schedule(static) if (par && groups > 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t j0 = G * g, cols = std::min(w.N - j0, G);
+#if defined(__x86_64__)
+    if (isa) {
+      switch (rows) {
+        case 1: sf_nbits4_group<1>(isa, w, j0, cols, ap, Y, ldy); break;
+        case 2: sf_nbits4_group<2>(isa, w, j0, cols, ap, Y, ldy); break;
+        case 3: sf_nbits4_group<3>(isa, w, j0, cols, ap, Y, ldy); break;
+        default: sf_nbits4_group<4>(isa, w, j0, cols, ap, Y, ldy); break;
+      }
+      continue;
+    }
+#endif
+    sf_nbits_cols(w, rows, j0, j0 + cols, ap, Y, ldy);
+  }
+}
+
+// Column j's W[k0 .. k0 + kc) as floats into dst: a block's scale and zero point once, the codes of a
+// byte by its phase (BITS a compile-time constant, so the loops vectorize)
+template <int BITS>
+static void sf_nbits_dequant_bits(const SfNbits& w, int64_t j, int64_t k0, int64_t kc, float* __restrict__ dst) {
+  constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+  const uint8_t* __restrict__ qj = w.q + j * w.ldq();
+  for (int64_t k = k0; k < k0 + kc;) {
+    const int64_t b = k / w.bs, end = std::min(k0 + kc, (b + 1) * w.bs);
+    const float s = w.scale[j * w.blocks + b], z = w.zero(j, b);
+    for (; k < end && k % PER; ++k) dst[k - k0] = (float((qj[k / PER] >> ((k % PER) * BITS)) & MASK) - z) * s;
+    const int64_t t0 = k / PER, t1 = end / PER;  // whole bytes
+    float* __restrict__ o = dst + (k - k0);
+    for (int64_t t = t0; t < t1; ++t)
+      #pragma GCC unroll 4
+      for (int r = 0; r < PER; ++r) o[(t - t0) * PER + r] = (float((qj[t] >> (r * BITS)) & MASK) - z) * s;
+    for (k = t1 * PER; k < end; ++k) dst[k - k0] = (float((qj[k / PER] >> ((k % PER) * BITS)) & MASK) - z) * s;
+  }
+}
+
+#if defined(__x86_64__)
+// 4-bit codes of whole blocks of a multiple of 32 (k0 and kc on block bounds, or kc reaching K): the low
+// and high nibbles interleaved back into k's order, 16 codes a conversion
+__attribute__((target("avx512f,avx512bw")))
+static void sf_nbits4_dequant_avx512(const SfNbits& w, int64_t j, int64_t k0, int64_t kc, float* __restrict__ dst) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const uint8_t* qj = w.q + j * w.ldq();
+  for (int64_t b = k0 / w.bs; b * w.bs < k0 + kc; ++b) {
+    const __m512 s = _mm512_set1_ps(w.scale[j * w.blocks + b]), nz = _mm512_set1_ps(-w.zero(j, b));
+    for (int64_t k = b * w.bs; k < std::min(k0 + kc, (b + 1) * w.bs); k += 32) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qj + k / 2));
+      const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+      const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+      const int64_t n = std::min<int64_t>(32, k0 + kc - k);  // the last block of K: codes past K unused
+      const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+      const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
+      _mm512_mask_storeu_ps(dst + (k - k0), m0, _mm512_mul_ps(_mm512_add_ps(c0, nz), s));
+      _mm512_mask_storeu_ps(dst + (k - k0) + 16, m1, _mm512_mul_ps(_mm512_add_ps(c1, nz), s));
+    }
+  }
+}
+#endif
+
+SF_CLONES
+static void sf_nbits_dequant_any(const SfNbits& w, int64_t j, int64_t k0, int64_t kc, float* dst) {
+  if (w.bits == 4) sf_nbits_dequant_bits<4>(w, j, k0, kc, dst);
+  else if (w.bits == 2) sf_nbits_dequant_bits<2>(w, j, k0, kc, dst);
+  else sf_nbits_dequant_bits<8>(w, j, k0, kc, dst);
+}
+
+// Rows up to which the GEMV runs, in groups of 4 (each group reads the codes again); more go through the
+// GEMM, each panel of W dequantized (a column at a time, then transposed) as the GEMM packs it.
+constexpr int64_t SF_NBITS_GEMV_ROWS = 16;
+constexpr int64_t SF_NBITS_NC = 1024;
+
+// C[M, N] = A[M, K] @ W
+static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* C) {
+  if (M <= 0 || w.N <= 0) return;
+  if (w.K <= 0) {
+    sf_gemm_empty_k(M, w.N, C, w.N, 1.0f, nullptr, 0, 0);
+    return;
+  }
+  if (M <= SF_NBITS_GEMV_ROWS) {
+    // threads for any weight of 64K codes or more: the codes are read from memory once per group of rows
+    const bool split = sf_max_threads() > 1 && w.N * w.K >= (1 << 16);
+    for (int64_t i = 0; i < M; i += 4)
+      sf_nbits_gemv(w, std::min<int64_t>(4, M - i), A + i * w.K, C + i * w.N, w.N, split);
+    return;
+  }
+  const int isa = sf_nbits_isa(w);
+  auto pack = [&w, isa](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
+    const int64_t cols = std::min(nr, nc - p * nr);
+    float* t = static_cast<float*>(sf_workspace(3, sizeof(float) * nr * SF_KC));  // [cols][kc]
+#if defined(__x86_64__)
+    if (isa == 2 && k0 % w.bs == 0) {
+      for (int64_t c = 0; c < cols; ++c) sf_nbits4_dequant_avx512(w, jc + p * nr + c, k0, kc, t + c * kc);
+    } else
+#endif
+    for (int64_t c = 0; c < cols; ++c) sf_nbits_dequant_any(w, jc + p * nr + c, k0, kc, t + c * kc);
+    sf_pack_b(t, 1, kc, cols, 0, nr, 0, kc, Bp);
+  };
+  // chunks of SF_NBITS_NC columns (the GEMM's own are 4096): the chunk's dequantized panels, K x 512
+  // floats, are read back from the cache rather than from memory
+  const int64_t nr = sf_ukr().nr, chunk = std::min<int64_t>(w.N, SF_NBITS_NC);
+  float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * ((chunk + nr - 1) / nr) * nr * w.K));
+  const SfPackPerCall<decltype(pack)> src{pack, Bp, w.K, SF_NBITS_NC};
+  sf_sgemm_driver(M, w.N, w.K, A, w.K, 1, src, C, w.N, 1.0f, nullptr, 0, 0, sf_gemm_parallel(M, w.N, w.K, true));
+}
+
+}  // namespace
