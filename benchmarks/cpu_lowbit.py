@@ -25,10 +25,11 @@ from cpu_latency import _cpu_model, _medians_ms  # noqa: E402
 
 BLOCK = 32
 # name: (tokens M, input features K, output features N): Llama-7B's projections (4096 -> 4096, 11008 and
-# back) and the Llama-style test model's (1024 -> 2816), at one token (decoding), two, 8 and 128 (a prompt)
+# back) and the Llama-style test model's (1024 -> 2816), at one token (decoding), 2-32 and 128 (a prompt)
 SHAPES = {
     "llama7b_qo_m1": (1, 4096, 4096), "llama7b_up_m1": (1, 4096, 11008), "llama7b_down_m1": (1, 11008, 4096),
-    "llama7b_qo_m2": (2, 4096, 4096), "llama7b_qo_m8": (8, 4096, 4096), "llama7b_qo_m128": (128, 4096, 4096),
+    "llama7b_qo_m2": (2, 4096, 4096), "llama7b_qo_m4": (4, 4096, 4096), "llama7b_qo_m8": (8, 4096, 4096),
+    "llama7b_qo_m16": (16, 4096, 4096), "llama7b_qo_m32": (32, 4096, 4096), "llama7b_qo_m128": (128, 4096, 4096),
     "llama170m_up_m1": (1, 1024, 2816), "llama170m_up_m128": (128, 1024, 2816),
 }
 

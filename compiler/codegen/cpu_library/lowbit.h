@@ -70,7 +70,8 @@ static void sf_nbits_cols(const SfNbits& w, int64_t rows, int64_t j0, int64_t j1
 // low nibble is an even k, its high one the next odd k: a row's phases hold its even and odd elements.
 template <int R, int C>
 __attribute__((target("avx512f,avx512bw")))
-static void sf_nbits4_tile_avx512(const SfNbits& w, int64_t j0, const float* __restrict__ ap, float* __restrict__ y,
+static void sf_nbits4_tile_avx512(const SfNbits& w, int64_t j0, int64_t b0, int64_t b1, bool first,
+                                  const float* __restrict__ ap, float* __restrict__ y,
                                   int64_t ldy) {
   const int64_t ldq = w.ldq(), blob = w.blob(), rf = w.row_floats();
   const __m128i m4 = _mm_set1_epi8(0x0F);
@@ -80,7 +81,7 @@ static void sf_nbits4_tile_avx512(const SfNbits& w, int64_t j0, const float* __r
   for (int i = 0; i < R; ++i)
     #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) { acc[i][c] = _mm512_setzero_ps(); zacc[i][c] = 0.0f; }
-  for (int64_t b = 0; b < w.blocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     __m512 d[R][C];
     #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
@@ -114,7 +115,10 @@ static void sf_nbits4_tile_avx512(const SfNbits& w, int64_t j0, const float* __r
   #pragma GCC unroll 4
   for (int i = 0; i < R; ++i)
     #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) y[i * ldy + j0 + c] = _mm512_reduce_add_ps(acc[i][c]) - zacc[i][c];
+    for (int c = 0; c < C; ++c) {
+      const float v = _mm512_reduce_add_ps(acc[i][c]) - zacc[i][c];
+      y[i * ldy + j0 + c] = first ? v : y[i * ldy + j0 + c] + v;
+    }
 }
 
 // bytes 0-7 of x as floats
@@ -123,7 +127,8 @@ static inline __m256 sf_u8x8_ps(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cv
 
 template <int R, int C>
 __attribute__((target("avx2,fma")))
-static void sf_nbits4_tile_avx2(const SfNbits& w, int64_t j0, const float* __restrict__ ap, float* __restrict__ y,
+static void sf_nbits4_tile_avx2(const SfNbits& w, int64_t j0, int64_t b0, int64_t b1, bool first,
+                                  const float* __restrict__ ap, float* __restrict__ y,
                                 int64_t ldy) {
   const int64_t ldq = w.ldq(), blob = w.blob(), rf = w.row_floats();
   const __m128i m4 = _mm_set1_epi8(0x0F);
@@ -133,7 +138,7 @@ static void sf_nbits4_tile_avx2(const SfNbits& w, int64_t j0, const float* __res
   for (int i = 0; i < R; ++i)
     #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) { acc[i][c] = _mm256_setzero_ps(); zacc[i][c] = 0.0f; }
-  for (int64_t b = 0; b < w.blocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     __m256 d[R][C];
     #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
@@ -181,21 +186,30 @@ static void sf_nbits4_tile_avx2(const SfNbits& w, int64_t j0, const float* __res
     for (int c = 0; c < C; ++c) {
       alignas(32) float t[8];
       _mm256_store_ps(t, acc[i][c]);
-      y[i * ldy + j0 + c] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])) - zacc[i][c];
+      const float v = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])) - zacc[i][c];
+      y[i * ldy + j0 + c] = first ? v : y[i * ldy + j0 + c] + v;
     }
 }
 
 // one column group [j0, j0 + cols) of R rows by the ISA's tile: 4 columns (1 or 2 rows) or 2 (3 or 4
-// rows: the sums of R x C tiles and their block sums stay in registers), single columns for the tail
+// rows: the sums of R x C tiles and their block sums stay in registers), single columns for the tail;
+// K in chunks of about 2048 codes, so that the R rows' phases (8 KB a row) stay in L1 across the group's
+// columns (measured: 4 rows of K = 4096, 64 KB, took 2.2x the time of 2 rows)
 template <int R>
 static void sf_nbits4_group(int isa, const SfNbits& w, int64_t j0, int64_t cols, const float* ap, float* y,
                             int64_t ldy) {
   constexpr int C = R <= 2 ? 4 : 2;
-  int64_t j = j0;
-  for (; j + C <= j0 + cols; j += C)
-    if (isa == 2) sf_nbits4_tile_avx512<R, C>(w, j, ap, y, ldy); else sf_nbits4_tile_avx2<R, C>(w, j, ap, y, ldy);
-  for (; j < j0 + cols; ++j)
-    if (isa == 2) sf_nbits4_tile_avx512<R, 1>(w, j, ap, y, ldy); else sf_nbits4_tile_avx2<R, 1>(w, j, ap, y, ldy);
+  const int64_t step = std::max<int64_t>(1, 2048 / w.bs);
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += step) {
+    const int64_t b1 = std::min(w.blocks, b0 + step);
+    int64_t j = j0;
+    for (; j + C <= j0 + cols; j += C)
+      if (isa == 2) sf_nbits4_tile_avx512<R, C>(w, j, b0, b1, b0 == 0, ap, y, ldy);
+      else sf_nbits4_tile_avx2<R, C>(w, j, b0, b1, b0 == 0, ap, y, ldy);
+    for (; j < j0 + cols; ++j)
+      if (isa == 2) sf_nbits4_tile_avx512<R, 1>(w, j, b0, b1, b0 == 0, ap, y, ldy);
+      else sf_nbits4_tile_avx2<R, 1>(w, j, b0, b1, b0 == 0, ap, y, ldy);
+  }
 }
 #endif
 
@@ -293,8 +307,10 @@ static void sf_nbits_dequant_any(const SfNbits& w, int64_t j, int64_t k0, int64_
 }
 
 // Rows up to which the GEMV runs, in groups of 4 (each group reads the codes again); more go through the
-// GEMM, each panel of W dequantized (a column at a time, then transposed) as the GEMM packs it.
-constexpr int64_t SF_NBITS_GEMV_ROWS = 16;
+// GEMM, each panel of W dequantized (a column at a time, then transposed) as the GEMM packs it. Measured
+// on the 2-core AVX-512 Xeon (benchmarks/cpu_lowbit.py, 4096 x 4096): the GEMV 3.4 ms at 8 rows and 6.8
+// at 16, the GEMM 5.2 and 6.1 (its dequantization, ~4 ms, is paid once per call).
+constexpr int64_t SF_NBITS_GEMV_ROWS = 12;
 constexpr int64_t SF_NBITS_NC = 1024;
 
 // C[M, N] = A[M, K] @ W
