@@ -99,7 +99,8 @@ def main(argv=None) -> None:
             compile(paths[kind], distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                     out_dir=out)
             progs[kind] = load(out, rank=0)
-        sess = {lv: ort.InferenceSession(paths[f"nbits{lv}"], opts, providers=["CPUExecutionProvider"]) for lv in (0, 4)}
+        sess = {lv: ort.InferenceSession(paths[f"nbits{lv}"], opts, providers=["CPUExecutionProvider"])
+                for lv in (0, 4)}
         ref = sess[0].run(None, {"x": x})[0]
         err = float(np.max(np.abs(progs["nbits0"].run({"x": x})["y"] - ref)) / np.max(np.abs(ref)))
         ours, f32, ort0, ort4 = _medians_ms(

@@ -1419,7 +1419,8 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum,
-              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer, "MatMulNBits": _matmul_nbits, "Fused": _fused,
+              "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer,
+              "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "MatMulNBits", "BitCast",

@@ -10,8 +10,9 @@ Each is composed from library ops (element-wise arithmetic, LayerNorm, RMSNorm, 
 after onnxruntime's ``docs/ContribOperators.md`` and checked against onnxruntime's CPU kernels.
 ``MatMulNBits`` on float32 activations becomes the library's op of that name, its weight kept packed
 (the cpu target computes on the packed bytes; the cuda target dequantizes it per rank); on half
-activations, or with an act-order ``g_idx``, its weight is dequantized at import. The operators of the NCHWc layout (``com.microsoft.nchwc``), which
-onnxruntime writes only for the machine it optimized on, are not contrib operators and stay refused.
+activations, or with an act-order ``g_idx``, its weight is dequantized at import. The operators of the
+NCHWc layout (``com.microsoft.nchwc``), which onnxruntime writes only for the machine it optimized on,
+are not contrib operators and stay refused.
 """
 from __future__ import annotations
 

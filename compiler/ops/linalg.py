@@ -12,15 +12,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum, minimum,
+from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum,
+                       minimum,
                        numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "unpack_bits", "Attention", "parse_einsum",
-           "Det"]
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "unpack_bits", "Attention",
+           "parse_einsum", "Det"]
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
