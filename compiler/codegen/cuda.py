@@ -1519,12 +1519,30 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     if direct is not None:
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
                                  root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
-                                 a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config, vec=vec)
+                                 a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config, vec=vec,
+                                 row_reads=_reads_per_row(value, plan.m_axes, an))
     src, launch = gemm_kernel(symbol=symbol, params=params, prec=plan.prec, M=M, N=N, K=K, batch=B,
                               root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                               load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,
                               epilogue="\n".join(epi), config=choose_gemm_config(M, N, B))
     return src, launch, None
+
+
+def _reads_per_row(value: Expr, m_axes: list, an: _Analysis) -> bool:
+    """Whether a GEMM's epilogue (``value`` outside its product) reads a tensor element that changes
+    with the output row, as a residual does (a bias does not): such reads miss the caches and are
+    worth issuing together (RFC 0005 decision 28)."""
+    rows = {v for v in m_axes if v.extent != 1}
+    stack, seen = [value], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or isinstance(e, Reduce):
+            continue
+        seen.add(id(e))
+        if isinstance(e, TensorElement) and any(an.free(ix) & rows for ix in e.indices):
+            return True
+        stack.extend(e.children())
+    return False
 
 
 def _half_cast(op: Operator) -> bool:

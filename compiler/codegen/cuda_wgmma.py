@@ -137,17 +137,29 @@ _CHUNK, _LDS = 32, 40
 #: loop completely (16) made the GEMM+GELU kernel 25.5 -> 39.5 us and GEMM+residual 17.6 -> 21.7 us)
 _EPILOGUE_UNROLL = 4
 _STAGE_BYTES = 64 * _LDS * 4
+#: iterations of an epilogue loop unrolled together when it reads along the rows (a ``tma`` tile's
+#: chunk loop has 4; the ``cp`` tiles' whole-tile loop 8-32, whose reads in flight together spill)
+_ROW_READ_UNROLL = 4
 
 
 def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread: str, cols: int, smem: str,
-                   ld: int, m: str, n: str, M: int, N: int, unroll: int) -> str:
+                   ld: int, m: str, n: str, M: int, N: int, unroll: int, exact: bool = False,
+                   row_reads: bool = False) -> str:
     """The loop running ``epilogue`` over a tile of accumulators staged in shared memory (``smem``,
     rows of ``ld`` floats): ``groups`` groups of ``vec`` consecutive columns of a ``cols``-column
     tile, thread ``thread`` of ``threads`` taking every ``threads``-th group; ``m``/``n`` are the
     output row and column of the tile's first element. With ``vec == 1`` the epilogue reads
     ``float sf_acc``, else ``float sf_acc[vec]`` for columns ``sf_n .. sf_n + vec - 1``, which are
-    all inside ``N`` when ``sf_n`` is (``N`` is a multiple of ``vec``)."""
+    all inside ``N`` when ``sf_n`` is (``N`` is a multiple of ``vec``).
+
+    ``exact``: the tile lies inside the product (``M`` and ``N`` multiples of its rows and columns),
+    so no element is tested. With ``row_reads`` too (the epilogue reads a tensor along the rows,
+    a residual) the loop is unrolled by :data:`_ROW_READ_UNROLL` (a chunk's whole loop): with no
+    branch between them, ptxas issues those iterations' reads before the first store (decision
+    28), instead of one round trip to L2 per iteration."""
     per_row = cols // vec
+    steps = -(-groups // threads)
+    exact = exact and groups % threads == 0
     col = f"sf_e % {per_row}" if vec == 1 else f"(sf_e % {per_row}) * {vec}"
     if vec == 1:
         acc = f"const float sf_acc = {smem}[(sf_e / {per_row}) * {ld} + {col}];"
@@ -155,12 +167,14 @@ def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread
         assert vec == 4 and N % vec == 0 and ld % vec == 0 and cols % vec == 0, (vec, N, ld, cols)
         acc = (f"const float4 sf_a4 = *reinterpret_cast<const float4*>({smem} + (sf_e / {per_row}) * {ld} + {col});\n"
                "const float sf_acc[4] = {sf_a4.x, sf_a4.y, sf_a4.z, sf_a4.w};")
-    return f"""#pragma unroll {max(1, unroll // vec)}
-for (int sf_i = 0; sf_i < {-(-groups // threads)}; ++sf_i) {{
+    test = ("{  // the tile lies inside the product" if exact else
+            f"if ({'sf_e < %d && ' % groups if groups % threads else ''}sf_m < {M} && sf_n < {N}) {{")
+    return f"""#pragma unroll {min(steps, _ROW_READ_UNROLL) if exact and row_reads else max(1, unroll // vec)}
+for (int sf_i = 0; sf_i < {steps}; ++sf_i) {{
   const int sf_e = {thread} + sf_i * {threads};
   const int sf_m = {m} + sf_e / {per_row};
   const int sf_n = {n} + {col};
-  if ({"sf_e < %d && " % groups if groups % threads else ""}sf_m < {M} && sf_n < {N}) {{
+  {test}
 {_indent(acc, 4)}
 {_indent(epilogue, 4)}
   }}
@@ -399,7 +413,8 @@ const int sf_n0 = (({index} % sf_gsz) / sf_rows) * {BN};"""
 
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
                       batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
-                      config: str | None = None, vec: int = 1) -> tuple[str, dict, tuple[int, str, int, int]]:
+                      config: str | None = None, vec: int = 1,
+                      row_reads: bool = False) -> tuple[str, dict, tuple[int, str, int, int]]:
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
     ``ab`` is ``"f16"`` or ``"bf16"``. ``epilogue`` reads ``float sf_acc`` for output
@@ -407,6 +422,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     decomposes ``sf_bz`` into the batch axes (the operands' ``base`` expressions may use them).
     With ``vec = 4`` (``N`` a multiple of 4) the epilogue handles four consecutive columns: it
     reads ``float sf_acc[4]`` for outputs ``(sf_m, sf_n + j)``, all inside the product.
+    ``row_reads``: the epilogue reads a tensor along the output rows (:func:`_epilogue_loop`).
     """
     config = config or choose_wgmma_config(M, N, batch, K=K)
     if config not in WGMMA_CONFIGS:
@@ -416,7 +432,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
-                               a=a, b=b, epilogue=epilogue, config=config, vec=vec)
+                               a=a, b=b, epilogue=epilogue, config=config, vec=vec, row_reads=row_reads)
         config = _TMA_FALLBACK[config]
     wg, BN, S, _ = WGMMA_CONFIGS[config]
     BM = 64 * wg
@@ -448,7 +464,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
   }}
 }}"""
     epilogue_loop = _epilogue_loop(epilogue, vec, groups=BM * BN // vec, threads=T, thread="threadIdx.x", cols=BN,
-                                   smem="sf_Cs", ld=ldc, m="sf_m0", n="sf_n0", M=M, N=N, unroll=_EPILOGUE_UNROLL)
+                                   smem="sf_Cs", ld=ldc, m="sf_m0", n="sf_n0", M=M, N=N, unroll=_EPILOGUE_UNROLL,
+                                   exact=M % BM == 0 and N % BN == 0, row_reads=row_reads)
     # every thread copies; a block barrier per K step hands the stage to the tensor cores
     body = f"""float sf_d[{BN // 2}];
 #pragma unroll
@@ -630,7 +647,8 @@ if (sf_ke < {KT}) {{  // the tile's first piece: add the others, the next blocks
 
 
 def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, root: str, batch_code: str,
-                a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int) -> tuple[str, dict, tuple]:
+                a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int,
+                row_reads: bool = False) -> tuple[str, dict, tuple]:
     """A persistent warp-specialized GEMM: ``gridDim.x`` blocks (at most :data:`PERSISTENT_SMS`)
     take tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the grouped order. Warpgroup 0 is the
     producer: its first thread waits until a stage is free (``empty`` mbarrier), announces the
@@ -697,7 +715,9 @@ const int sf_ke = min(sf_kb + {per}, {KT});
     nreg, tc = BN // 2, wg * 128
     chunk_loop = _epilogue_loop(epilogue, vec, groups=64 * _CHUNK // vec, threads=128, thread="sf_wl", cols=_CHUNK,
                                 smem="sf_Cw", ld=_LDS, m="sf_m0" if pp else "sf_m0 + sf_cw * 64",
-                                n=f"sf_n0 + sf_ch * {_CHUNK}", M=M, N=N, unroll=_EPILOGUE_UNROLL)
+                                n=f"sf_n0 + sf_ch * {_CHUNK}", M=M, N=N, unroll=_EPILOGUE_UNROLL,
+                                exact=M % BM == 0 and N % BN == 0,
+                                row_reads=row_reads and not sk)  # (stream-K's fix-up leaves no registers for them)
     # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
     # coalesced) and counts itself in. When every unit has a block of its own (the usual case:
     # split_count keeps units <= multiprocessors, and then all blocks are resident at once), the

@@ -547,6 +547,38 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
 
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128"])
+def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
+    """Products whose tiles all lie inside them (RFC 0005 decision 28): the epilogue tests no
+    element, and one that reads a residual along the rows is unrolled whole (its reads issued
+    together); a bare product keeps the short unroll. Against numpy, blocks taking
+    several tiles; the residual read per element (across rows) too."""
+    from shardflow.compiler.codegen.cuda_wgmma import _ROW_READ_UNROLL
+    from test_wgmma import _gemm, _residual_epilogue
+
+    rng = np.random.default_rng(7)
+    cases = {"vec": _residual_epilogue(256, M=256, K=136), "res_t": _residual_epilogue(256, True, M=256, K=136),
+             "vec-f32": _residual_epilogue(256, M=256, K=136, dt="float32")}
+    srcs = {name: generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
+            for name, (ops, _) in cases.items()}
+    bare = generate_cuda_source([_gemm(256, 256, 136, "float16", False, False)], arch="sm_90",
+                                gemm_configs={"g": cfg}).text
+    for text in [s.text for s in srcs.values()] + [bare]:
+        assert "inside the product" in text and "sf_m < 256" not in text
+    unrolled = f"#pragma unroll {_ROW_READ_UNROLL}\n"
+    assert all(unrolled in s.text for s in srcs.values()) and unrolled not in bare
+    kernels = dict(zip(srcs, build_all([src.text for src in srcs.values()], str(tmp_path))))
+    for name, (ops, shapes) in cases.items():
+        launch, dt = srcs[name].launches["out"], "float32" if name == "vec-f32" else "float16"
+        arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16 if k in "xw" else dt)
+                  for k, v in shapes.items()}
+        res = arrays["res"].T if name == "res_t" else arrays["res"]
+        want = arrays["x"].astype(np.float64) @ arrays["w"].astype(np.float64) + arrays["bias"] + res
+        got = run(kernels[name], launch, [arrays[n] for n in launch.args[:launch.num_inputs]], [(res.shape, dt)],
+                  grid=(3, 1, 1) if launch.tensor_maps else None, seed=3)[0]
+        np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
+
+
 def test_epilogue_of_a_transposed_output_on_the_host(tmp_path):
     """An output whose rows are not contiguous (``mk,kn->nm``): four columns per thread, each
     stored on its own (decision 22's other store path)."""

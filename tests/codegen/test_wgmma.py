@@ -238,6 +238,40 @@ def _residual_epilogue(N, res_t=False, M=200, K=328, dt="float16", heads=None):
     return fuse(ops + [out], keep=[out.outputs[0].name]), {"x": (M, K), "w": w.shape, "bias": row, "res": res.shape}
 
 
+@needs_nvcc
+def test_residual_epilogues_of_whole_tiles_compile_without_local_memory(tmp_path):
+    """RFC 0005 decision 28: a product whose tiles lie inside it runs its epilogue untested, and
+    one reading a residual along the rows unrolls its loop by four (the reads issued together;
+    not on the stream-K tiles). Every tile whose columns divide the product, float32 and float16
+    residuals, compiles with no local memory."""
+    from shardflow.compiler.codegen.cuda_wgmma import _ROW_READ_UNROLL
+
+    srcs = []
+    for dt in ("float16", "float32"):
+        ops, _ = _residual_epilogue(768, M=768, K=256, dt=dt)
+        for cfg, (_, _, _, mode) in WGMMA_CONFIGS.items():
+            src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg}).text
+            unrolled = f"#pragma unroll {_ROW_READ_UNROLL}\n" in src
+            assert "inside the product" in src and "sf_m < 768" not in src, cfg
+            assert unrolled == (mode != "sk"), cfg
+            srcs.append(src)
+    frames = {}
+    for i, text in enumerate(srcs):
+        cu = tmp_path / f"k{i}.cu"
+        cu.write_text(text)
+    # two nvcc processes at a time (the suite runs on two cores)
+    for pair in range(0, len(srcs), 2):
+        procs = [subprocess.Popen(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                                   "-Xptxas", "-v", "-o", str(tmp_path / f"k{i}.cubin"), str(tmp_path / f"k{i}.cu")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(pair, min(pair + 2, len(srcs)))]
+        for i, proc in zip(range(pair, pair + 2), procs):
+            _, report = proc.communicate()
+            assert proc.returncode == 0 and "serialized" not in report, report[-3000:]
+            frames[i] = [int(f) for f in re.findall(r"(\d+) bytes stack frame", report)]
+    assert all(f == [0] for f in frames.values()), frames
+
+
 @pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
 def test_epilogue_takes_four_columns_per_thread(tmp_path, cfg):
     """RFC 0005 decision 22: when the row length is a multiple of 4, each thread's epilogue
