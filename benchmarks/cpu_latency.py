@@ -25,12 +25,14 @@ format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff|
 float models' (an activation that rounds the other way in one engine moves the next layer's sums).
 ``--int4`` also times a copy of each transformer whose MatMul weights ``MatMulNBitsQuantizer`` made 4-bit
 (blocks of 32, zero points; ``<model>_int4``), the weights kept packed here (``cpu_library/lowbit.h``), next
-to onnxruntime on the same file at ``accuracy_level`` 0 (float32 activations, as ours).
+to onnxruntime on the same file at ``accuracy_level`` 0 (float32 activations, as ours); ``--int4-gather``
+also quantizes the token embedding's ``Gather`` (``GatherBlockQuantized`` on a uint4 table; ``<model>_int4g``).
+Each line gives the rank's weight bytes too (``weights``: the artifact's ``weights.bin``).
 ``--seq N`` exports the sized transformers for N tokens instead of 128 (``--seq 1``: a decoding step's
 products, without its KV cache).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet]
-                                     [--compare-off blocked] [--int8] [--bf16] [--int4] [--seq 1]
+                                     [--compare-off blocked] [--int8] [--bf16] [--int4 [--int4-gather]] [--seq 1]
 """
 from __future__ import annotations
 
@@ -100,12 +102,13 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
-    progs = []
+    progs, weights = [], []
     for on in (True, False) if compare else (True,):
         out = os.path.join(work, f"{name}-{on}")
-        compile(path, distributed_config={"mesh_shape": [1]},
-                optimization_config={"target": "cpu", **({} if on else {compare: False})}, out_dir=out)
+        res = compile(path, distributed_config={"mesh_shape": [1]},
+                      optimization_config={"target": "cpu", **({} if on else {compare: False})}, out_dir=out)
         progs.append(load(out, rank=0))
+        weights.append(res.ranks[0]["weights_bytes"])
     sess = _onnxruntime(path, threads)
     *ours, ref = _medians_ms([lambda p=p: p.run(feeds) for p in progs] + [lambda: sess.run(None, feeds)], repeat,
                              block=5)
@@ -113,7 +116,7 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
               for o, r in zip(sess.get_outputs(), sess.run(None, feeds)))
     extra = f"   without {compare} {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare else ""
     print(f"{name:<22} shardflow {ours[0]:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours[0] / ref:5.2f}   "
-          f"max |diff| {err:.1e}{extra}", flush=True)
+          f"max |diff| {err:.1e}   weights {weights[0] / 1e6:7.1f} MB{extra}", flush=True)
 
 
 def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str) -> None:
@@ -150,15 +153,24 @@ def int8_copy(path: str) -> str:
     return out
 
 
-def int4_copy(path: str) -> str:
-    """``path`` with its MatMul weights quantized to 4 bits by onnxruntime's ``MatMulNBitsQuantizer``
-    (blocks of 32 along K, a scale and a zero point each; ``accuracy_level`` 0), next to it."""
+def int4_copy(path: str, gather: bool = False) -> str:
+    """``path`` with its MatMul weights (and, with ``gather``, its ``Gather`` tables along their rows)
+    quantized to 4 bits by onnxruntime's ``MatMulNBitsQuantizer`` (blocks of 32, a scale and a zero
+    point each; ``accuracy_level`` 0), next to it."""
+    import logging
+
     import onnx
+    import onnx.version_converter
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    q = MatMulNBitsQuantizer(onnx.load(path), block_size=32, is_symmetric=False, accuracy_level=0)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    model, extra = onnx.load(path), {}
+    if gather:  # (its uint4 tables need opset 21, which the quantizer sets without converting the nodes)
+        model = onnx.version_converter.convert_version(model, 21)
+        extra = {"op_types_to_quantize": ("MatMul", "Gather"), "quant_axes": (("MatMul", 0), ("Gather", 1))}
+    q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=False, accuracy_level=0, **extra)
     q.process()
-    out = path[:-len(".onnx")] + "_int4.onnx"
+    out = path[:-len(".onnx")] + ("_int4g.onnx" if gather else "_int4.onnx")
     q.model.save_model_to_file(out, use_external_data_format=False)
     return out
 
@@ -263,6 +275,8 @@ def main(argv=None) -> None:
                     help="also time the transformers quantized by onnxruntime's quantize_dynamic")
     ap.add_argument("--int4", action="store_true",
                     help="also time the transformers with 4-bit weights (onnxruntime's MatMulNBitsQuantizer)")
+    ap.add_argument("--int4-gather", action="store_true",
+                    help="with --int4, also a copy whose token embedding is 4-bit too (GatherBlockQuantized)")
     ap.add_argument("--seq", type=int, default=128, help="tokens of the sized transformers' input")
     args = ap.parse_args(argv)
     compare = "prepack" if args.compare_prepack else args.compare_off
@@ -276,6 +290,8 @@ def main(argv=None) -> None:
             bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, compare)
         if args.int4:
             bench(f"{name}_int4", int4_copy(path), feeds, args.threads, repeat, work, compare)
+            if args.int4_gather:
+                bench(f"{name}_int4g", int4_copy(path, gather=True), feeds, args.threads, repeat, work, compare)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"cpu: {_cpu_model()}, {os.cpu_count()} logical cores; threads: {args.threads}; "
           f"onnxruntime {__import__('onnxruntime').__version__}")

@@ -3,14 +3,16 @@
 ``onnxruntime.transformers.optimizer`` writes into a model (fused layer norms, GELUs, BERT's
 ``Attention``, ``MultiHeadAttention``, ``RotaryEmbedding``), what ``onnxruntime.quantization``'s
 ``MatMulNBitsQuantizer`` writes (4-bit block-quantized weights), and what onnxruntime-genai's model
-builder writes (``GroupQueryAttention`` with a KV cache). A model optimized or quantized that way for
+builder writes (``GroupQueryAttention`` with a KV cache, ``GatherBlockQuantized`` for an embedding that
+shares the ``lm_head``'s 4-bit weight). A model optimized or quantized that way for
 onnxruntime, or an onnxruntime-genai LLM, imports here.
 
 Each is composed from library ops (element-wise arithmetic, LayerNorm, RMSNorm, Attention, MatMul),
 after onnxruntime's ``docs/ContribOperators.md`` and checked against onnxruntime's CPU kernels.
 ``MatMulNBits`` on float32 activations becomes the library's op of that name, its weight kept packed
 (the cpu target computes on the packed bytes; the cuda target dequantizes it per rank); on half
-activations, or with an act-order ``g_idx``, its weight is dequantized at import. The operators of the
+activations, or with an act-order ``g_idx``, its weight is dequantized at import;
+``GatherBlockQuantized`` keeps its table packed too. The operators of the
 NCHWc layout (``com.microsoft.nchwc``), which onnxruntime writes only for the machine it optimized on,
 are not contrib operators and stay refused.
 """
@@ -23,7 +25,7 @@ import numpy as np
 
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
-from ..ops.linalg import MatMulNBits, unpack_bits
+from ..ops.linalg import GatherBlockQuantized, MatMulNBits, unpack_bits
 from ..ops.transform import Transpose
 from .registry import FLOATS, NodeContext, onnx_op
 
@@ -195,6 +197,23 @@ def fused_matmul(ctx):
     return [y if alpha == 1.0 else ctx.emit("Mul", [y, ctx.constant(np.array(alpha, numpy_type(a.dtype)))], _OPSET)]
 
 
+def _block_zero_points(ctx, i: int, rows: int, blocks: int, bits: int) -> np.ndarray | None:
+    """Input ``i``'s zero points as float32 ``[rows, blocks]`` (None when absent): ``bits``-bit codes
+    packed like the weight, each row's blocks padded to whole bytes, or one value per block."""
+    if not ctx.has_input(i):
+        return None
+    zp = ctx.const(i)
+    if zp.dtype == np.uint8:
+        per_row = -(-blocks * bits // 8)
+        if zp.size != rows * per_row:
+            raise ctx.invalid(f"packed zero points must be {rows} x {per_row} bytes, got {zp.size}")
+        return unpack_bits(zp.reshape(rows, per_row), bits, blocks).astype(np.float32)
+    if zp.size != rows * blocks:
+        raise ctx.invalid(f"zero points must be packed uint8 or one value per block, got {zp.dtype} of "
+                          f"{zp.size} values")
+    return zp.astype(np.float32).reshape(rows, blocks)
+
+
 @onnx_op("MatMulNBits", since=1, domain=_MS)
 def matmul_nbits(ctx):
     """``A @ W (+ bias)`` with ``W [K, N]`` stored as ``bits``-bit integers in blocks of ``block_size``
@@ -220,19 +239,7 @@ def matmul_nbits(ctx):
     if scales.size != n * blocks:
         raise ctx.invalid(f"scales must hold N x blocks = {n * blocks} values, got {scales.size}")
     scales = scales.reshape(n, blocks)
-    zp = None
-    if ctx.has_input(3):
-        zp = ctx.const(3)
-        if zp.dtype == np.uint8:  # packed like B, each column's blocks padded to whole bytes
-            per_col = -(-blocks * bits // 8)
-            if zp.size != n * per_col:
-                raise ctx.invalid(f"packed zero points must be N x {per_col} bytes, got {zp.size}")
-            zp = unpack_bits(zp.reshape(n, per_col), bits, blocks).astype(np.float32)
-        elif zp.size == n * blocks:
-            zp = zp.astype(np.float32).reshape(n, blocks)
-        else:
-            raise ctx.invalid(f"zero points must be packed uint8 or one value per block, got {zp.dtype} of "
-                              f"{zp.size} values")
+    zp = _block_zero_points(ctx, 3, n, blocks, bits)
     group = np.arange(k) // block
     if ctx.has_input(4):
         g_idx = ctx.const(4).astype(np.int64).reshape(-1)
@@ -253,6 +260,69 @@ def matmul_nbits(ctx):
     log.info("node %s: %d-bit weight [%d, %d] dequantized at import (%s)", ctx.name, bits, k, n,
              "activations in " + a.dtype if a.dtype != "float32" else "g_idx reorders the blocks")
     return [_add(ctx, ctx.emit("MatMul", [a, weight], _OPSET), _optional(ctx, 5))]
+
+
+def _four_bit_table(ctx, four: str, rows: int, k: int, blocks: int) -> tuple[Tensor, np.ndarray]:
+    """An int4/uint4 ``GatherBlockQuantized`` table (one code an element) as the library op takes it:
+    codes packed two a byte, low nibble first, and float32 zero points (int4's codes and zero points
+    moved up by 8, so that the differences stay; uint4's default zero point 0 made explicit)."""
+    if k % 2:
+        raise ctx.unsupported(f"a 4-bit table of an odd row length ({k})")
+    shift = 8 if four == "int4" else 0
+    codes = (ctx.const(0).astype(np.int16) + shift).astype(np.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+    if ctx.has_input(3):
+        zp = ctx.const(3).astype(np.float32)
+        if zp.shape != (rows, blocks) or ctx.four_bit(3) != four:
+            raise ctx.invalid(f"zero points must be {four} [{rows}, {blocks}] like the table, got "
+                              f"{ctx.four_bit(3) or zp.dtype} {list(zp.shape)}")
+        zp = zp + shift
+    else:
+        zp = np.full((rows, blocks), shift, np.float32)
+    return ctx.constant(np.ascontiguousarray(packed)), zp
+
+
+@onnx_op("GatherBlockQuantized", since=1, domain=_MS)
+def gather_block_quantized(ctx):
+    """Rows of a table of ``bits``-bit codes (a ``uint8`` table packs 2, 4 or 8 bits a code, as
+    MatMulNBits does; an initializer of ONNX's int4/uint4 holds one code an element, as
+    ``MatMulNBitsQuantizer`` writes a quantized ``Gather``), rows gathered along axis 0 and blocks
+    along the last, dequantized with a scale and zero point per block: the library's
+    :class:`~shardflow.compiler.ops.linalg.GatherBlockQuantized`, the table kept packed (a 4-bit
+    initializer repacked two codes a byte here)."""
+    data, indices, scales = ctx.input(0), ctx.input(1), ctx.input(2)
+    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size", 128))
+    four = ctx.four_bit(0)
+    if four:
+        bits = 4
+    rank = data.ndim
+    gather_axis, quantize_axis = int(ctx.attr("gather_axis", 0)), int(ctx.attr("quantize_axis", 1))
+    gather_axis += rank if gather_axis < 0 else 0
+    quantize_axis += rank if quantize_axis < 0 else 0
+    if data.dtype != "uint8" and not four:
+        raise ctx.unsupported(f"data of type {data.dtype} (uint8, and int4/uint4 initializers, are)")
+    if bits not in (2, 4, 8):
+        raise ctx.unsupported(f"bits={bits} (2, 4 and 8 are)")
+    if block < 16 or block & (block - 1):
+        raise ctx.invalid(f"block_size must be a power of 2 of at least 16, got {block}")
+    if rank != 2 or gather_axis != 0 or quantize_axis != 1:
+        raise ctx.unsupported(f"data of rank {rank} gathered along axis {gather_axis} and quantized along axis "
+                              f"{quantize_axis} (a table [rows, packed codes] gathered along 0, quantized along 1 is)")
+    if indices.dtype not in ("int32", "int64"):
+        raise ctx.invalid(f"indices must be int32 or int64, got {indices.dtype}")
+    if scales.dtype not in ("float32", "float16"):
+        raise ctx.unsupported(f"scales of type {scales.dtype} (float32 and float16 are)")
+    rows, k = data.shape[0], data.shape[1] * (1 if four else 8 // bits)
+    blocks = -(-k // block)
+    if tuple(scales.shape) != (rows, blocks):
+        raise ctx.shape_error(f"scales must be [{rows}, {blocks}] (a scale per block of {block} of the "
+                              f"{k} values of a row), got {list(scales.shape)}")
+    if four:
+        data, zp = _four_bit_table(ctx, four, rows, k, blocks)
+    else:
+        zp = _block_zero_points(ctx, 3, rows, blocks, bits)
+    ins = [data, indices, scales] + ([ctx.constant(zp)] if zp is not None else [])
+    return [ctx.add(GatherBlockQuantized(ins, name=ctx.name, bits=bits, block_size=block))]
 
 
 # attention -----------------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ from .registry import NodeContext, find_handler, onnx_dtype
 
 __all__ = ["import_onnx", "read_model"]
 
+#: ONNX's 4-bit integer types: initializers of them import as int8/uint8 values (``_Importer.four_bit``)
+_FOUR_BIT = {onnx.TensorProto.INT4: "int4", onnx.TensorProto.UINT4: "uint4"}
+
 log = logging.getLogger(__name__)
 
 #: Largest result (elements) computed eagerly at import; bigger ones stay ops.
@@ -119,6 +122,8 @@ class _Importer:
         self.scope = ""
         self._graph_input_ids: dict[int, str] = {}
         self._inlined_nodes = 0
+        #: initializers of ONNX's 4-bit types, held as int8/uint8 values: their type, by tensor id
+        self.four_bit: dict[int, str] = {}
 
     def fresh_name(self, base: str) -> str:
         while True:
@@ -154,11 +159,17 @@ class _Importer:
                 arr = numpy_helper.to_array(init)
             except Exception as exc:
                 raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
-            onnx_dtype(init.data_type, f"initializer {init.name!r}")
+            four = _FOUR_BIT.get(init.data_type)
+            if four:  # the values, one per int8/uint8 (the only ops defined on these types read values)
+                arr = np.asarray(arr).astype(np.int8 if four == "int4" else np.uint8)
+            else:
+                onnx_dtype(init.data_type, f"initializer {init.name!r}")
             # not ascontiguousarray: it would turn a 0-d (scalar) initializer into shape (1,)
             name = init.name if init.name not in self._used_names else self.fresh_name(init.name + "_")
             self.env[init.name] = const_tensor(np.asarray(arr, order="C"), name)
             self._used_names.add(name)
+            if four:
+                self.four_bit[id(self.env[init.name])] = four
 
     def input_dependencies(self, t: Tensor) -> list[str]:
         """The graph inputs whose values ``t`` depends on (for errors asking to bind them)."""

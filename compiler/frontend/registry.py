@@ -152,6 +152,11 @@ class NodeContext:
                 {self.node.op_type: [self.name]})
         return t.value
 
+    def four_bit(self, i: int) -> str | None:
+        """``"int4"`` or ``"uint4"`` when input ``i`` is an initializer of that ONNX type (imported as
+        int8/uint8 values, one per element), else None."""
+        return self._importer.four_bit.get(id(self.inputs[i])) if self.has_input(i) else None
+
     def is_const(self, i: int) -> bool:
         return self.has_input(i) and self.inputs[i].value is not None
 

@@ -496,6 +496,64 @@ class MatMulNBits(Operator):
         return [np.asarray(np.matmul(a, w), np.float32)]
 
 
+class GatherBlockQuantized(Operator):
+    """Rows of a table kept as ``bits``-bit unsigned integers, dequantized as they are gathered:
+    onnxruntime's ``GatherBlockQuantized`` (``com.microsoft``) on ``uint8`` data, the quantized
+    embedding of an LLM whose embedding and ``lm_head`` share one 4-bit weight.
+
+    Inputs ``data[V, K * bits / 8]`` (uint8, value ``k`` of a row in bits ``(k % (8 / bits)) *
+    bits`` of its byte ``k / (8 / bits)``), ``indices[...]`` (int32/int64, negative ones counted
+    from the end), ``scales[V, blocks]`` (float32 or float16) and optionally ``zero_points[V,
+    blocks]`` (float32; default ``2^(bits - 1)``), ``blocks = ceil(K / block_size)``.
+    ``y[i..., k] = (q[r, k] - zero_point[r, b]) * scale[r, b]`` with ``r = indices[i...]`` and ``b =
+    k / block_size``, in the scales' type; an index outside ``[-V, V)`` gives a row of zeros (as
+    onnxruntime's kernel does). Attributes ``bits``, ``block_size``.
+    """
+
+    def compute(self, data, indices, scales, *zp):
+        bits, bs = int(self.attrs["bits"]), int(self.attrs["block_size"])
+        if bits not in (2, 4, 8) or bs < 1:
+            raise ShapeError(f"{self.name}: GatherBlockQuantized takes bits 2, 4 or 8 and a positive block size, "
+                             f"got bits {bits}, block_size {bs}")
+        per = 8 // bits
+        v, k = (int(data.shape[0]), int(data.shape[1]) * per) if data.ndim == 2 else (0, 0)
+        blocks = -(-k // bs)
+        if data.ndim != 2 or data.dtype != "uint8" or indices.dtype not in ("int32", "int64") \
+                or scales.dtype not in ("float32", "float16") or tuple(scales.shape) != (v, blocks) \
+                or (zp and (zp[0].dtype != "float32" or tuple(zp[0].shape) != (v, blocks))):
+            raise ShapeError(f"{self.name}: GatherBlockQuantized takes data[V, K * {bits} / 8] (uint8), indices "
+                             f"(int32/int64), scales[V, ceil(K / {bs})] (float32/float16) and zero points like the "
+                             f"scales (float32), got {[(t.dtype, tuple(t.shape)) for t in (data, indices, scales, *zp)]}")
+        mask = Const((1 << bits) - 1, "int32")
+        default_zp = Const(float(1 << (bits - 1)), "float32")
+        q_dims = indices.ndim
+
+        def f(*i):
+            raw = Cast(indices[i[:q_dims]], "int64")
+            inside = logical_and(raw >= -v, raw < v)
+            r = if_then_else(raw < 0, raw + v, raw)
+            r = if_then_else(inside, r, Const(0, "int64"))  # (a read in bounds; the value is 0 below)
+            kk = i[q_dims]
+            blk = kk // bs
+            byte = Cast(data[r, kk // per if per > 1 else kk], "int32")
+            q = byte if per == 1 else BinOp("bitand", BinOp("shr", byte, Cast((kk % per) * bits, "int32")), mask)
+            w = (Cast(q, "float32") - (zp[0][r, blk] if zp else default_zp)) * Cast(scales[r, blk], "float32")
+            return Cast(if_then_else(inside, w, Const(0.0, "float32")), scales.dtype)
+        return compute("y", tuple(indices.shape) + (k,), f, dtype=scales.dtype)
+
+    def numpy(self, data, indices, scales, *zp):
+        bits, bs = int(self.attrs["bits"]), int(self.attrs["block_size"])
+        v = data.shape[0]
+        idx = np.asarray(indices).astype(np.int64)
+        inside = (idx >= -v) & (idx < v)
+        rows = np.where(inside, np.where(idx < 0, idx + v, idx), 0)
+        q = unpack_bits(data[rows], bits, data.shape[1] * 8 // bits).astype(np.float32)
+        g = np.arange(q.shape[-1]) // bs
+        z = np.float32(1 << (bits - 1)) if not zp else zp[0][rows][..., g]
+        w = (q - z) * scales[rows][..., g].astype(np.float32)
+        return [np.where(inside[..., None], w, np.float32(0)).astype(scales.dtype)]
+
+
 class QLinearMatMul(Operator):
     """Quantized matmul: ``y = saturate(round(((a - azp) @ (b - bzp)) * (a_scale * b_scale / y_scale)) + yzp)``.
 
@@ -846,6 +904,11 @@ def examples(rng: np.random.Generator):
         (MatMulNBits, [f(3, 40), u8(5, 3, 8), f(5, 3), rng.integers(0, 16, (5, 3)).astype(np.float32)],
          {"bits": 4, "block_size": 16}),
         (MatMulNBits, [f(2, 2, 32), u8(4, 2, 4), f(4, 2)], {"bits": 2, "block_size": 16}),
+        (GatherBlockQuantized, [u8(6, 20), np.array([[0, 5, -1], [7, 2, -7]], np.int64), f(6, 2),
+                                rng.integers(0, 16, (6, 2)).astype(np.float32)], {"bits": 4, "block_size": 32}),
+        (GatherBlockQuantized, [u8(5, 8), np.array([4, 0, 4], np.int32), f(5, 2).astype(np.float16)],
+         {"bits": 2, "block_size": 16}),
+        (GatherBlockQuantized, [u8(3, 17), np.array(2, np.int64), f(3, 2)], {"bits": 8, "block_size": 16}),
         (MatMulNBits, [f(33), u8(3, 3, 16), f(3, 3), rng.integers(0, 256, (3, 3)).astype(np.float32)],
          {"bits": 8, "block_size": 16}),
         (QLinearMatMul, [u8(2, 3, 4), np.array(0.05, np.float32), np.array(3, np.uint8), u8(4, 5),

@@ -168,6 +168,84 @@ def test_matmul_nbits_node(bits, zero_points, g_idx, bias):
     _close(load_onnx(m).run(feeds), want)
 
 
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """``bits``-bit codes packed least significant first along the last axis (padded to whole bytes)."""
+    per = 8 // bits
+    codes = np.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, -codes.shape[-1] % per)])
+    grouped = codes.reshape(codes.shape[:-1] + (-1, per)).astype(np.uint8)
+    return np.bitwise_or.reduce([grouped[..., j] << np.uint8(j * bits) for j in range(per)], axis=0).astype(np.uint8)
+
+
+@pytest.mark.parametrize("bits,zero_points,scales,indices", [
+    (4, "packed", "float32", "int64"), (4, "none", "float16", "int32"), (8, "packed", "float32", "int64"),
+    (2, "none", "float32", "int64"), (4, "packed", "float32", "out-of-range")])
+def test_gather_block_quantized_node(tmp_path, bits, zero_points, scales, indices):
+    """A 4-, 8- or 2-bit table with packed or default zero points, float32 or float16 scales, the
+    last block of a row short (K = 80, blocks of 32), negative indices, and indices outside the table
+    (rows of zeros, as onnxruntime's kernel gives), against onnxruntime; evaluated and compiled."""
+    rng = np.random.default_rng(bits)
+    rows, k, block = 12, 80, 32
+    blocks = -(-k // block)
+    inits = [numpy_helper.from_array(_pack(rng.integers(0, 1 << bits, (rows, k)), bits), "data"),
+             numpy_helper.from_array(rng.uniform(0.01, 0.1, (rows, blocks)).astype(scales), "scales")]
+    names = ["data", "ids", "scales"]
+    if zero_points == "packed":
+        inits.append(numpy_helper.from_array(_pack(rng.integers(0, 1 << bits, (rows, blocks)), bits), "zp"))
+        names.append("zp")
+    node = helper.make_node("GatherBlockQuantized", names, ["Y"], domain="com.microsoft", bits=bits,
+                            block_size=block, gather_axis=0, quantize_axis=1)
+    ids = np.array([[0, 11, -1], [5, -12, 3]], np.int32 if indices == "int32" else np.int64)
+    if indices == "out-of-range":
+        ids[0, 1], ids[1, 1] = 12, -13
+    out = TensorProto.FLOAT16 if scales == "float16" else F
+    m = _node_model(node, [("ids", TensorProto.INT32 if indices == "int32" else TensorProto.INT64, [2, 3])],
+                    [("Y", out, [2, 3, k])], inits)
+    feeds = {"ids": ids}
+    want = _reference(m, feeds)
+    _evaluated_and_compiled(tmp_path, m, feeds, want)
+    if indices == "out-of-range":
+        assert not want["Y"][0, 1].any() and not want["Y"][1, 1].any() and want["Y"][0, 0].any()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantizer_gather_with_four_bit_table(tmp_path, symmetric):
+    """``MatMulNBitsQuantizer`` with ``Gather`` among its op types writes ``GatherBlockQuantized`` on a
+    uint4 (zero points uint4) or, symmetric, int4 table, one code an element: imported packed two codes
+    a byte, against onnxruntime (evaluated and compiled), indices out of range included."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(3)
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "ids"], ["h"], axis=0),
+                           helper.make_node("MatMul", ["h", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5])],
+                          [helper.make_tensor_value_info("y", F, [2, 5, 32])],
+                          [numpy_helper.from_array(rng.standard_normal((300, 64)).astype(np.float32), "emb"),
+                           numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "w")])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), block_size=32,
+                             is_symmetric=symmetric, accuracy_level=0, op_types_to_quantize=("MatMul", "Gather"),
+                             quant_axes=(("MatMul", 0), ("Gather", 1)))
+    q.process()
+    m = q.model.model
+    table = next(i for i in m.graph.initializer if i.name == "emb_Q4")
+    assert table.data_type == (TensorProto.INT4 if symmetric else TensorProto.UINT4)
+    feeds = {"ids": np.array([[0, 299, -1, 5, 7], [1, 2, 300, -300, -301]], np.int64)}
+    want = _reference(m, feeds)
+    assert {op.op_type for op in load_onnx(m).nodes} == {"GatherBlockQuantized", "MatMulNBits"}
+    _evaluated_and_compiled(tmp_path, m, feeds, want)
+
+
+def test_gather_block_quantized_refusals():
+    """Layouts the op does not take get a typed error naming the node."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(_pack(rng.integers(0, 16, (4, 3, 32)), 4), "data"),
+             numpy_helper.from_array(np.ones((4, 3, 1), np.float32), "scales")]
+    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "scales"], ["Y"], name="gbq",
+                            domain="com.microsoft", bits=4, block_size=32, gather_axis=0, quantize_axis=2)
+    m = _node_model(node, [("ids", TensorProto.INT64, [2])], [("Y", F, [2, 3, 32])], inits)
+    with pytest.raises(UnsupportedOperatorError, match="gbq.*rank 3"):
+        load_onnx(m)
+
+
 def test_fused_matmul_node():
     rng = np.random.default_rng(0)
     node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain="com.microsoft", alpha=0.25, transA=1, transB=1)
@@ -254,10 +332,11 @@ def _genai_feeds(padded: bool) -> dict:
     return feeds
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "int4_tied"])
 def test_genai_llama_prompt_matches_onnxruntime(tmp_path, precision):
     """The prompt step of an onnxruntime-genai LLM (GroupQueryAttention with packed QKV and rotary
-    embeddings, an empty KV cache in, the present cache out; 4-bit weights), one prompt right-padded:
+    embeddings, an empty KV cache in, the present cache out; 4-bit weights, and the embedding gathered
+    from the lm_head's 4-bit weight by GatherBlockQuantized), one prompt right-padded:
     logits and present keys/values against onnxruntime, by the evaluator and compiled for cpu. The
     int4 reference runs at accuracy level 0 (the file asks for 4: onnxruntime then quantizes the
     activations to int8, an approximation we do not make; 0.7% of the logits' scale apart)."""
@@ -447,19 +526,21 @@ def test_embed_layer_normalization_node(segments, mask):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_genai_llama_decoding_step_compiles_for_cuda(tmp_path):
-    """The 4-bit genai Llama's decoding step with a fixed-size cache, cross-compiled for sm_90."""
+@pytest.mark.parametrize("name", ["int4", "int4_tied"])
+def test_genai_llama_decoding_step_compiles_for_cuda(tmp_path, name):
+    """The 4-bit genai Llamas' decoding step with a fixed-size cache, cross-compiled for sm_90 (the
+    tied one's GatherBlockQuantized a kernel of its own)."""
     shapes = {"input_ids": (2, 1), "attention_mask": (2, 16)}
     shapes.update({f"past_key_values.{layer}.{kv}": (2, 2, 16, 16) for layer in range(2) for kv in ("key", "value")})
-    res = compile(str(MODELS / "llama_genai_int4.onnx"), distributed_config={"mesh_shape": [1]},
+    res = compile(str(MODELS / f"llama_genai_{name}.onnx"), distributed_config={"mesh_shape": [1]},
                   optimization_config={"target": "cuda", "arch": "sm_90"}, out_dir=tmp_path / "out",
                   input_shapes=shapes)
     assert res.ranks[0]["kernels"] > 20 and (tmp_path / "out" / "rank0" / "kernels.cubin").stat().st_size > 0
 
 
-def _genai_int4_reference(feeds: dict) -> dict:
-    """onnxruntime on the 4-bit genai Llama at accuracy level 0 (float32 activations, as ours)."""
-    m = onnx.load(str(MODELS / "llama_genai_int4.onnx"))
+def _genai_int4_reference(feeds: dict, name: str = "int4") -> dict:
+    """onnxruntime on a 4-bit genai Llama at accuracy level 0 (float32 activations, as ours)."""
+    m = onnx.load(str(MODELS / f"llama_genai_{name}.onnx"))
     for n in m.graph.node:
         for a in n.attribute:
             if a.name == "accuracy_level":
@@ -494,6 +575,24 @@ def test_genai_int4_weights_stay_packed(tmp_path):
     _close(deq.run(feeds), want)
 
 
+def test_genai_tied_int4_embedding_stays_packed(tmp_path):
+    """The tied 4-bit genai Llama gathers its embedding rows from the lm_head's codes
+    (GatherBlockQuantized kept, its table uint8): compiled for cpu, the rank stores fewer weight bytes
+    than the untied 4-bit model, whose embedding is float32."""
+    shapes = {k: v.shape for k, v in _genai_feeds(padded=True).items()}
+    g = load_onnx(str(MODELS / "llama_genai_int4_tied.onnx"), input_shapes=shapes)
+    gathers = [op for op in g.nodes if op.op_type == "GatherBlockQuantized"]
+    assert len(gathers) == 1 and gathers[0].inputs[0].dtype == "uint8"
+    assert not any(op.op_type == "Gather" and op.inputs[0].dtype == "float32" and op.inputs[0].shape == (256, 64)
+                   for op in g.nodes)
+    sizes = {}
+    for name in ("int4", "int4_tied"):
+        res = compile(str(MODELS / f"llama_genai_{name}.onnx"), distributed_config={"mesh_shape": [1]},
+                      optimization_config={"target": "cpu"}, out_dir=tmp_path / name, input_shapes=shapes)
+        sizes[name] = res.ranks[0]["weights_bytes"]
+    assert sizes["int4_tied"] < sizes["int4"] - 256 * 64 * 4 * 3 // 4, sizes  # most of the float table gone
+
+
 def test_nbits_mlp_megatron_splits_columns_then_blocks():
     """Megatron's MLP on 4-bit weights over two ranks: the first product column-parallel (codes and
     scales split by column), the second row-parallel (whole blocks of K per rank, a partial sum
@@ -518,8 +617,9 @@ def test_nbits_mlp_megatron_splits_columns_then_blocks():
     _close(simulate(partition(graph, plan), feeds), _reference(m, feeds), tol=1e-4)
 
 
-def test_genai_int4_split_over_two_ranks(tmp_path):
-    """The 4-bit genai Llama planned by the ILP over two ranks, compiled for cpu and run on two
+@pytest.mark.parametrize("name", ["int4", "int4_tied"])
+def test_genai_int4_split_over_two_ranks(tmp_path, name):
+    """The 4-bit genai Llamas planned by the ILP over two ranks, compiled for cpu and run on two
     in-process ranks, against onnxruntime."""
     from threads import run_threads
 
@@ -527,8 +627,8 @@ def test_genai_int4_split_over_two_ranks(tmp_path):
 
     feeds = _genai_feeds(padded=False)
     shapes = {k: v.shape for k, v in feeds.items()}
-    want = _genai_int4_reference(feeds)
-    res = compile(str(MODELS / "llama_genai_int4.onnx"), distributed_config={"mesh_shape": [2]},
+    want = _genai_int4_reference(feeds, name)
+    res = compile(str(MODELS / f"llama_genai_{name}.onnx"), distributed_config={"mesh_shape": [2]},
                   optimization_config={"target": "cpu"}, out_dir=tmp_path / "out", input_shapes=shapes)
     outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
                        timeout=300)

@@ -2,7 +2,9 @@
 random weights after ``torch.manual_seed(0)``) exported by onnxruntime-genai's model builder, as its users
 get their LLMs: ``GroupQueryAttention`` with packed QKV and rotary embeddings, ``SkipSimplifiedLayerNormalization``,
 a KV cache as inputs and outputs; in float32 (``llama_genai_fp32.onnx``) and 4-bit (``llama_genai_int4.onnx``:
-``MatMulNBits``, block 32, accuracy level 4). The weights are embedded in the .onnx files.
+``MatMulNBits``, block 32, accuracy level 4); and 4-bit with the embedding tied to the ``lm_head``
+(``llama_genai_int4_tied.onnx``: the builder's ``shared_embeddings`` option gathers the embedding rows from the
+``lm_head``'s 4-bit weight with ``GatherBlockQuantized``). The weights are embedded in the .onnx files.
 
     pip install --target /tmp/genai-site --no-deps onnxruntime-genai   # not a test dependency
     PYTHONPATH=/tmp/genai-site python tests/models/export_genai.py
@@ -21,15 +23,17 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def build_source(folder: str) -> None:
-    """A random-weight Llama and a word-level tokenizer (the builder saves one) in ``folder``."""
+def build_source(folder: str, tied: bool = False) -> None:
+    """A random-weight Llama and a word-level tokenizer (the builder saves one) in ``folder``; with
+    ``tied``, one weight for the embedding and the ``lm_head``."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=tied)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -41,14 +45,18 @@ def main() -> int:
     import onnx
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "llama")
-        build_source(src)
-        for precision in ("fp32", "int4"):
-            out = os.path.join(tmp, precision)
-            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", src, "-o", out,
-                            "-p", precision, "-e", "cpu"], check=True)
+        for tied in (False, True):
+            build_source(os.path.join(tmp, f"llama{'_tied' * tied}"), tied)
+        # (name, precision, source, builder's extra options)
+        for name, precision, src, extra in (("fp32", "fp32", "llama", []), ("int4", "int4", "llama", []),
+                                            ("int4_tied", "int4", "llama_tied",
+                                             ["--extra_options", "shared_embeddings=true",
+                                              "op_types_to_quantize=MatMul/Gather"])):
+            out = os.path.join(tmp, name)
+            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", os.path.join(tmp, src),
+                            "-o", out, "-p", precision, "-e", "cpu", *extra], check=True)
             model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=True)
-            path = os.path.join(HERE, f"llama_genai_{precision}.onnx")
+            path = os.path.join(HERE, f"llama_genai_{name}.onnx")
             onnx.save_model(model, path + ".tmp", save_as_external_data=False)
             os.replace(path + ".tmp", path)
             print(f"wrote {path} ({os.path.getsize(path)} bytes)")
