@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CUDA architecture for --target cuda, e.g. sm_90 (default sm_90)")
     pc.add_argument("--optimization-config", metavar="FILE.json", default=None,
                     help="a JSON object of optimization_config keys (target, arch, precision, fuse, cuda_graph, "
-                         "prepack, winograd, int8_qdq, precompute, search_space, comm_backend, gemm_tiles); "
+                         "pdl, prepack, winograd, int8_qdq, precompute, search_space, comm_backend, gemm_tiles); "
                          "flags override it")
     pc.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     pc.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -21,6 +21,9 @@ key               meaning                                                       
                   float32 and round the output (passes/attention.py)
 ``fuse``          let codegen fuse elementwise/injective ops into their neighbours           ``True``
 ``cuda_graph``    cuda runtime: replay one CUDA graph per run after warm-up                  ``True``
+``pdl``           cuda, sm_90 and newer: programmatic dependent launch, each kernel launched ``False``
+                  while the one before it finishes and waiting on the GPU for its results
+                  (``griddepcontrol``; runtime/pdl.py; not yet timed on a GPU)
 ``prepack``       cpu: store the constant weights of float32 MatMul/Gemm packed for the      ``True``
                   GEMM kernel (passes/prepack.py) instead of packing them on every call;
                   also those of 1x1 convs on small images (run as that GEMM)
@@ -100,6 +103,7 @@ class OptimizationConfig:
     precision: str = "float32"
     fuse: bool = True
     cuda_graph: bool = True
+    pdl: bool = False
     prepack: bool = True
     winograd: bool = True
     int8_qdq: bool = True
@@ -164,9 +168,14 @@ class OptimizationConfig:
         if kw.get("precision") == "tf32" and target != "cuda":
             raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (a GPU "
                               "tensor-core format); use 'float32', 'float16' or 'bfloat16'")
-        for key in ("fuse", "cuda_graph", "prepack", "winograd", "int8_qdq", "precompute", "blocked", "fold_affine"):
+        for key in ("fuse", "cuda_graph", "pdl", "prepack", "winograd", "int8_qdq", "precompute", "blocked",
+                    "fold_affine"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
+        if kw.get("pdl") and (target != "cuda" or _sm_number(kw["arch"]) < 90):
+            raise ConfigError("optimization_config['pdl'] = true needs target 'cuda' and an arch of sm_90 or newer "
+                              f"(programmatic dependent launch is a Hopper feature); got target {target!r}"
+                              + (f", arch {kw['arch']!r}" if target == "cuda" else ""))
         if "search_space" in cfg:
             kw["search_space"] = typed("search_space", (int,), "0, 1 or 2")
             if kw["search_space"] not in (0, 1, 2):
@@ -186,6 +195,12 @@ class OptimizationConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _sm_number(arch: str) -> int:
+    """``90`` for ``sm_90``/``sm_90a``/``compute_90``."""
+    digits = arch.split("_", 1)[1].rstrip("af")
+    return int(digits) if digits.isdigit() else 0
 
 
 def _gemm_tiles(tiles: dict, target: str) -> dict:
@@ -961,6 +976,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 kw["precision"] = opt.precision
                 if opt.gemm_tiles:
                     kw["gemm_tiles"] = opt.gemm_tiles
+                if opt.pdl:
+                    kw["pdl"] = True
             compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels
             kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
             if compute and not (rdir / kernels_name).is_file():
@@ -991,6 +1008,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                          "groups": groups},
                 "comm_backend": opt.comm_backend,
                 "cuda_graph": opt.cuda_graph,
+                "pdl": opt.pdl,
                 "precision": opt.precision,
                 "inputs": [{"name": t_.name, "shape": list(t_.shape), "dtype": t_.dtype,
                             "placement": str(plan.input_specs[t_.name]) if t_.name in plan.input_specs else "R"}

@@ -14,6 +14,9 @@ nothing else touches (:func:`fresh_output_writers`; a model's logits), a run tha
 device arrays (cupy inputs, ``copy_outputs=True``) replays the graph of the steps before them and
 launches those kernels on freshly allocated arrays, instead of running them into the arena and
 copying their outputs out (206 MB of GPT-2's logits at 8x128).
+
+A program compiled with ``optimization_config["pdl"]`` has its kernels launched with programmatic
+dependent launch (:mod:`.pdl`), eagerly and while graphs are captured alike.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import numpy as np
 from .artifact import ArtifactError, buffer_dtype
 from .comm.prepared import prepare
 from .errors import ShardflowError
+from .pdl import pdl_launcher
 from .tma import kernel_args
 
 __all__ = ["CudaEngine", "fresh_output_writers"]
@@ -77,10 +81,11 @@ def fresh_output_writers(program: dict) -> tuple[int, frozenset[int]]:
 class CudaEngine:
     """Device state and the run loop of one cuda rank program (used by ``RankProgram``)."""
 
-    def __init__(self, prog, use_graph: bool = True):
+    def __init__(self, prog, use_graph: bool = True, pdl: bool = False):
         cp = _cupy()
         self.cp = cp
         self.prog = prog
+        self.pdl = pdl  # kernels compiled for programmatic dependent launch, launched so (runtime/pdl.py)
         p = prog.program
         self.device = cp.cuda.Device().id
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
@@ -162,6 +167,8 @@ class CudaEngine:
             except Exception as exc:  # noqa: BLE001 - cupy raises CUDADriverError
                 raise ArtifactError(f"kernel {s['symbol']} ({s['node']}) needs {smem} bytes of shared memory, "
                                     f"which device {self.device} cannot give: {exc}") from None
+        if self.pdl:
+            fn = pdl_launcher(fn, f"kernel {s['symbol']} ({s['node']})")
         return functools.partial(fn, grid, block, args, shared_mem=smem)
 
     def _run_tail(self, fresh: dict) -> None:

@@ -205,7 +205,8 @@ class RankProgram:
             from .cuda_exec import CudaEngine
 
             self.groups = self._make_groups()
-            self._engine = CudaEngine(self, use_graph=bool(self.manifest.get("cuda_graph", True)))
+            self._engine = CudaEngine(self, use_graph=bool(self.manifest.get("cuda_graph", True)),
+                                      pdl=bool(self.manifest.get("pdl", False)))
             self._segments = []
             self._n_kernels = sum(1 for s in steps if s["kind"] == "kernel")
             self._n_collectives = len(steps) - self._n_kernels

@@ -627,7 +627,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
 
 _WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16)_(\d)(\d)\(float\* d, "
                     r"unsigned long long da, unsigned long long db\) \{.*?\n\}\n", re.S)
-_NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init)[^"]*"[^;]*;')
+_NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init|griddepcontrol)[^"]*"[^;]*;')
 #: the vector types of the generated code, whose accesses are checked for alignment
 _VECTOR = re.compile(r"reinterpret_cast<(const )?((?:SfVec4<[\w ]+>)|float4|float2)\*>\(")
 _MMA = re.compile(r'asm volatile\("mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*" : '
@@ -647,7 +647,9 @@ def _host_source(text: str) -> str:
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",
                   "unsigned char* sf_dyn = sf_emu::dyn.data();", text)
-    text = _NO_OP_ASM.sub("", text)  # register budgets and the mbarrier-init fence: nothing to do here
+    # register budgets, the mbarrier-init fence and the grid dependency control of programmatic
+    # dependent launch (grids run one after another here): nothing to do
+    text = _NO_OP_ASM.sub("", text)
     text = _WGMMA.sub(lambda m: (f"static inline void sf_wgmma_{m.group(1)}_{m.group(2)}_{m.group(3)}{m.group(4)}("
                                  "float* d, unsigned long long da, unsigned long long db) {\n"
                                  f"  sf_emu_wgmma(d, da, db, {m.group(1)}, {str(m.group(2) == 'bf16').lower()}, "

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (another
 #                                                 # AVX-512 CPU than the Zen 4 dev VM's; CI's may have none)
+#   bash benchmarks/gpu/device_session.sh pdl     # GPT-2 small 1x128/8x128 with programmatic dependent launch
 #   bash benchmarks/gpu/device_session.sh kmajor  # GEMMs with B stored [N, K]: default tiles, then tma64x96/128x160
 #   bash benchmarks/gpu/device_session.sh ncu [GEMM.PY ARGS...]   # Nsight Compute sections of ours and
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
@@ -58,6 +59,14 @@ fi
 gpu_tests=(tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/codegen/test_attention.py
            tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py)
 new_tiles="pingpong or stream_k"
+# pdl_models LIMIT_S: GPT-2 small at 1x128 and 8x128 compiled with optimization_config["pdl"] against
+# torch.compile, appended to $out/models-tiles.txt under "== pdl"
+pdl_models() {
+    echo "== pdl" >> "$out/models-tiles.txt"
+    timeout "$1" python3 benchmarks/gpu/models.py --models gpt2_small --batches 1,8 --precision float16 \
+        --compile-modes reduce-overhead --export-dir /tmp/sf-export --pdl >> "$out/models-tiles.txt" 2>&1
+    tail -6 "$out/models-tiles.txt"
+}
 # sweep_tiles BUDGET_S TILE...: every float16 benchmark shape on each tile, one `== TILE` section
 # each in $out/gemm-sweep.txt (the format fit_tiles.py reads; appended to, so that calls add up),
 # no tile started after BUDGET_S seconds; then the refit with every section so far ($out/fit.txt)
@@ -165,6 +174,13 @@ case "$what" in
         else
             echo "(no time left for the benchmark: ${budget} s)"
         fi
+        # programmatic dependent launch (RFC 0005 decision 29, not timed before): GPT-2 small at 1x128
+        # and 8x128 with each kernel launched while the one before it finishes, against torch.compile
+        # in the same run (run_all's figures are the same program without it); a section of
+        # models-tiles.txt (the device tool brings back 8 files)
+        if (( deadline - SECONDS > 250 )); then
+            pdl_models 130
+        fi
         # B stored [N, K]: the default tiles, then the 96- and 160-column tiles that fill the
         # multiprocessors on GPT-2's shapes (RFC 0005 decision 27), against cuBLAS on the same layout
         if (( deadline - SECONDS > 200 )); then
@@ -228,6 +244,11 @@ case "$what" in
         ;;
     kmajor)  # B stored [N, K]: default tiles, then the 96- and 160-column ones (a minute or two)
         kmajor
+        ;;
+    pdl)  # programmatic dependent launch (RFC 0005 decision 29): its GPU test, then GPT-2 small vs torch.compile
+        timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_gpu_runtime.py -k programmatic \
+            2>&1 | tee "$out/gpu-suite.txt" | tail -5
+        pdl_models 300
         ;;
     ncu)  # ours and cuBLAS's kernels under Nsight Compute: device_session.sh ncu [gemm.py args], e.g.
           # `--m 8192 --shapes gpt2.fc2 --dtypes float16 --config sk128x128` (a stream-K kernel)

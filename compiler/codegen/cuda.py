@@ -1851,7 +1851,7 @@ class CudaSource:
 
 
 def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", arch: str = "sm_80",
-                         gemm_configs: dict[str, str] | None = None) -> CudaSource:
+                         gemm_configs: dict[str, str] | None = None, pdl: bool = False) -> CudaSource:
     """Generate the CUDA translation unit for ``ops`` (no compilation).
 
     Parameters
@@ -1867,6 +1867,9 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     gemm_configs
         Block tile of the wgmma GEMM of some ops (op name -> a :data:`~.cuda_wgmma.WGMMA_CONFIGS`
         name; the tuner's choices); the others get :func:`~.cuda_wgmma.choose_wgmma_config`'s.
+    pdl
+        Start every kernel with :data:`PDL_ENTER` (sm_90 and newer): launched with programmatic
+        dependent launch (``runtime/pdl.py``), a kernel waits on the GPU for the one before it.
 
     Returns
     -------
@@ -1882,7 +1885,9 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     if precision not in FP32_GEMM:
         raise CudaCodegenError(f"precision {precision!r}: choose one of {sorted(FP32_GEMM)}")
     fp32 = FP32_GEMM[precision]
-    chunks = [PRELUDE]
+    if pdl and _sm(arch) < 90:
+        raise CudaCodegenError(f"programmatic dependent launch (pdl) needs sm_90 or newer, not {arch!r}")
+    chunks = [PRELUDE + (PDL_HELPER if pdl else "")]
     line = PRELUDE.count("\n") + 1
     launches: dict[str, KernelLaunch] = {}
     spans: dict[str, tuple[int, int]] = {}
@@ -1916,7 +1921,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         if wrapper is not None and wrapper not in wrappers:  # helpers before their first use
             header = wgmma_helpers({wrapper}, common=not wrappers) + header
             wrappers.add(wrapper)
-        text = header + src.replace(_PLACEHOLDER, symbol) + "\n"
+        text = header + (_with_pdl_entry(src) if pdl else src).replace(_PLACEHOLDER, symbol) + "\n"
         n = text.count("\n")
         span = (line, line + n - 1)
         line += n
@@ -1925,6 +1930,26 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         spans[op.name] = span
         launches[op.name] = dataclasses.replace(launch, symbol=symbol)
     return CudaSource("".join(chunks), launches, spans)
+
+
+#: the first statement of every kernel of a program compiled with ``pdl`` (RFC 0005 decision 29):
+#: wait until the kernel before it has completed and its writes are visible (immediately when it
+#: was not launched with programmatic dependent launch), then let the next kernel be launched (it
+#: waits in turn, so nothing runs ahead of its inputs)
+PDL_ENTER = "sf_pdl_enter();"
+PDL_HELPER = """__device__ __forceinline__ void sf_pdl_enter() {
+  asm volatile("griddepcontrol.wait;\\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");
+}
+"""
+_KERNEL_ENTRY = re.compile(r'^(extern "C" __global__ [^\n]*\{\n)', re.M)
+
+
+def _with_pdl_entry(src: str) -> str:
+    """``src`` (one op's kernel) with :data:`PDL_ENTER` first in its body."""
+    out, n = _KERNEL_ENTRY.subn(lambda m: m.group(1) + "  " + PDL_ENTER + "\n", src)
+    assert n == 1, n  # (every template writes its signature and brace on one line)
+    return out
 
 
 def _sm(arch: str) -> int:
@@ -2088,7 +2113,7 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
                        search_space: int = 1, views: Sequence[str] = (),
-                       gemm_tiles: dict[str, str] | None = None) -> dict[str, KernelLaunch | None]:
+                       gemm_tiles: dict[str, str] | None = None, pdl: bool = False) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -2130,6 +2155,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     views
         Names of ops in ``ops`` that can run as views (no kernel): fusion may fold them into a
         neighbour's kernel; the others get no kernel and no entry in the result.
+    pdl
+        Kernels for programmatic dependent launch (see :func:`generate_cuda_source`).
 
     Returns
     -------
@@ -2195,7 +2222,7 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         from .tune import tune_gemms
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
                            cache_dir=cache, compile_source=lambda s: compile_unit(s)[0])
-    src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})})
+    src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})}, pdl=pdl)
     for pattern, names in matched.items():
         if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):
             log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program (wgmma)", pattern)

@@ -523,7 +523,8 @@ class GatherBlockQuantized(Operator):
                 or (zp and (zp[0].dtype != "float32" or tuple(zp[0].shape) != (v, blocks))):
             raise ShapeError(f"{self.name}: GatherBlockQuantized takes data[V, K * {bits} / 8] (uint8), indices "
                              f"(int32/int64), scales[V, ceil(K / {bs})] (float32/float16) and zero points like the "
-                             f"scales (float32), got {[(t.dtype, tuple(t.shape)) for t in (data, indices, scales, *zp)]}")
+                             f"scales (float32), got "
+                             f"{[(t.dtype, tuple(t.shape)) for t in (data, indices, scales, *zp)]}")
         mask = Const((1 << bits) - 1, "int32")
         default_zp = Const(float(1 << (bits - 1)), "float32")
         q_dims = indices.ndim

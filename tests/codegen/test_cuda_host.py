@@ -18,7 +18,7 @@ import pytest
 from cuda_host import build, build_all, run
 from test_cuda_kernels import LOWERED, _check
 
-from shardflow.compiler.codegen.cuda import generate_cuda_source
+from shardflow.compiler.codegen.cuda import CudaCodegenError, generate_cuda_source
 from shardflow.compiler.ir import Tensor
 from shardflow.compiler.ops.norm import LayerNorm
 from shardflow.compiler.ops.reduce import Softmax
@@ -185,6 +185,25 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     checked = {src.launches[g.name].kind for g in host_groups}
     assert "attention-f16" in checked if model != "llama_ts17" else "gemm-wgmma-f16" in checked
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
+
+
+def test_pdl_program_on_the_host(tmp_path):
+    """A program for programmatic dependent launch (RFC 0005 decision 29): every kernel (row,
+    element-wise, fused attention, GEMMs) starts with the grid dependency wait and trigger, and
+    still matches the evaluator (the emulation runs grids one after another, as the
+    wait orders them; the PTX itself is checked by nvcc in test_wgmma.py)."""
+    from shardflow.compiler.codegen.cuda import PDL_ENTER
+
+    env, consts, groups = _model_values("gpt2_ts17")
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16", pdl=True)
+    bodies = src.text.split('extern "C" __global__ ')[1:]
+    assert len(bodies) >= 10 and all(b.split("{\n", 1)[1].startswith(f"  {PDL_ENTER}\n") for b in bodies)
+    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
+    kinds = {src.launches[g.name].kind for g in host_groups}
+    assert kinds >= {"row", "attention-f16"} and any(k.startswith("gemm") for k in kinds), kinds
+    _check_kernels("gpt2_ts17", build(src.text, str(tmp_path)), src, host_groups, env, consts)
+    with pytest.raises(CudaCodegenError, match="sm_90"):
+        generate_cuda_source(groups, arch="sm_80", pdl=True)
 
 
 @pytest.mark.parametrize("case", ["causal-3d", "nonpad-mask-4d"])

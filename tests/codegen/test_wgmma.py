@@ -272,6 +272,28 @@ def test_residual_epilogues_of_whole_tiles_compile_without_local_memory(tmp_path
     assert all(f == [0] for f in frames.values()), frames
 
 
+@needs_nvcc
+def test_kernels_for_programmatic_dependent_launch_compile(tmp_path):
+    """RFC 0005 decision 29: with ``pdl`` each kernel (cp.async, persistent TMA, ping-pong and
+    stream-K GEMMs, whose stream-K workspace comes before the signature) opens with the grid
+    dependency wait and trigger, which nvcc takes for sm_90a; without it the source is unchanged."""
+    from shardflow.compiler.codegen.cuda import PDL_ENTER, PDL_HELPER
+
+    tiles = ["128x128", "tma64x128", "pp64x128", "sk64x128"]
+    ops = [_gemm(256, 256, 256, "float16", name=f"g{i}") for i in range(len(tiles))]
+    configs = {op.name: t for op, t in zip(ops, tiles)}
+    src = generate_cuda_source(ops, arch="sm_90", gemm_configs=configs, pdl=True).text
+    plain = generate_cuda_source(ops, arch="sm_90", gemm_configs=configs).text
+    assert src.count(PDL_ENTER) == len(tiles) and "griddepcontrol" not in plain
+    assert src.replace(f"  {PDL_ENTER}\n", "").replace(PDL_HELPER, "") == plain  # nothing else changes
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    proc = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                           "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(cu)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.findall(r"(\d+) bytes stack frame", proc.stderr) == ["0"] * len(tiles), proc.stderr
+
+
 @pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
 def test_epilogue_takes_four_columns_per_thread(tmp_path, cfg):
     """RFC 0005 decision 22: when the row length is a multiple of 4, each thread's epilogue

@@ -51,7 +51,8 @@ def test_optimization_config_defaults_and_validation():
     c = OptimizationConfig.from_dict(None)
     assert (c.target, c.arch, c.precision, c.fuse, c.cuda_graph, c.search_space, c.comm_backend) == \
         ("cpu", None, "float32", True, True, 1, "auto")
-    assert OptimizationConfig.from_dict({"target": "cuda"}).arch == "sm_90"
+    assert OptimizationConfig.from_dict({"target": "cuda"}).arch == "sm_90" and not c.pdl
+    assert OptimizationConfig.from_dict({"target": "cuda", "arch": "sm_90a", "pdl": True}).pdl
     assert OptimizationConfig.from_dict({"target": "cuda", "arch": "sm_80", "comm_backend": "nccl"}).arch == "sm_80"
     assert c.gemm_tiles == {} and OptimizationConfig.from_dict(
         {"target": "cuda", "gemm_tiles": {"*lm_head*": "pp64x256"}}).gemm_tiles == {"*lm_head*": "pp64x256"}
@@ -62,6 +63,9 @@ def test_optimization_config_defaults_and_validation():
            ({"target": "cuda", "arch": "hopper"}, "use a CUDA architecture"),
            ({"fuse": "yes"}, "need true or false"),
            ({"cuda_graph": 1}, "need true or false"),
+           ({"pdl": True}, "needs target 'cuda' and an arch of sm_90"),
+           ({"target": "cuda", "arch": "sm_80", "pdl": True}, "arch 'sm_80'"),
+           ({"target": "cuda", "pdl": "on"}, "need true or false"),
            ({"search_space": 3}, "choose 0, 1 or 2"),
            ({"search_space": True}, "need 0, 1 or 2"),
            ({"precision": "int8"}, "choose one of"),

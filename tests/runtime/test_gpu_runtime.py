@@ -82,6 +82,34 @@ def test_one_rank_eager_graph_cupy_and_nccl(tmp_path, model):
         _close(load(out, 0, NCCLCommunicator(SelfCommunicator())).run(inputs), ref)
 
 
+@pytest.mark.parametrize("model,precision", [("gpt2_ts17", "float16"), ("llama_ts17", "float32")])
+def test_programmatic_dependent_launch(tmp_path, model, precision):
+    """RFC 0005 decision 29: a program compiled with ``pdl`` launches every kernel through
+    cuLaunchKernelEx with programmatic serialization, eagerly, in CUDA graphs and for fresh device
+    outputs, and gives the outputs of the same program without it (bit for bit: the same kernels,
+    each waiting for the one before)."""
+    cp = _cupy()
+    if cp is None:
+        pytest.skip("needs cupy and a CUDA device")
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    from shardflow.runtime import load
+
+    for d in ("plain", "pdl"):
+        (tmp_path / d).mkdir()
+    plain, inputs, ref = _compile(tmp_path / "plain", model, [1], "replicate", precision=precision)
+    pdl, _, _ = _compile(tmp_path / "pdl", model, [1], "replicate", precision=precision, pdl=True)
+    want = load(plain).run(inputs)
+    prog = load(pdl)
+    assert prog._engine.pdl
+    for _ in range(3):  # eager, captured, replayed
+        got = prog.run(inputs)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    dev = prog.run({k: cp.asarray(v) for k, v in inputs.items()})
+    assert all(np.array_equal(dev[k].get(), want[k]) for k in want)
+    _close(got, ref, rel_scale=5e-3 if precision != "float32" else 0.0)
+
+
 def _clean_env():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "OMPI_COMM", "PMIX_", "SLURM_")) and k not in ("RANK", "WORLD_SIZE")}
