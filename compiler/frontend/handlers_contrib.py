@@ -293,8 +293,8 @@ def gather_block_quantized(ctx):
     data, indices, scales = ctx.input(0), ctx.input(1), ctx.input(2)
     bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size", 128))
     four = ctx.four_bit(0)
-    if four:
-        bits = 4
+    if four and bits != 4:
+        raise ctx.invalid(f"a {four} table takes bits=4, got bits={bits}")
     rank = data.ndim
     gather_axis, quantize_axis = int(ctx.attr("gather_axis", 0)), int(ctx.attr("quantize_axis", 1))
     gather_axis += rank if gather_axis < 0 else 0

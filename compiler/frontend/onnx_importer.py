@@ -480,14 +480,15 @@ def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
 
     Model-local functions are inlined first (:func:`inline_functions`) and quantize/dequantize
     round trips with one scale dropped (:func:`~shardflow.compiler.frontend.qdq.drop_requantizations`,
-    exact). ``input_values`` binds
+    exact), and MatMuls of blockwise-dequantized 4-bit weights become ``MatMulNBits`` on the packed
+    codes (:func:`~shardflow.compiler.frontend.qdq.four_bit_matmuls`). ``input_values`` binds
     graph inputs to constants (they leave the graph's inputs); ``int8_qdq`` rewrites QDQ MatMuls
     into integer products (:func:`~shardflow.compiler.frontend.qdq.fuse_qdq_matmuls`); see
     :func:`shardflow.compiler.load_onnx`.
     """
-    from .qdq import drop_requantizations, fuse_qdq_matmuls
+    from .qdq import drop_requantizations, four_bit_matmuls, fuse_qdq_matmuls
 
-    proto = drop_requantizations(inline_functions(read_model(model)))
+    proto = four_bit_matmuls(drop_requantizations(inline_functions(read_model(model))))
     if int8_qdq:
         proto = fuse_qdq_matmuls(proto)
     return _Importer(proto, input_shapes, input_values).run()

@@ -26,6 +26,13 @@ that is ``move(q)`` exactly: ``(q - z) * s / s`` in float32 is within ``|q - z| 
 integer ``q - z`` (at most 65535 * 2^-23 < 0.5 for 8- and 16-bit types, for a normal scale), so it
 rounds back to it, and ``q`` is inside the clamp. Each such pair cost a multiplication, a
 division, a rounding and two clamps per element in the fused kernels.
+
+:func:`four_bit_matmuls` (all targets) keeps 4-bit QDQ weights packed: ``MatMul(x,
+DequantizeLinear(Wq, s, z))`` with ``Wq`` a 2-D int4/uint4 initializer ``[K, N]`` dequantized in
+blocks along K (``axis`` 0, ``block_size`` a power of two of 16 or more; what
+``MatMulNBitsQuantizer`` writes in its QDQ format) becomes onnxruntime's ``MatMulNBits`` on the same
+codes, ``sum_k x[k] (Wq[k, n] - z[k / bs, n]) s[k / bs, n]``: the value the pair defines, with the
+weight stored in half a byte a code instead of dequantized into float32 when constants fold.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["drop_requantizations", "fuse_qdq_matmuls"]
+__all__ = ["drop_requantizations", "four_bit_matmuls", "fuse_qdq_matmuls"]
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +102,7 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
         plans.append((k, a, b, attrs))
     if not plans:
         return proto
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
+    out = _copy(proto)
     g = out.graph
     replaced: dict[int, list] = {}
     for k, (x, sx, zx), (w, sw, zw), attrs in plans:
@@ -133,6 +139,89 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
             replaced[k].append(helper.make_node("Add", [scaled, bias], [mm.output[0]], name=f"{base}.add"))
     _splice(g, replaced)
     log.info("%d QDQ MatMuls as integer products (MatMulInteger)", len(plans))
+    return out
+
+
+_FOUR_BIT = (TensorProto.INT4, TensorProto.UINT4)
+
+
+def _four_bit_weight(node, inits: dict):
+    """``(codes [K, N] as uint8 0..15, scales [blocks, N], zero points [blocks, N] as float32, block)``
+    of a DequantizeLinear node :func:`four_bit_matmuls` takes, or ``None``. int4 codes and zero points
+    are moved up by 8 (their differences stay)."""
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    block, axis = int(attrs.get("block_size", 0)), int(attrs.get("axis", 1))
+    names = list(node.input) + [""] * (3 - len(node.input))
+    w, s, z = (inits.get(n) for n in names[:3])
+    if w is None or w.data_type not in _FOUR_BIT or len(w.dims) != 2 or axis not in (0, -2) \
+            or block < 16 or block & (block - 1) or attrs.get("output_dtype", 0) not in (0, TensorProto.FLOAT):
+        return None
+    k, n = w.dims
+    blocks = -(-k // block)
+    if s is None or s.data_type != TensorProto.FLOAT or list(s.dims) != [blocks, n]:
+        return None
+    if names[2] and (z is None or z.data_type != w.data_type or list(z.dims) != [blocks, n]):
+        return None
+    shift = 8 if w.data_type == TensorProto.INT4 else 0
+    codes = (numpy_helper.to_array(w).astype(np.int16) + shift).astype(np.uint8)
+    zp = (numpy_helper.to_array(z).astype(np.float32) if names[2] else np.zeros((blocks, n), np.float32)) + shift
+    return codes, numpy_helper.to_array(s).astype(np.float32), zp, block
+
+
+def four_bit_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` (a copy) with each MatMul of a blockwise-dequantized 4-bit weight as a ``MatMulNBits``
+    on the packed codes (module docstring); ``proto`` itself when there is none. A DequantizeLinear
+    whose only reader was such a MatMul goes too."""
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: (k, n) for k, n in enumerate(g.node) for o in n.output}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    outputs = {o.name for o in g.output}
+    plans = []
+    for k, node in enumerate(g.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type != "MatMul" or len(node.input) != 2:
+            continue
+        k_dq, dq = producer.get(node.input[1], (None, None))
+        weight = _four_bit_weight(dq, inits)
+        if weight is not None:
+            plans.append((k, k_dq, weight))
+    if not plans:
+        return proto
+    out = _copy(proto)
+    g = out.graph
+    replaced: dict[int, list] = {}
+    for k, k_dq, (codes, scales, zp, block) in plans:
+        mm = g.node[k]
+        base = (mm.name or mm.output[0]) + "_nbits"
+        kk, n = codes.shape
+        blocks = -(-kk // block)
+        padded = np.zeros((blocks * block, n), np.uint8)
+        padded[:kk] = codes
+        cols = padded.T.reshape(n, blocks, block)  # column n's codes, block by block
+        packed = (cols[..., 0::2] | (cols[..., 1::2] << np.uint8(4))).astype(np.uint8)  # low nibble: even k
+        g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), f"{base}.codes"),
+                              numpy_helper.from_array(np.ascontiguousarray(scales.T), f"{base}.scales"),
+                              numpy_helper.from_array(np.ascontiguousarray(zp.T), f"{base}.zero_points")])
+        replaced[k] = [helper.make_node("MatMulNBits", [mm.input[0], f"{base}.codes", f"{base}.scales",
+                                                        f"{base}.zero_points"], list(mm.output), name=base,
+                                        domain="com.microsoft", K=kk, N=n, bits=4, block_size=block)]
+        if readers.get(mm.input[1], 0) == 1 and mm.input[1] not in outputs:
+            replaced[k_dq] = []  # its only reader is gone
+    if not any(o.domain == "com.microsoft" for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    _splice(g, replaced)
+    log.info("%d MatMuls of 4-bit QDQ weights kept packed (MatMulNBits)", len(plans))
+    return out
+
+
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
     return out
 
 
@@ -214,8 +303,7 @@ def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
         plans[k] = copies
     if not plans:
         return proto
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
+    out = _copy(proto)
     _splice(out.graph, plans)
     log.info("%d QuantizeLinear(DequantizeLinear) round trips with one scale dropped", len(plans))
     return out

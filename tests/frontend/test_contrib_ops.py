@@ -12,7 +12,7 @@ import pytest
 from model_refs import MODELS
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import UnsupportedOperatorError, compile, load_onnx
+from shardflow.compiler import ModelFormatError, UnsupportedOperatorError, compile, load_onnx
 from shardflow.compiler.parallel import partition, search, simulate
 from shardflow.runtime import load
 
@@ -234,6 +234,38 @@ def test_quantizer_gather_with_four_bit_table(tmp_path, symmetric):
     _evaluated_and_compiled(tmp_path, m, feeds, want)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantizer_qdq_four_bit_weights(tmp_path, symmetric):
+    """``MatMulNBitsQuantizer`` in the QDQ format: a uint4 weight (zero points uint4) dequantized in
+    blocks of 32 along K by ``DequantizeLinear`` (opset 21) before the MatMul, imported as a
+    MatMulNBits on the packed codes (qdq.four_bit_matmuls); symmetric, an int4 weight without zero
+    points, here also a graph output, which keeps its DequantizeLinear. Against onnxruntime with its graph
+    optimizations off (on, it fuses the pair into a MatMulNBits whose activations it rounds to int8),
+    evaluated and compiled."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(4)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", F, [3, 96])],
+                          [helper.make_tensor_value_info("y", F, [3, 40])],
+                          [numpy_helper.from_array(rng.standard_normal((96, 40)).astype(np.float32), "w")])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), block_size=32,
+                             is_symmetric=symmetric, accuracy_level=0, quant_format=QuantFormat.QDQ)
+    q.process()
+    m = q.model.model
+    dq = m.graph.node[0]
+    assert [n.op_type for n in m.graph.node] == ["DequantizeLinear", "MatMul"] and len(dq.input) == 3 - symmetric
+    assert {i.data_type for i in m.graph.initializer} >= {TensorProto.INT4 if symmetric else TensorProto.UINT4}
+    if symmetric:  # the weight also a graph output
+        m.graph.node.append(helper.make_node("Identity", [dq.output[0]], ["w"]))
+        m.graph.output.append(helper.make_tensor_value_info("w", F, [96, 40]))
+    feeds = {"x": rng.standard_normal((3, 96)).astype(np.float32)}
+    ops = [op.op_type for op in load_onnx(m).nodes]
+    assert "MatMulNBits" in ops and "MatMul" not in ops
+    _evaluated_and_compiled(tmp_path, m, feeds, _reference(m, feeds))
+
+
 def test_gather_block_quantized_refusals():
     """Layouts the op does not take get a typed error naming the node."""
     rng = np.random.default_rng(0)
@@ -243,6 +275,13 @@ def test_gather_block_quantized_refusals():
                             domain="com.microsoft", bits=4, block_size=32, gather_axis=0, quantize_axis=2)
     m = _node_model(node, [("ids", TensorProto.INT64, [2])], [("Y", F, [2, 3, 32])], inits)
     with pytest.raises(UnsupportedOperatorError, match="gbq.*rank 3"):
+        load_onnx(m)
+    table = helper.make_tensor("data", TensorProto.INT4, [4, 32], rng.integers(-8, 8, 128).tolist())
+    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "scales"], ["Y"], name="gbq4",
+                            domain="com.microsoft", bits=8, block_size=32)
+    m = _node_model(node, [("ids", TensorProto.INT64, [2])], [("Y", F, [2, 32])],
+                    [table, numpy_helper.from_array(np.ones((4, 1), np.float32), "scales")])
+    with pytest.raises(ModelFormatError, match="gbq4.*int4 table takes bits=4"):
         load_onnx(m)
 
 
