@@ -315,6 +315,22 @@ def _convert(x: str, src: str, dst: str) -> str:
     return f"(({ct})({x}))"
 
 
+_ROUNDERS = {"float16": "sf_rh", "bfloat16": "sf_rb"}
+
+
+def _rounded_arg(expr: str, fn: str) -> str | None:
+    """``X`` when ``expr`` is exactly ``fn(X)`` (the call's parentheses enclose the rest), else None."""
+    if not (expr.startswith(fn + "(") and expr.endswith(")")):
+        return None
+    depth = 0
+    for i, ch in enumerate(expr[len(fn):]):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0 and i != len(expr) - len(fn) - 1:
+            return None  # the first parenthesis closes before the end: fn(a) op g(b)
+    return expr[len(fn) + 1:-1]
+
+
 def _store(x: str, dt: str) -> str:
     if dt == "float16":
         return f"__float2half_rn({x})"
@@ -673,6 +689,8 @@ class _Emitter:
         self.coop_ids: set[int] = set()
         self.uses_block_smem = False
         self.lanes: _Lanes | None = None  # set while a vectorized GEMM epilogue is emitted
+        #: half-precision SSA values -> the float they round (a store rounds that once: stored())
+        self.unrounded: dict[str, str] = {}
 
     def new(self, prefix: str = "v") -> str:
         return f"{prefix}{next(self.names)}"
@@ -719,8 +737,20 @@ class _Emitter:
 
     def _ssa(self, blk: _Block, dt: str, expr: str) -> tuple[str, str]:
         name = self.new()
+        inner = _rounded_arg(expr, _ROUNDERS[dt]) if dt in _ROUNDERS else None
+        if inner is not None:  # the unrounded value named too: a store of this value rounds it once
+            self.unrounded[name] = self.new()
+            blk.lines.append(f"const float {self.unrounded[name]} = {inner};")
+            expr = f"{_ROUNDERS[dt]}({self.unrounded[name]})"
         blk.lines.append(f"const {_REG_CTYPE[dt]} {name} = {expr};")
         return name, dt
+
+    def stored(self, x: str, dt: str) -> str:
+        """The C expression storing register value ``x`` as ``dt``: a float16/bfloat16 value that is
+        the rounding of a float is stored from that float (rounding twice to the same type gives the
+        same value; the conversion back and forth is saved)."""
+        inner = _rounded_arg(x, _ROUNDERS[dt]) if dt in _ROUNDERS else None
+        return _store(self.unrounded.get(x) or inner or x, dt)
 
     # nodes -------------------------------------------------------------------------------
     def _emit(self, e: Expr, blk: _Block) -> tuple[str, str]:
@@ -1233,7 +1263,7 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
 
     def store(blk: _Block, off: str):
         x = em.value_as(value, out_dt, blk)
-        blk.lines.append(f"{out_ptr}[{off}] = {_store(x, out_dt)};")
+        blk.lines.append(f"{out_ptr}[{off}] = {em.stored(x, out_dt)};")
 
     if plan is None:
         e = em.new("e")
@@ -1487,7 +1517,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         for r in walk(value):
             if isinstance(r, Reduce):
                 em.subst[id(r)] = (acc if rd == "float32" else _convert(acc, "float32", rd), rd)
-        return _store(em.value_as(value, gc.dtype, blk), gc.dtype)
+        return em.stored(em.value_as(value, gc.dtype, blk), gc.dtype)
 
     # the Hopper templates give each thread four consecutive columns when the row's last axis
     # allows (RFC 0005 decision 22); the lanes share what does not depend on that axis
@@ -1745,7 +1775,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     x = em.value_as(value, gc.dtype, eblk)
     offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
     epi = [f"const int sf_x{j} = {ix};" for j, ix in enumerate(out_idx)] + eblk.lines + \
-        [f"out0[{offset}] = {_store(x, gc.dtype)};"]
+        [f"out0[{offset}] = {em.stored(x, gc.dtype)};"]
     return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
                             root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),

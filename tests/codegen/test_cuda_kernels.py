@@ -196,6 +196,23 @@ def test_attention_hoists_softmax_statistics_per_query_row():
     assert "row" in body and body.count("__shfl_xor_sync") == 2  # max and sum over the keys, once per row
 
 
+def test_half_results_are_stored_from_the_float_they_round():
+    """A float16/bfloat16 op's value is a float rounded to that type (``sf_rh``/``sf_rb``); its store
+    rounds the float itself (the same value) instead of converting the rounded one back and again:
+    LayerNorm in half, an addition of halves, a GELU epilogue's last product."""
+    import re
+
+    for dt, fn, conv in (("float16", "sf_rh", "__float2half_rn"), ("bfloat16", "sf_rb", "__float2bfloat16_rn")):
+        x, g, b = Tensor("x", (8, 64), dt), Tensor("g", (64,), dt), Tensor("b", (64,), dt)
+        srcs = [cg.generate_cuda_source([LayerNorm([x, g, b], name="ln", axis=1, epsilon=1e-5, stash="float32")]).text,
+                cg.generate_cuda_source([Binary([x, x], name="add", fn="add")]).text]
+        for text in srcs:
+            defs = dict(re.findall(r"const float (v\d+) = ([^;]*);", text))
+            stored = re.findall(rf"{conv}\((v\d+)\)", text)
+            assert stored and all(not defs.get(v, "").startswith(fn + "(") for v in stored), text[-800:]
+    assert cg._rounded_arg("sf_rh(a) * sf_rh(b)", "sf_rh") is None and cg._rounded_arg("sf_rh((a * b))", "sf_rh")
+
+
 def test_launch_round_trips_through_json():
     import json
     src = generate_cuda_source([c[1] for c in LOWERED[:5]])
