@@ -325,6 +325,104 @@ def gather_block_quantized(ctx):
     return [ctx.add(GatherBlockQuantized(ins, name=ctx.name, bits=bits, block_size=block))]
 
 
+_MOE_ACTIVATIONS = ("relu", "gelu", "silu", "identity", "swiglu")
+
+
+@onnx_op("MoE", since=1, domain=_MS)
+def mixture_of_experts(ctx):
+    """A mixture of experts as onnxruntime's CPU kernel computes it: ``softmax(router)`` over the
+    experts, the ``k`` largest (renormalized to sum 1 with ``normalize_routing_weights``) weigh their
+    experts' ``fc2(act(fc1(x)))`` (biases optional), the others weigh 0. Each expert's weights are
+    ``[out, in]`` in memory whatever the declared shape (the legacy ``[E, in, out]`` shape is read
+    that way too, as onnxruntime does). Activations: relu, gelu (tanh form), silu, identity, and
+    swiglu with interleaved ``[gate, linear]`` columns (``swiglu_fusion`` 1): ``min(gate, limit) *
+    sigmoid(alpha * min(gate, limit)) * (clip(linear, -limit, limit) + beta)``.
+
+    Computed densely: every expert on every token, then the weighted sum over experts (one einsum
+    each), so the planner can split the experts over devices (a partial sum) like any contraction;
+    the cost is ``num_experts / k`` times the routed computation. The k experts are found without a
+    sort (an expert is chosen when fewer than k come before it), so every target compiles it; equal
+    probabilities go to the higher expert index, as onnxruntime's sort has them."""
+    x, router = _float_input(ctx, 0), _float_input(ctx, 1)
+    act = str(ctx.attr("activation_type", "relu")).lower()
+    if act not in _MOE_ACTIVATIONS:
+        raise ctx.unsupported(f"activation_type {act!r} ({', '.join(_MOE_ACTIVATIONS)} are)")
+    if ctx.attr("use_sparse_mixer", 0):
+        raise ctx.unsupported("use_sparse_mixer")
+    if ctx.has_input(6) or ctx.has_input(7):
+        raise ctx.unsupported("fc3 (a third expert weight)")
+    if act == "swiglu" and int(ctx.attr("swiglu_fusion", 0)) != 1:
+        raise ctx.unsupported(f"swiglu_fusion={ctx.attr('swiglu_fusion', 0)} (1, the interleaved columns, is)")
+    if x.dtype != "float32" or router.dtype != "float32":
+        raise ctx.unsupported(f"input of type {x.dtype} (float32 is)")
+    if x.ndim not in (2, 3) or router.ndim != 2:
+        raise ctx.shape_error(f"input [tokens, hidden] or [batch, seq, hidden] and router [tokens, experts], got "
+                              f"{list(x.shape)} and {list(router.shape)}")
+    hidden, (tokens, experts) = x.shape[-1], router.shape
+    w1, w2 = ctx.input(2), ctx.input(4)
+    inter = w2.size // (experts * hidden) if w2.ndim == 3 and experts and hidden else 0
+    out1 = 2 * inter if act == "swiglu" else inter
+    if tokens != x.size // max(hidden, 1) or w1.size != experts * out1 * hidden or w2.size != experts * hidden * inter \
+            or w1.ndim != 3 or w2.ndim != 3 or not inter:
+        raise ctx.shape_error(f"router {list(router.shape)}, fc1 {list(w1.shape)} and fc2 {list(w2.shape)} do not fit "
+                              f"{tokens} tokens of {hidden} and {experts} experts")
+    k = int(ctx.attr("k", 1))
+    if not 1 <= k <= experts:
+        raise ctx.invalid(f"k={k} must be between 1 and the {experts} experts")
+    flat = ctx.emit("Reshape", [x, _i64(ctx, [tokens, hidden])], _OPSET)
+    probs = ctx.emit("Softmax", [router], _OPSET, axis=-1)
+    # expert e is chosen when fewer than k experts come before it: a larger probability, or an equal
+    # one and a higher index (onnxruntime's order); element-wise, no sort (any target)
+    p_e = ctx.emit("Unsqueeze", [probs, _i64(ctx, [2])], _OPSET)
+    p_j = ctx.emit("Unsqueeze", [probs, _i64(ctx, [1])], _OPSET)
+    later = ctx.constant(np.arange(experts)[None, :] > np.arange(experts)[:, None])  # [e, j]: j > e
+    ahead = ctx.emit("Or", [ctx.emit("Greater", [p_j, p_e], _OPSET),
+                            ctx.emit("And", [ctx.emit("Equal", [p_j, p_e], _OPSET), later], _OPSET)], _OPSET)
+    before = ctx.emit("ReduceSum", [ctx.cast(ahead, "float32"), _i64(ctx, [2])], _OPSET, keepdims=0)
+    chosen = ctx.cast(ctx.emit("Less", [before, ctx.constant(np.array(k, np.float32))], _OPSET), "float32")
+    gate = ctx.emit("Mul", [probs, chosen], _OPSET)
+    if ctx.attr("normalize_routing_weights", 0):
+        gate = ctx.emit("Div", [gate, ctx.emit("ReduceSum", [gate, _i64(ctx, [-1])], _OPSET, keepdims=1)], _OPSET)
+    h = ctx.emit("Einsum", [flat, ctx.emit("Reshape", [w1, _i64(ctx, [experts, out1, hidden])], _OPSET)],
+                 _OPSET, equation="th,efh->tef")
+    if ctx.has_input(3):
+        h = ctx.emit("Add", [h, ctx.emit("Reshape", [ctx.input(3), _i64(ctx, [experts, out1])], _OPSET)], _OPSET)
+    h = _moe_activation(ctx, h, act)
+    y = ctx.emit("Einsum", [h, ctx.emit("Reshape", [w2, _i64(ctx, [experts, hidden, inter])], _OPSET)],
+                 _OPSET, equation="tei,ehi->teh")
+    if ctx.has_input(5):
+        y = ctx.emit("Add", [y, ctx.emit("Reshape", [ctx.input(5), _i64(ctx, [experts, hidden])], _OPSET)], _OPSET)
+    out = ctx.emit("Einsum", [gate, y], _OPSET, equation="te,teh->th")
+    return [ctx.emit("Reshape", [out, _i64(ctx, list(x.shape))], _OPSET)]
+
+
+def _moe_activation(ctx, h: Tensor, act: str) -> Tensor:
+    """An expert's activation on its first product ``h [tokens, experts, out]`` (see MoE)."""
+    if act == "relu":
+        return ctx.emit("Relu", [h], _OPSET)
+    if act == "gelu":
+        return ctx.emit("Gelu", [h], _OPSET, approximate="tanh")
+    if act == "silu":
+        return ctx.emit("Mul", [h, ctx.emit("Sigmoid", [h], _OPSET)], _OPSET)
+    if act == "identity":
+        return h
+    width = h.shape[-1]
+    pick = lambda start: ctx.emit("Slice", [h, _i64(ctx, [start]), _i64(ctx, [width]), _i64(ctx, [-1]),  # noqa: E731
+                                            _i64(ctx, [2])], _OPSET)
+    gate, linear = pick(0), pick(1)
+    limit = ctx.attr("swiglu_limit", None)
+    if limit is not None:
+        lim = float(limit)
+        gate = ctx.emit("Min", [gate, ctx.constant(np.array(lim, np.float32))], _OPSET)
+        linear = ctx.emit("Clip", [linear, ctx.constant(np.array(-lim, np.float32)),
+                                   ctx.constant(np.array(lim, np.float32))], _OPSET)
+    alpha, beta = float(ctx.attr("activation_alpha", 1.0)), float(ctx.attr("activation_beta", 0.0))
+    swish = ctx.emit("Mul", [gate, ctx.emit("Sigmoid", [ctx.emit("Mul", [gate, ctx.constant(
+        np.array(alpha, np.float32))], _OPSET)], _OPSET)], _OPSET)
+    return ctx.emit("Mul", [swish, ctx.emit("Add", [linear, ctx.constant(np.array(beta, np.float32))], _OPSET)],
+                    _OPSET)
+
+
 # attention -----------------------------------------------------------------------------------------
 
 @onnx_op("Attention", since=1, domain=_MS)

@@ -285,6 +285,75 @@ def test_gather_block_quantized_refusals():
         load_onnx(m)
 
 
+MOE_CASES = [  # (activation, k, normalize, biases, legacy weight shapes, extra attributes, 3-D input)
+    ("relu", 2, 1, True, False, {}, False), ("gelu", 1, 0, True, False, {}, True),
+    ("silu", 2, 0, False, False, {}, False), ("identity", 3, 1, True, True, {}, False),
+    ("swiglu", 2, 1, True, False, {"swiglu_fusion": 1}, False),
+    ("swiglu", 2, 1, True, False, {"swiglu_fusion": 1, "activation_alpha": 1.702, "activation_beta": 1.0,
+                                   "swiglu_limit": 0.7}, True)]
+
+
+def _moe_node(rng, act, k, normalize, biases, legacy, extra, experts=4, hidden=16, inter=24):
+    out1 = 2 * inter if act == "swiglu" else inter
+    w1 = (rng.standard_normal((experts, hidden, out1) if legacy else (experts, out1, hidden)) * 0.3).astype(np.float32)
+    w2 = rng.standard_normal((experts, inter, hidden) if legacy else (experts, hidden, inter)).astype(np.float32) * 0.3
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")]
+    names = ["x", "router", "w1", "b1" if biases else "", "w2", "b2" if biases else ""]
+    if biases:
+        inits += [numpy_helper.from_array(rng.standard_normal((experts, out1)).astype(np.float32), "b1"),
+                  numpy_helper.from_array(rng.standard_normal((experts, hidden)).astype(np.float32), "b2")]
+    node = helper.make_node("MoE", names, ["y"], name="moe", domain="com.microsoft", k=k, activation_type=act,
+                            normalize_routing_weights=normalize, **extra)
+    return node, inits
+
+
+@pytest.mark.parametrize("act,k,normalize,biases,legacy,extra,three_d", MOE_CASES,
+                         ids=[f"{c[0]}-k{c[1]}{'-legacy' if c[4] else ''}{'-limit' if c[5].get('swiglu_limit') else ''}"
+                              for c in MOE_CASES])
+def test_mixture_of_experts_node(tmp_path, act, k, normalize, biases, legacy, extra, three_d):
+    """onnxruntime's MoE (activations relu, tanh-GELU, SiLU, identity, interleaved SwiGLU with its
+    alpha, beta and limit; top 1-3 of 4 experts, renormalized or not, a token with three tied;
+    biases; the legacy weight shape, read as onnxruntime does; a [batch, seq, hidden] input) against
+    its CPU kernel, evaluated and compiled; planned over two ranks by splitting the experts (a
+    partial sum), simulated."""
+    rng = np.random.default_rng(k)
+    node, inits = _moe_node(rng, act, k, normalize, biases, legacy, extra)
+    shape = [2, 3, 16] if three_d else [6, 16]
+    m = _node_model(node, [("x", F, shape), ("router", F, [6, 4])], [("y", F, shape)], inits)
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "router": rng.standard_normal((6, 4)).astype(np.float32)}
+    feeds["router"][0, :3] = 0.5  # three experts tied: the higher indices win, as in onnxruntime
+    want = _reference(m, feeds)
+    _evaluated_and_compiled(tmp_path, m, feeds, want)
+    if act == "relu":  # weights that do not fit one rank's budget: the experts split, halves of fc1 per rank
+        g = load_onnx(m)
+        ranks = partition(g, search(g, {"mesh_shape": [2], "algo": "ilp", "memory_budget_bytes": 12000}))
+        sizes = {t.shape for r in ranks for op in r.nodes for t in op.inputs if t.value is not None and t.ndim == 3}
+        assert (2, 24, 16) in sizes and (4, 24, 16) not in sizes, sizes
+        _close(simulate(ranks, feeds), want)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_mixture_of_experts_compiles_for_cuda(tmp_path):
+    """The dense MoE has no sort (TopK has no cuda kernel): it cross-compiles for sm_90, in float16 too."""
+    node, inits = _moe_node(np.random.default_rng(1), "swiglu", 2, 1, True, False, {"swiglu_fusion": 1})
+    m = _node_model(node, [("x", F, [6, 16]), ("router", F, [6, 4])], [("y", F, [6, 16])], inits)
+    res = compile(m, distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "o",
+                  optimization_config={"target": "cuda", "arch": "sm_90", "precision": "float16"})
+    assert not any(op.op_type == "TopK" for op in load_onnx(m).nodes) and res.ranks[0]["kernels"] >= 3
+
+
+def test_mixture_of_experts_refusals():
+    rng = np.random.default_rng(0)
+    for extra, inputs, msg in (({"use_sparse_mixer": 1}, None, "use_sparse_mixer"),
+                               ({"activation_type": "swish"}, None, "activation_type 'swish'"),
+                               ({"swiglu_fusion": 2, "activation_type": "swiglu"}, None, "swiglu_fusion=2")):
+        node, inits = _moe_node(rng, extra.pop("activation_type", "relu"), 1, 0, False, False, extra)
+        m = _node_model(node, [("x", F, [6, 16]), ("router", F, [6, 4])], [("y", F, [6, 16])], inits)
+        with pytest.raises(UnsupportedOperatorError, match=f"moe.*{msg}"):
+            load_onnx(m)
+
+
 def test_fused_matmul_node():
     rng = np.random.default_rng(0)
     node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain="com.microsoft", alpha=0.25, transA=1, transB=1)
