@@ -218,21 +218,17 @@ class _Importer:
         finally:
             self.env, self.scope = saved_env, saved_scope
 
-    def emit(self, op_type: str, inputs: Sequence[Tensor], opset: int, base: str, n_outputs: int = 1,
-             **attrs) -> Tensor | list[Tensor]:
+    def emit(self, op_type: str, inputs: Sequence[Tensor], opset: int, base: str, **attrs) -> Tensor:
         """Import one ONNX node ``op_type`` of ``opset`` reading ``inputs``, named ``base/<op_type><k>``:
-        a handler's way to reuse other handlers (a slice, a concatenation). Returns its output, or
-        its first ``n_outputs`` outputs as a list when that is more than one."""
+        a handler's way to reuse other handlers (a slice, a concatenation). Returns its output."""
         key = self.fresh_name(f"{base}/{op_type}")
         names = [f"{key}:in{k}" for k in range(len(inputs))]
-        outs = [key] + [f"{key}:out{j}" for j in range(1, n_outputs)]
         self.env.update(zip(names, inputs))
-        node = onnx.helper.make_node(op_type, names, outs, name=key, **attrs)
+        node = onnx.helper.make_node(op_type, names, [key], name=key, **attrs)
         saved_scope, self.scope = self.scope, ""  # the name is complete already
         try:
             self._import_node(node, opset=opset)
-            res = [self.env.pop(o) for o in outs]
-            return res[0] if n_outputs == 1 else res
+            return self.env.pop(key)
         finally:
             self.scope = saved_scope
             for n in names:

@@ -201,11 +201,9 @@ class NodeContext:
         """``t`` converted to ``dtype`` by an ONNX ``Cast`` (``t`` itself when it has that type)."""
         return t if t.dtype == dtype else self.emit("Cast", [t], 13, to=_CODES[dtype])
 
-    def emit(self, op_type: str, inputs: list[Tensor], opset: int, n_outputs: int = 1,
-             **attrs) -> Tensor | list[Tensor]:
-        """Import one ``op_type`` node of ``opset`` (another handler's work) reading ``inputs``; its
-        output, or a list of its first ``n_outputs``."""
-        return self._importer.emit(op_type, inputs, opset, self.name, n_outputs, **attrs)
+    def emit(self, op_type: str, inputs: list[Tensor], opset: int, **attrs) -> Tensor:
+        """Import one ``op_type`` node of ``opset`` (another handler's work) reading ``inputs``."""
+        return self._importer.emit(op_type, inputs, opset, self.name, **attrs)
 
     def tensor_value(self, proto: onnx.TensorProto) -> np.ndarray:
         onnx_dtype(proto.data_type, f"node {self.name}")
