@@ -2,8 +2,8 @@
 
 Each shape is one ``MatMulNBits`` node (4-bit codes, blocks of 32 along K, a scale and a zero point per
 block, as ``MatMulNBitsQuantizer`` writes them) on float32 activations ``x[M, K]``, compiled for one cpu
-rank (the weight kept packed: ``cpu_library/lowbit.h``, a GEMV on the codes for M <= 2, else the GEMM
-dequantizing each panel as it packs it). Side by side in one run: onnxruntime on the same node at
+rank (the weight kept packed: ``cpu_library/lowbit.h``, a GEMV on the codes for M <= 4, else the GEMM
+dequantizing each panel where a tile uses it). Side by side in one run: onnxruntime on the same node at
 ``accuracy_level`` 0 (float32 activations, like ours) and 4 (activations quantized to int8, its fastest
 and an approximation we do not make), and our compiled float32 ``MatMul`` on the dequantized weight
 (8x the bytes). Prints median latencies, the weight bytes streamed per call over the time (GB/s), the

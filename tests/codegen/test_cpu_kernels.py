@@ -128,6 +128,14 @@ def _large():
         _nbits((3, 37, 300), 77, 4, 32, True),
         _nbits((5, 600), 40, 2, 64, False),
         _nbits((9, 70), 33, 8, 16, True),
+        # rows through the GEMM, each panel dequantized straight into its layout (AVX-512: 16 columns'
+        # codes transposed as bytes) where a tile uses it: blocks of 64 and 128 (two and four to a K
+        # block of 256), a column group of 16 past the last column, K past the last whole block
+        _nbits((20, 1000), 70, 4, 128, False),
+        _nbits((16, 520), 48, 4, 64, True),
+        _nbits((150, 300), 40, 4, 32, True),  # more rows than one row of tiles: a chunk packed ahead
+        _nbits((3, 200), 37, 4, 32, True),  # the GEMV's tiles of 3 and 4 rows
+        _nbits((4, 256), 20, 4, 64, False),
         Conv([_t((2, 8, 17, 15)), _t((12, 4, 3, 3)), _t((12,))], group=2, pads=(1, 2, 0, 1), strides=(2, 1),
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col

@@ -297,6 +297,74 @@ static void sf_nbits4_dequant_avx512(const SfNbits& w, int64_t j, int64_t k0, in
     }
   }
 }
+
+// r[c] = 16 bytes of column c -> r[t] = byte t of columns 0..15 (four rounds of interleaving: bytes,
+// then pairs, quads and octets of columns)
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline void sf_transpose_16x16_epi8(__m128i r[16]) {
+  __m128i s1[16], s2[16], s3[16];
+  for (int p = 0; p < 8; ++p) {  // s1[2p + h]: columns 2p, 2p + 1 interleaved, bytes 8h..8h + 7
+    s1[2 * p] = _mm_unpacklo_epi8(r[2 * p], r[2 * p + 1]);
+    s1[2 * p + 1] = _mm_unpackhi_epi8(r[2 * p], r[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q)  // s2[4q + g]: columns 4q..4q + 3, bytes 4g..4g + 3
+    for (int h = 0; h < 2; ++h) {
+      s2[4 * q + 2 * h] = _mm_unpacklo_epi16(s1[4 * q + h], s1[4 * q + 2 + h]);
+      s2[4 * q + 2 * h + 1] = _mm_unpackhi_epi16(s1[4 * q + h], s1[4 * q + 2 + h]);
+    }
+  for (int o = 0; o < 2; ++o)  // s3[8o + m]: columns 8o..8o + 7, bytes 2m, 2m + 1
+    for (int g = 0; g < 4; ++g) {
+      s3[8 * o + 2 * g] = _mm_unpacklo_epi32(s2[8 * o + g], s2[8 * o + 4 + g]);
+      s3[8 * o + 2 * g + 1] = _mm_unpackhi_epi32(s2[8 * o + g], s2[8 * o + 4 + g]);
+    }
+  for (int m = 0; m < 8; ++m) {
+    r[2 * m] = _mm_unpacklo_epi64(s3[m], s3[8 + m]);
+    r[2 * m + 1] = _mm_unpackhi_epi64(s3[m], s3[8 + m]);
+  }
+}
+
+// The GEMM's panel of columns [j0, j0 + cols) (zeros up to nr, a multiple of 16) and K rows [k0, k0 + kc)
+// (k0 on a block bound), Bp[k][c], straight from 4-bit codes in blocks of a multiple of 32: 16 columns'
+// 16 bytes (32 codes each) transposed as bytes, then each byte row's low and high nibbles (k even, odd)
+// dequantized 16 columns at a time, with the columns' scales and zero points of that block
+__attribute__((target("avx512f,avx512bw")))
+static void sf_nbits4_pack_avx512(const SfNbits& w, int64_t j0, int64_t cols, int64_t nr, int64_t k0, int64_t kc,
+                                  float* __restrict__ Bp) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const int64_t ldq = w.ldq();
+  for (int64_t c0 = 0; c0 < nr; c0 += 16) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - c0));  // real columns of the group
+    alignas(64) float sc[16], zz[16];
+    int64_t block = -1;
+    __m512 vs = _mm512_setzero_ps(), vz = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k0 + kc; k += 32) {
+      if (k / w.bs != block) {  // this group's scales and zero points of the block
+        block = k / w.bs;
+        for (int64_t c = 0; c < 16; ++c) {
+          sc[c] = c < n ? w.scale[(j0 + c0 + c) * w.blocks + block] : 0.0f;
+          zz[c] = c < n ? w.zero(j0 + c0 + c, block) : 0.0f;
+        }
+        vs = _mm512_load_ps(sc);
+        vz = _mm512_load_ps(zz);
+      }
+      __m128i r[16];
+      for (int64_t c = 0; c < 16; ++c)
+        r[c] = c < n ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (j0 + c0 + c) * ldq + k / 2))
+                     : _mm_setzero_si128();
+      sf_transpose_16x16_epi8(r);
+      const int64_t rows = std::min<int64_t>(32, k0 + kc - k);  // (the last block of K: codes past K unused)
+      float* dst = Bp + (k - k0) * nr + c0;
+      for (int64_t t = 0; 2 * t < rows; ++t) {
+        const __m128i lo = _mm_and_si128(r[t], m4), hi = _mm_and_si128(_mm_srli_epi16(r[t], 4), m4);
+        _mm512_storeu_ps(dst + 2 * t * nr,
+                         _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vz), vs));
+        if (2 * t + 1 < rows)
+          _mm512_storeu_ps(dst + (2 * t + 1) * nr,
+                           _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vz), vs));
+      }
+    }
+  }
+}
 #endif
 
 SF_CLONES
@@ -307,11 +375,33 @@ static void sf_nbits_dequant_any(const SfNbits& w, int64_t j, int64_t k0, int64_
 }
 
 // Rows up to which the GEMV runs, in groups of 4 (each group reads the codes again); more go through the
-// GEMM, each panel of W dequantized (a column at a time, then transposed) as the GEMM packs it. Measured
-// on the 2-core AVX-512 Xeon (benchmarks/cpu_lowbit.py, 4096 x 4096): the GEMV 3.4 ms at 8 rows and 6.8
-// at 16, the GEMM 5.2 and 6.1 (its dequantization, ~4 ms, is paid once per call).
-constexpr int64_t SF_NBITS_GEMV_ROWS = 12;
+// GEMM, each panel of W dequantized as a tile uses it (SfNbitsPackOnUse, sf_nbits4_pack_avx512). Measured
+// on the 2-core AVX-512 Xeon (benchmarks/cpu_lowbit.py, 4096 x 4096, session 36): the GEMV 1.46 ms at 4
+// rows and 3.0 at 8, the GEMM 2.0 and 2.2 (and 3.0 at 16, 4.5 at 32, 14.6 at 128: within 5-40% of
+// the float32 GEMM on the dequantized weight; it was 6.0 at 16 when whole chunks were dequantized ahead).
+constexpr int64_t SF_NBITS_GEMV_ROWS = 4;
 constexpr int64_t SF_NBITS_NC = 1024;
+// Rows up to which the GEMM dequantizes each panel where a tile uses it (SfNbitsPackOnUse): the
+// driver's tiles then span every row (144 at most), so no panel is dequantized twice
+constexpr int64_t SF_NBITS_ON_USE_ROWS = 144;
+
+// A B source for sf_sgemm_driver (see SfPackPerCall) that packs nothing ahead: panel() dequantizes the
+// K block of the column panel it is asked for into the calling thread's buffer, which the tile's rows
+// use before the next call
+template <class PackB>
+struct SfNbitsPackOnUse {
+  const PackB& pack;
+  int64_t chunk;
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t, bool) const {}
+  const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
+                     int64_t& bnext) const {
+    float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * nr * SF_KC));
+    pack(jc, jp * nr + cols, jp, nr, pc, kc, Bp);
+    ldb = nr;
+    bnext = 16;
+    return Bp;
+  }
+};
 
 // C[M, N] = A[M, K] @ W
 static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* C) {
@@ -330,6 +420,12 @@ static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* 
   const int isa = sf_nbits_isa(w);
   auto pack = [&w, isa](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
     const int64_t cols = std::min(nr, nc - p * nr);
+#if defined(__x86_64__)
+    if (isa == 2 && k0 % w.bs == 0 && nr % 16 == 0) {
+      sf_nbits4_pack_avx512(w, jc + p * nr, cols, nr, k0, kc, Bp);
+      return;
+    }
+#endif
     float* t = static_cast<float*>(sf_workspace(3, sizeof(float) * nr * SF_KC));  // [cols][kc]
 #if defined(__x86_64__)
     if (isa == 2 && k0 % w.bs == 0) {
@@ -339,9 +435,18 @@ static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* 
     for (int64_t c = 0; c < cols; ++c) sf_nbits_dequant_any(w, jc + p * nr + c, k0, kc, t + c * kc);
     sf_pack_b(t, 1, kc, cols, 0, nr, 0, kc, Bp);
   };
+  const int64_t nr = sf_ukr().nr;
+  if (M <= SF_NBITS_ON_USE_ROWS) {
+    // one row of the driver's tiles holds every row: each K block of each column panel is used once,
+    // so it is dequantized where it is used, into the thread's own 32 KB, and read back from L1
+    const SfNbitsPackOnUse<decltype(pack)> src{pack, w.N};
+    sf_sgemm_driver(M, w.N, w.K, A, w.K, 1, src, C, w.N, 1.0f, nullptr, 0, 0,
+                    sf_gemm_parallel(M, w.N, w.K, true));
+    return;
+  }
   // chunks of SF_NBITS_NC columns (the GEMM's own are 4096): the chunk's dequantized panels, K x 512
   // floats, are read back from the cache rather than from memory
-  const int64_t nr = sf_ukr().nr, chunk = std::min<int64_t>(w.N, SF_NBITS_NC);
+  const int64_t chunk = std::min<int64_t>(w.N, SF_NBITS_NC);
   float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * ((chunk + nr - 1) / nr) * nr * w.K));
   const SfPackPerCall<decltype(pack)> src{pack, Bp, w.K, SF_NBITS_NC};
   sf_sgemm_driver(M, w.N, w.K, A, w.K, 1, src, C, w.N, 1.0f, nullptr, 0, 0, sf_gemm_parallel(M, w.N, w.K, true));
