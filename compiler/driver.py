@@ -172,7 +172,7 @@ class OptimizationConfig:
                     "fold_affine"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
-        if kw.get("pdl") and (target != "cuda" or _sm_number(kw["arch"]) < 90):
+        if kw.get("pdl") and (target != "cuda" or _cuda_sm(kw["arch"]) < 90):
             raise ConfigError("optimization_config['pdl'] = true needs target 'cuda' and an arch of sm_90 or newer "
                               f"(programmatic dependent launch is a Hopper feature); got target {target!r}"
                               + (f", arch {kw['arch']!r}" if target == "cuda" else ""))
@@ -197,10 +197,11 @@ class OptimizationConfig:
         return dataclasses.asdict(self)
 
 
-def _sm_number(arch: str) -> int:
-    """``90`` for ``sm_90``/``sm_90a``/``compute_90``."""
-    digits = arch.split("_", 1)[1].rstrip("af")
-    return int(digits) if digits.isdigit() else 0
+def _cuda_sm(arch: str) -> int:
+    """The compute capability the cuda code generator reads in ``arch`` (``90`` for ``sm_90``)."""
+    from .codegen.cuda import _sm
+
+    return _sm(arch)
 
 
 def _gemm_tiles(tiles: dict, target: str) -> dict:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import ShardflowError
+from .tma import _MAP_DTYPE
 
 __all__ = ["PdlError", "LaunchConfig", "LaunchAttribute", "pdl_launcher", "launch_config"]
 
@@ -86,8 +87,8 @@ def _params(args: Sequence[Any]) -> tuple:
     keep = []
     for a in args:
         ptr = getattr(getattr(a, "data", None), "ptr", None)
-        if isinstance(a, np.ndarray) and a.dtype.kind == "V" and a.dtype.itemsize == 128 and a.size == 1:
-            keep.append(a)  # a tensor map (runtime/tma.py)
+        if isinstance(a, np.ndarray) and a.dtype == _MAP_DTYPE:
+            keep.append(a)  # a tensor map (runtime/tma.py), by value
         elif ptr is not None:  # a device array: its address, the kernel's pointer parameter
             keep.append(ctypes.c_void_p(int(ptr)))
         else:

@@ -25,8 +25,9 @@ import numpy as np
 
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
-from ..ops.linalg import GatherBlockQuantized, MatMulNBits, unpack_bits
+from ..ops.linalg import GatherBlockQuantized, MatMulNBits, pack_bits, unpack_bits
 from ..ops.transform import Transpose
+from .qdq import four_bit_codes
 from .registry import FLOATS, NodeContext, onnx_op
 
 log = logging.getLogger(__name__)
@@ -268,18 +269,12 @@ def _four_bit_table(ctx, four: str, rows: int, k: int, blocks: int) -> tuple[Ten
     moved up by 8, so that the differences stay; uint4's default zero point 0 made explicit)."""
     if k % 2:
         raise ctx.unsupported(f"a 4-bit table of an odd row length ({k})")
-    shift = 8 if four == "int4" else 0
-    codes = (ctx.const(0).astype(np.int16) + shift).astype(np.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
-    if ctx.has_input(3):
-        zp = ctx.const(3).astype(np.float32)
-        if zp.shape != (rows, blocks) or ctx.four_bit(3) != four:
-            raise ctx.invalid(f"zero points must be {four} [{rows}, {blocks}] like the table, got "
-                              f"{ctx.four_bit(3) or zp.dtype} {list(zp.shape)}")
-        zp = zp + shift
-    else:
-        zp = np.full((rows, blocks), shift, np.float32)
-    return ctx.constant(np.ascontiguousarray(packed)), zp
+    zp = ctx.const(3) if ctx.has_input(3) else None
+    if zp is not None and (zp.shape != (rows, blocks) or ctx.four_bit(3) != four):
+        raise ctx.invalid(f"zero points must be {four} [{rows}, {blocks}] like the table, got "
+                          f"{ctx.four_bit(3) or zp.dtype} {list(zp.shape)}")
+    codes, zp = four_bit_codes(ctx.const(0), zp, four, (rows, blocks))
+    return ctx.constant(pack_bits(codes, 4)), zp
 
 
 @onnx_op("GatherBlockQuantized", since=1, domain=_MS)

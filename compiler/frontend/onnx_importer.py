@@ -22,12 +22,10 @@ from onnx import numpy_helper
 from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.expr import dtype_kind, numpy_type
+from .qdq import FOUR_BIT
 from .registry import NodeContext, find_handler, onnx_dtype
 
 __all__ = ["import_onnx", "read_model"]
-
-#: ONNX's 4-bit integer types: initializers of them import as int8/uint8 values (``_Importer.four_bit``)
-_FOUR_BIT = {onnx.TensorProto.INT4: "int4", onnx.TensorProto.UINT4: "uint4"}
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +157,7 @@ class _Importer:
                 arr = numpy_helper.to_array(init)
             except Exception as exc:
                 raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
-            four = _FOUR_BIT.get(init.data_type)
+            four = FOUR_BIT.get(init.data_type)
             if four:  # the values, one per int8/uint8 (the only ops defined on these types read values)
                 arr = np.asarray(arr).astype(np.int8 if four == "int4" else np.uint8)
             else:

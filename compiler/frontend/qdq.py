@@ -42,7 +42,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["drop_requantizations", "four_bit_matmuls", "fuse_qdq_matmuls"]
+from ..ops.linalg import pack_bits
+
+__all__ = ["FOUR_BIT", "drop_requantizations", "four_bit_codes", "four_bit_matmuls", "fuse_qdq_matmuls"]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,19 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-_FOUR_BIT = (TensorProto.INT4, TensorProto.UINT4)
+#: ONNX's 4-bit integer types (their initializers import as int8/uint8 values: onnx_importer)
+FOUR_BIT = {TensorProto.INT4: "int4", TensorProto.UINT4: "uint4"}
+
+
+def four_bit_codes(values: np.ndarray, zero_points: np.ndarray | None, kind: str,
+                   zp_shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """int4/uint4 ``values`` as unsigned codes 0..15 (uint8) and their zero points as float32
+    ``zp_shape``: int4's codes and zero points moved up by 8 (their differences stay); a missing
+    zero point is the type's 0, made explicit."""
+    shift = 8 if kind == "int4" else 0
+    codes = (np.asarray(values).astype(np.int16) + shift).astype(np.uint8)
+    zp = np.zeros(zp_shape, np.float32) if zero_points is None else np.asarray(zero_points, np.float32)
+    return codes, zp + np.float32(shift)
 
 
 def _four_bit_weight(node, inits: dict):
@@ -155,7 +169,7 @@ def _four_bit_weight(node, inits: dict):
     block, axis = int(attrs.get("block_size", 0)), int(attrs.get("axis", 1))
     names = list(node.input) + [""] * (3 - len(node.input))
     w, s, z = (inits.get(n) for n in names[:3])
-    if w is None or w.data_type not in _FOUR_BIT or len(w.dims) != 2 or axis not in (0, -2) \
+    if w is None or w.data_type not in FOUR_BIT or len(w.dims) != 2 or axis not in (0, -2) \
             or block < 16 or block & (block - 1) or attrs.get("output_dtype", 0) not in (0, TensorProto.FLOAT):
         return None
     k, n = w.dims
@@ -164,9 +178,8 @@ def _four_bit_weight(node, inits: dict):
         return None
     if names[2] and (z is None or z.data_type != w.data_type or list(z.dims) != [blocks, n]):
         return None
-    shift = 8 if w.data_type == TensorProto.INT4 else 0
-    codes = (numpy_helper.to_array(w).astype(np.int16) + shift).astype(np.uint8)
-    zp = (numpy_helper.to_array(z).astype(np.float32) if names[2] else np.zeros((blocks, n), np.float32)) + shift
+    codes, zp = four_bit_codes(numpy_helper.to_array(w), numpy_helper.to_array(z) if names[2] else None,
+                               FOUR_BIT[w.data_type], (blocks, n))
     return codes, numpy_helper.to_array(s).astype(np.float32), zp, block
 
 
@@ -175,6 +188,8 @@ def four_bit_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
     on the packed codes (module docstring); ``proto`` itself when there is none. A DequantizeLinear
     whose only reader was such a MatMul goes too."""
     g = proto.graph
+    if not any(t.data_type in FOUR_BIT for t in g.initializer):
+        return proto
     inits = {t.name: t for t in g.initializer}
     producer = {o: (k, n) for k, n in enumerate(g.node) for o in n.output}
     readers: dict[str, int] = {}
@@ -202,8 +217,7 @@ def four_bit_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
         blocks = -(-kk // block)
         padded = np.zeros((blocks * block, n), np.uint8)
         padded[:kk] = codes
-        cols = padded.T.reshape(n, blocks, block)  # column n's codes, block by block
-        packed = (cols[..., 0::2] | (cols[..., 1::2] << np.uint8(4))).astype(np.uint8)  # low nibble: even k
+        packed = pack_bits(padded.T.reshape(n, blocks, block), 4)  # column n's codes, block by block
         g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), f"{base}.codes"),
                               numpy_helper.from_array(np.ascontiguousarray(scales.T), f"{base}.scales"),
                               numpy_helper.from_array(np.ascontiguousarray(zp.T), f"{base}.zero_points")])

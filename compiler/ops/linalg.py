@@ -20,8 +20,8 @@ from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "unpack_bits", "Attention",
-           "parse_einsum", "Det"]
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "pack_bits", "unpack_bits",
+           "GatherBlockQuantized", "Attention", "parse_einsum", "Det"]
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
@@ -433,6 +433,18 @@ def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
     vals = (packed[..., :, None] >> shifts) & np.uint8((1 << bits) - 1)
     return vals.reshape(packed.shape[:-1] + (-1,))[..., :count]
+
+
+def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`unpack_bits`' inverse: ``bits``-bit unsigned ``values`` packed least significant first
+    along the last axis into uint8 (that axis padded with zeros to whole bytes)."""
+    per = 8 // bits
+    v = np.asarray(values).astype(np.uint8)
+    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, -v.shape[-1] % per)]).reshape(v.shape[:-1] + (-1, per))
+    out = np.zeros(v.shape[:-1], np.uint8)
+    for j in range(per):
+        out |= (v[..., j] << np.uint8(j * bits)).astype(np.uint8)
+    return out
 
 
 class MatMulNBits(Operator):
