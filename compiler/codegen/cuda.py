@@ -1686,6 +1686,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     nonpad = att.inputs[3 + (mask is not None)] if att.attrs.get("has_nonpad") else None
     if nonpad is not None and not nonpad.dtype.startswith(("int", "uint")):
         return None
+    sink = att.inputs[3 + (mask is not None) + (nonpad is not None)] if att.attrs.get("has_sink") else None
     # the group's definitions up to the attention, which becomes a placeholder for the epilogue
     members = getattr(op, "members", [op])
     y_shape = tuple(att.outputs[0].shape)
@@ -1768,6 +1769,11 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         if nonpad is None or off:
             return off + d
         return f"sf_npo + {d}" if d >= 0 else f"sf_npo - {-d}"
+    sink_at = None
+    if sink is not None:  # the head's sink, read once per block
+        e = _bake(_inline_computes(TensorElement(env[id(sink)], [vh]), an), scalars)
+        root.lines.append(f"const float sf_sink = {em.value_as(e, 'float32', root)};")
+        sink_at = "sf_sink"
     hi = shift(0) if a.get("is_causal") else None
     if right >= 0:  # (with a causal mask too, the window's upper edge is past the diagonal: the diagonal)
         hi = shift(right) if hi is None else hi
@@ -1782,7 +1788,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
                             empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0
                                                  or nonpad is not None),
                             causal=hi, lo=None if left < 0 else shift(-left), softcap=float(a.get("softcap", 0.0)),
-                            keys=keys)
+                            keys=keys, sink=sink_at)
 
 
 # --- one op --------------------------------------------------------------------------------------

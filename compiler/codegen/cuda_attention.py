@@ -93,7 +93,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
                      root: str, biases: Sequence[str], epilogue: str, causal: int | str | None = None,
                      empty_rows_zero: bool = True, lo: int | str | None = None, softcap: float = 0.0,
-                     keys: str | None = None) -> tuple[str, dict]:
+                     keys: str | None = None, sink: str | None = None) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
     ``biases``: for each additive bias, in the order they are added to a score, C lines that set
@@ -110,7 +110,10 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     over ``-inf`` everywhere gives). ``keys``: None, or a C expression (of ``sf_b``, set by
     ``root``) for the number of keys the batch's rows see, in ``[0, L]`` (ONNX's
     ``nonpad_kv_seqlen``): the key blocks past it are not visited. ``causal`` and ``lo`` may be C
-    expressions of the same kind (the diagonal of a padded KV cache, ``nonpad - S``).
+    expressions of the same kind (the diagonal of a padded KV cache, ``nonpad - S``). ``sink``:
+    None, or a C expression (of ``sf_h``, set by ``root``) for the head's attention sink, one more
+    logit in each row's softmax that weighs no value: the running maximum starts at it and the
+    running sum at 1 (in one of the four threads that share a row, whose sums are added at the end).
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
@@ -157,6 +160,11 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
               x += sf_bias;
             }}""" for bias in biases)
     normalised = "sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f" if empty_rows_zero else "sf_o[n][r] / sf_sum"
+    if sink is None:
+        init = "  float sf_m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)}, sf_l[2] = {0.0f, 0.0f};"
+    else:  # the sink's exp(sink - m) = 1 at m = sink, counted once per row (by its t = 0 thread)
+        init = (f"  float sf_m[2] = {{{sink}, {sink}}};\n"
+                "  float sf_l[2] = {sf_t == 0 ? 1.0f : 0.0f, sf_t == 0 ? 1.0f : 0.0f};")
     epi = _indent(epilogue, 10)
     root_code = _indent(root, 2)
     src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
@@ -205,7 +213,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
   float sf_o[{nd}][4];
   #pragma unroll
   for (int n = 0; n < {nd}; ++n) sf_o[n][0] = sf_o[n][1] = sf_o[n][2] = sf_o[n][3] = 0.0f;
-  float sf_m[2] = {{__int_as_float(0xff800000), __int_as_float(0xff800000)}}, sf_l[2] = {{0.0f, 0.0f}};
+{init}
   for (int kb = {kb0}; kb < {nkb_bound}; ++kb) {{
     const int st = {stage};
     if (kb + 1 < {nkb_bound}) sf_load_kv(kb + 1, st ^ 1);

@@ -471,7 +471,7 @@ def _conv_transpose(op, fused=None) -> str | None:
 
 def _attention(op) -> str | None:
     """Attention (float32 Q/K/V and output; an optional float or bool mask, ``nonpad_kv_seqlen``, causal,
-    windows, softcap, grouped K/V heads, 3-D or 4-D forms) through :func:`sf_attention`; also the float32 form
+    windows, softcap, attention sinks, grouped K/V heads, 3-D or 4-D forms) through :func:`sf_attention`; also the float32 form
     FuseAttention makes on the cpu target (``acc_dtype`` float32: the sums scaled by ``scale``; one extra bias
     in place of a mask, a row whose every logit is -inf NaN as a Softmax gives it). The mixed-precision form,
     more extra biases and the ``qk_matmul_output`` modes keep the generic nest."""
@@ -489,8 +489,9 @@ def _attention(op) -> str | None:
     extra = list(op.inputs[3:])
     mask = extra.pop(0) if a.get("has_mask") or extra_biases else None
     nonpad = extra.pop(0) if a.get("has_nonpad") else None
+    sink = extra.pop(0) if a.get("has_sink") else None
     if (mask is not None and mask.dtype not in ("float32", "bool")) or (extra_biases and mask.dtype != "float32") \
-            or (nonpad is not None and nonpad.dtype != "int64"):
+            or (nonpad is not None and nonpad.dtype != "int64") or (sink is not None and sink.dtype != "float32"):
         return None
 
     def strides(t, heads, rows, width):  # (batch, head, row) element strides of a 4-D or 3-D [B, N, H*E] tensor
@@ -510,7 +511,10 @@ def _attention(op) -> str | None:
     lines = _args(op)
     mask_arg = "inputs[3]" if mask is not None else "nullptr"
     np_arg = f"static_cast<const int64_t*>(inputs[{3 + (mask is not None)}])" if nonpad is not None else "nullptr"
-    what = (", causal" if a.get("is_causal") else "") + (", mask" if mask is not None else "")
+    sink_arg = (f"static_cast<const float*>(inputs[{3 + (mask is not None) + (nonpad is not None)}])"
+                if sink is not None else "nullptr")
+    what = (", causal" if a.get("is_causal") else "") + (", mask" if mask is not None else "") + \
+        (", sinks" if sink is not None else "")
     lines.append(f"  // Attention: {b_} x {hq} heads (K/V {hk}) of softmax([{s_len}, {d}] @ [{d}, {l_len}]) @ "
                  f"[{l_len}, {dv}]{what}")
     lines.append(f"  static const SfAttn cfg = {{{b_}, {hq}, {hk}, {s_len}, {l_len}, {d}, {dv}, "
@@ -519,7 +523,7 @@ def _attention(op) -> str | None:
                  f"{'true' if a.get('is_causal') else 'false'}, {int(a.get('past_len', 0))}, "
                  f"{int(a.get('left_window', -1))}, {int(a.get('right_window', -1))}, {mkind}, {_arr(ms)}, {mlen}, "
                  f"{'true' if nonpad is not None else 'false'}, {'true' if extra_biases else 'false'}}};")
-    lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, out0, cfg);")
+    lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, {sink_arg}, out0, cfg);")
     return "\n".join(lines)
 
 

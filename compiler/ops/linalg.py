@@ -608,8 +608,8 @@ class QLinearMatMul(Operator):
 class Attention(Operator):
     """Scaled dot-product attention (ONNX ``Attention``, opsets 23-25) as one definition.
 
-    Inputs ``q, k, v[, mask][, nonpad_kv_seqlen]`` (attributes ``has_mask``/``has_nonpad`` say which
-    optional ones follow). ``q`` is ``[B, Hq, S, D]`` or ``[B, S, Hq*D]`` (``q_heads``); ``k``/``v`` are
+    Inputs ``q, k, v[, mask][, nonpad_kv_seqlen][, sink]`` (attributes ``has_mask``/``has_nonpad``/
+    ``has_sink`` say which optional ones follow). ``q`` is ``[B, Hq, S, D]`` or ``[B, S, Hq*D]`` (``q_heads``); ``k``/``v`` are
     ``[B, Hkv, L, D]`` or ``[B, L, Hkv*D]`` (``kv_heads``), already holding any past cache; query head
     ``h`` reads key/value head ``h // (Hq / Hkv)``. Per output element::
 
@@ -618,7 +618,11 @@ class Attention(Operator):
 
     ``bias_j`` is the float mask (or 0/-inf of a bool mask; -inf past the mask's last dim), plus
     -inf where ``is_causal`` (``j <= i + offset``), the window (``left_window``/``right_window``,
-    -1 = unbounded) or ``nonpad_kv_seqlen`` (``j < nonpad[b]``) exclude ``j``. The offset is
+    -1 = unbounded) or ``nonpad_kv_seqlen`` (``j < nonpad[b]``) exclude ``j``. A ``sink`` ``[Hq]``
+    (not ONNX's: onnxruntime's ``head_sink``, gpt-oss's attention sinks) is one more logit per
+    head that takes part in the softmax's maximum and sum but weighs no value:
+    ``softmax_j(s) = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink[h] - m))`` with
+    ``m = max(max_k s_k, sink[h])``, so the probabilities sum to less than 1. The offset is
     ``past_len``, or ``nonpad[b] - S`` with ``nonpad_kv_seqlen`` and no past. ``softmax_dtype``
     computes the softmax in another dtype. ``qk_mode`` (0-3) adds the ``qk_matmul_output``
     output: the (softcapped) scores, the scores plus bias, or the probabilities.
@@ -666,6 +670,7 @@ class Attention(Operator):
         extra = list(extra)
         mask = extra.pop(0) if a.get("has_mask") else None
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
+        sink = extra.pop(0) if a.get("has_sink") else None
         adds = extra[:a.get("extra_biases", 0)]
 
         def read(t, bi, h, j, e, head):
@@ -680,6 +685,9 @@ class Attention(Operator):
             raise ShapeError(f"{self.name}: the extra biases {[m.shape for m in adds]} must be {dt} with {l_len} keys")
         if nonpad is not None and nonpad.shape != (b_,):
             raise ShapeError(f"{self.name}: nonpad_kv_seqlen has shape {nonpad.shape}, expected ({b_},)")
+        if sink is not None and (sink.shape != (hq,) or dtype_kind(sink.dtype) != "f"):
+            raise ShapeError(f"{self.name}: the sink must be a float [{hq}] (one logit per query head), got "
+                             f"{sink.dtype} {sink.shape}")
         c = Const(a.get("scale_sqrt", 1.0), dt)
         cap, left, right = a.get("softcap", 0.0), a.get("left_window", -1), a.get("right_window", -1)
         neg_inf = Const(-np.inf, dt)
@@ -751,7 +759,13 @@ class Attention(Operator):
             """``p(j)``: the guarded softmax over j (in ``softmax_dtype``)."""
             lg = (lambda j: logits(bi, h, i, j)) if sdt == dt else (lambda j: Cast(logits(bi, h, i, j), sdt))
             m = reduce((l_len,), lg, "max")
+            sk = None
+            if sink is not None:  # one more logit in the maximum and the sum
+                sk = sink[h] if sink.dtype == sdt else Cast(sink[h], sdt)
+                m = maximum(m, sk)
             den = reduce((l_len,), lambda j: UnaryOp("exp", lg(j) - m), "sum")
+            if sk is not None:
+                den = den + UnaryOp("exp", sk - m)
             masked = None
             if has_bias:
                 masked = eq(reduce((l_len,), lambda j: bias(bi, h, i, j), "max"), neg_inf)
@@ -795,6 +809,7 @@ class Attention(Operator):
         extra = list(extra)
         mask = extra.pop(0) if a.get("has_mask") else None
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
+        sink = extra.pop(0) if a.get("has_sink") else None
         adds = extra[:a.get("extra_biases", 0)]
 
         def to4(t, h):
@@ -844,8 +859,13 @@ class Attention(Operator):
             sdt = numpy_type(a.get("softmax_dtype") or str(dt))
             lg = logits.astype(sdt)
             mx = lg.max(axis=-1, keepdims=True)
+            den = 0
+            if sink is not None:
+                sk = np.asarray(sink).astype(sdt).reshape(1, hq, 1, 1)
+                mx = np.maximum(mx, sk)
+                den = np.exp(sk - mx)
             e = np.exp(lg - mx)
-            p = e / e.sum(axis=-1, keepdims=True)
+            p = e / (e.sum(axis=-1, keepdims=True) + den)
             masked = np.isneginf(np.broadcast_to(bias, logits.shape).max(axis=-1, keepdims=True))
             p = np.where(masked, sdt.type(0), p).astype(dt)
             if a.get("probs_dtype"):
@@ -942,6 +962,12 @@ def examples(rng: np.random.Generator):
         (Attention, [f(2, 3, 8), f(2, 5, 4), f(2, 5, 6)], {"scale_sqrt": 0.7, "q_heads": 2, "kv_heads": 1,
                                                           "is_causal": True, "left_window": 1, "right_window": 0,
                                                           "qk_mode": 0}),
+        # attention sinks (gpt-oss): with a bool mask and a window (the probabilities out), and alone
+        (Attention, [q4, k4, v4, rng.random((2, 1, 3, 5)) > 0.3, f(4)],
+         {"scale_sqrt": 0.7, "has_mask": True, "has_sink": True, "is_causal": True, "past_len": 2, "left_window": 2,
+          "qk_mode": 3}),
+        (Attention, [f(2, 3, 8), f(2, 5, 4), f(2, 5, 4), f(2) * 3], {"scale_sqrt": 0.7, "q_heads": 2, "kv_heads": 1,
+                                                                   "has_sink": True}),
         (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
          {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
         # the mixed-precision form: half Q/K/V (3-D here), float32 mask/output

@@ -541,6 +541,9 @@ def _case(rng, half, b, hq, hk, s, kv_len, d, dv, three_d, mask_shape, masked_ro
     if "nonpad" in more:  # ONNX's nonpad_kv_seqlen: the keys each batch's rows see
         arrays.append(np.asarray(more.pop("nonpad"), np.int64))
         attrs["has_nonpad"] = True
+    if "sink" in more:  # attention sinks: one more logit per query head
+        arrays.append(np.asarray(more.pop("sink"), np.float32))
+        attrs["has_sink"] = True
     if causal is not None:
         attrs.update(is_causal=True, past_len=causal)
     if extra_shape is not None:  # an additive bias added after the mask (if any)
@@ -588,6 +591,10 @@ CASES = {
     # and causal: the diagonal at nonpad[b] - S (no past), with a sliding window below it
     "nonpad-causal": ("float16", 3, 2, 2, 70, 230, 32, 32, False, None, (), 0, False, None, False,
                       {"nonpad": [230, 131, 60], "left_window": 90}),
+    # gpt-oss: attention sinks (a large one in head 2) with grouped heads, a causal window and a bool
+    # mask hiding every key of row 5 (its output 0: the sink weighs no value)
+    "sinks-window": ("bfloat16", 2, 4, 2, 70, 100, 64, 64, False, (2, 1, 70, 100), (5,), 30, True, None, False,
+                     {"sink": [2.0, -1.0, 8.0, 0.5], "left_window": 20}),
 }
 
 
@@ -739,6 +746,8 @@ def check_case(name: str, got: np.ndarray, want: np.ndarray) -> None:
         assert not got[:, :, 7].any()
     if name == "nonpad":
         assert not got[2].any()  # no key seen: 0
+    if name == "sinks-window":
+        assert not got[:, :, 5].any()
     if name == "biases-only":
         assert np.isnan(want[:, :, 9]).all() and np.isnan(got[:, :, 9]).all()
 

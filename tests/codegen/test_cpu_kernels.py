@@ -467,7 +467,8 @@ def _attention_cases():
     """The Attention template's cases (sf_attention): masks float and bool, broadcast and with fewer keys
     than K, rows every key of which is excluded (their output is 0), NaN in a mask, nonpad_kv_seqlen with
     and without a past, causal with a past, windows, softcap, grouped K/V heads, the 3-D forms, several
-    blocks of query rows (causal blocks skipping keys), keys past 4096 (8-row blocks), one query row."""
+    blocks of query rows (causal blocks skipping keys), keys past 4096 (8-row blocks), one query row,
+    attention sinks."""
     rng = np.random.default_rng(3)
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     fmask = np.where(rng.random((3, 7)) > 0.3, rng.standard_normal((3, 7)), -np.inf).astype(np.float32)
@@ -478,6 +479,8 @@ def _attention_cases():
     nanmask[0, 0, 1, 2] = np.nan  # row 1's output is NaN
     nanmask[0, 0, 2] = -np.inf
     nanmask[0, 0, 2, 4] = np.nan  # so is row 2's: a NaN among -inf is not "every key masked"
+    bmask_sink = rng.random((2, 1, 5, 9)) > 0.3
+    bmask_sink[1, 0, 3] = False
     cases = [
         ("gqa", Attention([_t((2, 4, 3, 8)), _t((2, 2, 9, 8)), _t((2, 2, 9, 5))], scale_sqrt=0.6),
          [f(2, 4, 3, 8), f(2, 2, 9, 8), f(2, 2, 9, 5)]),
@@ -504,6 +507,11 @@ def _attention_cases():
         ("one-row", Attention([_t((1, 2, 1, 8)), _t((1, 2, 33, 8)), _t((1, 2, 33, 8))], scale_sqrt=0.5,
                               is_causal=True, past_len=32),
          [f(1, 2, 1, 8), f(1, 2, 33, 8), f(1, 2, 33, 8)]),
+        # attention sinks (gpt-oss): a window, a bool mask hiding every key of one row (its output 0)
+        ("sink-window-gqa", Attention([_t((2, 4, 5, 8)), _t((2, 2, 9, 8)), _t((2, 2, 9, 8)),
+                                       _t((2, 1, 5, 9), "bool"), _t((4,))], scale_sqrt=0.5, has_mask=True,
+                                      has_sink=True, is_causal=True, past_len=4, left_window=3),
+         [f(2, 4, 5, 8), f(2, 2, 9, 8), f(2, 2, 9, 8), bmask_sink, f(4) * 2]),
     ]
     return [(f"attention-{name}", op, arrays) for name, op, arrays in cases]
 
@@ -824,10 +832,12 @@ def test_attention_uses_its_template(library):
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     att = [(cid, op) for cid, op, _ in LARGE if op.op_type == "Attention"]
-    assert len(att) == 9 and all(template_kind(op) == "Attention" for _, op in att)
+    assert len(att) == 10 and all(template_kind(op) == "Attention" for _, op in att)
     examples = [op for op, _ in library["cases"].values() if op.op_type == "Attention"]
     generic = [op for op in examples if op.attrs.get("qk_mode") is not None or op.attrs.get("acc_dtype")]
-    assert len(generic) == 6 and all(template_kind(op) is None for op in generic)
+    assert len(generic) == 7 and all(template_kind(op) is None for op in generic)
+    assert [template_kind(op) for op in examples if op.attrs.get("has_sink") and op.attrs.get("qk_mode") is None] \
+        == ["Attention"] * 2  # the op example and the large case
 
 
 def test_every_lowerable_example_is_in_the_library(library):

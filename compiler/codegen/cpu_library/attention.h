@@ -32,10 +32,12 @@ static inline void sf_attn_range(const SfAttn& a, int64_t i, int64_t off, int64_
 
 // one row of scores s[c0 .. c1) (key j at s[j - c0]) into probabilities, 0 outside the row's keys; the row is
 // 0 where every key is excluded (the mask's values -inf included), as ONNX's reference computes; a NaN anywhere
-// makes the row NaN (through the sum). Each step is its own loop, the reductions `omp simd` (vectorized).
+// makes the row NaN (through the sum). `sink` (-inf for none) is one more logit in the maximum and the sum
+// (an attention sink: the probabilities then sum to less than 1). Each step is its own loop, the reductions
+// `omp simd` (vectorized).
 SF_CLONES
 static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t lo, int64_t hi, const SfAttn& a,
-                        const float* __restrict__ fm, const uint8_t* __restrict__ bm) {
+                        const float* __restrict__ fm, const uint8_t* __restrict__ bm, float sink) {
   float* __restrict__ r = s - c0;
   lo = std::max(lo, c0); hi = std::min(hi, c1);
   for (int64_t j = c0; j < std::min(lo, c1); ++j) r[j] = 0.0f;
@@ -73,10 +75,10 @@ static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t l
     for (int64_t j = lo; j < hi; ++j) r[j] = 0.0f;
     return;
   }
-  float m = ninf;
+  float m = sink;
   #pragma omp simd reduction(max:m)
   for (int64_t j = lo; j < hi; ++j) m = r[j] > m ? r[j] : m;
-  float sum = 0.0f;
+  float sum = sink == ninf ? 0.0f : sf_exp(sink - m);
   #pragma omp simd reduction(+:sum)
   for (int64_t j = lo; j < hi; ++j) {
     const float e = r[j] == ninf ? 0.0f : sf_exp(r[j] - m);
@@ -88,7 +90,7 @@ static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t l
 }
 
 static void sf_attention(const float* q, const float* k, const float* v, const void* mask, const int64_t* nonpad,
-                         float* y, const SfAttn& a) {
+                         const float* sinks, float* y, const SfAttn& a) {
   if (a.B <= 0 || a.Hq <= 0 || a.S <= 0 || a.Dv <= 0) return;
   const int64_t rep = a.Hq / a.Hk;
   // rows per block: the block's scores stay near 1 MB (at most 64 rows, at least 8)
@@ -127,7 +129,8 @@ static void sf_attention(const float* q, const float* k, const float* v, const v
       int64_t lo, hi;
       sf_attn_range(a, i, off, npb, lo, hi);
       const int64_t mo = b * a.ms[0] + h * a.ms[1] + i * a.ms[2];
-      sf_attn_row(sc + r * n, c0, c1, lo, hi, a, fm ? fm + mo : nullptr, bm ? bm + mo : nullptr);
+      sf_attn_row(sc + r * n, c0, c1, lo, hi, a, fm ? fm + mo : nullptr, bm ? bm + mo : nullptr,
+                  sinks ? sinks[h] : -std::numeric_limits<float>::infinity());
     }
     sf_sgemm(rows, a.Dv, n, sc, n, 1, vb, a.vs[2], 1, yb, a.ys[2], 1.0f, nullptr, 0, 0, false);
   }
