@@ -8,7 +8,10 @@ weights in the file or next to it), default ``tests/models/llama_genai_int4.onnx
 with random weights and 4-bit MatMulNBits). The prompt program takes the prompt with an empty past; the
 decoding program takes one token, a mask and a past of ``prompt_len + new_tokens`` positions (zeros
 after each sequence's end), so its shapes never change: it is compiled once and run for every new
-token, its present fed back as the next past. Needs onnxruntime for the comparison only.
+token, its present fed back as the next past. A layer with a windowed cache (``sliding_window_cache``,
+gpt-oss's local layers: ``tests/models/gptoss_genai_fp32.onnx``) keeps a buffer of its window's size in
+both programs, the prompt's empty, each present the next past as it is. Needs onnxruntime for the
+comparison only.
 """
 from __future__ import annotations
 
@@ -45,6 +48,19 @@ def head_size(model, kv_heads: int) -> int:
     return width // (heads + 2 * kv_heads)
 
 
+def windowed_caches(model) -> dict[str, int]:
+    """The past inputs read by a GroupQueryAttention with ``sliding_window_cache`` = 1, each with its
+    buffer's size (the node's ``local_window_size``: onnxruntime-genai's default, no slack)."""
+    from onnx import helper
+
+    res = {}
+    for n in model.graph.node:
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        if n.op_type == "GroupQueryAttention" and a.get("sliding_window_cache") == 1:
+            res.update({name: int(a["local_window_size"]) for name in n.input[3:5]})
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=str(DEFAULT))
@@ -61,6 +77,7 @@ def main() -> int:
     model = onnx.load(args.model)
     past_names, kv_heads = cache_inputs(model)
     head = head_size(model, kv_heads)
+    windowed = windowed_caches(model)
     vocab = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
     total = args.prompt_len + args.new_tokens
     prompt = np.random.default_rng(0).integers(0, vocab, (1, args.prompt_len)).astype(np.int64)
@@ -71,9 +88,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         shapes = {"prompt": {"input_ids": (1, args.prompt_len), "attention_mask": (1, args.prompt_len),
-                             **{n: (1, kv_heads, 0, head) for n in past_names}},
+                             **{n: (1, kv_heads, windowed.get(n, 0), head) for n in past_names}},
                   "decode": {"input_ids": (1, 1), "attention_mask": (1, total),
-                             **{n: (1, kv_heads, total, head) for n in past_names}}}
+                             **{n: (1, kv_heads, windowed.get(n, total), head) for n in past_names}}}
         progs = {}
         for step, s in shapes.items():
             t = time.perf_counter()
@@ -83,11 +100,12 @@ def main() -> int:
             print(f"compiled the {step} program in {time.perf_counter() - t:.1f} s ({res.ranks[0]['kernels']} kernels)")
 
         def generate(run) -> list[int]:
-            empty = {n: np.zeros((1, kv_heads, 0, head), np.float32) for n in past_names}
+            empty = {n: np.zeros(shapes["prompt"][n], np.float32) for n in past_names}
             out = run("prompt", feeds(prompt, np.ones_like(prompt), empty))
-            past = {n: np.zeros((1, kv_heads, total, head), np.float32) for n in past_names}
+            past = {n: np.zeros(shapes["decode"][n], np.float32) for n in past_names}
             for n in past_names:
-                past[n][:, :, :args.prompt_len] = out[n.replace("past_key_values", "present")]
+                present = out[n.replace("past_key_values", "present")]
+                past[n][:, :, :present.shape[2]] = present
             mask = np.zeros((1, total), np.int64)
             mask[:, :args.prompt_len] = 1
             tokens = []

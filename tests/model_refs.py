@@ -36,3 +36,18 @@ def half_model(model: str, half: str = "bfloat16") -> tuple:
     low_feeds, ref_feeds = half_feeds(dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz")), half)
     sess = ort.InferenceSession(ref.SerializeToString(), providers=["CPUExecutionProvider"])
     return low, low_feeds, dict(zip([o.name for o in sess.get_outputs()], sess.run(None, ref_feeds)))
+
+
+def gptoss_step_feeds(seed: int = 4) -> dict:
+    """A gpt-oss decoding step after 20 positions: layer 0's window buffer (8 rows, all in use), layer
+    1's cache of 24 (20 in use, zeros after), one new token."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((1, 24), np.int64)
+    mask[:, :21] = 1
+    feeds = {"input_ids": np.array([[77]], np.int64), "attention_mask": mask}
+    for kv in ("key", "value"):
+        feeds[f"past_key_values.0.{kv}"] = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
+        full = np.zeros((1, 2, 24, 16), np.float32)
+        full[:, :, :20] = rng.standard_normal((1, 2, 20, 16))
+        feeds[f"past_key_values.1.{kv}"] = full
+    return feeds

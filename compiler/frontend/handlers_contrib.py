@@ -25,7 +25,7 @@ import numpy as np
 
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
-from ..ops.linalg import GatherBlockQuantized, MatMulNBits, pack_bits, unpack_bits
+from ..ops.linalg import Attention, GatherBlockQuantized, MatMulNBits, pack_bits, unpack_bits
 from ..ops.transform import Transpose
 from .qdq import four_bit_codes
 from .registry import FLOATS, NodeContext, onnx_op
@@ -459,7 +459,9 @@ def group_query_attention(ctx):
     """Grouped-query attention as onnxruntime-genai's LLMs write it: Q, K, V (or one packed QKV), the
     past key and value ``[batch, kv_heads, P, head]``, each sequence's length ``seqlens_k + 1`` and the
     ``total_sequence_length`` T (known from shapes), rotary embeddings from ``cos_cache``/``sin_cache``
-    (``do_rotary``), ``local_window_size``, ``softcap``; as onnxruntime's CPU kernel computes them.
+    (``do_rotary``), ``local_window_size``, ``softcap``, attention sinks (``head_sink``, or 0 for every
+    head with ``smooth_softmax``) and a windowed cache (``sliding_window_cache``: see
+    :func:`_windowed_group_query_attention`); as onnxruntime's CPU kernel computes them.
 
     The prompt (P = 0): positions ``0..S-1``, each query attending to the keys at or before it and
     before its sequence's length; the present key and value are the new ones. A later step (P > 0):
@@ -486,11 +488,18 @@ def group_query_attention(ctx):
     if k.shape != (b, s, kv_heads * head) or v.shape != k.shape:
         raise ctx.shape_error(f"key and value must be [{b}, {s}, {kv_heads * head}], got {list(k.shape)} and "
                               f"{list(v.shape)}")
-    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
+    for i, what in ((9, "position_ids"), (10, "attention_bias"), (12, "k_scale (a quantized KV cache)"),
+                    (13, "v_scale (a quantized KV cache)"), (14, "q_norm_weight"), (15, "k_norm_weight")):
         if ctx.has_input(i):
             raise ctx.unsupported(f"input {what}")
-    if ctx.attr("smooth_softmax", 0) or ctx.attr("qk_output", 0):
-        raise ctx.unsupported("smooth_softmax / qk_output")
+    if ctx.attr("qk_output", 0):
+        raise ctx.unsupported("qk_output")
+    if int(ctx.attr("kv_cache_bit_width", 0)) or {ctx.attr("k_quant_type", "NONE"), ctx.attr("v_quant_type", "NONE")} \
+            != {"NONE"}:
+        raise ctx.unsupported("a quantized KV cache (kv_cache_bit_width, k_quant_type, v_quant_type)")
+    if int(ctx.attr("causal", 1)) != 1:
+        raise ctx.unsupported(f"causal={ctx.attr('causal')} (attention without the causal mask)")
+    sink = _attention_sink(ctx, heads)
     past_k, past_v = _optional(ctx, 3), _optional(ctx, 4)
     if (past_k is None) != (past_v is None):
         raise ctx.invalid("past_key and past_value must be given together")
@@ -500,6 +509,12 @@ def group_query_attention(ctx):
                               f"and {list(past_v.shape)}")
     if n_past and not ctx.has_input(5):
         raise ctx.invalid("a past needs seqlens_k")
+    window = int(ctx.attr("local_window_size", -1))
+    scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
+    softcap = float(ctx.attr("softcap", 0.0))
+    if int(ctx.attr("sliding_window_cache", 0)) == 1:
+        return _windowed_group_query_attention(ctx, q, k, v, past_k, past_v, heads, kv_heads, head, window, scale,
+                                               softcap, sink)
     total = int(np.asarray(ctx.const(6)).reshape(-1)[0]) if ctx.has_input(6) and (n_past or ctx.is_const(6)) else s
     if not n_past and total != s:
         raise ctx.invalid(f"total_sequence_length {total} differs from the prompt's {s} with no past")
@@ -508,13 +523,7 @@ def group_query_attention(ctx):
     ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), _i64(ctx, 1)], _OPSET),
                                 _i64(ctx, [b, 1, 1, 1])], _OPSET) if ctx.has_input(5) else None
     p4 = ctx.emit("Sub", [ends, _i64(ctx, s)], _OPSET) if n_past else None
-    if ctx.attr("do_rotary", 0):
-        pos = (ctx.emit("Add", [ctx.emit("Reshape", [p4, _i64(ctx, [b, 1])], _OPSET), _i64(ctx, np.arange(s)[None])],
-                        _OPSET) if n_past else _i64(ctx, np.broadcast_to(np.arange(s), (b, s))))
-        cos, sin = _float_input(ctx, 7), _float_input(ctx, 8)
-        rot = dict(interleaved=int(ctx.attr("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
-        q = ctx.emit("RotaryEmbedding", [q, cos, sin, pos], _OPSET, num_heads=heads, **rot)
-        k = ctx.emit("RotaryEmbedding", [k, cos, sin, pos], _OPSET, num_heads=kv_heads, **rot)
+    q, k = _gqa_rotary(ctx, q, k, p4 if n_past else None, heads, kv_heads)
     k4, v4 = (_heads_first(ctx, t, kv_heads, head, what) for t, what in ((k, "key"), (v, "value")))
     if n_past:  # the present: past before p, the new tokens at p..p+S-1, zeros after
         j = _i64(ctx, np.arange(length)[None, None, :, None])                 # [1, 1, L, 1]
@@ -539,7 +548,6 @@ def group_query_attention(ctx):
     # which keys each query sees: at or before its position, before its sequence's end, in the window
     qpos = np.arange(s)[:, None]
     keys = np.arange(length)[None, :]
-    window = int(ctx.attr("local_window_size", -1))
     if n_past:
         at = ctx.emit("Add", [p4, _i64(ctx, qpos[None, None])], _OPSET)      # [b, 1, S, 1] positions
         kj = _i64(ctx, keys[None, None])
@@ -554,9 +562,107 @@ def group_query_attention(ctx):
         keep = ctx.constant(allowed[None, None])  # [1, 1, S, S]
     if ends is not None:  # keys at or past the sequence's end are hidden
         keep = ctx.emit("And", [keep, ctx.emit("Less", [_i64(ctx, np.arange(length)), ends], _OPSET)], _OPSET)
-    scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
-    q4 = _heads_first(ctx, q, heads, head, "query")
-    y4 = ctx.emit("Attention", [q4, k_att, v_att, keep], _OPSET, scale=scale, softcap=float(ctx.attr("softcap", 0.0)))
+    y4 = _gqa_attend(ctx, _heads_first(ctx, q, heads, head, "query"), k_att, v_att, keep, scale, softcap, sink)
+    return [_heads_last(ctx, y4), *presents]
+
+
+def _attention_sink(ctx: NodeContext, heads: int) -> Tensor | None:
+    """GroupQueryAttention's extra softmax logit per head: ``head_sink`` ``[num_heads]`` (gpt-oss's
+    attention sinks), else 0 for every head with ``smooth_softmax`` = 1 (onnxruntime enables it at 1
+    only), else None."""
+    if ctx.has_input(11):
+        sink = _float_input(ctx, 11)
+        if sink.shape != (heads,):
+            raise ctx.shape_error(f"head_sink must be [{heads}] (one value per query head), got {list(sink.shape)}")
+        return sink
+    if int(ctx.attr("smooth_softmax", -1)) == 1:
+        return ctx.constant(np.zeros(heads, numpy_type(ctx.input(0).dtype)))
+    return None
+
+
+def _gqa_rotary(ctx: NodeContext, q: Tensor, k: Tensor, p4: Tensor | None, heads: int,
+                kv_heads: int) -> tuple[Tensor, Tensor]:
+    """Q and K rotated (``do_rotary``) at positions ``p..p+S-1`` of each sequence (``p4``
+    ``[b, 1, 1, 1]``; ``0..S-1`` when None)."""
+    if not ctx.attr("do_rotary", 0):
+        return q, k
+    b, s = q.shape[:2]
+    pos = (ctx.emit("Add", [ctx.emit("Reshape", [p4, _i64(ctx, [b, 1])], _OPSET), _i64(ctx, np.arange(s)[None])],
+                    _OPSET) if p4 is not None else _i64(ctx, np.broadcast_to(np.arange(s), (b, s))))
+    cos, sin = _float_input(ctx, 7), _float_input(ctx, 8)
+    rot = dict(interleaved=int(ctx.attr("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
+    return (ctx.emit("RotaryEmbedding", [q, cos, sin, pos], _OPSET, num_heads=heads, **rot),
+            ctx.emit("RotaryEmbedding", [k, cos, sin, pos], _OPSET, num_heads=kv_heads, **rot))
+
+
+def _gqa_attend(ctx: NodeContext, q4: Tensor, k4: Tensor, v4: Tensor, keep: Tensor, scale: float, softcap: float,
+                sink: Tensor | None) -> Tensor:
+    """The library's Attention of ``q4`` ``[b, heads, S, D]`` over ``k4``/``v4`` ``[b, kv_heads, L, D]``,
+    the keys each query sees given by the bool ``keep`` (broadcast to ``[b, heads, S, L]``), with the
+    head's attention sink."""
+    ins = [q4, k4, v4, keep] + ([sink] if sink is not None else [])
+    return ctx.add(Attention(ins, name=ctx.name, q_heads=q4.shape[1], kv_heads=k4.shape[1],
+                             scale_sqrt=math.sqrt(scale), scale=scale, softcap=softcap, has_mask=True,
+                             has_sink=sink is not None))
+
+
+def _windowed_group_query_attention(ctx: NodeContext, q: Tensor, k: Tensor, v: Tensor, past_k: Tensor | None,
+                                    past_v: Tensor | None, heads: int, kv_heads: int, head: int, window: int,
+                                    scale: float, softcap: float, sink: Tensor | None) -> list[Tensor]:
+    """GroupQueryAttention with ``sliding_window_cache`` = 1 (onnxruntime-genai's local layers, as
+    gpt-oss's): the past and the present are a buffer of C >= ``local_window_size`` rows holding only
+    the latest positions, as onnxruntime 1.32's CPU kernel keeps it. With a sequence's past P
+    (``seqlens_k + 1 - S``), the buffer's first ``end(P)`` rows hold positions ``P - end(P)..P-1`` in
+    order, where ``end(x) = x`` up to C and, past C, ``x`` less as many blocks of ``gap = C - W + 1``
+    rows as bring it to C or under (the kernel compacts a block at once, so ``end`` is a function of
+    the absolute length and the op stays stateless). The new keys (rotated at positions ``P..P+S-1``)
+    are attended together with the resident ones, each query seeing the keys of the last W positions
+    up to its own; the present holds positions ``P+S-end(P+S)..P+S-1`` in its first ``end(P+S)``
+    rows and zeros after them (onnxruntime leaves those rows as they were: no step reads them)."""
+    b, s = q.shape[:2]
+    if window <= 0 or past_k is None or not ctx.has_input(5):
+        raise ctx.invalid("sliding_window_cache=1 needs local_window_size > 0, a past key and value and seqlens_k")
+    cap = past_k.shape[2]
+    if cap < window:
+        raise ctx.invalid(f"sliding_window_cache: the KV cache's capacity {cap} (the past's dim 2) is less than "
+                          f"local_window_size {window}")
+    gap = cap - window + 1
+
+    def i64(value):
+        return _i64(ctx, value)
+
+    def op(kind, *ins):
+        return ctx.emit(kind, list(ins), _OPSET)
+
+    def cache_end(x):  # rows in use after x positions ([b, 1, 1, 1])
+        blocks = op("Div", op("Add", op("Sub", x, i64(cap)), i64(gap - 1)), i64(gap))
+        return op("Where", op("LessOrEqual", x, i64(cap)), x, op("Sub", x, op("Mul", blocks, i64(gap))))
+
+    ends = ctx.emit("Reshape", [op("Add", ctx.cast(ctx.input(5), "int64"), i64(1)), i64([b, 1, 1, 1])], _OPSET)
+    p4 = op("Max", op("Sub", ends, i64(s)), i64(0))  # each sequence's past P
+    q, k = _gqa_rotary(ctx, q, k, p4, heads, kv_heads)
+    k4, v4 = (_heads_first(ctx, t, kv_heads, head, what) for t, what in ((k, "key"), (v, "value")))
+    before, after = cache_end(p4), cache_end(op("Add", p4, i64(s)))
+    # the keys: the buffer's C rows (row r at position P - end(P) + r, in use below end(P)), then the new
+    keys_k, keys_v = (ctx.emit("Concat", [past, new], _OPSET, axis=2) for past, new in ((past_k, k4), (past_v, v4)))
+    rows = i64(np.arange(cap)[None, None, None, :])
+    pos = ctx.emit("Concat", [op("Add", op("Sub", p4, before), rows),
+                              op("Add", p4, i64(np.arange(s)[None, None, None, :]))], _OPSET, axis=3)
+    used = ctx.emit("Concat", [op("Less", rows, before),
+                               ctx.constant(np.ones((b, 1, 1, s), bool))], _OPSET, axis=3)  # [b, 1, 1, C + S]
+    at = op("Add", p4, i64(np.arange(s)[None, None, :, None]))                                 # [b, 1, S, 1]
+    keep = op("And", op("And", used, op("LessOrEqual", pos, at)), op("Greater", pos, op("Sub", at, i64(window))))
+    y4 = _gqa_attend(ctx, _heads_first(ctx, q, heads, head, "query"), keys_k, keys_v, keep, scale, softcap, sink)
+    # the present's row r: buffer row r + end(P) - kept below kept = end(P + S) - S, else new key r - kept
+    r = i64(np.arange(cap)[None, None, :, None])
+    kept = op("Sub", after, i64(s))
+    src = op("Where", op("Less", r, kept), op("Add", r, op("Sub", before, kept)), op("Add", op("Sub", r, kept),
+                                                                                   i64(cap)))
+    idx = ctx.emit("Expand", [op("Clip", src, i64(0), i64(cap + s - 1)), i64([b, kv_heads, cap, head])], _OPSET)
+    zero = ctx.constant(np.zeros((), numpy_type(k4.dtype)))
+    filled = op("Less", r, after)
+    presents = [op("Where", filled, ctx.emit("GatherElements", [t, idx], _OPSET, axis=2), zero)
+                for t in (keys_k, keys_v)]
     return [_heads_last(ctx, y4), *presents]
 
 

@@ -149,10 +149,10 @@ def test_decomposed_rms_norm_is_one_row_kernel_on_the_host(tmp_path):
     _check(group.name, launch.kind, got[0], vals[id(ops[-1].outputs[0])])
 
 
-def _rank_graph_for_cuda(model: str, k_major_ops=None):
+def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None):
     """A committed test model as the driver hands it to the cuda code generator at float16 on one
     device: imported, planned, merged projections, half operands (the weights of ``k_major_ops``
-    stored ``[N, K]``), fused attention."""
+    stored ``[N, K]``), fused attention; on ``feeds`` (default: the model's inputs file)."""
     from model_refs import MODELS
 
     from shardflow.compiler import load_onnx
@@ -162,7 +162,8 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None):
     from shardflow.compiler.passes.precision import HalfPrecisionContractions
     from shardflow.compiler.passes.projections import MergeProjections
 
-    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    if feeds is None:
+        feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
     graph = load_onnx(str(MODELS / f"{model}.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
     (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
     rg = MergeProjections().run(rg)
@@ -185,6 +186,23 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     checked = {src.launches[g.name].kind for g in host_groups}
     assert "attention-f16" in checked if model != "llama_ts17" else "gemm-wgmma-f16" in checked
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
+
+
+def test_gptoss_program_on_the_host(tmp_path):
+    """gpt-oss's decoding step (onnxruntime-genai's builder: attention sinks, a sliding window's
+    buffer, MoE with SwiGLU) as its float16 program for sm_90: every kernel, the two fused
+    attentions with their sinks among them, on the evaluator's values, against the evaluator."""
+    from model_refs import gptoss_step_feeds
+
+    from shardflow.compiler.codegen.cuda import _half_cast
+
+    env, consts, groups = _graph_values(*_rank_graph_for_cuda("gptoss_genai_fp32", feeds=gptoss_step_feeds()),
+                                        materialize=_half_cast, views=True)
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    kinds = [src.launches[g.name].kind for g in groups if g.name in src.launches]
+    assert kinds.count("attention-f16") == 2
+    _check_kernels("gptoss", build(src.text, str(tmp_path)), src, [g for g in groups if g.name in src.launches],
+                   env, consts)
 
 
 def test_pdl_program_on_the_host(tmp_path):
@@ -316,9 +334,12 @@ def _model_values(model: str):
     return _graph_values(*_rank_graph_for_cuda(model))
 
 
-def _graph_values(rg, feeds):
-    """``_model_values`` of graph ``rg`` on inputs ``feeds``."""
-    from shardflow.compiler.codegen.fusion import fuse
+def _graph_values(rg, feeds, materialize=lambda op: False, views: bool = False):
+    """``_model_values`` of graph ``rg`` on inputs ``feeds`` (``materialize``: the fusion's, as the
+    cuda build passes it for sm_90; ``views``: reshapes and the like left to run as views, as the
+    driver does)."""
+    from shardflow.compiler.codegen.fusion import drop_views, fuse
+    from shardflow.compiler.driver import _is_view
 
     env = {t.name: feeds[t.name] for t in rg.inputs}
     for op in rg.nodes:
@@ -326,7 +347,9 @@ def _graph_values(rg, feeds):
             outs = op.run(*[env[t.name] if t.name in env else t.value for t in op.inputs])
         env.update({t.name: v for t, v in zip(op.outputs, outs)})
     consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    return env, consts, fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs])
+    names = [op.name for op in rg.nodes if views and _is_view(op)]
+    groups = fuse([op for op in rg.nodes], keep=[t.name for t in rg.outputs], materialize=materialize, views=names)
+    return env, consts, drop_views(groups, names)
 
 
 def _check_kernels(model, kernels, src, groups, env, consts, grid=None):

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from model_refs import MODELS
+from model_refs import MODELS, gptoss_step_feeds
 from onnx import TensorProto, helper, numpy_helper
 
 from shardflow.compiler import ModelFormatError, UnsupportedOperatorError, compile, load_onnx
@@ -543,16 +543,184 @@ def test_group_query_attention_node(packed, window, softcap, interleaved, n_past
     _close(load_onnx(m).run(feeds), _reference(m, feeds))
 
 
-def test_genai_generation_example_matches_onnxruntime(tmp_path):
+def _windowed_gqa(b, s, cap, window, pasts, sink, seed=0):
+    """A GroupQueryAttention node with ``sliding_window_cache`` (packed QKV, rotary) on a cache of
+    ``cap`` rows, each sequence's absolute past in ``pasts``; ``sink``: "head_sink", "smooth"
+    (``smooth_softmax`` = 1), "both" or None. Returns the model and its feeds."""
+    rng = np.random.default_rng(seed)
+    heads, kv, d = 4, 2, 16
+    feeds, ins = {}, []
+
+    def add(name, arr, t=F):
+        ins.append((name, t, list(arr.shape)))
+        feeds[name] = arr
+
+    add("qkv", rng.standard_normal((b, s, (heads + 2 * kv) * d)).astype(np.float32))
+    add("past_k", rng.standard_normal((b, kv, cap, d)).astype(np.float32))
+    add("past_v", rng.standard_normal((b, kv, cap, d)).astype(np.float32))
+    add("seqlens_k", np.array([p + s - 1 for p in pasts], np.int32), TensorProto.INT32)
+    add("total", np.array(max(pasts) + s, np.int32), TensorProto.INT32)
+    angles = np.arange(64)[:, None] * 0.3 ** np.arange(d // 2)[None, :]
+    add("cos", np.cos(angles).astype(np.float32))
+    add("sin", np.sin(angles).astype(np.float32))
+    names = ["qkv", "", "", "past_k", "past_v", "seqlens_k", "total", "cos", "sin"]
+    if sink in ("head_sink", "both"):
+        add("sink", np.array([2.5, -1.0, 0.3, 6.0], np.float32))
+        names += ["", "", "sink"]
+    attrs = dict(num_heads=heads, kv_num_heads=kv, do_rotary=1, local_window_size=window, sliding_window_cache=1)
+    if sink in ("smooth", "both"):
+        attrs["smooth_softmax"] = 1
+    node = helper.make_node("GroupQueryAttention", names, ["y", "present_k", "present_v"], domain="com.microsoft",
+                            **attrs)
+    outs = [("y", F, [b, s, heads * d])] + [(n, F, [b, kv, cap, d]) for n in ("present_k", "present_v")]
+    m = _node_model(node, ins, outs)
+    m.opset_import[0].version = 21
+    return m, feeds
+
+
+@pytest.mark.parametrize("b,s,cap,window,pasts,sink", [
+    (1, 5, 8, 8, [0], "head_sink"),      # a prompt shorter than the window
+    (1, 12, 8, 8, [0], "head_sink"),     # longer: only its last 8 positions stay
+    (1, 1, 8, 8, [7], None),             # the step that fills the buffer
+    (1, 1, 8, 8, [20], "smooth"),        # gap 1: every step compacts
+    (1, 1, 12, 8, [13], "head_sink"),    # slack: a compaction every 5 steps, here one
+    (1, 1, 12, 8, [14], "both"),         # a drifting step (nothing moves); head_sink wins over smooth
+    (1, 3, 12, 8, [11], "head_sink"),    # three tokens whose compaction would drop keys they see
+    (1, 3, 12, 8, [30], None),
+    (2, 1, 12, 8, [3, 25], "head_sink"),  # two sequences, one still filling
+])
+def test_group_query_attention_windowed_cache_node(b, s, cap, window, pasts, sink):
+    """GroupQueryAttention with onnxruntime-genai's windowed KV cache (gpt-oss's local layers) and
+    attention sinks, against onnxruntime 1.32's CPU kernel: the output, and the present's rows in use
+    (onnxruntime leaves the rest as they were; ours are zeros)."""
+    m, feeds = _windowed_gqa(b, s, cap, window, pasts, sink)
+    want = _reference(m, feeds)
+    got = load_onnx(m).run(feeds)
+    _close({"y": got["y"]}, {"y": want["y"]})
+    gap = cap - window + 1
+    for bi, p in enumerate(pasts):
+        used = p + s if p + s <= cap else p + s - gap * -(-(p + s - cap) // gap)
+        for name in ("present_k", "present_v"):
+            np.testing.assert_allclose(got[name][bi, :, :used], want[name][bi, :, :used], rtol=1e-6, atol=1e-6)
+            assert not got[name][bi, :, used:].any()
+
+
+def test_group_query_attention_sinks_change_the_output():
+    """The sinks are not a no-op: the same node without them gives other values (so the test above
+    sees them)."""
+    m, feeds = _windowed_gqa(1, 4, 12, 8, [5], "head_sink")
+    plain, feeds_plain = _windowed_gqa(1, 4, 12, 8, [5], None)
+    assert np.abs(load_onnx(m).run(feeds)["y"] - load_onnx(plain).run(feeds_plain)["y"]).max() > 1e-2
+
+
+@pytest.mark.parametrize("change,words", [
+    ("q_norm", "q_norm_weight"), ("k_scale", "k_scale"), ("bits", "quantized KV cache"), ("causal", "causal=0"),
+    ("small", "capacity 6"), ("no_window", "local_window_size > 0")])
+def test_group_query_attention_refusals(change, words):
+    """What the import does not compute is refused with the node and the input or attribute named:
+    per-head Q/K norms, a quantized KV cache, attention without the causal mask, a windowed cache
+    smaller than its window or without one."""
+    m, _ = _windowed_gqa(1, 1, 6 if change == "small" else 8, 8, [3], "head_sink")
+    node = m.graph.node[0]
+    extra = {"q_norm": 14, "k_scale": 12}.get(change)
+    if extra is not None:
+        node.input.extend([""] * (extra - len(node.input)) + ["w"])
+        m.graph.input.append(helper.make_tensor_value_info("w", F, [16]))
+    if change == "bits":
+        node.attribute.append(helper.make_attribute("kv_cache_bit_width", 8))
+    if change == "causal":
+        node.attribute.append(helper.make_attribute("causal", 0))
+    if change == "no_window":
+        next(a for a in node.attribute if a.name == "local_window_size").i = -1
+    with pytest.raises((UnsupportedOperatorError, ModelFormatError), match=words) as info:
+        load_onnx(m)
+    assert "GroupQueryAttention" in str(info.value)
+
+
+def test_genai_gptoss_matches_onnxruntime(tmp_path):
+    """gpt-oss as onnxruntime-genai's builder writes it (``tests/models/gptoss_genai_fp32.onnx``):
+    attention sinks, a sliding window of 8 on layer 0 with its windowed KV cache (a buffer of 8 rows),
+    full attention on layer 1, MoE with SwiGLU. A 12-token prompt (longer than the window: the buffer
+    keeps its last 8), then decoding steps on one program compiled for their fixed shapes (layer 0's
+    buffer as it is, layer 1's cache 16 positions long), each step's present its next past, every
+    step compacting the window's buffer: logits and presents against onnxruntime, by the evaluator
+    and compiled for cpu."""
+    m = onnx.load(str(MODELS / "gptoss_genai_fp32.onnx"))
+    kinds = {n.op_type for n in m.graph.node}
+    assert {"GroupQueryAttention", "MoE"} <= kinds
+    rng = np.random.default_rng(3)
+    feeds = {"input_ids": rng.integers(0, 256, (1, 12)).astype(np.int64), "attention_mask": np.ones((1, 12), np.int64)}
+    for kv in ("key", "value"):
+        feeds[f"past_key_values.0.{kv}"] = np.zeros((1, 2, 8, 16), np.float32)  # the window's buffer
+        feeds[f"past_key_values.1.{kv}"] = np.zeros((1, 2, 0, 16), np.float32)
+    want = _reference(m, feeds)
+    _evaluated_and_compiled(tmp_path / "prompt", m, feeds, want)
+    mask = np.zeros((1, 16), np.int64)
+    mask[:, :13] = 1
+    step = {"input_ids": np.array([[int(want["logits"][0, -1].argmax())]], np.int64), "attention_mask": mask}
+    for kv in ("key", "value"):
+        step[f"past_key_values.0.{kv}"] = want[f"present.0.{kv}"]
+        step[f"past_key_values.1.{kv}"] = np.pad(want[f"present.1.{kv}"], [(0, 0), (0, 0), (0, 4), (0, 0)])
+    want = _reference(m, step)
+    _evaluated_and_compiled(tmp_path / "decode", m, step, want)
+    prog = load(tmp_path / "decode" / "out")
+    ours = prog.run(step)
+    for k in range(14, 16):  # two more steps on the same program, our presents as their pasts
+        step["input_ids"] = np.array([[int(ours["logits"][0, -1].argmax())]], np.int64)
+        step["attention_mask"][:, k - 1] = 1
+        step.update({f"past_key_values.{n[len('present.'):]}": v for n, v in ours.items() if n.startswith("present")})
+        ours = prog.run(step)
+        _close(ours, _reference(m, step), tol=1e-4)
+
+
+def test_genai_gptoss_split_over_two_ranks(tmp_path):
+    """gpt-oss's decoding step planned by the ILP over two ranks under a memory budget that splits
+    its experts and one attention's heads with their sinks, compiled for cpu and run on two in-process ranks, against onnxruntime; and
+    cross-compiled for sm_90 at float16, its two attentions (sinks, the window's buffer) fused
+    kernels."""
+    import json
+
+    from threads import run_threads
+
+    from shardflow.runtime.comm import InProcessWorld
+
+    feeds = gptoss_step_feeds()
+    shapes = {k: v.shape for k, v in feeds.items()}
+    path = str(MODELS / "gptoss_genai_fp32.onnx")
+    want = _reference(onnx.load(path), feeds)
+    config = {"mesh_shape": [2], "memory_budget_bytes": 350_000}  # (650 kB of weights)
+    g = load_onnx(path, input_shapes=shapes)
+    rank = partition(g, search(g, config))[0]
+    assert any(op.op_type == "Attention" and op.inputs[0].shape[1] == 2 and op.inputs[-1].shape == (2,)
+               for op in rank.nodes)  # two of the four heads, with their sinks
+    assert any(op.op_type == "Einsum" and op.inputs[1].shape[0] == 2 for op in rank.nodes)  # two of four experts
+    res = compile(path, distributed_config=config, optimization_config={"target": "cpu"}, out_dir=tmp_path / "out",
+                  input_shapes=shapes)
+    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
+                       timeout=300)
+    for got in outs:
+        _close(got, want, tol=1e-4)
+    res = compile(path, distributed_config={"mesh_shape": [1]},
+                  optimization_config={"target": "cuda", "arch": "sm_90", "precision": "float16"},
+                  out_dir=tmp_path / "cuda", input_shapes=shapes)
+    program = json.loads((tmp_path / "cuda" / "rank0" / "program.json").read_text())
+    kinds = [st["launch"]["kind"] for st in program["steps"] if st["kind"] == "kernel"]
+    assert kinds.count("attention-f16") == 2 and (tmp_path / "cuda" / "rank0" / "kernels.cubin").stat().st_size > 0
+
+
+@pytest.mark.parametrize("model,prompt", [("llama_genai_fp32", 8), ("gptoss_genai_fp32", 12)])
+def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt):
     """examples/genai_generate.py: the prompt program and the fixed-size-cache decoding program, each
-    compiled once, generate the same greedy tokens as onnxruntime running the same loop."""
+    compiled once, generate the same greedy tokens as onnxruntime running the same loop (gpt-oss: its
+    window's buffer through every step)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "examples" / "genai_generate.py"
-    proc = subprocess.run([sys.executable, str(script), str(MODELS / "llama_genai_fp32.onnx"), "--new-tokens", "6",
-                           "--work", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), str(MODELS / f"{model}.onnx"), "--new-tokens", "6",
+                           "--prompt-len", str(prompt), "--work", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the same tokens" in proc.stdout
 

@@ -4,7 +4,10 @@ get their LLMs: ``GroupQueryAttention`` with packed QKV and rotary embeddings, `
 a KV cache as inputs and outputs; in float32 (``llama_genai_fp32.onnx``) and 4-bit (``llama_genai_int4.onnx``:
 ``MatMulNBits``, block 32, accuracy level 4); and 4-bit with the embedding tied to the ``lm_head``
 (``llama_genai_int4_tied.onnx``: the builder's ``shared_embeddings`` option gathers the embedding rows from the
-``lm_head``'s 4-bit weight with ``GatherBlockQuantized``). The weights are embedded in the .onnx files.
+``lm_head``'s 4-bit weight with ``GatherBlockQuantized``); and a 2-layer gpt-oss in float32
+(``gptoss_genai_fp32.onnx``: hidden 64, 4 heads, 2 KV heads, head 16, 4 experts of which 2 per token, a
+sliding window of 8 on layer 0 with its windowed KV cache, attention sinks drawn from a normal law, the
+builder's ``MoE`` with SwiGLU). The weights are embedded in the .onnx files.
 
     pip install --target /tmp/genai-site --no-deps onnxruntime-genai   # not a test dependency
     PYTHONPATH=/tmp/genai-site python tests/models/export_genai.py
@@ -41,6 +44,28 @@ def build_source(folder: str, tied: bool = False) -> None:
     fast.save_pretrained(folder)
 
 
+def build_gptoss_source(folder: str) -> None:
+    """A random-weight 2-layer gpt-oss (layer 0 sliding-window attention, layer 1 full; non-zero
+    attention sinks) and the same tokenizer, in ``folder``."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=8, max_position_embeddings=128,
+                       layer_types=["sliding_attention", "full_attention"])
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:  # (initialized to zeros)
+            layer.self_attn.sinks.normal_()
+    model.save_pretrained(folder)
+    build_source(os.path.join(folder, "tok"))  # (a Llama beside it: only its tokenizer files are copied)
+    for name in os.listdir(os.path.join(folder, "tok")):
+        if name.startswith(("tokenizer", "special_tokens")):
+            os.replace(os.path.join(folder, "tok", name), os.path.join(folder, name))
+
+
 def main() -> int:
     import onnx
 
@@ -60,6 +85,16 @@ def main() -> int:
             onnx.save_model(model, path + ".tmp", save_as_external_data=False)
             os.replace(path + ".tmp", path)
             print(f"wrote {path} ({os.path.getsize(path)} bytes)")
+        src = os.path.join(tmp, "gptoss")
+        build_gptoss_source(src)
+        out = os.path.join(tmp, "gptoss_out")
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", src, "-o", out, "-p", "fp32",
+                        "-e", "cpu"], check=True)
+        model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=True)
+        path = os.path.join(HERE, "gptoss_genai_fp32.onnx")
+        onnx.save_model(model, path + ".tmp", save_as_external_data=False)
+        os.replace(path + ".tmp", path)
+        print(f"wrote {path} ({os.path.getsize(path)} bytes)")
     return 0
 
 
