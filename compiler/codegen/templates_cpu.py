@@ -121,6 +121,38 @@ def _matmul(op) -> str | None:
     return "\n".join(lines)
 
 
+def _expert_matmul(op) -> str | None:
+    """ExpertMatMul (float32, its expert indices int32/int64): one GEMV per token and slot on its
+    expert's weight ``[N, K]`` (``sf_gemv_dot``: each row of the expert's weight streamed once, threads
+    splitting N), a row of zeros for an index outside the experts."""
+    x, w, experts = op.inputs[:3]
+    if any(t.dtype != "float32" for t in (x, w, *op.inputs[3:], op.outputs[0])) or experts.dtype not in ("int32",
+                                                                                                       "int64"):
+        return None
+    (t_len, j_len), (e_len, n_len, k_len) = experts.shape, w.shape
+    ctype = "int32_t" if experts.dtype == "int32" else "int64_t"
+    lines = ["  const float* __restrict__ in0 = static_cast<const float*>(inputs[0]);",
+             "  const float* __restrict__ in1 = static_cast<const float*>(inputs[1]);",
+             f"  const {ctype}* __restrict__ ex = static_cast<const {ctype}*>(inputs[2]);",
+             "  const float* __restrict__ bias = " + ("static_cast<const float*>(inputs[3]);" if len(op.inputs) > 3
+                                                       else "nullptr;"),
+             "  float* __restrict__ out0 = static_cast<float*>(outputs[0]);",
+             f"  // ExpertMatMul: {t_len} x {j_len} slots of [1, {k_len}] @ an expert's [{n_len}, {k_len}]^T "
+             f"(of {e_len})",
+             f"  for (int64_t s = 0; s < {t_len * j_len}; ++s) {{",
+             "    const int64_t e = (int64_t)ex[s];",
+             f"    float* y = out0 + s * {n_len}LL;",
+             f"    if (e < 0 || e >= {e_len}) {{",
+             f"      for (int64_t n = 0; n < {n_len}; ++n) y[n] = 0.0f;",
+             "      continue;",
+             "    }",
+             f"    const float* xr = in0 + {f's * {k_len}LL' if x.ndim == 3 else f'(s / {j_len}) * {k_len}LL'};",
+             f"    sf_sgemm(1, {n_len}, {k_len}, xr, {k_len}, 1, in1 + e * {n_len * k_len}LL, 1, {k_len}, y, {n_len}, "
+             f"1.0f, bias ? bias + e * {n_len}LL : nullptr, 0, 1, true);",
+             "  }"]
+    return "\n".join(lines)
+
+
 def _einsum(op) -> str | None:
     """A two-operand Einsum that is a (batched) matrix product: every label is a batch label (both
     operands and the output), the one row label (A and the output), the one column label (B and the
@@ -1422,13 +1454,13 @@ def _bitcast(op) -> str:
 _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, "Conv": _conv,
               "PackedConv": _conv, "WinogradConv": _conv, "ConvTranspose": _conv_transpose, "Pool": _pool,
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
-              "Pad": _pad, "Einsum": _einsum,
+              "Pad": _pad, "Einsum": _einsum, "ExpertMatMul": _expert_matmul,
               "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer,
               "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "MatMulNBits", "BitCast",
-                           "Det"})
+                           "Det", "ExpertMatMul"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
-from ..ops.linalg import Attention, GatherBlockQuantized, MatMulNBits, pack_bits, unpack_bits
+from ..ops.linalg import Attention, ExpertMatMul, GatherBlockQuantized, MatMulNBits, pack_bits, unpack_bits
 from ..ops.transform import Transpose
 from .qdq import four_bit_codes
 from .registry import FLOATS, NodeContext, onnx_op
@@ -333,11 +333,15 @@ def mixture_of_experts(ctx):
     swiglu with interleaved ``[gate, linear]`` columns (``swiglu_fusion`` 1): ``min(gate, limit) *
     sigmoid(alpha * min(gate, limit)) * (clip(linear, -limit, limit) + beta)``.
 
-    Computed densely: every expert on every token, then the weighted sum over experts (one einsum
-    each), so the planner can split the experts over devices (a partial sum) like any contraction;
-    the cost is ``num_experts / k`` times the routed computation. The k experts are found without a
-    sort (an expert is chosen when fewer than k come before it), so every target compiles it; equal
-    probabilities go to the higher expert index, as onnxruntime's sort has them."""
+    With few tokens (``tokens * k <= 2 num_experts``: decoding) only each token's k experts are computed
+    (:class:`~shardflow.compiler.ops.linalg.ExpertMatMul`, which reads the chosen experts' weights
+    alone; the planner splits their rows). Otherwise densely: every expert on every token, then the
+    weighted sum over experts (a GEMM on the experts' stacked rows, then einsums), so the planner can
+    split the experts over devices
+    (a partial sum) like any contraction, at ``num_experts / k`` times the routed computation (every
+    expert's weights are read once either way). The k experts are found without a sort (an expert is
+    chosen when fewer than k come before it), so every target compiles it; equal probabilities go to
+    the higher expert index, as onnxruntime's sort has them."""
     x, router = _float_input(ctx, 0), _float_input(ctx, 1)
     act = str(ctx.attr("activation_type", "relu")).lower()
     if act not in _MOE_ACTIVATIONS:
@@ -378,17 +382,45 @@ def mixture_of_experts(ctx):
     gate = ctx.emit("Mul", [probs, chosen], _OPSET)
     if ctx.attr("normalize_routing_weights", 0):
         gate = ctx.emit("Div", [gate, ctx.emit("ReduceSum", [gate, _i64(ctx, [-1])], _OPSET, keepdims=1)], _OPSET)
-    h = ctx.emit("Einsum", [flat, ctx.emit("Reshape", [w1, _i64(ctx, [experts, out1, hidden])], _OPSET)],
-                 _OPSET, equation="th,efh->tef")
-    if ctx.has_input(3):
-        h = ctx.emit("Add", [h, ctx.emit("Reshape", [ctx.input(3), _i64(ctx, [experts, out1])], _OPSET)], _OPSET)
-    h = _moe_activation(ctx, h, act)
-    y = ctx.emit("Einsum", [h, ctx.emit("Reshape", [w2, _i64(ctx, [experts, hidden, inter])], _OPSET)],
-                 _OPSET, equation="tei,ehi->teh")
-    if ctx.has_input(5):
-        y = ctx.emit("Add", [y, ctx.emit("Reshape", [ctx.input(5), _i64(ctx, [experts, hidden])], _OPSET)], _OPSET)
-    out = ctx.emit("Einsum", [gate, y], _OPSET, equation="te,teh->th")
+    w1 = ctx.emit("Reshape", [w1, _i64(ctx, [experts, out1, hidden])], _OPSET)
+    w2 = ctx.emit("Reshape", [w2, _i64(ctx, [experts, hidden, inter])], _OPSET)
+    b1 = ctx.emit("Reshape", [ctx.input(3), _i64(ctx, [experts, out1])], _OPSET) if ctx.has_input(3) else None
+    b2 = ctx.emit("Reshape", [ctx.input(5), _i64(ctx, [experts, hidden])], _OPSET) if ctx.has_input(5) else None
+    if moe_routed(tokens, k, experts):
+        # each token's k experts by their rank (slot j holds the expert with j experts before it), and
+        # only their weights read (ExpertMatMul)
+        slot = ctx.cast(ctx.emit("Equal", [ctx.emit("Unsqueeze", [before, _i64(ctx, [1])], _OPSET),
+                                           ctx.constant(np.arange(k, dtype=np.float32)[None, :, None])], _OPSET),
+                        "float32")                                                          # [t, j, e] one-hot
+        idx = ctx.cast(ctx.emit("Einsum", [slot, ctx.constant(np.arange(experts, dtype=np.float32))], _OPSET,
+                                equation="tje,e->tj"), "int64")
+        gate = ctx.emit("Einsum", [slot, gate], _OPSET, equation="tje,te->tj")
+
+        def product(a, w, b, what):  # [tokens, (k,) in] by each slot's expert -> [tokens, k, out]
+            ins = [a, w, idx] + ([b] if b is not None else [])
+            return ctx.add(ExpertMatMul(ins, name=f"{ctx.name}/{what}"))
+        h = product(flat, w1, b1, "fc1")
+        y = product(_moe_activation(ctx, h, act), w2, b2, "fc2")
+        out = ctx.emit("Einsum", [gate, y], _OPSET, equation="tj,tjh->th")
+    else:  # (fc1 of every expert as one product with the experts' rows stacked: a GEMM, weights read once)
+        stacked = ctx.emit("Reshape", [w1, _i64(ctx, [experts * out1, hidden])], _OPSET)
+        h = ctx.emit("Reshape", [ctx.emit("Gemm", [flat, stacked], _OPSET, transB=1), _i64(ctx, [tokens, experts, out1])],
+                     _OPSET)
+        h = _add(ctx, h, b1)
+        y = _add(ctx, ctx.emit("Einsum", [_moe_activation(ctx, h, act), w2], _OPSET, equation="tei,ehi->teh"), b2)
+        out = ctx.emit("Einsum", [gate, y], _OPSET, equation="te,teh->th")
     return [ctx.emit("Reshape", [out, _i64(ctx, list(x.shape))], _OPSET)]
+
+
+def moe_routed(tokens: int, k: int, experts: int) -> bool:
+    """Whether an ``MoE`` of ``tokens`` tokens computes only each token's ``k`` experts (ExpertMatMul:
+    ``tokens * k`` expert weights read, one GEMV each) rather than every expert on every token (a
+    GEMM reading every weight once, ``experts / k`` times the products): up to twice as many reads
+    as the dense form's, where benchmarks/cpu_moe.py measured the routed form still ahead (2-core
+    Xeon, session 37, ``results/cpu-moe-2core-xeon-2026-11-28-s37.txt``: 32 experts of which 4 at 16
+    tokens 27.4 against 40.5 ms, 8 of which 2 at 8 tokens 7.8 against 13.0; at 32 tokens of the
+    first, four times the reads, 52.5 against 50.3)."""
+    return tokens * k <= 2 * experts
 
 
 def _moe_activation(ctx, h: Tensor, act: str) -> Tensor:

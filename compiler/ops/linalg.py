@@ -21,7 +21,7 @@ from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
            "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "pack_bits", "unpack_bits",
-           "GatherBlockQuantized", "Attention", "parse_einsum", "Det"]
+           "GatherBlockQuantized", "ExpertMatMul", "Attention", "parse_einsum", "Det"]
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
@@ -567,6 +567,51 @@ class GatherBlockQuantized(Operator):
         return [np.where(inside[..., None], w, np.float32(0)).astype(scales.dtype)]
 
 
+class ExpertMatMul(Operator):
+    """The product of each token with the weights of the experts it was routed to (a mixture of
+    experts computed on the chosen experts only): inputs ``x`` ``[T, K]`` (every slot of a token
+    reads its row) or ``[T, J, K]`` (one row per slot), ``w[E, N, K]`` (each expert's weight, its
+    rows the outputs), ``experts[T, J]`` (int32/int64: slot ``j`` of token ``t`` uses expert
+    ``experts[t, j]``) and optionally ``bias[E, N]``::
+
+        y[t, j, n] = sum_k x[t, (j,) k] * w[experts[t, j], n, k]  (+ bias[experts[t, j], n])
+
+    ``y`` is ``[T, J, N]``; an expert index outside ``[0, E)`` gives a row of zeros. Only the chosen
+    experts' weights are read (``T * J`` of the ``E``), where a dense product over every expert would
+    read them all. The experts' axis is indexed by data, so the planner does not split it; it splits
+    the tokens, the slots, ``N`` (each rank the rows of every expert it holds) and ``K`` (a partial sum)."""
+
+    def compute(self, x, w, experts, *bias):
+        t_len, j_len = experts.shape if experts.ndim == 2 else (0, 0)
+        e_len, n_len, k_len = w.shape if w.ndim == 3 else (0, 0, 0)
+        if (experts.ndim != 2 or experts.dtype not in ("int32", "int64") or w.ndim != 3
+                or x.shape not in ((t_len, k_len), (t_len, j_len, k_len)) or dtype_kind(x.dtype) != "f"
+                or w.dtype != x.dtype or (bias and (tuple(bias[0].shape) != (e_len, n_len) or bias[0].dtype != x.dtype))):
+            raise ShapeError(f"{self.name}: ExpertMatMul takes x[T, K] or [T, J, K], w[E, N, K] of x's float type, "
+                             f"experts[T, J] (int32/int64) and bias[E, N], got "
+                             f"{[(t.dtype, tuple(t.shape)) for t in (x, w, experts, *bias)]}")
+
+        def f(t, j, n):
+            raw = Cast(experts[t, j], "int64")
+            inside = logical_and(raw >= 0, raw < e_len)
+            e = if_then_else(inside, raw, Const(0, "int64"))  # (a read in bounds; the value is 0 below)
+            acc = reduce((k_len,), lambda k: (x[t, k] if x.ndim == 2 else x[t, j, k]) * w[e, n, k], "sum")
+            if bias:
+                acc = acc + bias[0][e, n]
+            return if_then_else(inside, acc, Const(0.0, x.dtype))
+        return compute("y", (t_len, j_len, n_len), f, dtype=x.dtype)
+
+    def numpy(self, x, w, experts, *bias):
+        idx = np.asarray(experts).astype(np.int64)
+        inside = (idx >= 0) & (idx < w.shape[0])
+        picked = w[np.where(inside, idx, 0)]                                # [T, J, N, K]
+        xs = x[:, None, :] if x.ndim == 2 else x
+        y = np.einsum("tjk,tjnk->tjn", xs, picked)
+        if bias:
+            y = y + bias[0][np.where(inside, idx, 0)]
+        return [np.where(inside[..., None], y, 0).astype(x.dtype)]
+
+
 class QLinearMatMul(Operator):
     """Quantized matmul: ``y = saturate(round(((a - azp) @ (b - bzp)) * (a_scale * b_scale / y_scale)) + yzp)``.
 
@@ -942,6 +987,8 @@ def examples(rng: np.random.Generator):
         (GatherBlockQuantized, [u8(5, 8), np.array([4, 0, 4], np.int32), f(5, 2).astype(np.float16)],
          {"bits": 2, "block_size": 16}),
         (GatherBlockQuantized, [u8(3, 17), np.array(2, np.int64), f(3, 2)], {"bits": 8, "block_size": 16}),
+        (ExpertMatMul, [f(3, 5), f(4, 6, 5), np.array([[2, 0], [3, 3], [1, 2]], np.int64), f(4, 6)], {}),
+        (ExpertMatMul, [f(2, 3, 7), f(5, 4, 7), np.array([[4, 0, 9], [-1, 2, 1]], np.int32)], {}),
         (MatMulNBits, [f(33), u8(3, 3, 16), f(3, 3), rng.integers(0, 256, (3, 3)).astype(np.float32)],
          {"bits": 8, "block_size": 16}),
         (QLinearMatMul, [u8(2, 3, 4), np.array(0.05, np.float32), np.array(3, np.uint8), u8(4, 5),

@@ -24,8 +24,8 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, Gemm, MatMul, MatMulNBits,
-                                           PackedMatMul, PackedMatMulInteger, pack_int8_panels)
+from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
+                                           MatMulNBits, PackedMatMul, PackedMatMulInteger, pack_int8_panels)
 from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Pad, Transpose
@@ -440,6 +440,9 @@ def _large():
         _i8mm((1, 1000), 130, "int8", None),
         _i8mm((1000,), 33, "uint8", (1,)),
         _i8mm((9, 64), 64, "int8", ()),
+        # a token's routed experts: GEMVs on each chosen expert's [N, K] weight, with its bias
+        ExpertMatMul([_t((3, 300)), _t((6, 203, 300)), _t((3, 2), "int64"), _t((6, 203))]),
+        ExpertMatMul([_t((2, 2, 40)), _t((3, 70, 40)), _t((2, 2), "int32")]),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -455,6 +458,10 @@ def _large():
                       else None for t in op.inputs]
             b = rng.integers(-128, 128, (op.inputs[0].shape[-1], op.attrs["n"])).astype(np.int8)
             arrays[1:3] = pack_int8_panels(b, rng.integers(-128, 128, op.attrs["n"]).astype(np.int8))
+        if op.op_type == "ExpertMatMul":  # experts in range, and one past the last or below 0 (a row of zeros)
+            e_len = op.inputs[1].shape[0]
+            arrays[2] = rng.integers(-1, e_len + 1, op.inputs[2].shape).astype(op.inputs[2].dtype)
+            arrays[2].flat[:2] = [e_len, -1]
         if op.op_type == "WinogradConv":  # the transform of 3x3 weights
             c = op.inputs[0].shape[1] * (op.inputs[0].shape[-1] if op.attrs.get("blocked_in") else 1)
             w = rng.standard_normal((op.attrs["oc"], c, 3, 3)).astype(np.float32)
@@ -824,6 +831,14 @@ def test_transposed_convs_use_their_template():
     thin = [cid for cid, op, _ in LARGE if op.op_type == "ConvTranspose" and op.attrs.get("group") == 6]
     assert [cid for cid, k in kinds.items() if k is None] == thin and len(thin) == 1
     assert all(k == "ConvTranspose" for cid, k in kinds.items() if cid not in thin)
+
+
+def test_expert_matmul_uses_its_template(library):
+    """The float32 ExpertMatMul cases (large ones and op examples) run the template's GEMVs."""
+    from shardflow.compiler.codegen.templates_cpu import template_kind
+
+    ops = [op for op, _ in library["cases"].values() if op.op_type == "ExpertMatMul"]
+    assert len(ops) == 4 and all(template_kind(op) == "ExpertMatMul" for op in ops)
 
 
 def test_attention_uses_its_template(library):
