@@ -1,7 +1,8 @@
 """Lower-precision contractions: ``optimization_config["precision"]`` ``"float16"``/``"bfloat16"``.
 
 :class:`HalfPrecisionContractions` rounds the operands of every float32 contraction (MatMul,
-Gemm, Conv, ConvTranspose, Einsum) to float16 or bfloat16 and leaves everything else in float32:
+Gemm, Conv, ConvTranspose, Einsum, ExpertMatMul) to float16 or bfloat16 and leaves everything else in
+float32:
 
 * weights (constant operands) are converted once, at compile time, and stored in the half type
   (half the bytes); the contraction reads them through a ``Cast`` to float32;
@@ -44,7 +45,8 @@ __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs"
 log = logging.getLogger(__name__)
 
 #: The operands (by input index) of each contraction that are rounded; the others (biases) stay.
-HALF_OPERANDS = {"MatMul": (0, 1), "Gemm": (0, 1), "Conv": (0, 1), "ConvTranspose": (0, 1), "Einsum": None}
+HALF_OPERANDS = {"MatMul": (0, 1), "Gemm": (0, 1), "Conv": (0, 1), "ConvTranspose": (0, 1), "Einsum": None,
+                 "ExpertMatMul": (0, 1)}
 
 
 def mixed_attention_attrs(attrs: dict, half: str) -> dict:

@@ -190,14 +190,19 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
 
 def test_gptoss_program_on_the_host(tmp_path):
     """gpt-oss's decoding step (onnxruntime-genai's builder: attention sinks, a sliding window's
-    buffer, MoE with SwiGLU) as its float16 program for sm_90: every kernel, the two fused
-    attentions with their sinks among them, on the evaluator's values, against the evaluator."""
+    buffer, MoE with SwiGLU, routed) as its float16 program for sm_90: every kernel, the two fused
+    attentions with their sinks and the routed experts' products on float16 weights among them, on
+    the evaluator's values, against the evaluator."""
     from model_refs import gptoss_step_feeds
 
     from shardflow.compiler.codegen.cuda import _half_cast
 
-    env, consts, groups = _graph_values(*_rank_graph_for_cuda("gptoss_genai_fp32", feeds=gptoss_step_feeds()),
-                                        materialize=_half_cast, views=True)
+    rg, feeds = _rank_graph_for_cuda("gptoss_genai_fp32", feeds=gptoss_step_feeds())
+    made = {id(t): op for op in rg.nodes for t in op.outputs}
+    experts = [made[id(op.inputs[1])] for op in rg.nodes if op.op_type == "ExpertMatMul"]
+    assert len(experts) == 4 and all(c.op_type == "Cast" and c.inputs[0].dtype == "float16" and c.inputs[0].is_constant
+                                     for c in experts)  # the routed experts' weights stored in float16
+    env, consts, groups = _graph_values(rg, feeds, materialize=_half_cast, views=True)
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     kinds = [src.launches[g.name].kind for g in groups if g.name in src.launches]
     assert kinds.count("attention-f16") == 2
