@@ -3,9 +3,10 @@
 Each shape is one ``MoE`` node as onnxruntime-genai's builder writes gpt-oss's (SwiGLU on interleaved
 columns with alpha 1.702, beta 1 and limit 7, biases, routing weights renormalized), on float32
 activations ``x[T, H]``, compiled for one cpu rank. Side by side in one run: ours as the import writes
-it routed (``ExpertMatMul``: each token's k experts' weights read, nothing else) and dense (every
-expert on every token, then the weighted sum), whichever ``handlers_contrib.moe_routed`` would pick
-noted, and onnxruntime's MoE CPU kernel. Prints median latencies, the ratios to onnxruntime and the
+it routed (``ExpertMatMul``: each token's k experts, the slots grouped by expert, each chosen expert's
+weight read once) and dense (every expert on every token, then the weighted sum), with what
+``handlers_contrib.moe_routed`` picks for the cpu target (routed) and the others noted, and
+onnxruntime's MoE CPU kernel. Prints median latencies, the ratios to onnxruntime and the
 largest difference from it.
 
     python benchmarks/cpu_moe.py [--threads 2] [--repeat 20] [--only e32k4_h768_t1]
@@ -23,13 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_latency import _cpu_model, _medians_ms, _onnxruntime  # noqa: E402
 
 # name: (tokens T, experts E, chosen k, hidden H, expert width F): gpt-oss's routing (32 experts, 4 chosen)
-# at a quarter of gpt-oss-20b's width (2880), decoding 1-7 tokens and prompts of 8-32; Mixtral's (8, 2)
+# at a quarter of gpt-oss-20b's width (2880), decoding 1-7 tokens and prompts of 8-128; Mixtral's (8, 2)
 SHAPES = {
     "e32k4_h768_t1": (1, 32, 4, 768, 768), "e32k4_h768_t2": (2, 32, 4, 768, 768),
     "e32k4_h768_t4": (4, 32, 4, 768, 768), "e32k4_h768_t7": (7, 32, 4, 768, 768),
     "e32k4_h768_t8": (8, 32, 4, 768, 768), "e32k4_h768_t16": (16, 32, 4, 768, 768),
-    "e32k4_h768_t32": (32, 32, 4, 768, 768), "e8k2_h1024_t1": (1, 8, 2, 1024, 1024),
+    "e32k4_h768_t32": (32, 32, 4, 768, 768), "e32k4_h768_t64": (64, 32, 4, 768, 768),
+    "e32k4_h768_t128": (128, 32, 4, 768, 768), "e8k2_h1024_t1": (1, 8, 2, 1024, 1024),
     "e8k2_h1024_t3": (3, 8, 2, 1024, 1024), "e8k2_h1024_t8": (8, 8, 2, 1024, 1024),
+    "e8k2_h1024_t32": (32, 8, 2, 1024, 1024),
 }
 
 
@@ -100,8 +103,8 @@ def main(argv=None) -> None:
         cols = "  ".join(f"{kind} {times[kind]:8.3f} ms (ratio {times[kind] / ort_ms:5.2f}, diff {errs[kind]:.0e})"
                          for kind in progs)
         pick = "routed" if routed_rule(T, k, E) else "dense"
-        print(f"{name:<15} T {T:>2} E {E:>2} k {k}  {cols}  onnxruntime {ort_ms:8.3f} ms  (the import: {pick})",
-              flush=True)
+        print(f"{name:<15} T {T:>3} E {E:>2} k {k}  {cols}  onnxruntime {ort_ms:8.3f} ms  (the import: routed for "
+              f"cpu, {pick} for cuda)", flush=True)
 
 
 if __name__ == "__main__":

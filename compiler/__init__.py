@@ -17,7 +17,7 @@ __all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph"
 
 def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping[str, Sequence[int]] | None = None,
               simplify: bool = True, instruments=(), input_values: Mapping[str, object] | None = None,
-              int8_qdq: bool = False) -> FlowGraph:
+              int8_qdq: bool = False, routed_experts: bool = False) -> FlowGraph:
     """Import an ONNX model into a :class:`FlowGraph`.
 
     Parameters
@@ -40,6 +40,12 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
         integer product it stands for, ``MatMulInteger`` then the product of the scales
         (``frontend/qdq.py``): the same values with the sum exact. ``compile`` does it for the cpu
         target (``optimization_config["int8_qdq"]``).
+    routed_experts
+        Compute every mixture of experts (onnxruntime's ``MoE``) on each token's chosen experts only
+        (``ExpertMatMul``), whatever the token count; without it, only while the chosen experts are
+        at most twice as many as all of them (decoding), the dense form otherwise. ``compile`` sets
+        it for the cpu target, whose grouped template is ahead of the dense form at every measured
+        size (``rfcs/0006``).
 
     Returns
     -------
@@ -61,7 +67,7 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
     from .frontend import import_onnx
     from .passes import simplify as run_passes
 
-    graph = import_onnx(model, input_shapes, input_values, int8_qdq=int8_qdq)
+    graph = import_onnx(model, input_shapes, input_values, int8_qdq=int8_qdq, routed_experts=routed_experts)
     if simplify:
         graph = run_passes(graph, instruments)
     else:

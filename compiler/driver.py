@@ -772,7 +772,8 @@ def _cuda_builder() -> Callable:
 # ---------------------------------------------------------------------------------------
 # compile
 # ---------------------------------------------------------------------------------------
-def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False) -> FlowGraph:
+def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False,
+                routed_experts: bool = False) -> FlowGraph:
     if isinstance(model, FlowGraph):
         if input_shapes or input_values:
             raise ConfigError("input_shapes and input_values apply to ONNX models; a FlowGraph already has static "
@@ -780,7 +781,8 @@ def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False) 
         return model
     from . import load_onnx
 
-    return load_onnx(model, input_shapes=input_shapes, input_values=input_values, int8_qdq=int8_qdq)
+    return load_onnx(model, input_shapes=input_shapes, input_values=input_values, int8_qdq=int8_qdq,
+                     routed_experts=routed_experts)
 
 
 def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
@@ -850,7 +852,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
-    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq)
+    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
+                        routed_experts=opt.target == "cpu")
     if opt.fold_affine:
         # BatchNorms and per-channel scales and shifts after convs become the convs' weights (passes/fold.py)
         from .passes.fold import FoldAffineIntoConv

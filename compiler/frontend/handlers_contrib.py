@@ -333,7 +333,9 @@ def mixture_of_experts(ctx):
     swiglu with interleaved ``[gate, linear]`` columns (``swiglu_fusion`` 1): ``min(gate, limit) *
     sigmoid(alpha * min(gate, limit)) * (clip(linear, -limit, limit) + beta)``.
 
-    With few tokens (``tokens * k <= 2 num_experts``: decoding) only each token's k experts are computed
+    With few tokens (``tokens * k <= 2 num_experts``: decoding), or at any count when the import is
+    told so (``routed_experts``: the cpu target, whose grouped template is faster at every size
+    measured), only each token's k experts are computed
     (:class:`~shardflow.compiler.ops.linalg.ExpertMatMul`, which reads the chosen experts' weights
     alone; the planner splits their rows). Otherwise densely: every expert on every token, then the
     weighted sum over experts (a GEMM on the experts' stacked rows, then einsums), so the planner can
@@ -386,7 +388,7 @@ def mixture_of_experts(ctx):
     w2 = ctx.emit("Reshape", [w2, _i64(ctx, [experts, hidden, inter])], _OPSET)
     b1 = ctx.emit("Reshape", [ctx.input(3), _i64(ctx, [experts, out1])], _OPSET) if ctx.has_input(3) else None
     b2 = ctx.emit("Reshape", [ctx.input(5), _i64(ctx, [experts, hidden])], _OPSET) if ctx.has_input(5) else None
-    if moe_routed(tokens, k, experts):
+    if moe_routed(tokens, k, experts, ctx.routed_experts):
         # each token's k experts by their rank (slot j holds the expert with j experts before it), and
         # only their weights read (ExpertMatMul)
         slot = ctx.cast(ctx.emit("Equal", [ctx.emit("Unsqueeze", [before, _i64(ctx, [1])], _OPSET),
@@ -412,15 +414,17 @@ def mixture_of_experts(ctx):
     return [ctx.emit("Reshape", [out, _i64(ctx, list(x.shape))], _OPSET)]
 
 
-def moe_routed(tokens: int, k: int, experts: int) -> bool:
+def moe_routed(tokens: int, k: int, experts: int, always: bool = False) -> bool:
     """Whether an ``MoE`` of ``tokens`` tokens computes only each token's ``k`` experts (ExpertMatMul:
-    ``tokens * k`` expert weights read, one GEMV each) rather than every expert on every token (a
-    GEMM reading every weight once, ``experts / k`` times the products): up to twice as many reads
-    as the dense form's, where benchmarks/cpu_moe.py measured the routed form still ahead (2-core
-    Xeon, session 37, ``results/cpu-moe-2core-xeon-2026-11-28-s37.txt``: 32 experts of which 4 at 16
-    tokens 27.4 against 40.5 ms, 8 of which 2 at 8 tokens 7.8 against 13.0; at 32 tokens of the
-    first, four times the reads, 52.5 against 50.3)."""
-    return tokens * k <= 2 * experts
+    ``tokens * k`` slots, each chosen expert's weight read once on the cpu target, whose template
+    groups the slots by expert) rather than every expert on every token (a GEMM on all the experts'
+    weights, ``experts / k`` times the products): ``always`` (the import's ``routed_experts``, which
+    ``compile`` sets for the cpu target: ahead at every size benchmarks/cpu_moe.py measured,
+    ``results/cpu-moe-2core-xeon-2026-11-28-s37.txt``), else while the slots are at most twice the
+    experts (decoding, memory-bound on any target). Past that the dense form stays elsewhere: on a
+    GPU it is one tensor-core GEMM where ExpertMatMul is the generic kernel, one weight read per
+    slot (not measured: no GPU was lent in session 37)."""
+    return always or tokens * k <= 2 * experts
 
 
 def _moe_activation(ctx, h: Tensor, act: str) -> Tensor:

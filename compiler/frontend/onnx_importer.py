@@ -122,6 +122,8 @@ class _Importer:
         self._inlined_nodes = 0
         #: initializers of ONNX's 4-bit types, held as int8/uint8 values: their type, by tensor id
         self.four_bit: dict[int, str] = {}
+        #: every MoE on its chosen experts only (import_onnx's routed_experts)
+        self.routed_experts = False
 
     def fresh_name(self, base: str) -> str:
         while True:
@@ -473,7 +475,8 @@ def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
-                input_values: Mapping[str, object] | None = None, int8_qdq: bool = False) -> FlowGraph:
+                input_values: Mapping[str, object] | None = None, int8_qdq: bool = False,
+                routed_experts: bool = False) -> FlowGraph:
     """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph.
 
     Model-local functions are inlined first (:func:`inline_functions`) and quantize/dequantize
@@ -481,7 +484,8 @@ def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
     exact), and MatMuls of blockwise-dequantized 4-bit weights become ``MatMulNBits`` on the packed
     codes (:func:`~shardflow.compiler.frontend.qdq.four_bit_matmuls`). ``input_values`` binds
     graph inputs to constants (they leave the graph's inputs); ``int8_qdq`` rewrites QDQ MatMuls
-    into integer products (:func:`~shardflow.compiler.frontend.qdq.fuse_qdq_matmuls`); see
+    into integer products (:func:`~shardflow.compiler.frontend.qdq.fuse_qdq_matmuls`);
+    ``routed_experts`` computes every ``MoE`` on the chosen experts only; see
     :func:`shardflow.compiler.load_onnx`.
     """
     from .qdq import drop_requantizations, four_bit_matmuls, fuse_qdq_matmuls
@@ -489,4 +493,6 @@ def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
     proto = four_bit_matmuls(drop_requantizations(inline_functions(read_model(model))))
     if int8_qdq:
         proto = fuse_qdq_matmuls(proto)
-    return _Importer(proto, input_shapes, input_values).run()
+    imp = _Importer(proto, input_shapes, input_values)
+    imp.routed_experts = routed_experts
+    return imp.run()

@@ -152,6 +152,11 @@ class NodeContext:
                 {self.node.op_type: [self.name]})
         return t.value
 
+    @property
+    def routed_experts(self) -> bool:
+        """Whether every ``MoE`` computes its chosen experts only (``import_onnx``'s option)."""
+        return self._importer.routed_experts
+
     def four_bit(self, i: int) -> str | None:
         """``"int4"`` or ``"uint4"`` when input ``i`` is an initializer of that ONNX type (imported as
         int8/uint8 values, one per element), else None."""

@@ -443,6 +443,8 @@ def _large():
         # a token's routed experts: GEMVs on each chosen expert's [N, K] weight, with its bias
         ExpertMatMul([_t((3, 300)), _t((6, 203, 300)), _t((3, 2), "int64"), _t((6, 203))]),
         ExpertMatMul([_t((2, 2, 40)), _t((3, 70, 40)), _t((2, 2), "int32")]),
+        # many slots on few experts: one GEMM per expert on its gathered rows (and an expert's single slot)
+        ExpertMatMul([_t((12, 300)), _t((4, 70, 300)), _t((12, 3), "int64"), _t((4, 70))]),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -660,7 +662,7 @@ def test_large_kernel_matches_numpy(library, cid):
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
     if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                      "Attention", "MatMulNBits"):
+                      "Attention", "MatMulNBits", "ExpertMatMul"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(w))))
@@ -834,11 +836,11 @@ def test_transposed_convs_use_their_template():
 
 
 def test_expert_matmul_uses_its_template(library):
-    """The float32 ExpertMatMul cases (large ones and op examples) run the template's GEMVs."""
+    """The float32 ExpertMatMul cases (large ones and op examples) run the template's GEMVs and GEMMs."""
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     ops = [op for op, _ in library["cases"].values() if op.op_type == "ExpertMatMul"]
-    assert len(ops) == 4 and all(template_kind(op) == "ExpertMatMul" for op in ops)
+    assert len(ops) == 5 and all(template_kind(op) == "ExpertMatMul" for op in ops)
 
 
 def test_attention_uses_its_template(library):

@@ -364,6 +364,24 @@ def test_mixture_of_experts_routed_node(tmp_path, act, k, normalize, biases, leg
     _close(simulate(ranks, feeds), want)
 
 
+def test_mixture_of_experts_routed_at_any_count_on_the_cpu(tmp_path):
+    """12 chosen of 4 experts (6 tokens, k 2) import densely by default and routed with
+    ``routed_experts``, which compile sets for the cpu target: its program runs ExpertMatMul's
+    template, against onnxruntime."""
+    import json
+
+    rng = np.random.default_rng(2)
+    node, inits = _moe_node(rng, "relu", 2, 1, True, False, {})
+    m = _node_model(node, [("x", F, [6, 16]), ("router", F, [6, 4])], [("y", F, [6, 16])], inits)
+    assert "ExpertMatMul" not in {op.op_type for op in load_onnx(m).nodes}
+    assert [op.op_type for op in load_onnx(m, routed_experts=True).nodes].count("ExpertMatMul") == 2
+    feeds = {"x": rng.standard_normal((6, 16)).astype(np.float32), "router": rng.standard_normal((6, 4)).astype(np.float32)}
+    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    steps = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())["steps"]
+    assert sum(st.get("symbol", "").startswith("sf_expertmatmul") for st in steps) == 2
+    _close(load(res.out_dir).run(feeds), _reference(m, feeds), tol=1e-4)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_mixture_of_experts_compiles_for_cuda(tmp_path):
     """The dense MoE has no sort (TopK has no cuda kernel): it cross-compiles for sm_90, in float16 too."""
