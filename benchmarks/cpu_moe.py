@@ -53,8 +53,8 @@ def _model(name: str, path: str) -> tuple[np.ndarray, np.ndarray]:
     g = helper.make_graph([node], name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, H]),
                                          helper.make_tensor_value_info("router", TensorProto.FLOAT, [T, E])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, H])], inits)
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]),
-              path)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(g, opset_imports=opsets), path)
     return rng.standard_normal((T, H)).astype(np.float32), rng.standard_normal((T, E)).astype(np.float32)
 
 

@@ -335,15 +335,14 @@ def mixture_of_experts(ctx):
 
     With few tokens (``tokens * k <= 2 num_experts``: decoding), or at any count when the import is
     told so (``routed_experts``: the cpu target, whose grouped template is faster at every size
-    measured), only each token's k experts are computed
-    (:class:`~shardflow.compiler.ops.linalg.ExpertMatMul`, which reads the chosen experts' weights
-    alone; the planner splits their rows). Otherwise densely: every expert on every token, then the
-    weighted sum over experts (a GEMM on the experts' stacked rows, then einsums), so the planner can
-    split the experts over devices
-    (a partial sum) like any contraction, at ``num_experts / k`` times the routed computation (every
-    expert's weights are read once either way). The k experts are found without a sort (an expert is
-    chosen when fewer than k come before it), so every target compiles it; equal probabilities go to
-    the higher expert index, as onnxruntime's sort has them."""
+    measured), only each token's k experts are computed (:class:`~shardflow.compiler.ops.linalg.ExpertMatMul`,
+    which reads the chosen experts' weights alone; the planner splits their rows; see
+    :func:`moe_routed`). Otherwise densely: every expert on every token (a GEMM on the experts'
+    stacked rows, every weight read once), then the weighted sum over experts, so the planner can
+    split the experts over devices (a partial sum) like any contraction, at ``num_experts / k``
+    times the routed products. The k experts are found without a sort (an expert is chosen when
+    fewer than k come before it), so every target compiles it; equal probabilities go to the higher
+    expert index, as onnxruntime's sort has them."""
     x, router = _float_input(ctx, 0), _float_input(ctx, 1)
     act = str(ctx.attr("activation_type", "relu")).lower()
     if act not in _MOE_ACTIVATIONS:
@@ -406,8 +405,8 @@ def mixture_of_experts(ctx):
         out = ctx.emit("Einsum", [gate, y], _OPSET, equation="tj,tjh->th")
     else:  # (fc1 of every expert as one product with the experts' rows stacked: a GEMM, weights read once)
         stacked = ctx.emit("Reshape", [w1, _i64(ctx, [experts * out1, hidden])], _OPSET)
-        h = ctx.emit("Reshape", [ctx.emit("Gemm", [flat, stacked], _OPSET, transB=1), _i64(ctx, [tokens, experts, out1])],
-                     _OPSET)
+        h = ctx.emit("Reshape", [ctx.emit("Gemm", [flat, stacked], _OPSET, transB=1),
+                                 _i64(ctx, [tokens, experts, out1])], _OPSET)
         h = _add(ctx, h, b1)
         y = _add(ctx, ctx.emit("Einsum", [_moe_activation(ctx, h, act), w2], _OPSET, equation="tei,ehi->teh"), b2)
         out = ctx.emit("Einsum", [gate, y], _OPSET, equation="te,teh->th")

@@ -586,7 +586,8 @@ class ExpertMatMul(Operator):
         e_len, n_len, k_len = w.shape if w.ndim == 3 else (0, 0, 0)
         if (experts.ndim != 2 or experts.dtype not in ("int32", "int64") or w.ndim != 3
                 or x.shape not in ((t_len, k_len), (t_len, j_len, k_len)) or dtype_kind(x.dtype) != "f"
-                or w.dtype != x.dtype or (bias and (tuple(bias[0].shape) != (e_len, n_len) or bias[0].dtype != x.dtype))):
+                or w.dtype != x.dtype
+                or (bias and (tuple(bias[0].shape) != (e_len, n_len) or bias[0].dtype != x.dtype))):
             raise ShapeError(f"{self.name}: ExpertMatMul takes x[T, K] or [T, J, K], w[E, N, K] of x's float type, "
                              f"experts[T, J] (int32/int64) and bias[E, N], got "
                              f"{[(t.dtype, tuple(t.shape)) for t in (x, w, experts, *bias)]}")
@@ -654,8 +655,8 @@ class Attention(Operator):
     """Scaled dot-product attention (ONNX ``Attention``, opsets 23-25) as one definition.
 
     Inputs ``q, k, v[, mask][, nonpad_kv_seqlen][, sink]`` (attributes ``has_mask``/``has_nonpad``/
-    ``has_sink`` say which optional ones follow). ``q`` is ``[B, Hq, S, D]`` or ``[B, S, Hq*D]`` (``q_heads``); ``k``/``v`` are
-    ``[B, Hkv, L, D]`` or ``[B, L, Hkv*D]`` (``kv_heads``), already holding any past cache; query head
+    ``has_sink`` say which optional ones follow). ``q`` is ``[B, Hq, S, D]`` or ``[B, S, Hq*D]``
+    (``q_heads``); ``k``/``v`` are ``[B, Hkv, L, D]`` or ``[B, L, Hkv*D]`` (``kv_heads``), already holding any past cache; query head
     ``h`` reads key/value head ``h // (Hq / Hkv)``. Per output element::
 
         s_j = softcap(sum_d (q*c)[d] * (k*c)[j, d]) + bias_j      (c = ``scale_sqrt``)

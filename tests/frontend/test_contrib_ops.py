@@ -375,8 +375,10 @@ def test_mixture_of_experts_routed_at_any_count_on_the_cpu(tmp_path):
     m = _node_model(node, [("x", F, [6, 16]), ("router", F, [6, 4])], [("y", F, [6, 16])], inits)
     assert "ExpertMatMul" not in {op.op_type for op in load_onnx(m).nodes}
     assert [op.op_type for op in load_onnx(m, routed_experts=True).nodes].count("ExpertMatMul") == 2
-    feeds = {"x": rng.standard_normal((6, 16)).astype(np.float32), "router": rng.standard_normal((6, 4)).astype(np.float32)}
-    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    feeds = {"x": rng.standard_normal((6, 16)).astype(np.float32),
+             "router": rng.standard_normal((6, 4)).astype(np.float32)}
+    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "o")
     steps = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())["steps"]
     assert sum(st.get("symbol", "").startswith("sf_expertmatmul") for st in steps) == 2
     _close(load(res.out_dir).run(feeds), _reference(m, feeds), tol=1e-4)
@@ -724,9 +726,9 @@ def test_genai_gptoss_matches_onnxruntime(tmp_path):
 
 def test_genai_gptoss_split_over_two_ranks(tmp_path):
     """gpt-oss's decoding step (its MoE routed: one token's two experts of four) planned by the ILP
-    over two ranks under a memory budget that splits its experts' weights, compiled for cpu and run on two in-process ranks, against onnxruntime; and
-    cross-compiled for sm_90 at float16, its two attentions (sinks, the window's buffer) fused
-    kernels."""
+    over two ranks under a memory budget that splits its experts' weights, compiled for cpu and run
+    on two in-process ranks, against onnxruntime; and cross-compiled for sm_90 at float16, its two
+    attentions (sinks, the window's buffer) fused kernels."""
     import json
 
     from threads import run_threads
