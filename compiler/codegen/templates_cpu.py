@@ -122,73 +122,20 @@ def _matmul(op) -> str | None:
 
 
 def _expert_matmul(op) -> str | None:
-    """ExpertMatMul (float32, its expert indices int32/int64). The slots (token, j) are grouped by
-    expert at run time (a counting sort): an expert that one slot uses runs a GEMV on its weight
-    ``[N, K]`` (``sf_gemv_dot``: the weight streamed once, threads splitting N), and so does one that
-    two use (a GEMM packs the weight first, as much traffic as a second GEMV); one that more use runs
-    one GEMM on their rows, gathered (its weight read once for all of them), the results scattered
-    back; a slot whose index is outside the experts gets a row of zeros."""
+    """ExpertMatMul (float32, its expert indices int32/int64) through :func:`sf_expert_matmul`
+    (``gemm.h``): the slots grouped by expert, GEMVs for an expert's one or two slots, one GEMM on
+    the gathered rows of more, so each chosen expert's weight is read once."""
     x, w, experts = op.inputs[:3]
     if any(t.dtype != "float32" for t in (x, w, *op.inputs[3:], op.outputs[0])) or experts.dtype not in ("int32",
                                                                                                        "int64"):
         return None
     (t_len, j_len), (e_len, n_len, k_len) = experts.shape, w.shape
-    slots = t_len * j_len
     ctype = "int32_t" if experts.dtype == "int32" else "int64_t"
-    row = f"s * {k_len}LL" if x.ndim == 3 else f"(s / {j_len}) * {k_len}LL"  # the slot's row of x
-    lines = ["  const float* __restrict__ in0 = static_cast<const float*>(inputs[0]);",
-             "  const float* __restrict__ in1 = static_cast<const float*>(inputs[1]);",
-             f"  const {ctype}* __restrict__ ex = static_cast<const {ctype}*>(inputs[2]);",
-             "  const float* __restrict__ bias = " + ("static_cast<const float*>(inputs[3]);" if len(op.inputs) > 3
-                                                       else "nullptr;"),
-             "  float* __restrict__ out0 = static_cast<float*>(outputs[0]);",
-             f"  // ExpertMatMul: {t_len} x {j_len} slots of [1, {k_len}] @ an expert's [{n_len}, {k_len}]^T "
-             f"(of {e_len}), grouped by expert",
-             f"  char* ws_ = static_cast<char*>(sf_workspace(0, sizeof(int64_t) * {2 * e_len + 1 + slots} + "
-             f"sizeof(float) * {slots * (k_len + n_len)}LL));",
-             f"  int64_t* start = reinterpret_cast<int64_t*>(ws_);  // [{e_len + 1}]: each expert's first slot in order",
-             f"  int64_t* fill = start + {e_len + 1};",
-             f"  int64_t* order = fill + {e_len};  // [{slots}]: the slots by expert",
-             f"  float* xa = reinterpret_cast<float*>(order + {slots});  // an expert's rows of x, gathered",
-             f"  float* ya = xa + {slots * k_len}LL;  // and of y",
-             f"  for (int64_t e = 0; e <= {e_len}; ++e) start[e] = 0;",
-             f"  for (int64_t s = 0; s < {slots}; ++s) {{",
-             "    const int64_t e = (int64_t)ex[s];",
-             f"    if (e >= 0 && e < {e_len}) {{",
-             "      ++start[e + 1];",
-             "    } else {",
-             f"      for (int64_t n = 0; n < {n_len}; ++n) out0[s * {n_len}LL + n] = 0.0f;",
-             "    }",
-             "  }",
-             f"  for (int64_t e = 0; e < {e_len}; ++e) {{",
-             "    start[e + 1] += start[e];",
-             "    fill[e] = start[e];",
-             "  }",
-             f"  for (int64_t s = 0; s < {slots}; ++s) {{",
-             "    const int64_t e = (int64_t)ex[s];",
-             f"    if (e >= 0 && e < {e_len}) order[fill[e]++] = s;",
-             "  }",
-             f"  for (int64_t e = 0; e < {e_len}; ++e) {{",
-             "    const int64_t m = start[e + 1] - start[e];",
-             f"    const float* we = in1 + e * {n_len * k_len}LL;",
-             f"    const float* be = bias ? bias + e * {n_len}LL : nullptr;",
-             "    if (m <= 2) {  // (a GEMM packs the weight first: as much traffic as two GEMVs)",
-             "      for (int64_t r = 0; r < m; ++r) {",
-             "        const int64_t s = order[start[e] + r];",
-             f"        sf_sgemm(1, {n_len}, {k_len}, in0 + {row}, {k_len}, 1, we, 1, {k_len}, out0 + s * {n_len}LL, "
-             f"{n_len}, 1.0f, be, 0, 1, true);",
-             "      }",
-             "    } else {",
-             "      for (int64_t r = 0; r < m; ++r) {",
-             "        const int64_t s = order[start[e] + r];",
-             f"        std::memcpy(xa + r * {k_len}LL, in0 + {row}, sizeof(float) * {k_len});",
-             "      }",
-             f"      sf_sgemm(m, {n_len}, {k_len}, xa, {k_len}, 1, we, 1, {k_len}, ya, {n_len}, 1.0f, be, 0, 1, true);",
-             "      for (int64_t r = 0; r < m; ++r)",
-             f"        std::memcpy(out0 + order[start[e] + r] * {n_len}LL, ya + r * {n_len}LL, sizeof(float) * {n_len});",
-             "    }",
-             "  }"]
-    return "\n".join(lines)
+    bias = "static_cast<const float*>(inputs[3])" if len(op.inputs) > 3 else "nullptr"
+    return "\n".join(_args(op)[:2] + [
+        f"  // ExpertMatMul: {t_len} x {j_len} slots of [1, {k_len}] @ an expert's [{n_len}, {k_len}]^T (of {e_len})",
+        f"  sf_expert_matmul({t_len * j_len}, {j_len}, {'true' if x.ndim == 3 else 'false'}, {e_len}, {n_len}, "
+        f"{k_len}, in0, in1, static_cast<const {ctype}*>(inputs[2]), {bias}, static_cast<float*>(outputs[0]));"])
 
 
 def _einsum(op) -> str | None:

@@ -547,16 +547,16 @@ def group_query_attention(ctx):
     window = int(ctx.attr("local_window_size", -1))
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
     softcap = float(ctx.attr("softcap", 0.0))
+    # each sequence's end seqlens_k + 1 and, after a past, its past length p = end - S, as [b, 1, 1, 1]
+    ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), _i64(ctx, 1)], _OPSET),
+                                _i64(ctx, [b, 1, 1, 1])], _OPSET) if ctx.has_input(5) else None
     if int(ctx.attr("sliding_window_cache", 0)) == 1:
-        return _windowed_group_query_attention(ctx, q, k, v, past_k, past_v, heads, kv_heads, head, window, scale,
-                                               softcap, sink)
+        return _windowed_group_query_attention(ctx, q, k, v, past_k, past_v, ends, heads, kv_heads, head, window,
+                                               scale, softcap, sink)
     total = int(np.asarray(ctx.const(6)).reshape(-1)[0]) if ctx.has_input(6) and (n_past or ctx.is_const(6)) else s
     if not n_past and total != s:
         raise ctx.invalid(f"total_sequence_length {total} differs from the prompt's {s} with no past")
     length = max(n_past, total) if n_past else s  # of the present key and value
-    # each sequence's end seqlens_k + 1 and, after a past, its past length p = end - S, as [b, 1, 1, 1]
-    ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), _i64(ctx, 1)], _OPSET),
-                                _i64(ctx, [b, 1, 1, 1])], _OPSET) if ctx.has_input(5) else None
     p4 = ctx.emit("Sub", [ends, _i64(ctx, s)], _OPSET) if n_past else None
     q, k = _gqa_rotary(ctx, q, k, p4 if n_past else None, heads, kv_heads)
     k4, v4 = (_heads_first(ctx, t, kv_heads, head, what) for t, what in ((k, "key"), (v, "value")))
@@ -642,8 +642,8 @@ def _gqa_attend(ctx: NodeContext, q4: Tensor, k4: Tensor, v4: Tensor, keep: Tens
 
 
 def _windowed_group_query_attention(ctx: NodeContext, q: Tensor, k: Tensor, v: Tensor, past_k: Tensor | None,
-                                    past_v: Tensor | None, heads: int, kv_heads: int, head: int, window: int,
-                                    scale: float, softcap: float, sink: Tensor | None) -> list[Tensor]:
+                                    past_v: Tensor | None, ends: Tensor | None, heads: int, kv_heads: int, head: int,
+                                    window: int, scale: float, softcap: float, sink: Tensor | None) -> list[Tensor]:
     """GroupQueryAttention with ``sliding_window_cache`` = 1 (onnxruntime-genai's local layers, as
     gpt-oss's): the past and the present are a buffer of C >= ``local_window_size`` rows holding only
     the latest positions, as onnxruntime 1.32's CPU kernel keeps it. With a sequence's past P
@@ -653,9 +653,10 @@ def _windowed_group_query_attention(ctx: NodeContext, q: Tensor, k: Tensor, v: T
     the absolute length and the op stays stateless). The new keys (rotated at positions ``P..P+S-1``)
     are attended together with the resident ones, each query seeing the keys of the last W positions
     up to its own; the present holds positions ``P+S-end(P+S)..P+S-1`` in its first ``end(P+S)``
-    rows and zeros after them (onnxruntime leaves those rows as they were: no step reads them)."""
+    rows and zeros after them (onnxruntime leaves those rows as they were: no step reads them).
+    ``ends``: each sequence's ``seqlens_k + 1`` as ``[b, 1, 1, 1]``."""
     b, s = q.shape[:2]
-    if window <= 0 or past_k is None or not ctx.has_input(5):
+    if window <= 0 or past_k is None or ends is None:
         raise ctx.invalid("sliding_window_cache=1 needs local_window_size > 0, a past key and value and seqlens_k")
     cap = past_k.shape[2]
     if cap < window:
@@ -673,7 +674,6 @@ def _windowed_group_query_attention(ctx: NodeContext, q: Tensor, k: Tensor, v: T
         blocks = op("Div", op("Add", op("Sub", x, i64(cap)), i64(gap - 1)), i64(gap))
         return op("Where", op("LessOrEqual", x, i64(cap)), x, op("Sub", x, op("Mul", blocks, i64(gap))))
 
-    ends = ctx.emit("Reshape", [op("Add", ctx.cast(ctx.input(5), "int64"), i64(1)), i64([b, 1, 1, 1])], _OPSET)
     p4 = op("Max", op("Sub", ends, i64(s)), i64(0))  # each sequence's past P
     q, k = _gqa_rotary(ctx, q, k, p4, heads, kv_heads)
     k4, v4 = (_heads_first(ctx, t, kv_heads, head, what) for t, what in ((k, "key"), (v, "value")))

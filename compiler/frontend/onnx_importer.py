@@ -107,7 +107,7 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
 
 class _Importer:
     def __init__(self, proto: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None,
-                 input_values: Mapping[str, object] | None = None):
+                 input_values: Mapping[str, object] | None = None, routed_experts: bool = False):
         self.proto = proto
         self.opset = _default_opset(proto)
         self.input_shapes = dict(input_shapes or {})
@@ -123,7 +123,7 @@ class _Importer:
         #: initializers of ONNX's 4-bit types, held as int8/uint8 values: their type, by tensor id
         self.four_bit: dict[int, str] = {}
         #: every MoE on its chosen experts only (import_onnx's routed_experts)
-        self.routed_experts = False
+        self.routed_experts = routed_experts
 
     def fresh_name(self, base: str) -> str:
         while True:
@@ -493,6 +493,4 @@ def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
     proto = four_bit_matmuls(drop_requantizations(inline_functions(read_model(model))))
     if int8_qdq:
         proto = fuse_qdq_matmuls(proto)
-    imp = _Importer(proto, input_shapes, input_values)
-    imp.routed_experts = routed_experts
-    return imp.run()
+    return _Importer(proto, input_shapes, input_values, routed_experts).run()

@@ -749,4 +749,53 @@ static void sf_sgemm_batched(int nb, const int64_t* bshape, const int64_t* astr,
   }
 }
 
+// ExpertMatMul: y[s][N] = x_s[K] @ w[ex[s]][N][K]^T (+ bias[ex[s]][N]) for each slot s (token, j) of S, x_s
+// the slot's row of x (row s, or row s / J when every slot of a token reads the token's row); a slot whose
+// expert is outside [0, E) gets zeros. The slots are grouped by expert (a counting sort): an expert that
+// one or two slots use runs GEMVs on its weight (sf_gemv_dot, the weight streamed once per slot: a GEMM
+// would pack it first, as much traffic as a second GEMV); one that more use runs one GEMM on their rows,
+// gathered, so its weight is read once for all of them, and the rows are scattered back.
+template <class Index>
+static void sf_expert_matmul(int64_t S, int64_t J, bool row_per_slot, int64_t E, int64_t N, int64_t K,
+                             const float* x, const float* w, const Index* ex, const float* bias, float* y) {
+  int64_t* start = static_cast<int64_t*>(sf_workspace(0, sizeof(int64_t) * (2 * E + 1 + S) +
+                                                         sizeof(float) * S * (K + N)));
+  int64_t* fill = start + E + 1;      // each expert's next place in order
+  int64_t* order = fill + E;          // the slots by expert: those of e at [start[e], start[e + 1])
+  float* xa = reinterpret_cast<float*>(order + S);  // an expert's rows of x, gathered
+  float* ya = xa + S * K;                           // and of y
+  auto xrow = [&](int64_t s) { return x + (row_per_slot ? s : s / J) * K; };
+  for (int64_t e = 0; e <= E; ++e) start[e] = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = (int64_t)ex[s];
+    if (e >= 0 && e < E) {
+      ++start[e + 1];
+    } else {
+      for (int64_t n = 0; n < N; ++n) y[s * N + n] = 0.0f;
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    start[e + 1] += start[e];
+    fill[e] = start[e];
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = (int64_t)ex[s];
+    if (e >= 0 && e < E) order[fill[e]++] = s;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t m = start[e + 1] - start[e];
+    const int64_t* slots = order + start[e];
+    const float* we = w + e * N * K;
+    const float* be = bias ? bias + e * N : nullptr;
+    if (m <= 2) {
+      for (int64_t r = 0; r < m; ++r)
+        sf_sgemm(1, N, K, xrow(slots[r]), K, 1, we, 1, K, y + slots[r] * N, N, 1.0f, be, 0, 1, true);
+      continue;
+    }
+    for (int64_t r = 0; r < m; ++r) std::memcpy(xa + r * K, xrow(slots[r]), sizeof(float) * K);
+    sf_sgemm(m, N, K, xa, K, 1, we, 1, K, ya, N, 1.0f, be, 0, 1, true);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(y + slots[r] * N, ya + r * N, sizeof(float) * N);
+  }
+}
+
 }  // namespace
