@@ -26,27 +26,34 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def build_source(folder: str, tied: bool = False) -> None:
-    """A random-weight Llama and a word-level tokenizer (the builder saves one) in ``folder``; with
-    ``tied``, one weight for the embedding and the ``lm_head``."""
-    import torch
+def save_tokenizer(folder: str) -> None:
+    """A word-level tokenizer of 256 tokens in ``folder`` (the builder saves one with the model)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=tied)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
     fast.save_pretrained(folder)
 
 
+def build_source(folder: str, tied: bool = False) -> None:
+    """A random-weight Llama and the tokenizer in ``folder``; with ``tied``, one weight for the
+    embedding and the ``lm_head``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=tied)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    save_tokenizer(folder)
+
+
 def build_gptoss_source(folder: str) -> None:
     """A random-weight 2-layer gpt-oss (layer 0 sliding-window attention, layer 1 full; non-zero
-    attention sinks) and the same tokenizer, in ``folder``."""
+    attention sinks) and the tokenizer, in ``folder``."""
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -60,41 +67,36 @@ def build_gptoss_source(folder: str) -> None:
         for layer in model.model.layers:  # (initialized to zeros)
             layer.self_attn.sinks.normal_()
     model.save_pretrained(folder)
-    build_source(os.path.join(folder, "tok"))  # (a Llama beside it: only its tokenizer files are copied)
-    for name in os.listdir(os.path.join(folder, "tok")):
-        if name.startswith(("tokenizer", "special_tokens")):
-            os.replace(os.path.join(folder, "tok", name), os.path.join(folder, name))
+    save_tokenizer(folder)
+
+
+def export(src: str, out: str, precision: str, extra: list[str], name: str) -> None:
+    """Run the builder on the model in ``src`` (into ``out``) and write its model, weights embedded,
+    as ``tests/models/<name>.onnx``."""
+    import onnx
+
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", src, "-o", out, "-p", precision,
+                    "-e", "cpu", *extra], check=True)
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=True)
+    path = os.path.join(HERE, f"{name}.onnx")
+    onnx.save_model(model, path + ".tmp", save_as_external_data=False)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path} ({os.path.getsize(path)} bytes)")
 
 
 def main() -> int:
-    import onnx
-
     with tempfile.TemporaryDirectory() as tmp:
         for tied in (False, True):
             build_source(os.path.join(tmp, f"llama{'_tied' * tied}"), tied)
+        build_gptoss_source(os.path.join(tmp, "gptoss"))
         # (name, precision, source, builder's extra options)
-        for name, precision, src, extra in (("fp32", "fp32", "llama", []), ("int4", "int4", "llama", []),
-                                            ("int4_tied", "int4", "llama_tied",
+        for name, precision, src, extra in (("llama_genai_fp32", "fp32", "llama", []),
+                                            ("llama_genai_int4", "int4", "llama", []),
+                                            ("llama_genai_int4_tied", "int4", "llama_tied",
                                              ["--extra_options", "shared_embeddings=true",
-                                              "op_types_to_quantize=MatMul/Gather"])):
-            out = os.path.join(tmp, name)
-            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", os.path.join(tmp, src),
-                            "-o", out, "-p", precision, "-e", "cpu", *extra], check=True)
-            model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=True)
-            path = os.path.join(HERE, f"llama_genai_{name}.onnx")
-            onnx.save_model(model, path + ".tmp", save_as_external_data=False)
-            os.replace(path + ".tmp", path)
-            print(f"wrote {path} ({os.path.getsize(path)} bytes)")
-        src = os.path.join(tmp, "gptoss")
-        build_gptoss_source(src)
-        out = os.path.join(tmp, "gptoss_out")
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", src, "-o", out, "-p", "fp32",
-                        "-e", "cpu"], check=True)
-        model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=True)
-        path = os.path.join(HERE, "gptoss_genai_fp32.onnx")
-        onnx.save_model(model, path + ".tmp", save_as_external_data=False)
-        os.replace(path + ".tmp", path)
-        print(f"wrote {path} ({os.path.getsize(path)} bytes)")
+                                              "op_types_to_quantize=MatMul/Gather"]),
+                                            ("gptoss_genai_fp32", "fp32", "gptoss", [])):
+            export(os.path.join(tmp, src), os.path.join(tmp, name), precision, extra, name)
     return 0
 
 
