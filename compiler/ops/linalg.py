@@ -604,13 +604,12 @@ class ExpertMatMul(Operator):
 
     def numpy(self, x, w, experts, *bias):
         idx = np.asarray(experts).astype(np.int64)
-        inside = (idx >= 0) & (idx < w.shape[0])
-        picked = w[np.where(inside, idx, 0)]                                # [T, J, N, K]
-        xs = x[:, None, :] if x.ndim == 2 else x
-        y = np.einsum("tjk,tjnk->tjn", xs, picked)
-        if bias:
-            y = y + bias[0][np.where(inside, idx, 0)]
-        return [np.where(inside[..., None], y, 0).astype(x.dtype)]
+        xs = np.broadcast_to(x[:, None, :], idx.shape + x.shape[-1:]) if x.ndim == 2 else x
+        y = np.zeros(idx.shape + (w.shape[1],), x.dtype)
+        for e in np.unique(idx[(idx >= 0) & (idx < w.shape[0])]):  # each chosen expert's slots at once
+            at = idx == e
+            y[at] = xs[at] @ w[e].T + (bias[0][e] if bias else 0)
+        return [y]
 
 
 class QLinearMatMul(Operator):
