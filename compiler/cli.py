@@ -63,6 +63,19 @@ def parse_shapes(items: Sequence[str] | None) -> dict[str, list[int]] | None:
     return res
 
 
+def parse_state(items: Sequence[str] | None) -> dict[str, str] | None:
+    """``["present.0.key=past_key_values.0.key"]`` → ``{"present.0.key": "past_key_values.0.key"}``."""
+    if not items:
+        return None
+    res: dict[str, str] = {}
+    for item in items:
+        out, sep, name = item.partition("=")
+        if not sep or not out or not name:
+            raise _CLIError(f"--state {item!r}: use OUTPUT=INPUT, e.g. present.0.key=past_key_values.0.key")
+        res[out] = name
+    return res
+
+
 def parse_values(items: Sequence[str] | None) -> dict[str, Any] | None:
     """``["axes=axes.npy"]`` → ``{"axes": <the array in axes.npy>}`` (inputs bound at compile time)."""
     if not items:
@@ -180,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a JSON object of optimization_config keys (target, arch, precision, fuse, cuda_graph, "
                          "pdl, prepack, winograd, int8_qdq, precompute, search_space, comm_backend, gemm_tiles); "
                          "flags override it")
+    pc.add_argument("--state", action="append", metavar="OUTPUT=INPUT", default=None,
+                    help="keep OUTPUT in the program as the next run's INPUT (same shape and type), e.g. "
+                         "present.0.key=past_key_values.0.key for a KV cache of fixed size; not returned by runs "
+                         "(repeat per pair; compile(state=...))")
     pc.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     pc.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -260,7 +277,8 @@ def _cmd_compile(args) -> int:
         ocfg["arch"] = args.arch
         ocfg.setdefault("target", "cuda")
     result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
-                            input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
+                            input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
+                            state=parse_state(args.state))
     print(result.summary())
     return 0
 
@@ -334,7 +352,7 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
             "modeled_cost_s": plan.get("cost_s"), "comm_backend": m0.get("comm_backend"),
             "inputs": m0["inputs"], "outputs": [{k: o[k] for k in ("name", "global_shape", "dtype", "placement")
                                                   if k in o} for o in m0["outputs"]],
-            "ranks": ranks}
+            "state": m0.get("state", []), "ranks": ranks}
 
 
 def _fmt_bytes(n: int) -> str:
@@ -358,6 +376,10 @@ def _cmd_inspect(args) -> int:
                                          for i in info["inputs"]),
                  "outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o.get('global_shape')} {o.get('placement', '')}"
                                          for o in info["outputs"])]
+        if info["state"]:
+            lines.append("state:   " + ", ".join(f"{e['output']} -> {e['input']}"
+                                                 f"{' (in place)' if e.get('in_place') else ' (copied)'}"
+                                                 for e in info["state"]))
         for r in info["ranks"]:
             coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
             at_load = f" ({r['load_steps']} run once at load)" if r["load_steps"] else ""

@@ -400,6 +400,7 @@ def _concatenate_in_place(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor
 def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: int = 0,
                   group_key: Callable[[tuple[int, ...]], str] | None = None,
                   view_ops: Sequence[Operator] = (), precompute: bool = True,
+                  state: Mapping[str, str] | None = None,
                   ) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
     """Lay out one rank's program: steps, buffers (arena offsets by liveness, weight offsets).
 
@@ -420,6 +421,12 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
     precompute
         Put the kernel steps computed from constants alone first and count them in the program's
         ``load_steps``: the runtime runs them once at load, their results keep their memory.
+    state
+        ``{output name: input name}``: outputs the runtime keeps as the next run's value of an
+        input (a KV cache's present as the next past; ``compile(state=...)``). They leave
+        ``outputs`` for ``state``; the input's buffer lives through the whole run, and the output
+        is written straight into it when its kernel reads the input only at the output's own
+        index and nothing else reads it (:func:`_state_in_place`), else copied there after the run.
 
     Returns
     -------
@@ -485,6 +492,11 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             raise ShardflowError(f"rank {rank}: codegen returned {k!r} for node {op.name}; expected a symbol name")
 
     raw_steps = _concatenate_in_place(raw_steps, g, alias, at)
+    pairs = _state_pairs(g, state or {}, rank)
+    in_place = {out: _state_in_place(raw_steps, g, x, y, root) for out, (y, x) in pairs.items()}
+    for out, (y, x) in pairs.items():
+        if in_place[out]:
+            alias[id(y)], at[id(y)] = x, 0  # the kernel writes the output over the input's bytes
     n_load = 0
     if precompute:
         raw_steps, n_load = _steps_at_load_first(raw_steps, root)
@@ -540,6 +552,8 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         r = root(t)
         last[id(r)] = n_steps
         first.setdefault(id(r), -1 if r.is_constant else n_steps)
+    for y, x in pairs.values():  # a state input holds its value from one run to the next
+        last[id(x)] = n_steps
     # what the steps run at load write and a run reads (or returns) keeps its memory for good
     for _, _, _, outs, _ in raw_steps[:n_load]:
         for t in outs:
@@ -610,12 +624,71 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
         "kernels_file": "kernels.so",
         "buffers": buffers,
         "inputs": [[t.name, buf_of[id(t)]] for t in g.inputs],
-        "outputs": [[name, buf_of[id(t)]] for name, t in zip(g.output_names, g.outputs)],
+        "outputs": [[name, buf_of[id(t)]] for name, t in zip(g.output_names, g.outputs) if name not in pairs],
         "steps": steps,
     }
+    if pairs:
+        program["state"] = [{"input": x.name, "input_buffer": buf_of[id(x)], "output": out,
+                             "output_buffer": buf_of[id(y)], "in_place": in_place[out]}
+                            for out, (y, x) in pairs.items()]
     if n_load:
         program["load_steps"] = n_load
     return program, weights, int(wpos)
+
+
+def _state_pairs(g: FlowGraph, state: Mapping[str, str], rank: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{output name: (output tensor, input tensor)}`` of a rank graph's state, each pair of one
+    local shape and type (a state output the plan leaves sharded would not fit its whole input)."""
+    outputs = dict(zip(g.output_names, g.outputs))
+    inputs = {t.name: t for t in g.inputs}
+    pairs = {}
+    for out, name in state.items():
+        if out not in outputs or name not in inputs:
+            raise GraphError(f"rank {rank}: state {out} -> {name}: the rank graph has no "
+                             f"{'output ' + out if out not in outputs else 'input ' + name}")
+        y, x = outputs[out], inputs[name]
+        if (tuple(y.shape), y.dtype) != (tuple(x.shape), x.dtype):
+            raise GraphError(f"rank {rank}: state output {out} is {y.dtype}{list(y.shape)} on this rank, its input "
+                             f"{name} {x.dtype}{list(x.shape)}; a state output must be whole on every rank")
+        pairs[out] = (y, x)
+    return pairs
+
+
+def _state_in_place(raw_steps: list, g: FlowGraph, x: Tensor, y: Tensor, root: Callable[[Tensor], Tensor]) -> bool:
+    """Whether state output ``y`` can be written over input ``x``'s bytes: one kernel step writes
+    ``y`` (no view, no concatenation, no other output), it is the only step reading ``x`` (directly,
+    no view of it) and it reads ``x`` only at ``y``'s own index (a KV cache's present: the past where
+    no new token lands, :func:`~shardflow.compiler.codegen.fusion.reads_only_at_own_index`); ``x``
+    is no graph output."""
+    from .codegen.fusion import reads_only_at_own_index
+
+    if root(y) is not y or any(root(t) is x for t in g.outputs) or sum(t is y for t in g.outputs) != 1:
+        return False
+    readers = [i for i, (_, _, ins, _, _) in enumerate(raw_steps) if any(root(t) is x for t in ins)]
+    writers = [i for i, (_, _, _, outs, _) in enumerate(raw_steps) if any(root(t) is y for t in outs)]
+    if len(writers) != 1 or readers != writers:
+        return False
+    kind, _, ins, outs, _ = raw_steps[writers[0]]
+    if kind != "kernel" or len(outs) != 1 or outs[0] is not y or [t for t in ins if root(t) is x] != [x]:
+        return False
+    # the ops the kernel computes: back from y to its inputs (constants are its inputs too)
+    producer = {id(t): op for op in g.nodes for t in op.outputs}
+    members: list[Operator] = []
+    stack = [(y, False)]
+    while stack:
+        t, expanded = stack.pop()
+        op = producer.get(id(t))
+        if expanded:
+            if all(m is not op for m in members):
+                members.append(op)
+            continue
+        if any(t is u for u in ins) or t.is_constant or any(m is op for m in members):
+            continue
+        if op is None:
+            return False
+        stack.append((t, True))
+        stack.extend((u, False) for u in reversed(op.inputs))
+    return reads_only_at_own_index(members, x, y)
 
 
 def _steps_at_load_first(raw_steps: list, root: Callable[[Tensor], Tensor]) -> tuple[list, int]:
@@ -785,6 +858,41 @@ def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False,
                      routed_experts=routed_experts)
 
 
+def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values: Mapping[str, Any] | None
+                 ) -> dict[str, str]:
+    """``compile``'s ``state`` checked against the imported graph: every key an output, every value
+    an input of its shape and type, no input twice."""
+    if state is None:
+        return {}
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
+        raise ConfigError("state must be a dict {output name: input name} of strings, e.g. "
+                          "{'present.0.key': 'past_key_values.0.key'}")
+    outputs = dict(zip(graph.output_names, graph.outputs))
+    inputs = {t.name: t for t in graph.inputs}
+    seen: dict[str, str] = {}
+    for out, name in state.items():
+        if out not in outputs:
+            close = difflib.get_close_matches(out, list(outputs), n=1)
+            raise ConfigError(f"state: {out!r} is not an output of the model"
+                              + (f"; did you mean {close[0]!r}?" if close else f" (outputs: {list(outputs)})"))
+        if name not in inputs:
+            if input_values and name in input_values:
+                raise ConfigError(f"state: input {name!r} of output {out!r} is fixed by input_values; a state input "
+                                  "must stay an input")
+            close = difflib.get_close_matches(name, list(inputs), n=1)
+            raise ConfigError(f"state: {name!r} (for output {out!r}) is not an input of the model"
+                              + (f"; did you mean {close[0]!r}?" if close else f" (inputs: {list(inputs)})"))
+        if name in seen:
+            raise ConfigError(f"state: input {name!r} is given by two outputs, {seen[name]!r} and {out!r}")
+        seen[name] = out
+        y, x = outputs[out], inputs[name]
+        if (tuple(y.shape), y.dtype) != (tuple(x.shape), x.dtype):
+            raise ConfigError(f"state: output {out!r} is {y.dtype}{list(y.shape)} but input {name!r} is "
+                              f"{x.dtype}{list(x.shape)}; a state needs one shape and type (a KV cache of fixed "
+                              "size: input_shapes with the past as long as the present)")
+    return dict(state)
+
+
 def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
     from .parallel.comm_ops import Collective, mesh_axes
 
@@ -799,7 +907,7 @@ def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
 
 def compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
             out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None,
-            input_values: Mapping[str, Any] | None = None) -> CompileResult:
+            input_values: Mapping[str, Any] | None = None, state: Mapping[str, str] | None = None) -> CompileResult:
     """Compile ``model`` into one artifact per rank in ``out_dir``.
 
     Parameters
@@ -819,6 +927,15 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     input_values
         Values of inputs fixed at compile time, by input name; they become constants and the
         compiled program no longer takes them (:func:`~shardflow.compiler.load_onnx`).
+    state
+        ``{output name: input name}``: outputs the program keeps, on its device, as the next run's
+        value of an input of the same shape and type, e.g. a decoding step's KV cache of fixed size
+        (``{"present.0.key": "past_key_values.0.key", ...}``). ``run`` then returns the other
+        outputs and takes the state inputs only to set them (zeros at load); see
+        :meth:`~shardflow.runtime.executor.RankProgram.read_state`. When the output's kernel reads
+        the input only where it writes the same element (the past rows of a present), it writes
+        straight into the input's buffer: no copy at all; otherwise the output is copied there at
+        the end of the run.
 
     Returns
     -------
@@ -861,6 +978,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         graph = FoldAffineIntoConv().run(graph.clone() if isinstance(model, FlowGraph) else graph)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
+    state = _check_state(graph, state, input_values)
 
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
@@ -989,13 +1107,16 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             timings["codegen"] += time.perf_counter() - t
             t = time.perf_counter()
             views = [op for op in views if op.name not in kernels]  # the ones not fused into a kernel
-            program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute)
+            program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute,
+                                                     state=state)
             program["kernels_file"] = kernels_name
             weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)
             outputs = []
             for name, lt in zip(rg.output_names, rg.outputs):
+                if name in state:
+                    continue
                 gt = global_out[name]
                 spec = plan.output_specs.get(name)
                 bounds = spec.local_bounds(gt.shape, mesh, r) if spec is not None else [(0, d) for d in gt.shape]
@@ -1018,6 +1139,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                             "placement": str(plan.input_specs[t_.name]) if t_.name in plan.input_specs else "R"}
                            for t_ in rg.inputs],
                 "outputs": outputs,
+                **({"state": [{k: e[k] for k in ("input", "output", "in_place")} for e in program["state"]]}
+                   if state else {}),
                 "kernels": sum(1 for s in program["steps"] if s["kind"] == "kernel"),
                 "collectives": sum(1 for s in program["steps"] if s["kind"] == "collective"),
             }

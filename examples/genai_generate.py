@@ -8,9 +8,11 @@ weights in the file or next to it), default ``tests/models/llama_genai_int4.onnx
 with random weights and 4-bit MatMulNBits). The prompt program takes the prompt with an empty past; the
 decoding program takes one token, a mask and a past of ``prompt_len + new_tokens`` positions (zeros
 after each sequence's end), so its shapes never change: it is compiled once and run for every new
-token, its present fed back as the next past. A layer with a windowed cache (``sliding_window_cache``,
+token. Its presents are compiled as state (``compile(state=...)``): the program keeps them as the next
+step's past in its own memory (written in place), so each step passes the token and the mask only. A layer with a windowed cache (``sliding_window_cache``,
 gpt-oss's local layers: ``tests/models/gptoss_genai_fp32.onnx``) keeps a buffer of its window's size in
-both programs, the prompt's empty, each present the next past as it is. Needs onnxruntime for the
+both programs, the prompt's empty, each present the next past as it is (kept as state too, copied
+after each step: the window's buffer is compacted, not updated in place). Needs onnxruntime for the
 comparison only.
 """
 from __future__ import annotations
@@ -82,9 +84,6 @@ def main() -> int:
     total = args.prompt_len + args.new_tokens
     prompt = np.random.default_rng(0).integers(0, vocab, (1, args.prompt_len)).astype(np.int64)
 
-    def feeds(ids, mask, past):
-        return {"input_ids": ids, "attention_mask": mask, **{n: past[n] for n in past_names}}
-
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         shapes = {"prompt": {"input_ids": (1, args.prompt_len), "attention_mask": (1, args.prompt_len),
@@ -92,16 +91,20 @@ def main() -> int:
                   "decode": {"input_ids": (1, 1), "attention_mask": (1, total),
                              **{n: (1, kv_heads, windowed.get(n, total), head) for n in past_names}}}
         progs = {}
+        state = {n.replace("past_key_values", "present"): n for n in past_names}  # present -> next past
         for step, s in shapes.items():
             t = time.perf_counter()
             res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                          out_dir=work / step, input_shapes=s)
+                          out_dir=work / step, input_shapes=s, state=state if step == "decode" else None)
             progs[step] = load(res.out_dir)
             print(f"compiled the {step} program in {time.perf_counter() - t:.1f} s ({res.ranks[0]['kernels']} kernels)")
 
-        def generate(run) -> list[int]:
+        def generate(run, keeps_state: bool) -> list[int]:
+            """Greedy tokens; ``run(step, feeds)``. With ``keeps_state`` the decoding program keeps its
+            cache: the past goes in once, with the first token; else every step passes its past and
+            takes the presents back."""
             empty = {n: np.zeros(shapes["prompt"][n], np.float32) for n in past_names}
-            out = run("prompt", feeds(prompt, np.ones_like(prompt), empty))
+            out = run("prompt", {"input_ids": prompt, "attention_mask": np.ones_like(prompt), **empty})
             past = {n: np.zeros(shapes["decode"][n], np.float32) for n in past_names}
             for n in past_names:
                 present = out[n.replace("past_key_values", "present")]
@@ -114,19 +117,20 @@ def main() -> int:
                 if k == args.new_tokens - 1:
                     break
                 mask[:, args.prompt_len + k] = 1
-                out = run("decode", feeds(np.array([[tokens[-1]]], np.int64), mask, past))
-                past = {n: out[n.replace("past_key_values", "present")] for n in past_names}
+                feeds = {"input_ids": np.array([[tokens[-1]]], np.int64), "attention_mask": mask}
+                out = run("decode", {**feeds, **past} if past else feeds)
+                past = {} if keeps_state else {n: out[n.replace("past_key_values", "present")] for n in past_names}
             return tokens
 
         t = time.perf_counter()
-        ours = generate(lambda step, f: progs[step].run(f))
+        ours = generate(lambda step, f: progs[step].run(f), keeps_state=True)
         print(f"shardflow:   {ours} ({time.perf_counter() - t:.2f} s)")
 
         import onnxruntime as ort
 
         sess = ort.InferenceSession(args.model, providers=["CPUExecutionProvider"])
         names = [o.name for o in sess.get_outputs()]
-        ref = generate(lambda step, f: dict(zip(names, sess.run(None, f))))
+        ref = generate(lambda step, f: dict(zip(names, sess.run(None, f))), keeps_state=False)
         print(f"onnxruntime: {ref}")
         same = ours == ref
         print("the same tokens" if same else "the tokens differ (onnxruntime's int4 kernels quantize activations to "

@@ -15,6 +15,10 @@ device arrays (cupy inputs, ``copy_outputs=True``) replays the graph of the step
 launches those kernels on freshly allocated arrays, instead of running them into the arena and
 copying their outputs out (206 MB of GPT-2's logits at 8x128).
 
+State (``compile(state=...)``): the state inputs' views are zeroed after the load steps; the
+outputs not written in place are copied into them on the device after the last step, inside the
+captured graph; a trailing kernel that reads a state input is not moved out of the graph.
+
 A program compiled with ``optimization_config["pdl"]`` has its kernels launched with programmatic
 dependent launch (:mod:`.pdl`), eagerly and while graphs are captured alike.
 """
@@ -57,7 +61,7 @@ def fresh_output_writers(program: dict) -> tuple[int, frozenset[int]]:
     fresh output arrays: ``(how many trailing steps, the buffers they write)``. Each of those steps
     is a kernel whose every output buffer is a program output that no step reads and no other
     step writes, that is neither a program input nor weights, and that only one output name
-    returns; the run of such steps must end
+    returns, and which reads no state input (the state is copied before they run); the run of such steps must end
     the program (so nothing after them reuses what they read) and not reach into the steps run at
     load (``load_steps``). ``(0, frozenset())`` if none."""
     steps = program["steps"]
@@ -67,10 +71,11 @@ def fresh_output_writers(program: dict) -> tuple[int, frozenset[int]]:
     read = {int(i) for s in steps for i in s.get("inputs", ())}
     writers = Counter(int(i) for s in steps for i in s.get("outputs", ()))
     buffers = program["buffers"]
+    state = {int(e["input_buffer"]) for e in program.get("state", ())}
     n = 0
     for s in reversed(steps[int(program.get("load_steps", 0)):]):
         outs = [int(i) for i in s.get("outputs", ())]
-        if s["kind"] != "kernel" or not outs or any(
+        if s["kind"] != "kernel" or not outs or state & {int(i) for i in s.get("inputs", ())} or any(
                 i not in outputs or i in read or i in inputs or writers[i] != 1 or buffers[i]["storage"] == "weights"
                 for i in outs):
             break
@@ -115,6 +120,11 @@ class CudaEngine:
         n_load = int(p.get("load_steps", 0))
         with self.stream:
             self._run_segment_kernels([self._launch(s) for s in steps[:n_load]])
+        # state: (input view, output view) per entry; the pairs not written in place are copied
+        self.state = [(e["input"], self.views[int(e["input_buffer"])], self.views[int(e["output_buffer"])])
+                      for e in p.get("state", ())]
+        self.state_copies = [(x, y) for _, x, y in self.state if x.data.ptr != y.data.ptr]
+        self.reset_state()
         steps = steps[n_load:]
         segments: list[tuple[list, Any]] = []
         launches: list = []
@@ -233,18 +243,37 @@ class CudaEngine:
         return self.graphs[which]
 
     def _run_all(self, segments) -> None:
-        """Every kernel and collective of ``segments`` in order, on the current stream (eagerly or
-        while capturing)."""
+        """Every kernel and collective of ``segments`` in order, then the state copies, on the
+        current stream (eagerly or while capturing)."""
         for launches, coll in segments:
             self._run_segment_kernels(launches)
             if coll is not None:
                 coll()
+        self._copy_state()
+
+    def _copy_state(self) -> None:
+        for x, y in self.state_copies:
+            x.data.copy_from_device_async(y.data, y.nbytes, self.stream)
+
+    def read_state(self) -> dict:
+        with self.stream:
+            res = {name: x.get(stream=self.stream) for name, x, _ in self.state}
+        self.stream.synchronize()
+        return res
+
+    def reset_state(self) -> None:
+        with self.stream:
+            for _, x, _ in self.state:
+                x.fill(0)
+        self.stream.synchronize()
 
     def run(self, inputs, copy_outputs: bool = True) -> dict:
         cp = self.cp
         device_io = any(type(a).__module__.startswith("cupy") for a in inputs.values())
         with self.stream:
             for name, view, _ in self.inputs:
+                if name not in inputs:  # a state input left out keeps its value
+                    continue
                 a = inputs[name]
                 if type(a).__module__.startswith("cupy"):
                     cp.copyto(view, a)
@@ -263,6 +292,8 @@ class CudaEngine:
                         g.launch(self.stream)
                     if coll is not None:
                         coll()
+                if not self.capturable:  # (captured with the steps otherwise)
+                    self._copy_state()
         self.runs += 1
         with self.stream:
             if fresh:

@@ -10,6 +10,11 @@ A run then copies the inputs into the arena, makes one native call that walks th
 (``fn(inputs, outputs)`` for a kernel; a callback into the communicator for a collective) and
 copies the outputs out.
 
+State (``compile(state=...)``, ``program.json``'s ``state``): an output the program keeps as the
+next run's value of one of its inputs, e.g. a KV cache. The input's buffer lives through the whole
+run, is zeroed at load and set only when ``run`` is given the input; the output is written over it
+by its kernel (``in_place``) or copied into it after the steps, and is not returned.
+
 Kernel ABI (cpu): ``extern "C" void sym(const void* const* inputs, void* const* outputs)`` on
 contiguous row-major arrays of the op's static shapes and dtypes (``sf_kernel_fn`` in
 ``runtime/native/include/shardflow/runtime.h``).
@@ -189,6 +194,7 @@ class RankProgram:
             self.buffers.append(buf)
         self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
         self.output_specs = [(name, self.buffers[i]) for name, i in p["outputs"]]
+        self.state_specs = self._state_specs(p)
         self._lib = None
         self._native = None
         self._engine = None
@@ -208,6 +214,7 @@ class RankProgram:
             self._engine = CudaEngine(self, use_graph=bool(self.manifest.get("cuda_graph", True)),
                                       pdl=bool(self.manifest.get("pdl", False)))
             self._segments = []
+            self._state_copies = []
             self._n_kernels = sum(1 for s in steps if s["kind"] == "kernel")
             self._n_collectives = len(steps) - self._n_kernels
             return
@@ -240,8 +247,28 @@ class RankProgram:
         if calls:
             segments.append((calls, None))
         self._segments = segments
+        # the state outputs not written in place, copied into their inputs after the steps
+        self._state_copies = [(self.buffers[i].array, self.buffers[o].array) for _, i, _, o in self.state_specs
+                              if self.buffers[i].ptr != self.buffers[o].ptr]
+        self.reset_state()
         # artifacts of older versions may list a runner.so: the native library replaces it
         self._native = self._native_program() if segments else None
+
+    def _state_specs(self, p: dict) -> list[tuple[str, int, str, int]]:
+        """``(input name, input buffer, output name, output buffer)`` per state entry, checked."""
+        res = []
+        inputs = {name: i for name, i in p["inputs"]}
+        for e in p.get("state", []):
+            try:
+                name, i, out, o = e["input"], int(e["input_buffer"]), e["output"], int(e["output_buffer"])
+            except (KeyError, TypeError, ValueError):
+                raise ArtifactError(f"program.json of rank {self.rank}: malformed state entry {e!r}") from None
+            if inputs.get(name) != i or not 0 <= o < len(self.buffers) or (
+                    self.buffers[i].shape, self.buffers[i].dtype) != (self.buffers[o].shape, self.buffers[o].dtype):
+                raise ArtifactError(f"program.json of rank {self.rank}: state {out} -> {name} does not pair an "
+                                    "input with an output buffer of its shape and type")
+            res.append((name, i, out, o))
+        return res
 
     def _native_program(self) -> tuple:
         """``(sf_run_program, args)`` over the steps after the load steps: a kernel's function and
@@ -320,8 +347,30 @@ class RankProgram:
 
     @property
     def output_names(self) -> list[str]:
-        """The model's output names, in order."""
+        """The names of the outputs :meth:`run` returns, in order (state outputs excluded)."""
         return [n for n, _ in self.output_specs]
+
+    @property
+    def state_names(self) -> dict[str, str]:
+        """``{input name: output name}`` of the state the program keeps between runs
+        (``compile(state=...)``); empty for a program without state."""
+        return {name: out for name, _, out, _ in self.state_specs}
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        """The state's current values, keyed by input name: what the next run reads (after a run,
+        the outputs it carried over; zeros after :meth:`reset_state`). Fresh numpy arrays (on a
+        cuda target copied from the device)."""
+        if self._engine is not None:
+            return self._engine.read_state()
+        return {name: self.buffers[i].array.copy() for name, i, _, _ in self.state_specs}
+
+    def reset_state(self) -> None:
+        """Set every state input to zeros (as at load)."""
+        if self._engine is not None:
+            self._engine.reset_state()
+            return
+        for _, i, _, _ in self.state_specs:
+            self.buffers[i].array[...] = 0
 
     def run(self, inputs: Mapping[str, np.ndarray], *, copy_outputs: bool = True) -> dict[str, np.ndarray]:
         """Run the program once.
@@ -330,7 +379,9 @@ class RankProgram:
         ----------
         inputs
             One array per model input, keyed by name, with exactly the compiled shape and dtype
-            (every rank receives the full inputs).
+            (every rank receives the full inputs). A state input (:attr:`state_names`) may be left
+            out: the run then reads the value the previous run left (zeros at first); given, it
+            sets that value.
         copy_outputs
             ``True`` (default): the outputs are fresh arrays. ``False``: they are views of the
             program's own output buffers (read-only numpy views; cupy arrays cannot be marked so,
@@ -341,7 +392,8 @@ class RankProgram:
         Returns
         -------
         dict
-            This rank's outputs keyed by the model's output names. On a cuda target the outputs
+            This rank's outputs keyed by the model's output names, those kept as state excepted
+            (:meth:`read_state` reads them). On a cuda target the outputs
             are cupy arrays when any input was a cupy array, else numpy.
 
         Raises
@@ -366,6 +418,8 @@ class RankProgram:
                     fn(a, b)
                 if coll is not None:
                     coll()
+        for x, y in self._state_copies:
+            np.copyto(x, y)
         if copy_outputs:
             return {name: buf.array.copy() for name, buf in self.output_specs}
         views = {name: buf.array.view() for name, buf in self.output_specs}
@@ -423,8 +477,9 @@ class RankProgram:
 
     def _copy_inputs(self, arrays: Mapping[str, Any]) -> None:
         for name, buf in self.input_specs:
-            a = arrays[name]
-            np.copyto(buf.array, a.get() if type(a).__module__.startswith("cupy") else a)
+            if name in arrays:  # (a state input left out keeps its value)
+                a = arrays[name]
+                np.copyto(buf.array, a.get() if type(a).__module__.startswith("cupy") else a)
 
     def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(inputs, Mapping):
@@ -434,7 +489,10 @@ class RankProgram:
         if unknown:
             raise InputNameError(f"unknown input(s) {unknown}; the model's inputs are {self.input_names}", unknown[0])
         res = {}
+        state = self.state_names
         for name, buf in self.input_specs:
+            if name not in inputs and name in state:
+                continue
             if name not in inputs:
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
             a = inputs[name]

@@ -39,9 +39,9 @@ import numpy as np
 from ..ir.expr import Cast, Const, Expr, Reduce, TensorElement, affine_form, infer_dtype, walk
 from ..ir.graph import Operator, Tensor
 from ..ir.task import GridCompute, Task, TensorInput
-from .lower import transform
+from .lower import substitute, transform
 
-__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS"]
+__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS", "reads_only_at_own_index"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,52 @@ def chain(members: Sequence[Operator], inputs: Sequence[Tensor], placeholders: S
             value = Cast(value, gc.dtype)
         env[id(out)] = GridCompute(f"{op.name}:0", gc.shape, gc.axes, value, gc.dtype)
     return env
+
+
+def reads_only_at_own_index(members: Sequence[Operator], x: Tensor, y: Tensor, limit: int = 20000) -> bool:
+    """Whether the kernel computing ``y`` by ``members`` (ops in order, the last one writing ``y``;
+    the tensors they read that none of them writes are the kernel's inputs) reads ``x`` only at
+    ``y``'s own index and reduces nothing: ``y[i] = f(x[i], ...)``. Such a kernel may write ``y``
+    over ``x``'s bytes (each ``x[i]`` is read, for ``y[i]`` only, before ``y[i]`` is stored), which
+    the program builder does for a state carried from ``y`` to ``x`` (``compile(state=...)``).
+    ``False`` for extern or multi-output members, a broadcast or shifted read, or a composed
+    expression of more than ``limit`` nodes (no answer is a no)."""
+    if not members or members[-1].outputs[0] is not y or not all(_single(op) for op in members):
+        return False
+    produced = {id(op.outputs[0]) for op in members}
+    inputs: list[Tensor] = []
+    for op in members:
+        inputs += [t for t in op.inputs if id(t) not in produced and all(t is not u for u in inputs)]
+    placeholders = [TensorInput(t.name, t.shape, t.dtype) for t in inputs]
+    if not any(t is x for t in inputs):
+        return False
+    target = placeholders[next(k for k, t in enumerate(inputs) if t is x)]
+    gc = chain(members, inputs, placeholders)[id(y)]
+    nodes = 0
+
+    def inline(value: Expr) -> Expr:
+        def fn(old, new):
+            nonlocal nodes
+            nodes += 1
+            if nodes > limit:
+                raise OverflowError
+            if isinstance(new, TensorElement) and isinstance(new.tensor, GridCompute):
+                inner = new.tensor
+                return inline(substitute(inner.value, dict(zip(inner.axes, new.indices))))
+            return None
+        return transform(value, fn)
+
+    try:
+        value = inline(gc.value)
+    except OverflowError:
+        return False
+    reads = []
+    for n in walk(value):
+        if isinstance(n, Reduce):
+            return False
+        if isinstance(n, TensorElement) and n.tensor is target:
+            reads.append(n)
+    return all(len(n.indices) == len(gc.axes) and all(i is a for i, a in zip(n.indices, gc.axes)) for n in reads)
 
 
 def _single(op: Operator) -> bool:

@@ -28,7 +28,16 @@ class _Array(np.ndarray):
 
     @property
     def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], array=self,
+                                     copy_from_device_async=self._copy_from)
+
+    def _copy_from(self, src, nbytes, stream):
+        """A device-to-device copy: recorded while a stream captures, like a kernel."""
+        copy = (np.copyto, (self.reshape(-1).view(np.uint8)[:nbytes], src.array.reshape(-1).view(np.uint8)[:nbytes]))
+        if _Stream.capturing is not None:
+            _Stream.capturing.append(copy)
+        else:
+            copy[0](*copy[1])
 
 
 _Array.__module__ = "cupy"  # what the engine recognises device arrays by
@@ -186,3 +195,40 @@ def test_load_steps_run_once_before_the_graphs(monkeypatch):
         np.testing.assert_array_equal(eng.run({"x": np.full(4, k, np.float32)})["y"], 2 * (k + 3 * np.arange(4)))
     assert len(eng.graphs["all"][0][0].calls) == 2
     assert log == ["scale"] + ["add", "twice"] * 3
+
+
+def test_state_copied_after_the_steps_and_inside_the_graph(monkeypatch):
+    """A state (``compile(state=...)``): x (input) + w -> h is the next run's x, y = 2 h the output
+    (d: an input no kernel reads, given as a device array to make the runs return device arrays).
+    x's view is zeroed at load; a run given x sets it, a run without it reads the previous h, which
+    the engine copies into x after the steps: eagerly at first, then inside the captured graph (the
+    graph of every step, or the one without the trailing kernel that writes a fresh y)."""
+    log: list = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy({"add": add, "twice": twice}, log))
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    p = _program()
+    p["buffers"].append({"name": "d", "shape": [4], "dtype": "float32", "storage": "arena", "offset": 48})
+    p["inputs"].append(["d", 4])
+    p["arena_bytes"] = 64
+    p["state"] = [{"input": "x", "input_buffer": 0, "output": "h", "output_buffer": 2, "in_place": False}]
+    prog = types.SimpleNamespace(program=p, weights=np.arange(4, dtype=np.float32).view(np.uint8),
+                                 buffers=[None] * 5, directory=Path("."), rank=0, groups={})
+    eng = CudaEngine(prog)
+    w = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(eng.read_state()["x"], 0)
+    x = np.full(4, 5, np.float32)
+    d = np.zeros(4, np.float32)
+    for k in range(6):  # runs 0-2 with numpy inputs (graph "all"), 3-5 with a device one (graph "body", y fresh)
+        feeds = {"d": d} if k < 3 else {"d": d.view(_Array)}
+        if k in (0, 4):
+            feeds["x"] = x
+        y = eng.run(feeds)["y"]
+        assert (type(y) is _Array) == (k >= 3)
+        x = x + w
+        np.testing.assert_array_equal(y, 2 * x)
+        np.testing.assert_array_equal(eng.read_state()["x"], x)
+    assert set(eng.graphs) == {"all", "body"}
+    assert len(eng.graphs["all"][0][0].calls) == 3 and len(eng.graphs["body"][0][0].calls) == 2  # (kernels + copy)
+    eng.reset_state()
+    np.testing.assert_array_equal(eng.read_state()["x"], 0)

@@ -47,3 +47,15 @@ def test_outputs_that_must_stay_in_the_arena():
     # that ends the program writes fresh arrays, so y stays in the arena
     p = _program([_kernel([0], [1]), _kernel([0], [2]), _kernel([2], [3])], [("y", 1), ("z", 3), ("t", 2)])
     assert fresh_output_writers(p) == (1, frozenset({3}))
+
+
+def test_a_kernel_reading_a_state_input_stays_in_the_graph():
+    """The state is copied into its input at the end of the captured graph: a trailing kernel that
+    reads the input (its old value) must run before that, inside the graph."""
+    steps = [_kernel([0, 1], [2]), _kernel([0, 2], [3])]  # h = f(x, s); y = g(x, h), s the state input
+    p = _program(steps, [("y", 3)], inputs=(("x", 0), ("s", 1)))
+    assert fresh_output_writers(p) == (1, frozenset({3}))
+    p["state"] = [{"input": "s", "input_buffer": 1, "output": "h", "output_buffer": 2}]
+    assert fresh_output_writers(p) == (1, frozenset({3}))  # (the last kernel reads x and h, not s)
+    p["steps"][1] = _kernel([1, 2], [3])
+    assert fresh_output_writers(p) == (0, frozenset())

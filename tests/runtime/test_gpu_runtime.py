@@ -174,3 +174,46 @@ def test_tma_gemms_in_a_compiled_model(tmp_path, monkeypatch, tile):
     cp = _cupy()
     views = prog.run({k: cp.asarray(v) for k, v in inputs.items()}, copy_outputs=False)  # arena views
     _close(views, ref, 5e-3)
+
+
+@pytest.mark.parametrize("model", ["llama_genai_fp32", "gptoss_genai_fp32"])
+def test_kv_cache_state_on_the_gpu(tmp_path, model):
+    """A decoding program with its KV cache kept as state on the device (``compile(state=...)``:
+    the presents written over the pasts in place, gpt-oss's windowed ones copied in the graph):
+    four steps, eager then graph replays, numpy then cupy inputs, each step's logits and the kept
+    cache against onnxruntime fed its own presents."""
+    cp = _cupy()
+    if cp is None:
+        pytest.skip("needs cupy and a CUDA device")
+    from model_refs import gptoss_step_feeds
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    ort = pytest.importorskip("onnxruntime")
+    path = str(MODELS / f"{model}.onnx")
+    state = {f"present.{n}.{kv}": f"past_key_values.{n}.{kv}" for n in range(2) for kv in ("key", "value")}
+    if model == "gptoss_genai_fp32":
+        feeds = gptoss_step_feeds()
+    else:
+        feeds = {"input_ids": np.array([[3], [250]], np.int64), "attention_mask": np.zeros((2, 16), np.int64),
+                 **{k: np.zeros((2, 2, 16, 16), np.float32) for k in state.values()}}
+        feeds["attention_mask"][:, 0] = 1
+    res = compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda", "arch": "sm_90"},
+                  out_dir=tmp_path / "o", input_shapes={k: v.shape for k, v in feeds.items()}, state=state)
+    prog = load(res.out_dir)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    start = int(feeds["attention_mask"].sum(1).max())
+    past = {k: feeds[k] for k in state.values()}
+    for step in range(4):
+        want = dict(zip(names, sess.run(None, feeds | past)))
+        given = {k: feeds[k] for k in ("input_ids", "attention_mask")} | (past if step == 0 else {})
+        if step >= 2:
+            given = {k: cp.asarray(v) for k, v in given.items()}
+        _close(prog.run(given), {"logits": want["logits"]})
+        _close(prog.read_state(), {name: want[out] for out, name in state.items()})
+        past = {name: want[out] for out, name in state.items()}
+        feeds["input_ids"] = want["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+        feeds["attention_mask"] = feeds["attention_mask"].copy()
+        feeds["attention_mask"][:, start + step] = 1
