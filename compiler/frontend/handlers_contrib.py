@@ -597,7 +597,8 @@ def group_query_attention(ctx):
         keep = ctx.constant(allowed[None, None])  # [1, 1, S, S]
     if ends is not None:  # keys at or past the sequence's end are hidden
         keep = ctx.emit("And", [keep, ctx.emit("Less", [_i64(ctx, np.arange(length)), ends], _OPSET)], _OPSET)
-    y4 = _gqa_attend(ctx, _heads_first(ctx, q, heads, head, "query"), k_att, v_att, keep, scale, softcap, sink)
+    y4 = _gqa_attend(ctx, _heads_first(ctx, q, heads, head, "query"), k_att, v_att, keep, scale, softcap, sink,
+                     ends)
     return [_heads_last(ctx, y4), *presents]
 
 
@@ -631,14 +632,17 @@ def _gqa_rotary(ctx: NodeContext, q: Tensor, k: Tensor, p4: Tensor | None, heads
 
 
 def _gqa_attend(ctx: NodeContext, q4: Tensor, k4: Tensor, v4: Tensor, keep: Tensor, scale: float, softcap: float,
-                sink: Tensor | None) -> Tensor:
+                sink: Tensor | None, ends: Tensor | None = None) -> Tensor:
     """The library's Attention of ``q4`` ``[b, heads, S, D]`` over ``k4``/``v4`` ``[b, kv_heads, L, D]``,
     the keys each query sees given by the bool ``keep`` (broadcast to ``[b, heads, S, L]``), with the
-    head's attention sink."""
-    ins = [q4, k4, v4, keep] + ([sink] if sink is not None else [])
+    head's attention sink. ``ends`` (``[b, 1, 1, 1]``, keys at or past it hidden by ``keep`` already)
+    also goes in as ``nonpad_kv_seqlen``: the kernels then skip those keys instead of masking them (a
+    decoding step over a cache of fixed size reads only the rows in use)."""
+    nonpad = [ctx.emit("Reshape", [ends, _i64(ctx, [q4.shape[0]])], _OPSET)] if ends is not None else []
+    ins = [q4, k4, v4, keep] + nonpad + ([sink] if sink is not None else [])
     return ctx.add(Attention(ins, name=ctx.name, q_heads=q4.shape[1], kv_heads=k4.shape[1],
                              scale_sqrt=math.sqrt(scale), scale=scale, softcap=softcap, has_mask=True,
-                             has_sink=sink is not None))
+                             has_nonpad=bool(nonpad), has_sink=sink is not None))
 
 
 def _windowed_group_query_attention(ctx: NodeContext, q: Tensor, k: Tensor, v: Tensor, past_k: Tensor | None,
