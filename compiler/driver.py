@@ -893,6 +893,60 @@ def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values
     return dict(state)
 
 
+def _input_entry(local: Tensor, whole: Tensor, plan, rank: int) -> dict:
+    """A rank's manifest entry for one input: its shape, type and spec; for an input of which the
+    rank takes a part (a sharded state), also the whole's shape and the part's bounds."""
+    spec = plan.input_specs.get(local.name)
+    entry = {"name": local.name, "shape": list(local.shape), "dtype": local.dtype,
+             "placement": str(spec) if spec is not None else "R"}
+    if tuple(local.shape) != tuple(whole.shape):
+        entry["global_shape"] = list(whole.shape)
+        entry["bounds"] = [list(b) for b in spec.local_bounds(whole.shape, plan.mesh, rank)]
+    return entry
+
+
+def _plan_state(graph: FlowGraph, plan, dcfg, state: Mapping[str, str]) -> tuple[Any, set[str]]:
+    """The plan for a program with ``state`` on several ranks, and the state inputs each rank takes
+    only its part of.
+
+    A state pair (output, input) is kept by every rank in one spec on both sides: the one given by
+    ``input_placements``/``output_placements`` (both, equal), else the spec the plan's writer of the
+    output produces (a KV cache split by heads stays split: no all-gather of the presents, each
+    rank's share of the cache in its memory). Such specs become the pair's placements and the plan
+    is searched again with them (the input then costs nothing in that spec, the output no
+    gathering); a writer's spec with a partial sum, or a replicated one, leaves the pair whole."""
+    if not state or plan.mesh.size == 1:
+        return plan, set()
+    from .parallel import search
+
+    producer = {id(t): (op, k) for op in graph.nodes for k, t in enumerate(op.outputs)}
+    outputs = dict(zip(graph.output_names, graph.outputs))
+    ins, outs = dict(dcfg.input_placements), dict(dcfg.output_placements)
+    chosen = False
+    for out, name in state.items():
+        if name in ins or out in outs:
+            continue  # the user's (checked below)
+        found = producer.get(id(outputs[out]))
+        spec = plan.op_specs[found[0].name].output_specs[found[1]] if found else None
+        if spec is None or spec.is_replicated or spec.partial_axes:
+            continue
+        ins[name] = outs[out] = str(spec)
+        chosen = True
+    if chosen and not dcfg.preload_plan:
+        log.info("state kept sharded on the ranks: %s; searching the plan again with those placements",
+                 ", ".join(f"{n} {ins[n]}" for n in state.values() if n in ins))
+        plan = search(graph, dataclasses.replace(dcfg, input_placements=ins, output_placements=outs))
+    sharded = set()
+    for out, name in state.items():
+        a, b = plan.input_specs[name], plan.output_specs.get(out)
+        if b is None or a != b:
+            raise ConfigError(f"state {out!r} -> {name!r}: the input's placement {a} and the output's {b} differ; "
+                              "give both the same spec in input_placements and output_placements (or neither)")
+        if not a.is_replicated:
+            sharded.add(name)
+    return plan, sharded
+
+
 def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
     from .parallel.comm_ops import Collective, mesh_axes
 
@@ -986,14 +1040,16 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     timings["search"] = time.perf_counter() - t
     log.info("plan: %s, modeled cost %.3g s, in %.2f s", plan.algo, plan.cost, timings["search"])
 
+    plan, sharded_state = _plan_state(graph, plan, dcfg, state)
     t = time.perf_counter()
-    rank_graphs = partition(graph, plan)
+    rank_graphs = partition(graph, plan, sharded_inputs=sharded_state)
     timings["partition"] = time.perf_counter() - t
     mesh = plan.mesh
     world = mesh.size
     log.info("partitioned into %d rank graphs in %.2f s", world, timings["partition"])
     groups = _mesh_groups(mesh, rank_graphs)
     global_out = {name: t for name, t in zip(graph.output_names, graph.outputs)}
+    global_in = {t.name: t for t in graph.inputs}
 
     timings["codegen"] = 0.0
     timings["write"] = 0.0
@@ -1135,9 +1191,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 "cuda_graph": opt.cuda_graph,
                 "pdl": opt.pdl,
                 "precision": opt.precision,
-                "inputs": [{"name": t_.name, "shape": list(t_.shape), "dtype": t_.dtype,
-                            "placement": str(plan.input_specs[t_.name]) if t_.name in plan.input_specs else "R"}
-                           for t_ in rg.inputs],
+                "inputs": [_input_entry(t_, global_in[t_.name], plan, r) for t_ in rg.inputs],
                 "outputs": outputs,
                 **({"state": [{k: e[k] for k in ("input", "output", "in_place")} for e in program["state"]]}
                    if state else {}),

@@ -195,6 +195,10 @@ class RankProgram:
         self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
         self.output_specs = [(name, self.buffers[i]) for name, i in p["outputs"]]
         self.state_specs = self._state_specs(p)
+        # inputs of which this rank holds a part (a sharded state): the whole's shape and the part's bounds
+        self._parts = {e["name"]: (tuple(e["global_shape"]), tuple(slice(a, b) for a, b in e["bounds"]))
+                       for e in self.manifest.get("inputs", ())
+                       if "global_shape" in e and "bounds" in e and list(e["global_shape"]) != list(e["shape"])}
         self._lib = None
         self._native = None
         self._engine = None
@@ -359,7 +363,8 @@ class RankProgram:
     def read_state(self) -> dict[str, np.ndarray]:
         """The state's current values, keyed by input name: what the next run reads (after a run,
         the outputs it carried over; zeros after :meth:`reset_state`). Fresh numpy arrays (on a
-        cuda target copied from the device)."""
+        cuda target copied from the device). On several ranks a state the plan splits (a KV cache
+        by heads) is this rank's part: the ``bounds`` of its ``inputs`` entry in the manifest."""
         if self._engine is not None:
             return self._engine.read_state()
         return {name: self.buffers[i].array.copy() for name, i, _, _ in self.state_specs}
@@ -381,7 +386,7 @@ class RankProgram:
             One array per model input, keyed by name, with exactly the compiled shape and dtype
             (every rank receives the full inputs). A state input (:attr:`state_names`) may be left
             out: the run then reads the value the previous run left (zeros at first); given, it
-            sets that value.
+            sets that value (whole, or this rank's part of a split state).
         copy_outputs
             ``True`` (default): the outputs are fresh arrays. ``False``: they are views of the
             program's own output buffers (read-only numpy views; cupy arrays cannot be marked so,
@@ -498,9 +503,13 @@ class RankProgram:
             a = inputs[name]
             if not hasattr(a, "shape") or not hasattr(a, "dtype"):
                 a = np.asarray(a)
+            if name in self._parts and tuple(a.shape) == self._parts[name][0] != buf.shape:
+                a = a[self._parts[name][1]]  # this rank's part of the whole
             if tuple(a.shape) != buf.shape:
+                whole = f" (or its part {buf.shape} on this rank)" if name in self._parts else ""
                 raise InputShapeError(f"input {name!r} has shape {a.shape}, the program was compiled for "
-                                      f"{buf.shape}; compile again with input_shapes to change it", name)
+                                      f"{self._parts[name][0] if whole else buf.shape}{whole}; compile again with "
+                                      "input_shapes to change it", name)
             if a.dtype != buf.dtype and buf.dtype.name == "bfloat16" and a.dtype == np.dtype("V2"):
                 a = a.view(buf.dtype)  # how np.save / np.savez store ml_dtypes' bfloat16 (np.load reads V2)
             if a.dtype != buf.dtype:

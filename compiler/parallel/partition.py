@@ -1,6 +1,7 @@
 """partition(graph, plan): one FlowGraph per rank with the communication injected.
 
-Every rank graph takes the *full* graph inputs (every rank receives them) and returns the graph
+Every rank graph takes the *full* graph inputs (every rank receives them; the ``sharded_inputs``
+of a state excepted, :func:`partition`) and returns the graph
 outputs in their planned spec (replicated by default). For each op input the rank graph holds
 the tensor in the spec its producer made; when the op needs another spec, the steps of
 :func:`connect` become ops: collectives (``AllReduce``, ``AllGather``, ``ReduceScatter``,
@@ -39,8 +40,9 @@ def _slice_constant(value: np.ndarray, spec: TensorShardSpec, mesh: DeviceMesh, 
 
 
 class _RankBuilder:
-    def __init__(self, graph: FlowGraph, plan: ShardingPlan, rank: int):
+    def __init__(self, graph: FlowGraph, plan: ShardingPlan, rank: int, sharded_inputs: frozenset = frozenset()):
         self.graph, self.plan, self.rank = graph, plan, rank
+        self.sharded_inputs = sharded_inputs
         self.mesh = plan.mesh
         self.coord = self.mesh.coord_of(rank)
         self.nodes: list[Operator] = []
@@ -100,10 +102,11 @@ class _RankBuilder:
         g, plan = self.graph, self.plan
         inputs = []
         for t in g.inputs:
-            local_in = Tensor(t.name, t.shape, t.dtype)
+            spec = plan.input_specs[t.name] if t.name in self.sharded_inputs else self.replicated
+            local_in = Tensor(t.name, local_shape(t.shape, spec, self.mesh, self.rank), t.dtype)
             inputs.append(local_in)
-            self.specs[id(t)] = self.replicated
-            self.local[(id(t), self.replicated)] = local_in
+            self.specs[id(t)] = spec
+            self.local[(id(t), spec)] = local_in
         for op in g.nodes:
             sp = plan.op_specs.get(op.name)
             if sp is None:
@@ -124,10 +127,18 @@ class _RankBuilder:
         return rg
 
 
-def partition(graph: FlowGraph, plan: ShardingPlan) -> list[FlowGraph]:
-    """Split ``graph`` into one graph per rank of ``plan.mesh`` (indexed by global rank)."""
+def partition(graph: FlowGraph, plan: ShardingPlan, sharded_inputs=()) -> list[FlowGraph]:
+    """Split ``graph`` into one graph per rank of ``plan.mesh`` (indexed by global rank).
+
+    The inputs named in ``sharded_inputs`` are the exception to whole inputs: each rank graph takes
+    only its part of them, in the plan's input spec (a state kept by the program between runs, which
+    each rank keeps its share of: ``compile(state=...)``)."""
     for name, spec in plan.input_specs.items():
         if spec.partial_axes:
             raise ShardflowError(f"graph input {name!r} cannot be Partial; inputs are delivered whole to every rank")
-    return [_RankBuilder(graph, plan, r).build() for r in range(plan.mesh.size)]
+    names = {t.name for t in graph.inputs}
+    unknown = sorted(set(sharded_inputs) - names)
+    if unknown:
+        raise ShardflowError(f"partition: sharded_inputs {unknown} are not inputs of the graph")
+    return [_RankBuilder(graph, plan, r, frozenset(sharded_inputs)).build() for r in range(plan.mesh.size)]
 

@@ -244,3 +244,70 @@ def test_state_written_in_place_only_from_its_own_element(tmp_path, kind):
         assert prog.run({"x": x, "s": s} if k == 0 else {"x": x}) == {}
         s = update(s, x)
         np.testing.assert_allclose(prog.read_state()["s"], s, rtol=1e-5, atol=1e-5, err_msg=f"run {k}")
+
+
+def _llama_on_two_ranks(tmp_path, name, config, state=None):
+    from shardflow.runtime.comm import InProcessWorld
+
+    state = _cache_state(2) if state is None else state
+    shapes = {"input_ids": (2, 1), "attention_mask": (2, 16), **{k: (2, 2, 16, 16) for k in _cache_state(2).values()}}
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={"mesh_shape": [2], **config},
+                  optimization_config=CPU, out_dir=tmp_path / name, input_shapes=shapes, state=state or None)
+    world = InProcessWorld(2).communicators()
+    return res, world, [load(res.out_dir, c.rank, c) for c in world], shapes
+
+
+@pytest.mark.parametrize("how", ["megatron", "heads"])
+def test_state_split_over_two_ranks_stays_split(tmp_path, how):
+    """On two ranks each keeps its part of the cache in the spec its present is written in: the
+    Megatron baseline's (chosen from the plan's writer of each present) or the heads, given as both
+    placements. Four steps, the first given the whole (zero) cache, against onnxruntime: logits,
+    and each rank's kept part against the same part of onnxruntime's presents (the manifest's
+    bounds); no collective gathers the presents (the Megatron program without state does)."""
+    from threads import run_threads
+
+    state = _cache_state(2)
+    config = ({"algo": "megatron"} if how == "megatron" else
+              {"input_placements": {k: "S(1)" for k in state.values()}, "output_placements": {k: "S(1)" for k in state}})
+    res, world, progs, shapes = _llama_on_two_ranks(tmp_path, "state", config)
+    manifests = [json.loads((res.out_dir / f"rank{r}" / "manifest.json").read_text()) for r in range(2)]
+    parts = [{e["name"]: tuple(slice(a, b) for a, b in e["bounds"]) for e in m["inputs"] if "bounds" in e}
+             for m in manifests]
+    split = {e["name"]: e["placement"] for e in manifests[0]["inputs"] if e["name"] in state.values()}
+    assert set(split.values()) == ({"S(1)"} if how == "heads" else {"S(0)"})
+
+    def gathers_presents(out_dir) -> bool:
+        program = json.loads((out_dir / "rank0" / "program.json").read_text())
+        presents = {i for n, i in program["outputs"] if n.startswith("present.")}
+        presents |= {e["output_buffer"] for e in program.get("state", ())}
+        return any(st["kind"] == "collective" and presents & set(st["outputs"]) for st in program["steps"])
+
+    assert not gathers_presents(res.out_dir)
+    if how == "megatron":  # the same plan without state returns the presents whole: gathered
+        assert gathers_presents(_llama_on_two_ranks(tmp_path, "plain", config, state={})[0].out_dir)
+    ref = _session(str(MODELS / "llama_genai_fp32.onnx"))
+    past = {k: np.zeros(shapes[k], np.float32) for k in state.values()}
+    mask = np.zeros((2, 16), np.int64)
+    ids = np.array([[3], [250]], np.int64)
+    for step in range(4):
+        mask[:, step] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        want = ref({**feeds, **past})
+        outs = run_threads(world, lambda c: progs[c.rank].run({**feeds, **past} if step == 0 else feeds), timeout=300)
+        for r, (got, prog) in enumerate(zip(outs, progs)):
+            _close(got["logits"], want["logits"], what=f"step {step} rank {r}")
+            kept = prog.read_state()
+            for out, name in state.items():
+                assert kept[name].shape == want[out][parts[r][name]].shape != want[out].shape
+                _close(kept[name], want[out][parts[r][name]], what=f"step {step} rank {r} {name}")
+        past = {name: want[out] for out, name in state.items()}
+        ids = want["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+    from shardflow.runtime import InputShapeError
+
+    with pytest.raises(InputShapeError, match="compiled for \\(2, 2, 16, 16\\) \\(or its part"):
+        progs[0].run({**feeds, "past_key_values.0.key": np.zeros((2, 2, 8, 16), np.float32)})
+
+
+def test_state_placements_must_agree(tmp_path):
+    with pytest.raises(ConfigError, match="the input's placement S\\(1\\) and the output's R differ"):
+        _llama_on_two_ranks(tmp_path, "bad", {"input_placements": {"past_key_values.0.key": "S(1)"}})
