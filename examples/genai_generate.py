@@ -2,6 +2,7 @@
 each, and a KV cache of fixed size; the tokens checked against onnxruntime running the same loop.
 
     python examples/genai_generate.py [MODEL.onnx] [--prompt-len 8] [--new-tokens 16] [--work DIR]
+                                      [--ranks N [--algo megatron]]
 
 MODEL.onnx: a model from onnxruntime-genai's builder (``python -m onnxruntime_genai.models.builder``;
 weights in the file or next to it), default ``tests/models/llama_genai_int4.onnx`` (a 2-layer Llama
@@ -9,7 +10,11 @@ with random weights and 4-bit MatMulNBits). The prompt program takes the prompt 
 decoding program takes one token, a mask and a past of ``prompt_len + new_tokens`` positions (zeros
 after each sequence's end), so its shapes never change: it is compiled once and run for every new
 token. Its presents are compiled as state (``compile(state=...)``): the program keeps them as the next
-step's past in its own memory (written in place), so each step passes the token and the mask only. A layer with a windowed cache (``sliding_window_cache``,
+step's past in its own memory (written in place), so each step passes the token and the mask only.
+With ``--ranks N`` both programs are planned on N ranks, run here as N threads on an in-process
+communicator; the decoding program's cache is split by KV heads (``input_placements`` and
+``output_placements`` ``S(1)`` for each past and present: each rank keeps its heads' part, never
+gathered). A layer with a windowed cache (``sliding_window_cache``,
 gpt-oss's local layers: ``tests/models/gptoss_genai_fp32.onnx``) keeps a buffer of its window's size in
 both programs, the prompt's empty, each present the next past as it is (kept as state too, copied
 after each step: the window's buffer is compacted, not updated in place). Needs onnxruntime for the
@@ -18,6 +23,7 @@ comparison only.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -63,18 +69,36 @@ def windowed_caches(model) -> dict[str, int]:
     return res
 
 
+def runner(out_dir: Path, ranks: int):
+    """``run(feeds) -> rank 0's outputs`` of the program in ``out_dir``: loaded once; on several
+    ranks one thread per rank, all on one in-process communicator (``shardflow run`` starts
+    processes instead)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+
+    if ranks == 1:
+        return load(out_dir).run
+    world = InProcessWorld(ranks).communicators()
+    progs = [load(out_dir, c.rank, c) for c in world]
+    pool = ThreadPoolExecutor(ranks)
+    return lambda feeds: [f.result() for f in [pool.submit(p.run, feeds) for p in progs]][0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=str(DEFAULT))
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--work", default=None, help="where the programs go (default: a temporary folder)")
+    ap.add_argument("--ranks", type=int, default=1, help="ranks to plan and run on (threads here; default 1)")
+    ap.add_argument("--algo", default="ilp", choices=("ilp", "megatron", "data"), help="plan search (default ilp)")
     args = ap.parse_args()
 
     import onnx
 
     from shardflow.compiler import compile
-    from shardflow.runtime import load
 
     model = onnx.load(args.model)
     past_names, kv_heads = cache_inputs(model)
@@ -92,12 +116,22 @@ def main() -> int:
                              **{n: (1, kv_heads, windowed.get(n, total), head) for n in past_names}}}
         progs = {}
         state = {n.replace("past_key_values", "present"): n for n in past_names}  # present -> next past
+        split = {}  # the decoding program's cache split by KV heads on several ranks
+        if args.ranks > 1 and kv_heads % args.ranks == 0:
+            split = {"input_placements": {n: "S(1)" for n in past_names},
+                     "output_placements": {n: "S(1)" for n in state}}
         for step, s in shapes.items():
             t = time.perf_counter()
-            res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                          out_dir=work / step, input_shapes=s, state=state if step == "decode" else None)
-            progs[step] = load(res.out_dir)
-            print(f"compiled the {step} program in {time.perf_counter() - t:.1f} s ({res.ranks[0]['kernels']} kernels)")
+            mesh = {"mesh_shape": [args.ranks], "algo": args.algo, **(split if step == "decode" else {})}
+            res = compile(model, distributed_config=mesh,
+                          optimization_config={"target": "cpu"}, out_dir=work / step, input_shapes=s,
+                          state=state if step == "decode" else None)
+            progs[step] = runner(res.out_dir, args.ranks)
+            print(f"compiled the {step} program in {time.perf_counter() - t:.1f} s ({res.ranks[0]['kernels']} kernels"
+                  f" per rank)")
+        kept = {e["name"]: e["placement"] for e in json.loads((work / "decode" / "rank0" / "manifest.json").read_text())
+                ["inputs"] if e["name"] in past_names}
+        print(f"the decoding program keeps the cache ({', '.join(sorted(set(kept.values())))} on {args.ranks} rank(s))")
 
         def generate(run, keeps_state: bool) -> list[int]:
             """Greedy tokens; ``run(step, feeds)``. With ``keeps_state`` the decoding program keeps its
@@ -123,7 +157,7 @@ def main() -> int:
             return tokens
 
         t = time.perf_counter()
-        ours = generate(lambda step, f: progs[step].run(f), keeps_state=True)
+        ours = generate(lambda step, f: progs[step](f), keeps_state=True)
         print(f"shardflow:   {ours} ({time.perf_counter() - t:.2f} s)")
 
         import onnxruntime as ort

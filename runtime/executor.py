@@ -440,7 +440,9 @@ class RankProgram:
         a little above :meth:`run`'s time (BERT-base on 2 cpu ranks, 221 steps: 149.0 ms against
         148.1 ms). A collective's
         time includes waiting for the slowest member of its group: compare ranks to tell the wait
-        from the transfer. Collective: every rank of a multi-rank program calls it together.
+        from the transfer. Collective: every rank of a multi-rank program calls it together. A
+        program with state (``compile(state=...)``) advances it on every run, as :meth:`run` does
+        (the copies of the states not written in place are not timed).
 
         Returns
         -------
@@ -474,6 +476,8 @@ class RankProgram:
                 t0 = clock()
                 call()
                 times[r, k] = clock() - t0
+            for x, y in self._state_copies:
+                np.copyto(x, y)
         med = np.median(times, axis=0) * 1e3
         n0 = self.load_steps  # run once at load: not timed
         return [{"index": n0 + k, "kind": s["kind"], "node": s["node"],

@@ -758,21 +758,24 @@ def test_genai_gptoss_split_over_two_ranks(tmp_path):
     assert kinds.count("attention-f16") == 2 and (tmp_path / "cuda" / "rank0" / "kernels.cubin").stat().st_size > 0
 
 
-@pytest.mark.parametrize("model,prompt", [("llama_genai_fp32", 8), ("gptoss_genai_fp32", 12)])
-def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt):
-    """examples/genai_generate.py: the prompt program and the fixed-size-cache decoding program, each
-    compiled once, generate the same greedy tokens as onnxruntime running the same loop (gpt-oss: its
-    window's buffer through every step)."""
+@pytest.mark.parametrize("model,prompt,ranks", [("llama_genai_fp32", 8, 1), ("gptoss_genai_fp32", 12, 1),
+                                                ("llama_genai_fp32", 8, 2)])
+def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt, ranks):
+    """examples/genai_generate.py: the prompt program and the fixed-size-cache decoding program (its
+    cache kept as state), each compiled once, generate the same greedy tokens as onnxruntime running
+    the same loop (gpt-oss: its window's buffer through every step; on two ranks, Megatron's plan,
+    each rank keeping its KV heads' part of the cache)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "examples" / "genai_generate.py"
     proc = subprocess.run([sys.executable, str(script), str(MODELS / f"{model}.onnx"), "--new-tokens", "6",
-                           "--prompt-len", str(prompt), "--work", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600)
+                           "--prompt-len", str(prompt), "--work", str(tmp_path), "--ranks", str(ranks),
+                           "--algo", "megatron" if ranks > 1 else "ilp"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the same tokens" in proc.stdout
+    assert f"keeps the cache ({'S(1)' if ranks > 1 else 'R'} on {ranks} rank(s))" in proc.stdout
 
 
 @pytest.mark.parametrize("positions", ["ids", "offset"])

@@ -311,3 +311,21 @@ def test_state_split_over_two_ranks_stays_split(tmp_path, how):
 def test_state_placements_must_agree(tmp_path):
     with pytest.raises(ConfigError, match="the input's placement S\\(1\\) and the output's R differ"):
         _llama_on_two_ranks(tmp_path, "bad", {"input_placements": {"past_key_values.0.key": "S(1)"}})
+
+
+@pytest.mark.parametrize("kind", ["elementwise", "transposed"])
+def test_profile_advances_the_state_as_runs_do(tmp_path, kind):
+    """``profile`` runs the program step by step: its runs carry the state over as ``run``'s do,
+    in place or copied (one warm-up and two timed runs: three updates)."""
+    _, update = UPDATES[kind]
+    res = compile(_update_model(kind), distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out",
+                  state={"n": "s"})
+    prog = load(res.out_dir)
+    rng = np.random.default_rng(3)
+    s, x = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+    prog.run({"x": x, "s": s})
+    steps = prog.profile({"x": x}, repeat=2, warmup=1)
+    assert [st["kind"] for st in steps] == ["kernel"] * len(steps) and steps
+    for _ in range(4):
+        s = update(s, x)
+    np.testing.assert_allclose(prog.read_state()["s"], s, rtol=1e-5, atol=1e-5)
