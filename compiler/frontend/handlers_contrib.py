@@ -566,13 +566,14 @@ def group_query_attention(ctx):
         is_new = ctx.emit("And", [ctx.emit("GreaterOrEqual", [rel, _i64(ctx, 0)], _OPSET),
                                   ctx.emit("Less", [rel, _i64(ctx, s)], _OPSET)], _OPSET)
         is_past = ctx.emit("Less", [j, p4], _OPSET)
+        # new key j - p at row j: one new token is the same row everywhere (broadcast, no index)
         idx = ctx.emit("Expand", [ctx.emit("Clip", [rel, _i64(ctx, 0), _i64(ctx, s - 1)], _OPSET),
-                                  _i64(ctx, [b, kv_heads, length, head])], _OPSET)
+                                  _i64(ctx, [b, kv_heads, length, head])], _OPSET) if s > 1 else None
         presents = []
         for new, past in ((k4, past_k), (v4, past_v)):
             if length > n_past:
                 past = ctx.emit("Pad", [past, _i64(ctx, [0, 0, 0, 0, 0, 0, length - n_past, 0])], _OPSET)
-            moved = ctx.emit("GatherElements", [new, idx], _OPSET, axis=2)
+            moved = ctx.emit("GatherElements", [new, idx], _OPSET, axis=2) if s > 1 else new
             zero = ctx.constant(np.zeros((), numpy_type(new.dtype)))
             presents.append(ctx.emit("Where", [is_past, past, ctx.emit("Where", [is_new, moved, zero], _OPSET)],
                                      _OPSET))
