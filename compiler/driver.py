@@ -638,7 +638,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
 
 def _state_pairs(g: FlowGraph, state: Mapping[str, str], rank: int) -> dict[str, tuple[Tensor, Tensor]]:
     """``{output name: (output tensor, input tensor)}`` of a rank graph's state, each pair of one
-    local shape and type (a state output the plan leaves sharded would not fit its whole input)."""
+    local shape and type (``compile`` gives both sides one spec: :func:`_plan_state`)."""
     outputs = dict(zip(g.output_names, g.outputs))
     inputs = {t.name: t for t in g.inputs}
     pairs = {}
@@ -649,7 +649,8 @@ def _state_pairs(g: FlowGraph, state: Mapping[str, str], rank: int) -> dict[str,
         y, x = outputs[out], inputs[name]
         if (tuple(y.shape), y.dtype) != (tuple(x.shape), x.dtype):
             raise GraphError(f"rank {rank}: state output {out} is {y.dtype}{list(y.shape)} on this rank, its input "
-                             f"{name} {x.dtype}{list(x.shape)}; a state output must be whole on every rank")
+                             f"{name} {x.dtype}{list(x.shape)}; a state needs one spec for both (input_placements and "
+                             "output_placements)")
         pairs[out] = (y, x)
     return pairs
 
