@@ -636,6 +636,32 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
     return program, weights, int(wpos)
 
 
+def _state_selects(g: FlowGraph, state: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """``{output name: (its tensor's name, the input's)}`` of the state pairs of a rank graph whose
+    output is a ``Where`` keeping
+    the input's element where its condition holds, that ``Where`` being the input's only reader (a
+    KV cache's present over its past): :func:`build_program` writes such an output over the input
+    (:func:`_state_in_place` agrees: the select reads the input at its own index), so its kernel
+    may store only where the condition fails (``build_cpu_library``'s ``in_place``)."""
+    outputs = dict(zip(g.output_names, g.outputs))
+    inputs = {t.name: t for t in g.inputs}
+    readers: dict[int, list] = {}
+    for op in g.nodes:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+    made = {id(t): op for op in g.nodes for t in op.outputs}
+    res = {}
+    for out, name in state.items():
+        y, x = outputs.get(out), inputs.get(name)
+        if y is None or x is None or sum(t is y for t in g.outputs) != 1 or any(t is x for t in g.outputs):
+            continue
+        op = made.get(id(y))
+        if (op is not None and op.op_type == "Where" and len(op.inputs) == 3 and op.inputs[1] is x
+                and readers.get(id(x)) == [op] and tuple(x.shape) == tuple(y.shape)):
+            res[out] = (y.name, x.name)
+    return res
+
+
 def _state_pairs(g: FlowGraph, state: Mapping[str, str], rank: int) -> dict[str, tuple[Tensor, Tensor]]:
     """``{output name: (output tensor, input tensor)}`` of a rank graph's state, each pair of one
     local shape and type (``compile`` gives both sides one spec: :func:`_plan_state`)."""
@@ -1157,6 +1183,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     kw["gemm_tiles"] = opt.gemm_tiles
                 if opt.pdl:
                     kw["pdl"] = True
+            if state and opt.target == "cpu":
+                # presents kept over their pasts: their kernels store only the rows that change
+                selects = _state_selects(rg, state)
+                kw["in_place"] = dict(selects.values())
             compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels
             kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
             if compute and not (rdir / kernels_name).is_file():
@@ -1167,6 +1197,11 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute,
                                                      state=state)
             program["kernels_file"] = kernels_name
+            lost = sorted(set(selects if kw.get("in_place") else ()) - {e["output"] for e in program.get("state", ())
+                                                                        if e["in_place"]})
+            if lost:  # (their kernels store only where the select changes the input: they must run in place)
+                raise ShardflowError(f"rank {r}: state outputs {lost} were generated to be written over their inputs, "
+                                     "which the program does not do; compile with fuse=False and report this")
             weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from .lower import CodegenError, lower_task, lowerable, why_not_lowerable
 from .toolchain import CompileError, ToolchainError, build_shared_library, default_cache_dir, default_jobs
@@ -20,14 +20,15 @@ __all__ = ["build_cpu_library", "lowerable", "why_not_lowerable", "lower_task", 
 log = logging.getLogger(__name__)
 
 
-def generate_cpu_source(ops, clones: str = "auto"):
+def generate_cpu_source(ops, clones: str = "auto", in_place: Mapping[str, int] | None = None):
     """The C++ translation unit for ``ops`` (see :func:`.cpp.generate_cpu_source`)."""
     from .cpp import generate_cpu_source as gen
-    return gen(ops, clones)
+    return gen(ops, clones, in_place)
 
 
 def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
-                      fuse: bool = False, keep: Collection[str] = (), views: Collection[str] = ()) -> dict[str, Any]:
+                      fuse: bool = False, keep: Collection[str] = (), views: Collection[str] = (),
+                      in_place: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Compile the kernels of ``ops`` into the shared library ``path``.
 
     Parameters
@@ -53,6 +54,11 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         Names of ops in ``ops`` that can run as views (no kernel): fusion may fold them into a
         neighbour's kernel (:func:`.fusion.fuse`); the others get no kernel and no entry in
         the result.
+    in_place
+        ``{output tensor name: input tensor name}``: outputs the program will write over that
+        input's bytes (a state, ``compile(state=...)``; the caller makes sure the program aliases
+        them). The kernel writing such an output as a select that keeps the input's element
+        (``c ? x[i] : e``) stores only where ``c`` does not hold.
 
     Returns
     -------
@@ -84,7 +90,13 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
                           views=views)
     from .fusion import drop_views
     groups = drop_views(groups, views)
-    src = generate_cpu_source(groups)
+    aliased = {}  # group name -> the input its output is written over
+    for g in groups:
+        name = in_place.get(g.outputs[0].name) if in_place and len(g.outputs) == 1 else None
+        ks = [k for k, t in enumerate(g.inputs) if t.name == name]
+        if len(ks) == 1:
+            aliased[g.name] = ks[0]
+    src = generate_cpu_source(groups, in_place=aliased)
     t1 = time.perf_counter()
     if src.skipped:
         log.info("not compiled (run by the runtime or unsupported): %s",

@@ -19,7 +19,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -512,10 +512,10 @@ def constant_scalars(op) -> dict:
     return out
 
 
-def generic_kernel_body(op) -> str:
+def generic_kernel_body(op, in_place: int | None = None) -> str:
     """The body (statements between the braces) of the generic kernel for ``op``; constant scalar
-    inputs are literals in it (:func:`constant_scalars`)."""
-    kernel = lower_task(op.task, op.name, op.op_type, constant_scalars(op))
+    inputs are literals in it (:func:`constant_scalars`); ``in_place``: :func:`.lower.lower_task`'s."""
+    kernel = lower_task(op.task, op.name, op.op_type, constant_scalars(op), in_place)
     p = _Printer(kernel)
     for line in _arg_decls(kernel):
         p.emit(line, 1)
@@ -611,15 +611,16 @@ SF_EXPORT const char* shardflow_cpu_isa() {
 """
 
 
-def kernel_source(op, clones: bool = False) -> tuple[str, str]:
+def kernel_source(op, clones: bool = False, in_place: int | None = None) -> tuple[str, str]:
     """``(symbol, definition)`` of ``op``'s kernel; the symbol is derived from the text, so equal
-    kernels get equal symbols."""
+    kernels get equal symbols. ``in_place``: the input whose bytes output 0 is written over (for
+    the generic kernel; a template ignores it)."""
     from .templates_cpu import CLONED_TEMPLATES, FILE_SCOPE_BEGIN, FILE_SCOPE_END, template_body, template_kind
     body = template_body(op)
     # a template's functions of the file (a conv's epilogue): cloned as a generic kernel would be
     scoped_attr = "SF_CLONES " if clones else ""
     if body is None:
-        body = generic_kernel_body(op)
+        body = generic_kernel_body(op, in_place)
     elif template_kind(op) not in CLONED_TEMPLATES:
         clones = False  # a GEMM template's kernel only calls the GEMM, which dispatches on the CPU itself
     scoped = []
@@ -647,7 +648,8 @@ def _wants_clones(op, policy: str) -> bool:
     return work >= (1 << 14)
 
 
-def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
+def generate_cpu_source(ops: Sequence, clones: str = "auto", in_place: Mapping[str, int] | None = None
+                        ) -> CpuSource:
     """Generate the C++ for a library with the kernels of ``ops``.
 
     Parameters
@@ -659,8 +661,12 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
         ``"auto"`` compiles kernels that touch at least 16 Ki elements for x86-64-v2, v3 (AVX2/FMA)
         and v4 (AVX-512) and picks one when the library loads; ``"all"``/``"none"`` for every/no
         kernel.
+    in_place
+        ``{op name: input index}``: the ops whose output the program writes over that input's
+        bytes (:func:`kernel_source`).
     """
     from .templates_cpu import TEMPLATE_PRELUDE, template_kind
+    in_place = in_place or {}
     out = CpuSource("\n".join([PRELUDE, _clones_macro(), TEMPLATE_PRELUDE]))
     defs: dict[str, str] = {}
     users: dict[str, list] = {}
@@ -671,7 +677,7 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto") -> CpuSource:
             out.skipped[op.name] = why
             continue
         try:
-            sym, text = kernel_source(op, _wants_clones(op, clones))
+            sym, text = kernel_source(op, _wants_clones(op, clones), in_place.get(op.name))
         except RecursionError as e:  # pragma: no cover - pathological expression depth
             raise CodegenError(f"{op.name} ({op.op_type}): expression too deep to lower") from e
         out.symbols[op.name] = sym

@@ -875,18 +875,31 @@ class _NestLowerer:
             self._emit_hoisted(em, L, rows)
         if c < n:
             self._hoist_invariants(em, value, c)
-        loops_opened = 0
-        for d in range(c, n):
+        # y[i] = c ? y[i] : e over y's own bytes: store e where c does not hold, nothing else; the
+        # test placed around the loops whose variables c does not use (a cache row at a time)
+        guard = self._in_place_guard(value)
+        if guard is not None:
+            cond, value = guard
+            used = [d for d, a in enumerate(axes) if a in free_vars(cond, self.fv_memo)]
+            guard_level = max(c, used[-1] + 1 if used else 0)
+        scopes = 1
+        for d in range(c, n + 1):
+            if guard is not None and d == guard_level:
+                branch: list = []
+                em.block.append(If(UnaryOp("not", em.emit(cond)), branch, []))
+                em.push_scope(branch)
+                scopes += 1
+            if d == n:
+                break
             loop = Loop(axes[d], axes[d].extent, [])
             em.block.append(loop)
             em.push_scope(loop.body)
-            loops_opened += 1
+            scopes += 1
             self._emit_hoisted(em, d + 1, rows)
             if d + 1 < n:
                 self._hoist_invariants(em, value, d + 1)
-        v = em.emit(value)
-        em.block.append(Store(self.target, tuple(axes), v))
-        for _ in range(loops_opened + 1):
+        em.block.append(Store(self.target, tuple(axes), em.emit(value)))
+        for _ in range(scopes):
             em.pop_scope()
         if (not flat.parallel and n >= 2 and c == n - 1 and flat_count < 4 and axes[-1].extent >= 256
                 and work >= PARALLEL_MIN_WORK):
@@ -895,6 +908,20 @@ class _NestLowerer:
                 inner.parallel = True
         out.append(Block(body))
         return out
+
+    def _in_place_guard(self, value: Expr) -> tuple[Expr, Expr] | None:
+        """``(c, e)`` when this nest writes the kernel's output over its input ``in_place`` (the
+        program aliases them) and ``value`` is ``c ? x[i] : e`` with ``x`` that input read at the
+        output's own index ``i``: where ``c`` holds the element is already there (a KV cache's
+        present over its past: the past rows are neither read nor written)."""
+        x = self.kl.in_place
+        if x is None or self.target is not self.kl.outputs[0] or not isinstance(value, IfThenElse):
+            return None
+        then = value.then
+        if (not isinstance(then, TensorElement) or self.kl.bound.get(id(then.tensor)) is not x
+                or len(then.indices) != len(self.axes) or not all(i is a for i, a in zip(then.indices, self.axes))):
+            return None
+        return value.cond, value.other
 
     def _hoist_invariants(self, em: "_Emitter", value: Expr, level: int):
         """Compute the operations of ``value`` that depend on ``axes[:level]`` only (a row's
@@ -1258,7 +1285,8 @@ def reduce_init(e: Expr) -> tuple[str, str] | None:
 class KernelLowerer:
     """Lowers every output of one task into one :class:`Kernel`."""
 
-    def __init__(self, task: Task, op_name: str = "", op_type: str = "", scalars: dict | None = None):
+    def __init__(self, task: Task, op_name: str = "", op_type: str = "", scalars: dict | None = None,
+                 in_place: int | None = None):
         self.task = task
         # reads of one-element inputs whose value is known (constants): literals in the code
         self.scalars = {id(task.inputs[k]): Const(v, task.inputs[k].dtype) for k, v in (scalars or {}).items()}
@@ -1266,6 +1294,7 @@ class KernelLowerer:
         self.inputs = [Buffer(f"in{k}", t.shape, t.dtype, "input", k) for k, t in enumerate(task.inputs)]
         self.outputs = [Buffer(f"out{k}", o.shape, o.dtype, "output", k) for k, o in enumerate(task.outputs)]
         self.bound: dict[int, Buffer] = {id(t): b for t, b in zip(task.inputs, self.inputs)}
+        self.in_place = self.inputs[in_place] if in_place is not None else None  # output 0 aliases it
         self.temps: list[Buffer] = []
         self.temp_cache: dict[int, Buffer] = {}
         self.interner = _Interner()
@@ -1306,14 +1335,18 @@ class KernelLowerer:
         return Kernel(self.op_name, self.op_type, self.inputs, self.outputs, self.temps, body)
 
 
-def lower_task(task: Task, op_name: str = "", op_type: str = "", scalars: dict | None = None) -> Kernel:
+def lower_task(task: Task, op_name: str = "", op_type: str = "", scalars: dict | None = None,
+               in_place: int | None = None) -> Kernel:
     """Lower every output of ``task`` to loop nests. ``scalars`` maps the index of a one-element
     input to its value: its reads become that literal (the kernel still takes the input), so that
     the C++ compiler folds it (``x ** 3`` becomes ``x * x * x``, a multiply by 1 disappears).
+    ``in_place``: the index of an input whose bytes the program gives output 0 (a state written in
+    place); a select that keeps that input's element where its condition holds then stores only
+    where it does not.
 
     Raises
     ------
     CodegenError
         for an extern output or an expression the lowering does not know.
     """
-    return KernelLowerer(task, op_name, op_type, scalars).lower()
+    return KernelLowerer(task, op_name, op_type, scalars, in_place).lower()

@@ -1122,8 +1122,8 @@ def test_compiler_errors_name_the_op(tmp_path, monkeypatch):
 
     real = cpp.kernel_source
 
-    def broken(op, clones=False):
-        sym, text = real(op, clones)
+    def broken(op, clones=False, in_place=None):
+        sym, text = real(op, clones, in_place)
         if op.name == "bad":
             text = text.replace("{\n", "{\n  this_is_not_cpp;\n", 1)
         return sym, text

@@ -329,3 +329,33 @@ def test_profile_advances_the_state_as_runs_do(tmp_path, kind):
     for _ in range(4):
         s = update(s, x)
     np.testing.assert_allclose(prog.read_state()["s"], s, rtol=1e-5, atol=1e-5)
+
+
+def test_a_select_over_its_state_stores_only_what_changes(tmp_path):
+    """``s' = Where(keep, s, x)`` kept as state: written over ``s``, its kernel stores only where
+    ``keep`` fails and never reads ``s`` (``build_cpu_library``'s ``in_place``); the rows kept stay as
+    they were. Four runs with changing rows against numpy."""
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.codegen.cpp import kernel_source
+
+    node = helper.make_node("Where", ["keep", "s", "x"], ["n"])
+    ins = [helper.make_tensor_value_info("keep", TensorProto.BOOL, [8, 1]),
+           helper.make_tensor_value_info("s", TensorProto.FLOAT, [8, 16]),
+           helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])]
+    m = helper.make_model(helper.make_graph([node], "sel", ins, [helper.make_tensor_value_info("n", TensorProto.FLOAT,
+                                                                                                [8, 16])]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    where = load_onnx(m).nodes[0]
+    guarded, plain = (kernel_source(where, in_place=k)[1] for k in (1, None))
+    assert "if ((!(in0[" in guarded and "in1[" not in guarded.split("__restrict__ out0")[1]
+    assert "if (" not in plain and "in1[" in plain
+    res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out", state={"n": "s"})
+    assert [e["in_place"] for e in _program_state(res.out_dir)] == [True]
+    prog = load(res.out_dir)
+    rng = np.random.default_rng(4)
+    s = np.zeros((8, 16), np.float32)
+    for _ in range(4):
+        keep, x = rng.random((8, 1)) < 0.5, rng.standard_normal((8, 16)).astype(np.float32)
+        prog.run({"keep": keep, "x": x})
+        s = np.where(keep, s, x)
+        np.testing.assert_array_equal(prog.read_state()["s"], s)
