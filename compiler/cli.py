@@ -372,8 +372,8 @@ def _cmd_inspect(args) -> int:
                  f"{info['artifact_format']}), target {info['target']} ({info['arch']})",
                  f"mesh {info['mesh_shape']} {info['axis_names']}, {info['world_size']} rank(s), plan "
                  f"{info['algo']} (modeled cost {info['modeled_cost_s']} s), comm_backend {info['comm_backend']}",
-                 "inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i.get('global_shape', i['shape'])} {i.get('placement', '')}"
-                                         for i in info["inputs"]),
+                 "inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i.get('global_shape', i['shape'])} "
+                                         f"{i.get('placement', '')}" for i in info["inputs"]),
                  "outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o.get('global_shape')} {o.get('placement', '')}"
                                          for o in info["outputs"])]
         if info["state"]:

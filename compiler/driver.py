@@ -493,7 +493,8 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
 
     raw_steps = _concatenate_in_place(raw_steps, g, alias, at)
     pairs = _state_pairs(g, state or {}, rank)
-    in_place = {out: _state_in_place(raw_steps, g, x, y, root) for out, (y, x) in pairs.items()}
+    producer = {id(t): op for op in g.nodes for t in op.outputs} if pairs else {}
+    in_place = {out: _state_in_place(raw_steps, g, x, y, root, producer) for out, (y, x) in pairs.items()}
     for out, (y, x) in pairs.items():
         if in_place[out]:
             alias[id(y)], at[id(y)] = x, 0  # the kernel writes the output over the input's bytes
@@ -636,28 +637,25 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
     return program, weights, int(wpos)
 
 
-def _state_selects(g: FlowGraph, state: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """``{output name: (its tensor's name, the input's)}`` of the state pairs of a rank graph whose
-    output is a ``Where`` keeping
-    the input's element where its condition holds, that ``Where`` being the input's only reader (a
-    KV cache's present over its past): :func:`build_program` writes such an output over the input
-    (:func:`_state_in_place` agrees: the select reads the input at its own index), so its kernel
-    may store only where the condition fails (``build_cpu_library``'s ``in_place``)."""
-    outputs = dict(zip(g.output_names, g.outputs))
-    inputs = {t.name: t for t in g.inputs}
+def _state_selects(g: FlowGraph, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[str, str]]:
+    """``{output name: (its tensor's name, the input's)}`` of the state ``pairs`` (:func:`_state_pairs`)
+    of a rank graph whose output is a ``Where`` keeping the input's element where its condition
+    holds, that ``Where`` being the input's only reader (a KV cache's present over its past):
+    :func:`build_program` writes such an output over the input (:func:`_state_in_place` agrees: the
+    select reads the input at its own index), so its kernel may store only where the condition
+    fails (``build_cpu_library``'s ``in_place``)."""
     readers: dict[int, list] = {}
     for op in g.nodes:
         for t in op.inputs:
             readers.setdefault(id(t), []).append(op)
     made = {id(t): op for op in g.nodes for t in op.outputs}
     res = {}
-    for out, name in state.items():
-        y, x = outputs.get(out), inputs.get(name)
-        if y is None or x is None or sum(t is y for t in g.outputs) != 1 or any(t is x for t in g.outputs):
+    for out, (y, x) in pairs.items():
+        if sum(t is y for t in g.outputs) != 1 or any(t is x for t in g.outputs):
             continue
         op = made.get(id(y))
         if (op is not None and op.op_type == "Where" and len(op.inputs) == 3 and op.inputs[1] is x
-                and readers.get(id(x)) == [op] and tuple(x.shape) == tuple(y.shape)):
+                and readers.get(id(x)) == [op]):
             res[out] = (y.name, x.name)
     return res
 
@@ -681,12 +679,13 @@ def _state_pairs(g: FlowGraph, state: Mapping[str, str], rank: int) -> dict[str,
     return pairs
 
 
-def _state_in_place(raw_steps: list, g: FlowGraph, x: Tensor, y: Tensor, root: Callable[[Tensor], Tensor]) -> bool:
+def _state_in_place(raw_steps: list, g: FlowGraph, x: Tensor, y: Tensor, root: Callable[[Tensor], Tensor],
+                    producer: Mapping[int, Operator]) -> bool:
     """Whether state output ``y`` can be written over input ``x``'s bytes: one kernel step writes
     ``y`` (no view, no concatenation, no other output), it is the only step reading ``x`` (directly,
     no view of it) and it reads ``x`` only at ``y``'s own index (a KV cache's present: the past where
     no new token lands, :func:`~shardflow.compiler.codegen.fusion.reads_only_at_own_index`); ``x``
-    is no graph output."""
+    is no graph output. ``producer``: each tensor's op, by id."""
     from .codegen.fusion import reads_only_at_own_index
 
     if root(y) is not y or any(root(t) is x for t in g.outputs) or sum(t is y for t in g.outputs) != 1:
@@ -699,7 +698,6 @@ def _state_in_place(raw_steps: list, g: FlowGraph, x: Tensor, y: Tensor, root: C
     if kind != "kernel" or len(outs) != 1 or outs[0] is not y or [t for t in ins if root(t) is x] != [x]:
         return False
     # the ops the kernel computes: back from y to its inputs (constants are its inputs too)
-    producer = {id(t): op for op in g.nodes for t in op.outputs}
     members: list[Operator] = []
     stack = [(y, False)]
     while stack:
@@ -1183,9 +1181,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     kw["gemm_tiles"] = opt.gemm_tiles
                 if opt.pdl:
                     kw["pdl"] = True
-            if state and opt.target == "cpu":
-                # presents kept over their pasts: their kernels store only the rows that change
-                selects = _state_selects(rg, state)
+            # presents kept over their pasts (cpu): their kernels store only the rows that change
+            selects = _state_selects(rg, _state_pairs(rg, state, r)) if state and opt.target == "cpu" else {}
+            if selects:
                 kw["in_place"] = dict(selects.values())
             compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels
             kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
@@ -1197,8 +1195,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute,
                                                      state=state)
             program["kernels_file"] = kernels_name
-            lost = sorted(set(selects if kw.get("in_place") else ()) - {e["output"] for e in program.get("state", ())
-                                                                        if e["in_place"]})
+            lost = sorted(set(selects) - {e["output"] for e in program.get("state", ()) if e["in_place"]})
             if lost:  # (their kernels store only where the select changes the input: they must run in place)
                 raise ShardflowError(f"rank {r}: state outputs {lost} were generated to be written over their inputs, "
                                      "which the program does not do; compile with fuse=False and report this")

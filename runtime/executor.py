@@ -195,6 +195,7 @@ class RankProgram:
         self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
         self.output_specs = [(name, self.buffers[i]) for name, i in p["outputs"]]
         self.state_specs = self._state_specs(p)
+        self._state_inputs = frozenset(name for name, _, _, _ in self.state_specs)
         # inputs of which this rank holds a part (a sharded state): the whole's shape and the part's bounds
         self._parts = {e["name"]: (tuple(e["global_shape"]), tuple(slice(a, b) for a, b in e["bounds"]))
                        for e in self.manifest.get("inputs", ())
@@ -423,8 +424,7 @@ class RankProgram:
                     fn(a, b)
                 if coll is not None:
                     coll()
-        for x, y in self._state_copies:
-            np.copyto(x, y)
+        self._copy_state()
         if copy_outputs:
             return {name: buf.array.copy() for name, buf in self.output_specs}
         views = {name: buf.array.view() for name, buf in self.output_specs}
@@ -476,13 +476,17 @@ class RankProgram:
                 t0 = clock()
                 call()
                 times[r, k] = clock() - t0
-            for x, y in self._state_copies:
-                np.copyto(x, y)
+            self._copy_state()
         med = np.median(times, axis=0) * 1e3
         n0 = self.load_steps  # run once at load: not timed
         return [{"index": n0 + k, "kind": s["kind"], "node": s["node"],
                  "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"], "ms": float(med[k])}
                 for k, s in enumerate(self.program["steps"][n0:])]
+
+    def _copy_state(self) -> None:
+        """The state outputs not written in place into their inputs (cpu; after the steps)."""
+        for x, y in self._state_copies:
+            np.copyto(x, y)
 
     def _copy_inputs(self, arrays: Mapping[str, Any]) -> None:
         for name, buf in self.input_specs:
@@ -498,22 +502,21 @@ class RankProgram:
         if unknown:
             raise InputNameError(f"unknown input(s) {unknown}; the model's inputs are {self.input_names}", unknown[0])
         res = {}
-        state = self.state_names
         for name, buf in self.input_specs:
-            if name not in inputs and name in state:
+            if name not in inputs and name in self._state_inputs:
                 continue
             if name not in inputs:
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
             a = inputs[name]
             if not hasattr(a, "shape") or not hasattr(a, "dtype"):
                 a = np.asarray(a)
-            if name in self._parts and tuple(a.shape) == self._parts[name][0] != buf.shape:
-                a = a[self._parts[name][1]]  # this rank's part of the whole
+            whole, part = self._parts.get(name, (buf.shape, None))
+            if part is not None and tuple(a.shape) == whole:
+                a = a[part]  # this rank's part of the whole
             if tuple(a.shape) != buf.shape:
-                whole = f" (or its part {buf.shape} on this rank)" if name in self._parts else ""
+                also = f" (or its part {buf.shape} on this rank)" if part is not None else ""
                 raise InputShapeError(f"input {name!r} has shape {a.shape}, the program was compiled for "
-                                      f"{self._parts[name][0] if whole else buf.shape}{whole}; compile again with "
-                                      "input_shapes to change it", name)
+                                      f"{whole}{also}; compile again with input_shapes to change it", name)
             if a.dtype != buf.dtype and buf.dtype.name == "bfloat16" and a.dtype == np.dtype("V2"):
                 a = a.view(buf.dtype)  # how np.save / np.savez store ml_dtypes' bfloat16 (np.load reads V2)
             if a.dtype != buf.dtype:

@@ -91,9 +91,9 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     from .fusion import drop_views
     groups = drop_views(groups, views)
     aliased = {}  # group name -> the input its output is written over
-    for g in groups:
-        name = in_place.get(g.outputs[0].name) if in_place and len(g.outputs) == 1 else None
-        ks = [k for k, t in enumerate(g.inputs) if t.name == name]
+    for g in groups if in_place else ():
+        name = in_place.get(g.outputs[0].name) if len(g.outputs) == 1 else None
+        ks = [k for k, t in enumerate(g.inputs) if name is not None and t.name == name]
         if len(ks) == 1:
             aliased[g.name] = ks[0]
     src = generate_cpu_source(groups, in_place=aliased)

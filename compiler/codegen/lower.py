@@ -880,7 +880,8 @@ class _NestLowerer:
         guard = self._in_place_guard(value)
         if guard is not None:
             cond, value = guard
-            used = [d for d, a in enumerate(axes) if a in free_vars(cond, self.fv_memo)]
+            fv = free_vars(cond, self.fv_memo)
+            used = [d for d, a in enumerate(axes) if a in fv]
             guard_level = max(c, used[-1] + 1 if used else 0)
         scopes = 1
         for d in range(c, n + 1):

@@ -43,6 +43,24 @@ def _program_state(out_dir) -> list[dict]:
     return json.loads((out_dir / "rank0" / "program.json").read_text())["state"]
 
 
+def _llama_steps(n: int):
+    """``n`` greedy decoding steps of the genai Llama (two sequences, a cache of 16), onnxruntime fed
+    its own presents: per step, what a program keeping the cache takes (the zero cache with the first
+    step only) and onnxruntime's outputs."""
+    ref = _session(str(MODELS / "llama_genai_fp32.onnx"))
+    state = _cache_state(2)
+    past = {k: np.zeros((2, 2, 16, 16), np.float32) for k in state.values()}
+    mask = np.zeros((2, 16), np.int64)
+    ids = np.array([[3], [250]], np.int64)
+    for step in range(n):
+        mask[:, step] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask.copy()}
+        want = ref({**feeds, **past})
+        yield ({**feeds, **past} if step == 0 else feeds), want
+        past = {name: want[out] for out, name in state.items()}
+        ids = want["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+
+
 def test_llama_kv_cache_stays_in_the_program(tmp_path):
     """onnxruntime-genai's Llama, a decoding program of fixed shapes (cache of 16): its four presents
     kept as state, each written in place (the kernel that writes a present reads the past at the same
@@ -56,22 +74,13 @@ def test_llama_kv_cache_stays_in_the_program(tmp_path):
     assert [e["in_place"] for e in _program_state(res.out_dir)] == [True] * 4
     prog = load(res.out_dir)
     assert prog.output_names == ["logits"] and prog.state_names == {v: k for k, v in state.items()}
-    ref = _session(path)
-    past = {k: np.zeros(shapes[k], np.float32) for k in state.values()}
-    mask = np.zeros((2, 16), np.int64)
-    ids = np.array([[3], [250]], np.int64)
-    for step in range(5):
-        mask[:, step] = 1
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        want = ref({**feeds, **past})
-        got = prog.run({**feeds, **past} if step == 0 else feeds)
+    for step, (given, want) in enumerate(_llama_steps(5)):
+        got = prog.run(given)
         assert set(got) == {"logits"}
         _close(got["logits"], want["logits"], what=f"step {step}")
         kept = prog.read_state()
         for out, name in state.items():
             _close(kept[name], want[out], what=f"step {step} {name}")
-        past = {name: want[out] for out, name in state.items()}
-        ids = want["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
     prog.reset_state()
     assert all(not v.any() for v in prog.read_state().values())
 
@@ -254,7 +263,7 @@ def _llama_on_two_ranks(tmp_path, name, config, state=None):
     res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={"mesh_shape": [2], **config},
                   optimization_config=CPU, out_dir=tmp_path / name, input_shapes=shapes, state=state or None)
     world = InProcessWorld(2).communicators()
-    return res, world, [load(res.out_dir, c.rank, c) for c in world], shapes
+    return res, world, [load(res.out_dir, c.rank, c) for c in world]
 
 
 @pytest.mark.parametrize("how", ["megatron", "heads"])
@@ -269,7 +278,7 @@ def test_state_split_over_two_ranks_stays_split(tmp_path, how):
     state = _cache_state(2)
     config = ({"algo": "megatron"} if how == "megatron" else
               {"input_placements": {k: "S(1)" for k in state.values()}, "output_placements": {k: "S(1)" for k in state}})
-    res, world, progs, shapes = _llama_on_two_ranks(tmp_path, "state", config)
+    res, world, progs = _llama_on_two_ranks(tmp_path, "state", config)
     manifests = [json.loads((res.out_dir / f"rank{r}" / "manifest.json").read_text()) for r in range(2)]
     parts = [{e["name"]: tuple(slice(a, b) for a, b in e["bounds"]) for e in m["inputs"] if "bounds" in e}
              for m in manifests]
@@ -285,27 +294,18 @@ def test_state_split_over_two_ranks_stays_split(tmp_path, how):
     assert not gathers_presents(res.out_dir)
     if how == "megatron":  # the same plan without state returns the presents whole: gathered
         assert gathers_presents(_llama_on_two_ranks(tmp_path, "plain", config, state={})[0].out_dir)
-    ref = _session(str(MODELS / "llama_genai_fp32.onnx"))
-    past = {k: np.zeros(shapes[k], np.float32) for k in state.values()}
-    mask = np.zeros((2, 16), np.int64)
-    ids = np.array([[3], [250]], np.int64)
-    for step in range(4):
-        mask[:, step] = 1
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        want = ref({**feeds, **past})
-        outs = run_threads(world, lambda c: progs[c.rank].run({**feeds, **past} if step == 0 else feeds), timeout=300)
+    for step, (given, want) in enumerate(_llama_steps(4)):
+        outs = run_threads(world, lambda c: progs[c.rank].run(given), timeout=300)
         for r, (got, prog) in enumerate(zip(outs, progs)):
             _close(got["logits"], want["logits"], what=f"step {step} rank {r}")
             kept = prog.read_state()
             for out, name in state.items():
                 assert kept[name].shape == want[out][parts[r][name]].shape != want[out].shape
                 _close(kept[name], want[out][parts[r][name]], what=f"step {step} rank {r} {name}")
-        past = {name: want[out] for out, name in state.items()}
-        ids = want["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
     from shardflow.runtime import InputShapeError
 
     with pytest.raises(InputShapeError, match="compiled for \\(2, 2, 16, 16\\) \\(or its part"):
-        progs[0].run({**feeds, "past_key_values.0.key": np.zeros((2, 2, 8, 16), np.float32)})
+        progs[0].run({**given, "past_key_values.0.key": np.zeros((2, 2, 8, 16), np.float32)})
 
 
 def test_state_placements_must_agree(tmp_path):
