@@ -1096,11 +1096,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             from .passes.precision import ReduceBfloat16InFloat32
 
             rg = ReduceBfloat16InFloat32().run(rg)
-            if opt.target == "cuda":
-                # low-bit weights dequantized on this rank's shard (no cuda kernel on the codes; passes/lowbit.py)
-                from .passes.lowbit import DequantizeLowBitWeights
+            if opt.target == "cuda" and opt.precision in ("float16", "bfloat16"):
+                # low-bit weight products on half operands, rounded by the op (passes/lowbit.py)
+                from .passes.lowbit import HalfLowBitOperands
 
-                rg = DequantizeLowBitWeights().run(rg)
+                rg = HalfLowBitOperands(opt.precision).run(rg)
+            if opt.target == "cuda":
                 # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
                 from .passes.projections import MergeProjections
 

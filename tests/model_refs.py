@@ -51,3 +51,19 @@ def gptoss_step_feeds(seed: int = 4) -> dict:
         full[:, :, :20] = rng.standard_normal((1, 2, 20, 16))
         feeds[f"past_key_values.1.{kv}"] = full
     return feeds
+
+
+def genai_llama_feeds(step: str, seed: int = 3) -> dict:
+    """Inputs of the genai Llamas (``tests/models/llama_genai_*.onnx``): the prompt (two sequences of 8,
+    one right-padded to 5) or a decoding step (one token each, a fixed-size cache of 16 with random
+    values, 8 and 5 of its rows in use)."""
+    rng = np.random.default_rng(seed)
+    n, past = (8, 0) if step == "prompt" else (1, 16)
+    mask = np.zeros((2, max(n, past)), np.int64)
+    mask[0, :n + 8 * (step == "decode")] = 1
+    mask[1, :5 + (step == "decode")] = 1
+    feeds = {"input_ids": rng.integers(0, 256, (2, n)).astype(np.int64), "attention_mask": mask}
+    for layer in range(2):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{layer}.{kv}"] = rng.standard_normal((2, 2, past, 16)).astype(np.float32)
+    return feeds

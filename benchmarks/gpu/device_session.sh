@@ -18,6 +18,8 @@
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
 #   bash benchmarks/gpu/device_session.sh bf16models  # GPT-2 small and Llama exported in bfloat16 vs torch.compile
 #                                                 # on the same bfloat16 modules (1x128, 8x128), < 7 min
+#   bash benchmarks/gpu/device_session.sh decode  # products of 1-8 rows (the gemv template) vs cuBLAS, dense float16
+#                                                 # on both weight layouts and 4-bit codes, < 5 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -265,12 +267,30 @@ case "$what" in
             > "$out/models-bf16.txt" 2>&1
         tail -20 "$out/models-bf16.txt"
         ;;
+    decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV
+             # tests, then GPT-2's and Llama-7B's projections at 1, 4 and 8 rows against cuBLAS in float16 with
+             # the weight stored [K, N] and [N, K], then 4-bit codes (MatMulNBits) against cuBLAS on the
+             # same weights in float16 (benchmarks/gpu/lowbit.py), into $out/decode.txt
+        f="$out/decode.txt"
+        echo "# device_session.sh decode, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+        timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_cuda_kernels.py \
+            tests/runtime/test_gpu_runtime.py -k "MatMulNBits or extra or low_bit" 2>&1 | tail -5 | tee -a "$f"
+        for layout in kn nk; do
+            echo "== gemm.py --m 1,4,8 --b-layout $layout" >> "$f"
+            timeout 100 python3 benchmarks/gpu/gemm.py --m 1,4,8 --dtypes float16 --b-layout $layout --jobs 14 \
+                >> "$f" 2>&1
+        done
+        echo "== lowbit.py" >> "$f"
+        timeout 120 python3 benchmarks/gpu/lowbit.py --m 1,4,8,16 --shapes gpt2,llama7b --jobs 14 \
+            --json "$out/decode-lowbit.json" >> "$f" 2>&1
+        grep -E "^==|passed|failed| ours |WRONG|rror" "$f"
+        ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
         "$@"
         ;;
     *)
-        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|decode|run CMD..." >&2
         exit 2
         ;;
 esac

@@ -31,6 +31,9 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
       are dense half-precision tensors (16-byte aligned rows) takes the Hopper template of
       :mod:`.cuda_wgmma` instead (``wgmma`` fed by a ``cp.async`` pipeline, or for unbatched
       products by the bulk tensor copy engine in a persistent kernel; compiled for ``sm_90a``).
+      With fewer than 16 rows on one side (decoding) and at least 16 on the other, the GEMV
+      template of :mod:`.cuda_gemv` (the larger operand streamed once, coalesced along its unit
+      stride, the rows' sums in registers; float32 products and sums).
 
 Semantics follow the reference evaluator (:mod:`shardflow.compiler.ir.evaluate`) node by node:
 numpy's result dtypes (computed by numpy itself on empty arrays), floor division and modulo,
@@ -65,6 +68,7 @@ from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfTh
                        UnaryOp, Var, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
+from .cuda_gemv import GEMV_MAX_ROWS, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import STREAM_K_WORKSPACE, WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
 from .lower import CodegenError, hashcons
@@ -1362,7 +1366,12 @@ _GEMM_PREC = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 FP32_GEMM = {"float32": "f32", "tf32": "tf32", "float16": "f32", "bfloat16": "f32"}
 
 
-def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -> _GemmPlan | None:
+def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32",
+               skinny: bool = False) -> _GemmPlan | None:
+    """The GEMM pattern in ``value``: a sum of products whose factors separate into an ``(M, K)`` and
+    an ``(N, K)`` side. ``M, N >= 16`` (the tensor-core templates), or with ``skinny`` one side of
+    at most :data:`~.cuda_gemv.GEMV_MAX_ROWS` and the other of at least 16, the small side then
+    ``a`` (the rows of :func:`~.cuda_gemv.gemv_kernel`)."""
     reduces = [n for n in walk(value) if isinstance(n, Reduce)]
     # a fused epilogue that reads the product several times (x * f(x)) holds equal copies of it
     if not reduces or len({format_expr(r) for r in reduces}) != 1 or reduces[0].op != "sum":
@@ -1385,7 +1394,8 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -
     dep = [i for i, s in enumerate(sets) if s]
     neutral = [i for i, s in enumerate(sets) if not s]
     best = None
-    for mask in range(1, 2 ** len(dep) - 1):
+    # (skinny: every split, one side possibly empty: a vector read by all the outputs, M = 1)
+    for mask in range(0 if skinny else 1, 2 ** len(dep) - (0 if skinny else 1)):
         ga = [dep[j] for j in range(len(dep)) if mask >> j & 1]
         gb = [dep[j] for j in range(len(dep)) if not mask >> j & 1]
         sa = frozenset().union(*(sets[i] for i in ga))
@@ -1393,9 +1403,16 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32") -
         m_ax = [v for v in axes if v in sa and v not in sb]
         n_ax = [v for v in axes if v in sb and v not in sa]
         mm, nn = _prod([v.extent for v in m_ax]), _prod([v.extent for v in n_ax])
-        if mm < 16 or nn < 16:
+        if skinny:
+            if mm > nn:
+                ga, gb, m_ax, n_ax, mm, nn = gb, ga, n_ax, m_ax, nn, mm
+            if mm > GEMV_MAX_ROWS or nn < 16 or not (ga or neutral) or not gb:
+                continue
+            score = (nn, mm)
+        elif mm < 16 or nn < 16:
             continue
-        score = (min(mm, nn), mm * nn)
+        else:
+            score = (min(mm, nn), mm * nn)
         if best is None or score > best[0]:
             best = (score, ga, gb, m_ax, n_ax)
     if best is None:
@@ -1444,7 +1461,12 @@ def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
     for n in walk(e):
         if isinstance(n, TensorElement) and n.indices:
             f = affine_form(n.indices[-1])
-            if f is None:
+            if f is None:  # (k % 32) / 2, a low-bit code's byte: judged by the variables it uses
+                used = {x for x in walk(n.indices[-1]) if isinstance(x, Var)}
+                if used and used <= kvars:
+                    return True
+                if used and used <= other:
+                    return False
                 continue
             coefs, _ = f
             k_unit = any(v in kvars and c == 1 for v, c in coefs.items())
@@ -1462,7 +1484,9 @@ _EPILOGUE_VEC = 4
 
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
-                config: str | None = None) -> tuple[str, dict, tuple | None]:
+                config: str | None = None, gemv: bool = False) -> tuple[str, dict, tuple | None]:
+    """The kernel of a GEMM ``plan`` (:func:`_plan_gemm`): a tensor-core template, or with ``gemv``
+    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel`."""
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1482,12 +1506,12 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         kdec, kbinds = _decompose("sf_k", list(red.vars), "int", "k", names)
         binds = {v: x for v, x in {**mbinds, **kbinds}.items() if v.extent != 1}
         blk = _Block(bblk, binds)
-        x = em.value_as(expr, "float32" if plan.prec in ("tf32", "f32") else an.dtype(red.body), blk)
+        x = em.value_as(expr, "float32" if gemv or plan.prec in ("tf32", "f32") else an.dtype(red.body), blk)
         lines = mdec + kdec + blk.lines + [f"sf_v = {x};"]
         return "\n".join(lines)
 
     direct = None
-    if wgmma and plan.prec in ("f16", "bf16"):
+    if wgmma and not gemv and plan.prec in ("f16", "bf16"):
         half = {"f16": "float16", "bf16": "bfloat16"}[plan.prec]
         kv = list(red.vars)
         da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, half, M, K, an, reads, bblk)
@@ -1546,6 +1570,11 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         else:
             epi += [f"{out_ptr}[{out_index({**binds, inner: lb.binds[inner]})}] = {x};"
                     for lb, x in zip(lane_blocks, outs)]
+    if gemv:
+        src, launch = gemv_kernel(symbol=symbol, params=params, M=M, N=N, K=K, batch=B, root="\n".join(root.lines),
+                                  batch_code="\n".join(bdec + bblk.lines), load_a=load_a, load_b=load_b,
+                                  k_fast=not plan.b_n_fast, epilogue="\n".join(epi))
+        return src, launch, None
     if direct is not None:
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
                                  root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
@@ -1811,6 +1840,10 @@ def _symbol(index: int, op: Operator) -> str:
     return f"sf_k{index}_{_SANITIZE.sub('_', op.name)[:48]}"
 
 
+#: the shortest reduction the gemv template takes (shorter ones: a thread per output, serial sums)
+_GEMV_MIN_K = 16
+
+
 def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
               config: str | None = None, mma: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
@@ -1853,6 +1886,11 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
                                   len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())),
                                   bool(cfg.get("persistent", False)))
             return src, launch, wrapper
+        # fewer than 16 rows (decoding): the weight streamed once, the rows' sums in registers
+        plan = _plan_gemm(gc, value, an, fp32, skinny=True)
+        if plan is not None and _prod([v.extent for v in plan.red.vars]) >= _GEMV_MIN_K:
+            src, cfg, _ = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, gemv=True)
+            return src, KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name, "gemv"), None
 
     parts: list[_Part] = []
     for j, (gc, value) in enumerate(zip(task.outputs, values)):

@@ -284,8 +284,8 @@ def _matmul_nbits(op) -> str | None:
     stored (``cpu_library/lowbit.h``): a GEMV on the codes for one or two rows, else the GEMM with
     each weight panel dequantized into its packing buffer."""
     a, bq = op.inputs[0], op.inputs[1]
-    if a.dtype != "float32" or op.outputs[0].dtype != "float32":
-        return None
+    if a.dtype != "float32" or op.outputs[0].dtype != "float32" or op.attrs.get("operand_dtype"):
+        return None  # (half operands: the cuda target's rounding; the generic kernel computes it)
     K, M = a.shape[-1], _prod(a.shape[:-1])
     N, blocks = bq.shape[0], bq.shape[1]
     bits, bs = int(op.attrs["bits"]), int(op.attrs["block_size"])

@@ -457,11 +457,16 @@ class MatMulNBits(Operator):
     column's block in bits ``(k % (8 / bits)) * bits`` of its byte ``k / (8 / bits)``), ``scales[N,
     blocks]`` (float32) and optionally ``zero_points[N, blocks]`` (float32; default ``2^(bits - 1)``),
     ``blocks = ceil(K / block_size)``. ``W[k, n] = (q[n, k] - zero_point[n, b]) * scale[n, b]`` with
-    ``b = k / block_size``. Attributes ``bits``, ``block_size``.
+    ``b = k / block_size``. Attributes ``bits``, ``block_size``, and optionally ``operand_dtype``
+    (``"float16"``/``"bfloat16"``: ``a`` and ``W`` rounded to that type before their products, which
+    are exact in float32 and summed in float32, as a tensor-core GEMM on half operands computes;
+    ``passes/lowbit.py`` sets it for the cuda target under a half ``precision``).
 
     The planner splits ``N`` (whole columns) and ``K`` where each shard holds whole blocks (a
-    ``Partial`` sum). The cpu target computes it without dequantizing the weight into memory
-    (``cpu_library/lowbit.h``); the cuda target stores the weight dequantized (``passes/lowbit.py``).
+    ``Partial`` sum). Both targets compute on the codes, never storing the weight dequantized: the
+    cpu target with ``cpu_library/lowbit.h``, the cuda target with the kernels of its compute
+    definition (the GEMV template up to 15 rows, a tensor-core GEMM dequantizing in its operand
+    loads beyond).
     """
 
     def compute(self, a, bq, scales, *zp):
@@ -478,6 +483,9 @@ class MatMulNBits(Operator):
             raise ShapeError(f"{self.name}: MatMulNBits takes a[..., K] (float32), bq[N, ceil(K / {bs}), "
                              f"{bs * bits // 8}] (uint8), scales and zero points [N, ceil(K / {bs})] (float32), got "
                              f"{[(t.dtype, tuple(t.shape)) for t in (a, bq, scales, *zp)]}")
+        half = self.attrs.get("operand_dtype")
+        if half not in (None, "float16", "bfloat16"):
+            raise ShapeError(f"{self.name}: MatMulNBits' operand_dtype is 'float16' or 'bfloat16', not {half!r}")
         n, per = int(bq.shape[0]), 8 // bits
         shape = tuple(a.shape[:-1]) + (n,)
         mask = Const((1 << bits) - 1, "int32")
@@ -491,7 +499,10 @@ class MatMulNBits(Operator):
                 byte = Cast(bq[j, blk, (kk % bs) // per if per > 1 else kk % bs], "int32")
                 q = byte if per == 1 else BinOp("bitand", BinOp("shr", byte, Cast((kk % per) * bits, "int32")), mask)
                 w = (Cast(q, "float32") - (zp[0][j, blk] if zp else default_zp)) * scales[j, blk]
-                return a[rows + (kk,)] * w
+                x = a[rows + (kk,)]
+                if half:
+                    x, w = Cast(Cast(x, half), "float32"), Cast(Cast(w, half), "float32")
+                return x * w
             return reduce((k,), term, "sum")
         return compute("y", shape, f, dtype="float32")
 
@@ -505,6 +516,9 @@ class MatMulNBits(Operator):
 
     def numpy(self, a, bq, scales, *zp):
         w = self.dequantized(bq, scales, zp[0] if zp else None, a.shape[-1])
+        half = self.attrs.get("operand_dtype")
+        if half:
+            a, w = (x.astype(numpy_type(half)).astype(np.float32) for x in (a, w))
         return [np.asarray(np.matmul(a, w), np.float32)]
 
 

@@ -26,7 +26,7 @@ from shardflow.compiler.ops.reduce import Softmax
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 
 #: the kernel kinds of the op examples (the default architecture: no wgmma)
-HOST_KINDS = ("elementwise", "row", "empty", "gemm-f32", "gemm-f16", "attention-f16")
+HOST_KINDS = ("elementwise", "row", "empty", "gemm-f32", "gemm-f16", "attention-f16", "gemv")
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +149,18 @@ def test_decomposed_rms_norm_is_one_row_kernel_on_the_host(tmp_path):
     _check(group.name, launch.kind, got[0], vals[id(ops[-1].outputs[0])])
 
 
-def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None):
-    """A committed test model as the driver hands it to the cuda code generator at float16 on one
-    device: imported, planned, merged projections, half operands (the weights of ``k_major_ops``
-    stored ``[N, K]``), fused attention; on ``feeds`` (default: the model's inputs file)."""
+def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None, precision: str = "float16"):
+    """A committed test model as the driver hands it to the cuda code generator at ``precision``
+    (float16 or float32) on one device: imported, planned, merged projections, half operands (the
+    weights of ``k_major_ops`` stored ``[N, K]``), fused attention; on ``feeds`` (default: the
+    model's inputs file)."""
     from model_refs import MODELS
 
     from shardflow.compiler import load_onnx
     from shardflow.compiler.parallel.partition import partition
     from shardflow.compiler.parallel.search import search
     from shardflow.compiler.passes.attention import FuseAttention
+    from shardflow.compiler.passes.lowbit import HalfLowBitOperands
     from shardflow.compiler.passes.precision import HalfPrecisionContractions
     from shardflow.compiler.passes.projections import MergeProjections
 
@@ -166,8 +168,11 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
         feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
     graph = load_onnx(str(MODELS / f"{model}.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
     (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
+    if precision == "float16":
+        rg = HalfLowBitOperands(precision).run(rg)
     rg = MergeProjections().run(rg)
-    rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
+    if precision == "float16":
+        rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
     return FuseAttention().run(rg), feeds
 
 
@@ -331,6 +336,28 @@ def test_model_gemms_on_the_tiles_for_a_k_major_b_on_the_host(tmp_path):
         wg, bn, stages, mode = WGMMA_CONFIGS[tiles[g.name]]
         assert src.launches[g.name].shared_mem == _smem_bytes(wg, bn, stages, mode)[2], g.name
     _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=(3, 1, 1))
+
+
+@pytest.mark.parametrize("step,precision", [("decode", "float32"), ("decode", "float16"), ("prompt", "float32"),
+                                            ("prompt", "float16")])
+def test_low_bit_llama_program_on_the_host(tmp_path, step, precision):
+    """The 4-bit genai Llama's cuda program for sm_90, its weights kept as codes: a decoding step's
+    products (2 rows) are gemv kernels, the prompt's (16 rows) tensor-core GEMMs, both dequantizing
+    the codes as they load them (at float16 rounded to half operands, passes/lowbit.py); every
+    kernel on the evaluator's values, against the evaluator."""
+    from model_refs import genai_llama_feeds
+
+    rg, feeds = _rank_graph_for_cuda("llama_genai_int4", feeds=genai_llama_feeds(step), precision=precision)
+    nbits = [op for op in rg.nodes if op.op_type == "MatMulNBits"]
+    assert len(nbits) == 11 and all(op.attrs.get("operand_dtype") == (precision if precision != "float32" else None)
+                                    for op in nbits)
+    env, consts, groups = _graph_values(rg, feeds, views=True)
+    src = generate_cuda_source(groups, arch="sm_90", precision=precision)
+    kinds = [src.launches[g.name].kind for g in groups if g.name in src.launches]
+    gemm = {"float32": "gemm-f32", "float16": "gemm-f16"}[precision]
+    assert kinds.count("gemv" if step == "decode" else gemm) == 11, kinds
+    _check_kernels("llama_genai_int4", build(src.text, str(tmp_path)), src,
+                   [g for g in groups if g.name in src.launches], env, consts)
 
 
 def _model_values(model: str):

@@ -27,7 +27,7 @@ from shardflow.compiler.codegen.toolchain import CompileError
 from shardflow.compiler.ir import Tensor, const_tensor
 from shardflow.compiler.ops.conv import Conv
 from shardflow.compiler.ops.elementwise import Binary, Unary
-from shardflow.compiler.ops.linalg import Attention, Einsum, Gemm, MatMul
+from shardflow.compiler.ops.linalg import Attention, Einsum, Gemm, MatMul, MatMulNBits
 from shardflow.compiler.ops.norm import LayerNorm, RMSNorm
 from shardflow.compiler.ops.reduce import ArgReduce, Reduce, Softmax
 from shardflow.runtime.tma import kernel_args
@@ -43,6 +43,8 @@ def _extra_cases(rng):
     and reductions over rows long enough for the warp and block strategies."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     h = lambda *s: rng.standard_normal(s).astype(np.float16)  # noqa: E731
+    u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
+    q = lambda n, b, levels: rng.integers(0, levels, (n, b)).astype(np.float32)  # noqa: E731  (zero points)
     long_rows = f(5, 3001)
     long_rows[1, 17] = np.nan
     return [
@@ -77,6 +79,18 @@ def _extra_cases(rng):
         ("row", Attention, [f(1, 2, 17, 16), f(1, 2, 19, 16), f(1, 2, 19, 8)], {"scale_sqrt": 0.5}),
         ("elementwise", Binary, [f(1000, 37), f(37)], {"fn": "add"}),
         ("elementwise", Unary, [h(33, 65)], {"fn": "tanh"}),
+        # fewer than 16 rows (cuda_gemv.py): B read along N (a [K, N] weight) or along K, odd sizes
+        ("gemv", MatMul, [f(1, 300), f(300, 70)], {}),
+        ("gemv", MatMul, [f(5, 3, 64), f(64, 45)], {}),  # 15 rows
+        ("gemv", Gemm, [f(4, 100), f(50, 100), f(50)], {"trans_b": True, "alpha": 0.5, "beta": 2.0}),
+        ("gemv", MatMul, [f(3, 1, 40), f(3, 40, 33)], {}),  # batched
+        ("gemv", Einsum, [f(2, 4, 1, 16), f(2, 4, 37, 16)], {"equation": "bhqd,bhkd->bhqk"}),  # a decoding step's scores
+        ("gemv", Einsum, [f(40, 33), f(33)], {"equation": "ij,j->i"}),  # a vector read by every output
+        ("gemv", MatMul, [h(2, 64), h(64, 40)], {}),
+        ("gemv", MatMulNBits, [f(3, 100), u8(37, 4, 16), f(37, 4), q(37, 4, 16)], {"bits": 4, "block_size": 32}),
+        ("gemv", MatMulNBits, [f(1, 2, 130), u8(20, 3, 32), f(20, 3)], {"bits": 4, "block_size": 64}),
+        ("gemv", MatMulNBits, [f(7, 48), u8(33, 3, 4), f(33, 3), q(33, 3, 4)], {"bits": 2, "block_size": 16}),
+        ("gemv", MatMulNBits, [f(2, 40), u8(17, 2, 32), f(17, 2), q(17, 2, 256)], {"bits": 8, "block_size": 32}),
     ]
 
 

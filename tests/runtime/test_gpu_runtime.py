@@ -217,3 +217,34 @@ def test_kv_cache_state_on_the_gpu(tmp_path, model):
         feeds["input_ids"] = want["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
         feeds["attention_mask"] = feeds["attention_mask"].copy()
         feeds["attention_mask"][:, start + step] = 1
+
+
+@pytest.mark.parametrize("step", ["prompt", "decode"])
+@pytest.mark.parametrize("precision,rel", [("float32", 0.0), ("float16", 5e-3)])
+def test_low_bit_weights_on_the_gpu(tmp_path, step, precision, rel):
+    """The 4-bit genai Llama on the device with its weights kept as codes (the GEMV kernels at a
+    decoding step's 2 rows, tensor-core GEMMs dequantizing in their loads at the prompt's 16): logits
+    and presents against onnxruntime at accuracy level 0 (float32 activations)."""
+    import onnx
+
+    if _cupy() is None:
+        pytest.skip("needs cupy and a CUDA device")
+    from model_refs import genai_llama_feeds
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    ort = pytest.importorskip("onnxruntime")
+    m = onnx.load(str(MODELS / "llama_genai_int4.onnx"))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    feeds = genai_llama_feeds(step, seed=5)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    res = compile(m, distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "o",
+                  optimization_config={"target": "cuda", "arch": "sm_90", "precision": precision},
+                  input_shapes={k: v.shape for k, v in feeds.items()})
+    prog = load(res.out_dir)
+    _close(prog.run(feeds), want, rel)

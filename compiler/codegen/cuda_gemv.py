@@ -1,0 +1,139 @@
+"""Products with few rows on CUDA: one kernel template for ``M < 16`` (decoding, small batches).
+
+The tensor-core templates tile 16 rows at least; a product with fewer rows (one token's
+projections, a decoding step's attention scores, a 4-bit weight read by one token) is bound by
+reading the weight once, so this template streams the larger operand ``B[N, K]`` once with
+coalesced loads and keeps the ``M`` rows' sums in registers:
+
+* **k-fast** (``B`` contiguous along ``K``: a K-major weight, the codes of a ``MatMulNBits``, a
+  decoding step's keys): a warp per output column, its lanes over ``K`` (consecutive lanes read
+  consecutive elements), the ``M`` sums reduced across the warp by shuffles;
+* **n-fast** (``B`` contiguous along ``N``: an ONNX ``MatMul`` weight ``[K, N]``, the values of an
+  attention): a block per 16 columns, each warp reading two rows of ``K`` at a time (16
+  consecutive elements each), the 8 warps on interleaved pairs of rows, their partial sums added
+  by a shuffle and then in shared memory.
+
+``A``'s element ``(m, k)`` is read (through the caches) by every column's warp; it is small (``M``
+rows). Products are float32 (the operands' values converted exactly, as the tensor-core GEMMs
+compute half operands) and summed in float32, in another order than the reference (float32
+rounding differences only). The operands and the epilogue are code snippets from the GEMM
+pattern of :mod:`.cuda` (any expression: a dequantization, a cast, a fused bias or residual).
+"""
+from __future__ import annotations
+
+__all__ = ["GEMV_MAX_ROWS", "gemv_kernel"]
+
+#: the most rows the template takes (the tensor-core GEMMs start at 16)
+GEMV_MAX_ROWS = 15
+_WARPS = 8
+#: columns of a block of the n-fast kernel: 64 bytes of a float32 row of B, 32 of a half one (whole
+#: 32-byte sectors either way), and N / 16 blocks (256 for N = 4096: two or more a multiprocessor)
+_N_COLS = 16
+_MAX_GRID = 65535
+
+
+def _indent(text: str, n: int) -> str:
+    pad = " " * n
+    return "\n".join(pad + ln if ln else ln for ln in text.split("\n"))
+
+
+def gemv_kernel(*, symbol: str, params: str, M: int, N: int, K: int, batch: int, root: str, batch_code: str,
+                load_a: str, load_b: str, k_fast: bool, epilogue: str) -> tuple[str, dict]:
+    """Source of one product kernel for ``M <= GEMV_MAX_ROWS`` rows and its launch configuration.
+
+    ``load_a`` is code that, given ``sf_m`` (row) and ``sf_k`` (reduction index) in range, sets
+    ``float sf_v``; ``load_b`` likewise from ``sf_n`` and ``sf_k``. ``epilogue`` reads ``float
+    sf_acc`` for output ``(sf_m, sf_n)`` and stores the result. ``root`` is code run once per
+    thread; ``batch_code`` decomposes ``sf_bz`` into the batch axes. ``k_fast``: ``B`` is read
+    with unit stride along ``K`` (else along ``N``).
+    """
+    assert 1 <= M <= GEMV_MAX_ROWS and N >= 1 and K >= 1
+    threads = 32 * _WARPS
+    accumulate = f"""float sf_b;
+{{
+  float sf_v = 0.0f;
+  {{
+{_indent(load_b, 4)}
+  }}
+  sf_b = sf_v;
+}}
+#pragma unroll
+for (int sf_m = 0; sf_m < {M}; ++sf_m) {{
+  float sf_v = 0.0f;
+  {{
+{_indent(load_a, 4)}
+  }}
+  sf_accs[sf_m] += sf_v * sf_b;
+}}"""
+    zero = f"""float sf_accs[{M}];
+#pragma unroll
+for (int sf_m = 0; sf_m < {M}; ++sf_m) sf_accs[sf_m] = 0.0f;"""
+    if k_fast:
+        # a warp per column; lane l sums k = l, l + 32, ...; the warp's lanes then add their sums
+        cols = _WARPS
+        body = f"""for (int sf_n = blockIdx.x * {_WARPS} + sf_warp; sf_n < {N}; sf_n += gridDim.x * {_WARPS}) {{
+{_indent(zero, 2)}
+  #pragma unroll 4
+  for (int sf_k = sf_lane; sf_k < {K}; sf_k += 32) {{
+{_indent(accumulate, 4)}
+  }}
+  #pragma unroll
+  for (int sf_m = 0; sf_m < {M}; ++sf_m) {{
+    float sf_acc = sf_accs[sf_m];
+    #pragma unroll
+    for (int sf_off = 16; sf_off > 0; sf_off >>= 1) sf_acc += __shfl_xor_sync(0xffffffffu, sf_acc, sf_off);
+    if (sf_lane == sf_m) {{
+{_indent(epilogue, 6)}
+    }}
+  }}
+}}"""
+        smem = ""
+    else:
+        # a block per 16 columns: lane l on column l % 16 and row l / 16 of each pair of K rows, warp
+        # w on pairs w, w + 8, ... (16 rows of K a step, each read as 16 consecutive elements); the
+        # two halves of a warp add their sums by a shuffle, the warps' sums meet in shared memory,
+        # where the block's threads add them and finish the outputs
+        cols = _N_COLS
+        rows = 32 // cols
+        body = f"""for (int sf_n0 = blockIdx.x * {cols}; sf_n0 < {N}; sf_n0 += gridDim.x * {cols}) {{
+{_indent(zero, 2)}
+  if (sf_n0 + (sf_lane & {cols - 1}) < {N}) {{
+    const int sf_n = sf_n0 + (sf_lane & {cols - 1});
+    #pragma unroll 4
+    for (int sf_k = sf_warp * {rows} + (sf_lane >> {cols.bit_length() - 1}); sf_k < {K}; sf_k += {_WARPS * rows}) {{
+{_indent(accumulate, 6)}
+    }}
+  }}
+  #pragma unroll
+  for (int sf_m = 0; sf_m < {M}; ++sf_m) {{
+    float sf_acc = sf_accs[sf_m];
+    #pragma unroll
+    for (int sf_off = 16; sf_off >= {cols}; sf_off >>= 1) sf_acc += __shfl_xor_sync(0xffffffffu, sf_acc, sf_off);
+    if (sf_lane < {cols}) sf_part[(sf_warp * {M} + sf_m) * {cols} + sf_lane] = sf_acc;
+  }}
+  __syncthreads();
+  for (int sf_e = threadIdx.x; sf_e < {M * cols}; sf_e += {threads}) {{
+    const int sf_m = sf_e / {cols};
+    const int sf_n = sf_n0 + sf_e % {cols};
+    float sf_acc = sf_part[sf_e];
+    #pragma unroll
+    for (int sf_w = 1; sf_w < {_WARPS}; ++sf_w) sf_acc += sf_part[sf_w * {M * cols} + sf_e];
+    if (sf_n < {N}) {{
+{_indent(epilogue, 6)}
+    }}
+  }}
+  __syncthreads();
+}}"""
+        smem = f"  __shared__ float sf_part[{_WARPS * M * cols}];\n"
+    src = f"""extern "C" __global__ void __launch_bounds__({threads}) {symbol}({params}) {{
+{smem}  const int sf_warp = threadIdx.x >> 5;
+  const int sf_lane = threadIdx.x & 31;
+{_indent(root, 2)}
+  for (int sf_bz = blockIdx.y; sf_bz < {batch}; sf_bz += gridDim.y) {{
+{_indent(batch_code, 4)}
+{_indent(body, 4)}
+  }}
+}}
+"""
+    grid = (max(1, min(_MAX_GRID, -(-N // cols))), max(1, min(batch, _MAX_GRID)), 1)
+    return src, {"grid": grid, "block": (threads, 1, 1)}
