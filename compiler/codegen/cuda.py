@@ -360,6 +360,12 @@ def _check_dtype(dt: str, where: str) -> None:
 # expression analysis
 # ----------------------------------------------------------------------------------------------
 
+#: the unsigned type in which a non-negative integer of each type is divided (plain division and
+#: remainder, shifts and masks for powers of two), and each type's bit width
+_UNSIGNED_AS = {"int32": "unsigned", "int64": "unsigned long long"}
+_INT_BITS = {"int32": 32, "int64": 64}
+
+
 class _Analysis:
     """Memoized per-node facts: numpy dtype, free variables, integer bounds, 32-bit narrowing."""
 
@@ -861,6 +867,12 @@ class _Emitter:
             expr = f"({a} / {b})"
         elif op == "truncdiv":
             expr = f"sf_truncdiv_int<{ct}>({a}, {b})"
+        elif op in ("floordiv", "mod") and dt in _UNSIGNED_AS and self._non_negative(e.a) \
+                and (an.bounds(e.b) or (0, 0))[0] > 0:
+            # (index arithmetic: numpy's floor semantics are C's on non-negative values, and in
+            # unsigned arithmetic a power-of-two divisor is a shift or a mask)
+            ut = _UNSIGNED_AS[dt]
+            expr = f"(({ct})(({ut}){a} {'/' if op == 'floordiv' else '%'} ({ut}){b}))"
         elif op == "floordiv":
             expr = f"sf_floordiv_f<{ct}>({a}, {b})" if is_f else f"sf_floordiv<{ct}>({a}, {b})"
         elif op == "mod":
@@ -887,7 +899,11 @@ class _Emitter:
         elif op in ("shl", "shr"):
             if is_f:
                 raise CudaCodegenError(f"shift {op} on {dt} has no numpy semantics")
-            expr = f"sf_{op}<{ct}>({a}, {b})"
+            nb = an.bounds(e.b)
+            if op == "shr" and dt in _UNSIGNED_AS and nb is not None and 0 <= nb[0] and nb[1] < _INT_BITS[dt]:
+                expr = f"(({ct})({a} >> {b}))"  # (a count known to be in range: a low-bit code's)
+            else:
+                expr = f"sf_{op}<{ct}>({a}, {b})"
         else:
             raise CudaCodegenError(f"binary operation {op} is not supported by the cuda target")
         if dt == "float16" and op not in ("max", "min"):
@@ -895,6 +911,10 @@ class _Emitter:
         elif dt == "bfloat16" and op not in ("max", "min"):
             expr = f"sf_rb({expr})"
         return self._ssa(blk, dt, expr)
+
+    def _non_negative(self, e: Expr) -> bool:
+        b = self.an.bounds(e)
+        return b is not None and b[0] >= 0
 
     def _unary(self, e: UnaryOp, blk: _Block) -> tuple[str, str]:
         an, op = self.an, e.op

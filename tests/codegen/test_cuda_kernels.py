@@ -164,6 +164,20 @@ def test_identical_ops_share_one_kernel():
     assert src.launches["layer1"].args == tuple(t.name for t in ops[1].inputs + ops[1].outputs)
 
 
+def test_index_arithmetic_on_non_negative_values_is_unsigned():
+    """A low-bit code's byte and bit position (``(k % 32) / 2``, ``(k % 2) * 4``) are divisions of
+    values known to be non-negative: plain unsigned division and shifts, not numpy's floor-division
+    helpers; a division of a tensor's (possibly negative) values keeps them."""
+    i32 = Tensor("i", (40,), "int32")
+    bq = Tensor("bq", (33, 4, 16), "uint8")
+    src = generate_cuda_source([MatMulNBits([Tensor("a", (2, 128), "float32"), bq, Tensor("s", (33, 4), "float32")],
+                                            name="nb", bits=4, block_size=32),
+                                Binary([i32, const_tensor(np.array(3, np.int32))], name="fd", fn="floordiv")])
+    nb, fd = src.text.split("// node nb")[1].split("// node fd")
+    assert "(unsigned)" in nb and not any(h in nb for h in ("sf_floordiv", "sf_mod", "sf_shr"))
+    assert "sf_floordiv<int>" in fd
+
+
 def test_scalar_weights_are_written_as_literals():
     """A one-element constant input (GPT-2's GELU: ``Pow(x, w)`` with ``w = 3`` a weight, and its
     scale factors) is not read by the kernel: its value is a literal, and the cube is a product
