@@ -91,6 +91,9 @@ def _extra_cases(rng):
         ("gemv", MatMulNBits, [f(1, 2, 130), u8(20, 3, 32), f(20, 3)], {"bits": 4, "block_size": 64}),
         ("gemv", MatMulNBits, [f(7, 48), u8(33, 3, 4), f(33, 3), q(33, 3, 4)], {"bits": 2, "block_size": 16}),
         ("gemv", MatMulNBits, [f(2, 40), u8(17, 2, 32), f(17, 2), q(17, 2, 256)], {"bits": 8, "block_size": 32}),
+        # (K a multiple of 8 and at least 256: a lane takes runs of 8 consecutive elements of K)
+        ("gemv", MatMulNBits, [f(2, 512), u8(24, 16, 16), f(24, 16), q(24, 16, 16)], {"bits": 4, "block_size": 32}),
+        ("gemv", Gemm, [f(3, 264), f(20, 264)], {"trans_b": True}),
     ]
 
 
