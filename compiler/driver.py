@@ -643,7 +643,7 @@ def _state_selects(g: FlowGraph, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> 
     holds, that ``Where`` being the input's only reader (a KV cache's present over its past):
     :func:`build_program` writes such an output over the input (:func:`_state_in_place` agrees: the
     select reads the input at its own index), so its kernel may store only where the condition
-    fails (``build_cpu_library``'s ``in_place``)."""
+    fails (the ``in_place`` of ``build_cpu_library`` and ``build_cuda_library``)."""
     readers: dict[int, list] = {}
     for op in g.nodes:
         for t in op.inputs:
@@ -1182,8 +1182,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     kw["gemm_tiles"] = opt.gemm_tiles
                 if opt.pdl:
                     kw["pdl"] = True
-            # presents kept over their pasts (cpu): their kernels store only the rows that change
-            selects = _state_selects(rg, _state_pairs(rg, state, r)) if state and opt.target == "cpu" else {}
+            # presents kept over their pasts: their kernels store only the rows (cpu) or elements (cuda)
+            # that change
+            selects = _state_selects(rg, _state_pairs(rg, state, r)) if state else {}
             if selects:
                 kw["in_place"] = dict(selects.values())
             compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels

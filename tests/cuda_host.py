@@ -781,10 +781,11 @@ def _aligned(shape, dtype) -> np.ndarray:
 
 
 def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1,
-        resident: int = 1, clock_step: int = 1) -> list[np.ndarray]:
+        resident: int = 1, clock_step: int = 1, alias: dict[int, int] | None = None) -> list[np.ndarray]:
     """Run one generated kernel (its :class:`KernelLaunch`) on numpy ``inputs``; outputs of
     ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows;
-    every argument is aligned as in the runtime's arena (64 bytes).
+    every argument is aligned as in the runtime's arena (64 bytes). ``alias``: ``{output index:
+    input index}``, outputs given their input's buffer (a state written in place).
     ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
     over several tiles, keep the emulation short); ``resident`` blocks run at once (see
     :meth:`HostKernels.launch`, also for ``clock_step``)."""
@@ -794,6 +795,8 @@ def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int
     outs = [_aligned(s, d) for s, d in output_specs]
     for o in outs:
         o.reshape(-1).view(np.uint8)[...] = 0x5A
+    for j, i in (alias or {}).items():
+        outs[j] = ins[i]
     arrays = ins + outs
     maps = [tensor_map(spec, arrays[int(spec["arg"])]) for spec in launch.tensor_maps]
     kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed, resident,

@@ -88,15 +88,9 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None
                           and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accepts_group,
                           views=views)
-    from .fusion import drop_views
+    from .fusion import aliased_inputs, drop_views
     groups = drop_views(groups, views)
-    aliased = {}  # group name -> the input its output is written over
-    for g in groups if in_place else ():
-        name = in_place.get(g.outputs[0].name) if len(g.outputs) == 1 else None
-        ks = [k for k, t in enumerate(g.inputs) if name is not None and t.name == name]
-        if len(ks) == 1:
-            aliased[g.name] = ks[0]
-    src = generate_cpu_source(groups, in_place=aliased)
+    src = generate_cpu_source(groups, in_place=aliased_inputs(groups, in_place))
     t1 = time.perf_counter()
     if src.skipped:
         log.info("not compiled (run by the runtime or unsupported): %s",

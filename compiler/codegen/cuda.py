@@ -1272,8 +1272,22 @@ def _contiguous_reduction(r: Reduce) -> bool:
 _ELEMENTS_PER_THREAD = 4
 
 
+def _kept_select(value: Expr, kept, axes) -> tuple[Expr, Expr] | None:
+    """``(c, e)`` when ``value`` is ``c ? kept[i] : e`` with ``kept`` (an input placeholder the output
+    is written over) read at the output's own index ``i``: where ``c`` holds the element is there."""
+    if kept is None or not isinstance(value, IfThenElse):
+        return None
+    x = value.then
+    if (isinstance(x, TensorElement) and x.tensor is kept and len(x.indices) == len(axes)
+            and all(i is a for i, a in zip(x.indices, axes))):
+        return value.cond, value.other
+    return None
+
+
 def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysis,
-                        reads, names) -> _Part:
+                        reads, names, kept=None) -> _Part:
+    """One output's kernel code (a thread per element, or a warp or block per row of reductions).
+    ``kept``: the input placeholder the output is written over, if any (:func:`_kept_select`)."""
     em = _Emitter(an, reads, names)
     n = _prod(gc.shape)
     it = "long long" if n > _WIDE else "int"
@@ -1285,7 +1299,18 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
     out_dt = gc.dtype
     strides = _row_major_strides(gc.shape)
 
+    # (a thread per element only: a row's cooperative reductions must not sit in a divergent branch)
+    select = _kept_select(value, kept, list(gc.axes)) if plan is None else None
+
     def store(blk: _Block, off: str):
+        if select is not None:  # (the kept elements are neither read nor written)
+            c = em.value_as(select[0], "bool", blk)
+            # the branch binds every variable again, so that what only e needs is computed in it
+            inner = _Block(blk, {v: x for b in reversed(list(blk.chain())) for v, x in b.binds.items()})
+            x = em.value_as(select[1], out_dt, inner)
+            blk.lines += [f"if (!{c}) {{"] + _indent(inner.lines + [f"{out_ptr}[{off}] = {em.stored(x, out_dt)};"], 2)
+            blk.lines.append("}")
+            return
         x = em.value_as(value, out_dt, blk)
         blk.lines.append(f"{out_ptr}[{off}] = {em.stored(x, out_dt)};")
 
@@ -1865,7 +1890,8 @@ _GEMV_MIN_K = 16
 
 
 def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
-              config: str | None = None, mma: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
+              config: str | None = None, mma: bool = False,
+              in_place: int | None = None) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -1916,7 +1942,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
     for j, (gc, value) in enumerate(zip(task.outputs, values)):
         if _prod(gc.shape) == 0:
             continue
-        parts.append(_lower_generic_part(gc, value, f"out{j}", an, reads, names))
+        kept = task.inputs[in_place] if in_place is not None and j == 0 else None
+        parts.append(_lower_generic_part(gc, value, f"out{j}", an, reads, names, kept))
     body = []
     if any(p.block_smem for p in parts):
         body += ["__shared__ unsigned long long sf_red[32];", "__shared__ long long sf_redi[32];"]
@@ -1945,7 +1972,8 @@ class CudaSource:
 
 
 def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", arch: str = "sm_80",
-                         gemm_configs: dict[str, str] | None = None, pdl: bool = False) -> CudaSource:
+                         gemm_configs: dict[str, str] | None = None, pdl: bool = False,
+                         in_place: dict[str, int] | None = None) -> CudaSource:
     """Generate the CUDA translation unit for ``ops`` (no compilation).
 
     Parameters
@@ -1964,6 +1992,10 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     pdl
         Start every kernel with :data:`PDL_ENTER` (sm_90 and newer): launched with programmatic
         dependent launch (``runtime/pdl.py``), a kernel waits on the GPU for the one before it.
+    in_place
+        ``{op name: input index}``: ops whose (one) output the program writes over that input;
+        where the output is ``c ? x[i] : e`` with ``x`` that input read at the output's own index,
+        the kernel stores ``e`` only where ``c`` does not hold (``build_cuda_library``'s).
 
     Returns
     -------
@@ -1995,7 +2027,8 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
             raise CudaCodegenError(f"two ops are named {op.name!r}; kernel names must be unique")
         try:
             src, launch, wrapper = _lower_op(op, _PLACEHOLDER, fp32, arch in WGMMA_ARCHS,
-                                             (gemm_configs or {}).get(op.name), _sm(arch) >= 80)
+                                             (gemm_configs or {}).get(op.name), _sm(arch) >= 80,
+                                             (in_place or {}).get(op.name))
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -2207,7 +2240,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
                        search_space: int = 1, views: Sequence[str] = (),
-                       gemm_tiles: dict[str, str] | None = None, pdl: bool = False) -> dict[str, KernelLaunch | None]:
+                       gemm_tiles: dict[str, str] | None = None, pdl: bool = False,
+                       in_place: dict[str, str] | None = None) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -2251,6 +2285,11 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         neighbour's kernel; the others get no kernel and no entry in the result.
     pdl
         Kernels for programmatic dependent launch (see :func:`generate_cuda_source`).
+    in_place
+        ``{output tensor name: input tensor name}``: outputs the program writes over that input's
+        bytes (a state, ``compile(state=...)``; the caller makes sure the program aliases them). The
+        kernel writing such an output as a select that keeps the input's element (``c ? x[i] :
+        e``) stores only where ``c`` does not hold (a KV cache's new rows, not the whole cache).
 
     Returns
     -------
@@ -2278,8 +2317,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM
         ops = fuse_ops(list(ops), keep=keep, materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: False,
                        views=views)
-    from .fusion import drop_views
+    from .fusion import aliased_inputs, drop_views
     ops = drop_views(ops, views)
+    aliased = aliased_inputs(ops, in_place)
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
     if compiler == "nvcc" and nvcc is None:
         raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
@@ -2316,7 +2356,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         from .tune import tune_gemms
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
                            cache_dir=cache, compile_source=lambda s: compile_unit(s)[0])
-    src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})}, pdl=pdl)
+    src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})}, pdl=pdl,
+                               in_place=aliased)
     for pattern, names in matched.items():
         if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):
             log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program (wgmma)", pattern)

@@ -32,7 +32,7 @@ them in order); tests compare both on every op example.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from ..ir.graph import Operator, Tensor
 from ..ir.task import GridCompute, Task, TensorInput
 from .lower import substitute, transform
 
-__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS", "reads_only_at_own_index"]
+__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS", "reads_only_at_own_index", "aliased_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -405,3 +405,16 @@ def kernel_entries(groups: Sequence[Operator], built: dict) -> dict:
         res[g.name] = {"symbol": built[g.name], "inputs": [t.name for t in g.inputs],
                        "outputs": [t.name for t in g.outputs]}
     return res
+
+
+def aliased_inputs(groups: Sequence[Operator], in_place: Mapping[str, str] | None) -> dict[str, int]:
+    """``{kernel (group) name: input index}`` for the kernels whose one output the program writes
+    over one of their inputs, given ``in_place`` as the builders take it (``{output tensor name:
+    input tensor name}``)."""
+    aliased = {}
+    for g in groups if in_place else ():
+        name = in_place.get(g.outputs[0].name) if len(g.outputs) == 1 else None
+        ks = [k for k, t in enumerate(g.inputs) if name is not None and t.name == name]
+        if len(ks) == 1:
+            aliased[g.name] = ks[0]
+    return aliased

@@ -88,6 +88,43 @@ def test_the_emulation_sees_a_missing_barrier(tmp_path):
         run(build(src.text[:i] + body, str(tmp_path)), launch, [x], [(want.shape, want.dtype)])
 
 
+def test_a_kept_select_stores_only_where_its_condition_fails(tmp_path):
+    """An output the program writes over its input as ``c ? x : e`` (a KV cache's present over its
+    past, ``compile(state=...)``): with ``in_place`` the kernel stores ``e`` where ``c`` fails and
+    nothing else (a separate, poisoned output keeps its poison there), and on the input's own
+    buffer the result is the select's. Without ``in_place`` it writes every element."""
+    from shardflow.compiler.ops.elementwise import Binary, Where
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 3, 16, 8)).astype(np.float32)
+    keep = np.ones((2, 1, 16, 1), bool)
+    keep[0, :, 5], keep[1, :, 9] = False, False  # each sequence's new row
+    new = rng.standard_normal((2, 3, 1, 8)).astype(np.float32)
+    ins = [Tensor("keep", keep.shape, "bool"), Tensor("past", x.shape, "float32"), Tensor("new", new.shape, "float32")]
+    scaled = Binary([ins[2], Tensor("two", (), "float32")], name="scaled", fn="mul")
+    op = Where([ins[0], ins[1], scaled.outputs[0]], name="present")
+    from shardflow.compiler.codegen.fusion import fuse
+
+    (group,) = fuse([scaled, op], keep=["present:0"])
+    arrays = [keep, x, new, np.float32(2.0)]
+    arrays = [dict(zip([t.name for t in ins] + ["two"], arrays))[t.name] for t in group.inputs]
+    past = [t.name for t in group.inputs].index("past")
+    want = np.where(keep, x, new * 2)
+    src = generate_cuda_source([group], in_place={group.name: past})
+    assert src.text.split("// node ")[1].count("if (!") == 1
+    kernels = build(src.text, str(tmp_path))
+    launch = src.launches[group.name]
+    (alone,) = run(kernels, launch, arrays, [(x.shape, x.dtype)])
+    poison = np.full(1, 0x5A5A5A5A, np.uint32).view(np.float32)[0]
+    np.testing.assert_array_equal(alone, np.where(keep, poison, new * 2))
+    (aliased,) = run(kernels, launch, arrays, [(x.shape, x.dtype)], alias={0: past})
+    np.testing.assert_array_equal(aliased, want)
+    plain = generate_cuda_source([group])
+    assert "if (!" not in plain.text.split("// node ")[1]
+    (every,) = run(build(plain.text, str(tmp_path)), plain.launches[group.name], arrays, [(x.shape, x.dtype)])
+    np.testing.assert_array_equal(every, want)
+
+
 def test_layernorm_of_a_long_row(tmp_path):
     """A LayerNorm row longer than a block's threads, half-precision output (the precision pass's
     form), against numpy."""

@@ -5,6 +5,7 @@ onnxruntime running the same loop with the cache passed in and out, or with nump
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -359,3 +360,29 @@ def test_a_select_over_its_state_stores_only_what_changes(tmp_path):
         prog.run({"keep": keep, "x": x})
         s = np.where(keep, s, x)
         np.testing.assert_array_equal(prog.read_state()["s"], s)
+
+
+def test_cuda_presents_store_only_what_changes(tmp_path, monkeypatch):
+    """For the cuda target too, the genai Llama's presents kept over their pasts are generated to store
+    only where their select changes the past (``build_cuda_library``'s ``in_place``): four kernels
+    each with one guarded store, none reading its past; the program writes them in place. (The
+    kernel itself runs on the host emulation in tests/codegen/test_cuda_host.py, the program on a
+    GPU in test_gpu_runtime.py.)"""
+    import shutil
+
+    from shardflow.compiler.codegen import cuda
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    sources, real = [], cuda.generate_cuda_source
+    monkeypatch.setattr(cuda, "generate_cuda_source", lambda *a, **k: sources.append(real(*a, **k)) or sources[-1])
+    feeds, _ = next(_llama_steps(1))
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config=ONE, out_dir=tmp_path / "out",
+                  optimization_config={"target": "cuda", "arch": "sm_90"},
+                  input_shapes={k: v.shape for k, v in feeds.items()}, state=_cache_state(2))
+    assert [e["in_place"] for e in _program_state(res.out_dir)] == [True] * 4
+    (src,) = sources
+    guarded = {re.search(r"__launch_bounds__\(\d+\) (\w+)\(", k).group(1) for k in src.text.split("// node ")[1:]
+               if "if (!" in k}
+    assert len(guarded) == 2  # (the two layers' presents share their kernels)
+    assert sum(launch.symbol in guarded for launch in src.launches.values()) == 4
