@@ -68,7 +68,7 @@ from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfTh
                        UnaryOp, Var, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
-from .cuda_gemv import GEMV_MAX_ROWS, gemv_kernel
+from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import STREAM_K_WORKSPACE, WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
 from .lower import CodegenError, hashcons
@@ -1527,11 +1527,37 @@ def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
 _EPILOGUE_VEC = 4
 
 
+def _nbits_codes(op: Operator, plan: _GemmPlan, an: _Analysis) -> Codes | None:
+    """The 4-bit codes a skinny ``plan``'s ``B`` side reads, when ``op`` is (or holds) a float32
+    ``MatMulNBits`` whose weight is exactly that side (its codes, scales and zero points the only
+    tensors ``B`` reads, ``A`` none of them; its columns the plan's ``N``) with blocks and ``K``
+    multiples of 8: :func:`~.cuda_gemv.gemv_kernel` then reads them a word at a time."""
+    nb = [m for m in getattr(op, "members", [op]) if m.op_type == "MatMulNBits"]
+    if len(nb) != 1 or nb[0].attrs.get("operand_dtype") or int(nb[0].attrs["bits"]) != 4:
+        return None
+    m, bs = nb[0], int(nb[0].attrs["block_size"])
+    k, n = m.inputs[0].shape[-1], m.inputs[1].shape[0]
+    if bs % 8 or k % 8 or plan.b_axes or len(plan.n_axes) != 1 or plan.n_axes[0].extent != n \
+            or len(plan.red.vars) != 1 or plan.red.vars[0].extent != k:
+        return None
+    slots = [next((i for i, t in enumerate(op.inputs) if t is x), None) for x in m.inputs[1:]]
+    if None in slots:
+        return None
+    weight = {id(op.task.inputs[i]) for i in slots}
+    reads = lambda e: {id(x.tensor) for x in walk(e) if isinstance(x, TensorElement)}  # noqa: E731
+    if reads(plan.b) != weight or reads(plan.a) & weight:
+        return None
+    zp = m.inputs[3].value if len(m.inputs) > 3 else None
+    whole = zp is not None and bool(np.all((np.asarray(zp) == np.round(zp)) & (np.abs(zp) < 2 ** 22)))
+    return Codes(f"in{slots[0]}", f"in{slots[1]}", f"in{slots[2]}" if len(slots) > 2 else None, bs, whole)
+
+
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
-                config: str | None = None, gemv: bool = False) -> tuple[str, dict, tuple | None]:
+                config: str | None = None, gemv: bool = False,
+                codes: Codes | None = None) -> tuple[str, dict, tuple | None]:
     """The kernel of a GEMM ``plan`` (:func:`_plan_gemm`): a tensor-core template, or with ``gemv``
-    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel`."""
+    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as 4-bit codes)."""
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1618,7 +1644,8 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     if gemv:
         src, launch = gemv_kernel(symbol=symbol, params=params, M=M, N=N, K=K, batch=B, root="\n".join(root.lines),
                                   batch_code="\n".join(bdec + bblk.lines), load_a=load_a, load_b=load_b,
-                                  k_fast=not plan.b_n_fast, epilogue="\n".join(epi))
+                                  k_fast=codes is not None or not plan.b_n_fast, epilogue="\n".join(epi),
+                                  codes=codes)
         return src, launch, None
     if direct is not None:
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
@@ -1935,7 +1962,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         # fewer than 16 rows (decoding): the weight streamed once, the rows' sums in registers
         plan = _plan_gemm(gc, value, an, fp32, skinny=True)
         if plan is not None and _prod([v.extent for v in plan.red.vars]) >= _GEMV_MIN_K:
-            src, cfg, _ = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, gemv=True)
+            src, cfg, _ = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, gemv=True,
+                                      codes=_nbits_codes(op, plan, an))
             return src, KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name, "gemv"), None
 
     parts: list[_Part] = []

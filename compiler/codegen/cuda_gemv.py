@@ -21,7 +21,9 @@ pattern of :mod:`.cuda` (any expression: a dequantization, a cast, a fused bias 
 """
 from __future__ import annotations
 
-__all__ = ["GEMV_MAX_ROWS", "gemv_kernel"]
+from dataclasses import dataclass
+
+__all__ = ["GEMV_MAX_ROWS", "Codes", "gemv_kernel"]
 
 #: the most rows the template takes (the tensor-core GEMMs start at 16)
 GEMV_MAX_ROWS = 15
@@ -42,17 +44,73 @@ def _indent(text: str, n: int) -> str:
     return "\n".join(pad + ln if ln else ln for ln in text.split("\n"))
 
 
+@dataclass(frozen=True)
+class Codes:
+    """``B`` as 4-bit codes in ``MatMulNBits``' layout, read by the k-fast kernel a word at a time:
+    ``B[n, k] = (code(n, k) - zp[n, k / block]) * scales[n, k / block]``, column ``n``'s codes in
+    ``ceil(K / block)`` blocks of ``block / 2`` bytes, two codes a byte (``k`` even in the low
+    nibble), from a 4-byte aligned ``bq`` (every buffer of a program is); ``zp`` ``None`` for the
+    default 8. The names are the kernel's pointer parameters."""
+
+    bq: str
+    scales: str
+    zp: str | None
+    block: int
+    #: the zero points are whole numbers under 2^22 (the default, or a constant such table): each code's
+    #: ``q - zp`` is then one exact subtraction of ``2^23 + zp`` from ``2^23 + q``
+    whole_zp: bool = False
+
+
+def _codes_run(codes: Codes, K: int, M: int, load_a: str) -> str:
+    """The k-fast kernel's step on a run of 8 codes of column ``sf_n`` (one 32-bit word): each code
+    converted by the float trick (``2^23 + q`` has ``q`` in its low mantissa bits), its zero point
+    subtracted, multiplied with ``A``'s elements and summed over the run, the block's scale applied
+    once to the run's sum (the reference scales each weight: sums in another order)."""
+    blocks = -(-K // codes.block)
+    zp = f"{codes.zp}[sf_n * {blocks} + sf_blk]" if codes.zp else "8.0f"
+    if codes.whole_zp or not codes.zp:
+        zero, q = f"const float sf_z = 8388608.0f + {zp};", "__uint_as_float(0x4B000000u | ((sf_w >> (4 * sf_j)) & 15u)) - sf_z"
+    else:
+        zero, q = (f"const float sf_z = {zp};",
+                   "(__uint_as_float(0x4B000000u | ((sf_w >> (4 * sf_j)) & 15u)) - 8388608.0f) - sf_z")
+    return f"""const int sf_k0 = sf_t * 8;
+const int sf_blk = (int)((unsigned)sf_k0 / {codes.block}u);
+const unsigned sf_w = reinterpret_cast<const unsigned*>({codes.bq})[(long long)sf_n * {blocks * codes.block // 8} + sf_t];
+const float sf_s = {codes.scales}[sf_n * {blocks} + sf_blk];
+{zero}
+float sf_q[8];
+#pragma unroll
+for (int sf_j = 0; sf_j < 8; ++sf_j)
+  sf_q[sf_j] = {q};
+#pragma unroll
+for (int sf_m = 0; sf_m < {M}; ++sf_m) {{
+  float sf_r = 0.0f;
+  #pragma unroll
+  for (int sf_j = 0; sf_j < 8; ++sf_j) {{
+    const int sf_k = sf_k0 | sf_j;
+    float sf_v = 0.0f;
+    {{
+{_indent(load_a, 6)}
+    }}
+    sf_r += sf_v * sf_q[sf_j];
+  }}
+  sf_accs[sf_m] += sf_r * sf_s;
+}}"""
+
+
 def gemv_kernel(*, symbol: str, params: str, M: int, N: int, K: int, batch: int, root: str, batch_code: str,
-                load_a: str, load_b: str, k_fast: bool, epilogue: str) -> tuple[str, dict]:
+                load_a: str, load_b: str, k_fast: bool, epilogue: str, codes: Codes | None = None) -> tuple[str, dict]:
     """Source of one product kernel for ``M <= GEMV_MAX_ROWS`` rows and its launch configuration.
 
     ``load_a`` is code that, given ``sf_m`` (row) and ``sf_k`` (reduction index) in range, sets
     ``float sf_v``; ``load_b`` likewise from ``sf_n`` and ``sf_k``. ``epilogue`` reads ``float
     sf_acc`` for output ``(sf_m, sf_n)`` and stores the result. ``root`` is code run once per
     thread; ``batch_code`` decomposes ``sf_bz`` into the batch axes. ``k_fast``: ``B`` is read
-    with unit stride along ``K`` (else along ``N``).
+    with unit stride along ``K`` (else along ``N``). ``codes``: ``B`` is 4-bit codes read a word
+    (8 codes) at a time instead of through ``load_b`` (k-fast; ``K`` a multiple of 8, unbatched).
     """
     assert 1 <= M <= GEMV_MAX_ROWS and N >= 1 and K >= 1
+    assert codes is None or (k_fast and K % 8 == 0 and codes.block % 8 == 0 and batch == 1)
     threads = 32 * _WARPS
     accumulate = f"""float sf_b;
 {{
@@ -76,16 +134,20 @@ for (int sf_m = 0; sf_m < {M}; ++sf_m) sf_accs[sf_m] = 0.0f;"""
     if k_fast:
         # a warp per column; lane l sums k = l, l + 32, ...; the warp's lanes then add their sums
         cols = _WARPS
-        run = _K_RUN if K % _K_RUN == 0 and K >= 32 * _K_RUN else 1
+        run = 8 if codes is not None else _K_RUN if K % _K_RUN == 0 and K >= 32 * _K_RUN else 1
+        if codes is not None:
+            step = _codes_run(codes, K, M, load_a)
+        else:
+            step = f"""#pragma unroll
+for (int sf_j = 0; sf_j < {run}; ++sf_j) {{
+  const int sf_k = sf_t * {run} | sf_j;  // (an or: the compiler sees which bits sf_j sets)
+{_indent(accumulate, 2)}
+}}"""
         body = f"""for (int sf_n = blockIdx.x * {_WARPS} + sf_warp; sf_n < {N}; sf_n += gridDim.x * {_WARPS}) {{
 {_indent(zero, 2)}
   #pragma unroll {max(1, 4 // run)}
   for (int sf_t = sf_lane; sf_t < {K // run}; sf_t += 32) {{
-    #pragma unroll
-    for (int sf_j = 0; sf_j < {run}; ++sf_j) {{
-      const int sf_k = sf_t * {run} | sf_j;  // (an or: the compiler sees which bits sf_j sets)
-{_indent(accumulate, 6)}
-    }}
+{_indent(step, 4)}
   }}
   #pragma unroll
   for (int sf_m = 0; sf_m < {M}; ++sf_m) {{

@@ -9,12 +9,15 @@ The precision pass rounds the operands of the float32 contractions it knows (Mat
 low-bit product's weight is no stored tensor it could convert, so :class:`HalfLowBitOperands` asks the
 op itself to round: ``operand_dtype`` makes its compute definition read ``a`` and the dequantized
 weight rounded to the half type, products exact in float32 and float32 sums, the values a GEMM on half
-operands computes (and the cuda GEMM then takes the half tensor cores). The cpu target computes these
-products in float32 at every precision (its template takes no ``operand_dtype``).
+operands computes (and the cuda GEMM then takes the half tensor cores), where the product has rows
+enough for them. The cpu target computes these products in float32 at every precision (its template
+takes no ``operand_dtype``).
 """
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from ..ir.graph import FlowGraph
 from .base import GraphPass, splice
@@ -24,9 +27,15 @@ __all__ = ["HalfLowBitOperands"]
 log = logging.getLogger(__name__)
 
 
+#: the fewest rows a product needs for the cuda target's tensor-core GEMMs (fewer: the GEMV template)
+TENSOR_CORE_ROWS = 16
+
+
 class HalfLowBitOperands(GraphPass):
-    """Each float32 MatMulNBits becomes the same op with ``operand_dtype=dtype`` (``"float16"`` or
-    ``"bfloat16"``), of the same name."""
+    """Each float32 MatMulNBits of at least :data:`TENSOR_CORE_ROWS` rows becomes the same op with
+    ``operand_dtype=dtype`` (``"float16"`` or ``"bfloat16"``), of the same name. Fewer rows (a
+    decoding step) keep float32 operands: the GEMV they get uses no tensor cores, so rounding would
+    only lose accuracy (and keep the kernel from reading the codes a word at a time)."""
 
     def __init__(self, dtype: str):
         self.dtype = dtype
@@ -34,7 +43,8 @@ class HalfLowBitOperands(GraphPass):
     def run(self, graph: FlowGraph) -> FlowGraph:
         after, replace = {}, {}
         for op in graph.nodes:
-            if op.op_type != "MatMulNBits" or op.attrs.get("operand_dtype") or op.outputs[0].dtype != "float32":
+            if op.op_type != "MatMulNBits" or op.attrs.get("operand_dtype") or op.outputs[0].dtype != "float32" \
+                    or int(np.prod(op.inputs[0].shape[:-1])) < TENSOR_CORE_ROWS:
                 continue
             new = type(op)(list(op.inputs), name=op.name, **{**op.attrs, "operand_dtype": self.dtype})
             after[id(op)] = [new]

@@ -93,6 +93,10 @@ def _extra_cases(rng):
         ("gemv", MatMulNBits, [f(2, 40), u8(17, 2, 32), f(17, 2), q(17, 2, 256)], {"bits": 8, "block_size": 32}),
         # (K a multiple of 8 and at least 256: a lane takes runs of 8 consecutive elements of K)
         ("gemv", MatMulNBits, [f(2, 512), u8(24, 16, 16), f(24, 16), q(24, 16, 16)], {"bits": 4, "block_size": 32}),
+        # (4-bit codes, K a multiple of 8: read a word at a time; the default zero point; K past the last whole block)
+        ("gemv", MatMulNBits, [f(3, 256), u8(40, 8, 16), f(40, 8)], {"bits": 4, "block_size": 32}),
+        ("gemv", MatMulNBits, [f(1, 72), u8(20, 3, 16), f(20, 3), q(20, 3, 16)], {"bits": 4, "block_size": 32}),
+        ("gemv", MatMulNBits, [f(2, 64), u8(18, 2, 16), f(18, 2), f(18, 2) + 7], {"bits": 4, "block_size": 32}),  # (float zp)
         ("gemv", Gemm, [f(3, 264), f(20, 264)], {"trans_b": True}),
     ]
 
