@@ -13,6 +13,10 @@ coalesced loads and keeps the ``M`` rows' sums in registers:
   consecutive elements each), the 8 warps on interleaved pairs of rows, their partial sums added
   by a shuffle and then in shared memory.
 
+A 4-bit ``MatMulNBits`` weight (:class:`Codes`) is read by the k-fast kernel a 32-bit word (8 codes)
+at a time, each code made a float without a conversion instruction and the block's scale applied
+once to the run's sum.
+
 ``A``'s element ``(m, k)`` is read (through the caches) by every column's warp; it is small (``M``
 rows). Products are float32 (the operands' values converted exactly, as the tensor-core GEMMs
 compute half operands) and summed in float32, in another order than the reference (float32
