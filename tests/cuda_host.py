@@ -782,15 +782,21 @@ def _aligned(shape, dtype) -> np.ndarray:
 
 
 def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int = 1,
-        resident: int = 1, clock_step: int = 1, alias: dict[int, int] | None = None) -> list[np.ndarray]:
+        resident: int = 1, clock_step: int = 1, alias: dict[int, int] | None = None,
+        shift: dict[int, int] | None = None) -> list[np.ndarray]:
     """Run one generated kernel (its :class:`KernelLaunch`) on numpy ``inputs``; outputs of
     ``output_specs`` (``(shape, dtype)``) start poisoned, so an element the kernel misses shows;
     every argument is aligned as in the runtime's arena (64 bytes). ``alias``: ``{output index:
-    input index}``, outputs given their input's buffer (a state written in place).
+    input index}``, outputs given their input's buffer (a state written in place). ``shift``:
+    ``{input index: bytes}``, inputs placed that many bytes past an aligned address (a kernel's
+    path for unaligned operands).
     ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
     over several tiles, keep the emulation short); ``resident`` blocks run at once (see
     :meth:`HostKernels.launch`, also for ``clock_step``)."""
     ins = [_aligned(np.shape(a), np.asarray(a).dtype) for a in inputs]
+    for i, b in (shift or {}).items():
+        a = np.asarray(inputs[i])
+        ins[i] = _aligned((a.nbytes + b,), np.uint8)[b:].view(a.dtype).reshape(a.shape)
     for i, a in zip(ins, inputs):
         i[...] = a
     outs = [_aligned(s, d) for s, d in output_specs]

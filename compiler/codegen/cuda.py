@@ -1552,6 +1552,25 @@ def _nbits_codes(op: Operator, plan: _GemmPlan, an: _Analysis) -> Codes | None:
     return Codes(f"in{slots[0]}", f"in{slots[1]}", f"in{slots[2]}" if len(slots) > 2 else None, bs, whole)
 
 
+def _rows_of_a(plan: _GemmPlan, an: _Analysis, reads, names) -> tuple[str, str] | None:
+    """``(pointer, code setting long long sf_ao from sf_m)`` when the plan's ``A`` is a float32
+    tensor read at ``sf_ao + k`` with ``sf_ao`` a multiple of 4 for every row: a run of 8 of its
+    elements from ``k`` a multiple of 8 on is then two 16-byte loads (where the pointer is 16-byte
+    aligned: the kernel checks)."""
+    e = plan.a
+    ref = reads.get(id(e.tensor)) if isinstance(e, TensorElement) else None
+    if ref is None or ref[2] != "float32" or len(plan.red.vars) != 1:
+        return None
+    f = _flat_affine(e, ref[1], an)
+    k = plan.red.vars[0]
+    if f is None or f[0].get(k) != 1 or f[1] % 4 \
+            or any(v is not k and (v not in plan.m_axes or c % 4) for v, c in f[0].items()):
+        return None
+    mdec, mbinds = _decompose("sf_m", plan.m_axes, "int", "m", names)
+    terms = [f"(long long){mbinds[v][0]} * {c}" for v, c in f[0].items() if v is not k] + [str(f[1])]
+    return ref[0], "\n".join(mdec + [f"sf_ao = {' + '.join(terms)};"])
+
+
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
                 config: str | None = None, gemv: bool = False,
@@ -1645,7 +1664,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         src, launch = gemv_kernel(symbol=symbol, params=params, M=M, N=N, K=K, batch=B, root="\n".join(root.lines),
                                   batch_code="\n".join(bdec + bblk.lines), load_a=load_a, load_b=load_b,
                                   k_fast=codes is not None or not plan.b_n_fast, epilogue="\n".join(epi),
-                                  codes=codes)
+                                  codes=codes, a_rows=_rows_of_a(plan, an, reads, names) if codes else None)
         return src, launch, None
     if direct is not None:
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,

@@ -65,7 +65,7 @@ class Codes:
     whole_zp: bool = False
 
 
-def _codes_run(codes: Codes, K: int, M: int, load_a: str) -> str:
+def _codes_run(codes: Codes, K: int, M: int, load_a: str, a_rows: tuple[str, str] | None) -> str:
     """The k-fast kernel's step on a run of 8 codes of column ``sf_n`` (one 32-bit word): each code
     converted by the float trick (``2^23 + q`` has ``q`` in its low mantissa bits), its zero point
     subtracted, multiplied with ``A``'s elements and summed over the run, the block's scale applied
@@ -89,21 +89,44 @@ for (int sf_j = 0; sf_j < 8; ++sf_j)
 #pragma unroll
 for (int sf_m = 0; sf_m < {M}; ++sf_m) {{
   float sf_r = 0.0f;
-  #pragma unroll
-  for (int sf_j = 0; sf_j < 8; ++sf_j) {{
-    const int sf_k = sf_k0 | sf_j;
-    float sf_v = 0.0f;
-    {{
-{_indent(load_a, 6)}
-    }}
-    sf_r += sf_v * sf_q[sf_j];
-  }}
+{_indent(_run_of_a(load_a, a_rows), 2)}
   sf_accs[sf_m] += sf_r * sf_s;
 }}"""
 
 
+def _run_of_a(load_a: str, a_rows: tuple[str, str] | None) -> str:
+    """``sf_r``, the sum over the run of ``A``'s elements times ``sf_q``: element by element through
+    ``load_a``, or (``a_rows``: see ``cuda._rows_of_a``) as two 16-byte loads where ``A`` is aligned."""
+    scalar = f"""#pragma unroll
+for (int sf_j = 0; sf_j < 8; ++sf_j) {{
+  const int sf_k = sf_k0 | sf_j;
+  float sf_v = 0.0f;
+  {{
+{_indent(load_a, 4)}
+  }}
+  sf_r += sf_v * sf_q[sf_j];
+}}"""
+    if a_rows is None:
+        return scalar
+    ptr, offset = a_rows
+    return f"""if ((reinterpret_cast<unsigned long long>({ptr}) & 15) == 0) {{
+  long long sf_ao;
+  {{
+{_indent(offset, 4)}
+  }}
+  const float4 sf_a0 = reinterpret_cast<const float4*>({ptr} + sf_ao + sf_k0)[0];
+  const float4 sf_a1 = reinterpret_cast<const float4*>({ptr} + sf_ao + sf_k0 + 4)[0];
+  const float sf_av[8] = {{sf_a0.x, sf_a0.y, sf_a0.z, sf_a0.w, sf_a1.x, sf_a1.y, sf_a1.z, sf_a1.w}};
+  #pragma unroll
+  for (int sf_j = 0; sf_j < 8; ++sf_j) sf_r += sf_av[sf_j] * sf_q[sf_j];
+}} else {{
+{_indent(scalar, 2)}
+}}"""
+
+
 def gemv_kernel(*, symbol: str, params: str, M: int, N: int, K: int, batch: int, root: str, batch_code: str,
-                load_a: str, load_b: str, k_fast: bool, epilogue: str, codes: Codes | None = None) -> tuple[str, dict]:
+                load_a: str, load_b: str, k_fast: bool, epilogue: str, codes: Codes | None = None,
+                a_rows: tuple[str, str] | None = None) -> tuple[str, dict]:
     """Source of one product kernel for ``M <= GEMV_MAX_ROWS`` rows and its launch configuration.
 
     ``load_a`` is code that, given ``sf_m`` (row) and ``sf_k`` (reduction index) in range, sets
@@ -111,7 +134,9 @@ def gemv_kernel(*, symbol: str, params: str, M: int, N: int, K: int, batch: int,
     sf_acc`` for output ``(sf_m, sf_n)`` and stores the result. ``root`` is code run once per
     thread; ``batch_code`` decomposes ``sf_bz`` into the batch axes. ``k_fast``: ``B`` is read
     with unit stride along ``K`` (else along ``N``). ``codes``: ``B`` is 4-bit codes read a word
-    (8 codes) at a time instead of through ``load_b`` (k-fast; ``K`` a multiple of 8, unbatched).
+    (8 codes) at a time instead of through ``load_b`` (k-fast; ``K`` a multiple of 8, unbatched);
+    ``a_rows``: with ``codes``, ``A`` as a pointer and the code placing row ``sf_m`` (``sf_ao``),
+    its runs then read 16 bytes at a time.
     """
     assert 1 <= M <= GEMV_MAX_ROWS and N >= 1 and K >= 1
     assert codes is None or (k_fast and K % 8 == 0 and codes.block % 8 == 0 and batch == 1)
@@ -140,7 +165,7 @@ for (int sf_m = 0; sf_m < {M}; ++sf_m) sf_accs[sf_m] = 0.0f;"""
         cols = _WARPS
         run = 8 if codes is not None else _K_RUN if K % _K_RUN == 0 and K >= 32 * _K_RUN else 1
         if codes is not None:
-            step = _codes_run(codes, K, M, load_a)
+            step = _codes_run(codes, K, M, load_a, a_rows)
         else:
             step = f"""#pragma unroll
 for (int sf_j = 0; sf_j < {run}; ++sf_j) {{

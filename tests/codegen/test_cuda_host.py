@@ -125,6 +125,28 @@ def test_a_kept_select_stores_only_where_its_condition_fails(tmp_path):
     np.testing.assert_array_equal(every, want)
 
 
+def test_four_bit_codes_with_an_unaligned_activation(tmp_path):
+    """The GEMV on 4-bit codes reads a run of 8 activations as two 16-byte loads where the
+    activation's address allows (the others: the op-example cases) and element by element where it
+    does not (here, 4 bytes past an aligned address); both against numpy, several rows."""
+    from shardflow.compiler.ir import const_tensor
+    from shardflow.compiler.ops.linalg import MatMulNBits
+
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((3, 256)).astype(np.float32)
+    bq = rng.integers(0, 256, (40, 8, 16)).astype(np.uint8)
+    scales = rng.random((40, 8)).astype(np.float32)
+    op = MatMulNBits([Tensor("a", a.shape, "float32"), const_tensor(bq, "bq"), const_tensor(scales, "s")], name="nb",
+                     bits=4, block_size=32)
+    src = generate_cuda_source([op])
+    assert "const float4 sf_a0" in src.text and src.launches["nb"].kind == "gemv"
+    kernels = build(src.text, str(tmp_path))
+    want = op.run(a, bq, scales)[0]
+    for shift in (None, {0: 4}):
+        (got,) = run(kernels, src.launches["nb"], [a, bq, scales], [(want.shape, want.dtype)], shift=shift)
+        _check("nb", "gemv", got, want)
+
+
 def test_layernorm_of_a_long_row(tmp_path):
     """A LayerNorm row longer than a block's threads, half-precision output (the precision pass's
     form), against numpy."""
