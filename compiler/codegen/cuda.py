@@ -1528,12 +1528,12 @@ _EPILOGUE_VEC = 4
 
 
 def _nbits_codes(op: Operator, plan: _GemmPlan, an: _Analysis) -> Codes | None:
-    """The 4-bit codes a skinny ``plan``'s ``B`` side reads, when ``op`` is (or holds) a float32
+    """The low-bit codes a skinny ``plan``'s ``B`` side reads, when ``op`` is (or holds) a float32
     ``MatMulNBits`` whose weight is exactly that side (its codes, scales and zero points the only
     tensors ``B`` reads, ``A`` none of them; its columns the plan's ``N``) with blocks and ``K``
     multiples of 8: :func:`~.cuda_gemv.gemv_kernel` then reads them a word at a time."""
     nb = [m for m in getattr(op, "members", [op]) if m.op_type == "MatMulNBits"]
-    if len(nb) != 1 or nb[0].attrs.get("operand_dtype") or int(nb[0].attrs["bits"]) != 4:
+    if len(nb) != 1 or nb[0].attrs.get("operand_dtype") or int(nb[0].attrs["bits"]) not in (2, 4, 8):
         return None
     m, bs = nb[0], int(nb[0].attrs["block_size"])
     k, n = m.inputs[0].shape[-1], m.inputs[1].shape[0]
@@ -1549,7 +1549,8 @@ def _nbits_codes(op: Operator, plan: _GemmPlan, an: _Analysis) -> Codes | None:
         return None
     zp = m.inputs[3].value if len(m.inputs) > 3 else None
     whole = zp is not None and bool(np.all((np.asarray(zp) == np.round(zp)) & (np.abs(zp) < 2 ** 22)))
-    return Codes(f"in{slots[0]}", f"in{slots[1]}", f"in{slots[2]}" if len(slots) > 2 else None, bs, whole)
+    return Codes(f"in{slots[0]}", f"in{slots[1]}", f"in{slots[2]}" if len(slots) > 2 else None, bs, whole,
+                 int(m.attrs["bits"]))
 
 
 def _rows_of_a(plan: _GemmPlan, an: _Analysis, reads, names) -> tuple[str, str] | None:

@@ -13,8 +13,8 @@ coalesced loads and keeps the ``M`` rows' sums in registers:
   consecutive elements each), the 8 warps on interleaved pairs of rows, their partial sums added
   by a shuffle and then in shared memory.
 
-A 4-bit ``MatMulNBits`` weight (:class:`Codes`) is read by the k-fast kernel a 32-bit word (8 codes)
-at a time, each code made a float without a conversion instruction and the block's scale applied
+A ``MatMulNBits`` weight of 2-, 4- or 8-bit codes (:class:`Codes`) is read by the k-fast kernel a
+word of 8 codes at a time, each code made a float without a conversion instruction and the block's scale applied
 once to the run's sum.
 
 ``A``'s element ``(m, k)`` is read (through the caches) by every column's warp; it is small (``M``
@@ -48,13 +48,18 @@ def _indent(text: str, n: int) -> str:
     return "\n".join(pad + ln if ln else ln for ln in text.split("\n"))
 
 
+#: the word a run of 8 codes of each width fills
+_WORD = {2: "unsigned short", 4: "unsigned", 8: "unsigned long long"}
+
+
 @dataclass(frozen=True)
 class Codes:
-    """``B`` as 4-bit codes in ``MatMulNBits``' layout, read by the k-fast kernel a word at a time:
-    ``B[n, k] = (code(n, k) - zp[n, k / block]) * scales[n, k / block]``, column ``n``'s codes in
-    ``ceil(K / block)`` blocks of ``block / 2`` bytes, two codes a byte (``k`` even in the low
-    nibble), from a 4-byte aligned ``bq`` (every buffer of a program is); ``zp`` ``None`` for the
-    default 8. The names are the kernel's pointer parameters."""
+    """``B`` as ``bits``-bit codes (2, 4 or 8) in ``MatMulNBits``' layout, read by the k-fast kernel
+    8 codes (one word) at a time: ``B[n, k] = (code(n, k) - zp[n, k / block]) * scales[n, k /
+    block]``, column ``n``'s codes in ``ceil(K / block)`` blocks of ``block * bits / 8`` bytes, code
+    ``k`` in bits ``(k % (8 / bits)) * bits`` of its byte, from a ``bq`` aligned to the word (every
+    buffer of a program is 64-byte aligned); ``zp`` ``None`` for the default ``2^(bits - 1)``. The
+    names are the kernel's pointer parameters."""
 
     bq: str
     scales: str
@@ -63,23 +68,25 @@ class Codes:
     #: the zero points are whole numbers under 2^22 (the default, or a constant such table): each code's
     #: ``q - zp`` is then one exact subtraction of ``2^23 + zp`` from ``2^23 + q``
     whole_zp: bool = False
+    bits: int = 4
 
 
 def _codes_run(codes: Codes, K: int, M: int, load_a: str, a_rows: tuple[str, str] | None) -> str:
-    """The k-fast kernel's step on a run of 8 codes of column ``sf_n`` (one 32-bit word): each code
+    """The k-fast kernel's step on a run of 8 codes of column ``sf_n`` (one word): each code
     converted by the float trick (``2^23 + q`` has ``q`` in its low mantissa bits), its zero point
     subtracted, multiplied with ``A``'s elements and summed over the run, the block's scale applied
     once to the run's sum (the reference scales each weight: sums in another order)."""
-    blocks = -(-K // codes.block)
-    zp = f"{codes.zp}[sf_n * {blocks} + sf_blk]" if codes.zp else "8.0f"
+    blocks, bits = -(-K // codes.block), codes.bits
+    zp = f"{codes.zp}[sf_n * {blocks} + sf_blk]" if codes.zp else f"{float(1 << (bits - 1))}f"
+    code = f"__uint_as_float(0x4B000000u | ((unsigned)(sf_w >> ({bits} * sf_j)) & {(1 << bits) - 1}u))"
     if codes.whole_zp or not codes.zp:
-        zero, q = f"const float sf_z = 8388608.0f + {zp};", "__uint_as_float(0x4B000000u | ((sf_w >> (4 * sf_j)) & 15u)) - sf_z"
+        zero, q = f"const float sf_z = 8388608.0f + {zp};", f"{code} - sf_z"
     else:
-        zero, q = (f"const float sf_z = {zp};",
-                   "(__uint_as_float(0x4B000000u | ((sf_w >> (4 * sf_j)) & 15u)) - 8388608.0f) - sf_z")
+        zero, q = f"const float sf_z = {zp};", f"({code} - 8388608.0f) - sf_z"
+    word = _WORD[bits]
     return f"""const int sf_k0 = sf_t * 8;
 const int sf_blk = (int)((unsigned)sf_k0 / {codes.block}u);
-const unsigned sf_w = reinterpret_cast<const unsigned*>({codes.bq})[(long long)sf_n * {blocks * codes.block // 8} + sf_t];
+const {word} sf_w = reinterpret_cast<const {word}*>({codes.bq})[(long long)sf_n * {blocks * codes.block // 8} + sf_t];
 const float sf_s = {codes.scales}[sf_n * {blocks} + sf_blk];
 {zero}
 float sf_q[8];

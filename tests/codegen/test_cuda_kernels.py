@@ -97,6 +97,8 @@ def _extra_cases(rng):
         ("gemv", MatMulNBits, [f(3, 256), u8(40, 8, 16), f(40, 8)], {"bits": 4, "block_size": 32}),
         ("gemv", MatMulNBits, [f(1, 72), u8(20, 3, 16), f(20, 3), q(20, 3, 16)], {"bits": 4, "block_size": 32}),
         ("gemv", MatMulNBits, [f(2, 64), u8(18, 2, 16), f(18, 2), f(18, 2) + 7], {"bits": 4, "block_size": 32}),  # (float zp)
+        ("gemv", MatMulNBits, [f(3, 256), u8(20, 8, 32), f(20, 8)], {"bits": 8, "block_size": 32}),
+        ("gemv", MatMulNBits, [f(2, 512), u8(17, 16, 8), f(17, 16), f(17, 16) + 1], {"bits": 2, "block_size": 32}),
         ("gemv", Gemm, [f(3, 264), f(20, 264)], {"trans_b": True}),
     ]
 
