@@ -71,7 +71,7 @@ from ..ir.task import GridCompute
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import STREAM_K_WORKSPACE, WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
-from .lower import CodegenError, hashcons
+from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
 __all__ = ["KernelLaunch", "CudaSource", "CudaCodegenError", "build_cuda_library", "generate_cuda_source",
@@ -1272,22 +1272,10 @@ def _contiguous_reduction(r: Reduce) -> bool:
 _ELEMENTS_PER_THREAD = 4
 
 
-def _kept_select(value: Expr, kept, axes) -> tuple[Expr, Expr] | None:
-    """``(c, e)`` when ``value`` is ``c ? kept[i] : e`` with ``kept`` (an input placeholder the output
-    is written over) read at the output's own index ``i``: where ``c`` holds the element is there."""
-    if kept is None or not isinstance(value, IfThenElse):
-        return None
-    x = value.then
-    if (isinstance(x, TensorElement) and x.tensor is kept and len(x.indices) == len(axes)
-            and all(i is a for i, a in zip(x.indices, axes))):
-        return value.cond, value.other
-    return None
-
-
 def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysis,
                         reads, names, kept=None) -> _Part:
     """One output's kernel code (a thread per element, or a warp or block per row of reductions).
-    ``kept``: the input placeholder the output is written over, if any (:func:`_kept_select`)."""
+    ``kept``: the input placeholder the output is written over, if any (:func:`.lower.kept_select`)."""
     em = _Emitter(an, reads, names)
     n = _prod(gc.shape)
     it = "long long" if n > _WIDE else "int"
@@ -1300,7 +1288,7 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
     strides = _row_major_strides(gc.shape)
 
     # (a thread per element only: a row's cooperative reductions must not sit in a divergent branch)
-    select = _kept_select(value, kept, list(gc.axes)) if plan is None else None
+    select = kept_select(value, gc.axes, lambda t: t is kept) if plan is None and kept is not None else None
 
     def store(blk: _Block, off: str):
         if select is not None:  # (the kept elements are neither read nor written)
@@ -1527,7 +1515,7 @@ def _fast_dim(e: Expr, kvars: set, other: set, default: bool) -> bool:
 _EPILOGUE_VEC = 4
 
 
-def _nbits_codes(op: Operator, plan: _GemmPlan, an: _Analysis) -> Codes | None:
+def _nbits_codes(op: Operator, plan: _GemmPlan) -> Codes | None:
     """The low-bit codes a skinny ``plan``'s ``B`` side reads, when ``op`` is (or holds) a float32
     ``MatMulNBits`` whose weight is exactly that side (its codes, scales and zero points the only
     tensors ``B`` reads, ``A`` none of them; its columns the plan's ``N``) with blocks and ``K``
@@ -1577,7 +1565,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
                 config: str | None = None, gemv: bool = False,
                 codes: Codes | None = None) -> tuple[str, dict, tuple | None]:
     """The kernel of a GEMM ``plan`` (:func:`_plan_gemm`): a tensor-core template, or with ``gemv``
-    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as 4-bit codes)."""
+    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as low-bit codes)."""
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1983,7 +1971,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         plan = _plan_gemm(gc, value, an, fp32, skinny=True)
         if plan is not None and _prod([v.extent for v in plan.red.vars]) >= _GEMV_MIN_K:
             src, cfg, _ = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, gemv=True,
-                                      codes=_nbits_codes(op, plan, an))
+                                      codes=_nbits_codes(op, plan))
             return src, KernelLaunch(symbol, cfg["grid"], cfg["block"], 0, args, len(op.inputs), op.name, "gemv"), None
 
     parts: list[_Part] = []

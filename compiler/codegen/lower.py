@@ -37,7 +37,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,10 +48,23 @@ from ..ir.task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["CodegenError", "Buffer", "Local", "Kernel", "Loop", "FlatLoop", "Block", "Let", "Declare", "Assign",
            "Accumulate", "Store", "If", "Comment", "LocalArray", "lower_task", "lowerable", "why_not_lowerable", "value_dtype",
-           "SUPPORTED_DTYPES", "FLOAT_FUNCS"]
+           "SUPPORTED_DTYPES", "FLOAT_FUNCS", "kept_select"]
 
 log = logging.getLogger(__name__)
 
+
+def kept_select(value: Expr, axes: Sequence, is_kept: Callable[[object], bool]) -> tuple[Expr, Expr] | None:
+    """``(c, e)`` when ``value`` is ``c ? x[i] : e`` with ``x`` a tensor ``is_kept`` accepts (the input
+    the output is written over) read at the output's own index ``i`` (``axes``): where ``c`` holds
+    the element is already there (a KV cache's present over its past). Both code generators store
+    only where ``c`` fails (their ``in_place``)."""
+    if not isinstance(value, IfThenElse):
+        return None
+    x = value.then
+    if (isinstance(x, TensorElement) and is_kept(x.tensor) and len(x.indices) == len(axes)
+            and all(i is a for i, a in zip(x.indices, axes))):
+        return value.cond, value.other
+    return None
 
 class CodegenError(ShardflowError):
     """An op cannot be turned into a kernel (unsupported construct, dtype or size)."""
@@ -916,13 +929,9 @@ class _NestLowerer:
         output's own index ``i``: where ``c`` holds the element is already there (a KV cache's
         present over its past: the past rows are neither read nor written)."""
         x = self.kl.in_place
-        if x is None or self.target is not self.kl.outputs[0] or not isinstance(value, IfThenElse):
+        if x is None or self.target is not self.kl.outputs[0]:
             return None
-        then = value.then
-        if (not isinstance(then, TensorElement) or self.kl.bound.get(id(then.tensor)) is not x
-                or len(then.indices) != len(self.axes) or not all(i is a for i, a in zip(then.indices, self.axes))):
-            return None
-        return value.cond, value.other
+        return kept_select(value, self.axes, lambda t: self.kl.bound.get(id(t)) is x)
 
     def _hoist_invariants(self, em: "_Emitter", value: Expr, level: int):
         """Compute the operations of ``value`` that depend on ``axes[:level]`` only (a row's

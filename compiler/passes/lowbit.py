@@ -19,6 +19,7 @@ import logging
 
 import numpy as np
 
+from ..codegen.cuda_gemv import GEMV_MAX_ROWS
 from ..ir.graph import FlowGraph
 from .base import GraphPass, splice
 
@@ -27,15 +28,12 @@ __all__ = ["HalfLowBitOperands"]
 log = logging.getLogger(__name__)
 
 
-#: the fewest rows a product needs for the cuda target's tensor-core GEMMs (fewer: the GEMV template)
-TENSOR_CORE_ROWS = 16
-
-
 class HalfLowBitOperands(GraphPass):
-    """Each float32 MatMulNBits of at least :data:`TENSOR_CORE_ROWS` rows becomes the same op with
-    ``operand_dtype=dtype`` (``"float16"`` or ``"bfloat16"``), of the same name. Fewer rows (a
-    decoding step) keep float32 operands: the GEMV they get uses no tensor cores, so rounding would
-    only lose accuracy (and keep the kernel from reading the codes a word at a time)."""
+    """Each float32 MatMulNBits of more rows than the cuda GEMV template takes (more than
+    :data:`~shardflow.compiler.codegen.cuda_gemv.GEMV_MAX_ROWS`: the tensor-core GEMMs' products)
+    becomes the same op with ``operand_dtype=dtype`` (``"float16"`` or ``"bfloat16"``), of the same
+    name. Fewer rows (a decoding step) keep float32 operands: the GEMV they get uses no tensor cores,
+    so rounding would only lose accuracy (and keep the kernel from reading the codes a word at a time)."""
 
     def __init__(self, dtype: str):
         self.dtype = dtype
@@ -44,7 +42,7 @@ class HalfLowBitOperands(GraphPass):
         after, replace = {}, {}
         for op in graph.nodes:
             if op.op_type != "MatMulNBits" or op.attrs.get("operand_dtype") or op.outputs[0].dtype != "float32" \
-                    or int(np.prod(op.inputs[0].shape[:-1])) < TENSOR_CORE_ROWS:
+                    or int(np.prod(op.inputs[0].shape[:-1])) <= GEMV_MAX_ROWS:
                 continue
             new = type(op)(list(op.inputs), name=op.name, **{**op.attrs, "operand_dtype": self.dtype})
             after[id(op)] = [new]
