@@ -167,7 +167,8 @@ class CudaEngine:
         if 0 in grid:
             return None  # nothing to compute (empty output)
         if launch.get("persistent") and grid[0] > self.sms:  # blocks loop over the work: one per SM
-            grid = (self.sms,) + grid[1:]
+            cluster = int(launch.get("cluster", 1))  # (whole clusters: the grid a multiple of their size)
+            grid = (self.sms - self.sms % cluster,) + grid[1:]
         if launch.get("tensor_maps"):  # TMA-fed kernels: the buffers' addresses are fixed from here on
             args = kernel_args(launch["tensor_maps"], args, f"kernel {s['symbol']} ({s['node']})")
         smem = int(launch.get("shared_mem", 0))

@@ -11,8 +11,11 @@ missing wait shows: ``cp.async`` copies land only at the ``wait_group`` that cov
 ``wgmma`` products (operands read through their shared-memory descriptors, 128-byte swizzle) run
 only at the ``wait_group`` that covers them, bulk tensor copies (TMA, from the emulation's own
 tensor maps) land a random number of scheduler rounds after they were issued and in any order,
-completing their bytes on mbarriers (phases, parity waits, transaction counts), and named
-barriers (``bar.sync``/``bar.arrive``) count their threads.
+completing their bytes on mbarriers (phases, parity waits, transaction counts), named
+barriers (``bar.sync``/``bar.arrive``) count their threads, and the blocks of a cluster
+(``__cluster_dims__``, the launch's ``cluster``) are resident together, reach each other's
+shared memory and mbarriers (``mapa`` addresses) and wait at the cluster barrier; a store or an
+arrival in a block that has exited fails the run (on a GPU it is an error).
 :func:`build` compiles a generated translation unit with g++ against that shim: every CUDA thread
 of a block is a coroutine (``ucontext``) on one host thread, a block's threads run until each
 finishes or waits at a barrier, a barrier opens when every thread of the block (or, for a warp
@@ -70,6 +73,7 @@ _SHIM = r"""
 #define __align__(n) __attribute__((aligned(n)))
 #define __expf(x) expf(x)  // (glibc declares an internal __expf it does not export)
 #define __grid_constant__
+#define __cluster_dims__(...)
 
 typedef _Float16 __half;
 struct __nv_bfloat16 { unsigned short x; };
@@ -170,7 +174,7 @@ struct alignas(64) SfTmap {  // the emulation's own tensor map: what the copies 
 static SfDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace sf_emu {
-enum State { RUN, BAR, WARP, DONE, SPIN };  // SPIN: runnable, but polling something
+enum State { RUN, BAR, WARP, DONE, SPIN, CLUSTER };  // SPIN: runnable, but polling something
 struct Copy { unsigned dst; const void* src; bool full; };  // a 16-byte cp.async
 struct Mma { float* d; unsigned long long da, db; int bn; bool bf; int ta, tb; };  // a wgmma
 // a thread's asynchronous operations in groups (the last one still open, not committed)
@@ -316,6 +320,11 @@ static void enter(int b) {  // make block b the current one
   curblk = b;
   blockIdx = blocks[b].idx;
 }
+// clusters: blocks 0-1, 2-3, ... of a wave (whose first block is a multiple of the cluster size)
+static int csize = 1;
+static int exited_access;  // a cluster access to a block whose threads have all exited
+static std::vector<unsigned char>& dyn_of(int b) { return b == curblk ? dyn : blocks[b].dyn; }
+static std::map<unsigned, Mbar>& mbars_of(int b) { return b == curblk ? mbars : blocks[b].mbars; }
 static int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
 static int trapped;  // a thread called __trap()
 // clock64(): advances by clock_step a call; a step above 1 also counts as progress, so that a wait
@@ -425,6 +434,35 @@ static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
       op.d[4 * j + q] = acc;
     }
 }
+// clusters: mapa encodes the block's rank above the shared-memory offset (offsets are below 2^20)
+static inline unsigned sf_cluster_rank() { return blockIdx.x % (unsigned)sf_emu::csize; }
+static inline void sf_cluster_sync() { sf_emu::wait(sf_emu::CLUSTER); }
+static inline unsigned sf_mapa(unsigned addr, unsigned rank) { return (addr & 0xFFFFFu) | ((rank + 1u) << 20); }
+static int sf_emu_cluster_block(unsigned addr) {  // the resident block a shared::cluster address is in
+  using namespace sf_emu;
+  const int me = cur / nthr, rank = (int)(addr >> 20) - 1;
+  const int b = rank < 0 ? me : me / csize * csize + rank;
+  bool live = false;
+  for (int t = b * nthr; t < (b + 1) * nthr; ++t) live = live || threads[t].state != DONE;
+  if (!live) ++exited_access;
+  return b;
+}
+static inline void sf_st_cluster2(unsigned addr, float x, float y) {
+  const int b = sf_emu_cluster_block(addr);
+  if (addr % 8) ++sf_emu::misaligned;
+  float v[2] = {x, y};
+  memcpy(sf_emu::dyn_of(b).data() + (addr & 0xFFFFFu), v, 8);
+}
+static inline void sf_mbar_arrive_cluster(unsigned addr) {
+  const int b = sf_emu_cluster_block(addr);
+  auto& bars = sf_emu::mbars_of(b);
+  auto it = bars.find(addr & 0xFFFFFu);
+  if (it == bars.end()) { fprintf(stderr, "sf_emu: remote mbarrier %u used before init\n", addr & 0xFFFFFu); abort(); }
+  it->second.pending -= 1;
+  ++sf_emu::epoch;
+  sf_emu::mbar_check(it->second);
+}
+static inline void sf_mbar_wait_cluster(unsigned bar, unsigned parity) { sf_mbar_wait(bar, parity); }
 static inline void __threadfence() {}
 static inline void __nanosleep(unsigned) { sf_emu::spin(); }
 static inline long long clock64() {
@@ -499,10 +537,13 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
 // deadlock, 2 after a misaligned vector access, 3 after a __trap()
 static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
                       unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
-                      unsigned long long clock_step) {
+                      unsigned long long clock_step, unsigned cluster) {
   using namespace sf_emu;
   const int n = (int)(bx * by * bz), total = (int)(gx * gy * gz);
   const int nb = (int)std::max(1u, std::min(resident, (unsigned)total));
+  csize = (int)cluster;
+  if (total % csize || nb % csize) return 5;  // a cluster's blocks run together: whole clusters only
+  exited_access = 0;
   nthr = n;
   threads.assign(n * nb, Thread());
   while ((int)stacks.size() < n * nb) stacks.emplace_back(new char[kStack]);
@@ -601,6 +642,19 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
           ++epoch;
         }
       }
+      for (int c = 0; c < live; c += csize) {  // a cluster whose live threads all wait at its barrier
+        bool all = true, any = false;
+        for (int t = c * n; t < (c + csize) * n; ++t) {
+          if (threads[t].state == DONE) continue;
+          all = all && threads[t].state == CLUSTER;
+          any = any || threads[t].state == CLUSTER;
+        }
+        if (all && any) {
+          for (int t = c * n; t < (c + csize) * n; ++t) if (threads[t].state == CLUSTER) threads[t].state = RUN;
+          released = true;
+          ++epoch;
+        }
+      }
       if (trapped) return 3;
       if (clock_now > (1ull << 40)) return 1;  // past any time limit: waiting for what never comes
       if (done) break;
@@ -614,13 +668,13 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
       if (idle > (skipped ? 64 : 1)) return 1;  // polling what nothing changes any more
     }
   }
-  return misaligned ? 2 : 0;
+  return misaligned ? 2 : exited_access ? 4 : 0;
 }
 
 extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
                              unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
-                             unsigned long long clock_step) {
-  const int r = sf_emu_run(body, args, gx, gy, gz, bx, by, bz, smem, seed, resident, clock_step);
+                             unsigned long long clock_step, unsigned cluster) {
+  const int r = sf_emu_run(body, args, gx, gy, gz, bx, by, bz, smem, seed, resident, clock_step, cluster);
   std::vector<std::unique_ptr<char[]>>().swap(sf_emu::stacks);
   return r;
 }
@@ -673,14 +727,17 @@ class HostKernels:
         self.lib.sf_emu_launch.restype = ctypes.c_int
 
     def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1, resident: int = 1,
-               clock_step: int = 1) -> None:
+               clock_step: int = 1, cluster: int = 1) -> None:
         """Run ``symbol`` over ``grid`` x ``block`` on numpy ``arrays`` (its parameters, in
         order: contiguous arrays whose memory the kernel reads and writes), with ``shared_mem``
         bytes of dynamic shared memory. ``seed`` > 1 also lets threads sit out scheduler rounds
         at random (another interleaving for each seed); bulk copies land at random either way.
         ``resident`` blocks run at once, their threads interleaved (blocks that wait for each
         other, as a persistent kernel's may, need all of theirs). ``clock64()`` advances by
-        ``clock_step`` a call (above 1, waits with a time limit reach it)."""
+        ``clock_step`` a call (above 1, waits with a time limit reach it). ``cluster``: blocks per
+        cluster (the kernel's ``__cluster_dims__``): consecutive blocks, resident together (the
+        grid and ``resident`` multiples of it), that reach each other's shared memory and
+        mbarriers and wait at the cluster's barrier."""
         types = self.signatures[symbol]
         maps = [a for a in arrays if isinstance(a, np.ndarray) and a.dtype == _MAP]
         if len(types) != len(arrays) or len(maps) != types.count("const SfTmap"):
@@ -693,7 +750,7 @@ class HostKernels:
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         status = self.lib.sf_emu_launch(body, ptrs, *g, *b, ctypes.c_uint(shared_mem), ctypes.c_uint(seed),
-                                        ctypes.c_uint(resident), ctypes.c_ulonglong(clock_step))
+                                        ctypes.c_uint(resident), ctypes.c_ulonglong(clock_step), ctypes.c_uint(cluster))
         if status == 1:
             raise RuntimeError(f"{symbol}: deadlock (threads wait at barriers that cannot open, or poll what nothing "
                                "changes any more)")
@@ -701,11 +758,15 @@ class HostKernels:
             raise RuntimeError(f"{symbol}: __trap() (the launch fails)")
         if status == 2:
             raise RuntimeError(f"{symbol}: a vector access at an address that is not a multiple of its size")
+        if status == 4:
+            raise RuntimeError(f"{symbol}: a store or arrival in the shared memory of a cluster block that has exited")
+        if status == 5:
+            raise ValueError(f"{symbol}: the grid and the resident blocks must be whole clusters of {cluster}")
 
 
 def _signatures(text: str) -> dict[str, list[str]]:
     sigs = {}
-    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\)', text):
+    for m in re.finditer(r'extern "C" __global__ void (?:__\w+__\([^)]*\) )*(\w+)\(([^)]*)\)', text):
         params = [p.strip() for p in m.group(2).split(",") if p.strip()]
         types = []
         for p in params:
@@ -792,7 +853,8 @@ def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int
     path for unaligned operands).
     ``grid`` replaces the launch's (a persistent kernel takes any grid: a few blocks, each looping
     over several tiles, keep the emulation short); ``resident`` blocks run at once (see
-    :meth:`HostKernels.launch`, also for ``clock_step``)."""
+    :meth:`HostKernels.launch`, also for ``clock_step``), rounded up to whole clusters (a cluster's
+    blocks always run together)."""
     ins = [_aligned(np.shape(a), np.asarray(a).dtype) for a in inputs]
     for i, b in (shift or {}).items():
         a = np.asarray(inputs[i])
@@ -806,6 +868,8 @@ def run(kernels: HostKernels, launch, inputs, output_specs, grid=None, seed: int
         outs[j] = ins[i]
     arrays = ins + outs
     maps = [tensor_map(spec, arrays[int(spec["arg"])]) for spec in launch.tensor_maps]
+    cluster = getattr(launch, "cluster", 1)
+    resident = -(-resident // cluster) * cluster
     kernels.launch(launch.symbol, grid or launch.grid, launch.block, arrays + maps, launch.shared_mem, seed, resident,
-                   clock_step)
+                   clock_step, cluster)
     return outs

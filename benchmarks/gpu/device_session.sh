@@ -20,6 +20,8 @@
 #                                                 # on the same bfloat16 modules (1x128, 8x128), < 7 min
 #   bash benchmarks/gpu/device_session.sh decode  # products of 1-8 rows (the gemv template) vs cuBLAS, dense float16
 #                                                 # on both weight layouts and 4-bit codes, < 5 min
+#   bash benchmarks/gpu/device_session.sh cluster  # the cluster split-K tiles (rfcs/0005 decision 31): their GPU
+#                                                 # tests, GPT-2's GEMMs on them vs cuBLAS, GPT-2 8x128 with them, < 5 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -61,6 +63,8 @@ fi
 gpu_tests=(tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/codegen/test_attention.py
            tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py)
 new_tiles="pingpong or stream_k"
+# the cluster split-K tiles' GPU tests (not run on a GPU yet: a wrong exchange would wait forever)
+cluster_tests="cluster_split_k"
 # pdl_models LIMIT_S: GPT-2 small at 1x128 and 8x128 compiled with optimization_config["pdl"] against
 # torch.compile, appended to $out/models-tiles.txt under "== pdl"
 pdl_models() {
@@ -104,6 +108,37 @@ ncu_gemm() {
     grep -E "^  [a-z_0-9]+_M[0-9]+_|Duration|Compute \(SM\) Throughput|Memory Throughput|==PROF==|rror" \
         "$out/$file" | head -60
 }
+# cluster_tiles LIMIT_S: the cluster split-K tiles (RFC 0005 decision 31, never run on a GPU before):
+# their GPU tests under a time limit (a wrong exchange would hang), then GPT-2's products at M = 128
+# and 1024 on the default tiles and on each of them against cuBLAS in the same run ($out/gemm-cluster.txt),
+# then GPT-2 small 8x128 with its two N = 768 products (attn_out, fc2: 96 tiles of 64 x 128 by default,
+# 96 blocks of half the K tiles here) on ck128x128 against torch.compile (models-tiles.txt)
+ck_model_tiles='{"*/attn/c_proj/Gemm": "ck128x128", "*/mlp/c_proj/Gemm": "ck128x128"}'
+cluster_tiles() {
+    local start=$SECONDS f="$out/gemm-cluster.txt"
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$cluster_tests" "${gpu_tests[@]}" 2>&1 \
+        | tee "$out/gpu-suite-ck.txt" | tail -8
+    if ! grep -qE "[0-9]+ passed" "$out/gpu-suite-ck.txt" || grep -qE "[0-9]+ (failed|error)" "$out/gpu-suite-ck.txt"; then
+        echo "(cluster split-K tests did not pass: no timing)"; return
+    fi
+    echo "# benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2 --config C, $(date -u +%F)," \
+        "commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+    for c in default ck128x128 ck64x128 ck128x256; do
+        (( SECONDS - start > $1 - 60 )) && break
+        echo "== $c" >> "$f"
+        local cfg=(); [ "$c" = default ] || cfg=(--config "$c")
+        timeout 45 python3 benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2 --dtypes float16,bfloat16 --jobs 14 \
+            "${cfg[@]}" 2>&1 | grep -E " ours |WRONG|rror" >> "$f"
+    done
+    grep -E "^==|_M1024_float16" "$f"
+    if (( SECONDS - start < $1 - 50 )); then
+        echo "== gemm_tiles $ck_model_tiles" >> "$out/models-tiles.txt"
+        timeout $(( $1 - (SECONDS - start) )) python3 benchmarks/gpu/models.py --models gpt2_small --batches 8 \
+            --precision float16 --compile-modes reduce-overhead --export-dir /tmp/sf-export \
+            --gemm-tiles "$ck_model_tiles" >> "$out/models-tiles.txt" 2>&1
+        tail -4 "$out/models-tiles.txt"
+    fi
+}
 # kmajor: GEMMs with B stored [N, K] (gemm.py --b-layout nk) on the default tiles, then on the tiles for
 # a K-major B (tma64x96 on N = 768, tma128x160 on N = 2304), into $out/gemm-kmajor.txt
 # the GPT-2 projections on the tiles for a K-major B (their weights then stored [N, K]: driver.py)
@@ -126,7 +161,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
     suite)
-        python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles)" "${gpu_tests[@]}" 2>&1 \
+        python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles or $cluster_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -60
         timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
             | tee "$out/gpu-suite-pp-sk.txt" | tail -15
@@ -138,7 +173,7 @@ case "$what" in
           # the timeouts (210 + 265 + 75 s) add up to under the device tool's 600 s per call
           # (measured in session 5: 205 + 170 + 60 s); the ping-pong and stream-K tiles' tests are
           # left to `newtiles` (not yet run on a GPU: a hang there must not take the rest down)
-        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles)" "${gpu_tests[@]}" 2>&1 \
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles or $cluster_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         mkdir -p /tmp/sf-export
         timeout 265 python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-250}" --jobs 14 \
@@ -164,7 +199,7 @@ case "$what" in
         xdist=()
         python3 -c "import xdist" 2>/dev/null && xdist=(-n 6)
         # (the ping-pong and stream-K tiles' tests with the others: they passed on the H200 in session 33)
-        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" "${gpu_tests[@]}" 2>&1 \
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" -k "not ($cluster_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         echo "suite done at ${SECONDS} s"
         budget=$((deadline - SECONDS - 75))
@@ -175,6 +210,10 @@ case "$what" in
             tail -30 "$out/bench.txt"
         else
             echo "(no time left for the benchmark: ${budget} s)"
+        fi
+        # the cluster split-K tiles (RFC 0005 decision 31, not run before): tests, GEMMs, GPT-2 8x128
+        if (( deadline - SECONDS > 280 )); then
+            cluster_tiles 200
         fi
         # programmatic dependent launch (RFC 0005 decision 29, not timed before): GPT-2 small at 1x128
         # and 8x128 with each kernel launched while the one before it finishes, against torch.compile
@@ -235,7 +274,8 @@ case "$what" in
         shift
         tiles=("$@")
         [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk64x128 sk128x192 sk128x256
-                                         sk128x128 pp64x256 pp64x192 pp64x128 sk64x128@4)
+                                         sk128x128 pp64x256 pp64x192 pp64x128 sk64x128@4 ck128x128 ck64x128
+                                         ck128x256)
         sweep_tiles "${SWEEP_S:-480}" "${tiles[@]}"
         ;;
     cpu)  # the cpu kernels against numpy on this host, with the ISA it has (the AVX-512 GEMM reads two
@@ -243,6 +283,10 @@ case "$what" in
         grep -o -m1 'avx512f' /proc/cpuinfo || echo "no avx512f on this host"
         timeout 400 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_cpu_kernels.py \
             tests/driver/test_prepack.py 2>&1 | tee "$out/cpu-kernels.txt" | tail -15
+        ;;
+    cluster)  # the cluster split-K tiles: GPU tests, GEMMs vs cuBLAS, GPT-2 8x128 (under 5 minutes)
+        mkdir -p /tmp/sf-export
+        cluster_tiles 280
         ;;
     kmajor)  # B stored [N, K]: default tiles, then the 96- and 160-column ones (a minute or two)
         kmajor

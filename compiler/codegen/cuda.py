@@ -114,6 +114,9 @@ class KernelLaunch:
         The blocks loop over the work (``gridDim.x`` at a time): ``grid`` is sized for 132
         multiprocessors, and a launcher may lower ``grid[0]`` to the device's count (any value
         is correct; more blocks than multiprocessors would run in a second, unbalanced wave).
+    cluster
+        Blocks per cluster (the kernel's ``__cluster_dims__``, along x; 1: no clusters). A launcher
+        that lowers a persistent grid keeps it a multiple of this.
     """
 
     symbol: str
@@ -126,6 +129,7 @@ class KernelLaunch:
     kind: str = "elementwise"
     tensor_maps: tuple = ()
     persistent: bool = False
+    cluster: int = 1
 
     def to_dict(self) -> dict:
         """Plain JSON-ready form (what a rank program stores; the runtime reads it without the
@@ -137,6 +141,8 @@ class KernelLaunch:
             d["tensor_maps"] = [dict(m) for m in self.tensor_maps]
         if self.persistent:
             d["persistent"] = True
+        if self.cluster > 1:
+            d["cluster"] = self.cluster
         return d
 
     @classmethod
@@ -144,7 +150,7 @@ class KernelLaunch:
         """Inverse of :meth:`to_dict`."""
         return cls(d["symbol"], tuple(d["grid"]), tuple(d["block"]), int(d["shared_mem"]), tuple(d["args"]),
                    int(d["num_inputs"]), d["op_name"], d.get("kind", "elementwise"),
-                   tuple(d.get("tensor_maps", ())), bool(d.get("persistent", False)))
+                   tuple(d.get("tensor_maps", ())), bool(d.get("persistent", False)), int(d.get("cluster", 1)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1965,7 +1971,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
                                   len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())),
-                                  bool(cfg.get("persistent", False)))
+                                  bool(cfg.get("persistent", False)), int(cfg.get("cluster", 1)))
             return src, launch, wrapper
         # fewer than 16 rows (decoding): the weight streamed once, the rows' sums in registers
         plan = _plan_gemm(gc, value, an, fp32, skinny=True)

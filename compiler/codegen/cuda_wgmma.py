@@ -60,7 +60,11 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")
 #: products run (BM = 64; see :func:`_tma_kernel`); ``sk``: the ``tma`` kernel in stream-K: the tiles
 #: past the last whole wave, and one wave before them, are cut by K tile into one equal range per
 #: block, so that every block has the same work; a tile split between blocks is finished by the
-#: block that began it, which adds the others' partial sums (see :func:`_stream_k_ranges`).
+#: block that began it, which adds the others' partial sums (see :func:`_stream_k_ranges`); ``ck``: the
+#: ``tma`` kernel in clusters of two blocks that split each tile's K range in halves and exchange
+#: their partial sums through distributed shared memory, each finishing half of the tile's chunks
+#: (:func:`_cluster_exchange`): the blocks of a 48- or 96-tile product (GPT-2's at M = 1024) read
+#: half the K tiles each, on twice the multiprocessors, with no partial sums in global memory.
 #: (A ``cp.async`` producer warpgroup with mbarrier hand-off measured slower than both on every
 #: benchmark shape: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt, ``ws*``; removed.)
 WGMMA_CONFIGS = {
@@ -90,6 +94,11 @@ WGMMA_CONFIGS = {
     "sk128x192": (2, 192, 5, "sk"),
     "sk128x128": (2, 128, 6, "sk"),
     "sk64x128": (1, 128, 8, "sk"),
+    # cluster split-K (decision 31; not measured yet: out of the default choice and of the tuner's
+    # candidates, like the ping-pong and stream-K tiles)
+    "ck128x128": (2, 128, 5, "ck"),
+    "ck128x256": (2, 256, 3, "ck"),
+    "ck64x128": (1, 128, 8, "ck"),
 }
 #: the stream-K partial sums (one slot per block, sized for the largest tile) and flags, declared once
 #: per translation unit (:data:`STREAM_K_WORKSPACE`) and shared by its stream-K kernels: a program's
@@ -124,10 +133,23 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     a = 64 * (1 if mode == "pp" else wg) * _BK * 2
     b = bn * _BK * 2
     pipe = stages * (a + b)
-    if mode in ("tma", "pp", "sk"):  # the epilogue's staging tiles sit beside the stages (the producer runs ahead)
-        return a, b, pipe + wg * _STAGE_BYTES + 16 * stages + 16 + 1024  # + the split-K flag
+    if mode in ("tma", "pp", "sk", "ck"):  # the epilogue's staging tiles sit beside the stages (the producer
+        # runs ahead); the mbarriers (ck: two more per warpgroup) and the split-K flag after them
+        return a, b, pipe + _staging_bytes(wg, mode) + 8 * _barrier_count(wg, stages, mode) + 16 + 1024
     ctile = 64 * wg * (bn + 4) * 4
     return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
+
+
+def _staging_bytes(wg: int, mode: str) -> int:
+    """The epilogue's staging tiles of a persistent kernel: one per consumer warpgroup, and (``ck``)
+    one more each for the partial sums the cluster's other block sends."""
+    return wg * _STAGE_BYTES * (2 if mode == "ck" else 1)
+
+
+def _barrier_count(wg: int, stages: int, mode: str) -> int:
+    """mbarriers of a persistent kernel: a full and an empty one per stage, and (``ck``) per
+    consumer warpgroup one that the peer's partial sums are in and one that it has read ours."""
+    return 2 * stages + (2 * wg if mode == "ck" else 0)
 
 
 #: the ``tma`` epilogue stages 64 rows x 32 columns of fp32 accumulators per warpgroup, rows
@@ -144,7 +166,7 @@ _ROW_READ_UNROLL = 4
 
 def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread: str, cols: int, smem: str,
                    ld: int, m: str, n: str, M: int, N: int, unroll: int, exact: bool = False,
-                   row_reads: bool = False) -> str:
+                   row_reads: bool = False, smem2: str | None = None) -> str:
     """The loop running ``epilogue`` over a tile of accumulators staged in shared memory (``smem``,
     rows of ``ld`` floats): ``groups`` groups of ``vec`` consecutive columns of a ``cols``-column
     tile, thread ``thread`` of ``threads`` taking every ``threads``-th group; ``m``/``n`` are the
@@ -156,17 +178,24 @@ def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread
     so no element is tested. With ``row_reads`` too (the epilogue reads a tensor along the rows,
     a residual) the loop is unrolled by :data:`_ROW_READ_UNROLL` (a chunk's whole loop): with no
     branch between them, ptxas issues those iterations' reads before the first store (decision
-    28), instead of one round trip to L2 per iteration."""
+    28), instead of one round trip to L2 per iteration. ``smem2``: a second tile of the same layout
+    whose elements are added to ``smem``'s (the other half of a K range, ``ck``)."""
     per_row = cols // vec
     steps = -(-groups // threads)
     exact = exact and groups % threads == 0
     col = f"sf_e % {per_row}" if vec == 1 else f"(sf_e % {per_row}) * {vec}"
+    at = f"(sf_e / {per_row}) * {ld} + {col}"
     if vec == 1:
-        acc = f"const float sf_acc = {smem}[(sf_e / {per_row}) * {ld} + {col}];"
+        acc = f"const float sf_acc = {smem}[{at}]{f' + {smem2}[{at}]' if smem2 else ''};"
     else:
         assert vec == 4 and N % vec == 0 and ld % vec == 0 and cols % vec == 0, (vec, N, ld, cols)
-        acc = (f"const float4 sf_a4 = *reinterpret_cast<const float4*>({smem} + (sf_e / {per_row}) * {ld} + {col});\n"
-               "const float sf_acc[4] = {sf_a4.x, sf_a4.y, sf_a4.z, sf_a4.w};")
+        acc = f"const float4 sf_a4 = *reinterpret_cast<const float4*>({smem} + {at});\n"
+        if smem2:
+            acc += (f"const float4 sf_b4 = *reinterpret_cast<const float4*>({smem2} + {at});\n"
+                    "const float sf_acc[4] = {sf_a4.x + sf_b4.x, sf_a4.y + sf_b4.y, sf_a4.z + sf_b4.z, "
+                    "sf_a4.w + sf_b4.w};")
+        else:
+            acc += "const float sf_acc[4] = {sf_a4.x, sf_a4.y, sf_a4.z, sf_a4.w};"
     test = ("{  // the tile lies inside the product" if exact else
             f"if ({'sf_e < %d && ' % groups if groups % threads else ''}sf_m < {M} && sf_n < {N}) {{")
     return f"""#pragma unroll {min(steps, _ROW_READ_UNROLL) if exact and row_reads else max(1, unroll // vec)}
@@ -242,7 +271,11 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
 _TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128": "128x128", "tma64x128": "64x128",
                  "tma64x96": "64x128", "tma128x160": "128x256",
                  "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128",
-                 "sk128x256": "128x256", "sk128x192": "128x256", "sk128x128": "128x128", "sk64x128": "64x128"}
+                 "sk128x256": "128x256", "sk128x192": "128x256", "sk128x128": "128x128", "sk64x128": "64x128",
+                 "ck128x128": "128x128", "ck128x256": "128x256", "ck64x128": "64x128"}
+
+#: the tile a cluster split-K configuration takes where K is a single K tile
+_CK_FALLBACK = {"ck128x128": "tma128x128", "ck128x256": "tma128x256", "ck64x128": "tma64x128"}
 
 
 #: the tile a configuration whose column count is not a multiple of 64 takes where B is MN-major
@@ -264,6 +297,16 @@ def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:
             f"               : \"l\"(da), \"l\"(db));\n"
             f"}}\n")
 
+
+#: an mbarrier parity wait (``sem``: its ordering qualifiers, e.g. ``.acquire.cluster``)
+_MBAR_WAIT = r"""__device__ __forceinline__ void {name}(unsigned bar, unsigned parity) {{
+  unsigned done = 0;
+  do {{
+    asm volatile("{{\n.reg .pred p;\nmbarrier.try_wait.parity{sem}.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  }} while (!done);
+}}
+"""
 
 #: device helpers shared by every wgmma kernel of a translation unit (emitted once)
 WGMMA_HELPERS = r"""
@@ -292,14 +335,7 @@ __device__ __forceinline__ void sf_mbar_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void sf_mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
-__device__ __forceinline__ void sf_mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done = 0;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-struct __align__(64) SfTmap { unsigned long long q[16]; };  // a CUtensorMap, passed by value
+""" + _MBAR_WAIT.format(name="sf_mbar_wait", sem="") + r"""struct __align__(64) SfTmap { unsigned long long q[16]; };  // a CUtensorMap, passed by value
 __device__ __forceinline__ void sf_mbar_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
@@ -322,7 +358,29 @@ __device__ __forceinline__ void sf_wgmma_commit() { asm volatile("wgmma.commit_g
 template <int N> __device__ __forceinline__ void sf_wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
-"""
+// clusters (``ck`` tiles): this block's rank, a barrier of every thread of the cluster, the address of
+// a shared variable in block `rank` of the cluster, stores and mbarrier arrivals there, and the wait
+// that sees what another block stored before its arrival
+__device__ __forceinline__ unsigned sf_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void sf_cluster_sync() {
+  asm volatile("barrier.cluster.arrive;\nbarrier.cluster.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned sf_mapa(unsigned addr, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void sf_st_cluster2(unsigned addr, float x, float y) {
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ void sf_mbar_arrive_cluster(unsigned addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" :: "r"(addr) : "memory");
+}
+""" + _MBAR_WAIT.format(name="sf_mbar_wait_cluster", sem=".acquire.cluster")
 
 
 def wgmma_helpers(used: set[tuple[int, str, int, int]], common: bool = True) -> str:
@@ -429,7 +487,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
         config = _KMAJOR_B_FALLBACK[config]
-    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk"):
+    if WGMMA_CONFIGS[config][3] == "ck" and K <= _BK:  # one K tile: nothing to split
+        config = _CK_FALLBACK[config]
+    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk", "ck"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config, vec=vec, row_reads=row_reads)
@@ -646,6 +706,56 @@ if (sf_ke < {KT}) {{  // the tile's first piece: add the others, the next blocks
 }}"""
 
 
+def _chunk_rows(ch: str, remote: bool = False) -> str:
+    """Stores of a consumer thread's accumulators of 32-column chunk ``ch`` (a C expression that is
+    a constant once unrolled: the registers' indices) into its warpgroup's 64 x 32 staging tile
+    (rows of :data:`_LDS` floats): at ``sf_Cw``, or (``remote``) at shared::cluster address
+    ``sf_pin``, the peer block's tile for this one's partial sums."""
+    per = 4 * _CHUNK // 8  # accumulators of a chunk per thread
+    lines = []
+    for jj in range(_CHUNK // 8):
+        for half in (0, 1):
+            row = "(sf_r + 8)" if half else "sf_r"
+            x, y = (f"sf_d[({ch}) * {per} + {4 * jj + 2 * half + q}]" for q in (0, 1))
+            if remote:
+                lines.append(f"sf_st_cluster2(sf_pin + ({row} * {_LDS} + {jj * 8} + sf_c) * 4, {x}, {y});")
+            else:
+                lines.append(f"*reinterpret_cast<float2*>(sf_Cw + {row} * {_LDS} + {jj * 8} + sf_c) = make_float2({x}, {y});")
+    return "\n".join(lines)
+
+
+def _cluster_exchange(BN: int, chunk_loop: str) -> str:
+    """A ``ck`` tile's epilogue (consumer warpgroup ``sf_cw``, after its half of the K tiles): the two
+    blocks of the cluster hold partial sums of the same tile. Per pair of 32-column chunks, block
+    rank ``r`` finishes chunk ``2j + r``: it stores its partial sums of the other chunk into the
+    peer's second staging tile (distributed shared memory; first waiting until the peer has read
+    the previous ones: ``sf_free``), and arrives on the peer's ``sf_ready`` (release at cluster
+    scope: those stores come first); it stores its own chunk into its staging tile, waits on its
+    ``sf_ready`` (acquire) and runs the epilogue on the sum of the two tiles, then tells the peer
+    it has read them. The two partial sums are added in one operation, the same bits whichever
+    block adds them."""
+    pair = []
+    for r in (0, 1):
+        mine, theirs = f"2 * sf_j + {r}", f"2 * sf_j + {1 - r}"
+        pair.append(_chunk_rows(theirs, remote=True) + "\n" + _chunk_rows(mine))
+    return f"""#pragma unroll
+for (int sf_j = 0; sf_j < {BN // (2 * _CHUNK)}; ++sf_j, ++sf_x) {{
+  sf_mbar_wait_cluster(sf_free, (sf_x & 1) ^ 1);  // the peer has read what this block sent before
+  if (sf_rank == 0) {{
+{_indent(pair[0], 4)}
+  }} else {{
+{_indent(pair[1], 4)}
+  }}
+  sf_mbar_arrive_cluster(sf_pready);
+  sf_bar_sync(1 + sf_cw, 128);
+  sf_mbar_wait_cluster(sf_ready, sf_x & 1);  // the peer's partial sums of this block's chunk
+  const int sf_ch = 2 * sf_j + (int)sf_rank;
+{_indent(chunk_loop, 2)}
+  sf_bar_sync(1 + sf_cw, 128);
+  sf_mbar_arrive_cluster(sf_pfree);
+}}"""
+
+
 def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, root: str, batch_code: str,
                 a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int,
                 row_reads: bool = False) -> tuple[str, dict, tuple]:
@@ -667,18 +777,24 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
 
     Stream-K (mode ``sk``): the same roles, over whole tiles and then a range of K tiles per block
     (:func:`_stream_k_ranges`, :func:`_stream_k_pieces`); a piece that starts inside a tile hands
-    its partial sums to the block that began the tile (:func:`_stream_k_fixup`). No split-K."""
+    its partial sums to the block that began the tile (:func:`_stream_k_fixup`). No split-K.
+
+    Cluster split-K (mode ``ck``, ``K`` of at least two K tiles): blocks ``2c`` and ``2c + 1`` form
+    cluster ``c`` (``__cluster_dims__``: the grid is even) and take the same tiles, block rank ``r``
+    the ``r``-th half of each tile's K tiles (the split-K units ``2t + r``, whose loop is the plain
+    one's); the halves meet in shared memory (:func:`_cluster_exchange`)."""
     wg, BN, S, mode = WGMMA_CONFIGS[config]
-    pp, sk = mode == "pp", mode == "sk"
+    pp, sk, ck = mode == "pp", mode == "sk", mode == "ck"
     BM = tile_rows(config)
     T = 128 * (wg + 1)
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
     KT = -(-K // _BK)
+    assert KT >= 2 or not ck, (config, K)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
-    splits = split_count(tiles, K) if mode == "tma" else 1
+    splits = split_count(tiles, K) if mode == "tma" else 2 if ck else 1
     per = -(-KT // splits)  # K tiles per split
     units = tiles * splits
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
@@ -706,18 +822,14 @@ const int sf_ke = min(sf_kb + {per}, {KT});
 {_indent(_tma_copies(b, BN, "sf_sb", "sf_n0", "sf_tmB"), 4)}
   }}
 }}"""
-    chunk_rows = "\n".join(
-        f"*reinterpret_cast<float2*>(sf_Cw + sf_r * {_LDS} + {jj * 8} + sf_c) = "
-        f"make_float2(sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj}], sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 1}]);\n"
-        f"*reinterpret_cast<float2*>(sf_Cw + (sf_r + 8) * {_LDS} + {jj * 8} + sf_c) = "
-        f"make_float2(sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 2}], sf_d[sf_ch * {4 * _CHUNK // 8} + {4 * jj + 3}]);"
-        for jj in range(_CHUNK // 8))
+    chunk_rows = _chunk_rows("sf_ch")
     nreg, tc = BN // 2, wg * 128
     chunk_loop = _epilogue_loop(epilogue, vec, groups=64 * _CHUNK // vec, threads=128, thread="sf_wl", cols=_CHUNK,
                                 smem="sf_Cw", ld=_LDS, m="sf_m0" if pp else "sf_m0 + sf_cw * 64",
                                 n=f"sf_n0 + sf_ch * {_CHUNK}", M=M, N=N, unroll=_EPILOGUE_UNROLL,
                                 exact=M % BM == 0 and N % BN == 0,
-                                row_reads=row_reads and not sk)  # (stream-K's fix-up leaves no registers for them)
+                                row_reads=row_reads and not sk,  # (stream-K's fix-up leaves no registers for them)
+                                smem2="sf_Pw" if ck else None)
     # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
     # coalesced) and counts itself in. When every unit has a block of its own (the usual case:
     # split_count keeps units <= multiprocessors, and then all blocks are resident at once), the
@@ -728,7 +840,7 @@ const int sf_ke = min(sf_kb + {per}, {KT});
     # module globals sized here (a program runs on one stream: no two launches of a kernel are in
     # flight at once).
     nch = BN // _CHUNK
-    reduce = _stream_k_fixup(KT, nreg, tc) if sk else "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
+    reduce = _stream_k_fixup(KT, nreg, tc) if sk else "" if splits == 1 or ck else f"""const int sf_tc = threadIdx.x - 128;
 const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_t * {splits * nreg * tc} + sf_tc;  // split 0 of the tile
 float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
 #pragma unroll
@@ -765,15 +877,22 @@ if (sf_spread) {{
   }}
   if (sf_tc == 0) {{SYMBOL}}_cnt[sf_t] = 0u;
 }}"""
-    skip = "" if splits == 1 else f"""// another split's chunk
+    skip = "" if splits == 1 or ck else f"""// another split's chunk
 if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;
 """
-    finish = "" if splits == 1 else f"""if (sf_spread) {{  // the last split of the tile to get here resets the counts
+    finish = "" if splits == 1 or ck else f"""if (sf_spread) {{  // the last split of the tile to get here resets the counts
   sf_bar_sync(3, {tc});
   if (sf_tc == 0 && atomicAdd(&{{SYMBOL}}_done[sf_t], 1u) == {splits - 1}u) {{
     {{SYMBOL}}_cnt[sf_t] = 0u;
     {{SYMBOL}}_done[sf_t] = 0u;
   }}
+}}"""
+    epilogue_chunks = f"""#pragma unroll
+for (int sf_ch = 0; sf_ch < {BN // _CHUNK}; ++sf_ch) {{
+{_indent(skip + chunk_rows, 2)}
+  sf_bar_sync(1 + sf_cw, 128);
+{_indent(chunk_loop, 2)}
+  sf_bar_sync(1 + sf_cw, 128);
 }}"""
     if pp:  # this warpgroup's tiles: every other one of the block's; sf_g skips the other's K tiles
         consumer_head = f"""int sf_pi = sf_cw;  // index of the tile among the block's
@@ -787,9 +906,20 @@ for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * grid
 """
     else:
         consumer_head, start, handoff = head, "", ""
+    staging = _staging_bytes(wg, mode)
+    bar = lambda i: f"sf_bars + {8 * i}"  # noqa: E731
+    cluster_setup = "" if not ck else f"""// the peer's partial sums of this block's chunks, and where this block's go in the peer
+const float* sf_Pw = sf_Cs + ({wg} + sf_cw) * {64 * _LDS};
+const unsigned sf_peer = sf_rank ^ 1u;
+const unsigned sf_pin = sf_mapa(sf_base + {S * stage} + ({wg} + sf_cw) * {_STAGE_BYTES}, sf_peer);
+const unsigned sf_ready = {bar(2 * S)} + sf_cw * 8;  // the peer's partial sums are in sf_Pw
+const unsigned sf_free = {bar(2 * S + wg)} + sf_cw * 8;  // the peer has read what this block sent
+const unsigned sf_pready = sf_mapa(sf_ready, sf_peer), sf_pfree = sf_mapa(sf_free, sf_peer);
+int sf_x = 0;  // exchanges so far (the two barriers' phase)
+"""
     consumer = f"""const int sf_cw = sf_wg - 1;
 float* sf_Cw = sf_Cs + sf_cw * {64 * _LDS};
-// wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
+{cluster_setup}// wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
 const int sf_r = (sf_wl >> 5) * 16 + ((sf_wl & 31) >> 2);
 const int sf_c = (sf_wl & 3) * 2;
 {consumer_head}
@@ -808,28 +938,33 @@ const int sf_c = (sf_wl & 3) * 2;
 {handoff}  sf_wgmma_wait<0>();
   sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
 {_indent(reduce, 2)}
-  #pragma unroll
-  for (int sf_ch = 0; sf_ch < {BN // _CHUNK}; ++sf_ch) {{
-{_indent(skip + chunk_rows, 4)}
-    sf_bar_sync(1 + sf_cw, 128);
-{_indent(chunk_loop, 4)}
-    sf_bar_sync(1 + sf_cw, 128);
-  }}
+{_indent(_cluster_exchange(BN, chunk_loop) if ck else epilogue_chunks, 2)}
 {_indent(finish, 2)}
 }}"""
-    globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+    globals_ = "" if splits == 1 or ck else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
                                        f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
                                        f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     sk_setup = _indent(_stream_k_ranges(tiles, KT), 2) + "\n" if sk else ""
-    src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}, {map_params}) {{
+    cluster_dims = "__cluster_dims__(2, 1, 1) " if ck else ""
+    rank = "  const unsigned sf_rank = sf_cluster_rank();  // the half of each tile's K tiles this block takes\n" if ck else ""
+    init_ck = "" if not ck else f"""
+    for (int sf_w = 0; sf_w < {wg}; ++sf_w) {{
+      sf_mbar_init({bar(2 * S)} + sf_w * 8, 128);
+      sf_mbar_init({bar(2 * S + wg)} + sf_w * 8, 128);
+    }}"""
+    # (ck: the peer's barriers must be initialized before anything reaches them, and a block must not
+    # exit while the peer may still store into its shared memory or arrive on its barriers)
+    start_sync = "sf_cluster_sync();" if ck else "__syncthreads();"
+    end_sync = "\n  sf_cluster_sync();" if ck else ""
+    src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {cluster_dims}{symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
   const unsigned sf_base = (sf_raw + 1023u) & ~1023u;
   float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw) + {S * stage});
-  const unsigned sf_bars = sf_base + {S * stage + wg * _STAGE_BYTES};
+  const unsigned sf_bars = sf_base + {S * stage + staging};
   volatile int* sf_flag =  // split-K: whether this block finishes the tile
-      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stage + wg * _STAGE_BYTES + 16 * S});
+      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stage + staging + 8 * _barrier_count(wg, S, mode)});
   (void)sf_flag;
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
@@ -837,7 +972,7 @@ const int sf_c = (sf_wl & 3) * 2;
   (void)sf_bz;
   const bool sf_spread = gridDim.x >= {units};  // split-K: every unit has its own resident block
   (void)sf_spread;
-{sk_setup}{_indent(root, 2)}
+{rank}{sk_setup}{_indent(root, 2)}
 {_indent(batch_code, 2)}
   if (threadIdx.x == 0) {{
     sf_tma_prefetch(&sf_tmA);  // the first copies need the descriptors: fetch them while the block sets up
@@ -845,10 +980,10 @@ const int sf_c = (sf_wl & 3) * 2;
     for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
       sf_mbar_init({full("sf_s")}, 1);
       sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128});
-    }}
+    }}{init_ck}
     asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");
   }}
-  __syncthreads();
+  {start_sync}
   int sf_g = 0;  // K tiles so far (stage = sf_g % {S}, barrier phase = sf_g / {S})
   if (sf_wg == 0) {{
     {dec}
@@ -858,7 +993,7 @@ const int sf_c = (sf_wl & 3) * 2;
   }} else {{
     {inc}
 {_indent(consumer, 4)}
-  }}
+  }}{end_sync}
 }}
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
@@ -866,4 +1001,6 @@ const int sf_c = (sf_wl & 3) * 2;
     blocks = stream_k_blocks(tiles, KT) if sk else min(units, PERSISTENT_SMS)
     launch = {"grid": (blocks, 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
+    if ck:
+        launch["cluster"] = 2
     return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)

@@ -11,6 +11,7 @@ epilogues, and every kernel of the float16 programs of the test models.
 """
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -363,19 +364,20 @@ def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
     _check_kernels("k-major bf16", build(src.text, str(tmp_path)), src, [group], env, consts)
 
 
-@pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128"])
+@pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128", "ck128x128"])
 def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
     """Every wgmma GEMM of the Llama test model's float16 program (the gate projection, and the up
     projection with SiLU(gate) * up and the cast for the down projection in its epilogue) forced
-    onto a stream-K or ping-pong tile, run on 3 resident blocks (more blocks than K tiles: empty
-    stream-K ranges), against the evaluator."""
+    onto a stream-K, ping-pong or cluster split-K tile, run on 3 resident blocks (more blocks than
+    K tiles: empty stream-K ranges; 4, two clusters, for split-K), against the evaluator."""
     env, consts, groups = _model_values("llama_ts17")
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     gemms = [g for g in groups if g.name in src.launches and src.launches[g.name].kind.startswith("gemm-wgmma")]
     assert len(gemms) >= 4
     src = generate_cuda_source(groups, arch="sm_90", precision="float16", gemm_configs={g.name: cfg for g in gemms})
     assert all(src.launches[g.name].persistent for g in gemms)
-    _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=(3, 1, 1))
+    grid = (4 if cfg.startswith("ck") else 3, 1, 1)
+    _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=grid)
 
 
 def test_model_gemms_on_the_tiles_for_a_k_major_b_on_the_host(tmp_path):
@@ -547,8 +549,9 @@ def test_wgmma_gemms_on_the_host_match_numpy(tmp_path, cfg, ta, tb):
     completing only at their wait_group (so a stage freed too early shows)."""
     from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS
 
-    persistent = WGMMA_CONFIGS[cfg][3] != "cp"
-    _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=(3, 1, 1) if persistent else None)
+    mode = WGMMA_CONFIGS[cfg][3]
+    grid = None if mode == "cp" else (4, 1, 1) if mode == "ck" else (3, 1, 1)  # (ck: whole clusters of 2)
+    _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=grid)
 
 
 @pytest.mark.parametrize("cfg", ["tma64x96", "tma128x160"])
@@ -625,6 +628,59 @@ def test_stream_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
     _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
 
 
+@pytest.mark.parametrize("cfg,M,N,K,blocks", [
+    ("ck64x128", 200, 136, 200, 2),  # 8 tiles on one cluster, 2 + 2 K tiles
+    ("ck128x128", 200, 136, 328, 4),  # 4 tiles on two clusters, 3 + 3 K tiles, the last one short
+    pytest.param("ck128x256", 130, 264, 520, 2, marks=pytest.mark.slow),  # 4 exchanges of a pair of chunks
+])
+def test_cluster_split_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
+    """Cluster split-K (RFC 0005 decision 31): the two blocks of a cluster take the two halves of
+    each tile's K tiles and exchange their partial sums through each other's shared memory, a
+    cluster looping over several tiles (the exchange barriers' phases carry over). The same bits
+    under several random interleavings, each launched twice; bfloat16 too."""
+    launch, outs = _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(1, 2, 5), launches=2)
+    assert launch.cluster == 2
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
+
+
+def test_the_emulation_sees_a_broken_cluster_exchange(tmp_path):
+    """The cluster machinery is no rubber stamp either: without the wait for the peer's partial sums
+    a block reads a staging tile the peer has not filled (wrong values, or a wait that never ends);
+    without the wait until the peer has read the previous ones, a block overwrites them; without
+    the cluster barrier at the end, a block arrives on the barrier of a peer that has exited (an
+    error on a GPU); an odd grid is not whole clusters."""
+    from test_wgmma import _bits, _gemm, _value
+
+    M, N, K = 200, 136, 200
+    src = generate_cuda_source([_gemm(M, N, K, "float16", name="g")], arch="sm_90", gemm_configs={"g": "ck64x128"})
+    launch = src.launches["g"]
+    rng = np.random.default_rng(0)
+    a, b = _bits(rng.standard_normal((M, K)), "float16"), _bits(rng.standard_normal((K, N)), "float16")
+    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
+
+    def err(text, seed=1, grid=2):
+        out = run(build(text, str(tmp_path)), launch, [a, b], [((M, N), np.uint16)], grid=(grid, 1, 1),
+                  resident=grid, seed=seed)[0]
+        with np.errstate(all="ignore"):
+            return float(np.max(np.abs(out.view(np.float16) - want))) / float(np.max(np.abs(want)))
+
+    text = src.text
+    assert err(text) < 4e-3
+    for wait in ("sf_ready", "sf_free"):
+        broken = re.sub(rf"sf_mbar_wait_cluster\({wait}, [^;]*;", "", text)
+        assert broken != text
+        try:
+            assert not err(broken) < 4e-3  # (NaN or inf: not below either)
+        except RuntimeError as exc:
+            assert "deadlock" in str(exc)
+    end = text.rindex("sf_cluster_sync();")
+    with pytest.raises(RuntimeError, match="cluster block that has exited"):
+        err(text[:end] + text[end + len("sf_cluster_sync();"):])
+    with pytest.raises(ValueError, match="whole clusters of 2"):
+        err(text, grid=3)
+
+
 def test_a_wait_on_blocks_that_never_run_fails_the_launch(tmp_path):
     """Stream-K's first piece of a tile waits for the next blocks' partial sums; where those blocks
     cannot run (here: one block at a time) the generated wait gives up after 2^36 cycles and traps,
@@ -655,7 +711,7 @@ EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, ro
 }
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128", "ck128x128"])
 def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
     """GEMM + bias + residual as whole kernels (RFC 0005 decision 22): four columns per thread
     with vector reads and stores (every vector access aligned), one column per thread, a residual
@@ -682,7 +738,7 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128"])
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128", "ck128x128"])
 def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
     """Products whose tiles all lie inside them (RFC 0005 decision 28): the epilogue tests no
     element, and one that reads a residual along the rows is unrolled whole (its reads issued
@@ -710,7 +766,7 @@ def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
         res = arrays["res"].T if name == "res_t" else arrays["res"]
         want = arrays["x"].astype(np.float64) @ arrays["w"].astype(np.float64) + arrays["bias"] + res
         got = run(kernels[name], launch, [arrays[n] for n in launch.args[:launch.num_inputs]], [(res.shape, dt)],
-                  grid=(3, 1, 1) if launch.tensor_maps else None, seed=3)[0]
+                  grid=(4 if launch.cluster > 1 else 3, 1, 1) if launch.tensor_maps else None, seed=3)[0]
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
 

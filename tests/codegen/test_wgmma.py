@@ -32,8 +32,9 @@ needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="
 #: their own time limit, until they have (a wrong hand-over or flag would hang, not fail)
 PINGPONG = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "pp"]
 STREAM_K = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "sk"]
+CLUSTER = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "ck"]  # (not run on a GPU yet either)
 KMAJOR_B = [c for c, v in WGMMA_CONFIGS.items() if v[1] % 64]  # column counts for a B stored [N, K] only
-MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG + STREAM_K + KMAJOR_B]
+MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG + STREAM_K + CLUSTER + KMAJOR_B]
 LAYOUTS = list(itertools.product((False, True), (False, True)))  # (trans_a, trans_b)
 
 
@@ -61,7 +62,7 @@ def test_dense_half_operands_take_wgmma_on_hopper_only():
 def test_configs_follow_the_grid_and_can_be_forced():
     assert choose_wgmma_config(8192, 4096, 1) == "tma128x256"
     # the ping-pong and stream-K tiles are chosen only by name until a GPU run has measured them
-    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith(("pp", "sk")) for m in (128, 1024, 8192)
+    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith(("pp", "sk", "ck")) for m in (128, 1024, 8192)
                    for n in (768, 3072) for k in (768, 3072))
     assert choose_wgmma_config(8192, 4096, 2) == "128x256"  # batched: no TMA tile
     assert choose_wgmma_config(128, 768, 1) == "64x64"
@@ -76,8 +77,10 @@ def test_configs_follow_the_grid_and_can_be_forced():
         assert launch.block == (128 * (wg + (mode != "cp")), 1, 1)
         tiles = -(-512 // tile_rows(name)) * -(-512 // bn)  # pp: a 64-row tile per warpgroup
         units = -(-tiles * 2 // 8) if mode == "sk" else tiles  # stream-K: a block per 8 K tiles (of 2 per tile)
-        assert launch.grid[0] == (tiles if mode == "cp" else min(units, 132))  # tma, pp, sk: persistent blocks
+        units *= 2 if mode == "ck" else 1  # cluster split-K: two blocks per tile
+        assert launch.grid[0] == (tiles if mode == "cp" else min(units, 132))  # tma, pp, sk, ck: persistent blocks
         assert bool(launch.tensor_maps) == (mode != "cp")
+        assert launch.cluster == (2 if mode == "ck" else 1) and launch.grid[0] % launch.cluster == 0
     with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
 
@@ -418,16 +421,9 @@ def test_stream_k_tiles_match_numpy(tmp_path, dt):
     with a fused epilogue, each launched twice (the flags are reset for the next launch)."""
     _configs_match_numpy(tmp_path, dt, STREAM_K)
     if dt == "float16":
-        rng = np.random.default_rng(6)
-        for M, N, K in ((1024, 768, 768), (4100, 1160, 328)):
-            x = rng.standard_normal((M, K)).astype(np.float16)
-            w = (rng.standard_normal((K, N)) / 8).astype(np.float16)
-            bias = rng.standard_normal((N,)).astype(np.float16)
-            for cfg in STREAM_K:
-                (tmp_path / f"{cfg}-{M}").mkdir()
-                launch = _bias_tanh_matches_numpy(tmp_path / f"{cfg}-{M}", x, w, bias, cfg)
-                tiles = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1])
-                assert launch.tensor_maps and launch.grid[0] == stream_k_blocks(tiles, -(-K // 64)) > 1
+        for cfg, M, N, K, launch in _bias_tanh_on_shapes(tmp_path, STREAM_K, ((1024, 768, 768), (4100, 1160, 328)), 6):
+            tiles = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1])
+            assert launch.tensor_maps and launch.grid[0] == stream_k_blocks(tiles, -(-K // 64)) > 1
 
 
 @pytest.mark.gpu
@@ -441,6 +437,34 @@ def test_stream_k_gives_the_same_bits_on_a_grid(tmp_path):
             np.testing.assert_array_equal(o, same[0])
         got = same[0].view(np.float16).astype(np.float32)
         np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_cluster_split_k_tiles_match_numpy(tmp_path, dt):
+    """The cluster split-K tiles (RFC 0005 decision 31), every layout; then GPT-2's attention output
+    and second MLP projections at M = 1024 (48 or 96 tiles, two blocks each) and a product of several
+    waves with a fused epilogue, each launched twice."""
+    _configs_match_numpy(tmp_path, dt, CLUSTER)
+    if dt == "float16":
+        shapes = ((1024, 768, 768), (1024, 768, 3072), (4100, 1160, 328))
+        for cfg, M, N, K, launch in _bias_tanh_on_shapes(tmp_path, CLUSTER, shapes, 8):
+            tiles = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1])
+            assert launch.cluster == 2 and launch.grid[0] == min(2 * tiles, 132)
+
+
+@pytest.mark.gpu
+def test_cluster_split_k_gives_the_same_bits_on_any_grid(tmp_path):
+    """Each tile of a cluster split-K product is the sum of the same two halves whichever cluster
+    computes it: the same bits launch after launch and on grids of 96, 40 and 2 blocks (clusters
+    looping over several tiles)."""
+    _, outs, want = _product_on_grids(tmp_path, "ck64x128", 1024, 768, 3072, (None, None, 40, 2), seed=9)
+    first = next(iter(outs.values()))[0]
+    for same in outs.values():
+        for o in same:
+            np.testing.assert_array_equal(o, first)
+    got = first.view(np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
 
 
 def _product_on_grids(tmp_path, cfg, M, N, K, grids, seed):
@@ -517,6 +541,19 @@ def _bias_tanh_matches_numpy(tmp_path, x, w, bias, config=None):
         assert not np.isnan(got).any()
         np.testing.assert_allclose(got, want, atol=4e-3, rtol=4e-3)
     return launch
+
+
+def _bias_tanh_on_shapes(tmp_path, configs, shapes, seed):
+    """:func:`_bias_tanh_matches_numpy` of random operands (``seed``) of each ``(M, N, K)`` of
+    ``shapes`` on each tile of ``configs``; yields ``(config, M, N, K, launch)``."""
+    rng = np.random.default_rng(seed)
+    for M, N, K in shapes:
+        x = rng.standard_normal((M, K)).astype(np.float16)
+        w = (rng.standard_normal((K, N)) / 8).astype(np.float16)
+        bias = rng.standard_normal((N,)).astype(np.float16)
+        for cfg in configs:
+            (tmp_path / f"{cfg}-{M}-{K}").mkdir()
+            yield cfg, M, N, K, _bias_tanh_matches_numpy(tmp_path / f"{cfg}-{M}-{K}", x, w, bias, cfg)
 
 
 @pytest.mark.gpu

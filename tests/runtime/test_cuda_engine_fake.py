@@ -232,3 +232,24 @@ def test_state_copied_after_the_steps_and_inside_the_graph(monkeypatch):
     assert len(eng.graphs["all"][0][0].calls) == 3 and len(eng.graphs["body"][0][0].calls) == 2  # (kernels + copy)
     eng.reset_state()
     np.testing.assert_array_equal(eng.read_state()["x"], 0)
+
+
+@pytest.mark.parametrize("cluster,want", [(1, 131), (2, 130)])
+def test_a_persistent_grid_lowered_to_the_device_stays_whole_clusters(monkeypatch, cluster, want):
+    """A persistent kernel sized for 132 multiprocessors on a device with 131: the engine lowers its
+    grid to one block per multiprocessor, and to whole clusters for a kernel with cluster dimensions
+    (``launch["cluster"]``: the driver refuses a grid that is not a multiple of them)."""
+    log: list = []
+    cp = _fake_cupy({"add": add, "twice": twice}, log)
+    cp.cuda.Device = lambda: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 131})
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    p = _program()
+    p["steps"][0]["launch"] = {"grid": [132, 1, 1], "block": [32, 1, 1], "persistent": True, "cluster": cluster}
+    prog = types.SimpleNamespace(program=p, weights=np.arange(4, dtype=np.float32).view(np.uint8),
+                                 buffers=[None] * 4, directory=Path("."), rank=0, groups={})
+    eng = CudaEngine(prog)
+    (launches, _), = eng.segments
+    assert launches[0].args[0] == (want, 1, 1) and launches[1].args[0] == (1, 1, 1)
+    np.testing.assert_array_equal(eng.run({"x": np.ones(4, np.float32)})["y"], 2 * (1 + np.arange(4)))

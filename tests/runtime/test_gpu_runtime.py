@@ -157,6 +157,16 @@ def test_lower_precisions_on_one_gpu(tmp_path, model, precision, rel):
 def test_tma_gemms_in_a_compiled_model(tmp_path, monkeypatch, tile):
     """Every float16 GEMM on a persistent TMA tile: the runtime encodes the tensor maps from the
     arena's addresses once, eagerly and inside the CUDA graph."""
+    _model_on_tile(tmp_path, monkeypatch, tile)
+
+
+def test_cluster_split_k_gemms_in_a_compiled_model(tmp_path, monkeypatch):
+    """The same on a cluster split-K tile (RFC 0005 decision 31: kernels with cluster dimensions,
+    launched by the runtime like any other; the GEMMs whose K is one K tile take the TMA tile)."""
+    _model_on_tile(tmp_path, monkeypatch, "ck128x128")
+
+
+def _model_on_tile(tmp_path, monkeypatch, tile):
     if _cupy() is None:
         pytest.skip("needs cupy and a CUDA device")
     import json
@@ -168,6 +178,7 @@ def test_tma_gemms_in_a_compiled_model(tmp_path, monkeypatch, tile):
     out, inputs, ref = _compile(tmp_path, "gpt2_ts17", [1], "replicate", precision="float16")
     steps = json.loads((out / "rank0" / "program.json").read_text())["steps"]
     assert any(s.get("launch", {}).get("tensor_maps") for s in steps)
+    assert any(s.get("launch", {}).get("cluster", 1) == 2 for s in steps) == tile.startswith("ck")
     prog = load(out)
     _close(prog.run(inputs), ref, 5e-3)
     _close(prog.run(inputs), ref, 5e-3)  # CUDA graph replay
