@@ -386,6 +386,19 @@ static inline void sf_tma_land(const sf_emu::Tma& t) {
 static inline void sf_tma_2d(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar) {
   sf_emu::tmas.push_back({dst, *m, c0, c1, bar});
 }
+// multicast: the same box into each block of the cluster in `mask`, at `dst` and completing on `bar`
+// there (each copy lands on its own, at random, like any other)
+static inline void sf_tma_2d_mc(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar, unsigned short mask) {
+  using namespace sf_emu;
+  const int base = cur / nthr / csize * csize;
+  for (int r = 0; r < csize; ++r) {
+    if (!(mask >> r & 1)) continue;
+    bool live = false;
+    for (int t = (base + r) * nthr; t < (base + r + 1) * nthr; ++t) live = live || threads[t].state != DONE;
+    if (!live) ++exited_access;
+    (base + r == curblk ? tmas : blocks[base + r].tmas).push_back({dst, *m, c0, c1, bar});
+  }
+}
 static inline void sf_tma_prefetch(const SfTmap*) {}
 // bar.sync / bar.arrive: barrier `id` completes when `count` threads arrived at it
 static inline void sf_bar_arrive(int id, int count) {

@@ -20,8 +20,9 @@
 #                                                 # on the same bfloat16 modules (1x128, 8x128), < 7 min
 #   bash benchmarks/gpu/device_session.sh decode  # products of 1-8 rows (the gemv template) vs cuBLAS, dense float16
 #                                                 # on both weight layouts and 4-bit codes, < 5 min
-#   bash benchmarks/gpu/device_session.sh cluster  # the cluster split-K tiles (rfcs/0005 decision 31): their GPU
-#                                                 # tests, GPT-2's GEMMs on them vs cuBLAS, GPT-2 8x128 with them, < 5 min
+#   bash benchmarks/gpu/device_session.sh cluster  # the cluster tiles (rfcs/0005 decisions 31, 32: split-K, B
+#                                                 # multicast): their GPU tests, GPT-2's GEMMs on them vs cuBLAS,
+#                                                 # GPT-2 8x128 with them, < 5 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -63,8 +64,8 @@ fi
 gpu_tests=(tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/codegen/test_attention.py
            tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py)
 new_tiles="pingpong or stream_k"
-# the cluster split-K tiles' GPU tests (not run on a GPU yet: a wrong exchange would wait forever)
-cluster_tests="cluster_split_k"
+# the cluster tiles' GPU tests (not run on a GPU yet: a wrong exchange would wait forever)
+cluster_tests="cluster_split_k or multicast"
 # pdl_models LIMIT_S: GPT-2 small at 1x128 and 8x128 compiled with optimization_config["pdl"] against
 # torch.compile, appended to $out/models-tiles.txt under "== pdl"
 pdl_models() {
@@ -108,12 +109,15 @@ ncu_gemm() {
     grep -E "^  [a-z_0-9]+_M[0-9]+_|Duration|Compute \(SM\) Throughput|Memory Throughput|==PROF==|rror" \
         "$out/$file" | head -60
 }
-# cluster_tiles LIMIT_S: the cluster split-K tiles (RFC 0005 decision 31, never run on a GPU before):
+# cluster_tiles LIMIT_S: the cluster tiles (RFC 0005 decisions 31 and 32, never run on a GPU before):
 # their GPU tests under a time limit (a wrong exchange would hang), then GPT-2's products at M = 128
 # and 1024 on the default tiles and on each of them against cuBLAS in the same run ($out/gemm-cluster.txt),
-# then GPT-2 small 8x128 with its two N = 768 products (attn_out, fc2: 96 tiles of 64 x 128 by default,
-# 96 blocks of half the K tiles here) on ck128x128 against torch.compile (models-tiles.txt)
+# then GPT-2 small 8x128 against torch.compile (models-tiles.txt) with its two N = 768 products
+# (attn_out, fc2: 96 tiles of 64 x 128 by default, 96 blocks of half the K tiles here) on ck128x128,
+# then with B multicast on all four projections
 ck_model_tiles='{"*/attn/c_proj/Gemm": "ck128x128", "*/mlp/c_proj/Gemm": "ck128x128"}'
+mc_model_tiles='{"*/attn/c_proj/Gemm": "mc64x128", "*/mlp/c_proj/Gemm": "mc64x128", "*/attn/c_attn/Gemm": "mc128x192",
+                 "*/mlp/c_fc/Gemm": "mc128x192"}'
 cluster_tiles() {
     local start=$SECONDS f="$out/gemm-cluster.txt"
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$cluster_tests" "${gpu_tests[@]}" 2>&1 \
@@ -123,7 +127,7 @@ cluster_tiles() {
     fi
     echo "# benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2 --config C, $(date -u +%F)," \
         "commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
-    for c in default ck128x128 ck64x128 ck128x256; do
+    for c in default ck128x128 mc64x128 mc128x192 ck64x128 mc128x256 ck128x256 mc128x128; do
         (( SECONDS - start > $1 - 60 )) && break
         echo "== $c" >> "$f"
         local cfg=(); [ "$c" = default ] || cfg=(--config "$c")
@@ -131,13 +135,14 @@ cluster_tiles() {
             "${cfg[@]}" 2>&1 | grep -E " ours |WRONG|rror" >> "$f"
     done
     grep -E "^==|_M1024_float16" "$f"
-    if (( SECONDS - start < $1 - 50 )); then
-        echo "== gemm_tiles $ck_model_tiles" >> "$out/models-tiles.txt"
+    for tiles in "$ck_model_tiles" "$mc_model_tiles"; do
+        (( SECONDS - start < $1 - 50 )) || break
+        echo "== gemm_tiles $tiles" >> "$out/models-tiles.txt"
         timeout $(( $1 - (SECONDS - start) )) python3 benchmarks/gpu/models.py --models gpt2_small --batches 8 \
             --precision float16 --compile-modes reduce-overhead --export-dir /tmp/sf-export \
-            --gemm-tiles "$ck_model_tiles" >> "$out/models-tiles.txt" 2>&1
+            --gemm-tiles "$tiles" >> "$out/models-tiles.txt" 2>&1
         tail -4 "$out/models-tiles.txt"
-    fi
+    done
 }
 # kmajor: GEMMs with B stored [N, K] (gemm.py --b-layout nk) on the default tiles, then on the tiles for
 # a K-major B (tma64x96 on N = 768, tma128x160 on N = 2304), into $out/gemm-kmajor.txt
@@ -211,7 +216,7 @@ case "$what" in
         else
             echo "(no time left for the benchmark: ${budget} s)"
         fi
-        # the cluster split-K tiles (RFC 0005 decision 31, not run before): tests, GEMMs, GPT-2 8x128
+        # the cluster tiles (RFC 0005 decisions 31, 32, not run before): tests, GEMMs, GPT-2 8x128
         if (( deadline - SECONDS > 280 )); then
             cluster_tiles 200
         fi
@@ -275,7 +280,7 @@ case "$what" in
         tiles=("$@")
         [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk64x128 sk128x192 sk128x256
                                          sk128x128 pp64x256 pp64x192 pp64x128 sk64x128@4 ck128x128 ck64x128
-                                         ck128x256)
+                                         ck128x256 mc128x256 mc128x192 mc128x128 mc64x128)
         sweep_tiles "${SWEEP_S:-480}" "${tiles[@]}"
         ;;
     cpu)  # the cpu kernels against numpy on this host, with the ISA it has (the AVX-512 GEMM reads two
@@ -284,7 +289,7 @@ case "$what" in
         timeout 400 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_cpu_kernels.py \
             tests/driver/test_prepack.py 2>&1 | tee "$out/cpu-kernels.txt" | tail -15
         ;;
-    cluster)  # the cluster split-K tiles: GPU tests, GEMMs vs cuBLAS, GPT-2 8x128 (under 5 minutes)
+    cluster)  # the cluster tiles: GPU tests, GEMMs vs cuBLAS, GPT-2 8x128 (under 5 minutes)
         mkdir -p /tmp/sf-export
         cluster_tiles 280
         ;;

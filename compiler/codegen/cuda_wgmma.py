@@ -64,7 +64,10 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")
 #: ``tma`` kernel in clusters of two blocks that split each tile's K range in halves and exchange
 #: their partial sums through distributed shared memory, each finishing half of the tile's chunks
 #: (:func:`_cluster_exchange`): the blocks of a 48- or 96-tile product (GPT-2's at M = 1024) read
-#: half the K tiles each, on twice the multiprocessors, with no partial sums in global memory.
+#: half the K tiles each, on twice the multiprocessors, with no partial sums in global memory; ``mc``:
+#: the ``tma`` kernel in clusters of two blocks taking vertically adjacent tiles, each block loading
+#: half of their common B tile into both blocks' shared memory (TMA multicast): L2 reads a B tile
+#: once for two tiles (:func:`_tma_copies`).
 #: (A ``cp.async`` producer warpgroup with mbarrier hand-off measured slower than both on every
 #: benchmark shape: benchmarks/results/h100-2026-11-22-wgmma-tiles.txt, ``ws*``; removed.)
 WGMMA_CONFIGS = {
@@ -99,6 +102,11 @@ WGMMA_CONFIGS = {
     "ck128x128": (2, 128, 5, "ck"),
     "ck128x256": (2, 256, 3, "ck"),
     "ck64x128": (1, 128, 8, "ck"),
+    # B multicast (decision 32; not measured yet: likewise out of the default choice)
+    "mc128x256": (2, 256, 4, "mc"),
+    "mc128x192": (2, 192, 5, "mc"),
+    "mc128x128": (2, 128, 6, "mc"),
+    "mc64x128": (1, 128, 8, "mc"),
 }
 #: the stream-K partial sums (one slot per block, sized for the largest tile) and flags, declared once
 #: per translation unit (:data:`STREAM_K_WORKSPACE`) and shared by its stream-K kernels: a program's
@@ -133,7 +141,7 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     a = 64 * (1 if mode == "pp" else wg) * _BK * 2
     b = bn * _BK * 2
     pipe = stages * (a + b)
-    if mode in ("tma", "pp", "sk", "ck"):  # the epilogue's staging tiles sit beside the stages (the producer
+    if mode in ("tma", "pp", "sk", "ck", "mc"):  # the epilogue's staging tiles sit beside the stages (the producer
         # runs ahead); the mbarriers (ck: two more per warpgroup) and the split-K flag after them
         return a, b, pipe + _staging_bytes(wg, mode) + 8 * _barrier_count(wg, stages, mode) + 16 + 1024
     ctile = 64 * wg * (bn + 4) * 4
@@ -272,10 +280,14 @@ _TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128":
                  "tma64x96": "64x128", "tma128x160": "128x256",
                  "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128",
                  "sk128x256": "128x256", "sk128x192": "128x256", "sk128x128": "128x128", "sk64x128": "64x128",
-                 "ck128x128": "128x128", "ck128x256": "128x256", "ck64x128": "64x128"}
+                 "ck128x128": "128x128", "ck128x256": "128x256", "ck64x128": "64x128",
+                 "mc128x256": "128x256", "mc128x192": "128x256", "mc128x128": "128x128", "mc64x128": "64x128"}
 
-#: the tile a cluster split-K configuration takes where K is a single K tile
-_CK_FALLBACK = {"ck128x128": "tma128x128", "ck128x256": "tma128x256", "ck64x128": "tma64x128"}
+#: the tile a cluster configuration takes where it does not apply (split-K: K is a single K tile;
+#: multicast: an odd number of row tiles, which leaves a tile without a partner below it)
+_CK_FALLBACK = {"ck128x128": "tma128x128", "ck128x256": "tma128x256", "ck64x128": "tma64x128",
+                "mc128x256": "tma128x256", "mc128x192": "tma128x192", "mc128x128": "tma128x128",
+                "mc64x128": "tma64x128"}
 
 
 #: the tile a configuration whose column count is not a multiple of 64 takes where B is MN-major
@@ -342,6 +354,14 @@ __device__ __forceinline__ void sf_mbar_expect_tx(unsigned bar, unsigned bytes) 
 __device__ __forceinline__ void sf_tma_2d(unsigned dst, const SfTmap* map, int c0, int c1, unsigned bar) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+// the same into the shared memory of every block of the cluster in `mask`, completing on each one's mbarrier
+__device__ __forceinline__ void sf_tma_2d_mc(unsigned dst, const SfTmap* map, int c0, int c1, unsigned bar,
+                                             unsigned short mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+               : "memory");
 }
 __device__ __forceinline__ void sf_tma_prefetch(const SfTmap* map) {  // the descriptor into the cache
   asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
@@ -487,9 +507,10 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
         config = _KMAJOR_B_FALLBACK[config]
-    if WGMMA_CONFIGS[config][3] == "ck" and K <= _BK:  # one K tile: nothing to split
+    mode = WGMMA_CONFIGS[config][3]
+    if (mode == "ck" and K <= _BK) or (mode == "mc" and -(-M // tile_rows(config)) % 2):
         config = _CK_FALLBACK[config]
-    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk", "ck"):
+    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk", "ck", "mc"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config, vec=vec, row_reads=row_reads)
@@ -631,11 +652,22 @@ def stream_k_blocks(tiles: int, KT: int, sms: int = PERSISTENT_SMS) -> int:
     return max(1, min(sms, -(-tiles * KT // SPLIT_MIN_KT)))
 
 
-def _tma_copies(op: DirectOperand, rows: int, sm: str, o0: str, tmap: str) -> str:
+def _tma_copies(op: DirectOperand, rows: int, sm: str, o0: str, tmap: str, multicast: bool = False) -> str:
+    """The bulk tensor copies of one operand's stage (``rows`` rows of its M or N side): one box of
+    all the rows for a K-major operand, one of 64 rows per panel for an MN-major one. ``multicast``
+    (``mc``): the tile is shared by the cluster's two blocks, each loading half of it (K-major: its
+    half of the rows, a box of ``rows / 2``; MN-major: every other panel) into both blocks' shared
+    memory, at the same address and completing on the same mbarrier there."""
+    if not multicast:
+        if op.k_major:
+            return f"sf_tma_2d({sm}, &{tmap}, sf_k0, {o0}, sf_full);"
+        return "\n".join(f"sf_tma_2d({sm} + {p * 64 * 128}, &{tmap}, {o0} + {p * 64}, sf_k0, sf_full);"
+                         for p in range(rows // 64))
     if op.k_major:
-        return f"sf_tma_2d({sm}, &{tmap}, sf_k0, {o0}, sf_full);"
-    return "\n".join(f"sf_tma_2d({sm} + {p * 64 * 128}, &{tmap}, {o0} + {p * 64}, sf_k0, sf_full);"
-                     for p in range(rows // 64))
+        half = rows // 2
+        return f"sf_tma_2d_mc({sm} + sf_rank * {half * 128}, &{tmap}, sf_k0, {o0} + (int)sf_rank * {half}, sf_full, 3);"
+    return "\n".join(f"if (sf_rank == {p % 2}) sf_tma_2d_mc({sm} + {p * 64 * 128}, &{tmap}, {o0} + {p * 64}, sf_k0, "
+                     "sf_full, 3);" for p in range(rows // 64))
 
 
 def _stream_k_ranges(tiles: int, KT: int) -> str:
@@ -712,11 +744,12 @@ def _chunk_rows(ch: str, remote: bool = False) -> str:
     (rows of :data:`_LDS` floats): at ``sf_Cw``, or (``remote``) at shared::cluster address
     ``sf_pin``, the peer block's tile for this one's partial sums."""
     per = 4 * _CHUNK // 8  # accumulators of a chunk per thread
+    ch = ch if ch.isidentifier() else f"({ch})"
     lines = []
     for jj in range(_CHUNK // 8):
         for half in (0, 1):
             row = "(sf_r + 8)" if half else "sf_r"
-            x, y = (f"sf_d[({ch}) * {per} + {4 * jj + 2 * half + q}]" for q in (0, 1))
+            x, y = (f"sf_d[{ch} * {per} + {4 * jj + 2 * half + q}]" for q in (0, 1))
             if remote:
                 lines.append(f"sf_st_cluster2(sf_pin + ({row} * {_LDS} + {jj * 8} + sf_c) * 4, {x}, {y});")
             else:
@@ -784,7 +817,7 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     the ``r``-th half of each tile's K tiles (the split-K units ``2t + r``, whose loop is the plain
     one's); the halves meet in shared memory (:func:`_cluster_exchange`)."""
     wg, BN, S, mode = WGMMA_CONFIGS[config]
-    pp, sk, ck = mode == "pp", mode == "sk", mode == "ck"
+    pp, sk, ck, mc = mode == "pp", mode == "sk", mode == "ck", mode == "mc"
     BM = tile_rows(config)
     T = 128 * (wg + 1)
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
@@ -793,6 +826,7 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     KT = -(-K // _BK)
     assert KT >= 2 or not ck, (config, K)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
+    assert tiles_m % 2 == 0 or not mc, (config, M)  # (tiles 2p and 2p + 1 share their column tile)
     tiles = tiles_m * tiles_n
     splits = split_count(tiles, K) if mode == "tma" else 2 if ck else 1
     per = -(-KT // splits)  # K tiles per split
@@ -819,7 +853,7 @@ const int sf_ke = min(sf_kb + {per}, {KT});
     const unsigned sf_sa = sf_base + sf_s * {stage};
     const unsigned sf_sb = sf_sa + {a_bytes};
 {_indent(_tma_copies(a, BM, "sf_sa", "sf_m0", "sf_tmA"), 4)}
-{_indent(_tma_copies(b, BN, "sf_sb", "sf_n0", "sf_tmB"), 4)}
+{_indent(_tma_copies(b, BN, "sf_sb", "sf_n0", "sf_tmB", multicast=mc), 4)}
   }}
 }}"""
     chunk_rows = _chunk_rows("sf_ch")
@@ -906,6 +940,12 @@ for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * grid
 """
     else:
         consumer_head, start, handoff = head, "", ""
+    # a stage read: free for the producer (mc: for both blocks' producers, whose copies both fill it)
+    release = f"sf_mbar_arrive({empty(f'(sf_g - 1) % {S}')});"
+    if mc:
+        release += f"\nsf_mbar_arrive_cluster(sf_pbars + ({S} + (sf_g - 1) % {S}) * 8);"
+    release_prev = (f"if (sf_kt > sf_kb) {{\n{_indent(release, 2)}\n}}" if mc else  # the stage before this one
+                    f"if (sf_kt > sf_kb) {release}")
     staging = _staging_bytes(wg, mode)
     bar = lambda i: f"sf_bars + {8 * i}"  # noqa: E731
     cluster_setup = "" if not ck else f"""// the peer's partial sums of this block's chunks, and where this block's go in the peer
@@ -933,10 +973,10 @@ const int sf_c = (sf_wl & 3) * 2;
     const unsigned sf_sB = sf_sA + {a_bytes};
 {_indent(_mma_stage(a, b, BN, ab, "0" if pp else "sf_cw"), 4)}
     sf_wgmma_wait<1>();
-    if (sf_kt > sf_kb) sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
+{_indent(release_prev, 4)}
   }}
 {handoff}  sf_wgmma_wait<0>();
-  sf_mbar_arrive({empty(f"(sf_g - 1) % {S}")});
+{_indent(release, 2)}
 {_indent(reduce, 2)}
 {_indent(_cluster_exchange(BN, chunk_loop) if ck else epilogue_chunks, 2)}
 {_indent(finish, 2)}
@@ -946,8 +986,10 @@ const int sf_c = (sf_wl & 3) * 2;
                                        f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     sk_setup = _indent(_stream_k_ranges(tiles, KT), 2) + "\n" if sk else ""
-    cluster_dims = "__cluster_dims__(2, 1, 1) " if ck else ""
-    rank = "  const unsigned sf_rank = sf_cluster_rank();  // the half of each tile's K tiles this block takes\n" if ck else ""
+    cluster_dims = "__cluster_dims__(2, 1, 1) " if ck or mc else ""
+    rank = ("  const unsigned sf_rank = sf_cluster_rank();  // the half of each tile's K tiles this block takes\n" if ck else
+            "  const unsigned sf_rank = sf_cluster_rank();  // which half of the shared B tiles this block loads\n"
+            "  const unsigned sf_pbars = sf_mapa(sf_bars, sf_rank ^ 1u);  // the other block's mbarriers\n" if mc else "")
     init_ck = "" if not ck else f"""
     for (int sf_w = 0; sf_w < {wg}; ++sf_w) {{
       sf_mbar_init({bar(2 * S)} + sf_w * 8, 128);
@@ -955,8 +997,8 @@ const int sf_c = (sf_wl & 3) * 2;
     }}"""
     # (ck: the peer's barriers must be initialized before anything reaches them, and a block must not
     # exit while the peer may still store into its shared memory or arrive on its barriers)
-    start_sync = "sf_cluster_sync();" if ck else "__syncthreads();"
-    end_sync = "\n  sf_cluster_sync();" if ck else ""
+    start_sync = "sf_cluster_sync();" if ck or mc else "__syncthreads();"
+    end_sync = "\n  sf_cluster_sync();" if ck or mc else ""
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {cluster_dims}{symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
@@ -979,7 +1021,7 @@ const int sf_c = (sf_wl & 3) * 2;
     sf_tma_prefetch(&sf_tmB);
     for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
       sf_mbar_init({full("sf_s")}, 1);
-      sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128});
+      sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128 * (2 if mc else 1)});
     }}{init_ck}
     asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");
   }}
@@ -996,11 +1038,11 @@ const int sf_c = (sf_wl & 3) * 2;
   }}{end_sync}
 }}
 """
-    maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN, N, K, ab))
+    maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN // 2 if mc and b.k_major else BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
     blocks = stream_k_blocks(tiles, KT) if sk else min(units, PERSISTENT_SMS)
     launch = {"grid": (blocks, 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
-    if ck:
+    if ck or mc:
         launch["cluster"] = 2
     return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)

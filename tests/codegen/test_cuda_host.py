@@ -364,20 +364,20 @@ def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
     _check_kernels("k-major bf16", build(src.text, str(tmp_path)), src, [group], env, consts)
 
 
-@pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128", "ck128x128"])
+@pytest.mark.parametrize("cfg", ["sk64x128", "sk128x256", "pp64x128"])
 def test_model_gemms_on_the_unmeasured_tiles_on_the_host(tmp_path, cfg):
     """Every wgmma GEMM of the Llama test model's float16 program (the gate projection, and the up
     projection with SiLU(gate) * up and the cast for the down projection in its epilogue) forced
-    onto a stream-K, ping-pong or cluster split-K tile, run on 3 resident blocks (more blocks than
-    K tiles: empty stream-K ranges; 4, two clusters, for split-K), against the evaluator."""
+    onto a stream-K or ping-pong tile, run on 3 resident blocks (more blocks than K tiles: empty
+    stream-K ranges), against the evaluator. (Its products are one row tile and one K tile: the
+    cluster tiles would build their TMA twins; their fused epilogues are checked below.)"""
     env, consts, groups = _model_values("llama_ts17")
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     gemms = [g for g in groups if g.name in src.launches and src.launches[g.name].kind.startswith("gemm-wgmma")]
     assert len(gemms) >= 4
     src = generate_cuda_source(groups, arch="sm_90", precision="float16", gemm_configs={g.name: cfg for g in gemms})
     assert all(src.launches[g.name].persistent for g in gemms)
-    grid = (4 if cfg.startswith("ck") else 3, 1, 1)
-    _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=grid)
+    _check_kernels("llama_ts17", build(src.text, str(tmp_path)), src, gemms, env, consts, grid=(3, 1, 1))
 
 
 def test_model_gemms_on_the_tiles_for_a_k_major_b_on_the_host(tmp_path):
@@ -550,8 +550,9 @@ def test_wgmma_gemms_on_the_host_match_numpy(tmp_path, cfg, ta, tb):
     from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS
 
     mode = WGMMA_CONFIGS[cfg][3]
-    grid = None if mode == "cp" else (4, 1, 1) if mode == "ck" else (3, 1, 1)  # (ck: whole clusters of 2)
-    _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=grid)
+    grid = None if mode == "cp" else (4, 1, 1) if mode in ("ck", "mc") else (3, 1, 1)  # (whole clusters of 2)
+    launch, _ = _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=grid)
+    assert launch.cluster == (2 if mode in ("ck", "mc") else 1)  # (the tile itself, not a fallback)
 
 
 @pytest.mark.parametrize("cfg", ["tma64x96", "tma128x160"])
@@ -644,20 +645,60 @@ def test_cluster_split_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
     _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
 
 
+@pytest.mark.parametrize("cfg,M,N,K,tb,blocks", [
+    ("mc64x128", 256, 136, 640, False, 2),  # 8 tiles (4 pairs) on one cluster, MN-major B: a panel each
+    ("mc64x128", 200, 136, 200, True, 4),  # K-major B: half the rows each; rows past M in the last pair
+    ("mc128x192", 256, 264, 328, False, 2),  # three panels: 2 + 1
+    pytest.param("mc128x256", 136, 264, 520, True, 2, marks=pytest.mark.slow),
+])
+def test_multicast_on_the_host(tmp_path, cfg, M, N, K, tb, blocks):
+    """B multicast (RFC 0005 decision 32): the two blocks of a cluster take vertically adjacent
+    tiles and each loads half of their common B tile into both blocks' shared memory, a stage
+    freed for the producers once both blocks' consumers have read it; copies land at random in
+    each block. The same bits under several random interleavings, each launched twice; bfloat16."""
+    launch, outs = _wgmma_gemm(tmp_path, cfg, M, N, K, tb=tb, grid=(blocks, 1, 1), seeds=(1, 2, 5), launches=2)
+    assert launch.cluster == 2
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    _wgmma_gemm(tmp_path, cfg, M, N, K, tb=tb, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
+
+
+def _float16_product(cfg, M, N, K):
+    """The source and launch of an ``[M, K] @ [K, N]`` float16 product on tile ``cfg``, random
+    operands (as float16 bits) and their product in float64."""
+    from test_wgmma import _bits, _gemm, _value
+
+    src = generate_cuda_source([_gemm(M, N, K, "float16", name="g")], arch="sm_90", gemm_configs={"g": cfg})
+    rng = np.random.default_rng(0)
+    a, b = _bits(rng.standard_normal((M, K)), "float16"), _bits(rng.standard_normal((K, N)), "float16")
+    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
+    return src, src.launches["g"], a, b, want
+
+
+def test_the_emulation_sees_a_stage_freed_for_one_block_only(tmp_path):
+    """Without the consumers' arrivals on the other block's empty barriers (and those barriers
+    counting only their own block's), a producer's multicast overwrites a stage the other block
+    has not read yet: wrong results."""
+    M, N = 256, 136
+    src, launch, a, b, want = _float16_product("mc64x128", M, N, 640)
+    broken = re.sub(r"\n *sf_mbar_arrive_cluster\(sf_pbars[^;]*;", "", src.text)
+    init = "sf_mbar_init(sf_bars + (8 + (sf_s)) * 8, 256);"
+    assert broken != src.text and init in broken
+    kernels = {t: build(t, str(tmp_path)) for t in (src.text, broken.replace(init, init.replace("256", "128")))}
+    errs = []
+    for text, k in kernels.items():
+        out = run(k, launch, [a, b], [((M, N), np.uint16)], grid=(2, 1, 1), seed=2)[0]
+        errs.append(float(np.max(np.abs(out.view(np.float16) - want))) / float(np.max(np.abs(want))))
+    assert errs[0] < 4e-3 and not errs[1] < 4e-3, errs
+
+
 def test_the_emulation_sees_a_broken_cluster_exchange(tmp_path):
     """The cluster machinery is no rubber stamp either: without the wait for the peer's partial sums
     a block reads a staging tile the peer has not filled (wrong values, or a wait that never ends);
     without the wait until the peer has read the previous ones, a block overwrites them; without
     the cluster barrier at the end, a block arrives on the barrier of a peer that has exited (an
     error on a GPU); an odd grid is not whole clusters."""
-    from test_wgmma import _bits, _gemm, _value
-
-    M, N, K = 200, 136, 200
-    src = generate_cuda_source([_gemm(M, N, K, "float16", name="g")], arch="sm_90", gemm_configs={"g": "ck64x128"})
-    launch = src.launches["g"]
-    rng = np.random.default_rng(0)
-    a, b = _bits(rng.standard_normal((M, K)), "float16"), _bits(rng.standard_normal((K, N)), "float16")
-    want = _value(a, "float16").astype(np.float64) @ _value(b, "float16").astype(np.float64)
+    M, N = 200, 136
+    src, launch, a, b, want = _float16_product("ck64x128", M, N, 200)
 
     def err(text, seed=1, grid=2):
         out = run(build(text, str(tmp_path)), launch, [a, b], [((M, N), np.uint16)], grid=(grid, 1, 1),
@@ -711,7 +752,7 @@ EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, ro
 }
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128", "ck128x128"])
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128", "ck128x128", "mc64x128"])
 def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
     """GEMM + bias + residual as whole kernels (RFC 0005 decision 22): four columns per thread
     with vector reads and stores (every vector access aligned), one column per thread, a residual
@@ -719,7 +760,8 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
     from test_wgmma import _residual_epilogue
 
     rng = np.random.default_rng(5)
-    cases = {name: _residual_epilogue(N, res_t, M=300, dt=dt, heads=heads)
+    M = 250 if cfg.startswith("mc") else 300  # (multicast pairs row tiles: 4 of 64 rows, the last short)
+    cases = {name: _residual_epilogue(N, res_t, M=M, dt=dt, heads=heads)
              for name, (N, dt, res_t, heads) in EPILOGUES.items()}
     srcs = {name: generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg})
             for name, (ops, _) in cases.items()}
@@ -728,6 +770,7 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         shapes, src = cases[name][1], srcs[name]
         launch = src.launches["out"]
         assert launch.kind == "gemm-wgmma-f16" and ("sf_acc[4]" in src.text) == (name not in ("odd", "short-inner"))
+        assert launch.cluster == (2 if cfg.startswith(("ck", "mc")) else 1)  # (not a fallback)
         arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16 if k in "xw" else dt)
                   for k, v in shapes.items()}
         w = arrays["w"].T if N % 2 else arrays["w"].reshape(arrays["w"].shape[0], -1)
@@ -738,7 +781,7 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128", "ck128x128"])
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128", "ck128x128", "mc64x128"])
 def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
     """Products whose tiles all lie inside them (RFC 0005 decision 28): the epilogue tests no
     element, and one that reads a residual along the rows is unrolled whole (its reads issued
@@ -761,6 +804,7 @@ def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
     kernels = dict(zip(srcs, build_all([src.text for src in srcs.values()], str(tmp_path))))
     for name, (ops, shapes) in cases.items():
         launch, dt = srcs[name].launches["out"], "float32" if name == "vec-f32" else "float16"
+        assert launch.cluster == (2 if cfg.startswith(("ck", "mc")) else 1)  # (not a fallback)
         arrays = {k: (rng.standard_normal(v) / (8 if k == "w" else 1)).astype(np.float16 if k in "xw" else dt)
                   for k, v in shapes.items()}
         res = arrays["res"].T if name == "res_t" else arrays["res"]

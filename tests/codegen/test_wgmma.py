@@ -33,8 +33,9 @@ needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="
 PINGPONG = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "pp"]
 STREAM_K = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "sk"]
 CLUSTER = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "ck"]  # (not run on a GPU yet either)
+MULTICAST = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "mc"]  # (nor these)
 KMAJOR_B = [c for c, v in WGMMA_CONFIGS.items() if v[1] % 64]  # column counts for a B stored [N, K] only
-MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG + STREAM_K + CLUSTER + KMAJOR_B]
+MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG + STREAM_K + CLUSTER + MULTICAST + KMAJOR_B]
 LAYOUTS = list(itertools.product((False, True), (False, True)))  # (trans_a, trans_b)
 
 
@@ -62,7 +63,7 @@ def test_dense_half_operands_take_wgmma_on_hopper_only():
 def test_configs_follow_the_grid_and_can_be_forced():
     assert choose_wgmma_config(8192, 4096, 1) == "tma128x256"
     # the ping-pong and stream-K tiles are chosen only by name until a GPU run has measured them
-    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith(("pp", "sk", "ck")) for m in (128, 1024, 8192)
+    assert not any(choose_wgmma_config(m, n, 1, K=k).startswith(("pp", "sk", "ck", "mc")) for m in (128, 1024, 8192)
                    for n in (768, 3072) for k in (768, 3072))
     assert choose_wgmma_config(8192, 4096, 2) == "128x256"  # batched: no TMA tile
     assert choose_wgmma_config(128, 768, 1) == "64x64"
@@ -78,9 +79,9 @@ def test_configs_follow_the_grid_and_can_be_forced():
         tiles = -(-512 // tile_rows(name)) * -(-512 // bn)  # pp: a 64-row tile per warpgroup
         units = -(-tiles * 2 // 8) if mode == "sk" else tiles  # stream-K: a block per 8 K tiles (of 2 per tile)
         units *= 2 if mode == "ck" else 1  # cluster split-K: two blocks per tile
-        assert launch.grid[0] == (tiles if mode == "cp" else min(units, 132))  # tma, pp, sk, ck: persistent blocks
+        assert launch.grid[0] == (tiles if mode == "cp" else min(units, 132))  # tma, pp, sk, ck, mc: persistent
         assert bool(launch.tensor_maps) == (mode != "cp")
-        assert launch.cluster == (2 if mode == "ck" else 1) and launch.grid[0] % launch.cluster == 0
+        assert launch.cluster == (2 if mode in ("ck", "mc") else 1) and launch.grid[0] % launch.cluster == 0
     with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
 
@@ -451,6 +452,19 @@ def test_cluster_split_k_tiles_match_numpy(tmp_path, dt):
         for cfg, M, N, K, launch in _bias_tanh_on_shapes(tmp_path, CLUSTER, shapes, 8):
             tiles = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1])
             assert launch.cluster == 2 and launch.grid[0] == min(2 * tiles, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_multicast_tiles_match_numpy(tmp_path, dt):
+    """The B-multicast tiles (RFC 0005 decision 32), every layout; then GPT-2's four projection
+    shapes at M = 1024 and a product of several waves with a fused epilogue, each launched twice."""
+    _configs_match_numpy(tmp_path, dt, MULTICAST)
+    if dt == "float16":
+        shapes = ((1024, 2304, 768), (1024, 768, 768), (1024, 3072, 768), (1024, 768, 3072), (4096, 1160, 328))
+        for cfg, M, N, K, launch in _bias_tanh_on_shapes(tmp_path, MULTICAST, shapes, 10):
+            tiles = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1])
+            assert launch.cluster == 2 and launch.grid[0] == min(tiles, 132)
 
 
 @pytest.mark.gpu
