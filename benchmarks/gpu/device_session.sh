@@ -110,8 +110,9 @@ ncu_gemm() {
         "$out/$file" | head -60
 }
 # cluster_tiles LIMIT_S: the cluster tiles (RFC 0005 decisions 31 and 32, never run on a GPU before):
-# their GPU tests under a time limit (a wrong exchange would hang), then GPT-2's products at M = 128
-# and 1024 on the default tiles and on each of them against cuBLAS in the same run ($out/gemm-cluster.txt),
+# their GPU tests under a time limit (a wrong exchange would hang), then GPT-2's and Llama-7B's float16
+# products at M = 128 and 1024 on the default tiles and on each of them against cuBLAS in the same run
+# ($out/gemm-cluster.txt; by decision 31's account ck gains most on GPT-2 at M = 1024 and Llama at 128),
 # then GPT-2 small 8x128 against torch.compile (models-tiles.txt) with its two N = 768 products
 # (attn_out, fc2: 96 tiles of 64 x 128 by default, 96 blocks of half the K tiles here) on ck128x128,
 # then with B multicast on all four projections
@@ -125,16 +126,16 @@ cluster_tiles() {
     if ! grep -qE "[0-9]+ passed" "$out/gpu-suite-ck.txt" || grep -qE "[0-9]+ (failed|error)" "$out/gpu-suite-ck.txt"; then
         echo "(cluster split-K tests did not pass: no timing)"; return
     fi
-    echo "# benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2 --config C, $(date -u +%F)," \
+    echo "# benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2,llama7b --dtypes float16 --config C, $(date -u +%F)," \
         "commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
     for c in default ck128x128 mc64x128 mc128x192 ck64x128 mc128x256 ck128x256 mc128x128; do
         (( SECONDS - start > $1 - 60 )) && break
         echo "== $c" >> "$f"
         local cfg=(); [ "$c" = default ] || cfg=(--config "$c")
-        timeout 45 python3 benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2 --dtypes float16,bfloat16 --jobs 14 \
+        timeout 45 python3 benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2,llama7b --dtypes float16 --jobs 14 \
             "${cfg[@]}" 2>&1 | grep -E " ours |WRONG|rror" >> "$f"
     done
-    grep -E "^==|_M1024_float16" "$f"
+    grep -E "^==|gpt2_.*_M1024_|llama7b_.*_M128_" "$f"
     for tiles in "$ck_model_tiles" "$mc_model_tiles"; do
         (( SECONDS - start < $1 - 50 )) || break
         echo "== gemm_tiles $tiles" >> "$out/models-tiles.txt"
