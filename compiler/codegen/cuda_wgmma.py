@@ -35,6 +35,11 @@ multiprocessor loops over the tiles; a producer thread loads each stage with bul
 consumer warpgroups run the wgmma and the epilogue. The copies need tensor maps, which hold device
 addresses: the launch describes them (``tensor_maps``) and whoever launches the kernel encodes them
 (:func:`shardflow.runtime.tma.kernel_args`). Batched products keep the ``cp.async`` kernel.
+
+The cluster tiles run that kernel in clusters of two blocks (``__cluster_dims__``; the launch says
+``cluster``): ``ck`` splits each tile's K tiles between the two and adds the halves through
+distributed shared memory (:func:`_cluster_exchange`), ``mc`` gives them vertically adjacent tiles
+whose common B tile each block loads half of into both (multicast bulk copies, :func:`_tma_copies`).
 """
 from __future__ import annotations
 
