@@ -128,7 +128,7 @@ cluster_tiles() {
     fi
     echo "# benchmarks/gpu/gemm.py --m 128,1024 --shapes gpt2,llama7b --dtypes float16 --config C, $(date -u +%F)," \
         "commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
-    for c in default ck128x128 mc64x128 mc128x192 ck64x128 mc128x256 ck128x256 mc128x128; do
+    for c in default ck128x128 ck64x128 mc64x128 mc128x192 ck4_64x128 ck128x256 mc128x256 ck4_128x128 mc128x128; do
         (( SECONDS - start > $1 - 60 )) && break
         echo "== $c" >> "$f"
         local cfg=(); [ "$c" = default ] || cfg=(--config "$c")
@@ -281,7 +281,7 @@ case "$what" in
         tiles=("$@")
         [ ${#tiles[@]} -eq 0 ] && tiles=(tma128x256 tma128x192 tma128x128 tma64x128 sk64x128 sk128x192 sk128x256
                                          sk128x128 pp64x256 pp64x192 pp64x128 sk64x128@4 ck128x128 ck64x128
-                                         ck128x256 mc128x256 mc128x192 mc128x128 mc64x128)
+                                         ck128x256 ck4_128x128 ck4_64x128 mc128x256 mc128x192 mc128x128 mc64x128)
         sweep_tiles "${SWEEP_S:-480}" "${tiles[@]}"
         ;;
     cpu)  # the cpu kernels against numpy on this host, with the ISA it has (the AVX-512 GEMM reads two

@@ -69,7 +69,8 @@ WGMMA_ARCHS = ("sm_90", "sm_90a")
 #: ``tma`` kernel in clusters of two blocks that split each tile's K range in halves and exchange
 #: their partial sums through distributed shared memory, each finishing half of the tile's chunks
 #: (:func:`_cluster_exchange`): the blocks of a 48- or 96-tile product (GPT-2's at M = 1024) read
-#: half the K tiles each, on twice the multiprocessors, with no partial sums in global memory; ``mc``:
+#: half the K tiles each, on twice the multiprocessors, with no partial sums in global memory; ``ck4``:
+#: the same with four blocks and quarters; ``mc``:
 #: the ``tma`` kernel in clusters of two blocks taking vertically adjacent tiles, each block loading
 #: half of their common B tile into both blocks' shared memory (TMA multicast): L2 reads a B tile
 #: once for two tiles (:func:`_tma_copies`).
@@ -107,6 +108,10 @@ WGMMA_CONFIGS = {
     "ck128x128": (2, 128, 5, "ck"),
     "ck128x256": (2, 256, 3, "ck"),
     "ck64x128": (1, 128, 8, "ck"),
+    # the same in clusters of four blocks, each a quarter of the K tiles (short products: GPT-2's at
+    # M = 128, 12 K tiles, 3 a block)
+    "ck4_128x128": (2, 128, 4, "ck4"),
+    "ck4_64x128": (1, 128, 7, "ck4"),
     # B multicast (decision 32; not measured yet: likewise out of the default choice)
     "mc128x256": (2, 256, 4, "mc"),
     "mc128x192": (2, 192, 5, "mc"),
@@ -146,23 +151,33 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     a = 64 * (1 if mode == "pp" else wg) * _BK * 2
     b = bn * _BK * 2
     pipe = stages * (a + b)
-    if mode in ("tma", "pp", "sk", "ck", "mc"):  # the epilogue's staging tiles sit beside the stages (the producer
-        # runs ahead); the mbarriers (ck: two more per warpgroup) and the split-K flag after them
+    if mode in ("tma", "pp", "sk", "ck", "ck4", "mc"):  # the epilogue's staging tiles sit beside the stages (the
+        # producer runs ahead); the mbarriers (ck: two more per warpgroup) and the split-K flag after them
         return a, b, pipe + _staging_bytes(wg, mode) + 8 * _barrier_count(wg, stages, mode) + 16 + 1024
     ctile = 64 * wg * (bn + 4) * 4
     return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
 
 
+#: blocks per cluster of the cluster modes (split-K over the cluster's blocks, B multicast)
+CLUSTER_SIZE = {"ck": 2, "ck4": 4, "mc": 2}
+
+
+def _split_k_cluster(mode: str) -> int:
+    """Blocks sharing each tile's K tiles in a cluster split-K mode (``ck``, ``ck4``), else 0."""
+    return CLUSTER_SIZE[mode] if mode.startswith("ck") else 0
+
+
 def _staging_bytes(wg: int, mode: str) -> int:
-    """The epilogue's staging tiles of a persistent kernel: one per consumer warpgroup, and (``ck``)
-    one more each for the partial sums the cluster's other block sends."""
-    return wg * _STAGE_BYTES * (2 if mode == "ck" else 1)
+    """The epilogue's staging tiles of a persistent kernel: one per consumer warpgroup, and (cluster
+    split-K) one per block of the cluster each: a block's own partial sums and the others'."""
+    return wg * _STAGE_BYTES * max(1, _split_k_cluster(mode))
 
 
 def _barrier_count(wg: int, stages: int, mode: str) -> int:
-    """mbarriers of a persistent kernel: a full and an empty one per stage, and (``ck``) per
-    consumer warpgroup one that the peer's partial sums are in and one that it has read ours."""
-    return 2 * stages + (2 * wg if mode == "ck" else 0)
+    """mbarriers of a persistent kernel: a full and an empty one per stage, and (cluster split-K)
+    per consumer warpgroup one that the other blocks' partial sums are in and one that they have
+    read this block's."""
+    return 2 * stages + (2 * wg if _split_k_cluster(mode) else 0)
 
 
 #: the ``tma`` epilogue stages 64 rows x 32 columns of fp32 accumulators per warpgroup, rows
@@ -179,7 +194,7 @@ _ROW_READ_UNROLL = 4
 
 def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread: str, cols: int, smem: str,
                    ld: int, m: str, n: str, M: int, N: int, unroll: int, exact: bool = False,
-                   row_reads: bool = False, smem2: str | None = None) -> str:
+                   row_reads: bool = False, more: tuple[str, ...] = ()) -> str:
     """The loop running ``epilogue`` over a tile of accumulators staged in shared memory (``smem``,
     rows of ``ld`` floats): ``groups`` groups of ``vec`` consecutive columns of a ``cols``-column
     tile, thread ``thread`` of ``threads`` taking every ``threads``-th group; ``m``/``n`` are the
@@ -191,24 +206,21 @@ def _epilogue_loop(epilogue: str, vec: int, *, groups: int, threads: int, thread
     so no element is tested. With ``row_reads`` too (the epilogue reads a tensor along the rows,
     a residual) the loop is unrolled by :data:`_ROW_READ_UNROLL` (a chunk's whole loop): with no
     branch between them, ptxas issues those iterations' reads before the first store (decision
-    28), instead of one round trip to L2 per iteration. ``smem2``: a second tile of the same layout
-    whose elements are added to ``smem``'s (the other half of a K range, ``ck``)."""
+    28), instead of one round trip to L2 per iteration. ``more``: tiles of the same layout whose
+    elements are added to ``smem``'s, in order (the other parts of a K range, cluster split-K)."""
     per_row = cols // vec
     steps = -(-groups // threads)
     exact = exact and groups % threads == 0
     col = f"sf_e % {per_row}" if vec == 1 else f"(sf_e % {per_row}) * {vec}"
     at = f"(sf_e / {per_row}) * {ld} + {col}"
     if vec == 1:
-        acc = f"const float sf_acc = {smem}[{at}]{f' + {smem2}[{at}]' if smem2 else ''};"
+        acc = f"const float sf_acc = {' + '.join([f'{smem}[{at}]'] + [f'({t})[{at}]' for t in more])};"
     else:
         assert vec == 4 and N % vec == 0 and ld % vec == 0 and cols % vec == 0, (vec, N, ld, cols)
-        acc = f"const float4 sf_a4 = *reinterpret_cast<const float4*>({smem} + {at});\n"
-        if smem2:
-            acc += (f"const float4 sf_b4 = *reinterpret_cast<const float4*>({smem2} + {at});\n"
-                    "const float sf_acc[4] = {sf_a4.x + sf_b4.x, sf_a4.y + sf_b4.y, sf_a4.z + sf_b4.z, "
-                    "sf_a4.w + sf_b4.w};")
-        else:
-            acc += "const float sf_acc[4] = {sf_a4.x, sf_a4.y, sf_a4.z, sf_a4.w};"
+        acc = "".join(f"const float4 sf_a4{'_' * i} = *reinterpret_cast<const float4*>({t} + {at});\n"
+                      for i, t in enumerate((smem, *more)))
+        acc += "const float sf_acc[4] = {" + ", ".join(
+            " + ".join(f"sf_a4{'_' * i}.{c}" for i in range(1 + len(more))) for c in "xyzw") + "};"
     test = ("{  // the tile lies inside the product" if exact else
             f"if ({'sf_e < %d && ' % groups if groups % threads else ''}sf_m < {M} && sf_n < {N}) {{")
     return f"""#pragma unroll {min(steps, _ROW_READ_UNROLL) if exact and row_reads else max(1, unroll // vec)}
@@ -286,11 +298,13 @@ _TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128":
                  "pp64x256": "128x256", "pp64x192": "128x256", "pp64x128": "128x128",
                  "sk128x256": "128x256", "sk128x192": "128x256", "sk128x128": "128x128", "sk64x128": "64x128",
                  "ck128x128": "128x128", "ck128x256": "128x256", "ck64x128": "64x128",
+                 "ck4_128x128": "128x128", "ck4_64x128": "64x128",
                  "mc128x256": "128x256", "mc128x192": "128x256", "mc128x128": "128x128", "mc64x128": "64x128"}
 
-#: the tile a cluster configuration takes where it does not apply (split-K: K is a single K tile;
-#: multicast: an odd number of row tiles, which leaves a tile without a partner below it)
+#: the tile a cluster configuration takes where it does not apply (split-K: too few K tiles for a
+#: range per block; multicast: an odd number of row tiles, which leaves a tile without a partner)
 _CK_FALLBACK = {"ck128x128": "tma128x128", "ck128x256": "tma128x256", "ck64x128": "tma64x128",
+                "ck4_128x128": "ck128x128", "ck4_64x128": "ck64x128",
                 "mc128x256": "tma128x256", "mc128x192": "tma128x192", "mc128x128": "tma128x128",
                 "mc64x128": "tma64x128"}
 
@@ -494,6 +508,16 @@ const int sf_m0 = (sf_first + ({index} % sf_gsz) % sf_rows) * {BM};
 const int sf_n0 = (({index} % sf_gsz) / sf_rows) * {BN};"""
 
 
+def _cluster_applies(config: str, M: int, K: int) -> bool:
+    """Whether cluster tile ``config`` applies to a product of ``M`` rows and depth ``K``: split-K
+    over C blocks needs a K tile for each (the ranges ``[r KT / C, (r + 1) KT / C)``), multicast an
+    even number of row tiles (tiles 2p and 2p + 1 pair up)."""
+    mode = WGMMA_CONFIGS[config][3]
+    if _split_k_cluster(mode):
+        return -(-K // _BK) >= _split_k_cluster(mode)
+    return -(-M // tile_rows(config)) % 2 == 0
+
+
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
                       batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
                       config: str | None = None, vec: int = 1,
@@ -512,10 +536,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
         config = _KMAJOR_B_FALLBACK[config]
-    mode = WGMMA_CONFIGS[config][3]
-    if (mode == "ck" and K <= _BK) or (mode == "mc" and -(-M // tile_rows(config)) % 2):
+    while config in _CK_FALLBACK and not _cluster_applies(config, M, K):
         config = _CK_FALLBACK[config]
-    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk", "ck", "mc"):
+    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk", "ck", "ck4", "mc"):
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config, vec=vec, row_reads=row_reads)
@@ -762,35 +785,37 @@ def _chunk_rows(ch: str, remote: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _cluster_exchange(BN: int, chunk_loop: str) -> str:
-    """A ``ck`` tile's epilogue (consumer warpgroup ``sf_cw``, after its half of the K tiles): the two
-    blocks of the cluster hold partial sums of the same tile. Per pair of 32-column chunks, block
-    rank ``r`` finishes chunk ``2j + r``: it stores its partial sums of the other chunk into the
-    peer's second staging tile (distributed shared memory; first waiting until the peer has read
-    the previous ones: ``sf_free``), and arrives on the peer's ``sf_ready`` (release at cluster
-    scope: those stores come first); it stores its own chunk into its staging tile, waits on its
-    ``sf_ready`` (acquire) and runs the epilogue on the sum of the two tiles, then tells the peer
-    it has read them. The two partial sums are added in one operation, the same bits whichever
-    block adds them."""
-    pair = []
-    for r in (0, 1):
-        mine, theirs = f"2 * sf_j + {r}", f"2 * sf_j + {1 - r}"
-        pair.append(_chunk_rows(theirs, remote=True) + "\n" + _chunk_rows(mine))
+def _cluster_exchange(BN: int, C: int, chunk_loop: str) -> str:
+    """A cluster split-K tile's epilogue (consumer warpgroup ``sf_cw``, after its part of the K
+    tiles): the ``C`` blocks of the cluster hold partial sums of the same tile, in the staging tiles
+    ``sf_Sw + s`` (one per block rank ``s``: the others' are written there by them). Per group of
+    ``C`` 32-column chunks, block rank ``r`` finishes chunk ``C j + r``: it waits until the others
+    have read what it sent them before (``sf_free``), stores its partial sums of chunk ``C j + q``
+    into block ``q``'s tile ``r`` (distributed shared memory) and arrives on block ``q``'s
+    ``sf_ready`` (release at cluster scope: those stores come first), for every other ``q``; it
+    stores its own chunk into its tile ``r``, waits on its ``sf_ready`` (acquire) and runs the
+    epilogue on the sum of the ``C`` tiles in rank order (the same bits whichever block adds them),
+    then arrives on the others' ``sf_free``."""
+    branches = []
+    for r in range(C):
+        peers = [q for q in range(C) if q != r]
+        code = [f"sf_pin = sf_mapa(sf_own, {q});\n" + _chunk_rows(f"{C} * sf_j + {q}", remote=True) for q in peers]
+        code.append(_chunk_rows(f"{C} * sf_j + {r}"))
+        code += [f"sf_mbar_arrive_cluster(sf_mapa(sf_ready, {q}));" for q in peers]
+        branches.append((f"if (sf_rank == {r}) {{" if r == 0 else f" else if (sf_rank == {r}) {{")
+                        + "\n" + _indent("\n".join(code), 2) + "\n}")
+    frees = " ".join(f"if (sf_rank != {q}) sf_mbar_arrive_cluster(sf_mapa(sf_free, {q}));" for q in range(C))
     return f"""#pragma unroll
-for (int sf_j = 0; sf_j < {BN // (2 * _CHUNK)}; ++sf_j, ++sf_x) {{
-  sf_mbar_wait_cluster(sf_free, (sf_x & 1) ^ 1);  // the peer has read what this block sent before
-  if (sf_rank == 0) {{
-{_indent(pair[0], 4)}
-  }} else {{
-{_indent(pair[1], 4)}
-  }}
-  sf_mbar_arrive_cluster(sf_pready);
+for (int sf_j = 0; sf_j < {BN // (C * _CHUNK)}; ++sf_j, ++sf_x) {{
+  sf_mbar_wait_cluster(sf_free, (sf_x & 1) ^ 1);  // the others have read what this block sent before
+  unsigned sf_pin;  // (where this block's partial sums go in another block)
+{_indent("".join(branches), 2)}
   sf_bar_sync(1 + sf_cw, 128);
-  sf_mbar_wait_cluster(sf_ready, sf_x & 1);  // the peer's partial sums of this block's chunk
-  const int sf_ch = 2 * sf_j + (int)sf_rank;
+  sf_mbar_wait_cluster(sf_ready, sf_x & 1);  // the others' partial sums of this block's chunk
+  const int sf_ch = {C} * sf_j + (int)sf_rank;
 {_indent(chunk_loop, 2)}
   sf_bar_sync(1 + sf_cw, 128);
-  sf_mbar_arrive_cluster(sf_pfree);
+  {frees}
 }}"""
 
 
@@ -822,26 +847,30 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     the ``r``-th half of each tile's K tiles (the split-K units ``2t + r``, whose loop is the plain
     one's); the halves meet in shared memory (:func:`_cluster_exchange`)."""
     wg, BN, S, mode = WGMMA_CONFIGS[config]
-    pp, sk, ck, mc = mode == "pp", mode == "sk", mode == "ck", mode == "mc"
+    pp, sk, mc = mode == "pp", mode == "sk", mode == "mc"
+    C = _split_k_cluster(mode)  # cluster split-K: blocks per tile
+    ck = C > 0
     BM = tile_rows(config)
     T = 128 * (wg + 1)
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
     KT = -(-K // _BK)
-    assert KT >= 2 or not ck, (config, K)
+    assert not (ck or mc) or _cluster_applies(config, M, K), (config, M, K)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
-    assert tiles_m % 2 == 0 or not mc, (config, M)  # (tiles 2p and 2p + 1 share their column tile)
     tiles = tiles_m * tiles_n
-    splits = split_count(tiles, K) if mode == "tma" else 2 if ck else 1
+    splits = split_count(tiles, K) if mode == "tma" else C if ck else 1
     per = -(-KT // splits)  # K tiles per split
     units = tiles * splits
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
     empty = lambda x: f"sf_bars + ({S} + ({x})) * 8"  # noqa: E731
-    tile = f"""const int sf_t = sf_u / {splits};  // output tile
+    tile = (f"""const int sf_t = sf_u / {splits};  // output tile
 const int sf_kb = (sf_u % {splits}) * {per};  // its K split: K tiles [sf_kb, sf_ke)
 const int sf_ke = min(sf_kb + {per}, {KT});
-""" + _grouped_tile("sf_t", tiles_m, tiles_n, BM, BN)
+""" if not ck else f"""const int sf_t = sf_u / {C};  // output tile
+const int sf_kb = (sf_u % {C}) * {KT} / {C};  // this block's part of its K tiles: [sf_kb, sf_ke)
+const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
+""") + _grouped_tile("sf_t", tiles_m, tiles_n, BM, BN)
     # the block's work: its units in turn, or (stream-K) its whole tiles, then its range of K tiles
     head = (_stream_k_pieces(KT) + "\n" + _indent(_grouped_tile("sf_t", tiles_m, tiles_n, BM, BN), 2) if sk else
             f"for (int sf_u = blockIdx.x; sf_u < {units}; sf_u += gridDim.x) {{\n{_indent(tile, 2)}")
@@ -864,11 +893,11 @@ const int sf_ke = min(sf_kb + {per}, {KT});
     chunk_rows = _chunk_rows("sf_ch")
     nreg, tc = BN // 2, wg * 128
     chunk_loop = _epilogue_loop(epilogue, vec, groups=64 * _CHUNK // vec, threads=128, thread="sf_wl", cols=_CHUNK,
-                                smem="sf_Cw", ld=_LDS, m="sf_m0" if pp else "sf_m0 + sf_cw * 64",
+                                smem="sf_Sw" if ck else "sf_Cw", ld=_LDS, m="sf_m0" if pp else "sf_m0 + sf_cw * 64",
                                 n=f"sf_n0 + sf_ch * {_CHUNK}", M=M, N=N, unroll=_EPILOGUE_UNROLL,
                                 exact=M % BM == 0 and N % BN == 0,
                                 row_reads=row_reads and not sk,  # (stream-K's fix-up leaves no registers for them)
-                                smem2="sf_Pw" if ck else None)
+                                more=tuple(f"sf_Sw + {i * 64 * _LDS}" for i in range(1, C)))
     # split-K: every split stores its partial accumulators (laid out [unit][register][thread]:
     # coalesced) and counts itself in. When every unit has a block of its own (the usual case:
     # split_count keeps units <= multiprocessors, and then all blocks are resident at once), the
@@ -953,13 +982,13 @@ for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * grid
                     f"if (sf_kt > sf_kb) {release}")
     staging = _staging_bytes(wg, mode)
     bar = lambda i: f"sf_bars + {8 * i}"  # noqa: E731
-    cluster_setup = "" if not ck else f"""// the peer's partial sums of this block's chunks, and where this block's go in the peer
-const float* sf_Pw = sf_Cs + ({wg} + sf_cw) * {64 * _LDS};
-const unsigned sf_peer = sf_rank ^ 1u;
-const unsigned sf_pin = sf_mapa(sf_base + {S * stage} + ({wg} + sf_cw) * {_STAGE_BYTES}, sf_peer);
-const unsigned sf_ready = {bar(2 * S)} + sf_cw * 8;  // the peer's partial sums are in sf_Pw
-const unsigned sf_free = {bar(2 * S + wg)} + sf_cw * 8;  // the peer has read what this block sent
-const unsigned sf_pready = sf_mapa(sf_ready, sf_peer), sf_pfree = sf_mapa(sf_free, sf_peer);
+    # cluster split-K: this warpgroup's staging tiles, one per block rank (its own partial sums in
+    # tile sf_rank, the others' in theirs), and where its own tile is (the same place in every block)
+    cluster_setup = "" if not ck else f"""const float* sf_Sw = sf_Cs + sf_cw * {C * 64 * _LDS};  // tile s: block s's partial sums
+sf_Cw = sf_Cs + (sf_cw * {C} + sf_rank) * {64 * _LDS};
+const unsigned sf_own = sf_base + {S * stage} + (sf_cw * {C} + sf_rank) * {_STAGE_BYTES};
+const unsigned sf_ready = {bar(2 * S)} + sf_cw * 8;  // the others' partial sums are in
+const unsigned sf_free = {bar(2 * S + wg)} + sf_cw * 8;  // the others have read what this block sent
 int sf_x = 0;  // exchanges so far (the two barriers' phase)
 """
     consumer = f"""const int sf_cw = sf_wg - 1;
@@ -983,7 +1012,7 @@ const int sf_c = (sf_wl & 3) * 2;
 {handoff}  sf_wgmma_wait<0>();
 {_indent(release, 2)}
 {_indent(reduce, 2)}
-{_indent(_cluster_exchange(BN, chunk_loop) if ck else epilogue_chunks, 2)}
+{_indent(_cluster_exchange(BN, C, chunk_loop) if ck else epilogue_chunks, 2)}
 {_indent(finish, 2)}
 }}"""
     globals_ = "" if splits == 1 or ck else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
@@ -991,19 +1020,20 @@ const int sf_c = (sf_wl & 3) * 2;
                                        f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"
     sk_setup = _indent(_stream_k_ranges(tiles, KT), 2) + "\n" if sk else ""
-    cluster_dims = "__cluster_dims__(2, 1, 1) " if ck or mc else ""
-    rank = ("  const unsigned sf_rank = sf_cluster_rank();  // the half of each tile's K tiles this block takes\n" if ck else
+    cluster = CLUSTER_SIZE.get(mode, 1)
+    cluster_dims = f"__cluster_dims__({cluster}, 1, 1) " if cluster > 1 else ""
+    rank = ("  const unsigned sf_rank = sf_cluster_rank();  // the part of each tile's K tiles this block takes\n" if ck else
             "  const unsigned sf_rank = sf_cluster_rank();  // which half of the shared B tiles this block loads\n"
             "  const unsigned sf_pbars = sf_mapa(sf_bars, sf_rank ^ 1u);  // the other block's mbarriers\n" if mc else "")
     init_ck = "" if not ck else f"""
     for (int sf_w = 0; sf_w < {wg}; ++sf_w) {{
-      sf_mbar_init({bar(2 * S)} + sf_w * 8, 128);
-      sf_mbar_init({bar(2 * S + wg)} + sf_w * 8, 128);
+      sf_mbar_init({bar(2 * S)} + sf_w * 8, {(C - 1) * 128});
+      sf_mbar_init({bar(2 * S + wg)} + sf_w * 8, {(C - 1) * 128});
     }}"""
-    # (ck: the peer's barriers must be initialized before anything reaches them, and a block must not
-    # exit while the peer may still store into its shared memory or arrive on its barriers)
-    start_sync = "sf_cluster_sync();" if ck or mc else "__syncthreads();"
-    end_sync = "\n  sf_cluster_sync();" if ck or mc else ""
+    # (clusters: the others' barriers must be initialized before anything reaches them, and a block
+    # must not exit while another may still store into its shared memory or arrive on its barriers)
+    start_sync = "sf_cluster_sync();" if cluster > 1 else "__syncthreads();"
+    end_sync = "\n  sf_cluster_sync();" if cluster > 1 else ""
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {cluster_dims}{symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
@@ -1045,9 +1075,11 @@ const int sf_c = (sf_wl & 3) * 2;
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN // 2 if mc and b.k_major else BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
-    blocks = stream_k_blocks(tiles, KT) if sk else min(units, PERSISTENT_SMS)
+    # (clusters of four: a GPC whose multiprocessor count is not a multiple of 4 leaves some out, so
+    # at most 128 blocks, all of them resident on a 132-multiprocessor GPU)
+    blocks = stream_k_blocks(tiles, KT) if sk else min(units, PERSISTENT_SMS if cluster < 4 else 128)
     launch = {"grid": (blocks, 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
-    if ck or mc:
-        launch["cluster"] = 2
+    if cluster > 1:
+        launch["cluster"] = cluster
     return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)

@@ -547,12 +547,12 @@ def test_wgmma_gemms_on_the_host_match_numpy(tmp_path, cfg, ta, tb):
     """Every wgmma tile (cp.async, persistent TMA, ping-pong) at sizes that are not multiples of
     the tile, with bulk copies landing late and in any order, cp.async copies and wgmma products
     completing only at their wait_group (so a stage freed too early shows)."""
-    from shardflow.compiler.codegen.cuda_wgmma import WGMMA_CONFIGS
+    from shardflow.compiler.codegen.cuda_wgmma import CLUSTER_SIZE, WGMMA_CONFIGS
 
     mode = WGMMA_CONFIGS[cfg][3]
-    grid = None if mode == "cp" else (4, 1, 1) if mode in ("ck", "mc") else (3, 1, 1)  # (whole clusters of 2)
+    grid = None if mode == "cp" else (4, 1, 1) if mode in CLUSTER_SIZE else (3, 1, 1)  # (whole clusters)
     launch, _ = _wgmma_gemm(tmp_path, cfg, 200, 136, 200, ta, tb, grid=grid)
-    assert launch.cluster == (2 if mode in ("ck", "mc") else 1)  # (the tile itself, not a fallback)
+    assert launch.cluster == CLUSTER_SIZE.get(mode, 1)  # (the tile itself, not a fallback)
 
 
 @pytest.mark.parametrize("cfg", ["tma64x96", "tma128x160"])
@@ -633,14 +633,16 @@ def test_stream_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
     ("ck64x128", 200, 136, 200, 2),  # 8 tiles on one cluster, 2 + 2 K tiles
     ("ck128x128", 200, 136, 328, 4),  # 4 tiles on two clusters, 3 + 3 K tiles, the last one short
     pytest.param("ck128x256", 130, 264, 520, 2, marks=pytest.mark.slow),  # 4 exchanges of a pair of chunks
+    ("ck4_64x128", 200, 136, 768, 4),  # clusters of four: 8 tiles on one, 3 K tiles a block
+    pytest.param("ck4_128x128", 136, 136, 200, 8, marks=pytest.mark.slow),  # 2 tiles on two clusters, 1 K tile a block
 ])
 def test_cluster_split_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
-    """Cluster split-K (RFC 0005 decision 31): the two blocks of a cluster take the two halves of
-    each tile's K tiles and exchange their partial sums through each other's shared memory, a
+    """Cluster split-K (RFC 0005 decision 31): the two (or four) blocks of a cluster take the parts
+    of each tile's K tiles and exchange their partial sums through each other's shared memory, a
     cluster looping over several tiles (the exchange barriers' phases carry over). The same bits
     under several random interleavings, each launched twice; bfloat16 too."""
     launch, outs = _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(1, 2, 5), launches=2)
-    assert launch.cluster == 2
+    assert launch.cluster == (4 if cfg.startswith("ck4") else 2)
     assert all(np.array_equal(o, outs[0]) for o in outs)
     _wgmma_gemm(tmp_path, cfg, M, N, K, grid=(blocks, 1, 1), seeds=(3,), dt="bfloat16")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardflow.compiler.codegen.cuda import KernelLaunch, build_cuda_library, compile_arch, generate_cuda_source
-from shardflow.compiler.codegen.cuda_wgmma import (_KMAJOR_B_FALLBACK, WGMMA_CONFIGS, choose_wgmma_config,
+from shardflow.compiler.codegen.cuda_wgmma import (_KMAJOR_B_FALLBACK, CLUSTER_SIZE, WGMMA_CONFIGS, choose_wgmma_config,
                                                    split_count, stream_k_blocks, tile_rows)
 from shardflow.compiler.codegen.fusion import fuse
 from shardflow.compiler.codegen.lower import CodegenError
@@ -32,7 +32,7 @@ needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="
 #: their own time limit, until they have (a wrong hand-over or flag would hang, not fail)
 PINGPONG = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "pp"]
 STREAM_K = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "sk"]
-CLUSTER = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "ck"]  # (not run on a GPU yet either)
+CLUSTER = [c for c, v in WGMMA_CONFIGS.items() if v[3].startswith("ck")]  # (not run on a GPU yet either)
 MULTICAST = [c for c, v in WGMMA_CONFIGS.items() if v[3] == "mc"]  # (nor these)
 KMAJOR_B = [c for c, v in WGMMA_CONFIGS.items() if v[1] % 64]  # column counts for a B stored [N, K] only
 MEASURED = [c for c in WGMMA_CONFIGS if c not in PINGPONG + STREAM_K + CLUSTER + MULTICAST + KMAJOR_B]
@@ -70,18 +70,20 @@ def test_configs_follow_the_grid_and_can_be_forced():
     # nor the tiles for a K-major B (not measured yet)
     assert not any(WGMMA_CONFIGS[choose_wgmma_config(m, n, 1, K=k)][1] % 64 for m in (128, 1024, 8192)
                    for n in (768, 2304, 3072) for k in (768, 3072))
-    g = _gemm(512, 512, 128, "float16")
+    g = _gemm(512, 512, 256, "float16")  # (4 K tiles: one for each block of a 4-block split-K cluster)
     for name in WGMMA_CONFIGS:
         # (B is [K, N] here: a tile for a K-major B takes its 64-multiple neighbour)
         wg, bn, _, mode = WGMMA_CONFIGS[_KMAJOR_B_FALLBACK.get(name, name)]
         launch = generate_cuda_source([g], arch="sm_90", gemm_configs={"g": name}).launches["g"]
         assert launch.block == (128 * (wg + (mode != "cp")), 1, 1)
         tiles = -(-512 // tile_rows(name)) * -(-512 // bn)  # pp: a 64-row tile per warpgroup
-        units = -(-tiles * 2 // 8) if mode == "sk" else tiles  # stream-K: a block per 8 K tiles (of 2 per tile)
-        units *= 2 if mode == "ck" else 1  # cluster split-K: two blocks per tile
-        assert launch.grid[0] == (tiles if mode == "cp" else min(units, 132))  # tma, pp, sk, ck, mc: persistent
+        units = -(-tiles * 4 // 8) if mode == "sk" else tiles  # stream-K: a block per 8 K tiles (of 4 per tile)
+        cluster = CLUSTER_SIZE.get(mode, 1)
+        units *= cluster if mode.startswith("ck") else 1  # cluster split-K: a block per part of a tile's K tiles
+        top = 128 if cluster == 4 else 132  # (clusters of four: at most 128 blocks)
+        assert launch.grid[0] == (tiles if mode == "cp" else min(units, top))  # tma, pp, sk, ck, mc: persistent
         assert bool(launch.tensor_maps) == (mode != "cp")
-        assert launch.cluster == (2 if mode in ("ck", "mc") else 1) and launch.grid[0] % launch.cluster == 0
+        assert launch.cluster == cluster and launch.grid[0] % cluster == 0
     with pytest.raises(CodegenError, match="wgmma GEMM config 'huge'"):
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
 
@@ -450,8 +452,8 @@ def test_cluster_split_k_tiles_match_numpy(tmp_path, dt):
     if dt == "float16":
         shapes = ((1024, 768, 768), (1024, 768, 3072), (4100, 1160, 328))
         for cfg, M, N, K, launch in _bias_tanh_on_shapes(tmp_path, CLUSTER, shapes, 8):
-            tiles = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1])
-            assert launch.cluster == 2 and launch.grid[0] == min(2 * tiles, 132)
+            tiles, c = -(-M // tile_rows(cfg)) * -(-N // WGMMA_CONFIGS[cfg][1]), CLUSTER_SIZE[WGMMA_CONFIGS[cfg][3]]
+            assert launch.cluster == c and launch.grid[0] == min(c * tiles, 132 if c == 2 else 128)
 
 
 @pytest.mark.gpu
