@@ -120,8 +120,9 @@ ck_model_tiles='{"*/attn/c_proj/Gemm": "ck128x128", "*/mlp/c_proj/Gemm": "ck128x
 mc_model_tiles='{"*/attn/c_proj/Gemm": "mc64x128", "*/mlp/c_proj/Gemm": "mc64x128", "*/attn/c_attn/Gemm": "mc128x192",
                  "*/mlp/c_fc/Gemm": "mc128x192"}'
 cluster_tiles() {
-    local start=$SECONDS f="$out/gemm-cluster.txt"
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$cluster_tests" "${gpu_tests[@]}" 2>&1 \
+    local start=$SECONDS f="$out/gemm-cluster.txt" par=()
+    python3 -c "import xdist" 2>/dev/null && par=(-n 6)  # (their time is mostly nvcc: about 60 builds)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" -k "$cluster_tests" "${gpu_tests[@]}" 2>&1 \
         | tee "$out/gpu-suite-ck.txt" | tail -8
     if ! grep -qE "[0-9]+ passed" "$out/gpu-suite-ck.txt" || grep -qE "[0-9]+ (failed|error)" "$out/gpu-suite-ck.txt"; then
         echo "(cluster split-K tests did not pass: no timing)"; return
