@@ -754,7 +754,8 @@ EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, ro
 }
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128", "ck128x128", "mc64x128"])
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128", "ck128x128",
+                                 pytest.param("mc64x128", marks=pytest.mark.slow)])  # (mc: the tma epilogue)
 def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
     """GEMM + bias + residual as whole kernels (RFC 0005 decision 22): four columns per thread
     with vector reads and stores (every vector access aligned), one column per thread, a residual
@@ -783,7 +784,8 @@ def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
         np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-2, rtol=4e-3, err_msg=f"{cfg} {name}")
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128", "ck128x128", "mc64x128"])
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "tma128x128", "pp64x128", "ck128x128",
+                                 pytest.param("mc64x128", marks=pytest.mark.slow)])
 def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
     """Products whose tiles all lie inside them (RFC 0005 decision 28): the epilogue tests no
     element, and one that reads a residual along the rows is unrolled whole (its reads issued
