@@ -123,3 +123,17 @@ def test_the_fit_takes_ping_pong_tiles_from_a_sweep(tmp_path):
     fit = _load("fit_tiles").main(["--sweep", os.path.join(res, "h100-2026-11-22-wgmma-tiles.txt"),
                                    os.path.join(res, "h100-2026-11-22-tma-tiles.txt"), str(sweep)])
     assert fit["pp64x256"] > 0 and "pp64x256" not in fit["split"]
+
+
+def test_fill_account_of_the_committed_sweep(capsys):
+    """fill_account.py on session 33's H200 sweep: GPT-2's fc2 at M = 1024 on 64 x 128 tiles is 96
+    blocks of 48 K steps of 24 KB (14.7 us at 80 GB/s; measured 14.5 us), and a cluster split-K
+    tile's blocks take 1/C of the K steps each (the account it was built on)."""
+    fa = _load("fill_account")
+    sweep = os.path.join(BENCH, "..", "results", "h200-2026-11-28-95d3e9b-tile-sweep.txt")
+    rows = fa.main([sweep, "--cases", "gpt2_fc2_M1024", "--tiles", "tma64x128"])
+    assert rows == [["gpt2_fc2_M1024_float16", "tma64x128", 96, 14.5, 14.7, 0.99, 10.8]]
+    assert "gpt2_fc2_M1024_float16" in capsys.readouterr().out
+    assert fa.fill_us("tma64x128", 1024, 768, 3072, 80.0) == (48 * 24576 / 80e3, 96)
+    assert fa.fill_us("ck128x128", 1024, 768, 3072, 80.0) == (24 * 32768 / 80e3, 96)
+    assert fa.fill_us("ck4_64x128", 128, 768, 768, 80.0) == (3 * 24576 / 80e3, 48)
