@@ -650,7 +650,7 @@ def test_cluster_split_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
 @pytest.mark.parametrize("cfg,M,N,K,tb,blocks", [
     ("mc64x128", 256, 136, 640, False, 2),  # 8 tiles (4 pairs) on one cluster, MN-major B: a panel each
     ("mc64x128", 200, 136, 200, True, 4),  # K-major B: half the rows each; rows past M in the last pair
-    ("mc128x192", 256, 264, 328, False, 2),  # three panels: 2 + 1
+    ("mc128x192", 256, 264, 328, True, 2),  # K-major B: boxes of 96 rows (its 3 MN-major panels: the test above)
     pytest.param("mc128x256", 136, 264, 520, True, 2, marks=pytest.mark.slow),
 ])
 def test_multicast_on_the_host(tmp_path, cfg, M, N, K, tb, blocks):
