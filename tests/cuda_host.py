@@ -325,6 +325,19 @@ static int csize = 1;
 static int exited_access;  // a cluster access to a block whose threads have all exited
 static std::vector<unsigned char>& dyn_of(int b) { return b == curblk ? dyn : blocks[b].dyn; }
 static std::map<unsigned, Mbar>& mbars_of(int b) { return b == curblk ? mbars : blocks[b].mbars; }
+static std::vector<Tma>& tmas_of(int b) { return b == curblk ? tmas : blocks[b].tmas; }
+static bool block_live(int b) {  // a thread of resident block b has not exited
+  for (int t = b * nthr; t < (b + 1) * nthr; ++t)
+    if (threads[t].state != DONE) return true;
+  return false;
+}
+// the resident block of rank `rank` in the running thread's cluster (an access to it after all its
+// threads exited is counted: on a GPU it is an error)
+static int cluster_block(int rank) {
+  const int b = cur / nthr / csize * csize + rank;
+  if (!block_live(b)) ++exited_access;
+  return b;
+}
 static int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
 static int trapped;  // a thread called __trap()
 // clock64(): advances by clock_step a call; a step above 1 also counts as progress, so that a wait
@@ -389,15 +402,8 @@ static inline void sf_tma_2d(unsigned dst, const SfTmap* m, int c0, int c1, unsi
 // multicast: the same box into each block of the cluster in `mask`, at `dst` and completing on `bar`
 // there (each copy lands on its own, at random, like any other)
 static inline void sf_tma_2d_mc(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar, unsigned short mask) {
-  using namespace sf_emu;
-  const int base = cur / nthr / csize * csize;
-  for (int r = 0; r < csize; ++r) {
-    if (!(mask >> r & 1)) continue;
-    bool live = false;
-    for (int t = (base + r) * nthr; t < (base + r + 1) * nthr; ++t) live = live || threads[t].state != DONE;
-    if (!live) ++exited_access;
-    (base + r == curblk ? tmas : blocks[base + r].tmas).push_back({dst, *m, c0, c1, bar});
-  }
+  for (int r = 0; r < sf_emu::csize; ++r)
+    if (mask >> r & 1) sf_emu::tmas_of(sf_emu::cluster_block(r)).push_back({dst, *m, c0, c1, bar});
 }
 static inline void sf_tma_prefetch(const SfTmap*) {}
 // bar.sync / bar.arrive: barrier `id` completes when `count` threads arrived at it
@@ -452,13 +458,8 @@ static inline unsigned sf_cluster_rank() { return blockIdx.x % (unsigned)sf_emu:
 static inline void sf_cluster_sync() { sf_emu::wait(sf_emu::CLUSTER); }
 static inline unsigned sf_mapa(unsigned addr, unsigned rank) { return (addr & 0xFFFFFu) | ((rank + 1u) << 20); }
 static int sf_emu_cluster_block(unsigned addr) {  // the resident block a shared::cluster address is in
-  using namespace sf_emu;
-  const int me = cur / nthr, rank = (int)(addr >> 20) - 1;
-  const int b = rank < 0 ? me : me / csize * csize + rank;
-  bool live = false;
-  for (int t = b * nthr; t < (b + 1) * nthr; ++t) live = live || threads[t].state != DONE;
-  if (!live) ++exited_access;
-  return b;
+  const int rank = (int)(addr >> 20) - 1;
+  return rank < 0 ? sf_emu::cur / sf_emu::nthr : sf_emu::cluster_block(rank);
 }
 static inline void sf_st_cluster2(unsigned addr, float x, float y) {
   const int b = sf_emu_cluster_block(addr);

@@ -9,7 +9,8 @@ the blocks, the measured time, the account's ("fill"), their ratio and cuBLAS's 
 line. A ratio near 1 says the tile was bound by what its multiprocessors take in; well above 1,
 by something else (fixed costs, the tensor cores, an unhidden epilogue); below 1, the rate was
 higher than the account's. B multicast (``mc``) tiles are counted like their ``tma`` twins: the
-bytes reaching each multiprocessor are the same (what L2 sends is 2/3 or so). No GPU needed::
+bytes reaching each multiprocessor are the same (what L2 sends for a pair is less: 32 KB a K step
+instead of 48 for 64 x 128 tiles). No GPU needed::
 
     python benchmarks/gpu/fill_account.py benchmarks/results/h200-2026-11-28-95d3e9b-tile-sweep.txt \\
         [--cases gpt2_fc2_M1024] [--tiles tma64x128,ck128x128] [--gbps 80]

@@ -140,8 +140,8 @@ def gemv_kernel(*, symbol: str, params: str, M: int, N: int, K: int, batch: int,
     ``float sf_v``; ``load_b`` likewise from ``sf_n`` and ``sf_k``. ``epilogue`` reads ``float
     sf_acc`` for output ``(sf_m, sf_n)`` and stores the result. ``root`` is code run once per
     thread; ``batch_code`` decomposes ``sf_bz`` into the batch axes. ``k_fast``: ``B`` is read
-    with unit stride along ``K`` (else along ``N``). ``codes``: ``B`` is 4-bit codes read a word
-    (8 codes) at a time instead of through ``load_b`` (k-fast; ``K`` a multiple of 8, unbatched);
+    with unit stride along ``K`` (else along ``N``). ``codes``: ``B`` is 2-, 4- or 8-bit codes read a
+    word (8 codes) at a time instead of through ``load_b`` (k-fast; ``K`` a multiple of 8, unbatched);
     ``a_rows``: with ``codes``, ``A`` as a pointer and the code placing row ``sf_m`` (``sf_ao``),
     its runs then read 16 bytes at a time.
     """

@@ -36,10 +36,11 @@ consumer warpgroups run the wgmma and the epilogue. The copies need tensor maps,
 addresses: the launch describes them (``tensor_maps``) and whoever launches the kernel encodes them
 (:func:`shardflow.runtime.tma.kernel_args`). Batched products keep the ``cp.async`` kernel.
 
-The cluster tiles run that kernel in clusters of two blocks (``__cluster_dims__``; the launch says
-``cluster``): ``ck`` splits each tile's K tiles between the two and adds the halves through
-distributed shared memory (:func:`_cluster_exchange`), ``mc`` gives them vertically adjacent tiles
-whose common B tile each block loads half of into both (multicast bulk copies, :func:`_tma_copies`).
+The cluster tiles run that kernel in clusters of blocks (``__cluster_dims__``; the launch says
+``cluster``): ``ck``/``ck4`` split each tile's K tiles between two or four blocks and add the parts
+through distributed shared memory (:func:`_cluster_exchange`), ``mc`` gives two blocks vertically
+adjacent tiles whose common B tile each loads half of into both (multicast bulk copies,
+:func:`_tma_copies`).
 """
 from __future__ import annotations
 
@@ -151,8 +152,8 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
     a = 64 * (1 if mode == "pp" else wg) * _BK * 2
     b = bn * _BK * 2
     pipe = stages * (a + b)
-    if mode in ("tma", "pp", "sk", "ck", "ck4", "mc"):  # the epilogue's staging tiles sit beside the stages (the
-        # producer runs ahead); the mbarriers (ck: two more per warpgroup) and the split-K flag after them
+    if mode in _PERSISTENT_MODES:  # the epilogue's staging tiles sit beside the stages (the producer runs
+        # ahead); the mbarriers (cluster split-K: two more per warpgroup) and the split-K flag after them
         return a, b, pipe + _staging_bytes(wg, mode) + 8 * _barrier_count(wg, stages, mode) + 16 + 1024
     ctile = 64 * wg * (bn + 4) * 4
     return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
@@ -160,6 +161,8 @@ def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, i
 
 #: blocks per cluster of the cluster modes (split-K over the cluster's blocks, B multicast)
 CLUSTER_SIZE = {"ck": 2, "ck4": 4, "mc": 2}
+#: the modes of the persistent TMA kernel (:func:`_tma_kernel`); ``cp`` is the other
+_PERSISTENT_MODES = ("tma", "pp", "sk", *CLUSTER_SIZE)
 
 
 def _split_k_cluster(mode: str) -> int:
@@ -303,7 +306,7 @@ _TMA_FALLBACK = {"tma128x256": "128x256", "tma128x192": "128x256", "tma128x128":
 
 #: the tile a cluster configuration takes where it does not apply (split-K: too few K tiles for a
 #: range per block; multicast: an odd number of row tiles, which leaves a tile without a partner)
-_CK_FALLBACK = {"ck128x128": "tma128x128", "ck128x256": "tma128x256", "ck64x128": "tma64x128",
+_CLUSTER_FALLBACK = {"ck128x128": "tma128x128", "ck128x256": "tma128x256", "ck64x128": "tma64x128",
                 "ck4_128x128": "ck128x128", "ck4_64x128": "ck64x128",
                 "mc128x256": "tma128x256", "mc128x192": "tma128x192", "mc128x128": "tma128x128",
                 "mc64x128": "tma64x128"}
@@ -397,7 +400,7 @@ __device__ __forceinline__ void sf_wgmma_commit() { asm volatile("wgmma.commit_g
 template <int N> __device__ __forceinline__ void sf_wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
-// clusters (``ck`` tiles): this block's rank, a barrier of every thread of the cluster, the address of
+// clusters (the ck and mc tiles): this block's rank, a barrier of every thread of the cluster, the address of
 // a shared variable in block `rank` of the cluster, stores and mbarrier arrivals there, and the wait
 // that sees what another block stored before its arrival
 __device__ __forceinline__ unsigned sf_cluster_rank() {
@@ -536,9 +539,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
         config = _KMAJOR_B_FALLBACK[config]
-    while config in _CK_FALLBACK and not _cluster_applies(config, M, K):
-        config = _CK_FALLBACK[config]
-    if WGMMA_CONFIGS[config][3] in ("tma", "pp", "sk", "ck", "ck4", "mc"):
+    while config in _CLUSTER_FALLBACK and not _cluster_applies(config, M, K):
+        config = _CLUSTER_FALLBACK[config]
+    if WGMMA_CONFIGS[config][3] in _PERSISTENT_MODES:
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=config, vec=vec, row_reads=row_reads)
@@ -842,10 +845,14 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     (:func:`_stream_k_ranges`, :func:`_stream_k_pieces`); a piece that starts inside a tile hands
     its partial sums to the block that began the tile (:func:`_stream_k_fixup`). No split-K.
 
-    Cluster split-K (mode ``ck``, ``K`` of at least two K tiles): blocks ``2c`` and ``2c + 1`` form
-    cluster ``c`` (``__cluster_dims__``: the grid is even) and take the same tiles, block rank ``r``
-    the ``r``-th half of each tile's K tiles (the split-K units ``2t + r``, whose loop is the plain
-    one's); the halves meet in shared memory (:func:`_cluster_exchange`)."""
+    Cluster split-K (modes ``ck`` and ``ck4``, ``C`` = 2 or 4 blocks, at least ``C`` K tiles): blocks
+    ``C c .. C c + C - 1`` form cluster ``c`` (``__cluster_dims__``: the grid is a multiple of ``C``)
+    and take the same tiles, block rank ``r`` the K tiles ``[r KT / C, (r + 1) KT / C)`` of each (the
+    units ``C t + r``, whose loop is the plain one's); the parts meet in shared memory
+    (:func:`_cluster_exchange`). B multicast (mode ``mc``, an even number of row tiles): blocks
+    ``2c`` and ``2c + 1`` take tiles ``2p`` and ``2p + 1`` (vertically adjacent), each loading its
+    A tile and half of their B tile into both (:func:`_tma_copies`); a stage is free once both
+    blocks' consumers have read it (the empty barriers count both)."""
     wg, BN, S, mode = WGMMA_CONFIGS[config]
     pp, sk, mc = mode == "pp", mode == "sk", mode == "mc"
     C = _split_k_cluster(mode)  # cluster split-K: blocks per tile
@@ -859,9 +866,9 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     assert not (ck or mc) or _cluster_applies(config, M, K), (config, M, K)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
-    splits = split_count(tiles, K) if mode == "tma" else C if ck else 1
+    splits = split_count(tiles, K) if mode == "tma" else 1  # split-K through global memory
     per = -(-KT // splits)  # K tiles per split
-    units = tiles * splits
+    units = tiles * (C if ck else splits)
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
     empty = lambda x: f"sf_bars + ({S} + ({x})) * 8"  # noqa: E731
     tile = (f"""const int sf_t = sf_u / {splits};  // output tile
@@ -908,7 +915,7 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
     # module globals sized here (a program runs on one stream: no two launches of a kernel are in
     # flight at once).
     nch = BN // _CHUNK
-    reduce = _stream_k_fixup(KT, nreg, tc) if sk else "" if splits == 1 or ck else f"""const int sf_tc = threadIdx.x - 128;
+    reduce = _stream_k_fixup(KT, nreg, tc) if sk else "" if splits == 1 else f"""const int sf_tc = threadIdx.x - 128;
 const float* sf_p = {{SYMBOL}}_ws + (size_t)sf_t * {splits * nreg * tc} + sf_tc;  // split 0 of the tile
 float* sf_mine = {{SYMBOL}}_ws + (size_t)sf_u * {nreg * tc} + sf_tc;
 #pragma unroll
@@ -945,10 +952,10 @@ if (sf_spread) {{
   }}
   if (sf_tc == 0) {{SYMBOL}}_cnt[sf_t] = 0u;
 }}"""
-    skip = "" if splits == 1 or ck else f"""// another split's chunk
+    skip = "" if splits == 1 else f"""// another split's chunk
 if (sf_spread && sf_ch % {splits} != sf_u % {splits}) continue;
 """
-    finish = "" if splits == 1 or ck else f"""if (sf_spread) {{  // the last split of the tile to get here resets the counts
+    finish = "" if splits == 1 else f"""if (sf_spread) {{  // the last split of the tile to get here resets the counts
   sf_bar_sync(3, {tc});
   if (sf_tc == 0 && atomicAdd(&{{SYMBOL}}_done[sf_t], 1u) == {splits - 1}u) {{
     {{SYMBOL}}_cnt[sf_t] = 0u;
@@ -1015,7 +1022,7 @@ const int sf_c = (sf_wl & 3) * 2;
 {_indent(_cluster_exchange(BN, C, chunk_loop) if ck else epilogue_chunks, 2)}
 {_indent(finish, 2)}
 }}"""
-    globals_ = "" if splits == 1 or ck else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
+    globals_ = "" if splits == 1 else (f"__device__ float {symbol}_ws[{units * nreg * tc}];  // split-K partials\n"
                                        f"__device__ unsigned {symbol}_cnt[{tiles}];  // splits stored per tile\n"
                                        f"__device__ unsigned {symbol}_done[{tiles}];  // splits finished per tile\n")
     map_params = "const __grid_constant__ SfTmap sf_tmA, const __grid_constant__ SfTmap sf_tmB"

@@ -66,6 +66,7 @@ def kept_select(value: Expr, axes: Sequence, is_kept: Callable[[object], bool]) 
         return value.cond, value.other
     return None
 
+
 class CodegenError(ShardflowError):
     """An op cannot be turned into a kernel (unsupported construct, dtype or size)."""
 
