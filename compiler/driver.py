@@ -13,7 +13,8 @@ key               meaning                                                       
 ``target``        ``"cpu"`` (C++ kernels in a ``.so``) or ``"cuda"``                         ``"cpu"``
 ``arch``          GPU architecture for cuda, e.g. ``"sm_90"`` (cpu: must be unset)           ``"sm_90"``
 ``precision``     ``"float32"`` (cuda GEMMs: 3xTF32, fp32-accurate); ``"tf32"`` (cuda only:   ``"float32"``
-                  one TF32 product, faster, relative error ~1e-3); ``"float16"``: the
+                  one TF32 product, faster, relative error ~1e-3; on sm_90 the weights
+                  are stored [N, K] rounded to TF32 for the wgmma GEMM); ``"float16"``: the
                   operands of contractions rounded to float16 (weights stored in float16),
                   fp32 accumulation, everything else float32 (passes/precision.py);
                   ``"bfloat16"`` likewise with bfloat16. On cuda, at every
@@ -1120,6 +1121,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.precision import HalfWeightsKMajor
 
                 rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
+                from .codegen.cuda_wgmma import WGMMA_ARCHS
+
+                if opt.precision == "tf32" and opt.arch in WGMMA_ARCHS:
+                    # float32 weights [N, K] and rounded to TF32, for the Hopper TF32 GEMM
+                    from .passes.precision import Tf32WeightsKMajor
+
+                    rg = Tf32WeightsKMajor().run(rg)
                 # one fused kernel per attention on half operands (those of the precision pass, or a
                 # float16/bfloat16 model's own; passes/attention.py), on this rank's share
                 from .passes.attention import FuseAttention

@@ -176,7 +176,7 @@ static SfDim3 threadIdx, blockIdx, blockDim, gridDim;
 namespace sf_emu {
 enum State { RUN, BAR, WARP, DONE, SPIN, CLUSTER };  // SPIN: runnable, but polling something
 struct Copy { unsigned dst; const void* src; bool full; };  // a 16-byte cp.async
-struct Mma { float* d; unsigned long long da, db; int bn; bool bf; int ta, tb; };  // a wgmma
+struct Mma { float* d; unsigned long long da, db; int bn, ty, ta, tb; };  // a wgmma (ty: 0 f16, 1 bf16, 2 tf32)
 // a thread's asynchronous operations in groups (the last one still open, not committed)
 template <typename T> struct Groups {
   std::vector<std::vector<T>> g{1};
@@ -424,23 +424,33 @@ static inline void sf_emu_wgmma_run(const sf_emu::Mma& op);
 // it be pending, so a stage freed too early shows as wrong operands
 static inline void sf_wgmma_commit() { sf_emu::threads[sf_emu::cur].mmas.commit(); }
 template <int N> static inline void sf_wgmma_wait() { sf_emu::threads[sf_emu::cur].mmas.wait(N, sf_emu_wgmma_run); }
-// wgmma.mma_async m64nNk16, float accumulators, operands in shared memory (128-byte swizzle) by
-// descriptor: K-major (trans 0) element (row r, k) at start + (r/8) SBO + (r%8) 128 + 2k; MN-major
-// (trans 1) element (k, r) at start + (r/64) LBO + (k/8) SBO + (k%8) 128 + 2 (r%64). Each thread of
-// the warpgroup updates its own accumulators (warp w, lane l: rows 16w + l/4 (+8), columns
-// 8j + 2(l%4) (+1)); the operands are read when a wait_group completes the instruction.
-static inline float sf_emu_operand(unsigned long long desc, int trans, int r, int k, bool bf) {
+// wgmma.mma_async m64nNk16 (halves) or m64nNk8 (TF32), float accumulators, operands in shared
+// memory (128-byte swizzle) by descriptor: K-major (trans 0) element (row r, k) at start + (r/8) SBO
+// + (r%8) 128 + size k; MN-major (halves only, trans 1) element (k, r) at start + (r/64) LBO + (k/8)
+// SBO + (k%8) 128 + 2 (r%64). A TF32 operand is a float32 whose low 13 mantissa bits are ignored.
+// Each thread of the warpgroup updates its own accumulators (warp w, lane l: rows 16w + l/4 (+8),
+// columns 8j + 2(l%4) (+1)); the operands are read when a wait_group completes the instruction.
+static inline float sf_emu_operand(unsigned long long desc, int trans, int r, int k, int ty) {
   const unsigned start = (unsigned)(desc & 0x3FFFull) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
   const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
+  if (ty == 2) {
+    if (trans) { fprintf(stderr, "sf_emu: a TF32 wgmma operand must be K-major\n"); abort(); }
+    unsigned u;
+    memcpy(&u, sf_emu::dyn.data() + sf_emu::swizzle128(start + (r / 8) * sbo + (r % 8) * 128 + 4 * k), 4);
+    u &= 0xffffe000u;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+  }
   const unsigned a = trans ? start + (r / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + 2 * (r % 64)
                            : start + (r / 8) * sbo + (r % 8) * 128 + 2 * k;
   unsigned short h;
   memcpy(&h, sf_emu::dyn.data() + sf_emu::swizzle128(a), 2);
-  return sf_emu::half_value(h, bf);
+  return sf_emu::half_value(h, ty == 1);
 }
-static inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long long db, int bn, bool bf, int ta,
+static inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long long db, int bn, int ty, int ta,
                                 int tb) {
-  sf_emu::threads[sf_emu::cur].mmas.add({d, da, db, bn, bf, ta, tb});
+  sf_emu::threads[sf_emu::cur].mmas.add({d, da, db, bn, ty, ta, tb});
 }
 static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
   const int t = sf_emu::cur % sf_emu::nthr % 128, w = t / 32, l = t % 32;
@@ -448,8 +458,8 @@ static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
     for (int q = 0; q < 4; ++q) {
       const int row = 16 * w + l / 4 + (q / 2) * 8, col = 8 * j + 2 * (l % 4) + (q % 2);
       float acc = op.d[4 * j + q];
-      for (int k = 0; k < 16; ++k)
-        acc += sf_emu_operand(op.da, op.ta, row, k, op.bf) * sf_emu_operand(op.db, op.tb, col, k, op.bf);
+      for (int k = 0; k < (op.ty == 2 ? 8 : 16); ++k)
+        acc += sf_emu_operand(op.da, op.ta, row, k, op.ty) * sf_emu_operand(op.db, op.tb, col, k, op.ty);
       op.d[4 * j + q] = acc;
     }
 }
@@ -694,7 +704,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
 }
 """
 
-_WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16)_(\d)(\d)\(float\* d, "
+_WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16|tf32)_(\d)(\d)\(float\* d, "
                     r"unsigned long long da, unsigned long long db\) \{.*?\n\}\n", re.S)
 _NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init|griddepcontrol)[^"]*"[^;]*;')
 #: the vector types of the generated code, whose accesses are checked for alignment
@@ -721,7 +731,7 @@ def _host_source(text: str) -> str:
     text = _NO_OP_ASM.sub("", text)
     text = _WGMMA.sub(lambda m: (f"static inline void sf_wgmma_{m.group(1)}_{m.group(2)}_{m.group(3)}{m.group(4)}("
                                  "float* d, unsigned long long da, unsigned long long db) {\n"
-                                 f"  sf_emu_wgmma(d, da, db, {m.group(1)}, {str(m.group(2) == 'bf16').lower()}, "
+                                 f"  sf_emu_wgmma(d, da, db, {m.group(1)}, {('f16', 'bf16', 'tf32').index(m.group(2))}, "
                                  f"{m.group(3)}, {m.group(4)});\n}}\n"), text)
 
     def mma(m: re.Match) -> str:

@@ -30,7 +30,9 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
       the expression as its epilogue. On ``sm_90`` a float16/bfloat16 product whose operands
       are dense half-precision tensors (16-byte aligned rows) takes the Hopper template of
       :mod:`.cuda_wgmma` instead (``wgmma`` fed by a ``cp.async`` pipeline, or for unbatched
-      products by the bulk tensor copy engine in a persistent kernel; compiled for ``sm_90a``).
+      products by the bulk tensor copy engine in a persistent kernel; compiled for ``sm_90a``),
+      and so does a ``precision="tf32"`` product whose float32 operands are both K-major (the
+      driver stores such a program's weights ``[N, K]`` for it).
       With fewer than 16 rows on one side (decoding) and at least 16 on the other, the GEMV
       template of :mod:`.cuda_gemv` (the larger operand streamed once, coalesced along its unit
       stride, the rows' sums in registers; float32 products and sums).
@@ -70,7 +72,8 @@ from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
-from .cuda_wgmma import STREAM_K_WORKSPACE, WGMMA_ARCHS, DirectOperand, wgmma_gemm_kernel, wgmma_helpers
+from .cuda_wgmma import (STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand, wgmma_gemm_kernel,
+                         wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
@@ -1596,12 +1599,13 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         return "\n".join(lines)
 
     direct = None
-    if wgmma and not gemv and plan.prec in ("f16", "bf16"):
-        half = {"f16": "float16", "bf16": "bfloat16"}[plan.prec]
+    if wgmma and not gemv and plan.prec in WGMMA_DTYPES:
+        dt = WGMMA_DTYPES[plan.prec]
         kv = list(red.vars)
-        da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, half, M, K, an, reads, bblk)
-        db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, half, N, K, an, reads, bblk)
-        if da is not None and db is not None:
+        da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, dt, M, K, an, reads, bblk)
+        db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, dt, N, K, an, reads, bblk)
+        # (TF32 wgmma reads K-major operands only: a weight is stored [N, K] for it, see the driver)
+        if da is not None and db is not None and (plan.prec != "tf32" or da.k_major and db.k_major):
             direct = (da, db)
     if direct is None:
         load_a = side(plan.a, "sf_m", plan.m_axes)
@@ -1727,16 +1731,17 @@ def _flat_affine(e: TensorElement, shape, an: _Analysis) -> tuple[dict, int] | N
     return {v: c for v, c in coefs.items() if c}, const
 
 
-def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, extent_o: int, K: int,
+def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, dtype: str, extent_o: int, K: int,
                     an: _Analysis, reads, bblk: _Block) -> DirectOperand | None:
-    """``e`` as a dense read of a ``half`` tensor that the wgmma template can copy 16 bytes at a
-    time (:class:`~.cuda_wgmma.DirectOperand`), or None."""
+    """``e`` as a dense read of a ``dtype`` tensor (a half type, or float32 for TF32) that the wgmma
+    template can copy 16 bytes at a time (:class:`~.cuda_wgmma.DirectOperand`), or None."""
     inner = e.a if isinstance(e, Cast) and e.dtype == "float32" else e
     if not isinstance(inner, TensorElement):
         return None
     ref = reads.get(id(inner.tensor))
-    if ref is None or ref[2] != half:
+    if ref is None or ref[2] != dtype:
         return None
+    vec = 4 if dtype == "float32" else 8  # elements in 16 bytes
     ptr, shape, _ = ref
     flat = _flat_affine(inner, shape, an)
     if flat is None:
@@ -1747,9 +1752,9 @@ def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, e
     so, sk = _composite_stride(outer, coefs), _composite_stride(kvars, coefs)
     if so is None or sk is None:
         return None
-    if sk == 1 and so % 8 == 0 and K % 8 == 0:
+    if sk == 1 and so % vec == 0 and K % vec == 0:
         k_major = True
-    elif so == 1 and sk % 8 == 0 and extent_o % 8 == 0:
+    elif so == 1 and sk % vec == 0 and extent_o % vec == 0:
         k_major = False
     else:
         return None
@@ -1757,10 +1762,10 @@ def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, half: str, e
     for v in batch:
         c = coefs.get(v, 0)
         if c and v.extent != 1:
-            if c % 8:
+            if c % vec:
                 return None
             terms.append(f"(long long){bblk.binds[v][0]} * {c}LL")
-    if const % 8:
+    if const % vec:
         return None
     return DirectOperand(ptr, " + ".join(terms) or "0LL", so, sk, k_major)
 

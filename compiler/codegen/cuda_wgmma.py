@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config",
+__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config",
            "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
@@ -127,6 +127,16 @@ _SK_SLOT = max(v[1] // 2 * v[0] * 128 for v in WGMMA_CONFIGS.values() if v[3] ==
 #: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
 PERSISTENT_SMS = 132
 _BK = 64
+#: bytes of one operand element by wgmma input type; a K tile is one 128-byte swizzle row of them
+#: (:func:`_bk`), so a stage, its copies and its descriptors are the same bytes for every type
+_ELEM_BYTES = {"f16": 2, "bf16": 2, "tf32": 4}
+#: operand dtype by wgmma input type
+WGMMA_DTYPES = {"f16": "float16", "bf16": "bfloat16", "tf32": "float32"}
+
+
+def _bk(ab: str) -> int:
+    """K values of one K tile of input type ``ab`` (64 halves or 32 floats: 128 bytes)."""
+    return 128 // _ELEM_BYTES[ab]
 _SMEM_LIMIT = 227 * 1024
 STREAM_K_WORKSPACE = (f"__device__ float sf_sk_ws[{PERSISTENT_SMS * _SK_SLOT}];  // stream-K partial sums, per block\n"
                       f"__device__ unsigned sf_sk_flag[{PERSISTENT_SMS}];  // block q's partial sums are stored\n")
@@ -134,11 +144,11 @@ STREAM_K_WORKSPACE = (f"__device__ float sf_sk_ws[{PERSISTENT_SMS * _SK_SLOT}]; 
 
 @dataclass(frozen=True)
 class DirectOperand:
-    """One GEMM operand read straight from a dense half-precision tensor.
+    """One GEMM operand read straight from a dense half-precision (or, for TF32, float32) tensor.
 
     The element for row ``o`` (M for A, N for B), reduction index ``k`` and batch offset ``base``
     (C expression, elements) is ``ptr[base + o * stride_o + k * stride_k]``; exactly one of the
-    strides is 1 (``k_major``: ``stride_k == 1``) and the other is a multiple of 8.
+    strides is 1 (``k_major``: ``stride_k == 1``) and the other a whole number of 16 bytes.
     """
 
     ptr: str
@@ -149,8 +159,8 @@ class DirectOperand:
 
 
 def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, int, int]:
-    a = 64 * (1 if mode == "pp" else wg) * _BK * 2
-    b = bn * _BK * 2
+    a = 64 * (1 if mode == "pp" else wg) * 128  # a K tile is 128 bytes a row, whatever the type
+    b = bn * 128
     pipe = stages * (a + b)
     if mode in _PERSISTENT_MODES:  # the epilogue's staging tiles sit beside the stages (the producer runs
         # ahead); the mbarriers (cluster split-K: two more per warpgroup) and the split-K flag after them
@@ -264,7 +274,8 @@ def tile_rows(name: str) -> int:
 
 
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None,
-                        efficiency: dict | None = None, split_efficiency: dict | None = None) -> str:
+                        efficiency: dict | None = None, split_efficiency: dict | None = None,
+                        bk: int = _BK) -> str:
     """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
     its blocks keep busy over whole waves (one block per multiprocessor: every tile uses more than
     half the shared memory; a persistent ``tma`` grid runs the same waves of tiles), times the
@@ -275,7 +286,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
     ``tma`` kernel takes one product). On the 24 float16 shapes of the H100 GEMM benchmark the
     choice measured within 10% of the fastest tile on 22 (geomean 0.79 of cuBLAS, against 0.81 for
     the fastest tile of each shape). ``efficiency``/``split_efficiency`` replace the shipped
-    figures (the fit of benchmarks/gpu/fit_tiles.py tries others)."""
+    figures (the fit of benchmarks/gpu/fit_tiles.py tries others). ``bk``: K values per K tile (32
+    for TF32 operands, :func:`_bk`)."""
     eff = _TILE_EFFICIENCY if efficiency is None else efficiency
     split_eff = _SPLIT_EFFICIENCY if split_efficiency is None else split_efficiency
 
@@ -285,8 +297,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
         tiles = -(-M // bm) * -(-N // bn) * batch
         useful = M * N * batch / (tiles * bm * bn)  # tiles hanging over M or N do less work
         if mode == "sk" and K:  # stream-K: every block (up to one per K tile) the same share of the work
-            return stream_k_blocks(tiles, -(-K // _BK), sms) / sms * useful * eff[name]
-        splits = split_count(tiles, K, sms) if mode == "tma" and K else 1  # split-K: more blocks
+            return stream_k_blocks(tiles, -(-K // bk), sms) / sms * useful * eff[name]
+        splits = split_count(tiles, K, sms, bk) if mode == "tma" and K else 1  # split-K: more blocks
         units = tiles * splits
         waves = -(-units // sms)
         return units / (waves * sms) * useful * eff[name] * (split_eff[name] if splits > 1 else 1.0)
@@ -318,15 +330,22 @@ _KMAJOR_B_FALLBACK = {"tma64x96": "tma64x128", "tma128x160": "tma128x192"}
 
 
 def _wgmma_asm(bn: int, ab: str, trans_a: int, trans_b: int) -> str:
+    """The inline-asm wrapper of one ``m64nBNk16`` (halves) or ``m64nBNk8`` (TF32: K-major operands
+    only, the instruction has no transpose operands) wgmma on shared-memory descriptors."""
     n_acc = bn // 2
     regs = ", ".join(f"%{i}" for i in range(n_acc))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n_acc))
+    if ab == "tf32":
+        assert trans_a == trans_b == 0, "TF32 wgmma reads K-major operands only"
+        shape, tail = f"m64n{bn}k8.f32.tf32.tf32", "p, 1, 1"
+    else:
+        shape, tail = f"m64n{bn}k16.f32.{ab}.{ab}", f"p, 1, 1, {trans_a}, {trans_b}"
     return (f"__device__ __forceinline__ void sf_wgmma_{bn}_{ab}_{trans_a}{trans_b}(float* d, unsigned long long da, "
             f"unsigned long long db) {{\n"
             f"  // scale-d is a predicate operand: always accumulate (the accumulators start at zero)\n"
             f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
-            f"               \"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab} {{{regs}}}, "
-            f"%{n_acc}, %{n_acc + 1}, p, 1, 1, {trans_a}, {trans_b};\\n}}\\n\"\n"
+            f"               \"wgmma.mma_async.sync.aligned.{shape} {{{regs}}}, "
+            f"%{n_acc}, %{n_acc + 1}, {tail};\\n}}\\n\"\n"
             f"               : {outs}\n"
             f"               : \"l\"(da), \"l\"(db));\n"
             f"}}\n")
@@ -431,25 +450,27 @@ def wgmma_helpers(used: set[tuple[int, str, int, int]], common: bool = True) -> 
     return (WGMMA_HELPERS if common else "") + "".join(_wgmma_asm(*u) for u in sorted(used))
 
 
-def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str) -> str:
-    """Copies of one operand tile (``rows`` rows of the operand's M/N side × 64 K) into the stage at
-    shared address ``sm`` (a C expression), as 16-byte ``cp.async``.
+def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str, bk: int = _BK) -> str:
+    """Copies of one operand tile (``rows`` rows of the operand's M/N side × one K tile, ``bk`` K
+    values in 128 bytes) into the stage at shared address ``sm`` (a C expression), as 16-byte
+    ``cp.async`` (an MN-major operand: halves only).
 
     Thread ``t`` copies chunks ``t + i*T``; the per-thread part of each chunk's coordinates is
     computed once and the rest is a compile-time step per ``i``."""
     tid = "threadIdx.x"
-    chunks = rows * _BK // 8
+    chunks = rows * 8  # 16-byte chunks: eight a 128-byte row
     assert chunks % T == 0
     per = chunks // T
     if op.k_major:
-        # [rows][64 K]: row r, chunk c (8 K values) at r*128 + ((c ^ r%8) * 16); chunk q = t + i*T
+        # [rows][bk K]: row r, chunk c (bk/8 K values) at r*128 + ((c ^ r%8) * 16); chunk q = t + i*T
         # is row q/8 = t/8 + i*T/8, chunk c = t%8 (T/8 is a multiple of 8: the swizzle is per thread)
         step_o, step_k, step_dst = T // 8, 0, (T // 8) * 128
         first = ("const int sf_r0 = " + tid + " >> 3; const int sf_c0 = " + tid + " & 7;\n"
-                 f"const int sf_o0 = {o0} + sf_r0; const int sf_kk0 = sf_k0 + sf_c0 * 8;\n"
+                 f"const int sf_o0 = {o0} + sf_r0; const int sf_kk0 = sf_k0 + sf_c0 * {bk // 8};\n"
                  "const unsigned sf_d0 = sf_r0 * 128 + ((sf_c0 ^ (sf_r0 & 7)) << 4);")
         dst = "sf_d0 + sf_i * " + str(step_dst)
     else:
+        assert bk == 64, "MN-major operands are halves"
         # panels of 64 rows (M/N) × 64 K: k row kr, chunk c of panel p at p*8192 + kr*128 +
         # ((c ^ kr%8) * 16); chunk q = t + i*T is k row q/per_k = t/per_k + i*T/per_k, chunk t%per_k
         per_k = rows // 8
@@ -479,13 +500,15 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
 
 
 def _mma_stage(a: DirectOperand, b: DirectOperand, BN: int, ab: str, wg: str) -> str:
-    """The four K=16 wgmma of one stage (shared addresses ``sf_sA``/``sf_sB``) for the warpgroup
-    whose 64 rows of A start at ``wg * 64`` (a C expression), committed as one group.
+    """The four wgmma of one stage (K = 16 halves or 8 TF32 values each: 32 bytes of a 128-byte K
+    tile; shared addresses ``sf_sA``/``sf_sB``) for the warpgroup whose 64 rows of A start at
+    ``wg * 64`` (a C expression), committed as one group.
 
     Descriptors: K-major rows of 128 B, 8-row groups 1024 B apart (SBO), the K step moves 32 B;
     MN-major panels of 64 rows (8192 B apart: LBO), 8-k-row groups 1024 B apart (SBO), the K step
     moves 16 k rows (2048 B)."""
     ta, tb = (0 if a.k_major else 1), (0 if b.k_major else 1)
+    assert ab != "tf32" or not (ta or tb), "TF32 wgmma reads K-major operands only"
     if a.k_major:
         a_desc = f"sf_smem_desc(sf_sA + {wg} * {64 * 128} + sf_ks * 32, 16, 1024)"
     else:
@@ -494,7 +517,7 @@ def _mma_stage(a: DirectOperand, b: DirectOperand, BN: int, ab: str, wg: str) ->
         b_desc = "sf_smem_desc(sf_sB + sf_ks * 32, 16, 1024)"
     else:
         b_desc = f"sf_smem_desc(sf_sB + sf_ks * 2048, {64 * 128}, 1024)"
-    return (f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < {_BK // 16}; ++sf_ks)\n"
+    return (f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < 4; ++sf_ks)\n"
             f"  sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc}, {b_desc});\n"
             "sf_wgmma_commit();")
 
@@ -511,13 +534,13 @@ const int sf_m0 = (sf_first + ({index} % sf_gsz) % sf_rows) * {BM};
 const int sf_n0 = (({index} % sf_gsz) / sf_rows) * {BN};"""
 
 
-def _cluster_applies(config: str, M: int, K: int) -> bool:
+def _cluster_applies(config: str, M: int, K: int, bk: int = _BK) -> bool:
     """Whether cluster tile ``config`` applies to a product of ``M`` rows and depth ``K``: split-K
     over C blocks needs a K tile for each (the ranges ``[r KT / C, (r + 1) KT / C)``), multicast an
     even number of row tiles (tiles 2p and 2p + 1 pair up)."""
     mode = WGMMA_CONFIGS[config][3]
     if _split_k_cluster(mode):
-        return -(-K // _BK) >= _split_k_cluster(mode)
+        return -(-K // bk) >= _split_k_cluster(mode)
     return -(-M // tile_rows(config)) % 2 == 0
 
 
@@ -527,19 +550,21 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
                       row_reads: bool = False) -> tuple[str, dict, tuple[int, str, int, int]]:
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
-    ``ab`` is ``"f16"`` or ``"bf16"``. ``epilogue`` reads ``float sf_acc`` for output
+    ``ab`` is ``"f16"``, ``"bf16"`` or ``"tf32"`` (float32 operands, both K-major, whose low 13
+    mantissa bits the tensor cores ignore: the caller rounds what it can). ``epilogue`` reads ``float sf_acc`` for output
     ``(sf_m, sf_n)`` and stores the result; ``root`` runs once per thread; ``batch_code``
     decomposes ``sf_bz`` into the batch axes (the operands' ``base`` expressions may use them).
     With ``vec = 4`` (``N`` a multiple of 4) the epilogue handles four consecutive columns: it
     reads ``float sf_acc[4]`` for outputs ``(sf_m, sf_n + j)``, all inside the product.
     ``row_reads``: the epilogue reads a tensor along the output rows (:func:`_epilogue_loop`).
     """
-    config = config or choose_wgmma_config(M, N, batch, K=K)
+    bk = _bk(ab)
+    config = config or choose_wgmma_config(M, N, batch, K=K, bk=bk)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
         config = _KMAJOR_B_FALLBACK[config]
-    while config in _CLUSTER_FALLBACK and not _cluster_applies(config, M, K):
+    while config in _CLUSTER_FALLBACK and not _cluster_applies(config, M, K, bk):
         config = _CLUSTER_FALLBACK[config]
     if WGMMA_CONFIGS[config][3] in _PERSISTENT_MODES:
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
@@ -552,17 +577,17 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
-    KT = -(-K // _BK)
+    KT = -(-K // bk)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     wrapper = (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)
     ldc = BN + 4
 
     def load(tile: str, st: str) -> str:
-        return (f"{{\n  const int sf_k0 = ({tile}) * {_BK};\n"
+        return (f"{{\n  const int sf_k0 = ({tile}) * {bk};\n"
                 f"  const unsigned sf_sa = sf_base + ({st}) * {stage};\n"
                 f"  const unsigned sf_sb = sf_sa + {a_bytes};\n"
-                + _indent(_loader(a, BM, M, K, T, "sf_sa", "sf_m0"), 2) + "\n"
-                + _indent(_loader(b, BN, N, K, T, "sf_sb", "sf_n0"), 2) + "\n}")
+                + _indent(_loader(a, BM, M, K, T, "sf_sa", "sf_m0", bk), 2) + "\n"
+                + _indent(_loader(b, BN, N, K, T, "sf_sb", "sf_n0", bk), 2) + "\n}")
 
     # accumulators -> shared memory (wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns
     # 8j + 2(l%4) (+1)), then the epilogue, unrolled: independent elements overlap their latency
@@ -646,12 +671,12 @@ def _tensor_map(op: DirectOperand, rows: int, extent_o: int, K: int, ab: str) ->
     [extent_o][K] (one box of ``rows`` x 64 K per stage), MN-major ones [K][extent_o] (boxes of
     64 x 64, one per 64-row panel); 128-byte swizzle, the layout the descriptors expect."""
     arg, offset = _tma_origin(op, 1)
-    dtype = {"f16": "float16", "bf16": "bfloat16"}[ab]
+    size = _ELEM_BYTES[ab]
     if op.k_major:
-        dims, strides, box = [K, extent_o], [op.stride_o * 2], [_BK, rows]
+        dims, strides, box = [K, extent_o], [op.stride_o * size], [_bk(ab), rows]
     else:
-        dims, strides, box = [extent_o, K], [op.stride_k * 2], [64, _BK]
-    return {"arg": arg, "offset": offset, "dtype": dtype, "dims": dims, "strides": strides, "box": box,
+        dims, strides, box = [extent_o, K], [op.stride_k * size], [64, _bk(ab)]
+    return {"arg": arg, "offset": offset, "dtype": WGMMA_DTYPES[ab], "dims": dims, "strides": strides, "box": box,
             "swizzle": 128}
 
 
@@ -659,15 +684,16 @@ def _tensor_map(op: DirectOperand, rows: int, extent_o: int, K: int, ab: str) ->
 SPLIT_MIN_KT = 8
 
 
-def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS) -> int:
+def split_count(tiles: int, K: int, sms: int = PERSISTENT_SMS, bk: int = _BK) -> int:
     """K splits of a ``tma`` product with ``tiles`` output tiles: where the tiles fill less than
     half the multiprocessors and K is long, each tile's K range is cut into up to ``sms // tiles``
     pieces (at most 16) of at least :data:`SPLIT_MIN_KT` K tiles, computed by different blocks
     and summed together (:func:`_tma_kernel`); 1 otherwise. No split is empty. Units (tiles x
     splits) never exceed ``sms``, so each has a block of its own on a full grid. (On the H100,
     with the spread reduction: pieces of 8 K tiles measured best overall; 4 lost on half the
-    shapes, 16 left GPT-2's fc2 at M = 128 at 0.75 of cuBLAS instead of 0.86.)"""
-    kt = -(-K // _BK)
+    shapes, 16 left GPT-2's fc2 at M = 128 at 0.75 of cuBLAS instead of 0.86.) ``bk``: K values
+    per K tile."""
+    kt = -(-K // bk)
     if 2 * tiles > sms or kt < 2 * SPLIT_MIN_KT:
         return 1
     want = max(1, min(sms // tiles, kt // SPLIT_MIN_KT, 16))
@@ -862,11 +888,12 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
-    KT = -(-K // _BK)
-    assert not (ck or mc) or _cluster_applies(config, M, K), (config, M, K)
+    bk = _bk(ab)
+    KT = -(-K // bk)
+    assert not (ck or mc) or _cluster_applies(config, M, K, bk), (config, M, K)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
-    splits = split_count(tiles, K) if mode == "tma" else 1  # split-K through global memory
+    splits = split_count(tiles, K, bk=bk) if mode == "tma" else 1  # split-K through global memory
     per = -(-KT // splits)  # K tiles per split
     units = tiles * (C if ck else splits)
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
@@ -890,7 +917,7 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
     sf_mbar_wait({empty("sf_s")}, ((sf_g / {S}) & 1) ^ 1);
     const unsigned sf_full = {full("sf_s")};
     sf_mbar_expect_tx(sf_full, {stage});
-    const int sf_k0 = sf_kt * {_BK};
+    const int sf_k0 = sf_kt * {bk};
     const unsigned sf_sa = sf_base + sf_s * {stage};
     const unsigned sf_sb = sf_sa + {a_bytes};
 {_indent(_tma_copies(a, BM, "sf_sa", "sf_m0", "sf_tmA"), 4)}

@@ -210,10 +210,10 @@ def test_decomposed_rms_norm_is_one_row_kernel_on_the_host(tmp_path):
 
 
 def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None, precision: str = "float16"):
-    """A committed test model as the driver hands it to the cuda code generator at ``precision``
-    (float16 or float32) on one device: imported, planned, merged projections, half operands (the
-    weights of ``k_major_ops`` stored ``[N, K]``), fused attention; on ``feeds`` (default: the
-    model's inputs file)."""
+    """A committed test model as the driver hands it to the cuda code generator for sm_90 at
+    ``precision`` (float16, float32 or tf32) on one device: imported, planned, merged projections,
+    half operands (the weights of ``k_major_ops`` stored ``[N, K]``) or TF32 weights, fused
+    attention; on ``feeds`` (default: the model's inputs file)."""
     from model_refs import MODELS
 
     from shardflow.compiler import load_onnx
@@ -221,7 +221,7 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
     from shardflow.compiler.parallel.search import search
     from shardflow.compiler.passes.attention import FuseAttention
     from shardflow.compiler.passes.lowbit import HalfLowBitOperands
-    from shardflow.compiler.passes.precision import HalfPrecisionContractions
+    from shardflow.compiler.passes.precision import HalfPrecisionContractions, Tf32WeightsKMajor
     from shardflow.compiler.passes.projections import MergeProjections
 
     if feeds is None:
@@ -233,6 +233,8 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
     rg = MergeProjections().run(rg)
     if precision == "float16":
         rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
+    if precision == "tf32":
+        rg = Tf32WeightsKMajor().run(rg)
     return FuseAttention().run(rg), feeds
 
 
@@ -834,3 +836,51 @@ def test_epilogue_of_a_transposed_output_on_the_host(tmp_path):
               grid=(3, 1, 1) if launch.tensor_maps else None)[0]
     want = (xv.astype(np.float64) @ wv.astype(np.float64)).T
     np.testing.assert_allclose(got.astype(np.float32), want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values with their low 13 mantissa bits cleared: what the tensor cores read of a TF32 operand."""
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.parametrize("cfg,blocks", [("128x128", None), ("64x128", None), ("tma128x256", 3), ("tma64x96", 3),
+                                        ("pp64x128", 3), ("sk128x128", 3), ("ck128x128", 4), ("ck4_64x128", 4),
+                                        ("mc128x128", 4)])
+def test_tf32_wgmma_gemms_on_the_host(tmp_path, cfg, blocks):
+    """``precision="tf32"`` products of float32 operands that are both K-major (``A [M, K]``, ``B``
+    stored ``[N, K]``) run on the Hopper template, one tile of each mode at sizes that are not
+    multiples of the tile (K tiles of 32 floats, a partial last one): numpy's product of the
+    operands with their low 13 mantissa bits cleared, to float32 rounding."""
+    from shardflow.compiler.codegen.cuda_wgmma import CLUSTER_SIZE, WGMMA_CONFIGS
+    from test_wgmma import _gemm
+
+    M, N, K = 200, 136, 100
+    op = _gemm(M, N, K, "float32", tb=True, name="g")
+    src = generate_cuda_source([op], precision="tf32", arch="sm_90", gemm_configs={"g": cfg})
+    launch = src.launches["g"]
+    assert launch.kind == "gemm-wgmma-tf32"
+    assert launch.cluster == CLUSTER_SIZE.get(WGMMA_CONFIGS[cfg][3], 1)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    want = _tf32(a).astype(np.float64) @ _tf32(b).astype(np.float64).T
+    out = run(build(src.text, str(tmp_path)), launch, [a, b], [((M, N), np.float32)],
+              grid=(blocks, 1, 1) if blocks else None, seed=3, resident=blocks or 1)[0]
+    scale = float(np.max(np.abs(want)))
+    assert float(np.max(np.abs(out - want))) < 1e-5 * scale, cfg  # (NaN, an element not written, fails too)
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    assert float(np.max(np.abs(out - exact))) < 2e-3 * scale  # TF32's own error
+
+
+@pytest.mark.parametrize("model", ["gpt2_ts17", "bert_ts17"])
+def test_tf32_model_program_on_the_host(tmp_path, model):
+    """A test model at ``precision="tf32"`` for sm_90, as the driver builds it (its weights stored
+    ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the TF32 wgmma template,
+    every kernel against the evaluator (on the rounded weights)."""
+    env, consts, groups = _graph_values(*_rank_graph_for_cuda(model, precision="tf32"), views=True)
+    src = generate_cuda_source(groups, arch="sm_90", precision="tf32")
+    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
+    kinds = [src.launches[g.name].kind for g in host_groups]
+    gemms = [k for k in kinds if k.startswith("gemm")]
+    assert len(gemms) >= 8 and set(gemms) == {"gemm-wgmma-tf32"}, kinds
+    _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts, grid=(3, 1, 1))

@@ -198,11 +198,26 @@ def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
     ops = []
     for i, (cfg, dt, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, ("float16", "bfloat16"), LAYOUTS)):
         ops.append((_gemm(200, 136, 200, dt, ta, tb, name=f"g{i}"), cfg))
+    _compiles_without_local_memory(tmp_path, ops)
+
+
+@needs_nvcc
+def test_every_tf32_config_compiles_without_local_memory(tmp_path):
+    """``precision="tf32"``: every tile on float32 operands, both K-major (the layout the TF32
+    wgmma reads; a K that leaves a partial K tile of 32 floats)."""
+    ops = [(_gemm(200, 136, 100, "float32", tb=True, name=f"g{i}"), cfg) for i, cfg in enumerate(WGMMA_CONFIGS)]
+    _compiles_without_local_memory(tmp_path, ops, precision="tf32", kind="gemm-wgmma-tf32")
+
+
+def _compiles_without_local_memory(tmp_path, ops, precision="float32", kind="gemm-wgmma"):
+    """Each (op, tile) of ``ops`` compiles for sm_90a on the wgmma template (launch kind starting
+    with ``kind``), ptxas serializes no wgmma, and no kernel has a stack frame."""
     # two halves, compiled side by side (two nvcc processes: the suite runs on two cores)
     procs, symbols = [], set()
     for h, half in enumerate((ops[::2], ops[1::2])):
-        src = generate_cuda_source([o for o, _ in half], arch="sm_90", gemm_configs={o.name: c for o, c in half})
-        assert all(launch.kind.startswith("gemm-wgmma") for launch in src.launches.values())
+        src = generate_cuda_source([o for o, _ in half], precision=precision, arch="sm_90",
+                                   gemm_configs={o.name: c for o, c in half})
+        assert all(launch.kind.startswith(kind) for launch in src.launches.values())
         symbols |= {launch.symbol for launch in src.launches.values()}  # (a tile that falls back shares a kernel)
         cu = tmp_path / f"k{h}.cu"
         cu.write_text(src.text)
@@ -482,6 +497,46 @@ def test_cluster_split_k_gives_the_same_bits_on_any_grid(tmp_path):
             np.testing.assert_array_equal(o, first)
     got = first.view(np.float16).astype(np.float32)
     np.testing.assert_allclose(got, want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+
+
+@pytest.mark.gpu
+def test_tf32_tiles_match_numpy(tmp_path):
+    """``precision="tf32"`` on the Hopper template: every tile but the cluster ones (float32
+    operands, both K-major: ``A [M, K]``, ``B [N, K]``) within TF32's error of numpy's float64
+    product, at sizes that leave partial tiles and a partial K tile of 32 floats."""
+    _tf32_configs_match_numpy(tmp_path, [c for c in WGMMA_CONFIGS if c not in CLUSTER + MULTICAST])
+
+
+@pytest.mark.gpu
+def test_tf32_cluster_split_k_and_multicast_tiles_match_numpy(tmp_path):
+    """The same for the cluster split-K and B-multicast tiles (run apart, like theirs in half types)."""
+    _tf32_configs_match_numpy(tmp_path, CLUSTER + MULTICAST)
+
+
+def _tf32_configs_match_numpy(tmp_path, configs):
+    cupy = _gpu()
+    rng = np.random.default_rng(0)
+    cases = []
+    for i, cfg in enumerate(configs):
+        M, N, K = (200, 136, 100) if i % 2 else (72, 264, 520)
+        cases.append((_gemm(M, N, K, "float32", tb=True, name=f"g{i}"), cfg, M, N, K))
+    path = str(tmp_path / "k.cubin")
+    launches = build_cuda_library([c[0] for c in cases], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                  precision="tf32", gemm_configs={c[0].name: c[1] for c in cases})
+    module = cupy.RawModule(path=path)
+    bad = []
+    for op, cfg, M, N, K in cases:
+        launch = launches[op.name]
+        assert launch.kind == "gemm-wgmma-tf32", (cfg, launch.kind)
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K)).astype(np.float32)
+        want = a.astype(np.float64) @ b.astype(np.float64).T
+        out = cupy.full((M, N), np.nan, cupy.float32)  # a missed element shows
+        _launch(cupy, module, launch, (cupy.asarray(a), cupy.asarray(b), out))
+        err = float(np.max(np.abs(cupy.asnumpy(out) - want))) / float(np.max(np.abs(want)))
+        if not err < 2e-3:  # (TF32: 10 mantissa bits per operand; NaN fails too)
+            bad.append(f"{cfg} M={M} N={N} K={K}: err {err:.3g}")
+    assert not bad, "\n".join(bad)
 
 
 def _product_on_grids(tmp_path, cfg, M, N, K, grids, seed):

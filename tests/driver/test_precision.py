@@ -180,3 +180,52 @@ def test_unaligned_weights_are_stored_k_major_for_cuda():
     mm2 = MatMul([flat.outputs[0], const_tensor(w, "w")])
     plain = HalfPrecisionContractions("float16").run(FlowGraph([x], mm2.outputs))
     assert [t.shape for t in plain.constants() if t.dtype == "float16"] == [(64, 50)]
+
+
+def test_round_tf32_keeps_ten_mantissa_bits_to_nearest():
+    from shardflow.compiler.passes.precision import round_tf32
+
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)  # TF32's spacing at 1
+    x = np.array([one, one + ulp / 4, one + ulp / 2, one + 3 * ulp / 4, -(one + ulp / 2), np.inf, -np.inf, 0.0,
+                  np.float32(np.finfo(np.float32).tiny)], np.float32)
+    got = round_tf32(x)
+    np.testing.assert_array_equal(got[:5], [one, one, one + ulp, one + ulp, -(one + ulp)])  # ties away from 0
+    assert np.isposinf(got[5]) and np.isneginf(got[6]) and got[7] == 0 and got[8] == x[8]
+    assert np.isnan(round_tf32(np.array([np.nan], np.float32)))[0]
+    r = round_tf32(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
+    assert not (r.view(np.uint32) & 0x1FFF).any()
+
+
+def test_tf32_on_hopper_stores_weights_k_major_and_rounded(tmp_path):
+    """``precision="tf32"`` for sm_90: each MatMul/Gemm weight is stored ``[N, K]`` (a Gemm's
+    ``trans_b`` one as it is) with its values rounded to TF32, and every projection of GPT-2's test
+    model runs on the TF32 wgmma template; for sm_80 the weights stay as they are (the portable
+    TF32 template rounds the operands itself)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    from shardflow.compiler.passes.precision import Tf32WeightsKMajor, round_tf32
+    from shardflow.compiler.ops.linalg import Gemm
+
+    rng = np.random.default_rng(0)
+    w, v = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((40, 48)).astype(np.float32)
+    x = Tensor("x", (32, 64), "float32")
+    mm = MatMul([x, const_tensor(w, "w")], name="mm")
+    gm = Gemm([mm.outputs[0], const_tensor(v, "v")], name="gm", trans_b=True)
+    y = Tensor("y", (32, 38), "float32")
+    odd = MatMul([y, const_tensor(rng.standard_normal((38, 8)).astype(np.float32), "odd")], name="odd")
+    g = Tf32WeightsKMajor().run(FlowGraph([x, y], gm.outputs + odd.outputs))
+    g.validate()
+    consts = {t.name: t for t in g.constants()}
+    np.testing.assert_array_equal(consts["w.tf32.T"].value, round_tf32(w.T))
+    np.testing.assert_array_equal(consts["v.tf32"].value, round_tf32(v))
+    assert "odd" in consts  # K = 38: not 16-byte aligned, left as it is
+    kinds = {}
+    for arch in ("sm_90", "sm_80"):
+        out = tmp_path / arch
+        compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]},
+                optimization_config={"precision": "tf32", "target": "cuda", "arch": arch}, out_dir=out)
+        program = json.loads((out / "rank0" / "program.json").read_text())
+        kinds[arch] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert kinds["sm_90"].count("gemm-wgmma-tf32") >= 8 and "gemm-tf32" not in kinds["sm_90"], kinds
+    assert kinds["sm_80"].count("gemm-tf32") >= 8 and "gemm-wgmma-tf32" not in kinds["sm_80"], kinds
