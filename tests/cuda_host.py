@@ -706,6 +706,7 @@ extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, uns
 
 _WGMMA = re.compile(r"__device__ __forceinline__ void sf_wgmma_(\d+)_(f16|bf16|tf32)_(\d)(\d)\(float\* d, "
                     r"unsigned long long da, unsigned long long db\) \{.*?\n\}\n", re.S)
+_WGMMA_TYPES = ("f16", "bf16", "tf32")  # the shim's Mma::ty
 _NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init|griddepcontrol)[^"]*"[^;]*;')
 #: the vector types of the generated code, whose accesses are checked for alignment
 _VECTOR = re.compile(r"reinterpret_cast<(const )?((?:SfVec4<[\w ]+>)|float4|float2)\*>\(")
@@ -731,7 +732,7 @@ def _host_source(text: str) -> str:
     text = _NO_OP_ASM.sub("", text)
     text = _WGMMA.sub(lambda m: (f"static inline void sf_wgmma_{m.group(1)}_{m.group(2)}_{m.group(3)}{m.group(4)}("
                                  "float* d, unsigned long long da, unsigned long long db) {\n"
-                                 f"  sf_emu_wgmma(d, da, db, {m.group(1)}, {('f16', 'bf16', 'tf32').index(m.group(2))}, "
+                                 f"  sf_emu_wgmma(d, da, db, {m.group(1)}, {_WGMMA_TYPES.index(m.group(2))}, "
                                  f"{m.group(3)}, {m.group(4)});\n}}\n"), text)
 
     def mma(m: re.Match) -> str:

@@ -1,12 +1,14 @@
 """Hopper GEMM template: ``wgmma`` tensor-core instructions fed by a multi-stage ``cp.async`` pipeline.
 
 Used by :mod:`.cuda` for half-precision (float16/bfloat16) products on ``sm_90``/``sm_90a`` when
-both operands are plain dense reads of half-precision tensors (:class:`DirectOperand`): each
+both operands are plain dense reads of half-precision tensors (:class:`DirectOperand`), and for
+TF32 ones (``precision="tf32"``) when both are K-major reads of float32 tensors (a K tile is one
+128-byte row whatever the type: 64 halves or 32 floats, so the stages are the same bytes): each
 operand tile is copied from global to shared memory 16 bytes at a time with ``cp.async`` (no
 registers on the way), in the 128-byte swizzled layout the tensor cores read, and the warpgroups
-issue ``wgmma.mma_async`` on it while the next tiles are in flight. Anything else (float32
-operands, gathered or clamped reads, sizes that break 16-byte alignment) keeps the portable
-``wmma`` template of :mod:`.cuda_templates`.
+issue ``wgmma.mma_async`` on it while the next tiles are in flight. Anything else (3xTF32 float32
+products, MN-major TF32 operands, gathered or clamped reads, sizes that break 16-byte alignment)
+keeps the portable ``wmma`` template of :mod:`.cuda_templates`.
 
 Block tile (:data:`WGMMA_CONFIGS`): ``BM = 64 × WG`` rows (one consumer warpgroup of 128 threads
 per 64 rows), ``BN`` columns (one ``m64nBNk16`` instruction per warpgroup and 16-deep K step),
@@ -127,6 +129,7 @@ _SK_SLOT = max(v[1] // 2 * v[0] * 128 for v in WGMMA_CONFIGS.values() if v[3] ==
 #: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
 PERSISTENT_SMS = 132
 _BK = 64
+_SMEM_LIMIT = 227 * 1024
 #: bytes of one operand element by wgmma input type; a K tile is one 128-byte swizzle row of them
 #: (:func:`_bk`), so a stage, its copies and its descriptors are the same bytes for every type
 _ELEM_BYTES = {"f16": 2, "bf16": 2, "tf32": 4}
@@ -137,7 +140,8 @@ WGMMA_DTYPES = {"f16": "float16", "bf16": "bfloat16", "tf32": "float32"}
 def _bk(ab: str) -> int:
     """K values of one K tile of input type ``ab`` (64 halves or 32 floats: 128 bytes)."""
     return 128 // _ELEM_BYTES[ab]
-_SMEM_LIMIT = 227 * 1024
+
+
 STREAM_K_WORKSPACE = (f"__device__ float sf_sk_ws[{PERSISTENT_SMS * _SK_SLOT}];  // stream-K partial sums, per block\n"
                       f"__device__ unsigned sf_sk_flag[{PERSISTENT_SMS}];  // block q's partial sums are stored\n")
 
@@ -551,7 +555,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
     ``ab`` is ``"f16"``, ``"bf16"`` or ``"tf32"`` (float32 operands, both K-major, whose low 13
-    mantissa bits the tensor cores ignore: the caller rounds what it can). ``epilogue`` reads ``float sf_acc`` for output
+    mantissa bits the tensor cores ignore: the caller rounds what it can). ``epilogue`` reads
+    ``float sf_acc`` for output
     ``(sf_m, sf_n)`` and stores the result; ``root`` runs once per thread; ``batch_code``
     decomposes ``sf_bz`` into the batch axes (the operands' ``base`` expressions may use them).
     With ``vec = 4`` (``N`` a multiple of 4) the epilogue handles four consecutive columns: it
