@@ -56,7 +56,9 @@ key               meaning                                                       
                   op fused into them, matches the ``fnmatch`` pattern (first match wins;
                   over the tuned and the default choice). A tile for a K-major B
                   (``tma64x96``, ``tma128x160``) also stores, at half precision, the
-                  ``[K, N]`` weight of a MatMul/Gemm whose own name matches as ``[N, K]``
+                  ``[K, N]`` weight of a MatMul/Gemm whose own name matches as ``[N, K]``;
+                  at ``float32`` on sm_90 every matched float32 weight is stored ``[N, K]``
+                  and the product runs 3xTF32 on the tile (rfcs/0005 decision 34)
 ================  =========================================================================  ==========
 """
 from __future__ import annotations
@@ -219,6 +221,11 @@ def _gemm_tiles(tiles: dict, target: str) -> dict:
             raise ConfigError(f"optimization_config['gemm_tiles'][{pattern!r}] = {tile!r}: choose one of "
                               f"{sorted(WGMMA_CONFIGS)}")
     return dict(tiles)
+
+
+def _tiled_ops(tiles: dict) -> Callable[[Operator], bool]:
+    """Whether a ``gemm_tiles`` pattern matches an op's own name (its product is on a forced tile)."""
+    return lambda op: any(fnmatch.fnmatchcase(op.name, p) for p in tiles)
 
 
 def _k_major_tiles(tiles: dict) -> Callable[[Operator], bool] | None:
@@ -1123,11 +1130,14 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
                 from .codegen.cuda_wgmma import WGMMA_ARCHS
 
-                if opt.precision == "tf32" and opt.arch in WGMMA_ARCHS:
-                    # float32 weights [N, K] and rounded to TF32, for the Hopper TF32 GEMM
-                    from .passes.precision import Tf32WeightsKMajor
+                if opt.arch in WGMMA_ARCHS and (opt.precision == "tf32" or opt.precision == "float32"
+                                                and opt.gemm_tiles):
+                    # float32 weights [N, K] for the Hopper wgmma GEMM: every one, rounded to TF32, for
+                    # one TF32 product; as they are for 3xTF32, where a tile is forced (not measured yet)
+                    from .passes.precision import Float32WeightsKMajor
 
-                    rg = Tf32WeightsKMajor().run(rg)
+                    rg = Float32WeightsKMajor(opt.precision == "tf32",
+                                              None if opt.precision == "tf32" else _tiled_ops(opt.gemm_tiles)).run(rg)
                 # one fused kernel per attention on half operands (those of the precision pass, or a
                 # float16/bfloat16 model's own; passes/attention.py), on this rank's share
                 from .passes.attention import FuseAttention

@@ -419,6 +419,8 @@ static inline void sf_bar_sync(int id, int count) {
 }
 static inline void sf_fence_async_smem() {}
 static inline void sf_wgmma_fence() {}
+static inline float sf_tf32(float x) { return nvcuda::wmma::__float_to_tf32(x); }  // cvt.rna.tf32.f32
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 static inline void sf_emu_wgmma_run(const sf_emu::Mma& op);
 // wgmma: a group's products run (reading shared memory then) when a wait_group lets no later than
 // it be pending, so a stage freed too early shows as wrong operands
@@ -722,7 +724,7 @@ def _host_source(text: str) -> str:
     from shardflow.compiler.codegen.cuda_wgmma import WGMMA_HELPERS
 
     kept = "".join(re.search(rf"__device__ __forceinline__ [\w ]+ {name}\(.*?\n\}}\n", WGMMA_HELPERS, re.S).group(0)
-                   for name in ("sf_smem_desc", "sf_grid_wait"))
+                   for name in ("sf_smem_desc", "sf_grid_wait", "sf_split4"))
     text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, kept)
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",

@@ -24,7 +24,8 @@
 #                                                 # multicast): their GPU tests, GPT-2's GEMMs on them vs cuBLAS,
 #                                                 # GPT-2 8x128 with them, < 5 min
 #   bash benchmarks/gpu/device_session.sh tf32    # precision="tf32" on the wgmma template: its GPU tests, then
-#                                                 # every GEMM shape in TF32 vs cuBLAS's TF32, GPT-2 at tf32, < 8 min
+#                                                 # every GEMM shape in TF32 vs cuBLAS's TF32, 3xTF32 vs SGEMM,
+#                                                 # GPT-2 at tf32, < 9 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -322,13 +323,18 @@ case "$what" in
         ;;
     tf32)  # precision="tf32" on the wgmma template (rfcs/0005 decision 33, session 41; never run on a GPU):
            # its GPU tests (every tile; the models against onnxruntime), then every GEMM shape in TF32
-           # against cuBLAS's TF32 (B stored [N, K]), then GPT-2 small at tf32 against torch.compile
-           # with allow_tf32, into $out/tf32.txt, < 8 min
+           # against cuBLAS's TF32 (B stored [N, K]), float32 ones (3xTF32, decision 34) against its
+           # SGEMM, then GPT-2 small at tf32 against torch.compile with allow_tf32, into $out/tf32.txt,
+           # < 9 min
         f="$out/tf32.txt"
         echo "# device_session.sh tf32, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
             tests/runtime/test_gpu_runtime.py -k "tf32" 2>&1 | tail -8 | tee -a "$f"
         timeout 120 python3 benchmarks/gpu/gemm.py --dtypes tf32 --jobs 14 >> "$f" 2>&1
+        # float32-accurate: 3xTF32 on a forced wgmma tile (decision 34) against cuBLAS's SGEMM
+        echo "== gemm.py --dtypes float32 --config tma128x128" >> "$f"
+        timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float32 --m 1024,8192 --config tma128x128 --jobs 14 \
+            >> "$f" 2>&1
         echo "== models.py gpt2_small --precision tf32" >> "$f"
         mkdir -p /tmp/sf-export
         timeout 150 python3 benchmarks/gpu/models.py --models gpt2_small --batches 1,8 --precision tf32 \

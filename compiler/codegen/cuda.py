@@ -1604,8 +1604,10 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         kv = list(red.vars)
         da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, dt, M, K, an, reads, bblk)
         db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, dt, N, K, an, reads, bblk)
-        # (TF32 wgmma reads K-major operands only: a weight is stored [N, K] for it, see the driver)
-        if da is not None and db is not None and (plan.prec != "tf32" or da.k_major and db.k_major):
+        # (TF32 wgmma reads K-major operands only: a weight is stored [N, K] for it, see the driver;
+        # float32 products, 3xTF32 on it, only on a tile forced for the op: not measured on a GPU yet)
+        k_major = plan.prec not in ("tf32", "f32") or (da is not None and da.k_major and db is not None and db.k_major)
+        if da is not None and db is not None and k_major and (plan.prec != "f32" or config is not None):
             direct = (da, db)
     if direct is None:
         load_a = side(plan.a, "sf_m", plan.m_axes)

@@ -2,8 +2,9 @@
 
 Used by :mod:`.cuda` for half-precision (float16/bfloat16) products on ``sm_90``/``sm_90a`` when
 both operands are plain dense reads of half-precision tensors (:class:`DirectOperand`), and for
-TF32 ones (``precision="tf32"``) when both are K-major reads of float32 tensors (a K tile is one
-128-byte row whatever the type: 64 halves or 32 floats, so the stages are the same bytes): each
+TF32 ones (``precision="tf32"``; float32 ones as 3xTF32 on a forced tile) when both are K-major
+reads of float32 tensors (a K tile is one 128-byte row whatever the type: 64 halves or 32 floats,
+so the stages are the same bytes): each
 operand tile is copied from global to shared memory 16 bytes at a time with ``cp.async`` (no
 registers on the way), in the 128-byte swizzled layout the tensor cores read, and the warpgroups
 issue ``wgmma.mma_async`` on it while the next tiles are in flight. Anything else (3xTF32 float32
@@ -132,14 +133,22 @@ _BK = 64
 _SMEM_LIMIT = 227 * 1024
 #: bytes of one operand element by wgmma input type; a K tile is one 128-byte swizzle row of them
 #: (:func:`_bk`), so a stage, its copies and its descriptors are the same bytes for every type
-_ELEM_BYTES = {"f16": 2, "bf16": 2, "tf32": 4}
-#: operand dtype by wgmma input type
-WGMMA_DTYPES = {"f16": "float16", "bf16": "bfloat16", "tf32": "float32"}
+_ELEM_BYTES = {"f16": 2, "bf16": 2, "tf32": 4, "f32": 4}
+#: operand dtype by wgmma input type (``f32``: float32 products to float32 accuracy, 3xTF32)
+WGMMA_DTYPES = {"f16": "float16", "bf16": "bfloat16", "tf32": "float32", "f32": "float32"}
+#: input types whose operands are split into two TF32 parts in shared memory (x = hi + lo) and
+#: multiplied as hi·hi + hi·lo + lo·hi (3xTF32): a stage holds the parts beside the loaded tiles
+_SPLIT = ("f32",)
 
 
 def _bk(ab: str) -> int:
     """K values of one K tile of input type ``ab`` (64 halves or 32 floats: 128 bytes)."""
     return 128 // _ELEM_BYTES[ab]
+
+
+def _instr(ab: str) -> str:
+    """The wgmma instruction type of input type ``ab`` (3xTF32 issues TF32 products)."""
+    return "tf32" if ab in _SPLIT else ab
 
 
 STREAM_K_WORKSPACE = (f"__device__ float sf_sk_ws[{PERSISTENT_SMS * _SK_SLOT}];  // stream-K partial sums, per block\n"
@@ -162,16 +171,39 @@ class DirectOperand:
     k_major: bool
 
 
-def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp") -> tuple[int, int, int]:
+def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp", split: bool = False) -> tuple[int, int, int]:
+    """Bytes of a stage's A and B tiles and of the kernel's shared memory (``split``: each stage
+    holds the tiles' low TF32 parts too, :data:`_SPLIT`)."""
     a = 64 * (1 if mode == "pp" else wg) * 128  # a K tile is 128 bytes a row, whatever the type
     b = bn * 128
-    pipe = stages * (a + b)
+    pipe = stages * (a + b) * (2 if split else 1)
     if mode in _PERSISTENT_MODES:  # the epilogue's staging tiles sit beside the stages (the producer runs
         # ahead); the mbarriers (cluster split-K: two more per warpgroup) and the split-K flag after them
         return a, b, pipe + _staging_bytes(wg, mode) + 8 * _barrier_count(wg, stages, mode) + 16 + 1024
     ctile = 64 * wg * (bn + 4) * 4
     return a, b, max(pipe, ctile) + 1024  # + alignment slack (tiles start on 1024-byte boundaries)
 
+
+def _stages(config: str, ab: str) -> int:
+    """Shared-memory stages of tile ``config`` for input type ``ab``: the tile's own count, or for a
+    split type (twice the bytes a stage) the most that fit, at least 3 for a ``cp`` tile (its copies
+    run two tiles ahead) and 2 for a persistent one; 0 where even those do not fit."""
+    wg, bn, S, mode = WGMMA_CONFIGS[config]
+    if ab not in _SPLIT:
+        return S
+    least = 3 if mode == "cp" else 2
+    return next((s for s in range(S, least - 1, -1) if _smem_bytes(wg, bn, s, mode, True)[2] <= _SMEM_LIMIT), 0)
+
+
+#: the tile a configuration takes where a split type's stages do not fit (:func:`_stages`)
+_SPLIT_FALLBACK = {"128x256": "128x128", "ck128x256": "ck128x128"}
+
+
+def _fitting(config: str, ab: str) -> str:
+    """``config``, or the narrower tile its stages fit in for input type ``ab``."""
+    while not _stages(config, ab):
+        config = _SPLIT_FALLBACK[config]
+    return config
 
 #: blocks per cluster of the cluster modes (split-K over the cluster's blocks, B multicast)
 CLUSTER_SIZE = {"ck": 2, "ck4": 4, "mc": 2}
@@ -384,6 +416,18 @@ __device__ __forceinline__ void sf_grid_wait(const volatile unsigned* p, unsigne
     if (clock64() - t0 > (1LL << 36)) __trap();
   }
 }
+// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero); hi in place, lo `lo` float4s further
+__device__ __forceinline__ float sf_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+__device__ __forceinline__ void sf_split4(float4* p, int lo) {
+  const float4 x = *p;
+  const float4 h = make_float4(sf_tf32(x.x), sf_tf32(x.y), sf_tf32(x.z), sf_tf32(x.w));
+  p[lo] = make_float4(sf_tf32(x.x - h.x), sf_tf32(x.y - h.y), sf_tf32(x.z - h.z), sf_tf32(x.w - h.w));
+  *p = h;
+}
 __device__ __forceinline__ void sf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void sf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void sf_mbar_init(unsigned bar, unsigned count) {
@@ -503,16 +547,18 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
 }}"""
 
 
-def _mma_stage(a: DirectOperand, b: DirectOperand, BN: int, ab: str, wg: str) -> str:
+def _mma_stage(a: DirectOperand, b: DirectOperand, BN: int, ab: str, wg: str, lo: int = 0) -> str:
     """The four wgmma of one stage (K = 16 halves or 8 TF32 values each: 32 bytes of a 128-byte K
     tile; shared addresses ``sf_sA``/``sf_sB``) for the warpgroup whose 64 rows of A start at
-    ``wg * 64`` (a C expression), committed as one group.
+    ``wg * 64`` (a C expression), committed as one group. A split type (3xTF32) issues three per
+    K step, ``lo·hi``, ``hi·lo`` and ``hi·hi``, the low parts ``lo`` bytes past the tiles
+    (:func:`_split_share`).
 
     Descriptors: K-major rows of 128 B, 8-row groups 1024 B apart (SBO), the K step moves 32 B;
     MN-major panels of 64 rows (8192 B apart: LBO), 8-k-row groups 1024 B apart (SBO), the K step
     moves 16 k rows (2048 B)."""
     ta, tb = (0 if a.k_major else 1), (0 if b.k_major else 1)
-    assert ab != "tf32" or not (ta or tb), "TF32 wgmma reads K-major operands only"
+    assert _instr(ab) != "tf32" or not (ta or tb), "TF32 wgmma reads K-major operands only"
     if a.k_major:
         a_desc = f"sf_smem_desc(sf_sA + {wg} * {64 * 128} + sf_ks * 32, 16, 1024)"
     else:
@@ -521,9 +567,31 @@ def _mma_stage(a: DirectOperand, b: DirectOperand, BN: int, ab: str, wg: str) ->
         b_desc = "sf_smem_desc(sf_sB + sf_ks * 32, 16, 1024)"
     else:
         b_desc = f"sf_smem_desc(sf_sB + sf_ks * 2048, {64 * 128}, 1024)"
-    return (f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < 4; ++sf_ks)\n"
-            f"  sf_wgmma_{BN}_{ab}_{ta}{tb}(sf_d, {a_desc}, {b_desc});\n"
-            "sf_wgmma_commit();")
+    op = f"sf_wgmma_{BN}_{_instr(ab)}_{ta}{tb}"
+    if ab in _SPLIT:  # (the small products first)
+        lo_a, lo_b = (d.replace("sf_sA + ", f"sf_sA + {lo} + ").replace("sf_sB + ", f"sf_sB + {lo} + ")
+                      for d in (a_desc, b_desc))
+        body = (f"{{\n  {op}(sf_d, {lo_a}, {b_desc});\n  {op}(sf_d, {a_desc}, {lo_b});\n"
+                f"  {op}(sf_d, {a_desc}, {b_desc});\n}}")
+    else:
+        body = f"  {op}(sf_d, {a_desc}, {b_desc});"
+    return f"sf_wgmma_fence();\n#pragma unroll\nfor (int sf_ks = 0; sf_ks < 4; ++sf_ks)\n{body}\nsf_wgmma_commit();"
+
+
+def _split_share(a_rows: str, lane: str, b_thread: str, b_threads: int, BN: int, lo: int, barrier: str) -> str:
+    """3xTF32 (:data:`_SPLIT`): a consumer thread's share of the stage at ``sf_sA``/``sf_sB`` split
+    into TF32 parts, ``x = hi + lo`` (both rounded to nearest): ``hi`` in place, ``lo`` ``lo`` bytes
+    further (the same layout, so the same descriptors there). The A tile's 64 rows at ``a_rows``
+    (a shared address: the thread's warpgroup's rows) by its 128 threads (``lane``), the B tile by
+    ``b_threads`` threads (``b_thread``); then the generic proxy's stores are made visible to the
+    tensor cores' and ``barrier`` waits for the other threads' shares."""
+    def share(base: str, floats: int, t: str, n: int) -> str:
+        assert floats % (4 * n) == 0, (floats, n)
+        return (f"{{\n  float4* sf_x = reinterpret_cast<float4*>(sf_dyn + ({base} - sf_raw)) + {t};\n"
+                f"  #pragma unroll\n  for (int sf_i = 0; sf_i < {floats // (4 * n)}; ++sf_i) "
+                f"sf_split4(sf_x + sf_i * {n}, {lo // 16});\n}}")
+    return "\n".join([share(a_rows, 64 * 32, lane, 128), share("sf_sB", BN * 32, b_thread, b_threads),
+                      "sf_fence_async_smem();", barrier])
 
 
 _GROUP = 8  # row tiles per group of the block order: they share their column tile in L2
@@ -554,8 +622,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
                       row_reads: bool = False) -> tuple[str, dict, tuple[int, str, int, int]]:
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
-    ``ab`` is ``"f16"``, ``"bf16"`` or ``"tf32"`` (float32 operands, both K-major, whose low 13
-    mantissa bits the tensor cores ignore: the caller rounds what it can). ``epilogue`` reads
+    ``ab`` is ``"f16"``, ``"bf16"``, ``"tf32"`` (float32 operands, both K-major, whose low 13
+    mantissa bits the tensor cores ignore: the caller rounds what it can) or ``"f32"`` (the same
+    operands to float32 accuracy: 3xTF32, :data:`_SPLIT`). ``epilogue`` reads
     ``float sf_acc`` for output
     ``(sf_m, sf_n)`` and stores the result; ``root`` runs once per thread; ``batch_code``
     decomposes ``sf_bz`` into the batch axes (the operands' ``base`` expressions may use them).
@@ -574,22 +643,27 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     if WGMMA_CONFIGS[config][3] in _PERSISTENT_MODES:
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
-                               a=a, b=b, epilogue=epilogue, config=config, vec=vec, row_reads=row_reads)
+                               a=a, b=b, epilogue=epilogue, config=_fitting(config, ab), vec=vec,
+                               row_reads=row_reads)
         config = _TMA_FALLBACK[config]
-    wg, BN, S, _ = WGMMA_CONFIGS[config]
+    config = _fitting(config, ab)
+    wg, BN, _, _ = WGMMA_CONFIGS[config]
+    S = _stages(config, ab)
+    split = ab in _SPLIT
     BM = 64 * wg
     T = 128 * wg
-    a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S)
+    a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, split=split)
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes
+    stride = stage * (2 if split else 1)  # (a split type's stage: the tiles, then their low parts)
     KT = -(-K // bk)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
-    wrapper = (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)
+    wrapper = (BN, _instr(ab), 0 if a.k_major else 1, 0 if b.k_major else 1)
     ldc = BN + 4
 
     def load(tile: str, st: str) -> str:
         return (f"{{\n  const int sf_k0 = ({tile}) * {bk};\n"
-                f"  const unsigned sf_sa = sf_base + ({st}) * {stage};\n"
+                f"  const unsigned sf_sa = sf_base + ({st}) * {stride};\n"
                 f"  const unsigned sf_sb = sf_sa + {a_bytes};\n"
                 + _indent(_loader(a, BM, M, K, T, "sf_sa", "sf_m0", bk), 2) + "\n"
                 + _indent(_loader(b, BN, N, K, T, "sf_sb", "sf_n0", bk), 2) + "\n}")
@@ -608,6 +682,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     epilogue_loop = _epilogue_loop(epilogue, vec, groups=BM * BN // vec, threads=T, thread="threadIdx.x", cols=BN,
                                    smem="sf_Cs", ld=ldc, m="sf_m0", n="sf_n0", M=M, N=N, unroll=_EPILOGUE_UNROLL,
                                    exact=M % BM == 0 and N % BN == 0, row_reads=row_reads)
+    # 3xTF32: every thread splits its share of the stage (its warpgroup's A rows, a part of B)
+    split_cp = (_split_share(f"sf_sA + sf_wg * {64 * 128}", "sf_wl", "threadIdx.x", T, BN, stage, "__syncthreads();")
+                + "\n") if split else ""
     # every thread copies; a block barrier per K step hands the stage to the tensor cores
     body = f"""float sf_d[{BN // 2}];
 #pragma unroll
@@ -623,9 +700,9 @@ for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
   sf_cp_wait<{S - 3}>();
   sf_fence_async_smem();
   __syncthreads();
-  const unsigned sf_sA = sf_base + (sf_kt % {S}) * {stage};
+  const unsigned sf_sA = sf_base + (sf_kt % {S}) * {stride};
   const unsigned sf_sB = sf_sA + {a_bytes};
-{_indent(_mma_stage(a, b, BN, ab, "sf_wg"), 2)}
+{_indent(split_cp + _mma_stage(a, b, BN, ab, "sf_wg", stage), 2)}
   if (sf_kt + {S - 2} < {KT}) {{
 {_indent(load(f"sf_kt + {S - 2}", f"(sf_kt + {S - 2}) % {S}"), 4)}
   }}
@@ -884,15 +961,18 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     ``2c`` and ``2c + 1`` take tiles ``2p`` and ``2p + 1`` (vertically adjacent), each loading its
     A tile and half of their B tile into both (:func:`_tma_copies`); a stage is free once both
     blocks' consumers have read it (the empty barriers count both)."""
-    wg, BN, S, mode = WGMMA_CONFIGS[config]
+    wg, BN, _, mode = WGMMA_CONFIGS[config]
+    S = _stages(config, ab)
+    split = ab in _SPLIT
     pp, sk, mc = mode == "pp", mode == "sk", mode == "mc"
     C = _split_k_cluster(mode)  # cluster split-K: blocks per tile
     ck = C > 0
     BM = tile_rows(config)
     T = 128 * (wg + 1)
-    a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode)
+    a_bytes, b_bytes, smem = _smem_bytes(wg, BN, S, mode, split)
     assert smem <= _SMEM_LIMIT, (config, smem)
-    stage = a_bytes + b_bytes
+    stage = a_bytes + b_bytes  # the bytes the copies bring
+    stride = stage * (2 if split else 1)  # (a split type's stage: the tiles, then their low parts)
     bk = _bk(ab)
     KT = -(-K // bk)
     assert not (ck or mc) or _cluster_applies(config, M, K, bk), (config, M, K)
@@ -923,7 +1003,7 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
     const unsigned sf_full = {full("sf_s")};
     sf_mbar_expect_tx(sf_full, {stage});
     const int sf_k0 = sf_kt * {bk};
-    const unsigned sf_sa = sf_base + sf_s * {stage};
+    const unsigned sf_sa = sf_base + sf_s * {stride};
     const unsigned sf_sb = sf_sa + {a_bytes};
 {_indent(_tma_copies(a, BM, "sf_sa", "sf_m0", "sf_tmA"), 4)}
 {_indent(_tma_copies(b, BN, "sf_sb", "sf_n0", "sf_tmB", multicast=mc), 4)}
@@ -1025,11 +1105,16 @@ for (int sf_u = blockIdx.x + sf_cw * gridDim.x; sf_u < {units}; sf_u += 2 * grid
     # tile sf_rank, the others' in theirs), and where its own tile is (the same place in every block)
     cluster_setup = "" if not ck else f"""const float* sf_Sw = sf_Cs + sf_cw * {C * 64 * _LDS};  // tile s: block s's partial sums
 sf_Cw = sf_Cs + (sf_cw * {C} + sf_rank) * {64 * _LDS};
-const unsigned sf_own = sf_base + {S * stage} + (sf_cw * {C} + sf_rank) * {_STAGE_BYTES};
+const unsigned sf_own = sf_base + {S * stride} + (sf_cw * {C} + sf_rank) * {_STAGE_BYTES};
 const unsigned sf_ready = {bar(2 * S)} + sf_cw * 8;  // the others' partial sums are in
 const unsigned sf_free = {bar(2 * S + wg)} + sf_cw * 8;  // the others have read what this block sent
 int sf_x = 0;  // exchanges so far (the two barriers' phase)
 """
+    # 3xTF32: each consumer splits its warpgroup's A rows and a part of B (ping-pong: the warpgroup's
+    # own stage, all of B), then waits for the others' parts (named barrier 3: all consumers)
+    split_tma = "" if not split else _split_share(
+        "sf_sA" if pp else f"sf_sA + sf_cw * {64 * 128}", "sf_wl", "sf_wl" if pp else "(threadIdx.x - 128)",
+        128 if pp else tc, BN, stage, "sf_bar_sync(1 + sf_cw, 128);" if pp else f"sf_bar_sync(3, {tc});") + "\n"
     consumer = f"""const int sf_cw = sf_wg - 1;
 float* sf_Cw = sf_Cs + sf_cw * {64 * _LDS};
 {cluster_setup}// wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1)
@@ -1042,9 +1127,9 @@ const int sf_c = (sf_wl & 3) * 2;
 {start}  for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({full("sf_s")}, (sf_g / {S}) & 1);
-    const unsigned sf_sA = sf_base + sf_s * {stage};
+    const unsigned sf_sA = sf_base + sf_s * {stride};
     const unsigned sf_sB = sf_sA + {a_bytes};
-{_indent(_mma_stage(a, b, BN, ab, "0" if pp else "sf_cw"), 4)}
+{_indent(split_tma + _mma_stage(a, b, BN, ab, "0" if pp else "sf_cw", stage), 4)}
     sf_wgmma_wait<1>();
 {_indent(release_prev, 4)}
   }}
@@ -1077,10 +1162,10 @@ const int sf_c = (sf_wl & 3) * 2;
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
   const unsigned sf_base = (sf_raw + 1023u) & ~1023u;
-  float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw) + {S * stage});
-  const unsigned sf_bars = sf_base + {S * stage + staging};
+  float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw) + {S * stride});
+  const unsigned sf_bars = sf_base + {S * stride + staging};
   volatile int* sf_flag =  // split-K: whether this block finishes the tile
-      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stage + staging + 8 * _barrier_count(wg, S, mode)});
+      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stride + staging + 8 * _barrier_count(wg, S, mode)});
   (void)sf_flag;
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
@@ -1121,4 +1206,4 @@ const int sf_c = (sf_wl & 3) * 2;
               "tensor_maps": maps}
     if cluster > 1:
         launch["cluster"] = cluster
-    return src, launch, (BN, ab, 0 if a.k_major else 1, 0 if b.k_major else 1)
+    return src, launch, (BN, _instr(ab), 0 if a.k_major else 1, 0 if b.k_major else 1)

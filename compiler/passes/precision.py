@@ -40,7 +40,7 @@ from ..ir.expr import dtype_kind, numpy_type
 from .base import GraphPass
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
-           "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Tf32WeightsKMajor", "round_tf32"]
+           "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Float32WeightsKMajor", "round_tf32"]
 
 log = logging.getLogger(__name__)
 
@@ -267,15 +267,24 @@ def round_tf32(x: np.ndarray) -> np.ndarray:
     return np.where(finite, (u + np.uint32(0x1000)) & np.uint32(0xFFFFE000), u).view(np.float32)
 
 
-class Tf32WeightsKMajor(GraphPass):
-    """``precision="tf32"`` on Hopper (the cuda target, ``sm_90``): the float32 weights of MatMul and
-    Gemm stored ``[N, K]`` (read through a Transpose, as :class:`HalfWeightsKMajor` does) and rounded
-    to TF32 once, here. The wgmma instruction takes TF32 operands K-major only, and reads a float32
-    with its low 13 mantissa bits ignored: so stored, a weight is both in the layout the Hopper
-    template copies (:mod:`~shardflow.compiler.codegen.cuda_wgmma`) and rounded to nearest, as the
-    portable TF32 template rounds it; the activation, which the copy engine loads as it is, loses
-    those bits by truncation (relative error under ``2**-10``). A weight whose ``K`` breaks 16-byte
-    alignment (not a multiple of 4) is left as it is (the product then takes the portable kernel)."""
+class Float32WeightsKMajor(GraphPass):
+    """Float32 products on Hopper's wgmma template (the cuda target, ``sm_90``): the float32 weights
+    of MatMul and Gemm stored ``[N, K]`` (read through a Transpose, as :class:`HalfWeightsKMajor`
+    does), the layout the template copies (:mod:`~shardflow.compiler.codegen.cuda_wgmma`): its TF32
+    instruction takes K-major operands only.
+
+    ``tf32`` (``precision="tf32"``): every such weight, rounded to TF32 once, here. The instruction
+    reads a float32 with its low 13 mantissa bits ignored, so the weight is rounded to nearest, as
+    the portable TF32 template rounds it; the activation, which the copy engine loads as it is,
+    loses those bits by truncation (relative error under ``2**-10``). Otherwise (``precision=
+    "float32"``: 3xTF32, which splits the exact values in the kernel) the weights of the ops
+    ``only`` accepts (those forced onto a wgmma tile), unrounded. A weight whose ``K`` breaks
+    16-byte alignment (not a multiple of 4) is left as it is (the product then takes the portable
+    kernel)."""
+
+    def __init__(self, tf32: bool, only: "Callable[[Operator], bool] | None" = None):
+        self.tf32 = tf32
+        self.only = only
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.transform import Transpose
@@ -286,22 +295,26 @@ class Tf32WeightsKMajor(GraphPass):
             t = op.inputs[1] if len(op.inputs) > 1 and op.op_type in ("MatMul", "Gemm") else None
             trans_b = op.op_type == "Gemm" and bool(op.attrs.get("trans_b"))
             if t is not None and t.is_constant and t.ndim == 2 and t.dtype == "float32" \
-                    and op.outputs[0].dtype == "float32" and t.shape[1 if trans_b else 0] % 4 == 0:
+                    and op.outputs[0].dtype == "float32" and t.shape[1 if trans_b else 0] % 4 == 0 \
+                    and (self.tf32 or not trans_b) and (self.only is None or self.only(op)):
                 key = (id(t), trans_b)
                 if key not in stored:
                     value = np.asarray(t.value, np.float32)
-                    nk = round_tf32(value if trans_b else np.ascontiguousarray(value.T))
                     if trans_b:  # already [N, K]: the rounded values in its place
-                        stored[key] = const_tensor(nk, f"{t.name}.tf32")
+                        stored[key] = const_tensor(round_tf32(value), f"{t.name}.tf32")
                     else:
-                        flip = Transpose([const_tensor(nk, f"{t.name}.tf32.T")], name=f"{op.name}.w1.T", perm=(1, 0))
+                        nk = np.ascontiguousarray(value.T)
+                        name = f"{t.name}.tf32.T" if self.tf32 else f"{t.name}.T"
+                        flip = Transpose([const_tensor(round_tf32(nk) if self.tf32 else nk, name)],
+                                         name=f"{op.name}.w1.T", perm=(1, 0))
                         nodes.append(flip)
                         stored[key] = flip.outputs[0]
                 op.inputs = [op.inputs[0], stored[key], *op.inputs[2:]]
             nodes.append(op)
         graph.nodes = nodes
         if stored:
-            log.info("tf32: %d weights rounded to TF32 and stored [N, K]", len(stored))
+            log.info("float32 products on wgmma: %d weights stored [N, K]%s", len(stored),
+                     " and rounded to TF32" if self.tf32 else "")
         return graph
 
 

@@ -211,9 +211,10 @@ def test_decomposed_rms_norm_is_one_row_kernel_on_the_host(tmp_path):
 
 def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None, precision: str = "float16"):
     """A committed test model as the driver hands it to the cuda code generator for sm_90 at
-    ``precision`` (float16, float32 or tf32) on one device: imported, planned, merged projections,
-    half operands (the weights of ``k_major_ops`` stored ``[N, K]``) or TF32 weights, fused
-    attention; on ``feeds`` (default: the model's inputs file)."""
+    ``precision`` (float16, float32 or tf32; ``float32-wgmma``: float32 with every weight stored
+    ``[N, K]``, as for products forced onto wgmma tiles) on one device: imported, planned, merged
+    projections, half operands (the weights of ``k_major_ops`` stored ``[N, K]``) or float32 ones
+    for wgmma, fused attention; on ``feeds`` (default: the model's inputs file)."""
     from model_refs import MODELS
 
     from shardflow.compiler import load_onnx
@@ -221,7 +222,7 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
     from shardflow.compiler.parallel.search import search
     from shardflow.compiler.passes.attention import FuseAttention
     from shardflow.compiler.passes.lowbit import HalfLowBitOperands
-    from shardflow.compiler.passes.precision import HalfPrecisionContractions, Tf32WeightsKMajor
+    from shardflow.compiler.passes.precision import Float32WeightsKMajor, HalfPrecisionContractions
     from shardflow.compiler.passes.projections import MergeProjections
 
     if feeds is None:
@@ -233,8 +234,8 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
     rg = MergeProjections().run(rg)
     if precision == "float16":
         rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
-    if precision == "tf32":
-        rg = Tf32WeightsKMajor().run(rg)
+    if precision in ("tf32", "float32-wgmma"):  # (float32 on wgmma: every weight, as a "*" tile pattern does)
+        rg = Float32WeightsKMajor(precision == "tf32").run(rg)
     return FuseAttention().run(rg), feeds
 
 
@@ -872,15 +873,58 @@ def test_tf32_wgmma_gemms_on_the_host(tmp_path, cfg, blocks):
     assert float(np.max(np.abs(out - exact))) < 2e-3 * scale  # TF32's own error
 
 
-@pytest.mark.parametrize("model", ["gpt2_ts17", "bert_ts17"])
-def test_tf32_model_program_on_the_host(tmp_path, model):
+@pytest.mark.parametrize("model,precision", [("gpt2_ts17", "tf32"), ("bert_ts17", "tf32"), ("llama_ts17", "float32")])
+def test_float32_model_program_on_wgmma_on_the_host(tmp_path, model, precision):
     """A test model at ``precision="tf32"`` for sm_90, as the driver builds it (its weights stored
-    ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the TF32 wgmma template,
-    every kernel against the evaluator (on the rounded weights)."""
-    env, consts, groups = _graph_values(*_rank_graph_for_cuda(model, precision="tf32"), views=True)
-    src = generate_cuda_source(groups, arch="sm_90", precision="tf32")
+    ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the TF32 wgmma template;
+    or at float32 with every GEMM forced onto a wgmma tile (3xTF32; the weights ``[N, K]`` as they
+    are). Every kernel against the evaluator (tf32: on the rounded weights; float32: to float32
+    accuracy)."""
+    graph = _rank_graph_for_cuda(model, precision="tf32" if precision == "tf32" else "float32-wgmma")
+    env, consts, groups = _graph_values(*graph, views=True)
+    forced = {} if precision == "tf32" else {g.name: "tma128x128" for g in groups}
+    src = generate_cuda_source(groups, arch="sm_90", precision=precision, gemm_configs=forced)
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     kinds = [src.launches[g.name].kind for g in host_groups]
     gemms = [k for k in kinds if k.startswith("gemm")]
-    assert len(gemms) >= 8 and set(gemms) == {"gemm-wgmma-tf32"}, kinds
+    assert len(gemms) >= 8 and set(gemms) == {"gemm-wgmma-tf32" if precision == "tf32" else "gemm-wgmma-f32"}, kinds
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts, grid=(3, 1, 1))
+
+
+@pytest.mark.parametrize("cfg,blocks", [("128x256", None), ("64x64", None), ("tma128x192", 3), ("tma64x96", 3),
+                                        ("pp64x256", 3), ("sk64x128", 3), ("ck128x256", 4), ("ck4_128x128", 4),
+                                        ("mc64x128", 4)])
+def test_float32_wgmma_gemms_on_the_host(tmp_path, cfg, blocks):
+    """A float32 product (the default precision) on a forced wgmma tile: 3xTF32, each operand split
+    in shared memory into two TF32 parts, ``hi·hi + hi·lo + lo·hi``: numpy's float64 product to
+    float32 accuracy (one TF32 product alone is ~1e-3 off; dropping any of the three products or
+    the barrier after the split fails), one tile of each mode, partial tiles and K tile. The tiles
+    whose split stages do not fit take a narrower one (128x256: 128x128)."""
+    from shardflow.compiler.codegen.cuda_wgmma import CLUSTER_SIZE, WGMMA_CONFIGS
+    from test_wgmma import _gemm
+
+    M, N, K = 200, 136, 100
+    op = _gemm(M, N, K, "float32", tb=True, name="g")
+    src = generate_cuda_source([op], arch="sm_90", gemm_configs={"g": cfg})
+    launch = src.launches["g"]
+    assert launch.kind == "gemm-wgmma-f32" and "sf_split4" in src.text
+    assert launch.cluster == CLUSTER_SIZE.get(WGMMA_CONFIGS[cfg][3], 1)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    out = run(build(src.text, str(tmp_path)), launch, [a, b], [((M, N), np.float32)],
+              grid=(blocks, 1, 1) if blocks else None, seed=3, resident=blocks or 1)[0]
+    assert float(np.max(np.abs(out - want))) < 2e-6 * float(np.max(np.abs(want))), cfg  # (NaN fails too)
+
+
+def test_float32_products_stay_on_wmma_unless_a_tile_is_forced():
+    """Without a forced tile a float32 product keeps the portable 3xTF32 kernel (the wgmma one is
+    not measured on a GPU yet); an operand that is not K-major keeps it even on a forced tile."""
+    from test_wgmma import _gemm
+
+    ops = [_gemm(200, 136, 100, "float32", tb=True, name="free"), _gemm(200, 136, 100, "float32", tb=True, name="forced"),
+           _gemm(200, 136, 100, "float32", name="mn_major")]
+    src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"forced": "tma128x128", "mn_major": "tma128x128"})
+    assert {k: v.kind for k, v in src.launches.items()} == {"free": "gemm-f32", "forced": "gemm-wgmma-f32",
+                                                            "mn_major": "gemm-f32"}

@@ -202,11 +202,14 @@ def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
 
 
 @needs_nvcc
-def test_every_tf32_config_compiles_without_local_memory(tmp_path):
-    """``precision="tf32"``: every tile on float32 operands, both K-major (the layout the TF32
-    wgmma reads; a K that leaves a partial K tile of 32 floats)."""
+@pytest.mark.parametrize("precision", ["tf32", "float32"])
+def test_every_float32_config_compiles_without_local_memory(tmp_path, precision):
+    """Float32 operands, both K-major (the layout the TF32 wgmma reads; a K that leaves a partial K
+    tile of 32 floats), on every tile: one TF32 product (``precision="tf32"``), or 3xTF32 with the
+    operands split in shared memory (float32, on a forced tile)."""
     ops = [(_gemm(200, 136, 100, "float32", tb=True, name=f"g{i}"), cfg) for i, cfg in enumerate(WGMMA_CONFIGS)]
-    _compiles_without_local_memory(tmp_path, ops, precision="tf32", kind="gemm-wgmma-tf32")
+    _compiles_without_local_memory(tmp_path, ops, precision=precision,
+                                   kind="gemm-wgmma-tf32" if precision == "tf32" else "gemm-wgmma-f32")
 
 
 def _compiles_without_local_memory(tmp_path, ops, precision="float32", kind="gemm-wgmma"):
@@ -500,20 +503,23 @@ def test_cluster_split_k_gives_the_same_bits_on_any_grid(tmp_path):
 
 
 @pytest.mark.gpu
-def test_tf32_tiles_match_numpy(tmp_path):
-    """``precision="tf32"`` on the Hopper template: every tile but the cluster ones (float32
-    operands, both K-major: ``A [M, K]``, ``B [N, K]``) within TF32's error of numpy's float64
-    product, at sizes that leave partial tiles and a partial K tile of 32 floats."""
-    _tf32_configs_match_numpy(tmp_path, [c for c in WGMMA_CONFIGS if c not in CLUSTER + MULTICAST])
+@pytest.mark.parametrize("precision", ["tf32", "float32"])
+def test_tf32_tiles_match_numpy(tmp_path, precision):
+    """Float32 products on the Hopper template, every tile but the cluster ones (float32 operands,
+    both K-major: ``A [M, K]``, ``B [N, K]``), at sizes that leave partial tiles and a partial K
+    tile of 32 floats: ``precision="tf32"`` within TF32's error of numpy's float64 product, float32
+    (3xTF32, on forced tiles) within float32's."""
+    _tf32_configs_match_numpy(tmp_path, [c for c in WGMMA_CONFIGS if c not in CLUSTER + MULTICAST], precision)
 
 
 @pytest.mark.gpu
-def test_tf32_cluster_split_k_and_multicast_tiles_match_numpy(tmp_path):
+@pytest.mark.parametrize("precision", ["tf32", "float32"])
+def test_tf32_cluster_split_k_and_multicast_tiles_match_numpy(tmp_path, precision):
     """The same for the cluster split-K and B-multicast tiles (run apart, like theirs in half types)."""
-    _tf32_configs_match_numpy(tmp_path, CLUSTER + MULTICAST)
+    _tf32_configs_match_numpy(tmp_path, CLUSTER + MULTICAST, precision)
 
 
-def _tf32_configs_match_numpy(tmp_path, configs):
+def _tf32_configs_match_numpy(tmp_path, configs, precision):
     cupy = _gpu()
     rng = np.random.default_rng(0)
     cases = []
@@ -522,19 +528,19 @@ def _tf32_configs_match_numpy(tmp_path, configs):
         cases.append((_gemm(M, N, K, "float32", tb=True, name=f"g{i}"), cfg, M, N, K))
     path = str(tmp_path / "k.cubin")
     launches = build_cuda_library([c[0] for c in cases], path, arch="sm_90", cache_dir=str(tmp_path / "c"),
-                                  precision="tf32", gemm_configs={c[0].name: c[1] for c in cases})
+                                  precision=precision, gemm_configs={c[0].name: c[1] for c in cases})
     module = cupy.RawModule(path=path)
     bad = []
     for op, cfg, M, N, K in cases:
         launch = launches[op.name]
-        assert launch.kind == "gemm-wgmma-tf32", (cfg, launch.kind)
+        assert launch.kind == ("gemm-wgmma-tf32" if precision == "tf32" else "gemm-wgmma-f32"), (cfg, launch.kind)
         a = rng.standard_normal((M, K)).astype(np.float32)
         b = rng.standard_normal((N, K)).astype(np.float32)
         want = a.astype(np.float64) @ b.astype(np.float64).T
         out = cupy.full((M, N), np.nan, cupy.float32)  # a missed element shows
         _launch(cupy, module, launch, (cupy.asarray(a), cupy.asarray(b), out))
         err = float(np.max(np.abs(cupy.asnumpy(out) - want))) / float(np.max(np.abs(want)))
-        if not err < 2e-3:  # (TF32: 10 mantissa bits per operand; NaN fails too)
+        if not err < (2e-3 if precision == "tf32" else 1e-5):  # (TF32: 10 mantissa bits an operand; NaN fails)
             bad.append(f"{cfg} M={M} N={N} K={K}: err {err:.3g}")
     assert not bad, "\n".join(bad)
 

@@ -204,7 +204,7 @@ def test_tf32_on_hopper_stores_weights_k_major_and_rounded(tmp_path):
     TF32 template rounds the operands itself)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
-    from shardflow.compiler.passes.precision import Tf32WeightsKMajor, round_tf32
+    from shardflow.compiler.passes.precision import Float32WeightsKMajor, round_tf32
     from shardflow.compiler.ops.linalg import Gemm
 
     rng = np.random.default_rng(0)
@@ -214,7 +214,7 @@ def test_tf32_on_hopper_stores_weights_k_major_and_rounded(tmp_path):
     gm = Gemm([mm.outputs[0], const_tensor(v, "v")], name="gm", trans_b=True)
     y = Tensor("y", (32, 38), "float32")
     odd = MatMul([y, const_tensor(rng.standard_normal((38, 8)).astype(np.float32), "odd")], name="odd")
-    g = Tf32WeightsKMajor().run(FlowGraph([x, y], gm.outputs + odd.outputs))
+    g = Float32WeightsKMajor(tf32=True).run(FlowGraph([x, y], gm.outputs + odd.outputs))
     g.validate()
     consts = {t.name: t for t in g.constants()}
     np.testing.assert_array_equal(consts["w.tf32.T"].value, round_tf32(w.T))
@@ -229,3 +229,21 @@ def test_tf32_on_hopper_stores_weights_k_major_and_rounded(tmp_path):
         kinds[arch] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
     assert kinds["sm_90"].count("gemm-wgmma-tf32") >= 8 and "gemm-tf32" not in kinds["sm_90"], kinds
     assert kinds["sm_80"].count("gemm-tf32") >= 8 and "gemm-wgmma-tf32" not in kinds["sm_80"], kinds
+
+
+def test_float32_products_on_forced_wgmma_tiles(tmp_path):
+    """At the default precision (float32: 3xTF32) the GEMMs stay on the portable kernel unless
+    ``gemm_tiles`` forces a wgmma tile (the Hopper 3xTF32 kernel is not measured on a GPU yet):
+    then the matched MatMul/Gemm weights are stored ``[N, K]`` with their exact values and those
+    products take it."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    kinds = {}
+    for tiles in ({}, {"*": "tma128x128"}):
+        out = tmp_path / str(len(tiles))
+        compile(MODELS / "llama_ts17.onnx", distributed_config={"mesh_shape": [1]},
+                      optimization_config={"target": "cuda", "arch": "sm_90", "gemm_tiles": tiles}, out_dir=out)
+        program = json.loads((out / "rank0" / "program.json").read_text())
+        kinds[len(tiles)] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert "gemm-wgmma-f32" not in kinds[0] and kinds[0].count("gemm-f32") >= 8, kinds[0]
+    assert kinds[1].count("gemm-wgmma-f32") >= 8 and "gemm-f32" not in kinds[1], kinds[1]

@@ -153,6 +153,24 @@ def test_lower_precisions_on_one_gpu(tmp_path, model, precision, rel):
     _close(prog.run(inputs), ref, rel)  # CUDA graph replay
 
 
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
+def test_float32_model_on_forced_wgmma_tiles_3xtf32(tmp_path, model):
+    """The default precision (float32) with every GEMM forced onto a wgmma tile (``gemm_tiles``):
+    3xTF32 on the Hopper template (rfcs/0005 decision 34), float32's tolerance of onnxruntime."""
+    if _cupy() is None:
+        pytest.skip("needs cupy and a CUDA device")
+    import json
+
+    from shardflow.runtime import load
+
+    out, inputs, ref = _compile(tmp_path, model, [1], "replicate", gemm_tiles={"*": "tma128x128"})
+    program = json.loads((out / "rank0" / "program.json").read_text())
+    assert any(s["launch"]["kind"] == "gemm-wgmma-f32" for s in program["steps"] if s["kind"] == "kernel")
+    prog = load(out)
+    _close(prog.run(inputs), ref)
+    _close(prog.run(inputs), ref)  # CUDA graph replay
+
+
 @pytest.mark.parametrize("tile", ["tma128x128", "tma64x128"])
 def test_tma_gemms_in_a_compiled_model(tmp_path, monkeypatch, tile):
     """Every float16 GEMM on a persistent TMA tile: the runtime encodes the tensor maps from the
