@@ -721,11 +721,13 @@ def _host_source(text: str) -> str:
     (but the descriptor encoding and the grid-wide wait, kept as generated), ``mma.sync``, ``wgmma`` and no-op PTX
     statements, the dynamic shared memory; vector accesses go through an alignment check."""
     from shardflow.compiler.codegen.cuda_attention import ATTENTION_HELPERS
-    from shardflow.compiler.codegen.cuda_wgmma import WGMMA_HELPERS
+    from shardflow.compiler.codegen.cuda_wgmma import SPLIT_HELPERS, WGMMA_HELPERS
 
-    kept = "".join(re.search(rf"__device__ __forceinline__ [\w ]+ {name}\(.*?\n\}}\n", WGMMA_HELPERS, re.S).group(0)
-                   for name in ("sf_smem_desc", "sf_grid_wait", "sf_split4"))
-    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, kept)
+    def kept(helpers: str, *names: str) -> str:
+        return "".join(re.search(rf"__device__ __forceinline__ [\w ]+ {name}\(.*?\n\}}\n", helpers, re.S).group(0)
+                       for name in names)
+    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, kept(WGMMA_HELPERS, "sf_smem_desc", "sf_grid_wait"))
+    text = text.replace(SPLIT_HELPERS, kept(SPLIT_HELPERS, "sf_split4"))  # (the shim's sf_tf32: no PTX)
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",
                   "unsigned char* sf_dyn = sf_emu::dyn.data();", text)

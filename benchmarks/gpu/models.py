@@ -37,7 +37,8 @@ Precision
     ``--precision`` is passed to ``optimization_config`` (``float32``: our GEMMs use 3xTF32,
     fp32-accurate; ``tf32``: one TF32 product). torch's ``allow_tf32`` (matmul and cuDNN) follows
     ``--torch-tf32`` (``auto``: on exactly when our compiled programs contain TF32 GEMM kernels,
-    kind ``gemm-tf32``, i.e. with ``--precision tf32``), so both sides use the same GEMM arithmetic.
+    kinds ``gemm-tf32`` and ``gemm-wgmma-tf32``, i.e. with ``--precision tf32``), so both sides use
+    the same GEMM arithmetic.
     ``float16``/``bfloat16`` cast the torch model to that dtype.
 
 Model dtype
@@ -258,7 +259,8 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
     dev = _Device(args.target)
     torch = dev.torch
     kinds = {k for b in compiled for k in (res["batches"][f"{b}x128"].get("gemm_kinds") or [])}
-    tf32 = {"on": True, "off": False}.get(args.torch_tf32, args.precision == "tf32" or "gemm-tf32" in kinds)
+    tf32 = {"on": True, "off": False}.get(args.torch_tf32, args.precision == "tf32"
+                                          or bool(kinds & {"gemm-tf32", "gemm-wgmma-tf32"}))
     res["torch_tf32"] = tf32
     half = args.model_dtype if args.model_dtype != "float32" else args.precision
     tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(half, torch.float32)

@@ -72,8 +72,8 @@ from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
-from .cuda_wgmma import (STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand, wgmma_gemm_kernel,
-                         wgmma_helpers)
+from .cuda_wgmma import (SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand,
+                         wgmma_gemm_kernel, wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
@@ -2068,7 +2068,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     spans: dict[str, tuple[int, int]] = {}
     seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
     wrappers: set = set()  # wgmma instruction wrappers emitted so far
-    attention_helpers = stream_k = False
+    attention_helpers = stream_k = split = False
     for i, op in enumerate(ops):
         if not lowerable(op):
             continue
@@ -2094,6 +2094,9 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         if "sf_sk_ws" in src and not stream_k:  # the stream-K workspace, shared by the unit's kernels
             header = STREAM_K_WORKSPACE + header
             stream_k = True
+        if "sf_split4(" in src and not split:  # the 3xTF32 split, before its first use
+            header = SPLIT_HELPERS + header
+            split = True
         if wrapper is not None and wrapper not in wrappers:  # helpers before their first use
             header = wgmma_helpers({wrapper}, common=not wrappers) + header
             wrappers.add(wrapper)

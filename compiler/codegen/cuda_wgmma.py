@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config",
+__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config",
            "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
@@ -416,18 +416,6 @@ __device__ __forceinline__ void sf_grid_wait(const volatile unsigned* p, unsigne
     if (clock64() - t0 > (1LL << 36)) __trap();
   }
 }
-// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero); hi in place, lo `lo` float4s further
-__device__ __forceinline__ float sf_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return __uint_as_float(r);
-}
-__device__ __forceinline__ void sf_split4(float4* p, int lo) {
-  const float4 x = *p;
-  const float4 h = make_float4(sf_tf32(x.x), sf_tf32(x.y), sf_tf32(x.z), sf_tf32(x.w));
-  p[lo] = make_float4(sf_tf32(x.x - h.x), sf_tf32(x.y - h.y), sf_tf32(x.z - h.z), sf_tf32(x.w - h.w));
-  *p = h;
-}
 __device__ __forceinline__ void sf_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void sf_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void sf_mbar_init(unsigned bar, unsigned count) {
@@ -490,6 +478,22 @@ __device__ __forceinline__ void sf_mbar_arrive_cluster(unsigned addr) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" :: "r"(addr) : "memory");
 }
 """ + _MBAR_WAIT.format(name="sf_mbar_wait_cluster", sem=".acquire.cluster")
+
+
+#: the 3xTF32 split (:data:`_SPLIT`), emitted once in a unit whose kernels use it
+SPLIT_HELPERS = r"""// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero); hi in place, lo `lo` float4s further
+__device__ __forceinline__ float sf_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+__device__ __forceinline__ void sf_split4(float4* p, int lo) {
+  const float4 x = *p;
+  const float4 h = make_float4(sf_tf32(x.x), sf_tf32(x.y), sf_tf32(x.z), sf_tf32(x.w));
+  p[lo] = make_float4(sf_tf32(x.x - h.x), sf_tf32(x.y - h.y), sf_tf32(x.z - h.z), sf_tf32(x.w - h.w));
+  *p = h;
+}
+"""
 
 
 def wgmma_helpers(used: set[tuple[int, str, int, int]], common: bool = True) -> str:
