@@ -69,6 +69,9 @@ gpu_tests=(tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/
 new_tiles="pingpong or stream_k"
 # the cluster tiles' GPU tests (not run on a GPU yet: a wrong exchange would wait forever)
 cluster_tests="cluster_split_k or multicast"
+# the float32 operands' wgmma GPU tests (rfcs/0005 decisions 33, 34; not run on a GPU yet): apart, in
+# `tf32`, under its own time limit (the 3xTF32 split adds a barrier a K step)
+float32_tests="tf32"
 # pdl_models LIMIT_S: GPT-2 small at 1x128 and 8x128 compiled with optimization_config["pdl"] against
 # torch.compile, appended to $out/models-tiles.txt under "== pdl"
 pdl_models() {
@@ -171,7 +174,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
     suite)
-        python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles or $cluster_tests)" "${gpu_tests[@]}" 2>&1 \
+        python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles or $cluster_tests or $float32_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -60
         timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$new_tiles" tests/codegen/test_wgmma.py 2>&1 \
             | tee "$out/gpu-suite-pp-sk.txt" | tail -15
@@ -183,7 +186,7 @@ case "$what" in
           # the timeouts (210 + 265 + 75 s) add up to under the device tool's 600 s per call
           # (measured in session 5: 205 + 170 + 60 s); the ping-pong and stream-K tiles' tests are
           # left to `newtiles` (not yet run on a GPU: a hang there must not take the rest down)
-        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles or $cluster_tests)" "${gpu_tests[@]}" 2>&1 \
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not ($new_tiles or $cluster_tests or $float32_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         mkdir -p /tmp/sf-export
         timeout 265 python3 benchmarks/gpu/run_all.py --out-dir "$out" --budget-s "${BUDGET_S:-250}" --jobs 14 \
@@ -209,7 +212,7 @@ case "$what" in
         xdist=()
         python3 -c "import xdist" 2>/dev/null && xdist=(-n 6)
         # (the ping-pong and stream-K tiles' tests with the others: they passed on the H200 in session 33)
-        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" -k "not ($cluster_tests)" "${gpu_tests[@]}" 2>&1 \
+        timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" -k "not ($cluster_tests or $float32_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         echo "suite done at ${SECONDS} s"
         budget=$((deadline - SECONDS - 75))
