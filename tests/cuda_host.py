@@ -219,6 +219,14 @@ static void wait(State s) {
   threads[cur].state = s;
   swapcontext(&threads[cur].ctx, &sched);
 }
+// what the emulated program did that a GPU would not run: the launch fails with this message (the
+// thread stops here), instead of the process
+static char fault[256];
+static void fail(const char* what, unsigned addr) {
+  snprintf(fault, sizeof fault, what, addr);
+  wait(DONE);
+  abort();  // (never resumed)
+}
 // a warp-wide instruction: every lane gives its operands; returns the warp's 32, by lane
 static const Words* exchange(const unsigned* w, int n) {
   const int me = cur, buf = threads[me].xbuf;
@@ -291,7 +299,7 @@ static void mbar_check(Mbar& b) {
 }
 static Mbar& mbar(unsigned addr) {
   auto it = mbars.find(addr);
-  if (it == mbars.end()) { fprintf(stderr, "sf_emu: mbarrier %u used before init\n", addr); abort(); }
+  if (it == mbars.end()) fail("mbarrier %u used before init", addr);
   return it->second;
 }
 static inline unsigned swizzle128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
@@ -436,7 +444,7 @@ static inline float sf_emu_operand(unsigned long long desc, int trans, int r, in
   const unsigned start = (unsigned)(desc & 0x3FFFull) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
   const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
   if (ty == 2) {
-    if (trans) { fprintf(stderr, "sf_emu: a TF32 wgmma operand must be K-major\n"); abort(); }
+    if (trans) sf_emu::fail("a TF32 wgmma operand must be K-major (descriptor %u)", start);
     unsigned u;
     memcpy(&u, sf_emu::dyn.data() + sf_emu::swizzle128(start + (r / 8) * sbo + (r % 8) * 128 + 4 * k), 4);
     u &= 0xffffe000u;
@@ -483,7 +491,7 @@ static inline void sf_mbar_arrive_cluster(unsigned addr) {
   const int b = sf_emu_cluster_block(addr);
   auto& bars = sf_emu::mbars_of(b);
   auto it = bars.find(addr & 0xFFFFFu);
-  if (it == bars.end()) { fprintf(stderr, "sf_emu: remote mbarrier %u used before init\n", addr & 0xFFFFFu); abort(); }
+  if (it == bars.end()) sf_emu::fail("remote mbarrier %u used before init", addr & 0xFFFFFu);
   it->second.pending -= 1;
   ++sf_emu::epoch;
   sf_emu::mbar_check(it->second);
@@ -578,6 +586,7 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
   xslots[0].assign(n * nb, Words());
   xslots[1].assign(n * nb, Words());
   misaligned = trapped = 0;
+  fault[0] = 0;
   sf_emu::clock_step = clock_step;
   sf_emu::clock_now = 0;
   sf_emu::body = body;
@@ -682,6 +691,7 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
         }
       }
       if (trapped) return 3;
+      if (fault[0]) return 6;
       if (clock_now > (1ull << 40)) return 1;  // past any time limit: waiting for what never comes
       if (done) break;
       bool running = false, spinning = false;
@@ -697,6 +707,7 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
   return misaligned ? 2 : exited_access ? 4 : 0;
 }
 
+extern "C" const char* sf_emu_fault() { return sf_emu::fault; }
 extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
                              unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
                              unsigned long long clock_step, unsigned cluster) {
@@ -754,6 +765,7 @@ class HostKernels:
         self.lib = lib
         self.signatures = signatures
         self.lib.sf_emu_launch.restype = ctypes.c_int
+        self.lib.sf_emu_fault.restype = ctypes.c_char_p
 
     def launch(self, symbol: str, grid, block, arrays, shared_mem: int = 0, seed: int = 1, resident: int = 1,
                clock_step: int = 1, cluster: int = 1) -> None:
@@ -791,6 +803,8 @@ class HostKernels:
             raise RuntimeError(f"{symbol}: a store or arrival in the shared memory of a cluster block that has exited")
         if status == 5:
             raise ValueError(f"{symbol}: the grid and the resident blocks must be whole clusters of {cluster}")
+        if status == 6:
+            raise RuntimeError(f"{symbol}: {self.lib.sf_emu_fault().decode()}")
 
 
 def _signatures(text: str) -> dict[str, list[str]]:

@@ -928,3 +928,14 @@ def test_float32_products_stay_on_wmma_unless_a_tile_is_forced():
     src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"forced": "tma128x128", "mn_major": "tma128x128"})
     assert {k: v.kind for k, v in src.launches.items()} == {"free": "gemm-f32", "forced": "gemm-wgmma-f32",
                                                             "mn_major": "gemm-f32"}
+
+
+def test_an_mbarrier_used_before_its_init_fails_the_launch(tmp_path):
+    """A kernel that waits on an mbarrier it never initialized fails its launch with a message
+    (a test failure), instead of killing the test process."""
+    M, N = 128, 136
+    src, launch, a, b, _ = _float16_product("tma64x128", M, N, 640)
+    broken = re.sub(r"\n *sf_mbar_init\(sf_bars \+ \(sf_s\) \* 8, 1\);", "", src.text)
+    assert broken != src.text
+    with pytest.raises(RuntimeError, match="mbarrier [0-9]+ used before init"):
+        run(build(broken, str(tmp_path)), launch, [a, b], [((M, N), np.uint16)], grid=(2, 1, 1), seed=2)
