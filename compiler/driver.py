@@ -13,9 +13,9 @@ key               meaning                                                       
 ``target``        ``"cpu"`` (C++ kernels in a ``.so``) or ``"cuda"``                         ``"cpu"``
 ``arch``          GPU architecture for cuda, e.g. ``"sm_90"`` (cpu: must be unset)           ``"sm_90"``
 ``precision``     ``"float32"`` (cuda GEMMs: 3xTF32, fp32-accurate); ``"tf32"`` (cuda only:   ``"float32"``
-                  one TF32 product, faster, relative error ~1e-3; on sm_90 the weights
-                  are stored [N, K] rounded to TF32 for the wgmma GEMM); ``"float16"``: the
-                  operands of contractions rounded to float16 (weights stored in float16),
+                  one TF32 product, faster, relative error ~1e-3; see ``wgmma_fp32``);
+                  ``"float16"``: the operands of contractions rounded to float16 (weights
+                  stored in float16),
                   fp32 accumulation, everything else float32 (passes/precision.py);
                   ``"bfloat16"`` likewise with bfloat16. On cuda, at every
                   precision, a model's own float16/bfloat16 ``Attention`` ops compute in
@@ -25,6 +25,10 @@ key               meaning                                                       
 ``pdl``           cuda, sm_90 and newer: programmatic dependent launch, each kernel launched ``False``
                   while the one before it finishes and waiting on the GPU for its results
                   (``griddepcontrol``; runtime/pdl.py; not yet timed on a GPU)
+``wgmma_fp32``    cuda, sm_90: float32 products on the Hopper wgmma GEMMs too (one TF32      ``False``
+                  product at ``tf32``, else 3xTF32), every MatMul/Gemm weight stored
+                  ``[N, K]`` for them (rounded to TF32 at ``tf32``); rfcs/0005 decisions
+                  33-34; not yet run on a GPU
 ``prepack``       cpu: store the constant weights of float32 MatMul/Gemm packed for the      ``True``
                   GEMM kernel (passes/prepack.py) instead of packing them on every call;
                   also those of 1x1 convs on small images (run as that GEMM)
@@ -56,9 +60,9 @@ key               meaning                                                       
                   op fused into them, matches the ``fnmatch`` pattern (first match wins;
                   over the tuned and the default choice). A tile for a K-major B
                   (``tma64x96``, ``tma128x160``) also stores, at half precision, the
-                  ``[K, N]`` weight of a MatMul/Gemm whose own name matches as ``[N, K]``;
-                  at ``float32`` on sm_90 every matched float32 weight is stored ``[N, K]``
-                  and the product runs 3xTF32 on the tile (rfcs/0005 decision 34)
+                  ``[K, N]`` weight of a MatMul/Gemm whose own name matches as ``[N, K]``,
+                  and on sm_90 so does a matched float32 MatMul/Gemm, which then runs on
+                  the tile (TF32 or 3xTF32; rfcs/0005 decisions 33-34)
 ================  =========================================================================  ==========
 """
 from __future__ import annotations
@@ -107,6 +111,7 @@ class OptimizationConfig:
     fuse: bool = True
     cuda_graph: bool = True
     pdl: bool = False
+    wgmma_fp32: bool = False
     prepack: bool = True
     winograd: bool = True
     int8_qdq: bool = True
@@ -171,13 +176,17 @@ class OptimizationConfig:
         if kw.get("precision") == "tf32" and target != "cuda":
             raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (a GPU "
                               "tensor-core format); use 'float32', 'float16' or 'bfloat16'")
-        for key in ("fuse", "cuda_graph", "pdl", "prepack", "winograd", "int8_qdq", "precompute", "blocked",
-                    "fold_affine"):
+        for key in ("fuse", "cuda_graph", "pdl", "wgmma_fp32", "prepack", "winograd", "int8_qdq", "precompute",
+                    "blocked", "fold_affine"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if kw.get("pdl") and (target != "cuda" or _cuda_sm(kw["arch"]) < 90):
             raise ConfigError("optimization_config['pdl'] = true needs target 'cuda' and an arch of sm_90 or newer "
                               f"(programmatic dependent launch is a Hopper feature); got target {target!r}"
+                              + (f", arch {kw['arch']!r}" if target == "cuda" else ""))
+        if kw.get("wgmma_fp32") and (target != "cuda" or _cuda_sm(kw["arch"]) < 90):
+            raise ConfigError("optimization_config['wgmma_fp32'] = true needs target 'cuda' and an arch of sm_90 "
+                              f"or newer (the Hopper wgmma GEMMs); got target {target!r}"
                               + (f", arch {kw['arch']!r}" if target == "cuda" else ""))
         if "search_space" in cfg:
             kw["search_space"] = typed("search_space", (int,), "0, 1 or 2")
@@ -1130,14 +1139,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
                 from .codegen.cuda_wgmma import WGMMA_ARCHS
 
-                if opt.arch in WGMMA_ARCHS and (opt.precision == "tf32" or opt.precision == "float32"
-                                                and opt.gemm_tiles):
-                    # float32 weights [N, K] for the Hopper wgmma GEMM: every one, rounded to TF32, for
-                    # one TF32 product; as they are for 3xTF32, where a tile is forced (not measured yet)
+                if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
+                    # float32 weights [N, K] for the Hopper wgmma GEMM (rounded to TF32 for one TF32
+                    # product): every one with wgmma_fp32, else those of the ops on forced tiles
                     from .passes.precision import Float32WeightsKMajor
 
                     rg = Float32WeightsKMajor(opt.precision == "tf32",
-                                              None if opt.precision == "tf32" else _tiled_ops(opt.gemm_tiles)).run(rg)
+                                              None if opt.wgmma_fp32 else _tiled_ops(opt.gemm_tiles)).run(rg)
                 # one fused kernel per attention on half operands (those of the precision pass, or a
                 # float16/bfloat16 model's own; passes/attention.py), on this rank's share
                 from .passes.attention import FuseAttention
@@ -1200,6 +1208,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                     kw["gemm_tiles"] = opt.gemm_tiles
                 if opt.pdl:
                     kw["pdl"] = True
+                if opt.wgmma_fp32:
+                    kw["wgmma_fp32"] = True
             # presents kept over their pasts: their kernels store only the rows (cpu) or elements (cuda)
             # that change
             selects = _state_selects(rg, _state_pairs(rg, state, r)) if state else {}

@@ -324,7 +324,8 @@ case "$what" in
             > "$out/models-bf16.txt" 2>&1
         tail -20 "$out/models-bf16.txt"
         ;;
-    tf32)  # precision="tf32" on the wgmma template (rfcs/0005 decision 33, session 41; never run on a GPU):
+    tf32)  # float32 operands on the wgmma template (optimization_config["wgmma_fp32"], rfcs/0005 decisions 33-34,
+           # session 41; never run on a GPU):
            # its GPU tests (every tile; the models against onnxruntime), then every GEMM shape in TF32
            # against cuBLAS's TF32 (B stored [N, K]), float32 ones (3xTF32, decision 34) against its
            # SGEMM, then GPT-2 small at tf32 against torch.compile with allow_tf32, into $out/tf32.txt,
@@ -334,14 +335,13 @@ case "$what" in
         timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
             tests/runtime/test_gpu_runtime.py -k "tf32" 2>&1 | tail -8 | tee -a "$f"
         timeout 120 python3 benchmarks/gpu/gemm.py --dtypes tf32 --jobs 14 >> "$f" 2>&1
-        # float32-accurate: 3xTF32 on a forced wgmma tile (decision 34) against cuBLAS's SGEMM
-        echo "== gemm.py --dtypes float32 --config tma128x128" >> "$f"
-        timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float32 --m 1024,8192 --config tma128x128 --jobs 14 \
-            >> "$f" 2>&1
-        echo "== models.py gpt2_small --precision tf32" >> "$f"
+        # float32-accurate: 3xTF32 on the wgmma template (decision 34) against cuBLAS's SGEMM
+        echo "== gemm.py --dtypes float32" >> "$f"
+        timeout 90 python3 benchmarks/gpu/gemm.py --dtypes float32 --m 1024,8192 --jobs 14 >> "$f" 2>&1
+        echo "== models.py gpt2_small --precision tf32 --wgmma-fp32" >> "$f"
         mkdir -p /tmp/sf-export
         timeout 150 python3 benchmarks/gpu/models.py --models gpt2_small --batches 1,8 --precision tf32 \
-            --compile-modes reduce-overhead --export-dir /tmp/sf-export >> "$f" 2>&1
+            --wgmma-fp32 --compile-modes reduce-overhead --export-dir /tmp/sf-export >> "$f" 2>&1
         tail -30 "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV

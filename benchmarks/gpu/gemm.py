@@ -9,9 +9,9 @@ What is compared
     GEMM on this layout), fp16 or bf16 operands and output, fp32 accumulation on both sides.
     ``--dtypes tf32``: float32 operands and output, one TF32 product on both sides (ours compiled
     with ``precision="tf32"``, cuBLAS with ``allow_tf32``); ``--dtypes float32``: float32-accurate
-    products on both sides (ours 3xTF32: the portable kernel, or with ``--config TILE`` the Hopper
-    one; cuBLAS's SGEMM, TF32 off). B is then stored ``[N, K]``, as the compiler stores a weight for
-    the Hopper kernels of float32 operands (which read K-major operands only).
+    products on both sides (ours 3xTF32, cuBLAS's SGEMM with TF32 off). Ours on the Hopper
+    template (``wgmma_fp32``, rfcs/0005 decisions 33-34); B is then stored ``[N, K]``, as the
+    compiler stores a weight for those kernels (they read K-major operands only).
     M in {128, 1024, 8192} x (N, K) of
 
     * GPT-2 small: qkv 2304x768, attn_out 768x768, fc1 3072x768, fc2 768x3072;
@@ -134,8 +134,8 @@ def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: d
     from shardflow.compiler.ops.linalg import Gemm, MatMul
 
     dt = "float32" if case.dtype in FLOAT32 else case.dtype
-    if case.dtype == TF32:
-        extra = dict(extra, precision="tf32")
+    if case.dtype in FLOAT32:  # (the Hopper kernels of float32 operands: opt-in in the compiler)
+        extra = dict(extra, precision=case.dtype, wgmma_fp32=True)
     a = Tensor("a", (case.M, case.K), dt)
     if case.b_layout == "nk":
         op = Gemm([a, Tensor("b", (case.N, case.K), dt)], name=case.id, trans_b=True)

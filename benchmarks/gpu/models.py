@@ -193,7 +193,8 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype
 
 
 def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
-                 search_space: int | None, gemm_tiles: dict | None = None, pdl: bool = False) -> dict:
+                 search_space: int | None, gemm_tiles: dict | None = None, pdl: bool = False,
+                 wgmma_fp32: bool = False) -> dict:
     """Compile one batch size; returns the record (timings, kernel kinds)."""
     from shardflow.compiler import compile as sf_compile
 
@@ -206,6 +207,8 @@ def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch:
         opt["gemm_tiles"] = gemm_tiles
     if pdl:
         opt["pdl"] = True
+    if wgmma_fp32:
+        opt["wgmma_fp32"] = True
     t0 = time.perf_counter()
     res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
                      out_dir=out_dir, input_shapes={"input_ids": [batch, 128]})
@@ -243,7 +246,8 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             rec.update(compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch,
                                     precision=args.precision, search_space=args.search_space,
                                     gemm_tiles=json.loads(args.gemm_tiles) if args.gemm_tiles else None,
-                                    pdl=getattr(args, "pdl", False)))
+                                    pdl=getattr(args, "pdl", False),
+                                    wgmma_fp32=getattr(args, "wgmma_fp32", False)))
             compiled[b] = out_dir
             log(f"{name} {key}: compiled in {rec['compile_s']:.1f} s ({rec['kernels']} kernels, GEMM kinds "
                 f"{rec['gemm_kinds']})")
@@ -444,6 +448,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "'{\"*lm_head*\": \"pp64x256\"}'")
     ap.add_argument("--pdl", action="store_true",
                     help="optimization_config['pdl']: programmatic dependent launch (sm_90+, rfcs/0005 decision 29)")
+    ap.add_argument("--wgmma-fp32", action="store_true",
+                    help="optimization_config['wgmma_fp32']: float32 products (tf32, 3xTF32) on the Hopper wgmma "
+                         "GEMMs (rfcs/0005 decisions 33-34)")
     ap.add_argument("--export-dir", help="reuse/keep exported models here (<name>.onnx/.json/.state.pt)")
     ap.add_argument("--tiny", action="store_true", help="2-layer narrow models (script tests)")
     ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
@@ -470,6 +477,7 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None, section
     section = section if section is not None else {}
     section.update(dry_run=args.dry_run, precision=args.precision, model_dtype=args.model_dtype, arch=args.arch,
                    target=args.target, pdl=getattr(args, "pdl", False),
+                   wgmma_fp32=getattr(args, "wgmma_fp32", False),
                    compile_modes=list(args.compile_modes), repeat=args.repeat, warmup=args.warmup,
                    tiny=args.tiny, models={})
     try:

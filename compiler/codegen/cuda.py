@@ -1572,9 +1572,11 @@ def _rows_of_a(plan: _GemmPlan, an: _Analysis, reads, names) -> tuple[str, str] 
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
                 config: str | None = None, gemv: bool = False,
-                codes: Codes | None = None) -> tuple[str, dict, tuple | None]:
+                codes: Codes | None = None, wgmma_fp32: bool = False) -> tuple[str, dict, tuple | None]:
     """The kernel of a GEMM ``plan`` (:func:`_plan_gemm`): a tensor-core template, or with ``gemv``
-    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as low-bit codes)."""
+    (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as low-bit codes).
+    ``wgmma``: half-precision products may take the Hopper template, and float32 ones (TF32 or
+    3xTF32) with ``wgmma_fp32`` or on a forced ``config``."""
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1604,10 +1606,12 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         kv = list(red.vars)
         da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, dt, M, K, an, reads, bblk)
         db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, dt, N, K, an, reads, bblk)
-        # (TF32 wgmma reads K-major operands only: a weight is stored [N, K] for it, see the driver;
-        # float32 products, 3xTF32 on it, only on a tile forced for the op: not measured on a GPU yet)
-        k_major = plan.prec not in ("tf32", "f32") or (da is not None and da.k_major and db is not None and db.k_major)
-        if da is not None and db is not None and k_major and (plan.prec != "f32" or config is not None):
+        # float32 operands (TF32, 3xTF32; not measured on a GPU yet: opt-in, wgmma_fp32 or a tile
+        # forced for the op) must be K-major, which the TF32 instruction reads only: the driver
+        # stores weights [N, K] for it
+        half = plan.prec not in ("tf32", "f32")
+        if da is not None and db is not None and (half or da.k_major and db.k_major
+                                                  and (wgmma_fp32 or config is not None)):
             direct = (da, db)
     if direct is None:
         load_a = side(plan.a, "sf_m", plan.m_axes)
@@ -1939,7 +1943,7 @@ _GEMV_MIN_K = 16
 
 def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
               config: str | None = None, mma: bool = False,
-              in_place: int | None = None) -> tuple[str, KernelLaunch, tuple | None]:
+              in_place: int | None = None, wgmma_fp32: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -1974,7 +1978,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         plan = _plan_gemm(gc, value, an, fp32)
         if plan is not None:
             src, cfg, wrapper = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, wgmma,
-                                            config)
+                                            config, wgmma_fp32=wgmma_fp32)
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
                                   len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())),
@@ -2022,7 +2026,7 @@ class CudaSource:
 
 def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", arch: str = "sm_80",
                          gemm_configs: dict[str, str] | None = None, pdl: bool = False,
-                         in_place: dict[str, int] | None = None) -> CudaSource:
+                         in_place: dict[str, int] | None = None, wgmma_fp32: bool = False) -> CudaSource:
     """Generate the CUDA translation unit for ``ops`` (no compilation).
 
     Parameters
@@ -2045,6 +2049,10 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         ``{op name: input index}``: ops whose (one) output the program writes over that input;
         where the output is ``c ? x[i] : e`` with ``x`` that input read at the output's own index,
         the kernel stores ``e`` only where ``c`` does not hold (``build_cuda_library``'s).
+    wgmma_fp32
+        On sm_90: float32 products whose operands are both K-major take the wgmma template too
+        (one TF32 product at ``precision="tf32"``, else 3xTF32; rfcs/0005 decisions 33, 34), not
+        only those on a tile ``gemm_configs`` forces. Not measured on a GPU yet: off by default.
 
     Returns
     -------
@@ -2077,7 +2085,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         try:
             src, launch, wrapper = _lower_op(op, _PLACEHOLDER, fp32, arch in WGMMA_ARCHS,
                                              (gemm_configs or {}).get(op.name), _sm(arch) >= 80,
-                                             (in_place or {}).get(op.name))
+                                             (in_place or {}).get(op.name), wgmma_fp32)
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -2292,7 +2300,7 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
                        search_space: int = 1, views: Sequence[str] = (),
-                       gemm_tiles: dict[str, str] | None = None, pdl: bool = False,
+                       gemm_tiles: dict[str, str] | None = None, pdl: bool = False, wgmma_fp32: bool = False,
                        in_place: dict[str, str] | None = None) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
@@ -2337,6 +2345,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         neighbour's kernel; the others get no kernel and no entry in the result.
     pdl
         Kernels for programmatic dependent launch (see :func:`generate_cuda_source`).
+    wgmma_fp32
+        Float32 products on the Hopper template (see :func:`generate_cuda_source`;
+        ``optimization_config["wgmma_fp32"]``).
     in_place
         ``{output tensor name: input tensor name}``: outputs the program writes over that input's
         bytes (a state, ``compile(state=...)``; the caller makes sure the program aliases them). The
@@ -2407,8 +2418,10 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
+                           wgmma_fp32=wgmma_fp32,
                            cache_dir=cache, compile_source=lambda s: compile_unit(s)[0])
     src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})}, pdl=pdl,
+                               wgmma_fp32=wgmma_fp32,
                                in_place=aliased)
     for pattern, names in matched.items():
         if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):

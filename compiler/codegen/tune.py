@@ -132,7 +132,7 @@ def measure_on_gpu(cubin: bytes, launch, op: Operator, reps: int = 10) -> float:
 
 def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir: str,
                compile_source: Callable, measure: Callable | None = None, output: Callable | None = None,
-               device: str | None = None) -> dict[str, str]:
+               device: str | None = None, wgmma_fp32: bool = False) -> dict[str, str]:
     """Measured wgmma tiles for the GEMMs of ``ops``: op name -> tile name (only ops whose
     choice was measured or cached; the others keep the default).
 
@@ -140,7 +140,8 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
     launch, op) -> ms`` times one kernel (default :func:`measure_on_gpu`); ``output(cubin, launch,
     op)`` is its result on the same operands (default :func:`output_on_gpu`), which must agree with
     the default tile's for the candidate to count; ``device`` names the GPU the choices are for
-    (default: the visible one; without one nothing is measured).
+    (default: the visible one; without one nothing is measured). ``wgmma_fp32``: as
+    :func:`~.cuda.generate_cuda_source` takes it (float32 products on the wgmma template too).
     """
     from .cuda import _atomic_write, generate_cuda_source
 
@@ -150,7 +151,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         return {}
     measure = measure or measure_on_gpu
     output = output or output_on_gpu
-    base = generate_cuda_source(list(ops), precision, arch)
+    base = generate_cuda_source(list(ops), precision, arch, wgmma_fp32=wgmma_fp32)
     folder = os.path.join(cache_dir, "tune")
     chosen: dict[str, str] = {}
     todo = {}  # cache path -> (op, the default tile's source, {candidate: source}, names of ops with its kernel)
@@ -172,11 +173,11 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
             continue
         cands = {}
         for cand in CANDIDATES:
-            src = generate_cuda_source([op], precision, arch, {op.name: cand})
+            src = generate_cuda_source([op], precision, arch, {op.name: cand}, wgmma_fp32=wgmma_fp32)
             if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
                 continue  # a batched product: the tile falls back to a cp.async one measured anyway
             cands[cand] = src
-        todo[path] = (op, generate_cuda_source([op], precision, arch), cands, [op.name])
+        todo[path] = (op, generate_cuda_source([op], precision, arch, wgmma_fp32=wgmma_fp32), cands, [op.name])
     # every candidate is compiled before any is timed, all at once (nvcc runs apart from Python)
     sources = {s.text: s for _, alone, cands, _ in todo.values() for s in (alone, *cands.values())}
     cubins = _compile_concurrently(list(sources.values()), compile_source)

@@ -875,15 +875,16 @@ def test_tf32_wgmma_gemms_on_the_host(tmp_path, cfg, blocks):
 
 @pytest.mark.parametrize("model,precision", [("gpt2_ts17", "tf32"), ("bert_ts17", "tf32"), ("llama_ts17", "float32")])
 def test_float32_model_program_on_wgmma_on_the_host(tmp_path, model, precision):
-    """A test model at ``precision="tf32"`` for sm_90, as the driver builds it (its weights stored
-    ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the TF32 wgmma template;
-    or at float32 with every GEMM forced onto a wgmma tile (3xTF32; the weights ``[N, K]`` as they
-    are). Every kernel against the evaluator (tf32: on the rounded weights; float32: to float32
-    accuracy)."""
+    """A test model at ``precision="tf32"`` with ``wgmma_fp32`` for sm_90, as the driver builds it
+    (its weights stored ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the
+    TF32 wgmma template; or at float32 with every GEMM forced onto a wgmma tile (3xTF32; the
+    weights ``[N, K]`` as they are). Every kernel against the evaluator (tf32: on the rounded
+    weights; float32: to float32 accuracy)."""
     graph = _rank_graph_for_cuda(model, precision="tf32" if precision == "tf32" else "float32-wgmma")
     env, consts, groups = _graph_values(*graph, views=True)
     forced = {} if precision == "tf32" else {g.name: "tma128x128" for g in groups}
-    src = generate_cuda_source(groups, arch="sm_90", precision=precision, gemm_configs=forced)
+    src = generate_cuda_source(groups, arch="sm_90", precision=precision, gemm_configs=forced,
+                               wgmma_fp32=precision == "tf32")
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     kinds = [src.launches[g.name].kind for g in host_groups]
     gemms = [k for k in kinds if k.startswith("gemm")]
@@ -918,16 +919,20 @@ def test_float32_wgmma_gemms_on_the_host(tmp_path, cfg, blocks):
     assert float(np.max(np.abs(out - want))) < 2e-6 * float(np.max(np.abs(want))), cfg  # (NaN fails too)
 
 
-def test_float32_products_stay_on_wmma_unless_a_tile_is_forced():
-    """Without a forced tile a float32 product keeps the portable 3xTF32 kernel (the wgmma one is
-    not measured on a GPU yet); an operand that is not K-major keeps it even on a forced tile."""
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
+def test_float32_products_stay_on_wmma_unless_asked(precision):
+    """Without ``wgmma_fp32`` or a forced tile a float32 product keeps the portable kernel (the
+    wgmma ones are not measured on a GPU yet); an operand that is not K-major keeps it in any case."""
     from test_wgmma import _gemm
 
     ops = [_gemm(200, 136, 100, "float32", tb=True, name="free"), _gemm(200, 136, 100, "float32", tb=True, name="forced"),
            _gemm(200, 136, 100, "float32", name="mn_major")]
-    src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"forced": "tma128x128", "mn_major": "tma128x128"})
-    assert {k: v.kind for k, v in src.launches.items()} == {"free": "gemm-f32", "forced": "gemm-wgmma-f32",
-                                                            "mn_major": "gemm-f32"}
+    forced = {"forced": "tma128x128", "mn_major": "tma128x128"}
+    t = "f32" if precision == "float32" else "tf32"
+    for flag, free in ((False, f"gemm-{t}"), (True, f"gemm-wgmma-{t}")):
+        src = generate_cuda_source(ops, precision, "sm_90", gemm_configs=forced, wgmma_fp32=flag)
+        assert {k: v.kind for k, v in src.launches.items()} == {"free": free, "forced": f"gemm-wgmma-{t}",
+                                                                "mn_major": f"gemm-{t}"}
 
 
 def test_an_mbarrier_used_before_its_init_fails_the_launch(tmp_path):

@@ -198,14 +198,16 @@ def test_round_tf32_keeps_ten_mantissa_bits_to_nearest():
 
 
 def test_tf32_on_hopper_stores_weights_k_major_and_rounded(tmp_path):
-    """``precision="tf32"`` for sm_90: each MatMul/Gemm weight is stored ``[N, K]`` (a Gemm's
-    ``trans_b`` one as it is) with its values rounded to TF32, and every projection of GPT-2's test
-    model runs on the TF32 wgmma template; for sm_80 the weights stay as they are (the portable
-    TF32 template rounds the operands itself)."""
+    """``precision="tf32"`` with ``wgmma_fp32`` for sm_90: each MatMul/Gemm weight is stored
+    ``[N, K]`` (a Gemm's ``trans_b`` one as it is) with its values rounded to TF32, and every
+    projection of GPT-2's test model runs on the TF32 wgmma template; without the option (not
+    measured on a GPU yet) the weights stay as they are and the portable TF32 template, which
+    rounds the operands itself, runs them; sm_80 refuses the option."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
-    from shardflow.compiler.passes.precision import Float32WeightsKMajor, round_tf32
+    from shardflow.compiler.errors import ConfigError
     from shardflow.compiler.ops.linalg import Gemm
+    from shardflow.compiler.passes.precision import Float32WeightsKMajor, round_tf32
 
     rng = np.random.default_rng(0)
     w, v = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((40, 48)).astype(np.float32)
@@ -221,29 +223,34 @@ def test_tf32_on_hopper_stores_weights_k_major_and_rounded(tmp_path):
     np.testing.assert_array_equal(consts["v.tf32"].value, round_tf32(v))
     assert "odd" in consts  # K = 38: not 16-byte aligned, left as it is
     kinds = {}
-    for arch in ("sm_90", "sm_80"):
-        out = tmp_path / arch
+    for wgmma in (True, False):
+        out = tmp_path / str(wgmma)
         compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]},
-                optimization_config={"precision": "tf32", "target": "cuda", "arch": arch}, out_dir=out)
+                optimization_config={"precision": "tf32", "target": "cuda", "arch": "sm_90", "wgmma_fp32": wgmma},
+                out_dir=out)
         program = json.loads((out / "rank0" / "program.json").read_text())
-        kinds[arch] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
-    assert kinds["sm_90"].count("gemm-wgmma-tf32") >= 8 and "gemm-tf32" not in kinds["sm_90"], kinds
-    assert kinds["sm_80"].count("gemm-tf32") >= 8 and "gemm-wgmma-tf32" not in kinds["sm_80"], kinds
+        kinds[wgmma] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert kinds[True].count("gemm-wgmma-tf32") >= 8 and "gemm-tf32" not in kinds[True], kinds
+    assert kinds[False].count("gemm-tf32") >= 8 and "gemm-wgmma-tf32" not in kinds[False], kinds
+    with pytest.raises(ConfigError, match="wgmma_fp32"):
+        compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "x",
+                optimization_config={"precision": "tf32", "target": "cuda", "arch": "sm_80", "wgmma_fp32": True})
 
 
 def test_float32_products_on_forced_wgmma_tiles(tmp_path):
     """At the default precision (float32: 3xTF32) the GEMMs stay on the portable kernel unless
-    ``gemm_tiles`` forces a wgmma tile (the Hopper 3xTF32 kernel is not measured on a GPU yet):
-    then the matched MatMul/Gemm weights are stored ``[N, K]`` with their exact values and those
-    products take it."""
+    ``gemm_tiles`` forces a wgmma tile or ``wgmma_fp32`` is set (the Hopper 3xTF32 kernel is not
+    measured on a GPU yet): then the (matched) MatMul/Gemm weights are stored ``[N, K]`` with their
+    exact values and those products take it."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
     kinds = {}
-    for tiles in ({}, {"*": "tma128x128"}):
-        out = tmp_path / str(len(tiles))
+    for i, opt in enumerate(({}, {"gemm_tiles": {"*": "tma128x128"}}, {"wgmma_fp32": True})):
+        out = tmp_path / str(i)
         compile(MODELS / "llama_ts17.onnx", distributed_config={"mesh_shape": [1]},
-                      optimization_config={"target": "cuda", "arch": "sm_90", "gemm_tiles": tiles}, out_dir=out)
+                optimization_config={"target": "cuda", "arch": "sm_90", **opt}, out_dir=out)
         program = json.loads((out / "rank0" / "program.json").read_text())
-        kinds[len(tiles)] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+        kinds[i] = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
     assert "gemm-wgmma-f32" not in kinds[0] and kinds[0].count("gemm-f32") >= 8, kinds[0]
-    assert kinds[1].count("gemm-wgmma-f32") >= 8 and "gemm-f32" not in kinds[1], kinds[1]
+    for i in (1, 2):
+        assert kinds[i].count("gemm-wgmma-f32") >= 8 and "gemm-f32" not in kinds[i], kinds[i]

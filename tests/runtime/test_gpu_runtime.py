@@ -154,21 +154,25 @@ def test_lower_precisions_on_one_gpu(tmp_path, model, precision, rel):
 
 
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
-def test_float32_model_on_forced_wgmma_tiles_3xtf32(tmp_path, model):
-    """The default precision (float32) with every GEMM forced onto a wgmma tile (``gemm_tiles``):
-    3xTF32 on the Hopper template (rfcs/0005 decision 34), float32's tolerance of onnxruntime."""
+@pytest.mark.parametrize("opt,kind,rel", [({"gemm_tiles": {"*": "tma128x128"}}, "gemm-wgmma-f32", 0.0),
+                                          ({"wgmma_fp32": True}, "gemm-wgmma-f32", 0.0),
+                                          ({"precision": "tf32", "wgmma_fp32": True}, "gemm-wgmma-tf32", 5e-3)])
+def test_float32_models_on_wgmma_3xtf32_and_tf32(tmp_path, model, opt, kind, rel):
+    """Float32 products on the Hopper template (rfcs/0005 decisions 33, 34): the default precision
+    with every GEMM on a forced wgmma tile or with ``wgmma_fp32`` (3xTF32: float32's tolerance of
+    onnxruntime), and ``tf32`` with ``wgmma_fp32`` (one TF32 product: its tolerance)."""
     if _cupy() is None:
         pytest.skip("needs cupy and a CUDA device")
     import json
 
     from shardflow.runtime import load
 
-    out, inputs, ref = _compile(tmp_path, model, [1], "replicate", gemm_tiles={"*": "tma128x128"})
+    out, inputs, ref = _compile(tmp_path, model, [1], "replicate", **opt)
     program = json.loads((out / "rank0" / "program.json").read_text())
-    assert any(s["launch"]["kind"] == "gemm-wgmma-f32" for s in program["steps"] if s["kind"] == "kernel")
+    assert any(s["launch"]["kind"] == kind for s in program["steps"] if s["kind"] == "kernel")
     prog = load(out)
-    _close(prog.run(inputs), ref)
-    _close(prog.run(inputs), ref)  # CUDA graph replay
+    _close(prog.run(inputs), ref, rel)
+    _close(prog.run(inputs), ref, rel)  # CUDA graph replay
 
 
 @pytest.mark.parametrize("tile", ["tma128x128", "tma64x128"])
