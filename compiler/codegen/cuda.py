@@ -31,8 +31,9 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
       are dense half-precision tensors (16-byte aligned rows) takes the Hopper template of
       :mod:`.cuda_wgmma` instead (``wgmma`` fed by a ``cp.async`` pipeline, or for unbatched
       products by the bulk tensor copy engine in a persistent kernel; compiled for ``sm_90a``),
-      and so does a ``precision="tf32"`` product whose float32 operands are both K-major (the
-      driver stores such a program's weights ``[N, K]`` for it).
+      and, with ``wgmma_fp32`` (opt-in, not yet run on a GPU) or on a forced tile, so does a
+      float32 product whose operands are both K-major (one TF32 product, or 3xTF32; the driver
+      stores the weights ``[N, K]`` for it).
       With fewer than 16 rows on one side (decoding) and at least 16 on the other, the GEMV
       template of :mod:`.cuda_gemv` (the larger operand streamed once, coalesced along its unit
       stride, the rows' sums in registers; float32 products and sums).

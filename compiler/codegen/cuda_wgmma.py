@@ -1,15 +1,15 @@
 """Hopper GEMM template: ``wgmma`` tensor-core instructions fed by a multi-stage ``cp.async`` pipeline.
 
 Used by :mod:`.cuda` for half-precision (float16/bfloat16) products on ``sm_90``/``sm_90a`` when
-both operands are plain dense reads of half-precision tensors (:class:`DirectOperand`), and for
-TF32 ones (``precision="tf32"``; float32 ones as 3xTF32 on a forced tile) when both are K-major
-reads of float32 tensors (a K tile is one 128-byte row whatever the type: 64 halves or 32 floats,
-so the stages are the same bytes): each
-operand tile is copied from global to shared memory 16 bytes at a time with ``cp.async`` (no
-registers on the way), in the 128-byte swizzled layout the tensor cores read, and the warpgroups
-issue ``wgmma.mma_async`` on it while the next tiles are in flight. Anything else (3xTF32 float32
-products, MN-major TF32 operands, gathered or clamped reads, sizes that break 16-byte alignment)
-keeps the portable ``wmma`` template of :mod:`.cuda_templates`.
+both operands are plain dense reads of half-precision tensors (:class:`DirectOperand`), and, opt-in
+(``wgmma_fp32`` or a forced tile), for float32 ones when both are K-major reads of float32 tensors:
+one TF32 product (``precision="tf32"``) or 3xTF32 (a K tile is one 128-byte row whatever the type:
+64 halves or 32 floats, so the stages are the same bytes). Each operand tile is copied from global
+to shared memory 16 bytes at a time with ``cp.async`` (no registers on the way), in the 128-byte
+swizzled layout the tensor cores read, and the warpgroups issue ``wgmma.mma_async`` on it while the
+next tiles are in flight. Anything else (float32 products not opted in, MN-major float32 operands,
+gathered or clamped reads, sizes that break 16-byte alignment) keeps the portable ``wmma`` template
+of :mod:`.cuda_templates`.
 
 Block tile (:data:`WGMMA_CONFIGS`): ``BM = 64 × WG`` rows (one consumer warpgroup of 128 threads
 per 64 rows), ``BN`` columns (one ``m64nBNk16`` instruction per warpgroup and 16-deep K step),
