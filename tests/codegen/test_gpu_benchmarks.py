@@ -74,16 +74,17 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
     the symbol its launch names, with the tensor-core kind of its dtype."""
     gemm = _load("gemm")
     out = tmp_path / "gemm.json"
-    section = gemm.main(["--dry-run", "--m", "128", "--shapes", "gpt2.attn_out", "--dtypes", "float16,bfloat16,tf32",
+    section = gemm.main(["--dry-run", "--m", "128", "--shapes", "gpt2.attn_out", "--dtypes", "float16,bfloat16,tf32,float32",
                          "--jobs", "1", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     kernels = section["kernels"]
     assert [k["id"] for k in kernels] == ["gpt2_attn_out_M128_float16", "gpt2_attn_out_M128_bfloat16",
-                                          "gpt2_attn_out_M128_tf32_nk"]  # (tf32: B stored [N, K])
-    assert [k["kind"] for k in kernels] == ["gemm-wgmma-f16", "gemm-wgmma-bf16", "gemm-wgmma-tf32"]
+                                          "gpt2_attn_out_M128_tf32_nk", "gpt2_attn_out_M128_float32_nk"]
+    # (float32 operands: B stored [N, K], on the wgmma template, opt-in in the compiler)
+    assert [k["kind"] for k in kernels] == ["gemm-wgmma-f16", "gemm-wgmma-bf16", "gemm-wgmma-tf32", "gemm-wgmma-f32"]
     for k in kernels:
         assert k["grid"][0] * k["grid"][1] * k["grid"][2] > 0 and k["block"][0] in (128, 256, 384)
     cubins = list((tmp_path / "cache").rglob("*.cubin"))
-    assert len(cubins) == 3
+    assert len(cubins) == 4
     for k in kernels:
         assert any(k["symbol"].encode() in c.read_bytes() and c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
     assert json.loads(out.read_text())["kernels"] == kernels
