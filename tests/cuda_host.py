@@ -737,7 +737,8 @@ def _host_source(text: str) -> str:
     def kept(helpers: str, *names: str) -> str:
         return "".join(re.search(rf"__device__ __forceinline__ [\w ]+ {name}\(.*?\n\}}\n", helpers, re.S).group(0)
                        for name in names)
-    text = text.replace(ATTENTION_HELPERS, "").replace(WGMMA_HELPERS, kept(WGMMA_HELPERS, "sf_smem_desc", "sf_grid_wait"))
+    text = text.replace(ATTENTION_HELPERS, "")
+    text = text.replace(WGMMA_HELPERS, kept(WGMMA_HELPERS, "sf_smem_desc", "sf_grid_wait"))
     text = text.replace(SPLIT_HELPERS, kept(SPLIT_HELPERS, "sf_split4"))  # (the shim's sf_tf32: no PTX)
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",

@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE", "DirectOperand", "choose_wgmma_config",
-           "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
+__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE", "DirectOperand",
+           "choose_wgmma_config", "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
 WGMMA_ARCHS = ("sm_90", "sm_90a")
@@ -481,7 +481,8 @@ __device__ __forceinline__ void sf_mbar_arrive_cluster(unsigned addr) {
 
 
 #: the 3xTF32 split (:data:`_SPLIT`), emitted once in a unit whose kernels use it
-SPLIT_HELPERS = r"""// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero); hi in place, lo `lo` float4s further
+SPLIT_HELPERS = r"""// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero);
+// hi in place, lo `lo` float4s further
 __device__ __forceinline__ float sf_tf32(float x) {
   unsigned r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
@@ -977,6 +978,7 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     assert smem <= _SMEM_LIMIT, (config, smem)
     stage = a_bytes + b_bytes  # the bytes the copies bring
     stride = stage * (2 if split else 1)  # (a split type's stage: the tiles, then their low parts)
+    nbars = _barrier_count(wg, S, mode)
     bk = _bk(ab)
     KT = -(-K // bk)
     assert not (ck or mc) or _cluster_applies(config, M, K, bk), (config, M, K)
@@ -1169,7 +1171,7 @@ const int sf_c = (sf_wl & 3) * 2;
   float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw) + {S * stride});
   const unsigned sf_bars = sf_base + {S * stride + staging};
   volatile int* sf_flag =  // split-K: whether this block finishes the tile
-      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stride + staging + 8 * _barrier_count(wg, S, mode)});
+      reinterpret_cast<volatile int*>(sf_dyn + (sf_base - sf_raw) + {S * stride + staging + 8 * nbars});
   (void)sf_flag;
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;

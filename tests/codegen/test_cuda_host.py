@@ -925,8 +925,8 @@ def test_float32_products_stay_on_wmma_unless_asked(precision):
     wgmma ones are not measured on a GPU yet); an operand that is not K-major keeps it in any case."""
     from test_wgmma import _gemm
 
-    ops = [_gemm(200, 136, 100, "float32", tb=True, name="free"), _gemm(200, 136, 100, "float32", tb=True, name="forced"),
-           _gemm(200, 136, 100, "float32", name="mn_major")]
+    ops = [_gemm(200, 136, 100, "float32", tb=True, name="free"),
+           _gemm(200, 136, 100, "float32", tb=True, name="forced"), _gemm(200, 136, 100, "float32", name="mn_major")]
     forced = {"forced": "tma128x128", "mn_major": "tma128x128"}
     t = "f32" if precision == "float32" else "tf32"
     for flag, free in ((False, f"gemm-{t}"), (True, f"gemm-wgmma-{t}")):

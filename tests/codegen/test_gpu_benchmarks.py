@@ -74,7 +74,8 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
     the symbol its launch names, with the tensor-core kind of its dtype."""
     gemm = _load("gemm")
     out = tmp_path / "gemm.json"
-    section = gemm.main(["--dry-run", "--m", "128", "--shapes", "gpt2.attn_out", "--dtypes", "float16,bfloat16,tf32,float32",
+    section = gemm.main(["--dry-run", "--m", "128", "--shapes", "gpt2.attn_out",
+                         "--dtypes", "float16,bfloat16,tf32,float32",
                          "--jobs", "1", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     kernels = section["kernels"]
     assert [k["id"] for k in kernels] == ["gpt2_attn_out_M128_float16", "gpt2_attn_out_M128_bfloat16",
