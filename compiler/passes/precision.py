@@ -277,8 +277,9 @@ class Float32WeightsKMajor(GraphPass):
     reads a float32 with its low 13 mantissa bits ignored, so the weight is rounded to nearest, as
     the portable TF32 template rounds it; the activation, which the copy engine loads as it is,
     loses those bits by truncation (relative error under ``2**-10``). Otherwise (``precision=
-    "float32"``: 3xTF32, which splits the exact values in the kernel) the weights of the ops
-    ``only`` accepts (those forced onto a wgmma tile), unrounded. A weight whose ``K`` breaks
+    "float32"``: 3xTF32, which splits the exact values in the kernel) unrounded; a Gemm's
+    ``trans_b`` weight is then already in place. ``only``: the ops whose weights are stored so
+    (those forced onto a wgmma tile; None: every one, ``wgmma_fp32``). A weight whose ``K`` breaks
     16-byte alignment (not a multiple of 4) is left as it is (the product then takes the portable
     kernel)."""
 
@@ -287,8 +288,6 @@ class Float32WeightsKMajor(GraphPass):
         self.only = only
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.transform import Transpose
-
         nodes: list[Operator] = []
         stored: dict[tuple[int, bool], Tensor] = {}  # (weight, transposed in the model) -> its [N, K] copy
         for op in graph.nodes:
@@ -303,12 +302,8 @@ class Float32WeightsKMajor(GraphPass):
                     if trans_b:  # already [N, K]: the rounded values in its place
                         stored[key] = const_tensor(round_tf32(value), f"{t.name}.tf32")
                     else:
-                        nk = np.ascontiguousarray(value.T)
-                        name = f"{t.name}.tf32.T" if self.tf32 else f"{t.name}.T"
-                        flip = Transpose([const_tensor(round_tf32(nk) if self.tf32 else nk, name)],
-                                         name=f"{op.name}.w1.T", perm=(1, 0))
-                        nodes.append(flip)
-                        stored[key] = flip.outputs[0]
+                        stored[key] = _k_major(op, 1, round_tf32(value) if self.tf32 else value,
+                                               f"{t.name}.tf32.T" if self.tf32 else f"{t.name}.T", nodes)
                 op.inputs = [op.inputs[0], stored[key], *op.inputs[2:]]
             nodes.append(op)
         graph.nodes = nodes
