@@ -165,6 +165,9 @@ class OptimizationConfig:
             if not (arch.startswith(("sm_", "compute_")) and arch.split("_", 1)[1].rstrip("af").isdigit()):
                 raise ConfigError(f"optimization_config['arch'] = {arch!r}: use a CUDA architecture such as 'sm_80' "
                                   "or 'sm_90'")
+            if int(arch.split("_", 1)[1].rstrip("af")) < 80:
+                raise ConfigError(f"optimization_config['arch'] = {arch!r}: the cuda target generates code for "
+                                  "sm_80 (Ampere) and newer (cp.async copies, TF32 and bfloat16 tensor cores)")
             kw["arch"] = arch
         elif target == "cuda":
             kw["arch"] = "sm_90"
@@ -1137,6 +1140,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.precision import HalfWeightsKMajor
 
                 rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
+                from .codegen.cuda import _sm
                 from .codegen.cuda_wgmma import WGMMA_ARCHS
 
                 if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
@@ -1151,6 +1155,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.attention import FuseAttention
 
                 rg = FuseAttention().run(rg)
+                if _sm(opt.arch) >= 80:
+                    # and on float32 operands (TF32 or 3xTF32 products, mma.sync needs sm_80)
+                    rg = FuseAttention(float32=True, target="cuda").run(rg)
                 # attention that is half in the model: float32 inside, one fused kernel (passes/attention.py)
                 from .passes.attention import HalfAttentionInFloat32
 

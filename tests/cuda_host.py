@@ -4,9 +4,9 @@ The cuda target's kernels are C++ with a few CUDA constructs: thread and block i
 ``__shared__`` arrays, ``__syncthreads``, ``__shfl_xor_sync``, half-precision conversions and
 device math; the portable GEMM template's ``nvcuda::wmma`` API (each lane holds its fragment's
 whole tile: the template only uses fragments through the API or element-wise); the attention
-kernel's ``ldmatrix`` and
-``mma.sync.m16n8k16`` (after the PTX ISA's fragment layouts: a warp's matrix instruction waits for
-all its lanes, like a shuffle); and the Hopper GEMMs' asynchronous machinery, modelled so that a
+kernel's ``ldmatrix``, ``mma.sync.m16n8k16`` and ``m16n8k8`` (TF32: an operand not converted to
+TF32 fails the launch) (after the PTX ISA's fragment layouts: a warp's matrix instruction waits
+for all its lanes, like a shuffle); and the Hopper GEMMs' asynchronous machinery, modelled so that a
 missing wait shows: ``cp.async`` copies land only at the ``wait_group`` that covers their group,
 ``wgmma`` products (operands read through their shared-memory descriptors, 128-byte swizzle) run
 only at the ``wait_group`` that covers them, bulk tensor copies (TMA, from the emulation's own
@@ -101,6 +101,7 @@ static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
 }
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 static inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 template <typename A, typename B> static inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
 template <typename A, typename B> static inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
@@ -284,6 +285,35 @@ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, un
     const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
     float acc = c[q];
     for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    c[q] = acc;
+  }
+}
+// mma.sync.m16n8k8.row.col with TF32 operands (each register one value; g = lane/4, t = lane%4):
+// A regs: (g, t), (g+8, t), (g, t+4), (g+8, t+4); B regs: (t, g), (t+4, g); C as m16n8k16's. An
+// operand must be TF32 (its low 13 bits clear, as cvt.rna.tf32.f32 leaves them): the kernels convert
+// every one, so a value that is not fails the launch
+static void mma_tf32(float* c, const unsigned* mine) {
+  const Words* all = exchange(mine, 6);
+  float A[16][8], B[8][8];
+  for (int l = 0; l < 32; ++l) {
+    for (int r = 0; r < 6; ++r)
+      if ((all[l].w[r] & 0x7f800000u) != 0x7f800000u && (all[l].w[r] & 0x1fffu))
+        fail("an mma.sync TF32 operand is not TF32 (bits %08x): convert it with cvt.rna.tf32.f32", all[l].w[r]);
+    const int g = l / 4, t = l % 4;
+    float v[6];
+    memcpy(v, all[l].w, sizeof v);
+    A[g][t] = v[0];
+    A[g + 8][t] = v[1];
+    A[g][t + 4] = v[2];
+    A[g + 8][t + 4] = v[3];
+    B[t][g] = v[4];
+    B[t + 4][g] = v[5];
+  }
+  const int lane = lane_of(cur), g = lane / 4, t = lane % 4;
+  for (int q = 0; q < 4; ++q) {
+    const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
+    float acc = c[q];
+    for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
     c[q] = acc;
   }
 }
@@ -547,6 +577,16 @@ static inline void sf_emu_mma(bool bf, float& c0, float& c1, float& c2, float& c
   c0 = c[0]; c1 = c[1]; c2 = c[2]; c3 = c[3];
 }
 
+static inline void sf_emu_mma_tf32(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+                                   unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+  float c[4] = {c0, c1, c2, c3};
+  const unsigned ab[6] = {a0, a1, a2, a3, b0, b1};
+  sf_emu::mma_tf32(c, ab);
+  c0 = c[0]; c1 = c[1]; c2 = c[2]; c3 = c[3];
+}
+// the float32 attention kernels' conversion (cuda_attention.ATTENTION_FLOAT_HELPERS; sf_att_split kept)
+static inline unsigned sf_att_tf32(float x) { return __float_as_uint(nvcuda::wmma::__float_to_tf32(x)); }
+
 static inline void __syncthreads() { sf_emu::wait(sf_emu::BAR); }
 static inline void __syncwarp(unsigned = 0xffffffffu) { sf_emu::wait(sf_emu::WARP); }
 template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
@@ -723,21 +763,23 @@ _WGMMA_TYPES = ("f16", "bf16", "tf32")  # the shim's Mma::ty
 _NO_OP_ASM = re.compile(r'asm volatile\("(?:setmaxnreg|fence\.mbarrier_init|griddepcontrol)[^"]*"[^;]*;')
 #: the vector types of the generated code, whose accesses are checked for alignment
 _VECTOR = re.compile(r"reinterpret_cast<(const )?((?:SfVec4<[\w ]+>)|float4|float2)\*>\(")
-_MMA = re.compile(r'asm volatile\("mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*" : '
-                  r'([^:]*) : ([^;]*)\);')
+_MMA = re.compile(r'asm volatile\("mma\.sync\.aligned\.'
+                  r'(m16n8k16\.row\.col\.f32\.(f16|bf16)\.\2|m16n8k8\.row\.col\.f32\.tf32\.tf32)'
+                  r'\.f32 [^"]*" : ([^:]*) : ([^;]*)\);')
 
 
 def _host_source(text: str) -> str:
     """The generated source with what the shim provides in its place: the helpers with inline PTX
     (but the descriptor encoding and the grid-wide wait, kept as generated), ``mma.sync``, ``wgmma`` and no-op PTX
     statements, the dynamic shared memory; vector accesses go through an alignment check."""
-    from shardflow.compiler.codegen.cuda_attention import ATTENTION_HELPERS
+    from shardflow.compiler.codegen.cuda_attention import ATTENTION_FLOAT_HELPERS, ATTENTION_HELPERS
     from shardflow.compiler.codegen.cuda_wgmma import SPLIT_HELPERS, WGMMA_HELPERS
 
     def kept(helpers: str, *names: str) -> str:
         return "".join(re.search(rf"__device__ __forceinline__ [\w ]+ {name}\(.*?\n\}}\n", helpers, re.S).group(0)
                        for name in names)
     text = text.replace(ATTENTION_HELPERS, "")
+    text = text.replace(ATTENTION_FLOAT_HELPERS, kept(ATTENTION_FLOAT_HELPERS, "sf_att_split"))
     text = text.replace(WGMMA_HELPERS, kept(WGMMA_HELPERS, "sf_smem_desc", "sf_grid_wait"))
     text = text.replace(SPLIT_HELPERS, kept(SPLIT_HELPERS, "sf_split4"))  # (the shim's sf_tf32: no PTX)
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
@@ -752,10 +794,12 @@ def _host_source(text: str) -> str:
                                  f"{m.group(3)}, {m.group(4)});\n}}\n"), text)
 
     def mma(m: re.Match) -> str:
-        c = re.findall(r'"\+f"\(([^)]*)\)', m.group(2))
-        ab = re.findall(r'"r"\(([^)]*)\)', m.group(3))
+        c = re.findall(r'"\+f"\(([^)]*)\)', m.group(3))
+        ab = re.findall(r'"r"\(([^)]*)\)', m.group(4))
         assert len(c) == 4 and len(ab) == 6, m.group(0)
-        return f"sf_emu_mma({'true' if m.group(1) == 'bf16' else 'false'}, {', '.join(c + ab)});"
+        if m.group(2) is None:  # TF32
+            return f"sf_emu_mma_tf32({', '.join(c + ab)});"
+        return f"sf_emu_mma({'true' if m.group(2) == 'bf16' else 'false'}, {', '.join(c + ab)});"
     return _MMA.sub(mma, text)
 
 

@@ -26,6 +26,8 @@
 #   bash benchmarks/gpu/device_session.sh tf32    # precision="tf32" on the wgmma template: its GPU tests, then
 #                                                 # every GEMM shape in TF32 vs cuBLAS's TF32, 3xTF32 vs SGEMM,
 #                                                 # GPT-2 at tf32, < 9 min
+#   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32): its
+#                                                 # GPU tests, then every type's kernel vs torch's SDPA, < 4 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -333,7 +335,7 @@ case "$what" in
         f="$out/tf32.txt"
         echo "# device_session.sh tf32, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
-            tests/runtime/test_gpu_runtime.py -k "tf32" 2>&1 | tail -8 | tee -a "$f"
+            tests/codegen/test_attention.py tests/runtime/test_gpu_runtime.py -k "tf32" 2>&1 | tail -8 | tee -a "$f"
         timeout 120 python3 benchmarks/gpu/gemm.py --dtypes tf32 --jobs 14 >> "$f" 2>&1
         # float32-accurate: 3xTF32 on the wgmma template (decision 34) against cuBLAS's SGEMM
         echo "== gemm.py --dtypes float32" >> "$f"
@@ -343,6 +345,17 @@ case "$what" in
         timeout 150 python3 benchmarks/gpu/models.py --models gpt2_small --batches 1,8 --precision tf32 \
             --wgmma-fp32 --compile-modes reduce-overhead --export-dir /tmp/sf-export >> "$f" 2>&1
         tail -30 "$f"
+        ;;
+    attention)  # the fused attention kernel on float32 operands (rfcs/0005 decision 35, session 42; never run
+                # on a GPU): its GPU tests (every case, 3xTF32 and TF32, against the definition), then
+                # benchmarks/gpu/attention.py (every type, GPT-2's and Llama-7B's heads, causal, 1x128 to
+                # 1x4096, against torch's scaled_dot_product_attention), into $out/attention.txt
+        f="$out/attention.txt"
+        echo "# device_session.sh attention, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+        timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_attention.py \
+            -k "float32_kernel" 2>&1 | tail -5 | tee -a "$f"
+        timeout 150 python3 benchmarks/gpu/attention.py --jobs 14 --json "$out/attention.json" >> "$f" 2>&1
+        grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV
              # tests, then GPT-2's and Llama-7B's projections at 1, 4 and 8 rows against cuBLAS in float16 with

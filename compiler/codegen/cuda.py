@@ -1780,30 +1780,43 @@ def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, dtype: str, 
 # --- fused attention -----------------------------------------------------------------------------
 
 def _attention_member(op: Operator) -> Operator | None:
-    """The mixed-precision ``Attention`` op that ``op`` is or holds (a fused group's member)."""
+    """The ``Attention`` op that ``op`` is or holds (a fused group's member) if the fused kernel
+    may compute it: a mixed-precision one (half operands, ``acc_dtype="float32"``), or one on
+    float32 operands (FuseAttention's float32 form, or a float32 model's own op)."""
     members = getattr(op, "members", [op])
     att = [m for m in members if m.op_type == "Attention"]
     if len(att) != 1:
         return None
     a = att[0].attrs
-    if (a.get("acc_dtype") != "float32" or a.get("probs_dtype") not in ("float16", "bfloat16") or a.get("qk_mode")
-            is not None or a.get("softmax_dtype")):
+    mixed = a.get("acc_dtype") == "float32" and a.get("probs_dtype") in ("float16", "bfloat16")
+    float32 = a.get("acc_dtype") in (None, "float32") and not a.get("probs_dtype") and \
+        all(t.dtype == "float32" for t in att[0].inputs[:3])
+    if not (mixed or float32) or a.get("qk_mode") is not None or a.get("softmax_dtype"):
         return None  # (past_len and nonpad_kv_seqlen move only the diagonal and the last key seen)
     return att[0]
 
 
+def _attention_type(att: Operator, fp32: str) -> str:
+    """The fused kernel's operand type for ``att`` (:func:`_attention_member`'s): its half type, or
+    the float32 products' ``fp32`` (``"tf32"``, or ``"f32"`` for 3xTF32)."""
+    half = att.attrs.get("probs_dtype")
+    return _GEMM_PREC[half] if half else fp32
+
+
 def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: _Analysis, reads,
-                     names) -> tuple[str, dict] | None:
+                     names, fp32: str = "f32") -> tuple[str, dict] | None:
     """``op`` (an ``Attention`` with its fused prologue and element-wise epilogue) as the fused
-    attention kernel (:mod:`.cuda_attention`), or None where that kernel does not apply."""
+    attention kernel (:mod:`.cuda_attention`; float32 operands: ``fp32``'s products), or None where
+    that kernel does not apply."""
     from ..ir.task import TensorInput
     from .cuda_attention import AttnOperand, attention_kernel, takes_heads
     from .fusion import chain
 
     q_t, k_t, v_t = att.inputs[:3]
-    half = att.attrs["probs_dtype"]
+    half = att.attrs.get("probs_dtype") or "float32"  # (the operands' type)
     if not (q_t.dtype == k_t.dtype == v_t.dtype == half):
         return None
+    vec = 4 if half == "float32" else 8  # elements in a 16-byte copy
     b_, hq, hk, s_len, l_len, d_len, dv = att._geometry(q_t, k_t, v_t)
     if not takes_heads(d_len, dv):
         return None
@@ -1839,7 +1852,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         if set(coefs) - {vb, head, row, vd} or coefs.get(vd) != 1:
             return None
         o = AttnOperand(ptr, const, coefs.get(vb, 0), coefs.get(head, 0), coefs.get(row, 0))
-        if any(x % 8 for x in (o.const, o.sb, o.sh, o.sr)):
+        if any(x % vec for x in (o.const, o.sb, o.sh, o.sr)):
             return None  # 16-byte copies
         return o
 
@@ -1909,7 +1922,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
     epi = [f"const int sf_x{j} = {ix};" for j, ix in enumerate(out_idx)] + eblk.lines + \
         [f"out0[{offset}] = {em.stored(x, gc.dtype)};"]
-    return attention_kernel(symbol=symbol, params=params, half=_GEMM_PREC[half], B=b_, H=hq, S=s_len, L=l_len,
+    return attention_kernel(symbol=symbol, params=params, ab=_attention_type(att, fp32), B=b_, H=hq, S=s_len, L=l_len,
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
                             root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),
                             empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0
@@ -1965,7 +1978,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
 
     att = _attention_member(op) if mma and len(task.outputs) == 1 else None
     if att is not None:
-        fused = _lower_attention(op, att, symbol, param_text, an, reads, names)
+        fused = _lower_attention(op, att, symbol, param_text, an, reads, names, fp32)
         if fused is None:
             log.warning("%s: the fused attention kernel does not apply (operand layout, head size or "
                         "epilogue); it gets the generic kernel, which recomputes the scores per output "
@@ -1973,7 +1986,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         else:
             src, cfg = fused
             return src, KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg["shared_mem"], args, len(op.inputs),
-                                     op.name, f"attention-{_GEMM_PREC[att.attrs['probs_dtype']]}"), None
+                                     op.name, f"attention-{_attention_type(att, fp32)}"), None
     if len(task.outputs) == 1 and _prod(task.outputs[0].shape) > 0:
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
@@ -2077,7 +2090,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     spans: dict[str, tuple[int, int]] = {}
     seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
     wrappers: set = set()  # wgmma instruction wrappers emitted so far
-    attention_helpers = stream_k = split = False
+    attention_helpers = float_attention = stream_k = split = False
     for i, op in enumerate(ops):
         if not lowerable(op):
             continue
@@ -2100,6 +2113,10 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
             from .cuda_attention import ATTENTION_HELPERS
             header = ATTENTION_HELPERS + header
             attention_helpers = True
+        if launch.kind in ("attention-tf32", "attention-f32") and not float_attention:  # their TF32 conversions
+            from .cuda_attention import ATTENTION_FLOAT_HELPERS
+            header = ATTENTION_FLOAT_HELPERS + header
+            float_attention = True
         if "sf_sk_ws" in src and not stream_k:  # the stream-K workspace, shared by the unit's kernels
             header = STREAM_K_WORKSPACE + header
             stream_k = True

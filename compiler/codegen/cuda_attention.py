@@ -18,11 +18,21 @@ run time, and without a past it also places the diagonal, at ``nonpad - S``); a 
 (``softcap``) bounds the scaled scores with ``tanh`` before the masks are added
 (rfcs/0005-hopper-gemm.md, decision 18).
 
-Requirements (else the generic lowering runs): head sizes multiples of 16 up to 128; Q, K and V
-dense half tensors whose head dimension is contiguous and whose other strides and offset are
-multiples of 8 elements (16-byte copies). Used for the ``Attention`` ops that
-:class:`~shardflow.compiler.passes.attention.FuseAttention` makes (mixed precision,
-``acc_dtype="float32"``); see rfcs/0005-hopper-gemm.md.
+Float32 operands (``precision`` float32 or tf32; rfcs/0005-hopper-gemm.md, decision 35) take the
+same kernel on ``mma.sync.m16n8k8`` TF32 tensor cores: one TF32 product (tf32), or 3xTF32 (each
+operand ``hi + lo``, ``lo·hi + hi·lo + hi·hi``: float32 accuracy, as the portable GEMM at float32).
+Q, K and V stay float32 in shared memory (32 keys a step; at head size 128 Q and two stages of K
+and V take 99 KB, what sm_86/sm_89 give a block) and are converted at each use: Q's and K's
+fragments by ``ldmatrix`` (its 16-bit 8 x 8 matrices are 8 x 4 floats, where the TF32 fragments
+want them), V's one float at a time; the probabilities stay in the registers of the scores, the
+keys of each 8 taken in the order those hold them (``2t``, ``2t + 1``).
+
+Requirements (else the generic lowering runs): sm_80 or newer; head sizes multiples of 16 up to
+128; Q, K and V dense tensors of one type (float16, bfloat16 or float32) whose head dimension is
+contiguous and whose other strides and offset are multiples of 16 bytes. Used for the
+``Attention`` ops that :class:`~shardflow.compiler.passes.attention.FuseAttention` makes (mixed
+precision, ``acc_dtype="float32"``; float32 operands) and a model's own; see
+rfcs/0005-hopper-gemm.md.
 
 The probabilities are rounded before the division by the row sum (FlashAttention's order), while
 the op's definition rounds the normalised ones; both round each probability once to the half
@@ -36,12 +46,17 @@ from dataclasses import dataclass
 
 from .cuda_templates import _indent
 
-__all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "BLOCK_Q", "BLOCK_K", "MAX_HEAD", "takes_heads"]
+__all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "ATTENTION_FLOAT_HELPERS", "BLOCK_Q", "BLOCK_K",
+           "BLOCK_K_FLOAT", "FLOAT_TYPES", "MAX_HEAD", "takes_heads"]
 
 #: queries per block (4 warps x 16 rows) and keys per step
 BLOCK_Q, BLOCK_K = 64, 64
 #: largest head size (Q/K and V) the kernel takes
 MAX_HEAD = 128
+#: the float32 kernels' operand types: one TF32 product, or 3xTF32 (``precision`` ``"tf32"``, ``"float32"``)
+FLOAT_TYPES = ("tf32", "f32")
+#: keys per step of the float32 kernels (two stages of K and V at head size 128: 67 KB)
+BLOCK_K_FLOAT = 32
 
 
 def takes_heads(d: int, dv: int) -> bool:
@@ -67,6 +82,19 @@ __device__ __forceinline__ void sf_ldm_x4_t(unsigned addr, unsigned& r0, unsigne
 }
 """
 
+ATTENTION_FLOAT_HELPERS = r"""// the float32 kernels' TF32 operands (cvt.rna: to nearest, ties away from zero);
+// 3xTF32: x = hi + lo
+__device__ __forceinline__ unsigned sf_att_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void sf_att_split(float x, unsigned& hi, unsigned& lo) {
+  hi = sf_att_tf32(x);
+  lo = sf_att_tf32(x - __uint_as_float(hi));
+}
+"""
+
 _MMA = {
     "f16": ("f16", "__half", "__floats2half2_rn", "__half2"),
     "bf16": ("bf16", "__nv_bfloat16", "__floats2bfloat162_rn", "__nv_bfloat162"),
@@ -75,7 +103,7 @@ _MMA = {
 
 @dataclass(frozen=True)
 class AttnOperand:
-    """A dense half operand: element ``(b, head, row, d)`` at ``ptr[const + b*sb + head*sh +
+    """A dense operand: element ``(b, head, row, d)`` at ``ptr[const + b*sb + head*sh +
     row*sr + d]`` (strides in elements)."""
 
     ptr: str
@@ -89,13 +117,16 @@ def _base(o: AttnOperand, head: str) -> str:
     return f"{o.ptr} + {o.const}LL + (long long)sf_b * {o.sb}LL + (long long){head} * {o.sh}LL"
 
 
-def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: int, L: int, D: int,
+def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: int, L: int, D: int,
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
                      root: str, biases: Sequence[str], epilogue: str, causal: int | str | None = None,
                      empty_rows_zero: bool = True, lo: int | str | None = None, softcap: float = 0.0,
                      keys: str | None = None, sink: str | None = None) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
+    ``ab``: the operands' type and products: ``"f16"``/``"bf16"`` (half operands), ``"tf32"``
+    (float32 operands, one TF32 product) or ``"f32"`` (float32 operands, 3xTF32; see
+    :data:`FLOAT_TYPES`).
     ``biases``: for each additive bias, in the order they are added to a score, C lines that set
     ``float sf_bias`` from ``sf_b, sf_h, sf_i, sf_j``;
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
@@ -117,26 +148,34 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
-    ab, ht, pack, h2 = _MMA[half]
-    ldq, ldv = D + 8, Dv + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
-    q_elems, k_elems, v_elems = BLOCK_Q * ldq, BLOCK_K * ldq, BLOCK_K * ldv
-    smem = 2 * (q_elems + 2 * k_elems + 2 * v_elems)
-    nkb = -(-L // BLOCK_K)
-    kd, nd = D // 16, Dv // 8
+    flt = ab in FLOAT_TYPES
+    bk = BLOCK_K_FLOAT if flt else BLOCK_K  # keys per step
+    nkt = bk // 8  # score tiles of 8 keys per step
+    if flt:  # row pitches of 4 floats past 32 banks: ldmatrix rows and V's (keys 2t, 2t + 1; column g) apart
+        ht, vec, ldq, ldv = "float", 4, D + 4, Dv + 4
+        q_elems, k_elems, v_elems = BLOCK_Q * ldq, bk * ldq, bk * ldv
+        smem = 4 * (q_elems + 2 * k_elems + 2 * v_elems)
+    else:
+        mma_ab, ht, pack, h2 = _MMA[ab]
+        vec, ldq, ldv = 8, D + 8, Dv + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
+        q_elems, k_elems, v_elems = BLOCK_Q * ldq, BLOCK_K * ldq, BLOCK_K * ldv
+        smem = 2 * (q_elems + 2 * k_elems + 2 * v_elems)
+    nkb = -(-L // bk)
+    kd, nd = (D // 8 if flt else D // 16), Dv // 8
 
-    def mma_call(c, a0, a1, a2, a3, b0, b1):  # C (4 floats) += A (16 x 16, 4 regs) B (16 x 8, 2 regs)
+    def mma_call(c, a0, a1, a2, a3, b0, b1):  # C (4 floats) += A (16 x 16 or 16 x 8, 4 regs) B (2 regs)
         outs = ", ".join(f'"+f"({c}[{i}])' for i in range(4))
         ins = ", ".join(f'"r"({x})' for x in (a0, a1, a2, a3, b0, b1))
-        return (f'asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0, %1, %2, %3}}, '
+        shape_types = "m16n8k8.row.col.f32.tf32.tf32" if flt else f"m16n8k16.row.col.f32.{mma_ab}.{mma_ab}"
+        return (f'asm volatile("mma.sync.aligned.{shape_types}.f32 {{%0, %1, %2, %3}}, '
                 f'{{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n" : {outs} : {ins});')
 
-    p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
     def offset(c: int | str) -> str:
         if isinstance(c, str):
             return f" + ({c})"
         return f" + {c}" if c > 0 else f" - {-c}" if c else ""
     key_limit = str(L) if keys is None else keys
-    blocks = str(nkb) if keys is None else f"({keys} + {BLOCK_K - 1}) / {BLOCK_K}"  # key blocks with a key
+    blocks = str(nkb) if keys is None else f"({keys} + {bk - 1}) / {bk}"  # key blocks with a key
     if causal is None:
         q_block, causal_test = "blockIdx.x", ""
         nkb_code = "" if keys is None else f"  const int sf_nkb = {blocks};\n"
@@ -145,13 +184,13 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
         causal_test = f" && sf_j <= sf_i{offset(causal)}"
         nkb_code = (f"  const int sf_last = min(sf_q0 + {BLOCK_Q - 1}, {S - 1}){offset(causal)};  // the last key "
                     "the block's rows see\n"
-                    f"  const int sf_nkb = sf_last < 0 ? 0 : min({blocks}, sf_last / {BLOCK_K} + 1);\n")
+                    f"  const int sf_nkb = sf_last < 0 ? 0 : min({blocks}, sf_last / {bk} + 1);\n")
     nkb_bound = str(nkb) if causal is None and keys is None else "sf_nkb"
     kb0, stage = "0", "kb & 1"
     if lo is not None:  # the key blocks from the one that holds the first key the block's first row sees
         causal_test += f" && sf_j >= sf_i{offset(lo)}"
         nkb_code += (f"  const int sf_first = sf_q0{offset(lo)};  // the first key the block's rows see\n"
-                     f"  const int sf_kb0 = sf_first <= 0 ? 0 : sf_first / {BLOCK_K};\n")
+                     f"  const int sf_kb0 = sf_first <= 0 ? 0 : sf_first / {bk};\n")
         kb0, stage = "sf_kb0", "(kb - sf_kb0) & 1"
     cap = f"        x = tanhf(x / {softcap!r}f) * {softcap!r}f;\n" if softcap > 0 else ""
     bias_code = "\n".join(f"""            {{
@@ -167,41 +206,21 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
                 "  float sf_l[2] = {sf_t == 0 ? 1.0f : 0.0f, sf_t == 0 ? 1.0f : 0.0f};")
     epi = _indent(epilogue, 10)
     root_code = _indent(root, 2)
-    src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
-  extern __shared__ __align__(16) unsigned char sf_dyn[];
-  {ht}* sf_Qs = reinterpret_cast<{ht}*>(sf_dyn);
+    exp = "expf" if ab == "f32" else "__expf"  # (3xTF32: float32's exp, as the separate Softmax has)
+    pointers = f"""  {ht}* sf_Qs = reinterpret_cast<{ht}*>(sf_dyn);
   {ht}* sf_Ks = sf_Qs + {q_elems};  // two stages
-  {ht}* sf_Vs = sf_Ks + {2 * k_elems};  // two stages
-  const int sf_b = blockIdx.z, sf_h = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};
-  const int sf_hk = sf_h / {rep};
-  const int sf_warp = threadIdx.x >> 5, sf_lane = threadIdx.x & 31;
-  const int sf_g = sf_lane >> 2, sf_t = sf_lane & 3;
-{root_code}
-  const {ht}* sf_qp = {_base(q, "sf_h")};
-  const {ht}* sf_kp = {_base(k, "sf_hk")};
-  const {ht}* sf_vp = {_base(v, "sf_hk")};
-  for (int c = threadIdx.x; c < {BLOCK_Q * (D // 8)}; c += 128) {{
-    const int r = c / {D // 8}, cc = c % {D // 8}, i = sf_q0 + r;
-    sf_att_cp16((unsigned)__cvta_generic_to_shared(sf_Qs + r * {ldq} + cc * 8),
-                sf_qp + (long long)min(i, {S - 1}) * {q.sr}LL + cc * 8, i < {S});
+  {ht}* sf_Vs = sf_Ks + {2 * k_elems};  // two stages"""
+    q_copy = f"""  for (int c = threadIdx.x; c < {BLOCK_Q * (D // vec)}; c += 128) {{
+    const int r = c / {D // vec}, cc = c % {D // vec}, i = sf_q0 + r;
+    sf_att_cp16((unsigned)__cvta_generic_to_shared(sf_Qs + r * {ldq} + cc * {vec}),
+                sf_qp + (long long)min(i, {S - 1}) * {q.sr}LL + cc * {vec}, i < {S});
   }}
-  auto sf_load_kv = [&](int kb, int st) {{
-    {ht}* ks = sf_Ks + st * {k_elems};
-    {ht}* vs = sf_Vs + st * {v_elems};
-    for (int c = threadIdx.x; c < {BLOCK_K * (D // 8)}; c += 128) {{
-      const int r = c / {D // 8}, cc = c % {D // 8}, j = kb * {BLOCK_K} + r;
-      sf_att_cp16((unsigned)__cvta_generic_to_shared(ks + r * {ldq} + cc * 8),
-                  sf_kp + (long long)min(j, {L - 1}) * {k.sr}LL + cc * 8, j < {L});
-    }}
-    for (int c = threadIdx.x; c < {BLOCK_K * (Dv // 8)}; c += 128) {{
-      const int r = c / {Dv // 8}, cc = c % {Dv // 8}, j = kb * {BLOCK_K} + r;
-      sf_att_cp16((unsigned)__cvta_generic_to_shared(vs + r * {ldv} + cc * 8),
-                  sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + cc * 8, j < {L});
-    }}
-  }};
-{nkb_code}  sf_load_kv({kb0}, 0);
-  sf_att_commit();
-  // this warp's 16 query rows as mma A fragments, loaded once
+"""
+    if flt:  # (Q's fragments read from shared memory at each use: the kernel's registers go to the products)
+        q_frags = ""
+        products, probabilities = _float_products(ab, kd, nkt, nd, ldq, ldv, mma_call)
+    else:
+        q_frags = f"""  // this warp's 16 query rows as mma A fragments, loaded once
   sf_att_wait<0>();
   __syncthreads();
   unsigned sf_qf[{kd}][4];
@@ -210,7 +229,36 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     sf_ldm_x4((unsigned)__cvta_generic_to_shared(sf_Qs + (sf_warp * 16 + (sf_lane & 15)) * {ldq} + kk * 16
                                                   + (sf_lane >> 4) * 8),
               sf_qf[kk][0], sf_qf[kk][1], sf_qf[kk][2], sf_qf[kk][3]);
-  float sf_o[{nd}][4];
+"""
+        products, probabilities = _half_products(ht, pack, h2, kd, nd, ldq, ldv, mma_call)
+    src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
+  extern __shared__ __align__(16) unsigned char sf_dyn[];
+{pointers}
+  const int sf_b = blockIdx.z, sf_h = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};
+  const int sf_hk = sf_h / {rep};
+  const int sf_warp = threadIdx.x >> 5, sf_lane = threadIdx.x & 31;
+  const int sf_g = sf_lane >> 2, sf_t = sf_lane & 3;
+{root_code}
+  const {ht}* sf_qp = {_base(q, "sf_h")};
+  const {ht}* sf_kp = {_base(k, "sf_hk")};
+  const {ht}* sf_vp = {_base(v, "sf_hk")};
+{q_copy}  auto sf_load_kv = [&](int kb, int st) {{
+    {ht}* ks = sf_Ks + st * {k_elems};
+    {ht}* vs = sf_Vs + st * {v_elems};
+    for (int c = threadIdx.x; c < {bk * (D // vec)}; c += 128) {{
+      const int r = c / {D // vec}, cc = c % {D // vec}, j = kb * {bk} + r;
+      sf_att_cp16((unsigned)__cvta_generic_to_shared(ks + r * {ldq} + cc * {vec}),
+                  sf_kp + (long long)min(j, {L - 1}) * {k.sr}LL + cc * {vec}, j < {L});
+    }}
+    for (int c = threadIdx.x; c < {bk * (Dv // vec)}; c += 128) {{
+      const int r = c / {Dv // vec}, cc = c % {Dv // vec}, j = kb * {bk} + r;
+      sf_att_cp16((unsigned)__cvta_generic_to_shared(vs + r * {ldv} + cc * {vec}),
+                  sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + cc * {vec}, j < {L});
+    }}
+  }};
+{nkb_code}  sf_load_kv({kb0}, 0);
+  sf_att_commit();
+{q_frags}  float sf_o[{nd}][4];
   #pragma unroll
   for (int n = 0; n < {nd}; ++n) sf_o[n][0] = sf_o[n][1] = sf_o[n][2] = sf_o[n][3] = 0.0f;
 {init}
@@ -222,28 +270,18 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
     __syncthreads();
     const {ht}* ks = sf_Ks + st * {k_elems};
     const {ht}* vs = sf_Vs + st * {v_elems};
-    float sf_s[8][4];
+    float sf_s[{nkt}][4];
     #pragma unroll
-    for (int n = 0; n < 8; ++n) sf_s[n][0] = sf_s[n][1] = sf_s[n][2] = sf_s[n][3] = 0.0f;
-    #pragma unroll
-    for (int kk = 0; kk < {kd}; ++kk) {{
-      #pragma unroll
-      for (int p = 0; p < 4; ++p) {{
-        unsigned b0, b1, b2, b3;
-        sf_ldm_x4((unsigned)__cvta_generic_to_shared(ks + (p * 16 + (sf_lane >> 4) * 8 + (sf_lane & 7)) * {ldq}
-                                                      + kk * 16 + ((sf_lane >> 3) & 1) * 8), b0, b1, b2, b3);
-        {mma_call("sf_s[2 * p]", "sf_qf[kk][0]", "sf_qf[kk][1]", "sf_qf[kk][2]", "sf_qf[kk][3]", "b0", "b1")}
-        {mma_call("sf_s[2 * p + 1]", "sf_qf[kk][0]", "sf_qf[kk][1]", "sf_qf[kk][2]", "sf_qf[kk][3]", "b2", "b3")}
-      }}
-    }}
+    for (int n = 0; n < {nkt}; ++n) sf_s[n][0] = sf_s[n][1] = sf_s[n][2] = sf_s[n][3] = 0.0f;
+{products}
     // scale, bias, keys past the end; the running maximum of each of the thread's two rows
     float sf_mx[2] = {{__int_as_float(0xff800000), __int_as_float(0xff800000)}};
     #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
+    for (int n = 0; n < {nkt}; ++n) {{
       #pragma unroll
       for (int r = 0; r < 4; ++r) {{
         const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
-        const int sf_j = kb * {BLOCK_K} + n * 8 + sf_t * 2 + (r & 1);
+        const int sf_j = kb * {bk} + n * 8 + sf_t * 2 + (r & 1);
         float x = sf_s[n][r] * {scale!r}f;
 {cap}        if (sf_j < {key_limit} && sf_i < {S}{causal_test}) {{
 {bias_code}
@@ -262,7 +300,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
       sf_mx[h] = fmaxf(sf_mx[h], __shfl_xor_sync(0xffffffffu, sf_mx[h], 2));
       const float mnew = fmaxf(sf_m[h], sf_mx[h]);
       sf_base[h] = mnew == __int_as_float(0xff800000) ? 0.0f : mnew;  // a row with no allowed key so far
-      sf_alpha[h] = __expf(sf_m[h] - sf_base[h]);  // 0 while the row had nothing (exp(-inf))
+      sf_alpha[h] = {exp}(sf_m[h] - sf_base[h]);  // 0 while the row had nothing (exp(-inf))
       sf_m[h] = mnew;
       sf_l[h] *= sf_alpha[h];
     }}
@@ -271,28 +309,7 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
       sf_o[n][0] *= sf_alpha[0]; sf_o[n][1] *= sf_alpha[0];
       sf_o[n][2] *= sf_alpha[1]; sf_o[n][3] *= sf_alpha[1];
     }}
-    unsigned sf_p[8][2];  // the probabilities, rounded: A fragments of the P V product
-    #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
-      const float p0 = __expf(sf_s[n][0] - sf_base[0]), p1 = __expf(sf_s[n][1] - sf_base[0]);
-      const float p2 = __expf(sf_s[n][2] - sf_base[1]), p3 = __expf(sf_s[n][3] - sf_base[1]);
-      sf_l[0] += p0 + p1;
-      sf_l[1] += p2 + p3;
-      {h2} lo = {pack}(p0, p1), hi = {pack}(p2, p3);
-      sf_p[n][0] = *reinterpret_cast<unsigned*>(&lo);
-      sf_p[n][1] = *reinterpret_cast<unsigned*>(&hi);
-    }}
-    #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {{
-      #pragma unroll
-      for (int n = 0; n < {nd}; n += 2) {{
-        unsigned b0, b1, b2, b3;
-        sf_ldm_x4_t((unsigned)__cvta_generic_to_shared(vs + (kk * 16 + ((sf_lane >> 3) & 1) * 8 + (sf_lane & 7)) * {ldv}
-                                                        + n * 8 + (sf_lane >> 4) * 8), b0, b1, b2, b3);
-        {mma_call("sf_o[n]", *p_frag, "b0", "b1")}
-        {mma_call("sf_o[n + 1]", *p_frag, "b2", "b3")}
-      }}
-    }}
+{probabilities}
     __syncthreads();  // the stage is loaded again two steps on
   }}
   #pragma unroll
@@ -319,3 +336,123 @@ def attention_kernel(*, symbol: str, params: str, half: str, B: int, H: int, S: 
 """
     cfg = {"grid": (-(-S // BLOCK_Q), H, B), "block": (128, 1, 1), "shared_mem": smem}
     return src, cfg
+
+
+def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, ldq: int, ldv: int, mma_call) -> tuple[str, str]:
+    """The half kernel's ``Q Kᵀ`` products (``ldmatrix`` of K, ``m16n8k16``) and its probabilities
+    (rounded to the half type in the registers that held the scores, the C fragments being the
+    A fragments of ``P V``) with their ``P V`` products (``ldmatrix.trans`` of V)."""
+    p_frag = ("sf_p[2 * kk][0]", "sf_p[2 * kk][1]", "sf_p[2 * kk + 1][0]", "sf_p[2 * kk + 1][1]")
+    products = f"""    #pragma unroll
+    for (int kk = 0; kk < {kd}; ++kk) {{
+      #pragma unroll
+      for (int p = 0; p < 4; ++p) {{
+        unsigned b0, b1, b2, b3;
+        sf_ldm_x4((unsigned)__cvta_generic_to_shared(ks + (p * 16 + (sf_lane >> 4) * 8 + (sf_lane & 7)) * {ldq}
+                                                      + kk * 16 + ((sf_lane >> 3) & 1) * 8), b0, b1, b2, b3);
+        {mma_call("sf_s[2 * p]", "sf_qf[kk][0]", "sf_qf[kk][1]", "sf_qf[kk][2]", "sf_qf[kk][3]", "b0", "b1")}
+        {mma_call("sf_s[2 * p + 1]", "sf_qf[kk][0]", "sf_qf[kk][1]", "sf_qf[kk][2]", "sf_qf[kk][3]", "b2", "b3")}
+      }}
+    }}"""
+    probabilities = f"""    unsigned sf_p[8][2];  // the probabilities, rounded: A fragments of the P V product
+    #pragma unroll
+    for (int n = 0; n < 8; ++n) {{
+      const float p0 = __expf(sf_s[n][0] - sf_base[0]), p1 = __expf(sf_s[n][1] - sf_base[0]);
+      const float p2 = __expf(sf_s[n][2] - sf_base[1]), p3 = __expf(sf_s[n][3] - sf_base[1]);
+      sf_l[0] += p0 + p1;
+      sf_l[1] += p2 + p3;
+      {h2} lo = {pack}(p0, p1), hi = {pack}(p2, p3);
+      sf_p[n][0] = *reinterpret_cast<unsigned*>(&lo);
+      sf_p[n][1] = *reinterpret_cast<unsigned*>(&hi);
+    }}
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {{
+      #pragma unroll
+      for (int n = 0; n < {nd}; n += 2) {{
+        unsigned b0, b1, b2, b3;
+        sf_ldm_x4_t((unsigned)__cvta_generic_to_shared(vs + (kk * 16 + ((sf_lane >> 3) & 1) * 8 + (sf_lane & 7)) * {ldv}
+                                                        + n * 8 + (sf_lane >> 4) * 8), b0, b1, b2, b3);
+        {mma_call("sf_o[n]", *p_frag, "b0", "b1")}
+        {mma_call("sf_o[n + 1]", *p_frag, "b2", "b3")}
+      }}
+    }}"""
+    return products, probabilities
+
+
+def _float_products(ab: str, kd: int, nkt: int, nd: int, ldq: int, ldv: int, mma_call) -> tuple[str, str]:
+    """The float32 kernels' ``Q Kᵀ`` and ``P V`` products on ``m16n8k8`` TF32 tensor cores: one
+    product (``tf32``), or three (``f32``, 3xTF32: ``lo·hi + hi·lo + hi·hi``, ``x = hi + lo``).
+
+    Q's and K's fragments come from ``ldmatrix``: its 8 x 8 matrices of 16-bit halves are 8 x 4
+    matrices of floats, lane ``(g, t)`` getting row ``g``, float ``t``, which is where the TF32
+    fragments want them (columns ``t`` and ``t + 4`` of each 8 dimensions: two matrices). The
+    scores' C fragment holds keys ``2t`` and ``2t + 1`` of each 8 in the thread that the A fragment
+    of ``P V`` wants keys ``t`` and ``t + 4`` in: so ``P V`` takes the 8 keys in the order
+    ``2t, 2t + 1`` (A columns ``t``, ``t + 4``; V's B rows likewise, read one float at a time), which
+    needs no exchange between threads."""
+    q_addr = f"sf_Qs + (sf_warp * 16 + (sf_lane & 15)) * {ldq} + kk * 8 + (sf_lane >> 4) * 4"
+    k_addr = f"ks + (p * 8 + (sf_lane >> 4) * 8 + (sf_lane & 7)) * {ldq} + kk * 8 + ((sf_lane >> 3) & 1) * 4"
+    if ab == "tf32":
+        q = [f"sf_qf[{c}]" for c in range(4)]
+        split_q = """      #pragma unroll
+      for (int c = 0; c < 4; ++c) sf_qf[c] = sf_att_tf32(__uint_as_float(sf_qf[c]));
+"""
+        qk = f"""        #pragma unroll
+        for (int c = 0; c < 4; ++c) sf_kf[c] = sf_att_tf32(__uint_as_float(sf_kf[c]));
+        {mma_call("sf_s[p]", *q, "sf_kf[0]", "sf_kf[1]")}
+        {mma_call("sf_s[p + 1]", *q, "sf_kf[2]", "sf_kf[3]")}"""
+        pa = ("      const unsigned a0 = sf_att_tf32(p0), a1 = sf_att_tf32(p2), a2 = sf_att_tf32(p1), "
+              "a3 = sf_att_tf32(p3);")
+        pv = f"""        const unsigned b0 = sf_att_tf32(sf_vr[e * 8]), b1 = sf_att_tf32(sf_vr[e * 8 + {ldv}]);
+        {mma_call("sf_o[e]", "a0", "a1", "a2", "a3", "b0", "b1")}"""
+    else:
+        hi, lo = [f"sf_qh[{c}]" for c in range(4)], [f"sf_ql[{c}]" for c in range(4)]
+        split_q = """      unsigned sf_qh[4], sf_ql[4];
+      #pragma unroll
+      for (int c = 0; c < 4; ++c) sf_att_split(__uint_as_float(sf_qf[c]), sf_qh[c], sf_ql[c]);
+"""
+        qk = "\n".join(f"""        {mma_call(f"sf_s[p{off}]", *lo, f"sf_kh[{b}]", f"sf_kh[{b + 1}]")}
+        {mma_call(f"sf_s[p{off}]", *hi, f"sf_kl[{b}]", f"sf_kl[{b + 1}]")}
+        {mma_call(f"sf_s[p{off}]", *hi, f"sf_kh[{b}]", f"sf_kh[{b + 1}]")}""" for off, b in (("", 0), (" + 1", 2)))
+        qk = """        unsigned sf_kh[4], sf_kl[4];
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) sf_att_split(__uint_as_float(sf_kf[c]), sf_kh[c], sf_kl[c]);
+""" + qk
+        pa = """      unsigned a0, a1, a2, a3, sf_pl[4];
+      sf_att_split(p0, a0, sf_pl[0]);
+      sf_att_split(p2, a1, sf_pl[1]);
+      sf_att_split(p1, a2, sf_pl[2]);
+      sf_att_split(p3, a3, sf_pl[3]);"""
+        pv = f"""        unsigned b0, b1, c0, c1;
+        sf_att_split(sf_vr[e * 8], b0, c0);
+        sf_att_split(sf_vr[e * 8 + {ldv}], b1, c1);
+        {mma_call("sf_o[e]", "sf_pl[0]", "sf_pl[1]", "sf_pl[2]", "sf_pl[3]", "b0", "b1")}
+        {mma_call("sf_o[e]", "a0", "a1", "a2", "a3", "c0", "c1")}
+        {mma_call("sf_o[e]", "a0", "a1", "a2", "a3", "b0", "b1")}"""
+    exp = "__expf" if ab == "tf32" else "expf"
+    products = f"""    #pragma unroll
+    for (int kk = 0; kk < {kd}; ++kk) {{
+      unsigned sf_qf[4];  // this warp's rows g, g + 8; dimensions t, t + 4 of these 8
+      sf_ldm_x4((unsigned)__cvta_generic_to_shared({q_addr}), sf_qf[0], sf_qf[1], sf_qf[2], sf_qf[3]);
+{split_q}      #pragma unroll
+      for (int p = 0; p < {nkt}; p += 2) {{
+        unsigned sf_kf[4];  // keys 8p + g and 8p + 8 + g; dimensions t, t + 4
+        sf_ldm_x4((unsigned)__cvta_generic_to_shared({k_addr}), sf_kf[0], sf_kf[1], sf_kf[2], sf_kf[3]);
+{qk}
+      }}
+    }}"""
+    probabilities = f"""    #pragma unroll
+    for (int n = 0; n < {nkt}; ++n) {{
+      const float p0 = {exp}(sf_s[n][0] - sf_base[0]), p1 = {exp}(sf_s[n][1] - sf_base[0]);
+      const float p2 = {exp}(sf_s[n][2] - sf_base[1]), p3 = {exp}(sf_s[n][3] - sf_base[1]);
+      sf_l[0] += p0 + p1;
+      sf_l[1] += p2 + p3;
+      // A fragment of keys 8n..8n+7 in the order 2t, 2t + 1 (columns t, t + 4), as the scores hold them
+{pa}
+      const float* sf_vr = vs + (n * 8 + sf_t * 2) * {ldv} + sf_g;  // V rows 2t, 2t + 1, column g of each 8
+      #pragma unroll
+      for (int e = 0; e < {nd}; ++e) {{
+{pv}
+      }}
+    }}"""
+    return products, probabilities

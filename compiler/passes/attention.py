@@ -96,17 +96,23 @@ def _causal(mask: np.ndarray, s_len: int, l_len: int) -> tuple[int | None, bool]
 class FuseAttention(GraphPass):
     """Replace attention written as MatMul/Softmax/MatMul on half operands by one ``Attention``.
 
-    ``float32=True`` (the cpu target at float32): the same pattern on float32 operands without the
-    casts, ``softmax(Q Kᵀ · scale + bias) V``, becomes ``Attention(..., acc_dtype="float32")`` (the
+    ``float32=True``: the same pattern on float32 operands without the casts,
+    ``softmax(Q Kᵀ · scale + bias) V``, becomes ``Attention(..., acc_dtype="float32")`` (the
     scores scaled after the sum, as the MatMul and Mul compute them; any bias added after the
-    scale, a row whose every logit is -inf NaN as the Softmax gives it), where the cpu template
-    computes it (:func:`~shardflow.compiler.codegen.templates_cpu.template_kind`): one bias at most
-    (GPT-2's and BERT's masks; T5's position bias and mask keep the separate ops). The op never
-    writes the ``[B, H, S, L]`` scores and reads and writes the heads in the ``[B, S, H*D]`` forms.
+    scale, a row whose every logit is -inf NaN as the Softmax gives it) where the target's
+    kernel computes it: ``target="cpu"`` (at float32), where the cpu template does
+    (:func:`~shardflow.compiler.codegen.templates_cpu.template_kind`: one bias at most, GPT-2's
+    and BERT's masks; T5's position bias and mask keep the separate ops); ``target="cuda"``
+    (float32 and tf32 on sm_80 and newer), where the fused kernel takes the head sizes
+    (:func:`~shardflow.compiler.codegen.cuda_attention.takes_heads`; TF32 or 3xTF32 products, as
+    the separate MatMuls have). The op never writes the ``[B, H, S, L]`` scores and reads and
+    writes the heads in the ``[B, S, H*D]`` forms.
     """
 
-    def __init__(self, float32: bool = False):
-        self.float32 = float32
+    def __init__(self, float32: bool = False, target: str = "cpu"):
+        if target not in ("cpu", "cuda"):
+            raise ValueError(f"FuseAttention: target {target!r} is not 'cpu' or 'cuda'")
+        self.float32, self.target = float32, target
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         self._producer = {id(t): op for op in graph.nodes for t in op.outputs}
@@ -240,7 +246,7 @@ class FuseAttention(GraphPass):
         (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
         if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
             return None  # (batch broadcasting is left to the two products)
-        if not self.float32 and not takes_heads(d, dv):
+        if (not self.float32 or self.target == "cuda") and not takes_heads(d, dv):
             return None  # the generic lowering of the op would be slower than the separate ops
         biases.reverse()  # in the order they are added
         for bias in biases:
@@ -286,7 +292,7 @@ class FuseAttention(GraphPass):
                         scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32",
                         **({} if self.float32 else {"probs_dtype": vh.dtype}),
                         extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
-        if self.float32:
+        if self.float32 and self.target == "cpu":
             from ..codegen.templates_cpu import template_kind
 
             if template_kind(att) != "Attention":

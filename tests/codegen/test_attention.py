@@ -4,20 +4,25 @@
 * Without a GPU: the pass on the exported test models keeps every value (the reference evaluator
   gives the same bits before and after), removes the transposes and the softmax, turns a
   constant causal mask into ``is_causal`` (same bits), and the cuda target compiles every
-  attention into one ``attention-f16`` kernel (nvcc, sm_90). ONNX ``Attention`` ops (opset 23)
+  attention into one ``attention-f16`` kernel (nvcc, sm_90), or at float32 and tf32 into one
+  ``attention-f32``/``attention-tf32`` kernel. ONNX ``Attention`` ops (opset 23)
   get half Q, K, V under a half precision and match onnxruntime on one and two ranks; those that
   are float16 in the model compute in float32 (one fused kernel) within float16's tolerance of
   onnxruntime's float16 kernel.
 * ``pytest -m gpu``: the kernel against the op's numpy definition at odd sizes (queries and keys
   not multiples of 64, several key steps), head sizes 16-128, grouped heads, bfloat16, 3-D and
   4-D operands, broadcast masks, bool masks shorter than the keys, causal masks (with a KV
-  cache's offset), padded KV caches (``nonpad_kv_seqlen``) and rows whose every key is masked. Tolerance: ``1e-2`` of the
-  output's scale (the probabilities are rounded to the half type before the division by their
-  sum, the definition rounds them after: rfcs/0005-hopper-gemm.md, decision 15).
+  cache's offset), padded KV caches (``nonpad_kv_seqlen``) and rows whose every key is masked.
+  Tolerance: ``1e-2`` of the output's scale (the probabilities are rounded to the half type
+  before the division by their sum, the definition rounds them after: rfcs/0005-hopper-gemm.md,
+  decision 15). The same cases on float32 operands: 3xTF32 within ``1e-5``, TF32 ``3e-3``
+  (decision 35; the host emulation runs them all without a GPU, test_cuda_host.py).
 """
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -477,15 +482,19 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("model", ["gpt2_ts17", "t5_encoder_ts17"])
-def test_each_attention_compiles_into_one_kernel(tmp_path, model):
+@pytest.mark.parametrize("model,precision,arch,kind", [
+    ("gpt2_ts17", "float16", "sm_90", "attention-f16"), ("t5_encoder_ts17", "float16", "sm_90", "attention-f16"),
+    ("gpt2_ts17", "float32", "sm_90", "attention-f32"), ("t5_encoder_ts17", "tf32", "sm_80", "attention-tf32")])
+def test_each_attention_compiles_into_one_kernel(tmp_path, model, precision, arch, kind):
+    """At every precision (float32 operands: TF32 or 3xTF32 products, as the separate ones)."""
     out = tmp_path / "o"
     compile(MODELS / f"{model}.onnx", distributed_config={"mesh_shape": [1]},
-            optimization_config={"precision": "float16", "target": "cuda"}, out_dir=out)
+            optimization_config={"precision": precision, "target": "cuda", "arch": arch}, out_dir=out)
     program = json.loads((out / "rank0" / "program.json").read_text())
-    kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
-    assert kinds.count("attention-f16") == 2, kinds
-    assert "row" not in {k for k, s in zip(kinds, program["steps"]) if "Softmax" in s.get("node", "")}
+    steps = [s for s in program["steps"] if s["kind"] == "kernel"]
+    kinds = [s["launch"]["kind"] for s in steps]
+    assert kinds.count(kind) == 2, kinds
+    assert not any("Softmax" in s.get("node", "") for s in steps), kinds
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
@@ -508,6 +517,8 @@ def test_a_half_model_attention_compiles_into_one_kernel_at_every_precision(tmp_
 # ----------------------------------------------------------------------------------------------
 
 def _bits(x: np.ndarray, half: str) -> np.ndarray:
+    if half == "float32":
+        return np.ascontiguousarray(x, np.float32)
     if half == "float16":
         return x.astype(np.float16)
     return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # truncated: exact below
@@ -515,6 +526,8 @@ def _bits(x: np.ndarray, half: str) -> np.ndarray:
 
 def _rounded(x: np.ndarray, half: str) -> np.ndarray:
     """Values exact in ``half``, as float32."""
+    if half == "float32":
+        return np.ascontiguousarray(x, np.float32)
     if half == "float16":
         return x.astype(np.float16).astype(np.float32)
     return ((np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16) << 16).view(np.float32)
@@ -606,6 +619,91 @@ def _ops():
         ins = [Tensor(f"{name}.{k}", a.shape, half if k < 3 else str(a.dtype)) for k, a in enumerate(arrays)]
         res[name] = (Attention(ins, name=name, **attrs), arrays, half)
     return res
+
+
+#: the float32 kernels' tolerance (of the largest finite output): 3xTF32 about float32's rounding
+#: (a TF32 product alone is ~5e-4 off on these cases), one TF32 product its operands' 2**-11
+FLOAT32_TOL = {"float32": 1e-5, "tf32": 3e-3}
+
+
+def _float32_ops():
+    """Every case's geometry, masks and attributes on float32 operands (values that no half type
+    holds exactly, so a missing 3xTF32 part shows), as FuseAttention's float32 form (no
+    ``probs_dtype``)."""
+    rng = np.random.default_rng(6)
+    res = {}
+    for name, (_, *geo) in CASES.items():
+        arrays, attrs = _case(rng, "float32", *geo)
+        del attrs["probs_dtype"]
+        ins = [Tensor(f"{name}.{k}", a.shape, str(a.dtype)) for k, a in enumerate(arrays)]
+        res[name] = (Attention(ins, name=name, **attrs), arrays)
+    return res
+
+
+@pytest.mark.parametrize("precision,arch", [("float32", "sm_90"), ("tf32", "sm_90"), ("float32", "sm_80")])
+def test_every_float32_case_takes_the_fused_kernel(precision, arch):
+    """On float32 operands the fused kernel computes with 3xTF32 products at float32 and one TF32
+    product at tf32 (as the separate products would), 32 keys a step: Q and two stages of K and V
+    at head size 128 in 99 KB, what sm_86 and sm_89 give a block."""
+    from shardflow.compiler.codegen.cuda_attention import BLOCK_K_FLOAT
+
+    ops = _float32_ops()
+    src = generate_cuda_source([op for op, _ in ops.values()], precision=precision, arch=arch)
+    for name, (op, _) in ops.items():
+        launch = src.launches[name]
+        assert launch.kind == f"attention-{'f32' if precision == 'float32' else 'tf32'}", name
+        assert launch.grid == (-(-op.outputs[0].shape[-2 if op.inputs[0].ndim == 4 else 1] // 64),
+                               op.attrs["q_heads"], op.inputs[0].shape[0])
+        d, dv = op._geometry(*op.inputs[:3])[-2:]
+        assert launch.shared_mem == 4 * (64 * (d + 4) + 2 * BLOCK_K_FLOAT * (d + 4 + dv + 4)) <= 99 * 1024
+    assert src.text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") >= (6 if precision == "float32" else 2)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_float32_kernels_keep_their_values_in_registers(tmp_path, arch):
+    """GPT-2's and Llama's head sizes (64, 128) with a mask, causal, at both float32 precisions:
+    no local memory (the fragments of Q are read from shared memory at each use, where keeping
+    them, and 3xTF32's two parts of them, took up to 255 registers and spilled)."""
+    import subprocess
+
+    rng = np.random.default_rng(0)
+    ops = []
+    for precision, d in itertools.product(("float32", "tf32"), (64, 128)):
+        arrays, attrs = _case(rng, "float32", 1, 2, 2, 70, 90, d, d, False, (1, 1, 1, 90), (), 0)
+        del attrs["probs_dtype"]
+        ins = [Tensor(f"x.{k}", a.shape, str(a.dtype)) for k, a in enumerate(arrays)]
+        op = Attention(ins, name="x", **attrs)
+        src = generate_cuda_source([op], precision=precision, arch=arch)
+        assert src.launches["x"].kind.startswith("attention-")
+        ops.append(src.text)
+    for n, text in enumerate(ops):
+        cu = tmp_path / f"k{n}.cu"
+        cu.write_text(text)
+        res = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-Xptxas", "-v", "-o",
+                              str(tmp_path / f"k{n}.cubin"), str(cu)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
+        assert frames and all(f == ("0", "0") for f in frames), res.stderr
+
+
+def test_float32_attention_needs_aligned_operands_and_sm80():
+    """A float32 operand whose rows are not 16-byte aligned keeps the generic kernel (the copies
+    move 4 floats), and so does every float32 attention before sm_80 (no TF32 tensor cores)."""
+    from shardflow.compiler.codegen.fusion import fuse
+    from shardflow.compiler.ops.transform import Slice
+
+    q, k = Tensor("q", (1, 2, 8, 32), "float32"), Tensor("k", (1, 2, 8, 32), "float32")
+    ok = Attention([q, k, Tensor("v", (1, 2, 8, 32), "float32")], name="ok", scale=0.5, acc_dtype="float32")
+    assert generate_cuda_source([ok], arch="sm_80").launches["ok"].kind == "attention-f32"
+    assert not generate_cuda_source([ok], arch="sm_75").launches["ok"].kind.startswith("attention")
+    for width, fused in ((36, True), (34, False)):  # V's rows 36 or 34 floats apart
+        sl = Slice([Tensor("wide", (1, 2, 8, width), "float32")], name="v", starts=(0, 0, 0, 0), steps=(1, 1, 1, 1),
+                   sizes=(1, 2, 8, 32))
+        att = Attention([q, k, sl.outputs[0]], name="att", scale=0.5, acc_dtype="float32")
+        (group,) = fuse([sl, att], keep=[att.outputs[0].name])
+        kind = generate_cuda_source([group], arch="sm_90").launches[group.name].kind
+        assert kind.startswith("attention") == fused, (width, kind)
 
 
 def test_every_case_takes_the_fused_kernel():
@@ -734,12 +832,51 @@ def test_the_kernel_matches_the_definition(library, name):
     check_case(name, cupy.asnumpy(out), want)
 
 
-def check_case(name: str, got: np.ndarray, want: np.ndarray) -> None:
+@pytest.fixture(scope="module", params=["float32", "tf32"])
+def float32_library(request, tmp_path_factory):
+    """The float32 cases' kernels at ``precision`` (3xTF32 or TF32), compiled for sm_90."""
+    if cg._find_nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    d = tmp_path_factory.mktemp("att32")
+    ops = _float32_ops()
+    launches = build_cuda_library([op for op, _ in ops.values()], str(d / "k.cubin"), arch="sm_90",
+                                  precision=request.param, cache_dir=str(d / "c"))
+    return request.param, ops, launches, str(d / "k.cubin")
+
+
+def test_the_float32_kernels_compile_for_sm90(float32_library):
+    precision, ops, launches, path = float32_library
+    assert open(path, "rb").read()[:4] == b"\x7fELF"
+    assert {launches[n].kind for n in ops} == {f"attention-{'f32' if precision == 'float32' else 'tf32'}"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_float32_kernel_matches_the_definition(float32_library, name):
+    """Every case on float32 operands, 3xTF32 to float32 accuracy, TF32 to its own (FLOAT32_TOL)."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError
+    except Exception:
+        pytest.skip("no CUDA device (or cupy is not installed)")
+    precision, ops, launches, path = float32_library
+    op, arrays = ops[name]
+    want = op.run(*arrays)[0]
+    launch = launches[name]
+    fn = cupy.RawModule(path=path).get_function(launch.symbol)
+    out = cupy.full(want.shape, np.nan, np.float32)
+    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, [cupy.asarray(a) for a in arrays] + [out]),
+       shared_mem=launch.shared_mem)
+    check_case(name, cupy.asnumpy(out), want, FLOAT32_TOL[precision])
+
+
+def check_case(name: str, got: np.ndarray, want: np.ndarray, tol: float = 1e-2) -> None:
     """A case's kernel output against the op's definition (also run by test_cuda_host.py): within
-    the half type's error budget of the largest finite value, NaN where the definition has NaN,
-    and the rows every key of which is masked as the case expects."""
+    ``tol`` (the half types' error budget by default) of the largest finite value, NaN where the
+    definition has NaN, and the rows every key of which is masked as the case expects."""
     scale = float(np.abs(want[np.isfinite(want)]).max())
-    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * scale, equal_nan=True)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, equal_nan=True)
     if name == "masked-rows":
         assert not got[0, 0, [3, 69]].any()  # every key masked: 0, as the definition says
     if name == "bool-mask-short":

@@ -214,7 +214,8 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
     ``precision`` (float16, float32 or tf32; ``float32-wgmma``: float32 with every weight stored
     ``[N, K]``, as for products forced onto wgmma tiles) on one device: imported, planned, merged
     projections, half operands (the weights of ``k_major_ops`` stored ``[N, K]``) or float32 ones
-    for wgmma, fused attention; on ``feeds`` (default: the model's inputs file)."""
+    for wgmma, fused attention (on half operands, and on float32 ones as for sm_80 and newer); on
+    ``feeds`` (default: the model's inputs file)."""
     from model_refs import MODELS
 
     from shardflow.compiler import load_onnx
@@ -236,7 +237,7 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
         rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
     if precision in ("tf32", "float32-wgmma"):  # (float32 on wgmma: every weight, as a "*" tile pattern does)
         rg = Float32WeightsKMajor(precision == "tf32").run(rg)
-    return FuseAttention().run(rg), feeds
+    return FuseAttention(float32=True, target="cuda").run(FuseAttention().run(rg)), feeds
 
 
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17", "t5_encoder_ts17", "bert_ts17"])
@@ -313,6 +314,31 @@ def test_half_onnx_attention_program_on_the_host(tmp_path, case):
     kinds = [src.launches[g.name].kind for g in groups]
     assert kinds.count("attention-f16") == 1 and len(kinds) == 5, kinds
     _check_kernels(case, build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+@pytest.mark.parametrize("case", ["causal-mask-4d", "nonpad-3d"])
+def test_float32_onnx_attention_program_on_the_host(tmp_path, case):
+    """A float32 model's own ``Attention`` (opset 23/24; its definition scales Q and K before the
+    sum, the kernel the sum: a rounding apart) as the fused kernel with 3xTF32 products: the
+    program's kernels on the host against onnxruntime's float32 output, to float32 accuracy."""
+    from test_attention import ONNX_ATTENTION, _onnx_attention_model, _ort
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.codegen.fusion import fuse
+
+    model, feeds = _onnx_attention_model(*ONNX_ATTENTION[case])
+    g = load_onnx(model)
+    groups = fuse(list(g.nodes), keep=g.output_names)
+    src = generate_cuda_source(groups, arch="sm_90")
+    assert [src.launches[gr.name].kind for gr in groups].count("attention-f32") == 1
+    kernels, env = build(src.text, str(tmp_path)), dict(feeds)
+    for gr in groups:  # (the program: each kernel on the outputs of the ones before it)
+        launch = src.launches[gr.name]
+        ins = [env[n] if n in env else t.value for n, t in zip(launch.args, gr.inputs)]
+        outs = run(kernels, launch, ins, [(tuple(t.shape), np.dtype(t.dtype)) for t in gr.outputs])
+        env.update({t.name: o for t, o in zip(gr.outputs, outs)})
+    want = _ort(model, feeds)["out"]
+    np.testing.assert_allclose(env["out"], want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
@@ -496,6 +522,30 @@ def test_attention_kernel_on_the_host_matches_the_definition(attention, name):
     if half == "bfloat16":
         ins[:3] = [a.view(np.uint16) for a in ins[:3]]
     check_case(name, run(kernels, launch, ins, [(want.shape, np.float32)])[0], want)
+
+
+@pytest.fixture(scope="module", params=["float32", "tf32"])
+def float32_attention(request, tmp_path_factory):
+    from test_attention import _float32_ops
+
+    ops = _float32_ops()
+    src = generate_cuda_source([op for op, _ in ops.values()], precision=request.param, arch="sm_90")
+    return request.param, ops, src.launches, build(src.text, str(tmp_path_factory.mktemp("att32")))
+
+
+@pytest.mark.parametrize("name", _attention_cases())
+def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_attention, name):
+    """The fused attention kernel on float32 operands (``mma.sync.m16n8k8`` on TF32 operands, the
+    keys of each 8 taken in the order the scores' fragments hold them) for every case: 3xTF32 to
+    float32 accuracy (dropping any of its three products fails), one TF32 product to its own
+    (test_attention.FLOAT32_TOL). An operand not converted to TF32 fails the emulated mma."""
+    from test_attention import FLOAT32_TOL, check_case
+
+    precision, ops, launches, kernels = float32_attention
+    op, arrays = ops[name]
+    want = op.run(*arrays)[0]
+    check_case(name, run(kernels, launches[name], arrays, [(want.shape, np.float32)])[0], want,
+               FLOAT32_TOL[precision])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -878,8 +928,8 @@ def test_float32_model_program_on_wgmma_on_the_host(tmp_path, model, precision):
     """A test model at ``precision="tf32"`` with ``wgmma_fp32`` for sm_90, as the driver builds it
     (its weights stored ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the
     TF32 wgmma template; or at float32 with every GEMM forced onto a wgmma tile (3xTF32; the
-    weights ``[N, K]`` as they are). Every kernel against the evaluator (tf32: on the rounded
-    weights; float32: to float32 accuracy)."""
+    weights ``[N, K]`` as they are). GPT-2's and BERT's attention fused on float32 operands. Every
+    kernel against the evaluator (tf32: on the rounded weights; float32: to float32 accuracy)."""
     graph = _rank_graph_for_cuda(model, precision="tf32" if precision == "tf32" else "float32-wgmma")
     env, consts, groups = _graph_values(*graph, views=True)
     forced = {} if precision == "tf32" else {g.name: "tma128x128" for g in groups}
@@ -889,7 +939,22 @@ def test_float32_model_program_on_wgmma_on_the_host(tmp_path, model, precision):
     kinds = [src.launches[g.name].kind for g in host_groups]
     gemms = [k for k in kinds if k.startswith("gemm")]
     assert len(gemms) >= 8 and set(gemms) == {"gemm-wgmma-tf32" if precision == "tf32" else "gemm-wgmma-f32"}, kinds
+    assert model == "llama_ts17" or kinds.count(f"attention-{'tf32' if precision == 'tf32' else 'f32'}") == 2, kinds
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts, grid=(3, 1, 1))
+
+
+@pytest.mark.parametrize("model,precision", [("gpt2_ts17", "float32"), ("t5_encoder_ts17", "tf32")])
+def test_float32_model_program_on_the_host(tmp_path, model, precision):
+    """A float32 test model at the default float32 (3xTF32) or at tf32 for sm_90 without
+    ``wgmma_fp32``: its attention fused on float32 operands (T5's with its position bias and
+    mask), products on the portable kernel; every kernel against the evaluator."""
+    env, consts, groups = _graph_values(*_rank_graph_for_cuda(model, precision=precision), views=True)
+    src = generate_cuda_source(groups, arch="sm_90", precision=precision)
+    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
+    kinds = [src.launches[g.name].kind for g in host_groups]
+    t = "f32" if precision == "float32" else "tf32"
+    assert kinds.count(f"attention-{t}") == 2 and f"gemm-{t}" in kinds, kinds
+    _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
 @pytest.mark.parametrize("cfg,blocks", [("128x256", None), ("64x64", None), ("tma128x192", 3), ("tma64x96", 3),

@@ -92,6 +92,21 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
     assert "gemm-wgmma-bf16" in section["table"]
 
 
+@needs_nvcc
+def test_attention_dry_run_builds_every_type(capsys):
+    """attention.py's cases through its own build path: the fused kernel of each type (float32
+    operands on the TF32 kernels: one product, or 3xTF32)."""
+    attention = _load("attention")
+    attention.main(["--dry-run", "--shapes", "gpt2", "--sizes", "1x128", "--jobs", "1"])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("gpt2_")]
+    assert [(r[0], r[1]) for r in rows] == [("gpt2_1x128_float16", "attention-f16"),
+                                            ("gpt2_1x128_bfloat16", "attention-bf16"),
+                                            ("gpt2_1x128_tf32", "attention-tf32"),
+                                            ("gpt2_1x128_float32", "attention-f32")]
+    with pytest.raises(SystemExit, match="gpt3"):
+        attention.make_cases(["gpt3"])
+
+
 def test_tile_table_is_the_fit_of_the_committed_sweeps(capsys):
     """cuda_wgmma's tile efficiencies are what fit_tiles.py fits to the H100 sweeps in
     benchmarks/results (so the table and its stated origin cannot drift apart)."""

@@ -61,6 +61,7 @@ def test_optimization_config_defaults_and_validation():
            ({"target": 1}, "need one of"),
            ({"arch": "sm_90"}, "only applies to target 'cuda'"),
            ({"target": "cuda", "arch": "hopper"}, "use a CUDA architecture"),
+           ({"target": "cuda", "arch": "sm_75"}, r"sm_80 \(Ampere\) and newer"),
            ({"fuse": "yes"}, "need true or false"),
            ({"cuda_graph": 1}, "need true or false"),
            ({"pdl": True}, "needs target 'cuda' and an arch of sm_90"),

@@ -1,0 +1,207 @@
+"""Fused attention: our kernel vs torch's scaled_dot_product_attention, per type, causal.
+
+    python benchmarks/gpu/attention.py [--shapes gpt2,llama7b] [--sizes 1x128,8x128,1x1024,1x4096]
+                                       [--dtypes float16,bfloat16,tf32,float32] [--dry-run] [--json OUT.json]
+
+What is compared
+    ``softmax(Q Kᵀ / sqrt(D) + causal mask) V`` on ``[B, H, S, D]`` operands (GPT-2's heads: H 12,
+    D 64; Llama-7B's: H 32, D 128), batch x sequence ``--sizes``. Ours is the ``Attention`` op the
+    driver fuses, compiled alone (``compiler/codegen/cuda_attention.py``): float16/bfloat16 operands
+    with float32 accumulation (``mma.sync.m16n8k16``), or float32 operands on TF32 tensor cores
+    (``m16n8k8``): one TF32 product (``tf32``) or 3xTF32 (``float32``, float32 accuracy;
+    rfcs/0005 decision 35). Its output is float32 (what the op gives; a model's graph casts or
+    fuses it further).
+
+    Beside it, in the same run: ``torch.nn.functional.scaled_dot_product_attention`` with
+    ``is_causal=True`` on the same operands in the same type (its flash kernel for the halves; for
+    float32 its memory-efficient or math kernel, TF32 allowed for ``tf32`` and not for
+    ``float32``), output in the operands' type.
+
+    ``TFLOP/s`` counts ``4 B H S^2 D / 2`` (the two products over the keys a causal row sees).
+
+Timing and correctness
+    As ``gemm.py``: CUDA graphs of back-to-back launches rotating over enough input sets that each
+    launch reads its operands from device memory (three times the L2 cache, at most 16 sets),
+    median over ``--reps`` replays. Before timing, our output is poisoned with NaN and compared with
+    torch's attention in float64: ``err = max|y - ref| / max|ref|`` must be within the type's
+    tolerance (``TOLERANCE``).
+
+``--dry-run`` generates and compiles every kernel (nvcc, no GPU needed) and prints its launch.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import math
+import os
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import dump_json, ensure_shardflow, fmt, table  # noqa: E402
+from gemm import _cupy_view, _time  # noqa: E402
+
+#: (heads, head size) of the models' attention
+HEADS = {"gpt2": (12, 64), "llama7b": (32, 128)}
+SIZES = ((1, 128), (8, 128), (1, 1024), (1, 4096))
+DTYPES = ("float16", "bfloat16", "tf32", "float32")
+#: largest error (of the output's largest value) each type may have against float64
+TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2, "tf32": 5e-3, "float32": 1e-4}
+MAX_SETS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    B: int
+    S: int
+    dtype: str
+
+    @property
+    def H(self) -> int:
+        return HEADS[self.model][0]
+
+    @property
+    def D(self) -> int:
+        return HEADS[self.model][1]
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}_{self.B}x{self.S}_{self.dtype}"
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.B * self.H * self.S * self.S * self.D / 2
+
+
+def make_cases(shapes=("gpt2", "llama7b"), sizes=SIZES, dtypes=DTYPES) -> list[Case]:
+    unknown = (set(shapes) - set(HEADS)) | (set(dtypes) - set(DTYPES))
+    if unknown:
+        raise SystemExit(f"unknown shape(s) or type(s) {sorted(unknown)}; choose from {sorted(HEADS)}, {DTYPES}")
+    return [Case(m, b, s, dt) for m in shapes for (b, s) in sizes for dt in dtypes]
+
+
+def _build_one(case: Case, work: str, arch: str):
+    from shardflow.compiler.codegen.cuda import build_cuda_library
+    from shardflow.compiler.ir import Tensor
+    from shardflow.compiler.ops.linalg import Attention
+
+    half = case.dtype in ("float16", "bfloat16")
+    ins = [Tensor(n, (case.B, case.H, case.S, case.D), case.dtype if half else "float32") for n in "qkv"]
+    op = Attention(ins, name=case.id, q_heads=case.H, kv_heads=case.H, scale=case.D ** -0.5,
+                   scale_sqrt=case.D ** -0.25, acc_dtype="float32", is_causal=True,
+                   **({"probs_dtype": case.dtype} if half else {}))
+    path = os.path.join(work, f"{case.id}.cubin")
+    t0 = time.perf_counter()
+    launches = build_cuda_library([op], path, arch=arch, precision="float32" if half else case.dtype)
+    return path, launches[case.id], time.perf_counter() - t0
+
+
+def build(cases: list[Case], work: str, arch: str, jobs: int) -> dict:
+    ensure_shardflow()
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        futs = {pool.submit(_build_one, c, work, arch): c for c in cases}
+        return {futs[f].id: f.result() for f in concurrent.futures.as_completed(futs)}
+
+
+def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp) -> dict:
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(case.dtype, torch.float32)
+    shape = (case.B, case.H, case.S, case.D)
+    elems = math.prod(shape)
+    set_bytes = elems * (3 * torch.tensor([], dtype=tdt).element_size() + 4)
+    nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
+    n = max(20, nsets)
+    gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
+    sets = [[torch.randn(shape, device=dev, generator=gen).to(tdt) for _ in range(3)]
+            + [torch.empty(shape, device=dev)] for _ in range(nsets)]
+    theirs_out = [torch.empty(shape, device=dev, dtype=tdt) for _ in range(nsets)]
+    module = cp.RawModule(path=cubin)
+    fn = module.get_function(launch.symbol)
+    if launch.shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = int(launch.shared_mem)
+    stream = torch.cuda.Stream()
+    cstream = cp.cuda.ExternalStream(stream.cuda_stream)
+    views = [[_cupy_view(x, cp) for x in s] for s in sets]
+    grid, block = tuple(launch.grid), tuple(launch.block)
+
+    def ours(i):
+        fn(grid, block, views[i % nsets], shared_mem=int(launch.shared_mem), stream=cstream)
+
+    def theirs(i):
+        q, k, v, _ = sets[i % nsets]
+        theirs_out[i % nsets].copy_(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    torch.backends.cuda.matmul.allow_tf32 = case.dtype == "tf32"
+    q, k, v, y = sets[0]
+    torch.cuda.synchronize()
+    y.fill_(float("nan"))
+    torch.cuda.synchronize()
+    ours(0)
+    cstream.synchronize()
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    nan = bool(torch.isnan(y).any().item())
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    del ref
+    rec = asdict(case)
+    rec.update(id=case.id, H=case.H, D=case.D, kind=launch.kind, grid=list(grid), block=list(block),
+               shared_mem=int(launch.shared_mem), input_sets=nsets, err=None if nan else err,
+               ok=(not nan) and err <= TOLERANCE[case.dtype])
+    t_ours = _time(ours, stream, reps, torch, True, n)
+    t_theirs = _time(theirs, stream, reps, torch, True, n)
+    rec.update(ours_ms=t_ours, torch_sdpa_ms=t_theirs, ours_tflops=case.flops / t_ours / 1e9,
+               torch_sdpa_tflops=case.flops / t_theirs / 1e9, ours_vs_torch=t_theirs / t_ours)
+    return rec
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="gpt2,llama7b", help=f"comma-separated, of {sorted(HEADS)}")
+    ap.add_argument("--sizes", default=",".join(f"{b}x{s}" for b, s in SIZES), help="comma-separated BxS")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",") if s]
+    cases = make_cases([s for s in args.shapes.split(",") if s], sizes, [d for d in args.dtypes.split(",") if d])
+    section: dict = {"arch": args.arch, "tolerance": TOLERANCE}
+    with tempfile.TemporaryDirectory(prefix="sf-attention-") as work:
+        built = build(cases, work, args.arch, args.jobs)
+        if args.dry_run:
+            rows = [[c.id, built[c.id][1].kind, "x".join(map(str, built[c.id][1].grid)),
+                     str(built[c.id][1].shared_mem), f"{built[c.id][2]:.1f}"] for c in cases]
+            print(table(["case", "kind", "grid", "smem B", "build s"], rows, align="<<<>>"))
+            return section
+        import cupy as cp
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2 ** 20)
+        records = []
+        for c in cases:
+            rec = run_case(c, built[c.id][0], built[c.id][1], args.reps, l2, torch, cp)
+            torch.cuda.empty_cache()
+            records.append(rec)
+            print(f"  {c.id:<26} ours {rec['ours_ms'] * 1e3:9.1f} us {rec['ours_tflops']:6.1f} TFLOP/s  torch "
+                  f"{rec['torch_sdpa_ms'] * 1e3:9.1f} us  x{rec['ours_vs_torch']:.2f}  err "
+                  f"{fmt(rec['err'], '.1e')}{'' if rec['ok'] else '  WRONG'}", flush=True)
+    section.update(device=torch.cuda.get_device_name(0), records=records, all_correct=all(r["ok"] for r in records))
+    print(table(["case", "kind", "ours us", "ours TFLOP/s", "torch us", "torch TFLOP/s", "torch/ours", "err"],
+                [[r["id"], r["kind"], fmt(r["ours_ms"] * 1e3, ".1f"), fmt(r["ours_tflops"], ".1f"),
+                  fmt(r["torch_sdpa_ms"] * 1e3, ".1f"), fmt(r["torch_sdpa_tflops"], ".1f"),
+                  fmt(r["ours_vs_torch"], ".2f"), fmt(r["err"], ".1e") if r["ok"] else "WRONG"] for r in records],
+                align="<<>>>>>>"))
+    dump_json(args.json, section)
+    return section
+
+
+if __name__ == "__main__":
+    main()
