@@ -31,7 +31,6 @@ Timing and correctness
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import math
 import os
 import sys
@@ -41,7 +40,7 @@ import zlib
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import dump_json, ensure_shardflow, fmt, table  # noqa: E402
+from common import build_cases, dump_json, fmt, run_cases, table  # noqa: E402
 from gemm import _cupy_view, _time  # noqa: E402
 
 #: (heads, head size) of the models' attention
@@ -98,13 +97,6 @@ def _build_one(case: Case, work: str, arch: str):
     t0 = time.perf_counter()
     launches = build_cuda_library([op], path, arch=arch, precision="float32" if half else case.dtype)
     return path, launches[case.id], time.perf_counter() - t0
-
-
-def build(cases: list[Case], work: str, arch: str, jobs: int) -> dict:
-    ensure_shardflow()
-    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        futs = {pool.submit(_build_one, c, work, arch): c for c in cases}
-        return {futs[f].id: f.result() for f in concurrent.futures.as_completed(futs)}
 
 
 def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp) -> dict:
@@ -174,26 +166,17 @@ def main(argv=None) -> dict:
     cases = make_cases([s for s in args.shapes.split(",") if s], sizes, [d for d in args.dtypes.split(",") if d])
     section: dict = {"arch": args.arch, "tolerance": TOLERANCE}
     with tempfile.TemporaryDirectory(prefix="sf-attention-") as work:
-        built = build(cases, work, args.arch, args.jobs)
+        built = build_cases(_build_one, cases, work, args.arch, args.jobs)
         if args.dry_run:
             rows = [[c.id, built[c.id][1].kind, "x".join(map(str, built[c.id][1].grid)),
                      str(built[c.id][1].shared_mem), f"{built[c.id][2]:.1f}"] for c in cases]
             print(table(["case", "kind", "grid", "smem B", "build s"], rows, align="<<<>>"))
             return section
-        import cupy as cp
-        import torch
-
-        props = torch.cuda.get_device_properties(0)
-        l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2 ** 20)
-        records = []
-        for c in cases:
-            rec = run_case(c, built[c.id][0], built[c.id][1], args.reps, l2, torch, cp)
-            torch.cuda.empty_cache()
-            records.append(rec)
-            print(f"  {c.id:<26} ours {rec['ours_ms'] * 1e3:9.1f} us {rec['ours_tflops']:6.1f} TFLOP/s  torch "
-                  f"{rec['torch_sdpa_ms'] * 1e3:9.1f} us  x{rec['ours_vs_torch']:.2f}  err "
-                  f"{fmt(rec['err'], '.1e')}{'' if rec['ok'] else '  WRONG'}", flush=True)
-    section.update(device=torch.cuda.get_device_name(0), records=records, all_correct=all(r["ok"] for r in records))
+        records, device = run_cases(run_case, cases, built, args.reps, lambda rec: (
+            f"  {rec['id']:<26} ours {rec['ours_ms'] * 1e3:9.1f} us {rec['ours_tflops']:6.1f} TFLOP/s  torch "
+            f"{rec['torch_sdpa_ms'] * 1e3:9.1f} us  x{rec['ours_vs_torch']:.2f}  err "
+            f"{fmt(rec['err'], '.1e')}{'' if rec['ok'] else '  WRONG'}"))
+    section.update(device=device, records=records, all_correct=all(r["ok"] for r in records))
     print(table(["case", "kind", "ours us", "ours TFLOP/s", "torch us", "torch TFLOP/s", "torch/ours", "err"],
                 [[r["id"], r["kind"], fmt(r["ours_ms"] * 1e3, ".1f"), fmt(r["ours_tflops"], ".1f"),
                   fmt(r["torch_sdpa_ms"] * 1e3, ".1f"), fmt(r["torch_sdpa_tflops"], ".1f"),

@@ -120,3 +120,32 @@ def dump_json(path: str | None, data: dict) -> None:
 def fmt(x, spec: str = ".3f") -> str:
     """Format a number, or ``-`` for a missing one."""
     return "-" if x is None else format(x, spec)
+
+
+def build_cases(build_one, cases: list, work: str, arch: str, jobs: int) -> dict:
+    """``build_one(case, work, arch)`` for every case, ``jobs`` at a time (nvcc runs in its own
+    processes): the results by ``case.id``."""
+    import concurrent.futures
+
+    ensure_shardflow()
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        futs = {pool.submit(build_one, c, work, arch): c for c in cases}
+        return {futs[f].id: f.result() for f in concurrent.futures.as_completed(futs)}
+
+
+def run_cases(run_case, cases: list, built: dict, reps: int, line) -> tuple[list[dict], str]:
+    """``run_case(case, cubin, launch, reps, l2_bytes, torch, cupy)`` for every case built by
+    :func:`build_cases` (``(cubin, launch, ...)`` by id), printing ``line(record)`` after each;
+    returns the records and the device's name."""
+    import cupy as cp
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2 ** 20)
+    records = []
+    for c in cases:
+        rec = run_case(c, built[c.id][0], built[c.id][1], reps, l2, torch, cp)
+        torch.cuda.empty_cache()
+        records.append(rec)
+        print(line(rec), flush=True)
+    return records, torch.cuda.get_device_name(0)
