@@ -1,23 +1,28 @@
 """Fused attention: our kernel vs torch's scaled_dot_product_attention, per type, causal.
 
-    python benchmarks/gpu/attention.py [--shapes gpt2,llama7b] [--sizes 1x128,8x128,1x1024,1x4096]
+    python benchmarks/gpu/attention.py [--shapes gpt2,llama7b] [--sizes 1x128,8x128,1x1024,1x4096,1x1x4096,8x1x4096]
                                        [--dtypes float16,bfloat16,tf32,float32] [--dry-run] [--json OUT.json]
 
 What is compared
-    ``softmax(Q Kᵀ / sqrt(D) + causal mask) V`` on ``[B, H, S, D]`` operands (GPT-2's heads: H 12,
-    D 64; Llama-7B's: H 32, D 128), batch x sequence ``--sizes``. Ours is the ``Attention`` op the
+    ``softmax(Q Kᵀ / sqrt(D) + causal mask) V`` on ``[B, H, S, D]`` queries and ``[B, H, L, D]``
+    keys and values (GPT-2's heads: H 12, D 64; Llama-7B's: H 32, D 128), ``--sizes`` ``BxS``
+    (``L = S``: a prompt) or ``BxSxL`` (``S`` queries after ``L - S`` cached keys: ``1x1x4096`` is
+    a decoding step over a 4096-key cache, where ours splits the keys over several blocks,
+    rfcs/0005 decision 36); query ``i`` sees keys ``j <= i + L - S``. Ours is the ``Attention`` op the
     driver fuses, compiled alone (``compiler/codegen/cuda_attention.py``): float16/bfloat16 operands
     with float32 accumulation (``mma.sync.m16n8k16``), or float32 operands on TF32 tensor cores
     (``m16n8k8``): one TF32 product (``tf32``) or 3xTF32 (``float32``, float32 accuracy;
     rfcs/0005 decision 35). Its output is float32 (what the op gives; a model's graph casts or
     fuses it further).
 
-    Beside it, in the same run: ``torch.nn.functional.scaled_dot_product_attention`` with
-    ``is_causal=True`` on the same operands in the same type (its flash kernel for the halves; for
+    Beside it, in the same run: ``torch.nn.functional.scaled_dot_product_attention`` with that
+    mask (``is_causal=True`` when ``S = L``, none for one query) on the same operands in the same
+    type (its flash kernel for the halves; for
     float32 its memory-efficient or math kernel, TF32 allowed for ``tf32`` and not for
     ``float32``), output in the operands' type.
 
-    ``TFLOP/s`` counts ``4 B H S^2 D / 2`` (the two products over the keys a causal row sees).
+    ``TFLOP/s`` counts ``4 B H D`` times the keys the rows see (``S^2 / 2`` for a prompt: the two
+    products over the keys a causal row sees).
 
 Timing and correctness
     As ``gemm.py``: CUDA graphs of back-to-back launches rotating over enough input sets that each
@@ -45,7 +50,7 @@ from gemm import _cupy_view, _time  # noqa: E402
 
 #: (heads, head size) of the models' attention
 HEADS = {"gpt2": (12, 64), "llama7b": (32, 128)}
-SIZES = ((1, 128), (8, 128), (1, 1024), (1, 4096))
+SIZES = ((1, 128, 128), (8, 128, 128), (1, 1024, 1024), (1, 4096, 4096), (1, 1, 4096), (8, 1, 4096))
 DTYPES = ("float16", "bfloat16", "tf32", "float32")
 #: largest error (of the output's largest value) each type may have against float64
 TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2, "tf32": 5e-3, "float32": 1e-4}
@@ -57,6 +62,7 @@ class Case:
     model: str
     B: int
     S: int
+    L: int
     dtype: str
 
     @property
@@ -69,18 +75,19 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"{self.model}_{self.B}x{self.S}_{self.dtype}"
+        keys = "" if self.L == self.S else f"x{self.L}"
+        return f"{self.model}_{self.B}x{self.S}{keys}_{self.dtype}"
 
     @property
-    def flops(self) -> float:
-        return 4.0 * self.B * self.H * self.S * self.S * self.D / 2
+    def flops(self) -> float:  # (query i sees L - S + i + 1 keys)
+        return 4.0 * self.B * self.H * self.D * (self.S * (self.L - self.S) + self.S * (self.S + 1) / 2)
 
 
 def make_cases(shapes=("gpt2", "llama7b"), sizes=SIZES, dtypes=DTYPES) -> list[Case]:
     unknown = (set(shapes) - set(HEADS)) | (set(dtypes) - set(DTYPES))
     if unknown:
         raise SystemExit(f"unknown shape(s) or type(s) {sorted(unknown)}; choose from {sorted(HEADS)}, {DTYPES}")
-    return [Case(m, b, s, dt) for m in shapes for (b, s) in sizes for dt in dtypes]
+    return [Case(m, b, s, n, dt) for m in shapes for (b, s, n) in sizes for dt in dtypes]
 
 
 def _build_one(case: Case, work: str, arch: str):
@@ -89,9 +96,10 @@ def _build_one(case: Case, work: str, arch: str):
     from shardflow.compiler.ops.linalg import Attention
 
     half = case.dtype in ("float16", "bfloat16")
-    ins = [Tensor(n, (case.B, case.H, case.S, case.D), case.dtype if half else "float32") for n in "qkv"]
+    ins = [Tensor(n, (case.B, case.H, case.S if n == "q" else case.L, case.D), case.dtype if half else "float32")
+           for n in "qkv"]
     op = Attention(ins, name=case.id, q_heads=case.H, kv_heads=case.H, scale=case.D ** -0.5,
-                   scale_sqrt=case.D ** -0.25, acc_dtype="float32", is_causal=True,
+                   scale_sqrt=case.D ** -0.25, acc_dtype="float32", is_causal=True, past_len=case.L - case.S,
                    **({"probs_dtype": case.dtype} if half else {}))
     path = os.path.join(work, f"{case.id}.cubin")
     t0 = time.perf_counter()
@@ -104,14 +112,17 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 
     dev = torch.device("cuda")
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(case.dtype, torch.float32)
-    shape = (case.B, case.H, case.S, case.D)
-    elems = math.prod(shape)
-    set_bytes = elems * (3 * torch.tensor([], dtype=tdt).element_size() + 4)
+    shape, kv_shape = (case.B, case.H, case.S, case.D), (case.B, case.H, case.L, case.D)
+    esize = torch.tensor([], dtype=tdt).element_size()
+    set_bytes = math.prod(shape) * (esize + 4) + 2 * math.prod(kv_shape) * esize
     nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
     n = max(20, nsets)
     gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
-    sets = [[torch.randn(shape, device=dev, generator=gen).to(tdt) for _ in range(3)]
+    sets = [[torch.randn(sh, device=dev, generator=gen).to(tdt) for sh in (shape, kv_shape, kv_shape)]
             + [torch.empty(shape, device=dev)] for _ in range(nsets)]
+    # the causal mask: query i sees keys j <= i + L - S (torch's is_causal aligns it to the top left)
+    causal = {"is_causal": True} if case.S == case.L else {} if case.S == 1 else {
+        "attn_mask": torch.ones(case.S, case.L, dtype=torch.bool, device=dev).tril(case.L - case.S)}
     theirs_out = [torch.empty(shape, device=dev, dtype=tdt) for _ in range(nsets)]
     module = cp.RawModule(path=cubin)
     fn = module.get_function(launch.symbol)
@@ -127,7 +138,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 
     def theirs(i):
         q, k, v, _ = sets[i % nsets]
-        theirs_out[i % nsets].copy_(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        theirs_out[i % nsets].copy_(F.scaled_dot_product_attention(q, k, v, **causal))
 
     torch.backends.cuda.matmul.allow_tf32 = case.dtype == "tf32"
     q, k, v, y = sets[0]
@@ -136,7 +147,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
     torch.cuda.synchronize()
     ours(0)
     cstream.synchronize()
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **causal)
     nan = bool(torch.isnan(y).any().item())
     err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     del ref
@@ -154,7 +165,8 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="gpt2,llama7b", help=f"comma-separated, of {sorted(HEADS)}")
-    ap.add_argument("--sizes", default=",".join(f"{b}x{s}" for b, s in SIZES), help="comma-separated BxS")
+    ap.add_argument("--sizes", default=",".join(f"{b}x{s}" + (f"x{n}" if n != s else "") for b, s, n in SIZES),
+                    help="comma-separated BxS (a prompt) or BxSxL (S queries, L keys)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--arch", default="sm_90")
@@ -163,6 +175,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",") if s]
+    sizes = [sz if len(sz) == 3 else (sz[0], sz[1], sz[1]) for sz in sizes]
     cases = make_cases([s for s in args.shapes.split(",") if s], sizes, [d for d in args.dtypes.split(",") if d])
     section: dict = {"arch": args.arch, "tolerance": TOLERANCE}
     with tempfile.TemporaryDirectory(prefix="sf-attention-") as work:

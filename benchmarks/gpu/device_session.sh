@@ -26,8 +26,8 @@
 #   bash benchmarks/gpu/device_session.sh tf32    # precision="tf32" on the wgmma template: its GPU tests, then
 #                                                 # every GEMM shape in TF32 vs cuBLAS's TF32, 3xTF32 vs SGEMM,
 #                                                 # GPT-2 at tf32, < 9 min
-#   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32): its
-#                                                 # GPU tests, then every type's kernel vs torch's SDPA, < 4 min
+#   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32) and
+#                                                 # split-KV: GPU tests, then every type's kernel vs torch's SDPA, < 4 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -346,14 +346,15 @@ case "$what" in
             --wgmma-fp32 --compile-modes reduce-overhead --export-dir /tmp/sf-export >> "$f" 2>&1
         tail -30 "$f"
         ;;
-    attention)  # the fused attention kernel on float32 operands (rfcs/0005 decision 35, session 42; never run
-                # on a GPU): its GPU tests (every case, 3xTF32 and TF32, against the definition), then
-                # benchmarks/gpu/attention.py (every type, GPT-2's and Llama-7B's heads, causal, 1x128 to
-                # 1x4096, against torch's scaled_dot_product_attention), into $out/attention.txt
+    attention)  # the fused attention kernel on float32 operands and split-KV (rfcs/0005 decisions 35, 36,
+                # session 42; never run on a GPU): their GPU tests (every case, halves, 3xTF32 and TF32,
+                # against the definition), then benchmarks/gpu/attention.py (every type, GPT-2's and
+                # Llama-7B's heads, causal, 1x128 to 1x4096 and decoding steps over 4096 keys, against
+                # torch's scaled_dot_product_attention), into $out/attention.txt
         f="$out/attention.txt"
         echo "# device_session.sh attention, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_attention.py \
-            -k "float32_kernel" 2>&1 | tail -5 | tee -a "$f"
+            -k "float32_kernel or split" 2>&1 | tail -5 | tee -a "$f"
         timeout 150 python3 benchmarks/gpu/attention.py --jobs 14 --json "$out/attention.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;

@@ -18,6 +18,13 @@ run time, and without a past it also places the diagonal, at ``nonpad - S``); a 
 (``softcap``) bounds the scaled scores with ``tanh`` before the masks are added
 (rfcs/0005-hopper-gemm.md, decision 18).
 
+Split-KV (decision 36; :func:`kv_splits`): when the blocks of queries would leave most
+multiprocessors idle and the keys are long (a decoding step: one query per head over a KV
+cache), each block of queries is taken by several blocks, each over an equal share of its key
+steps; each stores its rows' running maximum, sum and unnormalized outputs, and the last to
+count itself in (a per-block counter, reset by it) combines them in split order (the same bits
+whichever finishes last) and runs the epilogue.
+
 Float32 operands (``precision`` float32 or tf32; rfcs/0005-hopper-gemm.md, decision 35) take the
 same kernel on ``mma.sync.m16n8k8`` TF32 tensor cores: one TF32 product (tf32), or 3xTF32 (each
 operand ``hi + lo``, ``lo·hi + hi·lo + hi·hi``: float32 accuracy, as the portable GEMM at float32).
@@ -47,7 +54,7 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 
 __all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "ATTENTION_FLOAT_HELPERS", "BLOCK_Q", "BLOCK_K",
-           "BLOCK_K_FLOAT", "FLOAT_TYPES", "MAX_HEAD", "takes_heads"]
+           "BLOCK_K_FLOAT", "FLOAT_TYPES", "MAX_HEAD", "kv_splits", "takes_heads"]
 
 #: queries per block (4 warps x 16 rows) and keys per step
 BLOCK_Q, BLOCK_K = 64, 64
@@ -55,8 +62,21 @@ BLOCK_Q, BLOCK_K = 64, 64
 MAX_HEAD = 128
 #: the float32 kernels' operand types: one TF32 product, or 3xTF32 (``precision`` ``"tf32"``, ``"float32"``)
 FLOAT_TYPES = ("tf32", "f32")
-#: keys per step of the float32 kernels (two stages of K and V at head size 128: 67 KB)
+#: keys per step of the float32 kernels (Q and two stages of K and V at head size 128: 99 KB)
 BLOCK_K_FLOAT = 32
+#: split-KV (:func:`kv_splits`): the blocks a launch should fill (H100/H200's multiprocessors), the
+#: fewest key steps a split takes, the most splits
+SPLIT_SMS, SPLIT_MIN_STEPS, MAX_SPLITS = 132, 4, 16
+
+
+def kv_splits(B: int, H: int, S: int, L: int, ab: str) -> int:
+    """How many blocks share the keys of each block of queries (split-KV, FlashDecoding's): 1
+    unless the query blocks (``ceil(S / 64) * H * B``) leave multiprocessors idle and the keys
+    are long enough that each split gets ``SPLIT_MIN_STEPS`` steps (a decoding step's single
+    query over a long KV cache: otherwise one block per head streams the whole cache)."""
+    blocks = -(-S // BLOCK_Q) * H * B
+    steps = -(-L // (BLOCK_K_FLOAT if ab in FLOAT_TYPES else BLOCK_K))
+    return max(1, min(SPLIT_SMS // max(blocks, 1), steps // SPLIT_MIN_STEPS, MAX_SPLITS))
 
 
 def takes_heads(d: int, dv: int) -> bool:
@@ -176,11 +196,13 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
         return f" + {c}" if c > 0 else f" - {-c}" if c else ""
     key_limit = str(L) if keys is None else keys
     blocks = str(nkb) if keys is None else f"({keys} + {bk - 1}) / {bk}"  # key blocks with a key
+    nqb, splits = -(-S // BLOCK_Q), kv_splits(B, H, S, L, ab)
+    qb = "blockIdx.x" if splits == 1 else f"(blockIdx.x / {splits})"  # (split-KV: blockIdx.x % splits)
     if causal is None:
-        q_block, causal_test = "blockIdx.x", ""
+        q_block, causal_test = qb, ""
         nkb_code = "" if keys is None else f"  const int sf_nkb = {blocks};\n"
     else:  # heaviest query blocks first; the key blocks that hold a key some row of the block sees
-        q_block = "(gridDim.x - 1 - blockIdx.x)"
+        q_block = "(gridDim.x - 1 - blockIdx.x)" if splits == 1 else f"({nqb - 1} - {qb})"
         causal_test = f" && sf_j <= sf_i{offset(causal)}"
         nkb_code = (f"  const int sf_last = min(sf_q0 + {BLOCK_Q - 1}, {S - 1}){offset(causal)};  // the last key "
                     "the block's rows see\n"
@@ -192,6 +214,12 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
         nkb_code += (f"  const int sf_first = sf_q0{offset(lo)};  // the first key the block's rows see\n"
                      f"  const int sf_kb0 = sf_first <= 0 ? 0 : sf_first / {bk};\n")
         kb0, stage = "sf_kb0", "(kb - sf_kb0) & 1"
+    if splits > 1:  # this split's share of the block's key steps, in order (a share may be empty)
+        nkb_code += (f"  const int sf_split = blockIdx.x % {splits}, sf_steps = max({nkb_bound} - {kb0}, 0);\n"
+                     f"  const int sf_per = (sf_steps + {splits - 1}) / {splits};\n"
+                     f"  const int sf_kbs = {kb0} + sf_split * sf_per, "
+                     f"sf_kbe = min(sf_kbs + sf_per, {kb0} + sf_steps);\n")
+        kb0, nkb_bound, stage = "sf_kbs", "sf_kbe", "(kb - sf_kbs) & 1"
     cap = f"        x = tanhf(x / {softcap!r}f) * {softcap!r}f;\n" if softcap > 0 else ""
     bias_code = "\n".join(f"""            {{
               float sf_bias;
@@ -201,9 +229,14 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     normalised = "sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f" if empty_rows_zero else "sf_o[n][r] / sf_sum"
     if sink is None:
         init = "  float sf_m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)}, sf_l[2] = {0.0f, 0.0f};"
-    else:  # the sink's exp(sink - m) = 1 at m = sink, counted once per row (by its t = 0 thread)
+    elif splits == 1:  # the sink's exp(sink - m) = 1 at m = sink, counted once per row (by its t = 0 thread)
         init = (f"  float sf_m[2] = {{{sink}, {sink}}};\n"
                 "  float sf_l[2] = {sf_t == 0 ? 1.0f : 0.0f, sf_t == 0 ? 1.0f : 0.0f};")
+    else:  # (and by split 0 only)
+        init = (f"  const bool sf_sinks = sf_split == 0;\n"
+                f"  float sf_m[2] = {{sf_sinks ? {sink} : __int_as_float(0xff800000), "
+                f"sf_sinks ? {sink} : __int_as_float(0xff800000)}};\n"
+                "  float sf_l[2] = {sf_sinks && sf_t == 0 ? 1.0f : 0.0f, sf_sinks && sf_t == 0 ? 1.0f : 0.0f};")
     epi = _indent(epilogue, 10)
     root_code = _indent(root, 2)
     exp = "expf" if ab == "f32" else "__expf"  # (3xTF32: float32's exp, as the separate Softmax has)
@@ -317,7 +350,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 1);
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 2);
   }}
-  #pragma unroll
+{_split_combine(symbol, splits, S, H, nqb, Dv, nd, exp)}  #pragma unroll
   for (int n = 0; n < {nd}; ++n) {{
     #pragma unroll
     for (int r = 0; r < 4; ++r) {{
@@ -334,8 +367,80 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
   }}
 }}
 """
-    cfg = {"grid": (-(-S // BLOCK_Q), H, B), "block": (128, 1, 1), "shared_mem": smem}
+    if splits > 1:  # the splits' partial results and a count per block of queries (module globals, as split-K's)
+        rows = min(BLOCK_Q, S)
+        src = (f"__device__ float {symbol}_ws[{B * H * nqb * splits * rows * (Dv + 2)}];  // split-KV partials\n"
+               f"__device__ unsigned {symbol}_cnt[{B * H * nqb}];  // splits stored per block of queries\n") + src
+    cfg = {"grid": (nqb * splits, H, B), "block": (128, 1, 1), "shared_mem": smem}
     return src, cfg
+
+
+def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, Dv: int, nd: int, exp: str) -> str:
+    """Split-KV: each split stores its rows' maximum, sum and unnormalized outputs; the last split
+    of a block of queries to count in reads them all and leaves their combination in ``sf_o`` and
+    ``sf_l`` for the epilogue (``O = sum_s exp(m_s - M) o_s``, ``l`` likewise, ``M = max_s m_s``;
+    a split that saw no key of a row has ``m = -inf`` and weighs 0). The splits are summed in
+    order, so the bits do not depend on which block finishes; it resets the count for the next
+    launch. Empty when ``splits`` is 1."""
+    if splits == 1:
+        return ""
+    rows, w = min(BLOCK_Q, S), Dv + 2  # a row's partial: m, l, then Dv outputs
+    return f"""  {{  // split-KV: store this split's partial rows; the last split of the block combines them
+    const int sf_unit = (sf_b * {H} + sf_h) * {nqb} + sf_q0 / {BLOCK_Q};
+    float* sf_ws = {symbol}_ws + (size_t)sf_unit * {splits * rows * w};
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {{
+      const int sf_r = sf_warp * 16 + sf_g + h * 8;
+      if (sf_q0 + sf_r >= {S}) continue;
+      float* sf_row = sf_ws + (sf_split * {rows} + sf_r) * {w};
+      if (sf_t == 0) {{
+        __stcg(sf_row, sf_m[h]);
+        __stcg(sf_row + 1, sf_l[h]);
+      }}
+      #pragma unroll
+      for (int n = 0; n < {nd}; ++n) {{
+        __stcg(sf_row + 2 + n * 8 + sf_t * 2, sf_o[n][2 * h]);
+        __stcg(sf_row + 3 + n * 8 + sf_t * 2, sf_o[n][2 * h + 1]);
+      }}
+    }}
+    sf_att_wait<0>();  // (an empty split's copies are still in flight: none may land on the flag)
+    __threadfence();
+    __syncthreads();
+    volatile unsigned* sf_final = reinterpret_cast<volatile unsigned*>(sf_dyn);  // (Q's first bytes: read no more)
+    if (threadIdx.x == 0) *sf_final = atomicAdd(&{symbol}_cnt[sf_unit], 1u) == {splits - 1}u;
+    __syncthreads();
+    if (!*sf_final) return;  // another split of these rows finishes them
+    __threadfence();
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {{
+      const int sf_r = sf_warp * 16 + sf_g + h * 8;
+      if (sf_q0 + sf_r >= {S}) continue;
+      const float* sf_row = sf_ws + sf_r * {w};
+      float sf_mm = __int_as_float(0xff800000), sf_wt[{splits}];
+      #pragma unroll
+      for (int q = 0; q < {splits}; ++q) sf_mm = fmaxf(sf_mm, __ldcg(sf_row + q * {rows * w}));
+      sf_l[h] = 0.0f;
+      #pragma unroll
+      for (int q = 0; q < {splits}; ++q) {{
+        const float sf_mq = __ldcg(sf_row + q * {rows * w});
+        sf_wt[q] = sf_mq == __int_as_float(0xff800000) ? 0.0f : {exp}(sf_mq - sf_mm);
+        sf_l[h] += sf_wt[q] * __ldcg(sf_row + q * {rows * w} + 1);
+      }}
+      #pragma unroll
+      for (int n = 0; n < {nd}; ++n) {{
+        float sf_x0 = 0.0f, sf_x1 = 0.0f;
+        #pragma unroll
+        for (int q = 0; q < {splits}; ++q) {{
+          sf_x0 += sf_wt[q] * __ldcg(sf_row + q * {rows * w} + 2 + n * 8 + sf_t * 2);
+          sf_x1 += sf_wt[q] * __ldcg(sf_row + q * {rows * w} + 3 + n * 8 + sf_t * 2);
+        }}
+        sf_o[n][2 * h] = sf_x0;
+        sf_o[n][2 * h + 1] = sf_x1;
+      }}
+    }}
+    if (threadIdx.x == 0) {symbol}_cnt[sf_unit] = 0u;
+  }}
+"""
 
 
 def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, ldq: int, ldv: int, mma_call) -> tuple[str, str]:

@@ -608,6 +608,15 @@ CASES = {
     # mask hiding every key of row 5 (its output 0: the sink weighs no value)
     "sinks-window": ("bfloat16", 2, 4, 2, 70, 100, 64, 64, False, (2, 1, 70, 100), (5,), 30, True, None, False,
                      {"sink": [2.0, -1.0, 8.0, 0.5], "left_window": 20}),
+    # split-KV (few blocks of queries, long keys): a decoding step's one query over a 1000-key cache
+    # with grouped heads and a mask, split over 4 blocks (float32: 8)
+    "decode-split": ("float16", 1, 4, 2, 1, 1000, 64, 64, False, (1, 1, 1, 1000), (), 999),
+    # a padded cache whose second batch sees 90 keys (the later splits see none) and sinks
+    "split-nonpad-sinks": ("bfloat16", 2, 2, 1, 3, 700, 32, 32, True, None, (), None, False, None, False,
+                           {"nonpad": [700, 90], "sink": [1.0, 3.0]}),
+    # three blocks of queries, causal after a 970-key past, in a 600-key window: each block's steps split
+    "causal-window-split": ("float16", 1, 1, 1, 130, 1100, 32, 32, False, None, (), 970, False, None, False,
+                            {"left_window": 600}),
 }
 
 
@@ -645,16 +654,15 @@ def test_every_float32_case_takes_the_fused_kernel(precision, arch):
     """On float32 operands the fused kernel computes with 3xTF32 products at float32 and one TF32
     product at tf32 (as the separate products would), 32 keys a step: Q and two stages of K and V
     at head size 128 in 99 KB, what sm_86 and sm_89 give a block."""
-    from shardflow.compiler.codegen.cuda_attention import BLOCK_K_FLOAT
+    from shardflow.compiler.codegen.cuda_attention import BLOCK_K_FLOAT, kv_splits
 
     ops = _float32_ops()
     src = generate_cuda_source([op for op, _ in ops.values()], precision=precision, arch=arch)
     for name, (op, _) in ops.items():
         launch = src.launches[name]
         assert launch.kind == f"attention-{'f32' if precision == 'float32' else 'tf32'}", name
-        assert launch.grid == (-(-op.outputs[0].shape[-2 if op.inputs[0].ndim == 4 else 1] // 64),
-                               op.attrs["q_heads"], op.inputs[0].shape[0])
-        d, dv = op._geometry(*op.inputs[:3])[-2:]
+        b_, hq, _, s_len, l_len, d, dv = op._geometry(*op.inputs[:3])
+        assert launch.grid == (-(-s_len // 64) * kv_splits(b_, hq, s_len, l_len, "f32"), hq, b_)
         assert launch.shared_mem == 4 * (64 * (d + 4) + 2 * BLOCK_K_FLOAT * (d + 4 + dv + 4)) <= 99 * 1024
     assert src.text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") >= (6 if precision == "float32" else 2)
 
@@ -707,14 +715,22 @@ def test_float32_attention_needs_aligned_operands_and_sm80():
 
 
 def test_every_case_takes_the_fused_kernel():
+    """One block per 64 queries of a head, times the key splits (1 but for the split-KV cases)."""
+    from shardflow.compiler.codegen.cuda_attention import kv_splits
+
     ops = _ops()
     src = generate_cuda_source([op for op, _, _ in ops.values()], arch="sm_90")
     for name, (op, _, half) in ops.items():
         launch = src.launches[name]
         assert launch.kind == f"attention-{'f16' if half == 'float16' else 'bf16'}", name
         assert launch.block == (128, 1, 1)
-        assert launch.grid == (-(-op.outputs[0].shape[-2 if op.inputs[0].ndim == 4 else 1] // 64),
-                               op.attrs["q_heads"], op.inputs[0].shape[0])
+        b_, hq, _, s_len, l_len = op._geometry(*op.inputs[:3])[:5]
+        splits = kv_splits(b_, hq, s_len, l_len, "f16")
+        assert (splits > 1) == name.endswith("split") or name == "split-nonpad-sinks", (name, splits)
+        assert launch.grid == (-(-s_len // 64) * splits, hq, b_)
+    assert [kv_splits(1, 4, 1, 1000, t) for t in ("f16", "f32")] == [4, 8]
+    assert kv_splits(8, 12, 128, 128, "f16") == kv_splits(1, 32, 4096, 4096, "f16") == 1  # (GPT-2 8x128; long prefill)
+    assert kv_splits(1, 32, 1, 4096, "f16") == 4 and kv_splits(1, 1, 1, 100000, "f16") == 16
 
 
 def test_unsupported_head_sizes_keep_the_generic_kernel():

@@ -548,6 +548,29 @@ def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_att
                FLOAT32_TOL[precision])
 
 
+@pytest.mark.parametrize("name", ["decode-split", "split-nonpad-sinks", "causal-window-split"])
+def test_split_kv_combines_the_same_bits_whichever_split_is_last(attention, name):
+    """Split-KV (rfcs/0005 decision 36): with a block of queries' splits running at once, in any
+    order (several scheduler seeds), the last to count in combines the splits in their order: the
+    output's bits equal those of the splits run one after another; and the count each leaves
+    behind is reset (the launches share the kernel's globals)."""
+    from test_attention import _bits, check_case
+
+    ops, launches, kernels = attention
+    op, arrays, half = ops[name]
+    launch = launches[name]
+    assert launch.grid[0] > -(-op.inputs[0].shape[-2 if op.inputs[0].ndim == 4 else 1] // 64)  # (split)
+    ins = [_bits(a, half) if k < 3 else a for k, a in enumerate(arrays)]
+    if half == "bfloat16":
+        ins[:3] = [a.view(np.uint16) for a in ins[:3]]
+    spec = [(op.outputs[0].shape, np.float32)]
+    first = run(kernels, launch, ins, spec)[0]
+    check_case(name, first, op.run(*arrays)[0])  # (after the other tests' launches of this kernel)
+    for seed in (2, 3, 4):
+        again = run(kernels, launch, ins, spec, seed=seed, resident=launch.grid[0] * launch.grid[1])[0]
+        np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
+
+
 # ----------------------------------------------------------------------------------------------
 # Hopper GEMMs: wgmma, TMA, mbarriers, named barriers (the shim's asynchronous model)
 # ----------------------------------------------------------------------------------------------
