@@ -285,10 +285,17 @@ class FuseAttention(GraphPass):
                 causal = {"is_causal": True, "past_len": off}
                 biases = biases if keep else []
         q_in = q3 if three_d and q3 is not None else qh
-        ins = [q_in, k3, v3 if v3 is not None else vh] + biases
+        k_in, v_in, kv_heads = k3, v3 if v3 is not None else vh, h_
+        gk, gv = self._ungrouped(k_in), self._ungrouped(v_in)
+        if gk is not None and gv is not None and gk[1] == gv[1]:  # grouped heads: K and V before the repeat
+            kv_heads = gk[1]
+            k_in, v_in = (self._cast_to(g[0], t.dtype, f"{mm2.name}.{w}", new_ops) for g, t, w in
+                          ((gk, k_in, "k"), (gv, v_in, "v")))
+            v_in = self._heads_3d(v_in, (0, 2, 1, 3)) or v_in
+        ins = [q_in, k_in, v_in] + biases
         # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
         # every key is -inf, the Softmax of the matched ops gives NaN)
-        att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=h_, scale=scale,
+        att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=kv_heads, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32",
                         **({} if self.float32 else {"probs_dtype": vh.dtype}),
                         extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
@@ -309,6 +316,44 @@ class FuseAttention(GraphPass):
             new_ops.append(Reshape([y], name=f"{out_chain[1].name}.rows", shape=tuple(old.shape)))
             y = new_ops[-1].outputs[0]
         return new_ops, old, y
+
+    def _ungrouped(self, t: Tensor) -> tuple[Tensor, int] | None:
+        """``(x, Hk)`` when ``t`` is ``x`` ``[B, Hk, L, D]`` with each head repeated ``rep`` times
+        (``[B, Hk * rep, L, D]``, head ``h`` from ``x``'s ``h // rep``: the exporters' ``repeat_kv``
+        of grouped-query attention, ``Reshape(Expand(Reshape(x, [B, Hk, 1, L, D]), [B, Hk, rep, L,
+        D]), [B, Hk * rep, L, D])``); the Attention op reads ``x`` with ``kv_heads = Hk``."""
+        merge = self._prod(t)
+        if t.ndim != 4 or not _is(merge, "Reshape"):
+            return None
+        expand = self._past_casts(merge.inputs[0])
+        if not _is(expand, "Expand"):
+            return None
+        e = tuple(expand.outputs[0].shape)
+        if len(e) != 5 or tuple(t.shape) != (e[0], e[1] * e[2], e[3], e[4]):
+            return None
+        split = self._past_casts(expand.inputs[0])
+        if not _is(split, "Reshape") or tuple(split.outputs[0].shape) != (e[0], e[1], 1, e[3], e[4]) \
+                or tuple(split.inputs[0].shape) != (e[0], e[1], e[3], e[4]):
+            return None
+        return split.inputs[0], e[1]
+
+    def _past_casts(self, t: Tensor) -> Operator | None:
+        """The producer of ``t`` past any element-wise casts (a precision pass's, between the steps
+        of a repeat: casting commutes with repeating)."""
+        p = self._prod(t)
+        while _is(p, "Cast"):
+            p = self._prod(p.inputs[0])
+        return p
+
+    @staticmethod
+    def _cast_to(x: Tensor, dtype: str, name: str, new_ops: list) -> Tensor:
+        """``x``, cast to ``dtype`` by a new op (appended to ``new_ops``) if it is not of it."""
+        if x.dtype == dtype:
+            return x
+        from ..ops.elementwise import CastOp
+
+        new_ops.append(CastOp([x], name=f"{name}.{dtype}", to=dtype))
+        return new_ops[-1].outputs[0]
 
     def _output_chain(self, t: Tensor, shape3: tuple):
         """``(casts, reshape)`` when ``t`` is read by ``Transpose(0, 2, 1, 3)`` alone, then by

@@ -60,6 +60,29 @@ def test_the_pass_fuses_every_attention_and_keeps_the_values(model, three_d, y_3
     # the additive biases in the order they are added (T5: its position bias, then the mask)
     biases = 2 if model.startswith("t5") else 0 if model.startswith("vit") else 1
     assert all(op.attrs.get("extra_biases", 0) == biases and not op.attrs.get("has_mask") for op in atts)
+    # grouped heads (Llama's 4 query heads on 2 KV heads): K and V read before their repeat
+    kv_heads = 2 if model.startswith("llama") else atts[0].attrs["q_heads"]
+    assert all(op._geometry(*op.inputs[:3])[2] == kv_heads for op in atts)
+    got = g.run(feeds)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("model", ["llama_ts17", "llama_dynamo18", "gpt2_ts17"])
+def test_the_float32_pass_for_cuda_reads_grouped_heads_once_and_keeps_the_values(model):
+    """FuseAttention(float32=True, target="cuda") on a float32 graph: one Attention per layer (the
+    cpu template's restrictions do not apply), Llama's on its 2 KV heads (the exporters'
+    ``repeat_kv`` left out: the kernel maps query head ``h`` to KV head ``h // 2``), the same bits."""
+    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    g0 = load_onnx(MODELS / f"{model}.onnx")
+    ref = g0.run(feeds)
+    g = FuseAttention(float32=True, target="cuda").run(load_onnx(MODELS / f"{model}.onnx"))
+    g.validate()
+    atts = [op for op in g.nodes if op.op_type == "Attention"]
+    assert len(atts) == 2 and not [op for op in g.nodes if op.op_type == "Softmax"]
+    assert {op._geometry(*op.inputs[:3])[2] for op in atts} == {2 if model.startswith("llama") else 4}
+    if model.startswith("llama"):
+        assert not [op for op in g.nodes if op.op_type == "Expand" and op.outputs[0].ndim == 5]  # (dead: removed)
     got = g.run(feeds)
     for k, v in ref.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)

@@ -245,15 +245,16 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     """Every kernel of a test model's float16 cuda program for sm_90 (LayerNorm, RMSNorm, GELU,
     rotary embeddings, masks, casts, fused attention, wgmma and wmma GEMMs with their fused
     prologues and epilogues) on the activations the reference evaluator computes, against the
-    evaluator.
-    (Llama's test model keeps the generic attention kernel, a row kernel checked here too: its V
-    comes through the grouped heads' Expand, which the fused kernel does not read.)"""
-    env, consts, groups = _model_values(model)
+    evaluator. Grouped as the sm_90 build groups them (its half casts written for their readers):
+    Llama's attention reads its 2 KV heads, cast to float16 before the repeat the export wrote."""
+    from shardflow.compiler.codegen.cuda import _half_cast
+
+    env, consts, groups = _graph_values(*_rank_graph_for_cuda(model), materialize=_half_cast)
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     assert len(host_groups) >= 15 and {src.launches[g.name].kind for g in host_groups} >= {"row", "elementwise"}
-    checked = {src.launches[g.name].kind for g in host_groups}
-    assert "attention-f16" in checked if model != "llama_ts17" else "gemm-wgmma-f16" in checked
+    kinds = [src.launches[g.name].kind for g in host_groups]
+    assert kinds.count("attention-f16") == 2 and "gemm-wgmma-f16" in kinds, kinds
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
@@ -346,9 +347,9 @@ def test_bfloat16_model_program_on_the_host(tmp_path, model):
     """Every kernel of the cuda program of a model that is bfloat16 itself (weights, activations;
     model_refs.half_model), as the driver builds it at the default precision (merged
     projections, bfloat16 wgmma GEMMs with their epilogues, GPT-2's attention as one fused kernel
-    reading bfloat16 Q, K, V, row and element-wise kernels storing bfloat16), against the evaluator
-    (float32 arithmetic, each op's output rounded once). (Llama's test model keeps the generic
-    attention kernel: its V comes through the grouped heads' Expand.)"""
+    reading bfloat16 Q, K, V (Llama's its 2 KV heads before the repeat), row and element-wise
+    kernels storing bfloat16), against the evaluator (float32 arithmetic, each op's output rounded
+    once)."""
     from model_refs import half_model
 
     from shardflow.compiler import load_onnx
@@ -366,7 +367,7 @@ def test_bfloat16_model_program_on_the_host(tmp_path, model):
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     kinds = [src.launches[g.name].kind for g in host_groups]
     assert {"row", "elementwise", "gemm-wgmma-bf16"} <= set(kinds), kinds
-    assert kinds.count("attention-bf16") == (2 if model == "gpt2_ts17" else 0), kinds
+    assert kinds.count("attention-bf16") == 2, kinds
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
@@ -951,7 +952,7 @@ def test_float32_model_program_on_wgmma_on_the_host(tmp_path, model, precision):
     """A test model at ``precision="tf32"`` with ``wgmma_fp32`` for sm_90, as the driver builds it
     (its weights stored ``[N, K]`` and rounded to TF32, reshapes left as views): every GEMM on the
     TF32 wgmma template; or at float32 with every GEMM forced onto a wgmma tile (3xTF32; the
-    weights ``[N, K]`` as they are). GPT-2's and BERT's attention fused on float32 operands. Every
+    weights ``[N, K]`` as they are). The attention fused on float32 operands. Every
     kernel against the evaluator (tf32: on the rounded weights; float32: to float32 accuracy)."""
     graph = _rank_graph_for_cuda(model, precision="tf32" if precision == "tf32" else "float32-wgmma")
     env, consts, groups = _graph_values(*graph, views=True)
@@ -962,15 +963,17 @@ def test_float32_model_program_on_wgmma_on_the_host(tmp_path, model, precision):
     kinds = [src.launches[g.name].kind for g in host_groups]
     gemms = [k for k in kinds if k.startswith("gemm")]
     assert len(gemms) >= 8 and set(gemms) == {"gemm-wgmma-tf32" if precision == "tf32" else "gemm-wgmma-f32"}, kinds
-    assert model == "llama_ts17" or kinds.count(f"attention-{'tf32' if precision == 'tf32' else 'f32'}") == 2, kinds
+    assert kinds.count(f"attention-{'tf32' if precision == 'tf32' else 'f32'}") == 2, kinds
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts, grid=(3, 1, 1))
 
 
-@pytest.mark.parametrize("model,precision", [("gpt2_ts17", "float32"), ("t5_encoder_ts17", "tf32")])
+@pytest.mark.parametrize("model,precision", [("gpt2_ts17", "float32"), ("t5_encoder_ts17", "tf32"),
+                                             ("llama_ts17", "float32")])
 def test_float32_model_program_on_the_host(tmp_path, model, precision):
     """A float32 test model at the default float32 (3xTF32) or at tf32 for sm_90 without
     ``wgmma_fp32``: its attention fused on float32 operands (T5's with its position bias and
-    mask), products on the portable kernel; every kernel against the evaluator."""
+    mask, Llama's on its grouped heads), products on the portable kernel; every kernel against
+    the evaluator."""
     env, consts, groups = _graph_values(*_rank_graph_for_cuda(model, precision=precision), views=True)
     src = generate_cuda_source(groups, arch="sm_90", precision=precision)
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
