@@ -5,7 +5,8 @@
 
 What is compared
     ``softmax(Q Kᵀ / sqrt(D) + causal mask) V`` on ``[B, H, S, D]`` queries and ``[B, H, L, D]``
-    keys and values (GPT-2's heads: H 12, D 64; Llama-7B's: H 32, D 128), ``--sizes`` ``BxS``
+    keys and values (GPT-2's heads: H 12, D 64; Llama-7B's: H 32, D 128; Gemma-7B's, H 16, D 256,
+    half types only, with ``--shapes gemma7b``), ``--sizes`` ``BxS``
     (``L = S``: a prompt) or ``BxSxL`` (``S`` queries after ``L - S`` cached keys: ``1x1x4096`` is
     a decoding step over a 4096-key cache, where ours splits the keys over several blocks,
     rfcs/0005 decision 36); query ``i`` sees keys ``j <= i + L - S``. Ours is the ``Attention`` op the
@@ -45,11 +46,11 @@ import zlib
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_cases, dump_json, fmt, run_cases, table  # noqa: E402
+from common import build_cases, dump_json, ensure_shardflow, fmt, run_cases, table  # noqa: E402
 from gemm import _cupy_view, _time  # noqa: E402
 
 #: (heads, head size) of the models' attention
-HEADS = {"gpt2": (12, 64), "llama7b": (32, 128)}
+HEADS = {"gpt2": (12, 64), "llama7b": (32, 128), "gemma7b": (16, 256)}  # (gemma7b: half types only)
 SIZES = ((1, 128, 128), (8, 128, 128), (1, 1024, 1024), (1, 4096, 4096), (1, 1, 4096), (8, 1, 4096))
 DTYPES = ("float16", "bfloat16", "tf32", "float32")
 #: largest error (of the output's largest value) each type may have against float64
@@ -87,7 +88,11 @@ def make_cases(shapes=("gpt2", "llama7b"), sizes=SIZES, dtypes=DTYPES) -> list[C
     unknown = (set(shapes) - set(HEADS)) | (set(dtypes) - set(DTYPES))
     if unknown:
         raise SystemExit(f"unknown shape(s) or type(s) {sorted(unknown)}; choose from {sorted(HEADS)}, {DTYPES}")
-    return [Case(m, b, s, n, dt) for m in shapes for (b, s, n) in sizes for dt in dtypes]
+    ensure_shardflow()
+    from shardflow.compiler.codegen.cuda_attention import takes_heads
+
+    return [Case(m, b, s, n, dt) for m in shapes for (b, s, n) in sizes for dt in dtypes
+            if takes_heads(HEADS[m][1], HEADS[m][1], float32=dt in ("tf32", "float32"))]
 
 
 def _build_one(case: Case, work: str, arch: str):

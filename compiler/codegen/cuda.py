@@ -1705,6 +1705,28 @@ def _half_cast(op: Operator) -> bool:
     return op.op_type == "Cast" and op.outputs[0].dtype in ("float16", "bfloat16")
 
 
+#: ops that move elements without computing them: the fused attention reads its operands through them
+_MOVES = ("Reshape", "Transpose", "Slice", "Squeeze", "Unsqueeze", "Identity")
+
+
+def _attention_operand_casts(ops: Sequence[Operator]) -> set[str]:
+    """The names of the half casts an ``Attention`` op's Q, K or V comes from through element moves
+    alone: fused into the attention they would leave the kernel a float32 read to convert, which
+    its copies cannot; written by their producer's kernel, the attention reads half values."""
+    producer = {id(t): op for op in ops for t in op.outputs}
+    found = set()
+    for op in ops:
+        if op.op_type != "Attention":
+            continue
+        for t in op.inputs[:3]:
+            p = producer.get(id(t))
+            while p is not None and p.op_type in _MOVES:
+                p = producer.get(id(p.inputs[0]))
+            if p is not None and _half_cast(p):
+                found.add(p.name)
+    return found
+
+
 def _composite_stride(axes: list, coefs: dict) -> int | None:
     """The stride of the row-major composite index of ``axes`` (last fastest) in a flat offset
     with coefficients ``coefs``, or None when the axes are not nested that way."""
@@ -1818,7 +1840,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         return None
     vec = 4 if half == "float32" else 8  # elements in a 16-byte copy
     b_, hq, hk, s_len, l_len, d_len, dv = att._geometry(q_t, k_t, v_t)
-    if not takes_heads(d_len, dv):
+    if not takes_heads(d_len, dv, float32=half == "float32"):
         return None
     mask = att.inputs[3] if att.attrs.get("has_mask") else None
     if mask is not None and (mask.dtype not in ("float32", "bool") or mask.shape[-1] > l_len):
@@ -2395,9 +2417,11 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     if fuse:
         from .fusion import fuse as fuse_ops
         # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
-        # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM
-        ops = fuse_ops(list(ops), keep=keep, materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: False,
-                       views=views)
+        # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM; on
+        # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
+        feeds = set() if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
+        ops = fuse_ops(list(ops), keep=keep, views=views,
+                       materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: op.name in feeds)
     from .fusion import aliased_inputs, drop_views
     ops = drop_views(ops, views)
     aliased = aliased_inputs(ops, in_place)

@@ -34,9 +34,15 @@ fragments by ``ldmatrix`` (its 16-bit 8 x 8 matrices are 8 x 4 floats, where the
 want them), V's one float at a time; the probabilities stay in the registers of the scores, the
 keys of each 8 taken in the order those hold them (``2t``, ``2t + 1``).
 
+Head sizes beyond 128 (up to 256, Gemma's; half operands, decision 38): 32 keys a step, so that
+Q and two stages of K and V still fit 99 KB, and a V wider than 128 columns shared between two
+blocks (each computes every score and accumulates half of the columns: the accumulators of 256
+columns would not fit a thread's registers).
+
 Requirements (else the generic lowering runs): sm_80 or newer; head sizes multiples of 16 up to
-128; Q, K and V dense tensors of one type (float16, bfloat16 or float32) whose head dimension is
-contiguous and whose other strides and offset are multiples of 16 bytes. Used for the
+128, or up to 256 on half operands (V's beyond 128 a multiple of 32); Q, K and V dense tensors
+of one type (float16, bfloat16 or float32) whose head dimension is contiguous and whose other
+strides and offset are multiples of 16 bytes. Used for the
 ``Attention`` ops that :class:`~shardflow.compiler.passes.attention.FuseAttention` makes (mixed
 precision, ``acc_dtype="float32"``; float32 operands) and a model's own; see
 rfcs/0005-hopper-gemm.md.
@@ -58,8 +64,11 @@ __all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "ATTENTION_FL
 
 #: queries per block (4 warps x 16 rows) and keys per step
 BLOCK_Q, BLOCK_K = 64, 64
-#: largest head size (Q/K and V) the kernel takes
+#: largest head size (Q/K and V) the kernel takes on float32 operands, and in one pass over V
 MAX_HEAD = 128
+#: largest head size on half operands: Q Kᵀ in one pass, 32 keys a step; V's columns in two
+#: halves (a block each, the scores computed by both) when wider than ``MAX_HEAD``
+MAX_HEAD_HALF = 256
 #: the float32 kernels' operand types: one TF32 product, or 3xTF32 (``precision`` ``"tf32"``, ``"float32"``)
 FLOAT_TYPES = ("tf32", "f32")
 #: keys per step of the float32 kernels (Q and two stages of K and V at head size 128: 99 KB)
@@ -69,20 +78,40 @@ BLOCK_K_FLOAT = 32
 SPLIT_SMS, SPLIT_MIN_STEPS, MAX_SPLITS = 132, 4, 16
 
 
-def kv_splits(B: int, H: int, S: int, L: int, ab: str) -> int:
+def keys_per_step(ab: str, D: int, Dv: int) -> int:
+    """Keys a block takes per step: 64 for half operands (32 beyond head size 128, so that Q and
+    two stages of K and V fit 99 KB), ``BLOCK_K_FLOAT`` for float32 ones."""
+    if ab in FLOAT_TYPES:
+        return BLOCK_K_FLOAT
+    return BLOCK_K if max(D, Dv) <= MAX_HEAD else BLOCK_K // 2
+
+
+def v_chunks(Dv: int) -> int:
+    """The blocks V's columns are shared among (each computing all the scores): 2 beyond
+    ``MAX_HEAD`` (the output accumulators of 128 columns a thread group holds), else 1."""
+    return 1 if Dv <= MAX_HEAD else 2
+
+
+def kv_splits(B: int, H: int, S: int, L: int, ab: str, D: int = 64, Dv: int = 64) -> int:
     """How many blocks share the keys of each block of queries (split-KV, FlashDecoding's): 1
-    unless the query blocks (``ceil(S / 64) * H * B``) leave multiprocessors idle and the keys
-    are long enough that each split gets ``SPLIT_MIN_STEPS`` steps (a decoding step's single
-    query over a long KV cache: otherwise one block per head streams the whole cache)."""
-    blocks = -(-S // BLOCK_Q) * H * B
-    steps = -(-L // (BLOCK_K_FLOAT if ab in FLOAT_TYPES else BLOCK_K))
+    unless the query blocks (``ceil(S / 64) * H * B``, times :func:`v_chunks`) leave
+    multiprocessors idle and the keys are long enough that each split gets ``SPLIT_MIN_STEPS``
+    steps (a decoding step's single query over a long KV cache: otherwise one block per head
+    streams the whole cache)."""
+    blocks = -(-S // BLOCK_Q) * H * B * v_chunks(Dv)
+    steps = -(-L // keys_per_step(ab, D, Dv))
     return max(1, min(SPLIT_SMS // max(blocks, 1), steps // SPLIT_MIN_STEPS, MAX_SPLITS))
 
 
-def takes_heads(d: int, dv: int) -> bool:
+def takes_heads(d: int, dv: int, float32: bool = False) -> bool:
     """Whether the kernel takes head sizes ``d`` (Q, K) and ``dv`` (V): multiples of 16 up to
-    ``MAX_HEAD``."""
-    return d % 16 == 0 and dv % 16 == 0 and 0 < d <= MAX_HEAD and 0 < dv <= MAX_HEAD
+    ``MAX_HEAD`` (float32 operands), or up to ``MAX_HEAD_HALF`` (half operands; a ``dv`` beyond
+    ``MAX_HEAD`` a multiple of 32, halved between two blocks)."""
+    if d % 16 or dv % 16 or d <= 0 or dv <= 0:
+        return False
+    if float32:
+        return d <= MAX_HEAD and dv <= MAX_HEAD
+    return d <= MAX_HEAD_HALF and (dv <= MAX_HEAD or (dv <= MAX_HEAD_HALF and dv % 32 == 0))
 
 ATTENTION_HELPERS = r"""
 __device__ __forceinline__ void sf_att_cp16(unsigned dst, const void* src, bool full) {
@@ -169,19 +198,23 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
     flt = ab in FLOAT_TYPES
-    bk = BLOCK_K_FLOAT if flt else BLOCK_K  # keys per step
+    if not takes_heads(D, Dv, flt):
+        raise ValueError(f"head sizes {D}, {Dv}: not taken for {ab} operands (takes_heads)")
+    bk = keys_per_step(ab, D, Dv)
     nkt = bk // 8  # score tiles of 8 keys per step
+    nch = v_chunks(Dv)
+    dvc = Dv // nch  # this block's columns of V
     if flt:  # row pitches of 4 floats past 32 banks: ldmatrix rows and V's (keys 2t, 2t + 1; column g) apart
         ht, vec, ldq, ldv = "float", 4, D + 4, Dv + 4
         q_elems, k_elems, v_elems = BLOCK_Q * ldq, bk * ldq, bk * ldv
         smem = 4 * (q_elems + 2 * k_elems + 2 * v_elems)
     else:
         mma_ab, ht, pack, h2 = _MMA[ab]
-        vec, ldq, ldv = 8, D + 8, Dv + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
-        q_elems, k_elems, v_elems = BLOCK_Q * ldq, BLOCK_K * ldq, BLOCK_K * ldv
+        vec, ldq, ldv = 8, D + 8, dvc + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
+        q_elems, k_elems, v_elems = BLOCK_Q * ldq, bk * ldq, bk * ldv
         smem = 2 * (q_elems + 2 * k_elems + 2 * v_elems)
     nkb = -(-L // bk)
-    kd, nd = (D // 8 if flt else D // 16), Dv // 8
+    kd, nd = (D // 8 if flt else D // 16), dvc // 8
 
     def mma_call(c, a0, a1, a2, a3, b0, b1):  # C (4 floats) += A (16 x 16 or 16 x 8, 4 regs) B (2 regs)
         outs = ", ".join(f'"+f"({c}[{i}])' for i in range(4))
@@ -196,13 +229,14 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
         return f" + {c}" if c > 0 else f" - {-c}" if c else ""
     key_limit = str(L) if keys is None else keys
     blocks = str(nkb) if keys is None else f"({keys} + {bk - 1}) / {bk}"  # key blocks with a key
-    nqb, splits = -(-S // BLOCK_Q), kv_splits(B, H, S, L, ab)
-    qb = "blockIdx.x" if splits == 1 else f"(blockIdx.x / {splits})"  # (split-KV: blockIdx.x % splits)
+    nqb, splits = -(-S // BLOCK_Q), kv_splits(B, H, S, L, ab, D, Dv)
+    bx = "blockIdx.x" if nch == 1 else f"(blockIdx.x / {nch})"  # (V's columns: blockIdx.x % nch)
+    qb = bx if splits == 1 else f"({bx} / {splits})"  # (split-KV: bx % splits)
     if causal is None:
         q_block, causal_test = qb, ""
         nkb_code = "" if keys is None else f"  const int sf_nkb = {blocks};\n"
     else:  # heaviest query blocks first; the key blocks that hold a key some row of the block sees
-        q_block = "(gridDim.x - 1 - blockIdx.x)" if splits == 1 else f"({nqb - 1} - {qb})"
+        q_block = "(gridDim.x - 1 - blockIdx.x)" if splits == nch == 1 else f"({nqb - 1} - {qb})"
         causal_test = f" && sf_j <= sf_i{offset(causal)}"
         nkb_code = (f"  const int sf_last = min(sf_q0 + {BLOCK_Q - 1}, {S - 1}){offset(causal)};  // the last key "
                     "the block's rows see\n"
@@ -215,7 +249,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
                      f"  const int sf_kb0 = sf_first <= 0 ? 0 : sf_first / {bk};\n")
         kb0, stage = "sf_kb0", "(kb - sf_kb0) & 1"
     if splits > 1:  # this split's share of the block's key steps, in order (a share may be empty)
-        nkb_code += (f"  const int sf_split = blockIdx.x % {splits}, sf_steps = max({nkb_bound} - {kb0}, 0);\n"
+        nkb_code += (f"  const int sf_split = {bx} % {splits}, sf_steps = max({nkb_bound} - {kb0}, 0);\n"
                      f"  const int sf_per = (sf_steps + {splits - 1}) / {splits};\n"
                      f"  const int sf_kbs = {kb0} + sf_split * sf_per, "
                      f"sf_kbe = min(sf_kbs + sf_per, {kb0} + sf_steps);\n")
@@ -240,6 +274,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     epi = _indent(epilogue, 10)
     root_code = _indent(root, 2)
     exp = "expf" if ab == "f32" else "__expf"  # (3xTF32: float32's exp, as the separate Softmax has)
+    e0_code = "" if nch == 1 else f"  const int sf_e0 = (int)(blockIdx.x % {nch}) * {dvc};  // this block's V columns\n"
     pointers = f"""  {ht}* sf_Qs = reinterpret_cast<{ht}*>(sf_dyn);
   {ht}* sf_Ks = sf_Qs + {q_elems};  // two stages
   {ht}* sf_Vs = sf_Ks + {2 * k_elems};  // two stages"""
@@ -263,7 +298,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
                                                   + (sf_lane >> 4) * 8),
               sf_qf[kk][0], sf_qf[kk][1], sf_qf[kk][2], sf_qf[kk][3]);
 """
-        products, probabilities = _half_products(ht, pack, h2, kd, nd, ldq, ldv, mma_call)
+        products, probabilities = _half_products(ht, pack, h2, kd, nd, nkt, ldq, ldv, mma_call)
     src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
   extern __shared__ __align__(16) unsigned char sf_dyn[];
 {pointers}
@@ -271,10 +306,10 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
   const int sf_hk = sf_h / {rep};
   const int sf_warp = threadIdx.x >> 5, sf_lane = threadIdx.x & 31;
   const int sf_g = sf_lane >> 2, sf_t = sf_lane & 3;
-{root_code}
+{e0_code}{root_code}
   const {ht}* sf_qp = {_base(q, "sf_h")};
   const {ht}* sf_kp = {_base(k, "sf_hk")};
-  const {ht}* sf_vp = {_base(v, "sf_hk")};
+  const {ht}* sf_vp = {_base(v, "sf_hk")}{"" if nch == 1 else " + sf_e0"};
 {q_copy}  auto sf_load_kv = [&](int kb, int st) {{
     {ht}* ks = sf_Ks + st * {k_elems};
     {ht}* vs = sf_Vs + st * {v_elems};
@@ -283,8 +318,8 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
       sf_att_cp16((unsigned)__cvta_generic_to_shared(ks + r * {ldq} + cc * {vec}),
                   sf_kp + (long long)min(j, {L - 1}) * {k.sr}LL + cc * {vec}, j < {L});
     }}
-    for (int c = threadIdx.x; c < {bk * (Dv // vec)}; c += 128) {{
-      const int r = c / {Dv // vec}, cc = c % {Dv // vec}, j = kb * {bk} + r;
+    for (int c = threadIdx.x; c < {bk * (dvc // vec)}; c += 128) {{
+      const int r = c / {dvc // vec}, cc = c % {dvc // vec}, j = kb * {bk} + r;
       sf_att_cp16((unsigned)__cvta_generic_to_shared(vs + r * {ldv} + cc * {vec}),
                   sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + cc * {vec}, j < {L});
     }}
@@ -350,12 +385,12 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 1);
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 2);
   }}
-{_split_combine(symbol, splits, S, H, nqb, Dv, nd, exp)}  #pragma unroll
+{_split_combine(symbol, splits, S, H, nqb, nch, dvc, nd, exp)}  #pragma unroll
   for (int n = 0; n < {nd}; ++n) {{
     #pragma unroll
     for (int r = 0; r < 4; ++r) {{
       const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
-      const int sf_e = n * 8 + sf_t * 2 + (r & 1);
+      const int sf_e = {"" if nch == 1 else "sf_e0 + "}n * 8 + sf_t * 2 + (r & 1);
       if (sf_i < {S}) {{
         const float sf_sum = sf_l[r >> 1];
         const float sf_acc = {normalised};
@@ -369,13 +404,13 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
 """
     if splits > 1:  # the splits' partial results and a count per block of queries (module globals, as split-K's)
         rows = min(BLOCK_Q, S)
-        src = (f"__device__ float {symbol}_ws[{B * H * nqb * splits * rows * (Dv + 2)}];  // split-KV partials\n"
-               f"__device__ unsigned {symbol}_cnt[{B * H * nqb}];  // splits stored per block of queries\n") + src
-    cfg = {"grid": (nqb * splits, H, B), "block": (128, 1, 1), "shared_mem": smem}
+        src = (f"__device__ float {symbol}_ws[{B * H * nqb * nch * splits * rows * (dvc + 2)}];  // split-KV partials\n"
+               f"__device__ unsigned {symbol}_cnt[{B * H * nqb * nch}];  // splits stored per block of queries\n") + src
+    cfg = {"grid": (nqb * splits * nch, H, B), "block": (128, 1, 1), "shared_mem": smem}
     return src, cfg
 
 
-def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, Dv: int, nd: int, exp: str) -> str:
+def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, nch: int, Dv: int, nd: int, exp: str) -> str:
     """Split-KV: each split stores its rows' maximum, sum and unnormalized outputs; the last split
     of a block of queries to count in reads them all and leaves their combination in ``sf_o`` and
     ``sf_l`` for the epilogue (``O = sum_s exp(m_s - M) o_s``, ``l`` likewise, ``M = max_s m_s``;
@@ -384,9 +419,12 @@ def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, Dv: int, 
     launch. Empty when ``splits`` is 1."""
     if splits == 1:
         return ""
-    rows, w = min(BLOCK_Q, S), Dv + 2  # a row's partial: m, l, then Dv outputs
+    rows, w = min(BLOCK_Q, S), Dv + 2  # a row's partial: m, l, then Dv outputs (this block's columns)
+    unit = f"(sf_b * {H} + sf_h) * {nqb} + sf_q0 / {BLOCK_Q}"
+    if nch > 1:
+        unit = f"({unit}) * {nch} + (int)(blockIdx.x % {nch})"
     return f"""  {{  // split-KV: store this split's partial rows; the last split of the block combines them
-    const int sf_unit = (sf_b * {H} + sf_h) * {nqb} + sf_q0 / {BLOCK_Q};
+    const int sf_unit = {unit};
     float* sf_ws = {symbol}_ws + (size_t)sf_unit * {splits * rows * w};
     #pragma unroll
     for (int h = 0; h < 2; ++h) {{
@@ -443,7 +481,8 @@ def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, Dv: int, 
 """
 
 
-def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, ldq: int, ldv: int, mma_call) -> tuple[str, str]:
+def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, nkt: int, ldq: int, ldv: int,
+                   mma_call) -> tuple[str, str]:
     """The half kernel's ``Q Kᵀ`` products (``ldmatrix`` of K, ``m16n8k16``) and its probabilities
     (rounded to the half type in the registers that held the scores, the C fragments being the
     A fragments of ``P V``) with their ``P V`` products (``ldmatrix.trans`` of V)."""
@@ -451,7 +490,7 @@ def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, ldq: int, ldv:
     products = f"""    #pragma unroll
     for (int kk = 0; kk < {kd}; ++kk) {{
       #pragma unroll
-      for (int p = 0; p < 4; ++p) {{
+      for (int p = 0; p < {nkt // 2}; ++p) {{
         unsigned b0, b1, b2, b3;
         sf_ldm_x4((unsigned)__cvta_generic_to_shared(ks + (p * 16 + (sf_lane >> 4) * 8 + (sf_lane & 7)) * {ldq}
                                                       + kk * 16 + ((sf_lane >> 3) & 1) * 8), b0, b1, b2, b3);
@@ -459,9 +498,9 @@ def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, ldq: int, ldv:
         {mma_call("sf_s[2 * p + 1]", "sf_qf[kk][0]", "sf_qf[kk][1]", "sf_qf[kk][2]", "sf_qf[kk][3]", "b2", "b3")}
       }}
     }}"""
-    probabilities = f"""    unsigned sf_p[8][2];  // the probabilities, rounded: A fragments of the P V product
+    probabilities = f"""    unsigned sf_p[{nkt}][2];  // the probabilities, rounded: A fragments of the P V product
     #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
+    for (int n = 0; n < {nkt}; ++n) {{
       const float p0 = __expf(sf_s[n][0] - sf_base[0]), p1 = __expf(sf_s[n][1] - sf_base[0]);
       const float p2 = __expf(sf_s[n][2] - sf_base[1]), p3 = __expf(sf_s[n][3] - sf_base[1]);
       sf_l[0] += p0 + p1;
@@ -471,7 +510,7 @@ def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, ldq: int, ldv:
       sf_p[n][1] = *reinterpret_cast<unsigned*>(&hi);
     }}
     #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {{
+    for (int kk = 0; kk < {nkt // 2}; ++kk) {{
       #pragma unroll
       for (int n = 0; n < {nd}; n += 2) {{
         unsigned b0, b1, b2, b3;

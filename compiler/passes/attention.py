@@ -246,7 +246,7 @@ class FuseAttention(GraphPass):
         (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
         if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
             return None  # (batch broadcasting is left to the two products)
-        if (not self.float32 or self.target == "cuda") and not takes_heads(d, dv):
+        if (not self.float32 or self.target == "cuda") and not takes_heads(d, dv, float32=self.float32):
             return None  # the generic lowering of the op would be slower than the separate ops
         biases.reverse()  # in the order they are added
         for bias in biases:

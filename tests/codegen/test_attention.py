@@ -111,6 +111,29 @@ def test_rank_graphs_fused_after_partitioning_match_onnxruntime(model):
         np.testing.assert_allclose(got[k], v, rtol=5e-3, atol=5e-3 * float(np.abs(v).max()), err_msg=k)
 
 
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
+def test_float32_rank_graphs_fused_for_cuda_match_onnxruntime(model):
+    """The float32 pass for cuda on two ranks' graphs (heads split by the plan: Llama's rank has
+    2 query heads on 1 KV head): one Attention per layer, simulated, gives the model's outputs."""
+    from shardflow.compiler.parallel import partition, search
+    from shardflow.compiler.parallel.config import DistributedConfig
+    from shardflow.compiler.parallel.simulate import simulate
+    from shardflow.compiler.passes.projections import MergeProjections
+
+    feeds, ref = onnxruntime_reference(model)
+    g = load_onnx(MODELS / f"{model}.onnx")
+    plan = search(g, DistributedConfig.from_dict({"mesh_shape": [2], "algo": "megatron"}))
+    ranks = [FuseAttention(float32=True, target="cuda").run(MergeProjections().run(rg)) for rg in partition(g, plan)]
+    for rg in ranks:
+        atts = [op for op in rg.nodes if op.op_type == "Attention"]
+        assert len(atts) == 2
+        heads = {op._geometry(*op.inputs[:3])[1:3] for op in atts}
+        assert heads == {(2, 1)} if model == "llama_ts17" else all(hq == hk for hq, hk in heads)
+    got = simulate(ranks, feeds)
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5 * float(np.abs(v).max()), err_msg=k)
+
+
 def test_the_pass_leaves_other_patterns_alone():
     """A softmax whose scores are also an output, and a product of float32 operands, stay as they are."""
     from shardflow.compiler.ir.graph import FlowGraph
@@ -507,9 +530,11 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("model,precision,arch,kind", [
     ("gpt2_ts17", "float16", "sm_90", "attention-f16"), ("t5_encoder_ts17", "float16", "sm_90", "attention-f16"),
-    ("gpt2_ts17", "float32", "sm_90", "attention-f32"), ("t5_encoder_ts17", "tf32", "sm_80", "attention-tf32")])
+    ("gpt2_ts17", "float32", "sm_90", "attention-f32"), ("t5_encoder_ts17", "tf32", "sm_80", "attention-tf32"),
+    ("llama_ts17", "float16", "sm_80", "attention-f16"), ("llama_dynamo18", "float32", "sm_90", "attention-f32")])
 def test_each_attention_compiles_into_one_kernel(tmp_path, model, precision, arch, kind):
-    """At every precision (float32 operands: TF32 or 3xTF32 products, as the separate ones)."""
+    """At every precision (float32 operands: TF32 or 3xTF32 products, as the separate ones); Llama's
+    grouped heads too, on sm_80 with the casts its K and V come from written by their producers."""
     out = tmp_path / "o"
     compile(MODELS / f"{model}.onnx", distributed_config={"mesh_shape": [1]},
             optimization_config={"precision": precision, "target": "cuda", "arch": arch}, out_dir=out)
@@ -640,6 +665,14 @@ CASES = {
     # three blocks of queries, causal after a 970-key past, in a 600-key window: each block's steps split
     "causal-window-split": ("float16", 1, 1, 1, 130, 1100, 32, 32, False, None, (), 970, False, None, False,
                             {"left_window": 600}),
+    # head size 256 (Gemma's; half operands only): 32 keys a step, V's columns in two blocks' halves,
+    # grouped heads, causal with a mask
+    "head256": ("float16", 2, 4, 2, 70, 90, 256, 256, False, (2, 1, 70, 90), (3,), 20),
+    # head size 256 on Q and K, 128 on V (one block of columns), merged 3-D operands
+    "head256-v128": ("bfloat16", 1, 2, 2, 65, 65, 256, 128, True, None, (), 0),
+    # a decoding step with head size 256: split-KV and two blocks of V's columns, with sinks
+    "head256-decode-split": ("bfloat16", 1, 2, 1, 1, 600, 256, 256, False, None, (), 599, False, None, False,
+                             {"sink": [0.5, 2.0]}),
 }
 
 
@@ -664,8 +697,8 @@ def _float32_ops():
     ``probs_dtype``)."""
     rng = np.random.default_rng(6)
     res = {}
-    for name, (_, *geo) in CASES.items():
-        arrays, attrs = _case(rng, "float32", *geo)
+    for name in float32_cases():  # (head size 256: half operands only)
+        arrays, attrs = _case(rng, "float32", *CASES[name][1:])
         del attrs["probs_dtype"]
         ins = [Tensor(f"{name}.{k}", a.shape, str(a.dtype)) for k, a in enumerate(arrays)]
         res[name] = (Attention(ins, name=name, **attrs), arrays)
@@ -739,27 +772,32 @@ def test_float32_attention_needs_aligned_operands_and_sm80():
 
 def test_every_case_takes_the_fused_kernel():
     """One block per 64 queries of a head, times the key splits (1 but for the split-KV cases)."""
-    from shardflow.compiler.codegen.cuda_attention import kv_splits
+    from shardflow.compiler.codegen.cuda_attention import kv_splits, v_chunks
 
     ops = _ops()
     src = generate_cuda_source([op for op, _, _ in ops.values()], arch="sm_90")
     for name, (op, _, half) in ops.items():
         launch = src.launches[name]
         assert launch.kind == f"attention-{'f16' if half == 'float16' else 'bf16'}", name
-        assert launch.block == (128, 1, 1)
-        b_, hq, _, s_len, l_len = op._geometry(*op.inputs[:3])[:5]
-        splits = kv_splits(b_, hq, s_len, l_len, "f16")
+        assert launch.block == (128, 1, 1) and launch.shared_mem <= 99 * 1024
+        b_, hq, _, s_len, l_len, d, dv = op._geometry(*op.inputs[:3])
+        splits = kv_splits(b_, hq, s_len, l_len, "f16", d, dv)
         assert (splits > 1) == name.endswith("split") or name == "split-nonpad-sinks", (name, splits)
-        assert launch.grid == (-(-s_len // 64) * splits, hq, b_)
+        assert launch.grid == (-(-s_len // 64) * splits * v_chunks(dv), hq, b_)
+        assert (v_chunks(dv) > 1) == (name in ("head256", "head256-decode-split"))
     assert [kv_splits(1, 4, 1, 1000, t) for t in ("f16", "f32")] == [4, 8]
     assert kv_splits(8, 12, 128, 128, "f16") == kv_splits(1, 32, 4096, 4096, "f16") == 1  # (GPT-2 8x128; long prefill)
     assert kv_splits(1, 32, 1, 4096, "f16") == 4 and kv_splits(1, 1, 1, 100000, "f16") == 16
 
 
-def test_unsupported_head_sizes_keep_the_generic_kernel():
-    q, k, v = Tensor("q", (1, 2, 8, 24), "float16"), Tensor("k", (1, 2, 8, 24), "float16"), \
-        Tensor("v", (1, 2, 8, 24), "float16")
-    op = Attention([q, k, v], name="a", scale=0.5, scale_sqrt=0.7, acc_dtype="float32", probs_dtype="float16")
+@pytest.mark.parametrize("dtype,d,dv", [("float16", 24, 24), ("float16", 272, 272), ("float16", 256, 144),
+                                         ("float32", 256, 256), ("float32", 64, 144)])
+def test_unsupported_head_sizes_keep_the_generic_kernel(dtype, d, dv):
+    """Not multiples of 16, beyond 256 (half operands), a V beyond 128 not a multiple of 32, or
+    beyond 128 on float32 operands."""
+    q, k, v = Tensor("q", (1, 2, 8, d), dtype), Tensor("k", (1, 2, 8, d), dtype), Tensor("v", (1, 2, 8, dv), dtype)
+    op = Attention([q, k, v], name="a", scale=0.5, scale_sqrt=0.7, acc_dtype="float32",
+                   **({"probs_dtype": dtype} if dtype != "float32" else {}))
     assert not generate_cuda_source([op], arch="sm_90").launches["a"].kind.startswith("attention")
 
 
@@ -889,8 +927,15 @@ def test_the_float32_kernels_compile_for_sm90(float32_library):
     assert {launches[n].kind for n in ops} == {f"attention-{'f32' if precision == 'float32' else 'tf32'}"}
 
 
+def float32_cases() -> list[str]:
+    """The cases whose head sizes the kernel takes on float32 operands."""
+    from shardflow.compiler.codegen.cuda_attention import takes_heads
+
+    return [n for n, (_, *geo) in CASES.items() if takes_heads(geo[5], geo[6], float32=True)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", float32_cases())
 def test_the_float32_kernel_matches_the_definition(float32_library, name):
     """Every case on float32 operands, 3xTF32 to float32 accuracy, TF32 to its own (FLOAT32_TOL)."""
     try:

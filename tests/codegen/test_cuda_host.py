@@ -258,6 +258,26 @@ def test_model_kernels_on_the_host_match_the_evaluator(tmp_path, model):
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
+@pytest.mark.parametrize("model", ["llama_ts17", "gpt2_ts17"])
+def test_float16_program_for_sm80_on_the_host(tmp_path, model):
+    """A float16 program for sm_80 (no wgmma: portable GEMMs reading through their fused casts),
+    grouped as the build groups it there (reshapes as views): the casts the attention's Q, K and
+    V come from are written by their producers' kernels (Llama's K and V by kernels of their
+    own), so the fused kernel reads half values (Llama's on 2 KV heads); every kernel against
+    the evaluator."""
+    from shardflow.compiler.codegen.cuda import _attention_operand_casts
+
+    rg, feeds = _rank_graph_for_cuda(model)
+    feeds_casts = _attention_operand_casts(rg.nodes)
+    assert len(feeds_casts) == (6 if model == "llama_ts17" else 2)
+    env, consts, groups = _graph_values(rg, feeds, materialize=lambda op: op.name in feeds_casts, views=True)
+    src = generate_cuda_source(groups, arch="sm_80", precision="float16")
+    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
+    kinds = [src.launches[g.name].kind for g in host_groups]
+    assert kinds.count("attention-f16") == 2 and "gemm-f16" in kinds, kinds
+    _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
+
+
 def test_gptoss_program_on_the_host(tmp_path):
     """gpt-oss's decoding step (onnxruntime-genai's builder: attention sinks, a sliding window's
     buffer, MoE with SwiGLU, routed) as its float16 program for sm_90: every kernel, the two fused
@@ -534,7 +554,12 @@ def float32_attention(request, tmp_path_factory):
     return request.param, ops, src.launches, build(src.text, str(tmp_path_factory.mktemp("att32")))
 
 
-@pytest.mark.parametrize("name", _attention_cases())
+def _float32_attention_cases():
+    from test_attention import float32_cases
+    return float32_cases()
+
+
+@pytest.mark.parametrize("name", _float32_attention_cases())
 def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_attention, name):
     """The fused attention kernel on float32 operands (``mma.sync.m16n8k8`` on TF32 operands, the
     keys of each 8 taken in the order the scores' fragments hold them) for every case: 3xTF32 to
@@ -549,10 +574,11 @@ def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_att
                FLOAT32_TOL[precision])
 
 
-@pytest.mark.parametrize("name", ["decode-split", "split-nonpad-sinks", "causal-window-split"])
+@pytest.mark.parametrize("name", ["decode-split", "split-nonpad-sinks", "causal-window-split",
+                                  "head256-decode-split"])
 def test_split_kv_combines_the_same_bits_whichever_split_is_last(attention, name):
     """Split-KV (rfcs/0005 decision 36): with a block of queries' splits running at once, in any
-    order (several scheduler seeds), the last to count in combines the splits in their order: the
+    order (two scheduler seeds), the last to count in combines the splits in their order: the
     output's bits equal those of the splits run one after another; and the count each leaves
     behind is reset (the launches share the kernel's globals)."""
     from test_attention import _bits, check_case
@@ -567,7 +593,7 @@ def test_split_kv_combines_the_same_bits_whichever_split_is_last(attention, name
     spec = [(op.outputs[0].shape, np.float32)]
     first = run(kernels, launch, ins, spec)[0]
     check_case(name, first, op.run(*arrays)[0])  # (after the other tests' launches of this kernel)
-    for seed in (2, 3, 4):
+    for seed in (2, 3):
         again = run(kernels, launch, ins, spec, seed=seed, resident=launch.grid[0] * launch.grid[1])[0]
         np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
 
