@@ -194,6 +194,9 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     None, or a C expression (of ``sf_h``, set by ``root``) for the head's attention sink, one more
     logit in each row's softmax that weighs no value: the running maximum starts at it and the
     running sum at 1 (in one of the four threads that share a row, whose sums are added at the end).
+    The sizes decide the rest: keys per step (:func:`keys_per_step`), the blocks V's columns are
+    shared among (:func:`v_chunks`) and the key splits (:func:`kv_splits`); the grid's x is the
+    blocks of queries times those two.
     """
     if D % 16 or Dv % 16:
         raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")

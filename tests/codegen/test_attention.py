@@ -530,8 +530,10 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("model,precision,arch,kind", [
     ("gpt2_ts17", "float16", "sm_90", "attention-f16"), ("t5_encoder_ts17", "float16", "sm_90", "attention-f16"),
-    ("gpt2_ts17", "float32", "sm_90", "attention-f32"), ("t5_encoder_ts17", "tf32", "sm_80", "attention-tf32"),
-    ("llama_ts17", "float16", "sm_80", "attention-f16"), ("llama_dynamo18", "float32", "sm_90", "attention-f32")])
+    pytest.param("gpt2_ts17", "float32", "sm_90", "attention-f32", marks=pytest.mark.slow),
+    pytest.param("t5_encoder_ts17", "tf32", "sm_80", "attention-tf32", marks=pytest.mark.slow),
+    pytest.param("llama_ts17", "float16", "sm_80", "attention-f16", marks=pytest.mark.slow),
+    ("llama_dynamo18", "float32", "sm_90", "attention-f32")])  # (the slow ones: whole programs checked on the host)
 def test_each_attention_compiles_into_one_kernel(tmp_path, model, precision, arch, kind):
     """At every precision (float32 operands: TF32 or 3xTF32 products, as the separate ones); Llama's
     grouped heads too, on sm_80 with the casts its K and V come from written by their producers."""
@@ -724,7 +726,7 @@ def test_every_float32_case_takes_the_fused_kernel(precision, arch):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", [pytest.param("sm_80", marks=pytest.mark.slow), "sm_90"])
 def test_float32_kernels_keep_their_values_in_registers(tmp_path, arch):
     """GPT-2's and Llama's head sizes (64, 128) with a mask, causal, at both float32 precisions:
     no local memory (the fragments of Q are read from shared memory at each use, where keeping
@@ -921,6 +923,7 @@ def float32_library(request, tmp_path_factory):
     return request.param, ops, launches, str(d / "k.cubin")
 
 
+@pytest.mark.slow  # (nvcc on every case, twice; the registers test and the host emulation cover them by default)
 def test_the_float32_kernels_compile_for_sm90(float32_library):
     precision, ops, launches, path = float32_library
     assert open(path, "rb").read()[:4] == b"\x7fELF"

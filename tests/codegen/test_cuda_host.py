@@ -574,8 +574,9 @@ def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_att
                FLOAT32_TOL[precision])
 
 
-@pytest.mark.parametrize("name", ["decode-split", "split-nonpad-sinks", "causal-window-split",
-                                  "head256-decode-split"])
+@pytest.mark.parametrize("name", ["decode-split", "split-nonpad-sinks",
+                                  *(pytest.param(n, marks=pytest.mark.slow)
+                                    for n in ("causal-window-split", "head256-decode-split"))])
 def test_split_kv_combines_the_same_bits_whichever_split_is_last(attention, name):
     """Split-KV (rfcs/0005 decision 36): with a block of queries' splits running at once, in any
     order (two scheduler seeds), the last to count in combines the splits in their order: the
