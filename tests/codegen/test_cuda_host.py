@@ -545,29 +545,39 @@ def test_attention_kernel_on_the_host_matches_the_definition(attention, name):
     check_case(name, run(kernels, launch, ins, [(want.shape, np.float32)])[0], want)
 
 
-@pytest.fixture(scope="module", params=["float32", "tf32"])
-def float32_attention(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def float32_attention(tmp_path_factory):
+    """The float32 cases' kernels at each float32 precision, built for the host: by precision,
+    ``(ops, launches, kernels)``."""
     from test_attention import _float32_ops
 
     ops = _float32_ops()
-    src = generate_cuda_source([op for op, _ in ops.values()], precision=request.param, arch="sm_90")
-    return request.param, ops, src.launches, build(src.text, str(tmp_path_factory.mktemp("att32")))
+    built = {}
+    for precision in ("float32", "tf32"):
+        src = generate_cuda_source([op for op, _ in ops.values()], precision=precision, arch="sm_90")
+        built[precision] = ops, src.launches, build(src.text, str(tmp_path_factory.mktemp("att32")))
+    return built
 
 
 def _float32_attention_cases():
+    """Every float32 case for 3xTF32; for one TF32 product (the same kernel but for the products) a
+    few by default, the rest in the slow run."""
     from test_attention import float32_cases
-    return float32_cases()
+
+    quick = ("gpt2-like", "causal", "sinks-window", "decode-split", "split-nonpad-sinks")
+    return [pytest.param(p, n, id=f"{p}-{n}", marks=() if p == "float32" or n in quick else pytest.mark.slow)
+            for p in ("float32", "tf32") for n in float32_cases()]
 
 
-@pytest.mark.parametrize("name", _float32_attention_cases())
-def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_attention, name):
+@pytest.mark.parametrize("precision,name", _float32_attention_cases())
+def test_float32_attention_kernel_on_the_host_matches_the_definition(float32_attention, precision, name):
     """The fused attention kernel on float32 operands (``mma.sync.m16n8k8`` on TF32 operands, the
     keys of each 8 taken in the order the scores' fragments hold them) for every case: 3xTF32 to
     float32 accuracy (dropping any of its three products fails), one TF32 product to its own
     (test_attention.FLOAT32_TOL). An operand not converted to TF32 fails the emulated mma."""
     from test_attention import FLOAT32_TOL, check_case
 
-    precision, ops, launches, kernels = float32_attention
+    ops, launches, kernels = float32_attention[precision]
     op, arrays = ops[name]
     want = op.run(*arrays)[0]
     check_case(name, run(kernels, launches[name], arrays, [(want.shape, np.float32)])[0], want,
