@@ -1140,7 +1140,6 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.precision import HalfWeightsKMajor
 
                 rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
-                from .codegen.cuda import _sm
                 from .codegen.cuda_wgmma import WGMMA_ARCHS
 
                 if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
@@ -1155,9 +1154,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 from .passes.attention import FuseAttention
 
                 rg = FuseAttention().run(rg)
-                if _sm(opt.arch) >= 80:
-                    # and on float32 operands (TF32 or 3xTF32 products, mma.sync needs sm_80)
-                    rg = FuseAttention(float32=True, target="cuda").run(rg)
+                # and on float32 operands (TF32 or 3xTF32 products; the config takes sm_80 and newer only)
+                rg = FuseAttention(float32=True, target="cuda").run(rg)
                 # attention that is half in the model: float32 inside, one fused kernel (passes/attention.py)
                 from .passes.attention import HalfAttentionInFloat32
 

@@ -262,6 +262,16 @@ static void ldmatrix(unsigned addr, unsigned* r, bool trans) {
     r[m] = (unsigned)lo | ((unsigned)hi << 16);
   }
 }
+// this lane's C fragment of an m16n8kK product, C += A B: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+template <int K> static void accumulate(float* c, const float (*A)[K], const float (*B)[8]) {
+  const int lane = lane_of(cur), g = lane / 4, t = lane % 4;
+  for (int q = 0; q < 4; ++q) {
+    const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
+    float acc = c[q];
+    for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
+    c[q] = acc;
+  }
+}
 // mma.sync.m16n8k16.row.col, float accumulators (PTX ISA fragment layouts; g = lane/4, t = lane%4):
 // A regs: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..); B regs: (2t..2t+1, g), (2t+8.., g);
 // C: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
@@ -280,13 +290,7 @@ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, un
       B[2 * t + 8 + i][g] = half_value(all[l].w[5] >> (16 * i), bf);
     }
   }
-  const int lane = lane_of(cur), g = lane / 4, t = lane % 4;
-  for (int q = 0; q < 4; ++q) {
-    const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
-    float acc = c[q];
-    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-    c[q] = acc;
-  }
+  accumulate<16>(c, A, B);
 }
 // mma.sync.m16n8k8.row.col with TF32 operands (each register one value; g = lane/4, t = lane%4):
 // A regs: (g, t), (g+8, t), (g, t+4), (g+8, t+4); B regs: (t, g), (t+4, g); C as m16n8k16's. An
@@ -309,13 +313,7 @@ static void mma_tf32(float* c, const unsigned* mine) {
     B[t][g] = v[4];
     B[t + 4][g] = v[5];
   }
-  const int lane = lane_of(cur), g = lane / 4, t = lane % 4;
-  for (int q = 0; q < 4; ++q) {
-    const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
-    float acc = c[q];
-    for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
-    c[q] = acc;
-  }
+  accumulate<8>(c, A, B);
 }
 static void spin() { wait(SPIN); }
 

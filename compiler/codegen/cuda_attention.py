@@ -198,8 +198,6 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     shared among (:func:`v_chunks`) and the key splits (:func:`kv_splits`); the grid's x is the
     blocks of queries times those two.
     """
-    if D % 16 or Dv % 16:
-        raise ValueError(f"head sizes {D}, {Dv}: the kernel takes multiples of 16")
     flt = ab in FLOAT_TYPES
     if not takes_heads(D, Dv, flt):
         raise ValueError(f"head sizes {D}, {Dv}: not taken for {ab} operands (takes_heads)")
@@ -289,7 +287,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
 """
     if flt:  # (Q's fragments read from shared memory at each use: the kernel's registers go to the products)
         q_frags = ""
-        products, probabilities = _float_products(ab, kd, nkt, nd, ldq, ldv, mma_call)
+        products, probabilities = _float_products(ab, kd, nkt, nd, ldq, ldv, mma_call, exp)
     else:
         q_frags = f"""  // this warp's 16 query rows as mma A fragments, loaded once
   sf_att_wait<0>();
@@ -413,7 +411,8 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     return src, cfg
 
 
-def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, nch: int, Dv: int, nd: int, exp: str) -> str:
+def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, nch: int, dvc: int, nd: int,
+                   exp: str) -> str:
     """Split-KV: each split stores its rows' maximum, sum and unnormalized outputs; the last split
     of a block of queries to count in reads them all and leaves their combination in ``sf_o`` and
     ``sf_l`` for the epilogue (``O = sum_s exp(m_s - M) o_s``, ``l`` likewise, ``M = max_s m_s``;
@@ -422,7 +421,7 @@ def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, nch: int,
     launch. Empty when ``splits`` is 1."""
     if splits == 1:
         return ""
-    rows, w = min(BLOCK_Q, S), Dv + 2  # a row's partial: m, l, then Dv outputs (this block's columns)
+    rows, w = min(BLOCK_Q, S), dvc + 2  # a row's partial: m, l, then this block's dvc outputs
     unit = f"(sf_b * {H} + sf_h) * {nqb} + sf_q0 / {BLOCK_Q}"
     if nch > 1:
         unit = f"({unit}) * {nch} + (int)(blockIdx.x % {nch})"
@@ -526,7 +525,8 @@ def _half_products(ht: str, pack: str, h2: str, kd: int, nd: int, nkt: int, ldq:
     return products, probabilities
 
 
-def _float_products(ab: str, kd: int, nkt: int, nd: int, ldq: int, ldv: int, mma_call) -> tuple[str, str]:
+def _float_products(ab: str, kd: int, nkt: int, nd: int, ldq: int, ldv: int, mma_call,
+                    exp: str) -> tuple[str, str]:
     """The float32 kernels' ``Q Kᵀ`` and ``P V`` products on ``m16n8k8`` TF32 tensor cores: one
     product (``tf32``), or three (``f32``, 3xTF32: ``lo·hi + hi·lo + hi·hi``, ``x = hi + lo``).
 
@@ -576,7 +576,6 @@ def _float_products(ab: str, kd: int, nkt: int, nd: int, ldq: int, ldv: int, mma
         {mma_call("sf_o[e]", "sf_pl[0]", "sf_pl[1]", "sf_pl[2]", "sf_pl[3]", "b0", "b1")}
         {mma_call("sf_o[e]", "a0", "a1", "a2", "a3", "c0", "c1")}
         {mma_call("sf_o[e]", "a0", "a1", "a2", "a3", "b0", "b1")}"""
-    exp = "__expf" if ab == "tf32" else "expf"
     products = f"""    #pragma unroll
     for (int kk = 0; kk < {kd}; ++kk) {{
       unsigned sf_qf[4];  // this warp's rows g, g + 8; dimensions t, t + 4 of these 8

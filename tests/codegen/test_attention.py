@@ -891,24 +891,30 @@ def test_the_kernels_compile_for_sm90(library):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_kernel_matches_the_definition(library, name):
+    ops, launches, path = library
+    op, arrays, half = ops[name]
+    want = op.run(*arrays)[0]
+    got = _run_on_gpu(path, launches[name], [_bits(a, half) if k < 3 else a for k, a in enumerate(arrays)],
+                      want.shape)
+    check_case(name, got, want)
+
+
+def _run_on_gpu(path: str, launch, arrays: list, out_shape) -> np.ndarray:
+    """Launch a case's kernel from cubin ``path`` on ``arrays`` (skip without a CUDA device),
+    with its dynamic shared memory allowed past 48 KB; its float32 output, poisoned with NaN first."""
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() == 0:
             raise RuntimeError
     except Exception:
         pytest.skip("no CUDA device (or cupy is not installed)")
-    ops, launches, path = library
-    op, arrays, half = ops[name]
-    want = op.run(*arrays)[0]
-    module = cupy.RawModule(path=path)
-    launch = launches[name]
-    ins = [cupy.asarray(_bits(a, half) if k < 3 else a) for k, a in enumerate(arrays)]
-    out = cupy.full(want.shape, np.nan, np.float32)
-    fn = module.get_function(launch.symbol)
+    fn = cupy.RawModule(path=path).get_function(launch.symbol)
     if launch.shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = launch.shared_mem
-    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, ins + [out]), shared_mem=launch.shared_mem)
-    check_case(name, cupy.asnumpy(out), want)
+    out = cupy.full(out_shape, np.nan, np.float32)
+    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, [cupy.asarray(a) for a in arrays] + [out]),
+       shared_mem=launch.shared_mem)
+    return cupy.asnumpy(out)
 
 
 @pytest.fixture(scope="module", params=["float32", "tf32"])
@@ -941,21 +947,10 @@ def float32_cases() -> list[str]:
 @pytest.mark.parametrize("name", float32_cases())
 def test_the_float32_kernel_matches_the_definition(float32_library, name):
     """Every case on float32 operands, 3xTF32 to float32 accuracy, TF32 to its own (FLOAT32_TOL)."""
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            raise RuntimeError
-    except Exception:
-        pytest.skip("no CUDA device (or cupy is not installed)")
     precision, ops, launches, path = float32_library
     op, arrays = ops[name]
     want = op.run(*arrays)[0]
-    launch = launches[name]
-    fn = cupy.RawModule(path=path).get_function(launch.symbol)
-    out = cupy.full(want.shape, np.nan, np.float32)
-    fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, [cupy.asarray(a) for a in arrays] + [out]),
-       shared_mem=launch.shared_mem)
-    check_case(name, cupy.asnumpy(out), want, FLOAT32_TOL[precision])
+    check_case(name, _run_on_gpu(path, launches[name], arrays, want.shape), want, FLOAT32_TOL[precision])
 
 
 def check_case(name: str, got: np.ndarray, want: np.ndarray, tol: float = 1e-2) -> None:
