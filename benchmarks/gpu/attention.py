@@ -6,7 +6,9 @@
 What is compared
     ``softmax(Q Kᵀ / sqrt(D) + causal mask) V`` on ``[B, H, S, D]`` queries and ``[B, H, L, D]``
     keys and values (GPT-2's heads: H 12, D 64; Llama-7B's: H 32, D 128; Gemma-7B's, H 16, D 256,
-    half types only, with ``--shapes gemma7b``), ``--sizes`` ``BxS``
+    half types only, with ``--shapes gemma7b``; Llama-3-8B's grouped heads, ``--shapes llama3_8b``:
+    32 query heads over 8 KV heads, D 128, whose decoding steps take the 4 query heads of a KV head
+    in one block's rows, rfcs/0005 decision 39), ``--sizes`` ``BxS``
     (``L = S``: a prompt) or ``BxSxL`` (``S`` queries after ``L - S`` cached keys: ``1x1x4096`` is
     a decoding step over a 4096-key cache, where ours splits the keys over several blocks,
     rfcs/0005 decision 36); query ``i`` sees keys ``j <= i + L - S``. Ours is the ``Attention`` op the
@@ -17,7 +19,8 @@ What is compared
     fuses it further).
 
     Beside it, in the same run: ``torch.nn.functional.scaled_dot_product_attention`` with that
-    mask (``is_causal=True`` when ``S = L``, none for one query) on the same operands in the same
+    mask (``is_causal=True`` when ``S = L``, none for one query; ``enable_gqa`` for grouped heads) on
+    the same operands in the same
     type (its flash kernel for the halves; for
     float32 its memory-efficient or math kernel, TF32 allowed for ``tf32`` and not for
     ``float32``), output in the operands' type.
@@ -49,8 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_cases, dump_json, ensure_shardflow, fmt, run_cases, table  # noqa: E402
 from gemm import _cupy_view, _time  # noqa: E402
 
-#: (heads, head size) of the models' attention
-HEADS = {"gpt2": (12, 64), "llama7b": (32, 128), "gemma7b": (16, 256)}  # (gemma7b: half types only)
+#: (query heads, head size[, KV heads]) of the models' attention
+HEADS = {"gpt2": (12, 64), "llama7b": (32, 128), "gemma7b": (16, 256),  # (gemma7b: half types only)
+         "llama3_8b": (32, 128, 8)}
 SIZES = ((1, 128, 128), (8, 128, 128), (1, 1024, 1024), (1, 4096, 4096), (1, 1, 4096), (8, 1, 4096))
 DTYPES = ("float16", "bfloat16", "tf32", "float32")
 #: largest error (of the output's largest value) each type may have against float64
@@ -73,6 +77,10 @@ class Case:
     @property
     def D(self) -> int:
         return HEADS[self.model][1]
+
+    @property
+    def Hk(self) -> int:
+        return HEADS[self.model][-1] if len(HEADS[self.model]) > 2 else self.H
 
     @property
     def id(self) -> str:
@@ -101,9 +109,9 @@ def _build_one(case: Case, work: str, arch: str):
     from shardflow.compiler.ops.linalg import Attention
 
     half = case.dtype in ("float16", "bfloat16")
-    ins = [Tensor(n, (case.B, case.H, case.S if n == "q" else case.L, case.D), case.dtype if half else "float32")
-           for n in "qkv"]
-    op = Attention(ins, name=case.id, q_heads=case.H, kv_heads=case.H, scale=case.D ** -0.5,
+    ins = [Tensor(n, (case.B, case.H, case.S, case.D) if n == "q" else (case.B, case.Hk, case.L, case.D),
+                  case.dtype if half else "float32") for n in "qkv"]
+    op = Attention(ins, name=case.id, q_heads=case.H, kv_heads=case.Hk, scale=case.D ** -0.5,
                    scale_sqrt=case.D ** -0.25, acc_dtype="float32", is_causal=True, past_len=case.L - case.S,
                    **({"probs_dtype": case.dtype} if half else {}))
     path = os.path.join(work, f"{case.id}.cubin")
@@ -117,7 +125,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 
     dev = torch.device("cuda")
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(case.dtype, torch.float32)
-    shape, kv_shape = (case.B, case.H, case.S, case.D), (case.B, case.H, case.L, case.D)
+    shape, kv_shape = (case.B, case.H, case.S, case.D), (case.B, case.Hk, case.L, case.D)
     esize = torch.tensor([], dtype=tdt).element_size()
     set_bytes = math.prod(shape) * (esize + 4) + 2 * math.prod(kv_shape) * esize
     nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
@@ -128,6 +136,8 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
     # the causal mask: query i sees keys j <= i + L - S (torch's is_causal aligns it to the top left)
     causal = {"is_causal": True} if case.S == case.L else {} if case.S == 1 else {
         "attn_mask": torch.ones(case.S, case.L, dtype=torch.bool, device=dev).tril(case.L - case.S)}
+    if case.Hk != case.H:
+        causal["enable_gqa"] = True
     theirs_out = [torch.empty(shape, device=dev, dtype=tdt) for _ in range(nsets)]
     module = cp.RawModule(path=cubin)
     fn = module.get_function(launch.symbol)
@@ -157,7 +167,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
     err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     del ref
     rec = asdict(case)
-    rec.update(id=case.id, H=case.H, D=case.D, kind=launch.kind, grid=list(grid), block=list(block),
+    rec.update(id=case.id, H=case.H, Hk=case.Hk, D=case.D, kind=launch.kind, grid=list(grid), block=list(block),
                shared_mem=int(launch.shared_mem), input_sets=nsets, err=None if nan else err,
                ok=(not nan) and err <= TOLERANCE[case.dtype])
     t_ours = _time(ours, stream, reps, torch, True, n)

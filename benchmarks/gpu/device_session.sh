@@ -346,16 +346,21 @@ case "$what" in
             --wgmma-fp32 --compile-modes reduce-overhead --export-dir /tmp/sf-export >> "$f" 2>&1
         tail -30 "$f"
         ;;
-    attention)  # the fused attention kernel on float32 operands and split-KV (rfcs/0005 decisions 35, 36,
-                # session 42; never run on a GPU): their GPU tests (every case, halves, 3xTF32 and TF32,
-                # against the definition), then benchmarks/gpu/attention.py (every type, GPT-2's and
-                # Llama-7B's heads, causal, 1x128 to 1x4096 and decoding steps over 4096 keys, against
-                # torch's scaled_dot_product_attention), into $out/attention.txt
+    attention)  # the fused attention kernel on float32 operands, split-KV and packed GQA (rfcs/0005
+                # decisions 35, 36, 39, sessions 42-43; never run on a GPU): their GPU tests (every case:
+                # halves, 3xTF32 and TF32, against the definition), then benchmarks/gpu/attention.py
+                # (every type, GPT-2's and Llama-7B's heads, causal, 1x128 to 1x4096 and decoding steps
+                # over 4096 keys; Llama 3 8B's grouped heads decoding; against torch's
+                # scaled_dot_product_attention), into $out/attention.txt
         f="$out/attention.txt"
         echo "# device_session.sh attention, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_attention.py \
-            -k "float32_kernel or split" 2>&1 | tail -5 | tee -a "$f"
+            -k "matches_the_definition" 2>&1 | tail -5 | tee -a "$f"
         timeout 150 python3 benchmarks/gpu/attention.py --jobs 14 --json "$out/attention.json" >> "$f" 2>&1
+        # grouped heads packed in a block's rows for decoding (decision 39): Llama 3 8B's 32 over 8
+        echo "== attention.py --shapes llama3_8b" >> "$f"
+        timeout 60 python3 benchmarks/gpu/attention.py --shapes llama3_8b --sizes 1x1x4096,8x1x4096,1x4x4096 \
+            --dtypes float16,bfloat16 --jobs 14 --json "$out/attention-gqa.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV

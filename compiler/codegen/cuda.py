@@ -1831,7 +1831,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     attention kernel (:mod:`.cuda_attention`; float32 operands: ``fp32``'s products), or None where
     that kernel does not apply."""
     from ..ir.task import TensorInput
-    from .cuda_attention import AttnOperand, attention_kernel, takes_heads
+    from .cuda_attention import AttnOperand, attention_kernel, packs_heads, takes_heads
     from .fusion import chain
 
     q_t, k_t, v_t = att.inputs[:3]
@@ -1882,7 +1882,10 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     if q_op is None or k_op is None or v_op is None:
         return None
     em = _Emitter(an, reads, names)
-    root = _Block(None, {vb: ("sf_b", "int32"), vh: ("sf_h", "int32"), vhk: ("sf_hk", "int32")})
+    # a block's head; with the group's heads packed in its rows (packs_heads) a row's: bound per row
+    pack = packs_heads(s_len, hq // hk)
+    row_head = {vh: ("sf_h", "int32")} if pack else {}
+    root = _Block(None, {vb: ("sf_b", "int32"), vhk: ("sf_hk", "int32"), **({} if pack else {vh: ("sf_h", "int32")})})
     # the additive masks at (b, h, i, j), broadcast as the op's definition reads them, in its order
     scalars = _scalar_constants(op)
     biases = []
@@ -1893,7 +1896,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         pos = (vb, vh, vi, vj)[off:]
         idx = [Const(0) if ext == 1 and full[off + n] != 1 else pos[n] for n, ext in enumerate(m.shape)]
         bias = _bake(_inline_computes(TensorElement(env[id(m)], idx), an), scalars)
-        bblk = _Block(root, {vi: ("sf_i", "int32"), vj: ("sf_j", "int32")})
+        bblk = _Block(root, {**row_head, vi: ("sf_i", "int32"), vj: ("sf_j", "int32")})
         neg_inf = "__int_as_float(0xff800000)"
         if m.dtype == "bool":  # a key the mask does not allow: -inf
             x = f"({em.value_as(bias, 'bool', bblk)} ? 0.0f : {neg_inf})"
@@ -1932,10 +1935,17 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
             return off + d
         return f"sf_npo + {d}" if d >= 0 else f"sf_npo - {-d}"
     sink_at = None
-    if sink is not None:  # the head's sink, read once per block
+    if sink is not None:  # the head's sink, read once per block (packed heads: a function of the row's head)
         e = _bake(_inline_computes(TensorElement(env[id(sink)], [vh]), an), scalars)
-        root.lines.append(f"const float sf_sink = {em.value_as(e, 'float32', root)};")
-        sink_at = "sf_sink"
+        if pack:
+            sblk = _Block(root, row_head)
+            x = em.value_as(e, "float32", sblk)
+            root.lines += ["auto sf_sink_of = [&](int sf_h) -> float {", *_indent(sblk.lines, 2),
+                           f"  return {x};", "};"]
+            sink_at = "sf_sink_of(sf_h)"
+        else:
+            root.lines.append(f"const float sf_sink = {em.value_as(e, 'float32', root)};")
+            sink_at = "sf_sink"
     hi = shift(0) if a.get("is_causal") else None
     if right >= 0:  # (with a causal mask too, the window's upper edge is past the diagonal: the diagonal)
         hi = shift(right) if hi is None else hi

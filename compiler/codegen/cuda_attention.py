@@ -34,6 +34,11 @@ fragments by ``ldmatrix`` (its 16-bit 8 x 8 matrices are 8 x 4 floats, where the
 want them), V's one float at a time; the probabilities stay in the registers of the scores, the
 keys of each 8 taken in the order those hold them (``2t``, ``2t + 1``).
 
+Grouped heads in a decoding step (GQA packing, decision 39; :func:`packs_heads`): where a
+block per query head would hold a few queries, a block's 64 rows take the ``rep`` query heads
+of one KV head (row ``p``: query ``p // rep`` of head ``hk * rep + p % rep``), so that each K and V
+tile is loaded once for the group, not once per head, and the blocks saved go to more key splits.
+
 Head sizes beyond 128 (up to 256, Gemma's; half operands, decision 38): 32 keys a step, so that
 Q and two stages of K and V still fit 99 KB, and a V wider than 128 columns shared between two
 blocks (each computes every score and accumulates half of the columns: the accumulators of 256
@@ -60,7 +65,7 @@ from dataclasses import dataclass
 from .cuda_templates import _indent
 
 __all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "ATTENTION_FLOAT_HELPERS", "BLOCK_Q", "BLOCK_K",
-           "BLOCK_K_FLOAT", "FLOAT_TYPES", "MAX_HEAD", "kv_splits", "takes_heads"]
+           "BLOCK_K_FLOAT", "FLOAT_TYPES", "MAX_HEAD", "kv_splits", "packs_heads", "takes_heads"]
 
 #: queries per block (4 warps x 16 rows) and keys per step
 BLOCK_Q, BLOCK_K = 64, 64
@@ -92,9 +97,21 @@ def v_chunks(Dv: int) -> int:
     return 1 if Dv <= MAX_HEAD else 2
 
 
+def packs_heads(S: int, rep: int) -> bool:
+    """Whether a block's 64 rows take the ``rep`` query heads of a KV head together (GQA packing,
+    decision 39): row ``p`` of the group is query ``p // rep`` of head ``hk * rep + p % rep``, so
+    that the group's heads share each K and V tile a block loads, where a block per query head
+    would load the same tiles ``rep`` times. When it takes fewer blocks than a block per head
+    (``ceil(S * rep / 64) < rep * ceil(S / 64)``): a decoding step's single query (``rep`` rows
+    of 64 instead of ``rep`` blocks of one), a few speculative ones; not a prompt, whose blocks
+    are full either way."""
+    return rep > 1 and -(-S * rep // BLOCK_Q) < rep * -(-S // BLOCK_Q)
+
+
 def kv_splits(B: int, H: int, S: int, L: int, ab: str, D: int = 64, Dv: int = 64) -> int:
     """How many blocks share the keys of each block of queries (split-KV, FlashDecoding's): 1
-    unless the query blocks (``ceil(S / 64) * H * B``, times :func:`v_chunks`) leave
+    unless the query blocks (``ceil(S / 64) * H * B``, times :func:`v_chunks`; for heads packed
+    by :func:`packs_heads`, ``H`` KV heads of ``S * rep`` rows) leave
     multiprocessors idle and the keys are long enough that each split gets ``SPLIT_MIN_STEPS``
     steps (a decoding step's single query over a long KV cache: otherwise one block per head
     streams the whole cache)."""
@@ -179,24 +196,27 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     ``biases``: for each additive bias, in the order they are added to a score, C lines that set
     ``float sf_bias`` from ``sf_b, sf_h, sf_i, sf_j``;
     ``epilogue``: C lines that store the output element ``(sf_b, sf_h, sf_i, sf_e)`` from
-    ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` known).
+    ``float sf_acc``; ``root``: lines run once per block (``sf_b``, ``sf_h`` and ``sf_hk`` known;
+    with the heads packed, :func:`packs_heads`, ``sf_b`` and ``sf_hk`` only: ``sf_h`` is a row's,
+    known to the biases, the sink and the epilogue).
     ``causal``: None, or the offset ``c`` of a causal mask (or of a window's upper edge): query
     ``i`` sees keys ``j <= i + c`` only. The key blocks wholly past that diagonal are not
     visited (about half the work for a long sequence), and the blocks of queries are taken last
-    first, so that the ones with the most keys start first. ``lo``: None, or the first key query ``i`` sees, ``i + lo`` (a
-    sliding window); the key blocks wholly before it are not visited. ``softcap`` (> 0):
+    first, so that the ones with the most keys start first. ``lo``: None, or the first key query
+    ``i`` sees, ``i + lo`` (a sliding window); the key blocks wholly before it are not visited. ``softcap`` (> 0):
     scores become ``tanh(s / softcap) * softcap`` before the biases. ``empty_rows_zero``: a row
     whose every key is masked gives 0 (the ONNX op's rule), else NaN (``0 / 0``, what a softmax
     over ``-inf`` everywhere gives). ``keys``: None, or a C expression (of ``sf_b``, set by
     ``root``) for the number of keys the batch's rows see, in ``[0, L]`` (ONNX's
     ``nonpad_kv_seqlen``): the key blocks past it are not visited. ``causal`` and ``lo`` may be C
     expressions of the same kind (the diagonal of a padded KV cache, ``nonpad - S``). ``sink``:
-    None, or a C expression (of ``sf_h``, set by ``root``) for the head's attention sink, one more
+    None, or a C expression (of ``sf_h`` and what ``root`` sets) for the head's attention sink, one more
     logit in each row's softmax that weighs no value: the running maximum starts at it and the
     running sum at 1 (in one of the four threads that share a row, whose sums are added at the end).
     The sizes decide the rest: keys per step (:func:`keys_per_step`), the blocks V's columns are
-    shared among (:func:`v_chunks`) and the key splits (:func:`kv_splits`); the grid's x is the
-    blocks of queries times those two.
+    shared among (:func:`v_chunks`), whether a block's rows take a KV head's ``rep`` query heads
+    (:func:`packs_heads`; then the grid's y is the KV heads) and the key splits
+    (:func:`kv_splits`); the grid's x is the blocks of queries times those splits and chunks.
     """
     flt = ab in FLOAT_TYPES
     if not takes_heads(D, Dv, flt):
@@ -230,7 +250,15 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
         return f" + {c}" if c > 0 else f" - {-c}" if c else ""
     key_limit = str(L) if keys is None else keys
     blocks = str(nkb) if keys is None else f"({keys} + {bk - 1}) / {bk}"  # key blocks with a key
-    nqb, splits = -(-S // BLOCK_Q), kv_splits(B, H, S, L, ab, D, Dv)
+    packed = packs_heads(S, rep)
+    R, G = (S * rep, H // rep) if packed else (S, H)  # rows of a block's head (a KV head's group if packed); heads
+    nqb, splits = -(-R // BLOCK_Q), kv_splits(B, G, R, L, ab, D, Dv)
+
+    def row(r: str) -> str:  # the query (and, packed, the head) of the block's row r
+        if not packed:
+            return f"const int sf_i = sf_q0 + {r};"
+        return f"const int sf_pr = sf_q0 + {r}, sf_i = sf_pr / {rep}, sf_h = sf_hk * {rep} + sf_pr % {rep};"
+    qrow = "sf_q0" if not packed else f"sf_q0 / {rep}"  # the block's first query
     bx = "blockIdx.x" if nch == 1 else f"(blockIdx.x / {nch})"  # (V's columns: blockIdx.x % nch)
     qb = bx if splits == 1 else f"({bx} / {splits})"  # (split-KV: bx % splits)
     if causal is None:
@@ -239,14 +267,15 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     else:  # heaviest query blocks first; the key blocks that hold a key some row of the block sees
         q_block = "(gridDim.x - 1 - blockIdx.x)" if splits == nch == 1 else f"({nqb - 1} - {qb})"
         causal_test = f" && sf_j <= sf_i{offset(causal)}"
-        nkb_code = (f"  const int sf_last = min(sf_q0 + {BLOCK_Q - 1}, {S - 1}){offset(causal)};  // the last key "
+        last_q = f"sf_q0 + {BLOCK_Q - 1}" if not packed else f"(sf_q0 + {BLOCK_Q - 1}) / {rep}"
+        nkb_code = (f"  const int sf_last = min({last_q}, {S - 1}){offset(causal)};  // the last key "
                     "the block's rows see\n"
                     f"  const int sf_nkb = sf_last < 0 ? 0 : min({blocks}, sf_last / {bk} + 1);\n")
     nkb_bound = str(nkb) if causal is None and keys is None else "sf_nkb"
     kb0, stage = "0", "kb & 1"
     if lo is not None:  # the key blocks from the one that holds the first key the block's first row sees
         causal_test += f" && sf_j >= sf_i{offset(lo)}"
-        nkb_code += (f"  const int sf_first = sf_q0{offset(lo)};  // the first key the block's rows see\n"
+        nkb_code += (f"  const int sf_first = {qrow}{offset(lo)};  // the first key the block's rows see\n"
                      f"  const int sf_kb0 = sf_first <= 0 ? 0 : sf_first / {bk};\n")
         kb0, stage = "sf_kb0", "(kb - sf_kb0) & 1"
     if splits > 1:  # this split's share of the block's key steps, in order (a share may be empty)
@@ -264,6 +293,17 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     normalised = "sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f" if empty_rows_zero else "sf_o[n][r] / sf_sum"
     if sink is None:
         init = "  float sf_m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)}, sf_l[2] = {0.0f, 0.0f};"
+    elif packed:  # each row's head's sink (split 0's rows only)
+        m0, l0 = (sink, "sf_t == 0") if splits == 1 else \
+            (f"sf_split == 0 ? {sink} : __int_as_float(0xff800000)", "sf_split == 0 && sf_t == 0")
+        init = f"""  float sf_m[2], sf_l[2];
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {{
+    {row("sf_warp * 16 + sf_g + h * 8")}
+    (void)sf_i;
+    sf_m[h] = {m0};
+    sf_l[h] = {l0} ? 1.0f : 0.0f;
+  }}"""
     elif splits == 1:  # the sink's exp(sink - m) = 1 at m = sink, counted once per row (by its t = 0 thread)
         init = (f"  float sf_m[2] = {{{sink}, {sink}}};\n"
                 "  float sf_l[2] = {sf_t == 0 ? 1.0f : 0.0f, sf_t == 0 ? 1.0f : 0.0f};")
@@ -279,12 +319,16 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     pointers = f"""  {ht}* sf_Qs = reinterpret_cast<{ht}*>(sf_dyn);
   {ht}* sf_Ks = sf_Qs + {q_elems};  // two stages
   {ht}* sf_Vs = sf_Ks + {2 * k_elems};  // two stages"""
+    q_at = "" if not packed else f"(long long)(sf_pr % {rep}) * {q.sh}LL + "  # (packed: the row's head in the group)
+    q_row = "i = sf_q0 + r" if not packed else f"sf_pr = sf_q0 + r, i = sf_pr / {rep}"
     q_copy = f"""  for (int c = threadIdx.x; c < {BLOCK_Q * (D // vec)}; c += 128) {{
-    const int r = c / {D // vec}, cc = c % {D // vec}, i = sf_q0 + r;
+    const int r = c / {D // vec}, cc = c % {D // vec}, {q_row};
     sf_att_cp16((unsigned)__cvta_generic_to_shared(sf_Qs + r * {ldq} + cc * {vec}),
-                sf_qp + (long long)min(i, {S - 1}) * {q.sr}LL + cc * {vec}, i < {S});
+                sf_qp + {q_at}(long long)min(i, {S - 1}) * {q.sr}LL + cc * {vec}, i < {S});
   }}
 """
+    heads = (f"sf_h = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};\n  const int sf_hk = sf_h / {rep};" if not packed else
+             f"sf_hk = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};  // (the group's {rep} query heads packed)")
     if flt:  # (Q's fragments read from shared memory at each use: the kernel's registers go to the products)
         q_frags = ""
         products, probabilities = _float_products(ab, kd, nkt, nd, ldq, ldv, mma_call, exp)
@@ -303,12 +347,11 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     src = f"""extern "C" __global__ void __launch_bounds__(128) {symbol}({params}) {{
   extern __shared__ __align__(16) unsigned char sf_dyn[];
 {pointers}
-  const int sf_b = blockIdx.z, sf_h = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};
-  const int sf_hk = sf_h / {rep};
+  const int sf_b = blockIdx.z, {heads}
   const int sf_warp = threadIdx.x >> 5, sf_lane = threadIdx.x & 31;
   const int sf_g = sf_lane >> 2, sf_t = sf_lane & 3;
 {e0_code}{root_code}
-  const {ht}* sf_qp = {_base(q, "sf_h")};
+  const {ht}* sf_qp = {_base(q, "sf_h" if not packed else f"(sf_hk * {rep})")};
   const {ht}* sf_kp = {_base(k, "sf_hk")};
   const {ht}* sf_vp = {_base(v, "sf_hk")}{"" if nch == 1 else " + sf_e0"};
 {q_copy}  auto sf_load_kv = [&](int kb, int st) {{
@@ -349,7 +392,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     for (int n = 0; n < {nkt}; ++n) {{
       #pragma unroll
       for (int r = 0; r < 4; ++r) {{
-        const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
+        {row("sf_warp * 16 + sf_g + (r >> 1) * 8")}
         const int sf_j = kb * {bk} + n * 8 + sf_t * 2 + (r & 1);
         float x = sf_s[n][r] * {scale!r}f;
 {cap}        if (sf_j < {key_limit} && sf_i < {S}{causal_test}) {{
@@ -357,7 +400,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
         }} else {{
           x = __int_as_float(0xff800000);
         }}
-        (void)sf_i;
+        (void)sf_i;{"" if not packed else " (void)sf_h;"}
         sf_s[n][r] = x;
         sf_mx[r >> 1] = fmaxf(sf_mx[r >> 1], x);
       }}
@@ -386,11 +429,11 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 1);
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 2);
   }}
-{_split_combine(symbol, splits, S, H, nqb, nch, dvc, nd, exp)}  #pragma unroll
+{_split_combine(symbol, splits, R, G, "sf_h" if not packed else "sf_hk", nqb, nch, dvc, nd, exp)}  #pragma unroll
   for (int n = 0; n < {nd}; ++n) {{
     #pragma unroll
     for (int r = 0; r < 4; ++r) {{
-      const int sf_i = sf_q0 + sf_warp * 16 + sf_g + (r >> 1) * 8;
+      {row("sf_warp * 16 + sf_g + (r >> 1) * 8")}
       const int sf_e = {"" if nch == 1 else "sf_e0 + "}n * 8 + sf_t * 2 + (r & 1);
       if (sf_i < {S}) {{
         const float sf_sum = sf_l[r >> 1];
@@ -404,16 +447,17 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
 }}
 """
     if splits > 1:  # the splits' partial results and a count per block of queries (module globals, as split-K's)
-        rows = min(BLOCK_Q, S)
-        src = (f"__device__ float {symbol}_ws[{B * H * nqb * nch * splits * rows * (dvc + 2)}];  // split-KV partials\n"
-               f"__device__ unsigned {symbol}_cnt[{B * H * nqb * nch}];  // splits stored per block of queries\n") + src
-    cfg = {"grid": (nqb * splits * nch, H, B), "block": (128, 1, 1), "shared_mem": smem}
+        rows = min(BLOCK_Q, R)
+        src = (f"__device__ float {symbol}_ws[{B * G * nqb * nch * splits * rows * (dvc + 2)}];  // split-KV partials\n"
+               f"__device__ unsigned {symbol}_cnt[{B * G * nqb * nch}];  // splits stored per block of queries\n") + src
+    cfg = {"grid": (nqb * splits * nch, G, B), "block": (128, 1, 1), "shared_mem": smem}
     return src, cfg
 
 
-def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, nch: int, dvc: int, nd: int,
+def _split_combine(symbol: str, splits: int, S: int, H: int, head: str, nqb: int, nch: int, dvc: int, nd: int,
                    exp: str) -> str:
-    """Split-KV: each split stores its rows' maximum, sum and unnormalized outputs; the last split
+    """Split-KV (``S`` rows of each of ``H`` heads, the block's in C variable ``head``): each split
+    stores its rows' maximum, sum and unnormalized outputs; the last split
     of a block of queries to count in reads them all and leaves their combination in ``sf_o`` and
     ``sf_l`` for the epilogue (``O = sum_s exp(m_s - M) o_s``, ``l`` likewise, ``M = max_s m_s``;
     a split that saw no key of a row has ``m = -inf`` and weighs 0). The splits are summed in
@@ -422,7 +466,7 @@ def _split_combine(symbol: str, splits: int, S: int, H: int, nqb: int, nch: int,
     if splits == 1:
         return ""
     rows, w = min(BLOCK_Q, S), dvc + 2  # a row's partial: m, l, then this block's dvc outputs
-    unit = f"(sf_b * {H} + sf_h) * {nqb} + sf_q0 / {BLOCK_Q}"
+    unit = f"(sf_b * {H} + {head}) * {nqb} + sf_q0 / {BLOCK_Q}"
     if nch > 1:
         unit = f"({unit}) * {nch} + (int)(blockIdx.x % {nch})"
     return f"""  {{  // split-KV: store this split's partial rows; the last split of the block combines them

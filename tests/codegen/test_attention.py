@@ -675,6 +675,9 @@ CASES = {
     # a decoding step with head size 256: split-KV and two blocks of V's columns, with sinks
     "head256-decode-split": ("bfloat16", 1, 2, 1, 1, 600, 256, 256, False, None, (), 599, False, None, False,
                              {"sink": [0.5, 2.0]}),
+    # five speculative queries of 8 heads over 2 KV heads (Llama 3's 4 to 1), causal after a past,
+    # merged 3-D operands, a mask: the 4 heads' 5 queries packed in one block's 20 rows
+    "gqa-speculative": ("float16", 2, 8, 2, 5, 300, 128, 128, True, (2, 1, 5, 300), (2,), 295),
 }
 
 
@@ -719,8 +722,9 @@ def test_every_float32_case_takes_the_fused_kernel(precision, arch):
     for name, (op, _) in ops.items():
         launch = src.launches[name]
         assert launch.kind == f"attention-{'f32' if precision == 'float32' else 'tf32'}", name
-        b_, hq, _, s_len, l_len, d, dv = op._geometry(*op.inputs[:3])
-        assert launch.grid == (-(-s_len // 64) * kv_splits(b_, hq, s_len, l_len, "f32"), hq, b_)
+        b_, hq, hk, s_len, l_len, d, dv = op._geometry(*op.inputs[:3])
+        rows, heads = (s_len * hq // hk, hk) if name in PACKED else (s_len, hq)
+        assert launch.grid == (-(-rows // 64) * kv_splits(b_, heads, rows, l_len, "f32"), heads, b_)
         assert launch.shared_mem == 4 * (64 * (d + 4) + 2 * BLOCK_K_FLOAT * (d + 4 + dv + 4)) <= 99 * 1024
     assert src.text.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") >= (6 if precision == "float32" else 2)
 
@@ -772,9 +776,13 @@ def test_float32_attention_needs_aligned_operands_and_sm80():
         assert kind.startswith("attention") == fused, (width, kind)
 
 
+PACKED = ("sinks-window", "decode-split", "split-nonpad-sinks", "head256", "head256-decode-split", "gqa-speculative")
+
+
 def test_every_case_takes_the_fused_kernel():
-    """One block per 64 queries of a head, times the key splits (1 but for the split-KV cases)."""
-    from shardflow.compiler.codegen.cuda_attention import kv_splits, v_chunks
+    """One block per 64 queries of a head, times the key splits (1 but for the split-KV cases); with
+    grouped heads and few queries (PACKED) one block per 64 rows of a KV head's group of heads."""
+    from shardflow.compiler.codegen.cuda_attention import kv_splits, packs_heads, v_chunks
 
     ops = _ops()
     src = generate_cuda_source([op for op, _, _ in ops.values()], arch="sm_90")
@@ -782,14 +790,21 @@ def test_every_case_takes_the_fused_kernel():
         launch = src.launches[name]
         assert launch.kind == f"attention-{'f16' if half == 'float16' else 'bf16'}", name
         assert launch.block == (128, 1, 1) and launch.shared_mem <= 99 * 1024
-        b_, hq, _, s_len, l_len, d, dv = op._geometry(*op.inputs[:3])
-        splits = kv_splits(b_, hq, s_len, l_len, "f16", d, dv)
+        b_, hq, hk, s_len, l_len, d, dv = op._geometry(*op.inputs[:3])
+        assert packs_heads(s_len, hq // hk) == (name in PACKED), name
+        rows, heads = (s_len * hq // hk, hk) if name in PACKED else (s_len, hq)
+        splits = kv_splits(b_, heads, rows, l_len, "f16", d, dv)
         assert (splits > 1) == name.endswith("split") or name == "split-nonpad-sinks", (name, splits)
-        assert launch.grid == (-(-s_len // 64) * splits * v_chunks(dv), hq, b_)
+        assert launch.grid == (-(-rows // 64) * splits * v_chunks(dv), heads, b_)
         assert (v_chunks(dv) > 1) == (name in ("head256", "head256-decode-split"))
     assert [kv_splits(1, 4, 1, 1000, t) for t in ("f16", "f32")] == [4, 8]
     assert kv_splits(8, 12, 128, 128, "f16") == kv_splits(1, 32, 4096, 4096, "f16") == 1  # (GPT-2 8x128; long prefill)
     assert kv_splits(1, 32, 1, 4096, "f16") == 4 and kv_splits(1, 1, 1, 100000, "f16") == 16
+    # Llama 3 8B's decoding step (32 query heads, 8 KV heads): 8 blocks of 4 rows, 16 splits each
+    assert packs_heads(1, 4) and kv_splits(1, 8, 4, 4096, "f16", 128, 128) == 16
+    # not a prompt's full blocks, nor heads of their own, nor where packing saves no block
+    assert not any(packs_heads(s, r) for s, r in ((128, 4), (1, 1), (40, 2), (64, 8), (33, 2)))
+    assert packs_heads(32, 4) and packs_heads(21, 3) and packs_heads(7, 8) and not packs_heads(63, 8)
 
 
 @pytest.mark.parametrize("dtype,d,dv", [("float16", 24, 24), ("float16", 272, 272), ("float16", 256, 144),

@@ -105,6 +105,10 @@ def test_attention_dry_run_builds_every_type(capsys):
                                                   ("gpt2_1x1x4096_bfloat16", "attention-bf16", "11x12x1"),
                                                   ("gpt2_1x1x4096_tf32", "attention-tf32", "11x12x1"),
                                                   ("gpt2_1x1x4096_float32", "attention-f32", "11x12x1")]
+    # Llama 3 8B's: the 4 query heads of each of 8 KV heads in one block's rows, 16 splits each
+    attention.main(["--dry-run", "--shapes", "llama3_8b", "--sizes", "1x1x4096", "--dtypes", "float16"])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("llama3_8b_")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("llama3_8b_1x1x4096_float16", "attention-f16", "16x8x1")]
     with pytest.raises(SystemExit, match="gpt3"):
         attention.make_cases(["gpt3"])
 
