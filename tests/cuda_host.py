@@ -779,7 +779,7 @@ def _host_source(text: str) -> str:
     text = text.replace(ATTENTION_HELPERS, "")
     text = text.replace(ATTENTION_FLOAT_HELPERS, kept(ATTENTION_FLOAT_HELPERS, "sf_att_split"))
     text = text.replace(WGMMA_HELPERS, kept(WGMMA_HELPERS, "sf_smem_desc", "sf_grid_wait"))
-    text = text.replace(SPLIT_HELPERS, kept(SPLIT_HELPERS, "sf_split4"))  # (the shim's sf_tf32: no PTX)
+    text = text.replace(SPLIT_HELPERS, kept(SPLIT_HELPERS, "sf_tf32_hi", "sf_split4"))  # (the shim's sf_tf32: no PTX)
     text = _VECTOR.sub(lambda m: f"sf_emu::at<{m.group(1) or ''}{m.group(2)}>(", text)
     text = re.sub(r"extern __shared__ __align__\((\d+)\) unsigned char sf_dyn\[\];",
                   "unsigned char* sf_dyn = sf_emu::dyn.data();", text)

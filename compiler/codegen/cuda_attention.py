@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cuda_templates import _indent
+from .cuda_templates import TF32_HI_FINITE, _indent
 
 __all__ = ["AttnOperand", "attention_kernel", "ATTENTION_HELPERS", "ATTENTION_FLOAT_HELPERS", "BLOCK_Q", "BLOCK_K",
            "BLOCK_K_FLOAT", "FLOAT_TYPES", "MAX_HEAD", "kv_splits", "packs_heads", "takes_heads"]
@@ -149,15 +149,17 @@ __device__ __forceinline__ void sf_ldm_x4_t(unsigned addr, unsigned& r0, unsigne
 """
 
 ATTENTION_FLOAT_HELPERS = r"""// the float32 kernels' TF32 operands (cvt.rna: to nearest, ties away from zero);
-// 3xTF32: x = hi + lo
+// 3xTF32: x = hi + lo, hi finite (an infinite or NaN x in lo)
 __device__ __forceinline__ unsigned sf_att_tf32(float x) {
   unsigned r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
 }
 __device__ __forceinline__ void sf_att_split(float x, unsigned& hi, unsigned& lo) {
-  hi = sf_att_tf32(x);
-  lo = sf_att_tf32(x - __uint_as_float(hi));
+  float h = __uint_as_float(sf_att_tf32(x));
+  """ + TF32_HI_FINITE.format(h="h", x="x") + r"""
+  hi = __float_as_uint(h);
+  lo = sf_att_tf32(x - h);
 }
 """
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_templates import _indent
+from .cuda_templates import TF32_HI_FINITE, _indent
 from .lower import CodegenError
 
 __all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE", "DirectOperand",
@@ -481,16 +481,21 @@ __device__ __forceinline__ void sf_mbar_arrive_cluster(unsigned addr) {
 
 
 #: the 3xTF32 split (:data:`_SPLIT`), emitted once in a unit whose kernels use it
-SPLIT_HELPERS = r"""// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero);
-// hi in place, lo `lo` float4s further
+SPLIT_HELPERS = r"""// 3xTF32: x = hi + lo, both TF32 (cvt.rna: to nearest, ties away from zero), hi finite
+// (an infinite or NaN x in lo); hi in place, lo `lo` float4s further
 __device__ __forceinline__ float sf_tf32(float x) {
   unsigned r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return __uint_as_float(r);
 }
+__device__ __forceinline__ float sf_tf32_hi(float x) {
+  float h = sf_tf32(x);
+  """ + TF32_HI_FINITE.format(h="h", x="x") + r"""
+  return h;
+}
 __device__ __forceinline__ void sf_split4(float4* p, int lo) {
   const float4 x = *p;
-  const float4 h = make_float4(sf_tf32(x.x), sf_tf32(x.y), sf_tf32(x.z), sf_tf32(x.w));
+  const float4 h = make_float4(sf_tf32_hi(x.x), sf_tf32_hi(x.y), sf_tf32_hi(x.z), sf_tf32_hi(x.w));
   p[lo] = make_float4(sf_tf32(x.x - h.x), sf_tf32(x.y - h.y), sf_tf32(x.z - h.z), sf_tf32(x.w - h.w));
   *p = h;
 }

@@ -1047,6 +1047,39 @@ def test_float32_wgmma_gemms_on_the_host(tmp_path, cfg, blocks):
     assert float(np.max(np.abs(out - want))) < 2e-6 * float(np.max(np.abs(want))), cfg  # (NaN fails too)
 
 
+@pytest.mark.parametrize("tile", [None, "tma128x128"])
+def test_3xtf32_products_keep_infinities_and_nans(tmp_path, tile):
+    """A float32 product (3xTF32: the portable kernel, and a wgmma tile) whose operands hold
+    infinities and NaN: infinite with numpy's sign and NaN where numpy's float64 product is (a
+    TF32-exact operand against an infinite one too, whose ``lo = 0`` times ``hi = inf`` was a NaN,
+    and ``0·inf``), the finite outputs to float32 accuracy (TF32_HI_FINITE)."""
+    from test_wgmma import _gemm
+
+    M, N, K = 200, 136, 100
+    op = _gemm(M, N, K, "float32", tb=True, name="g")
+    src = generate_cuda_source([op], arch="sm_90", gemm_configs={"g": tile} if tile else None)
+    launch = src.launches["g"]
+    assert launch.kind == ("gemm-wgmma-f32" if tile else "gemm-f32")
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    a[:, 30] = np.round(a[:, 30] * 4) + 0.5  # TF32-exact, nonzero: its lo is 0
+    a[60:64, 30] = 0.0  # 0 * inf: NaN
+    a[3, 7], a[10, 20], a[50, 0], a[90, 99] = np.inf, -np.inf, np.nan, 3.4e38  # (the last rounds to inf in TF32)
+    b[5, 30], b[9, 7], b[11, 64] = np.inf, -np.inf, np.nan
+    with np.errstate(invalid="ignore", over="ignore"):  # (row 90 overflows float32 where |b| > 1: inf)
+        want = (a.astype(np.float64)[:, None, :] * b.astype(np.float64)[None, :, :]).sum(-1).astype(np.float32)
+    grid = (3, 1, 1) if tile else None
+    out = run(build(src.text, str(tmp_path)), launch, [a, b], [((M, N), np.float32)], grid=grid,
+              resident=3 if tile else 1)[0]
+    assert np.isinf(want).sum() > 300 and np.isnan(want).sum() > 300
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_array_equal(np.where(np.isinf(want), out, 0), np.where(np.isinf(want), want, 0))
+    for rows in (np.arange(M) != 90, np.arange(M) == 90):  # (each at its own scale)
+        fin = np.isfinite(want) & rows[:, None]
+        assert float(np.max(np.abs(out[fin] - want[fin]))) < 2e-6 * float(np.max(np.abs(want[fin])))
+
+
 @pytest.mark.parametrize("precision", ["float32", "tf32"])
 def test_float32_products_stay_on_wmma_unless_asked(precision):
     """Without ``wgmma_fp32`` or a forced tile a float32 product keeps the portable kernel (the
