@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -149,3 +150,61 @@ def run_cases(run_case, cases: list, built: dict, reps: int, line) -> tuple[list
         records.append(rec)
         print(line(rec), flush=True)
     return records, torch.cuda.get_device_name(0)
+
+
+def err_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class TorchDevice:
+    """What differs between a benchmark's real run (cuda) and its CPU self-test (torch's side)."""
+
+    def __init__(self, target: str):
+        import torch
+
+        self.target = target
+        self.torch = torch
+        self.tdev = torch.device("cuda" if target == "cuda" else "cpu")
+        if target == "cuda":
+            import cupy
+
+            self.cp = cupy
+
+    def sync(self) -> None:
+        if self.target == "cuda":
+            self.torch.cuda.synchronize()
+
+    def ours_input(self, ids_np):
+        return self.cp.asarray(ids_np) if self.target == "cuda" else ids_np
+
+    def as_torch(self, a, dtype: str = "float32"):
+        """Our output (cupy or numpy) as a torch tensor on the torch device (no copy for cupy); a
+        bfloat16 output (16-bit patterns: ``uint16`` in cupy, ml_dtypes' type in numpy) as torch's."""
+        if dtype == "bfloat16":
+            a = a.view("uint16")  # (cupy's, or numpy's of ml_dtypes' bfloat16)
+        t = self.torch.as_tensor(a, device=self.tdev) if self.target == "cuda" else self.torch.from_numpy(a)
+        return t.view(self.torch.bfloat16) if dtype == "bfloat16" else t
+
+    def set_tf32(self, on: bool) -> None:
+        self.torch.backends.cuda.matmul.allow_tf32 = on
+        self.torch.backends.cudnn.allow_tf32 = on
+
+
+def time_calls(call, sync, repeat: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        call()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeat": repeat}
+
+
+def torch_diff(got, ref) -> dict:
+    d = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    return {"max_abs_diff": d, "ref_max_abs": scale, "rel_diff": d / scale if scale else None,
+            "finite": bool(got.float().isfinite().all().item())}

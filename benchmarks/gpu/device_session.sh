@@ -28,6 +28,9 @@
 #                                                 # GPT-2 at tf32, < 9 min
 #   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32) and
 #                                                 # split-KV: GPU tests, then every type's kernel vs torch's SDPA, < 4 min
+#   bash benchmarks/gpu/device_session.sh steps   # decoding steps end to end (decode.py: a 0.6B grouped-heads
+#                                                 # Llama, KV cache kept on the device) vs torch eager and
+#                                                 # torch.compile, batches 1 and 8, < 8 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
@@ -381,12 +384,22 @@ case "$what" in
             --json "$out/decode-lowbit.json" >> "$f" 2>&1
         grep -E "^==|passed|failed| ours |WRONG|rror" "$f"
         ;;
+    steps)  # decoding steps end to end (benchmarks/gpu/decode.py, session 43; never run on a GPU): a 0.6B
+            # Llama-style model with grouped heads exported in float16, its KV cache (4096 positions) kept
+            # on the device, against torch eager and torch.compile on the same module, batches 1 and 8,
+            # into $out/steps.txt and steps.json (< 8 min, most of it export and torch.compile)
+        f="$out/steps.txt"
+        echo "# device_session.sh steps, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+        timeout 420 python3 benchmarks/gpu/decode.py --batches 1,8 --budget-s 360 --json "$out/steps.json" \
+            >> "$f" 2>&1
+        tail -12 "$f"
+        ;;
     run)  # any command in this environment: device_session.sh run CMD ARGS...
         shift
         "$@"
         ;;
     *)
-        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|decode|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|decode|steps|cluster|tf32|attention|run CMD..." >&2
         exit 2
         ;;
 esac

@@ -68,7 +68,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -77,7 +76,8 @@ import traceback
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Budget, dump_json, ensure_shardflow, fmt, table  # noqa: E402
+from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, fmt, table,  # noqa: E402
+                    time_calls, torch_diff)
 
 MODELS = ("gpt2_small", "llama")
 BATCHES = (1, 8)
@@ -85,64 +85,6 @@ COMPILE_MODES = ("default", "reduce-overhead")
 # rough seconds each step needs on an H100 machine (16 cores); a step is skipped when the run's
 # time budget no longer holds it (recorded as skipped)
 NEED_S = {"compile": 60, "ours": 10, "eager": 10, "torch_compile": 90}
-
-
-def _err(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
-
-
-class _Device:
-    """What differs between the real run (cuda) and the CPU self-test."""
-
-    def __init__(self, target: str):
-        import torch
-
-        self.target = target
-        self.torch = torch
-        self.tdev = torch.device("cuda" if target == "cuda" else "cpu")
-        if target == "cuda":
-            import cupy
-
-            self.cp = cupy
-
-    def sync(self) -> None:
-        if self.target == "cuda":
-            self.torch.cuda.synchronize()
-
-    def ours_input(self, ids_np):
-        return self.cp.asarray(ids_np) if self.target == "cuda" else ids_np
-
-    def as_torch(self, a, dtype: str = "float32"):
-        """Our output (cupy or numpy) as a torch tensor on the torch device (no copy for cupy); a
-        bfloat16 output (16-bit patterns: ``uint16`` in cupy, ml_dtypes' type in numpy) as torch's."""
-        if dtype == "bfloat16":
-            a = a.view("uint16") if self.target == "cuda" else a.view(np.uint16)
-        t = self.torch.as_tensor(a, device=self.tdev) if self.target == "cuda" else self.torch.from_numpy(a)
-        return t.view(self.torch.bfloat16) if dtype == "bfloat16" else t
-
-    def set_tf32(self, on: bool) -> None:
-        self.torch.backends.cuda.matmul.allow_tf32 = on
-        self.torch.backends.cudnn.allow_tf32 = on
-
-
-def _time_calls(call, sync, repeat: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        call()
-    sync()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeat": repeat}
-
-
-def _diff(got, ref) -> dict:
-    d = (got.float() - ref.float()).abs().max().item()
-    scale = ref.float().abs().max().item()
-    return {"max_abs_diff": d, "ref_max_abs": scale, "rel_diff": d / scale if scale else None,
-            "finite": bool(got.float().isfinite().all().item())}
 
 
 def _gemm_kinds(out_dir: str) -> list[str]:
@@ -228,7 +170,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
     try:
         wrapper, info = prepare(name, work, args.export_dir, args.tiny, log, args.model_dtype)
     except Exception as exc:  # noqa: BLE001
-        res["error"] = f"export failed: {_err(exc)}"
+        res["error"] = f"export failed: {err_text(exc)}"
         log(f"{name}: {res['error']}")
         return res
     res.update(config=info["config"], n_params=info["n_params"], export_s=info["export_s"],
@@ -252,7 +194,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             log(f"{name} {key}: compiled in {rec['compile_s']:.1f} s ({rec['kernels']} kernels, GEMM kinds "
                 f"{rec['gemm_kinds']})")
         except Exception as exc:  # noqa: BLE001 - report and go on
-            rec["compile_error"] = _err(exc)
+            rec["compile_error"] = err_text(exc)
             log(f"{name} {key}: compile failed: {rec['compile_error']}")
             if args.verbose:
                 traceback.print_exc()
@@ -260,7 +202,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
     if args.dry_run:
         return res
 
-    dev = _Device(args.target)
+    dev = TorchDevice(args.target)
     torch = dev.torch
     kinds = {k for b in compiled for k in (res["batches"][f"{b}x128"].get("gemm_kinds") or [])}
     tf32 = {"on": True, "off": False}.get(args.torch_tf32, args.precision == "tf32"
@@ -297,19 +239,19 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             prog = load(out_dir)
             feeds = {"input_ids": dev.ours_input(ids_np[b])}
             first = prog.run(feeds)["logits"]  # eager run
-            rec.update(_diff(dev.as_torch(first, args.model_dtype), refs[b]))
+            rec.update(torch_diff(dev.as_torch(first, args.model_dtype), refs[b]))
             del first
             prog.run(feeds)  # captures the CUDA graph
-            t = _time_calls(lambda: prog.run(feeds), dev.sync, args.repeat, args.warmup)
+            t = time_calls(lambda: prog.run(feeds), dev.sync, args.repeat, args.warmup)
             rec.update(ours_ms=t["ms"], ours_min_ms=t["min_ms"], repeat=t["repeat"])
             log(f"{name} {b}x128: ours {t['ms']:.3f} ms  (max |diff| vs torch fp32 {rec['max_abs_diff']:.2e}, "
                 f"rel {fmt(rec['rel_diff'], '.1e')})")
-            t = _time_calls(lambda: prog.run(feeds, copy_outputs=False), dev.sync, args.repeat, args.warmup)
+            t = time_calls(lambda: prog.run(feeds, copy_outputs=False), dev.sync, args.repeat, args.warmup)
             rec.update(ours_view_ms=t["ms"], ours_view_min_ms=t["min_ms"])
             log(f"{name} {b}x128: ours {t['ms']:.3f} ms with the outputs left in the program's buffers")
             prog.close()
         except Exception as exc:  # noqa: BLE001
-            rec["ours_error"] = _err(exc)
+            rec["ours_error"] = err_text(exc)
             log(f"{name} {b}x128: ours failed: {rec['ours_error']}")
             if args.verbose:
                 traceback.print_exc()
@@ -324,11 +266,11 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             continue
         try:
             with torch.no_grad():
-                t = _time_calls(lambda: model(ids_t[b]), dev.sync, args.repeat, args.warmup)
+                t = time_calls(lambda: model(ids_t[b]), dev.sync, args.repeat, args.warmup)
             rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
             log(f"{name} {b}x128: torch eager {t['ms']:.3f} ms")
         except Exception as exc:  # noqa: BLE001
-            rec["torch_eager_error"] = _err(exc)
+            rec["torch_eager_error"] = err_text(exc)
             log(f"{name} {b}x128: torch eager failed: {rec['torch_eager_error']}")
     save()
 
@@ -355,14 +297,14 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
                     y = call(b)
                     dev.sync()
                     compile_s = time.perf_counter() - t0
-                    d = _diff(y, refs[b])
+                    d = torch_diff(y, refs[b])
                     del y
-                    t = _time_calls(lambda: call(b), dev.sync, args.repeat, args.warmup)
+                    t = time_calls(lambda: call(b), dev.sync, args.repeat, args.warmup)
                 tc[mode] = {"ms": t["ms"], "min_ms": t["min_ms"], "compile_s": compile_s,
                             "max_abs_diff": d["max_abs_diff"], "rel_diff": d["rel_diff"]}
                 log(f"{name} {b}x128: torch.compile({mode}) {t['ms']:.3f} ms (compiled in {compile_s:.0f} s)")
             except Exception as exc:  # noqa: BLE001
-                tc[mode] = {"error": _err(exc)}
+                tc[mode] = {"error": err_text(exc)}
                 log(f"{name} {b}x128: torch.compile({mode}) failed: {tc[mode]['error']}")
                 if args.verbose:
                     traceback.print_exc()
@@ -486,7 +428,7 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None, section
 
         section.update(torch=torch.__version__, transformers=transformers.__version__)
     except ImportError as exc:
-        section["error"] = _err(exc)
+        section["error"] = err_text(exc)
         return section
     for name in args.models:
         section["models"][name] = {}

@@ -23,7 +23,11 @@ A model that is float16 or bfloat16 itself writes the same pattern without the c
 tensor half (its scale and biases too). It becomes the same op on the half Q, K, V (biases read
 in float32, exactly) with its output rounded to the half type once: the fused kernel's values,
 which differ from the op-by-op definition (scores, scaled scores, biased scores, probabilities
-each rounded to the half type) by those roundings, as a fused element-wise kernel's do.
+each rounded to the half type) by those roundings, as a fused element-wise kernel's do. Its
+softmax may be computed in float32, ``Cast(Softmax(Cast(s, float32)), half)``, or its
+probabilities cast to float32 and back, ``Cast(Cast(Softmax(s), float32), half)`` (transformers'
+Llama, Mistral and Qwen in half precision ask for a float32 softmax, which the TorchScript
+exporter writes the second way): the op's own softmax is float32 anyway.
 
 Where the heads come from ``Transpose(Reshape(x, [B, S, H, D]))`` of a ``[B, S, H*D]`` tensor
 and the result goes back through ``Transpose`` (and element-wise casts) to ``Reshape(..,
@@ -193,8 +197,20 @@ class FuseAttention(GraphPass):
         if vh is None:
             return None
         native = not self.float32 and vh is mm2.inputs[1]  # a half model's own attention
+        up32 = None  # a half model's Cast(scores, float32) before a float32 Softmax
         if self.float32 or native:  # the probabilities straight from the Softmax
             down, sm = mm2, self._prod(mm2.inputs[0])
+            # a half model's probabilities through float32 and back (transformers' Llama, Mistral:
+            # softmax(dtype=float32).to(half), which the exporter writes as a float32 Softmax of the
+            # scores cast, or as the half Softmax's output cast to float32 and back)
+            while native and _is(sm, "Cast") and sm.attrs.get("to") in ("float32", vh.dtype) \
+                    and self._only(sm.outputs[0]) is down:
+                down, sm = sm, self._prod(sm.inputs[0])
+            if native and _is(sm, "Softmax") and sm.outputs[0].dtype == "float32":
+                up32 = self._prod(sm.inputs[0])
+                if not _is(up32, "Cast", to="float32") or up32.inputs[0].dtype != vh.dtype \
+                        or self._only(up32.outputs[0]) is not sm:
+                    return None
         else:  # the probabilities rounded to the half type: Cast(Cast(p, half), float32)
             up = self._prod(mm2.inputs[0])
             if not _is(up, "Cast", to="float32") or self._only(up.outputs[0]) is not mm2:
@@ -206,11 +222,12 @@ class FuseAttention(GraphPass):
         if not _is(sm, "Softmax") or sm.attrs.get("log") or tuple(sm.attrs.get("axes", ())) != (3,) \
                 or self._only(sm.outputs[0]) is not down:
             return None
-        s = sm.inputs[0]
+        s, nxt = sm.inputs[0], sm
+        if up32 is not None:
+            s, nxt = up32.inputs[0], up32
         biases: list[Tensor] = []  # the additive biases, from the last added to the first
         scale = 1.0
         p = self._prod(s)
-        nxt = sm
         while _is(p, "Binary", fn="add") and self._only(s) is nxt and len(biases) < _MAX_BIASES:
             a, b = p.inputs
             if self._scores_side(a):

@@ -325,6 +325,73 @@ def _float16_attention_model(case: str, constant_mask: bool = False):
     return model, feeds
 
 
+def _half_model_softmax_in_float32(half: str, form: str = "scores"):
+    """A half model's attention as transformers' Llama asks for it in float16/bfloat16 (a float32
+    softmax): ``Cast(Softmax(Cast(Q Kᵀ · c + mask, float32)), half) V`` (``form`` "scores"), or
+    as the TorchScript exporter writes it, ``Cast(Cast(Softmax(s), float32), half)`` ("probs");
+    the heads merged back to ``[B, S, H*D]`` and scaled; with its inputs."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    b, h, s, n, d = 2, 4, 5, 40, 32
+    t = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[half]
+    c = numpy_helper.from_array(np.array(d ** -0.5, np.float32), "c")
+    c.data_type, c.raw_data = (t, np.array(d ** -0.5, np.float16).tobytes()) if half == "float16" else \
+        (t, (np.array(d ** -0.5, np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes())
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s0"]), helper.make_node("Mul", ["s0", "c"], ["s1"]),
+             helper.make_node("Add", ["s1", "m"], ["s2"]),
+             *([helper.make_node("Cast", ["s2"], ["s3"], to=TensorProto.FLOAT),
+                helper.make_node("Softmax", ["s3"], ["p32"], axis=-1)] if form == "scores" else
+               [helper.make_node("Softmax", ["s2"], ["ph"], axis=-1),
+                helper.make_node("Cast", ["ph"], ["p32"], to=TensorProto.FLOAT)]),
+             helper.make_node("Cast", ["p32"], ["p"], to=t),
+             helper.make_node("MatMul", ["p", "v"], ["y4"]),
+             helper.make_node("Transpose", ["y4"], ["yt"], perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["yt", "shape"], ["y"]), helper.make_node("Mul", ["y", "c"], ["out"])]
+    shape = numpy_helper.from_array(np.array([b, s, h * d], np.int64), "shape")
+    ins = [helper.make_tensor_value_info(k, t, sh) for k, sh in (("q", [b, h, s, d]), ("k", [b, h, n, d]),
+                                                                ("v", [b, h, n, d]), ("m", [b, 1, s, n]))]
+    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("out", t, [b, s, h * d])],
+                              [c, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    rng = np.random.default_rng(0)
+    feeds = {k: rng.standard_normal(sh).astype(np.float32) for k, sh in (("q", (b, h, s, d)), ("k", (b, h, n, d)),
+                                                                          ("v", (b, h, n, d)))}
+    feeds["m"] = np.where(rng.random((b, 1, s, n)) > 0.3, 0.0, -np.inf).astype(np.float32)
+    feeds = {k: _bits(v, half) for k, v in feeds.items()}
+    if half == "bfloat16":
+        import ml_dtypes
+
+        feeds = {k: v.view(ml_dtypes.bfloat16) for k, v in feeds.items()}
+    return model, feeds
+
+
+@pytest.mark.parametrize("half,form", [("float16", "scores"), ("bfloat16", "scores"), ("float16", "probs"),
+                                       ("bfloat16", "probs")])
+def test_a_half_model_softmax_in_float32_is_fused(tmp_path, half, form):
+    """transformers' Llama in half precision asks for its softmax in float32 (casts before and
+    after it, or after it only, as the TorchScript exporter writes it): FuseAttention takes both
+    forms (the op's own softmax is float32), within the half type's tolerance of the separate ops
+    (float16: of onnxruntime too); on cuda one fused kernel, no softmax of its own."""
+    model, feeds = _half_model_softmax_in_float32(half, form)
+    g0 = load_onnx(model)
+    g = FuseAttention().run(load_onnx(model))
+    g.validate()
+    assert [op.op_type for op in g.nodes].count("Attention") == 1 and "Softmax" not in [op.op_type for op in g.nodes]
+    want = g0.run(feeds)["out"].astype(np.float32)
+    got = g.run(feeds)["out"].astype(np.float32)
+    tol = 1e-2 if half == "float16" else 4e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()))
+    if half == "float16":
+        ref = _ort(model, feeds)["out"].astype(np.float32)
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+    src = generate_cuda_source([op for op in g.nodes], arch="sm_90")
+    kinds = [launch.kind for launch in src.launches.values()]
+    assert kinds.count(f"attention-{'f16' if half == 'float16' else 'bf16'}") == 1 and "row" not in kinds, kinds
+
+
 HALF_ONNX_ATTENTION = [(case, False) for case in ONNX_ATTENTION] + [("causal-mask-4d", True)]
 
 

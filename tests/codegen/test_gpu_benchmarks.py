@@ -113,6 +113,37 @@ def test_attention_dry_run_builds_every_type(capsys):
         attention.make_cases(["gpt3"])
 
 
+@needs_nvcc
+def test_decode_dry_run_keeps_the_cache_on_the_device(tmp_path):
+    """decode.py's step (a 2-layer grouped-heads model exported in float16 by torch) compiles for
+    sm_90 with its four caches written in place, one fused attention per layer (its softmax in
+    float32 as transformers writes it in half precision; the 2 query heads of each KV head in one
+    block's rows) and the products on the GEMV template."""
+    pytest.importorskip("torch")
+    decode = _load("decode")
+    section = decode.main(["--dry-run", "--tiny", "--max-len", "256", "--batches", "2", "--work-dir", str(tmp_path)])
+    rec = section["batches"]["2"]
+    assert "compile_error" not in rec, rec
+    kinds = rec["kernel_kinds"]
+    assert kinds.get("attention-f16") == 2 and kinds.get("gemv", 0) >= 8 and "row" in kinds, kinds
+    assert rec["state_in_place"] == 4
+
+
+def test_decode_self_test_on_the_cpu(tmp_path):
+    """decode.py end to end on the cpu target (its self-test): our steps from an empty cache equal
+    the float32 module's within float16's tolerance, the timed figures and ratios present."""
+    pytest.importorskip("torch")
+    decode = _load("decode")
+    section = decode.main(["--target", "cpu", "--tiny", "--max-len", "64", "--batches", "1,3", "--repeat", "2",
+                           "--warmup", "1", "--compile-modes", "", "--work-dir", str(tmp_path),
+                           "--json", str(tmp_path / "d.json")])
+    for b in ("1", "3"):
+        rec = section["batches"][b]
+        assert rec["finite"] and rec["rel_diff"] < 5e-3, rec
+        assert rec["ours_ms"] > 0 and rec["vs_torch_eager"] > 0
+    assert json.loads((tmp_path / "d.json").read_text())["batches"]["3"]["state_in_place"] == 4
+
+
 def test_tile_table_is_the_fit_of_the_committed_sweeps(capsys):
     """cuda_wgmma's tile efficiencies are what fit_tiles.py fits to the H100 sweeps in
     benchmarks/results (so the table and its stated origin cannot drift apart)."""
