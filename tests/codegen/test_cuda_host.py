@@ -391,6 +391,48 @@ def test_bfloat16_model_program_on_the_host(tmp_path, model):
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_half_decoding_step_program_on_the_host(tmp_path, half):
+    """Every kernel of the cuda program of benchmarks/gpu/decode.py's step (a 2-layer Llama with 4
+    query heads over 2 KV heads and a static cache of 256 rows, exported by torch in ``half``: its
+    softmax asked for in float32, its presents ``Where(j != pos, past, new)``), as the driver
+    builds it for sm_90, at a step that sees 38 rows of a random cache: the products on the GEMV
+    template, each layer's attention one fused kernel (the cache's visible rows from its runtime
+    mask, the 2 query heads of a KV head in one block's rows), against the evaluator."""
+    pytest.importorskip("torch")
+    import os
+    import sys
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.parallel.partition import partition
+    from shardflow.compiler.parallel.search import search
+    from shardflow.compiler.passes.attention import FuseAttention, HalfAttentionInFloat32
+    from shardflow.compiler.passes.projections import MergeProjections
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
+    import decode_model as dm
+
+    L, B = 256, 2
+    model = dm.build(L, tiny=True)
+    dm.export(model, str(tmp_path / "step.onnx"), B, dtype=half)
+    ins, _ = dm.io_names(model.c["layers"])
+    rng = np.random.default_rng(0)
+    dt = np.float16 if half == "float16" else __import__("ml_dtypes").bfloat16
+    feeds = {"input_ids": np.array([[3], [200]], np.int64), "pos": np.array([37], np.int64),
+             **{n: (0.5 * rng.standard_normal((B, 2, L, 16))).astype(dt) for n in ins[2:]}}
+    graph = load_onnx(str(tmp_path / "step.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
+    (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
+    rg = HalfAttentionInFloat32().run(FuseAttention().run(MergeProjections().run(rg)))
+    env, consts, groups = _graph_values(rg, feeds, views=True)
+    src = generate_cuda_source(groups, arch="sm_90")
+    host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
+    kinds = [src.launches[g.name].kind for g in host_groups]
+    t = "f16" if half == "float16" else "bf16"
+    assert kinds.count(f"attention-{t}") == 2 and kinds.count("gemv") >= 8, kinds
+    assert all(src.launches[g.name].grid[1] == 2 for g in host_groups if src.launches[g.name].kind.startswith("att"))
+    _check_kernels("decode", build(src.text, str(tmp_path)), src, host_groups, env, consts)
+
+
 def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
     """A bfloat16 model's own weight [K, N] with N not a multiple of 8 (GPT-2's 50257-word head) is
     stored [N, K] behind a Transpose (passes/precision.py HalfWeightsKMajor), so the product is a
