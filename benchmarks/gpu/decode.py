@@ -18,7 +18,8 @@ Ours
     ``run({"input_ids", "pos"})`` (cupy arrays) replays the program's CUDA graph and returns the
     logits in a fresh cupy array. The kernels a step runs: the products on the GEMV template
     (fewer than 16 rows: rfcs/0005 decision 30), the attention fused with its grouped heads packed
-    in a block's rows and split-KV (decisions 36, 39).
+    in a block's rows and split-KV (decisions 36, 39), visiting the cache rows ``<= pos`` only (the
+    mask's bound, decision 41).
 
 torch
     The same module (the same weights in the same type) with the cache updated in place
@@ -29,9 +30,9 @@ torch
 
 Timing (as ``models.py``)
     Host wall-clock of one step followed by a device synchronization, after warm-up steps; median
-    over ``--repeat`` steps, every step at position ``--pos`` (default ``max_len // 2``: the
-    attention of both sides visits every row of the cache under its mask, so the position does
-    not change the work).
+    over ``--repeat`` steps, every step at position ``--pos`` (default ``max_len // 2``: half the
+    cache seen). torch's SDPA reads every row of the cache under the mask; ours reads the rows up
+    to ``pos``, so the position moves our attention's share of a step, not torch's.
 
 Accuracy (reported, not asserted)
     Before timing, ``--check-steps`` steps from an empty cache (positions 0, 1, ...; greedy tokens

@@ -1846,6 +1846,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     if mask is not None and (mask.dtype not in ("float32", "bool") or mask.shape[-1] > l_len):
         return None
     nonpad = att.inputs[3 + (mask is not None)] if att.attrs.get("has_nonpad") else None
+    bound = bool(att.attrs.get("nonpad_bound"))  # (nonpad only bounds the keys the biases leave)
     if nonpad is not None and not nonpad.dtype.startswith(("int", "uint")):
         return None
     sink = att.inputs[3 + (mask is not None) + (nonpad is not None)] if att.attrs.get("has_sink") else None
@@ -1926,12 +1927,14 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     if nonpad is not None:  # keys j < nonpad[b] (at most L); the diagonal at nonpad[b] - S without a past
         e = _bake(_inline_computes(TensorElement(env[id(nonpad)], [vb]), an), scalars)
         n = em.value_as(e, "int64", root)
-        root.lines += [f"const long long sf_npv = max(-(1LL << 30), min((long long)({n}), 1LL << 30));",
-                       f"const int sf_np = (int)max(0LL, min(sf_npv, {l_len}LL));  // the keys the rows see",
+        seen = (f"const int sf_np = (int)max(0LL, min(sf_npv, {l_len}LL));  // the keys the rows see" if not bound
+                else f"const int sf_np = sf_npv <= 0 ? {l_len} : (int)min(sf_npv, {l_len}LL);  // (a bound: none, "
+                     "every key, the biases decide)")
+        root.lines += [f"const long long sf_npv = max(-(1LL << 30), min((long long)({n}), 1LL << 30));", seen,
                        f"const int sf_npo = (int)sf_npv - {s_len};  // their diagonal's offset"]
         keys = "sf_np"
     def shift(d: int) -> int | str:  # the diagonal (key i + offset for query i) moved by d keys
-        if nonpad is None or off:
+        if nonpad is None or off or bound:
             return off + d
         return f"sf_npo + {d}" if d >= 0 else f"sf_npo - {-d}"
     sink_at = None
@@ -1958,7 +1961,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
                             D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(att.attrs["scale"]),
                             root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),
                             empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0
-                                                 or nonpad is not None),
+                                                 or (nonpad is not None and not bound)),
                             causal=hi, lo=None if left < 0 else shift(-left), softcap=float(a.get("softcap", 0.0)),
                             keys=keys, sink=sink_at)
 

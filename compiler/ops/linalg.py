@@ -696,7 +696,10 @@ class Attention(Operator):
     like the mask and added after it one by one (T5 adds its position bias, then the mask:
     ``(s + b1) + b2`` is not ``s + (b1 + b2)`` in floating point). ``y_3d`` (the pass too): the
     output is ``[B, S, Hq*Dv]`` even when ``q`` is 4-D (Llama's Q comes out of the rotary
-    embedding in heads, its output goes to the projection merged).
+    embedding in heads, its output goes to the projection merged). ``nonpad_bound`` (the pass
+    too): the ``nonpad_kv_seqlen`` input is a bound the extra biases already keep every key at or
+    past hidden behind (a static KV cache's mask, ``j <= pos``): it takes no part in the values
+    (no diagonal, no empty-row rule); a kernel need not visit the keys past it.
     """
 
     def _geometry(self, q, k, v):
@@ -731,6 +734,8 @@ class Attention(Operator):
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
         sink = extra.pop(0) if a.get("has_sink") else None
         adds = extra[:a.get("extra_biases", 0)]
+        if a.get("nonpad_bound"):  # (a bound the biases imply: no part in the values)
+            nonpad = None
 
         def read(t, bi, h, j, e, head):
             x = self._read(t, bi, h, j, e, head)
@@ -870,6 +875,8 @@ class Attention(Operator):
         nonpad = extra.pop(0) if a.get("has_nonpad") else None
         sink = extra.pop(0) if a.get("has_sink") else None
         adds = extra[:a.get("extra_biases", 0)]
+        if a.get("nonpad_bound"):  # (a bound the biases imply: no part in the values)
+            nonpad = None
 
         def to4(t, h):
             return t if t.ndim == 4 else t.reshape(t.shape[0], t.shape[1], h, -1).transpose(0, 2, 1, 3)
@@ -1031,6 +1038,12 @@ def examples(rng: np.random.Generator):
                                                                    "has_sink": True}),
         (Attention, [q4, k4, v4, (rng.random((1, 5)) > 0.5).reshape(5)],
          {"scale_sqrt": 0.7, "has_mask": True, "softmax_dtype": "float64", "qk_mode": 1}),
+        # a key bound (FuseAttention's, from a static cache's mask): no part in the values, causal
+        # without moving the diagonal, a row the extra bias hides wholly NaN as without it
+        (Attention, [q4, k4, v4, np.array([3, 0], np.int64),
+                     np.where(np.arange(5) < [[[[3]]], [[[0]]]], 0.0, -np.inf).astype(np.float32)],
+         {"scale_sqrt": 0.7, "has_nonpad": True, "nonpad_bound": True, "extra_biases": 1, "is_causal": True,
+          "past_len": 2}),
         # the mixed-precision form: half Q/K/V (3-D here), float32 mask/output
         (Attention, [f(2, 3, 32).astype(np.float16), f(2, 5, 32).astype(np.float16), f(2, 5, 32).astype(np.float16),
                      np.where(rng.random((2, 1, 3, 5)) > 0.3, 0, -3.4e38).astype(np.float32)],

@@ -266,6 +266,7 @@ class FuseAttention(GraphPass):
         if (not self.float32 or self.target == "cuda") and not takes_heads(d, dv, float32=self.float32):
             return None  # the generic lowering of the op would be slower than the separate ops
         biases.reverse()  # in the order they are added
+        given = list(biases)  # (as the graph has them: a half model's are widened below)
         for bias in biases:
             bs = tuple(bias.shape)
             want = (b_, h_, s_len, l_len)
@@ -309,12 +310,19 @@ class FuseAttention(GraphPass):
             k_in, v_in = (self._cast_to(g[0], t.dtype, f"{mm2.name}.{w}", new_ops) for g, t, w in
                           ((gk, k_in, "k"), (gv, v_in, "v")))
             v_in = self._heads_3d(v_in, (0, 2, 1, 3)) or v_in
-        ins = [q_in, k_in, v_in] + biases
+        # a bias that hides every key past a runtime position (a static KV cache's mask): that
+        # position bounds the keys the kernel visits (nonpad_bound: no part in the values)
+        bound = None
+        if not self.float32 or self.target == "cuda":
+            bound = next((b for b in (self._key_bound(x, l_len, b_, f"{mm2.name}.keys", new_ops) for x in given)
+                          if b is not None), None)
+        ins = [q_in, k_in, v_in] + ([bound] if bound is not None else []) + biases
         # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
         # every key is -inf, the Softmax of the matched ops gives NaN)
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=kv_heads, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32",
                         **({} if self.float32 else {"probs_dtype": vh.dtype}),
+                        **({"has_nonpad": True, "nonpad_bound": True} if bound is not None else {}),
                         extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
         if self.float32 and self.target == "cpu":
             from ..codegen.templates_cpu import template_kind
@@ -353,6 +361,67 @@ class FuseAttention(GraphPass):
                 or tuple(split.inputs[0].shape) != (e[0], e[1], e[3], e[4]):
             return None
         return split.inputs[0], e[1]
+
+    #: a comparison ``J fn p`` read as ``p fn' J`` (its operands swapped)
+    _SWAPPED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
+
+    def _key_bound(self, bias: Tensor, l_len: int, batch: int, name: str, new_ops: list) -> Tensor | None:
+        """An ``int64 [batch]`` tensor ``n`` (made by new ops appended to ``new_ops``) when ``bias``
+        hides every key ``j >= n``: ``bias`` is (casts of) ``Where(c, x, h)`` with ``c`` = ``j <= p``
+        (``n = p + 1``) or ``j < p`` (``n = p``), or ``Where(c, h, x)`` with ``c`` = ``j > p`` or
+        ``j >= p`` (either side of the comparison), where ``j`` is a constant holding ``0 .. L-1``
+        along the keys, ``p`` an integer tensor of one element (a decoding step's position) and
+        ``h`` ``-inf``; or ``h`` a finite constant that hides a key (at most ``_HIDDEN``, or its
+        type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0 for scores
+        of a half model's range) with ``x`` a constant above -1e4, so that a row that sees a key
+        below ``n`` gets nothing from the keys past it; a row that sees none (``n <= 0``) then
+        weighs the hidden keys as the separate ops do, and the kernel visits every key for it.
+        None otherwise."""
+        from ..ops.elementwise import Binary, CastOp
+        from ..ops.transform import Expand, Reshape
+
+        w = self._prod(bias)
+        while _is(w, "Cast") and dtype_kind(w.outputs[0].dtype) == "f":
+            w = self._prod(w.inputs[0])
+        if not _is(w, "Where") or not w.outputs[0].shape or w.outputs[0].shape[-1] != l_len:
+            return None
+        cmp = self._prod(w.inputs[0])
+        if not _is(cmp, "Binary") or cmp.attrs.get("fn") not in self._SWAPPED:
+            return None
+        (a, b), fn = cmp.inputs, cmp.attrs["fn"]
+        if not self._is_key_index(a, l_len):
+            a, b, fn = b, a, self._SWAPPED[fn]
+        if not self._is_key_index(a, l_len) or b.size != 1 or dtype_kind(b.dtype) not in ("i", "u"):
+            return None
+        hidden = w.inputs[2] if fn in ("le", "lt") else w.inputs[1]  # (the side of the keys past p)
+        if not (hidden.is_constant and hidden.size == 1 and dtype_kind(hidden.dtype) == "f"):
+            return None
+        h = float(np.asarray(hidden.value, np.float64).reshape(()))
+        if h != -np.inf:
+            shown = w.inputs[1] if fn in ("le", "lt") else w.inputs[2]
+            lowest = float(np.finfo(np.dtype(hidden.value.dtype)).min) if hidden.value.dtype.kind == "f" else None
+            if not (h <= _HIDDEN or h == lowest) or not (shown.is_constant and shown.size == 1) \
+                    or not float(np.asarray(shown.value, np.float64).reshape(())) > -1e4:
+                return None
+        n = b if b.ndim == 1 else None
+        if n is None:
+            new_ops.append(Reshape([b], name=f"{name}.flat", shape=(1,)))
+            n = new_ops[-1].outputs[0]
+        if n.dtype != "int64":
+            new_ops.append(CastOp([n], name=f"{name}.int64", to="int64"))
+            n = new_ops[-1].outputs[0]
+        if fn in ("le", "gt"):  # keys j <= p: p + 1 of them
+            new_ops.append(Binary([n, const_tensor(np.array([1], np.int64), f"{name}.one")], name=f"{name}.next",
+                                  fn="add"))
+            n = new_ops[-1].outputs[0]
+        new_ops.append(Expand([n], name=name, shape=(batch,)))
+        return new_ops[-1].outputs[0]
+
+    @staticmethod
+    def _is_key_index(t: Tensor, l_len: int) -> bool:
+        """Whether ``t`` is a constant holding ``0 .. l_len-1`` along its last axis (and nothing else)."""
+        return (t.is_constant and t.size == l_len and t.shape and t.shape[-1] == l_len
+                and np.array_equal(np.asarray(t.value).reshape(-1), np.arange(l_len)))
 
     def _past_casts(self, t: Tensor) -> Operator | None:
         """The producer of ``t`` past any element-wise casts (a precision pass's, between the steps

@@ -392,6 +392,74 @@ def test_a_half_model_softmax_in_float32_is_fused(tmp_path, half, form):
     assert kinds.count(f"attention-{'f16' if half == 'float16' else 'bf16'}") == 1 and "row" not in kinds, kinds
 
 
+def _static_cache_step(cmp: str, swap: bool, hide: float, index=None):
+    """A float16 decoding step's attention over a static cache of 40 rows whose mask hides the
+    rows past a runtime ``pos``: ``Where(J cmp pos, 0, hide)`` (``J cmp pos`` written ``pos cmp' J``
+    with ``swap``; for ``gt``/``ge`` ``Where(c, hide, 0)``), ``J`` the constant ``index``
+    (``arange(40)`` by default)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    b, h, n, d = 2, 4, 40, 32
+    f16 = TensorProto.FLOAT16
+    consts = [numpy_helper.from_array(np.arange(n, dtype=np.int64) if index is None else index, "J"),
+              numpy_helper.from_array(np.array(0.0, np.float16), "zero"),
+              numpy_helper.from_array(np.array(hide, np.float16), "hide"),
+              numpy_helper.from_array(np.array(d ** -0.5, np.float16), "c"),
+              numpy_helper.from_array(np.array([b, 1, h * d], np.int64), "shape")]
+    op = {"le": "LessOrEqual", "lt": "Less", "gt": "Greater", "ge": "GreaterOrEqual"}
+    swapped = {"le": "ge", "lt": "gt", "gt": "lt", "ge": "le"}
+    compare = helper.make_node(op[swapped[cmp]], ["pos", "J"], ["cond"]) if swap else \
+        helper.make_node(op[cmp], ["J", "pos"], ["cond"])
+    where = helper.make_node("Where", ["cond", "zero", "hide"] if cmp in ("le", "lt") else ["cond", "hide", "zero"],
+                             ["bias"])
+    nodes = [compare, where, helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s0"]), helper.make_node("Mul", ["s0", "c"], ["s1"]),
+             helper.make_node("Add", ["s1", "bias"], ["s2"]), helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y4"]),
+             helper.make_node("Transpose", ["y4"], ["yt"], perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["yt", "shape"], ["y"]), helper.make_node("Mul", ["y", "c"], ["out"])]
+    ins = [helper.make_tensor_value_info(k, f16, sh) for k, sh in (("q", [b, h, 1, d]), ("k", [b, h, n, d]),
+                                                                  ("v", [b, h, n, d]))]
+    ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [1]))
+    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("out", f16, [b, 1, h * d])], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    rng = np.random.default_rng(1)
+    feeds = {k: rng.standard_normal(sh).astype(np.float16) for k, sh in (("q", (b, h, 1, d)), ("k", (b, h, n, d)),
+                                                                          ("v", (b, h, n, d)))}
+    return model, feeds
+
+
+@pytest.mark.parametrize("cmp,swap,hide,bound", [
+    ("le", False, -np.inf, True), ("lt", False, -np.inf, True), ("gt", False, -np.inf, True),
+    ("le", True, -np.inf, True), ("ge", True, float(np.finfo(np.float16).min), True),
+    ("le", False, -1.0, False), ("le", False, -np.inf, "reversed")])
+def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
+    """A mask hiding the cache rows past a runtime position (``j <= pos``, ``j < pos``, ``j > pos``
+    hidden, either side of the comparison; ``-inf`` or float16's lowest value) gives the fused op a
+    key bound (``nonpad_bound``: the kernel visits no key block past it) and the same values as the
+    separate ops at every position (the first, an inner one, the last, one before the cache: NaN);
+    a mask whose hidden value does not hide (-1) or whose index is not ``0..L-1`` gives none (the
+    kernel's side: test_cuda_host.py's static cache tests)."""
+    index = np.arange(40, dtype=np.int64)[::-1].copy() if bound == "reversed" else None
+    model, feeds = _static_cache_step(cmp, swap, hide, index)
+    g0 = load_onnx(model)
+    g = FuseAttention().run(load_onnx(model))
+    (att,) = [op for op in g.nodes if op.op_type == "Attention"]
+    assert bool(att.attrs.get("nonpad_bound")) == (bound is True), att.attrs
+    for pos in (0, 17, 39, -1):
+        if hide != -np.inf and pos + (cmp in ("le", "gt")) <= 0:
+            continue  # (a row that sees no key: float16's sums round -65504 away, the op's float32 ones do not)
+        f = dict(feeds, pos=np.array([pos], np.int64))
+        want, got = (x.run(f)["out"].astype(np.float32) for x in (g0, g))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        np.testing.assert_allclose(got[ok], want[ok], rtol=1e-2, atol=1e-2 * float(np.abs(want[ok]).max(initial=1)))
+    if bound is True:
+        assert "const int sf_nkb = (sf_np + 63) / 64;" in generate_cuda_source(list(g.nodes), arch="sm_90").text
+
+
 HALF_ONNX_ATTENTION = [(case, False) for case in ONNX_ATTENTION] + [("causal-mask-4d", True)]
 
 

@@ -391,14 +391,15 @@ def test_bfloat16_model_program_on_the_host(tmp_path, model):
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
 
 
-@pytest.mark.parametrize("half", ["float16", "bfloat16"])
-def test_half_decoding_step_program_on_the_host(tmp_path, half):
+@pytest.mark.parametrize("half,pos", [("float16", 37), ("bfloat16", 37), ("float16", -1)])
+def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
     """Every kernel of the cuda program of benchmarks/gpu/decode.py's step (a 2-layer Llama with 4
     query heads over 2 KV heads and a static cache of 256 rows, exported by torch in ``half``: its
     softmax asked for in float32, its presents ``Where(j != pos, past, new)``), as the driver
-    builds it for sm_90, at a step that sees 38 rows of a random cache: the products on the GEMV
-    template, each layer's attention one fused kernel (the cache's visible rows from its runtime
-    mask, the 2 query heads of a KV head in one block's rows), against the evaluator."""
+    builds it for sm_90, at a step that sees 38 rows of a random cache (or none: position -1, NaN
+    as the separate ops give): the products on the GEMV template, each layer's attention one fused
+    kernel (its runtime mask read, the key blocks past the position not visited, the 2 query heads
+    of a KV head in one block's rows), against the evaluator."""
     pytest.importorskip("torch")
     import os
     import sys
@@ -418,7 +419,7 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half):
     ins, _ = dm.io_names(model.c["layers"])
     rng = np.random.default_rng(0)
     dt = np.float16 if half == "float16" else __import__("ml_dtypes").bfloat16
-    feeds = {"input_ids": np.array([[3], [200]], np.int64), "pos": np.array([37], np.int64),
+    feeds = {"input_ids": np.array([[3], [200]], np.int64), "pos": np.array([pos], np.int64),
              **{n: (0.5 * rng.standard_normal((B, 2, L, 16))).astype(dt) for n in ins[2:]}}
     graph = load_onnx(str(tmp_path / "step.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
     (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
@@ -430,7 +431,35 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half):
     t = "f16" if half == "float16" else "bf16"
     assert kinds.count(f"attention-{t}") == 2 and kinds.count("gemv") >= 8, kinds
     assert all(src.launches[g.name].grid[1] == 2 for g in host_groups if src.launches[g.name].kind.startswith("att"))
+    assert "const int sf_nkb = (sf_np + 63) / 64;" in src.text  # (the position bounds the key blocks)
     _check_kernels("decode", build(src.text, str(tmp_path)), src, host_groups, env, consts)
+    if pos < 0:
+        assert np.isnan(env["logits"]).all()
+
+
+@pytest.mark.parametrize("cmp,hide,pos", [("le", -np.inf, 17), ("le", -np.inf, -1), ("lt", -np.inf, 0),
+                                          ("ge", -65504.0, 9), ("ge", -65504.0, 0), ("ge", -65504.0, -3)])
+def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos):
+    """The fused kernel of a static cache's step whose mask bounds the keys (test_attention's
+    ``_static_cache_step``; ``nonpad_bound``) against the op's definition: the key blocks past the
+    position not visited; a row that sees no key NaN under ``-inf`` and, under float16's lowest
+    value, weighing the hidden keys as the definition does (the kernel then visits every key)."""
+    from test_attention import _static_cache_step
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.passes.attention import FuseAttention
+
+    model, feeds = _static_cache_step(cmp, False, hide)
+    feeds["pos"] = np.array([pos], np.int64)
+    g = FuseAttention().run(load_onnx(model))
+    assert any(op.attrs.get("nonpad_bound") for op in g.nodes)
+    env, consts, groups = _graph_values(g, feeds, views=True)
+    src = generate_cuda_source(groups, arch="sm_90")
+    att = [gr for gr in groups if gr.name in src.launches and src.launches[gr.name].kind == "attention-f16"]
+    assert len(att) == 1
+    _check_kernels("static-cache", build(src.text, str(tmp_path)), src, att, env, consts)
+    out = env[att[0].outputs[0].name]
+    assert np.isnan(out).all() == (hide == -np.inf and pos + (cmp == "le") <= 0)
 
 
 def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
