@@ -1282,6 +1282,46 @@ def _contiguous_reduction(r: Reduce) -> bool:
 _ELEMENTS_PER_THREAD = 4
 
 
+#: a kept select's rows (:func:`_kept_rows_part`): the fewest elements a row of the condition must
+#: cover (a block's threads each take at least one), and the most blocks (a wave of 8 a multiprocessor)
+_KEPT_ROW_MIN, _KEPT_ROW_BLOCKS = _THREADS, 132 * 8
+
+
+def _kept_rows_part(gc: GridCompute, select: tuple[Expr, Expr], out_ptr: str, em: "_Emitter", root: _Block,
+                    it: str, names, strides) -> "_Part | None":
+    """A kept select ``c ? x[i] : e`` (an output written over its input, a KV cache's present) whose
+    condition ``c`` reads only some of the output's axes (``j != pos``: the cache row), as rows of
+    those axes: each block walks rows (``gridDim.x`` apart), evaluates ``c`` once per row (the same
+    in every thread: no divergence) and, only where it fails, stores ``e`` over the row's other axes
+    with its threads. A step that changes one row of a 4096-row cache then tests 4096 rows, not
+    every element (one thread per element: 16.7M for a batch of 8, 8 heads of 64). None where a
+    row would hold fewer than ``_KEPT_ROW_MIN`` elements (the thread-per-element kernel is then no
+    more work)."""
+    free = em.an.free(select[0])
+    row_axes = [v for v in gc.axes if v.extent > 1 and v in free]
+    inner_axes = [v for v in gc.axes if v.extent > 1 and v not in free]
+    rows, inner = _prod([v.extent for v in row_axes]), _prod([v.extent for v in inner_axes])
+    if not row_axes or inner < _KEPT_ROW_MIN:
+        return None
+    r, t = em.new("r"), em.new("t")
+    rdec, rbinds = _decompose(r, row_axes, it, "i", names)
+    rblk = _Block(root, rbinds)
+    c = em.value_as(select[0], "bool", rblk)
+    tdec, tbinds = _decompose(t, inner_axes, it, "i", names)
+    tblk = _Block(rblk, tbinds)
+    x = em.value_as(select[1], gc.dtype, tblk)
+    binds = {**rbinds, **tbinds}
+    off = " + ".join(f"({it}){binds[v][0]} * {st}" for v, st in zip(gc.axes, strides) if v.extent > 1) or "0"
+    code = list(root.lines)
+    code.append(f"for ({it} {r} = blockIdx.x; {r} < {rows}; {r} += gridDim.x) {{  // the condition's rows")
+    code += _indent(rdec + rblk.lines, 2)
+    code += [f"  if ({c}) continue;  // (the row keeps its input: nothing to store)",
+             f"  for ({it} {t} = threadIdx.x; {t} < {inner}; {t} += blockDim.x) {{"]
+    code += _indent(tdec + tblk.lines + [f"{out_ptr}[{off}] = {em.stored(x, gc.dtype)};"], 4)
+    code += ["  }", "}"]
+    return _Part(code, max(1, min(rows, _KEPT_ROW_BLOCKS)), "elementwise")
+
+
 def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysis,
                         reads, names, kept=None) -> _Part:
     """One output's kernel code (a thread per element, or a warp or block per row of reductions).
@@ -1312,6 +1352,10 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
         x = em.value_as(value, out_dt, blk)
         blk.lines.append(f"{out_ptr}[{off}] = {em.stored(x, out_dt)};")
 
+    if select is not None:
+        part = _kept_rows_part(gc, select, out_ptr, em, root, it, names, strides)
+        if part is not None:
+            return part
     if plan is None:
         e = em.new("e")
         dec, binds = _decompose(e, [v for v in gc.axes], it, "i", names)

@@ -122,6 +122,7 @@ class FuseAttention(GraphPass):
         self._producer = {id(t): op for op in graph.nodes for t in op.outputs}
         self._consumers = graph.consumers()
         self._outputs = {id(t) for t in graph.outputs}
+        self._bounds: dict[tuple, Tensor] = {}  # (position, +1, batch) -> a key bound made once for every layer
         replace: dict[int, Tensor] = {}  # old tensor -> new one
         insert: dict[int, list[Operator]] = {}  # id(op) -> new ops to place right after it
         for op in list(graph.nodes):
@@ -396,6 +397,7 @@ class FuseAttention(GraphPass):
         hidden = w.inputs[2] if fn in ("le", "lt") else w.inputs[1]  # (the side of the keys past p)
         if not (hidden.is_constant and hidden.size == 1 and dtype_kind(hidden.dtype) == "f"):
             return None
+        key = (id(b), fn in ("le", "gt"), batch)
         h = float(np.asarray(hidden.value, np.float64).reshape(()))
         if h != -np.inf:
             shown = w.inputs[1] if fn in ("le", "lt") else w.inputs[2]
@@ -403,6 +405,8 @@ class FuseAttention(GraphPass):
             if not (h <= _HIDDEN or h == lowest) or not (shown.is_constant and shown.size == 1) \
                     or not float(np.asarray(shown.value, np.float64).reshape(())) > -1e4:
                 return None
+        if key in self._bounds:  # (the layers' masks share one: its ops made at the first layer, before the others)
+            return self._bounds[key]
         n = b if b.ndim == 1 else None
         if n is None:
             new_ops.append(Reshape([b], name=f"{name}.flat", shape=(1,)))
@@ -415,7 +419,8 @@ class FuseAttention(GraphPass):
                                   fn="add"))
             n = new_ops[-1].outputs[0]
         new_ops.append(Expand([n], name=name, shape=(batch,)))
-        return new_ops[-1].outputs[0]
+        self._bounds[key] = new_ops[-1].outputs[0]
+        return self._bounds[key]
 
     @staticmethod
     def _is_key_index(t: Tensor, l_len: int) -> bool:

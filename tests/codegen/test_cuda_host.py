@@ -126,6 +126,43 @@ def test_a_kept_select_stores_only_where_its_condition_fails(tmp_path):
     np.testing.assert_array_equal(every, want)
 
 
+@pytest.mark.parametrize("keep_shape,blocks", [((1, 1, 40, 1), None), ((2, 1, 40, 1), None), ((2, 1, 40, 1), 7)])
+def test_a_kept_select_walks_the_rows_of_its_condition(tmp_path, monkeypatch, keep_shape, blocks):
+    """A kept select whose condition reads some axes only (a cache row: ``[1, 1, L, 1]``, or a
+    sequence's row ``[B, 1, L, 1]``) over rows of at least 256 elements: the kernel walks the
+    condition's rows and stores the rows where it fails with a block's threads (a decoding step's
+    present tests L rows, not every element); poison kept where it holds, the select on the
+    input's own buffer; a block per row, or fewer blocks each walking several rows."""
+    from shardflow.compiler.codegen import cuda as cg
+    from shardflow.compiler.codegen.fusion import fuse
+    from shardflow.compiler.ops.elementwise import Binary, Where
+
+    if blocks:
+        monkeypatch.setattr(cg, "_KEPT_ROW_BLOCKS", blocks)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 40, 64)).astype(np.float32)
+    keep = np.ones(keep_shape, bool)
+    keep[0, :, 7] = False
+    keep[-1, :, 31] = False
+    new = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+    ins = [Tensor("keep", keep.shape, "bool"), Tensor("past", x.shape, "float32"), Tensor("new", new.shape, "float32")]
+    scaled = Binary([ins[2], Tensor("two", (), "float32")], name="scaled", fn="mul")
+    (group,) = fuse([scaled, Where([ins[0], ins[1], scaled.outputs[0]], name="present")], keep=["present:0"])
+    arrays = dict(zip([t.name for t in ins] + ["two"], [keep, x, new, np.float32(2.0)]))
+    arrays = [arrays[t.name] for t in group.inputs]
+    past = [t.name for t in group.inputs].index("past")
+    src = generate_cuda_source([group], in_place={group.name: past})
+    launch = src.launches[group.name]
+    rows = 40 * keep_shape[0]
+    assert "// the condition's rows" in src.text and launch.grid[0] == (blocks or rows) and launch.block[0] == 256
+    kernels = build(src.text, str(tmp_path))
+    (alone,) = run(kernels, launch, arrays, [(x.shape, x.dtype)])
+    poison = np.full(1, 0x5A5A5A5A, np.uint32).view(np.float32)[0]
+    np.testing.assert_array_equal(alone, np.where(keep, poison, new * 2))
+    (aliased,) = run(kernels, launch, arrays, [(x.shape, x.dtype)], alias={0: past})
+    np.testing.assert_array_equal(aliased, np.where(keep, x, new * 2))
+
+
 def test_four_bit_codes_with_an_unaligned_activation(tmp_path):
     """The GEMV on 4-bit codes reads a run of 8 activations as two 16-byte loads where the
     activation's address allows (the others: the op-example cases) and element by element where it
