@@ -1753,6 +1753,30 @@ def _half_cast(op: Operator) -> bool:
 _MOVES = ("Reshape", "Transpose", "Slice", "Squeeze", "Unsqueeze", "Identity")
 
 
+def _product_operand_casts(ops: Sequence[Operator]) -> set[str]:
+    """The names of the half casts whose value reaches, through element moves and casts, a reader
+    that is not element-wise (a GEMM, an attention, a reduction): on Hopper those are written by
+    their producer's kernel for it (a product reads its half operand from memory as it is). A cast
+    that only element-wise ops read (a half model's ``RMSNorm(x).to(half) * weight``) fuses with
+    them."""
+    readers: dict[int, list[Operator]] = {}
+    for op in ops:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+    found = set()
+    for op in ops:
+        if not _half_cast(op):
+            continue
+        todo = [op.outputs[0]]
+        while todo and op.name not in found:
+            for r in readers.get(id(todo.pop()), []):
+                if r.op_type in _MOVES or r.op_type == "Cast":  # (a float32 model's product reads float32(half(x)))
+                    todo.append(r.outputs[0])
+                elif not getattr(r, "injective", False):
+                    found.add(op.name)
+    return found
+
+
 def _attention_operand_casts(ops: Sequence[Operator]) -> set[str]:
     """The names of the half casts an ``Attention`` op's Q, K or V comes from through element moves
     alone: fused into the attention they would leave the kernel a float32 read to convert, which
@@ -2476,9 +2500,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
         # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM; on
         # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
-        feeds = set() if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
-        ops = fuse_ops(list(ops), keep=keep, views=views,
-                       materialize=_half_cast if arch in WGMMA_ARCHS else lambda op: op.name in feeds)
+        feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
+        ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds)
     from .fusion import aliased_inputs, drop_views
     ops = drop_views(ops, views)
     aliased = aliased_inputs(ops, in_place)

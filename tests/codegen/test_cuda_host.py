@@ -442,6 +442,7 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
     import sys
 
     from shardflow.compiler import load_onnx
+    from shardflow.compiler.codegen.cuda import _product_operand_casts
     from shardflow.compiler.parallel.partition import partition
     from shardflow.compiler.parallel.search import search
     from shardflow.compiler.passes.attention import FuseAttention, HalfAttentionInFloat32
@@ -461,7 +462,8 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
     graph = load_onnx(str(tmp_path / "step.onnx"), input_shapes={k: list(v.shape) for k, v in feeds.items()})
     (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
     rg = HalfAttentionInFloat32().run(FuseAttention().run(MergeProjections().run(rg)))
-    env, consts, groups = _graph_values(rg, feeds, views=True)
+    fed = _product_operand_casts(rg.nodes)  # (grouped as the sm_90 build groups them)
+    env, consts, groups = _graph_values(rg, feeds, materialize=lambda op: op.name in fed, views=True)
     src = generate_cuda_source(groups, arch="sm_90")
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     kinds = [src.launches[g.name].kind for g in host_groups]
