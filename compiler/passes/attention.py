@@ -371,7 +371,8 @@ class FuseAttention(GraphPass):
         hides every key ``j >= n``: ``bias`` is (casts of) ``Where(c, x, h)`` with ``c`` = ``j <= p``
         (``n = p + 1``) or ``j < p`` (``n = p``), or ``Where(c, h, x)`` with ``c`` = ``j > p`` or
         ``j >= p`` (either side of the comparison), where ``j`` is a constant holding ``0 .. L-1``
-        along the keys, ``p`` an integer tensor of one element (a decoding step's position) and
+        along the keys, ``p`` an integer tensor of one element (a decoding step's position, or one
+        per sequence, ``[B, 1, 1, 1]`` against 4-D scores) and
         ``h`` ``-inf``; or ``h`` a finite constant that hides a key (at most ``_HIDDEN``, or its
         type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0 for scores
         of a half model's range) with ``x`` a constant above -1e4, so that a row that sees a key
@@ -392,7 +393,10 @@ class FuseAttention(GraphPass):
         (a, b), fn = cmp.inputs, cmp.attrs["fn"]
         if not self._is_key_index(a, l_len):
             a, b, fn = b, a, self._SWAPPED[fn]
-        if not self._is_key_index(a, l_len) or b.size != 1 or dtype_kind(b.dtype) not in ("i", "u"):
+        per_sequence = (b.ndim == 4 and tuple(b.shape) == (batch, 1, 1, 1) and batch > 1
+                        and w.outputs[0].ndim == 4)  # (a position per sequence, on the scores' batch axis)
+        if not self._is_key_index(a, l_len) or not (b.size == 1 or per_sequence) \
+                or dtype_kind(b.dtype) not in ("i", "u"):
             return None
         hidden = w.inputs[2] if fn in ("le", "lt") else w.inputs[1]  # (the side of the keys past p)
         if not (hidden.is_constant and hidden.size == 1 and dtype_kind(hidden.dtype) == "f"):
@@ -409,7 +413,7 @@ class FuseAttention(GraphPass):
             return self._bounds[key]
         n = b if b.ndim == 1 else None
         if n is None:
-            new_ops.append(Reshape([b], name=f"{name}.flat", shape=(1,)))
+            new_ops.append(Reshape([b], name=f"{name}.flat", shape=(b.size,)))
             n = new_ops[-1].outputs[0]
         if n.dtype != "int64":
             new_ops.append(CastOp([n], name=f"{name}.int64", to="int64"))
@@ -418,8 +422,10 @@ class FuseAttention(GraphPass):
             new_ops.append(Binary([n, const_tensor(np.array([1], np.int64), f"{name}.one")], name=f"{name}.next",
                                   fn="add"))
             n = new_ops[-1].outputs[0]
-        new_ops.append(Expand([n], name=name, shape=(batch,)))
-        self._bounds[key] = new_ops[-1].outputs[0]
+        if n.shape != (batch,):
+            new_ops.append(Expand([n], name=name, shape=(batch,)))
+            n = new_ops[-1].outputs[0]
+        self._bounds[key] = n
         return self._bounds[key]
 
     @staticmethod

@@ -392,11 +392,11 @@ def test_a_half_model_softmax_in_float32_is_fused(tmp_path, half, form):
     assert kinds.count(f"attention-{'f16' if half == 'float16' else 'bf16'}") == 1 and "row" not in kinds, kinds
 
 
-def _static_cache_step(cmp: str, swap: bool, hide: float, index=None):
+def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequence: bool = False):
     """A float16 decoding step's attention over a static cache of 40 rows whose mask hides the
     rows past a runtime ``pos``: ``Where(J cmp pos, 0, hide)`` (``J cmp pos`` written ``pos cmp' J``
     with ``swap``; for ``gt``/``ge`` ``Where(c, hide, 0)``), ``J`` the constant ``index``
-    (``arange(40)`` by default)."""
+    (``arange(40)`` by default); ``pos`` ``[1]``, or ``[2, 1, 1, 1]`` (``per_sequence``)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -421,7 +421,7 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None):
              helper.make_node("Reshape", ["yt", "shape"], ["y"]), helper.make_node("Mul", ["y", "c"], ["out"])]
     ins = [helper.make_tensor_value_info(k, f16, sh) for k, sh in (("q", [b, h, 1, d]), ("k", [b, h, n, d]),
                                                                   ("v", [b, h, n, d]))]
-    ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [1]))
+    ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [b, 1, 1, 1] if per_sequence else [1]))
     graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("out", f16, [b, 1, h * d])], consts)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
@@ -434,29 +434,31 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None):
 @pytest.mark.parametrize("cmp,swap,hide,bound", [
     ("le", False, -np.inf, True), ("lt", False, -np.inf, True), ("gt", False, -np.inf, True),
     ("le", True, -np.inf, True), ("ge", True, float(np.finfo(np.float16).min), True),
-    ("le", False, -1.0, False), ("le", False, -np.inf, "reversed")])
+    ("le", False, -1.0, False), ("le", False, -np.inf, "reversed"), ("lt", False, -np.inf, "per-sequence")])
 def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     """A mask hiding the cache rows past a runtime position (``j <= pos``, ``j < pos``, ``j > pos``
-    hidden, either side of the comparison; ``-inf`` or float16's lowest value) gives the fused op a
-    key bound (``nonpad_bound``: the kernel visits no key block past it) and the same values as the
-    separate ops at every position (the first, an inner one, the last, one before the cache: NaN);
+    hidden, either side of the comparison; ``-inf`` or float16's lowest value; one position for
+    the batch or one per sequence) gives the fused op a key bound (``nonpad_bound``: the kernel
+    visits no key block past it) and the same values as the separate ops at every position (the
+    first, an inner one, the last, one before the cache: NaN);
     a mask whose hidden value does not hide (-1) or whose index is not ``0..L-1`` gives none (the
     kernel's side: test_cuda_host.py's static cache tests)."""
     index = np.arange(40, dtype=np.int64)[::-1].copy() if bound == "reversed" else None
-    model, feeds = _static_cache_step(cmp, swap, hide, index)
+    model, feeds = _static_cache_step(cmp, swap, hide, index, per_sequence=bound == "per-sequence")
     g0 = load_onnx(model)
     g = FuseAttention().run(load_onnx(model))
     (att,) = [op for op in g.nodes if op.op_type == "Attention"]
-    assert bool(att.attrs.get("nonpad_bound")) == (bound is True), att.attrs
+    assert bool(att.attrs.get("nonpad_bound")) == (bound in (True, "per-sequence")), att.attrs
     for pos in (0, 17, 39, -1):
         if hide != -np.inf and pos + (cmp in ("le", "gt")) <= 0:
             continue  # (a row that sees no key: float16's sums round -65504 away, the op's float32 ones do not)
-        f = dict(feeds, pos=np.array([pos], np.int64))
+        f = dict(feeds, pos=np.array([pos], np.int64) if bound != "per-sequence" else
+                 np.array([pos, 39 - pos], np.int64).reshape(2, 1, 1, 1))
         want, got = (x.run(f)["out"].astype(np.float32) for x in (g0, g))
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         ok = ~np.isnan(want)
         np.testing.assert_allclose(got[ok], want[ok], rtol=1e-2, atol=1e-2 * float(np.abs(want[ok]).max(initial=1)))
-    if bound is True:
+    if bound in (True, "per-sequence"):
         assert "const int sf_nkb = (sf_np + 63) / 64;" in generate_cuda_source(list(g.nodes), arch="sm_90").text
 
 

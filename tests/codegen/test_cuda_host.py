@@ -477,19 +477,22 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
 
 
 @pytest.mark.parametrize("cmp,hide,pos", [("le", -np.inf, 17), ("le", -np.inf, -1), ("lt", -np.inf, 0),
-                                          ("ge", -65504.0, 9), ("ge", -65504.0, 0), ("ge", -65504.0, -3)])
+                                          ("ge", -65504.0, 9), ("ge", -65504.0, 0), ("ge", -65504.0, -3),
+                                          ("le", -np.inf, (30, -1)), ("gt", -65504.0, (0, 39))])
 def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos):
     """The fused kernel of a static cache's step whose mask bounds the keys (test_attention's
     ``_static_cache_step``; ``nonpad_bound``) against the op's definition: the key blocks past the
-    position not visited; a row that sees no key NaN under ``-inf`` and, under float16's lowest
-    value, weighing the hidden keys as the definition does (the kernel then visits every key)."""
+    position not visited (one position, or one per sequence); a row that sees no key NaN under
+    ``-inf`` and, under float16's lowest value, weighing the hidden keys as the definition does
+    (the kernel then visits every key)."""
     from test_attention import _static_cache_step
 
     from shardflow.compiler import load_onnx
     from shardflow.compiler.passes.attention import FuseAttention
 
-    model, feeds = _static_cache_step(cmp, False, hide)
-    feeds["pos"] = np.array([pos], np.int64)
+    each = isinstance(pos, tuple)  # (a position per sequence)
+    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each)
+    feeds["pos"] = np.array(pos, np.int64).reshape(2, 1, 1, 1) if each else np.array([pos], np.int64)
     g = FuseAttention().run(load_onnx(model))
     assert any(op.attrs.get("nonpad_bound") for op in g.nodes)
     env, consts, groups = _graph_values(g, feeds, views=True)
@@ -498,7 +501,8 @@ def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos):
     assert len(att) == 1
     _check_kernels("static-cache", build(src.text, str(tmp_path)), src, att, env, consts)
     out = env[att[0].outputs[0].name]
-    assert np.isnan(out).all() == (hide == -np.inf and pos + (cmp == "le") <= 0)
+    for b, p in enumerate(pos if each else (pos, pos)):
+        assert np.isnan(out[b]).all() == (hide == -np.inf and p + (cmp in ("le", "gt")) <= 0)
 
 
 def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
