@@ -373,7 +373,8 @@ class FuseAttention(GraphPass):
         ``j >= p`` (either side of the comparison), where ``j`` is a constant holding ``0 .. L-1``
         along the keys, ``p`` an integer tensor of one element (a decoding step's position, or one
         per sequence, ``[B, 1, 1, 1]`` against 4-D scores) and
-        ``h`` ``-inf``; or ``h`` a finite constant that hides a key (at most ``_HIDDEN``, or its
+        ``h`` ``-inf`` (the test may be one of the conditions an ``And`` combines, for ``j <= p``,
+        or an ``Or``, for ``j > p``: a padding mask beside it); or ``h`` a finite constant that hides a key (at most ``_HIDDEN``, or its
         type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0 for scores
         of a half model's range) with ``x`` a constant above -1e4, so that a row that sees a key
         below ``n`` gets nothing from the keys past it; a row that sees none (``n <= 0``) then
@@ -387,22 +388,28 @@ class FuseAttention(GraphPass):
             w = self._prod(w.inputs[0])
         if not _is(w, "Where") or not w.outputs[0].shape or w.outputs[0].shape[-1] != l_len:
             return None
-        cmp = self._prod(w.inputs[0])
-        if not _is(cmp, "Binary") or cmp.attrs.get("fn") not in self._SWAPPED:
-            return None
-        (a, b), fn = cmp.inputs, cmp.attrs["fn"]
-        if not self._is_key_index(a, l_len):
-            a, b, fn = b, a, self._SWAPPED[fn]
-        per_sequence = (b.ndim == 4 and tuple(b.shape) == (batch, 1, 1, 1) and batch > 1
-                        and w.outputs[0].ndim == 4)  # (a position per sequence, on the scores' batch axis)
-        if not self._is_key_index(a, l_len) or not (b.size == 1 or per_sequence) \
-                or dtype_kind(b.dtype) not in ("i", "u"):
+        for leaf, combined in self._condition_leaves(w.inputs[0]):
+            cmp = self._prod(leaf)
+            if not _is(cmp, "Binary") or cmp.attrs.get("fn") not in self._SWAPPED:
+                continue
+            (a, b), fn = cmp.inputs, cmp.attrs["fn"]
+            if not self._is_key_index(a, l_len):
+                a, b, fn = b, a, self._SWAPPED[fn]
+            per_sequence = (b.ndim == 4 and tuple(b.shape) == (batch, 1, 1, 1) and batch > 1
+                            and w.outputs[0].ndim == 4)  # (a position per sequence, on the scores' batch axis)
+            # (j <= p shows a key only with the other conditions of an And; j > p hides it whatever an Or adds)
+            if self._is_key_index(a, l_len) and (b.size == 1 or per_sequence) and dtype_kind(b.dtype) in ("i", "u") \
+                    and combined <= ({"and"} if fn in ("le", "lt") else {"or"}):
+                break
+        else:
             return None
         hidden = w.inputs[2] if fn in ("le", "lt") else w.inputs[1]  # (the side of the keys past p)
         if not (hidden.is_constant and hidden.size == 1 and dtype_kind(hidden.dtype) == "f"):
             return None
         key = (id(b), fn in ("le", "gt"), batch)
         h = float(np.asarray(hidden.value, np.float64).reshape(()))
+        if h != -np.inf and combined:  # (other conditions may hide every key below the bound)
+            return None
         if h != -np.inf:
             shown = w.inputs[1] if fn in ("le", "lt") else w.inputs[2]
             lowest = float(np.finfo(np.dtype(hidden.value.dtype)).min) if hidden.value.dtype.kind == "f" else None
@@ -427,6 +434,16 @@ class FuseAttention(GraphPass):
             n = new_ops[-1].outputs[0]
         self._bounds[key] = n
         return self._bounds[key]
+
+    def _condition_leaves(self, t: Tensor, combined: frozenset = frozenset()):
+        """The conditions an ``And``/``Or`` tree of ``t`` combines, each with the combinators on
+        its way (a mask's position test beside a padding mask)."""
+        p = self._prod(t)
+        if _is(p, "Binary") and p.attrs.get("fn") in ("and", "or"):
+            for u in p.inputs:
+                yield from self._condition_leaves(u, combined | {p.attrs["fn"]})
+        else:
+            yield t, combined
 
     @staticmethod
     def _is_key_index(t: Tensor, l_len: int) -> bool:

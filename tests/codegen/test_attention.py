@@ -392,11 +392,14 @@ def test_a_half_model_softmax_in_float32_is_fused(tmp_path, half, form):
     assert kinds.count(f"attention-{'f16' if half == 'float16' else 'bf16'}") == 1 and "row" not in kinds, kinds
 
 
-def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequence: bool = False):
+def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequence: bool = False,
+                       pad: bool = False):
     """A float16 decoding step's attention over a static cache of 40 rows whose mask hides the
     rows past a runtime ``pos``: ``Where(J cmp pos, 0, hide)`` (``J cmp pos`` written ``pos cmp' J``
     with ``swap``; for ``gt``/``ge`` ``Where(c, hide, 0)``), ``J`` the constant ``index``
-    (``arange(40)`` by default); ``pos`` ``[1]``, or ``[2, 1, 1, 1]`` (``per_sequence``)."""
+    (``arange(40)`` by default); ``pos`` ``[1]``, or ``[2, 1, 1, 1]`` (``per_sequence``); with ``pad``
+    the test combined with a padding mask input ``pad`` ``[2, 1, 1, 40]`` (``And``, or ``Or`` with its
+    negation for ``gt``/``ge``)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -409,11 +412,15 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
               numpy_helper.from_array(np.array([b, 1, h * d], np.int64), "shape")]
     op = {"le": "LessOrEqual", "lt": "Less", "gt": "Greater", "ge": "GreaterOrEqual"}
     swapped = {"le": "ge", "lt": "gt", "gt": "lt", "ge": "le"}
-    compare = helper.make_node(op[swapped[cmp]], ["pos", "J"], ["cond"]) if swap else \
-        helper.make_node(op[cmp], ["J", "pos"], ["cond"])
+    compare = helper.make_node(op[swapped[cmp]], ["pos", "J"], ["test"]) if swap else \
+        helper.make_node(op[cmp], ["J", "pos"], ["test"])
+    combine = [helper.make_node("Identity", ["test"], ["cond"])]
+    if pad:
+        combine = [helper.make_node("And", ["test", "pad"], ["cond"])] if cmp in ("le", "lt") else \
+            [helper.make_node("Not", ["pad"], ["nopad"]), helper.make_node("Or", ["test", "nopad"], ["cond"])]
     where = helper.make_node("Where", ["cond", "zero", "hide"] if cmp in ("le", "lt") else ["cond", "hide", "zero"],
                              ["bias"])
-    nodes = [compare, where, helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+    nodes = [compare, *combine, where, helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s0"]), helper.make_node("Mul", ["s0", "c"], ["s1"]),
              helper.make_node("Add", ["s1", "bias"], ["s2"]), helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
              helper.make_node("MatMul", ["p", "v"], ["y4"]),
@@ -422,43 +429,56 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
     ins = [helper.make_tensor_value_info(k, f16, sh) for k, sh in (("q", [b, h, 1, d]), ("k", [b, h, n, d]),
                                                                   ("v", [b, h, n, d]))]
     ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [b, 1, 1, 1] if per_sequence else [1]))
+    if pad:
+        ins.append(helper.make_tensor_value_info("pad", TensorProto.BOOL, [b, 1, 1, n]))
     graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("out", f16, [b, 1, h * d])], consts)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
     rng = np.random.default_rng(1)
     feeds = {k: rng.standard_normal(sh).astype(np.float16) for k, sh in (("q", (b, h, 1, d)), ("k", (b, h, n, d)),
                                                                           ("v", (b, h, n, d)))}
+    if pad:  # (the second sequence's first 20 rows padding)
+        feeds["pad"] = np.ones((b, 1, 1, n), bool)
+        feeds["pad"][1, ..., :20] = False
     return model, feeds
 
 
 @pytest.mark.parametrize("cmp,swap,hide,bound", [
     ("le", False, -np.inf, True), ("lt", False, -np.inf, True), ("gt", False, -np.inf, True),
     ("le", True, -np.inf, True), ("ge", True, float(np.finfo(np.float16).min), True),
-    ("le", False, -1.0, False), ("le", False, -np.inf, "reversed"), ("lt", False, -np.inf, "per-sequence")])
+    ("le", False, -1.0, False), ("le", False, -np.inf, "reversed"), ("lt", False, -np.inf, "per-sequence"),
+    ("le", False, -np.inf, "padded"), ("gt", True, -np.inf, "padded"),
+    ("le", False, float(np.finfo(np.float16).min), "padded")])
 def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     """A mask hiding the cache rows past a runtime position (``j <= pos``, ``j < pos``, ``j > pos``
     hidden, either side of the comparison; ``-inf`` or float16's lowest value; one position for
-    the batch or one per sequence) gives the fused op a key bound (``nonpad_bound``: the kernel
+    the batch or one per sequence; beside a padding mask, under ``-inf``) gives the fused op a
+    key bound (``nonpad_bound``: the kernel
     visits no key block past it) and the same values as the separate ops at every position (the
     first, an inner one, the last, one before the cache: NaN);
-    a mask whose hidden value does not hide (-1) or whose index is not ``0..L-1`` gives none (the
-    kernel's side: test_cuda_host.py's static cache tests)."""
+    a mask whose hidden value does not hide (-1), whose index is not ``0..L-1``, or beside a padding
+    mask under a finite lowest value (the padding may hide every key below the bound) gives none
+    (the kernel's side: test_cuda_host.py's static cache tests)."""
     index = np.arange(40, dtype=np.int64)[::-1].copy() if bound == "reversed" else None
-    model, feeds = _static_cache_step(cmp, swap, hide, index, per_sequence=bound == "per-sequence")
+    model, feeds = _static_cache_step(cmp, swap, hide, index, per_sequence=bound == "per-sequence",
+                                      pad=bound == "padded")
     g0 = load_onnx(model)
     g = FuseAttention().run(load_onnx(model))
     (att,) = [op for op in g.nodes if op.op_type == "Attention"]
-    assert bool(att.attrs.get("nonpad_bound")) == (bound in (True, "per-sequence")), att.attrs
+    bounded = bound in (True, "per-sequence") or (bound == "padded" and hide == -np.inf)
+    assert bool(att.attrs.get("nonpad_bound")) == bounded, att.attrs
     for pos in (0, 17, 39, -1):
         if hide != -np.inf and pos + (cmp in ("le", "gt")) <= 0:
             continue  # (a row that sees no key: float16's sums round -65504 away, the op's float32 ones do not)
         f = dict(feeds, pos=np.array([pos], np.int64) if bound != "per-sequence" else
                  np.array([pos, 39 - pos], np.int64).reshape(2, 1, 1, 1))
         want, got = (x.run(f)["out"].astype(np.float32) for x in (g0, g))
+        if hide != -np.inf and bound == "padded" and pos < 20:  # (the padded sequence sees no key: as above)
+            want, got = want[:1], got[:1]
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         ok = ~np.isnan(want)
         np.testing.assert_allclose(got[ok], want[ok], rtol=1e-2, atol=1e-2 * float(np.abs(want[ok]).max(initial=1)))
-    if bound in (True, "per-sequence"):
+    if bounded:
         assert "const int sf_nkb = (sf_np + 63) / 64;" in generate_cuda_source(list(g.nodes), arch="sm_90").text
 
 

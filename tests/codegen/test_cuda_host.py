@@ -476,22 +476,24 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
         assert np.isnan(env["logits"]).all()
 
 
-@pytest.mark.parametrize("cmp,hide,pos", [("le", -np.inf, 17), ("le", -np.inf, -1), ("lt", -np.inf, 0),
-                                          ("ge", -65504.0, 9), ("ge", -65504.0, 0), ("ge", -65504.0, -3),
-                                          ("le", -np.inf, (30, -1)), ("gt", -65504.0, (0, 39))])
-def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos):
+@pytest.mark.parametrize("cmp,hide,pos,pad", [("le", -np.inf, 17, False), ("le", -np.inf, -1, False),
+                                              ("lt", -np.inf, 0, False), ("ge", -65504.0, 9, False),
+                                              ("ge", -65504.0, 0, False), ("ge", -65504.0, -3, False),
+                                              ("le", -np.inf, (30, -1), False), ("gt", -65504.0, (0, 39), False),
+                                              ("le", -np.inf, (25, 12), True), ("gt", -np.inf, 30, True)])
+def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad):
     """The fused kernel of a static cache's step whose mask bounds the keys (test_attention's
     ``_static_cache_step``; ``nonpad_bound``) against the op's definition: the key blocks past the
-    position not visited (one position, or one per sequence); a row that sees no key NaN under
-    ``-inf`` and, under float16's lowest value, weighing the hidden keys as the definition does
-    (the kernel then visits every key)."""
+    position not visited (one position, or one per sequence; beside a padding mask); a row that
+    sees no key NaN under ``-inf`` and, under float16's lowest value, weighing the hidden keys as
+    the definition does (the kernel then visits every key)."""
     from test_attention import _static_cache_step
 
     from shardflow.compiler import load_onnx
     from shardflow.compiler.passes.attention import FuseAttention
 
     each = isinstance(pos, tuple)  # (a position per sequence)
-    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each)
+    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each, pad=pad)
     feeds["pos"] = np.array(pos, np.int64).reshape(2, 1, 1, 1) if each else np.array([pos], np.int64)
     g = FuseAttention().run(load_onnx(model))
     assert any(op.attrs.get("nonpad_bound") for op in g.nodes)
@@ -501,8 +503,9 @@ def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos):
     assert len(att) == 1
     _check_kernels("static-cache", build(src.text, str(tmp_path)), src, att, env, consts)
     out = env[att[0].outputs[0].name]
-    for b, p in enumerate(pos if each else (pos, pos)):
-        assert np.isnan(out[b]).all() == (hide == -np.inf and p + (cmp in ("le", "gt")) <= 0)
+    for b, p in enumerate(pos if each else (pos, pos)):  # (padding: the second sequence's first 20 rows)
+        seen = p + (cmp in ("le", "gt")) - (20 if pad and b == 1 else 0)
+        assert np.isnan(out[b]).all() == (hide == -np.inf and seen <= 0)
 
 
 def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
