@@ -372,14 +372,14 @@ class FuseAttention(GraphPass):
         (``n = p + 1``) or ``j < p`` (``n = p``), or ``Where(c, h, x)`` with ``c`` = ``j > p`` or
         ``j >= p`` (either side of the comparison), where ``j`` is a constant holding ``0 .. L-1``
         along the keys, ``p`` an integer tensor of one element (a decoding step's position, or one
-        per sequence, ``[B, 1, 1, 1]`` against 4-D scores) and
-        ``h`` ``-inf`` (the test may be one of the conditions an ``And`` combines, for ``j <= p``,
-        or an ``Or``, for ``j > p``: a padding mask beside it); or ``h`` a finite constant that hides a key (at most ``_HIDDEN``, or its
-        type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0 for scores
-        of a half model's range) with ``x`` a constant above -1e4, so that a row that sees a key
-        below ``n`` gets nothing from the keys past it; a row that sees none (``n <= 0``) then
-        weighs the hidden keys as the separate ops do, and the kernel visits every key for it.
-        None otherwise."""
+        per sequence, ``[B, 1, 1, 1]`` against 4-D scores) and ``h`` ``-inf`` (the test may be one
+        of the conditions an ``And`` combines, for ``j <= p``, or an ``Or``, for ``j > p``: a
+        padding mask beside it); or ``h`` a finite constant that hides a key (at most ``_HIDDEN``,
+        or its type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0
+        for scores of a half model's range) with ``x`` a constant above -1e4 and the test alone, so
+        that a row that sees a key below ``n`` gets nothing from the keys past it; a row that sees
+        none (``n <= 0``) then weighs the hidden keys as the separate ops do, and the kernel visits
+        every key for it. None otherwise."""
         from ..ops.elementwise import Binary, CastOp
         from ..ops.transform import Expand, Reshape
 
