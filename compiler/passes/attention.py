@@ -315,8 +315,8 @@ class FuseAttention(GraphPass):
         # position bounds the keys the kernel visits (nonpad_bound: no part in the values)
         bound = None
         if not self.float32 or self.target == "cuda":
-            bound = next((b for b in (self._key_bound(x, l_len, b_, f"{mm2.name}.keys", new_ops) for x in given)
-                          if b is not None), None)
+            bound = next((b for b in (self._key_bound(x, l_len, b_, s_len, f"{mm2.name}.keys", new_ops)
+                                      for x in given) if b is not None), None)
         ins = [q_in, k_in, v_in] + ([bound] if bound is not None else []) + biases
         # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
         # every key is -inf, the Softmax of the matched ops gives NaN)
@@ -366,13 +366,15 @@ class FuseAttention(GraphPass):
     #: a comparison ``J fn p`` read as ``p fn' J`` (its operands swapped)
     _SWAPPED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
 
-    def _key_bound(self, bias: Tensor, l_len: int, batch: int, name: str, new_ops: list) -> Tensor | None:
+    def _key_bound(self, bias: Tensor, l_len: int, batch: int, s_len: int, name: str,
+                   new_ops: list) -> Tensor | None:
         """An ``int64 [batch]`` tensor ``n`` (made by new ops appended to ``new_ops``) when ``bias``
         hides every key ``j >= n``: ``bias`` is (casts of) ``Where(c, x, h)`` with ``c`` = ``j <= p``
         (``n = p + 1``) or ``j < p`` (``n = p``), or ``Where(c, h, x)`` with ``c`` = ``j > p`` or
         ``j >= p`` (either side of the comparison), where ``j`` is a constant holding ``0 .. L-1``
         along the keys, ``p`` an integer tensor of one element (a decoding step's position, or one
-        per sequence, ``[B, 1, 1, 1]`` against 4-D scores) and ``h`` ``-inf`` (the test may be one
+        per sequence, ``[B, 1, 1, 1]`` against 4-D scores, or one per query row, ``[.., S, 1]``: a
+        prompt's rows over a static cache, bounded by their largest) and ``h`` ``-inf`` (the test may be one
         of the conditions an ``And`` combines, for ``j <= p``, or an ``Or``, for ``j > p``: a
         padding mask beside it); or ``h`` a finite constant that hides a key (at most ``_HIDDEN``,
         or its type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0
@@ -397,9 +399,10 @@ class FuseAttention(GraphPass):
                 a, b, fn = b, a, self._SWAPPED[fn]
             per_sequence = (b.ndim == 4 and tuple(b.shape) == (batch, 1, 1, 1) and batch > 1
                             and w.outputs[0].ndim == 4)  # (a position per sequence, on the scores' batch axis)
+            per_row = (s_len > 1 and b.size == s_len and b.ndim >= 2 and b.shape[-2:] == (s_len, 1))  # (a query's)
             # (j <= p shows a key only with the other conditions of an And; j > p hides it whatever an Or adds)
-            if self._is_key_index(a, l_len) and (b.size == 1 or per_sequence) and dtype_kind(b.dtype) in ("i", "u") \
-                    and combined <= ({"and"} if fn in ("le", "lt") else {"or"}):
+            if self._is_key_index(a, l_len) and (b.size == 1 or per_sequence or per_row) \
+                    and dtype_kind(b.dtype) in ("i", "u") and combined <= ({"and"} if fn in ("le", "lt") else {"or"}):
                 break
         else:
             return None
@@ -408,8 +411,8 @@ class FuseAttention(GraphPass):
             return None
         key = (id(b), fn in ("le", "gt"), batch)
         h = float(np.asarray(hidden.value, np.float64).reshape(()))
-        if h != -np.inf and combined:  # (other conditions may hide every key below the bound)
-            return None
+        if h != -np.inf and (combined or per_row):  # (other conditions, or a row's own position, may hide
+            return None  # every key below the bound)
         if h != -np.inf:
             shown = w.inputs[1] if fn in ("le", "lt") else w.inputs[2]
             lowest = float(np.finfo(np.dtype(hidden.value.dtype)).min) if hidden.value.dtype.kind == "f" else None
@@ -418,6 +421,11 @@ class FuseAttention(GraphPass):
                 return None
         if key in self._bounds:  # (the layers' masks share one: its ops made at the first layer, before the others)
             return self._bounds[key]
+        if per_row:  # (the rows' largest position bounds them all)
+            from ..ops.reduce import Reduce
+
+            new_ops.append(Reduce([b], name=f"{name}.last", kind="max", axes=tuple(range(b.ndim)), keepdims=True))
+            b = new_ops[-1].outputs[0]
         n = b if b.ndim == 1 else None
         if n is None:
             new_ops.append(Reshape([b], name=f"{name}.flat", shape=(b.size,)))

@@ -393,11 +393,12 @@ def test_a_half_model_softmax_in_float32_is_fused(tmp_path, half, form):
 
 
 def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequence: bool = False,
-                       pad: bool = False):
+                       pad: bool = False, rows: int = 1):
     """A float16 decoding step's attention over a static cache of 40 rows whose mask hides the
     rows past a runtime ``pos``: ``Where(J cmp pos, 0, hide)`` (``J cmp pos`` written ``pos cmp' J``
     with ``swap``; for ``gt``/``ge`` ``Where(c, hide, 0)``), ``J`` the constant ``index``
-    (``arange(40)`` by default); ``pos`` ``[1]``, or ``[2, 1, 1, 1]`` (``per_sequence``); with ``pad``
+    (``arange(40)`` by default); ``pos`` ``[1]``, ``[2, 1, 1, 1]`` (``per_sequence``), or with ``rows``
+    queries (a prompt over the cache) one per row, ``[rows, 1]``; with ``pad``
     the test combined with a padding mask input ``pad`` ``[2, 1, 1, 40]`` (``And``, or ``Or`` with its
     negation for ``gt``/``ge``)."""
     import onnx
@@ -409,7 +410,7 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
               numpy_helper.from_array(np.array(0.0, np.float16), "zero"),
               numpy_helper.from_array(np.array(hide, np.float16), "hide"),
               numpy_helper.from_array(np.array(d ** -0.5, np.float16), "c"),
-              numpy_helper.from_array(np.array([b, 1, h * d], np.int64), "shape")]
+              numpy_helper.from_array(np.array([b, rows, h * d], np.int64), "shape")]
     op = {"le": "LessOrEqual", "lt": "Less", "gt": "Greater", "ge": "GreaterOrEqual"}
     swapped = {"le": "ge", "lt": "gt", "gt": "lt", "ge": "le"}
     compare = helper.make_node(op[swapped[cmp]], ["pos", "J"], ["test"]) if swap else \
@@ -426,16 +427,17 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
              helper.make_node("MatMul", ["p", "v"], ["y4"]),
              helper.make_node("Transpose", ["y4"], ["yt"], perm=[0, 2, 1, 3]),
              helper.make_node("Reshape", ["yt", "shape"], ["y"]), helper.make_node("Mul", ["y", "c"], ["out"])]
-    ins = [helper.make_tensor_value_info(k, f16, sh) for k, sh in (("q", [b, h, 1, d]), ("k", [b, h, n, d]),
+    ins = [helper.make_tensor_value_info(k, f16, sh) for k, sh in (("q", [b, h, rows, d]), ("k", [b, h, n, d]),
                                                                   ("v", [b, h, n, d]))]
-    ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [b, 1, 1, 1] if per_sequence else [1]))
+    ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [b, 1, 1, 1] if per_sequence else
+                                             [rows, 1] if rows > 1 else [1]))
     if pad:
         ins.append(helper.make_tensor_value_info("pad", TensorProto.BOOL, [b, 1, 1, n]))
-    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("out", f16, [b, 1, h * d])], consts)
+    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("out", f16, [b, rows, h * d])], consts)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
     rng = np.random.default_rng(1)
-    feeds = {k: rng.standard_normal(sh).astype(np.float16) for k, sh in (("q", (b, h, 1, d)), ("k", (b, h, n, d)),
+    feeds = {k: rng.standard_normal(sh).astype(np.float16) for k, sh in (("q", (b, h, rows, d)), ("k", (b, h, n, d)),
                                                                           ("v", (b, h, n, d)))}
     if pad:  # (the second sequence's first 20 rows padding)
         feeds["pad"] = np.ones((b, 1, 1, n), bool)
@@ -448,11 +450,13 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
     ("le", True, -np.inf, True), ("ge", True, float(np.finfo(np.float16).min), True),
     ("le", False, -1.0, False), ("le", False, -np.inf, "reversed"), ("lt", False, -np.inf, "per-sequence"),
     ("le", False, -np.inf, "padded"), ("gt", True, -np.inf, "padded"),
-    ("le", False, float(np.finfo(np.float16).min), "padded")])
+    ("le", False, float(np.finfo(np.float16).min), "padded"), ("le", False, -np.inf, "rows"),
+    ("le", False, float(np.finfo(np.float16).min), "rows")])
 def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     """A mask hiding the cache rows past a runtime position (``j <= pos``, ``j < pos``, ``j > pos``
     hidden, either side of the comparison; ``-inf`` or float16's lowest value; one position for
-    the batch or one per sequence; beside a padding mask, under ``-inf``) gives the fused op a
+    the batch, one per sequence, or one per query row of a prompt; beside a padding mask, or per
+    row, under ``-inf``) gives the fused op a
     key bound (``nonpad_bound``: the kernel
     visits no key block past it) and the same values as the separate ops at every position (the
     first, an inner one, the last, one before the cache: NaN);
@@ -461,17 +465,20 @@ def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     (the kernel's side: test_cuda_host.py's static cache tests)."""
     index = np.arange(40, dtype=np.int64)[::-1].copy() if bound == "reversed" else None
     model, feeds = _static_cache_step(cmp, swap, hide, index, per_sequence=bound == "per-sequence",
-                                      pad=bound == "padded")
+                                      pad=bound == "padded", rows=3 if bound == "rows" else 1)
     g0 = load_onnx(model)
     g = FuseAttention().run(load_onnx(model))
     (att,) = [op for op in g.nodes if op.op_type == "Attention"]
-    bounded = bound in (True, "per-sequence") or (bound == "padded" and hide == -np.inf)
+    bounded = bound in (True, "per-sequence") or (bound in ("padded", "rows") and hide == -np.inf)
     assert bool(att.attrs.get("nonpad_bound")) == bounded, att.attrs
     for pos in (0, 17, 39, -1):
         if hide != -np.inf and pos + (cmp in ("le", "gt")) <= 0:
             continue  # (a row that sees no key: float16's sums round -65504 away, the op's float32 ones do not)
-        f = dict(feeds, pos=np.array([pos], np.int64) if bound != "per-sequence" else
-                 np.array([pos, 39 - pos], np.int64).reshape(2, 1, 1, 1))
+        f = dict(feeds, pos=np.array([pos], np.int64) if bound not in ("per-sequence", "rows") else
+                 np.array([pos, 39 - pos], np.int64).reshape(2, 1, 1, 1) if bound == "per-sequence" else
+                 np.array([pos - 2, pos - 1, pos], np.int64).reshape(3, 1))
+        if hide != -np.inf and bound == "rows" and pos < 2:
+            continue  # (a row that sees no key: as above)
         want, got = (x.run(f)["out"].astype(np.float32) for x in (g0, g))
         if hide != -np.inf and bound == "padded" and pos < 20:  # (the padded sequence sees no key: as above)
             want, got = want[:1], got[:1]

@@ -476,15 +476,16 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
         assert np.isnan(env["logits"]).all()
 
 
-@pytest.mark.parametrize("cmp,hide,pos,pad", [("le", -np.inf, 17, False), ("le", -np.inf, -1, False),
-                                              ("lt", -np.inf, 0, False), ("ge", -65504.0, 9, False),
-                                              ("ge", -65504.0, 0, False), ("ge", -65504.0, -3, False),
-                                              ("le", -np.inf, (30, -1), False), ("gt", -65504.0, (0, 39), False),
-                                              ("le", -np.inf, (25, 12), True), ("gt", -np.inf, 30, True)])
-def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad):
+@pytest.mark.parametrize("cmp,hide,pos,pad,rows", [
+    ("le", -np.inf, 17, False, 1), ("le", -np.inf, -1, False, 1), ("lt", -np.inf, 0, False, 1),
+    ("ge", -65504.0, 9, False, 1), ("ge", -65504.0, 0, False, 1), ("ge", -65504.0, -3, False, 1),
+    ("le", -np.inf, (30, -1), False, 1), ("gt", -65504.0, (0, 39), False, 1), ("le", -np.inf, (25, 12), True, 1),
+    ("gt", -np.inf, 30, True, 1), ("le", -np.inf, 20, False, 3), ("le", -np.inf, 1, False, 3)])
+def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad, rows):
     """The fused kernel of a static cache's step whose mask bounds the keys (test_attention's
     ``_static_cache_step``; ``nonpad_bound``) against the op's definition: the key blocks past the
-    position not visited (one position, or one per sequence; beside a padding mask); a row that
+    position not visited (one position, one per sequence, one per query row: their largest;
+    beside a padding mask); a row that
     sees no key NaN under ``-inf`` and, under float16's lowest value, weighing the hidden keys as
     the definition does (the kernel then visits every key)."""
     from test_attention import _static_cache_step
@@ -493,8 +494,9 @@ def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad
     from shardflow.compiler.passes.attention import FuseAttention
 
     each = isinstance(pos, tuple)  # (a position per sequence)
-    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each, pad=pad)
-    feeds["pos"] = np.array(pos, np.int64).reshape(2, 1, 1, 1) if each else np.array([pos], np.int64)
+    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each, pad=pad, rows=rows)
+    feeds["pos"] = np.array(pos, np.int64).reshape(2, 1, 1, 1) if each else np.array([pos], np.int64) \
+        if rows == 1 else np.arange(pos - rows + 1, pos + 1, dtype=np.int64).reshape(rows, 1)
     g = FuseAttention().run(load_onnx(model))
     assert any(op.attrs.get("nonpad_bound") for op in g.nodes)
     env, consts, groups = _graph_values(g, feeds, views=True)
@@ -504,8 +506,9 @@ def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad
     _check_kernels("static-cache", build(src.text, str(tmp_path)), src, att, env, consts)
     out = env[att[0].outputs[0].name]
     for b, p in enumerate(pos if each else (pos, pos)):  # (padding: the second sequence's first 20 rows)
-        seen = p + (cmp in ("le", "gt")) - (20 if pad and b == 1 else 0)
-        assert np.isnan(out[b]).all() == (hide == -np.inf and seen <= 0)
+        for r in range(rows):  # (a prompt's row r at position p - rows + 1 + r)
+            seen = p - (rows - 1 - r) + (cmp in ("le", "gt")) - (20 if pad and b == 1 else 0)
+            assert np.isnan(out[b, r]).all() == (hide == -np.inf and seen <= 0)
 
 
 def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
