@@ -32,7 +32,8 @@ Timing (as ``models.py``)
     Host wall-clock of one step followed by a device synchronization, after warm-up steps; median
     over ``--repeat`` steps, every step at position ``--pos`` (default ``max_len // 2``: half the
     cache seen). torch's SDPA reads every row of the cache under the mask; ours reads the rows up
-    to ``pos``, so the position moves our attention's share of a step, not torch's.
+    to ``pos``, so the position moves our attention's share of a step, not torch's: ours is also
+    timed at ``--positions`` (``ours_ms_by_pos``; default an eighth of the cache and all of it).
 
 Accuracy (reported, not asserted)
     Before timing, ``--check-steps`` steps from an empty cache (positions 0, 1, ...; greedy tokens
@@ -159,6 +160,9 @@ def bench(args, work: str, budget: Budget, log=print) -> dict:
     refs = {b: _reference_steps(model, b, args.check_steps, dev) for b in args.batches}
     half = model.to({"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.model_dtype, torch.float32))
     pos = args.pos if args.pos is not None else args.max_len // 2
+    positions = [int(p) for p in args.positions.split(",") if p] if args.positions is not None else \
+        [args.max_len // 8, args.max_len - 1]
+    section["positions"] = positions
     rng = np.random.default_rng(1)
     ids_np = {b: rng.integers(0, model.c["vocab"], (b, 1)).astype("int64") for b in args.batches}
     pos_np = np.array([pos], np.int64)
@@ -181,6 +185,11 @@ def bench(args, work: str, budget: Budget, log=print) -> dict:
             rec.update(ours_ms=t["ms"], ours_min_ms=t["min_ms"])
             log(f"batch {b}: ours {t['ms']:.3f} ms per step (rel diff over {len(diffs)} steps "
                 f"{fmt(rec['rel_diff'], '.1e')})")
+            by_pos = rec.setdefault("ours_ms_by_pos", {})
+            for p in positions:  # (our attention reads the rows <= p)
+                at = dict(feeds, pos=dev.ours_input(np.array([p], np.int64)))
+                by_pos[str(p)] = time_calls(lambda: prog.run(at), dev.sync, args.repeat, args.warmup)["ms"]
+            log(f"batch {b}: ours by position " + ", ".join(f"{p}: {ms:.3f} ms" for p, ms in by_pos.items()))
             prog.close()
         except Exception as exc:  # noqa: BLE001
             rec["ours_error"] = err_text(exc)
@@ -264,6 +273,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--max-len", type=int, default=4096, help="cache positions per layer")
     ap.add_argument("--pos", type=int, default=None, help="the timed steps' position (default max_len // 2)")
+    ap.add_argument("--positions", default=None,
+                    help="more positions to time ours at, comma-separated (default max_len // 8 and max_len - 1)")
     ap.add_argument("--model-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
     ap.add_argument("--precision", default="float32", help="optimization_config['precision']")
     ap.add_argument("--pdl", action="store_true", help="optimization_config['pdl'] (rfcs/0005 decision 29)")
