@@ -156,6 +156,35 @@ def err_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
+def failed(rec: dict, key: str, exc: BaseException, what: str, log, verbose: bool) -> None:
+    """Record a step's failure in ``rec[key]``, log it (``what failed: ...``) and, ``verbose``,
+    print its traceback; the benchmark goes on."""
+    import traceback
+
+    rec[key] = err_text(exc)
+    log(f"{what} failed: {rec[key]}")
+    if verbose:
+        traceback.print_exc()
+
+
+def torch_ratios(rec: dict) -> None:
+    """A batch record's ratios: torch.compile's figure is its fastest mode's (``torch_compile_ms``,
+    ``torch_compile_mode``); ``vs_torch_compile``, ``vs_torch_eager`` (ours ÷ theirs) and, with the
+    outputs left in place (``ours_view_ms``), ``vs_torch_compile_static`` against reduce-overhead."""
+    ok = {m: v["ms"] for m, v in rec.get("torch_compile", {}).items() if "ms" in v}
+    if ok:
+        mode = min(ok, key=ok.get)
+        rec["torch_compile_ms"], rec["torch_compile_mode"] = ok[mode], mode
+    if rec.get("ours_ms") is not None:
+        if rec.get("torch_compile_ms"):
+            rec["vs_torch_compile"] = rec["ours_ms"] / rec["torch_compile_ms"]
+        if rec.get("torch_eager_ms"):
+            rec["vs_torch_eager"] = rec["ours_ms"] / rec["torch_eager_ms"]
+    ro = rec.get("torch_compile", {}).get("reduce-overhead", {}).get("ms")
+    if rec.get("ours_view_ms") is not None and ro:
+        rec["vs_torch_compile_static"] = rec["ours_view_ms"] / ro
+
+
 class TorchDevice:
     """What differs between a benchmark's real run (cuda) and its CPU self-test (torch's side)."""
 

@@ -47,17 +47,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
 import time
-import traceback
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, fmt, table, time_calls,  # noqa: E402
-                    torch_diff)
+from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, failed, fmt, table,  # noqa: E402
+                    time_calls, torch_diff, torch_ratios)
 
 BATCHES = (1, 8)
 COMPILE_MODES = ("default", "reduce-overhead")
@@ -83,8 +83,6 @@ def compile_ours(onnx_path: str, info: dict, model, batch: int, out_dir: str, ar
                      out_dir=out_dir, input_shapes=shapes, state=info["state"])
     rec = {"compile_s": time.perf_counter() - t0, "kernels": res.ranks[0]["kernels"] if res.ranks else None}
     try:
-        import json
-
         with open(os.path.join(out_dir, "rank0", "program.json")) as f:
             prog = json.load(f)
         kinds: dict[str, int] = {}
@@ -147,10 +145,7 @@ def bench(args, work: str, budget: Budget, log=print) -> dict:
             log(f"batch {b}: compiled in {rec['compile_s']:.1f} s, kernels {rec['kernel_kinds']}, "
                 f"{rec.get('state_in_place')} of {2 * model.c['layers']} caches in place")
         except Exception as exc:  # noqa: BLE001
-            rec["compile_error"] = err_text(exc)
-            log(f"batch {b}: compile failed: {rec['compile_error']}")
-            if args.verbose:
-                traceback.print_exc()
+            failed(rec, "compile_error", exc, f"batch {b}: compile", log, args.verbose)
     if args.dry_run:
         return section
 
@@ -192,10 +187,7 @@ def bench(args, work: str, budget: Budget, log=print) -> dict:
             log(f"batch {b}: ours by position " + ", ".join(f"{p}: {ms:.3f} ms" for p, ms in by_pos.items()))
             prog.close()
         except Exception as exc:  # noqa: BLE001
-            rec["ours_error"] = err_text(exc)
-            log(f"batch {b}: ours failed: {rec['ours_error']}")
-            if args.verbose:
-                traceback.print_exc()
+            failed(rec, "ours_error", exc, f"batch {b}: ours", log, args.verbose)
         gc.collect()
 
     ids_t = {b: torch.from_numpy(ids_np[b]).to(dev.tdev) for b in args.batches}
@@ -209,8 +201,7 @@ def bench(args, work: str, budget: Budget, log=print) -> dict:
             rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
             log(f"batch {b}: torch eager {t['ms']:.3f} ms per step")
         except Exception as exc:  # noqa: BLE001
-            rec["torch_eager_error"] = err_text(exc)
-            log(f"batch {b}: torch eager failed: {rec['torch_eager_error']}")
+            failed(rec, "torch_eager_error", exc, f"batch {b}: torch eager", log, args.verbose)
     for mode in args.compile_modes:  # torch.compile
         for b in args.batches:
             rec = section["batches"][str(b)]
@@ -237,21 +228,11 @@ def bench(args, work: str, budget: Budget, log=print) -> dict:
                 tc[mode] = {"ms": t["ms"], "min_ms": t["min_ms"], "compile_s": compile_s}
                 log(f"batch {b}: torch.compile({mode}) {t['ms']:.3f} ms per step (compiled in {compile_s:.0f} s)")
             except Exception as exc:  # noqa: BLE001
-                tc[mode] = {"error": err_text(exc)}
-                log(f"batch {b}: torch.compile({mode}) failed: {tc[mode]['error']}")
-                if args.verbose:
-                    traceback.print_exc()
+                failed(tc.setdefault(mode, {}), "error", exc, f"batch {b}: torch.compile({mode})", log, args.verbose)
             step = None
             gc.collect()
     for rec in section["batches"].values():
-        ok = {m: v["ms"] for m, v in rec.get("torch_compile", {}).items() if "ms" in v}
-        if ok:
-            rec["torch_compile_mode"] = min(ok, key=ok.get)
-            rec["torch_compile_ms"] = ok[rec["torch_compile_mode"]]
-        if rec.get("ours_ms") is not None:
-            for key, theirs in (("vs_torch_compile", "torch_compile_ms"), ("vs_torch_eager", "torch_eager_ms")):
-                if rec.get(theirs):
-                    rec[key] = rec["ours_ms"] / rec[theirs]
+        torch_ratios(rec)
     return section
 
 

@@ -71,13 +71,12 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, fmt, table,  # noqa: E402
-                    time_calls, torch_diff)
+from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, failed, fmt, table,  # noqa: E402
+                    time_calls, torch_diff, torch_ratios)
 
 MODELS = ("gpt2_small", "llama")
 BATCHES = (1, 8)
@@ -194,10 +193,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             log(f"{name} {key}: compiled in {rec['compile_s']:.1f} s ({rec['kernels']} kernels, GEMM kinds "
                 f"{rec['gemm_kinds']})")
         except Exception as exc:  # noqa: BLE001 - report and go on
-            rec["compile_error"] = err_text(exc)
-            log(f"{name} {key}: compile failed: {rec['compile_error']}")
-            if args.verbose:
-                traceback.print_exc()
+            failed(rec, "compile_error", exc, f"{name} {key}: compile", log, args.verbose)
     save()
     if args.dry_run:
         return res
@@ -251,10 +247,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             log(f"{name} {b}x128: ours {t['ms']:.3f} ms with the outputs left in the program's buffers")
             prog.close()
         except Exception as exc:  # noqa: BLE001
-            rec["ours_error"] = err_text(exc)
-            log(f"{name} {b}x128: ours failed: {rec['ours_error']}")
-            if args.verbose:
-                traceback.print_exc()
+            failed(rec, "ours_error", exc, f"{name} {b}x128: ours", log, args.verbose)
         gc.collect()
         save()
 
@@ -270,8 +263,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
             log(f"{name} {b}x128: torch eager {t['ms']:.3f} ms")
         except Exception as exc:  # noqa: BLE001
-            rec["torch_eager_error"] = err_text(exc)
-            log(f"{name} {b}x128: torch eager failed: {rec['torch_eager_error']}")
+            failed(rec, "torch_eager_error", exc, f"{name} {b}x128: torch eager", log, args.verbose)
     save()
 
     # torch.compile
@@ -304,37 +296,20 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
                             "max_abs_diff": d["max_abs_diff"], "rel_diff": d["rel_diff"]}
                 log(f"{name} {b}x128: torch.compile({mode}) {t['ms']:.3f} ms (compiled in {compile_s:.0f} s)")
             except Exception as exc:  # noqa: BLE001
-                tc[mode] = {"error": err_text(exc)}
-                log(f"{name} {b}x128: torch.compile({mode}) failed: {tc[mode]['error']}")
-                if args.verbose:
-                    traceback.print_exc()
+                failed(tc.setdefault(mode, {}), "error", exc, f"{name} {b}x128: torch.compile({mode})", log,
+                       args.verbose)
             save()
         cm = None
         torch._dynamo.reset()
         gc.collect()
 
     for rec in res["batches"].values():
-        _ratios(rec)
+        torch_ratios(rec)
     model = refs = None
     gc.collect()
     if args.target == "cuda":
         torch.cuda.empty_cache()
     return res
-
-
-def _ratios(rec: dict) -> None:
-    ok = {m: v["ms"] for m, v in rec.get("torch_compile", {}).items() if "ms" in v}
-    if ok:
-        mode = min(ok, key=ok.get)
-        rec["torch_compile_ms"], rec["torch_compile_mode"] = ok[mode], mode
-    if rec.get("ours_ms") is not None:
-        if rec.get("torch_compile_ms"):
-            rec["vs_torch_compile"] = rec["ours_ms"] / rec["torch_compile_ms"]
-        if rec.get("torch_eager_ms"):
-            rec["vs_torch_eager"] = rec["ours_ms"] / rec["torch_eager_ms"]
-    ro = rec.get("torch_compile", {}).get("reduce-overhead", {}).get("ms")
-    if rec.get("ours_view_ms") is not None and ro:
-        rec["vs_torch_compile_static"] = rec["ours_view_ms"] / ro
 
 
 def headline(res: dict, name: str) -> dict:

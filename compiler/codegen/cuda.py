@@ -73,7 +73,7 @@ from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
-from .cuda_wgmma import (SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand,
+from .cuda_wgmma import (PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand,
                          wgmma_gemm_kernel, wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
@@ -1283,8 +1283,9 @@ _ELEMENTS_PER_THREAD = 4
 
 
 #: a kept select's rows (:func:`_kept_rows_part`): the fewest elements a row of the condition must
-#: cover (a block's threads each take at least one), and the most blocks (a wave of 8 a multiprocessor)
-_KEPT_ROW_MIN, _KEPT_ROW_BLOCKS = _THREADS, 132 * 8
+#: cover (a block's threads each take at least one), and the most blocks (a wave: as many a multiprocessor
+#: as its 2048 threads hold)
+_KEPT_ROW_MIN, _KEPT_ROW_BLOCKS = _THREADS, PERSISTENT_SMS * (2048 // _THREADS)
 
 
 def _kept_rows_part(gc: GridCompute, select: tuple[Expr, Expr], out_ptr: str, em: "_Emitter", root: _Block,

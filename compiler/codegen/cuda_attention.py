@@ -295,10 +295,11 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     normalised = "sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f" if empty_rows_zero else "sf_o[n][r] / sf_sum"
     if sink is None:
         init = "  float sf_m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)}, sf_l[2] = {0.0f, 0.0f};"
-    elif packed:  # each row's head's sink (split 0's rows only)
+    else:  # the sink's exp(sink - m) = 1 at m = sink, counted once per row (by its t = 0 thread; by split 0 only)
         m0, l0 = (sink, "sf_t == 0") if splits == 1 else \
             (f"sf_split == 0 ? {sink} : __int_as_float(0xff800000)", "sf_split == 0 && sf_t == 0")
-        init = f"""  float sf_m[2], sf_l[2];
+        if packed:  # (each row's head's sink)
+            init = f"""  float sf_m[2], sf_l[2];
   #pragma unroll
   for (int h = 0; h < 2; ++h) {{
     {row("sf_warp * 16 + sf_g + h * 8")}
@@ -306,14 +307,8 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     sf_m[h] = {m0};
     sf_l[h] = {l0} ? 1.0f : 0.0f;
   }}"""
-    elif splits == 1:  # the sink's exp(sink - m) = 1 at m = sink, counted once per row (by its t = 0 thread)
-        init = (f"  float sf_m[2] = {{{sink}, {sink}}};\n"
-                "  float sf_l[2] = {sf_t == 0 ? 1.0f : 0.0f, sf_t == 0 ? 1.0f : 0.0f};")
-    else:  # (and by split 0 only)
-        init = (f"  const bool sf_sinks = sf_split == 0;\n"
-                f"  float sf_m[2] = {{sf_sinks ? {sink} : __int_as_float(0xff800000), "
-                f"sf_sinks ? {sink} : __int_as_float(0xff800000)}};\n"
-                "  float sf_l[2] = {sf_sinks && sf_t == 0 ? 1.0f : 0.0f, sf_sinks && sf_t == 0 ? 1.0f : 0.0f};")
+        else:
+            init = f"  float sf_m[2] = {{{m0}, {m0}}};\n  float sf_l[2] = {{{l0} ? 1.0f : 0.0f, {l0} ? 1.0f : 0.0f}};"
     epi = _indent(epilogue, 10)
     root_code = _indent(root, 2)
     exp = "expf" if ab == "f32" else "__expf"  # (3xTF32: float32's exp, as the separate Softmax has)

@@ -702,6 +702,15 @@ class Attention(Operator):
     (no diagonal, no empty-row rule); a kernel need not visit the keys past it.
     """
 
+    def _extras(self, extra) -> tuple:
+        """``(mask, nonpad, sink, extra_biases)`` of the inputs after ``q, k, v`` (each None when
+        absent; ``nonpad`` None too when it is only a bound, ``nonpad_bound``)."""
+        a, extra = self.attrs, list(extra)
+        mask = extra.pop(0) if a.get("has_mask") else None
+        nonpad = extra.pop(0) if a.get("has_nonpad") else None
+        sink = extra.pop(0) if a.get("has_sink") else None
+        return mask, None if a.get("nonpad_bound") else nonpad, sink, extra[:a.get("extra_biases", 0)]
+
     def _geometry(self, q, k, v):
         qh, kvh = self.attrs.get("q_heads"), self.attrs.get("kv_heads")
 
@@ -729,13 +738,7 @@ class Attention(Operator):
         b_, hq, hk, s_len, l_len, d_len, dv = self._geometry(q, k, v)
         rep, acc = hq // hk, a.get("acc_dtype")
         dt = acc or q.dtype
-        extra = list(extra)
-        mask = extra.pop(0) if a.get("has_mask") else None
-        nonpad = extra.pop(0) if a.get("has_nonpad") else None
-        sink = extra.pop(0) if a.get("has_sink") else None
-        adds = extra[:a.get("extra_biases", 0)]
-        if a.get("nonpad_bound"):  # (a bound the biases imply: no part in the values)
-            nonpad = None
+        mask, nonpad, sink, adds = self._extras(extra)  # (a bound the biases imply takes no part in the values)
 
         def read(t, bi, h, j, e, head):
             x = self._read(t, bi, h, j, e, head)
@@ -870,13 +873,7 @@ class Attention(Operator):
         if a.get("acc_dtype"):
             q, k, v = (np.asarray(t).astype(a["acc_dtype"]) for t in (q, k, v))
         dt = q.dtype
-        extra = list(extra)
-        mask = extra.pop(0) if a.get("has_mask") else None
-        nonpad = extra.pop(0) if a.get("has_nonpad") else None
-        sink = extra.pop(0) if a.get("has_sink") else None
-        adds = extra[:a.get("extra_biases", 0)]
-        if a.get("nonpad_bound"):  # (a bound the biases imply: no part in the values)
-            nonpad = None
+        mask, nonpad, sink, adds = self._extras(extra)
 
         def to4(t, h):
             return t if t.ndim == 4 else t.reshape(t.shape[0], t.shape[1], h, -1).transpose(0, 2, 1, 3)

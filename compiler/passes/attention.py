@@ -383,6 +383,7 @@ class FuseAttention(GraphPass):
         none (``n <= 0``) then weighs the hidden keys as the separate ops do, and the kernel visits
         every key for it. None otherwise."""
         from ..ops.elementwise import Binary, CastOp
+        from ..ops.reduce import Reduce
         from ..ops.transform import Expand, Reshape
 
         w = self._prod(bias)
@@ -422,8 +423,6 @@ class FuseAttention(GraphPass):
         if key in self._bounds:  # (the layers' masks share one: its ops made at the first layer, before the others)
             return self._bounds[key]
         if per_row:  # (the rows' largest position bounds them all)
-            from ..ops.reduce import Reduce
-
             new_ops.append(Reduce([b], name=f"{name}.last", kind="max", axes=tuple(range(b.ndim)), keepdims=True))
             b = new_ops[-1].outputs[0]
         n = b if b.ndim == 1 else None

@@ -51,7 +51,7 @@ def test_headline_figures():
     models = _load("models")
     rec = {"ours_ms": 3.0, "ours_view_ms": 2.5, "torch_eager_ms": 6.0,
            "torch_compile": {"default": {"ms": 4.0}, "reduce-overhead": {"ms": 2.0}, "max-autotune": {"error": "x"}}}
-    models._ratios(rec)
+    _load("common").torch_ratios(rec)
     assert rec["torch_compile_mode"] == "reduce-overhead" and rec["vs_torch_compile"] == 1.5
     assert rec["vs_torch_eager"] == 0.5 and rec["vs_torch_compile_static"] == 1.25
     res = {"batches": {"1x128": {"vs_torch_compile": 0.8, "vs_torch_eager": 0.3, "vs_torch_compile_static": 0.7},
