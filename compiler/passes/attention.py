@@ -378,10 +378,12 @@ class FuseAttention(GraphPass):
         of the conditions an ``And`` combines, for ``j <= p``, or an ``Or``, for ``j > p``: a
         padding mask beside it); or ``h`` a finite constant that hides a key (at most ``_HIDDEN``,
         or its type's lowest value, transformers' masks: ``exp`` of it minus a row's maximum is 0
-        for scores of a half model's range) with ``x`` a constant above -1e4 and the test alone, so
-        that a row that sees a key below ``n`` gets nothing from the keys past it; a row that sees
-        none (``n <= 0``) then weighs the hidden keys as the separate ops do, and the kernel visits
-        every key for it. None otherwise."""
+        for scores of a half model's range) with ``x`` a constant above -1e4, so that a row that
+        sees a key below ``n`` gets nothing from the keys past it; a row that sees none weighs the
+        hidden keys as the separate ops do, so the kernel must visit every key for it: alone, the
+        test shows no key exactly when ``n <= 0``, which the kernel reads as every key; beside
+        other conditions or with a position per row, a sequence with a row that sees no key gets
+        ``n = 0`` (:meth:`_unless_blind`, from the mask's condition). None otherwise."""
         from ..ops.elementwise import Binary, CastOp
         from ..ops.reduce import Reduce
         from ..ops.transform import Expand, Reshape
@@ -410,10 +412,11 @@ class FuseAttention(GraphPass):
         hidden = w.inputs[2] if fn in ("le", "lt") else w.inputs[1]  # (the side of the keys past p)
         if not (hidden.is_constant and hidden.size == 1 and dtype_kind(hidden.dtype) == "f"):
             return None
-        key = (id(b), fn in ("le", "gt"), batch)
         h = float(np.asarray(hidden.value, np.float64).reshape(()))
-        if h != -np.inf and (combined or per_row):  # (other conditions, or a row's own position, may hide
-            return None  # every key below the bound)
+        # (under a finite hidden value, other conditions or a row's own position may hide every key
+        # below the bound from a row, which then weighs every key: the bound is dropped for its batch)
+        blind = h != -np.inf and bool(combined or per_row)
+        key = (id(b), fn in ("le", "gt"), batch) + ((id(w.inputs[0]),) if blind else ())
         if h != -np.inf:
             shown = w.inputs[1] if fn in ("le", "lt") else w.inputs[2]
             lowest = float(np.finfo(np.dtype(hidden.value.dtype)).min) if hidden.value.dtype.kind == "f" else None
@@ -437,10 +440,42 @@ class FuseAttention(GraphPass):
                                   fn="add"))
             n = new_ops[-1].outputs[0]
         if n.shape != (batch,):
-            new_ops.append(Expand([n], name=name, shape=(batch,)))
+            new_ops.append(Expand([n], name=name if not blind else f"{name}.each", shape=(batch,)))
             n = new_ops[-1].outputs[0]
+        if blind:
+            n = self._unless_blind(w.inputs[0], fn in ("le", "lt"), n, batch, name, new_ops)
         self._bounds[key] = n
         return self._bounds[key]
+
+    @staticmethod
+    def _unless_blind(cond: Tensor, shows: bool, n: Tensor, batch: int, name: str, new_ops: list) -> Tensor:
+        """``n`` where every query row of a sequence sees a key, 0 (every key: the kernel's
+        reading of a bound <= 0) for a sequence with a row that sees none: ``cond`` is the mask's
+        condition, true where a key is shown (``shows``) or hidden, broadcast against the scores
+        (its first axis the batch when it has 4 and ``batch`` of them)."""
+        from ..ops.elementwise import CastOp, Where
+        from ..ops.reduce import Reduce
+        from ..ops.transform import Expand, Reshape
+
+        new_ops.append(CastOp([cond], name=f"{name}.shown", to="int32"))
+        t = new_ops[-1].outputs[0]
+        # a row sees a key: its maximum of "shown" is 1 (or its minimum of "hidden" 0)
+        new_ops.append(Reduce([t], name=f"{name}.rows", kind="max" if shows else "min", axes=(t.ndim - 1,),
+                              keepdims=True))
+        t = new_ops[-1].outputs[0]
+        per_batch = t.ndim == 4 and t.shape[0] == batch and batch > 1
+        axes = tuple(range(1 if per_batch else 0, t.ndim))
+        new_ops.append(Reduce([t], name=f"{name}.seen", kind="min" if shows else "max", axes=axes, keepdims=False))
+        t = new_ops[-1].outputs[0]
+        if t.shape != (batch,):
+            new_ops.append(Reshape([t], name=f"{name}.seen.flat", shape=(t.size,)))
+            new_ops.append(Expand([new_ops[-1].outputs[0]], name=f"{name}.seen.each", shape=(batch,)))
+            t = new_ops[-1].outputs[0]
+        new_ops.append(CastOp([t], name=f"{name}.seen.test", to="bool"))
+        zero = const_tensor(np.zeros(1, np.int64), f"{name}.all")
+        new_ops.append(Where([new_ops[-1].outputs[0], n, zero] if shows else [new_ops[-1].outputs[0], zero, n],
+                             name=name))
+        return new_ops[-1].outputs[0]
 
     def _condition_leaves(self, t: Tensor, combined: frozenset = frozenset()):
         """The conditions an ``And``/``Or`` tree of ``t`` combines, each with the combinators on

@@ -456,12 +456,12 @@ def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     """A mask hiding the cache rows past a runtime position (``j <= pos``, ``j < pos``, ``j > pos``
     hidden, either side of the comparison; ``-inf`` or float16's lowest value; one position for
     the batch, one per sequence, or one per query row of a prompt; beside a padding mask, or per
-    row, under ``-inf``) gives the fused op a
+    row; under a finite lowest value there the bound is 0, every key, for a sequence with a row
+    that sees no key below it) gives the fused op a
     key bound (``nonpad_bound``: the kernel
     visits no key block past it) and the same values as the separate ops at every position (the
     first, an inner one, the last, one before the cache: NaN);
-    a mask whose hidden value does not hide (-1), whose index is not ``0..L-1``, or beside a padding
-    mask under a finite lowest value (the padding may hide every key below the bound) gives none
+    a mask whose hidden value does not hide (-1) or whose index is not ``0..L-1`` gives none
     (the kernel's side: test_cuda_host.py's static cache tests)."""
     index = np.arange(40, dtype=np.int64)[::-1].copy() if bound == "reversed" else None
     model, feeds = _static_cache_step(cmp, swap, hide, index, per_sequence=bound == "per-sequence",
@@ -469,7 +469,7 @@ def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     g0 = load_onnx(model)
     g = FuseAttention().run(load_onnx(model))
     (att,) = [op for op in g.nodes if op.op_type == "Attention"]
-    bounded = bound in (True, "per-sequence") or (bound in ("padded", "rows") and hide == -np.inf)
+    bounded = bound in (True, "per-sequence", "padded", "rows")
     assert bool(att.attrs.get("nonpad_bound")) == bounded, att.attrs
     for pos in (0, 17, 39, -1):
         if hide != -np.inf and pos + (cmp in ("le", "gt")) <= 0:

@@ -480,14 +480,16 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
     ("le", -np.inf, 17, False, 1), ("le", -np.inf, -1, False, 1), ("lt", -np.inf, 0, False, 1),
     ("ge", -65504.0, 9, False, 1), ("ge", -65504.0, 0, False, 1), ("ge", -65504.0, -3, False, 1),
     ("le", -np.inf, (30, -1), False, 1), ("gt", -65504.0, (0, 39), False, 1), ("le", -np.inf, (25, 12), True, 1),
-    ("gt", -np.inf, 30, True, 1), ("le", -np.inf, 20, False, 3), ("le", -np.inf, 1, False, 3)])
+    ("gt", -np.inf, 30, True, 1), ("le", -np.inf, 20, False, 3), ("le", -np.inf, 1, False, 3),
+    ("le", -65504.0, (25, 12), True, 1), ("gt", -65504.0, (30, 22), True, 1), ("le", -65504.0, 20, False, 3),
+    ("le", -65504.0, 1, False, 3)])
 def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad, rows):
     """The fused kernel of a static cache's step whose mask bounds the keys (test_attention's
     ``_static_cache_step``; ``nonpad_bound``) against the op's definition: the key blocks past the
     position not visited (one position, one per sequence, one per query row: their largest;
     beside a padding mask); a row that
     sees no key NaN under ``-inf`` and, under float16's lowest value, weighing the hidden keys as
-    the definition does (the kernel then visits every key)."""
+    the definition does (the kernel then visits every key: the bound is 0 for its sequence)."""
     from test_attention import _static_cache_step
 
     from shardflow.compiler import load_onnx
