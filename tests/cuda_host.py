@@ -864,9 +864,9 @@ def _signatures(text: str) -> dict[str, list[str]]:
     return sigs
 
 
-def build(text: str, work_dir: str | None = None) -> HostKernels:
-    """Compile the generated CUDA translation unit ``text`` for the host (g++, cached by content
-    under ``work_dir``) and load it."""
+def build(text: str, work_dir: str | None = None, opt: str = "-O2") -> HostKernels:
+    """Compile the generated CUDA translation unit ``text`` for the host (g++ at optimization
+    ``opt``, cached by content under ``work_dir``) and load it."""
     text = _host_source(text)
     if "asm volatile" in text:
         raise ValueError("the host emulation has no replacement for some inline PTX of this source")
@@ -879,14 +879,14 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
         tramp.append(f'extern "C" void sf_emu_body_{sym}(void** a) {{ {sym}({args}); }}')
     src = _SHIM + body + "\n" + "\n".join(tramp) + "\n"
     work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-host-")
-    key = hashlib.sha256(src.encode()).hexdigest()[:16]
+    key = hashlib.sha256((src + opt).encode()).hexdigest()[:16]
     lib = os.path.join(work_dir, f"k{key}.so")
     if not os.path.exists(lib):
         cpp = os.path.join(work_dir, f"k{key}.cpp")
         with open(cpp, "w") as f:
             f.write(src)
         tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"  # (builds may run side by side)
-        proc = subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o", tmp, cpp],
+        proc = subprocess.run(["g++", "-std=c++17", opt, "-fPIC", "-shared", "-w", "-o", tmp, cpp],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on {cpp}:\n{proc.stderr[-4000:]}")
@@ -894,11 +894,11 @@ def build(text: str, work_dir: str | None = None) -> HostKernels:
     return HostKernels(ctypes.CDLL(lib), sigs)
 
 
-def build_all(texts: list[str], work_dir: str | None = None) -> list[HostKernels]:
+def build_all(texts: list[str], work_dir: str | None = None, opt: str = "-O2") -> list[HostKernels]:
     """:func:`build` of each of ``texts``, the compilers running side by side (one per cpu)."""
     work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-host-")
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(texts), os.cpu_count() or 1))) as pool:
-        return list(pool.map(lambda t: build(t, work_dir), texts))
+        return list(pool.map(lambda t: build(t, work_dir, opt), texts))
 
 
 #: the emulation's tensor map (the shim's SfTmap): base, dims, row stride, box, element size, swizzle

@@ -8,6 +8,7 @@ with ``-v``, every non-passing case with its reason.
 """
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import warnings
@@ -22,7 +23,9 @@ from shardflow.compiler.ir.expr import ML_FLOATS
 TOLERANCE_FACTOR = 10.0
 
 
+@functools.lru_cache(maxsize=1)
 def node_cases():
+    """The onnx package's node test cases (built once per process: several suites read them)."""
     from onnx.backend.test.loader import load_model_tests
 
     with warnings.catch_warnings():
@@ -80,6 +83,42 @@ def _import_binding(case, feeds: dict) -> tuple:
             bound.update({n: feeds[n] for n in names})
 
 
+def mismatch(have: np.ndarray, want: np.ndarray, case) -> str | None:
+    """Why ``have`` is not the case's expected ``want`` under the conformance tolerance, or None."""
+    if have.shape != want.shape:
+        return f"shape {have.shape}, expected {want.shape}"
+    if have.dtype != want.dtype:
+        return f"dtype {have.dtype}, expected {want.dtype}"
+    rtol, atol = TOLERANCE_FACTOR * case.rtol, TOLERANCE_FACTOR * case.atol
+    if want.dtype.name == "bfloat16":  # ml_dtypes' (kind "V"): compared in float32, to
+        # one bfloat16 rounding (2**-8 relative; the references round after every op)
+        have, want = have.astype(np.float32), want.astype(np.float32)
+        rtol, atol = max(rtol, 2.0 ** -8), max(atol, 2.0 ** -8)
+    elif want.dtype.name in ML_FLOATS:  # float8: the casts' results, exactly
+        have, want = have.astype(np.float32), want.astype(np.float32)
+        rtol = atol = 0.0
+    if want.dtype.kind in "fc":
+        ok = np.allclose(have, want, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        ok = np.array_equal(have, want)
+    if ok:
+        return None
+    with np.errstate(all="ignore"):
+        err = np.max(np.abs(have.astype(np.float64) - want.astype(np.float64)))
+    return f"max abs error {err:.3g}"
+
+
+def print_counts(results: dict, verbose: bool, statuses: tuple, shown: tuple) -> None:
+    """Print, with ``verbose``, each case whose status is not in ``shown`` and its reason, then the
+    counts of ``statuses``."""
+    counts = Counter(s for s, _ in results.values())
+    if verbose:
+        for name, (s, d) in sorted(results.items()):
+            if s not in shown:
+                print(f"{s:8s} {name}: {d[:300]}")
+    print(", ".join(f"{k}={counts.get(k, 0)}" for k in statuses))
+
+
 def run_case(case) -> tuple[str, str]:
     """Return ``(status, detail)`` with status in passed / passed_bound / wrong / refused / error /
     skipped; ``passed_bound``: passed with some inputs bound at import (``input_values``)."""
@@ -97,27 +136,9 @@ def run_case(case) -> tuple[str, str]:
             g, feeds, bound = _import_binding(case, dict(zip(graph_inputs, inputs)))
             got = g.run(feeds)
             for name, want in zip(out_names, expected):
-                have = got[name]
-                if have.shape != want.shape:
-                    return "wrong", f"output {name}: shape {have.shape}, expected {want.shape}"
-                if have.dtype != want.dtype:
-                    return "wrong", f"output {name}: dtype {have.dtype}, expected {want.dtype}"
-                rtol, atol = TOLERANCE_FACTOR * case.rtol, TOLERANCE_FACTOR * case.atol
-                if want.dtype.name == "bfloat16":  # ml_dtypes' (kind "V"): compared in float32, to
-                    # one bfloat16 rounding (2**-8 relative; the references round after every op)
-                    have, want = have.astype(np.float32), want.astype(np.float32)
-                    rtol, atol = max(rtol, 2.0 ** -8), max(atol, 2.0 ** -8)
-                elif want.dtype.name in ML_FLOATS:  # float8: the casts' results, exactly
-                    have, want = have.astype(np.float32), want.astype(np.float32)
-                    rtol = atol = 0.0
-                if want.dtype.kind in "fc":
-                    ok = np.allclose(have, want, rtol=rtol, atol=atol, equal_nan=True)
-                else:
-                    ok = np.array_equal(have, want)
-                if not ok:
-                    with np.errstate(all="ignore"):
-                        err = np.max(np.abs(have.astype(np.float64) - want.astype(np.float64)))
-                    return "wrong", f"output {name}: max abs error {err:.3g}"
+                why = mismatch(got[name], want, case)
+                if why:
+                    return "wrong", f"output {name}: {why}"
         return ("passed_bound", f"bound at import: {', '.join(bound)}") if bound else ("passed", "")
     except ShardflowError as exc:
         cause = exc.__cause__
@@ -143,14 +164,8 @@ def run_all(patterns=()):
 def main(argv):
     verbose = "-v" in argv
     patterns = [a for a in argv if a != "-v"]
-    results = run_all(patterns)
-    counts = Counter(s for s, _ in results.values())
-    if verbose:
-        for name, (s, d) in sorted(results.items()):
-            if s not in ("passed", "passed_bound", "skipped"):
-                print(f"{s:8s} {name}: {d[:300]}")
-    statuses = ("passed", "passed_bound", "wrong", "error", "refused", "skipped")
-    print(", ".join(f"{k}={counts.get(k, 0)}" for k in statuses))
+    print_counts(run_all(patterns), verbose, ("passed", "passed_bound", "wrong", "error", "refused", "skipped"),
+                 ("passed", "passed_bound", "skipped"))
 
 
 if __name__ == "__main__":
