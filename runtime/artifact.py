@@ -165,20 +165,25 @@ def verify_files(directory: str | os.PathLike, manifest: dict, skip: tuple[str, 
                                 f"{info['sha256'][:16]}…; the file is corrupted, copy or compile it again", str(path))
 
 
+#: buffer dtypes numpy has no type of: the unsigned integer of their bytes
+_ML_FLOAT_BYTES = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e4m3fnuz": np.uint8,
+                   "float8_e5m2": np.uint8, "float8_e5m2fnuz": np.uint8}
+
+
 def buffer_dtype(name: str, device: bool = False) -> np.dtype:
-    """The numpy dtype of a program buffer's dtype name. ``bfloat16`` (no numpy type) is
-    ``ml_dtypes.bfloat16`` on the host when that package is installed, else its 16-bit pattern
-    (``uint16``); on the device (``device=True``, cupy has no bfloat16) always ``uint16``: kernels
-    only need the bytes."""
-    if name == "bfloat16":
+    """The numpy dtype of a program buffer's dtype name. ``bfloat16`` and the float8 types (no
+    numpy type) are ml_dtypes' on the host when that package is installed, else their bit pattern
+    (``uint16``, ``uint8``); on the device (``device=True``, cupy has no such types) always the bit
+    pattern: kernels only need the bytes."""
+    if name in _ML_FLOAT_BYTES:
         if not device:
             try:
                 import ml_dtypes
 
-                return np.dtype(ml_dtypes.bfloat16)
+                return np.dtype(getattr(ml_dtypes, name))
             except ImportError:
                 pass
-        return np.dtype(np.uint16)
+        return np.dtype(_ML_FLOAT_BYTES[name])
     try:
         return np.dtype(name)
     except TypeError:

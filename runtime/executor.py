@@ -517,8 +517,8 @@ class RankProgram:
                 also = f" (or its part {buf.shape} on this rank)" if part is not None else ""
                 raise InputShapeError(f"input {name!r} has shape {a.shape}, the program was compiled for "
                                       f"{whole}{also}; compile again with input_shapes to change it", name)
-            if a.dtype != buf.dtype and buf.dtype.name == "bfloat16" and a.dtype == np.dtype("V2"):
-                a = a.view(buf.dtype)  # how np.save / np.savez store ml_dtypes' bfloat16 (np.load reads V2)
+            if a.dtype != buf.dtype and buf.dtype.kind == "V" and a.dtype == np.dtype(f"V{buf.dtype.itemsize}"):
+                a = a.view(buf.dtype)  # how np.save / np.savez store ml_dtypes' bfloat16 and float8 (np.load: V2, V1)
             if a.dtype != buf.dtype:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)

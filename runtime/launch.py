@@ -143,8 +143,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the model inputs: an .npz keyed by the ONNX input names (every rank reads it whole)")
     p.add_argument("--outputs", metavar="OUT.npz", default=None,
                    help="where rank 0 writes the outputs, an .npz keyed by the ONNX output names (numpy "
-                        "stores a bfloat16 output as void 'V2': view it with ml_dtypes.bfloat16; a bfloat16 "
-                        "input read back that way is accepted)")
+                        "stores a bfloat16 output as void 'V2': view it with ml_dtypes.bfloat16, a float8 one as 'V1'; "
+                        "an input read back that way is accepted)")
     p.add_argument("--backend", choices=("auto", "mpi", "tcp", "nccl"), default=None,
                    help="communicator: mpi (mpi4py), tcp (sockets), nccl (GPUs); default: the compiled comm_backend, "
                         "where auto means mpi under mpiexec, else tcp (nccl for cuda)")

@@ -23,9 +23,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..ir.expr import BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var, dtype_kind, numpy_type
+from ..ir.expr import (ML_FLOATS, BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var, dtype_kind,
+                       numpy_type)
 from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, Declare, FlatLoop, If, Kernel, Let,
                     Local, LocalArray, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable, promote)
+from . import float8
 from .prelude_cpu import PRELUDE
 
 __all__ = ["generate_cpu_source", "CpuSource", "kernel_source", "STORAGE_CTYPE", "COMPUTE_CTYPE"]
@@ -34,12 +36,14 @@ log = logging.getLogger(__name__)
 
 STORAGE_CTYPE = {"bool": "uint8_t", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
                  "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
-                 "float16": "_Float16", "bfloat16": "sf_bf16", "float32": "float", "float64": "double"}
+                 "float16": "_Float16", "bfloat16": "sf_bf16", "float32": "float", "float64": "double",
+                 **{t: "uint8_t" for t in float8.FLOAT8}}
 #: Arithmetic happens in these types: float16 and bfloat16 values are computed in float32 (rounded at
 #: stores and at explicit casts only; ``sf_bf16`` is the prelude's 16-bit storage type, this GCC has no
 #: ``__bf16``). Bools are stored as bytes (0/1, numpy's layout; ``uint8_t`` loads
 #: vectorize where C++ ``bool`` loads do not) and computed as ``bool``.
-COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float", bfloat16="float", bool="bool")
+COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float", bfloat16="float", bool="bool",
+                     **{t: "float" for t in float8.FLOAT8})  # (float8: a byte, codegen/float8.py)
 
 _SMALL_INTS = {"int8", "int16", "uint8", "uint16"}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -85,7 +89,7 @@ def literal(value, dtype: str) -> str:
             return "(-2147483647 - 1)"
         return f"{ct}({v})" if ct != "int32_t" else str(v)
     v = float(value)
-    f32 = dtype in ("float32", "float16", "bfloat16")
+    f32 = dtype in ("float32", "float16", "bfloat16") or dtype in float8.FLOAT8
     if math.isnan(v):
         return "std::numeric_limits<float>::quiet_NaN()" if f32 else "std::numeric_limits<double>::quiet_NaN()"
     if math.isinf(v):
@@ -95,6 +99,12 @@ def literal(value, dtype: str) -> str:
         v = float(np.float16(v))
     if dtype == "bfloat16":
         v = float(np.float32(v).astype(numpy_type("bfloat16")))
+    if dtype in float8.FLOAT8:
+        v = float8.round_value(v, dtype)
+        if math.isnan(v):
+            return "std::numeric_limits<float>::quiet_NaN()"
+        if math.isinf(v):
+            return "std::numeric_limits<float>::infinity()" if v > 0 else "(-std::numeric_limits<float>::infinity())"
     if f32:
         r = repr(float(np.float32(v)))
         r = r if ("." in r or "e" in r or "inf" in r) else r + ".0"
@@ -114,6 +124,8 @@ def convert(s: str, src: str | None, dst: str) -> str:
         return f"(float)(_Float16)({s})"
     if dst == "bfloat16":
         return f"sf_bf16_round({s})" if COMPUTE_CTYPE[src] == "float" else f"sf_bf16_round((float)({s}))"
+    if dst in float8.FLOAT8:
+        return float8.rounded(s if COMPUTE_CTYPE[src] == "float" else f"(float)({s})", dst)
     ks, kd = _kind(src), _kind(dst)
     ct = COMPUTE_CTYPE[dst]
     if kd in "iu" and ks == "f":
@@ -228,12 +240,14 @@ class _Printer:
                 return f"(float){s}"
             if buf.dtype == "bfloat16":
                 return f"sf_bf16_to_float({s})"
+            if buf.dtype in float8.FLOAT8:
+                return float8.load(s, buf.dtype)
             if buf.dtype == "bool":
                 return f"({s} != 0)"
             return s
         if isinstance(e, Cast):
             src = self.dt(e.a)
-            dst = self.dt(e) if e.dtype != "bfloat16" else "bfloat16"  # (bfloat16 values compute as float32)
+            dst = self.dt(e) if e.dtype not in ML_FLOATS else e.dtype  # (bfloat16, float8: computed as float32)
             if src is None:
                 return self.expr(e.a, dst)
             return convert(self.expr(e.a), src, dst)
@@ -353,6 +367,8 @@ class _Printer:
                 self.emit(f"{target} = (_Float16)({v});", depth)
             elif buf.dtype == "bfloat16" and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = sf_float_to_bf16({self.expr(s.value, 'float32')});", depth)
+            elif buf.dtype in float8.FLOAT8 and buf.role not in ("temp", "local"):
+                self.emit(f"{target} = {float8.store(self.expr(s.value, 'float32'), buf.dtype)};", depth)
             elif buf.dtype == "bool" and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = (uint8_t)({self.expr(s.value, 'bool')});", depth)
             else:
@@ -667,7 +683,10 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto", in_place: Mapping[s
     """
     from .templates_cpu import TEMPLATE_PRELUDE, template_kind
     in_place = in_place or {}
-    out = CpuSource("\n".join([PRELUDE, _clones_macro(), TEMPLATE_PRELUDE]))
+    f8 = ("namespace {\n" + float8.prelude("SF_INLINE", "std::numeric_limits<float>::quiet_NaN()",
+                                             "std::numeric_limits<float>::infinity()") + "}  // namespace\n"
+          if float8.used_by(ops) else "")
+    out = CpuSource("\n".join([PRELUDE + f8, _clones_macro(), TEMPLATE_PRELUDE]))
     defs: dict[str, str] = {}
     users: dict[str, list] = {}
     for op in ops:

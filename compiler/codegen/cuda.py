@@ -67,10 +67,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
-                       UnaryOp, Var, affine_form, format_expr, rebuild, walk)
+from ..ir.expr import (BINARY_FUNCS, ML_FLOATS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce,
+                       TensorElement, UnaryOp, Var, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
+from . import float8
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import (PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand,
@@ -165,9 +166,10 @@ _STORE_CTYPE = {
     "bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short", "uint16": "unsigned short",
     "int32": "int", "uint32": "unsigned int", "int64": "long long", "uint64": "unsigned long long",
     "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double",
+    **{t: "unsigned char" for t in float8.FLOAT8},  # (a byte: codegen/float8.py)
 }
-_REG_CTYPE = dict(_STORE_CTYPE, float16="float", bfloat16="float")
-_FLOATS = {"float16", "bfloat16", "float32", "float64"}
+_REG_CTYPE = dict(_STORE_CTYPE, float16="float", bfloat16="float", **{t: "float" for t in float8.FLOAT8})
+_FLOATS = {"float16", "bfloat16", "float32", "float64", *float8.FLOAT8}
 _INTS = {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"}
 _INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in _INTS}
 _INT_RANGE["bool"] = (0, 1)
@@ -187,12 +189,18 @@ _NP_REDUCERS = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min, "m
 
 
 def _np_proxy(dt: str) -> np.ndarray:
-    return np.zeros(0, dtype=np.float32 if dt == "bfloat16" else dt)
+    return np.zeros(0, dtype=np.float32 if dt in ML_FLOATS else dt)
 
 
-def _from_np(r, bf: bool) -> str:
+def _from_np(r, ml: str | None) -> str:
+    """numpy's result dtype ``r`` of an operation on a value of type ``ml`` (bfloat16, a float8
+    type, which the proxies compute as float32) or on numpy types (``ml`` None)."""
     r = str(np.dtype(r))
-    return "bfloat16" if bf and r == "float32" else r
+    return ml if ml is not None and r == "float32" else r
+
+
+def _ml(*dts) -> str | None:
+    return next((d for d in dts if d in ML_FLOATS), None)
 
 
 def _weak_promote(a: Expr, b: Expr) -> str:
@@ -209,7 +217,7 @@ def _weak_promote(a: Expr, b: Expr) -> str:
 def _unary_result(op: str, dt: str) -> str:
     with np.errstate(all="ignore"):
         r = np.asarray(UNARY_FUNCS[op](_np_proxy(dt))).dtype
-    return _from_np(r, dt == "bfloat16")
+    return _from_np(r, _ml(dt))
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,7 +226,6 @@ def _binary_result(fn, da, db, wa, wb) -> str:
     operand of dtype ``da`` (or the weak Python scalar ``wa`` when ``da`` is None) and ``db``/``wb``."""
     x = _np_proxy(da) if da is not None else wa
     y = _np_proxy(db) if db is not None else wb
-    bf = "bfloat16" in (da, db)
     with np.errstate(all="ignore"):
         if fn == "common":
             r = np.result_type(x, y)
@@ -226,7 +233,7 @@ def _binary_result(fn, da, db, wa, wb) -> str:
             r = np.result_type(x, y)
         else:
             r = np.asarray(BINARY_FUNCS[fn](x, y)).dtype
-    return _from_np(r, bf)
+    return _from_np(r, _ml(da, db))
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,8 +241,8 @@ def _reduce_result(op: str, dt: str) -> str:
     if op in ("argmax", "argmin"):
         return "int64"
     with np.errstate(all="ignore"):
-        r = np.asarray(_NP_REDUCERS[op](np.zeros(1, np.float32 if dt == "bfloat16" else dt))).dtype
-    return _from_np(r, dt == "bfloat16")
+        r = np.asarray(_NP_REDUCERS[op](np.zeros(1, np.float32 if dt in ML_FLOATS else dt))).dtype
+    return _from_np(r, _ml(dt))
 
 
 def _float_literal(x: float, reg: str) -> str:
@@ -277,6 +284,8 @@ def _literal(v, dt: str) -> str:
                 return _float_literal(float(np.float16(v)), "float")
             if dt == "bfloat16":
                 return _float_literal(_round_bf16(float(np.float32(v))), "float")
+            if dt in float8.FLOAT8:
+                return _float_literal(float8.round_value(v, dt), "float")
             return _float_literal(float(np.float32(v)), "float")
         if isinstance(v, float) and not math.isfinite(v):
             iv = 0
@@ -303,19 +312,21 @@ def _convert(x: str, src: str, dst: str) -> str:
     if dst == "bool":
         return f"(({x}) != 0)"
     if dst == "float16":
-        if src in ("float32", "bfloat16"):
+        if src in ("float32", "bfloat16") or src in float8.FLOAT8:
             return f"sf_rh({x})"
         if src == "float64":
             return f"sf_rh_d({x})"
         return f"sf_rh((float)({x}))"
     if dst == "bfloat16":
-        if src in ("float32", "float16"):
+        if src in ("float32", "float16") or src in float8.FLOAT8:
             return f"sf_rb({x})"
         if src == "float64":
             return f"sf_rb_d({x})"
         return f"sf_rb((float)({x}))"
+    if dst in float8.FLOAT8:  # (from float64 through float32: rounded twice, off only next to a tie)
+        return float8.rounded(x if _REG_CTYPE[src] == "float" else f"(float)({x})", dst)
     if dst == "float32":
-        return x if src in ("float16", "bfloat16") else f"(float)({x})"
+        return x if _REG_CTYPE[src] == "float" else f"(float)({x})"
     if dst == "float64":
         return f"(double)({x})"
     # integer destination
@@ -329,7 +340,7 @@ def _convert(x: str, src: str, dst: str) -> str:
     return f"(({ct})({x}))"
 
 
-_ROUNDERS = {"float16": "sf_rh", "bfloat16": "sf_rb"}
+_ROUNDERS = {"float16": "sf_rh", "bfloat16": "sf_rb", **{t: float8.rounder(t) for t in float8.FLOAT8}}
 
 
 def _rounded_arg(expr: str, fn: str) -> str | None:
@@ -350,6 +361,8 @@ def _store(x: str, dt: str) -> str:
         return f"__float2half_rn({x})"
     if dt == "bfloat16":
         return f"__float2bfloat16_rn({x})"
+    if dt in float8.FLOAT8:
+        return float8.store(x, dt)
     return x
 
 
@@ -358,6 +371,8 @@ def _load(x: str, dt: str) -> str:
         return f"__half2float({x})"
     if dt == "bfloat16":
         return f"__bfloat162float({x})"
+    if dt in float8.FLOAT8:
+        return float8.load(x, dt)
     return x
 
 
@@ -741,7 +756,7 @@ class _Emitter:
             v = e.value
             if e.dtype is not None and e.dtype != dt:
                 with np.errstate(all="ignore"):
-                    v = np.array(v, dtype=np.float32 if e.dtype == "bfloat16" else e.dtype)[()]
+                    v = np.array(v, dtype=np.float32 if e.dtype in ML_FLOATS else e.dtype)[()]
             return _literal(v, dt)
         x, src = self.value(e, blk)
         return _convert(x, src, dt)
@@ -920,6 +935,8 @@ class _Emitter:
             expr = f"sf_rh({expr})"
         elif dt == "bfloat16" and op not in ("max", "min"):
             expr = f"sf_rb({expr})"
+        elif dt in float8.FLOAT8 and op not in ("max", "min"):
+            raise CudaCodegenError(f"{op} on {dt} values: ONNX has no float8 arithmetic; cast to float32 first")
         return self._ssa(blk, dt, expr)
 
     def _non_negative(self, e: Expr) -> bool:
@@ -978,6 +995,8 @@ class _Emitter:
             expr = f"sf_rh({expr})"
         elif dt == "bfloat16" and op not in ("neg", "abs", "sign", "floor", "ceil", "round"):
             expr = f"sf_rb({expr})"
+        elif dt in float8.FLOAT8 and op not in ("neg", "abs", "sign", "floor", "ceil", "round"):
+            raise CudaCodegenError(f"{op} on {dt} values: ONNX has no float8 arithmetic; cast to float32 first")
         return self._ssa(blk, dt, expr)
 
     # reductions ----------------------------------------------------------------------------
@@ -986,9 +1005,11 @@ class _Emitter:
         an = self.an
         bd = an.cdtype(e.body, _weak_promote(e.body, e.body))
         rd = an.dtype(e)
+        if bd in float8.FLOAT8 and e.op not in ("max", "min", "argmax", "argmin"):
+            raise CudaCodegenError(f"a {e.op} of {bd} values: ONNX has no float8 arithmetic; cast to float32 first")
         if e.op in ("argmax", "argmin"):
             return bd, ("int32" if bd in ("bool", "int8", "uint8", "int16", "uint16") else
-                        "float32" if bd in ("float16", "bfloat16") else bd)
+                        "float32" if bd in ("float16", "bfloat16") or bd in float8.FLOAT8 else bd)
         if e.op in ("sum", "prod"):
             if bd in ("float16", "bfloat16", "float32"):
                 return bd, "float32"
@@ -1002,7 +1023,7 @@ class _Emitter:
             return bd, "int32"
         if bd in ("uint8", "uint16", "uint32"):
             return bd, "uint32"
-        if bd in ("float16", "bfloat16"):
+        if bd in ("float16", "bfloat16") or bd in float8.FLOAT8:
             return bd, "float32"
         return bd, bd
 
@@ -2188,8 +2209,11 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     fp32 = FP32_GEMM[precision]
     if pdl and _sm(arch) < 90:
         raise CudaCodegenError(f"programmatic dependent launch (pdl) needs sm_90 or newer, not {arch!r}")
-    chunks = [PRELUDE + (PDL_HELPER if pdl else "")]
-    line = PRELUDE.count("\n") + 1
+    head = PRELUDE + (PDL_HELPER if pdl else "")
+    if float8.used_by(ops):
+        head += float8.prelude("__device__ __forceinline__", "__int_as_float(0x7fc00000)", "__int_as_float(0x7f800000)")
+    chunks = [head]
+    line = head.count("\n") + 1
     launches: dict[str, KernelLaunch] = {}
     spans: dict[str, tuple[int, int]] = {}
     seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines

@@ -42,8 +42,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import ShardflowError
-from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement,
-                       UnaryOp, Var, affine_form, dtype_kind, walk, rebuild)
+from ..ir.expr import (BINARY_FUNCS, ML_FLOATS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce,
+                       TensorElement, UnaryOp, Var, affine_form, dtype_kind, walk, rebuild)
 from ..ir.task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["CodegenError", "Buffer", "Local", "Kernel", "Loop", "FlatLoop", "Block", "Let", "Declare", "Assign",
@@ -73,7 +73,8 @@ class CodegenError(ShardflowError):
 
 #: Tensor dtypes the emitters store and load.
 SUPPORTED_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                    "float16", "bfloat16", "float32", "float64")
+                    "float16", "bfloat16", "float32", "float64",
+                    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 #: Unary functions that numpy computes in floating point (integer inputs give floats).
 FLOAT_FUNCS = frozenset({"exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "asin", "acos", "atan", "sinh",
@@ -246,7 +247,7 @@ class Kernel:
 def _norm_dtype(dt: str | None) -> str | None:
     if dt is None:
         return None
-    return "float32" if dt == "bfloat16" else str(np.dtype(dt))
+    return "float32" if dt in ML_FLOATS else str(np.dtype(dt))
 
 
 def _kind(dt: str) -> str:
@@ -1164,7 +1165,7 @@ class _Emitter:
     def _read(self, e: TensorElement) -> Expr:
         buf = self.kl.buffer_for(e.tensor)
         if buf.size == 0:
-            return Const(0, buf.dtype if buf.dtype != "bfloat16" else "float32")
+            return Const(0, buf.dtype if buf.dtype not in ML_FLOATS else "float32")
         idx = []
         for ix, ext in zip(e.indices, buf.shape):
             p = self.emit(ix)

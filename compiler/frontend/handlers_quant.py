@@ -116,7 +116,12 @@ def quantize_linear(ctx):
                  _OPSET)
     zp = _spread(ctx, ctx.input(2), x, axis, block, "the zero point") if ctx.has_input(2) else None
     if out.startswith("float8"):  # rounded (to nearest even) and saturated by the cast itself
-        if zp is not None:
+        # (a float8 zero point must be zero, and the reference leaves it out: a constant one is
+        # checked and not added, which keeps -0.0 negative as the reference does)
+        if zp is not None and zp.is_constant:
+            if np.any(np.asarray(zp.value).astype(np.float32) != 0):
+                raise ctx.invalid("a float8 zero point must be zero")
+        elif zp is not None:
             q = ctx.emit("Add", [q, ctx.cast(zp, div)], _OPSET)
         return [cast_op(ctx, q, out)]
     return [_saturate(ctx, ctx.emit("Round", [q], _OPSET), zp, out)]

@@ -78,7 +78,19 @@ class CastOp(Operator):
     injective = True
 
     def compute(self, x):
-        return compute("y", x.shape, lambda *i: Cast(x[i], self.attrs["to"]), dtype=self.attrs["to"])
+        to = self.attrs["to"]
+        if not (to.startswith("float8") and self.attrs.get("saturate", True)):
+            return compute("y", x.shape, lambda *i: Cast(x[i], to), dtype=to)
+        import ml_dtypes
+
+        big = float(ml_dtypes.finfo(numpy_type(to)).max)
+        wide = x.dtype if x.dtype in ("float16", "float32", "float64") else "float32"
+
+        def clamped(*i):  # (a NaN fails both tests and stays NaN)
+            v = x[i] if x.dtype == wide else Cast(x[i], wide)
+            hi, lo = Const(big, wide), Const(-big, wide)
+            return Cast(IfThenElse(v > hi, hi, IfThenElse(v < lo, lo, v)), to)
+        return compute("y", x.shape, clamped, dtype=to)
 
     def numpy(self, x):
         to = numpy_type(self.attrs["to"])

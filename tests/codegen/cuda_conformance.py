@@ -5,8 +5,8 @@ imports a rank's graph on one device, its ops grouped into kernels as ``build_cu
 them (fusion, views), the kernels generated for ``sm_90`` and compiled for the host
 (``tests/cuda_host.py``, many cases to one translation unit), and the program run kernel by kernel
 (views and ops without a kernel by the evaluator); the graph's outputs are checked against the
-case's expected outputs under the conformance tolerance. Classes: passed, wrong (a kernel's
-result differs; the detail names the kernel), refused (the cuda target refuses an op with a typed
+case's expected outputs under the conformance tolerance. Classes: passed, wrong (an output
+differs; the detail names it), refused (the cuda target refuses an op with a typed
 error), error (an untyped exception: a defect), skipped (not run by the evaluator's conformance).
 
 Usage: ``python tests/codegen/cuda_conformance.py [substring ...] [-v]`` prints the counts and,

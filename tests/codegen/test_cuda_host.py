@@ -1227,3 +1227,29 @@ def test_an_mbarrier_used_before_its_init_fails_the_launch(tmp_path):
     assert broken != src.text
     with pytest.raises(RuntimeError, match="mbarrier [0-9]+ used before init"):
         run(build(broken, str(tmp_path)), launch, [a, b], [((M, N), np.uint16)], grid=(2, 1, 1), seed=2)
+
+
+@pytest.mark.parametrize("kind,saturate", [("float8_e4m3fn", 1), ("float8_e4m3fnuz", 0), ("float8_e5m2", 0),
+                                           ("float8_e5m2fnuz", 1)])
+def test_float8_program_on_the_host(tmp_path, kind, saturate):
+    """A program with float8 activations (a quantization and a cast with or without saturation to
+    float8 outputs, and their float32 values; tests/float8_models.py) as its cuda kernels for sm_90
+    (bytes, codegen/float8.py), on inputs with every special value, ties, subnormals and
+    overflows: the values (NaN where NaN, zeros with their sign) the evaluator gives."""
+    from float8_models import float8_model, same_values
+
+    from shardflow.compiler import load_onnx
+
+    m, feeds = float8_model(kind, saturate)
+    env, consts, groups = _graph_values(load_onnx(m), feeds, views=True)
+    src = generate_cuda_source(groups, arch="sm_90")
+    assert f"sf_float_to_{kind[7:]}(" in src.text
+    host_groups = [g for g in groups if g.name in src.launches]
+    kernels = build(src.text, str(tmp_path))
+    for g in host_groups:
+        launch = src.launches[g.name]
+        ins = [env[n] if n in env else consts[n] for n in launch.args[:launch.num_inputs]]
+        outs = run(kernels, launch, ins, [(env[n].shape, env[n].dtype) for n in launch.args[launch.num_inputs:]])
+        for n, o in zip(launch.args[launch.num_inputs:], outs):
+            same_values(o, env[n], f"{g.name} -> {n}")
+    assert {n for g in host_groups for n in src.launches[g.name].args} >= {"q", "c", "y"}

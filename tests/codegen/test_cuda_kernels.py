@@ -507,3 +507,27 @@ def test_bfloat16_kernels(tmp_path):
             np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
         else:
             np.testing.assert_allclose(got, want, rtol=rtol)
+
+
+@needs_nvcc
+def test_float8_kernels_compile_for_sm90(tmp_path):
+    """The float8 conversions (codegen/float8.py) in real CUDA: the float8 test model of every
+    type, fused as the driver fuses it, through nvcc for sm_90 (the host emulation runs the same
+    source: test_cuda_host.py's float8 test)."""
+    from float8_models import float8_model
+
+    from shardflow.compiler import load_onnx
+
+    ops = []
+    for kind in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"):
+        g = load_onnx(float8_model(kind, 1)[0])
+        for op in g.nodes:
+            op.name = f"{kind}/{op.name}"
+        ops += list(g.nodes)
+    path = str(tmp_path / "k.cubin")
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "cache"), fuse=True,
+                                  keep=["q", "c", "y"])
+    data = open(path, "rb").read()
+    symbols = [launch.symbol for launch in launches.values() if launch is not None]
+    assert data[:4] == b"\x7fELF" and len(symbols) == 12  # (a quantization, a cast, the float32 sum: per type)
+    assert all(sym.encode() in data for sym in symbols)
