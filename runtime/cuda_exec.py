@@ -279,7 +279,10 @@ class CudaEngine:
                 if type(a).__module__.startswith("cupy"):
                     cp.copyto(view, a)
                 else:
-                    view.set(np.asarray(a, order="C"), stream=self.stream)
+                    h = np.asarray(a, order="C")
+                    if h.dtype != view.dtype and h.dtype.kind == "V" and h.dtype.itemsize == view.dtype.itemsize:
+                        h = h.view(view.dtype)  # (ml_dtypes' bfloat16 and float8: their bytes on the device)
+                    view.set(h, stream=self.stream)
         if self.use_graph and self.graphs is None and self.runs >= 1:
             self.graphs = {}  # captured from now on, each kind on its first use
         fresh = device_io and copy_outputs and bool(self.tail)  # the last kernels write fresh arrays

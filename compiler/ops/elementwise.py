@@ -257,6 +257,8 @@ def examples(rng: np.random.Generator):
         else:
             res.append((Binary, [np.abs(x) + 0.1, y], {"fn": fn}))
     res += [(CastOp, [x * 10], {"to": "int32"}), (CastOp, [i], {"to": "float16"}),
+            (CastOp, [x * 600], {"to": "float8_e4m3fn"}),  # (saturated: |x| * 600 > 448 for some)
+            (CastOp, [x * 6e4], {"to": "float8_e5m2", "saturate": False}),  # (past 61440: infinities)
             (Where, [x > 0, x, y], {}), (Clip, [x], {"lo": -0.5, "hi": 0.5}), (Clip, [x], {"lo": None, "hi": 0.1}),
             (Identity, [x], {}), (BitCast, [x], {"to": "int32"}), (BitCast, [x > 0], {"to": "uint8"})]
     params = {"alpha": 0.3, "beta": 0.4, "gamma": 1.2, "lambd": 0.5, "bias": 0.1}

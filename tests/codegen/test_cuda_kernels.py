@@ -374,8 +374,10 @@ def gpu_module(library):
 
 def _run(module, launch: KernelLaunch, op, arrays):
     import cupy
+    from shardflow.runtime.artifact import buffer_dtype
+
     ins = [cupy.asarray(np.ascontiguousarray(a)) for a in arrays]
-    outs = [cupy.empty(t.shape, t.dtype) for t in op.outputs]
+    outs = [cupy.empty(t.shape, buffer_dtype(t.dtype, device=True)) for t in op.outputs]  # (float8: bytes)
     for o in outs:  # poison the outputs so that an element the kernel misses cannot pass
         if o.size:
             o.reshape(-1).view(cupy.uint8).fill(0x5A)
@@ -384,7 +386,7 @@ def _run(module, launch: KernelLaunch, op, arrays):
         fn.max_dynamic_shared_size_bytes = launch.shared_mem
     fn(launch.grid, launch.block, kernel_args(launch.tensor_maps, ins + outs), shared_mem=launch.shared_mem)
     cupy.cuda.runtime.deviceSynchronize()
-    return [cupy.asnumpy(o) for o in outs]
+    return [cupy.asnumpy(o).view(buffer_dtype(t.dtype)) for o, t in zip(outs, op.outputs)]
 
 
 def _check(name, kind, got, want):

@@ -253,3 +253,28 @@ def test_a_persistent_grid_lowered_to_the_device_stays_whole_clusters(monkeypatc
     (launches, _), = eng.segments
     assert launches[0].args[0] == (want, 1, 1) and launches[1].args[0] == (1, 1, 1)
     np.testing.assert_array_equal(eng.run({"x": np.ones(4, np.float32)})["y"], 2 * (1 + np.arange(4)))
+
+
+def copy_bytes(x, y):
+    np.copyto(y, x)
+
+
+def test_a_float8_input_reaches_the_device_as_its_bytes(monkeypatch):
+    """A float8 input (ml_dtypes' array on the host, bytes in the arena: cupy has no float8) is
+    copied as its bytes, not converted to their integer values; the output comes back as bytes."""
+    import ml_dtypes
+
+    log: list = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy({"copy": copy_bytes}, log))
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    buffers = [{"name": n, "shape": [4], "dtype": "float8_e4m3fn", "storage": "arena", "offset": o}
+               for n, o in (("x", 0), ("y", 64))]
+    steps = [{"kind": "kernel", "node": "copy", "symbol": "copy", "inputs": [0], "outputs": [1],
+              "launch": {"grid": [1, 1, 1], "block": [32, 1, 1]}}]
+    p = {"buffers": buffers, "steps": steps, "inputs": [["x", 0]], "outputs": [["y", 1]], "arena_bytes": 128}
+    prog = types.SimpleNamespace(program=p, weights=np.zeros(0, np.uint8), buffers=[None] * 2,
+                                 directory=Path("."), rank=0, groups={})
+    x = np.array([1.5, -448.0, 0.25, 3.0], ml_dtypes.float8_e4m3fn)
+    y = CudaEngine(prog).run({"x": x})["y"]
+    assert y.dtype == np.uint8 and y.tobytes() == x.tobytes()
