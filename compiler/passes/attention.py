@@ -391,9 +391,11 @@ class FuseAttention(GraphPass):
         w = self._prod(bias)
         while _is(w, "Cast") and dtype_kind(w.outputs[0].dtype) == "f":
             w = self._prod(w.inputs[0])
-        if not _is(w, "Where") or not w.outputs[0].shape or w.outputs[0].shape[-1] != l_len:
+        select = self._mask_select(w)
+        if select is None or not select[3].shape or select[3].shape[-1] != l_len:
             return None
-        for leaf, combined in self._condition_leaves(w.inputs[0]):
+        cond, if_true, if_false, mask = select
+        for leaf, combined in self._condition_leaves(cond):
             cmp = self._prod(leaf)
             if not _is(cmp, "Binary") or cmp.attrs.get("fn") not in self._SWAPPED:
                 continue
@@ -401,7 +403,7 @@ class FuseAttention(GraphPass):
             if not self._is_key_index(a, l_len):
                 a, b, fn = b, a, self._SWAPPED[fn]
             per_sequence = (b.ndim == 4 and tuple(b.shape) == (batch, 1, 1, 1) and batch > 1
-                            and w.outputs[0].ndim == 4)  # (a position per sequence, on the scores' batch axis)
+                            and mask.ndim == 4)  # (a position per sequence, on the scores' batch axis)
             per_row = (s_len > 1 and b.size == s_len and b.ndim >= 2 and b.shape[-2:] == (s_len, 1))  # (a query's)
             # (j <= p shows a key only with the other conditions of an And; j > p hides it whatever an Or adds)
             if self._is_key_index(a, l_len) and (b.size == 1 or per_sequence or per_row) \
@@ -409,16 +411,16 @@ class FuseAttention(GraphPass):
                 break
         else:
             return None
-        hidden = w.inputs[2] if fn in ("le", "lt") else w.inputs[1]  # (the side of the keys past p)
+        hidden = if_false if fn in ("le", "lt") else if_true  # (the side of the keys past p)
         if not (hidden.is_constant and hidden.size == 1 and dtype_kind(hidden.dtype) == "f"):
             return None
         h = float(np.asarray(hidden.value, np.float64).reshape(()))
         # (under a finite hidden value, other conditions or a row's own position may hide every key
         # below the bound from a row, which then weighs every key: the bound is dropped for its batch)
         blind = h != -np.inf and bool(combined or per_row)
-        key = (id(b), fn in ("le", "gt"), batch) + ((id(w.inputs[0]),) if blind else ())
+        key = (id(b), fn in ("le", "gt"), batch) + ((id(cond),) if blind else ())
         if h != -np.inf:
-            shown = w.inputs[1] if fn in ("le", "lt") else w.inputs[2]
+            shown = if_true if fn in ("le", "lt") else if_false
             lowest = float(np.finfo(np.dtype(hidden.value.dtype)).min) if hidden.value.dtype.kind == "f" else None
             if not (h <= _HIDDEN or h == lowest) or not (shown.is_constant and shown.size == 1) \
                     or not float(np.asarray(shown.value, np.float64).reshape(())) > -1e4:
@@ -443,9 +445,33 @@ class FuseAttention(GraphPass):
             new_ops.append(Expand([n], name=name if not blind else f"{name}.each", shape=(batch,)))
             n = new_ops[-1].outputs[0]
         if blind:
-            n = self._unless_blind(w.inputs[0], fn in ("le", "lt"), n, batch, name, new_ops)
+            n = self._unless_blind(cond, fn in ("le", "lt"), n, batch, name, new_ops)
         self._bounds[key] = n
         return self._bounds[key]
+
+    def _mask_select(self, w: Operator | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """``(c, t, f, y)`` when ``w`` computes a mask ``y = c ? t : f``: ``Where(c, t, f)``, or with
+        a finite constant ``h`` (either operand) ``Mul(Cast(c), h)`` (``h`` where the boolean ``c``
+        holds, 0 elsewhere) or ``Mul(1 - Cast(c), h)`` (0 where it holds): a mask written as a
+        product, ``(j > pos) * finfo.min``."""
+        if _is(w, "Where"):
+            return w.inputs[0], w.inputs[1], w.inputs[2], w.outputs[0]
+        if not (_is(w, "Binary") and w.attrs.get("fn") == "mul"):
+            return None
+        for h, other in (w.inputs, w.inputs[::-1]):
+            if not (h.is_constant and h.size == 1 and dtype_kind(h.dtype) == "f"
+                    and np.isfinite(np.asarray(h.value, np.float64)).all()):
+                continue
+            zero = const_tensor(np.zeros((), np.asarray(h.value).dtype), f"{w.name}.zero")
+            p = self._prod(other)
+            if _is(p, "Cast") and p.inputs[0].dtype == "bool":
+                return p.inputs[0], h, zero, w.outputs[0]
+            one, c = (p.inputs if _is(p, "Binary") and p.attrs.get("fn") == "sub" else (None, None))
+            cast = self._prod(c) if c is not None else None
+            if one is not None and one.is_constant and one.size == 1 and float(np.asarray(one.value).reshape(())) == 1 \
+                    and _is(cast, "Cast") and cast.inputs[0].dtype == "bool":
+                return cast.inputs[0], zero, h, w.outputs[0]
+        return None
 
     @staticmethod
     def _unless_blind(cond: Tensor, shows: bool, n: Tensor, batch: int, name: str, new_ops: list) -> Tensor:

@@ -393,14 +393,15 @@ def test_a_half_model_softmax_in_float32_is_fused(tmp_path, half, form):
 
 
 def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequence: bool = False,
-                       pad: bool = False, rows: int = 1):
+                       pad: bool = False, rows: int = 1, mul: bool = False):
     """A float16 decoding step's attention over a static cache of 40 rows whose mask hides the
     rows past a runtime ``pos``: ``Where(J cmp pos, 0, hide)`` (``J cmp pos`` written ``pos cmp' J``
     with ``swap``; for ``gt``/``ge`` ``Where(c, hide, 0)``), ``J`` the constant ``index``
     (``arange(40)`` by default); ``pos`` ``[1]``, ``[2, 1, 1, 1]`` (``per_sequence``), or with ``rows``
     queries (a prompt over the cache) one per row, ``[rows, 1]``; with ``pad``
     the test combined with a padding mask input ``pad`` ``[2, 1, 1, 40]`` (``And``, or ``Or`` with its
-    negation for ``gt``/``ge``)."""
+    negation for ``gt``/``ge``); with ``mul`` (a finite ``hide``) the mask a product,
+    ``(1 - Cast(cond)) * hide`` (``Cast(cond) * hide`` for ``gt``/``ge``)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -419,9 +420,14 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
     if pad:
         combine = [helper.make_node("And", ["test", "pad"], ["cond"])] if cmp in ("le", "lt") else \
             [helper.make_node("Not", ["pad"], ["nopad"]), helper.make_node("Or", ["test", "nopad"], ["cond"])]
-    where = helper.make_node("Where", ["cond", "zero", "hide"] if cmp in ("le", "lt") else ["cond", "hide", "zero"],
-                             ["bias"])
-    nodes = [compare, *combine, where, helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+    where = [helper.make_node("Where", ["cond", "zero", "hide"] if cmp in ("le", "lt") else ["cond", "hide", "zero"],
+                              ["bias"])]
+    if mul:
+        consts.append(numpy_helper.from_array(np.array(1.0, np.float16), "one"))
+        where = [helper.make_node("Cast", ["cond"], ["condf"], to=f16)] + (
+            [helper.make_node("Sub", ["one", "condf"], ["shown"]), helper.make_node("Mul", ["shown", "hide"], ["bias"])]
+            if cmp in ("le", "lt") else [helper.make_node("Mul", ["hide", "condf"], ["bias"])])
+    nodes = [compare, *combine, *where, helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s0"]), helper.make_node("Mul", ["s0", "c"], ["s1"]),
              helper.make_node("Add", ["s1", "bias"], ["s2"]), helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
              helper.make_node("MatMul", ["p", "v"], ["y4"]),
@@ -451,7 +457,8 @@ def _static_cache_step(cmp: str, swap: bool, hide: float, index=None, per_sequen
     ("le", False, -1.0, False), ("le", False, -np.inf, "reversed"), ("lt", False, -np.inf, "per-sequence"),
     ("le", False, -np.inf, "padded"), ("gt", True, -np.inf, "padded"),
     ("le", False, float(np.finfo(np.float16).min), "padded"), ("le", False, -np.inf, "rows"),
-    ("le", False, float(np.finfo(np.float16).min), "rows")])
+    ("le", False, float(np.finfo(np.float16).min), "rows"), ("le", False, float(np.finfo(np.float16).min), "mul"),
+    ("gt", True, float(np.finfo(np.float16).min), "mul")])
 def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     """A mask hiding the cache rows past a runtime position (``j <= pos``, ``j < pos``, ``j > pos``
     hidden, either side of the comparison; ``-inf`` or float16's lowest value; one position for
@@ -461,15 +468,16 @@ def test_a_static_cache_mask_bounds_the_keys(cmp, swap, hide, bound):
     key bound (``nonpad_bound``: the kernel
     visits no key block past it) and the same values as the separate ops at every position (the
     first, an inner one, the last, one before the cache: NaN);
+    a mask written as a product (``(1 - Cast(j <= pos)) * lowest``, ``Cast(j > pos) * lowest``) too;
     a mask whose hidden value does not hide (-1) or whose index is not ``0..L-1`` gives none
     (the kernel's side: test_cuda_host.py's static cache tests)."""
     index = np.arange(40, dtype=np.int64)[::-1].copy() if bound == "reversed" else None
     model, feeds = _static_cache_step(cmp, swap, hide, index, per_sequence=bound == "per-sequence",
-                                      pad=bound == "padded", rows=3 if bound == "rows" else 1)
+                                      pad=bound == "padded", rows=3 if bound == "rows" else 1, mul=bound == "mul")
     g0 = load_onnx(model)
     g = FuseAttention().run(load_onnx(model))
     (att,) = [op for op in g.nodes if op.op_type == "Attention"]
-    bounded = bound in (True, "per-sequence", "padded", "rows")
+    bounded = bound in (True, "per-sequence", "padded", "rows", "mul")
     assert bool(att.attrs.get("nonpad_bound")) == bounded, att.attrs
     for pos in (0, 17, 39, -1):
         if hide != -np.inf and pos + (cmp in ("le", "gt")) <= 0:

@@ -483,7 +483,7 @@ def test_half_decoding_step_program_on_the_host(tmp_path, half, pos):
     ("gt", -np.inf, 30, True, 1), ("le", -np.inf, 20, False, 3), ("le", -np.inf, 1, False, 3),
     ("le", -65504.0, (25, 12), True, 1), ("gt", -65504.0, (30, 22), True, 1), ("le", -65504.0, 20, False, 3),
     ("le", -65504.0, 1, False, 3)])
-def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad, rows):
+def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad, rows, mul=False):
     """The fused kernel of a static cache's step whose mask bounds the keys (test_attention's
     ``_static_cache_step``; ``nonpad_bound``) against the op's definition: the key blocks past the
     position not visited (one position, one per sequence, one per query row: their largest;
@@ -496,7 +496,7 @@ def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad
     from shardflow.compiler.passes.attention import FuseAttention
 
     each = isinstance(pos, tuple)  # (a position per sequence)
-    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each, pad=pad, rows=rows)
+    model, feeds = _static_cache_step(cmp, False, hide, per_sequence=each, pad=pad, rows=rows, mul=mul)
     feeds["pos"] = np.array(pos, np.int64).reshape(2, 1, 1, 1) if each else np.array([pos], np.int64) \
         if rows == 1 else np.arange(pos - rows + 1, pos + 1, dtype=np.int64).reshape(rows, 1)
     g = FuseAttention().run(load_onnx(model))
@@ -511,6 +511,13 @@ def test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, hide, pos, pad
         for r in range(rows):  # (a prompt's row r at position p - rows + 1 + r)
             seen = p - (rows - 1 - r) + (cmp in ("le", "gt")) - (20 if pad and b == 1 else 0)
             assert np.isnan(out[b, r]).all() == (hide == -np.inf and seen <= 0)
+
+
+@pytest.mark.parametrize("cmp,pos", [("le", 17), ("le", -1), ("gt", (30, 0)), ("gt", (0, -2))])
+def test_product_mask_attention_kernel_on_the_host(tmp_path, cmp, pos):
+    """The static cache's mask written as a product (``(1 - Cast(j <= pos)) * lowest``,
+    ``Cast(j > pos) * lowest``: FuseAttention's ``_mask_select``) bounds the keys the same way."""
+    test_static_cache_attention_kernel_on_the_host(tmp_path, cmp, -65504.0, pos, False, 1, mul=True)
 
 
 def test_unaligned_weight_of_a_bfloat16_model_on_the_host(tmp_path):
