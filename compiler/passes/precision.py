@@ -383,8 +383,9 @@ def _in_float32(graph: FlowGraph, half_of: "Callable[[Operator], str | None]", w
             inputs.append(widened.get(id(t), t) if t.dtype == half else t)
         wide = op.clone(inputs)
         new.append(wide)
-        for old, out in zip(op.outputs, wide.outputs):
-            new.append(CastOp([out], name=f"{op.name}.{half}", to=half))
+        for k, (old, out) in enumerate(zip(op.outputs, wide.outputs)):  # (one name per output: Attention's
+            # scores output beside Y)
+            new.append(CastOp([out], name=f"{op.name}.{half}" if k == 0 else f"{op.name}.out{k}.{half}", to=half))
             replace[id(old)] = new[-1].outputs[0]
         after[id(op)] = new
     if after:
