@@ -312,13 +312,13 @@ def _convert(x: str, src: str, dst: str) -> str:
     if dst == "bool":
         return f"(({x}) != 0)"
     if dst == "float16":
-        if src in ("float32", "bfloat16") or src in float8.FLOAT8:
+        if _REG_CTYPE[src] == "float":
             return f"sf_rh({x})"
         if src == "float64":
             return f"sf_rh_d({x})"
         return f"sf_rh((float)({x}))"
     if dst == "bfloat16":
-        if src in ("float32", "float16") or src in float8.FLOAT8:
+        if _REG_CTYPE[src] == "float":
             return f"sf_rb({x})"
         if src == "float64":
             return f"sf_rb_d({x})"

@@ -73,8 +73,7 @@ class CodegenError(ShardflowError):
 
 #: Tensor dtypes the emitters store and load.
 SUPPORTED_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                    "float16", "bfloat16", "float32", "float64",
-                    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+                    "float16", "float32", "float64", *ML_FLOATS)  # (bfloat16 and float8: codegen/float8.py)
 
 #: Unary functions that numpy computes in floating point (integer inputs give floats).
 FLOAT_FUNCS = frozenset({"exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "asin", "acos", "atan", "sinh",

@@ -447,7 +447,7 @@ class FuseAttention(GraphPass):
         if blind:
             n = self._unless_blind(cond, fn in ("le", "lt"), n, batch, name, new_ops)
         self._bounds[key] = n
-        return self._bounds[key]
+        return n
 
     def _mask_select(self, w: Operator | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """``(c, t, f, y)`` when ``w`` computes a mask ``y = c ? t : f``: ``Where(c, t, f)``, or with
@@ -462,15 +462,13 @@ class FuseAttention(GraphPass):
             if not (h.is_constant and h.size == 1 and dtype_kind(h.dtype) == "f"
                     and np.isfinite(np.asarray(h.value, np.float64)).all()):
                 continue
-            zero = const_tensor(np.zeros((), np.asarray(h.value).dtype), f"{w.name}.zero")
             p = self._prod(other)
-            if _is(p, "Cast") and p.inputs[0].dtype == "bool":
-                return p.inputs[0], h, zero, w.outputs[0]
-            one, c = (p.inputs if _is(p, "Binary") and p.attrs.get("fn") == "sub" else (None, None))
-            cast = self._prod(c) if c is not None else None
-            if one is not None and one.is_constant and one.size == 1 and float(np.asarray(one.value).reshape(())) == 1 \
-                    and _is(cast, "Cast") and cast.inputs[0].dtype == "bool":
-                return cast.inputs[0], zero, h, w.outputs[0]
+            flip = _is(p, "Binary") and p.attrs.get("fn") == "sub" and p.inputs[0].is_constant \
+                and p.inputs[0].size == 1 and float(np.asarray(p.inputs[0].value).reshape(())) == 1
+            cast = self._prod(p.inputs[1]) if flip else p  # (1 - Cast(c): hidden where c fails)
+            if _is(cast, "Cast") and cast.inputs[0].dtype == "bool":
+                zero = const_tensor(np.zeros((), np.asarray(h.value).dtype), f"{w.name}.zero")
+                return (cast.inputs[0], zero, h, w.outputs[0]) if flip else (cast.inputs[0], h, zero, w.outputs[0])
         return None
 
     @staticmethod

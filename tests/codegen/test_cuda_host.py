@@ -626,9 +626,10 @@ def _graph_values(rg, feeds, materialize=lambda op: False, views: bool = False):
     return env, consts, drop_views(groups, names)
 
 
-def _check_kernels(model, kernels, src, groups, env, consts, grid=None):
+def _check_kernels(model, kernels, src, groups, env, consts, grid=None, check=None):
     """Run each group's kernel on the evaluator's values of its inputs and check its outputs
-    (persistent kernels on ``grid`` blocks, all resident, when given)."""
+    (persistent kernels on ``grid`` blocks, all resident, when given; ``check(got, want, name)``
+    instead of the GPU tests' tolerances)."""
     for g in groups:
         launch = src.launches[g.name]
         names = launch.args
@@ -637,7 +638,10 @@ def _check_kernels(model, kernels, src, groups, env, consts, grid=None):
         outs = run(kernels, launch, ins, [(env[n].shape, env[n].dtype) for n in names[launch.num_inputs:]],
                    grid=grid if persistent else None, resident=grid[0] if persistent else 1)
         for n, o in zip(names[launch.num_inputs:], outs):
-            _check(f"{model}: {g.name} -> {n}", launch.kind, o, env[n])
+            if check is None:
+                _check(f"{model}: {g.name} -> {n}", launch.kind, o, env[n])
+            else:
+                check(o, env[n], f"{model}: {g.name} -> {n}")
 
 
 @pytest.fixture(scope="module")
@@ -1252,11 +1256,5 @@ def test_float8_program_on_the_host(tmp_path, kind, saturate):
     src = generate_cuda_source(groups, arch="sm_90")
     assert f"sf_float_to_{kind[7:]}(" in src.text
     host_groups = [g for g in groups if g.name in src.launches]
-    kernels = build(src.text, str(tmp_path))
-    for g in host_groups:
-        launch = src.launches[g.name]
-        ins = [env[n] if n in env else consts[n] for n in launch.args[:launch.num_inputs]]
-        outs = run(kernels, launch, ins, [(env[n].shape, env[n].dtype) for n in launch.args[launch.num_inputs:]])
-        for n, o in zip(launch.args[launch.num_inputs:], outs):
-            same_values(o, env[n], f"{g.name} -> {n}")
+    _check_kernels(kind, build(src.text, str(tmp_path)), src, host_groups, env, consts, check=same_values)
     assert {n for g in host_groups for n in src.launches[g.name].args} >= {"q", "c", "y"}
