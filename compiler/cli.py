@@ -2,7 +2,7 @@
 
 ::
 
-    shardflow compile MODEL.onnx -o OUT [--mesh 2x2] [--target cpu|cuda] [--arch sm_90]
+    shardflow compile MODEL.onnx -o OUT [--mesh 2x2] [--target cpu|cuda] [--arch sm_90] [--sm-count 132]
                       [--shape NAME=2x24 ...] [--value NAME=FILE.npy ...]
                       [--algo ilp|megatron|data|replicate]
                       [--distributed-config FILE.json] [--optimization-config FILE.json]
@@ -189,10 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "a GPU)")
     pc.add_argument("--arch", default=None, metavar="SM",
                     help="CUDA architecture for --target cuda, e.g. sm_90 (default sm_90)")
+    pc.add_argument("--sm-count", type=int, default=None, metavar="N",
+                    help="the target GPU's multiprocessors for --target cuda, e.g. 114 for an H100 PCIe (default: "
+                         "the visible GPU's, else 132)")
     pc.add_argument("--optimization-config", metavar="FILE.json", default=None,
-                    help="a JSON object of optimization_config keys (target, arch, precision, fuse, cuda_graph, "
-                         "pdl, prepack, winograd, int8_qdq, precompute, search_space, comm_backend, gemm_tiles); "
-                         "flags override it")
+                    help="a JSON object of optimization_config keys (target, arch, sm_count, precision, fuse, "
+                         "cuda_graph, pdl, prepack, winograd, int8_qdq, precompute, search_space, comm_backend, "
+                         "gemm_tiles); flags override it")
     pc.add_argument("--state", action="append", metavar="OUTPUT=INPUT", default=None,
                     help="keep OUTPUT in the program as the next run's INPUT (same shape and type), e.g. "
                          "present.0.key=past_key_values.0.key for a KV cache of fixed size; not returned by runs "
@@ -276,6 +279,9 @@ def _cmd_compile(args) -> int:
     if args.arch is not None:
         ocfg["arch"] = args.arch
         ocfg.setdefault("target", "cuda")
+    if args.sm_count is not None:
+        ocfg["sm_count"] = args.sm_count
+        ocfg.setdefault("target", "cuda")
     result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
                             input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
                             state=parse_state(args.state))
@@ -347,6 +353,7 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     m0 = read_manifest(out / "rank0")
     return {"out_dir": str(out), "shardflow_version": m0.get("shardflow_version"),
             "artifact_format": m0.get("artifact_format"), "target": m0["target"], "arch": m0.get("arch"),
+            "sm_count": m0.get("sm_count"),
             "world_size": m0["world_size"], "mesh_shape": mesh.get("mesh", {}).get("shape"),
             "axis_names": mesh.get("mesh", {}).get("axis_names"), "algo": plan.get("algo"),
             "modeled_cost_s": plan.get("cost_s"), "comm_backend": m0.get("comm_backend"),
@@ -369,7 +376,8 @@ def _cmd_inspect(args) -> int:
         print(json.dumps(info, indent=1))
     else:
         lines = [f"{info['out_dir']}: shardflow {info['shardflow_version']} (artifact format "
-                 f"{info['artifact_format']}), target {info['target']} ({info['arch']})",
+                 f"{info['artifact_format']}), target {info['target']} ({info['arch']}"
+                 + (f", {info['sm_count']} multiprocessors" if info.get("sm_count") else "") + ")",
                  f"mesh {info['mesh_shape']} {info['axis_names']}, {info['world_size']} rank(s), plan "
                  f"{info['algo']} (modeled cost {info['modeled_cost_s']} s), comm_backend {info['comm_backend']}",
                  "inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i.get('global_shape', i['shape'])} "

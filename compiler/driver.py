@@ -12,6 +12,11 @@ key               meaning                                                       
 ================  =========================================================================  ==========
 ``target``        ``"cpu"`` (C++ kernels in a ``.so``) or ``"cuda"``                         ``"cpu"``
 ``arch``          GPU architecture for cuda, e.g. ``"sm_90"`` (cpu: must be unset)           ``"sm_90"``
+``sm_count``      cuda: the target GPU's multiprocessors (114 for an H100 PCIe, 78 for an     the GPU's
+                  H20, 108 for an A100), which the GEMM tiles, K splits, persistent grids    or ``132``
+                  and attention KV splits are sized for. Default: the visible GPU's count
+                  when its compute capability is ``arch``'s, else 132 (an H100 SXM's or
+                  H200's). Any value runs correctly; a wrong one fills the GPU less well
 ``precision``     ``"float32"`` (cuda GEMMs: 3xTF32, fp32-accurate); ``"tf32"`` (cuda only:   ``"float32"``
                   one TF32 product, faster, relative error ~1e-3; see ``wgmma_fp32``);
                   ``"float16"``: the operands of contractions rounded to float16 (weights
@@ -75,6 +80,7 @@ import inspect
 import logging
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -107,6 +113,7 @@ class OptimizationConfig:
 
     target: str = "cpu"
     arch: str | None = None
+    sm_count: int | None = None
     precision: str = "float32"
     fuse: bool = True
     cuda_graph: bool = True
@@ -162,15 +169,25 @@ class OptimizationConfig:
             if target != "cuda":
                 raise ConfigError(f"optimization_config['arch'] = {arch!r} only applies to target 'cuda' (the cpu "
                                   "target compiles for the machine running the compiler)")
-            if not (arch.startswith(("sm_", "compute_")) and arch.split("_", 1)[1].rstrip("af").isdigit()):
-                raise ConfigError(f"optimization_config['arch'] = {arch!r}: use a CUDA architecture such as 'sm_80' "
-                                  "or 'sm_90'")
-            if int(arch.split("_", 1)[1].rstrip("af")) < 80:
+            if not re.fullmatch(r"sm_\d+a?", arch):
+                raise ConfigError(f"optimization_config['arch'] = {arch!r}: use a CUDA GPU architecture such as "
+                                  "'sm_80' or 'sm_90' (the cuda target compiles cubins, not PTX for a "
+                                  "'compute_' virtual architecture)")
+            if _cuda_sm(arch) < 80:
                 raise ConfigError(f"optimization_config['arch'] = {arch!r}: the cuda target generates code for "
                                   "sm_80 (Ampere) and newer (cp.async copies, TF32 and bfloat16 tensor cores)")
             kw["arch"] = arch
         elif target == "cuda":
             kw["arch"] = "sm_90"
+        if "sm_count" in cfg and cfg["sm_count"] is not None:
+            kw["sm_count"] = typed("sm_count", (int,), "the target GPU's multiprocessor count, e.g. 132")
+            if target != "cuda":
+                raise ConfigError(f"optimization_config['sm_count'] = {kw['sm_count']!r} only applies to target "
+                                  "'cuda' (the cpu target uses the threads of the machine it runs on)")
+            if not 1 <= kw["sm_count"] <= 1024:
+                raise ConfigError(f"optimization_config['sm_count'] = {kw['sm_count']!r}: give the GPU's "
+                                  "multiprocessor count (nvidia-smi -q or cudaDeviceProp.multiProcessorCount), "
+                                  "between 1 and 1024")
         if "precision" in cfg:
             kw["precision"] = typed("precision", (str,), f"one of {list(PRECISIONS)}")
             if kw["precision"] not in PRECISIONS:
@@ -210,6 +227,22 @@ class OptimizationConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def target_sm_count(opt: OptimizationConfig) -> int:
+    """The multiprocessors a cuda program is compiled for: ``opt.sm_count``, else the visible GPU's
+    when its compute capability is ``opt.arch``'s (the machine compiling is the one that will
+    run), else 132 (an H100 SXM's or H200's)."""
+    from .codegen.cuda_wgmma import PERSISTENT_SMS
+    from .codegen.tune import visible_gpu
+
+    if opt.sm_count is not None:
+        return opt.sm_count
+    gpu = visible_gpu()
+    if gpu is not None and gpu["sm"] == _cuda_sm(opt.arch or ""):
+        log.info("cuda: kernels sized for this machine's %s (%d multiprocessors)", gpu["name"], gpu["sms"])
+        return gpu["sms"]
+    return PERSISTENT_SMS
 
 
 def _cuda_sm(arch: str) -> int:
@@ -1101,6 +1134,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     ranks_info: list[dict] = []
     out = Path(out_dir)
     kernels_name = "kernels.so" if opt.target == "cpu" else "kernels.cubin"
+    sm_count = target_sm_count(opt) if opt.target == "cuda" else None
     # Winograd's weights are up to 4x the 3x3 ones, more than the plan counted against a memory budget
     winograd = opt.winograd and dcfg.memory_budget_bytes is None
     if opt.winograd and not winograd and opt.target == "cpu":
@@ -1208,6 +1242,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                   "views": [op.name for op in views]}
             if opt.target == "cuda":
                 kw["arch"] = opt.arch
+                kw["sms"] = sm_count
                 kw["precision"] = opt.precision
                 if opt.gemm_tiles:
                     kw["gemm_tiles"] = opt.gemm_tiles
@@ -1251,6 +1286,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 "shardflow_version": __version__,
                 "target": opt.target,
                 "arch": opt.arch if opt.target == "cuda" else platform.machine(),
+                **({"sm_count": sm_count} if opt.target == "cuda" else {}),
                 "rank": r,
                 "world_size": world,
                 "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names), "coord": list(coord),

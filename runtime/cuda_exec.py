@@ -94,6 +94,11 @@ class CudaEngine:
         p = prog.program
         self.device = cp.cuda.Device().id
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        compiled_for = getattr(prog, "manifest", {}).get("sm_count")
+        if compiled_for and int(compiled_for) != self.sms:  # (correct either way; only the sizing is off)
+            log.warning("rank %s: its kernels were sized for %d multiprocessors and this GPU has %d: recompile "
+                        "with optimization_config['sm_count'] = %d (or on this machine) for the best tiles and "
+                        "splits", getattr(prog, "rank", "?"), int(compiled_for), self.sms, self.sms)
         self.stream = cp.cuda.Stream(non_blocking=True)
         with self.stream:
             self.weights = cp.asarray(prog.weights) if prog.weights.nbytes else cp.zeros(1, cp.uint8)
@@ -168,7 +173,7 @@ class CudaEngine:
             return None  # nothing to compute (empty output)
         if launch.get("persistent") and grid[0] > self.sms:  # blocks loop over the work: one per SM
             cluster = int(launch.get("cluster", 1))  # (whole clusters: the grid a multiple of their size)
-            grid = (self.sms - self.sms % cluster,) + grid[1:]
+            grid = (max(cluster, self.sms - self.sms % cluster),) + grid[1:]
         if launch.get("tensor_maps"):  # TMA-fed kernels: the buffers' addresses are fixed from here on
             args = kernel_args(launch["tensor_maps"], args, f"kernel {s['symbol']} ({s['node']})")
         smem = int(launch.get("shared_mem", 0))

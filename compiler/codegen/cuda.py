@@ -75,7 +75,7 @@ from . import float8
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import (PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand,
-                         wgmma_gemm_kernel, wgmma_helpers)
+                         check_sms, target_sms, wgmma_gemm_kernel, wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
@@ -1639,11 +1639,12 @@ def _rows_of_a(plan: _GemmPlan, an: _Analysis, reads, names) -> tuple[str, str] 
 def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, params: str,
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
                 config: str | None = None, gemv: bool = False,
-                codes: Codes | None = None, wgmma_fp32: bool = False) -> tuple[str, dict, tuple | None]:
+                codes: Codes | None = None, wgmma_fp32: bool = False,
+                sms: int = PERSISTENT_SMS) -> tuple[str, dict, tuple | None]:
     """The kernel of a GEMM ``plan`` (:func:`_plan_gemm`): a tensor-core template, or with ``gemv``
     (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as low-bit codes).
     ``wgmma``: half-precision products may take the Hopper template, and float32 ones (TF32 or
-    3xTF32) with ``wgmma_fp32`` or on a forced ``config``."""
+    3xTF32) with ``wgmma_fp32`` or on a forced ``config``. ``sms``: the target's multiprocessors."""
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1742,11 +1743,11 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
                                  root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                                  a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config, vec=vec,
-                                 row_reads=_reads_per_row(value, plan.m_axes, an))
+                                 row_reads=_reads_per_row(value, plan.m_axes, an), sms=sms)
     src, launch = gemm_kernel(symbol=symbol, params=params, prec=plan.prec, M=M, N=N, K=K, batch=B,
                               root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                               load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,
-                              epilogue="\n".join(epi), config=choose_gemm_config(M, N, B))
+                              epilogue="\n".join(epi), config=choose_gemm_config(M, N, B, sms))
     return src, launch, None
 
 
@@ -1916,10 +1917,10 @@ def _attention_type(att: Operator, fp32: str) -> str:
 
 
 def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: _Analysis, reads,
-                     names, fp32: str = "f32") -> tuple[str, dict] | None:
+                     names, fp32: str = "f32", sms: int = PERSISTENT_SMS) -> tuple[str, dict] | None:
     """``op`` (an ``Attention`` with its fused prologue and element-wise epilogue) as the fused
-    attention kernel (:mod:`.cuda_attention`; float32 operands: ``fp32``'s products), or None where
-    that kernel does not apply."""
+    attention kernel (:mod:`.cuda_attention`; float32 operands: ``fp32``'s products; split-KV for
+    ``sms`` multiprocessors), or None where that kernel does not apply."""
     from ..ir.task import TensorInput
     from .cuda_attention import AttnOperand, attention_kernel, packs_heads, takes_heads
     from .fusion import chain
@@ -2053,7 +2054,7 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
                             empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0
                                                  or (nonpad is not None and not bound)),
                             causal=hi, lo=None if left < 0 else shift(-left), softcap=float(a.get("softcap", 0.0)),
-                            keys=keys, sink=sink_at)
+                            keys=keys, sink=sink_at, sms=sms)
 
 
 # --- one op --------------------------------------------------------------------------------------
@@ -2082,7 +2083,8 @@ _GEMV_MIN_K = 16
 
 def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
               config: str | None = None, mma: bool = False,
-              in_place: int | None = None, wgmma_fp32: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
+              in_place: int | None = None, wgmma_fp32: bool = False,
+              sms: int = PERSISTENT_SMS) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -2103,7 +2105,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
 
     att = _attention_member(op) if mma and len(task.outputs) == 1 else None
     if att is not None:
-        fused = _lower_attention(op, att, symbol, param_text, an, reads, names, fp32)
+        fused = _lower_attention(op, att, symbol, param_text, an, reads, names, fp32, sms)
         if fused is None:
             log.warning("%s: the fused attention kernel does not apply (operand layout, head size or "
                         "epilogue); it gets the generic kernel, which recomputes the scores per output "
@@ -2117,7 +2119,7 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         plan = _plan_gemm(gc, value, an, fp32)
         if plan is not None:
             src, cfg, wrapper = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, wgmma,
-                                            config, wgmma_fp32=wgmma_fp32)
+                                            config, wgmma_fp32=wgmma_fp32, sms=sms)
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
                                   len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())),
@@ -2165,7 +2167,8 @@ class CudaSource:
 
 def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", arch: str = "sm_80",
                          gemm_configs: dict[str, str] | None = None, pdl: bool = False,
-                         in_place: dict[str, int] | None = None, wgmma_fp32: bool = False) -> CudaSource:
+                         in_place: dict[str, int] | None = None, wgmma_fp32: bool = False,
+                         sms: int = PERSISTENT_SMS) -> CudaSource:
     """Generate the CUDA translation unit for ``ops`` (no compilation).
 
     Parameters
@@ -2192,6 +2195,11 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         On sm_90: float32 products whose operands are both K-major take the wgmma template too
         (one TF32 product at ``precision="tf32"``, else 3xTF32; rfcs/0005 decisions 33, 34), not
         only those on a tile ``gemm_configs`` forces. Not measured on a GPU yet: off by default.
+    sms
+        The target GPU's multiprocessors (default 132, an H100 SXM's or H200's): the wgmma tile
+        choice, K splits and persistent grids, the portable GEMM's tile and the attention's KV
+        splits are sized for them (a launcher lowers a persistent grid to the device's count, so
+        any value runs correctly; a wrong one only fills the GPU less well).
 
     Returns
     -------
@@ -2207,6 +2215,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     if precision not in FP32_GEMM:
         raise CudaCodegenError(f"precision {precision!r}: choose one of {sorted(FP32_GEMM)}")
     fp32 = FP32_GEMM[precision]
+    sms = target_sms(sms) if arch in WGMMA_ARCHS else check_sms(sms)
     if pdl and _sm(arch) < 90:
         raise CudaCodegenError(f"programmatic dependent launch (pdl) needs sm_90 or newer, not {arch!r}")
     head = PRELUDE + (PDL_HELPER if pdl else "")
@@ -2227,7 +2236,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         try:
             src, launch, wrapper = _lower_op(op, _PLACEHOLDER, fp32, arch in WGMMA_ARCHS,
                                              (gemm_configs or {}).get(op.name), _sm(arch) >= 80,
-                                             (in_place or {}).get(op.name), wgmma_fp32)
+                                             (in_place or {}).get(op.name), wgmma_fp32, sms)
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -2447,7 +2456,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
                        search_space: int = 1, views: Sequence[str] = (),
                        gemm_tiles: dict[str, str] | None = None, pdl: bool = False, wgmma_fp32: bool = False,
-                       in_place: dict[str, str] | None = None) -> dict[str, KernelLaunch | None]:
+                       in_place: dict[str, str] | None = None,
+                       sms: int = PERSISTENT_SMS) -> dict[str, KernelLaunch | None]:
     """Generate, compile and cache the CUDA kernels of ``ops`` into the cubin ``path``.
 
     Parameters
@@ -2499,6 +2509,9 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         bytes (a state, ``compile(state=...)``; the caller makes sure the program aliases them). The
         kernel writing such an output as a select that keeps the input's element (``c ? x[i] :
         e``) stores only where ``c`` does not hold (a KV cache's new rows, not the whole cache).
+    sms
+        The target GPU's multiprocessors (see :func:`generate_cuda_source`;
+        ``optimization_config["sm_count"]``).
 
     Returns
     -------
@@ -2565,11 +2578,10 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
-                           wgmma_fp32=wgmma_fp32,
+                           wgmma_fp32=wgmma_fp32, sms=sms,
                            cache_dir=cache, compile_source=lambda s: compile_unit(s)[0])
     src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})}, pdl=pdl,
-                               wgmma_fp32=wgmma_fp32,
-                               in_place=aliased)
+                               wgmma_fp32=wgmma_fp32, in_place=aliased, sms=sms)
     for pattern, names in matched.items():
         if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):
             log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program (wgmma)", pattern)

@@ -78,8 +78,9 @@ MAX_HEAD_HALF = 256
 FLOAT_TYPES = ("tf32", "f32")
 #: keys per step of the float32 kernels (Q and two stages of K and V at head size 128: 99 KB)
 BLOCK_K_FLOAT = 32
-#: split-KV (:func:`kv_splits`): the blocks a launch should fill (H100/H200's multiprocessors), the
-#: fewest key steps a split takes, the most splits
+#: split-KV (:func:`kv_splits`): the blocks a launch should fill by default (H100/H200's
+#: multiprocessors; the target's count where the caller gives it), the fewest key steps a split
+#: takes, the most splits
 SPLIT_SMS, SPLIT_MIN_STEPS, MAX_SPLITS = 132, 4, 16
 
 
@@ -108,16 +109,16 @@ def packs_heads(S: int, rep: int) -> bool:
     return rep > 1 and -(-S * rep // BLOCK_Q) < rep * -(-S // BLOCK_Q)
 
 
-def kv_splits(B: int, H: int, S: int, L: int, ab: str, D: int = 64, Dv: int = 64) -> int:
+def kv_splits(B: int, H: int, S: int, L: int, ab: str, D: int = 64, Dv: int = 64, sms: int = SPLIT_SMS) -> int:
     """How many blocks share the keys of each block of queries (split-KV, FlashDecoding's): 1
     unless the query blocks (``ceil(S / 64) * H * B``, times :func:`v_chunks`; for heads packed
     by :func:`packs_heads`, ``H`` KV heads of ``S * rep`` rows) leave
-    multiprocessors idle and the keys are long enough that each split gets ``SPLIT_MIN_STEPS``
-    steps (a decoding step's single query over a long KV cache: otherwise one block per head
-    streams the whole cache)."""
+    multiprocessors (``sms``) idle and the keys are long enough that each split gets
+    ``SPLIT_MIN_STEPS`` steps (a decoding step's single query over a long KV cache: otherwise one
+    block per head streams the whole cache)."""
     blocks = -(-S // BLOCK_Q) * H * B * v_chunks(Dv)
     steps = -(-L // keys_per_step(ab, D, Dv))
-    return max(1, min(SPLIT_SMS // max(blocks, 1), steps // SPLIT_MIN_STEPS, MAX_SPLITS))
+    return max(1, min(sms // max(blocks, 1), steps // SPLIT_MIN_STEPS, MAX_SPLITS))
 
 
 def takes_heads(d: int, dv: int, float32: bool = False) -> bool:
@@ -189,7 +190,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
                      Dv: int, rep: int, q: AttnOperand, k: AttnOperand, v: AttnOperand, scale: float,
                      root: str, biases: Sequence[str], epilogue: str, causal: int | str | None = None,
                      empty_rows_zero: bool = True, lo: int | str | None = None, softcap: float = 0.0,
-                     keys: str | None = None, sink: str | None = None) -> tuple[str, dict]:
+                     keys: str | None = None, sink: str | None = None, sms: int = SPLIT_SMS) -> tuple[str, dict]:
     """The kernel's source and launch (``grid``, ``block``, ``shared_mem``).
 
     ``ab``: the operands' type and products: ``"f16"``/``"bf16"`` (half operands), ``"tf32"``
@@ -218,7 +219,8 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     The sizes decide the rest: keys per step (:func:`keys_per_step`), the blocks V's columns are
     shared among (:func:`v_chunks`), whether a block's rows take a KV head's ``rep`` query heads
     (:func:`packs_heads`; then the grid's y is the KV heads) and the key splits
-    (:func:`kv_splits`); the grid's x is the blocks of queries times those splits and chunks.
+    (:func:`kv_splits`, for ``sms`` multiprocessors); the grid's x is the blocks of queries times
+    those splits and chunks.
     """
     flt = ab in FLOAT_TYPES
     if not takes_heads(D, Dv, flt):
@@ -254,7 +256,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     blocks = str(nkb) if keys is None else f"({keys} + {bk - 1}) / {bk}"  # key blocks with a key
     packed = packs_heads(S, rep)
     R, G = (S * rep, H // rep) if packed else (S, H)  # rows of a block's head (a KV head's group if packed); heads
-    nqb, splits = -(-R // BLOCK_Q), kv_splits(B, G, R, L, ab, D, Dv)
+    nqb, splits = -(-R // BLOCK_Q), kv_splits(B, G, R, L, ab, D, Dv, sms)
 
     def row(r: str) -> str:  # the query (and, packed, the head) of the block's row r
         if not packed:

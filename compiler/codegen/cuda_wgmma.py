@@ -126,9 +126,33 @@ WGMMA_CONFIGS = {
 #: per translation unit (:data:`STREAM_K_WORKSPACE`) and shared by its stream-K kernels: a program's
 #: kernels run one at a time on its stream, and a launch leaves every flag it set reset
 _SK_SLOT = max(v[1] // 2 * v[0] * 128 for v in WGMMA_CONFIGS.values() if v[3] == "sk")
-#: multiprocessors a persistent (``tma``) grid is sized for (an H100 SXM / H200 has 132); the launch
-#: says ``persistent`` and the runtime lowers the grid to the device's count where it has fewer
+#: multiprocessors a persistent (``tma``) grid is sized for by default (an H100 SXM / H200 has 132;
+#: ``optimization_config["sm_count"]`` gives another GPU's), and the most it may take (the stream-K
+#: workspace's slots; no sm_90 GPU has more); the launch says ``persistent`` and the runtime lowers
+#: the grid to the device's count where it has fewer
 PERSISTENT_SMS = 132
+
+
+def check_sms(sms: int) -> int:
+    """``sms``, a GPU's multiprocessor count, checked: a positive integer."""
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 1:
+        raise CodegenError(f"multiprocessor count {sms!r}: need a positive integer")
+    return sms
+
+
+def target_sms(sms: int) -> int:
+    """``sms`` (the target GPU's multiprocessors) checked, as the wgmma kernels use it: at most
+    :data:`PERSISTENT_SMS` (every sm_90 GPU's count is at most that)."""
+    return min(check_sms(sms), PERSISTENT_SMS)
+
+
+def cluster_blocks(sms: int, cluster: int) -> int:
+    """The most blocks of a persistent grid of clusters of ``cluster`` blocks on ``sms``
+    multiprocessors. Clusters of four: a GPC whose multiprocessor count is not a multiple of 4
+    leaves some out, so about 3% fewer, a multiple of 4 (132 -> 128: every block resident on an
+    H100 SXM or H200; a GPU of another shape gets an estimate, and any count is correct)."""
+    most = sms if cluster < 4 else sms * 128 // PERSISTENT_SMS
+    return max(cluster, most - most % cluster)
 _BK = 64
 _SMEM_LIMIT = 227 * 1024
 #: bytes of one operand element by wgmma input type; a K tile is one 128-byte swizzle row of them
@@ -629,7 +653,8 @@ def _cluster_applies(config: str, M: int, K: int, bk: int = _BK) -> bool:
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
                       batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
                       config: str | None = None, vec: int = 1,
-                      row_reads: bool = False) -> tuple[str, dict, tuple[int, str, int, int]]:
+                      row_reads: bool = False,
+                      sms: int = PERSISTENT_SMS) -> tuple[str, dict, tuple[int, str, int, int]]:
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
     ``ab`` is ``"f16"``, ``"bf16"``, ``"tf32"`` (float32 operands, both K-major, whose low 13
@@ -641,9 +666,12 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     With ``vec = 4`` (``N`` a multiple of 4) the epilogue handles four consecutive columns: it
     reads ``float sf_acc[4]`` for outputs ``(sf_m, sf_n + j)``, all inside the product.
     ``row_reads``: the epilogue reads a tensor along the output rows (:func:`_epilogue_loop`).
+    ``sms``: the multiprocessors of the GPU the kernel is for (the tile choice, K splits and a
+    persistent grid are sized for them; :func:`target_sms`).
     """
     bk = _bk(ab)
-    config = config or choose_wgmma_config(M, N, batch, K=K, bk=bk)
+    sms = target_sms(sms)
+    config = config or choose_wgmma_config(M, N, batch, sms=sms, K=K, bk=bk)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
@@ -654,7 +682,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=_fitting(config, ab), vec=vec,
-                               row_reads=row_reads)
+                               row_reads=row_reads, sms=sms)
         config = _TMA_FALLBACK[config]
     config = _fitting(config, ab)
     wg, BN, _, _ = WGMMA_CONFIGS[config]
@@ -942,8 +970,9 @@ for (int sf_j = 0; sf_j < {BN // (C * _CHUNK)}; ++sf_j, ++sf_x) {{
 
 def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, root: str, batch_code: str,
                 a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int,
-                row_reads: bool = False) -> tuple[str, dict, tuple]:
-    """A persistent warp-specialized GEMM: ``gridDim.x`` blocks (at most :data:`PERSISTENT_SMS`)
+                row_reads: bool = False, sms: int = PERSISTENT_SMS) -> tuple[str, dict, tuple]:
+    """A persistent warp-specialized GEMM: ``gridDim.x`` blocks (at most ``sms``, the target's
+    multiprocessors, :func:`target_sms`)
     take tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the grouped order. Warpgroup 0 is the
     producer: its first thread waits until a stage is free (``empty`` mbarrier), announces the
     stage's bytes on its ``full`` mbarrier and issues the bulk tensor copies of A and B, which
@@ -989,7 +1018,7 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     assert not (ck or mc) or _cluster_applies(config, M, K, bk), (config, M, K)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     tiles = tiles_m * tiles_n
-    splits = split_count(tiles, K, bk=bk) if mode == "tma" else 1  # split-K through global memory
+    splits = split_count(tiles, K, sms, bk) if mode == "tma" else 1  # split-K through global memory
     per = -(-KT // splits)  # K tiles per split
     units = tiles * (C if ck else splits)
     full = lambda x: f"sf_bars + ({x}) * 8"  # noqa: E731
@@ -1210,9 +1239,7 @@ const int sf_c = (sf_wl & 3) * 2;
 """
     maps = (_tensor_map(a, BM, M, K, ab), _tensor_map(b, BN // 2 if mc and b.k_major else BN, N, K, ab))
     src = src.replace("{SYMBOL}", symbol)
-    # (clusters of four: a GPC whose multiprocessor count is not a multiple of 4 leaves some out, so
-    # at most 128 blocks, all of them resident on a 132-multiprocessor GPU)
-    blocks = stream_k_blocks(tiles, KT) if sk else min(units, PERSISTENT_SMS if cluster < 4 else 128)
+    blocks = stream_k_blocks(tiles, KT, sms) if sk else min(units, cluster_blocks(sms, cluster))
     launch = {"grid": (blocks, 1, 1), "block": (T, 1, 1), "shared_mem": smem, "persistent": True,
               "tensor_maps": maps}
     if cluster > 1:

@@ -31,8 +31,9 @@ import numpy as np
 
 from shardflow.runtime.tma import kernel_args
 from ..ir.graph import Operator
+from .cuda_wgmma import PERSISTENT_SMS
 
-__all__ = ["tune_gemms", "gpu_name"]
+__all__ = ["tune_gemms", "gpu_name", "visible_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +41,25 @@ log = logging.getLogger(__name__)
 CANDIDATES = ("128x256", "128x128", "64x128", "64x64", "tma128x256", "tma128x192", "tma128x128", "tma64x128")
 
 
-def gpu_name() -> str | None:
-    """The name of the CUDA device cupy sees, or None (no cupy, no device)."""
+def visible_gpu() -> dict | None:
+    """The CUDA device cupy sees: ``name``, ``sm`` (its compute capability as ``90`` for 9.0) and
+    ``sms`` (multiprocessors); None without cupy, a driver or a device."""
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return None
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        name = props["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
+        dev = cupy.cuda.Device()
+        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
+        return {"name": name.decode() if isinstance(name, bytes) else str(name), "sm": int(dev.compute_capability),
+                "sms": int(dev.attributes["MultiProcessorCount"])}
     except Exception:  # noqa: BLE001 - no cupy, no driver, no device
         return None
+
+
+def gpu_name() -> str | None:
+    """The name of the CUDA device cupy sees, or None (no cupy, no device)."""
+    gpu = visible_gpu()
+    return gpu["name"] if gpu else None
 
 
 def _random_inputs(op: Operator, cupy):
@@ -132,7 +141,7 @@ def measure_on_gpu(cubin: bytes, launch, op: Operator, reps: int = 10) -> float:
 
 def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir: str,
                compile_source: Callable, measure: Callable | None = None, output: Callable | None = None,
-               device: str | None = None, wgmma_fp32: bool = False) -> dict[str, str]:
+               device: str | None = None, wgmma_fp32: bool = False, sms: int = PERSISTENT_SMS) -> dict[str, str]:
     """Measured wgmma tiles for the GEMMs of ``ops``: op name -> tile name (only ops whose
     choice was measured or cached; the others keep the default).
 
@@ -141,7 +150,8 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
     op)`` is its result on the same operands (default :func:`output_on_gpu`), which must agree with
     the default tile's for the candidate to count; ``device`` names the GPU the choices are for
     (default: the visible one; without one nothing is measured). ``wgmma_fp32``: as
-    :func:`~.cuda.generate_cuda_source` takes it (float32 products on the wgmma template too).
+    :func:`~.cuda.generate_cuda_source` takes it (float32 products on the wgmma template too), and
+    ``sms`` (the target's multiprocessors: the candidates' K splits and grids).
     """
     from .cuda import _atomic_write, generate_cuda_source
 
@@ -151,7 +161,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         return {}
     measure = measure or measure_on_gpu
     output = output or output_on_gpu
-    base = generate_cuda_source(list(ops), precision, arch, wgmma_fp32=wgmma_fp32)
+    base = generate_cuda_source(list(ops), precision, arch, wgmma_fp32=wgmma_fp32, sms=sms)
     folder = os.path.join(cache_dir, "tune")
     chosen: dict[str, str] = {}
     todo = {}  # cache path -> (op, the default tile's source, {candidate: source}, names of ops with its kernel)
@@ -173,11 +183,12 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
             continue
         cands = {}
         for cand in CANDIDATES:
-            src = generate_cuda_source([op], precision, arch, {op.name: cand}, wgmma_fp32=wgmma_fp32)
+            src = generate_cuda_source([op], precision, arch, {op.name: cand}, wgmma_fp32=wgmma_fp32, sms=sms)
             if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
                 continue  # a batched product: the tile falls back to a cp.async one measured anyway
             cands[cand] = src
-        todo[path] = (op, generate_cuda_source([op], precision, arch, wgmma_fp32=wgmma_fp32), cands, [op.name])
+        todo[path] = (op, generate_cuda_source([op], precision, arch, wgmma_fp32=wgmma_fp32, sms=sms), cands,
+                      [op.name])
     # every candidate is compiled before any is timed, all at once (nvcc runs apart from Python)
     sources = {s.text: s for _, alone, cands, _ in todo.values() for s in (alone, *cands.values())}
     cubins = _compile_concurrently(list(sources.values()), compile_source)

@@ -972,8 +972,12 @@ def test_every_case_takes_the_fused_kernel():
     assert [kv_splits(1, 4, 1, 1000, t) for t in ("f16", "f32")] == [4, 8]
     assert kv_splits(8, 12, 128, 128, "f16") == kv_splits(1, 32, 4096, 4096, "f16") == 1  # (GPT-2 8x128; long prefill)
     assert kv_splits(1, 32, 1, 4096, "f16") == 4 and kv_splits(1, 1, 1, 100000, "f16") == 16
-    # Llama 3 8B's decoding step (32 query heads, 8 KV heads): 8 blocks of 4 rows, 16 splits each
+    # Llama 3 8B's decoding step (32 query heads, 8 KV heads): 8 blocks of 4 rows, 16 splits each;
+    # on an H20's 78 multiprocessors 9 (``sms``: optimization_config["sm_count"])
     assert packs_heads(1, 4) and kv_splits(1, 8, 4, 4096, "f16", 128, 128) == 16
+    assert kv_splits(1, 8, 4, 4096, "f16", 128, 128, sms=78) == 9
+    small = generate_cuda_source([ops["decode-split"][0]], arch="sm_90", sms=2).launches["decode-split"]
+    assert small.grid[0] * small.grid[1] * small.grid[2] == 2 < src.launches["decode-split"].grid[0]
     # not a prompt's full blocks, nor heads of their own, nor where packing saves no block
     assert not any(packs_heads(s, r) for s, r in ((128, 4), (1, 1), (40, 2), (64, 8), (33, 2)))
     assert packs_heads(32, 4) and packs_heads(21, 3) and packs_heads(7, 8) and not packs_heads(63, 8)

@@ -88,6 +88,32 @@ def test_configs_follow_the_grid_and_can_be_forced():
         generate_cuda_source([g], arch="sm_90", gemm_configs={"g": "huge"})
 
 
+def test_kernels_are_sized_for_the_target_multiprocessors():
+    """``sms`` (``optimization_config["sm_count"]``): the default tile is the chooser's for that
+    count, persistent grids and K splits fit it, more than 132 is 132 on sm_90 (no Hopper GPU has
+    more: the stream-K workspace's slots), and the portable template's tile follows it too."""
+    from shardflow.compiler.codegen.cuda_templates import choose_gemm_config
+
+    assert choose_wgmma_config(1024, 768, 1, K=768) != choose_wgmma_config(1024, 768, 1, sms=78, K=768)
+    for M, N, K in ((1024, 768, 768), (1024, 2304, 768), (128, 768, 3072), (128, 4096, 11008), (1024, 4096, 4096)):
+        g = _gemm(M, N, K, "float16", name="g")
+        for sms in (114, 78, 20):
+            tile = choose_wgmma_config(M, N, 1, sms=sms, K=K)
+            src = generate_cuda_source([g], arch="sm_90", sms=sms)
+            assert src.text == generate_cuda_source([g], arch="sm_90", gemm_configs={"g": tile}, sms=sms).text
+            launch = src.launches["g"]
+            if WGMMA_CONFIGS[tile][3] == "tma":
+                tiles = -(-M // tile_rows(tile)) * -(-N // WGMMA_CONFIGS[tile][1])
+                assert launch.persistent and launch.grid[0] == min(tiles * split_count(tiles, K, sms), sms)
+        assert generate_cuda_source([g], arch="sm_90", sms=500).text == generate_cuda_source([g], arch="sm_90").text
+    assert [choose_gemm_config(1280, 1280, 1, sms=s) for s in (108, 80)] == ["64x64", "128x128"]
+    g = MatMul([Tensor("a", (1280, 64), "float16"), Tensor("b", (64, 1280), "float16")], name="mm")
+    assert generate_cuda_source([g], arch="sm_80", sms=80).launches["mm"].grid[:2] == (10, 10)  # 128x128 tiles
+    for bad in (0, 1.5, True):
+        with pytest.raises(CodegenError, match="multiprocessor count"):
+            generate_cuda_source([g], arch="sm_80", sms=bad)
+
+
 def test_batched_and_broadcast_operands_are_direct():
     mm = MatMul([Tensor("a", (3, 100, 64), "bfloat16"), Tensor("b", (64, 72), "bfloat16")], name="bmm")
     launch = generate_cuda_source([mm], arch="sm_90").launches["bmm"]

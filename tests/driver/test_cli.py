@@ -85,6 +85,8 @@ def test_compile_errors_are_reported(tmp_path):
     cfg.write_text(json.dumps({"targett": "cpu"}))
     out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--optimization-config", cfg)
     assert out.returncode == 1 and "ConfigError" in out.stderr and "did you mean 'target'" in out.stderr
+    out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--sm-count", "0")
+    assert out.returncode == 1 and "optimization_config['sm_count'] = 0" in out.stderr
     out = sh("compile", tmp_path / "missing.onnx", "-o", tmp_path / "o")
     assert out.returncode == 1 and "missing.onnx" in out.stderr
     assert not (tmp_path / "o").exists()

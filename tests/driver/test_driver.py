@@ -60,8 +60,13 @@ def test_optimization_config_defaults_and_validation():
            ({"target": "tpu"}, "choose one of"),
            ({"target": 1}, "need one of"),
            ({"arch": "sm_90"}, "only applies to target 'cuda'"),
-           ({"target": "cuda", "arch": "hopper"}, "use a CUDA architecture"),
+           ({"target": "cuda", "arch": "hopper"}, "use a CUDA GPU architecture"),
            ({"target": "cuda", "arch": "sm_75"}, r"sm_80 \(Ampere\) and newer"),
+           ({"target": "cuda", "arch": "compute_90"}, "not PTX"),
+           ({"sm_count": 132}, "only applies to target 'cuda'"),
+           ({"target": "cuda", "sm_count": 0}, "between 1 and 1024"),
+           ({"target": "cuda", "sm_count": 114.0}, "need the target GPU's multiprocessor count"),
+           ({"target": "cuda", "sm_count": True}, "need the target GPU's multiprocessor count"),
            ({"fuse": "yes"}, "need true or false"),
            ({"cuda_graph": 1}, "need true or false"),
            ({"pdl": True}, "needs target 'cuda' and an arch of sm_90"),
@@ -82,6 +87,22 @@ def test_optimization_config_defaults_and_validation():
     for cfg, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             OptimizationConfig.from_dict(cfg)
+
+
+def test_the_multiprocessor_count_compiled_for(monkeypatch):
+    """``sm_count`` given; else the visible GPU's when it is of the target architecture (the one
+    the program will run on); else an H100 SXM's 132."""
+    from shardflow.compiler import driver
+    from shardflow.compiler.codegen import tune
+
+    def count(gpu, **cfg):
+        monkeypatch.setattr(tune, "visible_gpu", lambda: gpu)
+        return driver.target_sm_count(OptimizationConfig.from_dict({"target": "cuda", **cfg}))
+    pcie = {"name": "NVIDIA H100 PCIe", "sm": 90, "sms": 114}
+    assert count(None) == 132 and count(None, sm_count=78) == 78
+    assert count(pcie) == 114 and count(pcie, arch="sm_90a") == 114 and count(pcie, sm_count=132) == 132
+    assert count(pcie, arch="sm_80") == 132  # (compiling for another GPU than this machine's)
+    assert count({"name": "NVIDIA A100", "sm": 80, "sms": 108}, arch="sm_80") == 108
 
 
 def test_bad_distributed_config_is_a_config_error(tmp_path):

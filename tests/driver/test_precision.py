@@ -111,12 +111,18 @@ def test_float16_cuda_kernels_use_the_half_tensor_cores(tmp_path):
         pytest.skip("nvcc not found")
     out = tmp_path / "o"
     compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]},
-            optimization_config={"precision": "float16", "target": "cuda"}, out_dir=out)
+            optimization_config={"precision": "float16", "target": "cuda", "sm_count": 2}, out_dir=out)
     program = json.loads((out / "rank0" / "program.json").read_text())
-    kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+    launches = [s["launch"] for s in program["steps"] if s["kind"] == "kernel"]
+    kinds = [launch["kind"] for launch in launches]
     # every projection (weight operand) is a float16 tensor-core GEMM; on sm_90 the Hopper wgmma
     # template, reading float16 activations that the producing kernels wrote (casts materialized)
     assert kinds.count("gemm-wgmma-f16") >= 8 and kinds.count("gemm-f32") <= 1, kinds
+    # sized for the GPU named (a tiny one: the QKV products' three tiles go to a persistent grid of
+    # two blocks, where 132 multiprocessors give them a block each)
+    assert json.loads((out / "rank0" / "manifest.json").read_text())["sm_count"] == 2
+    grids = [launch["grid"][0] for launch in launches if launch.get("persistent")]
+    assert grids and max(grids) == 2, grids
 
 
 @pytest.mark.parametrize("model", ["gpt2_ts17", "resnet_ts17"])

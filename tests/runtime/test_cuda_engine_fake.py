@@ -235,10 +235,11 @@ def test_state_copied_after_the_steps_and_inside_the_graph(monkeypatch):
 
 
 @pytest.mark.parametrize("cluster,want", [(1, 131), (2, 130)])
-def test_a_persistent_grid_lowered_to_the_device_stays_whole_clusters(monkeypatch, cluster, want):
+def test_a_persistent_grid_lowered_to_the_device_stays_whole_clusters(monkeypatch, caplog, cluster, want):
     """A persistent kernel sized for 132 multiprocessors on a device with 131: the engine lowers its
     grid to one block per multiprocessor, and to whole clusters for a kernel with cluster dimensions
-    (``launch["cluster"]``: the driver refuses a grid that is not a multiple of them)."""
+    (``launch["cluster"]``: the driver refuses a grid that is not a multiple of them); it says the
+    program was compiled for another GPU (the manifest's ``sm_count``)."""
     log: list = []
     cp = _fake_cupy({"add": add, "twice": twice}, log)
     cp.cuda.Device = lambda: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 131})
@@ -248,8 +249,9 @@ def test_a_persistent_grid_lowered_to_the_device_stays_whole_clusters(monkeypatc
     p = _program()
     p["steps"][0]["launch"] = {"grid": [132, 1, 1], "block": [32, 1, 1], "persistent": True, "cluster": cluster}
     prog = types.SimpleNamespace(program=p, weights=np.arange(4, dtype=np.float32).view(np.uint8),
-                                 buffers=[None] * 4, directory=Path("."), rank=0, groups={})
+                                 buffers=[None] * 4, directory=Path("."), rank=0, groups={}, manifest={"sm_count": 132})
     eng = CudaEngine(prog)
+    assert "sized for 132 multiprocessors and this GPU has 131" in caplog.text and "'sm_count'] = 131" in caplog.text
     (launches, _), = eng.segments
     assert launches[0].args[0] == (want, 1, 1) and launches[1].args[0] == (1, 1, 1)
     np.testing.assert_array_equal(eng.run({"x": np.ones(4, np.float32)})["y"], 2 * (1 + np.arange(4)))
