@@ -1037,6 +1037,87 @@ def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
             for axes in sorted(axis_sets, key=lambda a: (len(a), a))}
 
 
+def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True,
+                repack: bool = True) -> FlowGraph:
+    """The passes one rank's graph takes after the plan, before its kernels are generated, for
+    ``opt``'s target and precision (what :func:`compile` runs on each rank; the conformance runs of
+    tests/codegen call it too). ``winograd``: 3x3 convs may take Winograd's transformed weights
+    (off under a memory budget, which did not count them); ``repack``: the blocked layout may
+    store repacked weights (likewise)."""
+    # a bfloat16 model's partial sums reduced over ranks in float32 (passes/precision.py)
+    from .passes.precision import ReduceBfloat16InFloat32
+
+    rg = ReduceBfloat16InFloat32().run(rg)
+    if opt.target == "cuda" and opt.precision in ("float16", "bfloat16"):
+        # low-bit weight products on half operands, rounded by the op (passes/lowbit.py)
+        from .passes.lowbit import HalfLowBitOperands
+
+        rg = HalfLowBitOperands(opt.precision).run(rg)
+    if opt.target == "cuda":
+        # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
+        from .passes.projections import MergeProjections
+
+        rg = MergeProjections().run(rg)
+    if opt.precision in ("float16", "bfloat16"):
+        # half operands on each rank's graph, after the plan: the search sees the float32
+        # graph, whose weights are constants (a weight read through a Cast is not one to
+        # the megatron baseline); rounding commutes with the slicing of the plan, and the
+        # collectives carry the float32 values they carried before
+        from .passes.precision import HalfPrecisionContractions
+
+        rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda",
+                                       k_major_ops=_k_major_tiles(opt.gemm_tiles)).run(rg)
+    if opt.target == "cuda":
+        # a half model's own weights stored [N, K] where the wgmma GEMM needs them so
+        from .passes.precision import HalfWeightsKMajor
+
+        rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
+        from .codegen.cuda_wgmma import WGMMA_ARCHS
+
+        if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
+            # float32 weights [N, K] for the Hopper wgmma GEMM (rounded to TF32 for one TF32
+            # product): every one with wgmma_fp32, else those of the ops on forced tiles
+            from .passes.precision import Float32WeightsKMajor
+
+            rg = Float32WeightsKMajor(opt.precision == "tf32",
+                                      None if opt.wgmma_fp32 else _tiled_ops(opt.gemm_tiles)).run(rg)
+        # one fused kernel per attention on half operands (those of the precision pass, or a
+        # float16/bfloat16 model's own; passes/attention.py), on this rank's share
+        from .passes.attention import FuseAttention
+
+        rg = FuseAttention().run(rg)
+        # and on float32 operands (TF32 or 3xTF32 products; the config takes sm_80 and newer only)
+        rg = FuseAttention(float32=True, target="cuda").run(rg)
+        # attention that is half in the model: float32 inside, one fused kernel (passes/attention.py)
+        from .passes.attention import HalfAttentionInFloat32
+
+        rg = HalfAttentionInFloat32().run(rg)
+    if opt.target == "cpu":
+        # a float16/bfloat16 model's products by the float32 templates, rounded once
+        from .passes.precision import WidenHalfProducts
+
+        rg = WidenHalfProducts().run(rg)
+    if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
+        # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks
+        # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory
+        from .passes.attention import FuseAttention
+
+        rg = FuseAttention(float32=True).run(rg)
+    if opt.target == "cpu" and (opt.prepack or winograd):
+        # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
+        # Winograd's, their weights transformed here (passes/prepack.py)
+        from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
+
+        rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
+                            gemm=opt.prepack, windows=opt.prepack, blocked=opt.blocked).run(rg)
+    if opt.target == "cpu" and opt.blocked:
+        # the tensors between convs blocked by 16 channels, as the conv kernels compute (passes/layout.py)
+        from .passes.layout import BlockedLayout
+
+        rg = BlockedLayout(repack=repack).run(rg)
+    return rg
+
+
 def compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
             out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None,
             input_values: Mapping[str, Any] | None = None, state: Mapping[str, str] | None = None) -> CompileResult:
@@ -1146,77 +1227,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         timings["write"] += time.perf_counter() - t
         for r, rg in enumerate(rank_graphs):
-            # a bfloat16 model's partial sums reduced over ranks in float32 (passes/precision.py)
-            from .passes.precision import ReduceBfloat16InFloat32
-
-            rg = ReduceBfloat16InFloat32().run(rg)
-            if opt.target == "cuda" and opt.precision in ("float16", "bfloat16"):
-                # low-bit weight products on half operands, rounded by the op (passes/lowbit.py)
-                from .passes.lowbit import HalfLowBitOperands
-
-                rg = HalfLowBitOperands(opt.precision).run(rg)
-            if opt.target == "cuda":
-                # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
-                from .passes.projections import MergeProjections
-
-                rg = MergeProjections().run(rg)
-            if opt.precision in ("float16", "bfloat16"):
-                # half operands on each rank's graph, after the plan: the search sees the float32
-                # graph, whose weights are constants (a weight read through a Cast is not one to
-                # the megatron baseline); rounding commutes with the slicing of the plan, and the
-                # collectives carry the float32 values they carried before
-                from .passes.precision import HalfPrecisionContractions
-
-                rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda",
-                                               k_major_ops=_k_major_tiles(opt.gemm_tiles)).run(rg)
-            if opt.target == "cuda":
-                # a half model's own weights stored [N, K] where the wgmma GEMM needs them so
-                from .passes.precision import HalfWeightsKMajor
-
-                rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
-                from .codegen.cuda_wgmma import WGMMA_ARCHS
-
-                if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
-                    # float32 weights [N, K] for the Hopper wgmma GEMM (rounded to TF32 for one TF32
-                    # product): every one with wgmma_fp32, else those of the ops on forced tiles
-                    from .passes.precision import Float32WeightsKMajor
-
-                    rg = Float32WeightsKMajor(opt.precision == "tf32",
-                                              None if opt.wgmma_fp32 else _tiled_ops(opt.gemm_tiles)).run(rg)
-                # one fused kernel per attention on half operands (those of the precision pass, or a
-                # float16/bfloat16 model's own; passes/attention.py), on this rank's share
-                from .passes.attention import FuseAttention
-
-                rg = FuseAttention().run(rg)
-                # and on float32 operands (TF32 or 3xTF32 products; the config takes sm_80 and newer only)
-                rg = FuseAttention(float32=True, target="cuda").run(rg)
-                # attention that is half in the model: float32 inside, one fused kernel (passes/attention.py)
-                from .passes.attention import HalfAttentionInFloat32
-
-                rg = HalfAttentionInFloat32().run(rg)
-            if opt.target == "cpu":
-                # a float16/bfloat16 model's products by the float32 templates, rounded once
-                from .passes.precision import WidenHalfProducts
-
-                rg = WidenHalfProducts().run(rg)
-            if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
-                # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks
-                # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory
-                from .passes.attention import FuseAttention
-
-                rg = FuseAttention(float32=True).run(rg)
-            if opt.target == "cpu" and (opt.prepack or winograd):
-                # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
-                # Winograd's, their weights transformed here (passes/prepack.py)
-                from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
-
-                rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
-                                    gemm=opt.prepack, windows=opt.prepack, blocked=opt.blocked).run(rg)
-            if opt.target == "cpu" and opt.blocked:
-                # the tensors between convs blocked by 16 channels, as the conv kernels compute (passes/layout.py)
-                from .passes.layout import BlockedLayout
-
-                rg = BlockedLayout(repack=dcfg.memory_budget_bytes is None).run(rg)
+            rg = rank_passes(rg, opt, winograd=winograd, repack=dcfg.memory_budget_bytes is None)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]

@@ -2451,6 +2451,23 @@ def _match_tiles(ops: Sequence[Operator], tiles: dict[str, str]) -> dict[str, li
     return res
 
 
+def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep: Sequence[str] = (),
+                  views: Sequence[str] = ()) -> list[Operator]:
+    """The ops that get a kernel each, as :func:`build_cuda_library` makes them: with ``fuse``,
+    fused groups (:mod:`.fusion`; ``keep``: tensors still written) with the casts that feed
+    tensor-core operands written by their producers; the views (``views``: names) that no group
+    took dropped."""
+    from .fusion import drop_views
+    if fuse:
+        from .fusion import fuse as fuse_ops
+        # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
+        # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM; on
+        # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
+        feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
+        ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds)
+    return drop_views(ops, views)
+
+
 def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90", cache_dir: str | None = None,
                        compiler: str = "auto", precision: str = "float32", fuse: bool = False,
                        keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
@@ -2533,15 +2550,8 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
         raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
     _arch_flags(arch)
     t0 = time.perf_counter()
-    if fuse:
-        from .fusion import fuse as fuse_ops
-        # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
-        # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM; on
-        # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
-        feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
-        ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds)
-    from .fusion import aliased_inputs, drop_views
-    ops = drop_views(ops, views)
+    ops = kernel_groups(ops, arch, fuse=fuse, keep=keep, views=views)
+    from .fusion import aliased_inputs
     aliased = aliased_inputs(ops, in_place)
     nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
     if compiler == "nvcc" and nvcc is None:

@@ -40,12 +40,8 @@ KERNELS_RUN: Counter = Counter()
 def _prepare(case, idx: int):
     """``(groups, feeds, outputs, expected, graph)`` of the case's first data set, its ops renamed
     ``c<idx>/...`` (one translation unit holds many cases), or a ``(status, detail)`` pair."""
-    from shardflow.compiler.codegen.cuda import _product_operand_casts
-    from shardflow.compiler.codegen.fusion import drop_views, fuse
-    from shardflow.compiler.driver import _is_view
-    from shardflow.compiler.passes.attention import FuseAttention, HalfAttentionInFloat32
-    from shardflow.compiler.passes.precision import HalfWeightsKMajor
-    from shardflow.compiler.passes.projections import MergeProjections
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    from shardflow.compiler.driver import OptimizationConfig, _is_view, rank_passes
 
     if not is_tensor_only(case):
         return "skipped", "not tensor-only"
@@ -59,17 +55,12 @@ def _prepare(case, idx: int):
     except ShardflowError as exc:
         return "skipped", f"not imported: {type(exc).__name__}"
     try:
-        for p in (MergeProjections(), HalfWeightsKMajor(None), FuseAttention(), FuseAttention(float32=True,
-                                                                                               target="cuda"),
-                  HalfAttentionInFloat32()):
-            g = p.run(g)
+        g = rank_passes(g, OptimizationConfig.from_dict({"target": "cuda", "arch": "sm_90"}))  # as compile() does
         for op in g.nodes:
             op.name = f"c{idx}/{op.name}"
         ops = list(g.nodes)
         views = [op.name for op in ops if _is_view(op)]
-        feeds_casts = _product_operand_casts(ops)
-        groups = drop_views(fuse(ops, keep=[t.name for t in g.outputs], views=views,
-                                 materialize=lambda op: op.name in feeds_casts), views)
+        groups = kernel_groups(ops, "sm_90", keep=[t.name for t in g.outputs], views=views)
     except ShardflowError as exc:
         return "refused", f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001 - untyped: a defect
