@@ -35,6 +35,14 @@ and the result goes back through ``Transpose`` (and element-wise casts) to ``Res
 no transpose is left; where only the output is merged that way (Llama's Q comes out of the
 rotary embedding in heads), the op writes the 3-D form from 4-D operands (``y_3d``).
 
+torch's export of ``scaled_dot_product_attention`` (transformers' default attention) scales Q
+and Kᵀ by the scale's square root each before the product (Q's scaling stays its producer; Kᵀ's
+is redone on K's rows, with any cast, past a 4-D transpose or the dynamo exporter's ``Reshape(
+Transpose(Reshape(k, [B*H, L, D])))``) and makes the probabilities of a row that sees no key 0,
+``Where(IsNaN(p), 0, p)``: with one bias, that bias becomes the op's mask, whose rule for such a
+row is the same (rfcs/0005 decision 43). K and V of one head that the products broadcast over the
+query heads (multi-query attention) are read with ``kv_heads = 1``.
+
 A constant mask that hides every key past a diagonal (GPT-2's and Llama's causal masks,
 ``finfo.min`` above it) becomes ``is_causal`` (and is dropped when it is 0 elsewhere): same
 values, and the kernel skips the hidden blocks of keys. The cuda target computes the op with one
@@ -207,6 +215,7 @@ class FuseAttention(GraphPass):
             while native and _is(sm, "Cast") and sm.attrs.get("to") in ("float32", vh.dtype) \
                     and self._only(sm.outputs[0]) is down:
                 down, sm = sm, self._prod(sm.inputs[0])
+            down, sm, nan_zero = self._past_nan_guard(down, sm)
             if native and _is(sm, "Softmax") and sm.outputs[0].dtype == "float32":
                 up32 = self._prod(sm.inputs[0])
                 if not _is(up32, "Cast", to="float32") or up32.inputs[0].dtype != vh.dtype \
@@ -219,9 +228,9 @@ class FuseAttention(GraphPass):
             down = self._prod(up.inputs[0])
             if not _is(down, "Cast") or down.attrs.get("to") != vh.dtype or self._only(down.outputs[0]) is not up:
                 return None
-            sm = self._prod(down.inputs[0])
+            down, sm, nan_zero = self._past_nan_guard(down, self._prod(down.inputs[0]))
         if not _is(sm, "Softmax") or sm.attrs.get("log") or tuple(sm.attrs.get("axes", ())) != (3,) \
-                or self._only(sm.outputs[0]) is not down:
+                or not (nan_zero or self._only(sm.outputs[0]) is down):  # (the guard checked its readers)
             return None
         s, nxt = sm.inputs[0], sm
         if up32 is not None:
@@ -262,11 +271,16 @@ class FuseAttention(GraphPass):
         if any(len(sh) != 4 for sh in shapes):
             return None
         (b_, h_, s_len, d), (_, _, dk, l_len), (_, _, lv, dv) = shapes
-        if dk != d or lv != l_len or shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_):
-            return None  # (batch broadcasting is left to the two products)
+        # (one K/V head that the products broadcast over the query heads: multi-query attention,
+        # Falcon's; any other batch broadcasting is left to the two products)
+        mqa = h_ > 1 and shapes[1][:2] == shapes[2][:2] == (b_, 1)
+        if dk != d or lv != l_len or not mqa and (shapes[1][:2] != (b_, h_) or shapes[2][:2] != (b_, h_)):
+            return None
         if (not self.float32 or self.target == "cuda") and not takes_heads(d, dv, float32=self.float32):
             return None  # the generic lowering of the op would be slower than the separate ops
         biases.reverse()  # in the order they are added
+        if nan_zero and len(biases) > 1:
+            return None  # (the op's empty-row rule is the mask's: one bias)
         given = list(biases)  # (as the graph has them: a half model's are widened below)
         for bias in biases:
             bs = tuple(bias.shape)
@@ -282,12 +296,12 @@ class FuseAttention(GraphPass):
         old = out_chain[1].outputs[0] if three_d else mm2.outputs[0]
         if id(old) in self._outputs:  # (the graph's outputs keep their tensors and names)
             return None
-        if k3 is None:
-            tk = self._prod(kth)
-            if not _is(tk, "Transpose", perm=(0, 1, 3, 2)):
-                return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
-            k3 = tk.inputs[0]
         new_ops: list[Operator] = []
+        k_steps: list[Operator] = []  # element-wise steps between K's rows and Kᵀ, redone on the rows
+        if k3 is None:
+            k3, k_steps = self._key_rows(kth, f"{mm2.name}.k", new_ops)
+            if k3 is None:
+                return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
         if native:  # the half biases read in float32 (exactly)
             widened = []
             for bias in biases:
@@ -304,25 +318,32 @@ class FuseAttention(GraphPass):
                 causal = {"is_causal": True, "past_len": off}
                 biases = biases if keep else []
         q_in = q3 if three_d and q3 is not None else qh
-        k_in, v_in, kv_heads = k3, v3 if v3 is not None else vh, h_
+        k_in, v_in, kv_heads = k3, v3 if v3 is not None else vh, 1 if mqa else h_
         gk, gv = self._ungrouped(k_in), self._ungrouped(v_in)
         if gk is not None and gv is not None and gk[1] == gv[1]:  # grouped heads: K and V before the repeat
             kv_heads = gk[1]
             k_in, v_in = (self._cast_to(g[0], t.dtype, f"{mm2.name}.{w}", new_ops) for g, t, w in
                           ((gk, k_in, "k"), (gv, v_in, "v")))
             v_in = self._heads_3d(v_in, (0, 2, 1, 3)) or v_in
+        for step in k_steps:  # (a scaling by a scalar and a cast commute with transposes and repeats)
+            new_ops.append(type(step)([k_in] + step.inputs[1:], name=f"{step.name}.rows", **step.attrs))
+            k_in = new_ops[-1].outputs[0]
         # a bias that hides every key past a runtime position (a static KV cache's mask): that
         # position bounds the keys the kernel visits (nonpad_bound: no part in the values)
         bound = None
         if not self.float32 or self.target == "cuda":
             bound = next((b for b in (self._key_bound(x, l_len, b_, s_len, f"{mm2.name}.keys", new_ops)
                                       for x in given) if b is not None), None)
-        ins = [q_in, k_in, v_in] + ([bound] if bound is not None else []) + biases
         # (the biases as extra_biases, not as the op's mask: the mask's rule gives 0 for a row whose
-        # every key is -inf, the Softmax of the matched ops gives NaN)
+        # every key is -inf, the Softmax of the matched ops gives NaN; under a NaN guard, which
+        # gives 0 there, the one bias is the mask)
+        mask = biases[:1] if nan_zero else []
+        biases = biases[len(mask):]
+        ins = [q_in, k_in, v_in] + mask + ([bound] if bound is not None else []) + biases
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=kv_heads, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32",
                         **({} if self.float32 else {"probs_dtype": vh.dtype}),
+                        **({"has_mask": True} if mask else {}),
                         **({"has_nonpad": True, "nonpad_bound": True} if bound is not None else {}),
                         extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
         if self.float32 and self.target == "cpu":
@@ -342,6 +363,72 @@ class FuseAttention(GraphPass):
             new_ops.append(Reshape([y], name=f"{out_chain[1].name}.rows", shape=tuple(old.shape)))
             y = new_ops[-1].outputs[0]
         return new_ops, old, y
+
+    def _past_nan_guard(self, reader: Operator, p: Operator | None) -> tuple[Operator, Operator | None, bool]:
+        """``(where, softmax, True)`` when ``p`` is ``Where(IsNaN(x), 0, x)`` of a Softmax's output
+        ``x`` read by those two ops alone, and ``p`` by ``reader`` alone: torch's export of
+        ``scaled_dot_product_attention``, which makes the probabilities of a row whose every key
+        is masked (``-inf`` everywhere: NaN) 0, the Attention op's rule for its mask. Else
+        ``(reader, p, False)``."""
+        if not (_is(p, "Where") and self._only(p.outputs[0]) is reader):
+            return reader, p, False
+        cond, zero, x = p.inputs
+        isnan, sm = self._prod(cond), self._prod(x)
+        readers = {id(op) for op in self._consumers.get(id(x), [])}
+        if not (_is(isnan, "Unary", fn="isnan") and isnan.inputs[0] is x and self._only(cond) is p
+                and _is(sm, "Softmax") and readers == {id(isnan), id(p)} and id(x) not in self._outputs
+                and zero.is_constant and zero.size == 1 and float(np.asarray(zero.value).reshape(())) == 0.0):
+            return reader, p, False
+        return p, sm, True
+
+    def _key_rows(self, kth: Tensor, name: str, new_ops: list) -> tuple[Tensor | None, list[Operator]]:
+        """``(k, steps)``: K's rows ``k`` (``[B, H, L, D]``, or the ``[B, L, H*D]`` form) of
+        ``kth = steps(Kᵀ)``, ``steps`` the scalings by a constant scalar and casts (each read by
+        the next alone) between ``Kᵀ`` and ``kth``, in order; ``(None, [])`` when ``kth`` is not so
+        made. ``Kᵀ`` is ``Transpose(k, (0, 1, 3, 2))``, ``Transpose(Reshape(k3), (0, 2, 3, 1))``
+        (:meth:`_heads_3d`), or torch's dynamo export of it, ``Reshape(Transpose(Reshape(x, [B*H, L,
+        D]), (0, 2, 1)), [B, H, D, L])`` (``x`` ``[B, H, L, D]``, or repeated heads ``[B, Hk, rep, L,
+        D]``, then reshaped here by a new op). torch's export of ``scaled_dot_product_attention``
+        scales Q and Kᵀ by the square root of the scale each."""
+        from ..ops.transform import Reshape
+
+        steps: list[Operator] = []
+        t = kth
+        while True:
+            p = self._prod(t)
+            if _is(p, "Cast") and p.attrs.get("to") in ("float32", *_HALF):
+                pass
+            elif _is(p, "Binary", fn="mul") and self._scalar(p.inputs[1]) is not None:
+                pass
+            else:
+                break
+            if t is not kth and self._only(t) is not steps[0]:
+                return None, []
+            steps.insert(0, p)
+            t = p.inputs[0]
+        if steps and self._only(t) is not steps[0]:
+            return None, []
+        if t.ndim != 4:
+            return None, []
+        b_, h_, d, l_len = t.shape
+        tk = self._prod(t)
+        if _is(tk, "Transpose", perm=(0, 1, 3, 2)):
+            return tk.inputs[0], steps
+        k3 = self._heads_3d(t, (0, 2, 3, 1))
+        if k3 is not None:
+            return k3, steps
+        tr = self._prod(tk.inputs[0]) if _is(tk, "Reshape") else None
+        merge = self._prod(tr.inputs[0]) if _is(tr, "Transpose", perm=(0, 2, 1)) else None
+        if not _is(merge, "Reshape") or tuple(merge.outputs[0].shape) != (b_ * h_, l_len, d):
+            return None, []
+        x = merge.inputs[0]
+        if tuple(x.shape) == (b_, h_, l_len, d):
+            return x, steps
+        if x.ndim == 5 and x.shape[0] == b_ and x.shape[1] * x.shape[2] == h_ and tuple(x.shape[3:]) == (l_len, d):
+            new_ops.append(Reshape([x], name=f"{name}.heads", shape=(b_, h_, l_len, d)))
+            self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]  # (for _ungrouped)
+            return new_ops[-1].outputs[0], steps
+        return None, []
 
     def _ungrouped(self, t: Tensor) -> tuple[Tensor, int] | None:
         """``(x, Hk)`` when ``t`` is ``x`` ``[B, Hk, L, D]`` with each head repeated ``rep`` times

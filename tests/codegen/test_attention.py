@@ -699,6 +699,82 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
         two_biases=True)).nodes]
 
 
+def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32):
+    """Attention as torch exports ``scaled_dot_product_attention`` with a boolean mask (transformers'
+    default attention): Q and Kᵀ each scaled by the scale's square root, the mask as ``Where(m, 0,
+    -inf)``, and the probabilities of a row that sees no key (NaN) made 0, ``Where(IsNaN(p), 0,
+    p)``; ``hk`` KV heads (4: as many as the queries', 2: repeated by ``Reshape(Expand(Reshape))``,
+    1: broadcast by the products, multi-query); Kᵀ by a 4-D transpose (``ts17``) or by the dynamo
+    exporter's ``Reshape(Transpose(Reshape(k, [B*H, L, D]), (0, 2, 1)), [B, H, D, L])``."""
+    from shardflow.compiler.ir.graph import FlowGraph, const_tensor
+    from shardflow.compiler.ops.elementwise import Binary, Unary, Where
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Expand, Reshape, Transpose
+
+    ops = []
+
+    def add(op):
+        ops.append(op)
+        return op.outputs[0]
+    xq, xk, xv = Tensor("xq", (b, s, h * d), "float32"), Tensor("xk", (b, l_len, hk * d), "float32"), \
+        Tensor("xv", (b, l_len, hk * d), "float32")
+    mask = Tensor("mask", (b, 1, s, l_len), "bool")
+
+    def heads(x, n, name):
+        return add(Transpose([add(Reshape([x], name=f"{name}.split", shape=(b, x.shape[1], n, d)))], name=f"{name}.t",
+                             perm=(0, 2, 1, 3)))
+    q, k, v = heads(xq, h, "q"), heads(xk, hk, "k"), heads(xv, hk, "v")
+    kh = h if hk > 1 else 1  # (K's heads as the products see them)
+    if 1 < hk < h:  # repeat_kv
+        k5, v5 = ((add(Expand([add(Reshape([t], name=f"{n}.unsq", shape=(b, hk, 1, l_len, d)))], name=f"{n}.expand",
+                               shape=(b, hk, h // hk, l_len, d)))) for t, n in ((k, "k"), (v, "v")))
+        v = add(Reshape([v5], name="v.rep", shape=(b, h, l_len, d)))
+        k = k5 if form == "dynamo18" else add(Reshape([k5], name="k.rep", shape=(b, h, l_len, d)))
+    if form == "ts17":
+        kt = add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))
+    else:
+        rows = add(Reshape([k], name="k.rows", shape=(b * kh, l_len, d)))
+        kt = add(Reshape([add(Transpose([rows], name="kt3", perm=(0, 2, 1)))], name="kt", shape=(b, kh, d, l_len)))
+    c = const_tensor(np.float32(d ** -0.25))
+    scores = add(MatMul([add(Binary([q, c], name="qs", fn="mul")), add(Binary([kt, c], name="ks", fn="mul"))],
+                        name="qk"))
+    bias = add(Where([mask, const_tensor(np.zeros(1, np.float32)), const_tensor(np.full(1, -np.inf, np.float32))],
+                     name="bias"))
+    p = add(Softmax([add(Binary([scores, bias], name="masked", fn="add"))], name="sm", axes=(3,)))
+    p = add(Where([add(Unary([p], name="isnan", fn="isnan")), const_tensor(np.zeros(1, np.float32)), p], name="guard"))
+    y = add(MatMul([p, v], name="pv"))
+    out = add(Reshape([add(Transpose([y], name="y.t", perm=(0, 2, 1, 3)))], name="merge", shape=(b, s, h * d)))
+    return FlowGraph([xq, xk, xv, mask], [add(Binary([out, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
+
+
+@pytest.mark.parametrize("form", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("hk", [4, 2, 1])
+def test_sdpa_exports_fuse_with_their_nan_guard(form, hk):
+    """torch's export of ``scaled_dot_product_attention`` becomes one Attention (the cuda target's
+    float32 form, and the half form after the precision pass): Q's scaling stays Q's producer, Kᵀ's
+    is redone on K's rows (bit for bit: a scalar product commutes with the transpose), the grouped or
+    single KV heads are read as such, and the mask is the op's mask, whose rule (0 for a row that
+    sees no key) is the guard's. Values as the separate ops', the hidden row 0."""
+    rng = np.random.default_rng(5)
+    mask = rng.random((2, 1, 40, 70)) > 0.3
+    mask[1, 0, 5] = False  # a row that sees no key
+    feeds = {"xq": rng.standard_normal((2, 40, 128)).astype(np.float32), "mask": mask,
+             "xk": rng.standard_normal((2, 70, hk * 32)).astype(np.float32),
+             "xv": rng.standard_normal((2, 70, hk * 32)).astype(np.float32)}
+    want = next(iter(_sdpa_export(form, hk).run(feeds).values()))
+    assert (want[1, 5] == 0).all() and not np.isnan(want).any()
+    fused = FuseAttention(float32=True, target="cuda").run(_sdpa_export(form, hk))
+    (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+    assert att.attrs["has_mask"] and att.attrs["kv_heads"] == hk and att.attrs["extra_biases"] == 0
+    assert not {"Softmax", "MatMul"} & {op.op_type for op in fused.nodes}
+    np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+    half = FuseAttention().run(HalfPrecisionContractions("float16").run(_sdpa_export(form, hk)))
+    (att,) = [op for op in half.nodes if op.op_type == "Attention"]
+    assert att.attrs["probs_dtype"] == "float16" and att.inputs[1].dtype == "float16"
+    np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("model,precision,arch,kind", [
     ("gpt2_ts17", "float16", "sm_90", "attention-f16"), ("t5_encoder_ts17", "float16", "sm_90", "attention-f16"),
