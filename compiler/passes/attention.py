@@ -41,7 +41,8 @@ is redone on K's rows, with any cast, past a 4-D transpose or the dynamo exporte
 Transpose(Reshape(k, [B*H, L, D])))``) and makes the probabilities of a row that sees no key 0,
 ``Where(IsNaN(p), 0, p)``: with one bias, that bias becomes the op's mask, whose rule for such a
 row is the same (rfcs/0005 decision 43). K and V of one head that the products broadcast over the
-query heads (multi-query attention) are read with ``kv_heads = 1``.
+query heads (multi-query attention) are read with ``kv_heads = 1``. Scores soft-capped after the
+scale, ``tanh(s / c) * c`` (Gemma 2), give the op's ``softcap``.
 
 A constant mask that hides every key past a diagonal (GPT-2's and Llama's causal masks,
 ``finfo.min`` above it) becomes ``is_causal`` (and is dropped when it is 0 elsewhere): same
@@ -250,6 +251,11 @@ class FuseAttention(GraphPass):
                 return None
             nxt = p
             p = self._prod(s)
+        softcap = self._softcap(p) if self._only(s) is nxt else None
+        if softcap is not None:  # tanh(s / cap) * cap (Gemma 2's logit soft-capping), after the scale
+            cap_div, cap = softcap
+            nxt, s = cap_div, cap_div.inputs[0]
+            p = self._prod(s)
         if (_is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div")) and self._only(s) is nxt:
             a, b = p.inputs
             c = self._scalar(b)
@@ -345,7 +351,8 @@ class FuseAttention(GraphPass):
                         **({} if self.float32 else {"probs_dtype": vh.dtype}),
                         **({"has_mask": True} if mask else {}),
                         **({"has_nonpad": True, "nonpad_bound": True} if bound is not None else {}),
-                        extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}))
+                        extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}),
+                        **({"softcap": softcap[1]} if softcap is not None else {}))
         if self.float32 and self.target == "cpu":
             from ..codegen.templates_cpu import template_kind
 
@@ -363,6 +370,24 @@ class FuseAttention(GraphPass):
             new_ops.append(Reshape([y], name=f"{out_chain[1].name}.rows", shape=tuple(old.shape)))
             y = new_ops[-1].outputs[0]
         return new_ops, old, y
+
+    def _softcap(self, mul: Operator | None) -> tuple[Operator, float] | None:
+        """``(div, c)`` when ``mul`` is ``Mul(Tanh(Div(x, c)), c)`` (either operand order of the
+        ``Mul``) with ``c > 0`` a constant scalar and each step read by the next alone: the
+        scores' soft-capping the Attention op computes as its ``softcap`` (the same operations)."""
+        if not _is(mul, "Binary", fn="mul"):
+            return None
+        t, c = mul.inputs
+        if self._scalar(c) is None:
+            c, t = t, c
+        cap, th = self._scalar(c), self._prod(t)
+        if cap is None or not cap > 0 or not math.isfinite(cap) or not _is(th, "Unary", fn="tanh") \
+                or self._only(t) is not mul:
+            return None
+        div = self._prod(th.inputs[0])
+        if not _is(div, "Binary", fn="div") or self._scalar(div.inputs[1]) != cap or self._only(th.inputs[0]) is not th:
+            return None
+        return div, cap
 
     def _past_nan_guard(self, reader: Operator, p: Operator | None) -> tuple[Operator, Operator | None, bool]:
         """``(where, softmax, True)`` when ``p`` is ``Where(IsNaN(x), 0, x)`` of a Softmax's output

@@ -775,6 +775,49 @@ def test_sdpa_exports_fuse_with_their_nan_guard(form, hk):
     np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
 
 
+def test_soft_capped_scores_fuse(tmp_path):
+    """Gemma 2's eager attention: ``tanh(s * scale / cap) * cap`` before the mask is the op's
+    ``softcap`` (the same operations in the same order), on both targets; the cpu program's values
+    are the separate ops'."""
+    from shardflow.compiler.ir.graph import FlowGraph, const_tensor
+    from shardflow.compiler.ops.elementwise import Binary, Unary
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Transpose
+    from shardflow.runtime import load
+
+    def graph():
+        q, k, v = Tensor("q", (2, 4, 24, 32), "float32"), Tensor("k", (2, 4, 24, 32), "float32"), \
+            Tensor("v", (2, 4, 24, 32), "float32")
+        bias = Tensor("bias", (2, 1, 24, 24), "float32")
+        ops = []
+
+        def add(op):
+            ops.append(op)
+            return op.outputs[0]
+        s = add(MatMul([q, add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))], name="qk"))
+        s = add(Binary([s, const_tensor(np.float32(0.125))], name="scale", fn="mul"))
+        s = add(Binary([s, const_tensor(np.float32(3.0))], name="cap.div", fn="div"))
+        s = add(Binary([const_tensor(np.float32(3.0)), add(Unary([s], name="cap.tanh", fn="tanh"))], name="cap.mul",
+                       fn="mul"))
+        s = add(Binary([s, bias], name="mask", fn="add"))
+        y = add(MatMul([add(Softmax([s], name="sm", axes=(3,))), v], name="pv"))
+        return FlowGraph([q, k, v, bias], [add(Binary([y, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
+    rng = np.random.default_rng(7)
+    feeds = {n: (4 * rng.standard_normal((2, 4, 24, 32))).astype(np.float32) for n in "qkv"}
+    feeds["bias"] = np.where(np.tril(np.ones((24, 24))) > 0, 0, -np.inf).astype(np.float32)[None, None].repeat(2, 0)
+    want = next(iter(graph().run(feeds).values()))
+    for target in ("cpu", "cuda"):
+        fused = FuseAttention(float32=True, target=target).run(graph())
+        (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+        assert att.attrs["softcap"] == 3.0 and att.attrs["scale"] == 0.125
+        np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-6, atol=1e-6)
+    compile(graph(), distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert "pv.attention" in [st["node"] for st in program["steps"] if st["kind"] == "kernel"]
+    np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("model,precision,arch,kind", [
     ("gpt2_ts17", "float16", "sm_90", "attention-f16"), ("t5_encoder_ts17", "float16", "sm_90", "attention-f16"),
