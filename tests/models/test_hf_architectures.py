@@ -1,12 +1,13 @@
-"""25 architectures users bring from transformers, end to end (``pytest -m slow``; about 5 minutes on
+"""25 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
 two cores with ``-n 2``).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
 downloaded), exported by both torch exporters (TorchScript at opset 17, dynamo at opset 18: their
 graphs differ in how they write masks, rotary tables, GQA's repeats, layer norms), compiled for the
 cpu target on two ranks with the ILP plan, run with ``shardflow run --nproc 2`` (processes and TCP,
-the user's path) and compared with onnxruntime on the same file. Text models take a padded
-second sequence, so a mask baked into the export as a constant would show.
+the user's path) and compared with onnxruntime on the same file; and their one-GPU cuda programs
+at float32 and float16, every kernel run on the host emulation against the evaluator. Text
+models take a padded second sequence, so a mask baked into the export as a constant would show.
 
 Left out because torch 2.13's exporters fail on them (not this compiler): Mixtral (``aten::histc``
 in its expert routing; the dynamo exporter's conversion fails too) and EfficientNet (a batch
@@ -106,24 +107,37 @@ def _feeds(kind: str) -> dict:
     return {name: rng.standard_normal(shape).astype(np.float32)}
 
 
-@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, arch, exporter):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``get(arch, exporter) -> (path, feeds, onnxruntime's output)``, each exported once per worker."""
     import onnxruntime as ort
 
+    done = {}
+
+    def get(arch, exporter):
+        if (arch, exporter) not in done:
+            build, kind = ARCHITECTURES[arch]
+            feeds = _feeds(kind)
+            torch.manual_seed(0)
+            module = _Output(build().eval(), list(feeds))
+            path = str(tmp_path_factory.mktemp("export") / f"{arch}_{exporter}.onnx")
+            em.export_module(module, feeds, list(feeds), ["y"], path, dynamo=exporter == "dynamo18",
+                             opset=18 if exporter == "dynamo18" else 17)
+            sess = ort.InferenceSession(path)
+            feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}  # (an exporter may drop an unused input)
+            want = sess.run(None, feeds)[0]
+            assert np.abs(want).max() > 0
+            done[arch, exporter] = path, feeds, want
+        return done[arch, exporter]
+    return get
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, exported, arch, exporter):
     from shardflow.compiler import compile
 
-    build, kind = ARCHITECTURES[arch]
-    feeds = _feeds(kind)
-    torch.manual_seed(0)
-    module = _Output(build().eval(), list(feeds))
-    path = str(tmp_path / f"{arch}.onnx")
-    em.export_module(module, feeds, list(feeds), ["y"], path, dynamo=exporter == "dynamo18",
-                     opset=18 if exporter == "dynamo18" else 17)
-    sess = ort.InferenceSession(path)
-    feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}  # (an exporter may drop an unused input)
-    want = sess.run(None, feeds)[0]
-    assert np.abs(want).max() > 0
+    path, feeds, want = exported(arch, exporter)
     compile(path, distributed_config={"mesh_shape": [2]}, out_dir=tmp_path / "out")
     np.savez(tmp_path / "in.npz", **feeds)
     run = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(tmp_path / "out"), "--nproc",
@@ -133,3 +147,46 @@ def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, arch, exporter)
     got = np.load(tmp_path / "out.npz")["y"]
     scale = float(np.abs(want).max())
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+#: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
+#: decision 43: not BLOOM's ALiBi, DeBERTa's disentangled scores, this Swin's head size 8)
+FUSED = set(ARCHITECTURES) - {"bloom", "deberta_v2", "swin", "convnext", "regnet"}
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_cuda_kernels_on_the_host(tmp_path, exported, arch, exporter, precision):
+    """The one-GPU cuda program for sm_90 (the driver's passes and fusion): its graph against
+    onnxruntime, then every kernel, compiled for the host emulation (tests/cuda_host.py), on the
+    evaluator's values of its inputs against the evaluator's of its outputs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "codegen"))
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
+    from shardflow.compiler.driver import OptimizationConfig, _is_view, rank_passes
+    from shardflow.compiler.parallel.partition import partition
+    from shardflow.compiler.parallel.search import search
+
+    path, feeds, want = exported(arch, exporter)
+    graph = load_onnx(path)
+    (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
+    rg = rank_passes(rg, OptimizationConfig.from_dict({"target": "cuda", "precision": precision}))
+    env = {t.name: feeds[t.name] for t in rg.inputs}
+    for op in rg.nodes:
+        with np.errstate(all="ignore"):
+            env.update(zip((t.name for t in op.outputs),
+                           op.run(*[env[t.name] if t.name in env else t.value for t in op.inputs])))
+    scale, tol = float(np.abs(want).max()), 1e-5 if precision == "float32" else 2e-2
+    np.testing.assert_allclose(env[rg.outputs[0].name], want, rtol=tol, atol=tol * scale)
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    views = [op.name for op in rg.nodes if _is_view(op)]
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs], views=views)
+    src = generate_cuda_source(groups, arch="sm_90", precision=precision)
+    groups = [g for g in groups if g.name in src.launches]
+    kinds = [src.launches[g.name].kind for g in groups]
+    assert any(k.startswith("attention") for k in kinds) == (arch in FUSED), kinds
+    _check_kernels(f"{arch} {exporter}", build(src.text, str(tmp_path)), src, groups, env, consts)
