@@ -878,7 +878,8 @@ def test_stream_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
 
 @pytest.mark.parametrize("cfg,M,N,K,blocks", [
     ("ck64x128", 200, 136, 200, 2),  # 8 tiles on one cluster, 2 + 2 K tiles
-    ("ck128x128", 200, 136, 328, 4),  # 4 tiles on two clusters, 3 + 3 K tiles, the last one short
+    pytest.param("ck128x128", 200, 136, 328, 4, marks=pytest.mark.slow),  # 4 tiles on two clusters, 3 + 3 K tiles,
+    # the last one short
     pytest.param("ck128x256", 130, 264, 520, 2, marks=pytest.mark.slow),  # 4 exchanges of a pair of chunks
     ("ck4_64x128", 200, 136, 768, 4),  # clusters of four: 8 tiles on one, 3 K tiles a block
     pytest.param("ck4_128x128", 136, 136, 200, 8, marks=pytest.mark.slow),  # 2 tiles on two clusters, 1 K tile a block
@@ -897,7 +898,8 @@ def test_cluster_split_k_on_the_host(tmp_path, cfg, M, N, K, blocks):
 @pytest.mark.parametrize("cfg,M,N,K,tb,blocks", [
     ("mc64x128", 256, 136, 640, False, 2),  # 8 tiles (4 pairs) on one cluster, MN-major B: a panel each
     ("mc64x128", 200, 136, 200, True, 4),  # K-major B: half the rows each; rows past M in the last pair
-    ("mc128x192", 256, 264, 328, True, 2),  # K-major B: boxes of 96 rows (its 3 MN-major panels: the test above)
+    pytest.param("mc128x192", 256, 264, 328, True, 2, marks=pytest.mark.slow),  # K-major B: boxes of 96 rows (its
+    # 3 MN-major panels: the test above)
     pytest.param("mc128x256", 136, 264, 520, True, 2, marks=pytest.mark.slow),
 ])
 def test_multicast_on_the_host(tmp_path, cfg, M, N, K, tb, blocks):
@@ -1001,8 +1003,8 @@ EPILOGUES = {  # name: (N, dtype of the additions, residual read across rows, ro
 }
 
 
-@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128", "ck128x128",
-                                 pytest.param("mc64x128", marks=pytest.mark.slow)])  # (mc: the tma epilogue)
+@pytest.mark.parametrize("cfg", ["128x128", "tma64x128", *(pytest.param(c, marks=pytest.mark.slow) for c in (
+    "pp64x128", "ck128x128", "mc64x128"))])  # (the slow ones: the tma epilogue in other loops)
 def test_residual_epilogues_in_whole_gemm_kernels_on_the_host(tmp_path, cfg):
     """GEMM + bias + residual as whole kernels (RFC 0005 decision 22): four columns per thread
     with vector reads and stores (every vector access aligned), one column per thread, a residual

@@ -220,9 +220,11 @@ def test_gemm_tiles_for_a_k_major_b_store_the_matched_weights_n_by_k(tmp_path):
 
 
 @needs_nvcc
-def test_every_config_and_layout_compiles_without_local_memory(tmp_path):
+@pytest.mark.parametrize("dt", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_every_config_and_layout_compiles_without_local_memory(tmp_path, dt):
+    """(bfloat16's kernels differ from float16's by the instruction's type only: -m slow.)"""
     ops = []
-    for i, (cfg, dt, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, ("float16", "bfloat16"), LAYOUTS)):
+    for i, (cfg, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, LAYOUTS)):
         ops.append((_gemm(200, 136, 200, dt, ta, tb, name=f"g{i}"), cfg))
     _compiles_without_local_memory(tmp_path, ops)
 
@@ -289,22 +291,22 @@ def _residual_epilogue(N, res_t=False, M=200, K=328, dt="float16", heads=None):
 
 
 @needs_nvcc
-def test_residual_epilogues_of_whole_tiles_compile_without_local_memory(tmp_path):
+@pytest.mark.parametrize("dt", ["float16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_residual_epilogues_of_whole_tiles_compile_without_local_memory(tmp_path, dt):
     """RFC 0005 decision 28: a product whose tiles lie inside it runs its epilogue untested, and
     one reading a residual along the rows unrolls its loop by four (the reads issued together;
-    not on the stream-K tiles). Every tile whose columns divide the product, float32 and float16
-    residuals, compiles with no local memory."""
+    not on the stream-K tiles). Every tile whose columns divide the product, float16 residuals
+    (float32 ones: -m slow), compiles with no local memory."""
     from shardflow.compiler.codegen.cuda_wgmma import _ROW_READ_UNROLL
 
     srcs = []
-    for dt in ("float16", "float32"):
-        ops, _ = _residual_epilogue(768, M=768, K=256, dt=dt)
-        for cfg, (_, _, _, mode) in WGMMA_CONFIGS.items():
-            src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg}).text
-            unrolled = f"#pragma unroll {_ROW_READ_UNROLL}\n" in src
-            assert "inside the product" in src and "sf_m < 768" not in src, cfg
-            assert unrolled == (mode != "sk"), cfg
-            srcs.append(src)
+    ops, _ = _residual_epilogue(768, M=768, K=256, dt=dt)
+    for cfg, (_, _, _, mode) in WGMMA_CONFIGS.items():
+        src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg}).text
+        unrolled = f"#pragma unroll {_ROW_READ_UNROLL}\n" in src
+        assert "inside the product" in src and "sf_m < 768" not in src, cfg
+        assert unrolled == (mode != "sk"), cfg
+        srcs.append(src)
     frames = {}
     for i, text in enumerate(srcs):
         cu = tmp_path / f"k{i}.cu"
