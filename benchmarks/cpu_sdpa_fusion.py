@@ -39,17 +39,9 @@ def export(path: str, seq: int, layers: int, hidden: int) -> dict:
                         attn_implementation="sdpa")
     torch.manual_seed(0)
     model = T.Qwen2Model(cfg).eval()
-
-    class Hidden(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     rng = np.random.default_rng(0)
     feeds = {"input_ids": rng.integers(0, 1000, (1, seq)), "attention_mask": np.ones((1, seq), np.int64)}
-    em.export_module(Hidden(model), feeds, list(feeds), ["y"], path)
+    em.export_module(em._HiddenState(model), feeds, list(feeds), ["y"], path)
     return feeds
 
 

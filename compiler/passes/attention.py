@@ -420,19 +420,14 @@ class FuseAttention(GraphPass):
         steps: list[Operator] = []
         t = kth
         while True:
-            p = self._prod(t)
-            if _is(p, "Cast") and p.attrs.get("to") in ("float32", *_HALF):
-                pass
-            elif _is(p, "Binary", fn="mul") and self._scalar(p.inputs[1]) is not None:
-                pass
-            else:
-                break
-            if t is not kth and self._only(t) is not steps[0]:
+            if steps and self._only(t) is not steps[0]:  # (each tensor between the steps read by the next alone)
                 return None, []
+            p = self._prod(t)
+            if not (_is(p, "Cast") and p.attrs.get("to") in ("float32", *_HALF)
+                    or _is(p, "Binary", fn="mul") and self._scalar(p.inputs[1]) is not None):
+                break
             steps.insert(0, p)
             t = p.inputs[0]
-        if steps and self._only(t) is not steps[0]:
-            return None, []
         if t.ndim != 4:
             return None, []
         b_, h_, d, l_len = t.shape

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
 T = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "codegen")]
 import export_models as em  # noqa: E402
 
 B, S, V = 2, 8, 128
@@ -161,7 +162,6 @@ def test_architecture_cuda_kernels_on_the_host(tmp_path, exported, arch, exporte
     """The one-GPU cuda program for sm_90 (the driver's passes and fusion): its graph against
     onnxruntime, then every kernel, compiled for the host emulation (tests/cuda_host.py), on the
     evaluator's values of its inputs against the evaluator's of its outputs."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "codegen"))
     from cuda_host import build
     from test_cuda_host import _check_kernels
 
