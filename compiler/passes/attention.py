@@ -40,7 +40,10 @@ and Kᵀ by the scale's square root each before the product (Q's scaling stays i
 is redone on K's rows, with any cast, past a 4-D transpose or the dynamo exporter's ``Reshape(
 Transpose(Reshape(k, [B*H, L, D])))``) and makes the probabilities of a row that sees no key 0,
 ``Where(IsNaN(p), 0, p)``: with one bias, that bias becomes the op's mask, whose rule for such a
-row is the same (rfcs/0005 decision 43). K and V of one head that the products broadcast over the
+row is the same (rfcs/0005 decision 43). A float16 model exported that way by TorchScript widens its half scores
+(``Cast(s, float32)``) before the mask and multiplies the float32 probabilities by V widened: the
+same op on the half Q, K, V, its probabilities rounded to the half type as a fused kernel's are
+(decision 44). K and V of one head that the products broadcast over the
 query heads (multi-query attention) are read with ``kv_heads = 1``. Scores soft-capped after the
 scale, ``tanh(s / c) * c`` (Gemma 2), give the op's ``softcap``.
 
@@ -160,20 +163,27 @@ class FuseAttention(GraphPass):
 
     def _scores_side(self, t: Tensor, depth: int = _MAX_BIASES) -> bool:
         """Whether ``t`` may be the scores side of an addition: a product, a scaling, or an
-        addition one of whose sides is (the other side is then a bias)."""
+        addition one of whose sides is (the other side is then a bias), or one of these widened."""
         p = self._prod(t)
+        if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
+            p = self._prod(p.inputs[0])
         if _is(p, "MatMul") or _is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div"):
             return True
         return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
 
     def _half_of(self, t: Tensor) -> Tensor | None:
         """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16, or ``t`` itself when it is
-        half (a half model's own operands); float32 mode: ``t`` itself when it is float32."""
+        half (a half model's own operands); float32 mode: ``t`` itself when it is float32. ``h =
+        Cast(Cast(x, float32), half)`` of ``x`` of that half type (a half operand the model widened,
+        rounded by the precision pass) is ``x``: the same values."""
         if self.float32:
             return t if t.dtype == "float32" else None
         p = self._prod(t)
         if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
-            return p.inputs[0]
+            h = p.inputs[0]
+            down = self._prod(h)
+            up = self._prod(down.inputs[0]) if _is(down, "Cast", to=h.dtype) else None
+            return up.inputs[0] if _is(up, "Cast", to="float32") and up.inputs[0].dtype == h.dtype else h
         return t if t.dtype in _HALF else None
 
     def _scalar(self, t: Tensor) -> float | None:
@@ -208,6 +218,10 @@ class FuseAttention(GraphPass):
             return None
         native = not self.float32 and vh is mm2.inputs[1]  # a half model's own attention
         up32 = None  # a half model's Cast(scores, float32) before a float32 Softmax
+        # a half model's scores (product, scaling) widened to float32 before the biases, and
+        # (wide_probs) its float32 probabilities times V widened: the TorchScript export of
+        # scaled_dot_product_attention on a float16 model (rfcs/0005 decision 44)
+        wide_scores = wide_probs = False
         if self.float32 or native:  # the probabilities straight from the Softmax
             down, sm = mm2, self._prod(mm2.inputs[0])
             # a half model's probabilities through float32 and back (transformers' Llama, Mistral:
@@ -224,12 +238,17 @@ class FuseAttention(GraphPass):
                     return None
         else:  # the probabilities rounded to the half type: Cast(Cast(p, half), float32)
             up = self._prod(mm2.inputs[0])
-            if not _is(up, "Cast", to="float32") or self._only(up.outputs[0]) is not mm2:
-                return None
-            down = self._prod(up.inputs[0])
-            if not _is(down, "Cast") or down.attrs.get("to") != vh.dtype or self._only(down.outputs[0]) is not up:
-                return None
-            down, sm, nan_zero = self._past_nan_guard(down, self._prod(down.inputs[0]))
+            if _is(up, "Cast", to="float32"):
+                if self._only(up.outputs[0]) is not mm2:
+                    return None
+                down = self._prod(up.inputs[0])
+                if not _is(down, "Cast") or down.attrs.get("to") != vh.dtype \
+                        or self._only(down.outputs[0]) is not up:
+                    return None
+                down, sm, nan_zero = self._past_nan_guard(down, self._prod(down.inputs[0]))
+            else:  # or float32, with V widened: the scores must be a half product widened (below)
+                down, sm, nan_zero = self._past_nan_guard(mm2, up)
+                wide_probs = True
         if not _is(sm, "Softmax") or sm.attrs.get("log") or tuple(sm.attrs.get("axes", ())) != (3,) \
                 or not (nan_zero or self._only(sm.outputs[0]) is down):  # (the guard checked its readers)
             return None
@@ -251,11 +270,21 @@ class FuseAttention(GraphPass):
                 return None
             nxt = p
             p = self._prod(s)
+
+        def widen():  # past Cast(x, float32) of a half x (the model's scores, widened), once
+            nonlocal wide_scores, nxt, s, p
+            if not (native or self.float32 or wide_scores) and _is(p, "Cast", to="float32") \
+                    and p.inputs[0].dtype == vh.dtype and self._only(s) is nxt:
+                wide_scores, nxt, s = True, p, p.inputs[0]
+                p = self._prod(s)
+
+        widen()
         softcap = self._softcap(p) if self._only(s) is nxt else None
         if softcap is not None:  # tanh(s / cap) * cap (Gemma 2's logit soft-capping), after the scale
             cap_div, cap = softcap
             nxt, s = cap_div, cap_div.inputs[0]
             p = self._prod(s)
+        widen()
         if (_is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div")) and self._only(s) is nxt:
             a, b = p.inputs
             c = self._scalar(b)
@@ -266,12 +295,13 @@ class FuseAttention(GraphPass):
             scale = c if p.attrs["fn"] == "mul" else 1.0 / c
             nxt, s = p, a
             p = self._prod(s)
+        widen()
         mm1 = p
-        if not _is(mm1, "MatMul") or self._only(s) is not nxt:
+        if not _is(mm1, "MatMul") or self._only(s) is not nxt or wide_probs and not wide_scores:
             return None
         qh, kth = self._half_of(mm1.inputs[0]), self._half_of(mm1.inputs[1])
-        if qh is None or kth is None or not (qh.dtype == kth.dtype == vh.dtype) \
-                or (not self.float32 and native != (qh is mm1.inputs[0] and kth is mm1.inputs[1])):
+        if qh is None or kth is None or not (qh.dtype == kth.dtype == vh.dtype) or (
+                not self.float32 and (native or wide_scores) != (qh is mm1.inputs[0] and kth is mm1.inputs[1])):
             return None
         shapes = [tuple(t.shape) for t in (qh, kth, vh)]
         if any(len(sh) != 4 for sh in shapes):

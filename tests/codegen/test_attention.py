@@ -699,15 +699,19 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
         two_biases=True)).nodes]
 
 
-def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32):
+def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32, half=False):
     """Attention as torch exports ``scaled_dot_product_attention`` with a boolean mask (transformers'
     default attention): Q and Kᵀ each scaled by the scale's square root, the mask as ``Where(m, 0,
     -inf)``, and the probabilities of a row that sees no key (NaN) made 0, ``Where(IsNaN(p), 0,
     p)``; ``hk`` KV heads (4: as many as the queries', 2: repeated by ``Reshape(Expand(Reshape))``,
     1: broadcast by the products, multi-query); Kᵀ by a 4-D transpose (``ts17``) or by the dynamo
-    exporter's ``Reshape(Transpose(Reshape(k, [B*H, L, D]), (0, 2, 1)), [B, H, D, L])``."""
+    exporter's ``Reshape(Transpose(Reshape(k, [B*H, L, D]), (0, 2, 1)), [B, H, D, L])``. ``half``:
+    a float16 model as the TorchScript exporter writes it, its scaled Q, Kᵀ and their product
+    float16, the scores cast to float32 before the mask, the float32 probabilities times V cast
+    to float32 (the output float32); ``half="widened"``: the scaled Q, Kᵀ and V widened to float32
+    before the products, the rest float32."""
     from shardflow.compiler.ir.graph import FlowGraph, const_tensor
-    from shardflow.compiler.ops.elementwise import Binary, Unary, Where
+    from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
     from shardflow.compiler.ops.linalg import MatMul
     from shardflow.compiler.ops.reduce import Softmax
     from shardflow.compiler.ops.transform import Expand, Reshape, Transpose
@@ -717,8 +721,9 @@ def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32):
     def add(op):
         ops.append(op)
         return op.outputs[0]
-    xq, xk, xv = Tensor("xq", (b, s, h * d), "float32"), Tensor("xk", (b, l_len, hk * d), "float32"), \
-        Tensor("xv", (b, l_len, hk * d), "float32")
+    dt = "float16" if half else "float32"
+    xq, xk, xv = (Tensor(n, (b, n_, w), "float16" if half else "float32")
+                  for n, n_, w in (("xq", s, h * d), ("xk", l_len, hk * d), ("xv", l_len, hk * d)))
     mask = Tensor("mask", (b, 1, s, l_len), "bool")
 
     def heads(x, n, name):
@@ -736,9 +741,15 @@ def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32):
     else:
         rows = add(Reshape([k], name="k.rows", shape=(b * kh, l_len, d)))
         kt = add(Reshape([add(Transpose([rows], name="kt3", perm=(0, 2, 1)))], name="kt", shape=(b, kh, d, l_len)))
-    c = const_tensor(np.float32(d ** -0.25))
-    scores = add(MatMul([add(Binary([q, c], name="qs", fn="mul")), add(Binary([kt, c], name="ks", fn="mul"))],
-                        name="qk"))
+    c = const_tensor(np.dtype(dt).type(d ** -0.25))
+    qs, ks = add(Binary([q, c], name="qs", fn="mul")), add(Binary([kt, c], name="ks", fn="mul"))
+    if half == "widened":
+        qs, ks = (add(CastOp([t], name=f"{t.name}.float32", to="float32")) for t in (qs, ks))
+    scores = add(MatMul([qs, ks], name="qk"))
+    if half is True:
+        scores = add(CastOp([scores], name="qk.float32", to="float32"))
+    if half:
+        v = add(CastOp([v], name="v.float32", to="float32"))
     bias = add(Where([mask, const_tensor(np.zeros(1, np.float32)), const_tensor(np.full(1, -np.inf, np.float32))],
                      name="bias"))
     p = add(Softmax([add(Binary([scores, bias], name="masked", fn="add"))], name="sm", axes=(3,)))
@@ -773,6 +784,34 @@ def test_sdpa_exports_fuse_with_their_nan_guard(form, hk):
     (att,) = [op for op in half.nodes if op.op_type == "Attention"]
     assert att.attrs["probs_dtype"] == "float16" and att.inputs[1].dtype == "float16"
     np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("form", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("hk", [4, 2, 1])
+def test_half_sdpa_export_with_float32_softmax_fuses(form, hk):
+    """A float16 model's ``scaled_dot_product_attention`` as the TorchScript exporter writes it:
+    half scores widened to float32, a float32 softmax and P·V with V widened. One Attention on the
+    half Q, K, V (the probabilities rounded to float16, as a fused kernel's tensor-core product
+    does: rfcs/0005 decision 44), as the graph is (the cuda target at float32) and after the
+    precision pass (which rounds P and widened V); a float32 attention that only reads V widened
+    is left alone (its probabilities are not the model's to round)."""
+    rng = np.random.default_rng(6)
+    mask = rng.random((2, 1, 40, 70)) > 0.3
+    mask[1, 0, 5] = False
+    feeds = {"xq": rng.standard_normal((2, 40, 128)).astype(np.float16), "mask": mask,
+             "xk": rng.standard_normal((2, 70, hk * 32)).astype(np.float16),
+             "xv": rng.standard_normal((2, 70, hk * 32)).astype(np.float16)}
+    want = next(iter(_sdpa_export(form, hk, half=True).run(feeds).values()))
+    assert want.dtype == np.float32 and (want[1, 5] == 0).all() and not np.isnan(want).any()
+    for graph in (_sdpa_export(form, hk, half=True),
+                  HalfPrecisionContractions("float16").run(_sdpa_export(form, hk, half=True))):
+        fused = FuseAttention().run(graph)
+        (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+        assert att.attrs["probs_dtype"] == "float16" and att.attrs["has_mask"] and att.attrs["kv_heads"] == hk
+        assert [t.dtype for t in att.inputs[:3]] == ["float16"] * 3 and att.outputs[0].dtype == "float32"
+        assert not {"Softmax", "MatMul", "Cast"} & {op.op_type for op in fused.nodes}
+        np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=5e-3, atol=5e-3)
+    assert "Attention" not in {op.op_type for op in FuseAttention().run(_sdpa_export(form, hk, half="widened")).nodes}
 
 
 def test_soft_capped_scores_fuse(tmp_path):
