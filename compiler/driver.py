@@ -1058,6 +1058,11 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.projections import MergeProjections
 
         rg = MergeProjections().run(rg)
+        # attention computed on [B*H, ..] tensors (BLOOM's) on its [B, H, ..] views, before the
+        # precision pass's casts stand between those and the products (passes/attention.py)
+        from .passes.attention import AttentionOnHeads
+
+        rg = AttentionOnHeads().run(rg)
     if opt.precision in ("float16", "bfloat16"):
         # half operands on each rank's graph, after the plan: the search sees the float32
         # graph, whose weights are constants (a weight read through a Cast is not one to

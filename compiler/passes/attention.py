@@ -40,12 +40,14 @@ and Kᵀ by the scale's square root each before the product (Q's scaling stays i
 is redone on K's rows, with any cast, past a 4-D transpose or the dynamo exporter's ``Reshape(
 Transpose(Reshape(k, [B*H, L, D])))``) and makes the probabilities of a row that sees no key 0,
 ``Where(IsNaN(p), 0, p)``: with one bias, that bias becomes the op's mask, whose rule for such a
-row is the same (rfcs/0005 decision 43). A float16 model exported that way by TorchScript widens its half scores
-(``Cast(s, float32)``) before the mask and multiplies the float32 probabilities by V widened: the
-same op on the half Q, K, V, its probabilities rounded to the half type as a fused kernel's are
-(decision 44). K and V of one head that the products broadcast over the
-query heads (multi-query attention) are read with ``kv_heads = 1``. Scores soft-capped after the
-scale, ``tanh(s / c) * c`` (Gemma 2), give the op's ``softcap``.
+row is the same (rfcs/0005 decision 43). A float16 model exported that way by TorchScript widens
+its half scores (``Cast(s, float32)``) before the mask and multiplies the float32 probabilities
+by V widened: the same op on the half Q, K, V, its probabilities rounded to the half type as a
+fused kernel's are (decision 44). Attention on ``[B*H, ..]`` tensors (BLOOM's ALiBi ``baddbmm``)
+is first written on its ``[B, H, ..]`` views (:class:`AttentionOnHeads`, decision 45). K and V
+of one head that the products broadcast over the query heads (multi-query attention) are read
+with ``kv_heads = 1``. Scores soft-capped after the scale, ``tanh(s / c) * c`` (Gemma 2), give
+the op's ``softcap``.
 
 A constant mask that hides every key past a diagonal (GPT-2's and Llama's causal masks,
 ``finfo.min`` above it) becomes ``is_causal`` (and is dropped when it is 0 elsewhere): same
@@ -66,7 +68,7 @@ from ..ir.expr import dtype_kind
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, splice
 
-__all__ = ["FuseAttention", "HalfAttentionInFloat32"]
+__all__ = ["AttentionOnHeads", "FuseAttention", "HalfAttentionInFloat32"]
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,146 @@ def _causal(mask: np.ndarray, s_len: int, l_len: int) -> tuple[int | None, bool]
     return None, True
 
 
-class FuseAttention(GraphPass):
+class _Walk:
+    """What the attention passes read of a graph: each tensor's producer and readers."""
+
+    def _index(self, graph: FlowGraph) -> None:
+        self._producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        self._consumers = graph.consumers()
+        self._outputs = {id(t) for t in graph.outputs}
+
+    def _only(self, t: Tensor) -> Operator | None:
+        """The single op reading ``t`` (None when several do, or ``t`` is a graph output)."""
+        rs = self._consumers.get(id(t), [])
+        if len(rs) != 1 or id(t) in self._outputs or sum(1 for u in rs[0].inputs if u is t) != 1:
+            return None
+        return rs[0]
+
+    def _prod(self, t: Tensor) -> Operator | None:
+        return self._producer.get(id(t))
+
+    def _scores_side(self, t: Tensor, depth: int = _MAX_BIASES) -> bool:
+        """Whether ``t`` may be the scores side of an addition: a product, a scaling, or an
+        addition one of whose sides is (the other side is then a bias), or one of these widened."""
+        p = self._prod(t)
+        if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
+            p = self._prod(p.inputs[0])
+        if _is(p, "MatMul") or _is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div"):
+            return True
+        return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
+
+    def _scalar(self, t: Tensor) -> float | None:
+        if t.is_constant and t.size == 1 and dtype_kind(t.dtype) == "f":
+            return float(np.asarray(t.value).reshape(()))
+        return None
+
+
+class AttentionOnHeads(_Walk, GraphPass):
+    """Attention computed on ``[B*H, ..]`` tensors written on their ``[B, H, ..]`` views, which
+    :class:`FuseAttention` matches (it runs this pass first; the cuda driver also runs it before the
+    precision pass, whose casts would stand between the views and the products)."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        self._index(graph)
+        return self._lift_heads(graph)
+
+    def _lift_heads(self, graph: FlowGraph) -> FlowGraph:
+        """``graph`` with attention computed on ``[B*H, ..]`` tensors (BLOOM's ``baddbmm`` of the
+        ALiBi bias, then a view to ``[B, H, S, L]`` for the mask and the softmax, and back for the
+        product with V) written on the ``[B, H, ..]`` views instead, which :class:`FuseAttention` takes: a
+        ``Reshape([B*H, S, L] -> [B, H, S, L])`` of a chain of additions (biases ``[B*H | 1, S | 1,
+        L]``, viewed as ``[B, H, S | 1, L]``) and scalings over ``MatMul(q, kᵀ)`` (``[B*H, S, D]``,
+        ``[B*H, D, L]``, viewed as ``[B, H, ..]``), every step read by the next alone, read on its
+        way to a Softmax over the last axis by additions alone; and ``Reshape(MatMul(Reshape(p [B,
+        H, S, L] -> [B*H, S, L]), v) -> [B, H, S, Dv])`` as ``MatMul(p, v viewed [B, H, L, Dv])``.
+        The same products and sums of the same values (a view is free)."""
+        from ..ops.linalg import MatMul
+        from ..ops.transform import Reshape
+
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+
+        def view(t: Tensor, shape: tuple, name: str, new_ops: list) -> Tensor:
+            src = self._prod(t)  # (a view of a view: the first one's input where it has the shape)
+            if _is(src, "Reshape") and tuple(src.inputs[0].shape) == shape:
+                return src.inputs[0]
+            new_ops.append(Reshape([t], name=name, shape=shape))
+            return new_ops[-1].outputs[0]
+
+        for sm in graph.nodes:
+            if not _is(sm, "Softmax") or tuple(sm.attrs.get("axes", ())) != (3,) or sm.inputs[0].ndim != 4:
+                continue
+            b_, h_, s_len, l_len = sm.inputs[0].shape
+            t, nxt = sm.inputs[0], sm
+            while _is(self._prod(t), "Binary", fn="add") and self._only(t) is nxt:  # the 4-D biases
+                nxt = self._prod(t)
+                t = next((u for u in nxt.inputs if _is(self._prod(u), "Reshape") or _is(self._prod(u), "Binary")),
+                         nxt.inputs[0])
+            up = self._prod(t)
+            if not (_is(up, "Reshape") and self._only(t) is nxt and tuple(up.inputs[0].shape) == (b_ * h_, s_len, l_len)
+                    and h_ > 1):
+                continue
+            chain, t = [], up.inputs[0]  # the 3-D steps, from the last to the product
+            while self._only(t) is (chain[-1] if chain else up):
+                p = self._prod(t)
+                if _is(p, "MatMul"):
+                    break
+                if _is(p, "Binary", fn="add"):
+                    a, b = p.inputs
+                    t3, bias = (a, b) if self._scores_side(a) else (b, a)
+                    if bias.ndim != 3 or bias.shape[0] not in (1, b_ * h_) or bias.shape[1] not in (1, s_len):
+                        break
+                elif _is(p, "Binary") and p.attrs["fn"] in ("mul", "div") and self._scalar(p.inputs[1]) is not None:
+                    t3 = p.inputs[0]
+                else:
+                    break
+                chain.append(p)
+                t = t3
+            mm = self._prod(t)
+            if not _is(mm, "MatMul") or self._only(t) is not (chain[-1] if chain else up):
+                continue
+            q3, kt3 = mm.inputs
+            d = q3.shape[-1]
+            if tuple(q3.shape) != (b_ * h_, s_len, d) or tuple(kt3.shape) != (b_ * h_, d, l_len):
+                continue
+            new_ops: list[Operator] = []
+            y = MatMul([view(q3, (b_, h_, s_len, d), f"{mm.name}.q.heads", new_ops),
+                        view(kt3, (b_, h_, d, l_len), f"{mm.name}.kt.heads", new_ops)], name=f"{mm.name}.heads")
+            new_ops.append(y)
+            cur = y.outputs[0]
+            for step in reversed(chain):  # (in the graph's order)
+                if step.attrs["fn"] == "add":
+                    bias = step.inputs[1] if step.inputs[0] is t else step.inputs[0]
+                    if bias.shape[0] == b_ * h_:
+                        bias = view(bias, (b_, h_) + tuple(bias.shape[1:]), f"{step.name}.bias.heads", new_ops)
+                    ins = [cur, bias] if step.inputs[0] is t else [bias, cur]
+                else:
+                    ins = [cur, step.inputs[1]]
+                new_ops.append(type(step)(ins, name=f"{step.name}.heads", **step.attrs))
+                t, cur = step.outputs[0], new_ops[-1].outputs[0]
+            insert[id(up)] = new_ops
+            replace[id(up.outputs[0])] = new_ops[-1].outputs[0]
+        for mm in graph.nodes:  # the product with V, back from [B*H, S, L]
+            down = self._prod(mm.inputs[0]) if _is(mm, "MatMul") and mm.inputs[0].ndim == 3 else None
+            out = self._only(mm.outputs[0])
+            if not (_is(down, "Reshape") and down.inputs[0].ndim == 4 and _is(out, "Reshape")
+                    and self._only(mm.inputs[0]) is mm):
+                continue
+            b_, h_, s_len, l_len = down.inputs[0].shape
+            v3 = mm.inputs[1]
+            if tuple(v3.shape[:2]) != (b_ * h_, l_len) or tuple(out.outputs[0].shape) != (b_, h_, s_len, v3.shape[2]):
+                continue
+            new_ops = []
+            v4 = view(v3, (b_, h_, l_len, v3.shape[2]), f"{mm.name}.v.heads", new_ops)
+            new_ops.append(MatMul([down.inputs[0], v4], name=f"{mm.name}.heads"))
+            insert.setdefault(id(out), []).extend(new_ops)
+            replace[id(out.outputs[0])] = new_ops[-1].outputs[0]
+        if insert:
+            log.info("attention: %d products on [B*H, ..] tensors written on their [B, H, ..] views", len(insert))
+        return splice(graph, insert, replace)
+
+
+class FuseAttention(_Walk, GraphPass):
     """Replace attention written as MatMul/Softmax/MatMul on half operands by one ``Attention``.
 
     ``float32=True``: the same pattern on float32 operands without the casts,
@@ -131,9 +272,8 @@ class FuseAttention(GraphPass):
         self.float32, self.target = float32, target
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        self._producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        self._consumers = graph.consumers()
-        self._outputs = {id(t) for t in graph.outputs}
+        graph = AttentionOnHeads().run(graph)
+        self._index(graph)
         self._bounds: dict[tuple, Tensor] = {}  # (position, +1, batch) -> a key bound made once for every layer
         replace: dict[int, Tensor] = {}  # old tensor -> new one
         insert: dict[int, list[Operator]] = {}  # id(op) -> new ops to place right after it
@@ -151,26 +291,6 @@ class FuseAttention(GraphPass):
         return splice(graph, insert, replace)
 
     # ---------------------------------------------------------------------------------------
-    def _only(self, t: Tensor) -> Operator | None:
-        """The single op reading ``t`` (None when several do, or ``t`` is a graph output)."""
-        rs = self._consumers.get(id(t), [])
-        if len(rs) != 1 or id(t) in self._outputs or sum(1 for u in rs[0].inputs if u is t) != 1:
-            return None
-        return rs[0]
-
-    def _prod(self, t: Tensor) -> Operator | None:
-        return self._producer.get(id(t))
-
-    def _scores_side(self, t: Tensor, depth: int = _MAX_BIASES) -> bool:
-        """Whether ``t`` may be the scores side of an addition: a product, a scaling, or an
-        addition one of whose sides is (the other side is then a bias), or one of these widened."""
-        p = self._prod(t)
-        if _is(p, "Cast", to="float32") and p.inputs[0].dtype in _HALF:
-            p = self._prod(p.inputs[0])
-        if _is(p, "MatMul") or _is(p, "Binary", fn="mul") or _is(p, "Binary", fn="div"):
-            return True
-        return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
-
     def _half_of(self, t: Tensor) -> Tensor | None:
         """``h`` when ``t = Cast(h, float32)`` with ``h`` float16/bfloat16, or ``t`` itself when it is
         half (a half model's own operands); float32 mode: ``t`` itself when it is float32. ``h =
@@ -185,11 +305,6 @@ class FuseAttention(GraphPass):
             up = self._prod(down.inputs[0]) if _is(down, "Cast", to=h.dtype) else None
             return up.inputs[0] if _is(up, "Cast", to="float32") and up.inputs[0].dtype == h.dtype else h
         return t if t.dtype in _HALF else None
-
-    def _scalar(self, t: Tensor) -> float | None:
-        if t.is_constant and t.size == 1 and dtype_kind(t.dtype) == "f":
-            return float(np.asarray(t.value).reshape(()))
-        return None
 
     def _heads_3d(self, t: Tensor, perm: tuple) -> Tensor | None:
         """``x`` when ``t = Transpose(Reshape(x, [B, S, H, D]), perm)`` with ``x`` of shape

@@ -814,6 +814,69 @@ def test_half_sdpa_export_with_float32_softmax_fuses(form, hk):
     assert "Attention" not in {op.op_type for op in FuseAttention().run(_sdpa_export(form, hk, half="widened")).nodes}
 
 
+def _alibi_attention(form: str, b=2, h=4, s=24, d=32):
+    """BLOOM's attention as torch exports it: ``baddbmm`` on ``[B*H, ..]`` tensors, ``Q Kᵀ ·
+    scale + alibi`` (alibi ``[B*H, 1, L]``, a runtime input here), viewed ``[B, H, S, L]`` for the
+    mask and the softmax; the probabilities viewed back to ``[B*H, S, L]`` for the product with V
+    and its result viewed ``[B, H, S, D]`` (``ts17``), or that product on the 4-D views already
+    (``dynamo18``, as onnxscript's optimizer leaves it)."""
+    from shardflow.compiler.ir.graph import FlowGraph, const_tensor
+    from shardflow.compiler.ops.elementwise import Binary
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Reshape, Transpose
+
+    q4, k4, v4 = (Tensor(n, (b, h, s, d), "float32") for n in "qkv")
+    alibi, mask = Tensor("alibi", (b * h, 1, s), "float32"), Tensor("mask", (b, 1, s, s), "float32")
+    ops = []
+
+    def add(op):
+        ops.append(op)
+        return op.outputs[0]
+    q3, k3, v3 = (add(Reshape([t], name=f"{t.name}.3d", shape=(b * h, s, d))) for t in (q4, k4, v4))
+    kt3 = add(Transpose([k3], name="kt", perm=(0, 2, 1)))
+    s3 = add(Binary([add(MatMul([q3, kt3], name="qk")), const_tensor(np.float32(d ** -0.5))], name="scale", fn="mul"))
+    s3 = add(Binary([s3, alibi], name="alibi.add", fn="add"))
+    s4 = add(Binary([add(Reshape([s3], name="scores.4d", shape=(b, h, s, s))), mask], name="mask.add", fn="add"))
+    p4 = add(Softmax([s4], name="sm", axes=(3,)))
+    if form == "ts17":
+        y = add(Reshape([add(MatMul([add(Reshape([p4], name="p.3d", shape=(b * h, s, s))), v3], name="pv"))],
+                        name="y.4d", shape=(b, h, s, d)))
+    else:
+        y = add(MatMul([p4, v4], name="pv"))
+    out = add(Reshape([add(Transpose([y], name="y.t", perm=(0, 2, 1, 3)))], name="merge", shape=(b, s, h * d)))
+    return FlowGraph([q4, k4, v4, alibi, mask], [add(Binary([out, const_tensor(np.float32(2.0))], name="out",
+                                                             fn="mul"))])
+
+
+@pytest.mark.parametrize("form", ["ts17", "dynamo18"])
+def test_alibi_attention_on_batched_heads_fuses(form):
+    """BLOOM's ``[B*H, ..]`` attention is written on its ``[B, H, ..]`` views (AttentionOnHeads,
+    the same values), then fuses: one Attention with the ALiBi bias and the mask as its two biases,
+    in float32 (the cuda target's) and after the precision pass (which the cuda driver runs after
+    the views are taken)."""
+    from shardflow.compiler.passes.attention import AttentionOnHeads
+
+    rng = np.random.default_rng(8)
+    feeds = {n: rng.standard_normal((2, 4, 24, 32)).astype(np.float32) for n in "qkv"}
+    feeds["alibi"] = (rng.standard_normal((8, 1, 24)) * 3).astype(np.float32)
+    feeds["mask"] = np.where(np.tril(np.ones((24, 24))) > 0, 0, np.finfo(np.float32).min).astype(np.float32)[
+        None, None].repeat(2, 0)
+    want = next(iter(_alibi_attention(form).run(feeds).values()))
+    lifted = AttentionOnHeads().run(_alibi_attention(form))
+    assert [op.name for op in lifted.nodes if op.op_type in ("MatMul", "Binary") and op.outputs[0].ndim == 3] == ["out"]
+    np.testing.assert_allclose(next(iter(lifted.run(feeds).values())), want, rtol=1e-6, atol=1e-6)
+    fused = FuseAttention(float32=True, target="cuda").run(_alibi_attention(form))
+    (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+    assert att.attrs["extra_biases"] == 2 and att.inputs[3].shape == (2, 4, 1, 24) and not att.attrs.get("has_mask")
+    assert not {"Softmax", "MatMul"} & {op.op_type for op in fused.nodes}
+    np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+    half = FuseAttention().run(HalfPrecisionContractions("float16").run(AttentionOnHeads().run(_alibi_attention(form))))
+    (att,) = [op for op in half.nodes if op.op_type == "Attention"]
+    assert att.attrs["probs_dtype"] == "float16" and att.inputs[0].dtype == "float16"
+    np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
+
+
 def test_soft_capped_scores_fuse(tmp_path):
     """Gemma 2's eager attention: ``tanh(s * scale / cap) * cap`` before the mask is the op's
     ``softcap`` (the same operations in the same order), on both targets; the cpu program's values

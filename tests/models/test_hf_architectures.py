@@ -155,8 +155,8 @@ def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, exported, arch,
 
 
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
-#: decision 43: not BLOOM's ALiBi, DeBERTa's disentangled scores, this Swin's head size 8)
-FUSED = set(ARCHITECTURES) - {"bloom", "deberta_v2", "swin", "convnext", "regnet"}
+#: decisions 43 and 45: not DeBERTa's disentangled scores, this Swin's head size 8)
+FUSED = set(ARCHITECTURES) - {"deberta_v2", "swin", "convnext", "regnet"}
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
