@@ -16,9 +16,11 @@ summation order a GEMM implementation picks for a shape.
 Matched: two or more ``MatMul(x, W_i)`` reading the same non-constant ``x`` as their first
 operand, each ``W_i`` a constant 2-D ``[K, N_i]`` of one dtype; when every one of them is read
 only by ``Add(., b_i)`` with a constant ``b_i`` of shape ``[N_i]``, the biases are merged too.
-Every result must go only to head splits (reshapes, transposes, casts): Llama's gate and up
-projections meet in ``SiLU(gate) * up``, which the up projection's GEMM computes in its epilogue
-from the gate's output; merged, that product would need a kernel of its own.
+Every merged result must go only to head splits (reshapes, transposes, casts); the others of the
+activation's products stay apart: Llama's gate and up projections meet in ``SiLU(gate) * up``,
+which the up projection's GEMM computes in its epilogue from the gate's output (merged, that
+product would need a kernel of its own), and the blocks of Phi and GPT-J run their MLP's first
+product on the attention's input (its GELU is that GEMM's epilogue).
 """
 from __future__ import annotations
 
@@ -60,12 +62,19 @@ class MergeProjections(GraphPass):
             members = [m for m in members if m.inputs[1].dtype == w_dtype and m.outputs[0].dtype == w_dtype]
             if len(members) < 2:
                 continue
-            biases = [self._bias(m, consumers, outputs) for m in members]
-            with_bias = all(b is not None for b in biases)
-            ends = [b[0].outputs[0] if with_bias else m.outputs[0] for m, b in zip(members, biases)]
-            if not all(consumers.get(id(t)) and all(c.op_type in _HEAD_SPLIT for c in consumers[id(t)])
-                       for t in ends):
-                continue  # not head splits (Llama's gate and up meet in SiLU(gate) * up: left alone)
+            # those whose result (past its bias) goes to head splits alone: not Llama's gate and up,
+            # which meet in SiLU(gate) * up, nor the MLP's first product that Phi and GPT-J compute
+            # from the attention's input (parallel blocks)
+            kept = [(m, b) for m in members for b in [self._bias(m, consumers, outputs)]
+                    if self._to_heads(b[0].outputs[0] if b else m.outputs[0], consumers)]
+            # (merged with their biases, or all without one: the larger set)
+            biased, bare = [k for k in kept if k[1] is not None], [k for k in kept if k[1] is None]
+            with_bias = len(biased) >= len(bare)
+            kept = biased if with_bias else bare
+            if len(kept) < 2:
+                continue
+            members, biases = [m for m, _ in kept], [b for _, b in kept]
+            ends = [b[0].outputs[0] if with_bias else m.outputs[0] for m, b in kept]
             x = members[0].inputs[0]
             w = const_tensor(np.concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
                              f"{members[0].name}.merged_w")
@@ -90,6 +99,11 @@ class MergeProjections(GraphPass):
         if insert:
             log.info("projections: %d groups of products of one activation merged", len(insert))
         return splice(graph, insert, replace)
+
+    @staticmethod
+    def _to_heads(t: Tensor, consumers) -> bool:
+        """Whether ``t`` is read, and by head splits alone."""
+        return bool(consumers.get(id(t))) and all(c.op_type in _HEAD_SPLIT for c in consumers[id(t)])
 
     @staticmethod
     def _bias(mm: Operator, consumers, outputs) -> tuple[Operator, int] | None:

@@ -247,6 +247,40 @@ def test_simplify_removes_shape_glue():
         np.testing.assert_array_equal(out["z"], want)
 
 
+def test_merge_projections_leaves_the_parallel_mlp_apart():
+    """Phi's and GPT-J's blocks run the MLP's first product on the attention's input: Q, K and V
+    (with their biases) merge, that product (read by its GELU) stays apart, and a projection
+    without a bias among biased ones stays apart too."""
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.transform import Reshape
+    from shardflow.compiler.passes.projections import MergeProjections
+
+    rng = np.random.default_rng(3)
+    x = Tensor("x", (2, 8, 16), "float32")
+    ops, outs = [], []
+
+    def proj(name, n, bias=True):
+        ops.append(MatMul([x, const_tensor(rng.standard_normal((16, n)).astype(np.float32), f"{name}.w")], name=name))
+        if bias:
+            ops.append(Binary([ops[-1].outputs[0], const_tensor(rng.standard_normal(n).astype(np.float32),
+                                                                f"{name}.b")], name=f"{name}.bias", fn="add"))
+        return ops[-1].outputs[0]
+    for name in ("q", "k", "v"):
+        ops.append(Reshape([proj(name, 16)], name=f"{name}.heads", shape=(2, 8, 4, 4)))
+        outs.append(ops[-1].outputs[0])
+    ops.append(Unary([proj("fc1", 32)], name="gelu", fn="tanh"))
+    outs.append(ops[-1].outputs[0])
+    ops.append(Reshape([proj("o", 16, bias=False)], name="o.heads", shape=(2, 8, 4, 4)))
+    outs.append(ops[-1].outputs[0])
+    g = FlowGraph([x], outs)
+    g, before, after = run_pass(g, MergeProjections().run, {"x": rng.standard_normal((2, 8, 16)).astype(np.float32)})
+    for k in before:
+        np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
+    (merged,) = [op for op in g.nodes if op.name.endswith(".merged")]
+    assert merged.name == "q.merged" and merged.inputs[1].shape == (16, 48)
+    assert sorted(op.name for op in g.nodes if op.op_type == "MatMul") == ["fc1", "o", "q.merged"]
+
+
 @pytest.mark.parametrize("model,merged", [("bert_ts17", 2), ("llama_ts17", 2), ("t5_encoder_dynamo18", 2),
                                           ("vit_ts17", 2), ("gpt2_ts17", 0)])
 def test_merge_projections_of_one_activation(model, merged):
