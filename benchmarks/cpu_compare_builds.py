@@ -24,6 +24,36 @@ import time
 import numpy as np
 
 
+def before_and_after(model: str, feeds: dict, before, title: str, rounds: int, only: str = "") -> None:
+    """Compile ``model`` for one cpu rank twice, inside the context manager ``before`` (the code as a
+    change found it: ``old``) and as it is (``new``), print ``title``, the paired report of the two
+    builds (:func:`main`), then onnxruntime's median on ``model`` with ``feeds`` (as many threads as
+    cores, ``5 * rounds`` runs)."""
+    import tempfile
+
+    import onnxruntime as ort
+    from shardflow.compiler import compile
+
+    work = tempfile.mkdtemp(prefix="sf-before-after-")
+    old, new = os.path.join(work, "old"), os.path.join(work, "new")
+    with before:
+        compile(model, distributed_config={"mesh_shape": [1]}, out_dir=old)
+    compile(model, distributed_config={"mesh_shape": [1]}, out_dir=new)
+    print(title)
+    main([old, new, "--rounds", str(rounds)] + (["--only", only] if only else []))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = os.cpu_count() or 1
+    sess = ort.InferenceSession(model, so)
+    sess.run(None, feeds)
+    laps = []
+    for _ in range(5 * rounds):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        laps.append(time.perf_counter() - t0)
+    print(f"onnxruntime: median {1e3 * float(np.median(laps)):.3f} ms, min {1e3 * min(laps):.3f} ms "
+          f"({os.cpu_count()} threads)")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("old")

@@ -15,10 +15,10 @@ onnxruntime's median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,11 +52,9 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=11)
     args = ap.parse_args(argv)
-    from shardflow.compiler import compile
     from shardflow.compiler.passes.attention import FuseAttention
 
-    work = tempfile.mkdtemp(prefix="sf-sdpa-")
-    path = os.path.join(work, "qwen2_sdpa.onnx")
+    path = os.path.join(tempfile.mkdtemp(prefix="sf-sdpa-"), "qwen2_sdpa.onnx")
     feeds = export(path, args.seq, args.layers, args.hidden)
     guard, rows = FuseAttention._past_nan_guard, FuseAttention._key_rows
 
@@ -67,33 +65,20 @@ def main(argv=None) -> None:
         tk = self._prod(kth)
         return (tk.inputs[0], []) if tk is not None and tk.op_type == "Transpose" \
             and tk.attrs.get("perm") == (0, 1, 3, 2) else (None, [])
-    FuseAttention._past_nan_guard, FuseAttention._key_rows = before_guard, before_rows
-    try:
-        compile(path, distributed_config={"mesh_shape": [1]}, out_dir=os.path.join(work, "separate"))
-    finally:
-        FuseAttention._past_nan_guard, FuseAttention._key_rows = guard, rows
-    compile(path, distributed_config={"mesh_shape": [1]}, out_dir=os.path.join(work, "fused"))
-    print(f"# Qwen2 (sdpa export), hidden {args.hidden}, {args.layers} layers, batch 1 x {args.seq} tokens; "
-          "old = attention as separate ops, new = fused")
+
+    @contextlib.contextmanager
+    def before():
+        FuseAttention._past_nan_guard, FuseAttention._key_rows = before_guard, before_rows
+        try:
+            yield
+        finally:
+            FuseAttention._past_nan_guard, FuseAttention._key_rows = guard, rows
     sys.path.insert(0, HERE)
     import cpu_compare_builds
 
-    cpu_compare_builds.main([os.path.join(work, "separate"), os.path.join(work, "fused"), "--rounds",
-                             str(args.rounds), "--only", "attention"])
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = os.cpu_count() or 1
-    sess = ort.InferenceSession(path, so)
-    sess.run(None, feeds)
-    laps = []
-    for _ in range(5 * args.rounds):
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        laps.append(time.perf_counter() - t0)
-    print(f"onnxruntime: median {1e3 * float(np.median(laps)):.3f} ms, min {1e3 * min(laps):.3f} ms "
-          f"({os.cpu_count()} threads)")
-
+    cpu_compare_builds.before_and_after(
+        path, feeds, before(), f"# Qwen2 (sdpa export), hidden {args.hidden}, {args.layers} layers, batch 1 x "
+        f"{args.seq} tokens; old = attention as separate ops, new = fused", args.rounds, only="attention")
 
 if __name__ == "__main__":
     main()

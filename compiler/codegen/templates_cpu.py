@@ -489,13 +489,14 @@ def _conv_transpose(op, fused=None) -> str | None:
 def _attention(op) -> str | None:
     """Attention (float32 Q/K/V and output; an optional float or bool mask, ``nonpad_kv_seqlen``, causal,
     windows, softcap, attention sinks, grouped K/V heads, 3-D or 4-D forms) through :func:`sf_attention`; also the float32 form
-    FuseAttention makes on the cpu target (``acc_dtype`` float32: the sums scaled by ``scale``; one extra bias
-    in place of a mask, a row whose every logit is -inf NaN as a Softmax gives it). The mixed-precision form,
-    more extra biases and the ``qk_matmul_output`` modes keep the generic nest."""
+    FuseAttention makes on the cpu target (``acc_dtype`` float32: the sums scaled by ``scale``; one or two
+    extra biases in place of a mask, added in turn, a row whose every logit is -inf NaN as a Softmax gives it:
+    T5's position bias and mask, BLOOM's ALiBi and mask). The mixed-precision form, more extra biases and the
+    ``qk_matmul_output`` modes keep the generic nest."""
     a = op.attrs
     extra_biases = a.get("extra_biases", 0)
     if a.get("acc_dtype") not in (None, "float32") or a.get("probs_dtype") or a.get("qk_mode") is not None \
-            or extra_biases > 1 or (extra_biases and (a.get("has_mask") or a.get("has_nonpad"))) \
+            or extra_biases > 2 or (extra_biases and (a.get("has_mask") or a.get("has_nonpad"))) \
             or a.get("softmax_dtype") not in (None, "float32") or not isinstance(a.get("past_len", 0), int):
         return None
     q, k, v = op.inputs[:3]
@@ -507,22 +508,27 @@ def _attention(op) -> str | None:
     mask = extra.pop(0) if a.get("has_mask") or extra_biases else None
     nonpad = extra.pop(0) if a.get("has_nonpad") else None
     sink = extra.pop(0) if a.get("has_sink") else None
+    bias2 = extra.pop(0) if extra_biases == 2 else None
     if (mask is not None and mask.dtype not in ("float32", "bool")) or (extra_biases and mask.dtype != "float32") \
-            or (nonpad is not None and nonpad.dtype != "int64") or (sink is not None and sink.dtype != "float32"):
+            or (nonpad is not None and nonpad.dtype != "int64") or (sink is not None and sink.dtype != "float32") \
+            or (bias2 is not None and (bias2.dtype != "float32" or mask.shape[-1] != l_len
+                                       or bias2.ndim < 1 or bias2.shape[-1] != l_len)):
         return None
 
     def strides(t, heads, rows, width):  # (batch, head, row) element strides of a 4-D or 3-D [B, N, H*E] tensor
         return (heads * rows * width, rows * width, width) if t.ndim == 4 else (rows * heads * width, width,
                                                                                heads * width)
     ys = strides(y, hq, s_len, dv)
-    ms, mlen, mkind = (0, 0, 0), 0, 0
-    if mask is not None:
-        mkind = 1 if mask.dtype == "float32" else 2
-        full, acc, st = (1,) * (4 - mask.ndim) + tuple(mask.shape), 1, []
+    def bias_strides(m):  # (batch, head, row) element strides of a bias broadcast to [B, H, S, L], 0 = broadcast
+        full, acc, st = (1,) * (4 - m.ndim) + tuple(m.shape), 1, []
         for e in reversed(full):
             st.append(0 if e == 1 else acc)
             acc *= e
-        ms, mlen = tuple(reversed(st))[:3], int(mask.shape[-1])  # keys contiguous (a key dim of 1: mlen 1)
+        return tuple(reversed(st))[:3]
+    ms, mlen, mkind = (0, 0, 0), 0, 0
+    if mask is not None:
+        mkind = 1 if mask.dtype == "float32" else 2
+        ms, mlen = bias_strides(mask), int(mask.shape[-1])  # keys contiguous (a key dim of 1: mlen 1)
     # the scores' scale: scale_sqrt squared (ONNX scales Q and K), or the scale itself (acc_dtype: after the sum)
     c2 = np.float32(a.get("scale", 1.0)) if a.get("acc_dtype") else np.float32(a.get("scale_sqrt", 1.0)) ** 2
     lines = _args(op)
@@ -530,8 +536,9 @@ def _attention(op) -> str | None:
     np_arg = f"static_cast<const int64_t*>(inputs[{3 + (mask is not None)}])" if nonpad is not None else "nullptr"
     sink_arg = (f"static_cast<const float*>(inputs[{3 + (mask is not None) + (nonpad is not None)}])"
                 if sink is not None else "nullptr")
+    bias2_arg = "static_cast<const float*>(inputs[4])" if bias2 is not None else "nullptr"
     what = (", causal" if a.get("is_causal") else "") + (", mask" if mask is not None else "") + \
-        (", sinks" if sink is not None else "")
+        (", sinks" if sink is not None else "") + (", second bias" if bias2 is not None else "")
     lines.append(f"  // Attention: {b_} x {hq} heads (K/V {hk}) of softmax([{s_len}, {d}] @ [{d}, {l_len}]) @ "
                  f"[{l_len}, {dv}]{what}")
     lines.append(f"  static const SfAttn cfg = {{{b_}, {hq}, {hk}, {s_len}, {l_len}, {d}, {dv}, "
@@ -539,8 +546,10 @@ def _attention(op) -> str | None:
                  f"{_arr(strides(v, hk, l_len, dv))}, {_arr(ys)}, {_flt(c2)}, {_flt(a.get('softcap', 0.0))}, "
                  f"{'true' if a.get('is_causal') else 'false'}, {int(a.get('past_len', 0))}, "
                  f"{int(a.get('left_window', -1))}, {int(a.get('right_window', -1))}, {mkind}, {_arr(ms)}, {mlen}, "
-                 f"{'true' if nonpad is not None else 'false'}, {'true' if extra_biases else 'false'}}};")
-    lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, {sink_arg}, out0, cfg);")
+                 f"{'true' if nonpad is not None else 'false'}, {'true' if extra_biases else 'false'}, "
+                 f"{'true' if bias2 is not None else 'false'}, "
+                 f"{_arr(bias_strides(bias2) if bias2 is not None else (0, 0, 0))}}};")
+    lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, {sink_arg}, {bias2_arg}, out0, cfg);")
     return "\n".join(lines)
 
 

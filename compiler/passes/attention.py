@@ -258,8 +258,8 @@ class FuseAttention(_Walk, GraphPass):
     scores scaled after the sum, as the MatMul and Mul compute them; any bias added after the
     scale, a row whose every logit is -inf NaN as the Softmax gives it) where the target's
     kernel computes it: ``target="cpu"`` (at float32), where the cpu template does
-    (:func:`~shardflow.compiler.codegen.templates_cpu.template_kind`: one bias at most, GPT-2's
-    and BERT's masks; T5's position bias and mask keep the separate ops); ``target="cuda"``
+    (:func:`~shardflow.compiler.codegen.templates_cpu.template_kind`: two biases at most, GPT-2's
+    and BERT's masks, T5's position bias and mask, BLOOM's ALiBi and mask); ``target="cuda"``
     (float32 and tf32 on sm_80 and newer), where the fused kernel takes the head sizes
     (:func:`~shardflow.compiler.codegen.cuda_attention.takes_heads`; TF32 or 3xTF32 products, as
     the separate MatMuls have). The op never writes the ``[B, H, S, L]`` scores and reads and

@@ -620,11 +620,12 @@ def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
 
 
 @pytest.mark.parametrize("model,fused,mesh", [("gpt2_ts17", 2, [1]), ("bert_dynamo18", 2, [1]), ("llama_ts17", 2, [1]),
-                                              ("gpt2_ts17", 2, [2]), ("t5_encoder_ts17", 0, [1])])
+                                              ("gpt2_ts17", 2, [2]), ("t5_encoder_ts17", 2, [1]),
+                                              ("t5_encoder_dynamo18", 2, [2])])
 def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path, model, fused, mesh):
-    """The cpu target at float32 fuses each MatMul/Softmax/MatMul attention (a padding mask as its one bias)
-    into an ``Attention`` step of the cpu template, on each rank's share of the heads; T5's two biases (the
-    position bias, then the mask) keep the separate ops. Outputs equal onnxruntime's."""
+    """The cpu target at float32 fuses each MatMul/Softmax/MatMul attention (a padding mask as its one bias;
+    T5's position bias, then its mask: two) into an ``Attention`` step of the cpu template, on each rank's
+    share of the heads. Outputs equal onnxruntime's."""
     from shardflow.runtime import load
     from shardflow.runtime.comm import InProcessWorld
     from threads import run_threads
@@ -645,8 +646,9 @@ def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path
             np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=name)
 
 
-def _float32_attention(bias_shape=(2, 1, 40, 70), two_biases=False):
-    """softmax(Q Kᵀ · 0.25 + bias) V on float32 [2, 3, *, 32] operands, written out as exporters do."""
+def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=()):
+    """softmax(Q Kᵀ · 0.25 + bias) V on float32 [2, 3, *, 32] operands, written out as exporters do
+    (``biases`` of ``bias_shape`` added in turn, or one of each of ``shapes``)."""
     from shardflow.compiler.ir import const_tensor
     from shardflow.compiler.ir.graph import FlowGraph
     from shardflow.compiler.ops.elementwise import Binary
@@ -656,7 +658,8 @@ def _float32_attention(bias_shape=(2, 1, 40, 70), two_biases=False):
 
     q, k, v = Tensor("q", (2, 3, 40, 32), "float32"), Tensor("k", (2, 3, 70, 32), "float32"), \
         Tensor("v", (2, 3, 70, 16), "float32")
-    biases = [Tensor("bias", bias_shape, "float32")] + ([Tensor("bias2", bias_shape, "float32")] if two_biases else [])
+    biases = [Tensor("bias" + (str(i + 1) if i else ""), sh, "float32")
+              for i, sh in enumerate(shapes or [bias_shape] * biases)]
     ops = []
 
     def add(op):
@@ -674,7 +677,8 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
     """FuseAttention(float32=True): one op whose reference values are the separate ops' (the scale after the
     sum, the bias after the scale), compiled for the cpu to the same values up to rounding; a query row whose
     bias hides every key is NaN as the Softmax makes it (ONNX Attention's own mask rule would give 0). Two
-    biases keep the separate ops (the cpu template adds one)."""
+    biases (a position bias broadcast over the batch, then a mask) likewise; three keep the separate ops (the
+    cpu template adds two)."""
     from shardflow.runtime import load
 
     rng = np.random.default_rng(3)
@@ -695,8 +699,19 @@ def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
     assert [st["node"] for st in program["steps"] if st["kind"] == "kernel"] == ["pv.attention", "out"]
     got = next(iter(load(tmp_path / "o", 0).run(feeds).values()))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    feeds["bias2"] = bias
+    feeds["bias"] = (4 * rng.standard_normal((1, 3, 40, 70))).astype(np.float32)
+    two = [(1, 3, 40, 70), (2, 1, 40, 70)]
+    want = next(iter(_float32_attention(shapes=two).run(feeds).values()))
+    assert np.isnan(want[1, :, 5]).all() and not np.isnan(np.delete(want, 5, axis=2)).any()
+    compile(_float32_attention(shapes=two), distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / "o2")
+    program = json.loads((tmp_path / "o2" / "rank0" / "program.json").read_text())
+    assert [st["node"] for st in program["steps"] if st["kind"] == "kernel"] == ["pv.attention", "out"]
+    got = next(iter(load(tmp_path / "o2", 0).run(feeds).values()))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert "Attention" not in [op.op_type for op in FuseAttention(float32=True).run(_float32_attention(
-        two_biases=True)).nodes]
+        biases=3)).nodes]
 
 
 def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32, half=False):

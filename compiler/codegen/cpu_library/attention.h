@@ -18,6 +18,9 @@ struct SfAttn {
   bool nonpad;                         // nonpad_kv_seqlen given: keys j < nonpad[b]; offset nonpad[b] - S
   bool nanrow;                         // the float mask is a bias added before a Softmax (FuseAttention): a row
                                        // whose every value is -inf is NaN, not ONNX Attention's 0
+  bool bias2;                          // a second float bias, added after the mask (FuseAttention's second
+  int64_t bs[3];                       // extra bias: T5's mask after its position bias); its strides as ms's,
+                                       // its keys all L
 };
 
 // the keys [lo, hi) row i may see before the mask's values (lo >= hi: none)
@@ -37,7 +40,8 @@ static inline void sf_attn_range(const SfAttn& a, int64_t i, int64_t off, int64_
 // `omp simd` (vectorized).
 SF_CLONES
 static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t lo, int64_t hi, const SfAttn& a,
-                        const float* __restrict__ fm, const uint8_t* __restrict__ bm, float sink) {
+                        const float* __restrict__ fm, const uint8_t* __restrict__ bm, const float* __restrict__ f2,
+                        float sink) {
   float* __restrict__ r = s - c0;
   lo = std::max(lo, c0); hi = std::min(hi, c1);
   for (int64_t j = c0; j < std::min(lo, c1); ++j) r[j] = 0.0f;
@@ -62,6 +66,10 @@ static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t l
       r[j] += b;
     }
     keep = nan != 0 || bmax != ninf;
+    if (f2) {  // (nanrow: a row left without a key is NaN below, as the Softmax of the separate ops gives it)
+      #pragma omp simd
+      for (int64_t j = lo; j < hi; ++j) r[j] += f2[j];
+    }
   } else if (a.mkind == 2) {
     int any = 0;
     #pragma omp simd reduction(|:any)
@@ -90,7 +98,7 @@ static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t l
 }
 
 static void sf_attention(const float* q, const float* k, const float* v, const void* mask, const int64_t* nonpad,
-                         const float* sinks, float* y, const SfAttn& a) {
+                         const float* sinks, const float* bias2, float* y, const SfAttn& a) {
   if (a.B <= 0 || a.Hq <= 0 || a.S <= 0 || a.Dv <= 0) return;
   const int64_t rep = a.Hq / a.Hk;
   // rows per block: the block's scores stay near 1 MB (at most 64 rows, at least 8)
@@ -128,9 +136,9 @@ static void sf_attention(const float* q, const float* k, const float* v, const v
       const int64_t i = i0 + r;
       int64_t lo, hi;
       sf_attn_range(a, i, off, npb, lo, hi);
-      const int64_t mo = b * a.ms[0] + h * a.ms[1] + i * a.ms[2];
+      const int64_t mo = b * a.ms[0] + h * a.ms[1] + i * a.ms[2], bo = b * a.bs[0] + h * a.bs[1] + i * a.bs[2];
       sf_attn_row(sc + r * n, c0, c1, lo, hi, a, fm ? fm + mo : nullptr, bm ? bm + mo : nullptr,
-                  sinks ? sinks[h] : -std::numeric_limits<float>::infinity());
+                  a.bias2 ? bias2 + bo : nullptr, sinks ? sinks[h] : -std::numeric_limits<float>::infinity());
     }
     sf_sgemm(rows, a.Dv, n, sc, n, 1, vb, a.vs[2], 1, yb, a.ys[2], 1.0f, nullptr, 0, 0, false);
   }
