@@ -44,7 +44,9 @@ row is the same (rfcs/0005 decision 43). A float16 model exported that way by To
 its half scores (``Cast(s, float32)``) before the mask and multiplies the float32 probabilities
 by V widened: the same op on the half Q, K, V, its probabilities rounded to the half type as a
 fused kernel's are (decision 44). Attention on ``[B*H, ..]`` tensors (BLOOM's ALiBi ``baddbmm``)
-is first written on its ``[B, H, ..]`` views (:class:`AttentionOnHeads`, decision 45). K and V
+is first written on its ``[B, H, ..]`` views (:class:`AttentionOnHeads`, decision 45), which
+also writes scores filled with ``finfo.min`` where a mask hides them (DeBERTa) as an added bias
+(decision 47). K and V
 of one head that the products broadcast over the query heads (multi-query attention) are read
 with ``kv_heads = 1``. Scores soft-capped after the scale, ``tanh(s / c) * c`` (Gemma 2), give
 the op's ``softcap``.
@@ -146,13 +148,43 @@ class _Walk:
 
 
 class AttentionOnHeads(_Walk, GraphPass):
-    """Attention computed on ``[B*H, ..]`` tensors written on their ``[B, H, ..]`` views, which
-    :class:`FuseAttention` matches (it runs this pass first; the cuda driver also runs it before the
-    precision pass, whose casts would stand between the views and the products)."""
+    """Attention computed on ``[B*H, ..]`` tensors written on their ``[B, H, ..]`` views, and a
+    masked fill of the scores written as an added bias, which :class:`FuseAttention` matches (it
+    runs this pass first; the cuda driver also runs it before the precision pass, whose casts would
+    stand between the views and the products)."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         self._index(graph)
+        graph = self._fills_as_biases(graph)
+        self._index(graph)
         return self._lift_heads(graph)
+
+    def _fills_as_biases(self, graph: FlowGraph) -> FlowGraph:
+        """``graph`` with the float32 scores a softmax over the keys reads filled where a mask hides
+        them, ``Where(c, h, s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``), written as an added
+        bias, ``s + Where(c, h, 0)``: the same values where ``h`` is ``-inf`` or a finite constant at
+        most ``-1e30`` and the scores below ``2**75`` in magnitude (``s + h`` rounds to ``h``), a row
+        every key of which is hidden uniform over them as before."""
+        from ..ops.elementwise import Binary, Where
+
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for sm in graph.nodes:
+            w = self._prod(sm.inputs[0]) if _is(sm, "Softmax") and tuple(sm.attrs.get("axes", ())) == (3,) else None
+            if not _is(w, "Where") or self._only(sm.inputs[0]) is not sm:
+                continue
+            cond, h, x = w.inputs
+            hv = self._scalar(h)
+            if hv is None or not hv <= _HIDDEN or x.dtype != "float32" or h.dtype != "float32" \
+                    or tuple(x.shape) != tuple(w.outputs[0].shape):
+                continue
+            bias = Where([cond, h, const_tensor(np.zeros((), np.float32), f"{w.name}.zero")], name=f"{w.name}.bias")
+            add = Binary([x, bias.outputs[0]], name=f"{w.name}.add", fn="add")
+            insert[id(w)] = [bias, add]
+            replace[id(w.outputs[0])] = add.outputs[0]
+        if insert:
+            log.info("attention: %d masked fills of the scores written as added biases", len(insert))
+        return splice(graph, insert, replace)
 
     def _lift_heads(self, graph: FlowGraph) -> FlowGraph:
         """``graph`` with attention computed on ``[B*H, ..]`` tensors (BLOOM's ``baddbmm`` of the
@@ -164,6 +196,7 @@ class AttentionOnHeads(_Walk, GraphPass):
         way to a Softmax over the last axis by additions alone; and ``Reshape(MatMul(Reshape(p [B,
         H, S, L] -> [B*H, S, L]), v) -> [B, H, S, Dv])`` as ``MatMul(p, v viewed [B, H, L, Dv])``.
         The same products and sums of the same values (a view is free)."""
+        from ..ops.elementwise import Binary
         from ..ops.linalg import MatMul
         from ..ops.transform import Reshape
 
@@ -214,8 +247,14 @@ class AttentionOnHeads(_Walk, GraphPass):
             if tuple(q3.shape) != (b_ * h_, s_len, d) or tuple(kt3.shape) != (b_ * h_, d, l_len):
                 continue
             new_ops: list[Operator] = []
-            y = MatMul([view(q3, (b_, h_, s_len, d), f"{mm.name}.q.heads", new_ops),
-                        view(kt3, (b_, h_, d, l_len), f"{mm.name}.kt.heads", new_ops)], name=f"{mm.name}.heads")
+            sc = self._prod(kt3)  # Kᵀ scaled by a scalar (DeBERTa's): the scaling on the view
+            scaled = _is(sc, "Binary") and sc.attrs["fn"] in ("mul", "div") and sc.inputs[0] is not sc.inputs[1] \
+                and self._scalar(sc.inputs[1]) is not None and self._only(kt3) is mm
+            kt4 = view(sc.inputs[0] if scaled else kt3, (b_, h_, d, l_len), f"{mm.name}.kt.heads", new_ops)
+            if scaled:
+                new_ops.append(Binary([kt4, sc.inputs[1]], name=f"{sc.name}.heads", fn=sc.attrs["fn"]))
+                kt4 = new_ops[-1].outputs[0]
+            y = MatMul([view(q3, (b_, h_, s_len, d), f"{mm.name}.q.heads", new_ops), kt4], name=f"{mm.name}.heads")
             new_ops.append(y)
             cur = y.outputs[0]
             for step in reversed(chain):  # (in the graph's order)
@@ -234,8 +273,8 @@ class AttentionOnHeads(_Walk, GraphPass):
             down = self._prod(mm.inputs[0]) if _is(mm, "MatMul") and mm.inputs[0].ndim == 3 else None
             out = self._only(mm.outputs[0])
             if not (_is(down, "Reshape") and down.inputs[0].ndim == 4 and _is(out, "Reshape")
-                    and self._only(mm.inputs[0]) is mm):
-                continue
+                    and self._only(mm.inputs[0]) is mm) or id(out.outputs[0]) in replace:
+                continue  # (or the scores' product, lifted above)
             b_, h_, s_len, l_len = down.inputs[0].shape
             v3 = mm.inputs[1]
             if tuple(v3.shape[:2]) != (b_ * h_, l_len) or tuple(out.outputs[0].shape) != (b_, h_, s_len, v3.shape[2]):
@@ -569,7 +608,7 @@ class FuseAttention(_Walk, GraphPass):
                 return None, []
             p = self._prod(t)
             if not (_is(p, "Cast") and p.attrs.get("to") in ("float32", *_HALF)
-                    or _is(p, "Binary", fn="mul") and self._scalar(p.inputs[1]) is not None):
+                    or _is(p, "Binary") and p.attrs["fn"] in ("mul", "div") and self._scalar(p.inputs[1]) is not None):
                 break
             steps.insert(0, p)
             t = p.inputs[0]

@@ -892,6 +892,57 @@ def test_alibi_attention_on_batched_heads_fuses(form):
     np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
 
 
+def _filled_attention(fill: float):
+    """softmax(Where(hidden, fill, Q Kᵀ · 0.25)) V: the scores filled where a mask hides them
+    (DeBERTa's ``masked_fill`` with ``finfo.min``)."""
+    from shardflow.compiler.ir.graph import FlowGraph, const_tensor
+    from shardflow.compiler.ops.elementwise import Binary, Where
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Transpose
+
+    q, k, v = (Tensor(n, (2, 3, 24, 32), "float32") for n in "qkv")
+    hidden = Tensor("hidden", (2, 1, 24, 24), "bool")
+    ops = []
+
+    def add(op):
+        ops.append(op)
+        return op.outputs[0]
+    s = add(MatMul([q, add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))], name="qk"))
+    s = add(Binary([s, const_tensor(np.float32(0.25))], name="scale", fn="mul"))
+    s = add(Where([hidden, const_tensor(np.float32(fill)), s], name="fill"))
+    y = add(MatMul([add(Softmax([s], name="sm", axes=(3,))), v], name="pv"))
+    return FlowGraph([q, k, v, hidden], [add(Binary([y, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
+
+
+def test_masked_fill_of_the_scores_fuses_as_a_bias(tmp_path):
+    """Scores filled with ``finfo.min`` where a mask hides them are the scores plus ``Where(hidden,
+    min, 0)`` (``s + min`` rounds to ``min``), an added bias both targets fuse: the same values,
+    a row whose every key is hidden uniform over its keys (the mean of V) as the separate ops give
+    it. A fill above -1e30 (where ``s + h`` is not ``h``) keeps the separate ops."""
+    from shardflow.runtime import load
+
+    rng = np.random.default_rng(9)
+    hidden = rng.random((2, 1, 24, 24)) > 0.7
+    hidden[1, 0, 3] = True  # a row that sees no key
+    feeds = {n: rng.standard_normal((2, 3, 24, 32)).astype(np.float32) for n in "qkv"}
+    feeds["hidden"] = hidden
+    fill = float(np.finfo(np.float32).min)
+    want = next(iter(_filled_attention(fill).run(feeds).values()))
+    np.testing.assert_allclose(want[1, :, 3], 2 * feeds["v"][1].mean(axis=1), rtol=1e-5, atol=1e-6)
+    fused = FuseAttention(float32=True, target="cuda").run(_filled_attention(fill))
+    (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+    assert att.attrs["extra_biases"] == 1 and att.inputs[3].shape == (2, 1, 24, 24)
+    np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-6)
+    compile(_filled_attention(fill), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert "pv.attention" in [st["node"] for st in program["steps"] if st["kind"] == "kernel"]
+    np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+    assert "Attention" not in {op.op_type for op in FuseAttention(float32=True, target="cuda").run(
+        _filled_attention(-1e4)).nodes}
+
+
 def test_soft_capped_scores_fuse(tmp_path):
     """Gemma 2's eager attention: ``tanh(s * scale / cap) * cap`` before the mask is the op's
     ``softcap`` (the same operations in the same order), on both targets; the cpu program's values

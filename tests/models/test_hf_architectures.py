@@ -1,4 +1,4 @@
-"""25 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
+"""26 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
 two cores with ``-n 2``).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
@@ -61,6 +61,9 @@ ARCHITECTURES = {
                                                                 hidden_dim=128)), "text"),
     "roberta": (_text(T.RobertaConfig, T.RobertaModel, **_SMALL), "text"),
     "deberta_v2": (_text(T.DebertaV2Config, T.DebertaV2Model, **_SMALL), "text"),
+    "deberta_v3": (_text(T.DebertaV2Config, T.DebertaV2Model, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                         position_buckets=16, norm_rel_ebd="layer_norm", share_att_key=True,
+                         position_biased_input=False, **_SMALL), "text"),  # (v3's relative attention)
     "electra": (_text(T.ElectraConfig, T.ElectraModel, embedding_size=64, **_SMALL), "text"),
     "albert": (_text(T.AlbertConfig, T.AlbertModel, embedding_size=32, **_SMALL), "text"),
     "mpnet": (_text(T.MPNetConfig, T.MPNetModel, **_SMALL), "text"),
@@ -155,8 +158,8 @@ def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, exported, arch,
 
 
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
-#: decisions 43 and 45: not DeBERTa's disentangled scores, this Swin's head size 8)
-FUSED = set(ARCHITECTURES) - {"deberta_v2", "swin", "convnext", "regnet"}
+#: decisions 43, 45 and 47: not this Swin's head size 8)
+FUSED = set(ARCHITECTURES) - {"swin", "convnext", "regnet"}
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
