@@ -163,8 +163,9 @@ class AttentionOnHeads(_Walk, GraphPass):
         """``graph`` with the float32 scores a softmax over the keys reads filled where a mask hides
         them, ``Where(c, h, s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``), written as an added
         bias, ``s + Where(c, h, 0)``: the same values where ``h`` is ``-inf`` or a finite constant at
-        most ``-1e30`` and the scores below ``2**75`` in magnitude (``s + h`` rounds to ``h``), a row
-        every key of which is hidden uniform over them as before."""
+        most ``-1e30`` and the scores finite and below ``2**75`` in magnitude (``s + h`` rounds to
+        ``h``; a NaN or infinite score where the mask hides it is no longer replaced), a row every
+        key of which is hidden uniform over them as before."""
         from ..ops.elementwise import Binary, Where
 
         insert: dict[int, list[Operator]] = {}
@@ -273,8 +274,9 @@ class AttentionOnHeads(_Walk, GraphPass):
             down = self._prod(mm.inputs[0]) if _is(mm, "MatMul") and mm.inputs[0].ndim == 3 else None
             out = self._only(mm.outputs[0])
             if not (_is(down, "Reshape") and down.inputs[0].ndim == 4 and _is(out, "Reshape")
-                    and self._only(mm.inputs[0]) is mm) or id(out.outputs[0]) in replace:
-                continue  # (or the scores' product, lifted above)
+                    and self._only(mm.inputs[0]) is mm) or id(out.outputs[0]) in replace \
+                    or id(out.outputs[0]) in self._outputs:
+                continue  # (or the scores' product, lifted above; the graph's outputs keep their names)
             b_, h_, s_len, l_len = down.inputs[0].shape
             v3 = mm.inputs[1]
             if tuple(v3.shape[:2]) != (b_ * h_, l_len) or tuple(out.outputs[0].shape) != (b_, h_, s_len, v3.shape[2]):

@@ -829,12 +829,13 @@ def test_half_sdpa_export_with_float32_softmax_fuses(form, hk):
     assert "Attention" not in {op.op_type for op in FuseAttention().run(_sdpa_export(form, hk, half="widened")).nodes}
 
 
-def _alibi_attention(form: str, b=2, h=4, s=24, d=32):
+def _alibi_attention(form: str, b=2, h=4, s=24, d=32, heads_out=False):
     """BLOOM's attention as torch exports it: ``baddbmm`` on ``[B*H, ..]`` tensors, ``Q Kᵀ ·
     scale + alibi`` (alibi ``[B*H, 1, L]``, a runtime input here), viewed ``[B, H, S, L]`` for the
     mask and the softmax; the probabilities viewed back to ``[B*H, S, L]`` for the product with V
     and its result viewed ``[B, H, S, D]`` (``ts17``), or that product on the 4-D views already
-    (``dynamo18``, as onnxscript's optimizer leaves it)."""
+    (``dynamo18``, as onnxscript's optimizer leaves it). ``heads_out``: its ``[B, H, S, D]`` result
+    a graph output too."""
     from shardflow.compiler.ir.graph import FlowGraph, const_tensor
     from shardflow.compiler.ops.elementwise import Binary
     from shardflow.compiler.ops.linalg import MatMul
@@ -861,7 +862,7 @@ def _alibi_attention(form: str, b=2, h=4, s=24, d=32):
         y = add(MatMul([p4, v4], name="pv"))
     out = add(Reshape([add(Transpose([y], name="y.t", perm=(0, 2, 1, 3)))], name="merge", shape=(b, s, h * d)))
     return FlowGraph([q4, k4, v4, alibi, mask], [add(Binary([out, const_tensor(np.float32(2.0))], name="out",
-                                                             fn="mul"))])
+                                                             fn="mul"))] + ([y] if heads_out else []))
 
 
 @pytest.mark.parametrize("form", ["ts17", "dynamo18"])
@@ -886,6 +887,8 @@ def test_alibi_attention_on_batched_heads_fuses(form):
     assert att.attrs["extra_biases"] == 2 and att.inputs[3].shape == (2, 4, 1, 24) and not att.attrs.get("has_mask")
     assert not {"Softmax", "MatMul"} & {op.op_type for op in fused.nodes}
     np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+    exposed = AttentionOnHeads().run(_alibi_attention(form, heads_out=True))  # (outputs keep their names)
+    assert [t.name for t in exposed.outputs] == [t.name for t in _alibi_attention(form, heads_out=True).outputs]
     half = FuseAttention().run(HalfPrecisionContractions("float16").run(AttentionOnHeads().run(_alibi_attention(form))))
     (att,) = [op for op in half.nodes if op.op_type == "Attention"]
     assert att.attrs["probs_dtype"] == "float16" and att.inputs[0].dtype == "float16"
