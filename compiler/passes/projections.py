@@ -65,8 +65,11 @@ class MergeProjections(GraphPass):
             # those whose result (past its bias) goes to head splits alone: not Llama's gate and up,
             # which meet in SiLU(gate) * up, nor the MLP's first product that Phi and GPT-J compute
             # from the attention's input (parallel blocks)
-            kept = [(m, b) for m in members for b in [self._bias(m, consumers, outputs)]
-                    if self._to_heads(b[0].outputs[0] if b else m.outputs[0], consumers)]
+            kept = []
+            for m in members:
+                b = self._bias(m, consumers, outputs)
+                if self._to_heads(b[0].outputs[0] if b else m.outputs[0], consumers):
+                    kept.append((m, b))
             # (merged with their biases, or all without one: the larger set)
             biased, bare = [k for k in kept if k[1] is not None], [k for k in kept if k[1] is None]
             with_bias = len(biased) >= len(bare)

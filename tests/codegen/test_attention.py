@@ -646,12 +646,14 @@ def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path
             np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=name)
 
 
-def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=()):
+def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=(), fill=None):
     """softmax(Q Kᵀ · 0.25 + bias) V on float32 [2, 3, *, 32] operands, written out as exporters do
-    (``biases`` of ``bias_shape`` added in turn, or one of each of ``shapes``)."""
+    (``biases`` of ``bias_shape`` added in turn, or one of each of ``shapes``); with ``fill``, no bias
+    but the scores filled where a boolean ``hidden`` of ``bias_shape`` is true, ``Where(hidden, fill,
+    s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``)."""
     from shardflow.compiler.ir import const_tensor
     from shardflow.compiler.ir.graph import FlowGraph
-    from shardflow.compiler.ops.elementwise import Binary
+    from shardflow.compiler.ops.elementwise import Binary, Where
     from shardflow.compiler.ops.linalg import MatMul
     from shardflow.compiler.ops.reduce import Softmax
     from shardflow.compiler.ops.transform import Transpose
@@ -659,7 +661,8 @@ def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=()):
     q, k, v = Tensor("q", (2, 3, 40, 32), "float32"), Tensor("k", (2, 3, 70, 32), "float32"), \
         Tensor("v", (2, 3, 70, 16), "float32")
     biases = [Tensor("bias" + (str(i + 1) if i else ""), sh, "float32")
-              for i, sh in enumerate(shapes or [bias_shape] * biases)]
+              for i, sh in enumerate(shapes or [bias_shape] * biases)] if fill is None else []
+    hidden = [Tensor("hidden", bias_shape, "bool")] if fill is not None else []
     ops = []
 
     def add(op):
@@ -669,8 +672,11 @@ def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=()):
     s = add(Binary([s, const_tensor(np.array(0.25, np.float32))], name="scale", fn="mul"))
     for i, bias in enumerate(biases):
         s = add(Binary([s, bias], name=f"mask{i}", fn="add"))
+    if hidden:
+        s = add(Where([hidden[0], const_tensor(np.float32(fill)), s], name="fill"))
     y = add(MatMul([add(Softmax([s], name="sm", axes=(3,))), v], name="pv"))
-    return FlowGraph([q, k, v] + biases, [add(Binary([y, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
+    return FlowGraph([q, k, v] + biases + hidden, [add(Binary([y, const_tensor(np.float32(2.0))], name="out",
+                                                               fn="mul"))])
 
 
 def test_float32_attention_keeps_the_softmax_values_and_nan_rows(tmp_path):
@@ -737,7 +743,7 @@ def _sdpa_export(form: str, hk: int, b=2, s=40, l_len=70, h=4, d=32, half=False)
         ops.append(op)
         return op.outputs[0]
     dt = "float16" if half else "float32"
-    xq, xk, xv = (Tensor(n, (b, n_, w), "float16" if half else "float32")
+    xq, xk, xv = (Tensor(n, (b, n_, w), dt)
                   for n, n_, w in (("xq", s, h * d), ("xk", l_len, hk * d), ("xv", l_len, hk * d)))
     mask = Tensor("mask", (b, 1, s, l_len), "bool")
 
@@ -895,29 +901,6 @@ def test_alibi_attention_on_batched_heads_fuses(form):
     np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
 
 
-def _filled_attention(fill: float):
-    """softmax(Where(hidden, fill, Q Kᵀ · 0.25)) V: the scores filled where a mask hides them
-    (DeBERTa's ``masked_fill`` with ``finfo.min``)."""
-    from shardflow.compiler.ir.graph import FlowGraph, const_tensor
-    from shardflow.compiler.ops.elementwise import Binary, Where
-    from shardflow.compiler.ops.linalg import MatMul
-    from shardflow.compiler.ops.reduce import Softmax
-    from shardflow.compiler.ops.transform import Transpose
-
-    q, k, v = (Tensor(n, (2, 3, 24, 32), "float32") for n in "qkv")
-    hidden = Tensor("hidden", (2, 1, 24, 24), "bool")
-    ops = []
-
-    def add(op):
-        ops.append(op)
-        return op.outputs[0]
-    s = add(MatMul([q, add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))], name="qk"))
-    s = add(Binary([s, const_tensor(np.float32(0.25))], name="scale", fn="mul"))
-    s = add(Where([hidden, const_tensor(np.float32(fill)), s], name="fill"))
-    y = add(MatMul([add(Softmax([s], name="sm", axes=(3,))), v], name="pv"))
-    return FlowGraph([q, k, v, hidden], [add(Binary([y, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
-
-
 def test_masked_fill_of_the_scores_fuses_as_a_bias(tmp_path):
     """Scores filled with ``finfo.min`` where a mask hides them are the scores plus ``Where(hidden,
     min, 0)`` (``s + min`` rounds to ``min``), an added bias both targets fuse: the same values,
@@ -926,24 +909,25 @@ def test_masked_fill_of_the_scores_fuses_as_a_bias(tmp_path):
     from shardflow.runtime import load
 
     rng = np.random.default_rng(9)
-    hidden = rng.random((2, 1, 24, 24)) > 0.7
+    hidden = rng.random((2, 1, 40, 70)) > 0.7
     hidden[1, 0, 3] = True  # a row that sees no key
-    feeds = {n: rng.standard_normal((2, 3, 24, 32)).astype(np.float32) for n in "qkv"}
-    feeds["hidden"] = hidden
+    feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float32), "hidden": hidden,
+             "k": rng.standard_normal((2, 3, 70, 32)).astype(np.float32),
+             "v": rng.standard_normal((2, 3, 70, 16)).astype(np.float32)}
     fill = float(np.finfo(np.float32).min)
-    want = next(iter(_filled_attention(fill).run(feeds).values()))
+    want = next(iter(_float32_attention(fill=fill).run(feeds).values()))
     np.testing.assert_allclose(want[1, :, 3], 2 * feeds["v"][1].mean(axis=1), rtol=1e-5, atol=1e-6)
-    fused = FuseAttention(float32=True, target="cuda").run(_filled_attention(fill))
+    fused = FuseAttention(float32=True, target="cuda").run(_float32_attention(fill=fill))
     (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
-    assert att.attrs["extra_biases"] == 1 and att.inputs[3].shape == (2, 1, 24, 24)
+    assert att.attrs["extra_biases"] == 1 and att.inputs[3].shape == (2, 1, 40, 70)
     np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-6)
-    compile(_filled_attention(fill), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-            out_dir=tmp_path / "o")
+    compile(_float32_attention(fill=fill), distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
     program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
     assert "pv.attention" in [st["node"] for st in program["steps"] if st["kind"] == "kernel"]
     np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
     assert "Attention" not in {op.op_type for op in FuseAttention(float32=True, target="cuda").run(
-        _filled_attention(-1e4)).nodes}
+        _float32_attention(fill=-1e4)).nodes}
 
 
 def test_soft_capped_scores_fuse(tmp_path):

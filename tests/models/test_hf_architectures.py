@@ -113,7 +113,8 @@ def _feeds(kind: str) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """``get(arch, exporter) -> (path, feeds, onnxruntime's output)``, each exported once per worker."""
+    """``get(arch, exporter, half=False) -> (path, feeds, onnxruntime's output)``, each exported once
+    per worker (``half``: the model and its float inputs in float16)."""
     import onnxruntime as ort
 
     done = {}
