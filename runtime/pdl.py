@@ -6,8 +6,10 @@ writes are visible) followed by ``griddepcontrol.launch_dependents`` (the next k
 launched). Launched with the attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``,
 the next kernel's blocks are then scheduled while this kernel's last blocks still run, and wait on
 the GPU instead of behind the launch: the gap between dependent kernels shrinks (rfcs/0005
-decision 29). Nothing a kernel does comes before its wait, so each kernel still sees all the work
-before it (its predecessor completed only after the predecessor's own wait returned).
+decision 29). Nothing a kernel does comes before its wait but setting up its shared memory and
+copying weights (decision 48: a tensor-core GEMM's first stages of a weight, which no kernel
+writes), so each kernel still sees all the work before it (its predecessor completed only after
+the predecessor's own wait returned).
 
 cupy's kernel calls take no launch attributes, so these launches go through the CUDA driver's
 ``cuLaunchKernelEx`` (``libcuda.so.1``) with cupy's function and stream handles; they are captured

@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu/device_session.sh sweep [TILE...]   # tiles x float16 GEMM shapes, then the tile refit
 #   bash benchmarks/gpu/device_session.sh cpu     # the cpu kernel tests on this machine's host CPU (another
 #                                                 # AVX-512 CPU than the Zen 4 dev VM's; CI's may have none)
-#   bash benchmarks/gpu/device_session.sh pdl     # GPT-2 small 1x128/8x128 with programmatic dependent launch
+#   bash benchmarks/gpu/device_session.sh pdl     # GPT-2 small 1x128/8x128 with programmatic dependent launch,
+#                                                 # then the GEMMs at M 128/1024 plain and with it vs cuBLAS
 #   bash benchmarks/gpu/device_session.sh kmajor  # GEMMs with B stored [N, K]: default tiles, then tma64x96/128x160
 #   bash benchmarks/gpu/device_session.sh ncu [GEMM.PY ARGS...]   # Nsight Compute sections of ours and
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
@@ -84,6 +85,17 @@ pdl_models() {
     timeout "$1" python3 benchmarks/gpu/models.py --models gpt2_small --batches 1,8 --precision float16 \
         --compile-modes reduce-overhead --export-dir /tmp/sf-export --pdl >> "$out/models-tiles.txt" 2>&1
     tail -6 "$out/models-tiles.txt"
+}
+# pdl_gemms LIMIT_S: every GEMM shape at M 128 and 1024 (float16), ours launched plainly, then built
+# and launched for programmatic dependent launch with B a weight (its first stages load while the
+# launch before finishes; rfcs/0005 decision 48), each against cuBLAS in the same run: $out/gemm-pdl.txt
+pdl_gemms() {
+    for flag in "" --pdl; do
+        echo "== gemm ${flag:-plain}" >> "$out/gemm-pdl.txt"
+        timeout $(($1 / 2)) python3 benchmarks/gpu/gemm.py --m 128,1024 --dtypes float16 --jobs 14 $flag \
+            >> "$out/gemm-pdl.txt" 2>&1
+    done
+    grep -E "^== |gemm_vs_cublas_min" "$out/gemm-pdl.txt"
 }
 # sweep_tiles BUDGET_S TILE...: every float16 benchmark shape on each tile, one `== TILE` section
 # each in $out/gemm-sweep.txt (the format fit_tiles.py reads; appended to, so that calls add up),
@@ -240,6 +252,10 @@ case "$what" in
         if (( deadline - SECONDS > 250 )); then
             pdl_models 130
         fi
+        # the GEMMs with it (decision 48: a weight's first stages before the wait), plain beside them
+        if (( deadline - SECONDS > 220 )); then
+            pdl_gemms 120
+        fi
         # B stored [N, K]: the default tiles, then the 96- and 160-column tiles that fill the
         # multiprocessors on GPT-2's shapes (RFC 0005 decision 27), against cuBLAS on the same layout
         if (( deadline - SECONDS > 200 )); then
@@ -309,10 +325,12 @@ case "$what" in
     kmajor)  # B stored [N, K]: default tiles, then the 96- and 160-column ones (a minute or two)
         kmajor
         ;;
-    pdl)  # programmatic dependent launch (RFC 0005 decision 29): its GPU test, then GPT-2 small vs torch.compile
+    pdl)  # programmatic dependent launch (RFC 0005 decisions 29, 48): its GPU test, GPT-2 small vs
+          # torch.compile, then the GEMMs plain and with it against cuBLAS (under 8 minutes)
         timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_gpu_runtime.py -k programmatic \
             2>&1 | tee "$out/gpu-suite.txt" | tail -5
-        pdl_models 300
+        pdl_models 250
+        pdl_gemms 120
         ;;
     ncu)  # ours and cuBLAS's kernels under Nsight Compute: device_session.sh ncu [gemm.py args], e.g.
           # `--m 8192 --shapes gpt2.fc2 --dtypes float16 --config sk128x128` (a stream-K kernel)

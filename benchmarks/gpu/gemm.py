@@ -46,6 +46,13 @@ Correctness
     for bf16) and no NaN may remain. cuBLAS's own ``err`` is reported beside it. A failing case
     is marked ``WRONG`` and makes ``all_correct`` false; its timing is still reported.
 
+Programmatic dependent launch
+    ``--pdl`` compiles ours as ``optimization_config["pdl"]`` does and launches it with the
+    attribute (``runtime/pdl.py``), B declared a weight (no kernel writes it): each launch of the
+    graph then sets up, and loads its first stages of B, while the launch before it finishes, and
+    waits on the GPU for it (rfcs/0005 decisions 29 and 48); cuBLAS is timed as without it. A
+    model's products run this way in a ``pdl`` program; the records say ``pdl``.
+
 ``--dry-run`` generates and compiles every kernel (nvcc, no GPU needed) and prints the launch
 configuration of each; nothing runs.
 """
@@ -126,21 +133,31 @@ def make_cases(m_values=M_VALUES, shapes=None, dtypes=DTYPES, b_layout: str = "k
 # building (nvcc; no GPU)
 # ----------------------------------------------------------------------------------------------
 
-def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: dict, config: str | None):
-    if config:  # one forced tile configuration for every case
-        extra = dict(extra, gemm_configs={case.id: config})
-    from shardflow.compiler.codegen.cuda import build_cuda_library
+def case_op(case: Case, weight_b: bool = False):
+    """The case's product as one op on two graph inputs ``a`` and ``b`` (``weight_b``: ``b`` a
+    constant, as a model's weight is to the code generator, which only reads that it is one)."""
+    import numpy as np
+
     from shardflow.compiler.ir import Tensor
     from shardflow.compiler.ops.linalg import Gemm, MatMul
 
     dt = "float32" if case.dtype in FLOAT32 else case.dtype
+    a = Tensor("a", (case.M, case.K), dt)
+    shape = (case.N, case.K) if case.b_layout == "nk" else (case.K, case.N)
+    b = Tensor("b", shape, dt, value=np.broadcast_to(np.zeros((), np.float32), shape) if weight_b else None)
+    if case.b_layout == "nk":
+        return Gemm([a, b], name=case.id, trans_b=True)
+    return MatMul([a, b], name=case.id)
+
+
+def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: dict, config: str | None):
+    if config:  # one forced tile configuration for every case
+        extra = dict(extra, gemm_configs={case.id: config})
+    from shardflow.compiler.codegen.cuda import build_cuda_library
+
     if case.dtype in FLOAT32:  # (the Hopper kernels of float32 operands: opt-in in the compiler)
         extra = dict(extra, precision=case.dtype, wgmma_fp32=True)
-    a = Tensor("a", (case.M, case.K), dt)
-    if case.b_layout == "nk":
-        op = Gemm([a, Tensor("b", (case.N, case.K), dt)], name=case.id, trans_b=True)
-    else:
-        op = MatMul([a, Tensor("b", (case.K, case.N), dt)], name=case.id)
+    op = case_op(case, weight_b=bool(extra.get("pdl")))  # (--pdl: B a weight, whose first stages load early)
     path = os.path.join(work, f"{case.id}.cubin")
     t0 = time.perf_counter()
     launches = build_cuda_library([op], path, arch=arch, cache_dir=cache_dir, **extra)
@@ -148,13 +165,15 @@ def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: d
 
 
 def build(cases: list[Case], work: str, arch: str = "sm_90", jobs: int = 1, cache_dir: str | None = None,
-          search_space: int | None = None, config: str | None = None, log=print) -> dict:
+          search_space: int | None = None, config: str | None = None, log=print, pdl: bool = False) -> dict:
     """Compile every case's kernel; returns ``{case.id: (cubin path, KernelLaunch, seconds)}``."""
     ensure_shardflow()
     from shardflow.compiler.codegen.cuda import build_cuda_library
 
     params = inspect.signature(build_cuda_library).parameters
     extra = {"search_space": search_space} if search_space is not None and "search_space" in params else {}
+    if pdl:
+        extra["pdl"] = True
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
     out = {}
@@ -209,11 +228,11 @@ def _time(enqueue, stream, reps: int, torch, use_graph: bool, n: int) -> float:
 
 
 def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph: bool, torch, cp,
-             profile: bool = False) -> dict:
+             profile: bool = False, pdl: bool = False) -> dict:
     """Check and time one case (ours and cuBLAS); returns its JSON-ready record. With ``profile``,
     one more launch of each (after the timings, on the first input set) runs between
     ``cudaProfilerStart`` and ``cudaProfilerStop``: the launches ``ncu --profile-from-start off``
-    profiles."""
+    profiles. ``pdl``: ours was built for programmatic dependent launch and is launched with it."""
     dt = torch.float32 if case.dtype in FLOAT32 else {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
     dev = torch.device("cuda")
     set_bytes = (4 if case.dtype in FLOAT32 else 2) * (case.M * case.K + case.K * case.N + case.M * case.N)
@@ -238,8 +257,17 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
     views = [kernel_args(launch.tensor_maps, [_cupy_view(x, cp) for x in s]) for s in sets]
     grid, block, smem = tuple(launch.grid), tuple(launch.block), int(launch.shared_mem)
 
-    def ours(i):
-        fn(grid, block, views[i % nsets], shared_mem=smem, stream=cstream)
+    if pdl:
+        from shardflow.runtime.pdl import pdl_launcher
+
+        launch_pdl = pdl_launcher(fn, case.id)
+
+        def ours(i):
+            with cstream:  # (the launcher takes cupy's current stream)
+                launch_pdl(grid, block, views[i % nsets], shared_mem=smem)
+    else:
+        def ours(i):
+            fn(grid, block, views[i % nsets], shared_mem=smem, stream=cstream)
 
     def cublas(i):  # (B [N, K]: the transposed view, which cuBLAS takes as is; tf32: one TF32 product)
         a, b, c = sets[i % nsets]
@@ -265,7 +293,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
     del ref
     record = asdict(case)
     record.update(id=case.id, symbol=launch.symbol, kind=launch.kind, grid=list(grid), block=list(block),
-                  shared_mem=smem, input_sets=nsets, launches_per_graph=n, err=None if nan else err,
+                  shared_mem=smem, input_sets=nsets, launches_per_graph=n, pdl=pdl, err=None if nan else err,
                   err_cublas=err_cublas, ok=(not nan) and err <= TOLERANCE)
     method = "cuda-graph" if use_graph else "stream-loop"
     try:
@@ -294,9 +322,9 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, use_graph
 
 
 def run(cases: list[Case], built: dict, reps: int = 30, use_graph: bool = True, log=print, budget=None,
-        profile: bool = False) -> list[dict]:
-    """Check and time every built case on the GPU; returns one record per case (``profile``: see
-    ``run_case``)."""
+        profile: bool = False, pdl: bool = False) -> list[dict]:
+    """Check and time every built case on the GPU; returns one record per case (``profile``,
+    ``pdl``: see ``run_case``)."""
     import cupy as cp
     import torch
 
@@ -309,7 +337,7 @@ def run(cases: list[Case], built: dict, reps: int = 30, use_graph: bool = True, 
             log(f"time budget spent: skipping the remaining {len(cases) - k} GEMM cases")
             break
         cubin, launch, _ = built[case.id]
-        rec = run_case(case, cubin, launch, reps, l2, use_graph, torch, cp, profile=profile)
+        rec = run_case(case, cubin, launch, reps, l2, use_graph, torch, cp, profile=profile, pdl=pdl)
         torch.cuda.empty_cache()  # the case's buffers are gone with run_case's frame
         rec["build_s"] = built[case.id][2]
         records.append(rec)
@@ -364,6 +392,8 @@ def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "dtypes", default=",".join(DTYPES))
     ap.add_argument(p + "reps", type=int, default=30, help="graph replays timed per case (median)")
     ap.add_argument(p + "no-graph", action="store_true", help="time plain back-to-back launches")
+    ap.add_argument(p + "pdl", action="store_true", help="ours built and launched for programmatic dependent "
+                    "launch, B a weight (rfcs/0005 decisions 29, 48)")
     ap.add_argument(p + "b-layout", choices=("kn", "nk"), default="kn",
                     help="B stored [K, N] (MatMul's weight, the default) or [N, K] (a Linear's; cuBLAS gets the "
                          "transposed view)")
@@ -377,18 +407,19 @@ def cases_from_args(args, prefix: str = "") -> list[Case]:
 
 def bench(cases: list[Case], work: str, *, arch: str, jobs: int, dry_run: bool, reps: int, use_graph: bool,
           cache_dir: str | None = None, budget=None, config: str | None = None, log=print,
-          profile: bool = False) -> dict:
+          profile: bool = False, pdl: bool = False) -> dict:
     """Build, then (unless ``dry_run``) check and time ``cases``; returns the ``gemm`` JSON section."""
     t0 = time.perf_counter()
-    built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, config=config, log=log)
-    section: dict = {"arch": arch, "config": config or "auto", "build_s": time.perf_counter() - t0, "dry_run": dry_run,
+    built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, config=config, log=log, pdl=pdl)
+    section: dict = {"arch": arch, "config": config or "auto", "pdl": pdl, "build_s": time.perf_counter() - t0,
+                     "dry_run": dry_run,
                      "min_launches_per_graph": LAUNCHES_PER_GRAPH, "reps": reps, "tolerance": TOLERANCE}
     if dry_run:
         section["kernels"] = [dict(asdict(c), id=c.id, **built[c.id][1].to_dict(), build_s=built[c.id][2])
                               for c in cases]
         section["table"] = format_dry(cases, built)
         return section
-    records = run(cases, built, reps=reps, use_graph=use_graph, log=log, budget=budget, profile=profile)
+    records = run(cases, built, reps=reps, use_graph=use_graph, log=log, budget=budget, profile=profile, pdl=pdl)
     section["records"] = records
     section.update(summarize(records))
     section["table"] = format_table(records)
@@ -418,7 +449,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sf-gemm-") as work:
         section = bench(cases, work, arch=args.arch, jobs=args.jobs, dry_run=args.dry_run, reps=args.reps,
                         use_graph=not args.no_graph, cache_dir=args.cache_dir, config=args.config,
-                        profile=args.ncu)
+                        profile=args.ncu, pdl=args.pdl)
     print(section["table"])
     if not args.dry_run:
         print(f"gemm_vs_cublas_min = {fmt(section.get('gemm_vs_cublas_min'))} "

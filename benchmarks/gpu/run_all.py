@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
             try:
                 sec = gemm.bench(cases, os.path.join(work, "gemm"), arch=args.arch, jobs=args.jobs,
                                  dry_run=args.dry_run, reps=args.gemm_reps, use_graph=not args.gemm_no_graph,
-                                 cache_dir=args.cache_dir, budget=budget, log=rep.log)
+                                 cache_dir=args.cache_dir, budget=budget, log=rep.log, pdl=args.gemm_pdl)
             except Exception as exc:  # noqa: BLE001 - keep going to the models
                 sec = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
                 rep.log(f"GEMM section failed: {sec['error']}")

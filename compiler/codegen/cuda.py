@@ -74,8 +74,8 @@ from ..ir.task import GridCompute
 from . import float8
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
-from .cuda_wgmma import (PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES, DirectOperand,
-                         check_sms, target_sms, wgmma_gemm_kernel, wgmma_helpers)
+from .cuda_wgmma import (PDL_ENTER, PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES,
+                         DirectOperand, check_sms, target_sms, wgmma_gemm_kernel, wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
@@ -1640,11 +1640,14 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
                 out_ptr: str, an: _Analysis, reads, names, wgmma: bool = False,
                 config: str | None = None, gemv: bool = False,
                 codes: Codes | None = None, wgmma_fp32: bool = False,
-                sms: int = PERSISTENT_SMS) -> tuple[str, dict, tuple | None]:
+                sms: int = PERSISTENT_SMS, pdl: bool = False,
+                weights: frozenset | set = frozenset()) -> tuple[str, dict, tuple | None]:
     """The kernel of a GEMM ``plan`` (:func:`_plan_gemm`): a tensor-core template, or with ``gemv``
     (a skinny plan) :func:`~.cuda_gemv.gemv_kernel` (``codes``: its ``B`` read as low-bit codes).
     ``wgmma``: half-precision products may take the Hopper template, and float32 ones (TF32 or
-    3xTF32) with ``wgmma_fp32`` or on a forced ``config``. ``sms``: the target's multiprocessors."""
+    3xTF32) with ``wgmma_fp32`` or on a forced ``config``. ``sms``: the target's multiprocessors.
+    ``pdl``: a program for programmatic dependent launch, whose persistent GEMMs may load the first
+    stages of an operand read straight from one of ``weights`` (kernel parameters) before they wait."""
     em = _Emitter(an, reads, names)
     red = plan.red
     root = _Block(None)
@@ -1743,7 +1746,8 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         return wgmma_gemm_kernel(symbol=symbol, params=params, ab=plan.prec, M=M, N=N, K=K, batch=B,
                                  root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                                  a=direct[0], b=direct[1], epilogue="\n".join(epi), config=config, vec=vec,
-                                 row_reads=_reads_per_row(value, plan.m_axes, an), sms=sms)
+                                 row_reads=_reads_per_row(value, plan.m_axes, an), sms=sms, pdl=pdl,
+                                 constant=(direct[0].ptr in weights, direct[1].ptr in weights))
     src, launch = gemm_kernel(symbol=symbol, params=params, prec=plan.prec, M=M, N=N, K=K, batch=B,
                               root="\n".join(root.lines), batch_code="\n".join(bdec + bblk.lines),
                               load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,
@@ -2084,7 +2088,7 @@ _GEMV_MIN_K = 16
 def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
               config: str | None = None, mma: bool = False,
               in_place: int | None = None, wgmma_fp32: bool = False,
-              sms: int = PERSISTENT_SMS) -> tuple[str, KernelLaunch, tuple | None]:
+              sms: int = PERSISTENT_SMS, pdl: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
     an = _Analysis()
     names = itertools.count()
@@ -2118,8 +2122,9 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
         if plan is not None:
+            weights = {f"in{i}" for i, t in enumerate(op.inputs) if t.is_constant}  # (no kernel writes them)
             src, cfg, wrapper = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, wgmma,
-                                            config, wgmma_fp32=wgmma_fp32, sms=sms)
+                                            config, wgmma_fp32=wgmma_fp32, sms=sms, pdl=pdl, weights=weights)
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"
             launch = KernelLaunch(symbol, cfg["grid"], cfg["block"], cfg.get("shared_mem", 0), args,
                                   len(op.inputs), op.name, kind, tuple(cfg.get("tensor_maps", ())),
@@ -2185,8 +2190,10 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         Block tile of the wgmma GEMM of some ops (op name -> a :data:`~.cuda_wgmma.WGMMA_CONFIGS`
         name; the tuner's choices); the others get :func:`~.cuda_wgmma.choose_wgmma_config`'s.
     pdl
-        Start every kernel with :data:`PDL_ENTER` (sm_90 and newer): launched with programmatic
+        Every kernel calls :data:`PDL_ENTER` (sm_90 and newer): launched with programmatic
         dependent launch (``runtime/pdl.py``), a kernel waits on the GPU for the one before it.
+        The call opens the kernel, but in the tensor-core GEMMs that first set up their barriers
+        or issue the copies of a weight's first stages (RFC 0005 decision 48).
     in_place
         ``{op name: input index}``: ops whose (one) output the program writes over that input;
         where the output is ``c ? x[i] : e`` with ``x`` that input read at the output's own index,
@@ -2236,7 +2243,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         try:
             src, launch, wrapper = _lower_op(op, _PLACEHOLDER, fp32, arch in WGMMA_ARCHS,
                                              (gemm_configs or {}).get(op.name), _sm(arch) >= 80,
-                                             (in_place or {}).get(op.name), wgmma_fp32, sms)
+                                             (in_place or {}).get(op.name), wgmma_fp32, sms, pdl)
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
         if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
@@ -2274,11 +2281,11 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     return CudaSource("".join(chunks), launches, spans)
 
 
-#: the first statement of every kernel of a program compiled with ``pdl`` (RFC 0005 decision 29):
+#: :data:`PDL_ENTER` (``.cuda_wgmma``'s), the first statement of every kernel of a program compiled
+#: with ``pdl`` (RFC 0005 decision 29) but the persistent GEMMs', which place it after their set-up:
 #: wait until the kernel before it has completed and its writes are visible (immediately when it
 #: was not launched with programmatic dependent launch), then let the next kernel be launched (it
 #: waits in turn, so nothing runs ahead of its inputs)
-PDL_ENTER = "sf_pdl_enter();"
 PDL_HELPER = """__device__ __forceinline__ void sf_pdl_enter() {
   asm volatile("griddepcontrol.wait;\\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");
@@ -2288,7 +2295,10 @@ _KERNEL_ENTRY = re.compile(r'^(extern "C" __global__ [^\n]*\{\n)', re.M)
 
 
 def _with_pdl_entry(src: str) -> str:
-    """``src`` (one op's kernel) with :data:`PDL_ENTER` first in its body."""
+    """``src`` (one op's kernel) with :data:`PDL_ENTER` first in its body, unless the kernel
+    places it itself (the persistent GEMMs, :func:`.cuda_wgmma._tma_kernel`)."""
+    if PDL_ENTER in src:
+        return src
     out, n = _KERNEL_ENTRY.subn(lambda m: m.group(1) + "  " + PDL_ENTER + "\n", src)
     assert n == 1, n  # (every template writes its signature and brace on one line)
     return out

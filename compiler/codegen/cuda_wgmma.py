@@ -52,8 +52,12 @@ from dataclasses import dataclass
 from .cuda_templates import TF32_HI_FINITE, _indent
 from .lower import CodegenError
 
-__all__ = ["WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE", "DirectOperand",
-           "choose_wgmma_config", "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
+__all__ = ["PDL_ENTER", "WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE",
+           "DirectOperand", "choose_wgmma_config", "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
+
+#: a kernel's grid dependency wait and trigger, in a program for programmatic dependent launch (RFC
+#: 0005 decision 29): :mod:`.cuda` puts it first in every kernel that does not place it itself
+PDL_ENTER = "sf_pdl_enter();"
 
 #: architectures whose cubin may use wgmma (compiled as ``sm_90a``)
 WGMMA_ARCHS = ("sm_90", "sm_90a")
@@ -654,7 +658,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
                       batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
                       config: str | None = None, vec: int = 1,
                       row_reads: bool = False,
-                      sms: int = PERSISTENT_SMS) -> tuple[str, dict, tuple[int, str, int, int]]:
+                      sms: int = PERSISTENT_SMS, pdl: bool = False,
+                      constant: tuple[bool, bool] = (False, False)) -> tuple[str, dict, tuple[int, str, int, int]]:
     """Source of one wgmma GEMM kernel, its launch configuration and the wgmma wrapper it calls.
 
     ``ab`` is ``"f16"``, ``"bf16"``, ``"tf32"`` (float32 operands, both K-major, whose low 13
@@ -668,6 +673,10 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     ``row_reads``: the epilogue reads a tensor along the output rows (:func:`_epilogue_loop`).
     ``sms``: the multiprocessors of the GPU the kernel is for (the tile choice, K splits and a
     persistent grid are sized for them; :func:`target_sms`).
+    ``pdl``: the program is launched with programmatic dependent launch; a persistent kernel then
+    places the grid dependency wait itself, after its set-up, and loads the first stages of an
+    operand that ``constant`` (A, B) says no kernel writes (a weight) before it (:func:`_tma_kernel`);
+    the other kernels get the wait at their entry from :func:`.cuda.generate_cuda_source`.
     """
     bk = _bk(ab)
     sms = target_sms(sms)
@@ -682,7 +691,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
         if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=_fitting(config, ab), vec=vec,
-                               row_reads=row_reads, sms=sms)
+                               row_reads=row_reads, sms=sms, pdl=pdl, constant=constant)
         config = _TMA_FALLBACK[config]
     config = _fitting(config, ab)
     wg, BN, _, _ = WGMMA_CONFIGS[config]
@@ -699,12 +708,26 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     wrapper = (BN, _instr(ab), 0 if a.k_major else 1, 0 if b.k_major else 1)
     ldc = BN + 4
 
-    def load(tile: str, st: str) -> str:
+    def load(tile: str, st: str, which=(0, 1)) -> str:  # (which: the operands, 0 = A, 1 = B)
+        loaders = (_loader(a, BM, M, K, T, "sf_sa", "sf_m0", bk), _loader(b, BN, N, K, T, "sf_sb", "sf_n0", bk))
         return (f"{{\n  const int sf_k0 = ({tile}) * {bk};\n"
                 f"  const unsigned sf_sa = sf_base + ({st}) * {stride};\n"
-                f"  const unsigned sf_sb = sf_sa + {a_bytes};\n"
-                + _indent(_loader(a, BM, M, K, T, "sf_sa", "sf_m0", bk), 2) + "\n"
-                + _indent(_loader(b, BN, N, K, T, "sf_sb", "sf_n0", bk), 2) + "\n}")
+                + (f"  const unsigned sf_sb = sf_sa + {a_bytes};\n" if 1 in which else "")
+                + "\n".join(_indent(loaders[i], 2) for i in which) + "\n}")
+
+    # programmatic dependent launch: the first stages' copies of an operand no kernel writes (a
+    # weight) go out before the grid dependency wait, uncommitted: they join the first group, which
+    # the first K step waits for (one product only: a batch's operands move with the batch index)
+    early = [i for i in range(2) if pdl and constant[i] and batch == 1]
+    late = [i for i in range(2) if i not in early]
+    pre = "" if not early else f"""#pragma unroll
+for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
+  if (sf_s < {KT}) {{
+{_indent(load("sf_s", "sf_s", early), 4)}
+  }}
+}}
+{PDL_ENTER}
+"""
 
     # accumulators -> shared memory (wgmma D layout: warp w, lane l: rows 16w + l/4 (+8), columns
     # 8j + 2(l%4) (+1)), then the epilogue, unrolled: independent elements overlap their latency
@@ -730,7 +753,7 @@ for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
 #pragma unroll
 for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
   if (sf_s < {KT}) {{
-{_indent(load("sf_s", "sf_s"), 4)}
+{_indent(load("sf_s", "sf_s", late), 4)}
   }}
   sf_cp_commit();
 }}
@@ -764,7 +787,7 @@ __syncthreads();"""
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
 {_indent(_grouped_tile("(int)blockIdx.x", tiles_m, tiles_n, BM, BN), 2)}
-{_indent(root, 2)}
+{_indent(pre + root, 2)}
 {_indent(body, 2)}
 }}
 """
@@ -970,7 +993,8 @@ for (int sf_j = 0; sf_j < {BN // (C * _CHUNK)}; ++sf_j, ++sf_x) {{
 
 def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, root: str, batch_code: str,
                 a: DirectOperand, b: DirectOperand, epilogue: str, config: str, vec: int,
-                row_reads: bool = False, sms: int = PERSISTENT_SMS) -> tuple[str, dict, tuple]:
+                row_reads: bool = False, sms: int = PERSISTENT_SMS, pdl: bool = False,
+                constant: tuple[bool, bool] = (False, False)) -> tuple[str, dict, tuple]:
     """A persistent warp-specialized GEMM: ``gridDim.x`` blocks (at most ``sms``, the target's
     multiprocessors, :func:`target_sms`)
     take tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the grouped order. Warpgroup 0 is the
@@ -999,7 +1023,13 @@ def _tma_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, ro
     (:func:`_cluster_exchange`). B multicast (mode ``mc``, an even number of row tiles): blocks
     ``2c`` and ``2c + 1`` take tiles ``2p`` and ``2p + 1`` (vertically adjacent), each loading its
     A tile and half of their B tile into both (:func:`_tma_copies`); a stage is free once both
-    blocks' consumers have read it (the empty barriers count both)."""
+    blocks' consumers have read it (the empty barriers count both).
+
+    Programmatic dependent launch (``pdl``; RFC 0005 decision 48): the block sets up its barriers,
+    then every thread waits for the kernel before (:data:`PDL_ENTER`) before anything reads or
+    writes global memory; in the plain and ping-pong modes the producer first announces the first
+    ``S`` stages of its first unit and issues into them the copies of the operands ``constant``
+    says are weights (``sf_pre`` stages), which its loop then leaves out."""
     wg, BN, _, mode = WGMMA_CONFIGS[config]
     S = _stages(config, ab)
     split = ab in _SPLIT
@@ -1036,19 +1066,49 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
     # 3 warpgroups share 64K registers: the consumers take what the producer does not need
     dec, inc = ('asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\\n");',
                 'asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");') if wg == 2 else ("", "")
+    copies = (_tma_copies(a, BM, "sf_sa", "sf_m0", "sf_tmA"),
+              _tma_copies(b, BN, "sf_sb", "sf_n0", "sf_tmB", multicast=mc))
+    # programmatic dependent launch: the producer loads the first stages of an operand that no kernel
+    # writes (a weight) before its grid dependency wait (plain and ping-pong modes: their first unit
+    # is blockIdx.x's, as in the loop below); its other copies, and everything else, come after it
+    early = [i for i in range(2) if pdl and constant[i] and mode in ("tma", "pp")]
+    late = "\n".join(c for i, c in enumerate(copies) if i not in early)
+    first = "\n".join(copies[i] for i in early)
+    if early:
+        stage_copies = f"""if (sf_g >= sf_pre) {{  // (the first sf_pre stages' weight tiles are on their way)
+  sf_mbar_expect_tx(sf_full, {stage});
+{_indent(first, 2)}
+}}
+{late}"""
+    else:
+        stage_copies = f"sf_mbar_expect_tx(sf_full, {stage});\n{late}"
     producer = f"""{head}
   for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({empty("sf_s")}, ((sf_g / {S}) & 1) ^ 1);
     const unsigned sf_full = {full("sf_s")};
-    sf_mbar_expect_tx(sf_full, {stage});
     const int sf_k0 = sf_kt * {bk};
     const unsigned sf_sa = sf_base + sf_s * {stride};
     const unsigned sf_sb = sf_sa + {a_bytes};
-{_indent(_tma_copies(a, BM, "sf_sa", "sf_m0", "sf_tmA"), 4)}
-{_indent(_tma_copies(b, BN, "sf_sb", "sf_n0", "sf_tmB", multicast=mc), 4)}
+{_indent(stage_copies, 4)}
   }}
 }}"""
+    # (sf_pre: the stages whose weight tiles the producer loaded before its wait, the first K tiles)
+    pre = "" if not early else f"""
+  int sf_pre = 0;
+  if (threadIdx.x == 0 && (int)blockIdx.x < {units}) {{
+    const int sf_u = blockIdx.x;
+{_indent(tile, 4)}
+    (void)sf_m0, (void)sf_n0;  // (the weight's side only)
+    for (int sf_kt = sf_kb; sf_kt < sf_ke && sf_pre < {S}; ++sf_kt, ++sf_pre) {{
+      const unsigned sf_full = {full("sf_pre")};
+      sf_mbar_expect_tx(sf_full, {stage});
+      const int sf_k0 = sf_kt * {bk};
+      const unsigned sf_sa = sf_base + sf_pre * {stride};
+      const unsigned sf_sb = sf_sa + {a_bytes};
+{_indent(first, 6)}
+    }}
+  }}"""
     chunk_rows = _chunk_rows("sf_ch")
     nreg, tc = BN // 2, wg * 128
     chunk_loop = _epilogue_loop(epilogue, vec, groups=64 * _CHUNK // vec, threads=128, thread="sf_wl", cols=_CHUNK,
@@ -1198,6 +1258,20 @@ const int sf_c = (sf_wl & 3) * 2;
     # must not exit while another may still store into its shared memory or arrive on its barriers)
     start_sync = "sf_cluster_sync();" if cluster > 1 else "__syncthreads();"
     end_sync = "\n  sf_cluster_sync();" if cluster > 1 else ""
+    values = "\n".join(_indent(c, 2) for c in (root, batch_code) if c.strip())
+    set_up = f"""  if (threadIdx.x == 0) {{
+    sf_tma_prefetch(&sf_tmA);  // the first copies need the descriptors: fetch them while the block sets up
+    sf_tma_prefetch(&sf_tmB);
+    for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
+      sf_mbar_init({full("sf_s")}, 1);
+      sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128 * (2 if mc else 1)});
+    }}{init_ck}
+    asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");
+  }}
+  {start_sync}"""
+    # pdl: the block sets up (barriers, descriptors) before it waits for the kernel before; the
+    # root and batch values (which may read that kernel's outputs) after it
+    opening = "\n".join(x for x in ((set_up + f"{pre}\n  {PDL_ENTER}", values) if pdl else (values, set_up)) if x)
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {cluster_dims}{symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
@@ -1213,18 +1287,7 @@ const int sf_c = (sf_wl & 3) * 2;
   (void)sf_bz;
   const bool sf_spread = gridDim.x >= {units};  // split-K: every unit has its own resident block
   (void)sf_spread;
-{rank}{sk_setup}{_indent(root, 2)}
-{_indent(batch_code, 2)}
-  if (threadIdx.x == 0) {{
-    sf_tma_prefetch(&sf_tmA);  // the first copies need the descriptors: fetch them while the block sets up
-    sf_tma_prefetch(&sf_tmB);
-    for (int sf_s = 0; sf_s < {S}; ++sf_s) {{
-      sf_mbar_init({full("sf_s")}, 1);
-      sf_mbar_init({empty("sf_s")}, {128 if pp else wg * 128 * (2 if mc else 1)});
-    }}{init_ck}
-    asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");
-  }}
-  {start_sync}
+{rank}{sk_setup}{opening}
   int sf_g = 0;  // K tiles so far (stage = sf_g % {S}, barrier phase = sf_g / {S})
   if (sf_wg == 0) {{
     {dec}

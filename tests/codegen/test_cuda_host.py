@@ -341,7 +341,8 @@ def test_pdl_program_on_the_host(tmp_path):
     """A program for programmatic dependent launch (RFC 0005 decision 29): every kernel (row,
     element-wise, fused attention, GEMMs) starts with the grid dependency wait and trigger, and
     still matches the evaluator (the emulation runs grids one after another, as the
-    wait orders them; the PTX itself is checked by nvcc in test_wgmma.py)."""
+    wait orders them; the PTX itself is checked by nvcc in test_wgmma.py); and the Llama's
+    products on persistent tiles, which wait after their set-up and their weights' first stages."""
     from shardflow.compiler.codegen.cuda import PDL_ENTER
 
     env, consts, groups = _model_values("gpt2_ts17")
@@ -354,6 +355,18 @@ def test_pdl_program_on_the_host(tmp_path):
     _check_kernels("gpt2_ts17", build(src.text, str(tmp_path)), src, host_groups, env, consts)
     with pytest.raises(CudaCodegenError, match="sm_90"):
         generate_cuda_source(groups, arch="sm_80", pdl=True)
+    # the Llama's wgmma products on persistent tiles (decision 48): each loads its weight's first
+    # stages before its wait; its epilogue (SiLU(gate) * up, the casts) reads the activations after it
+    env, consts, groups = _model_values("llama_ts17")
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    gemms = [g for g in groups if g.name in src.launches and src.launches[g.name].kind.startswith("gemm-wgmma")]
+    assert len(gemms) >= 4
+    tiles = {g.name: ("tma64x128", "pp64x128")[i % 2] for i, g in enumerate(gemms)}
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16", pdl=True, gemm_configs=tiles)
+    assert all(src.launches[g.name].persistent for g in gemms)
+    assert src.text.count("int sf_pre = 0;") == len({src.launches[g.name].symbol for g in gemms})
+    (tmp_path / "tiles").mkdir()
+    _check_kernels("llama_ts17", build(src.text, str(tmp_path / "tiles")), src, gemms, env, consts, grid=(3, 1, 1))
 
 
 @pytest.mark.parametrize("case", ["causal-3d", "nonpad-mask-4d"])
@@ -746,21 +759,27 @@ def test_split_kv_combines_the_same_bits_whichever_split_is_last(attention, name
 # Hopper GEMMs: wgmma, TMA, mbarriers, named barriers (the shim's asynchronous model)
 # ----------------------------------------------------------------------------------------------
 
-def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,), dt="float16", launches=1):
+def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,), dt="float16", launches=1,
+                pdl=False):
     """A half GEMM on tile ``cfg`` run on the host (persistent kernels on ``grid`` blocks, all
     resident at once), against numpy, for each scheduling ``seed`` (``launches`` times each, on
     the same kernel, A negated every other time: what a launch leaves behind must not leak into
-    the next); returns the launch and the outputs (of the launches on A as given)."""
+    the next); returns the launch and the outputs (of the launches on A as given). ``pdl``: B is a
+    constant (a weight) and the kernel is for programmatic dependent launch; returns the source too."""
     from test_wgmma import _bits, _gemm, _value
 
-    op = _gemm(M, N, K, dt, ta, tb, name="g")
-    src = generate_cuda_source([op], arch="sm_90", gemm_configs={"g": cfg})
-    launch = src.launches["g"]
-    assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}"
-    kernels = build(src.text, str(tmp_path))
+    from shardflow.compiler.ops.linalg import Gemm
+
     rng = np.random.default_rng(0)
     a = _bits(rng.standard_normal((K, M) if ta else (M, K)), dt)
     b = _bits(rng.standard_normal((N, K) if tb else (K, N)), dt)
+    op = _gemm(M, N, K, dt, ta, tb, name="g")
+    if pdl:
+        op = Gemm([op.inputs[0], Tensor("g_b", b.shape, dt, value=b)], name="g", trans_a=ta, trans_b=tb)
+    src = generate_cuda_source([op], arch="sm_90", gemm_configs={"g": cfg}, pdl=pdl)
+    launch = src.launches["g"]
+    assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}"
+    kernels = build(src.text, str(tmp_path))
     want = (_value(a, dt).T if ta else _value(a, dt)).astype(np.float64) @ \
         (_value(b, dt).T if tb else _value(b, dt)).astype(np.float64)
     outs = []
@@ -776,7 +795,7 @@ def _wgmma_gemm(tmp_path, cfg, M, N, K, ta=False, tb=False, grid=None, seeds=(1,
             assert err < (4e-3 if dt == "float16" else 2e-2), (cfg, ta, tb, seed, j, err)
             if sign == 1:
                 outs.append(out)
-    return launch, outs
+    return (launch, outs, src.text) if pdl else (launch, outs)
 
 
 def _wgmma_cases():
@@ -833,6 +852,37 @@ def test_pingpong_hand_over_under_random_interleavings(tmp_path, cfg):
     several random interleavings; bfloat16 too. (Without the hand-over these deadlock here.)"""
     _wgmma_gemm(tmp_path, cfg, 300, 128, 640, grid=(1, 1, 1), seeds=range(2, 6))
     _wgmma_gemm(tmp_path, cfg, 300, 128, 640, grid=(1, 1, 1), seeds=(7,), dt="bfloat16")
+
+
+@pytest.mark.parametrize("cfg,M,N,K,tb,blocks", [
+    ("tma128x128", 200, 136, 200, False, 3),  # fewer K tiles than stages, blocks with several tiles
+    ("tma64x128", 136, 264, 1096, True, 2),  # more K tiles than stages, B stored [N, K]
+    ("tma64x128", 128, 776, 3000, False, 7),  # split-K (a unit is a part of a tile's K tiles)
+    ("pp64x128", 300, 128, 640, False, 1),  # ping-pong: one block, its warpgroups alternating
+    ("128x128", 200, 136, 200, False, None),  # cp.async: fewer K tiles than prologue stages
+    ("64x64", 136, 264, 1096, True, None),  # cp.async: more
+])
+def test_weight_stages_before_the_grid_dependency_wait_on_the_host(tmp_path, cfg, M, N, K, tb, blocks):
+    """Programmatic dependent launch (RFC 0005 decision 48): a GEMM whose B is a weight issues its
+    copies of B's first stages, then waits for the kernel before; A's copies, the later stages'
+    and everything that reads or writes an activation come after the wait. A persistent kernel
+    sets up its barriers first and counts those stages' bytes once on them (a stage announced
+    twice would never fill); the cp.async kernel's early copies join its first group. Against
+    numpy under several interleavings."""
+    from shardflow.compiler.codegen.cuda import PDL_ENTER
+
+    launch, _, text = _wgmma_gemm(tmp_path, cfg, M, N, K, False, tb, grid=blocks and (blocks, 1, 1), seeds=(1, 2, 3),
+                                  launches=2, pdl=True)
+    assert launch.persistent == (blocks is not None)
+    body = text[text.index('extern "C" __global__'):]
+    before, after = body.split(PDL_ENTER)
+    before = before.split("{", 1)[1]  # (the signature left out)
+    if launch.persistent:
+        copies = before.split("__syncthreads();")[1]
+        assert "&sf_tmB, " in copies and "&sf_tmA, " not in copies and not re.search(r"\bin\d\b|\bout0\b", before)
+        assert "if (sf_g >= sf_pre)" in after
+    else:
+        assert "in1 + " in before and not re.search(r"\bin0\b|\bout0\b|commit", before)
 
 
 def test_split_k_on_the_host(tmp_path):

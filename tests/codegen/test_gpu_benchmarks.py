@@ -93,6 +93,22 @@ def test_gemm_dry_run_builds_real_kernels(tmp_path):
 
 
 @needs_nvcc
+def test_gemm_dry_run_for_programmatic_dependent_launch(tmp_path):
+    """``--pdl``: ours built for programmatic dependent launch with B a weight, so the persistent
+    kernel (GPT-2's attn_out at M = 1024) loads B's first stages before its wait."""
+    from shardflow.compiler.codegen.cuda import generate_cuda_source
+
+    gemm = _load("gemm")
+    section = gemm.main(["--dry-run", "--m", "1024", "--shapes", "gpt2.attn_out", "--dtypes", "float16", "--pdl",
+                         "--jobs", "1", "--cache-dir", str(tmp_path / "cache")])
+    assert section["pdl"] is True and section["kernels"][0]["persistent"]
+    (case,) = gemm.make_cases([1024], ["gpt2.attn_out"], ["float16"])
+    for weight in (True, False):
+        src = generate_cuda_source([gemm.case_op(case, weight_b=weight)], arch="sm_90", pdl=True).text
+        assert ("int sf_pre = 0;" in src) is weight
+
+
+@needs_nvcc
 def test_attention_dry_run_builds_every_type(capsys):
     """attention.py's cases through its own build path: the fused kernel of each type (float32
     operands on the TF32 kernels: one product, or 3xTF32)."""

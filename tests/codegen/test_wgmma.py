@@ -326,24 +326,54 @@ def test_residual_epilogues_of_whole_tiles_compile_without_local_memory(tmp_path
 
 @needs_nvcc
 def test_kernels_for_programmatic_dependent_launch_compile(tmp_path):
-    """RFC 0005 decision 29: with ``pdl`` each kernel (cp.async, persistent TMA, ping-pong and
-    stream-K GEMMs, whose stream-K workspace comes before the signature) opens with the grid
-    dependency wait and trigger, which nvcc takes for sm_90a; without it the source is unchanged."""
+    """RFC 0005 decisions 29 and 48: with ``pdl`` the cp.async kernel opens with the grid
+    dependency wait and trigger, or, when B is a weight, first issues its copies of B's first
+    stages; a persistent one (TMA, ping-pong, stream-K, whose stream-K workspace comes before the
+    signature, cluster split-K, multicast) sets up its barriers first and, in the TMA and
+    ping-pong modes, issues its first stages' copies of a weight B before it waits. Without
+    ``pdl`` the source is unchanged (bar blank lines); all compile under nvcc for sm_90a with no
+    local memory and no variable left unread."""
     from shardflow.compiler.codegen.cuda import PDL_ENTER, PDL_HELPER
 
-    tiles = ["128x128", "tma64x128", "pp64x128", "sk64x128"]
-    ops = [_gemm(256, 256, 256, "float16", name=f"g{i}") for i in range(len(tiles))]
-    configs = {op.name: t for op, t in zip(ops, tiles)}
-    src = generate_cuda_source(ops, arch="sm_90", gemm_configs=configs, pdl=True).text
+    tiles = ["128x128", "tma64x128", "pp64x128", "sk64x128", "ck128x128", "mc64x128"]
+    ops = []
+    for i, t in enumerate(tiles):
+        g = _gemm(256, 256, 256, "float16", name=f"g{i}")
+        w = Tensor(f"w{i}", (256, 256), "float16", value=np.ones((256, 256), np.float16))
+        ops += [g, Gemm([g.inputs[0], w], name=f"w{i}")]
+    configs = {op.name: t for op, t in zip(ops, [t for t in tiles for _ in range(2)])}
+    src = generate_cuda_source(ops, arch="sm_90", gemm_configs=configs, pdl=True)
     plain = generate_cuda_source(ops, arch="sm_90", gemm_configs=configs).text
-    assert src.count(PDL_ENTER) == len(tiles) and "griddepcontrol" not in plain
-    assert src.replace(f"  {PDL_ENTER}\n", "").replace(PDL_HELPER, "") == plain  # nothing else changes
+    assert "griddepcontrol" not in plain and PDL_ENTER not in plain
+
+    def body_of(text, symbol):  # (from the kernel's name in its signature to its closing brace)
+        return text[text.index(f" {symbol}(") + 1:].split("\n}\n", 1)[0]
+    # (a weight B and an activation B give the same kernel where nothing is loaded early)
+    bodies = {op.name: body_of(src.text, src.launches[op.name].symbol) for op in ops}
+    for name, body in bodies.items():
+        early = name.startswith("w") and configs[name].startswith(("tma", "pp", "128x128"))
+        assert body.count(PDL_ENTER) == 1, name
+        if configs[name] == "128x128":  # every thread copies B's first stages (uncommitted), then waits
+            before = body[:body.index(PDL_ENTER)].split("{\n", 1)[1]
+            assert body.split("{\n", 1)[1].startswith(f"  {PDL_ENTER}\n") != early, name
+            assert ("in1 + " in before) == early and "in0" not in before and "commit" not in before, name
+            continue
+        set_up = body.index("sf_mbar_init(")
+        assert set_up < body.index(PDL_ENTER) and ("int sf_pre = 0;" in body) == early, name
+        before = body[:body.index(PDL_ENTER)]
+        assert ("&sf_tmB, " in before) == early and "&sf_tmA, " not in before, name  # (the copies)
+    lines = lambda t: sorted(x.strip() for x in t.splitlines() if x.strip())  # noqa: E731
+    for name, body in bodies.items():  # an activation B: the same statements, the wait moved
+        if name.startswith("g"):
+            assert lines(body.replace(PDL_ENTER, "")) == lines(body_of(plain, body.split("(", 1)[0])), name
+    assert src.text.count(PDL_HELPER) == 1
     cu = tmp_path / "k.cu"
-    cu.write_text(src)
+    cu.write_text(src.text)
     proc = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
                            "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(cu)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.findall(r"(\d+) bytes stack frame", proc.stderr) == ["0"] * len(tiles), proc.stderr
+    assert proc.returncode == 0 and "#177-D" not in proc.stderr, proc.stderr[-3000:]  # (nothing left unread)
+    frames = re.findall(r"(\d+) bytes stack frame", proc.stderr)
+    assert frames and set(frames) == {"0"}, proc.stderr
 
 
 @pytest.mark.parametrize("cfg", ["128x128", "tma64x128", "pp64x128"])

@@ -82,12 +82,15 @@ def test_one_rank_eager_graph_cupy_and_nccl(tmp_path, model):
         _close(load(out, 0, NCCLCommunicator(SelfCommunicator())).run(inputs), ref)
 
 
-@pytest.mark.parametrize("model,precision", [("gpt2_ts17", "float16"), ("llama_ts17", "float32")])
-def test_programmatic_dependent_launch(tmp_path, model, precision):
-    """RFC 0005 decision 29: a program compiled with ``pdl`` launches every kernel through
+@pytest.mark.parametrize("model,precision,tiles", [("gpt2_ts17", "float16", None), ("llama_ts17", "float32", None),
+                                                   ("gpt2_ts17", "float16", "tma64x128"),
+                                                   ("llama_ts17", "float16", "pp64x128")])
+def test_programmatic_dependent_launch(tmp_path, model, precision, tiles):
+    """RFC 0005 decisions 29 and 48: a program compiled with ``pdl`` launches every kernel through
     cuLaunchKernelEx with programmatic serialization, eagerly, in CUDA graphs and for fresh device
-    outputs, and gives the outputs of the same program without it (bit for bit: the same kernels,
-    each waiting for the one before)."""
+    outputs, and gives the outputs of the same program without it (bit for bit: the same products,
+    each kernel waiting for the one before; ``tiles``: every product on that persistent tile, whose
+    weight's first stages load before the wait)."""
     cp = _cupy()
     if cp is None:
         pytest.skip("needs cupy and a CUDA device")
@@ -97,8 +100,9 @@ def test_programmatic_dependent_launch(tmp_path, model, precision):
 
     for d in ("plain", "pdl"):
         (tmp_path / d).mkdir()
-    plain, inputs, ref = _compile(tmp_path / "plain", model, [1], "replicate", precision=precision)
-    pdl, _, _ = _compile(tmp_path / "pdl", model, [1], "replicate", precision=precision, pdl=True)
+    forced = {"gemm_tiles": {"*": tiles}} if tiles else {}
+    plain, inputs, ref = _compile(tmp_path / "plain", model, [1], "replicate", precision=precision, **forced)
+    pdl, _, _ = _compile(tmp_path / "pdl", model, [1], "replicate", precision=precision, pdl=True, **forced)
     want = load(plain).run(inputs)
     prog = load(pdl)
     assert prog._engine.pdl
