@@ -45,8 +45,10 @@ its half scores (``Cast(s, float32)``) before the mask and multiplies the float3
 by V widened: the same op on the half Q, K, V, its probabilities rounded to the half type as a
 fused kernel's are (decision 44). Attention on ``[B*H, ..]`` tensors (BLOOM's ALiBi ``baddbmm``)
 is first written on its ``[B, H, ..]`` views (:class:`AttentionOnHeads`, decision 45), which
-also writes scores filled with ``finfo.min`` where a mask hides them (DeBERTa) as an added bias
-(decision 47). K and V
+also writes scores filled with ``finfo.min`` where a mask hides them (DeBERTa) or kept where it
+shows them (GPT-Neo) as an added bias (decisions 47, 49), drops a clamp of the scores at
+``finfo.min`` and computes a softmax of a ``[B*H, S, L]`` view on the ``[B, H, S, L]`` scores
+(XGLM, decision 49). K and V
 of one head that the products broadcast over the query heads (multi-query attention) are read
 with ``kv_heads = 1``. Scores soft-capped after the scale, ``tanh(s / c) * c`` (Gemma 2), give
 the op's ``softcap``.
@@ -148,43 +150,139 @@ class _Walk:
 
 
 class AttentionOnHeads(_Walk, GraphPass):
-    """Attention computed on ``[B*H, ..]`` tensors written on their ``[B, H, ..]`` views, and a
-    masked fill of the scores written as an added bias, which :class:`FuseAttention` matches (it
-    runs this pass first; the cuda driver also runs it before the precision pass, whose casts would
-    stand between the views and the products)."""
+    """Attention computed on ``[B*H, ..]`` tensors written on their ``[B, H, ..]`` views, a masked
+    fill of the scores written as an added bias and a clamp of them dropped, which
+    :class:`FuseAttention` matches (it runs this pass first; the cuda driver also runs it before the
+    precision pass, whose casts would stand between the views and the products)."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         self._index(graph)
         graph = self._fills_as_biases(graph)
         self._index(graph)
+        graph = self._softmax_on_heads(graph)
+        self._index(graph)
         return self._lift_heads(graph)
 
+    def _hiding(self, t: Tensor) -> bool:
+        """Whether ``t`` is a float32 scalar constant that hides a key (``-inf`` or at most ``_HIDDEN``)."""
+        v = self._scalar(t)
+        return v is not None and v <= _HIDDEN and t.dtype == "float32"
+
+    def _fill_of(self, w: Operator | None) -> tuple[Tensor, bool] | None:
+        """``(x, hidden_if_true)`` when ``w`` is ``Where(c, h, x)`` or ``Where(c, x, h)`` (``h``
+        hiding, ``x`` float32 of the output's shape): scores filled where a mask hides them."""
+        if not _is(w, "Where"):
+            return None
+        _, a, b = w.inputs
+        shape = tuple(w.outputs[0].shape)
+        for h, x, first in ((a, b, True), (b, a, False)):
+            if self._hiding(h) and x.dtype == "float32" and tuple(x.shape) == shape:
+                return x, first
+        return None
+
+    def _clamp_of(self, m: Operator | None) -> Tensor | None:
+        """``y`` when ``m`` is ``Max(y, h)`` or ``Max(h, y)`` (``h`` hiding, ``y`` float32 of the
+        output's shape): XGLM's and BART's ``max(scores, finfo.min)``."""
+        if not _is(m, "Binary", fn="max"):
+            return None
+        a, b = m.inputs
+        for h, y in ((b, a), (a, b)):
+            if self._hiding(h) and y.dtype == "float32" and tuple(y.shape) == tuple(m.outputs[0].shape):
+                return y
+        return None
+
+    def _scores_like(self, t: Tensor, depth: int = 2 * _MAX_BIASES) -> bool:
+        """:meth:`_scores_side`, a ``[B, H, S, L]`` view of such ``[B*H, S, L]`` scores (before
+        :meth:`_lift_heads`), or such scores with biases added, filled (:meth:`_fill_of`) or
+        clamped (:meth:`_clamp_of`)."""
+        if self._scores_side(t):
+            return True
+        p = self._prod(t)
+        if _is(p, "Reshape") and t.ndim == 4 and p.inputs[0].ndim == 3:
+            return self._scores_side(p.inputs[0])
+        if depth <= 1:
+            return False
+        if _is(p, "Binary", fn="add"):
+            return any(self._scores_like(u, depth - 1) for u in p.inputs)
+        fill = self._fill_of(p)
+        inner = fill[0] if fill else self._clamp_of(p)
+        return inner is not None and self._scores_like(inner, depth - 1)
+
     def _fills_as_biases(self, graph: FlowGraph) -> FlowGraph:
-        """``graph`` with the float32 scores a softmax over the keys reads filled where a mask hides
-        them, ``Where(c, h, s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``), written as an added
-        bias, ``s + Where(c, h, 0)``: the same values where ``h`` is ``-inf`` or a finite constant at
-        most ``-1e30`` and the scores finite and below ``2**75`` in magnitude (``s + h`` rounds to
-        ``h``; a NaN or infinite score where the mask hides it is no longer replaced), a row every
-        key of which is hidden uniform over them as before."""
+        """``graph`` with the float32 scores a softmax over the keys reads (through additions, and a
+        view of them) filled where a mask hides them, ``Where(c, h, s)`` (DeBERTa's ``masked_fill``
+        with ``finfo.min``) or ``Where(c, s, h)`` (GPT-Neo's causal ``where``), written as an added
+        bias, ``s + Where(c, h, 0)`` or ``s + Where(c, 0, h)``, and clamped from below by a hiding
+        value, ``Max(s, h)`` (XGLM's), written as ``s``: the same values where ``h`` is ``-inf`` or a
+        finite constant at most ``-1e30`` and the scores finite and below ``2**75`` in magnitude
+        (``s + h`` rounds to ``h``, which the clamp leaves as it is; a NaN or infinite score where
+        the mask hides it is no longer replaced), a row every key of which is hidden uniform over
+        them as before."""
         from ..ops.elementwise import Binary, Where
 
         insert: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for sm in graph.nodes:
-            w = self._prod(sm.inputs[0]) if _is(sm, "Softmax") and tuple(sm.attrs.get("axes", ())) == (3,) else None
-            if not _is(w, "Where") or self._only(sm.inputs[0]) is not sm:
+            if not _is(sm, "Softmax") or tuple(sm.attrs.get("axes", ())) != (sm.inputs[0].ndim - 1,):
                 continue
-            cond, h, x = w.inputs
-            hv = self._scalar(h)
-            if hv is None or not hv <= _HIDDEN or x.dtype != "float32" or h.dtype != "float32" \
-                    or tuple(x.shape) != tuple(w.outputs[0].shape):
+            t, nxt = sm.inputs[0], sm
+            if _is(self._prod(t), "Reshape") and self._only(t) is sm:  # (XGLM: [B, H, S, L] -> [B*H, S, L])
+                t, nxt = self._prod(t).inputs[0], self._prod(t)
+            for _ in range(2 * _MAX_BIASES):
+                p = self._prod(t)
+                if p is None or self._only(t) is not nxt:
+                    break
+                fill, clamp = self._fill_of(p), self._clamp_of(p)
+                if fill is not None and self._scores_like(fill[0]):
+                    x, first = fill
+                    zero = const_tensor(np.zeros((), np.float32), f"{p.name}.zero")
+                    cond, h = p.inputs[0], p.inputs[1 if first else 2]
+                    bias = Where([cond, h, zero] if first else [cond, zero, h], name=f"{p.name}.bias")
+                    add = Binary([x, bias.outputs[0]], name=f"{p.name}.add", fn="add")
+                    insert[id(p)] = [bias, add]
+                    replace[id(p.outputs[0])] = add.outputs[0]
+                    t = x
+                elif clamp is not None and self._scores_like(clamp):
+                    replace[id(p.outputs[0])] = t = clamp
+                elif _is(p, "Binary", fn="add"):
+                    t = next((u for u in p.inputs if self._scores_like(u)), None)
+                    if t is None:
+                        break
+                else:
+                    break
+                nxt = p
+        if insert or replace:
+            log.info("attention: %d masked fills and %d clamps of the scores written as added biases and dropped",
+                     len(insert), len(replace) - len(insert))
+        return splice(graph, insert, replace)
+
+    def _softmax_on_heads(self, graph: FlowGraph) -> FlowGraph:
+        """``graph`` with a softmax over the last axis of a ``[B*H, S, L]`` view of ``[B, H, S, L]``
+        scores (XGLM's) computed on the scores and viewed after: the same values."""
+        from ..ops.reduce import Softmax
+        from ..ops.transform import Reshape
+
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for sm in graph.nodes:
+            up = self._prod(sm.inputs[0]) if _is(sm, "Softmax") and sm.inputs[0].ndim == 3 else None
+            if not _is(up, "Reshape") or tuple(sm.attrs.get("axes", ())) != (2,) or sm.attrs.get("log") \
+                    or self._only(sm.inputs[0]) is not sm or id(sm.outputs[0]) in self._outputs:
                 continue
-            bias = Where([cond, h, const_tensor(np.zeros((), np.float32), f"{w.name}.zero")], name=f"{w.name}.bias")
-            add = Binary([x, bias.outputs[0]], name=f"{w.name}.add", fn="add")
-            insert[id(w)] = [bias, add]
-            replace[id(w.outputs[0])] = add.outputs[0]
+            x4 = up.inputs[0]
+            if x4.ndim != 4 or x4.shape[0] * x4.shape[1] != sm.inputs[0].shape[0] \
+                    or tuple(x4.shape[2:]) != tuple(sm.inputs[0].shape[1:]) or not self._scores_like(x4):
+                continue
+            sm4 = Softmax([x4], name=f"{sm.name}.heads", axes=(3,))
+            view = Reshape([sm4.outputs[0]], name=f"{sm.name}.view", shape=tuple(sm.outputs[0].shape))
+            insert[id(sm)] = [sm4, view]
+            replace[id(sm.outputs[0])] = view.outputs[0]
+            for r in self._consumers.get(id(sm.outputs[0]), []):  # (a view back to [B, H, S, L]: the scores')
+                if _is(r, "Reshape") and tuple(r.outputs[0].shape) == tuple(x4.shape) \
+                        and id(r.outputs[0]) not in self._outputs:
+                    replace[id(r.outputs[0])] = sm4.outputs[0]
         if insert:
-            log.info("attention: %d masked fills of the scores written as added biases", len(insert))
+            log.info("attention: %d softmaxes of [B*H, ..] views computed on [B, H, ..] scores", len(insert))
         return splice(graph, insert, replace)
 
     def _lift_heads(self, graph: FlowGraph) -> FlowGraph:

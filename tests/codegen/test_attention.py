@@ -646,11 +646,13 @@ def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path
             np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=name)
 
 
-def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=(), fill=None):
+def _float32_attention(bias_shape=(2, 1, 40, 70), biases=None, shapes=(), fill=None, keep=False, clamp=None):
     """softmax(Q Kᵀ · 0.25 + bias) V on float32 [2, 3, *, 32] operands, written out as exporters do
-    (``biases`` of ``bias_shape`` added in turn, or one of each of ``shapes``); with ``fill``, no bias
-    but the scores filled where a boolean ``hidden`` of ``bias_shape`` is true, ``Where(hidden, fill,
-    s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``)."""
+    (``biases`` of ``bias_shape`` added in turn, one by default, or one of each of ``shapes``); with
+    ``fill``, the scores first filled where a boolean ``hidden`` of ``bias_shape`` is true, ``Where(hidden,
+    fill, s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``), or (``keep``) kept where a boolean
+    ``shown`` is, ``Where(shown, s, fill)`` (GPT-Neo's causal ``where``), no bias by default; with
+    ``clamp``, the sum then clamped from below, ``Max(s, clamp)`` (XGLM's)."""
     from shardflow.compiler.ir import const_tensor
     from shardflow.compiler.ir.graph import FlowGraph
     from shardflow.compiler.ops.elementwise import Binary, Where
@@ -660,9 +662,10 @@ def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=(), fill=None
 
     q, k, v = Tensor("q", (2, 3, 40, 32), "float32"), Tensor("k", (2, 3, 70, 32), "float32"), \
         Tensor("v", (2, 3, 70, 16), "float32")
+    biases = (0 if fill is not None else 1) if biases is None else biases
     biases = [Tensor("bias" + (str(i + 1) if i else ""), sh, "float32")
-              for i, sh in enumerate(shapes or [bias_shape] * biases)] if fill is None else []
-    hidden = [Tensor("hidden", bias_shape, "bool")] if fill is not None else []
+              for i, sh in enumerate(shapes or [bias_shape] * biases)]
+    hidden = [Tensor("shown" if keep else "hidden", bias_shape, "bool")] if fill is not None else []
     ops = []
 
     def add(op):
@@ -670,12 +673,15 @@ def _float32_attention(bias_shape=(2, 1, 40, 70), biases=1, shapes=(), fill=None
         return op.outputs[0]
     s = add(MatMul([q, add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))], name="qk"))
     s = add(Binary([s, const_tensor(np.array(0.25, np.float32))], name="scale", fn="mul"))
+    if hidden:
+        h = const_tensor(np.float32(fill))
+        s = add(Where([hidden[0], s, h] if keep else [hidden[0], h, s], name="fill"))
     for i, bias in enumerate(biases):
         s = add(Binary([s, bias], name=f"mask{i}", fn="add"))
-    if hidden:
-        s = add(Where([hidden[0], const_tensor(np.float32(fill)), s], name="fill"))
+    if clamp is not None:
+        s = add(Binary([s, const_tensor(np.float32(clamp))], name="clamp", fn="max"))
     y = add(MatMul([add(Softmax([s], name="sm", axes=(3,))), v], name="pv"))
-    return FlowGraph([q, k, v] + biases + hidden, [add(Binary([y, const_tensor(np.float32(2.0))], name="out",
+    return FlowGraph([q, k, v] + hidden + biases, [add(Binary([y, const_tensor(np.float32(2.0))], name="out",
                                                                fn="mul"))])
 
 
@@ -901,33 +907,47 @@ def test_alibi_attention_on_batched_heads_fuses(form):
     np.testing.assert_allclose(next(iter(half.run(feeds).values())), want, rtol=2e-2, atol=2e-2)
 
 
-def test_masked_fill_of_the_scores_fuses_as_a_bias(tmp_path):
+@pytest.mark.parametrize("form", ["fill", "keep", "clamp"])
+def test_masked_fill_of_the_scores_fuses_as_a_bias(tmp_path, form):
     """Scores filled with ``finfo.min`` where a mask hides them are the scores plus ``Where(hidden,
     min, 0)`` (``s + min`` rounds to ``min``), an added bias both targets fuse: the same values,
     a row whose every key is hidden uniform over its keys (the mean of V) as the separate ops give
-    it. A fill above -1e30 (where ``s + h`` is not ``h``) keeps the separate ops."""
+    it. Likewise scores kept where a mask shows them, ``Where(shown, s, min)``, with a bias added
+    after (GPT-Neo's causal ``where``, then its padding mask), and a sum clamped from below by
+    ``min``, ``Max(s + bias, min)`` (XGLM's), the clamp dropped. A fill above -1e30 (where
+    ``s + h`` is not ``h``) keeps the separate ops, and so does a clamp at -1e4."""
     from shardflow.runtime import load
 
     rng = np.random.default_rng(9)
     hidden = rng.random((2, 1, 40, 70)) > 0.7
     hidden[1, 0, 3] = True  # a row that sees no key
-    feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float32), "hidden": hidden,
+    feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float32),
              "k": rng.standard_normal((2, 3, 70, 32)).astype(np.float32),
              "v": rng.standard_normal((2, 3, 70, 16)).astype(np.float32)}
     fill = float(np.finfo(np.float32).min)
-    want = next(iter(_float32_attention(fill=fill).run(feeds).values()))
+    kw = {"fill": dict(fill=fill), "keep": dict(fill=fill, keep=True, biases=1), "clamp": dict(clamp=fill)}[form]
+    if form == "fill":
+        feeds["hidden"] = hidden
+    elif form == "keep":  # (the padding mask hides some keys, none of the hidden row's: min + min is -inf)
+        feeds.update(shown=~hidden, bias=np.where(rng.random((2, 1, 40, 70)) > 0.1, 0, fill).astype(np.float32))
+        feeds["bias"][1, 0, 3] = 0
+    else:
+        feeds["bias"] = np.where(hidden, fill, 0).astype(np.float32)
+    want = next(iter(_float32_attention(**kw).run(feeds).values()))
     np.testing.assert_allclose(want[1, :, 3], 2 * feeds["v"][1].mean(axis=1), rtol=1e-5, atol=1e-6)
-    fused = FuseAttention(float32=True, target="cuda").run(_float32_attention(fill=fill))
+    fused = FuseAttention(float32=True, target="cuda").run(_float32_attention(**kw))
     (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
-    assert att.attrs["extra_biases"] == 1 and att.inputs[3].shape == (2, 1, 40, 70)
+    assert att.attrs["extra_biases"] == (2 if form == "keep" else 1) and att.inputs[3].shape == (2, 1, 40, 70)
+    assert "Max" not in {op.op_type for op in fused.nodes} or form != "clamp"
     np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-6)
-    compile(_float32_attention(fill=fill), distributed_config={"mesh_shape": [1]},
+    compile(_float32_attention(**kw), distributed_config={"mesh_shape": [1]},
             optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
     program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
     assert "pv.attention" in [st["node"] for st in program["steps"] if st["kind"] == "kernel"]
     np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+    kept = dict(kw, fill=-1e4) if form != "clamp" else dict(kw, clamp=-1e4)
     assert "Attention" not in {op.op_type for op in FuseAttention(float32=True, target="cuda").run(
-        _float32_attention(fill=-1e4)).nodes}
+        _float32_attention(**kept)).nodes}
 
 
 def test_soft_capped_scores_fuse(tmp_path):

@@ -1,4 +1,4 @@
-"""26 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
+"""29 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
 two cores with ``-n 2``).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
@@ -57,6 +57,13 @@ ARCHITECTURES = {
                                                           num_attention_heads=4)), "text"),
     "gptj": (lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=V, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)),
              "text"),
+    "gpt_neo": (lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(  # (a global and a local layer: a window of 4)
+        vocab_size=V, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=4)), "text"),
+    "gpt_bigcode": (lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(vocab_size=V, n_embd=64, n_layer=2, n_head=4,
+                                                                       multi_query=True)), "text"),
+    "xglm": (lambda: T.XGLMForCausalLM(T.XGLMConfig(vocab_size=V, d_model=64, num_layers=2, attention_heads=4,
+                                                    ffn_dim=128)), "text"),
     "distilbert": (lambda: T.DistilBertModel(T.DistilBertConfig(vocab_size=V, dim=64, n_layers=2, n_heads=4,
                                                                 hidden_dim=128)), "text"),
     "roberta": (_text(T.RobertaConfig, T.RobertaModel, **_SMALL), "text"),
