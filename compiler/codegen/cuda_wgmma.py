@@ -1074,20 +1074,19 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
     early = [i for i in range(2) if pdl and constant[i] and mode in ("tma", "pp")]
     late = "\n".join(c for i, c in enumerate(copies) if i not in early)
     first = "\n".join(copies[i] for i in early)
-    if early:
-        stage_copies = f"""if (sf_g >= sf_pre) {{  // (the first sf_pre stages' weight tiles are on their way)
+    # (without early copies: the statements as before decision 48, in their order)
+    announce = "" if early else f"    sf_mbar_expect_tx(sf_full, {stage});\n"
+    stage_copies = late if not early else f"""if (sf_g >= sf_pre) {{  // (the first sf_pre stages' weight tiles are on their way)
   sf_mbar_expect_tx(sf_full, {stage});
 {_indent(first, 2)}
 }}
 {late}"""
-    else:
-        stage_copies = f"sf_mbar_expect_tx(sf_full, {stage});\n{late}"
     producer = f"""{head}
   for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({empty("sf_s")}, ((sf_g / {S}) & 1) ^ 1);
     const unsigned sf_full = {full("sf_s")};
-    const int sf_k0 = sf_kt * {bk};
+{announce}    const int sf_k0 = sf_kt * {bk};
     const unsigned sf_sa = sf_base + sf_s * {stride};
     const unsigned sf_sb = sf_sa + {a_bytes};
 {_indent(stage_copies, 4)}
@@ -1258,7 +1257,7 @@ const int sf_c = (sf_wl & 3) * 2;
     # must not exit while another may still store into its shared memory or arrive on its barriers)
     start_sync = "sf_cluster_sync();" if cluster > 1 else "__syncthreads();"
     end_sync = "\n  sf_cluster_sync();" if cluster > 1 else ""
-    values = "\n".join(_indent(c, 2) for c in (root, batch_code) if c.strip())
+    values = f"{_indent(root, 2)}\n{_indent(batch_code, 2)}"
     set_up = f"""  if (threadIdx.x == 0) {{
     sf_tma_prefetch(&sf_tmA);  // the first copies need the descriptors: fetch them while the block sets up
     sf_tma_prefetch(&sf_tmB);
@@ -1271,7 +1270,7 @@ const int sf_c = (sf_wl & 3) * 2;
   {start_sync}"""
     # pdl: the block sets up (barriers, descriptors) before it waits for the kernel before; the
     # root and batch values (which may read that kernel's outputs) after it
-    opening = "\n".join(x for x in ((set_up + f"{pre}\n  {PDL_ENTER}", values) if pdl else (values, set_up)) if x)
+    opening = "\n".join((set_up + f"{pre}\n  {PDL_ENTER}", values) if pdl else (values, set_up))
     src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {cluster_dims}{symbol}({params}, {map_params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
