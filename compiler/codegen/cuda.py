@@ -2122,7 +2122,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
         if plan is not None:
-            weights = {f"in{i}" for i, t in enumerate(op.inputs) if t.is_constant}  # (no kernel writes them)
+            # (pdl: the parameters no kernel writes, whose first stages a GEMM may load before its wait)
+            weights = {f"in{i}" for i, t in enumerate(op.inputs) if t.is_constant} if pdl else set()
             src, cfg, wrapper = _lower_gemm(gc, value, plan, symbol, param_text, "out0", an, reads, names, wgmma,
                                             config, wgmma_fp32=wgmma_fp32, sms=sms, pdl=pdl, weights=weights)
             kind = f"gemm-wgmma-{plan.prec}" if wrapper else f"gemm-{plan.prec}"

@@ -1081,14 +1081,15 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
 {_indent(first, 2)}
 }}
 {late}"""
+    def stage_at(st: str) -> str:  # (K tile sf_kt's coordinate and stage st's two tiles)
+        return (f"const int sf_k0 = sf_kt * {bk};\nconst unsigned sf_sa = sf_base + {st} * {stride};\n"
+                f"const unsigned sf_sb = sf_sa + {a_bytes};")
     producer = f"""{head}
   for (int sf_kt = sf_kb; sf_kt < sf_ke; ++sf_kt, ++sf_g) {{
     const int sf_s = sf_g % {S};
     sf_mbar_wait({empty("sf_s")}, ((sf_g / {S}) & 1) ^ 1);
     const unsigned sf_full = {full("sf_s")};
-{announce}    const int sf_k0 = sf_kt * {bk};
-    const unsigned sf_sa = sf_base + sf_s * {stride};
-    const unsigned sf_sb = sf_sa + {a_bytes};
+{announce}{_indent(stage_at("sf_s"), 4)}
 {_indent(stage_copies, 4)}
   }}
 }}"""
@@ -1102,9 +1103,7 @@ const int sf_ke = (sf_u % {C} + 1) * {KT} / {C};
     for (int sf_kt = sf_kb; sf_kt < sf_ke && sf_pre < {S}; ++sf_kt, ++sf_pre) {{
       const unsigned sf_full = {full("sf_pre")};
       sf_mbar_expect_tx(sf_full, {stage});
-      const int sf_k0 = sf_kt * {bk};
-      const unsigned sf_sa = sf_base + sf_pre * {stride};
-      const unsigned sf_sb = sf_sa + {a_bytes};
+{_indent(stage_at("sf_pre"), 6)}
 {_indent(first, 6)}
     }}
   }}"""

@@ -168,28 +168,24 @@ class AttentionOnHeads(_Walk, GraphPass):
         v = self._scalar(t)
         return v is not None and v <= _HIDDEN and t.dtype == "float32"
 
+    def _beside_hiding(self, op: Operator, x: Tensor, y: Tensor) -> tuple[Tensor, bool] | None:
+        """``(value, hiding_first)`` when one of ``x``, ``y`` is hiding and the other a float32
+        value of ``op``'s output shape (``hiding_first``: ``x`` is the hiding one)."""
+        for h, v, first in ((x, y, True), (y, x, False)):
+            if self._hiding(h) and v.dtype == "float32" and tuple(v.shape) == tuple(op.outputs[0].shape):
+                return v, first
+        return None
+
     def _fill_of(self, w: Operator | None) -> tuple[Tensor, bool] | None:
         """``(x, hidden_if_true)`` when ``w`` is ``Where(c, h, x)`` or ``Where(c, x, h)`` (``h``
         hiding, ``x`` float32 of the output's shape): scores filled where a mask hides them."""
-        if not _is(w, "Where"):
-            return None
-        _, a, b = w.inputs
-        shape = tuple(w.outputs[0].shape)
-        for h, x, first in ((a, b, True), (b, a, False)):
-            if self._hiding(h) and x.dtype == "float32" and tuple(x.shape) == shape:
-                return x, first
-        return None
+        return self._beside_hiding(w, *w.inputs[1:]) if _is(w, "Where") else None
 
     def _clamp_of(self, m: Operator | None) -> Tensor | None:
         """``y`` when ``m`` is ``Max(y, h)`` or ``Max(h, y)`` (``h`` hiding, ``y`` float32 of the
         output's shape): XGLM's and BART's ``max(scores, finfo.min)``."""
-        if not _is(m, "Binary", fn="max"):
-            return None
-        a, b = m.inputs
-        for h, y in ((b, a), (a, b)):
-            if self._hiding(h) and y.dtype == "float32" and tuple(y.shape) == tuple(m.outputs[0].shape):
-                return y
-        return None
+        found = self._beside_hiding(m, *m.inputs) if _is(m, "Binary", fn="max") else None
+        return found[0] if found else None
 
     def _scores_like(self, t: Tensor, depth: int = 2 * _MAX_BIASES) -> bool:
         """:meth:`_scores_side`, a ``[B, H, S, L]`` view of such ``[B*H, S, L]`` scores (before

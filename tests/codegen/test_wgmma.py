@@ -331,7 +331,7 @@ def test_kernels_for_programmatic_dependent_launch_compile(tmp_path):
     stages; a persistent one (TMA, ping-pong, stream-K, whose stream-K workspace comes before the
     signature, cluster split-K, multicast) sets up its barriers first and, in the TMA and
     ping-pong modes, issues its first stages' copies of a weight B before it waits. Without
-    ``pdl`` the source is unchanged; all compile under nvcc for sm_90a with no
+    ``pdl`` no wait is written; all compile under nvcc for sm_90a with no
     local memory and no variable left unread."""
     from shardflow.compiler.codegen.cuda import PDL_ENTER, PDL_HELPER
 
