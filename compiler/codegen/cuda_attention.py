@@ -44,7 +44,13 @@ Q and two stages of K and V still fit 99 KB, and a V wider than 128 columns shar
 blocks (each computes every score and accumulates half of the columns: the accumulators of 256
 columns would not fit a thread's registers).
 
-Requirements (else the generic lowering runs): sm_80 or newer; head sizes multiples of 16 up to
+Head sizes that are multiples of 8 but not 16 (Stable Diffusion's 40, test configurations' 8 and
+24; decision 50): float32 operands' ``m16n8k8`` products take them as they are; half operands are
+held in shared memory padded to the next multiple of 16, the columns past the head size filled with
+zeros by copies of no bytes (Q and K: the scores do not change; V: its extra output columns are not
+stored).
+
+Requirements (else the generic lowering runs): sm_80 or newer; head sizes multiples of 8 up to
 128, or up to 256 on half operands (V's beyond 128 a multiple of 32); Q, K and V dense tensors
 of one type (float16, bfloat16 or float32) whose head dimension is contiguous and whose other
 strides and offset are multiples of 16 bytes. Used for the
@@ -122,14 +128,23 @@ def kv_splits(B: int, H: int, S: int, L: int, ab: str, D: int = 64, Dv: int = 64
 
 
 def takes_heads(d: int, dv: int, float32: bool = False) -> bool:
-    """Whether the kernel takes head sizes ``d`` (Q, K) and ``dv`` (V): multiples of 16 up to
-    ``MAX_HEAD`` (float32 operands), or up to ``MAX_HEAD_HALF`` (half operands; a ``dv`` beyond
-    ``MAX_HEAD`` a multiple of 32, halved between two blocks)."""
-    if d % 16 or dv % 16 or d <= 0 or dv <= 0:
+    """Whether the kernel takes head sizes ``d`` (Q, K) and ``dv`` (V): multiples of 8 up to
+    ``MAX_HEAD`` (float32 operands), or up to ``MAX_HEAD_HALF`` (half operands, padded to 16 in
+    shared memory: :func:`padded`; a ``dv`` beyond ``MAX_HEAD`` a multiple of 32, halved between
+    two blocks)."""
+    if d % 8 or dv % 8 or d <= 0 or dv <= 0:
         return False
     if float32:
         return d <= MAX_HEAD and dv <= MAX_HEAD
     return d <= MAX_HEAD_HALF and (dv <= MAX_HEAD or (dv <= MAX_HEAD_HALF and dv % 32 == 0))
+
+def padded(n: int, ab: str) -> int:
+    """A head size as the kernel holds it in shared memory: for half operands the next multiple of
+    16 (an ``m16n8k16`` product's K, two of ``P V``'s 8-column tiles per ``ldmatrix``), the columns
+    past ``n`` zero (copies of no bytes), so that the scores do not change and the outputs past
+    ``n`` are not stored; float32 operands' ``m16n8k8`` products take any multiple of 8 as it is."""
+    return n if ab in FLOAT_TYPES else -(-n // 16) * 16
+
 
 ATTENTION_HELPERS = r"""
 __device__ __forceinline__ void sf_att_cp16(unsigned dst, const void* src, bool full) {
@@ -229,17 +244,25 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     nkt = bk // 8  # score tiles of 8 keys per step
     nch = v_chunks(Dv)
     dvc = Dv // nch  # this block's columns of V
+    Dp, dvp = padded(D, ab), padded(dvc, ab)  # (as held in shared memory: half operands' zero columns)
     if flt:  # row pitches of 4 floats past 32 banks: ldmatrix rows and V's (keys 2t, 2t + 1; column g) apart
         ht, vec, ldq, ldv = "float", 4, D + 4, Dv + 4
         q_elems, k_elems, v_elems = BLOCK_Q * ldq, bk * ldq, bk * ldv
         smem = 4 * (q_elems + 2 * k_elems + 2 * v_elems)
     else:
         mma_ab, ht, pack, h2 = _MMA[ab]
-        vec, ldq, ldv = 8, D + 8, dvc + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
+        vec, ldq, ldv = 8, Dp + 8, dvp + 8  # row pitch in shared memory: 16 bytes of padding against bank conflicts
         q_elems, k_elems, v_elems = BLOCK_Q * ldq, bk * ldq, bk * ldv
         smem = 2 * (q_elems + 2 * k_elems + 2 * v_elems)
     nkb = -(-L // bk)
-    kd, nd = (D // 8 if flt else D // 16), dvc // 8
+    kd, nd = (D // 8 if flt else Dp // 16), dvp // 8
+
+    def chunks(width: int, width_p: int, full: str) -> tuple[int, str, str]:
+        """A row's 16-byte copies (``width_p // vec``, with zero ones past ``width``), the source
+        column of copy ``cc`` and whether it copies bytes."""
+        if width_p == width:
+            return width // vec, f"cc * {vec}", full
+        return width_p // vec, f"min(cc, {width // vec - 1}) * {vec}", f"{full} && cc < {width // vec}"
 
     def mma_call(c, a0, a1, a2, a3, b0, b1):  # C (4 floats) += A (16 x 16 or 16 x 8, 4 regs) B (2 regs)
         outs = ", ".join(f'"+f"({c}[{i}])' for i in range(4))
@@ -294,6 +317,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
 {_indent(bias, 14)}
               x += sf_bias;
             }}""" for bias in biases)
+    e_test = "" if dvp == dvc else f" && sf_e < {Dv}"  # (a padded V's zero columns: not stored)
     normalised = "sf_sum > 0.0f ? sf_o[n][r] / sf_sum : 0.0f" if empty_rows_zero else "sf_o[n][r] / sf_sum"
     if sink is None:
         init = "  float sf_m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)}, sf_l[2] = {0.0f, 0.0f};"
@@ -320,10 +344,13 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
   {ht}* sf_Vs = sf_Ks + {2 * k_elems};  // two stages"""
     q_at = "" if not packed else f"(long long)(sf_pr % {rep}) * {q.sh}LL + "  # (packed: the row's head in the group)
     q_row = "i = sf_q0 + r" if not packed else f"sf_pr = sf_q0 + r, i = sf_pr / {rep}"
-    q_copy = f"""  for (int c = threadIdx.x; c < {BLOCK_Q * (D // vec)}; c += 128) {{
-    const int r = c / {D // vec}, cc = c % {D // vec}, {q_row};
+    nq, q_col, q_full = chunks(D, Dp, f"i < {S}")
+    nk, k_col, k_full = chunks(D, Dp, f"j < {L}")
+    nv, v_col, v_full = chunks(dvc, dvp, f"j < {L}")
+    q_copy = f"""  for (int c = threadIdx.x; c < {BLOCK_Q * nq}; c += 128) {{
+    const int r = c / {nq}, cc = c % {nq}, {q_row};
     sf_att_cp16((unsigned)__cvta_generic_to_shared(sf_Qs + r * {ldq} + cc * {vec}),
-                sf_qp + {q_at}(long long)min(i, {S - 1}) * {q.sr}LL + cc * {vec}, i < {S});
+                sf_qp + {q_at}(long long)min(i, {S - 1}) * {q.sr}LL + {q_col}, {q_full});
   }}
 """
     heads = (f"sf_h = blockIdx.y, sf_q0 = {q_block} * {BLOCK_Q};\n  const int sf_hk = sf_h / {rep};" if not packed else
@@ -356,15 +383,15 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
 {q_copy}  auto sf_load_kv = [&](int kb, int st) {{
     {ht}* ks = sf_Ks + st * {k_elems};
     {ht}* vs = sf_Vs + st * {v_elems};
-    for (int c = threadIdx.x; c < {bk * (D // vec)}; c += 128) {{
-      const int r = c / {D // vec}, cc = c % {D // vec}, j = kb * {bk} + r;
+    for (int c = threadIdx.x; c < {bk * nk}; c += 128) {{
+      const int r = c / {nk}, cc = c % {nk}, j = kb * {bk} + r;
       sf_att_cp16((unsigned)__cvta_generic_to_shared(ks + r * {ldq} + cc * {vec}),
-                  sf_kp + (long long)min(j, {L - 1}) * {k.sr}LL + cc * {vec}, j < {L});
+                  sf_kp + (long long)min(j, {L - 1}) * {k.sr}LL + {k_col}, {k_full});
     }}
-    for (int c = threadIdx.x; c < {bk * (dvc // vec)}; c += 128) {{
-      const int r = c / {dvc // vec}, cc = c % {dvc // vec}, j = kb * {bk} + r;
+    for (int c = threadIdx.x; c < {bk * nv}; c += 128) {{
+      const int r = c / {nv}, cc = c % {nv}, j = kb * {bk} + r;
       sf_att_cp16((unsigned)__cvta_generic_to_shared(vs + r * {ldv} + cc * {vec}),
-                  sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + cc * {vec}, j < {L});
+                  sf_vp + (long long)min(j, {L - 1}) * {v.sr}LL + {v_col}, {v_full});
     }}
   }};
 {nkb_code}  sf_load_kv({kb0}, 0);
@@ -428,13 +455,13 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 1);
     sf_l[h] += __shfl_xor_sync(0xffffffffu, sf_l[h], 2);
   }}
-{_split_combine(symbol, splits, R, G, "sf_h" if not packed else "sf_hk", nqb, nch, dvc, nd, exp)}  #pragma unroll
+{_split_combine(symbol, splits, R, G, "sf_h" if not packed else "sf_hk", nqb, nch, dvp, nd, exp)}  #pragma unroll
   for (int n = 0; n < {nd}; ++n) {{
     #pragma unroll
     for (int r = 0; r < 4; ++r) {{
       {row("sf_warp * 16 + sf_g + (r >> 1) * 8")}
       const int sf_e = {"" if nch == 1 else "sf_e0 + "}n * 8 + sf_t * 2 + (r & 1);
-      if (sf_i < {S}) {{
+      if (sf_i < {S}{e_test}) {{
         const float sf_sum = sf_l[r >> 1];
         const float sf_acc = {normalised};
         {{
@@ -447,7 +474,7 @@ def attention_kernel(*, symbol: str, params: str, ab: str, B: int, H: int, S: in
 """
     if splits > 1:  # the splits' partial results and a count per block of queries (module globals, as split-K's)
         rows = min(BLOCK_Q, R)
-        src = (f"__device__ float {symbol}_ws[{B * G * nqb * nch * splits * rows * (dvc + 2)}];  // split-KV partials\n"
+        src = (f"__device__ float {symbol}_ws[{B * G * nqb * nch * splits * rows * (dvp + 2)}];  // split-KV partials\n"
                f"__device__ unsigned {symbol}_cnt[{B * G * nqb * nch}];  // splits stored per block of queries\n") + src
     cfg = {"grid": (nqb * splits * nch, G, B), "block": (128, 1, 1), "shared_mem": smem}
     return src, cfg

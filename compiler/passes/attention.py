@@ -693,9 +693,10 @@ class FuseAttention(_Walk, GraphPass):
         made. ``Kᵀ`` is ``Transpose(k, (0, 1, 3, 2))``, ``Transpose(Reshape(k3), (0, 2, 3, 1))``
         (:meth:`_heads_3d`), or torch's dynamo export of it, ``Reshape(Transpose(Reshape(x, [B*H, L,
         D]), (0, 2, 1)), [B, H, D, L])`` (``x`` ``[B, H, L, D]``, or repeated heads ``[B, Hk, rep, L,
-        D]``, then reshaped here by a new op). torch's export of ``scaled_dot_product_attention``
-        scales Q and Kᵀ by the square root of the scale each."""
-        from ..ops.transform import Reshape
+        D]``, then reshaped here by a new op), or any other ``Transpose(x)`` (K's rows then a new
+        transpose of ``x``: LeViT's ``x`` is a split of ``[B, L, H, D]``). torch's export of
+        ``scaled_dot_product_attention`` scales Q and Kᵀ by the square root of the scale each."""
+        from ..ops.transform import Reshape, Transpose
 
         steps: list[Operator] = []
         t = kth
@@ -717,6 +718,11 @@ class FuseAttention(_Walk, GraphPass):
         k3 = self._heads_3d(t, (0, 2, 3, 1))
         if k3 is not None:
             return k3, steps
+        if _is(tk, "Transpose") and tk.inputs[0].ndim == 4:  # Kᵀ = x permuted (LeViT's, of a split [B, L, H, D])
+            p = tuple(tk.attrs["perm"])
+            new_ops.append(Transpose([tk.inputs[0]], name=f"{name}.rows", perm=(p[0], p[1], p[3], p[2])))
+            self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]
+            return new_ops[-1].outputs[0], steps
         tr = self._prod(tk.inputs[0]) if _is(tk, "Reshape") else None
         merge = self._prod(tr.inputs[0]) if _is(tr, "Transpose", perm=(0, 2, 1)) else None
         if not _is(merge, "Reshape") or tuple(merge.outputs[0].shape) != (b_ * h_, l_len, d):

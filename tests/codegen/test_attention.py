@@ -597,8 +597,8 @@ def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
     left alone."""
     g = _hand_written_attention("div", False, False)
     assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
-    # a head size the fused kernel does not take (not a multiple of 16): the separate ops stay
-    g = _hand_written_attention("div", False, True, d=24)
+    # a head size the fused kernel does not take (not a multiple of 8): the separate ops stay
+    g = _hand_written_attention("div", False, True, d=20)
     assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
     rng = np.random.default_rng(7)
     k_transposed = True
@@ -993,6 +993,103 @@ def test_soft_capped_scores_fuse(tmp_path):
     np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
 
 
+def _split_heads_model(b=2, s=24, h=3, d=8, dv=16):
+    """LeViT's attention as torch exports it (opset 17): ``x [B, S, E]`` projected to ``[B, S, H,
+    2D + Dv]``, split into Q, K, V on the last axis, Kᵀ a transpose of K's split (perm ``(0, 2, 3,
+    1)``: no transpose of a ``[B, H, L, D]`` K), scaled scores plus a learned bias ``[H, S, S]``
+    gathered from a table, softmax, P·V, the heads merged and projected; head sizes 8 (Q, K) and 16 (V)."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(4)
+    e = 32
+    w = {"w": (rng.standard_normal((e, h * (2 * d + dv))) * 0.3).astype(np.float32),
+         "shape": np.array([b, s, h, 2 * d + dv], np.int64), "split": np.array([d, d, dv], np.int64),
+         "scale": np.array(d ** -0.5, np.float32), "table": rng.standard_normal((h, 7)).astype(np.float32),
+         "index": rng.integers(0, 7, (s, s)).astype(np.int64), "y_shape": np.array([b, s, h * dv], np.int64),
+         "wo": (rng.standard_normal((h * dv, e)) * 0.3).astype(np.float32)}
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["p"]), oh.make_node("Reshape", ["p", "shape"], ["p4"]),
+             oh.make_node("Split", ["p4", "split"], ["q", "k", "v"], axis=3),
+             oh.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1, 3]),
+             oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
+             oh.make_node("Transpose", ["v"], ["vt"], perm=[0, 2, 1, 3]),
+             oh.make_node("MatMul", ["qt", "kt"], ["s0"]), oh.make_node("Mul", ["s0", "scale"], ["s1"]),
+             oh.make_node("Gather", ["table", "index"], ["bias"], axis=1), oh.make_node("Add", ["s1", "bias"], ["s2"]),
+             oh.make_node("Softmax", ["s2"], ["pr"], axis=-1), oh.make_node("MatMul", ["pr", "vt"], ["y"]),
+             oh.make_node("Transpose", ["y"], ["yt"], perm=[0, 2, 1, 3]),
+             oh.make_node("Reshape", ["yt", "y_shape"], ["y3"]), oh.make_node("MatMul", ["y3", "wo"], ["out"])]
+    graph = oh.make_graph(nodes, "levit", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, e])],
+                          [oh.make_tensor_value_info("out", TensorProto.FLOAT, [b, s, e])],
+                          [numpy_helper.from_array(v, n) for n, v in w.items()])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model, {"x": rng.standard_normal((b, s, e)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_keys_transposed_from_split_heads_fuse_on_the_cuda_target(tmp_path, precision):
+    """Kᵀ written as a transpose of a split ``[B, L, H, D]`` (LeViT's) fuses: K's rows become a
+    transpose of the split, read by the kernel as a view; with head sizes 8 and 16 (padded to 16
+    in shared memory on half operands, decision 50). The one-GPU cuda program's graph against
+    onnxruntime, each of its kernels on the host emulation against the evaluator."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    from shardflow.compiler.driver import OptimizationConfig, _is_view, rank_passes
+    from shardflow.compiler.parallel.partition import partition
+    from shardflow.compiler.parallel.search import search
+
+    model, feeds = _split_heads_model()
+    want = _ort(model, feeds)["out"]
+    path = tmp_path / "levit.onnx"
+    path.write_bytes(model.SerializeToString())
+    graph = load_onnx(str(path))
+    (rg,) = partition(graph, search(graph, {"mesh_shape": [1], "algo": "replicate"}))
+    rg = rank_passes(rg, OptimizationConfig.from_dict({"target": "cuda", "precision": precision}))
+    (att,) = [op for op in rg.nodes if op.op_type == "Attention"]
+    assert att._geometry(*att.inputs[:3])[-2:] == (8, 16)
+    env = dict(feeds)
+    for op in rg.nodes:
+        env.update(zip((t.name for t in op.outputs), op.run(*[env[t.name] if t.name in env else t.value
+                                                              for t in op.inputs])))
+    tol = 1e-5 if precision == "float32" else 2e-2
+    np.testing.assert_allclose(env[rg.outputs[0].name].astype(np.float32), want, rtol=tol,
+                               atol=tol * float(np.abs(want).max()))
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs],
+                           views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision=precision)
+    groups = [g for g in groups if g.name in src.launches]
+    kinds = [src.launches[g.name].kind for g in groups]
+    assert kinds.count("attention-f32" if precision == "float32" else "attention-f16") == 1, kinds
+    _check_kernels("levit", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+def test_keys_transposed_from_split_heads_fuse_on_two_cpu_ranks(tmp_path):
+    """The same model on the cpu target over two ranks (the ILP plan): one ``Attention`` step per
+    rank, outputs equal onnxruntime's."""
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+    from threads import run_threads
+
+    model, feeds = _split_heads_model()
+    want = _ort(model, feeds)["out"]
+    path = tmp_path / "levit.onnx"
+    path.write_bytes(model.SerializeToString())
+    out = tmp_path / "o"
+    compile(str(path), distributed_config={"mesh_shape": [2]}, optimization_config={"target": "cpu"}, out_dir=out)
+    for r in range(2):
+        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+        ops = [st.get("node", "") for st in program["steps"] if st["kind"] == "kernel"]
+        assert sum(n.endswith(".attention") for n in ops) == 1 and not any("Softmax" in n for n in ops), ops
+    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run(feeds), timeout=120)
+    for res in got:
+        np.testing.assert_allclose(res["out"], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("model,precision,arch,kind", [
     ("gpt2_ts17", "float16", "sm_90", "attention-f16"), ("t5_encoder_ts17", "float16", "sm_90", "attention-f16"),
@@ -1144,6 +1241,12 @@ CASES = {
     # five speculative queries of 8 heads over 2 KV heads (Llama 3's 4 to 1), causal after a past,
     # merged 3-D operands, a mask: the 4 heads' 5 queries packed in one block's 20 rows
     "gqa-speculative": ("float16", 2, 8, 2, 5, 300, 128, 128, True, (2, 1, 5, 300), (2,), 295),
+    # head sizes that are multiples of 8, not 16 (half operands: zero columns up to 16 in shared memory):
+    # Stable Diffusion's 40 on merged 3-D operands; 8 on Q and K, 24 on V (LeViT's kind, test configs'
+    # sizes) with grouped heads packed, causal, a mask; a decoding step's split-KV over a V 72 wide
+    "head40": ("float16", 2, 2, 2, 100, 77, 40, 40, True, None, ()),
+    "head8-v24": ("bfloat16", 2, 2, 1, 30, 70, 8, 24, False, (2, 1, 30, 70), (4,), 40),
+    "head72-decode-split": ("float16", 1, 2, 2, 1, 900, 72, 72, False, (1, 1, 1, 900), (), 899),
 }
 
 
@@ -1242,7 +1345,8 @@ def test_float32_attention_needs_aligned_operands_and_sm80():
         assert kind.startswith("attention") == fused, (width, kind)
 
 
-PACKED = ("sinks-window", "decode-split", "split-nonpad-sinks", "head256", "head256-decode-split", "gqa-speculative")
+PACKED = ("sinks-window", "decode-split", "split-nonpad-sinks", "head256", "head256-decode-split", "gqa-speculative",
+          "head8-v24")
 
 
 def test_every_case_takes_the_fused_kernel():
@@ -1277,10 +1381,11 @@ def test_every_case_takes_the_fused_kernel():
     assert packs_heads(32, 4) and packs_heads(21, 3) and packs_heads(7, 8) and not packs_heads(63, 8)
 
 
-@pytest.mark.parametrize("dtype,d,dv", [("float16", 24, 24), ("float16", 272, 272), ("float16", 256, 144),
-                                         ("float32", 256, 256), ("float32", 64, 144)])
+@pytest.mark.parametrize("dtype,d,dv", [("float16", 20, 24), ("bfloat16", 32, 12), ("float16", 272, 272),
+                                         ("float16", 256, 144), ("float32", 256, 256), ("float32", 64, 144),
+                                         ("float32", 36, 36)])
 def test_unsupported_head_sizes_keep_the_generic_kernel(dtype, d, dv):
-    """Not multiples of 16, beyond 256 (half operands), a V beyond 128 not a multiple of 32, or
+    """Not multiples of 8, beyond 256 (half operands), a V beyond 128 not a multiple of 32, or
     beyond 128 on float32 operands."""
     q, k, v = Tensor("q", (1, 2, 8, d), dtype), Tensor("k", (1, 2, 8, d), dtype), Tensor("v", (1, 2, 8, dv), dtype)
     op = Attention([q, k, v], name="a", scale=0.5, scale_sqrt=0.7, acc_dtype="float32",
