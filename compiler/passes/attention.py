@@ -151,7 +151,8 @@ class _Walk:
 
 class AttentionOnHeads(_Walk, GraphPass):
     """Attention computed on ``[B*H, ..]`` tensors written on their ``[B, H, ..]`` views, a masked
-    fill of the scores written as an added bias and a clamp of them dropped, which
+    fill of the scores written as an added bias and a clamp of them dropped, a scale per head
+    moved onto the queries, which
     :class:`FuseAttention` matches (it runs this pass first; the cuda driver also runs it before the
     precision pass, whose casts would stand between the views and the products)."""
 
@@ -160,6 +161,8 @@ class AttentionOnHeads(_Walk, GraphPass):
         graph = self._fills_as_biases(graph)
         self._index(graph)
         graph = self._softmax_on_heads(graph)
+        self._index(graph)
+        graph = self._head_scales_on_queries(graph)
         self._index(graph)
         return self._lift_heads(graph)
 
@@ -279,6 +282,50 @@ class AttentionOnHeads(_Walk, GraphPass):
                     replace[id(r.outputs[0])] = sm4.outputs[0]
         if insert:
             log.info("attention: %d softmaxes of [B*H, ..] views computed on [B, H, ..] scores", len(insert))
+        return splice(graph, insert, replace)
+
+    def _head_scales_on_queries(self, graph: FlowGraph) -> FlowGraph:
+        """``graph`` with float32 scores ``MatMul(q, kᵀ) * c`` (``q`` ``[B, H, S, D]``, ``c`` a
+        constant of one value per head, ``[H, 1, 1]`` or ``[1, H, 1, 1]``: Swin V2's learned
+        temperature of its cosine attention), read on their way to a softmax over the keys by
+        additions alone, written as ``MatMul(q * c, kᵀ)``: a scale per head is then Q's (the
+        fused op takes one scalar scale). The same products rounded in another order: each score
+        differs by float32's rounding of a product (FlashAttention also scales Q first)."""
+        from ..ops.elementwise import Binary
+        from ..ops.linalg import MatMul
+
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for sm in graph.nodes:
+            if not _is(sm, "Softmax") or sm.inputs[0].ndim != 4 or tuple(sm.attrs.get("axes", ())) != (3,):
+                continue
+            t, nxt = sm.inputs[0], sm
+            for _ in range(_MAX_BIASES + 1):
+                p = self._prod(t)
+                if p is None or self._only(t) is not nxt or not _is(p, "Binary"):
+                    break
+                if p.attrs["fn"] == "add":
+                    t, nxt = next((u for u in p.inputs if self._scores_side(u)), None), p
+                    if t is None:
+                        break
+                    continue
+                if p.attrs["fn"] != "mul":
+                    break
+                for x, c in (p.inputs, p.inputs[::-1]):
+                    mm = self._prod(x)
+                    if not (_is(mm, "MatMul") and self._only(x) is p and c.is_constant and c.dtype == "float32"
+                            and x.dtype == "float32" and mm.inputs[0].ndim == 4 and 1 < c.size == x.shape[1]
+                            and c.ndim <= 4 and tuple(c.shape)[-2:] == (1, 1) and c.shape[-3] == x.shape[1]
+                            and tuple(x.shape) == tuple(p.outputs[0].shape)):
+                        continue
+                    q = Binary([mm.inputs[0], c], name=f"{p.name}.q", fn="mul")
+                    scores = MatMul([q.outputs[0], mm.inputs[1]], name=f"{p.name}.scores")
+                    insert[id(p)] = [q, scores]
+                    replace[id(p.outputs[0])] = scores.outputs[0]
+                    break
+                break
+        if insert:
+            log.info("attention: %d scales per head moved onto the queries", len(insert))
         return splice(graph, insert, replace)
 
     def _lift_heads(self, graph: FlowGraph) -> FlowGraph:

@@ -646,8 +646,10 @@ def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path
             np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=name)
 
 
-def _float32_attention(bias_shape=(2, 1, 40, 70), biases=None, shapes=(), fill=None, keep=False, clamp=None):
+def _float32_attention(bias_shape=(2, 1, 40, 70), biases=None, shapes=(), fill=None, keep=False, clamp=None,
+                       scale=None):
     """softmax(Q Kᵀ · 0.25 + bias) V on float32 [2, 3, *, 32] operands, written out as exporters do
+    (``scale``: a float32 array instead of 0.25)
     (``biases`` of ``bias_shape`` added in turn, one by default, or one of each of ``shapes``); with
     ``fill``, the scores first filled where a boolean ``hidden`` of ``bias_shape`` is true, ``Where(hidden,
     fill, s)`` (DeBERTa's ``masked_fill`` with ``finfo.min``), or (``keep``) kept where a boolean
@@ -672,7 +674,7 @@ def _float32_attention(bias_shape=(2, 1, 40, 70), biases=None, shapes=(), fill=N
         ops.append(op)
         return op.outputs[0]
     s = add(MatMul([q, add(Transpose([k], name="kt", perm=(0, 1, 3, 2)))], name="qk"))
-    s = add(Binary([s, const_tensor(np.array(0.25, np.float32))], name="scale", fn="mul"))
+    s = add(Binary([s, const_tensor(np.array(0.25 if scale is None else scale, np.float32))], name="scale", fn="mul"))
     if hidden:
         h = const_tensor(np.float32(fill))
         s = add(Where([hidden[0], s, h] if keep else [hidden[0], h, s], name="fill"))
@@ -990,6 +992,38 @@ def test_soft_capped_scores_fuse(tmp_path):
     compile(graph(), distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "o")
     program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
     assert "pv.attention" in [st["node"] for st in program["steps"] if st["kind"] == "kernel"]
+    np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,moved", [((3, 1, 1), True), ((1, 3, 1, 1), True), ((1, 1, 40, 1), False),
+                                         ((3, 40, 1), False)])
+def test_a_scale_per_head_moves_onto_the_queries(tmp_path, shape, moved):
+    """Swin V2's cosine attention: the scores times a constant with one value per head (its learned
+    temperature), ``[H, 1, 1]`` or ``[1, H, 1, 1]``, then a bias: the scale is moved onto Q
+    (``MatMul(q * c, kᵀ)``) and the attention fuses on both targets with scale 1, values within
+    float32's rounding of the separate ops'; a constant that varies along the queries stays where
+    it is (the separate ops)."""
+    from shardflow.runtime import load
+
+    rng = np.random.default_rng(8)
+    c = (1 + 9 * rng.random(shape)).astype(np.float32)
+
+    def graph():
+        return _float32_attention((1, 3, 40, 70), scale=c)
+    feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float32) / 4,
+             "k": rng.standard_normal((2, 3, 70, 32)).astype(np.float32) / 4,
+             "v": rng.standard_normal((2, 3, 70, 16)).astype(np.float32),
+             "bias": rng.standard_normal((1, 3, 40, 70)).astype(np.float32)}
+    want = next(iter(graph().run(feeds).values()))
+    for target in ("cpu", "cuda"):
+        fused = FuseAttention(float32=True, target=target).run(graph())
+        att = [op for op in fused.nodes if op.op_type == "Attention"]
+        assert len(att) == moved, [op.op_type for op in fused.nodes]
+        if moved:
+            assert att[0].attrs["scale"] == 1.0 and att[0].inputs[0].name == "scale.q:0"
+        np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+    compile(graph(), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
     np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
 
 

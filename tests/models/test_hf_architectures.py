@@ -1,4 +1,4 @@
-"""29 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
+"""30 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
 two cores with ``-n 2``).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
@@ -78,6 +78,8 @@ ARCHITECTURES = {
                                                           image_size=32)), "image"),
     "swin": (lambda: T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
                                               num_heads=[2, 4], window_size=4)), "image"),
+    "swinv2": (lambda: T.Swinv2Model(T.Swinv2Config(image_size=32, patch_size=4, embed_dim=32, depths=[1, 1],
+                                                    num_heads=[2, 4], window_size=4)), "image"),  # (cosine attention)
     "deit": (lambda: T.DeiTModel(T.DeiTConfig(image_size=32, patch_size=8, **_SMALL)), "image"),
     "clip_vision": (lambda: T.CLIPVisionModel(T.CLIPVisionConfig(image_size=32, patch_size=8, **_SMALL)), "image"),
     "segformer": (lambda: T.SegformerModel(T.SegformerConfig(image_size=32, hidden_sizes=[16, 32, 48, 64],
