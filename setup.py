@@ -115,7 +115,7 @@ setup(
     extras_require={
         # torch/transformers export test models on the fly (tests and benchmarks only, never at runtime)
         "test": ["pytest>=7", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7", "scipy",
-                 "torch==2.13.0", "transformers", "onnxscript",
+                 "torch==2.13.0", "transformers", "diffusers", "onnxscript",
                  # the real-rank tests run under mpiexec (MPICH from PyPI) like a cluster job would
                  "mpi4py", "mpich"],
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],

@@ -1,5 +1,6 @@
-"""30 architectures users bring from transformers, end to end (``pytest -m slow``; about 10 minutes on
-two cores with ``-n 2``).
+"""31 architectures users bring: 30 from transformers and diffusers' Stable Diffusion UNet (when
+diffusers is installed, as the ``test`` extra does), end to end (``pytest -m slow``; about 12
+minutes on two cores with ``-n 2``).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
 downloaded), exported by both torch exporters (TorchScript at opset 17, dynamo at opset 18: their
@@ -41,7 +42,18 @@ def _text(config, model, **kw):
     return lambda: model(config(vocab_size=V, **kw))
 
 
-#: name -> (builder, inputs: "text", "image", "audio" or "mel")
+def _sd_unet():
+    """A Stable Diffusion UNet (diffusers' ``UNet2DConditionModel``: convolutions, group norms,
+    self- and cross-attention on one head of 40 and 80 channels, SD 1.x's head sizes, GEGLU,
+    upsampling), when diffusers is installed."""
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(40, 80),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=1, norm_num_groups=8)
+
+
+#: name -> (builder, inputs: "text", "image", "audio", "mel" or "unet")
 ARCHITECTURES = {
     "qwen2": (_text(T.Qwen2Config, T.Qwen2ForCausalLM, **_GQA), "text"),
     "qwen3": (_text(T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16, **_GQA), "text"),
@@ -94,11 +106,13 @@ ARCHITECTURES = {
     "whisper_encoder": (lambda: T.WhisperForAudioClassification(T.WhisperConfig(
         d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128, num_mel_bins=16,
         max_source_positions=16, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128)), "mel"),
+    "sd_unet": (_sd_unet, "unet"),
 }
 
 
 class _Output(torch.nn.Module):
-    """The module with its inputs by name, returning one tensor (logits, else the last hidden state)."""
+    """The module with its inputs by name, returning one tensor (logits, else the last hidden state;
+    a UNet's sample)."""
 
     def __init__(self, module, names):
         super().__init__()
@@ -106,6 +120,8 @@ class _Output(torch.nn.Module):
 
     def forward(self, *args):
         out = self.module(**dict(zip(self.names, args)))
+        if getattr(out, "sample", None) is not None:
+            return out.sample
         return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
@@ -115,6 +131,9 @@ def _feeds(kind: str) -> dict:
         mask = np.ones((B, S), np.int64)
         mask[1, 6:] = 0  # a padded second sequence
         return {"input_ids": rng.integers(0, V, (B, S)), "attention_mask": mask}
+    if kind == "unet":  # a latent, a timestep per sample, a short text encoding
+        return {"sample": rng.standard_normal((B, 4, 16, 16)).astype(np.float32), "timestep": np.array([10, 500]),
+                "encoder_hidden_states": rng.standard_normal((B, 7, 32)).astype(np.float32)}
     shape = {"image": (B, 3, 32, 32), "audio": (B, 400), "mel": (B, 16, 32)}[kind]
     name = {"image": "pixel_values", "audio": "input_values", "mel": "input_features"}[kind]
     return {name: rng.standard_normal(shape).astype(np.float32)}
