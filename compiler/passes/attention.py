@@ -143,6 +143,23 @@ class _Walk:
             return True
         return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
 
+    def _reaches_product(self, t: Tensor, depth: int = 2 * _MAX_BIASES) -> bool:
+        """Whether ``t`` is a ``MatMul``'s output, or one scaled by a scalar constant (a ``mul`` on
+        either side, a ``div`` by it) or with something added, down to such an output: the scores'
+        side of an addition whose other side is a bias that may be a scaling too (WavLM's and
+        ``torch.nn.MultiheadAttention``'s ``baddbmm``: ``s * alpha + mask * beta``)."""
+        p = self._prod(t)
+        if _is(p, "MatMul"):
+            return True
+        if depth <= 1 or not _is(p, "Binary"):
+            return False
+        a, b = p.inputs
+        if p.attrs["fn"] == "add":
+            return self._reaches_product(a, depth - 1) or self._reaches_product(b, depth - 1)
+        if p.attrs["fn"] == "mul" and self._scalar(a) is not None:
+            return self._reaches_product(b, depth - 1)
+        return p.attrs["fn"] in ("mul", "div") and self._scalar(b) is not None and self._reaches_product(a, depth - 1)
+
     def _scalar(self, t: Tensor) -> float | None:
         if t.is_constant and t.size == 1 and dtype_kind(t.dtype) == "f":
             return float(np.asarray(t.value).reshape(()))
@@ -163,6 +180,8 @@ class AttentionOnHeads(_Walk, GraphPass):
         graph = self._softmax_on_heads(graph)
         self._index(graph)
         graph = self._head_scales_on_queries(graph)
+        self._index(graph)
+        graph = self._time_major_heads(graph)
         self._index(graph)
         return self._lift_heads(graph)
 
@@ -328,6 +347,83 @@ class AttentionOnHeads(_Walk, GraphPass):
             log.info("attention: %d scales per head moved onto the queries", len(insert))
         return splice(graph, insert, replace)
 
+    def _heads_of(self, q3: Tensor) -> tuple[int, int] | None:
+        """``(B, H)`` when ``q3`` (``[B*H, S, D]``) is ``Transpose(Reshape(x [S, B, H*D] -> [S, B*H,
+        D]), (1, 0, 2))``, perhaps scaled by a scalar: the time-major heads of torch's
+        ``multi_head_attention_forward`` (``nn.MultiheadAttention``'s, WavLM's)."""
+        p = self._prod(q3)
+        if _is(p, "Binary") and p.attrs["fn"] in ("mul", "div") and self._scalar(p.inputs[1]) is not None:
+            p = self._prod(p.inputs[0])
+        rs = self._prod(p.inputs[0]) if _is(p, "Transpose", perm=(1, 0, 2)) else None
+        if not _is(rs, "Reshape") or rs.inputs[0].ndim != 3:
+            return None
+        (s_len, b_, e), (s2, bh, d) = rs.inputs[0].shape, rs.outputs[0].shape
+        if s2 != s_len or b_ <= 0 or bh % b_ or e != (bh // b_) * d:
+            return None
+        return b_, bh // b_
+
+    def _time_major_heads(self, graph: FlowGraph) -> FlowGraph:
+        """``graph`` with a softmax over the keys of 3-D scores ``[B*H, S, L]`` (additions and
+        scalings by scalars over ``MatMul(q, kᵀ)``, each read by the next alone) whose ``q`` has
+        time-major heads (:meth:`_heads_of`) computed on their ``[B, H, S, L]`` view and viewed
+        back, and the product of those probabilities with V (``[B*H, L, Dv]``) computed on the
+        views too (``MatMul(p [B, H, S, L], v viewed [B, H, L, Dv])`` viewed back as ``[B*H, S,
+        Dv]``): :meth:`_lift_heads` then writes the scores on the heads. The same values (views)."""
+        from ..ops.linalg import MatMul
+        from ..ops.reduce import Softmax
+        from ..ops.transform import Reshape
+
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for sm in graph.nodes:
+            if not _is(sm, "Softmax") or sm.inputs[0].ndim != 3 or tuple(sm.attrs.get("axes", ())) != (2,) \
+                    or sm.attrs.get("log") or id(sm.outputs[0]) in self._outputs:
+                continue
+            bh, s_len, l_len = sm.inputs[0].shape
+            t, nxt = sm.inputs[0], sm
+            for _ in range(2 * _MAX_BIASES):
+                p = self._prod(t)
+                if self._only(t) is not nxt or not _is(p, "Binary") or _is(p, "MatMul"):
+                    break
+                a, b = p.inputs
+                if p.attrs["fn"] == "add":
+                    t = a if self._reaches_product(a) else b
+                elif p.attrs["fn"] == "mul" and self._scalar(a) is not None:
+                    t = b
+                elif p.attrs["fn"] in ("mul", "div") and self._scalar(b) is not None:
+                    t = a
+                else:
+                    break
+                nxt = p
+            mm = self._prod(t)
+            if not _is(mm, "MatMul") or self._only(t) is not nxt or mm.inputs[0].ndim != 3:
+                continue
+            heads = self._heads_of(mm.inputs[0])
+            if heads is None:
+                continue
+            b_, h_ = heads
+            s4 = Reshape([sm.inputs[0]], name=f"{sm.name}.scores.heads", shape=(b_, h_, s_len, l_len))
+            sm4 = Softmax([s4.outputs[0]], name=f"{sm.name}.heads", axes=(3,))
+            new_ops = [s4, sm4]
+            p3 = Reshape([sm4.outputs[0]], name=f"{sm.name}.view", shape=(bh, s_len, l_len))
+            new_ops.append(p3)
+            pv = self._only(sm.outputs[0])
+            v3 = pv.inputs[1] if _is(pv, "MatMul") and pv.inputs[0] is sm.outputs[0] else None
+            if v3 is not None and v3.ndim == 3 and tuple(v3.shape[:2]) == (bh, l_len) \
+                    and id(pv.outputs[0]) not in self._outputs:
+                dv = v3.shape[2]
+                v4 = Reshape([v3], name=f"{pv.name}.v.heads", shape=(b_, h_, l_len, dv))
+                pv4 = MatMul([sm4.outputs[0], v4.outputs[0]], name=f"{pv.name}.heads")
+                back = Reshape([pv4.outputs[0]], name=f"{pv.name}.view", shape=(bh, s_len, dv))
+                insert[id(pv)] = [v4, pv4, back]
+                replace[id(pv.outputs[0])] = back.outputs[0]
+            insert[id(sm)] = new_ops
+            replace[id(sm.outputs[0])] = p3.outputs[0]
+        if insert:
+            log.info("attention: %d softmaxes of time-major heads computed on their [B, H, ..] views",
+                     sum(1 for ops in insert.values() if any(_is(o, "Softmax") for o in ops)))
+        return splice(graph, insert, replace)
+
     def _lift_heads(self, graph: FlowGraph) -> FlowGraph:
         """``graph`` with attention computed on ``[B*H, ..]`` tensors (BLOOM's ``baddbmm`` of the
         ALiBi bias, then a view to ``[B, H, S, L]`` for the mask and the softmax, and back for the
@@ -372,7 +468,7 @@ class AttentionOnHeads(_Walk, GraphPass):
                     break
                 if _is(p, "Binary", fn="add"):
                     a, b = p.inputs
-                    t3, bias = (a, b) if self._scores_side(a) else (b, a)
+                    t3, bias = (a, b) if self._reaches_product(a) else (b, a)
                     if bias.ndim != 3 or bias.shape[0] not in (1, b_ * h_) or bias.shape[1] not in (1, s_len):
                         break
                 elif _is(p, "Binary") and p.attrs["fn"] in ("mul", "div") and self._scalar(p.inputs[1]) is not None:
@@ -771,17 +867,24 @@ class FuseAttention(_Walk, GraphPass):
             self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]
             return new_ops[-1].outputs[0], steps
         tr = self._prod(tk.inputs[0]) if _is(tk, "Reshape") else None
-        merge = self._prod(tr.inputs[0]) if _is(tr, "Transpose", perm=(0, 2, 1)) else None
-        if not _is(merge, "Reshape") or tuple(merge.outputs[0].shape) != (b_ * h_, l_len, d):
+        if not (_is(tr, "Transpose") and tr.inputs[0].ndim == 3):
             return None, []
-        x = merge.inputs[0]
-        if tuple(x.shape) == (b_, h_, l_len, d):
+        perm, rows = tuple(tr.attrs["perm"]), tr.inputs[0]
+        if perm != (0, 2, 1):  # (time-major [L, B*H, D] keys, torch's multi_head_attention_forward: (1, 2, 0))
+            new_ops.append(Transpose([rows], name=f"{name}.rows", perm=(perm[0], perm[2], perm[1])))
+            rows = new_ops[-1].outputs[0]
+        if tuple(rows.shape) != (b_ * h_, l_len, d):
+            return None, []
+        merge = self._prod(rows)
+        x = merge.inputs[0] if _is(merge, "Reshape") else None
+        if x is not None and tuple(x.shape) == (b_, h_, l_len, d):
             return x, steps
-        if x.ndim == 5 and x.shape[0] == b_ and x.shape[1] * x.shape[2] == h_ and tuple(x.shape[3:]) == (l_len, d):
-            new_ops.append(Reshape([x], name=f"{name}.heads", shape=(b_, h_, l_len, d)))
-            self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]  # (for _ungrouped)
-            return new_ops[-1].outputs[0], steps
-        return None, []
+        if x is not None and x.ndim == 5 and x.shape[0] == b_ and x.shape[1] * x.shape[2] == h_ \
+                and tuple(x.shape[3:]) == (l_len, d):
+            rows = x
+        new_ops.append(Reshape([rows], name=f"{name}.heads", shape=(b_, h_, l_len, d)))
+        self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]  # (for _ungrouped)
+        return new_ops[-1].outputs[0], steps
 
     def _ungrouped(self, t: Tensor) -> tuple[Tensor, int] | None:
         """``(x, Hk)`` when ``t`` is ``x`` ``[B, Hk, L, D]`` with each head repeated ``rep`` times

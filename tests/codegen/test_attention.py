@@ -1027,6 +1027,76 @@ def test_a_scale_per_head_moves_onto_the_queries(tmp_path, shape, moved):
     np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
 
 
+def _time_major_attention(bias_first: bool, b=2, s=20, l_len=30, h=4, d=16):
+    """Attention as torch's ``multi_head_attention_forward`` writes it (``nn.MultiheadAttention``
+    with its default ``need_weights=True``, WavLM): time-major ``x [S, B, H*D]`` split into heads
+    ``[B*H, S, D]`` by ``Transpose(Reshape(x, [S, B*H, D]), (1, 0, 2))``, Q scaled, Kᵀ ``Transpose(
+    Reshape(k, [L, B*H, D]), (1, 2, 0))``, the scores as ``baddbmm`` exports them, ``s * 1 + bias *
+    1`` with a bias ``[B*H, S, L]`` (on either side of the addition), a softmax of the 3-D scores,
+    P·V and the heads merged back time-major ``[S*B, H*D]``."""
+    from shardflow.compiler.ir.graph import FlowGraph, const_tensor
+    from shardflow.compiler.ops.elementwise import Binary
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.reduce import Softmax
+    from shardflow.compiler.ops.transform import Reshape, Transpose
+
+    ops = []
+
+    def add(op):
+        ops.append(op)
+        return op.outputs[0]
+    xq, xk, xv = Tensor("xq", (s, b, h * d), "float32"), Tensor("xk", (l_len, b, h * d), "float32"), \
+        Tensor("xv", (l_len, b, h * d), "float32")
+    bias = Tensor("bias", (b * h, s, l_len), "float32")
+
+    def heads(x, name, perm):
+        return add(Transpose([add(Reshape([x], name=f"{name}.split", shape=(x.shape[0], b * h, d)))], name=f"{name}.t",
+                             perm=perm))
+    q = add(Binary([heads(xq, "q", (1, 0, 2)), const_tensor(np.float32(d ** -0.5))], name="q.scaled", fn="mul"))
+    one = const_tensor(np.float32(1.0))
+    scores = add(Binary([add(MatMul([q, heads(xk, "k", (1, 2, 0))], name="qk")), one], name="alpha", fn="mul"))
+    masked = add(Binary([bias, one], name="beta", fn="mul"))
+    s3 = add(Binary([masked, scores] if bias_first else [scores, masked], name="baddbmm", fn="add"))
+    y = add(MatMul([add(Softmax([s3], name="sm", axes=(2,))), heads(xv, "v", (1, 0, 2))], name="pv"))
+    merged = add(Reshape([add(Transpose([y], name="y.t", perm=(1, 0, 2)))], name="merge", shape=(s * b, h * d)))
+    return FlowGraph([xq, xk, xv, bias], [add(Binary([merged, const_tensor(np.float32(2.0))], name="out", fn="mul"))])
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_time_major_heads_fuse(tmp_path, bias_first):
+    """``nn.MultiheadAttention``'s export (:func:`_time_major_attention`): the softmax and both
+    products are computed on the ``[B, H, ..]`` views, K's rows are a transpose of its time-major
+    ``[L, B*H, D]`` form, and the attention fuses on both targets (the ``[B*H, S, L]`` bias viewed
+    per head) with the separate ops' values; the cpu program too."""
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    from shardflow.compiler.driver import _is_view
+    from shardflow.runtime import load
+
+    rng = np.random.default_rng(10)
+    feeds = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in
+             (("xq", (20, 2, 64)), ("xk", (30, 2, 64)), ("xv", (30, 2, 64)))}
+    feeds["bias"] = np.where(rng.random((8, 20, 30)) > 0.2, rng.standard_normal((8, 20, 30)), -np.inf).astype(
+        np.float32)
+    feeds["bias"][:, :, 0] = 0.0  # (every row sees a key)
+    want = next(iter(_time_major_attention(bias_first).run(feeds).values()))
+    for target in ("cpu", "cuda"):
+        fused = FuseAttention(float32=True, target=target).run(_time_major_attention(bias_first))
+        (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+        assert "Softmax" not in {op.op_type for op in fused.nodes}
+        assert att._geometry(*att.inputs[:3]) == (2, 4, 4, 20, 30, 16, 16)
+        np.testing.assert_allclose(next(iter(fused.run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+        if target == "cuda":  # (grouped as the build groups it: the views read by the kernel)
+            groups = kernel_groups(list(fused.nodes), "sm_90", keep=[t.name for t in fused.outputs],
+                                   views=[op.name for op in fused.nodes if _is_view(op)])
+            kinds = [la.kind for la in generate_cuda_source(groups, arch="sm_90").launches.values()]
+            assert kinds.count("attention-f32") == 1, kinds
+    compile(_time_major_attention(bias_first), distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert any(st.get("node", "").endswith(".attention") for st in program["steps"] if st["kind"] == "kernel")
+    np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
+
+
 def _split_heads_model(b=2, s=24, h=3, d=8, dv=16):
     """LeViT's attention as torch exports it (opset 17): ``x [B, S, E]`` projected to ``[B, S, H,
     2D + Dv]``, split into Q, K, V on the last axis, Kᵀ a transpose of K's split (perm ``(0, 2, 3,

@@ -1,6 +1,7 @@
-"""31 architectures users bring: 30 from transformers and diffusers' Stable Diffusion UNet (when
-diffusers is installed, as the ``test`` extra does), end to end (``pytest -m slow``; about 12
-minutes on two cores with ``-n 2``).
+"""33 architectures users bring: 31 from transformers, diffusers' Stable Diffusion UNet (when
+diffusers is installed, as the ``test`` extra does) and a block of a user's own on
+``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; about 13 minutes on two cores
+with ``-n 2``).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
 downloaded), exported by both torch exporters (TorchScript at opset 17, dynamo at opset 18: their
@@ -53,7 +54,26 @@ def _sd_unet():
         cross_attention_dim=32, attention_head_dim=1, norm_num_groups=8)
 
 
-#: name -> (builder, inputs: "text", "image", "audio", "mel" or "unet")
+class _TorchAttentionBlock(torch.nn.Module):
+    """A user's own pre-norm block on ``torch.nn.MultiheadAttention`` (time-major, its default
+    ``need_weights=True``: torch's ``multi_head_attention_forward`` on ``[B*H, S, D]`` heads), with a
+    key padding mask and a causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(64)
+        self.mha = torch.nn.MultiheadAttention(64, 4)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+
+    def forward(self, x, key_padding_mask):
+        h = self.ln(x)
+        causal = torch.triu(torch.full((x.shape[0], x.shape[0]), float("-inf")), 1)
+        y, _ = self.mha(h, h, h, key_padding_mask=key_padding_mask, attn_mask=causal)
+        x = x + y
+        return x + self.mlp(x)
+
+
+#: name -> (builder, inputs: "text", "image", "audio", "mel", "unet" or "seq")
 ARCHITECTURES = {
     "qwen2": (_text(T.Qwen2Config, T.Qwen2ForCausalLM, **_GQA), "text"),
     "qwen3": (_text(T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16, **_GQA), "text"),
@@ -106,13 +126,18 @@ ARCHITECTURES = {
     "whisper_encoder": (lambda: T.WhisperForAudioClassification(T.WhisperConfig(
         d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128, num_mel_bins=16,
         max_source_positions=16, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128)), "mel"),
+    "wavlm": (lambda: T.WavLMModel(T.WavLMConfig(  # (torch's multi-head attention with a gated relative bias)
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)),
+        "audio"),
     "sd_unet": (_sd_unet, "unet"),
+    "torch_mha": (_TorchAttentionBlock, "seq"),
 }
 
 
 class _Output(torch.nn.Module):
     """The module with its inputs by name, returning one tensor (logits, else the last hidden state;
-    a UNet's sample)."""
+    a UNet's sample; a plain module's tensor)."""
 
     def __init__(self, module, names):
         super().__init__()
@@ -120,6 +145,8 @@ class _Output(torch.nn.Module):
 
     def forward(self, *args):
         out = self.module(**dict(zip(self.names, args)))
+        if isinstance(out, torch.Tensor):
+            return out
         if getattr(out, "sample", None) is not None:
             return out.sample
         return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
@@ -131,6 +158,10 @@ def _feeds(kind: str) -> dict:
         mask = np.ones((B, S), np.int64)
         mask[1, 6:] = 0  # a padded second sequence
         return {"input_ids": rng.integers(0, V, (B, S)), "attention_mask": mask}
+    if kind == "seq":  # time-major [S, B, E], the second sequence padded
+        pad = np.zeros((B, 12), bool)
+        pad[1, 9:] = True
+        return {"x": rng.standard_normal((12, B, 64)).astype(np.float32), "key_padding_mask": pad}
     if kind == "unet":  # a latent, a timestep per sample, a short text encoding
         return {"sample": rng.standard_normal((B, 4, 16, 16)).astype(np.float32), "timestep": np.array([10, 500]),
                 "encoder_hidden_states": rng.standard_normal((B, 7, 32)).astype(np.float32)}
