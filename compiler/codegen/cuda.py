@@ -2052,8 +2052,9 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
     epi = [f"const int sf_x{j} = {ix};" for j, ix in enumerate(out_idx)] + eblk.lines + \
         [f"out0[{offset}] = {em.stored(x, gc.dtype)};"]
+    scale = float(a.get("scale", a.get("scale_sqrt", 1.0) ** 2))  # (a float32 op of its own may give scale_sqrt only)
     return attention_kernel(symbol=symbol, params=params, ab=_attention_type(att, fp32), B=b_, H=hq, S=s_len, L=l_len,
-                            D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=float(a.get("scale", a.get("scale_sqrt", 1.0) ** 2)),
+                            D=d_len, Dv=dv, rep=hq // hk, q=q_op, k=k_op, v=v_op, scale=scale,
                             root="\n".join(root.lines), biases=biases, epilogue="\n".join(epi),
                             empty_rows_zero=bool(a.get("has_mask") or a.get("is_causal") or left >= 0 or right >= 0
                                                  or (nonpad is not None and not bound)),

@@ -138,6 +138,7 @@ def takes_heads(d: int, dv: int, float32: bool = False) -> bool:
         return d <= MAX_HEAD and dv <= MAX_HEAD
     return d <= MAX_HEAD_HALF and (dv <= MAX_HEAD or (dv <= MAX_HEAD_HALF and dv % 32 == 0))
 
+
 def padded(n: int, ab: str) -> int:
     """A head size as the kernel holds it in shared memory: for half operands the next multiple of
     16 (an ``m16n8k16`` product's K, two of ``P V``'s 8-column tiles per ``ldmatrix``), the columns

@@ -383,7 +383,7 @@ class AttentionOnHeads(_Walk, GraphPass):
             t, nxt = sm.inputs[0], sm
             for _ in range(2 * _MAX_BIASES):
                 p = self._prod(t)
-                if self._only(t) is not nxt or not _is(p, "Binary") or _is(p, "MatMul"):
+                if self._only(t) is not nxt or not _is(p, "Binary"):
                     break
                 a, b = p.inputs
                 if p.attrs["fn"] == "add":
