@@ -6,7 +6,9 @@
 What is compared
     ``softmax(Q Kᵀ / sqrt(D) + causal mask) V`` on ``[B, H, S, D]`` queries and ``[B, H, L, D]``
     keys and values (GPT-2's heads: H 12, D 64; Llama-7B's: H 32, D 128; Gemma-7B's, H 16, D 256,
-    half types only, with ``--shapes gemma7b``; Llama-3-8B's grouped heads, ``--shapes llama3_8b``:
+    half types only, with ``--shapes gemma7b``; Stable Diffusion 1.5's, H 8, D 40, with ``--shapes sd15``:
+    a head size the half kernel pads to 48 in shared memory, rfcs/0005 decision 50; Llama-3-8B's
+    grouped heads, ``--shapes llama3_8b``:
     32 query heads over 8 KV heads, D 128, whose decoding steps take the 4 query heads of a KV head
     in one block's rows, rfcs/0005 decision 39), ``--sizes`` ``BxS``
     (``L = S``: a prompt) or ``BxSxL`` (``S`` queries after ``L - S`` cached keys: ``1x1x4096`` is
@@ -54,7 +56,7 @@ from gemm import _cupy_view, _time  # noqa: E402
 
 #: (query heads, head size[, KV heads]) of the models' attention
 HEADS = {"gpt2": (12, 64), "llama7b": (32, 128), "gemma7b": (16, 256),  # (gemma7b: half types only)
-         "llama3_8b": (32, 128, 8)}
+         "llama3_8b": (32, 128, 8), "sd15": (8, 40)}  # (sd15: Stable Diffusion 1.5's first level, padded to 48)
 SIZES = ((1, 128, 128), (8, 128, 128), (1, 1024, 1024), (1, 4096, 4096), (1, 1, 4096), (8, 1, 4096))
 DTYPES = ("float16", "bfloat16", "tf32", "float32")
 #: largest error (of the output's largest value) each type may have against float64

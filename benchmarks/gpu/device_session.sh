@@ -382,6 +382,10 @@ case "$what" in
         echo "== attention.py --shapes llama3_8b" >> "$f"
         timeout 60 python3 benchmarks/gpu/attention.py --shapes llama3_8b --sizes 1x1x4096,8x1x4096,1x4x4096 \
             --dtypes float16,bfloat16 --jobs 14 --json "$out/attention-gqa.json" >> "$f" 2>&1
+        # a head size that is not a multiple of 16 (decision 50: Stable Diffusion 1.5's 40, padded to 48)
+        echo "== attention.py --shapes sd15" >> "$f"
+        timeout 60 python3 benchmarks/gpu/attention.py --shapes sd15 --sizes 1x1024,2x4096 \
+            --dtypes float16,float32 --jobs 14 --json "$out/attention-sd15.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV

@@ -125,6 +125,10 @@ def test_attention_dry_run_builds_every_type(capsys):
     attention.main(["--dry-run", "--shapes", "llama3_8b", "--sizes", "1x1x4096", "--dtypes", "float16"])
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("llama3_8b_")]
     assert [(r[0], r[1], r[2]) for r in rows] == [("llama3_8b_1x1x4096_float16", "attention-f16", "16x8x1")]
+    # Stable Diffusion 1.5's head size 40 (padded to 48 in shared memory on half operands)
+    attention.main(["--dry-run", "--shapes", "sd15", "--sizes", "1x1024", "--dtypes", "float16"])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("sd15_")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("sd15_1x1024_float16", "attention-f16", "16x8x1")]
     with pytest.raises(SystemExit, match="gpt3"):
         attention.make_cases(["gpt3"])
 
