@@ -2006,12 +2006,16 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     # the epilogue: the group's output element, reading the attention's value at its own index
     last = env[id(members[-1].outputs[0])]
     gc = op.task.outputs[0]
-    if tuple(gc.shape) != y_shape:
-        return None
-    value = TensorElement(acc_ph, list(gc.axes)) if last is acc_ph else _bake(_inline_computes(last.value, an), scalars)
+    axes, out_shape = list(gc.axes), tuple(gc.shape)
+    if out_shape != y_shape:  # views after the attention alone (the same elements in the same order): its own index
+        if any(m.op_type != "Reshape" for m in members[members.index(att) + 1:]):
+            return None
+        axes, out_shape = [Var(f"sf_y{j}", e) for j, e in enumerate(y_shape)], y_shape
+        last = acc_ph
+    value = TensorElement(acc_ph, axes) if last is acc_ph else _bake(_inline_computes(last.value, an), scalars)
     for n in walk(value):
         if isinstance(n, TensorElement) and n.tensor is acc_ph:
-            if list(n.indices) != list(gc.axes):
+            if list(n.indices) != axes:
                 return None  # not element-wise at its own index
             em.subst[id(n)] = ("sf_acc", "float32")
     out_idx = ["sf_b", "sf_h", "sf_i", "sf_e"] if len(y_shape) == 4 else ["sf_b", "sf_i", f"(sf_h * {dv} + sf_e)"]
@@ -2047,9 +2051,9 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
     hi = shift(0) if a.get("is_causal") else None
     if right >= 0:  # (with a causal mask too, the window's upper edge is past the diagonal: the diagonal)
         hi = shift(right) if hi is None else hi
-    eblk = _Block(root, {v: (f"sf_x{j}", "int32") for j, v in enumerate(gc.axes)})
+    eblk = _Block(root, {v: (f"sf_x{j}", "int32") for j, v in enumerate(axes)})
     x = em.value_as(value, gc.dtype, eblk)
-    offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(gc.shape)))
+    offset = " + ".join(f"(long long)sf_x{j} * {st}LL" for j, st in enumerate(_row_major_strides(out_shape)))
     epi = [f"const int sf_x{j} = {ix};" for j, ix in enumerate(out_idx)] + eblk.lines + \
         [f"out0[{offset}] = {em.stored(x, gc.dtype)};"]
     scale = float(a.get("scale", a.get("scale_sqrt", 1.0) ** 2))  # (a float32 op of its own may give scale_sqrt only)

@@ -1097,6 +1097,42 @@ def test_time_major_heads_fuse(tmp_path, bias_first):
     np.testing.assert_allclose(next(iter(load(tmp_path / "o", 0).run(feeds).values())), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_view_after_the_attention_keeps_the_fused_kernel(tmp_path, dtype):
+    """An attention whose output a ``Reshape`` views at once (SAM's windows: ``[B*nW, H, S, D]`` to
+    ``[B*nW, H, h, w, D]``), grouped with it by the build as a view: the fused kernel writes each
+    element at its own row-major place, which the view keeps (it fell back to the generic kernel
+    before); on the host emulation against the definition."""
+    from cuda_host import build, run
+
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    from shardflow.compiler.ops.transform import Reshape, Transpose
+
+    rng = np.random.default_rng(11)
+    half = {"probs_dtype": dtype} if dtype != "float32" else {}
+    q, k, v = (Tensor(n, (2, 4, 16, 40), dtype) for n in "qkv")
+    bias = Tensor("bias", (2, 4, 16, 16), "float32")
+    att = Attention([q, k, v, bias], name="att", scale=0.25, scale_sqrt=0.5, acc_dtype="float32", extra_biases=1,
+                    **half)
+    view = Reshape([att.outputs[0]], name="view", shape=(2, 4, 4, 4, 40))
+    tr = Transpose([view.outputs[0]], name="tr", perm=(0, 2, 1, 3, 4))
+    nodes = [att, view, tr]
+    groups = kernel_groups(nodes, "sm_90", keep=[tr.outputs[0].name], views=["view"])
+    assert [[m.op_type for m in getattr(g, "members", [g])] for g in groups] == [["Attention", "Reshape"],
+                                                                                 ["Transpose"]]
+    src = generate_cuda_source(groups, arch="sm_90")
+    launch = src.launches[groups[0].name]
+    assert launch.kind == ("attention-f32" if dtype == "float32" else "attention-f16")
+    arrays = [_rounded(rng.standard_normal((2, 4, 16, 40)).astype(np.float32), dtype) for _ in range(3)]
+    arrays.append(rng.standard_normal((2, 4, 16, 16)).astype(np.float32))
+    want = att.run(*arrays)[0].reshape(2, 4, 4, 4, 40)
+    ins = [_bits(a, dtype) if i < 3 else a for i, a in enumerate(arrays)]
+    if dtype == "bfloat16":
+        ins[:3] = [a.view(np.uint16) for a in ins[:3]]
+    (got,) = run(build(src.text, str(tmp_path)), launch, ins, [(want.shape, np.float32)])
+    check_case("view", got, want, FLOAT32_TOL["float32"] if dtype == "float32" else 1e-2)
+
+
 def _split_heads_model(b=2, s=24, h=3, d=8, dv=16):
     """LeViT's attention as torch exports it (opset 17): ``x [B, S, E]`` projected to ``[B, S, H,
     2D + Dv]``, split into Q, K, V on the last axis, Kᵀ a transpose of K's split (perm ``(0, 2, 3,

@@ -1,7 +1,7 @@
 """33 architectures users bring: 31 from transformers, diffusers' Stable Diffusion UNet (when
 diffusers is installed, as the ``test`` extra does) and a block of a user's own on
-``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; about 13 minutes on two cores
-with ``-n 2``).
+``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 331 s on two cores with ``-n 2``
+in session 48).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
 downloaded), exported by both torch exporters (TorchScript at opset 17, dynamo at opset 18: their
