@@ -1804,10 +1804,9 @@ def _product_operand_casts(ops: Sequence[Operator]) -> set[str]:
     return found
 
 
-def _attention_operand_casts(ops: Sequence[Operator]) -> set[str]:
-    """The names of the half casts an ``Attention`` op's Q, K or V comes from through element moves
-    alone: fused into the attention they would leave the kernel a float32 read to convert, which
-    its copies cannot; written by their producer's kernel, the attention reads half values."""
+def _attention_operands(ops: Sequence[Operator], through, pick) -> set[str]:
+    """The names of the ops that ``pick`` selects among those an ``Attention`` op's Q, K or V comes
+    from, walking back through the ops ``through`` lets pass (their first input)."""
     producer = {id(t): op for op in ops for t in op.outputs}
     found = set()
     for op in ops:
@@ -1815,11 +1814,30 @@ def _attention_operand_casts(ops: Sequence[Operator]) -> set[str]:
             continue
         for t in op.inputs[:3]:
             p = producer.get(id(t))
-            while p is not None and p.op_type in _MOVES:
+            while p is not None and through(p):
                 p = producer.get(id(p.inputs[0]))
-            if p is not None and _half_cast(p):
+            if p is not None and pick(p):
                 found.add(p.name)
     return found
+
+
+def _attention_operand_casts(ops: Sequence[Operator]) -> set[str]:
+    """The names of the half casts an ``Attention`` op's Q, K or V comes from through element moves
+    alone: fused into the attention they would leave the kernel a float32 read to convert, which
+    its copies cannot; written by their producer's kernel, the attention reads half values."""
+    return _attention_operands(ops, lambda p: p.op_type in _MOVES, _half_cast)
+
+
+def _attention_operand_copies(ops: Sequence[Operator]) -> set[str]:
+    """The names of the transposes that move the last axis of their input away from the last
+    place and feed an ``Attention``'s Q, K or V (through casts and scalings): inlined, the kernel's
+    operand would not have its head dimension contiguous (a Kᵀ stored as such, whose rows
+    ``FuseAttention`` makes a transposed copy of); written by their own kernel, it has."""
+    def scaling(p: Operator) -> bool:
+        return p.op_type == "Cast" or p.op_type == "Binary" and p.attrs.get("fn") in ("mul", "div") \
+            and p.inputs[1].size == 1
+    return _attention_operands(ops, scaling, lambda p: p.op_type == "Transpose"
+                               and tuple(p.attrs["perm"])[-1] != p.inputs[0].ndim - 1)
 
 
 def _composite_stride(axes: list, coefs: dict) -> int | None:
@@ -2471,7 +2489,8 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
                   views: Sequence[str] = ()) -> list[Operator]:
     """The ops that get a kernel each, as :func:`build_cuda_library` makes them: with ``fuse``,
     fused groups (:mod:`.fusion`; ``keep``: tensors still written) with the casts that feed
-    tensor-core operands written by their producers; the views (``views``: names) that no group
+    tensor-core operands, and the transposed copies that feed the fused attention, written by
+    their producers; the views (``views``: names) that no group
     took dropped."""
     from .fusion import drop_views
     if fuse:
@@ -2480,6 +2499,7 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
         # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM; on
         # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
         feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
+        feeds |= _attention_operand_copies(ops)
         ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds)
     return drop_views(ops, views)
 

@@ -730,7 +730,7 @@ class FuseAttention(_Walk, GraphPass):
         if k3 is None:
             k3, k_steps = self._key_rows(kth, f"{mm2.name}.k", new_ops)
             if k3 is None:
-                return None  # Kᵀ stored as such: the fused kernel reads K rows (head dim contiguous)
+                return None  # (Kᵀ not 4-D, or its casts and scalings read by others)
         if native:  # the half biases read in float32 (exactly)
             widened = []
             for bias in biases:
@@ -837,7 +837,8 @@ class FuseAttention(_Walk, GraphPass):
         (:meth:`_heads_3d`), or torch's dynamo export of it, ``Reshape(Transpose(Reshape(x, [B*H, L,
         D]), (0, 2, 1)), [B, H, D, L])`` (``x`` ``[B, H, L, D]``, or repeated heads ``[B, Hk, rep, L,
         D]``, then reshaped here by a new op), or any other ``Transpose(x)`` (K's rows then a new
-        transpose of ``x``: LeViT's ``x`` is a split of ``[B, L, H, D]``). torch's export of
+        transpose of ``x``: LeViT's ``x`` is a split of ``[B, L, H, D]``); any other 4-D ``Kᵀ`` by a
+        transposed copy, ``Transpose(Kᵀ, (0, 1, 3, 2))``. torch's export of
         ``scaled_dot_product_attention`` scales Q and Kᵀ by the square root of the scale each."""
         from ..ops.transform import Reshape, Transpose
 
@@ -867,14 +868,16 @@ class FuseAttention(_Walk, GraphPass):
             self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]
             return new_ops[-1].outputs[0], steps
         tr = self._prod(tk.inputs[0]) if _is(tk, "Reshape") else None
-        if not (_is(tr, "Transpose") and tr.inputs[0].ndim == 3):
-            return None, []
-        perm, rows = tuple(tr.attrs["perm"]), tr.inputs[0]
+        perm = tuple(tr.attrs["perm"]) if _is(tr, "Transpose") and tr.inputs[0].ndim == 3 else None
+        if perm is None or tuple(tr.inputs[0].shape[i] for i in (perm[0], perm[2], perm[1])) != (b_ * h_, l_len, d):
+            # Kᵀ stored as such (a channels-first K, SqueezeBERT's [B, H*D, L] viewed [B, H, D, L]): its
+            # rows a transposed copy (L*D elements, against the S*L scores the separate ops write)
+            new_ops.append(Transpose([t], name=f"{name}.rows", perm=(0, 1, 3, 2)))
+            return new_ops[-1].outputs[0], steps
+        rows = tr.inputs[0]
         if perm != (0, 2, 1):  # (time-major [L, B*H, D] keys, torch's multi_head_attention_forward: (1, 2, 0))
             new_ops.append(Transpose([rows], name=f"{name}.rows", perm=(perm[0], perm[2], perm[1])))
             rows = new_ops[-1].outputs[0]
-        if tuple(rows.shape) != (b_ * h_, l_len, d):
-            return None, []
         merge = self._prod(rows)
         x = merge.inputs[0] if _is(merge, "Reshape") else None
         if x is not None and tuple(x.shape) == (b_, h_, l_len, d):

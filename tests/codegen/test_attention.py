@@ -592,16 +592,14 @@ def _hand_written_attention(scale_op: str, bias_left: bool, k_transposed: bool, 
 @pytest.mark.parametrize("scale_op,bias_left", [("div", True), ("mul", False)])
 def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
     """Div or Mul by the scale, the mask on either side of the Add, Kᵀ a transpose of K (the op
-    reads K): fused, same values, and the cuda code takes the fused kernel. Kᵀ stored as such
-    (its head dim not contiguous for the kernel) and head sizes the kernel does not take are
-    left alone."""
-    g = _hand_written_attention("div", False, False)
-    assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
+    reads K) or Kᵀ stored as such (the op reads a transposed copy of it, head dim contiguous for
+    the kernel): fused, same values, and the cuda code takes the fused kernel. Head sizes the
+    kernel does not take are left alone."""
     # a head size the fused kernel does not take (not a multiple of 8): the separate ops stay
     g = _hand_written_attention("div", False, True, d=20)
     assert "Attention" not in [op.op_type for op in FuseAttention().run(g).nodes]
     rng = np.random.default_rng(7)
-    k_transposed = True
+    k_transposed = scale_op == "div"
     g = _hand_written_attention(scale_op, bias_left, k_transposed)
     feeds = {"q": rng.standard_normal((2, 3, 40, 32)).astype(np.float16),
              "k": rng.standard_normal((2, 3, 70, 32) if k_transposed else (2, 3, 32, 70)).astype(np.float16),
@@ -613,10 +611,12 @@ def test_hand_written_attention_is_fused_and_compiles(scale_op, bias_left):
     got = g.run(feeds)
     for name, w in want.items():
         np.testing.assert_array_equal(got[name], w)
-    from shardflow.compiler.codegen.fusion import fuse
-    groups = fuse([op for op in g.nodes], keep=[t.name for t in g.outputs])
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    groups = kernel_groups(list(g.nodes), "sm_90", keep=[t.name for t in g.outputs])
     src = generate_cuda_source(groups, arch="sm_90")
     assert [launch.kind for launch in src.launches.values()].count("attention-f16") == 1, src.launches
+    # (Kᵀ stored as such: K's rows a transposed copy of it, written by its own kernel)
+    assert ("elementwise" in [launch.kind for launch in src.launches.values()]) == (not k_transposed)
 
 
 @pytest.mark.parametrize("model,fused,mesh", [("gpt2_ts17", 2, [1]), ("bert_dynamo18", 2, [1]), ("llama_ts17", 2, [1]),

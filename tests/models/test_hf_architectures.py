@@ -1,4 +1,4 @@
-"""33 architectures users bring: 31 from transformers, diffusers' Stable Diffusion UNet (when
+"""34 models users bring: 32 architectures from transformers, diffusers' Stable Diffusion UNet (when
 diffusers is installed, as the ``test`` extra does) and a block of a user's own on
 ``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 331 s on two cores with ``-n 2``
 in session 48).
@@ -106,6 +106,8 @@ ARCHITECTURES = {
     "electra": (_text(T.ElectraConfig, T.ElectraModel, embedding_size=64, **_SMALL), "text"),
     "albert": (_text(T.AlbertConfig, T.AlbertModel, embedding_size=32, **_SMALL), "text"),
     "mpnet": (_text(T.MPNetConfig, T.MPNetModel, **_SMALL), "text"),
+    "squeezebert": (_text(T.SqueezeBertConfig, T.SqueezeBertModel, embedding_size=64, **_SMALL),
+                    "text"),  # (channels-first: Kᵀ stored as such)
     "convnext": (lambda: T.ConvNextModel(T.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
                                                           image_size=32)), "image"),
     "swin": (lambda: T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
