@@ -1,6 +1,6 @@
 """34 models users bring: 32 architectures from transformers, diffusers' Stable Diffusion UNet (when
 diffusers is installed, as the ``test`` extra does) and a block of a user's own on
-``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 331 s on two cores with ``-n 2``
+``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 318 s on two cores with ``-n 2``
 in session 48).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
