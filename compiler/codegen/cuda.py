@@ -2029,8 +2029,9 @@ def _lower_attention(op: Operator, att: Operator, symbol: str, params: str, an: 
         if any(m.op_type != "Reshape" for m in members[members.index(att) + 1:]):
             return None
         axes, out_shape = [Var(f"sf_y{j}", e) for j, e in enumerate(y_shape)], y_shape
-        last = acc_ph
-    value = TensorElement(acc_ph, axes) if last is acc_ph else _bake(_inline_computes(last.value, an), scalars)
+        value = TensorElement(acc_ph, axes)
+    else:
+        value = TensorElement(acc_ph, axes) if last is acc_ph else _bake(_inline_computes(last.value, an), scalars)
     for n in walk(value):
         if isinstance(n, TensorElement) and n.tensor is acc_ph:
             if list(n.indices) != axes:

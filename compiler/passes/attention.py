@@ -143,22 +143,29 @@ class _Walk:
             return True
         return depth > 1 and _is(p, "Binary", fn="add") and any(self._scores_side(u, depth - 1) for u in p.inputs)
 
+    def _toward_product(self, p: Operator | None, depth: int = 2 * _MAX_BIASES) -> Tensor | None:
+        """The input of ``p`` on the way to the scores' product: the side of an addition that
+        reaches a ``MatMul`` (:meth:`_reaches_product`), the scaled input of a scaling by a scalar
+        constant (a ``mul`` on either side, a ``div`` by it); None for anything else."""
+        if not _is(p, "Binary"):
+            return None
+        a, b = p.inputs
+        if p.attrs["fn"] == "add":
+            return a if self._reaches_product(a, depth - 1) else b if self._reaches_product(b, depth - 1) else None
+        if p.attrs["fn"] == "mul" and self._scalar(a) is not None:
+            return b
+        return a if p.attrs["fn"] in ("mul", "div") and self._scalar(b) is not None else None
+
     def _reaches_product(self, t: Tensor, depth: int = 2 * _MAX_BIASES) -> bool:
-        """Whether ``t`` is a ``MatMul``'s output, or one scaled by a scalar constant (a ``mul`` on
-        either side, a ``div`` by it) or with something added, down to such an output: the scores'
-        side of an addition whose other side is a bias that may be a scaling too (WavLM's and
+        """Whether ``t`` is a ``MatMul``'s output, or one scaled by a scalar constant or with
+        something added, down to such an output (:meth:`_toward_product`): the scores' side of an
+        addition whose other side is a bias that may be a scaling too (WavLM's and
         ``torch.nn.MultiheadAttention``'s ``baddbmm``: ``s * alpha + mask * beta``)."""
         p = self._prod(t)
         if _is(p, "MatMul"):
             return True
-        if depth <= 1 or not _is(p, "Binary"):
-            return False
-        a, b = p.inputs
-        if p.attrs["fn"] == "add":
-            return self._reaches_product(a, depth - 1) or self._reaches_product(b, depth - 1)
-        if p.attrs["fn"] == "mul" and self._scalar(a) is not None:
-            return self._reaches_product(b, depth - 1)
-        return p.attrs["fn"] in ("mul", "div") and self._scalar(b) is not None and self._reaches_product(a, depth - 1)
+        u = self._toward_product(p, depth) if depth > 1 else None  # (an addition's side already reaches it)
+        return u is not None and (p.attrs["fn"] == "add" or self._reaches_product(u, depth - 1))
 
     def _scalar(self, t: Tensor) -> float | None:
         if t.is_constant and t.size == 1 and dtype_kind(t.dtype) == "f":
@@ -383,18 +390,10 @@ class AttentionOnHeads(_Walk, GraphPass):
             t, nxt = sm.inputs[0], sm
             for _ in range(2 * _MAX_BIASES):
                 p = self._prod(t)
-                if self._only(t) is not nxt or not _is(p, "Binary"):
+                u = self._toward_product(p, 2 * _MAX_BIASES + 1) if self._only(t) is nxt else None
+                if u is None:
                     break
-                a, b = p.inputs
-                if p.attrs["fn"] == "add":
-                    t = a if self._reaches_product(a) else b
-                elif p.attrs["fn"] == "mul" and self._scalar(a) is not None:
-                    t = b
-                elif p.attrs["fn"] in ("mul", "div") and self._scalar(b) is not None:
-                    t = a
-                else:
-                    break
-                nxt = p
+                t, nxt = u, p
             mm = self._prod(t)
             if not _is(mm, "MatMul") or self._only(t) is not nxt or mm.inputs[0].ndim != 3:
                 continue
@@ -865,7 +864,6 @@ class FuseAttention(_Walk, GraphPass):
         if _is(tk, "Transpose") and tk.inputs[0].ndim == 4:  # Kᵀ = x permuted (LeViT's, of a split [B, L, H, D])
             p = tuple(tk.attrs["perm"])
             new_ops.append(Transpose([tk.inputs[0]], name=f"{name}.rows", perm=(p[0], p[1], p[3], p[2])))
-            self._producer[id(new_ops[-1].outputs[0])] = new_ops[-1]
             return new_ops[-1].outputs[0], steps
         tr = self._prod(tk.inputs[0]) if _is(tk, "Reshape") else None
         perm = tuple(tr.attrs["perm"]) if _is(tr, "Transpose") and tr.inputs[0].ndim == 3 else None
