@@ -1649,6 +1649,8 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     ``pdl``: a program for programmatic dependent launch, whose persistent GEMMs may load the first
     stages of an operand read straight from one of ``weights`` (kernel parameters) before they wait."""
     em = _Emitter(an, reads, names)
+    if wgmma and not gemv and plan.prec in WGMMA_DTYPES:
+        plan = _outer_axes_to_batch(gc, plan, WGMMA_DTYPES[plan.prec], an, reads)
     red = plan.red
     root = _Block(None)
     for v in list(gc.axes) + list(red.vars):  # the reduction's too (a 1x1 conv's window taps)
@@ -1753,6 +1755,41 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
                               load_a=load_a, load_b=load_b, a_k_fast=plan.a_k_fast, b_n_fast=plan.b_n_fast,
                               epilogue="\n".join(epi), config=choose_gemm_config(M, N, B, sms))
     return src, launch, None
+
+
+def _outer_axes_to_batch(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, reads) -> _GemmPlan:
+    """``plan`` with leading row (M) or column (N) axes moved into its batch axes when only then
+    both operands are direct reads of ``dtype`` (:func:`_direct_operand`), or ``plan`` itself.
+
+    A batched 1x1 convolution reads its input ``x[n, c, h, w]`` with the rows ``(n, h, w)``: ``h, w``
+    are one run of stride 1, but ``n`` steps by ``C * H * W``, so the rows have no single stride
+    and the product would take the portable template; with ``n`` a batch axis (its offset the
+    batch's base, the weight's 0) the rows ``(h, w)`` are evenly strided. The fewest axes move,
+    and both sides keep at least 16 rows (:func:`_plan_gemm`'s bound)."""
+    kv = list(plan.red.vars)
+    K = _prod([v.extent for v in kv])
+
+    def direct(p: _GemmPlan) -> bool:
+        probe = _Block(None, {v: ("0", "int32") for v in p.b_axes})  # (names only: nothing is emitted)
+        return all(_direct_operand(e, ax, kv, p.b_axes, dtype, _prod([v.extent for v in ax]), K, an, reads, probe)
+                   is not None for e, ax in ((p.a, p.m_axes), (p.b, p.n_axes)))
+
+    if direct(plan):
+        return plan
+    order = {v: i for i, v in enumerate(gc.axes)}
+    cuts = sorted(((cm, cn) for cm in range(len(plan.m_axes)) for cn in range(len(plan.n_axes)) if cm or cn),
+                  key=sum)
+    for cm, cn in cuts:
+        m_ax, n_ax = plan.m_axes[cm:], plan.n_axes[cn:]
+        if _prod([v.extent for v in m_ax]) < 16 or _prod([v.extent for v in n_ax]) < 16:
+            continue
+        b_ax = sorted(plan.b_axes + plan.m_axes[:cm] + plan.n_axes[:cn], key=order.__getitem__)
+        if _prod([v.extent for v in b_ax]) > 65535:  # (the batch is the grid's third dimension)
+            continue
+        moved = dataclasses.replace(plan, m_axes=m_ax, n_axes=n_ax, b_axes=b_ax)
+        if direct(moved):
+            return moved
+    return plan
 
 
 def _reads_per_row(value: Expr, m_axes: list, an: _Analysis) -> bool:

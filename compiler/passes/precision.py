@@ -80,7 +80,6 @@ class HalfPrecisionContractions(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         nodes: list[Operator] = []
-        weights: dict[int, Tensor] = {}  # one converted copy per weight, shared by its readers
         n_ops = 0
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
@@ -88,6 +87,7 @@ class HalfPrecisionContractions(GraphPass):
         self._consumers, self._outputs, self._producer = consumers, outputs, producer
         self._halves: dict[int, Tensor] = {}  # tensor -> its rounded (half-typed) twin
         self._half_consts: dict[int, Tensor] = {}  # weight -> its values stored in the half type
+        self._half_k_major: dict[int, Tensor] = {}  # weight -> likewise, stored [N, K]
         self._memo: dict[int, bool] = {}
         dropped: set[int] = set()  # movement ops moved behind a rounding (re-created on the half values)
         for op in graph.nodes:
@@ -103,9 +103,7 @@ class HalfPrecisionContractions(GraphPass):
             for k in idx:
                 t = inputs[k]
                 if t.is_constant:
-                    if id(t) not in weights:
-                        weights[id(t)] = self._weight(op, k, t, nodes)
-                    inputs[k] = weights[id(t)]
+                    inputs[k] = self._weight(op, k, t, nodes)
                 else:
                     inputs[k] = self._activation(op, k, t, nodes, dropped)
             op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
@@ -113,15 +111,21 @@ class HalfPrecisionContractions(GraphPass):
             n_ops += 1
         graph.nodes = [op for op in nodes if id(op) not in dropped]
         log.info("precision %s: %d contractions read %s operands (%d weights converted)", self.dtype, n_ops,
-                 self.dtype, len(set(weights) | set(self._half_consts)))
+                 self.dtype, len(self._half_consts) + len(self._half_k_major))
         return graph
 
     def _weight(self, op: Operator, k: int, t: Tensor, nodes: list[Operator]) -> Tensor:
-        """Weight ``t`` converted once to the half type, read back as float32."""
+        """Weight ``t`` converted once to the half type, read back as float32 by a ``Cast`` of
+        ``op``'s own: a weight that several contractions read (ALBERT's shared layers) is stored
+        once, and each reader's GEMM still reads it in the half type (a shared ``Cast`` would be a
+        kernel of its own, writing the float32 values the products then read)."""
         from ..ops.elementwise import CastOp
 
         if _stored_k_major(op, k, t, self.k_major_weights, self.k_major_ops):
-            half = _k_major(op, k, np.asarray(t.value).astype(self.np_dtype), f"{t.name}.{self.dtype}.T", nodes)
+            if id(t) not in self._half_k_major:
+                self._half_k_major[id(t)] = const_tensor(
+                    np.ascontiguousarray(np.asarray(t.value).astype(self.np_dtype).T), f"{t.name}.{self.dtype}.T")
+            half = _k_major(op, k, self._half_k_major[id(t)], nodes)
         else:
             half = self._half_const(t)
         back = CastOp([half], name=f"{op.name}.w{k}.{self.dtype}", to="float32")
@@ -225,11 +229,12 @@ def _stored_k_major(op: Operator, k: int, t: Tensor, unaligned: bool,
         (unaligned and op.op_type == "MatMul" and t.shape[1] % 8) or (k_major_ops is not None and k_major_ops(op)))
 
 
-def _k_major(op: Operator, k: int, value: np.ndarray, name: str, nodes: list[Operator]) -> Tensor:
-    """``value`` ``[K, N]`` stored ``[N, K]`` and read through a Transpose appended to ``nodes``."""
+def _k_major(op: Operator, k: int, stored: Tensor, nodes: list[Operator]) -> Tensor:
+    """A weight ``[K, N]`` ``stored`` ``[N, K]``, read by input ``k`` of ``op`` through a Transpose
+    of its own, appended to ``nodes`` (one per reader: it fuses into the reader's kernel)."""
     from ..ops.transform import Transpose
 
-    flip = Transpose([const_tensor(np.ascontiguousarray(value.T), name)], name=f"{op.name}.w{k}.T", perm=(1, 0))
+    flip = Transpose([stored], name=f"{op.name}.w{k}.T", perm=(1, 0))
     nodes.append(flip)
     return flip.outputs[0]
 
@@ -245,12 +250,15 @@ class HalfWeightsKMajor(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         nodes: list[Operator] = []
+        stored: dict[int, Tensor] = {}  # weight -> its values stored [N, K] (one copy, shared)
         n = 0
         for op in graph.nodes:
             t = op.inputs[1] if len(op.inputs) > 1 else None
             if t is not None and t.is_constant and t.dtype in ("float16", "bfloat16") \
                     and op.outputs[0].dtype == t.dtype and _stored_k_major(op, 1, t, True, self.k_major_ops):
-                op.inputs = [op.inputs[0], _k_major(op, 1, np.asarray(t.value), f"{t.name}.T", nodes), *op.inputs[2:]]
+                if id(t) not in stored:
+                    stored[id(t)] = const_tensor(np.ascontiguousarray(np.asarray(t.value).T), f"{t.name}.T")
+                op.inputs = [op.inputs[0], _k_major(op, 1, stored[id(t)], nodes), *op.inputs[2:]]
                 n += 1
             nodes.append(op)
         graph.nodes = nodes
@@ -290,6 +298,8 @@ class Float32WeightsKMajor(GraphPass):
     def run(self, graph: FlowGraph) -> FlowGraph:
         nodes: list[Operator] = []
         stored: dict[tuple[int, bool], Tensor] = {}  # (weight, transposed in the model) -> its [N, K] copy
+        # (each reader of a copy stored transposed reads it through a Transpose of its own, which
+        # fuses into its GEMM: one shared would be a kernel writing the [K, N] values)
         for op in graph.nodes:
             t = op.inputs[1] if len(op.inputs) > 1 and op.op_type in ("MatMul", "Gemm") else None
             trans_b = op.op_type == "Gemm" and bool(op.attrs.get("trans_b"))
@@ -302,9 +312,10 @@ class Float32WeightsKMajor(GraphPass):
                     if trans_b:  # already [N, K]: the rounded values in its place
                         stored[key] = const_tensor(round_tf32(value), f"{t.name}.tf32")
                     else:
-                        stored[key] = _k_major(op, 1, round_tf32(value) if self.tf32 else value,
-                                               f"{t.name}.tf32.T" if self.tf32 else f"{t.name}.T", nodes)
-                op.inputs = [op.inputs[0], stored[key], *op.inputs[2:]]
+                        stored[key] = const_tensor(np.ascontiguousarray((round_tf32(value) if self.tf32 else value).T),
+                                                   f"{t.name}.tf32.T" if self.tf32 else f"{t.name}.T")
+                w = stored[key] if trans_b else _k_major(op, 1, stored[key], nodes)
+                op.inputs = [op.inputs[0], w, *op.inputs[2:]]
             nodes.append(op)
         graph.nodes = nodes
         if stored:

@@ -121,9 +121,14 @@ def test_batched_and_broadcast_operands_are_direct():
     mm2 = MatMul([Tensor("a", (3, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bmm2")
     src = generate_cuda_source([mm2], arch="sm_90")
     assert src.launches["bmm2"].kind == "gemm-wgmma-f16" and src.launches["bmm2"].grid[2] == 3
-    # a broadcast batch on B's side folds into N, whose rows are then not evenly strided: wmma
+    # a broadcast batch on B's side folds into N, whose rows are then not evenly strided: the
+    # leading row and column axes move into the batch instead (RFC 0005 decision 55)
     mm3 = MatMul([Tensor("a", (2, 1, 40, 64), "float16"), Tensor("b", (3, 64, 24), "float16")], name="bc")
-    assert generate_cuda_source([mm3], arch="sm_90").launches["bc"].kind == "gemm-f16"
+    launch = generate_cuda_source([mm3], arch="sm_90").launches["bc"]
+    assert launch.kind == "gemm-wgmma-f16" and launch.grid[2] == 3  # (A's rows (2, 40) stay rows)
+    # unless a side would keep fewer than 16 rows: then the portable template
+    mm4 = MatMul([Tensor("a", (2, 1, 40, 64), "float16"), Tensor("b", (3, 64, 8), "float16")], name="bc8")
+    assert generate_cuda_source([mm4], arch="sm_90").launches["bc8"].kind == "gemm-f16"
 
 
 def test_split_k_only_for_few_tiles_and_long_k():

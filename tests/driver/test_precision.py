@@ -188,6 +188,48 @@ def test_unaligned_weights_are_stored_k_major_for_cuda():
     assert [t.shape for t in plain.constants() if t.dtype == "float16"] == [(64, 50)]
 
 
+@pytest.mark.parametrize("case", ["half", "half-k-major", "half-model", "tf32"])
+def test_a_weight_read_by_several_products_is_stored_once_and_cast_by_each(case):
+    """A weight several contractions read (ALBERT's shared layers; equal constants merged) is stored
+    once in its new form (half values, ``[N, K]``, TF32-rounded), and each product reads it through
+    a Cast or Transpose of its own, which fuses into its GEMM: both take the wgmma template on
+    sm_90, and no kernel writes the weight's float32 (or ``[K, N]``) values at run time, as a
+    shared Cast did (its GEMMs then took the float32 template). Values against numpy."""
+    from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
+    from shardflow.compiler.passes.precision import Float32WeightsKMajor, HalfWeightsKMajor, round_tf32
+
+    rng = np.random.default_rng(1)
+    n = 56 if case == "half-k-major" else 64  # (56 columns: 112-byte rows, stored [N, K])
+    dt = "float16" if case == "half-model" else "float32"
+    w = rng.standard_normal((64, n)).astype(dt)
+    x, z = Tensor("x", (32, 64), dt), Tensor("z", (48, 64), dt)
+    weight = const_tensor(w, "w")
+    y1, y2 = MatMul([x, weight], name="p1"), MatMul([z, weight], name="p2")
+    g = FlowGraph([x, z], y1.outputs + y2.outputs)
+    if case.startswith("half") and dt == "float32":
+        g = HalfPrecisionContractions("float16", k_major_weights=True,
+                                      k_major_ops=(lambda op: True) if case == "half-k-major" else None).run(g)
+    elif case == "half-model":
+        g = HalfWeightsKMajor(lambda op: True).run(g)
+    else:
+        g = Float32WeightsKMajor(tf32=True).run(g)
+    g.validate()
+    stored = [t for t in g.constants() if t.size == w.size]
+    assert len(stored) == 1 and stored[0].shape == ((64, n) if case == "half" else (n, 64)), stored
+    feeds = {"x": rng.standard_normal((32, 64)).astype(dt), "z": rng.standard_normal((48, 64)).astype(dt)}
+    got = g.run(feeds)
+    rnd = (lambda a: a.astype(np.float16).astype(np.float32)) if case.startswith("half") else round_tf32
+    for name, a in zip(g.output_names, (feeds["x"], feeds["z"])):
+        np.testing.assert_allclose(got[name].astype(np.float32), rnd(a) @ rnd(w) if case != "tf32" else a @ rnd(w),
+                                   rtol=2e-3, atol=2e-3)
+    launches = generate_cuda_source(kernel_groups(g.nodes, "sm_90", keep=g.output_names), arch="sm_90",
+                                    precision="tf32" if case == "tf32" else "float16",
+                                    wgmma_fp32=case == "tf32").launches.values()
+    products = [launch for launch in launches if launch.kind.startswith("gemm")]
+    assert [launch.kind for launch in products] == ["gemm-wgmma-" + ("tf32" if case == "tf32" else "f16")] * 2
+    assert all(stored[0].name in launch.args for launch in products)  # (each reads the stored weight)
+
+
 def test_round_tf32_keeps_ten_mantissa_bits_to_nearest():
     from shardflow.compiler.passes.precision import round_tf32
 
