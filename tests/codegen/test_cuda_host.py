@@ -1319,28 +1319,11 @@ def test_batched_one_by_one_convs_and_broadcast_products_take_wgmma_on_the_host(
     with ``n`` moved into the product's batch (RFC 0005 decision 55) it takes the wgmma template,
     a fused bias, residual and SiLU in its epilogue; a product whose batch broadcasts on one side
     takes it the same way. Against numpy, sizes that are not multiples of the tile."""
-    from test_wgmma import _bits, _value
+    from test_wgmma import _batched_products, _value
 
-    from shardflow.compiler.codegen.fusion import fuse
-    from shardflow.compiler.ops.conv import Conv
-    from shardflow.compiler.ops.elementwise import Binary, Unary
-    from shardflow.compiler.ops.linalg import MatMul
-
-    rng = np.random.default_rng(3)
-    bits = {k: _bits(rng.standard_normal(s) / (4 if k == "w" else 1), dt) for k, s in (
-        ("x", (3, 40, 4, 10)), ("w", (72, 40, 1, 1)), ("bias", (72,)), ("res", (3, 72, 4, 10)),
-        ("a", (2, 1, 40, 64)), ("b", (3, 64, 24)))}
-    t = {k: Tensor(k, v.shape, dt) for k, v in bits.items()}
-    conv = Conv([t["x"], t["w"], t["bias"]], name="conv")
-    add = Binary([conv.outputs[0], t["res"]], name="add", fn="add")
-    sig = Unary([add.outputs[0]], name="sig", fn="sigmoid")
-    chain = [conv, add, sig, Binary([add.outputs[0], sig.outputs[0]], name="out", fn="mul")]
-    mm = MatMul([t["a"], t["b"]], name="bc")
-    src = generate_cuda_source(fuse(chain) + [mm], arch="sm_90")
+    ops, bits, wants = _batched_products(dt)
+    src = generate_cuda_source(ops, arch="sm_90")
     kernels = build(src.text, str(tmp_path))
-    v = {k: _value(b, dt).astype(np.float64) for k, b in bits.items()}
-    y = np.einsum("nchw,oc->nohw", v["x"], v["w"][:, :, 0, 0]) + v["bias"][:, None, None] + v["res"]
-    wants = {"out": y / (1 + np.exp(-y)), "bc": v["a"] @ v["b"]}
     for name, want in wants.items():
         launch = src.launches[name]
         assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}" and launch.grid[2] == 3, name

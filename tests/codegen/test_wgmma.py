@@ -706,6 +706,47 @@ def test_batched_product_with_fused_epilogue(tmp_path):
     _bias_tanh_matches_numpy(tmp_path, x, w, rng.standard_normal((72,)).astype(np.float16))
 
 
+def _batched_products(dt: str):
+    """RFC 0005 decision 55's products (``dt`` operands): a 1x1 conv over 3 images (40 channels,
+    4x10 pixels, 72 outputs) with bias, residual and SiLU fused (group ``out``), and a product
+    whose batch broadcasts on B's side (``bc``); returns the ops (fused), the operands' bits by
+    name and numpy's outputs by group name."""
+    from shardflow.compiler.ops.conv import Conv
+
+    rng = np.random.default_rng(3)
+    bits = {k: _bits(rng.standard_normal(s) / (4 if k == "w" else 1), dt) for k, s in (
+        ("x", (3, 40, 4, 10)), ("w", (72, 40, 1, 1)), ("bias", (72,)), ("res", (3, 72, 4, 10)),
+        ("a", (2, 1, 40, 64)), ("b", (3, 64, 24)))}
+    t = {k: Tensor(k, v.shape, dt) for k, v in bits.items()}
+    conv = Conv([t["x"], t["w"], t["bias"]], name="conv")
+    add = Binary([conv.outputs[0], t["res"]], name="add", fn="add")
+    sig = Unary([add.outputs[0]], name="sig", fn="sigmoid")
+    chain = [conv, add, sig, Binary([add.outputs[0], sig.outputs[0]], name="out", fn="mul")]
+    v = {k: _value(b, dt).astype(np.float64) for k, b in bits.items()}
+    y = np.einsum("nchw,oc->nohw", v["x"], v["w"][:, :, 0, 0]) + v["bias"][:, None, None] + v["res"]
+    return fuse(chain) + [MatMul([t["a"], t["b"]], name="bc")], bits, {"out": y / (1 + np.exp(-y)),
+                                                                        "bc": v["a"] @ v["b"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_batched_one_by_one_convs_and_broadcast_products(tmp_path, dt):
+    """:func:`_batched_products` on the GPU: the wgmma kernels against numpy."""
+    cupy = _gpu()
+    ops, bits, wants = _batched_products(dt)
+    path = str(tmp_path / "k.cubin")
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"))
+    module = cupy.RawModule(path=path)
+    for name, want in wants.items():
+        launch = launches[name]
+        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}" and launch.grid[2] == 3, name
+        out = cupy.full(want.shape, 0xFFFF, cupy.uint16)  # NaN in both half types: a missed element shows
+        _launch(cupy, module, launch, tuple(cupy.asarray(bits[n]) for n in launch.args[:launch.num_inputs]) + (out,))
+        got = _value(cupy.asnumpy(out).view(np.float16) if dt == "float16" else cupy.asnumpy(out), dt)
+        err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
+        assert err < (4e-3 if dt == "float16" else 2e-2), (name, err)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [c for c in MEASURED if WGMMA_CONFIGS[c][3] != "cp"])
 def test_persistent_tma_gemm_with_fused_epilogue(tmp_path, cfg):
