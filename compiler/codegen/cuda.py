@@ -1649,8 +1649,18 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     ``pdl``: a program for programmatic dependent launch, whose persistent GEMMs may load the first
     stages of an operand read straight from one of ``weights`` (kernel parameters) before they wait."""
     em = _Emitter(an, reads, names)
-    if wgmma and not gemv and plan.prec in WGMMA_DTYPES:
-        plan = _outer_axes_to_batch(gc, plan, WGMMA_DTYPES[plan.prec], an, reads)
+    half = plan.prec not in ("tf32", "f32")
+
+    def usable(da: DirectOperand | None, db: DirectOperand | None) -> bool:
+        # float32 operands (TF32, 3xTF32; not measured on a GPU yet: opt-in, wgmma_fp32 or a tile
+        # forced for the op) must be K-major, which the TF32 instruction reads only: the driver
+        # stores weights [N, K] for it
+        return da is not None and db is not None and (half or da.k_major and db.k_major
+                                                      and (wgmma_fp32 or config is not None))
+
+    wgmma = wgmma and not gemv and plan.prec in WGMMA_DTYPES
+    if wgmma:
+        plan = _outer_axes_to_batch(gc, plan, WGMMA_DTYPES[plan.prec], an, reads, usable)
     red = plan.red
     root = _Block(None)
     for v in list(gc.axes) + list(red.vars):  # the reduction's too (a 1x1 conv's window taps)
@@ -1674,17 +1684,12 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
         return "\n".join(lines)
 
     direct = None
-    if wgmma and not gemv and plan.prec in WGMMA_DTYPES:
+    if wgmma:
         dt = WGMMA_DTYPES[plan.prec]
         kv = list(red.vars)
         da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, dt, M, K, an, reads, bblk)
         db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, dt, N, K, an, reads, bblk)
-        # float32 operands (TF32, 3xTF32; not measured on a GPU yet: opt-in, wgmma_fp32 or a tile
-        # forced for the op) must be K-major, which the TF32 instruction reads only: the driver
-        # stores weights [N, K] for it
-        half = plan.prec not in ("tf32", "f32")
-        if da is not None and db is not None and (half or da.k_major and db.k_major
-                                                  and (wgmma_fp32 or config is not None)):
+        if usable(da, db):
             direct = (da, db)
     if direct is None:
         load_a = side(plan.a, "sf_m", plan.m_axes)
@@ -1757,9 +1762,11 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     return src, launch, None
 
 
-def _outer_axes_to_batch(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, reads) -> _GemmPlan:
+def _outer_axes_to_batch(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, reads,
+                         usable) -> _GemmPlan:
     """``plan`` with leading row (M) or column (N) axes moved into its batch axes when only then
-    both operands are direct reads of ``dtype`` (:func:`_direct_operand`), or ``plan`` itself.
+    its operands are direct reads of ``dtype`` (:func:`_direct_operand`) that the wgmma template
+    takes (``usable(a, b)``), or ``plan`` itself.
 
     A batched 1x1 convolution reads its input ``x[n, c, h, w]`` with the rows ``(n, h, w)``: ``h, w``
     are one run of stride 1, but ``n`` steps by ``C * H * W``, so the rows have no single stride
@@ -1771,8 +1778,8 @@ def _outer_axes_to_batch(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Anal
 
     def direct(p: _GemmPlan) -> bool:
         probe = _Block(None, {v: ("0", "int32") for v in p.b_axes})  # (names only: nothing is emitted)
-        return all(_direct_operand(e, ax, kv, p.b_axes, dtype, _prod([v.extent for v in ax]), K, an, reads, probe)
-                   is not None for e, ax in ((p.a, p.m_axes), (p.b, p.n_axes)))
+        return usable(*(_direct_operand(e, ax, kv, p.b_axes, dtype, _prod([v.extent for v in ax]), K, an, reads,
+                                        probe) for e, ax in ((p.a, p.m_axes), (p.b, p.n_axes))))
 
     if direct(plan):
         return plan

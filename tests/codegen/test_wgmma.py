@@ -129,6 +129,12 @@ def test_batched_and_broadcast_operands_are_direct():
     # unless a side would keep fewer than 16 rows: then the portable template
     mm4 = MatMul([Tensor("a", (2, 1, 40, 64), "float16"), Tensor("b", (3, 64, 8), "float16")], name="bc8")
     assert generate_cuda_source([mm4], arch="sm_90").launches["bc8"].kind == "gemm-f16"
+    # a float32 product the wgmma template does not take (not opted in) keeps its plan: batch 1
+    from shardflow.compiler.ops.conv import Conv
+
+    conv = Conv([Tensor("x", (2, 32, 8, 8), "float32"), Tensor("w", (48, 32, 1, 1), "float32")], name="conv")
+    launch = generate_cuda_source([conv], arch="sm_90").launches["conv"]
+    assert launch.kind == "gemm-f32" and launch.grid[2] == 1
 
 
 def test_split_k_only_for_few_tiles_and_long_k():
