@@ -46,13 +46,13 @@ import math
 import os
 import sys
 import tempfile
-import time
 import zlib
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_cases, dump_json, ensure_shardflow, fmt, run_cases, table  # noqa: E402
-from gemm import _cupy_view, _time  # noqa: E402
+from common import (build_alone, build_cases, dump_json, ensure_shardflow, first_run_error, fmt,  # noqa: E402
+                    kernel_bench_args, our_launcher, print_built, run_cases, table)
+from gemm import _time  # noqa: E402
 
 #: (query heads, head size[, KV heads]) of the models' attention
 HEADS = {"gpt2": (12, 64), "llama7b": (32, 128), "gemma7b": (16, 256),  # (gemma7b: half types only)
@@ -106,7 +106,6 @@ def make_cases(shapes=("gpt2", "llama7b"), sizes=SIZES, dtypes=DTYPES) -> list[C
 
 
 def _build_one(case: Case, work: str, arch: str):
-    from shardflow.compiler.codegen.cuda import build_cuda_library
     from shardflow.compiler.ir import Tensor
     from shardflow.compiler.ops.linalg import Attention
 
@@ -116,10 +115,7 @@ def _build_one(case: Case, work: str, arch: str):
     op = Attention(ins, name=case.id, q_heads=case.H, kv_heads=case.Hk, scale=case.D ** -0.5,
                    scale_sqrt=case.D ** -0.25, acc_dtype="float32", is_causal=True, past_len=case.L - case.S,
                    **({"probs_dtype": case.dtype} if half else {}))
-    path = os.path.join(work, f"{case.id}.cubin")
-    t0 = time.perf_counter()
-    launches = build_cuda_library([op], path, arch=arch, precision="float32" if half else case.dtype)
-    return path, launches[case.id], time.perf_counter() - t0
+    return build_alone(op, work, arch, precision="float32" if half else case.dtype)
 
 
 def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp) -> dict:
@@ -141,17 +137,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
     if case.Hk != case.H:
         causal["enable_gqa"] = True
     theirs_out = [torch.empty(shape, device=dev, dtype=tdt) for _ in range(nsets)]
-    module = cp.RawModule(path=cubin)
-    fn = module.get_function(launch.symbol)
-    if launch.shared_mem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = int(launch.shared_mem)
-    stream = torch.cuda.Stream()
-    cstream = cp.cuda.ExternalStream(stream.cuda_stream)
-    views = [[_cupy_view(x, cp) for x in s] for s in sets]
-    grid, block = tuple(launch.grid), tuple(launch.block)
-
-    def ours(i):
-        fn(grid, block, views[i % nsets], shared_mem=int(launch.shared_mem), stream=cstream)
+    stream, cstream, ours = our_launcher(cubin, launch, sets, torch, cp)
 
     def theirs(i):
         q, k, v, _ = sets[i % nsets]
@@ -159,19 +145,12 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 
     torch.backends.cuda.matmul.allow_tf32 = case.dtype == "tf32"
     q, k, v, y = sets[0]
-    torch.cuda.synchronize()
-    y.fill_(float("nan"))
-    torch.cuda.synchronize()
-    ours(0)
-    cstream.synchronize()
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **causal)
-    nan = bool(torch.isnan(y).any().item())
-    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
-    del ref
+    err = first_run_error(ours, cstream, y, lambda: F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                                   **causal), torch)
     rec = asdict(case)
-    rec.update(id=case.id, H=case.H, Hk=case.Hk, D=case.D, kind=launch.kind, grid=list(grid), block=list(block),
-               shared_mem=int(launch.shared_mem), input_sets=nsets, err=None if nan else err,
-               ok=(not nan) and err <= TOLERANCE[case.dtype])
+    rec.update(id=case.id, H=case.H, Hk=case.Hk, D=case.D, kind=launch.kind, grid=list(launch.grid),
+               block=list(launch.block), shared_mem=int(launch.shared_mem), input_sets=nsets, err=err,
+               ok=err is not None and err <= TOLERANCE[case.dtype])
     t_ours = _time(ours, stream, reps, torch, True, n)
     t_theirs = _time(theirs, stream, reps, torch, True, n)
     rec.update(ours_ms=t_ours, torch_sdpa_ms=t_theirs, ours_tflops=case.flops / t_ours / 1e9,
@@ -185,11 +164,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sizes", default=",".join(f"{b}x{s}" + (f"x{n}" if n != s else "") for b, s, n in SIZES),
                     help="comma-separated BxS (a prompt) or BxSxL (S queries, L keys)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
-    ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
-    ap.add_argument("--json", help="write the results here")
+    kernel_bench_args(ap)
     args = ap.parse_args(argv)
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",") if s]
     sizes = [sz if len(sz) == 3 else (sz[0], sz[1], sz[1]) for sz in sizes]
@@ -198,9 +173,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sf-attention-") as work:
         built = build_cases(_build_one, cases, work, args.arch, args.jobs)
         if args.dry_run:
-            rows = [[c.id, built[c.id][1].kind, "x".join(map(str, built[c.id][1].grid)),
-                     str(built[c.id][1].shared_mem), f"{built[c.id][2]:.1f}"] for c in cases]
-            print(table(["case", "kind", "grid", "smem B", "build s"], rows, align="<<<>>"))
+            print_built(cases, built)
             return section
         records, device = run_cases(run_case, cases, built, args.reps, lambda rec: (
             f"  {rec['id']:<26} ours {rec['ours_ms'] * 1e3:9.1f} us {rec['ours_tflops']:6.1f} TFLOP/s  torch "

@@ -134,6 +134,49 @@ def build_cases(build_one, cases: list, work: str, arch: str, jobs: int) -> dict
         return {futs[f].id: f.result() for f in concurrent.futures.as_completed(futs)}
 
 
+def kernel_bench_args(ap, reps: int = 20) -> None:
+    """The options every per-kernel benchmark takes (``ap``: its ``argparse`` parser): ``--reps``,
+    ``--arch``, ``--jobs``, ``--dry-run`` and ``--json``."""
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
+    ap.add_argument("--json", help="write the results here")
+
+
+def print_built(cases: list, built: dict) -> None:
+    """A dry run's table: each case's kernel kind, grid, shared memory and build time."""
+    rows = [[c.id, built[c.id][1].kind, "x".join(map(str, built[c.id][1].grid)), str(built[c.id][1].shared_mem),
+             f"{built[c.id][2]:.1f}"] for c in cases]
+    print(table(["case", "kind", "grid", "smem B", "build s"], rows, align="<<<>>"))
+
+
+def build_alone(op, work: str, arch: str, **options) -> tuple:
+    """``(cubin path, launch, build seconds)`` of ``op``'s kernel compiled alone into ``work``
+    (``build_cuda_library``'s ``options``): what each case of :func:`build_cases` gives."""
+    from shardflow.compiler.codegen.cuda import build_cuda_library
+
+    path = os.path.join(work, f"{op.name}.cubin")
+    t0 = time.perf_counter()
+    launches = build_cuda_library([op], path, arch=arch, **options)
+    return path, launches[op.name], time.perf_counter() - t0
+
+
+def first_run_error(ours, cstream, y, reference, torch) -> float | None:
+    """Our kernel's first launch (``ours(0)``, on ``cstream``) into ``y``, poisoned with NaN before,
+    against ``reference()`` (a higher-precision tensor, computed after): ``max|y - ref| / max|ref|``,
+    or None when ``y`` keeps a NaN (an element not written)."""
+    torch.cuda.synchronize()
+    y.fill_(float("nan"))
+    torch.cuda.synchronize()
+    ours(0)
+    cstream.synchronize()
+    ref = reference()
+    if bool(torch.isnan(y).any().item()):
+        return None
+    return (y.to(ref.dtype) - ref).abs().max().item() / ref.abs().max().item()
+
+
 def run_cases(run_case, cases: list, built: dict, reps: int, line) -> tuple[list[dict], str]:
     """``run_case(case, cubin, launch, reps, l2_bytes, torch, cupy)`` for every case built by
     :func:`build_cases` (``(cubin, launch, ...)`` by id), printing ``line(record)`` after each;
@@ -150,6 +193,28 @@ def run_cases(run_case, cases: list, built: dict, reps: int, line) -> tuple[list
         records.append(rec)
         print(line(rec), flush=True)
     return records, torch.cuda.get_device_name(0)
+
+
+def our_launcher(cubin: str, launch, sets: list, torch, cp):
+    """``(stream, cstream, ours)`` for timing one of our kernels (``launch`` of ``cubin``): a torch
+    stream, cupy's view of it, and ``ours(i)``, which launches the kernel on that stream with the
+    tensors of input set ``sets[i % len(sets)]`` as its arguments, in order."""
+    from gemm import _cupy_view
+
+    module = cp.RawModule(path=cubin)
+    fn = module.get_function(launch.symbol)
+    if launch.shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = int(launch.shared_mem)
+    stream = torch.cuda.Stream()
+    cstream = cp.cuda.ExternalStream(stream.cuda_stream)
+    views = [[_cupy_view(x, cp) for x in s] for s in sets]
+    grid, block, smem = tuple(launch.grid), tuple(launch.block), int(launch.shared_mem)
+
+    def ours(i):
+        fn(grid, block, views[i % len(views)], shared_mem=smem, stream=cstream)
+
+    ours.module = module  # (kept alive with the function)
+    return stream, cstream, ours
 
 
 def err_text(exc: BaseException) -> str:

@@ -29,6 +29,8 @@
 #                                                 # GPT-2 at tf32, < 9 min
 #   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32) and
 #                                                 # split-KV: GPU tests, then every type's kernel vs torch's SDPA, < 4 min
+#   bash benchmarks/gpu/device_session.sh conv    # Stable Diffusion 1.5's UNet convs at batch 2 vs torch's conv2d
+#                                                 # (cuDNN), float16 and bfloat16, < 3 min
 #   bash benchmarks/gpu/device_session.sh steps   # decoding steps end to end (decode.py: a 0.6B grouped-heads
 #                                                 # Llama, KV cache kept on the device) vs torch eager and
 #                                                 # torch.compile, batches 1 and 8, < 8 min
@@ -386,6 +388,16 @@ case "$what" in
         echo "== attention.py --shapes sd15" >> "$f"
         timeout 60 python3 benchmarks/gpu/attention.py --shapes sd15 --sizes 1x1024,2x4096 \
             --dtypes float16,float32 --jobs 14 --json "$out/attention-sd15.json" >> "$f" 2>&1
+        grep -E "passed|failed| ours |WRONG|rror" "$f"
+        ;;
+    conv)  # Stable Diffusion 1.5 UNet's convs at batch 2 (benchmarks/gpu/conv.py, session 49; never run on a
+           # GPU): the batched 1x1 convs' GPU test (rfcs/0005 decision 55: wgmma, the images as the batch), then
+           # ours vs torch's conv2d (cuDNN; NCHW and channels-last), float16 and bfloat16, < 3 min
+        f="$out/conv.txt"
+        echo "# device_session.sh conv, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+        timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
+            -k "batched_one_by_one" 2>&1 | tail -5 | tee -a "$f"
+        timeout 120 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV

@@ -71,7 +71,7 @@ import zlib
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import dump_json, ensure_shardflow, fmt, table  # noqa: E402
+from common import build_alone, dump_json, ensure_shardflow, fmt, table  # noqa: E402
 
 M_VALUES = (128, 1024, 8192)
 PROJECTIONS = (  # (model, projection, N, K)
@@ -153,15 +153,10 @@ def case_op(case: Case, weight_b: bool = False):
 def _build_one(case: Case, work: str, arch: str, cache_dir: str | None, extra: dict, config: str | None):
     if config:  # one forced tile configuration for every case
         extra = dict(extra, gemm_configs={case.id: config})
-    from shardflow.compiler.codegen.cuda import build_cuda_library
-
     if case.dtype in FLOAT32:  # (the Hopper kernels of float32 operands: opt-in in the compiler)
         extra = dict(extra, precision=case.dtype, wgmma_fp32=True)
     op = case_op(case, weight_b=bool(extra.get("pdl")))  # (--pdl: B a weight, whose first stages load early)
-    path = os.path.join(work, f"{case.id}.cubin")
-    t0 = time.perf_counter()
-    launches = build_cuda_library([op], path, arch=arch, cache_dir=cache_dir, **extra)
-    return path, launches[case.id], time.perf_counter() - t0
+    return build_alone(op, work, arch, cache_dir=cache_dir, **extra)
 
 
 def build(cases: list[Case], work: str, arch: str = "sm_90", jobs: int = 1, cache_dir: str | None = None,

@@ -33,12 +33,12 @@ import math
 import os
 import sys
 import tempfile
-import time
 import zlib
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_cases, dump_json, fmt, run_cases, table  # noqa: E402
+from common import (build_alone, build_cases, dump_json, fmt, kernel_bench_args, print_built, run_cases,  # noqa: E402
+                    table)
 from gemm import PROJECTIONS, _cupy_view, _time  # noqa: E402
 
 M_VALUES = (1, 4, 8)
@@ -83,7 +83,6 @@ def make_cases(m_values=M_VALUES, shapes=None, bits: int = 4, block: int = 32) -
 def _build_one(case: Case, work: str, arch: str):
     import numpy as np
 
-    from shardflow.compiler.codegen.cuda import build_cuda_library
     from shardflow.compiler.ir import Tensor, const_tensor
     from shardflow.compiler.ops.linalg import MatMulNBits
 
@@ -94,10 +93,7 @@ def _build_one(case: Case, work: str, arch: str):
            Tensor("bq", (case.N, case.blocks, case.block * case.bits // 8), "uint8"),
            Tensor("scales", (case.N, case.blocks), "float32"), zp]
     op = MatMulNBits(ins, name=case.id, bits=case.bits, block_size=case.block)
-    path = os.path.join(work, f"{case.id}.cubin")
-    t0 = time.perf_counter()
-    launches = build_cuda_library([op], path, arch=arch)
-    return path, launches[case.id], time.perf_counter() - t0
+    return build_alone(op, work, arch)
 
 
 def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp) -> dict:
@@ -165,11 +161,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", default="llama7b", help="comma-separated: gpt2, llama7b or model.proj")
     ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
-    ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
-    ap.add_argument("--json", help="write the results here")
+    kernel_bench_args(ap, reps=30)
     args = ap.parse_args(argv)
     cases = make_cases([int(x) for x in args.m.split(",") if x], [s for s in args.shapes.split(",") if s],
                        args.bits, args.block)
@@ -177,9 +169,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sf-lowbit-") as work:
         built = build_cases(_build_one, cases, work, args.arch, args.jobs)
         if args.dry_run:
-            rows = [[c.id, built[c.id][1].kind, "x".join(map(str, built[c.id][1].grid)), f"{built[c.id][2]:.1f}"]
-                    for c in cases]
-            print(table(["case", "kind", "grid", "build s"], rows, align="<<<>"))
+            print_built(cases, built)
             return section
         import torch
 

@@ -134,6 +134,19 @@ def test_attention_dry_run_builds_every_type(capsys):
 
 
 @needs_nvcc
+def test_conv_dry_run_builds_our_conv_kernels():
+    """conv.py's cases through its own build path: on sm_90 a 1x1 conv over the batch of two
+    latents takes the wgmma template, the images as the product's batch (rfcs/0005 decision 55); a
+    3x3 conv the portable one."""
+    conv = _load("conv")
+    section = conv.main(["--dry-run", "--shapes", "proj64,conv8", "--dtypes", "float16", "--jobs", "2"])
+    assert section["kinds"] == {"proj64_float16": "gemm-wgmma-f16", "conv8_float16": "gemm-f16"}
+    assert len(conv.make_cases()) == 2 * len(conv.SHAPES) and len(conv.make_cases("1x1", ["bfloat16"])) == 5
+    with pytest.raises(SystemExit, match="proj99"):
+        conv.make_cases(shapes=["proj99"])
+
+
+@needs_nvcc
 def test_decode_dry_run_keeps_the_cache_on_the_device(tmp_path):
     """decode.py's step (a 2-layer grouped-heads model exported in float16 by torch) compiles for
     sm_90 with its four caches written in place, one fused attention per layer (its softmax in

@@ -1,0 +1,172 @@
+"""Convolutions: our kernel vs torch's (cuDNN), Stable Diffusion 1.5 UNet's convs at batch 2.
+
+    python benchmarks/gpu/conv.py [--cases all|1x1|3x3] [--shapes proj64,conv64,...] [--dtypes float16,bfloat16]
+                                  [--reps 20] [--dry-run] [--json OUT.json]
+
+What is compared
+    ``Conv(x, w, bias)`` on ``[2, C, H, W]`` images (Stable Diffusion 1.5 at 512x512 pixels: a
+    64x64 latent, two images under classifier-free guidance), in the UNet's shapes: the 1x1 convs
+    of its transformer blocks (``proj_in``/``proj_out``, C -> C) and its resnets' shortcuts (C ->
+    2C), and its 3x3 convs (padding 1). Ours is the ``Conv`` op compiled alone for ``--arch``
+    (float16/bfloat16 operands and output, float32 accumulation): on sm_90 a 1x1 conv over a batch
+    whose ``H*W`` is a multiple of 8 takes the Hopper wgmma template with the images as the
+    product's batch (rfcs/0005 decision 55), a 3x3 conv the portable wmma template (its ``kind``
+    is printed). Beside it, in the same run: ``torch.nn.functional.conv2d`` on the same operands
+    in the same type, NCHW as ours, and channels-last (``torch.channels_last``, the layout cuDNN's
+    fastest kernels prefer; its layout conversion not timed).
+
+    ``TFLOP/s`` counts ``2 N OC H W C kh kw``.
+
+Timing and correctness
+    As ``gemm.py``: CUDA graphs of back-to-back launches rotating over enough input sets that each
+    launch reads its operands from device memory (three times the L2 cache, at most 16 sets),
+    median over ``--reps`` replays. Before timing, our output is poisoned with NaN and compared with
+    torch's conv in float32 on the same rounded operands: ``err = max|y - ref| / max|ref|`` must be
+    within the type's tolerance (``TOLERANCE``).
+
+``--dry-run`` generates and compiles every kernel (nvcc, no GPU needed) and prints its launch.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import zlib
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (build_alone, build_cases, dump_json, ensure_shardflow, first_run_error, fmt,  # noqa: E402
+                    kernel_bench_args, our_launcher, print_built, run_cases, table)
+from gemm import _time  # noqa: E402
+
+#: (name, C, OC, H = W, window) of Stable Diffusion 1.5's UNet at a 64x64 latent
+SHAPES = (("proj64", 320, 320, 64, 1), ("proj32", 640, 640, 32, 1), ("proj16", 1280, 1280, 16, 1),
+          ("short32", 320, 640, 32, 1), ("short16", 640, 1280, 16, 1),
+          ("conv64", 320, 320, 64, 3), ("conv32", 640, 640, 32, 3), ("conv16", 1280, 1280, 16, 3),
+          ("conv8", 1280, 1280, 8, 3))
+BATCH = 2
+DTYPES = ("float16", "bfloat16")
+#: largest error (of the output's largest value) each type may have against float32 on the same operands
+TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2}
+MAX_SETS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    C: int
+    OC: int
+    HW: int
+    k: int
+    dtype: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}_{self.dtype}"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * BATCH * self.OC * self.HW * self.HW * self.C * self.k * self.k
+
+
+def make_cases(which: str = "all", dtypes=DTYPES, shapes=None) -> list[Case]:
+    """The cases of window ``which`` (``all``, ``1x1``, ``3x3``), of ``shapes`` (names; None: all)."""
+    names = [s[0] for s in SHAPES]
+    unknown = sorted((set(shapes or ()) - set(names)) | (set(dtypes) - set(DTYPES)))
+    if which not in ("all", "1x1", "3x3") or unknown:
+        raise SystemExit(f"unknown case kind, shape(s) or type(s) {[which, *unknown]}; --cases: all, 1x1 or 3x3; "
+                         f"--shapes: of {names}; --dtypes: of {DTYPES}")
+    keep = {"all": (1, 3), "1x1": (1,), "3x3": (3,)}[which]
+    return [Case(*s, dt) for s in SHAPES if s[4] in keep and (not shapes or s[0] in shapes) for dt in dtypes]
+
+
+def _build_one(case: Case, work: str, arch: str):
+    from shardflow.compiler.ir import Tensor
+    from shardflow.compiler.ops.conv import Conv
+
+    ins = [Tensor("x", (BATCH, case.C, case.HW, case.HW), case.dtype),
+           Tensor("w", (case.OC, case.C, case.k, case.k), case.dtype), Tensor("b", (case.OC,), case.dtype)]
+    op = Conv(ins, name=case.id, pads=[case.k // 2] * 4)
+    return build_alone(op, work, arch)
+
+
+def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp) -> dict:
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
+    xs, ws, ys = (BATCH, case.C, case.HW, case.HW), (case.OC, case.C, case.k, case.k), (BATCH, case.OC, case.HW,
+                                                                                      case.HW)
+    set_bytes = 2 * (math.prod(xs) + math.prod(ws) + math.prod(ys))
+    nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
+    n = max(20, nsets)
+    gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
+    scale = (case.C * case.k * case.k) ** -0.5
+    sets = [[torch.randn(xs, device=dev, generator=gen).to(tdt),
+             (torch.randn(ws, device=dev, generator=gen) * scale).to(tdt),
+             torch.randn((case.OC,), device=dev, generator=gen).to(tdt), torch.empty(ys, device=dev, dtype=tdt)]
+            for _ in range(nsets)]
+    last = [[s[0].contiguous(memory_format=torch.channels_last), s[1].contiguous(memory_format=torch.channels_last),
+             s[2]] for s in sets]
+    theirs_out = [torch.empty(ys, device=dev, dtype=tdt) for _ in range(nsets)]
+    stream, cstream, ours = our_launcher(cubin, launch, sets, torch, cp)
+    pad = case.k // 2
+
+    def theirs(i):
+        x, w, b, _ = sets[i % nsets]
+        theirs_out[i % nsets].copy_(F.conv2d(x, w, b, padding=pad))
+
+    def theirs_last(i):
+        x, w, b = last[i % nsets]
+        F.conv2d(x, w, b, padding=pad)
+
+    x, w, b, y = sets[0]
+    torch.backends.cudnn.allow_tf32 = False
+    err = first_run_error(ours, cstream, y, lambda: F.conv2d(x.float(), w.float(), b.float(), padding=pad), torch)
+    rec = asdict(case)
+    rec.update(id=case.id, batch=BATCH, kind=launch.kind, grid=list(launch.grid), block=list(launch.block),
+               shared_mem=int(launch.shared_mem), input_sets=nsets, err=err,
+               ok=err is not None and err <= TOLERANCE[case.dtype])
+    t_ours = _time(ours, stream, reps, torch, True, n)
+    t_theirs = _time(theirs, stream, reps, torch, True, n)
+    t_last = _time(theirs_last, stream, reps, torch, True, n)
+    rec.update(ours_ms=t_ours, torch_ms=t_theirs, torch_channels_last_ms=t_last, ours_tflops=case.flops / t_ours / 1e9,
+               torch_tflops=case.flops / t_theirs / 1e9, torch_channels_last_tflops=case.flops / t_last / 1e9,
+               ours_vs_torch=t_theirs / t_ours, ours_vs_torch_channels_last=t_last / t_ours)
+    return rec
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="all", help="all, 1x1 or 3x3")
+    ap.add_argument("--shapes", default="", help=f"comma-separated, of {[s[0] for s in SHAPES]} (default: all)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
+    kernel_bench_args(ap)
+    args = ap.parse_args(argv)
+    ensure_shardflow()
+    cases = make_cases(args.cases, [d for d in args.dtypes.split(",") if d], [s for s in args.shapes.split(",") if s])
+    section: dict = {"arch": args.arch, "batch": BATCH, "tolerance": TOLERANCE}
+    with tempfile.TemporaryDirectory(prefix="sf-conv-") as work:
+        built = build_cases(_build_one, cases, work, args.arch, args.jobs)
+        if args.dry_run:
+            print_built(cases, built)
+            section["kinds"] = {c.id: built[c.id][1].kind for c in cases}
+            return section
+        records, device = run_cases(run_case, cases, built, args.reps, lambda rec: (
+            f"  {rec['id']:<18} {rec['kind']:<15} ours {rec['ours_ms'] * 1e3:8.1f} us {rec['ours_tflops']:6.1f} "
+            f"TFLOP/s  torch {rec['torch_ms'] * 1e3:8.1f} us  channels-last {rec['torch_channels_last_ms'] * 1e3:8.1f}"
+            f" us  err {fmt(rec['err'], '.1e')}{'' if rec['ok'] else '  WRONG'}"))
+    section.update(device=device, records=records, all_correct=all(r["ok"] for r in records))
+    print(table(["case", "kind", "ours us", "ours TFLOP/s", "torch us", "torch/ours", "torch CL us", "CL/ours", "err"],
+                [[r["id"], r["kind"], fmt(r["ours_ms"] * 1e3, ".1f"), fmt(r["ours_tflops"], ".1f"),
+                  fmt(r["torch_ms"] * 1e3, ".1f"), fmt(r["ours_vs_torch"], ".2f"),
+                  fmt(r["torch_channels_last_ms"] * 1e3, ".1f"), fmt(r["ours_vs_torch_channels_last"], ".2f"),
+                  fmt(r["err"], ".1e") if r["ok"] else "WRONG"] for r in records], align="<<>>>>>>>"))
+    dump_json(args.json, section)
+    return section
+
+
+if __name__ == "__main__":
+    main()
