@@ -1071,7 +1071,8 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.precision import HalfPrecisionContractions
 
         rg = HalfPrecisionContractions(opt.precision, k_major_weights=opt.target == "cuda",
-                                       k_major_ops=_k_major_tiles(opt.gemm_tiles)).run(rg)
+                                       k_major_ops=_k_major_tiles(opt.gemm_tiles),
+                                       cast_per_reader=opt.target == "cuda").run(rg)
     if opt.target == "cuda":
         # a half model's own weights stored [N, K] where the wgmma GEMM needs them so
         from .passes.precision import HalfWeightsKMajor

@@ -1660,7 +1660,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
 
     wgmma = wgmma and not gemv and plan.prec in WGMMA_DTYPES
     if wgmma:
-        plan = _outer_axes_to_batch(gc, plan, WGMMA_DTYPES[plan.prec], an, reads, usable)
+        plan = _wgmma_plan(gc, plan, WGMMA_DTYPES[plan.prec], an, reads, usable)
     red = plan.red
     root = _Block(None)
     for v in list(gc.axes) + list(red.vars):  # the reduction's too (a 1x1 conv's window taps)
@@ -1762,17 +1762,21 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     return src, launch, None
 
 
-def _outer_axes_to_batch(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, reads,
-                         usable) -> _GemmPlan:
-    """``plan`` with leading row (M) or column (N) axes moved into its batch axes when only then
-    its operands are direct reads of ``dtype`` (:func:`_direct_operand`) that the wgmma template
-    takes (``usable(a, b)``), or ``plan`` itself.
+def _wgmma_plan(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, reads, usable) -> _GemmPlan:
+    """The form of ``plan`` the wgmma template takes best: its operands direct reads of ``dtype``
+    (:func:`_direct_operand`) that the template takes (``usable(a, b)``), or ``plan`` itself.
 
-    A batched 1x1 convolution reads its input ``x[n, c, h, w]`` with the rows ``(n, h, w)``: ``h, w``
-    are one run of stride 1, but ``n`` steps by ``C * H * W``, so the rows have no single stride
-    and the product would take the portable template; with ``n`` a batch axis (its offset the
-    batch's base, the weight's 0) the rows ``(h, w)`` are evenly strided. The fewest axes move,
-    and both sides keep at least 16 rows (:func:`_plan_gemm`'s bound)."""
+    * **Columns along the output's rows.** Where the output's innermost axis is one of the plan's
+      rows (M), the sides swap when the swapped plan is usable: an NCHW convolution's output
+      ``y[n, o, h, w]`` then has its pixels as columns, and each thread of the epilogue stores
+      four consecutive ones at once (the template's vector epilogue, RFC 0005 decision 22) where
+      it stored single elements ``H*W`` apart.
+    * **Leading axes into the batch.** A batched 1x1 convolution reads its input
+      ``x[n, c, h, w]`` with the pixels ``(n, h, w)``: ``h, w`` are one run of stride 1, but ``n``
+      steps by ``C * H * W``, so they have no single stride and the product would take the portable
+      template; with ``n`` a batch axis (its offset the batch's base, the weight's 0) the pixels
+      ``(h, w)`` are evenly strided. The fewest axes move, and both sides keep at least 16 rows
+      (:func:`_plan_gemm`'s bound) (RFC 0005 decision 55)."""
     kv = list(plan.red.vars)
     K = _prod([v.extent for v in kv])
 
@@ -1781,22 +1785,29 @@ def _outer_axes_to_batch(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Anal
         return usable(*(_direct_operand(e, ax, kv, p.b_axes, dtype, _prod([v.extent for v in ax]), K, an, reads,
                                         probe) for e, ax in ((p.a, p.m_axes), (p.b, p.n_axes))))
 
-    if direct(plan):
-        return plan
-    order = {v: i for i, v in enumerate(gc.axes)}
-    cuts = sorted(((cm, cn) for cm in range(len(plan.m_axes)) for cn in range(len(plan.n_axes)) if cm or cn),
-                  key=sum)
-    for cm, cn in cuts:
-        m_ax, n_ax = plan.m_axes[cm:], plan.n_axes[cn:]
-        if _prod([v.extent for v in m_ax]) < 16 or _prod([v.extent for v in n_ax]) < 16:
-            continue
-        b_ax = sorted(plan.b_axes + plan.m_axes[:cm] + plan.n_axes[:cn], key=order.__getitem__)
-        if _prod([v.extent for v in b_ax]) > 65535:  # (the batch is the grid's third dimension)
-            continue
-        moved = dataclasses.replace(plan, m_axes=m_ax, n_axes=n_ax, b_axes=b_ax)
-        if direct(moved):
-            return moved
-    return plan
+    def batched(p: _GemmPlan) -> _GemmPlan | None:
+        if direct(p):
+            return p
+        order = {v: i for i, v in enumerate(gc.axes)}
+        cuts = sorted(((cm, cn) for cm in range(len(p.m_axes)) for cn in range(len(p.n_axes)) if cm or cn), key=sum)
+        for cm, cn in cuts:
+            m_ax, n_ax = p.m_axes[cm:], p.n_axes[cn:]
+            if _prod([v.extent for v in m_ax]) < 16 or _prod([v.extent for v in n_ax]) < 16:
+                continue
+            b_ax = sorted(p.b_axes + p.m_axes[:cm] + p.n_axes[:cn], key=order.__getitem__)
+            if _prod([v.extent for v in b_ax]) > 65535:  # (the batch is the grid's third dimension)
+                continue
+            moved = dataclasses.replace(p, m_axes=m_ax, n_axes=n_ax, b_axes=b_ax)
+            if direct(moved):
+                return moved
+        return None
+
+    live = [v for v in gc.axes if v.extent != 1]
+    if live and live[-1] in plan.m_axes:
+        swapped = batched(dataclasses.replace(plan, a=plan.b, b=plan.a, m_axes=plan.n_axes, n_axes=plan.m_axes))
+        if swapped is not None:
+            return swapped
+    return batched(plan) or plan
 
 
 def _reads_per_row(value: Expr, m_axes: list, an: _Analysis) -> bool:

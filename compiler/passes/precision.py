@@ -66,7 +66,7 @@ class HalfPrecisionContractions(GraphPass):
     """Round the float32 operands of contractions to ``dtype`` (``"float16"`` or ``"bfloat16"``)."""
 
     def __init__(self, dtype: str, k_major_weights: bool = False,
-                 k_major_ops: "Callable[[Operator], bool] | None" = None):
+                 k_major_ops: "Callable[[Operator], bool] | None" = None, cast_per_reader: bool = False):
         self.dtype = dtype
         self.np_dtype = _half_dtype(dtype)
         #: store a MatMul weight ``[K, N]`` whose rows are not 16-byte aligned (``N`` not a multiple
@@ -77,9 +77,15 @@ class HalfPrecisionContractions(GraphPass):
         #: the MatMul / Gemm (without ``trans_b``) ops whose ``[K, N]`` weight is stored ``[N, K]``
         #: likewise, whatever ``N`` (the ops forced onto a cuda tile that needs a K-major B)
         self.k_major_ops = k_major_ops
+        #: each contraction reads a weight through a Cast (and Transpose) of its own, which the
+        #: cuda target fuses into its GEMM's loads (one shared by several readers is a kernel of
+        #: its own there, writing the float32 values, and the GEMMs reading them take the float32
+        #: template); the cpu target runs such casts as kernels: once for all readers when shared
+        self.cast_per_reader = cast_per_reader
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         nodes: list[Operator] = []
+        shared: dict[int, Tensor] = {}  # weight -> the float32 values its readers share (not cast_per_reader)
         n_ops = 0
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
@@ -102,8 +108,12 @@ class HalfPrecisionContractions(GraphPass):
             inputs = list(op.inputs)
             for k in idx:
                 t = inputs[k]
-                if t.is_constant:
+                if t.is_constant and self.cast_per_reader:
                     inputs[k] = self._weight(op, k, t, nodes)
+                elif t.is_constant:
+                    if id(t) not in shared:
+                        shared[id(t)] = self._weight(op, k, t, nodes)
+                    inputs[k] = shared[id(t)]
                 else:
                     inputs[k] = self._activation(op, k, t, nodes, dropped)
             op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
@@ -115,10 +125,8 @@ class HalfPrecisionContractions(GraphPass):
         return graph
 
     def _weight(self, op: Operator, k: int, t: Tensor, nodes: list[Operator]) -> Tensor:
-        """Weight ``t`` converted once to the half type, read back as float32 by a ``Cast`` of
-        ``op``'s own: a weight that several contractions read (ALBERT's shared layers) is stored
-        once, and each reader's GEMM still reads it in the half type (a shared ``Cast`` would be a
-        kernel of its own, writing the float32 values the products then read)."""
+        """Weight ``t`` converted once to the half type (stored once, whatever reads it: ALBERT's
+        shared layers), read back as float32 by a ``Cast`` made for ``op``."""
         from ..ops.elementwise import CastOp
 
         if _stored_k_major(op, k, t, self.k_major_weights, self.k_major_ops):

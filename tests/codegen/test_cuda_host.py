@@ -271,7 +271,8 @@ def _rank_graph_for_cuda(model: str, k_major_ops=None, feeds: dict | None = None
         rg = HalfLowBitOperands(precision).run(rg)
     rg = MergeProjections().run(rg)
     if precision == "float16":
-        rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops).run(rg)
+        rg = HalfPrecisionContractions("float16", k_major_weights=True, k_major_ops=k_major_ops,
+                                       cast_per_reader=True).run(rg)
     if precision in ("tf32", "float32-wgmma"):  # (float32 on wgmma: every weight, as a "*" tile pattern does)
         rg = Float32WeightsKMajor(precision == "tf32").run(rg)
     return FuseAttention(float32=True, target="cuda").run(FuseAttention().run(rg)), feeds
@@ -1119,21 +1120,29 @@ def test_residual_epilogues_of_whole_tiles_on_the_host(tmp_path, cfg):
 
 
 def test_epilogue_of_a_transposed_output_on_the_host(tmp_path):
-    """An output whose rows are not contiguous (``mk,kn->nm``): four columns per thread, each
-    stored on its own (decision 22's other store path)."""
+    """An output whose rows are not contiguous: with the batch axis last (``bmk,bkn->mnb``) four
+    columns per thread, each stored on its own (decision 22's other store path); a transposed
+    output (``mk,kn->nm``) swaps the product's sides instead (decision 55: its columns along the
+    output's rows), four consecutive elements stored at once."""
     from shardflow.compiler.ops.linalg import Einsum
 
-    x, w = Tensor("x", (200, 72), "float16"), Tensor("w", (72, 136), "float16")
-    op = Einsum([x, w], name="e", equation="mk,kn->nm")
-    src = generate_cuda_source([op], arch="sm_90")
-    launch = src.launches["e"]
-    assert "sf_acc[4]" in src.text and "SfVec4<__half> sf_o" not in src.text
     rng = np.random.default_rng(0)
-    xv, wv = rng.standard_normal(x.shape).astype(np.float16), rng.standard_normal(w.shape).astype(np.float16)
-    got = run(build(src.text, str(tmp_path)), launch, [xv, wv], [((136, 200), np.float16)],
-              grid=(3, 1, 1) if launch.tensor_maps else None)[0]
-    want = (xv.astype(np.float64) @ wv.astype(np.float64)).T
-    np.testing.assert_allclose(got.astype(np.float32), want, atol=4e-3 * np.abs(want).max(), rtol=4e-3)
+    x, w = Tensor("x", (200, 72), "float16"), Tensor("w", (72, 136), "float16")
+    xb, wb = Tensor("xb", (3, 40, 72), "float16"), Tensor("wb", (3, 72, 136), "float16")
+    ops = [Einsum([x, w], name="e", equation="mk,kn->nm"), Einsum([xb, wb], name="eb", equation="bmk,bkn->mnb")]
+    vals = {t.name: rng.standard_normal(t.shape).astype(np.float16) for t in (x, w, xb, wb)}
+    wants = {"e": (vals["x"].astype(np.float64) @ vals["w"].astype(np.float64)).T,
+             "eb": np.einsum("bmk,bkn->mnb", vals["xb"].astype(np.float64), vals["wb"].astype(np.float64))}
+    kernels = {}
+    for op in ops:
+        src = generate_cuda_source([op], arch="sm_90")
+        assert "sf_acc[4]" in src.text and ("SfVec4<__half> sf_o" in src.text) == (op.name == "e"), op.name
+        kernels[op.name] = (src.launches[op.name], build(src.text, str(tmp_path)))
+    for name, (launch, lib) in kernels.items():
+        got = run(lib, launch, [vals[n] for n in launch.args[:2]], [(wants[name].shape, np.float16)],
+                  grid=(3, 1, 1) if launch.persistent else None, resident=3 if launch.persistent else 1)[0]
+        np.testing.assert_allclose(got.astype(np.float32), wants[name], atol=4e-3 * np.abs(wants[name]).max(),
+                                   rtol=4e-3, err_msg=name)
 
 
 def _tf32(x: np.ndarray) -> np.ndarray:
@@ -1315,20 +1324,23 @@ def test_float8_program_on_the_host(tmp_path, kind, saturate):
 
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_batched_one_by_one_convs_and_broadcast_products_take_wgmma_on_the_host(tmp_path, dt):
-    """A 1x1 convolution over a batch of images reads its rows ``(n, h, w)`` with no single stride;
-    with ``n`` moved into the product's batch (RFC 0005 decision 55) it takes the wgmma template,
-    a fused bias, residual and SiLU in its epilogue; a product whose batch broadcasts on one side
-    takes it the same way. Against numpy, sizes that are not multiples of the tile."""
-    from test_wgmma import _batched_products, _value
+    """A 1x1 convolution over a batch of images reads its pixels ``(n, h, w)`` with no single
+    stride; with ``n`` moved into the product's batch (RFC 0005 decision 55) it takes the wgmma
+    template, a fused bias, residual and SiLU in its epilogue; a product whose batch broadcasts on
+    one side takes it the same way. The convs' pixels are the product's columns (the epilogue
+    stores four consecutive ones at once); on one image the conv takes a TMA tile. Against numpy,
+    sizes that are not multiples of the tile."""
+    from test_wgmma import BATCHED_TILES, _batched_products, _value
 
     ops, bits, wants = _batched_products(dt)
-    src = generate_cuda_source(ops, arch="sm_90")
+    src = generate_cuda_source(ops, arch="sm_90", gemm_configs=BATCHED_TILES)
     kernels = build(src.text, str(tmp_path))
     for name, want in wants.items():
         launch = src.launches[name]
-        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}" and launch.grid[2] == 3, name
-        out = run(kernels, launch, [bits[n] for n in launch.args[:launch.num_inputs]],
-                  [(want.shape, np.uint16)])[0]
+        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}", name
+        assert launch.grid[2] == (1 if name == "one" else 3) and bool(launch.tensor_maps) == (name == "one"), name
+        out = run(kernels, launch, [bits[n] for n in launch.args[:launch.num_inputs]], [(want.shape, np.uint16)],
+                  grid=(2, 1, 1) if launch.persistent else None, resident=2 if launch.persistent else 1)[0]
         got = _value(out.view(np.float16) if dt == "float16" else out, dt)
         err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
         assert err < (4e-3 if dt == "float16" else 2e-2), (name, err)  # (NaN, an element not written, fails too)

@@ -135,6 +135,10 @@ def test_batched_and_broadcast_operands_are_direct():
     conv = Conv([Tensor("x", (2, 32, 8, 8), "float32"), Tensor("w", (48, 32, 1, 1), "float32")], name="conv")
     launch = generate_cuda_source([conv], arch="sm_90").launches["conv"]
     assert launch.kind == "gemm-f32" and launch.grid[2] == 1
+    # a half conv's pixels are the columns: four consecutive ones stored at once, the weight A
+    half = Conv([Tensor("x", (2, 32, 8, 8), "float16"), Tensor("w", (48, 32, 1, 1), "float16")], name="conv")
+    src = generate_cuda_source([half], arch="sm_90")
+    assert src.launches["conv"].grid[2] == 2 and "reinterpret_cast<SfVec4<__half>*>(out0" in src.text
 
 
 def test_split_k_only_for_few_tiles_and_long_k():
@@ -712,26 +716,33 @@ def test_batched_product_with_fused_epilogue(tmp_path):
     _bias_tanh_matches_numpy(tmp_path, x, w, rng.standard_normal((72,)).astype(np.float16))
 
 
+#: the tile of :func:`_batched_products`' unbatched conv (at its size the default is a cp.async tile)
+BATCHED_TILES = {"one": "tma64x128"}
+
+
 def _batched_products(dt: str):
     """RFC 0005 decision 55's products (``dt`` operands): a 1x1 conv over 3 images (40 channels,
-    4x10 pixels, 72 outputs) with bias, residual and SiLU fused (group ``out``), and a product
-    whose batch broadcasts on B's side (``bc``); returns the ops (fused), the operands' bits by
-    name and numpy's outputs by group name."""
+    4x10 pixels, 72 outputs) with bias, residual and SiLU fused (group ``out``), the same conv on
+    one image (``one``: unbatched, on a TMA tile, :data:`BATCHED_TILES`), and a product whose
+    batch broadcasts on B's side (``bc``); returns the ops (fused), the operands' bits by name and
+    numpy's outputs by group name."""
     from shardflow.compiler.ops.conv import Conv
 
     rng = np.random.default_rng(3)
     bits = {k: _bits(rng.standard_normal(s) / (4 if k == "w" else 1), dt) for k, s in (
         ("x", (3, 40, 4, 10)), ("w", (72, 40, 1, 1)), ("bias", (72,)), ("res", (3, 72, 4, 10)),
         ("a", (2, 1, 40, 64)), ("b", (3, 64, 24)))}
+    bits["x1"] = bits["x"][:1].copy()
     t = {k: Tensor(k, v.shape, dt) for k, v in bits.items()}
     conv = Conv([t["x"], t["w"], t["bias"]], name="conv")
     add = Binary([conv.outputs[0], t["res"]], name="add", fn="add")
     sig = Unary([add.outputs[0]], name="sig", fn="sigmoid")
     chain = [conv, add, sig, Binary([add.outputs[0], sig.outputs[0]], name="out", fn="mul")]
     v = {k: _value(b, dt).astype(np.float64) for k, b in bits.items()}
-    y = np.einsum("nchw,oc->nohw", v["x"], v["w"][:, :, 0, 0]) + v["bias"][:, None, None] + v["res"]
-    return fuse(chain) + [MatMul([t["a"], t["b"]], name="bc")], bits, {"out": y / (1 + np.exp(-y)),
-                                                                        "bc": v["a"] @ v["b"]}
+    y0 = np.einsum("nchw,oc->nohw", v["x"], v["w"][:, :, 0, 0]) + v["bias"][:, None, None]
+    y = y0 + v["res"]
+    ops = fuse(chain) + [Conv([t["x1"], t["w"], t["bias"]], name="one"), MatMul([t["a"], t["b"]], name="bc")]
+    return ops, bits, {"out": y / (1 + np.exp(-y)), "one": y0[:1], "bc": v["a"] @ v["b"]}
 
 
 @pytest.mark.gpu
@@ -741,11 +752,13 @@ def test_batched_one_by_one_convs_and_broadcast_products(tmp_path, dt):
     cupy = _gpu()
     ops, bits, wants = _batched_products(dt)
     path = str(tmp_path / "k.cubin")
-    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"))
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"),
+                                  gemm_configs=BATCHED_TILES)
     module = cupy.RawModule(path=path)
     for name, want in wants.items():
         launch = launches[name]
-        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}" and launch.grid[2] == 3, name
+        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}", name
+        assert launch.grid[2] == (1 if name == "one" else 3) and bool(launch.tensor_maps) == (name == "one"), name
         out = cupy.full(want.shape, 0xFFFF, cupy.uint16)  # NaN in both half types: a missed element shows
         _launch(cupy, module, launch, tuple(cupy.asarray(bits[n]) for n in launch.args[:launch.num_inputs]) + (out,))
         got = _value(cupy.asnumpy(out).view(np.float16) if dt == "float16" else cupy.asnumpy(out), dt)

@@ -191,10 +191,11 @@ def test_unaligned_weights_are_stored_k_major_for_cuda():
 @pytest.mark.parametrize("case", ["half", "half-k-major", "half-model", "tf32"])
 def test_a_weight_read_by_several_products_is_stored_once_and_cast_by_each(case):
     """A weight several contractions read (ALBERT's shared layers; equal constants merged) is stored
-    once in its new form (half values, ``[N, K]``, TF32-rounded), and each product reads it through
-    a Cast or Transpose of its own, which fuses into its GEMM: both take the wgmma template on
-    sm_90, and no kernel writes the weight's float32 (or ``[K, N]``) values at run time, as a
-    shared Cast did (its GEMMs then took the float32 template). Values against numpy."""
+    once in its new form (half values, ``[N, K]``, TF32-rounded), and for cuda each product reads
+    it through a Cast or Transpose of its own, which fuses into its GEMM: both take the wgmma
+    template on sm_90, and no kernel writes the weight's float32 (or ``[K, N]``) values at run
+    time, as a shared Cast did (its GEMMs then took the float32 template). Values against numpy.
+    For the cpu target, which runs such casts as kernels, the readers share one."""
     from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
     from shardflow.compiler.passes.precision import Float32WeightsKMajor, HalfWeightsKMajor, round_tf32
 
@@ -207,7 +208,7 @@ def test_a_weight_read_by_several_products_is_stored_once_and_cast_by_each(case)
     y1, y2 = MatMul([x, weight], name="p1"), MatMul([z, weight], name="p2")
     g = FlowGraph([x, z], y1.outputs + y2.outputs)
     if case.startswith("half") and dt == "float32":
-        g = HalfPrecisionContractions("float16", k_major_weights=True,
+        g = HalfPrecisionContractions("float16", k_major_weights=True, cast_per_reader=True,
                                       k_major_ops=(lambda op: True) if case == "half-k-major" else None).run(g)
     elif case == "half-model":
         g = HalfWeightsKMajor(lambda op: True).run(g)
@@ -228,6 +229,12 @@ def test_a_weight_read_by_several_products_is_stored_once_and_cast_by_each(case)
     products = [launch for launch in launches if launch.kind.startswith("gemm")]
     assert [launch.kind for launch in products] == ["gemm-wgmma-" + ("tf32" if case == "tf32" else "f16")] * 2
     assert all(stored[0].name in launch.args for launch in products)  # (each reads the stored weight)
+    if case == "half":  # for the cpu target, which runs the casts as kernels: one for both readers
+        w2 = const_tensor(w, "w")
+        g2 = FlowGraph([x, z], MatMul([x, w2]).outputs + MatMul([z, w2]).outputs)
+        g2 = HalfPrecisionContractions("float16").run(g2)
+        casts = [op.inputs[0].name for op in g2.nodes if op.op_type == "Cast" and op.inputs[0].is_constant]
+        assert casts == ["w.float16"]
 
 
 def test_round_tf32_keeps_ten_mantissa_bits_to_nearest():
