@@ -1779,6 +1779,7 @@ def _wgmma_plan(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, rea
       (:func:`_plan_gemm`'s bound) (RFC 0005 decision 55)."""
     kv = list(plan.red.vars)
     K = _prod([v.extent for v in kv])
+    order = {v: i for i, v in enumerate(gc.axes)}
 
     def direct(p: _GemmPlan) -> bool:
         probe = _Block(None, {v: ("0", "int32") for v in p.b_axes})  # (names only: nothing is emitted)
@@ -1788,7 +1789,6 @@ def _wgmma_plan(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, rea
     def batched(p: _GemmPlan) -> _GemmPlan | None:
         if direct(p):
             return p
-        order = {v: i for i, v in enumerate(gc.axes)}
         cuts = sorted(((cm, cn) for cm in range(len(p.m_axes)) for cn in range(len(p.n_axes)) if cm or cn), key=sum)
         for cm, cn in cuts:
             m_ax, n_ax = p.m_axes[cm:], p.n_axes[cn:]

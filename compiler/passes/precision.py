@@ -85,7 +85,7 @@ class HalfPrecisionContractions(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         nodes: list[Operator] = []
-        shared: dict[int, Tensor] = {}  # weight -> the float32 values its readers share (not cast_per_reader)
+        weights: dict[tuple, Tensor] = {}  # (weight[, reader]) -> the float32 values that reader reads
         n_ops = 0
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
@@ -108,12 +108,11 @@ class HalfPrecisionContractions(GraphPass):
             inputs = list(op.inputs)
             for k in idx:
                 t = inputs[k]
-                if t.is_constant and self.cast_per_reader:
-                    inputs[k] = self._weight(op, k, t, nodes)
-                elif t.is_constant:
-                    if id(t) not in shared:
-                        shared[id(t)] = self._weight(op, k, t, nodes)
-                    inputs[k] = shared[id(t)]
+                if t.is_constant:
+                    key = (id(t), id(op), k) if self.cast_per_reader else (id(t),)
+                    if key not in weights:
+                        weights[key] = self._weight(op, k, t, nodes)
+                    inputs[k] = weights[key]
                 else:
                     inputs[k] = self._activation(op, k, t, nodes, dropped)
             op.inputs = inputs  # same shapes and dtypes: the op's compute definition is unchanged
