@@ -1080,6 +1080,13 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
         from .codegen.cuda_wgmma import WGMMA_ARCHS
 
+        if opt.arch in WGMMA_ARCHS:
+            # convs of half images with a window, a stride or padding read a channels-last copy
+            # of the image, which the wgmma template gathers (passes/channels_last.py)
+            from .passes.channels_last import ChannelsLastConvs
+
+            rg = ChannelsLastConvs().run(rg)
+
         if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
             # float32 weights [N, K] for the Hopper wgmma GEMM (rounded to TF32 for one TF32
             # product): every one with wgmma_fp32, else those of the ops on forced tiles

@@ -178,8 +178,8 @@ def first_run_error(ours, cstream, y, reference, torch) -> float | None:
 
 
 def run_cases(run_case, cases: list, built: dict, reps: int, line) -> tuple[list[dict], str]:
-    """``run_case(case, cubin, launch, reps, l2_bytes, torch, cupy)`` for every case built by
-    :func:`build_cases` (``(cubin, launch, ...)`` by id), printing ``line(record)`` after each;
+    """``run_case(case, cubin, launch, reps, l2_bytes, torch, cupy, *more)`` for every case built by
+    :func:`build_cases` (``(cubin, launch, seconds, *more)`` by id), printing ``line(record)`` after each;
     returns the records and the device's name."""
     import cupy as cp
     import torch
@@ -187,25 +187,25 @@ def run_cases(run_case, cases: list, built: dict, reps: int, line) -> tuple[list
     props = torch.cuda.get_device_properties(0)
     l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2 ** 20)
     records = []
-    for c in cases:
-        rec = run_case(c, built[c.id][0], built[c.id][1], reps, l2, torch, cp)
+    for c in cases:  # (what a build gives past its build seconds goes to run_case after cupy)
+        rec = run_case(c, built[c.id][0], built[c.id][1], reps, l2, torch, cp, *built[c.id][3:])
         torch.cuda.empty_cache()
         records.append(rec)
         print(line(rec), flush=True)
     return records, torch.cuda.get_device_name(0)
 
 
-def our_launcher(cubin: str, launch, sets: list, torch, cp):
+def our_launcher(cubin: str, launch, sets: list, torch, cp, stream=None):
     """``(stream, cstream, ours)`` for timing one of our kernels (``launch`` of ``cubin``): a torch
-    stream, cupy's view of it, and ``ours(i)``, which launches the kernel on that stream with the
-    tensors of input set ``sets[i % len(sets)]`` as its arguments, in order."""
+    stream (``stream``, or a new one), cupy's view of it, and ``ours(i)``, which launches the kernel
+    on that stream with the tensors of input set ``sets[i % len(sets)]`` as its arguments, in order."""
     from gemm import _cupy_view
 
     module = cp.RawModule(path=cubin)
     fn = module.get_function(launch.symbol)
     if launch.shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = int(launch.shared_mem)
-    stream = torch.cuda.Stream()
+    stream = stream or torch.cuda.Stream()
     cstream = cp.cuda.ExternalStream(stream.cuda_stream)
     views = [[_cupy_view(x, cp) for x in s] for s in sets]
     grid, block, smem = tuple(launch.grid), tuple(launch.block), int(launch.shared_mem)

@@ -8,12 +8,16 @@ What is compared
     64x64 latent, two images under classifier-free guidance), in the UNet's shapes: the 1x1 convs
     of its transformer blocks (``proj_in``/``proj_out``, C -> C) and its resnets' shortcuts (C ->
     2C), and its 3x3 convs (padding 1). Ours is the ``Conv`` op compiled alone for ``--arch``
-    (float16/bfloat16 operands and output, float32 accumulation): on sm_90 a 1x1 conv over a batch
-    whose ``H*W`` is a multiple of 8 takes the Hopper wgmma template with the images as the
-    product's batch (rfcs/0005 decision 55), a 3x3 conv the portable wmma template (its ``kind``
-    is printed). Beside it, in the same run: ``torch.nn.functional.conv2d`` on the same operands
-    in the same type, NCHW as ours, and channels-last (``torch.channels_last``, the layout cuDNN's
-    fastest kernels prefer; its layout conversion not timed).
+    (float16/bfloat16 operands and output, float32 accumulation), as a compiled program runs it on
+    sm_90: a 1x1 conv over a batch whose ``H*W`` is a multiple of 8 takes the Hopper wgmma template
+    with the images as the product's batch (rfcs/0005 decision 55); a 3x3 conv two kernels
+    (decision 57, ``passes/channels_last.py``): the image's channels-last copy, then the conv on
+    the wgmma template gathering its windows from the copy, the weight stored ``[OC, 3, 3, C]`` at
+    compile time. ``ours`` times both kernels back to back; the copy alone (``copy``) and, for
+    reference, the conv as it was before decision 57 (the portable wmma kernel on the NCHW image,
+    ``nchw``) are timed too. Beside them, in the same run: ``torch.nn.functional.conv2d`` on the
+    same operands in the same type, NCHW as ours, and channels-last (``torch.channels_last``, the
+    layout cuDNN's fastest kernels prefer; its layout conversion not timed).
 
     ``TFLOP/s`` counts ``2 N OC H W C kh kw``.
 
@@ -33,6 +37,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -83,58 +88,101 @@ def make_cases(which: str = "all", dtypes=DTYPES, shapes=None) -> list[Case]:
 
 
 def _build_one(case: Case, work: str, arch: str):
+    """``(cubin, launch, seconds)`` of the conv's kernel, and for a 3x3 conv ``(cubin, launches)`` of
+    the program's two kernels (``copy``, ``conv``) with ``(cubin, launch)`` of the NCHW one."""
+    from shardflow.compiler.codegen.cuda import build_cuda_library
+    from shardflow.compiler.codegen.fusion import fuse
     from shardflow.compiler.ir import Tensor
     from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.ops.transform import Transpose
 
     ins = [Tensor("x", (BATCH, case.C, case.HW, case.HW), case.dtype),
            Tensor("w", (case.OC, case.C, case.k, case.k), case.dtype), Tensor("b", (case.OC,), case.dtype)]
-    op = Conv(ins, name=case.id, pads=[case.k // 2] * 4)
-    return build_alone(op, work, arch)
+    nchw = build_alone(Conv(ins, name=case.id, pads=[case.k // 2] * 4), work, arch)
+    if case.k == 1:
+        return nchw
+    # the program's form (passes/channels_last.py): the image copied channels-last, read back
+    # through a Transpose fused into the conv, as is the weight stored [OC, kh, kw, C]
+    copy = Transpose([ins[0]], name="copy", perm=(0, 2, 3, 1), channels_last=True)
+    w_last = Tensor("w_last", (case.OC, case.k, case.k, case.C), case.dtype)
+    views = [Transpose([t], name=f"{t.name}.nchw", perm=(0, 3, 1, 2)) for t in (copy.outputs[0], w_last)]
+    conv = Conv([views[0].outputs[0], views[1].outputs[0], ins[2]], name="conv", pads=[case.k // 2] * 4)
+    path = os.path.join(work, f"{case.id}.last.cubin")
+    t0 = time.perf_counter()
+    launches = build_cuda_library([copy] + fuse([*views, conv]), path, arch=arch)
+    return path, launches["conv"], nchw[2] + time.perf_counter() - t0, launches, nchw[:2]
 
 
-def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp) -> dict:
+def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp, launches=None,
+             nchw=None) -> dict:
     import torch.nn.functional as F
 
     dev = torch.device("cuda")
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
     xs, ws, ys = (BATCH, case.C, case.HW, case.HW), (case.OC, case.C, case.k, case.k), (BATCH, case.OC, case.HW,
                                                                                       case.HW)
-    set_bytes = 2 * (math.prod(xs) + math.prod(ws) + math.prod(ys))
+    set_bytes = 2 * (math.prod(xs) * (2 if launches else 1) + math.prod(ws) + math.prod(ys))
     nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
     n = max(20, nsets)
     gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
     scale = (case.C * case.k * case.k) ** -0.5
-    sets = [[torch.randn(xs, device=dev, generator=gen).to(tdt),
-             (torch.randn(ws, device=dev, generator=gen) * scale).to(tdt),
-             torch.randn((case.OC,), device=dev, generator=gen).to(tdt), torch.empty(ys, device=dev, dtype=tdt)]
-            for _ in range(nsets)]
-    last = [[s[0].contiguous(memory_format=torch.channels_last), s[1].contiguous(memory_format=torch.channels_last),
-             s[2]] for s in sets]
+    sets = []
+    for _ in range(nsets):
+        x = torch.randn(xs, device=dev, generator=gen).to(tdt)
+        w = (torch.randn(ws, device=dev, generator=gen) * scale).to(tdt)
+        sets.append({"x": x, "w": w, "b": torch.randn((case.OC,), device=dev, generator=gen).to(tdt),
+                     "y": torch.empty(ys, device=dev, dtype=tdt)})
+        if launches:  # (the copy's output, and the weight as the program stores it)
+            sets[-1].update({"copy:0": torch.empty((BATCH, case.HW, case.HW, case.C), device=dev, dtype=tdt),
+                             "w_last": w.permute(0, 2, 3, 1).contiguous()})
+    last = [[s["x"].contiguous(memory_format=torch.channels_last),
+             s["w"].contiguous(memory_format=torch.channels_last), s["b"]] for s in sets]
     theirs_out = [torch.empty(ys, device=dev, dtype=tdt) for _ in range(nsets)]
-    stream, cstream, ours = our_launcher(cubin, launch, sets, torch, cp)
+
+    def launcher(path, lau, stream=None):  # (its arguments by name: the output is y)
+        names = [a if k < lau.num_inputs else "y" for k, a in enumerate(lau.args)]
+        return our_launcher(path, lau, [[s[a] for a in names] for s in sets], torch, cp, stream)
+
+    stream, cstream, conv = launcher(cubin, launch)
+    ours, extra = conv, {}
+    if launches:
+        _, _, copy = launcher(cubin, launches["copy"], stream)
+        _, _, old = launcher(*nchw, stream)
+
+        def ours(i):
+            copy(i)
+            conv(i)
+        extra = {"copy": copy, "conv": conv, "nchw": old}
     pad = case.k // 2
 
     def theirs(i):
-        x, w, b, _ = sets[i % nsets]
-        theirs_out[i % nsets].copy_(F.conv2d(x, w, b, padding=pad))
+        s = sets[i % nsets]
+        theirs_out[i % nsets].copy_(F.conv2d(s["x"], s["w"], s["b"], padding=pad))
 
     def theirs_last(i):
         x, w, b = last[i % nsets]
         F.conv2d(x, w, b, padding=pad)
 
-    x, w, b, y = sets[0]
+    s0 = sets[0]
     torch.backends.cudnn.allow_tf32 = False
-    err = first_run_error(ours, cstream, y, lambda: F.conv2d(x.float(), w.float(), b.float(), padding=pad), torch)
+    err = first_run_error(ours, cstream, s0["y"], lambda: F.conv2d(s0["x"].float(), s0["w"].float(),
+                                                                   s0["b"].float(), padding=pad), torch)
     rec = asdict(case)
     rec.update(id=case.id, batch=BATCH, kind=launch.kind, grid=list(launch.grid), block=list(launch.block),
                shared_mem=int(launch.shared_mem), input_sets=nsets, err=err,
                ok=err is not None and err <= TOLERANCE[case.dtype])
+    if launches:
+        rec.update(nchw_kind=nchw[1].kind, nchw_err=first_run_error(
+            extra["nchw"], cstream, s0["y"], lambda: F.conv2d(s0["x"].float(), s0["w"].float(), s0["b"].float(),
+                                                              padding=pad), torch))
     t_ours = _time(ours, stream, reps, torch, True, n)
     t_theirs = _time(theirs, stream, reps, torch, True, n)
     t_last = _time(theirs_last, stream, reps, torch, True, n)
     rec.update(ours_ms=t_ours, torch_ms=t_theirs, torch_channels_last_ms=t_last, ours_tflops=case.flops / t_ours / 1e9,
                torch_tflops=case.flops / t_theirs / 1e9, torch_channels_last_tflops=case.flops / t_last / 1e9,
                ours_vs_torch=t_theirs / t_ours, ours_vs_torch_channels_last=t_last / t_ours)
+    for k, f in extra.items():  # the copy, the conv alone, the NCHW kernel of before
+        rec[f"{k}_ms"] = _time(f, stream, reps, torch, True, n)
     return rec
 
 
@@ -157,7 +205,9 @@ def main(argv=None) -> dict:
         records, device = run_cases(run_case, cases, built, args.reps, lambda rec: (
             f"  {rec['id']:<18} {rec['kind']:<15} ours {rec['ours_ms'] * 1e3:8.1f} us {rec['ours_tflops']:6.1f} "
             f"TFLOP/s  torch {rec['torch_ms'] * 1e3:8.1f} us  channels-last {rec['torch_channels_last_ms'] * 1e3:8.1f}"
-            f" us  err {fmt(rec['err'], '.1e')}{'' if rec['ok'] else '  WRONG'}"))
+            f" us  err {fmt(rec['err'], '.1e')}{'' if rec['ok'] else '  WRONG'}"
+            + (f"  (copy {rec['copy_ms'] * 1e3:.1f} us, conv {rec['conv_ms'] * 1e3:.1f} us; before: {rec['nchw_kind']} "
+               f"{rec['nchw_ms'] * 1e3:.1f} us, err {fmt(rec['nchw_err'], '.1e')})" if "copy_ms" in rec else "")))
     section.update(device=device, records=records, all_correct=all(r["ok"] for r in records))
     print(table(["case", "kind", "ours us", "ours TFLOP/s", "torch us", "torch/ours", "torch CL us", "CL/ours", "err"],
                 [[r["id"], r["kind"], fmt(r["ours_ms"] * 1e3, ".1f"), fmt(r["ours_tflops"], ".1f"),

@@ -391,12 +391,14 @@ case "$what" in
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     conv)  # Stable Diffusion 1.5 UNet's convs at batch 2 (benchmarks/gpu/conv.py, session 49; never run on a
-           # GPU): the batched 1x1 convs' GPU test (rfcs/0005 decision 55: wgmma, the images as the batch), then
-           # ours vs torch's conv2d (cuDNN; NCHW and channels-last), float16 and bfloat16, < 3 min
+           # GPU): the batched 1x1 convs' and the channels-last convs' GPU tests (rfcs/0005 decisions 55 and
+           # 57: wgmma, the images as the batch; windows gathered from a channels-last copy), then ours
+           # (the 3x3 convs: copy + gathered conv, and the NCHW wmma kernel of before) vs torch's conv2d
+           # (cuDNN; NCHW and channels-last), float16 and bfloat16, < 3 min
         f="$out/conv.txt"
         echo "# device_session.sh conv, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
-            -k "batched_one_by_one" 2>&1 | tail -5 | tee -a "$f"
+            -k "batched_one_by_one or channels_last" 2>&1 | tail -5 | tee -a "$f"
         timeout 120 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;

@@ -71,11 +71,13 @@ from ..ir.expr import (BINARY_FUNCS, ML_FLOATS, UNARY_FUNCS, BinOp, Cast, Const,
                        TensorElement, UnaryOp, Var, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
+from ..passes.channels_last import channels_last_copy
 from . import float8
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import (PDL_ENTER, PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES,
-                         DirectOperand, check_sms, target_sms, wgmma_gemm_kernel, wgmma_helpers)
+                         DirectOperand, GatherOperand, check_sms, target_sms, wgmma_gemm_kernel,
+                         wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
@@ -1468,6 +1470,9 @@ class _GemmPlan:
     b_axes: list
     a_k_fast: bool = True
     b_n_fast: bool = True
+    #: the order of the reduction's axes in the product's K (outermost first; None: ``red.vars``'):
+    #: both operands' reads are laid out along it (:func:`_wgmma_plan`)
+    k_vars: tuple | None = None
 
 
 _GEMM_PREC = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -1686,7 +1691,7 @@ def _lower_gemm(gc: GridCompute, value: Expr, plan: _GemmPlan, symbol: str, para
     direct = None
     if wgmma:
         dt = WGMMA_DTYPES[plan.prec]
-        kv = list(red.vars)
+        kv = list(plan.k_vars or red.vars)
         da = _direct_operand(plan.a, plan.m_axes, kv, plan.b_axes, dt, M, K, an, reads, bblk)
         db = _direct_operand(plan.b, plan.n_axes, kv, plan.b_axes, dt, N, K, an, reads, bblk)
         if usable(da, db):
@@ -1776,19 +1781,27 @@ def _wgmma_plan(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, rea
       steps by ``C * H * W``, so they have no single stride and the product would take the portable
       template; with ``n`` a batch axis (its offset the batch's base, the weight's 0) the pixels
       ``(h, w)`` are evenly strided. The fewest axes move, and both sides keep at least 16 rows
-      (:func:`_plan_gemm`'s bound) (RFC 0005 decision 55)."""
-    kv = list(plan.red.vars)
-    K = _prod([v.extent for v in kv])
+      (:func:`_plan_gemm`'s bound) (RFC 0005 decision 55).
+    * **The order of K.** The reduction's axes are laid out in the product's K in their own order
+      or, where that leaves an operand without a contiguous run of K, in the order of one operand's
+      strides (:func:`_k_orders`): a convolution over a channels-last image reduces over
+      ``(c, kh, kw)`` but reads runs of channels at each tap, so its K is ``(kh, kw, c)`` (the
+      weight, stored ``[OC, KH, KW, C]``, is read along it too; RFC 0005 decision 57)."""
+    K = _prod([v.extent for v in plan.red.vars])
     order = {v: i for i, v in enumerate(gc.axes)}
 
-    def direct(p: _GemmPlan) -> bool:
+    def direct(p: _GemmPlan) -> _GemmPlan | None:  # p, its K axes in the first order both operands take
         probe = _Block(None, {v: ("0", "int32") for v in p.b_axes})  # (names only: nothing is emitted)
-        return usable(*(_direct_operand(e, ax, kv, p.b_axes, dtype, _prod([v.extent for v in ax]), K, an, reads,
-                                        probe) for e, ax in ((p.a, p.m_axes), (p.b, p.n_axes))))
+        for kv in _k_orders(p, an, reads):
+            if usable(*(_direct_operand(e, ax, kv, p.b_axes, dtype, _prod([v.extent for v in ax]), K, an, reads,
+                                        probe) for e, ax in ((p.a, p.m_axes), (p.b, p.n_axes)))):
+                return p if kv == list(p.red.vars) else dataclasses.replace(p, k_vars=tuple(kv))
+        return None
 
     def batched(p: _GemmPlan) -> _GemmPlan | None:
-        if direct(p):
-            return p
+        d = direct(p)
+        if d is not None:
+            return d
         cuts = sorted(((cm, cn) for cm in range(len(p.m_axes)) for cn in range(len(p.n_axes)) if cm or cn), key=sum)
         for cm, cn in cuts:
             m_ax, n_ax = p.m_axes[cm:], p.n_axes[cn:]
@@ -1797,8 +1810,8 @@ def _wgmma_plan(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, rea
             b_ax = sorted(p.b_axes + p.m_axes[:cm] + p.n_axes[:cn], key=order.__getitem__)
             if _prod([v.extent for v in b_ax]) > 65535:  # (the batch is the grid's third dimension)
                 continue
-            moved = dataclasses.replace(p, m_axes=m_ax, n_axes=n_ax, b_axes=b_ax)
-            if direct(moved):
+            moved = direct(dataclasses.replace(p, m_axes=m_ax, n_axes=n_ax, b_axes=b_ax))
+            if moved is not None:
                 return moved
         return None
 
@@ -1808,6 +1821,121 @@ def _wgmma_plan(gc: GridCompute, plan: _GemmPlan, dtype: str, an: _Analysis, rea
         if swapped is not None:
             return swapped
     return batched(plan) or plan
+
+
+def _operand_read(e: Expr) -> tuple[TensorElement | None, Expr | None]:
+    """The tensor read of a GEMM operand ``e`` (possibly cast to float32, possibly selected against
+    zero, as a window's padding is) and the select's condition (None when there is none)."""
+    if isinstance(e, Cast) and e.dtype == "float32":
+        e = e.a
+    cond = None
+    if isinstance(e, IfThenElse) and isinstance(e.other, Const) and e.other.value == 0:
+        cond, e = e.cond, e.then
+        if isinstance(e, Cast) and e.dtype == "float32":
+            e = e.a
+    return (e, cond) if isinstance(e, TensorElement) else (None, None)
+
+
+def _read_coefs(e: TensorElement, shape) -> dict | None:
+    """The coefficient of each variable in the flat row-major offset of read ``e`` (bounds not checked)."""
+    coefs: dict = {}
+    for idx, st in zip(e.indices, _row_major_strides(shape)):
+        f = affine_form(idx)
+        if f is None:
+            return None
+        for v, c in f[0].items():
+            coefs[v] = coefs.get(v, 0) + c * st
+    return coefs
+
+
+def _k_orders(p: _GemmPlan, an: _Analysis, reads) -> list[list]:
+    """The orders of ``p``'s reduction axes to try in its K (:func:`_wgmma_plan`): their own, then
+    by decreasing stride in each operand's tensor read (a channels-last window: taps, then channels)."""
+    orders = [list(p.red.vars)]
+    for e in (p.b, p.a):
+        read, _ = _operand_read(e)
+        ref = reads.get(id(read.tensor)) if read is not None else None
+        coefs = _read_coefs(read, ref[1]) if ref is not None else None
+        if coefs is not None:
+            kv = sorted(p.red.vars, key=lambda v: -abs(coefs.get(v, 0)))
+            if kv not in orders:
+                orders.append(kv)
+    return orders
+
+
+def _guard_atoms(cond: Expr) -> list[tuple[dict, int]] | None:
+    """``cond`` as affine inequalities ``sum(c * v) + k >= 0`` (``(coefficients, k)``, zero
+    coefficients left out) that must all hold, or None when it is not such a conjunction."""
+    if isinstance(cond, BinOp) and cond.op == "and":
+        a, b = _guard_atoms(cond.a), _guard_atoms(cond.b)
+        return None if a is None or b is None else a + b
+    if not (isinstance(cond, BinOp) and cond.op in ("ge", "gt", "le", "lt")):
+        return None
+    fa, fb = affine_form(cond.a), affine_form(cond.b)
+    if fa is None or fb is None:
+        return None
+    sign = 1 if cond.op in ("ge", "gt") else -1  # a >= b: a - b >= 0; a < b: b - a - 1 >= 0 (integers)
+    diff = {v: sign * (fa[0].get(v, 0) - fb[0].get(v, 0)) for v in set(fa[0]) | set(fb[0])}
+    strict = cond.op in ("gt", "lt")
+    return [({v: c for v, c in diff.items() if c}, sign * (fa[1] - fb[1]) - strict)]
+
+
+def _unclamped(idx: Expr, ext: int) -> Expr:
+    """``i`` for an index clamped into its dim, ``min(max(i, 0), ext - 1)`` (either way round), as
+    a read in a select's branch is made safe; ``idx`` itself otherwise. (Where the select's
+    condition keeps ``i`` inside the dim, both read the same element.)"""
+    for outer, inner, bo, bi in (("min", "max", ext - 1, 0), ("max", "min", 0, ext - 1)):
+        if isinstance(idx, BinOp) and idx.op == outer and isinstance(idx.b, Const) and idx.b.value == bo \
+                and isinstance(idx.a, BinOp) and idx.a.op == inner and isinstance(idx.a.b, Const) \
+                and idx.a.b.value == bi:
+            return idx.a.a
+    return idx
+
+
+def _gather_operand(e: Expr, outer: list, kvars: list, batch: list, dtype: str, an: _Analysis, reads,
+                    bblk: _Block) -> GatherOperand | None:
+    """``e`` as a K-major read of a half-precision tensor that the wgmma template gathers 16 bytes
+    at a time (:class:`~.cuda_wgmma.GatherOperand`: a convolution's windows over a channels-last
+    image), or None. Every index that may leave its dim must be guarded by the select around the
+    read (``i >= 0``, ``i < extent``, as a window's padding is)."""
+    read, cond = _operand_read(e)
+    ref = reads.get(id(read.tensor)) if read is not None else None
+    if ref is None or ref[2] != dtype or dtype not in ("float16", "bfloat16"):
+        return None
+    atoms = _guard_atoms(cond) if cond is not None else []
+    if atoms is None:
+        return None
+    ptr, shape, _ = ref
+    coefs: dict = {}
+    const = 0
+    for idx, ext, st in zip(read.indices, shape, _row_major_strides(shape)):
+        if ext == 1:
+            continue
+        idx = _unclamped(idx, ext)
+        f, b = affine_form(idx), an.bounds(idx)
+        if f is None or b is None:
+            return None
+        if b[0] < 0 and (f[0], f[1]) not in atoms \
+                or b[1] > ext - 1 and ({v: -c for v, c in f[0].items()}, ext - 1 - f[1]) not in atoms:
+            return None
+        for v, c in f[0].items():
+            coefs[v] = coefs.get(v, 0) + c * st
+        const += f[1] * st
+    coefs = {v: c for v, c in coefs.items() if c}
+    live_k = [v for v in kvars if v.extent != 1]
+    guarded = {v for a, _ in atoms for v in a}
+    if not live_k or not set(coefs) | guarded <= set(outer) | set(kvars) | set(batch) or guarded & set(batch):
+        return None
+    last = live_k[-1]
+    if coefs.get(last) != 1 or last.extent % 8 or last in guarded or const % 8 \
+            or any(c % 8 for v, c in coefs.items() if v is not last):
+        return None
+
+    def axes(vs):
+        return tuple((v.extent, coefs.get(v, 0), tuple(a.get(v, 0) for a, _ in atoms)) for v in vs)
+
+    terms = [f"(long long){bblk.binds[v][0]} * {coefs[v]}LL" for v in batch if coefs.get(v) and v.extent != 1]
+    return GatherOperand(ptr, " + ".join(terms) or "0LL", const, axes(outer), axes(kvars), tuple(k for _, k in atoms))
 
 
 def _reads_per_row(value: Expr, m_axes: list, an: _Analysis) -> bool:
@@ -1852,6 +1980,8 @@ def _product_operand_casts(ops: Sequence[Operator]) -> set[str]:
         todo = [op.outputs[0]]
         while todo and op.name not in found:
             for r in readers.get(id(todo.pop()), []):
+                if channels_last_copy(r):  # (written by the cast's kernel: the conv reads the copy)
+                    continue
                 if r.op_type in _MOVES or r.op_type == "Cast":  # (a float32 model's product reads float32(half(x)))
                     todo.append(r.outputs[0])
                 elif not getattr(r, "injective", False):
@@ -1929,26 +2059,25 @@ def _flat_affine(e: TensorElement, shape, an: _Analysis) -> tuple[dict, int] | N
 
 
 def _direct_operand(e: Expr, outer: list, kvars: list, batch: list, dtype: str, extent_o: int, K: int,
-                    an: _Analysis, reads, bblk: _Block) -> DirectOperand | None:
+                    an: _Analysis, reads, bblk: _Block) -> DirectOperand | GatherOperand | None:
     """``e`` as a dense read of a ``dtype`` tensor (a half type, or float32 for TF32) that the wgmma
-    template can copy 16 bytes at a time (:class:`~.cuda_wgmma.DirectOperand`), or None."""
+    template can copy 16 bytes at a time (:class:`~.cuda_wgmma.DirectOperand`), else as a gathered
+    one (:func:`_gather_operand`), or None."""
     inner = e.a if isinstance(e, Cast) and e.dtype == "float32" else e
     if not isinstance(inner, TensorElement):
-        return None
+        return _gather_operand(e, outer, kvars, batch, dtype, an, reads, bblk)
     ref = reads.get(id(inner.tensor))
     if ref is None or ref[2] != dtype:
         return None
     vec = 4 if dtype == "float32" else 8  # elements in 16 bytes
     ptr, shape, _ = ref
     flat = _flat_affine(inner, shape, an)
-    if flat is None:
-        return None
+    if flat is None or not set(flat[0]) <= set(outer) | set(kvars) | set(batch):
+        return _gather_operand(e, outer, kvars, batch, dtype, an, reads, bblk)
     coefs, const = flat
-    if not set(coefs) <= set(outer) | set(kvars) | set(batch):
-        return None
     so, sk = _composite_stride(outer, coefs), _composite_stride(kvars, coefs)
     if so is None or sk is None:
-        return None
+        return _gather_operand(e, outer, kvars, batch, dtype, an, reads, bblk)
     if sk == 1 and so % vec == 0 and K % vec == 0:
         k_major = True
     elif so == 1 and sk % vec == 0 and extent_o % vec == 0:
@@ -2556,6 +2685,7 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
         # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
         feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
         feeds |= _attention_operand_copies(ops)
+        feeds |= {op.name for op in ops if channels_last_copy(op)}  # (their readers gather from them)
         ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds)
     return drop_views(ops, views)
 

@@ -7,9 +7,11 @@ one TF32 product (``precision="tf32"``) or 3xTF32 (a K tile is one 128-byte row 
 64 halves or 32 floats, so the stages are the same bytes). Each operand tile is copied from global
 to shared memory 16 bytes at a time with ``cp.async`` (no registers on the way), in the 128-byte
 swizzled layout the tensor cores read, and the warpgroups issue ``wgmma.mma_async`` on it while the
-next tiles are in flight. Anything else (float32 products not opted in, MN-major float32 operands,
-gathered or clamped reads, sizes that break 16-byte alignment) keeps the portable ``wmma`` template
-of :mod:`.cuda_templates`.
+next tiles are in flight. An operand may also be gathered (:class:`GatherOperand`: an implicit
+GEMM's windows over a channels-last image, runs of 8 channels at each tap, a tap in the padding
+copied as zeros; RFC 0005 decision 57), on the ``cp.async`` tiles only. Anything else (float32
+products not opted in, MN-major float32 operands, other gathered or clamped reads, sizes that break
+16-byte alignment) keeps the portable ``wmma`` template of :mod:`.cuda_templates`.
 
 Block tile (:data:`WGMMA_CONFIGS`): ``BM = 64 × WG`` rows (one consumer warpgroup of 128 threads
 per 64 rows), ``BN`` columns (one ``m64nBNk16`` instruction per warpgroup and 16-deep K step),
@@ -53,7 +55,7 @@ from .cuda_templates import TF32_HI_FINITE, _indent
 from .lower import CodegenError
 
 __all__ = ["PDL_ENTER", "WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE",
-           "DirectOperand", "choose_wgmma_config", "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
+           "DirectOperand", "GatherOperand", "choose_wgmma_config", "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
 
 #: a kernel's grid dependency wait and trigger, in a program for programmatic dependent launch (RFC
 #: 0005 decision 29): :mod:`.cuda` puts it first in every kernel that does not place it itself
@@ -197,6 +199,29 @@ class DirectOperand:
     stride_o: int
     stride_k: int
     k_major: bool
+
+
+@dataclass(frozen=True)
+class GatherOperand:
+    """One K-major GEMM operand gathered from a half-precision tensor: an implicit GEMM's windows
+    (a convolution over a channels-last image, RFC 0005 decision 57), copied 16 bytes at a time
+    like a :class:`DirectOperand` but with an address and a guard computed per row and per K run.
+
+    Row ``o`` (M for A, N for B) is the mixed-radix number of ``rows`` (one ``(extent, stride,
+    guard coefficients)`` per axis, outermost first), the reduction index ``k`` likewise of ``ks``;
+    the element is ``ptr[base + const + sum(stride * axis)]`` over both, and it is read (else zero)
+    where every guard ``j`` holds: ``guards[j] + sum(coefficient[j] * axis) >= 0`` (a window's
+    taps in the padding read zero). The last K axis has stride 1, an extent that is a multiple of
+    8 and no guard coefficient: each run of 8 K values is one 16-byte copy, read or zero as one;
+    every other stride, ``const`` and ``base`` are multiples of 8 elements."""
+
+    ptr: str
+    base: str
+    const: int
+    rows: tuple[tuple[int, int, tuple[int, ...]], ...]
+    ks: tuple[tuple[int, int, tuple[int, ...]], ...]
+    guards: tuple[int, ...]
+    k_major: bool = True
 
 
 def _smem_bytes(wg: int, bn: int, stages: int, mode: str = "cp", split: bool = False) -> tuple[int, int, int]:
@@ -536,7 +561,8 @@ def wgmma_helpers(used: set[tuple[int, str, int, int]], common: bool = True) -> 
     return (WGMMA_HELPERS if common else "") + "".join(_wgmma_asm(*u) for u in sorted(used))
 
 
-def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str, bk: int = _BK) -> str:
+def _loader(op: DirectOperand | GatherOperand, rows: int, extent_o: int, K: int, T: int, sm: str, o0: str,
+            bk: int = _BK) -> str:
     """Copies of one operand tile (``rows`` rows of the operand's M/N side × one K tile, ``bk`` K
     values in 128 bytes) into the stage at shared address ``sm`` (a C expression), as 16-byte
     ``cp.async`` (an MN-major operand: halves only).
@@ -573,6 +599,8 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
             assert step_k == 4
             swz = "(sf_c0 ^ ((sf_kr0 + sf_i * 4) & 7))"
         dst = f"sf_p0 + (sf_kr0 + sf_i * {step_k}) * 128 + ({swz} << 4)"
+    if isinstance(op, GatherOperand):
+        return _gather_copies(op, first, dst, per, step_o, extent_o, K, sm)
     return f"""{{
 {_indent(first, 2)}
   const auto sf_g0 = {op.ptr} + ({op.base}) + (long long)sf_o0 * {op.stride_o}LL + (long long)sf_kk0 * {op.stride_k}LL;
@@ -581,6 +609,57 @@ def _loader(op: DirectOperand, rows: int, extent_o: int, K: int, T: int, sm: str
     const bool sf_ok = sf_o0 + sf_i * {step_o} < {extent_o} && sf_kk0 + sf_i * {step_k} < {K};
     const long long sf_step = (long long)sf_i * {step_o * op.stride_o + step_k * op.stride_k}LL;
     sf_cp_async16({sm} + {dst}, sf_ok ? sf_g0 + sf_step : {op.ptr}, sf_ok);
+  }}
+}}"""
+
+
+def _mixed_radix(index: str, axes, prefix: str, n_guards: int) -> tuple[list[str], list[str], list[list[str]]]:
+    """Code splitting ``index`` (a C int) into ``axes`` (``(extent, stride, guard coefficients)``,
+    outermost first): its lines, the terms of the element offset (long long) and of each of the
+    ``n_guards`` guards."""
+    lines = [f"int {prefix}q = {index};"]
+    offset: list[str] = []
+    guards: list[list[str]] = [[] for _ in range(n_guards)]
+    for i in range(len(axes) - 1, -1, -1):
+        ext, stride, coefs = axes[i]
+        if ext == 1:
+            continue
+        name = f"{prefix}{i}"
+        if i == 0 or all(e == 1 for e, _, _ in axes[:i]):
+            lines.append(f"const int {name} = {prefix}q;")
+        else:
+            lines.append(f"const int {name} = {prefix}q % {ext}; {prefix}q /= {ext};")
+        if stride:
+            offset.append(f"(long long){name} * {stride}LL")
+        for j, c in enumerate(coefs):
+            if c:
+                guards[j].append(name if c == 1 else f"-{name}" if c == -1 else f"{name} * {c}")
+    return lines, offset, guards
+
+
+def _gather_copies(op: GatherOperand, first: str, dst: str, per: int, step_o: int, extent_o: int, K: int,
+                   sm: str) -> str:
+    """:func:`_loader`'s copies of a :class:`GatherOperand` (K-major): each thread's run of 8 K
+    values (one per stage) split into the K axes once, each of its rows into the row axes; a copy
+    whose guard fails, or that lies past ``extent_o`` or ``K``, zero-fills its 16 bytes."""
+    klines, koff, kguards = _mixed_radix("sf_kk0", op.ks, "sf_ka", len(op.guards))
+    kvals = [f"const long long sf_gko = {' + '.join(koff) or '0LL'};"]
+    kvals += [f"const int sf_gk{j} = {' + '.join(g) or '0'};" for j, g in enumerate(kguards)]
+    rlines, roff, rguards = _mixed_radix("sf_o", op.rows, "sf_ra", len(op.guards))
+    conds = [f"sf_o < {extent_o}", f"sf_kk0 < {K}"]
+    for j, c in enumerate(op.guards):
+        conds.append(f"sf_gk{j}{''.join(' + ' + t for t in rguards[j])} {'-' if c < 0 else '+'} {abs(c)} >= 0")
+    row = ["const int sf_o = sf_o0 + sf_i * " + str(step_o) + ";"] + rlines + [
+        f"const bool sf_ok = {' && '.join(conds)};",
+        f"const long long sf_off = ({op.base}) {'-' if op.const < 0 else '+'} {abs(op.const)}LL + sf_gko"
+        f"{''.join(' + ' + t for t in roff)};",
+        f"sf_cp_async16({sm} + {dst}, sf_ok ? {op.ptr} + sf_off : {op.ptr}, sf_ok);"]
+    return f"""{{
+{_indent(first, 2)}
+{_indent(chr(10).join(klines + kvals), 2)}
+  #pragma unroll
+  for (int sf_i = 0; sf_i < {per}; ++sf_i) {{
+{_indent(chr(10).join(row), 4)}
   }}
 }}"""
 
@@ -655,7 +734,8 @@ def _cluster_applies(config: str, M: int, K: int, bk: int = _BK) -> bool:
 
 
 def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: int, batch: int, root: str,
-                      batch_code: str, a: DirectOperand, b: DirectOperand, epilogue: str,
+                      batch_code: str, a: DirectOperand | GatherOperand, b: DirectOperand | GatherOperand,
+                      epilogue: str,
                       config: str | None = None, vec: int = 1,
                       row_reads: bool = False,
                       sms: int = PERSISTENT_SMS, pdl: bool = False,
@@ -677,6 +757,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     places the grid dependency wait itself, after its set-up, and loads the first stages of an
     operand that ``constant`` (A, B) says no kernel writes (a weight) before it (:func:`_tma_kernel`);
     the other kernels get the wait at their entry from :func:`.cuda.generate_cuda_source`.
+    A gathered operand (:class:`GatherOperand`) takes the ``cp.async`` tile a persistent one falls
+    back to (it has no tensor map).
     """
     bk = _bk(ab)
     sms = target_sms(sms)
@@ -797,10 +879,11 @@ __syncthreads();"""
 
 # --- persistent TMA kernel --------------------------------------------------------------------------
 
-def _tma_origin(op: DirectOperand, batch: int) -> tuple[int, int] | None:
+def _tma_origin(op: DirectOperand | GatherOperand, batch: int) -> tuple[int, int] | None:
     """(tensor argument index, element offset) of an operand the copy engine can load through one
-    2-D tensor map, or None (batched products; pointers that are not kernel inputs)."""
-    if batch != 1 or not op.ptr.startswith("in") or not op.ptr[2:].isdigit():
+    2-D tensor map, or None (batched products; gathered operands; pointers that are not kernel inputs)."""
+    if batch != 1 or isinstance(op, GatherOperand) or not op.ptr.startswith("in") \
+            or not op.ptr[2:].isdigit():
         return None
     try:
         offset = int(op.base.removesuffix("LL"))

@@ -1323,6 +1323,28 @@ def test_float8_program_on_the_host(tmp_path, kind, saturate):
 
 
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_channels_last_convs_take_wgmma_on_the_host(tmp_path, dt):
+    """Convs over a channels-last image (RFC 0005 decision 57: 3x3 with padding and a fused bias,
+    residual and SiLU, strided, a strided 1x1, dilated, 5x5 with uneven strides and pads, a 1-D
+    conv) take the wgmma template with the image as a gathered operand (K ordered taps, then
+    channels; the padding's taps copied as zeros), the weight ``[OC, *kernel, C]`` a direct one.
+    Against numpy, sizes that are not multiples of the tile."""
+    from test_wgmma import _channels_last_convs, _value
+
+    ops, bits, wants = _channels_last_convs(dt)
+    src = generate_cuda_source(ops, arch="sm_90")
+    kernels = build(src.text, str(tmp_path))
+    for name, want in wants.items():
+        launch = src.launches[name]
+        assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}", name
+        assert not launch.tensor_maps, name  # (the cp.async tiles: a gathered operand has no tensor map)
+        out = run(kernels, launch, [bits[n] for n in launch.args[:launch.num_inputs]], [(want.shape, np.uint16)])[0]
+        got = _value(out.view(np.float16) if dt == "float16" else out, dt)
+        err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
+        assert err < (4e-3 if dt == "float16" else 2e-2), (name, err)  # (NaN, an element not written, fails too)
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_batched_one_by_one_convs_and_broadcast_products_take_wgmma_on_the_host(tmp_path, dt):
     """A 1x1 convolution over a batch of images reads its pixels ``(n, h, w)`` with no single
     stride; with ``n`` moved into the product's batch (RFC 0005 decision 55) it takes the wgmma

@@ -749,21 +749,93 @@ def _batched_products(dt: str):
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_batched_one_by_one_convs_and_broadcast_products(tmp_path, dt):
     """:func:`_batched_products` on the GPU: the wgmma kernels against numpy."""
+    launches = _half_products_on_the_gpu(tmp_path, dt, *_batched_products(dt), gemm_configs=BATCHED_TILES)
+    for name, launch in launches.items():
+        assert launch.grid[2] == (1 if name == "one" else 3) and bool(launch.tensor_maps) == (name == "one"), name
+
+
+def _half_products_on_the_gpu(tmp_path, dt, ops, bits, wants, gemm_configs=None) -> dict:
+    """Build ``ops`` (``dt`` products) for sm_90, run the kernel of each op named in ``wants`` on
+    the operands ``bits`` and check it against ``wants``' value (on the wgmma template); returns
+    those launches by name."""
     cupy = _gpu()
-    ops, bits, wants = _batched_products(dt)
     path = str(tmp_path / "k.cubin")
-    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"),
-                                  gemm_configs=BATCHED_TILES)
+    launches = build_cuda_library(ops, path, arch="sm_90", cache_dir=str(tmp_path / "c"), gemm_configs=gemm_configs)
     module = cupy.RawModule(path=path)
     for name, want in wants.items():
         launch = launches[name]
         assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}", name
-        assert launch.grid[2] == (1 if name == "one" else 3) and bool(launch.tensor_maps) == (name == "one"), name
         out = cupy.full(want.shape, 0xFFFF, cupy.uint16)  # NaN in both half types: a missed element shows
         _launch(cupy, module, launch, tuple(cupy.asarray(bits[n]) for n in launch.args[:launch.num_inputs]) + (out,))
         got = _value(cupy.asnumpy(out).view(np.float16) if dt == "float16" else cupy.asnumpy(out), dt)
         err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
         assert err < (4e-3 if dt == "float16" else 2e-2), (name, err)
+    return {name: launches[name] for name in wants}
+
+
+#: RFC 0005 decision 57's convs over channels-last images: name -> (image [N, C, *spatial], output
+#: channels, kernel, strides, dilations, pads (begins, then ends)); sizes not multiples of the tiles
+CHANNELS_LAST = {
+    "c3": ((2, 24, 7, 9), 40, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),  # (+ bias, residual, SiLU)
+    "s2": ((1, 16, 9, 11), 24, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1)),
+    "p1": ((3, 8, 9, 9), 16, (1, 1), (2, 2), (1, 1), (0, 0, 0, 0)),
+    "d2": ((1, 8, 6, 8), 20, (3, 3), (1, 1), (2, 2), (2, 2, 2, 2)),
+    "k5": ((1, 16, 8, 7), 32, (5, 5), (1, 2), (1, 1), (2, 1, 1, 3)),
+    "c1d": ((2, 16, 30), 24, (3,), (2,), (1,), (1, 1)),
+}
+
+
+def _channels_last_convs(dt: str):
+    """:data:`CHANNELS_LAST`'s convs (``dt`` operands) as the cuda target's graph has them after
+    ``ChannelsLastConvs``: the image ``[N, *spatial, C]`` and the weight ``[OC, *kernel, C]`` read
+    through Transposes back to NCHW, fused into the conv's kernel (``c3`` with a bias, a residual
+    and SiLU too); returns the ops, the operands' bits by name and numpy's outputs by op name."""
+    from shardflow.compiler.ops.conv import Conv
+
+    rng = np.random.default_rng(5)
+    ops, bits, wants = [], {}, {}
+    for name, (shape, oc, kern, strides, dil, pads) in CHANNELS_LAST.items():
+        nd = len(shape)
+        x = rng.standard_normal(shape)
+        w = rng.standard_normal((oc, shape[1], *kern)) / 4
+        bits[f"{name}_x"] = _bits(np.moveaxis(x, 1, -1).copy(), dt)
+        bits[f"{name}_w"] = _bits(np.moveaxis(w, 1, -1).copy(), dt)
+        bits[f"{name}_b"] = _bits(rng.standard_normal(oc), dt)
+        t = {k: Tensor(f"{name}_{k}", bits[f"{name}_{k}"].shape, dt) for k in "xwb"}
+        back = (0, nd - 1, *range(1, nd - 1))
+        tx, tw = (Transpose([t[k]], name=f"{name}_{k}_nchw", perm=back) for k in "xw")
+        conv = Conv([tx.outputs[0], tw.outputs[0], t["b"]], name=name, strides=strides, dilations=dil, pads=pads)
+        v = {k: _value(bits[f"{name}_{k}"], dt).astype(np.float64) for k in "xwb"}
+        y = conv.numpy(np.moveaxis(v["x"], -1, 1), np.moveaxis(v["w"], -1, 1), v["b"])[0]
+        chain = [tx, tw, conv]
+        if name == "c3":
+            bits["c3_res"] = _bits(rng.standard_normal(y.shape), dt)
+            add = Binary([conv.outputs[0], Tensor("c3_res", y.shape, dt)], name="c3_add", fn="add")
+            sig = Unary([add.outputs[0]], name="c3_sig", fn="sigmoid")
+            chain += [add, sig, Binary([add.outputs[0], sig.outputs[0]], name="c3_out", fn="mul")]
+            y = y + _value(bits["c3_res"], dt)
+            y, name = y / (1 + np.exp(-y)), "c3_out"
+        ops += fuse(chain)
+        wants[name] = y
+    return ops, bits, wants
+
+
+@needs_nvcc
+def test_channels_last_convs_compile_without_local_memory(tmp_path):
+    """:func:`_channels_last_convs`' gathered kernels on every ``cp.async`` tile, and on TMA tiles
+    (which fall back to those: a gathered operand has no tensor map), compile for sm_90a with no
+    local memory."""
+    ops, _, _ = _channels_last_convs("float16")
+    tiles = ["128x256", "128x128", "64x128", "64x64", "tma128x128", "tma64x128"]
+    _compiles_without_local_memory(tmp_path, list(zip(ops, tiles)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_channels_last_convs(tmp_path, dt):
+    """:func:`_channels_last_convs` on the GPU: the gathered wgmma kernels against numpy."""
+    launches = _half_products_on_the_gpu(tmp_path, dt, *_channels_last_convs(dt))
+    assert not any(launch.tensor_maps for launch in launches.values())
 
 
 @pytest.mark.gpu

@@ -1,0 +1,129 @@
+"""Channels-last convolutions for the cuda target on Hopper (RFC 0005 decision 57).
+
+The wgmma GEMM template copies its operands 16 bytes (8 half values) at a time. An NCHW image read
+through a convolution's window has no such runs: along ``w`` a tap shifts the row by one element
+(the copy would not be 16-byte aligned), along ``c`` the values are ``H * W`` apart. So every conv
+with a window wider than 1x1, a stride, padding, or ``H * W`` not a multiple of 8 took the portable
+``wmma`` template. :class:`ChannelsLastConvs` gives such a conv of ``C`` a multiple of 8 channels:
+
+* its image copied channels-last, ``[N, *spatial, C]`` (a Transpose whose output the cuda target
+  writes, :func:`channels_last_copy`: one copy per image, shared by the convs that read it; the
+  image's cast to the half type fuses into the copy), read through a Transpose back to
+  ``[N, C, *spatial]`` that fuses into the conv's kernel;
+* its weight stored ``[OC, *kernel, C]`` at compile time, read through a Transpose back likewise.
+
+The conv computes the same values (the graph is equivalent op for op); its kernel now reads runs
+of 8 channels at each tap, which :func:`shardflow.compiler.codegen.cuda._gather_operand` turns into
+the template's gathered operand (K in the order ``(*kernel, C)``, a tap in the padding copied as
+zeros). The output stays ``[N, OC, *spatial]``: the template stores four consecutive pixels at a
+time. Depthwise and grouped convs are left as they are.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from .base import GraphPass
+
+__all__ = ["ChannelsLastConvs", "channels_last_copy"]
+
+log = logging.getLogger(__name__)
+
+_HALF = ("float16", "bfloat16")
+
+
+def channels_last_copy(op: Operator) -> bool:
+    """Whether ``op`` is an image's channels-last copy made by :class:`ChannelsLastConvs` (its
+    output is written, not fused into the convs that read it)."""
+    return op.op_type == "Transpose" and bool(op.attrs.get("channels_last"))
+
+
+def _direct(op: Operator) -> bool:
+    """A 1x1 conv, stride 1, no padding, over ``H * W`` a multiple of 8 pixels: the wgmma template
+    reads its NCHW image as it is (RFC 0005 decision 55)."""
+    x = op.inputs[0]
+    k = op.inputs[1].shape[2:]
+    return all(v == 1 for v in k) and all(s == 1 for s in op.attrs.get("strides") or ()) \
+        and not any(op.attrs.get("pads") or ()) and math.prod(x.shape[2:]) % 8 == 0
+
+
+class ChannelsLastConvs(GraphPass):
+    """Convs of half images over a multiple of 8 channels, one group, a constant weight, that the
+    wgmma template cannot read in NCHW: the image copied channels-last, the weight stored
+    ``[OC, *kernel, C]`` (module docstring). Run after the precision pass: the image is a half
+    tensor, read directly or through a ``Cast`` to float32 that only this conv reads (the
+    precision pass's form), and so is the weight (a constant)."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        readers: dict[int, int] = {}
+        for op in graph.nodes:
+            for t in {id(t) for t in op.inputs}:
+                readers[t] = readers.get(t, 0) + 1
+        before: dict[int, list[Operator]] = {}  # id(op) -> new ops to place just before it
+        copies: dict[int, Tensor] = {}  # id(image) -> its channels-last copy
+        weights: dict[int, Tensor] = {}  # id(weight) -> its values stored [OC, *kernel, C]
+        n = 0
+
+        def half_source(t: Tensor) -> tuple[Tensor, Operator | None] | None:
+            """(the half tensor behind conv operand ``t``, the float32 cast between them or None)."""
+            if t.dtype in _HALF:
+                return t, None
+            p = producer.get(id(t))
+            if p is not None and p.op_type == "Cast" and p.inputs[0].dtype in _HALF and readers.get(id(t)) == 1:
+                return p.inputs[0], p
+            return None
+
+        for op in graph.nodes:
+            if op.op_type != "Conv" or type(op).__name__ != "Conv" or int(op.attrs.get("group", 1)) != 1 \
+                    or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or len(op.inputs) < 2:
+                continue
+            x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+            sx, sw = half_source(x), half_source(w)
+            if sx is None or sw is None or not sw[0].is_constant or x.ndim < 3 or x.shape[1] % 8 \
+                    or _direct(op) or y.shape[1] < 16 or y.shape[0] * math.prod(y.shape[2:]) < 16:
+                continue
+            nd = x.ndim
+            img, wt = sx[0], sw[0]
+            if id(img) not in copies:
+                copy = _transpose(img, (0, *range(2, nd), 1), f"{img.name}.channels_last", channels_last=True)
+                p = producer.get(id(img))
+                # (placed just after the image's producer, before any reader; first for graph inputs)
+                before.setdefault(id(_next(graph.nodes, p)), []).append(copy)
+                copies[id(img)] = copy.outputs[0]
+            if id(wt) not in weights:
+                weights[id(wt)] = const_tensor(np.ascontiguousarray(np.moveaxis(np.asarray(wt.value), 1, -1)),
+                                               f"{wt.name}.ohwi")
+            back = (0, nd - 1, *range(1, nd - 1))
+            for src, (t, cast), k in ((copies[id(img)], sx, 0), (weights[id(wt)], sw, 1)):
+                reader = cast if cast is not None else op
+                view = _transpose(src, back, f"{op.name}.in{k}.nchw")
+                before.setdefault(id(reader), []).append(view)
+                reader.inputs = [view.outputs[0] if i == (0 if cast is not None else k) else u
+                                 for i, u in enumerate(reader.inputs)]
+            n += 1
+        if n:
+            nodes: list[Operator] = []
+            for op in graph.nodes:
+                nodes.extend(before.get(id(op), []))
+                nodes.append(op)
+            graph.nodes = nodes
+            log.info("cuda: %d convs read channels-last copies of %d images", n, len(copies))
+        return graph
+
+
+def _transpose(t: Tensor, perm: tuple[int, ...], name: str, **attrs) -> Operator:
+    from ..ops.transform import Transpose
+
+    return Transpose([t], name=name, perm=tuple(perm), **attrs)
+
+
+def _next(nodes: list[Operator], p: Operator | None) -> Operator:
+    """The op after ``p`` in ``nodes`` (the first op when ``p`` is None: a graph input)."""
+    if p is None:
+        return nodes[0]
+    i = next(i for i, op in enumerate(nodes) if op is p)
+    return nodes[i + 1]

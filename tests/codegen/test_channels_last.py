@@ -1,0 +1,93 @@
+"""Channels-last convolutions for the cuda target on Hopper (compiler/passes/channels_last.py, RFC
+0005 decision 57): which convs the pass rewrites, that the rewritten graph computes what the
+model does, and the program's kernels (the image's cast and channels-last copy one kernel, the
+convs on the wgmma template) run on the host emulation against the reference evaluator."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import load_onnx
+from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
+from shardflow.compiler.driver import OptimizationConfig, _is_view, rank_passes
+from shardflow.compiler.passes.channels_last import channels_last_copy
+
+
+def _model(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
+    """``x [2, 16, 10, 12]`` read by a padded 3x3 conv and a strided one (one copy for both), a
+    ReLU, then a 1x1 conv (read as it is: decision 55) and a grouped 3x3 conv (left alone: 4 channels a group); ``y``
+    of 12 channels (not a multiple of 8: left alone)."""
+    rng = np.random.default_rng(0)
+    npt = helper.tensor_dtype_to_np_dtype(dtype)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
+
+    inits = [w("w1", 32, 16, 3, 3), w("b1", 32), w("w2", 24, 16, 3, 3), w("w3", 16, 32, 1, 1),
+             w("w4", 32, 4, 3, 3), w("w5", 16, 12, 3, 3)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["r"]),
+             helper.make_node("Conv", ["r", "w3"], ["c3"]),
+             helper.make_node("Conv", ["r", "w4"], ["c4"], pads=[1, 1, 1, 1], group=8),
+             helper.make_node("Conv", ["y", "w5"], ["c5"], pads=[1, 1, 1, 1])]
+    io = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "convs", [io("x", dtype, [2, 16, 10, 12]), io("y", dtype, [1, 12, 8, 8])],
+                              [io("c2", dtype, [2, 24, 5, 6]), io("c3", dtype, [2, 16, 10, 12]),
+                               io("c4", dtype, [2, 32, 10, 12]), io("c5", dtype, [1, 16, 8, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _evaluate(rg, feeds):
+    env = dict(feeds)
+    for op in rg.nodes:
+        env.update(zip((t.name for t in op.outputs), op.run(*[env[t.name] if t.name in env else t.value
+                                                              for t in op.inputs])))
+    return env
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
+    """The two convs of ``x`` read one channels-last copy of its half values (the cast to half
+    fuses into the copy's kernel, whose output is written), their weights stored ``[OC, KH, KW,
+    C]``, and they take the wgmma template; the 1x1, grouped and 12-channel convs are as before.
+    The graph computes what it computed without the pass (sm_80), op for op; every kernel runs on
+    the host emulation against the evaluator. A float16 model's convs read its half image directly."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    half = model_dtype == "float16"
+    graph = load_onnx(_model(TensorProto.FLOAT16 if half else TensorProto.FLOAT))
+    rng = np.random.default_rng(1)
+    feeds = {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in graph.inputs}
+    progs = {}
+    for arch in ("sm_80", "sm_90"):
+        opt = OptimizationConfig.from_dict({"target": "cuda", "precision": "float16", "arch": arch})
+        progs[arch] = rank_passes(load_onnx(_model(TensorProto.FLOAT16 if half else TensorProto.FLOAT)), opt)
+    rg = progs["sm_90"]
+    copies = [op for op in rg.nodes if channels_last_copy(op)]
+    assert [(op.inputs[0].shape, op.outputs[0].shape) for op in copies] == [((2, 16, 10, 12), (2, 10, 12, 16))]
+    assert not any(channels_last_copy(op) for op in progs["sm_80"].nodes)
+    weights = sorted(t.shape for op in rg.nodes for t in op.inputs if t.is_constant and t.name.endswith(".ohwi"))
+    assert weights == [(24, 3, 3, 16), (32, 3, 3, 16)]
+    env = _evaluate(rg, feeds)
+    ref = _evaluate(progs["sm_80"], feeds)
+    for t in rg.outputs:
+        np.testing.assert_array_equal(env[t.name], ref[t.name])
+
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs],
+                           views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    groups = [g for g in groups if g.name in src.launches]
+    members = {g.name: [m.op_type for m in getattr(g, "members", [g])] for g in groups}
+    copy = next(g for g in groups if any(channels_last_copy(m) for m in getattr(g, "members", [g])))
+    assert members[copy.name] == ["Transpose"] if half else ["Cast", "Transpose"]
+    kinds = {}
+    for g in groups:
+        conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
+        if conv:
+            kinds[conv[0].outputs[0].name] = src.launches[g.name].kind
+    assert kinds == {"c1": "gemm-wgmma-f16", "c2": "gemm-wgmma-f16", "c3": "gemm-wgmma-f16", "c4": "gemv",
+                     "c5": "gemm-f16"}
+    _check_kernels("convs", build(src.text, str(tmp_path)), src, groups, env, consts)
