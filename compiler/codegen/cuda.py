@@ -171,6 +171,8 @@ _STORE_CTYPE = {
     **{t: "unsigned char" for t in float8.FLOAT8},  # (a byte: codegen/float8.py)
 }
 _REG_CTYPE = dict(_STORE_CTYPE, float16="float", bfloat16="float", **{t: "float" for t in float8.FLOAT8})
+_STORE_BYTES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+                "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, **{t: 1 for t in float8.FLOAT8}}
 _FLOATS = {"float16", "bfloat16", "float32", "float64", *float8.FLOAT8}
 _INTS = {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"}
 _INT_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in _INTS}
@@ -1380,6 +1382,10 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
         part = _kept_rows_part(gc, select, out_ptr, em, root, it, names, strides)
         if part is not None:
             return part
+    if plan is None and select is None:
+        part = _transpose_part(gc, value, out_ptr, em, root)
+        if part is not None:
+            return part
     if plan is None:
         e = em.new("e")
         dec, binds = _decompose(e, [v for v in gc.axes], it, "i", names)
@@ -1440,6 +1446,106 @@ def _lower_generic_part(gc: GridCompute, value: Expr, out_ptr: str, an: _Analysi
     code.append("  }")
     code.append("}")
     return _Part(code, grid, "row", block_smem=em.uses_block_smem)
+
+
+#: a transposing kernel's tile (:func:`_transpose_part`): 32 x 32 elements, 8 rows of threads
+_TILE, _TILE_ROWS = 32, _THREADS // 32
+#: a row of the tile in shared memory, by element size: an odd number of 4-byte words, so that
+#: the threads of a warp reading down a column hit distinct banks
+_TILE_PITCH = {1: 36, 2: 34, 4: 33, 8: 33}
+
+
+def _transposed_read(gc: GridCompute, value: Expr, reads) -> tuple[list[TensorElement], Var] | None:
+    """The reads of the one tensor that ``value`` (element-wise: no reduction) reads as a
+    permutation of the output's axes whose innermost dim is another output axis than the output's
+    innermost, both at least 16 long (every such read of it at the same index), with that axis;
+    else None."""
+    if any(isinstance(n, Reduce) for n in walk(value)):
+        return None
+    live = [v for v in gc.axes if v.extent != 1]
+    if len(live) < 2 or live[-1].extent < 16:
+        return None
+    tes = list({id(n): n for n in walk(value) if isinstance(n, TensorElement)}.values())
+    for te in tes:
+        ref = reads.get(id(te.tensor))
+        if ref is None:
+            continue
+        ix = [i for i, ext in zip(te.indices, ref[1]) if ext != 1]
+        if not ix or not all(isinstance(i, Var) for i in ix) or len({id(i) for i in ix}) != len(ix) \
+                or {id(i) for i in ix} != {id(v) for v in live} or ix[-1] is live[-1] or ix[-1].extent < 16:
+            continue
+        same = [t for t in tes if t.tensor is te.tensor]
+        if all(format_expr(t) == format_expr(te) for t in same):
+            return same, ix[-1]
+    return None
+
+
+def _transpose_part(gc: GridCompute, value: Expr, out_ptr: str, em: "_Emitter", root: _Block) -> _Part | None:
+    """An element-wise output that reads a whole tensor transposed (:func:`_transposed_read`: an
+    NCHW image's channels-last copy, a Kᵀ stored as such) by 32 x 32 tiles: a block reads a tile
+    along the input's innermost axis into shared memory, then computes and stores it along the
+    output's, so that both the loads and the stores are coalesced (one thread per element reads
+    the input ``extent`` elements apart otherwise). Other reads of ``value`` are made per element."""
+    found = _transposed_read(gc, value, em.reads)
+    if found is None:
+        return None
+    same, b = found
+    ptr, shape, dt = em.reads[id(same[0].tensor)]
+    size = _STORE_BYTES.get(dt)
+    if size is None:
+        return None
+    live = [v for v in gc.axes if v.extent != 1]
+    a = live[-1]
+    rest = [v for v in live if v is not a and v is not b]
+    ta, tb = -(-a.extent // _TILE), -(-b.extent // _TILE)
+    tiles = _prod([v.extent for v in rest]) * ta * tb
+    wide = _prod(gc.shape) > _I32[1]
+    names = em.names
+    q = em.new("tq")
+    dec, binds = _decompose(q, rest, "int", "i", names)  # (q: the tile's index past its a and b tiles)
+    binds = {v: x for v, x in binds.items() if v.extent != 1}
+
+    def offset(axes_shape, indices, at) -> str:
+        terms = []
+        for ix, st in zip(indices, _row_major_strides(axes_shape)):
+            if ix is None:
+                continue
+            x = at[ix][0] if isinstance(ix, Var) else None
+            if x is None:
+                continue
+            terms.append(f"(long long)({x}) * {st}LL" if wide else (x if st == 1 else f"({x}) * {st}"))
+        return " + ".join(terms) or "0"
+
+    pitch = _TILE_PITCH[size]
+    ct = _STORE_CTYPE[dt]
+    load_at = {**binds, a: ("(sf_a0 + sf_ty + sf_r)", "int32"), b: ("(sf_b0 + sf_tx)", "int32")}
+    src_ix = [i if ext != 1 else None for i, ext in zip(same[0].indices, shape)]
+    blk = _Block(root, {**binds, a: ("sf_ia", "int32"), b: ("sf_ib", "int32")})
+    tv = em.new("tv")
+    for t in same:
+        em.subst[id(t)] = (tv, dt)
+    x = em.value_as(value, gc.dtype, blk)
+    out_ix = [v if v.extent != 1 else None for v in gc.axes]
+    code = list(root.lines) + [
+        f"__shared__ {ct} sf_tile[{_TILE}][{pitch}];",
+        "const int sf_tx = threadIdx.x & 31, sf_ty = threadIdx.x >> 5;",
+        f"for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{",
+        f"  const int sf_b0 = sf_t % {tb} * {_TILE}, sf_a0 = sf_t / {tb} % {ta} * {_TILE};",
+        f"  const int {q} = sf_t / {tb * ta};"] + _indent(dec, 2) + [
+        f"  for (int sf_r = 0; sf_r < {_TILE}; sf_r += {_TILE_ROWS})  // along the input's rows",
+        f"    if (sf_a0 + sf_ty + sf_r < {a.extent} && sf_b0 + sf_tx < {b.extent})",
+        f"      sf_tile[sf_ty + sf_r][sf_tx] = {ptr}[{offset(shape, src_ix, load_at)}];",
+        "  __syncthreads();",
+        f"  for (int sf_r = 0; sf_r < {_TILE}; sf_r += {_TILE_ROWS}) {{  // along the output's rows",
+        "    const int sf_ia = sf_a0 + sf_tx, sf_ib = sf_b0 + sf_ty + sf_r;",
+        f"    if (sf_ia < {a.extent} && sf_ib < {b.extent}) {{",
+        f"      const {_REG_CTYPE[dt]} {tv} = {_load('sf_tile[sf_tx][sf_ty + sf_r]', dt)};"] + _indent(blk.lines, 6) + [
+        f"      {out_ptr}[{offset(gc.shape, out_ix, blk.binds)}] = {em.stored(x, gc.dtype)};",
+        "    }",
+        "  }",
+        "  __syncthreads();",
+        "}"]
+    return _Part(code, max(1, min(_MAX_GRID, tiles)), "transpose")
 
 
 # --- tensor-core GEMM pattern --------------------------------------------------------------------
