@@ -9,8 +9,11 @@ with a window wider than 1x1, a stride, padding, or ``H * W`` not a multiple of 
 * its image copied channels-last, ``[N, *spatial, C]`` (a Transpose whose output the cuda target
   writes, :func:`channels_last_copy`: one copy per image, shared by the convs that read it; the
   image's cast to the half type fuses into the copy), read through a Transpose back to
-  ``[N, C, *spatial]`` that fuses into the conv's kernel;
-* its weight stored ``[OC, *kernel, C]`` at compile time, read through a Transpose back likewise.
+  ``[N, C, *spatial]`` that fuses into the conv's kernel; where ``C`` is not a multiple of 8 (a
+  model's first conv, of 3 or 4 channels), the copy has zero channels after the image's up to the
+  next multiple (the products by them add nothing);
+* its weight stored ``[OC, *kernel, C]`` at compile time (zeros in the channels added), read
+  through a Transpose back likewise.
 
 The conv computes the same values (the graph is equivalent op for op); its kernel now reads runs
 of 8 channels at each tap, which :func:`shardflow.compiler.codegen.cuda._gather_operand` turns into
@@ -25,6 +28,7 @@ import math
 
 import numpy as np
 
+from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass
 
@@ -50,10 +54,22 @@ def _direct(op: Operator) -> bool:
         and not any(op.attrs.get("pads") or ()) and math.prod(x.shape[2:]) % 8 == 0
 
 
+def _gathered_in_nchw(op: Operator) -> bool:
+    """A patch embedding (ViT's 16x16 windows at stride 16, no padding, ``W`` a multiple of 8):
+    each window row is a run of a multiple of 8 values at a 16-byte aligned place of the NCHW image,
+    which the wgmma template gathers as it is (RFC 0005 decision 57)."""
+    x, kw = op.inputs[0], op.inputs[1].shape[-1]
+    sw = (op.attrs.get("strides") or (1,) * (x.ndim - 2))[-1]
+    dw = (op.attrs.get("dilations") or (1,) * (x.ndim - 2))[-1]
+    pads = op.attrs.get("pads") or (0,) * (2 * (x.ndim - 2))
+    return kw % 8 == 0 and sw % 8 == 0 and dw == 1 and pads[x.ndim - 3] == 0 and pads[-1] == 0 \
+        and x.shape[-1] % 8 == 0
+
+
 class ChannelsLastConvs(GraphPass):
-    """Convs of half images over a multiple of 8 channels, one group, a constant weight, that the
-    wgmma template cannot read in NCHW: the image copied channels-last, the weight stored
-    ``[OC, *kernel, C]`` (module docstring). Run after the precision pass: the image is a half
+    """Convs of half images, one group, a constant weight, that the wgmma template cannot read in
+    NCHW: the image copied channels-last (its channels padded with zeros to a multiple of 8), the
+    weight stored ``[OC, *kernel, C]`` (module docstring). Run after the precision pass: the image is a half
     tensor, read directly or through a ``Cast`` to float32 that only this conv reads (the
     precision pass's form), and so is the weight (a constant)."""
 
@@ -64,9 +80,10 @@ class ChannelsLastConvs(GraphPass):
             for t in {id(t) for t in op.inputs}:
                 readers[t] = readers.get(t, 0) + 1
         before: dict[int, list[Operator]] = {}  # id(op) -> new ops to place just before it
+        replaced: dict[int, Operator] = {}  # id(conv) -> the conv that takes over its output
+        dropped: set[int] = set()  # the float32 casts of the convs' operands (replaced too)
         copies: dict[int, Tensor] = {}  # id(image) -> its channels-last copy
         weights: dict[int, Tensor] = {}  # id(weight) -> its values stored [OC, *kernel, C]
-        n = 0
 
         def half_source(t: Tensor) -> tuple[Tensor, Operator | None] | None:
             """(the half tensor behind conv operand ``t``, the float32 cast between them or None)."""
@@ -83,35 +100,52 @@ class ChannelsLastConvs(GraphPass):
                 continue
             x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
             sx, sw = half_source(x), half_source(w)
-            if sx is None or sw is None or not sw[0].is_constant or x.ndim < 3 or x.shape[1] % 8 \
-                    or _direct(op) or y.shape[1] < 16 or y.shape[0] * math.prod(y.shape[2:]) < 16:
+            if sx is None or sw is None or not sw[0].is_constant or x.ndim < 3 \
+                    or _direct(op) or _gathered_in_nchw(op) or y.shape[1] < 16 \
+                    or y.shape[0] * math.prod(y.shape[2:]) < 16:
                 continue
             nd = x.ndim
             img, wt = sx[0], sw[0]
+            extra = -x.shape[1] % 8  # zero channels that make runs of 8 (a model's first conv: 3 or 4)
             if id(img) not in copies:
-                copy = _transpose(img, (0, *range(2, nd), 1), f"{img.name}.channels_last", channels_last=True)
+                src, ops = img, []
+                if extra:
+                    ops.append(_pad_channels(img, extra))
+                    src = ops[-1].outputs[0]
+                ops.append(_transpose(src, (0, *range(2, nd), 1), f"{img.name}.channels_last", channels_last=True))
                 p = producer.get(id(img))
                 # (placed just after the image's producer, before any reader; first for graph inputs)
-                before.setdefault(id(_next(graph.nodes, p)), []).append(copy)
-                copies[id(img)] = copy.outputs[0]
+                before.setdefault(id(_next(graph.nodes, p)), []).extend(ops)
+                copies[id(img)] = ops[-1].outputs[0]
             if id(wt) not in weights:
-                weights[id(wt)] = const_tensor(np.ascontiguousarray(np.moveaxis(np.asarray(wt.value), 1, -1)),
-                                               f"{wt.name}.ohwi")
+                value = np.moveaxis(np.asarray(wt.value), 1, -1)
+                value = np.pad(value, [(0, 0)] * (nd - 1) + [(0, extra)])
+                weights[id(wt)] = const_tensor(np.ascontiguousarray(value), f"{wt.name}.ohwi")
             back = (0, nd - 1, *range(1, nd - 1))
+            new, inputs = [], list(op.inputs)
             for src, (t, cast), k in ((copies[id(img)], sx, 0), (weights[id(wt)], sw, 1)):
-                reader = cast if cast is not None else op
-                view = _transpose(src, back, f"{op.name}.in{k}.nchw")
-                before.setdefault(id(reader), []).append(view)
-                reader.inputs = [view.outputs[0] if i == (0 if cast is not None else k) else u
-                                 for i, u in enumerate(reader.inputs)]
-            n += 1
-        if n:
+                new.append(_transpose(src, back, f"{op.name}.in{k}.nchw"))
+                if cast is not None:  # (a new cast: the operand may have more channels than before)
+                    new.append(type(cast)([new[-1].outputs[0]], name=cast.name, **cast.attrs))
+                    dropped.add(id(cast))
+                inputs[k] = new[-1].outputs[0]
+            conv = type(op)(inputs, name=op.name, **op.attrs)
+            if [(t.shape, t.dtype) for t in conv.outputs] != [(t.shape, t.dtype) for t in op.outputs]:
+                raise ShardflowError(f"node {op.name}: the channels-last conv changes the output "
+                                     f"{[t.shape for t in op.outputs]}; this is a bug")
+            for t in op.outputs:
+                t.producer = conv
+            conv.outputs = list(op.outputs)
+            before.setdefault(id(op), []).extend(new)
+            replaced[id(op)] = conv
+        if replaced:
             nodes: list[Operator] = []
             for op in graph.nodes:
                 nodes.extend(before.get(id(op), []))
-                nodes.append(op)
+                if id(op) not in dropped:
+                    nodes.append(replaced.get(id(op), op))
             graph.nodes = nodes
-            log.info("cuda: %d convs read channels-last copies of %d images", n, len(copies))
+            log.info("cuda: %d convs read channels-last copies of %d images", len(replaced), len(copies))
         return graph
 
 
@@ -119,6 +153,14 @@ def _transpose(t: Tensor, perm: tuple[int, ...], name: str, **attrs) -> Operator
     from ..ops.transform import Transpose
 
     return Transpose([t], name=name, perm=tuple(perm), **attrs)
+
+
+def _pad_channels(t: Tensor, extra: int) -> Operator:
+    """``t [N, C, *spatial]`` with ``extra`` channels of zeros after its own."""
+    from ..ops.transform import Pad
+
+    return Pad([t], name=f"{t.name}.pad{t.shape[1] + extra}", begin=(0,) * t.ndim,
+               end=(0, extra) + (0,) * (t.ndim - 2), mode="constant", value=0.0)
 
 
 def _next(nodes: list[Operator], p: Operator | None) -> Operator:
