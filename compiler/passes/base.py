@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..ir.graph import FlowGraph, Operator, Tensor
 
-__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument", "per_channel", "splice"]
+__all__ = ["GraphPass", "PassPipeline", "DumpGraph", "Instrument", "per_channel", "splice", "take_over"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,20 @@ def splice(graph: FlowGraph, after: dict[int, list[Operator]], replace: dict[int
     graph.nodes = nodes
     graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
     return EliminateDeadCode().run(graph)
+
+
+def take_over(old: Operator, new: Operator, what: str) -> Operator:
+    """``new`` (an op rebuilt from ``old``, ``what`` it is) made the producer of ``old``'s output
+    tensors, so that their readers are unchanged; the outputs' shapes and types must agree."""
+    from ..errors import ShardflowError
+
+    if [(t.shape, t.dtype) for t in new.outputs] != [(t.shape, t.dtype) for t in old.outputs]:
+        raise ShardflowError(f"node {old.name}: the {what} changes the outputs {[t.shape for t in old.outputs]}; "
+                             "this is a bug")
+    for t in old.outputs:
+        t.producer = new
+    new.outputs = list(old.outputs)
+    return new
 
 
 class PassPipeline:

@@ -28,9 +28,8 @@ import math
 
 import numpy as np
 
-from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
-from .base import GraphPass
+from .base import GraphPass, take_over
 
 __all__ = ["ChannelsLastConvs", "channels_last_copy"]
 
@@ -129,15 +128,8 @@ class ChannelsLastConvs(GraphPass):
                     new.append(type(cast)([new[-1].outputs[0]], name=cast.name, **cast.attrs))
                     dropped.add(id(cast))
                 inputs[k] = new[-1].outputs[0]
-            conv = type(op)(inputs, name=op.name, **op.attrs)
-            if [(t.shape, t.dtype) for t in conv.outputs] != [(t.shape, t.dtype) for t in op.outputs]:
-                raise ShardflowError(f"node {op.name}: the channels-last conv changes the output "
-                                     f"{[t.shape for t in op.outputs]}; this is a bug")
-            for t in op.outputs:
-                t.producer = conv
-            conv.outputs = list(op.outputs)
             before.setdefault(id(op), []).extend(new)
-            replaced[id(op)] = conv
+            replaced[id(op)] = take_over(op, type(op)(inputs, name=op.name, **op.attrs), "channels-last conv")
         if replaced:
             nodes: list[Operator] = []
             for op in graph.nodes:

@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.expr import dtype_kind, numpy_type
-from .base import GraphPass
+from .base import GraphPass, take_over
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
            "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Float32WeightsKMajor", "round_tf32"]
@@ -153,13 +153,7 @@ class HalfPrecisionContractions(GraphPass):
             t = inputs[k]
             inputs[k] = self._half_const(t) if t.is_constant else self._half(op, k, t, nodes, dropped)
         mixed = type(op)(inputs, name=op.name, **mixed_attention_attrs(op.attrs, self.dtype))
-        if [(t.shape, t.dtype) for t in mixed.outputs] != [(t.shape, t.dtype) for t in op.outputs]:
-            raise ShardflowError(f"node {op.name}: the mixed-precision Attention changes the outputs "
-                                 f"{[t.shape for t in op.outputs]}; this is a bug")
-        for t in op.outputs:
-            t.producer = mixed
-        mixed.outputs = list(op.outputs)
-        nodes.append(mixed)
+        nodes.append(take_over(op, mixed, "mixed-precision Attention"))
 
     def _activation(self, op: Operator, k: int, t: Tensor, nodes: list[Operator], dropped: set[int]) -> Tensor:
         """``Cast(Cast(t, half), float32)``; the rounding moves before the data-movement ops that
