@@ -789,6 +789,11 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     wrapper = (BN, _instr(ab), 0 if a.k_major else 1, 0 if b.k_major else 1)
     ldc = BN + 4
+    # split-K (one product whose tiles fill few multiprocessors: a conv on few pixels, decision 59):
+    # block (tile, y) takes K tiles [y * per, ...); the last of a tile's splits adds them up
+    splits = split_count(tiles_m * tiles_n, K, sms, bk) if batch == 1 else 1
+    per = -(-KT // splits)
+    first, count = ("sf_kb + ", "sf_nkt") if splits > 1 else ("", str(KT))
 
     def load(tile: str, st: str, which=(0, 1)) -> str:  # (which: the operands, 0 = A, 1 = B)
         loaders = (_loader(a, BM, M, K, T, "sf_sa", "sf_m0", bk), _loader(b, BN, N, K, T, "sf_sb", "sf_n0", bk))
@@ -804,8 +809,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     late = [i for i in range(2) if i not in early]
     pre = "" if not early else f"""#pragma unroll
 for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
-  if (sf_s < {KT}) {{
-{_indent(load("sf_s", "sf_s", early), 4)}
+  if (sf_s < {count}) {{
+{_indent(load(first + "sf_s", "sf_s", early), 4)}
   }}
 }}
 {PDL_ENTER}
@@ -828,26 +833,51 @@ for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
     # 3xTF32: every thread splits its share of the stage (its warpgroup's A rows, a part of B)
     split_cp = (_split_share(f"sf_sA + sf_wg * {64 * 128}", "sf_wl", "threadIdx.x", T, BN, stage, "__syncthreads();")
                 + "\n") if split else ""
+    # split-K: each split stores its accumulators ([tile][split][register][thread]: coalesced) and
+    # counts itself in; the last of the tile's splits adds them up in split order (the same bits
+    # whichever block is last), resets the count for the next launch and runs the epilogue. (The
+    # partials and counts are the kernel's globals: a program runs on one stream.)
+    nreg = BN // 2
+    reduce = "" if splits == 1 else f"""{{
+  float* sf_mine = {symbol}_ws + ((size_t)(blockIdx.x * {splits} + blockIdx.y) * {nreg}) * {T} + threadIdx.x;
+  #pragma unroll
+  for (int r = 0; r < {nreg}; ++r) __stcg(sf_mine + r * {T}, sf_d[r]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) sf_last = atomicAdd(&{symbol}_cnt[blockIdx.x], 1u) == {splits - 1}u;
+  __syncthreads();
+  if (!sf_last) return;  // another split of this tile finishes it
+  __threadfence();
+  const float* sf_p = {symbol}_ws + (size_t)blockIdx.x * {splits * nreg * T} + threadIdx.x;
+  #pragma unroll
+  for (int r = 0; r < {nreg}; ++r) sf_d[r] = 0.0f;
+  for (int sf_q = 0; sf_q < {splits}; ++sf_q, sf_p += {nreg * T}) {{  // (this split's own too)
+    #pragma unroll
+    for (int r = 0; r < {nreg}; ++r) sf_d[r] += __ldcg(sf_p + r * {T});
+  }}
+  if (threadIdx.x == 0) {symbol}_cnt[blockIdx.x] = 0u;
+}}
+"""
     # every thread copies; a block barrier per K step hands the stage to the tensor cores
     body = f"""float sf_d[{BN // 2}];
 #pragma unroll
 for (int i = 0; i < {BN // 2}; ++i) sf_d[i] = 0.0f;
 #pragma unroll
 for (int sf_s = 0; sf_s < {S - 2}; ++sf_s) {{
-  if (sf_s < {KT}) {{
-{_indent(load("sf_s", "sf_s", late), 4)}
+  if (sf_s < {count}) {{
+{_indent(load(first + "sf_s", "sf_s", late), 4)}
   }}
   sf_cp_commit();
 }}
-for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
+for (int sf_kt = 0; sf_kt < {count}; ++sf_kt) {{
   sf_cp_wait<{S - 3}>();
   sf_fence_async_smem();
   __syncthreads();
   const unsigned sf_sA = sf_base + (sf_kt % {S}) * {stride};
   const unsigned sf_sB = sf_sA + {a_bytes};
 {_indent(split_cp + _mma_stage(a, b, BN, ab, "sf_wg", stage), 2)}
-  if (sf_kt + {S - 2} < {KT}) {{
-{_indent(load(f"sf_kt + {S - 2}", f"(sf_kt + {S - 2}) % {S}"), 4)}
+  if (sf_kt + {S - 2} < {count}) {{
+{_indent(load(f"{first}sf_kt + {S - 2}", f"(sf_kt + {S - 2}) % {S}"), 4)}
   }}
   sf_cp_commit();
   sf_wgmma_wait<1>();
@@ -855,25 +885,31 @@ for (int sf_kt = 0; sf_kt < {KT}; ++sf_kt) {{
 sf_wgmma_wait<0>();
 sf_cp_wait<0>();
 __syncthreads();
-{to_smem}
+{reduce}{to_smem}
 __syncthreads();
 {epilogue_loop}
 __syncthreads();"""
     body = (f"for (int sf_bz = blockIdx.z; sf_bz < {batch}; sf_bz += gridDim.z) {{\n"
             + _indent(batch_code, 2) + "\n" + _indent(body, 2) + "\n}")
-    src = f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}) {{
+    globals_ = "" if splits == 1 else (
+        f"__device__ float {symbol}_ws[{tiles_m * tiles_n * splits * nreg * T}];  // split-K partials\n"
+        f"__device__ unsigned {symbol}_cnt[{tiles_m * tiles_n}];  // splits stored per tile\n")
+    ranges = "" if splits == 1 else (f"  __shared__ bool sf_last;  // split-K: whether this block finishes the tile\n"
+                                     f"  const int sf_kb = blockIdx.y * {per};  // this split's K tiles\n"
+                                     f"  const int sf_nkt = min({KT} - sf_kb, {per});\n")
+    src = globals_ + f"""extern "C" __global__ void __launch_bounds__({T}, 1) {symbol}({params}) {{
   extern __shared__ __align__(1024) unsigned char sf_dyn[];
   const unsigned sf_raw = (unsigned)__cvta_generic_to_shared(sf_dyn);
   const unsigned sf_base = (sf_raw + 1023u) & ~1023u;
   float* sf_Cs = reinterpret_cast<float*>(sf_dyn + (sf_base - sf_raw));
   const int sf_wg = threadIdx.x >> 7;
   const int sf_wl = threadIdx.x & 127;
-{_indent(_grouped_tile("(int)blockIdx.x", tiles_m, tiles_n, BM, BN), 2)}
+{ranges}{_indent(_grouped_tile("(int)blockIdx.x", tiles_m, tiles_n, BM, BN), 2)}
 {_indent(pre + root, 2)}
 {_indent(body, 2)}
 }}
 """
-    grid = (tiles_m * tiles_n, 1, max(1, min(batch, 65535)))
+    grid = (tiles_m * tiles_n, splits, max(1, min(batch, 65535)))
     return src, {"grid": grid, "block": (T, 1, 1), "shared_mem": smem}, wrapper
 
 

@@ -1367,8 +1367,9 @@ def test_transposed_copies_are_tiled_on_the_host(tmp_path):
 def test_channels_last_convs_take_wgmma_on_the_host(tmp_path, dt):
     """Convs over a channels-last image (RFC 0005 decision 57: 3x3 with padding and a fused bias,
     residual and SiLU, strided, a strided 1x1, dilated, 5x5 with uneven strides and pads, a 1-D
-    conv) take the wgmma template with the image as a gathered operand (K ordered taps, then
-    channels; the padding's taps copied as zeros), the weight ``[OC, *kernel, C]`` a direct one.
+    conv, a deep one on few pixels whose K is split over 4 blocks: decision 59) take the wgmma
+    template with the image as a gathered operand (K ordered taps, then channels; the padding's
+    taps copied as zeros), the weight ``[OC, *kernel, C]`` a direct one.
     Against numpy, sizes that are not multiples of the tile."""
     from test_wgmma import _channels_last_convs, _value
 
@@ -1379,6 +1380,7 @@ def test_channels_last_convs_take_wgmma_on_the_host(tmp_path, dt):
         launch = src.launches[name]
         assert launch.kind == f"gemm-wgmma-{'f16' if dt == 'float16' else 'bf16'}", name
         assert not launch.tensor_maps, name  # (the cp.async tiles: a gathered operand has no tensor map)
+        assert launch.grid[1] == (4 if name == "deep" else 1), name  # (split-K: decision 59)
         out = run(kernels, launch, [bits[n] for n in launch.args[:launch.num_inputs]], [(want.shape, np.uint16)])[0]
         got = _value(out.view(np.float16) if dt == "float16" else out, dt)
         err = float(np.max(np.abs(got - want))) / float(np.max(np.abs(want)))
