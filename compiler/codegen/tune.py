@@ -185,7 +185,7 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         for cand in CANDIDATES:
             src = generate_cuda_source([op], precision, arch, {op.name: cand}, wgmma_fp32=wgmma_fp32, sms=sms)
             if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
-                continue  # a batched product: the tile falls back to a cp.async one measured anyway
+                continue  # (a batched product, a gathered operand: the tile falls back to a cp.async one)
             cands[cand] = src
         todo[path] = (op, generate_cuda_source([op], precision, arch, wgmma_fp32=wgmma_fp32, sms=sms), cands,
                       [op.name])
