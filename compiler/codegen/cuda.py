@@ -15,7 +15,9 @@ Ops whose kernels come out identical (repeated layers) share one kernel, which k
 time of deep models close to that of one layer.
 
 Lowering (each op output is one *part* of the op's kernel; parts run one after another)
-    * no reduction: one thread per output element, grid-stride loop;
+    * no reduction: one thread per output element, grid-stride loop; where the output reads a
+      whole tensor transposed (its innermost axis another output axis: a channels-last copy, a
+      Kᵀ), by 32 x 32 tiles through shared memory, so that loads and stores are both coalesced;
     * reductions shared by several outputs (softmax, normalizations, hardmax...): the output axes
       the reductions depend on form a *row*; a warp (short rows) or a block of 256 threads (long
       rows) computes each hoisted reduction once per row with shuffles (and shared memory across
@@ -33,7 +35,10 @@ Lowering (each op output is one *part* of the op's kernel; parts run one after a
       products by the bulk tensor copy engine in a persistent kernel; compiled for ``sm_90a``),
       and, with ``wgmma_fp32`` (opt-in, not yet run on a GPU) or on a forced tile, so does a
       float32 product whose operands are both K-major (one TF32 product, or 3xTF32; the driver
-      stores the weights ``[N, K]`` for it).
+      stores the weights ``[N, K]`` for it). A half operand read through a window (a convolution
+      over a channels-last image, its padding a select against zero) is gathered by the
+      ``cp.async`` pipeline in runs of 8 K values (:func:`_gather_operand`; the driver makes the
+      copy, ``passes/channels_last.py``).
       With fewer than 16 rows on one side (decoding) and at least 16 on the other, the GEMV
       template of :mod:`.cuda_gemv` (the larger operand streamed once, coalesced along its unit
       stride, the rows' sums in registers; float32 products and sums).
@@ -1530,8 +1535,8 @@ def _transpose_part(gc: GridCompute, value: Expr, out_ptr: str, em: "_Emitter", 
         f"__shared__ {ct} sf_tile[{_TILE}][{pitch}];",
         "const int sf_tx = threadIdx.x & 31, sf_ty = threadIdx.x >> 5;",
         f"for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{",
-        f"  const int sf_b0 = sf_t % {tb} * {_TILE}, sf_a0 = sf_t / {tb} % {ta} * {_TILE};",
-        f"  const int {q} = sf_t / {tb * ta};"] + _indent(dec, 2) + [
+        f"  const int sf_b0 = sf_t % {tb} * {_TILE}, sf_a0 = sf_t / {tb} % {ta} * {_TILE};"] + (
+        [f"  const int {q} = sf_t / {tb * ta};"] + _indent(dec, 2) if rest else []) + [
         f"  for (int sf_r = 0; sf_r < {_TILE}; sf_r += {_TILE_ROWS})  // along the input's rows",
         f"    if (sf_a0 + sf_ty + sf_r < {a.extent} && sf_b0 + sf_tx < {b.extent})",
         f"      sf_tile[sf_ty + sf_r][sf_tx] = {ptr}[{offset(shape, src_ix, load_at)}];",

@@ -625,7 +625,12 @@ def _mixed_radix(index: str, axes, prefix: str, n_guards: int) -> tuple[list[str
         if ext == 1:
             continue
         name = f"{prefix}{i}"
-        if i == 0 or all(e == 1 for e, _, _ in axes[:i]):
+        last = i == 0 or all(e == 1 for e, _, _ in axes[:i])
+        if not stride and not any(coefs):  # (an axis the operand does not depend on: skipped over)
+            if not last:
+                lines.append(f"{prefix}q /= {ext};")
+            continue
+        if last:
             lines.append(f"const int {name} = {prefix}q;")
         else:
             lines.append(f"const int {name} = {prefix}q % {ext}; {prefix}q /= {ext};")
