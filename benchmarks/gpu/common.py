@@ -297,6 +297,27 @@ def time_calls(call, sync, repeat: int, warmup: int) -> dict:
     return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeat": repeat}
 
 
+def time_compiled(tc: dict, mode: str, call, ref, dev: "TorchDevice", repeat: int, warmup: int, log, what: str,
+                  verbose: bool) -> None:
+    """Time a ``torch.compile``'d ``call()`` (its first call compiles): ``tc[mode]`` gets its
+    median and fastest latency, its compile seconds and its error against ``ref``; a failure is
+    recorded there instead (``what``: the case, in the log)."""
+    try:
+        with dev.torch.no_grad():
+            t0 = time.perf_counter()
+            y = call()
+            dev.sync()
+            compile_s = time.perf_counter() - t0
+            d = torch_diff(y, ref)
+            del y
+            t = time_calls(call, dev.sync, repeat, warmup)
+        tc[mode] = {"ms": t["ms"], "min_ms": t["min_ms"], "compile_s": compile_s,
+                    "max_abs_diff": d["max_abs_diff"], "rel_diff": d["rel_diff"]}
+        log(f"{what}: torch.compile({mode}) {t['ms']:.3f} ms (compiled in {compile_s:.0f} s)")
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        failed(tc.setdefault(mode, {}), "error", exc, f"{what}: torch.compile({mode})", log, verbose)
+
+
 def torch_diff(got, ref) -> dict:
     d = (got.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()

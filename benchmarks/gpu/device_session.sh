@@ -31,6 +31,8 @@
 #                                                 # split-KV: GPU tests, then every type's kernel vs torch's SDPA, < 4 min
 #   bash benchmarks/gpu/device_session.sh conv    # Stable Diffusion 1.5's UNet convs at batch 2 vs torch's conv2d
 #                                                 # (cuDNN), float16 and bfloat16, < 3 min
+#   bash benchmarks/gpu/device_session.sh cnn     # ResNet-50 end to end (batch 1, 8; float16) vs torch eager and
+#                                                 # torch.compile, channels-last, < 6 min
 #   bash benchmarks/gpu/device_session.sh steps   # decoding steps end to end (decode.py: a 0.6B grouped-heads
 #                                                 # Llama, KV cache kept on the device) vs torch eager and
 #                                                 # torch.compile, batches 1 and 8, < 8 min
@@ -401,6 +403,14 @@ case "$what" in
             -k "batched_one_by_one or channels_last" 2>&1 | tail -5 | tee -a "$f"
         timeout 120 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
+        ;;
+    cnn)  # ResNet-50 end to end at batch 1 and 8, float16, vs torch eager and torch.compile on the same module in
+          # float16 and channels-last (benchmarks/gpu/cnn.py, session 50; never run on a GPU): every conv on the
+          # wgmma template (rfcs/0005 decisions 55-59), < 6 min
+        f="$out/cnn.txt"
+        echo "# device_session.sh cnn, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+        timeout 330 python3 benchmarks/gpu/cnn.py --json "$out/cnn.json" >> "$f" 2>&1
+        grep -E "compiled|ours|torch|vs_torch|rror" "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV
              # tests, then GPT-2's and Llama-7B's projections at 1, 4 and 8 rows against cuBLAS in float16 with

@@ -76,7 +76,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, failed, fmt, table,  # noqa: E402
-                    time_calls, torch_diff, torch_ratios)
+                    time_calls, time_compiled, torch_diff, torch_ratios)
 
 MODELS = ("gpt2_small", "llama")
 BATCHES = (1, 8)
@@ -135,8 +135,9 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype
 
 def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
                  search_space: int | None, gemm_tiles: dict | None = None, pdl: bool = False,
-                 wgmma_fp32: bool = False) -> dict:
-    """Compile one batch size; returns the record (timings, kernel kinds)."""
+                 wgmma_fp32: bool = False, input_shapes: dict | None = None) -> dict:
+    """Compile one batch size (``input_shapes``: default ``input_ids`` ``[batch, 128]``); returns the
+    record (timings, kernel kinds)."""
     from shardflow.compiler import compile as sf_compile
 
     opt = {"target": target, "precision": precision}
@@ -152,7 +153,7 @@ def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch:
         opt["wgmma_fp32"] = True
     t0 = time.perf_counter()
     res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
-                     out_dir=out_dir, input_shapes={"input_ids": [batch, 128]})
+                     out_dir=out_dir, input_shapes=input_shapes or {"input_ids": [batch, 128]})
     rec = {"compile_s": time.perf_counter() - t0, "compile_timings": dict(res.timings),
            "kernels": res.ranks[0]["kernels"] if res.ranks else None}
     try:
@@ -283,21 +284,8 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
             if not budget.allows(NEED_S["torch_compile"] * (0.2 if args.tiny else 1)):
                 tc[mode] = {"skipped": "time budget"}
                 continue
-            try:
-                with torch.no_grad():
-                    t0 = time.perf_counter()
-                    y = call(b)
-                    dev.sync()
-                    compile_s = time.perf_counter() - t0
-                    d = torch_diff(y, refs[b])
-                    del y
-                    t = time_calls(lambda: call(b), dev.sync, args.repeat, args.warmup)
-                tc[mode] = {"ms": t["ms"], "min_ms": t["min_ms"], "compile_s": compile_s,
-                            "max_abs_diff": d["max_abs_diff"], "rel_diff": d["rel_diff"]}
-                log(f"{name} {b}x128: torch.compile({mode}) {t['ms']:.3f} ms (compiled in {compile_s:.0f} s)")
-            except Exception as exc:  # noqa: BLE001
-                failed(tc.setdefault(mode, {}), "error", exc, f"{name} {b}x128: torch.compile({mode})", log,
-                       args.verbose)
+            time_compiled(tc, mode, lambda: call(b), refs[b], dev, args.repeat, args.warmup, log, f"{name} {b}x128",
+                          args.verbose)
             save()
         cm = None
         torch._dynamo.reset()

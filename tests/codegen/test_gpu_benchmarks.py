@@ -155,6 +155,22 @@ def test_conv_dry_run_builds_our_conv_kernels():
 
 
 @needs_nvcc
+def test_cnn_dry_run_puts_every_conv_on_wgmma(tmp_path):
+    """cnn.py's ResNet (two stages, 64x64 images, batch 2) exports and compiles for sm_90 with
+    float16 products: every conv on the wgmma template (rfcs/0005 decisions 55-57: the stem's 3
+    channels padded to 8 in its channels-last copy, the 3x3 convs' images copied by tiles), none on
+    the portable one."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    cnn = _load("cnn")
+    res = cnn.main(["--dry-run", "--tiny", "--batches", "2", "--work-dir", str(tmp_path)])
+    rec = res["batches"]["2"]
+    assert "compile_error" not in rec and "error" not in res, rec
+    kinds = rec["kinds"]
+    assert kinds.get("gemm-wgmma-f16", 0) >= 7 and "gemm-f16" not in kinds and kinds.get("transpose") == 2, kinds
+
+
+@needs_nvcc
 def test_decode_dry_run_keeps_the_cache_on_the_device(tmp_path):
     """decode.py's step (a 2-layer grouped-heads model exported in float16 by torch) compiles for
     sm_90 with its four caches written in place, one fused attention per layer (its softmax in
