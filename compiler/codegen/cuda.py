@@ -1460,11 +1460,13 @@ _TILE, _TILE_ROWS = 32, _THREADS // 32
 _TILE_PITCH = {1: 36, 2: 34, 4: 33, 8: 33}
 
 
-def _transposed_read(gc: GridCompute, value: Expr, reads) -> tuple[list[TensorElement], Var] | None:
+def _transposed_read(gc: GridCompute, value: Expr, reads) -> tuple[list[TensorElement], list[Var]] | None:
     """The reads of the one tensor that ``value`` (element-wise: no reduction) reads as a
-    permutation of the output's axes whose innermost dim is another output axis than the output's
-    innermost, both at least 16 long (every such read of it at the same index), with that axis;
-    else None."""
+    permutation of the output's axes whose innermost dims are other output axes than the output's
+    innermost (every such read of it at the same index), with those axes: the longest run of the
+    input's innermost dims that is a run of the output's axes too, in the same order (an NCHW
+    image's ``(h, w)`` in its NHWC copy: one axis of ``H*W`` elements to both); it and the output's
+    innermost axis at least 16 long. Else None."""
     if any(isinstance(n, Reduce) for n in walk(value)):
         return None
     live = [v for v in gc.axes if v.extent != 1]
@@ -1477,11 +1479,18 @@ def _transposed_read(gc: GridCompute, value: Expr, reads) -> tuple[list[TensorEl
             continue
         ix = [i for i, ext in zip(te.indices, ref[1]) if ext != 1]
         if not ix or not all(isinstance(i, Var) for i in ix) or len({id(i) for i in ix}) != len(ix) \
-                or {id(i) for i in ix} != {id(v) for v in live} or ix[-1] is live[-1] or ix[-1].extent < 16:
+                or {id(i) for i in ix} != {id(v) for v in live} or ix[-1] is live[-1]:
+            continue
+        pos = live.index(ix[-1])
+        run = 1
+        while run < len(ix) and pos - run >= 0 and live[pos - run] is ix[-1 - run]:
+            run += 1
+        group = ix[-run:]
+        if _prod([v.extent for v in group]) < 16:
             continue
         same = [t for t in tes if t.tensor is te.tensor]
         if all(format_expr(t) == format_expr(te) for t in same):
-            return same, ix[-1]
+            return same, group
     return None
 
 
@@ -1494,15 +1503,16 @@ def _transpose_part(gc: GridCompute, value: Expr, out_ptr: str, em: "_Emitter", 
     found = _transposed_read(gc, value, em.reads)
     if found is None:
         return None
-    same, b = found
+    same, group = found
     ptr, shape, dt = em.reads[id(same[0].tensor)]
     size = _STORE_BYTES.get(dt)
     if size is None:
         return None
     live = [v for v in gc.axes if v.extent != 1]
     a = live[-1]
-    rest = [v for v in live if v is not a and v is not b]
-    ta, tb = -(-a.extent // _TILE), -(-b.extent // _TILE)
+    rest = [v for v in live if v is not a and all(v is not g for g in group)]
+    eb = _prod([v.extent for v in group])  # (the tile's columns: the group's axes as one)
+    ta, tb = -(-a.extent // _TILE), -(-eb // _TILE)
     tiles = _prod([v.extent for v in rest]) * ta * tb
     wide = _prod(gc.shape) > _I32[1]
     names = em.names
@@ -1521,11 +1531,19 @@ def _transpose_part(gc: GridCompute, value: Expr, out_ptr: str, em: "_Emitter", 
             terms.append(f"(long long)({x}) * {st}LL" if wide else (x if st == 1 else f"({x}) * {st}"))
         return " + ".join(terms) or "0"
 
+    def split(flat: str) -> dict:  # the group's axes of its composite index ``flat`` (a C name)
+        out, inner = {}, 1
+        for k in range(len(group) - 1, -1, -1):
+            x = flat if inner == 1 else f"{flat} / {inner}"
+            out[group[k]] = (f"({x} % {group[k].extent})" if k else f"({x})", "int32")
+            inner *= group[k].extent
+        return out
+
     pitch = _TILE_PITCH[size]
     ct = _STORE_CTYPE[dt]
-    load_at = {**binds, a: ("(sf_a0 + sf_ty + sf_r)", "int32"), b: ("(sf_b0 + sf_tx)", "int32")}
+    load_at = {**binds, a: ("(sf_a0 + sf_ty + sf_r)", "int32"), **split("sf_lb")}
     src_ix = [i if ext != 1 else None for i, ext in zip(same[0].indices, shape)]
-    blk = _Block(root, {**binds, a: ("sf_ia", "int32"), b: ("sf_ib", "int32")})
+    blk = _Block(root, {**binds, a: ("sf_ia", "int32"), **split("sf_ib")})
     tv = em.new("tv")
     for t in same:
         em.subst[id(t)] = (tv, dt)
@@ -1537,13 +1555,14 @@ def _transpose_part(gc: GridCompute, value: Expr, out_ptr: str, em: "_Emitter", 
         f"for (int sf_t = blockIdx.x; sf_t < {tiles}; sf_t += gridDim.x) {{",
         f"  const int sf_b0 = sf_t % {tb} * {_TILE}, sf_a0 = sf_t / {tb} % {ta} * {_TILE};"] + (
         [f"  const int {q} = sf_t / {tb * ta};"] + _indent(dec, 2) if rest else []) + [
+        "  const int sf_lb = sf_b0 + sf_tx;",
         f"  for (int sf_r = 0; sf_r < {_TILE}; sf_r += {_TILE_ROWS})  // along the input's rows",
-        f"    if (sf_a0 + sf_ty + sf_r < {a.extent} && sf_b0 + sf_tx < {b.extent})",
+        f"    if (sf_a0 + sf_ty + sf_r < {a.extent} && sf_lb < {eb})",
         f"      sf_tile[sf_ty + sf_r][sf_tx] = {ptr}[{offset(shape, src_ix, load_at)}];",
         "  __syncthreads();",
         f"  for (int sf_r = 0; sf_r < {_TILE}; sf_r += {_TILE_ROWS}) {{  // along the output's rows",
         "    const int sf_ia = sf_a0 + sf_tx, sf_ib = sf_b0 + sf_ty + sf_r;",
-        f"    if (sf_ia < {a.extent} && sf_ib < {b.extent}) {{",
+        f"    if (sf_ia < {a.extent} && sf_ib < {eb}) {{",
         f"      const {_REG_CTYPE[dt]} {tv} = {_load('sf_tile[sf_tx][sf_ty + sf_r]', dt)};"] + _indent(blk.lines, 6) + [
         f"      {out_ptr}[{offset(gc.shape, out_ix, blk.binds)}] = {em.stored(x, gc.dtype)};",
         "    }",

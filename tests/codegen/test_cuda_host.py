@@ -1326,9 +1326,9 @@ def test_transposed_copies_are_tiled_on_the_host(tmp_path):
     """An element-wise kernel that reads a whole tensor transposed (its innermost axis another
     output axis, both at least 16 long) goes through 32 x 32 tiles in shared memory (kind
     ``transpose``), with the rest of its value fused: an NCHW image's channels-last copy with its
-    cast to float16, a Kᵀ copy of bfloat16 values plus a bias read per output element, a 2-D int32
-    transpose, sizes off the tile. Exact against numpy. A short output row keeps the per-element
-    kernel."""
+    cast to float16 (its ``(h, w)`` one axis of the tile), a 7x7 image's (49 pixels as one axis), a
+    Kᵀ copy of bfloat16 values plus a bias read per output element, a 2-D int32 transpose, sizes off
+    the tile. Exact against numpy. A short output row keeps the per-element kernel."""
     from test_wgmma import _bits, _value
 
     from shardflow.compiler.codegen.fusion import fuse
@@ -1339,18 +1339,21 @@ def test_transposed_copies_are_tiled_on_the_host(tmp_path):
     vals = {"img": rng.standard_normal((2, 40, 3, 18)).astype(np.float32),
             "k": _bits(rng.standard_normal((2, 3, 20, 33)), "bfloat16"),
             "bias": _bits(rng.standard_normal((33, 20)), "bfloat16"),
-            "ints": rng.integers(-9, 9, (17, 50)).astype(np.int32), "short": rng.standard_normal((40, 6))}
-    t = {k: Tensor(k, v.shape, {"img": "float32", "ints": "int32", "short": "float64"}.get(k, "bfloat16"))
-         for k, v in vals.items()}
+            "ints": rng.integers(-9, 9, (17, 50)).astype(np.int32), "short": rng.standard_normal((40, 6)),
+            "pix": rng.standard_normal((1, 24, 7, 7)).astype(np.float16)}
+    types = {"img": "float32", "ints": "int32", "short": "float64", "pix": "float16"}
+    t = {k: Tensor(k, v.shape, types.get(k, "bfloat16")) for k, v in vals.items()}
     cast = CastOp([t["img"]], name="half", to="float16")
     copy = Transpose([cast.outputs[0]], name="copy", perm=(0, 2, 3, 1))
     kt = Transpose([t["k"]], name="kt", perm=(0, 1, 3, 2))
     ops = fuse([cast, copy]) + fuse([kt, Binary([kt.outputs[0], t["bias"]], name="kt_bias", fn="add")]) + [
-        Transpose([t["ints"]], name="ints_t", perm=(1, 0)), Transpose([t["short"]], name="short_t", perm=(1, 0))]
+        Transpose([t["ints"]], name="ints_t", perm=(1, 0)), Transpose([t["short"]], name="short_t", perm=(1, 0)),
+        Transpose([t["pix"]], name="pix_t", perm=(0, 2, 3, 1))]
     k = _value(vals["k"], "bfloat16")
     wants = {"copy": (vals["img"].astype(np.float16).transpose(0, 2, 3, 1), np.float16),
              "kt_bias": (k.transpose(0, 1, 3, 2) + _value(vals["bias"], "bfloat16"), np.uint16),
-             "ints_t": (vals["ints"].T, np.int32), "short_t": (vals["short"].T, np.float64)}
+             "ints_t": (vals["ints"].T, np.int32), "short_t": (vals["short"].T, np.float64),
+             "pix_t": (vals["pix"].transpose(0, 2, 3, 1), np.float16)}
     src = generate_cuda_source(ops, arch="sm_90")
     kernels = build(src.text, str(tmp_path))
     for name, (want, dtype) in wants.items():
