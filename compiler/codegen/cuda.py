@@ -2816,7 +2816,9 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
         feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
         feeds |= _attention_operand_copies(ops)
         feeds |= {op.name for op in ops if channels_last_copy(op)}  # (their readers gather from them)
-        ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds)
+        # (a conv's output copied channels-last for the convs that read it: stored so by the conv)
+        ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds,
+                       permuted_epilogue=channels_last_copy)
     return drop_views(ops, views)
 
 

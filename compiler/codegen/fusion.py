@@ -212,7 +212,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
          epilogue_after_reduce: bool = True,
          accept: Callable[["FusedOp"], bool] = lambda group: True,
          materialize: Callable[[Operator], bool] = lambda op: False,
-         views: Collection[str] = ()) -> list[Operator]:
+         views: Collection[str] = (),
+         permuted_epilogue: Callable[[Operator], bool] = lambda op: False) -> list[Operator]:
     """Group ``ops`` (one rank's compute ops, in topological order) into kernels.
 
     Parameters
@@ -237,6 +238,11 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         Ops whose output is written for its readers: they may join their producers' groups, but
         no reader joins theirs (the cuda target on Hopper: casts to float16/bfloat16, so that a
         GEMM reads its half-precision operand from memory, 16 bytes at a time).
+    permuted_epilogue
+        Transposes that may join a contraction's group as its epilogue although they do not read
+        its output at their own index (the cuda GEMM templates store any output layout, each
+        element of the product still computed once: a conv writing its output channels-last for
+        the convs that read it, ``passes/channels_last.py``).
     views
         Names of the ops among ``ops`` that the runtime can run as views (a reshape whose output
         aliases its input's bytes; no kernel). One whose input index is affine in its output
@@ -286,8 +292,9 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
                     contraction = any(m.op_type in CONTRACTIONS for m in members)
                     split = op.name in fusable_view and contraction
                     row = not contraction and _reads_row_statistic(op, k)
+                    permuted = contraction and permuted_epilogue(op)
                     if reducing or not (type(op).injective and epilogue_after_reduce
-                                        and (_reads_elementwise(op, k) or split or row)):
+                                        and (_reads_elementwise(op, k) or split or row or permuted)):
                         continue
                     reducing = True
                 elif op.op_type in CONTRACTIONS and not all(m.op_type in CHEAP for m in members):

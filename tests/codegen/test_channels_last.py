@@ -14,7 +14,8 @@ from shardflow.compiler.passes.channels_last import channels_last_copy
 
 
 def _model(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
-    """``x [2, 16, 10, 12]`` read by a padded 3x3 conv and a strided one (one copy for both), a
+    """``x [2, 16, 10, 12]`` read by a padded 3x3 conv and a strided one (one copy for both; the
+    strided one's ReLU read by a 3x3 conv alone: the strided conv stores it channels-last), a
     ReLU, then a 1x1 conv (read as it is: decision 55) and a grouped 3x3 conv (left alone: 4 channels a group); ``y``
     of 12 channels (not a multiple of 8: its copy has 4 channels of zeros more); ``z``'s patch
     embedding (8x8 windows at stride 8: gathered from the NCHW image as it is)."""
@@ -25,18 +26,20 @@ def _model(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
         return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
 
     inits = [w("w1", 32, 16, 3, 3), w("b1", 32), w("w2", 24, 16, 3, 3), w("w3", 16, 32, 1, 1),
-             w("w4", 32, 4, 3, 3), w("w5", 16, 12, 3, 3), w("w6", 16, 3, 8, 8)]
+             w("w4", 32, 4, 3, 3), w("w5", 16, 12, 3, 3), w("w6", 16, 3, 8, 8), w("w7", 16, 24, 3, 3)]
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Relu", ["c1"], ["r"]),
              helper.make_node("Conv", ["r", "w3"], ["c3"]),
              helper.make_node("Conv", ["r", "w4"], ["c4"], pads=[1, 1, 1, 1], group=8),
              helper.make_node("Conv", ["y", "w5"], ["c5"], pads=[1, 1, 1, 1]),
-             helper.make_node("Conv", ["z", "w6"], ["c6"], strides=[8, 8])]
+             helper.make_node("Conv", ["z", "w6"], ["c6"], strides=[8, 8]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Conv", ["r2", "w7"], ["c7"], pads=[1, 1, 1, 1])]
     io = helper.make_tensor_value_info
     graph = helper.make_graph(nodes, "convs", [io("x", dtype, [2, 16, 10, 12]), io("y", dtype, [1, 12, 8, 8]),
                                                io("z", dtype, [2, 3, 32, 32])],
-                              [io("c2", dtype, [2, 24, 5, 6]), io("c3", dtype, [2, 16, 10, 12]),
+                              [io("c7", dtype, [2, 16, 5, 6]), io("c3", dtype, [2, 16, 10, 12]),
                                io("c4", dtype, [2, 32, 10, 12]), io("c5", dtype, [1, 16, 8, 8]),
                                io("c6", dtype, [2, 16, 4, 4])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -55,8 +58,9 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     """The two convs of ``x`` read one channels-last copy of its half values (the cast to half
     fuses into the copy's kernel, whose output is written), their weights stored ``[OC, KH, KW,
     C]``, and they take the wgmma template; so does the conv of ``y``, its copy and weight padded
-    to 16 channels with zeros (the pad in the copy's kernel), and the patch embedding, with no copy;
-    the 1x1 and grouped convs are as before.
+    to 16 channels with zeros (the pad in the copy's kernel), the patch embedding, with no copy, and
+    c7, whose image the strided conv's kernel stores channels-last (its ReLU and cast fused before
+    the transpose); the 1x1 and grouped convs are as before.
     The graph computes what it computed without the pass (sm_80); every kernel runs on
     the host emulation against the evaluator. A float16 model's convs read its half image directly."""
     from cuda_host import build
@@ -72,11 +76,11 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
         progs[arch] = rank_passes(load_onnx(_model(TensorProto.FLOAT16 if half else TensorProto.FLOAT)), opt)
     rg = progs["sm_90"]
     copies = [op for op in rg.nodes if channels_last_copy(op)]
-    assert [(op.inputs[0].shape, op.outputs[0].shape) for op in copies] == [((2, 16, 10, 12), (2, 10, 12, 16)),
-                                                                             ((1, 16, 8, 8), (1, 8, 8, 16))]
+    assert [(op.inputs[0].shape, op.outputs[0].shape) for op in copies] == [
+        ((2, 16, 10, 12), (2, 10, 12, 16)), ((1, 16, 8, 8), (1, 8, 8, 16)), ((2, 24, 5, 6), (2, 5, 6, 24))]
     assert not any(channels_last_copy(op) for op in progs["sm_80"].nodes)
     weights = sorted(t.shape for op in rg.nodes for t in op.inputs if t.is_constant and t.name.endswith(".ohwi"))
-    assert weights == [(16, 3, 3, 16), (24, 3, 3, 16), (32, 3, 3, 16)]
+    assert weights == [(16, 3, 3, 16), (16, 3, 3, 24), (24, 3, 3, 16), (32, 3, 3, 16)]
     env = _evaluate(rg, feeds)
     ref = _evaluate(progs["sm_80"], feeds)
     for t in rg.outputs:  # (the padded channels' zeros may change the order of c5's float32 sums)
@@ -89,13 +93,15 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     groups = [g for g in groups if g.name in src.launches]
     members = {g.name: [m.op_type for m in getattr(g, "members", [g])] for g in groups}
     cast = [] if half else ["Cast"]
-    assert sorted(members[g.name] for g in groups if any(channels_last_copy(m) for m in getattr(g, "members", [g]))) \
-        == sorted([cast + ["Transpose"], cast + ["Pad", "Transpose"]])
+    copying = [members[g.name] for g in groups if any(channels_last_copy(m) for m in getattr(g, "members", [g]))]
+    # (c2's ReLU, read by c7 alone, copied by c2's kernel: the GEMM stores its output channels-last)
+    assert sorted(m for m in copying if "Conv" not in m) == sorted([cast + ["Transpose"], cast + ["Pad", "Transpose"]])
+    assert [m[m.index("Conv"):] for m in copying if "Conv" in m] == [["Conv", "Activation"] + cast + ["Transpose"]]
     kinds = {}
     for g in groups:
         conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
         if conv:
             kinds[conv[0].outputs[0].name] = src.launches[g.name].kind
     assert kinds == {"c1": "gemm-wgmma-f16", "c2": "gemm-wgmma-f16", "c3": "gemm-wgmma-f16", "c4": "gemv",
-                     "c5": "gemm-wgmma-f16", "c6": "gemm-wgmma-f16"}
+                     "c5": "gemm-wgmma-f16", "c6": "gemm-wgmma-f16", "c7": "gemm-wgmma-f16"}
     _check_kernels("convs", build(src.text, str(tmp_path)), src, groups, env, consts)
