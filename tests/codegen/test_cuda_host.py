@@ -1370,7 +1370,7 @@ def test_transposed_copies_are_tiled_on_the_host(tmp_path):
 def test_channels_last_convs_take_wgmma_on_the_host(tmp_path, dt):
     """Convs over a channels-last image (RFC 0005 decision 57: 3x3 with padding and a fused bias,
     residual and SiLU, strided, a strided 1x1, dilated, 5x5 with uneven strides and pads, a 1-D
-    conv, a deep one on few pixels whose K is split over 4 blocks: decision 59) take the wgmma
+    conv, a 3-D one, a deep one on few pixels whose K is split over 4 blocks: decision 59) take the wgmma
     template with the image as a gathered operand (K ordered taps, then channels; the padding's
     taps copied as zeros), the weight ``[OC, *kernel, C]`` a direct one.
     Against numpy, sizes that are not multiples of the tile."""

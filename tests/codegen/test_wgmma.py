@@ -783,6 +783,7 @@ CHANNELS_LAST = {
     "k5": ((1, 16, 8, 7), 32, (5, 5), (1, 2), (1, 1), (2, 1, 1, 3)),
     "c1d": ((2, 16, 30), 24, (3,), (2,), (1,), (1, 1)),
     "deep": ((1, 256, 4, 4), 64, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),  # one tile, K split in 4 (decision 59)
+    "c3d": ((1, 8, 4, 5, 6), 16, (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 0, 1, 1, 1, 1)),  # (uneven pads)
 }
 
 
@@ -827,7 +828,7 @@ def test_channels_last_convs_compile_without_local_memory(tmp_path):
     (which fall back to those: a gathered operand has no tensor map), compile for sm_90a with no
     local memory."""
     ops, _, _ = _channels_last_convs("float16")
-    tiles = ["128x256", "128x128", "64x128", "64x64", "tma128x128", "tma64x128", "128x128"]
+    tiles = ["128x256", "128x128", "64x128", "64x64", "tma128x128", "tma64x128", "128x128", "64x128"]
     _compiles_without_local_memory(tmp_path, list(zip(ops, tiles, strict=True)))
 
 
