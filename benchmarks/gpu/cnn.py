@@ -46,9 +46,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, failed, fmt, table,  # noqa: E402
-                    time_calls, time_compiled, torch_diff, torch_ratios)
-from models import compile_ours  # noqa: E402
+from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardflow, err_text,  # noqa: E402
+                    failed, fmt, table, time_calls, time_compiled, torch_diff, torch_ratios)
 
 BATCHES = (1, 8)
 COMPILE_MODES = ("default", "reduce-overhead")

@@ -3,6 +3,7 @@ device name, and plain-text tables."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import statistics
@@ -323,3 +324,46 @@ def torch_diff(got, ref) -> dict:
     scale = ref.float().abs().max().item()
     return {"max_abs_diff": d, "ref_max_abs": scale, "rel_diff": d / scale if scale else None,
             "finite": bool(got.float().isfinite().all().item())}
+
+
+def gemm_kinds(out_dir: str) -> list[str]:
+    """The GEMM kernel kinds of a compiled program (``out_dir``, one rank)."""
+    with open(os.path.join(out_dir, "rank0", "program.json")) as f:
+        prog = json.load(f)
+    kinds = set()
+    for s in prog["steps"]:
+        if s.get("kind") == "kernel":
+            for k in str(s.get("launch", {}).get("kind", "")).split("+"):
+                if k.startswith("gemm"):
+                    kinds.add(k)
+    return sorted(kinds)
+
+
+def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
+                 search_space: int | None, gemm_tiles: dict | None = None, pdl: bool = False,
+                 wgmma_fp32: bool = False, input_shapes: dict | None = None) -> dict:
+    """Compile one batch size (``input_shapes``: default ``input_ids`` ``[batch, 128]``); returns the
+    record (timings, kernel kinds)."""
+    from shardflow.compiler import compile as sf_compile
+
+    opt = {"target": target, "precision": precision}
+    if target == "cuda":
+        opt["arch"] = arch
+    if search_space is not None:
+        opt["search_space"] = search_space
+    if gemm_tiles:
+        opt["gemm_tiles"] = gemm_tiles
+    if pdl:
+        opt["pdl"] = True
+    if wgmma_fp32:
+        opt["wgmma_fp32"] = True
+    t0 = time.perf_counter()
+    res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
+                     out_dir=out_dir, input_shapes=input_shapes or {"input_ids": [batch, 128]})
+    rec = {"compile_s": time.perf_counter() - t0, "compile_timings": dict(res.timings),
+           "kernels": res.ranks[0]["kernels"] if res.ranks else None}
+    try:
+        rec["gemm_kinds"] = gemm_kinds(str(out_dir))
+    except (OSError, KeyError, ValueError):
+        rec["gemm_kinds"] = None
+    return rec

@@ -70,13 +70,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Budget, TorchDevice, dump_json, ensure_shardflow, err_text, failed, fmt, table,  # noqa: E402
-                    time_calls, time_compiled, torch_diff, torch_ratios)
+from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardflow, err_text,  # noqa: E402
+                    failed, fmt, table, time_calls, time_compiled, torch_diff, torch_ratios)
 
 MODELS = ("gpt2_small", "llama")
 BATCHES = (1, 8)
@@ -84,18 +83,6 @@ COMPILE_MODES = ("default", "reduce-overhead")
 # rough seconds each step needs on an H100 machine (16 cores); a step is skipped when the run's
 # time budget no longer holds it (recorded as skipped)
 NEED_S = {"compile": 60, "ours": 10, "eager": 10, "torch_compile": 90}
-
-
-def _gemm_kinds(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "rank0", "program.json")) as f:
-        prog = json.load(f)
-    kinds = set()
-    for s in prog["steps"]:
-        if s.get("kind") == "kernel":
-            for k in str(s.get("launch", {}).get("kind", "")).split("+"):
-                if k.startswith("gemm"):
-                    kinds.add(k)
-    return sorted(kinds)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,36 +118,6 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype
     log(f"{name}: {info['n_params'] / 1e6:.1f}M parameters, exported in {info['export_s']:.1f} s "
         f"({info['size_bytes'] / 1e6:.0f} MB)")
     return wrapper, info
-
-
-def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
-                 search_space: int | None, gemm_tiles: dict | None = None, pdl: bool = False,
-                 wgmma_fp32: bool = False, input_shapes: dict | None = None) -> dict:
-    """Compile one batch size (``input_shapes``: default ``input_ids`` ``[batch, 128]``); returns the
-    record (timings, kernel kinds)."""
-    from shardflow.compiler import compile as sf_compile
-
-    opt = {"target": target, "precision": precision}
-    if target == "cuda":
-        opt["arch"] = arch
-    if search_space is not None:
-        opt["search_space"] = search_space
-    if gemm_tiles:
-        opt["gemm_tiles"] = gemm_tiles
-    if pdl:
-        opt["pdl"] = True
-    if wgmma_fp32:
-        opt["wgmma_fp32"] = True
-    t0 = time.perf_counter()
-    res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
-                     out_dir=out_dir, input_shapes=input_shapes or {"input_ids": [batch, 128]})
-    rec = {"compile_s": time.perf_counter() - t0, "compile_timings": dict(res.timings),
-           "kernels": res.ranks[0]["kernels"] if res.ranks else None}
-    try:
-        rec["gemm_kinds"] = _gemm_kinds(str(out_dir))
-    except (OSError, KeyError, ValueError):
-        rec["gemm_kinds"] = None
-    return rec
 
 
 def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
