@@ -54,6 +54,11 @@ key               meaning                                                       
                   conv's image and transposing its output on every call (passes/layout.py);
                   depthwise convs, pools, global pools, element-wise ops and channel
                   concatenations between them follow, and stems (3-channel images) write it
+``channels_last`` cuda, sm_90: convs with a window, a stride or padding (and 1x1 convs whose     ``True``
+                  ``H*W`` is not a multiple of 8) read a channels-last copy of their image,
+                  written by the kernel before them where it can, as implicit GEMMs on the
+                  wgmma template (passes/channels_last.py; rfcs/0005 decisions 57-60; not yet
+                  timed on a GPU); ``False`` leaves them in NCHW on the portable template
 ``fold_affine``   a conv's following BatchNormalization and element-wise Mul/Div/Add/Sub by    ``True``
                   per-channel constants folded into its weight and bias at compile time, for
                   every target (passes/fold.py); values change by rounding only
@@ -124,6 +129,7 @@ class OptimizationConfig:
     int8_qdq: bool = True
     precompute: bool = True
     blocked: bool = True
+    channels_last: bool = True
     fold_affine: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
@@ -197,7 +203,7 @@ class OptimizationConfig:
             raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (a GPU "
                               "tensor-core format); use 'float32', 'float16' or 'bfloat16'")
         for key in ("fuse", "cuda_graph", "pdl", "wgmma_fp32", "prepack", "winograd", "int8_qdq", "precompute",
-                    "blocked", "fold_affine"):
+                    "blocked", "channels_last", "fold_affine"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if kw.get("pdl") and (target != "cuda" or _cuda_sm(kw["arch"]) < 90):
@@ -1080,7 +1086,7 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         rg = HalfWeightsKMajor(_k_major_tiles(opt.gemm_tiles)).run(rg)
         from .codegen.cuda_wgmma import WGMMA_ARCHS
 
-        if opt.arch in WGMMA_ARCHS:
+        if opt.arch in WGMMA_ARCHS and opt.channels_last:
             # convs of half images with a window, a stride or padding read a channels-last copy
             # of the image, which the wgmma template gathers (passes/channels_last.py)
             from .passes.channels_last import ChannelsLastConvs

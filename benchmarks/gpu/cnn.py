@@ -17,7 +17,9 @@ Ours
     optimization_config={"target": "cuda", "arch": ARCH, "precision": PRECISION},
     input_shapes={"pixel_values": [B, 3, 224, 224]})`` per batch, ``shardflow.runtime.load`` and
     ``run`` (the CUDA graph replayed from the second run), the logits copied out as ``models.py``
-    does; ``ours_view_ms`` leaves them in the program's buffer.
+    does; ``ours_view_ms`` leaves them in the program's buffer. With ``--nchw`` (on by default) the
+    program compiled with ``channels_last: False`` is timed too (``nchw_ms``: its convs with a
+    window on the portable wmma template, as before decision 57): decisions 57-60's gain.
 
 torch
     The same module under ``torch.no_grad()`` in the precision's type (float16 by default) and
@@ -123,16 +125,18 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
         if not budget.allows(NEED_S["compile"] * (0.2 if args.tiny else 1)):
             rec["ours_skipped"] = "time budget"
             continue
-        out_dir = os.path.join(work, f"resnet50-b{b}")
-        try:
-            rec.update(compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch,
-                                    precision=args.precision, search_space=None,
-                                    input_shapes={"pixel_values": [b, 3, size, size]}))
-            rec["kinds"] = kind_counts(out_dir)
-            compiled[b] = out_dir
-            log(f"resnet50 batch {b}: compiled in {rec['compile_s']:.1f} s, kernels {rec['kinds']}")
-        except Exception as exc:  # noqa: BLE001
-            failed(rec, "compile_error", exc, f"resnet50 batch {b}: compile", log, args.verbose)
+        for layout in ("channels_last", "nchw") if args.nchw else ("channels_last",):
+            out_dir = os.path.join(work, f"resnet50-b{b}-{layout}")
+            pre = "" if layout == "channels_last" else "nchw_"
+            try:
+                r = compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch, precision=args.precision,
+                                 search_space=None, input_shapes={"pixel_values": [b, 3, size, size]},
+                                 channels_last=layout == "channels_last")
+                rec.update({pre + k: v for k, v in r.items()}, **{pre + "kinds": kind_counts(out_dir)})
+                compiled[(b, layout)] = out_dir
+                log(f"resnet50 batch {b} ({layout}): compiled in {r['compile_s']:.1f} s, kernels {rec[pre + 'kinds']}")
+            except Exception as exc:  # noqa: BLE001
+                failed(rec, pre + "compile_error", exc, f"resnet50 batch {b} ({layout}): compile", log, args.verbose)
     save()
     if args.dry_run:
         return res
@@ -150,25 +154,27 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
     model = model.to(dtype=tdtype, **fmt_kw)
     inputs = {b: torch.from_numpy(images[b]).to(dev.tdev).to(dtype=tdtype, **fmt_kw) for b in args.batches}
 
-    for b, out_dir in compiled.items():  # ours
+    for (b, layout), out_dir in compiled.items():  # ours
         rec = res["batches"][str(b)]
+        pre = "ours_" if layout == "channels_last" else "nchw_"
         try:
             from shardflow.runtime import load
 
             prog = load(out_dir)
             feeds = {"pixel_values": dev.ours_input(images[b])}
             first = prog.run(feeds)["logits"]  # eager run
-            rec.update(torch_diff(dev.as_torch(first), refs[b]))
+            d = torch_diff(dev.as_torch(first), refs[b])
+            rec.update(d if layout == "channels_last" else {"nchw_rel_diff": d["rel_diff"]})
             prog.run(feeds)  # captures the CUDA graph
             t = time_calls(lambda: prog.run(feeds), dev.sync, args.repeat, args.warmup)
-            rec.update(ours_ms=t["ms"], ours_min_ms=t["min_ms"], repeat=t["repeat"])
+            rec.update({pre + "ms": t["ms"], pre + "min_ms": t["min_ms"], "repeat": t["repeat"]})
             t = time_calls(lambda: prog.run(feeds, copy_outputs=False), dev.sync, args.repeat, args.warmup)
-            rec.update(ours_view_ms=t["ms"], ours_view_min_ms=t["min_ms"])
-            log(f"resnet50 batch {b}: ours {rec['ours_ms']:.3f} ms ({rec['ours_view_ms']:.3f} ms with the logits "
-                f"left in place), rel diff vs torch fp32 {fmt(rec['rel_diff'], '.1e')}")
+            rec.update({pre + "view_ms": t["ms"], pre + "view_min_ms": t["min_ms"]})
+            log(f"resnet50 batch {b} ({layout}): ours {rec[pre + 'ms']:.3f} ms ({rec[pre + 'view_ms']:.3f} ms with "
+                f"the logits left in place), rel diff vs torch fp32 {fmt(d['rel_diff'], '.1e')}")
             prog.close()
         except Exception as exc:  # noqa: BLE001
-            failed(rec, "ours_error", exc, f"resnet50 batch {b}: ours", log, args.verbose)
+            failed(rec, pre + "error", exc, f"resnet50 batch {b} ({layout}): ours", log, args.verbose)
         gc.collect()
         save()
     for b in args.batches:  # torch eager
@@ -212,12 +218,13 @@ def format_table(res: dict) -> str:
     for key, r in res.get("batches", {}).items():
         tc = r.get("torch_compile", {})
         note = r.get("compile_error") or r.get("ours_error") or r.get("ours_skipped") or ""
-        rows.append([key, fmt(r.get("ours_ms")), fmt(r.get("ours_view_ms")), fmt(r.get("torch_eager_ms")),
+        rows.append([key, fmt(r.get("ours_ms")), fmt(r.get("ours_view_ms")), fmt(r.get("nchw_ms")),
+                     fmt(r.get("torch_eager_ms")),
                      fmt(tc.get("default", {}).get("ms")), fmt(tc.get("reduce-overhead", {}).get("ms")),
                      fmt(r.get("vs_torch_compile")), fmt(r.get("vs_torch_eager")), fmt(r.get("rel_diff"), ".1e"),
                      note[:60]])
-    return table(["batch", "ours ms", "ours view ms", "eager ms", "compile ms", "reduce-oh ms", "ours/compile",
-                  "ours/eager", "rel diff", "note"], rows, align="<>>>>>>>><")
+    return table(["batch", "ours ms", "ours view ms", "nchw ms", "eager ms", "compile ms", "reduce-oh ms",
+                  "ours/compile", "ours/eager", "rel diff", "note"], rows, align="<>>>>>>>>><")
 
 
 def main(argv=None) -> dict:
@@ -229,6 +236,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--tiny", action="store_true", help="a two-stage ResNet on 64x64 images (script tests)")
+    ap.add_argument("--no-nchw", dest="nchw", action="store_false",
+                    help="do not also compile and time the program with channels_last=False")
     ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: self-test of this script without a GPU (numbers meaningless)")
     ap.add_argument("--dry-run", action="store_true", help="export and compile only (no GPU needed)")

@@ -341,9 +341,9 @@ def gemm_kinds(out_dir: str) -> list[str]:
 
 def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,
                  search_space: int | None, gemm_tiles: dict | None = None, pdl: bool = False,
-                 wgmma_fp32: bool = False, input_shapes: dict | None = None) -> dict:
+                 wgmma_fp32: bool = False, input_shapes: dict | None = None, channels_last: bool = True) -> dict:
     """Compile one batch size (``input_shapes``: default ``input_ids`` ``[batch, 128]``); returns the
-    record (timings, kernel kinds)."""
+    record (timings, kernel kinds). ``channels_last``: ``optimization_config``'s (cuda)."""
     from shardflow.compiler import compile as sf_compile
 
     opt = {"target": target, "precision": precision}
@@ -357,6 +357,8 @@ def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch:
         opt["pdl"] = True
     if wgmma_fp32:
         opt["wgmma_fp32"] = True
+    if not channels_last:
+        opt["channels_last"] = False
     t0 = time.perf_counter()
     res = sf_compile(onnx_path, distributed_config={"mesh_shape": [1], "algo": "replicate"}, optimization_config=opt,
                      out_dir=out_dir, input_shapes=input_shapes or {"input_ids": [batch, 128]})

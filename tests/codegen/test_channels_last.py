@@ -61,7 +61,8 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     to 16 channels with zeros (the pad in the copy's kernel), the patch embedding, with no copy, and
     c7, whose image the strided conv's kernel stores channels-last (its ReLU and cast fused before
     the transpose); the 1x1 and grouped convs are as before.
-    The graph computes what it computed without the pass (sm_80); every kernel runs on
+    ``channels_last: False`` (or sm_80) leaves them alone. The graph computes what it computed
+    without the pass (sm_80); every kernel runs on
     the host emulation against the evaluator. A float16 model's convs read its half image directly."""
     from cuda_host import build
     from test_cuda_host import _check_kernels
@@ -79,6 +80,9 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     assert [(op.inputs[0].shape, op.outputs[0].shape) for op in copies] == [
         ((2, 16, 10, 12), (2, 10, 12, 16)), ((1, 16, 8, 8), (1, 8, 8, 16)), ((2, 24, 5, 6), (2, 5, 6, 24))]
     assert not any(channels_last_copy(op) for op in progs["sm_80"].nodes)
+    off = OptimizationConfig.from_dict({"target": "cuda", "precision": "float16", "channels_last": False})
+    assert not any(channels_last_copy(op) for op in rank_passes(load_onnx(_model(TensorProto.FLOAT16 if half else
+                                                                               TensorProto.FLOAT)), off).nodes)
     weights = sorted(t.shape for op in rg.nodes for t in op.inputs if t.is_constant and t.name.endswith(".ohwi"))
     assert weights == [(16, 3, 3, 16), (16, 3, 3, 24), (24, 3, 3, 16), (32, 3, 3, 16)]
     env = _evaluate(rg, feeds)

@@ -160,15 +160,18 @@ def test_cnn_dry_run_puts_every_conv_on_wgmma(tmp_path):
     float16 products: every conv on the wgmma template (rfcs/0005 decisions 55-57: the stem's 3
     channels padded to 8 in its channels-last copy; a block input that the residual reads too
     copied by tiles, decision 58; the other 3x3 conv's image stored channels-last by the conv before
-    it, decision 60), none on the portable one."""
+    it, decision 60), none on the portable one; with ``channels_last=False`` (timed beside it on a
+    GPU) those take the portable template."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     cnn = _load("cnn")
     res = cnn.main(["--dry-run", "--tiny", "--batches", "2", "--work-dir", str(tmp_path)])
     rec = res["batches"]["2"]
-    assert "compile_error" not in rec and "error" not in res, rec
+    assert "compile_error" not in rec and "nchw_compile_error" not in rec and "error" not in res, rec
     kinds = rec["kinds"]
     assert kinds.get("gemm-wgmma-f16", 0) >= 7 and "gemm-f16" not in kinds and kinds.get("transpose") == 1, kinds
+    # (beside it, the program with channels_last=False: its 3x3 convs and stem on the portable template)
+    assert rec["nchw_kinds"].get("gemm-f16") == 3 and "transpose" not in rec["nchw_kinds"], rec["nchw_kinds"]
 
 
 @needs_nvcc
