@@ -4,7 +4,7 @@ The wgmma GEMM template copies its operands 16 bytes (8 half values) at a time. 
 through a convolution's window has no such runs: along ``w`` a tap shifts the row by one element
 (the copy would not be 16-byte aligned), along ``c`` the values are ``H * W`` apart. So every conv
 with a window wider than 1x1, a stride, padding, or ``H * W`` not a multiple of 8 took the portable
-``wmma`` template. :class:`ChannelsLastConvs` gives such a conv of ``C`` a multiple of 8 channels:
+``wmma`` template. :class:`ChannelsLastConvs` gives such a conv:
 
 * its image copied channels-last, ``[N, *spatial, C]`` (a Transpose whose output the cuda target
   writes, :func:`channels_last_copy`: one copy per image, shared by the convs that read it; the
@@ -18,8 +18,10 @@ with a window wider than 1x1, a stride, padding, or ``H * W`` not a multiple of 
 The conv computes the same values (the graph is equivalent op for op); its kernel now reads runs
 of 8 channels at each tap, which :func:`shardflow.compiler.codegen.cuda._gather_operand` turns into
 the template's gathered operand (K in the order ``(*kernel, C)``, a tap in the padding copied as
-zeros). The output stays ``[N, OC, *spatial]``: the template stores four consecutive pixels at a
-time. Depthwise and grouped convs are left as they are.
+zeros). The output stays ``[N, OC, *spatial]`` (the template stores four consecutive pixels at a
+time), unless a copy is its only reader: the cuda target's fusion then makes the conv's kernel
+store its output channels-last (RFC 0005 decision 60). Depthwise and grouped convs are left as they
+are; ``optimization_config["channels_last"] = False`` turns the pass off.
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ def _gathered_in_nchw(op: Operator) -> bool:
 class ChannelsLastConvs(GraphPass):
     """Convs of half images, one group, a constant weight, that the wgmma template cannot read in
     NCHW: the image copied channels-last (its channels padded with zeros to a multiple of 8), the
-    weight stored ``[OC, *kernel, C]`` (module docstring). Run after the precision pass: the image is a half
-    tensor, read directly or through a ``Cast`` to float32 that only this conv reads (the
+    weight stored ``[OC, *kernel, C]`` (module docstring). Run after the precision pass: the image
+    is a half tensor, read directly or through a ``Cast`` to float32 that only this conv reads (the
     precision pass's form), and so is the weight (a constant)."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
