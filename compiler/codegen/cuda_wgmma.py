@@ -364,15 +364,15 @@ def tile_rows(name: str) -> int:
 
 def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | None = None,
                         efficiency: dict | None = None, split_efficiency: dict | None = None,
-                        bk: int = _BK) -> str:
+                        bk: int = _BK, tma: bool = True) -> str:
     """The tile with the best estimated throughput: the fraction of the multiprocessors (``sms``)
     its blocks keep busy over whole waves (one block per multiprocessor: every tile uses more than
     half the shared memory; a persistent ``tma`` grid runs the same waves of tiles), times the
     useful fraction of the tiles (those past ``M`` or ``N`` compute zeros), times the tile's own
     efficiency (:data:`_TILE_EFFICIENCY`); with ``K``, a ``tma`` tile's blocks include its K splits
-    (:func:`split_count`), and a stream-K (``sk``) tile keeps every block busy. Batched products
-    choose among the ``cp`` tiles (the
-    ``tma`` kernel takes one product). On the 24 float16 shapes of the H100 GEMM benchmark the
+    (:func:`split_count`), and a stream-K (``sk``) tile keeps every block busy. Batched products,
+    and with ``tma`` false products whose operands have no tensor map (a gathered operand), choose
+    among the ``cp`` tiles (the ``tma`` kernel takes one product of dense operands). On the 24 float16 shapes of the H100 GEMM benchmark the
     choice measured within 10% of the fastest tile on 22 (geomean 0.79 of cuBLAS, against 0.81 for
     the fastest tile of each shape). ``efficiency``/``split_efficiency`` replace the shipped
     figures (the fit of benchmarks/gpu/fit_tiles.py tries others). ``bk``: K values per K tile (32
@@ -391,7 +391,7 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
         units = tiles * splits
         waves = -(-units // sms)
         return units / (waves * sms) * useful * eff[name] * (split_eff[name] if splits > 1 else 1.0)
-    names = [n for n in eff if batch == 1 or WGMMA_CONFIGS[n][3] == "cp"]
+    names = [n for n in eff if batch == 1 and tma or WGMMA_CONFIGS[n][3] == "cp"]
     return max(names, key=score)
 
 
@@ -767,7 +767,8 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     """
     bk = _bk(ab)
     sms = target_sms(sms)
-    config = config or choose_wgmma_config(M, N, batch, sms=sms, K=K, bk=bk)
+    tma = _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None
+    config = config or choose_wgmma_config(M, N, batch, sms=sms, K=K, bk=bk, tma=tma)
     if config not in WGMMA_CONFIGS:
         raise CodegenError(f"wgmma GEMM config {config!r}: choose one of {sorted(WGMMA_CONFIGS)}")
     if WGMMA_CONFIGS[config][1] % 64 and not b.k_major:
@@ -775,7 +776,7 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     while config in _CLUSTER_FALLBACK and not _cluster_applies(config, M, K, bk):
         config = _CLUSTER_FALLBACK[config]
     if WGMMA_CONFIGS[config][3] in _PERSISTENT_MODES:
-        if _tma_origin(a, batch) is not None and _tma_origin(b, batch) is not None:
+        if tma:
             return _tma_kernel(symbol=symbol, params=params, ab=ab, M=M, N=N, K=K, root=root, batch_code=batch_code,
                                a=a, b=b, epilogue=epilogue, config=_fitting(config, ab), vec=vec,
                                row_reads=row_reads, sms=sms, pdl=pdl, constant=constant)

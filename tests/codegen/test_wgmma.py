@@ -822,6 +822,17 @@ def _channels_last_convs(dt: str):
     return ops, bits, wants
 
 
+def test_products_without_tensor_maps_choose_among_the_cp_tiles():
+    """A gathered operand has no tensor map: its product's tile is chosen among the ``cp.async``
+    tiles it will run on (not a TMA tile's fallback); a dense product still takes a TMA tile."""
+    for M, N, K in ((320, 8192, 2880), (1280, 128, 11520), (512, 392, 4608)):
+        assert WGMMA_CONFIGS[choose_wgmma_config(M, N, 1, K=K, tma=False)][3] == "cp", (M, N, K)
+    assert WGMMA_CONFIGS[choose_wgmma_config(1024, 3072, 1, K=768)][3] == "tma"
+    ops, _, _ = _channels_last_convs("float16")
+    src = generate_cuda_source(ops, arch="sm_90")
+    assert not any(launch.tensor_maps or launch.persistent for launch in src.launches.values())
+
+
 @needs_nvcc
 def test_channels_last_convs_compile_without_local_memory(tmp_path):
     """:func:`_channels_last_convs`' gathered kernels on every ``cp.async`` tile, and on TMA tiles
