@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardflow, err_text,  # noqa: E402
-                    failed, fmt, table, time_calls, time_compiled, torch_diff, torch_ratios)
+                    failed, fmt, table, time_calls, time_compiled, time_eager, torch_diff, torch_ratios)
 
 BATCHES = (1, 8)
 COMPILE_MODES = ("default", "reduce-overhead")
@@ -178,14 +178,8 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
         gc.collect()
         save()
     for b in args.batches:  # torch eager
-        rec = res["batches"][str(b)]
-        try:
-            with torch.no_grad():
-                t = time_calls(lambda: model(inputs[b]), dev.sync, args.repeat, args.warmup)
-            rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
-            log(f"resnet50 batch {b}: torch eager {t['ms']:.3f} ms")
-        except Exception as exc:  # noqa: BLE001
-            failed(rec, "torch_eager_error", exc, f"resnet50 batch {b}: torch eager", log, args.verbose)
+        time_eager(res["batches"][str(b)], lambda: model(inputs[b]), dev, args.repeat, args.warmup, log,
+                   f"resnet50 batch {b}", args.verbose)
     for mode in args.compile_modes:  # torch.compile
         torch._dynamo.reset()
         cm = torch.compile(model, dynamic=False, **({} if mode == "default" else {"mode": mode}))

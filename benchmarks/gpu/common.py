@@ -298,6 +298,18 @@ def time_calls(call, sync, repeat: int, warmup: int) -> dict:
     return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeat": repeat}
 
 
+def time_eager(rec: dict, call, dev: "TorchDevice", repeat: int, warmup: int, log, what: str, verbose: bool) -> None:
+    """Time torch eager ``call()`` (under ``no_grad``): ``rec`` gets ``torch_eager_ms`` and
+    ``torch_eager_min_ms``, or ``torch_eager_error`` (``what``: the case, in the log)."""
+    try:
+        with dev.torch.no_grad():
+            t = time_calls(call, dev.sync, repeat, warmup)
+        rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
+        log(f"{what}: torch eager {t['ms']:.3f} ms")
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        failed(rec, "torch_eager_error", exc, f"{what}: torch eager", log, verbose)
+
+
 def time_compiled(tc: dict, mode: str, call, ref, dev: "TorchDevice", repeat: int, warmup: int, log, what: str,
                   verbose: bool) -> None:
     """Time a ``torch.compile``'d ``call()`` (its first call compiles): ``tc[mode]`` gets its

@@ -75,7 +75,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardflow, err_text,  # noqa: E402
-                    failed, fmt, table, time_calls, time_compiled, torch_diff, torch_ratios)
+                    failed, fmt, table, time_calls, time_compiled, time_eager, torch_diff, torch_ratios)
 
 MODELS = ("gpt2_small", "llama")
 BATCHES = (1, 8)
@@ -215,13 +215,8 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
         if not budget.allows(NEED_S["eager"]):
             rec["torch_eager_skipped"] = "time budget"
             continue
-        try:
-            with torch.no_grad():
-                t = time_calls(lambda: model(ids_t[b]), dev.sync, args.repeat, args.warmup)
-            rec.update(torch_eager_ms=t["ms"], torch_eager_min_ms=t["min_ms"])
-            log(f"{name} {b}x128: torch eager {t['ms']:.3f} ms")
-        except Exception as exc:  # noqa: BLE001
-            failed(rec, "torch_eager_error", exc, f"{name} {b}x128: torch eager", log, args.verbose)
+        time_eager(rec, lambda: model(ids_t[b]), dev, args.repeat, args.warmup, log, f"{name} {b}x128",
+                   args.verbose)
     save()
 
     # torch.compile

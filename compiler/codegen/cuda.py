@@ -1523,11 +1523,9 @@ def _transpose_part(gc: GridCompute, value: Expr, out_ptr: str, em: "_Emitter", 
     def offset(axes_shape, indices, at) -> str:
         terms = []
         for ix, st in zip(indices, _row_major_strides(axes_shape)):
-            if ix is None:
+            if ix is None:  # (a dim of extent 1)
                 continue
-            x = at[ix][0] if isinstance(ix, Var) else None
-            if x is None:
-                continue
+            x = at[ix][0]
             terms.append(f"(long long)({x}) * {st}LL" if wide else (x if st == 1 else f"({x}) * {st}"))
         return " + ".join(terms) or "0"
 
@@ -1966,18 +1964,6 @@ def _operand_read(e: Expr) -> tuple[TensorElement | None, Expr | None]:
     return (e, cond) if isinstance(e, TensorElement) else (None, None)
 
 
-def _read_coefs(e: TensorElement, shape) -> dict | None:
-    """The coefficient of each variable in the flat row-major offset of read ``e`` (bounds not checked)."""
-    coefs: dict = {}
-    for idx, st in zip(e.indices, _row_major_strides(shape)):
-        f = affine_form(idx)
-        if f is None:
-            return None
-        for v, c in f[0].items():
-            coefs[v] = coefs.get(v, 0) + c * st
-    return coefs
-
-
 def _k_orders(p: _GemmPlan, an: _Analysis, reads) -> list[list]:
     """The orders of ``p``'s reduction axes to try in its K (:func:`_wgmma_plan`): their own, then
     by decreasing stride in each operand's tensor read (a channels-last window: taps, then channels)."""
@@ -1985,9 +1971,9 @@ def _k_orders(p: _GemmPlan, an: _Analysis, reads) -> list[list]:
     for e in (p.b, p.a):
         read, _ = _operand_read(e)
         ref = reads.get(id(read.tensor)) if read is not None else None
-        coefs = _read_coefs(read, ref[1]) if ref is not None else None
-        if coefs is not None:
-            kv = sorted(p.red.vars, key=lambda v: -abs(coefs.get(v, 0)))
+        flat = _flat_affine(read, ref[1], an, guarded=True) if ref is not None else None
+        if flat is not None:
+            kv = sorted(p.red.vars, key=lambda v: -abs(flat[0].get(v, 0)))
             if kv not in orders:
                 orders.append(kv)
     return orders
@@ -2170,17 +2156,21 @@ def _composite_stride(axes: list, coefs: dict) -> int | None:
     return unit or None
 
 
-def _flat_affine(e: TensorElement, shape, an: _Analysis) -> tuple[dict, int] | None:
+def _flat_affine(e: TensorElement, shape, an: _Analysis, guarded: bool = False) -> tuple[dict, int] | None:
     """The flat row-major offset of read ``e`` (of a tensor of ``shape``) as ``(coefficient per
-    variable, constant)``, or None when it is not affine or an index may leave its dim."""
+    variable, constant)``, or None when it is not affine or an index may leave its dim. With
+    ``guarded`` (a read a select guards) indices clamped into their dims count as unclamped
+    (:func:`_unclamped`) and may leave them."""
     coefs: dict = {}
     const = 0
     for idx, ext, st in zip(e.indices, shape, _row_major_strides(shape)):
         if ext == 1:
             continue
+        if guarded:
+            idx = _unclamped(idx, ext)
         f = affine_form(idx)
         b = an.bounds(idx)
-        if f is None or b is None or b[0] < 0 or b[1] > ext - 1:
+        if f is None or b is None or not guarded and (b[0] < 0 or b[1] > ext - 1):
             return None
         for v, c in f[0].items():
             coefs[v] = coefs.get(v, 0) + c * st

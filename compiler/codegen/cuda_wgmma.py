@@ -55,7 +55,8 @@ from .cuda_templates import TF32_HI_FINITE, _indent
 from .lower import CodegenError
 
 __all__ = ["PDL_ENTER", "WGMMA_CONFIGS", "WGMMA_ARCHS", "WGMMA_DTYPES", "SPLIT_HELPERS", "STREAM_K_WORKSPACE",
-           "DirectOperand", "GatherOperand", "choose_wgmma_config", "stream_k_blocks", "tile_rows", "wgmma_gemm_kernel", "wgmma_helpers"]
+           "DirectOperand", "GatherOperand", "choose_wgmma_config", "stream_k_blocks", "tile_rows",
+           "wgmma_gemm_kernel", "wgmma_helpers"]
 
 #: a kernel's grid dependency wait and trigger, in a program for programmatic dependent launch (RFC
 #: 0005 decision 29): :mod:`.cuda` puts it first in every kernel that does not place it itself
@@ -372,7 +373,8 @@ def choose_wgmma_config(M: int, N: int, batch: int, sms: int = 132, K: int | Non
     efficiency (:data:`_TILE_EFFICIENCY`); with ``K``, a ``tma`` tile's blocks include its K splits
     (:func:`split_count`), and a stream-K (``sk``) tile keeps every block busy. Batched products,
     and with ``tma`` false products whose operands have no tensor map (a gathered operand), choose
-    among the ``cp`` tiles (the ``tma`` kernel takes one product of dense operands). On the 24 float16 shapes of the H100 GEMM benchmark the
+    among the ``cp`` tiles (the ``tma`` kernel takes one product of dense operands). On the 24
+    float16 shapes of the H100 GEMM benchmark the
     choice measured within 10% of the fastest tile on 22 (geomean 0.79 of cuBLAS, against 0.81 for
     the fastest tile of each shape). ``efficiency``/``split_efficiency`` replace the shipped
     figures (the fit of benchmarks/gpu/fit_tiles.py tries others). ``bk``: K values per K tile (32
@@ -762,8 +764,9 @@ def wgmma_gemm_kernel(*, symbol: str, params: str, ab: str, M: int, N: int, K: i
     places the grid dependency wait itself, after its set-up, and loads the first stages of an
     operand that ``constant`` (A, B) says no kernel writes (a weight) before it (:func:`_tma_kernel`);
     the other kernels get the wait at their entry from :func:`.cuda.generate_cuda_source`.
-    A gathered operand (:class:`GatherOperand`) takes the ``cp.async`` tile a persistent one falls
-    back to (it has no tensor map).
+    A product with a gathered operand (:class:`GatherOperand`: no tensor map) chooses among the
+    ``cp.async`` tiles; a persistent tile forced on it falls back to one. One product (batch 1)
+    with few tiles and a long K splits its K over the grid's ``y`` (RFC 0005 decision 59).
     """
     bk = _bk(ab)
     sms = target_sms(sms)

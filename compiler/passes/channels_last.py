@@ -114,9 +114,7 @@ class ChannelsLastConvs(GraphPass):
                     ops.append(_pad_channels(img, extra))
                     src = ops[-1].outputs[0]
                 ops.append(_transpose(src, (0, *range(2, nd), 1), f"{img.name}.channels_last", channels_last=True))
-                p = producer.get(id(img))
-                # (placed just after the image's producer, before any reader; first for graph inputs)
-                before.setdefault(id(_next(graph.nodes, p)), []).extend(ops)
+                before.setdefault(id(op), []).extend(ops)  # (before the first conv that reads it)
                 copies[id(img)] = ops[-1].outputs[0]
             if id(wt) not in weights:
                 value = np.moveaxis(np.asarray(wt.value), 1, -1)
@@ -124,7 +122,7 @@ class ChannelsLastConvs(GraphPass):
                 weights[id(wt)] = const_tensor(np.ascontiguousarray(value), f"{wt.name}.ohwi")
             back = (0, nd - 1, *range(1, nd - 1))
             new, inputs = [], list(op.inputs)
-            for src, (t, cast), k in ((copies[id(img)], sx, 0), (weights[id(wt)], sw, 1)):
+            for src, (_, cast), k in ((copies[id(img)], sx, 0), (weights[id(wt)], sw, 1)):
                 new.append(_transpose(src, back, f"{op.name}.in{k}.nchw"))
                 if cast is not None:  # (a new cast: the operand may have more channels than before)
                     new.append(type(cast)([new[-1].outputs[0]], name=cast.name, **cast.attrs))
@@ -156,10 +154,3 @@ def _pad_channels(t: Tensor, extra: int) -> Operator:
     return Pad([t], name=f"{t.name}.pad{t.shape[1] + extra}", begin=(0,) * t.ndim,
                end=(0, extra) + (0,) * (t.ndim - 2), mode="constant", value=0.0)
 
-
-def _next(nodes: list[Operator], p: Operator | None) -> Operator:
-    """The op after ``p`` in ``nodes`` (the first op when ``p`` is None: a graph input)."""
-    if p is None:
-        return nodes[0]
-    i = next(i for i, op in enumerate(nodes) if op is p)
-    return nodes[i + 1]
