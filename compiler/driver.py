@@ -1089,9 +1089,11 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         if opt.arch in WGMMA_ARCHS and opt.channels_last:
             # convs of half images with a window, a stride or padding read a channels-last copy
             # of the image, which the wgmma template gathers (passes/channels_last.py)
-            from .passes.channels_last import ChannelsLastConvs
+            from .passes.channels_last import ChannelsLastConvs, KeepChannelsLast
 
             rg = ChannelsLastConvs().run(rg)
+            # and the element-wise ops between such convs on channels-last values (no copies)
+            rg = KeepChannelsLast().run(rg)
 
         if opt.arch in WGMMA_ARCHS and (opt.wgmma_fp32 or opt.gemm_tiles):
             # float32 weights [N, K] for the Hopper wgmma GEMM (rounded to TF32 for one TF32

@@ -76,7 +76,7 @@ from ..ir.expr import (BINARY_FUNCS, ML_FLOATS, UNARY_FUNCS, BinOp, Cast, Const,
                        TensorElement, UnaryOp, Var, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
-from ..passes.channels_last import channels_last_copy
+from ..passes.channels_last import channels_last_copy, channels_last_output, channels_last_read
 from . import float8
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
@@ -2808,7 +2808,8 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
         feeds |= {op.name for op in ops if channels_last_copy(op)}  # (their readers gather from them)
         # (a conv's output copied channels-last for the convs that read it: stored so by the conv)
         ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds,
-                       permuted_epilogue=channels_last_copy)
+                       permuted_epilogue=lambda op: channels_last_copy(op) or channels_last_output(op),
+                       no_prologue=channels_last_read)
     return drop_views(ops, views)
 
 

@@ -33,7 +33,8 @@ import numpy as np
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, take_over
 
-__all__ = ["ChannelsLastConvs", "channels_last_copy"]
+__all__ = ["ChannelsLastConvs", "KeepChannelsLast", "channels_last_copy", "channels_last_output",
+           "channels_last_read"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,43 @@ def _gathered_in_nchw(op: Operator) -> bool:
         and x.shape[-1] % 8 == 0
 
 
+def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, tuple] | None:
+    """For a conv the wgmma template computes from half operands (one group, a constant weight, at
+    least 16 output channels and 16 output pixels): the (half image, its float32 cast or None) and
+    (half weight, cast or None) behind its operands; else None. The precision pass's form reads a
+    half value through a ``Cast`` to float32 that only this conv reads."""
+    if op.op_type != "Conv" or type(op).__name__ != "Conv" or int(op.attrs.get("group", 1)) != 1 \
+            or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or len(op.inputs) < 2:
+        return None
+
+    def half_source(t: Tensor):
+        if t.dtype in _HALF:
+            return t, None
+        p = producer.get(id(t))
+        if p is not None and p.op_type == "Cast" and p.inputs[0].dtype in _HALF and readers.get(id(t)) == 1:
+            return p.inputs[0], p
+        return None
+
+    def constant(t: Tensor) -> bool:  # (or the [OC, *kernel, C] weight of a channels-last conv)
+        p = producer.get(id(t))
+        return t.is_constant or (p is not None and p.op_type == "Transpose" and p.inputs[0].is_constant)
+
+    x, y = op.inputs[0], op.outputs[0]
+    sx, sw = half_source(x), half_source(op.inputs[1])
+    if sx is None or sw is None or not constant(sw[0]) or x.ndim < 3 or y.shape[1] < 16 \
+            or y.shape[0] * math.prod(y.shape[2:]) < 16:
+        return None
+    return sx, sw
+
+
+def _reader_counts(graph: FlowGraph) -> dict[int, int]:
+    readers: dict[int, int] = {}
+    for op in graph.nodes:
+        for t in {id(t) for t in op.inputs}:
+            readers[t] = readers.get(t, 0) + 1
+    return readers
+
+
 class ChannelsLastConvs(GraphPass):
     """Convs of half images, one group, a constant weight, that the wgmma template cannot read in
     NCHW: the image copied channels-last (its channels padded with zeros to a multiple of 8), the
@@ -76,35 +114,19 @@ class ChannelsLastConvs(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        readers: dict[int, int] = {}
-        for op in graph.nodes:
-            for t in {id(t) for t in op.inputs}:
-                readers[t] = readers.get(t, 0) + 1
+        readers = _reader_counts(graph)
         before: dict[int, list[Operator]] = {}  # id(op) -> new ops to place just before it
         replaced: dict[int, Operator] = {}  # id(conv) -> the conv that takes over its output
         dropped: set[int] = set()  # the float32 casts of the convs' operands (replaced too)
         copies: dict[int, Tensor] = {}  # id(image) -> its channels-last copy
         weights: dict[int, Tensor] = {}  # id(weight) -> its values stored [OC, *kernel, C]
 
-        def half_source(t: Tensor) -> tuple[Tensor, Operator | None] | None:
-            """(the half tensor behind conv operand ``t``, the float32 cast between them or None)."""
-            if t.dtype in _HALF:
-                return t, None
-            p = producer.get(id(t))
-            if p is not None and p.op_type == "Cast" and p.inputs[0].dtype in _HALF and readers.get(id(t)) == 1:
-                return p.inputs[0], p
-            return None
-
         for op in graph.nodes:
-            if op.op_type != "Conv" or type(op).__name__ != "Conv" or int(op.attrs.get("group", 1)) != 1 \
-                    or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or len(op.inputs) < 2:
+            found = _half_operands(op, producer, readers)
+            if found is None or _direct(op) or _gathered_in_nchw(op):
                 continue
-            x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
-            sx, sw = half_source(x), half_source(w)
-            if sx is None or sw is None or not sw[0].is_constant or x.ndim < 3 \
-                    or _direct(op) or _gathered_in_nchw(op) or y.shape[1] < 16 \
-                    or y.shape[0] * math.prod(y.shape[2:]) < 16:
-                continue
+            sx, sw = found
+            x = op.inputs[0]
             nd = x.ndim
             img, wt = sx[0], sw[0]
             extra = -x.shape[1] % 8  # zero channels that make runs of 8 (a model's first conv: 3 or 4)
@@ -123,7 +145,7 @@ class ChannelsLastConvs(GraphPass):
             back = (0, nd - 1, *range(1, nd - 1))
             new, inputs = [], list(op.inputs)
             for src, (_, cast), k in ((copies[id(img)], sx, 0), (weights[id(wt)], sw, 1)):
-                new.append(_transpose(src, back, f"{op.name}.in{k}.nchw"))
+                new.append(_transpose(src, back, f"{op.name}.in{k}.nchw", nchw=k == 0))
                 if cast is not None:  # (a new cast: the operand may have more channels than before)
                     new.append(type(cast)([new[-1].outputs[0]], name=cast.name, **cast.attrs))
                     dropped.add(id(cast))
@@ -140,6 +162,177 @@ class ChannelsLastConvs(GraphPass):
             log.info("cuda: %d convs read channels-last copies of %d images", len(replaced), len(copies))
         return graph
 
+
+
+def channels_last_output(op: Operator) -> bool:
+    """Whether ``op`` is the transpose by which :class:`KeepChannelsLast` makes a conv write its
+    output channels-last (the conv's kernel stores it so; element-wise ops after it join that
+    kernel as usual)."""
+    return op.op_type == "Transpose" and bool(op.attrs.get("nhwc"))
+
+
+def channels_last_read(op: Operator) -> bool:
+    """Whether ``op`` is the transpose through which a conv (or a global pool) reads a
+    channels-last image as NCHW: it is computed in its reader's kernel (the conv gathers the
+    channels-last values), never in the kernel that writes the image."""
+    return op.op_type == "Transpose" and bool(op.attrs.get("nchw"))
+
+
+#: element-wise ops that compute the same in any layout of their operands
+_LAYOUT_FREE = ("Unary", "Activation", "Binary", "Cast", "Where", "Clip", "Identity")
+
+
+class KeepChannelsLast(GraphPass):
+    """Activations kept channels-last between convs (RFC 0005 decision 61). Run after
+    :class:`ChannelsLastConvs`.
+
+    A conv the wgmma template computes stores its output ``[N, *spatial, C]`` (a transpose of its
+    NCHW result, :func:`channels_last_output`, which the cuda target fuses as the GEMM's epilogue),
+    and the element-wise ops after it (ReLU, a residual add, casts, a per-channel scale: constants
+    are transposed at compile time, other operands of the same rank read through a transpose) run
+    on the channels-last values. Where a conv reads such a value it gathers it directly (the image's
+    channels-last copy of :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as a plain
+    ``[N * H * W, C]`` matrix), and a global pool reads it through a transpose in its kernel.
+
+    Tensors connected by element-wise ops form a region; a region changes layout only when it has a
+    conv reading it (something gained) and every reader outside it is one of those (so nothing is
+    lost: a reshape, a pool with a window, a graph output, a conv off the tensor cores, a
+    collective, keep the region NCHW, as before this pass). A ResNet's trunk after its stem's max
+    pool is one region: no copy kernel is left in it."""
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        counts = _reader_counts(graph)
+        readers: dict[int, list[Operator]] = {}
+        for op in graph.nodes:
+            for t in {id(t): t for t in op.inputs}.values():
+                readers.setdefault(id(t), []).append(op)
+        parent: dict[int, int] = {}  # union-find over id(tensor) of the candidates
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        seeds, sunk = set(), set()  # id(op): convs that store channels-last, element-wise ops moved
+        for op in graph.nodes:
+            y = op.outputs[0] if len(op.outputs) == 1 else None
+            if y is None:
+                continue
+            if _half_operands(op, producer, counts) is not None and y.shape[1] % 8 == 0 \
+                    and not _gathered_in_nchw(op):
+                seeds.add(id(op))
+                parent[id(y)] = id(y)
+            elif op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, parent):
+                sunk.add(id(op))
+                parent[id(y)] = id(y)
+                for t in op.inputs:
+                    if id(t) in parent:
+                        parent[root(id(t))] = root(id(y))
+        if not parent:
+            return graph
+        gain: dict[int, int] = {}
+        lose: set[int] = {root(id(t)) for t in graph.outputs if id(t) in parent}
+        for i in parent:
+            for r in readers.get(i, ()):
+                if id(r) in sunk:
+                    continue
+                kind = self._reader(r, i, producer, counts, readers)
+                if kind == "gain":
+                    gain[root(i)] = gain.get(root(i), 0) + 1
+                elif kind == "lose":
+                    lose.add(root(i))
+        keep = {r for r in gain if r not in lose}
+        if not keep:
+            return graph
+
+        twin: dict[int, Tensor] = {}  # id(NCHW tensor) -> its channels-last twin
+        replace: dict[int, Tensor] = {}  # id(a dropped copy's output) -> the twin it copied
+        consts: dict[int, Tensor] = {}
+        nodes: list[Operator] = []
+        moved = 0
+
+        def nchw(op: Operator) -> None:  # op's reads of twins through transposes back (one each)
+            inputs = [replace.get(id(t), t) for t in op.inputs]
+            for k, t in enumerate(inputs):
+                if id(t) in twin:
+                    nd = t.ndim
+                    nodes.append(_transpose(twin[id(t)], (0, nd - 1, *range(1, nd - 1)), f"{op.name}.in{k}.nchw",
+                                            nchw=True))
+                    inputs[k] = nodes[-1].outputs[0]
+            op.inputs = inputs
+            nodes.append(op)
+
+        for op in graph.nodes:
+            y = op.outputs[0]
+            if id(y) in parent and root(id(y)) in keep:
+                nd = y.ndim
+                fwd = (0, *range(2, nd), 1)
+                if id(op) in seeds:
+                    nchw(op)
+                    nodes.append(_transpose(y, fwd, f"{y.name}.nhwc", nhwc=True))
+                else:
+                    inputs = []
+                    for k, t in enumerate(op.inputs):
+                        if id(t) in twin:
+                            inputs.append(twin[id(t)])
+                        elif t.is_constant:
+                            if id(t) not in consts:
+                                full = np.reshape(np.asarray(t.value), (1,) * (nd - t.ndim) + tuple(t.shape))
+                                consts[id(t)] = const_tensor(np.ascontiguousarray(np.transpose(full, fwd)),
+                                                             f"{t.name}.nhwc")
+                            inputs.append(consts[id(t)])
+                        else:
+                            nodes.append(_transpose(t, fwd, f"{op.name}.in{k}.nhwc"))
+                            inputs.append(nodes[-1].outputs[0])
+                    nodes.append(type(op)(inputs, name=f"{op.name}.nhwc", **op.attrs))
+                    moved += 1
+                twin[id(y)] = nodes[-1].outputs[0]
+                continue
+            if channels_last_copy(op) and id(op.inputs[0]) in twin:
+                replace[id(y)] = twin[id(op.inputs[0])]
+                continue
+            nchw(op)
+        graph.nodes = nodes
+        log.info("cuda: %d convs store channels-last, %d element-wise ops follow, %d copies dropped",
+                 sum(1 for op in nodes if channels_last_output(op)), moved, len(replace))
+        return graph
+
+    @staticmethod
+    def _sinkable(op: Operator, cand: dict) -> bool:
+        """An element-wise op reading a candidate, each one of the output's shape; its other
+        operands constants (any broadcast) or tensors of the output's rank."""
+        if len(op.outputs) != 1 or not any(id(t) in cand for t in op.inputs):
+            return False
+        y = op.outputs[0]
+        return all(t.shape == y.shape if id(t) in cand else (t.is_constant and t.ndim <= y.ndim) or t.ndim == y.ndim
+                   for t in op.inputs)
+
+    @staticmethod
+    def _reader(r: Operator, i: int, producer: dict, counts: dict, readers: dict) -> str:
+        """What reading candidate ``i`` channels-last means for ``r``: ``"gain"`` (a copy made
+        needless, or a 1x1 conv reading it as a matrix, possibly through the precision pass's cast
+        to float32), ``"same"`` (a global pool reading it through a transpose) or ``"lose"``."""
+        if channels_last_copy(r):
+            return "gain"
+        if r.op_type == "GlobalPool":
+            return "same"
+        conv, t = r, r.outputs[0]
+        if _widening(r) and len(readers.get(id(t), ())) == 1:
+            conv = readers[id(t)][0]
+        else:
+            t = next(t for t in r.inputs if id(t) == i)
+        if conv.inputs[0] is t and all(u is not t for u in conv.inputs[1:]) and t.shape[1] % 8 == 0 \
+                and _half_operands(conv, producer, counts) is not None and _direct(conv):
+            return "gain"
+        return "lose"
+
+
+def _widening(op: Operator) -> bool:
+    """The precision pass's cast of a half value to float32 for a product (it stays with the
+    product: the product reads the half values)."""
+    return op.op_type == "Cast" and op.attrs.get("to") == "float32" and op.inputs[0].dtype in _HALF
 
 def _transpose(t: Tensor, perm: tuple[int, ...], name: str, **attrs) -> Operator:
     from ..ops.transform import Transpose

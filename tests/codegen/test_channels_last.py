@@ -10,12 +10,13 @@ from onnx import TensorProto, helper, numpy_helper
 from shardflow.compiler import load_onnx
 from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
 from shardflow.compiler.driver import OptimizationConfig, _is_view, rank_passes
-from shardflow.compiler.passes.channels_last import channels_last_copy
+from shardflow.compiler.passes.channels_last import channels_last_copy, channels_last_output
 
 
 def _model(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     """``x [2, 16, 10, 12]`` read by a padded 3x3 conv and a strided one (one copy for both; the
-    strided one's ReLU read by a 3x3 conv alone: the strided conv stores it channels-last), a
+    strided one's ReLU read by a 3x3 conv alone: the strided conv stores it channels-last, its ReLU
+    then runs on channels-last values, decision 61), a
     ReLU, then a 1x1 conv (read as it is: decision 55) and a grouped 3x3 conv (left alone: 4 channels a group); ``y``
     of 12 channels (not a multiple of 8: its copy has 4 channels of zeros more); ``z``'s patch
     embedding (8x8 windows at stride 8: gathered from the NCHW image as it is)."""
@@ -60,7 +61,7 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     C]``, and they take the wgmma template; so does the conv of ``y``, its copy and weight padded
     to 16 channels with zeros (the pad in the copy's kernel), the patch embedding, with no copy, and
     c7, whose image the strided conv's kernel stores channels-last (its ReLU and cast fused before
-    the transpose); the 1x1 and grouped convs are as before.
+    ReLU, in channels-last order: no copy); the 1x1 and grouped convs are as before.
     ``channels_last: False`` (or sm_80) leaves them alone. The graph computes what it computed
     without the pass (sm_80); every kernel runs on
     the host emulation against the evaluator. A float16 model's convs read its half image directly."""
@@ -78,7 +79,7 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     rg = progs["sm_90"]
     copies = [op for op in rg.nodes if channels_last_copy(op)]
     assert [(op.inputs[0].shape, op.outputs[0].shape) for op in copies] == [
-        ((2, 16, 10, 12), (2, 10, 12, 16)), ((1, 16, 8, 8), (1, 8, 8, 16)), ((2, 24, 5, 6), (2, 5, 6, 24))]
+        ((2, 16, 10, 12), (2, 10, 12, 16)), ((1, 16, 8, 8), (1, 8, 8, 16))]
     assert not any(channels_last_copy(op) for op in progs["sm_80"].nodes)
     off = OptimizationConfig.from_dict({"target": "cuda", "precision": "float16", "channels_last": False})
     assert not any(channels_last_copy(op) for op in rank_passes(load_onnx(_model(TensorProto.FLOAT16 if half else
@@ -98,9 +99,10 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     members = {g.name: [m.op_type for m in getattr(g, "members", [g])] for g in groups}
     cast = [] if half else ["Cast"]
     copying = [members[g.name] for g in groups if any(channels_last_copy(m) for m in getattr(g, "members", [g]))]
-    # (c2's ReLU, read by c7 alone, copied by c2's kernel: the GEMM stores its output channels-last)
-    assert sorted(m for m in copying if "Conv" not in m) == sorted([cast + ["Transpose"], cast + ["Pad", "Transpose"]])
-    assert [m[m.index("Conv"):] for m in copying if "Conv" in m] == [["Conv", "Activation"] + cast + ["Transpose"]]
+    assert sorted(copying) == sorted([cast + ["Transpose"], cast + ["Pad", "Transpose"]])
+    # (c2's ReLU, read by c7 alone: c2's kernel stores its output channels-last, then the ReLU)
+    stored = [members[g.name] for g in groups if any(channels_last_output(m) for m in getattr(g, "members", [g]))]
+    assert [m[m.index("Conv"):] for m in stored] == [["Conv", "Transpose", "Activation"] + cast]
     kinds = {}
     for g in groups:
         conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
@@ -109,3 +111,85 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     assert kinds == {"c1": "gemm-wgmma-f16", "c2": "gemm-wgmma-f16", "c3": "gemm-wgmma-f16", "c4": "gemv",
                      "c5": "gemm-wgmma-f16", "c6": "gemm-wgmma-f16", "c7": "gemm-wgmma-f16"}
     _check_kernels("convs", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
+    """A ResNet-like chain on ``x [2, 16, 8, 8]``: a 1x1 conv, ReLU, a padded 3x3 conv, ReLU, a 1x1
+    conv, the residual add of ``x`` and a ReLU (``o1``), then a per-channel scale and a strided 3x3
+    conv (``o``, a graph output), a global pool of ``o1`` (``gp``), and a 3x3 conv of ``o1`` whose
+    output is reshaped (``flat``)."""
+    rng = np.random.default_rng(0)
+    npt = helper.tensor_dtype_to_np_dtype(dtype)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
+
+    inits = [w("w1", 32, 16, 1, 1), w("b1", 32), w("w2", 32, 32, 3, 3), w("w3", 16, 32, 1, 1), w("w4", 32, 16, 3, 3),
+             w("s", 1, 16, 1, 1), w("w5", 16, 16, 3, 3), numpy_helper.from_array(np.array([2, -1], np.int64), "shp")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Conv", ["r2", "w3"], ["c3"]),
+             helper.make_node("Add", ["c3", "x"], ["a"]),
+             helper.make_node("Relu", ["a"], ["o1"]),
+             helper.make_node("Mul", ["o1", "s"], ["o2"]),
+             helper.make_node("Conv", ["o2", "w4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c4"], ["o"]),
+             helper.make_node("GlobalAveragePool", ["o1"], ["gp"]),
+             helper.make_node("Conv", ["o1", "w5"], ["c5"], pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["c5", "shp"], ["flat"])]
+    io = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "blocks", [io("x", dtype, [2, 16, 8, 8])],
+                              [io("o", dtype, [2, 32, 4, 4]), io("gp", dtype, [2, 16, 1, 1]),
+                               io("flat", dtype, [2, 1024])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
+    """Decision 61: c1, c2 and c3 store their outputs channels-last and the ReLUs, the residual add
+    (``x`` read through a transpose) and the scale (its constant transposed) follow, so no image is
+    copied: the strided conv and c5 gather ``o2`` and ``o1`` as the convs' kernels wrote them, c2
+    too, c3 reads ``r2`` as a matrix, the global pool reads ``o1`` through a transpose. ``o`` (a
+    graph output) and ``c5`` (reshaped) stay NCHW. Every conv takes wgmma; the graph computes what
+    the sm_80 program computes, and every kernel runs on the host emulation against the evaluator.
+    A float32 model's image casts to half stay kernels of their own where the float32 values have
+    other readers (``o1``), now written channels-last too."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    half = model_dtype == "float16"
+    dtype = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    progs = {arch: rank_passes(load_onnx(_blocks(dtype)), OptimizationConfig.from_dict(
+        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+    rg = progs["sm_90"]
+    assert not any(channels_last_copy(op) for op in rg.nodes)
+    stored = sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op))
+    assert stored == ["c1", "c2", "c3"]
+    rng = np.random.default_rng(1)
+    feeds = {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in rg.inputs}
+    env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
+    for t in rg.outputs:
+        np.testing.assert_allclose(env[t.name], ref[t.name], rtol=1e-5, atol=1e-5 * float(np.abs(ref[t.name]).max()))
+
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs],
+                           views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    groups = [g for g in groups if g.name in src.launches]
+    members = {g.name: [m.op_type for m in getattr(g, "members", [g])] for g in groups}
+    kinds = {}
+    for g in groups:
+        conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
+        if conv:
+            kinds[conv[0].outputs[0].name] = src.launches[g.name].kind
+    assert kinds == dict.fromkeys(["c1", "c2", "c3", "c4", "c5"], "gemm-wgmma-f16")
+    rest = sorted(members[g.name] for g in groups if "Conv" not in members[g.name])
+    cast = [] if half else ["Cast"]
+    # (the scale, read by the strided conv alone; o1's half values for c5; the global pool)
+    assert rest == sorted([["Binary"] + cast, ["Transpose", "GlobalPool"]] + ([] if half else [["Cast"]] * 2)), rest
+    assert all(src.launches[g.name].kind != "transpose" for g in groups)
+    out_shapes = {g.outputs[0].name: g.outputs[0].shape for g in groups}
+    assert out_shapes["Relu(o1).nhwc:0"] == (2, 8, 8, 16) and out_shapes["o"] == (2, 32, 4, 4)
+    _check_kernels("blocks", build(src.text, str(tmp_path)), src, groups, env, consts)
