@@ -1,8 +1,9 @@
 """End to end: ResNet-50 (transformers' ``ResNetConfig`` defaults, random weights) on 224x224 images,
 Shardflow (one cuda rank) vs torch eager and torch.compile, at batch 1 and 8.
 
-    python benchmarks/gpu/cnn.py [--batches 1,8] [--precision float16] [--compile-modes default,reduce-overhead]
-                                 [--repeat 50] [--tiny] [--dry-run] [--target cpu] [--json OUT.json]
+    python benchmarks/gpu/cnn.py [--batches 1,8] [--precision float16] [--model-dtype float32]
+                                 [--compile-modes default,reduce-overhead] [--repeat 50] [--tiny]
+                                 [--dry-run] [--target cpu] [--json OUT.json]
 
 What it measures
     The convolutions of a CNN as a compiled program runs them (rfcs/0005 decisions 55-59: 1x1 convs
@@ -21,6 +22,12 @@ Ours
     program compiled with ``channels_last: False`` is timed too (``nchw_ms``: its convs with a
     window on the portable wmma template, as before decision 57): decisions 57-60's gain.
 
+Model dtype
+    By default the float32 module is exported and ``--precision float16`` rounds the convs'
+    operands (activations between them stay float32: passes/precision.py). ``--model-dtype
+    float16`` exports the module cast to float16, as torch runs it: every activation half on both
+    sides (like for like); the reference is then the float32 module with the rounded weights.
+
 torch
     The same module under ``torch.no_grad()`` in the precision's type (float16 by default) and
     ``torch.channels_last`` (the layout cuDNN's fastest convolutions take; the input converted once,
@@ -38,6 +45,7 @@ ResNet on 64x64 images (script tests); ``--target cpu`` runs this script on a ma
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -78,14 +86,20 @@ def build(tiny: bool):
     return Logits().eval(), (64 if tiny else 224)
 
 
-def export(path: str, tiny: bool) -> tuple:
-    """The module and its ONNX export (TorchScript exporter, opset 17, dynamic batch) at ``path``."""
+def export(path: str, tiny: bool, dtype: str = "float32") -> tuple:
+    """The module and its ONNX export (TorchScript exporter, opset 17, dynamic batch) at ``path``;
+    ``dtype`` float16: the module cast to it is exported, and the float32 module returned has the
+    rounded weights."""
     import torch
 
     model, size = build(tiny)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype)).float()  # (the weights rounded, the reference's)
     t0 = time.perf_counter()
+    exported = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
     with torch.no_grad():
-        torch.onnx.export(model, (torch.zeros(1, 3, size, size),), path, input_names=["pixel_values"],
+        torch.onnx.export(exported, (torch.zeros(1, 3, size, size, dtype=getattr(torch, dtype)),), path,
+                          input_names=["pixel_values"],
                           output_names=["logits"], opset_version=17, dynamo=False,
                           dynamic_axes={"pixel_values": {0: "batch"}, "logits": {0: "batch"}})
     info = {"size": size, "n_params": sum(p.numel() for p in model.parameters()),
@@ -108,10 +122,10 @@ def kind_counts(out_dir: str) -> dict:
 def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict:
     """Export ResNet-50, compile it per batch and (unless dry-run) time it against torch."""
     ensure_shardflow()
-    res: dict = {"precision": args.precision, "arch": args.arch, "target": args.target, "tiny": args.tiny,
-                 "dry_run": args.dry_run, "batches": {}}
+    res: dict = {"precision": args.precision, "model_dtype": args.model_dtype, "arch": args.arch,
+                 "target": args.target, "tiny": args.tiny, "dry_run": args.dry_run, "batches": {}}
     try:
-        model, info = export(os.path.join(work, "resnet50.onnx"), args.tiny)
+        model, info = export(os.path.join(work, "resnet50.onnx"), args.tiny, args.model_dtype)
     except Exception as exc:  # noqa: BLE001
         res["error"] = f"export failed: {err_text(exc)}"
         log(res["error"])
@@ -149,7 +163,8 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
     dev.set_tf32(False)
     with torch.no_grad():
         refs = {b: model(torch.from_numpy(images[b]).to(dev.tdev)).float() for b in args.batches}
-    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.precision, torch.float32)
+    half = args.model_dtype if args.model_dtype != "float32" else args.precision
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(half, torch.float32)
     fmt_kw = {"memory_format": torch.channels_last} if args.target == "cuda" else {}
     model = model.to(dtype=tdtype, **fmt_kw)
     inputs = {b: torch.from_numpy(images[b]).to(dev.tdev).to(dtype=tdtype, **fmt_kw) for b in args.batches}
@@ -161,9 +176,9 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
             from shardflow.runtime import load
 
             prog = load(out_dir)
-            feeds = {"pixel_values": dev.ours_input(images[b])}
+            feeds = {"pixel_values": dev.ours_input(images[b].astype(args.model_dtype))}
             first = prog.run(feeds)["logits"]  # eager run
-            d = torch_diff(dev.as_torch(first), refs[b])
+            d = torch_diff(dev.as_torch(first).float(), refs[b])
             rec.update(d if layout == "channels_last" else {"nchw_rel_diff": d["rel_diff"]})
             prog.run(feeds)  # captures the CUDA graph
             t = time_calls(lambda: prog.run(feeds), dev.sync, args.repeat, args.warmup)
@@ -225,6 +240,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--precision", default="float16", help="optimization_config['precision'] (and torch's type)")
+    ap.add_argument("--model-dtype", choices=("float32", "float16"), default="float32",
+                    help="export the module in this type (float16: activations half on both sides)")
     ap.add_argument("--compile-modes", default=",".join(COMPILE_MODES), help="comma-separated ('' for none)")
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)

@@ -50,6 +50,9 @@ CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice"
 #: Ops that read each operand element many times (a fused prologue is recomputed on every read):
 #: only :data:`CHEAP` prologues join them.
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "MatMulInteger"})
+#: Ops that reduce a window per output element in kernels that compute each element alone: like
+#: contractions, they may store their output in another layout (``fuse``'s ``permuted_epilogue``).
+WINDOWED = frozenset({"Pool"})
 
 
 def _remap(value: Expr, mapping: dict[int, object]) -> Expr:
@@ -239,10 +242,10 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         no reader joins theirs (the cuda target on Hopper: casts to float16/bfloat16, so that a
         GEMM reads its half-precision operand from memory, 16 bytes at a time).
     permuted_epilogue
-        Transposes that may join a contraction's group as its epilogue although they do not read
-        its output at their own index (the cuda GEMM templates store any output layout, each
-        element of the product still computed once: a conv writing its output channels-last for
-        the convs that read it, ``passes/channels_last.py``).
+        Transposes that may join a contraction's (or a pool's, :data:`WINDOWED`) group as its
+        epilogue although they do not read its output at their own index (the cuda GEMM templates
+        store any output layout, each element of the product still computed once: a conv writing
+        its output channels-last for the convs that read it, ``passes/channels_last.py``).
     views
         Names of the ops among ``ops`` that the runtime can run as views (a reshape whose output
         aliases its input's bytes; no kernel). One whose input index is affine in its output
@@ -292,7 +295,7 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
                     contraction = any(m.op_type in CONTRACTIONS for m in members)
                     split = op.name in fusable_view and contraction
                     row = not contraction and _reads_row_statistic(op, k)
-                    permuted = contraction and permuted_epilogue(op)
+                    permuted = (contraction or any(m.op_type in WINDOWED for m in members)) and permuted_epilogue(op)
                     if reducing or not (type(op).injective and epilogue_after_reduce
                                         and (_reads_elementwise(op, k) or split or row or permuted)):
                         continue

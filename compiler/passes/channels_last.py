@@ -224,7 +224,8 @@ class KeepChannelsLast(GraphPass):
                     and not _gathered_in_nchw(op):
                 seeds.add(id(op))
                 parent[id(y)] = id(y)
-            elif op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, parent):
+            elif (op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, parent)) \
+                    or (op.op_type == "Pool" and id(op.inputs[0]) in parent):
                 sunk.add(id(op))
                 parent[id(y)] = id(y)
                 for t in op.inputs:
@@ -269,7 +270,7 @@ class KeepChannelsLast(GraphPass):
             if id(y) in parent and root(id(y)) in keep:
                 nd = y.ndim
                 fwd = (0, *range(2, nd), 1)
-                if id(op) in seeds:
+                if id(op) in seeds or op.op_type == "Pool":  # (a pool reads and writes channels-last in its kernel)
                     nchw(op)
                     nodes.append(_transpose(y, fwd, f"{y.name}.nhwc", nhwc=True))
                 else:

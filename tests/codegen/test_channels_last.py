@@ -116,8 +116,8 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
 def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     """A ResNet-like chain on ``x [2, 16, 8, 8]``: a 1x1 conv, ReLU, a padded 3x3 conv, ReLU, a 1x1
     conv, the residual add of ``x`` and a ReLU (``o1``), then a per-channel scale and a strided 3x3
-    conv (``o``, a graph output), a global pool of ``o1`` (``gp``), and a 3x3 conv of ``o1`` whose
-    output is reshaped (``flat``)."""
+    conv (``o``, a graph output), a global pool of ``o1`` (``gp``), and a 3x3 conv of ``o1``'s 2x2
+    max pool whose output is reshaped (``flat``)."""
     rng = np.random.default_rng(0)
     npt = helper.tensor_dtype_to_np_dtype(dtype)
 
@@ -137,12 +137,13 @@ def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
              helper.make_node("Conv", ["o2", "w4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Relu", ["c4"], ["o"]),
              helper.make_node("GlobalAveragePool", ["o1"], ["gp"]),
-             helper.make_node("Conv", ["o1", "w5"], ["c5"], pads=[1, 1, 1, 1]),
+             helper.make_node("MaxPool", ["o1"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p", "w5"], ["c5"], pads=[1, 1, 1, 1]),
              helper.make_node("Reshape", ["c5", "shp"], ["flat"])]
     io = helper.make_tensor_value_info
     graph = helper.make_graph(nodes, "blocks", [io("x", dtype, [2, 16, 8, 8])],
                               [io("o", dtype, [2, 32, 4, 4]), io("gp", dtype, [2, 16, 1, 1]),
-                               io("flat", dtype, [2, 1024])], inits)
+                               io("flat", dtype, [2, 256])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -150,12 +151,13 @@ def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
 def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     """Decision 61: c1, c2 and c3 store their outputs channels-last and the ReLUs, the residual add
     (``x`` read through a transpose) and the scale (its constant transposed) follow, so no image is
-    copied: the strided conv and c5 gather ``o2`` and ``o1`` as the convs' kernels wrote them, c2
-    too, c3 reads ``r2`` as a matrix, the global pool reads ``o1`` through a transpose. ``o`` (a
-    graph output) and ``c5`` (reshaped) stay NCHW. Every conv takes wgmma; the graph computes what
+    copied: the strided conv gathers ``o2`` as the convs' kernels wrote it, c2 too, c3 reads
+    ``r2`` as a matrix, the global pool reads ``o1`` through a transpose, the max pool reads it
+    and writes ``p`` channels-last in its kernel, which c5 gathers. ``o`` (a graph output) and
+    ``c5`` (reshaped) stay NCHW. Every conv takes wgmma; the graph computes what
     the sm_80 program computes, and every kernel runs on the host emulation against the evaluator.
     A float32 model's image casts to half stay kernels of their own where the float32 values have
-    other readers (``o1``), now written channels-last too."""
+    other readers (``o1``: the max pool's kernel casts ``p``), now channels-last too."""
     from cuda_host import build
     from test_cuda_host import _check_kernels
 
@@ -166,7 +168,7 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     rg = progs["sm_90"]
     assert not any(channels_last_copy(op) for op in rg.nodes)
     stored = sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op))
-    assert stored == ["c1", "c2", "c3"]
+    assert stored == ["c1", "c2", "c3", "p"]
     rng = np.random.default_rng(1)
     feeds = {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in rg.inputs}
     env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
@@ -187,8 +189,9 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     assert kinds == dict.fromkeys(["c1", "c2", "c3", "c4", "c5"], "gemm-wgmma-f16")
     rest = sorted(members[g.name] for g in groups if "Conv" not in members[g.name])
     cast = [] if half else ["Cast"]
-    # (the scale, read by the strided conv alone; o1's half values for c5; the global pool)
-    assert rest == sorted([["Binary"] + cast, ["Transpose", "GlobalPool"]] + ([] if half else [["Cast"]] * 2)), rest
+    # (the scale, read by the strided conv alone; the max pool; the global pool; x's half values)
+    assert rest == sorted([["Binary"] + cast, ["Transpose", "Pool", "Transpose"] + cast, ["Transpose", "GlobalPool"]]
+                          + ([] if half else [["Cast"]])), rest
     assert all(src.launches[g.name].kind != "transpose" for g in groups)
     out_shapes = {g.outputs[0].name: g.outputs[0].shape for g in groups}
     assert out_shapes["Relu(o1).nhwc:0"] == (2, 8, 8, 16) and out_shapes["o"] == (2, 32, 4, 4)

@@ -155,21 +155,23 @@ def test_conv_dry_run_builds_our_conv_kernels():
 
 
 @needs_nvcc
-def test_cnn_dry_run_puts_every_conv_on_wgmma(tmp_path):
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_cnn_dry_run_puts_every_conv_on_wgmma(tmp_path, model_dtype):
     """cnn.py's ResNet (two stages, 64x64 images, batch 2) exports and compiles for sm_90 with
-    float16 products: every conv on the wgmma template (rfcs/0005 decisions 55-57: the stem's 3
-    channels padded to 8 in its channels-last copy; a block input that the residual reads too
-    copied by tiles, decision 58; the other 3x3 conv's image stored channels-last by the conv before
-    it, decision 60), none on the portable one; with ``channels_last=False`` (timed beside it on a
-    GPU) those take the portable template."""
+    float16 products (or exported in float16): every conv on the wgmma template (rfcs/0005
+    decisions 55-57: the stem's 3 channels padded to 8 in its channels-last copy), none on the
+    portable one, and no transposed copy (decision 61: the block outputs stay channels-last); with
+    ``channels_last=False`` (timed beside it on a GPU) the 3x3 convs and the stem take the portable
+    template."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     cnn = _load("cnn")
-    res = cnn.main(["--dry-run", "--tiny", "--batches", "2", "--work-dir", str(tmp_path)])
+    res = cnn.main(["--dry-run", "--tiny", "--batches", "2", "--work-dir", str(tmp_path), "--model-dtype", model_dtype])
     rec = res["batches"]["2"]
     assert "compile_error" not in rec and "nchw_compile_error" not in rec and "error" not in res, rec
+    assert res["model_dtype"] == model_dtype
     kinds = rec["kinds"]
-    assert kinds.get("gemm-wgmma-f16", 0) >= 7 and "gemm-f16" not in kinds and kinds.get("transpose") == 1, kinds
+    assert kinds.get("gemm-wgmma-f16", 0) >= 7 and "gemm-f16" not in kinds and "transpose" not in kinds, kinds
     # (beside it, the program with channels_last=False: its 3x3 convs and stem on the portable template)
     assert rec["nchw_kinds"].get("gemm-f16") == 3 and "transpose" not in rec["nchw_kinds"], rec["nchw_kinds"]
 
