@@ -189,16 +189,18 @@ class KeepChannelsLast(GraphPass):
     A conv the wgmma template computes stores its output ``[N, *spatial, C]`` (a transpose of its
     NCHW result, :func:`channels_last_output`, which the cuda target fuses as the GEMM's epilogue),
     and the element-wise ops after it (ReLU, a residual add, casts, a per-channel scale: constants
-    are transposed at compile time, other operands of the same rank read through a transpose) run
-    on the channels-last values. Where a conv reads such a value it gathers it directly (the image's
+    are transposed at compile time, other operands of the same rank read through a transpose),
+    pools (their kernels read and write channels-last) and concatenations (along the axis where
+    theirs is now) run on the channels-last values. Where a conv reads such a value it gathers it directly (the image's
     channels-last copy of :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as a plain
     ``[N * H * W, C]`` matrix), and a global pool reads it through a transpose in its kernel.
 
-    Tensors connected by element-wise ops form a region; a region changes layout only when it has a
-    conv reading it (something gained) and every reader outside it is one of those (so nothing is
-    lost: a reshape, a pool with a window, a graph output, a conv off the tensor cores, a
-    collective, keep the region NCHW, as before this pass). A ResNet's trunk after its stem's max
-    pool is one region: no copy kernel is left in it."""
+    A value some reader would read worse channels-last (a reshape, a graph output, a conv off the
+    tensor cores, a collective, an element-wise op that stays NCHW) is written NCHW, as before
+    this pass, and so, in turn, are the values only such ops lead to. Tensors connected by
+    element-wise ops, pools and concatenations form a region; a region changes layout only when a conv reads it
+    (a copy made needless). A ResNet's trunk, from its stem to its global pool, is one region: no
+    copy kernel is left in it but the stem's image."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
@@ -207,15 +209,8 @@ class KeepChannelsLast(GraphPass):
         for op in graph.nodes:
             for t in {id(t): t for t in op.inputs}.values():
                 readers.setdefault(id(t), []).append(op)
-        parent: dict[int, int] = {}  # union-find over id(tensor) of the candidates
-
-        def root(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        seeds, sunk = set(), set()  # id(op): convs that store channels-last, element-wise ops moved
+        cands: dict[int, Operator] = {}  # id(NCHW tensor) -> the op writing it, if it may store it channels-last
+        seeds = set()  # id(op): the convs among them
         for op in graph.nodes:
             y = op.outputs[0] if len(op.outputs) == 1 else None
             if y is None:
@@ -223,28 +218,45 @@ class KeepChannelsLast(GraphPass):
             if _half_operands(op, producer, counts) is not None and y.shape[1] % 8 == 0 \
                     and not _gathered_in_nchw(op):
                 seeds.add(id(op))
-                parent[id(y)] = id(y)
-            elif (op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, parent)) \
-                    or (op.op_type == "Pool" and id(op.inputs[0]) in parent):
-                sunk.add(id(op))
-                parent[id(y)] = id(y)
-                for t in op.inputs:
-                    if id(t) in parent:
-                        parent[root(id(t))] = root(id(y))
-        if not parent:
-            return graph
-        gain: dict[int, int] = {}
-        lose: set[int] = {root(id(t)) for t in graph.outputs if id(t) in parent}
-        for i in parent:
-            for r in readers.get(i, ()):
-                if id(r) in sunk:
-                    continue
-                kind = self._reader(r, i, producer, counts, readers)
-                if kind == "gain":
-                    gain[root(i)] = gain.get(root(i), 0) + 1
-                elif kind == "lose":
-                    lose.add(root(i))
-        keep = {r for r in gain if r not in lose}
+                cands[id(y)] = op
+            elif (op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, cands)) \
+                    or (op.op_type == "Pool" and id(op.inputs[0]) in cands) \
+                    or (op.op_type == "Concat" and any(id(t) in cands for t in op.inputs)
+                        and all(t.ndim == y.ndim for t in op.inputs)):
+                cands[id(y)] = op
+        # an op whose output a reader would read worse channels-last (a reshape, a graph output...)
+        # writes NCHW, and so, then, does one left without a channels-last input; until none is left
+        outputs = {id(t) for t in graph.outputs}
+
+        def reads(r: Operator, i: int) -> str | None:  # what r reading candidate i channels-last means
+            follows = id(r) not in seeds and len(r.outputs) == 1 and cands.get(id(r.outputs[0])) is r
+            return None if follows else self._reader(r, i, producer, counts, readers)
+
+        changed = True
+        while changed:
+            changed = False
+            for i, op in list(cands.items()):
+                if i in outputs or (id(op) not in seeds and not any(id(t) in cands for t in op.inputs)) \
+                        or any(reads(r, i) == "lose" for r in readers.get(i, ())):
+                    del cands[i]
+                    changed = True
+        parent = {i: i for i in cands}  # union-find: the regions that change layout together
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i, op in cands.items():
+            for t in op.inputs:
+                if id(t) in parent:
+                    parent[root(id(t))] = root(i)
+        gain: set[int] = set()
+        for i in cands:
+            if any(reads(r, i) == "gain" for r in readers.get(i, ())):
+                gain.add(root(i))
+        keep = {root(i) for i in cands} & gain
         if not keep:
             return graph
 
@@ -260,7 +272,7 @@ class KeepChannelsLast(GraphPass):
                 if id(t) in twin:
                     nd = t.ndim
                     nodes.append(_transpose(twin[id(t)], (0, nd - 1, *range(1, nd - 1)), f"{op.name}.in{k}.nchw",
-                                            nchw=True))
+                                            nchw=op.op_type == "Conv" or _widening(op)))
                     inputs[k] = nodes[-1].outputs[0]
             op.inputs = inputs
             nodes.append(op)
@@ -287,7 +299,10 @@ class KeepChannelsLast(GraphPass):
                         else:
                             nodes.append(_transpose(t, fwd, f"{op.name}.in{k}.nhwc"))
                             inputs.append(nodes[-1].outputs[0])
-                    nodes.append(type(op)(inputs, name=f"{op.name}.nhwc", **op.attrs))
+                    attrs = dict(op.attrs)
+                    if op.op_type == "Concat":  # (the axis where it is now)
+                        attrs["axis"] = fwd.index(attrs["axis"])
+                    nodes.append(type(op)(inputs, name=f"{op.name}.nhwc", **attrs))
                     moved += 1
                 twin[id(y)] = nodes[-1].outputs[0]
                 continue
@@ -317,7 +332,7 @@ class KeepChannelsLast(GraphPass):
         to float32), ``"same"`` (a global pool reading it through a transpose) or ``"lose"``."""
         if channels_last_copy(r):
             return "gain"
-        if r.op_type == "GlobalPool":
+        if r.op_type == "GlobalPool" or (r.op_type == "Pool" and all(d == 1 for d in r.outputs[0].shape[2:])):
             return "same"
         conv, t = r, r.outputs[0]
         if _widening(r) and len(readers.get(id(t), ())) == 1:

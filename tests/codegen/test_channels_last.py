@@ -115,8 +115,8 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
 
 def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     """A ResNet-like chain on ``x [2, 16, 8, 8]``: a 1x1 conv, ReLU, a padded 3x3 conv, ReLU, a 1x1
-    conv, the residual add of ``x`` and a ReLU (``o1``), then a per-channel scale and a strided 3x3
-    conv (``o``, a graph output), a global pool of ``o1`` (``gp``), and a 3x3 conv of ``o1``'s 2x2
+    conv, the residual add of ``x`` and a ReLU (``o1``), then a per-channel scale, its concatenation
+    with ``o1`` and a strided 3x3 conv (``o``, a graph output), a global pool of ``o1`` (``gp``), and a 3x3 conv of ``o1``'s 2x2
     max pool whose output is reshaped (``flat``)."""
     rng = np.random.default_rng(0)
     npt = helper.tensor_dtype_to_np_dtype(dtype)
@@ -124,7 +124,7 @@ def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     def w(name, *shape):
         return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
 
-    inits = [w("w1", 32, 16, 1, 1), w("b1", 32), w("w2", 32, 32, 3, 3), w("w3", 16, 32, 1, 1), w("w4", 32, 16, 3, 3),
+    inits = [w("w1", 32, 16, 1, 1), w("b1", 32), w("w2", 32, 32, 3, 3), w("w3", 16, 32, 1, 1), w("w4", 32, 32, 3, 3),
              w("s", 1, 16, 1, 1), w("w5", 16, 16, 3, 3), numpy_helper.from_array(np.array([2, -1], np.int64), "shp")]
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]),
              helper.make_node("Relu", ["c1"], ["r1"]),
@@ -134,7 +134,8 @@ def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
              helper.make_node("Add", ["c3", "x"], ["a"]),
              helper.make_node("Relu", ["a"], ["o1"]),
              helper.make_node("Mul", ["o1", "s"], ["o2"]),
-             helper.make_node("Conv", ["o2", "w4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Concat", ["o2", "o1"], ["q"], axis=1),
+             helper.make_node("Conv", ["q", "w4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Relu", ["c4"], ["o"]),
              helper.make_node("GlobalAveragePool", ["o1"], ["gp"]),
              helper.make_node("MaxPool", ["o1"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
@@ -150,8 +151,8 @@ def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
 def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     """Decision 61: c1, c2 and c3 store their outputs channels-last and the ReLUs, the residual add
-    (``x`` read through a transpose) and the scale (its constant transposed) follow, so no image is
-    copied: the strided conv gathers ``o2`` as the convs' kernels wrote it, c2 too, c3 reads
+    (``x`` read through a transpose), the scale (its constant transposed) and the concatenation
+    (along the last axis) follow, so no image is copied: the strided conv gathers ``q``, c2 too, c3 reads
     ``r2`` as a matrix, the global pool reads ``o1`` through a transpose, the max pool reads it
     and writes ``p`` channels-last in its kernel, which c5 gathers. ``o`` (a graph output) and
     ``c5`` (reshaped) stay NCHW. Every conv takes wgmma; the graph computes what
@@ -189,8 +190,9 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     assert kinds == dict.fromkeys(["c1", "c2", "c3", "c4", "c5"], "gemm-wgmma-f16")
     rest = sorted(members[g.name] for g in groups if "Conv" not in members[g.name])
     cast = [] if half else ["Cast"]
-    # (the scale, read by the strided conv alone; the max pool; the global pool; x's half values)
-    assert rest == sorted([["Binary"] + cast, ["Transpose", "Pool", "Transpose"] + cast, ["Transpose", "GlobalPool"]]
+    # (the scale and concatenation, read by the strided conv alone; the max pool; the global pool;
+    # x's half values)
+    assert rest == sorted([["Binary", "Concat"] + cast, ["Transpose", "Pool", "Transpose"] + cast, ["Transpose", "GlobalPool"]]
                           + ([] if half else [["Cast"]])), rest
     assert all(src.launches[g.name].kind != "transpose" for g in groups)
     out_shapes = {g.outputs[0].name: g.outputs[0].shape for g in groups}
