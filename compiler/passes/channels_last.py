@@ -21,7 +21,12 @@ the template's gathered operand (K in the order ``(*kernel, C)``, a tap in the p
 zeros). The output stays ``[N, OC, *spatial]`` (the template stores four consecutive pixels at a
 time), unless a copy is its only reader: the cuda target's fusion then makes the conv's kernel
 store its output channels-last (RFC 0005 decision 60). Depthwise and grouped convs are left as they
-are; ``optimization_config["channels_last"] = False`` turns the pass off.
+are.
+
+:class:`KeepChannelsLast` then keeps the values between such convs channels-last (the convs store
+``[N, *spatial, C]``, the element-wise ops, pools and concatenations between them follow), so that
+most copies are not needed at all (RFC 0005 decision 61).
+``optimization_config["channels_last"] = False`` turns both passes off.
 """
 from __future__ import annotations
 
@@ -187,20 +192,21 @@ class KeepChannelsLast(GraphPass):
     :class:`ChannelsLastConvs`.
 
     A conv the wgmma template computes stores its output ``[N, *spatial, C]`` (a transpose of its
-    NCHW result, :func:`channels_last_output`, which the cuda target fuses as the GEMM's epilogue),
-    and the element-wise ops after it (ReLU, a residual add, casts, a per-channel scale: constants
-    are transposed at compile time, other operands of the same rank read through a transpose),
-    pools (their kernels read and write channels-last) and concatenations (along the axis where
-    theirs is now) run on the channels-last values. Where a conv reads such a value it gathers it directly (the image's
-    channels-last copy of :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as a plain
-    ``[N * H * W, C]`` matrix), and a global pool reads it through a transpose in its kernel.
+    NCHW result, :func:`channels_last_output`, which the cuda target fuses as the GEMM's
+    epilogue), and the ops after it run on the channels-last values: element-wise ops (ReLU, a
+    residual add, casts, a per-channel scale: constants are transposed at compile time, other
+    operands of the same rank read through a transpose), pools (their kernels read and write
+    channels-last) and concatenations (along the axis where theirs is now). Where a conv reads
+    such a value it gathers it as it is (the image's channels-last copy of
+    :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as the matrix ``[N * H * W, C]``),
+    and a global pool reads it through a transpose in its kernel.
 
     A value some reader would read worse channels-last (a reshape, a graph output, a conv off the
     tensor cores, a collective, an element-wise op that stays NCHW) is written NCHW, as before
-    this pass, and so, in turn, are the values only such ops lead to. Tensors connected by
-    element-wise ops, pools and concatenations form a region; a region changes layout only when a conv reads it
-    (a copy made needless). A ResNet's trunk, from its stem to its global pool, is one region: no
-    copy kernel is left in it but the stem's image."""
+    this pass, and so, in turn, are the values only such ops lead to. Tensors connected by the ops
+    above form a region; a region changes layout only when a conv reads it (a copy made
+    needless). A ResNet's trunk, from its stem to its global pool, is one region: no copy kernel
+    is left in it but the stem's image."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
