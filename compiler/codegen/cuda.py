@@ -2806,7 +2806,8 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
         feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
         feeds |= _attention_operand_copies(ops)
         feeds |= {op.name for op in ops if channels_last_copy(op)}  # (their readers gather from them)
-        # (a conv's output copied channels-last for the convs that read it: stored so by the conv)
+        # (a conv's output copied or kept channels-last, and a pool's kept so: stored so by its
+        # kernel; a conv's read of a channels-last value back as NCHW stays in the conv's kernel)
         ops = fuse_ops(list(ops), keep=keep, views=views, materialize=lambda op: op.name in feeds,
                        permuted_epilogue=lambda op: channels_last_copy(op) or channels_last_output(op),
                        no_prologue=channels_last_read)
