@@ -195,7 +195,8 @@ class KeepChannelsLast(GraphPass):
     NCHW result, :func:`channels_last_output`, which the cuda target fuses as the GEMM's
     epilogue), and the ops after it run on the channels-last values: element-wise ops (ReLU, a
     residual add, casts, a per-channel scale: constants are transposed at compile time, other
-    operands of the same rank read through a transpose), pools (their kernels read and write
+    operands of the same rank read through a transpose; a BatchNorm no conv took, as a per-channel
+    affine map), pools (their kernels read and write
     channels-last) and concatenations (along the axis where theirs is now). Where a conv reads
     such a value it gathers it as it is (the image's channels-last copy of
     :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as the matrix ``[N * H * W, C]``),
@@ -228,7 +229,8 @@ class KeepChannelsLast(GraphPass):
             elif (op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, cands)) \
                     or (op.op_type == "Pool" and id(op.inputs[0]) in cands) \
                     or (op.op_type == "Concat" and any(id(t) in cands for t in op.inputs)
-                        and all(t.ndim == y.ndim for t in op.inputs)):
+                        and all(t.ndim == y.ndim for t in op.inputs)) \
+                    or (_affine_batch_norm(op) and id(op.inputs[0]) in cands):
                 cands[id(y)] = op
         # an op whose output a reader would read worse channels-last (a reshape, a graph output...)
         # writes NCHW, and so, then, does one left without a channels-last input; until none is left
@@ -291,6 +293,9 @@ class KeepChannelsLast(GraphPass):
                 if id(op) in seeds or op.op_type == "Pool":  # (a pool reads and writes channels-last in its kernel)
                     nchw(op)
                     nodes.append(_transpose(y, fwd, f"{y.name}.nhwc", nhwc=True))
+                elif op.op_type == "BatchNorm":
+                    nodes.extend(_batch_norm_nhwc(op, twin[id(op.inputs[0])]))
+                    moved += 1
                 else:
                     inputs = []
                     for k, t in enumerate(op.inputs):
@@ -349,6 +354,31 @@ class KeepChannelsLast(GraphPass):
                 and _half_operands(conv, producer, counts) is not None and _direct(conv):
             return "gain"
         return "lose"
+
+
+def _affine_batch_norm(op: Operator) -> bool:
+    """An inference BatchNorm of a float32 image by constant float32 parameters of one value per
+    channel (one a conv's weights did not take, e.g. after a concatenation in a DenseNet)."""
+    return op.op_type == "BatchNorm" and len(op.inputs) == 5 and op.inputs[0].dtype == "float32" \
+        and op.inputs[0].ndim >= 3 and all(t.is_constant and t.ndim == 1 and t.dtype == "float32"
+                                           for t in op.inputs[1:])
+
+
+def _batch_norm_nhwc(op: Operator, x: Tensor) -> list[Operator]:
+    """``op`` (:func:`_affine_batch_norm`) on the channels-last image ``x``: ``(x - mean) * factor +
+    bias``, the factor ``scale / sqrt(var + epsilon)`` computed at compile time in float32, as the
+    op's kernel computes it (correctly rounded either way), so the values are the op's."""
+    from ..ops.elementwise import Binary
+
+    scale, bias, mean, var = (np.asarray(t.value, np.float32) for t in op.inputs[1:])
+    factor = scale / np.sqrt(var + np.float32(op.attrs["epsilon"]))
+    shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
+    res, v = [], x
+    for fn, value, what in (("sub", mean, "mean"), ("mul", factor, "factor"), ("add", bias, "bias")):
+        res.append(Binary([v, const_tensor(np.reshape(value, shape).astype(np.float32), f"{op.name}.{what}.nhwc")],
+                          name=f"{op.name}.{fn}.nhwc", fn=fn))
+        v = res[-1].outputs[0]
+    return res
 
 
 def _widening(op: Operator) -> bool:

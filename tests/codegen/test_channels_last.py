@@ -116,8 +116,8 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
 def _blocks(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     """A ResNet-like chain on ``x [2, 16, 8, 8]``: a 1x1 conv, ReLU, a padded 3x3 conv, ReLU, a 1x1
     conv, the residual add of ``x`` and a ReLU (``o1``), then a per-channel scale, its concatenation
-    with ``o1`` and a strided 3x3 conv (``o``, a graph output), a global pool of ``o1`` (``gp``), and a 3x3 conv of ``o1``'s 2x2
-    max pool whose output is reshaped (``flat``)."""
+    with ``o1`` and a strided 3x3 conv (``o``, a graph output), a global pool of ``o1`` (``gp``),
+    and a 3x3 conv of ``o1``'s 2x2 max pool whose output is reshaped (``flat``)."""
     rng = np.random.default_rng(0)
     npt = helper.tensor_dtype_to_np_dtype(dtype)
 
@@ -192,9 +192,56 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     cast = [] if half else ["Cast"]
     # (the scale and concatenation, read by the strided conv alone; the max pool; the global pool;
     # x's half values)
-    assert rest == sorted([["Binary", "Concat"] + cast, ["Transpose", "Pool", "Transpose"] + cast, ["Transpose", "GlobalPool"]]
-                          + ([] if half else [["Cast"]])), rest
+    assert rest == sorted([["Binary", "Concat"] + cast, ["Transpose", "Pool", "Transpose"] + cast,
+                           ["Transpose", "GlobalPool"]] + ([] if half else [["Cast"]])), rest
     assert all(src.launches[g.name].kind != "transpose" for g in groups)
     out_shapes = {g.outputs[0].name: g.outputs[0].shape for g in groups}
     assert out_shapes["Relu(o1).nhwc:0"] == (2, 8, 8, 16) and out_shapes["o"] == (2, 32, 4, 4)
     _check_kernels("blocks", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+def test_an_unfolded_batch_norm_follows_channels_last(tmp_path):
+    """Decision 61: a float32 model's BatchNorm that no conv took (here: after a concatenation of
+    a conv's output and the image, as in a DenseNet) becomes ``(x - mean) * factor + bias`` on the
+    channels-last values, its factor computed at compile time as the op computes it, so the 3x3
+    conv after it gathers what the concatenation's kernel wrote (no copy, no transposing
+    kernel); the values are the sm_80 program's, and every kernel runs on the host emulation."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    rng = np.random.default_rng(0)
+
+    def w(name, *shape, lo=None):
+        v = rng.standard_normal(shape).astype(np.float32) / 4
+        return numpy_helper.from_array(np.abs(v) + lo if lo is not None else v, name)
+
+    inits = [w("w1", 16, 16, 1, 1), w("w2", 16, 32, 3, 3), w("s", 32, lo=0.5), w("b", 32), w("m", 32),
+             w("v", 32, lo=0.1)]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
+             helper.make_node("Concat", ["c1", "x"], ["q"], axis=1),
+             helper.make_node("BatchNormalization", ["q", "s", "b", "m", "v"], ["n"], epsilon=1e-3),
+             helper.make_node("Relu", ["n"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    io = helper.make_tensor_value_info
+    model = helper.make_model(helper.make_graph(nodes, "dense", [io("x", TensorProto.FLOAT, [2, 16, 8, 8])],
+                                                [io("y", TensorProto.FLOAT, [2, 16, 8, 8])], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    progs = {arch: rank_passes(load_onnx(model), OptimizationConfig.from_dict(
+        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+    rg = progs["sm_90"]
+    assert not any(channels_last_copy(op) or op.op_type == "BatchNorm" for op in rg.nodes)
+    assert [op.inputs[0].name for op in rg.nodes if channels_last_output(op)] == ["c1"]
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(np.float32)}
+    env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
+    np.testing.assert_allclose(env["y"], ref["y"], rtol=1e-6, atol=1e-6 * float(np.abs(ref["y"]).max()))
+
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=["y"], views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    groups = [g for g in groups if g.name in src.launches]
+    kinds = sorted((src.launches[g.name].kind, tuple(m.op_type for m in getattr(g, "members", [g]))) for g in groups)
+    assert kinds == [("elementwise", ("Cast",)),  # (x's half values for c1)
+                     ("elementwise", ("Transpose", "Concat", "Binary", "Binary", "Binary", "Activation", "Cast")),
+                     ("gemm-wgmma-f16", ("Cast", "Cast", "Conv", "Transpose")),
+                     ("gemm-wgmma-f16", ("Transpose", "Cast", "Transpose", "Cast", "Conv"))], kinds
+    _check_kernels("dense", build(src.text, str(tmp_path)), src, groups, env, consts)
