@@ -6,9 +6,10 @@ Shardflow (one cuda rank) vs torch eager and torch.compile, at batch 1 and 8.
                                  [--dry-run] [--target cpu] [--json OUT.json]
 
 What it measures
-    The convolutions of a CNN as a compiled program runs them (rfcs/0005 decisions 55-59: 1x1 convs
-    read as they are, convs with a window from a channels-last copy of their image, all on the
-    Hopper wgmma template, split-K where few tiles meet a long K), with their batch norms folded,
+    The convolutions of a CNN as a compiled program runs them (rfcs/0005 decisions 55-61: 1x1 convs
+    read as they are, convs with a window gathering channels-last images, all on the Hopper wgmma
+    template, split-K where few tiles meet a long K, the activations channels-last from conv to
+    conv, no copy between them but the stem's), with their batch norms folded,
     ReLUs and residual adds fused, pooling and the classifier. ``kinds`` in the JSON counts the
     program's kernels by kind (``gemm-wgmma-f16`` against the portable ``gemm-f16``, ``transpose``
     for the channels-last copies).
@@ -20,7 +21,7 @@ Ours
     ``run`` (the CUDA graph replayed from the second run), the logits copied out as ``models.py``
     does; ``ours_view_ms`` leaves them in the program's buffer. With ``--nchw`` (on by default) the
     program compiled with ``channels_last: False`` is timed too (``nchw_ms``: its convs with a
-    window on the portable wmma template, as before decision 57): decisions 57-60's gain.
+    window on the portable wmma template, as before decision 57): decisions 57-61's gain.
 
 Model dtype
     By default the float32 module is exported and ``--precision float16`` rounds the convs'
