@@ -52,7 +52,7 @@ CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice"
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "MatMulInteger"})
 #: Ops that reduce a window per output element in kernels that compute each element alone: like
 #: contractions, they may store their output in another layout (``fuse``'s ``permuted_epilogue``).
-WINDOWED = frozenset({"Pool"})
+WINDOWED = frozenset({"Pool", "Resize"})
 
 
 def _remap(value: Expr, mapping: dict[int, object]) -> Expr:

@@ -183,6 +183,9 @@ def channels_last_read(op: Operator) -> bool:
     return op.op_type == "Transpose" and bool(op.attrs.get("nchw"))
 
 
+#: ops that compute each output element from a window of their image (the same NCHW op between a
+#: transpose back and one forward: the kernel reads and writes channels-last)
+_SPATIAL = ("Pool", "Resize")
 #: element-wise ops that compute the same in any layout of their operands
 _LAYOUT_FREE = ("Unary", "Activation", "Binary", "Cast", "Where", "Clip", "Identity")
 
@@ -196,8 +199,8 @@ class KeepChannelsLast(GraphPass):
     epilogue), and the ops after it run on the channels-last values: element-wise ops (ReLU, a
     residual add, casts, a per-channel scale: constants are transposed at compile time, other
     operands of the same rank read through a transpose; a BatchNorm no conv took, as a per-channel
-    affine map), pools (their kernels read and write
-    channels-last) and concatenations (along the axis where theirs is now). Where a conv reads
+    affine map), pools and resizes (their kernels read and write channels-last) and
+    concatenations (along the axis where theirs is now). Where a conv reads
     such a value it gathers it as it is (the image's channels-last copy of
     :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as the matrix ``[N * H * W, C]``),
     and a global pool reads it through a transpose in its kernel.
@@ -227,7 +230,7 @@ class KeepChannelsLast(GraphPass):
                 seeds.add(id(op))
                 cands[id(y)] = op
             elif (op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, cands)) \
-                    or (op.op_type == "Pool" and id(op.inputs[0]) in cands) \
+                    or (op.op_type in _SPATIAL and len(op.inputs) == 1 and id(op.inputs[0]) in cands) \
                     or (op.op_type == "Concat" and any(id(t) in cands for t in op.inputs)
                         and all(t.ndim == y.ndim for t in op.inputs)) \
                     or (_affine_batch_norm(op) and id(op.inputs[0]) in cands):
@@ -290,7 +293,7 @@ class KeepChannelsLast(GraphPass):
             if id(y) in parent and root(id(y)) in keep:
                 nd = y.ndim
                 fwd = (0, *range(2, nd), 1)
-                if id(op) in seeds or op.op_type == "Pool":  # (a pool reads and writes channels-last in its kernel)
+                if id(op) in seeds or op.op_type in _SPATIAL:  # (its kernel reads and writes channels-last)
                     nchw(op)
                     nodes.append(_transpose(y, fwd, f"{y.name}.nhwc", nhwc=True))
                 elif op.op_type == "BatchNorm":

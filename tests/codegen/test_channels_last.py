@@ -245,3 +245,44 @@ def test_an_unfolded_batch_norm_follows_channels_last(tmp_path):
                      ("gemm-wgmma-f16", ("Cast", "Cast", "Conv", "Transpose")),
                      ("gemm-wgmma-f16", ("Transpose", "Cast", "Transpose", "Cast", "Conv"))], kinds
     _check_kernels("dense", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_a_resize_between_convs_reads_and_writes_channels_last(tmp_path, mode):
+    """Decision 61: a 2x upsampling between two convs (a feature pyramid's, a UNet decoder's) runs
+    between a transpose back and one forward, in one kernel that reads the first conv's
+    channels-last output and writes the second conv's channels-last image: no copy, no transposing
+    kernel; values as the sm_80 program's, every kernel on the host emulation."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) / 4).astype(np.float16), n)
+             for n, s in (("w1", (32, 16, 1, 1)), ("w2", (16, 32, 3, 3)))]
+    inits.append(numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"))
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
+             helper.make_node("Relu", ["c1"], ["r"]),
+             helper.make_node("Resize", ["r", "", "scales"], ["u"], mode=mode),
+             helper.make_node("Conv", ["u", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    io = helper.make_tensor_value_info
+    model = helper.make_model(helper.make_graph(nodes, "up", [io("x", TensorProto.FLOAT16, [2, 16, 8, 6])],
+                                                [io("y", TensorProto.FLOAT16, [2, 16, 16, 12])], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    progs = {arch: rank_passes(load_onnx(model), OptimizationConfig.from_dict(
+        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+    rg = progs["sm_90"]
+    assert not any(channels_last_copy(op) for op in rg.nodes)
+    assert sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op)) == ["c1", "u"]
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 8, 6)).astype(np.float16)}
+    env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
+    np.testing.assert_allclose(env["y"].astype(np.float32), ref["y"].astype(np.float32), rtol=1e-3, atol=1e-3)
+
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=["y"], views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    groups = [g for g in groups if g.name in src.launches]
+    kinds = sorted((src.launches[g.name].kind, tuple(m.op_type for m in getattr(g, "members", [g]))) for g in groups)
+    assert kinds == [("elementwise", ("Transpose", "Resize", "Transpose")),
+                     ("gemm-wgmma-f16", ("Conv", "Transpose", "Activation")),
+                     ("gemm-wgmma-f16", ("Transpose", "Transpose", "Conv"))], kinds
+    _check_kernels("up", build(src.text, str(tmp_path)), src, groups, env, consts)
