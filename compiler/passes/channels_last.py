@@ -200,10 +200,10 @@ class KeepChannelsLast(GraphPass):
     residual add, casts, a per-channel scale: constants are transposed at compile time, other
     operands of the same rank read through a transpose; a BatchNorm no conv took, as a per-channel
     affine map), pools and resizes (their kernels read and write channels-last) and
-    concatenations (along the axis where theirs is now). Where a conv reads
-    such a value it gathers it as it is (the image's channels-last copy of
-    :class:`ChannelsLastConvs` is dropped; a 1x1 conv reads it as the matrix ``[N * H * W, C]``),
-    and a global pool reads it through a transpose in its kernel.
+    concatenations (along the axis where theirs is now). Where a conv reads such a value it
+    gathers it as it is (the image's channels-last copy of :class:`ChannelsLastConvs` is dropped;
+    a 1x1 conv reads it as the matrix ``[N * H * W, C]``), and a global pool reads it through a
+    transpose in its kernel.
 
     A value some reader would read worse channels-last (a reshape, a graph output, a conv off the
     tensor cores, a collective, an element-wise op that stays NCHW) is written NCHW, as before
