@@ -75,7 +75,7 @@ fi
 # time limit, until the tiles have run on a GPU (a wrong hand-over between warpgroups, or a flag
 # between blocks, would hang, or trap after half a minute, rather than fail)
 gpu_tests=(tests/codegen/test_cuda_kernels.py tests/codegen/test_wgmma.py tests/codegen/test_attention.py
-           tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py)
+           tests/codegen/test_tune.py tests/runtime/test_gpu_runtime.py tests/codegen/test_channels_last.py)
 new_tiles="pingpong or stream_k"
 # the cluster tiles' GPU tests (not run on a GPU yet: a wrong exchange would wait forever)
 cluster_tests="cluster_split_k or multicast"
@@ -399,8 +399,8 @@ case "$what" in
            # (cuDNN; NCHW and channels-last), float16 and bfloat16, < 3 min
         f="$out/conv.txt"
         echo "# device_session.sh conv, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
-        timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
-            -k "batched_one_by_one or channels_last" 2>&1 | tail -5 | tee -a "$f"
+        timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
+            tests/codegen/test_channels_last.py -k "batched_one_by_one or channels_last" 2>&1 | tail -5 | tee -a "$f"
         timeout 120 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;

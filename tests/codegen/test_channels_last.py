@@ -286,3 +286,37 @@ def test_a_resize_between_convs_reads_and_writes_channels_last(tmp_path, mode):
                      ("gemm-wgmma-f16", ("Conv", "Transpose", "Activation")),
                      ("gemm-wgmma-f16", ("Transpose", "Transpose", "Conv"))], kinds
     _check_kernels("up", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_channels_last_blocks_on_the_gpu(tmp_path, model_dtype):
+    """Decision 61 on a GPU: :func:`_blocks` compiled for sm_90 with float16 products (a float32
+    export) or as it is (a float16 export), run eagerly and from its CUDA graph, against
+    onnxruntime within float16's tolerance (rfcs/0004)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("needs a CUDA device")
+    except Exception:  # noqa: BLE001
+        pytest.skip("needs cupy and a CUDA device")
+    ort = pytest.importorskip("onnxruntime")
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    model = _blocks(TensorProto.FLOAT16 if model_dtype == "float16" else TensorProto.FLOAT)
+    path = tmp_path / "blocks.onnx"
+    onnx.save(model, path)
+    compile(path, distributed_config={"mesh_shape": [1], "algo": "replicate"},
+            optimization_config={"target": "cuda", "arch": "sm_90", "precision": "float16"}, out_dir=tmp_path / "o")
+    x = np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(model_dtype)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": x})))
+    prog = load(tmp_path / "o")
+    for _ in range(2):  # eager, then the captured graph
+        got = prog.run({"x": x})
+        for k, v in ref.items():
+            v = v.astype(np.float32)
+            np.testing.assert_allclose(np.asarray(got[k], np.float32), v, rtol=5e-3,
+                                       atol=5e-3 * float(np.abs(v).max()), err_msg=k)
