@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -58,7 +57,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardflow, err_text,  # noqa: E402
-                    failed, fmt, table, time_calls, time_compiled, time_eager, torch_diff, torch_ratios)
+                    failed, fmt, kernel_kinds, table, time_calls, time_compiled, time_eager, torch_diff,
+                    torch_ratios)
 
 BATCHES = (1, 8)
 COMPILE_MODES = ("default", "reduce-overhead")
@@ -108,18 +108,6 @@ def export(path: str, tiny: bool, dtype: str = "float32") -> tuple:
     return model, info
 
 
-def kind_counts(out_dir: str) -> dict:
-    """The program's kernels by kind."""
-    with open(os.path.join(out_dir, "rank0", "program.json")) as f:
-        prog = json.load(f)
-    counts: dict = {}
-    for s in prog["steps"]:
-        if s.get("kind") == "kernel":
-            k = str(s.get("launch", {}).get("kind", ""))
-            counts[k] = counts.get(k, 0) + 1
-    return dict(sorted(counts.items()))
-
-
 def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict:
     """Export ResNet-50, compile it per batch and (unless dry-run) time it against torch."""
     ensure_shardflow()
@@ -147,7 +135,7 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
                 r = compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch, precision=args.precision,
                                  search_space=None, input_shapes={"pixel_values": [b, 3, size, size]},
                                  channels_last=layout == "channels_last")
-                rec.update({pre + k: v for k, v in r.items()}, **{pre + "kinds": kind_counts(out_dir)})
+                rec.update({pre + k: v for k, v in r.items()}, **{pre + "kinds": kernel_kinds(out_dir)})
                 compiled[(b, layout)] = out_dir
                 log(f"resnet50 batch {b} ({layout}): compiled in {r['compile_s']:.1f} s, kernels {rec[pre + 'kinds']}")
             except Exception as exc:  # noqa: BLE001

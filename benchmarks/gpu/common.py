@@ -338,17 +338,21 @@ def torch_diff(got, ref) -> dict:
             "finite": bool(got.float().isfinite().all().item())}
 
 
-def gemm_kinds(out_dir: str) -> list[str]:
-    """The GEMM kernel kinds of a compiled program (``out_dir``, one rank)."""
+def kernel_kinds(out_dir: str) -> dict[str, int]:
+    """The kernels of a compiled program (``out_dir``, one rank) counted by kind."""
     with open(os.path.join(out_dir, "rank0", "program.json")) as f:
         prog = json.load(f)
-    kinds = set()
+    counts: dict[str, int] = {}
     for s in prog["steps"]:
         if s.get("kind") == "kernel":
-            for k in str(s.get("launch", {}).get("kind", "")).split("+"):
-                if k.startswith("gemm"):
-                    kinds.add(k)
-    return sorted(kinds)
+            k = str(s.get("launch", {}).get("kind", ""))
+            counts[k] = counts.get(k, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def gemm_kinds(out_dir: str) -> list[str]:
+    """The GEMM kernel kinds of a compiled program (``out_dir``, one rank)."""
+    return sorted({k for kind in kernel_kinds(out_dir) for k in kind.split("+") if k.startswith("gemm")})
 
 
 def compile_ours(onnx_path: str, batch: int, out_dir: str, *, target: str, arch: str, precision: str,

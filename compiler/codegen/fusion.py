@@ -50,7 +50,7 @@ CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice"
 #: Ops that read each operand element many times (a fused prologue is recomputed on every read):
 #: only :data:`CHEAP` prologues join them.
 CONTRACTIONS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "MatMulInteger"})
-#: Ops that reduce a window per output element in kernels that compute each element alone: like
+#: Ops that compute each output element alone from a window of their input (pools, resizes): like
 #: contractions, they may store their output in another layout (``fuse``'s ``permuted_epilogue``).
 WINDOWED = frozenset({"Pool", "Resize"})
 
@@ -242,10 +242,10 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
         no reader joins theirs (the cuda target on Hopper: casts to float16/bfloat16, so that a
         GEMM reads its half-precision operand from memory, 16 bytes at a time).
     permuted_epilogue
-        Transposes that may join a contraction's (or a pool's, :data:`WINDOWED`) group as its
-        epilogue although they do not read its output at their own index (the cuda GEMM templates
-        store any output layout, each element of the product still computed once: a conv writing
-        its output channels-last for the convs that read it, ``passes/channels_last.py``).
+        Transposes that may join a contraction's (or a pool's or resize's, :data:`WINDOWED`) group
+        as its epilogue although they do not read its output at their own index (the cuda GEMM
+        templates store any output layout, each element of the product still computed once: a conv
+        writing its output channels-last for the convs that read it, ``passes/channels_last.py``).
     views
         Names of the ops among ``ops`` that the runtime can run as views (a reshape whose output
         aliases its input's bytes; no kernel). One whose input index is affine in its output

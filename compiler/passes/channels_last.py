@@ -86,7 +86,7 @@ def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, 
         if t.dtype in _HALF:
             return t, None
         p = producer.get(id(t))
-        if p is not None and p.op_type == "Cast" and p.inputs[0].dtype in _HALF and readers.get(id(t)) == 1:
+        if p is not None and p.op_type == "Cast" and p.inputs[0].dtype in _HALF and len(readers.get(id(t), ())) == 1:
             return p.inputs[0], p
         return None
 
@@ -102,11 +102,12 @@ def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, 
     return sx, sw
 
 
-def _reader_counts(graph: FlowGraph) -> dict[int, int]:
-    readers: dict[int, int] = {}
+def _readers(graph: FlowGraph) -> dict[int, list[Operator]]:
+    """``id(tensor)`` -> the ops that read it (each once)."""
+    readers: dict[int, list[Operator]] = {}
     for op in graph.nodes:
-        for t in {id(t) for t in op.inputs}:
-            readers[t] = readers.get(t, 0) + 1
+        for t in {id(t): t for t in op.inputs}.values():
+            readers.setdefault(id(t), []).append(op)
     return readers
 
 
@@ -119,7 +120,7 @@ class ChannelsLastConvs(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        readers = _reader_counts(graph)
+        readers = _readers(graph)
         before: dict[int, list[Operator]] = {}  # id(op) -> new ops to place just before it
         replaced: dict[int, Operator] = {}  # id(conv) -> the conv that takes over its output
         dropped: set[int] = set()  # the float32 casts of the convs' operands (replaced too)
@@ -168,7 +169,6 @@ class ChannelsLastConvs(GraphPass):
         return graph
 
 
-
 def channels_last_output(op: Operator) -> bool:
     """Whether ``op`` is the transpose by which :class:`KeepChannelsLast` makes a conv write its
     output channels-last (the conv's kernel stores it so; element-wise ops after it join that
@@ -177,9 +177,9 @@ def channels_last_output(op: Operator) -> bool:
 
 
 def channels_last_read(op: Operator) -> bool:
-    """Whether ``op`` is the transpose through which a conv (or a global pool) reads a
-    channels-last image as NCHW: it is computed in its reader's kernel (the conv gathers the
-    channels-last values), never in the kernel that writes the image."""
+    """Whether ``op`` is the transpose through which a conv (or the precision pass's float32 cast
+    before one) reads a channels-last image as NCHW: it is computed in the conv's kernel (which
+    gathers the channels-last values), never in the kernel that writes the image."""
     return op.op_type == "Transpose" and bool(op.attrs.get("nchw"))
 
 
@@ -214,18 +214,14 @@ class KeepChannelsLast(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        counts = _reader_counts(graph)
-        readers: dict[int, list[Operator]] = {}
-        for op in graph.nodes:
-            for t in {id(t): t for t in op.inputs}.values():
-                readers.setdefault(id(t), []).append(op)
+        readers = _readers(graph)
         cands: dict[int, Operator] = {}  # id(NCHW tensor) -> the op writing it, if it may store it channels-last
         seeds = set()  # id(op): the convs among them
         for op in graph.nodes:
             y = op.outputs[0] if len(op.outputs) == 1 else None
             if y is None:
                 continue
-            if _half_operands(op, producer, counts) is not None and y.shape[1] % 8 == 0 \
+            if _half_operands(op, producer, readers) is not None and y.shape[1] % 8 == 0 \
                     and not _gathered_in_nchw(op):
                 seeds.add(id(op))
                 cands[id(y)] = op
@@ -241,7 +237,7 @@ class KeepChannelsLast(GraphPass):
 
         def reads(r: Operator, i: int) -> str | None:  # what r reading candidate i channels-last means
             follows = id(r) not in seeds and len(r.outputs) == 1 and cands.get(id(r.outputs[0])) is r
-            return None if follows else self._reader(r, i, producer, counts, readers)
+            return None if follows else self._reader(r, i, producer, readers)
 
         changed = True
         while changed:
@@ -340,7 +336,7 @@ class KeepChannelsLast(GraphPass):
                    for t in op.inputs)
 
     @staticmethod
-    def _reader(r: Operator, i: int, producer: dict, counts: dict, readers: dict) -> str:
+    def _reader(r: Operator, i: int, producer: dict, readers: dict) -> str:
         """What reading candidate ``i`` channels-last means for ``r``: ``"gain"`` (a copy made
         needless, or a 1x1 conv reading it as a matrix, possibly through the precision pass's cast
         to float32), ``"same"`` (a global pool reading it through a transpose) or ``"lose"``."""
@@ -354,7 +350,7 @@ class KeepChannelsLast(GraphPass):
         else:
             t = next(t for t in r.inputs if id(t) == i)
         if conv.inputs[0] is t and all(u is not t for u in conv.inputs[1:]) and t.shape[1] % 8 == 0 \
-                and _half_operands(conv, producer, counts) is not None and _direct(conv):
+                and _half_operands(conv, producer, readers) is not None and _direct(conv):
             return "gain"
         return "lose"
 

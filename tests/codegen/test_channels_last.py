@@ -54,6 +54,26 @@ def _evaluate(rg, feeds):
     return env
 
 
+def _kernels(rg):
+    """``rg``'s kernels as the cuda target builds them for sm_90 with float16 products: the source,
+    the groups that have a kernel (views left out) and the program's constants by name."""
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs],
+                           views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    return src, [g for g in groups if g.name in src.launches], consts
+
+
+def _conv_kinds(src, groups) -> dict:
+    """The kernel kind of each conv (by its output's name)."""
+    kinds = {}
+    for g in groups:
+        conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
+        if conv:
+            kinds[conv[0].outputs[0].name] = src.launches[g.name].kind
+    return kinds
+
+
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
 def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     """The two convs of ``x`` read one channels-last copy of its half values (the cast to half
@@ -91,11 +111,7 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     for t in rg.outputs:  # (the padded channels' zeros may change the order of c5's float32 sums)
         np.testing.assert_allclose(env[t.name], ref[t.name], rtol=1e-5, atol=1e-5 * float(np.abs(ref[t.name]).max()))
 
-    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs],
-                           views=[op.name for op in rg.nodes if _is_view(op)])
-    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
-    groups = [g for g in groups if g.name in src.launches]
+    src, groups, consts = _kernels(rg)
     members = {g.name: [m.op_type for m in getattr(g, "members", [g])] for g in groups}
     cast = [] if half else ["Cast"]
     copying = [members[g.name] for g in groups if any(channels_last_copy(m) for m in getattr(g, "members", [g]))]
@@ -103,11 +119,7 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     # (c2's ReLU, read by c7 alone: c2's kernel stores its output channels-last, then the ReLU)
     stored = [members[g.name] for g in groups if any(channels_last_output(m) for m in getattr(g, "members", [g]))]
     assert [m[m.index("Conv"):] for m in stored] == [["Conv", "Transpose", "Activation"] + cast]
-    kinds = {}
-    for g in groups:
-        conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
-        if conv:
-            kinds[conv[0].outputs[0].name] = src.launches[g.name].kind
+    kinds = _conv_kinds(src, groups)
     assert kinds == {"c1": "gemm-wgmma-f16", "c2": "gemm-wgmma-f16", "c3": "gemm-wgmma-f16", "c4": "gemv",
                      "c5": "gemm-wgmma-f16", "c6": "gemm-wgmma-f16", "c7": "gemm-wgmma-f16"}
     _check_kernels("convs", build(src.text, str(tmp_path)), src, groups, env, consts)
@@ -176,17 +188,9 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     for t in rg.outputs:
         np.testing.assert_allclose(env[t.name], ref[t.name], rtol=1e-5, atol=1e-5 * float(np.abs(ref[t.name]).max()))
 
-    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    groups = kernel_groups(list(rg.nodes), "sm_90", keep=[t.name for t in rg.outputs],
-                           views=[op.name for op in rg.nodes if _is_view(op)])
-    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
-    groups = [g for g in groups if g.name in src.launches]
+    src, groups, consts = _kernels(rg)
     members = {g.name: [m.op_type for m in getattr(g, "members", [g])] for g in groups}
-    kinds = {}
-    for g in groups:
-        conv = [m for m in getattr(g, "members", [g]) if m.op_type == "Conv"]
-        if conv:
-            kinds[conv[0].outputs[0].name] = src.launches[g.name].kind
+    kinds = _conv_kinds(src, groups)
     assert kinds == dict.fromkeys(["c1", "c2", "c3", "c4", "c5"], "gemm-wgmma-f16")
     rest = sorted(members[g.name] for g in groups if "Conv" not in members[g.name])
     cast = [] if half else ["Cast"]
@@ -235,10 +239,7 @@ def test_an_unfolded_batch_norm_follows_channels_last(tmp_path):
     env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
     np.testing.assert_allclose(env["y"], ref["y"], rtol=1e-6, atol=1e-6 * float(np.abs(ref["y"]).max()))
 
-    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    groups = kernel_groups(list(rg.nodes), "sm_90", keep=["y"], views=[op.name for op in rg.nodes if _is_view(op)])
-    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
-    groups = [g for g in groups if g.name in src.launches]
+    src, groups, consts = _kernels(rg)
     kinds = sorted((src.launches[g.name].kind, tuple(m.op_type for m in getattr(g, "members", [g]))) for g in groups)
     assert kinds == [("elementwise", ("Cast",)),  # (x's half values for c1)
                      ("elementwise", ("Transpose", "Concat", "Binary", "Binary", "Binary", "Activation", "Cast")),
@@ -277,10 +278,7 @@ def test_a_resize_between_convs_reads_and_writes_channels_last(tmp_path, mode):
     env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
     np.testing.assert_allclose(env["y"].astype(np.float32), ref["y"].astype(np.float32), rtol=1e-3, atol=1e-3)
 
-    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-    groups = kernel_groups(list(rg.nodes), "sm_90", keep=["y"], views=[op.name for op in rg.nodes if _is_view(op)])
-    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
-    groups = [g for g in groups if g.name in src.launches]
+    src, groups, consts = _kernels(rg)
     kinds = sorted((src.launches[g.name].kind, tuple(m.op_type for m in getattr(g, "members", [g]))) for g in groups)
     assert kinds == [("elementwise", ("Transpose", "Resize", "Transpose")),
                      ("gemm-wgmma-f16", ("Conv", "Transpose", "Activation")),
