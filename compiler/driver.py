@@ -57,9 +57,10 @@ key               meaning                                                       
 ``channels_last`` cuda, sm_90: convs with a window, a stride or padding (and 1x1 convs whose     ``True``
                   ``H*W`` is not a multiple of 8) read a channels-last copy of their image,
                   written by the kernel before them where it can, as implicit GEMMs on the
-                  wgmma template, and the activations between such convs stay channels-last
-                  (passes/channels_last.py; rfcs/0005 decisions 57-61; not yet timed on a
-                  GPU); ``False`` leaves them in NCHW on the portable template
+                  wgmma template (grouped convs too, a product per group, where their groups
+                  have multiples of 8 channels), and the activations between such convs stay
+                  channels-last (passes/channels_last.py; rfcs/0005 decisions 57-62; not yet
+                  timed on a GPU); ``False`` leaves them in NCHW on the portable template
 ``fold_affine``   a conv's following BatchNormalization and element-wise Mul/Div/Add/Sub by    ``True``
                   per-channel constants folded into its weight and bias at compile time, for
                   every target (passes/fold.py); values change by rounding only

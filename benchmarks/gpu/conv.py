@@ -1,4 +1,5 @@
-"""Convolutions: our kernel vs torch's (cuDNN), Stable Diffusion 1.5 UNet's convs at batch 2.
+"""Convolutions: our kernel vs torch's (cuDNN), Stable Diffusion 1.5 UNet's convs at batch 2 (and
+grouped convs of ResNeXt-50 and RegNetY-4GF).
 
     python benchmarks/gpu/conv.py [--cases all|1x1|3x3] [--shapes proj64,conv64,...] [--dtypes float16,bfloat16]
                                   [--reps 20] [--dry-run] [--json OUT.json]
@@ -7,7 +8,10 @@ What is compared
     ``Conv(x, w, bias)`` on ``[2, C, H, W]`` images (Stable Diffusion 1.5 at 512x512 pixels: a
     64x64 latent, two images under classifier-free guidance), in the UNet's shapes: the 1x1 convs
     of its transformer blocks (``proj_in``/``proj_out``, C -> C) and its resnets' shortcuts (C ->
-    2C), and its 3x3 convs (padding 1). Ours is the ``Conv`` op compiled alone for ``--arch``
+    2C), and its 3x3 convs (padding 1); and the grouped 3x3 convs of ResNeXt-50 (32x4d: 32 groups of
+    16 and 32 channels, ``rnx*``) and RegNetY-4GF (groups of 64 channels, ``regy*``) at 224x224
+    pixels, each a product per group (rfcs/0005 decision 62). Ours is the ``Conv`` op compiled
+    alone for ``--arch``
     (float16/bfloat16 operands and output, float32 accumulation), as a compiled program runs it on
     sm_90: a 1x1 conv over a batch whose ``H*W`` is a multiple of 8 takes the Hopper wgmma template
     with the images as the product's batch (rfcs/0005 decision 55); a 3x3 conv two kernels
@@ -19,7 +23,7 @@ What is compared
     same operands in the same type, NCHW as ours, and channels-last (``torch.channels_last``, the
     layout cuDNN's fastest kernels prefer; its layout conversion not timed).
 
-    ``TFLOP/s`` counts ``2 N OC H W C kh kw``.
+    ``TFLOP/s`` counts ``2 N OC H W (C / groups) kh kw``.
 
 Timing and correctness
     As ``gemm.py``: CUDA graphs of back-to-back launches rotating over enough input sets that each
@@ -46,11 +50,14 @@ from common import (build_alone, build_cases, dump_json, ensure_shardflow, first
                     kernel_bench_args, our_launcher, print_built, run_cases, table)
 from gemm import _time  # noqa: E402
 
-#: (name, C, OC, H = W, window) of Stable Diffusion 1.5's UNet at a 64x64 latent
+#: (name, C, OC, H = W, window[, groups]) of Stable Diffusion 1.5's UNet at a 64x64 latent, then
+#: grouped convs of ResNeXt-50 32x4d and RegNetY-4GF at 224x224 pixels
 SHAPES = (("proj64", 320, 320, 64, 1), ("proj32", 640, 640, 32, 1), ("proj16", 1280, 1280, 16, 1),
           ("short32", 320, 640, 32, 1), ("short16", 640, 1280, 16, 1),
           ("conv64", 320, 320, 64, 3), ("conv32", 640, 640, 32, 3), ("conv16", 1280, 1280, 16, 3),
-          ("conv8", 1280, 1280, 8, 3))
+          ("conv8", 1280, 1280, 8, 3),
+          ("rnx28", 512, 512, 28, 3, 32), ("rnx14", 1024, 1024, 14, 3, 32),
+          ("regy28", 192, 192, 28, 3, 3), ("regy14", 512, 512, 14, 3, 8))
 BATCH = 2
 DTYPES = ("float16", "bfloat16")
 #: largest error (of the output's largest value) each type may have against float32 on the same operands
@@ -66,6 +73,7 @@ class Case:
     HW: int
     k: int
     dtype: str
+    groups: int = 1
 
     @property
     def id(self) -> str:
@@ -73,7 +81,7 @@ class Case:
 
     @property
     def flops(self) -> float:
-        return 2.0 * BATCH * self.OC * self.HW * self.HW * self.C * self.k * self.k
+        return 2.0 * BATCH * self.OC * self.HW * self.HW * self.C // self.groups * self.k * self.k
 
 
 def make_cases(which: str = "all", dtypes=DTYPES, shapes=None) -> list[Case]:
@@ -84,7 +92,8 @@ def make_cases(which: str = "all", dtypes=DTYPES, shapes=None) -> list[Case]:
         raise SystemExit(f"unknown case kind, shape(s) or type(s) {[which, *unknown]}; --cases: all, 1x1 or 3x3; "
                          f"--shapes: of {names}; --dtypes: of {DTYPES}")
     keep = {"all": (1, 3), "1x1": (1,), "3x3": (3,)}[which]
-    return [Case(*s, dt) for s in SHAPES if s[4] in keep and (not shapes or s[0] in shapes) for dt in dtypes]
+    return [Case(*s[:5], dt, *s[5:]) for s in SHAPES if s[4] in keep and (not shapes or s[0] in shapes)
+            for dt in dtypes]
 
 
 def _build_one(case: Case, work: str, arch: str):
@@ -97,16 +106,18 @@ def _build_one(case: Case, work: str, arch: str):
     from shardflow.compiler.ops.transform import Transpose
 
     ins = [Tensor("x", (BATCH, case.C, case.HW, case.HW), case.dtype),
-           Tensor("w", (case.OC, case.C, case.k, case.k), case.dtype), Tensor("b", (case.OC,), case.dtype)]
-    nchw = build_alone(Conv(ins, name=case.id, pads=[case.k // 2] * 4), work, arch)
+           Tensor("w", (case.OC, case.C // case.groups, case.k, case.k), case.dtype),
+           Tensor("b", (case.OC,), case.dtype)]
+    nchw = build_alone(Conv(ins, name=case.id, pads=[case.k // 2] * 4, group=case.groups), work, arch)
     if case.k == 1:
         return nchw
     # the program's form (passes/channels_last.py): the image copied channels-last, read back
     # through a Transpose fused into the conv, as is the weight stored [OC, kh, kw, C]
     copy = Transpose([ins[0]], name="copy", perm=(0, 2, 3, 1), channels_last=True)
-    w_last = Tensor("w_last", (case.OC, case.k, case.k, case.C), case.dtype)
+    w_last = Tensor("w_last", (case.OC, case.k, case.k, case.C // case.groups), case.dtype)
     views = [Transpose([t], name=f"{t.name}.nchw", perm=(0, 3, 1, 2)) for t in (copy.outputs[0], w_last)]
-    conv = Conv([views[0].outputs[0], views[1].outputs[0], ins[2]], name="conv", pads=[case.k // 2] * 4)
+    conv = Conv([views[0].outputs[0], views[1].outputs[0], ins[2]], name="conv", pads=[case.k // 2] * 4,
+                group=case.groups)
     path = os.path.join(work, f"{case.id}.last.cubin")
     t0 = time.perf_counter()
     launches = build_cuda_library([copy] + fuse([*views, conv]), path, arch=arch)
@@ -119,13 +130,13 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 
     dev = torch.device("cuda")
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
-    xs, ws, ys = (BATCH, case.C, case.HW, case.HW), (case.OC, case.C, case.k, case.k), (BATCH, case.OC, case.HW,
-                                                                                      case.HW)
+    xs, ws = (BATCH, case.C, case.HW, case.HW), (case.OC, case.C // case.groups, case.k, case.k)
+    ys = (BATCH, case.OC, case.HW, case.HW)
     set_bytes = 2 * (math.prod(xs) * (2 if launches else 1) + math.prod(ws) + math.prod(ys))
     nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
     n = max(20, nsets)
     gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
-    scale = (case.C * case.k * case.k) ** -0.5
+    scale = (case.C // case.groups * case.k * case.k) ** -0.5
     sets = []
     for _ in range(nsets):
         x = torch.randn(xs, device=dev, generator=gen).to(tdt)
@@ -153,20 +164,20 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
             copy(i)
             conv(i)
         extra = {"copy": copy, "conv": conv, "nchw": old}
-    pad = case.k // 2
+    pad, groups = case.k // 2, case.groups
 
     def theirs(i):
         s = sets[i % nsets]
-        theirs_out[i % nsets].copy_(F.conv2d(s["x"], s["w"], s["b"], padding=pad))
+        theirs_out[i % nsets].copy_(F.conv2d(s["x"], s["w"], s["b"], padding=pad, groups=groups))
 
     def theirs_last(i):
         x, w, b = last[i % nsets]
-        F.conv2d(x, w, b, padding=pad)
+        F.conv2d(x, w, b, padding=pad, groups=groups)
 
     s0 = sets[0]
     torch.backends.cudnn.allow_tf32 = False
     err = first_run_error(ours, cstream, s0["y"], lambda: F.conv2d(s0["x"].float(), s0["w"].float(),
-                                                                   s0["b"].float(), padding=pad), torch)
+                                                                   s0["b"].float(), padding=pad, groups=groups), torch)
     rec = asdict(case)
     rec.update(id=case.id, batch=BATCH, kind=launch.kind, grid=list(launch.grid), block=list(launch.block),
                shared_mem=int(launch.shared_mem), input_sets=nsets, err=err,
@@ -174,7 +185,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
     if launches:
         rec.update(nchw_kind=nchw[1].kind, nchw_err=first_run_error(
             extra["nchw"], cstream, s0["y"], lambda: F.conv2d(s0["x"].float(), s0["w"].float(), s0["b"].float(),
-                                                              padding=pad), torch))
+                                                              padding=pad, groups=groups), torch))
     t_ours = _time(ours, stream, reps, torch, True, n)
     t_theirs = _time(theirs, stream, reps, torch, True, n)
     t_last = _time(theirs_last, stream, reps, torch, True, n)

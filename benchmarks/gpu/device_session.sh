@@ -396,12 +396,13 @@ case "$what" in
            # GPU): the batched 1x1 convs' and the channels-last convs' GPU tests (rfcs/0005 decisions 55 and
            # 57: wgmma, the images as the batch; windows gathered from a channels-last copy), then ours
            # (the 3x3 convs: copy + gathered conv, and the NCHW wmma kernel of before) vs torch's conv2d
-           # (cuDNN; NCHW and channels-last), float16 and bfloat16, < 3 min
+           # (cuDNN; NCHW and channels-last), float16 and bfloat16, with ResNeXt's and RegNet's grouped 3x3
+           # convs (decision 62: a product per group), < 3.5 min
         f="$out/conv.txt"
         echo "# device_session.sh conv, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
             tests/codegen/test_channels_last.py -k "batched_one_by_one or channels_last" 2>&1 | tail -5 | tee -a "$f"
-        timeout 120 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
+        timeout 150 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     cnn)  # ResNet-50 end to end at batch 1 and 8 vs torch eager and torch.compile on the same module in

@@ -1681,6 +1681,42 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32",
     return plan
 
 
+def _split_divided_axis(gc: GridCompute, value: Expr, an: _Analysis,
+                        fp32: str) -> tuple[GridCompute, Expr, _GemmPlan] | None:
+    """A GEMM plan for ``value`` with one output axis ``v`` that it reads as ``v // c`` (and
+    ``v % c``) split into ``(v // c, v % c)``, the output written in the same places (``v``'s
+    extent a multiple of ``c``: the row-major offsets of ``[.., E / c, c, ..]`` are those of
+    ``[.., E, ..]``), or None. A grouped convolution reads the input channel ``(oc // OCg) * Cg +
+    c``: its output channel is in both operands, so :func:`_plan_gemm` finds no column axis; split,
+    the group is a batch axis (each group's product reads its own channels and weights) and the
+    channel in the group the columns (RFC 0005 decision 62)."""
+    axes = {id(v): v for v in gc.axes}
+    found = {}
+    for e in walk(value):
+        if isinstance(e, BinOp) and e.op in ("floordiv", "mod") and id(e.a) in axes and isinstance(e.b, Const) \
+                and type(e.b.value) is int and 1 < e.b.value < e.a.extent and e.a.extent % e.b.value == 0:
+            found.setdefault((id(e.a), e.b.value), e.a)
+    for (_, c), v in found.items():
+        hi, lo = Var(f"{v.name}_hi", v.extent // c), Var(f"{v.name}_lo", c)
+        whole = BinOp("add", BinOp("mul", hi, Const(c)), lo)
+
+        def fn(e, _kids, v=v, c=c, hi=hi, lo=lo, whole=whole):
+            if e is v:
+                return whole
+            if isinstance(e, BinOp) and e.a is v and isinstance(e.b, Const) and e.b.value == c \
+                    and type(e.b.value) is int:
+                return hi if e.op == "floordiv" else lo if e.op == "mod" else None
+            return None
+        split_value = _map_tree(value, fn, {})
+        k = next(i for i, a in enumerate(gc.axes) if a is v)
+        split = GridCompute(gc.name, gc.shape[:k] + (v.extent // c, c) + gc.shape[k + 1:],
+                            gc.axes[:k] + (hi, lo) + gc.axes[k + 1:], split_value, gc.dtype)
+        plan = _plan_gemm(split, split_value, an, fp32)
+        if plan is not None:
+            return split, split_value, plan
+    return None
+
+
 def _half_source(e: Expr, an: _Analysis) -> str | None:
     """``float16``/``bfloat16`` when ``e`` is a float32 cast of a value of that type (possibly
     selected against zero, as convolution padding reads are), else None: its values are then
@@ -2449,6 +2485,10 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
     if len(task.outputs) == 1 and _prod(task.outputs[0].shape) > 0:
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
+        if plan is None:  # (a grouped convolution: its output channel split into group and channel)
+            split = _split_divided_axis(gc, value, an, fp32)
+            if split is not None:
+                gc, value, plan = split
         if plan is not None:
             # (pdl: the parameters no kernel writes, whose first stages a GEMM may load before its wait)
             weights = {f"in{i}" for i, t in enumerate(op.inputs) if t.is_constant} if pdl else set()

@@ -20,8 +20,10 @@ of 8 channels at each tap, which :func:`shardflow.compiler.codegen.cuda._gather_
 the template's gathered operand (K in the order ``(*kernel, C)``, a tap in the padding copied as
 zeros). The output stays ``[N, OC, *spatial]`` (the template stores four consecutive pixels at a
 time), unless a copy is its only reader: the cuda target's fusion then makes the conv's kernel
-store its output channels-last (RFC 0005 decision 60). Depthwise and grouped convs are left as they
-are.
+store its output channels-last (RFC 0005 decision 60). A grouped conv whose groups have multiples of
+8 channels in and out (16 or more out) is such a conv too: the cuda target computes it as a product
+per group, each gathering runs of its own channels (decision 62); depthwise convs, and groups of
+fewer channels, are left as they are.
 
 :class:`KeepChannelsLast` then keeps the values between such convs channels-last (the convs store
 ``[N, *spatial, C]``, the element-wise ops, pools and concatenations between them follow), so that
@@ -74,12 +76,17 @@ def _gathered_in_nchw(op: Operator) -> bool:
 
 
 def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, tuple] | None:
-    """For a conv the wgmma template computes from half operands (one group, a constant weight, at
-    least 16 output channels and 16 output pixels): the (half image, its float32 cast or None) and
-    (half weight, cast or None) behind its operands; else None. The precision pass's form reads a
-    half value through a ``Cast`` to float32 that only this conv reads."""
-    if op.op_type != "Conv" or type(op).__name__ != "Conv" or int(op.attrs.get("group", 1)) != 1 \
+    """For a conv the wgmma template computes from half operands (a constant weight, at least 16
+    output channels a group and 16 output pixels; a grouped conv's channels a group multiples of
+    8: each group's product gathers runs of 8 of its own channels, RFC 0005 decision 62): the
+    (half image, its float32 cast or None) and (half weight, cast or None) behind its operands;
+    else None. The precision pass's form reads a half value through a ``Cast`` to float32 that
+    only this conv reads."""
+    if op.op_type != "Conv" or type(op).__name__ != "Conv" \
             or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or len(op.inputs) < 2:
+        return None
+    groups = int(op.attrs.get("group", 1))
+    if groups != 1 and (op.inputs[0].shape[1] // groups % 8 or op.outputs[0].shape[1] // groups % 8):
         return None
 
     def half_source(t: Tensor):
@@ -96,7 +103,7 @@ def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, 
 
     x, y = op.inputs[0], op.outputs[0]
     sx, sw = half_source(x), half_source(op.inputs[1])
-    if sx is None or sw is None or not constant(sw[0]) or x.ndim < 3 or y.shape[1] < 16 \
+    if sx is None or sw is None or not constant(sw[0]) or x.ndim < 3 or y.shape[1] // groups < 16 \
             or y.shape[0] * math.prod(y.shape[2:]) < 16:
         return None
     return sx, sw
@@ -112,9 +119,10 @@ def _readers(graph: FlowGraph) -> dict[int, list[Operator]]:
 
 
 class ChannelsLastConvs(GraphPass):
-    """Convs of half images, one group, a constant weight, that the wgmma template cannot read in
-    NCHW: the image copied channels-last (its channels padded with zeros to a multiple of 8), the
-    weight stored ``[OC, *kernel, C]`` (module docstring). Run after the precision pass: the image
+    """Convs of half images by a constant weight (:func:`_half_operands`) that the wgmma template
+    cannot read in NCHW: the image copied channels-last (its channels padded with zeros to a
+    multiple of 8; a grouped conv's are), the weight stored ``[OC, *kernel, C / group]`` (module
+    docstring). Run after the precision pass: the image
     is a half tensor, read directly or through a ``Cast`` to float32 that only this conv reads (the
     precision pass's form), and so is the weight (a constant)."""
 

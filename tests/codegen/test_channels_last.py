@@ -54,6 +54,13 @@ def _evaluate(rg, feeds):
     return env
 
 
+def _programs(model: onnx.ModelProto) -> dict:
+    """``model``'s rank program for the cuda target with float16 products, by arch (sm_80: no
+    channels-last pass, the reference; sm_90)."""
+    return {arch: rank_passes(load_onnx(model), OptimizationConfig.from_dict(
+        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+
+
 def _kernels(rg):
     """``rg``'s kernels as the cuda target builds them for sm_90 with float16 products: the source,
     the groups that have a kernel (views left out) and the program's constants by name."""
@@ -92,10 +99,7 @@ def test_convs_read_a_channels_last_copy_on_hopper(tmp_path, model_dtype):
     graph = load_onnx(_model(TensorProto.FLOAT16 if half else TensorProto.FLOAT))
     rng = np.random.default_rng(1)
     feeds = {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in graph.inputs}
-    progs = {}
-    for arch in ("sm_80", "sm_90"):
-        opt = OptimizationConfig.from_dict({"target": "cuda", "precision": "float16", "arch": arch})
-        progs[arch] = rank_passes(load_onnx(_model(TensorProto.FLOAT16 if half else TensorProto.FLOAT)), opt)
+    progs = _programs(_model(TensorProto.FLOAT16 if half else TensorProto.FLOAT))
     rg = progs["sm_90"]
     copies = [op for op in rg.nodes if channels_last_copy(op)]
     assert [(op.inputs[0].shape, op.outputs[0].shape) for op in copies] == [
@@ -176,8 +180,7 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
 
     half = model_dtype == "float16"
     dtype = TensorProto.FLOAT16 if half else TensorProto.FLOAT
-    progs = {arch: rank_passes(load_onnx(_blocks(dtype)), OptimizationConfig.from_dict(
-        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+    progs = _programs(_blocks(dtype))
     rg = progs["sm_90"]
     assert not any(channels_last_copy(op) for op in rg.nodes)
     stored = sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op))
@@ -230,8 +233,7 @@ def test_an_unfolded_batch_norm_follows_channels_last(tmp_path):
     model = helper.make_model(helper.make_graph(nodes, "dense", [io("x", TensorProto.FLOAT, [2, 16, 8, 8])],
                                                 [io("y", TensorProto.FLOAT, [2, 16, 8, 8])], inits),
                               opset_imports=[helper.make_opsetid("", 17)])
-    progs = {arch: rank_passes(load_onnx(model), OptimizationConfig.from_dict(
-        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+    progs = _programs(model)
     rg = progs["sm_90"]
     assert not any(channels_last_copy(op) or op.op_type == "BatchNorm" for op in rg.nodes)
     assert [op.inputs[0].name for op in rg.nodes if channels_last_output(op)] == ["c1"]
@@ -269,8 +271,7 @@ def test_a_resize_between_convs_reads_and_writes_channels_last(tmp_path, mode):
     model = helper.make_model(helper.make_graph(nodes, "up", [io("x", TensorProto.FLOAT16, [2, 16, 8, 6])],
                                                 [io("y", TensorProto.FLOAT16, [2, 16, 16, 12])], inits),
                               opset_imports=[helper.make_opsetid("", 17)])
-    progs = {arch: rank_passes(load_onnx(model), OptimizationConfig.from_dict(
-        {"target": "cuda", "precision": "float16", "arch": arch})) for arch in ("sm_80", "sm_90")}
+    progs = _programs(model)
     rg = progs["sm_90"]
     assert not any(channels_last_copy(op) for op in rg.nodes)
     assert sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op)) == ["c1", "u"]
@@ -286,12 +287,88 @@ def test_a_resize_between_convs_reads_and_writes_channels_last(tmp_path, mode):
     _check_kernels("up", build(src.text, str(tmp_path)), src, groups, env, consts)
 
 
-@pytest.mark.gpu
+def _grouped(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
+    """A ResNeXt-like block on ``x [2, 32, 8, 8]``: a 1x1 conv and ReLU, a padded 3x3 conv of 4
+    groups (16 channels a group) with a bias, ReLU, a 1x1 conv, the residual add of ``x`` and a
+    ReLU, then a strided 3x3 conv of 2 groups (16 channels in, 32 out a group) and a ReLU (``o``, a
+    graph output)."""
+    rng = np.random.default_rng(0)
+    npt = helper.tensor_dtype_to_np_dtype(dtype)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
+
+    inits = [w("w1", 64, 32, 1, 1), w("w2", 64, 16, 3, 3), w("b2", 64), w("w3", 32, 64, 1, 1), w("w4", 64, 16, 3, 3)]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], group=4),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Conv", ["r2", "w3"], ["c3"]),
+             helper.make_node("Add", ["c3", "x"], ["a"]),
+             helper.make_node("Relu", ["a"], ["o1"]),
+             helper.make_node("Conv", ["o1", "w4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2], group=2),
+             helper.make_node("Relu", ["c4"], ["o"])]
+    io = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "grouped", [io("x", dtype, [2, 32, 8, 8])], [io("o", dtype, [2, 64, 4, 4])],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
-def test_channels_last_blocks_on_the_gpu(tmp_path, model_dtype):
-    """Decision 61 on a GPU: :func:`_blocks` compiled for sm_90 with float16 products (a float32
-    export) or as it is (a float16 export), run eagerly and from its CUDA graph, against
-    onnxruntime within float16's tolerance (rfcs/0004)."""
+def test_grouped_convs_on_the_tensor_cores(tmp_path, model_dtype):
+    """Decision 62: a grouped conv's output channel, split into group (a batch axis of the product)
+    and channel in the group (its columns), makes it a GEMM per group. On sm_90 both grouped convs
+    take wgmma, gathering their channels-last images (16-channel runs of their own group) and
+    storing channels-last like the 1x1 convs between them: no copy, no transposing kernel; their
+    weights are stored ``[OC, KH, KW, C/group]``. On sm_80 they take the portable tensor-core
+    template on NCHW values (before: one thread an output). Both programs compute what the graph
+    computes without the passes, and every kernel of both runs on the host emulation against the
+    evaluator."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    half = model_dtype == "float16"
+    dtype = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    progs = _programs(_grouped(dtype))
+    rg = progs["sm_90"]
+    assert not any(channels_last_copy(op) for op in rg.nodes)
+    assert sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op)) == ["c1", "c2", "c3"]
+    weights = sorted(t.shape for op in rg.nodes for t in op.inputs if t.is_constant and t.name.endswith(".ohwi"))
+    assert weights == [(64, 3, 3, 16), (64, 3, 3, 16)]
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((2, 32, 8, 8)).astype(model_dtype)}
+    env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
+    np.testing.assert_allclose(env["o"].astype(np.float32), ref["o"].astype(np.float32), rtol=1e-5,
+                               atol=(2e-3 if half else 1e-5) * float(np.abs(ref["o"]).max()))
+
+    src, groups, consts = _kernels(rg)
+    assert _conv_kinds(src, groups) == dict.fromkeys(["c1", "c2", "c3", "c4"], "gemm-wgmma-f16")
+    assert all(src.launches[g.name].kind != "transpose" for g in groups)
+    _check_kernels("grouped", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+    (tmp_path / "sm80").mkdir()
+    old = progs["sm_80"]
+    consts = {t.name: t.value for op in old.nodes for t in op.inputs if t.value is not None}
+    groups = kernel_groups(list(old.nodes), "sm_80", keep=["o"], views=[op.name for op in old.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_80", precision="float16")
+    groups = [g for g in groups if g.name in src.launches]
+    kinds = _conv_kinds(src, groups)
+    assert kinds["c2"].startswith("gemm-f") and kinds["c4"].startswith("gemm-f"), kinds
+
+    def check(got, want, name):  # (values rounded to half, stored as float32: one rounding may differ)
+        w = want.astype(np.float32)
+        np.testing.assert_allclose(got.astype(np.float32), w, rtol=2.0 ** -10, atol=2.0 ** -10 * float(np.abs(w).max()),
+                                   err_msg=name)
+    _check_kernels("grouped", build(src.text, str(tmp_path / "sm80")), src, groups, ref, consts, check=check)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", ["blocks", "grouped"])
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_channels_last_blocks_on_the_gpu(tmp_path, model_dtype, blocks):
+    """Decisions 61 and 62 on a GPU: :func:`_blocks` (or :func:`_grouped`) compiled for sm_90 with
+    float16 products (a float32 export) or as it is (a float16 export), run eagerly and from its
+    CUDA graph, against onnxruntime within float16's tolerance (rfcs/0004)."""
     try:
         import cupy
 
@@ -303,12 +380,14 @@ def test_channels_last_blocks_on_the_gpu(tmp_path, model_dtype):
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
-    model = _blocks(TensorProto.FLOAT16 if model_dtype == "float16" else TensorProto.FLOAT)
+    model = {"blocks": _blocks, "grouped": _grouped}[blocks](
+        TensorProto.FLOAT16 if model_dtype == "float16" else TensorProto.FLOAT)
     path = tmp_path / "blocks.onnx"
     onnx.save(model, path)
     compile(path, distributed_config={"mesh_shape": [1], "algo": "replicate"},
             optimization_config={"target": "cuda", "arch": "sm_90", "precision": "float16"}, out_dir=tmp_path / "o")
-    x = np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(model_dtype)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    x = np.random.default_rng(1).standard_normal(shape).astype(model_dtype)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": x})))
     prog = load(tmp_path / "o")

@@ -139,16 +139,20 @@ def test_conv_dry_run_builds_our_conv_kernels():
     """conv.py's cases through its own build path: on sm_90 a 1x1 conv over the batch of two
     latents takes the wgmma template, the images as the product's batch (rfcs/0005 decision 55); a
     3x3 conv too, gathering its windows from the image's channels-last copy (decision 57), whose
-    kernel and the NCHW conv's of before (the portable template) are built beside it."""
+    kernel and the NCHW conv's of before (the portable template) are built beside it; a grouped 3x3
+    conv likewise, a product per group (decision 62: its 32 groups the grid's third dimension)."""
     conv = _load("conv")
-    section = conv.main(["--dry-run", "--shapes", "proj64,conv8", "--dtypes", "float16", "--jobs", "2"])
-    assert section["kinds"] == {"proj64_float16": "gemm-wgmma-f16", "conv8_float16": "gemm-wgmma-f16"}
+    section = conv.main(["--dry-run", "--shapes", "proj64,conv8,rnx14", "--dtypes", "float16", "--jobs", "2"])
+    assert section["kinds"] == {"proj64_float16": "gemm-wgmma-f16", "conv8_float16": "gemm-wgmma-f16",
+                                "rnx14_float16": "gemm-wgmma-f16"}
     with tempfile.TemporaryDirectory() as work:
-        built = conv._build_one(conv.make_cases("3x3", ["bfloat16"], ["conv8"])[0], work, "sm_90")
-        _, launch, _, launches, (_, nchw) = built
-        assert (launch.kind, launches["copy"].kind, nchw.kind) == ("gemm-wgmma-bf16", "transpose", "gemm-bf16")
-        assert list(launch.args[:launch.num_inputs]) == ["copy:0", "w_last", "b"]
-        assert list(launches["copy"].args) == ["x", "copy:0"]
+        for shape, groups in (("conv8", 1), ("rnx14", 32)):
+            built = conv._build_one(conv.make_cases("3x3", ["bfloat16"], [shape])[0], work, "sm_90")
+            _, launch, _, launches, (_, nchw) = built
+            assert (launch.kind, launches["copy"].kind, nchw.kind) == ("gemm-wgmma-bf16", "transpose", "gemm-bf16")
+            assert list(launch.args[:launch.num_inputs]) == ["copy:0", "w_last", "b"]
+            assert list(launches["copy"].args) == ["x", "copy:0"]
+            assert launch.grid[2] == nchw.grid[2] == groups
     assert len(conv.make_cases()) == 2 * len(conv.SHAPES) and len(conv.make_cases("1x1", ["bfloat16"])) == 5
     with pytest.raises(SystemExit, match="proj99"):
         conv.make_cases(shapes=["proj99"])

@@ -120,7 +120,7 @@ ARCHITECTURES = {
                                                              num_attention_heads=[1, 2, 2, 4], depths=[1, 1, 1, 1],
                                                              decoder_hidden_size=64)), "image"),
     "regnet": (lambda: T.RegNetModel(T.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64],
-                                                    depths=[1, 1, 1, 1], groups_width=8)), "image"),
+                                                    depths=[1, 1, 1, 1], groups_width=16)), "image"),
     "wav2vec2": (lambda: T.Wav2Vec2Model(T.Wav2Vec2Config(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
         conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)),
