@@ -2141,6 +2141,23 @@ def _product_operand_casts(ops: Sequence[Operator]) -> set[str]:
     return found
 
 
+def _epilogue_operand_casts(ops: Sequence[Operator]) -> set[str]:
+    """The names of the half casts of :func:`_product_operand_casts` whose input its producer
+    writes for them alone: the producer's kernel would take the cast as its epilogue, and with it
+    the precision pass's cast back to float32 before the product, so that the product read float32
+    values and ran in float32 (a float32 model's last LayerNorm before its head, a conv's ReLU
+    before the next conv). Written by their producer's kernel, the product reads the half values
+    (every GPU; on Hopper every such cast is, :func:`kernel_groups`)."""
+    producer = {id(t): op for op in ops for t in op.outputs}
+    readers: dict[int, int] = {}
+    for op in ops:
+        for t in {id(t): t for t in op.inputs}.values():
+            readers[id(t)] = readers.get(id(t), 0) + 1
+    casts = _product_operand_casts(ops)
+    return {op.name for op in ops if op.name in casts and id(op.inputs[0]) in producer
+            and readers.get(id(op.inputs[0])) == 1}
+
+
 def _attention_operands(ops: Sequence[Operator], through, pick) -> set[str]:
     """The names of the ops that ``pick`` selects among those an ``Attention`` op's Q, K or V comes
     from, walking back through the ops ``through`` lets pass (their first input)."""
@@ -2842,8 +2859,10 @@ def kernel_groups(ops: Sequence[Operator], arch: str, *, fuse: bool = True, keep
         from .fusion import fuse as fuse_ops
         # on Hopper, half-precision GEMM operands are best read from memory as they are: a cast to
         # float16/bfloat16 is written by its producer's kernel rather than inlined into the GEMM; on
-        # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them)
-        feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS else _attention_operand_casts(ops)
+        # every GPU so are the casts that the fused attention's Q, K and V come from (it copies them),
+        # and those that would join their producer's kernel with the cast back to float32 after them
+        feeds = _product_operand_casts(ops) if arch in WGMMA_ARCHS \
+            else _attention_operand_casts(ops) | _epilogue_operand_casts(ops)
         feeds |= _attention_operand_copies(ops)
         feeds |= {op.name for op in ops if channels_last_copy(op)}  # (their readers gather from them)
         # (a conv's output copied or kept channels-last, and a pool's kept so: stored so by its

@@ -301,19 +301,39 @@ def test_float16_program_for_sm80_on_the_host(tmp_path, model):
     """A float16 program for sm_80 (no wgmma: portable GEMMs reading through their fused casts),
     grouped as the build groups it there (reshapes as views): the casts the attention's Q, K and
     V come from are written by their producers' kernels (Llama's K and V by kernels of their
-    own), so the fused kernel reads half values (Llama's on 2 KV heads); every kernel against
-    the evaluator."""
-    from shardflow.compiler.codegen.cuda import _attention_operand_casts
+    own), so the fused kernel reads half values (Llama's on 2 KV heads); so are the casts a
+    producer's kernel would otherwise take with the cast back to float32 after them (GPT-2's
+    head read the float32 values of its last LayerNorm's half cast, and ran in float32), so every
+    product is a float16 one; every kernel against the evaluator."""
+    from shardflow.compiler.codegen.cuda import _attention_operand_casts, _epilogue_operand_casts
 
     rg, feeds = _rank_graph_for_cuda(model)
-    feeds_casts = _attention_operand_casts(rg.nodes)
-    assert len(feeds_casts) == (6 if model == "llama_ts17" else 2)
+    att_casts = _attention_operand_casts(rg.nodes)
+    assert len(att_casts) == (6 if model == "llama_ts17" else 2)
+    feeds_casts = att_casts | _epilogue_operand_casts(rg.nodes)
     env, consts, groups = _graph_values(rg, feeds, materialize=lambda op: op.name in feeds_casts, views=True)
     src = generate_cuda_source(groups, arch="sm_80", precision="float16")
     host_groups = [g for g in groups if g.name in src.launches and src.launches[g.name].grid[0] > 0]
     kinds = [src.launches[g.name].kind for g in host_groups]
-    assert kinds.count("attention-f16") == 2 and "gemm-f16" in kinds, kinds
+    assert kinds.count("attention-f16") == 2 and kinds.count("gemm-f16") >= 9 and "gemm-f32" not in kinds, kinds
     _check_kernels(model, build(src.text, str(tmp_path)), src, host_groups, env, consts)
+
+
+@pytest.mark.parametrize("model", ["bert_dynamo18", "t5_encoder_ts17", "vit_dynamo18", "resnet_ts17"])
+def test_float16_products_for_sm80_read_half_operands(model):
+    """As the sm_80 build groups a float16 program: every product is a float16 one (a producer's
+    kernel no longer takes a product's half cast and the precision pass's cast back to float32
+    after it, which left the product reading float32 values, in float32: most of these models'
+    projections until session 52)."""
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    from shardflow.compiler.driver import _is_view
+
+    rg, _ = _rank_graph_for_cuda(model)
+    groups = kernel_groups(list(rg.nodes), "sm_80", keep=[t.name for t in rg.outputs],
+                           views=[op.name for op in rg.nodes if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_80", precision="float16")
+    kinds = [launch.kind for launch in src.launches.values()]
+    assert kinds.count("gemm-f16") >= 6 and "gemm-f32" not in kinds, kinds
 
 
 def test_gptoss_program_on_the_host(tmp_path):

@@ -157,6 +157,26 @@ def test_lower_precisions_on_one_gpu(tmp_path, model, precision, rel):
     _close(prog.run(inputs), ref, rel)  # CUDA graph replay
 
 
+@pytest.mark.parametrize("model", ["gpt2_ts17", "resnet_ts17", "bert_dynamo18"])
+def test_float16_for_sm80_on_one_gpu(tmp_path, model):
+    """A float16 program compiled for sm_80 (the portable tensor-core GEMMs, which the Hopper GPU
+    runs too): every product a float16 one reading half operands (rfcs/0005 decision 63), within
+    float16's tolerance of the float32 model, eagerly and from its CUDA graph."""
+    if _cupy() is None:
+        pytest.skip("needs cupy and a CUDA device")
+    import json
+
+    from shardflow.runtime import load
+
+    out, inputs, ref = _compile(tmp_path, model, [1], "replicate", precision="float16", arch="sm_80")
+    program = json.loads((out / "rank0" / "program.json").read_text())
+    kinds = [s["launch"]["kind"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert "gemm-f16" in kinds and "gemm-f32" not in kinds, kinds
+    prog = load(out)
+    _close(prog.run(inputs), ref, 5e-3)
+    _close(prog.run(inputs), ref, 5e-3)  # CUDA graph replay
+
+
 @pytest.mark.parametrize("model", ["gpt2_ts17", "llama_ts17"])
 @pytest.mark.parametrize("opt,kind,rel", [({"gemm_tiles": {"*": "tma128x128"}}, "gemm-wgmma-f32", 0.0),
                                           ({"wgmma_fp32": True}, "gemm-wgmma-f32", 0.0),
