@@ -364,25 +364,28 @@ class KeepChannelsLast(GraphPass):
 
 
 def _affine_batch_norm(op: Operator) -> bool:
-    """An inference BatchNorm of a float32 image by constant float32 parameters of one value per
-    channel (one a conv's weights did not take, e.g. after a concatenation in a DenseNet)."""
-    return op.op_type == "BatchNorm" and len(op.inputs) == 5 and op.inputs[0].dtype == "float32" \
-        and op.inputs[0].ndim >= 3 and all(t.is_constant and t.ndim == 1 and t.dtype == "float32"
+    """An inference BatchNorm of an image by constant parameters of one value per channel (one a
+    conv's weights did not take, e.g. after a concatenation in a DenseNet), all of the image's
+    type, float32 or float16 (the op computes in that type)."""
+    return op.op_type == "BatchNorm" and len(op.inputs) == 5 and op.inputs[0].dtype in ("float32", "float16") \
+        and op.inputs[0].ndim >= 3 and all(t.is_constant and t.ndim == 1 and t.dtype == op.inputs[0].dtype
                                            for t in op.inputs[1:])
 
 
 def _batch_norm_nhwc(op: Operator, x: Tensor) -> list[Operator]:
     """``op`` (:func:`_affine_batch_norm`) on the channels-last image ``x``: ``(x - mean) * factor +
-    bias``, the factor ``scale / sqrt(var + epsilon)`` computed at compile time in float32, as the
-    op's kernel computes it (correctly rounded either way), so the values are the op's."""
+    bias``, the factor ``scale / sqrt(var + epsilon)`` computed at compile time in the op's type, as
+    the op's kernel computes it (each step correctly rounded, as numpy's), so the values are the
+    op's: three element-wise ops, each rounded to that type as the op's steps are."""
     from ..ops.elementwise import Binary
 
-    scale, bias, mean, var = (np.asarray(t.value, np.float32) for t in op.inputs[1:])
-    factor = scale / np.sqrt(var + np.float32(op.attrs["epsilon"]))
+    dt = np.dtype(x.dtype)
+    scale, bias, mean, var = (np.asarray(t.value, dt) for t in op.inputs[1:])
+    factor = scale / np.sqrt(var + dt.type(op.attrs["epsilon"]))
     shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
     res, v = [], x
     for fn, value, what in (("sub", mean, "mean"), ("mul", factor, "factor"), ("add", bias, "bias")):
-        res.append(Binary([v, const_tensor(np.reshape(value, shape).astype(np.float32), f"{op.name}.{what}.nhwc")],
+        res.append(Binary([v, const_tensor(np.reshape(value, shape).astype(dt), f"{op.name}.{what}.nhwc")],
                           name=f"{op.name}.{fn}.nhwc", fn=fn))
         v = res[-1].outputs[0]
     return res

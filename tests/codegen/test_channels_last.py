@@ -207,19 +207,23 @@ def test_activations_stay_channels_last_between_convs(tmp_path, model_dtype):
     _check_kernels("blocks", build(src.text, str(tmp_path)), src, groups, env, consts)
 
 
-def test_an_unfolded_batch_norm_follows_channels_last(tmp_path):
-    """Decision 61: a float32 model's BatchNorm that no conv took (here: after a concatenation of
-    a conv's output and the image, as in a DenseNet) becomes ``(x - mean) * factor + bias`` on the
-    channels-last values, its factor computed at compile time as the op computes it, so the 3x3
-    conv after it gathers what the concatenation's kernel wrote (no copy, no transposing
-    kernel); the values are the sm_80 program's, and every kernel runs on the host emulation."""
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_an_unfolded_batch_norm_follows_channels_last(tmp_path, model_dtype):
+    """Decision 61: a BatchNorm that no conv took (here: after a concatenation of a conv's output
+    and the image, as in a DenseNet) becomes ``(x - mean) * factor + bias`` on the channels-last
+    values, its factor computed at compile time as the op computes it (in float32, or in float16
+    for a float16 export: session 52), so the 3x3 conv after it gathers what the concatenation's
+    kernel wrote (no copy, no transposing kernel); the values are the sm_80 program's, and every
+    kernel runs on the host emulation."""
     from cuda_host import build
     from test_cuda_host import _check_kernels
 
     rng = np.random.default_rng(0)
+    half = model_dtype == "float16"
+    dtype = TensorProto.FLOAT16 if half else TensorProto.FLOAT
 
     def w(name, *shape, lo=None):
-        v = rng.standard_normal(shape).astype(np.float32) / 4
+        v = rng.standard_normal(shape).astype(model_dtype) / 4
         return numpy_helper.from_array(np.abs(v) + lo if lo is not None else v, name)
 
     inits = [w("w1", 16, 16, 1, 1), w("w2", 16, 32, 3, 3), w("s", 32, lo=0.5), w("b", 32), w("m", 32),
@@ -230,23 +234,32 @@ def test_an_unfolded_batch_norm_follows_channels_last(tmp_path):
              helper.make_node("Relu", ["n"], ["r"]),
              helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
     io = helper.make_tensor_value_info
-    model = helper.make_model(helper.make_graph(nodes, "dense", [io("x", TensorProto.FLOAT, [2, 16, 8, 8])],
-                                                [io("y", TensorProto.FLOAT, [2, 16, 8, 8])], inits),
+    model = helper.make_model(helper.make_graph(nodes, "dense", [io("x", dtype, [2, 16, 8, 8])],
+                                                [io("y", dtype, [2, 16, 8, 8])], inits),
                               opset_imports=[helper.make_opsetid("", 17)])
     progs = _programs(model)
     rg = progs["sm_90"]
     assert not any(channels_last_copy(op) or op.op_type == "BatchNorm" for op in rg.nodes)
     assert [op.inputs[0].name for op in rg.nodes if channels_last_output(op)] == ["c1"]
-    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(np.float32)}
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 8, 8)).astype(model_dtype)}
     env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
-    np.testing.assert_allclose(env["y"], ref["y"], rtol=1e-6, atol=1e-6 * float(np.abs(ref["y"]).max()))
+    if half:  # (the BatchNorm's values exactly; the convs' sums in another order)
+        np.testing.assert_array_equal(env["Relu(r).nhwc:0"], np.transpose(ref["r"], (0, 2, 3, 1)))
+    tol = 1e-3 if half else 1e-6
+    np.testing.assert_allclose(env["y"].astype(np.float32), ref["y"].astype(np.float32), rtol=tol,
+                               atol=tol * float(np.abs(ref["y"]).max()))
 
     src, groups, consts = _kernels(rg)
     kinds = sorted((src.launches[g.name].kind, tuple(m.op_type for m in getattr(g, "members", [g]))) for g in groups)
-    assert kinds == [("elementwise", ("Cast",)),  # (x's half values for c1)
-                     ("elementwise", ("Transpose", "Concat", "Binary", "Binary", "Binary", "Activation", "Cast")),
-                     ("gemm-wgmma-f16", ("Cast", "Cast", "Conv", "Transpose")),
-                     ("gemm-wgmma-f16", ("Transpose", "Cast", "Transpose", "Cast", "Conv"))], kinds
+    if half:
+        assert kinds == [("elementwise", ("Transpose", "Concat", "Binary", "Binary", "Binary", "Activation")),
+                         ("gemm-wgmma-f16", ("Conv", "Transpose")),
+                         ("gemm-wgmma-f16", ("Transpose", "Transpose", "Conv"))], kinds
+    else:
+        assert kinds == [("elementwise", ("Cast",)),  # (x's half values for c1)
+                         ("elementwise", ("Transpose", "Concat", "Binary", "Binary", "Binary", "Activation", "Cast")),
+                         ("gemm-wgmma-f16", ("Cast", "Cast", "Conv", "Transpose")),
+                         ("gemm-wgmma-f16", ("Transpose", "Cast", "Transpose", "Cast", "Conv"))], kinds
     _check_kernels("dense", build(src.text, str(tmp_path)), src, groups, env, consts)
 
 
