@@ -1681,40 +1681,53 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32",
     return plan
 
 
-def _split_divided_axis(gc: GridCompute, value: Expr, an: _Analysis,
+def _split_divided_axes(gc: GridCompute, value: Expr, an: _Analysis,
                         fp32: str) -> tuple[GridCompute, Expr, _GemmPlan] | None:
-    """A GEMM plan for ``value`` with one output axis ``v`` that it reads as ``v // c`` (and
-    ``v % c``) split into ``(v // c, v % c)``, the output written in the same places (``v``'s
-    extent a multiple of ``c``: the row-major offsets of ``[.., E / c, c, ..]`` are those of
+    """A GEMM plan for ``value`` with each output axis ``v`` that it reads as ``v // c`` (or ``v %
+    c``; one ``c`` per axis, ``v``'s extent a multiple of it) split into ``(v // c, v % c)``, the
+    output written in the same places (the row-major offsets of ``[.., E / c, c, ..]`` are those of
     ``[.., E, ..]``), or None. A grouped convolution reads the input channel ``(oc // OCg) * Cg +
-    c``: its output channel is in both operands, so :func:`_plan_gemm` finds no column axis; split,
-    the group is a batch axis (each group's product reads its own channels and weights) and the
-    channel in the group the columns (RFC 0005 decision 62)."""
+    c``: its output channel is in both operands, so :func:`_plan_gemm` finds no column axis;
+    split, the group is a batch axis (each group's product reads its own channels and weights) and
+    the channel in the group the columns (RFC 0005 decision 62). A transposed convolution of
+    non-overlapping windows reads input ``o // s`` at tap ``o % s``: split, the input pixels are
+    the rows and the output channels and taps the columns (decision 65)."""
     axes = {id(v): v for v in gc.axes}
-    found = {}
+    divisors: dict[int, set] = {}
     for e in walk(value):
         if isinstance(e, BinOp) and e.op in ("floordiv", "mod") and id(e.a) in axes and isinstance(e.b, Const) \
                 and type(e.b.value) is int and 1 < e.b.value < e.a.extent and e.a.extent % e.b.value == 0:
-            found.setdefault((id(e.a), e.b.value), e.a)
-    for (_, c), v in found.items():
-        hi, lo = Var(f"{v.name}_hi", v.extent // c), Var(f"{v.name}_lo", c)
-        whole = BinOp("add", BinOp("mul", hi, Const(c)), lo)
+            divisors.setdefault(id(e.a), set()).add(e.b.value)
+    parts = {}  # id(axis) -> (divisor, outer axis, inner axis, the axis rebuilt)
+    for i, cs in divisors.items():
+        if len(cs) == 1:
+            (c,) = cs
+            v = axes[i]
+            hi, lo = Var(f"{v.name}_hi", v.extent // c), Var(f"{v.name}_lo", c)
+            parts[i] = (c, hi, lo, BinOp("add", BinOp("mul", hi, Const(c)), lo))
+    if not parts:
+        return None
 
-        def fn(e, _kids, v=v, c=c, hi=hi, lo=lo, whole=whole):
-            if e is v:
-                return whole
-            if isinstance(e, BinOp) and e.a is v and isinstance(e.b, Const) and e.b.value == c \
-                    and type(e.b.value) is int:
-                return hi if e.op == "floordiv" else lo if e.op == "mod" else None
-            return None
-        split_value = _map_tree(value, fn, {})
-        k = next(i for i, a in enumerate(gc.axes) if a is v)
-        split = GridCompute(gc.name, gc.shape[:k] + (v.extent // c, c) + gc.shape[k + 1:],
-                            gc.axes[:k] + (hi, lo) + gc.axes[k + 1:], split_value, gc.dtype)
-        plan = _plan_gemm(split, split_value, an, fp32)
-        if plan is not None:
-            return split, split_value, plan
-    return None
+    def fn(e, _kids):
+        if id(e) in parts:
+            return parts[id(e)][3]
+        if isinstance(e, BinOp) and e.op in ("floordiv", "mod") and id(e.a) in parts and isinstance(e.b, Const) \
+                and type(e.b.value) is int and e.b.value == parts[id(e.a)][0]:
+            return parts[id(e.a)][1 if e.op == "floordiv" else 2]
+        return None
+    split_value = _map_tree(value, fn, {})
+    shape, new_axes = [], []
+    for v, ext in zip(gc.axes, gc.shape):
+        if id(v) in parts:
+            c, hi, lo, _ = parts[id(v)]
+            shape += [ext // c, c]
+            new_axes += [hi, lo]
+        else:
+            shape.append(ext)
+            new_axes.append(v)
+    split = GridCompute(gc.name, tuple(shape), tuple(new_axes), split_value, gc.dtype)
+    plan = _plan_gemm(split, split_value, an, fp32)
+    return None if plan is None else (split, split_value, plan)
 
 
 def _half_source(e: Expr, an: _Analysis) -> str | None:
@@ -2502,8 +2515,8 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
     if len(task.outputs) == 1 and _prod(task.outputs[0].shape) > 0:
         gc, value = task.outputs[0], values[0]
         plan = _plan_gemm(gc, value, an, fp32)
-        if plan is None:  # (a grouped convolution: its output channel split into group and channel)
-            split = _split_divided_axis(gc, value, an, fp32)
+        if plan is None:  # (a grouped or transposed convolution: output axes split, decisions 62 and 65)
+            split = _split_divided_axes(gc, value, an, fp32)
             if split is not None:
                 gc, value, plan = split
         if plan is not None:

@@ -420,6 +420,12 @@ class ConvTranspose(Operator):
     ``(ic, k)`` with ``i * s + k * d - pb = o``. Inputs ``x [N, C, *in]``, ``w [C, OC/group, *k]``,
     optional ``bias``; attributes ``group``, ``strides``, ``dilations``, ``pads`` and
     ``output_shape`` (the spatial output extents, already resolved from ``output_padding``).
+
+    Where the windows do not overlap and cover the output exactly (kernel = stride, dilation 1, no
+    padding, each output extent its input's times the stride: a UNet's or SAM's 2x2 upsampling),
+    the one tap of output ``o`` is ``o % s`` of input ``o // s``: the compute says so (a sum over
+    the input channels alone), which the cuda target computes as one product, its rows the input
+    pixels and its columns the output channels and taps (rfcs/0005 decision 65).
     """
 
     def compute(self, x, w, *bias):
@@ -442,8 +448,14 @@ class ConvTranspose(Operator):
         if bias and bias[0].shape != (oc,):
             raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
         dt = x.dtype
+        tiled = all(kern[d] == s[d] and dil[d] == 1 and pb[d] == 0 and out[d] == ins[d] * s[d] for d in range(n_sp))
 
         def f(ni, oci, *o):
+            def tap(ic):  # (non-overlapping windows: output o reads input o // s at tap o % s)
+                ch = ic if g == 1 else (oci // ocg) * icg + ic
+                return x[(ni, ch, *(o[d] // s[d] if s[d] > 1 else o[d] for d in range(n_sp)))] \
+                    * w[(ch, oci if g == 1 else oci % ocg, *(o[d] % s[d] if s[d] > 1 else 0 for d in range(n_sp)))]
+
             def body(ic, *k):
                 ch = ic if g == 1 else (oci // ocg) * icg + ic
                 conds, idx = [], []
@@ -462,7 +474,7 @@ class ConvTranspose(Operator):
                     idx.append(i)
                 v = x[(ni, ch, *idx)] * w[(ch, oci if g == 1 else oci % ocg, *k)]
                 return v if not conds else if_then_else(_all(conds), v, Const(0, dt))
-            acc = reduce((icg, *kern), body, "sum")
+            acc = reduce((icg,), tap, "sum") if tiled else reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
 
@@ -950,6 +962,8 @@ def examples(rng: np.random.Generator):
         (ConvTranspose, [f(1, 4, 3, 2), f(4, 1, 3, 2), f(2)], {"group": 2, "strides": (3, 2), "pads": (1, 0, 1, 1),
                                                                "dilations": (1, 2), "output_shape": (8, 5)}),
         (ConvTranspose, [f(2, 1, 4), f(1, 2, 3)], {"strides": (2,), "pads": (0, 0), "output_shape": (10,)}),
+        (ConvTranspose, [f(1, 4, 3, 2), f(4, 3, 2, 2), f(3)], {"strides": (2, 2), "output_shape": (6, 4)}),
+        (ConvTranspose, [f(2, 4, 3, 2), f(4, 1, 2, 1), f(2)], {"group": 2, "strides": (2, 1), "output_shape": (6, 2)}),
         (Pool, [f(1, 2, 5, 5)], {"kind": "max", "kernel": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}),
         (Pool, [f(1, 2, 5, 6)], {"kind": "max", "kernel": (2, 3), "strides": (2, 2), "dilations": (1, 2),
                                  "ceil_mode": True, "with_indices": True}),
