@@ -1681,6 +1681,43 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32",
     return plan
 
 
+def _affine_expr(coefs: dict, const: int) -> Expr:
+    """``sum(c * v) + const`` as an expression (terms in ``coefs``' order)."""
+    e = None
+    for v, c in coefs.items():
+        t = v if c == 1 else BinOp("mul", v, Const(c))
+        e = t if e is None else BinOp("add", e, t)
+    if e is None:
+        return Const(const)
+    return e if const == 0 else BinOp("add", e, Const(const))
+
+
+def _simplified_divisions(value: Expr) -> Expr:
+    """``value`` with each ``X // c`` and ``X % c`` of an affine ``X`` (positive constant ``c``)
+    that the axes' ranges decide rewritten without the division: ``X = c * Q + R`` with ``Q`` the
+    terms whose coefficients ``c`` divides (and the constant's quotient) and ``R`` the rest; where
+    ``R`` stays within ``[0, c)`` over the axes' ranges, ``X // c = Q`` and ``X % c = R``, exactly. A
+    grouped conv whose output channel a reshape splits into ``(g, o)`` (a channel shuffle fused as
+    its epilogue) reads input channel ``((g * OCg + o) // OCg) * Cg + c``: ``g * Cg + c``."""
+    def fn(e, kids):
+        if not (isinstance(e, BinOp) and e.op in ("floordiv", "mod") and isinstance(kids[1], Const)
+                and type(kids[1].value) is int and kids[1].value > 0):
+            return None
+        f = affine_form(kids[0])
+        if f is None or not all(isinstance(v, Var) for v in f[0]):
+            return None
+        c = kids[1].value
+        coefs, const = f
+        q = {v: k // c for v, k in coefs.items() if k % c == 0}
+        r = {v: k for v, k in coefs.items() if k % c}
+        lo = const % c + sum(min(0, k * (v.extent - 1)) for v, k in r.items())
+        hi = const % c + sum(max(0, k * (v.extent - 1)) for v, k in r.items())
+        if lo < 0 or hi >= c:
+            return None
+        return _affine_expr(q, const // c) if e.op == "floordiv" else _affine_expr(r, const % c)
+    return _map_tree(value, fn, {})
+
+
 def _split_divided_axes(gc: GridCompute, value: Expr, an: _Analysis,
                         fp32: str) -> tuple[GridCompute, Expr, _GemmPlan] | None:
     """A GEMM plan for ``value`` with each output axis ``v`` that it reads as ``v // c`` (or ``v %
@@ -1691,7 +1728,15 @@ def _split_divided_axes(gc: GridCompute, value: Expr, an: _Analysis,
     split, the group is a batch axis (each group's product reads its own channels and weights) and
     the channel in the group the columns (RFC 0005 decision 62). A transposed convolution of
     non-overlapping windows reads input ``o // s`` at tap ``o % s``: split, the input pixels are
-    the rows and the output channels and taps the columns (decision 65)."""
+    the rows and the output channels and taps the columns (decision 65). Divisions the axes'
+    ranges decide go first (:func:`_simplified_divisions`: a grouped conv whose output a reshape
+    already splits)."""
+    simpler = _simplified_divisions(value)
+    if simpler is not value:
+        plan = _plan_gemm(gc, simpler, an, fp32)
+        if plan is not None:
+            return gc, simpler, plan
+        value = simpler
     axes = {id(v): v for v in gc.axes}
     divisors: dict[int, set] = {}
     for e in walk(value):
