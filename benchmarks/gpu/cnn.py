@@ -1,7 +1,9 @@
 """End to end: ResNet-50 (transformers' ``ResNetConfig`` defaults, random weights) on 224x224 images,
-Shardflow (one cuda rank) vs torch eager and torch.compile, at batch 1 and 8.
+Shardflow (one cuda rank) vs torch eager and torch.compile, at batch 1 and 8; or ``--model regnet``,
+RegNetY-4GF (``RegNetConfig`` defaults: grouped 3x3 convs of 64 channels a group, squeeze-and-excite).
 
-    python benchmarks/gpu/cnn.py [--batches 1,8] [--precision float16] [--model-dtype float32]
+    python benchmarks/gpu/cnn.py [--model resnet50|regnet] [--batches 1,8] [--precision float16]
+                                 [--model-dtype float32]
                                  [--compile-modes default,reduce-overhead] [--repeat 50] [--tiny]
                                  [--dry-run] [--target cpu] [--json OUT.json]
 
@@ -9,7 +11,8 @@ What it measures
     The convolutions of a CNN as a compiled program runs them (rfcs/0005 decisions 55-61: 1x1 convs
     read as they are, convs with a window gathering channels-last images, all on the Hopper wgmma
     template, split-K where few tiles meet a long K, the activations channels-last from conv to
-    conv, no copy between them but the stem's), with their batch norms folded,
+    conv, no copy between them but the stem's; a grouped conv a product per group, decision 62),
+    with their batch norms folded,
     ReLUs and residual adds fused, pooling and the classifier. ``kinds`` in the JSON counts the
     program's kernels by kind (``gemm-wgmma-f16`` against the portable ``gemm-f16``, ``transpose``
     for the channels-last copies).
@@ -40,8 +43,9 @@ Timing and accuracy
     TF32 off (reported, not asserted).
 
 ``--dry-run`` exports and compiles (nvcc, no GPU) and runs nothing; ``--tiny`` is a two-stage
-ResNet on 64x64 images (script tests); ``--target cpu`` runs this script on a machine without a GPU
-(our cpu target and torch on the CPU; the figures mean nothing).
+ResNet (or RegNet, groups of 16 channels) on 64x64 images (script tests); ``--target cpu`` runs
+this script on a machine without a GPU (our cpu target and torch on the CPU; the figures mean
+nothing).
 """
 from __future__ import annotations
 
@@ -65,16 +69,22 @@ COMPILE_MODES = ("default", "reduce-overhead")
 NEED_S = {"compile": 90, "ours": 10, "eager": 10, "torch_compile": 120}
 
 
-def build(tiny: bool):
-    """ResNet-50 (or a two-stage one, ``tiny``) with random weights, returning its logits, and the
-    image size."""
+MODELS = ("resnet50", "regnet")
+
+
+def build(tiny: bool, model: str = "resnet50"):
+    """ResNet-50 or RegNetY-4GF (``model``; or a two-stage one, ``tiny``) with random weights,
+    returning its logits, and the image size."""
     import torch
-    from transformers import ResNetConfig, ResNetForImageClassification
+    import transformers as T
 
     torch.manual_seed(0)
-    cfg = ResNetConfig(depths=[1, 1], hidden_sizes=[32, 64], embedding_size=16, num_labels=10) if tiny \
-        else ResNetConfig()
-    net = ResNetForImageClassification(cfg).eval()
+    small = {"depths": [1, 1], "hidden_sizes": [32, 64], "embedding_size": 16, "num_labels": 10} if tiny else {}
+    if model == "regnet":
+        net = T.RegNetForImageClassification(T.RegNetConfig(**small, **({"groups_width": 16} if tiny else {})))
+    else:
+        net = T.ResNetForImageClassification(T.ResNetConfig(**small))
+    net = net.eval()
 
     class Logits(torch.nn.Module):
         def __init__(self):
@@ -87,13 +97,13 @@ def build(tiny: bool):
     return Logits().eval(), (64 if tiny else 224)
 
 
-def export(path: str, tiny: bool, dtype: str = "float32") -> tuple:
+def export(path: str, tiny: bool, dtype: str = "float32", name: str = "resnet50") -> tuple:
     """The module and its ONNX export (TorchScript exporter, opset 17, dynamic batch) at ``path``;
     ``dtype`` float16: the module cast to it is exported, and the float32 module returned has the
     rounded weights."""
     import torch
 
-    model, size = build(tiny)
+    model, size = build(tiny, name)
     if dtype != "float32":
         model = model.to(getattr(torch, dtype)).float()  # (the weights rounded, the reference's)
     t0 = time.perf_counter()
@@ -109,19 +119,20 @@ def export(path: str, tiny: bool, dtype: str = "float32") -> tuple:
 
 
 def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict:
-    """Export ResNet-50, compile it per batch and (unless dry-run) time it against torch."""
+    """Export the model, compile it per batch and (unless dry-run) time it against torch."""
     ensure_shardflow()
-    res: dict = {"precision": args.precision, "model_dtype": args.model_dtype, "arch": args.arch,
+    name = args.model
+    res: dict = {"model": name, "precision": args.precision, "model_dtype": args.model_dtype, "arch": args.arch,
                  "target": args.target, "tiny": args.tiny, "dry_run": args.dry_run, "batches": {}}
     try:
-        model, info = export(os.path.join(work, "resnet50.onnx"), args.tiny, args.model_dtype)
+        model, info = export(os.path.join(work, f"{name}.onnx"), args.tiny, args.model_dtype, name)
     except Exception as exc:  # noqa: BLE001
         res["error"] = f"export failed: {err_text(exc)}"
         log(res["error"])
         return res
     size = info["size"]
     res.update(n_params=info["n_params"], export_s=info["export_s"], image=size)
-    log(f"resnet50: {info['n_params'] / 1e6:.1f}M parameters, exported in {info['export_s']:.1f} s")
+    log(f"{name}: {info['n_params'] / 1e6:.1f}M parameters, exported in {info['export_s']:.1f} s")
     compiled = {}
     for b in args.batches:
         rec = res["batches"].setdefault(str(b), {"batch": b})
@@ -129,7 +140,7 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
             rec["ours_skipped"] = "time budget"
             continue
         for layout in ("channels_last", "nchw") if args.nchw else ("channels_last",):
-            out_dir = os.path.join(work, f"resnet50-b{b}-{layout}")
+            out_dir = os.path.join(work, f"{name}-b{b}-{layout}")
             pre = "" if layout == "channels_last" else "nchw_"
             try:
                 r = compile_ours(info["path"], b, out_dir, target=args.target, arch=args.arch, precision=args.precision,
@@ -137,9 +148,9 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
                                  channels_last=layout == "channels_last")
                 rec.update({pre + k: v for k, v in r.items()}, **{pre + "kinds": kernel_kinds(out_dir)})
                 compiled[(b, layout)] = out_dir
-                log(f"resnet50 batch {b} ({layout}): compiled in {r['compile_s']:.1f} s, kernels {rec[pre + 'kinds']}")
+                log(f"{name} batch {b} ({layout}): compiled in {r['compile_s']:.1f} s, kernels {rec[pre + 'kinds']}")
             except Exception as exc:  # noqa: BLE001
-                failed(rec, pre + "compile_error", exc, f"resnet50 batch {b} ({layout}): compile", log, args.verbose)
+                failed(rec, pre + "compile_error", exc, f"{name} batch {b} ({layout}): compile", log, args.verbose)
     save()
     if args.dry_run:
         return res
@@ -174,16 +185,16 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
             rec.update({pre + "ms": t["ms"], pre + "min_ms": t["min_ms"], "repeat": t["repeat"]})
             t = time_calls(lambda: prog.run(feeds, copy_outputs=False), dev.sync, args.repeat, args.warmup)
             rec.update({pre + "view_ms": t["ms"], pre + "view_min_ms": t["min_ms"]})
-            log(f"resnet50 batch {b} ({layout}): ours {rec[pre + 'ms']:.3f} ms ({rec[pre + 'view_ms']:.3f} ms with "
+            log(f"{name} batch {b} ({layout}): ours {rec[pre + 'ms']:.3f} ms ({rec[pre + 'view_ms']:.3f} ms with "
                 f"the logits left in place), rel diff vs torch fp32 {fmt(d['rel_diff'], '.1e')}")
             prog.close()
         except Exception as exc:  # noqa: BLE001
-            failed(rec, pre + "error", exc, f"resnet50 batch {b} ({layout}): ours", log, args.verbose)
+            failed(rec, pre + "error", exc, f"{name} batch {b} ({layout}): ours", log, args.verbose)
         gc.collect()
         save()
     for b in args.batches:  # torch eager
         time_eager(res["batches"][str(b)], lambda: model(inputs[b]), dev, args.repeat, args.warmup, log,
-                   f"resnet50 batch {b}", args.verbose)
+                   f"{name} batch {b}", args.verbose)
     for mode in args.compile_modes:  # torch.compile
         torch._dynamo.reset()
         cm = torch.compile(model, dynamic=False, **({} if mode == "default" else {"mode": mode}))
@@ -199,7 +210,7 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
                 tc[mode] = {"skipped": "time budget"}
                 continue
             time_compiled(tc, mode, lambda: call(b), refs[b], dev, args.repeat, args.warmup, log,
-                          f"resnet50 batch {b}", args.verbose)
+                          f"{name} batch {b}", args.verbose)
             save()
         cm = None
         torch._dynamo.reset()
@@ -207,7 +218,7 @@ def bench(args, work: str, budget: Budget, log=print, save=lambda: None) -> dict
         torch_ratios(rec)
     recs = list(res["batches"].values())
     worst = [r.get("vs_torch_compile") for r in recs]
-    res["resnet50_vs_torch_compile"] = max(worst) if worst and None not in worst else None
+    res[f"{name}_vs_torch_compile"] = max(worst) if worst and None not in worst else None
     return res
 
 
@@ -227,6 +238,8 @@ def format_table(res: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default="resnet50",
+                    help="resnet50, or regnet (RegNetY-4GF: grouped convs, squeeze-and-excite)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--precision", default="float16", help="optimization_config['precision'] (and torch's type)")
     ap.add_argument("--model-dtype", choices=("float32", "float16"), default="float32",
@@ -235,7 +248,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--tiny", action="store_true", help="a two-stage ResNet on 64x64 images (script tests)")
+    ap.add_argument("--tiny", action="store_true", help="a two-stage model on 64x64 images (script tests)")
     ap.add_argument("--no-nchw", dest="nchw", action="store_false",
                     help="do not also compile and time the program with channels_last=False")
     ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
@@ -253,8 +266,9 @@ def main(argv=None) -> dict:
         res = bench(args, work, Budget(args.budget_s))
     res["table"] = format_table(res)
     print(res["table"])
-    if "resnet50_vs_torch_compile" in res:
-        print(f"resnet50_vs_torch_compile = {fmt(res['resnet50_vs_torch_compile'])}")
+    key = f"{args.model}_vs_torch_compile"
+    if key in res:
+        print(f"{key} = {fmt(res[key])}")
     dump_json(args.json, res)
     return res
 

@@ -29,10 +29,11 @@
 #                                                 # GPT-2 at tf32, < 9 min
 #   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32) and
 #                                                 # split-KV: GPU tests, then every type's kernel vs torch's SDPA, < 4 min
-#   bash benchmarks/gpu/device_session.sh conv    # Stable Diffusion 1.5's UNet convs at batch 2 vs torch's conv2d
-#                                                 # (cuDNN), float16 and bfloat16, < 3 min
+#   bash benchmarks/gpu/device_session.sh conv    # Stable Diffusion 1.5's UNet convs at batch 2 and grouped convs vs
+#                                                 # torch's conv2d (cuDNN), float16 and bfloat16, < 3.5 min
 #   bash benchmarks/gpu/device_session.sh cnn     # ResNet-50 end to end (batch 1, 8; float16) vs torch eager and
 #                                                 # torch.compile, channels-last, < 9 min
+#   bash benchmarks/gpu/device_session.sh regnet  # RegNetY-4GF likewise (grouped convs), exported in float16, < 5 min
 #   bash benchmarks/gpu/device_session.sh steps   # decoding steps end to end (decode.py: a 0.6B grouped-heads
 #                                                 # Llama, KV cache kept on the device) vs torch eager and
 #                                                 # torch.compile, batches 1 and 8, < 8 min
@@ -416,6 +417,15 @@ case "$what" in
             --json "$out/cnn16.json" >> "$f" 2>&1
         timeout 250 python3 benchmarks/gpu/cnn.py --batches 8 --compile-modes reduce-overhead --budget-s 230 \
             --json "$out/cnn.json" >> "$f" 2>&1
+        grep -E "compiled|ours|torch|vs_torch|rror" "$f"
+        ;;
+    regnet)  # RegNetY-4GF end to end (cnn.py --model regnet, session 52; never run on a GPU): grouped 3x3 convs
+             # of 64 channels a group as a product per group (rfcs/0005 decision 62), exported in float16, at
+             # batch 1 and 8 vs torch eager and torch.compile in float16 and channels-last, < 5 min
+        f="$out/regnet.txt"
+        echo "# device_session.sh regnet, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
+        timeout 280 python3 benchmarks/gpu/cnn.py --model regnet --model-dtype float16 --budget-s 260 \
+            --json "$out/regnet.json" >> "$f" 2>&1
         grep -E "compiled|ours|torch|vs_torch|rror" "$f"
         ;;
     decode)  # fewer than 16 rows (compiler/codegen/cuda_gemv.py, session 39; never run on a GPU): the GEMV

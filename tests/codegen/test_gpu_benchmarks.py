@@ -181,6 +181,21 @@ def test_cnn_dry_run_puts_every_conv_on_wgmma(tmp_path, model_dtype):
 
 
 @needs_nvcc
+def test_cnn_dry_run_puts_regnets_grouped_convs_on_wgmma(tmp_path):
+    """``--model regnet`` (two stages, groups of 16 channels, squeeze-and-excite): its grouped
+    convs a product per group on the wgmma template like the others (rfcs/0005 decision 62), none
+    on the portable one; with ``channels_last=False`` the grouped and stem convs take it."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    cnn = _load("cnn")
+    res = cnn.main(["--dry-run", "--tiny", "--model", "regnet", "--batches", "2", "--work-dir", str(tmp_path)])
+    rec = res["batches"]["2"]
+    assert res["model"] == "regnet" and "compile_error" not in rec and "error" not in res, rec
+    assert rec["kinds"].get("gemm-wgmma-f16", 0) >= 9 and "gemm-f16" not in rec["kinds"], rec["kinds"]
+    assert rec["nchw_kinds"].get("gemm-f16", 0) >= 3, rec["nchw_kinds"]
+
+
+@needs_nvcc
 def test_decode_dry_run_keeps_the_cache_on_the_device(tmp_path):
     """decode.py's step (a 2-layer grouped-heads model exported in float16 by torch) compiles for
     sm_90 with its four caches written in place, one fused attention per layer (its softmax in
