@@ -1731,6 +1731,8 @@ def _split_divided_axes(gc: GridCompute, value: Expr, an: _Analysis,
     the rows and the output channels and taps the columns (decision 65). Divisions the axes'
     ranges decide go first (:func:`_simplified_divisions`: a grouped conv whose output a reshape
     already splits)."""
+    if not any(isinstance(n, Reduce) and n.op == "sum" for n in walk(value)):
+        return None  # (no product)
     simpler = _simplified_divisions(value)
     if simpler is not value:
         plan = _plan_gemm(gc, simpler, an, fp32)

@@ -478,6 +478,13 @@ class ConvTranspose(Operator):
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
 
+    def local_attrs(self, inputs, output_shapes):
+        """On spatial shards (windows that do not overlap: each output shard reads its own input
+        shard) ``output_shape`` is the shard's."""
+        attrs = super().local_attrs(inputs, output_shapes)
+        attrs["output_shape"] = tuple(output_shapes[0][2:])
+        return attrs
+
     def numpy(self, x, w, *bias):
         n_sp = x.ndim - 2
         g = self.attrs.get("group", 1)
