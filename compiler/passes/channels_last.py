@@ -75,14 +75,30 @@ def _gathered_in_nchw(op: Operator) -> bool:
         and x.shape[-1] % 8 == 0
 
 
+def _tiled_transpose(op: Operator) -> bool:
+    """A transposed conv of non-overlapping windows (kernel = stride, no padding or dilation, one
+    group, the output the input's extents times the stride) of multiples of 8 channels in and out:
+    the cuda target computes it as one product (RFC 0005 decision 65), which reads a channels-last
+    image as the matrix ``[N * H * W, C]`` and, with its weight stored ``[C, *kernel, OC]``, stores
+    its output channels-last four channels at a time (decision 67)."""
+    if op.op_type != "ConvTranspose" or int(op.attrs.get("group", 1)) != 1 or len(op.inputs) < 2:
+        return False
+    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+    nd = x.ndim - 2
+    strides = tuple(op.attrs.get("strides") or (1,) * nd)
+    return nd >= 1 and tuple(w.shape[2:]) == strides and not any(op.attrs.get("pads") or ()) \
+        and all(d == 1 for d in op.attrs.get("dilations") or ()) and x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 \
+        and all(y.shape[2 + i] == x.shape[2 + i] * strides[i] for i in range(nd))
+
+
 def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, tuple] | None:
     """For a conv the wgmma template computes from half operands (a constant weight, at least 16
     output channels a group and 16 output pixels; a grouped conv's channels a group multiples of
     8: each group's product gathers runs of 8 of its own channels, RFC 0005 decision 62): the
     (half image, its float32 cast or None) and (half weight, cast or None) behind its operands;
     else None. The precision pass's form reads a half value through a ``Cast`` to float32 that
-    only this conv reads."""
-    if op.op_type != "Conv" or type(op).__name__ != "Conv" \
+    only this conv reads. (A :func:`_tiled_transpose` too, its weight ``[C, OC, *kernel]``.)"""
+    if not (op.op_type == "Conv" and type(op).__name__ == "Conv" or _tiled_transpose(op)) \
             or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or len(op.inputs) < 2:
         return None
     groups = int(op.attrs.get("group", 1))
@@ -137,8 +153,8 @@ class ChannelsLastConvs(GraphPass):
 
         for op in graph.nodes:
             found = _half_operands(op, producer, readers)
-            if found is None or _direct(op) or _gathered_in_nchw(op):
-                continue
+            if found is None or op.op_type != "Conv" or _direct(op) or _gathered_in_nchw(op):
+                continue  # (a transposed conv reads its NCHW image as it is: KeepChannelsLast's)
             sx, sw = found
             x = op.inputs[0]
             nd = x.ndim
@@ -280,6 +296,17 @@ class KeepChannelsLast(GraphPass):
         consts: dict[int, Tensor] = {}
         nodes: list[Operator] = []
         moved = 0
+        # a transposed conv that stores channels-last reads its weight stored [C, *kernel, OC] (the
+        # product's columns (*kernel, OC) in the order of the output's), through a transpose back
+        for i, op in cands.items():
+            if op.op_type == "ConvTranspose" and root(i) in keep:
+                wt = _half_operands(op, producer, readers)[1][0]
+                if wt.is_constant and id(wt) not in replace:
+                    nd = wt.ndim
+                    value = np.ascontiguousarray(np.moveaxis(np.asarray(wt.value), 1, -1))
+                    nodes.append(_transpose(const_tensor(value, f"{wt.name}.iohw"), (0, nd - 1, *range(1, nd - 1)),
+                                            f"{wt.name}.oi"))
+                    replace[id(wt)] = nodes[-1].outputs[0]
 
         def nchw(op: Operator) -> None:  # op's reads of twins through transposes back (one each)
             inputs = [replace.get(id(t), t) for t in op.inputs]
@@ -287,7 +314,7 @@ class KeepChannelsLast(GraphPass):
                 if id(t) in twin:
                     nd = t.ndim
                     nodes.append(_transpose(twin[id(t)], (0, nd - 1, *range(1, nd - 1)), f"{op.name}.in{k}.nchw",
-                                            nchw=op.op_type == "Conv" or _widening(op)))
+                                            nchw=op.op_type in ("Conv", "ConvTranspose") or _widening(op)))
                     inputs[k] = nodes[-1].outputs[0]
             op.inputs = inputs
             nodes.append(op)
@@ -358,7 +385,8 @@ class KeepChannelsLast(GraphPass):
         else:
             t = next(t for t in r.inputs if id(t) == i)
         if conv.inputs[0] is t and all(u is not t for u in conv.inputs[1:]) and t.shape[1] % 8 == 0 \
-                and _half_operands(conv, producer, readers) is not None and _direct(conv):
+                and _half_operands(conv, producer, readers) is not None \
+                and (_direct(conv) or conv.op_type == "ConvTranspose"):
             return "gain"
         return "lose"
 

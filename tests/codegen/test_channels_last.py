@@ -375,6 +375,61 @@ def test_grouped_convs_on_the_tensor_cores(tmp_path, model_dtype):
     _check_kernels("grouped", build(src.text, str(tmp_path / "sm80")), src, groups, ref, consts, check=check)
 
 
+def _up(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
+    """A UNet decoder step: ``x [2, 16, 8, 8]`` -> 1x1 conv -> ReLU -> 2x2 transposed conv at stride 2
+    (a bias) -> ReLU, concatenated with ``z [2, 16, 16, 16]``'s 1x1 conv and ReLU (the skip), ->
+    padded 3x3 conv (``y``)."""
+    rng = np.random.default_rng(0)
+    npt = helper.tensor_dtype_to_np_dtype(dtype)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
+
+    inits = [w("w1", 32, 16, 1, 1), w("wt", 32, 16, 2, 2), w("bt", 16), w("w3", 16, 16, 1, 1), w("w4", 16, 32, 3, 3)]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("ConvTranspose", ["r1", "wt", "bt"], ["u"], strides=[2, 2]),
+             helper.make_node("Relu", ["u"], ["ru"]),
+             helper.make_node("Conv", ["z", "w3"], ["s"]), helper.make_node("Relu", ["s"], ["rs"]),
+             helper.make_node("Concat", ["ru", "rs"], ["q"], axis=1),
+             helper.make_node("Conv", ["q", "w4"], ["y"], pads=[1, 1, 1, 1])]
+    io = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "up", [io("x", dtype, [2, 16, 8, 8]), io("z", dtype, [2, 16, 16, 16])],
+                              [io("y", dtype, [2, 16, 16, 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_a_transposed_conv_reads_and_stores_channels_last(tmp_path, model_dtype):
+    """Decision 67: the 2x2 transposed conv (one product, decision 65) reads the 1x1 conv's
+    channels-last output as a matrix and stores its own channels-last (its weight stored ``[C, 2,
+    2, OC]``, so that the product's columns run like the output's), which the concatenation and
+    the 3x3 conv take as they are: no copy, no transposing kernel, every product on wgmma; the
+    values are the sm_80 program's, and every kernel runs on the host emulation."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    half = model_dtype == "float16"
+    progs = _programs(_up(TensorProto.FLOAT16 if half else TensorProto.FLOAT))
+    rg = progs["sm_90"]
+    assert not any(channels_last_copy(op) for op in rg.nodes)
+    assert sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op)) == ["c1", "s", "u"]
+    assert [t.shape for op in rg.nodes for t in op.inputs if t.is_constant and t.name.endswith(".iohw")] == \
+        [(32, 2, 2, 16)]
+    rng = np.random.default_rng(1)
+    feeds = {t.name: rng.standard_normal(t.shape).astype(model_dtype) for t in rg.inputs}
+    env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
+    tol = 1e-3 if half else 1e-5
+    np.testing.assert_allclose(env["y"].astype(np.float32), ref["y"].astype(np.float32), rtol=tol,
+                               atol=tol * float(np.abs(ref["y"]).max()))
+
+    src, groups, consts = _kernels(rg)
+    kinds = {m.outputs[0].name: src.launches[g.name].kind for g in groups for m in getattr(g, "members", [g])
+             if m.op_type in ("Conv", "ConvTranspose")}
+    assert kinds == dict.fromkeys(["c1", "u", "s", "y"], "gemm-wgmma-f16"), kinds
+    assert all(src.launches[g.name].kind != "transpose" for g in groups)
+    _check_kernels("up", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", ["blocks", "grouped"])
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
