@@ -91,6 +91,17 @@ def _tiled_transpose(op: Operator) -> bool:
         and all(y.shape[2 + i] == x.shape[2 + i] * strides[i] for i in range(nd))
 
 
+def _depthwise(op: Operator) -> bool:
+    """A depthwise conv (one input channel a group): each output channel's window reads its own
+    channel, so its kernel (not a product) reads and writes channels-last values as well as NCHW
+    ones (RFC 0005 decision 68)."""
+    if op.op_type != "Conv" or type(op).__name__ != "Conv" or len(op.inputs) < 2 or op.inputs[0].ndim < 3 \
+            or op.attrs.get("blocked_in") or op.attrs.get("blocked_out"):
+        return False
+    groups = int(op.attrs.get("group", 1))
+    return groups > 1 and groups == op.inputs[0].shape[1] and op.inputs[1].shape[1] == 1
+
+
 def _half_operands(op: Operator, producer: dict, readers: dict) -> tuple[tuple, tuple] | None:
     """For a conv the wgmma template computes from half operands (a constant weight, at least 16
     output channels a group and 16 output pixels; a grouped conv's channels a group multiples of
@@ -246,7 +257,7 @@ class KeepChannelsLast(GraphPass):
             if y is None:
                 continue
             if _half_operands(op, producer, readers) is not None and y.shape[1] % 8 == 0 \
-                    and not _gathered_in_nchw(op):
+                    and not _gathered_in_nchw(op) or _depthwise(op):
                 seeds.add(id(op))
                 cands[id(y)] = op
             elif (op.op_type in _LAYOUT_FREE and not _widening(op) and self._sinkable(op, cands)) \
@@ -281,6 +292,9 @@ class KeepChannelsLast(GraphPass):
 
         for i, op in cands.items():
             for t in op.inputs:
+                p = producer.get(id(t))
+                if _depthwise(op) and id(t) not in parent and p is not None and _widening(p):
+                    t = p.inputs[0]  # (its image through the precision pass's cast: one region)
                 if id(t) in parent:
                     parent[root(id(t))] = root(i)
         gain: set[int] = set()
@@ -384,6 +398,8 @@ class KeepChannelsLast(GraphPass):
             conv = readers[id(t)][0]
         else:
             t = next(t for t in r.inputs if id(t) == i)
+        if _depthwise(conv) and conv.inputs[0] is t:  # (its kernel reads the windows either way)
+            return "same"
         if conv.inputs[0] is t and all(u is not t for u in conv.inputs[1:]) and t.shape[1] % 8 == 0 \
                 and _half_operands(conv, producer, readers) is not None \
                 and (_direct(conv) or conv.op_type == "ConvTranspose"):

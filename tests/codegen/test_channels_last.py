@@ -46,6 +46,13 @@ def _model(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _onnx(nodes, name: str, inputs: list, outputs: list, inits) -> onnx.ModelProto:
+    """An opset-17 model of ``nodes``; ``inputs``/``outputs`` as ``(name, dtype, shape)``."""
+    io = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, name, [io(*i) for i in inputs], [io(*o) for o in outputs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def _evaluate(rg, feeds):
     env = dict(feeds)
     for op in rg.nodes:
@@ -321,10 +328,7 @@ def _grouped(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
              helper.make_node("Relu", ["a"], ["o1"]),
              helper.make_node("Conv", ["o1", "w4"], ["c4"], pads=[1, 1, 1, 1], strides=[2, 2], group=2),
              helper.make_node("Relu", ["c4"], ["o"])]
-    io = helper.make_tensor_value_info
-    graph = helper.make_graph(nodes, "grouped", [io("x", dtype, [2, 32, 8, 8])], [io("o", dtype, [2, 64, 4, 4])],
-                              inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _onnx(nodes, "grouped", [("x", dtype, [2, 32, 8, 8])], [("o", dtype, [2, 64, 4, 4])], inits)
 
 
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
@@ -375,6 +379,54 @@ def test_grouped_convs_on_the_tensor_cores(tmp_path, model_dtype):
     _check_kernels("grouped", build(src.text, str(tmp_path / "sm80")), src, groups, ref, consts, check=check)
 
 
+def _inverted_residual(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
+    """MobileNetV2's block at 14x14 pixels (196: not a multiple of 8, so its 1x1 convs gather a
+    channels-last image): ``x [2, 16, 14, 14]`` -> 1x1 conv to 64 -> ReLU6 -> depthwise 3x3 -> ReLU6
+    -> 1x1 conv to 16 -> the residual add of ``x`` (``y``)."""
+    rng = np.random.default_rng(0)
+    npt = helper.tensor_dtype_to_np_dtype(dtype)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(npt), name)
+
+    inits = [w("w1", 64, 16, 1, 1), w("wd", 64, 1, 3, 3), w("bd", 64), w("w3", 16, 64, 1, 1),
+             numpy_helper.from_array(np.array(0, npt), "lo"), numpy_helper.from_array(np.array(6, npt), "hi")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]), helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"]),
+             helper.make_node("Conv", ["r1", "wd", "bd"], ["d"], pads=[1, 1, 1, 1], group=64),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["r2"]), helper.make_node("Conv", ["r2", "w3"], ["c3"]),
+             helper.make_node("Add", ["c3", "x"], ["y"])]
+    return _onnx(nodes, "mbv2", [("x", dtype, [2, 16, 14, 14])], [("y", dtype, [2, 16, 14, 14])], inits)
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "float16"])
+def test_a_depthwise_conv_reads_and_stores_channels_last(tmp_path, model_dtype):
+    """Decision 68: the depthwise conv reads the expanding conv's channels-last output and stores
+    its own channels-last, which the projecting 1x1 conv reads as a matrix: the image's copy is
+    the only one (before, the depthwise conv's output had a copy too: 196 pixels are no runs of
+    8); both 1x1 convs on wgmma; the values are the sm_80 program's, and every kernel runs on the
+    host emulation."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    half = model_dtype == "float16"
+    progs = _programs(_inverted_residual(TensorProto.FLOAT16 if half else TensorProto.FLOAT))
+    rg = progs["sm_90"]
+    copied = [op.inputs[0].name for op in rg.nodes if channels_last_copy(op)]
+    assert copied == ["x" if half else "Conv(c1).in0.float16:0"]
+    assert sorted(op.inputs[0].name for op in rg.nodes if channels_last_output(op)) == ["c1", "d"]
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 14, 14)).astype(model_dtype)}
+    env, ref = _evaluate(rg, feeds), _evaluate(progs["sm_80"], feeds)
+    tol = 1e-3 if half else 1e-5
+    np.testing.assert_allclose(env["y"].astype(np.float32), ref["y"].astype(np.float32), rtol=tol,
+                               atol=tol * float(np.abs(ref["y"]).max()))
+
+    src, groups, consts = _kernels(rg)
+    kinds = _conv_kinds(src, groups)
+    assert kinds["c1"] == kinds["c3"] == "gemm-wgmma-f16" and not kinds["d"].startswith("gemm"), kinds
+    assert [src.launches[g.name].kind for g in groups].count("transpose") == 1  # (x's copy)
+    _check_kernels("mbv2", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
 def _up(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     """A UNet decoder step: ``x [2, 16, 8, 8]`` -> 1x1 conv -> ReLU -> 2x2 transposed conv at stride 2
     (a bias) -> ReLU, concatenated with ``z [2, 16, 16, 16]``'s 1x1 conv and ReLU (the skip), ->
@@ -392,10 +444,8 @@ def _up(dtype=TensorProto.FLOAT) -> onnx.ModelProto:
              helper.make_node("Conv", ["z", "w3"], ["s"]), helper.make_node("Relu", ["s"], ["rs"]),
              helper.make_node("Concat", ["ru", "rs"], ["q"], axis=1),
              helper.make_node("Conv", ["q", "w4"], ["y"], pads=[1, 1, 1, 1])]
-    io = helper.make_tensor_value_info
-    graph = helper.make_graph(nodes, "up", [io("x", dtype, [2, 16, 8, 8]), io("z", dtype, [2, 16, 16, 16])],
-                              [io("y", dtype, [2, 16, 16, 16])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _onnx(nodes, "up", [("x", dtype, [2, 16, 8, 8]), ("z", dtype, [2, 16, 16, 16])],
+                 [("y", dtype, [2, 16, 16, 16])], inits)
 
 
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
@@ -431,12 +481,13 @@ def test_a_transposed_conv_reads_and_stores_channels_last(tmp_path, model_dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", ["blocks", "grouped"])
+@pytest.mark.parametrize("blocks", ["blocks", "grouped", "up", "mbv2"])
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
 def test_channels_last_blocks_on_the_gpu(tmp_path, model_dtype, blocks):
-    """Decisions 61 and 62 on a GPU: :func:`_blocks` (or :func:`_grouped`) compiled for sm_90 with
-    float16 products (a float32 export) or as it is (a float16 export), run eagerly and from its
-    CUDA graph, against onnxruntime within float16's tolerance (rfcs/0004)."""
+    """Decisions 61, 62, 67 and 68 on a GPU: :func:`_blocks` (or :func:`_grouped`, :func:`_up`,
+    :func:`_inverted_residual`) compiled for sm_90 with float16 products (a float32 export) or as
+    it is (a float16 export), run eagerly and from its CUDA graph, against onnxruntime within
+    float16's tolerance (rfcs/0004)."""
     try:
         import cupy
 
@@ -448,19 +499,20 @@ def test_channels_last_blocks_on_the_gpu(tmp_path, model_dtype, blocks):
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
-    model = {"blocks": _blocks, "grouped": _grouped}[blocks](
+    model = {"blocks": _blocks, "grouped": _grouped, "up": _up, "mbv2": _inverted_residual}[blocks](
         TensorProto.FLOAT16 if model_dtype == "float16" else TensorProto.FLOAT)
     path = tmp_path / "blocks.onnx"
     onnx.save(model, path)
     compile(path, distributed_config={"mesh_shape": [1], "algo": "replicate"},
             optimization_config={"target": "cuda", "arch": "sm_90", "precision": "float16"}, out_dir=tmp_path / "o")
-    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
-    x = np.random.default_rng(1).standard_normal(shape).astype(model_dtype)
+    rng = np.random.default_rng(1)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(model_dtype)
+             for i in model.graph.input}
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": x})))
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     prog = load(tmp_path / "o")
     for _ in range(2):  # eager, then the captured graph
-        got = prog.run({"x": x})
+        got = prog.run(feeds)
         for k, v in ref.items():
             v = v.astype(np.float32)
             np.testing.assert_allclose(np.asarray(got[k], np.float32), v, rtol=5e-3,
