@@ -1,7 +1,7 @@
 """Convolutions: our kernel vs torch's (cuDNN), Stable Diffusion 1.5 UNet's convs at batch 2 (and
 grouped convs of ResNeXt-50 and RegNetY-4GF).
 
-    python benchmarks/gpu/conv.py [--cases all|1x1|3x3] [--shapes proj64,conv64,...] [--dtypes float16,bfloat16]
+    python benchmarks/gpu/conv.py [--cases all|1x1|3x3|up] [--shapes proj64,conv64,...] [--dtypes float16,bfloat16]
                                   [--reps 20] [--dry-run] [--json OUT.json]
 
 What is compared
@@ -10,7 +10,9 @@ What is compared
     of its transformer blocks (``proj_in``/``proj_out``, C -> C) and its resnets' shortcuts (C ->
     2C), and its 3x3 convs (padding 1); and the grouped 3x3 convs of ResNeXt-50 (32x4d: 32 groups of
     16 and 32 channels, ``rnx*``) and RegNetY-4GF (groups of 64 channels, ``regy*``) at 224x224
-    pixels, each a product per group (rfcs/0005 decision 62). Ours is the ``Conv`` op compiled
+    pixels, each a product per group (rfcs/0005 decision 62); and 2x2 transposed convs at stride 2
+    (``--cases up``: SAM's mask decoder upscaling, a UNet's up-convolution), each one product
+    (decision 65), against ``conv_transpose2d``. Ours is the ``Conv`` (``ConvTranspose``) op compiled
     alone for ``--arch``
     (float16/bfloat16 operands and output, float32 accumulation), as a compiled program runs it on
     sm_90: a 1x1 conv over a batch whose ``H*W`` is a multiple of 8 takes the Hopper wgmma template
@@ -23,7 +25,7 @@ What is compared
     same operands in the same type, NCHW as ours, and channels-last (``torch.channels_last``, the
     layout cuDNN's fastest kernels prefer; its layout conversion not timed).
 
-    ``TFLOP/s`` counts ``2 N OC H W (C / groups) kh kw``.
+    ``TFLOP/s`` counts ``2 N OC H W (C / groups) kh kw`` (a transposed conv's ``H W`` its input's).
 
 Timing and correctness
     As ``gemm.py``: CUDA graphs of back-to-back launches rotating over enough input sets that each
@@ -50,14 +52,17 @@ from common import (build_alone, build_cases, dump_json, ensure_shardflow, first
                     kernel_bench_args, our_launcher, print_built, run_cases, table)
 from gemm import _time  # noqa: E402
 
-#: (name, C, OC, H = W, window[, groups]) of Stable Diffusion 1.5's UNet at a 64x64 latent, then
-#: grouped convs of ResNeXt-50 32x4d and RegNetY-4GF at 224x224 pixels
+#: (name, C, OC, H = W, window[, groups[, transposed]]) of Stable Diffusion 1.5's UNet at a 64x64
+#: latent, then grouped convs of ResNeXt-50 32x4d and RegNetY-4GF at 224x224 pixels, then 2x2
+#: transposed convs at stride 2 (H = W the input's): SAM's mask decoder, a UNet's decoder
 SHAPES = (("proj64", 320, 320, 64, 1), ("proj32", 640, 640, 32, 1), ("proj16", 1280, 1280, 16, 1),
           ("short32", 320, 640, 32, 1), ("short16", 640, 1280, 16, 1),
           ("conv64", 320, 320, 64, 3), ("conv32", 640, 640, 32, 3), ("conv16", 1280, 1280, 16, 3),
           ("conv8", 1280, 1280, 8, 3),
           ("rnx28", 512, 512, 28, 3, 32), ("rnx14", 1024, 1024, 14, 3, 32),
-          ("regy28", 192, 192, 28, 3, 3), ("regy14", 512, 512, 14, 3, 8))
+          ("regy28", 192, 192, 28, 3, 3), ("regy14", 512, 512, 14, 3, 8),
+          ("samup64", 256, 64, 64, 2, 1, True), ("samup128", 64, 32, 128, 2, 1, True),
+          ("unetup32", 512, 256, 32, 2, 1, True))
 BATCH = 2
 DTYPES = ("float16", "bfloat16")
 #: largest error (of the output's largest value) each type may have against float32 on the same operands
@@ -74,6 +79,7 @@ class Case:
     k: int
     dtype: str
     groups: int = 1
+    transposed: bool = False
 
     @property
     def id(self) -> str:
@@ -85,26 +91,33 @@ class Case:
 
 
 def make_cases(which: str = "all", dtypes=DTYPES, shapes=None) -> list[Case]:
-    """The cases of window ``which`` (``all``, ``1x1``, ``3x3``), of ``shapes`` (names; None: all)."""
+    """The cases of kind ``which`` (``all``, ``1x1``, ``3x3``, ``up``: the transposed convs), of
+    ``shapes`` (names; None: all)."""
     names = [s[0] for s in SHAPES]
     unknown = sorted((set(shapes or ()) - set(names)) | (set(dtypes) - set(DTYPES)))
-    if which not in ("all", "1x1", "3x3") or unknown:
-        raise SystemExit(f"unknown case kind, shape(s) or type(s) {[which, *unknown]}; --cases: all, 1x1 or 3x3; "
+    if which not in ("all", "1x1", "3x3", "up") or unknown:
+        raise SystemExit(f"unknown case kind, shape(s) or type(s) {[which, *unknown]}; --cases: all, 1x1, 3x3 or up; "
                          f"--shapes: of {names}; --dtypes: of {DTYPES}")
-    keep = {"all": (1, 3), "1x1": (1,), "3x3": (3,)}[which]
+    keep = {"all": (1, 2, 3), "1x1": (1,), "3x3": (3,), "up": (2,)}[which]
     return [Case(*s[:5], dt, *s[5:]) for s in SHAPES if s[4] in keep and (not shapes or s[0] in shapes)
             for dt in dtypes]
 
 
 def _build_one(case: Case, work: str, arch: str):
     """``(cubin, launch, seconds)`` of the conv's kernel, and for a 3x3 conv ``(cubin, launches)`` of
-    the program's two kernels (``copy``, ``conv``) with ``(cubin, launch)`` of the NCHW one."""
+    the program's two kernels (``copy``, ``conv``) with ``(cubin, launch)`` of the NCHW one (a
+    transposed conv: its kernel, NCHW in and out)."""
     from shardflow.compiler.codegen.cuda import build_cuda_library
     from shardflow.compiler.codegen.fusion import fuse
     from shardflow.compiler.ir import Tensor
-    from shardflow.compiler.ops.conv import Conv
+    from shardflow.compiler.ops.conv import Conv, ConvTranspose
     from shardflow.compiler.ops.transform import Transpose
 
+    if case.transposed:
+        ins = [Tensor("x", (BATCH, case.C, case.HW, case.HW), case.dtype),
+               Tensor("w", (case.C, case.OC, case.k, case.k), case.dtype), Tensor("b", (case.OC,), case.dtype)]
+        return build_alone(ConvTranspose(ins, name=case.id, strides=(case.k, case.k),
+                                         output_shape=(case.HW * case.k, case.HW * case.k)), work, arch)
     ins = [Tensor("x", (BATCH, case.C, case.HW, case.HW), case.dtype),
            Tensor("w", (case.OC, case.C // case.groups, case.k, case.k), case.dtype),
            Tensor("b", (case.OC,), case.dtype)]
@@ -132,11 +145,13 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
     xs, ws = (BATCH, case.C, case.HW, case.HW), (case.OC, case.C // case.groups, case.k, case.k)
     ys = (BATCH, case.OC, case.HW, case.HW)
+    if case.transposed:
+        ws, ys = (case.C, case.OC, case.k, case.k), (BATCH, case.OC, case.HW * case.k, case.HW * case.k)
     set_bytes = 2 * (math.prod(xs) * (2 if launches else 1) + math.prod(ws) + math.prod(ys))
     nsets = max(1, min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)))
     n = max(20, nsets)
     gen = torch.Generator(device=dev).manual_seed(zlib.crc32(case.id.encode()))
-    scale = (case.C // case.groups * case.k * case.k) ** -0.5
+    scale = (case.C // case.groups * (1 if case.transposed else case.k * case.k)) ** -0.5
     sets = []
     for _ in range(nsets):
         x = torch.randn(xs, device=dev, generator=gen).to(tdt)
@@ -166,26 +181,30 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
         extra = {"copy": copy, "conv": conv, "nchw": old}
     pad, groups = case.k // 2, case.groups
 
+    def torch_conv(x, w, b):  # (the same op in torch: cuDNN)
+        if case.transposed:
+            return F.conv_transpose2d(x, w, b, stride=case.k)
+        return F.conv2d(x, w, b, padding=pad, groups=groups)
+
     def theirs(i):
         s = sets[i % nsets]
-        theirs_out[i % nsets].copy_(F.conv2d(s["x"], s["w"], s["b"], padding=pad, groups=groups))
+        theirs_out[i % nsets].copy_(torch_conv(s["x"], s["w"], s["b"]))
 
     def theirs_last(i):
-        x, w, b = last[i % nsets]
-        F.conv2d(x, w, b, padding=pad, groups=groups)
+        torch_conv(*last[i % nsets])
 
     s0 = sets[0]
     torch.backends.cudnn.allow_tf32 = False
-    err = first_run_error(ours, cstream, s0["y"], lambda: F.conv2d(s0["x"].float(), s0["w"].float(),
-                                                                   s0["b"].float(), padding=pad, groups=groups), torch)
+    err = first_run_error(ours, cstream, s0["y"], lambda: torch_conv(s0["x"].float(), s0["w"].float(),
+                                                                     s0["b"].float()), torch)
     rec = asdict(case)
     rec.update(id=case.id, batch=BATCH, kind=launch.kind, grid=list(launch.grid), block=list(launch.block),
                shared_mem=int(launch.shared_mem), input_sets=nsets, err=err,
                ok=err is not None and err <= TOLERANCE[case.dtype])
     if launches:
         rec.update(nchw_kind=nchw[1].kind, nchw_err=first_run_error(
-            extra["nchw"], cstream, s0["y"], lambda: F.conv2d(s0["x"].float(), s0["w"].float(), s0["b"].float(),
-                                                              padding=pad, groups=groups), torch))
+            extra["nchw"], cstream, s0["y"], lambda: torch_conv(s0["x"].float(), s0["w"].float(), s0["b"].float()),
+            torch))
     t_ours = _time(ours, stream, reps, torch, True, n)
     t_theirs = _time(theirs, stream, reps, torch, True, n)
     t_last = _time(theirs_last, stream, reps, torch, True, n)
@@ -199,7 +218,7 @@ def run_case(case: Case, cubin: str, launch, reps: int, l2_bytes: int, torch, cp
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="all", help="all, 1x1 or 3x3")
+    ap.add_argument("--cases", default="all", help="all, 1x1, 3x3 or up (the transposed convs)")
     ap.add_argument("--shapes", default="", help=f"comma-separated, of {[s[0] for s in SHAPES]} (default: all)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     kernel_bench_args(ap)

@@ -29,8 +29,8 @@
 #                                                 # GPT-2 at tf32, < 9 min
 #   bash benchmarks/gpu/device_session.sh attention  # the fused attention on float32 operands (TF32, 3xTF32) and
 #                                                 # split-KV: GPU tests, then every type's kernel vs torch's SDPA, < 4 min
-#   bash benchmarks/gpu/device_session.sh conv    # Stable Diffusion 1.5's UNet convs at batch 2 and grouped convs vs
-#                                                 # torch's conv2d (cuDNN), float16 and bfloat16, < 3.5 min
+#   bash benchmarks/gpu/device_session.sh conv    # Stable Diffusion 1.5's UNet convs at batch 2, grouped and
+#                                                 # transposed convs vs torch's (cuDNN), float16 and bfloat16, < 4 min
 #   bash benchmarks/gpu/device_session.sh cnn     # ResNet-50 end to end (batch 1, 8; float16) vs torch eager and
 #                                                 # torch.compile, channels-last, < 9 min
 #   bash benchmarks/gpu/device_session.sh regnet  # RegNetY-4GF likewise (grouped convs), exported in float16, < 5 min
@@ -398,12 +398,12 @@ case "$what" in
            # 57: wgmma, the images as the batch; windows gathered from a channels-last copy), then ours
            # (the 3x3 convs: copy + gathered conv, and the NCHW wmma kernel of before) vs torch's conv2d
            # (cuDNN; NCHW and channels-last), float16 and bfloat16, with ResNeXt's and RegNet's grouped 3x3
-           # convs (decision 62: a product per group), < 3.5 min
+           # convs (decision 62: a product per group) and 2x2 transposed convs (decision 65), < 4 min
         f="$out/conv.txt"
         echo "# device_session.sh conv, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" > "$f"
         timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/codegen/test_wgmma.py \
             tests/codegen/test_channels_last.py -k "batched_one_by_one or channels_last" 2>&1 | tail -5 | tee -a "$f"
-        timeout 150 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
+        timeout 180 python3 benchmarks/gpu/conv.py --jobs 14 --json "$out/conv.json" >> "$f" 2>&1
         grep -E "passed|failed| ours |WRONG|rror" "$f"
         ;;
     cnn)  # ResNet-50 end to end at batch 1 and 8 vs torch eager and torch.compile on the same module in

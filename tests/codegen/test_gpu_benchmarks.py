@@ -140,11 +140,13 @@ def test_conv_dry_run_builds_our_conv_kernels():
     latents takes the wgmma template, the images as the product's batch (rfcs/0005 decision 55); a
     3x3 conv too, gathering its windows from the image's channels-last copy (decision 57), whose
     kernel and the NCHW conv's of before (the portable template) are built beside it; a grouped 3x3
-    conv likewise, a product per group (decision 62: its 32 groups the grid's third dimension)."""
+    conv likewise, a product per group (decision 62: its 32 groups the grid's third dimension); a
+    2x2 transposed conv at stride 2 one product on wgmma too (decision 65)."""
     conv = _load("conv")
-    section = conv.main(["--dry-run", "--shapes", "proj64,conv8,rnx14", "--dtypes", "float16", "--jobs", "2"])
+    section = conv.main(["--dry-run", "--shapes", "proj64,conv8,rnx14,samup64", "--dtypes", "float16", "--jobs", "2"])
     assert section["kinds"] == {"proj64_float16": "gemm-wgmma-f16", "conv8_float16": "gemm-wgmma-f16",
-                                "rnx14_float16": "gemm-wgmma-f16"}
+                                "rnx14_float16": "gemm-wgmma-f16", "samup64_float16": "gemm-wgmma-f16"}
+    assert [c.name for c in conv.make_cases("up", ["float16"])] == ["samup64", "samup128", "unetup32"]
     with tempfile.TemporaryDirectory() as work:
         for shape, groups in (("conv8", 1), ("rnx14", 32)):
             built = conv._build_one(conv.make_cases("3x3", ["bfloat16"], [shape])[0], work, "sm_90")
