@@ -425,7 +425,10 @@ class ConvTranspose(Operator):
     padding, each output extent its input's times the stride: a UNet's or SAM's 2x2 upsampling),
     the one tap of output ``o`` is ``o % s`` of input ``o // s``: the compute says so (a sum over
     the input channels alone), which the cuda target computes as one product, its rows the input
-    pixels and its columns the output channels and taps (rfcs/0005 decision 65).
+    pixels and its columns the output channels and taps (rfcs/0005 decision 65). Where the windows
+    overlap but every kernel extent is a multiple of its stride (DCGAN's 4x4 at stride 2), output
+    ``o`` reads ``kernel / s`` taps a dim of phase ``(o % s + p) % s``: the compute sums those alone,
+    a product per phase (decision 69).
     """
 
     def compute(self, x, w, *bias):
@@ -449,12 +452,38 @@ class ConvTranspose(Operator):
             raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
         dt = x.dtype
         tiled = all(kern[d] == s[d] and dil[d] == 1 and pb[d] == 0 and out[d] == ins[d] * s[d] for d in range(n_sp))
+        # strided, each kernel extent a multiple of its stride: output o's taps are k = s * t + (o % s
+        # + p) % s of inputs i = o // s + (o % s + p) // s - t, for t < kernel / s (decision 69)
+        phased = not tiled and max(s) > 1 and all(dil[d] == 1 and kern[d] % s[d] == 0 for d in range(n_sp))
 
         def f(ni, oci, *o):
             def tap(ic):  # (non-overlapping windows: output o reads input o // s at tap o % s)
                 ch = ic if g == 1 else (oci // ocg) * icg + ic
                 return x[(ni, ch, *(o[d] // s[d] if s[d] > 1 else o[d] for d in range(n_sp)))] \
                     * w[(ch, oci if g == 1 else oci % ocg, *(o[d] % s[d] if s[d] > 1 else 0 for d in range(n_sp)))]
+
+            def phase(ic, *t):
+                ch = ic if g == 1 else (oci // ocg) * icg + ic
+                conds, idx, taps = [], [], []
+                for d in range(n_sp):
+                    sd, p, nt = s[d], pb[d], kern[d] // s[d]
+                    if sd == 1:
+                        i, k = _affine([(o[d], 1), (t[d], -1)], p), t[d]
+                        lo, hi = p - (nt - 1), out[d] - 1 + p
+                    else:
+                        r = o[d] % sd
+                        i = _affine([(o[d] // sd, 1), ((r + p) // sd, 1), (t[d], -1)])
+                        k = _affine([(t[d], sd), ((r + p) % sd, 1)])
+                        lo, hi = p // sd - (nt - 1), (out[d] - 1) // sd + (sd - 1 + p) // sd
+                    if lo < 0:
+                        conds.append(i >= 0)
+                    if hi > ins[d] - 1:
+                        conds.append(i < ins[d])
+                    idx.append(i)
+                    taps.append(k)
+                v = x[(ni, ch, *idx)]
+                v = v if not conds else if_then_else(_all(conds), v, Const(0, dt))
+                return v * w[(ch, oci if g == 1 else oci % ocg, *taps)]
 
             def body(ic, *k):
                 ch = ic if g == 1 else (oci // ocg) * icg + ic
@@ -474,7 +503,12 @@ class ConvTranspose(Operator):
                     idx.append(i)
                 v = x[(ni, ch, *idx)] * w[(ch, oci if g == 1 else oci % ocg, *k)]
                 return v if not conds else if_then_else(_all(conds), v, Const(0, dt))
-            acc = reduce((icg,), tap, "sum") if tiled else reduce((icg, *kern), body, "sum")
+            if tiled:
+                acc = reduce((icg,), tap, "sum")
+            elif phased:
+                acc = reduce((icg, *(kern[d] // s[d] for d in range(n_sp))), phase, "sum")
+            else:
+                acc = reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
 
@@ -971,6 +1005,10 @@ def examples(rng: np.random.Generator):
         (ConvTranspose, [f(2, 1, 4), f(1, 2, 3)], {"strides": (2,), "pads": (0, 0), "output_shape": (10,)}),
         (ConvTranspose, [f(1, 4, 3, 2), f(4, 3, 2, 2), f(3)], {"strides": (2, 2), "output_shape": (6, 4)}),
         (ConvTranspose, [f(2, 4, 3, 2), f(4, 1, 2, 1), f(2)], {"group": 2, "strides": (2, 1), "output_shape": (6, 2)}),
+        (ConvTranspose, [f(1, 3, 3, 4), f(3, 2, 4, 4), f(2)], {"strides": (2, 2), "pads": (1, 1, 1, 1),
+                                                               "output_shape": (6, 8)}),
+        (ConvTranspose, [f(2, 4, 3), f(4, 1, 6), f(2)], {"group": 2, "strides": (3,), "pads": (2, 1),
+                                                         "output_shape": (7,)}),
         (Pool, [f(1, 2, 5, 5)], {"kind": "max", "kernel": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}),
         (Pool, [f(1, 2, 5, 6)], {"kind": "max", "kernel": (2, 3), "strides": (2, 2), "dilations": (1, 2),
                                  "ceil_mode": True, "with_indices": True}),

@@ -1,7 +1,8 @@
 """Convolutions that the cuda target computes as products once their output axes are split
 (``codegen/cuda.py`` ``_split_divided_axes``): transposed convolutions of non-overlapping windows
 (rfcs/0005 decision 65: the op's compute reads input ``o // s`` at tap ``o % s``; the product's
-rows are the input pixels, its columns the output channels and taps), and grouped convs whose
+rows are the input pixels, its columns the output channels and taps) or of overlapping ones whose
+kernel is a multiple of the stride (decision 69: a product per phase), and grouped convs whose
 output a channel shuffle's reshape splits (decision 66). Before, generic or GEMV kernels.
 Checked against onnxruntime and, kernel by kernel, on the host emulation. (Grouped convs in
 channels-last regions: test_channels_last.py.)"""
@@ -55,17 +56,20 @@ CASES = {  # name: (c, oc, group, k, hw, window)
     "sam": (32, 16, 1, 2, (6, 8), None),  # SAM's mask decoder, a UNet's up-convolution: 2x2, stride 2
     "grouped": (32, 32, 2, 2, (6, 8), None),
     "odd": (16, 24, 1, 3, (5, 3), None),  # (3x3 at stride 3, pixels not a multiple of 8)
-    "overlapping": (16, 16, 1, 2, (5, 4), 4),  # (4x4 at stride 2, padded: no single tap per output)
+    "overlapping": (16, 16, 1, 2, (5, 4), 4),  # (4x4 at stride 2, padded: DCGAN's, pix2pix's; decision 69)
+    "general": (16, 16, 1, 2, (5, 4), 3),  # (3x3 at stride 2: the kernel no multiple of the stride)
 }
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("model_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_transposed_convs_of_non_overlapping_windows_are_products(tmp_path, case, model_dtype, arch):
+def test_transposed_convs_are_products(tmp_path, case, model_dtype, arch):
     """The program (float16 products) against onnxruntime within float16's tolerance; the
     transposed conv's kernel a tensor-core GEMM (on sm_90 the wgmma template where its pixels make
-    runs of 8), the overlapping case still a generic one; every kernel on the host emulation
+    runs of 8 and the windows do not overlap; overlapping windows whose kernel is a multiple of the
+    stride a product per phase, decision 69), a kernel no multiple of the stride still a generic
+    one; every kernel on the host emulation
     against the evaluator."""
     from cuda_host import build
     from test_cuda_host import _check_kernels
@@ -77,14 +81,14 @@ def test_transposed_convs_of_non_overlapping_windows_are_products(tmp_path, case
     env, src, groups, consts = _program(model, feeds, arch)
     kind = next(src.launches[g.name].kind for g in groups
                 if any(m.op_type == "ConvTranspose" for m in getattr(g, "members", [g])))
-    if window:
+    if window == 3:  # (the general form: every tap of the window, most guarded off)
         assert not kind.startswith("gemm"), kind
-    elif arch == "sm_90" and hw[0] * hw[1] % 8 == 0:
+    elif arch == "sm_90" and hw[0] * hw[1] % 8 == 0 and not window:
         assert kind == "gemm-wgmma-f16", kind
-    else:
+    else:  # (the overlapping windows' phases read the image at non-affine offsets: the portable template)
         assert kind == "gemm-f16", kind
 
-    def loose(got, want, name):  # (the evaluator's general form sums a float16 model's taps in float16)
+    def loose(got, want, name):  # (the evaluator sums a float16 model's overlapping taps in float16)
         w = want.astype(np.float32)
         np.testing.assert_allclose(got.astype(np.float32), w, rtol=5e-3, atol=5e-3 * float(np.abs(w).max()),
                                    err_msg=name)
