@@ -73,7 +73,7 @@ from typing import Sequence
 import numpy as np
 
 from ..ir.expr import (BINARY_FUNCS, ML_FLOATS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce,
-                       TensorElement, UnaryOp, Var, affine_form, format_expr, rebuild, walk)
+                       TensorElement, UnaryOp, Var, affine_expr, affine_form, format_expr, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import GridCompute
 from ..passes.channels_last import channels_last_copy, channels_last_output, channels_last_read
@@ -1681,17 +1681,6 @@ def _plan_gemm(gc: GridCompute, value: Expr, an: _Analysis, fp32: str = "f32",
     return plan
 
 
-def _affine_expr(coefs: dict, const: int) -> Expr:
-    """``sum(c * v) + const`` as an expression (terms in ``coefs``' order)."""
-    e = None
-    for v, c in coefs.items():
-        t = v if c == 1 else BinOp("mul", v, Const(c))
-        e = t if e is None else BinOp("add", e, t)
-    if e is None:
-        return Const(const)
-    return e if const == 0 else BinOp("add", e, Const(const))
-
-
 def _simplified_divisions(value: Expr) -> Expr:
     """``value`` with each ``X // c`` and ``X % c`` of an affine ``X`` (positive constant ``c``)
     that the axes' ranges decide rewritten without the division: ``X = c * Q + R`` with ``Q`` the
@@ -1714,7 +1703,8 @@ def _simplified_divisions(value: Expr) -> Expr:
         hi = const % c + sum(max(0, k * (v.extent - 1)) for v, k in r.items())
         if lo < 0 or hi >= c:
             return None
-        return _affine_expr(q, const // c) if e.op == "floordiv" else _affine_expr(r, const % c)
+        return affine_expr(list(q.items()), const // c) if e.op == "floordiv" else affine_expr(list(r.items()),
+                                                                                                const % c)
     return _map_tree(value, fn, {})
 
 

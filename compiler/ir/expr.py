@@ -22,7 +22,7 @@ __all__ = [
     "Expr", "Var", "Const", "BinOp", "UnaryOp", "Cast", "IfThenElse", "TensorElement", "Reduce",
     "as_expr", "eq", "ne", "logical_and", "logical_or", "logical_not", "maximum", "minimum",
     "if_then_else", "cast", "UNARY_FUNCS", "BINARY_FUNCS", "REDUCE_OPS", "walk", "dtype_kind",
-    "numpy_type", "ML_FLOATS",
+    "numpy_type", "ML_FLOATS", "affine_form", "affine_expr",
 ]
 
 
@@ -322,6 +322,9 @@ def affine_form(e: Expr) -> tuple[dict[Var, int], int] | None:
         if isinstance(e.value, (bool, float)) or not isinstance(e.value, int):
             return None
         return {}, int(e.value)
+    if isinstance(e, UnaryOp) and e.op == "neg":
+        f = affine_form(e.a)
+        return None if f is None else ({v: -c for v, c in f[0].items()}, -f[1])
     if isinstance(e, BinOp) and e.op in ("add", "sub", "mul"):
         fa, fb = affine_form(e.a), affine_form(e.b)
         if fa is None or fb is None:
@@ -341,6 +344,28 @@ def affine_form(e: Expr) -> tuple[dict[Var, int], int] | None:
                 del out[v]
         return out, ka + sign * kb
     return None
+
+
+def affine_expr(terms, const: int = 0) -> Expr:
+    """``sum(coef * e) + const`` over ``terms = [(e, coef), ...]`` without ``* 1`` or ``+ 0`` noise
+    (what :func:`affine_form` reads back)."""
+    res = None
+    for e, c in terms:
+        if c == 0:
+            continue
+        if res is None:
+            res = e if c == 1 else -e if c == -1 else e * c
+        elif c > 0:
+            res = res + (e if c == 1 else e * c)
+        else:
+            res = res - (e if c == -1 else e * (-c))
+    if res is None:
+        return Const(const)
+    if const > 0:
+        return res + const
+    if const < 0:
+        return res - (-const)
+    return res
 
 
 def rebuild(e: Expr, kids: list[Expr]) -> Expr:

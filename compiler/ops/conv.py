@@ -16,7 +16,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import ShapeError
-from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then_else, logical_and, maximum, minimum
+from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, affine_expr, dtype_kind, eq, if_then_else, logical_and,
+                       maximum, minimum)
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
@@ -55,30 +56,15 @@ def _spatial(op: Operator, x, n_sp: int):
     return strides, dil, pads[:n_sp], pads[n_sp:]
 
 
-def _affine(terms, const: int = 0) -> Expr:
-    """``sum(coef * e) + const`` over ``terms = [(e, coef), ...]`` without ``* 1`` or ``+ 0`` noise."""
-    res = None
-    for e, c in terms:
-        if c == 0:
-            continue
-        if res is None:
-            res = e if c == 1 else -e if c == -1 else e * c
-        elif c > 0:
-            res = res + (e if c == 1 else e * c)
-        else:
-            res = res - (e if c == -1 else e * (-c))
-    if res is None:
-        return Const(const)
-    if const > 0:
-        return res + const
-    if const < 0:
-        return res - (-const)
-    return res
+def _tiles(kern, s, dil, pb, ins, out) -> bool:
+    """A transposed conv's windows (``kern`` taps at strides ``s``, dilations ``dil``, padding
+    ``pb`` before) cover the output ``out`` of input ``ins`` exactly, without overlap."""
+    return all(k == st and d == 1 and p == 0 and o == i * st for k, st, d, p, i, o in zip(kern, s, dil, pb, ins, out))
 
 
 def _window_pos(o: Expr, k: Expr, stride: int, dilation: int, kernel: int, pad: int) -> Expr:
     """The input position ``o * stride + k * dilation - pad`` read by window ``o`` at tap ``k``."""
-    return _affine([(o, stride), (k, dilation if kernel > 1 else 0)], -pad)
+    return affine_expr([(o, stride), (k, dilation if kernel > 1 else 0)], -pad)
 
 
 def _window_guard(pos: list[Expr], lo: list[int], hi: list[int], may_low: list[bool], may_high: list[bool]):
@@ -451,7 +437,7 @@ class ConvTranspose(Operator):
         if bias and bias[0].shape != (oc,):
             raise ShapeError(f"{self.name}: bias has shape {bias[0].shape}, expected ({oc},)")
         dt = x.dtype
-        tiled = all(kern[d] == s[d] and dil[d] == 1 and pb[d] == 0 and out[d] == ins[d] * s[d] for d in range(n_sp))
+        tiled = _tiles(kern, s, dil, pb, ins, out)
         # strided, each kernel extent a multiple of its stride: output o's taps are k = s * t + (o % s
         # + p) % s of inputs i = o // s + (o % s + p) // s - t, for t < kernel / s (decision 69)
         phased = not tiled and max(s) > 1 and all(dil[d] == 1 and kern[d] % s[d] == 0 for d in range(n_sp))
@@ -468,12 +454,12 @@ class ConvTranspose(Operator):
                 for d in range(n_sp):
                     sd, p, nt = s[d], pb[d], kern[d] // s[d]
                     if sd == 1:
-                        i, k = _affine([(o[d], 1), (t[d], -1)], p), t[d]
+                        i, k = affine_expr([(o[d], 1), (t[d], -1)], p), t[d]
                         lo, hi = p - (nt - 1), out[d] - 1 + p
                     else:
                         r = o[d] % sd
-                        i = _affine([(o[d] // sd, 1), ((r + p) // sd, 1), (t[d], -1)])
-                        k = _affine([(t[d], sd), ((r + p) % sd, 1)])
+                        i = affine_expr([(o[d] // sd, 1), ((r + p) // sd, 1), (t[d], -1)])
+                        k = affine_expr([(t[d], sd), ((r + p) % sd, 1)])
                         lo, hi = p // sd - (nt - 1), (out[d] - 1) // sd + (sd - 1 + p) // sd
                     if lo < 0:
                         conds.append(i >= 0)
@@ -489,7 +475,7 @@ class ConvTranspose(Operator):
                 ch = ic if g == 1 else (oci // ocg) * icg + ic
                 conds, idx = [], []
                 for d in range(n_sp):
-                    num = _affine([(o[d], 1), (k[d], -dil[d] if kern[d] > 1 else 0)], pb[d])
+                    num = affine_expr([(o[d], 1), (k[d], -dil[d] if kern[d] > 1 else 0)], pb[d])
                     lo, hi = pb[d] - (kern[d] - 1) * dil[d], out[d] - 1 + pb[d]  # range of num
                     if s[d] == 1:
                         i = num
@@ -511,6 +497,14 @@ class ConvTranspose(Operator):
                 acc = reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
         return compute("y", (n, oc) + out, f, dtype=dt)
+
+    def tiles_output(self) -> bool:
+        """Whether the windows do not overlap and cover the output exactly (the compute's one-tap
+        form: kernel = stride, dilation 1, no padding before, each output extent the input's times
+        the stride)."""
+        x = self.inputs[0]
+        s, dil, pb, _ = _spatial(self, x, x.ndim - 2)
+        return _tiles(self.inputs[1].shape[2:], s, dil, pb, x.shape[2:], tuple(self.attrs["output_shape"]))
 
     def local_attrs(self, inputs, output_shapes):
         """On spatial shards (windows that do not overlap: each output shard reads its own input

@@ -81,14 +81,9 @@ def _tiled_transpose(op: Operator) -> bool:
     the cuda target computes it as one product (RFC 0005 decision 65), which reads a channels-last
     image as the matrix ``[N * H * W, C]`` and, with its weight stored ``[C, *kernel, OC]``, stores
     its output channels-last four channels at a time (decision 67)."""
-    if op.op_type != "ConvTranspose" or int(op.attrs.get("group", 1)) != 1 or len(op.inputs) < 2:
-        return False
-    x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
-    nd = x.ndim - 2
-    strides = tuple(op.attrs.get("strides") or (1,) * nd)
-    return nd >= 1 and tuple(w.shape[2:]) == strides and not any(op.attrs.get("pads") or ()) \
-        and all(d == 1 for d in op.attrs.get("dilations") or ()) and x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0 \
-        and all(y.shape[2 + i] == x.shape[2 + i] * strides[i] for i in range(nd))
+    return op.op_type == "ConvTranspose" and int(op.attrs.get("group", 1)) == 1 and len(op.inputs) >= 2 \
+        and op.inputs[0].ndim >= 3 and op.inputs[0].shape[1] % 8 == 0 and op.outputs[0].shape[1] % 8 == 0 \
+        and op.tiles_output()
 
 
 def _depthwise(op: Operator) -> bool:
