@@ -735,6 +735,8 @@ class _Emitter:
         self.lanes: _Lanes | None = None  # set while a vectorized GEMM epilogue is emitted
         #: half-precision SSA values -> the float they round (a store rounds that once: stored())
         self.unrounded: dict[str, str] = {}
+        #: ids of the half products a float32 sum adds unrounded (:meth:`_exact_product`)
+        self.exact: set[int] = set()
 
     def new(self, prefix: str = "v") -> str:
         return f"{prefix}{next(self.names)}"
@@ -940,7 +942,9 @@ class _Emitter:
                 expr = f"sf_{op}<{ct}>({a}, {b})"
         else:
             raise CudaCodegenError(f"binary operation {op} is not supported by the cuda target")
-        if dt == "float16" and op not in ("max", "min"):
+        if id(e) in self.exact:  # (a product of two halves is exact in float32: its sum adds it so)
+            pass
+        elif dt == "float16" and op not in ("max", "min"):
             expr = f"sf_rh({expr})"
         elif dt == "bfloat16" and op not in ("max", "min"):
             expr = f"sf_rb({expr})"
@@ -1087,6 +1091,9 @@ class _Emitter:
             binds[v] = (nm, "int64" if it == "long long" else "int32") if v.extent != 1 else ("0", "int32")
         body_blk = _Block(blk, binds, coop=None)
         if total > 0:
+            product = self._exact_product(e, bd, acc)
+            if product is not None:
+                self.exact.add(id(product))
             bx, bsrc = self.value(e.body, body_blk)
             bv = _convert(bx, bsrc, acc if not is_arg else acc)
             if is_arg:
@@ -1141,6 +1148,37 @@ class _Emitter:
         if is_arg:
             return self._ssa(blk, "int64", f"({ai} < 0 ? 0LL : {ai})")
         return self._ssa(blk, rd, _convert(a, acc, rd))
+
+    def _exact_product(self, e: Reduce, bd: str, acc: str) -> BinOp | None:
+        """The product of two half values read from tensors that the float32 sum ``e`` adds (its
+        body, or the taken branch of a select whose other one is zero: a conv's padded or strided
+        tap), where the product depends on ``e``'s axes (computed in its loop alone). The product of two float16 or
+        bfloat16 values is exact in float32: rounded to the half type before a float32 accumulation
+        it would only lose accuracy that the tensor-core templates (and cuDNN, onnxruntime) keep.
+        ``None`` where there is none."""
+        if e.op not in ("sum", "mean") or bd not in ("float16", "bfloat16") or acc != "float32":
+            return None
+        body = e.body
+        while isinstance(body, IfThenElse):
+            zero = [isinstance(c, Const) and not isinstance(c.value, bool) and c.value == 0
+                    for c in (body.then, body.other)]
+            if zero == [False, True]:
+                body = body.then
+            elif zero == [True, False]:
+                body = body.other
+            else:
+                return None
+        def read(x: Expr) -> bool:  # (an operand as read, not computed: a tensor's element, a cast
+            # of one, a padded read; a product of computed values, a fused Mul(d, d) before a
+            # ReduceMean, keeps the rounding of the tensor its op wrote)
+            if isinstance(x, IfThenElse):
+                return all(read(c) or (isinstance(c, Const) and c.value == 0) for c in (x.then, x.other))
+            return isinstance(x, (TensorElement, Const)) or (isinstance(x, Cast) and read(x.a))
+        if not (isinstance(body, BinOp) and body.op == "mul" and self.an.dtype(body) == bd
+                and self.an.dtype(body.a) == bd and self.an.dtype(body.b) == bd and read(body.a) and read(body.b)
+                and self.an.free(body) & frozenset(e.vars)):
+            return None
+        return body
 
     def _allreduce(self, op: str, acc: str, bd: str, a: str, ai: str, coop: _Coop) -> list[str]:
         ct = _REG_CTYPE[acc]

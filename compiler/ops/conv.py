@@ -523,20 +523,23 @@ class ConvTranspose(Operator):
         kern, ins = w.shape[2:], x.shape[2:]
         out = tuple(self.attrs["output_shape"])
         p, kp = math.prod(ins), math.prod(kern)
-        xm = x.reshape(n, g, icg, p).transpose(0, 1, 3, 2)  # (N, G, P, ICG)
-        wm = w.reshape(g, icg, ocg * kp)
+        # half values: products and the overlapping taps' sums in float32, rounded once (as Conv's
+        # matmul does and the kernels do; summed in the half type, each tap's add would round)
+        wide = np.float32 if np.dtype(x.dtype).name in ("float16", "bfloat16") else None
+        xm = x.reshape(n, g, icg, p).transpose(0, 1, 3, 2).astype(wide or x.dtype)  # (N, G, P, ICG)
+        wm = w.reshape(g, icg, ocg * kp).astype(wide or w.dtype)
         cols = np.matmul(xm, wm).reshape((n, g) + ins + (ocg,) + kern)  # (N, G, *in, OCG, *k)
         cols = np.moveaxis(cols, 2 + n_sp, 2)  # (N, G, OCG, *in, *k)
         full = tuple((ins[d] - 1) * s[d] + (kern[d] - 1) * dil[d] + 1 for d in range(n_sp))
         lo = [min(0, pb[d]) for d in range(n_sp)]
         hi = [max(full[d], pb[d] + out[d]) for d in range(n_sp)]
-        buf = np.zeros((n, g, ocg) + tuple(h - l for l, h in zip(lo, hi)), dtype=np.result_type(x, w))
+        buf = np.zeros((n, g, ocg) + tuple(h - a for a, h in zip(lo, hi)), dtype=cols.dtype)
         for kk in product(*(range(k) for k in kern)):
             dst = tuple(slice(kk[d] * dil[d] - lo[d], kk[d] * dil[d] - lo[d] + (ins[d] - 1) * s[d] + 1, s[d])
                         for d in range(n_sp))
             buf[(slice(None),) * 3 + dst] += cols[(Ellipsis,) + kk]
         y = buf[(slice(None),) * 3 + tuple(slice(pb[d] - lo[d], pb[d] - lo[d] + out[d]) for d in range(n_sp))]
-        y = y.reshape((n, oc) + out)
+        y = y.reshape((n, oc) + out).astype(x.dtype)
         if bias:
             y = y + bias[0].reshape((oc,) + (1,) * n_sp)
         return [np.ascontiguousarray(y, dtype=x.dtype)]

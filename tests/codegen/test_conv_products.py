@@ -5,7 +5,8 @@ rows are the input pixels, its columns the output channels and taps) or of overl
 kernel is a multiple of the stride (decision 69: a product per phase), and grouped convs whose
 output a channel shuffle's reshape splits (decision 66). Before, generic or GEMV kernels.
 Checked against onnxruntime and, kernel by kernel, on the host emulation. (Grouped convs in
-channels-last regions: test_channels_last.py.)"""
+channels-last regions: test_channels_last.py.) Also: a half model's sums in the generic kernels add
+exact products (rfcs/0004, session 53)."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -87,13 +88,7 @@ def test_transposed_convs_are_products(tmp_path, case, model_dtype, arch):
         assert kind == "gemm-wgmma-f16", kind
     else:  # (the overlapping windows' phases read the image at non-affine offsets: the portable template)
         assert kind == "gemm-f16", kind
-
-    def loose(got, want, name):  # (the evaluator sums a float16 model's overlapping taps in float16)
-        w = want.astype(np.float32)
-        np.testing.assert_allclose(got.astype(np.float32), w, rtol=5e-3, atol=5e-3 * float(np.abs(w).max()),
-                                   err_msg=name)
-    _check_kernels(case, build(src.text, str(tmp_path)), src, groups, env, consts,
-                   check=loose if window and model_dtype == "float16" else None)
+    _check_kernels(case, build(src.text, str(tmp_path)), src, groups, env, consts)
 
 
 def test_divisions_the_ranges_decide_are_simplified():
@@ -147,3 +142,52 @@ def test_a_channel_shuffle_keeps_the_grouped_convs_products(tmp_path, model_dtyp
     assert sorted(convs) == ["c1", "y"] and all(k.startswith("gemm-") and k.endswith("f16") for k in convs.values()), \
         convs
     _check_kernels("shuffle", build(src.text, str(tmp_path)), src, groups, env, consts)
+
+
+def _half_sums():
+    """float16 models whose sums take the generic kernels: a transposed conv whose kernel is no
+    multiple of its stride (3x3 at stride 2) and a grouped conv with a bias, of few outputs (a warp
+    each)."""
+    rng = np.random.default_rng(0)
+    io = helper.make_tensor_value_info
+    f16 = TensorProto.FLOAT16
+    models = {}
+    w = numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) / 4).astype(np.float16), "w")
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1])]
+    models["transposed"] = (helper.make_graph(nodes, "t", [io("x", f16, [2, 16, 5, 4])], [io("y", f16, [2, 16, 9, 7])],
+                                              [w]), (2, 16, 5, 4))
+    w = numpy_helper.from_array((rng.standard_normal((24, 8, 3, 2)) / 4).astype(np.float16), "w")
+    b = numpy_helper.from_array(rng.standard_normal(24).astype(np.float16), "b")
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[2, 1, 1, 0], strides=[2, 3], group=2)]
+    models["grouped"] = (helper.make_graph(nodes, "g", [io("x", f16, [1, 16, 5, 6])], [io("y", f16, [1, 24, 3, 2])],
+                                           [w, b]), (1, 16, 5, 6))
+    return {k: (helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), shape)
+            for k, (g, shape) in models.items()}
+
+
+@pytest.mark.parametrize("case", ["transposed", "grouped"])
+def test_half_sums_add_exact_products(tmp_path, case):
+    """A float16 sum of products accumulates in float32 the exact products of its half operands
+    (``_Emitter._exact_product``): the generic kernel's output is the float64 sum rounded to float16
+    (then the bias added), within one float16 step (the sum is rounded once; before, each product was rounded to
+    float16 first, off by hundreds of steps where the sum cancels). The reference evaluator too (ConvTranspose's numpy
+    summed the overlapping taps in float16, off by up to 6 steps)."""
+    from cuda_host import build, run
+
+    model, shape = _half_sums()[case]
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float16)
+    env, src, groups, consts = _program(model, {"x": x}, "sm_90")
+    (g,) = groups
+    launch = src.launches[g.name]
+    assert launch.kind == "row", launch.kind  # (a warp an output)
+    op = getattr(g, "members", [g])[0]
+    weights = [consts[t.name] for t in op.inputs[1:]]
+    truth = op.numpy(x.astype(np.float64), weights[0].astype(np.float64))[0]  # (the sum, no bias)
+    got = run(build(src.text, str(tmp_path)), launch, [x, *weights], [(truth.shape, np.float16)])[0]
+    if len(weights) > 1:  # (the sum rounded, then the bias added in float16: the op's compute)
+        truth = (truth.astype(np.float16) + weights[1].reshape(-1, 1, 1)).astype(np.float64)
+    step = np.spacing(np.abs(truth).astype(np.float16)).astype(np.float64)  # (float16's step at each value)
+    for name, y in (("kernel", got), ("evaluator", env["y"])):
+        assert y.dtype == np.float16
+        err = np.abs(y.astype(np.float64) - truth) / step
+        assert err.max() <= 1.0, (name, float(err.max()))
