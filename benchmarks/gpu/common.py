@@ -236,7 +236,9 @@ def failed(rec: dict, key: str, exc: BaseException, what: str, log, verbose: boo
 def torch_ratios(rec: dict) -> None:
     """A batch record's ratios: torch.compile's figure is its fastest mode's (``torch_compile_ms``,
     ``torch_compile_mode``); ``vs_torch_compile``, ``vs_torch_eager`` (ours ÷ theirs) and, with the
-    outputs left in place (``ours_view_ms``), ``vs_torch_compile_static`` against reduce-overhead."""
+    outputs left in place (``ours_view_ms``), ``vs_torch_compile_static`` against reduce-overhead;
+    ``vs_torch_compile_interleaved``: the ratio of :func:`interleave_with`'s rounds against the mode
+    fastest there (``interleaved_mode``)."""
     ok = {m: v["ms"] for m, v in rec.get("torch_compile", {}).items() if "ms" in v}
     if ok:
         mode = min(ok, key=ok.get)
@@ -249,6 +251,10 @@ def torch_ratios(rec: dict) -> None:
     ro = rec.get("torch_compile", {}).get("reduce-overhead", {}).get("ms")
     if rec.get("ours_view_ms") is not None and ro:
         rec["vs_torch_compile_static"] = rec["ours_view_ms"] / ro
+    inter = rec.get("interleaved", {})
+    if inter:  # (against the mode that was faster in the interleaved rounds)
+        mode = min(inter, key=lambda m: inter[m]["torch_ms"])
+        rec["vs_torch_compile_interleaved"], rec["interleaved_mode"] = inter[mode]["ratio"], mode
 
 
 class TorchDevice:
@@ -296,6 +302,38 @@ def time_calls(call, sync, repeat: int, warmup: int) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeat": repeat}
+
+
+def time_interleaved(calls: dict, sync, rounds: int, per_round: int) -> dict:
+    """The contenders ``calls`` (name -> callable) timed in turn: ``rounds`` times, each one
+    untimed call and then ``per_round`` timed ones (a call and a device synchronization, as
+    :func:`time_calls`), the order rotating from round to round, so that a drift of the machine
+    during the run (clocks, temperature, other work) weighs on every contender alike and none runs
+    just after its own warm-up alone. Per contender: the median and fastest of its timed calls."""
+    names = list(calls)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            calls[k]()  # (the switch from the other contender falls on an untimed call)
+            sync()
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                calls[k]()
+                sync()
+                times[k].append(time.perf_counter() - t0)
+    return {k: {"ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v), "calls": len(v)} for k, v in times.items()}
+
+
+def interleave_with(rec: dict, mode: str, ours, theirs, sync, rounds: int, per_round: int, log, what: str) -> None:
+    """Ours against torch.compile in ``mode`` by :func:`time_interleaved`: ``rec["interleaved"][mode]``
+    gets both medians and their ratio (ours / theirs)."""
+    t = time_interleaved({"ours": ours, "torch": theirs}, sync, rounds, per_round)
+    ours_t, torch_t = t["ours"], t["torch"]
+    rec.setdefault("interleaved", {})[mode] = {
+        "ours_ms": ours_t["ms"], "torch_ms": torch_t["ms"], "ours_min_ms": ours_t["min_ms"],
+        "torch_min_ms": torch_t["min_ms"], "calls": ours_t["calls"], "ratio": ours_t["ms"] / torch_t["ms"]}
+    log(f"{what}: interleaved with torch.compile({mode}): ours {t['ours']['ms']:.3f} ms, torch "
+        f"{t['torch']['ms']:.3f} ms ({rounds} rounds of {per_round} calls each)")
 
 
 def time_eager(rec: dict, call, dev: "TorchDevice", repeat: int, warmup: int, log, what: str, verbose: bool) -> None:

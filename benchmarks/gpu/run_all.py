@@ -14,6 +14,9 @@ tables as ``.txt`` beside it. The JSON holds
   the same for ``llama`` and against torch eager; ``*_vs_torch_compile_static_outputs``: the
   same with the outputs left in place on both sides (ours ``copy_outputs=False`` against torch's
   reduce-overhead mode, whose outputs stay in its CUDA graph's memory);
+  ``*_vs_torch_compile_interleaved``: ours and torch.compile timed in alternating rounds after
+  both are warm (``models.py --interleave``), so that a drift of the machine between the two
+  sequential timings does not fall on one side;
 * ``device``, ``date``, software versions, the command line, and every raw figure (sections
   ``gemm`` and ``models``).
 
@@ -41,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, Budget, device_name, ensure_shardflow, fmt, slug, today  # noqa: E402
 
 HEADLINES = ("gemm_vs_cublas_min", "gpt2_small_vs_torch_compile", "gpt2_small_vs_torch_compile_static_outputs",
-             "gpt2_small_vs_torch_eager", "llama_vs_torch_compile", "llama_vs_torch_compile_static_outputs",
-             "llama_vs_torch_eager")
+             "gpt2_small_vs_torch_compile_interleaved", "gpt2_small_vs_torch_eager", "llama_vs_torch_compile",
+             "llama_vs_torch_compile_static_outputs", "llama_vs_torch_compile_interleaved", "llama_vs_torch_eager")
 
 
 def _versions() -> dict:

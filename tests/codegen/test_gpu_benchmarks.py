@@ -51,16 +51,35 @@ def test_headline_figures():
     assert s["all_correct"] is False and s["gemm_vs_cublas_min_bfloat16"] == 2.0
     models = _load("models")
     rec = {"ours_ms": 3.0, "ours_view_ms": 2.5, "torch_eager_ms": 6.0,
-           "torch_compile": {"default": {"ms": 4.0}, "reduce-overhead": {"ms": 2.0}, "max-autotune": {"error": "x"}}}
+           "torch_compile": {"default": {"ms": 4.0}, "reduce-overhead": {"ms": 2.0}, "max-autotune": {"error": "x"}},
+           "interleaved": {"default": {"torch_ms": 3.0, "ratio": 0.9},
+                           "reduce-overhead": {"torch_ms": 2.5, "ratio": 1.1}}}
     _load("common").torch_ratios(rec)
     assert rec["torch_compile_mode"] == "reduce-overhead" and rec["vs_torch_compile"] == 1.5
     assert rec["vs_torch_eager"] == 0.5 and rec["vs_torch_compile_static"] == 1.25
-    res = {"batches": {"1x128": {"vs_torch_compile": 0.8, "vs_torch_eager": 0.3, "vs_torch_compile_static": 0.7},
-                       "8x128": {"vs_torch_compile": 1.2, "vs_torch_eager": 0.2, "vs_torch_compile_static": 0.9}}}
+    assert rec["interleaved_mode"] == "reduce-overhead" and rec["vs_torch_compile_interleaved"] == 1.1
+    res = {"batches": {"1x128": {"vs_torch_compile": 0.8, "vs_torch_eager": 0.3, "vs_torch_compile_static": 0.7,
+                                 "vs_torch_compile_interleaved": 0.75},
+                       "8x128": {"vs_torch_compile": 1.2, "vs_torch_eager": 0.2, "vs_torch_compile_static": 0.9,
+                                 "vs_torch_compile_interleaved": 0.95}}}
     assert models.headline(res, "gpt2_small") == {"gpt2_small_vs_torch_compile": 1.2, "gpt2_small_vs_torch_eager": 0.3,
-                                                  "gpt2_small_vs_torch_compile_static_outputs": 0.9}
+                                                  "gpt2_small_vs_torch_compile_static_outputs": 0.9,
+                                                  "gpt2_small_vs_torch_compile_interleaved": 0.95}
     res["batches"]["8x128"].pop("vs_torch_compile")  # a batch without a figure: no headline
     assert models.headline(res, "gpt2_small")["gpt2_small_vs_torch_compile"] is None
+
+
+def test_interleaved_timing_alternates_the_contenders():
+    """``time_interleaved``: each round runs every contender's untimed call and its timed calls in
+    turn, the order rotating; each gets ``rounds * per_round`` timed calls."""
+    common = _load("common")
+    seen = []
+    calls = {k: (lambda k=k: seen.append(k)) for k in ("ours", "torch")}
+    syncs = []
+    t = common.time_interleaved(calls, lambda: syncs.append(1), rounds=3, per_round=2)
+    assert seen == ["ours"] * 3 + ["torch"] * 3 + ["torch"] * 3 + ["ours"] * 3 + ["ours"] * 3 + ["torch"] * 3
+    assert len(syncs) == len(seen) and {k: v["calls"] for k, v in t.items()} == {"ours": 6, "torch": 6}
+    assert all(v["min_ms"] <= v["ms"] for v in t.values())
 
 
 def test_result_file_name():
