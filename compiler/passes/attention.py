@@ -90,14 +90,16 @@ def _is(op: Operator | None, op_type: str, **attrs) -> bool:
 _HIDDEN = -1e30
 
 
-def _causal(mask: np.ndarray, s_len: int, l_len: int) -> tuple[int | None, bool]:
+def _causal(mask: np.ndarray, s_len: int, l_len: int, hidden: float = _HIDDEN) -> tuple[int | None, bool]:
     """``(offset, keep)`` when the constant additive ``mask`` (broadcast to ``[.., S, L]``) is
-    causal: every key ``j > i + offset`` is hidden (``<= _HIDDEN`` or ``-inf``) and every query
-    row keeps a key above ``_HIDDEN`` among the others, so masking them with ``-inf`` instead
-    (``is_causal``) gives the same probabilities, bit for bit. ``keep``: whether the mask is
-    still needed for the other keys (False when they are all 0). ``(None, True)`` otherwise.
-    The offsets tried are 0 and ``L - S`` (the queries are the last ``S`` positions, as with a
-    KV cache), the smaller first (it hides more)."""
+    causal: every key ``j > i + offset`` is hidden (``<= hidden``, by default ``_HIDDEN``, or
+    ``-inf``) and every query row keeps a key above ``hidden`` among the others, so masking them
+    with ``-inf`` instead (``is_causal``) gives the same probabilities, bit for bit (with a float16
+    model's ``hidden``, its type's lowest value: wherever a row's scores lie within 65400 of each
+    other, ``exp`` of a hidden one minus the row's maximum underflows to 0 in float32).
+    ``keep``: whether the mask is still needed for the other keys (False when they are all 0).
+    ``(None, True)`` otherwise. The offsets tried are 0 and ``L - S`` (the queries are the last
+    ``S`` positions, as with a KV cache), the smaller first (it hides more)."""
     if mask.ndim < 2 or mask.shape[-2] != s_len or mask.dtype.kind != "f" or np.isnan(mask).any():
         return None, True
     i = np.arange(s_len).reshape(-1, 1)
@@ -106,10 +108,10 @@ def _causal(mask: np.ndarray, s_len: int, l_len: int) -> tuple[int | None, bool]
         if off < 0:
             continue
         seen = np.broadcast_to(j <= i + off, mask.shape)
-        if not (mask[~seen] <= _HIDDEN).all():
+        if not (mask[~seen] <= hidden).all():
             continue
         shown = np.where(seen, mask, -np.inf)
-        if not ((shown > _HIDDEN).any(axis=-1).all() and (mask[seen] < np.inf).all()):
+        if not ((shown > hidden).any(axis=-1).all() and (mask[seen] < np.inf).all()):
             continue
         return off, bool(mask[seen].any())
     return None, True
@@ -614,6 +616,9 @@ class FuseAttention(_Walk, GraphPass):
         # (wide_probs) its float32 probabilities times V widened: the TorchScript export of
         # scaled_dot_product_attention on a float16 model (rfcs/0005 decision 44)
         wide_scores = wide_probs = False
+        # a half model's scores computed in float32 from Q and K widened (GPT-Neo's and GPT-J's
+        # query.to(float32), key.to(float32)), a float32 Softmax and its probabilities cast back
+        wide_qk = False
         if self.float32 or native:  # the probabilities straight from the Softmax
             down, sm = mm2, self._prod(mm2.inputs[0])
             # a half model's probabilities through float32 and back (transformers' Llama, Mistral:
@@ -627,7 +632,7 @@ class FuseAttention(_Walk, GraphPass):
                 up32 = self._prod(sm.inputs[0])
                 if not _is(up32, "Cast", to="float32") or up32.inputs[0].dtype != vh.dtype \
                         or self._only(up32.outputs[0]) is not sm:
-                    return None
+                    up32, wide_qk = None, True  # (checked at the scores' product below)
         else:  # the probabilities rounded to the half type: Cast(Cast(p, half), float32)
             up = self._prod(mm2.inputs[0])
             if _is(up, "Cast", to="float32"):
@@ -692,8 +697,9 @@ class FuseAttention(_Walk, GraphPass):
         if not _is(mm1, "MatMul") or self._only(s) is not nxt or wide_probs and not wide_scores:
             return None
         qh, kth = self._half_of(mm1.inputs[0]), self._half_of(mm1.inputs[1])
+        direct = qh is mm1.inputs[0] and kth is mm1.inputs[1]  # (no cast between them and the product)
         if qh is None or kth is None or not (qh.dtype == kth.dtype == vh.dtype) or (
-                not self.float32 and (native or wide_scores) != (qh is mm1.inputs[0] and kth is mm1.inputs[1])):
+                not self.float32 and ((native and not wide_qk) or wide_scores) != direct):
             return None
         shapes = [tuple(t.shape) for t in (qh, kth, vh)]
         if any(len(sh) != 4 for sh in shapes):
@@ -713,7 +719,8 @@ class FuseAttention(_Walk, GraphPass):
         for bias in biases:
             bs = tuple(bias.shape)
             want = (b_, h_, s_len, l_len)
-            if (len(bs) > 4 or not bs or bs[-1] != l_len or bias.dtype != ("float32" if not native else vh.dtype)
+            if (len(bs) > 4 or not bs or bs[-1] != l_len
+                    or bias.dtype != ("float32" if not native or wide_qk else vh.dtype)
                     or any(e not in (1, w) for e, w in zip(bs, want[4 - len(bs):]))):
                 return None
         # the operands: 3-D [B, S, H*D] forms where the heads were split by a reshape + transpose
@@ -730,7 +737,7 @@ class FuseAttention(_Walk, GraphPass):
             k3, k_steps = self._key_rows(kth, f"{mm2.name}.k", new_ops)
             if k3 is None:
                 return None  # (Kᵀ not 4-D, or its casts and scalings read by others)
-        if native:  # the half biases read in float32 (exactly)
+        if native and not wide_qk:  # the half biases read in float32 (exactly)
             widened = []
             for bias in biases:
                 if bias.is_constant:
@@ -741,7 +748,9 @@ class FuseAttention(_Walk, GraphPass):
             biases = widened
         causal = {}
         if len(biases) == 1 and biases[0].is_constant:
-            off, keep = _causal(np.asarray(biases[0].value), s_len, l_len)
+            # (a float16 model's mask hides with its type's lowest value, transformers' finfo.min)
+            hidden = float(np.finfo(np.float16).min) if native and not wide_qk and vh.dtype == "float16" else _HIDDEN
+            off, keep = _causal(np.asarray(biases[0].value), s_len, l_len, hidden)
             if off is not None:
                 causal = {"is_causal": True, "past_len": off}
                 biases = biases if keep else []

@@ -201,6 +201,61 @@ def test_which_constant_masks_count_as_causal():
     assert _causal(np.where(tri == 0, 0, -1e4).astype(np.float32), 6, 6) == (None, True)  # not hidden exactly
     assert _causal(np.zeros((6, 6), np.float32), 6, 6) == (None, True)
     assert _causal(tri[:1], 6, 6) == (None, True)  # one row broadcast: no diagonal
+    # a float16 model's mask, its type's lowest value widened: hidden for that model alone
+    tri16 = np.where(tri == 0, 0, np.finfo(np.float16).min).astype(np.float32)
+    assert _causal(tri16, 6, 6) == (None, True)
+    assert _causal(tri16, 6, 6, hidden=float(np.finfo(np.float16).min)) == (0, False)
+
+
+def _half_causal_model(s: int = 24, e: int = 32, heads: int = 2):
+    """A float16 model's attention as transformers' eager form writes it: ``x [2, S, E]`` -> Q, K,
+    V -> heads -> ``softmax(Q Kᵀ / sqrt(D) + mask) V`` -> output projection -> ``y``, the mask a
+    constant ``[1, 1, S, S]`` of 0 and float16's lowest value above the diagonal."""
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(0)
+    d = e // heads
+    mask = np.where(np.tril(np.ones((s, s), bool)), 0, np.finfo(np.float16).min).astype(np.float16)[None, None]
+    inits = [numpy_helper.from_array((rng.standard_normal((e, e)) / np.sqrt(e)).astype(np.float16), n)
+             for n in ("wq", "wk", "wv", "wo")]
+    inits += [numpy_helper.from_array(np.array([2, s, heads, d], np.int64), "h4"),
+              numpy_helper.from_array(np.array([2, s, e], np.int64), "h3"),
+              numpy_helper.from_array(np.array(d ** -0.5, np.float16), "scale"), numpy_helper.from_array(mask, "mask")]
+    nodes = []
+    for t in "qkv":
+        nodes += [oh.make_node("MatMul", ["x", f"w{t}"], [t]), oh.make_node("Reshape", [t, "h4"], [f"{t}4"]),
+                  oh.make_node("Transpose", [f"{t}4"], [f"{t}t"], perm=[0, 2, 3, 1] if t == "k" else [0, 2, 1, 3])]
+    nodes += [oh.make_node("MatMul", ["qt", "kt"], ["s0"]), oh.make_node("Mul", ["s0", "scale"], ["s1"]),
+              oh.make_node("Add", ["s1", "mask"], ["s2"]), oh.make_node("Softmax", ["s2"], ["p"], axis=-1),
+              oh.make_node("MatMul", ["p", "vt"], ["o"]), oh.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+              oh.make_node("Reshape", ["ot", "h3"], ["a"]), oh.make_node("MatMul", ["a", "wo"], ["y"])]
+    io = oh.make_tensor_value_info
+    graph = oh.make_graph(nodes, "att16", [io("x", TensorProto.FLOAT16, [2, s, e])],
+                          [io("y", TensorProto.FLOAT16, [2, s, e])], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def test_a_float16_models_causal_mask_becomes_is_causal():
+    """transformers' float16 models hide a key with their type's lowest value (``finfo.min``,
+    -65504), not the float32 ``-1e30`` and below that counts as hidden for any model: the fused
+    op widens the half mask to float32, where ``exp`` of a hidden score minus the row's maximum is
+    0 as for ``-inf``; the constant causal mask becomes ``is_causal`` (no bias read, the tiles
+    above the diagonal skipped: rfcs/0005 decision 70), the values those of the separate ops
+    within float16's rounding, and onnxruntime's."""
+    model = _half_causal_model()
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 24, 32)).astype(np.float16)}
+    g = load_onnx(model)
+    ref = g.run(feeds)["y"].astype(np.float32)
+    fused = FuseAttention().run(g)
+    (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+    assert att.attrs.get("is_causal") and len(att.inputs) == 3 and not att.attrs.get("extra_biases"), att.attrs
+    got = fused.run(feeds)["y"].astype(np.float32)
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3 * float(np.abs(ref).max()))
+    ort = pytest.importorskip("onnxruntime")
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    want = want.astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max()))
 
 
 def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, nonpad: bool = False, b=2, s=40, e=64, hq=4, hk=2):

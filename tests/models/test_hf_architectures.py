@@ -248,6 +248,19 @@ def test_half_export_cuda_kernels_on_the_host(tmp_path, exported, arch, exporter
     _cuda_program_on_the_host(tmp_path, *exported(arch, exporter, half=True), "float16", True)
 
 
+#: architectures with LayerNorm exported in float16 by the dynamo exporter, the attention computed as
+#: the model writes it (GPT-Neo and GPT-J: scores in float32 from Q and K widened, rfcs/0005
+#: decision 70); XGLM's half clamp of the scores at its type's lowest value stays apart
+HALF_DYNAMO = ["gpt_neo", "gptj", "opt", "bloom", "gpt_bigcode", "phi"]
+
+
+@pytest.mark.parametrize("arch", HALF_DYNAMO)
+def test_half_dynamo_export_cuda_kernels_on_the_host(tmp_path, exported, arch):
+    """As :func:`test_half_export_cuda_kernels_on_the_host` for the dynamo exporter's float16 graphs
+    of models with LayerNorm (valid there): fused attention, graph and kernels as above."""
+    _cuda_program_on_the_host(tmp_path, *exported(arch, "dynamo18", half=True), "float16", True)
+
+
 def _cuda_program_on_the_host(tmp_path, path, feeds, want, precision, fused):
     from cuda_host import build
     from test_cuda_host import _check_kernels
