@@ -125,6 +125,16 @@ class _Walk:
         self._consumers = graph.consumers()
         self._outputs = {id(t) for t in graph.outputs}
 
+    def _folded(self, t: Tensor) -> np.ndarray | None:
+        """``t``'s value where it is a constant, or a ``Where`` of constants (a fill of the scores
+        written as a bias by :meth:`AttentionOnHeads._fills_as_biases`); else None."""
+        if t.is_constant:
+            return np.asarray(t.value)
+        p = self._prod(t)
+        if _is(p, "Where") and all(u.is_constant for u in p.inputs):
+            return np.where(*(np.asarray(u.value) for u in p.inputs))
+        return None
+
     def _only(self, t: Tensor) -> Operator | None:
         """The single op reading ``t`` (None when several do, or ``t`` is a graph output)."""
         rs = self._consumers.get(id(t), [])
@@ -212,6 +222,30 @@ class AttentionOnHeads(_Walk, GraphPass):
         hiding, ``x`` float32 of the output's shape): scores filled where a mask hides them."""
         return self._beside_hiding(w, *w.inputs[1:]) if _is(w, "Where") else None
 
+    def _half_causal_fill(self, w: Operator | None) -> tuple[Tensor, bool] | None:
+        """``(x, hidden_if_true)`` when ``w`` is a float16 model's causal fill, ``Where(c, h, x)`` or
+        ``Where(c, x, h)``: ``x`` float16 scores of the output's shape, ``h`` float16's lowest value
+        (transformers' ``finfo.min``: GPT-2's ``torch.where(causal_mask, w, mask_value)`` before
+        its masks moved to ``masking_utils``), ``c`` a constant whose hidden keys are causal, every
+        row keeping its diagonal (:func:`_causal`). Written as an added bias, ``x + Where(c, h, 0)``
+        in float16, a hidden score is ``x - 65504`` (or ``-inf``) instead of ``-65504``: ``exp`` of it
+        minus the row's maximum is 0 either way where a row's scores lie within 65400 of each other,
+        and no row is all hidden (the softmax reads the fill itself: no padding mask added after
+        it); the fused op then masks them as ``is_causal``."""
+        if not _is(w, "Where") or not w.inputs[0].is_constant:
+            return None
+        lowest = float(np.finfo(np.float16).min)
+        for h, x, first in ((w.inputs[1], w.inputs[2], True), (w.inputs[2], w.inputs[1], False)):
+            v = self._scalar(h)
+            if v is None or v > lowest or h.dtype != "float16" or x.dtype != "float16" \
+                    or tuple(x.shape) != tuple(w.outputs[0].shape) or x.ndim < 2:
+                continue
+            cond = np.asarray(w.inputs[0].value, bool)
+            hidden = cond if first else ~cond
+            if _causal(np.where(hidden, -np.inf, 0).astype(np.float32), x.shape[-2], x.shape[-1])[0] is not None:
+                return x, first
+        return None
+
     def _clamp_of(self, m: Operator | None) -> Tensor | None:
         """``y`` when ``m`` is ``Max(y, h)`` or ``Max(h, y)`` (``h`` hiding, ``y`` float32 of the
         output's shape): XGLM's and BART's ``max(scores, finfo.min)``."""
@@ -231,7 +265,7 @@ class AttentionOnHeads(_Walk, GraphPass):
             return False
         if _is(p, "Binary", fn="add"):
             return any(self._scores_like(u, depth - 1) for u in p.inputs)
-        fill = self._fill_of(p)
+        fill = self._fill_of(p) or self._half_causal_fill(p)
         inner = fill[0] if fill else self._clamp_of(p)
         return inner is not None and self._scores_like(inner, depth - 1)
 
@@ -255,14 +289,17 @@ class AttentionOnHeads(_Walk, GraphPass):
             t, nxt = sm.inputs[0], sm
             if _is(self._prod(t), "Reshape") and self._only(t) is sm:  # (XGLM: [B, H, S, L] -> [B*H, S, L])
                 t, nxt = self._prod(t).inputs[0], self._prod(t)
-            for _ in range(2 * _MAX_BIASES):
+            for step in range(2 * _MAX_BIASES):
                 p = self._prod(t)
                 if p is None or self._only(t) is not nxt:
                     break
-                fill, clamp = self._fill_of(p), self._clamp_of(p)
+                # (a float16 causal fill only where the softmax reads it: another bias added after
+                # it could hide every key of a row, where the fill's exact value matters)
+                fill = self._fill_of(p) or (self._half_causal_fill(p) if step == 0 else None)
+                clamp = self._clamp_of(p)
                 if fill is not None and self._scores_like(fill[0]):
                     x, first = fill
-                    zero = const_tensor(np.zeros((), np.float32), f"{p.name}.zero")
+                    zero = const_tensor(np.zeros((), np.dtype(x.dtype)), f"{p.name}.zero")
                     cond, h = p.inputs[0], p.inputs[1 if first else 2]
                     bias = Where([cond, h, zero] if first else [cond, zero, h], name=f"{p.name}.bias")
                     add = Binary([x, bias.outputs[0]], name=f"{p.name}.add", fn="add")
@@ -747,10 +784,11 @@ class FuseAttention(_Walk, GraphPass):
                     widened.append(new_ops[-1].outputs[0])
             biases = widened
         causal = {}
-        if len(biases) == 1 and biases[0].is_constant:
+        value = self._folded(given[0]) if len(biases) == 1 else None
+        if value is not None:
             # (a float16 model's mask hides with its type's lowest value, transformers' finfo.min)
             hidden = float(np.finfo(np.float16).min) if native and not wide_qk and vh.dtype == "float16" else _HIDDEN
-            off, keep = _causal(np.asarray(biases[0].value), s_len, l_len, hidden)
+            off, keep = _causal(value.astype(np.float32), s_len, l_len, hidden)
             if off is not None:
                 causal = {"is_causal": True, "past_len": off}
                 biases = biases if keep else []

@@ -207,55 +207,80 @@ def test_which_constant_masks_count_as_causal():
     assert _causal(tri16, 6, 6, hidden=float(np.finfo(np.float16).min)) == (0, False)
 
 
-def _half_causal_model(s: int = 24, e: int = 32, heads: int = 2):
-    """A float16 model's attention as transformers' eager form writes it: ``x [2, S, E]`` -> Q, K,
-    V -> heads -> ``softmax(Q Kᵀ / sqrt(D) + mask) V`` -> output projection -> ``y``, the mask a
-    constant ``[1, 1, S, S]`` of 0 and float16's lowest value above the diagonal."""
-    from onnx import TensorProto, numpy_helper
+def _causal_model(dtype: str = "float16", form: str = "add", padding: bool = False, s: int = 24, e: int = 32,
+                  heads: int = 2):
+    """An attention as transformers' eager forms write it: ``x [2, S, E]`` -> Q, K, V -> heads ->
+    ``softmax(Q Kᵀ / sqrt(D) + mask) V`` -> output projection -> ``y``, in ``dtype``, the causal mask
+    of the type's lowest value above the diagonal: a constant ``[1, 1, S, S]`` added (``form``
+    ``"add"``, today's), or the scores filled where a constant condition hides them (``"where"``,
+    GPT-2's ``torch.where(causal_mask, w, mask_value)`` before ``masking_utils``); with ``padding``
+    an input ``pad [2, 1, 1, S]`` added after it."""
+    from onnx import numpy_helper
     from onnx import helper as oh
 
     rng = np.random.default_rng(0)
-    d = e // heads
-    mask = np.where(np.tril(np.ones((s, s), bool)), 0, np.finfo(np.float16).min).astype(np.float16)[None, None]
-    inits = [numpy_helper.from_array((rng.standard_normal((e, e)) / np.sqrt(e)).astype(np.float16), n)
+    d, npt = e // heads, np.dtype(dtype)
+    low = np.finfo(npt).min
+    tril = np.tril(np.ones((s, s), bool))[None, None]
+    inits = [numpy_helper.from_array((rng.standard_normal((e, e)) / np.sqrt(e)).astype(npt), n)
              for n in ("wq", "wk", "wv", "wo")]
     inits += [numpy_helper.from_array(np.array([2, s, heads, d], np.int64), "h4"),
               numpy_helper.from_array(np.array([2, s, e], np.int64), "h3"),
-              numpy_helper.from_array(np.array(d ** -0.5, np.float16), "scale"), numpy_helper.from_array(mask, "mask")]
+              numpy_helper.from_array(np.array(d ** -0.5, npt), "scale"),
+              numpy_helper.from_array(np.where(tril, 0, low).astype(npt), "mask"),
+              numpy_helper.from_array(tril, "seen"), numpy_helper.from_array(np.array(low, npt), "low")]
     nodes = []
     for t in "qkv":
         nodes += [oh.make_node("MatMul", ["x", f"w{t}"], [t]), oh.make_node("Reshape", [t, "h4"], [f"{t}4"]),
                   oh.make_node("Transpose", [f"{t}4"], [f"{t}t"], perm=[0, 2, 3, 1] if t == "k" else [0, 2, 1, 3])]
     nodes += [oh.make_node("MatMul", ["qt", "kt"], ["s0"]), oh.make_node("Mul", ["s0", "scale"], ["s1"]),
-              oh.make_node("Add", ["s1", "mask"], ["s2"]), oh.make_node("Softmax", ["s2"], ["p"], axis=-1),
+              oh.make_node("Add", ["s1", "mask"], ["s2"]) if form == "add" else
+              oh.make_node("Where", ["seen", "s1", "low"], ["s2"])]
+    if padding:
+        nodes.append(oh.make_node("Add", ["s2", "pad"], ["s3"]))
+    nodes += [oh.make_node("Softmax", ["s3" if padding else "s2"], ["p"], axis=-1),
               oh.make_node("MatMul", ["p", "vt"], ["o"]), oh.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
               oh.make_node("Reshape", ["ot", "h3"], ["a"]), oh.make_node("MatMul", ["a", "wo"], ["y"])]
     io = oh.make_tensor_value_info
-    graph = oh.make_graph(nodes, "att16", [io("x", TensorProto.FLOAT16, [2, s, e])],
-                          [io("y", TensorProto.FLOAT16, [2, s, e])], inits)
+    et = oh.np_dtype_to_tensor_dtype(npt)
+    ins = [io("x", et, [2, s, e])] + ([io("pad", et, [2, 1, 1, s])] if padding else [])
+    graph = oh.make_graph(nodes, "causal", ins, [io("y", et, [2, s, e])], inits)
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
 
 
-def test_a_float16_models_causal_mask_becomes_is_causal():
+@pytest.mark.parametrize("dtype,form,padding", [("float16", "add", False), ("float16", "where", False),
+                                                ("float32", "where", False), ("float16", "where", True)])
+def test_a_causal_mask_of_the_types_lowest_value_becomes_is_causal(dtype, form, padding):
     """transformers' float16 models hide a key with their type's lowest value (``finfo.min``,
     -65504), not the float32 ``-1e30`` and below that counts as hidden for any model: the fused
-    op widens the half mask to float32, where ``exp`` of a hidden score minus the row's maximum is
-    0 as for ``-inf``; the constant causal mask becomes ``is_causal`` (no bias read, the tiles
-    above the diagonal skipped: rfcs/0005 decision 70), the values those of the separate ops
-    within float16's rounding, and onnxruntime's."""
-    model = _half_causal_model()
-    feeds = {"x": np.random.default_rng(1).standard_normal((2, 24, 32)).astype(np.float16)}
+    op adds the half mask in float32, where ``exp`` of a hidden score minus the row's maximum is 0
+    as for ``-inf``; a constant causal mask, added or a fill of the scores (a float32 model's fill
+    too, a ``Where`` of constants), becomes ``is_causal`` (no bias read, the tiles above the
+    diagonal skipped: rfcs/0005 decision 70), the values those of the separate ops within the
+    type's rounding, and onnxruntime's. A float16 fill with a padding mask added after it (which
+    could hide every key of a row, where the fill's exact value matters) is left alone."""
+    model = _causal_model(dtype, form, padding)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((2, 24, 32)).astype(dtype)}
+    if padding:
+        feeds["pad"] = np.where(np.arange(24) < 20, 0, np.finfo(np.dtype(dtype)).min).astype(dtype).reshape(1, 1, 1, 24)
+        feeds["pad"] = np.repeat(feeds["pad"], 2, axis=0)
     g = load_onnx(model)
     ref = g.run(feeds)["y"].astype(np.float32)
-    fused = FuseAttention().run(g)
-    (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+    fused = FuseAttention(float32=dtype == "float32", target="cuda").run(g)
+    atts = [op for op in fused.nodes if op.op_type == "Attention"]
+    if padding:
+        assert not atts
+        return
+    (att,) = atts
     assert att.attrs.get("is_causal") and len(att.inputs) == 3 and not att.attrs.get("extra_biases"), att.attrs
     got = fused.run(feeds)["y"].astype(np.float32)
-    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3 * float(np.abs(ref).max()))
+    tol = 2e-3 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
     ort = pytest.importorskip("onnxruntime")
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     want = want.astype(np.float32)
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()))
 
 
 def _onnx_attention_model(causal: bool, mask: bool, four_d: bool, nonpad: bool = False, b=2, s=40, e=64, hq=4, hk=2):
