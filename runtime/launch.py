@@ -357,9 +357,10 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
                         except (OSError, ValueError):
                             pass
             now = time.monotonic()
-            if first_dead is None:
+            if first_dead is None:  # (a rank that left because of a peer, by its record, is no cause)
                 dead = [r for r, pid in pids.items()
-                        if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists()]
+                        if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists()
+                        and not _left_for_peer(pid_dir, r)]
                 if dead:  # several found gone at once: which went first is unknown (None)
                     first_dead = (dead[0] if len(dead) == 1 else None, now)
             elif now - first_dead[1] > grace:
@@ -465,6 +466,14 @@ def _record_exit(pid_dir: str | None, rank: int, why: str) -> None:
             Path(pid_dir, f"rank{rank}.exit").write_text(why)
         except OSError:
             pass
+
+
+def _left_for_peer(pid_dir: str, rank: int) -> bool:
+    """Whether ``rank``'s exit record says it left because a peer failed."""
+    try:
+        return Path(pid_dir, f"rank{rank}.exit").read_text().startswith("peer")
+    except OSError:
+        return False
 
 
 def _failed_rank(pid_dir: str) -> int | None:

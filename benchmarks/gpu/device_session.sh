@@ -19,6 +19,8 @@
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
 #   bash benchmarks/gpu/device_session.sh bf16models  # GPT-2 small and Llama exported in bfloat16 vs torch.compile
 #                                                 # on the same bfloat16 modules (1x128, 8x128), < 7 min
+#   bash benchmarks/gpu/device_session.sh f16models  # the same exported in float16 (half activations on both
+#                                                 # sides: like for like with torch's float16 run), < 7 min
 #   bash benchmarks/gpu/device_session.sh decode  # products of 1-8 rows (the gemv template) vs cuBLAS, dense float16
 #                                                 # on both weight layouts and 4-bit codes, < 5 min
 #   bash benchmarks/gpu/device_session.sh cluster  # the cluster tiles (rfcs/0005 decisions 31, 32: split-K, B
@@ -352,6 +354,15 @@ case "$what" in
             > "$out/models-bf16.txt" 2>&1
         tail -20 "$out/models-bf16.txt"
         ;;
+    f16models)  # models that are float16 themselves: every activation half on both sides (the default run
+                # keeps ours float32 between products); causal masks as is_causal since session 53
+                # (rfcs/0005 decision 70: before, the float16 mask was a bias the kernel read)
+        mkdir -p /tmp/sf-export-f16
+        timeout 400 python3 benchmarks/gpu/models.py --models gpt2_small,llama --batches 1,8 --model-dtype float16 \
+            --compile-modes reduce-overhead --export-dir /tmp/sf-export-f16 --json "$out/models-f16.json" \
+            > "$out/models-f16.txt" 2>&1
+        tail -20 "$out/models-f16.txt"
+        ;;
     tf32)  # float32 operands on the wgmma template (optimization_config["wgmma_fp32"], rfcs/0005 decisions 33-34,
            # session 41; never run on a GPU):
            # its GPU tests (every tile; the models against onnxruntime), then every GEMM shape in TF32
@@ -461,7 +472,7 @@ case "$what" in
         "$@"
         ;;
     *)
-        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|decode|steps|cluster|tf32|attention|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|f16models|decode|steps|cluster|tf32|attention|run CMD..." >&2
         exit 2
         ;;
 esac

@@ -193,8 +193,8 @@ class Watchdog:
     def _broadcast_failure(self, message: str, member: int | None) -> None:
         if self._stop.is_set():
             return
-        text = message.encode()[:60000]
-        self._send_all(_ABORT + struct.pack("<H", len(text)) + text)
+        text = message.encode()[:60000]  # (with the failed rank, -1 if none: the others record it)
+        self._send_all(_ABORT + struct.pack("<Hi", len(text), -1 if member is None else member) + text)
         self._fail(f"shardflow: {message}; {self._name(0)} stops", member)
 
     # ---------------------------------------------------------------- other ranks ----------
@@ -217,13 +217,14 @@ class Watchdog:
                 buf += data
                 while buf:
                     if buf[:1] == _ABORT:
-                        if len(buf) < 3:
+                        head = 1 + struct.calcsize("<Hi")
+                        if len(buf) < head:
                             break
-                        (n,) = struct.unpack("<H", buf[1:3])
-                        if len(buf) < 3 + n:
+                        n, failed = struct.unpack("<Hi", buf[1:head])
+                        if len(buf) < head + n:
                             break
-                        msg = buf[3:3 + n].decode(errors="replace")
-                        self._fail(f"shardflow: {msg}; {self._name(self.rank)} stops", None)
+                        msg = buf[head:head + n].decode(errors="replace")
+                        self._fail(f"shardflow: {msg}; {self._name(self.rank)} stops", None if failed < 0 else failed)
                         return
                     if buf[:1] == _BYE:
                         return

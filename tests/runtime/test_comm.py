@@ -186,6 +186,37 @@ def test_number_settings_from_the_environment(monkeypatch):
         Watchdog(comm)
 
 
+def test_the_watchdogs_abort_names_the_failed_rank():
+    """Rank 0's watchdog sees rank 2's connection close before it finished: it stops, and so do the
+    others, each told which rank failed (they record it for the launcher, which names the rank
+    that failed first from those records under mpiexec; before, the relayed abort named none)."""
+    import threading
+
+    from shardflow.runtime.comm.watchdog import Watchdog
+
+    failures = {}
+    seen = threading.Event()
+
+    def on_failure(rank):
+        def f(message, failed):
+            failures[rank] = (failed, message)
+            if len(failures) == 2:
+                seen.set()
+        return f
+
+    comms = InProcessWorld(3).communicators()
+    dogs = run_threads(comms, lambda c: Watchdog(c, heartbeat_s=0.05, timeout_s=30, on_failure=on_failure(c.rank)))
+    try:
+        dogs[2]._stop.set()  # (rank 2 goes away without a word, as a killed process does)
+        dogs[2]._sock.close()
+        assert seen.wait(10), failures
+        assert failures[0][0] == failures[1][0] == 2 and 2 not in failures, failures
+        assert "rank 2 died" in failures[1][1] and failures[1][1].endswith("rank 1 stops"), failures
+    finally:
+        for d in dogs:
+            d.stop()
+
+
 def test_a_missing_peer_raises_rank_failed_naming_it():
     world = InProcessWorld(2, timeout_s=0.3)
     c0, _ = world.communicators()

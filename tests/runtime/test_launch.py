@@ -250,6 +250,9 @@ def test_the_failed_rank_is_read_from_the_exit_records(tmp_path):
     assert _failed_rank(records(r0="error", r3="error")) == 0
     assert _failed_rank(records(r0="peer 3", r1="peer 3", r2="peer 3")) == 3
     assert _failed_rank(records()) is None  # four silent ranks: unknown
+    from shardflow.runtime.launch import _left_for_peer
+    d = records(r0="peer 1", r2="error", r3="peer")
+    assert [_left_for_peer(d, r) for r in range(4)] == [True, False, False, True]
 
 
 @pytest.mark.slow
