@@ -332,8 +332,8 @@ def interleave_with(rec: dict, mode: str, ours, theirs, sync, rounds: int, per_r
     rec.setdefault("interleaved", {})[mode] = {
         "ours_ms": ours_t["ms"], "torch_ms": torch_t["ms"], "ours_min_ms": ours_t["min_ms"],
         "torch_min_ms": torch_t["min_ms"], "calls": ours_t["calls"], "ratio": ours_t["ms"] / torch_t["ms"]}
-    log(f"{what}: interleaved with torch.compile({mode}): ours {t['ours']['ms']:.3f} ms, torch "
-        f"{t['torch']['ms']:.3f} ms ({rounds} rounds of {per_round} calls each)")
+    log(f"{what}: interleaved with torch.compile({mode}): ours {ours_t['ms']:.3f} ms, torch "
+        f"{torch_t['ms']:.3f} ms ({rounds} rounds of {per_round} calls each)")
 
 
 def time_eager(rec: dict, call, dev: "TorchDevice", repeat: int, warmup: int, log, what: str, verbose: bool) -> None:

@@ -942,11 +942,10 @@ class _Emitter:
                 expr = f"sf_{op}<{ct}>({a}, {b})"
         else:
             raise CudaCodegenError(f"binary operation {op} is not supported by the cuda target")
-        if id(e) in self.exact:  # (a product of two halves is exact in float32: its sum adds it so)
-            pass
-        elif dt == "float16" and op not in ("max", "min"):
+        rounded = op not in ("max", "min") and id(e) not in self.exact  # (exact: _exact_product)
+        if dt == "float16" and rounded:
             expr = f"sf_rh({expr})"
-        elif dt == "bfloat16" and op not in ("max", "min"):
+        elif dt == "bfloat16" and rounded:
             expr = f"sf_rb({expr})"
         elif dt in float8.FLOAT8 and op not in ("max", "min"):
             raise CudaCodegenError(f"{op} on {dt} values: ONNX has no float8 arithmetic; cast to float32 first")
@@ -1152,28 +1151,31 @@ class _Emitter:
     def _exact_product(self, e: Reduce, bd: str, acc: str) -> BinOp | None:
         """The product of two half values read from tensors that the float32 sum ``e`` adds (its
         body, or the taken branch of a select whose other one is zero: a conv's padded or strided
-        tap), where the product depends on ``e``'s axes (computed in its loop alone). The product of two float16 or
-        bfloat16 values is exact in float32: rounded to the half type before a float32 accumulation
-        it would only lose accuracy that the tensor-core templates (and cuDNN, onnxruntime) keep.
-        ``None`` where there is none."""
+        tap), where the product depends on ``e``'s axes (computed in its loop alone). The product
+        of two float16 or bfloat16 values is exact in float32: rounded to the half type before a
+        float32 accumulation it would only lose accuracy that the tensor-core templates (and
+        cuDNN, onnxruntime) keep. ``None`` where there is none."""
         if e.op not in ("sum", "mean") or bd not in ("float16", "bfloat16") or acc != "float32":
             return None
-        body = e.body
-        while isinstance(body, IfThenElse):
-            zero = [isinstance(c, Const) and not isinstance(c.value, bool) and c.value == 0
-                    for c in (body.then, body.other)]
-            if zero == [False, True]:
-                body = body.then
-            elif zero == [True, False]:
-                body = body.other
-            else:
-                return None
+
+        def zero(x: Expr) -> bool:
+            return isinstance(x, Const) and not isinstance(x.value, bool) and x.value == 0
+
         def read(x: Expr) -> bool:  # (an operand as read, not computed: a tensor's element, a cast
             # of one, a padded read; a product of computed values, a fused Mul(d, d) before a
             # ReduceMean, keeps the rounding of the tensor its op wrote)
             if isinstance(x, IfThenElse):
-                return all(read(c) or (isinstance(c, Const) and c.value == 0) for c in (x.then, x.other))
+                return all(read(c) or zero(c) for c in (x.then, x.other))
             return isinstance(x, (TensorElement, Const)) or (isinstance(x, Cast) and read(x.a))
+
+        body = e.body
+        while isinstance(body, IfThenElse):
+            if zero(body.other) and not zero(body.then):
+                body = body.then
+            elif zero(body.then) and not zero(body.other):
+                body = body.other
+            else:
+                return None
         if not (isinstance(body, BinOp) and body.op == "mul" and self.an.dtype(body) == bd
                 and self.an.dtype(body.a) == bd and self.an.dtype(body.b) == bd and read(body.a) and read(body.b)
                 and self.an.free(body) & frozenset(e.vars)):

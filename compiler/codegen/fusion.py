@@ -328,8 +328,31 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     while joined_any:
         joined_any = False
         for gi in sorted(range(len(groups)), key=lambda i: pos[id(groups[i][-1])] if groups[i] else -1):
-            joined_any |= _join_readers_group(groups, gi, owner, readers, pos, keep, frozen, barriers, no_prologue,
-                                              materialize, epilogue_after_reduce)
+            a = groups[gi]
+            if not a or not _single(a[-1]) or barriers(a[-1]) or a[-1].name in frozen or materialize(a[-1]):
+                continue
+            t = a[-1].outputs[0]
+            rs = readers.get(id(t), [])
+            homes = {owner[id(r)] for r in rs}
+            if len(rs) < 2 or len(homes) != 1 or t.name in keep or gi in homes:
+                continue
+            hi = homes.pop()
+            home = groups[hi]
+            if any(barriers(m) or not _single(m) or m.name in frozen for m in home) or no_prologue(home[0]):
+                continue
+            if any(_has_reduce(m) for m in a):
+                if not epilogue_after_reduce or any(_has_reduce(m) for m in home):
+                    continue
+                if not all(type(r).injective and all(_reads_elementwise(r, k) for k, u in enumerate(r.inputs)
+                                                     if u is t) for r in rs):
+                    continue
+            elif any(r.op_type in CONTRACTIONS for r in rs) and not all(m.op_type in CHEAP for m in a):
+                continue
+            groups[hi] = sorted(a + home, key=lambda m: pos[id(m)])
+            groups[gi] = []
+            for m in a:
+                owner[id(m)] = hi
+            joined_any = True
 
     # a group of views alone would be a copy kernel: they stay views
     groups = [[m] for g in groups if g and all(m.name in views for m in g) for m in g] + \
@@ -350,38 +373,6 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
     log.debug("fusion: %d ops -> %d kernels (%d ops in %d fused groups)", len(ops), len(res), n_fused,
               sum(1 for g in groups if len(g) > 1))
     return res
-
-
-def _join_readers_group(groups, gi, owner, readers, pos, keep, frozen, barriers, no_prologue, materialize,
-                        epilogue_after_reduce) -> bool:
-    """Phase 2 of :func:`fuse` for group ``gi``: when its output is read several times, all inside
-    one other group, and that group may take it as a prologue (or, for a reducing group, as the
-    producer of its element-wise reads), the group joins it. Whether it joined."""
-    a = groups[gi]
-    if not a or not _single(a[-1]) or barriers(a[-1]) or a[-1].name in frozen or materialize(a[-1]):
-        return False
-    t = a[-1].outputs[0]
-    rs = readers.get(id(t), [])
-    homes = {owner[id(r)] for r in rs}
-    if len(rs) < 2 or len(homes) != 1 or t.name in keep or gi in homes:
-        return False
-    hi = homes.pop()
-    home = groups[hi]
-    if any(barriers(m) or not _single(m) or m.name in frozen for m in home) or no_prologue(home[0]):
-        return False
-    if any(_has_reduce(m) for m in a):
-        if not epilogue_after_reduce or any(_has_reduce(m) for m in home):
-            return False
-        if not all(type(r).injective and all(_reads_elementwise(r, k) for k, u in enumerate(r.inputs) if u is t)
-                   for r in rs):
-            return False
-    elif any(r.op_type in CONTRACTIONS for r in rs) and not all(m.op_type in CHEAP for m in a):
-        return False
-    groups[hi] = sorted(a + home, key=lambda m: pos[id(m)])
-    groups[gi] = []
-    for m in a:
-        owner[id(m)] = hi
-    return True
 
 
 def _accepted_prefix(members: list[Operator], accept: Callable[["FusedOp"], bool]) -> int:

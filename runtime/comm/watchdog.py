@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 EXIT_PEER_FAILED = 3
 
 _HB, _DONE, _ABORT, _BYE, _HELLO = b"H", b"D", b"X", b"B", b"E"
+#: an abort's header after its tag: the message's length and the failed rank (-1 if none)
+_ABORT_HEAD = "<Hi"
 
 
 def _default_fail(message: str, rank: int | None) -> None:
@@ -193,8 +195,8 @@ class Watchdog:
     def _broadcast_failure(self, message: str, member: int | None) -> None:
         if self._stop.is_set():
             return
-        text = message.encode()[:60000]  # (with the failed rank, -1 if none: the others record it)
-        self._send_all(_ABORT + struct.pack("<Hi", len(text), -1 if member is None else member) + text)
+        text = message.encode()[:60000]  # (with the failed rank: the others record it)
+        self._send_all(_ABORT + struct.pack(_ABORT_HEAD, len(text), -1 if member is None else member) + text)
         self._fail(f"shardflow: {message}; {self._name(0)} stops", member)
 
     # ---------------------------------------------------------------- other ranks ----------
@@ -217,10 +219,10 @@ class Watchdog:
                 buf += data
                 while buf:
                     if buf[:1] == _ABORT:
-                        head = 1 + struct.calcsize("<Hi")
+                        head = 1 + struct.calcsize(_ABORT_HEAD)
                         if len(buf) < head:
                             break
-                        n, failed = struct.unpack("<Hi", buf[1:head])
+                        n, failed = struct.unpack(_ABORT_HEAD, buf[1:head])
                         if len(buf) < head + n:
                             break
                         msg = buf[head:head + n].decode(errors="replace")
