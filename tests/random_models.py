@@ -17,9 +17,16 @@ of the tiles:
   the scores, on Q or on both, a causal mask added or filled with the type's lowest value, a
   padding mask added or filled from a boolean input, a float32 softmax in float16 models, and an
   output projection.
+* :func:`tensor_program`: 2-8 random steps on ``x`` of rank 1-4: unary and broadcast binary
+  elementwise ops (with earlier tensors or constants), transposes, reshapes, slices (negative
+  steps), concatenations, splits, gathers, expands, reductions over random axes (kept or not),
+  softmax/log-softmax, LayerNorm on any axis, an RMSNorm as Llama writes it, pads (constant,
+  reflect, edge), tiles, selects, running sums, TopK values, GatherElements, Trilu,
+  Depth/SpaceToDepth, InstanceNorm, small products and einsums.
 
 Session 53 ran several hundred of each against onnxruntime and the host emulation of the cuda
-kernels (tests/codegen/test_random_models.py keeps a few seeds of each; ``-m slow``).
+kernels (tests/codegen/test_random_models.py keeps a few seeds of each; ``-m slow``); session 54 added
+the tensor programs and ran 300 of them the same way.
 """
 from __future__ import annotations
 
@@ -289,4 +296,236 @@ def attention_block(seed: int) -> tuple[onnx.ModelProto, dict, str]:
                           f"scale={scale_at} float32_softmax={float32_softmax}")
 
 
-GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block}
+def _broadcast_shape(rng, shape):
+    """A random shape that broadcasts to ``shape`` (dims dropped from the front or set to 1)."""
+    keep = int(rng.integers(0, len(shape) + 1))
+    return [d if rng.random() < 0.6 else 1 for d in shape[len(shape) - keep:]]
+
+
+def tensor_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """A random program of elementwise, layout and reduction ops on ``x`` (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    npt = np.float16 if rng.random() < 0.4 else np.float32
+    b = _Builder(rng, npt)
+    shape = [int(v) for v in rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 33], int(rng.integers(1, 5)))]
+    while int(np.prod(shape)) > 4096:
+        shape[int(np.argmax(shape))] //= 2
+    shapes, desc = {"x": shape}, []
+
+    def put(t, s, what):
+        shapes[t] = [int(v) for v in s]
+        desc.append(what)
+        return t
+
+    def ints(v):
+        return b.const(np.array(v, np.int64))
+
+    cur = "x"
+    for _ in range(int(rng.integers(2, 9))):
+        s = shapes[cur]
+        if not s:
+            break
+        r, kind = len(s), str(rng.choice([
+            "unary", "unary", "binary", "binary", "pair", "transpose", "reshape", "slice", "concat", "split",
+            "gather", "expand", "reduce", "reduce", "softmax", "layernorm", "rmsnorm", "pad", "tile", "where",
+            "cast", "cumsum", "matmul", "gather_elements", "trilu", "space", "instancenorm", "topk", "einsum"]))
+        if kind == "unary":
+            op = str(rng.choice(["Relu", "Sigmoid", "Tanh", "Abs", "Neg", "Erf", "Softplus", "LeakyRelu", "Elu",
+                                 "HardSigmoid", "Sin", "Cos", "Sqrt", "Log", "Exp", "Reciprocal", "Clip", "Selu"]))
+            src = cur
+            if op in ("Sqrt", "Log", "Reciprocal"):  # (on |t| + 1)
+                src = b.node("Add", [b.node("Abs", [cur]), b.const(np.array(1, npt))])
+            elif op == "Exp":
+                src = b.node("Tanh", [cur])
+            if op == "Clip":
+                lo, hi = sorted(rng.standard_normal(2))
+                cur = b.node(op, [src, b.const(np.array(lo, npt)), b.const(np.array(hi, npt))])
+            else:
+                cur = b.node(op, [src])
+            put(cur, s, op.lower())
+        elif kind in ("binary", "pair"):
+            op = str(rng.choice(["Add", "Sub", "Mul", "Div", "Max", "Min", "Pow"]))
+            if op == "Pow":  # (|t| to a constant power)
+                cur = b.node("Pow", [b.node("Abs", [cur]), b.const(np.array(rng.choice([2.0, 0.5, 3.0]), npt))])
+                put(cur, s, "pow")
+                continue
+            other = None
+            if kind == "pair":  # (an earlier tensor that broadcasts with this one)
+                fits = [t for t, u in shapes.items() if t != cur and len(u) <= r and
+                        all(a in (c, 1) for a, c in zip(u[::-1], s[::-1]))]
+                other = str(rng.choice(fits)) if fits else None
+            if other is None:
+                other = b.weight(_broadcast_shape(rng, s), 1.0)
+            if op == "Div":
+                other = b.node("Add", [b.node("Abs", [other]), b.const(np.array(1, npt))])
+            swap = rng.random() < 0.3 and op != "Div"
+            out = [max(a, c) for a, c in zip(s, [1] * (r - len(shapes.get(other, s))) + shapes.get(other, s))]
+            cur = b.node(op, [other, cur] if swap else [cur, other])
+            put(cur, out, op.lower() + ("*" if kind == "pair" else ""))
+        elif kind == "transpose" and r > 1:
+            perm = [int(v) for v in rng.permutation(r)]
+            cur = put(b.node("Transpose", [cur], perm=perm), [s[p] for p in perm], f"T{perm}")
+        elif kind == "reshape" and r >= 1:
+            if r > 1 and rng.random() < 0.5:  # merge two neighbours
+                a = int(rng.integers(0, r - 1))
+                new = s[:a] + [s[a] * s[a + 1]] + s[a + 2:]
+            else:  # split a dim (or add a 1)
+                a = int(rng.integers(0, r))
+                f = [v for v in (2, 3, 4, 1) if s[a] % v == 0 and (v > 1 or r < 5)]
+                f = int(rng.choice(f))
+                new = s[:a] + [f, s[a] // f] + s[a + 1:]
+            spec = list(new)
+            if rng.random() < 0.3:
+                spec[int(rng.integers(0, len(new)))] = -1
+            cur = put(b.node("Reshape", [cur, ints(spec)]), new, f"reshape{new}")
+        elif kind == "slice":
+            a = int(rng.integers(0, r))
+            n = s[a]
+            step = int(rng.choice([1, 1, 2, -1, -2]))
+            if step > 0:
+                lo = int(rng.integers(0, n))
+                hi = int(rng.integers(lo + 1, n + 1))
+                idx = list(range(lo, hi, step))
+                start, end = lo - (n if rng.random() < 0.3 else 0), hi if hi < n or rng.random() < 0.5 else 2 ** 62
+            else:
+                hi = int(rng.integers(0, n))
+                lo = int(rng.integers(-1, hi))
+                idx = list(range(hi, lo, step))
+                start, end = hi, (lo if lo >= 0 else -n - 1)
+            new = s[:a] + [len(idx)] + s[a + 1:]
+            cur = put(b.node("Slice", [cur, ints([start]), ints([end]), ints([a - r if rng.random() < 0.3 else a]),
+                                       ints([step])]), new, f"slice{a}:{start}:{end}:{step}")
+        elif kind == "concat":
+            a = int(rng.integers(0, r))
+            extra = list(s)
+            extra[a] = int(rng.choice([1, 2, 3]))
+            parts = [cur, b.weight(extra, 1.0)]
+            if rng.random() < 0.4:
+                parts.append(cur)
+            rng.shuffle(parts)
+            new = list(s)
+            new[a] = sum(extra[a] if p not in shapes else s[a] for p in parts)
+            cur = put(b.node("Concat", parts, axis=a - r if rng.random() < 0.3 else a), new, f"concat{a}")
+        elif kind == "split" and max(s) > 1:
+            a = int(rng.choice([i for i, d in enumerate(s) if d > 1]))
+            k = int(rng.integers(1, s[a]))
+            outs = [b.name("sp"), b.name("sp")]
+            b.nodes.append(helper.make_node("Split", [cur, ints([k, s[a] - k])], outs, axis=a))
+            shapes[outs[0]] = s[:a] + [k] + s[a + 1:]
+            shapes[outs[1]] = s[:a] + [s[a] - k] + s[a + 1:]
+            cur = outs[int(rng.integers(0, 2))]
+            desc.append(f"split{a}:{k}")
+            if k == s[a] - k and rng.random() < 0.5:
+                cur = put(b.node("Mul", outs), shapes[cur], "mul-halves")
+        elif kind == "gather":
+            a = int(rng.integers(0, r))
+            n = s[a]
+            if rng.random() < 0.3:
+                idx = np.array(int(rng.integers(-n, n)), np.int64)
+            else:
+                idx = rng.integers(-n, n, int(rng.integers(1, 5))).astype(np.int64)
+            new = s[:a] + list(idx.shape) + s[a + 1:]
+            if not new:
+                continue
+            cur = put(b.node("Gather", [cur, b.const(idx)], axis=a), new, f"gather{a}{idx.tolist()}")
+        elif kind == "expand" and r < 5:
+            a = int(rng.integers(0, r + 1))
+            u = b.node("Unsqueeze", [cur, ints([a])])
+            new = s[:a] + [int(rng.choice([2, 3]))] + s[a:]
+            cur = put(b.node("Expand", [u, ints(new)]), new, f"expand{a}")
+        elif kind == "reduce":
+            op = str(rng.choice(["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceL2", "ReduceLogSumExp",
+                                 "ReduceSumSquare", "ReduceL1"]))
+            axes = sorted(int(v) for v in rng.choice(r, int(rng.integers(1, r + 1)), replace=False))
+            keep = int(rng.random() < 0.5)
+            new = [d if i not in axes else 1 for i, d in enumerate(s) if keep or i not in axes]
+            if not new:
+                keep, new = 1, [1] * r
+            named = [v - r if rng.random() < 0.3 else v for v in axes]
+            if op == "ReduceSum":
+                cur = b.node(op, [cur, ints(named)], keepdims=keep)
+            else:
+                cur = b.node(op, [cur], axes=named, keepdims=keep)
+            put(cur, new, f"{op[6:].lower()}{axes}k{keep}")
+        elif kind == "softmax":
+            a = int(rng.integers(0, r))
+            op = str(rng.choice(["Softmax", "LogSoftmax"]))
+            cur = put(b.node(op, [cur], axis=a - r if rng.random() < 0.5 else a), s, f"{op.lower()}{a}")
+        elif kind == "layernorm":
+            a = int(rng.integers(0, r))
+            ins = [cur, b.weight(s[a:], 0.5)] + ([b.weight(s[a:], 0.5)] if rng.random() < 0.5 else [])
+            cur = put(b.node("LayerNormalization", ins, axis=a, epsilon=1e-5), s, f"ln{a}")
+        elif kind == "rmsnorm":  # (as Llama writes it)
+            ms = b.node("ReduceMean", [b.node("Pow", [cur, b.const(np.array(2, npt))])], axes=[-1], keepdims=1)
+            inv = b.node("Reciprocal", [b.node("Sqrt", [b.node("Add", [ms, b.const(np.array(1e-5, npt))])])])
+            cur = put(b.node("Mul", [b.node("Mul", [cur, inv]), b.weight(s[-1:], 0.5)]), s, "rms")
+        elif kind == "pad":
+            pads = [int(v) for v in rng.integers(0, 3, 2 * r)]
+            mode = str(rng.choice(["constant", "reflect", "edge"]))
+            if mode == "reflect":
+                pads = [min(p, s[i % r] - 1) for i, p in enumerate(pads)]
+            new = [d + pads[i] + pads[i + r] for i, d in enumerate(s)]
+            ins = [cur, ints(pads)] + ([b.const(np.array(rng.standard_normal(), npt))] if mode == "constant" else [])
+            cur = put(b.node("Pad", ins, mode=mode), new, f"pad{pads}{mode}")
+        elif kind == "tile" and np.prod(s) <= 1024:
+            reps = [int(rng.choice([1, 1, 2, 3])) for _ in s]
+            cur = put(b.node("Tile", [cur, ints(reps)]), [d * k for d, k in zip(s, reps)], f"tile{reps}")
+        elif kind == "where":
+            cond = b.const(rng.random(_broadcast_shape(rng, s)) < 0.5)
+            other = b.weight(_broadcast_shape(rng, s), 1.0)
+            cur = put(b.node("Where", [cond, cur, other] if rng.random() < 0.5 else [cond, other, cur]), s, "where")
+        elif kind == "cast" and npt == np.float16:  # (to float32 and back: a float32 model's trip through
+            # float16 would round values that the compared programs compute a rounding error apart)
+            wide = b.node("Cast", [cur], to=TensorProto.FLOAT)
+            cur = put(b.node("Cast", [b.node("Tanh", [wide])], to=TensorProto.FLOAT16), s, "cast-tanh")
+        elif kind == "cumsum":
+            a = int(rng.integers(0, r))
+            cur = put(b.node("CumSum", [cur, ints(a)], exclusive=int(rng.random() < 0.3),
+                             reverse=int(rng.random() < 0.3)), s, f"cumsum{a}")
+        elif kind == "matmul":
+            n = int(rng.choice([1, 3, 8, 16]))
+            cur = put(b.node("MatMul", [cur, b.weight((s[-1], n), s[-1] ** -0.5)]), s[:-1] + [n], f"mm{n}")
+        elif kind == "gather_elements":
+            a = int(rng.integers(0, r))
+            new = [int(rng.integers(1, d + 1)) for d in s]
+            idx = rng.integers(-s[a], s[a], new).astype(np.int64)
+            cur = put(b.node("GatherElements", [cur, b.const(idx)], axis=a), new, f"gather_elements{a}")
+        elif kind == "trilu" and r >= 2:
+            k = int(rng.integers(-2, 3))
+            up = int(rng.random() < 0.5)
+            cur = put(b.node("Trilu", [cur, ints(k)], upper=up), s, f"trilu{k}u{up}")
+        elif kind == "space" and r == 4:
+            if s[2] % 2 == 0 and s[3] % 2 == 0 and rng.random() < 0.5:
+                cur = put(b.node("SpaceToDepth", [cur], blocksize=2), [s[0], 4 * s[1], s[2] // 2, s[3] // 2], "s2d")
+            elif s[1] % 4 == 0:
+                mode = str(rng.choice(["DCR", "CRD"]))
+                cur = put(b.node("DepthToSpace", [cur], blocksize=2, mode=mode),
+                          [s[0], s[1] // 4, 2 * s[2], 2 * s[3]], f"d2s{mode}")
+        elif kind == "instancenorm" and r >= 3:
+            cur = put(b.node("InstanceNormalization", [cur, b.weight(s[1:2], 0.5), b.weight(s[1:2], 0.5)]), s, "in")
+        elif kind == "topk":
+            a = int(rng.integers(0, r))
+            k = int(rng.integers(1, s[a] + 1))
+            outs = [b.name("tk"), b.name("ti")]
+            b.nodes.append(helper.make_node("TopK", [cur, ints([k])], outs, axis=a, largest=int(rng.random() < 0.5)))
+            cur = put(outs[0], s[:a] + [k] + s[a + 1:], f"topk{a}:{k}")
+        elif kind == "einsum" and r <= 4:
+            letters = "abcd"[:r]
+            n = int(rng.choice([2, 5, 8]))
+            keep = [c for c in letters if rng.random() < 0.7] or [letters[0]]
+            contracted = letters[-1]
+            out_letters = "".join(c for c in keep if c != contracted) + "z"
+            eq = f"{letters},{contracted}z->{out_letters}"
+            cur = put(b.node("Einsum", [cur, b.weight((s[-1], n), s[-1] ** -0.5)], equation=eq),
+                      [s[letters.index(c)] for c in out_letters[:-1]] + [n], f"einsum({eq})")
+        while int(np.prod(shapes[cur])) > 16384:  # (keep it small: a sum over a leading dim)
+            cur = put(b.node("ReduceMean", [cur], axes=[0], keepdims=0), shapes[cur][1:], "shrink")
+    if cur == "x":
+        cur = put(b.node("Relu", ["x"]), shapes["x"], "relu")
+    model = b.model([_io("x", npt, shapes["x"])], [_io(cur, npt, shapes[cur])])
+    feeds = {"x": np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt)}
+    return model, feeds, f"{np.dtype(npt).name} {shapes['x']} " + " ".join(desc)
+
+
+GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block,
+              "tensor_program": tensor_program}

@@ -269,7 +269,10 @@ class Einsum(Operator):
 
     def numpy(self, *xs):
         _, _, _, norm = parse_einsum(self.attrs["equation"], [x.shape for x in xs], self.name)
-        return [np.asarray(np.einsum(norm, *xs, optimize=len(xs) > 1), xs[0].dtype)]
+        dt = xs[0].dtype
+        if dt.name in ("float16", "bfloat16"):  # products and sums in float32, rounded once (as the kernels)
+            xs = [x.astype(np.float32) for x in xs]
+        return [np.asarray(np.einsum(norm, *xs, optimize=len(xs) > 1)).astype(dt, copy=False)]
 
 
 def _qparam_read(p: TensorInput | None, axis_var) -> Expr | None:

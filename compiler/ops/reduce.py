@@ -129,22 +129,29 @@ class Reduce(Operator):
         if any(x.shape[a] == 0 for a in axes):
             return [np.full(shape, _empty_value(kind, x.dtype.name), x.dtype)]
         kw = {"axis": axes, "keepdims": True}
+        # Half values are summed (and multiplied) in float32 and rounded once, as the kernels do;
+        # numpy's own float16 reduction along a leading axis rounds every partial sum.
+        wide = x.dtype.name in ("float16", "bfloat16")
+        if wide:
+            kw["dtype"] = np.float32
         with np.errstate(all="ignore"):
-            if kind in ("sum", "mean", "max", "min", "prod"):
+            if kind in ("max", "min"):
+                r = getattr(np, kind)(x, axis=axes, keepdims=True)
+            elif kind in ("sum", "mean", "prod"):
                 r = getattr(np, kind)(x, **kw)
-            elif kind == "sum_square":
-                r = np.sum(x * x, **kw)
+            elif kind == "sum_square":  # (the products of half values exact in float32)
+                r = np.sum(np.square(x, dtype=np.float32) if wide else x * x, **kw)
             elif kind == "l1":
                 r = np.sum(np.abs(x), **kw)
             elif kind == "l2":
-                s = np.sum(x * x, **kw)
-                r = np.sqrt(s.astype(np.float64) if _is_int(x.dtype.name) else s)
+                s = np.sum(np.square(x, dtype=np.float32) if wide else x * x, **kw)
+                r = np.sqrt(s.astype(np.float64) if _is_int(x.dtype.name) else s.astype(x.dtype))
             elif kind == "log_sum":
-                r = np.log(np.sum(x, **kw))
+                r = np.log(np.sum(x, **kw).astype(x.dtype))
             else:
-                m = np.max(x, **kw)
+                m = np.max(x, axis=axes, keepdims=True)
                 shift = np.where(np.isinf(m), np.zeros((), x.dtype), m)
-                r = shift + np.log(np.sum(np.exp(x - shift), **kw))
+                r = shift + np.log(np.sum(np.exp(x - shift), **kw).astype(x.dtype))
         return [np.asarray(r).astype(x.dtype, copy=False).reshape(shape)]
 
 
@@ -286,18 +293,20 @@ class _Cumulative(Operator):
     def numpy(self, x):
         axis, excl, rev = self.attrs["axis"], bool(self.attrs["exclusive"]), bool(self.attrs["reverse"])
         identity, scan = _SCANS[self.combine]
+        # half values combine in float32, each result rounded once (as the kernels and Reduce do)
+        dt = np.dtype(np.float32) if x.dtype.name in ("float16", "bfloat16") else x.dtype
         if rev:
             x = np.flip(x, axis)
         if excl:  # y[j] combines x[:j]; y[0] is the identity
-            y = np.full_like(x, identity)
+            y = np.full(x.shape, identity, dt)
             head, tail = [slice(None)] * x.ndim, [slice(None)] * x.ndim
             head[axis], tail[axis] = slice(0, -1), slice(1, None)
-            scan(x[tuple(head)], axis=axis, dtype=x.dtype, out=y[tuple(tail)])
+            scan(x[tuple(head)], axis=axis, dtype=dt, out=y[tuple(tail)])
         else:
-            y = scan(x, axis=axis, dtype=x.dtype)
+            y = scan(x, axis=axis, dtype=dt)
         if rev:
             y = np.flip(y, axis)
-        return [np.ascontiguousarray(y)]
+        return [np.ascontiguousarray(y.astype(x.dtype, copy=False))]
 
 
 class CumSum(_Cumulative):

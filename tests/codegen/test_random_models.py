@@ -1,10 +1,12 @@
-"""Random models (tests/random_models.py: conv nets, chains of products, attention blocks) compiled
+"""Random models (tests/random_models.py: conv nets, chains of products, attention blocks, tensor
+programs) compiled
 for the cuda target: each program (sm_90 and sm_80, float16 and float32 precision) against
 onnxruntime, and every kernel of it on the host emulation (tests/cuda_host.py) against the
 evaluator. ``-m slow`` (about 10 s a case on two cores); ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds
 ``A..B-1`` instead of the default ``0:6``. Session 53 ran several hundred seeds of each kind: they
 found the half products rounded before their float32 sums (rfcs/0004) and two attention forms left
-unfused (rfcs/0005 decision 70)."""
+unfused (rfcs/0005 decision 70); session 54's tensor programs found three references (`numpy`) of
+half ops that rounded partial sums (rfcs/0004)."""
 from __future__ import annotations
 
 import os

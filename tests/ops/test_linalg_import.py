@@ -173,6 +173,19 @@ def test_einsum(equation, shapes):
     _check("Einsum", {f"x{i}": _f(rng, *s) for i, s in enumerate(shapes)}, {"equation": equation})
 
 
+def test_a_half_einsum_is_rounded_once():
+    """A float16 einsum that sums over an index of one operand only (``a`` here) multiplies and adds
+    in float32 and rounds once, as the kernels do (numpy's float16 einsum first sums ``a`` in float16:
+    off by several steps)."""
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((300, 4, 6)).astype(np.float16), rng.standard_normal((6, 3)).astype(np.float16)
+    g = load_onnx(_model("Einsum", {"x": x, "w": w}, {"equation": "abd,dz->bz"}, initializers={"w": w}))
+    got = g.run({"x": x})["y0"]
+    want = np.einsum("abd,dz->bz", x.astype(np.float64), w.astype(np.float64))
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-3, atol=1e-3)
+
+
 def test_resize_backend_cases_with_constant_scales():
     """Every ONNX backend Resize/Upsample case, with scales/sizes/roi turned into initializers.
 

@@ -280,3 +280,33 @@ def test_group_norm_channels_not_divisible():
     s = np.ones(3, np.float32)
     with pytest.raises(ShapeError, match="cannot be split into 3 groups"):
         load_onnx(node_model("GroupNormalization", {"x": X3}, {"s": s, "b": s}, opset=21, num_groups=3))
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+def test_a_half_cumsum_is_rounded_once(exclusive):
+    """A float16 running sum adds in float32 and rounds each result once, as the kernels and the
+    reductions do (numpy's own float16 cumsum rounds every partial sum: off by several steps here)."""
+    x = np.random.default_rng(0).standard_normal((4, 300)).astype(np.float16)
+    g = load_onnx(node_model("CumSum", {"x": x}, {"axis": np.array(-1, np.int64)}, opset=14, exclusive=exclusive))
+    got = g.run({"x": x})[g.outputs[0].name]
+    wide = np.cumsum(x.astype(np.float64), axis=-1)
+    if exclusive:
+        wide = np.concatenate([np.zeros((4, 1)), wide[:, :-1]], axis=-1)
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, wide.astype(np.float32).astype(np.float16))
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1"])
+def test_a_half_reduction_along_a_leading_axis_is_rounded_once(op):
+    """A float16 reduction along a leading axis adds in float32 and rounds once, as the kernels do
+    (numpy's float16 sum along axis 0 adds row by row in float16: several steps off for 300 rows)."""
+    x = np.random.default_rng(1).standard_normal((300, 6)).astype(np.float16)
+    if op == "ReduceSum":
+        g = load_onnx(node_model(op, {"x": x}, {"axes": np.array([0], np.int64)}, opset=13))
+    else:
+        g = load_onnx(node_model(op, {"x": x}, opset=13, axes=[0]))
+    got = g.run({"x": x})[g.outputs[0].name]
+    w = x.astype(np.float64)
+    want = {"ReduceSum": w.sum(0), "ReduceMean": w.mean(0), "ReduceSumSquare": (w * w).sum(0),
+            "ReduceL1": np.abs(w).sum(0)}[op]
+    np.testing.assert_array_equal(got.reshape(-1), want.astype(np.float32).astype(np.float16))
