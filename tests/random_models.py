@@ -302,33 +302,69 @@ def _broadcast_shape(rng, shape):
     return [d if rng.random() < 0.6 else 1 for d in shape[len(shape) - keep:]]
 
 
+class _Program(_Builder):
+    """A :class:`_Builder` for the random programs: ``x`` of a random rank-1..4 shape (at most 4096
+    elements), the shape of every tensor and a description of each step."""
+
+    def __init__(self, rng: np.random.Generator, npt):
+        super().__init__(rng, npt)
+        shape = [int(v) for v in rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 33], int(rng.integers(1, 5)))]
+        while int(np.prod(shape)) > 4096:
+            shape[int(np.argmax(shape))] //= 2
+        self.shapes: dict[str, list[int]] = {"x": shape}
+        self.desc: list[str] = []
+
+    def put(self, t: str, shape, what: str) -> str:
+        self.shapes[t] = [int(v) for v in shape]
+        self.desc.append(what)
+        return t
+
+    def steps(self, kinds: list[str]):
+        """2-8 kinds of step drawn from ``kinds``."""
+        for _ in range(int(self.rng.integers(2, 9))):
+            yield str(self.rng.choice(kinds))
+
+    def ints(self, v) -> str:
+        return self.const(np.array(v, np.int64))
+
+    def reduce(self, cur: str, ops: list[str]) -> str:
+        """One of ``ops`` (``ReduceSum``, ``ReduceMax``, ...) over random axes of ``cur``, kept or not."""
+        s, rng = self.shapes[cur], self.rng
+        op, r = str(rng.choice(ops)), len(s)
+        axes = sorted(int(v) for v in rng.choice(r, int(rng.integers(1, r + 1)), replace=False))
+        keep = int(rng.random() < 0.5)
+        new = [d if i not in axes else 1 for i, d in enumerate(s) if keep or i not in axes]
+        if not new:
+            keep, new = 1, [1] * r
+        named = [v - r if rng.random() < 0.3 else v for v in axes]
+        if op == "ReduceSum":  # (axes an input since opset 13; the others' an attribute until 18)
+            out = self.node(op, [cur, self.ints(named)], keepdims=keep)
+        else:
+            out = self.node(op, [cur], axes=named, keepdims=keep)
+        return self.put(out, new, f"{op[6:].lower()}{axes}k{keep}")
+
+    def finish(self, cur: str, x: np.ndarray) -> tuple[onnx.ModelProto, dict, str]:
+        """The model from ``x`` to ``cur``, its feeds and description."""
+        model = self.model([_io("x", self.npt, x.shape)], [_io(cur, self.npt, self.shapes[cur])])
+        return model, {"x": x}, f"{np.dtype(self.npt).name} {list(x.shape)} " + " ".join(self.desc)
+
+
 def tensor_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     """A random program of elementwise, layout and reduction ops on ``x`` (see the module docstring)."""
     rng = np.random.default_rng(seed)
     npt = np.float16 if rng.random() < 0.4 else np.float32
-    b = _Builder(rng, npt)
-    shape = [int(v) for v in rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 33], int(rng.integers(1, 5)))]
-    while int(np.prod(shape)) > 4096:
-        shape[int(np.argmax(shape))] //= 2
-    shapes, desc = {"x": shape}, []
-
-    def put(t, s, what):
-        shapes[t] = [int(v) for v in s]
-        desc.append(what)
-        return t
-
-    def ints(v):
-        return b.const(np.array(v, np.int64))
+    b = _Program(rng, npt)
+    shapes, desc, put, ints = b.shapes, b.desc, b.put, b.ints
 
     cur = "x"
-    for _ in range(int(rng.integers(2, 9))):
+    for kind in b.steps(["unary", "unary", "binary", "binary", "pair", "transpose", "reshape", "slice", "concat",
+                         "split", "gather", "expand", "reduce", "reduce", "softmax", "layernorm", "rmsnorm", "pad",
+                         "tile", "where", "cast", "cumsum", "matmul", "gather_elements", "trilu", "space",
+                         "instancenorm", "topk", "einsum"]):
         s = shapes[cur]
         if not s:
             break
-        r, kind = len(s), str(rng.choice([
-            "unary", "unary", "binary", "binary", "pair", "transpose", "reshape", "slice", "concat", "split",
-            "gather", "expand", "reduce", "reduce", "softmax", "layernorm", "rmsnorm", "pad", "tile", "where",
-            "cast", "cumsum", "matmul", "gather_elements", "trilu", "space", "instancenorm", "topk", "einsum"]))
+        r = len(s)
         if kind == "unary":
             op = str(rng.choice(["Relu", "Sigmoid", "Tanh", "Abs", "Neg", "Erf", "Softplus", "LeakyRelu", "Elu",
                                  "HardSigmoid", "Sin", "Cos", "Sqrt", "Log", "Exp", "Reciprocal", "Clip", "Selu"]))
@@ -434,19 +470,8 @@ def tensor_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
             new = s[:a] + [int(rng.choice([2, 3]))] + s[a:]
             cur = put(b.node("Expand", [u, ints(new)]), new, f"expand{a}")
         elif kind == "reduce":
-            op = str(rng.choice(["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceL2", "ReduceLogSumExp",
-                                 "ReduceSumSquare", "ReduceL1"]))
-            axes = sorted(int(v) for v in rng.choice(r, int(rng.integers(1, r + 1)), replace=False))
-            keep = int(rng.random() < 0.5)
-            new = [d if i not in axes else 1 for i, d in enumerate(s) if keep or i not in axes]
-            if not new:
-                keep, new = 1, [1] * r
-            named = [v - r if rng.random() < 0.3 else v for v in axes]
-            if op == "ReduceSum":
-                cur = b.node(op, [cur, ints(named)], keepdims=keep)
-            else:
-                cur = b.node(op, [cur], axes=named, keepdims=keep)
-            put(cur, new, f"{op[6:].lower()}{axes}k{keep}")
+            cur = b.reduce(cur, ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceL2", "ReduceLogSumExp",
+                                 "ReduceSumSquare", "ReduceL1"])
         elif kind == "softmax":
             a = int(rng.integers(0, r))
             op = str(rng.choice(["Softmax", "LogSoftmax"]))
@@ -522,10 +547,148 @@ def tensor_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
             cur = put(b.node("ReduceMean", [cur], axes=[0], keepdims=0), shapes[cur][1:], "shrink")
     if cur == "x":
         cur = put(b.node("Relu", ["x"]), shapes["x"], "relu")
-    model = b.model([_io("x", npt, shapes["x"])], [_io(cur, npt, shapes[cur])])
-    feeds = {"x": np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt)}
-    return model, feeds, f"{np.dtype(npt).name} {shapes['x']} " + " ".join(desc)
+    return b.finish(cur, np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt))
+
+
+def int_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """A random program of integer ops on ``x`` (int32 or int64, values in [-20, 20]); every result is
+    exact, so the compared programs must agree bit for bit (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    npt = np.int32 if rng.random() < 0.5 else np.int64
+    b = _Program(rng, npt)
+    shapes, put, ints = b.shapes, b.put, b.ints
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(npt))
+
+    def small(s, lo=-9, hi=10, nonzero=False):
+        v = rng.integers(lo, hi, _broadcast_shape(rng, s)).astype(npt)
+        if nonzero:
+            v[v == 0] = 3
+        return b.const(v)
+
+    cur = "x"
+    for kind in b.steps(["arith", "arith", "div", "mod", "unary", "minmax", "compare", "logic", "clip", "reduce",
+                         "argreduce", "cumsum", "transpose", "slice", "concat", "gather", "expand", "pad", "topk",
+                         "round", "where"]):
+        s = shapes[cur]
+        if not s:
+            break
+        r = len(s)
+        if kind in ("reduce", "cumsum"):  # (sums that cannot overflow int32)
+            cur = b.node("Clip", [cur, b.const(np.array(-300, npt)), b.const(np.array(300, npt))])
+            shapes[cur] = s
+        if kind == "arith":
+            op = str(rng.choice(["Add", "Sub", "Mul"]))
+            cur = put(b.node(op, [cur, small(s, -3, 4)] if rng.random() < 0.7 else [small(s, -3, 4), cur]), s,
+                      op.lower())
+        elif kind == "div":  # (truncates toward zero, either sign)
+            cur = put(b.node("Div", [cur, small(s, -5, 6, nonzero=True)]), s, "div")
+        elif kind == "mod":
+            fmod = int(rng.random() < 0.5)
+            cur = put(b.node("Mod", [cur, small(s, -5, 6, nonzero=True)], fmod=fmod), s, f"mod{fmod}")
+        elif kind == "unary":
+            op = str(rng.choice(["Abs", "Neg", "Sign"]))
+            cur = put(b.node(op, [cur]), s, op.lower())
+        elif kind == "minmax":
+            op = str(rng.choice(["Max", "Min"]))
+            cur = put(b.node(op, [cur, small(s)]), s, op.lower())
+        elif kind in ("compare", "logic", "where"):
+            def cond():
+                op = str(rng.choice(["Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"]))
+                return b.node(op, [cur, small(s, -4, 5)]), op
+            c, op = cond()
+            if kind == "logic":
+                c2, _ = cond()
+                how = str(rng.choice(["And", "Or", "Xor"]))
+                c = b.node(how, [c, c2])
+                if rng.random() < 0.3:
+                    c = b.node("Not", [c])
+                op += how
+            if kind == "where":
+                cur = put(b.node("Where", [c, cur, small(s)]), s, f"where{op}")
+            else:
+                cur = put(b.node("Cast", [c], to=elem), s, op.lower())
+        elif kind == "clip":
+            lo, hi = sorted(int(v) for v in rng.integers(-15, 16, 2))
+            bounds = [b.const(np.array(lo, npt)), b.const(np.array(hi, npt))]
+            cur = put(b.node("Clip", [cur] + bounds), s, f"clip{lo}:{hi}")
+        elif kind == "reduce":
+            cur = b.reduce(cur, ["ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceSumSquare"])
+        elif kind == "argreduce":  # (ties: the first index, or the last with select_last_index)
+            a = int(rng.integers(0, r))
+            keep, last = int(rng.random() < 0.5), int(rng.random() < 0.5)
+            new = [d if i != a else 1 for i, d in enumerate(s) if keep or i != a]
+            if not new:
+                continue
+            op = str(rng.choice(["ArgMax", "ArgMin"]))
+            t = b.node(op, [b.node("Clip", [cur, b.const(np.array(-2, npt)), b.const(np.array(2, npt))])],
+                       axis=a, keepdims=keep, select_last_index=last)
+            cur = put(b.node("Cast", [t], to=elem) if npt != np.int64 else t, new, f"{op.lower()}{a}k{keep}l{last}")
+        elif kind == "cumsum":
+            a = int(rng.integers(0, r))
+            cur = put(b.node("CumSum", [cur, ints(a)], exclusive=int(rng.random() < 0.3),
+                             reverse=int(rng.random() < 0.3)), s, f"cumsum{a}")
+        elif kind == "transpose" and r > 1:
+            perm = [int(v) for v in rng.permutation(r)]
+            cur = put(b.node("Transpose", [cur], perm=perm), [s[p] for p in perm], f"T{perm}")
+        elif kind == "slice":
+            a = int(rng.integers(0, r))
+            n = s[a]
+            step = int(rng.choice([1, 2, -1, -3]))
+            if step > 0:
+                lo = int(rng.integers(0, n))
+                idx = range(lo, n, step)
+                start, end = lo, 2 ** 62
+            else:
+                hi = int(rng.integers(0, n))
+                idx = range(hi, -1, step)
+                start, end = hi, -2 ** 62
+            cur = put(b.node("Slice", [cur, ints([start]), ints([end]), ints([a]), ints([step])]),
+                      s[:a] + [len(idx)] + s[a + 1:], f"slice{a}:{start}::{step}")
+        elif kind == "concat":
+            a = int(rng.integers(0, r))
+            extra = list(s)
+            extra[a] = int(rng.choice([1, 2]))
+            parts = [cur, b.const(rng.integers(-9, 10, extra).astype(npt))]
+            rng.shuffle(parts)
+            cur = put(b.node("Concat", parts, axis=a), s[:a] + [s[a] + extra[a]] + s[a + 1:], f"concat{a}")
+        elif kind == "gather":
+            a = int(rng.integers(0, r))
+            idx = rng.integers(-s[a], s[a], int(rng.integers(1, 4))).astype(np.int64)
+            cur = put(b.node("Gather", [cur, b.const(idx)], axis=a), s[:a] + [len(idx)] + s[a + 1:], f"gather{a}")
+        elif kind == "expand" and r < 5:
+            a = int(rng.integers(0, r + 1))
+            new = s[:a] + [int(rng.choice([2, 3]))] + s[a:]
+            cur = put(b.node("Expand", [b.node("Unsqueeze", [cur, ints([a])]), ints(new)]), new, f"expand{a}")
+        elif kind == "pad":
+            pads = [int(v) for v in rng.integers(0, 3, 2 * r)]
+            mode = str(rng.choice(["constant", "edge"]))
+            ins = [cur, ints(pads)] + ([b.const(np.array(int(rng.integers(-5, 6)), npt))] if mode == "constant" else [])
+            cur = put(b.node("Pad", ins, mode=mode), [d + pads[i] + pads[i + r] for i, d in enumerate(s)],
+                      f"pad{mode}")
+        elif kind == "topk":  # (ties keep the lower index first: the indices are compared too)
+            a = int(rng.integers(0, r))
+            k = int(rng.integers(1, s[a] + 1))
+            outs = [b.name("tk"), b.name("ti")]
+            b.nodes.append(helper.make_node("TopK", [cur, ints([k])], outs, axis=a, largest=int(rng.random() < 0.5)))
+            shapes[outs[0]] = shapes[outs[1]] = s[:a] + [k] + s[a + 1:]
+            idx = outs[1] if npt == np.int64 else b.node("Cast", [outs[1]], to=elem)
+            cur = put(b.node("Add", [outs[0], b.node("Mul", [idx, b.const(np.array(100, npt))])]), shapes[outs[0]],
+                      f"topk{a}:{k}")
+        elif kind == "round":  # (halves through float32: Floor, Ceil, Round to even, Cast truncating)
+            f = b.node("Mul", [b.node("Cast", [cur], to=TensorProto.FLOAT), b.const(np.array(0.5, np.float32))])
+            op = str(rng.choice(["Floor", "Ceil", "Round", "Cast"]))
+            if op != "Cast":
+                f = b.node(op, [f])
+            cur = put(b.node("Cast", [f], to=elem), s, f"half-{op.lower()}")
+        while int(np.prod(shapes[cur])) > 16384:
+            cur = put(b.node("ReduceMax", [cur], axes=[0], keepdims=0), shapes[cur][1:], "shrink")
+        if np.prod(shapes[cur]) and rng.random() < 0.3:  # (keep values small)
+            cur = put(b.node("Clip", [cur, b.const(np.array(-50, npt)), b.const(np.array(50, npt))]), shapes[cur],
+                      "clip")
+    if cur == "x":
+        cur = put(b.node("Neg", ["x"]), shapes["x"], "neg")
+    return b.finish(cur, np.random.default_rng(seed + 1).integers(-20, 21, shapes["x"]).astype(npt))
 
 
 GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block,
-              "tensor_program": tensor_program}
+              "tensor_program": tensor_program, "int_program": int_program}

@@ -1259,7 +1259,7 @@ def _topk(op) -> str | None:
 
     x = op.inputs[0]
     if len(op.inputs) != 1 or len(op.outputs) != 2 or x.ndim == 0 \
-            or x.dtype not in ("float32", "float64", "int32", "int64") \
+            or x.dtype not in ("float16", "float32", "float64", "int32", "int64") \
             or op.outputs[0].dtype != x.dtype or op.outputs[1].dtype != "int64":
         return None
     k, axis, largest = int(op.attrs["k"]), int(op.attrs["axis"]) % x.ndim, bool(op.attrs.get("largest", True))

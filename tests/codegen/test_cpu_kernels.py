@@ -420,8 +420,10 @@ def _large():
         Einsum([_t((40,)), _t((40, 23))], equation="i,ij->j"),
         Einsum([_t((23, 40)), _t((40,))], equation="ik,k->i"),
         Einsum([_t((4, 9, 30)), _t((4, 30, 11))], equation="bij,bjk->ibk"),  # rows of C apart (a batch between)
-        # TopK's template: a middle axis (rows strided), k = n, int64 values with ties, float64 smallest
+        # TopK's template: a middle axis (rows strided), k = n, int64 values with ties, float64 smallest,
+        # float16 (_Float16 compared as is)
         TopK([_t((3, 300, 5))], k=17, axis=1, largest=True),
+        TopK([_t((6, 50), "float16")], k=7, axis=1, largest=True),
         TopK([_t((20, 9), "int64")], k=9, axis=1, largest=False),
         TopK([_t((40, 3), "float64")], k=4, axis=0, largest=False),
         # the blocked transpose (64 Ki elements or more): NCHW -> NHWC, NHWC -> NCHW with a batch, a matrix with
@@ -1065,15 +1067,15 @@ def test_guarded_reads_become_branches_and_safe_ones_selects():
 # --------------------------------------------------------------------------- library building
 def test_collectives_and_extern_ops_are_left_out(tmp_path):
     """Collectives are the runtime's; an op with an extern output only compiles through a template
-    (TopK's, in the types it takes: not float16)."""
+    (TopK's, in the types it takes: not uint64)."""
     x = _t((4, 6))
     ar = AllReduce([x], mesh_axis=0, group_size=2, op="sum", name="ar")
     tk = TopK([x], k=2, axis=1, largest=True, name="tk")
-    tk16 = TopK([_t((4, 6), "float16")], k=2, axis=1, largest=True, name="tk16")
+    tk64 = TopK([_t((4, 6), "uint64")], k=2, axis=1, largest=True, name="tk64")
     mm = MatMul([x, _t((6, 3))], name="mm")
     assert not lowerable(ar) and "collective" in why_not_lowerable(ar)
-    assert not lowerable(tk) and not lowerable(tk16) and lowerable(mm)
-    syms = build_cpu_library([ar, tk, tk16, mm], str(tmp_path / "l.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    assert not lowerable(tk) and not lowerable(tk64) and lowerable(mm)
+    syms = build_cpu_library([ar, tk, tk64, mm], str(tmp_path / "l.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
     assert set(syms) == {"mm", "tk"}
 
 
