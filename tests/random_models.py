@@ -690,5 +690,170 @@ def int_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     return b.finish(cur, np.random.default_rng(seed + 1).integers(-20, 21, shapes["x"]).astype(npt))
 
 
+def _reference_shape(b: _Builder, x: np.ndarray, t: str):
+    """The shape of ``t`` that onnxruntime computes from ``x`` in the model built so far (None where
+    it refuses the model: the generator drops the step). onnxruntime, not onnx's shape inference:
+    they differ on ceil-mode pools whose last window would start in the padding."""
+    import onnxruntime as ort
+
+    g = helper.make_graph(b.nodes, "partial", [_io("x", b.npt, x.shape)],
+                          [helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(np.dtype(b.npt)), None)],
+                          b.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    except Exception:
+        return None
+    return list(y.shape) if y.size and np.isfinite(y.astype(np.float32)).all() else None
+
+
+def spatial_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """A random chain of window ops on ``x [N, C, *spatial]`` of 1-3 spatial dims (opset 21): convs
+    with ``auto_pad``, transposed convs with ``output_shape``, max/average/Lp pools with
+    ``ceil_mode``, ``count_include_pad`` and dilations, global pools, resizes of every mode and
+    coordinate transformation (scales or sizes), instance/group norms, depth-to-space."""
+    rng = np.random.default_rng(seed)
+    npt = np.float16 if rng.random() < 0.3 else np.float32
+    b = _Builder(rng, npt)
+    nd = int(rng.choice([1, 2, 2, 3]))
+    x_shape = [int(rng.choice([1, 2])), int(rng.choice([1, 2, 3, 4, 8]))]
+    x_shape += [int(rng.integers(1, {1: 40, 2: 16, 3: 8}[nd])) for _ in range(nd)]
+    shape, cur, desc = list(x_shape), "x", []
+    x = np.random.default_rng(seed + 1).standard_normal(x_shape).astype(npt)
+
+    def window(kmax=4):
+        k = [int(v) for v in rng.integers(1, kmax + 1, nd)]
+        attrs = {"kernel_shape": k}
+        if rng.random() < 0.5:
+            attrs["strides"] = [int(v) for v in rng.integers(1, 4, nd)]
+        ap = str(rng.choice(["NOTSET", "NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"]))
+        if ap != "NOTSET":
+            attrs["auto_pad"] = ap
+        elif rng.random() < 0.6:
+            attrs["pads"] = [int(rng.integers(0, kk)) if kk > 1 else 0 for kk in k] + \
+                            [int(rng.integers(0, kk)) if kk > 1 else 0 for kk in k]
+        if ap.startswith("SAME") and "strides" in attrs:  # (onnxruntime's pools refuse a stride past the kernel)
+            attrs["strides"] = [min(st, kk) for st, kk in zip(attrs["strides"], k)]
+        return attrs
+
+    def fits(attrs):  # the (dilated) window within the padded input, where it is not padded to fit
+        if attrs.get("auto_pad", "NOTSET").startswith("SAME"):
+            return True
+        pads = attrs.get("pads", [0] * (2 * nd))
+        dil = attrs.get("dilations", [1] * nd)
+        return all(d + pads[i] + pads[i + nd] >= (attrs["kernel_shape"][i] - 1) * dil[i] + 1
+                   for i, d in enumerate(shape[2:]))
+
+    for _ in range(int(rng.integers(1, 5))):
+        c = shape[1]
+        kind = str(rng.choice(["conv", "conv", "convT", "maxpool", "avgpool", "lppool", "global", "resize",
+                               "resize", "norm", "d2s"]))
+        if kind == "conv":
+            attrs = window(5)
+            if rng.random() < 0.3 and attrs.get("auto_pad", "NOTSET") in ("NOTSET", "VALID"):
+                attrs["dilations"] = [int(v) for v in rng.integers(1, 3, nd)]
+            if not fits(attrs):
+                continue
+            g = int(rng.choice([gg for gg in (1, 1, 2, c) if c % gg == 0]))
+            oc = g * int(rng.choice([1, 2, 3]))
+            ins = [cur, b.weight([oc, c // g] + attrs["kernel_shape"], (c // g * np.prod(attrs["kernel_shape"])) ** -0.5)]
+            ins += [b.weight([oc], 0.5)] if rng.random() < 0.5 else []
+            out = b.node("Conv", ins, group=g, **attrs)
+            what = f"conv{attrs}g{g}->{oc}"
+        elif kind == "convT":
+            k = [int(v) for v in rng.integers(1, 4, nd)]
+            s = [int(v) for v in rng.integers(1, 3, nd)]
+            attrs = {"kernel_shape": k, "strides": s}
+            g = int(rng.choice([gg for gg in (1, 1, 2) if c % gg == 0]))
+            oc = g * int(rng.choice([1, 2]))
+            r = rng.random()
+            if r < 0.3:  # (output_shape: the pads follow from it, SAME_UPPER's way by default)
+                attrs["output_shape"] = [(d - 1) * st + kk + int(rng.integers(0, st)) - int(rng.integers(0, kk))
+                                         for d, st, kk in zip(shape[2:], s, k)]
+            elif r < 0.5:
+                attrs["auto_pad"] = str(rng.choice(["SAME_UPPER", "SAME_LOWER"]))
+            else:
+                attrs["pads"] = [int(rng.integers(0, kk)) for kk in k] * 2
+                attrs["output_padding"] = [int(rng.integers(0, st)) for st in s]
+            ins = [cur, b.weight([c, oc // g] + k, c ** -0.5)]
+            ins += [b.weight([oc], 0.5)] if rng.random() < 0.5 else []
+            out = b.node("ConvTranspose", ins, group=g, **attrs)
+            what = f"convT{attrs}g{g}->{oc}"
+        elif kind in ("maxpool", "avgpool", "lppool"):
+            attrs = window(3)
+            if kind != "lppool" and rng.random() < 0.4 and "auto_pad" not in attrs:  # (with auto_pad onnx's
+                attrs["ceil_mode"] = 1  # shape inference and onnxruntime disagree)
+            if kind == "maxpool" and rng.random() < 0.3 and "auto_pad" not in attrs:
+                attrs["dilations"] = [int(v) for v in rng.integers(1, 3, nd)]
+            if kind == "avgpool":
+                attrs["count_include_pad"] = int(rng.random() < 0.5)
+            if kind == "lppool":
+                attrs["p"] = int(rng.choice([1, 2, 3]))
+            if not fits(attrs):
+                continue
+            out = b.node({"maxpool": "MaxPool", "avgpool": "AveragePool", "lppool": "LpPool"}[kind], [cur], **attrs)
+            what = f"{kind}{attrs}"
+        elif kind == "global":
+            op = str(rng.choice(["GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"]))
+            out = b.node(op, [cur])
+            what = op
+        elif kind == "resize":
+            mode = str(rng.choice(["nearest", "linear", "cubic"][:{1: 1, 2: 3, 3: 2}[nd]]))  # (onnxruntime's)
+            ctm = str(rng.choice(["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel",
+                                  "tf_crop_and_resize", "half_pixel_symmetric"] if mode != "nearest" else
+                                 ["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"]))
+            attrs = {"mode": mode, "coordinate_transformation_mode": ctm}
+            if mode == "nearest":
+                attrs["nearest_mode"] = str(rng.choice(["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"]))
+            if mode == "cubic":
+                attrs["cubic_coeff_a"] = float(rng.choice([-0.75, -0.5]))
+                attrs["exclude_outside"] = int(rng.random() < 0.3)
+            roi = ""
+            if ctm == "tf_crop_and_resize":
+                lo = rng.uniform(0, 0.4, nd)
+                roi = b.const(np.concatenate([[0, 0], lo, [1, 1], lo + rng.uniform(0.3, 0.6, nd)]).astype(np.float32))
+                attrs["extrapolation_value"] = float(rng.standard_normal())
+            if rng.random() < 0.5:
+                sc = [float(rng.choice([0.5, 0.75, 1.5, 2.0, 3.0])) for _ in range(nd)]
+                out = b.node("Resize", [cur, roi, b.const(np.array([1, 1] + sc, np.float32))], **attrs)
+            else:
+                sz = [max(1, int(d * rng.uniform(0.4, 2.5))) for d in shape[2:]]
+                if ctm == "tf_crop_and_resize":  # (onnxruntime ignores the roi of a dim that keeps its size)
+                    sz = [v + 1 if v == d else v for v, d in zip(sz, shape[2:])]
+                out = b.node("Resize", [cur, roi, "", b.const(np.array(shape[:2] + sz, np.int64))], **attrs)
+            what = f"resize{attrs}"
+        elif kind == "norm":
+            if rng.random() < 0.5:
+                out = b.node("InstanceNormalization", [cur, b.weight([c], 0.5), b.weight([c], 0.5)], epsilon=1e-5)
+                what = "instancenorm"
+            else:
+                g = int(rng.choice([gg for gg in (1, 2, c) if c % gg == 0]))
+                out = b.node("GroupNormalization", [cur, b.weight([c], 0.5), b.weight([c], 0.5)], num_groups=g,
+                             epsilon=1e-5)
+                what = f"groupnorm{g}"
+        else:
+            if nd != 2 or c % 4:
+                continue
+            out = b.node("DepthToSpace", [cur], blocksize=2, mode=str(rng.choice(["DCR", "CRD"])))
+            what = "d2s"
+        new = _reference_shape(b, x, out)
+        if new is None or int(np.prod(new)) > 200000:
+            b.nodes.pop()
+            continue
+        cur, shape = out, new
+        desc.append(what)
+    if cur == "x":
+        cur = b.node("Relu", ["x"])
+    g = helper.make_graph(b.nodes, "random", [_io("x", npt, x_shape)], [_io(cur, npt, shape)], b.inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    return model, {"x": x}, f"{np.dtype(npt).name} {x_shape} " + " ".join(desc)
+
+
 GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block,
-              "tensor_program": tensor_program, "int_program": int_program}
+              "tensor_program": tensor_program, "int_program": int_program,
+              "spatial_net": spatial_net}

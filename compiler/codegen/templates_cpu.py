@@ -1264,8 +1264,10 @@ def _topk(op) -> str | None:
         return None
     k, axis, largest = int(op.attrs["k"]), int(op.attrs["axis"]) % x.ndim, bool(op.attrs.get("largest", True))
     n, outer, inner = x.shape[axis], _prod(x.shape[:axis]), _prod(x.shape[axis + 1:])
-    if not 0 < k <= n or outer * inner == 0:
+    if not 0 <= k <= n:
         return None
+    if k * outer * inner == 0:  # (an empty output: a rank's empty shard, or k = 0)
+        return "  // TopK: an empty output, nothing to write"
     ct = STORAGE_CTYPE[x.dtype]
     flt = x.dtype.startswith("float")
     if largest:

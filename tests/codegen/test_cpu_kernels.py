@@ -424,6 +424,7 @@ def _large():
         # float16 (_Float16 compared as is)
         TopK([_t((3, 300, 5))], k=17, axis=1, largest=True),
         TopK([_t((6, 50), "float16")], k=7, axis=1, largest=True),
+        TopK([_t((0, 9))], k=3, axis=1, largest=True),  # (a rank's empty shard: nothing to write)
         TopK([_t((20, 9), "int64")], k=9, axis=1, largest=False),
         TopK([_t((40, 3), "float64")], k=4, axis=0, largest=False),
         # the blocked transpose (64 Ki elements or more): NCHW -> NHWC, NHWC -> NCHW with a batch, a matrix with
