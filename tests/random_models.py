@@ -759,7 +759,8 @@ def spatial_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
                 continue
             g = int(rng.choice([gg for gg in (1, 1, 2, c) if c % gg == 0]))
             oc = g * int(rng.choice([1, 2, 3]))
-            ins = [cur, b.weight([oc, c // g] + attrs["kernel_shape"], (c // g * np.prod(attrs["kernel_shape"])) ** -0.5)]
+            fan_in = c // g * int(np.prod(attrs["kernel_shape"]))
+            ins = [cur, b.weight([oc, c // g] + attrs["kernel_shape"], fan_in ** -0.5)]
             ins += [b.weight([oc], 0.5)] if rng.random() < 0.5 else []
             out = b.node("Conv", ins, group=g, **attrs)
             what = f"conv{attrs}g{g}->{oc}"

@@ -36,7 +36,7 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     ops
         Operators (graph nodes) with static shapes. Ops that cannot be lowered — collectives
         (``op.collective`` non-empty; the runtime runs them) and ops with extern outputs that no
-        template implements (TopK of float16; the others have one) — are left out of the library
+        template implements (TopK of uint64; the others have one) — are left out of the library
         and of the result (see :func:`lowerable`).
     path
         The library to write (written to a temporary name, then renamed).

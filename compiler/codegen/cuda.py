@@ -79,6 +79,7 @@ from ..ir.task import GridCompute
 from ..passes.channels_last import channels_last_copy, channels_last_output, channels_last_read
 from . import float8
 from .cuda_gemv import GEMV_MAX_ROWS, Codes, gemv_kernel
+from .cuda_topk import topk_kernel
 from .cuda_templates import PRELUDE, choose_gemm_config, gemm_kernel
 from .cuda_wgmma import (PDL_ENTER, PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORKSPACE, WGMMA_ARCHS, WGMMA_DTYPES,
                          DirectOperand, GatherOperand, check_sms, target_sms, wgmma_gemm_kernel,
@@ -2539,9 +2540,9 @@ def _is_collective(op: Operator) -> bool:
 
 
 def lowerable(op: Operator) -> bool:
-    """Whether :func:`build_cuda_library` generates a kernel for ``op`` (collectives and ops with
-    extern outputs run elsewhere)."""
-    return not (_is_collective(op) or op.task.is_extern)
+    """Whether :func:`build_cuda_library` generates a kernel for ``op`` (collectives run elsewhere;
+    of the ops with extern outputs, only TopK has a kernel, :mod:`.cuda_topk`)."""
+    return not (_is_collective(op) or (op.task.is_extern and op.op_type != "TopK"))
 
 
 _SANITIZE = re.compile(r"[^A-Za-z0-9_]")
@@ -2561,6 +2562,12 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
               in_place: int | None = None, wgmma_fp32: bool = False,
               sms: int = PERSISTENT_SMS, pdl: bool = False) -> tuple[str, KernelLaunch, tuple | None]:
     task = op.task
+    if op.op_type == "TopK":  # (its definition is an extern: its own template)
+        x = op.inputs[0]
+        src, grid, block = topk_kernel(symbol, x.dtype, tuple(x.shape), int(op.attrs["k"]), int(op.attrs["axis"]),
+                                       bool(op.attrs.get("largest", True)))
+        args = (x.name,) + tuple(t.name for t in op.outputs)
+        return src, KernelLaunch(symbol, grid, block, 0, args, 1, op.name, "topk"), None
     an = _Analysis()
     names = itertools.count()
     reads: dict[int, tuple[str, tuple[int, ...], str]] = {}

@@ -27,7 +27,7 @@ from shardflow.compiler.ops.reduce import Softmax
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 
 #: the kernel kinds of the op examples (the default architecture: no wgmma)
-HOST_KINDS = ("elementwise", "row", "empty", "gemm-f32", "gemm-f16", "attention-f16", "gemv")
+HOST_KINDS = ("elementwise", "row", "empty", "gemm-f32", "gemm-f16", "attention-f16", "gemv", "topk")
 
 
 @pytest.fixture(scope="module")
