@@ -30,10 +30,14 @@ of the tiles:
   convs with ``auto_pad``, transposed convs with ``output_shape``, ceil-mode and dilated pools,
   Lp pools, global pools, every ``Resize`` mode and coordinate transformation, group and instance
   norms; steps where onnxruntime and onnx's reference evaluator disagree are left out.
+* :func:`recurrent_net`: one ``RNN``, ``GRU`` or ``LSTM`` of a random direction, hidden size,
+  activations, ``clip``, biases, initial states, ``sequence_lens``, peepholes, ``input_forget``
+  or ``linear_before_reset``; its sequence output or a final state.
 
 Session 53 ran several hundred of each against onnxruntime and the host emulation of the cuda
 kernels (tests/codegen/test_random_models.py keeps a few seeds of each; ``-m slow``); session 54 added
-the tensor and integer programs and the spatial nets and ran several hundred of each the same way.
+the tensor and integer programs, the spatial nets and the recurrent nets and ran hundreds of each the
+same way.
 """
 from __future__ import annotations
 
@@ -882,6 +886,59 @@ def spatial_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     return model, {"x": x}, f"{np.dtype(npt).name} {x_shape} " + " ".join(desc)
 
 
+def recurrent_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """One random ``RNN``, ``GRU`` or ``LSTM`` on ``x [S, B, I]`` (opset 14): a direction, hidden size,
+    activations, ``clip``, biases, initial states, per-batch ``sequence_lens``, LSTM peepholes and
+    ``input_forget``, GRU's ``linear_before_reset``; the output is ``Y`` or a final state."""
+    rng = np.random.default_rng(seed)
+    npt = np.float32
+    b = _Builder(rng, npt)
+    op = str(rng.choice(["RNN", "GRU", "LSTM"]))
+    gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
+    seq, batch, inp, hid = (int(rng.integers(1, 7)), int(rng.integers(1, 4)), int(rng.choice([1, 3, 8])),
+                            int(rng.choice([1, 2, 5, 8])))
+    direction = str(rng.choice(["forward", "reverse", "bidirectional"]))
+    nd = 2 if direction == "bidirectional" else 1
+    attrs = {"hidden_size": hid, "direction": direction}  # (layout 0: onnxruntime has no batch-first ones)
+    acts = {"RNN": ["Tanh", "Relu", "Sigmoid"], "GRU": ["Sigmoid", "Tanh", "Relu"],
+            "LSTM": ["Sigmoid", "Tanh", "Relu"]}[op]
+    per_dir = {"RNN": 1, "GRU": 2, "LSTM": 3}[op]
+    if rng.random() < 0.3:
+        chosen = [str(rng.choice(acts)) for _ in range(per_dir)]
+        attrs["activations"] = chosen * nd
+    if rng.random() < 0.3:
+        attrs["clip"] = float(rng.choice([0.5, 2.0]))
+    if op == "GRU" and rng.random() < 0.5:
+        attrs["linear_before_reset"] = 1
+    if op == "LSTM" and rng.random() < 0.3:
+        attrs["input_forget"] = 1
+    x_shape = [seq, batch, inp]
+    ins = ["x", b.weight((nd, gates * hid, inp), 0.5), b.weight((nd, gates * hid, hid), 0.5)]
+    ins.append(b.weight((nd, 2 * gates * hid), 0.3) if rng.random() < 0.7 else "")
+    lens = rng.integers(1, seq + 1, batch).astype(np.int32) if rng.random() < 0.4 else None
+    ins.append(b.const(lens) if lens is not None else "")
+    state = [nd, batch, hid]
+    ins.append(b.weight(state, 0.5) if rng.random() < 0.5 else "")
+    if op == "LSTM":
+        ins.append(b.weight(state, 0.5) if rng.random() < 0.5 else "")
+        ins.append(b.weight((nd, 3 * hid), 0.3) if rng.random() < 0.3 else "")
+    while ins and ins[-1] == "":
+        ins.pop()
+    n_out = 3 if op == "LSTM" else 2
+    outs = [b.name("y") for _ in range(n_out)]
+    b.nodes.append(helper.make_node(op, ins, outs, **attrs))
+    pick = int(rng.integers(0, n_out))
+    y_shape = [seq, nd, batch, hid] if pick == 0 else state
+    out = b.node("Identity", [outs[pick]])
+    g = helper.make_graph(b.nodes, "random", [_io("x", npt, x_shape)], [_io(out, npt, y_shape)], b.inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    x = np.random.default_rng(seed + 1).standard_normal(x_shape).astype(npt)
+    desc = f"{op} {attrs} x{x_shape} lens={None if lens is None else lens.tolist()} out{pick} inputs={ins[1:]}"
+    return model, {"x": x}, desc
+
+
 GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block,
               "tensor_program": tensor_program, "int_program": int_program,
-              "spatial_net": spatial_net}
+              "spatial_net": spatial_net, "recurrent_net": recurrent_net}
