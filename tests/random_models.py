@@ -405,10 +405,9 @@ def tensor_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
                 other = b.weight(_broadcast_shape(rng, s), 1.0)
             if op == "Div":
                 other = b.node("Add", [b.node("Abs", [other]), b.const(np.array(1, npt))])
-            swap = rng.random() < 0.3 and op != "Div"
-            out = [max(a, c) for a, c in zip(s, [1] * (r - len(shapes.get(other, s))) + shapes.get(other, s))]
+            swap = rng.random() < 0.3 and op != "Div"  # (other broadcasts to s: the result is s)
             cur = b.node(op, [other, cur] if swap else [cur, other])
-            put(cur, out, op.lower() + ("*" if kind == "pair" else ""))
+            put(cur, s, op.lower() + ("*" if kind == "pair" else ""))
         elif kind == "transpose" and r > 1:
             perm = [int(v) for v in rng.permutation(r)]
             cur = put(b.node("Transpose", [cur], perm=perm), [s[p] for p in perm], f"T{perm}")

@@ -17,19 +17,22 @@ Half values are compared as floats (converted exactly), integers as themselves.
 """
 from __future__ import annotations
 
+import math
+
 __all__ = ["TOPK_DTYPES", "SHARED_ROW", "topk_kernel"]
 
 _THREADS = 256
 #: the largest row (bytes, in the compute type) the kernel keeps in shared memory
 SHARED_ROW = 16384
-#: value type -> (stored C type, compute C type, load expression of ``p``, store expression of ``v``)
+#: value type -> (stored C type, compute C type and its bytes, load expression of ``p``, store
+#: expression of ``v``)
 TOPK_DTYPES = {
-    "float16": ("__half", "float", "__half2float({})", "__float2half_rn({})"),
-    "bfloat16": ("__nv_bfloat16", "float", "__bfloat162float({})", "__float2bfloat16_rn({})"),
-    "float32": ("float", "float", "{}", "{}"),
-    "float64": ("double", "double", "{}", "{}"),
-    "int32": ("int", "int", "{}", "{}"),
-    "int64": ("long long", "long long", "{}", "{}"),
+    "float16": ("__half", "float", 4, "__half2float({})", "__float2half_rn({})"),
+    "bfloat16": ("__nv_bfloat16", "float", 4, "__bfloat162float({})", "__float2bfloat16_rn({})"),
+    "float32": ("float", "float", 4, "{}", "{}"),
+    "float64": ("double", "double", 8, "{}", "{}"),
+    "int32": ("int", "int", 4, "{}", "{}"),
+    "int64": ("long long", "long long", 8, "{}", "{}"),
 }
 
 
@@ -41,14 +44,9 @@ def topk_kernel(symbol: str, dtype: str, shape: tuple[int, ...], k: int, axis: i
 
     if dtype not in TOPK_DTYPES:
         raise CudaCodegenError(f"TopK of {dtype} values has no cuda kernel (it takes {', '.join(TOPK_DTYPES)})")
-    st, ct, load, store = TOPK_DTYPES[dtype]
+    st, ct, size, load, store = TOPK_DTYPES[dtype]
     axis %= len(shape)
-    n = shape[axis]
-    outer = inner = 1
-    for d in shape[:axis]:
-        outer *= d
-    for d in shape[axis + 1:]:
-        inner *= d
+    n, outer, inner = shape[axis], math.prod(shape[:axis]), math.prod(shape[axis + 1:])
     rows = outer * inner
     if not 0 <= k <= n:
         raise CudaCodegenError(f"TopK: k={k} is outside [0, {n}]")
@@ -61,11 +59,9 @@ def topk_kernel(symbol: str, dtype: str, shape: tuple[int, ...], k: int, axis: i
         before = "(a > b) || (isnan(a) && !isnan(b))" if flt else "a > b"
     else:
         before = "(a < b) || (!isnan(a) && isnan(b))" if flt else "a < b"
-    size = {"float": 4, "double": 8, "int": 4, "long long": 8}[ct]
     shared = n * size <= SHARED_ROW
     read = "row[i]" if shared else load.format(f"xr[(long long)i * {inner}]")
     lines = [
-        head,
         f"  // TopK: the {k} {'largest' if largest else 'smallest'} of {n} along axis {axis} ({outer} x {inner} rows),",
         "  // one after another: each the first, in the order, of those after the one before",
         f"  __shared__ {ct} sv[32];",
@@ -126,4 +122,4 @@ def topk_kernel(symbol: str, dtype: str, shape: tuple[int, ...], k: int, axis: i
         "}",
     ]
     grid = min(rows, 65535)
-    return head + "\n".join(lines[1:]) + "\n", (grid, 1, 1), (_THREADS, 1, 1)
+    return head + "\n".join(lines) + "\n", (grid, 1, 1), (_THREADS, 1, 1)

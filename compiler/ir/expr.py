@@ -466,6 +466,13 @@ def dtype_kind(dtype) -> str:
     return "f" if str(dtype) in ML_FLOATS else np.dtype(dtype).kind
 
 
+def sum_type(dtype) -> np.dtype:
+    """The numpy type a reference (an op's ``numpy``) adds and multiplies values of ``dtype`` in:
+    float32 for float16 and bfloat16 (each result rounded once to the half type, as the kernels
+    do; numpy's own half sums may round every partial sum), ``dtype`` itself otherwise."""
+    return np.dtype(np.float32) if str(dtype) in ("float16", "bfloat16") else np.dtype(dtype)
+
+
 def numpy_type(name: str) -> np.dtype:
     """The numpy type of a dtype name (:data:`ML_FLOATS`: ml_dtypes')."""
     if name in ML_FLOATS:

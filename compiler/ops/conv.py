@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import ShapeError
 from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, affine_expr, dtype_kind, eq, if_then_else, logical_and,
-                       maximum, minimum)
+                       maximum, minimum, sum_type)
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
@@ -525,9 +525,8 @@ class ConvTranspose(Operator):
         p, kp = math.prod(ins), math.prod(kern)
         # half values: products and the overlapping taps' sums in float32, rounded once (as Conv's
         # matmul does and the kernels do; summed in the half type, each tap's add would round)
-        wide = np.float32 if np.dtype(x.dtype).name in ("float16", "bfloat16") else None
-        xm = x.reshape(n, g, icg, p).transpose(0, 1, 3, 2).astype(wide or x.dtype)  # (N, G, P, ICG)
-        wm = w.reshape(g, icg, ocg * kp).astype(wide or w.dtype)
+        xm = x.reshape(n, g, icg, p).transpose(0, 1, 3, 2).astype(sum_type(x.dtype))  # (N, G, P, ICG)
+        wm = w.reshape(g, icg, ocg * kp).astype(sum_type(w.dtype))
         cols = np.matmul(xm, wm).reshape((n, g) + ins + (ocg,) + kern)  # (N, G, *in, OCG, *k)
         cols = np.moveaxis(cols, 2 + n_sp, 2)  # (N, G, OCG, *in, *k)
         full = tuple((ins[d] - 1) * s[d] + (kern[d] - 1) * dil[d] + 1 for d in range(n_sp))

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ShapeError
 from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, eq, if_then_else, logical_and, maximum,
                        minimum,
-                       numpy_type)
+                       numpy_type, sum_type)
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
@@ -269,10 +269,9 @@ class Einsum(Operator):
 
     def numpy(self, *xs):
         _, _, _, norm = parse_einsum(self.attrs["equation"], [x.shape for x in xs], self.name)
-        dt = xs[0].dtype
-        if dt.name in ("float16", "bfloat16"):  # products and sums in float32, rounded once (as the kernels)
-            xs = [x.astype(np.float32) for x in xs]
-        return [np.asarray(np.einsum(norm, *xs, optimize=len(xs) > 1)).astype(dt, copy=False)]
+        dt = xs[0].dtype  # (half operands: products and sums in float32, rounded once)
+        wide = [x.astype(sum_type(dt), copy=False) for x in xs]
+        return [np.asarray(np.einsum(norm, *wide, optimize=len(xs) > 1)).astype(dt, copy=False)]
 
 
 def _qparam_read(p: TensorInput | None, axis_var) -> Expr | None:

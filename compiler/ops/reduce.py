@@ -13,7 +13,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then_else
+from ..ir.expr import Cast, Const, Expr, UnaryOp, dtype_kind, eq, if_then_else, sum_type
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern, reduce
 
@@ -129,11 +129,11 @@ class Reduce(Operator):
         if any(x.shape[a] == 0 for a in axes):
             return [np.full(shape, _empty_value(kind, x.dtype.name), x.dtype)]
         kw = {"axis": axes, "keepdims": True}
-        # Half values are summed (and multiplied) in float32 and rounded once, as the kernels do;
-        # numpy's own float16 reduction along a leading axis rounds every partial sum.
-        wide = x.dtype.name in ("float16", "bfloat16")
+        # half values summed (and multiplied) in float32, rounded once (numpy's own float16
+        # reduction along a leading axis rounds every partial sum)
+        wide = sum_type(x.dtype) != x.dtype
         if wide:
-            kw["dtype"] = np.float32
+            kw["dtype"] = sum_type(x.dtype)
         with np.errstate(all="ignore"):
             if kind in ("max", "min"):
                 r = getattr(np, kind)(x, axis=axes, keepdims=True)
@@ -293,8 +293,7 @@ class _Cumulative(Operator):
     def numpy(self, x):
         axis, excl, rev = self.attrs["axis"], bool(self.attrs["exclusive"]), bool(self.attrs["reverse"])
         identity, scan = _SCANS[self.combine]
-        # half values combine in float32, each result rounded once (as the kernels and Reduce do)
-        dt = np.dtype(np.float32) if x.dtype.name in ("float16", "bfloat16") else x.dtype
+        dt = sum_type(x.dtype)  # (half values combine in float32, each result rounded once)
         if rev:
             x = np.flip(x, axis)
         if excl:  # y[j] combines x[:j]; y[0] is the identity
