@@ -33,11 +33,23 @@ of the tiles:
 * :func:`recurrent_net`: one ``RNN``, ``GRU`` or ``LSTM`` of a random direction, hidden size,
   activations, ``clip``, biases, initial states, ``sequence_lens``, peepholes, ``input_forget``
   or ``linear_before_reset``; its sequence output or a final state.
+* :func:`index_program`: 2-8 steps of indexing and quantization on ``x`` (opset 18):
+  ``ScatterElements`` and ``ScatterND`` with every reduction (repeated places where they reduce),
+  ``GatherND`` with batch dims, ``OneHot`` of constants or of an ``ArgMax``, ``Range`` (integer and
+  float), ``Compress``, ``ReverseSequence``, per-tensor and per-axis quantize-dequantize pairs,
+  requantizations around a transpose, and the QDQ ``MatMul``/``Gemm`` forms the cpu target runs on
+  its integer GEMM; power-of-two scales, so that quantizing is exact where the values are.
+* :func:`control_program`: 2-8 ``If`` (on a static dim or a constant), ``Loop`` (a trip count, or
+  a condition on the iteration number; an ``If`` on it inside) and ``Scan`` (any axis and
+  direction in and out) nodes with elementwise bodies, and reductions between them.
+
+:func:`reference` runs a model in onnxruntime with its graph optimizations off: the operators'
+semantics, which its optimizations depart from on quantized models (rfcs/0006).
 
 Session 53 ran several hundred of each against onnxruntime and the host emulation of the cuda
 kernels (tests/codegen/test_random_models.py keeps a few seeds of each; ``-m slow``); session 54 added
 the tensor and integer programs, the spatial nets and the recurrent nets and ran hundreds of each the
-same way.
+same way; session 55 the index and control programs.
 """
 from __future__ import annotations
 
@@ -72,12 +84,26 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
         return out
 
-    def model(self, inputs: list, outputs: list) -> onnx.ModelProto:
+    def model(self, inputs: list, outputs: list, opset: int = 17) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, "random", inputs, outputs, self.inits)
-        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        m.ir_version = 8
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        m.ir_version = 8 if opset <= 17 else 10
         onnx.checker.check_model(m)
         return m
+
+
+def reference(model: onnx.ModelProto, feeds: dict) -> dict:
+    """The outputs of ``model`` by onnxruntime (CPU) with its graph optimizations off: what the
+    operators define. Its optimizations depart from that on quantized models (rfcs/0006): they drop a
+    ``DequantizeLinear``-``QuantizeLinear`` pair of different scales, rounding included, and round a
+    ``Gemm`` of dequantized inputs differently, which a later quantization can turn into a step."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
 def _io(name: str, npt, shape) -> onnx.ValueInfoProto:
@@ -354,9 +380,9 @@ class _Program(_Builder):
             out = self.node(op, [cur], axes=named, keepdims=keep)
         return self.put(out, new, f"{op[6:].lower()}{axes}k{keep}")
 
-    def finish(self, cur: str, x: np.ndarray) -> tuple[onnx.ModelProto, dict, str]:
+    def finish(self, cur: str, x: np.ndarray, opset: int = 17) -> tuple[onnx.ModelProto, dict, str]:
         """The model from ``x`` to ``cur``, its feeds and description."""
-        model = self.model([_io("x", self.npt, x.shape)], [_io(cur, self.npt, self.shapes[cur])])
+        model = self.model([_io("x", self.npt, x.shape)], [_io(cur, self.npt, self.shapes[cur])], opset)
         return model, {"x": x}, f"{np.dtype(self.npt).name} {list(x.shape)} " + " ".join(self.desc)
 
 
@@ -700,6 +726,251 @@ def int_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     return b.finish(cur, np.random.default_rng(seed + 1).integers(-20, 21, shapes["x"]).astype(npt))
 
 
+def _distinct_along(rng, shape, axis: int, n: int) -> np.ndarray:
+    """int64 indices of ``shape`` into a dim of ``n``, distinct along ``axis`` (``shape[axis] <= n``),
+    a third of them written negative: a ScatterElements without a reduction writes each place once."""
+    moved = list(shape[:axis]) + list(shape[axis + 1:])
+    rows = [rng.permutation(n)[:shape[axis]] for _ in range(int(np.prod(moved, dtype=np.int64)))]
+    idx = np.moveaxis(np.array(rows, np.int64).reshape(moved + [shape[axis]]), -1, axis)
+    return np.where(rng.random(idx.shape) < 0.3, idx - n, idx)
+
+
+def index_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """A random program of indexing and quantization steps on ``x`` (opset 18; see the module
+    docstring); float32 or float16 (the quantization steps in float32 only)."""
+    rng = np.random.default_rng(seed)
+    npt = np.float16 if rng.random() < 0.3 else np.float32
+    b = _Program(rng, npt)
+    shapes, put, ints = b.shapes, b.put, b.ints
+
+    def quantize(t, s, axis=None):
+        """Quantize-dequantize parameters of ``t``: a power-of-two scale (per tensor or along ``axis``), so
+        that ``x / scale`` is exact and a rounding tie as rare as in the data, and an 8-bit zero point."""
+        n = [] if axis is None else [s[axis]]
+        scale = b.const((2.0 ** -rng.integers(3, 7, n)).astype(np.float32))
+        signed = rng.random() < 0.5
+        zp = rng.integers(-20, 21, n) if signed else rng.integers(108, 149, n)
+        zero = b.const(zp.astype(np.int8 if signed else np.uint8))
+        attrs = {} if axis is None else {"axis": axis - len(s) if rng.random() < 0.3 else axis}
+        return [scale, zero], attrs
+
+    def reduction():  # (onnxruntime reduces float32 scatters only)
+        return str(rng.choice(["none", "none", "add", "mul", "max", "min"] if npt == np.float32 else ["none"]))
+
+    cur = "x"
+    for kind in b.steps(["scatter_elements", "scatter_nd", "gather_nd", "onehot", "range", "compress", "reverse",
+                         "qdq", "qdq", "requant", "qmatmul", "qmatmul", "unary"]):
+        s = shapes[cur]
+        if not s:
+            break
+        r = len(s)
+        a = int(rng.integers(0, r))
+        if kind == "scatter_elements":
+            red = reduction()
+            ishape = [int(rng.integers(1, d + 1)) for d in s]
+            if red == "none":
+                idx = _distinct_along(rng, ishape, a, s[a])
+            else:  # (repeated places: the reduction combines them)
+                idx = rng.integers(-s[a], s[a], ishape).astype(np.int64)
+            upd = b.const((1 + 0.5 * rng.standard_normal(ishape)).astype(npt), "w")
+            cur = put(b.node("ScatterElements", [cur, b.const(idx), upd], axis=a, reduction=red), s,
+                      f"scatter_elements{a}{red}{ishape}")
+        elif kind == "scatter_nd":
+            red = reduction()
+            q = int(rng.integers(1, r + 1))
+            places = int(np.prod(s[:q]))
+            m = int(rng.integers(1, min(places, 6) + 1))
+            flat = rng.choice(places, m, replace=False) if red == "none" else rng.integers(0, places, m)
+            idx = np.stack(np.unravel_index(flat, s[:q]), -1).astype(np.int64)
+            idx = np.where(rng.random(idx.shape) < 0.3, idx - np.array(s[:q]), idx)
+            upd = b.const((1 + 0.5 * rng.standard_normal([m] + s[q:])).astype(npt), "w")
+            cur = put(b.node("ScatterND", [cur, b.const(idx), upd], reduction=red), s, f"scatter_nd{q}x{m}{red}")
+        elif kind == "gather_nd":
+            bd = int(rng.integers(0, min(r - 1, 1) + 1)) if r > 1 else 0
+            q = int(rng.integers(1, r - bd + 1))
+            m = int(rng.integers(1, 5))
+            idx = np.stack([rng.integers(-d, d, s[:bd] + [m]) for d in s[bd:bd + q]], -1).astype(np.int64)
+            new = s[:bd] + [m] + s[bd + q:]
+            cur = put(b.node("GatherND", [cur, b.const(idx)], batch_dims=bd), new, f"gather_nd{bd}:{q}x{m}")
+        elif kind == "onehot" and r > 1:  # (of ArgMax along a or of constants: shaped as ``cur``, multiplied in)
+            rest = s[:a] + s[a + 1:]
+            if rng.random() < 0.5:
+                idx = b.node("ArgMax", [cur], axis=a, keepdims=0)
+            else:
+                idx = b.const(rng.integers(-s[a], s[a], rest).astype(np.int64))
+            vals = b.const(np.array(sorted(rng.standard_normal(2)), npt))
+            hot = b.node("OneHot", [idx, ints(s[a]), vals], axis=a - r if rng.random() < 0.3 else a)
+            cur = put(b.node(str(rng.choice(["Mul", "Add"])), [cur, hot]), s, f"onehot{a}")
+        elif kind == "range":  # (along the last dim, integer or float steps)
+            n, step = s[-1], float(rng.choice([1, -1, 0.5, -2]))
+            lo = float(rng.integers(-3, 4))
+            if step == int(step) and rng.random() < 0.5:
+                rg = b.node("Cast", [b.node("Range", [ints(int(lo)), ints(int(lo + n * step)), ints(int(step))])],
+                            to=helper.np_dtype_to_tensor_dtype(np.dtype(npt)))
+            else:  # (onnxruntime has no float16 Range)
+                rg = b.node("Range", [b.const(np.array(v, np.float32)) for v in (lo, lo + n * step - step / 2, step)])
+                if npt != np.float32:
+                    rg = b.node("Cast", [rg], to=TensorProto.FLOAT16)
+            cur = put(b.node("Add", [cur, rg]), s, f"range{lo}:{step}")
+        elif kind == "compress":
+            keep = rng.random(s[a]) < 0.6
+            keep[int(rng.integers(0, s[a]))] = True
+            cur = put(b.node("Compress", [cur, b.const(keep)], axis=a), s[:a] + [int(keep.sum())] + s[a + 1:],
+                      f"compress{a}")
+        elif kind == "reverse" and r >= 2:
+            ta = int(rng.integers(0, 2))
+            lens = rng.integers(1, s[ta] + 1, s[1 - ta]).astype(np.int64)
+            cur = put(b.node("ReverseSequence", [cur, b.const(lens)], time_axis=ta, batch_axis=1 - ta), s,
+                      f"reverse{ta}{lens.tolist()}")
+        elif kind == "qdq" and npt == np.float32:
+            params, attrs = quantize(cur, s, a if rng.random() < 0.5 else None)
+            q = b.node("QuantizeLinear", [cur] + params, **attrs)
+            cur = put(b.node("DequantizeLinear", [q] + params, **attrs), s, f"qdq{attrs}")
+        elif kind == "requant" and npt == np.float32 and r > 1:  # (a move between quantizations of one scale)
+            params, _ = quantize(cur, s)
+            d = b.node("DequantizeLinear", [b.node("QuantizeLinear", [cur] + params)] + params)
+            perm = [int(v) for v in rng.permutation(r)]
+            moved = b.node("Transpose", [d], perm=perm)
+            cur = put(b.node("DequantizeLinear", [b.node("QuantizeLinear", [moved] + params)] + params),
+                      [s[p] for p in perm], f"requant-T{perm}")
+        elif kind == "qmatmul" and npt == np.float32:  # (the QDQ MatMul/Gemm that becomes MatMulInteger)
+            k, n = s[-1], int(rng.choice([1, 3, 8, 16]))
+            params, _ = quantize(cur, s)
+            dx = b.node("DequantizeLinear", [b.node("QuantizeLinear", [cur] + params)] + params)
+            gemm = r == 2 and rng.random() < 0.5
+            trans = int(gemm and rng.random() < 0.5)
+            wshape = [n, k] if trans else [k, n]
+            per_col = rng.random() < 0.5
+            wscale = 2.0 ** -rng.integers(4, 8, [n] if per_col else [])
+            signed = rng.random() < 0.7
+            wq = rng.integers(-127, 128, wshape) if signed else rng.integers(0, 256, wshape)
+            wz = (rng.integers(-3, 4, wscale.shape) if signed else rng.integers(120, 137, wscale.shape))
+            wt = np.int8 if signed else np.uint8
+            dw = b.node("DequantizeLinear", [b.const(wq.astype(wt)), b.const(wscale.astype(np.float32)),
+                                             b.const(wz.astype(wt))], **({"axis": 1 - trans} if per_col else {}))
+            if gemm:
+                ins = [dx, dw] + ([b.weight([n], 0.5)] if rng.random() < 0.5 else [])
+                out = b.node("Gemm", ins, transB=trans, alpha=float(rng.choice([1.0, 0.5])))
+            else:
+                out = b.node("MatMul", [dx, dw])
+            cur = put(out, s[:-1] + [n], f"q{'gemm' if gemm else 'mm'}{n}t{trans}c{int(per_col)}")
+        elif kind == "unary":
+            cur = put(b.node(str(rng.choice(["Tanh", "Relu", "Sin"])), [cur]), s, "unary")
+        while int(np.prod(shapes[cur])) > 16384:
+            cur = put(b.node("ReduceMean", [cur, ints([0])], keepdims=0), shapes[cur][1:], "shrink")
+    if cur == "x":
+        cur = put(b.node("Relu", ["x"]), shapes["x"], "relu")
+    return b.finish(cur, np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt), opset=18)
+
+
+def control_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """A random program of ``If``, ``Loop`` and ``Scan`` nodes on ``x`` (see the module docstring),
+    with conditions and trip counts that static shapes and iteration numbers decide."""
+    rng = np.random.default_rng(seed)
+    npt = np.float16 if rng.random() < 0.3 else np.float32
+    b = _Program(rng, npt)
+    shapes, put, ints = b.shapes, b.put, b.ints
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(npt))
+
+    def value(name, dtype=elem, shape=None):
+        return helper.make_tensor_value_info(name, dtype, shape)
+
+    def emit(nodes, op, inputs, **attrs):
+        out = b.name("u")
+        nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def scalar(v):
+        return b.const(np.array(v, npt))
+
+    def block(src, s):
+        """Nodes (a body's, returned) of a random elementwise step on ``src`` of shape ``s``, its output."""
+        nodes, out = [], b.name("u")
+        op = str(rng.choice(["Tanh", "Neg", "Add", "Mul", "Sigmoid", "Transpose"]))
+        if op in ("Add", "Mul"):
+            nodes.append(helper.make_node(op, [src, b.weight(_broadcast_shape(rng, s), 0.5)], [out]))
+        elif op == "Transpose" and len(s) > 1 and len(set(s)) == 1:  # (a square shape keeps its shape)
+            nodes.append(helper.make_node(op, [src], [out], perm=[int(v) for v in rng.permutation(len(s))]))
+        else:
+            nodes.append(helper.make_node("Tanh" if op == "Transpose" else op, [src], [out]))
+        return nodes, out
+
+    cur = "x"
+    for kind in b.steps(["if", "if", "loop", "loop", "scan", "scan", "reduce"]):
+        s = shapes[cur]
+        if not s:
+            break
+        r = len(s)
+        if kind == "if":  # (on a dim of cur, or a constant; each branch a step, a different one)
+            a = int(rng.integers(0, r))
+            if rng.random() < 0.7:
+                dim = b.node("Gather", [b.node("Shape", [cur]), ints(a)])
+                cond = b.node(str(rng.choice(["Greater", "Less", "Equal"])), [dim, ints(int(rng.integers(1, 6)))])
+            else:
+                cond = b.const(np.array(rng.random() < 0.5))
+            branches = {}
+            for branch in ("then_branch", "else_branch"):
+                nodes, out = block(cur, s)
+                branches[branch] = helper.make_graph(nodes, b.name(branch), [], [value(out)])
+            cur = put(b.node("If", [cond], **branches), s, "if")
+        elif kind == "loop":  # (a trip count, or a condition on the iteration number; an If on it inside)
+            trips = int(rng.integers(1, 5))
+            i, c_in, v_in = b.name("i"), b.name("cond"), b.name("v")
+            nodes, out = block(v_in, s)
+            half = emit(nodes, "Mul", [out, scalar(0.5)])
+            step = emit(nodes, "Add", [half, emit(nodes, "Cast", [i], to=elem)])
+            if rng.random() < 0.4:  # (the first iteration takes the other branch)
+                branches = {}
+                for branch, op in (("then_branch", "Neg"), ("else_branch", "Identity")):
+                    inner: list = []
+                    branches[branch] = helper.make_graph(inner, b.name(branch), [], [value(emit(inner, op, [step]))])
+                step = emit(nodes, "If", [emit(nodes, "Equal", [i, ints(0)])], **branches)
+            counted = rng.random() < 0.6
+            if counted:
+                c_out = emit(nodes, "Identity", [c_in])
+            else:  # (runs while i + 1 < trips)
+                c_out = emit(nodes, "Less", [emit(nodes, "Add", [i, ints(1)]), ints(trips)])
+            y = emit(nodes, "Sin", [step])
+            body = helper.make_graph(nodes, b.name("body"),
+                                     [value(i, TensorProto.INT64, []), value(c_in, TensorProto.BOOL, []), value(v_in)],
+                                     [value(c_out, TensorProto.BOOL, []), value(step), value(y)])
+            final, ys = b.name("lf"), b.name("ly")
+            ins = [ints(trips) if counted else "", b.const(np.array(True)), cur]
+            b.nodes.append(helper.make_node("Loop", ins, [final, ys], body=body))
+            shapes[ys] = [trips] + s
+            cur = final if rng.random() < 0.5 else ys
+            put(cur, shapes[ys] if cur == ys else s, f"loop{trips}{'' if counted else 'c'}->{cur[:2]}")
+        elif kind == "scan":  # (a running state along axis a; outputs stacked along any axis, either way)
+            a = int(rng.integers(0, r))
+            rest = s[:a] + s[a + 1:]
+            st_in, x_t = b.name("st"), b.name("xt")
+            nodes, out = block(x_t, rest)
+            st_out = emit(nodes, "Add", [emit(nodes, "Mul", [st_in, scalar(0.5)]), out])
+            y = emit(nodes, "Tanh", [st_out])
+            body = helper.make_graph(nodes, b.name("body"), [value(st_in, shape=rest), value(x_t, shape=rest)],
+                                     [value(st_out, shape=rest), value(y, shape=rest)])
+            oa = int(rng.integers(0, len(rest) + 1))
+            attrs = {"num_scan_inputs": 1, "scan_input_axes": [a], "scan_output_axes": [oa],
+                     "scan_input_directions": [int(rng.random() < 0.5)],
+                     "scan_output_directions": [int(rng.random() < 0.5)]}
+            final, ys = b.name("sf"), b.name("sy")
+            b.nodes.append(helper.make_node("Scan", [b.weight(rest, 0.5), cur], [final, ys], body=body, **attrs))
+            shapes[ys] = rest[:oa] + [s[a]] + rest[oa:]
+            if not rest or rng.random() < 0.5:
+                cur = ys
+            else:
+                cur = final
+            put(cur, shapes[cur] if cur == ys else rest, f"scan{a}->{oa}{attrs['scan_input_directions']}"
+                f"{attrs['scan_output_directions']}{cur[:2]}")
+        elif kind == "reduce":
+            cur = b.reduce(cur, ["ReduceSum", "ReduceMax"])
+        while int(np.prod(shapes[cur])) > 16384:
+            cur = put(b.node("ReduceMean", [cur], axes=[0], keepdims=0), shapes[cur][1:], "shrink")
+    if cur == "x":
+        cur = put(b.node("Relu", ["x"]), shapes["x"], "relu")
+    return b.finish(cur, np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt))
+
+
 def _reference_shape(b: _Builder, x: np.ndarray, t: str):
     """The shape of ``t`` that onnxruntime computes from ``x`` in the model built so far, or None
     (the generator drops the step) where onnxruntime refuses the model or disagrees with onnx's
@@ -940,4 +1211,5 @@ def recurrent_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
 
 GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block,
               "tensor_program": tensor_program, "int_program": int_program,
-              "spatial_net": spatial_net, "recurrent_net": recurrent_net}
+              "spatial_net": spatial_net, "recurrent_net": recurrent_net, "index_program": index_program,
+              "control_program": control_program}

@@ -1,12 +1,13 @@
-"""Random models (tests/random_models.py: conv nets, chains of products, attention blocks, tensor
-and integer programs, spatial and recurrent nets) compiled
+"""Random models (tests/random_models.py: conv nets, chains of products, attention blocks, tensor,
+integer, index and control programs, spatial and recurrent nets) compiled
 for the cuda target: each program (sm_90 and sm_80, float16 and float32 precision) against
 onnxruntime, and every kernel of it on the host emulation (tests/cuda_host.py) against the
 evaluator. ``-m slow`` (about 10 s a case on two cores); ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds
 ``A..B-1`` instead of the default ``0:6``. Session 53 ran several hundred seeds of each kind: they
 found the half products rounded before their float32 sums (rfcs/0004) and two attention forms left
 unfused (rfcs/0005 decision 70); session 54's tensor programs found three references (`numpy`) of
-half ops that rounded partial sums (rfcs/0004)."""
+half ops that rounded partial sums (rfcs/0004). The reference is onnxruntime with its graph
+optimizations off (random_models.reference; rfcs/0006)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
-from random_models import GENERATORS
+from random_models import GENERATORS, reference
 
 from shardflow.compiler import load_onnx
 from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
@@ -37,13 +38,12 @@ def _evaluate(rg, feeds):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_random_model_on_the_cuda_host(tmp_path, kind, seed):
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
     from cuda_host import build
     from test_cuda_host import _check_kernels
 
     model, feeds, desc = GENERATORS[kind](seed)
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    want = sess.run(None, feeds)[0].astype(np.float32)
+    want = reference(model, feeds)[model.graph.output[0].name].astype(np.float32)
     scale = float(np.abs(want).max())
     half = feeds["x"].dtype == np.float16
     for precision in ("float16", "float32"):

@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from random_models import GENERATORS
+from random_models import GENERATORS, reference
 
 from shardflow.compiler import load_onnx
 from shardflow.compiler.parallel import partition, simulate
@@ -57,28 +57,33 @@ def test_random_plans_of_random_models(kind, seed):
     if feeds["x"].dtype != np.float32:
         feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
         model = _float32(model)
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    want = reference(model, feeds)
     for mesh in ([2], [3], [2, 3]):
         _random_plans(load_onnx(model), feeds, want, mesh, seed, 2, must_reshard=False)
 
 
 def _float32(model):
-    """``model`` with its float16 inputs, outputs, weights and constants in float32."""
+    """``model`` with its float16 inputs, outputs, weights and constants in float32 (in its
+    subgraphs too)."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
+    def widen(g):
+        for vi in list(g.input) + list(g.output):
+            if vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
+                vi.type.tensor_type.elem_type = TensorProto.FLOAT
+        for i, t in enumerate(g.initializer):
+            if t.data_type == TensorProto.FLOAT16:
+                wide = numpy_helper.to_array(t).astype(np.float32)
+                g.initializer[i].CopyFrom(numpy_helper.from_array(wide, t.name))
+        for n in g.node:
+            for a in n.attribute:
+                if a.name == "to" and a.i == TensorProto.FLOAT16:
+                    a.i = TensorProto.FLOAT
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else []) + list(a.graphs):
+                    widen(sub)
+
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    for vi in list(m.graph.input) + list(m.graph.output):
-        if vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT
-    for i, t in enumerate(m.graph.initializer):
-        if t.data_type == TensorProto.FLOAT16:
-            wide = numpy_helper.to_array(t).astype(np.float32)
-            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(wide, t.name))
-    for n in m.graph.node:
-        for a in n.attribute:
-            if a.name == "to" and a.i == TensorProto.FLOAT16:
-                a.i = TensorProto.FLOAT
+    widen(m.graph)
     return m
