@@ -712,6 +712,41 @@ class _Ranges:
         key = self.key(e)
         out[key] = _iv_meet(out.get(key, _UNKNOWN), bound)
 
+    def decide(self, c: Expr) -> bool | None:
+        """The value of the integer condition ``c`` where the intervals (under the current
+        refinements) prove it, else None. A concatenation read at a constant index, or inside a
+        branch that already fixed the index's range, is then lowered as the one part it reads."""
+        if isinstance(c, Const) and isinstance(c.value, (bool, int)):
+            return bool(c.value)
+        if isinstance(c, UnaryOp) and c.op == "not":
+            d = self.decide(c.a)
+            return None if d is None else not d
+        if not isinstance(c, BinOp):
+            return None
+        if c.op in ("and", "or"):
+            da, db = self.decide(c.a), self.decide(c.b)
+            short = c.op == "or"  # (the value that settles it)
+            if short in (da, db):
+                return short
+            return None if da is None or db is None else not short
+        if c.op not in _CMP:
+            return None
+        for side in (c.a, c.b):
+            dt = value_dtype(side, self.dtypes)
+            kind = _weak_kind(side) if dt is None and isinstance(side, Const) else _kind(dt) if dt else "f"
+            if kind not in "iub":
+                return None
+        (alo, ahi), (blo, bhi) = self.interval(c.a), self.interval(c.b)
+        op = c.op
+        if op in ("gt", "ge"):
+            (alo, ahi), (blo, bhi), op = (blo, bhi), (alo, ahi), {"gt": "lt", "ge": "le"}[op]
+        if op == "lt":
+            return True if ahi < blo else False if alo >= bhi else None
+        if op == "le":
+            return True if ahi <= blo else False if alo > bhi else None
+        equal = True if alo == ahi == blo == bhi else False if ahi < blo or bhi < alo else None
+        return equal if op == "eq" or equal is None else not equal
+
     def in_bounds(self, idx: Expr, extent: int) -> bool:
         lo, hi = self.interval(idx)
         return lo >= 0 and hi <= extent - 1
@@ -1212,6 +1247,9 @@ class _Emitter:
             return False
 
     def _select(self, e: IfThenElse) -> Expr:
+        known = self.ranges.decide(e.cond)
+        if known is not None:
+            return self.emit(e.then if known else e.other)
         c = self.emit(e.cond)
         if self._speculation_safe(e.then, [64]) and self._speculation_safe(e.other, [64]):
             # both sides are computed unconditionally; sides that read memory go to locals first so
@@ -1309,6 +1347,8 @@ class KernelLowerer:
         self.temps: list[Buffer] = []
         self.temp_cache: dict[int, Buffer] = {}
         self.interner = _Interner()
+        self.key_memo: dict = {}  # (the interner's, by id: it keeps the keyed expressions alive)
+        self.inlined: dict = {}  # (id of a grid compute, keys of its indices) -> its inlined value
         self.dtypes: dict = {}
         self.counter = itertools.count()
         self.local_counter = itertools.count()
@@ -1322,12 +1362,18 @@ class KernelLowerer:
         return b
 
     def _bind(self, value: Expr) -> Expr:
-        """Inline reads of grid computes that are not already computed outputs."""
+        """Inline reads of grid computes that are not already computed outputs. A read at the
+        same indices (structurally) is inlined once and shared: down an unrolled recurrence, each
+        state is read by the next step and by its own output, and inlining a fresh copy per read
+        repeated every earlier step once per later one (a 16-step Scan after a Loop took minutes)."""
         def fn(old, new):
             if isinstance(new, TensorElement) and isinstance(new.tensor, GridCompute) and id(new.tensor) not in self.bound:
                 gc = new.tensor
-                inner = substitute(gc.value, dict(zip(gc.axes, new.indices)))
-                return self._bind(inner)
+                key = (id(gc),) + tuple(self.interner.key(i, memo=self.key_memo) for i in new.indices)
+                inlined = self.inlined.get(key)
+                if inlined is None:
+                    inlined = self.inlined[key] = self._bind(substitute(gc.value, dict(zip(gc.axes, new.indices))))
+                return inlined
             if isinstance(new, TensorElement) and id(new.tensor) in self.scalars:
                 return self.scalars[id(new.tensor)]
             return None

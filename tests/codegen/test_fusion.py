@@ -589,3 +589,41 @@ def test_a_row_scalar_is_computed_once_per_row_and_the_output_loop_vectorizes(tm
     got = load(str(tmp_path / "o"), rank=0).run({"x": x})["y"]
     want = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=0.033 + 1e-6)
+
+
+def test_a_concatenation_read_at_a_known_index_is_lowered_as_the_part_it_reads(tmp_path):
+    """A Scan (unrolled at import: one step per row, the outputs concatenated) whose output is read
+    at one row fuses into one kernel; the concatenation's tests on the row index are decided at
+    lowering (the index is a constant), so the kernel computes that row's chain of steps and no
+    other. Undecided, every row's chain was lowered in its branch: a 16-step Scan fused after a
+    Loop generated 17 MB of C++ and took minutes to lower."""
+    from onnx import TensorProto, helper
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.codegen import generate_cpu_source
+    from shardflow.runtime import load
+
+    steps, row = 12, 5
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["s", "half"], ["h"]), helper.make_node("Add", ["h", "xt"], ["s2"]),
+         helper.make_node("Tanh", ["s2"], ["y"])], "body",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("s", "xt")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("s2", "y")])
+    graph = helper.make_graph(
+        [helper.make_node("Scan", ["s0", "x"], ["last", "ys"], body=body, num_scan_inputs=1),
+         helper.make_node("Gather", ["ys", "row"], ["out"], axis=0)], "scan",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])],
+        [helper.make_tensor("s0", TensorProto.FLOAT, [4], [0.0] * 4),
+         helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("row", TensorProto.INT64, [], [row])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = load_onnx(model)
+    kernel, = [text for _, text in generate_cpu_source(fuse(g.nodes, keep={t.name for t in g.outputs})).kernels]
+    body_text = kernel[kernel.index("// output"):]
+    assert body_text.count("sf_tanh(") == 1 and "if (" not in body_text and "?" not in body_text, body_text
+    x = np.random.default_rng(0).standard_normal((steps, 4)).astype(np.float32)
+    s = np.zeros(4, np.float32)
+    for t in range(row + 1):
+        s = s * np.float32(0.5) + x[t]
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=str(tmp_path))
+    np.testing.assert_allclose(load(str(tmp_path), rank=0).run({"x": x})["out"], np.tanh(s), rtol=1e-6)
