@@ -22,7 +22,12 @@ and it is not in ``keep``):
 * A group whose output is read several times joins the group holding all its readers, under the
   same conditions (GELU written as ``x * f(x)`` after a GEMM: one kernel).
 * An op may join the groups of several inputs (a weight's cast and an activation's cast before a
-  matmul), at most one of which reduces; the groups merge. Ops with several outputs,
+  matmul), at most one of which reduces; the groups merge.
+* A group has at most :data:`MAX_GROUP_OPS` members. The models' groups have a dozen at most; an
+  unrolled ``Scan`` or ``Loop`` of element-wise steps would otherwise fuse whole, its per-element
+  code growing with the square of its steps (each step's outputs, concatenated, are read in
+  branches that each recompute the chain of states before them): a 256-step scan of a ``tanh``
+  recurrence took 20 s to compile. Ops with several outputs,
   extern outputs (sorting) or random values, and the ops in ``barriers`` (the cpu target's
   GEMM/convolution templates) are never fused.
 
@@ -41,10 +46,12 @@ from ..ir.graph import Operator, Tensor
 from ..ir.task import GridCompute, Task, TensorInput
 from .lower import substitute, transform
 
-__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS", "reads_only_at_own_index", "aliased_inputs"]
+__all__ = ["FusedOp", "fuse", "CHEAP", "CONTRACTIONS", "MAX_GROUP_OPS", "reads_only_at_own_index", "aliased_inputs"]
 
 log = logging.getLogger(__name__)
 
+#: Most ops in one fused group (see the module docstring).
+MAX_GROUP_OPS = 64
 #: Op types cheap enough to be recomputed while an operand is loaded (data movement and casts).
 CHEAP = frozenset({"Cast", "Transpose", "Reshape", "Expand", "Identity", "Slice", "AffineGather", "LocalSlice"})
 #: Ops that read each operand element many times (a fused prologue is recomputed on every read):
@@ -288,6 +295,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
                 if sum(1 for u in op.inputs if u is t) != 1:
                     continue
                 members = groups[g]
+                if sum(len(groups[h]) for h in take) + len(members) + 1 > MAX_GROUP_OPS:
+                    continue
                 reduces = any(_has_reduce(m) for m in members)
                 if reduces:  # only as an element-wise epilogue (or a GEMM's split view), of one reducing group,
                     # or reading a row statistic that group computes (not a contraction's: its template
@@ -338,6 +347,8 @@ def fuse(ops: Sequence[Operator], *, keep: Collection[str] = (),
                 continue
             hi = homes.pop()
             home = groups[hi]
+            if len(a) + len(home) > MAX_GROUP_OPS:
+                continue
             if any(barriers(m) or not _single(m) or m.name in frozen for m in home) or no_prologue(home[0]):
                 continue
             if any(_has_reduce(m) for m in a):

@@ -259,13 +259,14 @@ class Concat(Operator):
         def read(x, off, i):
             return x[i[:axis] + ((i[axis] - off) if off else i[axis],) + i[axis + 1:]]
 
+        def pick(i, lo, hi):  # a balanced tree of tests on i[axis]: the depth grows with log(parts)
+            if hi - lo == 1:
+                return read(*parts[lo], i)
+            mid = (lo + hi) // 2
+            return if_then_else(i[axis] < parts[mid][1], pick(i, lo, mid), pick(i, mid, hi))
+
         def f(*i):
-            if not parts:
-                return xs[0][i]
-            res = read(*parts[-1], i)
-            for x, off in reversed(parts[:-1]):
-                res = if_then_else(i[axis] < off + x.shape[axis], read(x, off, i), res)
-            return res
+            return pick(i, 0, len(parts)) if parts else xs[0][i]
         return compute("y", shape, f, dtype=first.dtype)
 
     def numpy(self, *xs):

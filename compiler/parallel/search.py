@@ -239,13 +239,12 @@ class Problem:
                 if t.is_constant and (id(t), sp) not in seen:
                     seen.add((id(t), sp))
                     params += local_bytes(t, sp, self.mesh_shape)
-        peak = 0
-        for live in self.live_sets():
-            cur = 0
-            for t in live:
-                sp = self.source_spec(t, assign)
-                cur += local_bytes(t, sp if sp is not None else self.replicated, self.mesh_shape)
-            peak = max(peak, cur)
+        size: dict[int, int] = {}  # bytes of each activation, once (a long unrolled loop keeps
+        # hundreds live at every step)
+        for t in {id(t): t for live in self.live_sets() for t in live}.values():
+            sp = self.source_spec(t, assign)
+            size[id(t)] = local_bytes(t, sp if sp is not None else self.replicated, self.mesh_shape)
+        peak = max((sum(size[id(t)] for t in live) for live in self.live_sets()), default=0)
         return params, peak
 
     def live_sets(self) -> list[list[Tensor]]:

@@ -591,6 +591,25 @@ def test_a_row_scalar_is_computed_once_per_row_and_the_output_loop_vectorizes(tm
     np.testing.assert_allclose(got, want, rtol=0, atol=0.033 + 1e-6)
 
 
+def _scan_model(steps: int, nodes: list, outputs: dict, inits: list):
+    """A Scan over the rows of ``x [steps, 4]`` of ``s' = s / 2 + x[t]``, outputs ``last`` (the final
+    ``s'``) and ``ys`` (``tanh(s')`` per step), then ``nodes``; ``outputs``: name -> shape."""
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["s", "half"], ["h"]), helper.make_node("Add", ["h", "xt"], ["s2"]),
+         helper.make_node("Tanh", ["s2"], ["y"])], "body",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("s", "xt")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("s2", "y")])
+    graph = helper.make_graph(
+        [helper.make_node("Scan", ["s0", "x"], ["last", "ys"], body=body, num_scan_inputs=1)] + nodes, "scan",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in outputs.items()],
+        [helper.make_tensor("s0", TensorProto.FLOAT, [4], [0.0] * 4),
+         helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])] + inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def test_a_concatenation_read_at_a_known_index_is_lowered_as_the_part_it_reads(tmp_path):
     """A Scan (unrolled at import: one step per row, the outputs concatenated) whose output is read
     at one row fuses into one kernel; the concatenation's tests on the row index are decided at
@@ -604,19 +623,8 @@ def test_a_concatenation_read_at_a_known_index_is_lowered_as_the_part_it_reads(t
     from shardflow.runtime import load
 
     steps, row = 12, 5
-    body = helper.make_graph(
-        [helper.make_node("Mul", ["s", "half"], ["h"]), helper.make_node("Add", ["h", "xt"], ["s2"]),
-         helper.make_node("Tanh", ["s2"], ["y"])], "body",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("s", "xt")],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("s2", "y")])
-    graph = helper.make_graph(
-        [helper.make_node("Scan", ["s0", "x"], ["last", "ys"], body=body, num_scan_inputs=1),
-         helper.make_node("Gather", ["ys", "row"], ["out"], axis=0)], "scan",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 4])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])],
-        [helper.make_tensor("s0", TensorProto.FLOAT, [4], [0.0] * 4),
-         helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("row", TensorProto.INT64, [], [row])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = _scan_model(steps, [helper.make_node("Gather", ["ys", "row"], ["out"], axis=0)], {"out": [4]},
+                        [helper.make_tensor("row", TensorProto.INT64, [], [row])])
     g = load_onnx(model)
     kernel, = [text for _, text in generate_cpu_source(fuse(g.nodes, keep={t.name for t in g.outputs})).kernels]
     body_text = kernel[kernel.index("// output"):]
@@ -625,5 +633,36 @@ def test_a_concatenation_read_at_a_known_index_is_lowered_as_the_part_it_reads(t
     s = np.zeros(4, np.float32)
     for t in range(row + 1):
         s = s * np.float32(0.5) + x[t]
-    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=str(tmp_path))
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=str(tmp_path))
     np.testing.assert_allclose(load(str(tmp_path), rank=0).run({"x": x})["out"], np.tanh(s), rtol=1e-6)
+
+
+def test_an_unrolled_element_wise_scan_fuses_in_bounded_groups(tmp_path):
+    """A 100-step Scan of a ``tanh`` recurrence unrolls into 400 element-wise ops that would all
+    fuse into one kernel whose per-element code grows with the square of the steps (each stacked
+    output is read in a branch that recomputes the states before it); groups stop at
+    MAX_GROUP_OPS members, and the program still computes the recurrence."""
+    from onnx import helper
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.codegen.fusion import MAX_GROUP_OPS
+    from shardflow.runtime import load
+
+    steps = 100
+    reduce = helper.make_node("ReduceSum", ["ys"], ["out"], keepdims=0)
+    model = _scan_model(steps, [reduce], {"out": [], "last": [4]}, [])
+    g = load_onnx(model)
+    groups = fuse(g.nodes, keep={t.name for t in g.outputs})
+    sizes = [len(k.members) for k in groups if isinstance(k, FusedOp)]
+    assert len(g.nodes) > 3 * steps and max(sizes) == MAX_GROUP_OPS, sizes
+    x = np.random.default_rng(0).standard_normal((steps, 4)).astype(np.float32)
+    s, total = np.zeros(4, np.float32), np.float32(0)
+    for t in range(steps):
+        s = s * np.float32(0.5) + x[t]
+        total = total + np.tanh(s).sum()
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=str(tmp_path))
+    got = load(str(tmp_path)).run({"x": x})
+    np.testing.assert_allclose(got["last"], s, rtol=1e-5)
+    np.testing.assert_allclose(got["out"], total, rtol=1e-4)
