@@ -971,16 +971,10 @@ def control_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     return b.finish(cur, np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt))
 
 
-def _reference_shape(b: _Builder, x: np.ndarray, t: str):
-    """The shape of ``t`` that onnxruntime computes from ``x`` in the model built so far, or None
-    (the generator drops the step) where onnxruntime refuses the model or disagrees with onnx's
-    reference evaluator. onnxruntime, not onnx's shape inference: they differ on ceil-mode pools
-    whose last window would start in the padding. Checked against the reference evaluator because
-    onnxruntime 1.2x departs from the operator specs in places (this compiler follows the specs):
-    linear, cubic and ``pytorch_half_pixel`` resizes to or from one element, ``tf_crop_and_resize``
-    of a dim of one element, a transposed conv whose ``SAME`` padding would be negative."""
+def _partial_value(b: _Builder, x: np.ndarray, t: str):
+    """``(model, value)``: the model built so far with output ``t``, and ``t``'s value by
+    onnxruntime from ``x`` (None where it refuses the model or the value is empty or not finite)."""
     import onnxruntime as ort
-    from onnx.reference import ReferenceEvaluator
 
     g = helper.make_graph(b.nodes, "partial", [_io("x", b.npt, x.shape)],
                           [helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(np.dtype(b.npt)), None)],
@@ -992,8 +986,22 @@ def _reference_shape(b: _Builder, x: np.ndarray, t: str):
     try:
         y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     except Exception:
-        return None
-    if not y.size or not np.isfinite(y.astype(np.float32)).all():
+        return m, None
+    return m, (y if y.size and np.isfinite(y.astype(np.float32)).all() else None)
+
+
+def _reference_shape(b: _Builder, x: np.ndarray, t: str):
+    """The shape of ``t`` that onnxruntime computes from ``x`` in the model built so far, or None
+    (the generator drops the step) where onnxruntime refuses the model or disagrees with onnx's
+    reference evaluator. onnxruntime, not onnx's shape inference: they differ on ceil-mode pools
+    whose last window would start in the padding. Checked against the reference evaluator because
+    onnxruntime 1.2x departs from the operator specs in places (this compiler follows the specs):
+    linear, cubic and ``pytorch_half_pixel`` resizes to or from one element, ``tf_crop_and_resize``
+    of a dim of one element, a transposed conv whose ``SAME`` padding would be negative."""
+    from onnx.reference import ReferenceEvaluator
+
+    m, y = _partial_value(b, x, t)
+    if y is None:
         return None
     try:
         with np.errstate(all="ignore"):
@@ -1128,11 +1136,18 @@ def spatial_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
                 out = b.node("Resize", [cur, roi, "", b.const(np.array(shape[:2] + sz, np.int64))], **attrs)
             what = f"resize{attrs}"
         elif kind == "norm":
-            if rng.random() < 0.5:
+            instance = rng.random() < 0.5
+            g = c if instance else int(rng.choice([gg for gg in (1, 2, c) if c % gg == 0]))
+            v = x if cur == "x" else _partial_value(b, x, cur)[1]
+            if v is None:
+                continue
+            spread = v.astype(np.float32).reshape(v.shape[0], g, -1).std(-1)
+            if spread.min() < 1e-3 * max(float(np.abs(v.astype(np.float32)).max()), 1e-3):
+                continue  # (an instance or group of near-equal values: normalizing it amplifies rounding)
+            if instance:
                 out = b.node("InstanceNormalization", [cur, b.weight([c], 0.5), b.weight([c], 0.5)], epsilon=1e-5)
                 what = "instancenorm"
             else:
-                g = int(rng.choice([gg for gg in (1, 2, c) if c % gg == 0]))
                 out = b.node("GroupNormalization", [cur, b.weight([c], 0.5), b.weight([c], 0.5)], num_groups=g,
                              epsilon=1e-5)
                 what = f"groupnorm{g}"
