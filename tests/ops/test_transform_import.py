@@ -112,7 +112,7 @@ def test_slice_opset13(starts, ends, axes, steps):
 
 def test_a_concatenation_of_many_parts_tests_its_index_in_a_balanced_tree(tmp_path):
     """``Concat`` picks its part with a balanced tree of index tests (depth log2(parts)): an
-    unrolled scan stacks one part per step, and a chain of 1500 tests overflowed Python's recursion
+    unrolled scan stacks one part per step, and a chain of 1100 tests overflowed Python's recursion
     in the sharding rules (RecursionError). Planned over two ranks, and compiled, it is still the
     concatenation."""
     from shardflow.compiler import compile
@@ -120,7 +120,7 @@ def test_a_concatenation_of_many_parts_tests_its_index_in_a_balanced_tree(tmp_pa
     from shardflow.compiler.parallel import partition, search, simulate
     from shardflow.runtime import load
 
-    n = 1500
+    n = 1100
     x = np.arange(2 * n, dtype=np.float32).reshape(n, 2)
     nodes = [helper.make_node("Split", ["x"], [f"p{k}" for k in range(n)], axis=0, num_outputs=n),
              helper.make_node("Concat", [f"p{k}" for k in range(n)], ["c"], axis=0),
@@ -131,7 +131,7 @@ def test_a_concatenation_of_many_parts_tests_its_index_in_a_balanced_tree(tmp_pa
 
     def depth(e):
         return (1 + max(map(depth, e.children()), default=0)) if isinstance(e, IfThenElse) else 0
-    assert depth(concat.task.outputs[0].value) == 11  # ceil(log2(1500))
+    assert depth(concat.task.outputs[0].value) == 11  # ceil(log2(1100))
     plan = search(g, {"mesh_shape": [2]})
     np.testing.assert_array_equal(simulate(partition(g, plan), {"x": x}, plan.mesh)["y"], -x)
     compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
