@@ -43,6 +43,11 @@ of the tiles:
   a condition on the iteration number; an ``If`` on it inside) and ``Scan`` (any axis and
   direction in and out) nodes with elementwise bodies, and reductions between them.
 
+* :func:`attention_op`: one opset-23 ``Attention`` on projections of ``x``: 3-D (heads as
+  attributes) or 4-D inputs, grouped KV heads, ``RotaryEmbedding`` (interleaved or not, partial)
+  on q and k, a past key/value cache, a boolean or additive mask (2-D or 4-D) or ``is_causal``,
+  ``scale`` and ``softcap``; float32 or float16.
+
 :func:`reference` runs a model in onnxruntime with its graph optimizations off: the operators'
 semantics, which its optimizations depart from on quantized models (rfcs/0006).
 
@@ -971,6 +976,77 @@ def control_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     return b.finish(cur, np.random.default_rng(seed + 1).standard_normal(shapes["x"]).astype(npt))
 
 
+def attention_op(seed: int) -> tuple[onnx.ModelProto, dict, str]:
+    """A random opset-23 ``Attention`` on projections of ``x [B, S, E]`` (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    npt = np.float16 if rng.random() < 0.3 else np.float32
+    b = _Builder(rng, npt)
+    bs, s, past = int(rng.choice([1, 2])), int(rng.choice([1, 3, 5, 8])), int(rng.choice([0, 0, 2, 4]))
+    heads, d = int(rng.choice([1, 2, 4])), int(rng.choice([4, 8]))
+    kv = int(rng.choice([g for g in (1, 2, heads) if heads % g == 0]))
+    e, total = heads * d, past + s
+    four_d = rng.random() < 0.5
+    attrs, desc = {}, []
+
+    def project(n):
+        return b.node("MatMul", ["x", b.weight((e, n * d), e ** -0.5)])
+
+    def heads_of(t, n):  # [B, S, n*D] -> [B, n, S, D]
+        return b.node("Transpose", [b.node("Reshape", [t, b.const(np.array([bs, s, n, d], np.int64))])],
+                      perm=[0, 2, 1, 3])
+
+    q, k, v = project(heads), project(kv), project(kv)
+    if four_d:
+        q, k, v = heads_of(q, heads), heads_of(k, kv), heads_of(v, kv)
+    else:
+        attrs.update(q_num_heads=heads, kv_num_heads=kv)
+    if rng.random() < 0.5:  # rotary embeddings on q and k, at positions past..past+S-1
+        interleaved = int(rng.random() < 0.5)
+        rot = int(rng.choice([d, d // 2])) if d >= 8 else d
+        angles = np.outer(np.arange(total + 2), 10000.0 ** (-np.arange(rot // 2) / (rot // 2)))
+        cos, sin = b.const(np.cos(angles).astype(npt)), b.const(np.sin(angles).astype(npt))
+        pos = b.const(np.tile(np.arange(past, total, dtype=np.int64), (bs, 1)))
+        extra = {"rotary_embedding_dim": rot, "interleaved": interleaved}
+        q = b.node("RotaryEmbedding", [q, cos, sin, pos], **extra, **({} if four_d else {"num_heads": heads}))
+        k = b.node("RotaryEmbedding", [k, cos, sin, pos], **extra, **({} if four_d else {"num_heads": kv}))
+        desc.append(f"rope{rot}i{interleaved}")
+    mask = ""
+    kind = str(rng.choice(["none", "bool", "add", "causal"]))
+    if kind == "causal":
+        attrs["is_causal"] = 1
+    elif kind != "none":
+        shape = [s, total] if rng.random() < 0.5 else [bs, 1, s, total]
+        keep = rng.random(shape) < 0.7
+        keep[..., -1] = True  # (no row masked whole)
+        if kind == "bool":
+            mask = b.const(keep)
+        else:
+            mask = b.const(np.where(keep, rng.standard_normal(shape) * 0.5, -10000.0).astype(npt))
+    ins = [q, k, v, mask]
+    if past:
+        ins += [b.weight((bs, kv, past, d), 1.0), b.weight((bs, kv, past, d), 1.0)]
+    if rng.random() < 0.4:
+        attrs["scale"] = float(rng.choice([0.1, 0.5]))
+    if rng.random() < 0.3:
+        attrs["softcap"] = float(rng.choice([2.0, 5.0]))
+    while ins[-1] == "":
+        ins.pop()
+    y = b.name("y")
+    outs = [y] + ([b.name("pk"), b.name("pv")] if past else [])
+    b.nodes.append(helper.make_node("Attention", ins, outs, **attrs))
+    if four_d:
+        y = b.node("Reshape", [b.node("Transpose", [y], perm=[0, 2, 1, 3]), b.const(np.array([bs, s, e], np.int64))])
+    out = b.node("MatMul", [y, b.weight((e, e), e ** -0.5)])
+    g = helper.make_graph(b.nodes, "random", [_io("x", npt, [bs, s, e])], [_io(out, npt, [bs, s, e])], b.inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    x = np.random.default_rng(seed + 1).standard_normal((bs, s, e)).astype(npt)
+    layout = "4d" if four_d else "3d"
+    return model, {"x": x}, (f"{np.dtype(npt).name} B{bs} S{s} past{past} H{heads}/{kv} D{d} {layout} "
+                             f"mask={kind} {attrs} " + " ".join(desc))
+
+
 def _partial_value(b: _Builder, x: np.ndarray, t: str):
     """``(model, value)``: the model built so far with output ``t``, and ``t``'s value by
     onnxruntime from ``x`` (None where it refuses the model or the value is empty or not finite)."""
@@ -1227,4 +1303,4 @@ def recurrent_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
 GENERATORS = {"conv_net": conv_net, "matmul_chain": matmul_chain, "attention_block": attention_block,
               "tensor_program": tensor_program, "int_program": int_program,
               "spatial_net": spatial_net, "recurrent_net": recurrent_net, "index_program": index_program,
-              "control_program": control_program}
+              "control_program": control_program, "attention_op": attention_op}

@@ -1143,8 +1143,10 @@ def _resize(op, fused=None) -> str | None:
                 lines.append(f"      if (oh > r0 && {row_of} == ih[oh - 1]) "
                              "std::memcpy(yr, yr - OW, sizeof(float) * OW);")
                 lines.append(f"      else {fresh}")
-        else:
+        elif hrow is not None:
             lines.append(f"      hrow(xp + {row_of} * W, yr);")
+        else:  # (a resize to the same size along both dims: a copy)
+            lines.append(f"      std::memcpy(yr, xp + {row_of} * W, sizeof(float) * OW);")
     else:
         if hrow is not None:
             lines.append("    float* __restrict__ hb = static_cast<float*>(sf_workspace(0, sizeof(float) * TH * OW));")

@@ -336,6 +336,8 @@ def _large():
         _resize((2, 3, 10), (2, 3, 25), "linear", "half_pixel"),
         _resize((7, 9), (14, 20), "cubic", "half_pixel"),
         _resize((1, 2, 3, 6, 6), (1, 2, 3, 12, 12), "nearest", "asymmetric", nearest_mode="floor"),
+        _resize((1, 3, 28), (1, 3, 28), "nearest", "half_pixel", nearest_mode="ceil"),  # the same size: copies
+        _resize((2, 5, 7), (2, 5, 7), "linear", "align_corners"),
         # the pooling template: borders, dilation, ceil_mode, both averages, 1-D, a threaded one
         Pool([_t((2, 5, 17, 16))], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
         Pool([_t((1, 3, 15, 20))], kind="max", kernel=(3, 2), strides=(2, 3), dilations=(2, 1), pads=(1, 0, 2, 1),

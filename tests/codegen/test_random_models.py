@@ -1,5 +1,5 @@
-"""Random models (tests/random_models.py: conv nets, chains of products, attention blocks, tensor,
-integer, index and control programs, spatial and recurrent nets) compiled
+"""Random models (tests/random_models.py: conv nets, chains of products, attention blocks and
+Attention ops, tensor, integer, index and control programs, spatial and recurrent nets) compiled
 for the cuda target: each program (sm_90 and sm_80, float16 and float32 precision) against
 onnxruntime, and every kernel of it on the host emulation (tests/cuda_host.py) against the
 evaluator. ``-m slow`` (about 10 s a case on two cores); ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds
