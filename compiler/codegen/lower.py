@@ -1389,6 +1389,7 @@ class KernelLowerer:
             body.append(Comment(f"output {buf.name} = {gc.name}{list(gc.shape)}:{gc.dtype}"))
             body.extend(nest)
             self.bound[id(gc)] = buf
+            self.inlined.clear()  # (later outputs read this one from its buffer)
         return Kernel(self.op_name, self.op_type, self.inputs, self.outputs, self.temps, body)
 
 
