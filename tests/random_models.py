@@ -42,7 +42,6 @@ of the tiles:
 * :func:`control_program`: 2-8 ``If`` (on a static dim or a constant), ``Loop`` (a trip count, or
   a condition on the iteration number; an ``If`` on it inside) and ``Scan`` (any axis and
   direction in and out) nodes with elementwise bodies, and reductions between them.
-
 * :func:`attention_op`: one opset-23 ``Attention`` on projections of ``x``: 3-D (heads as
   attributes) or 4-D inputs, grouped KV heads, ``RotaryEmbedding`` (interleaved or not, partial)
   on q and k, a past key/value cache, a boolean or additive mask (2-D or 4-D) or ``is_causal``,
@@ -748,9 +747,10 @@ def index_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     b = _Program(rng, npt)
     shapes, put, ints = b.shapes, b.put, b.ints
 
-    def quantize(t, s, axis=None):
-        """Quantize-dequantize parameters of ``t``: a power-of-two scale (per tensor or along ``axis``), so
-        that ``x / scale`` is exact and a rounding tie as rare as in the data, and an 8-bit zero point."""
+    def quantize(s, axis=None):
+        """Quantize-dequantize parameters of a tensor of shape ``s``: a power-of-two scale (per tensor
+        or along ``axis``), so that ``x / scale`` is exact and a rounding tie as rare as in the data,
+        and an 8-bit zero point."""
         n = [] if axis is None else [s[axis]]
         scale = b.const((2.0 ** -rng.integers(3, 7, n)).astype(np.float32))
         signed = rng.random() < 0.5
@@ -791,7 +791,7 @@ def index_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
             upd = b.const((1 + 0.5 * rng.standard_normal([m] + s[q:])).astype(npt), "w")
             cur = put(b.node("ScatterND", [cur, b.const(idx), upd], reduction=red), s, f"scatter_nd{q}x{m}{red}")
         elif kind == "gather_nd":
-            bd = int(rng.integers(0, min(r - 1, 1) + 1)) if r > 1 else 0
+            bd = int(rng.integers(0, 2)) if r > 1 else 0
             q = int(rng.integers(1, r - bd + 1))
             m = int(rng.integers(1, 5))
             idx = np.stack([rng.integers(-d, d, s[:bd] + [m]) for d in s[bd:bd + q]], -1).astype(np.int64)
@@ -828,11 +828,11 @@ def index_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
             cur = put(b.node("ReverseSequence", [cur, b.const(lens)], time_axis=ta, batch_axis=1 - ta), s,
                       f"reverse{ta}{lens.tolist()}")
         elif kind == "qdq" and npt == np.float32:
-            params, attrs = quantize(cur, s, a if rng.random() < 0.5 else None)
+            params, attrs = quantize(s, a if rng.random() < 0.5 else None)
             q = b.node("QuantizeLinear", [cur] + params, **attrs)
             cur = put(b.node("DequantizeLinear", [q] + params, **attrs), s, f"qdq{attrs}")
         elif kind == "requant" and npt == np.float32 and r > 1:  # (a move between quantizations of one scale)
-            params, _ = quantize(cur, s)
+            params, _ = quantize(s)
             d = b.node("DequantizeLinear", [b.node("QuantizeLinear", [cur] + params)] + params)
             perm = [int(v) for v in rng.permutation(r)]
             moved = b.node("Transpose", [d], perm=perm)
@@ -840,7 +840,7 @@ def index_program(seed: int) -> tuple[onnx.ModelProto, dict, str]:
                       [s[p] for p in perm], f"requant-T{perm}")
         elif kind == "qmatmul" and npt == np.float32:  # (the QDQ MatMul/Gemm that becomes MatMulInteger)
             k, n = s[-1], int(rng.choice([1, 3, 8, 16]))
-            params, _ = quantize(cur, s)
+            params, _ = quantize(s)
             dx = b.node("DequantizeLinear", [b.node("QuantizeLinear", [cur] + params)] + params)
             gemm = r == 2 and rng.random() < 0.5
             trans = int(gemm and rng.random() < 0.5)
@@ -1037,10 +1037,7 @@ def attention_op(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     if four_d:
         y = b.node("Reshape", [b.node("Transpose", [y], perm=[0, 2, 1, 3]), b.const(np.array([bs, s, e], np.int64))])
     out = b.node("MatMul", [y, b.weight((e, e), e ** -0.5)])
-    g = helper.make_graph(b.nodes, "random", [_io("x", npt, [bs, s, e])], [_io(out, npt, [bs, s, e])], b.inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
-    model.ir_version = 10
-    onnx.checker.check_model(model)
+    model = b.model([_io("x", npt, [bs, s, e])], [_io(out, npt, [bs, s, e])], opset=23)
     x = np.random.default_rng(seed + 1).standard_normal((bs, s, e)).astype(npt)
     layout = "4d" if four_d else "3d"
     return model, {"x": x}, (f"{np.dtype(npt).name} B{bs} S{s} past{past} H{heads}/{kv} D{d} {layout} "
@@ -1240,10 +1237,7 @@ def spatial_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
         desc.append(what)
     if cur == "x":
         cur = b.node("Relu", ["x"])
-    g = helper.make_graph(b.nodes, "random", [_io("x", npt, x_shape)], [_io(cur, npt, shape)], b.inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    onnx.checker.check_model(model)
+    model = b.model([_io("x", npt, x_shape)], [_io(cur, npt, shape)], opset=21)
     return model, {"x": x}, f"{np.dtype(npt).name} {x_shape} " + " ".join(desc)
 
 
@@ -1291,10 +1285,7 @@ def recurrent_net(seed: int) -> tuple[onnx.ModelProto, dict, str]:
     pick = int(rng.integers(0, n_out))
     y_shape = [seq, nd, batch, hid] if pick == 0 else state
     out = b.node("Identity", [outs[pick]])
-    g = helper.make_graph(b.nodes, "random", [_io("x", npt, x_shape)], [_io(out, npt, y_shape)], b.inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
+    model = b.model([_io("x", npt, x_shape)], [_io(out, npt, y_shape)], opset=14)
     x = np.random.default_rng(seed + 1).standard_normal(x_shape).astype(npt)
     desc = f"{op} {attrs} x{x_shape} lens={None if lens is None else lens.tolist()} out{pick} inputs={ins[1:]}"
     return model, {"x": x}, desc

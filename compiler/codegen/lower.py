@@ -1365,7 +1365,7 @@ class KernelLowerer:
         """Inline reads of grid computes that are not already computed outputs. A read at the
         same indices (structurally) is inlined once and shared: down an unrolled recurrence, each
         state is read by the next step and by its own output, and inlining a fresh copy per read
-        repeated every earlier step once per later one (a 16-step Scan after a Loop took minutes)."""
+        repeated every earlier step once per later one."""
         def fn(old, new):
             if isinstance(new, TensorElement) and isinstance(new.tensor, GridCompute) and id(new.tensor) not in self.bound:
                 gc = new.tensor

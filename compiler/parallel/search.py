@@ -239,8 +239,8 @@ class Problem:
                 if t.is_constant and (id(t), sp) not in seen:
                     seen.add((id(t), sp))
                     params += local_bytes(t, sp, self.mesh_shape)
-        size: dict[int, int] = {}  # bytes of each activation, once (a long unrolled loop keeps
-        # hundreds live at every step)
+        # each activation's bytes once: an unrolled loop keeps hundreds live at every step
+        size: dict[int, int] = {}
         for t in {id(t): t for live in self.live_sets() for t in live}.values():
             sp = self.source_spec(t, assign)
             size[id(t)] = local_bytes(t, sp if sp is not None else self.replicated, self.mesh_shape)

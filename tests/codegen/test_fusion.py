@@ -615,7 +615,7 @@ def test_a_concatenation_read_at_a_known_index_is_lowered_as_the_part_it_reads(t
     at one row fuses into one kernel; the concatenation's tests on the row index are decided at
     lowering (the index is a constant), so the kernel computes that row's chain of steps and no
     other. Undecided, every row's chain was lowered in its branch: a 16-step Scan fused after a
-    Loop generated 17 MB of C++ and took minutes to lower."""
+    Loop generated 17 MB of C++ and took 80 s to compile."""
     from onnx import TensorProto, helper
 
     from shardflow.compiler import compile, load_onnx
@@ -639,8 +639,8 @@ def test_a_concatenation_read_at_a_known_index_is_lowered_as_the_part_it_reads(t
 
 
 def test_an_unrolled_element_wise_scan_fuses_in_bounded_groups(tmp_path):
-    """A 100-step Scan of a ``tanh`` recurrence unrolls into 400 element-wise ops that would all
-    fuse into one kernel whose per-element code grows with the square of the steps (each stacked
+    """A 100-step Scan of a ``tanh`` recurrence unrolls into about 500 element-wise and layout ops
+    that would all fuse into one kernel whose per-element code grows with the square of the steps (each stacked
     output is read in a branch that recomputes the states before it); groups stop at
     MAX_GROUP_OPS members, and the program still computes the recurrence."""
     from onnx import helper
