@@ -88,6 +88,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -919,6 +920,30 @@ def _cpu_builder() -> Callable:
                              "yet") from None
 
 
+def _shared_cpu_codegen(builder: Callable) -> tuple[Callable, Callable] | None:
+    """``(prepare, compile)`` of the stock cpu codegen when ``builder`` is its
+    ``build_cpu_library``, else None (a builder of the caller's compiles each rank itself)."""
+    mod = importlib.import_module("shardflow.compiler.codegen")
+    if builder is not getattr(mod, "build_cpu_library", None):
+        return None
+    return mod.prepare_cpu_library, mod.compile_cpu_sources
+
+
+def _compile_shared_libraries(shared: tuple[Callable, Callable] | None, sources: list, kernels_name: str) -> None:
+    """Compile the ranks' kernel sources (``[(rank dir, source)]``) into one library per distinct
+    header (one for all the ranks unless only some use the float8 helpers), written to the first
+    rank dir of the group and copied to the others: each rank dir stays whole on its own, and a
+    kernel that all ranks share is compiled once, not once per rank."""
+    groups: dict[str, list] = {}
+    for rdir, source in sources:
+        groups.setdefault(source.header, []).append((rdir, source))
+    for group in groups.values():
+        first = group[0][0] / kernels_name
+        shared[1]([source for _, source in group], str(first))
+        for rdir, _ in group[1:]:
+            shutil.copy(first, rdir / kernels_name)
+
+
 def _cuda_builder() -> Callable:
     try:
         mod = importlib.import_module("shardflow.compiler.codegen.cuda")
@@ -1244,6 +1269,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     if opt.winograd and not winograd and opt.target == "cpu":
         log.info("memory_budget_bytes is set: 3x3 convs stay direct (Winograd's weights would exceed what the plan "
                  "counted)")
+    # the stock cpu codegen generates every rank's kernels first and compiles them into one library
+    shared = _shared_cpu_codegen(builder) if opt.target == "cpu" else None
+    sources: list = []  # (rank dir, its kernels' source) for `shared`
+    finished: list = []  # (rank dir, manifest, weights' sha256): finalized once the libraries are written
     with atomic_output_dir(out) as tmp:
         t = time.perf_counter()
         plan.save(tmp)
@@ -1290,9 +1319,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             if selects:
                 kw["in_place"] = dict(selects.values())
             compute = any(id(op) not in view_ids for op in ops)  # views alone need no kernels
-            kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
-            if compute and not (rdir / kernels_name).is_file():
-                raise ShardflowError(f"rank {r}: codegen did not write {kernels_name}")
+            if compute and shared is not None:  # compiled after the loop, one library for the ranks
+                kernels, source = _call_with_supported(shared[0], ops, **kw)
+                sources.append((rdir, source))
+            else:
+                kernels = _call_with_supported(builder, ops, str(rdir / kernels_name), **kw) if compute else {}
+                if compute and not (rdir / kernels_name).is_file():
+                    raise ShardflowError(f"rank {r}: codegen did not write {kernels_name}")
             timings["codegen"] += time.perf_counter() - t
             t = time.perf_counter()
             views = [op for op in views if op.name not in kernels]  # the ones not fused into a kernel
@@ -1336,13 +1369,20 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 "kernels": sum(1 for s in program["steps"] if s["kind"] == "kernel"),
                 "collectives": sum(1 for s in program["steps"] if s["kind"] == "collective"),
             }
-            finalize_rank_dir(rdir, manifest, known={"weights.bin": weights_sha})
+            finished.append((rdir, manifest, weights_sha))
             timings["write"] += time.perf_counter() - t
             ranks_info.append({"kernels": manifest["kernels"], "collectives": manifest["collectives"],
                                "arena_bytes": program["arena_bytes"], "weights_bytes": program["weights_bytes"]})
             log.info("rank %d: %d kernels, %d collectives, arena %s B, weights %s B", r,
                      manifest["kernels"], manifest["collectives"], f"{program['arena_bytes']:,}",
                      f"{program['weights_bytes']:,}")
+        t = time.perf_counter()
+        _compile_shared_libraries(shared, sources, kernels_name)
+        timings["codegen"] += time.perf_counter() - t
+        t = time.perf_counter()
+        for rdir, manifest, weights_sha in finished:
+            finalize_rank_dir(rdir, manifest, known={"weights.bin": weights_sha})
+        timings["write"] += time.perf_counter() - t
     timings["total"] = time.perf_counter() - t_all
     result = CompileResult(plan=plan, out_dir=out.resolve(), rank_dirs=[out.resolve() / f"rank{r}" for r in range(world)],
                            world_size=world, target=opt.target, arch=opt.arch, timings=timings, ranks=ranks_info)

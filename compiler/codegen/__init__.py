@@ -11,11 +11,13 @@ import logging
 import time
 from typing import Any, Collection, Mapping, Sequence
 
+from .cpp import CpuSource
 from .lower import CodegenError, lower_task, lowerable, why_not_lowerable
 from .toolchain import CompileError, ToolchainError, build_shared_library, default_cache_dir, default_jobs
 
-__all__ = ["build_cpu_library", "lowerable", "why_not_lowerable", "lower_task", "generate_cpu_source",
-           "CodegenError", "CompileError", "ToolchainError", "default_cache_dir"]
+__all__ = ["build_cpu_library", "prepare_cpu_library", "compile_cpu_sources", "CpuSource", "lowerable",
+           "why_not_lowerable", "lower_task", "generate_cpu_source", "CodegenError", "CompileError",
+           "ToolchainError", "default_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,17 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
         no C++ compiler.
     """
     t0 = time.perf_counter()
+    entries, src = prepare_cpu_library(ops, fuse=fuse, keep=keep, views=views, in_place=in_place)
+    compile_cpu_sources([src], path, cache_dir=cache_dir, opt_level=opt_level, source_seconds=time.perf_counter() - t0)
+    return entries
+
+
+def prepare_cpu_library(ops: Sequence, *, fuse: bool = False, keep: Collection[str] = (),
+                        views: Collection[str] = (), in_place: Mapping[str, str] | None = None
+                        ) -> tuple[dict[str, Any], CpuSource]:
+    """The kernels of ``ops`` as C++, not compiled yet: what :func:`build_cpu_library` returns, and
+    the source :func:`compile_cpu_sources` builds (alone, or merged with other ranks' sources).
+    The parameters are :func:`build_cpu_library`'s."""
     groups = list(ops)
     if fuse:
         from .fusion import fuse as fuse_ops
@@ -91,17 +104,33 @@ def build_cpu_library(ops: Sequence, path: str, *, cache_dir: str | None = None,
     from .fusion import aliased_inputs, drop_views
     groups = drop_views(groups, views)
     src = generate_cpu_source(groups, in_place=aliased_inputs(groups, in_place))
-    t1 = time.perf_counter()
     if src.skipped:
         log.info("not compiled (run by the runtime or unsupported): %s",
                  ", ".join(f"{n} ({why})" for n, why in list(src.skipped.items())[:8]))
+    if not fuse:
+        return dict(src.symbols), src
+    from .fusion import kernel_entries
+    return kernel_entries(groups, dict(src.symbols)), src
+
+
+def compile_cpu_sources(sources: Sequence[CpuSource], path: str, *, cache_dir: str | None = None,
+                        opt_level: int = 2, source_seconds: float | None = None) -> bool:
+    """Compile one library ``path`` with the kernels of every source in ``sources`` (from
+    :func:`prepare_cpu_library`; their headers must be equal, see :meth:`.cpp.CpuSource.merge`).
+
+    The ranks of a plan mostly run the same kernels (symbols name their code): one library for all
+    of them compiles each distinct kernel once, where a library per rank compiled them once per rank
+    whenever a single kernel differed (a slice at the rank's offset). Returns True on a cache hit."""
+    t1 = time.perf_counter()
+    src = CpuSource.merge(sources)
     n_units = min(default_jobs(), max(1, len(src.kernels) // 16))
     whole, lines = src.units(1)[0]
+    from .templates_cpu import prebuilt_tables
     hit = build_shared_library(whole, path, cache_dir=cache_dir, opt_level=opt_level, line_map=lines,
-                               units=src.units(n_units) if n_units > 1 else None)
-    log.info("cpu library %s: %d ops, %d kernels, source %.2f s, %s %.2f s", path, len(src.symbols),
-             len(src.kernels), t1 - t0, "cache hit" if hit else "compile", time.perf_counter() - t1)
-    if not fuse:
-        return dict(src.symbols)
-    from .fusion import kernel_entries
-    return kernel_entries(groups, dict(src.symbols))
+                               units=src.units(n_units) if n_units > 1 else None,
+                               prebuilt=prebuilt_tables(src.header))
+    log.info("cpu library %s: %d ops, %d kernels%s%s, %s %.2f s", path, len(src.symbols), len(src.kernels),
+             f" (of {len(sources)} sources)" if len(sources) > 1 else "",
+             f", source {source_seconds:.2f} s" if source_seconds is not None else "",
+             "cache hit" if hit else "compile", time.perf_counter() - t1)
+    return hit

@@ -568,6 +568,32 @@ class CpuSource:
         """``{symbol: (first_line, last_line, op names)}`` in :attr:`text`."""
         return self.units(1)[0][1]
 
+    @classmethod
+    def merge(cls, sources: Sequence[CpuSource]) -> CpuSource:
+        """One library with every kernel of ``sources`` (several ranks' libraries): a symbol names its
+        kernel's code (:func:`kernel_source`), so a symbol in several sources is one kernel.
+        ``symbols`` and ``skipped`` are the union by op name (ops of the same name in different
+        ranks may take different kernels: the ranks' own ``symbols`` say which). The headers must be
+        equal (they are unless some sources need the float8 helpers): ValueError otherwise."""
+        if len(sources) == 1:
+            return sources[0]
+        if not sources:
+            raise ValueError("no sources to merge")
+        out = cls(sources[0].header)
+        seen: set[str] = set()
+        for s in sources:
+            if s.header != out.header:
+                raise ValueError("the sources have different headers; compile them as separate libraries")
+            for sym, text in s.kernels:
+                users = out.users.setdefault(sym, [])
+                users.extend(n for n in s.users.get(sym, ()) if n not in users)
+                if sym not in seen:
+                    seen.add(sym)
+                    out.kernels.append((sym, text))
+            out.symbols.update(s.symbols)
+            out.skipped.update(s.skipped)
+        return out
+
     def units(self, n: int) -> list[tuple[str, dict]]:
         """The library as ``n`` translation units (kernels split by size; the exported library
         helpers go to the first), each with its ``{symbol: (first, last, op names)}`` line map."""
@@ -582,7 +608,7 @@ class CpuSource:
         res = []
         for g, group in enumerate(groups):
             group.sort(key=lambda kv: order[kv[0]])
-            head = _unit_defines(group) + self.header + ("\n" + _LIBRARY_EXTRAS if g == 0 else "") + "\n"
+            head = self.header + ("\n" + _LIBRARY_EXTRAS if g == 0 else "") + "\n"
             line = head.count("\n") + 1
             parts, lmap = [head], {}
             for sym, text in group:
@@ -592,18 +618,6 @@ class CpuSource:
                 parts.append(text)
             res.append(("\n".join(parts), lmap))
         return res
-
-
-def _unit_defines(group: list) -> str:
-    """``#define`` lines that leave out of a translation unit the forms of the blocked direct conv kernels
-    (``sf_pdkr``, conv.h) that none of its kernels can take, by the markers ``templates_cpu._conv`` writes:
-    the planar forms (stems of fewer than 16 channels) and those of stride 2. Their instances were 40% of a
-    conv unit's compile time (25 -> 15 s for one 3x3 conv at -O3); a form compiled out makes the kernel fall
-    back to the GEMM path, so a wrong marker costs speed, not values."""
-    texts = [text for _, text in group]
-    forms = (("sf-pdk-planar", "SF_PDK_NO_PLANAR"), ("sf-pdk-s2", "SF_PDK_NO_S2"))
-    lines = [f"#define {macro}\n" for marker, macro in forms if not any(marker in t for t in texts)]
-    return "".join(lines)
 
 
 #: Exported once per library: thread control and the GEMM's instruction set, for the runtime.

@@ -35,13 +35,27 @@ from ..ops.linalg import PANEL
 from .cpp import literal
 from .prelude_cpu import read_library
 
-__all__ = ["TEMPLATE_PRELUDE", "template_body", "template_kind", "accepts_epilogue", "accepts_group", "CLONED_TEMPLATES"]
+__all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kind", "accepts_epilogue", "accepts_group",
+           "CLONED_TEMPLATES"]
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
 _LIBRARY_FILES = ("gemm.h", "gemm_int8.h", "lowbit.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
                   "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
+
+# The micro-kernel tables (GEMM, int8 GEMM, packed and direct convs): with every tile size and form they
+# instantiate, they were most of a library's compile time (25 s of 27 s for a unit with one conv, 2 cores),
+# the same in every library. Each is compiled once into a cached object (toolchain.build_shared_library's
+# ``prebuilt``) that the libraries needing it link; their units, compiled with -DSF_PREBUILT_TABLES, take
+# the table through ``sf_rt_<name>()``.
+_TABLES = ("ukr", "i8_kernel", "cukr", "pdkr", "pdkr2")
+
+
+def prebuilt_tables(header: str) -> dict[str, str]:
+    """``{symbol: translation unit}`` of the micro-kernel tables for libraries with ``header``."""
+    return {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
+            for name in _TABLES}
 
 
 def _prod(xs) -> int:
@@ -425,11 +439,6 @@ def _conv(op, fused=None) -> str | None:
         fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {blk}"
     elif packed:
         fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}, {blk}"
-        # the forms of the direct kernels this conv may take (cpp.CpuSource.units compiles the others out)
-        if not blocked[0] and icg < 16:
-            lines.append("  // sf-pdk-planar: an image of fewer than 16 channels, read plane by plane")
-        if SW == 2 and not (blocked[0] and KH * KW == 1 and PT == PL == 0):  # (a 1x1 gathers its pixels first)
-            lines.append("  // sf-pdk-s2: pixels of horizontal stride 2")
     else:
         fn, args = "sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}"
     if finish:

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .lower import CodegenError
 
@@ -166,7 +166,8 @@ def _compile_error(failures: list[tuple[str, str, dict]]) -> CompileError:
 
 def build_shared_library(source: str, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
                          line_map: dict | None = None, units: Sequence[tuple[str, dict]] | None = None,
-                         jobs: int | None = None, extra_flags: Sequence[str] = ()) -> bool:
+                         jobs: int | None = None, extra_flags: Sequence[str] = (),
+                         prebuilt: Mapping[str, str] | None = None) -> bool:
     """Compile ``source`` into the shared library ``path``, through the cache.
 
     Parameters
@@ -187,6 +188,12 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         key stays the one of ``source``.
     extra_flags
         Appended to the command line (and the cache key).
+    prebuilt
+        ``{symbol: translation unit}``: code that many libraries share, each unit compiled once into
+        an object of its own (cached beside the libraries, keyed like them) and linked into the
+        libraries whose units refer to its symbol; the units are compiled with
+        ``-DSF_PREBUILT_TABLES``. The cpu kernel library puts there what every library would
+        otherwise instantiate again: its micro-kernel tables (``templates_cpu.prebuilt_tables``).
 
     Returns
     -------
@@ -203,7 +210,14 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     cxx = cxx_compiler()
     flags = compile_flags(opt_level) + list(extra_flags)
     version = compiler_version(cxx)
-    key = hashlib.sha256("\0".join([source, " ".join([cxx] + flags), version]).encode()).hexdigest()
+    object_flags = [f for f in flags if f != "-shared"] + ["-c"]
+    prebuilt = dict(prebuilt or {})
+    pkeys = {sym: hashlib.sha256("\0".join([text, " ".join([cxx] + object_flags), version]).encode()).hexdigest()
+             for sym, text in prebuilt.items()}
+    if prebuilt:
+        flags.append("-DSF_PREBUILT_TABLES")
+    key = hashlib.sha256("\0".join([source, " ".join([cxx] + flags), version] + sorted(pkeys.values())).encode()
+                         ).hexdigest()
     cache_dir = cache_dir or default_cache_dir()
     os.makedirs(cache_dir, exist_ok=True)
     cached = os.path.join(cache_dir, f"{key}.so")
@@ -221,30 +235,64 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
             with open(src, "w") as f:
                 f.write(text)
             names.append(os.path.basename(src))
-            if len(units) == 1:
-                cmds.append(cxx.split() + flags + [src, "-o", out])
-            else:
-                cmds.append(cxx.split() + [f for f in flags if f != "-shared"] + ["-c", src, "-o", src[:-4] + ".o"])
+            cmds.append(cxx.split() + [f for f in flags if f != "-shared"] + ["-c", src, "-o", src[:-4] + ".o"])
         t0 = time.perf_counter()
         log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(units), " ".join(cmds[0]))
         results = _run_compilers(cmds, jobs)
         failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, units) if r.returncode != 0]
         if failures:
             raise _compile_error(failures)
-        if len(units) > 1:
-            objs = [c[-1] for c in cmds]
-            link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + objs + ["-o", out]], 1)[0]
-            if link.returncode != 0:
-                raise _compile_error([(link.stderr or link.stdout, "", {})])
+        objects = [c[-1] for c in cmds]
+        objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs)
+        link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + objects + ["-o", out]], 1)[0]
+        if link.returncode != 0:
+            raise _compile_error([(link.stderr or link.stdout, "", {})])
         log.info("compiled in %.1f s", time.perf_counter() - t0)
-        fd, tmp_cached = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=cache_dir)
-        os.close(fd)
-        try:
-            shutil.copyfile(out, tmp_cached)
-            os.replace(tmp_cached, cached)
-        except BaseException:
-            if os.path.exists(tmp_cached):
-                os.unlink(tmp_cached)
-            raise
+        _atomic_store(out, cached, ".so")
         _atomic_copy(out, path)
     return False
+
+
+def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], objects: Sequence[str],
+                      command: list[str], cache_dir: str, tmp: str, jobs: int) -> list[str]:
+    """The objects of the ``prebuilt`` units (``{symbol: text}``) whose symbol the compiled
+    ``objects`` refer to: from the cache, or compiled (in parallel) and cached."""
+    data = b"".join(open(o, "rb").read() for o in objects)
+    wanted = [sym for sym in prebuilt if sym.encode() + b"\0" in data]  # (the symbol table's name strings)
+    found, cmds = [], []
+    for sym in wanted:
+        cached = os.path.join(cache_dir, f"{pkeys[sym]}.o")
+        if os.path.exists(cached):
+            found.append(cached)
+            continue
+        src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
+        with open(src, "w") as f:
+            f.write(prebuilt[sym])
+        cmds.append(command + [src, "-o", src[:-4] + ".o"])
+    if cmds:
+        t0 = time.perf_counter()
+        results = _run_compilers(cmds, jobs)
+        failures = [(r.stderr or r.stdout, os.path.basename(c[-3]), {}) for r, c in zip(results, cmds)
+                    if r.returncode != 0]
+        if failures:
+            raise _compile_error(failures)
+        for c in cmds:
+            sym = os.path.basename(c[-3])[len("prebuilt_"):-len(".cpp")]
+            _atomic_store(c[-1], os.path.join(cache_dir, f"{pkeys[sym]}.o"), ".o")
+            found.append(c[-1])
+        log.info("compiled the shared object(s) of %s in %.1f s (cached for the next libraries)",
+                 ", ".join(os.path.basename(c[-3])[len("prebuilt_"):-4] for c in cmds), time.perf_counter() - t0)
+    return found
+
+
+def _atomic_store(src: str, cached: str, suffix: str) -> None:
+    """Copy ``src`` into the cache as ``cached`` (a temporary name, then renamed)."""
+    fd, tmp_cached = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(cached))
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp_cached)
+        os.replace(tmp_cached, cached)
+    except BaseException:
+        if os.path.exists(tmp_cached):
+            os.unlink(tmp_cached)
+        raise

@@ -804,30 +804,6 @@ def test_blocked_depthwise_convs_use_their_template():
                               blocked_in=True)) is None
 
 
-def test_direct_conv_forms_no_kernel_takes_are_compiled_out(tmp_path, monkeypatch):
-    """A unit compiles the planar (stem) and stride-2 forms of the blocked direct kernels only where one of
-    its PackedConvs may take them (cpp._unit_defines, by the markers of templates_cpu._conv). A conv whose form
-    is compiled out anyway falls back to the GEMM path with the same values (every form left out here)."""
-    from shardflow.compiler.codegen import cpp
-
-    blocked = PackedConv([_t((1, 2, 9, 11, 16)), _panels(288, 32)], oc=32, kernel=(3, 3), pads=(1, 1, 1, 1),
-                         blocked_in=True, blocked_out=True)
-    stem = [op for _, op, _ in LARGE if op.op_type == "PackedConv" and op.inputs[0].shape == (1, 3, 23, 30)
-            and tuple(op.attrs["strides"]) == (2, 2)][0]
-    head = generate_cpu_source([blocked]).text[:80]
-    assert "#define SF_PDK_NO_PLANAR" in head and "#define SF_PDK_NO_S2" in head
-    assert "SF_PDK_NO" not in generate_cpu_source([stem]).text[:80]
-    monkeypatch.setattr(cpp, "_unit_defines", lambda group: "#define SF_PDK_NO_PLANAR\n#define SF_PDK_NO_S2\n")
-    cases = [(cid, op, arrays) for cid, op, arrays in LARGE if op.op_type == "PackedConv"]
-    syms = build_cpu_library([op for _, op, _ in cases], str(tmp_path / "k.so"), cache_dir=str(tmp_path / "c"),
-                             opt_level=1)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
-    for cid, op, arrays in cases:
-        want = op.run(*arrays)[0]
-        got = run_kernel(lib, syms[op.name], op, arrays)[0]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()), err_msg=cid)
-
-
 def test_transposed_convs_use_their_template():
     """The large ConvTranspose cases run the GEMM + col2im template (the generic nest is ~100x slower
     on such shapes, benchmarks/cpu_conv.py); the depthwise-like one stays generic."""
@@ -1114,6 +1090,31 @@ def test_second_build_hits_the_cache(tmp_path, monkeypatch):
     x = np.arange(5, dtype=np.float32)
     np.testing.assert_allclose(run_kernel(lib, second["e"], ops[1], [x])[0], np.exp(x), rtol=1e-6)
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
+
+
+def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_them(tmp_path, monkeypatch):
+    """The GEMM's table of micro-kernels (which every library's ``shardflow_cpu_isa`` reads) is one
+    object, compiled with the first library, cached, and linked into the next ones; the conv tables
+    are not built for libraries without a conv."""
+    cache = str(tmp_path / "c")
+    commands = []
+    real = toolchain._run_compilers
+    monkeypatch.setattr(toolchain, "_run_compilers", lambda cmds, jobs: commands.extend(cmds) or real(cmds, jobs))
+
+    def prebuilt():
+        return [c[-3] for c in commands if "-c" in c and "prebuilt_" in c[-3]]
+
+    build_cpu_library([Unary([_t((5,))], fn="exp", name="e")], str(tmp_path / "e.so"), cache_dir=cache, opt_level=1)
+    assert [os.path.basename(p) for p in prebuilt()] == ["prebuilt_sf_rt_ukr.cpp"]
+    assert len([f for f in os.listdir(cache) if f.endswith(".o")]) == 1
+    commands.clear()
+    op = MatMul([_t((64, 64)), _t((64, 48))], name="mm")
+    syms = build_cpu_library([op], str(tmp_path / "mm.so"), cache_dir=cache, opt_level=1)
+    assert commands and prebuilt() == [] and len([f for f in os.listdir(cache) if f.endswith(".o")]) == 1
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
+    got = run_kernel(ctypes.CDLL(str(tmp_path / "mm.so")), syms["mm"], op, [a, b])[0]
+    np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_cache_dir_defaults_to_the_environment(tmp_path, monkeypatch):

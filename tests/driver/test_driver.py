@@ -482,3 +482,51 @@ def test_steps_at_load_on_two_ranks(tmp_path):
         for got in runs:
             for name, w in zip(["s", "y", "m2"], want):
                 np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-3, err_msg=f"rank {r} {name}")
+
+
+def test_the_ranks_kernels_are_compiled_once_into_one_library(tmp_path, monkeypatch):
+    """A data-parallel plan slices the replicated input at each rank's offset, in a kernel of its own
+    per rank (the rest are the same code): the ranks' kernels are compiled together, once, into one
+    library that every rank dir holds (it used to be one compile per rank, each compiling the
+    shared kernels again), and each rank runs its own symbols from it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    import shardflow.compiler.codegen as codegen
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 6)).astype(np.float32)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Tanh", ["x"], ["t"]), helper.make_node("MatMul", ["t", "w"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 6])],
+                              [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    builds = []
+    real = codegen.build_shared_library
+    monkeypatch.setattr(codegen, "build_shared_library", lambda source, path, **kw: builds.append(path) or
+                        real(source, path, **kw))
+    out = tmp_path / "out"
+    compile(tmp_path / "m.onnx", distributed_config={"mesh_shape": [2], "algo": "data"},
+            optimization_config={"target": "cpu"}, out_dir=out)
+    assert len(builds) == 1
+    symbols = [{s["symbol"] for s in json.loads((out / f"rank{r}" / "program.json").read_text())["steps"]
+                if s["kind"] == "kernel"} for r in range(2)]
+    assert symbols[0] != symbols[1] and symbols[0] & symbols[1]  # a kernel of each rank's own, one shared
+    assert (out / "rank0" / "kernels.so").read_bytes() == (out / "rank1" / "kernels.so").read_bytes()
+    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run({"x": x})["y"],
+                      timeout=120)
+    for y in got:
+        np.testing.assert_allclose(y, np.tanh(x) @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_kernel_sources_keep_each_symbol_once():
+    from shardflow.compiler.codegen import CpuSource
+
+    a = CpuSource("head", [("s1", "k1"), ("s2", "k2")], {"a": "s1", "b": "s2"}, {}, {"s1": ["a"], "s2": ["b"]})
+    b = CpuSource("head", [("s2", "k2"), ("s3", "k3")], {"b": "s2", "a": "s3"}, {}, {"s2": ["b", "c"], "s3": ["a"]})
+    m = CpuSource.merge([a, b])
+    assert m.kernels == [("s1", "k1"), ("s2", "k2"), ("s3", "k3")] and m.users["s2"] == ["b", "c"]
+    assert "k3" in m.text and m.text.count("k2") == 1
+    with pytest.raises(ValueError, match="different headers"):
+        CpuSource.merge([a, CpuSource("another head")])

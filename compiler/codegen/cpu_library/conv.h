@@ -485,7 +485,11 @@ static SfCukr sf_pick_cukr() {
   u.mr = u.mr1 = 4; u.nv = 1; u.vl = 8;
   return u;
 }
+#ifdef SF_PREBUILT_TABLES
+SF_TABLE_FROM_PREBUILT(SfCukr, cukr)
+#else
 static const SfCukr& sf_cukr() { static const SfCukr u = sf_pick_cukr(); return u; }
+#endif
 
 // dst[Hp][Wp] = src[H][W] at (pt, pl), zero around it (no library calls for the short rows)
 #if defined(__GNUC__) && !defined(__clang__)
@@ -953,32 +957,29 @@ static void sf_pdkr_fill(SfPdkrFn* dst, std::integer_sequence<int, MR...>) {
   ((dst[MR] = sf_pdkr_avx512<MR + 1, NV, PS>), ...);
 }
 
+#ifdef SF_PREBUILT_TABLES
+SF_TABLE_FROM_PREBUILT(SfPdkr, pdkr)
+#else
 static const SfPdkr& sf_pdkr() {
   static const SfPdkr u = [] {
     SfPdkr t = {};
-    // (forms no kernel of the unit takes are compiled out: SF_PDK_NO_S2, SF_PDK_NO_PLANAR, cpp._unit_defines)
     sf_pdkr_fill<16, 1>(t.fn[0][0], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<16, 2>(t.fn[0][1], std::make_integer_sequence<int, SF_PDK_MR>{});
     t.rows7[0][0] = sf_pdkr_avx512<14, 1, 16, 7>;
     t.rows7[0][1] = sf_pdkr_avx512<14, 2, 16, 7>;
-#ifndef SF_PDK_NO_S2
     sf_pdkr_fill<32, 1>(t.fn[1][0], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<32, 2>(t.fn[1][1], std::make_integer_sequence<int, SF_PDK_MR>{});
     t.rows7[1][0] = sf_pdkr_avx512<14, 1, 32, 7>;
     t.rows7[1][1] = sf_pdkr_avx512<14, 2, 32, 7>;
-#endif
-#ifndef SF_PDK_NO_PLANAR
     sf_pdkr_fill<1, 1>(t.fn[2][0], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<1, 2>(t.fn[2][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-#ifndef SF_PDK_NO_S2
     sf_pdkr_fill<2, 1>(t.fn[3][0], std::make_integer_sequence<int, SF_PDK_MR>{});
     sf_pdkr_fill<2, 2>(t.fn[3][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-#endif
-#endif
     return t;
   }();
   return u;
 }
+#endif
 
 // The same with AVX2 (16 registers of 8 floats): a tile is MR <= 6 pixels by the 16 output channels of one
 // weight panel (12 accumulators, the panel row's two halves and a broadcast), each 8 x MR block transposed
@@ -1058,23 +1059,21 @@ static void sf_pdkr2_fill(SfPdkr2Fn* dst, std::integer_sequence<int, MR...>) {
   ((dst[MR] = sf_pdkr_avx2<MR + 1, PS>), ...);
 }
 
+#ifdef SF_PREBUILT_TABLES
+SF_TABLE_FROM_PREBUILT(SfPdkr2, pdkr2)
+#else
 static const SfPdkr2& sf_pdkr2() {
   static const SfPdkr2 u = [] {
     SfPdkr2 t = {};
     sf_pdkr2_fill<16>(t.fn[0], std::make_integer_sequence<int, SF_PDK_MR2>{});
-#ifndef SF_PDK_NO_S2
     sf_pdkr2_fill<32>(t.fn[1], std::make_integer_sequence<int, SF_PDK_MR2>{});
-#endif
-#ifndef SF_PDK_NO_PLANAR
     sf_pdkr2_fill<1>(t.fn[2], std::make_integer_sequence<int, SF_PDK_MR2>{});
-#ifndef SF_PDK_NO_S2
     sf_pdkr2_fill<2>(t.fn[3], std::make_integer_sequence<int, SF_PDK_MR2>{});
-#endif
-#endif
     return t;
   }();
   return u;
 }
+#endif
 
 // dst[Hp][Wp][16] = channels [0, cn) of src (planes [H][W], plane floats apart) placed at (pt, pl), zero
 // around them; lanes from cn on are left as they are (no tap reads them). 8 x 8 transpositions (AVX2: the
@@ -1177,7 +1176,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   const bool planar = !(blk & SF_BLK_IN) && !flat && g.C < 16;
   const int64_t pxf = planar ? 1 : 16;  // floats per pixel of the padded image
   const int64_t sw = flat ? 1 : g.SW;
-  // the kernels' form; one compiled out of this unit (cpp._unit_defines) leaves the conv to the caller's GEMM path
+  // the kernels' form
   const int64_t form = (planar ? 2 : 0) + sw - 1;
   const SfPdkr& u = sf_pdkr();
   const SfPdkr2& u2 = sf_pdkr2();

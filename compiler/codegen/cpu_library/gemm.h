@@ -137,7 +137,11 @@ static SfUkr sf_pick_ukr() {
 #endif
   return sf_ukr_all(sf_ukr_generic, 4, 8);
 }
+#ifdef SF_PREBUILT_TABLES
+SF_TABLE_FROM_PREBUILT(SfUkr, ukr)
+#else
 static const SfUkr& sf_ukr() { static const SfUkr u = sf_pick_ukr(); return u; }
+#endif
 
 // whether the AVX2 versions of the helper kernels (GEMV, transpositions, Winograd transforms) apply: the
 // CPU has AVX2 and FMA and SHARDFLOW_CPU_ISA does not ask for less (the GEMM's kernel is 16+ wide)

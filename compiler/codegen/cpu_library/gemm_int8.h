@@ -143,7 +143,11 @@ static SfI8Kernel sf_pick_i8() {
 #endif
   return {{sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, nullptr, nullptr}, 4, 16, false};
 }
+#ifdef SF_PREBUILT_TABLES
+SF_TABLE_FROM_PREBUILT(SfI8Kernel, i8_kernel)
+#else
 static const SfI8Kernel& sf_i8_kernel() { static const SfI8Kernel k = sf_pick_i8(); return k; }
+#endif
 
 // C[M, N] (int32, rows ldc apart) = (A - azp) @ (B - bzp) for A [M, K] (rows of K bytes, signed when
 // a_signed) and B packed as above; azp: nullptr, one value (azp_per_row false) or one per row

@@ -15,6 +15,14 @@
 
 #define SF_EXPORT extern "C" __attribute__((visibility("default")))
 #define SF_INLINE static inline __attribute__((always_inline))
+// A micro-kernel table T sf_NAME() defined where the library is, or (units compiled with
+// -DSF_PREBUILT_TABLES) taken from the object compiled once for every library, which returns it from
+// sf_rt_NAME() (templates_cpu.prebuilt_tables); used at namespace scope in the library's namespace.
+#define SF_TABLE_FROM_PREBUILT(T, NAME)                                                                       \
+  }                                                                                                           \
+  extern "C" const void* sf_rt_##NAME();                                                                      \
+  namespace {                                                                                                 \
+  static const T& sf_##NAME() { return *static_cast<const T*>(sf_rt_##NAME()); }
 
 namespace {
 
