@@ -929,7 +929,7 @@ def _shared_cpu_codegen(builder: Callable) -> tuple[Callable, Callable] | None:
     return mod.prepare_cpu_library, mod.compile_cpu_sources
 
 
-def _compile_shared_libraries(shared: tuple[Callable, Callable] | None, sources: list, kernels_name: str) -> None:
+def _compile_shared_libraries(compile_sources: Callable, sources: list, kernels_name: str) -> None:
     """Compile the ranks' kernel sources (``[(rank dir, source)]``) into one library per distinct
     header (one for all the ranks unless only some use the float8 helpers), written to the first
     rank dir of the group and copied to the others: each rank dir stays whole on its own, and a
@@ -939,7 +939,7 @@ def _compile_shared_libraries(shared: tuple[Callable, Callable] | None, sources:
         groups.setdefault(source.header, []).append((rdir, source))
     for group in groups.values():
         first = group[0][0] / kernels_name
-        shared[1]([source for _, source in group], str(first))
+        compile_sources([source for _, source in group], str(first))
         for rdir, _ in group[1:]:
             shutil.copy(first, rdir / kernels_name)
 
@@ -1376,9 +1376,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             log.info("rank %d: %d kernels, %d collectives, arena %s B, weights %s B", r,
                      manifest["kernels"], manifest["collectives"], f"{program['arena_bytes']:,}",
                      f"{program['weights_bytes']:,}")
-        t = time.perf_counter()
-        _compile_shared_libraries(shared, sources, kernels_name)
-        timings["codegen"] += time.perf_counter() - t
+        if sources:
+            t = time.perf_counter()
+            _compile_shared_libraries(shared[1], sources, kernels_name)
+            timings["codegen"] += time.perf_counter() - t
         t = time.perf_counter()
         for rdir, manifest, weights_sha in finished:
             finalize_rank_dir(rdir, manifest, known={"weights.bin": weights_sha})

@@ -580,16 +580,14 @@ class CpuSource:
         if not sources:
             raise ValueError("no sources to merge")
         out = cls(sources[0].header)
-        seen: set[str] = set()
         for s in sources:
             if s.header != out.header:
                 raise ValueError("the sources have different headers; compile them as separate libraries")
             for sym, text in s.kernels:
+                if sym not in out.users:
+                    out.kernels.append((sym, text))
                 users = out.users.setdefault(sym, [])
                 users.extend(n for n in s.users.get(sym, ()) if n not in users)
-                if sym not in seen:
-                    seen.add(sym)
-                    out.kernels.append((sym, text))
             out.symbols.update(s.symbols)
             out.skipped.update(s.skipped)
         return out

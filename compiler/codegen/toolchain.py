@@ -90,9 +90,11 @@ def default_cache_dir() -> str:
 
 
 def _atomic_copy(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` through a temporary name in ``dst``'s folder and a rename (a library or
+    an object, into the cache or out of it: no reader sees half a file)."""
     d = os.path.dirname(os.path.abspath(dst)) or "."
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(dst)[1], dir=d)
     os.close(fd)
     try:
         shutil.copyfile(src, tmp)
@@ -248,7 +250,7 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         if link.returncode != 0:
             raise _compile_error([(link.stderr or link.stdout, "", {})])
         log.info("compiled in %.1f s", time.perf_counter() - t0)
-        _atomic_store(out, cached, ".so")
+        _atomic_copy(out, cached)
         _atomic_copy(out, path)
     return False
 
@@ -259,7 +261,7 @@ def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], obj
     ``objects`` refer to: from the cache, or compiled (in parallel) and cached."""
     data = b"".join(open(o, "rb").read() for o in objects)
     wanted = [sym for sym in prebuilt if sym.encode() + b"\0" in data]  # (the symbol table's name strings)
-    found, cmds = [], []
+    found, todo = [], []  # todo: (symbol, compile command)
     for sym in wanted:
         cached = os.path.join(cache_dir, f"{pkeys[sym]}.o")
         if os.path.exists(cached):
@@ -268,31 +270,18 @@ def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], obj
         src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
         with open(src, "w") as f:
             f.write(prebuilt[sym])
-        cmds.append(command + [src, "-o", src[:-4] + ".o"])
-    if cmds:
+        todo.append((sym, command + [src, "-o", src[:-4] + ".o"]))
+    if todo:
         t0 = time.perf_counter()
-        results = _run_compilers(cmds, jobs)
-        failures = [(r.stderr or r.stdout, os.path.basename(c[-3]), {}) for r, c in zip(results, cmds)
+        results = _run_compilers([cmd for _, cmd in todo], jobs)
+        failures = [(r.stderr or r.stdout, f"the prebuilt {sym}", {}) for r, (sym, _) in zip(results, todo)
                     if r.returncode != 0]
         if failures:
             raise _compile_error(failures)
-        for c in cmds:
-            sym = os.path.basename(c[-3])[len("prebuilt_"):-len(".cpp")]
-            _atomic_store(c[-1], os.path.join(cache_dir, f"{pkeys[sym]}.o"), ".o")
-            found.append(c[-1])
+        for sym, cmd in todo:
+            _atomic_copy(cmd[-1], os.path.join(cache_dir, f"{pkeys[sym]}.o"))
+            found.append(cmd[-1])
         log.info("compiled the shared object(s) of %s in %.1f s (cached for the next libraries)",
-                 ", ".join(os.path.basename(c[-3])[len("prebuilt_"):-4] for c in cmds), time.perf_counter() - t0)
+                 ", ".join(sym for sym, _ in todo), time.perf_counter() - t0)
     return found
 
-
-def _atomic_store(src: str, cached: str, suffix: str) -> None:
-    """Copy ``src`` into the cache as ``cached`` (a temporary name, then renamed)."""
-    fd, tmp_cached = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(cached))
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp_cached)
-        os.replace(tmp_cached, cached)
-    except BaseException:
-        if os.path.exists(tmp_cached):
-            os.unlink(tmp_cached)
-        raise

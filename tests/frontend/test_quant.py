@@ -184,7 +184,7 @@ def test_quantized_conv_matches_onnxruntime_compiled_and_sharded(kind, tmp_path)
     np.testing.assert_array_equal(simulate(partition(g, plan), {"x": x}, plan.mesh)["y"], want)
 
 
-def _ort_int16_saturates(ort) -> bool:
+def _ort_int16_saturates() -> bool:
     """Whether this machine's onnxruntime MatMulInteger (uint8 x int8) departs from the exact int32
     product: its AVX2 kernel without VNNI sums pairs of products in saturating int16."""
     a, b = np.full((1, 2), 255, np.uint8), np.full((2, 1), 127, np.int8)
@@ -193,8 +193,7 @@ def _ort_int16_saturates(ort) -> bool:
                                helper.make_tensor_value_info("b", TensorProto.INT8, [2, 1])],
                               [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 1])])
     probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    return int(sess.run(None, {"a": a, "b": b})[0][0, 0]) != 2 * 255 * 127
+    return int(reference(probe, {"a": a, "b": b}, use_ort=True)[0, 0]) != 2 * 255 * 127
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
@@ -218,7 +217,7 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
     # On x86 without VNNI onnxruntime's u8 x s8 GEMM adds pairs of products in saturating int16
     # (vpmaddubsw): full-range int8 weights make its reference wrong by up to 1e-2 there. The 7-bit
     # weights of ``reduce_range`` (onnxruntime's advice for such machines) keep its sums exact.
-    quantize_dynamic(str(src), str(path), weight_type=QuantType.QInt8, reduce_range=_ort_int16_saturates(ort))
+    quantize_dynamic(str(src), str(path), weight_type=QuantType.QInt8, reduce_range=_ort_int16_saturates())
     m = onnx.load(path)
     assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {n.op_type for n in m.graph.node}
     feeds = {k: v for k, v in np.load(MODELS / f"{name}_inputs.npz").items() if k in {i.name for i in m.graph.input}}
