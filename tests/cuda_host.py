@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -74,37 +75,38 @@ _SHIM = r"""
 #define __expf(x) expf(x)  // (glibc declares an internal __expf it does not export)
 #define __grid_constant__
 #define __cluster_dims__(...)
+#define SF_EMU_API __attribute__((visibility("default")))  // (builds hide the rest: -fvisibility=hidden)
 
 typedef _Float16 __half;
 struct __nv_bfloat16 { unsigned short x; };
-static inline float __half2float(__half h) { return (float)h; }
-static inline __half __float2half_rn(float f) { return (__half)f; }
-static inline __half __double2half(double d) { return (__half)d; }
-static inline float __bfloat162float(__nv_bfloat16 b) {
+inline float __half2float(__half h) { return (float)h; }
+inline __half __float2half_rn(float f) { return (__half)f; }
+inline __half __double2half(double d) { return (__half)d; }
+inline float __bfloat162float(__nv_bfloat16 b) {
   unsigned u = (unsigned)b.x << 16; float f; memcpy(&f, &u, 4); return f;
 }
-static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   unsigned u; memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return {(unsigned short)((u >> 16) | 0x40u)};  // NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return {(unsigned short)(u >> 16)};
 }
-static inline __nv_bfloat16 __double2bfloat16(double d) { return __float2bfloat16_rn((float)d); }
+inline __nv_bfloat16 __double2bfloat16(double d) { return __float2bfloat16_rn((float)d); }
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
-static inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 struct __half2 { __half x, y; };
 struct __nv_bfloat162 { __nv_bfloat16 x, y; };
-static inline __half2 __floats2half2_rn(float a, float b) { return {(__half)a, (__half)b}; }
-static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+inline __half2 __floats2half2_rn(float a, float b) { return {(__half)a, (__half)b}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
   return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
 }
-static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
-static inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
-template <typename A, typename B> static inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
-template <typename A, typename B> static inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
+template <typename A, typename B> inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
+template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 using std::isnan;
 using std::isinf;
 
@@ -128,13 +130,13 @@ template <typename Use, int M, int N, int K, typename T, typename Layout = void>
   static constexpr int num_elements = rows * cols;
   typename element<T>::type x[rows * cols];
 };
-static inline float value(float v) { return v; }
-static inline float value(__half v) { return (float)v; }
-static inline float value(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename F, typename V> static inline void fill_fragment(F& f, V v) {
+inline float value(float v) { return v; }
+inline float value(__half v) { return (float)v; }
+inline float value(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename F, typename V> inline void fill_fragment(F& f, V v) {
   for (int i = 0; i < F::num_elements; ++i) f.x[i] = v;
 }
-template <typename F, typename P> static inline void load_matrix_sync(F& f, const P* p, unsigned ld) {
+template <typename F, typename P> inline void load_matrix_sync(F& f, const P* p, unsigned ld) {
   for (int r = 0; r < F::rows; ++r)
     for (int c = 0; c < F::cols; ++c) f.x[r * F::cols + c] = p[r * ld + c];
 }
@@ -151,12 +153,12 @@ __attribute__((optimize("O3"))) static inline void mma_sync(D& d, const A& a, co
     }
   for (int i = 0; i < D::num_elements; ++i) d.x[i] = out[i];
 }
-template <typename F> static inline void store_matrix_sync(float* p, const F& f, unsigned ld, layout_t layout) {
+template <typename F> inline void store_matrix_sync(float* p, const F& f, unsigned ld, layout_t layout) {
   if (layout != mem_row_major) { fprintf(stderr, "sf_emu: column-major stores are not emulated\n"); abort(); }
   for (int r = 0; r < F::rows; ++r)
     for (int c = 0; c < F::cols; ++c) p[r * ld + c] = f.x[r * F::cols + c];
 }
-static inline float __float_to_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa bits, ties away from 0
+inline float __float_to_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa bits, ties away from 0
   unsigned u;
   memcpy(&u, &x, 4);
   if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
@@ -172,7 +174,7 @@ struct alignas(64) SfTmap {  // the emulation's own tensor map: what the copies 
   unsigned box0, box1, elem, swizzle;
   unsigned char pad[128 - 48];
 };
-static SfDim3 threadIdx, blockIdx, blockDim, gridDim;
+inline SfDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace sf_emu {
 enum State { RUN, BAR, WARP, DONE, SPIN, CLUSTER };  // SPIN: runnable, but polling something
@@ -191,52 +193,52 @@ template <typename T> struct Groups {
   }
 };
 struct Thread { ucontext_t ctx; State state; int buf, xbuf; SfDim3 idx; Groups<Copy> copies; Groups<Mma> mmas; };
-static std::vector<Thread> threads;
+inline std::vector<Thread> threads;
 // the threads' stacks: allocated uninitialized (glibc maps blocks this large on demand, so only the
 // pages a thread touches become resident: a full persistent grid, 132 blocks of 384 threads, would
 // hold 13 GB zero-filled) and released at the end of each launch
 static const size_t kStack = 256 * 1024;
-static std::vector<std::unique_ptr<char[]>> stacks;
-static std::vector<unsigned long long> slots[2];  // shuffle values, double-buffered per thread
+inline std::vector<std::unique_ptr<char[]>> stacks;
+inline std::vector<unsigned long long> slots[2];  // shuffle values, double-buffered per thread
 struct Words { unsigned w[8]; };
-static std::vector<Words> xslots[2];  // the operands of warp-wide matrix instructions, likewise
-static std::vector<unsigned char> dyn;  // the current block's dynamic shared memory
-static int cur;  // the running thread (over the resident blocks: block cur / nthr, thread cur % nthr)
-static int nthr;  // threads per block
-static inline int lane_of(int t) { return (t % nthr) & 31; }
-static inline int warp_of(int t) { return t - lane_of(t); }  // the thread of lane 0 of t's warp
-static unsigned long long epoch;  // counts events that can end a wait (deadlock detection)
-static ucontext_t sched;
-static void (*body)(void**);
-static void** body_args;
+inline std::vector<Words> xslots[2];  // the operands of warp-wide matrix instructions, likewise
+inline std::vector<unsigned char> dyn;  // the current block's dynamic shared memory
+inline int cur;  // the running thread (over the resident blocks: block cur / nthr, thread cur % nthr)
+inline int nthr;  // threads per block
+inline int lane_of(int t) { return (t % nthr) & 31; }
+inline int warp_of(int t) { return t - lane_of(t); }  // the thread of lane 0 of t's warp
+inline unsigned long long epoch;  // counts events that can end a wait (deadlock detection)
+inline ucontext_t sched;
+inline void (*body)(void**);
+inline void** body_args;
 
-static void entry() {
+inline void entry() {
   body(body_args);
   threads[cur].state = DONE;
   ++epoch;
   swapcontext(&threads[cur].ctx, &sched);
 }
-static void wait(State s) {
+inline void wait(State s) {
   threads[cur].state = s;
   swapcontext(&threads[cur].ctx, &sched);
 }
 // what the emulated program did that a GPU would not run: the launch fails with this message (the
 // thread stops here), instead of the process
-static char fault[256];
-static void fail(const char* what, unsigned addr) {
+inline char fault[256];
+inline void fail(const char* what, unsigned addr) {
   snprintf(fault, sizeof fault, what, addr);
   wait(DONE);
   abort();  // (never resumed)
 }
 // a warp-wide instruction: every lane gives its operands; returns the warp's 32, by lane
-static const Words* exchange(const unsigned* w, int n) {
+inline const Words* exchange(const unsigned* w, int n) {
   const int me = cur, buf = threads[me].xbuf;
   threads[me].xbuf ^= 1;
   memcpy(xslots[buf][me].w, w, n * sizeof(unsigned));
   wait(WARP);
   return &xslots[buf][warp_of(me)];
 }
-static inline float half_value(unsigned bits, bool bf) {  // the low 16 bits as a half value
+inline float half_value(unsigned bits, bool bf) {  // the low 16 bits as a half value
   const unsigned short h = (unsigned short)bits;
   if (bf) return __bfloat162float({h});
   __half x;
@@ -245,7 +247,7 @@ static inline float half_value(unsigned bits, bool bf) {  // the low 16 bits as 
 }
 // ldmatrix .x4 (.trans): lanes 8m..8m+7 address the rows of 8 x 8 matrix m; lane l gets, of matrix
 // m, row l/4, columns 2(l%4) and 2(l%4)+1 (transposed: column l/4, rows 2(l%4) and 2(l%4)+1)
-static void ldmatrix(unsigned addr, unsigned* r, bool trans) {
+inline void ldmatrix(unsigned addr, unsigned* r, bool trans) {
   const Words* all = exchange(&addr, 1);
   const int lane = lane_of(cur);
   for (int m = 0; m < 4; ++m) {
@@ -263,7 +265,7 @@ static void ldmatrix(unsigned addr, unsigned* r, bool trans) {
   }
 }
 // this lane's C fragment of an m16n8kK product, C += A B: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-template <int K> static void accumulate(float* c, const float (*A)[K], const float (*B)[8]) {
+template <int K> inline void accumulate(float* c, const float (*A)[K], const float (*B)[8]) {
   const int lane = lane_of(cur), g = lane / 4, t = lane % 4;
   for (int q = 0; q < 4; ++q) {
     const int row = g + (q / 2) * 8, col = 2 * t + (q % 2);
@@ -275,7 +277,7 @@ template <int K> static void accumulate(float* c, const float (*A)[K], const flo
 // mma.sync.m16n8k16.row.col, float accumulators (PTX ISA fragment layouts; g = lane/4, t = lane%4):
 // A regs: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..); B regs: (2t..2t+1, g), (2t+8.., g);
 // C: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1, bool bf) {
+inline void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1, bool bf) {
   const unsigned mine[6] = {a0, a1, a2, a3, b0, b1};
   const Words* all = exchange(mine, 6);
   float A[16][16], B[16][8];
@@ -296,7 +298,7 @@ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, un
 // A regs: (g, t), (g+8, t), (g, t+4), (g+8, t+4); B regs: (t, g), (t+4, g); C as m16n8k16's. An
 // operand must be TF32 (its low 13 bits clear, as cvt.rna.tf32.f32 leaves them): the kernels convert
 // every one, so a value that is not fails the launch
-static void mma_tf32(float* c, const unsigned* mine) {
+inline void mma_tf32(float* c, const unsigned* mine) {
   const Words* all = exchange(mine, 6);
   float A[16][8], B[8][8];
   for (int l = 0; l < 32; ++l) {
@@ -315,41 +317,41 @@ static void mma_tf32(float* c, const unsigned* mine) {
   }
   accumulate<8>(c, A, B);
 }
-static void spin() { wait(SPIN); }
+inline void spin() { wait(SPIN); }
 
 // mbarriers (keyed by their shared-memory address) and named barriers of the current block
 struct Mbar { unsigned count, pending, phase; long long tx; };
-static std::map<unsigned, Mbar> mbars;
+inline std::map<unsigned, Mbar> mbars;
 struct Named { unsigned arrived, generation; };
-static Named named[16];
-static void mbar_check(Mbar& b) {
+inline Named named[16];
+inline void mbar_check(Mbar& b) {
   if (b.pending == 0 && b.tx == 0) { b.phase += 1; b.pending = b.count; ++epoch; }
 }
-static Mbar& mbar(unsigned addr) {
+inline Mbar& mbar(unsigned addr) {
   auto it = mbars.find(addr);
   if (it == mbars.end()) fail("mbarrier %u used before init", addr);
   return it->second;
 }
-static inline unsigned swizzle128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
-static void copy16(const Copy& c) {
+inline unsigned swizzle128(unsigned a) { return a ^ (((a >> 7) & 7u) << 4); }
+inline void copy16(const Copy& c) {
   if (c.full) memcpy(dyn.data() + c.dst, c.src, 16);
   else memset(dyn.data() + c.dst, 0, 16);
 }
 struct Tma { unsigned dst; SfTmap map; int c0, c1; unsigned bar; };
-static std::vector<Tma> tmas;  // bulk tensor copies in flight
+inline std::vector<Tma> tmas;  // bulk tensor copies in flight
 // the state of each resident block; the current block's lives in the globals above (switching
 // swaps it back: the shared memory's storage, which threads hold pointers into, never moves)
 struct Block { std::vector<unsigned char> dyn; std::map<unsigned, Mbar> mbars; Named named[16]; std::vector<Tma> tmas;
                SfDim3 idx; };
-static std::vector<Block> blocks;
-static int curblk = -1;
-static void swap_state(Block& b) {
+inline std::vector<Block> blocks;
+inline int curblk = -1;
+inline void swap_state(Block& b) {
   std::swap(dyn, b.dyn);
   std::swap(mbars, b.mbars);
   std::swap(named, b.named);
   std::swap(tmas, b.tmas);
 }
-static void enter(int b) {  // make block b the current one
+inline void enter(int b) {  // make block b the current one
   if (b == curblk) return;
   if (curblk >= 0) swap_state(blocks[curblk]);
   swap_state(blocks[b]);
@@ -357,63 +359,63 @@ static void enter(int b) {  // make block b the current one
   blockIdx = blocks[b].idx;
 }
 // clusters: blocks 0-1, 2-3, ... of a wave (whose first block is a multiple of the cluster size)
-static int csize = 1;
-static int exited_access;  // a cluster access to a block whose threads have all exited
-static std::vector<unsigned char>& dyn_of(int b) { return b == curblk ? dyn : blocks[b].dyn; }
-static std::map<unsigned, Mbar>& mbars_of(int b) { return b == curblk ? mbars : blocks[b].mbars; }
-static std::vector<Tma>& tmas_of(int b) { return b == curblk ? tmas : blocks[b].tmas; }
-static bool block_live(int b) {  // a thread of resident block b has not exited
+inline int csize = 1;
+inline int exited_access;  // a cluster access to a block whose threads have all exited
+inline std::vector<unsigned char>& dyn_of(int b) { return b == curblk ? dyn : blocks[b].dyn; }
+inline std::map<unsigned, Mbar>& mbars_of(int b) { return b == curblk ? mbars : blocks[b].mbars; }
+inline std::vector<Tma>& tmas_of(int b) { return b == curblk ? tmas : blocks[b].tmas; }
+inline bool block_live(int b) {  // a thread of resident block b has not exited
   for (int t = b * nthr; t < (b + 1) * nthr; ++t)
     if (threads[t].state != DONE) return true;
   return false;
 }
 // the resident block of rank `rank` in the running thread's cluster (an access to it after all its
 // threads exited is counted: on a GPU it is an error)
-static int cluster_block(int rank) {
+inline int cluster_block(int rank) {
   const int b = cur / nthr / csize * csize + rank;
   if (!block_live(b)) ++exited_access;
   return b;
 }
-static int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
-static int trapped;  // a thread called __trap()
+inline int misaligned;  // vector accesses whose address is not a multiple of their size (a GPU faults)
+inline int trapped;  // a thread called __trap()
 // clock64(): advances by clock_step a call; a step above 1 also counts as progress, so that a wait
 // with a time limit reaches it instead of being reported as a deadlock
-static unsigned long long clock_now, clock_step = 1;
-template <typename V, typename P> static V* at(P* p) {
+inline unsigned long long clock_now, clock_step = 1;
+template <typename V, typename P> inline V* at(P* p) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(V)) ++misaligned;
   return reinterpret_cast<V*>(p);
 }
-static unsigned long long rng = 1;  // which copies land in a round (deterministic)
-static bool coin() { rng = rng * 6364136223846793005ull + 1442695040888963407ull; return (rng >> 33) & 1; }
+inline unsigned long long rng = 1;  // which copies land in a round (deterministic)
+inline bool coin() { rng = rng * 6364136223846793005ull + 1442695040888963407ull; return (rng >> 33) & 1; }
 }  // namespace sf_emu
 
 // the TMA kernels' helpers (cuda_wgmma.WGMMA_HELPERS; its sf_smem_desc is kept as generated)
 // cp.async: a copy lands when a wait_group lets no later than its group be pending
-static inline void sf_cp_async16(unsigned dst, const void* src, bool full) {
+inline void sf_cp_async16(unsigned dst, const void* src, bool full) {
   sf_emu::threads[sf_emu::cur].copies.add({dst, src, full});
 }
-static inline void sf_cp_commit() { sf_emu::threads[sf_emu::cur].copies.commit(); }
-template <int N> static inline void sf_cp_wait() { sf_emu::threads[sf_emu::cur].copies.wait(N, sf_emu::copy16); }
-static inline void sf_mbar_init(unsigned bar, unsigned count) { sf_emu::mbars[bar] = {count, count, 0, 0}; }
-static inline void sf_mbar_arrive(unsigned bar) {
+inline void sf_cp_commit() { sf_emu::threads[sf_emu::cur].copies.commit(); }
+template <int N> inline void sf_cp_wait() { sf_emu::threads[sf_emu::cur].copies.wait(N, sf_emu::copy16); }
+inline void sf_mbar_init(unsigned bar, unsigned count) { sf_emu::mbars[bar] = {count, count, 0, 0}; }
+inline void sf_mbar_arrive(unsigned bar) {
   sf_emu::Mbar& b = sf_emu::mbar(bar);
   b.pending -= 1;
   ++sf_emu::epoch;
   sf_emu::mbar_check(b);
 }
-static inline void sf_mbar_expect_tx(unsigned bar, unsigned bytes) {
+inline void sf_mbar_expect_tx(unsigned bar, unsigned bytes) {
   sf_emu::Mbar& b = sf_emu::mbar(bar);
   b.tx += bytes;
   sf_mbar_arrive(bar);
 }
 // try_wait.parity: passes once the phase of that parity has completed (the current phase differs)
-static inline void sf_mbar_wait(unsigned bar, unsigned parity) {
+inline void sf_mbar_wait(unsigned bar, unsigned parity) {
   while ((sf_emu::mbar(bar).phase & 1u) == (parity & 1u)) sf_emu::spin();
 }
 // a 2-D bulk tensor copy: the box at (c0, c1) (elements outside the tensor read as 0) into shared
 // memory with the 128-byte swizzle, completing its bytes on mbarrier `bar`; copies in flight land
 // in a random order, a few rounds of the scheduler after they were issued
-static inline void sf_tma_land(const sf_emu::Tma& t) {
+inline void sf_tma_land(const sf_emu::Tma& t) {
   const SfTmap& m = t.map;
   unsigned char* smem = sf_emu::dyn.data();
   const unsigned row = m.box0 * m.elem;
@@ -432,43 +434,43 @@ static inline void sf_tma_land(const sf_emu::Tma& t) {
   ++sf_emu::epoch;
   sf_emu::mbar_check(b);
 }
-static inline void sf_tma_2d(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar) {
+inline void sf_tma_2d(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar) {
   sf_emu::tmas.push_back({dst, *m, c0, c1, bar});
 }
 // multicast: the same box into each block of the cluster in `mask`, at `dst` and completing on `bar`
 // there (each copy lands on its own, at random, like any other)
-static inline void sf_tma_2d_mc(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar, unsigned short mask) {
+inline void sf_tma_2d_mc(unsigned dst, const SfTmap* m, int c0, int c1, unsigned bar, unsigned short mask) {
   for (int r = 0; r < sf_emu::csize; ++r)
     if (mask >> r & 1) sf_emu::tmas_of(sf_emu::cluster_block(r)).push_back({dst, *m, c0, c1, bar});
 }
-static inline void sf_tma_prefetch(const SfTmap*) {}
+inline void sf_tma_prefetch(const SfTmap*) {}
 // bar.sync / bar.arrive: barrier `id` completes when `count` threads arrived at it
-static inline void sf_bar_arrive(int id, int count) {
+inline void sf_bar_arrive(int id, int count) {
   sf_emu::Named& b = sf_emu::named[id];
   ++sf_emu::epoch;
   if (++b.arrived == (unsigned)count) { b.arrived = 0; b.generation += 1; }
 }
-static inline void sf_bar_sync(int id, int count) {
+inline void sf_bar_sync(int id, int count) {
   const unsigned gen = sf_emu::named[id].generation;
   sf_bar_arrive(id, count);
   while (sf_emu::named[id].generation == gen) sf_emu::spin();
 }
-static inline void sf_fence_async_smem() {}
-static inline void sf_wgmma_fence() {}
-static inline float sf_tf32(float x) { return nvcuda::wmma::__float_to_tf32(x); }  // cvt.rna.tf32.f32
-static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-static inline void sf_emu_wgmma_run(const sf_emu::Mma& op);
+inline void sf_fence_async_smem() {}
+inline void sf_wgmma_fence() {}
+inline float sf_tf32(float x) { return nvcuda::wmma::__float_to_tf32(x); }  // cvt.rna.tf32.f32
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline void sf_emu_wgmma_run(const sf_emu::Mma& op);
 // wgmma: a group's products run (reading shared memory then) when a wait_group lets no later than
 // it be pending, so a stage freed too early shows as wrong operands
-static inline void sf_wgmma_commit() { sf_emu::threads[sf_emu::cur].mmas.commit(); }
-template <int N> static inline void sf_wgmma_wait() { sf_emu::threads[sf_emu::cur].mmas.wait(N, sf_emu_wgmma_run); }
+inline void sf_wgmma_commit() { sf_emu::threads[sf_emu::cur].mmas.commit(); }
+template <int N> inline void sf_wgmma_wait() { sf_emu::threads[sf_emu::cur].mmas.wait(N, sf_emu_wgmma_run); }
 // wgmma.mma_async m64nNk16 (halves) or m64nNk8 (TF32), float accumulators, operands in shared
 // memory (128-byte swizzle) by descriptor: K-major (trans 0) element (row r, k) at start + (r/8) SBO
 // + (r%8) 128 + size k; MN-major (halves only, trans 1) element (k, r) at start + (r/64) LBO + (k/8)
 // SBO + (k%8) 128 + 2 (r%64). A TF32 operand is a float32 whose low 13 mantissa bits are ignored.
 // Each thread of the warpgroup updates its own accumulators (warp w, lane l: rows 16w + l/4 (+8),
 // columns 8j + 2(l%4) (+1)); the operands are read when a wait_group completes the instruction.
-static inline float sf_emu_operand(unsigned long long desc, int trans, int r, int k, int ty) {
+inline float sf_emu_operand(unsigned long long desc, int trans, int r, int k, int ty) {
   const unsigned start = (unsigned)(desc & 0x3FFFull) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
   const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
   if (ty == 2) {
@@ -486,11 +488,11 @@ static inline float sf_emu_operand(unsigned long long desc, int trans, int r, in
   memcpy(&h, sf_emu::dyn.data() + sf_emu::swizzle128(a), 2);
   return sf_emu::half_value(h, ty == 1);
 }
-static inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long long db, int bn, int ty, int ta,
+inline void sf_emu_wgmma(float* d, unsigned long long da, unsigned long long db, int bn, int ty, int ta,
                                 int tb) {
   sf_emu::threads[sf_emu::cur].mmas.add({d, da, db, bn, ty, ta, tb});
 }
-static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
+inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
   const int t = sf_emu::cur % sf_emu::nthr % 128, w = t / 32, l = t % 32;
   for (int j = 0; j < op.bn / 8; ++j)
     for (int q = 0; q < 4; ++q) {
@@ -502,20 +504,20 @@ static inline void sf_emu_wgmma_run(const sf_emu::Mma& op) {
     }
 }
 // clusters: mapa encodes the block's rank above the shared-memory offset (offsets are below 2^20)
-static inline unsigned sf_cluster_rank() { return blockIdx.x % (unsigned)sf_emu::csize; }
-static inline void sf_cluster_sync() { sf_emu::wait(sf_emu::CLUSTER); }
-static inline unsigned sf_mapa(unsigned addr, unsigned rank) { return (addr & 0xFFFFFu) | ((rank + 1u) << 20); }
-static int sf_emu_cluster_block(unsigned addr) {  // the resident block a shared::cluster address is in
+inline unsigned sf_cluster_rank() { return blockIdx.x % (unsigned)sf_emu::csize; }
+inline void sf_cluster_sync() { sf_emu::wait(sf_emu::CLUSTER); }
+inline unsigned sf_mapa(unsigned addr, unsigned rank) { return (addr & 0xFFFFFu) | ((rank + 1u) << 20); }
+inline int sf_emu_cluster_block(unsigned addr) {  // the resident block a shared::cluster address is in
   const int rank = (int)(addr >> 20) - 1;
   return rank < 0 ? sf_emu::cur / sf_emu::nthr : sf_emu::cluster_block(rank);
 }
-static inline void sf_st_cluster2(unsigned addr, float x, float y) {
+inline void sf_st_cluster2(unsigned addr, float x, float y) {
   const int b = sf_emu_cluster_block(addr);
   if (addr % 8) ++sf_emu::misaligned;
   float v[2] = {x, y};
   memcpy(sf_emu::dyn_of(b).data() + (addr & 0xFFFFFu), v, 8);
 }
-static inline void sf_mbar_arrive_cluster(unsigned addr) {
+inline void sf_mbar_arrive_cluster(unsigned addr) {
   const int b = sf_emu_cluster_block(addr);
   auto& bars = sf_emu::mbars_of(b);
   auto it = bars.find(addr & 0xFFFFFu);
@@ -524,58 +526,58 @@ static inline void sf_mbar_arrive_cluster(unsigned addr) {
   ++sf_emu::epoch;
   sf_emu::mbar_check(it->second);
 }
-static inline void sf_mbar_wait_cluster(unsigned bar, unsigned parity) { sf_mbar_wait(bar, parity); }
-static inline void __threadfence() {}
-static inline void __nanosleep(unsigned) { sf_emu::spin(); }
-static inline long long clock64() {
+inline void sf_mbar_wait_cluster(unsigned bar, unsigned parity) { sf_mbar_wait(bar, parity); }
+inline void __threadfence() {}
+inline void __nanosleep(unsigned) { sf_emu::spin(); }
+inline long long clock64() {
   sf_emu::clock_now += sf_emu::clock_step;
   if (sf_emu::clock_step > 1) ++sf_emu::epoch;
   return (long long)sf_emu::clock_now;
 }
-static inline void __trap() {  // the launch fails (the thread stops here)
+inline void __trap() {  // the launch fails (the thread stops here)
   sf_emu::trapped = 1;
   sf_emu::wait(sf_emu::DONE);
 }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = old + v;
   ++sf_emu::epoch;
   return old;
 }
-static inline unsigned atomicExch(unsigned* p, unsigned v) {
+inline unsigned atomicExch(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = v;
   ++sf_emu::epoch;
   return old;
 }
-static inline void __stcg(float* p, float v) { *p = v; }
-static inline float __ldcg(const float* p) { return *p; }
+inline void __stcg(float* p, float v) { *p = v; }
+inline float __ldcg(const float* p) { return *p; }
 
-static inline unsigned __cvta_generic_to_shared(const void* p) {
+inline unsigned __cvta_generic_to_shared(const void* p) {
   return (unsigned)(reinterpret_cast<const unsigned char*>(p) - sf_emu::dyn.data());
 }
 // the attention kernel's helpers (cuda_attention.ATTENTION_HELPERS): cp.async as above
-static inline void sf_att_cp16(unsigned dst, const void* src, bool full) { sf_cp_async16(dst, src, full); }
-static inline void sf_att_commit() { sf_cp_commit(); }
-template <int N> static inline void sf_att_wait() { sf_cp_wait<N>(); }
-static inline void sf_ldm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+inline void sf_att_cp16(unsigned dst, const void* src, bool full) { sf_cp_async16(dst, src, full); }
+inline void sf_att_commit() { sf_cp_commit(); }
+template <int N> inline void sf_att_wait() { sf_cp_wait<N>(); }
+inline void sf_ldm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
   unsigned r[4];
   sf_emu::ldmatrix(addr, r, false);
   r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
 }
-static inline void sf_ldm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+inline void sf_ldm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
   unsigned r[4];
   sf_emu::ldmatrix(addr, r, true);
   r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
 }
-static inline void sf_emu_mma(bool bf, float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+inline void sf_emu_mma(bool bf, float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
                               unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   float c[4] = {c0, c1, c2, c3};
   sf_emu::mma(c, a0, a1, a2, a3, b0, b1, bf);
   c0 = c[0]; c1 = c[1]; c2 = c[2]; c3 = c[3];
 }
 
-static inline void sf_emu_mma_tf32(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+inline void sf_emu_mma_tf32(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
                                    unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   float c[4] = {c0, c1, c2, c3};
   const unsigned ab[6] = {a0, a1, a2, a3, b0, b1};
@@ -583,11 +585,11 @@ static inline void sf_emu_mma_tf32(float& c0, float& c1, float& c2, float& c3, u
   c0 = c[0]; c1 = c[1]; c2 = c[2]; c3 = c[3];
 }
 // the float32 attention kernels' conversion (cuda_attention.ATTENTION_FLOAT_HELPERS; sf_att_split kept)
-static inline unsigned sf_att_tf32(float x) { return __float_as_uint(nvcuda::wmma::__float_to_tf32(x)); }
+inline unsigned sf_att_tf32(float x) { return __float_as_uint(nvcuda::wmma::__float_to_tf32(x)); }
 
-static inline void __syncthreads() { sf_emu::wait(sf_emu::BAR); }
-static inline void __syncwarp(unsigned = 0xffffffffu) { sf_emu::wait(sf_emu::WARP); }
-template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+inline void __syncthreads() { sf_emu::wait(sf_emu::BAR); }
+inline void __syncwarp(unsigned = 0xffffffffu) { sf_emu::wait(sf_emu::WARP); }
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
   using namespace sf_emu;
   static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
   const int me = cur, buf = threads[me].buf;
@@ -604,7 +606,10 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
   return r;
 }
 
-// runs body(args) as every thread of every block, `resident` blocks at a time (their threads
+"""
+
+#: the emulation's scheduler and entry points: compiled once into an object every build links
+_SHIM_RUNTIME = r"""// runs body(args) as every thread of every block, `resident` blocks at a time (their threads
 // interleaved, as blocks resident on different multiprocessors run at once); returns 0, 1 on a
 // deadlock, 2 after a misaligned vector access, 3 after a __trap()
 static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
@@ -745,10 +750,10 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
   return misaligned ? 2 : exited_access ? 4 : 0;
 }
 
-extern "C" const char* sf_emu_fault() { return sf_emu::fault; }
-extern "C" int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                             unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed, unsigned resident,
-                             unsigned long long clock_step, unsigned cluster) {
+extern "C" SF_EMU_API const char* sf_emu_fault() { return sf_emu::fault; }
+extern "C" SF_EMU_API int sf_emu_launch(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
+                                        unsigned bx, unsigned by, unsigned bz, unsigned smem, unsigned seed,
+                                        unsigned resident, unsigned long long clock_step, unsigned cluster) {
   const int r = sf_emu_run(body, args, gx, gy, gz, bx, by, bz, smem, seed, resident, clock_step, cluster);
   std::vector<std::unique_ptr<char[]>>().swap(sf_emu::stacks);
   return r;
@@ -864,6 +869,47 @@ def _signatures(text: str) -> dict[str, list[str]]:
     return sigs
 
 
+_SHIM_LOCK = threading.Lock()
+_SHIM_LINES = _SHIM.count("\n")
+_FLAGS = ["-std=c++17", "-fPIC", "-w", "-fvisibility=hidden"]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_shim(opt: str) -> tuple[str, str | None]:
+    """The shim compiled once at ``opt`` for every build of the machine's processes (in
+    ``$TMPDIR/sf-cuda-host-<key>``, each file written through a rename): the object of its
+    scheduler and entry points (``_SHIM_RUNTIME``), which each library links (statically, so each
+    keeps its own state: every name but the entry points is hidden), and the path to ``-include``
+    for the precompiled ``_SHIM`` (None if g++ cannot precompile it: the sources then hold its text).
+    Together they take about 1.5 s off each build."""
+    version = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256((_SHIM + _SHIM_RUNTIME + opt + version).encode()).hexdigest()[:16]
+    d = os.path.join(tempfile.gettempdir(), f"sf-cuda-host-{key}")
+    header, runtime = os.path.join(d, "shim.h"), os.path.join(d, "runtime.o")
+    with _SHIM_LOCK:
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".{os.getpid()}.tmp")
+        if not os.path.exists(header):
+            with open(tmp, "w") as f:
+                f.write(_SHIM)
+            os.replace(tmp, header)
+        if not os.path.exists(runtime):
+            with open(tmp + ".cpp", "w") as f:
+                f.write(_SHIM + _SHIM_RUNTIME)
+            proc = subprocess.run(["g++", opt, *_FLAGS, "-c", tmp + ".cpp", "-o", tmp + ".o"], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"g++ failed on the emulation's runtime:\n{proc.stderr[-4000:]}")
+            os.replace(tmp + ".o", runtime)
+        if not os.path.exists(header + ".gch"):
+            proc = subprocess.run(["g++", opt, *_FLAGS, "-x", "c++-header", header, "-o", tmp + ".gch"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                return runtime, None
+            os.replace(tmp + ".gch", header + ".gch")
+    return runtime, header
+
+
 def build(text: str, work_dir: str | None = None, opt: str = "-O1") -> HostKernels:
     """Compile the generated CUDA translation unit ``text`` for the host (g++ at optimization
     ``opt``, cached by content under ``work_dir``) and load it. (-O1: the tests compile more than
@@ -877,18 +923,19 @@ def build(text: str, work_dir: str | None = None, opt: str = "-O1") -> HostKerne
     for sym, types in sigs.items():
         args = ", ".join(f"*(const SfTmap*)a[{i}]" if t == "const SfTmap" else f"({t})a[{i}]"
                          for i, t in enumerate(types))
-        tramp.append(f'extern "C" void sf_emu_body_{sym}(void** a) {{ {sym}({args}); }}')
+        tramp.append(f'extern "C" SF_EMU_API void sf_emu_body_{sym}(void** a) {{ {sym}({args}); }}')
     src = _SHIM + body + "\n" + "\n".join(tramp) + "\n"
     work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-host-")
-    key = hashlib.sha256((src + opt).encode()).hexdigest()[:16]
+    key = hashlib.sha256((src + _SHIM_RUNTIME + opt).encode()).hexdigest()[:16]
     lib = os.path.join(work_dir, f"k{key}.so")
     if not os.path.exists(lib):
         cpp = os.path.join(work_dir, f"k{key}.cpp")
-        with open(cpp, "w") as f:
-            f.write(src)
+        runtime, shim = _compiled_shim(opt)
+        with open(cpp, "w") as f:  # (a #line keeps the line numbers of the whole text)
+            f.write(f"#line {_SHIM_LINES + 1}\n" + src[len(_SHIM):] if shim else src)
         tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"  # (builds may run side by side)
-        proc = subprocess.run(["g++", "-std=c++17", opt, "-fPIC", "-shared", "-w", "-o", tmp, cpp],
-                              capture_output=True, text=True)
+        proc = subprocess.run(["g++", opt, *_FLAGS, "-shared"] + (["-include", shim] if shim else [])
+                              + ["-o", tmp, cpp, runtime], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on {cpp}:\n{proc.stderr[-4000:]}")
         os.replace(tmp, lib)

@@ -169,7 +169,7 @@ def _compile_error(failures: list[tuple[str, str, dict]]) -> CompileError:
 def build_shared_library(source: str, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
                          line_map: dict | None = None, units: Sequence[tuple[str, dict]] | None = None,
                          jobs: int | None = None, extra_flags: Sequence[str] = (),
-                         prebuilt: Mapping[str, str] | None = None) -> bool:
+                         prebuilt: Mapping[str, str] | None = None, header: str | None = None) -> bool:
     """Compile ``source`` into the shared library ``path``, through the cache.
 
     Parameters
@@ -196,6 +196,12 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         libraries whose units refer to its symbol; the units are compiled with
         ``-DSF_PREBUILT_TABLES``. The cpu kernel library puts there what every library would
         otherwise instantiate again: its micro-kernel tables (``templates_cpu.prebuilt_tables``).
+    header
+        A prefix of ``source`` and of every unit (the cpu library's helpers and templates: most of
+        the text, and of a small library's compile time, is parsing it). It is compiled once per
+        cache into a precompiled header (``<key>.h.gch`` beside the libraries, keyed like them) that
+        every unit includes in its place (``-include``; a ``#line`` keeps the units' line numbers).
+        If the compiler cannot build it, the units are compiled whole.
 
     Returns
     -------
@@ -229,16 +235,22 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         return True
     units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
     jobs = jobs or default_jobs()
+    unit_flags = [f for f in flags if f != "-shared"]
     with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
         out = os.path.join(tmp, "lib.so")
+        t0 = time.perf_counter()
+        include = None
+        if header and all(text.startswith(header) for text, _ in units):
+            include = _precompiled_header(header, cxx.split() + unit_flags, version, cache_dir, tmp)
+        first_line = "#line %d\n" % (header.count("\n") + 1) if include else ""
         names, cmds = [], []
         for i, (text, _) in enumerate(units):
             src = os.path.join(tmp, f"kernels_{key[:12]}_{i}.cpp")
             with open(src, "w") as f:
-                f.write(text)
+                f.write(first_line + text[len(header):] if include else text)
             names.append(os.path.basename(src))
-            cmds.append(cxx.split() + [f for f in flags if f != "-shared"] + ["-c", src, "-o", src[:-4] + ".o"])
-        t0 = time.perf_counter()
+            cmds.append(cxx.split() + unit_flags + (["-include", include] if include else [])
+                        + ["-c", src, "-o", src[:-4] + ".o"])
         log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(units), " ".join(cmds[0]))
         results = _run_compilers(cmds, jobs)
         failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, units) if r.returncode != 0]
@@ -253,6 +265,30 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         _atomic_copy(out, cached)
         _atomic_copy(out, path)
     return False
+
+
+def _precompiled_header(header: str, command: list[str], version: str, cache_dir: str, tmp: str) -> str | None:
+    """The path to ``-include`` for ``header``: ``<key>.h`` in the cache with its precompiled
+    ``<key>.h.gch`` beside it (built with ``command``, the units' compiler and flags, if not cached
+    yet). None when the compiler fails to build it (the units then compile the header's text)."""
+    hkey = hashlib.sha256("\0".join([header, " ".join(command), version]).encode()).hexdigest()
+    path = os.path.join(cache_dir, f"{hkey}.h")
+    if os.path.exists(path + ".gch") and os.path.exists(path):
+        return path
+    src = os.path.join(tmp, "header.h")
+    with open(src, "w") as f:
+        f.write(header)
+    t0 = time.perf_counter()
+    res = _run_compilers([command + ["-x", "c++-header", src, "-o", src + ".gch"]], 1)[0]
+    if res.returncode != 0:
+        log.warning("could not precompile the kernel library's header (compiling it in every unit): %s",
+                    "\n".join((res.stderr or res.stdout).strip().splitlines()[:10]))
+        return None
+    _atomic_copy(src, path)
+    _atomic_copy(src + ".gch", path + ".gch")
+    log.info("precompiled the kernel library's header in %.1f s (cached for the next libraries)",
+             time.perf_counter() - t0)
+    return path
 
 
 def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], objects: Sequence[str],

@@ -8,6 +8,7 @@ through the kernel ABI with ctypes.
 import ctypes
 import os
 import re
+import subprocess
 import time
 
 import numpy as np
@@ -1115,6 +1116,57 @@ def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_th
     a, b = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
     got = run_kernel(ctypes.CDLL(str(tmp_path / "mm.so")), syms["mm"], op, [a, b])[0]
     np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_library_header_is_precompiled_once_per_cache(tmp_path, monkeypatch):
+    """The helpers and templates every unit starts with are compiled once into a precompiled header
+    that the units of this and later libraries include (and g++ does use it: ``-H`` marks a used
+    one with ``!``); if it cannot be built, the units compile the header's text."""
+    cache = str(tmp_path / "c")
+    commands, shown = [], []
+    real = toolchain._run_compilers
+
+    def run(cmds, jobs):
+        commands.extend(cmds)
+        for c in cmds:
+            if "-include" in c:  # the same command, showing the headers it reads
+                shown.append(subprocess.run(c[:-1] + [str(tmp_path / "shown.o"), "-H"], capture_output=True,
+                                            text=True))
+        return real(cmds, jobs)
+    monkeypatch.setattr(toolchain, "_run_compilers", run)
+
+    def headers():
+        return [c for c in commands if "c++-header" in c]
+
+    def units():
+        return [c for c in commands if "-c" in c and "prebuilt_" not in c[-3]]
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(5).astype(np.float32)
+    ops = [(Unary([_t((5,))], fn="exp", name="e"), np.exp), (Unary([_t((5,))], fn="tanh", name="t"), np.tanh)]
+    for k, (op, ref) in enumerate(ops):
+        commands.clear()
+        syms = build_cpu_library([op], str(tmp_path / f"{k}.so"), cache_dir=cache, opt_level=1)
+        assert len(headers()) == (1 if k == 0 else 0)
+        (unit,) = units()
+        include = unit[unit.index("-include") + 1]
+        assert os.path.dirname(include) == cache and os.path.exists(include + ".gch")
+        got = run_kernel(ctypes.CDLL(str(tmp_path / f"{k}.so")), syms[op.name], op, [x])[0]
+        np.testing.assert_allclose(got, ref(x), rtol=1e-6)
+    assert len(shown) == 2 and all(r.returncode == 0 and f"! {include}.gch" in r.stderr for r in shown), \
+        shown[-1].stderr[:2000]
+
+    def no_headers(cmds, jobs):
+        if any("c++-header" in c for c in cmds):
+            return [subprocess.CompletedProcess(c, 1, "", "no precompiled headers here") for c in cmds]
+        return real(cmds, jobs)
+    monkeypatch.setattr(toolchain, "_run_compilers", lambda cmds, jobs: commands.extend(cmds) or no_headers(cmds, jobs))
+    commands.clear()
+    op = Unary([_t((5,))], fn="exp", name="e2")
+    syms = build_cpu_library([op], str(tmp_path / "2.so"), cache_dir=str(tmp_path / "c2"), opt_level=1)
+    assert len(headers()) == 1 and all("-include" not in c for c in units())
+    got = run_kernel(ctypes.CDLL(str(tmp_path / "2.so")), syms["e2"], op, [x])[0]
+    np.testing.assert_allclose(got, np.exp(x), rtol=1e-6)
 
 
 def test_cache_dir_defaults_to_the_environment(tmp_path, monkeypatch):
