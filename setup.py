@@ -114,7 +114,7 @@ setup(
     install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7,<4"],
     extras_require={
         # torch/transformers export test models on the fly (tests and benchmarks only, never at runtime)
-        "test": ["pytest>=7", "pytest-xdist>=3", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7", "scipy",
+        "test": ["pytest>=7", "pytest-xdist>=3.2", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7", "scipy",
                  "torch==2.13.0", "transformers", "diffusers", "onnxscript",
                  # the real-rank tests run under mpiexec (MPICH from PyPI) like a cluster job would
                  "mpi4py", "mpich"],
