@@ -50,6 +50,7 @@ import tempfile
 import threading
 
 import numpy as np
+from shardflow.compiler.codegen.toolchain import _precompiled_header
 
 _SHIM = r"""
 #include <math.h>
@@ -885,28 +886,21 @@ def _compiled_shim(opt: str) -> tuple[str, str | None]:
     version = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256((_SHIM + _SHIM_RUNTIME + opt + version).encode()).hexdigest()[:16]
     d = os.path.join(tempfile.gettempdir(), f"sf-cuda-host-{key}")
-    header, runtime = os.path.join(d, "shim.h"), os.path.join(d, "runtime.o")
+    runtime = os.path.join(d, "runtime.o")
     with _SHIM_LOCK:
         os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".{os.getpid()}.tmp")
-        if not os.path.exists(header):
-            with open(tmp, "w") as f:
-                f.write(_SHIM)
-            os.replace(tmp, header)
-        if not os.path.exists(runtime):
-            with open(tmp + ".cpp", "w") as f:
-                f.write(_SHIM + _SHIM_RUNTIME)
-            proc = subprocess.run(["g++", opt, *_FLAGS, "-c", tmp + ".cpp", "-o", tmp + ".o"], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"g++ failed on the emulation's runtime:\n{proc.stderr[-4000:]}")
-            os.replace(tmp + ".o", runtime)
-        if not os.path.exists(header + ".gch"):
-            proc = subprocess.run(["g++", opt, *_FLAGS, "-x", "c++-header", header, "-o", tmp + ".gch"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                return runtime, None
-            os.replace(tmp + ".gch", header + ".gch")
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            if not os.path.exists(runtime):
+                src = os.path.join(tmp, "runtime.cpp")
+                with open(src, "w") as f:
+                    f.write(_SHIM + _SHIM_RUNTIME)
+                proc = subprocess.run(["g++", opt, *_FLAGS, "-c", src, "-o", src[:-4] + ".o"], capture_output=True,
+                                      text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"g++ failed on the emulation's runtime:\n{proc.stderr[-4000:]}")
+                os.replace(src[:-4] + ".o", runtime)
+            # (the cpu library's mechanism: <key>.h and its .gch in d, written by rename)
+            header = _precompiled_header(_SHIM, ["g++", opt, *_FLAGS], version, d, tmp)
     return runtime, header
 
 
