@@ -920,20 +920,25 @@ def _cpu_builder() -> Callable:
                              "yet") from None
 
 
-def _shared_cpu_codegen(builder: Callable) -> tuple[Callable, Callable] | None:
-    """``(prepare, compile)`` of the stock cpu codegen when ``builder`` is its
-    ``build_cpu_library``, else None (a builder of the caller's compiles each rank itself)."""
-    mod = importlib.import_module("shardflow.compiler.codegen")
-    if builder is not getattr(mod, "build_cpu_library", None):
+def _shared_codegen(builder: Callable, target: str) -> tuple[Callable, Callable] | None:
+    """``(prepare, compile)`` of the stock codegen of ``target`` when ``builder`` is its
+    ``build_cpu_library`` or ``build_cuda_library``, else None (a builder of the caller's compiles
+    each rank itself)."""
+    name = "shardflow.compiler.codegen" + (".cuda" if target == "cuda" else "")
+    try:
+        mod = importlib.import_module(name)
+    except ImportError:
         return None
-    return mod.prepare_cpu_library, mod.compile_cpu_sources
+    if builder is not getattr(mod, f"build_{target}_library", None):
+        return None
+    return getattr(mod, f"prepare_{target}_library"), getattr(mod, f"compile_{target}_sources")
 
 
 def _compile_shared_libraries(compile_sources: Callable, sources: list, kernels_name: str) -> None:
-    """Compile the ranks' kernel sources (``[(rank dir, source)]``) into one library per distinct
-    header (one for all the ranks unless only some use the float8 helpers), written to the first
-    rank dir of the group and copied to the others: each rank dir stays whole on its own, and a
-    kernel that all ranks share is compiled once, not once per rank."""
+    """Compile the ranks' kernel sources (``[(rank dir, source)]``) into one library (or cubin) per
+    distinct header (one for all the ranks unless only some use the float8 helpers), written to
+    the first rank dir of the group and copied to the others: each rank dir stays whole on its own,
+    and a kernel that all ranks share is compiled once, not once per rank."""
     groups: dict[str, list] = {}
     for rdir, source in sources:
         groups.setdefault(source.header, []).append((rdir, source))
@@ -1269,8 +1274,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     if opt.winograd and not winograd and opt.target == "cpu":
         log.info("memory_budget_bytes is set: 3x3 convs stay direct (Winograd's weights would exceed what the plan "
                  "counted)")
-    # the stock cpu codegen generates every rank's kernels first and compiles them into one library
-    shared = _shared_cpu_codegen(builder) if opt.target == "cpu" else None
+    # the stock codegens generate every rank's kernels first and compile them into one library (cubin)
+    shared = _shared_codegen(builder, opt.target)
     sources: list = []  # (rank dir, its kernels' source) for `shared`
     finished: list = []  # (rank dir, manifest, weights' sha256): finalized once the libraries are written
     with atomic_output_dir(out) as tmp:

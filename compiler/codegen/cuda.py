@@ -2549,8 +2549,12 @@ _SANITIZE = re.compile(r"[^A-Za-z0-9_]")
 _PLACEHOLDER = "SF_KERNEL_SYMBOL_"
 
 
-def _symbol(index: int, op: Operator) -> str:
-    return f"sf_k{index}_{_SANITIZE.sub('_', op.name)[:48]}"
+def _symbol(text: str, op: Operator) -> str:
+    """The symbol of the kernel ``text`` (written with :data:`_PLACEHOLDER` for its name), first
+    generated for ``op``: a digest of the text, so that equal kernels in different ranks' units
+    (:meth:`CudaSource.merge`) are one, and the op's name, for profilers' listings."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"sf_k{digest}_{_SANITIZE.sub('_', op.name)[:40]}"
 
 
 #: the shortest reduction the gemv template takes (shorter ones: a thread per output, serial sums)
@@ -2645,12 +2649,102 @@ def _lower_op(op: Operator, symbol: str, fp32: str = "f32", wgmma: bool = False,
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
+class CudaKernel:
+    """One kernel of a :class:`CudaSource`: its definition and what it needs before it."""
+
+    symbol: str
+    #: the definition (``extern "C" __global__ void <symbol>(...) {...}``)
+    text: str
+    #: ``// node <name> (<type>) -> <kind>``: the op it was generated for
+    comment: str
+    #: helpers that must precede it (:data:`_HELPERS`' keys), and its wgmma instruction wrapper
+    needs: tuple[str, ...] = ()
+    wrapper: tuple | None = None
+    #: the ops that launch it
+    ops: list[str] = field(default_factory=list)
+
+
+@dataclass
 class CudaSource:
-    """A generated translation unit: its text, the launches, and the source lines of each op."""
+    """A generated translation unit: its text, the launches, and the source lines of each op.
+
+    ``header`` (the prelude every kernel reads) and ``kernels`` are the parts ``text`` is made of
+    (:meth:`assemble`): :meth:`merge` joins several ranks' sources into one unit, each distinct
+    kernel once."""
 
     text: str
     launches: dict[str, KernelLaunch]
     lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+    header: str = ""
+    kernels: list[CudaKernel] = field(default_factory=list)
+    #: the architecture it was generated for (``generate_cuda_source``'s ``arch``)
+    arch: str = ""
+
+    @classmethod
+    def assemble(cls, header: str, kernels: Sequence[CudaKernel], launches: dict[str, KernelLaunch],
+                 arch: str = "") -> "CudaSource":
+        """The unit of ``kernels`` after ``header``: each helper a kernel needs is written once,
+        before the first kernel that needs it; ``lines`` gives every op of a kernel its lines."""
+        chunks = [header]
+        line = header.count("\n") + 1
+        lines: dict[str, tuple[int, int]] = {}
+        done: set = set()
+        wrappers: set = set()
+        for k in kernels:
+            pre = []
+            if k.wrapper is not None and k.wrapper not in wrappers:
+                pre.append(wgmma_helpers({k.wrapper}, common=not wrappers))
+                wrappers.add(k.wrapper)
+            for key in _HELPER_ORDER:
+                if key in k.needs and key not in done:
+                    pre.append(_helper_text(key))
+                    done.add(key)
+            text = "".join(pre) + k.comment + k.text + "\n"
+            n = text.count("\n")
+            span = (line, line + n - 1)
+            line += n
+            chunks.append(text)
+            for name in k.ops:
+                lines[name if lines.get(name, span) == span else f"{name} ({k.symbol})"] = span
+        return cls("".join(chunks), launches, lines, header, list(kernels), arch)
+
+    @classmethod
+    def merge(cls, sources: Sequence["CudaSource"]) -> "CudaSource":
+        """One unit with every kernel of ``sources`` (several ranks' units): a symbol names its
+        kernel's code (:func:`_symbol`), so a symbol in several sources is one kernel. ``launches``
+        is the union by op name (an op of the same name may take different kernels in different
+        ranks: the ranks' own launches say which). The headers must be equal (they are unless
+        some sources need the float8 helpers): ValueError otherwise."""
+        if not sources:
+            raise ValueError("no sources to merge")
+        if len(sources) == 1:
+            return sources[0]
+        kernels: dict[str, CudaKernel] = {}
+        launches: dict[str, KernelLaunch] = {}
+        for s in sources:
+            if s.header != sources[0].header or s.arch != sources[0].arch:
+                raise ValueError("the sources have different headers or architectures; compile them as separate units")
+            for k in s.kernels:
+                if k.symbol not in kernels:
+                    kernels[k.symbol] = dataclasses.replace(k, ops=list(k.ops))
+                else:
+                    kernels[k.symbol].ops.extend(n for n in k.ops if n not in kernels[k.symbol].ops)
+            launches.update(s.launches)
+        return cls.assemble(sources[0].header, list(kernels.values()), launches, sources[0].arch)
+
+
+#: Helpers some kernels share, written once per unit before the first kernel that needs them, in
+#: this order (a kernel's wgmma instruction wrappers come before them all)
+_HELPER_ORDER = ("split", "stream-k", "attention-float", "attention")
+
+
+def _helper_text(key: str) -> str:
+    if key == "split":  # the 3xTF32 split
+        return SPLIT_HELPERS
+    if key == "stream-k":  # the stream-K workspace, shared by the unit's kernels
+        return STREAM_K_WORKSPACE
+    from .cuda_attention import ATTENTION_FLOAT_HELPERS, ATTENTION_HELPERS
+    return ATTENTION_FLOAT_HELPERS if key == "attention-float" else ATTENTION_HELPERS
 
 
 def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", arch: str = "sm_80",
@@ -2695,7 +2789,9 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     -------
     CudaSource
         ``text`` (the ``.cu`` source), ``launches`` (by op name; ops with identical kernels share a
-        symbol) and ``lines`` (the 1-based line range of each op's kernel, for error messages).
+        symbol, derived from the kernel's text: equal kernels of different ranks' units have equal
+        symbols, see :meth:`CudaSource.merge`) and ``lines`` (the 1-based line range of each op's
+        kernel, for error messages).
 
     Raises
     ------
@@ -2711,13 +2807,8 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
     head = PRELUDE + (PDL_HELPER if pdl else "")
     if float8.used_by(ops):
         head += float8.prelude("__device__ __forceinline__", "__int_as_float(0x7fc00000)", "__int_as_float(0x7f800000)")
-    chunks = [head]
-    line = head.count("\n") + 1
     launches: dict[str, KernelLaunch] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    seen: dict[str, tuple[str, tuple[int, int]]] = {}  # kernel text (symbol left out) -> symbol, lines
-    wrappers: set = set()  # wgmma instruction wrappers emitted so far
-    attention_helpers = float_attention = stream_k = split = False
+    kernels: dict[str, CudaKernel] = {}  # by kernel text (symbol left out)
     for i, op in enumerate(ops):
         if not lowerable(op):
             continue
@@ -2729,39 +2820,19 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
                                              (in_place or {}).get(op.name), wgmma_fp32, sms, pdl)
         except CudaCodegenError as exc:
             raise CudaCodegenError(f"cannot lower node {op.name} ({op.op_type}) to CUDA: {exc}") from None
-        if src in seen:  # same shapes and attributes as an earlier op (repeated layers): share its kernel
-            symbol, span = seen[src]
-            launches[op.name] = dataclasses.replace(launch, symbol=symbol)
-            spans[op.name] = span
-            continue
-        symbol = _symbol(i, op)
-        header = f"// node {re.sub(r'[^ -~]', '?', op.name)} ({op.op_type}) -> {launch.kind}\n"
-        if launch.kind.startswith("attention") and not attention_helpers:
-            from .cuda_attention import ATTENTION_HELPERS
-            header = ATTENTION_HELPERS + header
-            attention_helpers = True
-        if launch.kind in ("attention-tf32", "attention-f32") and not float_attention:  # their TF32 conversions
-            from .cuda_attention import ATTENTION_FLOAT_HELPERS
-            header = ATTENTION_FLOAT_HELPERS + header
-            float_attention = True
-        if "sf_sk_ws" in src and not stream_k:  # the stream-K workspace, shared by the unit's kernels
-            header = STREAM_K_WORKSPACE + header
-            stream_k = True
-        if "sf_split4(" in src and not split:  # the 3xTF32 split, before its first use
-            header = SPLIT_HELPERS + header
-            split = True
-        if wrapper is not None and wrapper not in wrappers:  # helpers before their first use
-            header = wgmma_helpers({wrapper}, common=not wrappers) + header
-            wrappers.add(wrapper)
-        text = header + (_with_pdl_entry(src) if pdl else src).replace(_PLACEHOLDER, symbol) + "\n"
-        n = text.count("\n")
-        span = (line, line + n - 1)
-        line += n
-        chunks.append(text)
-        seen[src] = (symbol, span)
-        spans[op.name] = span
-        launches[op.name] = dataclasses.replace(launch, symbol=symbol)
-    return CudaSource("".join(chunks), launches, spans)
+        src = _with_pdl_entry(src) if pdl else src
+        k = kernels.get(src)
+        if k is None:  # else the same shapes and attributes as an earlier op (repeated layers): its kernel
+            needs = tuple(key for key, used in (
+                ("attention", launch.kind.startswith("attention")),
+                ("attention-float", launch.kind in ("attention-tf32", "attention-f32")),
+                ("stream-k", "sf_sk_ws" in src), ("split", "sf_split4(" in src)) if used)
+            symbol = _symbol(src, op)
+            comment = f"// node {re.sub(r'[^ -~]', '?', op.name)} ({op.op_type}) -> {launch.kind}\n"
+            k = kernels[src] = CudaKernel(symbol, src.replace(_PLACEHOLDER, symbol), comment, needs, wrapper)
+        k.ops.append(op.name)
+        launches[op.name] = dataclasses.replace(launch, symbol=k.symbol)
+    return CudaSource.assemble(head, list(kernels.values()), launches, arch)
 
 
 #: :data:`PDL_ENTER` (``.cuda_wgmma``'s), the first statement of every kernel of a program compiled
@@ -3048,62 +3119,102 @@ def build_cuda_library(ops: Sequence[Operator], path: str, *, arch: str = "sm_90
     CompileError
         if compilation fails; its ``ops`` (and message) name the ops whose kernels failed.
     """
-    if compiler not in ("auto", "nvcc", "nvrtc"):
-        raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
-    _arch_flags(arch)
     t0 = time.perf_counter()
+    launches, src = prepare_cuda_library(ops, arch=arch, cache_dir=cache_dir, compiler=compiler, precision=precision,
+                                         fuse=fuse, keep=keep, gemm_configs=gemm_configs,
+                                         search_space=search_space, views=views, gemm_tiles=gemm_tiles, pdl=pdl,
+                                         wgmma_fp32=wgmma_fp32, in_place=in_place, sms=sms)
+    compile_cuda_sources([src], path, cache_dir=cache_dir, compiler=compiler, source_seconds=time.perf_counter() - t0)
+    return launches
+
+
+def prepare_cuda_library(ops: Sequence[Operator], *, arch: str = "sm_90", cache_dir: str | None = None,
+                         compiler: str = "auto", precision: str = "float32", fuse: bool = False,
+                         keep: Sequence[str] = (), gemm_configs: dict[str, str] | None = None,
+                         search_space: int = 1, views: Sequence[str] = (),
+                         gemm_tiles: dict[str, str] | None = None, pdl: bool = False, wgmma_fp32: bool = False,
+                         in_place: dict[str, str] | None = None,
+                         sms: int = PERSISTENT_SMS) -> tuple[dict[str, KernelLaunch | None], CudaSource]:
+    """The kernels of ``ops`` as CUDA, not compiled yet: what :func:`build_cuda_library` returns,
+    and the unit :func:`compile_cuda_sources` compiles (alone, or merged with other ranks' units).
+    The parameters are :func:`build_cuda_library`'s (``cache_dir`` and ``compiler`` serve the
+    tuner's candidate kernels, ``search_space`` 2)."""
+    _check_compiler(compiler)
+    _arch_flags(arch)
     ops = kernel_groups(ops, arch, fuse=fuse, keep=keep, views=views)
     from .fusion import aliased_inputs
     aliased = aliased_inputs(ops, in_place)
-    nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
-    if compiler == "nvcc" and nvcc is None:
-        raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
-    cache = cache_dir or default_cache_dir()
-
-    def tool_of(target: str) -> str:  # what, besides the source, a cached cubin depends on
-        if nvcc is not None:
-            return " ".join(cuda_compile_command(target, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
-        try:
-            return f"nvrtc {target}\n" + _nvrtc_version()
-        except ImportError:
-            raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
-                                 "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
-
-    def compile_unit(s: CudaSource) -> tuple[bytes, bool]:
-        """The cubin of ``s`` from the kernel cache, else compiled and cached; and whether it was a hit."""
-        target = compile_arch(arch, s)
-        key = hashlib.sha256((s.text + "\0" + tool_of(target)).encode()).hexdigest()
-        cached = os.path.join(cache, key[:2], key + ".cubin")
-        if os.path.exists(cached):
-            with open(cached, "rb") as f:
-                return f.read(), True
-        data = _compile_nvcc(nvcc, s, target) if nvcc is not None else _compile_nvrtc(s, target)
-        try:
-            _atomic_write(cached, data)
-        except OSError as exc:  # a read-only cache must not fail the build
-            log.warning("cannot write the kernel cache %s: %s", cached, exc)
-        return data, False
-
     matched = _match_tiles(ops, gemm_tiles or {})
     forced = {name: gemm_tiles[pattern] for pattern, names in matched.items() for name in names}
     tuned = {}
     if search_space >= 2 and arch in WGMMA_ARCHS:
         from .tune import tune_gemms
+        cache = cache_dir or default_cache_dir()
         tuned = tune_gemms([op for op in ops if op.name not in forced], arch=arch, precision=precision,
-                           wgmma_fp32=wgmma_fp32, sms=sms,
-                           cache_dir=cache, compile_source=lambda s: compile_unit(s)[0])
+                           wgmma_fp32=wgmma_fp32, sms=sms, cache_dir=cache,
+                           compile_source=lambda s: _cached_cubin(s, arch, cache, compiler)[0])
     src = generate_cuda_source(ops, precision, arch, {**tuned, **forced, **(gemm_configs or {})}, pdl=pdl,
                                wgmma_fp32=wgmma_fp32, in_place=aliased, sms=sms)
     for pattern, names in matched.items():
         if not any(src.launches[n].kind.startswith("gemm-wgmma") for n in names if n in src.launches):
             log.warning("gemm_tiles: pattern %r names no GEMM kernel of this program (wgmma)", pattern)
-    t1 = time.perf_counter()
-    data, hit = compile_unit(src)
-    _atomic_write(path, data)
-    log.info("cuda library %s (%s): %d ops, %d kernels, source %.2f s, %s %.2f s", path, compile_arch(arch, src),
-             len(src.launches),
-             len({launch.symbol for launch in src.launches.values()}), t1 - t0, "cache hit" if hit else "compile",
-             time.perf_counter() - t1)
     if fuse:
-        return {m.name: None for op in ops for m in getattr(op, "members", [])[:-1]} | dict(src.launches)
-    return dict(src.launches)
+        return {m.name: None for op in ops for m in getattr(op, "members", [])[:-1]} | dict(src.launches), src
+    return dict(src.launches), src
+
+
+def compile_cuda_sources(sources: Sequence[CudaSource], path: str, *, cache_dir: str | None = None,
+                         compiler: str = "auto", source_seconds: float | None = None) -> bool:
+    """Compile one cubin ``path`` with the kernels of every unit in ``sources`` (from
+    :func:`prepare_cuda_library`, for one architecture; their headers must be equal, see
+    :meth:`CudaSource.merge`), through the kernel cache. The ranks of a plan mostly run the same
+    kernels: one cubin for all of them compiles each distinct kernel once, where a cubin per rank
+    compiled them all again whenever one kernel differed (a slice at the rank's offset). Returns
+    True on a cache hit."""
+    _check_compiler(compiler)
+    archs = sorted({s.arch for s in sources})
+    if len(archs) != 1:
+        raise ValueError(f"the units are for different architectures {archs}; compile them apart")
+    t1 = time.perf_counter()
+    src = CudaSource.merge(sources)
+    data, hit = _cached_cubin(src, archs[0], cache_dir or default_cache_dir(), compiler)
+    _atomic_write(path, data)
+    log.info("cuda library %s (%s): %d ops, %d kernels%s%s, %s %.2f s", path, compile_arch(archs[0], src),
+             len(src.launches), len(src.kernels), f" (of {len(sources)} units)" if len(sources) > 1 else "",
+             f", source {source_seconds:.2f} s" if source_seconds is not None else "",
+             "cache hit" if hit else "compile", time.perf_counter() - t1)
+    return hit
+
+
+def _check_compiler(compiler: str) -> None:
+    if compiler not in ("auto", "nvcc", "nvrtc"):
+        raise CudaCodegenError(f"compiler must be 'auto', 'nvcc' or 'nvrtc', not {compiler!r}")
+
+
+def _cached_cubin(src: CudaSource, arch: str, cache: str, compiler: str) -> tuple[bytes, bool]:
+    """The cubin of ``src`` for ``arch`` from the kernel cache ``cache``, else compiled (by
+    ``compiler``, see :func:`build_cuda_library`) and cached; and whether it was a hit. Entries are
+    keyed by the text, the compile command and the compiler's version."""
+    nvcc = _find_nvcc() if compiler in ("auto", "nvcc") else None
+    if compiler == "nvcc" and nvcc is None:
+        raise ToolchainError("nvcc was not found (set SHARDFLOW_NVCC or CUDA_HOME, or use compiler='nvrtc')")
+    target = compile_arch(arch, src)
+    if nvcc is not None:
+        tool = " ".join(cuda_compile_command(target, "SRC", "OUT", "nvcc")) + "\n" + _nvcc_version(nvcc)
+    else:
+        try:
+            tool = f"nvrtc {target}\n" + _nvrtc_version()
+        except ImportError:
+            raise ToolchainError("neither nvcc nor NVRTC (through cupy) is available to compile CUDA kernels; "
+                                 "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
+    key = hashlib.sha256((src.text + "\0" + tool).encode()).hexdigest()
+    cached = os.path.join(cache, key[:2], key + ".cubin")
+    if os.path.exists(cached):
+        with open(cached, "rb") as f:
+            return f.read(), True
+    data = _compile_nvcc(nvcc, src, target) if nvcc is not None else _compile_nvrtc(src, target)
+    try:
+        _atomic_write(cached, data)
+    except OSError as exc:  # a read-only cache must not fail the build
+        log.warning("cannot write the kernel cache %s: %s", cached, exc)
+    return data, False

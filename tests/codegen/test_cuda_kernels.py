@@ -357,6 +357,70 @@ def test_compiler_errors_name_the_op(tmp_path, monkeypatch):
     assert not (tmp_path / "k.cubin").exists()
 
 
+def _rank_units(pdl=False):
+    """Two ranks' units for sm_90 that share a kernel, differ in others, and each need the same
+    helpers: float16 and bfloat16 products on the wgmma template (instruction wrappers), float32
+    ones on it (the 3xTF32 split) and fused attentions."""
+    def mm(name, M, N, K, dt):  # (float32 ones take the template with both operands K-major)
+        if dt == "float32":
+            return Gemm([Tensor(f"{name}_a", (M, K), dt), Tensor(f"{name}_b", (N, K), dt)], name=name, trans_b=True)
+        return MatMul([Tensor(f"{name}_a", (M, K), dt), Tensor(f"{name}_b", (K, N), dt)], name=name)
+
+    att = {c[0]: c[1] for c in LOWERED if c[0] in ("linalg.Attention.49", "linalg.Attention.50")}
+    a = [mm("qkv", 256, 384, 512, "float16"), att["linalg.Attention.49"], mm("f32", 128, 64, 64, "float32")]
+    b = [mm("qkv", 256, 384, 512, "float16"), mm("bf", 128, 128, 64, "bfloat16"), att["linalg.Attention.50"],
+         mm("f32", 128, 128, 64, "float32")]
+    return [cg.generate_cuda_source(ops, arch="sm_90", wgmma_fp32=True, pdl=pdl) for ops in (a, b)]
+
+
+def test_ranks_units_merge_into_one_with_each_kernel_and_helper_once():
+    """The driver compiles the ranks' units as one (compile_cuda_sources): a kernel of several
+    ranks is written once (its symbol is a digest of its text), every helper once, before the
+    first kernel that needs it; an op of one name with different kernels keeps both."""
+    a, b = _rank_units()
+    assert a.launches["qkv"].symbol == b.launches["qkv"].symbol  # the same code, the same symbol
+    assert a.launches["f32"].symbol != b.launches["f32"].symbol  # (the same name, other shapes)
+    m = cg.CudaSource.merge([a, b])
+    symbols = {k.symbol for k in m.kernels}
+    assert symbols == {launch.symbol for s in (a, b) for launch in s.launches.values()} and len(symbols) == 6
+    for sym in symbols:
+        assert m.text.count(f" {sym}(") == 1, sym
+    for key in ("split", "attention"):
+        assert any(key in k.needs for k in a.kernels) and any(key in k.needs for k in b.kernels), key
+        assert m.text.count(cg._helper_text(key)) == 1, key
+    wrappers = {k.wrapper for k in m.kernels if k.wrapper is not None}
+    assert len(wrappers) >= 2  # (the float16 product's and the bfloat16 one's)
+    common = cg.wgmma_helpers(set(), common=True)
+    assert m.text.count(common) == 1 and m.text.index(common) < m.text.index(cg.wgmma_helpers(wrappers, False)[:200])
+    for w in wrappers:
+        assert m.text.count(cg.wgmma_helpers({w}, common=False)) == 1
+    # each op's lines: the kernel of its first unit, the other's under the op and its symbol
+    first, last = m.lines["f32"]
+    assert a.launches["f32"].symbol in "".join(m.text.splitlines(True)[first - 1:last])
+    assert f"f32 ({b.launches['f32'].symbol})" in m.lines
+    assert cg.CudaSource.merge([a]) is a
+    pdl, _ = _rank_units(pdl=True)
+    with pytest.raises(ValueError, match="different headers"):
+        cg.CudaSource.merge([a, pdl])
+    with pytest.raises(ValueError, match="different architectures"):
+        cg.compile_cuda_sources([a, cg.generate_cuda_source([c[1] for c in LOWERED[:2]], arch="sm_80")], "never")
+
+
+@needs_nvcc
+def test_merged_units_compile_once_into_a_cubin_with_every_symbol(tmp_path, monkeypatch):
+    a, b = _rank_units()
+    runs = []
+    real = cg._compile_nvcc
+    monkeypatch.setattr(cg, "_compile_nvcc", lambda *args: runs.append(args) or real(*args))
+    path = tmp_path / "k.cubin"
+    assert not cg.compile_cuda_sources([a, b], str(path), cache_dir=str(tmp_path / "c"))
+    assert len(runs) == 1 and runs[0][2] == "sm_90a"
+    data = path.read_bytes()
+    for s in (a, b):
+        for launch in s.launches.values():
+            assert launch.symbol.encode() in data
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: run every kernel and compare with numpy
 # ----------------------------------------------------------------------------------------------

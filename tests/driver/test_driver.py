@@ -484,15 +484,10 @@ def test_steps_at_load_on_two_ranks(tmp_path):
                 np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-3, err_msg=f"rank {r} {name}")
 
 
-def test_the_ranks_kernels_are_compiled_once_into_one_library(tmp_path, monkeypatch):
-    """A data-parallel plan slices the replicated input at each rank's offset, in a kernel of its own
-    per rank (the rest are the same code): the ranks' kernels are compiled together, once, into one
-    library that every rank dir holds (it used to be one compile per rank, each compiling the
-    shared kernels again), and each rank runs its own symbols from it."""
+def _tanh_matmul(tmp_path):
+    """A Tanh and a MatMul by a weight, ``[4, 8] @ [8, 6]``: ``(path, x, w)``."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-
-    import shardflow.compiler.codegen as codegen
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 6)).astype(np.float32)
@@ -502,22 +497,68 @@ def test_the_ranks_kernels_are_compiled_once_into_one_library(tmp_path, monkeypa
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 6])],
                               [numpy_helper.from_array(w, "w")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    return tmp_path / "m.onnx", x, w
+
+
+def _kernel_symbols(out, world):
+    """Each rank's kernel symbols (program.json's steps)."""
+    return [{s["symbol"] for s in json.loads((out / f"rank{r}" / "program.json").read_text())["steps"]
+             if s["kind"] == "kernel"} for r in range(world)]
+
+
+def test_the_ranks_kernels_are_compiled_once_into_one_library(tmp_path, monkeypatch):
+    """A data-parallel plan slices the replicated input at each rank's offset, in a kernel of its own
+    per rank (the rest are the same code): the ranks' kernels are compiled together, once, into one
+    library that every rank dir holds (it used to be one compile per rank, each compiling the
+    shared kernels again), and each rank runs its own symbols from it."""
+    import shardflow.compiler.codegen as codegen
+
+    model, x, w = _tanh_matmul(tmp_path)
     builds = []
     real = codegen.build_shared_library
     monkeypatch.setattr(codegen, "build_shared_library", lambda source, path, **kw: builds.append(path) or
                         real(source, path, **kw))
     out = tmp_path / "out"
-    compile(tmp_path / "m.onnx", distributed_config={"mesh_shape": [2], "algo": "data"},
+    compile(model, distributed_config={"mesh_shape": [2], "algo": "data"},
             optimization_config={"target": "cpu"}, out_dir=out)
     assert len(builds) == 1
-    symbols = [{s["symbol"] for s in json.loads((out / f"rank{r}" / "program.json").read_text())["steps"]
-                if s["kind"] == "kernel"} for r in range(2)]
+    symbols = _kernel_symbols(out, 2)
     assert symbols[0] != symbols[1] and symbols[0] & symbols[1]  # a kernel of each rank's own, one shared
     assert (out / "rank0" / "kernels.so").read_bytes() == (out / "rank1" / "kernels.so").read_bytes()
     got = run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run({"x": x})["y"],
                       timeout=120)
     for y in got:
         np.testing.assert_allclose(y, np.tanh(x) @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_ranks_cuda_kernels_are_compiled_once_into_one_cubin(tmp_path, monkeypatch):
+    """As for the cpu target: the ranks' CUDA units are compiled as one (nvcc once, not once per
+    rank whenever a kernel differs), each rank dir holds the cubin, and each rank's program names
+    the symbols its own unit generated (the kernel at its offset), all in the cubin."""
+    import shardflow.compiler.codegen.cuda as cuda
+
+    if cuda._find_nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    model, _, _ = _tanh_matmul(tmp_path)
+    monkeypatch.setenv("SHARDFLOW_CACHE_DIR", str(tmp_path / "cache"))  # (cold: nvcc runs)
+    runs, units = [], []
+    real_compile, real_prepare = cuda._compile_nvcc, cuda.prepare_cuda_library
+    monkeypatch.setattr(cuda, "_compile_nvcc", lambda *a: runs.append(a) or real_compile(*a))
+
+    def prepare(*a, **kw):
+        res = real_prepare(*a, **kw)
+        units.append({launch.symbol for launch in res[1].launches.values()})
+        return res
+    monkeypatch.setattr(cuda, "prepare_cuda_library", prepare)
+    out = tmp_path / "out"
+    compile(model, distributed_config={"mesh_shape": [2], "algo": "data"},
+            optimization_config={"target": "cuda"}, out_dir=out)
+    assert len(runs) == 1
+    symbols = _kernel_symbols(out, 2)
+    assert symbols == units and symbols[0] != symbols[1] and symbols[0] & symbols[1]
+    cubin = (out / "rank0" / "kernels.cubin").read_bytes()
+    assert cubin[:4] == b"\x7fELF" and (out / "rank1" / "kernels.cubin").read_bytes() == cubin
+    assert all(sym.encode() in cubin for sym in symbols[0] | symbols[1])
 
 
 def test_merged_kernel_sources_keep_each_symbol_once():
