@@ -85,6 +85,7 @@ import fnmatch
 import importlib
 import inspect
 import logging
+import math
 import os
 import platform
 import re
@@ -1146,6 +1147,11 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
 
         rg = HalfAttentionInFloat32().run(rg)
     if opt.target == "cpu":
+        # the parts of a product split for the plan (SplitProjections), one product again on this
+        # rank's shards
+        from .passes.projections import MergeProjections
+
+        rg = MergeProjections(parts_only=True).run(rg)
         # a float16/bfloat16 model's products by the float32 templates, rounded once
         from .passes.precision import WidenHalfProducts
 
@@ -1242,6 +1248,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         from .passes.fold import FoldAffineIntoConv
 
         graph = FoldAffineIntoConv().run(graph.clone() if isinstance(model, FlowGraph) else graph)
+    if math.prod(dcfg.mesh_shape) > 1:
+        # a fused QKV projection as one product per part, which the plan can split by heads
+        # (passes/projections.py; each rank's parts are merged back after the plan)
+        from .passes.projections import SplitProjections
+
+        graph = SplitProjections().run(graph.clone() if isinstance(model, FlowGraph) and not opt.fold_affine
+                                       else graph)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

@@ -31,7 +31,7 @@ import numpy as np
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, splice
 
-__all__ = ["MergeProjections"]
+__all__ = ["MergeProjections", "SplitProjections", "PART"]
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,17 @@ log = logging.getLogger(__name__)
 _HEAD_SPLIT = frozenset({"Reshape", "Transpose", "Cast", "Slice", "Squeeze", "Unsqueeze", "Flatten", "Split"})
 
 
+#: what :class:`SplitProjections` appends to a product's name, before the part's number
+PART = "#part"
+
+
 class MergeProjections(GraphPass):
-    """Merge the constant-weight MatMuls of one activation (and their constant biases)."""
+    """Merge the constant-weight MatMuls of one activation (and their constant biases).
+    ``parts_only``: only the parts :class:`SplitProjections` made of one product (the cpu
+    target's: it computes the other models' projections apart, as before)."""
+
+    def __init__(self, parts_only: bool = False):
+        self.parts_only = parts_only
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.elementwise import Binary
@@ -58,6 +67,11 @@ class MergeProjections(GraphPass):
         insert: dict[int, list[Operator]] = {}  # id(first member) -> the merged ops
         replace: dict[int, Tensor] = {}  # old output -> its slice
         for members in by_input.values():
+            if self.parts_only:  # (the parts of one product: one name before the part's number)
+                members = [m for m in members if PART in m.name]
+                members = [m for m in members if m.name.rsplit(PART, 1)[0] == members[0].name.rsplit(PART, 1)[0]]
+                if len(members) < 2:
+                    continue
             w_dtype = members[0].inputs[1].dtype
             members = [m for m in members if m.inputs[1].dtype == w_dtype and m.outputs[0].dtype == w_dtype]
             if len(members) < 2:
@@ -125,3 +139,129 @@ class MergeProjections(GraphPass):
                 b.shape != (1,) * (b.ndim - 1) + (out.shape[-1],) or add.outputs[0].shape != out.shape:
             return None
         return add, k
+
+
+class SplitProjections(GraphPass):
+    """A product of one activation by a constant weight whose result is only ever read in parts
+    (a fused QKV projection: GPT-2's ``c_attn``, Phi-3's ``qkv_proj``, GPT-BigCode's) becomes one
+    product per part, each with its columns of the weight and bias: ``split(x @ W + b)`` ->
+    ``x @ W[:, q] + b[q]``, ``x @ W[:, k] + b[k]``, ...
+
+    Run on the whole graph before the plan, when the mesh has more than one device. The sharding
+    rules split a tensor's dim into contiguous blocks; GPT-2's QKV output is ``[Q | K | V]``, so
+    its blocks over 4 ranks cut across Q, K and V, and the heads each rank needs are in other
+    ranks' blocks (an all-to-all per part, and the keys gathered whole, in every layer of
+    Megatron's plan). Apart, each part is split by heads like separate Q, K and V projections
+    (Megatron's column-parallel QKV). Each rank's parts are merged back into one product by
+    :class:`MergeProjections` after the plan.
+
+    Matched: ``MatMul(x, W)`` or ``Gemm(x, W[, c])`` (no transposed ``x``, ``alpha = beta = 1``,
+    ``c`` a bias of the columns) with ``W`` a constant ``[K, N]`` (``[N, K]`` when transposed), an
+    optional ``Add`` of a constant ``[N]`` bias, reshapes that keep the rows apart from the
+    columns (``[R, N]`` -> ``[*rows, *cols]``), and then only ``Slice`` ops that each take a
+    range of one of the column dims (the dims after it whole), disjoint, two or more. Head-major
+    layouts (GPT-NeoX's ``[heads, 3, d]``, BLOOM's) are already split by heads and do not match.
+    """
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import Binary
+        from ..ops.linalg import MatMul
+        from ..ops.transform import Reshape
+
+        consumers = graph.consumers()
+        outputs = {id(t) for t in graph.outputs}
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for op in graph.nodes:
+            found = self._match(op, consumers, outputs)
+            if found is None:
+                continue
+            w, bias, slices = found
+            x = op.inputs[0]
+            new_ops: list[Operator] = []
+            for k, (sl, lo, hi) in enumerate(slices):
+                name = f"{op.name}{PART}{k}"
+                mm = MatMul([x, const_tensor(np.ascontiguousarray(w[:, lo:hi]), f"{name}.w")], name=name)
+                new_ops.append(mm)
+                y = mm.outputs[0]
+                if bias is not None:
+                    add = Binary([y, const_tensor(np.ascontiguousarray(bias[lo:hi]), f"{name}.b")],
+                                 name=f"{name}.bias", fn="add")
+                    new_ops.append(add)
+                    y = add.outputs[0]
+                if y.shape != sl.outputs[0].shape:
+                    rs = Reshape([y], name=f"{name}.reshape", shape=sl.outputs[0].shape)
+                    new_ops.append(rs)
+                    y = rs.outputs[0]
+                replace[id(sl.outputs[0])] = y
+            insert[id(op)] = new_ops
+        if insert:
+            log.info("projections: %d products read in parts split into their parts", len(insert))
+        return splice(graph, insert, replace)
+
+    @staticmethod
+    def _match(op: Operator, consumers, outputs):
+        """``(W [K, N], bias [N] or None, [(slice, first column, end column)])`` of a product read
+        in column parts, else None."""
+        if op.op_type not in ("MatMul", "Gemm") or len(op.inputs) < 2 or op.inputs[0].is_constant \
+                or not op.inputs[1].is_constant or op.inputs[1].ndim != 2 or op.inputs[0].ndim < 2 \
+                or len(consumers.get(id(op.inputs[1]), [])) != 1:  # (a weight read elsewhere too: kept whole)
+            return None
+        w = np.asarray(op.inputs[1].value)
+        bias = None
+        if op.op_type == "Gemm":
+            a = op.attrs
+            if a.get("trans_a", False) or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
+                return None
+            w = w.T if a.get("trans_b", False) else w
+            if len(op.inputs) > 2:
+                c = op.inputs[2]
+                if not c.is_constant or c.size != w.shape[1] or c.shape[-1] != w.shape[1]:
+                    return None
+                bias = np.asarray(c.value).reshape(-1)
+        elif len(op.inputs) != 2:
+            return None
+        y = op.outputs[0]
+        N = y.shape[-1]
+        rows = int(np.prod(y.shape[:-1], dtype=np.int64))
+        t = y
+        while True:  # past a bias and reshapes, to the tensor read in parts
+            readers = consumers.get(id(t), [])
+            if id(t) in outputs or not readers:
+                return None
+            r = readers[0]
+            if len(readers) == 1 and r.op_type == "Binary" and r.attrs.get("fn") == "add" and bias is None \
+                    and t is y and len(r.inputs) == 2 and r.outputs[0].shape == y.shape:
+                b = r.inputs[1] if r.inputs[0] is t else r.inputs[0]
+                if b is t or not b.is_constant or b.size != N or b.shape[-1] != N or b.dtype != y.dtype:
+                    return None
+                bias = np.asarray(b.value).reshape(-1)
+                t = r.outputs[0]
+                continue
+            if len(readers) == 1 and r.op_type == "Reshape":
+                t = r.outputs[0]
+                continue
+            break
+        if len(readers) < 2 or any(r.op_type != "Slice" for r in readers):
+            return None
+        lead = 0  # the dims of t that hold y's rows
+        while lead < t.ndim and int(np.prod(t.shape[:lead], dtype=np.int64)) < rows:
+            lead += 1
+        if int(np.prod(t.shape[:lead], dtype=np.int64)) != rows or int(np.prod(t.shape[lead:], dtype=np.int64)) != N:
+            return None
+        parts = []
+        for sl in readers:
+            a = sl.attrs
+            cut = [d for d in range(t.ndim) if a["starts"][d] != 0 or a["sizes"][d] != t.shape[d]]
+            if len(cut) != 1 or cut[0] < lead or any(st != 1 for st in a["steps"]):
+                return None
+            d = cut[0]
+            inner = int(np.prod(t.shape[d + 1:], dtype=np.int64))
+            outer = int(np.prod(t.shape[lead:d], dtype=np.int64))
+            if outer != 1:  # (a range of a dim inside the columns: columns apart)
+                return None
+            parts.append((sl, a["starts"][d] * inner, (a["starts"][d] + a["sizes"][d]) * inner))
+        spans = sorted((lo, hi) for _, lo, hi in parts)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])) or any(hi <= lo for lo, hi in spans):
+            return None
+        return w, bias, parts

@@ -571,3 +571,33 @@ def test_merged_kernel_sources_keep_each_symbol_once():
     assert "k3" in m.text and m.text.count("k2") == 1
     with pytest.raises(ValueError, match="different headers"):
         CpuSource.merge([a, CpuSource("another head")])
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_a_fused_qkv_product_is_split_by_heads_on_two_ranks(tmp_path, target):
+    """GPT-2's QKV product (one Gemm read in three slices) is split into its parts before the plan
+    (passes/projections.py), so the Megatron baseline splits Q, K and V by heads: two all-reduces
+    per layer and the logits' all-gather, no all-to-all (the slices' blocks cut across Q, K and V
+    before). Each rank computes its parts in one product again, with the bias in it: on cpu a
+    PackedMatMul, on cuda one GEMM kernel."""
+    import collections
+
+    from shardflow.compiler.codegen import cuda
+
+    if target == "cuda" and cuda._find_nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
+    res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2], "algo": "megatron"},
+                  optimization_config={"target": target}, out_dir=tmp_path / "o",
+                  input_shapes={k: list(v.shape) for k, v in feeds.items()})
+    kinds = collections.Counter(c.kind for c in res.plan.collectives)
+    assert kinds == {"all_reduce": 4, "all_gather": 1}, kinds
+    for r in range(2):
+        steps = json.loads((res.out_dir / f"rank{r}" / "program.json").read_text())["steps"]
+        qkv = [s for s in steps if s["kind"] == "kernel" and "c_attn/Gemm#part0.merged" in s["node"]]
+        assert len(qkv) == 2, [s["node"] for s in qkv]  # (one per layer)
+        if target == "cpu":
+            assert all(s["op_type"] == "PackedMatMul" and len(s["inputs"]) == 3 for s in qkv)
+            assert not any(s["node"].endswith("merged_bias") for s in steps)
+        else:  # (the bias Add's kernel: the GEMM with it as its epilogue)
+            assert all(s["node"].endswith("merged_bias") and s["launch"]["kind"].startswith("gemm") for s in qkv)

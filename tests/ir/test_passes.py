@@ -309,3 +309,97 @@ def test_merge_projections_of_one_activation(model, merged):
         assert sum(op.name.endswith(".merged_bias") for op in g.nodes) == merged
     if model.startswith("llama"):
         assert sum("gate_proj" in op.name or "up_proj" in op.name for op in g.nodes if op.op_type == "MatMul") == 4
+
+
+@pytest.mark.parametrize("model", ["gpt2_ts17", "gpt2_dynamo18", "neox_ts17"])
+def test_split_projections_of_a_product_read_in_parts(model):
+    """GPT-2's QKV product, read in three parts (``[Q | K | V]``), becomes one product per part
+    with the same values (both exports: a Gemm with its bias, then a reshape); MergeProjections
+    with ``parts_only`` merges them back into one. GPT-NeoX's QKV output is head-major
+    (``[heads, 3, d]``): each part is a range inside every head, not a range of columns, and it
+    stays one product."""
+    from shardflow.compiler.passes.projections import PART, MergeProjections, SplitProjections
+
+    models = os.path.join(os.path.dirname(__file__), "..", "models")
+    feeds = dict(np.load(os.path.join(models, f"{model.rsplit('_', 1)[0]}_inputs.npz")))
+    g = load_onnx(os.path.join(models, f"{model}.onnx"))
+    products = [op.name for op in g.nodes if op.op_type in ("MatMul", "Gemm")]
+    g, before, after = run_pass(g, SplitProjections().run, feeds)
+    for k in before:  # (numpy's BLAS may block the narrower products differently)
+        np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
+    parts = [op for op in g.nodes if PART in op.name]
+    if model.startswith("neox"):
+        assert not parts and [op.name for op in g.nodes if op.op_type in ("MatMul", "Gemm")] == products
+        return
+    mms = [op for op in parts if op.op_type == "MatMul"]
+    assert len(mms) == 3 * 2 and all(op.inputs[1].shape == (64, 64) for op in mms)  # (2 layers, hidden 64)
+    assert sum(op.name.endswith(".bias") for op in parts) == (6 if model.endswith("ts17") else 0)
+    assert len([op for op in g.nodes if op.op_type in ("MatMul", "Gemm")]) == len(products) + 2 * 2
+    g, before, after = run_pass(g, MergeProjections(parts_only=True).run, feeds)
+    for k in before:
+        np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
+    assert len([op for op in g.nodes if op.op_type in ("MatMul", "Gemm")]) == len(products)
+    assert not [op for op in g.nodes if op.op_type == "MatMul" and PART in op.name and not op.name.endswith(".merged")]
+
+
+def test_split_projections_matches_only_disjoint_column_parts():
+    """A product is split only when it is read in two or more disjoint ranges of its columns, by
+    slices alone, with no transposed activation or scaled Gemm; a reshape may cut the columns into
+    dims (the part then a range of the outer one, GPT-BigCode's and Falcon's shape of a fused QKV)."""
+    from shardflow.compiler.ops.linalg import Gemm, MatMul
+    from shardflow.compiler.ops.transform import Reshape, Slice
+    from shardflow.compiler.passes.projections import PART, SplitProjections
+
+    rng = np.random.default_rng(5)
+    w = const_tensor(rng.standard_normal((8, 24)).astype(np.float32), "w")
+    feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32)}
+
+    def graph(ranges, prod=None, reshape=None, extra_out=False, tied=False):
+        x = Tensor("x", (2, 3, 8), "float32")
+        ops = [prod(x) if prod else MatMul([x, w], name="p")]
+        y = ops[-1].outputs[0]
+        if tied:  # (the weight read by another product too)
+            ops.append(MatMul([x, w], name="tied"))
+            tied = [ops[-1].outputs[0]]
+        if reshape:
+            ops.append(Reshape([y], name="r", shape=reshape))
+            y = ops[-1].outputs[0]
+        outs = ([y] if extra_out else []) + (tied or [])
+        for k, (d, lo, hi) in enumerate(ranges):
+            starts = [0] * y.ndim
+            sizes = list(y.shape)
+            starts[d], sizes[d] = lo, hi - lo
+            ops.append(Slice([y], name=f"s{k}", starts=tuple(starts), steps=(1,) * y.ndim, sizes=tuple(sizes)))
+            outs.append(ops[-1].outputs[0])
+        return FlowGraph([x], outs)
+
+    def split(g) -> int:
+        g, before, after = run_pass(g, SplitProjections().run, feeds)
+        for k in before:
+            np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
+        return sum(op.op_type == "MatMul" and PART in op.name for op in g.nodes)
+
+    assert split(graph([(2, 0, 16), (2, 16, 20), (2, 20, 24)])) == 3  # (unequal parts: MQA's K and V)
+    assert split(graph([(2, 0, 8), (2, 16, 24)])) == 2  # (columns 8:16 not read: not computed)
+    assert split(graph([(1, 0, 24), (1, 24, 48)], reshape=(3, 48))) == 0  # (rows and columns mixed)
+    assert split(graph([(2, 0, 4), (2, 4, 6)], reshape=(2, 3, 6, 4))) == 2  # (ranges of 4-column groups)
+    assert split(graph([(3, 0, 2), (3, 2, 3)], reshape=(2, 3, 2, 3, 4))) == 0  # (a range inside each group)
+    assert split(graph([(2, 0, 16), (2, 8, 24)])) == 0  # (overlapping)
+    assert split(graph([(2, 0, 12), (2, 12, 24)], extra_out=True)) == 0  # (read whole too)
+    assert split(graph([(2, 0, 12), (2, 12, 24)], tied=True)) == 0  # (its weight stored once, whole)
+    assert split(graph([(1, 0, 1), (1, 1, 3)])) == 0  # (rows, not columns)
+    for attrs, shape in (({"trans_a": True}, (8, 6)), ({"alpha": 2.0}, (6, 8))):
+        x2 = Tensor("x2", shape, "float32")
+        g = graph([(1, 0, 12), (1, 12, 24)], prod=lambda x: Gemm([x2, w], name="p", **attrs))
+        g.inputs = [x2]
+        assert SplitProjections().run(g) is g and not any(PART in op.name for op in g.nodes)
+    wt = const_tensor(np.ascontiguousarray(np.asarray(w.value).T), "wt")
+    c = const_tensor(rng.standard_normal(24).astype(np.float32), "c")
+    x2 = Tensor("x", (6, 8), "float32")
+    g = graph([(1, 0, 12), (1, 12, 24)], prod=lambda x: Gemm([x2, wt, c], name="p", trans_b=True))
+    g.inputs = [x2]
+    f2 = {"x": feeds["x"].reshape(6, 8)}
+    g, before, after = run_pass(g, SplitProjections().run, f2)
+    for k in before:
+        np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
+    assert sum(op.op_type == "MatMul" for op in g.nodes) == 2 and sum(op.name.endswith(".bias") for op in g.nodes) == 2
