@@ -7,10 +7,7 @@ in panels of :data:`~shardflow.compiler.ops.linalg.PANEL` (16) columns
 (:func:`~shardflow.compiler.ops.linalg.pack_panels`), so the kernel reads the panels straight from
 the weights. A MatMul ``a @ B`` or Gemm ``alpha * a @ op(B) + beta * c`` (``trans_a`` unset) on
 float32 with a constant 2-D ``B`` becomes a
-:class:`~shardflow.compiler.ops.linalg.PackedMatMul` of the same name and output; a MatMul whose
-output only an ``Add`` of a constant bias of its columns reads (BERT's projections, the parts of
-GPT-2's QKV product merged back on a rank) takes the bias too, added by the GEMM's epilogue to
-the finished sum, as the Add did, and the Add goes (its kernel was one more pass over the output).
+:class:`~shardflow.compiler.ops.linalg.PackedMatMul` of the same name and output.
 
 It runs on each rank's graph after partition (the plan sees the MatMul; the weight is packed
 shard by shard), for the cpu target only. A weight that another kind of op also reads, or that
@@ -198,24 +195,6 @@ def _winograd(op: Operator, blocked: bool) -> tuple[Tensor, int] | None:
     return (w, m) if m else None
 
 
-def _bias_add(op: Operator, consumers, outputs) -> tuple[Operator, Tensor] | None:
-    """``(add, b)`` when the MatMul ``op``'s output is read by one ``Add`` alone, of a constant
-    ``b`` of one value per column (``[N]``, or ``[1, ..., N]``) that leaves its shape as is."""
-    y = op.outputs[0]
-    readers = consumers.get(id(y), [])
-    if op.op_type != "MatMul" or id(y) in outputs or len(readers) != 1:
-        return None
-    add = readers[0]
-    if add.op_type != "Binary" or add.attrs.get("fn") != "add" or len(add.inputs) != 2 \
-            or sum(t is y for t in add.inputs) != 1 or add.outputs[0].shape != y.shape:
-        return None
-    b = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
-    if not b.is_constant or b.dtype != y.dtype or b.ndim > y.ndim or b.size != y.shape[-1] \
-            or b.shape[-1] != y.shape[-1]:
-        return None
-    return add, b
-
-
 class PrepackWeights(GraphPass):
     """Replace each float32 MatMul/Gemm with a constant 2-D weight by a PackedMatMul reading the
     weight packed in panels, each float32 1x1 Conv on small images and each wider window
@@ -318,22 +297,15 @@ class PrepackWeights(GraphPass):
             n = b.shape[0] if trans else b.shape[1]
             attrs = {"n": n}
             inputs = [op.inputs[0], packed[id(b)]]
-            out = op.outputs[0]
             if op.op_type == "Gemm":
                 attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
                 if len(op.inputs) > 2 and attrs["beta"] != 0:
                     inputs.append(op.inputs[2])
-            elif (bias := _bias_add(op, consumers, outputs)) is not None:
-                # the product's bias, added by the GEMM's epilogue: ``acc + b``, as the Add computed it
-                add, b_in = bias
-                inputs.append(b_in if b_in.ndim == 1 else const_tensor(np.asarray(b_in.value).reshape(-1),
-                                                                       f"{b_in.name}.row"))
-                out = add.outputs[0]
             # splice redirects the graph's ops, not the new ones: read the earlier replacements here
             inputs = [replace.get(id(t), t) for t in inputs]
             new = PackedMatMul(inputs, name=op.name, **attrs)
             after[id(op)] = [new]
-            replace[id(out)] = new.outputs[0]
+            replace[id(op.outputs[0])] = new.outputs[0]
         if after:
             log.debug("packed %d GEMM weights; %d ops rewritten", len(packed), len(after))
         return splice(graph, after, replace)

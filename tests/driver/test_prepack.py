@@ -76,54 +76,6 @@ def test_the_pass_rewrites_float32_contractions_with_constant_weights_and_keeps_
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
-def test_a_bias_added_to_a_packed_product_joins_its_epilogue(tmp_path):
-    """A MatMul read only by an Add of a constant bias of its columns (``[N]``, or ``[1, N]``,
-    either operand order) becomes one PackedMatMul with the bias as its ``c``; a bias of more than
-    one row, a product also read elsewhere or returned, and an activation added stay apart. The
-    compiled rank, whose program then has no Add, matches onnxruntime."""
-    rng = np.random.default_rng(2)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    x = Tensor("x", (2, 5, 40), "float32")
-    z = Tensor("z", (2, 5, 24), "float32")
-    ops, outs = [], []
-
-    def prod(name, n, bias, first=False, also_out=False):
-        mm = MatMul([x, const_tensor(f(40, n))], name=name)
-        add = Binary([bias, mm.outputs[0]] if first else [mm.outputs[0], bias], name=f"{name}.add", fn="add")
-        ops.extend([mm, add])
-        outs.extend([add.outputs[0]] + ([mm.outputs[0]] if also_out else []))
-    prod("vec", 24, const_tensor(f(24)))
-    prod("row", 24, const_tensor(f(1, 24)), first=True)
-    prod("rows", 24, const_tensor(f(5, 24)))  # (one value per row and column: not a bias of the columns)
-    prod("act", 24, z)
-    prod("returned", 24, const_tensor(f(24)), also_out=True)
-    g = FlowGraph([x, z], outs)
-    feeds = {"x": f(2, 5, 40), "z": f(2, 5, 24)}
-    want = g.run(feeds)
-    g = PrepackWeights().run(g)
-    g.validate()
-    kinds = {op.name: (op.op_type, len(op.inputs)) for op in g.nodes}
-    assert kinds == {"vec": ("PackedMatMul", 3), "row": ("PackedMatMul", 3), "rows": ("PackedMatMul", 2),
-                     "rows.add": ("Binary", 2), "act": ("PackedMatMul", 2), "act.add": ("Binary", 2),
-                     "returned": ("PackedMatMul", 2), "returned.add": ("Binary", 2)}, kinds
-    assert {op.name: op.inputs[2].shape for op in g.nodes if len(op.inputs) == 3} == {"vec": (24,), "row": (24,)}
-    got = g.run(feeds)
-    for k, v in want.items():
-        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
-    ort = pytest.importorskip("onnxruntime")
-    inits = [numpy_helper.from_array(f(48, 100), "w1"), numpy_helper.from_array(f(100), "b1")]
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc"), helper.make_node("Add", ["h", "b1"], ["y"])]
-    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 48])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 100])], inits)
-    path = tmp_path / "m.onnx"
-    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
-    xv = f(4, 48)
-    programs, got = _compiled_ranks(path, tmp_path / "out", [1], "ilp", xv)
-    assert [s["op_type"] for s in programs[0]["steps"] if s["kind"] == "kernel"] == ["PackedMatMul"]
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
-    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
-
-
 def test_int8_weights_are_packed_for_the_integer_gemm_with_the_same_values():
     """MatMulInteger with a constant int8/uint8 weight (and a constant or no zero point) becomes a
     PackedMatMulInteger reading the weight as the integer GEMM's panels; two readers share one copy; a
