@@ -68,6 +68,29 @@ def test_text_file(tmp_path):
         load_onnx(empty)
 
 
+def test_the_checker_sees_the_structure_of_a_model_with_weights(tmp_path):
+    """The checker runs on the model without its weights' bytes (onnx_importer._without_weights):
+    a schema violation among weighted nodes still fails it, by file too, and leaves the model as
+    it was; a weight whose bytes do not fill its shape is named by the importer."""
+    w = numpy_helper.from_array(np.ones((3, 3), np.float32), "w")
+    bad = make_model([helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                      helper.make_node("Relu", ["h", "h"], ["y"], name="relu")],
+                     [vi("x", F, [2, 3])], [vi("y", F, [2, 3])], [w])
+    before = bad.SerializeToString()
+    with pytest.raises(ModelFormatError, match="fails onnx.checker.*Relu"):
+        load_onnx(bad)
+    assert bad.SerializeToString() == before
+    (tmp_path / "bad.onnx").write_bytes(before)
+    with pytest.raises(ModelFormatError, match="bad.onnx: fails onnx.checker.*Relu"):
+        load_onnx(tmp_path / "bad.onnx")
+    good = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [vi("x", F, [2, 3])],
+                      [vi("y", F, [2, 3])], [w])
+    np.testing.assert_array_equal(load_onnx(good).run({"x": np.ones((2, 3), np.float32)})["y"], np.full((2, 3), 3.0))
+    good.graph.initializer[0].raw_data = b"\0" * 20  # (9 floats are 36 bytes)
+    with pytest.raises(ModelFormatError, match="initializer 'w' cannot be decoded"):
+        load_onnx(good)
+
+
 def test_missing_file_and_wrong_argument_type(tmp_path):
     with pytest.raises(ModelFormatError, match="nowhere.onnx: no such file"):
         load_onnx(tmp_path / "nowhere.onnx")
