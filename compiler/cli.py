@@ -290,13 +290,15 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from . import load_onnx
+    from . import driver, load_onnx
     from .parallel import search
 
     _setup_logging(False, args.verbose)
     dcfg = _distributed_config(args)
     graph = load_onnx(args.model, input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
-    plan = search(graph, dcfg)
+    from .parallel.config import DistributedConfig
+
+    plan = search(driver.plan_passes(graph, DistributedConfig.from_dict(dcfg).mesh_shape), dcfg)
     if args.out:
         plan.save(args.out)
     sys.stdout.write(plan.to_text())

@@ -1076,6 +1076,24 @@ def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
             for axes in sorted(axis_sets, key=lambda a: (len(a), a))}
 
 
+def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: bool = True) -> FlowGraph:
+    """The passes the whole graph takes before the plan (what :func:`compile` runs, and ``shardflow
+    plan``, so that a plan it saves names the ops ``compile`` plans): affine ops folded into convs
+    (``fold_affine``, passes/fold.py), and on a mesh of more than one device the fused QKV products
+    split into their parts, which the plan can split by heads (passes/projections.py; each rank's
+    parts are merged back by :func:`rank_passes`). Rewrites ``graph``."""
+    if fold_affine:
+        # BatchNorms and per-channel scales and shifts after convs become the convs' weights
+        from .passes.fold import FoldAffineIntoConv
+
+        graph = FoldAffineIntoConv().run(graph)
+    if math.prod(mesh_shape) > 1:
+        from .passes.projections import SplitProjections
+
+        graph = SplitProjections().run(graph)
+    return graph
+
+
 def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True,
                 repack: bool = True) -> FlowGraph:
     """The passes one rank's graph takes after the plan, before its kernels are generated, for
@@ -1243,18 +1261,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu")
-    if opt.fold_affine:
-        # BatchNorms and per-channel scales and shifts after convs become the convs' weights (passes/fold.py)
-        from .passes.fold import FoldAffineIntoConv
-
-        graph = FoldAffineIntoConv().run(graph.clone() if isinstance(model, FlowGraph) else graph)
-    if math.prod(dcfg.mesh_shape) > 1:
-        # a fused QKV projection as one product per part, which the plan can split by heads
-        # (passes/projections.py; each rank's parts are merged back after the plan)
-        from .passes.projections import SplitProjections
-
-        graph = SplitProjections().run(graph.clone() if isinstance(model, FlowGraph) and not opt.fold_affine
-                                       else graph)
+    graph = plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
+                        fold_affine=opt.fold_affine)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

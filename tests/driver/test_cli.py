@@ -78,6 +78,20 @@ def test_plan_prints_plan_txt(tmp_path):
     assert out.returncode == 0 and "(device cpu: 2 TFLOP/s, 200 GB/s)" in out.stdout.splitlines()[1], out.stderr
 
 
+def test_a_saved_plan_names_the_ops_compile_plans(tmp_path):
+    """`shardflow plan` runs compile's passes before the plan (driver.plan_passes): GPT-2's fused
+    QKV product in its parts on two ranks, so the plan it saves loads in compile (preload_plan)."""
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2", "--algo", "megatron", "-o", tmp_path / "p")
+    assert out.returncode == 0, out.stderr
+    assert "c_attn/Gemm#part2" in out.stdout and "all_to_all" not in out.stdout
+    res = driver.compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2],
+                                                                        "preload_plan": str(tmp_path / "p")},
+                         optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    steps = json.loads((res.out_dir / "rank0" / "program.json").read_text())["steps"]
+    kinds = [st["node"].rsplit("/", 1)[-1] for st in steps if st["kind"] == "collective"]
+    assert sum(k.startswith("all_reduce") for k in kinds) == 4 and not any("all_to_all" in k for k in kinds), kinds
+
+
 def test_compile_errors_are_reported(tmp_path):
     out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--mesh", "2y2")
     assert out.returncode == 2 and "--mesh '2y2'" in out.stderr
