@@ -2657,7 +2657,7 @@ class CudaKernel:
     text: str
     #: ``// node <name> (<type>) -> <kind>``: the op it was generated for
     comment: str
-    #: helpers that must precede it (:data:`_HELPERS`' keys), and its wgmma instruction wrapper
+    #: helpers that must precede it (:data:`_HELPER_ORDER`'s keys), and its wgmma instruction wrapper
     needs: tuple[str, ...] = ()
     wrapper: tuple | None = None
     #: the ops that launch it
@@ -2713,17 +2713,20 @@ class CudaSource:
         """One unit with every kernel of ``sources`` (several ranks' units): a symbol names its
         kernel's code (:func:`_symbol`), so a symbol in several sources is one kernel. ``launches``
         is the union by op name (an op of the same name may take different kernels in different
-        ranks: the ranks' own launches say which). The headers must be equal (they are unless
-        some sources need the float8 helpers): ValueError otherwise."""
+        ranks: the ranks' own launches say which). The architectures and headers must be equal
+        (the headers are unless some sources need the float8 helpers): ValueError otherwise."""
         if not sources:
             raise ValueError("no sources to merge")
         if len(sources) == 1:
             return sources[0]
         kernels: dict[str, CudaKernel] = {}
         launches: dict[str, KernelLaunch] = {}
+        archs = sorted({s.arch for s in sources})
+        if len(archs) != 1:
+            raise ValueError(f"the units are for different architectures {archs}; compile them apart")
         for s in sources:
-            if s.header != sources[0].header or s.arch != sources[0].arch:
-                raise ValueError("the sources have different headers or architectures; compile them as separate units")
+            if s.header != sources[0].header:
+                raise ValueError("the sources have different headers; compile them as separate units")
             for k in s.kernels:
                 if k.symbol not in kernels:
                     kernels[k.symbol] = dataclasses.replace(k, ops=list(k.ops))
@@ -2809,7 +2812,7 @@ def generate_cuda_source(ops: Sequence[Operator], precision: str = "float32", ar
         head += float8.prelude("__device__ __forceinline__", "__int_as_float(0x7fc00000)", "__int_as_float(0x7f800000)")
     launches: dict[str, KernelLaunch] = {}
     kernels: dict[str, CudaKernel] = {}  # by kernel text (symbol left out)
-    for i, op in enumerate(ops):
+    for op in ops:
         if not lowerable(op):
             continue
         if op.name in launches:
@@ -3172,14 +3175,11 @@ def compile_cuda_sources(sources: Sequence[CudaSource], path: str, *, cache_dir:
     compiled them all again whenever one kernel differed (a slice at the rank's offset). Returns
     True on a cache hit."""
     _check_compiler(compiler)
-    archs = sorted({s.arch for s in sources})
-    if len(archs) != 1:
-        raise ValueError(f"the units are for different architectures {archs}; compile them apart")
     t1 = time.perf_counter()
     src = CudaSource.merge(sources)
-    data, hit = _cached_cubin(src, archs[0], cache_dir or default_cache_dir(), compiler)
+    data, hit = _cached_cubin(src, src.arch, cache_dir or default_cache_dir(), compiler)
     _atomic_write(path, data)
-    log.info("cuda library %s (%s): %d ops, %d kernels%s%s, %s %.2f s", path, compile_arch(archs[0], src),
+    log.info("cuda library %s (%s): %d ops, %d kernels%s%s, %s %.2f s", path, compile_arch(src.arch, src),
              len(src.launches), len(src.kernels), f" (of {len(sources)} units)" if len(sources) > 1 else "",
              f", source {source_seconds:.2f} s" if source_seconds is not None else "",
              "cache hit" if hit else "compile", time.perf_counter() - t1)

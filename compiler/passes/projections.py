@@ -225,21 +225,17 @@ class SplitProjections(GraphPass):
         N = y.shape[-1]
         rows = int(np.prod(y.shape[:-1], dtype=np.int64))
         t = y
-        while True:  # past a bias and reshapes, to the tensor read in parts
+        added = MergeProjections._bias(op, consumers, outputs) if bias is None else None
+        if added is not None:  # (a MatMul's bias, added by an op of its own)
+            add, k = added
+            bias = np.asarray(add.inputs[k].value).reshape(-1)
+            t = add.outputs[0]
+        while True:  # past reshapes, to the tensor read in parts
             readers = consumers.get(id(t), [])
             if id(t) in outputs or not readers:
                 return None
-            r = readers[0]
-            if len(readers) == 1 and r.op_type == "Binary" and r.attrs.get("fn") == "add" and bias is None \
-                    and t is y and len(r.inputs) == 2 and r.outputs[0].shape == y.shape:
-                b = r.inputs[1] if r.inputs[0] is t else r.inputs[0]
-                if b is t or not b.is_constant or b.size != N or b.shape[-1] != N or b.dtype != y.dtype:
-                    return None
-                bias = np.asarray(b.value).reshape(-1)
-                t = r.outputs[0]
-                continue
-            if len(readers) == 1 and r.op_type == "Reshape":
-                t = r.outputs[0]
+            if len(readers) == 1 and readers[0].op_type == "Reshape":
+                t = readers[0].outputs[0]
                 continue
             break
         if len(readers) < 2 or any(r.op_type != "Slice" for r in readers):
