@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import DtypeError, GraphError, ShapeError
+from ..errors import DtypeError, GraphError, ShapeError, ShardflowError
 from .evaluate import evaluate_task
 from .expr import ML_FLOATS, infer_dtype, numpy_type
 from .task import ExternCompute, GridCompute, Task, TensorInput
@@ -153,8 +153,11 @@ class Operator:
     #: :meth:`localize` when the op runs on a shard.
     shape_attrs: ClassVar[tuple[str, ...]] = ("shape", "sizes")
 
-    def localize(self, inputs: Sequence[Tensor], output_shapes: Sequence[Sequence[int]]) -> "Operator":
-        """This op on local shards ``inputs``, producing ``output_shapes`` (used by partition).
+    def localize(self, inputs: Sequence[Tensor], output_shapes: Sequence[Sequence[int]],
+                 offset: tuple[int, int, int] | None = None) -> "Operator":
+        """This op on local shards ``inputs``, producing ``output_shapes`` (used by partition);
+        ``offset = (input, dim, start)``: that dim of that input holds the rows from ``start`` on
+        (:meth:`offset_split_dims`).
 
         Raises
         ------
@@ -162,7 +165,10 @@ class Operator:
             if the op rebuilt on the shards does not produce the expected local shapes.
         """
         want = [tuple(int(d) for d in s) for s in output_shapes]
-        op = type(self)(list(inputs), name=self.name, **self.local_attrs(inputs, want))
+        attrs = self.local_attrs(inputs, want)
+        if offset is not None:
+            attrs.update(self.offset_attrs(*offset))
+        op = type(self)(list(inputs), name=self.name, **attrs)
         got = [t.shape for t in op.outputs]
         if got != want:
             raise ShapeError(f"node {self.name} ({self.op_type}) on local shards gives shapes {got}, "
@@ -180,6 +186,20 @@ class Operator:
             if isinstance(v, tuple) and len(v) == len(out):
                 attrs[a] = tuple(lo if (g != lo and x == g) else x for x, g, lo in zip(v, out, local))
         return attrs
+
+    def offset_split_dims(self) -> tuple[tuple[int, int], ...]:
+        """The ``(input, dim)`` pairs the op can run on split into row ranges: given the start of
+        a rank's rows (:meth:`offset_attrs`), an index that falls outside them reads zero, so the
+        ranks' outputs are partial sums of the whole op's (a vocab-parallel embedding). The
+        indices come from data, so no loop variable of the compute definition splits that dim.
+        Default: none."""
+        return ()
+
+    def offset_attrs(self, pos: int, dim: int, start: int) -> dict[str, Any]:
+        """The attributes that make this op, on input ``pos`` holding the rows ``start`` on of
+        its dim ``dim``, read zero outside them (see :meth:`offset_split_dims`)."""
+        raise ShardflowError(f"node {self.name} ({self.op_type}) cannot run on row ranges of input {pos} "
+                             f"dim {dim}; this is a bug in the plan")
 
     @property
     def data_dependent(self) -> str | None:

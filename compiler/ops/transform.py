@@ -19,7 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import Cast, Const, Expr, as_expr, dtype_kind, eq, if_then_else, infer_dtype, logical_and, maximum, minimum
+from ..ir.expr import (Cast, Const, Expr, as_expr, dtype_kind, eq, if_then_else, infer_dtype, logical_and, maximum,
+                       minimum, numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 from .elementwise import broadcast_read, broadcast_shape
@@ -524,19 +525,43 @@ class AffineGather(Operator):
 
 
 class Gather(Operator):
-    """``y = take(data, indices, axis)`` (negative indices count from the end)."""
+    """``y = take(data, indices, axis)`` (negative indices count from the end).
+
+    With ``start`` and ``extent`` set (:meth:`offset_attrs`), ``data`` holds the rows ``start`` to
+    ``start + data.shape[axis]`` of a table of ``extent`` rows, and an index outside them reads
+    zero: the row-split ranks' outputs add up to the whole gather (a vocab-parallel embedding)."""
 
     def compute(self, data, indices):
         axis, q, n = self.attrs["axis"], indices.ndim, data.shape[self.attrs["axis"]]
+        start, extent = self.attrs.get("start", 0), self.attrs.get("extent")
 
         def f(*i):
-            j = _wrap_index(indices[i[axis:axis + q]], n)
-            return data[i[:axis] + (j,) + i[axis + q:]]
+            if extent is None:
+                j = _wrap_index(indices[i[axis:axis + q]], n)
+                return data[i[:axis] + (j,) + i[axis + q:]]
+            j = _wrap_index(indices[i[axis:axis + q]], extent) - start
+            zero = Const(np.zeros((), numpy_type(data.dtype)).item(), data.dtype)
+            return if_then_else(logical_and(j >= 0, j < n), data[i[:axis] + (j,) + i[axis + q:]], zero)
         return compute("y", data.shape[:axis] + indices.shape + data.shape[axis + 1:], f, dtype=data.dtype)
 
     def numpy(self, data, indices):
-        axis = self.attrs["axis"]
-        return [np.take(data, _np_wrap(indices, data.shape[axis], self.name), axis=axis)]
+        axis, extent = self.attrs["axis"], self.attrs.get("extent")
+        if extent is None:
+            return [np.take(data, _np_wrap(indices, data.shape[axis], self.name), axis=axis)]
+        j = _np_wrap(indices, extent, self.name) - self.attrs["start"]
+        inside = (j >= 0) & (j < data.shape[axis])
+        y = np.take(data, np.where(inside, j, 0), axis=axis) if data.shape[axis] else \
+            np.zeros(data.shape[:axis] + j.shape + data.shape[axis + 1:], data.dtype)
+        mask = inside.reshape((1,) * axis + j.shape + (1,) * (data.ndim - axis - 1))
+        return [np.where(mask, y, np.zeros((), y.dtype))]
+
+    def offset_split_dims(self):
+        return ((0, self.attrs["axis"]),) if self.attrs.get("extent") is None else ()
+
+    def offset_attrs(self, pos, dim, start):
+        if (pos, dim) not in self.offset_split_dims():
+            return super().offset_attrs(pos, dim, start)
+        return {"start": int(start), "extent": self.inputs[0].shape[dim]}
 
 
 class GatherElements(Operator):
@@ -836,6 +861,8 @@ def examples(rng: np.random.Generator):
         (AffineGather, [x[0, 0]], {"shape": (), "coefs": ((),), "offsets": (3,)}),
         (Gather, [x, np.array([[2, -1], [0, 1]], np.int64)], {"axis": 1}),
         (Gather, [x, np.array(-2, np.int32)], {"axis": 2}),
+        # rows 2..4 of a 7-row table (a rank of a vocab-parallel embedding): 5 and -1 read zeros
+        (Gather, [x, np.array([[5, -1], [2, 3], [4, -4]], np.int64)], {"axis": 1, "start": 2, "extent": 7}),
         (GatherElements, [x, rng.integers(-3, 3, (2, 2, 4))], {"axis": 1}),
         (GatherElements, [ints, rng.integers(0, 4, (3, 2)).astype(np.int32)], {"axis": 1}),
         (GatherND, [x, np.array([[0, 2], [1, -1]], np.int64)], {"batch_dims": 0}),

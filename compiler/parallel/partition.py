@@ -8,7 +8,9 @@ the tensor in the spec its producer made; when the op needs another spec, the st
 ``AllToAll``: the same op on every rank of the group) or local ops with explicit, rank-specific
 offsets (``LocalSlice``, ``LocalPartial``). Constants are sliced at compile time so each rank
 graph holds only its shards of the weights. Ops whose attributes name their output shape
-(reshape targets) are rebuilt for the local shapes by :meth:`Operator.localize`.
+(reshape targets) are rebuilt for the local shapes by :meth:`Operator.localize`, and an op whose
+spec splits an input into row ranges (:data:`~.rules.OFFSET_ROWS`, an embedding table) learns
+there where its rows start.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from . import comm_ops
 from .connect import connect
 from .mesh import DeviceMesh
-from .placement import Partial, TensorShardSpec, chunk_bounds
+from .placement import Partial, Shard, TensorShardSpec, chunk_bounds
 from .plan import ShardingPlan
+from .rules import OFFSET_ROWS
 
 __all__ = ["partition"]
 
@@ -98,6 +101,19 @@ class _RankBuilder:
                                      src_size=dst_shape[st.tensor_dim], group_size=n, group_index=j)
         raise ShardflowError(f"partition: unknown resharding step {st.kind!r}")
 
+    def _row_offset(self, op: Operator, sp) -> tuple[int, int, int] | None:
+        """``(input, dim, start)`` of the rows this rank holds when ``sp`` splits an input of
+        ``op`` into row ranges (:data:`~.rules.OFFSET_ROWS`), else None."""
+        if OFFSET_ROWS not in sp.assignment:
+            return None
+        m = sp.assignment.index(OFFSET_ROWS)
+        for pos, dim in op.offset_split_dims():
+            if sp.input_specs[pos].placements[m] == Shard(dim):
+                start = sp.input_specs[pos].local_bounds(op.inputs[pos].shape, self.mesh, self.rank)[dim][0]
+                return pos, dim, start
+        raise ShardflowError(f"partition: op {op.name} ({op.op_type}) has no input split into row ranges "
+                             f"as its spec {sp} says; re-plan this graph")
+
     def build(self) -> FlowGraph:
         g, plan = self.graph, self.plan
         inputs = []
@@ -113,7 +129,7 @@ class _RankBuilder:
                 raise ShardflowError(f"partition: the plan has no spec for op {op.name}; re-plan this graph")
             ins = [self.get(t, s) for t, s in zip(op.inputs, sp.input_specs)]
             out_shapes = [local_shape(t.shape, s, self.mesh, self.rank) for t, s in zip(op.outputs, sp.output_specs)]
-            local_op = op.localize(ins, out_shapes)
+            local_op = op.localize(ins, out_shapes, self._row_offset(op, sp))
             self.nodes.append(local_op)
             for t, lt, s in zip(op.outputs, local_op.outputs, sp.output_specs):
                 lt.name = t.name

@@ -17,7 +17,7 @@ from ..ir.graph import FlowGraph
 from .connect import connect
 from .mesh import DeviceMesh
 from .placement import TensorShardSpec
-from .rules import PARTIAL_SUMS, OpShardSpec
+from .rules import OFFSET_ROWS, PARTIAL_SUMS, OpShardSpec
 
 if TYPE_CHECKING:
     from .search import Problem
@@ -296,7 +296,8 @@ class ShardingPlan:
         for m, v in enumerate(sp.assignment):
             axis = self.mesh.axis_names[m]
             what = ("works on partial sums (a linear op: partial inputs, partial output)" if v == PARTIAL_SUMS
-                    else f"splits loop variable {v}" if v else "work replicated")
+                    else "splits an input into row ranges read through data indices (partial output)"
+                    if v == OFFSET_ROWS else f"splits loop variable {v}" if v else "work replicated")
             lines.append(f"  mesh axis {axis} (size {self.mesh.shape[m]}): {what}")
         for k, red in enumerate(sp.reductions):
             for m, op in red:

@@ -27,7 +27,13 @@ of two row-parallel products before one all-reduce (a parallel attention + MLP b
 a bias or residual add (its replicated operand made partial by a local zeroing) to a later
 reduce-scatter.
 
-Nothing here is written per op: the same analysis covers matmul, convolution, gathers,
+A mesh axis may also split an input dim that the op reads only through indices taken from data
+(:data:`OFFSET_ROWS`): an embedding table split by rows, with no loop variable to tie the split
+to. The op must declare it can run on a range of rows (:meth:`Operator.offset_split_dims`: it
+reads zero for an index outside its rows) and its output must be linear in that input; every
+rank then holds a partial sum of the output (Megatron-LM's vocab-parallel embedding).
+
+Nothing else here is written per op: the same analysis covers matmul, convolution, gathers,
 reshapes and normalizations. Extern outputs (sorting) contribute their declared ``axis_map``.
 """
 from __future__ import annotations
@@ -43,12 +49,15 @@ from ..ir.graph import Operator
 from ..ir.task import ExternCompute, GridCompute
 from .placement import Partial, Placement, Replicate, Shard, TensorShardSpec
 
-__all__ = ["OpShardSpec", "op_strategies", "replicated_strategy", "PARTIAL_SUMS"]
+__all__ = ["OpShardSpec", "op_strategies", "replicated_strategy", "PARTIAL_SUMS", "OFFSET_ROWS"]
 
 _PARTIAL_OPS = {"sum": "sum", "max": "max", "min": "min", "mean": "avg"}
 
 #: the assignment of a mesh axis along which an op runs on partial sums (see the module's docstring)
 PARTIAL_SUMS = "partial sums"
+#: the assignment of a mesh axis that splits an input dim read through indices from data into row
+#: ranges, the output Partial(sum) along it (see the module's docstring)
+OFFSET_ROWS = "offset rows"
 
 
 @dataclass(frozen=True)
@@ -446,6 +455,34 @@ def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec
                     if key not in seen:
                         seen.add(key)
                         res.append(new)
+    return res + _offset_row_strategies(op, res, mesh_shape)
+
+
+def _offset_row_strategies(op: Operator, specs: list[OpShardSpec], mesh_shape: tuple[int, ...]) -> list[OpShardSpec]:
+    """``specs`` (those without partial sums) with one more mesh axis splitting an input dim of
+    :meth:`Operator.offset_split_dims` into row ranges, the output ``Partial(sum)`` along it."""
+    out = op.task.outputs[0]
+    res = []
+    for pos, dim in op.offset_split_dims():
+        t = op.task.inputs[pos]
+        if _np_kind(out.dtype) != "f" or _degree(out.value, {id(t)}) != _LINEAR:
+            continue  # zero rows must give a zero output, and the rows' sums the whole output
+        for spec in specs:
+            if PARTIAL_SUMS in spec.assignment or any(op != "sum" for _, op in spec.reductions[0]) \
+                    or Shard(dim) in spec.input_specs[pos].placements:
+                continue
+            for m, v in enumerate(spec.assignment):
+                n = mesh_shape[m]
+                if v is not None or n == 1 or -(-t.shape[dim] // n) * (n - 1) >= t.shape[dim]:
+                    continue  # (a rank without rows)
+                ins = list(spec.input_specs)
+                ins[pos] = TensorShardSpec(tuple(Shard(dim) if k == m else p
+                                                 for k, p in enumerate(ins[pos].placements)))
+                outs = TensorShardSpec(tuple(Partial("sum") if k == m else p
+                                             for k, p in enumerate(spec.output_specs[0].placements)))
+                res.append(OpShardSpec(tuple(ins), (outs,), (spec.reductions[0] + ((m, "sum"),),),
+                                       tuple(OFFSET_ROWS if k == m else a for k, a in enumerate(spec.assignment)),
+                                       spec.parallelism))
     return res
 
 

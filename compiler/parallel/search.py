@@ -37,7 +37,7 @@ from .cost import H100, CostModel, itemsize
 from .mesh import DeviceMesh
 from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
-from .rules import PARTIAL_SUMS, OpShardSpec, op_strategies, replicated_strategy
+from .rules import OFFSET_ROWS, PARTIAL_SUMS, OpShardSpec, op_strategies, replicated_strategy
 
 __all__ = ["search", "Problem", "op_flops", "op_input_reads", "local_bytes"]
 
@@ -648,7 +648,8 @@ def _is_weight_matmul(op: Operator) -> int | None:
 
 def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
     """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
-    the column-parallel projections head-wise; everything else follows or stays replicated."""
+    the column-parallel projections head-wise; an embedding table larger than its output is split
+    by rows (vocab-parallel); everything else follows or stays replicated."""
     axis = len(problem.mesh_shape) - 1
 
     def only_axis(c: OpShardSpec) -> bool:
@@ -657,7 +658,7 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
     def pick(op, cands, assign):
         w = _is_weight_matmul(op)
         if w is None:
-            return None
+            return _vocab_parallel(op, cands)
         act = next(k for k, t in enumerate(op.inputs) if not t.is_constant)
         src = problem.source_spec(op.inputs[act], assign)
         incoming_sharded = src is not None and not src.is_replicated
@@ -671,6 +672,17 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
             if not incoming_sharded and isinstance(wp, Shard) and isinstance(ap, Replicate) \
                     and isinstance(c.output_specs[0].placements[axis], Shard):
                 return c  # column-parallel
+        return None
+
+    def _vocab_parallel(op, cands):
+        # A constant table split by rows (Megatron-LM's vocab-parallel embedding) when it is larger
+        # than the rows it gathers: the all-reduce of the output moves fewer bytes than it saves.
+        for c in cands:
+            if only_axis(c) and c.assignment[axis] == OFFSET_ROWS:
+                pos = next(k for k, sp in enumerate(c.input_specs) if isinstance(sp.placements[axis], Shard))
+                t, out = op.inputs[pos], op.outputs[0]
+                if t.is_constant and t.nbytes > out.nbytes:
+                    return c
         return None
 
     def restricted(op, cands, assign):

@@ -577,9 +577,10 @@ def test_merged_kernel_sources_keep_each_symbol_once():
 def test_a_fused_qkv_product_is_split_by_heads_on_two_ranks(tmp_path, target):
     """GPT-2's QKV product (one Gemm read in three slices) is split into its parts before the plan
     (passes/projections.py), so the Megatron baseline splits Q, K and V by heads: two all-reduces
-    per layer and the logits' all-gather, no all-to-all (the slices' blocks cut across Q, K and V
-    before). Each rank computes its parts in one product again: on cpu a PackedMatMul, on cuda one
-    GEMM kernel with the bias."""
+    per layer, the vocab-parallel embedding's all-reduce and the logits' all-gather, no all-to-all
+    (the slices' blocks cut across Q, K and V before). Each rank computes its parts in one product
+    again: on cpu a PackedMatMul, on cuda one GEMM kernel with the bias; the embedding's lookup of
+    its rows is compiled for both targets."""
     import collections
 
     from shardflow.compiler.codegen import cuda
@@ -591,7 +592,8 @@ def test_a_fused_qkv_product_is_split_by_heads_on_two_ranks(tmp_path, target):
                   optimization_config={"target": target}, out_dir=tmp_path / "o",
                   input_shapes={k: list(v.shape) for k, v in feeds.items()})
     kinds = collections.Counter(c.kind for c in res.plan.collectives)
-    assert kinds == {"all_reduce": 4, "all_gather": 1}, kinds
+    assert kinds == {"all_reduce": 5, "all_gather": 1}, kinds
+    assert str(res.plan.op_specs["/model/transformer/wte/Gather"]) == "(S(0), R) -> (P(sum))"
     for r in range(2):
         steps = json.loads((res.out_dir / f"rank{r}" / "program.json").read_text())["steps"]
         qkv = [s for s in steps if s["kind"] == "kernel" and "c_attn/Gemm#part0.merged" in s["node"]

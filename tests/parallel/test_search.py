@@ -292,3 +292,42 @@ def test_a_gather_reads_the_rows_it_takes_not_the_whole_table():
     plan = search(graph, {"mesh_shape": [1], "device": "cpu"})
     rows_bytes = 128 * 64 * 4 * 2 + 128 * 8  # rows read, output written, indices
     assert plan.compute_cost == pytest.approx(rows_bytes / 200e9, rel=0.01)
+
+
+def _embedding_model(vocab=1000, types=2, hidden=16, tokens=(2, 8)):
+    """Word and token-type lookups added, then a product: BERT's embeddings in small."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("wte", (vocab, hidden)), ("tte", (types, hidden)), ("w", (hidden, 8)))]
+    nodes = [helper.make_node("Gather", ["wte", "ids"], ["a"], axis=0),
+             helper.make_node("Gather", ["tte", "types"], ["b"], axis=0),
+             helper.make_node("Add", ["a", "b"], ["e"]), helper.make_node("MatMul", ["e", "w"], ["y"])]
+    ins = [helper.make_tensor_value_info(n, TensorProto.INT64, list(tokens)) for n in ("ids", "types")]
+    g = helper.make_graph(nodes, "embeddings", ins,
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(tokens) + [8])], inits)
+    return load_onnx(onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+@pytest.mark.parametrize("mesh", [[2], [3], [2, 2]])
+def test_megatron_splits_an_embedding_table_by_rows(mesh):
+    """The Megatron baseline splits a lookup table larger than its output by rows (vocab-parallel:
+    each rank reads zero for the tokens outside its rows, and the sum over ranks is the lookup);
+    a table smaller than its output (two token types) stays whole on every rank. Negative token ids
+    count from the end of the whole table, as ONNX says."""
+    graph = _embedding_model()
+    plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
+    specs = {n: str(sp) for n, sp in plan.op_specs.items() if plan.op_types[n] == "Gather"}
+    split = "(S(0), R) -> (P(sum))" if len(mesh) == 1 else "(RS(0), RR) -> (RP(sum))"
+    whole = "(R, R) -> (R)" if len(mesh) == 1 else "(RR, RR) -> (RR)"
+    assert sorted(specs.values()) == sorted([split, whole]), specs
+    assert "splits an input into row ranges" in plan.explain(next(n for n, s in specs.items() if s == split))
+    rows = -(-1000 // mesh[-1])
+    assert rows * 16 * 4 < plan.params_bytes <= (rows * 16 + 2 * 16 + 16 * 8) * 4, plan.params_bytes
+    rng = np.random.default_rng(1)
+    feeds = {"ids": rng.integers(-1000, 1000, (2, 8)), "types": rng.integers(0, 2, (2, 8))}
+    feeds["ids"][0, :4] = [0, 999, -1, 500]  # the first and last rows of the table and of the ranks
+    np.testing.assert_allclose(simulate(partition(graph, plan), feeds, plan.mesh)["y"], graph.run(feeds)["y"],
+                               rtol=1e-5, atol=1e-5)
