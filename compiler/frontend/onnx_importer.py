@@ -17,11 +17,11 @@ import numpy as np
 import onnx
 import onnx.inliner
 import onnx.shape_inference
-from onnx import numpy_helper
 
 from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.expr import dtype_kind, numpy_type
+from .external_data import initializer_array, resolve_external_data
 from .qdq import FOUR_BIT
 from .registry import NodeContext, find_handler, onnx_dtype
 
@@ -54,11 +54,8 @@ def read_model(model: "str | os.PathLike | bytes | onnx.ModelProto") -> onnx.Mod
         except OSError as exc:
             raise ModelFormatError(f"{where}: cannot read ({exc.strerror})") from None
         proto = _parse(data, where)
-        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-            try:
-                onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(where)))
-            except Exception as exc:
-                raise ModelFormatError(f"{where}: external weight data cannot be loaded ({exc})") from None
+        # external weights stay in their files, mapped when the importer decodes them
+        resolve_external_data(proto, os.path.dirname(os.path.abspath(where)), where)
     else:
         raise ModelFormatError(f"expected a path, bytes or onnx.ModelProto, got {type(model).__name__}")
     if not proto.graph.node and not proto.graph.output:
@@ -185,7 +182,9 @@ class _Importer:
     def _initializers(self, g: onnx.GraphProto) -> None:
         for init in g.initializer:
             try:
-                arr = numpy_helper.to_array(init)
+                arr = initializer_array(init)
+            except ShardflowError:
+                raise
             except Exception as exc:
                 raise ModelFormatError(f"initializer {init.name!r} cannot be decoded ({exc})") from None
             four = FOUR_BIT.get(init.data_type)

@@ -43,6 +43,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..ops.linalg import pack_bits
+from .external_data import initializer_array
 
 __all__ = ["FOUR_BIT", "drop_requantizations", "four_bit_codes", "four_bit_matmuls", "fuse_qdq_matmuls"]
 
@@ -67,8 +68,8 @@ def _dq_parts(node, inits: dict, weight):
     x, s, z = names[:3]
     if s not in inits or inits[s].data_type != TensorProto.FLOAT or (z and z not in inits):
         return None
-    scale = numpy_helper.to_array(inits[s])
-    zp = numpy_helper.to_array(inits[z]) if z else None
+    scale = initializer_array(inits[s])
+    zp = initializer_array(inits[z]) if z else None
     if not weight:
         if scale.size != 1 or zp is None or zp.size != 1 or inits[z].data_type not in _INT8:
             return None
@@ -117,7 +118,7 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
             (sx.astype(np.float32) * sw.astype(np.float32) * alpha).astype(np.float32), scale_name))
         if attrs.get("transB", 0):  # MatMulInteger takes [K, N]: a transposed copy of the int8 weight
             w_t = f"{base}.weight_t"
-            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[w]).T), w_t))
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(initializer_array(inits[w]).T), w_t))
             w = w_t
         ins = [x, w, zx_name]
         if zw is not None and np.any(zw):
@@ -178,9 +179,9 @@ def _four_bit_weight(node, inits: dict):
         return None
     if names[2] and (z is None or z.data_type != w.data_type or list(z.dims) != [blocks, n]):
         return None
-    codes, zp = four_bit_codes(numpy_helper.to_array(w), numpy_helper.to_array(z) if names[2] else None,
+    codes, zp = four_bit_codes(initializer_array(w), initializer_array(z) if names[2] else None,
                                FOUR_BIT[w.data_type], (blocks, n))
-    return codes, numpy_helper.to_array(s).astype(np.float32), zp, block
+    return codes, initializer_array(s).astype(np.float32), zp, block
 
 
 def four_bit_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -252,7 +253,7 @@ def _scalar_init(name: str, inits: dict):
     t = inits.get(name)
     if t is None or int(np.prod(t.dims)) != 1:
         return None
-    return numpy_helper.to_array(t).reshape(())
+    return initializer_array(t).reshape(())
 
 
 def _same_quantization(dq, q, inits: dict) -> bool:
