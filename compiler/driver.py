@@ -1064,14 +1064,32 @@ def _plan_state(graph: FlowGraph, plan, dcfg, state: Mapping[str, str]) -> tuple
     return plan, sharded
 
 
-def _mesh_groups(mesh, rank_graphs) -> dict[str, list[list[int]]]:
+def _output_entries(rg: FlowGraph, global_out: Mapping[str, Tensor], plan, rank: int,
+                    state: Mapping[str, str]) -> list[dict]:
+    """A rank manifest's ``outputs``: each output's local shape and where it lies in the whole one
+    (state outputs, kept by the program, left out)."""
+    res = []
+    for name, lt in zip(rg.output_names, rg.outputs):
+        if name in state:
+            continue
+        gt = global_out[name]
+        spec = plan.output_specs.get(name)
+        bounds = spec.local_bounds(gt.shape, plan.mesh, rank) if spec is not None else [(0, d) for d in gt.shape]
+        res.append({"name": name, "shape": list(lt.shape), "dtype": lt.dtype, "global_shape": list(gt.shape),
+                    "placement": str(spec) if spec is not None else "R", "bounds": [list(b) for b in bounds]})
+    return res
+
+
+def _collective_axes(rg: FlowGraph) -> set[tuple[int, ...]]:
+    """The mesh axes (as tuples) the collectives of a rank graph span."""
     from .parallel.comm_ops import Collective, mesh_axes
 
-    axis_sets = {(a,) for a in range(mesh.ndim)}
-    for rg in rank_graphs:
-        for op in rg.nodes:
-            if isinstance(op, Collective):
-                axis_sets.add(mesh_axes(op.attrs["mesh_axis"]))
+    return {mesh_axes(op.attrs["mesh_axis"]) for op in rg.nodes if isinstance(op, Collective)}
+
+
+def _mesh_groups(mesh, axis_sets: set[tuple[int, ...]]) -> dict[str, list[list[int]]]:
+    """mesh.json's process groups: those of every single mesh axis and of ``axis_sets``."""
+    axis_sets = axis_sets | {(a,) for a in range(mesh.ndim)}
     return {",".join(str(a) for a in axes): [list(g) for g in mesh.groups(list(axes))]
             for axes in sorted(axis_sets, key=lambda a: (len(a), a))}
 
@@ -1243,8 +1261,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     opt = OptimizationConfig.from_dict(optimization_config)
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
         raise ConfigError(f"distributed_config must be a dict, got {type(distributed_config).__name__}")
-    from .parallel import partition, search
+    from .parallel import search
     from .parallel.comm_ops import Collective
+    from .parallel.partition import partition_ranks
     from .parallel.config import DistributedConfig
 
     dcfg = DistributedConfig.from_dict(distributed_config)
@@ -1274,13 +1293,13 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     log.info("plan: %s, modeled cost %.3g s, in %.2f s", plan.algo, plan.cost, timings["search"])
 
     plan, sharded_state = _plan_state(graph, plan, dcfg, state)
-    t = time.perf_counter()
-    rank_graphs = partition(graph, plan, sharded_inputs=sharded_state)
-    timings["partition"] = time.perf_counter() - t
+    # each rank's graph built when its turn comes and dropped after it (its weight shards and their
+    # packed forms): the compile holds one rank's weights at a time
+    rank_graphs = partition_ranks(graph, plan, sharded_inputs=sharded_state)
+    timings["partition"] = 0.0
     mesh = plan.mesh
     world = mesh.size
-    log.info("partitioned into %d rank graphs in %.2f s", world, timings["partition"])
-    groups = _mesh_groups(mesh, rank_graphs)
+    axis_sets: set = set()  # the mesh axes the ranks' collectives span (for mesh.json's groups)
     global_out = {name: t for name, t in zip(graph.output_names, graph.outputs)}
     global_in = {t.name: t for t in graph.inputs}
 
@@ -1302,9 +1321,12 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     with atomic_output_dir(out) as tmp:
         t = time.perf_counter()
         plan.save(tmp)
-        write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         timings["write"] += time.perf_counter() - t
-        for r, rg in enumerate(rank_graphs):
+        for r in range(world):
+            t = time.perf_counter()
+            rg = next(rank_graphs)
+            timings["partition"] += time.perf_counter() - t
+            axis_sets |= _collective_axes(rg)
             rg = rank_passes(rg, opt, winograd=winograd, repack=dcfg.memory_budget_bytes is None)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
@@ -1363,18 +1385,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 raise ShardflowError(f"rank {r}: state outputs {lost} were generated to be written over their inputs, "
                                      "which the program does not do; compile with fuse=False and report this")
             weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
+            del weights  # (written: the next rank's replace them)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)
-            outputs = []
-            for name, lt in zip(rg.output_names, rg.outputs):
-                if name in state:
-                    continue
-                gt = global_out[name]
-                spec = plan.output_specs.get(name)
-                bounds = spec.local_bounds(gt.shape, mesh, r) if spec is not None else [(0, d) for d in gt.shape]
-                outputs.append({"name": name, "shape": list(lt.shape), "dtype": lt.dtype,
-                                "global_shape": list(gt.shape), "placement": str(spec) if spec is not None else "R",
-                                "bounds": [list(b) for b in bounds]})
+            outputs = _output_entries(rg, global_out, plan, r, state)
             manifest = {
                 "shardflow_version": __version__,
                 "target": opt.target,
@@ -1383,7 +1397,7 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                 "rank": r,
                 "world_size": world,
                 "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names), "coord": list(coord),
-                         "groups": groups},
+                         "groups": None},  # (below, once every rank's collectives are known)
                 "comm_backend": opt.comm_backend,
                 "cuda_graph": opt.cuda_graph,
                 "pdl": opt.pdl,
@@ -1402,12 +1416,16 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
             log.info("rank %d: %d kernels, %d collectives, arena %s B, weights %s B", r,
                      manifest["kernels"], manifest["collectives"], f"{program['arena_bytes']:,}",
                      f"{program['weights_bytes']:,}")
+            del rg, ops, views, kernels, program  # (what holds this rank's graph and its weight shards)
         if sources:
             t = time.perf_counter()
             _compile_shared_libraries(shared[1], sources, kernels_name)
             timings["codegen"] += time.perf_counter() - t
         t = time.perf_counter()
+        groups = _mesh_groups(mesh, axis_sets)
+        write_json(tmp / "mesh.json", {"format": 1, "mesh": mesh.to_dict(), "world_size": world, "groups": groups})
         for rdir, manifest, weights_sha in finished:
+            manifest["mesh"]["groups"] = groups
             finalize_rank_dir(rdir, manifest, known={"weights.bin": weights_sha})
         timings["write"] += time.perf_counter() - t
     timings["total"] = time.perf_counter() - t_all

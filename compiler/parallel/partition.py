@@ -14,6 +14,8 @@ there where its rows start.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 
 from ..errors import ShardflowError
@@ -25,7 +27,7 @@ from .placement import Partial, Shard, TensorShardSpec, chunk_bounds
 from .plan import ShardingPlan
 from .rules import OFFSET_ROWS
 
-__all__ = ["partition"]
+__all__ = ["partition", "partition_ranks"]
 
 
 def local_shape(shape, spec: TensorShardSpec, mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
@@ -149,6 +151,13 @@ def partition(graph: FlowGraph, plan: ShardingPlan, sharded_inputs=()) -> list[F
     The inputs named in ``sharded_inputs`` are the exception to whole inputs: each rank graph takes
     only its part of them, in the plan's input spec (a state kept by the program between runs, which
     each rank keeps its share of: ``compile(state=...)``)."""
+    return list(partition_ranks(graph, plan, sharded_inputs))
+
+
+def partition_ranks(graph: FlowGraph, plan: ShardingPlan, sharded_inputs=()) -> Iterator[FlowGraph]:
+    """:func:`partition`'s rank graphs one at a time, in rank order, each built when it is asked
+    for: a caller that is done with a rank before the next (``compile``) holds one rank's weight
+    shards at a time. The arguments are checked before the first is built."""
     for name, spec in plan.input_specs.items():
         if spec.partial_axes:
             raise ShardflowError(f"graph input {name!r} cannot be Partial; inputs are delivered whole to every rank")
@@ -156,5 +165,5 @@ def partition(graph: FlowGraph, plan: ShardingPlan, sharded_inputs=()) -> list[F
     unknown = sorted(set(sharded_inputs) - names)
     if unknown:
         raise ShardflowError(f"partition: sharded_inputs {unknown} are not inputs of the graph")
-    return [_RankBuilder(graph, plan, r, frozenset(sharded_inputs)).build() for r in range(plan.mesh.size)]
+    return (_RankBuilder(graph, plan, r, frozenset(sharded_inputs)).build() for r in range(plan.mesh.size))
 

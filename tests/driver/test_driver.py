@@ -603,3 +603,30 @@ def test_a_fused_qkv_product_is_split_by_heads_on_two_ranks(tmp_path, target):
             assert all(s["op_type"] == "PackedMatMul" and s["node"].endswith(".merged") for s in qkv)
         else:  # (the bias Add's kernel: the GEMM with it as its epilogue)
             assert all(s["node"].endswith("merged_bias") and s["launch"]["kind"].startswith("gemm") for s in qkv)
+
+
+def test_compile_holds_one_rank_graph_at_a_time(tmp_path, monkeypatch):
+    """Each rank's graph (its weight shards, their packed forms) is built when its turn comes and
+    dropped before the next one's: a model's compile on R ranks needs about one rank's share of
+    the weights beside the whole model, not all R shares. mesh.json and every manifest still name
+    the groups of every rank's collectives."""
+    import gc
+    import weakref
+
+    seen: list = []
+    alive_before: list = []
+    passes = driver.rank_passes
+
+    def watch(rg, opt, **kw):
+        gc.collect()
+        alive_before.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(rg))
+        return passes(rg, opt, **kw)
+    monkeypatch.setattr(driver, "rank_passes", watch)
+    res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2, 2], "algo": "megatron"},
+                  optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    assert alive_before == [0, 0, 0, 0]
+    groups = json.loads((res.out_dir / "mesh.json").read_text())["groups"]
+    assert groups == {"0": [[0, 2], [1, 3]], "1": [[0, 1], [2, 3]]}
+    for r in range(4):
+        assert json.loads((res.out_dir / f"rank{r}" / "manifest.json").read_text())["mesh"]["groups"] == groups
