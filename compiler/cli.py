@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Import MODEL, search a sharding plan on the mesh and print it.")
     _add_plan_flags(pp)
     pp.add_argument("-o", "--out", default=None, metavar="DIR", help="also save plan.json and plan.txt into DIR")
+    pp.add_argument("--explain", action="append", default=[], metavar="NODE",
+                    help="after the plan, why NODE (an op name from it) runs as it does: what each mesh axis "
+                         "splits, its costs, the resharding of its inputs (repeat per op)")
     pp.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
     pk = sub.add_parser("calibrate", help="measure this machine's ranks and links for the cost model",
@@ -301,9 +304,12 @@ def _cmd_plan(args) -> int:
     plan = search(driver.plan_passes(graph, DistributedConfig.from_dict(dcfg).mesh_shape), dcfg)
     if args.out:
         plan.save(args.out)
+    explained = [plan.explain(node) for node in args.explain]  # (an unknown name fails before any output)
     sys.stdout.write(plan.to_text())
     if not plan.to_text().endswith("\n"):
         sys.stdout.write("\n")
+    for text in explained:
+        sys.stdout.write("\n" + text + "\n")
     return 0
 
 

@@ -154,10 +154,9 @@ class Operator:
     shape_attrs: ClassVar[tuple[str, ...]] = ("shape", "sizes")
 
     def localize(self, inputs: Sequence[Tensor], output_shapes: Sequence[Sequence[int]],
-                 offset: tuple[int, int, int] | None = None) -> "Operator":
+                 offset: int | None = None) -> "Operator":
         """This op on local shards ``inputs``, producing ``output_shapes`` (used by partition);
-        ``offset = (input, dim, start)``: that dim of that input holds the rows from ``start`` on
-        (:meth:`offset_split_dims`).
+        ``offset``: the inputs of :meth:`offset_split_dims` hold the rows from ``offset`` on.
 
         Raises
         ------
@@ -167,7 +166,7 @@ class Operator:
         want = [tuple(int(d) for d in s) for s in output_shapes]
         attrs = self.local_attrs(inputs, want)
         if offset is not None:
-            attrs.update(self.offset_attrs(*offset))
+            attrs.update(self.offset_attrs(offset))
         op = type(self)(list(inputs), name=self.name, **attrs)
         got = [t.shape for t in op.outputs]
         if got != want:
@@ -188,18 +187,18 @@ class Operator:
         return attrs
 
     def offset_split_dims(self) -> tuple[tuple[int, int], ...]:
-        """The ``(input, dim)`` pairs the op can run on split into row ranges: given the start of
-        a rank's rows (:meth:`offset_attrs`), an index that falls outside them reads zero, so the
-        ranks' outputs are partial sums of the whole op's (a vocab-parallel embedding). The
-        indices come from data, so no loop variable of the compute definition splits that dim.
-        Default: none."""
+        """The ``(input, dim)`` pairs the op can run on split into row ranges, all of them by the
+        same rows (a table and its per-row scales): given where a rank's rows start
+        (:meth:`offset_attrs`), an index that falls outside them reads zero, so the ranks' outputs
+        add up to the whole op's (a vocab-parallel embedding). The indices come from data, so no
+        loop variable of the compute definition splits those dims. Default: none."""
         return ()
 
-    def offset_attrs(self, pos: int, dim: int, start: int) -> dict[str, Any]:
-        """The attributes that make this op, on input ``pos`` holding the rows ``start`` on of
-        its dim ``dim``, read zero outside them (see :meth:`offset_split_dims`)."""
-        raise ShardflowError(f"node {self.name} ({self.op_type}) cannot run on row ranges of input {pos} "
-                             f"dim {dim}; this is a bug in the plan")
+    def offset_attrs(self, start: int) -> dict[str, Any]:
+        """The attributes that make this op, on the rows ``start`` on of its
+        :meth:`offset_split_dims`, read zero outside them."""
+        raise ShardflowError(f"node {self.name} ({self.op_type}) cannot run on row ranges of its inputs; "
+                             "this is a bug in the plan")
 
     @property
     def data_dependent(self) -> str | None:

@@ -535,7 +535,9 @@ class GatherBlockQuantized(Operator):
     blocks]`` (float32; default ``2^(bits - 1)``), ``blocks = ceil(K / block_size)``.
     ``y[i..., k] = (q[r, k] - zero_point[r, b]) * scale[r, b]`` with ``r = indices[i...]`` and ``b =
     k / block_size``, in the scales' type; an index outside ``[-V, V)`` gives a row of zeros (as
-    onnxruntime's kernel does). Attributes ``bits``, ``block_size``.
+    onnxruntime's kernel does). Attributes ``bits``, ``block_size``; with ``start`` and ``extent``
+    (:meth:`offset_attrs`), ``data``, ``scales`` and ``zero_points`` hold the rows ``start`` on of a
+    table of ``extent`` rows, and an index outside them reads zeros too (a vocab-parallel rank).
     """
 
     def compute(self, data, indices, scales, *zp):
@@ -556,11 +558,16 @@ class GatherBlockQuantized(Operator):
         mask = Const((1 << bits) - 1, "int32")
         default_zp = Const(float(1 << (bits - 1)), "float32")
         q_dims = indices.ndim
+        start, extent = int(self.attrs.get("start", 0)), self.attrs.get("extent")
+        whole = v if extent is None else int(extent)
 
         def f(*i):
             raw = Cast(indices[i[:q_dims]], "int64")
-            inside = logical_and(raw >= -v, raw < v)
-            r = if_then_else(raw < 0, raw + v, raw)
+            inside = logical_and(raw >= -whole, raw < whole)
+            r = if_then_else(raw < 0, raw + whole, raw)
+            if extent is not None:  # (this rank's rows only)
+                r = r - start
+                inside = logical_and(inside, logical_and(r >= 0, r < v))
             r = if_then_else(inside, r, Const(0, "int64"))  # (a read in bounds; the value is 0 below)
             kk = i[q_dims]
             blk = kk // bs
@@ -572,15 +579,28 @@ class GatherBlockQuantized(Operator):
 
     def numpy(self, data, indices, scales, *zp):
         bits, bs = int(self.attrs["bits"]), int(self.attrs["block_size"])
-        v = data.shape[0]
+        v, extent = data.shape[0], self.attrs.get("extent")
+        whole = v if extent is None else int(extent)
         idx = np.asarray(indices).astype(np.int64)
-        inside = (idx >= -v) & (idx < v)
-        rows = np.where(inside, np.where(idx < 0, idx + v, idx), 0)
+        inside = (idx >= -whole) & (idx < whole)
+        rows = np.where(idx < 0, idx + whole, idx) - int(self.attrs.get("start", 0))
+        inside &= (rows >= 0) & (rows < v)
+        rows = np.where(inside, rows, 0)
         q = unpack_bits(data[rows], bits, data.shape[1] * 8 // bits).astype(np.float32)
         g = np.arange(q.shape[-1]) // bs
         z = np.float32(1 << (bits - 1)) if not zp else zp[0][rows][..., g]
         w = (q - z) * scales[rows][..., g].astype(np.float32)
         return [np.where(inside[..., None], w, np.float32(0)).astype(scales.dtype)]
+
+    def offset_split_dims(self):
+        if "extent" in self.attrs:
+            return ()
+        return tuple((k, 0) for k in range(len(self.inputs)) if k != 1)  # (the codes, scales, zero points)
+
+    def offset_attrs(self, start):
+        if not self.offset_split_dims():
+            return super().offset_attrs(start)
+        return {"start": int(start), "extent": int(self.inputs[0].shape[0])}
 
 
 class ExpertMatMul(Operator):
@@ -1056,4 +1076,8 @@ def examples(rng: np.random.Generator):
          {"scale": 1.0, "extra_biases": 2, "acc_dtype": "float32", "probs_dtype": "float16"}),
     ]
     res += [(Det, [f(3, 3)], {}), (Det, [f(2, 4, 4)], {}), (Det, [np.ones((2, 2, 2), np.float32)], {})]
+    # rows 3..6 of a 9-row quantized table (a rank of a vocab-parallel embedding): 8, 1 and -7 read zeros
+    res.append((GatherBlockQuantized, [u8(4, 20), np.array([[3, 8, -3], [1, 6, -7]], np.int64), f(4, 2),
+                                       rng.integers(0, 16, (4, 2)).astype(np.float32)],
+                {"bits": 4, "block_size": 32, "start": 3, "extent": 9}))
     return res

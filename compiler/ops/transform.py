@@ -558,10 +558,10 @@ class Gather(Operator):
     def offset_split_dims(self):
         return ((0, self.attrs["axis"]),) if self.attrs.get("extent") is None else ()
 
-    def offset_attrs(self, pos, dim, start):
-        if (pos, dim) not in self.offset_split_dims():
-            return super().offset_attrs(pos, dim, start)
-        return {"start": int(start), "extent": self.inputs[0].shape[dim]}
+    def offset_attrs(self, start):
+        if not self.offset_split_dims():
+            return super().offset_attrs(start)
+        return {"start": int(start), "extent": self.inputs[0].shape[self.attrs["axis"]]}
 
 
 class GatherElements(Operator):

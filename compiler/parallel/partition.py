@@ -103,18 +103,18 @@ class _RankBuilder:
                                      src_size=dst_shape[st.tensor_dim], group_size=n, group_index=j)
         raise ShardflowError(f"partition: unknown resharding step {st.kind!r}")
 
-    def _row_offset(self, op: Operator, sp) -> tuple[int, int, int] | None:
-        """``(input, dim, start)`` of the rows this rank holds when ``sp`` splits an input of
-        ``op`` into row ranges (:data:`~.rules.OFFSET_ROWS`), else None."""
+    def _row_offset(self, op: Operator, sp) -> int | None:
+        """Where the rows this rank holds start when ``sp`` splits inputs of ``op`` into row ranges
+        (:data:`~.rules.OFFSET_ROWS`), else None."""
         if OFFSET_ROWS not in sp.assignment:
             return None
         m = sp.assignment.index(OFFSET_ROWS)
-        for pos, dim in op.offset_split_dims():
-            if sp.input_specs[pos].placements[m] == Shard(dim):
-                start = sp.input_specs[pos].local_bounds(op.inputs[pos].shape, self.mesh, self.rank)[dim][0]
-                return pos, dim, start
-        raise ShardflowError(f"partition: op {op.name} ({op.op_type}) has no input split into row ranges "
-                             f"as its spec {sp} says; re-plan this graph")
+        split = op.offset_split_dims()
+        if not split or any(sp.input_specs[pos].placements[m] != Shard(dim) for pos, dim in split):
+            raise ShardflowError(f"partition: op {op.name} ({op.op_type}) has no inputs split into row ranges "
+                                 f"as its spec {sp} says; re-plan this graph")
+        pos, dim = split[0]
+        return sp.input_specs[pos].local_bounds(op.inputs[pos].shape, self.mesh, self.rank)[dim][0]
 
     def build(self) -> FlowGraph:
         g, plan = self.graph, self.plan

@@ -30,8 +30,9 @@ reduce-scatter.
 A mesh axis may also split an input dim that the op reads only through indices taken from data
 (:data:`OFFSET_ROWS`): an embedding table split by rows, with no loop variable to tie the split
 to. The op must declare it can run on a range of rows (:meth:`Operator.offset_split_dims`: it
-reads zero for an index outside its rows) and its output must be linear in that input; every
-rank then holds a partial sum of the output (Megatron-LM's vocab-parallel embedding).
+reads zero for an index outside its rows, so each index has its value on exactly one rank and
+zeros on the others); every rank then holds a partial sum of the output (Megatron-LM's
+vocab-parallel embedding).
 
 Nothing else here is written per op: the same analysis covers matmul, convolution, gathers,
 reshapes and normalizations. Extern outputs (sorting) contribute their declared ``axis_map``.
@@ -459,30 +460,33 @@ def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec
 
 
 def _offset_row_strategies(op: Operator, specs: list[OpShardSpec], mesh_shape: tuple[int, ...]) -> list[OpShardSpec]:
-    """``specs`` (those without partial sums) with one more mesh axis splitting an input dim of
+    """``specs`` (those without partial sums) with one more mesh axis splitting the inputs of
     :meth:`Operator.offset_split_dims` into row ranges, the output ``Partial(sum)`` along it."""
-    out = op.task.outputs[0]
+    split = op.offset_split_dims()
+    if not split or _np_kind(op.task.outputs[0].dtype) != "f":
+        return []
+    rows = {op.inputs[pos].shape[dim] for pos, dim in split}
+    if len(rows) != 1:
+        return []  # (the inputs split together have as many rows)
+    (rows,) = rows
     res = []
-    for pos, dim in op.offset_split_dims():
-        t = op.task.inputs[pos]
-        if _np_kind(out.dtype) != "f" or _degree(out.value, {id(t)}) != _LINEAR:
-            continue  # zero rows must give a zero output, and the rows' sums the whole output
-        for spec in specs:
-            if PARTIAL_SUMS in spec.assignment or any(op != "sum" for _, op in spec.reductions[0]) \
-                    or Shard(dim) in spec.input_specs[pos].placements:
-                continue
-            for m, v in enumerate(spec.assignment):
-                n = mesh_shape[m]
-                if v is not None or n == 1 or -(-t.shape[dim] // n) * (n - 1) >= t.shape[dim]:
-                    continue  # (a rank without rows)
-                ins = list(spec.input_specs)
+    for spec in specs:
+        if PARTIAL_SUMS in spec.assignment or any(op != "sum" for _, op in spec.reductions[0]) \
+                or any(Shard(dim) in spec.input_specs[pos].placements for pos, dim in split):
+            continue
+        for m, v in enumerate(spec.assignment):
+            n = mesh_shape[m]
+            if v is not None or n == 1 or -(-rows // n) * (n - 1) >= rows:
+                continue  # (a rank without rows)
+            ins = list(spec.input_specs)
+            for pos, dim in split:
                 ins[pos] = TensorShardSpec(tuple(Shard(dim) if k == m else p
                                                  for k, p in enumerate(ins[pos].placements)))
-                outs = TensorShardSpec(tuple(Partial("sum") if k == m else p
-                                             for k, p in enumerate(spec.output_specs[0].placements)))
-                res.append(OpShardSpec(tuple(ins), (outs,), (spec.reductions[0] + ((m, "sum"),),),
-                                       tuple(OFFSET_ROWS if k == m else a for k, a in enumerate(spec.assignment)),
-                                       spec.parallelism))
+            outs = TensorShardSpec(tuple(Partial("sum") if k == m else p
+                                         for k, p in enumerate(spec.output_specs[0].placements)))
+            res.append(OpShardSpec(tuple(ins), (outs,), (spec.reductions[0] + ((m, "sum"),),),
+                                   tuple(OFFSET_ROWS if k == m else a for k, a in enumerate(spec.assignment)),
+                                   spec.parallelism))
     return res
 
 

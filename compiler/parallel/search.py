@@ -679,9 +679,8 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
         # than the rows it gathers: the all-reduce of the output moves fewer bytes than it saves.
         for c in cands:
             if only_axis(c) and c.assignment[axis] == OFFSET_ROWS:
-                pos = next(k for k, sp in enumerate(c.input_specs) if isinstance(sp.placements[axis], Shard))
-                t, out = op.inputs[pos], op.outputs[0]
-                if t.is_constant and t.nbytes > out.nbytes:
+                tables = [op.inputs[pos] for pos, _ in op.offset_split_dims()]
+                if all(t.is_constant for t in tables) and sum(t.nbytes for t in tables) > op.outputs[0].nbytes:
                     return c
         return None
 

@@ -78,6 +78,25 @@ def test_plan_prints_plan_txt(tmp_path):
     assert out.returncode == 0 and "(device cpu: 2 TFLOP/s, 200 GB/s)" in out.stdout.splitlines()[1], out.stderr
 
 
+def test_plan_explains_the_ops_asked_for():
+    """`shardflow plan --explain NODE` prints, after the plan, what each mesh axis does to NODE
+    (the vocab-parallel lookup: its rows; a row-parallel product: its reduction) and the resharding
+    of its inputs; a name not in the plan is an error naming similar ones, and nothing is printed."""
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2", "--algo", "megatron",
+             "--explain", "/model/transformer/wte/Gather", "--explain", "/model/transformer/h.0/attn/c_proj/Gemm")
+    assert out.returncode == 0, out.stderr
+    plan_text, lookup, product = out.stdout.rsplit("\n\n", 2)
+    assert plan_text.startswith("# Shardflow plan (megatron)")
+    assert lookup.splitlines()[:2] == ["/model/transformer/wte/Gather (Gather): (S(0), R) -> (P(sum))",
+                                       "  mesh axis x (size 2): splits an input into row ranges read through data "
+                                       "indices (partial output)"]
+    assert product.startswith("/model/transformer/h.0/attn/c_proj/Gemm (Gemm): (S(1), S(0), P(sum)) -> (P(sum))")
+    assert "splits loop variable k" in product
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2", "--explain", "wte/Gather")
+    assert out.returncode != 0 and out.stdout == ""
+    assert "no op named 'wte/Gather' in the plan; similar: ['/model/transformer/wte/Gather']" in out.stderr
+
+
 def test_a_saved_plan_names_the_ops_compile_plans(tmp_path):
     """`shardflow plan` runs compile's passes before the plan (driver.plan_passes): GPT-2's fused
     QKV product in its parts on two ranks, so the plan it saves loads in compile (preload_plan)."""

@@ -511,11 +511,23 @@ def test_genai_llama_prompt_matches_onnxruntime(tmp_path, precision):
     _evaluated_and_compiled(tmp_path, m, feeds, _reference(ref_model, feeds))
 
 
-def test_genai_llama_split_over_two_ranks():
-    m = onnx.load(str(MODELS / "llama_genai_fp32.onnx"))
+@pytest.mark.parametrize("precision", ["fp32", "int4_tied"])
+def test_genai_llama_split_over_two_ranks(precision):
+    """The Megatron plan of the genai Llama over two ranks, simulated, against onnxruntime; the tied
+    4-bit one's embedding lookup (GatherBlockQuantized) split by vocabulary rows, its codes and
+    scales alike (reference at accuracy level 0, as in the prompt test)."""
+    m = onnx.load(str(MODELS / f"llama_genai_{precision}.onnx"))
     feeds = _genai_feeds(padded=False)
     g = load_onnx(m, input_shapes={k: v.shape for k, v in feeds.items()})
-    got = simulate(partition(g, search(g, {"mesh_shape": [2], "algo": "megatron"})), feeds)
+    plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
+    if precision == "int4_tied":
+        (lookup,) = [n for n, t in plan.op_types.items() if t == "GatherBlockQuantized"]
+        assert str(plan.op_specs[lookup]) == "(S(0), R, S(0)) -> (P(sum))", plan.op_specs[lookup]
+        for n in m.graph.node:
+            for a in n.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
+    got = simulate(partition(g, plan), feeds)
     _close(got, _reference(m, feeds), tol=1e-4)
 
 
