@@ -20,7 +20,9 @@ Every merged result must go only to head splits (reshapes, transposes, casts); t
 activation's products stay apart: Llama's gate and up projections meet in ``SiLU(gate) * up``,
 which the up projection's GEMM computes in its epilogue from the gate's output (merged, that
 product would need a kernel of its own), and the blocks of Phi and GPT-J run their MLP's first
-product on the attention's input (its GELU is that GEMM's epilogue).
+product on the attention's input (its GELU is that GEMM's epilogue). The 4-bit parts
+:class:`SplitProjections` made of one ``MatMulNBits`` are merged back too (their codes, scales and
+zero points stacked by rows), on every target.
 """
 from __future__ import annotations
 
@@ -58,22 +60,30 @@ class MergeProjections(GraphPass):
 
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
-        by_input: dict[int, list[Operator]] = {}
+        by_input: dict[tuple[int, str], list[Operator]] = {}
         for op in graph.nodes:
             if (op.op_type == "MatMul" and len(op.inputs) == 2 and not op.inputs[0].is_constant
                     and op.inputs[1].is_constant and op.inputs[1].ndim == 2 and op.inputs[0].ndim >= 2
                     and op.inputs[0] is not op.inputs[1]):
-                by_input.setdefault(id(op.inputs[0]), []).append(op)
+                by_input.setdefault((id(op.inputs[0]), "MatMul"), []).append(op)
+            elif (op.op_type == "MatMulNBits" and PART in op.name and not op.inputs[0].is_constant
+                  and all(t.is_constant for t in op.inputs[1:])):  # (4-bit parts: merged back on every target)
+                by_input.setdefault((id(op.inputs[0]), "MatMulNBits"), []).append(op)
         insert: dict[int, list[Operator]] = {}  # id(first member) -> the merged ops
         replace: dict[int, Tensor] = {}  # old output -> its slice
-        for members in by_input.values():
-            if self.parts_only:  # (the parts of one product: one name before the part's number)
+        for (_, kind), members in by_input.items():
+            nbits = kind == "MatMulNBits"
+            if self.parts_only or nbits:  # (the parts of one product: one name before the part's number)
                 members = [m for m in members if PART in m.name]
                 members = [m for m in members if m.name.rsplit(PART, 1)[0] == members[0].name.rsplit(PART, 1)[0]]
                 if len(members) < 2:
                     continue
-            w_dtype = members[0].inputs[1].dtype
-            members = [m for m in members if m.inputs[1].dtype == w_dtype and m.outputs[0].dtype == w_dtype]
+            if nbits:
+                members = [m for m in members if m.attrs == members[0].attrs
+                           and len(m.inputs) == len(members[0].inputs)]
+            else:
+                w_dtype = members[0].inputs[1].dtype
+                members = [m for m in members if m.inputs[1].dtype == w_dtype and m.outputs[0].dtype == w_dtype]
             if len(members) < 2:
                 continue
             # those whose result (past its bias) goes to head splits alone: not Llama's gate and up,
@@ -93,9 +103,14 @@ class MergeProjections(GraphPass):
             members, biases = [m for m, _ in kept], [b for _, b in kept]
             ends = [b[0].outputs[0] if with_bias else m.outputs[0] for m, b in kept]
             x = members[0].inputs[0]
-            w = const_tensor(np.concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
-                             f"{members[0].name}.merged_w")
-            mm = MatMul([x, w], name=f"{members[0].name}.merged")
+            if nbits:  # (the columns of a 4-bit weight: the rows of its codes, scales and zero points)
+                consts = [const_tensor(np.concatenate([np.asarray(m.inputs[j].value) for m in members], axis=0),
+                                       f"{members[0].name}.merged_{j}") for j in range(1, len(members[0].inputs))]
+                mm = type(members[0])([x, *consts], name=f"{members[0].name}.merged", **members[0].attrs)
+            else:
+                w = const_tensor(np.concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
+                                 f"{members[0].name}.merged_w")
+                mm = MatMul([x, w], name=f"{members[0].name}.merged")
             new_ops: list[Operator] = [mm]
             y = mm.outputs[0]
             if with_bias:
@@ -106,7 +121,7 @@ class MergeProjections(GraphPass):
                 y = add.outputs[0]
             start = 0
             for m, old in zip(members, ends):  # (the same leading dims: x's, and the bias Add keeps them)
-                width = m.inputs[1].shape[1]
+                width = m.outputs[0].shape[-1]
                 sl = Slice([y], name=f"{old.name}.slice", starts=(0,) * (y.ndim - 1) + (start,),
                            steps=(1,) * y.ndim, sizes=y.shape[:-1] + (width,))
                 new_ops.append(sl)
@@ -161,6 +176,8 @@ class SplitProjections(GraphPass):
     columns (``[R, N]`` -> ``[*rows, *cols]``), and then only ``Slice`` ops that each take a
     range of one of the column dims (the dims after it whole), disjoint, two or more. Head-major
     layouts (GPT-NeoX's ``[heads, 3, d]``, BLOOM's) are already split by heads and do not match.
+    A 4-bit ``MatMulNBits`` (onnxruntime-genai's packed QKV, read by ``GroupQueryAttention``) is
+    split likewise: its columns are the rows of its codes, scales and zero points.
     """
 
     def run(self, graph: FlowGraph) -> FlowGraph:
@@ -181,7 +198,12 @@ class SplitProjections(GraphPass):
             new_ops: list[Operator] = []
             for k, (sl, lo, hi) in enumerate(slices):
                 name = f"{op.name}{PART}{k}"
-                mm = MatMul([x, const_tensor(np.ascontiguousarray(w[:, lo:hi]), f"{name}.w")], name=name)
+                if w is None:  # (MatMulNBits: its columns are the rows of its codes, scales, zero points)
+                    rows = [const_tensor(np.ascontiguousarray(np.asarray(t.value)[lo:hi]), f"{name}.{j}")
+                            for j, t in enumerate(op.inputs[1:], 1)]
+                    mm = type(op)([x, *rows], name=name, **op.attrs)
+                else:
+                    mm = MatMul([x, const_tensor(np.ascontiguousarray(w[:, lo:hi]), f"{name}.w")], name=name)
                 new_ops.append(mm)
                 y = mm.outputs[0]
                 if bias is not None:
@@ -203,11 +225,17 @@ class SplitProjections(GraphPass):
     def _match(op: Operator, consumers, outputs):
         """``(W [K, N], bias [N] or None, [(slice, first column, end column)])`` of a product read
         in column parts, else None."""
-        if op.op_type not in ("MatMul", "Gemm") or len(op.inputs) < 2 or op.inputs[0].is_constant \
+        if op.op_type == "MatMulNBits":  # (its weight's columns: the rows of every constant input)
+            if op.inputs[0].is_constant or op.inputs[0].ndim < 2 or any(
+                    not t.is_constant or len(consumers.get(id(t), [])) != 1 for t in op.inputs[1:]):
+                return None
+            w = None
+        elif op.op_type not in ("MatMul", "Gemm") or len(op.inputs) < 2 or op.inputs[0].is_constant \
                 or not op.inputs[1].is_constant or op.inputs[1].ndim != 2 or op.inputs[0].ndim < 2 \
                 or len(consumers.get(id(op.inputs[1]), [])) != 1:  # (a weight read elsewhere too: kept whole)
             return None
-        w = np.asarray(op.inputs[1].value)
+        else:
+            w = np.asarray(op.inputs[1].value)
         bias = None
         if op.op_type == "Gemm":
             a = op.attrs
@@ -219,7 +247,7 @@ class SplitProjections(GraphPass):
                 if not c.is_constant or c.size != w.shape[1] or c.shape[-1] != w.shape[1]:
                     return None
                 bias = np.asarray(c.value).reshape(-1)
-        elif len(op.inputs) != 2:
+        elif op.op_type == "MatMul" and len(op.inputs) != 2:
             return None
         y = op.outputs[0]
         N = y.shape[-1]

@@ -531,6 +531,49 @@ def test_genai_llama_split_over_two_ranks(precision):
     _close(got, _reference(m, feeds), tol=1e-4)
 
 
+def test_genai_int4_llama_megatron_ranks_compiled(tmp_path):
+    """The 4-bit genai Llama's packed QKV product (MatMulNBits, read by GroupQueryAttention in three
+    slices) is split into Q, K and V before the plan, so the Megatron plan splits them by heads (no
+    all-to-all) and the MLP and lm_head column- then row-parallel; each rank merges its three
+    parts back into one 4-bit product. Compiled for two cpu ranks, run in process, against
+    onnxruntime; cross-compiled for sm_90 with the merged product's kernel."""
+    import collections
+    import json
+
+    from threads import run_threads
+
+    from shardflow.compiler.codegen import cuda
+    from shardflow.runtime.comm import InProcessWorld
+
+    m = onnx.load(str(MODELS / "llama_genai_int4.onnx"))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    feeds = _genai_feeds(padded=True)
+    shapes = {k: v.shape for k, v in feeds.items()}
+    config = {"mesh_shape": [2], "algo": "megatron"}
+    res = compile(m, distributed_config=config, optimization_config={"target": "cpu"}, out_dir=tmp_path / "cpu",
+                  input_shapes=shapes)
+    kinds = collections.Counter(c.kind for c in res.plan.collectives)
+    assert "all_to_all" not in kinds and kinds["all_reduce"] >= 4, kinds
+    parts = [n for n in res.plan.op_specs if "qkv_proj" in n and "#part" in n]
+    assert len(parts) == 6 and all(str(res.plan.op_specs[n]).startswith("(R, S(0), S(0)") for n in parts), parts
+    steps = json.loads((res.out_dir / "rank0" / "program.json").read_text())["steps"]
+    qkv = [s["node"] for s in steps if s["kind"] == "kernel" and "qkv_proj" in s["node"]]
+    assert len(qkv) == 2 and all(n.endswith("#part0.merged") for n in qkv), qkv  # (one product a layer)
+    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
+                       timeout=300)
+    want = _reference(m, feeds)
+    for got in outs:
+        _close(got, want, tol=1e-4)
+    if cuda._find_nvcc() is not None:
+        res = compile(m, distributed_config=config, optimization_config={"target": "cuda", "arch": "sm_90"},
+                      out_dir=tmp_path / "cuda", input_shapes=shapes)
+        steps = json.loads((res.out_dir / "rank1" / "program.json").read_text())["steps"]
+        assert sum(s["kind"] == "kernel" and s["node"].endswith("qkv_proj/MatMul_Q4#part0.merged") for s in steps) == 2
+
+
 @pytest.mark.parametrize("cache", ["grown", "fixed"])
 def test_genai_llama_decoding_step_matches_onnxruntime(tmp_path, cache):
     """A decoding step after the right-padded prompt, its past the prompt's present: ``grown`` (past
