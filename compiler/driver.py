@@ -359,6 +359,19 @@ def _align(n: int, a: int = ALIGNMENT) -> int:
     return -(-n // a) * a
 
 
+def _bytes_key(a: np.ndarray) -> tuple:
+    """A cheap key of an array's bytes (their count, type and up to 64 sampled bytes): arrays with
+    different keys differ; equal keys are compared whole (:func:`_same_bytes`)."""
+    b = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+    step = max(1, b.size // 64)
+    return a.dtype.str, b.size, b[::step][:64].tobytes(), b[-8:].tobytes()
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.nbytes == b.nbytes and np.array_equal(a.reshape(-1).view(np.uint8),
+                                                                         b.reshape(-1).view(np.uint8))
+
+
 def plan_buffers(blocks: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
     """Offsets for blocks ``(nbytes, first_step, last_step)`` in one arena.
 
@@ -625,9 +638,11 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             if last[id(r)] >= n_load:
                 first[id(r)], last[id(r)] = -1, n_steps
 
-    # weights: constants (by root), in first-use order
+    # weights: constants (by root), in first-use order; constants holding the same bytes share them
+    # (a tied table and its lm_head's weight, stored under two shapes)
     weights: list[tuple[int, np.ndarray]] = []
     w_off: dict[int, int] = {}
+    same_bytes: dict[tuple, list[tuple[np.ndarray, int]]] = {}
     wpos = 0
     arena_roots: list[Tensor] = []
     seen_roots: set[int] = set()
@@ -646,6 +661,12 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
                     raise GraphError(f"rank {rank}: constant {r.name} holds a value of another shape than {r.shape}")
                 value = np.broadcast_to(value.reshape(()), r.shape)  # one value stands for all
             value = np.asarray(value, order="C")  # not ascontiguousarray: it makes 0-d values 1-d
+            key = _bytes_key(value)
+            twin = next((off for v, off in same_bytes.get(key, ()) if _same_bytes(v, value)), None)
+            if twin is not None:
+                w_off[id(r)] = twin
+                continue
+            same_bytes.setdefault(key, []).append((value, wpos))
             w_off[id(r)] = wpos
             weights.append((wpos, value))
             wpos = _align(wpos + value.nbytes)

@@ -630,3 +630,36 @@ def test_compile_holds_one_rank_graph_at_a_time(tmp_path, monkeypatch):
     assert groups == {"0": [[0, 2], [1, 3]], "1": [[0, 1], [2, 3]]}
     for r in range(4):
         assert json.loads((res.out_dir / f"rank{r}" / "manifest.json").read_text())["mesh"]["groups"] == groups
+
+
+def test_constants_with_the_same_bytes_share_them_in_the_weights(tmp_path):
+    """Two constants holding the same bytes under different shapes (a tied table and its product's
+    weight, as onnxruntime-genai's 4-bit models store them) are written once: both buffers point
+    at one offset of weights.bin, and the program computes with both."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    other = rng.standard_normal((32, 64)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w.reshape(32, 64).copy(), "table"),
+             numpy_helper.from_array(other, "other")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Gather", ["table", "ids"], ["z"]),
+             helper.make_node("Gather", ["other", "ids"], ["u"])]
+    info = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "tied", [info("x", TensorProto.FLOAT, [3, 64]), info("ids", TensorProto.INT64, [5])],
+                          [info("y", TensorProto.FLOAT, [3, 32]), info("z", TensorProto.FLOAT, [5, 64]),
+                           info("u", TensorProto.FLOAT, [5, 64])], inits)
+    path = tmp_path / "tied.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    res = compile(path, distributed_config={"mesh_shape": [1]},
+                  optimization_config={"target": "cpu", "prepack": False}, out_dir=tmp_path / "o")
+    program = json.loads((res.out_dir / "rank0" / "program.json").read_text())
+    offsets = sorted(b["offset"] for b in program["buffers"] if b["storage"] == "weights")
+    assert len(offsets) == 3 and len(set(offsets)) == 2, offsets  # (w and table: one copy)
+    assert program["weights_bytes"] == 2 * w.nbytes
+    feeds = {"x": rng.standard_normal((3, 64)).astype(np.float32), "ids": np.array([0, 31, 7, -1, 7])}
+    out = load(res.out_dir).run(feeds)
+    np.testing.assert_allclose(out["y"], feeds["x"] @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out["z"], w.reshape(32, 64)[[0, 31, 7, 31, 7]])
+    np.testing.assert_array_equal(out["u"], other[[0, 31, 7, 31, 7]])
