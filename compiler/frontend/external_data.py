@@ -79,8 +79,10 @@ def _check_location(t: onnx.TensorProto, root: str, where: str) -> str:
     loc = _entries(t).get("location", "")
     path = os.path.realpath(os.path.join(root, loc))
     if not loc or os.path.isabs(loc) or os.path.commonpath([root, path]) != root:
+        link = " (a symbolic link to a file outside it, which onnx refuses too: copy the file beside the model)" \
+            if loc and os.path.islink(os.path.join(root, loc)) else ""
         raise ModelFormatError(f"{where}: tensor {t.name!r} stores its data at {loc!r}, which is not a "
-                               f"file inside the model's folder {root}")
+                               f"file inside the model's folder {root}{link}")
     if not os.path.isfile(path):
         raise ModelFormatError(f"{where}: tensor {t.name!r}: its external data file {path} is missing; "
                                "copy it beside the model")

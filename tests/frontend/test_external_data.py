@@ -96,3 +96,14 @@ def test_a_location_outside_the_model_folder_is_refused(tmp_path):
     onnx.save_model(model, str(path))
     with pytest.raises(ModelFormatError, match=r"'\.\./weights\.bin', which is not a file inside the model's folder"):
         load_onnx(path)
+
+
+def test_a_data_file_linked_from_elsewhere_is_refused_with_the_fix(tmp_path):
+    """A data file that is a symbolic link out of the model's folder (a hub cache's blobs) is
+    refused, as onnx refuses it, and the message says to copy the file."""
+    (tmp_path / "m").mkdir()
+    path = _save_external(tmp_path / "m")
+    shutil.move(str(tmp_path / "m" / "weights.bin"), str(tmp_path / "blob"))
+    os.symlink(tmp_path / "blob", tmp_path / "m" / "weights.bin")
+    with pytest.raises(ModelFormatError, match="a symbolic link to a file outside it.*copy the file beside the model"):
+        load_onnx(path)
