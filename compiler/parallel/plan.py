@@ -262,6 +262,11 @@ class ShardingPlan:
             "# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
                                   or "none"),
         ]
+        if self.algo.startswith("ilp") and self.mesh.size > 1 and all(
+                v is None for sp in self.op_specs.values() for v in sp.assignment):
+            lines.append("# every op runs whole on every rank: under the cost model, splitting any work would cost "
+                         "more in collectives than it saves at these sizes; memory_budget_bytes bounds each "
+                         "rank's memory, algo megatron splits the weight products")
         incoming: dict[str, list[Reshard]] = {}
         for r in self.reshards:
             incoming.setdefault(r.consumer, []).append(r)

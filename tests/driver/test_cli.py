@@ -78,6 +78,19 @@ def test_plan_prints_plan_txt(tmp_path):
     assert out.returncode == 0 and "(device cpu: 2 TFLOP/s, 200 GB/s)" in out.stdout.splitlines()[1], out.stderr
 
 
+def test_a_plan_that_splits_nothing_says_why():
+    """The ILP's optimum for the small GPT-2 on two ranks runs every op whole (a collective's latency
+    outweighs the work it would split): plan.txt says so and names the two ways to split anyway; a
+    plan that splits work has no such line."""
+    note = "# every op runs whole on every rank: under the cost model"
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2")
+    assert out.returncode == 0 and out.stdout.splitlines()[3] == "# collectives: none", out.stderr
+    assert out.stdout.splitlines()[4].startswith(note)
+    assert "memory_budget_bytes" in out.stdout.splitlines()[4] and "megatron" in out.stdout.splitlines()[4]
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2", "--algo", "megatron")
+    assert out.returncode == 0 and note not in out.stdout
+
+
 def test_plan_explains_the_ops_asked_for():
     """`shardflow plan --explain NODE` prints, after the plan, what each mesh axis does to NODE
     (the vocab-parallel lookup: its rows; a row-parallel product: its reduction) and the resharding
