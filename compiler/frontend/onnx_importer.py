@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import os
 from typing import Mapping, Sequence
 
@@ -48,12 +49,7 @@ def read_model(model: "str | os.PathLike | bytes | onnx.ModelProto") -> onnx.Mod
         where = os.fspath(model)
         if not os.path.isfile(where):
             raise ModelFormatError(f"{where}: no such file")
-        try:
-            with open(where, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ModelFormatError(f"{where}: cannot read ({exc.strerror})") from None
-        proto = _parse(data, where)
+        proto = _parse_file(where)
         # external weights stay in their files, mapped when the importer decodes them
         resolve_external_data(proto, os.path.dirname(os.path.abspath(where)), where)
     else:
@@ -121,7 +117,23 @@ def _ort_default_domain_ops_moved(proto: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _parse(data: bytes, where: str) -> onnx.ModelProto:
+def _parse_file(where: str) -> onnx.ModelProto:
+    """Parse the file ``where`` from a read-only mapping of it: protobuf copies what it keeps, so
+    the file's bytes are not also held in a bytes object while it parses (650 MB for GPT-2 small,
+    and 0.4 s of copying)."""
+    try:
+        with open(where, "rb") as f:
+            try:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (ValueError, OSError):  # (an empty file, or one that cannot be mapped)
+                return _parse(f.read(), where)
+    except OSError as exc:
+        raise ModelFormatError(f"{where}: cannot read ({exc.strerror})") from None
+    with mapped, memoryview(mapped) as view:
+        return _parse(view, where)
+
+
+def _parse(data: bytes | memoryview, where: str) -> onnx.ModelProto:
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
