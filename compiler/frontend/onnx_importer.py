@@ -23,6 +23,7 @@ from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, U
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.expr import dtype_kind, numpy_type
 from .external_data import initializer_array, resolve_external_data
+from .wire import split_weights
 from .qdq import FOUR_BIT
 from .registry import NodeContext, find_handler, onnx_dtype
 
@@ -120,7 +121,8 @@ def _ort_default_domain_ops_moved(proto: onnx.ModelProto) -> onnx.ModelProto:
 def _parse_file(where: str) -> onnx.ModelProto:
     """Parse the file ``where`` from a read-only mapping of it: protobuf copies what it keeps, so
     the file's bytes are not also held in a bytes object while it parses (650 MB for GPT-2 small,
-    and 0.4 s of copying)."""
+    and 0.4 s of copying), and the large initializers' bytes are left in the file, to be mapped
+    (:func:`~.wire.split_weights`)."""
     try:
         with open(where, "rb") as f:
             try:
@@ -130,7 +132,23 @@ def _parse_file(where: str) -> onnx.ModelProto:
     except OSError as exc:
         raise ModelFormatError(f"{where}: cannot read ({exc.strerror})") from None
     with mapped, memoryview(mapped) as view:
-        return _parse(view, where)
+        split = split_weights(view)
+        if split is None:
+            return _parse(view, where)
+        small, weights = split
+    # the large initializers' bytes stay in the file: external data of the file itself, which
+    # read_model checks and the importer maps like a side file's (frontend/wire.py)
+    proto = _parse(small, where)
+    location = os.path.basename(where)
+    for t in proto.graph.initializer:
+        if t.name in weights and not t.HasField("raw_data"):
+            offset, length = weights[t.name]
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+    return proto
 
 
 def _parse(data: bytes | memoryview, where: str) -> onnx.ModelProto:

@@ -107,3 +107,55 @@ def test_a_data_file_linked_from_elsewhere_is_refused_with_the_fix(tmp_path):
     os.symlink(tmp_path / "blob", tmp_path / "m" / "weights.bin")
     with pytest.raises(ModelFormatError, match="a symbolic link to a file outside it.*copy the file beside the model"):
         load_onnx(path)
+
+
+def test_an_inline_models_large_weights_are_mapped_from_the_onnx_file(tmp_path, monkeypatch):
+    """Weights stored inside the .onnx file (protobuf ``raw_data``) are left there too: the importer
+    parses the model without their bytes (frontend/wire.py) and maps them from the file, with the
+    values onnx reads; small ones are read. Not a valid protobuf: the whole-file parse reports it."""
+    from shardflow.compiler.frontend import wire
+
+    monkeypatch.setattr(wire, "SPLIT_BYTES", 1024)  # (the test model's tables are 32 KB)
+    monkeypatch.setattr(external_data, "MAP_BYTES", 1024)
+    path = os.path.join(MODELS, "gpt2_ts17.onnx")
+    data = open(path, "rb").read()
+    small, where = wire.split_weights(data)
+    assert where and len(small) < len(data) - sum(n for _, n in where.values()) + 1024
+    model = onnx.load(path)
+    for t in model.graph.initializer:
+        if t.name in where:
+            off, n = where[t.name]
+            assert data[off:off + n] == t.raw_data
+    graph = load_onnx(path)
+    consts = {t.name: t for op in graph.nodes for t in op.inputs if t.is_constant}
+    assert _mapped(consts["model.transformer.wte.weight"].value)
+    assert not all(_mapped(t.value) for t in consts.values())  # (the small ones)
+    feeds = dict(np.load(os.path.join(MODELS, "gpt2_inputs.npz")))
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(graph.run(feeds)["logits"], want, rtol=1e-4, atol=1e-4)
+    assert wire.split_weights(data[:len(data) // 2]) is None and wire.split_weights(b"\x0b\x00") is None
+
+
+def test_a_large_inline_four_bit_weight_is_read_from_the_onnx_file(tmp_path):
+    """An int4 initializer (no whole bytes per element: not mapped) left out of the parse is read
+    back from the .onnx file as onnx reads external data; the dequantized product matches numpy's
+    (onnxruntime fuses DequantizeLinear + MatMul into a 4-bit product that quantizes the
+    activation: 0.1 apart here)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(-8, 8, (512, 512)).astype(np.int8)  # 128 KB of 4-bit codes, two to a byte
+    packed = ((q.reshape(-1, 2)[:, 0] & 0xF) | ((q.reshape(-1, 2)[:, 1] & 0xF) << 4)).astype(np.uint8)
+    w = helper.make_tensor("w", TensorProto.INT4, q.shape, packed.tobytes(), raw=True)
+    s = helper.make_tensor("s", TensorProto.FLOAT, [], [0.05])
+    nodes = [helper.make_node("DequantizeLinear", ["w", "s"], ["wf"]), helper.make_node("MatMul", ["x", "wf"], ["y"])]
+    g = helper.make_graph(nodes, "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 512])], [w, s])
+    path = tmp_path / "q4.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
+    from shardflow.compiler.frontend import wire
+
+    assert "w" in wire.split_weights(path.read_bytes())[1]
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    np.testing.assert_allclose(load_onnx(path).run({"x": x})["y"], x @ (q.astype(np.float32) * np.float32(0.05)),
+                               rtol=1e-4, atol=1e-4)
