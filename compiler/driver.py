@@ -368,8 +368,8 @@ def _bytes_key(a: np.ndarray) -> tuple:
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.nbytes == b.nbytes and np.array_equal(a.reshape(-1).view(np.uint8),
-                                                                         b.reshape(-1).view(np.uint8))
+    """Whether two arrays of one :func:`_bytes_key` (so one type and byte count) hold the same bytes."""
+    return np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
 def plan_buffers(blocks: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:

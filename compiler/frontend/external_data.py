@@ -49,10 +49,15 @@ def resolve_external_data(proto: onnx.ModelProto, model_dir: str, where: str) ->
         if t.data_location == onnx.TensorProto.EXTERNAL:
             _check_location(t, root, where)
             _load(t, root, where)
+    files: dict[str, tuple[str, int]] = {}  # location -> (checked path, size): most tensors share one file
     for t in proto.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        path = _check_location(t, root, where)
+        loc = _entries(t).get("location", "")
+        if loc not in files:
+            path = _check_location(t, root, where)
+            files[loc] = path, os.path.getsize(path)
+        path, size = files[loc]
         if t.data_type not in _DTYPES:  # (no fixed bytes per element: onnx's loader reads it)
             _load(t, root, where)
             continue
@@ -64,7 +69,6 @@ def resolve_external_data(proto: onnx.ModelProto, model_dir: str, where: str) ->
         except ValueError:
             raise ModelFormatError(f"{where}: initializer {t.name!r}: offset {info.get('offset')!r} or length "
                                    f"{info.get('length')!r} is not an integer") from None
-        size = os.path.getsize(path)
         if length != want or offset < 0 or offset + length > size:
             raise ModelFormatError(f"{where}: initializer {t.name!r} ({onnx.TensorProto.DataType.Name(t.data_type)} "
                                    f"{list(t.dims)}, {want} bytes) reads bytes [{offset}, {offset + length}) of "
