@@ -82,6 +82,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import gc
 import importlib
 import inspect
 import logging
@@ -102,6 +103,7 @@ from shardflow.runtime.artifact import ALIGNMENT, atomic_output_dir, finalize_ra
 from .errors import ConfigError, DtypeError, GraphError, ShardflowError
 from .ir.expr import numpy_type
 from .ir.graph import FlowGraph, Operator, Tensor
+from .ir.spill import spill, spilling
 
 __all__ = ["compile", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers", "TARGETS",
            "PRECISIONS", "COMM_BACKENDS"]
@@ -660,7 +662,8 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
                 if value.size != 1:
                     raise GraphError(f"rank {rank}: constant {r.name} holds a value of another shape than {r.shape}")
                 value = np.broadcast_to(value.reshape(()), r.shape)  # one value stands for all
-            value = np.asarray(value, order="C")  # not ascontiguousarray: it makes 0-d values 1-d
+            # not ascontiguousarray: it makes 0-d values 1-d; a copy (of a broadcast value) kept in a file
+            value = spill(np.asarray(value, order="C"))
             key = _bytes_key(value)
             twin = next((off for v, off in same_bytes.get(key, ()) if _same_bytes(v, value)), None)
             if twin is not None:
@@ -1278,6 +1281,17 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     ShardflowError
         Anything the pipeline rejects (unsupported ops, shapes, a target not implemented yet).
     """
+    # the large constants the compile makes (shards, casts, packed weights) kept in files beside
+    # out_dir, not in memory (ir/spill.py)
+    with spilling(out_dir):
+        return _compile(model, distributed_config=distributed_config, optimization_config=optimization_config,
+                        out_dir=out_dir, input_shapes=input_shapes, input_values=input_values, state=state)
+
+
+def _compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None,
+             out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None,
+             input_values: Mapping[str, Any] | None, state: Mapping[str, str] | None) -> CompileResult:
+    """:func:`compile`'s work, under its spill folder."""
     t_all = time.perf_counter()
     opt = OptimizationConfig.from_dict(optimization_config)
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
@@ -1438,6 +1452,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
                      manifest["kernels"], manifest["collectives"], f"{program['arena_bytes']:,}",
                      f"{program['weights_bytes']:,}")
             del rg, ops, views, kernels, program  # (what holds this rank's graph and its weight shards)
+            # ops and tensors refer to each other (producer, inputs, outputs): the graph is freed by
+            # the cycle collector, which could run ranks later, so run it now (rfcs/0000)
+            gc.collect()
         if sources:
             t = time.perf_counter()
             _compile_shared_libraries(shared[1], sources, kernels_name)

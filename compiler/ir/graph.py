@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import DtypeError, GraphError, ShapeError, ShardflowError
 from .evaluate import evaluate_task
 from .expr import ML_FLOATS, infer_dtype, numpy_type
+from .spill import spill
 from .task import ExternCompute, GridCompute, Task, TensorInput
 
 __all__ = ["Tensor", "Operator", "FlowGraph", "const_tensor"]
@@ -67,8 +68,9 @@ class Tensor:
 
 
 def const_tensor(value: np.ndarray, name: str | None = None) -> Tensor:
-    """Make a constant tensor holding ``value``."""
-    value = np.asarray(value)
+    """Make a constant tensor holding ``value`` (kept in a file when it is large, under
+    :func:`~shardflow.compiler.ir.spill.spilling`)."""
+    value = spill(np.asarray(value))
     return Tensor(name or f"const_{next(_names)}", value.shape, str(value.dtype), None, value)
 
 

@@ -16,6 +16,7 @@ from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, as_expr, dtype_kind, e
                        minimum,
                        numpy_type, sum_type)
 from ..ir.graph import Operator
+from ..ir.spill import zeros as spill_zeros
 from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
@@ -128,10 +129,13 @@ def pack_panels(b: np.ndarray) -> np.ndarray:
     """A matrix ``b[K, N]`` as :class:`PackedMatMul` reads it: ``[ceil(N / PANEL), K, PANEL]``,
     ``b[k, j]`` at ``[j // PANEL, k, j % PANEL]``, zero in the columns past ``N``."""
     k, n = b.shape
-    npanel = -(-n // PANEL)
-    padded = np.zeros((k, npanel * PANEL), b.dtype)
-    padded[:, :n] = b
-    return np.ascontiguousarray(padded.reshape(k, npanel, PANEL).transpose(1, 0, 2))
+    full, tail = divmod(n, PANEL)
+    out = spill_zeros((full + (tail > 0), k, PANEL), b.dtype)  # (written once, in place: no padded copy)
+    s0, s1 = b.strides  # the panels as a view of b, whatever its strides (b.T of a weight stored [N, K])
+    out[:full] = np.lib.stride_tricks.as_strided(b, (full, k, PANEL), (PANEL * s1, s0, s1), writeable=False)
+    if tail:
+        out[full, :, :tail] = b[:, full * PANEL:]
+    return out
 
 
 class PackedMatMul(Operator):
@@ -364,17 +368,23 @@ def pack_int8_panels(b: np.ndarray, b_zero_point: np.ndarray | None = None) -> t
     ``b'`` over ``k`` (the kernel's correction for ``a``'s zero point)."""
     k, n = b.shape
     shift = 128 if b.dtype == np.uint8 else 0
-    bs = b.astype(np.int32) - shift
     npanel, ngroup = -(-n // INT8_PANEL), -(-k // 4)
-    padded = np.zeros((ngroup * 4, npanel * INT8_PANEL), np.int32)
-    padded[:k, :n] = bs
-    bp = padded.reshape(ngroup, 4, npanel, INT8_PANEL).transpose(2, 0, 3, 1).astype(np.int8)
+    bp = spill_zeros((npanel, ngroup, INT8_PANEL, 4), np.int8)
     bc = np.zeros((2, npanel * INT8_PANEL), np.int32)
     zp = np.zeros(n, np.int32) if b_zero_point is None else np.broadcast_to(
         np.asarray(b_zero_point).reshape(-1).astype(np.int32), (n,))
     bc[0, :n] = zp - shift
-    bc[1, :n] = bs.sum(axis=0)
-    return np.ascontiguousarray(bp), bc
+    # by chunks of panels of about 4 MB of int16 values (not the whole matrix in int32 twice)
+    step = max(1, (1 << 21) // max(1, ngroup * 4 * INT8_PANEL))
+    for p0 in range(0, npanel, step):
+        p1 = min(npanel, p0 + step)
+        c0, c1 = p0 * INT8_PANEL, min(n, p1 * INT8_PANEL)
+        bs = b[:, c0:c1].astype(np.int16) - shift
+        bc[1, c0:c1] = bs.sum(axis=0, dtype=np.int32)
+        padded = np.zeros((ngroup * 4, (p1 - p0) * INT8_PANEL), np.int8)
+        padded[:k, :c1 - c0] = bs
+        bp[p0:p1] = padded.reshape(ngroup, 4, p1 - p0, INT8_PANEL).transpose(2, 0, 3, 1)
+    return bp, bc
 
 
 class PackedMatMulInteger(Operator):

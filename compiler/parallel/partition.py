@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from ..ir.spill import contiguous
 from . import comm_ops
 from .connect import connect
 from .mesh import DeviceMesh
@@ -41,7 +42,7 @@ def _slice_constant(value: np.ndarray, spec: TensorShardSpec, mesh: DeviceMesh, 
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.op == "sum" and coord[m] != 0:
             local = np.zeros_like(local)  # the value lives on the group's first rank only
-    return np.asarray(local, order="C")  # not ascontiguousarray: it makes a 0-d value 1-d
+    return contiguous(local)  # (a column shard copied once, into a spilled array when compiling)
 
 
 class _RankBuilder:

@@ -37,6 +37,7 @@ import numpy as np
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.expr import dtype_kind, numpy_type
+from ..ir.spill import contiguous
 from .base import GraphPass, take_over
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
@@ -131,7 +132,7 @@ class HalfPrecisionContractions(GraphPass):
         if _stored_k_major(op, k, t, self.k_major_weights, self.k_major_ops):
             if id(t) not in self._half_k_major:
                 self._half_k_major[id(t)] = const_tensor(
-                    np.ascontiguousarray(np.asarray(t.value).astype(self.np_dtype).T), f"{t.name}.{self.dtype}.T")
+                    contiguous(np.asarray(t.value).T, self.np_dtype), f"{t.name}.{self.dtype}.T")
             half = _k_major(op, k, self._half_k_major[id(t)], nodes)
         else:
             half = self._half_const(t)
@@ -142,7 +143,7 @@ class HalfPrecisionContractions(GraphPass):
     def _half_const(self, t: Tensor) -> Tensor:
         """Weight ``t``'s values stored in the half type (one copy per weight)."""
         if id(t) not in self._half_consts:
-            self._half_consts[id(t)] = const_tensor(np.asarray(t.value).astype(self.np_dtype), f"{t.name}.{self.dtype}")
+            self._half_consts[id(t)] = const_tensor(contiguous(t.value, self.np_dtype), f"{t.name}.{self.dtype}")
         return self._half_consts[id(t)]
 
     def _attention(self, op: Operator, nodes: list[Operator], dropped: set[int]) -> None:
@@ -258,7 +259,7 @@ class HalfWeightsKMajor(GraphPass):
             if t is not None and t.is_constant and t.dtype in ("float16", "bfloat16") \
                     and op.outputs[0].dtype == t.dtype and _stored_k_major(op, 1, t, True, self.k_major_ops):
                 if id(t) not in stored:
-                    stored[id(t)] = const_tensor(np.ascontiguousarray(np.asarray(t.value).T), f"{t.name}.T")
+                    stored[id(t)] = const_tensor(contiguous(np.asarray(t.value).T), f"{t.name}.T")
                 op.inputs = [op.inputs[0], _k_major(op, 1, stored[id(t)], nodes), *op.inputs[2:]]
                 n += 1
             nodes.append(op)
@@ -313,7 +314,7 @@ class Float32WeightsKMajor(GraphPass):
                     if trans_b:  # already [N, K]: the rounded values in its place
                         stored[key] = const_tensor(round_tf32(value), f"{t.name}.tf32")
                     else:
-                        stored[key] = const_tensor(np.ascontiguousarray((round_tf32(value) if self.tf32 else value).T),
+                        stored[key] = const_tensor(contiguous((round_tf32(value) if self.tf32 else value).T),
                                                    f"{t.name}.tf32.T" if self.tf32 else f"{t.name}.T")
                 w = stored[key] if trans_b else _k_major(op, 1, stored[key], nodes)
                 op.inputs = [op.inputs[0], w, *op.inputs[2:]]
@@ -388,7 +389,7 @@ def _in_float32(graph: FlowGraph, half_of: "Callable[[Operator], str | None]", w
             t = replace.get(id(t), t)  # (the half output of an op widened before)
             if t.dtype == half and id(t) not in widened:
                 if t.is_constant:
-                    widened[id(t)] = const_tensor(np.asarray(t.value).astype(np.float32), f"{t.name}.float32")
+                    widened[id(t)] = const_tensor(contiguous(t.value, np.float32), f"{t.name}.float32")
                 else:
                     new.append(CastOp([t], name=f"{t.name}.float32", to="float32"))
                     widened[id(t)] = new[-1].outputs[0]

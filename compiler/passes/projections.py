@@ -31,6 +31,7 @@ import logging
 import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from ..ir.spill import concatenate
 from .base import GraphPass, splice
 
 __all__ = ["MergeProjections", "SplitProjections", "PART"]
@@ -104,11 +105,11 @@ class MergeProjections(GraphPass):
             ends = [b[0].outputs[0] if with_bias else m.outputs[0] for m, b in kept]
             x = members[0].inputs[0]
             if nbits:  # (the columns of a 4-bit weight: the rows of its codes, scales and zero points)
-                consts = [const_tensor(np.concatenate([np.asarray(m.inputs[j].value) for m in members], axis=0),
+                consts = [const_tensor(concatenate([np.asarray(m.inputs[j].value) for m in members], axis=0),
                                        f"{members[0].name}.merged_{j}") for j in range(1, len(members[0].inputs))]
                 mm = type(members[0])([x, *consts], name=f"{members[0].name}.merged", **members[0].attrs)
             else:
-                w = const_tensor(np.concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
+                w = const_tensor(concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
                                  f"{members[0].name}.merged_w")
                 mm = MatMul([x, w], name=f"{members[0].name}.merged")
             new_ops: list[Operator] = [mm]

@@ -609,7 +609,8 @@ def test_compile_holds_one_rank_graph_at_a_time(tmp_path, monkeypatch):
     """Each rank's graph (its weight shards, their packed forms) is built when its turn comes and
     dropped before the next one's: a model's compile on R ranks needs about one rank's share of
     the weights beside the whole model, not all R shares. mesh.json and every manifest still name
-    the groups of every rank's collectives."""
+    the groups of every rank's collectives. (Ops and tensors refer to each other: the compile runs
+    the cycle collector itself after each rank: the test turns the automatic one off.)"""
     import gc
     import weakref
 
@@ -618,18 +619,91 @@ def test_compile_holds_one_rank_graph_at_a_time(tmp_path, monkeypatch):
     passes = driver.rank_passes
 
     def watch(rg, opt, **kw):
-        gc.collect()
         alive_before.append(sum(r() is not None for r in seen))
         seen.append(weakref.ref(rg))
-        return passes(rg, opt, **kw)
+        out = passes(rg, opt, **kw)
+        seen.extend(weakref.ref(t) for op in out.nodes for t in op.inputs if t.is_constant)  # (its weights)
+        return out
     monkeypatch.setattr(driver, "rank_passes", watch)
-    res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2, 2], "algo": "megatron"},
-                  optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    gc.disable()
+    try:
+        res = compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2, 2], "algo": "megatron"},
+                      optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    finally:
+        gc.enable()
     assert alive_before == [0, 0, 0, 0]
     groups = json.loads((res.out_dir / "mesh.json").read_text())["groups"]
     assert groups == {"0": [[0, 2], [1, 3]], "1": [[0, 1], [2, 3]]}
     for r in range(4):
         assert json.loads((res.out_dir / f"rank{r}" / "manifest.json").read_text())["mesh"]["groups"] == groups
+
+
+def _big_weights_model(path):
+    """x[4, 512] @ w1[512, 2048] (4 MiB) -> Gemm with w2 stored [N, K] (transB) and a bias."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    w1 = rng.standard_normal((512, 2048)).astype(np.float32) / 20
+    w2 = rng.standard_normal((384, 2048)).astype(np.float32) / 30
+    bias = rng.standard_normal(384).astype(np.float32)
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(bias, "b")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2", "b"], ["y"], transB=1)]
+    info = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "big", [info("x", TensorProto.FLOAT, [4, 512])],
+                          [info("y", TensorProto.FLOAT, [4, 384])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return lambda x: np.maximum(x @ w1, 0) @ w2.T + bias
+
+
+@pytest.mark.parametrize("target, mesh", [("cpu", [1]), ("cpu", [2]), ("cuda", [2])])
+def test_compile_keeps_the_constants_it_makes_in_files(tmp_path, monkeypatch, target, mesh):
+    """The large constants a compile makes (column shards, packed panels, [N, K] and half copies)
+    past its budget are maps of unlinked files (ir/spill.py), not the process's memory; the
+    artifacts are byte for byte those of a compile that keeps them in memory, and no spill folder
+    is left beside out_dir."""
+    from shardflow.compiler.ir import spill
+
+    ref = _big_weights_model(tmp_path / "m.onnx")
+    made: list = []
+    build = driver.build_program
+
+    def watch(rg, kernels, **kw):
+        made.extend(t.value for op in rg.nodes for t in op.inputs
+                    if t.is_constant and t.value.nbytes >= 1 << 20 and t.name not in ("w1", "w2"))
+        return build(rg, kernels, **kw)
+    monkeypatch.setattr(driver, "build_program", watch)
+    monkeypatch.setenv(spill.BUDGET_ENV, "0")  # (every large one spilled)
+    ocfg = {"target": target, **({"arch": "sm_90", "precision": "float16"} if target == "cuda" else {})}
+    dcfg = {"mesh_shape": mesh, "algo": "megatron"}
+    res = compile(tmp_path / "m.onnx", distributed_config=dcfg, optimization_config=ocfg, out_dir=tmp_path / "o")
+    assert made and all(spill.file_backed(v) for v in made), [type(v) for v in made]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "o"]
+    monkeypatch.delenv(spill.BUDGET_ENV)  # (the default: half the memory available, nothing spilled here)
+    made.clear()
+    plain = compile(tmp_path / "m.onnx", distributed_config=dcfg, optimization_config=ocfg, out_dir=tmp_path / "p")
+    assert made and not any(spill.file_backed(v) for v in made)
+    for r in range(len(res.rank_dirs)):
+        assert (res.rank_dirs[r] / "weights.bin").read_bytes() == (plain.rank_dirs[r] / "weights.bin").read_bytes()
+    if mesh == [1] and target == "cpu":
+        x = np.random.default_rng(6).standard_normal((4, 512)).astype(np.float32)
+        np.testing.assert_allclose(load(res.out_dir).run({"x": x})["y"], ref(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_compile_leaves_no_spill_folder(tmp_path, monkeypatch):
+    from shardflow.compiler.ir import spill
+
+    _big_weights_model(tmp_path / "m.onnx")
+    monkeypatch.setenv(spill.BUDGET_ENV, "0")
+
+    def fail(*a, **kw):
+        raise ShardflowError("stop here")
+    monkeypatch.setattr(driver, "build_program", fail)  # (after the packed weights were spilled)
+    with pytest.raises(ShardflowError, match="stop here"):
+        compile(tmp_path / "m.onnx", distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                out_dir=tmp_path / "o")
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
 
 
 def test_constants_with_the_same_bytes_share_them_in_the_weights(tmp_path):
