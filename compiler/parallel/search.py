@@ -649,8 +649,17 @@ def _is_weight_matmul(op: Operator) -> int | None:
 def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
     """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
     the column-parallel projections head-wise; an embedding table larger than its output is split
-    by rows (vocab-parallel); everything else follows or stays replicated."""
+    by rows (vocab-parallel); everything else follows or stays replicated.
+
+    A column-parallel product whose split output is resharded before a row-parallel product reads
+    it (attention whose heads do not divide over the axis: GPT-2 XL's 25 on 2 ranks, or a Llama's 2
+    key/value heads on 4) is not split: the ops are assigned again with it replicated, until no
+    such product is left. Each round keeps whole only the products resharded nearest to them (a
+    key projection's, at its own reshape), since the others may have broken because of those (the
+    query projection's heads, when the keys were split wrongly): queries stay split by heads
+    with the keys and values whole."""
     axis = len(problem.mesh_shape) - 1
+    banned: set[int] = set()  # weight products kept whole
 
     def only_axis(c: OpShardSpec) -> bool:
         return all(v is None for m, v in enumerate(c.assignment) if m != axis)
@@ -659,6 +668,8 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
         w = _is_weight_matmul(op)
         if w is None:
             return _vocab_parallel(op, cands)
+        if id(op) in banned:
+            return None
         act = next(k for k, t in enumerate(op.inputs) if not t.is_constant)
         src = problem.source_spec(op.inputs[act], assign)
         incoming_sharded = src is not None and not src.is_replicated
@@ -700,7 +711,57 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
             ok = [c for c in ok if all(c.input_specs[k].is_replicated for k in partial_in)] or ok
         return _cheapest(problem, op, ok, assign)
 
-    return _follow(problem, restricted)
+    while True:
+        assign = _follow(problem, restricted)
+        unmatched = {k: d for k, d in _unmatched_column_splits(problem, assign, axis).items() if k not in banned}
+        if not unmatched:
+            return assign
+        nearest = min(unmatched.values())
+        banned |= {k for k, d in unmatched.items() if d == nearest}
+
+
+def _unmatched_column_splits(problem: Problem, assign: dict[int, OpShardSpec], axis: int) -> dict[int, int]:
+    """The column-parallel weight products (weight and output split over ``axis``, activation
+    whole) of ``assign`` whose split output, followed through the ops that keep it split, is
+    resharded before a row-parallel product reads it (Megatron's pairing broken, with collectives
+    inside the block), each with the number of ops from it to the nearest resharding."""
+    consumers: dict[int, list[tuple[Operator, int]]] = {}
+    for op in problem.graph.nodes:
+        for k, t in enumerate(op.inputs):
+            consumers.setdefault(id(t), []).append((op, k))
+
+    def split(sp: TensorShardSpec) -> bool:
+        return isinstance(sp.placements[axis], Shard)
+
+    def row_parallel(op: Operator, k: int) -> bool:
+        w = _is_weight_matmul(op)
+        return w is not None and w != k and split(assign[id(op)].input_specs[w])
+
+    bad: dict[int, int] = {}
+    for op in problem.graph.nodes:
+        w = _is_weight_matmul(op)
+        c = assign[id(op)]
+        if w is None or not (split(c.input_specs[w]) and split(c.output_specs[0])):
+            continue
+        if any(split(sp) for t, sp in zip(op.inputs, c.input_specs) if not t.is_constant):
+            continue  # (row-parallel, or an activation split already)
+        level, depth, seen = [op.outputs[0]], 1, set()  # (breadth first: the nearest resharding's depth)
+        while level and id(op) not in bad:
+            following = []
+            for t in level:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                src = problem.source_spec(t, assign)
+                for reader, k in consumers.get(id(t), ()):
+                    if assign[id(reader)].input_specs[k] != src:
+                        bad[id(op)] = depth
+                        break
+                    if not row_parallel(reader, k):  # (else the pair closes with its partial sum)
+                        following.extend(u for u, sp in zip(reader.outputs, assign[id(reader)].output_specs)
+                                         if split(sp))
+            level, depth = following, depth + 1
+    return bad
 
 
 def _data_parallel(problem: Problem) -> dict[int, OpShardSpec]:

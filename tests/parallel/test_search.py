@@ -311,6 +311,44 @@ def _embedding_model(vocab=1000, types=2, hidden=16, tokens=(2, 8)):
     return load_onnx(onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
 
 
+@pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [8]), ("llama_ts17", [4]), ("gpt2_ts17", [2])])
+def test_megatron_keeps_whole_what_does_not_split_by_heads(model, mesh):
+    """GPT-2's 4 heads over 8 ranks, the Llama's 2 key/value heads over 4: the column-parallel
+    projections whose heads do not divide over the ranks would be resharded (all-to-alls) before
+    the row-parallel product; the baseline keeps them whole (GPT-2's attention; the Llama's keys
+    and values, its queries still split by heads, its output projection row-parallel) and splits
+    the MLPs as before. Where the heads divide (GPT-2 on 2 ranks) every projection is split."""
+    import os
+
+    from shardflow.compiler.driver import plan_passes
+
+    models = os.path.join(os.path.dirname(__file__), "..", "models")
+    graph = plan_passes(load_onnx(os.path.join(models, f"{model}.onnx")), mesh)
+    plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
+    assert "all_to_all" not in plan.to_text()
+    specs = {n: str(sp) for n, sp in plan.op_specs.items() if "h.0/" in n or "layers.0/" in n}
+    col, row, whole = "(R, S(1)) -> (S(2))", "(S(2), S(0)) -> (P(sum))", "(R, R) -> (R)"
+
+    def spec(part):
+        (name,) = [n for n in specs if n.endswith(part)]
+        return specs[name].replace("(R, S(1)) -> (S(1))", col)  # (a 2-D product's column split)
+
+    if model == "llama_ts17":
+        assert [spec(f"{p}_proj/MatMul") for p in "qkvo"] == [col, whole, whole, row]
+        assert [spec(f"{p}_proj/MatMul") for p in ("gate", "up", "down")] == [col, col, row]
+    else:
+        heads = mesh == [2]
+        qkv = [spec(f"c_attn/Gemm#part{i}") for i in range(3)]
+        assert qkv == [col] * 3 if heads else qkv == [whole] * 3, qkv
+        assert spec("attn/c_proj/Gemm").startswith("(S(" if heads else "(R, R"), spec("attn/c_proj/Gemm")
+        assert spec("mlp/c_fc/Gemm").startswith("(R, S(1)"), spec("mlp/c_fc/Gemm")
+    feeds = dict(np.load(os.path.join(models, f"{model.split('_')[0]}_inputs.npz")))
+    want = graph.run(feeds)
+    got = simulate(partition(graph, plan), feeds, plan.mesh)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mesh", [[2], [3], [2, 2]])
 def test_megatron_splits_an_embedding_table_by_rows(mesh):
     """The Megatron baseline splits a lookup table larger than its output by rows (vocab-parallel:
