@@ -646,7 +646,7 @@ def _is_weight_matmul(op: Operator) -> int | None:
     return consts[0] if len(consts) >= 1 and len(acts) == 1 else None
 
 
-def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
+def _megatron(problem: Problem, check_pairs: bool = True) -> dict[int, OpShardSpec]:
     """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
     the column-parallel projections head-wise; an embedding table larger than its output is split
     by rows (vocab-parallel); everything else follows or stays replicated.
@@ -657,7 +657,9 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
     such product is left. Each round keeps whole only the products resharded nearest to them (a
     key projection's, at its own reshape), since the others may have broken because of those (the
     query projection's heads, when the keys were split wrongly): queries stay split by heads
-    with the keys and values whole."""
+    with the keys and values whole. ``check_pairs=False``: the first, greedy assignment (the
+    ILP's safety net weighs it too: under a memory budget such a plan may be the cheapest that
+    fits, as for an unrolled LSTM, whose steps read the whole state)."""
     axis = len(problem.mesh_shape) - 1
     banned: set[int] = set()  # weight products kept whole
 
@@ -713,6 +715,8 @@ def _megatron(problem: Problem) -> dict[int, OpShardSpec]:
 
     while True:
         assign = _follow(problem, restricted)
+        if not check_pairs:
+            return assign
         unmatched = {k: d for k, d in _unmatched_column_splits(problem, assign, axis).items() if k not in banned}
         if not unmatched:
             return assign
@@ -813,7 +817,7 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         algo = "ilp"
         # The grouped/aliased ILP searches a restricted space; never return worse than a baseline.
         best = problem.total_cost(assign)[0]
-        for name, fn in BASELINES.items():
+        for name, fn in [*BASELINES.items(), ("megatron", lambda p: _megatron(p, check_pairs=False))]:
             alt = fn(problem)
             if not _fits(problem, alt):
                 continue

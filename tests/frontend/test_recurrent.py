@@ -242,11 +242,15 @@ def test_lstm_compiled_for_cpu_matches_onnxruntime(tmp_path):
 
 
 def test_lstm_on_two_ranks_matches_onnxruntime():
+    """The unrolled LSTM split over two ranks under a memory budget that replication does not fit
+    (the Megatron baseline keeps its products whole now: each step reads the whole state, so a
+    column split is gathered every step; the ILP still finds that plan, the cheapest that fits)."""
     from shardflow.compiler.parallel import partition, search, simulate
 
     model, feeds, want = lstm_model()
     g = load_onnx(model)
-    plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
+    assert search(g, {"mesh_shape": [2], "algo": "megatron"}).to_text().count("via ") == 0
+    plan = search(g, {"mesh_shape": [2], "memory_budget_bytes": 8200})
     ranks = partition(g, plan)
     assert {op.op_type for op in ranks[0].nodes} - {op.op_type for op in g.nodes}   # collectives were injected
     got = simulate(ranks, feeds)
