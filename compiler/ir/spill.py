@@ -36,7 +36,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ShardflowError
 
 __all__ = ["SPILL_BYTES", "BUDGET_ENV", "spill", "spilling", "file_backed", "zeros", "contiguous", "concatenate"]
 
@@ -94,12 +94,26 @@ class _Block:
     def _release(self, nbytes: int) -> None:
         self.held -= nbytes
 
-    def new_file(self, prefix: str) -> tuple[int, str]:
-        if self.path is None:
-            parent = self.near.parent
-            parent.mkdir(parents=True, exist_ok=True)
-            self.path = Path(tempfile.mkdtemp(prefix=f".{self.near.name}.spill-", dir=parent))
-        return tempfile.mkstemp(prefix=prefix, suffix=".bin", dir=self.path)
+    @contextlib.contextmanager
+    def new_file(self, prefix: str, nbytes: int) -> Iterator[tuple[int, str]]:
+        """A new file in the folder, ``(fd, path)``, unlinked at the end (a map made inside keeps
+        it); a failure of the file system (no space) as a :class:`ShardflowError` saying what to do."""
+        path = None
+        try:
+            if self.path is None:
+                parent = self.near.parent
+                parent.mkdir(parents=True, exist_ok=True)
+                self.path = Path(tempfile.mkdtemp(prefix=f".{self.near.name}.spill-", dir=parent))
+            fd, path = tempfile.mkstemp(prefix=prefix, suffix=".bin", dir=self.path)
+            yield fd, path
+        except OSError as exc:
+            raise ShardflowError(f"could not keep a constant of {nbytes:,} bytes in a file in "
+                                 f"{self.path or self.near.parent} ({exc}); free space there, or raise "
+                                 f"{BUDGET_ENV} (now {self.budget:,} bytes) to keep more in memory") from exc
+        finally:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 _BLOCK: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("shardflow_spill", default=None)
@@ -128,13 +142,10 @@ def spill(a: np.ndarray) -> np.ndarray:
     if block.keeps(a.nbytes):
         block.hold(a)
         return a
-    fd, path = block.new_file("c")
-    try:
+    with block.new_file("c", a.nbytes) as (fd, path):
         with os.fdopen(fd, "wb") as f:
             f.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
         return np.memmap(path, dtype=a.dtype, mode="c", shape=a.shape)
-    finally:
-        os.unlink(path)  # (the map holds the file until the array is gone)
 
 
 def zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -146,13 +157,14 @@ def zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if block is None or nbytes < SPILL_BYTES or dtype.hasobject or block.keeps(nbytes):
         return np.zeros(shape, dtype)
-    fd, path = block.new_file("z")
-    try:
-        os.ftruncate(fd, nbytes)  # (a sparse file: zeros until written)
-        os.close(fd)
+    with block.new_file("z", nbytes) as (fd, path):
+        try:
+            # its blocks allocated now: a full disk is an error here, not a SIGBUS when the pass
+            # writes into the map of a sparse file
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
         return np.memmap(path, dtype=dtype, mode="r+", shape=tuple(shape))
-    finally:
-        os.unlink(path)
 
 
 def contiguous(a: np.ndarray, dtype=None) -> np.ndarray:

@@ -101,3 +101,21 @@ def test_the_budget_comes_from_the_environment(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=f"{sp.BUDGET_ENV}=.*whole number of bytes"):
             with sp.spilling(tmp_path / "o"):
                 pass
+
+
+def test_a_full_disk_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from shardflow.compiler import ShardflowError
+
+    def full(fd, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, nbytes: full(fd, nbytes))
+    with sp.spilling(tmp_path / "o", budget=0):
+        with pytest.raises(ShardflowError, match=r"constant of 2,097,152 bytes .*No space left.*free space there, "
+                                                 r"or raise SHARDFLOW_SPILL_BUDGET \(now 0 bytes\)"):
+            sp.zeros(BIG, np.float32)
+        (folder,) = tmp_path.iterdir()
+        assert list(folder.iterdir()) == []  # (the file unlinked)
+    assert list(tmp_path.iterdir()) == []
