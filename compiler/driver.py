@@ -903,6 +903,9 @@ def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int
                 pos += a.nbytes
             if total > pos:
                 put(f, b"\0" * (total - pos))
+    except OSError as exc:
+        raise ShardflowError(f"could not write the weights {path} ({total:,} bytes): {exc}; free space there or "
+                             "choose another out_dir") from exc
     finally:
         todo.put(None)
         t.join()

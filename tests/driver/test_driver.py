@@ -691,6 +691,12 @@ def test_compile_keeps_the_constants_it_makes_in_files(tmp_path, monkeypatch, ta
         np.testing.assert_allclose(load(res.out_dir).run({"x": x})["y"], ref(x), rtol=1e-4, atol=1e-4)
 
 
+def test_weights_that_cannot_be_written_are_a_clear_error(tmp_path):
+    with pytest.raises(ShardflowError, match=r"could not write the weights .*gone/weights.bin \(8 bytes\): .*"
+                                             r"choose another out_dir"):
+        driver._write_weights(tmp_path / "gone" / "weights.bin", [(0, np.zeros(2, np.float32))], 8)
+
+
 def test_a_failed_compile_leaves_no_spill_folder(tmp_path, monkeypatch):
     from shardflow.compiler.ir import spill
 
