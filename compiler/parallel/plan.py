@@ -96,6 +96,8 @@ class ShardingPlan:
         self.bandwidth = bandwidth
         self.latency = latency
         self.device = device or H100  # the cost model's DeviceProfile
+        #: lines the search adds to plan.txt (what a baseline left whole, and why)
+        self.notes: list[str] = []
 
     def cost_model(self):
         """The cost model the plan was made with (connect orders multi-axis steps by it)."""
@@ -171,6 +173,7 @@ class ShardingPlan:
                 for name, sp in self.op_specs.items()
             ],
             "tensors": {k: str(v) for k, v in self.tensor_specs.items()},
+            "notes": list(self.notes),
             "reshards": [
                 {"tensor": r.tensor, "consumer": r.consumer, "index": r.index, "src": str(r.src), "dst": str(r.dst),
                  "cost_s": _num(r.cost),
@@ -225,6 +228,7 @@ class ShardingPlan:
                        int(d["params_bytes"]), int(d["peak_activation_bytes"]), types,
                        {k: parse(v) for k, v in d["outputs"].items()}, {k: parse(v) for k, v in d["inputs"].items()},
                        0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"), _device(d.get("device")))
+            plan.notes = [str(n) for n in d.get("notes", ())]
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed plan.json ({type(exc).__name__}: {exc})") from None
         if graph is not None:
@@ -267,6 +271,7 @@ class ShardingPlan:
             lines.append("# every op runs whole on every rank: under the cost model, splitting any work would cost "
                          "more in collectives than it saves at these sizes; memory_budget_bytes bounds each "
                          "rank's memory, algo megatron splits the weight products")
+        lines.extend(f"# {note}" for note in self.notes)
         incoming: dict[str, list[Reshard]] = {}
         for r in self.reshards:
             incoming.setdefault(r.consumer, []).append(r)

@@ -646,7 +646,8 @@ def _is_weight_matmul(op: Operator) -> int | None:
     return consts[0] if len(consts) >= 1 and len(acts) == 1 else None
 
 
-def _megatron(problem: Problem, check_pairs: bool = True) -> dict[int, OpShardSpec]:
+def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] | None = None
+              ) -> dict[int, OpShardSpec]:
     """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
     the column-parallel projections head-wise; an embedding table larger than its output is split
     by rows (vocab-parallel); everything else follows or stays replicated.
@@ -659,7 +660,8 @@ def _megatron(problem: Problem, check_pairs: bool = True) -> dict[int, OpShardSp
     query projection's heads, when the keys were split wrongly): queries stay split by heads
     with the keys and values whole. ``check_pairs=False``: the first, greedy assignment (the
     ILP's safety net weighs it too: under a memory budget such a plan may be the cheapest that
-    fits, as for an unrolled LSTM, whose steps read the whole state)."""
+    fits, as for an unrolled LSTM, whose steps read the whole state). ``kept_whole`` gets the names
+    of the products so kept whole."""
     axis = len(problem.mesh_shape) - 1
     banned: set[int] = set()  # weight products kept whole
 
@@ -719,6 +721,9 @@ def _megatron(problem: Problem, check_pairs: bool = True) -> dict[int, OpShardSp
             return assign
         unmatched = {k: d for k, d in _unmatched_column_splits(problem, assign, axis).items() if k not in banned}
         if not unmatched:
+            if kept_whole is not None:  # (a banned product may still be row-parallel)
+                kept_whole.extend(op.name for op in problem.graph.nodes
+                                  if id(op) in banned and assign[id(op)].assignment[axis] is None)
             return assign
         nearest = min(unmatched.values())
         banned |= {k for k, d in unmatched.items() if d == nearest}
@@ -827,9 +832,15 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
                             best, name, c)
                 assign, best, algo = alt, c, f"ilp->{name}"
     else:
-        assign = BASELINES[cfg.algo](problem)
+        kept_whole: list[str] = []
+        assign = _megatron(problem, kept_whole=kept_whole) if cfg.algo == "megatron" else BASELINES[cfg.algo](problem)
         algo = cfg.algo
     plan = ShardingPlan.from_assignment(problem, assign, algo=algo, search_seconds=time.perf_counter() - t0)
+    if algo == "megatron" and kept_whole:
+        plan.notes.append(
+            f"megatron: {len(kept_whole)} weight products kept whole: split by columns, their outputs would be "
+            f"resharded before a row-parallel product reads them (attention heads that do not divide over "
+            f"{problem.mesh_shape[-1]} ranks?): {', '.join(kept_whole[:4])}" + (", ..." if len(kept_whole) > 4 else ""))
     if cfg.memory_budget_bytes is not None and plan.memory_bytes > cfg.memory_budget_bytes and cfg.algo != "ilp":
         raise ShardflowError(f"the {cfg.algo} plan needs {plan.memory_bytes:,} bytes per rank, above "
                              f"memory_budget_bytes={cfg.memory_budget_bytes:,}; use algo='ilp' or raise the budget")

@@ -312,7 +312,7 @@ def _embedding_model(vocab=1000, types=2, hidden=16, tokens=(2, 8)):
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [8]), ("llama_ts17", [4]), ("gpt2_ts17", [2])])
-def test_megatron_keeps_whole_what_does_not_split_by_heads(model, mesh):
+def test_megatron_keeps_whole_what_does_not_split_by_heads(model, mesh, tmp_path):
     """GPT-2's 4 heads over 8 ranks, the Llama's 2 key/value heads over 4: the column-parallel
     projections whose heads do not divide over the ranks would be resharded (all-to-alls) before
     the row-parallel product; the baseline keeps them whole (GPT-2's attention; the Llama's keys
@@ -326,6 +326,15 @@ def test_megatron_keeps_whole_what_does_not_split_by_heads(model, mesh):
     graph = plan_passes(load_onnx(os.path.join(models, f"{model}.onnx")), mesh)
     plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
     assert "all_to_all" not in plan.to_text()
+    notes = [line for line in plan.to_text().splitlines() if line.startswith("# megatron:")]
+    if mesh == [2]:
+        assert notes == []
+    else:  # (plan.txt says which products stay whole; plan.json keeps the note)
+        kept = 4 if model == "llama_ts17" else 4 * 2  # (GPT-2: Q, K, V parts and c_proj of 2 layers)
+        assert len(notes) == 1 and notes[0].startswith(f"# megatron: {kept} weight products kept whole"), notes
+        assert "k_proj" in notes[0] or "c_attn" in notes[0]
+        plan.save(tmp_path)
+        assert ShardingPlan.load(tmp_path).notes == plan.notes
     specs = {n: str(sp) for n, sp in plan.op_specs.items() if "h.0/" in n or "layers.0/" in n}
     col, row, whole = "(R, S(1)) -> (S(2))", "(S(2), S(0)) -> (P(sum))", "(R, R) -> (R)"
 
