@@ -650,7 +650,9 @@ def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] 
               ) -> dict[int, OpShardSpec]:
     """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
     the column-parallel projections head-wise; an embedding table larger than its output is split
-    by rows (vocab-parallel); everything else follows or stays replicated.
+    by rows (vocab-parallel); everything else follows or stays replicated. The other mesh axes, if
+    any, are data parallel (Megatron-LM's DP x TP): weights whole along them, activations split by
+    their first dim (the batch) where they can be and kept so, without collectives between them.
 
     A column-parallel product whose split output is resharded before a row-parallel product reads
     it (attention whose heads do not divide over the axis: GPT-2 XL's 25 on 2 ranks, or a Llama's 2
@@ -663,47 +665,70 @@ def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] 
     fits, as for an unrolled LSTM, whose steps read the whole state). ``kept_whole`` gets the names
     of the products so kept whole."""
     axis = len(problem.mesh_shape) - 1
+    data_axes = range(axis)
+    graph_inputs = {id(t) for t in problem.graph.inputs}
     banned: set[int] = set()  # weight products kept whole
 
     def only_axis(c: OpShardSpec) -> bool:
         return all(v is None for m, v in enumerate(c.assignment) if m != axis)
 
+    def data_parallel(op: Operator, c: OpShardSpec, assign) -> bool:
+        # along the data axes: constants whole, activations as they arrive, nothing partial; a
+        # graph input whole along them may be sliced by its first dim, the batch (free)
+        for m in data_axes:
+            for t, sp in zip(op.inputs, c.input_specs):
+                p = sp.placements[m]
+                if t.is_constant:
+                    if not isinstance(p, Replicate):
+                        return False
+                    continue
+                was = problem.source_spec(t, assign).placements[m]
+                if p != was and not (isinstance(was, Replicate) and p == Shard(0) and id(t) in graph_inputs):
+                    return False
+            if any(not isinstance(o.placements[m], (Replicate, Shard)) for o in c.output_specs):
+                return False
+        return True
+
+    def best(op, matches, assign):
+        return _cheapest(problem, op, matches, assign) if matches else None
+
     def pick(op, cands, assign):
         w = _is_weight_matmul(op)
         if w is None:
-            return _vocab_parallel(op, cands)
+            return _vocab_parallel(op, cands, assign)
         if id(op) in banned:
             return None
         act = next(k for k, t in enumerate(op.inputs) if not t.is_constant)
         src = problem.source_spec(op.inputs[act], assign)
-        incoming_sharded = src is not None and not src.is_replicated
+        incoming_sharded = src is not None and not isinstance(src.placements[axis], Replicate)
+        row, column = [], []
         for c in cands:
-            if not only_axis(c) or c.assignment[axis] is None:
+            if c.assignment[axis] is None or not data_parallel(op, c, assign):
                 continue
             wp = c.input_specs[w].placements[axis]
             ap = c.input_specs[act].placements[axis]
-            if incoming_sharded and isinstance(ap, Shard) and c.input_specs[act] == src and isinstance(wp, Shard):
-                return c  # row-parallel: consume the sharded activation, produce a partial sum
+            if incoming_sharded and isinstance(ap, Shard) and ap == src.placements[axis] and isinstance(wp, Shard):
+                row.append(c)  # row-parallel: consume the sharded activation, produce a partial sum
             if not incoming_sharded and isinstance(wp, Shard) and isinstance(ap, Replicate) \
                     and isinstance(c.output_specs[0].placements[axis], Shard):
-                return c  # column-parallel
-        return None
+                column.append(c)  # column-parallel
+        return best(op, row or column, assign)
 
-    def _vocab_parallel(op, cands):
+    def _vocab_parallel(op, cands, assign):
         # A constant table split by rows (Megatron-LM's vocab-parallel embedding) when it is larger
         # than the rows it gathers: the all-reduce of the output moves fewer bytes than it saves.
-        for c in cands:
-            if only_axis(c) and c.assignment[axis] == OFFSET_ROWS:
-                tables = [op.inputs[pos] for pos, _ in op.offset_split_dims()]
-                if all(t.is_constant for t in tables) and sum(t.nbytes for t in tables) > op.outputs[0].nbytes:
-                    return c
-        return None
+        tables = [op.inputs[pos] for pos, _ in op.offset_split_dims()]
+        if not (tables and all(t.is_constant for t in tables) and sum(t.nbytes for t in tables) > op.outputs[0].nbytes):
+            return None
+        return best(op, [c for c in cands if c.assignment[axis] == OFFSET_ROWS and data_parallel(op, c, assign)],
+                    assign)
 
     def restricted(op, cands, assign):
         chosen = pick(op, cands, assign)
         if chosen is not None:
             return chosen
-        ok = [c for c in cands if only_axis(c)]
+        # (no candidate keeps the data axes' split: replicated along them, gathered)
+        ok = [c for c in cands if data_parallel(op, c, assign)] or [c for c in cands if only_axis(c)]
         # Work whose activations are whole along the axis stays whole (only weights start a split).
         acts = [problem.source_spec(t, assign) for t in op.inputs if not t.is_constant]
         if acts and all(sp is not None and isinstance(sp.placements[axis], Replicate) for sp in acts):
@@ -712,7 +737,8 @@ def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] 
         partial_in = [k for k, t in enumerate(op.inputs)
                       if (sp := problem.source_spec(t, assign)) is not None and sp.partial_axes]
         if partial_in:
-            ok = [c for c in ok if all(c.input_specs[k].is_replicated for k in partial_in)] or ok
+            ok = [c for c in ok if all(isinstance(c.input_specs[k].placements[axis], Replicate)
+                                       for k in partial_in)] or ok
         return _cheapest(problem, op, ok, assign)
 
     while True:
@@ -763,7 +789,7 @@ def _unmatched_column_splits(problem: Problem, assign: dict[int, OpShardSpec], a
                 seen.add(id(t))
                 src = problem.source_spec(t, assign)
                 for reader, k in consumers.get(id(t), ()):
-                    if assign[id(reader)].input_specs[k] != src:
+                    if assign[id(reader)].input_specs[k].placements[axis] != src.placements[axis]:
                         bad[id(op)] = depth
                         break
                     if not row_parallel(reader, k):  # (else the pair closes with its partial sum)

@@ -147,8 +147,8 @@ def test_inspect_summarizes_and_verifies(tmp_path, monkeypatch, capsys):
     out = sh("inspect", tmp_path / "o", "--verify")
     assert out.returncode == 0, out.stderr
     assert "target cpu" in out.stdout and "mesh [2, 2]" in out.stdout and "4 rank(s)" in out.stdout
-    assert len(re.findall(r"^rank \d \[\d, \d\]: 15 kernels; collectives all_reduce@1×2.*checksums ok$",
-                          out.stdout, re.M)) == 4
+    assert len(re.findall(r"^rank \d \[\d, \d\]: 16 kernels; collectives all_gather@0×1, all_reduce@1×2.*"
+                          r"checksums ok$", out.stdout, re.M)) == 4, out.stdout
     info = json.loads(sh("inspect", tmp_path / "o", "--json").stdout)
     assert info["world_size"] == 4 and info["inputs"][0]["name"] == "x"
     w = tmp_path / "o" / "rank3" / "weights.bin"

@@ -161,8 +161,11 @@ def test_out_dir_layout_and_manifest(tmp_path, callback_codegen):
             assert info["sha256"] == sha256_file(d / name)
         prog = json.loads((d / "program.json").read_text())
         kinds = [s["kind"] for s in prog["steps"]]
-        assert kinds.count("collective") == 2 and m["collectives"] == 2
-        assert all(s["group"] == "1" for s in prog["steps"] if s["kind"] == "collective")
+        # (the second axis splits the products, the first is data parallel: the batch split, its
+        # output gathered along it at the end)
+        assert kinds.count("collective") == 3 and m["collectives"] == 3
+        assert sorted((s["collective"], s["group"]) for s in prog["steps"] if s["kind"] == "collective") == [
+            ("all_gather", "0"), ("all_reduce", "1"), ("all_reduce", "1")]
         assert prog["weights_bytes"] == (d / "weights.bin").stat().st_size
     outs = run_in_threads(out, 4, inputs_of("mlp_ts17"))
     ref = reference("mlp_ts17", inputs_of("mlp_ts17"))

@@ -358,6 +358,45 @@ def test_megatron_keeps_whole_what_does_not_split_by_heads(model, mesh, tmp_path
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
+def test_megatron_on_two_axes_is_data_times_tensor_parallel():
+    """On [2, 2] the Megatron baseline splits the products over the second axis and the batch over
+    the first (weights whole along it, no collective along it but the outputs' gather)."""
+    import os
+
+    from shardflow.compiler.driver import plan_passes
+
+    models = os.path.join(os.path.dirname(__file__), "..", "models")
+    graph = plan_passes(load_onnx(os.path.join(models, "gpt2_ts17.onnx")), [2, 2])
+    plan = search(graph, {"mesh_shape": [2, 2], "algo": "megatron"})
+    first = {str(sp.placements[0]) for spec in plan.op_specs.values() for sp in (*spec.input_specs,
+                                                                                  *spec.output_specs)}
+    assert first == {"R", "S(0)"}
+    fc = next(sp for n, sp in plan.op_specs.items() if n.endswith("h.0/mlp/c_fc/Gemm"))
+    assert [str(sp) for sp in fc.input_specs[:2]] == ["S(0)R", "RS(1)"]  # (batch; the weight's columns)
+    along_first = [c for c in plan.collectives if c.mesh_axes == (0,)]
+    assert along_first and all(c.kind == "all_gather" and c.consumer.startswith("output:") for c in along_first)
+    feeds = dict(np.load(os.path.join(models, "gpt2_inputs.npz")))
+    got = simulate(partition(graph, plan), feeds, plan.mesh)
+    want = graph.run(feeds)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
+def test_megatron_does_not_split_a_batch_of_one():
+    """A batch of one is not split along the data axis, nor anything else in its place: the first
+    axis stays whole and the plan is the one of the second axis alone."""
+    m = mlp(layers=2, batch=1)
+    for io in (*m.graph.input, *m.graph.output):  # [1, 16, 64]: a sequence of 16 after the batch of one
+        io.type.tensor_type.shape.ClearField("dim")
+        for d in (1, 16, 64):
+            io.type.tensor_type.shape.dim.add().dim_value = d
+    graph = load_onnx(m)
+    plan = search(graph, {"mesh_shape": [2, 2], "algo": "megatron"})
+    assert {str(sp.placements[0]) for spec in plan.op_specs.values() for sp in spec.output_specs} == {"R"}
+    assert plan.params_bytes == search(graph, {"mesh_shape": [2], "algo": "megatron"}).params_bytes
+    assert str(next(sp for n, sp in plan.op_specs.items() if n == "matmul0").input_specs[1]) == "RS(1)"
+
+
 @pytest.mark.parametrize("mesh", [[2], [3], [2, 2]])
 def test_megatron_splits_an_embedding_table_by_rows(mesh):
     """The Megatron baseline splits a lookup table larger than its output by rows (vocab-parallel:
@@ -367,8 +406,9 @@ def test_megatron_splits_an_embedding_table_by_rows(mesh):
     graph = _embedding_model()
     plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
     specs = {n: str(sp) for n, sp in plan.op_specs.items() if plan.op_types[n] == "Gather"}
-    split = "(S(0), R) -> (P(sum))" if len(mesh) == 1 else "(RS(0), RR) -> (RP(sum))"
-    whole = "(R, R) -> (R)" if len(mesh) == 1 else "(RR, RR) -> (RR)"
+    # (on [2, 2] the first axis is data parallel: the ids split by batch, the tables whole along it)
+    split = "(S(0), R) -> (P(sum))" if len(mesh) == 1 else "(RS(0), S(0)R) -> (S(0)P(sum))"
+    whole = "(R, R) -> (R)" if len(mesh) == 1 else "(RR, S(0)R) -> (S(0)R)"
     assert sorted(specs.values()) == sorted([split, whole]), specs
     assert "splits an input into row ranges" in plan.explain(next(n for n, s in specs.items() if s == split))
     rows = -(-1000 // mesh[-1])
