@@ -8,6 +8,10 @@ first saves the model with its weights in one external data file (in a temporary
 form of models above 2 GB, whose weights the importer maps instead of reading.
 
     python benchmarks/compile_memory.py MODEL.onnx [--external] -- --target cuda --mesh 4 --algo megatron
+
+The constants the compile makes stay in memory up to ``SHARDFLOW_SPILL_BUDGET`` bytes (default half
+the available memory) and are spilled to files past it (``compiler/ir/spill.py``): set it in the
+environment (``SHARDFLOW_SPILL_BUDGET=0`` spills every one) to measure the compile under a budget.
 """
 from __future__ import annotations
 
