@@ -646,7 +646,7 @@ def _is_weight_matmul(op: Operator) -> int | None:
     return consts[0] if len(consts) >= 1 and len(acts) == 1 else None
 
 
-def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] | None = None
+def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: list | None = None
               ) -> dict[int, OpShardSpec]:
     """Column-parallel then row-parallel weight matmuls over the last mesh axis; attention follows
     the column-parallel projections head-wise; an embedding table larger than its output is split
@@ -660,10 +660,10 @@ def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] 
     such product is left. Each round keeps whole only the products resharded nearest to them (a
     key projection's, at its own reshape), since the others may have broken because of those (the
     query projection's heads, when the keys were split wrongly): queries stay split by heads
-    with the keys and values whole. ``check_pairs=False``: the first, greedy assignment (the
-    ILP's safety net weighs it too: under a memory budget such a plan may be the cheapest that
-    fits, as for an unrolled LSTM, whose steps read the whole state). ``kept_whole`` gets the names
-    of the products so kept whole."""
+    with the keys and values whole. ``kept_whole`` gets the names of the products so kept whole;
+    ``greedy`` the first, greedy assignment when it differs from the result (the ILP's safety net
+    weighs it too: under a memory budget such a plan may be the cheapest that fits, as for an
+    unrolled LSTM, whose steps read the whole state)."""
     axis = len(problem.mesh_shape) - 1
     data_axes = range(axis)
     graph_inputs = {id(t) for t in problem.graph.inputs}
@@ -741,15 +741,17 @@ def _megatron(problem: Problem, check_pairs: bool = True, kept_whole: list[str] 
                                        for k in partial_in)] or ok
         return _cheapest(problem, op, ok, assign)
 
+    first = None
     while True:
         assign = _follow(problem, restricted)
-        if not check_pairs:
-            return assign
+        first = first or assign
         unmatched = {k: d for k, d in _unmatched_column_splits(problem, assign, axis).items() if k not in banned}
         if not unmatched:
             if kept_whole is not None:  # (a banned product may still be row-parallel)
                 kept_whole.extend(op.name for op in problem.graph.nodes
                                   if id(op) in banned and assign[id(op)].assignment[axis] is None)
+            if greedy is not None and first is not assign:
+                greedy.append(first)
             return assign
         nearest = min(unmatched.values())
         banned |= {k for k, d in unmatched.items() if d == nearest}
@@ -840,6 +842,7 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         return ShardingPlan.load(cfg.preload_plan, graph=graph)
     t0 = time.perf_counter()
     problem = Problem(graph, cfg)
+    kept_whole: list[str] = []  # (what the Megatron baseline kept whole, for plan.txt)
     if cfg.algo == "ilp":
         picks = _solve_ilp(problem)
         assign = {}
@@ -848,17 +851,18 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         algo = "ilp"
         # The grouped/aliased ILP searches a restricted space; never return worse than a baseline.
         best = problem.total_cost(assign)[0]
-        for name, fn in [*BASELINES.items(), ("megatron", lambda p: _megatron(p, check_pairs=False))]:
-            alt = fn(problem)
+        greedy: list = []  # (the Megatron baseline's greedy assignment, where its pairs check changed it)
+        alts = [(name, _megatron(problem, greedy=greedy) if name == "megatron" else fn(problem))
+                for name, fn in BASELINES.items()]
+        for name, alt in alts + [("megatron", g) for g in greedy]:
             if not _fits(problem, alt):
                 continue
             c = problem.total_cost(alt)[0]
-            if c < best * (1 - 1e-9) and _fits(problem, alt):
+            if c < best * (1 - 1e-9):
                 log.warning("ILP plan (%.4g s) is costlier than the %s baseline (%.4g s); using the baseline",
                             best, name, c)
                 assign, best, algo = alt, c, f"ilp->{name}"
     else:
-        kept_whole: list[str] = []
         assign = _megatron(problem, kept_whole=kept_whole) if cfg.algo == "megatron" else BASELINES[cfg.algo](problem)
         algo = cfg.algo
     plan = ShardingPlan.from_assignment(problem, assign, algo=algo, search_seconds=time.perf_counter() - t0)
