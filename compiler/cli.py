@@ -301,7 +301,8 @@ def _cmd_plan(args) -> int:
     graph = load_onnx(args.model, input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
     from .parallel.config import DistributedConfig
 
-    plan = search(driver.plan_passes(graph, DistributedConfig.from_dict(dcfg).mesh_shape), dcfg)
+    cfg = DistributedConfig.from_dict(dcfg)
+    plan = search(driver.plan_passes(graph, cfg.mesh_shape, pad_heads=driver.heads_padding(cfg)), dcfg)
     if args.out:
         plan.save(args.out)
     explained = [plan.explain(node) for node in args.explain]  # (an unknown name fails before any output)

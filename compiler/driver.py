@@ -85,6 +85,7 @@ import fnmatch
 import gc
 import importlib
 import inspect
+import json
 import logging
 import math
 import os
@@ -1121,12 +1122,15 @@ def _mesh_groups(mesh, axis_sets: set[tuple[int, ...]]) -> dict[str, list[list[i
             for axes in sorted(axis_sets, key=lambda a: (len(a), a))}
 
 
-def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: bool = True) -> FlowGraph:
+def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: bool = True,
+                pad_heads: int = 1) -> FlowGraph:
     """The passes the whole graph takes before the plan (what :func:`compile` runs, and ``shardflow
     plan``, so that a plan it saves names the ops ``compile`` plans): affine ops folded into convs
     (``fold_affine``, passes/fold.py), and on a mesh of more than one device the fused QKV products
     split into their parts, which the plan can split by heads (passes/projections.py; each rank's
-    parts are merged back by :func:`rank_passes`). Rewrites ``graph``."""
+    parts are merged back by :func:`rank_passes`), then, with ``pad_heads`` > 1 (see
+    :func:`heads_padding`), attention heads padded to a multiple of it (passes/heads.py; recorded
+    in ``graph.meta["padded_heads"]`` for the plan). Rewrites ``graph``."""
     if fold_affine:
         # BatchNorms and per-channel scales and shifts after convs become the convs' weights
         from .passes.fold import FoldAffineIntoConv
@@ -1136,7 +1140,29 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
         from .passes.projections import SplitProjections
 
         graph = SplitProjections().run(graph)
+    if pad_heads > 1 and math.prod(mesh_shape) > 1:
+        from .passes.heads import PadHeads
+
+        pad = PadHeads(pad_heads)
+        graph = pad.run(graph)
+        if pad.padded:
+            graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded}
     return graph
+
+
+def heads_padding(dcfg) -> int:
+    """The ranks :func:`plan_passes` pads attention heads for under ``dcfg`` (a DistributedConfig):
+    the last mesh axis's size for the Megatron baseline (each rank whole heads; passes/heads.py),
+    what a preloaded plan was made with, else 1 (no padding)."""
+    if dcfg.preload_plan:
+        path = os.fspath(dcfg.preload_plan)
+        path = os.path.join(path, "plan.json") if os.path.isdir(path) else path
+        try:
+            with open(path) as f:
+                return int(json.load(f).get("pad_heads", 1))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return 1  # (the plan's own load names what is wrong with the file)
+    return int(dcfg.mesh_shape[-1]) if dcfg.algo == "megatron" else 1
 
 
 def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True,
@@ -1319,7 +1345,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu")
     graph = plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
-                        fold_affine=opt.fold_affine)
+                        fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg))
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

@@ -98,6 +98,9 @@ class ShardingPlan:
         self.device = device or H100  # the cost model's DeviceProfile
         #: lines the search adds to plan.txt (what a baseline left whole, and why)
         self.notes: list[str] = []
+        #: the ranks the graph's attention heads were padded for before the plan (passes/heads.py;
+        #: 1: not padded): a preloaded plan's graph is padded alike
+        self.pad_heads = 1
 
     def cost_model(self):
         """The cost model the plan was made with (connect orders multi-axis steps by it)."""
@@ -174,6 +177,7 @@ class ShardingPlan:
             ],
             "tensors": {k: str(v) for k, v in self.tensor_specs.items()},
             "notes": list(self.notes),
+            "pad_heads": int(self.pad_heads),
             "reshards": [
                 {"tensor": r.tensor, "consumer": r.consumer, "index": r.index, "src": str(r.src), "dst": str(r.dst),
                  "cost_s": _num(r.cost),
@@ -229,11 +233,34 @@ class ShardingPlan:
                        {k: parse(v) for k, v in d["outputs"].items()}, {k: parse(v) for k, v in d["inputs"].items()},
                        0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"), _device(d.get("device")))
             plan.notes = [str(n) for n in d.get("notes", ())]
+            plan.pad_heads = int(d.get("pad_heads", 1))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed plan.json ({type(exc).__name__}: {exc})") from None
         if graph is not None:
             plan._check_graph(graph, path)
+            plan._find_reshards(graph)
         return plan
+
+    def _find_reshards(self, graph: FlowGraph) -> None:
+        """The reshardings of a loaded plan on ``graph`` (plan.json lists them, but the ops' and
+        tensors' specs are what partition follows; so does plan.txt's list of collectives)."""
+        cm = self.cost_model()
+        produced = {id(t): self.tensor_specs.get(t.name) for op in graph.nodes for t in op.outputs}
+        inputs = {id(t): self.input_specs.get(t.name) for t in graph.inputs}
+
+        def add(t, consumer, k, dst):
+            src = None if t.is_constant else produced.get(id(t), inputs.get(id(t)))
+            if src is not None and src != dst:
+                r = connect(src, dst, t.shape, t.dtype, self.mesh, cm)
+                self.reshards.append(Reshard(t.name, consumer, k, src, dst, tuple(r.steps), float(r.cost)))
+
+        self.reshards = []
+        for op in graph.nodes:
+            for k, (t, dst) in enumerate(zip(op.inputs, self.op_specs[op.name].input_specs)):
+                add(t, op.name, k, dst)
+        for name, t in zip(graph.output_names, graph.outputs):
+            if name in self.output_specs:
+                add(t, f"output:{name}", 0, self.output_specs[name])
 
     def _check_graph(self, graph: FlowGraph, path: str) -> None:
         from .rules import op_strategies

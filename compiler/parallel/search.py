@@ -866,6 +866,11 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         assign = _megatron(problem, kept_whole=kept_whole) if cfg.algo == "megatron" else BASELINES[cfg.algo](problem)
         algo = cfg.algo
     plan = ShardingPlan.from_assignment(problem, assign, algo=algo, search_seconds=time.perf_counter() - t0)
+    padded = graph.meta.get("padded_heads")
+    if padded:
+        plan.pad_heads = int(padded["ranks"])
+        plan.notes.append("heads padded to split over {} ranks (copies of head 0, their output rows zero): {}".format(
+            padded["ranks"], ", ".join(f"{h} -> {h2} ({k} products)" for h, h2, k in padded["groups"])))
     if algo == "megatron" and kept_whole:
         plan.notes.append(
             f"megatron: {len(kept_whole)} weight products kept whole: split by columns, their outputs would be "

@@ -125,6 +125,27 @@ def test_a_saved_plan_names_the_ops_compile_plans(tmp_path):
     assert sum(k.startswith("all_reduce") for k in kinds) == 5 and not any("all_to_all" in k for k in kinds), kinds
 
 
+def test_a_saved_plan_with_padded_heads_loads_in_compile(tmp_path):
+    """GPT-2's 4 heads on 3 ranks (Megatron): `shardflow plan` pads them to 6 as compile does
+    (passes/heads.py), plan.json records it, and compile with the saved plan (algo left at its
+    default) pads the graph alike: the same plan, its collectives listed in plan.txt as the
+    saved one lists them, two all-reduces a layer and the embedding's on the ranks."""
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "3", "--algo", "megatron", "-o", tmp_path / "p")
+    assert out.returncode == 0, out.stderr
+    assert "4 -> 6 (8 products)" in out.stdout and "# megatron:" not in out.stdout
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["pad_heads"] == 3
+    res = driver.compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [3],
+                                                                        "preload_plan": str(tmp_path / "p")},
+                         optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    saved = (tmp_path / "p" / "plan.txt").read_text().splitlines()
+    compiled = (res.out_dir / "plan.txt").read_text().splitlines()
+    assert [ln for ln in compiled if ln.startswith("# collectives")] == \
+        [ln for ln in saved if ln.startswith("# collectives")] == ["# collectives: all_gather×1, all_reduce×5"]
+    steps = json.loads((res.out_dir / "rank2" / "program.json").read_text())["steps"]
+    kinds = [st["node"].rsplit("/", 1)[-1] for st in steps if st["kind"] == "collective"]
+    assert sum(k.startswith("all_reduce") for k in kinds) == 5, kinds
+
+
 def test_compile_errors_are_reported(tmp_path):
     out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--mesh", "2y2")
     assert out.returncode == 2 and "--mesh '2y2'" in out.stderr

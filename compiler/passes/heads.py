@@ -1,0 +1,223 @@
+"""Attention heads padded to a multiple of the tensor-parallel ranks (for the Megatron baseline).
+
+Megatron's tensor parallelism gives each rank whole heads: the Q, K and V projections split by
+columns, the attention by heads, the output projection by rows. When the heads do not divide over
+the ranks (GPT-2 XL's 25 on 2; Qwen2-0.5B's 14 on 4), a torch.chunk split of the projections'
+columns cuts a head in two and the heads' reshape has to gather it back; the baseline then keeps
+those projections whole (``search._unmatched_column_splits``). Megatron-LM and vLLM refuse such a
+model. This pass pads the heads instead: ``H`` heads become ``H' = ceil(H / n) * n``, each of the
+``H' - H`` new heads a copy of head 0 (its projection columns, its bias, any per-head constant),
+and the output projection's rows for them zero, so they add exactly zero to its sums (a copy of a
+real head computes finite values wherever the model does; zero-filled heads could divide zero by
+zero in a norm). The program computes ``H' / H`` of the attention's work and the model's outputs
+are the unpadded ones up to the order of the sums.
+
+Matched: a product by a constant 2-D weight (``search._is_weight_matmul``) whose output, maybe
+past an add of a constant bias, is reshaped into heads (its last dim ``N`` into ``[H, N / H]``, the
+leading dims kept); every such product with the same ``H`` is padded together (a model's Q, K and
+V). From them the pass follows the heads to the products that contract over them: each op on the
+way must have a sharding rule (``rules.op_strategies`` on a mesh of ``H`` ranks: one head each)
+that splits its inputs along the heads' dim and its output along one dim (the op keeps heads
+apart), and each contracting op must be a product by a constant weight whose rule gives a partial
+sum (the output projection). Every op is rebuilt on the padded inputs (``Operator.localize``, as
+the partitioner builds a rank's op on its shards, with the shapes ``H'`` heads give). Nothing is
+padded (the group is left as it was) when an op mixes the heads otherwise, when the padded heads
+would reach a graph output (a KV cache) or a product by another activation (grouped K/V heads
+repeated for the queries), or when a rebuilt op does not give the shapes expected.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ..errors import ShardflowError
+from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from ..ir.spill import concatenate
+from .base import GraphPass, take_over
+
+__all__ = ["PadHeads"]
+
+log = logging.getLogger(__name__)
+
+
+class PadHeads(GraphPass):
+    """Pad attention heads to a multiple of ``ranks`` (see the module's docstring). After
+    :meth:`run`, ``padded`` lists ``(heads, padded heads, number of products padded)`` per group."""
+
+    def __init__(self, ranks: int):
+        self.ranks = int(ranks)
+        self.padded: list[tuple[int, int, int]] = []
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        if self.ranks <= 1:
+            return graph
+        consumers = graph.consumers()
+        groups: dict[int, list[Operator]] = {}
+        for op in graph.nodes:
+            h = _heads_of(op, consumers)
+            if h is not None and h % self.ranks:
+                groups.setdefault(h, []).append(op)
+        for h, seeds in sorted(groups.items()):
+            padded = -(-h // self.ranks) * self.ranks
+            done = _Padding(graph, h, padded, seeds, consumers).apply()
+            if done:
+                self.padded.append((h, padded, done))
+                consumers = graph.consumers()
+                log.info("heads: %d heads padded to %d (%d products) to split over %d ranks",
+                         h, padded, done, self.ranks)
+        return graph
+
+
+def _heads_of(op: Operator, consumers) -> int | None:
+    """``H`` when ``op`` is a product by a constant 2-D weight whose output (past an add of a
+    constant, and reshapes that regroup its rows) is reshaped into ``[..., H, N / H]`` heads,
+    ``H > 1``; else None."""
+    from ..parallel.search import _is_weight_matmul
+
+    if _is_weight_matmul(op) is None or not op.outputs or op.outputs[0].ndim < 2:
+        return None
+    y = op.outputs[0]
+    n, rows = y.shape[-1], math.prod(y.shape[:-1])
+    readers = consumers.get(id(y), [])
+    if len(readers) == 1 and readers[0].op_type == "Binary" and readers[0].attrs.get("fn") == "add" \
+            and any(t.is_constant for t in readers[0].inputs) and readers[0].outputs[0].shape == y.shape:
+        readers = consumers.get(id(readers[0].outputs[0]), [])
+    while readers:
+        r = readers[0]
+        if len(readers) != 1 or r.op_type != "Reshape":
+            return None
+        s = r.outputs[0].shape
+        if s[-1] == n:  # (the rows regrouped: [B*L, N] -> [B, L, N])
+            readers = consumers.get(id(r.outputs[0]), [])
+            continue
+        if len(s) >= 3 and s[-2] * s[-1] == n and math.prod(s[:-2]) == rows and 1 < s[-2] < n:
+            return int(s[-2])
+        return None
+    return None
+
+
+class _Padding:
+    """One group's padding: the ops rebuilt, checked, then put in the graph (or nothing)."""
+
+    def __init__(self, graph: FlowGraph, heads: int, padded: int, seeds: list[Operator], consumers):
+        self.graph, self.h, self.h2, self.consumers = graph, heads, padded, consumers
+        self.seeds = {id(op) for op in seeds}
+        self.axis: dict[int, int] = {}  # id(old tensor) -> its heads' dim
+        self.new: dict[int, Tensor] = {}  # id(old tensor) -> the padded one
+        self.rebuilt: dict[int, Operator] = {}  # id(old op) -> the op on padded inputs
+        self.contracting: list[Operator] = []  # rebuilt ops that sum the heads (outputs unchanged)
+
+    def apply(self) -> int:
+        """Pad the group; the number of products padded (0: nothing changed)."""
+        try:
+            for op in self.graph.nodes:
+                if id(op) in self.seeds or any(id(t) in self.axis for t in op.inputs):
+                    self._rebuild(op)
+            self._check_readers()
+        except _Refused as why:
+            log.info("heads: %d heads not padded to %d: %s", self.h, self.h2, why)
+            return 0
+        contracting = {id(op) for op in self.contracting}
+        for old in self.graph.nodes:
+            if id(self.rebuilt.get(id(old))) in contracting:
+                take_over(old, self.rebuilt[id(old)], "padding of its heads")
+        self.graph.nodes = [self.rebuilt.get(id(op), op) for op in self.graph.nodes]
+        return len(self.seeds) + len(self.contracting)
+
+    def _rebuild(self, op: Operator) -> None:
+        from ..errors import ShapeError
+        from ..parallel.placement import Partial, Replicate, Shard
+        from ..parallel.rules import op_strategies
+        from ..parallel.search import _is_weight_matmul
+
+        seed = id(op) in self.seeds
+        if seed and any(id(t) in self.axis for t in op.inputs):
+            raise _Refused(f"the projection {op.name} reads padded heads")
+        try:
+            cands = op_strategies(op, (self.h,))
+        except ShardflowError as exc:
+            raise _Refused(f"{op.name} ({op.op_type}) has no rules: {exc}") from None
+        for c in cands:
+            if c.assignment[0] is None:
+                continue
+            ins = [sp.placements[0] for sp in c.input_specs]
+            outs = [sp.placements[0] for sp in c.output_specs]
+            contracting = all(isinstance(p, Partial) and p.op == "sum" for p in outs)
+            ok = True
+            for t, p in zip(op.inputs, ins):
+                if id(t) in self.axis:
+                    ok &= p == Shard(self.axis[id(t)])
+                elif not t.is_constant:
+                    ok &= isinstance(p, Replicate)
+                else:  # (a bias added to the sum is partial too: kept as it is)
+                    ok &= isinstance(p, (Replicate, Shard)) or contracting and p == Partial("sum")
+            if seed:
+                ok &= outs == [Shard(op.outputs[0].ndim - 1)]
+            ok &= contracting or all(isinstance(p, Shard) for p in outs)
+            if contracting and ok:
+                w = _is_weight_matmul(op)
+                ok &= w is not None and isinstance(ins[w], Shard) and \
+                    sum(1 for t in op.inputs if id(t) in self.axis) == 1
+            if ok:
+                break
+        else:
+            raise _Refused(f"{op.name} ({op.op_type}) does not keep the heads apart")
+        # (c: the candidate; pad its split constants: copies of head 0, zero rows where summed)
+        inputs = []
+        for t, p in zip(op.inputs, ins):
+            if id(t) in self.axis:
+                inputs.append(self.new[id(t)])
+            elif t.is_constant and isinstance(p, Shard):
+                inputs.append(self._pad_constant(t, p.dim, zero=contracting))
+            else:
+                inputs.append(t)
+        if contracting:
+            shapes = [t.shape for t in op.outputs]
+        else:
+            shapes = [self._grown(t, p.dim) for t, p in zip(op.outputs, outs)]
+        try:
+            new = op.localize(inputs, shapes)
+        except (ShapeError, ShardflowError, ValueError) as exc:
+            raise _Refused(f"{op.name} ({op.op_type}) on {self.h2} heads: {exc}") from None
+        self.rebuilt[id(op)] = new
+        if contracting:
+            self.contracting.append(new)
+            return
+        for t, lt, p in zip(op.outputs, new.outputs, outs):
+            lt.name = t.name
+            self.axis[id(t)] = p.dim
+            self.new[id(t)] = lt
+
+    def _grown(self, t: Tensor, dim: int) -> tuple[int, ...]:
+        e = t.shape[dim]
+        if e % self.h:
+            raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
+        return t.shape[:dim] + (e // self.h * self.h2,) + t.shape[dim + 1:]
+
+    def _pad_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
+        """``t`` with ``H' - H`` heads more along ``dim``: zeros, or copies of head 0."""
+        value = np.asarray(t.value)
+        unit = value.shape[dim] // self.h
+        if value.shape[dim] % self.h:
+            raise _Refused(f"the constant {t.name}'s dim {dim} ({value.shape[dim]}) is not a whole number of heads")
+        extra = (self.h2 - self.h) * unit
+        if zero:
+            fill = np.zeros(value.shape[:dim] + (extra,) + value.shape[dim + 1:], value.dtype)
+        else:
+            fill = np.take(value, np.tile(np.arange(unit), self.h2 - self.h), axis=dim)
+        return const_tensor(concatenate([value, fill], axis=dim), f"{t.name}.heads{self.h2}")
+
+    def _check_readers(self) -> None:
+        outputs = {id(t) for t in self.graph.outputs}
+        for tid in self.axis:
+            if tid in outputs:
+                raise _Refused("padded heads would reach a graph output")
+            for r in self.consumers.get(tid, ()):
+                if id(r) not in self.rebuilt:
+                    raise _Refused(f"{r.name} ({r.op_type}) reads padded heads")
+
+
+class _Refused(Exception):
+    """Why a group is not padded."""
