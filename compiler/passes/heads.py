@@ -22,8 +22,15 @@ apart), and each contracting op must be a product by a constant weight whose rul
 sum (the output projection). Every op is rebuilt on the padded inputs (``Operator.localize``, as
 the partitioner builds a rank's op on its shards, with the shapes ``H'`` heads give). Nothing is
 padded (the group is left as it was) when an op mixes the heads otherwise, when the padded heads
-would reach a graph output (a KV cache) or a product by another activation (grouped K/V heads
-repeated for the queries), or when a rebuilt op does not give the shapes expected.
+would reach a graph output (a KV cache) or an op beside another activation that is not padded, or
+when a rebuilt op does not give the shapes expected.
+
+Grouped key/value heads (``Hkv`` of them, each read by ``G = H / Hkv`` query heads) are repeated
+for the queries by transformers' ``repeat_kv``: ``[.., Hkv, 1, ..]`` expanded to ``[.., Hkv, G,
+..]`` and reshaped to ``H`` heads. Padded, query head ``h < H`` still reads key/value head
+``h // G`` and a new one reads head 0's (it is a copy of query head 0): the expand and reshape
+become a gather of those ``H'`` heads (constant indices), and the key and value projections stay
+as they are (the baseline keeps them whole when their ``Hkv`` heads do not divide either).
 """
 from __future__ import annotations
 
@@ -61,7 +68,8 @@ class PadHeads(GraphPass):
                 groups.setdefault(h, []).append(op)
         for h, seeds in sorted(groups.items()):
             padded = -(-h // self.ranks) * self.ranks
-            done = _Padding(graph, h, padded, seeds, consumers).apply()
+            repeats = [op for op in graph.nodes if (r := _repeated_heads(op)) is not None and r[0] * r[1] == h]
+            done = _Padding(graph, h, padded, seeds, repeats, consumers).apply()
             if done:
                 self.padded.append((h, padded, done))
                 consumers = graph.consumers()
@@ -98,22 +106,42 @@ def _heads_of(op: Operator, consumers) -> int | None:
     return None
 
 
+def _repeated_heads(op: Operator) -> tuple[int, int, int] | None:
+    """``(Hkv, G, axis)`` when ``op`` is the reshape that ends a ``repeat_kv`` (transformers' grouped
+    key/value heads: ``[.., Hkv, 1, ..]`` expanded to ``[.., Hkv, G, ..]``, then the two dims merged
+    into ``Hkv * G`` heads at ``axis``); else None."""
+    if op.op_type != "Reshape" or op.inputs[0].producer is None or op.inputs[0].producer.op_type != "Expand":
+        return None
+    x, e = op.inputs[0].producer.inputs[0], op.inputs[0]
+    out = op.outputs[0].shape
+    for a in range(x.ndim - 1):
+        if x.shape[a + 1] == 1 and e.shape[a + 1] > 1 and x.shape[:a + 1] == e.shape[:a + 1] \
+                and x.shape[a + 2:] == e.shape[a + 2:] \
+                and out == e.shape[:a] + (e.shape[a] * e.shape[a + 1],) + e.shape[a + 2:]:
+            return int(x.shape[a]), int(e.shape[a + 1]), a
+    return None
+
+
 class _Padding:
     """One group's padding: the ops rebuilt, checked, then put in the graph (or nothing)."""
 
-    def __init__(self, graph: FlowGraph, heads: int, padded: int, seeds: list[Operator], consumers):
+    def __init__(self, graph: FlowGraph, heads: int, padded: int, seeds: list[Operator], repeats: list[Operator],
+                 consumers):
         self.graph, self.h, self.h2, self.consumers = graph, heads, padded, consumers
         self.seeds = {id(op) for op in seeds}
+        self.repeats = {id(op) for op in repeats}
         self.axis: dict[int, int] = {}  # id(old tensor) -> its heads' dim
         self.new: dict[int, Tensor] = {}  # id(old tensor) -> the padded one
-        self.rebuilt: dict[int, Operator] = {}  # id(old op) -> the op on padded inputs
+        self.rebuilt: dict[int, list[Operator]] = {}  # id(old op) -> the ops on padded inputs in its place
         self.contracting: list[Operator] = []  # rebuilt ops that sum the heads (outputs unchanged)
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
         try:
             for op in self.graph.nodes:
-                if id(op) in self.seeds or any(id(t) in self.axis for t in op.inputs):
+                if id(op) in self.repeats:
+                    self._repeat(op)
+                elif id(op) in self.seeds or any(id(t) in self.axis for t in op.inputs):
                     self._rebuild(op)
             self._check_readers()
         except _Refused as why:
@@ -121,10 +149,32 @@ class _Padding:
             return 0
         contracting = {id(op) for op in self.contracting}
         for old in self.graph.nodes:
-            if id(self.rebuilt.get(id(old))) in contracting:
-                take_over(old, self.rebuilt[id(old)], "padding of its heads")
-        self.graph.nodes = [self.rebuilt.get(id(op), op) for op in self.graph.nodes]
+            new = self.rebuilt.get(id(old))
+            if new and id(new[0]) in contracting:
+                take_over(old, new[0], "padding of its heads")
+        self.graph.nodes = [n for op in self.graph.nodes for n in self.rebuilt.get(id(op), [op])]
+        if self.repeats:  # (the expands the gathers replaced)
+            from .simplify import EliminateDeadCode
+
+            EliminateDeadCode().run(self.graph)
         return len(self.seeds) + len(self.contracting)
+
+    def _repeat(self, op: Operator) -> None:
+        """A ``repeat_kv`` (:func:`_repeated_heads`) as a gather of its ``H'`` heads from the
+        key/value heads: query head ``h < H`` reads ``h // G``, a new one head 0's (as its query
+        is head 0's), so the new heads stay copies of head 0."""
+        from ..ops.transform import Gather, Reshape
+
+        hkv, g, a = _repeated_heads(op)
+        x = op.inputs[0].producer.inputs[0]
+        idx = np.concatenate([np.repeat(np.arange(hkv), g), np.zeros(self.h2 - self.h, np.int64)]).astype(np.int64)
+        gather = Gather([x, const_tensor(idx, f"{op.name}.heads{self.h2}")], name=f"{op.name}.gather", axis=a)
+        shape = op.outputs[0].shape[:a] + (self.h2,) + op.outputs[0].shape[a + 1:]
+        reshape = Reshape([gather.outputs[0]], name=op.name, shape=shape)
+        reshape.outputs[0].name = op.outputs[0].name
+        self.rebuilt[id(op)] = [gather, reshape]
+        self.axis[id(op.outputs[0])] = a
+        self.new[id(op.outputs[0])] = reshape.outputs[0]
 
     def _rebuild(self, op: Operator) -> None:
         from ..errors import ShapeError
@@ -181,7 +231,7 @@ class _Padding:
             new = op.localize(inputs, shapes)
         except (ShapeError, ShardflowError, ValueError) as exc:
             raise _Refused(f"{op.name} ({op.op_type}) on {self.h2} heads: {exc}") from None
-        self.rebuilt[id(op)] = new
+        self.rebuilt[id(op)] = [new]
         if contracting:
             self.contracting.append(new)
             return
@@ -215,7 +265,7 @@ class _Padding:
             if tid in outputs:
                 raise _Refused("padded heads would reach a graph output")
             for r in self.consumers.get(tid, ()):
-                if id(r) not in self.rebuilt:
+                if id(r) not in self.rebuilt and id(r) not in self.repeats:
                     raise _Refused(f"{r.name} ({r.op_type}) reads padded heads")
 
 

@@ -69,7 +69,8 @@ DEFAULT = [(f"{base}_ts17", "2", "megatron") for base in MESH_OF_4] + \
           [(f"{base}_ts17", mesh, "data") for base, mesh in MESH_OF_4.items() if base != "resnet"] + \
           [("mlp_ts17", "2x2", "data"), ("mlp_dynamo18", "2x2", "megatron"),
            ("llama_sdpa_dynamo23", "2", "megatron"),  # ONNX Attention ops (opset 23), split by heads
-           ("gpt2_ts17", "3", "megatron")]  # 4 heads padded to 6 (passes/heads.py), 2 a rank
+           ("gpt2_ts17", "3", "megatron"),  # 4 heads padded to 6 (passes/heads.py), 2 a rank
+           ("llama_ts17", "3", "megatron")]  # its queries likewise, 2 key/value heads gathered for them
 ALL = ["gpt2_ts17", "gpt2_dynamo18", "bert_ts17", "bert_dynamo18", "llama_ts17", "llama_dynamo18", "vit_ts17",
        "vit_dynamo18", "resnet_ts17", "resnet_dynamo18", "t5_encoder_ts17", "t5_encoder_dynamo18"]
 

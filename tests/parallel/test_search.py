@@ -312,13 +312,16 @@ def _embedding_model(vocab=1000, types=2, hidden=16, tokens=(2, 8)):
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [3]), ("gpt2_ts17", [8]), ("gpt2_dynamo18", [2, 3]),
-                                         ("bert_ts17", [3]), ("vit_ts17", [3]), ("neox_ts17", [3])])
+                                         ("bert_ts17", [3]), ("vit_ts17", [3]), ("neox_ts17", [3]),
+                                         ("llama_ts17", [3]), ("llama_sdpa_dynamo23", [3])])
 def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     """compile's passes for the Megatron baseline (driver.plan_passes with pad_heads): 4 heads over
     3 ranks become 6, over 8 ranks 8 (passes/heads.py: copies of head 0, the output projection's
     rows for them zero); the baseline then splits every Q, K and V projection by heads and the
     output projection by rows, keeps nothing whole, and the ranks compute what the unpadded graph
-    does. The plan says so, and plan.json keeps the ranks the heads were padded for."""
+    does. The Llamas' 2 key/value heads for 4 query heads: the queries padded, their repeat of
+    the key/value heads a gather of 6 (the new ones head 0's), the key and value projections kept
+    whole. The plan says so, and plan.json keeps the ranks the heads were padded for."""
     import os
 
     from shardflow.compiler.driver import plan_passes
@@ -327,19 +330,28 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     path = os.path.join(models, f"{model}.onnx")
     graph = plan_passes(load_onnx(path), mesh, pad_heads=mesh[-1])
     padded = -(-4 // mesh[-1]) * mesh[-1]
-    products = 4 if model.startswith("neox") else 8  # (NeoX's QKV is head-major: one product a layer)
+    # (NeoX's QKV is head-major, one product a layer; the Llamas' queries and output projections)
+    products = 4 if model.startswith(("neox", "llama")) else 8
     assert graph.meta["padded_heads"] == {"ranks": mesh[-1], "groups": [(4, padded, products)]}
     plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
     text = plan.to_text()
-    assert "# megatron:" not in text and "all_to_all" not in text
+    kept = [line for line in text.splitlines() if line.startswith("# megatron:")]
+    if model.startswith("llama"):
+        assert len(kept) == 1 and kept[0].startswith("# megatron: 4 weight products kept whole"), kept
+        assert "k_proj" in kept[0] or "node_linear_1" in kept[0], kept
+    else:
+        assert kept == []
+    assert "all_to_all" not in text
     assert f"# heads padded to split over {mesh[-1]} ranks (copies of head 0, their output rows zero): " \
            f"4 -> {padded} ({products} products)" in text
     assert plan.pad_heads == mesh[-1]
     plan.save(tmp_path)
     assert ShardingPlan.load(tmp_path).pad_heads == mesh[-1]
     axis = len(mesh) - 1
-    padded = [op for op in graph.nodes if any(t.is_constant and ".heads" in t.name for t in op.inputs)]
-    assert {op.op_type for op in padded} >= {"MatMul"} and all(  # (the products and their biases)
+    # (the products and their biases; a gather of the key/value heads is whole, as their expand was)
+    padded = [op for op in graph.nodes if any(t.is_constant and ".heads" in t.name for t in op.inputs)
+              and op.op_type != "Gather"]
+    assert {op.op_type for op in padded} >= {"MatMul"} and all(
         plan.op_specs[op.name].assignment[axis] is not None for op in padded), \
         {op.name: str(plan.op_specs[op.name]) for op in padded}
     feeds = dict(np.load(os.path.join(models, f"{model.split('_')[0]}_inputs.npz")))
@@ -350,22 +362,12 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
 
 
 def test_heads_are_not_padded_where_they_would_leave_the_attention():
-    """Grouped key/value heads (the Llama's 2 for 4 query heads: the scores' product reads the
-    queries' heads beside keys that are not padded) and heads that reach a graph output (a
-    cache) are left as they are: nothing padded, the graph unchanged."""
-    import os
-
+    """Heads that reach a graph output (a cache) are left as they are: nothing padded, the graph
+    unchanged."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from shardflow.compiler.passes.heads import PadHeads
-
-    models = os.path.join(os.path.dirname(__file__), "..", "models")
-    llama = load_onnx(os.path.join(models, "llama_ts17.onnx"))
-    before = [(op.name, [t.shape for t in op.outputs]) for op in llama.nodes]
-    pad = PadHeads(3)
-    pad.run(llama)
-    assert pad.padded == [] and [(op.name, [t.shape for t in op.outputs]) for op in llama.nodes] == before
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((12, 12)).astype(np.float32), n) for n in ("wq", "wo")]
@@ -380,9 +382,10 @@ def test_heads_are_not_padded_where_they_would_leave_the_attention():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 12]),
                            helper.make_tensor_value_info("cache", TensorProto.FLOAT, [2, 3, 8, 4])], inits)
     graph = load_onnx(onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    before = [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes]
     pad = PadHeads(2)
     pad.run(graph)
-    assert pad.padded == [] and [t.shape for t in graph.outputs] == [(2, 8, 12), (2, 3, 8, 4)]
+    assert pad.padded == [] and [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes] == before
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [8]), ("llama_ts17", [4]), ("gpt2_ts17", [2])])
