@@ -13,24 +13,28 @@ zero in a norm). The program computes ``H' / H`` of the attention's work and the
 are the unpadded ones up to the order of the sums.
 
 Matched: a product by a constant 2-D weight (``search._is_weight_matmul``) whose output, maybe
-past an add of a constant bias, is reshaped into heads (its last dim ``N`` into ``[H, N / H]``, the
-leading dims kept); every such product with the same ``H`` is padded together (a model's Q, K and
-V). From them the pass follows the heads to the products that contract over them: each op on the
-way must have a sharding rule (``rules.op_strategies`` on a mesh of ``H`` ranks: one head each)
-that splits its inputs along the heads' dim and its output along one dim (the op keeps heads
-apart), and each contracting op must be a product by a constant weight whose rule gives a partial
-sum (the output projection). Every op is rebuilt on the padded inputs (``Operator.localize``, as
-the partitioner builds a rank's op on its shards, with the shapes ``H'`` heads give). Nothing is
-padded (the group is left as it was) when an op mixes the heads otherwise, when the padded heads
-would reach a graph output (a KV cache) or an op beside another activation that is not padded, or
-when a rebuilt op does not give the shapes expected.
+past an add of a constant bias and reshapes that regroup its rows, is reshaped into heads (its
+last dim ``N`` into ``[H, N / H]``); every such product with the same ``H`` is padded together (a
+model's Q, K and V). From them the pass follows the heads to the products that contract over
+them: each op on the way must have a sharding rule (``rules.op_strategies`` on a mesh of ``H``
+ranks: one head each) that splits its padded inputs along their heads' dims and its output along
+one dim (the op keeps heads apart), and each contracting op must be a product by a constant
+weight whose rule gives a partial sum (the output projection). An activation the rule splits
+that is not padded (T5's relative position bias, one per head, computed once for all layers) is
+gathered to ``H'`` heads, the new ones head 0's; a split constant is padded likewise. Every op
+is rebuilt on the padded inputs (``Operator.localize``, as the partitioner builds a rank's op on
+its shards, with the shapes ``H'`` heads give). So every tensor along the heads holds in each new
+head a copy of head 0's values. Nothing is padded (the group is left as it was) when an op mixes
+the heads otherwise, when the padded heads would reach a graph output (a KV cache), or when a
+rebuilt op does not give the shapes expected.
 
 Grouped key/value heads (``Hkv`` of them, each read by ``G = H / Hkv`` query heads) are repeated
 for the queries by transformers' ``repeat_kv``: ``[.., Hkv, 1, ..]`` expanded to ``[.., Hkv, G,
 ..]`` and reshaped to ``H`` heads. Padded, query head ``h < H`` still reads key/value head
-``h // G`` and a new one reads head 0's (it is a copy of query head 0): the expand and reshape
-become a gather of those ``H'`` heads (constant indices), and the key and value projections stay
-as they are (the baseline keeps them whole when their ``Hkv`` heads do not divide either).
+``h // G`` and a new one head 0's (it is a copy of query head 0): the expand and reshape become a
+gather of those ``H'`` heads (constant indices), and the key and value projections stay as they
+are (the baseline keeps them whole when their ``Hkv`` heads do not divide either). The groups
+with the most heads are padded first (the queries before their key/value heads).
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ import numpy as np
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.spill import concatenate
+from ..parallel.placement import Partial, Replicate, Shard
+from ..parallel.rules import op_strategies
 from .base import GraphPass, take_over
 
 __all__ = ["PadHeads"]
@@ -66,7 +72,10 @@ class PadHeads(GraphPass):
             h = _heads_of(op, consumers)
             if h is not None and h % self.ranks:
                 groups.setdefault(h, []).append(op)
-        for h, seeds in sorted(groups.items()):
+        # (most heads first: a model's queries before its grouped key/value heads, which are
+        # then repeated by a gather and left whole; padded first, the keys would make the query
+        # projection a whole product gathered per rank)
+        for h, seeds in sorted(groups.items(), reverse=True):
             padded = -(-h // self.ranks) * self.ranks
             repeats = [op for op in graph.nodes if (r := _repeated_heads(op)) is not None and r[0] * r[1] == h]
             done = _Padding(graph, h, padded, seeds, repeats, consumers).apply()
@@ -134,6 +143,7 @@ class _Padding:
         self.new: dict[int, Tensor] = {}  # id(old tensor) -> the padded one
         self.rebuilt: dict[int, list[Operator]] = {}  # id(old op) -> the ops on padded inputs in its place
         self.contracting: list[Operator] = []  # rebuilt ops that sum the heads (outputs unchanged)
+        self.gathered: dict[tuple[int, int], Tensor] = {}  # (id(activation), dim) -> its padded gather
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
@@ -178,49 +188,20 @@ class _Padding:
 
     def _rebuild(self, op: Operator) -> None:
         from ..errors import ShapeError
-        from ..parallel.placement import Partial, Replicate, Shard
-        from ..parallel.rules import op_strategies
-        from ..parallel.search import _is_weight_matmul
 
-        seed = id(op) in self.seeds
-        if seed and any(id(t) in self.axis for t in op.inputs):
+        if id(op) in self.seeds and any(id(t) in self.axis for t in op.inputs):
             raise _Refused(f"the projection {op.name} reads padded heads")
-        try:
-            cands = op_strategies(op, (self.h,))
-        except ShardflowError as exc:
-            raise _Refused(f"{op.name} ({op.op_type}) has no rules: {exc}") from None
-        for c in cands:
-            if c.assignment[0] is None:
-                continue
-            ins = [sp.placements[0] for sp in c.input_specs]
-            outs = [sp.placements[0] for sp in c.output_specs]
-            contracting = all(isinstance(p, Partial) and p.op == "sum" for p in outs)
-            ok = True
-            for t, p in zip(op.inputs, ins):
-                if id(t) in self.axis:
-                    ok &= p == Shard(self.axis[id(t)])
-                elif not t.is_constant:
-                    ok &= isinstance(p, Replicate)
-                else:  # (a bias added to the sum is partial too: kept as it is)
-                    ok &= isinstance(p, (Replicate, Shard)) or contracting and p == Partial("sum")
-            if seed:
-                ok &= outs == [Shard(op.outputs[0].ndim - 1)]
-            ok &= contracting or all(isinstance(p, Shard) for p in outs)
-            if contracting and ok:
-                w = _is_weight_matmul(op)
-                ok &= w is not None and isinstance(ins[w], Shard) and \
-                    sum(1 for t in op.inputs if id(t) in self.axis) == 1
-            if ok:
-                break
-        else:
-            raise _Refused(f"{op.name} ({op.op_type}) does not keep the heads apart")
-        # (c: the candidate; pad its split constants: copies of head 0, zero rows where summed)
-        inputs = []
+        ins, outs, contracting = self._strategy(op)
+        # pad the strategy's split constants (copies of head 0; zero rows where the heads are
+        # summed) and activations that are not padded yet (a gather: copies of head 0's slice)
+        inputs, gathers = [], []
         for t, p in zip(op.inputs, ins):
             if id(t) in self.axis:
                 inputs.append(self.new[id(t)])
             elif t.is_constant and isinstance(p, Shard):
                 inputs.append(self._pad_constant(t, p.dim, zero=contracting))
+            elif isinstance(p, Shard):
+                inputs.append(self._pad_activation(t, p.dim, gathers))
             else:
                 inputs.append(t)
         if contracting:
@@ -231,7 +212,7 @@ class _Padding:
             new = op.localize(inputs, shapes)
         except (ShapeError, ShardflowError, ValueError) as exc:
             raise _Refused(f"{op.name} ({op.op_type}) on {self.h2} heads: {exc}") from None
-        self.rebuilt[id(op)] = [new]
+        self.rebuilt[id(op)] = gathers + [new]
         if contracting:
             self.contracting.append(new)
             return
@@ -239,6 +220,65 @@ class _Padding:
             lt.name = t.name
             self.axis[id(t)] = p.dim
             self.new[id(t)] = lt
+
+    def _strategy(self, op: Operator):
+        """``(input placements, output placements, contracting)`` of the sharding rule (on a mesh
+        of ``H`` ranks) that splits ``op``'s padded inputs along their heads' dims and its output
+        along one dim, or sums over the heads (a product by a constant weight); of those, the one
+        that splits the fewest activations not padded yet."""
+        from ..parallel.search import _is_weight_matmul
+
+        try:
+            cands = op_strategies(op, (self.h,))
+        except ShardflowError as exc:
+            raise _Refused(f"{op.name} ({op.op_type}) has no rules: {exc}") from None
+        found = []
+        for c in cands:
+            if c.assignment[0] is None:
+                continue
+            ins = [sp.placements[0] for sp in c.input_specs]
+            outs = [sp.placements[0] for sp in c.output_specs]
+            contracting = all(isinstance(p, Partial) and p.op == "sum" for p in outs)
+            ok = contracting or all(isinstance(p, Shard) for p in outs)
+            for t, p in zip(op.inputs, ins):
+                if id(t) in self.axis:
+                    ok &= p == Shard(self.axis[id(t)])
+                elif not t.is_constant:
+                    ok &= isinstance(p, (Replicate, Shard)) and not contracting
+                else:  # (a bias added to the sum is partial too: kept as it is)
+                    ok &= isinstance(p, (Replicate, Shard)) or contracting and p == Partial("sum")
+            if id(op) in self.seeds:
+                ok &= outs == [Shard(op.outputs[0].ndim - 1)]
+            if contracting and ok:
+                w = _is_weight_matmul(op)
+                ok &= w is not None and isinstance(ins[w], Shard) and \
+                    sum(1 for t in op.inputs if id(t) in self.axis) == 1
+            if ok:
+                gathered = sum(1 for t, p in zip(op.inputs, ins)
+                               if isinstance(p, Shard) and not t.is_constant and id(t) not in self.axis)
+                found.append((gathered, len(found), ins, outs, contracting))
+        if not found:
+            raise _Refused(f"{op.name} ({op.op_type}) does not keep the heads apart")
+        _, _, ins, outs, contracting = min(found)
+        return ins, outs, contracting
+
+    def _pad_activation(self, t: Tensor, dim: int, gathers: list[Operator]) -> Tensor:
+        """``t`` gathered to ``H'`` heads along ``dim`` (the new ones copies of head 0's slice),
+        once per tensor and dim; a new gather op is appended to ``gathers``."""
+        from ..ops.transform import Gather
+
+        key = (id(t), dim)
+        if key not in self.gathered:
+            e = t.shape[dim]
+            if e % self.h:
+                raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
+            unit = e // self.h
+            idx = np.concatenate([np.arange(e), np.tile(np.arange(unit), self.h2 - self.h)]).astype(np.int64)
+            g = Gather([t, const_tensor(idx, f"{t.name}.heads{self.h2}_idx")], name=f"{t.name}.heads{self.h2}",
+                       axis=dim)
+            gathers.append(g)
+            self.gathered[key] = g.outputs[0]
+        return self.gathered[key]
 
     def _grown(self, t: Tensor, dim: int) -> tuple[int, ...]:
         e = t.shape[dim]

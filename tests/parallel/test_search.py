@@ -313,7 +313,7 @@ def _embedding_model(vocab=1000, types=2, hidden=16, tokens=(2, 8)):
 
 @pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [3]), ("gpt2_ts17", [8]), ("gpt2_dynamo18", [2, 3]),
                                          ("bert_ts17", [3]), ("vit_ts17", [3]), ("neox_ts17", [3]),
-                                         ("llama_ts17", [3]), ("llama_sdpa_dynamo23", [3])])
+                                         ("llama_ts17", [3]), ("llama_sdpa_dynamo23", [3]), ("t5_encoder_ts17", [3])])
 def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     """compile's passes for the Megatron baseline (driver.plan_passes with pad_heads): 4 heads over
     3 ranks become 6, over 8 ranks 8 (passes/heads.py: copies of head 0, the output projection's
@@ -321,7 +321,9 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     output projection by rows, keeps nothing whole, and the ranks compute what the unpadded graph
     does. The Llamas' 2 key/value heads for 4 query heads: the queries padded, their repeat of
     the key/value heads a gather of 6 (the new ones head 0's), the key and value projections kept
-    whole. The plan says so, and plan.json keeps the ranks the heads were padded for."""
+    whole. T5's relative position bias (one per head, computed once for the layers) is gathered to
+    6 heads (the new ones head 0's). The plan says so, and plan.json keeps the ranks the heads were
+    padded for."""
     import os
 
     from shardflow.compiler.driver import plan_passes
@@ -354,7 +356,7 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     assert {op.op_type for op in padded} >= {"MatMul"} and all(
         plan.op_specs[op.name].assignment[axis] is not None for op in padded), \
         {op.name: str(plan.op_specs[op.name]) for op in padded}
-    feeds = dict(np.load(os.path.join(models, f"{model.split('_')[0]}_inputs.npz")))
+    feeds = dict(np.load(os.path.join(models, f"{model.rsplit('_', 1)[0]}_inputs.npz")))
     want = load_onnx(path).run(feeds)
     got = simulate(partition(graph, plan), feeds, plan.mesh)
     for k in want:
