@@ -219,6 +219,24 @@ def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, exported, arch,
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporter):
+    """The Megatron baseline on 3 ranks (compile's passes: heads padded to a multiple of 3, where
+    the pass can follow them; passes/heads.py), checked with the partitioned graph's simulation
+    against onnxruntime: whatever the pass pads or leaves, the ranks compute the model."""
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.parallel import partition, search, simulate
+
+    path, feeds, want = exported(arch, exporter)
+    graph = plan_passes(load_onnx(path), [3], pad_heads=3)
+    plan = search(graph, {"mesh_shape": [3], "algo": "megatron"})
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
 #: decisions 43, 45, 47 and 50; Swin too since its head size 8 is padded to 16)
 FUSED = set(ARCHITECTURES) - {"convnext", "regnet"}
