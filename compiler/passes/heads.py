@@ -144,6 +144,7 @@ class _Padding:
         self.rebuilt: dict[int, list[Operator]] = {}  # id(old op) -> the ops on padded inputs in its place
         self.contracting: list[Operator] = []  # rebuilt ops that sum the heads (outputs unchanged)
         self.gathered: dict[tuple[int, int], Tensor] = {}  # (id(activation), dim) -> its padded gather
+        self.padded_constants: dict[tuple[int, int, bool], Tensor] = {}  # (id(constant), dim, zero) -> padded
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
@@ -287,7 +288,14 @@ class _Padding:
         return t.shape[:dim] + (e // self.h * self.h2,) + t.shape[dim + 1:]
 
     def _pad_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
-        """``t`` with ``H' - H`` heads more along ``dim``: zeros, or copies of head 0."""
+        """``t`` with ``H' - H`` heads more along ``dim``: zeros, or copies of head 0 (once per
+        constant: layers that share their weights, ALBERT's, share the padded ones)."""
+        key = (id(t), dim, zero)
+        if key not in self.padded_constants:
+            self.padded_constants[key] = self._padded_constant(t, dim, zero)
+        return self.padded_constants[key]
+
+    def _padded_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
         value = np.asarray(t.value)
         unit = value.shape[dim] // self.h
         if value.shape[dim] % self.h:
@@ -297,7 +305,7 @@ class _Padding:
             fill = np.zeros(value.shape[:dim] + (extra,) + value.shape[dim + 1:], value.dtype)
         else:
             fill = np.take(value, np.tile(np.arange(unit), self.h2 - self.h), axis=dim)
-        return const_tensor(concatenate([value, fill], axis=dim), f"{t.name}.heads{self.h2}")
+        return const_tensor(concatenate([value, fill], axis=dim), f"{t.name}.heads{self.h2}" + "_zero" * zero)
 
     def _check_readers(self) -> None:
         outputs = {id(t) for t in self.graph.outputs}
