@@ -1152,8 +1152,9 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
 
 def heads_padding(dcfg) -> int:
     """The ranks :func:`plan_passes` pads attention heads for under ``dcfg`` (a DistributedConfig):
-    the last mesh axis's size for the Megatron baseline (each rank whole heads; passes/heads.py),
-    what a preloaded plan was made with, else 1 (no padding)."""
+    what a preloaded plan was made with; else, with ``pad_heads`` true, or ``auto`` (the default)
+    and the Megatron baseline (each rank whole heads; passes/heads.py), the last mesh axis's size;
+    else 1 (no padding)."""
     if dcfg.preload_plan:
         path = os.fspath(dcfg.preload_plan)
         path = os.path.join(path, "plan.json") if os.path.isdir(path) else path
@@ -1162,7 +1163,8 @@ def heads_padding(dcfg) -> int:
                 return int(json.load(f).get("pad_heads", 1))
         except (OSError, ValueError, TypeError, AttributeError):
             return 1  # (the plan's own load names what is wrong with the file)
-    return int(dcfg.mesh_shape[-1]) if dcfg.algo == "megatron" else 1
+    pad = dcfg.algo == "megatron" if dcfg.pad_heads == "auto" else dcfg.pad_heads
+    return int(dcfg.mesh_shape[-1]) if pad else 1
 
 
 def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True,

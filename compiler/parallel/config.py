@@ -27,6 +27,10 @@ key                       meaning                                               
                           summed parallel branches): ``true``, ``false``, or
                           ``auto``: true except under a memory budget on a mesh
                           with two axes or more, where the MIP got 2.5-3x slower
+``pad_heads``             attention heads that do not divide over the last mesh axis   ``auto``
+                          padded to a multiple of it before the plan (copies of head
+                          0, their output rows zero; passes/heads.py): ``true``,
+                          ``false``, or ``auto``: for ``algo="megatron"`` only
 ``device``                what one rank computes on, for the cost model's roofline:    see left
                           ``"h100"``, ``"cpu"`` (:data:`~.cost.DEVICE_PROFILES`), or
                           ``{"peak_tflops": x, "mem_bandwidth_GBps": y}``. Default:
@@ -68,6 +72,7 @@ class DistributedConfig:
     preload_plan: str | None = None
     alias_layers: bool = True
     partial_sums: bool | str = "auto"
+    pad_heads: bool | str = "auto"
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
 
     @classmethod
@@ -122,6 +127,7 @@ class DistributedConfig:
             preload_plan=_opt_str(cfg.get("preload_plan"), "preload_plan"),
             alias_layers=_bool(cfg.get("alias_layers", True), "alias_layers"),
             partial_sums=_bool_or_auto(cfg.get("partial_sums", "auto"), "partial_sums"),
+            pad_heads=_bool_or_auto(cfg.get("pad_heads", "auto"), "pad_heads"),
             device=_device(cfg.get("device")),
         )
 

@@ -146,6 +146,21 @@ def test_a_saved_plan_with_padded_heads_loads_in_compile(tmp_path):
     assert sum(k.startswith("all_reduce") for k in kinds) == 5, kinds
 
 
+@pytest.mark.parametrize("algo, pad_heads, padded", [("megatron", "auto", True), ("megatron", False, False),
+                                                     ("ilp", "auto", False), ("ilp", True, True)])
+def test_pad_heads_key(tmp_path, algo, pad_heads, padded):
+    """`pad_heads`: auto pads for the Megatron baseline only; true and false say so for any algo."""
+    from shardflow.compiler.parallel.config import DistributedConfig
+
+    cfg = DistributedConfig.from_dict({"mesh_shape": [3], "algo": algo, "pad_heads": pad_heads})
+    assert driver.heads_padding(cfg) == (3 if padded else 1)
+    (tmp_path / "d.json").write_text(json.dumps({"pad_heads": pad_heads}))
+    out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "3", "--algo", algo, "--distributed-config",
+             tmp_path / "d.json")
+    assert out.returncode == 0, out.stderr
+    assert ("# heads padded to split over 3 ranks" in out.stdout) == padded
+
+
 def test_compile_errors_are_reported(tmp_path):
     out = sh("compile", MODELS / "mlp_ts17.onnx", "-o", tmp_path / "o", "--mesh", "2y2")
     assert out.returncode == 2 and "--mesh '2y2'" in out.stderr

@@ -178,6 +178,7 @@ def test_stale_plan_is_refused(tmp_path, mlp_graph):
     ({}, "mesh_shape"),
     ({"mesh_shape": [2], "bandwith": 1}, "did you mean 'axis_bandwidth_GBps'|unknown key"),
     ({"mesh_shape": [2], "algo": "magic"}, "algo"),
+    ({"mesh_shape": [2], "pad_heads": "yes"}, "pad_heads"),
     ({"mesh_shape": [2], "solver": "gurobi"}, "solver"),
     ({"mesh_shape": [0]}, "mesh_shape"),
     ({"mesh_shape": [2, 2], "axis_bandwidth_GBps": [1, 2, 3]}, "axis_bandwidth_GBps"),
