@@ -33,8 +33,10 @@ for the queries by transformers' ``repeat_kv``: ``[.., Hkv, 1, ..]`` expanded to
 ..]`` and reshaped to ``H`` heads. Padded, query head ``h < H`` still reads key/value head
 ``h // G`` and a new one head 0's (it is a copy of query head 0): the expand and reshape become a
 gather of those ``H'`` heads (constant indices), and the key and value projections stay as they
-are (the baseline keeps them whole when their ``Hkv`` heads do not divide either). The groups
-with the most heads are padded first (the queries before their key/value heads).
+are (the baseline keeps them whole when their ``Hkv`` heads do not divide either). An
+``Attention`` op that reads grouped heads itself (onnxruntime's GroupQueryAttention, 4-D) is
+rebuilt on keys and values gathered likewise (one gather each, from the keys and values it read).
+The groups with the most heads are padded first (the queries before their key/value heads).
 """
 from __future__ import annotations
 
@@ -145,6 +147,8 @@ class _Padding:
         self.contracting: list[Operator] = []  # rebuilt ops that sum the heads (outputs unchanged)
         self.gathered: dict[tuple[int, int], Tensor] = {}  # (id(activation), dim) -> its padded gather
         self.padded_constants: dict[tuple[int, int, bool], Tensor] = {}  # (id(constant), dim, zero) -> padded
+        # gathers of a grouped attention's keys and values not in the graph: id(output) -> (op, source, indices)
+        self.virtual: dict[int, tuple[Operator, Tensor, np.ndarray]] = {}
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
@@ -153,7 +157,7 @@ class _Padding:
                 if id(op) in self.repeats:
                     self._repeat(op)
                 elif id(op) in self.seeds or any(id(t) in self.axis for t in op.inputs):
-                    self._rebuild(op)
+                    self._rebuild(self._grouped_attention(op), orig=op)
             self._check_readers()
         except _Refused as why:
             log.info("heads: %d heads not padded to %d: %s", self.h, self.h2, why)
@@ -187,7 +191,31 @@ class _Padding:
         self.axis[id(op.outputs[0])] = a
         self.new[id(op.outputs[0])] = reshape.outputs[0]
 
-    def _rebuild(self, op: Operator) -> None:
+    def _grouped_attention(self, op: Operator) -> Operator:
+        """An ``Attention`` op with grouped key/value heads (4-D, ``Hkv`` of them for the ``H`` padded
+        query heads: onnxruntime's GroupQueryAttention) as the same op on keys and values gathered
+        to one head per query head (query head ``h`` reads ``h // G``, as before); the gathers are
+        not in the graph: :meth:`_pad_activation` pads them into one gather from the keys and
+        values themselves. Any other op as it is."""
+        from ..ops.transform import Gather
+
+        if op.op_type != "Attention" or len(op.inputs) < 3 or id(op.inputs[0]) not in self.axis:
+            return op
+        q, k, v = op.inputs[:3]
+        if self.axis[id(q)] != 1 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or id(k) in self.axis \
+                or id(v) in self.axis or q.shape[1] != self.h or k.shape[1] >= self.h or self.h % k.shape[1]:
+            return op
+        idx = np.arange(self.h) // (self.h // k.shape[1])
+        ins = []
+        for t in (k, v):
+            g = Gather([t, const_tensor(idx, f"{t.name}.heads{self.h}_idx")], name=f"{t.name}.heads{self.h}", axis=1)
+            self.virtual[id(g.outputs[0])] = (g, t, idx)
+            ins.append(g.outputs[0])
+        return type(op)([q, *ins, *op.inputs[3:]], name=op.name, **op.attrs)
+
+    def _rebuild(self, op: Operator, orig: Operator | None = None) -> None:
+        """``op`` (``orig``, or the form :meth:`_grouped_attention` gave it) rebuilt on padded inputs,
+        in ``orig``'s place."""
         from ..errors import ShapeError
 
         if id(op) in self.seeds and any(id(t) in self.axis for t in op.inputs):
@@ -213,11 +241,15 @@ class _Padding:
             new = op.localize(inputs, shapes)
         except (ShapeError, ShardflowError, ValueError) as exc:
             raise _Refused(f"{op.name} ({op.op_type}) on {self.h2} heads: {exc}") from None
-        self.rebuilt[id(op)] = gathers + [new]
+        for t in inputs:  # (a gather of :meth:`_grouped_attention` that was not padded: put in as it is)
+            if id(t) in self.virtual:
+                gathers.insert(0, self.virtual.pop(id(t))[0])
+        orig = orig or op
+        self.rebuilt[id(orig)] = gathers + [new]
         if contracting:
             self.contracting.append(new)
             return
-        for t, lt, p in zip(op.outputs, new.outputs, outs):
+        for t, lt, p in zip(orig.outputs, new.outputs, outs):
             lt.name = t.name
             self.axis[id(t)] = p.dim
             self.new[id(t)] = lt
@@ -275,6 +307,9 @@ class _Padding:
                 raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
             unit = e // self.h
             idx = np.concatenate([np.arange(e), np.tile(np.arange(unit), self.h2 - self.h)]).astype(np.int64)
+            if id(t) in self.virtual and dim == 1:  # (a grouped attention's gather: one gather of both)
+                _, t, first = self.virtual.pop(id(t))
+                idx = first[idx]
             g = Gather([t, const_tensor(idx, f"{t.name}.heads{self.h2}_idx")], name=f"{t.name}.heads{self.h2}",
                        axis=dim)
             gathers.append(g)

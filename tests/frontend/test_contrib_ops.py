@@ -814,12 +814,14 @@ def test_genai_gptoss_split_over_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("model,prompt,ranks", [("llama_genai_fp32", 8, 1), ("gptoss_genai_fp32", 12, 1),
-                                                ("llama_genai_fp32", 8, 2)])
+                                                ("llama_genai_fp32", 8, 2), ("gptoss_genai_fp32", 12, 3)])
 def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt, ranks):
     """examples/genai_generate.py: the prompt program and the fixed-size-cache decoding program (its
     cache kept as state), each compiled once, generate the same greedy tokens as onnxruntime running
     the same loop (gpt-oss: its window's buffer through every step; on two ranks, Megatron's plan,
-    each rank keeping its KV heads' part of the cache)."""
+    each rank keeping its KV heads' part of the cache; on three, gpt-oss's 4 query heads padded to 6
+    (passes/heads.py: its GroupQueryAttention's 2 key/value heads gathered for them, its sinks
+    copied), the cache whole on every rank)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -830,7 +832,11 @@ def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt, r
                            "--algo", "megatron" if ranks > 1 else "ilp"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the same tokens" in proc.stdout
-    assert f"keeps the cache ({'S(1)' if ranks > 1 else 'R'} on {ranks} rank(s))" in proc.stdout
+    split = ranks > 1 and 2 % ranks == 0  # (both models have 2 key/value heads)
+    assert f"keeps the cache ({'S(1)' if split else 'R'} on {ranks} rank(s))" in proc.stdout
+    for step in ("prompt", "decode"):
+        padded = "# heads padded to split over 3 ranks" in (tmp_path / step / "plan.txt").read_text()
+        assert padded == (ranks == 3), step
 
 
 @pytest.mark.parametrize("positions", ["ids", "offset"])
