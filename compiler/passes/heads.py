@@ -133,6 +133,13 @@ def _repeated_heads(op: Operator) -> tuple[int, int, int] | None:
     return None
 
 
+def _gather(x: Tensor, idx: np.ndarray, axis: int, name: str) -> Operator:
+    """A gather of ``x``'s slices ``idx`` (constant indices) along ``axis``."""
+    from ..ops.transform import Gather
+
+    return Gather([x, const_tensor(np.asarray(idx, np.int64), f"{name}_idx")], name=name, axis=axis)
+
+
 class _Padding:
     """One group's padding: the ops rebuilt, checked, then put in the graph (or nothing)."""
 
@@ -178,12 +185,12 @@ class _Padding:
         """A ``repeat_kv`` (:func:`_repeated_heads`) as a gather of its ``H'`` heads from the
         key/value heads: query head ``h < H`` reads ``h // G``, a new one head 0's (as its query
         is head 0's), so the new heads stay copies of head 0."""
-        from ..ops.transform import Gather, Reshape
+        from ..ops.transform import Reshape
 
         hkv, g, a = _repeated_heads(op)
         x = op.inputs[0].producer.inputs[0]
-        idx = np.concatenate([np.repeat(np.arange(hkv), g), np.zeros(self.h2 - self.h, np.int64)]).astype(np.int64)
-        gather = Gather([x, const_tensor(idx, f"{op.name}.heads{self.h2}")], name=f"{op.name}.gather", axis=a)
+        gather = _gather(x, np.concatenate([np.repeat(np.arange(hkv), g), np.zeros(self.h2 - self.h, np.int64)]), a,
+                         f"{op.name}.heads{self.h2}")
         shape = op.outputs[0].shape[:a] + (self.h2,) + op.outputs[0].shape[a + 1:]
         reshape = Reshape([gather.outputs[0]], name=op.name, shape=shape)
         reshape.outputs[0].name = op.outputs[0].name
@@ -197,8 +204,6 @@ class _Padding:
         to one head per query head (query head ``h`` reads ``h // G``, as before); the gathers are
         not in the graph: :meth:`_pad_activation` pads them into one gather from the keys and
         values themselves. Any other op as it is."""
-        from ..ops.transform import Gather
-
         if op.op_type != "Attention" or len(op.inputs) < 3 or id(op.inputs[0]) not in self.axis:
             return op
         q, k, v = op.inputs[:3]
@@ -208,7 +213,7 @@ class _Padding:
         idx = np.arange(self.h) // (self.h // k.shape[1])
         ins = []
         for t in (k, v):
-            g = Gather([t, const_tensor(idx, f"{t.name}.heads{self.h}_idx")], name=f"{t.name}.heads{self.h}", axis=1)
+            g = _gather(t, idx, 1, f"{t.name}.heads{self.h}")
             self.virtual[id(g.outputs[0])] = (g, t, idx)
             ins.append(g.outputs[0])
         return type(op)([q, *ins, *op.inputs[3:]], name=op.name, **op.attrs)
@@ -298,8 +303,6 @@ class _Padding:
     def _pad_activation(self, t: Tensor, dim: int, gathers: list[Operator]) -> Tensor:
         """``t`` gathered to ``H'`` heads along ``dim`` (the new ones copies of head 0's slice),
         once per tensor and dim; a new gather op is appended to ``gathers``."""
-        from ..ops.transform import Gather
-
         key = (id(t), dim)
         if key not in self.gathered:
             e = t.shape[dim]
@@ -310,8 +313,7 @@ class _Padding:
             if id(t) in self.virtual and dim == 1:  # (a grouped attention's gather: one gather of both)
                 _, t, first = self.virtual.pop(id(t))
                 idx = first[idx]
-            g = Gather([t, const_tensor(idx, f"{t.name}.heads{self.h2}_idx")], name=f"{t.name}.heads{self.h2}",
-                       axis=dim)
+            g = _gather(t, idx, dim, f"{t.name}.heads{self.h2}")
             gathers.append(g)
             self.gathered[key] = g.outputs[0]
         return self.gathered[key]
