@@ -1146,7 +1146,7 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
         pad = PadHeads(pad_heads)
         graph = pad.run(graph)
         if pad.padded:
-            graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded}
+            graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded, "products": pad.products}
     return graph
 
 

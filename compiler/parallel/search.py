@@ -869,8 +869,10 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     padded = graph.meta.get("padded_heads")
     if padded:
         plan.pad_heads = int(padded["ranks"])
-        plan.notes.append("heads padded to split over {} ranks (copies of head 0, their output rows zero): {}".format(
-            padded["ranks"], ", ".join(f"{h} -> {h2} ({k} products)" for h, h2, k in padded["groups"])))
+        names = padded.get("products", [])
+        plan.notes.append("heads padded to split over {} ranks (copies of head 0, their output rows zero): {}{}".format(
+            padded["ranks"], ", ".join(f"{h} -> {h2} ({k} products)" for h, h2, k in padded["groups"]),
+            f": {', '.join(names[:4])}" + (", ..." if len(names) > 4 else "") if names else ""))
     if algo == "megatron" and kept_whole:
         plan.notes.append(
             f"megatron: {len(kept_whole)} weight products kept whole: split by columns, their outputs would be "

@@ -64,6 +64,7 @@ class PadHeads(GraphPass):
     def __init__(self, ranks: int):
         self.ranks = int(ranks)
         self.padded: list[tuple[int, int, int]] = []
+        self.products: list[str] = []  # the names of the products padded, in graph order
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         if self.ranks <= 1:
@@ -80,9 +81,11 @@ class PadHeads(GraphPass):
         for h, seeds in sorted(groups.items(), reverse=True):
             padded = -(-h // self.ranks) * self.ranks
             repeats = [op for op in graph.nodes if (r := _repeated_heads(op)) is not None and r[0] * r[1] == h]
-            done = _Padding(graph, h, padded, seeds, repeats, consumers).apply()
+            pad = _Padding(graph, h, padded, seeds, repeats, consumers)
+            done = pad.apply()
             if done:
                 self.padded.append((h, padded, done))
+                self.products += pad.products
                 consumers = graph.consumers()
                 log.info("heads: %d heads padded to %d (%d products) to split over %d ranks",
                          h, padded, done, self.ranks)
@@ -170,10 +173,13 @@ class _Padding:
             log.info("heads: %d heads not padded to %d: %s", self.h, self.h2, why)
             return 0
         contracting = {id(op) for op in self.contracting}
+        self.summing = set()  # (the old ops the contracting ones replace)
         for old in self.graph.nodes:
             new = self.rebuilt.get(id(old))
-            if new and id(new[0]) in contracting:
-                take_over(old, new[0], "padding of its heads")
+            if new and id(new[-1]) in contracting:
+                take_over(old, new[-1], "padding of its heads")
+                self.summing.add(id(old))
+        self.products = [op.name for op in self.graph.nodes if id(op) in self.seeds or id(op) in self.summing]
         self.graph.nodes = [n for op in self.graph.nodes for n in self.rebuilt.get(id(op), [op])]
         if self.repeats:  # (the expands the gathers replaced)
             from .simplify import EliminateDeadCode

@@ -335,7 +335,8 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     padded = -(-4 // mesh[-1]) * mesh[-1]
     # (NeoX's QKV is head-major, one product a layer; the Llamas' queries and output projections)
     products = 4 if model.startswith(("neox", "llama")) else 8
-    assert graph.meta["padded_heads"] == {"ranks": mesh[-1], "groups": [(4, padded, products)]}
+    meta = graph.meta["padded_heads"]
+    assert (meta["ranks"], meta["groups"], len(meta["products"])) == (mesh[-1], [(4, padded, products)], products)
     plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
     text = plan.to_text()
     kept = [line for line in text.splitlines() if line.startswith("# megatron:")]
@@ -346,7 +347,7 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
         assert kept == []
     assert "all_to_all" not in text
     assert f"# heads padded to split over {mesh[-1]} ranks (copies of head 0, their output rows zero): " \
-           f"4 -> {padded} ({products} products)" in text
+           f"4 -> {padded} ({products} products): {meta['products'][0]}, " in text
     assert plan.pad_heads == mesh[-1]
     plan.save(tmp_path)
     assert ShardingPlan.load(tmp_path).pad_heads == mesh[-1]
