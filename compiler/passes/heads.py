@@ -172,6 +172,11 @@ class _Padding:
         except _Refused as why:
             log.info("heads: %d heads not padded to %d: %s", self.h, self.h2, why)
             return 0
+        except Exception as exc:  # (an op this pass could not rebuild: a bug to report, not a failed compile;
+            # nothing is in the graph yet, so it stays as it was and the plan keeps such heads whole)
+            log.warning("heads: %d heads not padded to %d: %s: %s (please report this)", self.h, self.h2,
+                        type(exc).__name__, exc)
+            return 0
         contracting = {id(op) for op in self.contracting}
         self.summing = set()  # (the old ops the contracting ones replace)
         for old in self.graph.nodes:

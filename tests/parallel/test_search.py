@@ -365,6 +365,27 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
+def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
+    """An op the pass cannot rebuild (here every op: an unexpected error) leaves the group as it
+    was, with a warning; the compile goes on (the plan keeps such heads whole)."""
+    import logging
+    import os
+
+    from shardflow.compiler.passes import heads
+
+    def broken(self, op, orig=None):
+        raise KeyError("some attribute")
+
+    monkeypatch.setattr(heads._Padding, "_rebuild", broken)
+    graph = load_onnx(os.path.join(os.path.dirname(__file__), "..", "models", "bert_ts17.onnx"))
+    before = [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes]
+    pad = heads.PadHeads(3)
+    with caplog.at_level(logging.WARNING, logger="shardflow.compiler.passes.heads"):
+        pad.run(graph)
+    assert pad.padded == [] and [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes] == before
+    assert "4 heads not padded to 6: KeyError" in caplog.text
+
+
 def test_heads_are_not_padded_where_they_would_leave_the_attention():
     """Heads that reach a graph output (a cache) are left as they are: nothing padded, the graph
     unchanged."""
