@@ -403,3 +403,21 @@ def test_split_projections_matches_only_disjoint_column_parts():
     for k in before:
         np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
     assert sum(op.op_type == "MatMul" for op in g.nodes) == 2 and sum(op.name.endswith(".bias") for op in g.nodes) == 2
+
+
+def test_a_concat_of_one_input_and_empty_ones_is_removed():
+    """Phi-3's rotary embedding, rotating every dim, concatenates the rotated part with an empty
+    slice: the Concat passes its one non-empty input through (RemoveNoOps drops it and the slice),
+    so the heads' dim is not read by a Concat the sharding rules would see; the values are x's."""
+    from onnx import numpy_helper
+
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n)
+             for n, v in (("s", [4]), ("e", [4]), ("ax", [1]))]
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Slice", ["x", "s", "e", "ax"], ["empty"]),
+             helper.make_node("Concat", ["n", "empty"], ["y"], axis=1)]
+    g = helper.make_graph(nodes, "c", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], inits)
+    graph = load_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert [op.op_type for op in graph.nodes] == ["Unary"]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(graph.run({"x": x})["y"], -x)
