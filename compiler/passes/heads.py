@@ -159,6 +159,7 @@ class _Padding:
         self.padded_constants: dict[tuple[int, int, bool], Tensor] = {}  # (id(constant), dim, zero) -> padded
         # gathers of a grouped attention's keys and values not in the graph: id(output) -> (op, source, indices)
         self.virtual: dict[int, tuple[Operator, Tensor, np.ndarray]] = {}
+        self.products: list[str] = []  # (once applied) the names of the products padded, in graph order
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
@@ -178,13 +179,13 @@ class _Padding:
                         type(exc).__name__, exc)
             return 0
         contracting = {id(op) for op in self.contracting}
-        self.summing = set()  # (the old ops the contracting ones replace)
+        summing = set()  # (the old ops the contracting ones replace)
         for old in self.graph.nodes:
             new = self.rebuilt.get(id(old))
             if new and id(new[-1]) in contracting:
                 take_over(old, new[-1], "padding of its heads")
-                self.summing.add(id(old))
-        self.products = [op.name for op in self.graph.nodes if id(op) in self.seeds or id(op) in self.summing]
+                summing.add(id(old))
+        self.products = [op.name for op in self.graph.nodes if id(op) in self.seeds or id(op) in summing]
         self.graph.nodes = [n for op in self.graph.nodes for n in self.rebuilt.get(id(op), [op])]
         if self.repeats:  # (the expands the gathers replaced)
             from .simplify import EliminateDeadCode
