@@ -1156,10 +1156,10 @@ def heads_padding(dcfg) -> int:
     and the Megatron baseline (each rank whole heads; passes/heads.py), the last mesh axis's size;
     else 1 (no padding)."""
     if dcfg.preload_plan:
-        path = os.fspath(dcfg.preload_plan)
-        path = os.path.join(path, "plan.json") if os.path.isdir(path) else path
+        from .parallel.plan import plan_file
+
         try:
-            with open(path) as f:
+            with open(plan_file(dcfg.preload_plan)) as f:
                 return int(json.load(f).get("pad_heads", 1))
         except (OSError, ValueError, TypeError, AttributeError):
             return 1  # (the plan's own load names what is wrong with the file)

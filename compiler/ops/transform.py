@@ -277,8 +277,9 @@ class Concat(Operator):
         # one input, or one that is not empty along the axis (Phi-3's rotary embedding concatenates
         # the rotated half with an empty pass-through slice when it rotates every dim)
         full = [k for k, t in enumerate(self.inputs) if t.shape[self.attrs["axis"]]]
-        return full[0] if len(full) == 1 and self.inputs[full[0]].shape == self.outputs[0].shape else \
-            (0 if len(self.inputs) == 1 else None)
+        if len(full) == 1 and self.inputs[full[0]].shape == self.outputs[0].shape:
+            return full[0]
+        return 0 if len(self.inputs) == 1 else None
 
 
 class Pad(Operator):

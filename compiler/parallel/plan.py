@@ -140,11 +140,11 @@ class ShardingPlan:
             for k, (t, dst) in enumerate(zip(op.inputs, assign[id(op)].input_specs)):
                 src = problem.source_spec(t, assign)
                 if src is not None and src != dst:
-                    reshards.append(_reshard(problem, t, op.name, k, src, dst))
+                    reshards.append(_reshard(problem.mesh, problem.cost_model, t, op.name, k, src, dst))
         for name, t, dst in zip(g.output_names, g.outputs, problem.output_specs):
             src = problem.source_spec(t, assign)
             if src is not None and src != dst:
-                reshards.append(_reshard(problem, t, f"output:{name}", 0, src, dst))
+                reshards.append(_reshard(problem.mesh, problem.cost_model, t, f"output:{name}", 0, src, dst))
         return cls(problem.mesh, algo, op_specs, tensor_specs, reshards, total, comp, comm, params, peak,
                    {op.name: op.op_type for op in g.nodes},
                    dict(zip(g.output_names, problem.output_specs)), dict(problem.input_specs), search_seconds,
@@ -205,9 +205,7 @@ class ShardingPlan:
     def load(cls, path: str | os.PathLike, graph: FlowGraph | None = None) -> "ShardingPlan":
         """Read a ``plan.json`` (or a folder holding one). With ``graph``, check that the plan
         belongs to it: same op names and types, and every op spec one the rules allow."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "plan.json")
+        path = plan_file(path)
         try:
             with open(path) as f:
                 d = json.load(f)
@@ -251,8 +249,7 @@ class ShardingPlan:
         def add(t, consumer, k, dst):
             src = None if t.is_constant else produced.get(id(t), inputs.get(id(t)))
             if src is not None and src != dst:
-                r = connect(src, dst, t.shape, t.dtype, self.mesh, cm)
-                self.reshards.append(Reshard(t.name, consumer, k, src, dst, tuple(r.steps), float(r.cost)))
+                self.reshards.append(_reshard(self.mesh, cm, t, consumer, k, src, dst))
 
         self.reshards = []
         for op in graph.nodes:
@@ -352,8 +349,14 @@ class ShardingPlan:
                 f"{len(self.collectives)} collectives, memory={self.memory_bytes:,}B)")
 
 
-def _reshard(problem, t, consumer, index, src, dst) -> Reshard:
-    r = connect(src, dst, t.shape, t.dtype, problem.mesh, problem.cost_model)
+def plan_file(path: str | os.PathLike) -> str:
+    """The ``plan.json`` that ``path`` names: the file, or the one in the folder."""
+    path = os.fspath(path)
+    return os.path.join(path, "plan.json") if os.path.isdir(path) else path
+
+
+def _reshard(mesh, cost_model, t, consumer, index, src, dst) -> Reshard:
+    r = connect(src, dst, t.shape, t.dtype, mesh, cost_model)
     return Reshard(t.name, consumer, index, src, dst, tuple(r.steps), float(r.cost))
 
 

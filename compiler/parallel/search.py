@@ -869,19 +869,23 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     padded = graph.meta.get("padded_heads")
     if padded:
         plan.pad_heads = int(padded["ranks"])
-        names = padded.get("products", [])
-        plan.notes.append("heads padded to split over {} ranks (copies of head 0, their output rows zero): {}{}".format(
-            padded["ranks"], ", ".join(f"{h} -> {h2} ({k} products)" for h, h2, k in padded["groups"]),
-            f": {', '.join(names[:4])}" + (", ..." if len(names) > 4 else "") if names else ""))
+        plan.notes.append(f"heads padded to split over {padded['ranks']} ranks (copies of head 0, their output rows "
+                          f"zero): {', '.join(f'{h} -> {h2} ({k} products)' for h, h2, k in padded['groups'])}: "
+                          f"{_first_names(padded['products'])}")
     if algo == "megatron" and kept_whole:
         plan.notes.append(
             f"megatron: {len(kept_whole)} weight products kept whole: split by columns, their outputs would be "
             f"resharded before a row-parallel product reads them (attention heads that do not divide over "
-            f"{problem.mesh_shape[-1]} ranks?): {', '.join(kept_whole[:4])}" + (", ..." if len(kept_whole) > 4 else ""))
+            f"{problem.mesh_shape[-1]} ranks?): {_first_names(kept_whole)}")
     if cfg.memory_budget_bytes is not None and plan.memory_bytes > cfg.memory_budget_bytes and cfg.algo != "ilp":
         raise ShardflowError(f"the {cfg.algo} plan needs {plan.memory_bytes:,} bytes per rank, above "
                              f"memory_budget_bytes={cfg.memory_budget_bytes:,}; use algo='ilp' or raise the budget")
     return plan
+
+
+def _first_names(names: list[str]) -> str:
+    """The first four ``names`` for a plan.txt note, ``...`` for the rest."""
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def _fits(problem: Problem, assign) -> bool:

@@ -45,7 +45,7 @@ import math
 
 import numpy as np
 
-from ..errors import ShardflowError
+from ..errors import ShapeError, ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.spill import concatenate
 from ..parallel.placement import Partial, Replicate, Shard
@@ -71,17 +71,19 @@ class PadHeads(GraphPass):
             return graph
         consumers = graph.consumers()
         groups: dict[int, list[Operator]] = {}
+        repeats: dict[int, list[Operator]] = {}  # by the heads they repeat the key/value heads to
         for op in graph.nodes:
             h = _heads_of(op, consumers)
             if h is not None and h % self.ranks:
                 groups.setdefault(h, []).append(op)
+            if (r := _repeated_heads(op)) is not None:
+                repeats.setdefault(r[0] * r[1], []).append(op)
         # (most heads first: a model's queries before its grouped key/value heads, which are
         # then repeated by a gather and left whole; padded first, the keys would make the query
         # projection a whole product gathered per rank)
         for h, seeds in sorted(groups.items(), reverse=True):
             padded = -(-h // self.ranks) * self.ranks
-            repeats = [op for op in graph.nodes if (r := _repeated_heads(op)) is not None and r[0] * r[1] == h]
-            pad = _Padding(graph, h, padded, seeds, repeats, consumers)
+            pad = _Padding(graph, h, padded, seeds, repeats.get(h, []), consumers)
             done = pad.apply()
             if done:
                 self.padded.append((h, padded, done))
@@ -233,8 +235,6 @@ class _Padding:
     def _rebuild(self, op: Operator, orig: Operator | None = None) -> None:
         """``op`` (``orig``, or the form :meth:`_grouped_attention` gave it) rebuilt on padded inputs,
         in ``orig``'s place."""
-        from ..errors import ShapeError
-
         if id(op) in self.seeds and any(id(t) in self.axis for t in op.inputs):
             raise _Refused(f"the projection {op.name} reads padded heads")
         ins, outs, contracting = self._strategy(op)
@@ -312,16 +312,20 @@ class _Padding:
         _, _, ins, outs, contracting = min(found)
         return ins, outs, contracting
 
+    def _tail(self, t: Tensor, dim: int) -> np.ndarray:
+        """The indices along ``dim`` of ``t`` (``H`` heads of ``unit`` elements) that the ``H' - H``
+        new heads copy: head 0's, once per new head."""
+        e = t.shape[dim]
+        if e % self.h:
+            raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
+        return np.tile(np.arange(e // self.h), self.h2 - self.h)
+
     def _pad_activation(self, t: Tensor, dim: int, gathers: list[Operator]) -> Tensor:
         """``t`` gathered to ``H'`` heads along ``dim`` (the new ones copies of head 0's slice),
         once per tensor and dim; a new gather op is appended to ``gathers``."""
         key = (id(t), dim)
         if key not in self.gathered:
-            e = t.shape[dim]
-            if e % self.h:
-                raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
-            unit = e // self.h
-            idx = np.concatenate([np.arange(e), np.tile(np.arange(unit), self.h2 - self.h)]).astype(np.int64)
+            idx = np.concatenate([np.arange(t.shape[dim]), self._tail(t, dim)])
             if id(t) in self.virtual and dim == 1:  # (a grouped attention's gather: one gather of both)
                 _, t, first = self.virtual.pop(id(t))
                 idx = first[idx]
@@ -331,10 +335,7 @@ class _Padding:
         return self.gathered[key]
 
     def _grown(self, t: Tensor, dim: int) -> tuple[int, ...]:
-        e = t.shape[dim]
-        if e % self.h:
-            raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
-        return t.shape[:dim] + (e // self.h * self.h2,) + t.shape[dim + 1:]
+        return t.shape[:dim] + (t.shape[dim] + len(self._tail(t, dim)),) + t.shape[dim + 1:]
 
     def _pad_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
         """``t`` with ``H' - H`` heads more along ``dim``: zeros, or copies of head 0 (once per
@@ -345,15 +346,11 @@ class _Padding:
         return self.padded_constants[key]
 
     def _padded_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
-        value = np.asarray(t.value)
-        unit = value.shape[dim] // self.h
-        if value.shape[dim] % self.h:
-            raise _Refused(f"the constant {t.name}'s dim {dim} ({value.shape[dim]}) is not a whole number of heads")
-        extra = (self.h2 - self.h) * unit
+        value, tail = np.asarray(t.value), self._tail(t, dim)
         if zero:
-            fill = np.zeros(value.shape[:dim] + (extra,) + value.shape[dim + 1:], value.dtype)
+            fill = np.zeros(value.shape[:dim] + (len(tail),) + value.shape[dim + 1:], value.dtype)
         else:
-            fill = np.take(value, np.tile(np.arange(unit), self.h2 - self.h), axis=dim)
+            fill = np.take(value, tail, axis=dim)
         return const_tensor(concatenate([value, fill], axis=dim), f"{t.name}.heads{self.h2}" + "_zero" * zero)
 
     def _check_readers(self) -> None:
