@@ -36,6 +36,8 @@
 #   bash benchmarks/gpu/device_session.sh cnn     # ResNet-50 end to end (batch 1, 8; float16) vs torch eager and
 #                                                 # torch.compile, channels-last, < 9 min
 #   bash benchmarks/gpu/device_session.sh regnet  # RegNetY-4GF likewise (grouped convs), exported in float16, < 5 min
+#   bash benchmarks/gpu/device_session.sh llama7b # Llama-2-7B's shapes (synthetic weights) on one GPU vs torch
+#                                                 # eager and torch.compile at 1x128 and 8x128, float16, < 9 min
 #   bash benchmarks/gpu/device_session.sh steps   # decoding steps end to end (decode.py: a 0.6B grouped-heads
 #                                                 # Llama, KV cache kept on the device) vs torch eager and
 #                                                 # torch.compile, batches 1 and 8, < 8 min
@@ -363,6 +365,16 @@ case "$what" in
             > "$out/models-f16.txt" 2>&1
         tail -20 "$out/models-f16.txt"
         ;;
+    llama7b)  # Llama-2-7B's shapes (6.7 G parameters, float16, written by tests/models/synth_llama.py on the
+              # machine, about a minute) on one GPU at 1x128 and 8x128 against torch eager and torch.compile
+              # (reduce-overhead) on LlamaForCausalLM holding the same weights; never run on a GPU yet. Needs
+              # about 45 GB of GPU memory (the float32 reference, then half of it) and 30 GB of host memory
+        mkdir -p /tmp/sf-export-7b
+        timeout 540 python3 benchmarks/gpu/models.py --models llama7b --batches 1,8 --model-dtype float16 \
+            --compile-modes reduce-overhead --interleave 5 --export-dir /tmp/sf-export-7b \
+            --json "$out/models-llama7b.json" > "$out/models-llama7b.txt" 2>&1
+        tail -20 "$out/models-llama7b.txt"
+        ;;
     tf32)  # float32 operands on the wgmma template (optimization_config["wgmma_fp32"], rfcs/0005 decisions 33-34,
            # session 41; never run on a GPU):
            # its GPU tests (every tile; the models against onnxruntime), then every GEMM shape in TF32
@@ -472,7 +484,7 @@ case "$what" in
         "$@"
         ;;
     *)
-        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|f16models|decode|steps|cluster|tf32|attention|run CMD..." >&2
+        echo "usage: $0 lease|suite|bench|all|newtiles|sweep [TILE...]|kmajor|ncu [ARGS...]|cpu|pdl|bf16models|f16models|llama7b|decode|steps|cluster|tf32|attention|run CMD..." >&2
         exit 2
         ;;
 esac

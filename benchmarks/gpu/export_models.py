@@ -7,6 +7,13 @@ Models (random weights after ``torch.manual_seed(0)``; nothing is downloaded, ``
 * ``llama``: a Llama-style ``LlamaForCausalLM`` small enough to export and compile in seconds: width 1024,
   8 layers, 16 heads (no grouped KV: 16 KV heads), SwiGLU intermediate 2816, vocabulary 32000,
   RMSNorm eps 1e-6, untied LM head (about 168M parameters).
+* ``llama7b`` (not in the default set): Llama-2-7B's shapes (32 layers, width 4096, 32 heads,
+  SwiGLU 11008, vocabulary 32000; 6.74 G parameters). Too large to export from torch on a machine
+  of this kind in reasonable time, so the ONNX file is written by ``tests/models/synth_llama.py``
+  (numpy and onnx; weights in external data, dynamic batch and sequence, RMSNorm eps 1e-5) and the
+  torch module is ``LlamaForCausalLM`` holding the same weights read back from that file (the
+  synthetic graph is transformers' Llama: ``tests/frontend/test_synth_llama.py``). Written in the
+  model dtype: ``--model-dtype float16`` gives the 13.5 GB a float16 checkpoint has.
 
 Both take one input, ``input_ids`` (int64 ``[batch, 128]``, no attention mask: causal attention
 only; the export passes an all-ones mask, see ``Logits``) and return ``logits`` (float32
@@ -39,11 +46,13 @@ import io
 import json
 import logging
 import tempfile
+import sys
 import time
 import warnings
 
 SEQ = 128
 MODELS = ("gpt2_small", "llama")
+SYNTH = {"llama7b": "llama-7b"}  # written by tests/models/synth_llama.py: name -> its preset
 
 LLAMA_CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                     num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
@@ -148,6 +157,8 @@ def export(name: str, path: str, tiny: bool = False, dtype: str = "float32"):
     import onnx
     import torch
 
+    if name in SYNTH:
+        return _export_synth(name, path, tiny, dtype)
     t0 = time.perf_counter()
     wrapper, cfg = build(name, "eager", tiny=tiny)
     vocab = cfg["vocab_size"]
@@ -174,6 +185,75 @@ def export(name: str, path: str, tiny: bool = False, dtype: str = "float32"):
             "size_bytes": os.path.getsize(path), "export_s": round(time.perf_counter() - t0, 2),
             "inputs": {"input_ids": ["batch", SEQ]}, "outputs": {"logits": ["batch", SEQ, vocab]},
             "tiny": tiny}
+    return wrapper, info
+
+
+def _synth_preset(name: str, tiny: bool) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models"))
+    from synth_llama import PRESETS
+
+    return dict(PRESETS["tiny" if tiny else SYNTH[name]])
+
+
+def synth_module(path: str, preset: dict, attn: str = "eager"):
+    """``LlamaForCausalLM`` (wrapped like :func:`build`'s, float32, CPU) holding the weights of the
+    synthetic model at ``path`` (written by ``synth_llama.build`` with ``preset``'s sizes)."""
+    import numpy as np
+    import onnx
+    import torch
+    from onnx import numpy_helper
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=preset["vocab"], hidden_size=preset["hidden"],
+                      intermediate_size=preset["intermediate"], num_hidden_layers=preset["layers"],
+                      num_attention_heads=preset["heads"], num_key_value_heads=preset["kv_heads"],
+                      max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      use_cache=False, attn_implementation=attn)
+    skip = contextlib.nullcontext()  # (drawing 6.7 G random initial values would take minutes)
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            skip = getattr(__import__(where, fromlist=["no_init_weights"]), "no_init_weights")()
+            break
+        except (ImportError, AttributeError):
+            pass
+    with skip:
+        model = LlamaForCausalLM(cfg)
+    proto = onnx.load(path, load_external_data=False)
+    base = os.path.dirname(os.path.abspath(path))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for t in proto.graph.initializer:
+            if t.name in params:
+                if t.data_location == onnx.TensorProto.EXTERNAL:  # mapped, not read through protobuf
+                    ext = {e.key: e.value for e in t.external_data}
+                    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+                    a = np.memmap(os.path.join(base, ext["location"]), dtype=dtype, mode="r",
+                                  offset=int(ext.get("offset", 0)), shape=tuple(t.dims))
+                else:
+                    a = numpy_helper.to_array(t)
+                a = torch.from_numpy(np.array(a))  # (copy_ converts to float32 as it transposes)
+                params.pop(t.name).copy_(a.T if t.name.endswith("proj.weight") or t.name == "lm_head.weight" else a)
+    if params:
+        raise ValueError(f"{path}: no weights for {sorted(params)[:4]}")
+    model.eval()
+    desc = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return _logits_wrapper(model), desc
+
+
+def _export_synth(name: str, path: str, tiny: bool, dtype: str):
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"{name} is written in float32 or float16, not {dtype}")
+    preset = _synth_preset(name, tiny)
+    from synth_llama import build as write  # (put on the path by _synth_preset)
+
+    t0 = time.perf_counter()
+    n = write(path, dtype=dtype, **preset)
+    wrapper, cfg = synth_module(path, preset)
+    size = os.path.getsize(path) + os.path.getsize(path + ".data")
+    info = {"name": name, "dtype": dtype, "path": os.path.abspath(path), "config": cfg, "seq_len": SEQ,
+            "n_params": n, "size_bytes": size, "export_s": round(time.perf_counter() - t0, 2),
+            "inputs": {"input_ids": ["batch", "seq"]}, "outputs": {"logits": ["batch", "seq", preset["vocab"]]},
+            "tiny": tiny, "synthetic": "tests/models/synth_llama.py"}
     return wrapper, info
 
 

@@ -8,7 +8,10 @@ Models (see ``export_models.py``): GPT-2 small (``GPT2Config()`` defaults, 124M 
 Llama-style causal LM (width 1024, 8 layers, 16 heads, SwiGLU 2816, vocabulary 32000; 168M), random
 weights, input ``input_ids`` int64 ``[B, 128]``, output the logits. Each is built and exported to
 ONNX (TorchScript exporter, opset 17, dynamic batch) on the machine that runs the benchmark, so
-torch is timed on exactly the weights we compile; nothing large needs to travel.
+torch is timed on exactly the weights we compile; nothing large needs to travel. ``--models
+llama7b`` (not in the default set): Llama-2-7B's shapes, 6.7 G parameters, the ONNX file written by
+``tests/models/synth_llama.py`` and torch's ``LlamaForCausalLM`` loaded with its weights
+(``device_session.sh llama7b``).
 
 Ours
     ``shardflow.compiler.compile(onnx, distributed_config={"mesh_shape": [1], "algo": "replicate"},
@@ -83,7 +86,7 @@ from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardfl
                     failed, fmt, interleave_with, table, time_calls, time_compiled, time_eager, torch_diff,
                     torch_ratios)
 
-MODELS = ("gpt2_small", "llama")
+MODELS = ("gpt2_small", "llama")  # the default set; also "llama7b" (export_models.py)
 BATCHES = (1, 8)
 COMPILE_MODES = ("default", "reduce-overhead")
 # rough seconds each step needs on an H100 machine (16 cores); a step is skipped when the run's
@@ -97,19 +100,26 @@ NEED_S = {"compile": 60, "ours": 10, "eager": 10, "torch_compile": 90}
 
 def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype: str = "float32") -> tuple:
     """The torch module (CPU, eager attention) and its ONNX path/info: exported into ``work``, or
-    reused from ``export_dir`` when it holds ``<name>.onnx``, ``.json`` and ``.state.pt``."""
+    reused from ``export_dir`` when it holds ``<name>.onnx``, ``.json`` and ``.state.pt`` (the
+    synthetic models: ``.onnx.data`` instead, the weights torch reads back)."""
     import torch
 
     import export_models as em
 
+    synth = name in em.SYNTH
     if export_dir:
         paths = [os.path.join(export_dir, f"{name}{ext}") for ext in (".onnx", ".json", ".state.pt")]
+        if synth:
+            paths[2] = paths[0] + ".data"
         if all(os.path.exists(p) for p in paths):
             with open(paths[1]) as f:
                 info = json.load(f)
             if bool(info.get("tiny")) == tiny and info.get("dtype", "float32") == dtype:
-                wrapper, _ = em.build(name, "eager", tiny=tiny)
-                wrapper.load_state_dict(torch.load(paths[2], map_location="cpu"))
+                if synth:
+                    wrapper, _ = em.synth_module(paths[0], em._synth_preset(name, tiny))
+                else:
+                    wrapper, _ = em.build(name, "eager", tiny=tiny)
+                    wrapper.load_state_dict(torch.load(paths[2], map_location="cpu"))
                 info["path"] = paths[0]
                 info["reused_export"] = True
                 log(f"{name}: reusing {paths[0]}")
@@ -118,7 +128,8 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype
     path = os.path.join(out, f"{name}.onnx")
     wrapper, info = em.export(name, path, tiny=tiny, dtype=dtype)
     if export_dir:
-        torch.save(wrapper.state_dict(), os.path.join(export_dir, f"{name}.state.pt"))
+        if not synth:
+            torch.save(wrapper.state_dict(), os.path.join(export_dir, f"{name}.state.pt"))
         with open(os.path.join(export_dir, f"{name}.json"), "w") as f:
             json.dump(info, f, indent=1)
     log(f"{name}: {info['n_params'] / 1e6:.1f}M parameters, exported in {info['export_s']:.1f} s "
@@ -341,9 +352,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def normalize_args(args) -> None:
     if isinstance(args.models, str):
         args.models = [m for m in args.models.split(",") if m]
-        bad = [m for m in args.models if m not in MODELS]
+        known = list(MODELS) + ["llama7b"]
+        bad = [m for m in args.models if m not in known]
         if bad:
-            raise SystemExit(f"unknown model(s) {bad}; choose from {list(MODELS)}")
+            raise SystemExit(f"unknown model(s) {bad}; choose from {known}")
     if isinstance(args.batches, str):
         args.batches = [int(b) for b in args.batches.split(",") if b]
     if isinstance(args.compile_modes, str):
@@ -391,11 +403,10 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sf-models-", dir=args.work_dir) as work:
         section = bench(args, work, Budget(args.budget_s))
     print(section["table"])
-    for k in ("gpt2_small_vs_torch_compile", "gpt2_small_vs_torch_compile_static_outputs",
-              "gpt2_small_vs_torch_compile_interleaved", "llama_vs_torch_compile",
-              "llama_vs_torch_compile_static_outputs", "llama_vs_torch_compile_interleaved"):
-        if k in section:
-            print(f"{k} = {fmt(section[k])}")
+    for name in section.get("models", {}):
+        for k in ("vs_torch_compile", "vs_torch_compile_static_outputs", "vs_torch_compile_interleaved"):
+            if f"{name}_{k}" in section:
+                print(f"{name}_{k} = {fmt(section[f'{name}_{k}'])}")
     dump_json(args.json, section)
     return section
 

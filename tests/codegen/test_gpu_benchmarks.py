@@ -247,6 +247,26 @@ def test_decode_self_test_on_the_cpu(tmp_path):
     assert json.loads((tmp_path / "d.json").read_text())["batches"]["3"]["state_in_place"] == 4
 
 
+def test_models_self_test_of_the_synthetic_llama_on_the_cpu(tmp_path):
+    """models.py with ``--models llama7b`` (the synthetic Llama written by tests/models/synth_llama.py,
+    here its tiny preset) end to end on the cpu target: torch's module holds the same weights (our
+    logits equal its float32 ones within float16's tolerance); a second run reuses the export."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    models = _load("models")
+    argv = ["--target", "cpu", "--tiny", "--models", "llama7b", "--batches", "1", "--model-dtype", "float16",
+            "--compile-modes", "", "--repeat", "2", "--warmup", "1", "--interleave", "0",
+            "--export-dir", str(tmp_path / "e"), "--work-dir", str(tmp_path / "w")]
+    os.makedirs(tmp_path / "e")
+    os.makedirs(tmp_path / "w")
+    for reused in (False, True):
+        res = models.main(argv)["models"]["llama7b"]
+        rec = res["batches"]["1x128"]
+        assert rec["rel_diff"] < 5e-3 and rec["ours_ms"] > 0 and rec["vs_torch_eager"] > 0, rec
+        assert sorted(os.listdir(tmp_path / "e")) == ["llama7b.json", "llama7b.onnx", "llama7b.onnx.data"]
+        assert res["n_params"] == 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 160 + 2 * 64) + 2 * 128 * 64 + 64
+
+
 def test_tile_table_is_the_fit_of_the_committed_sweeps(capsys):
     """cuda_wgmma's tile efficiencies are what fit_tiles.py fits to the H100 sweeps in
     benchmarks/results (so the table and its stated origin cannot drift apart)."""

@@ -27,7 +27,7 @@ def test_the_synthetic_model_is_transformers_llama(tmp_path, dtype, kv_heads):
     transformers = pytest.importorskip("transformers")
     path = str(tmp_path / "m.onnx")
     cfg = dict(TINY, kv_heads=kv_heads)
-    n = build(path, batch=2, seq=8, dtype=dtype, **cfg)
+    n = build(path, dtype=dtype, max_positions=16, **cfg)  # dynamic batch and sequence
     model = onnx.load(path)
     weights = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(tmp_path)).astype(np.float32)
                for t in model.graph.initializer if t.name.startswith(("model.", "lm_head"))}
@@ -39,19 +39,24 @@ def test_the_synthetic_model_is_transformers_llama(tmp_path, dtype, kv_heads):
     state = {k: torch.from_numpy(v.T.copy() if k.endswith("proj.weight") or k == "lm_head.weight" else v)
              for k, v in weights.items()}
     hf.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        want = hf(torch.from_numpy(_ids())).logits.numpy()
-    got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"input_ids": _ids()})[0]
-    tol = 1e-5 if dtype == "float32" else 2e-3
-    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    for shape in ((2, 8), (1, 16), (3, 1)):
+        with torch.no_grad():
+            want = hf(torch.from_numpy(_ids(*shape))).logits.numpy()
+        got = sess.run(None, {"input_ids": _ids(*shape)})[0]
+        tol = 1e-5 if dtype == "float32" else 2e-3
+        np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol, err_msg=str(shape))
 
 
-def test_the_synthetic_model_imports_and_runs_like_onnxruntime(tmp_path):
+@pytest.mark.parametrize("dims", [{"batch": 2, "seq": 8}, {}])
+def test_the_synthetic_model_imports_and_runs_like_onnxruntime(tmp_path, dims):
+    """Declared static, and dynamic with the shapes given at import."""
     path = str(tmp_path / "m.onnx")
-    build(path, batch=2, seq=8, dtype="float32", **TINY)
+    build(path, dtype="float32", max_positions=16, **dims, **TINY)
     assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]  # no .partial left
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"input_ids": _ids()})[0]
-    np.testing.assert_allclose(load_onnx(path).run({"input_ids": _ids()})["logits"], want, rtol=1e-4, atol=1e-5)
+    graph = load_onnx(path, input_shapes=None if dims else {"input_ids": [2, 8]})
+    np.testing.assert_allclose(graph.run({"input_ids": _ids()})["logits"], want, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_sizes_are_refused(tmp_path):

@@ -4,20 +4,25 @@ Builds the graph a TorchScript export of transformers' ``LlamaForCausalLM`` (eag
 cache) has, with onnx's helpers: token embedding (Gather), per layer RMSNorm (computed in float32
 as transformers does: Cast, Pow, ReduceMean, Add, Sqrt, Div, Cast, Mul), the query/key/value
 projections as MatMuls on weights stored ``[in, out]``, rotary embedding (rotate_half with Slice,
-Neg, Concat; cos/sin as constants for positions ``0..seq-1``), grouped key/value heads repeated by
-Unsqueeze/Expand/Reshape, scaled scores with a causal mask, Softmax in float32, the output
-projection, residual adds, the SwiGLU MLP (``gate * Sigmoid(gate) * up``, down projection), the final
-norm and the language-model head. Shapes are static (``batch x seq`` token ids in, logits out).
+Neg, Concat; cos/sin tables of ``max_positions`` rows, the first ``seq`` taken), grouped key/value
+heads repeated by Unsqueeze/Expand/Reshape, scaled scores plus a causal mask (ConstantOfShape,
+Trilu), Softmax in float32, the output projection, residual adds, the SwiGLU MLP (``gate *
+Sigmoid(gate) * up``, down projection), the final norm and the language-model head. ``input_ids``
+``[batch, seq]`` in (dynamic dims unless given as numbers), ``logits`` out.
 
-Every weight goes to one external data file (``<name>.onnx.data``) as it is drawn (normal, scale
-0.02; norms' scales 1), so a Llama-7B-sized model (6.7 G parameters, 13.5 GB at float16) is written
-in a few minutes with about one weight's worth of memory: the model to try a compile of that size on
-without downloading one (``benchmarks/compile_memory.py``, ``benchmarks/compile_time.py --model``).
+Every weight goes to one external data file (``<name>.onnx.data``) as it is made, so a
+Llama-7B-sized model (6.7 G parameters, 13.5 GB at float16) is written in about a minute with
+about one weight's worth of memory: the model to try a compile of that size on without downloading
+one (``benchmarks/compile_memory.py``, ``benchmarks/compile_time.py --model``). Values: every
+weight is a window, at a random offset, of one pool of 4 M draws from N(0, 0.02) (drawing 6.7 G
+normals one by one took minutes); the norms' scales are 1.
 
     python tests/models/synth_llama.py OUT.onnx --preset llama-7b --dtype float16 [--batch 1 --seq 128]
-    python tests/models/synth_llama.py OUT.onnx --layers 2 --hidden 256 --heads 4 --kv-heads 2 ...
+    python tests/models/synth_llama.py OUT.onnx --layers 2 --hidden 256 --intermediate 688 --heads 4 \
+        --kv-heads 2 --vocab 1000
 
-Needs only numpy and onnx. ``tests/frontend/test_synth_llama.py`` runs small ones with onnxruntime.
+Needs only numpy and onnx. ``tests/frontend/test_synth_llama.py`` checks small ones against
+transformers' ``LlamaForCausalLM`` holding the same weights, and runs them with onnxruntime.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ PRESETS = {
 }
 
 _ONNX_TYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+POOL = 1 << 22  # normal draws every weight is cut from
 
 
 class _Writer:
@@ -49,6 +55,9 @@ class _Writer:
         self.inits: list[onnx.TensorProto] = []
         self.dtype = dtype
         self.rng = np.random.default_rng(seed)
+        # weights are windows of one pool of normal draws, taken at random offsets: drawing
+        # 6.7 G normals one by one takes minutes, copying them seconds
+        self.pool = (self.rng.standard_normal(POOL, dtype=np.float32) * np.float32(0.02)).astype(dtype)
         self.data_path = data_path
         self.file = open(data_path, "wb")
         self.offset = 0
@@ -71,13 +80,19 @@ class _Writer:
         return name
 
     def weight(self, shape: tuple[int, ...], hint: str, fill: float | None = None) -> str:
-        """A weight of the model's dtype drawn from N(0, 0.02) (or all ``fill``) into the data file."""
+        """A weight of the model's dtype, N(0, 0.02) values (or all ``fill``), into the data file."""
         name = hint
+        size = int(np.prod(shape))
         if fill is None:
-            value = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            value = np.empty(size, self.dtype)
+            start, done = int(self.rng.integers(self.pool.size)), 0
+            while done < size:
+                n = min(size - done, self.pool.size - start)
+                value[done:done + n] = self.pool[start:start + n]
+                done, start = done + n, 0
         else:
-            value = np.full(shape, fill, np.float32)
-        raw = value.astype(self.dtype).tobytes()
+            value = np.full(size, fill, self.dtype)
+        raw = value.tobytes()
         del value
         t = TensorProto()
         t.name, t.data_type = name, _ONNX_TYPE[self.dtype]
@@ -93,7 +108,7 @@ class _Writer:
         self.file.write(b"\0" * pad)
         self.offset += pad
         self.inits.append(t)
-        self.params += int(np.prod(shape))
+        self.params += size
         return name
 
 
@@ -109,11 +124,11 @@ def _rms_norm(w: _Writer, x: str, hidden: int, prefix: str, eps: float) -> str:
     return w.node("Mul", [w.weight((hidden,), f"{prefix}.weight", fill=1.0), y], "scaled")
 
 
-def _rotary(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def _rotary(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.outer(np.arange(seq, dtype=np.float64), inv)
+    angles = np.outer(np.arange(positions, dtype=np.float64), inv)
     emb = np.concatenate([angles, angles], axis=-1)
-    return np.cos(emb)[None, None], np.sin(emb)[None, None]
+    return np.cos(emb), np.sin(emb)
 
 
 def _rotate(w: _Writer, x: str, cos: str, sin: str, half: int) -> str:
@@ -125,25 +140,24 @@ def _rotate(w: _Writer, x: str, cos: str, sin: str, half: int) -> str:
     return w.node("Add", [w.node("Mul", [x, cos], "xcos"), w.node("Mul", [rotated, sin], "xsin")], "roped")
 
 
-def _heads(w: _Writer, x: str, batch: int, seq: int, heads: int, head_dim: int) -> str:
+def _heads(w: _Writer, x: str, heads: int, head_dim: int) -> str:
     """[B, S, H*d] -> [B, H, S, d]."""
-    shaped = w.node("Reshape", [x, w.const(np.array([batch, seq, heads, head_dim]), "shape")], "split_heads")
+    shaped = w.node("Reshape", [x, w.const(np.array([0, 0, heads, head_dim]), "shape")], "split_heads")
     return w.node("Transpose", [shaped], "heads", perm=[0, 2, 1, 3])
 
 
 def _layer(w: _Writer, x: str, i: int, cfg: dict, cos: str, sin: str, mask: str) -> str:
-    b, s, d = cfg["batch"], cfg["seq"], cfg["hidden"]
-    h, hkv = cfg["heads"], cfg["kv_heads"]
+    d, h, hkv = cfg["hidden"], cfg["heads"], cfg["kv_heads"]
     hd = d // h
     p = f"model.layers.{i}"
     n = _rms_norm(w, x, d, f"{p}.input_layernorm", cfg["eps"])
-    q = _heads(w, w.node("MatMul", [n, w.weight((d, h * hd), f"{p}.self_attn.q_proj.weight")], "q"), b, s, h, hd)
-    k = _heads(w, w.node("MatMul", [n, w.weight((d, hkv * hd), f"{p}.self_attn.k_proj.weight")], "k"), b, s, hkv, hd)
-    v = _heads(w, w.node("MatMul", [n, w.weight((d, hkv * hd), f"{p}.self_attn.v_proj.weight")], "v"), b, s, hkv, hd)
+    q = _heads(w, w.node("MatMul", [n, w.weight((d, h * hd), f"{p}.self_attn.q_proj.weight")], "q"), h, hd)
+    k = _heads(w, w.node("MatMul", [n, w.weight((d, hkv * hd), f"{p}.self_attn.k_proj.weight")], "k"), hkv, hd)
+    v = _heads(w, w.node("MatMul", [n, w.weight((d, hkv * hd), f"{p}.self_attn.v_proj.weight")], "v"), hkv, hd)
     q, k = _rotate(w, q, cos, sin, hd // 2), _rotate(w, k, cos, sin, hd // 2)
     if hkv != h:  # repeat_kv: [B, Hkv, S, d] -> [B, Hkv, g, S, d] -> [B, H, S, d]
-        expand = w.const(np.array([b, hkv, h // hkv, s, hd]), "kv_expand")
-        flat = w.const(np.array([b, h, s, hd]), "kv_flat")
+        expand = w.const(np.array([1, 1, h // hkv, 1, 1]), "kv_expand")
+        flat = w.const(np.array([0, h, -1, hd]), "kv_flat")
         k, v = (w.node("Reshape", [w.node("Expand", [w.node("Unsqueeze", [t, w.const(np.array([2]), "ax2")], "kv1"),
                                                       expand], "kv_rep"), flat], "kv_heads") for t in (k, v))
     kt = w.node("Transpose", [k], "kt", perm=[0, 1, 3, 2])
@@ -155,7 +169,7 @@ def _layer(w: _Writer, x: str, i: int, cfg: dict, cos: str, sin: str, mask: str)
     if w.dtype != "float32":
         probs = w.node("Cast", [probs], "probs_back", to=_ONNX_TYPE[w.dtype])
     ctx = w.node("Transpose", [w.node("MatMul", [probs, v], "ctx")], "ctx_t", perm=[0, 2, 1, 3])
-    ctx = w.node("Reshape", [ctx, w.const(np.array([b, s, d]), "shape")], "merge_heads")
+    ctx = w.node("Reshape", [ctx, w.const(np.array([0, 0, d]), "shape")], "merge_heads")
     x = w.node("Add", [x, w.node("MatMul", [ctx, w.weight((d, d), f"{p}.self_attn.o_proj.weight")], "o")], "res1")
     n = _rms_norm(w, x, d, f"{p}.post_attention_layernorm", cfg["eps"])
     f = cfg["intermediate"]
@@ -167,26 +181,34 @@ def _layer(w: _Writer, x: str, i: int, cfg: dict, cos: str, sin: str, mask: str)
 
 
 def build(path: str, *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int,
-          batch: int = 1, seq: int = 128, dtype: str = "float16", seed: int = 0, eps: float = 1e-5,
-          theta: float = 10000.0, log=None) -> int:
+          batch: int | str = "batch", seq: int | str = "seq", max_positions: int = 2048, dtype: str = "float16",
+          seed: int = 0, eps: float = 1e-5, theta: float = 10000.0, log=None) -> int:
     """Write the model to ``path`` (and its weights to ``path + '.data'``); return its parameter count.
 
-    Both files are written under temporary names and renamed when complete."""
+    ``batch`` and ``seq`` are the input's declared dims (a name: dynamic); the graph itself works
+    for any batch and any sequence up to ``max_positions`` (the rotary tables' rows). Both files are
+    written under temporary names and renamed when complete."""
     if dtype not in _ONNX_TYPE:
         raise ValueError(f"dtype must be one of {sorted(_ONNX_TYPE)}, not {dtype!r}")
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
     cfg = dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
-               vocab=vocab, batch=batch, seq=seq, eps=eps)
+               vocab=vocab, eps=eps)
     data_final = path + ".data"
     tmp_data = data_final + ".partial"
     w = _Writer(tmp_data, dtype, seed)
     t0 = time.perf_counter()
     try:
-        cos_v, sin_v = _rotary(seq, hidden // heads, theta)
-        cos, sin = w.const(cos_v.astype(dtype), "cos"), w.const(sin_v.astype(dtype), "sin")
-        causal = np.triu(np.full((seq, seq), np.finfo(dtype).min, dtype), 1)[None, None]
-        mask = w.const(causal, "causal_mask")
+        # the rotary tables' first `seq` rows, and a [seq, seq] causal mask (dtype's min above the diagonal)
+        n = w.node("Shape", ["input_ids"], "seq_len", start=1, end=2)
+        zero, rows = w.const(np.array([0]), "zero"), w.const(np.array([0]), "axis0")
+        cos_v, sin_v = _rotary(max_positions, hidden // heads, theta)
+        cos, sin = (w.node("Slice", [w.const(t.astype(dtype), name), zero, n, rows], name + "_rows")
+                    for t, name in ((cos_v, "cos"), (sin_v, "sin")))
+        square = w.node("Concat", [n, n], "mask_shape", axis=0)
+        fill = helper.make_tensor("fill", _ONNX_TYPE[dtype], [1], [float(np.finfo(dtype).min)])
+        mask = w.node("Trilu", [w.node("ConstantOfShape", [square], "mask_fill", value=fill),
+                                w.const(np.array(1), "one")], "causal_mask", upper=1)
         x = w.node("Gather", [w.weight((vocab, hidden), "model.embed_tokens.weight"), "input_ids"], "embed")
         for i in range(layers):
             x = _layer(w, x, i, cfg, cos, sin, mask)
@@ -222,8 +244,9 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a model size; the flags below override it")
     for key in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", default="batch", help="the input's batch dim: a number, or a name (dynamic; default)")
+    ap.add_argument("--seq", default="seq", help="the input's sequence dim, likewise")
+    ap.add_argument("--max-positions", type=int, default=2048)
     ap.add_argument("--dtype", default="float16", choices=sorted(_ONNX_TYPE))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -236,7 +259,8 @@ def main(argv=None) -> None:
         ap.error(f"give --preset or every size: missing {', '.join('--' + k for k in missing)}")
     cfg.setdefault("kv_heads", cfg["heads"])
     t0 = time.perf_counter()
-    n = build(args.out, batch=args.batch, seq=args.seq, dtype=args.dtype, seed=args.seed,
+    dims = {k: int(v) if v.isdigit() else v for k, v in (("batch", args.batch), ("seq", args.seq))}
+    n = build(args.out, max_positions=args.max_positions, dtype=args.dtype, seed=args.seed, **dims,
               log=lambda m: print(m, file=sys.stderr), **cfg)
     print(f"wrote {args.out} (+ .data): {n / 1e9:.3f} G parameters, {args.dtype}, "
           f"{time.perf_counter() - t0:.0f} s")
