@@ -280,6 +280,19 @@ class ShardingPlan:
                                   "definition does not allow; the plan is stale")
 
     # reports ---------------------------------------------------------------------------
+    def _links_text(self) -> str:
+        """The links the plan was priced on, and whether they are the defaults (NVLink-like guesses)."""
+        from .cost import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
+
+        cm = self.cost_model()
+        text = "links: " + ", ".join(f"{n} {bw:g} GB/s, {lat:g} us a step"
+                                     for n, bw, lat in zip(self.mesh.axis_names, cm.bandwidth_GBps, cm.latency_us))
+        if all(bw == DEFAULT_BANDWIDTH_GBPS for bw in cm.bandwidth_GBps) and \
+                all(lat == DEFAULT_LATENCY_US for lat in cm.latency_us):
+            text += (" (the defaults; axis_bandwidth_GBps and axis_latency_us, or `shardflow calibrate`, "
+                     "give your machine's: the plan depends on them)")
+        return text
+
     def to_text(self) -> str:
         lines = [
             f"# Shardflow plan ({self.algo}) on mesh {list(self.mesh.shape)} {list(self.mesh.axis_names)}",
@@ -290,6 +303,8 @@ class ShardingPlan:
             "# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
                                   or "none"),
         ]
+        if self.mesh.size > 1:
+            lines.append("# " + self._links_text())
         if self.algo.startswith("ilp") and self.mesh.size > 1 and all(
                 v is None for sp in self.op_specs.values() for v in sp.assignment):
             lines.append("# every op runs whole on every rank: under the cost model, splitting any work would cost "

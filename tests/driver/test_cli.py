@@ -85,10 +85,19 @@ def test_a_plan_that_splits_nothing_says_why():
     note = "# every op runs whole on every rank: under the cost model"
     out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2")
     assert out.returncode == 0 and out.stdout.splitlines()[3] == "# collectives: none", out.stderr
-    assert out.stdout.splitlines()[4].startswith(note)
-    assert "memory_budget_bytes" in out.stdout.splitlines()[4] and "megatron" in out.stdout.splitlines()[4]
+    assert out.stdout.splitlines()[4].startswith("# links: x 100 GB/s, 5 us a step (the defaults;")
+    assert out.stdout.splitlines()[5].startswith(note)
+    assert "memory_budget_bytes" in out.stdout.splitlines()[5] and "megatron" in out.stdout.splitlines()[5]
     out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2", "--algo", "megatron")
     assert out.returncode == 0 and note not in out.stdout
+
+
+def test_plan_txt_names_the_links_it_was_priced_on(tmp_path):
+    """Given links are printed per axis, without the remark the defaults get."""
+    (tmp_path / "d.json").write_text(json.dumps({"axis_bandwidth_GBps": [400, 25], "axis_latency_us": [1, 8]}))
+    out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2x2", "--distributed-config", tmp_path / "d.json")
+    assert out.returncode == 0, out.stderr
+    assert "# links: x 400 GB/s, 1 us a step, y 25 GB/s, 8 us a step\n" in out.stdout
 
 
 def test_plan_explains_the_ops_asked_for():
