@@ -45,8 +45,8 @@ import contextlib
 import io
 import json
 import logging
-import tempfile
 import sys
+import tempfile
 import time
 import warnings
 
@@ -189,7 +189,9 @@ def export(name: str, path: str, tiny: bool = False, dtype: str = "float32"):
 
 
 def _synth_preset(name: str, tiny: bool) -> dict:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models"))
+    where = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models"))
+    if where not in sys.path:
+        sys.path.insert(0, where)
     from synth_llama import PRESETS
 
     return dict(PRESETS["tiny" if tiny else SYNTH[name]])
