@@ -188,13 +188,23 @@ def export(name: str, path: str, tiny: bool = False, dtype: str = "float32"):
     return wrapper, info
 
 
-def _synth_preset(name: str, tiny: bool) -> dict:
-    where = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models"))
-    if where not in sys.path:
-        sys.path.insert(0, where)
-    from synth_llama import PRESETS
+def _synth_llama():
+    """``tests/models/synth_llama.py``, loaded by its path (that folder is not put on sys.path: it
+    has an ``export_models`` module of its own)."""
+    import importlib.util
 
-    return dict(PRESETS["tiny" if tiny else SYNTH[name]])
+    name = "sf_synth_llama"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models", "synth_llama.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _synth_preset(name: str, tiny: bool) -> dict:
+    return dict(_synth_llama().PRESETS["tiny" if tiny else SYNTH[name]])
 
 
 def synth_module(path: str, preset: dict, attn: str = "eager"):
@@ -246,10 +256,8 @@ def _export_synth(name: str, path: str, tiny: bool, dtype: str):
     if dtype not in ("float32", "float16"):
         raise ValueError(f"{name} is written in float32 or float16, not {dtype}")
     preset = _synth_preset(name, tiny)
-    from synth_llama import build as write  # (put on the path by _synth_preset)
-
     t0 = time.perf_counter()
-    n = write(path, dtype=dtype, **preset)
+    n = _synth_llama().build(path, dtype=dtype, **preset)
     wrapper, cfg = synth_module(path, preset)
     size = os.path.getsize(path) + os.path.getsize(path + ".data")
     info = {"name": name, "dtype": dtype, "path": os.path.abspath(path), "config": cfg, "seq_len": SEQ,

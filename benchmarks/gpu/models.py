@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import sys
@@ -94,6 +95,19 @@ COMPILE_MODES = ("default", "reduce-overhead")
 NEED_S = {"compile": 60, "ours": 10, "eager": 10, "torch_compile": 90}
 
 
+def _export_models():
+    """This folder's ``export_models.py``, loaded by its path: ``tests/models`` has a module of the
+    same name, which a process running both (pytest) may have imported first."""
+    name = "sf_gpu_export_models"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_models.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 # ----------------------------------------------------------------------------------------------
 # one model
 # ----------------------------------------------------------------------------------------------
@@ -104,7 +118,7 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype
     synthetic models: ``.onnx.data`` instead, the weights torch reads back)."""
     import torch
 
-    import export_models as em
+    em = _export_models()
 
     synth = name in em.SYNTH
     if export_dir:
@@ -186,7 +200,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
     ids_t = {b: torch.from_numpy(ids_np[b]).to(dev.tdev) for b in args.batches}
 
     # strict fp32 references (TF32 off), eager attention
-    import export_models as em
+    em = _export_models()
 
     model = wrapper.to(dev.tdev)
     dev.set_tf32(False)
