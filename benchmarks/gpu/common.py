@@ -15,6 +15,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 
 
+def load_by_path(name: str, relpath: str):
+    """The module at ``relpath`` (from the repository root), loaded once under ``name``: for the
+    scripts whose file names other folders reuse (``tests/models/export_models.py`` and this
+    folder's), which a process running both, such as pytest, would otherwise mix up."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 def ensure_shardflow() -> None:
     """Make ``import shardflow.compiler`` / ``shardflow.runtime`` work from a plain checkout.
 

@@ -45,7 +45,6 @@ import contextlib
 import io
 import json
 import logging
-import sys
 import tempfile
 import time
 import warnings
@@ -189,18 +188,10 @@ def export(name: str, path: str, tiny: bool = False, dtype: str = "float32"):
 
 
 def _synth_llama():
-    """``tests/models/synth_llama.py``, loaded by its path (that folder is not put on sys.path: it
-    has an ``export_models`` module of its own)."""
-    import importlib.util
+    """``tests/models/synth_llama.py`` (loaded by its path; that folder is not put on sys.path)."""
+    from common import load_by_path
 
-    name = "sf_synth_llama"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models", "synth_llama.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_by_path("sf_synth_llama", "tests/models/synth_llama.py")
 
 
 def _synth_preset(name: str, tiny: bool) -> dict:

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -84,8 +83,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardflow, err_text,  # noqa: E402
-                    failed, fmt, interleave_with, table, time_calls, time_compiled, time_eager, torch_diff,
-                    torch_ratios)
+                    failed, fmt, interleave_with, load_by_path, table, time_calls, time_compiled, time_eager,
+                    torch_diff, torch_ratios)
 
 MODELS = ("gpt2_small", "llama")  # the default set; also "llama7b" (export_models.py)
 BATCHES = (1, 8)
@@ -96,16 +95,8 @@ NEED_S = {"compile": 60, "ours": 10, "eager": 10, "torch_compile": 90}
 
 
 def _export_models():
-    """This folder's ``export_models.py``, loaded by its path: ``tests/models`` has a module of the
-    same name, which a process running both (pytest) may have imported first."""
-    name = "sf_gpu_export_models"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_models.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """This folder's ``export_models.py`` (by its path: ``tests/models`` has one too)."""
+    return load_by_path("sf_gpu_export_models", "benchmarks/gpu/export_models.py")
 
 
 # ----------------------------------------------------------------------------------------------
