@@ -179,6 +179,8 @@ def _per_axis(v, n, key, allow_zero=False) -> tuple[float, ...] | None:
 
 
 def _opt_positive_int(v, key) -> int | None:
+    if isinstance(v, float) and v.is_integer():  # JSON's 4e9
+        v = int(v)
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
         raise ConfigError(f"distributed_config[{key!r}] = {v!r}: need a positive int (or leave it out)")
     return v

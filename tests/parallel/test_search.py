@@ -201,6 +201,15 @@ def test_config_errors(mlp_graph, cfg, match):
         search(mlp_graph, cfg)
 
 
+def test_a_whole_number_written_as_a_float_is_taken_for_an_int():
+    """JSON's ``4e9`` is a float: the byte and node counts take it when it is whole."""
+    from shardflow.compiler.parallel.config import DistributedConfig
+
+    cfg = DistributedConfig.from_dict({"mesh_shape": [2], "memory_budget_bytes": 4e9, "max_nodes": 20.0})
+    assert (cfg.memory_budget_bytes, cfg.max_nodes) == (4_000_000_000, 20)
+    assert type(cfg.memory_budget_bytes) is int
+
+
 def test_highs_solver_gives_the_same_cost(mlp_graph):
     cfg = {"mesh_shape": [4], "memory_budget_bytes": _budget(mlp_graph, [4]), "axis_latency_us": 0}
     a = search(mlp_graph, cfg)
