@@ -1145,8 +1145,9 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
 
         pad = PadHeads(pad_heads)
         graph = pad.run(graph)
-        if pad.padded:
-            graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded, "products": pad.products}
+        if pad.padded or pad.replicated:
+            graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded, "replicated": pad.replicated,
+                                          "products": pad.products}
     return graph
 
 

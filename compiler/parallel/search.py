@@ -869,9 +869,15 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     padded = graph.meta.get("padded_heads")
     if padded:
         plan.pad_heads = int(padded["ranks"])
-        plan.notes.append(f"heads padded to split over {padded['ranks']} ranks (copies of head 0, their output rows "
-                          f"zero): {', '.join(f'{h} -> {h2} ({k} products)' for h, h2, k in padded['groups'])}: "
-                          f"{_first_names(padded['products'])}")
+        parts = []
+        if padded["groups"]:
+            parts.append("heads padded to split over {} ranks (copies of head 0, their output rows zero): {}".format(
+                padded["ranks"], ", ".join(f"{h} -> {h2} ({k} products)" for h, h2, k in padded["groups"])))
+        if padded.get("replicated"):
+            parts.append("key/value heads replicated to one a rank (Megatron-LM's layout for fewer of them than "
+                         "ranks): {}".format(", ".join(f"{h} -> {h2} ({k} products)"
+                                                       for h, h2, k in padded["replicated"])))
+        plan.notes.append("; ".join(parts) + f": {_first_names(padded['products'])}")
     if algo == "megatron" and kept_whole:
         plan.notes.append(
             f"megatron: {len(kept_whole)} weight products kept whole: split by columns, their outputs would be "

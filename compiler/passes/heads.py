@@ -37,6 +37,14 @@ are (the baseline keeps them whole when their ``Hkv`` heads do not divide either
 ``Attention`` op that reads grouped heads itself (onnxruntime's GroupQueryAttention, 4-D) is
 rebuilt on keys and values gathered likewise (one gather each, from the keys and values it read).
 The groups with the most heads are padded first (the queries before their key/value heads).
+
+Fewer key/value heads than ranks, with queries that split evenly (``n % Hkv == 0`` and ``H % n
+== 0``: Llama-3-8B's 8 for 32 queries on 16 ranks) are replicated instead, as Megatron-LM does:
+``Hkv`` heads become ``n``, new head ``j`` a copy of head ``j // (n / Hkv)`` (the same machinery
+as padding, with that map in place of "then head 0"), so each rank computes the one key/value
+head its ``H / n`` queries read; their ``repeat_kv`` then expands each of the ``n`` heads to
+``H / n`` query heads, and gives the tensor it gave before. Without it the group was padded like
+any other and the plan kept the key projections whole and moved the scores with all-to-alls.
 """
 from __future__ import annotations
 
@@ -64,25 +72,42 @@ class PadHeads(GraphPass):
     def __init__(self, ranks: int):
         self.ranks = int(ranks)
         self.padded: list[tuple[int, int, int]] = []
+        #: ``(key/value heads, ranks, number of products)`` per group replicated to one head a rank
+        self.replicated: list[tuple[int, int, int]] = []
         self.products: list[str] = []  # the names of the products padded, in graph order
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         if self.ranks <= 1:
             return graph
+        n = self.ranks
         consumers = graph.consumers()
         groups: dict[int, list[Operator]] = {}
         repeats: dict[int, list[Operator]] = {}  # by the heads they repeat the key/value heads to
+        kv_repeats: dict[int, list[Operator]] = {}  # by the key/value heads they repeat
         for op in graph.nodes:
             h = _heads_of(op, consumers)
-            if h is not None and h % self.ranks:
+            if h is not None and h % n:
                 groups.setdefault(h, []).append(op)
             if (r := _repeated_heads(op)) is not None:
                 repeats.setdefault(r[0] * r[1], []).append(op)
+                kv_repeats.setdefault(r[0], []).append(op)
         # (most heads first: a model's queries before its grouped key/value heads, which are
         # then repeated by a gather and left whole; padded first, the keys would make the query
         # projection a whole product gathered per rank)
         for h, seeds in sorted(groups.items(), reverse=True):
-            padded = -(-h // self.ranks) * self.ranks
+            ends = kv_repeats.get(h, [])
+            group_sizes = {_repeated_heads(op)[1] for op in ends}
+            if len(group_sizes) == 1 and n % h == 0 and h * group_sizes.pop() % n == 0:
+                # key/value heads whose queries split evenly (so their repeat_kv was not replaced by
+                # a padding of the queries): one a rank, each replicated n / h times
+                pad = _Padding(graph, h, n, seeds, [], consumers, src=np.arange(n) // (n // h), ends=ends)
+                if (done := pad.apply()):
+                    self.replicated.append((h, n, done))
+                    self.products += pad.products
+                    consumers = graph.consumers()
+                    log.info("heads: %d key/value heads replicated to %d (%d products), one a rank", h, n, done)
+                continue
+            padded = -(-h // n) * n
             pad = _Padding(graph, h, padded, seeds, repeats.get(h, []), consumers)
             done = pad.apply()
             if done:
@@ -149,10 +174,17 @@ class _Padding:
     """One group's padding: the ops rebuilt, checked, then put in the graph (or nothing)."""
 
     def __init__(self, graph: FlowGraph, heads: int, padded: int, seeds: list[Operator], repeats: list[Operator],
-                 consumers):
+                 consumers, src: np.ndarray | None = None, ends: list[Operator] = ()):
         self.graph, self.h, self.h2, self.consumers = graph, heads, padded, consumers
+        #: the head each of the ``H'`` new heads copies: the ``H`` heads, then head 0 (padding), or
+        #: each head ``H' / H`` times (key/value heads replicated, with ``ends``)
+        self.src = np.concatenate([np.arange(heads), np.zeros(padded - heads, np.int64)]) if src is None \
+            else np.asarray(src, np.int64)
         self.seeds = {id(op) for op in seeds}
         self.repeats = {id(op) for op in repeats}
+        # repeat_kv reshapes that end a replication (their outputs unchanged), and their expands
+        self.ends = {id(op): op for op in ends}
+        self.end_expands = {id(op.inputs[0].producer) for op in ends}
         self.axis: dict[int, int] = {}  # id(old tensor) -> its heads' dim
         self.new: dict[int, Tensor] = {}  # id(old tensor) -> the padded one
         self.rebuilt: dict[int, list[Operator]] = {}  # id(old op) -> the ops on padded inputs in its place
@@ -169,6 +201,10 @@ class _Padding:
             for op in self.graph.nodes:
                 if id(op) in self.repeats:
                     self._repeat(op)
+                elif id(op) in self.ends:
+                    self._unrepeat(op)
+                elif id(op) in self.end_expands:
+                    continue  # (rebuilt with its reshape)
                 elif id(op) in self.seeds or any(id(t) in self.axis for t in op.inputs):
                     self._rebuild(self._grouped_attention(op), orig=op)
             self._check_readers()
@@ -187,6 +223,8 @@ class _Padding:
             if new and id(new[-1]) in contracting:
                 take_over(old, new[-1], "padding of its heads")
                 summing.add(id(old))
+            elif id(old) in self.ends:
+                take_over(old, new[-1], "replication of its key/value heads")
         self.products = [op.name for op in self.graph.nodes if id(op) in self.seeds or id(op) in summing]
         self.graph.nodes = [n for op in self.graph.nodes for n in self.rebuilt.get(id(op), [op])]
         if self.repeats:  # (the expands the gathers replaced)
@@ -211,6 +249,23 @@ class _Padding:
         self.rebuilt[id(op)] = [gather, reshape]
         self.axis[id(op.outputs[0])] = a
         self.new[id(op.outputs[0])] = reshape.outputs[0]
+
+    def _unrepeat(self, op: Operator) -> None:
+        """A ``repeat_kv`` that ends a replication: the ``H'`` key/value heads (one a rank) each
+        expanded to the ``H / H'`` query heads that read it, giving the same tensor as before."""
+        from ..ops.transform import Expand, Reshape
+
+        hkv, g, a = _repeated_heads(op)
+        expand = op.inputs[0].producer
+        x = expand.inputs[0]
+        if id(x) not in self.axis or self.axis[id(x)] != a or len(self.consumers.get(id(expand.outputs[0]), ())) != 1:
+            raise _Refused(f"{op.name} repeats heads this group did not pad, or its expand has other readers")
+        heads = hkv * g
+        shape = expand.outputs[0].shape[:a] + (self.h2, heads // self.h2) + expand.outputs[0].shape[a + 2:]
+        new_expand = Expand([self.new[id(x)]], name=expand.name, shape=shape)
+        reshape = Reshape([new_expand.outputs[0]], name=op.name, shape=op.outputs[0].shape)
+        self.rebuilt[id(expand)] = []
+        self.rebuilt[id(op)] = [new_expand, reshape]
 
     def _grouped_attention(self, op: Operator) -> Operator:
         """An ``Attention`` op with grouped key/value heads (4-D, ``Hkv`` of them for the ``H`` padded
@@ -312,20 +367,21 @@ class _Padding:
         _, _, ins, outs, contracting = min(found)
         return ins, outs, contracting
 
-    def _tail(self, t: Tensor, dim: int) -> np.ndarray:
-        """The indices along ``dim`` of ``t`` (``H`` heads of ``unit`` elements) that the ``H' - H``
-        new heads copy: head 0's, once per new head."""
+    def _index(self, t: Tensor, dim: int) -> np.ndarray:
+        """The indices along ``dim`` of ``t`` (``H`` heads of ``unit`` elements) that the ``H'`` new
+        heads copy (``src``: with padding, ``t``'s own and then head 0's once per new head)."""
         e = t.shape[dim]
         if e % self.h:
             raise _Refused(f"{t.name}'s dim {dim} ({e}) is not a whole number of heads")
-        return np.tile(np.arange(e // self.h), self.h2 - self.h)
+        unit = e // self.h
+        return (self.src[:, None] * unit + np.arange(unit)).reshape(-1)
 
     def _pad_activation(self, t: Tensor, dim: int, gathers: list[Operator]) -> Tensor:
-        """``t`` gathered to ``H'`` heads along ``dim`` (the new ones copies of head 0's slice),
+        """``t`` gathered to ``H'`` heads along ``dim`` (the new ones copies of ``src``'s slices),
         once per tensor and dim; a new gather op is appended to ``gathers``."""
         key = (id(t), dim)
         if key not in self.gathered:
-            idx = np.concatenate([np.arange(t.shape[dim]), self._tail(t, dim)])
+            idx = self._index(t, dim)
             if id(t) in self.virtual and dim == 1:  # (a grouped attention's gather: one gather of both)
                 _, t, first = self.virtual.pop(id(t))
                 idx = first[idx]
@@ -335,7 +391,7 @@ class _Padding:
         return self.gathered[key]
 
     def _grown(self, t: Tensor, dim: int) -> tuple[int, ...]:
-        return t.shape[:dim] + (t.shape[dim] + len(self._tail(t, dim)),) + t.shape[dim + 1:]
+        return t.shape[:dim] + (len(self._index(t, dim)),) + t.shape[dim + 1:]
 
     def _pad_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
         """``t`` with ``H' - H`` heads more along ``dim``: zeros, or copies of head 0 (once per
@@ -346,12 +402,20 @@ class _Padding:
         return self.padded_constants[key]
 
     def _padded_constant(self, t: Tensor, dim: int, zero: bool) -> Tensor:
-        value, tail = np.asarray(t.value), self._tail(t, dim)
-        if zero:
-            fill = np.zeros(value.shape[:dim] + (len(tail),) + value.shape[dim + 1:], value.dtype)
-        else:
-            fill = np.take(value, tail, axis=dim)
-        return const_tensor(concatenate([value, fill], axis=dim), f"{t.name}.heads{self.h2}" + "_zero" * zero)
+        """``t`` along ``dim`` as the ``H'`` heads ``src`` names (with ``zero``, padding: the new
+        heads' slices zero, where the heads are summed)."""
+        value, idx = np.asarray(t.value), self._index(t, dim)
+        name = f"{t.name}.heads{self.h2}" + "_zero" * zero
+        if np.array_equal(self.src[:self.h], np.arange(self.h)):  # (padding: t itself, then the new heads)
+            tail = idx[t.shape[dim]:]
+            if zero:
+                fill = np.zeros(value.shape[:dim] + (len(tail),) + value.shape[dim + 1:], value.dtype)
+            else:
+                fill = np.take(value, tail, axis=dim)
+            return const_tensor(concatenate([value, fill], axis=dim), name)
+        if zero:  # (replicated key/value heads end at their repeat_kv, not in a sum over them)
+            raise _Refused(f"the replicated heads are summed with {t.name}")
+        return const_tensor(np.take(value, idx, axis=dim), name)
 
     def _check_readers(self) -> None:
         outputs = {id(t) for t in self.graph.outputs}
@@ -359,7 +423,7 @@ class _Padding:
             if tid in outputs:
                 raise _Refused("padded heads would reach a graph output")
             for r in self.consumers.get(tid, ()):
-                if id(r) not in self.rebuilt and id(r) not in self.repeats:
+                if id(r) not in self.rebuilt and id(r) not in self.repeats and id(r) not in self.end_expands:
                     raise _Refused(f"{r.name} ({r.op_type}) reads padded heads")
 
 

@@ -374,6 +374,40 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model, mesh", [("llama_ts17", [4]), ("llama_dynamo18", [4]), ("llama_sdpa_dynamo23", [4]),
+                                         ("llama_ts17", [2, 4])])
+def test_megatron_replicates_key_value_heads_fewer_than_ranks(model, mesh):
+    """The Llamas' 2 key/value heads for 4 query heads on 4 ranks (Llama-3-8B's 8 for 32 on 16):
+    the queries split (one a rank), each key/value head is replicated to the 2 ranks whose queries
+    read it (the projections' columns copied, passes/heads.py), its repeat_kv now expanding one
+    head a rank; the baseline splits every product, with two all-reduces a layer (before: the
+    key projections kept whole, two all-to-alls, and 36% more parameters a rank), and the ranks
+    compute what the model does."""
+    import os
+
+    from shardflow.compiler.driver import plan_passes
+
+    models = os.path.join(os.path.dirname(__file__), "..", "models")
+    path = os.path.join(models, f"{model}.onnx")
+    graph = plan_passes(load_onnx(path), mesh, pad_heads=mesh[-1])
+    meta = graph.meta["padded_heads"]
+    assert (meta["groups"], meta["replicated"], len(meta["products"])) == ([], [(2, 4, 4)], 4)
+    plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
+    text = plan.to_text()
+    assert "all_to_all" not in text and "# megatron:" not in text, text[:2000]
+    assert "# key/value heads replicated to one a rank (Megatron-LM's layout for fewer of them than ranks): " \
+           f"2 -> 4 (4 products): {meta['products'][0]}, " in text
+    replicated = [op for op in graph.nodes if any(t.is_constant and ".heads4" in t.name for t in op.inputs)]
+    assert len(replicated) == 4 and all(plan.op_specs[op.name].assignment[-1] is not None for op in replicated)
+    unpadded = search(plan_passes(load_onnx(path), mesh), {"mesh_shape": mesh, "algo": "megatron"})
+    assert plan.params_bytes < unpadded.params_bytes
+    feeds = dict(np.load(os.path.join(models, f"{model.rsplit('_', 1)[0]}_inputs.npz")))
+    want = load_onnx(path).run(feeds)
+    got = simulate(partition(graph, plan), feeds, plan.mesh)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
 def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
     """An op the pass cannot rebuild (here every op: an unexpected error) leaves the group as it
     was, with a warning; the compile goes on (the plan keeps such heads whole)."""
