@@ -237,6 +237,32 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
+#: grouped-heads architectures (4 query, 2 key/value heads)
+GQA = ["gemma2", "gemma3", "mistral", "phi3", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", GQA)
+def test_architecture_megatron_on_four_ranks_replicates_key_value_heads(exported, arch, exporter):
+    """The Megatron baseline on 4 ranks: the 4 query heads split, the 2 key/value heads replicated
+    to one a rank where the pass follows them (passes/heads.py: every TorchScript export's; of the
+    dynamo exports Gemma 2's), no all-to-all; the partitioned graph's simulation against
+    onnxruntime."""
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.parallel import partition, search, simulate
+
+    path, feeds, want = exported(arch, exporter)
+    graph = plan_passes(load_onnx(path), [4], pad_heads=4)
+    plan = search(graph, {"mesh_shape": [4], "algo": "megatron"})
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    replicated = graph.meta.get("padded_heads", {}).get("replicated")
+    assert replicated == [(2, 4, 4)] or exporter == "dynamo18" and arch != "gemma2", replicated
+    assert "all_to_all" not in plan.to_text().splitlines()[3]
+
+
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
 #: decisions 43, 45, 47 and 50; Swin too since its head size 8 is padded to 16)
 FUSED = set(ARCHITECTURES) - {"convnext", "regnet"}
