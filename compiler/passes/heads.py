@@ -106,7 +106,7 @@ class PadHeads(GraphPass):
                     self.products += pad.products
                     consumers = graph.consumers()
                     log.info("heads: %d key/value heads replicated to %d (%d products), one a rank", h, n, done)
-                continue
+                    continue  # (else padded, as any group)
             padded = -(-h // n) * n
             pad = _Padding(graph, h, padded, seeds, repeats.get(h, []), consumers)
             done = pad.apply()
@@ -178,6 +178,7 @@ class _Padding:
         self.graph, self.h, self.h2, self.consumers = graph, heads, padded, consumers
         #: the head each of the ``H'`` new heads copies: the ``H`` heads, then head 0 (padding), or
         #: each head ``H' / H`` times (key/value heads replicated, with ``ends``)
+        self.padding = src is None
         self.src = np.concatenate([np.arange(heads), np.zeros(padded - heads, np.int64)]) if src is None \
             else np.asarray(src, np.int64)
         self.seeds = {id(op) for op in seeds}
@@ -406,7 +407,7 @@ class _Padding:
         heads' slices zero, where the heads are summed)."""
         value, idx = np.asarray(t.value), self._index(t, dim)
         name = f"{t.name}.heads{self.h2}" + "_zero" * zero
-        if np.array_equal(self.src[:self.h], np.arange(self.h)):  # (padding: t itself, then the new heads)
+        if self.padding:  # (t itself, then the new heads)
             tail = idx[t.shape[dim]:]
             if zero:
                 fill = np.zeros(value.shape[:dim] + (len(tail),) + value.shape[dim + 1:], value.dtype)
