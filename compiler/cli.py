@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -436,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardflow {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # (`shardflow plan M.onnx | head`: the reader stopped; what was asked is done)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 141
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The `shardflow` command line: help, plan, inspect, compile errors."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -90,6 +91,18 @@ def test_a_plan_that_splits_nothing_says_why():
     assert "memory_budget_bytes" in out.stdout.splitlines()[5] and "megatron" in out.stdout.splitlines()[5]
     out = sh("plan", MODELS / "gpt2_ts17.onnx", "--mesh", "2", "--algo", "megatron")
     assert out.returncode == 0 and note not in out.stdout
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`shardflow plan M.onnx | head`: the pipe's reader gone, the command stops without a traceback."""
+    r, w = os.pipe()
+    os.close(r)  # (the reader has already stopped: the first write fails)
+    try:
+        proc = subprocess.run(SHARDFLOW + ["plan", str(MODELS / "mlp_ts17.onnx"), "--mesh", "2"], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr
 
 
 def test_plan_txt_names_the_links_it_was_priced_on(tmp_path):
