@@ -92,18 +92,16 @@ class _Writer:
                 done, start = done + n, 0
         else:
             value = np.full(size, fill, self.dtype)
-        raw = value.tobytes()
-        del value
         t = TensorProto()
         t.name, t.data_type = name, _ONNX_TYPE[self.dtype]
         t.dims.extend(shape)
         t.data_location = TensorProto.EXTERNAL
         for key, val in (("location", os.path.basename(self.data_path)), ("offset", str(self.offset)),
-                         ("length", str(len(raw)))):
+                         ("length", str(value.nbytes))):
             entry = t.external_data.add()
             entry.key, entry.value = key, val
-        self.file.write(raw)
-        self.offset += len(raw)
+        self.file.write(value.data)  # (no copy of the bytes)
+        self.offset += value.nbytes
         pad = -self.offset % 64  # keep every tensor aligned for mapping
         self.file.write(b"\0" * pad)
         self.offset += pad
