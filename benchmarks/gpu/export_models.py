@@ -194,7 +194,8 @@ def _synth_llama():
     return load_by_path("sf_synth_llama", "tests/models/synth_llama.py")
 
 
-def _synth_preset(name: str, tiny: bool) -> dict:
+def synth_preset(name: str, tiny: bool) -> dict:
+    """The sizes of synthetic model ``name`` (``tiny``: the 2-layer preset)."""
     return dict(_synth_llama().PRESETS["tiny" if tiny else SYNTH[name]])
 
 
@@ -246,7 +247,7 @@ def synth_module(path: str, preset: dict, attn: str = "eager"):
 def _export_synth(name: str, path: str, tiny: bool, dtype: str):
     if dtype not in ("float32", "float16"):
         raise ValueError(f"{name} is written in float32 or float16, not {dtype}")
-    preset = _synth_preset(name, tiny)
+    preset = synth_preset(name, tiny)
     t0 = time.perf_counter()
     n = _synth_llama().build(path, dtype=dtype, **preset)
     wrapper, cfg = synth_module(path, preset)

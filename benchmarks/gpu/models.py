@@ -86,7 +86,7 @@ from common import (Budget, TorchDevice, compile_ours, dump_json, ensure_shardfl
                     failed, fmt, interleave_with, load_by_path, table, time_calls, time_compiled, time_eager,
                     torch_diff, torch_ratios)
 
-MODELS = ("gpt2_small", "llama")  # the default set; also "llama7b" (export_models.py)
+MODELS = ("gpt2_small", "llama")  # the default set; also export_models.SYNTH's ("llama7b")
 BATCHES = (1, 8)
 COMPILE_MODES = ("default", "reduce-overhead")
 # rough seconds each step needs on an H100 machine (16 cores); a step is skipped when the run's
@@ -121,7 +121,7 @@ def prepare(name: str, work: str, export_dir: str | None, tiny: bool, log, dtype
                 info = json.load(f)
             if bool(info.get("tiny")) == tiny and info.get("dtype", "float32") == dtype:
                 if synth:
-                    wrapper, _ = em.synth_module(paths[0], em._synth_preset(name, tiny))
+                    wrapper, _ = em.synth_module(paths[0], em.synth_preset(name, tiny))
                 else:
                     wrapper, _ = em.build(name, "eager", tiny=tiny)
                     wrapper.load_state_dict(torch.load(paths[2], map_location="cpu"))
@@ -153,7 +153,7 @@ def bench_model(name: str, args, work: str, budget: Budget, log, save) -> dict:
         log(f"{name}: {res['error']}")
         return res
     res.update(config=info["config"], n_params=info["n_params"], export_s=info["export_s"],
-               onnx_bytes=info["size_bytes"])
+               onnx_bytes=info["size_bytes"], reused_export=bool(info.get("reused_export")))
     vocab = info["config"]["vocab_size"]
     compiled = {}
     for b in args.batches:
@@ -357,7 +357,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def normalize_args(args) -> None:
     if isinstance(args.models, str):
         args.models = [m for m in args.models.split(",") if m]
-        known = list(MODELS) + ["llama7b"]
+        known = list(MODELS) + list(_export_models().SYNTH)
         bad = [m for m in args.models if m not in known]
         if bad:
             raise SystemExit(f"unknown model(s) {bad}; choose from {known}")

@@ -262,6 +262,7 @@ def test_models_self_test_of_the_synthetic_llama_on_the_cpu(tmp_path):
     for reused in (False, True):
         res = models.main(argv)["models"]["llama7b"]
         rec = res["batches"]["1x128"]
+        assert res["reused_export"] == reused
         assert rec["rel_diff"] < 5e-3 and rec["ours_ms"] > 0 and rec["vs_torch_eager"] > 0, rec
         assert sorted(os.listdir(tmp_path / "e")) == ["llama7b.json", "llama7b.onnx", "llama7b.onnx.data"]
         assert res["n_params"] == 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 160 + 2 * 64) + 2 * 128 * 64 + 64

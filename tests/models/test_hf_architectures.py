@@ -225,16 +225,21 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
     """The Megatron baseline on 3 ranks (compile's passes: heads padded to a multiple of 3, where
     the pass can follow them; passes/heads.py), checked with the partitioned graph's simulation
     against onnxruntime: whatever the pass pads or leaves, the ranks compute the model."""
+    _megatron_simulated(*exported(arch, exporter), 3)
+
+
+def _megatron_simulated(path, feeds, want, ranks):
+    """The Megatron baseline on ``ranks`` ranks after compile's passes (heads padded or replicated
+    for them), its partitioned graph simulated against onnxruntime's output; the graph and plan."""
     from shardflow.compiler import load_onnx
     from shardflow.compiler.driver import plan_passes
     from shardflow.compiler.parallel import partition, search, simulate
 
-    path, feeds, want = exported(arch, exporter)
-    graph = plan_passes(load_onnx(path), [3], pad_heads=3)
-    plan = search(graph, {"mesh_shape": [3], "algo": "megatron"})
+    graph = plan_passes(load_onnx(path), [ranks], pad_heads=ranks)
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
     got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
-    scale = float(np.abs(want).max())
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
+    return graph, plan
 
 
 #: grouped-heads architectures (4 query, 2 key/value heads)
@@ -248,16 +253,7 @@ def test_architecture_megatron_on_four_ranks_replicates_key_value_heads(exported
     to one a rank where the pass follows them (passes/heads.py: every TorchScript export's; of the
     dynamo exports Gemma 2's), no all-to-all; the partitioned graph's simulation against
     onnxruntime."""
-    from shardflow.compiler import load_onnx
-    from shardflow.compiler.driver import plan_passes
-    from shardflow.compiler.parallel import partition, search, simulate
-
-    path, feeds, want = exported(arch, exporter)
-    graph = plan_passes(load_onnx(path), [4], pad_heads=4)
-    plan = search(graph, {"mesh_shape": [4], "algo": "megatron"})
-    got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
-    scale = float(np.abs(want).max())
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    graph, plan = _megatron_simulated(*exported(arch, exporter), 4)
     replicated = graph.meta.get("padded_heads", {}).get("replicated")
     assert replicated == [(2, 4, 4)] or exporter == "dynamo18" and arch != "gemma2", replicated
     assert "all_to_all" not in plan.to_text().splitlines()[3]
