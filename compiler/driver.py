@@ -1147,7 +1147,7 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
         graph = pad.run(graph)
         if pad.padded or pad.replicated:
             graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded, "replicated": pad.replicated,
-                                          "products": pad.products}
+                                          "grouped": pad.grouped, "products": pad.products}
     return graph
 
 

@@ -871,8 +871,16 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         plan.pad_heads = int(padded["ranks"])
         parts = []
         if padded["groups"]:
+            grouped = padded.get("grouped", {})
+
+            def group(h, h2, k):
+                if h not in grouped:
+                    return f"{h} -> {h2} ({k} products)"
+                hkv, g, g2 = grouped[h]
+                return f"{h} -> {h2} ({k} products; {hkv} key/value groups of {g} -> {g2}, copies of their first)"
+
             parts.append("heads padded to split over {} ranks (copies of head 0, their output rows zero): {}".format(
-                padded["ranks"], ", ".join(f"{h} -> {h2} ({k} products)" for h, h2, k in padded["groups"])))
+                padded["ranks"], ", ".join(group(*grp) for grp in padded["groups"])))
         if padded.get("replicated"):
             parts.append("key/value heads replicated to one a rank (Megatron-LM's layout for fewer of them than "
                          "ranks): {}".format(", ".join(f"{h} -> {h2} ({k} products)"

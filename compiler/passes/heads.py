@@ -45,6 +45,13 @@ as padding, with that map in place of "then head 0"), so each rank computes the 
 head its ``H / n`` queries read; their ``repeat_kv`` then expands each of the ``n`` heads to
 ``H / n`` query heads, and gives the tensor it gave before. Without it the group was padded like
 any other and the plan kept the key projections whole and moved the scores with all-to-alls.
+Query heads that do not divide, whose key/value heads divide the ranks (``n % Hkv == 0``:
+Qwen2.5-7B's 28 for 4 on 8), are padded by key/value group: each group's ``G`` queries, then
+copies of its first, to ``G'`` a multiple of ``n / Hkv`` (so each rank's queries are of one
+group; ``H' = Hkv G'`` is ``ceil(H / n) n`` as before), and the key/value heads are then
+replicated as above, the gather that repeats them for the padded queries being the end rebuilt.
+The dynamo exporter's keys whose ``repeat_kv`` merges the batch with the heads (``[B * H, S, d]``,
+transposed, split back to ``[B, H, d, S]``) are first rewritten per head (``_unmerge_repeats``).
 """
 from __future__ import annotations
 
@@ -74,12 +81,15 @@ class PadHeads(GraphPass):
         self.padded: list[tuple[int, int, int]] = []
         #: ``(key/value heads, ranks, number of products)`` per group replicated to one head a rank
         self.replicated: list[tuple[int, int, int]] = []
+        #: ``{heads: (key/value heads, G, G')}`` for groups of query heads padded by key/value group
+        self.grouped: dict[int, tuple[int, int, int]] = {}
         self.products: list[str] = []  # the names of the products padded, in graph order
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         if self.ranks <= 1:
             return graph
         n = self.ranks
+        _unmerge_repeats(graph)
         consumers = graph.consumers()
         groups: dict[int, list[Operator]] = {}
         repeats: dict[int, list[Operator]] = {}  # by the heads they repeat the key/value heads to
@@ -92,14 +102,15 @@ class PadHeads(GraphPass):
                 repeats.setdefault(r[0] * r[1], []).append(op)
                 kv_repeats.setdefault(r[0], []).append(op)
         # (most heads first: a model's queries before its grouped key/value heads, which are
-        # then repeated by a gather and left whole; padded first, the keys would make the query
-        # projection a whole product gathered per rank)
+        # then repeated by a gather and left whole, or replicated; padded first, the keys would
+        # make the query projection a whole product gathered per rank)
         for h, seeds in sorted(groups.items(), reverse=True):
-            ends = kv_repeats.get(h, [])
-            group_sizes = {_repeated_heads(op)[1] for op in ends}
-            if len(group_sizes) == 1 and n % h == 0 and h * group_sizes.pop() % n == 0:
-                # key/value heads whose queries split evenly (so their repeat_kv was not replaced by
-                # a padding of the queries): one a rank, each replicated n / h times
+            live = {id(op) for op in graph.nodes}
+            ends = [op for op in kv_repeats.get(h, []) if id(op) in live]
+            outs = {_kv_end(op)[1] for op in ends}
+            if ends and len(outs) == 1 and n % h == 0 and outs.pop() % n == 0:
+                # key/value heads whose queries split evenly (maybe once padded by groups): one a
+                # rank, each replicated n / h times
                 pad = _Padding(graph, h, n, seeds, [], consumers, src=np.arange(n) // (n // h), ends=ends)
                 if (done := pad.apply()):
                     self.replicated.append((h, n, done))
@@ -108,15 +119,85 @@ class PadHeads(GraphPass):
                     log.info("heads: %d key/value heads replicated to %d (%d products), one a rank", h, n, done)
                     continue  # (else padded, as any group)
             padded = -(-h // n) * n
-            pad = _Padding(graph, h, padded, seeds, repeats.get(h, []), consumers)
+            reps = [op for op in repeats.get(h, []) if id(op) in live]
+            src, pads, grouped = _grouped_padding(reps, h, n)
+            pad = _Padding(graph, h, padded, seeds, reps, consumers, src=src, pads=pads)
             done = pad.apply()
             if done:
                 self.padded.append((h, padded, done))
                 self.products += pad.products
+                if grouped:
+                    self.grouped[h] = grouped
+                    # (their gathers of the key/value heads: ends of a replication of those heads)
+                    kv_repeats.setdefault(grouped[0], []).extend(pad.repeated)
                 consumers = graph.consumers()
-                log.info("heads: %d heads padded to %d (%d products) to split over %d ranks",
-                         h, padded, done, self.ranks)
+                log.info("heads: %d heads padded to %d (%d products) to split over %d ranks%s",
+                         h, padded, done, self.ranks,
+                         " (by key/value group: %d -> %d query heads each)" % grouped[1:] if grouped else "")
         return graph
+
+
+def _unmerge_repeats(graph: FlowGraph) -> int:
+    """Rewrite the dynamo exporter's transposed keys: a ``repeat_kv`` whose reshape merges the batch
+    with the heads (``[B, Hkv, G, S, d]`` to ``[B * H, S, d]``), a transpose that keeps that first
+    dim, and a reshape that splits it back (``[B, H, d, S]``), become the ``repeat_kv`` of
+    :func:`_repeated_heads` (``[B, H, S, d]``) and the same transpose on its dims: the same values,
+    in the form whose heads the padding follows (the merged form would need every head on every
+    rank). The number rewritten."""
+    from ..ops.transform import Reshape, Transpose
+
+    consumers, done = graph.consumers(), 0
+    for op in list(graph.nodes):
+        if op.op_type != "Reshape" or op.inputs[0].producer is None or op.inputs[0].producer.op_type != "Expand":
+            continue
+        x, e, y = op.inputs[0].producer.inputs[0], op.inputs[0], op.outputs[0]
+        readers = consumers.get(id(y), [])
+        if len(readers) != 1 or readers[0].op_type != "Transpose" or readers[0].attrs["perm"][0] != 0:
+            continue
+        t = readers[0]
+        after = consumers.get(id(t.outputs[0]), [])
+        if len(after) != 1 or after[0].op_type != "Reshape" or t.outputs[0] in graph.outputs:
+            continue
+        r, perm = after[0], tuple(t.attrs["perm"])
+        for a in range(x.ndim - 1):
+            lead = e.shape[:a] + (e.shape[a] * e.shape[a + 1],)  # (the query heads, after the dims before them)
+            if x.shape[a + 1] == 1 and e.shape[a + 1] > 1 and x.shape[:a + 1] == e.shape[:a + 1] \
+                    and x.shape[a + 2:] == e.shape[a + 2:] and y.shape == (math.prod(lead),) + e.shape[a + 2:] \
+                    and r.outputs[0].shape == lead + t.outputs[0].shape[1:]:
+                k = len(lead)
+                merged = Reshape([e], name=op.name, shape=lead + y.shape[1:])
+                turned = Transpose([merged.outputs[0]], name=t.name,
+                                   perm=tuple(range(k)) + tuple(k - 1 + p for p in perm[1:]))
+                take_over(r, turned, "transpose of the repeated heads without merging the batch")
+                at = graph.nodes.index(r)
+                graph.nodes[at:at + 1] = [merged, turned]
+                graph.nodes.remove(op)
+                graph.nodes.remove(t)
+                done += 1
+                break
+    if done:
+        log.info("heads: %d repeats of key/value heads merged with the batch rewritten per head", done)
+    return done
+
+
+def _grouped_padding(repeats: list[Operator], h: int, n: int):
+    """``(src, pads, (Hkv, G, G'))`` for ``h`` query heads read as ``Hkv`` groups of ``G`` (their
+    ``repeat_kv`` ops: ``repeats``) padded over ``n`` ranks that ``Hkv`` divides: each group padded
+    to ``G'`` heads (its ``G``, then copies of its first), ``G'`` a multiple of ``n / Hkv``, so
+    each rank's queries are of one group (and read one key/value head, which a replication of
+    those heads then gives each rank); ``H' = Hkv G'`` is ``ceil(H / n) n`` as when padded at the
+    end. ``(None, None, None)`` (padded at the end) for any other heads."""
+    kinds = {_repeated_heads(op)[:2] for op in repeats}
+    if len(kinds) != 1:
+        return None, None, None
+    hkv, g = kinds.pop()
+    if hkv == 1 or n % hkv or hkv * g != h:  # (one key/value head: the same as padded at the end)
+        return None, None, None
+    per = n // hkv
+    g2 = -(-g // per) * per
+    i = np.arange(g2)
+    src = (np.arange(hkv)[:, None] * g + np.where(i < g, i, 0)[None, :]).reshape(-1)
+    return src, np.tile(i >= g, hkv), (hkv, g, g2)
 
 
 def _heads_of(op: Operator, consumers) -> int | None:
@@ -163,6 +244,23 @@ def _repeated_heads(op: Operator) -> tuple[int, int, int] | None:
     return None
 
 
+def _kv_end(op: Operator) -> tuple[int, int, int, np.ndarray | None] | None:
+    """``(Hkv, H, axis, indices)`` when ``op`` is a reshape that gives ``H`` query heads at ``axis``
+    from ``Hkv`` key/value heads: a ``repeat_kv`` (:func:`_repeated_heads`; indices None), or one
+    :meth:`_Padding._repeat` made (``[.., Hkv, 1, ..]`` gathered to ``[.., H, 1, ..]`` by the
+    constant ``indices``, then reshaped); else None."""
+    if (r := _repeated_heads(op)) is not None:
+        return r[0], r[0] * r[1], r[2], None
+    g = op.inputs[0].producer if op.op_type == "Reshape" else None
+    if g is None or g.op_type != "Gather" or len(g.inputs) != 2 or not g.inputs[1].is_constant:
+        return None
+    x, a, out = g.inputs[0], g.attrs.get("axis", 0), op.outputs[0].shape
+    idx = np.asarray(g.inputs[1].value).reshape(-1)
+    if a < 0 or a + 1 >= x.ndim or x.shape[a + 1] != 1 or out != x.shape[:a] + (len(idx),) + x.shape[a + 2:]:
+        return None
+    return int(x.shape[a]), len(idx), a, idx
+
+
 def _gather(x: Tensor, idx: np.ndarray, axis: int, name: str) -> Operator:
     """A gather of ``x``'s slices ``idx`` (constant indices) along ``axis``."""
     from ..ops.transform import Gather
@@ -174,13 +272,17 @@ class _Padding:
     """One group's padding: the ops rebuilt, checked, then put in the graph (or nothing)."""
 
     def __init__(self, graph: FlowGraph, heads: int, padded: int, seeds: list[Operator], repeats: list[Operator],
-                 consumers, src: np.ndarray | None = None, ends: list[Operator] = ()):
+                 consumers, src: np.ndarray | None = None, ends: list[Operator] = (), pads: np.ndarray | None = None):
         self.graph, self.h, self.h2, self.consumers = graph, heads, padded, consumers
-        #: the head each of the ``H'`` new heads copies: the ``H`` heads, then head 0 (padding), or
-        #: each head ``H' / H`` times (key/value heads replicated, with ``ends``)
-        self.padding = src is None
-        self.src = np.concatenate([np.arange(heads), np.zeros(padded - heads, np.int64)]) if src is None \
-            else np.asarray(src, np.int64)
+        #: the head each of the ``H'`` new heads copies: the ``H`` heads, then head 0 (padding; or
+        #: ``src`` with ``pads``, padding by key/value group), or each head ``H' / H`` times (``src``
+        #: alone: key/value heads replicated, with ``ends``)
+        if src is None:
+            src = np.concatenate([np.arange(heads), np.zeros(padded - heads, np.int64)])
+            pads = np.arange(padded) >= heads
+        self.src = np.asarray(src, np.int64)
+        #: which of the ``H'`` heads are new ones (their rows zero where the heads are summed); None: replicated
+        self.pads = None if pads is None else np.asarray(pads, bool)
         self.seeds = {id(op) for op in seeds}
         self.repeats = {id(op) for op in repeats}
         # repeat_kv reshapes that end a replication (their outputs unchanged), and their expands
@@ -195,6 +297,7 @@ class _Padding:
         # gathers of a grouped attention's keys and values not in the graph: id(output) -> (op, source, indices)
         self.virtual: dict[int, tuple[Operator, Tensor, np.ndarray]] = {}
         self.products: list[str] = []  # (once applied) the names of the products padded, in graph order
+        self.repeated: list[Operator] = []  # the reshapes ending the gathers that replaced ``repeats``
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
@@ -242,12 +345,12 @@ class _Padding:
 
         hkv, g, a = _repeated_heads(op)
         x = op.inputs[0].producer.inputs[0]
-        gather = _gather(x, np.concatenate([np.repeat(np.arange(hkv), g), np.zeros(self.h2 - self.h, np.int64)]), a,
-                         f"{op.name}.heads{self.h2}")
+        gather = _gather(x, self.src // g, a, f"{op.name}.heads{self.h2}")
         shape = op.outputs[0].shape[:a] + (self.h2,) + op.outputs[0].shape[a + 1:]
         reshape = Reshape([gather.outputs[0]], name=op.name, shape=shape)
         reshape.outputs[0].name = op.outputs[0].name
         self.rebuilt[id(op)] = [gather, reshape]
+        self.repeated.append(reshape)
         self.axis[id(op.outputs[0])] = a
         self.new[id(op.outputs[0])] = reshape.outputs[0]
 
@@ -256,13 +359,14 @@ class _Padding:
         expanded to the ``H / H'`` query heads that read it, giving the same tensor as before."""
         from ..ops.transform import Expand, Reshape
 
-        hkv, g, a = _repeated_heads(op)
+        hkv, heads, a, idx = _kv_end(op)
         expand = op.inputs[0].producer
         x = expand.inputs[0]
         if id(x) not in self.axis or self.axis[id(x)] != a or len(self.consumers.get(id(expand.outputs[0]), ())) != 1:
             raise _Refused(f"{op.name} repeats heads this group did not pad, or its expand has other readers")
-        heads = hkv * g
-        shape = expand.outputs[0].shape[:a] + (self.h2, heads // self.h2) + expand.outputs[0].shape[a + 2:]
+        if idx is not None and not np.array_equal(idx, self.src[np.arange(heads) // (heads // self.h2)]):
+            raise _Refused(f"{op.name} gathers key/value heads in another order than one a rank")
+        shape = x.shape[:a] + (self.h2, heads // self.h2) + x.shape[a + 2:]
         new_expand = Expand([self.new[id(x)]], name=expand.name, shape=shape)
         reshape = Reshape([new_expand.outputs[0]], name=op.name, shape=op.outputs[0].shape)
         self.rebuilt[id(expand)] = []
@@ -407,16 +511,21 @@ class _Padding:
         heads' slices zero, where the heads are summed)."""
         value, idx = np.asarray(t.value), self._index(t, dim)
         name = f"{t.name}.heads{self.h2}" + "_zero" * zero
-        if self.padding:  # (t itself, then the new heads)
+        if self.pads is None and zero:  # (replicated key/value heads end at their repeat_kv, not in a sum over them)
+            raise _Refused(f"the replicated heads are summed with {t.name}")
+        if self.pads is not None and self.pads[self.h:].all():  # (t itself, then the new heads)
             tail = idx[t.shape[dim]:]
             if zero:
                 fill = np.zeros(value.shape[:dim] + (len(tail),) + value.shape[dim + 1:], value.dtype)
             else:
                 fill = np.take(value, tail, axis=dim)
             return const_tensor(concatenate([value, fill], axis=dim), name)
-        if zero:  # (replicated key/value heads end at their repeat_kv, not in a sum over them)
-            raise _Refused(f"the replicated heads are summed with {t.name}")
-        return const_tensor(np.take(value, idx, axis=dim), name)
+        out = np.take(value, idx, axis=dim)
+        if zero:  # (new heads between the old: padded by key/value group)
+            index = [slice(None)] * out.ndim
+            index[dim] = np.repeat(self.pads, len(idx) // self.h2)
+            out[tuple(index)] = 0
+        return const_tensor(out, name)
 
     def _check_readers(self) -> None:
         outputs = {id(t) for t in self.graph.outputs}

@@ -250,13 +250,25 @@ GQA = ["gemma2", "gemma3", "mistral", "phi3", "qwen2", "qwen3"]
 @pytest.mark.parametrize("arch", GQA)
 def test_architecture_megatron_on_four_ranks_replicates_key_value_heads(exported, arch, exporter):
     """The Megatron baseline on 4 ranks: the 4 query heads split, the 2 key/value heads replicated
-    to one a rank where the pass follows them (passes/heads.py: every TorchScript export's; of the
-    dynamo exports Gemma 2's), no all-to-all; the partitioned graph's simulation against
-    onnxruntime."""
+    to one a rank (passes/heads.py; the dynamo exports' keys merged with the batch rewritten per
+    head first), no all-to-all; the partitioned graph's simulation against onnxruntime."""
     graph, plan = _megatron_simulated(*exported(arch, exporter), 4)
     replicated = graph.meta.get("padded_heads", {}).get("replicated")
-    assert replicated == [(2, 4, 4)] or exporter == "dynamo18" and arch != "gemma2", replicated
+    assert replicated == [(2, 4, 4)], replicated
     assert "all_to_all" not in plan.to_text().splitlines()[3]
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", GQA)
+def test_architecture_megatron_on_eight_ranks_pads_queries_by_group(exported, arch, exporter):
+    """The Megatron baseline on 8 ranks: the 4 query heads padded to 8 by key/value group (each
+    group's 2 then 2 copies of its first, so a rank's query reads one key/value head) and the 2
+    key/value heads replicated to 8 (as on 4 ranks); the partitioned graph's simulation against
+    onnxruntime."""
+    graph, plan = _megatron_simulated(*exported(arch, exporter), 8)
+    meta = graph.meta.get("padded_heads", {})
+    assert (meta["groups"][0][:2], meta["grouped"], meta["replicated"][0][:2]) == ((4, 8), {4: (2, 2, 4)}, (2, 8))
+    assert "all_to_all" not in plan.to_text().splitlines()[3] and "# megatron:" not in plan.to_text()
 
 
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005

@@ -408,6 +408,48 @@ def test_megatron_replicates_key_value_heads_fewer_than_ranks(model, mesh):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads, kv_heads, ranks, g2", [(6, 2, 4, 4), (14, 2, 4, 8), (12, 4, 8, 4), (12, 2, 8, 8)])
+def test_megatron_pads_queries_by_key_value_group(tmp_path, monkeypatch, heads, kv_heads, ranks, g2):
+    """Query heads that do not divide over the ranks, whose key/value heads do (Qwen2.5-7B's 28 for
+    4 on 8, Qwen2-0.5B's 14 for 2 on 4): each key/value group's queries are padded (copies of its
+    first) to a multiple of the ranks a key/value head then has, so a rank's queries read one
+    key/value head, and those are replicated one a rank: every product splits (before, padded at the
+    end, a rank's queries could read two key/value heads and the key and value projections stayed
+    whole), fewer parameters a rank, and the ranks compute what the model does."""
+    import os
+    import sys
+
+    import onnxruntime as ort
+
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.passes import heads as heads_pass
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+    from synth_llama import build
+
+    path = str(tmp_path / "m.onnx")
+    build(path, layers=2, hidden=8 * heads, intermediate=48, heads=heads, kv_heads=kv_heads, vocab=32, batch=2,
+          seq=5, dtype="float32", max_positions=8)
+    feeds = {"input_ids": np.random.default_rng(0).integers(0, 32, (2, 5)).astype(np.int64)}
+    want = ort.InferenceSession(path).run(None, feeds)[0]
+    graph = plan_passes(load_onnx(path), [ranks], pad_heads=ranks)
+    meta = graph.meta["padded_heads"]
+    padded = -(-heads // ranks) * ranks
+    assert meta["groups"] == [(heads, padded, 4)] and meta["replicated"] == [(kv_heads, ranks, 4)]
+    assert meta["grouped"] == {heads: (kv_heads, heads // kv_heads, g2)}
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    text = plan.to_text()
+    assert "# megatron:" not in text and "all_to_all" not in text, text[:2000]
+    assert f"{heads} -> {padded} (4 products; {kv_heads} key/value groups of {heads // kv_heads} -> {g2}, " in text
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # padded at the end instead (as before): the key and value projections kept whole, more bytes a rank
+    monkeypatch.setattr(heads_pass, "_grouped_padding", lambda *args: (None, None, None))
+    at_end = search(plan_passes(load_onnx(path), [ranks], pad_heads=ranks), {"mesh_shape": [ranks], "algo": "megatron"})
+    assert "# megatron: 4 weight products kept whole" in at_end.to_text()
+    assert plan.params_bytes < at_end.params_bytes
+
+
 def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
     """An op the pass cannot rebuild (here every op: an unexpected error) leaves the group as it
     was, with a warning; the compile goes on (the plan keeps such heads whole)."""
@@ -454,6 +496,57 @@ def test_heads_are_not_padded_where_they_would_leave_the_attention():
     pad = PadHeads(2)
     pad.run(graph)
     assert pad.padded == [] and [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes] == before
+
+
+@pytest.mark.parametrize("unmerged", [True, False])
+def test_keys_merged_with_the_batch_are_replicated_per_head(monkeypatch, unmerged):
+    """The dynamo exporter's transposed keys (Qwen2's, Mistral's): the repeat_kv's reshape merges
+    the batch with the heads (``[B * H, S, d]``), a transpose, a reshape back to ``[B, H, d, S]``.
+    The pass rewrites them per head (``[B, H, S, d]``, the transpose on its dims), so the 2
+    key/value heads are replicated over 4 ranks as the TorchScript export's are; without the
+    rewrite (``unmerged`` false) the group is left whole. The ranks compute the model either way."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.passes import heads
+
+    if not unmerged:
+        monkeypatch.setattr(heads, "_unmerge_repeats", lambda graph: 0)
+    rng = np.random.default_rng(0)
+    consts = {"wq": rng.standard_normal((16, 16)), "wk": rng.standard_normal((16, 8)),
+              "wv": rng.standard_normal((16, 8)), "wo": rng.standard_normal((16, 16))}
+    inits = [numpy_helper.from_array(v.astype(np.float32) / 4, k) for k, v in consts.items()]
+    for name, shape in {"q4": [2, 8, 4, 4], "kv4": [2, 8, 2, 4], "rep": [2, 2, 2, 8, 4], "merged": [8, 8, 4],
+                        "back": [2, 4, 4, 8], "heads": [2, 4, 8, 4], "flat": [2, 8, 16], "two": [2]}.items():
+        inits.append(numpy_helper.from_array(np.array([2] if name == "two" else shape, np.int64), name))
+
+    def node(op, ins, out, **kw):
+        return helper.make_node(op, ins, [out], **kw)
+
+    nodes = [node("MatMul", ["x", "wq"], "q0"), node("Reshape", ["q0", "q4"], "q1"),
+             node("Transpose", ["q1"], "q", perm=[0, 2, 1, 3])]
+    for t in ("k", "v"):
+        nodes += [node("MatMul", ["x", f"w{t}"], f"{t}0"), node("Reshape", [f"{t}0", "kv4"], f"{t}1"),
+                  node("Transpose", [f"{t}1"], f"{t}2", perm=[0, 2, 1, 3]),
+                  node("Unsqueeze", [f"{t}2", "two"], f"{t}3"), node("Expand", [f"{t}3", "rep"], f"{t}4")]
+    nodes += [node("Reshape", ["k4", "merged"], "k5"), node("Transpose", ["k5"], "k6", perm=[0, 2, 1]),
+              node("Reshape", ["k6", "back"], "kt"), node("Reshape", ["v4", "heads"], "v"),
+              node("MatMul", ["q", "kt"], "s"), node("Softmax", ["s"], "p", axis=-1), node("MatMul", ["p", "v"], "o"),
+              node("Transpose", ["o"], "o1", perm=[0, 2, 1, 3]), node("Reshape", ["o1", "flat"], "o2"),
+              node("MatMul", ["o2", "wo"], "y")]
+    g = helper.make_graph(nodes, "gqa", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 16])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": rng.standard_normal((2, 8, 16)).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    graph = plan_passes(load_onnx(model), [4], pad_heads=4)
+    replicated = graph.meta.get("padded_heads", {}).get("replicated")
+    assert replicated == ([(2, 4, 2)] if unmerged else None), replicated
+    plan = search(graph, {"mesh_shape": [4], "algo": "megatron"})
+    assert ("# megatron:" in plan.to_text()) != unmerged
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [8]), ("llama_ts17", [4]), ("gpt2_ts17", [2])])
