@@ -51,7 +51,8 @@ copies of its first, to ``G'`` a multiple of ``n / Hkv`` (so each rank's queries
 group; ``H' = Hkv G'`` is ``ceil(H / n) n`` as before), and the key/value heads are then
 replicated as above, the gather that repeats them for the padded queries being the end rebuilt.
 The dynamo exporter's keys whose ``repeat_kv`` merges the batch with the heads (``[B * H, S, d]``,
-transposed, split back to ``[B, H, d, S]``) are first rewritten per head (``_unmerge_repeats``).
+transposed, split back to ``[B, H, d, S]``) are first rewritten per head (``_unmerge_heads``), as
+are its other heads merged with the batch for a transpose.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class PadHeads(GraphPass):
         if self.ranks <= 1:
             return graph
         n = self.ranks
-        _unmerge_repeats(graph)
+        _unmerge_heads(graph)
         consumers = graph.consumers()
         groups: dict[int, list[Operator]] = {}
         repeats: dict[int, list[Operator]] = {}  # by the heads they repeat the key/value heads to
@@ -137,46 +138,54 @@ class PadHeads(GraphPass):
         return graph
 
 
-def _unmerge_repeats(graph: FlowGraph) -> int:
-    """Rewrite the dynamo exporter's transposed keys: a ``repeat_kv`` whose reshape merges the batch
-    with the heads (``[B, Hkv, G, S, d]`` to ``[B * H, S, d]``), a transpose that keeps that first
-    dim, and a reshape that splits it back (``[B, H, d, S]``), become the ``repeat_kv`` of
-    :func:`_repeated_heads` (``[B, H, S, d]``) and the same transpose on its dims: the same values,
-    in the form whose heads the padding follows (the merged form would need every head on every
-    rank). The number rewritten."""
+def _unmerge_heads(graph: FlowGraph) -> int:
+    """Rewrite the dynamo exporter's transposed keys: a reshape that merges the batch with the heads
+    (``[B, H, S, d]``, or a ``repeat_kv``'s ``[B, Hkv, G, S, d]``, to ``[B * H, S, d]``), a transpose
+    that keeps that first dim, and a reshape that splits it back (``[B, H, d, S]``) become one
+    transpose of ``[B, H, S, d]`` (after the reshape of :func:`_repeated_heads`, for a
+    ``repeat_kv``): the same values, in the form whose heads the padding follows (a split by heads
+    of ``[B * H]`` is not a block of rows when ``B > 1``). The number rewritten."""
     from ..ops.transform import Reshape, Transpose
 
     consumers, done = graph.consumers(), 0
+    outputs = {id(t) for t in graph.outputs}
     for op in list(graph.nodes):
-        if op.op_type != "Reshape" or op.inputs[0].producer is None or op.inputs[0].producer.op_type != "Expand":
+        if op.op_type != "Reshape" or op.inputs[0].ndim < 3 or id(op.outputs[0]) in outputs:
             continue
-        x, e, y = op.inputs[0].producer.inputs[0], op.inputs[0], op.outputs[0]
+        x, y = op.inputs[0], op.outputs[0]
         readers = consumers.get(id(y), [])
-        if len(readers) != 1 or readers[0].op_type != "Transpose" or readers[0].attrs["perm"][0] != 0:
+        if len(readers) != 1 or readers[0].op_type != "Transpose" or readers[0].attrs["perm"][0] != 0 \
+                or id(readers[0].outputs[0]) in outputs:
             continue
         t = readers[0]
         after = consumers.get(id(t.outputs[0]), [])
-        if len(after) != 1 or after[0].op_type != "Reshape" or t.outputs[0] in graph.outputs:
+        if len(after) != 1 or after[0].op_type != "Reshape":
             continue
         r, perm = after[0], tuple(t.attrs["perm"])
-        for a in range(x.ndim - 1):
-            lead = e.shape[:a] + (e.shape[a] * e.shape[a + 1],)  # (the query heads, after the dims before them)
-            if x.shape[a + 1] == 1 and e.shape[a + 1] > 1 and x.shape[:a + 1] == e.shape[:a + 1] \
-                    and x.shape[a + 2:] == e.shape[a + 2:] and y.shape == (math.prod(lead),) + e.shape[a + 2:] \
-                    and r.outputs[0].shape == lead + t.outputs[0].shape[1:]:
-                k = len(lead)
-                merged = Reshape([e], name=op.name, shape=lead + y.shape[1:])
-                turned = Transpose([merged.outputs[0]], name=t.name,
-                                   perm=tuple(range(k)) + tuple(k - 1 + p for p in perm[1:]))
-                take_over(r, turned, "transpose of the repeated heads without merging the batch")
-                at = graph.nodes.index(r)
-                graph.nodes[at:at + 1] = [merged, turned]
-                graph.nodes.remove(op)
-                graph.nodes.remove(t)
-                done += 1
-                break
+        z, rest = r.outputs[0].shape, y.shape[1:]
+        # x's leading dims merged into y's first ([B, H] or [B, Hkv, G]), and z splits it back ([B, H])
+        j = x.ndim - len(rest)
+        k = len(z) - (t.outputs[0].ndim - 1)
+        if j < 2 or k < 2 or x.shape[j:] != rest or z[k:] != t.outputs[0].shape[1:] \
+                or math.prod(x.shape[:j]) != y.shape[0] or math.prod(z[:k]) != y.shape[0]:
+            continue
+        new = []
+        src = x
+        if x.shape[:j] != z[:k]:  # (a repeat_kv's [B, Hkv, G] becomes [B, H]: only the dims after B merged)
+            if x.producer is None or x.producer.op_type != "Expand" or j != 3 \
+                    or z[:k] != (x.shape[0], x.shape[1] * x.shape[2]):
+                continue
+            new.append(Reshape([x], name=op.name, shape=z[:k] + rest))
+            src = new[-1].outputs[0]
+        new.append(Transpose([src], name=t.name, perm=tuple(range(k)) + tuple(k - 1 + p for p in perm[1:])))
+        take_over(r, new[-1], "transpose of the heads without merging the batch")
+        at = graph.nodes.index(r)
+        graph.nodes[at:at + 1] = new
+        graph.nodes.remove(op)
+        graph.nodes.remove(t)
+        done += 1
     if done:
-        log.info("heads: %d repeats of key/value heads merged with the batch rewritten per head", done)
+        log.info("heads: %d transposes of heads merged with the batch rewritten per head", done)
     return done
 
 

@@ -498,27 +498,21 @@ def test_heads_are_not_padded_where_they_would_leave_the_attention():
     assert pad.padded == [] and [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes] == before
 
 
-@pytest.mark.parametrize("unmerged", [True, False])
-def test_keys_merged_with_the_batch_are_replicated_per_head(monkeypatch, unmerged):
-    """The dynamo exporter's transposed keys (Qwen2's, Mistral's): the repeat_kv's reshape merges
-    the batch with the heads (``[B * H, S, d]``), a transpose, a reshape back to ``[B, H, d, S]``.
-    The pass rewrites them per head (``[B, H, S, d]``, the transpose on its dims), so the 2
-    key/value heads are replicated over 4 ranks as the TorchScript export's are; without the
-    rewrite (``unmerged`` false) the group is left whole. The ranks compute the model either way."""
-    import onnxruntime as ort
+def _keys_merged_with_the_batch(kv_heads: int):
+    """An attention block as the dynamo exporter writes some (Qwen2's, DistilBERT's): 4 query heads
+    of 4 on ``x [2, 8, 16]``, ``kv_heads`` key/value heads (repeated by an expand and reshape when
+    fewer), the keys' heads merged with the batch (``[8, 8, 4]``), transposed, split back to
+    ``[2, 4, 4, 8]``. The ONNX model."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from shardflow.compiler.driver import plan_passes
-    from shardflow.compiler.passes import heads
-
-    if not unmerged:
-        monkeypatch.setattr(heads, "_unmerge_repeats", lambda graph: 0)
     rng = np.random.default_rng(0)
-    consts = {"wq": rng.standard_normal((16, 16)), "wk": rng.standard_normal((16, 8)),
-              "wv": rng.standard_normal((16, 8)), "wo": rng.standard_normal((16, 16))}
+    w = 4 * kv_heads
+    consts = {"wq": rng.standard_normal((16, 16)), "wk": rng.standard_normal((16, w)),
+              "wv": rng.standard_normal((16, w)), "wo": rng.standard_normal((16, 16))}
     inits = [numpy_helper.from_array(v.astype(np.float32) / 4, k) for k, v in consts.items()]
-    for name, shape in {"q4": [2, 8, 4, 4], "kv4": [2, 8, 2, 4], "rep": [2, 2, 2, 8, 4], "merged": [8, 8, 4],
-                        "back": [2, 4, 4, 8], "heads": [2, 4, 8, 4], "flat": [2, 8, 16], "two": [2]}.items():
+    for name, shape in {"q4": [2, 8, 4, 4], "kv4": [2, 8, kv_heads, 4], "rep": [2, kv_heads, 4 // kv_heads, 8, 4],
+                        "merged": [8, 8, 4], "back": [2, 4, 4, 8], "heads": [2, 4, 8, 4], "flat": [2, 8, 16],
+                        "two": [2]}.items():
         inits.append(numpy_helper.from_array(np.array([2] if name == "two" else shape, np.int64), name))
 
     def node(op, ins, out, **kw):
@@ -528,22 +522,49 @@ def test_keys_merged_with_the_batch_are_replicated_per_head(monkeypatch, unmerge
              node("Transpose", ["q1"], "q", perm=[0, 2, 1, 3])]
     for t in ("k", "v"):
         nodes += [node("MatMul", ["x", f"w{t}"], f"{t}0"), node("Reshape", [f"{t}0", "kv4"], f"{t}1"),
-                  node("Transpose", [f"{t}1"], f"{t}2", perm=[0, 2, 1, 3]),
-                  node("Unsqueeze", [f"{t}2", "two"], f"{t}3"), node("Expand", [f"{t}3", "rep"], f"{t}4")]
+                  node("Transpose", [f"{t}1"], f"{t}2", perm=[0, 2, 1, 3])]
+        if kv_heads < 4:  # (repeat_kv)
+            nodes += [node("Unsqueeze", [f"{t}2", "two"], f"{t}3"), node("Expand", [f"{t}3", "rep"], f"{t}4")]
+        else:
+            nodes.append(node("Identity", [f"{t}2"], f"{t}4"))
     nodes += [node("Reshape", ["k4", "merged"], "k5"), node("Transpose", ["k5"], "k6", perm=[0, 2, 1]),
               node("Reshape", ["k6", "back"], "kt"), node("Reshape", ["v4", "heads"], "v"),
               node("MatMul", ["q", "kt"], "s"), node("Softmax", ["s"], "p", axis=-1), node("MatMul", ["p", "v"], "o"),
               node("Transpose", ["o"], "o1", perm=[0, 2, 1, 3]), node("Reshape", ["o1", "flat"], "o2"),
               node("MatMul", ["o2", "wo"], "y")]
-    g = helper.make_graph(nodes, "gqa", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 16])],
+    g = helper.make_graph(nodes, "merged", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 16])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 16])], inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    feeds = {"x": rng.standard_normal((2, 8, 16)).astype(np.float32)}
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("unmerged", [True, False])
+@pytest.mark.parametrize("kv_heads, ranks", [(2, 4), (4, 3)])
+def test_heads_merged_with_the_batch_are_padded_per_head(monkeypatch, kv_heads, ranks, unmerged):
+    """The dynamo exporter's transposed keys, heads merged with the batch (``[B * H, S, d]``, a
+    transpose, a reshape back to ``[B, H, d, S]``): the pass rewrites them per head (one transpose
+    of ``[B, H, S, d]``), so the 2 key/value heads of a grouped attention are replicated over 4
+    ranks and the 4 heads of a plain one padded to 6 over 3, as the TorchScript export's are;
+    without the rewrite (``unmerged`` false) the group is left whole. The ranks compute the model
+    either way."""
+    import onnxruntime as ort
+
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.passes import heads
+
+    if not unmerged:
+        monkeypatch.setattr(heads, "_unmerge_heads", lambda graph: 0)
+    model = _keys_merged_with_the_batch(kv_heads)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 8, 16)).astype(np.float32)}
     want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
-    graph = plan_passes(load_onnx(model), [4], pad_heads=4)
-    replicated = graph.meta.get("padded_heads", {}).get("replicated")
-    assert replicated == ([(2, 4, 2)] if unmerged else None), replicated
-    plan = search(graph, {"mesh_shape": [4], "algo": "megatron"})
+    graph = plan_passes(load_onnx(model), [ranks], pad_heads=ranks)
+    meta = graph.meta.get("padded_heads") or {}
+    if not unmerged:
+        assert meta == {}, meta
+    elif kv_heads == 2:
+        assert (meta["groups"], meta["replicated"]) == ([], [(2, 4, 2)]), meta
+    else:
+        assert (meta["groups"], meta["replicated"]) == ([(4, 6, 4)], []), meta
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
     assert ("# megatron:" in plan.to_text()) != unmerged
     got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
