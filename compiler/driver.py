@@ -1128,7 +1128,9 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
     plan``, so that a plan it saves names the ops ``compile`` plans): affine ops folded into convs
     (``fold_affine``, passes/fold.py), and on a mesh of more than one device the fused QKV products
     split into their parts, which the plan can split by heads (passes/projections.py; each rank's
-    parts are merged back by :func:`rank_passes`), then, with ``pad_heads`` > 1 (see
+    parts are merged back by :func:`rank_passes`) and attention computed on heads merged with the
+    batch written on its heads (passes/attention.py's ``AttentionOnHeads``, passes/heads.py's
+    ``UnmergeHeads``), then, with ``pad_heads`` > 1 (see
     :func:`heads_padding`), attention heads padded to a multiple of it (passes/heads.py; recorded
     in ``graph.meta["padded_heads"]`` for the plan). Rewrites ``graph``."""
     if fold_affine:
@@ -1137,9 +1139,16 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
 
         graph = FoldAffineIntoConv().run(graph)
     if math.prod(mesh_shape) > 1:
+        from .passes.attention import AttentionOnHeads
+        from .passes.heads import UnmergeHeads
         from .passes.projections import SplitProjections
 
         graph = SplitProjections().run(graph)
+        # attention written on its heads, [B, H, ..], where the export merged them with the batch
+        # ([B*H, ..]: XGLM's and DeBERTa's products, the dynamo exporter's transposed keys), so
+        # that the plan can split it by heads (a split of [B*H] is not a block of rows when B > 1)
+        graph = AttentionOnHeads().run(graph)
+        graph = UnmergeHeads().run(graph)
     if pad_heads > 1 and math.prod(mesh_shape) > 1:
         from .passes.heads import PadHeads
 

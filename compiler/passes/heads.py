@@ -51,8 +51,10 @@ copies of its first, to ``G'`` a multiple of ``n / Hkv`` (so each rank's queries
 group; ``H' = Hkv G'`` is ``ceil(H / n) n`` as before), and the key/value heads are then
 replicated as above, the gather that repeats them for the padded queries being the end rebuilt.
 The dynamo exporter's keys whose ``repeat_kv`` merges the batch with the heads (``[B * H, S, d]``,
-transposed, split back to ``[B, H, d, S]``) are first rewritten per head (``_unmerge_heads``), as
-are its other heads merged with the batch for a transpose.
+transposed, split back to ``[B, H, d, S]``), and its other heads merged with the batch for a
+transpose, are rewritten per head by :class:`UnmergeHeads`, which ``driver.plan_passes`` runs
+before this pass (after ``AttentionOnHeads``, which writes attention computed on ``[B * H, ..]``
+tensors, XGLM's and DeBERTa's, on its ``[B, H, ..]`` views).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ from ..parallel.placement import Partial, Replicate, Shard
 from ..parallel.rules import op_strategies
 from .base import GraphPass, take_over
 
-__all__ = ["PadHeads"]
+__all__ = ["PadHeads", "UnmergeHeads"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,6 @@ class PadHeads(GraphPass):
         if self.ranks <= 1:
             return graph
         n = self.ranks
-        _unmerge_heads(graph)
         consumers = graph.consumers()
         groups: dict[int, list[Operator]] = {}
         repeats: dict[int, list[Operator]] = {}  # by the heads they repeat the key/value heads to
@@ -135,6 +136,17 @@ class PadHeads(GraphPass):
                 log.info("heads: %d heads padded to %d (%d products) to split over %d ranks%s",
                          h, padded, done, self.ranks,
                          " (by key/value group: %d -> %d query heads each)" % grouped[1:] if grouped else "")
+        return graph
+
+
+class UnmergeHeads(GraphPass):
+    """The dynamo exporter's transposes of heads merged with the batch rewritten per head (see
+    :func:`_unmerge_heads`); after :meth:`run`, ``rewritten`` counts them."""
+
+    rewritten = 0
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        self.rewritten = _unmerge_heads(graph)
         return graph
 
 

@@ -552,7 +552,7 @@ def test_heads_merged_with_the_batch_are_padded_per_head(monkeypatch, kv_heads, 
     from shardflow.compiler.passes import heads
 
     if not unmerged:
-        monkeypatch.setattr(heads, "_unmerge_heads", lambda graph: 0)
+        monkeypatch.setattr(heads.UnmergeHeads, "run", lambda self, graph: graph)
     model = _keys_merged_with_the_batch(kv_heads)
     feeds = {"x": np.random.default_rng(1).standard_normal((2, 8, 16)).astype(np.float32)}
     want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
