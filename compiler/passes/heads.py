@@ -50,6 +50,9 @@ Qwen2.5-7B's 28 for 4 on 8), are padded by key/value group: each group's ``G`` q
 copies of its first, to ``G'`` a multiple of ``n / Hkv`` (so each rank's queries are of one
 group; ``H' = Hkv G'`` is ``ceil(H / n) n`` as before), and the key/value heads are then
 replicated as above, the gather that repeats them for the padded queries being the end rebuilt.
+Whatever the padding, key/value heads are replicated wherever each rank's queries read one of them
+(``_one_a_rank``: 4 queries for 2 padded to 6 on 3 ranks read ``[0, 1, 0]``, the last rank's
+queries copies of query 0); else the gather reads them whole on every rank.
 The dynamo exporter's keys whose ``repeat_kv`` merges the batch with the heads (``[B * H, S, d]``,
 transposed, split back to ``[B, H, d, S]``), and its other heads merged with the batch for a
 transpose, are rewritten per head by :class:`UnmergeHeads`, which ``driver.plan_passes`` runs
@@ -109,11 +112,10 @@ class PadHeads(GraphPass):
         for h, seeds in sorted(groups.items(), reverse=True):
             live = {id(op) for op in graph.nodes}
             ends = [op for op in kv_repeats.get(h, []) if id(op) in live]
-            outs = {_kv_end(op)[1] for op in ends}
-            if ends and len(outs) == 1 and n % h == 0 and outs.pop() % n == 0:
-                # key/value heads whose queries split evenly (maybe once padded by groups): one a
-                # rank, each replicated n / h times
-                pad = _Padding(graph, h, n, seeds, [], consumers, src=np.arange(n) // (n // h), ends=ends)
+            if (src := _one_a_rank(ends, n)) is not None:
+                # key/value heads of which each rank's queries read one (the queries split evenly,
+                # maybe once padded): that one a rank, the heads replicated
+                pad = _Padding(graph, h, n, seeds, [], consumers, src=src, ends=ends)
                 if (done := pad.apply()):
                     self.replicated.append((h, n, done))
                     self.products += pad.products
@@ -130,8 +132,8 @@ class PadHeads(GraphPass):
                 self.products += pad.products
                 if grouped:
                     self.grouped[h] = grouped
-                    # (their gathers of the key/value heads: ends of a replication of those heads)
-                    kv_repeats.setdefault(grouped[0], []).extend(pad.repeated)
+                for op in pad.repeated:  # (their gathers of the key/value heads: ends of a replication of those)
+                    kv_repeats.setdefault(_kv_end(op)[0], []).append(op)
                 consumers = graph.consumers()
                 log.info("heads: %d heads padded to %d (%d products) to split over %d ranks%s",
                          h, padded, done, self.ranks,
@@ -199,6 +201,23 @@ def _unmerge_heads(graph: FlowGraph) -> int:
     if done:
         log.info("heads: %d transposes of heads merged with the batch rewritten per head", done)
     return done
+
+
+def _one_a_rank(ends: list[Operator], n: int) -> np.ndarray | None:
+    """The key/value head each of ``n`` ranks reads when the queries that ``ends`` (reshapes of
+    :func:`_kv_end`) give split evenly over the ranks and each rank's read one key/value head,
+    the same for every end; else None. (Llama-3-8B's 32 queries for 8 on 16 ranks: ``j // 2``;
+    4 queries for 2 padded to 6 on 3: ``[0, 1, 0]``, the last rank's copies of query 0.)"""
+    src = None
+    for op in ends:
+        hkv, heads, _, idx = _kv_end(op)
+        if heads % n:
+            return None
+        rows = (np.arange(heads) // (heads // hkv) if idx is None else np.asarray(idx)).reshape(n, -1)
+        if (rows != rows[:, :1]).any() or src is not None and not np.array_equal(src, rows[:, 0]):
+            return None
+        src = rows[:, 0]
+    return src
 
 
 def _grouped_padding(repeats: list[Operator], h: int, n: int):

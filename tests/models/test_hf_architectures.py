@@ -224,8 +224,12 @@ def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, exported, arch,
 def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporter):
     """The Megatron baseline on 3 ranks (compile's passes: heads padded to a multiple of 3, where
     the pass can follow them; passes/heads.py), checked with the partitioned graph's simulation
-    against onnxruntime: whatever the pass pads or leaves, the ranks compute the model."""
-    _megatron_simulated(*exported(arch, exporter), 3)
+    against onnxruntime: whatever the pass pads or leaves, the ranks compute the model. The
+    grouped-heads models' 2 key/value heads are replicated to 3 (each rank's padded queries read
+    one: ``[0, 1, 0]``)."""
+    graph, _ = _megatron_simulated(*exported(arch, exporter), 3)
+    if arch in GQA:
+        assert graph.meta["padded_heads"]["replicated"] == [(2, 3, 4)], graph.meta["padded_heads"]
 
 
 #: where the dynamo export's heads are not followed as the TorchScript export's are: Falcon's

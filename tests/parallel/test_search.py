@@ -330,10 +330,10 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     rows for them zero); the baseline then splits every Q, K and V projection by heads and the
     output projection by rows, keeps nothing whole, and the ranks compute what the unpadded graph
     does. The Llamas' 2 key/value heads for 4 query heads: the queries padded, their repeat of
-    the key/value heads a gather of 6 (the new ones head 0's), the key and value projections kept
-    whole. T5's relative position bias (one per head, computed once for the layers) is gathered to
-    6 heads (the new ones head 0's). The plan says so, and plan.json keeps the ranks the heads were
-    padded for."""
+    the key/value heads a gather of 6 (the new ones head 0's), each rank's queries reading one of
+    them (``[0, 1, 0]``), so the key/value heads are replicated to 3, one a rank. T5's relative
+    position bias (one per head, computed once for the layers) is gathered to 6 heads (the new
+    ones head 0's). The plan says so, and plan.json keeps the ranks the heads were padded for."""
     import os
 
     from shardflow.compiler.driver import plan_passes
@@ -345,23 +345,24 @@ def test_megatron_pads_heads_that_do_not_divide(model, mesh, tmp_path):
     # (NeoX's QKV is head-major, one product a layer; the Llamas' queries and output projections)
     products = 4 if model.startswith(("neox", "llama")) else 8
     meta = graph.meta["padded_heads"]
-    assert (meta["ranks"], meta["groups"], len(meta["products"])) == (mesh[-1], [(4, padded, products)], products)
+    replicated = [(2, 3, 4)] if model.startswith("llama") else []
+    assert (meta["ranks"], meta["groups"], meta["replicated"], len(meta["products"])) == \
+        (mesh[-1], [(4, padded, products)], replicated, products + 4 * len(replicated))
     plan = search(graph, {"mesh_shape": mesh, "algo": "megatron"})
     text = plan.to_text()
     kept = [line for line in text.splitlines() if line.startswith("# megatron:")]
-    if model.startswith("llama"):
-        assert len(kept) == 1 and kept[0].startswith("# megatron: 4 weight products kept whole"), kept
-        assert "k_proj" in kept[0] or "node_linear_1" in kept[0], kept
-    else:
-        assert kept == []
+    assert kept == []
     assert "all_to_all" not in text
+    names = f": {meta['products'][0]}, "
     assert f"# heads padded to split over {mesh[-1]} ranks (copies of head 0, their output rows zero): " \
-           f"4 -> {padded} ({products} products): {meta['products'][0]}, " in text
+           f"4 -> {padded} ({products} products)" + ("; key/value heads replicated to one a rank (Megatron-LM's "
+                                                     "layout for fewer of them than ranks): 2 -> 3 (4 products)"
+                                                     if replicated else "") + names in text
     assert plan.pad_heads == mesh[-1]
     plan.save(tmp_path)
     assert ShardingPlan.load(tmp_path).pad_heads == mesh[-1]
     axis = len(mesh) - 1
-    # (the products and their biases; a gather of the key/value heads is whole, as their expand was)
+    # (the products and their biases; a gather of key/value heads not replicated is whole, as their expand was)
     padded = [op for op in graph.nodes if any(t.is_constant and ".heads" in t.name for t in op.inputs)
               and op.op_type != "Gather"]
     assert {op.op_type for op in padded} >= {"MatMul"} and all(
@@ -408,14 +409,17 @@ def test_megatron_replicates_key_value_heads_fewer_than_ranks(model, mesh):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("heads, kv_heads, ranks, g2", [(6, 2, 4, 4), (14, 2, 4, 8), (12, 4, 8, 4), (12, 2, 8, 8)])
+@pytest.mark.parametrize("heads, kv_heads, ranks, g2", [(6, 2, 4, 4), (14, 2, 4, 8), (12, 4, 8, 4), (12, 2, 8, 8),
+                                                   (4, 2, 3, None)])
 def test_megatron_pads_queries_by_key_value_group(tmp_path, monkeypatch, heads, kv_heads, ranks, g2):
     """Query heads that do not divide over the ranks, whose key/value heads do (Qwen2.5-7B's 28 for
     4 on 8, Qwen2-0.5B's 14 for 2 on 4): each key/value group's queries are padded (copies of its
     first) to a multiple of the ranks a key/value head then has, so a rank's queries read one
     key/value head, and those are replicated one a rank: every product splits (before, padded at the
     end, a rank's queries could read two key/value heads and the key and value projections stayed
-    whole), fewer parameters a rank, and the ranks compute what the model does."""
+    whole), fewer parameters a rank, and the ranks compute what the model does. Where the key/value
+    heads do not divide the ranks (``g2`` None: 4 for 2 on 3), the queries are padded at the end
+    and the key/value heads replicated when each rank's queries still read one (``[0, 1, 0]``)."""
     import os
     import sys
 
@@ -436,18 +440,19 @@ def test_megatron_pads_queries_by_key_value_group(tmp_path, monkeypatch, heads, 
     meta = graph.meta["padded_heads"]
     padded = -(-heads // ranks) * ranks
     assert meta["groups"] == [(heads, padded, 4)] and meta["replicated"] == [(kv_heads, ranks, 4)]
-    assert meta["grouped"] == {heads: (kv_heads, heads // kv_heads, g2)}
+    assert meta["grouped"] == ({heads: (kv_heads, heads // kv_heads, g2)} if g2 else {})
     plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
     text = plan.to_text()
     assert "# megatron:" not in text and "all_to_all" not in text, text[:2000]
-    assert f"{heads} -> {padded} (4 products; {kv_heads} key/value groups of {heads // kv_heads} -> {g2}, " in text
+    if g2:
+        assert f"{heads} -> {padded} (4 products; {kv_heads} key/value groups of {heads // kv_heads} -> {g2}, " in text
     got = simulate(partition(graph, plan), feeds, plan.mesh)["logits"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    # padded at the end instead (as before): the key and value projections kept whole, more bytes a rank
-    monkeypatch.setattr(heads_pass, "_grouped_padding", lambda *args: (None, None, None))
-    at_end = search(plan_passes(load_onnx(path), [ranks], pad_heads=ranks), {"mesh_shape": [ranks], "algo": "megatron"})
-    assert "# megatron: 4 weight products kept whole" in at_end.to_text()
-    assert plan.params_bytes < at_end.params_bytes
+    # the key/value heads whole instead (before): their projections kept whole, more bytes a rank
+    monkeypatch.setattr(heads_pass, "_one_a_rank", lambda *args: None)
+    whole = search(plan_passes(load_onnx(path), [ranks], pad_heads=ranks), {"mesh_shape": [ranks], "algo": "megatron"})
+    assert "# megatron: 4 weight products kept whole" in whole.to_text()
+    assert plan.params_bytes < whole.params_bytes
 
 
 def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
