@@ -301,6 +301,20 @@ def _kv_end(op: Operator) -> tuple[int, int, int, np.ndarray | None] | None:
     return int(x.shape[a]), len(idx), a, idx
 
 
+def _take_runs(value: np.ndarray, idx: np.ndarray, dim: int) -> np.ndarray:
+    """``np.take(value, idx, axis=dim)`` as a concatenation of the slices of ``idx``'s runs of
+    consecutive indices (whole heads): a weight's heads copied slice by slice, several times
+    faster than an element-wise take along a wide dim (Qwen2.5-7B's 112 padded or replicated
+    weights: 2.4 s with the take)."""
+    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    parts = []
+    for run in np.split(idx, cuts):
+        index = [slice(None)] * value.ndim
+        index[dim] = slice(int(run[0]), int(run[-1]) + 1)
+        parts.append(value[tuple(index)])
+    return concatenate(parts, axis=dim)
+
+
 def _gather(x: Tensor, idx: np.ndarray, axis: int, name: str) -> Operator:
     """A gather of ``x``'s slices ``idx`` (constant indices) along ``axis``."""
     from ..ops.transform import Gather
@@ -560,7 +574,7 @@ class _Padding:
             else:
                 fill = np.take(value, tail, axis=dim)
             return const_tensor(concatenate([value, fill], axis=dim), name)
-        out = np.take(value, idx, axis=dim)
+        out = _take_runs(value, idx, dim)
         if zero:  # (new heads between the old: padded by key/value group)
             index = [slice(None)] * out.ndim
             index[dim] = np.repeat(self.pads, len(idx) // self.h2)

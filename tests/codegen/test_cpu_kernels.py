@@ -599,7 +599,7 @@ def _example_op(cls, arrays, attrs, name):
 
 
 @pytest.fixture(scope="session")
-def library(tmp_path_factory):
+def library(tmp_path_factory, kernel_cache):
     """One library with every lowerable example and the large cases (``-O1``: compile time)."""
     d = tmp_path_factory.mktemp("cpu_kernels")
     cases = {}
@@ -613,7 +613,7 @@ def library(tmp_path_factory):
         cases[cid] = (_Fn([_t(a.shape, str(a.dtype)) for a in arrays], name=cid, fn=fn), arrays)
     ops = [op for op, _ in cases.values()]
     t0 = time.perf_counter()
-    symbols = build_cpu_library(ops, str(d / "kernels.so"), cache_dir=str(d / "cache"), opt_level=1)
+    symbols = build_cpu_library(ops, str(d / "kernels.so"), cache_dir=kernel_cache, opt_level=1)
     build_s = time.perf_counter() - t0
     lib = ctypes.CDLL(str(d / "kernels.so"))
     return {"lib": lib, "symbols": symbols, "cases": cases, "dir": d, "ops": ops, "build_s": build_s}
@@ -858,7 +858,7 @@ def test_constants_are_inputs_not_baked(library):
     np.testing.assert_allclose(got[0], other[0] @ other[1], rtol=1e-5, atol=1e-6)
 
 
-def test_one_element_constants_are_literals(tmp_path):
+def test_one_element_constants_are_literals(tmp_path, kernel_cache):
     """A constant input of one element is a literal in the generic kernel, so the C++ compiler folds
     it: GPT-2's GELU ``x ** 3`` (a 0-d exponent) became ``x * x * x`` (its kernels 5x faster in GPT-2
     small). The values equal numpy's; the kernel no longer reads those inputs."""
@@ -872,7 +872,7 @@ def test_one_element_constants_are_literals(tmp_path):
     assert "3.0f" in bodies["cube"] and "0.044714998453855515f" in bodies["scale"]
     assert "INT64_C(4)" in bodies["idiv"] and "1.0f" in bodies["one"]
     assert not any("in1[" in b for b in bodies.values())
-    syms = build_cpu_library(ops, str(tmp_path / "lit.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    syms = build_cpu_library(ops, str(tmp_path / "lit.so"), cache_dir=kernel_cache, opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "lit.so"))
     for op in ops:
         arrays = [x if op.inputs[0].dtype == "float32" else i, np.asarray(op.inputs[1].value)]
@@ -883,11 +883,11 @@ def test_one_element_constants_are_literals(tmp_path):
         assert_matches(run_kernel(lib, syms[op.name], op, other), want, [t.dtype for t in op.outputs])
 
 
-def test_gpt2_matmul_speed(library, tmp_path):
+def test_gpt2_matmul_speed(library, tmp_path, kernel_cache):
     """Prints the generated GEMM's time for a GPT-2 projection next to numpy's (no assertion on
     speed: timings on shared CI machines are noise; the values are checked)."""
     op = MatMul([_t((1, 128, 768)), _t((768, 768))], name="gpt2_proj")
-    syms = build_cpu_library([op], str(tmp_path / "mm.so"), cache_dir=str(library["dir"] / "cache"), opt_level=2)
+    syms = build_cpu_library([op], str(tmp_path / "mm.so"), cache_dir=kernel_cache, opt_level=2)
     lib = ctypes.CDLL(str(tmp_path / "mm.so"))
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((1, 128, 768)).astype(np.float32), rng.standard_normal((768, 768)).astype(np.float32)
@@ -916,7 +916,7 @@ def _build_and_run(tmp_path, op, arrays, opt_level=1):
     return run_kernel(lib, syms[op.name], op, arrays)
 
 
-def test_numpy_edge_semantics(tmp_path):
+def test_numpy_edge_semantics(tmp_path, kernel_cache):
     """Python-style floor division and modulo, integer division by zero, pow's signs, NaN in max and argmax,
     first-index ties, float→int truncation and wrap-around, float16 storage: in one library."""
     ia = np.array([[-7, 7, -7, 7, 5, -5]], np.int64)
@@ -958,7 +958,7 @@ def test_numpy_edge_semantics(tmp_path):
         (Pool([_t(px.shape)], kind="avg", kernel=(3, 2), strides=(1, 2), pads=(1, 0, 1, 1), name="apool"), [px]),
         (Pool([_t(pw.shape)], kind="max", kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), name="wpool"), [pw]),
     ]
-    syms = build_cpu_library([op for op, _ in cases], str(tmp_path / "edge.so"), cache_dir=str(tmp_path / "c"),
+    syms = build_cpu_library([op for op, _ in cases], str(tmp_path / "edge.so"), cache_dir=kernel_cache,
                              opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "edge.so"))
     with np.errstate(all="ignore"):
@@ -1045,7 +1045,7 @@ def test_guarded_reads_become_branches_and_safe_ones_selects():
 
 
 # --------------------------------------------------------------------------- library building
-def test_collectives_and_extern_ops_are_left_out(tmp_path):
+def test_collectives_and_extern_ops_are_left_out(tmp_path, kernel_cache):
     """Collectives are the runtime's; an op with an extern output only compiles through a template
     (TopK's, in the types it takes: not uint64)."""
     x = _t((4, 6))
@@ -1055,7 +1055,7 @@ def test_collectives_and_extern_ops_are_left_out(tmp_path):
     mm = MatMul([x, _t((6, 3))], name="mm")
     assert not lowerable(ar) and "collective" in why_not_lowerable(ar)
     assert not lowerable(tk) and not lowerable(tk64) and lowerable(mm)
-    syms = build_cpu_library([ar, tk, tk64, mm], str(tmp_path / "l.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    syms = build_cpu_library([ar, tk, tk64, mm], str(tmp_path / "l.so"), cache_dir=kernel_cache, opt_level=1)
     assert set(syms) == {"mm", "tk"}
 
 
@@ -1201,7 +1201,7 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
                           cache_dir=str(tmp_path / "c"))
 
 
-def test_conv_epilogue_fusion(tmp_path):
+def test_conv_epilogue_fusion(tmp_path, kernel_cache):
     """A Conv followed by element-wise ops (a fused group, as codegen/fusion.py builds them) compiles
     to the conv template finishing each tile with the bias and the ops, and computes what the members
     compute one after another: residual adds, per-channel and scalar broadcasts, activations, an
@@ -1427,7 +1427,7 @@ def test_conv_epilogue_fusion(tmp_path):
     # the epilogues are functions of the file, compiled for each instruction set where the kernel is large
     epis = re.findall(r"(SF_CLONES )?static void sf_fused_\w+_epi\(", src.text)
     assert len(epis) == len(cases + packed + winograd + transposed + depthwise + resized + epi_blocked) and any(epis)
-    syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=str(tmp_path / "c"), opt_level=1)
+    syms = build_cpu_library(ops, str(tmp_path / "fused.so"), cache_dir=kernel_cache, opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "fused.so"))
     for g in ops:
         ins = [arrays[id(t)] for t in g.inputs]

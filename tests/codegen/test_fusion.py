@@ -91,7 +91,7 @@ def test_a_rotary_embeddings_heads_join_once_their_readers_meet():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_gelu_written_as_x_times_f_x_is_the_gemm_epilogue(tmp_path):
+def test_gelu_written_as_x_times_f_x_is_the_gemm_epilogue(tmp_path, kernel_cache):
     """GPT-2's tanh GELU reads its input four times: the matmul, its bias and the whole GELU are
     one tensor-core kernel on cuda; on cpu the GEMM stays a template and the GELU one kernel."""
     mm = MatMul([_f(64, 32), const_tensor(np.ones((32, 48), np.float32))])
@@ -122,7 +122,7 @@ def test_gelu_written_as_x_times_f_x_is_the_gemm_epilogue(tmp_path):
     want = {id(mm.inputs[0]): a}
     for o in ops:
         want[id(o.outputs[0])] = o.run(*[want[id(t)] if id(t) in want else t.value for t in o.inputs])[0]
-    entries = build_cpu_library(ops, str(tmp_path / "g.so"), cache_dir=str(tmp_path / "c"), opt_level=1, fuse=True)
+    entries = build_cpu_library(ops, str(tmp_path / "g.so"), cache_dir=kernel_cache, opt_level=1, fuse=True)
     e = entries[ops[-1].name]
     lib = ctypes.CDLL(str(tmp_path / "g.so"))
     tensors = {t.name: (want[id(t)] if id(t) in want else t.value) for o in ops for t in o.inputs}
@@ -167,7 +167,7 @@ def _decomposed_rms_norm(shape=(4, 6, 96)):
     return x, ops
 
 
-def test_a_row_statistic_and_its_broadcast_readers_are_one_row_kernel(tmp_path):
+def test_a_row_statistic_and_its_broadcast_readers_are_one_row_kernel(tmp_path, kernel_cache):
     """A decomposed RMSNorm: the reduction's per-row value (``[.., 1]``) read along the row by
     ``x * r`` joins it: one kernel, which computes the statistic once per row (cuda: the row
     kernel), not one kernel for the statistic and one for the product. A contraction's ``[M, 1]``
@@ -185,7 +185,7 @@ def test_a_row_statistic_and_its_broadcast_readers_are_one_row_kernel(tmp_path):
     want = {id(x): xv}
     for o in ops:
         want[id(o.outputs[0])] = o.run(*[want[id(t)] if id(t) in want else t.value for t in o.inputs])[0]
-    entries = build_cpu_library(ops, str(tmp_path / "r.so"), cache_dir=str(tmp_path / "c"), opt_level=1, fuse=True)
+    entries = build_cpu_library(ops, str(tmp_path / "r.so"), cache_dir=kernel_cache, opt_level=1, fuse=True)
     e = entries[ops[-1].name]
     tensors = {t.name: (want[id(t)] if id(t) in want else t.value) for o in ops for t in o.inputs}
     ins = [np.ascontiguousarray(tensors[n]) for n in e["inputs"]]
@@ -280,9 +280,9 @@ def test_many_chains_fuse():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
-def test_fused_cpu_kernels_match_their_members(tmp_path):
+def test_fused_cpu_kernels_match_their_members(tmp_path, kernel_cache):
     ops = [op for _, chain, _ in CHAINS for op in chain]
-    entries = build_cpu_library(ops, str(tmp_path / "k.so"), cache_dir=str(tmp_path / "c"), opt_level=1, fuse=True)
+    entries = build_cpu_library(ops, str(tmp_path / "k.so"), cache_dir=kernel_cache, opt_level=1, fuse=True)
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     checked = 0
     for name, chain, arrays in CHAINS:
