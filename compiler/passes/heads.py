@@ -231,7 +231,7 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
     if len(kinds) != 1:
         return None, None, None
     hkv, g = kinds.pop()
-    if hkv == 1 or n % hkv or hkv * g != h:  # (one key/value head: the same as padded at the end)
+    if hkv == 1 or n % hkv:  # (one key/value head: the same as padded at the end)
         return None, None, None
     per = n // hkv
     g2 = -(-g // per) * per
@@ -567,15 +567,8 @@ class _Padding:
         name = f"{t.name}.heads{self.h2}" + "_zero" * zero
         if self.pads is None and zero:  # (replicated key/value heads end at their repeat_kv, not in a sum over them)
             raise _Refused(f"the replicated heads are summed with {t.name}")
-        if self.pads is not None and self.pads[self.h:].all():  # (t itself, then the new heads)
-            tail = idx[t.shape[dim]:]
-            if zero:
-                fill = np.zeros(value.shape[:dim] + (len(tail),) + value.shape[dim + 1:], value.dtype)
-            else:
-                fill = np.take(value, tail, axis=dim)
-            return const_tensor(concatenate([value, fill], axis=dim), name)
         out = _take_runs(value, idx, dim)
-        if zero:  # (new heads between the old: padded by key/value group)
+        if zero:  # (the new heads' slices, at the end or between the old ones)
             index = [slice(None)] * out.ndim
             index[dim] = np.repeat(self.pads, len(idx) // self.h2)
             out[tuple(index)] = 0
