@@ -13,9 +13,10 @@ zero in a norm). The program computes ``H' / H`` of the attention's work and the
 are the unpadded ones up to the order of the sums.
 
 Matched: a product by a constant 2-D weight (``search._is_weight_matmul``) whose output, maybe
-past an add of a constant bias and reshapes that regroup its rows, is reshaped into heads (its
-last dim ``N`` into ``[H, N / H]``); every such product with the same ``H`` is padded together (a
-model's Q, K and V). From them the pass follows the heads to the products that contract over
+past element-wise ops with constants (a bias; OPT's, Whisper's and XGLM's scaling of the queries
+before their view) and reshapes that regroup its rows, is reshaped into heads (its last dim ``N``
+into ``[H, N / H]``); every such product with the same ``H`` is padded together (a model's Q, K
+and V). From them the pass follows the heads to the products that contract over
 them: each op on the way must have a sharding rule (``rules.op_strategies`` on a mesh of ``H``
 ranks: one head each) that splits its padded inputs along their heads' dims and its output along
 one dim (the op keeps heads apart), and each contracting op must be a product by a constant
@@ -57,7 +58,10 @@ The dynamo exporter's keys whose ``repeat_kv`` merges the batch with the heads (
 transposed, split back to ``[B, H, d, S]``), and its other heads merged with the batch for a
 transpose, are rewritten per head by :class:`UnmergeHeads`, which ``driver.plan_passes`` runs
 before this pass (after ``AttentionOnHeads``, which writes attention computed on ``[B * H, ..]``
-tensors, XGLM's and DeBERTa's, on its ``[B, H, ..]`` views).
+tensors, XGLM's and DeBERTa's, on its ``[B, H, ..]`` views), as it does the views of
+``torch.nn.MultiheadAttention``'s time-major heads merged with the batch (``[L, B * H, d]``
+transposed to ``[B * H, L, d]``; its key padding mask ``[B * H, 1, L]``; the heads merged back,
+:func:`_unmerge_views`).
 """
 from __future__ import annotations
 
@@ -149,6 +153,7 @@ class UnmergeHeads(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         self.rewritten = _unmerge_heads(graph)
+        self.rewritten += _unmerge_views(graph)
         return graph
 
 
@@ -203,6 +208,139 @@ def _unmerge_heads(graph: FlowGraph) -> int:
     return done
 
 
+def _refined(a: tuple[int, ...], b: tuple[int, ...]) -> list[list[int]] | None:
+    """The dims of ``b`` (a reshape of a tensor of shape ``a``) each as the list of the dims of the
+    coarsest shape that both ``a`` and ``b`` merge (an extent 1 as ``[1]``), or None when a dim of
+    one cuts across dims of the other."""
+    cuts = sorted({math.prod(a[:i]) for i in range(len(a) + 1)} | {math.prod(b[:i]) for i in range(len(b) + 1)})
+    groups, at = [], 1
+    for e in b:
+        if e == 1:
+            groups.append([1])
+            continue
+        end, dims = at * e, []
+        for c in cuts:
+            if at < c <= end:
+                if c % at:
+                    return None
+                dims.append(c // at)
+                at = c
+        groups.append(dims)
+    return groups
+
+
+def _unmerge_views(graph: FlowGraph) -> int:
+    """Rewrite views that merge heads with other dims in between two reshapes: a reshape (``x`` to
+    ``y``) whose output merges dims that ``x`` had apart, a chain of a transpose and element-wise
+    ops with constants (each the only reader of the one before), and a reshape (to ``z``): torch's
+    ``nn.MultiheadAttention`` splits its time-major ``[L, B, E]`` queries into ``[L, B * H, d]``
+    and transposes them to ``[B * H, L, d]``, which ``AttentionOnHeads`` views as ``[B, H, L, d]``,
+    and merges its heads back likewise; its key padding mask is expanded to ``[B, H, 1, L]``
+    merged into ``[B * H, 1, L]``. The chain is rebuilt on the dims that ``x`` and ``y`` both
+    merge (``[L, B, H, d]``; the transpose moves each of ``y``'s dims as the group of those it
+    merges, a constant is reshaped likewise), ending in ``z`` (a reshape to it only where it
+    merges those dims): the same values, each head a block of the dims the plan splits. Only where
+    ``z`` is those dims, or merges neighbours of them. The number rewritten."""
+    from ..ops.transform import Reshape, Transpose
+
+    consumers, done = graph.consumers(), 0
+    outputs = {id(t) for t in graph.outputs}
+    for op in list(graph.nodes):
+        if op.op_type != "Reshape" or id(op.outputs[0]) in outputs:
+            continue
+        x, y = op.inputs[0], op.outputs[0]
+        groups = _refined(x.shape, y.shape)
+        if groups is None or sum(len(g) for g in groups) <= len(y.shape):
+            continue  # (y merges nothing that x had apart)
+        chain, t = [], y
+        while True:
+            readers = consumers.get(id(t), [])
+            if len(readers) != 1 or id(t) in outputs:
+                break
+            r = readers[0]
+            transposed = any(c.op_type == "Transpose" for c in chain)
+            if r.op_type == "Reshape" or r.op_type == "Transpose" and not transposed \
+                    or r.op_type in _ELEMENTWISE and all(u is t or u.is_constant for u in r.inputs) \
+                    and sum(u is t for u in r.inputs) == 1:
+                chain.append(r)
+                t = r.outputs[0]
+                if r.op_type == "Reshape":
+                    break
+                continue
+            break
+        if len(chain) < 2 or chain[-1].op_type != "Reshape":
+            continue
+        new, cur, gs = [], x, [list(g) for g in groups]
+        if _dims(gs) != x.shape:
+            new.append(Reshape([x], name=op.name, shape=_dims(gs)))
+            cur = new[-1].outputs[0]
+        prev = y  # (the chain's tensor the next op reads)
+        for r in chain[:-1]:
+            if r.op_type == "Transpose":
+                starts = np.cumsum([0] + [len(g) for g in gs])
+                perm = tuple(int(starts[p]) + i for p in r.attrs["perm"] for i in range(len(gs[p])))
+                gs = [gs[p] for p in r.attrs["perm"]]
+                new.append(Transpose([cur], name=r.name, perm=perm))
+            else:
+                gs = _broadcast_groups(r, prev, gs)
+                if gs is None:
+                    break
+                ins = [cur if u is prev else u if u.ndim == 0 else
+                       const_tensor(np.asarray(u.value).reshape(_dims(_const_groups(u, gs))), f"{u.name}.unmerged")
+                       for u in r.inputs]
+                new.append(type(r)(ins, name=r.name, **r.attrs))
+            cur, prev = new[-1].outputs[0], r.outputs[0]
+        z = chain[-1].outputs[0].shape
+        if gs is None or cur.shape != _dims(gs) or (merged := _refined(cur.shape, z)) is None \
+                or [e for g in merged for e in g if e != 1] != [e for e in cur.shape if e != 1]:
+            continue  # (an op this does not rebuild, or z splits a dim of the rebuilt chain's: no gain)
+        if cur.shape != z:
+            new.append(Reshape([cur], name=chain[-1].name, shape=z))
+        take_over(chain[-1], new[-1], "chain of views without merging the heads")
+        at = graph.nodes.index(chain[-1])
+        graph.nodes[at:at + 1] = new
+        for r in [op] + chain[:-1]:
+            graph.nodes.remove(r)
+        consumers = graph.consumers()
+        done += 1
+    if done:
+        log.info("heads: %d views of heads merged with other dims rewritten per head", done)
+    return done
+
+
+def _dims(groups: list[list[int]]) -> tuple[int, ...]:
+    return tuple(e for g in groups for e in g)
+
+
+def _broadcast_groups(op: Operator, t: Tensor, groups: list[list[int]]) -> list[list[int]] | None:
+    """The groups (:func:`_unmerge_views`) of the dims of the output of ``op``, an element-wise op
+    reading ``t`` (whose dims are ``groups``) and constants: a dim of extent 1 broadcast to a
+    constant's extent is one dim of it; None when ``op`` changes the rank or a constant's dim is
+    neither 1 nor the output's."""
+    out = op.outputs[0].shape
+    def fits(u: Tensor) -> bool:
+        return u.ndim <= len(out) and all(c in (1, e) for c, e in zip(u.shape[::-1], out[::-1]))
+
+    if len(out) != len(groups) or not all(fits(u) for u in op.inputs if u is not t):
+        return None
+    grown = []
+    for g, e in zip(groups, out):
+        if math.prod(g) == e:
+            grown.append(g)
+        elif all(v == 1 for v in g):
+            grown.append([1] * (len(g) - 1) + [e])
+        else:
+            return None
+    return grown
+
+
+def _const_groups(u: Tensor, groups: list[list[int]]) -> list[list[int]]:
+    """The groups of a constant ``u`` read by an op whose output's dims are ``groups``: each of its
+    dims (aligned from the last) as that dim's group, or as ones where it is broadcast."""
+    lead = len(groups) - u.ndim
+    return [g if c != 1 else [1] * len(g) for c, g in zip(u.shape, groups[lead:])]
+
+
 def _one_a_rank(ends: list[Operator], n: int) -> np.ndarray | None:
     """The key/value head each of ``n`` ranks reads when the queries that ``ends`` (reshapes of
     :func:`_kv_end`) give split evenly over the ranks and each rank's read one key/value head,
@@ -241,9 +379,9 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
 
 
 def _heads_of(op: Operator, consumers) -> int | None:
-    """``H`` when ``op`` is a product by a constant 2-D weight whose output (past an add of a
-    constant, and reshapes that regroup its rows) is reshaped into ``[..., H, N / H]`` heads,
-    ``H > 1``; else None."""
+    """``H`` when ``op`` is a product by a constant 2-D weight whose output (past element-wise ops
+    with constants, :func:`_elementwise_of`, and reshapes that regroup its rows) is reshaped into
+    ``[..., H, N / H]`` heads, ``H > 1``; else None."""
     from ..parallel.search import _is_weight_matmul
 
     if _is_weight_matmul(op) is None or not op.outputs or op.outputs[0].ndim < 2:
@@ -251,11 +389,12 @@ def _heads_of(op: Operator, consumers) -> int | None:
     y = op.outputs[0]
     n, rows = y.shape[-1], math.prod(y.shape[:-1])
     readers = consumers.get(id(y), [])
-    if len(readers) == 1 and readers[0].op_type == "Binary" and readers[0].attrs.get("fn") == "add" \
-            and any(t.is_constant for t in readers[0].inputs) and readers[0].outputs[0].shape == y.shape:
-        readers = consumers.get(id(readers[0].outputs[0]), [])
     while readers:
         r = readers[0]
+        if len(readers) == 1 and _elementwise_of(r, y):  # (a bias, the queries' scaling, a cast)
+            y = r.outputs[0]
+            readers = consumers.get(id(y), [])
+            continue
         if len(readers) != 1 or r.op_type != "Reshape":
             return None
         s = r.outputs[0].shape
@@ -266,6 +405,16 @@ def _heads_of(op: Operator, consumers) -> int | None:
             return int(s[-2])
         return None
     return None
+
+
+def _elementwise_of(op: Operator, y: Tensor) -> bool:
+    """Whether ``op`` computes element by element on ``y``, any other operand a constant, giving
+    ``y``'s shape: the bias added to a projection, the queries' scaling (OPT's, Whisper's), a cast."""
+    return op.op_type in _ELEMENTWISE and op.outputs[0].shape == y.shape \
+        and sum(1 for t in op.inputs if t is y) == 1 and all(t is y or t.is_constant for t in op.inputs)
+
+
+_ELEMENTWISE = frozenset({"Binary", "Unary", "Cast", "Activation", "Clip", "Identity"})
 
 
 def _repeated_heads(op: Operator) -> tuple[int, int, int] | None:

@@ -27,6 +27,7 @@ zero points stacked by rows), on every target.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -173,10 +174,16 @@ class SplitProjections(GraphPass):
 
     Matched: ``MatMul(x, W)`` or ``Gemm(x, W[, c])`` (no transposed ``x``, ``alpha = beta = 1``,
     ``c`` a bias of the columns) with ``W`` a constant ``[K, N]`` (``[N, K]`` when transposed), an
-    optional ``Add`` of a constant ``[N]`` bias, reshapes that keep the rows apart from the
-    columns (``[R, N]`` -> ``[*rows, *cols]``), and then only ``Slice`` ops that each take a
-    range of one of the column dims (the dims after it whole), disjoint, two or more. Head-major
-    layouts (GPT-NeoX's ``[heads, 3, d]``, BLOOM's) are already split by heads and do not match.
+    optional ``Add`` of a constant ``[N]`` bias, reshapes and transposes that keep the rows apart
+    from the columns (each dim made of rows' dims or of columns' dims) and each in their order
+    (a transpose may interleave the rows' dims with the columns', not reorder either), and then
+    only ``Slice`` ops that each take a range of one of the column dims, or ``AffineGather`` ops
+    that each take one index of one and keep the other dims as they are (a ``select``), the
+    column dims after it whole, disjoint, two or more: GPT-2's ``[R, 3E]`` sliced, and
+    ``torch.nn.MultiheadAttention``'s viewed as ``[L, B, 3, E]``, moved to ``[3, L, B, E]`` and
+    selected. Each part's product is laid out as its reader's output (a reshape to its rows' and
+    columns' dims, a transpose where they interleave). Head-major layouts (GPT-NeoX's ``[heads,
+    3, d]``, BLOOM's) are already split by heads and do not match.
     A 4-bit ``MatMulNBits`` (onnxruntime-genai's packed QKV, read by ``GroupQueryAttention``) is
     split likewise: its columns are the rows of its codes, scales and zero points.
     """
@@ -184,7 +191,6 @@ class SplitProjections(GraphPass):
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.elementwise import Binary
         from ..ops.linalg import MatMul
-        from ..ops.transform import Reshape
 
         consumers = graph.consumers()
         outputs = {id(t) for t in graph.outputs}
@@ -197,7 +203,7 @@ class SplitProjections(GraphPass):
             w, bias, slices = found
             x = op.inputs[0]
             new_ops: list[Operator] = []
-            for k, (sl, lo, hi) in enumerate(slices):
+            for k, (sl, lo, hi, kinds) in enumerate(slices):
                 name = f"{op.name}{PART}{k}"
                 if w is None:  # (MatMulNBits: its columns are the rows of its codes, scales, zero points)
                     rows = [const_tensor(np.ascontiguousarray(np.asarray(t.value)[lo:hi]), f"{name}.{j}")
@@ -212,10 +218,9 @@ class SplitProjections(GraphPass):
                                  name=f"{name}.bias", fn="add")
                     new_ops.append(add)
                     y = add.outputs[0]
-                if y.shape != sl.outputs[0].shape:
-                    rs = Reshape([y], name=f"{name}.reshape", shape=sl.outputs[0].shape)
-                    new_ops.append(rs)
-                    y = rs.outputs[0]
+                for step in _laid_out(y, sl.outputs[0].shape, kinds, f"{name}.reshape"):
+                    new_ops.append(step)
+                    y = step.outputs[0]
                 replace[id(sl.outputs[0])] = y
             insert[id(op)] = new_ops
         if insert:
@@ -224,8 +229,8 @@ class SplitProjections(GraphPass):
 
     @staticmethod
     def _match(op: Operator, consumers, outputs):
-        """``(W [K, N], bias [N] or None, [(slice, first column, end column)])`` of a product read
-        in column parts, else None."""
+        """``(W [K, N], bias [N] or None, [(reader, first column, end column, kinds)])`` of a product
+        read in column parts (``kinds``: of the reader's output dims, :func:`_moved_kinds`), else None."""
         if op.op_type == "MatMulNBits":  # (its weight's columns: the rows of every constant input)
             if op.inputs[0].is_constant or op.inputs[0].ndim < 2 or any(
                     not t.is_constant or len(consumers.get(id(t), [])) != 1 for t in op.inputs[1:]):
@@ -251,42 +256,122 @@ class SplitProjections(GraphPass):
         elif op.op_type == "MatMul" and len(op.inputs) != 2:
             return None
         y = op.outputs[0]
-        N = y.shape[-1]
-        rows = int(np.prod(y.shape[:-1], dtype=np.int64))
         t = y
         added = MergeProjections._bias(op, consumers, outputs) if bias is None else None
         if added is not None:  # (a MatMul's bias, added by an op of its own)
             add, k = added
             bias = np.asarray(add.inputs[k].value).reshape(-1)
             t = add.outputs[0]
-        while True:  # past reshapes, to the tensor read in parts
+        # the kind of each dim of t: "r" (of y's rows), "c" (of its columns) or "1" (extent 1)
+        kinds = [_ONE if e == 1 else _ROW for e in y.shape[:-1]] + [_ONE if y.shape[-1] == 1 else _COL]
+        while True:  # past reshapes and transposes that keep the rows apart from the columns
             readers = consumers.get(id(t), [])
             if id(t) in outputs or not readers:
                 return None
-            if len(readers) == 1 and readers[0].op_type == "Reshape":
-                t = readers[0].outputs[0]
-                continue
-            break
-        if len(readers) < 2 or any(r.op_type != "Slice" for r in readers):
-            return None
-        lead = 0  # the dims of t that hold y's rows
-        while lead < t.ndim and int(np.prod(t.shape[:lead], dtype=np.int64)) < rows:
-            lead += 1
-        if int(np.prod(t.shape[:lead], dtype=np.int64)) != rows or int(np.prod(t.shape[lead:], dtype=np.int64)) != N:
+            if len(readers) != 1 or readers[0].op_type not in ("Reshape", "Transpose"):
+                break
+            kinds = _moved_kinds(readers[0], t.shape, kinds)
+            if kinds is None:
+                return None
+            t = readers[0].outputs[0]
+        if len(readers) < 2:
             return None
         parts = []
-        for sl in readers:
-            a = sl.attrs
-            cut = [d for d in range(t.ndim) if a["starts"][d] != 0 or a["sizes"][d] != t.shape[d]]
-            if len(cut) != 1 or cut[0] < lead or any(st != 1 for st in a["steps"]):
+        for r in readers:
+            d = _part_dim(r, t.shape)
+            if d is None or kinds[d] != _COL:
                 return None
-            d = cut[0]
-            inner = int(np.prod(t.shape[d + 1:], dtype=np.int64))
-            outer = int(np.prod(t.shape[lead:d], dtype=np.int64))
-            if outer != 1:  # (a range of a dim inside the columns: columns apart)
+            cols = [e for e, k in zip(t.shape, kinds) if k == _COL]
+            c = [i for i in range(t.ndim) if kinds[i] == _COL].index(d)
+            inner = int(np.prod(cols[c + 1:], dtype=np.int64))
+            if int(np.prod(cols[:c], dtype=np.int64)) != 1:  # (a range of a dim inside the columns: columns apart)
                 return None
-            parts.append((sl, a["starts"][d] * inner, (a["starts"][d] + a["sizes"][d]) * inner))
-        spans = sorted((lo, hi) for _, lo, hi in parts)
+            start, size = _part_range(r, d)
+            kept = [k for i, k in enumerate(kinds) if i != d or r.op_type == "Slice"]
+            parts.append((r, start * inner, (start + size) * inner, kept))
+        spans = sorted((lo, hi) for _, lo, hi, _ in parts)
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])) or any(hi <= lo for lo, hi in spans):
             return None
         return w, bias, parts
+
+
+_ROW, _COL, _ONE = "r", "c", "1"
+
+
+def _moved_kinds(op: Operator, shape: tuple[int, ...], kinds: list[str]) -> list[str] | None:
+    """The kinds (``"r"``: of the product's rows, ``"c"``: of its columns, ``"1"``: extent 1) of
+    the dims of the output of ``op`` (a reshape or a transpose of a tensor of ``shape`` whose dims
+    are of ``kinds``), or None when it mixes rows with columns or reorders the rows or the columns
+    among themselves (a part is then not one block of its product's columns in order)."""
+    if op.op_type == "Transpose":
+        moved = [kinds[p] for p in op.attrs["perm"]]
+        order = [p for p in op.attrs["perm"] if kinds[p] != _ONE]
+        for kind in (_ROW, _COL):
+            dims = [p for p in order if kinds[p] == kind]
+            if dims != sorted(dims):
+                return None
+        return moved
+    out = op.outputs[0].shape
+    src = [(e, k) for e, k in zip(shape, kinds) if k != _ONE]
+    # suffix products: a reshape keeps the kinds apart when every change of kind in its input
+    # falls where one of its output dims ends (the flat index's digits of each kind stay together)
+    suffix_in = [math.prod(e for e, _ in src[i:]) for i in range(len(src) + 1)]
+    suffix_out = {math.prod(out[j:]) for j in range(len(out) + 1)}
+    if any(src[i - 1][1] != src[i][1] and suffix_in[i] not in suffix_out for i in range(1, len(src))):
+        return None
+    result = []
+    for j, e in enumerate(out):
+        if e == 1:
+            result.append(_ONE)
+            continue
+        top = math.prod(out[j:])  # (the input dim that holds this output dim's highest digit)
+        result.append(next(k for i, (_, k) in enumerate(src) if suffix_in[i + 1] < top <= suffix_in[i]))
+    return result
+
+
+def _part_dim(op: Operator, shape: tuple[int, ...]) -> int | None:
+    """The dim of a tensor of ``shape`` of which ``op`` takes a range (a ``Slice`` of one dim, steps
+    1) or one index (an ``AffineGather`` that drops that dim and keeps the others as they are:
+    ``torch.nn.MultiheadAttention``'s ``select`` of its packed Q, K and V), else None."""
+    a = op.attrs
+    if op.op_type == "Slice":
+        cut = [d for d in range(len(shape)) if a["starts"][d] != 0 or a["sizes"][d] != shape[d]]
+        return cut[0] if len(cut) == 1 and all(st == 1 for st in a["steps"]) else None
+    if op.op_type != "AffineGather" or len(a["coefs"]) != len(shape) or len(a["shape"]) != len(shape) - 1:
+        return None
+    fixed = [d for d, c in enumerate(a["coefs"]) if not any(c)]
+    if len(fixed) != 1:
+        return None
+    d = fixed[0]
+    rest = [i for i in range(len(shape)) if i != d]
+    ok = all(tuple(a["coefs"][i]) == tuple(int(j == n) for j in range(len(rest))) and a["offsets"][i] == 0
+             for n, i in enumerate(rest))
+    return d if ok and tuple(a["shape"]) == tuple(shape[i] for i in rest) else None
+
+
+def _part_range(op: Operator, d: int) -> tuple[int, int]:
+    """``(start, size)`` along dim ``d`` of what :func:`_part_dim`'s ``op`` takes."""
+    if op.op_type == "Slice":
+        return op.attrs["starts"][d], op.attrs["sizes"][d]
+    return op.attrs["offsets"][d], 1
+
+
+def _laid_out(y: Tensor, shape: tuple[int, ...], kinds: list[str], name: str) -> list[Operator]:
+    """The ops that give a part's product ``y`` (``[*rows, columns]``) the layout of the reader it
+    replaces (``shape``, its dims of ``kinds``): a reshape to its rows' and columns' dims in order,
+    a transpose to their places, a reshape for its dims of extent 1 (each only where needed)."""
+    from ..ops.transform import Reshape, Transpose
+
+    dims = [d for d, k in enumerate(kinds) if k != _ONE]
+    order = [d for d in dims if kinds[d] == _ROW] + [d for d in dims if kinds[d] == _COL]
+    ops: list[Operator] = []
+    if order != dims:  # (rows and columns interleaved: grouped in order, then transposed to their places)
+        grouped = tuple(shape[d] for d in order)
+        if y.shape != grouped:
+            ops.append(Reshape([y], name=name, shape=grouped))
+            y = ops[-1].outputs[0]
+        ops.append(Transpose([y], name=f"{name}.t", perm=tuple(order.index(d) for d in dims)))
+        y = ops[-1].outputs[0]
+    if y.shape != tuple(shape):
+        ops.append(Reshape([y], name=f"{name}.1" if ops else name, shape=tuple(shape)))
+    return ops

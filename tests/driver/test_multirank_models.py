@@ -135,6 +135,38 @@ def test_partial_outputs_are_reduced_by_run(tmp_path, mesh, placement):
     np.testing.assert_allclose(np.load(tmp_path / "out.npz")["output"], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_torch_multihead_attention_split_by_heads_on_three_real_ranks(tmp_path):
+    """A ``torch.nn.MultiheadAttention`` block (tests/parallel/models.py: its packed in-projection,
+    its time-major heads merged with the batch) compiled for Megatron's plan on 3 ranks: its 4
+    heads padded to 6, two a rank, one all-reduce; the real ranks' output matches onnxruntime."""
+    import onnx
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))
+    from models import torch_multihead_attention
+
+    from shardflow.compiler import compile
+
+    model = tmp_path / "mha.onnx"
+    onnx.save(torch_multihead_attention(), model)
+    out = tmp_path / "o"
+    compile(str(model), distributed_config={"mesh_shape": [3], "algo": "megatron"}, out_dir=out)
+    programs = [json.loads((out / f"rank{r}" / "program.json").read_text()) for r in range(3)]
+    for p in programs:
+        assert [s["collective"] for s in p["steps"] if s["kind"] == "collective"] == ["all_reduce"]
+    rng = np.random.default_rng(0)
+    mask = np.zeros((2, 6), np.float32)
+    mask[1, 4:] = -np.inf
+    feeds = {"x": rng.standard_normal((6, 2, 16)).astype(np.float32), "mask": mask}
+    np.savez(tmp_path / "in.npz", **feeds)
+    proc = subprocess.run(SHARDFLOW + ["run", str(out), "--nproc", "3", "--inputs", str(tmp_path / "in.npz"),
+                                       "--outputs", str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ort = pytest.importorskip("onnxruntime")
+    ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_parallel_branches_run_with_one_all_reduce(tmp_path):
     """x + mlp_a(x) + mlp_b(x), split Megatron-style under a budget on 4 real ranks: the ranks
     add partial sums (x and the biases made partial locally) and all-reduce once; the result

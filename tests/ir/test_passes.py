@@ -405,6 +405,55 @@ def test_split_projections_matches_only_disjoint_column_parts():
     assert sum(op.op_type == "MatMul" for op in g.nodes) == 2 and sum(op.name.endswith(".bias") for op in g.nodes) == 2
 
 
+def test_split_projections_follows_transposes_to_selected_parts():
+    """``torch.nn.MultiheadAttention``'s packed in-projection: its ``[R, 3E]`` output viewed as
+    ``[.., 3, E]``, transposed to ``[3, ..]`` (rows and columns interleaved), each part selected
+    (an ``AffineGather`` that drops the dim) or sliced; split into one product per part, laid out
+    as the reader's output was. A transpose that reorders the columns among themselves (or the
+    rows), or a select of a dim inside the columns, is not split."""
+    from shardflow.compiler.ops.linalg import MatMul
+    from shardflow.compiler.ops.transform import AffineGather, Reshape, Slice, Transpose
+    from shardflow.compiler.passes.projections import PART, SplitProjections
+
+    rng = np.random.default_rng(6)
+    w = const_tensor(rng.standard_normal((8, 24)).astype(np.float32), "w")
+    feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32)}
+
+    def graph(view, perm, take):
+        x = Tensor("x", (2, 3, 8), "float32")
+        ops = [MatMul([x, w], name="p")]
+        ops.append(Reshape([ops[0].outputs[0]], name="r", shape=view))
+        ops.append(Transpose([ops[1].outputs[0]], name="t", perm=perm))
+        y = ops[-1].outputs[0]
+        for k, (d, i) in enumerate(take):
+            if i is None:  # (a slice of half the dim)
+                starts, sizes = [0] * y.ndim, list(y.shape)
+                sizes[d] = y.shape[d] // 2
+                starts[d] = k * sizes[d]
+                ops.append(Slice([y], name=f"s{k}", starts=tuple(starts), steps=(1,) * y.ndim, sizes=tuple(sizes)))
+            else:
+                rest = [j for j in range(y.ndim) if j != d]
+                coefs = tuple(tuple(int(r == rest.index(j)) for r in range(len(rest))) if j != d else (0,) * len(rest)
+                              for j in range(y.ndim))
+                ops.append(AffineGather([y], name=f"s{k}", shape=tuple(y.shape[j] for j in rest), coefs=coefs,
+                                        offsets=tuple(i if j == d else 0 for j in range(y.ndim))))
+        return FlowGraph([x], [op.outputs[0] for op in ops[3:]])
+
+    def split(g) -> int:
+        g, before, after = run_pass(g, SplitProjections().run, feeds)
+        for k in before:
+            np.testing.assert_allclose(after[k], before[k], rtol=1e-5, atol=1e-5)
+        return sum(op.op_type == "MatMul" and PART in op.name for op in g.nodes)
+
+    assert split(graph((2, 3, 3, 8), (2, 0, 1, 3), [(0, 0), (0, 1), (0, 2)])) == 3  # (torch's Q, K and V)
+    assert split(graph((1, 2, 3, 3, 8), (3, 1, 2, 0, 4), [(0, 0), (0, 2)])) == 2  # (the unsqueezed 1 moved)
+    assert split(graph((2, 3, 3, 8), (2, 0, 3, 1), [(0, 0), (0, 1)])) == 2  # (rows and columns interleaved)
+    assert split(graph((2, 3, 2, 12), (2, 0, 1, 3), [(0, None), (0, None)])) == 2  # (slices of the parts' dim)
+    assert split(graph((2, 3, 3, 8), (0, 1, 3, 2), [(3, 0), (3, 1)])) == 0  # (the columns reordered)
+    assert split(graph((2, 3, 3, 8), (1, 0, 2, 3), [(2, 0), (2, 1)])) == 0  # (the rows reordered)
+    assert split(graph((2, 3, 3, 8), (0, 1, 2, 3), [(3, 0), (3, 1)])) == 0  # (a column inside each part)
+
+
 def test_a_concat_of_one_input_and_empty_ones_is_removed():
     """Phi-3's rotary embedding, rotating every dim, concatenates the rotated part with an empty
     slice: the Concat passes its one non-empty input through (RemoveNoOps drops it and the slice),

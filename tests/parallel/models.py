@@ -54,3 +54,53 @@ def parallel_block(batch: int = 8, hidden: int = 64, expand: int = 4, seed: int 
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, hidden])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, hidden])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def torch_multihead_attention(scaled_after_projection: bool = False) -> onnx.ModelProto:
+    """A block on ``torch.nn.MultiheadAttention`` (4 heads of 4, time-major ``x [6, 2, 16]``) as
+    torch's ``multi_head_attention_forward`` exports it: one packed in-projection whose output is
+    viewed as ``[L, B, 3, E]``, unsqueezed, transposed, squeezed to ``[3, L, B, E]`` and selected
+    into Q, K and V; each viewed as ``[L, B * H, d]`` (heads merged with the batch) and transposed
+    to ``[B * H, L, d]`` (the queries then scaled); the key padding mask ``[B, L]`` expanded to
+    ``[B, H, 1, L]``, merged to ``[B * H, 1, L]`` and added to the causal mask; the heads merged
+    back by a transpose to ``[L, B * H, d]`` and a view ``[L * B, E]`` for the out-projection.
+    With ``scaled_after_projection`` the queries are scaled before their view instead (OPT's and
+    Whisper's ``q_proj(x) * scaling``). The ONNX model."""
+    rng = np.random.default_rng(3)
+    L, B, E, H = 6, 2, 16, 4
+    d = E // H
+    consts = {"w_in": rng.standard_normal((E, 3 * E)) / 4, "b_in": rng.standard_normal(3 * E) / 4,
+              "w_out": rng.standard_normal((E, E)) / 4, "b_out": rng.standard_normal(E) / 4,
+              "causal": np.triu(np.full((L, L), -np.inf), 1)[None], "scale": np.array(d ** -0.5)}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in consts.items()]
+    shapes = {"packed": [L, B, 3, E], "zero": [0], "three": [3], "heads_time": [L, B * H, d], "mask4": [B, 1, 1, L],
+              "mask_rep": [1, H, 1, 1], "mask3": [B * H, 1, L], "flat": [L * B, E], "out": [L, B, E]}
+    inits += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in shapes.items()]
+    inits += [numpy_helper.from_array(np.array(i, np.int64), f"i{i}") for i in range(3)]
+
+    def node(op, ins, out, **kw):
+        return helper.make_node(op, ins, [out], **kw)
+
+    nodes = [node("MatMul", ["x", "w_in"], "p0"), node("Add", ["p0", "b_in"], "p1"),
+             node("Reshape", ["p1", "packed"], "p2"), node("Unsqueeze", ["p2", "zero"], "p3"),
+             node("Transpose", ["p3"], "p4", perm=[3, 1, 2, 0, 4]), node("Squeeze", ["p4", "three"], "p5")]
+    for i, t in enumerate("qkv"):
+        nodes.append(node("Gather", ["p5", f"i{i}"], f"{t}0", axis=0))
+    if scaled_after_projection:
+        nodes += [node("Mul", ["q0", "scale"], "q0s"), node("Reshape", ["q0s", "heads_time"], "q1"),
+                  node("Transpose", ["q1"], "q", perm=[1, 0, 2])]
+    else:
+        nodes += [node("Reshape", ["q0", "heads_time"], "q1"), node("Transpose", ["q1"], "q2", perm=[1, 0, 2]),
+                  node("Mul", ["q2", "scale"], "q")]
+    nodes += [node("Reshape", ["k0", "heads_time"], "k1"), node("Transpose", ["k1"], "kt", perm=[1, 2, 0]),
+              node("Reshape", ["v0", "heads_time"], "v1"), node("Transpose", ["v1"], "v", perm=[1, 0, 2]),
+              node("Reshape", ["mask", "mask4"], "m1"), node("Expand", ["m1", "mask_rep"], "m2"),
+              node("Reshape", ["m2", "mask3"], "m3"), node("Add", ["causal", "m3"], "m"),
+              node("MatMul", ["q", "kt"], "s0"), node("Add", ["s0", "m"], "s"), node("Softmax", ["s"], "a", axis=-1),
+              node("MatMul", ["a", "v"], "o0"), node("Transpose", ["o0"], "o1", perm=[1, 0, 2]),
+              node("Reshape", ["o1", "flat"], "o2"), node("Gemm", ["o2", "w_out", "b_out"], "o3"),
+              node("Reshape", ["o3", "out"], "y")]
+    g = helper.make_graph(nodes, "torch_mha", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [L, B, E]),
+                                               helper.make_tensor_value_info("mask", TensorProto.FLOAT, [B, L])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [L, B, E])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])

@@ -5,7 +5,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from models import mlp, parallel_block
+from models import mlp, parallel_block, torch_multihead_attention
 
 from shardflow.compiler import ConfigError, ShardflowError, load_onnx
 from shardflow.compiler.parallel import ShardingPlan, partition, search, simulate
@@ -573,6 +573,37 @@ def test_heads_merged_with_the_batch_are_padded_per_head(monkeypatch, kv_heads, 
     assert ("# megatron:" in plan.to_text()) != unmerged
     got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scaled_after_projection", [False, True])
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+def test_megatron_splits_torch_multihead_attention_by_heads(ranks, scaled_after_projection):
+    """``torch.nn.MultiheadAttention``'s export: its packed in-projection is split into Q, K and V
+    products (passes/projections.py: past the view, unsqueeze, transpose and squeeze, the selects
+    of its parts), its views of the heads merged with the batch are rewritten per head
+    (passes/heads.py ``_unmerge_views``: the queries, the keys, the values, the key padding mask
+    and the heads merged back), so the baseline splits every projection by heads (the 4 heads
+    padded to 6 over 3 ranks, to 8 over 8, the queries' scaling before their view followed), one
+    all-reduce after the out-projection; the ranks compute what onnxruntime does."""
+    import onnxruntime as ort
+
+    from shardflow.compiler.driver import plan_passes
+
+    model = torch_multihead_attention(scaled_after_projection)
+    rng = np.random.default_rng(2)
+    mask = np.zeros((2, 6), np.float32)
+    mask[1, 4:] = -np.inf  # (the second sequence's last two keys padded)
+    feeds = {"x": rng.standard_normal((6, 2, 16)).astype(np.float32), "mask": mask}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    graph = plan_passes(load_onnx(model), [ranks], pad_heads=ranks)
+    meta = graph.meta.get("padded_heads") or {}
+    padded = -(-4 // ranks) * ranks
+    assert meta.get("groups", []) == ([] if padded == 4 else [(4, padded, 4)]), meta
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    text = plan.to_text()
+    assert "# megatron:" not in text and "# collectives: all_reduce×1\n" in text, text[:1500]
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt2_ts17", [8]), ("llama_ts17", [4]), ("gpt2_ts17", [2])])
