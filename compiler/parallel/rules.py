@@ -129,10 +129,12 @@ def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tupl
         others = {w: k for w, k in coefs.items() if w is not v}
         if c == 1 and not others and dim_extent == v.extent:
             return "shard", v
-        if (c > 1 and len(others) == 1 and dim_extent == v.extent * c and v.extent % n == 0):
-            (w, k), = others.items()
-            if k == 1 and w.extent == c and w not in sharded:
-                return "shard", v
+        # v * c + r, r of other variables within [0, c): each of v's blocks reads its block of
+        # the dim ([H, d] viewed as H * d; BLOOM's head-major [H, 3, d] too)
+        if c > 1 and others and dim_extent == v.extent * c and v.extent % n == 0 \
+                and all(k > 0 and w not in sharded for w, k in others.items()) \
+                and sum(k * (w.extent - 1) for w, k in others.items()) < c:
+            return "shard", v
         return "invalid", None
     if isinstance(idx, BinOp) and idx.a is v and isinstance(idx.b, Const) and isinstance(idx.b.value, int):
         c = idx.b.value

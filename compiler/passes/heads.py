@@ -15,8 +15,8 @@ are the unpadded ones up to the order of the sums.
 Matched: a product by a constant 2-D weight (``search._is_weight_matmul``) whose output, maybe
 past element-wise ops with constants (a bias; OPT's, Whisper's and XGLM's scaling of the queries
 before their view) and reshapes that regroup its rows, is reshaped into heads (its last dim ``N``
-into ``[H, N / H]``); every such product with the same ``H`` is padded together (a model's Q, K
-and V). From them the pass follows the heads to the products that contract over
+into ``[H, N / H]``, or ``[H, ..]``: BLOOM's head-major ``[H, 3, d]``); every such product with the
+same ``H`` is padded together (a model's Q, K and V). From them the pass follows the heads to the products that contract over
 them: each op on the way must have a sharding rule (``rules.op_strategies`` on a mesh of ``H``
 ranks: one head each) that splits its padded inputs along their heads' dims and its output along
 one dim (the op keeps heads apart), and each contracting op must be a product by a constant
@@ -401,8 +401,11 @@ def _heads_of(op: Operator, consumers) -> int | None:
         if s[-1] == n:  # (the rows regrouped: [B*L, N] -> [B, L, N])
             readers = consumers.get(id(r.outputs[0]), [])
             continue
-        if len(s) >= 3 and s[-2] * s[-1] == n and math.prod(s[:-2]) == rows and 1 < s[-2] < n:
-            return int(s[-2])
+        # [*rows, H, *head]: a head's columns, maybe in dims of their own (BLOOM's head-major
+        # [B, S, H, 3, d], its Q, K and V inside each head)
+        k = next((k for k in range(len(s)) if math.prod(s[:k]) == rows and s[k] > 1), None)
+        if k is not None and len(s) - k >= 2 and math.prod(s[k:]) == n and 1 < s[k] < n:
+            return int(s[k])
         return None
     return None
 

@@ -237,12 +237,11 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
 #: the architectures whose Megatron plan on 3 ranks keeps weight products whole: widths that do
 #: not divide outside the attention (ALBERT's embedding mapping, Swin's patch merging, wav2vec 2's
 #: feature projection, the UNet's time embeddings), multi-query keys and values (one head: whole
-#: on every rank, as Megatron-LM has them), BLOOM's head-major QKV (not padded), and the heads the
-#: pass does not follow (DeBERTa-v3's relative attention, WavLM's gated position bias, Falcon's
-#: dynamo slices). OPT's, Whisper's and XGLM's scaled queries and ``torch.nn.MultiheadAttention``
-#: split since session 64.
-KEPT_ON_THREE = {"albert", "swin", "swinv2", "wav2vec2", "sd_unet", "falcon", "gpt_bigcode", "bloom", "deberta_v3",
-                 "wavlm"}
+#: on every rank, as Megatron-LM has them), and the heads the pass does not follow (DeBERTa-v3's
+#: relative attention, WavLM's gated position bias, Falcon's dynamo slices). OPT's, Whisper's and
+#: XGLM's scaled queries, BLOOM's head-major QKV and ``torch.nn.MultiheadAttention`` split since
+#: session 64.
+KEPT_ON_THREE = {"albert", "swin", "swinv2", "wav2vec2", "sd_unet", "falcon", "gpt_bigcode", "deberta_v3", "wavlm"}
 
 
 #: where the dynamo export's heads are not followed as the TorchScript export's are: Falcon's

@@ -65,6 +65,25 @@ def test_matmul_rules_match_the_analytic_set():
     assert got == {"(R, R) -> (R)", "(S(0), R) -> (S(0))", "(R, S(1)) -> (S(1))", "(S(1), S(0)) -> (P(sum))"}
 
 
+def test_a_dim_viewed_as_several_splits_by_its_outer_one():
+    """A dim viewed as several (``[.., 48]`` as ``[.., 4, 3, 4]``: BLOOM's head-major QKV, each
+    head's Q, K and V inside it) splits by the outer one, each block of it reading its block of the
+    dim, as a view as two did; a read of part of each block (the first 8 of each 12) too. Every
+    strategy is checked numerically; an inner dim still does not split."""
+    from shardflow.compiler.ops.transform import AffineGather, Reshape
+
+    rng = np.random.default_rng(0)
+    x = Tensor("in0", (2, 48), "float32")
+    view = Reshape([x], name="op", shape=(2, 4, 3, 4))
+    assert "(S(1)) -> (S(1))" in {str(s) for s in op_strategies(view, (4,))}
+    assert "(S(1)) -> (S(2))" not in {str(s) for s in op_strategies(view, (3,))}
+    feeds = {"in0": rng.standard_normal((2, 48)).astype(np.float32)}
+    assert check_strategies(FlowGraph([x], list(view.outputs), [view]), view, feeds, (4,)) >= 3
+    pick = AffineGather([x], name="op", shape=(2, 4, 2, 4), coefs=((1, 0, 0, 0), (0, 12, 4, 1)), offsets=(0, 0))
+    assert "(S(1)) -> (S(1))" in {str(s) for s in op_strategies(pick, (4,))}
+    assert check_strategies(FlowGraph([x], list(pick.outputs), [pick]), pick, feeds, (2,)) >= 2
+
+
 def test_softmax_axis_is_never_split():
     from shardflow.compiler.ops.reduce import Softmax
 
