@@ -12,22 +12,22 @@ real head computes finite values wherever the model does; zero-filled heads coul
 zero in a norm). The program computes ``H' / H`` of the attention's work and the model's outputs
 are the unpadded ones up to the order of the sums.
 
-Matched: a product by a constant 2-D weight (``search._is_weight_matmul``) whose output, maybe
-past element-wise ops with constants (a bias; OPT's, Whisper's and XGLM's scaling of the queries
-before their view) and reshapes that regroup its rows, is reshaped into heads (its last dim ``N``
-into ``[H, N / H]``, or ``[H, ..]``: BLOOM's head-major ``[H, 3, d]``); every such product with the
-same ``H`` is padded together (a model's Q, K and V). From them the pass follows the heads to the products that contract over
-them: each op on the way must have a sharding rule (``rules.op_strategies`` on a mesh of ``H``
-ranks: one head each) that splits its padded inputs along their heads' dims and its output along
-one dim (the op keeps heads apart), and each contracting op must be a product by a constant
-weight whose rule gives a partial sum (the output projection). An activation the rule splits
-that is not padded (T5's relative position bias, one per head, computed once for all layers) is
-gathered to ``H'`` heads, the new ones head 0's; a split constant is padded likewise. Every op
-is rebuilt on the padded inputs (``Operator.localize``, as the partitioner builds a rank's op on
-its shards, with the shapes ``H'`` heads give). So every tensor along the heads holds in each new
-head a copy of head 0's values. Nothing is padded (the group is left as it was) when an op mixes
-the heads otherwise, when the padded heads would reach a graph output (a KV cache), or when a
-rebuilt op does not give the shapes expected.
+Matched: a product by a constant 2-D weight (``search._is_weight_matmul``) whose output, maybe past
+element-wise ops with constants (a bias; OPT's, Whisper's and XGLM's scaling of the queries before
+their view) and reshapes that regroup its rows, is reshaped into heads (its last dim ``N`` into
+``[H, N / H]``, or ``[H, ..]``: BLOOM's head-major ``[H, 3, d]``); every such product with the same
+``H`` is padded together (a model's Q, K and V). From them the pass follows the heads to the
+products that contract over them: each op on the way must have a sharding rule
+(``rules.op_strategies`` on a mesh of ``H`` ranks: one head each) that splits its padded inputs
+along their heads' dims and its output along one dim (the op keeps heads apart), and each
+contracting op must be a product by a constant weight whose rule gives a partial sum (the output
+projection). An activation the rule splits that is not padded (T5's relative position bias, one per
+head, computed once for all layers) is gathered to ``H'`` heads, the new ones head 0's; a split
+constant is padded likewise. Every op is rebuilt on the padded inputs (``Operator.localize``, as
+the partitioner builds a rank's op on its shards, with the shapes ``H'`` heads give). So every
+tensor along the heads holds in each new head a copy of head 0's values. Nothing is padded (the
+group is left as it was) when an op mixes the heads otherwise, when the padded heads would reach a
+graph output (a KV cache), or when a rebuilt op does not give the shapes expected.
 
 Grouped key/value heads (``Hkv`` of them, each read by ``G = H / Hkv`` query heads) are repeated
 for the queries by transformers' ``repeat_kv``: ``[.., Hkv, 1, ..]`` expanded to ``[.., Hkv, G,
