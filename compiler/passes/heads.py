@@ -231,7 +231,7 @@ def _refined(a: tuple[int, ...], b: tuple[int, ...]) -> list[list[int]] | None:
 
 def _unmerge_views(graph: FlowGraph) -> int:
     """Rewrite views that merge heads with other dims in between two reshapes: a reshape (``x`` to
-    ``y``) whose output merges dims that ``x`` had apart, a chain of a transpose and element-wise
+    ``y``) whose output merges dims that ``x`` had apart, a chain of transposes and element-wise
     ops with constants (each the only reader of the one before), and a reshape (to ``z``): torch's
     ``nn.MultiheadAttention`` splits its time-major ``[L, B, E]`` queries into ``[L, B * H, d]``
     and transposes them to ``[B * H, L, d]``, which ``AttentionOnHeads`` views as ``[B, H, L, d]``,
@@ -258,9 +258,7 @@ def _unmerge_views(graph: FlowGraph) -> int:
             if len(readers) != 1 or id(t) in outputs:
                 break
             r = readers[0]
-            transposed = any(c.op_type == "Transpose" for c in chain)
-            if r.op_type == "Reshape" or r.op_type == "Transpose" and not transposed \
-                    or r.op_type in _ELEMENTWISE and all(u is t or u.is_constant for u in r.inputs) \
+            if r.op_type in ("Reshape", "Transpose") or r.op_type in _ELEMENTWISE and all(u is t or u.is_constant for u in r.inputs) \
                     and sum(u is t for u in r.inputs) == 1:
                 chain.append(r)
                 t = r.outputs[0]

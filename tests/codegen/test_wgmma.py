@@ -234,13 +234,26 @@ def test_gemm_tiles_for_a_k_major_b_store_the_matched_weights_n_by_k(tmp_path):
     assert want not in smem["plain"].values() and want not in smem["default"].values()
 
 
+def _every_config_and_every_layout_of_its_kind():
+    """``(tile, layout)`` pairs in which every tile appears, and every layout with every kind of
+    tile (the cp.async, TMA, ping-pong, stream-K, cluster split-K and multicast ones): each kind's
+    tiles take the layouts in turn, one more time round where it has fewer tiles than layouts."""
+    kinds: dict[str, list[str]] = {}
+    for cfg, v in WGMMA_CONFIGS.items():
+        kinds.setdefault(v[3][:2], []).append(cfg)
+    return [(cfgs[j % len(cfgs)], LAYOUTS[j % len(LAYOUTS)])
+            for cfgs in kinds.values() for j in range(max(len(cfgs), len(LAYOUTS)))]
+
+
 @needs_nvcc
-@pytest.mark.parametrize("dt", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_every_config_and_layout_compiles_without_local_memory(tmp_path, dt):
-    """(bfloat16's kernels differ from float16's by the instruction's type only: -m slow.)"""
-    ops = []
-    for i, (cfg, (ta, tb)) in enumerate(itertools.product(WGMMA_CONFIGS, LAYOUTS)):
-        ops.append((_gemm(200, 136, 200, dt, ta, tb, name=f"g{i}"), cfg))
+@pytest.mark.parametrize("dt, every", [("float16", False), pytest.param("float16", True, marks=pytest.mark.slow),
+                                       pytest.param("bfloat16", True, marks=pytest.mark.slow)])
+def test_every_config_and_layout_compiles_without_local_memory(tmp_path, dt, every):
+    """Every tile with a layout and every layout with every kind of tile (``every``: every tile
+    with every layout, -m slow; bfloat16's kernels differ from float16's by the instruction's
+    type only: -m slow)."""
+    pairs = itertools.product(WGMMA_CONFIGS, LAYOUTS) if every else _every_config_and_every_layout_of_its_kind()
+    ops = [(_gemm(200, 136, 200, dt, ta, tb, name=f"g{i}"), cfg) for i, (cfg, (ta, tb)) in enumerate(pairs)]
     _compiles_without_local_memory(tmp_path, ops)
 
 

@@ -56,7 +56,8 @@ def parallel_block(batch: int = 8, hidden: int = 64, expand: int = 4, seed: int 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def torch_multihead_attention(scaled_after_projection: bool = False) -> onnx.ModelProto:
+def torch_multihead_attention(scaled_after_projection: bool = False, keys_transposed_twice: bool = False
+                              ) -> onnx.ModelProto:
     """A block on ``torch.nn.MultiheadAttention`` (4 heads of 4, time-major ``x [6, 2, 16]``) as
     torch's ``multi_head_attention_forward`` exports it: one packed in-projection whose output is
     viewed as ``[L, B, 3, E]``, unsqueezed, transposed, squeezed to ``[3, L, B, E]`` and selected
@@ -65,7 +66,9 @@ def torch_multihead_attention(scaled_after_projection: bool = False) -> onnx.Mod
     ``[B, H, 1, L]``, merged to ``[B * H, 1, L]`` and added to the causal mask; the heads merged
     back by a transpose to ``[L, B * H, d]`` and a view ``[L * B, E]`` for the out-projection.
     With ``scaled_after_projection`` the queries are scaled before their view instead (OPT's and
-    Whisper's ``q_proj(x) * scaling``). The ONNX model."""
+    Whisper's ``q_proj(x) * scaling``); with ``keys_transposed_twice`` the keys are transposed to
+    ``[B * H, L, d]`` and then to ``[B * H, d, L]`` (``nn.TransformerEncoderLayer``'s export, through
+    ``scaled_dot_product_attention``). The ONNX model."""
     rng = np.random.default_rng(3)
     L, B, E, H = 6, 2, 16, 4
     d = E // H
@@ -92,8 +95,12 @@ def torch_multihead_attention(scaled_after_projection: bool = False) -> onnx.Mod
     else:
         nodes += [node("Reshape", ["q0", "heads_time"], "q1"), node("Transpose", ["q1"], "q2", perm=[1, 0, 2]),
                   node("Mul", ["q2", "scale"], "q")]
-    nodes += [node("Reshape", ["k0", "heads_time"], "k1"), node("Transpose", ["k1"], "kt", perm=[1, 2, 0]),
-              node("Reshape", ["v0", "heads_time"], "v1"), node("Transpose", ["v1"], "v", perm=[1, 0, 2]),
+    if keys_transposed_twice:
+        nodes += [node("Reshape", ["k0", "heads_time"], "k1"), node("Transpose", ["k1"], "k2", perm=[1, 0, 2]),
+                  node("Transpose", ["k2"], "kt", perm=[0, 2, 1])]
+    else:
+        nodes += [node("Reshape", ["k0", "heads_time"], "k1"), node("Transpose", ["k1"], "kt", perm=[1, 2, 0])]
+    nodes += [node("Reshape", ["v0", "heads_time"], "v1"), node("Transpose", ["v1"], "v", perm=[1, 0, 2]),
               node("Reshape", ["mask", "mask4"], "m1"), node("Expand", ["m1", "mask_rep"], "m2"),
               node("Reshape", ["m2", "mask3"], "m3"), node("Add", ["causal", "m3"], "m"),
               node("MatMul", ["q", "kt"], "s0"), node("Add", ["s0", "m"], "s"), node("Softmax", ["s"], "a", axis=-1),

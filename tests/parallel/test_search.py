@@ -575,21 +575,22 @@ def test_heads_merged_with_the_batch_are_padded_per_head(monkeypatch, kv_heads, 
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("scaled_after_projection", [False, True])
+@pytest.mark.parametrize("variant", ["torch", "scaled_after_projection", "keys_transposed_twice"])
 @pytest.mark.parametrize("ranks", [2, 3, 4, 8])
-def test_megatron_splits_torch_multihead_attention_by_heads(ranks, scaled_after_projection):
+def test_megatron_splits_torch_multihead_attention_by_heads(ranks, variant):
     """``torch.nn.MultiheadAttention``'s export: its packed in-projection is split into Q, K and V
     products (passes/projections.py: past the view, unsqueeze, transpose and squeeze, the selects
     of its parts), its views of the heads merged with the batch are rewritten per head
     (passes/heads.py ``_unmerge_views``: the queries, the keys, the values, the key padding mask
     and the heads merged back), so the baseline splits every projection by heads (the 4 heads
-    padded to 6 over 3 ranks, to 8 over 8, the queries' scaling before their view followed), one
-    all-reduce after the out-projection; the ranks compute what onnxruntime does."""
+    padded to 6 over 3 ranks, to 8 over 8, the queries' scaling before their view followed, the
+    keys transposed twice as ``nn.TransformerEncoderLayer``'s export has them), one all-reduce
+    after the out-projection; the ranks compute what onnxruntime does."""
     import onnxruntime as ort
 
     from shardflow.compiler.driver import plan_passes
 
-    model = torch_multihead_attention(scaled_after_projection)
+    model = torch_multihead_attention(**({variant: True} if variant != "torch" else {}))
     rng = np.random.default_rng(2)
     mask = np.zeros((2, 6), np.float32)
     mask[1, 4:] = -np.inf  # (the second sequence's last two keys padded)
