@@ -258,14 +258,14 @@ def _unmerge_views(graph: FlowGraph) -> int:
             if len(readers) != 1 or id(t) in outputs:
                 break
             r = readers[0]
-            if r.op_type in ("Reshape", "Transpose") or r.op_type in _ELEMENTWISE and all(u is t or u.is_constant for u in r.inputs) \
-                    and sum(u is t for u in r.inputs) == 1:
-                chain.append(r)
-                t = r.outputs[0]
-                if r.op_type == "Reshape":
-                    break
-                continue
-            break
+            if r.op_type not in ("Reshape", "Transpose") and not (
+                    r.op_type in _ELEMENTWISE and sum(u is t for u in r.inputs) == 1
+                    and all(u is t or u.is_constant for u in r.inputs)):
+                break
+            chain.append(r)
+            t = r.outputs[0]
+            if r.op_type == "Reshape":
+                break
         if len(chain) < 2 or chain[-1].op_type != "Reshape":
             continue
         new, cur, gs = [], x, [list(g) for g in groups]
