@@ -327,29 +327,16 @@ def test_residual_epilogues_of_whole_tiles_compile_without_local_memory(tmp_path
     (float32 ones: -m slow), compiles with no local memory."""
     from shardflow.compiler.codegen.cuda_wgmma import _ROW_READ_UNROLL
 
-    srcs = []
-    ops, _ = _residual_epilogue(768, M=768, K=256, dt=dt)
-    for cfg, (_, _, _, mode) in WGMMA_CONFIGS.items():
+    tiles = []
+    for i, (cfg, (_, _, _, mode)) in enumerate(WGMMA_CONFIGS.items()):
+        ops, _ = _residual_epilogue(768, M=768, K=256, dt=dt)
         src = generate_cuda_source(ops, arch="sm_90", gemm_configs={"out": cfg}).text
         unrolled = f"#pragma unroll {_ROW_READ_UNROLL}\n" in src
         assert "inside the product" in src and "sf_m < 768" not in src, cfg
         assert unrolled == (mode != "sk"), cfg
-        srcs.append(src)
-    frames = {}
-    for i, text in enumerate(srcs):
-        cu = tmp_path / f"k{i}.cu"
-        cu.write_text(text)
-    # two nvcc processes at a time (the suite runs on two cores)
-    for pair in range(0, len(srcs), 2):
-        procs = [subprocess.Popen(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
-                                   "-Xptxas", "-v", "-o", str(tmp_path / f"k{i}.cubin"), str(tmp_path / f"k{i}.cu")],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(pair, min(pair + 2, len(srcs)))]
-        for i, proc in zip(range(pair, pair + 2), procs):
-            _, report = proc.communicate()
-            assert proc.returncode == 0 and "serialized" not in report, report[-3000:]
-            frames[i] = [int(f) for f in re.findall(r"(\d+) bytes stack frame", report)]
-    assert all(f == [0] for f in frames.values()), frames
+        ops[-1].name = f"out{i}"  # (compiled together, a kernel a tile)
+        tiles.append((ops[-1], cfg))
+    _compiles_without_local_memory(tmp_path, tiles)
 
 
 @needs_nvcc
