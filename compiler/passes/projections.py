@@ -175,17 +175,19 @@ class SplitProjections(GraphPass):
     Matched: ``MatMul(x, W)`` or ``Gemm(x, W[, c])`` (no transposed ``x``, ``alpha = beta = 1``,
     ``c`` a bias of the columns) with ``W`` a constant ``[K, N]`` (``[N, K]`` when transposed), an
     optional ``Add`` of a constant ``[N]`` bias, reshapes and transposes that keep the rows apart
-    from the columns (each dim made of rows' dims or of columns' dims) and each in their order
-    (a transpose may interleave the rows' dims with the columns', not reorder either), and then
-    only ``Slice`` ops that each take a range of one of the column dims, or ``AffineGather`` ops
-    that each take one index of one and keep the other dims as they are (a ``select``), the
-    column dims after it whole, disjoint, two or more: GPT-2's ``[R, 3E]`` sliced, and
-    ``torch.nn.MultiheadAttention``'s viewed as ``[L, B, 3, E]``, moved to ``[3, L, B, E]`` and
-    selected. Each part's product is laid out as its reader's output (a reshape to its rows' and
-    columns' dims, a transpose where they interleave). Head-major layouts (GPT-NeoX's ``[heads,
-    3, d]``, BLOOM's) are already split by heads and do not match.
-    A 4-bit ``MatMulNBits`` (onnxruntime-genai's packed QKV, read by ``GroupQueryAttention``) is
-    split likewise: its columns are the rows of its codes, scales and zero points.
+    from the columns (each dim made of rows' dims or of columns' dims) and each in their order (a
+    transpose may interleave the rows' dims with the columns', not reorder either), and at the end
+    of these views only ``Slice`` ops that each take a range of one of the column dims, or
+    ``AffineGather`` ops that each take one index of one and keep the other dims as they are
+    (dropping that one, a ``select``, or keeping it of extent 1), the column dims after it whole,
+    disjoint, two or more: GPT-2's ``[R, 3E]`` sliced, ``torch.nn.MultiheadAttention``'s viewed as
+    ``[L, B, 3, E]``, moved to ``[3, L, B, E]`` and selected, Falcon's (dynamo export) viewed as
+    ``[B, S, H + 2, d]``, its queries sliced, its key and value gathered past a transpose. Each
+    part's product is laid out as its reader's output (a reshape to its rows' and columns' dims, a
+    transpose where they interleave). Head-major layouts (GPT-NeoX's ``[heads, 3, d]``, BLOOM's)
+    are already split by heads and do not match. A 4-bit ``MatMulNBits`` (onnxruntime-genai's
+    packed QKV, read by ``GroupQueryAttention``) is split likewise: its columns are the rows of its
+    codes, scales and zero points.
     """
 
     def run(self, graph: FlowGraph) -> FlowGraph:
@@ -264,31 +266,34 @@ class SplitProjections(GraphPass):
             t = add.outputs[0]
         # the kind of each dim of t: "r" (of y's rows), "c" (of its columns) or "1" (extent 1)
         kinds = [_ONE if e == 1 else _ROW for e in y.shape[:-1]] + [_ONE if y.shape[-1] == 1 else _COL]
-        while True:  # past reshapes and transposes that keep the rows apart from the columns
+        parts, todo = [], [(t, kinds)]
+        while todo:  # past reshapes and transposes that keep the rows apart from the columns, to the parts
+            t, kinds = todo.pop()
             readers = consumers.get(id(t), [])
             if id(t) in outputs or not readers:
                 return None
-            if len(readers) != 1 or readers[0].op_type not in ("Reshape", "Transpose"):
-                break
-            kinds = _moved_kinds(readers[0], t.shape, kinds)
-            if kinds is None:
-                return None
-            t = readers[0].outputs[0]
-        if len(readers) < 2:
+            for r in readers:
+                if r.op_type in ("Reshape", "Transpose"):
+                    moved = _moved_kinds(r, t.shape, kinds)
+                    if moved is None:
+                        return None
+                    todo.append((r.outputs[0], moved))
+                    continue
+                d = _part_dim(r, t.shape)
+                if d is None or kinds[d] != _COL:
+                    return None
+                cols = [e for e, k in zip(t.shape, kinds) if k == _COL]
+                c = [i for i in range(t.ndim) if kinds[i] == _COL].index(d)
+                inner = int(np.prod(cols[c + 1:], dtype=np.int64))
+                if int(np.prod(cols[:c], dtype=np.int64)) != 1:  # (a range of a dim inside the columns)
+                    return None
+                start, size = _part_range(r, d)
+                out = r.outputs[0].shape
+                kept = [k if e > 1 else _ONE for k, e in zip([k for i, k in enumerate(kinds) if i != d
+                                                              or len(out) == t.ndim], out)]
+                parts.append((r, start * inner, (start + size) * inner, kept))
+        if len(parts) < 2:
             return None
-        parts = []
-        for r in readers:
-            d = _part_dim(r, t.shape)
-            if d is None or kinds[d] != _COL:
-                return None
-            cols = [e for e, k in zip(t.shape, kinds) if k == _COL]
-            c = [i for i in range(t.ndim) if kinds[i] == _COL].index(d)
-            inner = int(np.prod(cols[c + 1:], dtype=np.int64))
-            if int(np.prod(cols[:c], dtype=np.int64)) != 1:  # (a range of a dim inside the columns: columns apart)
-                return None
-            start, size = _part_range(r, d)
-            kept = [k for i, k in enumerate(kinds) if i != d or r.op_type == "Slice"]
-            parts.append((r, start * inner, (start + size) * inner, kept))
         spans = sorted((lo, hi) for _, lo, hi, _ in parts)
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])) or any(hi <= lo for lo, hi in spans):
             return None
@@ -331,22 +336,25 @@ def _moved_kinds(op: Operator, shape: tuple[int, ...], kinds: list[str]) -> list
 
 def _part_dim(op: Operator, shape: tuple[int, ...]) -> int | None:
     """The dim of a tensor of ``shape`` of which ``op`` takes a range (a ``Slice`` of one dim, steps
-    1) or one index (an ``AffineGather`` that drops that dim and keeps the others as they are:
-    ``torch.nn.MultiheadAttention``'s ``select`` of its packed Q, K and V), else None."""
+    1) or one index (an ``AffineGather`` that keeps the other dims as they are and drops that one,
+    ``torch.nn.MultiheadAttention``'s ``select`` of its packed Q, K and V, or keeps it of extent 1,
+    the dynamo export's gather of Falcon's key), else None."""
     a = op.attrs
     if op.op_type == "Slice":
         cut = [d for d in range(len(shape)) if a["starts"][d] != 0 or a["sizes"][d] != shape[d]]
         return cut[0] if len(cut) == 1 and all(st == 1 for st in a["steps"]) else None
-    if op.op_type != "AffineGather" or len(a["coefs"]) != len(shape) or len(a["shape"]) != len(shape) - 1:
+    out = tuple(a.get("shape", ()))
+    if op.op_type != "AffineGather" or len(a["coefs"]) != len(shape) or len(out) not in (len(shape) - 1, len(shape)):
         return None
-    fixed = [d for d, c in enumerate(a["coefs"]) if not any(c)]
+    fixed = [d for d, c in enumerate(a["coefs"]) if not any(k for k, e in zip(c, out) if e > 1)]
+    fixed = [d for d in fixed if shape[d] > 1 or len(fixed) == 1]
     if len(fixed) != 1:
         return None
     d = fixed[0]
-    rest = [i for i in range(len(shape)) if i != d]
-    ok = all(tuple(a["coefs"][i]) == tuple(int(j == n) for j in range(len(rest))) and a["offsets"][i] == 0
-             for n, i in enumerate(rest))
-    return d if ok and tuple(a["shape"]) == tuple(shape[i] for i in rest) else None
+    dims = [i for i in range(len(shape)) if i != d or len(out) == len(shape)]  # (the output's dims' sources)
+    ok = all(tuple(a["coefs"][i][:len(out)]) == tuple(int(j == n) for j in range(len(out))) and a["offsets"][i] == 0
+             for n, i in enumerate(dims) if i != d)
+    return d if ok and out == tuple(1 if i == d else shape[i] for i in dims) else None
 
 
 def _part_range(op: Operator, d: int) -> tuple[int, int]:

@@ -202,7 +202,13 @@ class Watchdog:
     # ---------------------------------------------------------------- other ranks ----------
     def _client(self) -> None:
         s = self._sock
-        s.settimeout(min(self.heartbeat_s, 0.5))
+        try:
+            s.settimeout(min(self.heartbeat_s, 0.5))
+        except OSError:  # (closed before this thread ran: finished, stopped, or the connection lost)
+            if not (self._finished or self._stop.is_set()):
+                self._fail(f"shardflow: lost the watchdog connection to {self._name(0)}; "
+                           f"{self._name(self.rank)} stops", 0)
+            return
         last_sent = 0.0
         last_recv = time.monotonic()
         buf = b""

@@ -409,8 +409,9 @@ def test_split_projections_follows_transposes_to_selected_parts():
     """``torch.nn.MultiheadAttention``'s packed in-projection: its ``[R, 3E]`` output viewed as
     ``[.., 3, E]``, transposed to ``[3, ..]`` (rows and columns interleaved), each part selected
     (an ``AffineGather`` that drops the dim) or sliced; split into one product per part, laid out
-    as the reader's output was. A transpose that reorders the columns among themselves (or the
-    rows), or a select of a dim inside the columns, is not split."""
+    as the reader's output was; the parts may be read past different views (Falcon's dynamo
+    export). A transpose that reorders the columns among themselves (or the rows), or a select of
+    a dim inside the columns, is not split."""
     from shardflow.compiler.ops.linalg import MatMul
     from shardflow.compiler.ops.transform import AffineGather, Reshape, Slice, Transpose
     from shardflow.compiler.passes.projections import PART, SplitProjections
@@ -452,6 +453,19 @@ def test_split_projections_follows_transposes_to_selected_parts():
     assert split(graph((2, 3, 3, 8), (0, 1, 3, 2), [(3, 0), (3, 1)])) == 0  # (the columns reordered)
     assert split(graph((2, 3, 3, 8), (1, 0, 2, 3), [(2, 0), (2, 1)])) == 0  # (the rows reordered)
     assert split(graph((2, 3, 3, 8), (0, 1, 2, 3), [(3, 0), (3, 1)])) == 0  # (a column inside each part)
+
+    # Falcon's dynamo export: [.., 6, 4] read by a slice of its first 4 "heads" and by a transpose
+    # whose gathers each take one more, keeping a dim of extent 1
+    x = Tensor("x", (2, 3, 8), "float32")
+    ops = [MatMul([x, w], name="p")]
+    ops.append(Reshape([ops[0].outputs[0]], name="r", shape=(2, 3, 6, 4)))
+    ops.append(Slice([ops[1].outputs[0]], name="q", starts=(0, 0, 0, 0), steps=(1,) * 4, sizes=(2, 3, 4, 4)))
+    ops.append(Transpose([ops[1].outputs[0]], name="t", perm=(2, 0, 1, 3)))
+    for k in (4, 5):
+        ops.append(AffineGather([ops[3].outputs[0]], name=f"g{k}", shape=(1, 2, 3, 4),
+                                coefs=((0, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)), offsets=(k, 0, 0, 0)))
+    g = FlowGraph([x], [ops[2].outputs[0], ops[4].outputs[0], ops[5].outputs[0]])
+    assert split(g) == 3
 
 
 def test_a_concat_of_one_input_and_empty_ones_is_removed():

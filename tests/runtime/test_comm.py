@@ -217,6 +217,26 @@ def test_the_watchdogs_abort_names_the_failed_rank():
             d.stop()
 
 
+def test_a_watchdog_closed_before_its_thread_runs_stops_quietly():
+    """A rank's watchdog whose connection is closed before its thread first runs (stopped at
+    once, as the test above stops rank 2's) returns without an exception in the thread; one whose
+    connection is lost while it is watching reports the failure."""
+    import socket
+
+    from shardflow.runtime.comm.watchdog import Watchdog
+
+    failures = []
+    dog = Watchdog(InProcessWorld(1).communicators()[0], on_failure=lambda m, r: failures.append((m, r)))
+    dog.rank, dog.global_ranks, dog._sock = 1, [0, 1], socket.socket()
+    dog._sock.close()
+    dog._stop.set()
+    dog._client()  # (raised OSError: Bad file descriptor)
+    assert failures == []
+    dog._stop.clear()
+    dog._client()
+    assert len(failures) == 1 and "lost the watchdog connection to rank 0" in failures[0][0] and failures[0][1] == 0
+
+
 def test_a_missing_peer_raises_rank_failed_naming_it():
     world = InProcessWorld(2, timeout_s=0.3)
     c0, _ = world.communicators()
