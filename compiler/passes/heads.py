@@ -307,6 +307,7 @@ def _unmerge_views(graph: FlowGraph) -> int:
 
 
 def _dims(groups: list[list[int]]) -> tuple[int, ...]:
+    """The shape of a tensor whose dims are ``groups`` (:func:`_unmerge_views`)."""
     return tuple(e for g in groups for e in g)
 
 
@@ -316,6 +317,7 @@ def _broadcast_groups(op: Operator, t: Tensor, groups: list[list[int]]) -> list[
     constant's extent is one dim of it; None when ``op`` changes the rank or a constant's dim is
     neither 1 nor the output's."""
     out = op.outputs[0].shape
+
     def fits(u: Tensor) -> bool:
         return u.ndim <= len(out) and all(c in (1, e) for c, e in zip(u.shape[::-1], out[::-1]))
 
