@@ -146,65 +146,44 @@ class PadHeads(GraphPass):
 
 
 class UnmergeHeads(GraphPass):
-    """The dynamo exporter's transposes of heads merged with the batch rewritten per head (see
-    :func:`_unmerge_heads`); after :meth:`run`, ``rewritten`` counts them."""
+    """Views of heads merged with the batch rewritten per head (:func:`_unmerge_views`; the dynamo
+    exporter's ``repeat_kv`` merged with the batch split first, :func:`_unmerge_heads`); after
+    :meth:`run`, ``rewritten`` counts the views rewritten."""
 
     rewritten = 0
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        self.rewritten = _unmerge_heads(graph)
-        self.rewritten += _unmerge_views(graph)
+        _unmerge_heads(graph)
+        self.rewritten = _unmerge_views(graph)
         return graph
 
 
 def _unmerge_heads(graph: FlowGraph) -> int:
-    """Rewrite the dynamo exporter's transposed keys: a reshape that merges the batch with the heads
-    (``[B, H, S, d]``, or a ``repeat_kv``'s ``[B, Hkv, G, S, d]``, to ``[B * H, S, d]``), a transpose
-    that keeps that first dim, and a reshape that splits it back (``[B, H, d, S]``) become one
-    transpose of ``[B, H, S, d]`` (after the reshape of :func:`_repeated_heads`, for a
-    ``repeat_kv``): the same values, in the form whose heads the padding follows (a split by heads
-    of ``[B * H]`` is not a block of rows when ``B > 1``). The number rewritten."""
-    from ..ops.transform import Reshape, Transpose
+    """Split the dynamo exporter's merge of a ``repeat_kv`` with the batch (``[B, Hkv, G, S, d]``,
+    expanded from ``[B, Hkv, 1, S, d]``, reshaped to ``[B * H, S, d]``) into the ``repeat_kv``'s own
+    reshape (``[B, H, S, d]``, the form :func:`_repeated_heads` matches) and a merge of ``[B, H]``,
+    which :func:`_unmerge_views` then rewrites per head with the transpose and split that follow
+    (``[B, H, d, S]``). The same values. The number split."""
+    from ..ops.transform import Reshape
 
     consumers, done = graph.consumers(), 0
-    outputs = {id(t) for t in graph.outputs}
+
+    def only_reader(t: Tensor, kind: str) -> Operator | None:
+        readers = consumers.get(id(t), [])
+        return readers[0] if len(readers) == 1 and readers[0].op_type == kind else None
+
     for op in list(graph.nodes):
-        if op.op_type != "Reshape" or op.inputs[0].ndim < 3 or id(op.outputs[0]) in outputs:
-            continue
-        x, y = op.inputs[0], op.outputs[0]
-        readers = consumers.get(id(y), [])
-        if len(readers) != 1 or readers[0].op_type != "Transpose" or readers[0].attrs["perm"][0] != 0 \
-                or id(readers[0].outputs[0]) in outputs:
-            continue
-        t = readers[0]
-        after = consumers.get(id(t.outputs[0]), [])
-        if len(after) != 1 or after[0].op_type != "Reshape":
-            continue
-        r, perm = after[0], tuple(t.attrs["perm"])
-        z, rest = r.outputs[0].shape, y.shape[1:]
-        # x's leading dims merged into y's first ([B, H] or [B, Hkv, G]), and z splits it back ([B, H])
-        j = x.ndim - len(rest)
-        k = len(z) - (t.outputs[0].ndim - 1)
-        if j < 2 or k < 2 or x.shape[j:] != rest or z[k:] != t.outputs[0].shape[1:] \
-                or math.prod(x.shape[:j]) != y.shape[0] or math.prod(z[:k]) != y.shape[0]:
-            continue
-        new = []
-        src = x
-        if x.shape[:j] != z[:k]:  # (a repeat_kv's [B, Hkv, G] becomes [B, H]: only the dims after B merged)
-            if x.producer is None or x.producer.op_type != "Expand" or j != 3 \
-                    or z[:k] != (x.shape[0], x.shape[1] * x.shape[2]):
-                continue
-            new.append(Reshape([x], name=op.name, shape=z[:k] + rest))
-            src = new[-1].outputs[0]
-        new.append(Transpose([src], name=t.name, perm=tuple(range(k)) + tuple(k - 1 + p for p in perm[1:])))
-        take_over(r, new[-1], "transpose of the heads without merging the batch")
-        at = graph.nodes.index(r)
-        graph.nodes[at:at + 1] = new
-        graph.nodes.remove(op)
-        graph.nodes.remove(t)
+        x = op.inputs[0] if op.op_type == "Reshape" else None
+        if x is None or x.ndim < 4 or x.producer is None or x.producer.op_type != "Expand" \
+                or x.producer.inputs[0].shape[2] != 1 or x.shape[2] == 1 \
+                or op.outputs[0].shape != (math.prod(x.shape[:3]),) + x.shape[3:] \
+                or (t := only_reader(op.outputs[0], "Transpose")) is None \
+                or only_reader(t.outputs[0], "Reshape") is None:
+            continue  # (only where a transpose and a split follow, which _unmerge_views rewrites)
+        heads = Reshape([x], name=f"{op.name}.repeat_kv", shape=(x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+        op.inputs = [heads.outputs[0]]
+        graph.nodes.insert(graph.nodes.index(op), heads)
         done += 1
-    if done:
-        log.info("heads: %d transposes of heads merged with the batch rewritten per head", done)
     return done
 
 
@@ -258,9 +237,7 @@ def _unmerge_views(graph: FlowGraph) -> int:
             if len(readers) != 1 or id(t) in outputs:
                 break
             r = readers[0]
-            if r.op_type not in ("Reshape", "Transpose") and not (
-                    r.op_type in _ELEMENTWISE and sum(u is t for u in r.inputs) == 1
-                    and all(u is t or u.is_constant for u in r.inputs)):
+            if r.op_type not in ("Reshape", "Transpose") and not _on_constants(r, t):
                 break
             chain.append(r)
             t = r.outputs[0]
@@ -410,11 +387,16 @@ def _heads_of(op: Operator, consumers) -> int | None:
     return None
 
 
+def _on_constants(op: Operator, y: Tensor) -> bool:
+    """Whether ``op`` computes element by element on ``y`` (read once), any other operand a constant."""
+    return op.op_type in _ELEMENTWISE and sum(1 for t in op.inputs if t is y) == 1 \
+        and all(t is y or t.is_constant for t in op.inputs)
+
+
 def _elementwise_of(op: Operator, y: Tensor) -> bool:
-    """Whether ``op`` computes element by element on ``y``, any other operand a constant, giving
-    ``y``'s shape: the bias added to a projection, the queries' scaling (OPT's, Whisper's), a cast."""
-    return op.op_type in _ELEMENTWISE and op.outputs[0].shape == y.shape \
-        and sum(1 for t in op.inputs if t is y) == 1 and all(t is y or t.is_constant for t in op.inputs)
+    """:func:`_on_constants`, giving ``y``'s shape: the bias added to a projection, the queries'
+    scaling (OPT's, Whisper's), a cast."""
+    return _on_constants(op, y) and op.outputs[0].shape == y.shape
 
 
 _ELEMENTWISE = frozenset({"Binary", "Unary", "Cast", "Activation", "Clip", "Identity"})
