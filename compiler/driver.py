@@ -1038,13 +1038,21 @@ def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values
     return dict(state)
 
 
-def _input_entry(local: Tensor, whole: Tensor, plan, rank: int) -> dict:
+def _input_entry(local: Tensor, whole: Tensor, plan, rank: int, padded: Mapping | None = None) -> dict:
     """A rank's manifest entry for one input: its shape, type and spec; for an input of which the
-    rank takes a part (a sharded state), also the whole's shape and the part's bounds."""
+    rank takes a part (a sharded state), also the whole's shape and the part's bounds. A state kept
+    on padded heads (``padded``: :func:`~shardflow.compiler.passes.heads.keep_state_padded`'s entry)
+    has the model's shape as ``global_shape``, its bounds in the padded one, and ``padded_heads``:
+    the padded whole is the model's taken at ``index`` along ``axis`` (``shape``: the padded whole's)."""
     spec = plan.input_specs.get(local.name)
     entry = {"name": local.name, "shape": list(local.shape), "dtype": local.dtype,
              "placement": str(spec) if spec is not None else "R"}
-    if tuple(local.shape) != tuple(whole.shape):
+    if padded is not None:
+        entry["global_shape"] = list(padded["shape"])
+        entry["bounds"] = [list(b) for b in (spec.local_bounds(whole.shape, plan.mesh, rank) if spec is not None
+                                             else [(0, d) for d in whole.shape])]
+        entry["padded_heads"] = {"axis": padded["axis"], "index": padded["index"], "shape": list(whole.shape)}
+    elif tuple(local.shape) != tuple(whole.shape):
         entry["global_shape"] = list(whole.shape)
         entry["bounds"] = [list(b) for b in spec.local_bounds(whole.shape, plan.mesh, rank)]
     return entry
@@ -1361,6 +1369,12 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)
+    padded_state = {}
+    if state and graph.meta.get("padded_heads") and not dcfg.preload_plan:
+        # a KV cache whose heads were padded (or replicated) for the ranks kept so, to be split as they are
+        from .passes.heads import keep_state_padded
+
+        padded_state = keep_state_padded(graph, state)
 
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
@@ -1478,7 +1492,8 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
                 "cuda_graph": opt.cuda_graph,
                 "pdl": opt.pdl,
                 "precision": opt.precision,
-                "inputs": [_input_entry(t_, global_in[t_.name], plan, r) for t_ in rg.inputs],
+                "inputs": [_input_entry(t_, global_in[t_.name], plan, r, padded_state.get(t_.name))
+                           for t_ in rg.inputs],
                 "outputs": outputs,
                 **({"state": [{k: e[k] for k in ("input", "output", "in_place")} for e in program["state"]]}
                    if state else {}),

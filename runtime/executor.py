@@ -200,6 +200,10 @@ class RankProgram:
         self._parts = {e["name"]: (tuple(e["global_shape"]), tuple(slice(a, b) for a, b in e["bounds"]))
                        for e in self.manifest.get("inputs", ())
                        if "global_shape" in e and "bounds" in e and list(e["global_shape"]) != list(e["shape"])}
+        # of those, a state kept on padded (or replicated) heads: the padded whole is the model's whole
+        # taken at these indices along this axis (compile's passes/heads.py keep_state_padded)
+        self._padded = {e["name"]: (int(e["padded_heads"]["axis"]), np.asarray(e["padded_heads"]["index"], np.int64))
+                        for e in self.manifest.get("inputs", ()) if "padded_heads" in e}
         self._lib = None
         self._native = None
         self._engine = None
@@ -512,6 +516,10 @@ class RankProgram:
                 a = np.asarray(a)
             whole, part = self._parts.get(name, (buf.shape, None))
             if part is not None and tuple(a.shape) == whole:
+                if name in self._padded:  # (the model's whole taken to the padded heads the program keeps)
+                    axis, index = self._padded[name]
+                    a = a[(slice(None),) * axis + (index[part[axis]].tolist(),)]
+                    part = part[:axis] + (slice(None),) + part[axis + 1:]
                 a = a[part]  # this rank's part of the whole
             if tuple(a.shape) != buf.shape:
                 also = f" (or its part {buf.shape} on this rank)" if part is not None else ""

@@ -110,6 +110,9 @@ class PadHeads(GraphPass):
             if (r := _repeated_heads(op)) is not None:
                 repeats.setdefault(r[0] * r[1], []).append(op)
                 kv_repeats.setdefault(r[0], []).append(op)
+            elif (r := _grouped_attention_heads(op)) is not None:  # (an attention that repeats them itself)
+                repeats.setdefault(r[1], []).append(op)
+                kv_repeats.setdefault(r[0], []).append(op)
         # (most heads first: a model's queries before its grouped key/value heads, which are
         # then repeated by a gather and left whole, or replicated; padded first, the keys would
         # make the query projection a whole product gathered per rank)
@@ -129,7 +132,7 @@ class PadHeads(GraphPass):
             padded = -(-h // n) * n
             reps = [op for op in repeats.get(h, []) if id(op) in live]
             src, pads, grouped = _grouped_padding(reps, h, n)
-            pad = _Padding(graph, h, padded, seeds, reps, consumers, src=src, pads=pads)
+            pad = _Padding(graph, h, padded, seeds, reps, consumers, src=src, pads=pads, grouped=grouped)
             done = pad.apply()
             if done:
                 self.padded.append((h, padded, done))
@@ -342,7 +345,7 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
     each rank's queries are of one group (and read one key/value head, which a replication of
     those heads then gives each rank); ``H' = Hkv G'`` is ``ceil(H / n) n`` as when padded at the
     end. ``(None, None, None)`` (padded at the end) for any other heads."""
-    kinds = {_repeated_heads(op)[:2] for op in repeats}
+    kinds = {_kv_groups(op) for op in repeats}
     if len(kinds) != 1:
         return None, None, None
     hkv, g = kinds.pop()
@@ -353,6 +356,15 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
     i = np.arange(g2)
     src = (np.arange(hkv)[:, None] * g + np.where(i < g, i, 0)[None, :]).reshape(-1)
     return src, np.tile(i >= g, hkv), (hkv, g, g2)
+
+
+def _kv_groups(op: Operator) -> tuple[int, int]:
+    """``(Hkv, G)`` of a ``repeat_kv`` (:func:`_repeated_heads`) or of an attention reading grouped
+    key/value heads itself (:func:`_grouped_attention_heads`)."""
+    if op.op_type == "Attention":
+        hkv, h = _grouped_attention_heads(op)
+        return hkv, h // hkv
+    return _repeated_heads(op)[:2]
 
 
 def _heads_of(op: Operator, consumers) -> int | None:
@@ -425,6 +437,8 @@ def _kv_end(op: Operator) -> tuple[int, int, int, np.ndarray | None] | None:
     constant ``indices``, then reshaped); else None."""
     if (r := _repeated_heads(op)) is not None:
         return r[0], r[0] * r[1], r[2], None
+    if (r := _grouped_attention_heads(op)) is not None:
+        return r[0], r[1], 1, None
     g = op.inputs[0].producer if op.op_type == "Reshape" else None
     if g is None or g.op_type != "Gather" or len(g.inputs) != 2 or not g.inputs[1].is_constant:
         return None
@@ -433,6 +447,19 @@ def _kv_end(op: Operator) -> tuple[int, int, int, np.ndarray | None] | None:
     if a < 0 or a + 1 >= x.ndim or x.shape[a + 1] != 1 or out != x.shape[:a] + (len(idx),) + x.shape[a + 2:]:
         return None
     return int(x.shape[a]), len(idx), a, idx
+
+
+def _grouped_attention_heads(op: Operator) -> tuple[int, int] | None:
+    """``(Hkv, H)`` when ``op`` is an ``Attention`` op whose ``H`` query heads read ``Hkv < H``
+    key/value heads itself (keys and values 4-D, ``[B, Hkv, L, D]``: onnxruntime's
+    GroupQueryAttention as imported); else None."""
+    if op.op_type != "Attention" or len(op.inputs) < 3:
+        return None
+    q, k, v = op.inputs[:3]
+    h = q.shape[1] if q.ndim == 4 else op.attrs.get("q_heads")
+    if k.ndim != 4 or v.ndim != 4 or not h or k.shape[1] >= h or h % k.shape[1]:
+        return None
+    return int(k.shape[1]), int(h)
 
 
 def _take_runs(value: np.ndarray, idx: np.ndarray, dim: int) -> np.ndarray:
@@ -460,8 +487,11 @@ class _Padding:
     """One group's padding: the ops rebuilt, checked, then put in the graph (or nothing)."""
 
     def __init__(self, graph: FlowGraph, heads: int, padded: int, seeds: list[Operator], repeats: list[Operator],
-                 consumers, src: np.ndarray | None = None, ends: list[Operator] = (), pads: np.ndarray | None = None):
+                 consumers, src: np.ndarray | None = None, ends: list[Operator] = (), pads: np.ndarray | None = None,
+                 grouped: tuple[int, int, int] | None = None):
         self.graph, self.h, self.h2, self.consumers = graph, heads, padded, consumers
+        #: ``(Hkv, G, G')`` when the queries are padded by key/value group (:func:`_grouped_padding`)
+        self.grouped = grouped
         #: the head each of the ``H'`` new heads copies: the ``H`` heads, then head 0 (padding; or
         #: ``src`` with ``pads``, padding by key/value group), or each head ``H' / H`` times (``src``
         #: alone: key/value heads replicated, with ``ends``)
@@ -475,7 +505,7 @@ class _Padding:
         self.repeats = {id(op) for op in repeats}
         # repeat_kv reshapes that end a replication (their outputs unchanged), and their expands
         self.ends = {id(op): op for op in ends}
-        self.end_expands = {id(op.inputs[0].producer) for op in ends}
+        self.end_expands = {id(op.inputs[0].producer) for op in ends if op.op_type != "Attention"}
         self.axis: dict[int, int] = {}  # id(old tensor) -> its heads' dim
         self.new: dict[int, Tensor] = {}  # id(old tensor) -> the padded one
         self.rebuilt: dict[int, list[Operator]] = {}  # id(old op) -> the ops on padded inputs in its place
@@ -485,7 +515,8 @@ class _Padding:
         # gathers of a grouped attention's keys and values not in the graph: id(output) -> (op, source, indices)
         self.virtual: dict[int, tuple[Operator, Tensor, np.ndarray]] = {}
         self.products: list[str] = []  # (once applied) the names of the products padded, in graph order
-        self.repeated: list[Operator] = []  # the reshapes ending the gathers that replaced ``repeats``
+        # the reshapes ending the gathers that replaced ``repeats`` (and attentions on queries padded by group)
+        self.repeated: list[Operator] = []
 
     def apply(self) -> int:
         """Pad the group; the number of products padded (0: nothing changed)."""
@@ -500,6 +531,7 @@ class _Padding:
                 elif id(op) in self.seeds or any(id(t) in self.axis for t in op.inputs):
                     self._rebuild(self._grouped_attention(op), orig=op)
             self._check_readers()
+            unpadded = self._unpad_outputs()
         except _Refused as why:
             log.info("heads: %d heads not padded to %d: %s", self.h, self.h2, why)
             return 0
@@ -519,6 +551,9 @@ class _Padding:
                 take_over(old, new[-1], "replication of its key/value heads")
         self.products = [op.name for op in self.graph.nodes if id(op) in self.seeds or id(op) in summing]
         self.graph.nodes = [n for op in self.graph.nodes for n in self.rebuilt.get(id(op), [op])]
+        for k, t in enumerate(self.graph.outputs):  # (the model's own outputs: its heads, not the padded ones)
+            if id(t) in unpadded:
+                self.graph.outputs[k] = unpadded[id(t)]
         if self.repeats:  # (the expands the gathers replaced)
             from .simplify import EliminateDeadCode
 
@@ -531,6 +566,12 @@ class _Padding:
         is head 0's), so the new heads stay copies of head 0."""
         from ..ops.transform import Reshape
 
+        if op.op_type == "Attention":  # (an attention reading grouped key/value heads itself)
+            if not any(id(t) in self.axis for t in op.inputs):
+                return
+            if self.grouped is not None:
+                return self._regroup_attention(op)
+            return self._rebuild(self._grouped_attention(op), orig=op)
         hkv, g, a = _repeated_heads(op)
         x = op.inputs[0].producer.inputs[0]
         gather = _gather(x, self.src // g, a, f"{op.name}.heads{self.h2}")
@@ -547,6 +588,8 @@ class _Padding:
         expanded to the ``H / H'`` query heads that read it, giving the same tensor as before."""
         from ..ops.transform import Expand, Reshape
 
+        if op.op_type == "Attention":
+            return self._unrepeat_attention(op)
         hkv, heads, a, idx = _kv_end(op)
         expand = op.inputs[0].producer
         x = expand.inputs[0]
@@ -559,6 +602,51 @@ class _Padding:
         reshape = Reshape([new_expand.outputs[0]], name=op.name, shape=op.outputs[0].shape)
         self.rebuilt[id(expand)] = []
         self.rebuilt[id(op)] = [new_expand, reshape]
+
+    def _regroup_attention(self, op: Operator) -> None:
+        """An attention reading grouped key/value heads itself, its queries padded by key/value group
+        (``G'`` a group, :func:`_grouped_padding`): the same op on the padded queries and the same
+        keys and values (padded query ``p`` reads key/value head ``p // G'``, its group's), its
+        sinks (one per query head) padded alike; its output holds the padded heads."""
+        hkv, g, g2 = self.grouped
+        q, k, v = op.inputs[:3]
+        if self.axis.get(id(q)) != (1 if q.ndim == 4 else 2) or id(k) in self.axis or id(v) in self.axis \
+                or k.shape[1] != hkv or len(op.outputs) != 1:
+            raise _Refused(f"{op.name} reads other padded heads than its queries, or has several outputs")
+        rest = []
+        for t in op.inputs[3:]:
+            if id(t) in self.axis or t.ndim == 4 and t.shape[1] == self.h:
+                raise _Refused(f"{op.name} reads {t.name} per query head")
+            rest.append(self._pad_constant(t, 0, zero=False) if t.is_constant and t.shape == (self.h,) else t)
+        attrs = dict(op.attrs, **({"q_heads": self.h2} if "q_heads" in op.attrs else {}))
+        out, dim = op.outputs[0], 1 if op.outputs[0].ndim == 4 else 2
+        try:
+            new = type(op)([self.new[id(q)], k, v, *rest], name=op.name, **attrs)
+        except (ShapeError, ShardflowError, ValueError) as exc:
+            raise _Refused(f"{op.name} on {self.h2} query heads: {exc}") from None
+        if new.outputs[0].shape != self._grown(out, dim):
+            raise _Refused(f"{op.name} on {self.h2} query heads gives {new.outputs[0].shape}")
+        new.outputs[0].name = out.name
+        self.rebuilt[id(op)] = [new]
+        self.repeated.append(new)
+        self.axis[id(out)] = dim
+        self.new[id(out)] = new.outputs[0]
+
+    def _unrepeat_attention(self, op: Operator) -> None:
+        """An ``Attention`` op that reads grouped key/value heads itself (:func:`_grouped_attention_heads`)
+        ending a replication: the same op on the ``H'`` replicated keys and values, query head ``h``
+        reading head ``h // (H / H')``, a copy of the one it read (so its output is unchanged)."""
+        hkv, heads = _grouped_attention_heads(op)
+        q, k, v = op.inputs[:3]
+        if any(self.axis.get(id(t)) != 1 for t in (k, v)) or any(id(t) in self.axis for t in (q, *op.inputs[3:])):
+            raise _Refused(f"{op.name} reads heads this group did not replicate, or others along with them")
+        if not np.array_equal(self.src[np.arange(heads) // (heads // self.h2)], np.arange(heads) // (heads // hkv)):
+            raise _Refused(f"{op.name}'s query heads read their key/value heads in another order than one a rank")
+        attrs = dict(op.attrs, **({"kv_heads": self.h2} if "kv_heads" in op.attrs else {}))
+        new = type(op)([q, self.new[id(k)], self.new[id(v)], *op.inputs[3:]], name=op.name, **attrs)
+        if [t.shape for t in new.outputs] != [t.shape for t in op.outputs]:
+            raise _Refused(f"{op.name} on {self.h2} key/value heads gives {[t.shape for t in new.outputs]}")
+        self.rebuilt[id(op)] = [new]
 
     def _grouped_attention(self, op: Operator) -> Operator:
         """An ``Attention`` op with grouped key/value heads (4-D, ``Hkv`` of them for the ``H`` padded
@@ -708,11 +796,34 @@ class _Padding:
             out[tuple(index)] = 0
         return const_tensor(out, name)
 
+    def _unpad_outputs(self) -> dict[int, Tensor]:
+        """Graph outputs of padded (or replicated) heads (a KV cache) taken back to the model's
+        ``H`` heads: ``{id(old output): a gather of the padded tensor}``, each gather put after the
+        op that writes the padded one (head ``h`` read where the first new head that is not a pad
+        copies it). The gather takes the output's name, the padded tensor ``.heads<H'>`` after it."""
+        first = {}
+        for p, h in enumerate(self.src):
+            if self.pads is None or not self.pads[p]:
+                first.setdefault(int(h), p)
+        keep = np.array([first[h] for h in range(self.h)], np.int64)
+        res = {}
+        for t in self.graph.outputs:
+            if id(t) not in self.axis or id(t) in res:
+                continue
+            padded, dim = self.new[id(t)], self.axis[id(t)]
+            unit = padded.shape[dim] // self.h2
+            gather = _gather(padded, (keep[:, None] * unit + np.arange(unit)).reshape(-1), dim, f"{t.name}.unpad")
+            padded.name = f"{t.name}.heads{self.h2}"
+            gather.outputs[0].name = t.name
+            if gather.outputs[0].shape != t.shape:
+                raise _Refused(f"the output {t.name} taken back to {self.h} heads is {gather.outputs[0].shape}, "
+                               f"not {t.shape}")
+            self.rebuilt[id(t.producer)].append(gather)
+            res[id(t)] = gather.outputs[0]
+        return res
+
     def _check_readers(self) -> None:
-        outputs = {id(t) for t in self.graph.outputs}
         for tid in self.axis:
-            if tid in outputs:
-                raise _Refused("padded heads would reach a graph output")
             for r in self.consumers.get(tid, ()):
                 if id(r) not in self.rebuilt and id(r) not in self.repeats and id(r) not in self.end_expands:
                     raise _Refused(f"{r.name} ({r.op_type}) reads padded heads")
@@ -720,3 +831,54 @@ class _Padding:
 
 class _Refused(Exception):
     """Why a group is not padded."""
+
+
+def keep_state_padded(graph: FlowGraph, state: dict[str, str]) -> dict[str, dict]:
+    """State pairs (``compile(state=...)``: a KV cache's present kept as the next run's past) whose
+    heads :class:`PadHeads` padded or replicated, kept in that layout: the present output is the
+    padded tensor itself (not its gather back to the model's heads) and the past input takes the
+    padded shape (its gather to the padded heads removed, its readers reading it), so the plan can
+    split the cache by heads as it splits the attention (each rank keeping its heads' part, never
+    gathered) where a gather back would leave it whole on every rank and reduce it each run.
+    Matched: the output a gather (constant indices, along one dim) whose input is of the padded
+    shape, the input read only by gathers along that dim with the same indices, which the output's
+    undo (``pad[keep]`` is every index in order). Rewrites ``graph``; returns ``{input name:
+    {"axis", "index", "shape"}}`` for the pairs rewritten: the padded input's element ``i`` along
+    ``axis`` is element ``index[i]`` of the model's input, of shape ``shape``."""
+    outputs = dict(zip(graph.output_names, range(len(graph.outputs))))
+    inputs = {t.name: t for t in graph.inputs}
+    consumers = graph.consumers()
+    done: dict[str, dict] = {}
+    for out, name in state.items():
+        k, x = outputs.get(out), inputs.get(name)
+        if k is None or x is None:
+            continue
+        unpad = graph.outputs[k].producer
+        readers = consumers.get(id(x), [])
+        if not _is_constant_gather(unpad) or not readers or not all(_is_constant_gather(r) for r in readers) \
+                or consumers.get(id(graph.outputs[k])):
+            continue
+        axis = unpad.attrs.get("axis", 0)
+        keep = np.asarray(unpad.inputs[1].value).reshape(-1)
+        pad = np.asarray(readers[0].inputs[1].value).reshape(-1)
+        padded = unpad.inputs[0]
+        if any(r.attrs.get("axis", 0) != axis or not np.array_equal(np.asarray(r.inputs[1].value).reshape(-1), pad)
+               for r in readers) or readers[0].outputs[0].shape != padded.shape \
+                or not np.array_equal(pad[keep], np.arange(x.shape[axis])):
+            continue
+        new = Tensor(x.name, padded.shape, x.dtype)
+        graph.inputs = [new if t is x else t for t in graph.inputs]
+        gone = {id(r) for r in readers} | {id(unpad)}
+        for r in readers:
+            for op in consumers.get(id(r.outputs[0]), []):
+                op.inputs = [new if t is r.outputs[0] else t for t in op.inputs]
+        graph.nodes = [op for op in graph.nodes if id(op) not in gone]
+        graph.outputs[k] = padded
+        done[name] = {"axis": int(axis), "index": [int(i) for i in pad], "shape": list(x.shape)}
+        log.info("heads: state %s -> %s kept on %s heads (%s)", out, name, padded.shape[axis], list(padded.shape))
+    return done
+
+
+def _is_constant_gather(op: Operator | None) -> bool:
+    return op is not None and op.op_type == "Gather" and len(op.inputs) == 2 and op.inputs[1].is_constant \
+        and np.asarray(op.inputs[1].value).ndim == 1
