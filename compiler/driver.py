@@ -1316,7 +1316,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         :meth:`~shardflow.runtime.executor.RankProgram.read_state`. When the output's kernel reads
         the input only where it writes the same element (the past rows of a present), it writes
         straight into the input's buffer: no copy at all; otherwise the output is copied there at
-        the end of the run.
+        the end of the run. On several ranks a state split by the plan is kept as each rank's
+        part; a KV cache whose heads were padded or replicated for the ranks (more ranks than
+        key/value heads) is kept on those heads, split as the attention is (the manifest's
+        ``padded_heads``).
 
     Returns
     -------

@@ -14,7 +14,10 @@ step's past in its own memory (written in place), so each step passes the token 
 With ``--ranks N`` both programs are planned on N ranks, run here as N threads on an in-process
 communicator; the decoding program's cache is split by KV heads (``input_placements`` and
 ``output_placements`` ``S(1)`` for each past and present: each rank keeps its heads' part, never
-gathered). A layer with a windowed cache (``sliding_window_cache``,
+gathered). On more ranks than KV heads (4 or 8 for these models' 2) compile replicates the KV heads
+to one a rank (padding the queries by KV group first where they do not divide) and keeps the cache
+in that layout, split the same way (``padded_heads`` in the manifest's input entry); the whole past
+given at the first step is taken to it. A layer with a windowed cache (``sliding_window_cache``,
 gpt-oss's local layers: ``tests/models/gptoss_genai_fp32.onnx``) keeps a buffer of its window's size in
 both programs, the prompt's empty, each present the next past as it is (kept as state too, copied
 after each step: the window's buffer is compacted, not updated in place). Needs onnxruntime for the

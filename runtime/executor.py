@@ -369,7 +369,11 @@ class RankProgram:
         """The state's current values, keyed by input name: what the next run reads (after a run,
         the outputs it carried over; zeros after :meth:`reset_state`). Fresh numpy arrays (on a
         cuda target copied from the device). On several ranks a state the plan splits (a KV cache
-        by heads) is this rank's part: the ``bounds`` of its ``inputs`` entry in the manifest."""
+        by heads) is this rank's part: the ``bounds`` of its ``inputs`` entry in the manifest. A
+        cache whose heads compile padded or replicated for the ranks (``padded_heads`` in that
+        entry) is kept on those heads: the bounds are in the padded whole, which is the model's
+        whole taken at ``padded_heads["index"]`` along ``padded_heads["axis"]`` (what :meth:`run`
+        does with a whole state it is given)."""
         if self._engine is not None:
             return self._engine.read_state()
         return {name: self.buffers[i].array.copy() for name, i, _, _ in self.state_specs}

@@ -26,8 +26,11 @@ head, computed once for all layers) is gathered to ``H'`` heads, the new ones he
 constant is padded likewise. Every op is rebuilt on the padded inputs (``Operator.localize``, as
 the partitioner builds a rank's op on its shards, with the shapes ``H'`` heads give). So every
 tensor along the heads holds in each new head a copy of head 0's values. Nothing is padded (the
-group is left as it was) when an op mixes the heads otherwise, when the padded heads would reach a
-graph output (a KV cache), or when a rebuilt op does not give the shapes expected.
+group is left as it was) when an op mixes the heads otherwise, or when a rebuilt op does not give
+the shapes expected. Padded heads that reach a graph output (a KV cache's presents) are taken back
+to the model's heads there by a gather (:meth:`_Padding._unpad_outputs`): the model's outputs keep
+their shapes; a program that keeps such a present as the next run's past (``compile(state=...)``)
+keeps it on the padded heads instead, split as the attention is (:func:`keep_state_padded`).
 
 Grouped key/value heads (``Hkv`` of them, each read by ``G = H / Hkv`` query heads) are repeated
 for the queries by transformers' ``repeat_kv``: ``[.., Hkv, 1, ..]`` expanded to ``[.., Hkv, G,
@@ -36,7 +39,10 @@ for the queries by transformers' ``repeat_kv``: ``[.., Hkv, 1, ..]`` expanded to
 gather of those ``H'`` heads (constant indices), and the key and value projections stay as they
 are (the baseline keeps them whole when their ``Hkv`` heads do not divide either). An
 ``Attention`` op that reads grouped heads itself (onnxruntime's GroupQueryAttention, 4-D) is
-rebuilt on keys and values gathered likewise (one gather each, from the keys and values it read).
+rebuilt on keys and values gathered likewise (one gather each, from the keys and values it read);
+with queries padded by key/value group (below) it is rebuilt on the padded queries and the same
+keys and values (:meth:`_Padding._regroup_attention`), and it ends a replication of those as a
+``repeat_kv`` does (:meth:`_Padding._unrepeat_attention`).
 The groups with the most heads are padded first (the queries before their key/value heads).
 
 Fewer key/value heads than ranks, with queries that split evenly (``n % Hkv == 0`` and ``H % n

@@ -814,14 +814,18 @@ def test_genai_gptoss_split_over_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("model,prompt,ranks", [("llama_genai_fp32", 8, 1), ("gptoss_genai_fp32", 12, 1),
-                                                ("llama_genai_fp32", 8, 2), ("gptoss_genai_fp32", 12, 3)])
+                                                ("llama_genai_fp32", 8, 2), ("gptoss_genai_fp32", 12, 3),
+                                                ("llama_genai_fp32", 8, 4), ("gptoss_genai_fp32", 12, 8)])
 def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt, ranks):
     """examples/genai_generate.py: the prompt program and the fixed-size-cache decoding program (its
     cache kept as state), each compiled once, generate the same greedy tokens as onnxruntime running
     the same loop (gpt-oss: its window's buffer through every step; on two ranks, Megatron's plan,
     each rank keeping its KV heads' part of the cache; on three, gpt-oss's 4 query heads padded to 6
     (passes/heads.py: its GroupQueryAttention's 2 key/value heads gathered for them, its sinks
-    copied), the cache whole on every rank)."""
+    copied), the cache whole on every rank; on four, the 2 key/value heads replicated to one a rank,
+    and on eight the 4 queries padded by key/value group to 8 and the key/value heads replicated
+    to 8: the cache kept in that layout, split, each rank holding the head its queries read)."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -832,11 +836,17 @@ def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt, r
                            "--algo", "megatron" if ranks > 1 else "ilp"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the same tokens" in proc.stdout
-    split = ranks > 1 and 2 % ranks == 0  # (both models have 2 key/value heads)
+    split = ranks > 1 and ranks != 3  # (both models have 2 key/value heads and 4 query heads)
     assert f"keeps the cache ({'S(1)' if split else 'R'} on {ranks} rank(s))" in proc.stdout
     for step in ("prompt", "decode"):
-        padded = "# heads padded to split over 3 ranks" in (tmp_path / step / "plan.txt").read_text()
-        assert padded == (ranks == 3), step
+        text = (tmp_path / step / "plan.txt").read_text()
+        assert ("# heads padded to split over" in text) == (ranks in (3, 8)), step
+        assert ("key/value heads replicated to one a rank" in text) == (ranks in (4, 8)), step
+        assert "# megatron:" not in text or ranks == 3, step
+    if ranks in (4, 8):  # (each rank's part of the cache: the key/value head its queries read)
+        entry = next(e for e in json.loads((tmp_path / "decode" / "rank1" / "manifest.json").read_text())["inputs"]
+                     if e["name"].startswith("past_key_values."))
+        assert entry["shape"][1] == 1 and entry["padded_heads"]["index"] == [0] * (ranks // 2) + [1] * (ranks // 2)
 
 
 @pytest.mark.parametrize("positions", ["ids", "offset"])

@@ -476,13 +476,16 @@ def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
     assert "4 heads not padded to 6: KeyError" in caplog.text
 
 
-def test_heads_are_not_padded_where_they_would_leave_the_attention():
-    """Heads that reach a graph output (a cache) are left as they are: nothing padded, the graph
-    unchanged."""
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_heads_that_reach_a_graph_output_are_taken_back_to_the_models(ranks):
+    """Heads that reach a graph output (a cache) are padded as any others and the output is a
+    gather of the model's heads from the padded tensor (before: nothing padded, the projections
+    kept whole): 3 heads padded to 4 split over 2 and 4 ranks, the cache output of the model's
+    shape and values, the ranks computing both outputs."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from shardflow.compiler.passes.heads import PadHeads
+    from shardflow.compiler.driver import plan_passes
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((12, 12)).astype(np.float32), n) for n in ("wq", "wo")]
@@ -490,17 +493,26 @@ def test_heads_are_not_padded_where_they_would_leave_the_attention():
     inits.append(numpy_helper.from_array(np.array([2, 8, 12], np.int64), "flat"))
     nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"]), helper.make_node("Reshape", ["q", "heads"], ["qh"]),
              helper.make_node("Transpose", ["qh"], ["cache"], perm=[0, 2, 1, 3]),
-             helper.make_node("Transpose", ["cache"], ["back"], perm=[0, 2, 1, 3]),
+             helper.make_node("Tanh", ["cache"], ["t"]),
+             helper.make_node("Transpose", ["t"], ["back"], perm=[0, 2, 1, 3]),
              helper.make_node("Reshape", ["back", "flat"], ["merged"]),
              helper.make_node("MatMul", ["merged", "wo"], ["y"])]
     g = helper.make_graph(nodes, "cache", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 12])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 12]),
                            helper.make_tensor_value_info("cache", TensorProto.FLOAT, [2, 3, 8, 4])], inits)
-    graph = load_onnx(onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
-    before = [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes]
-    pad = PadHeads(2)
-    pad.run(graph)
-    assert pad.padded == [] and [(op.name, [t.shape for t in op.outputs]) for op in graph.nodes] == before
+    model = onnx.helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": rng.standard_normal((2, 8, 12)).astype(np.float32)}
+    want = load_onnx(model).run(feeds)
+    graph = plan_passes(load_onnx(model), [ranks], pad_heads=ranks)
+    assert graph.meta["padded_heads"]["groups"] == [(3, 4, 2)]
+    cache = graph.outputs[graph.output_names.index("cache")]
+    assert cache.shape == (2, 3, 8, 4) and cache.producer.op_type == "Gather"
+    assert cache.producer.inputs[0].shape == (2, 4, 8, 4)
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    assert "# megatron:" not in plan.to_text()
+    got = simulate(partition(graph, plan), feeds, plan.mesh)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
 
 
 def _keys_merged_with_the_batch(kv_heads: int):
