@@ -143,6 +143,14 @@ def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tupl
                 return "shard", v
             if idx.op == "mod" and dim_extent == c:
                 return _FULL, None
+    if isinstance(idx, BinOp) and idx.op == "mod" and isinstance(idx.a, BinOp) and idx.a.op == "floordiv" \
+            and idx.a.a is v and all(isinstance(e, Const) and isinstance(e.value, int) and e.value > 0
+                                     for e in (idx.a.b, idx.b)):
+        # (v // c1) % c2 with every shard of v a multiple of c1 * c2 long: each shard reads the whole
+        # dim, locally at the same positions (a dim in the middle of several merged: [Hkv, G, d]
+        # viewed as Hkv * G * d, read at (v // d) % G)
+        if v.extent % (n * idx.a.b.value * idx.b.value) == 0 and dim_extent == idx.b.value:
+            return _FULL, None
     if _only_residues(idx, v, n):
         return _FULL, None
     return "invalid", None

@@ -438,3 +438,70 @@ def test_architecture_with_a_kv_cache_splits_every_product(tmp_path, arch, expor
         for name, value in want.items():
             np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5 * float(np.abs(value).max()),
                                        err_msg=f"{name} on {ranks} ranks")
+
+
+class _StaticCached(torch.nn.Module):
+    """A causal LM's decoding step on transformers' ``StaticCache`` (a fixed-size cache
+    ``[B, Hkv, T, d]``, the new keys and values scattered in at their positions): the past keys
+    and values in, the logits and the updated caches (the same shapes) out. (The TorchScript
+    exporter folds the positions into the graph: the step is exported for the ones traced.)"""
+
+    def __init__(self, module, length):
+        super().__init__()
+        self.module, self.length = module, length
+
+    def forward(self, ids, pos, mask, *past):
+        cfg = self.module.config
+        cache = T.StaticCache(config=cfg, max_cache_len=self.length)
+        head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads, head_dim=head,
+                                   dtype=past[0].dtype, device="cpu")
+        for i, layer in enumerate(cache.layers):
+            layer.keys, layer.values = past[2 * i].clone(), past[2 * i + 1].clone()
+        out = self.module(input_ids=ids, attention_mask=mask, past_key_values=cache, cache_position=pos, use_cache=True)
+        return (out.logits, *[t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_architecture_with_a_static_cache_splits_by_key_value_heads(tmp_path, arch):
+    """A decoding step on a fixed-size cache (``StaticCache``: one new token at position 5 of 16)
+    as the TorchScript exporter writes it: the queries grouped by key/value head (``[B, H, S, d]``
+    viewed as ``[B, Hkv, G * S, d]``) and the output merged back from ``[B, S, Hkv, G, d]``. On 2
+    ranks the Megatron baseline splits every product by key/value head (the merge's middle dim is
+    read at ``(o // d) % G``, which the sharding rules now take as a whole read of each block;
+    before, the attention was kept whole); on 4 ranks the 2 key/value heads are padded. Every
+    output simulated against onnxruntime."""
+    import onnxruntime as ort
+
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.parallel import partition, search, simulate
+
+    torch.manual_seed(0)
+    module = ARCHITECTURES[arch][0]().eval()
+    cfg = module.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rng = np.random.default_rng(0)
+    mask = np.zeros((1, 16), np.int64)
+    mask[:, :6] = 1
+    feeds = {"input_ids": rng.integers(0, V, (1, 1)), "cache_position": np.array([5]), "attention_mask": mask}
+    past = [f"past.{i}.{t}" for i in range(cfg.num_hidden_layers) for t in "kv"]
+    feeds.update({n: rng.standard_normal((1, cfg.num_key_value_heads, 16, d)).astype(np.float32) for n in past})
+    path = str(tmp_path / f"{arch}.onnx")
+    em.export_module(_StaticCached(module, 16), feeds, list(feeds),
+                     ["y"] + [n.replace("past", "present") for n in past], path)
+    sess = ort.InferenceSession(path)
+    feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
+    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    for ranks in (2, 4):
+        graph = plan_passes(load_onnx(path), [ranks], pad_heads=ranks)
+        plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+        text = plan.to_text()
+        if ranks == 2:
+            assert "# megatron:" not in text, text[:3000]
+        else:
+            assert graph.meta["padded_heads"]["groups"] == [(2, 4, 6)], graph.meta["padded_heads"]
+        got = simulate(partition(graph, plan), feeds, plan.mesh)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5 * float(np.abs(value).max()),
+                                       err_msg=f"{name} on {ranks} ranks")

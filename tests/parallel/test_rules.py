@@ -84,6 +84,24 @@ def test_a_dim_viewed_as_several_splits_by_its_outer_one():
     assert check_strategies(FlowGraph([x], list(pick.outputs), [pick]), pick, feeds, (2,)) >= 2
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_several_dims_merged_into_one_split_by_the_outer(ranks):
+    """Several dims merged into one (``[.., 4, 2, 4]`` viewed as ``[.., 32]``: the grouped-query
+    attention's output ``[.., Hkv, G, d]`` merged back, whose middle dim is read at ``(o // 4) % 2``)
+    split by the outer one: each block of the output reads its block of it and the whole of the
+    others (before: no split of the merged dim at all). Every strategy is checked numerically; a
+    split whose blocks cut the middle dim is not offered."""
+    from shardflow.compiler.ops.transform import Reshape
+
+    rng = np.random.default_rng(0)
+    x = Tensor("in0", (3, 4, 2, 4), "float32")
+    merge = Reshape([x], name="op", shape=(3, 32))
+    assert "(S(1)) -> (S(1))" in {str(s) for s in op_strategies(merge, (ranks,))}
+    feeds = {"in0": rng.standard_normal((3, 4, 2, 4)).astype(np.float32)}
+    assert check_strategies(FlowGraph([x], list(merge.outputs), [merge]), merge, feeds, (ranks,)) >= 3
+    assert "(S(1)) -> (S(1))" not in {str(s) for s in op_strategies(merge, (8,))}
+
+
 def test_softmax_axis_is_never_split():
     from shardflow.compiler.ops.reduce import Softmax
 
