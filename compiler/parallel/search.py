@@ -716,9 +716,12 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
 
     def _vocab_parallel(op, cands, assign):
         # A constant table split by rows (Megatron-LM's vocab-parallel embedding) when it is larger
-        # than the rows it gathers: the all-reduce of the output moves fewer bytes than it saves.
+        # than the rows it gathers (the all-reduce of the output moves fewer bytes than it saves)
+        # and it is looked up by the model's input, its tokens: a table looked up at positions the
+        # model computes (a rotary cache's cos and sin) stays whole, as in Megatron-LM.
         tables = [op.inputs[pos] for pos, _ in op.offset_split_dims()]
-        if not (tables and all(t.is_constant for t in tables) and sum(t.nbytes for t in tables) > op.outputs[0].nbytes):
+        if not (tables and all(t.is_constant for t in tables) and sum(t.nbytes for t in tables) > op.outputs[0].nbytes
+                and _looked_up_by_inputs(op, graph_inputs)):
             return None
         return best(op, [c for c in cands if c.assignment[axis] == OFFSET_ROWS and data_parallel(op, c, assign)],
                     assign)
@@ -729,6 +732,9 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
             return chosen
         # (no candidate keeps the data axes' split: replicated along them, gathered)
         ok = [c for c in cands if data_parallel(op, c, assign)] or [c for c in cands if only_axis(c)]
+        # (row ranges of a constant table only where pick chose them: a vocab-parallel embedding)
+        if op.offset_split_dims() and all(op.inputs[pos].is_constant for pos, _ in op.offset_split_dims()):
+            ok = [c for c in ok if c.assignment[axis] != OFFSET_ROWS] or ok
         # Work whose activations are whole along the axis stays whole (only weights start a split).
         acts = [problem.source_spec(t, assign) for t in op.inputs if not t.is_constant]
         if acts and all(sp is not None and isinstance(sp.placements[axis], Replicate) for sp in acts):
@@ -755,6 +761,25 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
             return assign
         nearest = min(unmatched.values())
         banned |= {k for k, d in unmatched.items() if d == nearest}
+
+
+#: ops that pass their one activation input's values on (views, casts)
+_VALUE_VIEWS = frozenset({"Reshape", "Transpose", "Cast", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
+
+
+def _looked_up_by_inputs(op: Operator, graph_inputs: set[int]) -> bool:
+    """Whether every activation ``op`` reads (a lookup's indices) is a graph input, maybe viewed or
+    cast: the model's tokens, not positions it computes."""
+    acts = [t for t in op.inputs if not t.is_constant]
+    for t in acts:
+        while t.producer is not None and t.producer.op_type in _VALUE_VIEWS:
+            ins = [u for u in t.producer.inputs if not u.is_constant]
+            if len(ins) != 1:
+                break
+            t = ins[0]
+        if id(t) not in graph_inputs:
+            return False
+    return bool(acts)
 
 
 def _unmatched_column_splits(problem: Problem, assign: dict[int, OpShardSpec], axis: int) -> dict[int, int]:

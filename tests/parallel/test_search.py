@@ -705,6 +705,30 @@ def test_megatron_does_not_split_a_batch_of_one():
     assert str(next(sp for n, sp in plan.op_specs.items() if n == "matmul0").input_specs[1]) == "RS(1)"
 
 
+def test_megatron_keeps_tables_looked_up_at_computed_positions_whole():
+    """Only a table looked up by the model's input (its tokens) is split by rows: onnxruntime-genai's
+    Llama on 4 ranks splits its token embedding so, and keeps its rotary cos and sin caches, looked
+    up at positions computed from the mask, whole on every rank (as Megatron-LM does; before, each
+    was split and all-reduced: two all-reduces more a step)."""
+    import os
+
+    import onnx
+
+    from shardflow.compiler.driver import plan_passes
+
+    model = onnx.load(os.path.join(os.path.dirname(__file__), "..", "models", "llama_genai_fp32.onnx"))
+    past = {i.name: (1, 2, 9, 16) for i in model.graph.input if i.name.startswith("past_key_values.")}
+    graph = plan_passes(load_onnx(model, input_shapes={"input_ids": (1, 1), "attention_mask": (1, 9), **past}), [4],
+                        pad_heads=4)
+    plan = search(graph, {"mesh_shape": [4], "algo": "megatron"})
+    lookups = {n: str(sp) for n, sp in plan.op_specs.items()
+               if plan.op_types[n] == "Gather" and ("embed_tokens" in n or n.endswith(("/cos_at", "/sin_at")))}
+    assert len(lookups) == 3, lookups  # (the layers share one lookup of each cache)
+    for name, spec in lookups.items():
+        assert spec == ("(S(0), R) -> (P(sum))" if "embed_tokens" in name else "(R, R) -> (R)"), (name, spec)
+    assert not [line for line in plan.to_text().splitlines() if "RotaryEmbedding" in line and "all_reduce" in line]
+
+
 @pytest.mark.parametrize("mesh", [[2], [3], [2, 2]])
 def test_megatron_splits_an_embedding_table_by_rows(mesh):
     """The Megatron baseline splits a lookup table larger than its output by rows (vocab-parallel:
