@@ -143,29 +143,27 @@ def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tupl
                 return "shard", v
             if idx.op == "mod" and dim_extent == c:
                 return _FULL, None
-    if isinstance(idx, BinOp) and idx.op == "mod" and isinstance(idx.a, BinOp) and idx.a.op == "floordiv" \
-            and idx.a.a is v and all(isinstance(e, Const) and isinstance(e.value, int) and e.value > 0
-                                     for e in (idx.a.b, idx.b)):
-        # (v // c1) % c2 with every shard of v a multiple of c1 * c2 long: each shard reads the whole
-        # dim, locally at the same positions (a dim in the middle of several merged: [Hkv, G, d]
-        # viewed as Hkv * G * d, read at (v // d) % G)
-        if v.extent % (n * idx.a.b.value * idx.b.value) == 0 and dim_extent == idx.b.value:
-            return _FULL, None
     if _only_residues(idx, v, n):
         return _FULL, None
     return "invalid", None
 
 
 def _only_residues(idx: Expr, v: Var, n: int) -> bool:
-    """``v`` appears in ``idx`` only as ``v % c`` with every shard of ``v`` (``n`` of them) a multiple
-    of ``c`` long: each shard reads the positions the whole extent reads (a byte within a block of
-    packed 4-bit values, ``(k % block) // 2``)."""
+    """``v`` appears in ``idx`` only as ``v % c`` or ``(v // b) % c`` with every shard of ``v`` (``n``
+    of them) a multiple of ``c`` (``b * c``) long: each shard reads the positions the whole extent
+    reads (a byte within a block of packed 4-bit values, ``(k % block) // 2``; a dim in the middle
+    of several merged, ``[Hkv, G, d]`` viewed as ``Hkv * G * d`` and read at ``(o // d) % G``)."""
+    def positive(e: Expr) -> bool:
+        return isinstance(e, Const) and isinstance(e.value, int) and e.value > 0
+
     def go(e: Expr) -> bool:
         if e is v:
             return False
-        if isinstance(e, BinOp) and e.op == "mod" and e.a is v and isinstance(e.b, Const) \
-                and isinstance(e.b.value, int) and e.b.value > 0:
-            return v.extent % (n * e.b.value) == 0
+        if isinstance(e, BinOp) and e.op == "mod" and positive(e.b):
+            if e.a is v:
+                return v.extent % (n * e.b.value) == 0
+            if isinstance(e.a, BinOp) and e.a.op == "floordiv" and e.a.a is v and positive(e.a.b):
+                return v.extent % (n * e.a.b.value * e.b.value) == 0
         if isinstance(e, TensorElement):
             return True
         return all(go(c) for c in e.children())

@@ -719,8 +719,8 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
         # than the rows it gathers (the all-reduce of the output moves fewer bytes than it saves)
         # and it is looked up by the model's input, its tokens: a table looked up at positions the
         # model computes (a rotary cache's cos and sin) stays whole, as in Megatron-LM.
-        tables = [op.inputs[pos] for pos, _ in op.offset_split_dims()]
-        if not (tables and all(t.is_constant for t in tables) and sum(t.nbytes for t in tables) > op.outputs[0].nbytes
+        tables = _constant_tables(op)
+        if not (tables and sum(t.nbytes for t in tables) > op.outputs[0].nbytes
                 and _looked_up_by_inputs(op, graph_inputs)):
             return None
         return best(op, [c for c in cands if c.assignment[axis] == OFFSET_ROWS and data_parallel(op, c, assign)],
@@ -733,7 +733,7 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
         # (no candidate keeps the data axes' split: replicated along them, gathered)
         ok = [c for c in cands if data_parallel(op, c, assign)] or [c for c in cands if only_axis(c)]
         # (row ranges of a constant table only where pick chose them: a vocab-parallel embedding)
-        if op.offset_split_dims() and all(op.inputs[pos].is_constant for pos, _ in op.offset_split_dims()):
+        if _constant_tables(op):
             ok = [c for c in ok if c.assignment[axis] != OFFSET_ROWS] or ok
         # Work whose activations are whole along the axis stays whole (only weights start a split).
         acts = [problem.source_spec(t, assign) for t in op.inputs if not t.is_constant]
@@ -761,6 +761,13 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
             return assign
         nearest = min(unmatched.values())
         banned |= {k for k, d in unmatched.items() if d == nearest}
+
+
+def _constant_tables(op: Operator) -> list[Tensor]:
+    """The inputs ``op`` can take row ranges of (:meth:`~..ir.graph.Operator.offset_split_dims`)
+    when they are all constants (a lookup table and its scales); else none."""
+    tables = [op.inputs[pos] for pos, _ in op.offset_split_dims()]
+    return tables if all(t.is_constant for t in tables) else []
 
 
 #: ops that pass their one activation input's values on (views, casts)

@@ -351,7 +351,7 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
     each rank's queries are of one group (and read one key/value head, which a replication of
     those heads then gives each rank); ``H' = Hkv G'`` is ``ceil(H / n) n`` as when padded at the
     end. ``(None, None, None)`` (padded at the end) for any other heads."""
-    kinds = {_kv_groups(op) for op in repeats}
+    kinds = {(e[0], e[1] // e[0]) for e in map(_kv_end, repeats)}
     if len(kinds) != 1:
         return None, None, None
     hkv, g = kinds.pop()
@@ -362,15 +362,6 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
     i = np.arange(g2)
     src = (np.arange(hkv)[:, None] * g + np.where(i < g, i, 0)[None, :]).reshape(-1)
     return src, np.tile(i >= g, hkv), (hkv, g, g2)
-
-
-def _kv_groups(op: Operator) -> tuple[int, int]:
-    """``(Hkv, G)`` of a ``repeat_kv`` (:func:`_repeated_heads`) or of an attention reading grouped
-    key/value heads itself (:func:`_grouped_attention_heads`)."""
-    if op.op_type == "Attention":
-        hkv, h = _grouped_attention_heads(op)
-        return hkv, h // hkv
-    return _repeated_heads(op)[:2]
 
 
 def _heads_of(op: Operator, consumers) -> int | None:
@@ -861,15 +852,13 @@ def keep_state_padded(graph: FlowGraph, state: dict[str, str]) -> dict[str, dict
             continue
         unpad = graph.outputs[k].producer
         readers = consumers.get(id(x), [])
-        if not _is_constant_gather(unpad) or not readers or not all(_is_constant_gather(r) for r in readers) \
-                or consumers.get(id(graph.outputs[k])):
+        keep = _gather_index(unpad)
+        pads = [_gather_index(r) for r in readers]
+        if keep is None or not readers or any(p is None for p in pads) or consumers.get(id(graph.outputs[k])):
             continue
-        axis = unpad.attrs.get("axis", 0)
-        keep = np.asarray(unpad.inputs[1].value).reshape(-1)
-        pad = np.asarray(readers[0].inputs[1].value).reshape(-1)
-        padded = unpad.inputs[0]
-        if any(r.attrs.get("axis", 0) != axis or not np.array_equal(np.asarray(r.inputs[1].value).reshape(-1), pad)
-               for r in readers) or readers[0].outputs[0].shape != padded.shape \
+        axis, pad, padded = unpad.attrs.get("axis", 0), pads[0], unpad.inputs[0]
+        if any(r.attrs.get("axis", 0) != axis or not np.array_equal(p, pad) for r, p in zip(readers, pads)) \
+                or readers[0].outputs[0].shape != padded.shape \
                 or not np.array_equal(pad[keep], np.arange(x.shape[axis])):
             continue
         new = Tensor(x.name, padded.shape, x.dtype)
@@ -885,6 +874,9 @@ def keep_state_padded(graph: FlowGraph, state: dict[str, str]) -> dict[str, dict
     return done
 
 
-def _is_constant_gather(op: Operator | None) -> bool:
-    return op is not None and op.op_type == "Gather" and len(op.inputs) == 2 and op.inputs[1].is_constant \
-        and np.asarray(op.inputs[1].value).ndim == 1
+def _gather_index(op: Operator | None) -> np.ndarray | None:
+    """The indices of ``op`` when it is a ``Gather`` by constant 1-D indices; else None."""
+    if op is None or op.op_type != "Gather" or len(op.inputs) != 2 or not op.inputs[1].is_constant:
+        return None
+    idx = np.asarray(op.inputs[1].value)
+    return idx if idx.ndim == 1 else None
