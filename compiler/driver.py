@@ -1156,6 +1156,12 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
         # ([B*H, ..]: XGLM's and DeBERTa's products, the dynamo exporter's transposed keys), so
         # that the plan can split it by heads (a split of [B*H] is not a block of rows when B > 1)
         graph = AttentionOnHeads().run(graph)
+        if pad_heads > 1:
+            from .passes.grouped_queries import ungroup_queries
+
+            # attention on queries grouped by key/value head written on the query heads where the
+            # key/value heads do not divide (a repeat_kv that PadHeads replicates them to)
+            ungroup_queries(graph, pad_heads)
         graph = UnmergeHeads().run(graph)
     if pad_heads > 1 and math.prod(mesh_shape) > 1:
         from .passes.heads import PadHeads

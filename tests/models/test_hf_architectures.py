@@ -469,8 +469,10 @@ def test_architecture_with_a_static_cache_splits_by_key_value_heads(tmp_path, ar
     viewed as ``[B, Hkv, G * S, d]``) and the output merged back from ``[B, S, Hkv, G, d]``. On 2
     ranks the Megatron baseline splits every product by key/value head (the merge's middle dim is
     read at ``(o // d) % G``, which the sharding rules now take as a whole read of each block;
-    before, the attention was kept whole); on 4 ranks the 2 key/value heads are padded. Every
-    output simulated against onnxruntime."""
+    before, the attention was kept whole); on 4 ranks the attention is written on the query heads
+    (passes/grouped_queries.py) and the 2 key/value heads replicated one a rank, every product
+    split too (before: the key/value heads padded, the query projection kept whole); on 3 and 8
+    ranks the queries are padded as well. Every output simulated against onnxruntime."""
     import onnxruntime as ort
 
     from shardflow.compiler import load_onnx
@@ -493,14 +495,14 @@ def test_architecture_with_a_static_cache_splits_by_key_value_heads(tmp_path, ar
     sess = ort.InferenceSession(path)
     feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
     want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-    for ranks in (2, 4):
+    for ranks in (2, 3, 4, 8):
         graph = plan_passes(load_onnx(path), [ranks], pad_heads=ranks)
         plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
         text = plan.to_text()
-        if ranks == 2:
-            assert "# megatron:" not in text, text[:3000]
-        else:
-            assert graph.meta["padded_heads"]["groups"] == [(2, 4, 6)], graph.meta["padded_heads"]
+        assert "# megatron:" not in text, text[:3000]
+        if ranks == 4:
+            meta = graph.meta["padded_heads"]
+            assert (meta["groups"], meta["replicated"]) == ([], [(2, 4, 4)]), meta
         got = simulate(partition(graph, plan), feeds, plan.mesh)
         for name, value in want.items():
             np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5 * float(np.abs(value).max()),

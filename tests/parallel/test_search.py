@@ -515,6 +515,84 @@ def test_heads_that_reach_a_graph_output_are_taken_back_to_the_models(ranks):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
 
 
+def _grouped_query_decoding_step(kv_heads: int = 2):
+    """A decoding step as torch exports one on a fixed-size cache (transformers' ``StaticCache``):
+    4 query heads of 8 on ``x [2, 1, 32]`` viewed ``[2, Hkv, G, 8]`` (each key/value head's queries
+    as rows of one matrix, no ``repeat_kv``), keys and values the past ``[2, Hkv, 6, 8]`` and the
+    new token's, concatenated (the presents, graph outputs), a mask ``[2, 1, 1, 7]``, the result
+    viewed back as ``[2, 4, 1, 8]``. The ONNX model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    w = 8 * kv_heads
+    consts = {"wq": rng.standard_normal((32, 32)), "wk": rng.standard_normal((32, w)),
+              "wv": rng.standard_normal((32, w)), "wo": rng.standard_normal((32, 32))}
+    inits = [numpy_helper.from_array(v.astype(np.float32) / 6, k) for k, v in consts.items()]
+    inits.append(numpy_helper.from_array(np.array(0.35, np.float32), "scale"))
+    for name, shape in {"q4": [2, 1, 4, 8], "kv4": [2, 1, kv_heads, 8], "grouped": [2, kv_heads, 4 // kv_heads, 8],
+                        "heads": [2, 4, 1, 8], "flat": [2, 1, 32]}.items():
+        inits.append(numpy_helper.from_array(np.array(shape, np.int64), name))
+
+    def node(op, ins, out, **kw):
+        return helper.make_node(op, ins, [out], **kw)
+
+    nodes = [node("MatMul", ["x", "wq"], "q0"), node("Reshape", ["q0", "q4"], "q1"),
+             node("Transpose", ["q1"], "q", perm=[0, 2, 1, 3]), node("Reshape", ["q", "grouped"], "qg"),
+             node("Mul", ["qg", "scale"], "qs")]
+    for t in ("k", "v"):
+        nodes += [node("MatMul", ["x", f"w{t}"], f"{t}0"), node("Reshape", [f"{t}0", "kv4"], f"{t}1"),
+                  node("Transpose", [f"{t}1"], f"{t}2", perm=[0, 2, 1, 3]),
+                  node("Concat", [f"past_{t}", f"{t}2"], f"present_{t}", axis=2)]
+    nodes += [node("Transpose", ["present_k"], "kt", perm=[0, 1, 3, 2]), node("MatMul", ["qs", "kt"], "s"),
+              node("Add", ["s", "mask"], "sm"), node("Softmax", ["sm"], "p", axis=-1),
+              node("MatMul", ["p", "present_v"], "og"), node("Reshape", ["og", "heads"], "o"),
+              node("Transpose", ["o"], "o1", perm=[0, 2, 1, 3]), node("Reshape", ["o1", "flat"], "o2"),
+              node("MatMul", ["o2", "wo"], "y")]
+    f32 = TensorProto.FLOAT
+    g = helper.make_graph(nodes, "grouped", [helper.make_tensor_value_info("x", f32, [2, 1, 32]),
+                                              helper.make_tensor_value_info("past_k", f32, [2, kv_heads, 6, 8]),
+                                              helper.make_tensor_value_info("past_v", f32, [2, kv_heads, 6, 8]),
+                                              helper.make_tensor_value_info("mask", f32, [2, 1, 1, 7])],
+                          [helper.make_tensor_value_info("y", f32, [2, 1, 32]),
+                           helper.make_tensor_value_info("present_k", f32, [2, kv_heads, 7, 8]),
+                           helper.make_tensor_value_info("present_v", f32, [2, kv_heads, 7, 8])], inits)
+    rng = np.random.default_rng(2)
+    mask = np.zeros((2, 1, 1, 7), np.float32)
+    mask[0, ..., :2] = -1e9
+    feeds = {"x": rng.standard_normal((2, 1, 32)).astype(np.float32), "mask": mask,
+             **{f"past_{t}": rng.standard_normal((2, kv_heads, 6, 8)).astype(np.float32) for t in "kv"}}
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), feeds
+
+
+@pytest.mark.parametrize("ranks, replicated, padded", [(2, None, None), (3, [(2, 3, 2)], [(4, 6, 2)]),
+                                                       (4, [(2, 4, 2)], None), (8, [(2, 8, 2)], [(4, 8, 2)])])
+def test_queries_grouped_by_key_value_head_are_written_on_their_heads(ranks, replicated, padded):
+    """Attention on queries viewed ``[B, Hkv, G * S, d]`` (torch's export of a decoding step on a
+    ``StaticCache``): where the ranks do not divide the 2 key/value heads it is written on the 4
+    query heads with the keys and values repeated (passes/grouped_queries.py), so the baseline
+    replicates the key/value heads one a rank (padding the queries where they do not divide
+    either) and splits every product (before: the key/value heads padded and the query projection
+    kept whole); on 2 ranks, which divide them, the grouped form stays and splits as it is. The
+    ranks compute the model's outputs, the presents of its shape."""
+    import onnxruntime as ort
+
+    from shardflow.compiler.driver import plan_passes
+
+    model, feeds = _grouped_query_decoding_step()
+    want = dict(zip(["y", "present_k", "present_v"], ort.InferenceSession(model.SerializeToString()).run(None, feeds)))
+    graph = plan_passes(load_onnx(model), [ranks], pad_heads=ranks)
+    grouped = [op for op in graph.nodes if op.op_type == "Reshape" and op.outputs[0].shape == (2, 2, 2, 8)]
+    assert len(grouped) == (1 if ranks == 2 else 0)
+    meta = graph.meta.get("padded_heads", {})
+    assert (meta.get("replicated"), meta.get("groups") or None) == (replicated, padded), meta
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    text = plan.to_text()
+    assert "# megatron:" not in text and "all_to_all" not in text, text[:2000]
+    got = simulate(partition(graph, plan), feeds, plan.mesh)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
 def _keys_merged_with_the_batch(kv_heads: int):
     """An attention block as the dynamo exporter writes some (Qwen2's, DistilBERT's): 4 query heads
     of 4 on ``x [2, 8, 16]``, ``kv_heads`` key/value heads (repeated by an expand and reshape when
