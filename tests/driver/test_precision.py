@@ -309,3 +309,54 @@ def test_float32_products_on_forced_wgmma_tiles(tmp_path):
     assert "gemm-wgmma-f32" not in kinds[0] and kinds[0].count("gemm-f32") >= 8, kinds[0]
     for i in (1, 2):
         assert kinds[i].count("gemm-wgmma-f32") >= 8 and "gemm-f32" not in kinds[i], kinds[i]
+
+
+def _tied_embedding_model(vocab: int = 50):
+    """Token ids ``[2, 5]`` looked up in a table ``[V, 64]``, a Tanh, and an output layer that is the
+    table's transposed copy (GPT-2's tied head as torch exports it): the ONNX model and its table."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = np.random.default_rng(3).standard_normal((vocab, 64)).astype(np.float32)
+    inits = [numpy_helper.from_array(table, "wte"), numpy_helper.from_array(np.ascontiguousarray(table.T), "lm_head")]
+    nodes = [helper.make_node("Gather", ["wte", "ids"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("MatMul", ["t", "lm_head"], ["logits"])]
+    g = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 5, vocab])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), table
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(target, ranks):
+    """At float16 an embedding table (a constant a Gather looks rows up in) is stored in the half
+    type, its rows read back as float32 (a Cast after the gather); for cuda the output layer's
+    weight, a transposed copy of the table with 50 (unaligned) columns, stored ``[N, K]``, holds
+    the same bits as the table and is stored once: one half constant, read by the gather and by
+    the product (before: the table in float32 and the head's half copy, 3x its half bytes). On two
+    ranks (Megatron: the table split by rows, the head by columns) each rank stores its rows once.
+    The cpu target stores the head as it is (``[K, N]``) beside the half table. Values against
+    numpy with the table rounded."""
+    from shardflow.compiler.driver import OptimizationConfig, plan_passes, rank_passes
+    from shardflow.compiler.parallel import partition, search, simulate
+
+    model, table = _tied_embedding_model()
+    ids = np.random.default_rng(4).integers(0, 50, (2, 5)).astype(np.int64)
+    graph = plan_passes(load_onnx(model), [ranks])
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    opt = OptimizationConfig.from_dict({"target": target, "precision": "float16", "prepack": False})
+    ranks_graphs = [rank_passes(rg, opt) for rg in partition(graph, plan)]
+    for rg in ranks_graphs:
+        rg.validate()
+        halves = [t for t in rg.constants() if t.dtype == "float16"]
+        rows = 50 // ranks
+        if target == "cuda":
+            assert [t.shape for t in halves] == [(rows, 64)], halves
+            readers = sorted(op.op_type for op in rg.nodes if halves[0] in op.inputs)
+            assert readers == ["Gather", "Transpose"], readers
+        else:
+            assert sorted(t.shape for t in halves) == sorted([(64, rows), (rows, 64)]), halves
+        assert not any(t.dtype == "float32" and t.size >= rows * 64 for t in rg.constants())
+    got = simulate(ranks_graphs, {"ids": ids}, plan.mesh)["logits"]
+    rnd = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    want = rnd(np.tanh(rnd(table)[ids])) @ rnd(table).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
