@@ -327,7 +327,7 @@ def _tied_embedding_model(vocab: int = 50):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("target", ["cuda", "cpu"])
-def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(target, ranks):
+def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tmp_path, target, ranks):
     """At float16 an embedding table (a constant a Gather looks rows up in) is stored in the half
     type, its rows read back as float32 (a Cast after the gather); for cuda the output layer's
     weight, a transposed copy of the table with 50 (unaligned) columns, stored ``[N, K]``, holds
@@ -360,3 +360,35 @@ def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(ta
     rnd = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
     want = rnd(np.tanh(rnd(table)[ids])) @ rnd(table).T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if target == "cuda" and shutil.which("g++"):  # the kernels up to the first collective, on the host emulation
+        _kernels_before_collectives(ranks_graphs[-1], {"ids": ids}, tmp_path)
+
+
+def _kernels_before_collectives(rg, feeds, tmp_path):
+    """Each sm_90 kernel of ``rg`` that runs before its first collective (the gather from the half
+    table, on a rank holding a part of its rows too), on the host emulation, against the evaluator."""
+    import os
+    import sys
+
+    from cuda_host import build
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "codegen"))
+    from test_cuda_host import _check_kernels
+
+    from shardflow.compiler.codegen.cuda import generate_cuda_source, kernel_groups
+    from shardflow.compiler.driver import _is_view
+    from shardflow.compiler.parallel.comm_ops import Collective
+
+    env = dict(feeds)
+    for op in rg.nodes:
+        if isinstance(op, Collective):
+            break
+        env.update(zip((t.name for t in op.outputs), op.run(*[env.get(t.name, t.value) for t in op.inputs])))
+    before = [op for op in rg.nodes if all(t.name in env for t in op.outputs)]
+    consts = {t.name: t.value for op in before for t in op.inputs if t.value is not None}
+    groups = kernel_groups(before, "sm_90", keep=[t.name for op in before for t in op.outputs],
+                           views=[op.name for op in before if _is_view(op)])
+    src = generate_cuda_source(groups, arch="sm_90", precision="float16")
+    groups = [g for g in groups if g.name in src.launches]
+    assert groups and any(op.op_type == "Gather" and op.inputs[0].dtype == "float16" for op in before), before
+    _check_kernels("tied", build(src.text, str(tmp_path)), src, groups, env, consts)
