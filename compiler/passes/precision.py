@@ -16,11 +16,9 @@ float32:
 * tables that a ``Gather`` looks rows up in (a float32 constant ``[V, D]``: token and position
   embeddings) are stored in the half type too, the rows read back as float32 by a ``Cast`` after
   the gather (fused into it): the embeddings' bytes are halved, as a half model's are, and their
-  values rounded as a weight's are;
-* a converted constant equal, bit for bit, to one already stored is that one: the output layer
-  of a model whose embedding table is tied to it (GPT-2's), exported as a transposed copy of the
-  table, is stored ``[N, K]`` (below) as the table's rows, so the table is stored once (GPT-2
-  small's float16 cuda program: 402 -> 249 MB of weights);
+  values rounded as a weight's are. An output layer tied to the table (GPT-2's, exported as the
+  table's transposed copy) and stored ``[N, K]`` for cuda (below) then holds the table's half
+  bytes, which the program writer stores once (GPT-2 small's float16 cuda weights 402 -> 248 MB);
 * an ONNX ``Attention`` (opset 23+) reads its Q, K and V rounded, as the two batched products of
   an exported attention do: it becomes the mixed-precision form of the op (half Q, K, V, float32
   scores, softmax and output, the probabilities rounded to the half type before they weigh V;
@@ -106,7 +104,6 @@ class HalfPrecisionContractions(GraphPass):
         self._half_consts: dict[int, Tensor] = {}  # weight -> its values stored in the half type
         self._half_k_major: dict[int, Tensor] = {}  # weight -> likewise, stored [N, K]
         self._memo: dict[int, bool] = {}
-        self._stored = _Stored()  # the converted values, by content
         self.tables = 0
         dropped: set[int] = set()  # movement ops moved behind a rounding (re-created on the half values)
         for op in graph.nodes:
@@ -135,9 +132,8 @@ class HalfPrecisionContractions(GraphPass):
             nodes.append(op)
             n_ops += 1
         graph.nodes = [op for op in nodes if id(op) not in dropped]
-        log.info("precision %s: %d contractions read %s operands (%d weights converted, %d gather tables; "
-                 "%d stored)", self.dtype, n_ops, self.dtype, len(self._half_consts) + len(self._half_k_major),
-                 self.tables, self._stored.count)
+        log.info("precision %s: %d contractions read %s operands (%d weights converted, %d gather tables)",
+                 self.dtype, n_ops, self.dtype, len(self._half_consts) + len(self._half_k_major), self.tables)
         return graph
 
     def _table(self, op: Operator, nodes: list[Operator]) -> None:
@@ -160,8 +156,8 @@ class HalfPrecisionContractions(GraphPass):
 
         if _stored_k_major(op, k, t, self.k_major_weights, self.k_major_ops):
             if id(t) not in self._half_k_major:
-                self._half_k_major[id(t)] = self._stored.get(contiguous(np.asarray(t.value).T, self.np_dtype),
-                                                             f"{t.name}.{self.dtype}.T")
+                self._half_k_major[id(t)] = const_tensor(
+                    contiguous(np.asarray(t.value).T, self.np_dtype), f"{t.name}.{self.dtype}.T")
             half = _k_major(op, k, self._half_k_major[id(t)], nodes)
         else:
             half = self._half_const(t)
@@ -172,7 +168,7 @@ class HalfPrecisionContractions(GraphPass):
     def _half_const(self, t: Tensor) -> Tensor:
         """Weight ``t``'s values stored in the half type (one copy per weight)."""
         if id(t) not in self._half_consts:
-            self._half_consts[id(t)] = self._stored.get(contiguous(t.value, self.np_dtype), f"{t.name}.{self.dtype}")
+            self._half_consts[id(t)] = const_tensor(contiguous(t.value, self.np_dtype), f"{t.name}.{self.dtype}")
         return self._half_consts[id(t)]
 
     def _attention(self, op: Operator, nodes: list[Operator], dropped: set[int]) -> None:
@@ -252,35 +248,6 @@ def _table_lookup(op: Operator) -> bool:
         return False
     t = op.inputs[0]
     return t.is_constant and t.dtype == "float32" and t.ndim == 2 and op.outputs[0].dtype == "float32"
-
-
-class _Stored:
-    """Constants made from converted values, by content: values equal bit for bit to ones already
-    made give that tensor (stored once)."""
-
-    def __init__(self):
-        self._by_key: dict[tuple, list[Tensor]] = {}
-        self.count = 0  # (tensors made)
-
-    @staticmethod
-    def _key(value: np.ndarray) -> tuple:
-        flat = value.reshape(-1)  # (a sample, to tell most unequal ones apart without reading them whole)
-        step = max(1, flat.size // 64)
-        return value.shape, value.dtype.str, flat[::step].tobytes(), flat[-4:].tobytes()
-
-    def get(self, value: np.ndarray, name: str) -> Tensor:
-        """The constant holding ``value`` (a contiguous array): one made before with the same bits, or
-        a new one named ``name``."""
-        key = self._key(value)
-        bits = np.dtype(f"u{value.dtype.itemsize}")
-        for t in self._by_key.get(key, ()):
-            if np.array_equal(np.asarray(t.value).view(bits), value.view(bits)):
-                log.info("precision: %s stored as %s (the same values)", name, t.name)
-                return t
-        t = const_tensor(value, name)
-        self._by_key.setdefault(key, []).append(t)
-        self.count += 1
-        return t
 
 
 #: ops that only move values (rounding before or after them gives the same values)

@@ -330,12 +330,13 @@ def _tied_embedding_model(vocab: int = 50):
 def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tmp_path, target, ranks):
     """At float16 an embedding table (a constant a Gather looks rows up in) is stored in the half
     type, its rows read back as float32 (a Cast after the gather); for cuda the output layer's
-    weight, a transposed copy of the table with 50 (unaligned) columns, stored ``[N, K]``, holds
-    the same bits as the table and is stored once: one half constant, read by the gather and by
-    the product (before: the table in float32 and the head's half copy, 3x its half bytes). On two
-    ranks (Megatron: the table split by rows, the head by columns) each rank stores its rows once.
-    The cpu target stores the head as it is (``[K, N]``) beside the half table. Values against
-    numpy with the table rounded."""
+    weight, a transposed copy of the table with 50 (unaligned) columns, stored ``[N, K]``, then
+    holds the table's bytes, which the program writer stores once
+    (``test_constants_with_the_same_bytes_share_them_in_the_weights``; before, the table stayed
+    float32 beside the head's half copy, 3x its half bytes). On two ranks (Megatron: the table
+    split by rows, the head by columns) each rank's two hold the same rows. The cpu target keeps
+    the head as it is (``[K, N]``) beside the half table. Values against numpy with the table
+    rounded."""
     from shardflow.compiler.driver import OptimizationConfig, plan_passes, rank_passes
     from shardflow.compiler.parallel import partition, search, simulate
 
@@ -350,8 +351,9 @@ def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tm
         halves = [t for t in rg.constants() if t.dtype == "float16"]
         rows = 50 // ranks
         if target == "cuda":
-            assert [t.shape for t in halves] == [(rows, 64)], halves
-            readers = sorted(op.op_type for op in rg.nodes if halves[0] in op.inputs)
+            assert [t.shape for t in halves] == [(rows, 64)] * 2, halves
+            assert np.array_equal(halves[0].value.view(np.uint16), halves[1].value.view(np.uint16))
+            readers = sorted(op.op_type for op in rg.nodes for t in halves if t in op.inputs)
             assert readers == ["Gather", "Transpose"], readers
         else:
             assert sorted(t.shape for t in halves) == sorted([(64, rows), (rows, 64)]), halves
@@ -392,3 +394,4 @@ def _kernels_before_collectives(rg, feeds, tmp_path):
     groups = [g for g in groups if g.name in src.launches]
     assert groups and any(op.op_type == "Gather" and op.inputs[0].dtype == "float16" for op in before), before
     _check_kernels("tied", build(src.text, str(tmp_path)), src, groups, env, consts)
+
