@@ -1250,6 +1250,11 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
 
             rg = Float32WeightsKMajor(opt.precision == "tf32",
                                       None if opt.wgmma_fp32 else _tiled_ops(opt.gemm_tiles)).run(rg)
+        # an embedding table tied to the output layer looked up in that layer's stored weight
+        # (transposed, in the gather's kernel): one copy of the vocabulary's table
+        from .passes.precision import TablesFromTiedWeights
+
+        rg = TablesFromTiedWeights().run(rg)
         # one fused kernel per attention on half operands (those of the precision pass, or a
         # float16/bfloat16 model's own; passes/attention.py), on this rank's share
         from .passes.attention import FuseAttention

@@ -19,6 +19,7 @@ float32:
   values rounded as a weight's are. An output layer tied to the table (GPT-2's, exported as the
   table's transposed copy) and stored ``[N, K]`` for cuda (below) then holds the table's half
   bytes, which the program writer stores once (GPT-2 small's float16 cuda weights 402 -> 248 MB);
+  one stored ``[K, N]`` (aligned rows) is read by the gather instead (:class:`TablesFromTiedWeights`);
 * an ONNX ``Attention`` (opset 23+) reads its Q, K and V rounded, as the two batched products of
   an exported attention do: it becomes the mixed-precision form of the op (half Q, K, V, float32
   scores, softmax and output, the probabilities rounded to the half type before they weigh V;
@@ -47,7 +48,8 @@ from ..ir.spill import contiguous
 from .base import GraphPass, take_over
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
-           "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Float32WeightsKMajor", "round_tf32"]
+           "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Float32WeightsKMajor", "round_tf32",
+           "TablesFromTiedWeights"]
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +302,54 @@ class HalfWeightsKMajor(GraphPass):
         if n:
             log.info("half model: %d weights stored [N, K]", n)
         return graph
+
+
+class TablesFromTiedWeights(GraphPass):
+    """An embedding table whose transpose holds the bits of another constant the graph reads (the
+    output layer tied to it, exported as the table's transposed copy and kept ``[K, N]``) looked
+    up through a ``Transpose`` of that constant, one per gather (it fuses into the gather's
+    kernel): the table is no longer stored (cuda; Llama-3.2's and Qwen2.5's small models, Gemma:
+    the vocabulary's table is a fifth to a third of their weights). A head stored ``[N, K]``
+    already holds the table's bytes, which the program writer stores once. After :meth:`run`,
+    ``shared`` counts the gathers changed."""
+
+    def __init__(self):
+        self.shared = 0
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.transform import Transpose
+
+        by_shape: dict[tuple, dict[int, Tensor]] = {}
+        for op in graph.nodes:
+            for t in op.inputs:
+                if t.is_constant and t.ndim == 2:
+                    by_shape.setdefault((t.shape, t.dtype), {})[id(t)] = t
+        nodes: list[Operator] = []
+        self.shared = 0
+        for op in graph.nodes:
+            table = op.inputs[0] if op.op_type == "Gather" and op.attrs.get("axis", 0) == 0 and op.inputs else None
+            if table is not None and table.is_constant and table.ndim == 2:
+                tied = next((w for w in by_shape.get((table.shape[::-1], table.dtype), {}).values()
+                             if w is not table and _transposed_bits(w.value, table.value)), None)
+                if tied is not None:
+                    flip = Transpose([tied], name=f"{op.name}.table", perm=(1, 0))
+                    nodes.append(flip)
+                    op.inputs = [flip.outputs[0], *op.inputs[1:]]
+                    self.shared += 1
+                    log.info("%s looks rows up in %s transposed (a tied output layer's weight): %s not stored",
+                             op.name, tied.name, table.name)
+            nodes.append(op)
+        graph.nodes = nodes
+        return graph
+
+
+def _transposed_bits(w: np.ndarray, table: np.ndarray) -> bool:
+    """Whether ``w`` (``[D, V]``) transposed holds the bits of ``table`` (``[V, D]``, same type)."""
+    w, table = np.asarray(w), np.asarray(table)
+    bits = np.dtype(f"u{table.dtype.itemsize}")
+    rows = min(4, table.shape[0])  # (a few rows first: most candidates differ there)
+    return np.array_equal(w[:, :rows].T.view(bits), table[:rows].view(bits)) and \
+        np.array_equal(w.T.view(bits), table.view(bits))
 
 
 def round_tf32(x: np.ndarray) -> np.ndarray:

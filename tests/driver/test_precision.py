@@ -326,8 +326,8 @@ def _tied_embedding_model(vocab: int = 50):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("target", ["cuda", "cpu"])
-def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tmp_path, target, ranks):
+@pytest.mark.parametrize("target, vocab", [("cuda", 50), ("cpu", 50), ("cuda", 48)])
+def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tmp_path, target, vocab, ranks):
     """At float16 an embedding table (a constant a Gather looks rows up in) is stored in the half
     type, its rows read back as float32 (a Cast after the gather); for cuda the output layer's
     weight, a transposed copy of the table with 50 (unaligned) columns, stored ``[N, K]``, then
@@ -335,13 +335,15 @@ def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tm
     (``test_constants_with_the_same_bytes_share_them_in_the_weights``; before, the table stayed
     float32 beside the head's half copy, 3x its half bytes). On two ranks (Megatron: the table
     split by rows, the head by columns) each rank's two hold the same rows. The cpu target keeps
-    the head as it is (``[K, N]``) beside the half table. Values against numpy with the table
-    rounded."""
+    the head as it is (``[K, N]``) beside the half table. With 48 (aligned) columns the head is
+    stored ``[K, N]`` for cuda too, and the gather looks its rows up in that weight through a
+    transpose (``TablesFromTiedWeights``): the table is not stored at all (before: twice, in
+    float32 and in the head's half). Values against numpy with the table rounded."""
     from shardflow.compiler.driver import OptimizationConfig, plan_passes, rank_passes
     from shardflow.compiler.parallel import partition, search, simulate
 
-    model, table = _tied_embedding_model()
-    ids = np.random.default_rng(4).integers(0, 50, (2, 5)).astype(np.int64)
+    model, table = _tied_embedding_model(vocab)
+    ids = np.random.default_rng(4).integers(0, vocab, (2, 5)).astype(np.int64)
     graph = plan_passes(load_onnx(model), [ranks])
     plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
     opt = OptimizationConfig.from_dict({"target": target, "precision": "float16", "prepack": False})
@@ -349,8 +351,13 @@ def test_embedding_tables_are_stored_half_and_shared_with_a_tied_output_layer(tm
     for rg in ranks_graphs:
         rg.validate()
         halves = [t for t in rg.constants() if t.dtype == "float16"]
-        rows = 50 // ranks
-        if target == "cuda":
+        rows = vocab // ranks
+        if vocab % 8 == 0:  # (the head stored [K, N], the table read through its transpose)
+            assert [t.shape for t in halves] == [(64, rows)], halves
+            readers = sorted(op.op_type for op in rg.nodes if halves[0] in op.inputs)
+            assert readers == ["Cast", "Transpose"], readers
+            assert next(op for op in rg.nodes if op.op_type == "Gather").inputs[0].producer.op_type == "Transpose"
+        elif target == "cuda":
             assert [t.shape for t in halves] == [(rows, 64)] * 2, halves
             assert np.array_equal(halves[0].value.view(np.uint16), halves[1].value.view(np.uint16))
             readers = sorted(op.op_type for op in rg.nodes for t in halves if t in op.inputs)
@@ -387,9 +394,11 @@ def _kernels_before_collectives(rg, feeds, tmp_path):
             break
         env.update(zip((t.name for t in op.outputs), op.run(*[env.get(t.name, t.value) for t in op.inputs])))
     before = [op for op in rg.nodes if all(t.name in env for t in op.outputs)]
+    after = [op for op in rg.nodes if op not in before]
+    keep = [t.name for op in before for t in op.outputs
+            if t in rg.outputs or any(t in later.inputs for later in after)]  # (what the collectives read)
     consts = {t.name: t.value for op in before for t in op.inputs if t.value is not None}
-    groups = kernel_groups(before, "sm_90", keep=[t.name for op in before for t in op.outputs],
-                           views=[op.name for op in before if _is_view(op)])
+    groups = kernel_groups(before, "sm_90", keep=keep, views=[op.name for op in before if _is_view(op)])
     src = generate_cuda_source(groups, arch="sm_90", precision="float16")
     groups = [g for g in groups if g.name in src.launches]
     assert groups and any(op.op_type == "Gather" and op.inputs[0].dtype == "float16" for op in before), before
