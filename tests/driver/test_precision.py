@@ -404,3 +404,19 @@ def _kernels_before_collectives(rg, feeds, tmp_path):
     assert groups and any(op.op_type == "Gather" and op.inputs[0].dtype == "float16" for op in before), before
     _check_kernels("tied", build(src.text, str(tmp_path)), src, groups, env, consts)
 
+
+
+@pytest.mark.parametrize("vocab", [48, 50])
+def test_a_tied_table_is_read_through_the_output_layers_weight_at_float32(vocab):
+    """For cuda at float32 the gather looks its rows up in the output layer's weight (the table's
+    transposed copy), transposed: the table itself is not stored; the values are the model's."""
+    from shardflow.compiler.driver import OptimizationConfig, rank_passes
+    from shardflow.compiler.parallel import partition, search
+
+    model, table = _tied_embedding_model(vocab)
+    g = load_onnx(model)
+    (rg,) = partition(g, search(g, {"mesh_shape": [1], "algo": "replicate"}))
+    rg = rank_passes(rg, OptimizationConfig.from_dict({"target": "cuda", "precision": "float32"}))
+    assert [(t.name, t.shape) for t in rg.constants()] == [("lm_head", (64, vocab))]
+    ids = np.random.default_rng(5).integers(0, vocab, (2, 5)).astype(np.int64)
+    np.testing.assert_allclose(rg.run({"ids": ids})["logits"], np.tanh(table[ids]) @ table.T, rtol=1e-5, atol=1e-5)
