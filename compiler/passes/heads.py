@@ -59,7 +59,15 @@ group; ``H' = Hkv G'`` is ``ceil(H / n) n`` as before), and the key/value heads 
 replicated as above, the gather that repeats them for the padded queries being the end rebuilt.
 Whatever the padding, key/value heads are replicated wherever each rank's queries read one of them
 (``_one_a_rank``: 4 queries for 2 padded to 6 on 3 ranks read ``[0, 1, 0]``, the last rank's
-queries copies of query 0); else the gather reads them whole on every rank.
+queries copies of query 0); else the gather reads them whole on every rank. Key/value heads that
+neither divide over the ranks nor divide them (Phi-3-medium's 10 for 40 queries on 4 or 8 ranks;
+3 for 9 on 2) are padded at the end to ``Hkv'``, the next multiple of the ranks, and their queries
+by whole groups to ``Hkv' G`` (:func:`_whole_groups`; a new query a copy of query 0 and its new
+key/value head a copy of head 0, so it computes what query 0 does): the gather that repeats the
+key/value heads for those queries then ends as a ``repeat_kv`` expand of the padded heads
+(:func:`_ends_padding`), and each rank holds the ``Hkv' / n`` heads its ``H' / n`` queries read.
+Before, the key/value heads were padded alone and the queries of a rank read heads of another:
+the key projection (on 2 ranks the value projection too) stayed whole.
 The dynamo exporter's keys whose ``repeat_kv`` merges the batch with the heads (``[B * H, S, d]``,
 transposed, split back to ``[B, H, d, S]``), and its other heads merged with the batch for a
 transpose, are rewritten per head by :class:`UnmergeHeads`, which ``driver.plan_passes`` runs
@@ -107,18 +115,28 @@ class PadHeads(GraphPass):
         n = self.ranks
         consumers = graph.consumers()
         groups: dict[int, list[Operator]] = {}
+        divided: dict[int, list[Operator]] = {}  # (groups whose heads divide over the ranks)
         repeats: dict[int, list[Operator]] = {}  # by the heads they repeat the key/value heads to
         kv_repeats: dict[int, list[Operator]] = {}  # by the key/value heads they repeat
         for op in graph.nodes:
             h = _heads_of(op, consumers)
-            if h is not None and h % n:
-                groups.setdefault(h, []).append(op)
+            if h is not None:
+                (groups if h % n else divided).setdefault(h, []).append(op)
             if (r := _repeated_heads(op)) is not None:
                 repeats.setdefault(r[0] * r[1], []).append(op)
                 kv_repeats.setdefault(r[0], []).append(op)
             elif (r := _grouped_attention_heads(op)) is not None:  # (an attention that repeats them itself)
                 repeats.setdefault(r[1], []).append(op)
                 kv_repeats.setdefault(r[0], []).append(op)
+        # queries whose key/value heads neither divide over the ranks nor divide them (Phi-3-medium's
+        # 40 for 10 on 4 ranks) padded by whole key/value groups: to H' = Hkv' G, Hkv' a multiple of
+        # the ranks, so that each rank's queries read the key/value heads it holds once those are
+        # padded to Hkv' (:func:`_whole_groups`)
+        targets: dict[int, int] = {}
+        for h, reps in repeats.items():
+            if (h2 := _whole_groups(reps, h, n)) is not None and (h in groups or h in divided):
+                targets[h] = h2
+                groups.setdefault(h, divided.get(h, []))
         # (most heads first: a model's queries before its grouped key/value heads, which are
         # then repeated by a gather and left whole, or replicated; padded first, the keys would
         # make the query projection a whole product gathered per rank)
@@ -135,10 +153,14 @@ class PadHeads(GraphPass):
                     consumers = graph.consumers()
                     log.info("heads: %d key/value heads replicated to %d (%d products), one a rank", h, n, done)
                     continue  # (else padded, as any group)
-            padded = -(-h // n) * n
+            padded = targets.get(h, -(-h // n) * n)
             reps = [op for op in repeats.get(h, []) if id(op) in live]
-            src, pads, grouped = _grouped_padding(reps, h, n)
-            pad = _Padding(graph, h, padded, seeds, reps, consumers, src=src, pads=pads, grouped=grouped)
+            src, pads, grouped = (None, None, None) if h in targets else _grouped_padding(reps, h, n)
+            # key/value heads padded at the end whose queries were padded by whole groups: their
+            # gathers for those queries end as repeat_kv expands of the padded heads
+            ends = [op for op in kv_repeats.get(h, []) if id(op) in live and _ends_padding(op, h, padded)]
+            pad = _Padding(graph, h, padded, seeds, reps, consumers, src=src, pads=pads, grouped=grouped,
+                           ends=ends)
             done = pad.apply()
             if done:
                 self.padded.append((h, padded, done))
@@ -362,6 +384,33 @@ def _grouped_padding(repeats: list[Operator], h: int, n: int):
     i = np.arange(g2)
     src = (np.arange(hkv)[:, None] * g + np.where(i < g, i, 0)[None, :]).reshape(-1)
     return src, np.tile(i >= g, hkv), (hkv, g, g2)
+
+
+def _whole_groups(repeats: list[Operator], h: int, n: int) -> int | None:
+    """``H' = Hkv' G`` for ``h`` query heads read as ``Hkv`` groups of ``G`` (their ``repeat_kv``
+    ops: ``repeats``) when ``Hkv`` neither divides over ``n`` ranks nor divides them (so the
+    key/value heads are neither split as they are nor replicated one a rank): ``Hkv'`` the next
+    multiple of ``n``, the queries padded at the end to whole groups of the padded key/value heads
+    (Phi-3-medium's 40 for 10 on 4: 48 for 12, each rank 3 key/value heads and their 12 queries).
+    None otherwise."""
+    kinds = {e[:2] for e in map(_kv_end, repeats)}
+    if len(kinds) != 1:
+        return None
+    hkv, heads = kinds.pop()
+    if heads != h or hkv <= 1 or hkv % n == 0 or n % hkv == 0:
+        return None
+    return -(-hkv // n) * n * (h // hkv)
+
+
+def _ends_padding(op: Operator, hkv: int, padded: int) -> bool:
+    """Whether ``op``, a gather of query heads from ``hkv`` key/value heads (:func:`_kv_end`), is a
+    ``repeat_kv`` of those heads padded at the end to ``padded``: its ``H`` queries (a multiple of
+    ``padded``) read ``p // (H / padded)``, a new head (a copy of head 0) reading head 0."""
+    end = _kv_end(op)
+    if end is None or end[3] is None or end[0] != hkv or end[1] % padded:
+        return False
+    src = np.concatenate([np.arange(hkv), np.zeros(padded - hkv, np.int64)])
+    return np.array_equal(end[3], src[np.arange(end[1]) // (end[1] // padded)])
 
 
 def _heads_of(op: Operator, consumers) -> int | None:

@@ -409,6 +409,24 @@ def test_megatron_replicates_key_value_heads_fewer_than_ranks(model, mesh):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
+def _synth_llama(tmp_path, heads: int, kv_heads: int):
+    """A 2-layer synthetic Llama (tests/models/synth_llama.py) with ``heads`` queries of 8 for
+    ``kv_heads`` key/value heads, tokens ``[2, 5]``: its path, feeds and onnxruntime's logits."""
+    import os
+    import sys
+
+    import onnxruntime as ort
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+    from synth_llama import build
+
+    path = str(tmp_path / "m.onnx")
+    build(path, layers=2, hidden=8 * heads, intermediate=48, heads=heads, kv_heads=kv_heads, vocab=32, batch=2,
+          seq=5, dtype="float32", max_positions=8)
+    feeds = {"input_ids": np.random.default_rng(0).integers(0, 32, (2, 5)).astype(np.int64)}
+    return path, feeds, ort.InferenceSession(path).run(None, feeds)[0]
+
+
 @pytest.mark.parametrize("heads, kv_heads, ranks, g2", [(6, 2, 4, 4), (14, 2, 4, 8), (12, 4, 8, 4), (12, 2, 8, 8),
                                                    (4, 2, 3, None)])
 def test_megatron_pads_queries_by_key_value_group(tmp_path, monkeypatch, heads, kv_heads, ranks, g2):
@@ -420,22 +438,10 @@ def test_megatron_pads_queries_by_key_value_group(tmp_path, monkeypatch, heads, 
     whole), fewer parameters a rank, and the ranks compute what the model does. Where the key/value
     heads do not divide the ranks (``g2`` None: 4 for 2 on 3), the queries are padded at the end
     and the key/value heads replicated when each rank's queries still read one (``[0, 1, 0]``)."""
-    import os
-    import sys
-
-    import onnxruntime as ort
-
     from shardflow.compiler.driver import plan_passes
     from shardflow.compiler.passes import heads as heads_pass
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-    from synth_llama import build
-
-    path = str(tmp_path / "m.onnx")
-    build(path, layers=2, hidden=8 * heads, intermediate=48, heads=heads, kv_heads=kv_heads, vocab=32, batch=2,
-          seq=5, dtype="float32", max_positions=8)
-    feeds = {"input_ids": np.random.default_rng(0).integers(0, 32, (2, 5)).astype(np.int64)}
-    want = ort.InferenceSession(path).run(None, feeds)[0]
+    path, feeds, want = _synth_llama(tmp_path, heads, kv_heads)
     graph = plan_passes(load_onnx(path), [ranks], pad_heads=ranks)
     meta = graph.meta["padded_heads"]
     padded = -(-heads // ranks) * ranks
@@ -450,9 +456,42 @@ def test_megatron_pads_queries_by_key_value_group(tmp_path, monkeypatch, heads, 
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # the key/value heads whole instead (before): their projections kept whole, more bytes a rank
     monkeypatch.setattr(heads_pass, "_one_a_rank", lambda *args: None)
+    monkeypatch.setattr(heads_pass, "_ends_padding", lambda *args: False)
     whole = search(plan_passes(load_onnx(path), [ranks], pad_heads=ranks), {"mesh_shape": [ranks], "algo": "megatron"})
     assert "# megatron: 4 weight products kept whole" in whole.to_text()
     assert plan.params_bytes < whole.params_bytes
+
+
+@pytest.mark.parametrize("heads, kv_heads, ranks, padded", [(40, 10, 4, (48, 12)), (40, 10, 8, (64, 16)),
+                                                       (9, 3, 2, (12, 4))])
+def test_megatron_pads_queries_by_whole_key_value_groups(tmp_path, monkeypatch, heads, kv_heads, ranks, padded):
+    """Key/value heads that neither divide over the ranks nor divide them (Phi-3-medium's 10 for 40
+    queries on 4 or 8 ranks; 3 for 9 on 2): the queries are padded at the end by whole groups (to
+    ``H' = Hkv' G``, ``Hkv'`` the next multiple of the ranks) and the key/value heads to ``Hkv'``,
+    their gathers for the padded queries ending as ``repeat_kv`` expands of the padded heads, so each
+    rank holds the key/value heads its queries read: every product splits, fewer parameters a rank
+    and no more all-reduces than with the key/value heads padded alone (before: the key projection
+    kept whole, its heads resharded; on 2 ranks the value projection too), and the ranks compute
+    what the model does."""
+    from shardflow.compiler.driver import plan_passes
+    from shardflow.compiler.passes import heads as heads_pass
+
+    path, feeds, want = _synth_llama(tmp_path, heads, kv_heads)
+    graph = plan_passes(load_onnx(path), [ranks], pad_heads=ranks)
+    meta = graph.meta["padded_heads"]
+    assert meta["groups"] == [(heads, padded[0], 4), (kv_heads, padded[1], 4)] and meta["replicated"] == [], meta
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    text = plan.to_text()
+    assert "# megatron:" not in text and "all_to_all" not in text, text[:2000]
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # the key/value heads padded alone (before): the key projections (and on 2 ranks the value
+    # projections) kept whole
+    monkeypatch.setattr(heads_pass, "_whole_groups", lambda *args: None)
+    alone = search(plan_passes(load_onnx(path), [ranks], pad_heads=ranks), {"mesh_shape": [ranks], "algo": "megatron"})
+    assert f"# megatron: {2 if ranks > 2 else 4} weight products kept whole" in alone.to_text()
+    assert plan.params_bytes < alone.params_bytes
+    assert alone.to_text().count("all_reduce") >= text.count("all_reduce")
 
 
 def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
