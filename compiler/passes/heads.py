@@ -42,7 +42,10 @@ are (the baseline keeps them whole when their ``Hkv`` heads do not divide either
 rebuilt on keys and values gathered likewise (one gather each, from the keys and values it read);
 with queries padded by key/value group (below) it is rebuilt on the padded queries and the same
 keys and values (:meth:`_Padding._regroup_attention`), and it ends a replication of those as a
-``repeat_kv`` does (:meth:`_Padding._unrepeat_attention`).
+``repeat_kv`` does (:meth:`_Padding._unrepeat_attention`). With queries padded at the end whose
+blocks of ``G`` each read one key/value head, it is rebuilt on them and the key/value heads
+gathered to one a block (:meth:`_Padding._regather_attention`), an end of their replication or
+padding as well.
 The groups with the most heads are padded first (the queries before their key/value heads).
 
 Fewer key/value heads than ranks, with queries that split evenly (``n % Hkv == 0`` and ``H % n
@@ -483,6 +486,8 @@ def _kv_end(op: Operator) -> tuple[int, int, int, np.ndarray | None] | None:
     constant ``indices``, then reshaped); else None."""
     if (r := _repeated_heads(op)) is not None:
         return r[0], r[0] * r[1], r[2], None
+    if (r := _gathered_attention_heads(op)) is not None:
+        return r
     if (r := _grouped_attention_heads(op)) is not None:
         return r[0], r[1], 1, None
     g = op.inputs[0].producer if op.op_type == "Reshape" else None
@@ -506,6 +511,25 @@ def _grouped_attention_heads(op: Operator) -> tuple[int, int] | None:
     if k.ndim != 4 or v.ndim != 4 or not h or k.shape[1] >= h or h % k.shape[1]:
         return None
     return int(k.shape[1]), int(h)
+
+
+def _gathered_attention_heads(op: Operator) -> tuple[int, int, int, np.ndarray] | None:
+    """``(Hkv, H, 1, indices)`` when ``op`` is an ``Attention`` op reading grouped key/value heads
+    (:func:`_grouped_attention_heads`) that are gathers, by the same constant indices along dim 1,
+    of ``Hkv`` heads (:meth:`_Padding._regather_attention` makes them): ``indices`` the key/value
+    head each of its ``H`` query heads reads; else None."""
+    if (r := _grouped_attention_heads(op)) is None:
+        return None
+    k, v = op.inputs[1:3]
+    gathers = [t.producer for t in (k, v)]
+    if any(g is None or g.op_type != "Gather" or g.attrs.get("axis", 0) != 1 or not g.inputs[1].is_constant
+           for g in gathers):
+        return None
+    idx = [np.asarray(g.inputs[1].value).reshape(-1) for g in gathers]
+    if not np.array_equal(idx[0], idx[1]) or gathers[0].inputs[0].shape[1] != gathers[1].inputs[0].shape[1]:
+        return None
+    hkv, h = r
+    return int(gathers[0].inputs[0].shape[1]), h, 1, idx[0][np.arange(h) // (h // hkv)]
 
 
 def _take_runs(value: np.ndarray, idx: np.ndarray, dim: int) -> np.ndarray:
@@ -552,6 +576,8 @@ class _Padding:
         # repeat_kv reshapes that end a replication (their outputs unchanged), and their expands
         self.ends = {id(op): op for op in ends}
         self.end_expands = {id(op.inputs[0].producer) for op in ends if op.op_type != "Attention"}
+        self.end_expands |= {id(t.producer) for op in ends if _gathered_attention_heads(op) is not None
+                             for t in op.inputs[1:3]}
         self.axis: dict[int, int] = {}  # id(old tensor) -> its heads' dim
         self.new: dict[int, Tensor] = {}  # id(old tensor) -> the padded one
         self.rebuilt: dict[int, list[Operator]] = {}  # id(old op) -> the ops on padded inputs in its place
@@ -617,6 +643,8 @@ class _Padding:
                 return
             if self.grouped is not None:
                 return self._regroup_attention(op)
+            if self._regather_attention(op):
+                return
             return self._rebuild(self._grouped_attention(op), orig=op)
         hkv, g, a = _repeated_heads(op)
         x = op.inputs[0].producer.inputs[0]
@@ -678,12 +706,60 @@ class _Padding:
         self.axis[id(out)] = dim
         self.new[id(out)] = new.outputs[0]
 
+    def _regather_attention(self, op: Operator) -> bool:
+        """An attention reading grouped key/value heads itself (``G`` queries a head), its queries
+        padded at the end, where each block of ``G`` padded queries reads one key/value head (4 for
+        2 padded to 6: ``[0, 1, 0]``): the same op on the padded queries and the key/value heads
+        gathered to ``H' / G`` (one a block), so it still groups them, and the gathers end a
+        replication or padding of those heads (:func:`_gathered_attention_heads`). False (nothing
+        done) where a block reads two."""
+        hkv, h = _grouped_attention_heads(op)
+        q, k, v = op.inputs[:3]
+        g = h // hkv
+        kv = self.src // g  # (the key/value head each padded query reads: a new one head 0's)
+        if self.h2 % g or (kv.reshape(-1, g) != kv[::g, None]).any() or self.axis.get(id(q)) != 1 \
+                or any(id(t) in self.axis for t in (k, v, *op.inputs[3:])) or len(op.outputs) != 1 \
+                or any(t.ndim == 4 and t.shape[1] == h for t in op.inputs[3:]):
+            return False
+        rest = [self._pad_constant(t, 0, zero=False) if t.is_constant and t.shape == (h,) else t
+                for t in op.inputs[3:]]  # (sinks, one per query head: padded as the queries)
+        gathers = [_gather(t, kv[::g], 1, f"{t.name}.heads{self.h2 // g}") for t in (k, v)]
+        attrs = dict(op.attrs, **{a: n for a, n in (("q_heads", self.h2), ("kv_heads", self.h2 // g))
+                                  if a in op.attrs})
+        out = op.outputs[0]
+        try:
+            new = type(op)([self.new[id(q)], *(x.outputs[0] for x in gathers), *rest], name=op.name, **attrs)
+        except (ShapeError, ShardflowError, ValueError):
+            return False
+        if new.outputs[0].shape != self._grown(out, 1 if out.ndim == 4 else 2):
+            return False
+        new.outputs[0].name = out.name
+        self.rebuilt[id(op)] = [*gathers, new]
+        self.repeated.append(new)
+        self.axis[id(out)] = 1 if out.ndim == 4 else 2
+        self.new[id(out)] = new.outputs[0]
+        return True
+
     def _unrepeat_attention(self, op: Operator) -> None:
         """An ``Attention`` op that reads grouped key/value heads itself (:func:`_grouped_attention_heads`)
         ending a replication: the same op on the ``H'`` replicated keys and values, query head ``h``
         reading head ``h // (H / H')``, a copy of the one it read (so its output is unchanged)."""
-        hkv, heads = _grouped_attention_heads(op)
         q, k, v = op.inputs[:3]
+        if (r := _gathered_attention_heads(op)) is not None:  # (its key/value heads gathered for padded queries)
+            _, heads, _, idx = r
+            srcs = [t.producer.inputs[0] for t in (k, v)]
+            if any(self.axis.get(id(t)) != 1 for t in srcs) or any(id(t) in self.axis for t in (q, *op.inputs[3:])) \
+                    or not np.array_equal(idx, self.src[np.arange(heads) // (heads // self.h2)]):
+                raise _Refused(f"{op.name} gathers key/value heads in another order than this group's")
+            attrs = dict(op.attrs, **({"kv_heads": self.h2} if "kv_heads" in op.attrs else {}))
+            new = type(op)([q, *(self.new[id(t)] for t in srcs), *op.inputs[3:]], name=op.name, **attrs)
+            if [t.shape for t in new.outputs] != [t.shape for t in op.outputs]:
+                raise _Refused(f"{op.name} on {self.h2} key/value heads gives {[t.shape for t in new.outputs]}")
+            for t in (k, v):
+                self.rebuilt[id(t.producer)] = []
+            self.rebuilt[id(op)] = [new]
+            return
+        hkv, heads = _grouped_attention_heads(op)
         if any(self.axis.get(id(t)) != 1 for t in (k, v)) or any(id(t) in self.axis for t in (q, *op.inputs[3:])):
             raise _Refused(f"{op.name} reads heads this group did not replicate, or others along with them")
         if not np.array_equal(self.src[np.arange(heads) // (heads // self.h2)], np.arange(heads) // (heads // hkv)):

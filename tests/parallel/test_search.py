@@ -494,6 +494,76 @@ def test_megatron_pads_queries_by_whole_key_value_groups(tmp_path, monkeypatch, 
     assert alone.to_text().count("all_reduce") >= text.count("all_reduce")
 
 
+def _node(op: str, ins: list[str], out: str, **kw):
+    from onnx import helper
+
+    return helper.make_node(op, ins, [out], **kw)
+
+
+def _projections(kv_out: str) -> list:
+    """ONNX nodes: ``x``'s query, key and value projections (weights ``wq``, ``wk``, ``wv``) viewed
+    as heads (shapes ``q4``, ``kv4``) and transposed to ``[B, H, S, d]``: ``q``, and ``kv_out``
+    formatted with ``t`` = ``k`` and ``v``."""
+    nodes = [_node("MatMul", ["x", "wq"], "q0"), _node("Reshape", ["q0", "q4"], "q1"),
+             _node("Transpose", ["q1"], "q", perm=[0, 2, 1, 3])]
+    for t in ("k", "v"):
+        nodes += [_node("MatMul", ["x", f"w{t}"], f"{t}0"), _node("Reshape", [f"{t}0", "kv4"], f"{t}1"),
+                  _node("Transpose", [f"{t}1"], kv_out.format(t=t), perm=[0, 2, 1, 3])]
+    return nodes
+
+
+def _grouped_attention_op(heads: int, kv_heads: int):
+    """One attention block on ``x [2, 5, 8 H]`` whose ONNX ``Attention`` op (opset 23, causal)
+    groups ``heads`` queries of 8 over ``kv_heads`` key/value heads itself (no ``repeat_kv``), as
+    onnxruntime-genai's GroupQueryAttention does: the ONNX model and its feeds."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    q, kv = 8 * heads, 8 * kv_heads
+    consts = {"wq": (q, q), "wk": (q, kv), "wv": (q, kv), "wo": (q, q)}
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) / 4).astype(np.float32), k)
+             for k, shape in consts.items()]
+    for name, shape in {"q4": [2, 5, heads, 8], "kv4": [2, 5, kv_heads, 8], "flat": [2, 5, q]}.items():
+        inits.append(numpy_helper.from_array(np.array(shape, np.int64), name))
+
+    node = _node
+    nodes = _projections("{t}")
+    nodes += [node("Attention", ["q", "k", "v"], "o", is_causal=1), node("Transpose", ["o"], "o1", perm=[0, 2, 1, 3]),
+              node("Reshape", ["o1", "flat"], "o2"), node("MatMul", ["o2", "wo"], "y")]
+    g = helper.make_graph(nodes, "gqa", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, q])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, q])], inits)
+    feeds = {"x": rng.standard_normal((2, 5, q)).astype(np.float32)}
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), feeds
+
+
+@pytest.mark.parametrize("heads, kv_heads, ranks, padded", [(4, 2, 3, (6, None)), (6, 3, 2, (8, 4))])
+def test_an_attention_op_grouping_its_heads_takes_queries_padded_at_the_end(heads, kv_heads, ranks, padded):
+    """An ``Attention`` op that groups its query heads over fewer key/value heads itself, its queries
+    padded at the end (4 for 2 on 3 ranks; 6 for 3 on 2, by whole groups): it is rebuilt on the
+    padded queries and the key/value heads gathered to one for each group of its padded queries
+    (``[0, 1, 0]``; ``[0, 1, 2, 0]``), so it still groups them, and that gather ends a replication
+    (3 ranks) or a padding (2 ranks) of the key/value heads: each rank holds the key/value heads its
+    queries read and every product splits (before: the keys and values gathered to one a query
+    head, their projections kept whole). The ranks compute what onnxruntime does."""
+    import onnxruntime as ort
+
+    from shardflow.compiler.driver import plan_passes
+
+    model, feeds = _grouped_attention_op(heads, kv_heads)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    graph = plan_passes(load_onnx(model), [ranks], pad_heads=ranks)
+    meta = graph.meta["padded_heads"]
+    groups = [(heads, padded[0], 2)] + ([(kv_heads, padded[1], 2)] if padded[1] else [])
+    assert meta["groups"] == groups and meta["replicated"] == ([] if padded[1] else [(kv_heads, ranks, 2)]), meta
+    attention = next(op for op in graph.nodes if op.op_type == "Attention")
+    assert attention.inputs[0].shape[1] == padded[0] and attention.inputs[1].shape[1] == (padded[1] or ranks)
+    plan = search(graph, {"mesh_shape": [ranks], "algo": "megatron"})
+    text = plan.to_text()
+    assert "# megatron:" not in text and "all_to_all" not in text, text[:2000]
+    got = simulate(partition(graph, plan), feeds, plan.mesh)["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_padding_that_fails_leaves_the_graph_as_it_was(monkeypatch, caplog):
     """An op the pass cannot rebuild (here every op: an unexpected error) leaves the group as it
     was, with a warning; the compile goes on (the plan keeps such heads whole)."""
@@ -649,14 +719,9 @@ def _keys_merged_with_the_batch(kv_heads: int):
                         "two": [2]}.items():
         inits.append(numpy_helper.from_array(np.array([2] if name == "two" else shape, np.int64), name))
 
-    def node(op, ins, out, **kw):
-        return helper.make_node(op, ins, [out], **kw)
-
-    nodes = [node("MatMul", ["x", "wq"], "q0"), node("Reshape", ["q0", "q4"], "q1"),
-             node("Transpose", ["q1"], "q", perm=[0, 2, 1, 3])]
+    node = _node
+    nodes = _projections("{t}2")
     for t in ("k", "v"):
-        nodes += [node("MatMul", ["x", f"w{t}"], f"{t}0"), node("Reshape", [f"{t}0", "kv4"], f"{t}1"),
-                  node("Transpose", [f"{t}1"], f"{t}2", perm=[0, 2, 1, 3])]
         if kv_heads < 4:  # (repeat_kv)
             nodes += [node("Unsqueeze", [f"{t}2", "two"], f"{t}3"), node("Expand", [f"{t}3", "rep"], f"{t}4")]
         else:
