@@ -922,7 +922,8 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         plan.notes.append(
             f"megatron: {len(kept_whole)} weight products kept whole: split by columns, their outputs would be "
             f"resharded before a row-parallel product reads them (attention heads that do not divide over "
-            f"{problem.mesh_shape[-1]} ranks?): {_first_names(kept_whole)}")
+            f"{problem.mesh_shape[-1]} ranks, or a single key/value head, which every rank computes whole as "
+            f"Megatron-LM does?): {_first_names(kept_whole)}")
     if cfg.memory_budget_bytes is not None and plan.memory_bytes > cfg.memory_budget_bytes and cfg.algo != "ilp":
         raise ShardflowError(f"the {cfg.algo} plan needs {plan.memory_bytes:,} bytes per rank, above "
                              f"memory_budget_bytes={cfg.memory_budget_bytes:,}; use algo='ilp' or raise the budget")
