@@ -312,6 +312,12 @@ class FlowGraph:
                 if id(t) not in available and not t.is_constant:
                     raise GraphError(f"node {op.name} ({op.op_type}) reads %{t.name} before it is produced "
                                      "(nodes out of topological order, or a dangling tensor)")
+            if [tuple(p.shape) for p in op.task.inputs] != [t.shape for t in op.inputs]:
+                # (a pass swapped an input of another shape in place: the op's compute definition,
+                # built from its inputs' shapes when it was made, no longer describes it)
+                raise GraphError(f"node {op.name} ({op.op_type}) reads {[t.shape for t in op.inputs]} but its "
+                                 f"compute definition was built for {[tuple(p.shape) for p in op.task.inputs]}; "
+                                 "this is a bug (rebuild the op rather than swap its inputs)")
             for t in op.outputs:
                 if t.producer is not op:
                     raise GraphError(f"tensor {t.name} lists another producer than {op.name}")

@@ -215,8 +215,11 @@ def _unmerge_heads(graph: FlowGraph) -> int:
                 or only_reader(t.outputs[0], "Reshape") is None:
             continue  # (only where a transpose and a split follow, which _unmerge_views rewrites)
         heads = Reshape([x], name=f"{op.name}.repeat_kv", shape=(x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
-        op.inputs = [heads.outputs[0]]
-        graph.nodes.insert(graph.nodes.index(op), heads)
+        # (a new op on the 4-D view: an op's compute definition is built from its inputs' shapes, so
+        # one whose input were swapped in place would keep the 5-D one, and its sharding rules too)
+        merged = take_over(op, op.clone([heads.outputs[0]]), "merge of the repeat_kv's heads with the batch")
+        at = graph.nodes.index(op)
+        graph.nodes[at:at + 1] = [heads, merged]
         done += 1
     return done
 

@@ -134,6 +134,23 @@ def test_validate_rejects_dangling_tensor():
         g.validate()
 
 
+def test_validate_rejects_an_input_swapped_for_one_of_another_shape():
+    """An op's compute definition is built from its inputs' shapes when the op is made: a pass that
+    swaps in an input of another shape (instead of rebuilding the op) leaves a definition (and
+    sharding rules) for the old one, which validate names."""
+    from shardflow.compiler.ops.transform import Reshape
+
+    x = Tensor("x", (2, 3, 4), "float32")
+    flat = Reshape([x], name="flat", shape=(6, 4))
+    g = FlowGraph([x], flat.outputs)
+    g.validate()
+    view = Reshape([x], name="view", shape=(1, 6, 4))
+    flat.inputs = [view.outputs[0]]  # (the same elements, another shape)
+    with pytest.raises(GraphError, match=r"node flat \(Reshape\) reads \[\(1, 6, 4\)\] but its compute "
+                                         r"definition was built for \[\(2, 3, 4\)\]"):
+        FlowGraph([x], flat.outputs, [view, flat]).validate()
+
+
 def test_validate_rejects_duplicate_tensor_names():
     x = Tensor("x", (3,), "float32")
     a = Unary([x], name="same", fn="neg")
