@@ -17,6 +17,7 @@ and, with ``memory_budget_bytes``, for every step ``t`` of the topological order
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -508,7 +509,8 @@ def _solve_ilp(problem: Problem) -> list[int]:
     budget = float(cfg.memory_budget_bytes or 0)
     added: set[int] = set()
     while True:
-        status = prob.solve(solver)
+        with _quiet_stdout():
+            status = prob.solve(solver)
         if pulp.LpStatus[status] != "Optimal" or not rows:
             break
         pick = {a: int(np.argmax([v.value() or 0.0 for v in vs])) for a, vs in s.items()}
@@ -596,8 +598,45 @@ def _min_memory(problem: Problem) -> int:
     for row, fixed in rows:
         prob += pulp.lpSum(c * s[a][i] for (a, i), c in row.items() if c) + fixed <= peak
     prob += peak
-    prob.solve(_solver(problem.cfg))
+    with _quiet_stdout():
+        prob.solve(_solver(problem.cfg))
     return int(math.ceil(peak.value() or 0))
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """The process's standard output (file descriptor 1) sent to a temporary file while the block
+    runs, and what was written there logged at debug level: HiGHS prints its banner from C++ when
+    highspy makes a solver, before PuLP can turn its output off, which put two lines of licence
+    text into ``shardflow plan``'s stdout (and library code does not print)."""
+    import ctypes
+    import os
+    import sys
+    import tempfile
+
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # (no file descriptor 1: nothing to keep quiet)
+        yield
+        return
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        libc = None
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield
+        finally:
+            if libc is not None:
+                libc.fflush(None)  # (C's buffered output, into the file before it is put back)
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace").strip()
+            if text:
+                log.debug("solver output: %s", text)
 
 
 def _solver(cfg: DistributedConfig):
