@@ -415,8 +415,14 @@ def _ends_padding(op: Operator, hkv: int, padded: int) -> bool:
     end = _kv_end(op)
     if end is None or end[3] is None or end[0] != hkv or end[1] % padded:
         return False
-    src = np.concatenate([np.arange(hkv), np.zeros(padded - hkv, np.int64)])
+    src = _padded_at_the_end(hkv, padded)
     return np.array_equal(end[3], src[np.arange(end[1]) // (end[1] // padded)])
+
+
+def _padded_at_the_end(h: int, padded: int) -> np.ndarray:
+    """The head each of ``padded`` heads copies when ``h`` heads are padded at the end: its own,
+    then head 0."""
+    return np.concatenate([np.arange(h), np.zeros(padded - h, np.int64)])
 
 
 def _heads_of(op: Operator, consumers) -> int | None:
@@ -569,7 +575,7 @@ class _Padding:
         #: ``src`` with ``pads``, padding by key/value group), or each head ``H' / H`` times (``src``
         #: alone: key/value heads replicated, with ``ends``)
         if src is None:
-            src = np.concatenate([np.arange(heads), np.zeros(padded - heads, np.int64)])
+            src = _padded_at_the_end(heads, padded)
             pads = np.arange(padded) >= heads
         self.src = np.asarray(src, np.int64)
         #: which of the ``H'`` heads are new ones (their rows zero where the heads are summed); None: replicated
@@ -690,24 +696,33 @@ class _Padding:
         if self.axis.get(id(q)) != (1 if q.ndim == 4 else 2) or id(k) in self.axis or id(v) in self.axis \
                 or k.shape[1] != hkv or len(op.outputs) != 1:
             raise _Refused(f"{op.name} reads other padded heads than its queries, or has several outputs")
-        rest = []
         for t in op.inputs[3:]:
             if id(t) in self.axis or t.ndim == 4 and t.shape[1] == self.h:
                 raise _Refused(f"{op.name} reads {t.name} per query head")
-            rest.append(self._pad_constant(t, 0, zero=False) if t.is_constant and t.shape == (self.h,) else t)
         attrs = dict(op.attrs, **({"q_heads": self.h2} if "q_heads" in op.attrs else {}))
+        new = self._on_padded_queries(op, k, v, attrs)
+        if new is None:
+            raise _Refused(f"{op.name} does not take {self.h2} query heads")
+        self.rebuilt[id(op)] = [new]
+
+    def _on_padded_queries(self, op: Operator, k: Tensor, v: Tensor, attrs: dict) -> Operator | None:
+        """``op`` (an attention grouping its key/value heads itself) on the padded queries and keys
+        ``k`` and values ``v``, its sinks (constants, one per query head) padded as the queries; its
+        output the padded heads (recorded as this group's). None when it cannot be so built."""
+        rest = [self._pad_constant(t, 0, zero=False) if t.is_constant and t.shape == (self.h,) else t
+                for t in op.inputs[3:]]
         out, dim = op.outputs[0], 1 if op.outputs[0].ndim == 4 else 2
         try:
-            new = type(op)([self.new[id(q)], k, v, *rest], name=op.name, **attrs)
-        except (ShapeError, ShardflowError, ValueError) as exc:
-            raise _Refused(f"{op.name} on {self.h2} query heads: {exc}") from None
+            new = type(op)([self.new[id(op.inputs[0])], k, v, *rest], name=op.name, **attrs)
+        except (ShapeError, ShardflowError, ValueError):
+            return None
         if new.outputs[0].shape != self._grown(out, dim):
-            raise _Refused(f"{op.name} on {self.h2} query heads gives {new.outputs[0].shape}")
+            return None
         new.outputs[0].name = out.name
-        self.rebuilt[id(op)] = [new]
         self.repeated.append(new)
         self.axis[id(out)] = dim
         self.new[id(out)] = new.outputs[0]
+        return new
 
     def _regather_attention(self, op: Operator) -> bool:
         """An attention reading grouped key/value heads itself (``G`` queries a head), its queries
@@ -724,53 +739,37 @@ class _Padding:
                 or any(id(t) in self.axis for t in (k, v, *op.inputs[3:])) or len(op.outputs) != 1 \
                 or any(t.ndim == 4 and t.shape[1] == h for t in op.inputs[3:]):
             return False
-        rest = [self._pad_constant(t, 0, zero=False) if t.is_constant and t.shape == (h,) else t
-                for t in op.inputs[3:]]  # (sinks, one per query head: padded as the queries)
         gathers = [_gather(t, kv[::g], 1, f"{t.name}.heads{self.h2 // g}") for t in (k, v)]
         attrs = dict(op.attrs, **{a: n for a, n in (("q_heads", self.h2), ("kv_heads", self.h2 // g))
                                   if a in op.attrs})
-        out = op.outputs[0]
-        try:
-            new = type(op)([self.new[id(q)], *(x.outputs[0] for x in gathers), *rest], name=op.name, **attrs)
-        except (ShapeError, ShardflowError, ValueError):
+        new = self._on_padded_queries(op, *(x.outputs[0] for x in gathers), attrs)
+        if new is None:
             return False
-        if new.outputs[0].shape != self._grown(out, 1 if out.ndim == 4 else 2):
-            return False
-        new.outputs[0].name = out.name
         self.rebuilt[id(op)] = [*gathers, new]
-        self.repeated.append(new)
-        self.axis[id(out)] = 1 if out.ndim == 4 else 2
-        self.new[id(out)] = new.outputs[0]
         return True
 
     def _unrepeat_attention(self, op: Operator) -> None:
-        """An ``Attention`` op that reads grouped key/value heads itself (:func:`_grouped_attention_heads`)
-        ending a replication: the same op on the ``H'`` replicated keys and values, query head ``h``
-        reading head ``h // (H / H')``, a copy of the one it read (so its output is unchanged)."""
+        """An ``Attention`` op that reads grouped key/value heads itself (:func:`_grouped_attention_heads`;
+        directly, or through gathers, :func:`_gathered_attention_heads`) ending a replication or
+        padding: the same op on the ``H'`` keys and values of this group, query head ``h`` reading
+        head ``h // (H / H')``, a copy of the one it read (so its output is unchanged); the gathers
+        are dropped."""
         q, k, v = op.inputs[:3]
-        if (r := _gathered_attention_heads(op)) is not None:  # (its key/value heads gathered for padded queries)
-            _, heads, _, idx = r
-            srcs = [t.producer.inputs[0] for t in (k, v)]
-            if any(self.axis.get(id(t)) != 1 for t in srcs) or any(id(t) in self.axis for t in (q, *op.inputs[3:])) \
-                    or not np.array_equal(idx, self.src[np.arange(heads) // (heads // self.h2)]):
-                raise _Refused(f"{op.name} gathers key/value heads in another order than this group's")
-            attrs = dict(op.attrs, **({"kv_heads": self.h2} if "kv_heads" in op.attrs else {}))
-            new = type(op)([q, *(self.new[id(t)] for t in srcs), *op.inputs[3:]], name=op.name, **attrs)
-            if [t.shape for t in new.outputs] != [t.shape for t in op.outputs]:
-                raise _Refused(f"{op.name} on {self.h2} key/value heads gives {[t.shape for t in new.outputs]}")
-            for t in (k, v):
-                self.rebuilt[id(t.producer)] = []
-            self.rebuilt[id(op)] = [new]
-            return
-        hkv, heads = _grouped_attention_heads(op)
-        if any(self.axis.get(id(t)) != 1 for t in (k, v)) or any(id(t) in self.axis for t in (q, *op.inputs[3:])):
+        hkv, heads, _, idx = _kv_end(op)
+        gathered = idx is not None
+        srcs = [t.producer.inputs[0] for t in (k, v)] if gathered else [k, v]
+        read = idx if gathered else np.arange(heads) // (heads // hkv)
+        if any(self.axis.get(id(t)) != 1 for t in srcs) or any(id(t) in self.axis for t in (q, *op.inputs[3:])):
             raise _Refused(f"{op.name} reads heads this group did not replicate, or others along with them")
-        if not np.array_equal(self.src[np.arange(heads) // (heads // self.h2)], np.arange(heads) // (heads // hkv)):
-            raise _Refused(f"{op.name}'s query heads read their key/value heads in another order than one a rank")
+        if not np.array_equal(self.src[np.arange(heads) // (heads // self.h2)], read):
+            raise _Refused(f"{op.name}'s query heads read their key/value heads in another order than this group's")
         attrs = dict(op.attrs, **({"kv_heads": self.h2} if "kv_heads" in op.attrs else {}))
-        new = type(op)([q, self.new[id(k)], self.new[id(v)], *op.inputs[3:]], name=op.name, **attrs)
+        new = type(op)([q, *(self.new[id(t)] for t in srcs), *op.inputs[3:]], name=op.name, **attrs)
         if [t.shape for t in new.outputs] != [t.shape for t in op.outputs]:
             raise _Refused(f"{op.name} on {self.h2} key/value heads gives {[t.shape for t in new.outputs]}")
+        if gathered:
+            for t in (k, v):
+                self.rebuilt[id(t.producer)] = []
         self.rebuilt[id(op)] = [new]
 
     def _grouped_attention(self, op: Operator) -> Operator:

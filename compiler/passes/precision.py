@@ -244,12 +244,19 @@ class HalfPrecisionContractions(GraphPass):
         return ok
 
 
-def _table_lookup(op: Operator) -> bool:
-    """Whether ``op`` looks rows up in a float32 constant table ``[V, D]`` (an embedding)."""
+def _looked_up(op: Operator) -> Tensor | None:
+    """The constant table ``[V, D]`` (an embedding) ``op`` looks rows up in, when it is a ``Gather``
+    along axis 0 of one; else None."""
     if op.op_type != "Gather" or len(op.inputs) != 2 or op.attrs.get("axis", 0) != 0:
-        return False
+        return None
     t = op.inputs[0]
-    return t.is_constant and t.dtype == "float32" and t.ndim == 2 and op.outputs[0].dtype == "float32"
+    return t if t.is_constant and t.ndim == 2 else None
+
+
+def _table_lookup(op: Operator) -> bool:
+    """Whether ``op`` looks rows up in a float32 constant table ``[V, D]`` (:func:`_looked_up`)."""
+    t = _looked_up(op)
+    return t is not None and t.dtype == "float32" and op.outputs[0].dtype == "float32"
 
 
 #: ops that only move values (rounding before or after them gives the same values)
@@ -327,8 +334,7 @@ class TablesFromTiedWeights(GraphPass):
         nodes: list[Operator] = []
         self.shared = 0
         for op in graph.nodes:
-            table = op.inputs[0] if op.op_type == "Gather" and op.attrs.get("axis", 0) == 0 and op.inputs else None
-            if table is not None and table.is_constant and table.ndim == 2:
+            if (table := _looked_up(op)) is not None:
                 tied = next((w for w in by_shape.get((table.shape[::-1], table.dtype), {}).values()
                              if w is not table and _transposed_bits(w.value, table.value)), None)
                 if tied is not None:
