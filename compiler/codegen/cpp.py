@@ -636,6 +636,10 @@ SF_EXPORT const char* shardflow_cpu_isa() {
   const SfUkr& u = sf_ukr();
   return u.nr == 32 ? "avx512" : (u.nr == 16 ? "avx2" : "generic");
 }
+SF_EXPORT const char* shardflow_cpu_bf16_isa() {
+  const int isa = sf_bf16_isa();
+  return isa == SF_ISA_AMX ? "amx" : (isa == SF_ISA_AVX512BF16 ? "avx512bf16" : "widened");
+}
 """
 
 

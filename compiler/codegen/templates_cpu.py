@@ -40,7 +40,7 @@ __all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kin
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
-_LIBRARY_FILES = ("gemm.h", "gemm_int8.h", "lowbit.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
+_LIBRARY_FILES = ("gemm.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
                   "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
 
@@ -266,6 +266,35 @@ def _packed_matmul(op) -> str | None:
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
     lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, "
                  f"{cbs}, true);")
+    return "\n".join(lines)
+
+
+def _packed_matmul_bf16(op) -> str | None:
+    """PackedMatMulBf16: ``a`` (bfloat16) with its leading dims folded into M times the bfloat16 weight
+    packed at compile time, float32 sums and output, plus Gemm's bias (``cpu_library/gemm_bf16.h``: AMX
+    tiles, AVX-512 BF16, or both operands widened for the float32 GEMM)."""
+    a, out = op.inputs[0], op.outputs[0]
+    if a.dtype != "bfloat16" or op.inputs[1].dtype != "bfloat16" or out.dtype != "float32" \
+            or any(t.dtype != "float32" for t in op.inputs[2:]):
+        return None
+    K, N = a.shape[-1], int(op.attrs["n"])
+    M = _prod(a.shape[:-1])
+    alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
+    lines = ["  const sf_bf16* in0 = static_cast<const sf_bf16*>(inputs[0]);",
+             "  const sf_bf16* in1 = static_cast<const sf_bf16*>(inputs[1]);"]
+    if len(op.inputs) > 2:
+        lines.append("  const float* __restrict__ in2 = static_cast<const float*>(inputs[2]);")
+    lines.append("  float* __restrict__ out0 = static_cast<float*>(outputs[0]);")
+    bias, rbs, cbs = "nullptr", 0, 0
+    if len(op.inputs) > 2 and beta != 0:
+        cs = op.inputs[2].shape
+        if len(cs) > 2 or (len(cs) == 2 and len(a.shape) != 2):
+            return None  # a bias over more than one matrix of rows: the generic lowering
+        bias, rbs, cbs = _gemm_bias(op, beta, lines)
+    lines.append(f"  // PackedMatMulBf16: {_flt(alpha)} * [{M}, {K}] (bfloat16) @ [{K}, {N}] (bfloat16, packed)"
+                 + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else "") + " in float32")
+    lines.append(f"  sf_bgemm_prepacked({M}, {N}, {K}, in0, {K}, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, "
+                 "true);")
     return "\n".join(lines)
 
 
@@ -1463,11 +1492,12 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum, "ExpertMatMul": _expert_matmul,
               "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer,
+              "PackedMatMulBf16": _packed_matmul_bf16,
               "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "MatMulNBits", "BitCast",
-                           "Det", "ExpertMatMul"})
+                           "Det", "ExpertMatMul", "PackedMatMulBf16"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

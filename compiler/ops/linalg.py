@@ -21,7 +21,8 @@ from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "MatMulNBits", "pack_bits", "unpack_bits",
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "PackedMatMulBf16", "pack_bf16_panels",
+           "BF16_PANEL", "BF16_KSTEP", "MatMulNBits", "pack_bits", "unpack_bits",
            "GatherBlockQuantized", "ExpertMatMul", "Attention", "parse_einsum", "Det"]
 
 
@@ -182,6 +183,83 @@ class PackedMatMul(Operator):
         n = int(self.attrs["n"])
         b = bp.transpose(1, 0, 2).reshape(bp.shape[1], -1)[:, :n]
         return [_gemm_numpy(a, b, c, self.attrs)]
+
+
+#: Columns per panel of a bfloat16 weight packed for the cpu bfloat16 GEMM (:class:`PackedMatMulBf16`):
+#: one AMX tile's (16 float32 sums a row) and one AVX-512 register's.
+BF16_PANEL = 16
+#: The packed weight's ``K`` is padded with zeros to a multiple of this: the depth of one AMX tile
+#: (32 bfloat16 values, 16 pairs of rows).
+BF16_KSTEP = 32
+
+
+def pack_bf16_panels(b: np.ndarray) -> np.ndarray:
+    """A constant matrix ``b[K, N]`` whose values are bfloat16 (a bfloat16 array, or float32 holding
+    bfloat16 values exactly) as :class:`PackedMatMulBf16` reads it: bfloat16 ``[ceil(N / 16), Kp / 2,
+    16, 2]`` (``Kp``: ``K`` rounded up to :data:`BF16_KSTEP`), ``b[k, j]`` at ``[j // 16, k // 2, j % 16,
+    k % 2]``, zero past ``K`` and ``N``: the pairs along ``k`` that AMX and AVX-512's bfloat16 dot
+    products add into one float32 sum."""
+    from ..ir.expr import numpy_type
+
+    bf16 = numpy_type("bfloat16")
+    k, n = b.shape
+    kp, npanel = -(-k // BF16_KSTEP) * BF16_KSTEP, -(-n // BF16_PANEL)
+    out = spill_zeros((npanel, kp // 2, BF16_PANEL, 2), bf16)
+    step = max(1, (1 << 22) // max(1, kp * BF16_PANEL))  # panels per chunk: about 8 MB of bfloat16
+    for p0 in range(0, npanel, step):
+        p1 = min(npanel, p0 + step)
+        c0, c1 = p0 * BF16_PANEL, min(n, p1 * BF16_PANEL)
+        padded = np.zeros((kp, (p1 - p0) * BF16_PANEL), bf16)
+        padded[:k, :c1 - c0] = np.asarray(b[:, c0:c1]).astype(bf16)
+        out[p0:p1] = padded.reshape(kp // 2, 2, p1 - p0, BF16_PANEL).transpose(2, 0, 3, 1)
+    return out
+
+
+class PackedMatMulBf16(Operator):
+    """``y = alpha * a @ B + beta * c`` for a bfloat16 ``a`` and a constant bfloat16 ``B[K, N]`` packed by
+    :func:`pack_bf16_panels`, in float32 (each product of two bfloat16 values is exact in float32; the
+    sums are float32): the form the cpu target gives a float32 MatMul or Gemm whose operands are
+    bfloat16 values widened (``passes/prepack.py``), so that its GEMM multiplies them as bfloat16 (AMX
+    tiles, AVX-512 BF16, or widened again on a CPU with neither).
+
+    Inputs ``a[..., K]`` (bfloat16), ``bp`` (bfloat16 ``[ceil(N / 16), Kp / 2, 16, 2]``), optionally
+    ``c`` (float32, broadcasts to the output ``[..., N]``). Attributes ``n`` (``N``), ``alpha``,
+    ``beta`` (as in Gemm). The output is float32.
+    """
+
+    def compute(self, a, bp, *c):
+        n = int(self.attrs["n"])
+        alpha, beta = self.attrs.get("alpha", 1.0), self.attrs.get("beta", 1.0)
+        k = a.shape[-1] if a.ndim else 0
+        if a.ndim < 1 or a.dtype != "bfloat16" or bp.dtype != "bfloat16" or bp.ndim != 4 \
+                or tuple(bp.shape[2:]) != (BF16_PANEL, 2) or bp.shape[0] != -(-n // BF16_PANEL) \
+                or bp.shape[1] != -(-k // BF16_KSTEP) * BF16_KSTEP // 2:
+            raise ShapeError(f"{self.name}: PackedMatMulBf16 takes a[..., K] (bfloat16) and panels "
+                             f"[ceil(N/{BF16_PANEL}), Kp/2, {BF16_PANEL}, 2] (bfloat16, Kp = K rounded up to "
+                             f"{BF16_KSTEP}) with N = {n}, got {a.dtype} {a.shape} and {bp.dtype} {bp.shape}")
+        shape = tuple(a.shape[:-1]) + (n,)
+        if c and (c[0].dtype != "float32" or broadcast_shape([c[0].shape, shape], self.name) != shape):
+            raise ShapeError(f"{self.name}: C ({c[0].dtype} {c[0].shape}) must be float32 and broadcast to the "
+                             f"output {shape}")
+
+        def f(*i):
+            rows, j = i[:-1], i[-1]
+            acc = reduce((k,), lambda kk: Cast(a[tuple(rows) + (kk,)], "float32")
+                         * Cast(bp[j // BF16_PANEL, kk // 2, j % BF16_PANEL, kk % 2], "float32"), "sum")
+            if alpha != 1:
+                acc = Const(float(alpha), "float32") * acc
+            if c and beta != 0:
+                off = len(shape) - c[0].ndim
+                bias = c[0][tuple(as_expr(0) if e == 1 and shape[off + d] != 1 else i[off + d]
+                                  for d, e in enumerate(c[0].shape))]
+                acc = acc + (bias if beta == 1 else Const(float(beta), "float32") * bias)
+            return acc
+        return compute("y", shape, f, dtype="float32")
+
+    def numpy(self, a, bp, *c):
+        n, k = int(self.attrs["n"]), a.shape[-1]
+        b = bp.transpose(1, 3, 0, 2).reshape(bp.shape[1] * 2, -1)[:k, :n].astype(np.float32)
+        return [_gemm_numpy(a.astype(np.float32), b, c, self.attrs)]
 
 
 def parse_einsum(equation: str, shapes: list[tuple[int, ...]], where: str = "Einsum"):

@@ -95,6 +95,43 @@ def _weight(op: Operator) -> Tensor | None:
     return b
 
 
+def _holds_bfloat16(value: np.ndarray) -> bool:
+    """Whether every value of the float32 array ``value`` is a bfloat16 value (its low 16 bits zero)."""
+    v = np.ascontiguousarray(value, np.float32).view(np.uint32)
+    return not np.any(v & np.uint32(0xFFFF))
+
+
+def _widened(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
+    """The bfloat16 tensor that ``t`` is the widening ``Cast`` of, or ``None``."""
+    p = producer.get(id(t))
+    if p is None or p.op_type != "Cast" or len(p.inputs) != 1 or p.inputs[0].dtype != "bfloat16":
+        return None
+    return p.inputs[0]
+
+
+def _bf16_operands(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
+    """``(a, w)`` of a float32 MatMul/Gemm (``trans_a`` unset) whose ``A`` is bfloat16 values widened by a
+    Cast (``a``: the bfloat16 tensor) and whose 2-D ``B`` is a constant holding bfloat16 values: a Cast of a
+    bfloat16 constant (``optimization_config["precision"] = "bfloat16"``) or a float32 constant whose values
+    are all bfloat16's (a bfloat16 model's weight, widened by ``WidenHalfProducts``); ``w`` is that
+    constant. ``None`` for any other op."""
+    if op.op_type not in ("MatMul", "Gemm") or len(op.outputs) != 1 or len(op.inputs) < 2:
+        return None
+    x, b = op.inputs[0], op.inputs[1]
+    if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or b.ndim != 2 or 0 in b.shape \
+            or x.ndim < 1 or 0 in x.shape:
+        return None
+    if op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or x.ndim != 2):
+        return None
+    a = _widened(x, producer)
+    if a is None:
+        return None
+    w = _widened(b, producer)
+    if w is not None:
+        return (a, w) if w.is_constant and w.ndim == 2 else None
+    return (a, b) if b.is_constant and _holds_bfloat16(np.asarray(b.value)) else None
+
+
 #: A 1x1 conv whose output has at most this many pixels per image becomes a PackedConv (module docstring).
 CONV_MAX_PIXELS = 196
 
@@ -236,9 +273,12 @@ class PrepackWeights(GraphPass):
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import PackedConv, WinogradConv, winograd_weights
-        from ..ops.linalg import PackedMatMul, PackedMatMulInteger, pack_int8_panels, pack_panels
+        from ..ops.linalg import (PackedMatMul, PackedMatMulBf16, PackedMatMulInteger, pack_bf16_panels,
+                                  pack_int8_panels, pack_panels)
 
         consumers = graph.consumers()
+        producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        packed_bf16: dict[int, Tensor] = {}  # (the float32 B a product reads, by id) -> its bfloat16 panels
         outputs = {id(t) for t in graph.outputs}
         packed: dict[int, Tensor] = {}  # weight (by id) -> its panels
         packed_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, zero point) -> bp, bc
@@ -247,6 +287,29 @@ class PrepackWeights(GraphPass):
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
         for op in graph.nodes:
+            h = _bf16_operands(op, producer) if self.gemm else None
+            b = op.inputs[1] if h is not None else None
+            # every reader of B (the float32 values: a Cast's output, or the constant) takes this form, so
+            # that the rank stores no float32 copy beside the panels
+            if h is not None and id(b) not in outputs and all(
+                    (_bf16_operands(c, producer) or (None, None))[1] is h[1] and _transposed(c) == _transposed(op)
+                    for c in consumers.get(id(b), [])):
+                a, w = h
+                trans = _transposed(op)
+                if id(b) not in packed_bf16:
+                    value = np.asarray(w.value)
+                    packed_bf16[id(b)] = const_tensor(pack_bf16_panels(value.T if trans else value),
+                                                      f"{w.name}.bf16panels" + (".T" if trans else ""))
+                attrs = {"n": int(w.shape[0] if trans else w.shape[1])}
+                inputs = [a, packed_bf16[id(b)]]
+                if op.op_type == "Gemm":
+                    attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
+                    if len(op.inputs) > 2 and attrs["beta"] != 0:
+                        inputs.append(op.inputs[2])
+                new = PackedMatMulBf16([replace.get(id(t), t) for t in inputs], name=op.name, **attrs)
+                after[id(op)] = [new]
+                replace[id(op.outputs[0])] = new.outputs[0]
+                continue
             q = _int8_weight(op) if self.gemm else None
             if q is not None and id(q[0]) not in outputs \
                     and all((_int8_weight(c) or (None,))[0] is q[0] for c in consumers.get(id(q[0]), [])):
@@ -307,5 +370,6 @@ class PrepackWeights(GraphPass):
             after[id(op)] = [new]
             replace[id(op.outputs[0])] = new.outputs[0]
         if after:
-            log.debug("packed %d GEMM weights; %d ops rewritten", len(packed), len(after))
+            log.debug("packed %d GEMM weights (%d bfloat16); %d ops rewritten", len(packed) + len(packed_bf16),
+                      len(packed_bf16), len(after))
         return splice(graph, after, replace)

@@ -11,6 +11,7 @@ import re
 import subprocess
 import time
 
+import ml_dtypes  # noqa: F401  (names bfloat16 for numpy)
 import numpy as np
 import pytest
 from op_examples import op_examples
@@ -26,7 +27,8 @@ from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
-                                           MatMulNBits, PackedMatMul, PackedMatMulInteger, pack_int8_panels)
+                                           MatMulNBits, PackedMatMul, PackedMatMulBf16, PackedMatMulInteger,
+                                           pack_bf16_panels, pack_int8_panels)
 from shardflow.compiler.ops.norm import LRN, LayerNorm
 from shardflow.compiler.ops.reduce import ArgReduce, CumProd, CumSum, Reduce, Softmax, TopK
 from shardflow.compiler.ops.transform import Concat, Gather, Pad, Transpose
@@ -65,6 +67,14 @@ def _i8mm(a_shape, n, dtype, zp):
     ins = [_t(a_shape, dtype), _t((-(-n // INT8_PANEL), -(-k // 4), INT8_PANEL, 4), "int8"),
            _t((2, INT8_PANEL * -(-n // INT8_PANEL)), "int32")]
     return PackedMatMulInteger(ins + ([_t(zp, dtype)] if zp is not None else []), n=n)
+
+
+def _bfmm(a_shape, n, bias=None, **attrs):
+    """A PackedMatMulBf16 of a bfloat16 ``a`` times a packed bfloat16 weight of ``n`` columns (plus a
+    float32 bias of shape ``bias``)."""
+    k = a_shape[-1]
+    ins = [_t(a_shape, "bfloat16"), _t((-(-n // 16), -(-k // 32) * 16, 16, 2), "bfloat16")]
+    return PackedMatMulBf16(ins + ([_t(bias)] if bias is not None else []), n=n, **attrs)
 
 
 def _nbits(a_shape, n, bits, block, zp):
@@ -446,6 +456,15 @@ def _large():
         _i8mm((1, 1000), 130, "int8", None),
         _i8mm((1000,), 33, "uint8", (1,)),
         _i8mm((9, 64), 64, "int8", ()),
+        # the bfloat16 GEMM (cpu_library/gemm_bf16.h): K off the 32-deep AMX tile, N off the 16-column panel
+        # and the 32-column tiles, row tails of the 16-row AMX tiles and the 12-row vdpbf16ps kernel, one
+        # and two rows (the widened path's GEMV), two K blocks of the vdpbf16ps kernel (K > 512), biases
+        _bfmm((2, 37, 301), 77),
+        _bfmm((1, 300), 129),
+        _bfmm((2, 41), 33, bias=(33,)),
+        _bfmm((130, 1100), 280, bias=(280,)),
+        _bfmm((33, 64), 48, bias=(33, 1), alpha=0.5, beta=0.25),
+        _bfmm((17, 31), 20),
         # a token's routed experts: GEMVs on each chosen expert's [N, K] weight, with its bias
         ExpertMatMul([_t((3, 300)), _t((6, 203, 300)), _t((3, 2), "int64"), _t((6, 203))]),
         ExpertMatMul([_t((2, 2, 40)), _t((3, 70, 40)), _t((2, 2), "int32")]),
@@ -466,6 +485,10 @@ def _large():
                       else None for t in op.inputs]
             b = rng.integers(-128, 128, (op.inputs[0].shape[-1], op.attrs["n"])).astype(np.int8)
             arrays[1:3] = pack_int8_panels(b, rng.integers(-128, 128, op.attrs["n"]).astype(np.int8))
+        if op.op_type == "PackedMatMulBf16":  # bfloat16 values, and a packed weight
+            arrays[0] = rng.standard_normal(op.inputs[0].shape).astype(np.dtype("bfloat16"))
+            k = op.inputs[0].shape[-1]
+            arrays[1] = pack_bf16_panels(rng.standard_normal((k, op.attrs["n"])).astype(np.dtype("bfloat16")))
         if op.op_type == "ExpertMatMul":  # experts in range, and one past the last or below 0 (a row of zeros)
             e_len = op.inputs[1].shape[0]
             arrays[2] = rng.integers(-1, e_len + 1, op.inputs[2].shape).astype(op.inputs[2].dtype)
@@ -668,7 +691,7 @@ def test_large_kernel_matches_numpy(library, cid):
     want = op.run(*arrays)
     got = run_kernel(library["lib"], library["symbols"][cid], op, arrays)
     if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                      "Attention", "MatMulNBits", "ExpertMatMul"):
+                      "Attention", "MatMulNBits", "ExpertMatMul", "PackedMatMulBf16"):
         # blocked FMA accumulation vs numpy's BLAS: compare relative to the output's scale
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.nanmax(np.abs(w))))
@@ -703,7 +726,8 @@ import ctypes, sys
 import numpy as np
 lib = ctypes.CDLL(sys.argv[1])
 lib.shardflow_cpu_isa.restype = ctypes.c_char_p
-print(lib.shardflow_cpu_isa().decode())
+lib.shardflow_cpu_bf16_isa.restype = ctypes.c_char_p
+print(lib.shardflow_cpu_isa().decode(), lib.shardflow_cpu_bf16_isa().decode())
 data = np.load(sys.argv[2], allow_pickle=True)
 for case in data["cases"]:
     sym, ins, outs = case
@@ -722,8 +746,9 @@ print("ok", len(data["cases"]))
 
 def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
     """Run ``cases`` ``[(symbol, inputs, wanted outputs)]`` of the library at ``lib_path`` in a fresh
-    process with ``SHARDFLOW_CPU_ISA=isa`` (:data:`_ISA_SCRIPT` compares them); returns the ISA the
-    library picked and the script's last line (``ok N`` when all N matched)."""
+    process with ``SHARDFLOW_CPU_ISA=isa`` (:data:`_ISA_SCRIPT` compares them); returns the ISAs the
+    library picked (its float32 GEMM's and bfloat16 GEMM's, space-separated) and the script's last line
+    (``ok N`` when all N matched)."""
     import subprocess
     import sys
     np.savez(tmp_path / "cases.npz", cases=np.array(cases, dtype=object))
@@ -749,7 +774,32 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
     assert last == f"ok {len(cases)}" and len(cases) >= 20
+    first = first.split()[0]
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512bf16", "avx512", "avx2", "generic"])
+def test_bfloat16_gemm_on_each_instruction_set(library, tmp_path, isa):
+    """The bfloat16 GEMM's three paths (AMX tiles, AVX-512's vdpbf16ps, and both operands widened for the
+    float32 GEMM's kernel, itself forced to AVX-512, AVX2 or the portable one), each forced with
+    SHARDFLOW_CPU_ISA, match numpy on the large cases; a path the CPU lacks falls back to the next (this
+    machine would otherwise run only the first it has)."""
+    cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], op.run(*arrays))
+             for cid, op, arrays in LARGE if op.op_type == "PackedMatMulBf16"]
+    first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
+    assert last == f"ok {len(cases)}" and len(cases) >= 6
+    flags = _cpu_flags()
+    want = ("amx" if isa == "amx" and {"amx_bf16", "amx_tile"} <= flags else
+            "avx512bf16" if isa in ("amx", "avx512bf16") and "avx512_bf16" in flags else "widened")
+    assert first.split()[1] == want, (first, sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16"}))
 
 
 def test_3d_convs_use_their_template():

@@ -453,9 +453,8 @@ static SfCukr sf_pick_cukr() {
   SfCukr u = {};
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
-  bool allow512 = !force || std::strcmp(force, "avx512") == 0;
-  bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  const bool allow512 = sf_isa_cap() >= SF_ISA_AVX512;
+  const bool allow2 = sf_isa_cap() >= SF_ISA_AVX2;
   if (allow512 && __builtin_cpu_supports("avx512f")) {
 #define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;                 \
     u.dfn[r - 1][0][0] = sf_dkr_avx512<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx512<r, 1, true>;             \

@@ -125,9 +125,8 @@ static SfUkr sf_ukr_all(SfUkrFn fn, int64_t mr, int64_t nr) {
 static SfUkr sf_pick_ukr() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
-  bool allow512 = !force || std::strcmp(force, "avx512") == 0;
-  bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  const bool allow512 = sf_isa_cap() >= SF_ISA_AVX512;
+  const bool allow2 = sf_isa_cap() >= SF_ISA_AVX2;
   if (allow512 && __builtin_cpu_supports("avx512f"))
     return {{sf_ukr_avx512<1>, sf_ukr_avx512<2>, sf_ukr_avx512<3>, sf_ukr_avx512<4>, sf_ukr_avx512<5>,
              sf_ukr_avx512<6>, sf_ukr_avx512<7>, sf_ukr_avx512<8>, sf_ukr_avx512<9>, sf_ukr_avx512<10>,

@@ -131,9 +131,8 @@ struct SfI8Kernel { SfI8Ukr fn[6]; int64_t mr, width; bool wide; };
 static SfI8Kernel sf_pick_i8() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
-  const bool allow512 = !force || std::strcmp(force, "avx512") == 0;
-  const bool allow2 = !force || std::strcmp(force, "avx512") == 0 || std::strcmp(force, "avx2") == 0;
+  const bool allow512 = sf_isa_cap() >= SF_ISA_AVX512;
+  const bool allow2 = sf_isa_cap() >= SF_ISA_AVX2;
   if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
       && __builtin_cpu_supports("avx512vnni"))
     return {{sf_i8ukr_vnni_rows<1>, sf_i8ukr_vnni_rows<2>, sf_i8ukr_vnni_rows<3>, sf_i8ukr_vnni_rows<4>,

@@ -27,8 +27,9 @@
 namespace {
 
 // Scratch memory: one grow-only buffer per slot and calling thread, kept for the process lifetime
-// (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col, 4: a conv's tap offsets, 5: a packed
-// conv's transposed output, 6-7: a packed conv's plain image and output around the blocked layout).
+// (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col, or the bfloat16 GEMM's widened A, 4: a conv's
+// tap offsets, 5: a packed conv's transposed output, 6-7: a packed conv's plain image and output around the
+// blocked layout).
 struct SfWorkspace {
   void* p[8] = {};
   size_t n[8] = {};
@@ -45,6 +46,19 @@ static void* sf_workspace(int slot, size_t bytes) {
     ws.n[slot] = sz;
   }
   return ws.p[slot];
+}
+
+// ---- instruction sets -----------------------------------------------------------------------------
+// The widest instruction set the kernels may use: SHARDFLOW_CPU_ISA (for tests) names it, unset allows
+// all that the CPU has; an unknown name allows the portable loops only. Each kernel table checks the CPU.
+enum { SF_ISA_GENERIC = 0, SF_ISA_AVX2 = 1, SF_ISA_AVX512 = 2, SF_ISA_AVX512BF16 = 3, SF_ISA_AMX = 4 };
+static inline int sf_isa_cap() {
+  const char* force = std::getenv("SHARDFLOW_CPU_ISA");
+  if (!force) return SF_ISA_AMX;
+  static const char* const names[] = {"generic", "avx2", "avx512", "avx512bf16", "amx"};
+  for (int i = 0; i < 5; ++i)
+    if (std::strcmp(force, names[i]) == 0) return i;
+  return SF_ISA_GENERIC;
 }
 
 // ---- bfloat16 storage ---------------------------------------------------------------------------

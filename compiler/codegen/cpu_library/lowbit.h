@@ -218,8 +218,7 @@ static int sf_nbits_isa(const SfNbits& w) {
 #if defined(__x86_64__)
   if (w.bits == 4 && w.blob() % 16 == 0) {
     static const int isa = [] {
-      const char* force = std::getenv("SHARDFLOW_CPU_ISA");
-      if ((!force || std::strcmp(force, "avx512") == 0) && __builtin_cpu_supports("avx512f")
+      if (sf_isa_cap() >= SF_ISA_AVX512 && __builtin_cpu_supports("avx512f")
           && __builtin_cpu_supports("avx512bw"))
         return 2;
       return sf_avx2_helpers() ? 1 : 0;
