@@ -17,7 +17,10 @@ the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepac
 ``--bf16`` also times a bfloat16 copy of each transformer (tests/models/to_half.py: weights, casts and
 graph types in bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to
 onnxruntime on the float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the
-CPU); its max |diff| is the bfloat16 roundings'.
+CPU); its max |diff| is the bfloat16 roundings'. ``--precision-bf16`` also times each transformer compiled
+with ``optimization_config["precision"] = "bfloat16"`` (its products' operands rounded to bfloat16, sums in
+float32: the AMX or AVX-512 BF16 GEMM where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the
+float32 model.
 ``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
@@ -32,7 +35,7 @@ Each line gives the rank's weight bytes too (``weights``: the artifact's ``weigh
 products, without its KV cache).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet]
-                                     [--compare-off blocked] [--int8] [--bf16] [--int4 [--int4-gather]] [--seq 1]
+                                     [--compare-off blocked] [--int8] [--bf16] [--precision-bf16] [--int4 [--int4-gather]] [--seq 1]
 """
 from __future__ import annotations
 
@@ -98,7 +101,7 @@ def _onnxruntime(model, threads: int):
 
 
 def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,
-          compare: str | None = None) -> None:
+          compare: str | None = None, opt: dict | None = None) -> None:
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
@@ -106,7 +109,8 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
     for on in (True, False) if compare else (True,):
         out = os.path.join(work, f"{name}-{on}")
         res = compile(path, distributed_config={"mesh_shape": [1]},
-                      optimization_config={"target": "cpu", **({} if on else {compare: False})}, out_dir=out)
+                      optimization_config={"target": "cpu", **(opt or {}), **({} if on else {compare: False})},
+                      out_dir=out)
         progs.append(load(out, rank=0))
         weights.append(res.ranks[0]["weights_bytes"])
     sess = _onnxruntime(path, threads)
@@ -271,6 +275,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-prepack", action="store_true", help="the same as --compare-off prepack")
     ap.add_argument("--bf16", action="store_true",
                     help="also time a bfloat16 copy of each transformer (next to onnxruntime in float32)")
+    ap.add_argument("--precision-bf16", action="store_true",
+                    help="also time each transformer compiled with precision bfloat16 (next to onnxruntime in float32)")
     ap.add_argument("--int8", action="store_true",
                     help="also time the transformers quantized by onnxruntime's quantize_dynamic")
     ap.add_argument("--int4", action="store_true",
@@ -285,6 +291,8 @@ def main(argv=None) -> None:
         bench(name, path, feeds, args.threads, repeat, work, compare)
         if args.bf16:
             bench_bfloat16(name, path, feeds, args.threads, repeat, work)
+        if args.precision_bf16:
+            bench(f"{name}_pbf16", path, feeds, args.threads, repeat, work, compare, {"precision": "bfloat16"})
         if args.int8:
             bench(f"{name}_int8", int8_copy(path), feeds, args.threads, repeat, work, compare)
             bench(f"{name}_qdq", qdq_copy(path, feeds), feeds, args.threads, repeat, work, compare)

@@ -20,7 +20,9 @@ the prepacked GEMM with the output pixels as rows, transposed back. A WinogradCo
 as rows) and transforms the products back into output tiles. A PackedMatMulInteger (int8/uint8 times a
 weight packed at compile time, int32 sums) runs the integer GEMM of ``cpu_library/gemm_int8.h``; a
 MatMulNBits (2/4/8-bit codes in blocks, onnxruntime's layout) the GEMV or dequantizing GEMM of
-``cpu_library/lowbit.h``.
+``cpu_library/lowbit.h``. A PackedMatMulBf16 (bfloat16 values times a bfloat16 weight packed at compile
+time, float32 sums) runs ``cpu_library/gemm_bf16.h``: AMX tiles, AVX-512's ``vdpbf16ps``, or, on a CPU
+with neither, both operands widened for the float32 GEMM (chosen when first used, as the others are).
 Depthwise, 3-D and transposed convs, pools, attention, Resize, LRN, scans, pads, TopK, Det, BitCast (a byte
 copy; the driver runs it as a view) and large transposes have
 templates of their own (below); every other op, and other dtypes, use the generic lowering.

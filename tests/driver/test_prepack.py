@@ -13,7 +13,8 @@ from shardflow.compiler import compile
 from shardflow.compiler.ir import Tensor, const_tensor
 from shardflow.compiler.ir.graph import FlowGraph
 from shardflow.compiler.ops.elementwise import Binary, CastOp
-from shardflow.compiler.ops.linalg import INT8_PANEL, PANEL, Gemm, MatMul, MatMulInteger, pack_panels
+from shardflow.compiler.ops.linalg import (BF16_PANEL, INT8_PANEL, PANEL, Gemm, MatMul, MatMulInteger, pack_bf16_panels,
+                                           pack_panels)
 from shardflow.compiler.passes.prepack import PrepackWeights
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
@@ -76,6 +77,86 @@ def test_the_pass_rewrites_float32_contractions_with_constant_weights_and_keeps_
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+def test_pack_bf16_panels_layout():
+    bf16 = np.dtype("bfloat16")
+    b = np.random.default_rng(3).standard_normal((45, 37)).astype(bf16)
+    p = pack_bf16_panels(b)
+    assert p.shape == (3, 32, BF16_PANEL, 2) and p.dtype == bf16  # K padded to 64, N to 48
+    for k in range(45):
+        for j in range(37):
+            assert p[j // 16, k // 2, j % 16, k % 2] == b[k, j]
+    assert not p[:, 45 // 2 + 1:].astype(np.float32).any() and not p[-1, :, 37 % 16:].astype(np.float32).any()
+    assert p[:, 22, :, 1].astype(np.float32).sum() == 0  # k = 45, past K
+    np.testing.assert_array_equal(pack_bf16_panels(b.astype(np.float32)), p)  # float32 holding bfloat16 values
+
+
+def _bf16_graph(rng):
+    """Products of bfloat16 values widened (as precision bfloat16 and a bfloat16 model's widened products
+    read them), and ones that must stay float32."""
+    bf16 = np.dtype("bfloat16")
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    x, x2, x3 = Tensor("x", (2, 5, 40), "float32"), Tensor("x2", (5, 40), "float32"), Tensor("x3", (5, 40), "float32")
+    down = CastOp([x], name="down", to="bfloat16")
+    up = CastOp([down.outputs[0]], name="up", to="float32")
+    down2 = CastOp([x2], name="down2", to="bfloat16")
+    up2 = CastOp([down2.outputs[0]], name="up2", to="float32")
+    w_cast = CastOp([const_tensor(f(40, 70).astype(bf16))], name="w_cast", to="float32")  # a bfloat16 constant
+    exact = const_tensor(f(33, 40).astype(bf16).astype(np.float32))  # float32 holding bfloat16 values
+    products = [
+        MatMul([up.outputs[0], w_cast.outputs[0]], name="precision_mm"),
+        Gemm([up2.outputs[0], exact, const_tensor(f(33))], name="model_gemm", trans_b=True, alpha=0.5, beta=2.0),
+        MatMul([up2.outputs[0], const_tensor(f(40, 6))], name="float32_weight"),  # not bfloat16 values
+        MatMul([x3, const_tensor(f(40, 6).astype(bf16).astype(np.float32))], name="float32_input"),  # A is float32
+    ]
+    return FlowGraph([x, x2, x3], [p.outputs[0] for p in products])
+
+
+def test_products_of_bfloat16_values_are_packed_for_the_bfloat16_gemm_with_the_same_values():
+    """A float32 MatMul/Gemm reading bfloat16 values widened by a Cast and a constant B holding bfloat16 values
+    (a Cast of a bfloat16 constant, or float32 values that are bfloat16's) becomes a PackedMatMulBf16 reading
+    the bfloat16 tensor and B in bfloat16 panels; the widened copies go; the others keep the float32 GEMM."""
+    rng = np.random.default_rng(4)
+    g = _bf16_graph(rng)
+    feeds = {"x": rng.standard_normal((2, 5, 40)).astype(np.float32),
+             "x2": rng.standard_normal((5, 40)).astype(np.float32),
+             "x3": rng.standard_normal((5, 40)).astype(np.float32)}
+    want = g.run(feeds)
+    g = PrepackWeights().run(g)
+    g.validate()
+    by = {op.name: op for op in g.nodes}
+    assert {n: by[n].op_type for n in ("precision_mm", "model_gemm", "float32_weight", "float32_input")} == {
+        "precision_mm": "PackedMatMulBf16", "model_gemm": "PackedMatMulBf16", "float32_weight": "PackedMatMul",
+        "float32_input": "PackedMatMul"}
+    assert "w_cast" not in by and "up" not in by  # nothing reads the widened values any more
+    assert by["precision_mm"].inputs[0].dtype == "bfloat16" and by["precision_mm"].inputs[1].shape == (5, 32, 16, 2)
+    assert by["model_gemm"].inputs[1].shape == (3, 32, 16, 2) and by["model_gemm"].attrs["n"] == 33
+    got = g.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+def test_precision_bfloat16_runs_the_bfloat16_gemm_and_matches_onnxruntime(tmp_path):
+    """With precision bfloat16 the cpu target's products of constant weights are PackedMatMulBf16 kernels (the
+    weights stored once, as bfloat16 panels), within bfloat16's tolerance of onnxruntime's float32 result and
+    equal to the float32 GEMM on the same rounded operands (``prepack`` off: the widened values)."""
+    path, x, want = _mlp_with_reference(tmp_path, 5)
+    got = {}
+    for prepack in (True, False):
+        out = tmp_path / f"out{prepack}"
+        compile(path, distributed_config={"mesh_shape": [1]},
+                optimization_config={"target": "cpu", "precision": "bfloat16", "prepack": prepack}, out_dir=out)
+        program = json.loads((out / "rank0" / "program.json").read_text())
+        kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+        if prepack:
+            assert kinds.count("PackedMatMulBf16") == 3 and "MatMul" not in kinds and "Gemm" not in kinds, kinds
+            stored = {b["dtype"] for b in program["buffers"] if b["storage"] == "weights" and len(b["shape"]) > 1}
+            assert stored == {"bfloat16"}, stored
+        got[prepack] = load(out).run({"x": x})["y"]
+    np.testing.assert_allclose(got[True], want, rtol=3e-2, atol=3e-2 * float(np.abs(want).max()))
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_int8_weights_are_packed_for_the_integer_gemm_with_the_same_values():
     """MatMulInteger with a constant int8/uint8 weight (and a constant or no zero point) becomes a
     PackedMatMulInteger reading the weight as the integer GEMM's panels; two readers share one copy; a
@@ -131,6 +212,16 @@ def _onnx_model(rng, path):
     return model
 
 
+def _mlp_with_reference(tmp_path, seed):
+    """:func:`_onnx_model` written under ``tmp_path``, an input ``x`` and onnxruntime's output on it."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "mlp.onnx"
+    _onnx_model(rng, path)
+    x = rng.standard_normal((4, 48)).astype(np.float32)
+    return path, x, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
 def _compiled_ranks(path, out, mesh, algo, x, **options):
     """Compile ``path`` for cpu ranks on ``mesh`` into ``out`` (more ``optimization_config`` in ``options``);
     each rank's program.json and the output ``y`` every rank computes from ``x`` (in-process ranks)."""
@@ -146,12 +237,7 @@ def _compiled_ranks(path, out, mesh, algo, x, **options):
 
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_read_packed_weights_and_match_onnxruntime(tmp_path, mesh, algo):
-    ort = pytest.importorskip("onnxruntime")
-    rng = np.random.default_rng(1)
-    path = tmp_path / "mlp.onnx"
-    _onnx_model(rng, path)
-    x = rng.standard_normal((4, 48)).astype(np.float32)
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    path, x, want = _mlp_with_reference(tmp_path, 1)
     programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
     for program in programs:
         kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
