@@ -12,7 +12,8 @@ namespace {
 // float32 lane, and a whole AMX tile (16 pairs of rows x 16 columns, 1 KB) at every multiple of 32 in k.
 // A is copied per call into rows of Kp values, zero past K (and zero rows up to a whole tile for AMX).
 // Every path computes each product of two bfloat16 values exactly in float32 and sums in float32; they
-// differ in the order of the sums only (and AMX flushes float32 subnormals in its sums to zero).
+// differ in the order of the sums only, and in subnormals: AMX's tdpbf16ps and vdpbf16ps read subnormal
+// inputs as zero and flush subnormal results (Intel's definitions of both; MXCSR is not read).
 constexpr int64_t SF_BF_PANEL = 16;
 constexpr int64_t SF_BF_KSTEP = 32;
 
