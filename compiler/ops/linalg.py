@@ -199,8 +199,6 @@ def pack_bf16_panels(b: np.ndarray) -> np.ndarray:
     16, 2]`` (``Kp``: ``K`` rounded up to :data:`BF16_KSTEP`), ``b[k, j]`` at ``[j // 16, k // 2, j % 16,
     k % 2]``, zero past ``K`` and ``N``: the pairs along ``k`` that AMX and AVX-512's bfloat16 dot
     products add into one float32 sum."""
-    from ..ir.expr import numpy_type
-
     bf16 = numpy_type("bfloat16")
     k, n = b.shape
     kp, npanel = -(-k // BF16_KSTEP) * BF16_KSTEP, -(-n // BF16_PANEL)
@@ -1073,6 +1071,7 @@ def examples(rng: np.random.Generator):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
     i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)  # noqa: E731
+    bf = lambda *s: f(*s).astype(numpy_type("bfloat16"))  # noqa: E731
     res = [
         (MatMul, [f(3, 4), f(4, 5)], {}),
         (MatMul, [f(2, 1, 3, 4), f(3, 4, 2)], {}),
@@ -1105,6 +1104,8 @@ def examples(rng: np.random.Generator):
         (PackedMatMulInteger, [u8(3, 5), *pack_int8_panels(u8(5, 17), np.array(3, np.uint8)), np.array(7, np.uint8)],
          {"n": 17}),
         (PackedMatMulInteger, [i8(2, 3, 9), *pack_int8_panels(i8(9, 4))], {"n": 4}),
+        (PackedMatMulBf16, [bf(3, 5), pack_bf16_panels(bf(5, 17))], {"n": 17}),
+        (PackedMatMulBf16, [bf(2, 3, 40), pack_bf16_panels(bf(40, 4)), f(4)], {"n": 4, "alpha": 0.5, "beta": 2.0}),
         (PackedMatMulInteger, [i8(9), *pack_int8_panels(u8(9, 33), u8(33)), np.array([-5], np.int8)], {"n": 33}),
         (PackedMatMulInteger, [u8(3, 8), *pack_int8_panels(i8(8, 16), np.array(0, np.int8)), u8(3)], {"n": 16}),
         (MatMulNBits, [f(3, 40), u8(5, 3, 8), f(5, 3), rng.integers(0, 16, (5, 3)).astype(np.float32)],
