@@ -42,8 +42,8 @@ __all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kin
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
-_LIBRARY_FILES = ("gemm.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h",
-                  "attention.h", "winograd.h")
+_LIBRARY_FILES = ("gemm.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "depthwise.h", "pool.h", "conv3d.h",
+                  "conv_transpose.h", "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
 
 # The micro-kernel tables (GEMM, int8 GEMM, packed and direct convs): with every tile size and form they
@@ -250,6 +250,18 @@ def _gemm(op) -> str | None:
     return "\n".join(lines)
 
 
+def _packed_bias(op, beta: float, lines: list[str]) -> tuple[str, int, int] | None:
+    """A packed product's bias (input 2, unless ``beta`` is 0) as :func:`_gemm_bias` gives it,
+    ``("nullptr", 0, 0)`` without one, ``None`` for a bias over more than one matrix of rows (which the
+    generic lowering takes)."""
+    if len(op.inputs) <= 2 or beta == 0:
+        return "nullptr", 0, 0
+    cs = op.inputs[2].shape
+    if len(cs) > 2 or (len(cs) == 2 and op.inputs[0].ndim != 2):
+        return None
+    return _gemm_bias(op, beta, lines)
+
+
 def _packed_matmul(op) -> str | None:
     """PackedMatMul: ``a`` with its leading dims folded into M, times the weight packed at compile
     time (``passes/prepack.py``), plus Gemm's bias."""
@@ -258,12 +270,10 @@ def _packed_matmul(op) -> str | None:
     M = _prod(a[:-1])
     alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
     lines = _args(op)
-    bias, rbs, cbs = "nullptr", 0, 0
-    if len(op.inputs) > 2 and beta != 0:
-        cs = op.inputs[2].shape
-        if len(cs) > 2 or (len(cs) == 2 and len(a) != 2):
-            return None  # a bias over more than one matrix of rows: the generic lowering
-        bias, rbs, cbs = _gemm_bias(op, beta, lines)
+    packed_bias = _packed_bias(op, beta, lines)
+    if packed_bias is None:
+        return None
+    bias, rbs, cbs = packed_bias
     lines.append(f"  // PackedMatMul: {_flt(alpha)} * [{M}, {K}] @ [{K}, {N}] (packed)"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
     lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, "
@@ -287,12 +297,10 @@ def _packed_matmul_bf16(op) -> str | None:
     if len(op.inputs) > 2:
         lines.append("  const float* __restrict__ in2 = static_cast<const float*>(inputs[2]);")
     lines.append("  float* __restrict__ out0 = static_cast<float*>(outputs[0]);")
-    bias, rbs, cbs = "nullptr", 0, 0
-    if len(op.inputs) > 2 and beta != 0:
-        cs = op.inputs[2].shape
-        if len(cs) > 2 or (len(cs) == 2 and len(a.shape) != 2):
-            return None  # a bias over more than one matrix of rows: the generic lowering
-        bias, rbs, cbs = _gemm_bias(op, beta, lines)
+    packed_bias = _packed_bias(op, beta, lines)
+    if packed_bias is None:
+        return None
+    bias, rbs, cbs = packed_bias
     lines.append(f"  // PackedMatMulBf16: {_flt(alpha)} * [{M}, {K}] (bfloat16) @ [{K}, {N}] (bfloat16, packed)"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else "") + " in float32")
     lines.append(f"  sf_bgemm_prepacked({M}, {N}, {K}, in0, {K}, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, "

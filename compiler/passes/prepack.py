@@ -109,6 +109,18 @@ def _widened(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
     return p.inputs[0]
 
 
+def _packed_form(op: Operator, a: Tensor, panels: Tensor, n: int) -> tuple[list[Tensor], dict]:
+    """The inputs and attributes of the packed product (PackedMatMul, PackedMatMulBf16) that replaces the
+    MatMul/Gemm ``op``, reading ``a`` and ``panels`` (``n`` columns), plus Gemm's scales and bias."""
+    attrs: dict = {"n": n}
+    inputs = [a, panels]
+    if op.op_type == "Gemm":
+        attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
+        if len(op.inputs) > 2 and attrs["beta"] != 0:
+            inputs.append(op.inputs[2])
+    return inputs, attrs
+
+
 def _bf16_operands(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
     """``(a, w)`` of a float32 MatMul/Gemm (``trans_a`` unset) whose ``A`` is bfloat16 values widened by a
     Cast (``a``: the bfloat16 tensor) and whose 2-D ``B`` is a constant holding bfloat16 values: a Cast of a
@@ -286,13 +298,15 @@ class PrepackWeights(GraphPass):
         forms = {id(op): self._conv_form(op) for op in graph.nodes}
         after: dict[int, list[Operator]] = {}
         replace: dict[int, Tensor] = {}
+        # (once per op: a float32 weight's test of its values reads all of it)
+        bf16_forms = {id(op): _bf16_operands(op, producer) for op in graph.nodes} if self.gemm else {}
         for op in graph.nodes:
-            h = _bf16_operands(op, producer) if self.gemm else None
+            h = bf16_forms.get(id(op))
             b = op.inputs[1] if h is not None else None
             # every reader of B (the float32 values: a Cast's output, or the constant) takes this form, so
             # that the rank stores no float32 copy beside the panels
             if h is not None and id(b) not in outputs and all(
-                    (_bf16_operands(c, producer) or (None, None))[1] is h[1] and _transposed(c) == _transposed(op)
+                    (bf16_forms.get(id(c)) or (None, None))[1] is h[1] and _transposed(c) == _transposed(op)
                     for c in consumers.get(id(b), [])):
                 a, w = h
                 trans = _transposed(op)
@@ -300,12 +314,7 @@ class PrepackWeights(GraphPass):
                     value = np.asarray(w.value)
                     packed_bf16[id(b)] = const_tensor(pack_bf16_panels(value.T if trans else value),
                                                       f"{w.name}.bf16panels" + (".T" if trans else ""))
-                attrs = {"n": int(w.shape[0] if trans else w.shape[1])}
-                inputs = [a, packed_bf16[id(b)]]
-                if op.op_type == "Gemm":
-                    attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
-                    if len(op.inputs) > 2 and attrs["beta"] != 0:
-                        inputs.append(op.inputs[2])
+                inputs, attrs = _packed_form(op, a, packed_bf16[id(b)], int(w.shape[0] if trans else w.shape[1]))
                 new = PackedMatMulBf16([replace.get(id(t), t) for t in inputs], name=op.name, **attrs)
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
@@ -357,13 +366,7 @@ class PrepackWeights(GraphPass):
                 value = np.asarray(b.value, np.float32)
                 packed[id(b)] = const_tensor(pack_panels(value.T if trans else value),
                                              f"{b.name}.panels" + (".T" if trans else ""))
-            n = b.shape[0] if trans else b.shape[1]
-            attrs = {"n": n}
-            inputs = [op.inputs[0], packed[id(b)]]
-            if op.op_type == "Gemm":
-                attrs.update(alpha=float(op.attrs.get("alpha", 1.0)), beta=float(op.attrs.get("beta", 1.0)))
-                if len(op.inputs) > 2 and attrs["beta"] != 0:
-                    inputs.append(op.inputs[2])
+            inputs, attrs = _packed_form(op, op.inputs[0], packed[id(b)], b.shape[0] if trans else b.shape[1])
             # splice redirects the graph's ops, not the new ones: read the earlier replacements here
             inputs = [replace.get(id(t), t) for t in inputs]
             new = PackedMatMul(inputs, name=op.name, **attrs)

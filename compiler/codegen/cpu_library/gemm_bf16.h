@@ -70,22 +70,12 @@ static void sf_bf_pack_a(int64_t M, int64_t K, const uint16_t* __restrict__ A, i
 }
 
 // C[i0 + r, j0 + c] = alpha * T[r][c] (+ bias) for the rows and columns of a block of T (ldt floats a row)
-// that lie inside C
+// that lie inside C (the float32 GEMM's epilogue on the copied block)
 static inline void sf_bf_store(const float* __restrict__ T, int64_t ldt, int64_t rows, int64_t cols, float* C,
                                int64_t ldc, int64_t i0, int64_t j0, float alpha, const float* bias, int64_t rbs,
                                int64_t cbs) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* c = C + (i0 + r) * ldc + j0;
-    const float* t = T + r * ldt;
-    if (bias) {
-      const float* b = bias + (i0 + r) * rbs + j0 * cbs;
-      for (int64_t q = 0; q < cols; ++q) c[q] = alpha * t[q] + b[q * cbs];
-    } else if (alpha != 1.0f) {
-      for (int64_t q = 0; q < cols; ++q) c[q] = alpha * t[q];
-    } else {
-      std::memcpy(c, t, sizeof(float) * cols);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(C + (i0 + r) * ldc + j0, T + r * ldt, sizeof(float) * cols);
+  if (alpha != 1.0f || bias) sf_gemm_epilogue(C, ldc, i0, i0 + rows, j0, j0 + cols, alpha, bias, rbs, cbs);
 }
 
 #if defined(__x86_64__)
