@@ -640,6 +640,13 @@ SF_EXPORT const char* shardflow_cpu_bf16_isa() {
   const int isa = sf_bf16_isa();
   return isa == SF_ISA_AMX ? "amx" : (isa == SF_ISA_AVX512BF16 ? "avx512bf16" : "widened");
 }
+SF_EXPORT const char* shardflow_cpu_int8_isa() {
+#if defined(__x86_64__)
+  if (sf_i8_amx()) return "amx";  // (for 16 rows or more; fewer take the kernel below)
+#endif
+  const int isa = sf_i8_isa();  // (not the table itself: a library without an integer GEMM does not build it)
+  return isa == SF_ISA_AVX512 ? "avx512vnni" : (isa == SF_ISA_AVX2 ? "avx2" : "generic");
+}
 """
 
 

@@ -21,8 +21,8 @@ from ..ir.task import TensorInput, compute, extern, reduce
 from .elementwise import broadcast_shape
 
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
-           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "PackedMatMulBf16", "pack_bf16_panels",
-           "BF16_PANEL", "BF16_KSTEP", "MatMulNBits", "pack_bits", "unpack_bits",
+           "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "INT8_KSTEP", "PackedMatMulBf16",
+           "pack_bf16_panels", "BF16_PANEL", "BF16_KSTEP", "MatMulNBits", "pack_bits", "unpack_bits",
            "GatherBlockQuantized", "ExpertMatMul", "Attention", "parse_einsum", "Det"]
 
 
@@ -431,20 +431,29 @@ class MatMulInteger(Operator):
 #: one AVX-512 register of int32 sums; the contracted dim goes in groups of four (VNNI's
 #: ``vpdpbusd`` multiplies four unsigned by four signed bytes and adds them to one int32 lane).
 INT8_PANEL = 16
+#: The packed int8 weight's contracted dim is padded with zeros to a multiple of this: 16 groups of
+#: four, the rows of one AMX tile (``tdpbusd`` takes 16 x 64 bytes of a panel at a time).
+INT8_KSTEP = 64
+
+
+def _int8_groups(k: int) -> int:
+    """Groups of four along ``K`` in a weight panel packed by :func:`pack_int8_panels`."""
+    return -(-k // INT8_KSTEP) * (INT8_KSTEP // 4)
 
 
 def pack_int8_panels(b: np.ndarray, b_zero_point: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A constant int8 or uint8 matrix ``b[K, N]`` (and its zero point: none, one, or one per column)
     as :class:`PackedMatMulInteger` reads it: ``(bp, bc)``.
 
-    ``bp`` (int8) ``[ceil(N / 16), ceil(K / 4), 16, 4]`` holds ``b' = b`` (int8) or ``b - 128``
-    (uint8, so that every weight is a signed byte) with ``b'[k, j]`` at ``[j // 16, k // 4, j % 16,
-    k % 4]``, zero past ``K`` and ``N``. ``bc`` (int32) ``[2, 16 * ceil(N / 16)]``: row 0 the zero
-    point in the same terms (``bzp - 128`` or ``bzp``, so ``b - bzp = b' - bc[0]``), row 1 the sums of
-    ``b'`` over ``k`` (the kernel's correction for ``a``'s zero point)."""
+    ``bp`` (int8) ``[ceil(N / 16), Kp / 4, 16, 4]`` (``Kp``: ``K`` rounded up to :data:`INT8_KSTEP`)
+    holds ``b' = b`` (int8) or ``b - 128`` (uint8, so that every weight is a signed byte) with
+    ``b'[k, j]`` at ``[j // 16, k // 4, j % 16, k % 4]``, zero past ``K`` and ``N``. ``bc`` (int32)
+    ``[2, 16 * ceil(N / 16)]``: row 0 the zero point in the same terms (``bzp - 128`` or ``bzp``, so
+    ``b - bzp = b' - bc[0]``), row 1 the sums of ``b'`` over ``k`` (the kernel's correction for ``a``'s
+    zero point)."""
     k, n = b.shape
     shift = 128 if b.dtype == np.uint8 else 0
-    npanel, ngroup = -(-n // INT8_PANEL), -(-k // 4)
+    npanel, ngroup = -(-n // INT8_PANEL), _int8_groups(k)
     bp = spill_zeros((npanel, ngroup, INT8_PANEL, 4), np.int8)
     bc = np.zeros((2, npanel * INT8_PANEL), np.int32)
     zp = np.zeros(n, np.int32) if b_zero_point is None else np.broadcast_to(
@@ -478,11 +487,11 @@ class PackedMatMulInteger(Operator):
     def compute(self, a, bp, bc, *azp):
         n = int(self.attrs["n"])
         if a.ndim < 1 or a.dtype not in ("int8", "uint8") or bp.ndim != 4 or tuple(bp.shape[2:]) != (INT8_PANEL, 4) \
-                or bp.shape[1] != -(-a.shape[-1] // 4) or bp.shape[0] != -(-n // INT8_PANEL) \
+                or bp.shape[1] != _int8_groups(a.shape[-1]) or bp.shape[0] != -(-n // INT8_PANEL) \
                 or tuple(bc.shape) != (2, bp.shape[0] * INT8_PANEL):
             raise ShapeError(f"{self.name}: PackedMatMulInteger takes a[..., K] (int8/uint8), panels "
-                             f"[ceil(N/{INT8_PANEL}), ceil(K/4), {INT8_PANEL}, 4] and column terms [2, "
-                             f"{INT8_PANEL} * ceil(N/{INT8_PANEL})] with N = {n}, got shapes {a.shape}, {bp.shape} "
+                             f"[ceil(N/{INT8_PANEL}), ceil(K/{INT8_KSTEP})*{INT8_KSTEP // 4}, {INT8_PANEL}, 4] and "
+                             f"column terms [2, {INT8_PANEL} * ceil(N/{INT8_PANEL})] with N = {n}, got shapes {a.shape}, {bp.shape} "
                              f"and {bc.shape}")
         z = azp[0] if azp else None
         _check_qparam(self.name, z, "a_zero_point", a.shape[-2] if a.ndim >= 2 else 1)

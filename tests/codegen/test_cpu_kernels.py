@@ -26,7 +26,7 @@ from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
-from shardflow.compiler.ops.linalg import (INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
+from shardflow.compiler.ops.linalg import (INT8_KSTEP, INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
                                            MatMulNBits, PackedMatMul, PackedMatMulBf16, PackedMatMulInteger,
                                            pack_bf16_panels, pack_int8_panels)
 from shardflow.compiler.ops.norm import LRN, LayerNorm
@@ -64,7 +64,7 @@ def _i8mm(a_shape, n, dtype, zp):
     """A PackedMatMulInteger of ``a`` (``dtype``) times a packed int8 weight of ``n`` columns; ``zp``: the
     shape of ``a``'s zero point (``None``: none)."""
     k = a_shape[-1]
-    ins = [_t(a_shape, dtype), _t((-(-n // INT8_PANEL), -(-k // 4), INT8_PANEL, 4), "int8"),
+    ins = [_t(a_shape, dtype), _t((-(-n // INT8_PANEL), -(-k // INT8_KSTEP) * INT8_KSTEP // 4, INT8_PANEL, 4), "int8"),
            _t((2, INT8_PANEL * -(-n // INT8_PANEL)), "int32")]
     return PackedMatMulInteger(ins + ([_t(zp, dtype)] if zp is not None else []), n=n)
 
@@ -456,6 +456,7 @@ def _large():
         _i8mm((1, 1000), 130, "int8", None),
         _i8mm((1000,), 33, "uint8", (1,)),
         _i8mm((9, 64), 64, "int8", ()),
+        _i8mm((64, 256), 48, "uint8", None),  # (whole AMX tiles)
         # the bfloat16 GEMM (cpu_library/gemm_bf16.h): K off the 32-deep AMX tile, N off the 16-column panel
         # and the 32-column tiles, row tails of the 16-row AMX tiles and the 12-row vdpbf16ps kernel, one
         # and two rows (the widened path's GEMV), two K blocks of the vdpbf16ps kernel (K > 512), biases
@@ -727,7 +728,8 @@ import numpy as np
 lib = ctypes.CDLL(sys.argv[1])
 lib.shardflow_cpu_isa.restype = ctypes.c_char_p
 lib.shardflow_cpu_bf16_isa.restype = ctypes.c_char_p
-print(lib.shardflow_cpu_isa().decode(), lib.shardflow_cpu_bf16_isa().decode())
+lib.shardflow_cpu_int8_isa.restype = ctypes.c_char_p
+print(lib.shardflow_cpu_isa().decode(), lib.shardflow_cpu_bf16_isa().decode(), lib.shardflow_cpu_int8_isa().decode())
 data = np.load(sys.argv[2], allow_pickle=True)
 for case in data["cases"]:
     sym, ins, outs = case
@@ -747,7 +749,7 @@ print("ok", len(data["cases"]))
 def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
     """Run ``cases`` ``[(symbol, inputs, wanted outputs)]`` of the library at ``lib_path`` in a fresh
     process with ``SHARDFLOW_CPU_ISA=isa`` (:data:`_ISA_SCRIPT` compares them); returns the ISAs the
-    library picked (its float32 GEMM's and bfloat16 GEMM's, space-separated) and the script's last line
+    library picked (its float32 GEMM's, bfloat16 GEMM's and integer GEMM's, space-separated) and the script's last line
     (``ok N`` when all N matched)."""
     import subprocess
     import sys
@@ -800,6 +802,24 @@ def test_bfloat16_gemm_on_each_instruction_set(library, tmp_path, isa):
     want = ("amx" if isa == "amx" and {"amx_bf16", "amx_tile"} <= flags else
             "avx512bf16" if isa in ("amx", "avx512bf16") and "avx512_bf16" in flags else "widened")
     assert first.split()[1] == want, (first, sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16"}))
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512"])
+def test_integer_gemm_on_each_instruction_set(library, tmp_path, isa):
+    """The integer GEMM on AMX tiles (tdpbusd, for 16 rows or more) and on AVX-512 VNNI, each forced with
+    SHARDFLOW_CPU_ISA, match numpy exactly on the large cases (AVX2's and the portable kernel:
+    test_gemm_micro_kernels_of_other_cpus); a CPU without one falls back to the next."""
+    cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], op.run(*arrays))
+             for cid, op, arrays in LARGE if op.op_type == "PackedMatMulInteger"]
+    assert sum(op.inputs[0].ndim >= 2 and op.inputs[0].shape[-2] >= 16 for _, op, _ in LARGE
+               if op.op_type == "PackedMatMulInteger") >= 3  # (each GEMM has 16 rows or more)
+    first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
+    assert last == f"ok {len(cases)}" and len(cases) >= 7
+    flags = _cpu_flags()
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    want = ("amx" if isa == "amx" and {"amx_int8", "amx_tile"} <= flags else
+            "avx512vnni" if vnni else "avx2" if "avx2" in flags else "generic")
+    assert first.split()[2] == want, (first, sorted(flags & {"amx_int8", "amx_tile", "avx512_vnni"}))
 
 
 def test_3d_convs_use_their_template():

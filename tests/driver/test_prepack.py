@@ -191,7 +191,7 @@ def test_int8_weights_are_packed_for_the_integer_gemm_with_the_same_values():
                      "kept_cast": "Cast", "computed_zp": "MatMulInteger"}
     by = {op.name: op for op in g.nodes}
     assert by["shared_a"].inputs[1] is by["shared_b"].inputs[1]
-    assert by["zp_both"].inputs[1].shape == (-(-70 // INT8_PANEL), 10, INT8_PANEL, 4)
+    assert by["zp_both"].inputs[1].shape == (-(-70 // INT8_PANEL), 16, INT8_PANEL, 4)  # (K = 40 padded to 64)
     got = g.run(feeds)
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)

@@ -20,11 +20,12 @@ constexpr int64_t SF_BF_KSTEP = 32;
 static inline int64_t sf_bf_kp(int64_t K) { return (K + SF_BF_KSTEP - 1) / SF_BF_KSTEP * SF_BF_KSTEP; }
 
 #if defined(__x86_64__)
-// whether the CPU has AMX-BF16 and the kernel lets this process use the tile registers (Linux asks
-// each process to request them: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA))
-static bool sf_amx_usable() {
+// whether the CPU has AMX with the products of CPUID.7.0:EDX bit `feature` (22: AMX-BF16, 25: AMX-INT8) and
+// the kernel lets this process use the tile registers (Linux asks each process to request them:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once for all its threads)
+static bool sf_amx_usable(int feature) {
   unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << feature)) || !(d & (1u << 24))) return false;
 #if defined(SYS_arch_prctl)
   return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #else
@@ -46,7 +47,7 @@ static int sf_bf16_isa() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     const int cap = sf_isa_cap();
-    if (cap >= SF_ISA_AMX && sf_amx_usable()) return int(SF_ISA_AMX);
+    if (cap >= SF_ISA_AMX && sf_amx_usable(22)) return int(SF_ISA_AMX);
     if (cap >= SF_ISA_AVX512BF16 && sf_avx512bf16_usable()) return int(SF_ISA_AVX512BF16);
 #endif
     return int(SF_ISA_GENERIC);
@@ -87,7 +88,7 @@ struct SfAmxConfig {
 };
 
 // every tile 16 rows of 64 bytes: 0-3 the sums (16 x 16 float32), 4-5 A (16 rows x 32 bfloat16), 6-7 B
-// (16 pairs of rows x 16 columns x 2). A constant in memory: GCC's _tile_loadconfig tells the compiler it
+// (16 pairs of rows x 16 columns x 2); the integer GEMM's tiles have the same shapes (gemm_int8.h). A constant in memory: GCC's _tile_loadconfig tells the compiler it
 // reads 8 bytes, so a configuration built on the stack lost its other zeros to dead-store elimination
 alignas(64) static const SfAmxConfig sf_amx_config = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
@@ -98,45 +99,49 @@ static void sf_amx_configure() { _tile_loadconfig(&sf_amx_config); }
 __attribute__((target("amx-tile")))
 static void sf_amx_release() { _tile_release(); }
 
-// T[32][32] (rows 16.. with MT = 2, columns 16.. with NT = 2) = Ap's 16 MT rows (Kp values a row) @ the
-// NT panels at B0 (pstride values apart), over all of Kp
-template <int MT, int NT>
-__attribute__((target("amx-tile,amx-bf16")))
-static void sf_amx_block(const uint16_t* Ap, int64_t Kp, const uint16_t* B0, int64_t pstride, float* T) {
+// T[32][32] (rows 16.. with MT = 2, columns 16.. with NT = 2) = the 16 MT rows of A (lda bytes apart) . the
+// NT panels at B0 (ldp bytes apart) over `steps` steps of k, each 64 bytes of A's rows and a whole tile of
+// 1 KB of each panel: bfloat16 pairs (tdpbf16ps, float32 sums) or, with INT8, unsigned bytes of A times
+// signed bytes of B in groups of 4 (tdpbusd, int32 sums); only the instructions of the one asked run
+template <int MT, int NT, bool INT8>
+__attribute__((target("amx-tile,amx-bf16,amx-int8")))
+static void sf_amx_block(const char* A, int64_t lda, int64_t steps, const char* B0, int64_t ldp, void* T) {
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (MT > 1) _tile_zero(2);
   if constexpr (MT > 1 && NT > 1) _tile_zero(3);
-  const int64_t lda = Kp * 2;
-  for (int64_t k = 0; k < Kp; k += SF_BF_KSTEP) {
-    _tile_loadd(4, Ap + k, lda);
-    _tile_loadd(6, B0 + k * SF_BF_PANEL, 64);
-    if constexpr (NT > 1) _tile_loadd(7, B0 + pstride + k * SF_BF_PANEL, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MT > 1) {
-      _tile_loadd(5, Ap + 16 * Kp + k, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NT > 1) _tile_dpbf16ps(3, 5, 7);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, A + 64 * s, lda);
+    _tile_loadd(6, B0 + 1024 * s, 64);
+    if constexpr (NT > 1) _tile_loadd(7, B0 + ldp + 1024 * s, 64);
+    if constexpr (MT > 1) _tile_loadd(5, A + 16 * lda + 64 * s, lda);
+    if constexpr (INT8) {
+      _tile_dpbusd(0, 4, 6);
+      if constexpr (NT > 1) _tile_dpbusd(1, 4, 7);
+      if constexpr (MT > 1) _tile_dpbusd(2, 5, 6);
+      if constexpr (MT > 1 && NT > 1) _tile_dpbusd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+      if constexpr (MT > 1 && NT > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, T, 128);
-  if constexpr (NT > 1) _tile_stored(1, T + 16, 128);
-  if constexpr (MT > 1) _tile_stored(2, T + 16 * 32, 128);
-  if constexpr (MT > 1 && NT > 1) _tile_stored(3, T + 16 * 32 + 16, 128);
+  char* t = static_cast<char*>(T);  // (rows of 32 four-byte sums)
+  _tile_stored(0, t, 128);
+  if constexpr (NT > 1) _tile_stored(1, t + 64, 128);
+  if constexpr (MT > 1) _tile_stored(2, t + 16 * 128, 128);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, t + 16 * 128 + 64, 128);
 }
 
-// C = alpha * (A @ B) + bias on AMX: A packed to whole tiles; blocks of 32 x 32; the threads split each
-// chunk of row blocks' (column block, row block) pairs in order, so a thread's blocks share B's columns
-static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                         float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
-  const int64_t Kp = sf_bf_kp(K), pstride = Kp * SF_BF_PANEL;
-  const int64_t mt = (M + 15) / 16, np = (N + SF_BF_PANEL - 1) / SF_BF_PANEL;
-  uint16_t* Ap = static_cast<uint16_t*>(sf_workspace(1, sizeof(uint16_t) * mt * 16 * Kp));
-  sf_bf_pack_a(M, K, A, lda, mt * 16, Kp, Ap, par);
-  const int64_t rb = (mt + 1) / 2, cb = (np + 1) / 2;
-  // row blocks per chunk: A's chunk (up to 256 rows) stays in the cache while B streams past it
-  const int64_t chunk = 8;
+// Every block of 32 x 32 sums of mt row tiles of A (whole tiles, lda bytes a row) by np panels (ldp bytes
+// apart) on AMX, handed to out(T, i0, j0) (T: 32 x 32 floats or int32s; rows and columns past the matrix
+// are the padding's): the threads split each chunk of 8 row blocks' (column block, row block) pairs in
+// order, so a thread's blocks share B's columns while the chunk's A (up to 256 rows) stays in the cache
+template <bool INT8, typename Out>
+static void sf_amx_blocks(int64_t mt, int64_t np, int64_t steps, const char* A, int64_t lda, const char* B,
+                          int64_t ldp, bool par, Out out) {
+  const int64_t rb = (mt + 1) / 2, cb = (np + 1) / 2, chunk = 8;
   #pragma omp parallel if (par)
   {
     sf_amx_configure();
@@ -146,20 +151,32 @@ static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < cb * nr; ++t) {
         const int64_t c = t / nr, r = r0 + t % nr;
-        const int64_t i0 = 32 * r, j0 = 32 * c;
         const bool two_m = 2 * r + 1 < mt, two_n = 2 * c + 1 < np;
-        const uint16_t* Ab = Ap + i0 * Kp;
-        const uint16_t* B0 = Bp + 2 * c * pstride;
-        if (two_m && two_n) sf_amx_block<2, 2>(Ab, Kp, B0, pstride, T);
-        else if (two_m) sf_amx_block<2, 1>(Ab, Kp, B0, pstride, T);
-        else if (two_n) sf_amx_block<1, 2>(Ab, Kp, B0, pstride, T);
-        else sf_amx_block<1, 1>(Ab, Kp, B0, pstride, T);
-        sf_bf_store(T, 32, std::min<int64_t>(32, M - i0), std::min<int64_t>(32, N - j0), C, ldc, i0, j0, alpha, bias,
-                    rbs, cbs);
+        const char* Ab = A + 32 * r * lda;
+        const char* B0 = B + 2 * c * ldp;
+        if (two_m && two_n) sf_amx_block<2, 2, INT8>(Ab, lda, steps, B0, ldp, T);
+        else if (two_m) sf_amx_block<2, 1, INT8>(Ab, lda, steps, B0, ldp, T);
+        else if (two_n) sf_amx_block<1, 2, INT8>(Ab, lda, steps, B0, ldp, T);
+        else sf_amx_block<1, 1, INT8>(Ab, lda, steps, B0, ldp, T);
+        out(static_cast<const void*>(T), 32 * r, 32 * c);
       }
     }
     sf_amx_release();
   }
+}
+
+// C = alpha * (A @ B) + bias on AMX: A packed to whole tiles, rows of Kp values
+static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
+                         float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
+  const int64_t Kp = sf_bf_kp(K), pstride = Kp * SF_BF_PANEL;
+  const int64_t mt = (M + 15) / 16, np = (N + SF_BF_PANEL - 1) / SF_BF_PANEL;
+  uint16_t* Ap = static_cast<uint16_t*>(sf_workspace(1, sizeof(uint16_t) * mt * 16 * Kp));
+  sf_bf_pack_a(M, K, A, lda, mt * 16, Kp, Ap, par);
+  sf_amx_blocks<false>(mt, np, Kp / SF_BF_KSTEP, reinterpret_cast<const char*>(Ap), 2 * Kp,
+                       reinterpret_cast<const char*>(Bp), 2 * pstride, par, [&](const void* T, int64_t i0, int64_t j0) {
+    sf_bf_store(static_cast<const float*>(T), 32, std::min<int64_t>(32, M - i0), std::min<int64_t>(32, N - j0), C,
+                ldc, i0, j0, alpha, bias, rbs, cbs);
+  });
 }
 
 // ---- AVX-512 BF16: MR rows x 32 columns (two panels), vdpbf16ps on pairs of k ----

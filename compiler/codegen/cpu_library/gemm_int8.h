@@ -2,12 +2,16 @@
 namespace {
 
 // The weight comes packed at compile time (ops.linalg.pack_int8_panels): panels of SF_I8_PANEL columns,
-// each [ceil(K / 4)][16][4] signed bytes b' (b, or b - 128 for uint8), and bc[2][16 * panels]: the
+// each [Kp / 4][16][4] signed bytes b' (b, or b - 128 for uint8; Kp: K rounded up to SF_I8_KSTEP, zero
+// past K: every 64 values of k a whole AMX tile of 16 x 64 bytes), and bc[2][16 * panels]: the
 // zero point in those terms and the column sums of b'. A is copied per call into rows of unsigned bytes
 // a' (a, or a + 128 for int8) padded to a multiple of 4, with their sums; then
 //   C = sum_k a' b' - bc[0] * rowsum(a') - z * bc[1] + K * z * bc[0]
 // (z: A's zero point plus the same 128), which equals sum_k (a - azp)(b - bzp) modulo 2^32.
 constexpr int64_t SF_I8_PANEL = 16;
+constexpr int64_t SF_I8_KSTEP = 64;
+// groups of 4 values of k in a packed panel
+static inline int64_t sf_i8_groups(int64_t K) { return (K + SF_I8_KSTEP - 1) / SF_I8_KSTEP * (SF_I8_KSTEP / 4); }
 // k groups of 4 per block (1024 values of k): a block of 4 panels (64 columns, 64 KB) stays in L2 across
 // A's rows. Measured on Zen 4 (benchmarks/cpu_gemm.py int8_*): blocks of 64 groups (16 KB, L1) were
 // 3-7% slower at K = 768 and 3072: C is read and written again after each block.
@@ -128,16 +132,25 @@ static void sf_i8ukr_avx2(int64_t ng, const void* Av, int64_t lda, const int8_t*
 // the kernel, its rows and columns per tile, and whether it reads A' as int16
 struct SfI8Kernel { SfI8Ukr fn[6]; int64_t mr, width; bool wide; };
 
-static SfI8Kernel sf_pick_i8() {
+// the kernel the table holds: SF_ISA_AVX512 (VNNI), SF_ISA_AVX2 or SF_ISA_GENERIC (without building it)
+static int sf_i8_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const bool allow512 = sf_isa_cap() >= SF_ISA_AVX512;
-  const bool allow2 = sf_isa_cap() >= SF_ISA_AVX2;
-  if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+  if (sf_isa_cap() >= SF_ISA_AVX512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
       && __builtin_cpu_supports("avx512vnni"))
+    return SF_ISA_AVX512;
+  if (sf_isa_cap() >= SF_ISA_AVX2 && __builtin_cpu_supports("avx2")) return SF_ISA_AVX2;
+#endif
+  return SF_ISA_GENERIC;
+}
+
+static SfI8Kernel sf_pick_i8() {
+#if defined(__x86_64__)
+  const int isa = sf_i8_isa();
+  if (isa == SF_ISA_AVX512)
     return {{sf_i8ukr_vnni_rows<1>, sf_i8ukr_vnni_rows<2>, sf_i8ukr_vnni_rows<3>, sf_i8ukr_vnni_rows<4>,
              sf_i8ukr_vnni_rows<5>, sf_i8ukr_vnni_rows<6>}, 6, 64, false};
-  if (allow2 && __builtin_cpu_supports("avx2"))
+  if (isa == SF_ISA_AVX2)
     return {{sf_i8ukr_avx2<1>, sf_i8ukr_avx2<2>, sf_i8ukr_avx2<3>, sf_i8ukr_avx2<4>, nullptr, nullptr}, 4, 8, true};
 #endif
   return {{sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, sf_i8ukr_generic, nullptr, nullptr}, 4, 16, false};
@@ -148,52 +161,110 @@ SF_TABLE_FROM_PREBUILT(SfI8Kernel, i8_kernel)
 static const SfI8Kernel& sf_i8_kernel() { static const SfI8Kernel k = sf_pick_i8(); return k; }
 #endif
 
+// A' row i (lda elements: K values a ^ flip, zeros after) from A's row (K bytes); returns its sum
+template <typename T>
+static inline int32_t sf_i8_pack_row(const uint8_t* __restrict__ src, int64_t K, uint8_t flip, T* __restrict__ dst,
+                                     int64_t lda) {
+  int32_t s = 0;
+  for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = T(v); s += v; }
+  for (int64_t k = K; k < lda; ++k) dst[k] = 0;
+  return s;
+}
+
+// A's zero point of row i plus the shift (128 for a signed A), in a' terms
+static inline int32_t sf_i8_zero(const void* azp, bool azp_per_row, bool a_signed, int64_t i) {
+  int32_t z = 0;
+  if (azp) {
+    const int64_t at = azp_per_row ? i : 0;
+    z = a_signed ? int32_t(static_cast<const int8_t*>(azp)[at]) : int32_t(static_cast<const uint8_t*>(azp)[at]);
+  }
+  return z + (a_signed ? 128 : 0);
+}
+
+// c[j] = t[j] + (K z - rowsum) bc[0][j] - z bc[1][j] for j in [j0, j1), in wrapping int32: the zero points' terms
+// of one row's sums t (t = c: in place)
+static inline void sf_i8_finish(int32_t* c, const int32_t* t, int64_t j0, int64_t j1, int64_t K, int32_t z,
+                                int32_t rowsum, const int32_t* bc, const int32_t* bsum) {
+  const uint32_t u = uint32_t(K) * uint32_t(z) - uint32_t(rowsum);
+  for (int64_t j = j0; j < j1; ++j)
+    c[j] = int32_t(uint32_t(t[j - j0]) + u * uint32_t(bc[j]) - uint32_t(z) * uint32_t(bsum[j]));
+}
+
+#if defined(__x86_64__)
+// ---- AMX: blocks of 2 x 2 tiles of 16 x 16 int32 sums; tdpbusd adds 64 byte products of k a time ----
+// whether the tiles' integer products may run (once per process): AMX-INT8, allowed by SHARDFLOW_CPU_ISA
+static bool sf_i8_amx() {
+  static const bool ok = sf_isa_cap() >= SF_ISA_AMX && sf_amx_usable(25);
+  return ok;
+}
+
+// the integer GEMM on AMX: A' rows of Kp bytes, zero rows up to whole tiles; the bfloat16 GEMM's blocks of
+// 32 x 32 (sf_amx_blocks), each finished with the zero points' terms as it is copied out
+static void sf_igemm_amx(int64_t M, int64_t N, int64_t K, const uint8_t* a8, uint8_t flip, const void* azp,
+                         bool azp_per_row, bool a_signed, const int8_t* bp, const int32_t* bc, const int32_t* bsum,
+                         int32_t* C, int64_t ldc, bool par) {
+  const int64_t ngp = sf_i8_groups(K), lda = 4 * ngp, ldp = 64 * ngp;
+  const int64_t mt = (M + 15) / 16, np = (N + SF_I8_PANEL - 1) / SF_I8_PANEL;
+  char* ws = static_cast<char*>(sf_workspace(1, size_t(mt) * 16 * lda + 2 * sizeof(int32_t) * M + 64));
+  uint8_t* Ap = reinterpret_cast<uint8_t*>(ws);
+  int32_t* rowsum = reinterpret_cast<int32_t*>(ws + mt * 16 * lda);
+  int32_t* zrow = rowsum + M;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t i = 0; i < mt * 16; ++i) {
+    if (i < M) {
+      rowsum[i] = sf_i8_pack_row(a8 + i * K, K, flip, Ap + i * lda, lda);
+      zrow[i] = sf_i8_zero(azp, azp_per_row, a_signed, i);
+    } else {
+      std::memset(Ap + i * lda, 0, lda);
+    }
+  }
+  sf_amx_blocks<true>(mt, np, ngp / 16, reinterpret_cast<const char*>(Ap), lda, reinterpret_cast<const char*>(bp),
+                      ldp, par, [&](const void* T, int64_t i0, int64_t j0) {
+    const int32_t* t = static_cast<const int32_t*>(T);
+    const int64_t rows = std::min<int64_t>(32, M - i0), j1 = std::min<int64_t>(j0 + 32, N);
+    for (int64_t q = 0; q < rows; ++q)
+      sf_i8_finish(C + (i0 + q) * ldc, t + 32 * q, j0, j1, K, zrow[i0 + q], rowsum[i0 + q], bc, bsum);
+  });
+}
+#endif
+
 // C[M, N] (int32, rows ldc apart) = (A - azp) @ (B - bzp) for A [M, K] (rows of K bytes, signed when
-// a_signed) and B packed as above; azp: nullptr, one value (azp_per_row false) or one per row
+// a_signed) and B packed as above; azp: nullptr, one value (azp_per_row false) or one per row. AMX takes
+// 16 rows or more (fewer fill a tile's rows with zeros: VNNI's kernel reads only the rows there are)
 static void sf_igemm_prepacked(int64_t M, int64_t N, int64_t K, const void* A, bool a_signed, const void* azp,
                                bool azp_per_row, const int8_t* bp, const int32_t* bc, int32_t* C, int64_t ldc,
                                bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
-  const SfI8Kernel& kr = sf_i8_kernel();
-  const int64_t ng = (K + 3) / 4, lda = 4 * ng;  // A' row: K values and zeros up to a multiple of 4
-  const int64_t ldp = 64 * ng;                    // bytes per weight panel
-  const int64_t esz = kr.wide ? 2 : 1;
   const int32_t* bsum = bc + SF_I8_PANEL * ((N + SF_I8_PANEL - 1) / SF_I8_PANEL);  // bc's second row
-  if (ng == 0) {  // nothing contracted: every sum is empty
+  if (K <= 0) {  // nothing contracted: every sum is empty
     for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(int32_t) * N);
     return;
   }
+  const uint8_t* a8 = static_cast<const uint8_t*>(A);
+  const uint8_t flip = a_signed ? 0x80 : 0;  // a + 128 as an unsigned byte
+#if defined(__x86_64__)
+  if (M >= 16 && sf_i8_amx()) {
+    const bool par = allow_parallel && sf_max_threads() > 1 && N > 32 && (double)M * N * K >= 1048576.0;
+    return sf_igemm_amx(M, N, K, a8, flip, azp, azp_per_row, a_signed, bp, bc, bsum, C, ldc, par);
+  }
+#endif
+  const SfI8Kernel& kr = sf_i8_kernel();
+  const int64_t ng = (K + 3) / 4, lda = 4 * ng;  // A' row: K values and zeros up to a multiple of 4
+  const int64_t ldp = 64 * sf_i8_groups(K);     // bytes per weight panel
+  const int64_t esz = kr.wide ? 2 : 1;
   char* ws = static_cast<char*>(sf_workspace(1, size_t(M) * (lda * esz + 2 * sizeof(int32_t)) + 64));
   int32_t* rowsum = reinterpret_cast<int32_t*>(ws);
   int32_t* zrow = rowsum + M;
   void* Ap = ws + 2 * sizeof(int32_t) * M;
-  const uint8_t* a8 = static_cast<const uint8_t*>(A);
-  const uint8_t flip = a_signed ? 0x80 : 0;  // a + 128 as an unsigned byte
-  const int32_t shift = a_signed ? 128 : 0;
   const int64_t tiles = (N + kr.width - 1) / kr.width;
   const bool par = allow_parallel && sf_max_threads() > 1 && tiles > 1 && (double)M * N * K >= 1048576.0;
   #pragma omp parallel if (par)
   {
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
-      const uint8_t* src = a8 + i * K;
-      int32_t s = 0;
-      if (kr.wide) {
-        int16_t* dst = static_cast<int16_t*>(Ap) + i * lda;
-        for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = int16_t(v); s += v; }
-        for (int64_t k = K; k < lda; ++k) dst[k] = 0;
-      } else {
-        uint8_t* dst = static_cast<uint8_t*>(Ap) + i * lda;
-        for (int64_t k = 0; k < K; ++k) { const uint8_t v = src[k] ^ flip; dst[k] = v; s += v; }
-        for (int64_t k = K; k < lda; ++k) dst[k] = 0;
-      }
-      rowsum[i] = s;
-      int32_t z = 0;
-      if (azp) {
-        const int64_t at = azp_per_row ? i : 0;
-        z = a_signed ? int32_t(static_cast<const int8_t*>(azp)[at]) : int32_t(static_cast<const uint8_t*>(azp)[at]);
-      }
-      zrow[i] = z + shift;
+      rowsum[i] = kr.wide ? sf_i8_pack_row(a8 + i * K, K, flip, static_cast<int16_t*>(Ap) + i * lda, lda)
+                          : sf_i8_pack_row(a8 + i * K, K, flip, static_cast<uint8_t*>(Ap) + i * lda, lda);
+      zrow[i] = sf_i8_zero(azp, azp_per_row, a_signed, i);
     }
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
@@ -208,12 +279,9 @@ static void sf_igemm_prepacked(int64_t M, int64_t N, int64_t K, const void* A, b
           kr.fn[mr - 1](gn, Ai, lda, Bt + 64 * g0, ldp, C + i0 * ldc + j0, ldc, mr, nc, g0 == 0);
         }
       }
-      // the zero points' terms: C += (K z - rowsum) bc[0] - z bc[1]
       for (int64_t i = 0; i < M; ++i) {
-        const int32_t u = int32_t(uint32_t(K) * uint32_t(zrow[i]) - uint32_t(rowsum[i])), z = zrow[i];
         int32_t* c = C + i * ldc;
-        for (int64_t j = j0; j < j0 + nc; ++j)
-          c[j] = int32_t(uint32_t(c[j]) + uint32_t(u) * uint32_t(bc[j]) - uint32_t(z) * uint32_t(bsum[j]));
+        sf_i8_finish(c, c + j0, j0, j0 + nc, K, zrow[i], rowsum[i], bc, bsum);
       }
     }
   }
