@@ -16,7 +16,7 @@ kernels like any elementwise chain, and a dequantized constant weight is folded 
 * ``ConvInteger``: an int32 ``Conv`` of ``int32(x) - x_zero_point`` and ``int32(w) - w_zero_point``
   (the weight's zero point one value or one per output channel), padding with zeros after the
   shift, as the ONNX reference computes it;
-* ``QLinearConv``: that int32 convolution plus the int32 bias ``B``, times
+* ``QLinearConv``: that int32 convolution plus the int32 bias ``B`` (added after it), times
   ``x_scale * w_scale / y_scale`` (formed in the scales' type, ``w_scale`` one value or one per
   output channel) in float64, rounded half to even, plus ``y_zero_point``, clipped to the output
   type's range (that of ``y_zero_point``).
@@ -192,7 +192,9 @@ def qlinear_conv(ctx):
     out = yzp.dtype
     if out not in ("int8", "uint8"):
         raise ctx.unsupported(f"{out} output (int8/uint8 expected)")
-    acc = _conv_int32(ctx, _shifted(ctx, x, xzp, "x"), _shifted(ctx, w, wzp, "w"), bias, f"{ctx.name}/conv_int32")
+    acc = _conv_int32(ctx, _shifted(ctx, x, xzp, "x"), _shifted(ctx, w, wzp, "w"), None, f"{ctx.name}/conv_int32")
+    if bias is not None:  # (added after the conv, so that the cpu target's integer conv takes the conv alone)
+        acc = ctx.emit("Add", [acc, _spread(ctx, bias, acc, 1, 0, "B")], _OPSET)
     # the multiplier in the scales' type, per output channel along the output's axis 1
     mult = ctx.emit("Div", [ctx.emit("Mul", [_spread(ctx, xs, acc, 1, 0, "x_scale"),
                                              _spread(ctx, ws, acc, 1, 0, "w_scale")], _OPSET),

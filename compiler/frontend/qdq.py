@@ -12,6 +12,12 @@ which is the same value, ``sum_k sx (xq - zx) sw (Wq - zw)``, with the sum exact
 rounded in float32; the cpu target runs it on the integer GEMM (``PackedMatMulInteger``). The driver
 applies it for the cpu target only (the cuda target has no integer GEMM template).
 
+A Conv of a DequantizeLinear'd activation and weight becomes ``ConvInteger`` (its attributes) the same
+way, the scales' product one per output channel, and its bias (any float tensor) added after: the weight
+an int8/uint8 initializer ``[OC, C/group, *kernel]`` (1 or 2 spatial dims), its scale and zero point per
+tensor or per output channel (``axis`` 0). The cpu target runs it on the integer conv
+(``PackedConvInteger``).
+
 A MatMul, or a Gemm without ``transA`` (``alpha`` joins the scales, ``beta * C`` is added after),
 is rewritten when both inputs come from DequantizeLinear nodes of this graph (not a subgraph)
 whose scales and zero points are initializers: the activation's per tensor, int8 or uint8, with a
@@ -85,14 +91,78 @@ def _dq_parts(node, inits: dict, weight):
     return x, scale, zp
 
 
+def _dq_conv_weight(node, inits: dict):
+    """``(w, scale, zero point)`` of a DequantizeLinear node of a conv weight :func:`fuse_qdq_matmuls`
+    takes (an int8/uint8 initializer ``[OC, C/group, *kernel]`` of 1 or 2 spatial dims, float32 scale and
+    its zero point per tensor or per output channel), or ``None``."""
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    names = list(node.input) + [""] * (3 - len(node.input))
+    w, s, z = names[:3]
+    if attrs.get("block_size", 0) or w not in inits or inits[w].data_type not in _INT8 \
+            or len(inits[w].dims) not in (3, 4) or s not in inits or inits[s].data_type != TensorProto.FLOAT \
+            or (z and (z not in inits or inits[z].data_type != inits[w].data_type)):
+        return None
+    oc = inits[w].dims[0]
+    scale = initializer_array(inits[s])
+    zp = initializer_array(inits[z]) if z else None
+    if scale.size != 1 and (scale.shape != (oc,) or attrs.get("axis", 1) not in (0, -len(inits[w].dims))):
+        return None
+    if zp is not None and zp.shape != scale.shape:
+        return None
+    return w, scale, zp
+
+
+def _conv_plan(node, producer: dict, inits: dict):
+    """``(x parts, w parts)`` of a QDQ Conv :func:`fuse_qdq_matmuls` rewrites, or ``None``."""
+    if len(node.input) < 2:
+        return None
+    a = _dq_parts(producer.get(node.input[0]), inits, weight=False)
+    b = _dq_conv_weight(producer.get(node.input[1]), inits)
+    return None if a is None or b is None else (a, b)
+
+
+def _integer_conv(g, node, x, sx, zx, w, sw, zw) -> list:
+    """The nodes of the QDQ Conv ``node`` as ``ConvInteger`` (its attributes), the scales' product per
+    output channel and the bias after (initializers added to ``g``)."""
+    base = (node.name or node.output[0]) + "_int8"
+    n_sp = len(next(t for t in g.initializer if t.name == w).dims) - 2
+    g.initializer.append(numpy_helper.from_array(np.asarray(zx).reshape(()), f"{base}.x_zero_point"))
+    scale = (sx.astype(np.float32) * sw.astype(np.float32)).astype(np.float32)
+    g.initializer.append(numpy_helper.from_array(scale.reshape((-1,) + (1,) * n_sp) if scale.size > 1 else
+                                                 scale.reshape(()), f"{base}.scale"))
+    ins = [x, w, f"{base}.x_zero_point"]
+    if zw is not None and np.any(zw):
+        g.initializer.append(numpy_helper.from_array(zw.reshape(-1) if zw.ndim else zw, f"{base}.w_zero_point"))
+        ins.append(f"{base}.w_zero_point")
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else ""
+    scaled = f"{base}.scaled" if bias else node.output[0]
+    nodes = [helper.make_node("ConvInteger", ins, [f"{base}.int32"], name=base,
+                              **{a.name: helper.get_attribute_value(a) for a in node.attribute}),
+             helper.make_node("Cast", [f"{base}.int32"], [f"{base}.float"], name=f"{base}.cast", to=TensorProto.FLOAT),
+             helper.make_node("Mul", [f"{base}.float", f"{base}.scale"], [scaled], name=f"{base}.mul")]
+    if bias:  # [OC] along the channels
+        g.initializer.append(numpy_helper.from_array(np.array([-1] + [1] * n_sp, np.int64), f"{base}.bias_shape"))
+        nodes += [helper.make_node("Reshape", [bias, f"{base}.bias_shape"], [f"{base}.bias"], name=f"{base}.bias"),
+                  helper.make_node("Add", [scaled, f"{base}.bias"], [node.output[0]], name=f"{base}.add")]
+    return nodes
+
+
 def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto`` (a copy) with each QDQ MatMul as an integer product (module docstring); ``proto``
-    itself when there is none."""
+    """``proto`` (a copy) with each QDQ MatMul, Gemm and Conv as an integer product (module docstring);
+    ``proto`` itself when there is none."""
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
     plans = []
+    convs = {}
     for k, node in enumerate(g.node):
+        if node.domain in ("", "ai.onnx") and node.op_type == "Conv":
+            c = _conv_plan(node, producer, inits)
+            if c is not None:
+                convs[k] = c
+            continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -103,11 +173,11 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
         if a is None or b is None:
             continue
         plans.append((k, a, b, attrs))
-    if not plans:
+    if not plans and not convs:
         return proto
     out = _copy(proto)
     g = out.graph
-    replaced: dict[int, list] = {}
+    replaced: dict[int, list] = {k: _integer_conv(g, g.node[k], *a, *b) for k, (a, b) in convs.items()}
     for k, (x, sx, zx), (w, sw, zw), attrs in plans:
         mm = g.node[k]
         base = (mm.name or mm.output[0]) + "_int8"
@@ -141,7 +211,7 @@ def fuse_qdq_matmuls(proto: onnx.ModelProto) -> onnx.ModelProto:
                 bias = f"{base}.bias"
             replaced[k].append(helper.make_node("Add", [scaled, bias], [mm.output[0]], name=f"{base}.add"))
     _splice(g, replaced)
-    log.info("%d QDQ MatMuls as integer products (MatMulInteger)", len(plans))
+    log.info("%d QDQ MatMuls as integer products (MatMulInteger), %d Convs (ConvInteger)", len(plans), len(convs))
     return out
 
 

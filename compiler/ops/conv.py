@@ -21,8 +21,9 @@ from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, affine_expr, dtype_kin
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "BLOCK", "block_channels", "unblock_channels", "WinogradConv", "winograd_weights",
-           "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool", "Resize", "conv_output_size", "pool_output_size"]
+__all__ = ["Conv", "PackedConv", "PackedConvInteger", "pack_int8_conv", "int8_conv_rows", "BLOCK", "block_channels",
+           "unblock_channels", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
+           "Resize", "conv_output_size", "pool_output_size"]
 
 
 def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int) -> int:
@@ -181,6 +182,11 @@ class Conv(Operator):
                        lambda n, cb, *o: f(n, cb * BLOCK + o[-1], *o[:-1]), dtype=dt)
 
     def compute(self, x, w, *bias):
+        return self._conv_compute(x, w, bias, x.dtype, self._x_at, self._weight_at)
+
+    def _conv_compute(self, x, w, bias, dt: str, x_at, weight_at):
+        """The conv's compute in ``dt``: ``sum x_at(x, n, ch, pos) * weight_at(w, oc, ic, k)`` over the
+        window (taps in the padding read 0) plus ``bias``."""
         xs = self._x_shape(x)
         n_sp = len(xs) - 2
         wshape = self._weight_shape(x, w)
@@ -203,7 +209,6 @@ class Conv(Operator):
         ocg = oc // g
         may_low = [pb[d] > 0 for d in range(n_sp)]
         may_high = [(out[d] - 1) * s[d] + (kern[d] - 1) * dil[d] - pb[d] > ins[d] - 1 for d in range(n_sp)]
-        dt = x.dtype
 
         def f(ni, oci, *o):
             def body(ic, *k):
@@ -214,11 +219,11 @@ class Conv(Operator):
                 else:
                     ch = (oci // ocg) * icg + ic
                 pos = [_window_pos(o[d], k[d], s[d], dil[d], kern[d], pb[d]) for d in range(n_sp)]
-                v = self._x_at(x, ni, ch, pos)
+                v = x_at(x, ni, ch, pos)
                 cond = _window_guard(pos, [0] * n_sp, list(ins), may_low, may_high)
                 if cond is not None:
                     v = if_then_else(cond, v, Const(0, dt))
-                return v * self._weight_at(w, oci, ic, k)
+                return v * weight_at(w, oci, ic, k)
             acc = reduce((icg, *kern), body, "sum")
             return acc + bias[0][oci] if bias else acc
         return self._output((n, oc) + out, f, dt)
@@ -303,6 +308,95 @@ class PackedConv(Conv):
 
     def numpy(self, x, wp, *bias):
         return super().numpy(x, self.weight(wp), *bias)
+
+
+def int8_conv_rows(oc: int, group: int) -> int:
+    """Rows of a weight packed by :func:`pack_int8_conv`: ``oc`` rounded up to whole AMX tiles of 16,
+    and 16 more with groups (each group's tiles read up to 15 rows past its own)."""
+    return -(-oc // 16) * 16 + (16 if group > 1 else 0)
+
+
+def pack_int8_conv(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """An integer conv weight ``w [OC, C/group, *kernel]`` (int32 values, each output channel's within
+    a range of 255: int8/uint8 minus a zero point) as :class:`PackedConvInteger` reads it, ``(wa, wc)``:
+    ``wa`` (uint8) ``[R, Kp]`` (:func:`int8_conv_rows` rows, ``Kp``: ``K = C/group * prod(kernel)``
+    rounded up to :data:`~shardflow.compiler.ops.linalg.INT8_KSTEP`) holds ``a' = w - min`` of each output
+    channel's ``K`` taps (zero past them), ``wc`` (int32) ``[2, R]`` row 0 the zero point ``z = -min`` (so
+    ``w = a' - z``), row 1 the sums of ``a'``: the integer GEMM's prepared rows (``cpu_library/conv_int8.h``)."""
+    from .linalg import INT8_KSTEP
+
+    oc = w.shape[0]
+    flat = np.asarray(w).reshape(oc, -1).astype(np.int64)
+    k = flat.shape[1]
+    lo = flat.min(axis=1) if k else np.zeros(oc, np.int64)
+    if k and np.any(flat.max(axis=1) - lo > 255):
+        raise ShapeError("pack_int8_conv: an output channel's weights span more than 255 (not bytes minus a "
+                         "zero point)")
+    rows, kp = int8_conv_rows(oc, group), -(-k // INT8_KSTEP) * INT8_KSTEP
+    wa = np.zeros((rows, kp), np.uint8)
+    wa[:oc, :k] = flat - lo[:, None]
+    wc = np.zeros((2, rows), np.int32)
+    wc[0, :oc] = -lo
+    wc[1] = wa.sum(axis=1, dtype=np.int64).astype(np.int32)
+    return wa, wc
+
+
+class PackedConvInteger(Conv):
+    """An integer :class:`Conv` (``ConvInteger``: int32 sums of ``(x - x_zero_point) * (w - w_zero_point)``)
+    of an int8/uint8 image with a constant weight packed by :func:`pack_int8_conv`: the form the cpu target
+    gives it (``passes/prepack.py``), computed per image and group as the integer GEMM of the weight's rows
+    by the image's im2col matrix, which comes out in the output's layout.
+
+    Inputs ``x [N, C, *in]`` (int8 or uint8), ``wa``, ``wc`` and optionally ``x_zero_point`` (``x``'s dtype,
+    one value); taps in the padding read the zero point (0 after the shift, as ONNX pads ConvInteger).
+    Attributes: Conv's (1 or 2 spatial dims), ``oc`` and ``kernel``. The output is int32, wrapping around.
+    """
+
+    def _weight_shape(self, x, wa) -> tuple[int, ...]:
+        from .linalg import INT8_KSTEP
+
+        oc, kern, g = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"]), self.attrs.get("group", 1)
+        xs = tuple(x.shape)
+        c = xs[1] if len(xs) >= 3 else -1
+        k = (c // g if g >= 1 else -1) * math.prod(kern)
+        if x.dtype not in ("int8", "uint8") or len(kern) != len(xs) - 2 or len(kern) not in (1, 2) \
+                or tuple(wa.shape) != (int8_conv_rows(oc, g), -(-k // INT8_KSTEP) * INT8_KSTEP):
+            raise ShapeError(f"{self.name}: PackedConvInteger takes x [N, C, spatial...] (int8/uint8, 1 or 2 "
+                             f"spatial dims) and rows [{int8_conv_rows(oc, g)}, C/group * prod(kernel) rounded up to "
+                             f"{INT8_KSTEP}], got {x.dtype} {xs} and {tuple(wa.shape)} with oc={oc}, kernel={kern}")
+        return (oc, c // g) + kern
+
+    def compute(self, x, wa, wc, *xzp):
+        kern = tuple(int(v) for v in self.attrs["kernel"])
+        zx = Cast(xzp[0][(0,) * xzp[0].ndim], "int32") if xzp else None
+
+        def x_at(x, n, ch, pos):
+            v = Cast(x[(n, ch, *pos)], "int32")
+            return v - zx if zx is not None else v
+
+        def weight_at(wa, oc, ic, k):
+            flat = ic
+            for kk, n in zip(k, kern):
+                flat = flat * n + kk
+            return Cast(wa[oc, flat], "int32") - wc[0, oc]
+        return self._conv_compute(x, wa, (), "int32", x_at, weight_at)
+
+    def local_attrs(self, inputs, output_shapes):
+        """The rank's own op (the pass runs on a rank's graph): its attributes as they are."""
+        return Operator.local_attrs(self, inputs, output_shapes)
+
+    def weight(self, wa: np.ndarray, wc: np.ndarray, c: int) -> np.ndarray:
+        """The integer weight ``w - w_zero_point`` (int64 ``[OC, c / group, *kernel]``) the rows hold."""
+        oc, kern, g = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"]), self.attrs.get("group", 1)
+        k = c // g * math.prod(kern)
+        w = wa[:oc, :k].astype(np.int64) - wc[0, :oc, None].astype(np.int64)
+        return w.reshape((oc, c // g) + kern)
+
+    def numpy(self, x, wa, wc, *xzp):
+        zx = np.int64(np.asarray(xzp[0]).reshape(-1)[0]) if xzp else np.int64(0)
+        xs = x.astype(np.int64) - zx
+        y = self._numpy(xs, self.weight(wa, wc, x.shape[1]), (), self.outputs[0].shape[2:])
+        return [y.astype(np.int32)]
 
 
 #: Winograd's minimal filtering F(m x m, 3 x 3) (Lavin and Gray, 2016) for m = 2 and 4: ``(B^T, G, A^T)``
@@ -1048,5 +1142,18 @@ def examples(rng: np.random.Generator):
         (Resize, [x], {**base, "mode": "linear", "sizes": (1, 2, 3, 3), "scales": (1.0, 1.0, 1.0, 0.75),
                        "coordinate_transformation_mode": "tf_crop_and_resize", "extrapolation_value": 5.0,
                        "roi": (0.0, 0.0, 0.0, 0.2, 1.0, 1.0, 1.0, 1.3)}),
+    ]
+    # integer convs with packed weights: bytes minus zero points (last, so that adding them moved no other
+    # example's random values)
+    u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
+    i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)  # noqa: E731
+    wz = lambda w, z: w.astype(np.int32) - np.asarray(z, np.int32).reshape((-1,) + (1,) * (w.ndim - 1))  # noqa: E731
+    res += [
+        (PackedConvInteger, [u8(1, 4, 6, 5), *pack_int8_conv(wz(i8(8, 4, 3, 3), i8(8)), 1), np.array(117, np.uint8)],
+         {"oc": 8, "kernel": (3, 3), "pads": (1, 1, 1, 1)}),
+        (PackedConvInteger, [i8(2, 4, 7, 6), *pack_int8_conv(wz(u8(6, 2, 2, 3), 130), 2)],
+         {"oc": 6, "kernel": (2, 3), "group": 2, "strides": (2, 1), "dilations": (1, 2), "pads": (0, 1, 1, 0)}),
+        (PackedConvInteger, [u8(1, 3, 9), *pack_int8_conv(wz(i8(20, 3, 3), 0), 1), np.array([5], np.uint8)],
+         {"oc": 20, "kernel": (3,), "strides": (2,), "pads": (1, 1)}),
     ]
     return res

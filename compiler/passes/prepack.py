@@ -23,6 +23,13 @@ A MatMulInteger ``(a - azp) @ (B - bzp)`` with a constant 2-D int8/uint8 ``B`` (
 groups of 4 along ``K`` (:func:`~shardflow.compiler.ops.linalg.pack_int8_panels`, the layout of
 the integer GEMM's VNNI kernel), signed, with its column sums. The int32 results are the same.
 
+An integer Conv (``ConvInteger`` and ``QLinearConv`` import as an int32 Conv of ``int32(x) - x_zero_point``
+and the constant ``w - w_zero_point``) over 1 or 2 spatial dims, with no bias, whose input is an int8/uint8
+image so widened (the zero point one value, constant or computed) and whose weight spans at most 255 per
+output channel becomes a :class:`~shardflow.compiler.ops.conv.PackedConvInteger` on the image itself: the
+weight as the integer GEMM's rows (:func:`~shardflow.compiler.ops.conv.pack_int8_conv`), each image the
+GEMM of those rows by its im2col matrix (``cpu_library/conv_int8.h``). The int32 results are the same.
+
 A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
 image) with a constant weight becomes a
 :class:`~shardflow.compiler.ops.conv.PackedConv`: its weight ``[OC, C, 1, 1]`` is stored as the
@@ -75,6 +82,57 @@ def _int8_weight(op: Operator) -> tuple[Tensor, Tensor | None] | None:
             or 0 in b.shape or 0 in a.shape:
         return None
     return b, bzp
+
+
+def _int8_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.ndarray, Tensor | None] | None:
+    """``(image, weight, zero point)`` of an integer Conv this pass runs on the image's bytes: the int8/uint8
+    image its input widens (``Cast`` to int32, less a one-value zero point: a constant, or a ``Cast`` of the
+    image's type), the value of its constant int32 weight (or ``Cast`` of constant bytes), spanning at most 255
+    per output channel, and the zero point in the image's type (``None``: none); or ``None``."""
+    if op.op_type != "Conv" or len(op.inputs) != 2 or len(op.outputs) != 1 or op.outputs[0].dtype != "int32" \
+            or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or op.inputs[0].ndim not in (3, 4):
+        return None
+    x, w = op.inputs
+    if w.dtype != "int32" or 0 in w.shape or 0 in x.shape:
+        return None
+    value = None
+    if w.is_constant:
+        value = np.asarray(w.value)
+    else:  # (a weight without zero point: the widening of its bytes is not folded)
+        p = producer.get(id(w))
+        if p is not None and p.op_type == "Cast" and p.inputs[0].is_constant and p.inputs[0].dtype in ("int8", "uint8"):
+            value = np.asarray(p.inputs[0].value).astype(np.int32)
+    if value is None:
+        return None
+
+    def widened(t: Tensor) -> Tensor | None:  # the int8/uint8 tensor t is a Cast of
+        p = producer.get(id(t))
+        if p is None or p.op_type != "Cast" or p.inputs[0].dtype not in ("int8", "uint8"):
+            return None
+        return p.inputs[0]
+    zp = None
+    p = producer.get(id(x))
+    if p is not None and p.op_type == "Binary" and p.attrs.get("fn") == "sub" and p.inputs[1].size == 1 \
+            and p.inputs[0].shape == x.shape:
+        xq, z = widened(p.inputs[0]), p.inputs[1]
+        if xq is None:
+            return None
+        if z.is_constant:
+            v = int(np.asarray(z.value).reshape(-1)[0])
+            info = np.iinfo(xq.dtype)
+            if not info.min <= v <= info.max:
+                return None
+            zp = const_tensor(np.array(v, xq.dtype), f"{op.name}.x_zero_point")
+        else:
+            zp = widened(z)
+            if zp is None or zp.dtype != xq.dtype:
+                return None
+    else:
+        xq = widened(x)
+    if xq is None:
+        return None
+    flat = value.reshape(w.shape[0], -1).astype(np.int64)
+    return (xq, value, zp) if np.all(flat.max(axis=1) - flat.min(axis=1) <= 255) else None
 
 
 def _transposed(op: Operator) -> bool:
@@ -284,7 +342,7 @@ class PrepackWeights(GraphPass):
         return _winograd(op, self.blocked) if self.winograd else None
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.conv import PackedConv, WinogradConv, winograd_weights
+        from ..ops.conv import PackedConv, PackedConvInteger, WinogradConv, pack_int8_conv, winograd_weights
         from ..ops.linalg import (PackedMatMul, PackedMatMulBf16, PackedMatMulInteger, pack_bf16_panels,
                                   pack_int8_panels, pack_panels)
 
@@ -300,7 +358,22 @@ class PrepackWeights(GraphPass):
         replace: dict[int, Tensor] = {}
         # (once per op: a float32 weight's test of its values reads all of it)
         bf16_forms = {id(op): _bf16_operands(op, producer) for op in graph.nodes} if self.gemm else {}
+        conv_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, group) -> wa, wc
         for op in graph.nodes:
+            ic = _int8_conv(op, producer)
+            if ic is not None:
+                xq, value, zp = ic
+                w, group = op.inputs[1], int(op.attrs.get("group", 1))
+                if (id(w), group) not in conv_int8:
+                    wa, wc = pack_int8_conv(value, group)
+                    conv_int8[(id(w), group)] = (const_tensor(wa, f"{op.name}.i8rows"),
+                                                 const_tensor(wc, f"{op.name}.i8terms"))
+                inputs = [xq, *conv_int8[(id(w), group)]] + ([zp] if zp is not None else [])
+                new = PackedConvInteger([replace.get(id(t), t) for t in inputs], name=op.name,
+                                        **dict(op.attrs, oc=int(w.shape[0]), kernel=tuple(int(k) for k in w.shape[2:])))
+                after[id(op)] = [new]
+                replace[id(op.outputs[0])] = new.outputs[0]
+                continue
             h = bf16_forms.get(id(op))
             b = op.inputs[1] if h is not None else None
             # every reader of B (the float32 values: a Cast's output, or the constant) takes this form, so

@@ -24,7 +24,8 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import Conv, ConvTranspose, PackedConv, Pool, Resize, WinogradConv, winograd_weights
+from shardflow.compiler.ops.conv import (Conv, ConvTranspose, PackedConv, PackedConvInteger, Pool, Resize, WinogradConv,
+                                         int8_conv_rows, pack_int8_conv, winograd_weights)
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import (INT8_KSTEP, INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
                                            MatMulNBits, PackedMatMul, PackedMatMulBf16, PackedMatMulInteger,
@@ -67,6 +68,16 @@ def _i8mm(a_shape, n, dtype, zp):
     ins = [_t(a_shape, dtype), _t((-(-n // INT8_PANEL), -(-k // INT8_KSTEP) * INT8_KSTEP // 4, INT8_PANEL, 4), "int8"),
            _t((2, INT8_PANEL * -(-n // INT8_PANEL)), "int32")]
     return PackedMatMulInteger(ins + ([_t(zp, dtype)] if zp is not None else []), n=n)
+
+
+def _i8conv(x_shape, oc, kernel, dtype, zp, **attrs):
+    """A PackedConvInteger of an image ``x_shape`` (``dtype``) with ``oc`` outputs, window ``kernel``,
+    and the image's zero point when ``zp``."""
+    g = attrs.get("group", 1)
+    k = x_shape[1] // g * int(np.prod(kernel))
+    ins = [_t(x_shape, dtype), _t((int8_conv_rows(oc, g), -(-k // INT8_KSTEP) * INT8_KSTEP), "uint8"),
+           _t((2, int8_conv_rows(oc, g)), "int32")]
+    return PackedConvInteger(ins + ([_t((), dtype)] if zp else []), oc=oc, kernel=kernel, **attrs)
 
 
 def _bfmm(a_shape, n, bias=None, **attrs):
@@ -471,6 +482,15 @@ def _large():
         ExpertMatMul([_t((2, 2, 40)), _t((3, 70, 40)), _t((2, 2), "int32")]),
         # many slots on few experts: one GEMM per expert on its gathered rows (and an expert's single slot)
         ExpertMatMul([_t((12, 300)), _t((4, 70, 300)), _t((12, 3), "int64"), _t((4, 70))]),
+        # the integer conv (cpu_library/conv_int8.h): 3x3 with padding (AMX's 16+ output channels, K off 64),
+        # 1x1 on the image's rows (pixels off the 16-column panel), a strided 7x7 (gathered taps), groups of
+        # few channels (the VNNI kernel), a 1-D conv, two images; uint8/int8 images, zero point or none
+        _i8conv((1, 24, 13, 11), 40, (3, 3), "uint8", True, pads=(1, 1, 1, 1)),
+        _i8conv((2, 70, 9, 7), 33, (1, 1), "int8", True),
+        _i8conv((1, 3, 30, 29), 16, (7, 7), "uint8", True, strides=(2, 2), pads=(3, 3, 3, 3)),
+        _i8conv((1, 32, 10, 12), 48, (3, 3), "int8", False, group=4, strides=(1, 2), dilations=(2, 1),
+                pads=(2, 1, 2, 1)),
+        _i8conv((1, 40, 50), 24, (5,), "uint8", True, strides=(2,), pads=(2, 2)),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -486,6 +506,14 @@ def _large():
                       else None for t in op.inputs]
             b = rng.integers(-128, 128, (op.inputs[0].shape[-1], op.attrs["n"])).astype(np.int8)
             arrays[1:3] = pack_int8_panels(b, rng.integers(-128, 128, op.attrs["n"]).astype(np.int8))
+        if op.op_type == "PackedConvInteger":  # the whole byte range, a weight of bytes less a zero point per channel
+            x, oc, g = op.inputs[0], op.attrs["oc"], op.attrs.get("group", 1)
+            lo = -128 if x.dtype == "int8" else 0
+            arrays[0] = rng.integers(lo, lo + 256, x.shape).astype(x.dtype)
+            w = rng.integers(-128, 128, (oc, x.shape[1] // g) + tuple(op.attrs["kernel"])).astype(np.int32)
+            arrays[1:3] = pack_int8_conv(w - rng.integers(-128, 128, (oc,) + (1,) * (w.ndim - 1)), g)
+            if len(op.inputs) > 3:
+                arrays[3] = np.array(rng.integers(lo, lo + 256), x.dtype)
         if op.op_type == "PackedMatMulBf16":  # bfloat16 values, and a packed weight
             arrays[0] = rng.standard_normal(op.inputs[0].shape).astype(np.dtype("bfloat16"))
             k = op.inputs[0].shape[-1]
@@ -771,7 +799,8 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     cases = []
     for cid, op, arrays in LARGE:
         if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                          "Attention", "PackedMatMulInteger", "MatMulNBits") and cid in library["symbols"]:
+                          "Attention", "PackedMatMulInteger", "PackedConvInteger", "MatMulNBits") \
+                and cid in library["symbols"]:
             want = op.run(*arrays)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
@@ -807,14 +836,17 @@ def test_bfloat16_gemm_on_each_instruction_set(library, tmp_path, isa):
 @pytest.mark.parametrize("isa", ["amx", "avx512"])
 def test_integer_gemm_on_each_instruction_set(library, tmp_path, isa):
     """The integer GEMM on AMX tiles (tdpbusd, for 16 rows or more) and on AVX-512 VNNI, each forced with
-    SHARDFLOW_CPU_ISA, match numpy exactly on the large cases (AVX2's and the portable kernel:
-    test_gemm_micro_kernels_of_other_cpus); a CPU without one falls back to the next."""
+    SHARDFLOW_CPU_ISA, match numpy exactly on the large cases, products and convs (AVX2's and the portable
+    kernel: test_gemm_micro_kernels_of_other_cpus); a CPU without one falls back to the next."""
     cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], op.run(*arrays))
-             for cid, op, arrays in LARGE if op.op_type == "PackedMatMulInteger"]
+             for cid, op, arrays in LARGE if op.op_type in ("PackedMatMulInteger", "PackedConvInteger")]
+    from shardflow.compiler.codegen.templates_cpu import template_body
+
     assert sum(op.inputs[0].ndim >= 2 and op.inputs[0].shape[-2] >= 16 for _, op, _ in LARGE
                if op.op_type == "PackedMatMulInteger") >= 3  # (each GEMM has 16 rows or more)
+    assert all("sf_iconv2d(" in template_body(op) for _, op, _ in LARGE if op.op_type == "PackedConvInteger")
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
-    assert last == f"ok {len(cases)}" and len(cases) >= 7
+    assert last == f"ok {len(cases)}" and len(cases) >= 12
     flags = _cpu_flags()
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
     want = ("amx" if isa == "amx" and {"amx_int8", "amx_tile"} <= flags else

@@ -12,6 +12,7 @@ from threads import run_threads
 from shardflow.compiler import compile
 from shardflow.compiler.ir import Tensor, const_tensor
 from shardflow.compiler.ir.graph import FlowGraph
+from shardflow.compiler.ops.conv import Conv
 from shardflow.compiler.ops.elementwise import Binary, CastOp
 from shardflow.compiler.ops.linalg import (BF16_PANEL, INT8_PANEL, PANEL, Gemm, MatMul, MatMulInteger, pack_bf16_panels,
                                            pack_panels)
@@ -605,3 +606,69 @@ def test_winograd_must_be_a_bool():
     assert OptimizationConfig.from_dict(None).winograd is True
     with pytest.raises(ConfigError, match=r"optimization_config\['winograd'\] = 1: need true or false"):
         OptimizationConfig.from_dict({"winograd": 1})
+
+
+def _integer_convs_model(rng):
+    """ConvIntegers that the cpu target runs on the integer conv: a uint8 image with a constant zero point
+    and an int8 weight with one per channel, a run-time zero point, an int8 image with a uint8 weight and
+    no zero points, groups with strides and dilations, a 1-D conv; and an int32 input (not an image's
+    bytes), which stays a Conv."""
+    u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
+    i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)  # noqa: E731
+    inits = [numpy_helper.from_array(a, n) for n, a in (
+        ("w1", i8(20, 6, 3, 3)), ("w1zp", i8(20)), ("x1zp", np.array(131, np.uint8)),
+        ("w2", u8(8, 6, 1, 1)), ("w3", i8(12, 3, 2, 3)), ("w3zp", np.array(-4, np.int8)),
+        ("w4", u8(16, 5, 3)), ("w4zp", np.array(100, np.uint8)), ("x4zp", np.array(7, np.uint8)))]
+    nodes = [helper.make_node("ConvInteger", ["x", "w1", "x1zp", "w1zp"], ["y1"], name="const_zp", pads=[1, 1, 1, 1]),
+             helper.make_node("ConvInteger", ["x", "w2", "xzp"], ["y2"], name="runtime_zp"),
+             helper.make_node("ConvInteger", ["xs", "w3", "", "w3zp"], ["y3"], name="grouped", group=2,
+                              strides=[2, 1], dilations=[1, 2], pads=[0, 1, 1, 2]),
+             helper.make_node("ConvInteger", ["x1", "w4", "x4zp", "w4zp"], ["y4"], name="one_d", strides=[2],
+                              pads=[1, 1])]
+    graph = helper.make_graph(nodes, "convs", [
+        helper.make_tensor_value_info("x", TensorProto.UINT8, [2, 6, 9, 7]),
+        helper.make_tensor_value_info("xzp", TensorProto.UINT8, []),
+        helper.make_tensor_value_info("xs", TensorProto.INT8, [1, 6, 8, 10]),
+        helper.make_tensor_value_info("x1", TensorProto.UINT8, [1, 5, 30])],
+        [helper.make_tensor_value_info(n, TensorProto.INT32, s) for n, s in (
+            ("y1", [2, 20, 9, 7]), ("y2", [2, 8, 9, 7]), ("y3", [1, 12, 4, 9]), ("y4", [1, 16, 15]))], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    feeds = {"x": u8(2, 6, 9, 7), "xzp": np.array(250, np.uint8), "xs": i8(1, 6, 8, 10), "x1": u8(1, 5, 30)}
+    return model, feeds
+
+
+def test_integer_convs_run_on_the_integer_conv_with_the_same_values(tmp_path):
+    """ConvInteger (an int32 Conv of the widened image less its zero point) becomes a PackedConvInteger on the
+    image's bytes: the same int32 values as the ONNX reference, in the graph after the pass and compiled for a
+    cpu rank; an int32 Conv of other values stays."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    from shardflow.compiler import load_onnx
+
+    model, feeds = _integer_convs_model(np.random.default_rng(5))
+    want = dict(zip(["y1", "y2", "y3", "y4"], ReferenceEvaluator(model).run(None, feeds)))
+    g = PrepackWeights().run(load_onnx(model))
+    assert {op.name: op.op_type for op in g.nodes if op.op_type in ("Conv", "PackedConvInteger")} == {
+        "const_zp": "PackedConvInteger", "runtime_zp": "PackedConvInteger", "grouped": "PackedConvInteger",
+        "one_d": "PackedConvInteger"}
+    got = g.run(feeds)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    # an int32 conv of an int32 input, or with weights spanning more than a byte, stays
+    x, xb = Tensor("x", (1, 2, 6, 6), "int32"), Tensor("xb", (1, 2, 6, 6), "uint8")
+    for graph_input, inp, w in ((x, x, np.ones((3, 2, 1, 1), np.int32)),
+                                (xb, CastOp([xb], to="int32").outputs[0], np.array([0, 300] * 3, np.int32))):
+        conv = Conv([inp, const_tensor(w.reshape(3, 2, 1, 1))], name="c")
+        kept = PrepackWeights().run(FlowGraph([graph_input], conv.outputs))
+        kinds = [op.op_type for op in kept.nodes]
+        assert "Conv" in kinds and "PackedConvInteger" not in kinds
+    path = tmp_path / "convs.onnx"
+    onnx.save(model, path)
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "out")
+    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
+    assert [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"].count("PackedConvInteger") == 4
+    got = load(tmp_path / "out", rank=0).run(feeds)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)

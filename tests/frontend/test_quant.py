@@ -166,7 +166,8 @@ def _qconv_model(kind):
 @pytest.mark.parametrize("kind", ["ConvInteger", "QLinearConv"])
 def test_quantized_conv_matches_onnxruntime_compiled_and_sharded(kind, tmp_path):
     """The integer convolutions import as an int32 Conv (plus the requantizing chain): the
-    reference evaluation, a compiled cpu rank and a 2-rank split equal onnxruntime's output."""
+    reference evaluation, a compiled cpu rank (on the integer conv, PackedConvInteger) and a 2-rank
+    split equal onnxruntime's output."""
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
@@ -178,7 +179,10 @@ def test_quantized_conv_matches_onnxruntime_compiled_and_sharded(kind, tmp_path)
     np.testing.assert_array_equal(g.run({"x": x})["y"], want)
     path = tmp_path / "m.onnx"
     onnx.save(m, path)
-    compile(str(path), distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "out")
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "out")
+    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
+    assert "PackedConvInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
     np.testing.assert_array_equal(load(tmp_path / "out", rank=0).run({"x": x})["y"], want)
     plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
     np.testing.assert_array_equal(simulate(partition(g, plan), {"x": x}, plan.mesh)["y"], want)
@@ -280,13 +284,14 @@ def _qdq_copy(name, tmp_path, per_channel):
     return path, feeds
 
 
-@pytest.mark.parametrize("name,per_channel", [("bert", False), ("gpt2", True), ("llama", True)])
+@pytest.mark.parametrize("name,per_channel", [("bert", False), ("gpt2", True), ("llama", True), ("resnet", False),
+                                              ("resnet", True)])
 def test_qdq_matmuls_run_as_integer_products(name, per_channel, tmp_path):
-    """A QDQ model's MatMuls and Gemms between DequantizeLinear'd int8 values become MatMulInteger
-    times the scales (frontend/qdq.py): the same values as the float MatMuls of the dequantized
-    operands and as onnxruntime's unoptimized session (the format's reference semantics; its
-    optimized one rounds some activations the other way), evaluated and compiled for a cpu rank,
-    where they run the integer GEMM."""
+    """A QDQ model's MatMuls, Gemms and Convs between DequantizeLinear'd int8 values become MatMulInteger
+    (ConvInteger: an int32 Conv) times the scales (frontend/qdq.py): the same values as the float ops of
+    the dequantized operands and as onnxruntime's unoptimized session (the format's reference semantics;
+    its optimized one rounds some activations the other way), evaluated and compiled for a cpu rank, where
+    they run the integer GEMM (the integer conv)."""
     ort = pytest.importorskip("onnxruntime")
     from shardflow.compiler import compile
     from shardflow.runtime import load
@@ -299,15 +304,19 @@ def test_qdq_matmuls_run_as_integer_products(name, per_channel, tmp_path):
     want = dict(zip(names, sess.run(None, feeds)))
     tol = {n: 1e-5 * float(np.abs(w).max()) for n, w in want.items()}
     plain, fused = load_onnx(str(path)), load_onnx(str(path), int8_qdq=True)
-    assert not any(op.op_type == "MatMulInteger" for op in plain.nodes)
-    assert sum(op.op_type == "MatMulInteger" for op in fused.nodes) >= {"bert": 12, "gpt2": 9, "llama": 14}[name]
+
+    def integer(g):
+        return sum(op.op_type == "MatMulInteger" or (op.op_type == "Conv" and op.outputs[0].dtype == "int32")
+                   for op in g.nodes)
+    assert not integer(plain) and integer(fused) >= {"bert": 12, "gpt2": 9, "llama": 14, "resnet": 6}[name]
     for got in (plain.run(feeds), fused.run(feeds)):
         for n in names:
             np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
     compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
             out_dir=tmp_path / "out")
     program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
-    assert "PackedMatMulInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+    kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+    assert kinds.count("PackedConvInteger") == 6 if name == "resnet" else "PackedMatMulInteger" in kinds
     got = load(tmp_path / "out", rank=0).run(feeds)
     for n in names:
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)

@@ -198,26 +198,14 @@ static bool sf_i8_amx() {
   return ok;
 }
 
-// the integer GEMM on AMX: A' rows of Kp bytes, zero rows up to whole tiles; the bfloat16 GEMM's blocks of
-// 32 x 32 (sf_amx_blocks), each finished with the zero points' terms as it is copied out
-static void sf_igemm_amx(int64_t M, int64_t N, int64_t K, const uint8_t* a8, uint8_t flip, const void* azp,
-                         bool azp_per_row, bool a_signed, const int8_t* bp, const int32_t* bc, const int32_t* bsum,
-                         int32_t* C, int64_t ldc, bool par) {
-  const int64_t ngp = sf_i8_groups(K), lda = 4 * ngp, ldp = 64 * ngp;
+// the products of prepared rows on AMX: A' (bytes, lda apart, readable up to whole tiles of 16 rows),
+// the bfloat16 GEMM's blocks of 32 x 32 (sf_amx_blocks), each finished with the zero points' terms as it
+// is copied out
+static void sf_igemm_amx(int64_t M, int64_t N, int64_t K, const uint8_t* Ap, int64_t lda, const int32_t* rowsum,
+                         const int32_t* zrow, const int8_t* bp, const int32_t* bc, int32_t* C, int64_t ldc, bool par) {
+  const int64_t ngp = sf_i8_groups(K), ldp = 64 * ngp;
   const int64_t mt = (M + 15) / 16, np = (N + SF_I8_PANEL - 1) / SF_I8_PANEL;
-  char* ws = static_cast<char*>(sf_workspace(1, size_t(mt) * 16 * lda + 2 * sizeof(int32_t) * M + 64));
-  uint8_t* Ap = reinterpret_cast<uint8_t*>(ws);
-  int32_t* rowsum = reinterpret_cast<int32_t*>(ws + mt * 16 * lda);
-  int32_t* zrow = rowsum + M;
-  #pragma omp parallel for schedule(static) if (par)
-  for (int64_t i = 0; i < mt * 16; ++i) {
-    if (i < M) {
-      rowsum[i] = sf_i8_pack_row(a8 + i * K, K, flip, Ap + i * lda, lda);
-      zrow[i] = sf_i8_zero(azp, azp_per_row, a_signed, i);
-    } else {
-      std::memset(Ap + i * lda, 0, lda);
-    }
-  }
+  const int32_t* bsum = bc + SF_I8_PANEL * np;  // bc's second row
   sf_amx_blocks<true>(mt, np, ngp / 16, reinterpret_cast<const char*>(Ap), lda, reinterpret_cast<const char*>(bp),
                       ldp, par, [&](const void* T, int64_t i0, int64_t j0) {
     const int32_t* t = static_cast<const int32_t*>(T);
@@ -228,63 +216,89 @@ static void sf_igemm_amx(int64_t M, int64_t N, int64_t K, const uint8_t* a8, uin
 }
 #endif
 
+// whether a product of M rows runs on AMX: 16 rows or more (fewer fill a tile's rows with zeros: the
+// other kernels read only the rows there are)
+static inline bool sf_i8_on_amx(int64_t M) {
+#if defined(__x86_64__)
+  return M >= 16 && sf_i8_amx();
+#else
+  (void)M;
+  return false;
+#endif
+}
+
+// C[M, N] (int32, rows ldc apart) = sum_k (a'[i][k] - zrow[i]) (b'[k][j] - bc[0][j]) for prepared rows A'
+// (rowsum[i]: their sums): bytes lda apart, readable up to whole tiles of 16 rows on AMX (sf_i8_on_amx), int16s
+// for the AVX2 kernel (sf_i8_kernel().wide), else bytes; K values of each and zeros up to a multiple of 4
+// (of 64 on AMX); B packed as above
+static void sf_igemm_rows(int64_t M, int64_t N, int64_t K, const void* Ap, int64_t lda, const int32_t* rowsum,
+                          const int32_t* zrow, const int8_t* bp, const int32_t* bc, int32_t* C, int64_t ldc,
+                          bool allow_parallel) {
+  const double work = (double)M * N * K;
+#if defined(__x86_64__)
+  if (sf_i8_on_amx(M)) {
+    const bool par = allow_parallel && sf_max_threads() > 1 && N > 32 && work >= 1048576.0;
+    return sf_igemm_amx(M, N, K, static_cast<const uint8_t*>(Ap), lda, rowsum, zrow, bp, bc, C, ldc, par);
+  }
+#endif
+  const SfI8Kernel& kr = sf_i8_kernel();
+  const int64_t ng = (K + 3) / 4, ldp = 64 * sf_i8_groups(K), esz = kr.wide ? 2 : 1;
+  const int32_t* bsum = bc + SF_I8_PANEL * ((N + SF_I8_PANEL - 1) / SF_I8_PANEL);  // bc's second row
+  const int64_t tiles = (N + kr.width - 1) / kr.width;
+  const bool par = allow_parallel && sf_max_threads() > 1 && tiles > 1 && work >= 1048576.0;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t j0 = t * kr.width, nc = std::min(kr.width, N - j0);
+    // the tile's first panel, and the half of it the AVX2 kernel's 8 columns start at
+    const int8_t* Bt = bp + (j0 / SF_I8_PANEL) * ldp + 4 * (j0 % SF_I8_PANEL);
+    for (int64_t g0 = 0; g0 < ng; g0 += SF_I8_KGB) {
+      const int64_t gn = std::min(SF_I8_KGB, ng - g0);
+      for (int64_t i0 = 0; i0 < M; i0 += kr.mr) {
+        const int64_t mr = std::min(kr.mr, M - i0);
+        const void* Ai = static_cast<const char*>(Ap) + (i0 * lda + 4 * g0) * esz;
+        kr.fn[mr - 1](gn, Ai, lda, Bt + 64 * g0, ldp, C + i0 * ldc + j0, ldc, mr, nc, g0 == 0);
+      }
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      int32_t* c = C + i * ldc;
+      sf_i8_finish(c, c + j0, j0, j0 + nc, K, zrow[i], rowsum[i], bc, bsum);
+    }
+  }
+}
+
 // C[M, N] (int32, rows ldc apart) = (A - azp) @ (B - bzp) for A [M, K] (rows of K bytes, signed when
-// a_signed) and B packed as above; azp: nullptr, one value (azp_per_row false) or one per row. AMX takes
-// 16 rows or more (fewer fill a tile's rows with zeros: VNNI's kernel reads only the rows there are)
+// a_signed) and B packed as above; azp: nullptr, one value (azp_per_row false) or one per row. A's rows
+// are prepared per call (a ^ 0x80 for a signed A, their sums) for sf_igemm_rows
 static void sf_igemm_prepacked(int64_t M, int64_t N, int64_t K, const void* A, bool a_signed, const void* azp,
                                bool azp_per_row, const int8_t* bp, const int32_t* bc, int32_t* C, int64_t ldc,
                                bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
-  const int32_t* bsum = bc + SF_I8_PANEL * ((N + SF_I8_PANEL - 1) / SF_I8_PANEL);  // bc's second row
   if (K <= 0) {  // nothing contracted: every sum is empty
     for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(int32_t) * N);
     return;
   }
   const uint8_t* a8 = static_cast<const uint8_t*>(A);
   const uint8_t flip = a_signed ? 0x80 : 0;  // a + 128 as an unsigned byte
-#if defined(__x86_64__)
-  if (M >= 16 && sf_i8_amx()) {
-    const bool par = allow_parallel && sf_max_threads() > 1 && N > 32 && (double)M * N * K >= 1048576.0;
-    return sf_igemm_amx(M, N, K, a8, flip, azp, azp_per_row, a_signed, bp, bc, bsum, C, ldc, par);
-  }
-#endif
-  const SfI8Kernel& kr = sf_i8_kernel();
-  const int64_t ng = (K + 3) / 4, lda = 4 * ng;  // A' row: K values and zeros up to a multiple of 4
-  const int64_t ldp = 64 * sf_i8_groups(K);     // bytes per weight panel
-  const int64_t esz = kr.wide ? 2 : 1;
-  char* ws = static_cast<char*>(sf_workspace(1, size_t(M) * (lda * esz + 2 * sizeof(int32_t)) + 64));
+  const bool amx = sf_i8_on_amx(M), wide = !amx && sf_i8_kernel().wide;
+  // A' rows: K values and zeros up to a multiple of 4 (of 64 and whole tiles on AMX)
+  const int64_t lda = amx ? 4 * sf_i8_groups(K) : 4 * ((K + 3) / 4), rows = amx ? (M + 15) / 16 * 16 : M;
+  const int64_t esz = wide ? 2 : 1;
+  char* ws = static_cast<char*>(sf_workspace(1, size_t(rows) * lda * esz + 2 * sizeof(int32_t) * M + 64));
   int32_t* rowsum = reinterpret_cast<int32_t*>(ws);
   int32_t* zrow = rowsum + M;
-  void* Ap = ws + 2 * sizeof(int32_t) * M;
-  const int64_t tiles = (N + kr.width - 1) / kr.width;
-  const bool par = allow_parallel && sf_max_threads() > 1 && tiles > 1 && (double)M * N * K >= 1048576.0;
-  #pragma omp parallel if (par)
-  {
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M; ++i) {
-      rowsum[i] = kr.wide ? sf_i8_pack_row(a8 + i * K, K, flip, static_cast<int16_t*>(Ap) + i * lda, lda)
-                          : sf_i8_pack_row(a8 + i * K, K, flip, static_cast<uint8_t*>(Ap) + i * lda, lda);
-      zrow[i] = sf_i8_zero(azp, azp_per_row, a_signed, i);
+  char* Ap = ws + (2 * sizeof(int32_t) * M + 63) / 64 * 64;
+  const bool par = allow_parallel && sf_max_threads() > 1 && (double)M * N * K >= 1048576.0;
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t i = 0; i < rows; ++i) {
+    if (i >= M) {
+      std::memset(Ap + i * lda * esz, 0, lda * esz);
+      continue;
     }
-    #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t j0 = t * kr.width, nc = std::min(kr.width, N - j0);
-      // the tile's first panel, and the half of it the AVX2 kernel's 8 columns start at
-      const int8_t* Bt = bp + (j0 / SF_I8_PANEL) * ldp + 4 * (j0 % SF_I8_PANEL);
-      for (int64_t g0 = 0; g0 < ng; g0 += SF_I8_KGB) {
-        const int64_t gn = std::min(SF_I8_KGB, ng - g0);
-        for (int64_t i0 = 0; i0 < M; i0 += kr.mr) {
-          const int64_t mr = std::min(kr.mr, M - i0);
-          const void* Ai = static_cast<const char*>(Ap) + (i0 * lda + 4 * g0) * esz;
-          kr.fn[mr - 1](gn, Ai, lda, Bt + 64 * g0, ldp, C + i0 * ldc + j0, ldc, mr, nc, g0 == 0);
-        }
-      }
-      for (int64_t i = 0; i < M; ++i) {
-        int32_t* c = C + i * ldc;
-        sf_i8_finish(c, c + j0, j0, j0 + nc, K, zrow[i], rowsum[i], bc, bsum);
-      }
-    }
+    rowsum[i] = wide ? sf_i8_pack_row(a8 + i * K, K, flip, reinterpret_cast<int16_t*>(Ap) + i * lda, lda)
+                     : sf_i8_pack_row(a8 + i * K, K, flip, reinterpret_cast<uint8_t*>(Ap) + i * lda, lda);
+    zrow[i] = sf_i8_zero(azp, azp_per_row, a_signed, i);
   }
+  sf_igemm_rows(M, N, K, Ap, lda, rowsum, zrow, bp, bc, C, ldc, allow_parallel);
 }
 
 }  // namespace
