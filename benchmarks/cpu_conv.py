@@ -1,4 +1,6 @@
 """CPU latency of single convolutions (each followed by a Relu, fused into it) vs onnxruntime.
+The ``int8_`` shapes are ``ConvInteger`` nodes instead (uint8 image, int8 weight, int32 output: the
+integer conv, ``cpu_library/conv_int8.h``).
 
 The shapes are ResNet-50's (one 224x224 image): 3x3 and 1x1 convs at 56x56, 28x28, 14x14 and
 7x7, the 7x7 stride-2 stem and the stride-2 ones; and VGG-19's wider 3x3s. Each is compiled for one cpu rank and run with
@@ -46,12 +48,29 @@ SHAPES = {
 }
 
 
+# the same shapes as ConvInteger (uint8 image with a zero point, int8 weight, int32 output; PackedConvInteger,
+# cpu_library/conv_int8.h), no Relu; "GFLOP/s" counts their multiply-adds as two operations
+SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("3x3_56", "1x1_56_64_256", "1x1_56_256_64", "3x3_28", "3x3_14",
+                                                "3x3_7", "1x1_14_1024_256", "1x1_7_2048_512", "stem_7x7_s2",
+                                                "3x3_s2_56")})
+
+
 def _model(name: str, path: str):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     C, H, OC, K, S, P = SHAPES[name]
     rng = np.random.default_rng(0)
+    if name.startswith("int8_"):
+        OH = (H + 2 * P - K) // S + 1
+        node = helper.make_node("ConvInteger", ["x", "w", "xzp"], ["y"], kernel_shape=[K, K], strides=[S, S],
+                                pads=[P] * 4)
+        g = helper.make_graph([node], name, [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, C, H, H])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, [1, OC, OH, OH])],
+                              [numpy_helper.from_array(rng.integers(-128, 128, (OC, C, K, K)).astype(np.int8), "w"),
+                               numpy_helper.from_array(np.array(117, np.uint8), "xzp")])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return rng.integers(0, 256, (1, C, H, H)).astype(np.uint8), 2.0 * OC * C * K * K * OH * OH
     w = (rng.standard_normal((OC, C, K, K)) * 0.1).astype(np.float32)
     b = rng.standard_normal(OC).astype(np.float32)
     OH = (H + 2 * P - K) // S + 1

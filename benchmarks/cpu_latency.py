@@ -25,7 +25,9 @@ float32 model.
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
 format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff| is larger than the
-float models' (an activation that rounds the other way in one engine moves the next layer's sums).
+float models' (an activation that rounds the other way in one engine moves the next layer's sums). With
+``--sized`` it also times the ResNet-50 quantized by ``quantize_static`` (``resnet50_224_qdq``: its convs run
+the integer conv).
 ``--int4`` also times a copy of each transformer whose MatMul weights ``MatMulNBitsQuantizer`` made 4-bit
 (blocks of 32, zero points; ``<model>_int4``), the weights kept packed here (``cpu_library/lowbit.h``), next
 to onnxruntime on the same file at ``accuracy_level`` 0 (float32 activations, as ours); ``--int4-gather``
@@ -344,10 +346,14 @@ def main(argv=None) -> None:
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = export_text_model(kind, path, args.seq)
                     bench_text(name, path, feeds, max(5, args.repeat // 10))
-            if args.only in "resnet50_224":
+            if args.only in "resnet50_224" or (args.int8 and args.only in "resnet50_224_qdq"):
                 path = os.path.join(work, "resnet50.onnx")
                 feeds = export_resnet50(path)
-                bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, compare)
+                if args.only in "resnet50_224":
+                    bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, compare)
+                if args.int8:  # (its convs on the integer conv)
+                    bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
+                          work, compare)
             for kind in ("mobilenet_v2", "convnext_tiny"):
                 if args.only in f"{kind}_224":
                     path = os.path.join(work, f"{kind}.onnx")
