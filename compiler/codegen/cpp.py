@@ -659,7 +659,8 @@ def kernel_source(op, clones: bool = False, in_place: int | None = None) -> tupl
     # a template's functions of the file (a conv's epilogue): cloned as a generic kernel would be
     scoped_attr = "SF_CLONES " if clones else ""
     if body is None:
-        body = generic_kernel_body(op, in_place)
+        from .fusion import coalesce_elementwise
+        body = generic_kernel_body(coalesce_elementwise(op), in_place)
     elif template_kind(op) not in CLONED_TEMPLATES:
         clones = False  # a GEMM template's kernel only calls the GEMM, which dispatches on the CPU itself
     scoped = []

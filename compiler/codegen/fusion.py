@@ -109,6 +109,49 @@ class FusedOp(Operator):
         raise NotImplementedError("a FusedOp exists only inside code generation; clone its members")
 
 
+#: Element-wise ops (numpy broadcasting, one output) whose kernels :func:`coalesce_elementwise` may
+#: compute over fewer, longer dims.
+_ELEMENTWISE = frozenset({"Unary", "Binary", "Cast", "Where", "Clip", "Identity", "Activation"})
+
+
+def coalesce_elementwise(op: Operator, max_inner: int = 512) -> Operator:
+    """``op`` (an element-wise op, or a FusedOp of them) over its output's trailing dims merged into one,
+    as long as every tensor it reads or writes spans both dims fully or neither (size 1: broadcast) and
+    the merged dim stays under ``max_inner`` before the merge, else ``op`` itself: the same bytes in the
+    same order, one longer innermost loop (a [1, 256, 28, 28] chain's loops of 28 left 12 of every 28
+    values to scalar code). Only for lowering its kernel: the copy shares nothing with the graph."""
+    members = list(op.members) if isinstance(op, FusedOp) else [op]
+    if any(m.op_type not in _ELEMENTWISE or len(m.outputs) != 1 for m in members):
+        return op
+    out = tuple(op.outputs[0].shape)
+    n = len(out)
+    tensors = {id(t): t for m in members for t in list(m.inputs) + list(m.outputs)}
+    if n < 2 or any(t.ndim > n for t in tensors.values()):
+        return op
+    padded = {k: (1,) * (n - t.ndim) + tuple(t.shape) for k, t in tensors.items()}
+    groups = [[d] for d in range(n)]
+    while len(groups) >= 2 and int(np.prod([out[d] for d in groups[-1]])) < max_inner:
+        dims = groups[-2] + groups[-1]
+        if not all(all(s[d] == out[d] for d in dims) or all(s[d] == 1 for d in dims) for s in padded.values()):
+            break
+        groups[-2:] = [dims]
+    if len(groups) == n:
+        return op
+
+    def reshaped(t: Tensor) -> Tensor:
+        if t.ndim == 0:
+            return t
+        shape = tuple(int(np.prod([padded[id(t)][d] for d in g])) for g in groups)
+        return Tensor(t.name, shape, t.dtype, None, None if t.value is None else np.asarray(t.value).reshape(shape))
+    mapping = {id(t): reshaped(t) for t in op.inputs}
+    new_members = []
+    for m in members:
+        c = m.clone([mapping[id(t)] for t in m.inputs])
+        mapping[id(m.outputs[0])] = c.outputs[0]
+        new_members.append(c)
+    return FusedOp(new_members, name=op.name) if isinstance(op, FusedOp) else new_members[0]
+
+
 def chain(members: Sequence[Operator], inputs: Sequence[Tensor], placeholders: Sequence[object],
           given: dict[int, object] | None = None) -> dict[int, object]:
     """``id(tensor)`` -> its definition in a group: ``inputs`` are ``placeholders``, each member's
