@@ -666,3 +666,42 @@ def test_an_unrolled_element_wise_scan_fuses_in_bounded_groups(tmp_path):
     got = load(str(tmp_path)).run({"x": x})
     np.testing.assert_allclose(got["last"], s, rtol=1e-5)
     np.testing.assert_allclose(got["out"], total, rtol=1e-4)
+
+
+def test_element_wise_kernels_merge_trailing_dims_every_operand_spans_alike(tmp_path, kernel_cache):
+    """coalesce_elementwise: an element-wise chain's kernel runs over its output's trailing dims merged
+    where every tensor spans both or neither (a per-channel scale spans neither of H and W; a row
+    vector [1, 1, 1, 7] spans W only and keeps the dims); the kernel computes the same values, and its
+    innermost loop walks all of H * W."""
+    from shardflow.compiler.codegen.cpp import generate_cpu_source
+    from shardflow.compiler.codegen.fusion import coalesce_elementwise
+
+    rng = np.random.default_rng(0)
+    x = Tensor("x", (2, 8, 5, 7), "float32")
+    scale = const_tensor(rng.standard_normal((1, 8, 1, 1)).astype(np.float32))
+    res = Tensor("res", (1, 1, 5, 7), "uint8")
+    ops = [Binary([x, scale], fn="mul", name="s")]
+    ops.append(Binary([ops[-1].outputs[0], CastOp([res], to="float32", name="c").outputs[0]], fn="add", name="a"))
+    ops.insert(1, ops[-1].inputs[1].producer)
+    ops.append(Unary([ops[-1].outputs[0]], fn="neg", name="n"))
+    group, = fuse(ops)
+    merged = coalesce_elementwise(group)
+    assert merged.outputs[0].shape == (2, 8, 35) and [t.shape for t in merged.inputs][1:] == [(1, 8, 1), (1, 1, 35)]
+    assert "< 35; ++" in generate_cpu_source([group]).text
+    row = Binary([x, const_tensor(np.ones((1, 1, 1, 7), np.float32))], fn="add", name="r")
+    assert coalesce_elementwise(row) is row
+    if shutil.which("g++") is None:
+        return
+    feeds = {"x": rng.standard_normal((2, 8, 5, 7)).astype(np.float32), "res": rng.integers(0, 256, (1, 1, 5, 7))
+             .astype(np.uint8)}
+    want = -(feeds["x"] * scale.value + feeds["res"].astype(np.float32))
+    entries = build_cpu_library(ops, str(tmp_path / "m.so"), cache_dir=kernel_cache, opt_level=1, fuse=True)
+    e = entries["n"]
+    lib = ctypes.CDLL(str(tmp_path / "m.so"))
+    values = {"x": feeds["x"], "res": feeds["res"], scale.name: scale.value}
+    ins = [np.ascontiguousarray(values[n]) for n in e["inputs"]]
+    out = np.empty((2, 8, 5, 7), np.float32)
+    fn = getattr(lib, e["symbol"])
+    fn.restype = None
+    fn((ctypes.c_void_p * len(ins))(*[v.ctypes.data for v in ins]), (ctypes.c_void_p * 1)(out.ctypes.data))
+    np.testing.assert_array_equal(out, want)
