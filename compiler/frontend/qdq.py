@@ -14,8 +14,9 @@ applies it for the cpu target only (the cuda target has no integer GEMM template
 
 A Conv of a DequantizeLinear'd activation and weight becomes ``ConvInteger`` (its attributes) the same
 way, the scales' product one per output channel, and its bias (any float tensor) added after: the weight
-an int8/uint8 initializer ``[OC, C/group, *kernel]`` (1 or 2 spatial dims), its scale and zero point per
-tensor or per output channel (``axis`` 0). The cpu target runs it on the integer conv
+an int8/uint8 initializer ``[OC, C/group, *kernel]`` (1 or 2 spatial dims) with at least
+:data:`~shardflow.compiler.ops.conv.INT8_CONV_MIN_K` products per output (depthwise convs stay float), its
+scale and zero point per tensor or per output channel (``axis`` 0). The cpu target runs it on the integer conv
 (``PackedConvInteger``).
 
 A MatMul, or a Gemm without ``transA`` (``alpha`` joins the scales, ``beta * C`` is added after),
@@ -48,6 +49,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..ops.conv import INT8_CONV_MIN_K
 from ..ops.linalg import pack_bits
 from .external_data import initializer_array
 
@@ -105,6 +107,8 @@ def _dq_conv_weight(node, inits: dict):
             or (z and (z not in inits or inits[z].data_type != inits[w].data_type)):
         return None
     oc = inits[w].dims[0]
+    if int(np.prod(inits[w].dims[1:])) < INT8_CONV_MIN_K:  # (depthwise and thin groups: float, the faster)
+        return None
     scale = initializer_array(inits[s])
     zp = initializer_array(inits[z]) if z else None
     if scale.size != 1 and (scale.shape != (oc,) or attrs.get("axis", 1) not in (0, -len(inits[w].dims))):

@@ -21,7 +21,7 @@ from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, affine_expr, dtype_kin
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "PackedConvInteger", "pack_int8_conv", "int8_conv_rows", "BLOCK", "block_channels",
+__all__ = ["Conv", "PackedConv", "PackedConvInteger", "pack_int8_conv", "int8_conv_rows", "INT8_CONV_MIN_K", "BLOCK", "block_channels",
            "unblock_channels", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
            "Resize", "conv_output_size", "pool_output_size"]
 
@@ -308,6 +308,14 @@ class PackedConv(Conv):
 
     def numpy(self, x, wp, *bias):
         return super().numpy(x, self.weight(wp), *bias)
+
+
+#: An integer conv runs the integer GEMM (:class:`PackedConvInteger`) from this many products per output
+#: (``C/group * prod(kernel)``, one AMX tile deep) on: below it (depthwise and other thin groups) the GEMM's
+#: panels, padded to 64 along K, cost more than the products (a QDQ MobileNetV2, 2 AVX-512/AMX cores: all
+#: its convs on it 31.3 ms, from 32 products on 8.8, from 64 on 7.4, all float 7.7; rfcs/0002, "Integer
+#: convolutions").
+INT8_CONV_MIN_K = 64
 
 
 def int8_conv_rows(oc: int, group: int) -> int:

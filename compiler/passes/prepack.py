@@ -24,7 +24,8 @@ groups of 4 along ``K`` (:func:`~shardflow.compiler.ops.linalg.pack_int8_panels`
 the integer GEMM's VNNI kernel), signed, with its column sums. The int32 results are the same.
 
 An integer Conv (``ConvInteger`` and ``QLinearConv`` import as an int32 Conv of ``int32(x) - x_zero_point``
-and the constant ``w - w_zero_point``) over 1 or 2 spatial dims, with no bias, whose input is an int8/uint8
+and the constant ``w - w_zero_point``) over 1 or 2 spatial dims, with no bias and at least
+:data:`~shardflow.compiler.ops.conv.INT8_CONV_MIN_K` products per output, whose input is an int8/uint8
 image so widened (the zero point one value, constant or computed) and whose weight spans at most 255 per
 output channel becomes a :class:`~shardflow.compiler.ops.conv.PackedConvInteger` on the image itself: the
 weight as the integer GEMM's rows (:func:`~shardflow.compiler.ops.conv.pack_int8_conv`), each image the
@@ -92,8 +93,10 @@ def _int8_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
     if op.op_type != "Conv" or len(op.inputs) != 2 or len(op.outputs) != 1 or op.outputs[0].dtype != "int32" \
             or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or op.inputs[0].ndim not in (3, 4):
         return None
+    from ..ops.conv import INT8_CONV_MIN_K
+
     x, w = op.inputs
-    if w.dtype != "int32" or 0 in w.shape or 0 in x.shape:
+    if w.dtype != "int32" or 0 in w.shape or 0 in x.shape or math.prod(w.shape[1:]) < INT8_CONV_MIN_K:
         return None
     value = None
     if w.is_constant:

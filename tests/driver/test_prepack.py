@@ -609,49 +609,59 @@ def test_winograd_must_be_a_bool():
 
 
 def _integer_convs_model(rng):
-    """ConvIntegers that the cpu target runs on the integer conv: a uint8 image with a constant zero point
+    """Integer convs that the cpu target runs on the integer conv: a uint8 image with a constant zero point
     and an int8 weight with one per channel, a run-time zero point, an int8 image with a uint8 weight and
-    no zero points, groups with strides and dilations, a 1-D conv; and an int32 input (not an image's
-    bytes), which stays a Conv."""
+    no zero points, groups with strides and dilations, a 1-D conv, a QLinearConv (its bias added after);
+    and a depthwise one, too thin for the GEMM (INT8_CONV_MIN_K), which stays a Conv."""
     u8 = lambda *s: rng.integers(0, 256, s).astype(np.uint8)  # noqa: E731
     i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)  # noqa: E731
     inits = [numpy_helper.from_array(a, n) for n, a in (
-        ("w1", i8(20, 6, 3, 3)), ("w1zp", i8(20)), ("x1zp", np.array(131, np.uint8)),
-        ("w2", u8(8, 6, 1, 1)), ("w3", i8(12, 3, 2, 3)), ("w3zp", np.array(-4, np.int8)),
-        ("w4", u8(16, 5, 3)), ("w4zp", np.array(100, np.uint8)), ("x4zp", np.array(7, np.uint8)))]
+        ("w1", i8(20, 8, 3, 3)), ("w1zp", i8(20)), ("x1zp", np.array(131, np.uint8)),
+        ("w2", u8(8, 72, 1, 1)), ("w3", i8(12, 22, 2, 3)), ("w3zp", np.array(-4, np.int8)),
+        ("w4", u8(16, 24, 3)), ("w4zp", np.array(100, np.uint8)), ("x4zp", np.array(7, np.uint8)),
+        ("w5", i8(8, 1, 3, 3)), ("xs", np.array(0.02, np.float32)), ("ws", np.full(20, 0.01, np.float32)),
+        ("ys", np.array(3.0, np.float32)), ("yzp", np.array(9, np.uint8)), ("b", rng.integers(-999, 999, 20)
+                                                                               .astype(np.int32)))]
     nodes = [helper.make_node("ConvInteger", ["x", "w1", "x1zp", "w1zp"], ["y1"], name="const_zp", pads=[1, 1, 1, 1]),
-             helper.make_node("ConvInteger", ["x", "w2", "xzp"], ["y2"], name="runtime_zp"),
-             helper.make_node("ConvInteger", ["xs", "w3", "", "w3zp"], ["y3"], name="grouped", group=2,
+             helper.make_node("ConvInteger", ["x72", "w2", "xzp"], ["y2"], name="runtime_zp"),
+             helper.make_node("ConvInteger", ["xi", "w3", "", "w3zp"], ["y3"], name="grouped", group=2,
                               strides=[2, 1], dilations=[1, 2], pads=[0, 1, 1, 2]),
              helper.make_node("ConvInteger", ["x1", "w4", "x4zp", "w4zp"], ["y4"], name="one_d", strides=[2],
-                              pads=[1, 1])]
+                              pads=[1, 1]),
+             helper.make_node("ConvInteger", ["x", "w5", "x1zp"], ["y5"], name="depthwise", group=8, pads=[1, 1, 1, 1]),
+             helper.make_node("QLinearConv", ["x", "xs", "x1zp", "w1", "ws", "w1zp", "ys", "yzp", "b"], ["y6"],
+                              name="qlinear", pads=[1, 1, 1, 1], strides=[2, 2])]
     graph = helper.make_graph(nodes, "convs", [
-        helper.make_tensor_value_info("x", TensorProto.UINT8, [2, 6, 9, 7]),
+        helper.make_tensor_value_info("x", TensorProto.UINT8, [2, 8, 9, 7]),
+        helper.make_tensor_value_info("x72", TensorProto.UINT8, [1, 72, 5, 6]),
         helper.make_tensor_value_info("xzp", TensorProto.UINT8, []),
-        helper.make_tensor_value_info("xs", TensorProto.INT8, [1, 6, 8, 10]),
-        helper.make_tensor_value_info("x1", TensorProto.UINT8, [1, 5, 30])],
-        [helper.make_tensor_value_info(n, TensorProto.INT32, s) for n, s in (
-            ("y1", [2, 20, 9, 7]), ("y2", [2, 8, 9, 7]), ("y3", [1, 12, 4, 9]), ("y4", [1, 16, 15]))], inits)
+        helper.make_tensor_value_info("xi", TensorProto.INT8, [1, 44, 8, 10]),
+        helper.make_tensor_value_info("x1", TensorProto.UINT8, [1, 24, 30])],
+        [helper.make_tensor_value_info(n, dt, s) for n, dt, s in (
+            ("y1", TensorProto.INT32, [2, 20, 9, 7]), ("y2", TensorProto.INT32, [1, 8, 5, 6]),
+            ("y3", TensorProto.INT32, [1, 12, 4, 9]), ("y4", TensorProto.INT32, [1, 16, 15]),
+            ("y5", TensorProto.INT32, [2, 8, 9, 7]), ("y6", TensorProto.UINT8, [2, 20, 5, 4]))], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    feeds = {"x": u8(2, 6, 9, 7), "xzp": np.array(250, np.uint8), "xs": i8(1, 6, 8, 10), "x1": u8(1, 5, 30)}
+    feeds = {"x": u8(2, 8, 9, 7), "x72": u8(1, 72, 5, 6), "xzp": np.array(250, np.uint8), "xi": i8(1, 44, 8, 10),
+             "x1": u8(1, 24, 30)}
     return model, feeds
 
 
 def test_integer_convs_run_on_the_integer_conv_with_the_same_values(tmp_path):
-    """ConvInteger (an int32 Conv of the widened image less its zero point) becomes a PackedConvInteger on the
-    image's bytes: the same int32 values as the ONNX reference, in the graph after the pass and compiled for a
-    cpu rank; an int32 Conv of other values stays."""
+    """ConvInteger and QLinearConv (an int32 Conv of the widened image less its zero point) become a
+    PackedConvInteger on the image's bytes: the same values as the ONNX reference, in the graph after the
+    pass and compiled for a cpu rank; a depthwise one and int32 Convs of other values stay."""
     import onnx
     from onnx.reference import ReferenceEvaluator
 
     from shardflow.compiler import load_onnx
 
     model, feeds = _integer_convs_model(np.random.default_rng(5))
-    want = dict(zip(["y1", "y2", "y3", "y4"], ReferenceEvaluator(model).run(None, feeds)))
+    want = dict(zip(["y1", "y2", "y3", "y4", "y5", "y6"], ReferenceEvaluator(model).run(None, feeds)))
     g = PrepackWeights().run(load_onnx(model))
     assert {op.name: op.op_type for op in g.nodes if op.op_type in ("Conv", "PackedConvInteger")} == {
         "const_zp": "PackedConvInteger", "runtime_zp": "PackedConvInteger", "grouped": "PackedConvInteger",
-        "one_d": "PackedConvInteger"}
+        "one_d": "PackedConvInteger", "depthwise": "Conv", "qlinear/conv_int32": "PackedConvInteger"}
     got = g.run(feeds)
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
@@ -668,7 +678,7 @@ def test_integer_convs_run_on_the_integer_conv_with_the_same_values(tmp_path):
     compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
             out_dir=tmp_path / "out")
     program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
-    assert [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"].count("PackedConvInteger") == 4
+    assert [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"].count("PackedConvInteger") == 5
     got = load(tmp_path / "out", rank=0).run(feeds)
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)

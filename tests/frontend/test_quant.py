@@ -166,8 +166,8 @@ def _qconv_model(kind):
 @pytest.mark.parametrize("kind", ["ConvInteger", "QLinearConv"])
 def test_quantized_conv_matches_onnxruntime_compiled_and_sharded(kind, tmp_path):
     """The integer convolutions import as an int32 Conv (plus the requantizing chain): the
-    reference evaluation, a compiled cpu rank (on the integer conv, PackedConvInteger) and a 2-rank
-    split equal onnxruntime's output."""
+    reference evaluation, a compiled cpu rank and a 2-rank split equal onnxruntime's output (the cpu
+    target's integer conv: tests/driver/test_prepack.py)."""
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
@@ -181,8 +181,6 @@ def test_quantized_conv_matches_onnxruntime_compiled_and_sharded(kind, tmp_path)
     onnx.save(m, path)
     compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
             out_dir=tmp_path / "out")
-    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
-    assert "PackedConvInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
     np.testing.assert_array_equal(load(tmp_path / "out", rank=0).run({"x": x})["y"], want)
     plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
     np.testing.assert_array_equal(simulate(partition(g, plan), {"x": x}, plan.mesh)["y"], want)
@@ -308,7 +306,8 @@ def test_qdq_matmuls_run_as_integer_products(name, per_channel, tmp_path):
     def integer(g):
         return sum(op.op_type == "MatMulInteger" or (op.op_type == "Conv" and op.outputs[0].dtype == "int32")
                    for op in g.nodes)
-    assert not integer(plain) and integer(fused) >= {"bert": 12, "gpt2": 9, "llama": 14, "resnet": 6}[name]
+    # (the ResNet's 1x1 conv of 16 products per output stays float: INT8_CONV_MIN_K)
+    assert not integer(plain) and integer(fused) >= {"bert": 12, "gpt2": 9, "llama": 14, "resnet": 5}[name]
     for got in (plain.run(feeds), fused.run(feeds)):
         for n in names:
             np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
@@ -316,7 +315,7 @@ def test_qdq_matmuls_run_as_integer_products(name, per_channel, tmp_path):
             out_dir=tmp_path / "out")
     program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())
     kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
-    assert kinds.count("PackedConvInteger") == 6 if name == "resnet" else "PackedMatMulInteger" in kinds
+    assert kinds.count("PackedConvInteger") == 5 if name == "resnet" else "PackedMatMulInteger" in kinds
     got = load(tmp_path / "out", rank=0).run(feeds)
     for n in names:
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
