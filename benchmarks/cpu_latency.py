@@ -26,8 +26,8 @@ float32 model.
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
 format (calibrated on the benchmark's inputs), ``<model>_qdq``; their max |diff| is larger than the
 float models' (an activation that rounds the other way in one engine moves the next layer's sums). With
-``--sized`` it also times the ResNet-50 quantized by ``quantize_static`` (``resnet50_224_qdq``: its convs run
-the integer conv).
+``--sized`` it also times the ResNet-50, MobileNetV2 and ConvNeXt-tiny quantized by ``quantize_static``
+(``<model>_224_qdq``: their convs of 64 or more products per output run the integer conv).
 ``--int4`` also times a copy of each transformer whose MatMul weights ``MatMulNBitsQuantizer`` made 4-bit
 (blocks of 32, zero points; ``<model>_int4``), the weights kept packed here (``cpu_library/lowbit.h``), next
 to onnxruntime on the same file at ``accuracy_level`` 0 (float32 activations, as ours); ``--int4-gather``
@@ -355,11 +355,15 @@ def main(argv=None) -> None:
                     bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                           work, compare)
             for kind in ("mobilenet_v2", "convnext_tiny"):
-                if args.only in f"{kind}_224":
+                if args.only in f"{kind}_224" or (args.int8 and args.only in f"{kind}_224_qdq"):
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = export_vision_model(kind, path)
-                    bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
-                          compare)
+                    if args.only in f"{kind}_224":
+                        bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
+                              compare)
+                    if args.int8:
+                        bench(f"{kind}_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
+                              work, compare)
 
 
 if __name__ == "__main__":
