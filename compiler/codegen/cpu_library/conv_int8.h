@@ -2,11 +2,11 @@
 namespace {
 
 // Per image and group, the output [OCg][P] (P = OH * OW pixels) is the integer GEMM of the weight's rows
-// (A': packed at compile time by ops.conv.pack_int8_conv_rows, each output channel's taps w + 128 as
+// (A': packed at compile time by ops.conv.pack_int8_conv, each output channel's taps less their least as
 // unsigned bytes, Kp apart, with their sums and zero points) by the im2col matrix of the image (B: packed
 // here into the GEMM's panels, b' = x or x - 128 as signed bytes, and their column sums): the output comes
 // out in the image's layout, nothing to transpose. Padding taps read the image's zero point (0 after the
-// shift, as ONNX pads ConvInteger).
+// shift, as ONNX pads ConvInteger). Columns past P in the last panel hold any bytes: the GEMM stores none.
 
 // the panels [ceil(P / 16)][Kp / 4][16][4] and column terms bc[2][16 * panels] of the im2col matrix [K][P],
 // b' = v ^ flip; bz: the zero point in b' terms (the padding's value). panel(j0, cols) gives, for the columns
@@ -67,7 +67,7 @@ static void sf_i8_pack_cols(int64_t K, int64_t P, Panel panel, uint8_t flip, int
 }
 
 // y[n][oc][P] (int32) = sum over the taps of (w - wzp)(x - xzp) for x [N][C][H][W] (bytes, signed when x_signed;
-// xzp: nullptr or one value of x's type), the weight as wa [OCp][Kp] (a' = w + 128) with wc[2][OCp] (row 0 the
+// xzp: nullptr or one value of x's type), the weight as wa [OCp][Kp] (bytes a') with wc[2][OCp] (row 0 the
 // zero point z in a' terms, a' - z = w - wzp; row 1 the sums of a' over its K taps), groups of C / group
 // channels and OC / group outputs
 static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uint8_t* wa, const int32_t* wc,

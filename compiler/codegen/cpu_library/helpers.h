@@ -27,9 +27,9 @@
 namespace {
 
 // Scratch memory: one grow-only buffer per slot and calling thread, kept for the process lifetime
-// (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col, or the bfloat16 GEMM's widened A, 4: a conv's
-// tap offsets, 5: a packed conv's transposed output, 6-7: a packed conv's plain image and output around the
-// blocked layout).
+// (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col, the bfloat16 GEMM's widened A, or the integer
+// conv's panels, 4: a conv's tap offsets (and the integer conv's padded image), 5: a packed conv's transposed
+// output, 6-7: a packed conv's plain image and output around the blocked layout).
 struct SfWorkspace {
   void* p[8] = {};
   size_t n[8] = {};
