@@ -81,7 +81,7 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
   const bool par = sf_max_threads() > 1 && (double)OCg * P * K >= 1048576.0;
   const bool direct = g.KH == 1 && g.KW == 1 && g.SH == 1 && g.SW == 1 && g.PT == 0 && g.PL == 0 && g.OH == g.H
                       && g.OW == g.W;
-  // the group's image with its padding in it (zero points): [Cg][Hp][Wp], 16 bytes of slack after
+  // the group's image with its padding in it (zero points): [Cg][Hp][Wp], 32 bytes of slack after
   const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
   // the panels and their column terms
@@ -90,7 +90,7 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
   int8_t* bp = reinterpret_cast<int8_t*>(ws);
   int32_t* bc = reinterpret_cast<int32_t*>(ws + panel_bytes);
   // the padded image and each tap's offset in it (its value at output pixel (0, 0))
-  char* ws4 = static_cast<char*>(sf_workspace(4, direct ? 64 : sizeof(int64_t) * K + Cg * Hp * Wp + 16));
+  char* ws4 = static_cast<char*>(sf_workspace(4, direct ? 64 : sizeof(int64_t) * K + Cg * Hp * Wp + 32));
   int64_t* koff = reinterpret_cast<int64_t*>(ws4);
   uint8_t* xp = reinterpret_cast<uint8_t*>(ws4 + sizeof(int64_t) * K);
   if (!direct)
@@ -129,30 +129,40 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
           }
           std::memset(dst + (g.PT + g.H) * Wp, zraw, (Hp - g.PT - g.H) * Wp);
         }
-        std::memset(xp + Cg * Hp * Wp, zraw, 16);
-        // (a panel's pixels in one output row at stride 1 are 16 bytes in a row of the padded image, or
-        // fewer and slack after; else gathered)
+        std::memset(xp + Cg * Hp * Wp, zraw, 32);
+        // (a panel's pixels in one output row are, at stride 1, 16 bytes in a row of the padded image (or
+        // fewer and slack after), at stride 2 the even bytes of 32; else gathered one by one)
         struct Taps {
           const uint8_t* xp;
           const int64_t* koff;
           int64_t pix[16];
           int64_t cols;
-          bool contiguous;
+          int one_row;  // the stride of a panel in one output row (1 or 2), else 0
           const uint8_t* operator()(int64_t k, uint8_t* tmp) const {
             const uint8_t* base = xp + koff[k];
-            if (contiguous) return base + pix[0];
+            if (one_row == 1) return base + pix[0];
+#if defined(__x86_64__)
+            if (one_row == 2) {
+              const __m128i lo = _mm_set1_epi16(0x00FF);
+              const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + pix[0]));
+              const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + pix[0] + 16));
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp),
+                               _mm_packus_epi16(_mm_and_si128(a, lo), _mm_and_si128(b, lo)));
+              return tmp;
+            }
+#endif
             for (int64_t q = 0; q < cols; ++q) tmp[q] = base[pix[q]];
             return tmp;
           }
         };
         sf_i8_pack_cols(K, P, [&](int64_t j0, int64_t cols) {
-          Taps t{xp, koff, {}, cols, false};
+          Taps t{xp, koff, {}, cols, 0};
           const int64_t oh = j0 / g.OW, ow = j0 % g.OW;
           for (int64_t q = 0, h = oh, w = ow; q < cols; ++q) {
             t.pix[q] = h * g.SH * Wp + w * g.SW;
             if (++w == g.OW) { w = 0; ++h; }
           }
-          t.contiguous = g.SW == 1 && ow + cols <= g.OW;
+          if (ow + cols <= g.OW && (g.SW == 1 || g.SW == 2)) t.one_row = int(g.SW);
           return t;
         }, flip, bz, bp, bc, par);
       }
