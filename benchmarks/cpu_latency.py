@@ -20,7 +20,7 @@ onnxruntime on the float32 model with the same rounded weights (onnxruntime has 
 CPU); its max |diff| is the bfloat16 roundings'. ``--precision-bf16`` also times each transformer compiled
 with ``optimization_config["precision"] = "bfloat16"`` (its products' operands rounded to bfloat16, sums in
 float32: the AMX or AVX-512 BF16 GEMM where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the
-float32 model.
+float32 model (with ``--sized``, the ResNet-50 too: ``resnet50_224_pbf16``, its convs on the bfloat16 GEMM).
 ``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ
@@ -351,6 +351,9 @@ def main(argv=None) -> None:
                 feeds = export_resnet50(path)
                 if args.only in "resnet50_224":
                     bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, compare)
+                    if args.precision_bf16:  # (its convs on the bfloat16 GEMM)
+                        bench("resnet50_224_pbf16", path, feeds, args.threads, max(5, args.repeat // 5), work,
+                              compare, {"precision": "bfloat16"})
                 if args.int8:  # (its convs on the integer conv)
                     bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                           work, compare)

@@ -42,8 +42,8 @@ __all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kin
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
-_LIBRARY_FILES = ("gemm.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "conv_int8.h", "depthwise.h", "pool.h",
-                  "conv3d.h", "conv_transpose.h", "attention.h", "winograd.h")
+_LIBRARY_FILES = ("gemm.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "conv_int8.h", "conv_bf16.h",
+                  "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h", "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
 
 # The micro-kernel tables (GEMM, int8 GEMM, packed and direct convs): with every tile size and form they
@@ -340,16 +340,8 @@ def _packed_conv_integer(op) -> str | None:
     if x.dtype not in ("int8", "uint8") or out.dtype != "int32" or x.ndim not in (3, 4) \
             or (xzp is not None and (xzp.dtype != x.dtype or xzp.size != 1)):
         return None
-    n_sp = x.ndim - 2
     kern = tuple(int(k) for k in op.attrs["kernel"])
-    strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
-    dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
-    pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
-    if n_sp == 1:  # (as a 2-D conv of one row)
-        geo = (x.shape[1], 1, x.shape[2], 1, kern[0], 1, strides[0], 1, dil[0], 0, pads[0], 1, out.shape[2])
-    else:
-        geo = (x.shape[1], x.shape[2], x.shape[3], kern[0], kern[1], strides[0], strides[1], dil[0], dil[1],
-               pads[0], pads[1], out.shape[2], out.shape[3])
+    geo = _int_conv_geometry(op)
     oc, group, rows = int(op.attrs["oc"]), int(op.attrs.get("group", 1)), op.inputs[1].shape[0]
     return "\n".join([
         f"  // PackedConvInteger: {x.shape[0]} images ({x.dtype}), {group} group(s) of [{oc // group}, "
@@ -358,6 +350,39 @@ def _packed_conv_integer(op) -> str | None:
         f"  sf_iconv2d(inputs[0], {str(x.dtype == 'int8').lower()}, {'inputs[3]' if xzp is not None else 'nullptr'}, "
         "static_cast<const uint8_t*>(inputs[1]), static_cast<const int32_t*>(inputs[2]), "
         f"static_cast<int32_t*>(outputs[0]), {x.shape[0]}, {oc}, {group}, g, {rows});"])
+
+
+def _packed_conv_bf16(op) -> str | None:
+    """PackedConvBf16: per image and group, the bfloat16 GEMM of the weight's rows by the image's im2col
+    matrix packed into the GEMM's panels of pairs, in float32 with the bias (``cpu_library/conv_bf16.h``)."""
+    x, out = op.inputs[0], op.outputs[0]
+    bias = op.inputs[2] if len(op.inputs) > 2 else None
+    if x.dtype != "bfloat16" or out.dtype != "float32" or x.ndim not in (3, 4) \
+            or (bias is not None and (bias.dtype != "float32" or bias.shape != (int(op.attrs["oc"]),))):
+        return None
+    oc, group = int(op.attrs["oc"]), int(op.attrs.get("group", 1))
+    return "\n".join([
+        f"  // PackedConvBf16: {x.shape[0]} images, {group} group(s) of [{oc // group}, "
+        f"{x.shape[1] // group * _prod(op.attrs['kernel'])}] "
+        f"(bfloat16 rows) @ im2col [.., {_prod(out.shape[2:])}] in float32",
+        f"  static const SfConvGeom g = {{{', '.join(str(int(v)) for v in _int_conv_geometry(op))}}};",
+        "  sf_bconv2d(static_cast<const sf_bf16*>(inputs[0]), static_cast<const sf_bf16*>(inputs[1]), "
+        f"{'static_cast<const float*>(inputs[2])' if bias is not None else 'nullptr'}, "
+        f"static_cast<float*>(outputs[0]), {x.shape[0]}, {oc}, {group}, g);"])
+
+
+def _int_conv_geometry(op) -> tuple:
+    """SfConvGeom's fields for a packed conv of 1 or 2 spatial dims (a 1-D one as one row)."""
+    x, out = op.inputs[0], op.outputs[0]
+    n_sp = x.ndim - 2
+    kern = tuple(int(k) for k in op.attrs["kernel"])
+    strides = tuple(op.attrs.get("strides") or (1,) * n_sp)
+    dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
+    pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
+    if n_sp == 1:
+        return (x.shape[1], 1, x.shape[2], 1, kern[0], 1, strides[0], 1, dil[0], 0, pads[0], 1, out.shape[2])
+    return (x.shape[1], x.shape[2], x.shape[3], kern[0], kern[1], strides[0], strides[1], dil[0], dil[1],
+            pads[0], pads[1], out.shape[2], out.shape[3])
 
 
 def _matmul_nbits(op) -> str | None:
@@ -1530,13 +1555,13 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "Attention": _attention, "Resize": _resize, "LRN": _lrn, "CumSum": _scan, "CumProd": _scan,
               "Pad": _pad, "Einsum": _einsum, "ExpertMatMul": _expert_matmul,
               "TopK": _topk, "Transpose": _transpose, "PackedMatMulInteger": _packed_matmul_integer,
-              "PackedConvInteger": _packed_conv_integer,
+              "PackedConvInteger": _packed_conv_integer, "PackedConvBf16": _packed_conv_bf16,
               "PackedMatMulBf16": _packed_matmul_bf16,
               "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
 _MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "MatMulNBits", "BitCast",
-                           "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger"})
+                           "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger", "PackedConvBf16"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

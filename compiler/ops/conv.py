@@ -17,11 +17,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import ShapeError
 from ..ir.expr import (BinOp, Cast, Const, Expr, UnaryOp, affine_expr, dtype_kind, eq, if_then_else, logical_and,
-                       maximum, minimum, sum_type)
+                       maximum, minimum, numpy_type, sum_type)
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 
-__all__ = ["Conv", "PackedConv", "PackedConvInteger", "pack_int8_conv", "int8_conv_rows", "INT8_CONV_MIN_K", "BLOCK", "block_channels",
+__all__ = ["Conv", "PackedConv", "PackedConvInteger", "PackedConvBf16", "pack_bf16_conv", "pack_int8_conv",
+           "int8_conv_rows", "INT8_CONV_MIN_K", "BLOCK", "block_channels",
            "unblock_channels", "WinogradConv", "winograd_weights", "WINOGRAD", "ConvTranspose", "Pool", "GlobalPool",
            "Resize", "conv_output_size", "pool_output_size"]
 
@@ -405,6 +406,70 @@ class PackedConvInteger(Conv):
         xs = x.astype(np.int64) - zx
         y = self._numpy(xs, self.weight(wa, wc, x.shape[1]), (), self.outputs[0].shape[2:])
         return [y.astype(np.int32)]
+
+
+def pack_bf16_conv(w: np.ndarray, group: int) -> np.ndarray:
+    """A conv weight ``w [OC, C/group, *kernel]`` of bfloat16 values (bfloat16, or float32 holding them) as
+    :class:`PackedConvBf16` reads it: bfloat16 rows ``[R, Kp]`` (:func:`int8_conv_rows` rows: whole AMX
+    tiles; ``Kp``: ``K = C/group * prod(kernel)`` rounded up to
+    :data:`~shardflow.compiler.ops.linalg.BF16_KSTEP`), each output channel's taps, zeros after."""
+    from .linalg import BF16_KSTEP
+
+    oc = w.shape[0]
+    flat = np.asarray(w).reshape(oc, -1)
+    k = flat.shape[1]
+    rows = np.zeros((int8_conv_rows(oc, group), -(-k // BF16_KSTEP) * BF16_KSTEP), numpy_type("bfloat16"))
+    rows[:oc, :k] = flat.astype(numpy_type("bfloat16"))
+    return rows
+
+
+class PackedConvBf16(Conv):
+    """A float32 :class:`Conv` of bfloat16 values (a bfloat16 image widened, a weight holding bfloat16 values):
+    the form the cpu target gives it (``passes/prepack.py``), reading the bfloat16 image itself and the
+    weight as bfloat16 rows ``[OC, C/group * prod(kernel)]``, computed per image and group as the bfloat16
+    GEMM of those rows by the image's im2col matrix (each product exact in float32, float32 sums).
+
+    Inputs ``x [N, C, *in]`` (bfloat16), ``w`` (bfloat16 rows, :func:`pack_bf16_conv`), optional ``bias [OC]``
+    (float32). Attributes: Conv's (1 or 2 spatial dims), ``oc`` and ``kernel``. The output is float32.
+    """
+
+    def _weight_shape(self, x, w) -> tuple[int, ...]:
+        from .linalg import BF16_KSTEP
+
+        oc, kern, g = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"]), self.attrs.get("group", 1)
+        xs = tuple(x.shape)
+        c = xs[1] if len(xs) >= 3 else -1
+        k = (c // g if g >= 1 else -1) * math.prod(kern)
+        if x.dtype != "bfloat16" or w.dtype != "bfloat16" or len(kern) != len(xs) - 2 or len(kern) not in (1, 2) \
+                or tuple(w.shape) != (int8_conv_rows(oc, g), -(-k // BF16_KSTEP) * BF16_KSTEP):
+            raise ShapeError(f"{self.name}: PackedConvBf16 takes x [N, C, spatial...] and rows "
+                             f"[{int8_conv_rows(oc, g)}, C/group * prod(kernel) rounded up to {BF16_KSTEP}] (bfloat16, "
+                             f"1 or 2 spatial dims), got "
+                             f"{x.dtype} {xs} and {w.dtype} {tuple(w.shape)} with oc={oc}, kernel={kern}")
+        return (oc, c // g) + kern
+
+    def compute(self, x, w, *bias):
+        kern = tuple(int(v) for v in self.attrs["kernel"])
+
+        def x_at(x, n, ch, pos):
+            return Cast(x[(n, ch, *pos)], "float32")
+
+        def weight_at(w, oc, ic, k):
+            flat = ic
+            for kk, n in zip(k, kern):
+                flat = flat * n + kk
+            return Cast(w[oc, flat], "float32")
+        return self._conv_compute(x, w, bias, "float32", x_at, weight_at)
+
+    def local_attrs(self, inputs, output_shapes):
+        """The rank's own op (the pass runs on a rank's graph): its attributes as they are."""
+        return Operator.local_attrs(self, inputs, output_shapes)
+
+    def numpy(self, x, w, *bias):
+        oc, kern, g = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"]), self.attrs.get("group", 1)
+        k = x.shape[1] // g * math.prod(kern)
+        wf = np.asarray(w[:oc, :k], np.float32).reshape((oc, -1) + kern)
+        return [self._numpy(np.asarray(x, np.float32), wf, bias, self.outputs[0].shape[2:])]
 
 
 #: Winograd's minimal filtering F(m x m, 3 x 3) (Lavin and Gray, 2016) for m = 2 and 4: ``(B^T, G, A^T)``
@@ -1162,6 +1227,16 @@ def examples(rng: np.random.Generator):
         (PackedConvInteger, [i8(2, 4, 7, 6), *pack_int8_conv(wz(u8(6, 2, 2, 3), 130), 2)],
          {"oc": 6, "kernel": (2, 3), "group": 2, "strides": (2, 1), "dilations": (1, 2), "pads": (0, 1, 1, 0)}),
         (PackedConvInteger, [u8(1, 3, 9), *pack_int8_conv(wz(i8(20, 3, 3), 0), 1), np.array([5], np.uint8)],
+         {"oc": 20, "kernel": (3,), "strides": (2,), "pads": (1, 1)}),
+    ]
+    # bfloat16 convs (values and rows of bfloat16)
+    bf = lambda *s: rng.standard_normal(s).astype(np.float32).astype(numpy_type("bfloat16"))  # noqa: E731
+    res += [
+        (PackedConvBf16, [bf(1, 4, 6, 5), pack_bf16_conv(bf(8, 4, 3, 3), 1), f(8)],
+         {"oc": 8, "kernel": (3, 3), "pads": (1, 1, 1, 1)}),
+        (PackedConvBf16, [bf(2, 4, 7, 6), pack_bf16_conv(bf(6, 2, 2, 3), 2)],
+         {"oc": 6, "kernel": (2, 3), "group": 2, "strides": (2, 1), "dilations": (1, 2), "pads": (0, 1, 1, 0)}),
+        (PackedConvBf16, [bf(1, 3, 9), pack_bf16_conv(bf(20, 3, 3), 1), f(20)],
          {"oc": 20, "kernel": (3,), "strides": (2,), "pads": (1, 1)}),
     ]
     return res

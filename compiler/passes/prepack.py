@@ -138,6 +138,36 @@ def _int8_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
     return (xq, value, zp) if np.all(flat.max(axis=1) - flat.min(axis=1) <= 255) else None
 
 
+#: A float32 conv of bfloat16 values runs the bfloat16 GEMM (PackedConvBf16) from this many products per
+#: output on (one AMX tile deep); below it (depthwise convs) the float32 conv.
+BF16_CONV_MIN_K = 32
+
+
+def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.ndarray] | None:
+    """``(image, value)`` of a float32 Conv of bfloat16 values this pass runs on the bfloat16 GEMM: its input
+    a widened bfloat16 image, its weight a Cast of a bfloat16 constant or a float32 constant holding
+    bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output, 1 or 2 spatial dims; ``value`` the
+    weight's values. ``None`` for any other op."""
+    if op.op_type != "Conv" or len(op.outputs) != 1 or len(op.inputs) not in (2, 3) \
+            or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or op.inputs[0].ndim not in (3, 4):
+        return None
+    x, w = op.inputs[0], op.inputs[1]
+    if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape or 0 in w.shape \
+            or math.prod(w.shape[1:]) < BF16_CONV_MIN_K:
+        return None
+    a = _widened(x, producer)
+    if a is None:
+        return None
+    wb = _widened(w, producer)
+    if wb is not None:
+        value = np.asarray(wb.value) if wb.is_constant else None
+    else:
+        value = np.asarray(w.value) if w.is_constant and _holds_bfloat16(np.asarray(w.value)) else None
+    if value is None:
+        return None
+    return a, value
+
+
 def _transposed(op: Operator) -> bool:
     return op.op_type == "Gemm" and bool(op.attrs.get("trans_b", False))
 
@@ -345,7 +375,8 @@ class PrepackWeights(GraphPass):
         return _winograd(op, self.blocked) if self.winograd else None
 
     def run(self, graph: FlowGraph) -> FlowGraph:
-        from ..ops.conv import PackedConv, PackedConvInteger, WinogradConv, pack_int8_conv, winograd_weights
+        from ..ops.conv import (PackedConv, PackedConvBf16, PackedConvInteger, WinogradConv, pack_bf16_conv,
+                                pack_int8_conv, winograd_weights)
         from ..ops.linalg import (PackedMatMul, PackedMatMulBf16, PackedMatMulInteger, pack_bf16_panels,
                                   pack_int8_panels, pack_panels)
 
@@ -362,7 +393,20 @@ class PrepackWeights(GraphPass):
         # (once per op: a float32 weight's test of its values reads all of it)
         bf16_forms = {id(op): _bf16_operands(op, producer) for op in graph.nodes} if self.gemm else {}
         conv_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, group) -> wa, wc
+        conv_bf16: dict[tuple[int, int], Tensor] = {}  # (the float32 weight a conv reads, group) -> bfloat16 rows
         for op in graph.nodes:
+            bc = _bf16_conv(op, producer) if self.gemm else None
+            if bc is not None:
+                a, value = bc
+                w, group = op.inputs[1], int(op.attrs.get("group", 1))
+                if (id(w), group) not in conv_bf16:
+                    conv_bf16[(id(w), group)] = const_tensor(pack_bf16_conv(value, group), f"{op.name}.bf16rows")
+                inputs = [a, conv_bf16[(id(w), group)]] + list(op.inputs[2:])
+                new = PackedConvBf16([replace.get(id(t), t) for t in inputs], name=op.name,
+                                     **dict(op.attrs, oc=int(w.shape[0]), kernel=tuple(int(k) for k in w.shape[2:])))
+                after[id(op)] = [new]
+                replace[id(op.outputs[0])] = new.outputs[0]
+                continue
             ic = _int8_conv(op, producer)
             if ic is not None:
                 xq, value, zp = ic

@@ -24,8 +24,9 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import (Conv, ConvTranspose, PackedConv, PackedConvInteger, Pool, Resize, WinogradConv,
-                                         int8_conv_rows, pack_int8_conv, winograd_weights)
+from shardflow.compiler.ops.conv import (Conv, ConvTranspose, PackedConv, PackedConvBf16, PackedConvInteger, Pool,
+                                         Resize, WinogradConv, int8_conv_rows, pack_bf16_conv, pack_int8_conv,
+                                         winograd_weights)
 from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
 from shardflow.compiler.ops.linalg import (INT8_KSTEP, INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
                                            MatMulNBits, PackedMatMul, PackedMatMulBf16, PackedMatMulInteger,
@@ -78,6 +79,14 @@ def _i8conv(x_shape, oc, kernel, dtype, zp, **attrs):
     ins = [_t(x_shape, dtype), _t((int8_conv_rows(oc, g), -(-k // INT8_KSTEP) * INT8_KSTEP), "uint8"),
            _t((2, int8_conv_rows(oc, g)), "int32")]
     return PackedConvInteger(ins + ([_t((), dtype)] if zp else []), oc=oc, kernel=kernel, **attrs)
+
+
+def _bfconv(x_shape, oc, kernel, bias=False, **attrs):
+    """A PackedConvBf16 of a bfloat16 image ``x_shape`` with ``oc`` outputs and window ``kernel``."""
+    g = attrs.get("group", 1)
+    k = x_shape[1] // g * int(np.prod(kernel))
+    ins = [_t(x_shape, "bfloat16"), _t((int8_conv_rows(oc, g), -(-k // 32) * 32), "bfloat16")]
+    return PackedConvBf16(ins + ([_t((oc,))] if bias else []), oc=oc, kernel=kernel, **attrs)
 
 
 def _bfmm(a_shape, n, bias=None, **attrs):
@@ -491,6 +500,13 @@ def _large():
         _i8conv((1, 32, 10, 12), 48, (3, 3), "int8", False, group=4, strides=(1, 2), dilations=(2, 1),
                 pads=(2, 1, 2, 1)),
         _i8conv((1, 40, 50), 24, (5,), "uint8", True, strides=(2,), pads=(2, 2)),
+        # the bfloat16 conv (cpu_library/conv_bf16.h): K off the 32-deep AMX tile, 16+ output channels and fewer,
+        # stride 2 (gathered taps), groups, a 1-D conv, with and without a bias
+        _bfconv((1, 24, 13, 11), 40, (3, 3), pads=(1, 1, 1, 1), bias=True),
+        _bfconv((2, 70, 9, 7), 9, (1, 1)),
+        _bfconv((1, 8, 30, 29), 16, (5, 5), strides=(2, 2), pads=(2, 2, 2, 2), bias=True),
+        _bfconv((1, 32, 10, 12), 48, (3, 3), group=4, strides=(1, 2), dilations=(2, 1), pads=(2, 1, 2, 1)),
+        _bfconv((1, 40, 50), 24, (3,), strides=(2,), pads=(1, 1), bias=True),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -514,6 +530,11 @@ def _large():
             arrays[1:3] = pack_int8_conv(w - rng.integers(-128, 128, (oc,) + (1,) * (w.ndim - 1)), g)
             if len(op.inputs) > 3:
                 arrays[3] = np.array(rng.integers(lo, lo + 256), x.dtype)
+        if op.op_type == "PackedConvBf16":  # bfloat16 values, and the weight's rows
+            x, oc, g = op.inputs[0], op.attrs["oc"], op.attrs.get("group", 1)
+            arrays[0] = rng.standard_normal(x.shape).astype(np.dtype("bfloat16"))
+            w = rng.standard_normal((oc, x.shape[1] // g) + tuple(op.attrs["kernel"])).astype(np.dtype("bfloat16"))
+            arrays[1] = pack_bf16_conv(w, g)
         if op.op_type == "PackedMatMulBf16":  # bfloat16 values, and a packed weight
             arrays[0] = rng.standard_normal(op.inputs[0].shape).astype(np.dtype("bfloat16"))
             k = op.inputs[0].shape[-1]
@@ -821,12 +842,12 @@ def _cpu_flags() -> set[str]:
 def test_bfloat16_gemm_on_each_instruction_set(library, tmp_path, isa):
     """The bfloat16 GEMM's three paths (AMX tiles, AVX-512's vdpbf16ps, and both operands widened for the
     float32 GEMM's kernel, itself forced to AVX-512, AVX2 or the portable one), each forced with
-    SHARDFLOW_CPU_ISA, match numpy on the large cases; a path the CPU lacks falls back to the next (this
-    machine would otherwise run only the first it has)."""
+    SHARDFLOW_CPU_ISA, match numpy on the large cases, products and convs; a path the CPU lacks falls back to the
+    next (this machine would otherwise run only the first it has)."""
     cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], op.run(*arrays))
-             for cid, op, arrays in LARGE if op.op_type == "PackedMatMulBf16"]
+             for cid, op, arrays in LARGE if op.op_type in ("PackedMatMulBf16", "PackedConvBf16")]
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
-    assert last == f"ok {len(cases)}" and len(cases) >= 6
+    assert last == f"ok {len(cases)}" and len(cases) >= 11
     flags = _cpu_flags()
     want = ("amx" if isa == "amx" and {"amx_bf16", "amx_tile"} <= flags else
             "avx512bf16" if isa in ("amx", "avx512bf16") and "avx512_bf16" in flags else "widened")

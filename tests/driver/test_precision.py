@@ -103,7 +103,10 @@ def test_half_precision_model_on_cpu_matches_onnxruntime(tmp_path, model):
         sizes[prec] = program["weights_bytes"]
         dtypes = {b["dtype"] for b in program["buffers"] if b["storage"] == "weights"}
         assert dtypes & {"float16", "bfloat16"} == ({prec} - {"float32"})
-    assert sizes["float16"] == sizes["bfloat16"] < 0.75 * sizes["float32"]
+    # (bfloat16 conv weights are stored as the bfloat16 GEMM's rows, padded to whole AMX tiles: a little more
+    # than float16's on this small model's 16-channel convs)
+    assert max(sizes["float16"], sizes["bfloat16"]) < 0.75 * sizes["float32"]
+    assert sizes["float16"] <= sizes["bfloat16"] <= 1.1 * sizes["float16"]
 
 
 def test_float16_cuda_kernels_use_the_half_tensor_cores(tmp_path):

@@ -3,6 +3,7 @@ contractions the pass rewrites, that the rewritten graph computes the same value
 compiled ranks (one, and two with sharded weights) match onnxruntime while their programs read
 the packed weights."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from shardflow.compiler.ops.linalg import (BF16_PANEL, INT8_PANEL, PANEL, Gemm, 
 from shardflow.compiler.passes.prepack import PrepackWeights
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
 
 
 def test_pack_panels_layout():
@@ -136,6 +139,18 @@ def test_products_of_bfloat16_values_are_packed_for_the_bfloat16_gemm_with_the_s
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+def _bfloat16_builds(path, feeds, tmp_path) -> dict:
+    """``{prepack: (program.json, outputs)}`` of ``path`` compiled for a cpu rank at precision bfloat16 with the
+    ``prepack`` pass on and off, run on ``feeds``."""
+    res = {}
+    for prepack in (True, False):
+        out = tmp_path / f"out{prepack}"
+        compile(path, distributed_config={"mesh_shape": [1]},
+                optimization_config={"target": "cpu", "precision": "bfloat16", "prepack": prepack}, out_dir=out)
+        res[prepack] = (json.loads((out / "rank0" / "program.json").read_text()), load(out).run(feeds))
+    return res
+
+
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
 def test_precision_bfloat16_runs_the_bfloat16_gemm_and_matches_onnxruntime(tmp_path):
     """With precision bfloat16 the cpu target's products of constant weights are PackedMatMulBf16 kernels (the
@@ -143,19 +158,36 @@ def test_precision_bfloat16_runs_the_bfloat16_gemm_and_matches_onnxruntime(tmp_p
     equal to the float32 GEMM on the same rounded operands (``prepack`` off: the widened values)."""
     path, x, want = _mlp_with_reference(tmp_path, 5)
     got = {}
-    for prepack in (True, False):
-        out = tmp_path / f"out{prepack}"
-        compile(path, distributed_config={"mesh_shape": [1]},
-                optimization_config={"target": "cpu", "precision": "bfloat16", "prepack": prepack}, out_dir=out)
-        program = json.loads((out / "rank0" / "program.json").read_text())
+    for prepack, (program, outputs) in _bfloat16_builds(path, {"x": x}, tmp_path).items():
         kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
         if prepack:
             assert kinds.count("PackedMatMulBf16") == 3 and "MatMul" not in kinds and "Gemm" not in kinds, kinds
             stored = {b["dtype"] for b in program["buffers"] if b["storage"] == "weights" and len(b["shape"]) > 1}
             assert stored == {"bfloat16"}, stored
-        got[prepack] = load(out).run({"x": x})["y"]
+        got[prepack] = outputs["y"]
     np.testing.assert_allclose(got[True], want, rtol=3e-2, atol=3e-2 * float(np.abs(want).max()))
     np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+def test_precision_bfloat16_runs_the_convs_on_the_bfloat16_gemm(tmp_path):
+    """With precision bfloat16 the cpu target's convs of 32 or more products per output are PackedConvBf16
+    kernels (the bfloat16 image and weight rows on the bfloat16 GEMM), within bfloat16's tolerance of
+    onnxruntime's float32 result and of the float32 convs on the same rounded operands (``prepack`` off)."""
+    import onnxruntime as ort
+
+    path = str(MODELS / "resnet_ts17.onnx")
+    feeds = dict(np.load(MODELS / "resnet_inputs.npz"))
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = {}
+    for prepack, (program, outputs) in _bfloat16_builds(path, feeds, tmp_path).items():
+        kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+        # (five of its six convs: the 1x1 of 16 products per output stays float32)
+        assert kinds.count("PackedConvBf16") == (5 if prepack else 0), kinds
+        got[prepack] = list(outputs.values())[0]
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got[True], want, rtol=0, atol=2e-2 * scale)
+    np.testing.assert_allclose(got[True], got[False], rtol=0, atol=1e-4 * scale)
 
 
 def test_int8_weights_are_packed_for_the_integer_gemm_with_the_same_values():

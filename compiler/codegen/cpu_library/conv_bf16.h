@@ -1,0 +1,96 @@
+// ---- bfloat16 convolution (PackedConvBf16: bfloat16 image times a bfloat16 weight, float32 sums) ---------
+namespace {
+
+// Per image and group, y[OCg][P] = W[OCg][K] . im2col(x)[K][P] (+ bias per output channel) on the bfloat16
+// GEMM: the weight's rows as packed at compile time (ops.conv.pack_bf16_conv: Kp apart, zero past K, rows
+// up to whole AMX tiles), straight into AMX's tiles (sf_amx_blocks), or through sf_bgemm_prepacked
+// (AVX-512 BF16, or both widened); the image's im2col matrix packed here into the GEMM's panels of pairs
+// along K ([ceil(P / 16)][Kp / 2][16][2], zero past K) as it is gathered from the image padded with zeros;
+// the output in the image's layout.
+static void sf_bconv2d(const sf_bf16* xv, const sf_bf16* w, const float* bias, float* y, int64_t N, int64_t OC,
+                       int64_t group, const SfConvGeom& g) {
+  const int64_t Cg = g.C / group, OCg = OC / group, P = g.OH * g.OW, K = Cg * g.KH * g.KW;
+  const int64_t Kp = sf_bf_kp(K), np = (P + 15) / 16;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xv);
+  const bool par = sf_max_threads() > 1 && (double)OCg * P * K >= 1048576.0;
+  // the group's image with zeros around it: [Cg][Hp][Wp], 16 values of slack after
+  const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  // (slots 4 and 6: the GEMM takes 1-3)
+  char* ws4 = static_cast<char*>(sf_workspace(4, sizeof(int64_t) * K + sizeof(uint16_t) * (Cg * Hp * Wp + 16)));
+  int64_t* koff = reinterpret_cast<int64_t*>(ws4);
+  uint16_t* xp = reinterpret_cast<uint16_t*>(ws4 + sizeof(int64_t) * K);
+  uint16_t* bp = static_cast<uint16_t*>(sf_workspace(6, sizeof(uint16_t) * np * Kp * 16));
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t c = k / (g.KH * g.KW), r = k / g.KW % g.KH, t = k % g.KW;
+    koff[k] = c * Hp * Wp + r * g.DH * Wp + t * g.DW;
+  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t gi = 0; gi < group; ++gi) {
+      const uint16_t* xg = x + (n * g.C + gi * Cg) * g.H * g.W;
+      #pragma omp parallel for schedule(static) if (par)
+      for (int64_t c = 0; c < Cg; ++c) {
+        uint16_t* dst = xp + c * Hp * Wp;
+        std::memset(dst, 0, sizeof(uint16_t) * g.PT * Wp);
+        for (int64_t h = 0; h < g.H; ++h) {
+          uint16_t* d = dst + (g.PT + h) * Wp;
+          std::memset(d, 0, sizeof(uint16_t) * g.PL);
+          std::memcpy(d + g.PL, xg + (c * g.H + h) * g.W, sizeof(uint16_t) * g.W);
+          std::memset(d + g.PL + g.W, 0, sizeof(uint16_t) * (Wp - g.PL - g.W));
+        }
+        std::memset(dst + (g.PT + g.H) * Wp, 0, sizeof(uint16_t) * (Hp - g.PT - g.H) * Wp);
+      }
+      std::memset(xp + Cg * Hp * Wp, 0, sizeof(uint16_t) * 16);
+      #pragma omp parallel for schedule(static) if (par)
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t j0 = 16 * p, cols = std::min<int64_t>(16, P - j0);
+        int64_t pix[16] = {};
+        const int64_t oh = j0 / g.OW, ow = j0 % g.OW;
+        for (int64_t q = 0, h = oh, w = ow; q < cols; ++q) {
+          pix[q] = h * g.SH * Wp + w * g.SW;
+          if (++w == g.OW) { w = 0; ++h; }
+        }
+        // (16 values in a row of the padded image where the panel lies in one output row at stride 1)
+        const bool contiguous = g.SW == 1 && ow + cols <= g.OW;
+        uint16_t* dst = bp + p * Kp * 16;
+        alignas(16) uint16_t v[2][16];
+        for (int64_t k0 = 0; k0 < Kp; k0 += 2) {
+          for (int q = 0; q < 2; ++q) {
+            const int64_t k = k0 + q;
+            if (k >= K) {
+              std::memset(v[q], 0, sizeof(v[q]));
+            } else if (contiguous) {
+              std::memcpy(v[q], xp + koff[k] + pix[0], sizeof(v[q]));
+            } else {
+              const uint16_t* base = xp + koff[k];
+              for (int64_t c = 0; c < cols; ++c) v[q][c] = base[pix[c]];
+            }
+          }
+          // the pair (k0, k0 + 1) of each column next to each other
+          uint16_t* d = dst + k0 * 16;
+          for (int c = 0; c < 16; ++c) {
+            d[2 * c] = v[0][c];
+            d[2 * c + 1] = v[1][c];
+          }
+        }
+      }
+      const int64_t r0 = gi * OCg;
+      float* yg = y + (n * OC + r0) * P;
+      const float* bg = bias ? bias + r0 : nullptr;
+#if defined(__x86_64__)
+      if (sf_bf16_isa() == SF_ISA_AMX) {
+        sf_amx_blocks<false>((OCg + 15) / 16, np, Kp / SF_BF_KSTEP, reinterpret_cast<const char*>(w + r0 * Kp), 2 * Kp,
+                             reinterpret_cast<const char*>(bp), 2 * Kp * SF_BF_PANEL, sf_gemm_parallel(OCg, P, K, true),
+                             [&](const void* T, int64_t i0, int64_t j0) {
+          sf_bf_store(static_cast<const float*>(T), 32, std::min<int64_t>(32, OCg - i0), std::min<int64_t>(32, P - j0),
+                      yg, P, i0, j0, 1.0f, bg, 1, 0);
+        });
+        continue;
+      }
+#endif
+      sf_bgemm_prepacked(OCg, P, K, w + r0 * Kp, Kp, reinterpret_cast<const sf_bf16*>(bp), yg, P, 1.0f, bg, 1, 0,
+                         true);
+    }
+}
+
+}  // namespace
