@@ -31,6 +31,13 @@ output channel becomes a :class:`~shardflow.compiler.ops.conv.PackedConvInteger`
 weight as the integer GEMM's rows (:func:`~shardflow.compiler.ops.conv.pack_int8_conv`), each image the
 GEMM of those rows by its im2col matrix (``cpu_library/conv_int8.h``). The int32 results are the same.
 
+A float32 Conv of bfloat16 values (a widened bfloat16 image and a weight of bfloat16 values: precision
+``bfloat16``, or a bfloat16 model) over 1 or 2 spatial dims with at least :data:`BF16_CONV_MIN_K` products per
+output becomes a :class:`~shardflow.compiler.ops.conv.PackedConvBf16` on the bfloat16 image: the weight as
+bfloat16 rows (:func:`~shardflow.compiler.ops.conv.pack_bf16_conv`), each image the bfloat16 GEMM of those
+rows by its im2col matrix (``cpu_library/conv_bf16.h``; each product exact in float32, the sums' order
+another).
+
 A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
 image) with a constant weight becomes a
 :class:`~shardflow.compiler.ops.conv.PackedConv`: its weight ``[OC, C, 1, 1]`` is stored as the
