@@ -341,7 +341,7 @@ def _packed_conv_integer(op) -> str | None:
             or (xzp is not None and (xzp.dtype != x.dtype or xzp.size != 1)):
         return None
     kern = tuple(int(k) for k in op.attrs["kernel"])
-    geo = _int_conv_geometry(op)
+    geo = _packed_conv_geometry(op)
     oc, group, rows = int(op.attrs["oc"]), int(op.attrs.get("group", 1)), op.inputs[1].shape[0]
     return "\n".join([
         f"  // PackedConvInteger: {x.shape[0]} images ({x.dtype}), {group} group(s) of [{oc // group}, "
@@ -365,13 +365,13 @@ def _packed_conv_bf16(op) -> str | None:
         f"  // PackedConvBf16: {x.shape[0]} images, {group} group(s) of [{oc // group}, "
         f"{x.shape[1] // group * _prod(op.attrs['kernel'])}] "
         f"(bfloat16 rows) @ im2col [.., {_prod(out.shape[2:])}] in float32",
-        f"  static const SfConvGeom g = {{{', '.join(str(int(v)) for v in _int_conv_geometry(op))}}};",
+        f"  static const SfConvGeom g = {{{', '.join(str(int(v)) for v in _packed_conv_geometry(op))}}};",
         "  sf_bconv2d(static_cast<const sf_bf16*>(inputs[0]), static_cast<const sf_bf16*>(inputs[1]), "
         f"{'static_cast<const float*>(inputs[2])' if bias is not None else 'nullptr'}, "
         f"static_cast<float*>(outputs[0]), {x.shape[0]}, {oc}, {group}, g);"])
 
 
-def _int_conv_geometry(op) -> tuple:
+def _packed_conv_geometry(op) -> tuple:
     """SfConvGeom's fields for a packed conv of 1 or 2 spatial dims (a 1-D one as one row)."""
     x, out = op.inputs[0], op.outputs[0]
     n_sp = x.ndim - 2

@@ -124,14 +124,13 @@ def _conv_plan(node, producer: dict, inits: dict):
         return None
     a = _dq_parts(producer.get(node.input[0]), inits, weight=False)
     b = _dq_conv_weight(producer.get(node.input[1]), inits)
-    return None if a is None or b is None else (a, b)
+    return None if a is None or b is None else (a, b + (len(inits[b[0]].dims) - 2,))
 
 
-def _integer_conv(g, node, x, sx, zx, w, sw, zw) -> list:
-    """The nodes of the QDQ Conv ``node`` as ``ConvInteger`` (its attributes), the scales' product per
-    output channel and the bias after (initializers added to ``g``)."""
+def _integer_conv(g, node, x, sx, zx, w, sw, zw, n_sp) -> list:
+    """The nodes of the QDQ Conv ``node`` (``n_sp`` spatial dims) as ``ConvInteger`` (its attributes), the
+    scales' product per output channel and the bias after (initializers added to ``g``)."""
     base = (node.name or node.output[0]) + "_int8"
-    n_sp = len(next(t for t in g.initializer if t.name == w).dims) - 2
     g.initializer.append(numpy_helper.from_array(np.asarray(zx).reshape(()), f"{base}.x_zero_point"))
     scale = (sx.astype(np.float32) * sw.astype(np.float32)).astype(np.float32)
     g.initializer.append(numpy_helper.from_array(scale.reshape((-1,) + (1,) * n_sp) if scale.size > 1 else

@@ -105,21 +105,13 @@ def _int8_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
     x, w = op.inputs
     if w.dtype != "int32" or 0 in w.shape or 0 in x.shape or math.prod(w.shape[1:]) < INT8_CONV_MIN_K:
         return None
-    value = None
-    if w.is_constant:
-        value = np.asarray(w.value)
-    else:  # (a weight without zero point: the widening of its bytes is not folded)
-        p = producer.get(id(w))
-        if p is not None and p.op_type == "Cast" and p.inputs[0].is_constant and p.inputs[0].dtype in ("int8", "uint8"):
-            value = np.asarray(p.inputs[0].value).astype(np.int32)
-    if value is None:
+    def widened(t: Tensor) -> Tensor | None:  # the int8/uint8 tensor t widens
+        return _widened(t, producer, ("int8", "uint8"))
+    # (a weight without zero point: the widening of its bytes is not folded)
+    wq = w if w.is_constant else widened(w)
+    if wq is None or not wq.is_constant:
         return None
-
-    def widened(t: Tensor) -> Tensor | None:  # the int8/uint8 tensor t is a Cast of
-        p = producer.get(id(t))
-        if p is None or p.op_type != "Cast" or p.inputs[0].dtype not in ("int8", "uint8"):
-            return None
-        return p.inputs[0]
+    value = np.asarray(wq.value).astype(np.int32)
     zp = None
     p = producer.get(id(x))
     if p is not None and p.op_type == "Binary" and p.attrs.get("fn") == "sub" and p.inputs[1].size == 1 \
@@ -163,16 +155,8 @@ def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
             or math.prod(w.shape[1:]) < BF16_CONV_MIN_K:
         return None
     a = _widened(x, producer)
-    if a is None:
-        return None
-    wb = _widened(w, producer)
-    if wb is not None:
-        value = np.asarray(wb.value) if wb.is_constant else None
-    else:
-        value = np.asarray(w.value) if w.is_constant and _holds_bfloat16(np.asarray(w.value)) else None
-    if value is None:
-        return None
-    return a, value
+    wb = _bfloat16_constant(w, producer) if a is not None else None
+    return None if wb is None else (a, np.asarray(wb.value))
 
 
 def _transposed(op: Operator) -> bool:
@@ -199,12 +183,22 @@ def _holds_bfloat16(value: np.ndarray) -> bool:
     return not np.any(v & np.uint32(0xFFFF))
 
 
-def _widened(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
-    """The bfloat16 tensor that ``t`` is the widening ``Cast`` of, or ``None``."""
+def _widened(t: Tensor, producer: dict[int, Operator], dtypes: tuple[str, ...] = ("bfloat16",)) -> Tensor | None:
+    """The tensor of one of ``dtypes`` that ``t`` is the widening ``Cast`` of, or ``None``."""
     p = producer.get(id(t))
-    if p is None or p.op_type != "Cast" or len(p.inputs) != 1 or p.inputs[0].dtype != "bfloat16":
+    if p is None or p.op_type != "Cast" or len(p.inputs) != 1 or p.inputs[0].dtype not in dtypes:
         return None
     return p.inputs[0]
+
+
+def _bfloat16_constant(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
+    """The constant of bfloat16 values behind the float32 ``t``: the bfloat16 constant ``t`` widens (as
+    ``optimization_config["precision"] = "bfloat16"`` writes a weight), or ``t`` itself when its values are
+    all bfloat16's (a bfloat16 model's weight, widened by ``WidenHalfProducts``); else ``None``."""
+    w = _widened(t, producer)
+    if w is not None:
+        return w if w.is_constant else None
+    return t if t.is_constant and _holds_bfloat16(np.asarray(t.value)) else None
 
 
 def _packed_form(op: Operator, a: Tensor, panels: Tensor, n: int) -> tuple[list[Tensor], dict]:
@@ -234,12 +228,8 @@ def _bf16_operands(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor,
     if op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or x.ndim != 2):
         return None
     a = _widened(x, producer)
-    if a is None:
-        return None
-    w = _widened(b, producer)
-    if w is not None:
-        return (a, w) if w.is_constant and w.ndim == 2 else None
-    return (a, b) if b.is_constant and _holds_bfloat16(np.asarray(b.value)) else None
+    w = _bfloat16_constant(b, producer) if a is not None else None
+    return (a, w) if w is not None and w.ndim == 2 else None
 
 
 #: A 1x1 conv whose output has at most this many pixels per image becomes a PackedConv (module docstring).

@@ -14,44 +14,24 @@ static void sf_bconv2d(const sf_bf16* xv, const sf_bf16* w, const float* bias, f
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xv);
   const bool par = sf_max_threads() > 1 && (double)OCg * P * K >= 1048576.0;
   // the group's image with zeros around it: [Cg][Hp][Wp], 16 values of slack after
-  const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
-  const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  int64_t Hp, Wp;
+  sf_conv_padded(g, Hp, Wp);
   // (slots 4 and 6: the GEMM takes 1-3)
   char* ws4 = static_cast<char*>(sf_workspace(4, sizeof(int64_t) * K + sizeof(uint16_t) * (Cg * Hp * Wp + 16)));
   int64_t* koff = reinterpret_cast<int64_t*>(ws4);
   uint16_t* xp = reinterpret_cast<uint16_t*>(ws4 + sizeof(int64_t) * K);
   uint16_t* bp = static_cast<uint16_t*>(sf_workspace(6, sizeof(uint16_t) * np * Kp * 16));
-  for (int64_t k = 0; k < K; ++k) {
-    const int64_t c = k / (g.KH * g.KW), r = k / g.KW % g.KH, t = k % g.KW;
-    koff[k] = c * Hp * Wp + r * g.DH * Wp + t * g.DW;
-  }
+  sf_conv_tap_offsets(g, K, Hp, Wp, koff);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t gi = 0; gi < group; ++gi) {
       const uint16_t* xg = x + (n * g.C + gi * Cg) * g.H * g.W;
-      #pragma omp parallel for schedule(static) if (par)
-      for (int64_t c = 0; c < Cg; ++c) {
-        uint16_t* dst = xp + c * Hp * Wp;
-        std::memset(dst, 0, sizeof(uint16_t) * g.PT * Wp);
-        for (int64_t h = 0; h < g.H; ++h) {
-          uint16_t* d = dst + (g.PT + h) * Wp;
-          std::memset(d, 0, sizeof(uint16_t) * g.PL);
-          std::memcpy(d + g.PL, xg + (c * g.H + h) * g.W, sizeof(uint16_t) * g.W);
-          std::memset(d + g.PL + g.W, 0, sizeof(uint16_t) * (Wp - g.PL - g.W));
-        }
-        std::memset(dst + (g.PT + g.H) * Wp, 0, sizeof(uint16_t) * (Hp - g.PT - g.H) * Wp);
-      }
-      std::memset(xp + Cg * Hp * Wp, 0, sizeof(uint16_t) * 16);
+      sf_conv_pad_image<uint16_t>(xg, g, Cg, Hp, Wp, 0, 16, xp, par);
       #pragma omp parallel for schedule(static) if (par)
       for (int64_t p = 0; p < np; ++p) {
         const int64_t j0 = 16 * p, cols = std::min<int64_t>(16, P - j0);
         int64_t pix[16] = {};
-        const int64_t oh = j0 / g.OW, ow = j0 % g.OW;
-        for (int64_t q = 0, h = oh, w = ow; q < cols; ++q) {
-          pix[q] = h * g.SH * Wp + w * g.SW;
-          if (++w == g.OW) { w = 0; ++h; }
-        }
         // (16 values in a row of the padded image where the panel lies in one output row at stride 1)
-        const bool contiguous = g.SW == 1 && ow + cols <= g.OW;
+        const bool contiguous = sf_conv_panel_pixels(g, Wp, j0, cols, pix) && g.SW == 1;
         uint16_t* dst = bp + p * Kp * 16;
         alignas(16) uint16_t v[2][16];
         for (int64_t k0 = 0; k0 < Kp; k0 += 2) {

@@ -66,6 +66,52 @@ static void sf_i8_pack_cols(int64_t K, int64_t P, Panel panel, uint8_t flip, int
   }
 }
 
+// ---- the im2col gathers of the integer and bfloat16 convs (this file and conv_bf16.h) ----
+// The padded extents of a conv's image: every tap of every output pixel lies inside [Hp][Wp]
+static inline void sf_conv_padded(const SfConvGeom& g, int64_t& Hp, int64_t& Wp) {
+  Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+}
+
+// koff[k]: tap k's (channel, row, column of the window) offset in the padded image [Cg][Hp][Wp], its value at
+// output pixel (0, 0)
+static void sf_conv_tap_offsets(const SfConvGeom& g, int64_t K, int64_t Hp, int64_t Wp, int64_t* koff) {
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t c = k / (g.KH * g.KW), r = k / g.KW % g.KH, t = k % g.KW;
+    koff[k] = c * Hp * Wp + r * g.DH * Wp + t * g.DW;
+  }
+}
+
+// xp [Cg][Hp][Wp] = the group's image xg [Cg][H][W] with `fill` around it, and `slack` values of fill after
+template <typename T>
+static void sf_conv_pad_image(const T* xg, const SfConvGeom& g, int64_t Cg, int64_t Hp, int64_t Wp, T fill,
+                              int64_t slack, T* xp, bool par) {
+  #pragma omp parallel for schedule(static) if (par)
+  for (int64_t c = 0; c < Cg; ++c) {
+    T* dst = xp + c * Hp * Wp;
+    std::fill_n(dst, g.PT * Wp, fill);
+    for (int64_t h = 0; h < g.H; ++h) {
+      T* d = dst + (g.PT + h) * Wp;
+      std::fill_n(d, g.PL, fill);
+      std::memcpy(d + g.PL, xg + (c * g.H + h) * g.W, sizeof(T) * g.W);
+      std::fill_n(d + g.PL + g.W, Wp - g.PL - g.W, fill);
+    }
+    std::fill_n(dst + (g.PT + g.H) * Wp, (Hp - g.PT - g.H) * Wp, fill);
+  }
+  std::fill_n(xp + Cg * Hp * Wp, slack, fill);
+}
+
+// pix[q]: the offset of output pixel j0 + q (q < cols) in the padded image, from a tap's; whether the pixels lie
+// in one output row
+static inline bool sf_conv_panel_pixels(const SfConvGeom& g, int64_t Wp, int64_t j0, int64_t cols, int64_t* pix) {
+  const int64_t oh = j0 / g.OW, ow = j0 % g.OW;
+  for (int64_t q = 0, h = oh, w = ow; q < cols; ++q) {
+    pix[q] = h * g.SH * Wp + w * g.SW;
+    if (++w == g.OW) { w = 0; ++h; }
+  }
+  return ow + cols <= g.OW;
+}
+
 // y[n][oc][P] (int32) = sum over the taps of (w - wzp)(x - xzp) for x [N][C][H][W] (bytes, signed when x_signed;
 // xzp: nullptr or one value of x's type), the weight as wa [OCp][Kp] (bytes a') with wc[2][OCp] (row 0 the
 // zero point z in a' terms, a' - z = w - wzp; row 1 the sums of a' over its K taps), groups of C / group
@@ -82,8 +128,8 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
   const bool direct = g.KH == 1 && g.KW == 1 && g.SH == 1 && g.SW == 1 && g.PT == 0 && g.PL == 0 && g.OH == g.H
                       && g.OW == g.W;
   // the group's image with its padding in it (zero points): [Cg][Hp][Wp], 32 bytes of slack after
-  const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
-  const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  int64_t Hp, Wp;
+  sf_conv_padded(g, Hp, Wp);
   // the panels and their column terms
   const size_t panel_bytes = size_t(np) * sf_i8_groups(K) * 64;
   char* ws = static_cast<char*>(sf_workspace(3, panel_bytes + sizeof(int32_t) * 32 * np + 64));
@@ -93,11 +139,7 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
   char* ws4 = static_cast<char*>(sf_workspace(4, direct ? 64 : sizeof(int64_t) * K + Cg * Hp * Wp + 32));
   int64_t* koff = reinterpret_cast<int64_t*>(ws4);
   uint8_t* xp = reinterpret_cast<uint8_t*>(ws4 + sizeof(int64_t) * K);
-  if (!direct)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t c = k / (g.KH * g.KW), r = k / g.KW % g.KH, t = k % g.KW;
-      koff[k] = c * Hp * Wp + r * g.DH * Wp + t * g.DW;
-    }
+  if (!direct) sf_conv_tap_offsets(g, K, Hp, Wp, koff);
   // the weight's rows in the kernel's form: bytes (AMX, VNNI, portable) or int16 (AVX2)
   const bool wide = !sf_i8_on_amx(OCg) && sf_i8_kernel().wide;
   int16_t* wide_rows = nullptr;
@@ -117,19 +159,7 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
           };
         }, flip, bz, bp, bc, par);
       } else {
-        #pragma omp parallel for schedule(static) if (par)
-        for (int64_t c = 0; c < Cg; ++c) {
-          uint8_t* dst = xp + c * Hp * Wp;
-          std::memset(dst, zraw, g.PT * Wp);
-          for (int64_t h = 0; h < g.H; ++h) {
-            uint8_t* d = dst + (g.PT + h) * Wp;
-            std::memset(d, zraw, g.PL);
-            std::memcpy(d + g.PL, xg + (c * g.H + h) * g.W, g.W);
-            std::memset(d + g.PL + g.W, zraw, Wp - g.PL - g.W);
-          }
-          std::memset(dst + (g.PT + g.H) * Wp, zraw, (Hp - g.PT - g.H) * Wp);
-        }
-        std::memset(xp + Cg * Hp * Wp, zraw, 32);
+        sf_conv_pad_image<uint8_t>(xg, g, Cg, Hp, Wp, zraw, 32, xp, par);
         // (a panel's pixels in one output row are, at stride 1, 16 bytes in a row of the padded image (or
         // fewer and slack after), at stride 2 the even bytes of 32; else gathered one by one)
         struct Taps {
@@ -157,12 +187,7 @@ static void sf_iconv2d(const void* xv, bool x_signed, const void* xzp, const uin
         };
         sf_i8_pack_cols(K, P, [&](int64_t j0, int64_t cols) {
           Taps t{xp, koff, {}, cols, 0};
-          const int64_t oh = j0 / g.OW, ow = j0 % g.OW;
-          for (int64_t q = 0, h = oh, w = ow; q < cols; ++q) {
-            t.pix[q] = h * g.SH * Wp + w * g.SW;
-            if (++w == g.OW) { w = 0; ++h; }
-          }
-          if (ow + cols <= g.OW && (g.SW == 1 || g.SW == 2)) t.one_row = int(g.SW);
+          if (sf_conv_panel_pixels(g, Wp, j0, cols, t.pix) && (g.SW == 1 || g.SW == 2)) t.one_row = int(g.SW);
           return t;
         }, flip, bz, bp, bc, par);
       }
