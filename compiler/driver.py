@@ -1294,6 +1294,12 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.layout import BlockedLayout
 
         rg = BlockedLayout(repack=repack).run(rg)
+    if opt.target == "cpu":
+        # an embedding table tied to the output layer looked up as the columns of that layer's stored
+        # weight, plain or packed (passes/precision.py): one copy of the vocabulary's table
+        from .passes.precision import TablesInTiedWeights
+
+        rg = TablesInTiedWeights().run(rg)
     return rg
 
 

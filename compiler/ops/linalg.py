@@ -23,7 +23,7 @@ from .elementwise import broadcast_shape
 __all__ = ["MatMul", "Gemm", "PackedMatMul", "pack_panels", "PANEL", "Einsum", "MatMulInteger", "QLinearMatMul",
            "PackedMatMulInteger", "pack_int8_panels", "INT8_PANEL", "INT8_KSTEP", "PackedMatMulBf16",
            "pack_bf16_panels", "BF16_PANEL", "BF16_KSTEP", "MatMulNBits", "pack_bits", "unpack_bits",
-           "GatherBlockQuantized", "ExpertMatMul", "Attention", "parse_einsum", "Det"]
+           "GatherBlockQuantized", "GatherColumns", "unpack_panels", "ExpertMatMul", "Attention", "parse_einsum", "Det"]
 
 
 def _batch_read(x: TensorInput, batch_shape: tuple[int, ...], batch_axes, tail) -> Expr:
@@ -258,6 +258,77 @@ class PackedMatMulBf16(Operator):
         n, k = int(self.attrs["n"]), a.shape[-1]
         b = bp.transpose(1, 3, 0, 2).reshape(bp.shape[1] * 2, -1)[:k, :n].astype(np.float32)
         return [_gemm_numpy(a.astype(np.float32), b, c, self.attrs)]
+
+
+def unpack_panels(bp: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The matrix ``B[K, N]`` transposed, ``[N, K]``, from its panels: float32 ``[ceil(N / 16), K, 16]``
+    (:func:`pack_panels`) or bfloat16 ``[ceil(N / 16), Kp / 2, 16, 2]`` (:func:`pack_bf16_panels`). Row
+    ``j`` is column ``j`` of ``B``: the row a table tied to that product holds (:class:`GatherColumns`)."""
+    if bp.ndim == 3:
+        return bp.transpose(0, 2, 1).reshape(-1, bp.shape[1])[:n, :k]
+    return bp.transpose(0, 2, 1, 3).reshape(bp.shape[0] * bp.shape[2], -1)[:n, :k]
+
+
+class GatherColumns(Operator):
+    """Rows of a table ``T[V, D]`` looked up as the columns of a product's weight ``B = Tᵀ`` (an output
+    layer tied to the token table): ``y[i..., d] = B[d, j]`` with ``j = indices[i...]`` (negative ones
+    counted from the end), ``B`` stored plain ``[D, V]``, in float32 panels ``[ceil(V / 16), D, 16]``
+    (:func:`pack_panels`: ``B[d, j]`` at ``[j // 16, d, j % 16]``) or in bfloat16 ones ``[ceil(V / 16), Dp /
+    2, 16, 2]`` (:func:`pack_bf16_panels`: at ``[j // 16, d // 2, j % 16, d % 2]``). The cpu target's
+    ``Gather`` of such a table, so that a rank stores the table once, as the product's weight
+    (``passes/precision.py``, :class:`~shardflow.compiler.passes.precision.TablesInTiedWeights`).
+
+    Inputs ``b`` and ``indices`` (int32/int64). Attributes ``n`` (``V``), ``d`` (``D``); with ``start`` and
+    ``extent`` (as :class:`~shardflow.compiler.ops.transform.Gather`'s), ``b`` holds the rows ``start`` on
+    of a table of ``extent`` rows, and an index outside them reads zero (a vocab-parallel rank). The output
+    has ``b``'s type.
+    """
+
+    def compute(self, b, indices):
+        from .transform import _wrap_index
+
+        n, d = int(self.attrs["n"]), int(self.attrs["d"])
+        start, extent = self.attrs.get("start", 0), self.attrs.get("extent")
+        if b.ndim == 4:  # bfloat16 panels (a shard of d reads those of the pairs)
+            fits = b.dtype == "bfloat16" and tuple(b.shape[2:]) == (BF16_PANEL, 2) and 2 * b.shape[1] >= d \
+                and b.shape[0] == -(-n // BF16_PANEL)
+        elif b.ndim == 3:  # float32 panels
+            fits = b.dtype == "float32" and tuple(b.shape[1:]) == (d, PANEL) and b.shape[0] == -(-n // PANEL)
+        else:
+            fits = tuple(b.shape) == (d, n)
+        if not fits or indices.dtype not in ("int32", "int64"):
+            raise ShapeError(f"{self.name}: GatherColumns takes B [D, V], float32 panels [ceil(V/{PANEL}), D, "
+                             f"{PANEL}] or bfloat16 panels [ceil(V/{BF16_PANEL}), >= D/2, {BF16_PANEL}, 2] with V = {n}, "
+                             f"D = {d}, and int32/int64 indices, got {b.dtype} {b.shape} and {indices.dtype} {indices.shape}")
+        q = indices.ndim
+
+        def f(*i):
+            e = i[q]
+            j = _wrap_index(indices[i[:q]], n if extent is None else int(extent))
+            if extent is not None:
+                j = j - start
+            v = (b[j // BF16_PANEL, e // 2, j % BF16_PANEL, e % 2] if b.ndim == 4 else
+                 b[j // PANEL, e, j % PANEL] if b.ndim == 3 else b[e, j])
+            if extent is None:
+                return v
+            zero = Const(np.zeros((), numpy_type(b.dtype)).item(), b.dtype)
+            return if_then_else(logical_and(j >= 0, j < n), v, zero)
+        return compute("y", tuple(indices.shape) + (d,), f, dtype=b.dtype)
+
+    def local_attrs(self, inputs, output_shapes):
+        # a shard of the rows' values (of ``d``) reads those of ``b``
+        return dict(self.attrs, d=int(output_shapes[0][-1]))
+
+    def numpy(self, b, indices):
+        from .transform import _np_wrap
+
+        n, d, extent = int(self.attrs["n"]), int(self.attrs["d"]), self.attrs.get("extent")
+        table = b.T if b.ndim == 2 else unpack_panels(b, n, d)
+        if extent is None:
+            return [table[_np_wrap(indices, n, self.name)]]
+        j = _np_wrap(indices, int(extent), self.name) - int(self.attrs.get("start", 0))
+        inside = (j >= 0) & (j < n)
+        return [np.where(inside[..., None], table[np.where(inside, j, 0)], np.zeros((), table.dtype))]
 
 
 def parse_einsum(equation: str, shapes: list[tuple[int, ...]], where: str = "Einsum"):
@@ -1178,4 +1249,13 @@ def examples(rng: np.random.Generator):
     res.append((GatherBlockQuantized, [u8(4, 20), np.array([[3, 8, -3], [1, 6, -7]], np.int64), f(4, 2),
                                        rng.integers(0, 16, (4, 2)).astype(np.float32)],
                 {"bits": 4, "block_size": 32, "start": 3, "extent": 9}))
+    # a tied table's rows read as its product's weight's columns: from float32 panels (37 rows, a partial last
+    # panel, negative indices), from bfloat16 panels of a width padded to 32, from a plain float16 weight, and
+    # a rank's rows 16..35 of 50 (49 and -5 read zeros)
+    res += [(GatherColumns, [pack_panels(f(6, 37)), np.array([[0, 36, -1], [17, 5, -37]], np.int64)],
+             {"n": 37, "d": 6}),
+            (GatherColumns, [pack_bf16_panels(bf(40, 20)), np.array([19, 0, -20, 3], np.int32)], {"n": 20, "d": 40}),
+            (GatherColumns, [f(5, 9).astype(np.float16), np.array([[8, -9], [2, 2]], np.int64)], {"n": 9, "d": 5}),
+            (GatherColumns, [pack_panels(f(4, 20)), np.array([[16, 35, 20], [49, -5, -34]], np.int64)],
+             {"n": 20, "d": 4, "start": 16, "extent": 50})]
     return res

@@ -45,7 +45,7 @@ from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from ..ir.expr import dtype_kind, numpy_type
 from ..ir.spill import contiguous
-from .base import GraphPass, take_over
+from .base import GraphPass, splice, take_over
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
            "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Float32WeightsKMajor", "round_tf32",
@@ -347,6 +347,67 @@ class TablesFromTiedWeights(GraphPass):
             nodes.append(op)
         graph.nodes = nodes
         return graph
+
+
+class TablesInTiedWeights(GraphPass):
+    """The cpu target's :class:`TablesFromTiedWeights`: each ``Gather`` along axis 0 of a table ``[V, D]``
+    whose rows are the columns of a constant the graph reads (an output layer tied to the token table,
+    exported as the table's transposed copy: stored ``[D, V]`` as it is, or in a product's float32 or
+    bfloat16 panels, ``passes/prepack.py``) becomes a :class:`~shardflow.compiler.ops.linalg.GatherColumns`
+    reading the rows there, so that the table is not stored beside that weight (GPT-2 small: 154 MB of its
+    649). The same values. In the panels a row's values are 16 (float32) or 32 (bfloat16) apart, a cache line
+    each (GPT-2 small's 128 tokens: 0.045 -> 0.195 ms, in a 100 ms run); in a plain ``[D, V]`` weight a row
+    apart. After :meth:`run`, ``shared`` counts the gathers changed."""
+
+    def __init__(self):
+        self.shared = 0
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.linalg import GatherColumns
+
+        # the candidates by (V, D, type): products' panels, and the 2-D constants [D, V] the graph reads
+        panels: dict[tuple, dict[int, Tensor]] = {}
+        plain: dict[tuple, dict[int, Tensor]] = {}
+        for op in graph.nodes:
+            if op.op_type in ("PackedMatMul", "PackedMatMulBf16") and op.inputs[1].is_constant:
+                bp = op.inputs[1]
+                panels.setdefault((int(op.attrs["n"]), int(op.inputs[0].shape[-1]), bp.dtype), {})[id(bp)] = bp
+            for t in op.inputs:
+                if t.is_constant and t.ndim == 2:
+                    plain.setdefault((t.shape[1], t.shape[0], t.dtype), {})[id(t)] = t
+        after: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        self.shared = 0
+        for op in graph.nodes:
+            table = _looked_up(op)
+            if table is None:
+                continue
+            key = (int(table.shape[0]), int(table.shape[1]), table.dtype)
+            rows = np.asarray(table.value)
+            tied = next((bp for bp in panels.get(key, {}).values() if _panel_bits(np.asarray(bp.value), rows)),
+                        None) or next((w for w in plain.get(key, {}).values()
+                                       if w is not table and _transposed_bits(w.value, rows)), None)
+            if tied is None:
+                continue
+            attrs = {k: op.attrs[k] for k in ("start", "extent") if k in op.attrs}
+            new = GatherColumns([tied, op.inputs[1]], name=op.name, n=key[0], d=key[1], **attrs)
+            after[id(op)] = [new]
+            replace[id(op.outputs[0])] = new.outputs[0]
+            self.shared += 1
+            log.info("%s looks rows up as the columns of %s (a tied output layer's weight): %s not stored",
+                     op.name, tied.name, table.name)
+        return splice(graph, after, replace)
+
+
+def _panel_bits(bp: np.ndarray, table: np.ndarray) -> bool:
+    """Whether the panels ``bp`` (:func:`~shardflow.compiler.ops.linalg.unpack_panels`) hold the bits of
+    ``table`` (``[V, D]``, same type) as their columns."""
+    from ..ops.linalg import unpack_panels
+
+    (v, d), bits = table.shape, np.dtype(f"u{table.dtype.itemsize}")
+    first = min(v, 16)  # (the first panel's rows first: most candidates differ there)
+    return np.array_equal(unpack_panels(bp[:1], first, d).view(bits), table[:first].view(bits)) and \
+        np.array_equal(unpack_panels(bp, v, d).view(bits), table.view(bits))
 
 
 def _transposed_bits(w: np.ndarray, table: np.ndarray) -> bool:

@@ -12,7 +12,9 @@ float32 with a constant 2-D ``B`` becomes a
 It runs on each rank's graph after partition (the plan sees the MatMul; the weight is packed
 shard by shard), for the cpu target only. A weight that another kind of op also reads, or that
 one Gemm reads transposed and another not, stays as it is, so that the rank never stores a weight
-twice; the packed copy is shared by all the contractions reading the same weight. Values are
+twice (except a ``Gather`` of its rows as a table when the products read it transposed: a tied output
+layer that is the token table itself; the gather then reads the rows from the panels,
+:class:`~shardflow.compiler.passes.precision.TablesInTiedWeights`); the packed copy is shared by all the contractions reading the same weight. Values are
 unchanged where ``M > 1``: the same products are summed in the same order as with packing per
 call. A single row (``M == 1``) is summed in four partial sums by ``k mod 4`` (a difference of
 rounding).
@@ -71,6 +73,7 @@ import numpy as np
 
 from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, splice
+from .precision import _looked_up
 
 __all__ = ["PrepackWeights"]
 
@@ -474,7 +477,9 @@ class PrepackWeights(GraphPass):
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue
             b = _weight(op) if self.gemm else None
-            readers = consumers.get(id(b), [])
+            # (a Gather of the weight's rows as a table, the product reading it transposed: a tied output layer
+            # that is the table itself; the gather then reads the panels, precision.TablesInTiedWeights)
+            readers = [c for c in consumers.get(id(b), []) if not (_transposed(op) and _looked_up(c) is b)]
             if b is None or id(b) in outputs or any(_weight(c) is not b or _transposed(c) != _transposed(op)
                                                     for c in readers):
                 continue

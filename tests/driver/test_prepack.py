@@ -714,3 +714,74 @@ def test_integer_convs_run_on_the_integer_conv_with_the_same_values(tmp_path):
     got = load(tmp_path / "out", rank=0).run(feeds)
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def _tied_head_model(path, vocab: int, shared: bool = False):
+    """Token ids looked up in a table ``[V, 64]``, a Tanh, and an output layer tied to the table, written to
+    ``path``: ids ``[2, 5]`` and a MatMul by the table's transposed copy (GPT-2's head as torch exports it),
+    or (``shared``) ids ``[10]`` and a ``Gemm(transB=1)`` of the table itself. Returns the ids (one negative)
+    and onnxruntime's logits."""
+    import onnxruntime as ort
+
+    table = np.random.default_rng(3).standard_normal((vocab, 64)).astype(np.float32)
+    inits = [numpy_helper.from_array(table, "wte")]
+    ids = np.array([[0, 17, vocab - 1, 33, -1], [25, 24, 3, 16, 40]], np.int64)
+    if shared:
+        ids = ids.reshape(-1)
+        head = helper.make_node("Gemm", ["t", "wte"], ["logits"], transB=1)
+    else:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(table.T), "lm_head"))
+        head = helper.make_node("MatMul", ["t", "lm_head"], ["logits"])
+    nodes = [helper.make_node("Gather", ["wte", "ids"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]), head]
+    g = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ids.shape)],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ids.shape + (vocab,))], inits)
+    helper_model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with open(path, "wb") as fh:
+        fh.write(helper_model.SerializeToString())
+    return ids, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+@pytest.mark.parametrize("precision,prepack,shared", [("float32", True, False), ("bfloat16", True, False),
+                                                      ("float32", False, False), ("float32", True, True)])
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
+def test_a_tied_table_is_read_from_the_output_layers_weight(tmp_path, precision, prepack, shared, mesh, algo):
+    """The cpu target's gather from a token table whose transposed copy is an output layer's weight (GPT-2's
+    tied head) reads the rows as that weight's columns (GatherColumns): from its float32 or bfloat16 panels,
+    or from the weight as it is (``prepack`` off). The table is not stored (before: beside the weight, as
+    many bytes again). A ``Gemm(transB=1)`` of the table itself (``shared``) now takes the panels too (before:
+    the GEMM packed the table on every call). On two ranks (Megatron: the table split by rows, the head by columns) each rank reads
+    its 25 rows from its own part of the weight and the ids of the other rank's rows read zeros. The logits
+    match onnxruntime (bfloat16: within its tolerance)."""
+    from shardflow.compiler import load_onnx
+    from shardflow.compiler.driver import OptimizationConfig, plan_passes, rank_passes
+    from shardflow.compiler.parallel import partition, search
+
+    vocab = 50
+    path = tmp_path / "tied.onnx"
+    ids, want = _tied_head_model(path, vocab, shared)
+    rows = vocab // mesh[0]
+    # the one weight stored: the panels, or the head [64, rows]
+    stored_rows = -(-rows // 16) if prepack else 64
+    graph = plan_passes(load_onnx(str(path)), mesh)
+    options = {"target": "cpu", "precision": precision, "prepack": prepack}
+    for rg in partition(graph, search(graph, {"mesh_shape": mesh, "algo": algo})):
+        rg = rank_passes(rg, OptimizationConfig.from_dict(options))
+        (head,) = [op for op in rg.nodes if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "PackedMatMulBf16")]
+        (lookup,) = [op for op in rg.nodes if op.op_type in ("Gather", "GatherColumns")]
+        assert lookup.op_type == "GatherColumns" and lookup.inputs[0] is head.inputs[1], lookup
+        assert [t.shape[0] for t in rg.constants()] == [stored_rows], rg.constants()
+    out = tmp_path / "out"
+    compile(str(path), distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config=options,
+            out_dir=out)
+    world = int(np.prod(mesh))
+    for r in range(world):
+        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+        stored = [b["shape"] for b in program["buffers"] if b["storage"] == "weights"]
+        assert len(stored) == 1 and stored[0][0] == stored_rows, stored
+
+    def work(c):
+        return load(out, c.rank, c).run({"ids": ids})["logits"]
+    scale = float(np.abs(want).max())
+    for got in run_threads(InProcessWorld(world).communicators(), work, timeout=120):
+        np.testing.assert_allclose(got, want, rtol=0, atol=(2e-2 if precision == "bfloat16" else 1e-5) * scale)
