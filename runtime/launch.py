@@ -336,7 +336,8 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
     log.debug("starting %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     pids: dict[int, int] = {}
-    first_dead: tuple[int | None, float] | None = None  # (rank, when) of the first rank seen gone
+    first_dead: tuple[int | None, float] | None = None  # (rank, when) of the first rank seen failed
+    gone_at: float | None = None  # when a rank was first seen gone, for whatever reason but done
 
     def kill_all():
         for pid in pids.values():
@@ -357,15 +358,18 @@ def _run_mpiexec(mpiexec: str, nproc: int, child: list[str], env: dict, deadline
                         except (OSError, ValueError):
                             pass
             now = time.monotonic()
+            gone = [r for r, pid in pids.items()
+                    if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists()]
+            if gone and gone_at is None:  # (the ranks that stop for a hung peer leave it alive: it is killed too)
+                gone_at = now
             if first_dead is None:  # (a rank that left because of a peer, by its record, is no cause)
-                dead = [r for r, pid in pids.items()
-                        if pid and not _pid_alive(pid) and not Path(pid_dir, f"rank{r}.done").exists()
-                        and not _left_for_peer(pid_dir, r)]
+                dead = [r for r in gone if not _left_for_peer(pid_dir, r)]
                 if dead:  # several found gone at once: which went first is unknown (None)
                     first_dead = (dead[0] if len(dead) == 1 else None, now)
-            elif now - first_dead[1] > grace:
-                log.error("shardflow run: killing the ranks still alive %g s after %s failed", grace,
-                          "a rank" if first_dead[0] is None else f"rank {first_dead[0]}")
+            if gone_at is not None and now - gone_at > grace:
+                log.error("shardflow run: killing the ranks still alive %g s after %s", grace,
+                          "a rank stopped" if first_dead is None or first_dead[0] is None
+                          else f"rank {first_dead[0]} failed")
                 kill_all()
             if deadline is not None and now > deadline:
                 log.error("shardflow run: --timeout %g s passed; killing the ranks", timeout)

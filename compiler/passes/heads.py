@@ -261,8 +261,11 @@ def _unmerge_views(graph: FlowGraph) -> int:
 
     consumers, done = graph.consumers(), 0
     outputs = {id(t) for t in graph.outputs}
-    for op in list(graph.nodes):
-        if op.op_type != "Reshape" or id(op.outputs[0]) in outputs:
+    # (a chain's last reshape may start another: once rewritten, its rebuilt reshape is looked at instead)
+    gone: set[int] = set()
+    work = list(graph.nodes)
+    for op in work:
+        if op.op_type != "Reshape" or id(op.outputs[0]) in outputs or id(op) in gone:
             continue
         x, y = op.inputs[0], op.outputs[0]
         groups = _refined(x.shape, y.shape)
@@ -313,6 +316,9 @@ def _unmerge_views(graph: FlowGraph) -> int:
         graph.nodes[at:at + 1] = new
         for r in [op] + chain[:-1]:
             graph.nodes.remove(r)
+        gone.update(id(r) for r in [op] + chain)
+        if new[-1].op_type == "Reshape":
+            work.append(new[-1])
         consumers = graph.consumers()
         done += 1
     if done:

@@ -937,3 +937,30 @@ def test_megatron_splits_an_embedding_table_by_rows(mesh):
     feeds["ids"][0, :4] = [0, 999, -1, 500]  # the first and last rows of the table and of the ranks
     np.testing.assert_allclose(simulate(partition(graph, plan), feeds, plan.mesh)["y"], graph.run(feeds)["y"],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_views_of_merged_heads_in_a_row_are_each_rewritten():
+    """MobileViT's unfold: reshape, transpose, reshape (a merge of the batch with the channels), transpose,
+    reshape. The first chain's last reshape starts the second; once the first chain is rebuilt (passes/heads.py
+    ``_unmerge_views``), the second starts at the rebuilt reshape (before: the stale one, already taken out of
+    the graph, was looked at again and ``list.remove`` failed). The values are the same."""
+    from shardflow.compiler.ir import Tensor
+    from shardflow.compiler.ir.graph import FlowGraph
+    from shardflow.compiler.ops.elementwise import Unary
+    from shardflow.compiler.ops.transform import Reshape, Transpose
+    from shardflow.compiler.passes.heads import UnmergeHeads
+
+    x = Tensor("x", (2, 48, 2, 2), "float32")
+    r0 = Reshape([x], name="r0", shape=(96, 2, 1, 2))
+    t0 = Transpose(r0.outputs, name="t0", perm=(0, 2, 1, 3))
+    r1 = Reshape(t0.outputs, name="r1", shape=(2, 48, 1, 4))
+    t1 = Transpose(r1.outputs, name="t1", perm=(0, 3, 2, 1))
+    r2 = Reshape(t1.outputs, name="r2", shape=(8, 1, 48))
+    graph = FlowGraph([x], Unary(r2.outputs, name="out", fn="tanh").outputs)
+    xv = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+    want = graph.run({"x": xv})[graph.output_names[0]]
+    p = UnmergeHeads()
+    graph = p.run(graph)
+    graph.validate()
+    assert p.rewritten == 2, [(op.op_type, op.outputs[0].shape) for op in graph.nodes]
+    np.testing.assert_array_equal(graph.run({"x": xv})[graph.output_names[0]], want)
