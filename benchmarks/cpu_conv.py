@@ -85,7 +85,9 @@ def _model(name: str, path: str):
 
 def main(argv=None, shapes=None, model=None, description=None) -> None:
     """Time one compiled model per shape name against onnxruntime (``model(name, path)`` writes the
-    model with input ``x`` and output ``y`` and returns ``(x, flops)``); :mod:`cpu_gemm` reuses it."""
+    model with input ``x`` and output ``y`` and returns ``(x, flops)``, or ``(x, flops, ort_path)`` when
+    onnxruntime is to run another model with the same input and output, e.g. the float32 graph of a
+    float16 model's values); :mod:`cpu_gemm` reuses it."""
     shapes, model = shapes or SHAPES, model or _model
     ap = argparse.ArgumentParser(description=(description or __doc__).split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -110,7 +112,7 @@ def main(argv=None, shapes=None, model=None, description=None) -> None:
           f"{ort.__version__}; builds: {', '.join(tags)}")
     for name in names:
         path = os.path.join(work, f"{name}.onnx")
-        x, flops = model(name, path)
+        x, flops, *ort_path = model(name, path)
         if not args.dirs:
             compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                     out_dir=os.path.join(work, f"{name}-{args.tag}"))
@@ -120,7 +122,7 @@ def main(argv=None, shapes=None, model=None, description=None) -> None:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = args.threads
         opts.inter_op_num_threads = 1
-        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(ort_path[0] if ort_path else path, opts, providers=["CPUExecutionProvider"])
         ref = sess.run(None, {"x": x})[0]
         err = max(float(np.max(np.abs(p.run({"x": x})["y"] - ref))) for p in progs)
         *ours, theirs = _medians_ms([lambda p=p: p.run({"x": x}, copy_outputs=False) for p in progs]

@@ -8,7 +8,10 @@ and run with ``shardflow.runtime.load``; onnxruntime runs the same model with th
 count. Prints median latencies, GFLOP/s, the ratio (ours / onnxruntime) and the largest difference.
 The ``int8_`` shapes are ``MatMulInteger`` nodes instead (uint8 ``x`` with a zero point times a constant
 int8 ``W``, int32 ``y``: a PackedMatMulInteger, ``cpu_library/gemm_int8.h``; "GFLOP/s" counts their
-multiply-adds as two operations too).
+multiply-adds as two operations too). The ``f16_`` shapes are a float16 model's product (``x`` cast to
+float16, ``MatMul`` + ``Add`` of float16 ``W`` and ``b``, the output cast back to float32): ours reads ``W`` as
+float16 panels (``SfHalfPrepacked``, the float16 GEMV at one row); onnxruntime, which has no float16 MatMul
+on x86 CPUs, runs the float32 graph with the same rounded ``W`` and ``b`` (the float32 GEMM's time).
 
     python benchmarks/cpu_gemm.py [--threads 2] [--repeat 30] [--only fc_768_3072]
     python benchmarks/cpu_gemm.py --build-only --tag old --work /tmp/gemms   # at one commit
@@ -34,6 +37,9 @@ SHAPES = {
 SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("proj_768_768", "fc_768_3072", "fc2_3072_768", "lm_head_768_50257",
                                                 "fc_m1_768_3072", "fc_m8_768_3072", "fc_m32_768_3072",
                                                 "fc_m512_768_3072")})
+SHAPES.update({f"f16_{k}": SHAPES[k] for k in ("fc_768_3072", "fc2_3072_768", "lm_head_768_50257", "fc_m1_768_3072",
+                                               "fc_m8_768_3072", "fc_m32_768_3072")})
+SHAPES.update({"fc_m1_4096_11008": (1, 4096, 11008), "f16_fc_m1_4096_11008": (1, 4096, 11008)})
 
 
 def _model(name: str, path: str):
@@ -52,12 +58,27 @@ def _model(name: str, path: str):
         return rng.integers(0, 256, (M, K)).astype(np.uint8), 2.0 * M * K * N
     w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
-    g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])],
-                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return rng.standard_normal((M, K)).astype(np.float32), 2.0 * M * K * N
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    if name.startswith("f16_"):  # (values that float16 holds: the float32 reference computes on the same ones)
+        w, b, x = (v.astype(np.float16).astype(np.float32) for v in (w, b, x))
+
+    def write(out: str, half: bool) -> None:
+        dt = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+        nodes = [helper.make_node("MatMul", ["xh" if half else "x", "w"], ["m"]),
+                 helper.make_node("Add", ["m", "b"], ["yh" if half else "y"])]
+        if half:
+            nodes = [helper.make_node("Cast", ["x"], ["xh"], to=dt)] + nodes + [
+                helper.make_node("Cast", ["yh"], ["y"], to=TensorProto.FLOAT)]
+        inits = [numpy_helper.from_array(v.astype(np.float16) if half else v, k) for k, v in (("w", w), ("b", b))]
+        g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])], inits)
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), out)
+
+    write(path, name.startswith("f16_"))
+    if not name.startswith("f16_"):
+        return x, 2.0 * M * K * N
+    write(path[:-len(".onnx")] + "_float32.onnx", False)
+    return x, 2.0 * M * K * N, path[:-len(".onnx")] + "_float32.onnx"
 
 
 if __name__ == "__main__":

@@ -264,17 +264,23 @@ def _packed_bias(op, beta: float, lines: list[str]) -> tuple[str, int, int] | No
 
 def _packed_matmul(op) -> str | None:
     """PackedMatMul: ``a`` with its leading dims folded into M, times the weight packed at compile
-    time (``passes/prepack.py``), plus Gemm's bias."""
+    time (``passes/prepack.py``), plus Gemm's bias. Float16 panels (a weight of float16 values) are
+    widened as the GEMM reads them (``cpu_library/gemm.h``, ``SfHalfPrepacked``)."""
+    half = op.inputs[1].dtype == "float16"
+    if any(t.dtype != "float32" for k, t in enumerate(list(op.inputs) + op.outputs) if not (half and k == 1)):
+        return None
     a = op.inputs[0].shape
     K, N = a[-1], int(op.attrs["n"])
     M = _prod(a[:-1])
     alpha, beta = float(op.attrs.get("alpha", 1.0)), float(op.attrs.get("beta", 1.0))
     lines = _args(op)
+    if half:  # (the float16 panels' bits)
+        lines[1] = "  const uint16_t* __restrict__ in1 = static_cast<const uint16_t*>(inputs[1]);"
     packed_bias = _packed_bias(op, beta, lines)
     if packed_bias is None:
         return None
     bias, rbs, cbs = packed_bias
-    lines.append(f"  // PackedMatMul: {_flt(alpha)} * [{M}, {K}] @ [{K}, {N}] (packed)"
+    lines.append(f"  // PackedMatMul: {_flt(alpha)} * [{M}, {K}] @ [{K}, {N}] (packed{', float16' if half else ''})"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
     lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, "
                  f"{cbs}, true);")
@@ -1560,8 +1566,8 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMulInteger", "MatMulNBits", "BitCast",
-                           "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger", "PackedConvBf16"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMul", "PackedMatMulInteger", "MatMulNBits",
+                           "BitCast", "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger", "PackedConvBf16"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

@@ -146,24 +146,29 @@ class PackedMatMul(Operator):
     instead of packing it on every call.
 
     Inputs ``a[..., K]``, ``bp[ceil(N / PANEL), K, PANEL]``, optionally ``c`` (broadcasts to the
-    output ``[..., N]``). Attributes ``n`` (``N``), ``alpha``, ``beta`` (as in Gemm).
+    output ``[..., N]``). Attributes ``n`` (``N``), ``alpha``, ``beta`` (as in Gemm). The panels
+    may be float16 for a float32 ``a``: a weight of float16 values (a float16 model's, or one
+    rounded by ``optimization_config["precision"] = "float16"``), read as float32 exactly.
     """
 
     def compute(self, a, bp, *c):
         n = int(self.attrs["n"])
         alpha, beta = self.attrs.get("alpha", 1.0), self.attrs.get("beta", 1.0)
         if a.ndim < 1 or bp.ndim != 3 or bp.shape[2] != PANEL or bp.shape[1] != a.shape[-1] \
-                or bp.shape[0] != -(-n // PANEL):
+                or bp.shape[0] != -(-n // PANEL) \
+                or (bp.dtype != a.dtype and (a.dtype, bp.dtype) != ("float32", "float16")):
             raise ShapeError(f"{self.name}: PackedMatMul takes a[..., K] and panels [ceil(N/{PANEL}), K, {PANEL}] "
-                             f"with N = {n}, got shapes {a.shape} and {bp.shape}")
+                             f"with N = {n} of a's type (or float16 for a float32 a), got {a.dtype} {a.shape} and "
+                             f"{bp.dtype} {bp.shape}")
         shape = tuple(a.shape[:-1]) + (n,)
         if c and broadcast_shape([c[0].shape, shape], self.name) != shape:
             raise ShapeError(f"{self.name}: C of shape {c[0].shape} does not broadcast to the output {shape}")
         k, dt = a.shape[-1], a.dtype
+        weight = (lambda v: v) if bp.dtype == dt else (lambda v: Cast(v, dt))  # noqa: E731
 
         def f(*i):
             rows, j = i[:-1], i[-1]
-            acc = reduce((k,), lambda kk: a[tuple(rows) + (kk,)] * bp[j // PANEL, kk, j % PANEL], "sum")
+            acc = reduce((k,), lambda kk: a[tuple(rows) + (kk,)] * weight(bp[j // PANEL, kk, j % PANEL]), "sum")
             if alpha != 1:
                 acc = Const(float(alpha), dt) * acc
             if c and beta != 0:
@@ -181,7 +186,7 @@ class PackedMatMul(Operator):
 
     def numpy(self, a, bp, *c):
         n = int(self.attrs["n"])
-        b = bp.transpose(1, 0, 2).reshape(bp.shape[1], -1)[:, :n]
+        b = bp.transpose(1, 0, 2).reshape(bp.shape[1], -1)[:, :n].astype(a.dtype)
         return [_gemm_numpy(a, b, c, self.attrs)]
 
 
@@ -272,7 +277,7 @@ def unpack_panels(bp: np.ndarray, n: int, k: int) -> np.ndarray:
 class GatherColumns(Operator):
     """Rows of a table ``T[V, D]`` looked up as the columns of a product's weight ``B = Tᵀ`` (an output
     layer tied to the token table): ``y[i..., d] = B[d, j]`` with ``j = indices[i...]`` (negative ones
-    counted from the end), ``B`` stored plain ``[D, V]``, in float32 panels ``[ceil(V / 16), D, 16]``
+    counted from the end), ``B`` stored plain ``[D, V]``, in float32 (or float16) panels ``[ceil(V / 16), D, 16]``
     (:func:`pack_panels`: ``B[d, j]`` at ``[j // 16, d, j % 16]``) or in bfloat16 ones ``[ceil(V / 16), Dp /
     2, 16, 2]`` (:func:`pack_bf16_panels`: at ``[j // 16, d // 2, j % 16, d % 2]``). The cpu target's
     ``Gather`` of such a table, so that a rank stores the table once, as the product's weight
@@ -292,14 +297,16 @@ class GatherColumns(Operator):
         if b.ndim == 4:  # bfloat16 panels (a shard of d reads those of the pairs)
             fits = b.dtype == "bfloat16" and tuple(b.shape[2:]) == (BF16_PANEL, 2) and 2 * b.shape[1] >= d \
                 and b.shape[0] == -(-n // BF16_PANEL)
-        elif b.ndim == 3:  # float32 panels
-            fits = b.dtype == "float32" and tuple(b.shape[1:]) == (d, PANEL) and b.shape[0] == -(-n // PANEL)
+        elif b.ndim == 3:  # float32 (or float16) panels
+            fits = b.dtype in ("float32", "float16") and tuple(b.shape[1:]) == (d, PANEL) \
+                and b.shape[0] == -(-n // PANEL)
         else:
             fits = tuple(b.shape) == (d, n)
         if not fits or indices.dtype not in ("int32", "int64"):
-            raise ShapeError(f"{self.name}: GatherColumns takes B [D, V], float32 panels [ceil(V/{PANEL}), D, "
-                             f"{PANEL}] or bfloat16 panels [ceil(V/{BF16_PANEL}), >= D/2, {BF16_PANEL}, 2] with V = {n}, "
-                             f"D = {d}, and int32/int64 indices, got {b.dtype} {b.shape} and {indices.dtype} {indices.shape}")
+            raise ShapeError(f"{self.name}: GatherColumns takes B [D, V], float32/float16 panels [ceil(V/{PANEL}), "
+                             f"D, {PANEL}] or bfloat16 panels [ceil(V/{BF16_PANEL}), >= D/2, {BF16_PANEL}, 2] with "
+                             f"V = {n}, D = {d}, and int32/int64 indices, got {b.dtype} {b.shape} and {indices.dtype} "
+                             f"{indices.shape}")
         q = indices.ndim
 
         def f(*i):
@@ -1258,4 +1265,8 @@ def examples(rng: np.random.Generator):
             (GatherColumns, [f(5, 9).astype(np.float16), np.array([[8, -9], [2, 2]], np.int64)], {"n": 9, "d": 5}),
             (GatherColumns, [pack_panels(f(4, 20)), np.array([[16, 35, 20], [49, -5, -34]], np.int64)],
              {"n": 20, "d": 4, "start": 16, "extent": 50})]
+    # float16 panels of a float32 product (37 columns: a partial last panel), with Gemm's scales and bias
+    res += [(PackedMatMul, [f(3, 5), pack_panels(f(5, 37).astype(np.float16))], {"n": 37}),
+            (PackedMatMul, [f(2, 3, 20), pack_panels(f(20, 16).astype(np.float16)), f(16)],
+             {"n": 16, "alpha": 0.5, "beta": 2.0})]
     return res

@@ -204,6 +204,30 @@ def _bfloat16_constant(t: Tensor, producer: dict[int, Operator]) -> Tensor | Non
     return t if t.is_constant and _holds_bfloat16(np.asarray(t.value)) else None
 
 
+def _float16_weight(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
+    """``(b, w)`` of a float32 MatMul/Gemm (``trans_a`` unset) whose ``A`` is float16 values widened by a Cast
+    and whose 2-D ``B`` (``b``) holds float16 values: a Cast of a float16 constant ``w``
+    (``optimization_config["precision"] = "float16"``), or a float32 constant (``w`` = ``b``) whose values are
+    all float16's (a float16 model's weight, widened by ``WidenHalfProducts``). ``None`` for any other op."""
+    if op.op_type not in ("MatMul", "Gemm") or len(op.outputs) != 1 or len(op.inputs) < 2:
+        return None
+    x, b = op.inputs[0], op.inputs[1]
+    if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or b.ndim != 2 or 0 in b.shape \
+            or x.ndim < 1 or (op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or x.ndim != 2)):
+        return None
+    if _widened(x, producer, ("float16",)) is None:
+        return None
+    w = _widened(b, producer, ("float16",))
+    if w is not None:
+        return (b, w) if w.is_constant else None
+    if b.is_constant:
+        v = np.ascontiguousarray(b.value, np.float32)
+        with np.errstate(over="ignore"):
+            if np.array_equal(v.astype(np.float16).astype(np.float32).view(np.uint32), v.view(np.uint32)):
+                return b, b
+    return None
+
+
 def _packed_form(op: Operator, a: Tensor, panels: Tensor, n: int) -> tuple[list[Tensor], dict]:
     """The inputs and attributes of the packed product (PackedMatMul, PackedMatMulBf16) that replaces the
     MatMul/Gemm ``op``, reading ``a`` and ``panels`` (``n`` columns), plus Gemm's scales and bias."""
@@ -392,6 +416,7 @@ class PrepackWeights(GraphPass):
         replace: dict[int, Tensor] = {}
         # (once per op: a float32 weight's test of its values reads all of it)
         bf16_forms = {id(op): _bf16_operands(op, producer) for op in graph.nodes} if self.gemm else {}
+        half_forms = {id(op): f for op in graph.nodes if (f := _float16_weight(op, producer))} if self.gemm else {}
         conv_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, group) -> wa, wc
         conv_bf16: dict[tuple[int, int], Tensor] = {}  # (the float32 weight a conv reads, group) -> bfloat16 rows
         for op in graph.nodes:
@@ -476,18 +501,26 @@ class PrepackWeights(GraphPass):
                 after[id(op)] = [new]
                 replace[id(op.outputs[0])] = new.outputs[0]
                 continue
-            b = _weight(op) if self.gemm else None
+            # the weight, or (half) the float32 B of float16 values that a product of widened float16 values
+            # reads, which is packed as float16 panels (read as float32 exactly)
+            half = half_forms.get(id(op))
+            b = half[0] if half is not None else _weight(op) if self.gemm else None
+            weight_of = (lambda c: (half_forms.get(id(c)) or (None,))[0]) if half is not None else _weight
             # (a Gather of the weight's rows as a table, the product reading it transposed: a tied output layer
             # that is the table itself; the gather then reads the panels, precision.TablesInTiedWeights)
             readers = [c for c in consumers.get(id(b), []) if not (_transposed(op) and _looked_up(c) is b)]
-            if b is None or id(b) in outputs or any(_weight(c) is not b or _transposed(c) != _transposed(op)
+            if b is None or id(b) in outputs or any(weight_of(c) is not b or _transposed(c) != _transposed(op)
                                                     for c in readers):
                 continue
             trans = _transposed(op)
             if id(b) not in packed:
-                value = np.asarray(b.value, np.float32)
+                if half is not None:
+                    value = np.asarray(half[1].value).astype(np.float16)
+                else:
+                    value = np.asarray(b.value, np.float32)
                 packed[id(b)] = const_tensor(pack_panels(value.T if trans else value),
-                                             f"{b.name}.panels" + (".T" if trans else ""))
+                                             f"{b.name}.panels" + ("16" if half is not None else "")
+                                             + (".T" if trans else ""))
             inputs, attrs = _packed_form(op, op.inputs[0], packed[id(b)], b.shape[0] if trans else b.shape[1])
             # splice redirects the graph's ops, not the new ones: read the earlier replacements here
             inputs = [replace.get(id(t), t) for t in inputs]

@@ -52,9 +52,9 @@ def _t(shape, dtype="float32"):
     return Tensor("t", shape, dtype)
 
 
-def _panels(k, n):
+def _panels(k, n, dtype="float32"):
     """The packed form of a [k, n] weight (ops.linalg.pack_panels)."""
-    return _t((-(-n // PANEL), k, PANEL))
+    return _t((-(-n // PANEL), k, PANEL), dtype)
 
 
 def _wino(c, oc, m):
@@ -507,6 +507,12 @@ def _large():
         _bfconv((1, 8, 30, 29), 16, (5, 5), strides=(2, 2), pads=(2, 2, 2, 2), bias=True),
         _bfconv((1, 32, 10, 12), 48, (3, 3), group=4, strides=(1, 2), dilations=(2, 1), pads=(2, 1, 2, 1)),
         _bfconv((1, 40, 50), 24, (3,), strides=(2,), pads=(1, 1), bias=True),
+        # float16 panels (a weight of float16 values), widened per K block of a tile (SfHalfPrepacked) or in the
+        # GEMV: two K blocks and a column tail, one row, tiles with a bias, a last tile of one panel
+        PackedMatMul([_t((2, 37, 300)), _panels(300, 77, "float16")], n=77),
+        PackedMatMul([_t((1, 300)), _panels(300, 129, "float16")], n=129),
+        PackedMatMul([_t((130, 520)), _panels(520, 280, "float16"), _t((280,))], n=280),
+        PackedMatMul([_t((7, 40)), _panels(40, 33, "float16")], n=33, alpha=0.5),
     ]
     rng = np.random.default_rng(1)
     res = []

@@ -139,14 +139,14 @@ def test_products_of_bfloat16_values_are_packed_for_the_bfloat16_gemm_with_the_s
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
-def _bfloat16_builds(path, feeds, tmp_path) -> dict:
-    """``{prepack: (program.json, outputs)}`` of ``path`` compiled for a cpu rank at precision bfloat16 with the
-    ``prepack`` pass on and off, run on ``feeds``."""
+def _half_builds(path, feeds, tmp_path, precision: str = "bfloat16") -> dict:
+    """``{prepack: (program.json, outputs)}`` of ``path`` compiled for a cpu rank at ``precision`` (bfloat16 or
+    float16) with the ``prepack`` pass on and off, run on ``feeds``."""
     res = {}
     for prepack in (True, False):
-        out = tmp_path / f"out{prepack}"
+        out = tmp_path / f"out{precision}{prepack}"
         compile(path, distributed_config={"mesh_shape": [1]},
-                optimization_config={"target": "cpu", "precision": "bfloat16", "prepack": prepack}, out_dir=out)
+                optimization_config={"target": "cpu", "precision": precision, "prepack": prepack}, out_dir=out)
         res[prepack] = (json.loads((out / "rank0" / "program.json").read_text()), load(out).run(feeds))
     return res
 
@@ -158,7 +158,7 @@ def test_precision_bfloat16_runs_the_bfloat16_gemm_and_matches_onnxruntime(tmp_p
     equal to the float32 GEMM on the same rounded operands (``prepack`` off: the widened values)."""
     path, x, want = _mlp_with_reference(tmp_path, 5)
     got = {}
-    for prepack, (program, outputs) in _bfloat16_builds(path, {"x": x}, tmp_path).items():
+    for prepack, (program, outputs) in _half_builds(path, {"x": x}, tmp_path).items():
         kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
         if prepack:
             assert kinds.count("PackedMatMulBf16") == 3 and "MatMul" not in kinds and "Gemm" not in kinds, kinds
@@ -167,6 +167,27 @@ def test_precision_bfloat16_runs_the_bfloat16_gemm_and_matches_onnxruntime(tmp_p
         got[prepack] = outputs["y"]
     np.testing.assert_allclose(got[True], want, rtol=3e-2, atol=3e-2 * float(np.abs(want).max()))
     np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+def test_precision_float16_reads_the_weights_as_float16_panels(tmp_path):
+    """With precision float16 the cpu target's products of constant weights are PackedMatMul kernels reading the
+    weights as float16 panels (stored once, half the bytes of float32 ones, widened as the GEMM reads them;
+    before: each product's float16 weight widened into a float32 copy on every call, then packed), equal to the
+    float32 GEMM on the same rounded operands (``prepack`` off) and within float16's tolerance of onnxruntime's
+    float32 result."""
+    path, x, want = _mlp_with_reference(tmp_path, 6)
+    got = {}
+    for prepack, (program, outputs) in _half_builds(path, {"x": x}, tmp_path, "float16").items():
+        kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+        weights = {b["dtype"] for b in program["buffers"] if b["storage"] == "weights" and len(b["shape"]) > 1}
+        if prepack:
+            assert kinds.count("PackedMatMul") == 3 and "MatMul" not in kinds and "Gemm" not in kinds, kinds
+            assert weights == {"float16"}, weights  # (the Casts left: the activations rounded to float16)
+        got[prepack] = outputs["y"]
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got[True], want, rtol=0, atol=5e-3 * scale)
+    np.testing.assert_allclose(got[True], got[False], rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
@@ -180,7 +201,7 @@ def test_precision_bfloat16_runs_the_convs_on_the_bfloat16_gemm(tmp_path):
     feeds = dict(np.load(MODELS / "resnet_inputs.npz"))
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     got = {}
-    for prepack, (program, outputs) in _bfloat16_builds(path, feeds, tmp_path).items():
+    for prepack, (program, outputs) in _half_builds(path, feeds, tmp_path).items():
         kinds = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
         # (five of its six convs: the 1x1 of 16 products per output stays float32)
         assert kinds.count("PackedConvBf16") == (5 if prepack else 0), kinds

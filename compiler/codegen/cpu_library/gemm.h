@@ -143,10 +143,12 @@ static const SfUkr& sf_ukr() { static const SfUkr u = sf_pick_ukr(); return u; }
 #endif
 
 // whether the AVX2 versions of the helper kernels (GEMV, transpositions, Winograd transforms) apply: the
-// CPU has AVX2 and FMA and SHARDFLOW_CPU_ISA does not ask for less (the GEMM's kernel is 16+ wide)
+// CPU has AVX2, FMA and F16C (every AVX2 CPU has it: the GEMV widens float16 weights with it) and
+// SHARDFLOW_CPU_ISA does not ask for less (the GEMM's kernel is 16+ wide)
 static bool sf_avx2_helpers() {
 #if defined(__x86_64__)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && sf_ukr().nr >= SF_PANEL;
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c") && sf_ukr().nr >= SF_PANEL;
   return yes;
 #else
   return false;
@@ -634,17 +636,26 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
   sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, par);
 }
 
-// y[1, N] = a[1, K] @ B for the prepacked panels [p0, p1) of B, four sums per column (k mod 4) so
-// that their multiply-adds do not wait on each other
+// a weight's value as float32: float, or float16 bits (a panel of float16 weights, PackedMatMul)
+static inline float sf_widen(float v) { return v; }
+static inline float sf_widen(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}
+
+// y[1, N] = a[1, K] @ B for the prepacked panels [p0, p1) of B (float or float16), four sums per column
+// (k mod 4) so that their multiply-adds do not wait on each other
+template <class T>
 static void sf_gemv_panel_range(int64_t p0, int64_t p1, int64_t N, int64_t K, const float* __restrict__ A,
-                                int64_t csa, const float* __restrict__ Bp, float* __restrict__ C, float alpha,
+                                int64_t csa, const T* __restrict__ Bp, float* __restrict__ C, float alpha,
                                 const float* __restrict__ bias, int64_t cbs) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* __restrict__ b = Bp + p * K * SF_PANEL;
+    const T* __restrict__ b = Bp + p * K * SF_PANEL;
     float acc[4][SF_PANEL] = {};
     for (int64_t k = 0; k < K; ++k) {
       const float a = A[k * csa];
-      for (int64_t j = 0; j < SF_PANEL; ++j) acc[k & 3][j] += a * b[k * SF_PANEL + j];
+      for (int64_t j = 0; j < SF_PANEL; ++j) acc[k & 3][j] += a * sf_widen(b[k * SF_PANEL + j]);
     }
     const int64_t j0 = p * SF_PANEL, nj = std::min(N - j0, SF_PANEL);
     for (int64_t j = 0; j < nj; ++j)
@@ -653,13 +664,20 @@ static void sf_gemv_panel_range(int64_t p0, int64_t p1, int64_t N, int64_t K, co
 }
 
 #if defined(__x86_64__)
+// eight values of a panel's row as float32 (float16 ones widened by F16C)
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 sf_load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 sf_load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // The same with AVX2 (GCC's own vectorization of the loop above shuffles lanes: about 2x slower on Zen 3)
-__attribute__((target("avx2,fma")))
+template <class T>
+__attribute__((target("avx2,fma,f16c")))
 static void sf_gemv_panel_range_avx2(int64_t p0, int64_t p1, int64_t N, int64_t K, const float* __restrict__ A,
-                                     int64_t csa, const float* __restrict__ Bp, float* __restrict__ C, float alpha,
+                                     int64_t csa, const T* __restrict__ Bp, float* __restrict__ C, float alpha,
                                      const float* __restrict__ bias, int64_t cbs) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* __restrict__ b = Bp + p * K * SF_PANEL;
+    const T* __restrict__ b = Bp + p * K * SF_PANEL;
     __m256 acc[4][2];
     #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
@@ -670,14 +688,14 @@ static void sf_gemv_panel_range_avx2(int64_t p0, int64_t p1, int64_t N, int64_t 
       #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const __m256 a = _mm256_set1_ps(A[(k + u) * csa]);
-        acc[u][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + (k + u) * SF_PANEL), acc[u][0]);
-        acc[u][1] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + (k + u) * SF_PANEL + 8), acc[u][1]);
+        acc[u][0] = _mm256_fmadd_ps(a, sf_load8(b + (k + u) * SF_PANEL), acc[u][0]);
+        acc[u][1] = _mm256_fmadd_ps(a, sf_load8(b + (k + u) * SF_PANEL + 8), acc[u][1]);
       }
     }
     for (; k < K; ++k) {
       const __m256 a = _mm256_set1_ps(A[k * csa]);
-      acc[0][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + k * SF_PANEL), acc[0][0]);
-      acc[0][1] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + k * SF_PANEL + 8), acc[0][1]);
+      acc[0][0] = _mm256_fmadd_ps(a, sf_load8(b + k * SF_PANEL), acc[0][0]);
+      acc[0][1] = _mm256_fmadd_ps(a, sf_load8(b + k * SF_PANEL + 8), acc[0][1]);
     }
     alignas(32) float t[SF_PANEL];
     for (int v = 0; v < 2; ++v)
@@ -686,24 +704,64 @@ static void sf_gemv_panel_range_avx2(int64_t p0, int64_t p1, int64_t N, int64_t 
     for (int64_t j = 0; j < nj; ++j) C[j0 + j] = alpha * t[j] + (bias ? bias[(j0 + j) * cbs] : 0.0f);
   }
 }
+
+// n float16 values as float32 (F16C, eight at a time)
+__attribute__((target("avx2,fma,f16c")))
+static void sf_widen_halfs_f16c(const uint16_t* __restrict__ s, int64_t n, float* __restrict__ d) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, sf_load8(s + i));
+  for (; i < n; ++i) d[i] = sf_widen(s[i]);
+}
 #endif
 
-// y[1, N] = a[1, K] @ B for a prepacked B: threads split the panels
-static void sf_gemv_panels(int64_t N, int64_t K, const float* __restrict__ A, int64_t csa, const float* __restrict__ Bp,
+// y[1, N] = a[1, K] @ B for a prepacked B (float or float16): threads split the panels
+template <class T>
+static void sf_gemv_panels(int64_t N, int64_t K, const float* __restrict__ A, int64_t csa, const T* __restrict__ Bp,
                            float* __restrict__ C, float alpha, const float* __restrict__ bias, int64_t cbs, bool par) {
   const int64_t np = (N + SF_PANEL - 1) / SF_PANEL;
   const int64_t nt = par && N * K >= (1 << 16) ? std::min<int64_t>(sf_max_threads(), np) : 1;
-  auto range = sf_gemv_panel_range;
+  auto range = sf_gemv_panel_range<T>;
 #if defined(__x86_64__)
-  if (sf_avx2_helpers()) range = sf_gemv_panel_range_avx2;
+  if (sf_avx2_helpers()) range = sf_gemv_panel_range_avx2<T>;
 #endif
   #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t t = 0; t < nt; ++t) range(np * t / nt, np * (t + 1) / nt, N, K, A, csa, Bp, C, alpha, bias, cbs);
 }
 
-// C[M, N] = alpha * (A @ B) + bias with B prepacked (SfPrepacked)
+// n float16 values as float32
+static void sf_widen_halfs(const uint16_t* __restrict__ s, int64_t n, float* __restrict__ d) {
+#if defined(__x86_64__)
+  if (sf_avx2_helpers()) return sf_widen_halfs_f16c(s, n, d);
+#endif
+  for (int64_t i = 0; i < n; ++i) d[i] = sf_widen(s[i]);
+}
+
+// A weight's panels in float16 (PackedMatMul of a float16 weight: SfPrepacked's layout, half the bytes):
+// each K block of one or two panels that a tile reads is widened into the thread's buffer (workspace slot
+// 7) just before the kernel runs the tile's rows on it, so the float32 kernels run unchanged and the
+// weight streams from memory at two bytes a value
+struct SfHalfPrepacked {
+  const uint16_t* Bh;
+  int64_t K, chunk;
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t, bool) const {}
+  const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
+                     int64_t& bnext) const {
+    const int64_t j = jc + jp * nr;
+    const uint16_t* src = Bh + (j / SF_PANEL) * K * SF_PANEL + pc * SF_PANEL;
+    float* T = static_cast<float*>(sf_workspace(7, sizeof(float) * 2 * SF_KC * SF_PANEL));
+    sf_widen_halfs(src, kc * SF_PANEL, T);
+    if (cols > SF_PANEL) sf_widen_halfs(src + K * SF_PANEL, kc * SF_PANEL, T + kc * SF_PANEL);
+    ldb = SF_PANEL;
+    bnext = cols > SF_PANEL ? kc * SF_PANEL : 0;
+    return T + j % SF_PANEL;
+  }
+};
+
+// C[M, N] = alpha * (A @ B) + bias with B prepacked: float32 panels (SfPrepacked) or float16 ones
+// (SfHalfPrepacked, Bp's bits as uint16_t)
+template <class T>
 static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
-                               const float* Bp, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
+                               const T* Bp, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
                                int64_t cbs, bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
   const bool par = sf_gemm_parallel(M, N, K, allow_parallel);
@@ -712,11 +770,14 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
     return;
   }
   if (M == 1) {
-    sf_gemv_panels(N, K, A, csa, Bp, C, alpha, bias, cbs, par);
+    sf_gemv_panels<T>(N, K, A, csa, Bp, C, alpha, bias, cbs, par);
     return;
   }
-  const SfPrepacked src{Bp, K, N};
-  sf_sgemm_driver(M, N, K, A, rsa, csa, src, C, ldc, alpha, bias, rbs, cbs, par);
+  if constexpr (std::is_same<T, float>::value) {
+    sf_sgemm_driver(M, N, K, A, rsa, csa, SfPrepacked{Bp, K, N}, C, ldc, alpha, bias, rbs, cbs, par);
+  } else {
+    sf_sgemm_driver(M, N, K, A, rsa, csa, SfHalfPrepacked{Bp, K, N}, C, ldc, alpha, bias, rbs, cbs, par);
+  }
 }
 
 // Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)

@@ -6,6 +6,7 @@
 #include <limits>
 #include <algorithm>
 #include <utility>
+#include <type_traits>
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
