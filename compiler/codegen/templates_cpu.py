@@ -1566,8 +1566,9 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
-_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMul", "PackedMatMulInteger", "MatMulNBits",
-                           "BitCast", "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger", "PackedConvBf16"})
+_MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMul", "PackedMatMulInteger",
+                           "MatMulNBits", "BitCast", "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger",
+                           "PackedConvBf16"})
 #: Templates of ops with more than one output (they check their outputs themselves).
 _MULTI_OUTPUT = frozenset({"TopK"})
 #: Templates whose kernels are plain loops, worth compiling for each instruction set (the others

@@ -14,10 +14,15 @@ shard by shard), for the cpu target only. A weight that another kind of op also 
 one Gemm reads transposed and another not, stays as it is, so that the rank never stores a weight
 twice (except a ``Gather`` of its rows as a table when the products read it transposed: a tied output
 layer that is the token table itself; the gather then reads the rows from the panels,
-:class:`~shardflow.compiler.passes.precision.TablesInTiedWeights`); the packed copy is shared by all the contractions reading the same weight. Values are
-unchanged where ``M > 1``: the same products are summed in the same order as with packing per
-call. A single row (``M == 1``) is summed in four partial sums by ``k mod 4`` (a difference of
-rounding).
+:class:`~shardflow.compiler.passes.precision.TablesInTiedWeights`); the packed copy is shared by all
+the contractions reading the same weight. Values are unchanged where ``M > 1``: the same products are
+summed in the same order as with packing per call. A single row (``M == 1``) is summed in four partial
+sums by ``k mod 4`` (a difference of rounding).
+
+A weight of float16 values read by a product of widened float16 values (a float16 model's, widened by
+``WidenHalfProducts``; or ``optimization_config["precision"] = "float16"``, whose weight is a ``Cast`` of a
+float16 constant) is packed as float16 panels in the same layout: half the bytes, which the GEMM widens
+as it reads them (``SfHalfPrepacked``, ``cpu_library/gemm.h``), the same values.
 
 A MatMulInteger ``(a - azp) @ (B - bzp)`` with a constant 2-D int8/uint8 ``B`` (and a constant or no
 ``bzp``) that only such ops read becomes a

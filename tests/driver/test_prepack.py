@@ -770,10 +770,10 @@ def test_a_tied_table_is_read_from_the_output_layers_weight(tmp_path, precision,
     """The cpu target's gather from a token table whose transposed copy is an output layer's weight (GPT-2's
     tied head) reads the rows as that weight's columns (GatherColumns): from its float32 or bfloat16 panels,
     or from the weight as it is (``prepack`` off). The table is not stored (before: beside the weight, as
-    many bytes again). A ``Gemm(transB=1)`` of the table itself (``shared``) now takes the panels too (before:
-    the GEMM packed the table on every call). On two ranks (Megatron: the table split by rows, the head by columns) each rank reads
-    its 25 rows from its own part of the weight and the ids of the other rank's rows read zeros. The logits
-    match onnxruntime (bfloat16: within its tolerance)."""
+    many bytes again). A ``Gemm(transB=1)`` of the table itself (``shared``) now takes the panels too
+    (before: the GEMM packed the table on every call). On two ranks (Megatron: the table split by rows, the
+    head by columns) each rank reads its 25 rows from its own part of the weight and the ids of the other
+    rank's rows read zeros. The logits match onnxruntime (bfloat16: within its tolerance)."""
     from shardflow.compiler import load_onnx
     from shardflow.compiler.driver import OptimizationConfig, plan_passes, rank_passes
     from shardflow.compiler.parallel import partition, search
