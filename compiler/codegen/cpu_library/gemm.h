@@ -738,8 +738,9 @@ static void sf_widen_halfs(const uint16_t* __restrict__ s, int64_t n, float* __r
 
 // A weight's panels in float16 (PackedMatMul of a float16 weight: SfPrepacked's layout, half the bytes):
 // each K block of one or two panels that a tile reads is widened into the thread's buffer (workspace slot
-// 7) just before the kernel runs the tile's rows on it, so the float32 kernels run unchanged and the
-// weight streams from memory at two bytes a value
+// 7; conv.h's blocked PackedConv holds slot 7 only around GEMMs of float32 panels) just before the kernel
+// runs the tile's rows on it, so the float32 kernels run unchanged and the weight streams from memory at
+// two bytes a value
 struct SfHalfPrepacked {
   const uint16_t* Bh;
   int64_t K, chunk;
