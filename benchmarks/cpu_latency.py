@@ -17,7 +17,8 @@ the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepac
 ``--bf16`` also times a bfloat16 copy of each transformer (tests/models/to_half.py: weights, casts and
 graph types in bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to
 onnxruntime on the float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the
-CPU); its max |diff| is the bfloat16 roundings'. ``--precision-bf16`` also times each transformer compiled
+CPU); its max |diff| is the bfloat16 roundings'. ``--f16`` likewise in float16 (``<model>_f16``: its
+products' weights as float16 panels). ``--precision-bf16`` also times each transformer compiled
 with ``optimization_config["precision"] = "bfloat16"`` (its products' operands rounded to bfloat16, sums in
 float32: the AMX or AVX-512 BF16 GEMM where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the
 float32 model (with ``--sized``, the ResNet-50 too: ``resnet50_224_pbf16``, its convs on the bfloat16 GEMM).
@@ -37,7 +38,7 @@ Each line gives the rank's weight bytes too (``weights``: the artifact's ``weigh
 products, without its KV cache).
 
     python benchmarks/cpu_latency.py [--threads 2] [--repeat 50] [--sized] [--light] [--only resnet]
-                                     [--compare-off blocked] [--int8] [--bf16] [--precision-bf16] [--int4 [--int4-gather]] [--seq 1]
+                                     [--compare-off blocked] [--int8] [--bf16] [--f16] [--precision-bf16] [--int4 [--int4-gather]] [--seq 1]
 """
 from __future__ import annotations
 
@@ -125,9 +126,10 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
           f"max |diff| {err:.1e}   weights {weights[0] / 1e6:7.1f} MB{extra}", flush=True)
 
 
-def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str) -> None:
-    """A bfloat16 copy of ``path`` compiled for one cpu rank, timed next to onnxruntime on the float32
-    model with the same rounded weights and inputs."""
+def bench_half(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,
+               half: str = "bfloat16") -> None:
+    """A ``half`` (bfloat16 or float16) copy of ``path`` compiled for one cpu rank, timed next to onnxruntime
+    on the float32 model with the same rounded weights and inputs."""
     import onnx
 
     from shardflow.compiler import compile
@@ -136,18 +138,20 @@ def bench_bfloat16(name: str, path: str, feeds: dict, threads: int, repeat: int,
     sys.path.insert(0, MODELS)
     from to_half import half_feeds, to_half
 
-    bf, ref_model = to_half(onnx.load(path), "bfloat16")
-    bf_feeds, ref_feeds = half_feeds(feeds, "bfloat16")
-    out = os.path.join(work, f"{name}-bf16")
-    compile(bf, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
+    low, ref_model = to_half(onnx.load(path), half)
+    low_feeds, ref_feeds = half_feeds(feeds, half)
+    tag = "bf16" if half == "bfloat16" else "f16"
+    out = os.path.join(work, f"{name}-{tag}")
+    compile(low, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
     prog = load(out, rank=0)
+    weights = prog.program["weights_bytes"]
     sess = _onnxruntime(ref_model.SerializeToString(), threads)
-    ours, ref = _medians_ms([lambda: prog.run(bf_feeds), lambda: sess.run(None, ref_feeds)], repeat, block=5)
-    got = prog.run(bf_feeds)
+    ours, ref = _medians_ms([lambda: prog.run(low_feeds), lambda: sess.run(None, ref_feeds)], repeat, block=5)
+    got = prog.run(low_feeds)
     err = max(float(np.max(np.abs(got[o.name].astype(np.float32) - r)))
               for o, r in zip(sess.get_outputs(), sess.run(None, ref_feeds)))
-    print(f"{name + '_bf16':<22} shardflow {ours:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours / ref:5.2f}   "
-          f"max |diff| {err:.1e}   (onnxruntime: float32, same weights)", flush=True)
+    print(f"{name + '_' + tag:<22} shardflow {ours:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours / ref:5.2f}   "
+          f"max |diff| {err:.1e}   weights {weights / 1e6:7.1f} MB   (onnxruntime: float32, same weights)", flush=True)
 
 
 def int8_copy(path: str) -> str:
@@ -277,6 +281,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-prepack", action="store_true", help="the same as --compare-off prepack")
     ap.add_argument("--bf16", action="store_true",
                     help="also time a bfloat16 copy of each transformer (next to onnxruntime in float32)")
+    ap.add_argument("--f16", action="store_true",
+                    help="also time a float16 copy of each transformer (next to onnxruntime in float32)")
     ap.add_argument("--precision-bf16", action="store_true",
                     help="also time each transformer compiled with precision bfloat16 (next to onnxruntime in float32)")
     ap.add_argument("--int8", action="store_true",
@@ -292,7 +298,9 @@ def main(argv=None) -> None:
     def bench_text(name, path, feeds, repeat):
         bench(name, path, feeds, args.threads, repeat, work, compare)
         if args.bf16:
-            bench_bfloat16(name, path, feeds, args.threads, repeat, work)
+            bench_half(name, path, feeds, args.threads, repeat, work)
+        if args.f16:
+            bench_half(name, path, feeds, args.threads, repeat, work, "float16")
         if args.precision_bf16:
             bench(f"{name}_pbf16", path, feeds, args.threads, repeat, work, compare, {"precision": "bfloat16"})
         if args.int8:
