@@ -44,6 +44,10 @@ STORAGE_CTYPE = {"bool": "uint8_t", "int8": "int8_t", "int16": "int16_t", "int32
 #: vectorize where C++ ``bool`` loads do not) and computed as ``bool``.
 COMPUTE_CTYPE = dict(STORAGE_CTYPE, float16="float", bfloat16="float", bool="bool",
                      **{t: "float" for t in float8.FLOAT8})  # (float8: a byte, codegen/float8.py)
+#: The generic kernels' argument types: float16 values as their bits, converted by the prelude's
+#: ``sf_h2f``/``sf_f2h`` (integer and float32 steps that GCC vectorizes; its own ``_Float16`` conversions
+#: go one value at a time and kept every loop over float16 values scalar). Templates keep ``_Float16``.
+_ARG_CTYPE = dict(STORAGE_CTYPE, float16="uint16_t")
 
 _SMALL_INTS = {"int8", "int16", "uint8", "uint16"}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -120,7 +124,9 @@ def convert(s: str, src: str | None, dst: str) -> str:
         return s
     if dst == "bool":
         return f"({s} != 0)" if src != "bool" else s
-    if dst == "float16":
+    if dst == "float16":  # (rounded once: from float32 or float64 straight to float16)
+        if COMPUTE_CTYPE[src] in ("float", "double"):
+            return f"sf_f16_round({s})" if COMPUTE_CTYPE[src] == "float" else f"sf_h2f(sf_f2h({s}))"
         return f"(float)(_Float16)({s})"
     if dst == "bfloat16":
         return f"sf_bf16_round({s})" if COMPUTE_CTYPE[src] == "float" else f"sf_bf16_round((float)({s}))"
@@ -237,7 +243,7 @@ class _Printer:
             if buf.role in ("temp", "local"):
                 return s
             if buf.dtype == "float16":
-                return f"(float){s}"
+                return f"sf_h2f({s})"
             if buf.dtype == "bfloat16":
                 return f"sf_bf16_to_float({s})"
             if buf.dtype in float8.FLOAT8:
@@ -364,7 +370,7 @@ class _Printer:
             if buf.dtype == "float16" and buf.role not in ("temp", "local"):
                 src = self.dt(s.value)
                 v = self.expr(s.value) if src is not None and _kind(src) == "f" else self.expr(s.value, "float32")
-                self.emit(f"{target} = (_Float16)({v});", depth)
+                self.emit(f"{target} = sf_f2h({v});", depth)
             elif buf.dtype == "bfloat16" and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = sf_float_to_bf16({self.expr(s.value, 'float32')});", depth)
             elif buf.dtype in float8.FLOAT8 and buf.role not in ("temp", "local"):
@@ -495,10 +501,10 @@ def _signature_comment(op) -> str:
 def _arg_decls(kernel: Kernel) -> list[str]:
     lines = []
     for b in kernel.inputs:
-        ct = STORAGE_CTYPE[b.dtype]
+        ct = _ARG_CTYPE[b.dtype]
         lines.append(f"const {ct}* __restrict__ {b.name} = static_cast<const {ct}*>(inputs[{b.index}]);")
     for b in kernel.outputs:
-        ct = STORAGE_CTYPE[b.dtype]
+        ct = _ARG_CTYPE[b.dtype]
         lines.append(f"{ct}* __restrict__ {b.name} = static_cast<{ct}*>(outputs[{b.index}]);")
     if kernel.temps:
         off = 0

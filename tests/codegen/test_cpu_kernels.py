@@ -1601,3 +1601,31 @@ def test_the_math_helpers_keep_a_quantized_chain_loop_vectorizable(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     line = src[:src.index("float t = (")].count("\n") + 1
     assert re.search(rf"k\.cpp:{line - 1}:\d+: optimized: loop vectorized", res.stderr), res.stderr[-3000:]
+
+
+def test_float16_conversions_are_exact_on_every_bit_pattern(tmp_path, kernel_cache):
+    """The generic kernels' float16 loads and stores (the prelude's ``sf_h2f``/``sf_f2h``: integer and float32
+    steps that vectorize, where GCC's ``_Float16`` casts went one value at a time) against numpy: all 65536
+    float16 bit patterns widened (NaNs stay NaN, of the same sign), and float32 values rounded to float16 to
+    nearest even: every bit pattern whose exponent lies in float16's range and one in 97 of the others
+    (subnormal results, ties at every exponent, overflow to infinity, NaN, signed zeros)."""
+    halfs = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    near = np.arange(0x33000000, 0x47800100, 7, dtype=np.uint32)  # (2^-25 .. just past 65520, both signs)
+    rest = np.arange(0, 1 << 32, 97 * 4099, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0x7f800000, 0xff800000, 0x7fc00000, 0xffc00001, 0x477ff000, 0x477fefff, 0x33000000,
+                        0x33000001, 0x387fc000, 0x387fe000, 0x80000000, 0x00000001], np.uint32)
+    floats = np.concatenate([near, near | np.uint32(0x80000000), rest, special]).view(np.float32)
+    up = CastOp([Tensor("h", halfs.shape, "float16")], name="up", to="float32")
+    down = CastOp([Tensor("f", floats.shape, "float32")], name="down", to="float16")
+    symbols = build_cpu_library([up, down], str(tmp_path / "k.so"), cache_dir=kernel_cache, opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    (wide,) = run_kernel(lib, symbols["up"], up, [halfs])
+    (narrow,) = run_kernel(lib, symbols["down"], down, [floats])
+    with np.errstate(all="ignore"):
+        want_wide, want_narrow = halfs.astype(np.float32), floats.astype(np.float16)
+    for got, want in ((wide, want_wide), (narrow, want_narrow)):
+        bits = np.dtype(f"u{got.dtype.itemsize}")
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan) and np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+        bad = np.flatnonzero(got[~nan].view(bits) != want[~nan].view(bits))
+        assert bad.size == 0, (got[~nan][bad[:5]], want[~nan][bad[:5]])

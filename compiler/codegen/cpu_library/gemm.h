@@ -638,11 +638,7 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
 
 // a weight's value as float32: float, or float16 bits (a panel of float16 weights, PackedMatMul)
 static inline float sf_widen(float v) { return v; }
-static inline float sf_widen(uint16_t h) {
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
-}
+static inline float sf_widen(uint16_t h) { return sf_h2f(h); }
 
 // y[1, N] = a[1, K] @ B for the prepacked panels [p0, p1) of B (float or float16), four sums per column
 // (k mod 4) so that their multiply-adds do not wait on each other
