@@ -33,6 +33,11 @@ that is ``move(q)`` exactly: ``(q - z) * s / s`` in float32 is within ``|q - z| 
 integer ``q - z`` (at most 65535 * 2^-23 < 0.5 for 8- and 16-bit types, for a normal scale), so it
 rounds back to it, and ``q`` is inside the clamp. Each such pair cost a multiplication, a
 division, a rounding and two clamps per element in the fused kernels.
+It also drops ``DequantizeLinear(QuantizeLinear(pads(DequantizeLinear(q, s, z)), s, z), s, z)`` where the
+pads (with moves between) pad with a value on the grid of ``s`` and ``z`` (zero; a value the quantizer
+quantized with them; ``edge``/``reflect`` copies): every value is already on the grid, which the pair keeps
+(HF's MobileNetV2 pads each depthwise conv's input explicitly: the zero pad then folds into the conv), except
+where a product or conv that :func:`fuse_qdq_matmuls` can make integer reads the DequantizeLinear.
 
 :func:`four_bit_matmuls` (all targets) keeps 4-bit QDQ weights packed: ``MatMul(x,
 DequantizeLinear(Wq, s, z))`` with ``Wq`` a 2-D int4/uint4 initializer ``[K, N]`` dequantized in
@@ -389,9 +394,111 @@ def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
             copies.append(c)
             src = out
         plans[k] = copies
-    if not plans:
+    padded = _padded_round_trips(g, inits, producer, set(plans))
+    if not plans and not padded:
         return proto
     out = _copy(proto)
-    _splice(out.graph, plans)
-    log.info("%d QuantizeLinear(DequantizeLinear) round trips with one scale dropped", len(plans))
+    _splice(out.graph, {**plans, **padded})
+    log.info("%d QuantizeLinear(DequantizeLinear) round trips with one scale dropped, %d around pads",
+             len(plans), len(padded))
     return out
+
+
+def _scalar_value(name: str, inits: dict, producer: dict, depth: int = 0):
+    """``(value, onnx type)`` of ``name`` when it is one constant value: a one-element initializer or
+    ``Constant``, or a Quantize/DequantizeLinear of such values (a quantized pad value, as the quantizer
+    writes it: ``DequantizeLinear(QuantizeLinear(0.0, s, z), s, z)``), computed as those ops do in float32;
+    else None."""
+    v = _scalar_init(name, inits)
+    if v is not None:
+        return v, inits[name].data_type
+    p = producer.get(name)
+    if p is None or p.domain not in ("", "ai.onnx") or depth > 4:
+        return None
+    if p.op_type == "Constant":
+        t = next((helper.get_attribute_value(a) for a in p.attribute if a.name == "value"), None)
+        if not isinstance(t, TensorProto) or int(np.prod(t.dims)) != 1:
+            return None
+        return numpy_helper.to_array(t).reshape(()), t.data_type
+    if p.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(p.input) < 3 or not p.input[2] \
+            or any(a.name != "axis" for a in p.attribute):
+        return None
+    x, sc, z = (_scalar_value(i, inits, producer, depth + 1) for i in p.input[:3])
+    if x is None or sc is None or z is None or sc[1] != TensorProto.FLOAT or z[1] not in _INT8 + _INT16:
+        return None
+    s32 = np.float32(sc[0])
+    if p.op_type == "DequantizeLinear":
+        return (np.float32(np.float32(int(x[0]) - int(z[0])) * s32) if x[1] in _INT8 + _INT16 else None), \
+            TensorProto.FLOAT
+    if x[1] != TensorProto.FLOAT:
+        return None
+    info = np.iinfo(helper.tensor_dtype_to_np_dtype(z[1]))
+    with np.errstate(all="ignore"):
+        return np.clip(np.rint(np.float32(x[0]) / s32) + int(z[0]), info.min, info.max), z[1]
+
+
+def _float_scalar(name: str, inits: dict, producer: dict) -> np.float32 | None:
+    """The float32 value of ``name`` (:func:`_scalar_value`), or None."""
+    v = _scalar_value(name, inits, producer)
+    return np.float32(v[0]) if v is not None and v[0] is not None and v[1] == TensorProto.FLOAT else None
+
+
+def _on_the_grid(v: np.float32 | None, q, inits: dict) -> bool:
+    """Whether the float32 ``v`` is a value QuantizeLinear ``q`` (a per-tensor scale and zero point) gives back
+    exactly through its DequantizeLinear: ``(n - z) * s == v``, bit for bit, for the ``n`` it quantizes to."""
+    if v is None or not np.isfinite(v):
+        return False
+    s, z = np.float32(_scalar_init(q.input[1], inits)), int(_scalar_init(q.input[2], inits))
+    info = np.iinfo(helper.tensor_dtype_to_np_dtype(inits[q.input[2]].data_type))
+    with np.errstate(all="ignore"):
+        n = int(np.clip(np.rint(np.float32(v) / s) + z, info.min, info.max))
+    return np.float32(np.float32(n - z) * s).view(np.uint32) == np.float32(v).view(np.uint32)
+
+
+def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict, taken: set) -> dict[int, list]:
+    """Plans dropping ``DequantizeLinear(QuantizeLinear(moves(DequantizeLinear(q, s, z)), s, z), s, z)`` where
+    ``moves`` (a chain of :data:`_MOVES` ops and ``Pad``s, at least one ``Pad``) pads with a value the
+    quantization holds exactly (zero: the zero point) or copies values (``edge``, ``reflect``): every value is
+    then on the grid of ``s`` and ``z``, which the round trip keeps, so its output is the moves' own. HF's
+    MobileNetV2 pads each depthwise conv's input explicitly, and the quantizer wraps the ``Pad``: with the pair
+    gone the zero pad folds into the conv, and the padded image is not written by a requantization kernel.
+    Not where a reader is a product or conv that :func:`fuse_qdq_matmuls` can make integer (it reads the
+    DequantizeLinear)."""
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    index = {id(n): k for k, n in enumerate(g.node)}
+    plans: dict[int, list] = {}
+    for k, dq2 in enumerate(g.node):
+        if k in taken or dq2.op_type != "DequantizeLinear" or dq2.domain not in ("", "ai.onnx"):
+            continue
+        q2 = producer.get(dq2.input[0])
+        if q2 is None or q2.op_type != "QuantizeLinear" or index[id(q2)] in taken \
+                or not _same_quantization(dq2, q2, inits):
+            continue
+        chain, p = [], producer.get(q2.input[0])
+        while p is not None and (p.op_type in _MOVES or p.op_type == "Pad") and p.domain in ("", "ai.onnx") \
+                and p.input and len(consumers.get(p.output[0], [])) == 1:
+            chain.append(p)
+            p = producer.get(p.input[0])
+        pads = [m for m in chain if m.op_type == "Pad"]
+        if not pads or p is None or p.op_type != "DequantizeLinear" or not _same_quantization(p, q2, inits):
+            continue
+        # (a conv or product that fuse_qdq_matmuls makes integer reads the DequantizeLinear: kept for it)
+        if any(r.op_type in ("MatMul", "Gemm") or (r.op_type == "Conv" and len(r.input) > 1 and
+                                                  _dq_conv_weight(producer.get(r.input[1]), inits) is not None)
+               for r in consumers.get(dq2.output[0], [])):
+            continue
+        ok = True
+        for pad in pads:
+            mode = next((helper.get_attribute_value(a) for a in pad.attribute if a.name == "mode"), b"constant")
+            if mode == b"constant":
+                value = pad.input[2] if len(pad.input) > 2 and pad.input[2] else None
+                ok &= _on_the_grid(np.float32(0) if value is None else _float_scalar(value, inits, producer), q2, inits)
+            else:
+                ok &= mode in (b"edge", b"reflect")
+        if ok:
+            plans[k] = [helper.make_node("Identity", [chain[0].output[0]], [dq2.output[0]],
+                                         name=f"{dq2.name or dq2.output[0]}.on_the_grid")]
+    return plans
