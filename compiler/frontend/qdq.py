@@ -361,19 +361,24 @@ def _same_quantization(dq, q, inits: dict) -> bool:
 
 def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
     """``proto`` (a copy) with each ``QuantizeLinear(move(DequantizeLinear(q, s, z)), s, z)`` as
-    ``move(q)`` (module docstring): ``move`` a chain of zero or more :data:`_MOVES` ops through
-    their first input, scale and zero point the same per-tensor initializer values. The moves are
-    copied onto ``q`` (the float ones stay for their other readers, or go as dead code); ``proto``
-    itself when there is none."""
+    ``move(q)`` (module docstring): ``move`` a chain of zero or more :data:`_MOVES` ops and ``Pad``s
+    through their first input, scale and zero point the same per-tensor initializer values. The moves are
+    copied onto ``q`` (a constant pad's value as ``QuantizeLinear`` quantizes it; the float ones stay for
+    their other readers, or go as dead code), after :func:`_padded_round_trips`' pairs around pads that
+    float convs read; ``proto`` itself when there is none."""
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
+    # (first the pairs around pads a float conv reads: dropping them lets the pads fold into the conv)
+    padded, padded_q = _padded_round_trips(g, inits, producer)
     plans: dict[int, list] = {}
+    new_inits: list = []
     for k, node in enumerate(g.node):
-        if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx") or id(node) in padded_q:
             continue
         chain, p = [], producer.get(node.input[0])
-        while p is not None and p.op_type in _MOVES and p.domain in ("", "ai.onnx") and p.input:
+        while p is not None and (p.op_type in _MOVES or p.op_type == "Pad") and p.domain in ("", "ai.onnx") \
+                and p.input:
             chain.append(p)
             p = producer.get(p.input[0])
         if p is None or p.op_type != "DequantizeLinear" or not _same_quantization(p, node, inits):
@@ -382,7 +387,7 @@ def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
         if not chain:
             plans[k] = [helper.make_node("Identity", [src], [y], name=f"{node.name or y}.requantized")]
             continue
-        copies = []
+        copies, inits_k = [], []
         for i, m in enumerate(reversed(chain)):
             out = y if i == len(chain) - 1 else f"{y}.requantized.{i}"
             c = onnx.NodeProto()
@@ -391,17 +396,59 @@ def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
             del c.output[:]
             c.output.append(out)
             c.name = f"{m.name or m.output[0]}.on_{y}"
+            if m.op_type == "Pad" and len(m.input) < 2:
+                break  # (Pad-2 takes float types only)
+            if m.op_type == "Pad" and _pad_mode(m) == b"constant":
+                # the integers pad with the value's quantization, which QuantizeLinear gives the float pads
+                value = _quantized_pad_value(m, node, inits, producer)
+                if value is None:
+                    break
+                inits_k.append(numpy_helper.from_array(value, f"{c.name}.value"))
+                while len(c.input) < 3:
+                    c.input.append("")
+                c.input[2] = inits_k[-1].name
+            elif m.op_type == "Pad" and _pad_mode(m) not in (b"edge", b"reflect"):
+                break
             copies.append(c)
             src = out
-        plans[k] = copies
-    padded = _padded_round_trips(g, inits, producer, set(plans))
+        else:
+            plans[k] = copies
+            new_inits += inits_k
     if not plans and not padded:
         return proto
     out = _copy(proto)
+    out.graph.initializer.extend(new_inits)
     _splice(out.graph, {**plans, **padded})
     log.info("%d QuantizeLinear(DequantizeLinear) round trips with one scale dropped, %d around pads",
              len(plans), len(padded))
     return out
+
+
+def _pad_mode(pad) -> bytes:
+    return next((helper.get_attribute_value(a) for a in pad.attribute if a.name == "mode"), b"constant")
+
+
+def _pad_value(pad, inits: dict, producer: dict) -> np.float32 | None:
+    """The float32 value a constant-mode ``pad`` pads with (its third input, or before opset 11 its ``value``
+    attribute; 0 without one), or None when it is not a constant."""
+    if len(pad.input) < 2:  # (Pad-2: pads and value as attributes)
+        return np.float32(next((helper.get_attribute_value(a) for a in pad.attribute if a.name == "value"), 0.0))
+    value = pad.input[2] if len(pad.input) > 2 and pad.input[2] else None
+    return np.float32(0) if value is None else _float_scalar(value, inits, producer)
+
+
+def _quantized_pad_value(pad, q, inits: dict, producer: dict) -> np.ndarray | None:
+    """The value the constant-mode ``pad``'s pads take through QuantizeLinear ``q`` (per-tensor scale and zero
+    point): ``saturate(round(v / s) + z)`` in the zero point's type, as ``q`` computes it; None when the float
+    value is not a finite constant."""
+    v = _pad_value(pad, inits, producer)
+    if v is None or not np.isfinite(v):
+        return None
+    s, z = np.float32(_scalar_init(q.input[1], inits)), int(_scalar_init(q.input[2], inits))
+    dtype = helper.tensor_dtype_to_np_dtype(inits[q.input[2]].data_type)
+    info = np.iinfo(dtype)
+    with np.errstate(all="ignore"):
+        return np.array(np.clip(np.rint(np.float32(v) / s) + z, info.min, info.max), dtype)
 
 
 def _scalar_value(name: str, inits: dict, producer: dict, depth: int = 0):
@@ -455,7 +502,7 @@ def _on_the_grid(v: np.float32 | None, q, inits: dict) -> bool:
     return np.float32(np.float32(n - z) * s).view(np.uint32) == np.float32(v).view(np.uint32)
 
 
-def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict, taken: set) -> dict[int, list]:
+def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict) -> tuple[dict[int, list], set]:
     """Plans dropping ``DequantizeLinear(QuantizeLinear(moves(DequantizeLinear(q, s, z)), s, z), s, z)`` where
     ``moves`` (a chain of :data:`_MOVES` ops and ``Pad``s, at least one ``Pad``) pads with a value the
     quantization holds exactly (zero: the zero point) or copies values (``edge``, ``reflect``): every value is
@@ -463,19 +510,19 @@ def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict, taken: 
     MobileNetV2 pads each depthwise conv's input explicitly, and the quantizer wraps the ``Pad``: with the pair
     gone the zero pad folds into the conv, and the padded image is not written by a requantization kernel.
     Not where a reader is a product or conv that :func:`fuse_qdq_matmuls` can make integer (it reads the
-    DequantizeLinear)."""
+    DequantizeLinear). Returns the plans and the QuantizeLinear nodes (by id) whose every reader they drop."""
     consumers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
-    index = {id(n): k for k, n in enumerate(g.node)}
     plans: dict[int, list] = {}
+    dropped: dict[int, int] = {}  # QuantizeLinear (by id) -> its readers dropped
+    quantizes: dict[int, object] = {}
     for k, dq2 in enumerate(g.node):
-        if k in taken or dq2.op_type != "DequantizeLinear" or dq2.domain not in ("", "ai.onnx"):
+        if dq2.op_type != "DequantizeLinear" or dq2.domain not in ("", "ai.onnx"):
             continue
         q2 = producer.get(dq2.input[0])
-        if q2 is None or q2.op_type != "QuantizeLinear" or index[id(q2)] in taken \
-                or not _same_quantization(dq2, q2, inits):
+        if q2 is None or q2.op_type != "QuantizeLinear" or not _same_quantization(dq2, q2, inits):
             continue
         chain, p = [], producer.get(q2.input[0])
         while p is not None and (p.op_type in _MOVES or p.op_type == "Pad") and p.domain in ("", "ai.onnx") \
@@ -492,13 +539,14 @@ def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict, taken: 
             continue
         ok = True
         for pad in pads:
-            mode = next((helper.get_attribute_value(a) for a in pad.attribute if a.name == "mode"), b"constant")
+            mode = _pad_mode(pad)
             if mode == b"constant":
-                value = pad.input[2] if len(pad.input) > 2 and pad.input[2] else None
-                ok &= _on_the_grid(np.float32(0) if value is None else _float_scalar(value, inits, producer), q2, inits)
+                ok &= _on_the_grid(_pad_value(pad, inits, producer), q2, inits)
             else:
                 ok &= mode in (b"edge", b"reflect")
         if ok:
             plans[k] = [helper.make_node("Identity", [chain[0].output[0]], [dq2.output[0]],
                                          name=f"{dq2.name or dq2.output[0]}.on_the_grid")]
-    return plans
+            dropped[id(q2)] = dropped.get(id(q2), 0) + 1
+            quantizes[id(q2)] = q2
+    return plans, {q for q, n in dropped.items() if n == len(consumers.get(quantizes[q].output[0], []))}

@@ -505,3 +505,45 @@ def test_requantizations_around_pads_on_the_grid_are_dropped(tmp_path, pad_value
     compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
     for got in (load_onnx(m).run({"x": x})["y"], load(tmp_path / "o", rank=0).run({"x": x})["y"]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("pad_value", [0.0, 0.05, -9.0])
+def test_a_pad_before_an_integer_conv_moves_onto_the_integers(tmp_path, pad_value):
+    """QuantizeLinear(Pad(DequantizeLinear(q))) of one scale before a conv that becomes integer (a quantized weight
+    of 72 products per output) is Pad(q) with the pad value quantized as QuantizeLinear does (0.05 rounds to a
+    step, -9.0 saturates to 0): the conv reads the padded integers (ConvInteger on the cpu target). Values equal
+    onnxruntime's unoptimized session, evaluated and compiled."""
+    ort = pytest.importorskip("onnxruntime")
+    from shardflow.compiler import compile
+    from shardflow.compiler.frontend.qdq import drop_requantizations
+    from shardflow.runtime import load
+
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array(np.array(v, dt), n) for n, v, dt in [
+        ("s", 0.037, np.float32), ("z", 121, np.uint8), ("pads", [0, 0, 1, 1, 0, 0, 1, 1], np.int64),
+        ("v", pad_value, np.float32), ("ws", 0.02, np.float32), ("wz", 0, np.int8)]]
+    inits.append(numpy_helper.from_array(rng.integers(-100, 100, (5, 8, 3, 3)).astype(np.int8), "wq"))
+    n = helper.make_node
+    nodes = [n("QuantizeLinear", ["x", "s", "z"], ["xq"]), n("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             n("Pad", ["xd", "pads", "v"], ["p"]),
+             n("QuantizeLinear", ["p", "s", "z"], ["pq"]), n("DequantizeLinear", ["pq", "s", "z"], ["pd"]),
+             n("DequantizeLinear", ["wq", "ws", "wz"], ["w"]), n("Conv", ["pd", "w"], ["y"], kernel_shape=[3, 3])]
+    f = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [f("x", TensorProto.FLOAT, [1, 8, 6, 7])],
+                          [f("y", TensorProto.FLOAT, [1, 5, 6, 7])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    onnx.checker.check_model(m)
+    out = drop_requantizations(m)
+    pad = {nd.output[0]: nd for nd in out.graph.node}["pq"]
+    value = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}[pad.input[2]]
+    assert pad.op_type == "Pad" and pad.input[0] == "xq" and value.dtype == np.uint8, pad
+    assert int(value) == int(np.clip(np.rint(np.float32(pad_value) / np.float32(0.037)) + 121, 0, 255))
+    x = (rng.standard_normal((1, 8, 6, 7)) * 3).astype(np.float32)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert "PackedConvInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+    for got in (load_onnx(m).run({"x": x})["y"], load(tmp_path / "o", rank=0).run({"x": x})["y"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
