@@ -352,8 +352,8 @@ class TablesFromTiedWeights(GraphPass):
 class TablesInTiedWeights(GraphPass):
     """The cpu target's :class:`TablesFromTiedWeights`: each ``Gather`` along axis 0 of a table ``[V, D]``
     whose rows are the columns of a constant the graph reads (an output layer tied to the token table,
-    exported as the table's transposed copy: stored ``[D, V]`` as it is, or in a product's float32 or
-    bfloat16 panels, ``passes/prepack.py``) becomes a :class:`~shardflow.compiler.ops.linalg.GatherColumns`
+    exported as the table's transposed copy: stored ``[D, V]`` as it is, or in a product's float32, float16
+    or bfloat16 panels, ``passes/prepack.py``) becomes a :class:`~shardflow.compiler.ops.linalg.GatherColumns`
     reading the rows there, so that the table is not stored beside that weight (GPT-2 small: 154 MB of its
     649). The same values. In the panels a row's values are 16 (float32) or 32 (bfloat16) apart, a cache line
     each (GPT-2 small's 128 tokens: 0.045 -> 0.195 ms, in a 100 ms run); in a plain ``[D, V]`` weight a row
