@@ -10,8 +10,8 @@ The ``int8_`` shapes are ``MatMulInteger`` nodes instead (uint8 ``x`` with a zer
 int8 ``W``, int32 ``y``: a PackedMatMulInteger, ``cpu_library/gemm_int8.h``; "GFLOP/s" counts their
 multiply-adds as two operations too). The ``f16_`` shapes are a float16 model's product (``x`` cast to
 float16, ``MatMul`` + ``Add`` of float16 ``W`` and ``b``, the output cast back to float32): ours reads ``W`` as
-float16 panels (``SfHalfPrepacked``, the float16 GEMV at one row); onnxruntime, which has no float16 MatMul
-on x86 CPUs, runs the float32 graph with the same rounded ``W`` and ``b`` (the float32 GEMM's time).
+float16 panels (``SfHalfPrepacked``, the float16 GEMV at one row); onnxruntime runs the float32 graph with the
+same rounded ``W`` and ``b`` (the float32 GEMM's time; its float16 MatMul was not timed here).
 
     python benchmarks/cpu_gemm.py [--threads 2] [--repeat 30] [--only fc_768_3072]
     python benchmarks/cpu_gemm.py --build-only --tag old --work /tmp/gemms   # at one commit

@@ -424,6 +424,15 @@ def drop_requantizations(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def _quantize(v, s, z: int, ztype: int) -> np.ndarray:
+    """``saturate(round(v / s) + z)`` of a float32 scalar as QuantizeLinear computes it (float32 division,
+    ties to even), in the zero point's ONNX type ``ztype``."""
+    dtype = helper.tensor_dtype_to_np_dtype(ztype)
+    info = np.iinfo(dtype)
+    with np.errstate(all="ignore"):
+        return np.array(np.clip(np.rint(np.float32(v) / np.float32(s)) + int(z), info.min, info.max), dtype)
+
+
 def _pad_mode(pad) -> bytes:
     return next((helper.get_attribute_value(a) for a in pad.attribute if a.name == "mode"), b"constant")
 
@@ -444,11 +453,7 @@ def _quantized_pad_value(pad, q, inits: dict, producer: dict) -> np.ndarray | No
     v = _pad_value(pad, inits, producer)
     if v is None or not np.isfinite(v):
         return None
-    s, z = np.float32(_scalar_init(q.input[1], inits)), int(_scalar_init(q.input[2], inits))
-    dtype = helper.tensor_dtype_to_np_dtype(inits[q.input[2]].data_type)
-    info = np.iinfo(dtype)
-    with np.errstate(all="ignore"):
-        return np.array(np.clip(np.rint(np.float32(v) / s) + z, info.min, info.max), dtype)
+    return _quantize(v, _scalar_init(q.input[1], inits), _scalar_init(q.input[2], inits), inits[q.input[2]].data_type)
 
 
 def _scalar_value(name: str, inits: dict, producer: dict, depth: int = 0):
@@ -477,11 +482,7 @@ def _scalar_value(name: str, inits: dict, producer: dict, depth: int = 0):
     if p.op_type == "DequantizeLinear":
         return (np.float32(np.float32(int(x[0]) - int(z[0])) * s32) if x[1] in _INT8 + _INT16 else None), \
             TensorProto.FLOAT
-    if x[1] != TensorProto.FLOAT:
-        return None
-    info = np.iinfo(helper.tensor_dtype_to_np_dtype(z[1]))
-    with np.errstate(all="ignore"):
-        return np.clip(np.rint(np.float32(x[0]) / s32) + int(z[0]), info.min, info.max), z[1]
+    return (_quantize(x[0], s32, z[0], z[1]), z[1]) if x[1] == TensorProto.FLOAT else None
 
 
 def _float_scalar(name: str, inits: dict, producer: dict) -> np.float32 | None:
@@ -496,9 +497,7 @@ def _on_the_grid(v: np.float32 | None, q, inits: dict) -> bool:
     if v is None or not np.isfinite(v):
         return False
     s, z = np.float32(_scalar_init(q.input[1], inits)), int(_scalar_init(q.input[2], inits))
-    info = np.iinfo(helper.tensor_dtype_to_np_dtype(inits[q.input[2]].data_type))
-    with np.errstate(all="ignore"):
-        n = int(np.clip(np.rint(np.float32(v) / s) + z, info.min, info.max))
+    n = int(_quantize(v, s, z, inits[q.input[2]].data_type))
     return np.float32(np.float32(n - z) * s).view(np.uint32) == np.float32(v).view(np.uint32)
 
 
@@ -516,8 +515,7 @@ def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict) -> tupl
         for i in n.input:
             consumers.setdefault(i, []).append(n)
     plans: dict[int, list] = {}
-    dropped: dict[int, int] = {}  # QuantizeLinear (by id) -> its readers dropped
-    quantizes: dict[int, object] = {}
+    dropped: dict[int, list] = {}  # QuantizeLinear (by id) -> [the node, its readers dropped]
     for k, dq2 in enumerate(g.node):
         if dq2.op_type != "DequantizeLinear" or dq2.domain not in ("", "ai.onnx"):
             continue
@@ -547,6 +545,5 @@ def _padded_round_trips(g: onnx.GraphProto, inits: dict, producer: dict) -> tupl
         if ok:
             plans[k] = [helper.make_node("Identity", [chain[0].output[0]], [dq2.output[0]],
                                          name=f"{dq2.name or dq2.output[0]}.on_the_grid")]
-            dropped[id(q2)] = dropped.get(id(q2), 0) + 1
-            quantizes[id(q2)] = q2
-    return plans, {q for q, n in dropped.items() if n == len(consumers.get(quantizes[q].output[0], []))}
+            dropped.setdefault(id(q2), [q2, 0])[1] += 1
+    return plans, {k for k, (q2, n) in dropped.items() if n == len(consumers.get(q2.output[0], []))}

@@ -139,6 +139,15 @@ def pack_panels(b: np.ndarray) -> np.ndarray:
     return out
 
 
+def unpack_panels(bp: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The matrix ``B[K, N]`` transposed, ``[N, K]``, from its panels: float32 (or float16) ``[ceil(N / 16), K,
+    16]`` (:func:`pack_panels`) or bfloat16 ``[ceil(N / 16), Kp / 2, 16, 2]`` (:func:`pack_bf16_panels`). Row
+    ``j`` is column ``j`` of ``B``: the row a table tied to that product holds (:class:`GatherColumns`)."""
+    if bp.ndim == 3:
+        return bp.transpose(0, 2, 1).reshape(-1, bp.shape[1])[:n, :k]
+    return bp.transpose(0, 2, 1, 3).reshape(bp.shape[0] * bp.shape[2], -1)[:n, :k]
+
+
 class PackedMatMul(Operator):
     """``y = alpha * a @ B + beta * c`` with the constant ``B[K, N]`` stored in panels
     (:func:`pack_panels`): the form the cpu target gives a MatMul or Gemm whose weight is a
@@ -185,8 +194,7 @@ class PackedMatMul(Operator):
         return dict(self.attrs, n=int(output_shapes[0][-1]))
 
     def numpy(self, a, bp, *c):
-        n = int(self.attrs["n"])
-        b = bp.transpose(1, 0, 2).reshape(bp.shape[1], -1)[:, :n].astype(a.dtype)
+        b = unpack_panels(bp, int(self.attrs["n"]), bp.shape[1]).T.astype(a.dtype)
         return [_gemm_numpy(a, b, c, self.attrs)]
 
 
@@ -260,18 +268,8 @@ class PackedMatMulBf16(Operator):
         return compute("y", shape, f, dtype="float32")
 
     def numpy(self, a, bp, *c):
-        n, k = int(self.attrs["n"]), a.shape[-1]
-        b = bp.transpose(1, 3, 0, 2).reshape(bp.shape[1] * 2, -1)[:k, :n].astype(np.float32)
+        b = unpack_panels(bp, int(self.attrs["n"]), a.shape[-1]).T.astype(np.float32)
         return [_gemm_numpy(a.astype(np.float32), b, c, self.attrs)]
-
-
-def unpack_panels(bp: np.ndarray, n: int, k: int) -> np.ndarray:
-    """The matrix ``B[K, N]`` transposed, ``[N, K]``, from its panels: float32 ``[ceil(N / 16), K, 16]``
-    (:func:`pack_panels`) or bfloat16 ``[ceil(N / 16), Kp / 2, 16, 2]`` (:func:`pack_bf16_panels`). Row
-    ``j`` is column ``j`` of ``B``: the row a table tied to that product holds (:class:`GatherColumns`)."""
-    if bp.ndim == 3:
-        return bp.transpose(0, 2, 1).reshape(-1, bp.shape[1])[:n, :k]
-    return bp.transpose(0, 2, 1, 3).reshape(bp.shape[0] * bp.shape[2], -1)[:n, :k]
 
 
 class GatherColumns(Operator):

@@ -163,7 +163,7 @@ def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
             or math.prod(w.shape[1:]) < BF16_CONV_MIN_K:
         return None
     a = _widened(x, producer)
-    wb = _bfloat16_constant(w, producer) if a is not None else None
+    wb = _half_constant(w, producer) if a is not None else None
     return None if wb is None else (a, np.asarray(wb.value))
 
 
@@ -199,38 +199,47 @@ def _widened(t: Tensor, producer: dict[int, Operator], dtypes: tuple[str, ...] =
     return p.inputs[0]
 
 
-def _bfloat16_constant(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
-    """The constant of bfloat16 values behind the float32 ``t``: the bfloat16 constant ``t`` widens (as
-    ``optimization_config["precision"] = "bfloat16"`` writes a weight), or ``t`` itself when its values are
-    all bfloat16's (a bfloat16 model's weight, widened by ``WidenHalfProducts``); else ``None``."""
-    w = _widened(t, producer)
+def _holds_float16(value: np.ndarray) -> bool:
+    """Whether every value of the float32 array ``value`` is a float16 value (the round trip keeps its bits)."""
+    v = np.ascontiguousarray(value, np.float32)
+    with np.errstate(over="ignore"):
+        return np.array_equal(v.astype(np.float16).astype(np.float32).view(np.uint32), v.view(np.uint32))
+
+
+def _half_constant(t: Tensor, producer: dict[int, Operator], half: str = "bfloat16") -> Tensor | None:
+    """The constant of ``half`` values behind the float32 ``t``: the ``half`` constant ``t`` widens (as
+    ``optimization_config["precision"]`` writes a weight), or ``t`` itself when its values are all ``half``'s
+    (a half model's weight, widened by ``WidenHalfProducts``); else ``None``."""
+    w = _widened(t, producer, (half,))
     if w is not None:
         return w if w.is_constant else None
-    return t if t.is_constant and _holds_bfloat16(np.asarray(t.value)) else None
+    holds = _holds_bfloat16 if half == "bfloat16" else _holds_float16
+    return t if t.is_constant and holds(np.asarray(t.value)) else None
 
 
-def _float16_weight(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
-    """``(b, w)`` of a float32 MatMul/Gemm (``trans_a`` unset) whose ``A`` is float16 values widened by a Cast
-    and whose 2-D ``B`` (``b``) holds float16 values: a Cast of a float16 constant ``w``
-    (``optimization_config["precision"] = "float16"``), or a float32 constant (``w`` = ``b``) whose values are
-    all float16's (a float16 model's weight, widened by ``WidenHalfProducts``). ``None`` for any other op."""
+def _float32_product(op: Operator) -> tuple[Tensor, Tensor] | None:
+    """``(x, b)`` of a float32 MatMul/Gemm (``trans_a`` unset) with a 2-D ``B`` and no empty dim, or ``None``:
+    what the half-operand forms below ask first."""
     if op.op_type not in ("MatMul", "Gemm") or len(op.outputs) != 1 or len(op.inputs) < 2:
         return None
     x, b = op.inputs[0], op.inputs[1]
     if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or b.ndim != 2 or 0 in b.shape \
-            or x.ndim < 1 or (op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or x.ndim != 2)):
+            or x.ndim < 1 or 0 in x.shape:
         return None
-    if _widened(x, producer, ("float16",)) is None:
+    if op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or x.ndim != 2):
         return None
-    w = _widened(b, producer, ("float16",))
-    if w is not None:
-        return (b, w) if w.is_constant else None
-    if b.is_constant:
-        v = np.ascontiguousarray(b.value, np.float32)
-        with np.errstate(over="ignore"):
-            if np.array_equal(v.astype(np.float16).astype(np.float32).view(np.uint32), v.view(np.uint32)):
-                return b, b
-    return None
+    return x, b
+
+
+def _float16_weight(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
+    """``(b, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` is float16 values widened by a
+    Cast and whose ``B`` (``b``) holds float16 values (``w``: :func:`_half_constant`; ``b`` itself for a float16
+    model's weight). ``None`` for any other op."""
+    xb = _float32_product(op)
+    if xb is None or _widened(xb[0], producer, ("float16",)) is None:
+        return None
+    w = _half_constant(xb[1], producer, "float16")
+    return (xb[1], w) if w is not None else None
 
 
 def _packed_form(op: Operator, a: Tensor, panels: Tensor, n: int) -> tuple[list[Tensor], dict]:
@@ -246,21 +255,13 @@ def _packed_form(op: Operator, a: Tensor, panels: Tensor, n: int) -> tuple[list[
 
 
 def _bf16_operands(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
-    """``(a, w)`` of a float32 MatMul/Gemm (``trans_a`` unset) whose ``A`` is bfloat16 values widened by a
-    Cast (``a``: the bfloat16 tensor) and whose 2-D ``B`` is a constant holding bfloat16 values: a Cast of a
-    bfloat16 constant (``optimization_config["precision"] = "bfloat16"``) or a float32 constant whose values
-    are all bfloat16's (a bfloat16 model's weight, widened by ``WidenHalfProducts``); ``w`` is that
-    constant. ``None`` for any other op."""
-    if op.op_type not in ("MatMul", "Gemm") or len(op.outputs) != 1 or len(op.inputs) < 2:
-        return None
-    x, b = op.inputs[0], op.inputs[1]
-    if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or b.ndim != 2 or 0 in b.shape \
-            or x.ndim < 1 or 0 in x.shape:
-        return None
-    if op.op_type == "Gemm" and (op.attrs.get("trans_a", False) or x.ndim != 2):
-        return None
-    a = _widened(x, producer)
-    w = _bfloat16_constant(b, producer) if a is not None else None
+    """``(a, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` is bfloat16 values widened by
+    a Cast (``a``: the bfloat16 tensor) and whose ``B`` is a constant holding bfloat16 values (``w``:
+    :func:`_half_constant`: a Cast of a bfloat16 constant, ``optimization_config["precision"] = "bfloat16"``,
+    or a bfloat16 model's weight widened by ``WidenHalfProducts``). ``None`` for any other op."""
+    xb = _float32_product(op)
+    a = _widened(xb[0], producer) if xb is not None else None
+    w = _half_constant(xb[1], producer) if a is not None else None
     return (a, w) if w is not None and w.ndim == 2 else None
 
 
