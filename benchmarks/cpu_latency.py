@@ -18,9 +18,10 @@ the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepac
 graph types in bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to
 onnxruntime on the float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the
 CPU); its max |diff| is the bfloat16 roundings'. ``--f16`` likewise in float16 (``<model>_f16``: its
-products' weights as float16 panels). ``--precision-bf16`` also times each transformer compiled
-with ``optimization_config["precision"] = "bfloat16"`` (its products' operands rounded to bfloat16, sums in
-float32: the AMX or AVX-512 BF16 GEMM where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the
+products' weights as float16 panels), and of the CNNs (the committed ResNet; with ``--sized`` the ResNet-50,
+MobileNetV2 and ConvNeXt-tiny: computed in float32, each op's output rounded to float16).
+``--precision-bf16`` also times each transformer compiled with ``optimization_config["precision"] =
+"bfloat16"`` (its products' operands rounded to bfloat16, sums in float32: the AMX or AVX-512 BF16 GEMM where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the
 float32 model (with ``--sized``, the ResNet-50 too: ``resnet50_224_pbf16``, its convs on the bfloat16 GEMM).
 ``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
@@ -325,6 +326,8 @@ def main(argv=None) -> None:
                 bench_text(m, copy, feeds, args.repeat)
                 continue
             bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, compare)
+            if args.f16 and m.startswith("resnet"):
+                bench_half(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, "float16")
         if args.light:
             import onnx
 
@@ -362,6 +365,8 @@ def main(argv=None) -> None:
                     if args.precision_bf16:  # (its convs on the bfloat16 GEMM)
                         bench("resnet50_224_pbf16", path, feeds, args.threads, max(5, args.repeat // 5), work,
                               compare, {"precision": "bfloat16"})
+                    if args.f16:  # (a float16 CNN: computed in float32, rounded per op)
+                        bench_half("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, "float16")
                 if args.int8:  # (its convs on the integer conv)
                     bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                           work, compare)
@@ -372,6 +377,9 @@ def main(argv=None) -> None:
                     if args.only in f"{kind}_224":
                         bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
                               compare)
+                        if args.f16:
+                            bench_half(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
+                                       "float16")
                     if args.int8:
                         bench(f"{kind}_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                               work, compare)

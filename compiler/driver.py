@@ -1272,9 +1272,12 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.projections import MergeProjections
 
         rg = MergeProjections(parts_only=True).run(rg)
-        # a float16/bfloat16 model's products by the float32 templates, rounded once
-        from .passes.precision import WidenHalfProducts
+        # a float16 model (and precision float16's roundings) computed in float32, each op's output
+        # rounded to float16: the float32 templates and epilogues throughout (passes/precision.py)
+        from .passes.precision import HalfModelInFloat32, WidenHalfProducts
 
+        rg = HalfModelInFloat32("float16").run(rg)
+        # a bfloat16 model's products by the float32 templates, rounded once
         rg = WidenHalfProducts().run(rg)
     if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
         # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks

@@ -499,8 +499,8 @@ def _conv(op, fused=None) -> str | None:
         lines = _args(op)
     else:
         simple = _kernel_finish(fused, index)
-        if simple is not None and depthwise and simple[0] != "nullptr":
-            simple = None  # the depthwise kernels apply a clamp only; a residual add goes to the epilogue
+        if simple is not None and depthwise and (simple[0] != "nullptr" or simple[1].endswith("true}")):
+            simple = None  # the depthwise kernels apply a clamp only; a residual add (a rounding) to the epilogue
         if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
             res, clamp = simple
             finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
@@ -665,22 +665,30 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
     they store their output (``SfFin`` in :func:`sf_conv2d`, ``PackedConv``'s transposition,
     Winograd's output transform, the depthwise kernels' stores): an Add of a tensor shaped as the
     output (``residual``: its argument, else ``"nullptr"``), then a Relu or a Clip (``clamp``: an
-    ``SfClamp`` literal, ``"SfClamp{}"`` without), either optional; else ``None`` (the generic
-    epilogue)."""
+    ``SfClamp`` literal, ``"SfClamp{}"`` without), either optional, and a float16 model's roundings
+    (``RoundHalf``: after the conv and after the Add, or anywhere without one; ``SfClamp``'s ``half``,
+    not for the depthwise kernels); else ``None`` (the generic epilogue)."""
     members = list(fused.members)
     prev = members[0].outputs[0]
     shape = tuple(prev.shape)
     res, clamp = "nullptr", None
+    rounded: list[str] = []  # what each RoundHalf to float16 followed: "conv", "add" or "clamp"
     for m in members[1:]:
         out = m.outputs[0]
-        if clamp or len(m.outputs) != 1 or tuple(out.shape) != shape or out.dtype != "float32":
-            return None  # nothing after the clamp
-        if m.op_type == "Activation" and m.attrs.get("kind") == "relu" and m.inputs[0] is prev:
+        if len(m.outputs) != 1 or tuple(out.shape) != shape or out.dtype != "float32" \
+                or not any(t is prev for t in (m.inputs if m.op_type == "Binary" else m.inputs[:1])):
+            return None
+        if m.op_type == "RoundHalf" and m.attrs.get("to") == "float16":
+            rounded.append("clamp" if clamp else "add" if res != "nullptr" else "conv")
+        elif clamp:
+            return None  # nothing but a rounding after the clamp
+        elif m.op_type == "Activation" and m.attrs.get("kind") == "relu":
             clamp = (0.0, math.inf)
-        elif m.op_type == "Clip" and m.inputs[0] is prev:
+        elif m.op_type == "Clip":
             lo, hi = m.attrs.get("lo"), m.attrs.get("hi")
             clamp = (-math.inf if lo is None else lo, math.inf if hi is None else hi)
-        elif m.op_type == "Binary" and m.attrs.get("fn") == "add" and res == "nullptr" and len(m.inputs) == 2:
+        elif m.op_type == "Binary" and m.attrs.get("fn") == "add" and res == "nullptr" and len(m.inputs) == 2 \
+                and not (rounded and rounded[-1] == "clamp"):
             other = [t for t in m.inputs if t is not prev]
             if len(other) != 1 or tuple(other[0].shape) != shape or other[0].dtype != "float32" \
                     or id(other[0]) not in index:
@@ -689,10 +697,17 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
         else:
             return None
         prev = out
+    # float16 roundings: the kernels round after the bias and after the residual, then clamp (the bounds float16
+    # values, so that a rounding after the clamp is the same); without a residual one rounding anywhere
+    half = bool(rounded)
+    if half and res != "nullptr" and (rounded[0] != "conv" or not set(rounded[1:]) & {"add", "clamp"}):
+        return None
+    if half and clamp and any(np.isfinite(v) and float(np.float16(v)) != v for v in clamp):
+        return None
     if clamp is None:
-        return res, "SfClamp{}"
+        return res, "SfClamp{false, 0.0f, 0.0f, true}" if half else "SfClamp{}"
     lo, hi = (_flt(v) for v in clamp)
-    return res, f"SfClamp{{true, {lo}, {hi}}}"
+    return res, f"SfClamp{{true, {lo}, {hi}{', true' if half else ''}}}"
 
 
 def _flat_plane(value, axes, shape):

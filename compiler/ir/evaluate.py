@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfThenElse, Reduce,
-                   TensorElement, UnaryOp, Var, walk)
+                   TensorElement, UnaryOp, Var, numpy_type, walk)
 from .task import GridCompute, Task
 
 __all__ = ["evaluate_task", "evaluate_compute"]
@@ -95,7 +95,9 @@ class _Evaluator:
         if isinstance(e, Cast):
             v = np.asarray(self.eval(e.a))
             with np.errstate(all="ignore"):
-                return v.astype(e.dtype) if e.dtype != "bfloat16" else v.astype(np.float32)
+                # (bfloat16 values computed in float32, rounded here, as the kernels round them)
+                return v.astype(e.dtype) if e.dtype != "bfloat16" else \
+                    v.astype(numpy_type("bfloat16")).astype(np.float32)
         if isinstance(e, IfThenElse):
             return np.where(self.eval(e.cond), self.eval(e.then), self.eval(e.other))
         if isinstance(e, TensorElement):

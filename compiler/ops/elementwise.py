@@ -15,8 +15,8 @@ from ..ir.expr import (BINARY_FUNCS, UNARY_FUNCS, BinOp, Cast, Const, Expr, IfTh
 from ..ir.graph import Operator
 from ..ir.task import TensorInput, compute, extern
 
-__all__ = ["broadcast_shape", "broadcast_read", "Unary", "Binary", "CastOp", "Where", "Activation", "Clip",
-           "Identity", "ACTIVATIONS"]
+__all__ = ["broadcast_shape", "broadcast_read", "Unary", "Binary", "CastOp", "RoundHalf", "Where", "Activation",
+           "Clip", "Identity", "ACTIVATIONS"]
 
 
 def broadcast_shape(shapes: Sequence[Sequence[int]], where: str = "") -> tuple[int, ...]:
@@ -106,6 +106,25 @@ class CastOp(Operator):
 
     def passthrough_input(self):
         return 0 if self.inputs[0].dtype == self.attrs["to"] else None
+
+
+class RoundHalf(Operator):
+    """``y = float32(half(x))``: float32 ``x`` rounded to the half type ``to`` (``"float16"`` or
+    ``"bfloat16"``, round to nearest even), kept in float32. A half model computed in float32 on the cpu
+    target (``passes/precision.HalfModelInFloat32``) rounds each op's output with it: one element-wise
+    float32 op, which joins the producer's kernel (a conv's epilogue, a GEMM's) where the pair of casts,
+    with its half tensor between, did not."""
+
+    op_type = "RoundHalf"
+    injective = True
+
+    def compute(self, x):
+        to = self.attrs["to"]
+        return compute("y", x.shape, lambda *i: Cast(Cast(x[i], to), x.dtype), dtype=x.dtype)
+
+    def numpy(self, x):
+        with np.errstate(over="ignore"):
+            return [x.astype(numpy_type(self.attrs["to"])).astype(x.dtype)]
 
 
 class BitCast(Operator):
@@ -263,4 +282,7 @@ def examples(rng: np.random.Generator):
             (Identity, [x], {}), (BitCast, [x], {"to": "int32"}), (BitCast, [x > 0], {"to": "uint8"})]
     params = {"alpha": 0.3, "beta": 0.4, "gamma": 1.2, "lambd": 0.5, "bias": 0.1}
     res += [(Activation, [x], {"kind": k, **params}) for k in _ACTIVATIONS]
+    # (half ties, subnormals, overflow to inf, NaN)
+    edge = np.array([1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2.0 ** -20, 65520.0, -1e6, np.nan, 0.1, -0.0], np.float32)
+    res += [(RoundHalf, [np.concatenate([x.ravel(), edge])], {"to": to}) for to in ("float16", "bfloat16")]
     return res

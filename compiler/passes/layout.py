@@ -112,7 +112,7 @@ def _follower(op: Operator) -> bool:
     if t == "BatchNorm":
         c = op.inputs[0].shape[1] if op.inputs[0].ndim == 4 else -1
         return all(p.is_constant and tuple(p.shape) == (c,) and p.dtype == "float32" for p in op.inputs[1:])
-    return t in ("Activation", "Unary", "Binary", "Clip", "Identity")
+    return t in ("Activation", "Unary", "Binary", "Clip", "Identity", "RoundHalf")
 
 
 def _activations(op: Operator) -> list[Tensor]:

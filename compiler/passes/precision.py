@@ -48,6 +48,7 @@ from ..ir.spill import contiguous
 from .base import GraphPass, splice, take_over
 
 __all__ = ["HalfPrecisionContractions", "HALF_OPERANDS", "mixed_attention_attrs", "WidenHalfProducts", "WIDENED_OPS",
+           "HalfModelInFloat32",
            "ReduceBfloat16InFloat32", "HalfWeightsKMajor", "Float32WeightsKMajor", "round_tf32",
            "TablesFromTiedWeights"]
 
@@ -517,6 +518,181 @@ class WidenHalfProducts(GraphPass):
             return None
 
         return _in_float32(graph, half, "half model: %d ops computed by the float32 cpu templates")
+
+
+#: A half constant of more elements than this that an op other than a product reads (a table a
+#: ``Gather`` looks rows up in) keeps the op on half values (:class:`HalfModelInFloat32`): the table
+#: stays half, and the rows read are widened by a ``Cast`` the gather's kernel fuses.
+HALF_TABLE_ELEMENTS = 4096
+
+_CONVS = ("Conv", "ConvTranspose")
+
+
+def exact_on_values(op: Operator) -> bool:
+    """Whether each output element of ``op`` is one of its inputs' elements or a constant (data
+    movement, max, min, negation, abs, selects): no floating-point arithmetic that could round."""
+    from ..ir.expr import BinOp, Cast, Reduce, UnaryOp, infer_dtype, walk
+    from ..ir.task import GridCompute
+
+    for o in op.task.outputs:
+        if not isinstance(o, GridCompute):
+            return False
+        for e in walk(o.value):
+            if isinstance(e, (BinOp, UnaryOp, Cast, Reduce)) and dtype_kind(infer_dtype(e) or "int64") == "f":
+                if isinstance(e, BinOp) and e.op in ("max", "min"):
+                    continue
+                if isinstance(e, UnaryOp) and e.op in ("neg", "abs"):
+                    continue
+                if isinstance(e, Reduce) and e.op in ("max", "min"):
+                    continue
+                if isinstance(e, Cast) and infer_dtype(e.a) == e.dtype:
+                    continue
+                return False
+    return True
+
+
+class HalfModelInFloat32(GraphPass):
+    """A float16 model computed in float32 on the cpu target, each op's output rounded to float16.
+
+    Every op whose floating-point inputs and outputs are all of the ``half`` type (float16) is
+    computed on its inputs widened to float32, and each half output is rounded back to ``half``'s
+    values by a :class:`~shardflow.compiler.ops.elementwise.RoundHalf` (none after an op that
+    computes nothing, :func:`exact_on_values`: reshapes, slices, max pools). The tensors between such
+    ops are float32 holding half values: the values a half kernel stores (computed in float32,
+    rounded once per op), with every float32 template behind them (pools, LayerNorm, softmax, the
+    conv epilogues, which take the rounding as one more element-wise op) where the generic kernels
+    on half storage ran before. ``Cast``s to and from ``half`` become roundings and nothing; those
+    of ``optimization_config["precision"]`` too (whose weights stay float16, read through their
+    ``Cast``s). A half model's weights: a conv's become float32 constants (of float16 values), which
+    ``PrepackWeights`` packs or transforms in float32 (twice the model's bytes, as
+    :class:`WidenHalfProducts` stored them); a product's stay float16, read through a ``Cast``
+    (``PrepackWeights`` stores them as float16 panels); small constants (biases, norms' scales) are
+    widened here.
+
+    Collectives, opaque ops (top-k, sort), lookups in a constant table (an embedding's ``Gather``) and
+    other ops that read a half constant of more than :data:`HALF_TABLE_ELEMENTS` elements (not a
+    product: its weights are widened) stay on half values: their inputs are rounded float32 values
+    cast to ``half`` (exactly), their outputs widened (the gather's kernel fuses that). Activations
+    take twice the bytes of the half model's."""
+
+    def __init__(self, half: str = "float16"):
+        _half_dtype(half)
+        self.half = half
+
+    def _convertible(self, op: Operator) -> bool:
+        from ..parallel.comm_ops import Collective
+
+        half = self.half
+        if op.op_type == "Cast" and ((op.inputs[0].dtype == "float32" and op.outputs[0].dtype == half)
+                                     or (op.inputs[0].dtype == half and op.outputs[0].dtype in (half, "float32"))):
+            return True  # (a rounding; nothing)
+        floats = {t.dtype for t in list(op.inputs) + list(op.outputs) if dtype_kind(t.dtype) == "f"}
+        if floats != {half} or not any(t.dtype == half for t in op.inputs) or isinstance(op, Collective) \
+                or op.task.is_extern:
+            return False
+        if _looked_up(op) is not None or (op.op_type not in WIDENED_OPS and any(
+                t.is_constant and t.dtype == half and t.size > HALF_TABLE_ELEMENTS for t in op.inputs)):
+            return False
+        if op.op_type == "Cast":
+            return True
+        # the op on float32 values must give float32 where it gave half, the rest unchanged (not an op whose
+        # output type is an attribute)
+        try:
+            wide = op.clone([Tensor(t.name, t.shape, "float32", None, None if t.value is None else
+                                    np.asarray(t.value, np.float32)) if t.dtype == half else t for t in op.inputs])
+        except (ShardflowError, ValueError, TypeError):
+            return False
+        return [(t.shape, "float32" if t.dtype == half else t.dtype) for t in op.outputs] == \
+            [(t.shape, t.dtype) for t in wide.outputs]
+
+    def run(self, graph: FlowGraph) -> FlowGraph:
+        from ..ops.elementwise import CastOp, RoundHalf
+
+        half = self.half
+        producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        converted = {id(op) for op in graph.nodes if self._convertible(op)}
+        if not converted:
+            return graph
+        readers = graph.consumers()
+        graph_outputs = {id(t) for t in graph.outputs}
+        wide: dict[int, Tensor] = {}  # id(half tensor) -> the float32 tensor of its values
+        wide_constants: dict[int, Tensor] = {}  # id(half constant) -> its float32 values, a constant
+        first: list[Operator] = []  # the widenings of half graph inputs and constants
+        after: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+
+        def widened(t: Tensor, reader: Operator | None = None) -> Tensor:
+            """The float32 values of ``t`` for ``reader``: a constant widened here when it is small or a
+            conv's weight (packed or transformed in float32 by PrepackWeights anyway), else a Cast (of a
+            constant: computed when the program is loaded; a product's weight stays float16 in the file,
+            and PrepackWeights stores the product's float16 panels)."""
+            if t.is_constant and (t.size <= HALF_TABLE_ELEMENTS or (reader is not None and reader.op_type in _CONVS)):
+                if id(t) not in wide_constants:
+                    wide_constants[id(t)] = const_tensor(contiguous(t.value, np.float32), f"{t.name}.float32")
+                return wide_constants[id(t)]
+            if id(t) not in wide:
+                c = CastOp([t], name=f"{t.name}.float32", to="float32")
+                p = producer.get(id(t))
+                (after.setdefault(id(p), []) if p is not None else first).append(c)
+                wide[id(t)] = c.outputs[0]
+            return wide[id(t)]
+
+        unrounded: set[int] = set()  # the float32 outputs left unrounded inside element-wise chains
+
+        def within_chain(op: Operator, old: Tensor) -> bool:
+            """Whether the half output ``old`` of the element-wise ``op`` is read only by element-wise ops
+            computed in float32 (not casts): its value is not rounded (the chain, one kernel, rounds
+            where it ends, as the generic kernels on half storage round at stores only)."""
+            rs = readers.get(id(old), [])
+            return type(op).injective and id(old) not in graph_outputs and bool(rs) and all(
+                id(r) in converted and type(r).injective and r.op_type != "Cast" for r in rs)
+
+        def as_half(old: Tensor, value: Tensor, new: list[Operator]) -> None:
+            """``value`` (float32) stands for the half ``old``: cast back for its other readers."""
+            wide[id(old)] = value
+            if id(old) in graph_outputs or any(id(r) not in converted for r in readers.get(id(old), [])):
+                new.append(CastOp([value], name=f"{old.name}.{half}", to=half))
+                replace[id(old)] = new[-1].outputs[0]
+
+        for op in graph.nodes:
+            if id(op) not in converted:
+                continue
+            new: list[Operator] = []
+            x, y = op.inputs[0], op.outputs[0]
+            if op.op_type == "Cast" and x.dtype == "float32":  # a rounding
+                new.append(RoundHalf([x], name=f"{y.name}.round", to=half))
+                as_half(y, new[-1].outputs[0], new)
+            elif op.op_type == "Cast" and x.dtype == half and y.dtype in (half, "float32"):
+                if y.dtype == "float32":  # nothing: its readers read the float32 values
+                    if id(x) in wide:
+                        replace[id(y)] = wide[id(x)]
+                    elif x.is_constant or id(producer.get(id(x))) not in converted:
+                        wide[id(x)] = y  # (this cast is the input's widening)
+                        continue
+                    else:
+                        replace[id(y)] = widened(x)
+                else:
+                    as_half(y, widened(x), new)
+            else:
+                inputs = [widened(t, op) if t.dtype == half else t for t in op.inputs]
+                clone = op.clone(inputs)
+                new.append(clone)
+                # exact: the values of its inputs, when those are half values
+                exact = exact_on_values(op) and not any(id(t) in unrounded for t in inputs)
+                for old, out in zip(op.outputs, clone.outputs):
+                    if old.dtype != half:
+                        replace[id(old)] = out
+                        continue
+                    if not exact and within_chain(op, old):
+                        unrounded.add(id(out))
+                    elif not exact:
+                        new.append(RoundHalf([out], name=f"{old.name}.round", to=half))
+                        out = new[-1].outputs[0]
+                    as_half(old, out, new)
+            after[id(op)] = new
+        graph.nodes = first + graph.nodes
+        log.info("float16 model: %d ops computed in float32", len(converted))
+        return splice(graph, after, replace)
 
 
 def _in_float32(graph: FlowGraph, half_of: "Callable[[Operator], str | None]", what: str) -> FlowGraph:

@@ -231,12 +231,30 @@ def _float32_product(op: Operator) -> tuple[Tensor, Tensor] | None:
     return x, b
 
 
+def _float16_values(t: Tensor, producer: dict[int, Operator]) -> bool:
+    """Whether the float32 ``t`` holds float16 values by construction: widened from float16 by a Cast,
+    rounded to float16 (``RoundHalf``, ``passes/precision.HalfModelInFloat32``), or moved (a reshape, a
+    transpose: :func:`~shardflow.compiler.passes.precision.exact_on_values`) from such values."""
+    from .precision import exact_on_values
+
+    for _ in range(16):
+        p = producer.get(id(t))
+        if p is None:
+            return False
+        if _widened(t, producer, ("float16",)) is not None or (p.op_type == "RoundHalf" and p.attrs["to"] == "float16"):
+            return True
+        if len(p.outputs) != 1 or not p.inputs or p.inputs[0].dtype != "float32" or not exact_on_values(p):
+            return False
+        t = p.inputs[0]
+    return False
+
+
 def _float16_weight(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
-    """``(b, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` is float16 values widened by a
-    Cast and whose ``B`` (``b``) holds float16 values (``w``: :func:`_half_constant`; ``b`` itself for a float16
-    model's weight). ``None`` for any other op."""
+    """``(b, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` holds float16 values
+    (:func:`_float16_values`) and whose ``B`` (``b``) holds float16 values (``w``: :func:`_half_constant`; ``b``
+    itself for a float16 model's weight). ``None`` for any other op."""
     xb = _float32_product(op)
-    if xb is None or _widened(xb[0], producer, ("float16",)) is None:
+    if xb is None or not _float16_values(xb[0], producer):
         return None
     w = _half_constant(xb[1], producer, "float16")
     return (xb[1], w) if w is not None else None

@@ -27,7 +27,7 @@ from shardflow.compiler.ir.task import compute
 from shardflow.compiler.ops.conv import (Conv, ConvTranspose, PackedConv, PackedConvBf16, PackedConvInteger, Pool,
                                          Resize, WinogradConv, int8_conv_rows, pack_bf16_conv, pack_int8_conv,
                                          winograd_weights)
-from shardflow.compiler.ops.elementwise import Binary, CastOp, Unary, Where
+from shardflow.compiler.ops.elementwise import Binary, CastOp, RoundHalf, Unary, Where
 from shardflow.compiler.ops.linalg import (INT8_KSTEP, INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
                                            MatMulNBits, PackedMatMul, PackedMatMulBf16, PackedMatMulInteger,
                                            pack_bf16_panels, pack_int8_panels)
@@ -990,7 +990,7 @@ def test_constants_are_inputs_not_baked(library):
 def test_one_element_constants_are_literals(tmp_path, kernel_cache):
     """A constant input of one element is a literal in the generic kernel, so the C++ compiler folds
     it: GPT-2's GELU ``x ** 3`` (a 0-d exponent) became ``x * x * x`` (its kernels 5x faster in GPT-2
-    small). The values equal numpy's; the kernel no longer reads those inputs."""
+    small; now printed as ``sf_cube``). The values equal numpy's; the kernel no longer reads those inputs."""
     x = np.random.default_rng(3).standard_normal((4, 33)).astype(np.float32)
     i = np.arange(-6, 6, dtype=np.int64).reshape(3, 4)
     ops = [Binary([_t(x.shape), const_tensor(np.float32(3.0))], fn="pow", name="cube"),
@@ -998,7 +998,7 @@ def test_one_element_constants_are_literals(tmp_path, kernel_cache):
            Binary([_t(i.shape, "int64"), const_tensor(np.array([4], np.int64))], fn="floordiv", name="idiv"),
            Binary([_t(x.shape), const_tensor(np.array([1.0, 2.0], np.float32)[:1].copy())], fn="sub", name="one")]
     bodies = {op.name: generate_cpu_source([op]).kernels[0][1] for op in ops}
-    assert "3.0f" in bodies["cube"] and "0.044714998453855515f" in bodies["scale"]
+    assert "sf_cube(" in bodies["cube"] and "0.044714998453855515f" in bodies["scale"]
     assert "INT64_C(4)" in bodies["idiv"] and "1.0f" in bodies["one"]
     assert not any("in1[" in b for b in bodies.values())
     syms = build_cpu_library(ops, str(tmp_path / "lit.so"), cache_dir=kernel_cache, opt_level=1)
@@ -1569,6 +1569,135 @@ def test_conv_epilogue_fusion(tmp_path, kernel_cache):
         assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
 
 
+_HALF_FINISH_SCRIPT = r"""
+import ctypes, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])
+data = np.load(sys.argv[2], allow_pickle=True)
+def call(sym, ins, shape):
+    out = np.empty(shape, np.float32)
+    ia = (ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins])
+    getattr(lib, sym)(ia, (ctypes.c_void_p * 1)(out.ctypes.data))
+    return out
+r = lambda a: a.astype(np.float16).astype(np.float32)
+for name, plain, pins, fused, fins, res, lo, hi in data["cases"]:
+    shape = tuple(data["shapes"].item()[name])
+    y = r(call(plain, list(pins), shape))
+    if res is not None:
+        y = r(y + res)
+    y = np.clip(y, lo, hi)
+    got = call(fused, list(fins), shape)
+    assert np.array_equal(got.view(np.uint32), y.view(np.uint32)), (name, np.flatnonzero(got != y)[:5])
+print("ok", len(data["cases"]))
+"""
+
+
+def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
+    """A float16 model's conv computed in float32 (``HalfModelInFloat32``): its output rounded to float16,
+    a residual added and rounded again, then a Relu or a Clip (``conv -> RoundHalf -> Add -> RoundHalf ->
+    Relu`` or the Relu before the rounding) is applied by the conv kernels as they store (``SfClamp``'s
+    ``half``) on every path: the template's micro-kernels, PackedConv's transposition and its direct
+    kernels (plain, blocked, stride 2), Winograd's output transform; with the AVX-512, AVX2 and portable
+    kernels. Bit for bit what numpy's roundings of the same conv's float32 output give (the conv compiled
+    alone). A rounding after the Add only, or a depthwise conv's, goes to the generic epilogue."""
+    import sys
+
+    from shardflow.compiler.codegen.fusion import FusedOp
+    from shardflow.compiler.ops.elementwise import Activation, Clip
+
+    rng = np.random.default_rng(11)
+    arrays: dict[int, np.ndarray] = {}
+
+    def inp(*shape):
+        t = _t(shape)
+        arrays[id(t)] = (rng.standard_normal(shape) * 4).astype(np.float32)
+        return t
+
+    def wino(c, oc, m):
+        t = _wino(c, oc, m)
+        arrays[id(t)] = winograd_weights(rng.standard_normal((oc, c, 3, 3)).astype(np.float32), m)
+        return t
+
+    rnd = lambda y: RoundHalf([y], to="float16")  # noqa: E731
+    cases = []  # (name, plain conv, fused group, residual tensor or None, lo, hi)
+
+    def case(name, make_conv, res_shape=None, clamp=(0.0, np.inf), relu_first=False, kinds=None):
+        plain = make_conv()
+        conv = type(plain)(list(plain.inputs), name=f"{name}-conv", **plain.attrs)
+        plain.name = f"{name}-plain"
+        members, prev = [conv], conv.outputs[0]
+
+        def add(op):
+            nonlocal prev
+            op.name = f"{name}-{len(members)}"
+            members.append(op)
+            prev = op.outputs[0]
+        res = inp(*res_shape) if res_shape else None
+        clamp_op = (lambda y: Activation([y], kind="relu")) if clamp == (0.0, np.inf) else \
+            (lambda y: Clip([y], lo=clamp[0], hi=clamp[1]))
+        add(rnd(prev))
+        if res is not None:
+            add(Binary([prev, res], fn="add"))
+        if relu_first:
+            add(clamp_op(prev))
+            add(rnd(prev))
+        else:
+            if res is not None:
+                add(rnd(prev))
+            add(clamp_op(prev))
+        cases.append((name, plain, FusedOp(members), res, *clamp))
+
+    case("conv3x3", lambda: Conv([inp(2, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1)), (2, 16, 9, 11))
+    case("conv3x3-relu-first", lambda: Conv([inp(1, 40, 9, 13), inp(20, 40, 3, 3), inp(20)], pads=(1, 1, 1, 1)),
+         (1, 20, 9, 13), relu_first=True)
+    case("conv1x1-relu6", lambda: Conv([inp(1, 16, 20, 21), inp(24, 16, 1, 1), inp(24)]), clamp=(0.0, 6.0))
+    case("packed3x3", lambda: PackedConv([inp(2, 8, 9, 11), inp(3, 72, PANEL), inp(40)], oc=40, kernel=(3, 3),
+                                         pads=(1, 1, 1, 1)), (2, 40, 9, 11))
+    case("packed-wide", lambda: PackedConv([inp(1, 20, 7, 7), inp(64, 20, PANEL), inp(1024)], oc=1024, kernel=(1, 1)),
+         (1, 1024, 7, 7), relu_first=True)
+    case("packed-s2", lambda: PackedConv([inp(2, 20, 9, 33), inp(2, 180, PANEL), inp(24)], oc=24, kernel=(3, 3),
+                                         pads=(1, 1, 1, 1), strides=(2, 2)), (2, 24, 5, 17))
+    case("blocked", lambda: PackedConv([inp(2, 2, 9, 11, 16), inp(2, 32, PANEL), inp(32)], oc=32, kernel=(1, 1),
+                                       blocked_in=True, blocked_out=True), (2, 2, 9, 11, 16))
+    case("winograd", lambda: WinogradConv([inp(2, 16, 9, 11), wino(16, 40, 4), inp(40)], oc=40, m=4,
+                                          pads=(1, 1, 1, 1)), (2, 40, 9, 11), relu_first=True)
+    case("winograd-clip", lambda: WinogradConv([inp(1, 16, 9, 11), wino(16, 24, 4), inp(24)], oc=24, m=4,
+                                               pads=(1, 1, 1, 1)), clamp=(-2.0, 3.0))
+    # not the kernels' to apply: a rounding after the Add only; a depthwise conv's rounding
+    late = Conv([inp(1, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1), name="late-conv")
+    late_add = Binary([late.outputs[0], inp(1, 16, 9, 11)], fn="add", name="late-add")
+    late_group = FusedOp([late, late_add, rnd(late_add.outputs[0])])
+    dw = Conv([inp(1, 8, 9, 11), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1), name="dw-conv")
+    dw_round = rnd(dw.outputs[0])
+    dw_group = FusedOp([dw, dw_round, Activation([dw_round.outputs[0]], kind="relu", name="dw-relu")])
+    ops = [op for c in cases for op in (c[1], c[2])] + [late_group, dw_group]
+    src = generate_cpu_source(ops)
+    assert src.text.count("the tiles are finished as they are stored") == len(cases)
+    assert len(re.findall(r"SfClamp\{[^}]*, true\}", src.text)) == len(cases)  # (SfClamp's half)
+    assert src.text.count(", epi_, &ctx_);") == 2
+    syms = build_cpu_library(ops, str(tmp_path / "half.so"), cache_dir=kernel_cache, opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "half.so"))
+    rows = []
+    for name, plain, group, res, lo, hi in cases:
+        pins = [arrays[id(t)] for t in plain.inputs]
+        fins = [arrays[id(t)] for t in group.inputs]
+        rows.append((name, syms[plain.name], pins, syms[group.name], fins,
+                     None if res is None else arrays[id(res)], lo, hi))
+    shapes = {c[0]: tuple(c[1].outputs[0].shape) for c in cases}
+    for g in (late_group, dw_group):  # the generic epilogue: as numpy's members
+        ins = [arrays[id(t)] for t in g.inputs]
+        want = g.run(*ins)[0]
+        got = run_kernel(lib, syms[g.name], g, ins)[0]
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-3, err_msg=g.name)
+    np.savez(tmp_path / "cases.npz", cases=np.array(rows, dtype=object), shapes=np.array(shapes, dtype=object))
+    (tmp_path / "half.py").write_text(_HALF_FINISH_SCRIPT)
+    for isa in ("native", "avx2", "generic"):
+        env = dict(os.environ, SHARDFLOW_CPU_ISA=isa) if isa != "native" else dict(os.environ)
+        res = subprocess.run([sys.executable, str(tmp_path / "half.py"), str(tmp_path / "half.so"),
+                              str(tmp_path / "cases.npz")], capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0 and res.stdout.strip().endswith(f"ok {len(cases)}"), (isa, res.stderr[-3000:])
+
+
 def test_the_math_helpers_keep_a_quantized_chain_loop_vectorizable(tmp_path):
     """A QDQ GELU's loop (rounding, the +-2^24 and byte clamps, sf_tanh, sf_log, sf_pow with a literal
     exponent) is vectorized by the C++ compiler at -O3 for x86-64-v3: the helpers' selects take one
@@ -1599,7 +1728,7 @@ def test_the_math_helpers_keep_a_quantized_chain_loop_vectorizable(tmp_path):
                                                  str(tmp_path / "k.o"), "-fopt-info-vec-optimized"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    line = src[:src.index("float t = (")].count("\n") + 1
+    line = src[:src.index("float t = (", len(PRELUDE))].count("\n") + 1
     assert re.search(rf"k\.cpp:{line - 1}:\d+: optimized: loop vectorized", res.stderr), res.stderr[-3000:]
 
 
@@ -1608,7 +1737,8 @@ def test_float16_conversions_are_exact_on_every_bit_pattern(tmp_path, kernel_cac
     steps that vectorize, where GCC's ``_Float16`` casts went one value at a time) against numpy: all 65536
     float16 bit patterns widened (NaNs stay NaN, of the same sign), and float32 values rounded to float16 to
     nearest even: every bit pattern whose exponent lies in float16's range and one in 97 of the others
-    (subnormal results, ties at every exponent, overflow to infinity, NaN, signed zeros)."""
+    (subnormal results, ties at every exponent, overflow to infinity, NaN, signed zeros); and the same values
+    rounded in float32 (``RoundHalf``, the prelude's ``sf_f16_round``)."""
     halfs = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
     near = np.arange(0x33000000, 0x47800100, 7, dtype=np.uint32)  # (2^-25 .. just past 65520, both signs)
     rest = np.arange(0, 1 << 32, 97 * 4099, dtype=np.uint64).astype(np.uint32)
@@ -1617,13 +1747,15 @@ def test_float16_conversions_are_exact_on_every_bit_pattern(tmp_path, kernel_cac
     floats = np.concatenate([near, near | np.uint32(0x80000000), rest, special]).view(np.float32)
     up = CastOp([Tensor("h", halfs.shape, "float16")], name="up", to="float32")
     down = CastOp([Tensor("f", floats.shape, "float32")], name="down", to="float16")
-    symbols = build_cpu_library([up, down], str(tmp_path / "k.so"), cache_dir=kernel_cache, opt_level=1)
+    rounded = RoundHalf([Tensor("f", floats.shape, "float32")], name="rounded", to="float16")
+    symbols = build_cpu_library([up, down, rounded], str(tmp_path / "k.so"), cache_dir=kernel_cache, opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     (wide,) = run_kernel(lib, symbols["up"], up, [halfs])
     (narrow,) = run_kernel(lib, symbols["down"], down, [floats])
+    (kept,) = run_kernel(lib, symbols["rounded"], rounded, [floats])
     with np.errstate(all="ignore"):
         want_wide, want_narrow = halfs.astype(np.float32), floats.astype(np.float16)
-    for got, want in ((wide, want_wide), (narrow, want_narrow)):
+    for got, want in ((wide, want_wide), (narrow, want_narrow), (kept, want_narrow.astype(np.float32))):
         bits = np.dtype(f"u{got.dtype.itemsize}")
         nan = np.isnan(want)
         assert np.array_equal(np.isnan(got), nan) and np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))

@@ -143,7 +143,7 @@ static void sf_pack_b_conv_avx512(const float* __restrict__ xp, int64_t Hp, int6
   }
 }
 
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_pack_b_conv_avx2(const float* __restrict__ xp, int64_t Hp, int64_t Wp, const SfConvGeom& g,
                                 const int32_t* __restrict__ koff, int64_t j0, int64_t cols, int64_t nr, int64_t k0,
                                 int64_t kc, float* __restrict__ Bp) {
@@ -205,9 +205,16 @@ typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, c
 // The clamp a conv's kernels apply as they store its output, when on: min(max(v, lo), hi) (a fused Relu:
 // [0, inf); a fused Clip: its bounds, ReLU6's [0, 6]). A NaN stays NaN, as in Relu and Clip: max and min
 // return v when it is NaN (std::max(v, lo), and _mm*_max_ps(lo, v) whose second operand is v).
-struct SfClamp { bool on; float lo, hi; };
+// half: a float16 model's conv (passes/precision.HalfModelInFloat32 rounds each op's output): the value is
+// rounded to float16 after the bias and again after the residual (sf_half*, before the residual; sf_end*,
+// with the clamp, whose bounds are float16 values: rounding and clamping commute).
+struct SfClamp { bool on; float lo, hi; bool half; };
 
-static inline float sf_clamp(float v, const SfClamp& k) { return k.on ? std::min(std::max(v, k.lo), k.hi) : v; }
+static inline float sf_clamp(float v, const SfClamp& k) {
+  if (k.half) v = sf_f16_round(v);
+  return k.on ? std::min(std::max(v, k.lo), k.hi) : v;
+}
+static inline float sf_half1(float v, const SfClamp& k) { return k.half ? sf_f16_round(v) : v; }
 
 // The finish of a conv's output block that the kernels apply as they store its last K block: + bias[i]
 // of row i (bias null: none), + res[i * ldc + j] (the residual, laid out as C; null: none), then the
@@ -219,12 +226,12 @@ typedef void (*SfCukrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, c
 
 // v + *r (r optional), then clamped: a conv output finished
 static inline float sf_fin1(float v, const float* r, const SfClamp& k) {
-  if (r) v += *r;
+  if (r) v = sf_half1(v, k) + *r;
   return sf_clamp(v, k);
 }
 
 #if defined(__x86_64__)
-// sf_clamp of 16 and 8 lanes
+// the clamp of 16 and 8 lanes (on only)
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 sf_clamp16(__m512 v, const SfClamp& k) {
   return _mm512_min_ps(_mm512_set1_ps(k.hi), _mm512_max_ps(_mm512_set1_ps(k.lo), v));
@@ -232,6 +239,25 @@ static inline __m512 sf_clamp16(__m512 v, const SfClamp& k) {
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 sf_clamp8(__m256 v, const SfClamp& k) {
   return _mm256_min_ps(_mm256_set1_ps(k.hi), _mm256_max_ps(_mm256_set1_ps(k.lo), v));
+}
+// sf_half1 and sf_clamp of 16 and 8 lanes (AVX-512F and F16C convert to float16 and back, to nearest even)
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 sf_half16(__m512 v, const SfClamp& k) {
+  return k.half ? _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)) : v;
+}
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 sf_end16(__m512 v, const SfClamp& k) {
+  v = sf_half16(v, k);
+  return k.on ? sf_clamp16(v, k) : v;
+}
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m256 sf_half8(__m256 v, const SfClamp& k) {
+  return k.half ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)) : v;
+}
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m256 sf_end8(__m256 v, const SfClamp& k) {
+  v = sf_half8(v, k);
+  return k.on ? sf_clamp8(v, k) : v;
 }
 #endif
 
@@ -276,8 +302,8 @@ static inline void sf_cukr_store_avx512(const __m512 (&acc)[MR][NV], float* __re
       if (!first) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, c));
       if (fin) {
         if (fin->bias) r = _mm512_add_ps(r, _mm512_set1_ps(fin->bias[i]));
-        if (fin->res) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
-        if (fin->clamp.on) r = sf_clamp16(r, fin->clamp);
+        if (fin->res) r = _mm512_add_ps(sf_half16(r, fin->clamp), _mm512_maskz_loadu_ps(m, fin->res + i * ldc + 16 * v));
+        r = sf_end16(r, fin->clamp);
       }
       _mm512_mask_storeu_ps(c, m, r);
     }
@@ -340,7 +366,7 @@ static void sf_dkr_avx512(int64_t kc, const float* __restrict__ A, int64_t lda, 
 
 // C[MR][nr] (+)= the accumulators (nr <= 8 * NV), for the AVX2 conv kernels below
 template <int MR, int NV>
-__attribute__((target("avx2,fma"), always_inline))
+__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void sf_cukr_store_avx2(const __m256 (&acc)[MR][NV], float* __restrict__ C, int64_t ldc, int64_t nr,
                                       bool first, const SfFin* fin) {
   if (nr == 8 * NV) {
@@ -353,8 +379,8 @@ static inline void sf_cukr_store_avx2(const __m256 (&acc)[MR][NV], float* __rest
         if (!first) r = _mm256_add_ps(r, _mm256_loadu_ps(c));
         if (fin) {
           if (fin->bias) r = _mm256_add_ps(r, _mm256_broadcast_ss(fin->bias + i));
-          if (fin->res) r = _mm256_add_ps(r, _mm256_loadu_ps(fin->res + i * ldc + 8 * v));
-          if (fin->clamp.on) r = sf_clamp8(r, fin->clamp);
+          if (fin->res) r = _mm256_add_ps(sf_half8(r, fin->clamp), _mm256_loadu_ps(fin->res + i * ldc + 8 * v));
+          r = sf_end8(r, fin->clamp);
         }
         _mm256_storeu_ps(c, r);
       }
@@ -371,7 +397,7 @@ static inline void sf_cukr_store_avx2(const __m256 (&acc)[MR][NV], float* __rest
 }
 
 template <int MR, int NV>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_cukr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ Bp,
                          float* __restrict__ C, int64_t ldc, int64_t nr, bool first, const SfFin* fin) {
   if (fin && fin->res) sf_prefetch_rows<MR>(fin->res, ldc, 8 * NV);
@@ -398,7 +424,7 @@ static void sf_cukr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, c
 // panel is the nr consecutive pixels at xb + off[k] (off[k]: the offset of tap k, i.e. of channel c at
 // (kh, kw)). TAIL: nr < 8 * NV, the last vector's load is masked (never reads past the image).
 template <int MR, int NV, bool TAIL>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_dkr_avx2(int64_t kc, const float* __restrict__ A, int64_t lda, const float* __restrict__ xb,
                         const int32_t* __restrict__ off, float* __restrict__ C, int64_t ldc, int64_t nr, bool first,
                         const SfFin* fin) {
@@ -465,7 +491,7 @@ static SfCukr sf_pick_cukr() {
     u.mr = u.mr1 = 12; u.nv = 2; u.vl = 16;
     return u;
   }
-  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
 #define SF_K1(r) u.fn[r - 1][0] = sf_cukr_avx2<r, 1>;                                                        \
     u.dfn[r - 1][0][0] = sf_dkr_avx2<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx2<r, 1, true>;
 #define SF_K(r) SF_K1(r) u.fn[r - 1][1] = sf_cukr_avx2<r, 2>;                                                   \
@@ -642,7 +668,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
                         (vl < 16 || (K >= 32 && (M <= 32 || phased || (flat && P >= 512))));
   // off[k]: where row k of B (channel c, tap (kh, kw)) starts in the image read, at output pixel (0, 0)
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
-  const bool finish = !epi && (bias || res || clamp.on);  // the kernels finish y (SfFin) on the last K block
+  const bool finish = !epi && (bias || res || clamp.on || clamp.half);  // the kernels finish y (SfFin) on the last K block
   for (int64_t c = 0, k = 0; c < (flat ? K : g.C); ++c)
     for (int64_t kh = 0; kh < gs.KH; ++kh)
       for (int64_t kw = 0; kw < gs.KW; ++kw) {
@@ -780,17 +806,17 @@ static void sf_transpose_cols_scalar(const float* __restrict__ t, int64_t ld, in
 
 #if defined(__x86_64__)
 // y[at..at + 8) = v, finished as in sf_transpose_cols_scalar
-__attribute__((target("avx2,fma"), always_inline))
+__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void sf_put8(float* __restrict__ y, const float* __restrict__ bias, const float* __restrict__ res,
                            const SfClamp& clamp, int64_t c, int64_t at, __m256 v) {
   if (bias) v = _mm256_add_ps(v, _mm256_broadcast_ss(bias + c));
-  if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + at));
-  if (clamp.on) v = sf_clamp8(v, clamp);
+  if (res) v = _mm256_add_ps(sf_half8(v, clamp), _mm256_loadu_ps(res + at));
+  v = sf_end8(v, clamp);
   _mm256_storeu_ps(y + at, v);
 }
 
 // The same in 8 x 8 tiles through AVX2 registers (the scalar loop stores one float at a time, P floats apart)
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int64_t P, int64_t c0, int64_t c1,
                                    float* __restrict__ y, const float* __restrict__ bias,
                                    const float* __restrict__ res, SfClamp clamp) {
@@ -910,8 +936,8 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
       #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         __m512 o = _mm512_add_ps(acc[i][v], b);
-        if (res) o = _mm512_add_ps(o, _mm512_loadu_ps(res + 16 * (v * P + i)));
-        if (clamp.on) o = sf_clamp16(o, clamp);
+        if (res) o = _mm512_add_ps(sf_half16(o, clamp), _mm512_loadu_ps(res + 16 * (v * P + i)));
+        o = sf_end16(o, clamp);
         _mm512_storeu_ps(y + 16 * (v * P + i), o);
       }
     }
@@ -931,8 +957,8 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
       if (l >= n) break;
       const int64_t c = 16 * v + l;
       __m512 o = bias ? _mm512_add_ps(r[l], _mm512_set1_ps(bias[c])) : r[l];
-      if (res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(pm, res + c * P));
-      if (clamp.on) o = sf_clamp16(o, clamp);
+      if (res) o = _mm512_add_ps(sf_half16(o, clamp), _mm512_maskz_loadu_ps(pm, res + c * P));
+      o = sf_end16(o, clamp);
       _mm512_mask_storeu_ps(y + c * P, pm, o);
     }
   }
@@ -985,7 +1011,7 @@ static const SfPdkr& sf_pdkr() {
 // (sf_tr8x8) into one vector of pixels per channel, stored under a mask of MR lanes; blk: blocked as
 // sf_pdkr_avx512's, a pixel's 16 channels two vectors.
 template <int MR, int PS>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                          const float* __restrict__ wp, float* __restrict__ y, int64_t P, int64_t nvalid,
                          const float* __restrict__ bias, const float* __restrict__ res, const SfClamp& clamp,
@@ -1013,8 +1039,8 @@ static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t*
       #pragma GCC unroll 6
       for (int i = 0; i < MR; ++i) {
         __m256 o = _mm256_add_ps(acc[i][v], b);
-        if (res) o = _mm256_add_ps(o, _mm256_loadu_ps(res + 16 * i + 8 * v));
-        if (clamp.on) o = sf_clamp8(o, clamp);
+        if (res) o = _mm256_add_ps(sf_half8(o, clamp), _mm256_loadu_ps(res + 16 * i + 8 * v));
+        o = sf_end8(o, clamp);
         _mm256_storeu_ps(y + 16 * i + 8 * v, o);
       }
     }
@@ -1035,8 +1061,8 @@ static void sf_pdkr_avx2(int64_t K, const float* __restrict__ xb, const int32_t*
       if (l >= n) break;
       const int64_t c = 8 * v + l;
       __m256 o = bias ? _mm256_add_ps(r[l], _mm256_broadcast_ss(bias + c)) : r[l];
-      if (res) o = _mm256_add_ps(o, _mm256_maskload_ps(res + c * P, pm));
-      if (clamp.on) o = sf_clamp8(o, clamp);
+      if (res) o = _mm256_add_ps(sf_half8(o, clamp), _mm256_maskload_ps(res + c * P, pm));
+      o = sf_end8(o, clamp);
       _mm256_maskstore_ps(y + c * P, pm, o);
     }
   }
@@ -1077,7 +1103,7 @@ static const SfPdkr2& sf_pdkr2() {
 // dst[Hp][Wp][16] = channels [0, cn) of src (planes [H][W], plane floats apart) placed at (pt, pl), zero
 // around them; lanes from cn on are left as they are (no tap reads them). 8 x 8 transpositions (AVX2: the
 // blocked image serves both kernels).
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_block16(const float* __restrict__ src, int64_t cn, int64_t plane, int64_t H, int64_t W, int64_t pt,
                        int64_t pl, int64_t Hp, int64_t Wp, float* __restrict__ dst) {
   const __m256 z = _mm256_setzero_ps();
@@ -1320,7 +1346,7 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
       for (int64_t c = 0; c < OC; ++c)
         for (int64_t p = 0; p < P; ++p) {
           const int64_t at = (n * OC + c / 16 * 16) * P + p * 16 + c % 16;
-          y[at] = sf_clamp(t[(n * OC + c) * P + p] + (res ? res[at] : 0.0f), clamp);
+          y[at] = sf_fin1(t[(n * OC + c) * P + p], res ? res + at : nullptr, clamp);
         }
       if (epi) epi(ctx, n, 0, OC, 0, P);
     }

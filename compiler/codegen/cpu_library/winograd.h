@@ -152,6 +152,8 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
           SfWino<M>::out(r[i], rc);
           for (int j = 0; j < mw; ++j) {
             SfV8 v = rc[j] + b;
+            if (clamp.half && res)
+              for (int l = 0; l < 8; ++l) v[l] = sf_f16_round(v[l]);
             if (res && blk) {
               SfV8 rv;
               std::memcpy(&rv, res + bat + (i * OW + j) * 16, sizeof(SfV8));
@@ -159,6 +161,8 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
             } else if (res) {
               for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
             }
+            if (clamp.half)
+              for (int l = 0; l < 8; ++l) v[l] = sf_f16_round(v[l]);
             if (clamp.on) {  // a NaN stays NaN (the comparisons are false)
               const SfV8 lo = clamp.lo - SfV8{}, hi = clamp.hi - SfV8{};
               v = v < lo ? lo : v;
