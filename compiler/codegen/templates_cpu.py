@@ -499,8 +499,8 @@ def _conv(op, fused=None) -> str | None:
         lines = _args(op)
     else:
         simple = _kernel_finish(fused, index)
-        if simple is not None and depthwise and (simple[0] != "nullptr" or simple[1].endswith("true}")):
-            simple = None  # the depthwise kernels apply a clamp only; a residual add (a rounding) to the epilogue
+        if simple is not None and depthwise and simple[0] != "nullptr":
+            simple = None  # the depthwise kernels apply a clamp (and rounding) only; a residual add goes to the epilogue
         if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
             res, clamp = simple
             finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
@@ -666,8 +666,8 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
     Winograd's output transform, the depthwise kernels' stores): an Add of a tensor shaped as the
     output (``residual``: its argument, else ``"nullptr"``), then a Relu or a Clip (``clamp``: an
     ``SfClamp`` literal, ``"SfClamp{}"`` without), either optional, and a float16 model's roundings
-    (``RoundHalf``: after the conv and after the Add, or anywhere without one; ``SfClamp``'s ``half``,
-    not for the depthwise kernels); else ``None`` (the generic epilogue)."""
+    (``RoundHalf``: after the conv and after the Add, or anywhere without one; ``SfClamp``'s ``half``);
+    else ``None`` (the generic epilogue)."""
     members = list(fused.members)
     prev = members[0].outputs[0]
     shape = tuple(prev.shape)

@@ -569,11 +569,12 @@ class HalfModelInFloat32(GraphPass):
     (``PrepackWeights`` stores them as float16 panels); small constants (biases, norms' scales) are
     widened here.
 
-    Collectives, opaque ops (top-k, sort), lookups in a constant table (an embedding's ``Gather``) and
+    Collectives, opaque ops (top-k, sort), lookups in a constant table (an embedding's ``Gather``),
     other ops that read a half constant of more than :data:`HALF_TABLE_ELEMENTS` elements (not a
-    product: its weights are widened) stay on half values: their inputs are rounded float32 values
-    cast to ``half`` (exactly), their outputs widened (the gather's kernel fuses that). Activations
-    take twice the bytes of the half model's."""
+    product: its weights are widened) and ops that only move values some of which no op computed in
+    float32 (a KV cache's update, written over the cache's bytes) stay on half values: their inputs
+    are rounded float32 values cast to ``half`` (exactly), their outputs widened (the gather's kernel
+    fuses that). Activations take twice the bytes of the half model's."""
 
     def __init__(self, half: str = "float16"):
         _half_dtype(half)
@@ -610,7 +611,13 @@ class HalfModelInFloat32(GraphPass):
 
         half = self.half
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
-        converted = {id(op) for op in graph.nodes if self._convertible(op)}
+        converted: set[int] = set()
+        for op in graph.nodes:
+            # an op that only moves half values (exact_on_values) of which some were not computed in float32
+            # stays half: a state's update (a KV cache written in place), a view of a half input
+            if self._convertible(op) and (op.op_type == "Cast" or not exact_on_values(op) or all(
+                    t.is_constant or id(producer.get(id(t))) in converted for t in op.inputs if t.dtype == half)):
+                converted.add(id(op))
         if not converted:
             return graph
         readers = graph.consumers()

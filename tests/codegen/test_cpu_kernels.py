@@ -1597,9 +1597,10 @@ def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
     a residual added and rounded again, then a Relu or a Clip (``conv -> RoundHalf -> Add -> RoundHalf ->
     Relu`` or the Relu before the rounding) is applied by the conv kernels as they store (``SfClamp``'s
     ``half``) on every path: the template's micro-kernels, PackedConv's transposition and its direct
-    kernels (plain, blocked, stride 2), Winograd's output transform; with the AVX-512, AVX2 and portable
-    kernels. Bit for bit what numpy's roundings of the same conv's float32 output give (the conv compiled
-    alone). A rounding after the Add only, or a depthwise conv's, goes to the generic epilogue."""
+    kernels (plain, blocked, stride 2), Winograd's output transform, the depthwise kernels (rows, flat runs,
+    stride 2; no residual); with the AVX-512, AVX2 and portable kernels. Bit for bit what numpy's roundings
+    of the same conv's float32 output give (the conv compiled alone). A rounding after the Add only, or a
+    depthwise conv's residual, goes to the generic epilogue."""
     import sys
 
     from shardflow.compiler.codegen.fusion import FusedOp
@@ -1663,13 +1664,20 @@ def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
                                           pads=(1, 1, 1, 1)), (2, 40, 9, 11), relu_first=True)
     case("winograd-clip", lambda: WinogradConv([inp(1, 16, 9, 11), wino(16, 24, 4), inp(24)], oc=24, m=4,
                                                pads=(1, 1, 1, 1)), clamp=(-2.0, 3.0))
-    # not the kernels' to apply: a rounding after the Add only; a depthwise conv's rounding
+    # depthwise: rows of 16 channels (a band's), runs of a flat image, stride 2's runs
+    case("depthwise", lambda: Conv([inp(2, 20, 9, 11), inp(20, 1, 3, 3), inp(20)], group=20, pads=(1, 1, 1, 1)))
+    case("depthwise-flat", lambda: Conv([inp(1, 8, 12, 10), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1)),
+         clamp=(0.0, 6.0), relu_first=True)
+    case("depthwise-s2", lambda: Conv([inp(1, 8, 40, 38), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1),
+                                      strides=(2, 2)), clamp=(0.0, 6.0))
+    # not the kernels' to apply: a rounding after the Add only; a depthwise conv's residual
     late = Conv([inp(1, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1), name="late-conv")
     late_add = Binary([late.outputs[0], inp(1, 16, 9, 11)], fn="add", name="late-add")
     late_group = FusedOp([late, late_add, rnd(late_add.outputs[0])])
     dw = Conv([inp(1, 8, 9, 11), inp(8, 1, 3, 3), inp(8)], group=8, pads=(1, 1, 1, 1), name="dw-conv")
     dw_round = rnd(dw.outputs[0])
-    dw_group = FusedOp([dw, dw_round, Activation([dw_round.outputs[0]], kind="relu", name="dw-relu")])
+    dw_add = Binary([dw_round.outputs[0], inp(1, 8, 9, 11)], fn="add", name="dw-add")
+    dw_group = FusedOp([dw, dw_round, dw_add, rnd(dw_add.outputs[0])])
     ops = [op for c in cases for op in (c[1], c[2])] + [late_group, dw_group]
     src = generate_cpu_source(ops)
     assert src.text.count("the tiles are finished as they are stored") == len(cases)

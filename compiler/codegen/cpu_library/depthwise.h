@@ -51,13 +51,13 @@ static void sf_dwc_row_generic(const float* __restrict__ xt, int64_t Wp, const f
 
 #if defined(__x86_64__)
 // lanes [0, m) set (m in 1..8): the columns of a run of 8 that exist
-__attribute__((target("avx2,fma"), always_inline))
+__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256i sf_lanes8(int64_t m) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // as sf_to_vec16_generic, in 8 x 8 transpositions (the last run of columns by masked loads)
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_to_vec16_avx2(const float* __restrict__ src, int64_t ld, int64_t nc, int64_t n,
                              float* __restrict__ t) {
   for (int64_t j = 0; j < n; j += 8) {
@@ -77,7 +77,7 @@ static void sf_to_vec16_avx2(const float* __restrict__ src, int64_t ld, int64_t 
 
 // as sf_from_vec16_generic, in 8 x 8 transpositions (the last run of columns by masked stores; t has
 // room for whole runs)
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_from_vec16_avx2(const float* __restrict__ t, int64_t n, int64_t nc, float* __restrict__ dst,
                                int64_t ld, SfClamp clamp) {
   for (int64_t j = 0; j < n; j += 8) {
@@ -90,7 +90,7 @@ static void sf_from_vec16_avx2(const float* __restrict__ t, int64_t n, int64_t n
       sf_tr8x8(r);
       const int64_t nh = std::min<int64_t>(8, nc - h);
       for (int64_t i = 0; i < nh; ++i) {
-        const __m256 v = clamp.on ? sf_clamp8(r[i], clamp) : r[i];
+        const __m256 v = sf_end8(r[i], clamp);
         if (m == 8) _mm256_storeu_ps(dst + (h + i) * ld + j, v);
         else _mm256_maskstore_ps(dst + (h + i) * ld + j, k, v);
       }
@@ -99,7 +99,7 @@ static void sf_from_vec16_avx2(const float* __restrict__ t, int64_t n, int64_t n
 }
 
 // as sf_dwc_row_generic, runs of 4 columns of two 8-lane halves
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_dwc_row_avx2(const float* __restrict__ xt, int64_t Wp, const float* __restrict__ wt,
                             const float* __restrict__ bv, const SfConvGeom& g, int64_t r, float* __restrict__ yt) {
   const int64_t S16 = g.SW * SF_DWC;
@@ -186,7 +186,7 @@ static void sf_dwb_row_avx512(const float* __restrict__ xb, const float* __restr
       }
     }
     for (int64_t b = 0; b < nb; ++b)
-      _mm512_storeu_ps(yr + (ow0 + b) * SF_DWC, clamp.on ? sf_clamp16(a[b], clamp) : a[b]);
+      _mm512_storeu_ps(yr + (ow0 + b) * SF_DWC, sf_end16(a[b], clamp));
   }
 }
 #endif
@@ -268,14 +268,14 @@ static void sf_dwf_generic(const float* x, const float* wc, float b, float* y, c
 
 #if defined(__x86_64__)
 // lanes l of 8 where bit l of bits is set
-__attribute__((target("avx2,fma"), always_inline))
+__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256i sf_bits8(uint32_t bits) {
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), sel), sel);
 }
 
 // as sf_dwf_generic for a 3x3 kernel, a run as two 8-lane halves, the weights in registers
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, const SfConvGeom& g,
                         const uint16_t* colm, int64_t period, int64_t v0, int64_t v1, SfClamp clamp) {
   // the geometry in locals: a store to y could alias g, which the taps would read again
@@ -305,7 +305,8 @@ static void sf_dwf_avx2(const float* x, const float* wc, float b, float* y, cons
         }
       }
     }
-    if (clamp.on) { a0 = sf_clamp8(a0, clamp); a1 = sf_clamp8(a1, clamp); }
+    a0 = sf_end8(a0, clamp);
+    a1 = sf_end8(a1, clamp);
     if (OP - p0 >= SF_DWF) {
       _mm256_storeu_ps(y + p0, a0);
       _mm256_storeu_ps(y + p0 + 8, a1);
@@ -341,7 +342,7 @@ static void sf_dwf_avx512(const float* x, const float* wc, float b, float* y, co
         a = _mm512_fmadd_ps(wk, _mm512_maskz_loadu_ps((__mmask16)(rm & colm[q * KW + kw]), xr + kw * DW), a);
       }
     }
-    if (clamp.on) a = sf_clamp16(a, clamp);
+    a = sf_end16(a, clamp);
     _mm512_mask_storeu_ps(y + p0, (__mmask16)sf_lane_bits(0, OP - p0), a);
   }
 }
@@ -444,7 +445,7 @@ static void sf_dws2_avx512(const float* x, const float* wc, float b, float* y, c
         a = _mm512_fmadd_ps(wr[kh * 3 + 1], t1, a);
         a = _mm512_fmadd_ps(wr[kh * 3 + 2], t2, a);
       }
-      if (clamp.on) a = sf_clamp16(a, clamp);
+      a = sf_end16(a, clamp);
       _mm512_mask_storeu_ps(y + oh * OW + ow0, (__mmask16)sf_lane_bits(0, OW - ow0), a);
     }
 }
