@@ -551,6 +551,44 @@ def exact_on_values(op: Operator) -> bool:
     return True
 
 
+def _attention_scores(graph: FlowGraph, producer: dict[int, Operator], readers: dict, half: str) -> set[int]:
+    """The ``half`` tensors of each attention written as ``MatMul -> (scalings, additive biases, selects) ->
+    Softmax -> MatMul`` on 4-D heads, each read by the next op alone: the scores (the product and what
+    follows it) and the probabilities, which :class:`HalfModelInFloat32` leaves unrounded, so that
+    ``FuseAttention`` takes the chain as it takes a float32 model's (its kernel keeps scores and
+    probabilities in float32, writing neither)."""
+    def single(t: Tensor) -> bool:
+        return len(readers.get(id(t), [])) == 1
+
+    def path(t: Tensor, depth: int) -> list[Tensor] | None:
+        """``t`` and the tensors back to a 4-D product of ``half`` values, or None."""
+        p = producer.get(id(t))
+        if p is None or depth == 0 or not single(t) or t.dtype != half or t.ndim != 4:
+            return None
+        if p.op_type == "MatMul":
+            return [t]
+        sides = p.inputs[1:2] if p.op_type == "Where" else p.inputs \
+            if p.op_type == "Binary" and p.attrs.get("fn") in ("add", "sub", "mul", "div") else []
+        for u in sides:
+            if tuple(u.shape) == tuple(t.shape) and not u.is_constant:
+                rest = path(u, depth - 1)
+                if rest is not None:
+                    return [t] + rest
+        return None
+
+    found: set[int] = set()
+    for sm in graph.nodes:
+        y = sm.outputs[0] if sm.op_type == "Softmax" and len(sm.outputs) == 1 else None
+        if y is None or y.dtype != half or not single(y):
+            continue
+        (mm,) = readers[id(y)]
+        if mm.op_type == "MatMul" and mm.inputs[0] is y and y.ndim == 4:
+            back = path(sm.inputs[0], 8)
+            if back is not None:
+                found.update(id(t) for t in [y] + back)
+    return found
+
+
 class HalfModelInFloat32(GraphPass):
     """A float16 model computed in float32 on the cpu target, each op's output rounded to float16.
 
@@ -645,6 +683,7 @@ class HalfModelInFloat32(GraphPass):
             return wide[id(t)]
 
         unrounded: set[int] = set()  # the float32 outputs left unrounded inside element-wise chains
+        scores = _attention_scores(graph, producer, readers, half)
 
         def within_chain(op: Operator, old: Tensor) -> bool:
             """Whether the half output ``old`` of the element-wise ``op`` is read only by element-wise ops
@@ -690,7 +729,7 @@ class HalfModelInFloat32(GraphPass):
                     if old.dtype != half:
                         replace[id(old)] = out
                         continue
-                    if not exact and within_chain(op, old):
+                    if not exact and (within_chain(op, old) or id(old) in scores):
                         unrounded.add(id(out))
                     elif not exact:
                         new.append(RoundHalf([out], name=f"{old.name}.round", to=half))
