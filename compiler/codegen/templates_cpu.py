@@ -500,7 +500,7 @@ def _conv(op, fused=None) -> str | None:
     else:
         simple = _kernel_finish(fused, index)
         if simple is not None and depthwise and simple[0] != "nullptr":
-            simple = None  # the depthwise kernels apply a clamp (and rounding) only; a residual add goes to the epilogue
+            simple = None  # the depthwise kernels clamp (and round) only; a residual add goes to the epilogue
         if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
             res, clamp = simple
             finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
