@@ -649,12 +649,17 @@ class HalfModelInFloat32(GraphPass):
 
         half = self.half
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
+        convertible = {id(op): self._convertible(op) for op in graph.nodes}
+        exact = {id(op): convertible[id(op)] and op.op_type != "Cast" and exact_on_values(op) for op in graph.nodes}
+        # the half tensors an op computing in float32 reads (widened anyway)
+        computed_on = {id(t) for op in graph.nodes if convertible[id(op)] and not exact[id(op)] for t in op.inputs}
         converted: set[int] = set()
         for op in graph.nodes:
-            # an op that only moves half values (exact_on_values) of which some were not computed in float32
-            # stays half: a state's update (a KV cache written in place), a view of a half input
-            if self._convertible(op) and (op.op_type == "Cast" or not exact_on_values(op) or all(
-                    t.is_constant or id(producer.get(id(t))) in converted for t in op.inputs if t.dtype == half)):
+            # an op that only moves half values (exact_on_values), some of which neither an op computed in float32
+            # nor one computing in float32 reads, stays half: a state's update (a KV cache written in place)
+            if convertible[id(op)] and (not exact[id(op)] or all(
+                    t.is_constant or id(producer.get(id(t))) in converted or id(t) in computed_on
+                    for t in op.inputs if t.dtype == half)):
                 converted.add(id(op))
         if not converted:
             return graph
@@ -705,8 +710,9 @@ class HalfModelInFloat32(GraphPass):
                 continue
             new: list[Operator] = []
             x, y = op.inputs[0], op.outputs[0]
+            # (an input another rewrite replaced: new ops read the replacement, splice redirects only old ones)
             if op.op_type == "Cast" and x.dtype == "float32":  # a rounding
-                new.append(RoundHalf([x], name=f"{y.name}.round", to=half))
+                new.append(RoundHalf([replace.get(id(x), x)], name=f"{y.name}.round", to=half))
                 as_half(y, new[-1].outputs[0], new)
             elif op.op_type == "Cast" and x.dtype == half and y.dtype in (half, "float32"):
                 if y.dtype == "float32":  # nothing: its readers read the float32 values
@@ -720,7 +726,7 @@ class HalfModelInFloat32(GraphPass):
                 else:
                     as_half(y, widened(x), new)
             else:
-                inputs = [widened(t, op) if t.dtype == half else t for t in op.inputs]
+                inputs = [widened(t, op) if t.dtype == half else replace.get(id(t), t) for t in op.inputs]
                 clone = op.clone(inputs)
                 new.append(clone)
                 # exact: the values of its inputs, when those are half values

@@ -138,6 +138,27 @@ def test_a_float16_model_is_computed_in_float32_on_the_cpu():
         _close(got[k], ref[k], rel=2.0 ** -9)
 
 
+def test_a_comparison_of_float16_values_feeds_the_float32_select():
+    """An op computed in float32 whose other output is not float16 (a comparison's bools) is read by the
+    ops computed after it in float32 (before, the select's float32 copy read the old comparison, which
+    stayed in the graph beside its copy: two nodes of one name, refused by the compile; ONNX's
+    ``test_attention_local_window_ext_cache_float16_mask_expanded`` on the cpu target)."""
+    from shardflow.compiler.passes.precision import HalfModelInFloat32
+
+    zero = numpy_helper.from_array(np.array(0.0, np.float16), "zero")
+    nodes = [helper.make_node("Tanh", ["x"], ["t"]), helper.make_node("Greater", ["t", "zero"], ["b"]),
+             helper.make_node("Where", ["b", "t", "x"], ["w"]), helper.make_node("Mul", ["w", "x"], ["y"])]
+    m = _model(nodes, [("x", TensorProto.FLOAT16, [4, 6])], [("y", TensorProto.FLOAT16, [4, 6])], [zero])
+    feeds = {"x": np.random.default_rng(2).standard_normal((4, 6)).astype(np.float16)}
+    g = load_onnx(m)
+    want = g.run(feeds)["y"]
+    g = HalfModelInFloat32().run(g)
+    g.validate()
+    assert len({op.name for op in g.nodes}) == len(g.nodes), [op.name for op in g.nodes]
+    assert not any(t.dtype == "float16" for op in g.nodes if op.op_type != "Cast" for t in op.inputs + op.outputs)
+    _close(g.run(feeds)["y"], want, rel=2.0 ** -10)
+
+
 def test_a_float16_cnn_compiled_for_cpu_takes_the_float32_templates(tmp_path):
     """Compiled for the cpu target, the float16 CNN's conv takes the float32 conv template with the residual,
     the Relu and the roundings applied as the kernels store (SfClamp's half), its pool the pool template;
