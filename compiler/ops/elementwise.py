@@ -110,10 +110,10 @@ class CastOp(Operator):
 
 class RoundHalf(Operator):
     """``y = float32(half(x))``: float32 ``x`` rounded to the half type ``to`` (``"float16"`` or
-    ``"bfloat16"``, round to nearest even), kept in float32. A half model computed in float32 on the cpu
-    target (``passes/precision.HalfModelInFloat32``) rounds each op's output with it: one element-wise
-    float32 op, which joins the producer's kernel (a conv's epilogue, a GEMM's) where the pair of casts,
-    with its half tensor between, did not."""
+    ``"bfloat16"``, round to nearest even), kept in float32. A float16 model computed in float32 on the cpu
+    target (``passes/precision.HalfModelInFloat32``) rounds its ops' outputs with it: one element-wise
+    float32 op, which joins its producer's kernel (a conv's epilogue, where the conv kernels apply it as
+    they store) where a pair of casts, with a half tensor between them, did not."""
 
     op_type = "RoundHalf"
     injective = True
