@@ -1174,6 +1174,9 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
                                     SfConvEpi epi, const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
   const int64_t vl = sf_cukr().vl;
+  // (the portable conv table is 8 wide too: the AVX2 kernels below only where its helpers run, not under
+  // SHARDFLOW_CPU_ISA=generic or on a CPU without AVX2)
+  if (vl == 8 && !sf_avx2_helpers()) return false;
   if (blk) {
     if ((vl != 16 && vl != 8) || (g.SW != 1 && g.SW != 2)) return false;
   } else {
