@@ -687,8 +687,7 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
         elif m.op_type == "Clip":
             lo, hi = m.attrs.get("lo"), m.attrs.get("hi")
             clamp = (-math.inf if lo is None else lo, math.inf if hi is None else hi)
-        elif m.op_type == "Binary" and m.attrs.get("fn") == "add" and res == "nullptr" and len(m.inputs) == 2 \
-                and not (rounded and rounded[-1] == "clamp"):
+        elif m.op_type == "Binary" and m.attrs.get("fn") == "add" and res == "nullptr" and len(m.inputs) == 2:
             other = [t for t in m.inputs if t is not prev]
             if len(other) != 1 or tuple(other[0].shape) != shape or other[0].dtype != "float32" \
                     or id(other[0]) not in index:
