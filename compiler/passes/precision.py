@@ -635,10 +635,12 @@ class HalfModelInFloat32(GraphPass):
         if op.op_type == "Cast":
             return True
         # the op on float32 values must give float32 where it gave half, the rest unchanged (not an op whose
-        # output type is an attribute)
+        # output type is an attribute); small constants with their values (a scalar exponent shapes a
+        # compute definition), a weight's not converted for this
         try:
-            wide = op.clone([Tensor(t.name, t.shape, "float32", None, None if t.value is None else
-                                    np.asarray(t.value, np.float32)) if t.dtype == half else t for t in op.inputs])
+            wide = op.clone([Tensor(t.name, t.shape, "float32", None, np.asarray(t.value, np.float32)
+                                    if t.value is not None and t.size <= HALF_TABLE_ELEMENTS else None)
+                             if t.dtype == half else t for t in op.inputs])
         except (ShardflowError, ValueError, TypeError):
             return False
         return [(t.shape, "float32" if t.dtype == half else t.dtype) for t in op.outputs] == \
