@@ -590,14 +590,17 @@ def _attention_scores(graph: FlowGraph, producer: dict[int, Operator], readers: 
 
 
 class HalfModelInFloat32(GraphPass):
-    """A float16 model computed in float32 on the cpu target, each op's output rounded to float16.
+    """A float16 model computed in float32 on the cpu target, its values rounded to float16 where a kernel
+    on float16 storage would store them.
 
     Every op whose floating-point inputs and outputs are all of the ``half`` type (float16) is
     computed on its inputs widened to float32, and each half output is rounded back to ``half``'s
-    values by a :class:`~shardflow.compiler.ops.elementwise.RoundHalf` (none after an op that
-    computes nothing, :func:`exact_on_values`: reshapes, slices, max pools). The tensors between such
-    ops are float32 holding half values: the values a half kernel stores (computed in float32,
-    rounded once per op), with every float32 template behind them (pools, LayerNorm, softmax, the
+    values by a :class:`~shardflow.compiler.ops.elementwise.RoundHalf`: not inside a chain of
+    element-wise ops (the chain is one kernel, rounded where it ends), not on an attention's scores
+    and probabilities (:func:`_attention_scores`: its fused kernel writes neither), and not after an
+    op that computes nothing (:func:`exact_on_values`: reshapes, slices, max pools) on rounded
+    values. The tensors between such ops are float32 holding half values: the values a half kernel
+    stores (computed in float32, rounded once where stored), with every float32 template behind them (pools, LayerNorm, softmax, the
     conv epilogues, which take the rounding as one more element-wise op) where the generic kernels
     on half storage ran before. ``Cast``s to and from ``half`` become roundings and nothing; those
     of ``optimization_config["precision"]`` too (whose weights stay float16, read through their
@@ -652,14 +655,14 @@ class HalfModelInFloat32(GraphPass):
         half = self.half
         producer = {id(t): op for op in graph.nodes for t in op.outputs}
         convertible = {id(op): self._convertible(op) for op in graph.nodes}
-        exact = {id(op): convertible[id(op)] and op.op_type != "Cast" and exact_on_values(op) for op in graph.nodes}
+        moves = {id(op): convertible[id(op)] and op.op_type != "Cast" and exact_on_values(op) for op in graph.nodes}
         # the half tensors an op computing in float32 reads (widened anyway)
-        computed_on = {id(t) for op in graph.nodes if convertible[id(op)] and not exact[id(op)] for t in op.inputs}
+        computed_on = {id(t) for op in graph.nodes if convertible[id(op)] and not moves[id(op)] for t in op.inputs}
         converted: set[int] = set()
         for op in graph.nodes:
             # an op that only moves half values (exact_on_values), some of which neither an op computed in float32
             # nor one computing in float32 reads, stays half: a state's update (a KV cache written in place)
-            if convertible[id(op)] and (not exact[id(op)] or all(
+            if convertible[id(op)] and (not moves[id(op)] or all(
                     t.is_constant or id(producer.get(id(t))) in converted or id(t) in computed_on
                     for t in op.inputs if t.dtype == half)):
                 converted.add(id(op))
@@ -732,7 +735,7 @@ class HalfModelInFloat32(GraphPass):
                 clone = op.clone(inputs)
                 new.append(clone)
                 # exact: the values of its inputs, when those are half values
-                exact = exact_on_values(op) and not any(id(t) in unrounded for t in inputs)
+                exact = moves[id(op)] and not any(id(t) in unrounded for t in inputs)
                 for old, out in zip(op.outputs, clone.outputs):
                     if old.dtype != half:
                         replace[id(old)] = out

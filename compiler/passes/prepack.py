@@ -19,8 +19,8 @@ the contractions reading the same weight. Values are unchanged where ``M > 1``: 
 summed in the same order as with packing per call. A single row (``M == 1``) is summed in four partial
 sums by ``k mod 4`` (a difference of rounding).
 
-A weight of float16 values read by a product of widened float16 values (a float16 model's, widened by
-``WidenHalfProducts``; or ``optimization_config["precision"] = "float16"``, whose weight is a ``Cast`` of a
+A weight of float16 values read by a product of float16 values (a float16 model's, computed in float32 by
+``HalfModelInFloat32``; or ``optimization_config["precision"] = "float16"``, whose weight is a ``Cast`` of a
 float16 constant) is packed as float16 panels in the same layout: half the bytes, which the GEMM widens
 as it reads them (``SfHalfPrepacked``, ``cpu_library/gemm.h``), the same values.
 
@@ -208,8 +208,9 @@ def _holds_float16(value: np.ndarray) -> bool:
 
 def _half_constant(t: Tensor, producer: dict[int, Operator], half: str = "bfloat16") -> Tensor | None:
     """The constant of ``half`` values behind the float32 ``t``: the ``half`` constant ``t`` widens (as
-    ``optimization_config["precision"]`` writes a weight), or ``t`` itself when its values are all ``half``'s
-    (a half model's weight, widened by ``WidenHalfProducts``); else ``None``."""
+    ``optimization_config["precision"]`` writes a weight, and ``HalfModelInFloat32`` a float16 model's product
+    weight), or ``t`` itself when its values are all ``half``'s (a bfloat16 model's weight, widened by
+    ``WidenHalfProducts``); else ``None``."""
     w = _widened(t, producer, (half,))
     if w is not None:
         return w if w.is_constant else None

@@ -205,7 +205,7 @@ typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, c
 // The clamp a conv's kernels apply as they store its output, when on: min(max(v, lo), hi) (a fused Relu:
 // [0, inf); a fused Clip: its bounds, ReLU6's [0, 6]). A NaN stays NaN, as in Relu and Clip: max and min
 // return v when it is NaN (std::max(v, lo), and _mm*_max_ps(lo, v) whose second operand is v).
-// half: a float16 model's conv (passes/precision.HalfModelInFloat32 rounds each op's output): the value is
+// half: a float16 model's conv (passes/precision.HalfModelInFloat32 rounds its output, and the Add's): the value is
 // rounded to float16 after the bias and again after the residual (sf_half*, before the residual; sf_end*,
 // with the clamp, whose bounds are float16 values: rounding and clamping commute).
 struct SfClamp { bool on; float lo, hi; bool half; };
