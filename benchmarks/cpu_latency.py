@@ -22,7 +22,8 @@ products' weights as float16 panels), and of the CNNs (the committed ResNet; wit
 MobileNetV2 and ConvNeXt-tiny: computed in float32, each op's output rounded to float16).
 ``--precision-bf16`` also times each transformer compiled with ``optimization_config["precision"] =
 "bfloat16"`` (its products' operands rounded to bfloat16, sums in float32: the AMX or AVX-512 BF16 GEMM
-where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the float32 model (with ``--sized``, the ResNet-50 too: ``resnet50_224_pbf16``, its convs on the bfloat16 GEMM).
+where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the float32 model (with ``--sized``, the
+ResNet-50 too: ``resnet50_224_pbf16``, its convs on the bfloat16 GEMM).
 ``--int8`` also times two copies of each transformer (the committed ones, and the sized ones with
 ``--sized``): quantized by onnxruntime's ``quantize_dynamic`` (int8 weights, ``DynamicQuantizeLinear``
 and ``MatMulInteger`` per projection), named ``<model>_int8``, and by ``quantize_static`` in the QDQ

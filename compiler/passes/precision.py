@@ -600,8 +600,9 @@ class HalfModelInFloat32(GraphPass):
     and probabilities (:func:`_attention_scores`: its fused kernel writes neither), and not after an
     op that computes nothing (:func:`exact_on_values`: reshapes, slices, max pools) on rounded
     values. The tensors between such ops are float32 holding half values: the values a half kernel
-    stores (computed in float32, rounded once where stored), with every float32 template behind them (pools, LayerNorm, softmax, the
-    conv epilogues, which take the rounding as one more element-wise op) where the generic kernels
+    stores (computed in float32, rounded once where stored), with every float32 template behind them
+    (pools, LayerNorm, softmax, the conv epilogues, which take the rounding as one more element-wise op)
+    where the generic kernels
     on half storage ran before. ``Cast``s to and from ``half`` become roundings and nothing; those
     of ``optimization_config["precision"]`` too (whose weights stay float16, read through their
     ``Cast``s). A half model's weights: a conv's become float32 constants (of float16 values), which
