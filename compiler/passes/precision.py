@@ -602,8 +602,7 @@ class HalfModelInFloat32(GraphPass):
     values. The tensors between such ops are float32 holding half values: the values a half kernel
     stores (computed in float32, rounded once where stored), with every float32 template behind them
     (pools, LayerNorm, softmax, the conv epilogues, which take the rounding as one more element-wise op)
-    where the generic kernels
-    on half storage ran before. ``Cast``s to and from ``half`` become roundings and nothing; those
+    where the generic kernels on half storage ran before. ``Cast``s to and from ``half`` become roundings and nothing; those
     of ``optimization_config["precision"]`` too (whose weights stay float16, read through their
     ``Cast``s). A half model's weights: a conv's become float32 constants (of float16 values), which
     ``PrepackWeights`` packs or transforms in float32 (twice the model's bytes, as
