@@ -14,12 +14,13 @@ synthetic weights, one 224x224 image). ``--only`` picks models by name.
 ``--compare-off KEY`` also times each model compiled with ``optimization_config[KEY] = False`` in the same
 run, interleaved with the default build (e.g. ``prepack``: GEMM weights packed on every call; ``blocked``:
 the plain layout between convs); ``--compare-prepack`` is ``--compare-off prepack``.
-``--bf16`` also times a bfloat16 copy of each transformer (tests/models/to_half.py: weights, casts and
-graph types in bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to
-onnxruntime on the float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the
-CPU); its max |diff| is the bfloat16 roundings'. ``--f16`` likewise in float16 (``<model>_f16``: its
-products' weights as float16 panels), and of the CNNs (the committed ResNet; with ``--sized`` the ResNet-50,
-MobileNetV2 and ConvNeXt-tiny: computed in float32, each op's output rounded to float16).
+``--bf16`` also times a bfloat16 copy of each transformer and CNN (the committed ResNet; with ``--sized`` the
+ResNet-50, MobileNetV2 and ConvNeXt-tiny) (tests/models/to_half.py: weights, casts and graph types in
+bfloat16, as an export of the module in bfloat16 stores them), ``<model>_bf16``, next to onnxruntime on the
+float32 model with the same rounded weights (onnxruntime has no bfloat16 MatMul on the CPU); its max |diff|
+is the bfloat16 roundings'. ``--f16`` likewise in float16 (``<model>_f16``: its products' weights as float16
+panels). Both are computed in float32, each op's output rounded to the half type, the bfloat16 products and
+convs on the bfloat16 GEMM.
 ``--precision-bf16`` also times each transformer compiled with ``optimization_config["precision"] =
 "bfloat16"`` (its products' operands rounded to bfloat16, sums in float32: the AMX or AVX-512 BF16 GEMM
 where the CPU has one), ``<model>_pbf16``, next to onnxruntime on the float32 model (with ``--sized``, the
@@ -282,9 +283,9 @@ def main(argv=None) -> None:
                     help="also time each model compiled with optimization_config[KEY] = False")
     ap.add_argument("--compare-prepack", action="store_true", help="the same as --compare-off prepack")
     ap.add_argument("--bf16", action="store_true",
-                    help="also time a bfloat16 copy of each transformer (next to onnxruntime in float32)")
+                    help="also time a bfloat16 copy of each model (next to onnxruntime in float32)")
     ap.add_argument("--f16", action="store_true",
-                    help="also time a float16 copy of each transformer (next to onnxruntime in float32)")
+                    help="also time a float16 copy of each model (next to onnxruntime in float32)")
     ap.add_argument("--precision-bf16", action="store_true",
                     help="also time each transformer compiled with precision bfloat16 (next to onnxruntime in float32)")
     ap.add_argument("--int8", action="store_true",
@@ -297,12 +298,16 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     compare = "prepack" if args.compare_prepack else args.compare_off
 
-    def bench_text(name, path, feeds, repeat):
-        bench(name, path, feeds, args.threads, repeat, work, compare)
+    def bench_halves(name, path, feeds, repeat):
+        """The model's bfloat16 and float16 copies (``--bf16``, ``--f16``)."""
         if args.bf16:
             bench_half(name, path, feeds, args.threads, repeat, work)
         if args.f16:
             bench_half(name, path, feeds, args.threads, repeat, work, "float16")
+
+    def bench_text(name, path, feeds, repeat):
+        bench(name, path, feeds, args.threads, repeat, work, compare)
+        bench_halves(name, path, feeds, repeat)
         if args.precision_bf16:
             bench(f"{name}_pbf16", path, feeds, args.threads, repeat, work, compare, {"precision": "bfloat16"})
         if args.int8:
@@ -327,8 +332,8 @@ def main(argv=None) -> None:
                 bench_text(m, copy, feeds, args.repeat)
                 continue
             bench(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, compare)
-            if args.f16 and m.startswith("resnet"):
-                bench_half(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.threads, args.repeat, work, "float16")
+            if m.startswith("resnet"):
+                bench_halves(m, os.path.join(MODELS, f"{m}.onnx"), feeds, args.repeat)
         if args.light:
             import onnx
 
@@ -366,8 +371,8 @@ def main(argv=None) -> None:
                     if args.precision_bf16:  # (its convs on the bfloat16 GEMM)
                         bench("resnet50_224_pbf16", path, feeds, args.threads, max(5, args.repeat // 5), work,
                               compare, {"precision": "bfloat16"})
-                    if args.f16:  # (a float16 CNN: computed in float32, rounded per op)
-                        bench_half("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, "float16")
+                    # (a half CNN: computed in float32, rounded per op; the bfloat16 one's convs on the bfloat16 GEMM)
+                    bench_halves("resnet50_224", path, feeds, max(5, args.repeat // 5))
                 if args.int8:  # (its convs on the integer conv)
                     bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                           work, compare)
@@ -378,9 +383,7 @@ def main(argv=None) -> None:
                     if args.only in f"{kind}_224":
                         bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
                               compare)
-                        if args.f16:
-                            bench_half(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
-                                       "float16")
+                        bench_halves(f"{kind}_224", path, feeds, max(5, args.repeat // 5))
                     if args.int8:
                         bench(f"{kind}_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                               work, compare)

@@ -1272,12 +1272,14 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.projections import MergeProjections
 
         rg = MergeProjections(parts_only=True).run(rg)
-        # a float16 model (and precision float16's roundings) computed in float32, each op's output
-        # rounded to float16: the float32 templates and epilogues throughout (passes/precision.py)
+        # a float16 or bfloat16 model (and precision's roundings) computed in float32, each op's output
+        # rounded to the half type: the float32 templates and epilogues throughout (passes/precision.py;
+        # the bfloat16 products and convs then read bfloat16 copies, passes/prepack.py)
         from .passes.precision import HalfModelInFloat32, WidenHalfProducts
 
         rg = HalfModelInFloat32("float16").run(rg)
-        # a bfloat16 model's products by the float32 templates, rounded once
+        rg = HalfModelInFloat32("bfloat16").run(rg)
+        # what is left of half products (of mixed half types) by the float32 templates, rounded once
         rg = WidenHalfProducts().run(rg)
     if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
         # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks

@@ -193,6 +193,31 @@ class _Printer:
     def dt(self, e: Expr) -> str | None:
         return value_dtype(e, self.dtypes)
 
+    def unrounded(self, e: Expr, half: str) -> Expr:
+        """``e`` (of float32 or ``half`` values, computed in float32) without the roundings to ``half`` inside it
+        that a rounding of its value to ``half`` makes redundant: rounding to nearest even is monotone and
+        symmetric, so ``round(max(round(a), b)) == max(round(a), round(b)) == round(max(a, b))``, and likewise
+        through ``min``, negation, ``abs`` and the branches of a select (a float16 or bfloat16 model's
+        rounding before a Relu, then at the store; passes/precision.HalfModelInFloat32)."""
+        def wide(x: Expr) -> bool:
+            return self.dt(x) in ("float32", half)
+
+        if isinstance(e, Cast) and e.dtype in ("float32", half) and wide(e.a):
+            inner = e.a
+            if e.dtype == "float32" and isinstance(inner, Cast) and inner.dtype == half \
+                    and self.dt(inner.a) == "float32":
+                return self.unrounded(inner.a, half)
+            if e.dtype == half and self.dt(inner) == "float32":
+                return self.unrounded(inner, half)
+            return e
+        if isinstance(e, BinOp) and e.op in ("max", "min") and wide(e.a) and wide(e.b):
+            return BinOp(e.op, self.unrounded(e.a, half), self.unrounded(e.b, half))
+        if isinstance(e, UnaryOp) and e.op in ("neg", "abs") and wide(e.a):
+            return UnaryOp(e.op, self.unrounded(e.a, half))
+        if isinstance(e, IfThenElse) and wide(e.then) and wide(e.other):
+            return IfThenElse(e.cond, self.unrounded(e.then, half), self.unrounded(e.other, half))
+        return e
+
     def expr(self, e: Expr, want: str | None = None) -> str:
         """``e`` as C++ in the compute type of ``want`` (default: its own dtype)."""
         if isinstance(e, Const):
@@ -256,6 +281,8 @@ class _Printer:
             dst = self.dt(e) if e.dtype not in ML_FLOATS else e.dtype  # (bfloat16, float8: computed as float32)
             if src is None:
                 return self.expr(e.a, dst)
+            if dst in ("float16", "bfloat16") and src == "float32":
+                return convert(self.expr(self.unrounded(e.a, dst)), src, dst)
             return convert(self.expr(e.a), src, dst)
         if isinstance(e, BinOp):
             return self._binop(e)
@@ -373,11 +400,13 @@ class _Printer:
             buf = s.buffer
             target = f"{buf.name}[{self.index(buf, s.indices)}]"
             if buf.dtype == "float16" and buf.role not in ("temp", "local"):
-                src = self.dt(s.value)
-                v = self.expr(s.value) if src is not None and _kind(src) == "f" else self.expr(s.value, "float32")
+                value = self.unrounded(s.value, "float16")  # (the store rounds)
+                src = self.dt(value)
+                v = self.expr(value) if src is not None and _kind(src) == "f" else self.expr(value, "float32")
                 self.emit(f"{target} = sf_f2h({v});", depth)
             elif buf.dtype == "bfloat16" and buf.role not in ("temp", "local"):
-                self.emit(f"{target} = sf_float_to_bf16({self.expr(s.value, 'float32')});", depth)
+                self.emit(f"{target} = sf_float_to_bf16({self.expr(self.unrounded(s.value, 'bfloat16'), 'float32')});",
+                          depth)
             elif buf.dtype in float8.FLOAT8 and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = {float8.store(self.expr(s.value, 'float32'), buf.dtype)};", depth)
             elif buf.dtype == "bool" and buf.role not in ("temp", "local"):

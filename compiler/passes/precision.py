@@ -590,10 +590,10 @@ def _attention_scores(graph: FlowGraph, producer: dict[int, Operator], readers: 
 
 
 class HalfModelInFloat32(GraphPass):
-    """A float16 model computed in float32 on the cpu target, its values rounded to float16 where a kernel
-    on float16 storage would store them.
+    """A float16 or bfloat16 model computed in float32 on the cpu target, its values rounded to the half type
+    where a kernel on half storage would store them.
 
-    Every op whose floating-point inputs and outputs are all of the ``half`` type (float16) is
+    Every op whose floating-point inputs and outputs are all of the ``half`` type (float16 or bfloat16) is
     computed on its inputs widened to float32, and each half output is rounded back to ``half``'s
     values by a :class:`~shardflow.compiler.ops.elementwise.RoundHalf`: not inside a chain of
     element-wise ops (the chain is one kernel, rounded where it ends), not on an attention's scores
@@ -604,11 +604,12 @@ class HalfModelInFloat32(GraphPass):
     (pools, LayerNorm, softmax, the conv epilogues, which take the rounding as one more element-wise op)
     where the generic kernels on half storage ran before. ``Cast``s to and from ``half`` become roundings and nothing; those
     of ``optimization_config["precision"]`` too (whose weights stay float16, read through their
-    ``Cast``s). A half model's weights: a conv's become float32 constants (of float16 values), which
+    ``Cast``s). A half model's weights: a conv's become float32 constants (of half values), which
     ``PrepackWeights`` packs or transforms in float32 (twice the model's bytes, as
-    :class:`WidenHalfProducts` stored them); a product's stay float16, read through a ``Cast``
-    (``PrepackWeights`` stores them as float16 panels); small constants (biases, norms' scales) are
-    widened here.
+    :class:`WidenHalfProducts` stored them), or, bfloat16, as the bfloat16 GEMM's rows; a product's stay
+    half, read through a ``Cast`` (``PrepackWeights`` stores them as float16 or bfloat16 panels); small
+    constants (biases, norms' scales) are widened here. A bfloat16 product or conv then reads a bfloat16
+    copy of its operand (``PrepackWeights``: the rounding becomes that cast).
 
     Collectives, opaque ops (top-k, sort), lookups in a constant table (an embedding's ``Gather``),
     other ops that read a half constant of more than :data:`HALF_TABLE_ELEMENTS` elements (not a
@@ -748,7 +749,7 @@ class HalfModelInFloat32(GraphPass):
                     as_half(old, out, new)
             after[id(op)] = new
         graph.nodes = first + graph.nodes
-        log.info("float16 model: %d ops computed in float32", len(converted))
+        log.info("%s model: %d ops computed in float32", half, len(converted))
         return splice(graph, after, replace)
 
 

@@ -152,9 +152,9 @@ BF16_CONV_MIN_K = 32
 
 def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.ndarray] | None:
     """``(image, value)`` of a float32 Conv of bfloat16 values this pass runs on the bfloat16 GEMM: its input
-    a widened bfloat16 image, its weight a Cast of a bfloat16 constant or a float32 constant holding
-    bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output, 1 or 2 spatial dims; ``value`` the
-    weight's values. ``None`` for any other op."""
+    an image of bfloat16 values (``image``: :func:`_bf16_image`), its weight a Cast of a bfloat16 constant or
+    a float32 constant holding bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output, 1 or 2
+    spatial dims; ``value`` the weight's values. ``None`` for any other op."""
     if op.op_type != "Conv" or len(op.outputs) != 1 or len(op.inputs) not in (2, 3) \
             or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or op.inputs[0].ndim not in (3, 4):
         return None
@@ -162,7 +162,7 @@ def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
     if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape or 0 in w.shape \
             or math.prod(w.shape[1:]) < BF16_CONV_MIN_K:
         return None
-    a = _widened(x, producer)
+    a = _bf16_image(x, producer)
     wb = _half_constant(w, producer) if a is not None else None
     return None if wb is None else (a, np.asarray(wb.value))
 
@@ -199,6 +199,17 @@ def _widened(t: Tensor, producer: dict[int, Operator], dtypes: tuple[str, ...] =
     return p.inputs[0]
 
 
+def _bf16_image(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
+    """The operand a bfloat16 product reads for its float32 operand ``t``: the bfloat16 tensor ``t`` widens,
+    or ``t`` itself when it holds bfloat16 values by construction (:func:`_half_values`: a bfloat16 model
+    computed in float32, ``HalfModelInFloat32``), which the product reads cast to bfloat16 (exactly:
+    :meth:`PrepackWeights._bf16`); else ``None``."""
+    a = _widened(t, producer)
+    if a is not None:
+        return a
+    return t if _half_values(t, producer, "bfloat16") else None
+
+
 def _holds_float16(value: np.ndarray) -> bool:
     """Whether every value of the float32 array ``value`` is a float16 value (the round trip keeps its bits)."""
     v = np.ascontiguousarray(value, np.float32)
@@ -232,9 +243,9 @@ def _float32_product(op: Operator) -> tuple[Tensor, Tensor] | None:
     return x, b
 
 
-def _float16_values(t: Tensor, producer: dict[int, Operator]) -> bool:
-    """Whether the float32 ``t`` holds float16 values by construction: widened from float16 by a Cast,
-    rounded to float16 (``RoundHalf``, ``passes/precision.HalfModelInFloat32``), or moved (a reshape, a
+def _half_values(t: Tensor, producer: dict[int, Operator], half: str = "float16") -> bool:
+    """Whether the float32 ``t`` holds ``half`` values by construction: widened from ``half`` by a Cast,
+    rounded to ``half`` (``RoundHalf``, ``passes/precision.HalfModelInFloat32``), or moved (a reshape, a
     transpose: :func:`~shardflow.compiler.passes.precision.exact_on_values`) from such values."""
     from .precision import exact_on_values
 
@@ -242,7 +253,7 @@ def _float16_values(t: Tensor, producer: dict[int, Operator]) -> bool:
         p = producer.get(id(t))
         if p is None:
             return False
-        if _widened(t, producer, ("float16",)) is not None or (p.op_type == "RoundHalf" and p.attrs["to"] == "float16"):
+        if _widened(t, producer, (half,)) is not None or (p.op_type == "RoundHalf" and p.attrs["to"] == half):
             return True
         if len(p.outputs) != 1 or not p.inputs or p.inputs[0].dtype != "float32" or not exact_on_values(p):
             return False
@@ -252,10 +263,10 @@ def _float16_values(t: Tensor, producer: dict[int, Operator]) -> bool:
 
 def _float16_weight(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
     """``(b, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` holds float16 values
-    (:func:`_float16_values`) and whose ``B`` (``b``) holds float16 values (``w``: :func:`_half_constant`; ``b``
+    (:func:`_half_values`) and whose ``B`` (``b``) holds float16 values (``w``: :func:`_half_constant`; ``b``
     itself for a float16 model's weight). ``None`` for any other op."""
     xb = _float32_product(op)
-    if xb is None or not _float16_values(xb[0], producer):
+    if xb is None or not _half_values(xb[0], producer):
         return None
     w = _half_constant(xb[1], producer, "float16")
     return (xb[1], w) if w is not None else None
@@ -274,12 +285,12 @@ def _packed_form(op: Operator, a: Tensor, panels: Tensor, n: int) -> tuple[list[
 
 
 def _bf16_operands(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, Tensor] | None:
-    """``(a, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` is bfloat16 values widened by
-    a Cast (``a``: the bfloat16 tensor) and whose ``B`` is a constant holding bfloat16 values (``w``:
+    """``(a, w)`` of a float32 MatMul/Gemm (:func:`_float32_product`) whose ``A`` holds bfloat16 values (``a``:
+    :func:`_bf16_image`) and whose ``B`` is a constant holding bfloat16 values (``w``:
     :func:`_half_constant`: a Cast of a bfloat16 constant, ``optimization_config["precision"] = "bfloat16"``,
     or a bfloat16 model's weight widened by ``WidenHalfProducts``). ``None`` for any other op."""
     xb = _float32_product(op)
-    a = _widened(xb[0], producer) if xb is not None else None
+    a = _bf16_image(xb[0], producer) if xb is not None else None
     w = _half_constant(xb[1], producer) if a is not None else None
     return (a, w) if w is not None and w.ndim == 2 else None
 
@@ -426,6 +437,7 @@ class PrepackWeights(GraphPass):
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import (PackedConv, PackedConvBf16, PackedConvInteger, WinogradConv, pack_bf16_conv,
                                 pack_int8_conv, winograd_weights)
+        from ..ops.elementwise import CastOp
         from ..ops.linalg import (PackedMatMul, PackedMatMulBf16, PackedMatMulInteger, pack_bf16_panels,
                                   pack_int8_panels, pack_panels)
 
@@ -444,10 +456,30 @@ class PrepackWeights(GraphPass):
         half_forms = {id(op): f for op in graph.nodes if (f := _float16_weight(op, producer))} if self.gemm else {}
         conv_int8: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (weight, group) -> wa, wc
         conv_bf16: dict[tuple[int, int], Tensor] = {}  # (the float32 weight a conv reads, group) -> bfloat16 rows
+        # (a float32 operand of bfloat16 values, by id) -> the op after which its bfloat16 copy is placed, the copy
+        as_bf16: dict[int, tuple[Tensor, Operator, Operator]] = {}
+        bf16_products: set[int] = set()  # the products and convs that read such a copy
+
+        def bf16(a: Tensor) -> Tensor:
+            """The bfloat16 operand ``a`` of a product, or the exact cast of the float32 ``a`` (which holds bfloat16
+            values, :func:`_bf16_image`) to bfloat16, placed right after ``a``'s producer: once per tensor, of a
+            ``RoundHalf``'s input (which it rounds the same) in place of its output."""
+            if a.dtype == "bfloat16":
+                return a
+            if id(a) not in as_bf16:
+                p = producer[id(a)]
+                src = p.inputs[0] if p.op_type == "RoundHalf" else a
+                cast = CastOp([replace.get(id(src), src)], name=f"{a.name}.bfloat16", to="bfloat16")
+                after.setdefault(id(p), []).append(cast)
+                as_bf16[id(a)] = (a, p, cast)
+            return as_bf16[id(a)][2].outputs[0]
+
         for op in graph.nodes:
             bc = _bf16_conv(op, producer) if self.gemm else None
             if bc is not None:
                 a, value = bc
+                a = bf16(a)
+                bf16_products.add(id(op))
                 w, group = op.inputs[1], int(op.attrs.get("group", 1))
                 if (id(w), group) not in conv_bf16:
                     conv_bf16[(id(w), group)] = const_tensor(pack_bf16_conv(value, group), f"{op.name}.bf16rows")
@@ -479,6 +511,8 @@ class PrepackWeights(GraphPass):
                     (bf16_forms.get(id(c)) or (None, None))[1] is h[1] and _transposed(c) == _transposed(op)
                     for c in consumers.get(id(b), [])):
                 a, w = h
+                a = bf16(a)
+                bf16_products.add(id(op))
                 trans = _transposed(op)
                 if id(b) not in packed_bf16:
                     value = np.asarray(w.value)
@@ -552,6 +586,13 @@ class PrepackWeights(GraphPass):
             new = PackedMatMul(inputs, name=op.name, **attrs)
             after[id(op)] = [new]
             replace[id(op.outputs[0])] = new.outputs[0]
+        for a, p, cast in as_bf16.values():
+            # its element-wise readers read the copy widened (the same values, half the bytes), which leaves the
+            # float32 tensor to the kernel that computes it (unrounded, if at all) and writes the copy
+            others = [r for r in consumers.get(id(a), []) if id(r) not in bf16_products]
+            if others and id(a) not in outputs and all(type(r).injective for r in others):
+                after[id(p)].append(CastOp([cast.outputs[0]], name=f"{a.name}.widened", to="float32"))
+                replace[id(a)] = after[id(p)][-1].outputs[0]
         if after:
             log.debug("packed %d GEMM weights (%d bfloat16); %d ops rewritten", len(packed) + len(packed_bf16),
                       len(packed_bf16), len(after))
