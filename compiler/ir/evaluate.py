@@ -35,8 +35,8 @@ def evaluate_task(task: Task, inputs: list[np.ndarray]) -> list[np.ndarray]:
     outs = []
     for out in task.outputs:
         res = evaluate_compute(out, bound)
-        bound[id(out)] = res
-        outs.append(res)
+        bound[id(out)] = res  # (bfloat16 values as float32 for the task's later computes)
+        outs.append(res.astype(numpy_type("bfloat16")) if out.dtype == "bfloat16" else res)
     return outs
 
 

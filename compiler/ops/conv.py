@@ -185,9 +185,10 @@ class Conv(Operator):
     def compute(self, x, w, *bias):
         return self._conv_compute(x, w, bias, x.dtype, self._x_at, self._weight_at)
 
-    def _conv_compute(self, x, w, bias, dt: str, x_at, weight_at):
+    def _conv_compute(self, x, w, bias, dt: str, x_at, weight_at, finish=None, out_dt: str | None = None):
         """The conv's compute in ``dt``: ``sum x_at(x, n, ch, pos) * weight_at(w, oc, ic, k)`` over the
-        window (taps in the padding read 0) plus ``bias``."""
+        window (taps in the padding read 0) plus ``bias``, then ``finish`` (an ``Expr -> Expr``) giving the
+        output of type ``out_dt`` (default: ``dt``)."""
         xs = self._x_shape(x)
         n_sp = len(xs) - 2
         wshape = self._weight_shape(x, w)
@@ -226,8 +227,9 @@ class Conv(Operator):
                     v = if_then_else(cond, v, Const(0, dt))
                 return v * weight_at(w, oci, ic, k)
             acc = reduce((icg, *kern), body, "sum")
-            return acc + bias[0][oci] if bias else acc
-        return self._output((n, oc) + out, f, dt)
+            v = acc + bias[0][oci] if bias else acc
+            return finish(v) if finish is not None else v
+        return self._output((n, oc) + out, f, out_dt or dt)
 
     def local_attrs(self, inputs, output_shapes):
         """On channel shards the group count is the local channels over channels per group."""
@@ -430,7 +432,10 @@ class PackedConvBf16(Conv):
     GEMM of those rows by the image's im2col matrix (each product exact in float32, float32 sums).
 
     Inputs ``x [N, C, *in]`` (bfloat16), ``w`` (bfloat16 rows, :func:`pack_bf16_conv`), optional ``bias [OC]``
-    (float32). Attributes: Conv's (1 or 2 spatial dims), ``oc`` and ``kernel``. The output is float32.
+    (float32). Attributes: Conv's (1 or 2 spatial dims), ``oc`` and ``kernel``; ``relu`` (default False: the
+    sums plus the bias clamped at 0, NaN kept) and ``to`` (the output's type: ``"float32"``, the default, or
+    ``"bfloat16"``, rounded to nearest even: what the next bfloat16 conv reads; ``passes/prepack.py`` folds
+    a following Relu and cast so).
     """
 
     def _weight_shape(self, x, w) -> tuple[int, ...]:
@@ -459,7 +464,14 @@ class PackedConvBf16(Conv):
             for kk, n in zip(k, kern):
                 flat = flat * n + kk
             return Cast(w[oc, flat], "float32")
-        return self._conv_compute(x, w, bias, "float32", x_at, weight_at)
+
+        relu, to = bool(self.attrs.get("relu", False)), self.attrs.get("to", "float32")
+
+        def finish(v):
+            if relu:
+                v = BinOp("max", v, Const(0.0, "float32"))
+            return Cast(v, to) if to != "float32" else v
+        return self._conv_compute(x, w, bias, "float32", x_at, weight_at, finish, to)
 
     def local_attrs(self, inputs, output_shapes):
         """The rank's own op (the pass runs on a rank's graph): its attributes as they are."""
@@ -469,7 +481,10 @@ class PackedConvBf16(Conv):
         oc, kern, g = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"]), self.attrs.get("group", 1)
         k = x.shape[1] // g * math.prod(kern)
         wf = np.asarray(w[:oc, :k], np.float32).reshape((oc, -1) + kern)
-        return [self._numpy(np.asarray(x, np.float32), wf, bias, self.outputs[0].shape[2:])]
+        y = self._numpy(np.asarray(x, np.float32), wf, bias, self.outputs[0].shape[2:])
+        if self.attrs.get("relu", False):
+            y = np.where(np.isnan(y), y, np.maximum(y, np.float32(0)))
+        return [y.astype(numpy_type(self.attrs.get("to", "float32")))]
 
 
 #: Winograd's minimal filtering F(m x m, 3 x 3) (Lavin and Gray, 2016) for m = 2 and 4: ``(B^T, G, A^T)``
@@ -1238,5 +1253,10 @@ def examples(rng: np.random.Generator):
          {"oc": 6, "kernel": (2, 3), "group": 2, "strides": (2, 1), "dilations": (1, 2), "pads": (0, 1, 1, 0)}),
         (PackedConvBf16, [bf(1, 3, 9), pack_bf16_conv(bf(20, 3, 3), 1), f(20)],
          {"oc": 20, "kernel": (3,), "strides": (2,), "pads": (1, 1)}),
+        # a Relu and the rounding to bfloat16 as it stores (34 channels: a partial tile of rows)
+        (PackedConvBf16, [bf(1, 5, 7, 6), pack_bf16_conv(bf(34, 5, 3, 3), 1), f(34)],
+         {"oc": 34, "kernel": (3, 3), "pads": (1, 1, 1, 1), "relu": True, "to": "bfloat16"}),
+        (PackedConvBf16, [bf(2, 4, 5, 5), pack_bf16_conv(bf(6, 2, 1, 1), 2)],
+         {"oc": 6, "kernel": (1, 1), "group": 2, "to": "bfloat16"}),
     ]
     return res

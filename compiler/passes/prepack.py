@@ -43,7 +43,11 @@ A float32 Conv of bfloat16 values (a widened bfloat16 image and a weight of bflo
 output becomes a :class:`~shardflow.compiler.ops.conv.PackedConvBf16` on the bfloat16 image: the weight as
 bfloat16 rows (:func:`~shardflow.compiler.ops.conv.pack_bf16_conv`), each image the bfloat16 GEMM of those
 rows by its im2col matrix (``cpu_library/conv_bf16.h``; each product exact in float32, the sums' order
-another).
+another). Its image may also be a float32 tensor of bfloat16 values (a bfloat16 model computed in float32:
+``HalfModelInFloat32``'s rounding, or a Relu, max pool or reshape of rounded values), which it reads cast to
+bfloat16 (exactly; the element-wise ops that also read that tensor read the bfloat16 copy widened, so it is
+stored once); the same goes for the bfloat16 products below. A Relu and a rounding to bfloat16 that follow
+such a conv on the way to the next one's copy are applied as it stores (``relu``, ``to``).
 
 A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
 image) with a constant weight becomes a
@@ -596,4 +600,52 @@ class PrepackWeights(GraphPass):
         if after:
             log.debug("packed %d GEMM weights (%d bfloat16); %d ops rewritten", len(packed) + len(packed_bf16),
                       len(packed_bf16), len(after))
-        return splice(graph, after, replace)
+        return _bf16_conv_epilogues(splice(graph, after, replace))
+
+
+def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
+    """Each PackedConvBf16 whose float32 output reaches a cast to bfloat16 through ops of one reader each that
+    round to bfloat16 (``RoundHalf``) or apply a Relu (a bfloat16 model's conv, its rounding, its Relu and the
+    next conv's copy of the result; precision ``bfloat16``'s conv, Relu and cast) writes the cast's output
+    itself: the Relu and the rounding applied as its kernel stores (attributes ``relu`` and ``to``). So does
+    one whose chain rounds and ends at element-wise readers (a residual Add), which then read its bfloat16
+    output widened. The same values (rounding to nearest even is monotone, so it commutes with the Relu)."""
+    from ..ops.conv import PackedConvBf16
+    from ..ops.elementwise import CastOp
+
+    readers = graph.consumers()
+    outputs = {id(t) for t in graph.outputs}
+    after: dict[int, list[Operator]] = {}
+    replace: dict[int, Tensor] = {}
+    for op in graph.nodes:
+        if op.op_type != "PackedConvBf16" or op.attrs.get("relu") or op.attrs.get("to", "float32") != "float32":
+            continue
+        t, relu, rounded, cast = op.outputs[0], False, False, None
+        while cast is None and id(t) not in outputs and len(rs := readers.get(id(t), [])) == 1:
+            r = rs[0]
+            if r.op_type == "Cast" and r.attrs["to"] == "bfloat16":
+                cast = r
+            elif (r.op_type == "RoundHalf" and r.attrs["to"] == "bfloat16") or \
+                    (r.op_type == "Activation" and r.attrs.get("kind") == "relu"):
+                relu = relu or r.op_type == "Activation"
+                rounded = rounded or r.op_type == "RoundHalf"
+                t = r.outputs[0]
+            else:
+                break
+        # else a chain that rounds, read by element-wise ops only (a residual Add), which read the conv's
+        # bfloat16 output widened
+        widen = cast is None and rounded and id(t) not in outputs and all(
+            type(r).injective for r in readers.get(id(t), []))
+        if cast is not None or widen:
+            # (splice redirects the graph's ops, not the new ones: a folded conv may read the one before)
+            new = PackedConvBf16([replace.get(id(t), t) for t in op.inputs], name=op.name,
+                                 **dict(op.attrs, relu=relu, to="bfloat16"))
+            after[id(op)] = [new]
+            if widen:
+                after[id(op)].append(CastOp([new.outputs[0]], name=f"{op.name}.widened", to="float32"))
+                replace[id(t)] = after[id(op)][-1].outputs[0]
+            else:
+                replace[id(cast.outputs[0])] = new.outputs[0]
+    if after:
+        log.debug("%d bfloat16 convs store their Relu's bfloat16 values", len(after))
+    return splice(graph, after, replace)
