@@ -360,24 +360,27 @@ def _packed_conv_integer(op) -> str | None:
 
 def _packed_conv_bf16(op) -> str | None:
     """PackedConvBf16: per image and group, the bfloat16 GEMM of the weight's rows by the image's im2col
-    matrix packed into the GEMM's panels of pairs, in float32 with the bias, then its Relu, stored float32 or
-    rounded to bfloat16 (``cpu_library/conv_bf16.h``)."""
+    matrix packed into the GEMM's panels of pairs, in float32 with the bias, then clamped (a folded Relu or
+    Clip), stored float32 or rounded to bfloat16 (``cpu_library/conv_bf16.h``)."""
     x, out = op.inputs[0], op.outputs[0]
     bias = op.inputs[2] if len(op.inputs) > 2 else None
     if x.dtype != "bfloat16" or out.dtype not in ("float32", "bfloat16") or x.ndim not in (3, 4) \
             or (bias is not None and (bias.dtype != "float32" or bias.shape != (int(op.attrs["oc"]),))):
         return None
     oc, group = int(op.attrs["oc"]), int(op.attrs.get("group", 1))
-    relu = bool(op.attrs.get("relu", False))
+    lo, hi = op.attrs.get("lo"), op.attrs.get("hi")
+    clamp = lo is not None or hi is not None
+    bounds = f"{_flt(-math.inf if lo is None else lo)}, {_flt(math.inf if hi is None else hi)}" if clamp else ""
     return "\n".join([
         f"  // PackedConvBf16: {x.shape[0]} images, {group} group(s) of [{oc // group}, "
         f"{x.shape[1] // group * _prod(op.attrs['kernel'])}] "
-        f"(bfloat16 rows) @ im2col [.., {_prod(out.shape[2:])}] in float32" + (", then a Relu" if relu else "")
+        f"(bfloat16 rows) @ im2col [.., {_prod(out.shape[2:])}] in float32" + (", then clamped" if clamp else "")
         + (", stored bfloat16" if out.dtype == "bfloat16" else ""),
         f"  static const SfConvGeom g = {{{', '.join(str(int(v)) for v in _packed_conv_geometry(op))}}};",
         "  sf_bconv2d(static_cast<const sf_bf16*>(inputs[0]), static_cast<const sf_bf16*>(inputs[1]), "
         f"{'static_cast<const float*>(inputs[2])' if bias is not None else 'nullptr'}, "
-        f"outputs[0], {x.shape[0]}, {oc}, {group}, g, {str(relu).lower()}, {str(out.dtype == 'bfloat16').lower()});"])
+        f"outputs[0], {x.shape[0]}, {oc}, {group}, g, {str(out.dtype == 'bfloat16').lower()}"
+        + (f", true, {bounds});" if clamp else ");")])
 
 
 def _packed_conv_geometry(op) -> tuple:

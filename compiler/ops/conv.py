@@ -432,10 +432,10 @@ class PackedConvBf16(Conv):
     GEMM of those rows by the image's im2col matrix (each product exact in float32, float32 sums).
 
     Inputs ``x [N, C, *in]`` (bfloat16), ``w`` (bfloat16 rows, :func:`pack_bf16_conv`), optional ``bias [OC]``
-    (float32). Attributes: Conv's (1 or 2 spatial dims), ``oc`` and ``kernel``; ``relu`` (default False: the
-    sums plus the bias clamped at 0, NaN kept) and ``to`` (the output's type: ``"float32"``, the default, or
-    ``"bfloat16"``, rounded to nearest even: what the next bfloat16 conv reads; ``passes/prepack.py`` folds
-    a following Relu and cast so).
+    (float32). Attributes: Conv's (1 or 2 spatial dims), ``oc`` and ``kernel``; ``lo`` and ``hi`` (the sums plus
+    the bias clamped to them, as Clip does, a NaN kept; ``None``, the default: unbounded) and ``to`` (the
+    output's type: ``"float32"``, the default, or ``"bfloat16"``, rounded to nearest even: what the next
+    bfloat16 conv reads; ``passes/prepack.py`` folds a following Relu or Clip and cast so).
     """
 
     def _weight_shape(self, x, w) -> tuple[int, ...]:
@@ -465,11 +465,13 @@ class PackedConvBf16(Conv):
                 flat = flat * n + kk
             return Cast(w[oc, flat], "float32")
 
-        relu, to = bool(self.attrs.get("relu", False)), self.attrs.get("to", "float32")
+        lo, hi, to = self.attrs.get("lo"), self.attrs.get("hi"), self.attrs.get("to", "float32")
 
         def finish(v):
-            if relu:
-                v = BinOp("max", v, Const(0.0, "float32"))
+            if lo is not None:
+                v = maximum(v, Const(float(lo), "float32"))
+            if hi is not None:
+                v = minimum(v, Const(float(hi), "float32"))
             return Cast(v, to) if to != "float32" else v
         return self._conv_compute(x, w, bias, "float32", x_at, weight_at, finish, to)
 
@@ -482,8 +484,11 @@ class PackedConvBf16(Conv):
         k = x.shape[1] // g * math.prod(kern)
         wf = np.asarray(w[:oc, :k], np.float32).reshape((oc, -1) + kern)
         y = self._numpy(np.asarray(x, np.float32), wf, bias, self.outputs[0].shape[2:])
-        if self.attrs.get("relu", False):
-            y = np.where(np.isnan(y), y, np.maximum(y, np.float32(0)))
+        lo, hi = self.attrs.get("lo"), self.attrs.get("hi")
+        if lo is not None:
+            y = np.maximum(y, np.float32(lo))
+        if hi is not None:
+            y = np.minimum(y, np.float32(hi))
         return [y.astype(numpy_type(self.attrs.get("to", "float32")))]
 
 
@@ -1253,10 +1258,12 @@ def examples(rng: np.random.Generator):
          {"oc": 6, "kernel": (2, 3), "group": 2, "strides": (2, 1), "dilations": (1, 2), "pads": (0, 1, 1, 0)}),
         (PackedConvBf16, [bf(1, 3, 9), pack_bf16_conv(bf(20, 3, 3), 1), f(20)],
          {"oc": 20, "kernel": (3,), "strides": (2,), "pads": (1, 1)}),
-        # a Relu and the rounding to bfloat16 as it stores (34 channels: a partial tile of rows)
+        # a Relu and the rounding to bfloat16 as it stores (34 channels: a partial tile of rows); a Clip
         (PackedConvBf16, [bf(1, 5, 7, 6), pack_bf16_conv(bf(34, 5, 3, 3), 1), f(34)],
-         {"oc": 34, "kernel": (3, 3), "pads": (1, 1, 1, 1), "relu": True, "to": "bfloat16"}),
+         {"oc": 34, "kernel": (3, 3), "pads": (1, 1, 1, 1), "lo": 0.0, "to": "bfloat16"}),
         (PackedConvBf16, [bf(2, 4, 5, 5), pack_bf16_conv(bf(6, 2, 1, 1), 2)],
          {"oc": 6, "kernel": (1, 1), "group": 2, "to": "bfloat16"}),
+        (PackedConvBf16, [bf(1, 4, 6, 5), pack_bf16_conv(bf(8, 4, 3, 3), 1), f(8)],
+         {"oc": 8, "kernel": (3, 3), "pads": (1, 1, 1, 1), "lo": -0.5, "hi": 0.75}),
     ]
     return res

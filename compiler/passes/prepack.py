@@ -47,7 +47,7 @@ another). Its image may also be a float32 tensor of bfloat16 values (a bfloat16 
 ``HalfModelInFloat32``'s rounding, or a Relu, max pool or reshape of rounded values), which it reads cast to
 bfloat16 (exactly; the element-wise ops that also read that tensor read the bfloat16 copy widened, so it is
 stored once); the same goes for the bfloat16 products below. A Relu and a rounding to bfloat16 that follow
-such a conv on the way to the next one's copy are applied as it stores (``relu``, ``to``).
+such a conv on the way to the next one's copy are applied as it stores (``lo``, ``hi``, ``to``; a Clip too).
 
 A float32 1×1 Conv of one group on small images (at most :data:`CONV_MAX_PIXELS` output pixels per
 image) with a constant weight becomes a
@@ -603,13 +603,28 @@ class PrepackWeights(GraphPass):
         return _bf16_conv_epilogues(splice(graph, after, replace))
 
 
+def _clamp_bounds(op: Operator) -> tuple[float | None, float | None] | None:
+    """``(lo, hi)`` of a Relu (``(0, None)``) or a Clip whose bounds are bfloat16 values (so that it commutes
+    with a rounding to bfloat16; ``None``: unbounded), else ``None``."""
+    from ..ir.expr import numpy_type
+
+    if op.op_type == "Activation" and op.attrs.get("kind") == "relu":
+        return 0.0, None
+    if op.op_type != "Clip":
+        return None
+    lo, hi = op.attrs.get("lo"), op.attrs.get("hi")
+    exact = all(v is None or float(np.float32(v).astype(numpy_type("bfloat16"))) == float(v) for v in (lo, hi))
+    return (lo, hi) if exact else None
+
+
 def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
     """Each PackedConvBf16 whose float32 output reaches a cast to bfloat16 through ops of one reader each that
-    round to bfloat16 (``RoundHalf``) or apply a Relu (a bfloat16 model's conv, its rounding, its Relu and the
-    next conv's copy of the result; precision ``bfloat16``'s conv, Relu and cast) writes the cast's output
-    itself: the Relu and the rounding applied as its kernel stores (attributes ``relu`` and ``to``). So does
+    round to bfloat16 (``RoundHalf``) or apply a Relu or a Clip to bfloat16 bounds (a bfloat16 model's conv, its
+    rounding, its Relu and the next conv's copy of the result; precision ``bfloat16``'s conv, Relu and cast)
+    writes the cast's output itself: the clamp and the rounding applied as its kernel stores (attributes
+    ``lo``, ``hi`` and ``to``). So does
     one whose chain rounds and ends at element-wise readers (a residual Add), which then read its bfloat16
-    output widened. The same values (rounding to nearest even is monotone, so it commutes with the Relu)."""
+    output widened. The same values (rounding to nearest even is monotone, so it commutes with the clamp)."""
     from ..ops.conv import PackedConvBf16
     from ..ops.elementwise import CastOp
 
@@ -618,28 +633,34 @@ def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
     after: dict[int, list[Operator]] = {}
     replace: dict[int, Tensor] = {}
     for op in graph.nodes:
-        if op.op_type != "PackedConvBf16" or op.attrs.get("relu") or op.attrs.get("to", "float32") != "float32":
+        if op.op_type != "PackedConvBf16" or any(op.attrs.get(k) is not None for k in ("lo", "hi")) \
+                or op.attrs.get("to", "float32") != "float32":
             continue
-        t, relu, rounded, cast = op.outputs[0], False, False, None
+        t, bounds, rounded, cast = op.outputs[0], None, False, None
+        chain: list[tuple[Tensor, tuple | None]] = []  # (a tensor of bfloat16 values on the way, the bounds before)
         while cast is None and id(t) not in outputs and len(rs := readers.get(id(t), [])) == 1:
-            r = rs[0]
+            r, clamp = rs[0], _clamp_bounds(rs[0])
             if r.op_type == "Cast" and r.attrs["to"] == "bfloat16":
                 cast = r
-            elif (r.op_type == "RoundHalf" and r.attrs["to"] == "bfloat16") or \
-                    (r.op_type == "Activation" and r.attrs.get("kind") == "relu"):
-                relu = relu or r.op_type == "Activation"
+            elif (r.op_type == "RoundHalf" and r.attrs["to"] == "bfloat16") or (clamp is not None and bounds is None):
+                bounds = bounds or clamp
                 rounded = rounded or r.op_type == "RoundHalf"
                 t = r.outputs[0]
+                if rounded:
+                    chain.append((t, bounds))
             else:
                 break
-        # else a chain that rounds, read by element-wise ops only (a residual Add), which read the conv's
-        # bfloat16 output widened
-        widen = cast is None and rounded and id(t) not in outputs and all(
-            type(r).injective for r in readers.get(id(t), []))
+        # else the chain's last tensor of rounded values read by element-wise ops only (a residual Add, a Clip
+        # before a depthwise conv), which read the conv's bfloat16 output widened
+        widen = cast is None and next(((u, b) for u, b in reversed(chain) if id(u) not in outputs and all(
+            type(r).injective for r in readers.get(id(u), []))), None)
+        if widen:
+            t, bounds = widen
         if cast is not None or widen:
             # (splice redirects the graph's ops, not the new ones: a folded conv may read the one before)
+            lo, hi = bounds or (None, None)
             new = PackedConvBf16([replace.get(id(t), t) for t in op.inputs], name=op.name,
-                                 **dict(op.attrs, relu=relu, to="bfloat16"))
+                                 **dict(op.attrs, lo=lo, hi=hi, to="bfloat16"))
             after[id(op)] = [new]
             if widen:
                 after[id(op)].append(CastOp([new.outputs[0]], name=f"{op.name}.widened", to="float32"))

@@ -251,22 +251,26 @@ def test_a_bfloat16_products_operand_is_stored_once_for_every_reader(tmp_path):
         np.testing.assert_array_equal(got[k].astype(np.float32), want[k].astype(np.float32))
 
 
-@pytest.mark.parametrize("how", ["model", "precision"])
+@pytest.mark.parametrize("how", ["model", "precision", "clip"])
 def test_a_bfloat16_conv_stores_its_relus_bfloat16_values(tmp_path, how):
-    """``conv -> Relu -> conv`` of a bfloat16 model (or of a float32 one at precision ``bfloat16``): the first conv
-    applies the Relu and the rounding to bfloat16 as it stores (PackedConvBf16's ``relu`` and ``to``), and the
-    second reads that bfloat16 tensor: no Relu or cast kernel between them (a bfloat16 ResNet-50 ran 32 such
-    kernels). The evaluator's values (its sums in another order: one bfloat16 rounding apart at most)."""
+    """``conv -> Relu -> conv`` of a bfloat16 model (or of a float32 one at precision ``bfloat16``; or with a Clip to
+    [0, 6], MobileNet's): the first conv applies the clamp and the rounding to bfloat16 as it stores
+    (PackedConvBf16's ``lo``, ``hi`` and ``to``), and the second reads that bfloat16 tensor: no Relu or cast
+    kernel between them (a bfloat16 ResNet-50 ran 32 such kernels). The evaluator's values (its sums in another
+    order: one bfloat16 rounding apart at most)."""
     rng = np.random.default_rng(4)
-    nt = BF16 if how == "model" else np.float32
-    code = TensorProto.BFLOAT16 if how == "model" else TensorProto.FLOAT
+    nt = np.float32 if how == "precision" else BF16
+    code = TensorProto.FLOAT if how == "precision" else TensorProto.BFLOAT16
     arr = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32).astype(BF16).astype(nt)  # noqa: E731
     w1, b1, w2 = (numpy_helper.from_array(arr(*shape), n) for n, shape in (("w1", (16, 8, 3, 3)), ("b1", (16,)),
                                                                           ("w2", (4, 16, 3, 3))))
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c1"], ["r"]), helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
-    m = _model(nodes, [("x", code, [1, 8, 9, 7])], [("y", code, [1, 4, 9, 7])], [w1, b1, w2])
-    feeds = {"x": arr(1, 8, 9, 7)}
+    bounds = [numpy_helper.from_array(np.array(v, nt), n) for n, v in (("lo", 0.0), ("hi", 6.0))]
+    clamp = helper.make_node("Clip", ["c1", "lo", "hi"], ["r"]) if how == "clip" else \
+        helper.make_node("Relu", ["c1"], ["r"])
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), clamp,
+             helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    m = _model(nodes, [("x", code, [1, 8, 9, 7])], [("y", code, [1, 4, 9, 7])], [w1, b1, w2] + bounds)
+    feeds = {"x": arr(1, 8, 9, 7) * nt(8)}  # (13% of the first conv's sums past 6, half below 0)
     oc = dict(CPU, precision="bfloat16") if how == "precision" else CPU
     res = compile(m, distributed_config=ONE, optimization_config=oc, out_dir=tmp_path / "out")
     program = json.loads((res.out_dir / "rank0" / "program.json").read_text())

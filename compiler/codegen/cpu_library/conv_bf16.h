@@ -6,30 +6,35 @@ namespace {
 // up to whole AMX tiles), straight into AMX's tiles (sf_amx_blocks), or through sf_bgemm_prepacked
 // (AVX-512 BF16, or both widened); the image's im2col matrix packed here into the GEMM's panels of pairs
 // along K ([ceil(P / 16)][Kp / 2][16][2], zero past K) as it is gathered from the image padded with zeros;
-// the output in the image's layout: float32, or (bf16_out) rounded to bfloat16 as it is stored; with relu,
-// clamped at 0 first (a NaN kept).
+// the output in the image's layout: float32, or (bf16_out) rounded to bfloat16 as it is stored; with clamp,
+// clamped to [lo, hi] first (a NaN kept: a folded Relu or Clip).
 
 // the rows [i0, i0 + rows) and columns [j0, j0 + cols) of a block of sums (ldt apart) plus the bias of each row,
-// clamped with relu, into y (ldy apart; float32 or bfloat16)
+// clamped, into y (ldy apart; float32 or bfloat16)
 static inline void sf_bconv_store(const float* __restrict__ T, int64_t ldt, int64_t rows, int64_t cols, void* y,
-                                  int64_t ldy, int64_t i0, int64_t j0, const float* bias, bool relu, bool bf16_out) {
+                                  int64_t ldy, int64_t i0, int64_t j0, const float* bias, bool bf16_out, bool clamp,
+                                  float lo, float hi) {
+  // (a NaN fails both comparisons of the _const clamps and is kept; two NaN-propagating selects of sf_max and
+  // sf_min and the rounding's were more than GCC 12 if-converts: the loops stayed scalar)
+  const float l = lo, h = hi;
   for (int64_t r = 0; r < rows; ++r) {
     const float b = bias ? bias[i0 + r] : 0.0f;
     const float* t = T + r * ldt;
     if (bf16_out) {
       sf_bf16* d = static_cast<sf_bf16*>(y) + (i0 + r) * ldy + j0;
-      if (relu) for (int64_t c = 0; c < cols; ++c) d[c] = sf_float_to_bf16(sf_max(t[c] + b, 0.0f));
+      if (clamp) for (int64_t c = 0; c < cols; ++c) d[c] = sf_float_to_bf16(sf_min_const(sf_max_const(t[c] + b, l), h));
       else for (int64_t c = 0; c < cols; ++c) d[c] = sf_float_to_bf16(t[c] + b);
     } else {
       float* d = static_cast<float*>(y) + (i0 + r) * ldy + j0;
-      if (relu) for (int64_t c = 0; c < cols; ++c) d[c] = sf_max(t[c] + b, 0.0f);
+      if (clamp) for (int64_t c = 0; c < cols; ++c) d[c] = sf_min_const(sf_max_const(t[c] + b, l), h);
       else for (int64_t c = 0; c < cols; ++c) d[c] = t[c] + b;
     }
   }
 }
 
 static void sf_bconv2d(const sf_bf16* xv, const sf_bf16* w, const float* bias, void* y, int64_t N, int64_t OC,
-                       int64_t group, const SfConvGeom& g, bool relu = false, bool bf16_out = false) {
+                       int64_t group, const SfConvGeom& g, bool bf16_out = false, bool clamp = false, float lo = 0.0f,
+                       float hi = 0.0f) {
   const int64_t Cg = g.C / group, OCg = OC / group, P = g.OH * g.OW, K = Cg * g.KH * g.KW;
   const int64_t Kp = sf_bf_kp(K), np = (P + 15) / 16;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xv);
@@ -86,12 +91,12 @@ static void sf_bconv2d(const sf_bf16* xv, const sf_bf16* w, const float* bias, v
                              reinterpret_cast<const char*>(bp), 2 * Kp * SF_BF_PANEL, sf_gemm_parallel(OCg, P, K, true),
                              [&](const void* T, int64_t i0, int64_t j0) {
           sf_bconv_store(static_cast<const float*>(T), 32, std::min<int64_t>(32, OCg - i0),
-                         std::min<int64_t>(32, P - j0), yg, P, i0, j0, bg, relu, bf16_out);
+                         std::min<int64_t>(32, P - j0), yg, P, i0, j0, bg, bf16_out, clamp, lo, hi);
         });
         continue;
       }
 #endif
-      if (!relu && !bf16_out) {
+      if (!clamp && !bf16_out) {
         sf_bgemm_prepacked(OCg, P, K, w + r0 * Kp, Kp, reinterpret_cast<const sf_bf16*>(bp), static_cast<float*>(yg),
                            P, 1.0f, bg, 1, 0, true);
         continue;
@@ -101,7 +106,7 @@ static void sf_bconv2d(const sf_bf16* xv, const sf_bf16* w, const float* bias, v
       sf_bgemm_prepacked(OCg, P, K, w + r0 * Kp, Kp, reinterpret_cast<const sf_bf16*>(bp), t, P, 1.0f, nullptr, 0, 0,
                          true);
       #pragma omp parallel for schedule(static) if (par)
-      for (int64_t r = 0; r < OCg; ++r) sf_bconv_store(t + r * P, P, 1, P, yg, P, r, 0, bg, relu, bf16_out);
+      for (int64_t r = 0; r < OCg; ++r) sf_bconv_store(t + r * P, P, 1, P, yg, P, r, 0, bg, bf16_out, clamp, lo, hi);
     }
 }
 
