@@ -671,21 +671,23 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
     they store their output (``SfFin`` in :func:`sf_conv2d`, ``PackedConv``'s transposition,
     Winograd's output transform, the depthwise kernels' stores): an Add of a tensor shaped as the
     output (``residual``: its argument, else ``"nullptr"``), then a Relu or a Clip (``clamp``: an
-    ``SfClamp`` literal, ``"SfClamp{}"`` without), either optional, and a float16 model's roundings
-    (``RoundHalf``: after the conv and after the Add, or anywhere without one; ``SfClamp``'s ``half``);
-    else ``None`` (the generic epilogue)."""
+    ``SfClamp`` literal, ``"SfClamp{}"`` without), either optional, and a float16 or bfloat16 model's roundings
+    (``RoundHalf``, all to one type: after the conv and after the Add, or anywhere without one; ``SfClamp``'s
+    ``half``: 1 float16, 2 bfloat16); else ``None`` (the generic epilogue)."""
     members = list(fused.members)
     prev = members[0].outputs[0]
     shape = tuple(prev.shape)
     res, clamp = "nullptr", None
-    rounded: list[str] = []  # what each RoundHalf to float16 followed: "conv", "add" or "clamp"
+    rounded: list[str] = []  # what each RoundHalf followed: "conv", "add" or "clamp"
+    halves: set[str] = set()  # the types they round to
     for m in members[1:]:
         out = m.outputs[0]
         if len(m.outputs) != 1 or tuple(out.shape) != shape or out.dtype != "float32" \
                 or not any(t is prev for t in (m.inputs if m.op_type == "Binary" else m.inputs[:1])):
             return None
-        if m.op_type == "RoundHalf" and m.attrs.get("to") == "float16":
+        if m.op_type == "RoundHalf" and m.attrs.get("to") in ("float16", "bfloat16"):
             rounded.append("clamp" if clamp else "add" if res != "nullptr" else "conv")
+            halves.add(m.attrs["to"])
         elif clamp:
             return None  # nothing but a rounding after the clamp
         elif m.op_type == "Activation" and m.attrs.get("kind") == "relu":
@@ -702,17 +704,22 @@ def _kernel_finish(fused, index: dict[int, int]) -> tuple[str, str] | None:
         else:
             return None
         prev = out
-    # float16 roundings: the kernels round after the bias and after the residual, then clamp (the bounds float16
-    # values, so that a rounding after the clamp is the same); without a residual one rounding anywhere
-    half = bool(rounded)
+    # half roundings: the kernels round after the bias and after the residual, then clamp (the bounds values of
+    # the half type, so that a rounding after the clamp is the same); without a residual one rounding anywhere
+    from ..ir.expr import numpy_type
+
+    if len(halves) > 1:
+        return None
+    half = {"float16": 1, "bfloat16": 2}[halves.pop()] if halves else 0
     if half and res != "nullptr" and (rounded[0] != "conv" or not set(rounded[1:]) & {"add", "clamp"}):
         return None
-    if half and clamp and any(np.isfinite(v) and float(np.float16(v)) != v for v in clamp):
+    nt = np.float16 if half == 1 else numpy_type("bfloat16")
+    if half and clamp and any(np.isfinite(v) and float(np.float32(v).astype(nt)) != v for v in clamp):
         return None
     if clamp is None:
-        return res, "SfClamp{false, 0.0f, 0.0f, true}" if half else "SfClamp{}"
+        return res, f"SfClamp{{false, 0.0f, 0.0f, {half}}}" if half else "SfClamp{}"
     lo, hi = (_flt(v) for v in clamp)
-    return res, f"SfClamp{{true, {lo}, {hi}{', true' if half else ''}}}"
+    return res, f"SfClamp{{true, {lo}, {hi}{f', {half}' if half else ''}}}"
 
 
 def _flat_plane(value, axes, shape):

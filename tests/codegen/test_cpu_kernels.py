@@ -1579,7 +1579,8 @@ def call(sym, ins, shape):
     ia = (ctypes.c_void_p * len(ins))(*[a.ctypes.data for a in ins])
     getattr(lib, sym)(ia, (ctypes.c_void_p * 1)(out.ctypes.data))
     return out
-r = lambda a: a.astype(np.float16).astype(np.float32)
+import ml_dtypes
+r = lambda a: a.astype(np.float16 if sys.argv[3] == "float16" else ml_dtypes.bfloat16).astype(np.float32)
 for name, plain, pins, fused, fins, res, lo, hi in data["cases"]:
     shape = tuple(data["shapes"].item()[name])
     y = r(call(plain, list(pins), shape))
@@ -1592,8 +1593,9 @@ print("ok", len(data["cases"]))
 """
 
 
-def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
-    """A float16 model's conv computed in float32 (``HalfModelInFloat32``): its output rounded to float16,
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_a_half_models_conv_rounds_as_it_stores(tmp_path, kernel_cache, half):
+    """A float16 or bfloat16 model's conv computed in float32 (``HalfModelInFloat32``): its output rounded to half,
     a residual added and rounded again, then a Relu or a Clip (``conv -> RoundHalf -> Add -> RoundHalf ->
     Relu`` or the Relu before the rounding) is applied by the conv kernels as they store (``SfClamp``'s
     ``half``) on every path: the template's micro-kernels, PackedConv's transposition and its direct
@@ -1619,7 +1621,7 @@ def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
         arrays[id(t)] = winograd_weights(rng.standard_normal((oc, c, 3, 3)).astype(np.float32), m)
         return t
 
-    rnd = lambda y: RoundHalf([y], to="float16")  # noqa: E731
+    rnd = lambda y: RoundHalf([y], to=half)  # noqa: E731
     cases = []  # (name, plain conv, fused group, residual tensor or None, lo, hi)
 
     def case(name, make_conv, res_shape=None, clamp=(0.0, np.inf), relu_first=False, kinds=None):
@@ -1681,7 +1683,8 @@ def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
     ops = [op for c in cases for op in (c[1], c[2])] + [late_group, dw_group]
     src = generate_cpu_source(ops)
     assert src.text.count("the tiles are finished as they are stored") == len(cases)
-    assert len(re.findall(r"SfClamp\{[^}]*, true\}", src.text)) == len(cases)  # (SfClamp's half)
+    code = 1 if half == "float16" else 2
+    assert len(re.findall(rf"SfClamp\{{[^}}]*, {code}\}}", src.text)) == len(cases)  # (SfClamp's half)
     assert src.text.count(", epi_, &ctx_);") == 2
     syms = build_cpu_library(ops, str(tmp_path / "half.so"), cache_dir=kernel_cache, opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "half.so"))
@@ -1702,7 +1705,7 @@ def test_a_float16_models_conv_rounds_as_it_stores(tmp_path, kernel_cache):
     for isa in ("native", "avx2", "generic"):
         env = dict(os.environ, SHARDFLOW_CPU_ISA=isa) if isa != "native" else dict(os.environ)
         res = subprocess.run([sys.executable, str(tmp_path / "half.py"), str(tmp_path / "half.so"),
-                              str(tmp_path / "cases.npz")], capture_output=True, text=True, env=env, timeout=300)
+                              str(tmp_path / "cases.npz"), half], capture_output=True, text=True, env=env, timeout=300)
         assert res.returncode == 0 and res.stdout.strip().endswith(f"ok {len(cases)}"), (isa, res.stderr[-3000:])
 
 

@@ -205,16 +205,18 @@ typedef void (*SfPackFn)(const float* __restrict__ xp, int64_t Hp, int64_t Wp, c
 // The clamp a conv's kernels apply as they store its output, when on: min(max(v, lo), hi) (a fused Relu:
 // [0, inf); a fused Clip: its bounds, ReLU6's [0, 6]). A NaN stays NaN, as in Relu and Clip: max and min
 // return v when it is NaN (std::max(v, lo), and _mm*_max_ps(lo, v) whose second operand is v).
-// half: a float16 model's conv (passes/precision.HalfModelInFloat32 rounds its output, and the Add's): the value is
-// rounded to float16 after the bias and again after the residual (sf_half*, before the residual; sf_end*,
-// with the clamp, whose bounds are float16 values: rounding and clamping commute).
-struct SfClamp { bool on; float lo, hi; bool half; };
+// half: a float16 (1) or bfloat16 (2) model's conv (passes/precision.HalfModelInFloat32 rounds its output, and the
+// Add's): the value is rounded to that type after the bias and again after the residual (sf_half*, before the
+// residual; sf_end*, with the clamp, whose bounds are values of the type: rounding and clamping commute).
+struct SfClamp { bool on; float lo, hi; uint8_t half; };
 
+static inline float sf_half1(float v, const SfClamp& k) {
+  return k.half == 1 ? sf_f16_round(v) : k.half == 2 ? sf_bf16_round(v) : v;
+}
 static inline float sf_clamp(float v, const SfClamp& k) {
-  if (k.half) v = sf_f16_round(v);
+  v = sf_half1(v, k);
   return k.on ? std::min(std::max(v, k.lo), k.hi) : v;
 }
-static inline float sf_half1(float v, const SfClamp& k) { return k.half ? sf_f16_round(v) : v; }
 
 // The finish of a conv's output block that the kernels apply as they store its last K block: + bias[i]
 // of row i (bias null: none), + res[i * ldc + j] (the residual, laid out as C; null: none), then the
@@ -240,9 +242,29 @@ __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 sf_clamp8(__m256 v, const SfClamp& k) {
   return _mm256_min_ps(_mm256_set1_ps(k.hi), _mm256_max_ps(_mm256_set1_ps(k.lo), v));
 }
+// 16 and 8 lanes rounded to bfloat16's values, to nearest even, as sf_bf16_round (a NaN quiet, its payload's top)
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 sf_bf16_round16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 sf_bf16_round8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  const __m256 t = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan);
+  return _mm256_and_ps(t, _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
+}
 // sf_half1 and sf_clamp of 16 and 8 lanes (AVX-512F and F16C convert to float16 and back, to nearest even)
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 sf_half16(__m512 v, const SfClamp& k) {
+  if (k.half == 2) return sf_bf16_round16(v);
   return k.half ? _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)) : v;
 }
 __attribute__((target("avx512f"), always_inline))
@@ -252,6 +274,7 @@ static inline __m512 sf_end16(__m512 v, const SfClamp& k) {
 }
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 sf_half8(__m256 v, const SfClamp& k) {
+  if (k.half == 2) return sf_bf16_round8(v);
   return k.half ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)) : v;
 }
 __attribute__((target("avx2,fma,f16c"), always_inline))

@@ -153,7 +153,7 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
           for (int j = 0; j < mw; ++j) {
             SfV8 v = rc[j] + b;
             if (clamp.half && res)
-              for (int l = 0; l < 8; ++l) v[l] = sf_f16_round(v[l]);
+              for (int l = 0; l < 8; ++l) v[l] = sf_half1(v[l], clamp);
             if (res && blk) {
               SfV8 rv;
               std::memcpy(&rv, res + bat + (i * OW + j) * 16, sizeof(SfV8));
@@ -162,7 +162,7 @@ __attribute__((always_inline)) static inline void sf_wino_out_body(const float* 
               for (int l = 0; l < nl; ++l) v[l] += res[at + l * P + i * OW + j];
             }
             if (clamp.half)
-              for (int l = 0; l < 8; ++l) v[l] = sf_f16_round(v[l]);
+              for (int l = 0; l < 8; ++l) v[l] = sf_half1(v[l], clamp);
             if (clamp.on) {  // a NaN stays NaN (the comparisons are false)
               const SfV8 lo = clamp.lo - SfV8{}, hi = clamp.hi - SfV8{};
               v = v < lo ? lo : v;
