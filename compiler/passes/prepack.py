@@ -153,18 +153,25 @@ def _int8_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
 #: output on (one AMX tile deep); below it (depthwise convs) the float32 conv.
 BF16_CONV_MIN_K = 32
 
+#: ... and from this many output channels per group on (one AMX tile of rows): a depthwise conv of a wide
+#: window (ConvNeXt's 7x7: 49 products per output) is a GEMM of one row per group there, 10x the float32
+#: depthwise kernels' time (ConvNeXt-tiny in bfloat16: 45 ms of 67 in its 18 depthwise convs).
+BF16_CONV_MIN_GROUP_OC = 16
+
 
 def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.ndarray] | None:
     """``(image, value)`` of a float32 Conv of bfloat16 values this pass runs on the bfloat16 GEMM: its input
     an image of bfloat16 values (``image``: :func:`_bf16_image`), its weight a Cast of a bfloat16 constant or
-    a float32 constant holding bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output, 1 or 2
-    spatial dims; ``value`` the weight's values. ``None`` for any other op."""
+    a float32 constant holding bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output and (grouped)
+    :data:`BF16_CONV_MIN_GROUP_OC` output channels per group, 1 or 2 spatial dims; ``value`` the weight's values.
+    ``None`` for any other op."""
     if op.op_type != "Conv" or len(op.outputs) != 1 or len(op.inputs) not in (2, 3) \
             or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or op.inputs[0].ndim not in (3, 4):
         return None
     x, w = op.inputs[0], op.inputs[1]
+    group = int(op.attrs.get("group", 1))
     if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape or 0 in w.shape \
-            or math.prod(w.shape[1:]) < BF16_CONV_MIN_K:
+            or math.prod(w.shape[1:]) < BF16_CONV_MIN_K or (group > 1 and w.shape[0] // group < BF16_CONV_MIN_GROUP_OC):
         return None
     a = _bf16_image(x, producer)
     wb = _half_constant(w, producer) if a is not None else None

@@ -288,6 +288,30 @@ def test_a_bfloat16_conv_stores_its_relus_bfloat16_values(tmp_path, how):
     _close(got, want, rel=2.0 ** -7)
 
 
+def test_a_bfloat16_depthwise_conv_keeps_the_float32_depthwise_kernels(tmp_path):
+    """A bfloat16 model's depthwise 7x7 conv (ConvNeXt's: 49 products per output, one output channel per group)
+    is not run on the bfloat16 GEMM (a GEMM of one row per group: ConvNeXt-tiny's 18 such convs took 45 ms
+    of 67 there) but by the float32 conv template's depthwise kernels; a grouped conv of 16 output channels
+    per group still takes the bfloat16 GEMM."""
+    rng = np.random.default_rng(6)
+    arr = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(BF16)  # noqa: E731
+    inits = [numpy_helper.from_array(a, n) for n, a in (("wd", arr(32, 1, 7, 7)), ("bd", arr(32)),
+                                                        ("wg", arr(32, 16, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "wd", "bd"], ["d"], group=32, pads=[3, 3, 3, 3]),
+             helper.make_node("Conv", ["d", "wg"], ["y"], group=2, pads=[1, 1, 1, 1])]
+    m = _model(nodes, [("x", TensorProto.BFLOAT16, [1, 32, 10, 9])], [("y", TensorProto.BFLOAT16, [1, 32, 10, 9])],
+               inits)
+    feeds = {"x": arr(1, 32, 10, 9)}
+    res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
+    program = json.loads((res.out_dir / "rank0" / "program.json").read_text())
+    # x widened; the depthwise conv (the float32 template); its copy in bfloat16 (rounded as it is stored); the
+    # grouped conv on the bfloat16 GEMM
+    kinds = [s.get("op_type") for s in program["steps"]]
+    assert kinds == ["Cast", "Conv", "Cast", "PackedConvBf16"], kinds
+    _close(load(res.out_dir).run(feeds)["y"].astype(np.float32), load_onnx(m).run(feeds)["y"].astype(np.float32),
+           rel=2.0 ** -7)
+
+
 def test_bfloat16_products_take_the_float32_templates():
     """On the cpu target each bfloat16 MatMul/Gemm/Conv becomes the same op on widened operands
     (weights stored float32 once) and one rounding of its output; nothing else changes."""
