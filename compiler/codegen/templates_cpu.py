@@ -292,7 +292,7 @@ def _packed_matmul_bf16(op) -> str | None:
     packed at compile time, float32 sums and output, plus Gemm's bias (``cpu_library/gemm_bf16.h``: AMX
     tiles, AVX-512 BF16, or both operands widened for the float32 GEMM)."""
     a, out = op.inputs[0], op.outputs[0]
-    if a.dtype != "bfloat16" or op.inputs[1].dtype != "bfloat16" or out.dtype != "float32" \
+    if a.dtype != "bfloat16" or op.inputs[1].dtype != "bfloat16" or out.dtype not in ("float32", "bfloat16") \
             or any(t.dtype != "float32" for t in op.inputs[2:]):
         return None
     K, N = a.shape[-1], int(op.attrs["n"])
@@ -302,13 +302,15 @@ def _packed_matmul_bf16(op) -> str | None:
              "  const sf_bf16* in1 = static_cast<const sf_bf16*>(inputs[1]);"]
     if len(op.inputs) > 2:
         lines.append("  const float* __restrict__ in2 = static_cast<const float*>(inputs[2]);")
-    lines.append("  float* __restrict__ out0 = static_cast<float*>(outputs[0]);")
+    ct = "sf_bf16" if out.dtype == "bfloat16" else "float"
+    lines.append(f"  {ct}* __restrict__ out0 = static_cast<{ct}*>(outputs[0]);")
     packed_bias = _packed_bias(op, beta, lines)
     if packed_bias is None:
         return None
     bias, rbs, cbs = packed_bias
     lines.append(f"  // PackedMatMulBf16: {_flt(alpha)} * [{M}, {K}] (bfloat16) @ [{K}, {N}] (bfloat16, packed)"
-                 + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else "") + " in float32")
+                 + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else "") + " in float32"
+                 + (", stored bfloat16" if ct == "sf_bf16" else ""))
     lines.append(f"  sf_bgemm_prepacked({M}, {N}, {K}, in0, {K}, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, "
                  "true);")
     return "\n".join(lines)

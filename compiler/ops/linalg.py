@@ -235,7 +235,8 @@ class PackedMatMulBf16(Operator):
 
     Inputs ``a[..., K]`` (bfloat16), ``bp`` (bfloat16 ``[ceil(N / 16), Kp / 2, 16, 2]``), optionally
     ``c`` (float32, broadcasts to the output ``[..., N]``). Attributes ``n`` (``N``), ``alpha``,
-    ``beta`` (as in Gemm). The output is float32.
+    ``beta`` (as in Gemm), ``to``: the output's type, ``"float32"`` (the default) or ``"bfloat16"`` (rounded
+    to nearest even as it is stored: a bfloat16 model's rounding of the product, ``passes/prepack.py``).
     """
 
     def compute(self, a, bp, *c):
@@ -264,12 +265,14 @@ class PackedMatMulBf16(Operator):
                 bias = c[0][tuple(as_expr(0) if e == 1 and shape[off + d] != 1 else i[off + d]
                                   for d, e in enumerate(c[0].shape))]
                 acc = acc + (bias if beta == 1 else Const(float(beta), "float32") * bias)
-            return acc
-        return compute("y", shape, f, dtype="float32")
+            return acc if to == "float32" else Cast(acc, to)
+        to = self.attrs.get("to", "float32")
+        return compute("y", shape, f, dtype=to)
 
     def numpy(self, a, bp, *c):
         b = unpack_panels(bp, int(self.attrs["n"]), a.shape[-1]).T.astype(np.float32)
-        return [_gemm_numpy(a.astype(np.float32), b, c, self.attrs)]
+        y = _gemm_numpy(a.astype(np.float32), b, c, self.attrs)
+        return [y.astype(numpy_type(self.attrs.get("to", "float32")))]
 
 
 class GatherColumns(Operator):
@@ -1267,4 +1270,6 @@ def examples(rng: np.random.Generator):
     res += [(PackedMatMul, [f(3, 5), pack_panels(f(5, 37).astype(np.float16))], {"n": 37}),
             (PackedMatMul, [f(2, 3, 20), pack_panels(f(20, 16).astype(np.float16)), f(16)],
              {"n": 16, "alpha": 0.5, "beta": 2.0})]
+    # a bfloat16 product rounded to bfloat16 as it stores (a bfloat16 model's), with a bias; 17 columns
+    res += [(PackedMatMulBf16, [bf(2, 3, 40), pack_bf16_panels(bf(40, 17)), f(17)], {"n": 17, "to": "bfloat16"})]
     return res

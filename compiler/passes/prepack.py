@@ -629,10 +629,10 @@ def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
     round to bfloat16 (``RoundHalf``) or apply a Relu or a Clip to bfloat16 bounds (a bfloat16 model's conv, its
     rounding, its Relu and the next conv's copy of the result; precision ``bfloat16``'s conv, Relu and cast)
     writes the cast's output itself: the clamp and the rounding applied as its kernel stores (attributes
-    ``lo``, ``hi`` and ``to``). So does
-    one whose chain rounds and ends at element-wise readers (a residual Add), which then read its bfloat16
-    output widened. The same values (rounding to nearest even is monotone, so it commutes with the clamp)."""
-    from ..ops.conv import PackedConvBf16
+    ``lo``, ``hi`` and ``to``). So does one whose chain rounds and ends at element-wise readers (a residual
+    Add), which then read its bfloat16 output widened. The same values (rounding to nearest even is monotone,
+    so it commutes with the clamp). A PackedMatMulBf16 likewise, without the clamps (``to``: a bfloat16
+    model's logits written as bfloat16 by the GEMM, its MLP's hidden values stored so for the GELU)."""
     from ..ops.elementwise import CastOp
 
     readers = graph.consumers()
@@ -640,13 +640,14 @@ def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
     after: dict[int, list[Operator]] = {}
     replace: dict[int, Tensor] = {}
     for op in graph.nodes:
-        if op.op_type != "PackedConvBf16" or any(op.attrs.get(k) is not None for k in ("lo", "hi")) \
+        conv = op.op_type == "PackedConvBf16"
+        if not (conv or op.op_type == "PackedMatMulBf16") or any(op.attrs.get(k) is not None for k in ("lo", "hi")) \
                 or op.attrs.get("to", "float32") != "float32":
             continue
         t, bounds, rounded, cast = op.outputs[0], None, False, None
         chain: list[tuple[Tensor, tuple | None]] = []  # (a tensor of bfloat16 values on the way, the bounds before)
         while cast is None and id(t) not in outputs and len(rs := readers.get(id(t), [])) == 1:
-            r, clamp = rs[0], _clamp_bounds(rs[0])
+            r, clamp = rs[0], _clamp_bounds(rs[0]) if conv else None
             if r.op_type == "Cast" and r.attrs["to"] == "bfloat16":
                 cast = r
             elif (r.op_type == "RoundHalf" and r.attrs["to"] == "bfloat16") or (clamp is not None and bounds is None):
@@ -666,8 +667,8 @@ def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
         if cast is not None or widen:
             # (splice redirects the graph's ops, not the new ones: a folded conv may read the one before)
             lo, hi = bounds or (None, None)
-            new = PackedConvBf16([replace.get(id(t), t) for t in op.inputs], name=op.name,
-                                 **dict(op.attrs, lo=lo, hi=hi, to="bfloat16"))
+            attrs = dict(op.attrs, lo=lo, hi=hi, to="bfloat16") if conv else dict(op.attrs, to="bfloat16")
+            new = type(op)([replace.get(id(t), t) for t in op.inputs], name=op.name, **attrs)
             after[id(op)] = [new]
             if widen:
                 after[id(op)].append(CastOp([new.outputs[0]], name=f"{op.name}.widened", to="float32"))
@@ -675,5 +676,5 @@ def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
             else:
                 replace[id(cast.outputs[0])] = new.outputs[0]
     if after:
-        log.debug("%d bfloat16 convs store their Relu's bfloat16 values", len(after))
+        log.debug("%d bfloat16 products and convs store bfloat16 values", len(after))
     return splice(graph, after, replace)

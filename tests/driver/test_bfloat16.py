@@ -209,16 +209,16 @@ def test_a_bfloat16_cnn_compiled_for_cpu_is_computed_in_float32_with_bfloat16_pr
     program = json.loads((res.out_dir / "rank0" / "program.json").read_text())
     kinds = [s.get("op_type") for s in program["steps"]]
     # the conv on x, its output rounded to bfloat16 as it stores; the residual (x and the conv's output widened
-    # in the kernel), Relu and rounding; the pool; the product's operand
-    # cast; the product; its rounding; out's chain and cast; the gather, the add and the cast of emb
-    assert kinds == ["PackedConvBf16", "RoundHalf", "Pool", "Cast", "PackedMatMulBf16", "RoundHalf", "Cast", "Cast"], \
+    # in the kernel), Relu and rounding; the pool; the product's operand cast; the product, rounded to bfloat16
+    # as it stores; its widening (two readers); out's chain and cast; the gather, the add and the cast of emb
+    assert kinds == ["PackedConvBf16", "RoundHalf", "Pool", "Cast", "PackedMatMulBf16", "Cast", "Cast", "Cast"], \
         kinds
     buffers = program["buffers"]
     conv, mm = program["steps"][0], program["steps"][4]
     assert buffers[conv["inputs"][0]]["name"] == "x"  # (the graph's input as it is: no copy)
     assert buffers[mm["inputs"][0]]["dtype"] == "bfloat16" and buffers[mm["inputs"][1]]["dtype"] == "bfloat16"
     halves = sorted(b["name"] for b in buffers if b["dtype"] == "bfloat16" and b["storage"] != "weights")
-    assert len(halves) == 5, halves  # x, the conv's output, the product's operand, the two outputs
+    assert len(halves) == 6, halves  # x, the conv's output, the product's operand and output, the two outputs
     assert buffers[conv["outputs"][0]]["dtype"] == "bfloat16"
     got = load(res.out_dir).run(feeds)
     for k in ("out", "emb"):
@@ -230,7 +230,8 @@ def test_a_bfloat16_products_operand_is_stored_once_for_every_reader(tmp_path):
     """``t = tanh(x)`` of a bfloat16 model feeds a product and an element-wise op: computed in float32, its
     rounding becomes the cast to bfloat16 that the product reads (PrepackWeights), and the element-wise op
     reads that copy widened, so the tanh's kernel writes the bfloat16 copy alone (no float32 tensor of its
-    values). The evaluator's values exactly (its products sum the same float32 products of bfloat16 values)."""
+    values); the product writes the output ``y`` itself, rounded as it stores. The evaluator's values exactly
+    (its products sum the same float32 products of bfloat16 values)."""
     rng = np.random.default_rng(1)
     w = numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32).astype(BF16), "w")
     two = numpy_helper.from_array(np.array(2.0, BF16), "two")
@@ -241,10 +242,13 @@ def test_a_bfloat16_products_operand_is_stored_once_for_every_reader(tmp_path):
     feeds = {"x": rng.standard_normal((32, 64)).astype(np.float32).astype(BF16)}
     res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
     program = json.loads((res.out_dir / "rank0" / "program.json").read_text())
-    assert [s.get("op_type") for s in program["steps"]] == ["Cast", "PackedMatMulBf16", "Cast", "Cast"]
+    # (the product writes y itself, rounded to bfloat16 as it stores)
+    assert [s.get("op_type") for s in program["steps"]] == ["Cast", "PackedMatMulBf16", "Cast"]
     buffers = program["buffers"]
-    tanh, mm, _, z = program["steps"]
+    tanh, mm, z = program["steps"]
     assert [buffers[k]["dtype"] for k in tanh["outputs"]] == ["bfloat16"]
+    assert [["y", k] for k in mm["outputs"]] == program["outputs"][:1]
+    assert buffers[mm["outputs"][0]]["dtype"] == "bfloat16"
     assert mm["inputs"][0] == tanh["outputs"][0] and z["inputs"][0] == tanh["outputs"][0]
     got, want = load(res.out_dir).run(feeds), load_onnx(m).run(feeds)
     for k in ("y", "z"):

@@ -79,6 +79,21 @@ static inline void sf_bf_store(const float* __restrict__ T, int64_t ldt, int64_t
   if (alpha != 1.0f || bias) sf_gemm_epilogue(C, ldc, i0, i0 + rows, j0, j0 + cols, alpha, bias, rbs, cbs);
 }
 
+// ... or into a bfloat16 C, each value rounded to nearest even as it is stored
+static inline void sf_bf_store(const float* __restrict__ T, int64_t ldt, int64_t rows, int64_t cols, sf_bf16* C,
+                               int64_t ldc, int64_t i0, int64_t j0, float alpha, const float* bias, int64_t rbs,
+                               int64_t cbs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* t = T + r * ldt;
+    sf_bf16* c = C + (i0 + r) * ldc + j0;
+    const float* b = bias ? bias + (i0 + r) * rbs + j0 * cbs : nullptr;
+    if (!b) for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j]);
+    else if (cbs == 0) for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j] + b[0]);
+    else if (cbs == 1) for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j] + b[j]);
+    else for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j] + b[j * cbs]);
+  }
+}
+
 #if defined(__x86_64__)
 // ---- AMX: blocks of 2 x 2 tiles of 16 x 16 float32 sums ----
 struct SfAmxConfig {
@@ -165,9 +180,10 @@ static void sf_amx_blocks(int64_t mt, int64_t np, int64_t steps, const char* A, 
   }
 }
 
-// C = alpha * (A @ B) + bias on AMX: A packed to whole tiles, rows of Kp values
+// C = alpha * (A @ B) + bias on AMX: A packed to whole tiles, rows of Kp values; C float32 or bfloat16
+template <typename CT>
 static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                         float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
+                         CT* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
   const int64_t Kp = sf_bf_kp(K), pstride = Kp * SF_BF_PANEL;
   const int64_t mt = (M + 15) / 16, np = (N + SF_BF_PANEL - 1) / SF_BF_PANEL;
   uint16_t* Ap = static_cast<uint16_t*>(sf_workspace(1, sizeof(uint16_t) * mt * 16 * Kp));
@@ -326,6 +342,24 @@ static void sf_bgemm_prepacked(int64_t M, int64_t N, int64_t K, const sf_bf16* A
   if (isa == SF_ISA_AVX512BF16) return sf_bgemm_dp(M, N, K, a, lda, bp, C, ldc, alpha, bias, rbs, cbs, par);
 #endif
   sf_bgemm_widened(M, N, K, a, lda, bp, C, ldc, alpha, bias, rbs, cbs, par);
+}
+
+// ... with C bfloat16 (each value rounded to nearest even as it is stored: a bfloat16 model's product): stored
+// from AMX's blocks directly, else through a float32 C
+static void sf_bgemm_prepacked(int64_t M, int64_t N, int64_t K, const sf_bf16* A, int64_t lda, const sf_bf16* B,
+                               sf_bf16* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs,
+                               bool allow_parallel) {
+  if (M <= 0 || N <= 0) return;
+#if defined(__x86_64__)
+  if (K > 0 && sf_bf16_isa() == SF_ISA_AMX)
+    return sf_bgemm_amx(M, N, K, reinterpret_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t*>(B), C,
+                        ldc, alpha, bias, rbs, cbs, sf_gemm_parallel(M, N, K, allow_parallel));
+#endif
+  float* t = static_cast<float*>(sf_workspace(5, sizeof(float) * M * N));
+  sf_bgemm_prepacked(M, N, K, A, lda, B, t, N, alpha, bias, rbs, cbs, allow_parallel);
+  #pragma omp parallel for schedule(static) if (allow_parallel && M * N >= (1 << 16))
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = sf_float_to_bf16(t[i * N + j]);
 }
 
 }  // namespace
