@@ -162,16 +162,17 @@ BF16_CONV_MIN_GROUP_OC = 16
 def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.ndarray] | None:
     """``(image, value)`` of a float32 Conv of bfloat16 values this pass runs on the bfloat16 GEMM: its input
     an image of bfloat16 values (``image``: :func:`_bf16_image`), its weight a Cast of a bfloat16 constant or
-    a float32 constant holding bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output and (grouped)
-    :data:`BF16_CONV_MIN_GROUP_OC` output channels per group, 1 or 2 spatial dims; ``value`` the weight's values.
-    ``None`` for any other op."""
+    a float32 constant holding bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output and
+    (grouped) :data:`BF16_CONV_MIN_GROUP_OC` output channels per group, 1 or 2 spatial dims; ``value`` the
+    weight's values. ``None`` for any other op."""
     if op.op_type != "Conv" or len(op.outputs) != 1 or len(op.inputs) not in (2, 3) \
             or op.attrs.get("blocked_in") or op.attrs.get("blocked_out") or op.inputs[0].ndim not in (3, 4):
         return None
     x, w = op.inputs[0], op.inputs[1]
     group = int(op.attrs.get("group", 1))
     if any(t.dtype != "float32" for t in list(op.inputs) + op.outputs) or 0 in x.shape or 0 in w.shape \
-            or math.prod(w.shape[1:]) < BF16_CONV_MIN_K or (group > 1 and w.shape[0] // group < BF16_CONV_MIN_GROUP_OC):
+            or math.prod(w.shape[1:]) < BF16_CONV_MIN_K \
+            or (group > 1 and w.shape[0] // group < BF16_CONV_MIN_GROUP_OC):
         return None
     a = _bf16_image(x, producer)
     wb = _half_constant(w, producer) if a is not None else None
@@ -213,8 +214,8 @@ def _widened(t: Tensor, producer: dict[int, Operator], dtypes: tuple[str, ...] =
 def _bf16_image(t: Tensor, producer: dict[int, Operator]) -> Tensor | None:
     """The operand a bfloat16 product reads for its float32 operand ``t``: the bfloat16 tensor ``t`` widens,
     or ``t`` itself when it holds bfloat16 values by construction (:func:`_half_values`: a bfloat16 model
-    computed in float32, ``HalfModelInFloat32``), which the product reads cast to bfloat16 (exactly:
-    :meth:`PrepackWeights._bf16`); else ``None``."""
+    computed in float32, ``HalfModelInFloat32``), which the product reads cast to bfloat16 (exactly: the
+    ``bf16`` of :meth:`PrepackWeights.run`); else ``None``."""
     a = _widened(t, producer)
     if a is not None:
         return a
@@ -668,7 +669,7 @@ def _bf16_conv_epilogues(graph: FlowGraph) -> FlowGraph:
             # (splice redirects the graph's ops, not the new ones: a folded conv may read the one before)
             lo, hi = bounds or (None, None)
             attrs = dict(op.attrs, lo=lo, hi=hi, to="bfloat16") if conv else dict(op.attrs, to="bfloat16")
-            new = type(op)([replace.get(id(t), t) for t in op.inputs], name=op.name, **attrs)
+            new = type(op)([replace.get(id(u), u) for u in op.inputs], name=op.name, **attrs)
             after[id(op)] = [new]
             if widen:
                 after[id(op)].append(CastOp([new.outputs[0]], name=f"{op.name}.widened", to="float32"))
