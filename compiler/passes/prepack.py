@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -158,8 +159,40 @@ BF16_CONV_MIN_K = 32
 #: depthwise kernels' time (ConvNeXt-tiny in bfloat16: 45 ms of 67 in its 18 depthwise convs).
 BF16_CONV_MIN_GROUP_OC = 16
 
+#: A conv of fewer products per output than this runs on the bfloat16 GEMM only when its image comes from
+#: the bfloat16 GEMM (another such conv or product, through roundings, clamps, pools, moves and adds) or from a
+#: graph input: on a float32 kernel's output its copy to bfloat16 is a kernel of its own, and shallow
+#: convs gain little on AMX (the im2col packing into pairs, the 32 x 32 block stores): MobileNetV2's 1x1s of
+#: K = 384 at 14x14 took 0.061 ms there against 0.038 on the float32 kernels with their fused residual. A
+#: plain K threshold lost ResNet-50 4 ms to the casts between mixed convs (rfcs/0002).
+BF16_CONV_DEEP_K = 512
 
-def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.ndarray] | None:
+
+def _from_bf16_gemm(t: Tensor, producer: dict[int, Operator], is_bf16: Callable[[Operator], bool],
+                    depth: int = 24) -> bool:
+    """Whether the float32 ``t`` comes from a bfloat16 product or conv (``is_bf16``) or from a graph input (a
+    bfloat16 one widened, or a float32 one rounded: copied once either way), through roundings, clamps, pools,
+    moves and the inputs of adds."""
+    from .precision import exact_on_values
+
+    p = producer.get(id(t))
+    if p is None:
+        return True
+    if depth == 0:
+        return False
+    if p.op_type == "Cast":
+        return p.inputs[0].dtype == "bfloat16" and producer.get(id(p.inputs[0])) is None
+    if p.op_type in ("Conv", "MatMul", "Gemm"):
+        return is_bf16(p)
+    if p.op_type == "Binary" and p.attrs.get("fn") == "add":
+        return any(_from_bf16_gemm(u, producer, is_bf16, depth - 1) for u in p.inputs if u.dtype == "float32")
+    if p.op_type in ("RoundHalf", "Activation", "Clip", "Pool") or exact_on_values(p):
+        return bool(p.inputs) and _from_bf16_gemm(p.inputs[0], producer, is_bf16, depth - 1)
+    return False
+
+
+def _bf16_conv(op: Operator, producer: dict[int, Operator], memo: dict[int, bool] | None = None
+               ) -> tuple[Tensor, np.ndarray] | None:
     """``(image, value)`` of a float32 Conv of bfloat16 values this pass runs on the bfloat16 GEMM: its input
     an image of bfloat16 values (``image``: :func:`_bf16_image`), its weight a Cast of a bfloat16 constant or
     a float32 constant holding bfloat16 values, at least :data:`BF16_CONV_MIN_K` products per output and
@@ -176,7 +209,20 @@ def _bf16_conv(op: Operator, producer: dict[int, Operator]) -> tuple[Tensor, np.
         return None
     a = _bf16_image(x, producer)
     wb = _half_constant(w, producer) if a is not None else None
-    return None if wb is None else (a, np.asarray(wb.value))
+    if wb is None:
+        return None
+    if math.prod(w.shape[1:]) < BF16_CONV_DEEP_K and a.dtype == "float32":
+        memo = {} if memo is None else memo
+
+        def is_bf16(q: Operator) -> bool:
+            if id(q) not in memo:
+                memo[id(q)] = False  # (a cycle cannot occur; this only stops a repeated walk)
+                memo[id(q)] = (_bf16_conv(q, producer, memo) if q.op_type == "Conv"
+                               else _bf16_operands(q, producer)) is not None
+            return memo[id(q)]
+        if not _from_bf16_gemm(x, producer, is_bf16):
+            return None
+    return a, np.asarray(wb.value)
 
 
 def _transposed(op: Operator) -> bool:
@@ -471,6 +517,7 @@ class PrepackWeights(GraphPass):
         # (a float32 operand of bfloat16 values, by id) -> the op after which its bfloat16 copy is placed, the copy
         as_bf16: dict[int, tuple[Tensor, Operator, Operator]] = {}
         bf16_products: set[int] = set()  # the products and convs that read such a copy
+        bf16_memo: dict[int, bool] = {}  # (a conv or product, by id) -> whether it runs on the bfloat16 GEMM
 
         def bf16(a: Tensor) -> Tensor:
             """The bfloat16 operand ``a`` of a product, or the exact cast of the float32 ``a`` (which holds bfloat16
@@ -487,7 +534,7 @@ class PrepackWeights(GraphPass):
             return as_bf16[id(a)][2].outputs[0]
 
         for op in graph.nodes:
-            bc = _bf16_conv(op, producer) if self.gemm else None
+            bc = _bf16_conv(op, producer, bf16_memo) if self.gemm else None
             if bc is not None:
                 a, value = bc
                 a = bf16(a)

@@ -295,23 +295,27 @@ def test_a_bfloat16_conv_stores_its_relus_bfloat16_values(tmp_path, how):
 def test_a_bfloat16_depthwise_conv_keeps_the_float32_depthwise_kernels(tmp_path):
     """A bfloat16 model's depthwise 7x7 conv (ConvNeXt's: 49 products per output, one output channel per group)
     is not run on the bfloat16 GEMM (a GEMM of one row per group: ConvNeXt-tiny's 18 such convs took 45 ms
-    of 67 there) but by the float32 conv template's depthwise kernels; a grouped conv of 16 output channels
-    per group still takes the bfloat16 GEMM."""
+    of 67 there) but by the float32 conv template's depthwise kernels; a shallow conv reading its output (fewer
+    than BF16_CONV_DEEP_K products per output) stays on the float32 kernels too (its image comes from a
+    float32 kernel: no copy to bfloat16 for it; MobileNetV2's 1x1s); a deep one after it takes the bfloat16
+    GEMM, through a copy."""
     rng = np.random.default_rng(6)
-    arr = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(BF16)  # noqa: E731
+    arr = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32).astype(BF16)  # noqa: E731
     inits = [numpy_helper.from_array(a, n) for n, a in (("wd", arr(32, 1, 7, 7)), ("bd", arr(32)),
-                                                        ("wg", arr(32, 16, 3, 3)))]
+                                                        ("wg", arr(32, 16, 3, 3)), ("wk", arr(16, 32, 5, 5)))]
     nodes = [helper.make_node("Conv", ["x", "wd", "bd"], ["d"], group=32, pads=[3, 3, 3, 3]),
-             helper.make_node("Conv", ["d", "wg"], ["y"], group=2, pads=[1, 1, 1, 1])]
-    m = _model(nodes, [("x", TensorProto.BFLOAT16, [1, 32, 10, 9])], [("y", TensorProto.BFLOAT16, [1, 32, 10, 9])],
+             helper.make_node("Conv", ["d", "wg"], ["g"], group=2, pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["g", "wk"], ["y"], pads=[2, 2, 2, 2])]
+    m = _model(nodes, [("x", TensorProto.BFLOAT16, [1, 32, 10, 9])], [("y", TensorProto.BFLOAT16, [1, 16, 10, 9])],
                inits)
     feeds = {"x": arr(1, 32, 10, 9)}
     res = compile(m, distributed_config=ONE, optimization_config=CPU, out_dir=tmp_path / "out")
     program = json.loads((res.out_dir / "rank0" / "program.json").read_text())
-    # x widened; the depthwise conv (the float32 template); its copy in bfloat16 (rounded as it is stored); the
-    # grouped conv on the bfloat16 GEMM
+    # x widened; the depthwise conv rounding as it stores; the grouped conv (K = 144), both on the float32
+    # template; the copy of its output in bfloat16 (the rounding); the 5x5 conv (K = 800) on the bfloat16 GEMM,
+    # writing y
     kinds = [s.get("op_type") for s in program["steps"]]
-    assert kinds == ["Cast", "Conv", "Cast", "PackedConvBf16"], kinds
+    assert kinds == ["Cast", "RoundHalf", "Conv", "Cast", "PackedConvBf16"], kinds
     _close(load(res.out_dir).run(feeds)["y"].astype(np.float32), load_onnx(m).run(feeds)["y"].astype(np.float32),
            rel=2.0 ** -7)
 
