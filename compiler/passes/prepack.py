@@ -215,8 +215,7 @@ def _bf16_conv(op: Operator, producer: dict[int, Operator], memo: dict[int, bool
         memo = {} if memo is None else memo
 
         def is_bf16(q: Operator) -> bool:
-            if id(q) not in memo:
-                memo[id(q)] = False  # (a cycle cannot occur; this only stops a repeated walk)
+            if id(q) not in memo:  # (PrepackWeights.run records each conv it decides, in order)
                 memo[id(q)] = (_bf16_conv(q, producer, memo) if q.op_type == "Conv"
                                else _bf16_operands(q, producer)) is not None
             return memo[id(q)]
@@ -535,6 +534,8 @@ class PrepackWeights(GraphPass):
 
         for op in graph.nodes:
             bc = _bf16_conv(op, producer, bf16_memo) if self.gemm else None
+            if op.op_type == "Conv":
+                bf16_memo[id(op)] = bc is not None
             if bc is not None:
                 a, value = bc
                 a = bf16(a)

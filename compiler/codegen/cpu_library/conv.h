@@ -242,25 +242,6 @@ __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 sf_clamp8(__m256 v, const SfClamp& k) {
   return _mm256_min_ps(_mm256_set1_ps(k.hi), _mm256_max_ps(_mm256_set1_ps(k.lo), v));
 }
-// 16 and 8 lanes rounded to bfloat16's values, to nearest even, as sf_bf16_round (a NaN quiet, its payload's top)
-__attribute__((target("avx512f"), always_inline))
-static inline __m512 sf_bf16_round16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
-__attribute__((target("avx2,fma"), always_inline))
-static inline __m256 sf_bf16_round8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  const __m256 t = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan);
-  return _mm256_and_ps(t, _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
-}
 // sf_half1 and sf_clamp of 16 and 8 lanes (AVX-512F and F16C convert to float16 and back, to nearest even)
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 sf_half16(__m512 v, const SfClamp& k) {

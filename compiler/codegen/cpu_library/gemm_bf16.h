@@ -79,21 +79,6 @@ static inline void sf_bf_store(const float* __restrict__ T, int64_t ldt, int64_t
   if (alpha != 1.0f || bias) sf_gemm_epilogue(C, ldc, i0, i0 + rows, j0, j0 + cols, alpha, bias, rbs, cbs);
 }
 
-// ... or into a bfloat16 C, each value rounded to nearest even as it is stored
-static inline void sf_bf_store(const float* __restrict__ T, int64_t ldt, int64_t rows, int64_t cols, sf_bf16* C,
-                               int64_t ldc, int64_t i0, int64_t j0, float alpha, const float* bias, int64_t rbs,
-                               int64_t cbs) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* t = T + r * ldt;
-    sf_bf16* c = C + (i0 + r) * ldc + j0;
-    const float* b = bias ? bias + (i0 + r) * rbs + j0 * cbs : nullptr;
-    if (!b) for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j]);
-    else if (cbs == 0) for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j] + b[0]);
-    else if (cbs == 1) for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j] + b[j]);
-    else for (int64_t j = 0; j < cols; ++j) c[j] = sf_float_to_bf16(alpha * t[j] + b[j * cbs]);
-  }
-}
-
 #if defined(__x86_64__)
 // ---- AMX: blocks of 2 x 2 tiles of 16 x 16 float32 sums ----
 struct SfAmxConfig {
@@ -181,7 +166,7 @@ static void sf_amx_blocks(int64_t mt, int64_t np, int64_t steps, const char* A, 
 }
 
 // sf_bf_store into a bfloat16 C with AVX-512F (every CPU with AMX has it), 16 values at a time, rounded as
-// sf_float_to_bf16 rounds them (to nearest even with integer steps, a NaN made quiet)
+// sf_float_to_bf16 rounds them (sf_bf16_round16)
 __attribute__((target("avx512f")))
 static void sf_bf_store16(const float* __restrict__ T, int64_t ldt, int64_t rows, int64_t cols, sf_bf16* C,
                           int64_t ldc, int64_t i0, int64_t j0, float alpha, const float* bias, int64_t rbs,
@@ -204,11 +189,8 @@ static void sf_bf_store16(const float* __restrict__ T, int64_t ldt, int64_t rows
         for (int64_t q = 0; q < n; ++q) bb[q] = b[(j + q) * cbs];
         v = _mm512_add_ps(v, _mm512_load_ps(bb));
       }
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      __m512i rr = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-      rr = _mm512_mask_or_epi32(rr, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
-      _mm512_mask_cvtepi32_storeu_epi16(c + j, m, _mm512_srli_epi32(rr, 16));
+      // (the rounded value's upper 16 bits, vpmovdw)
+      _mm512_mask_cvtepi32_storeu_epi16(c + j, m, _mm512_srli_epi32(_mm512_castps_si512(sf_bf16_round16(v)), 16));
     }
   }
 }
@@ -224,7 +206,7 @@ static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int
   sf_amx_blocks<false>(mt, np, Kp / SF_BF_KSTEP, reinterpret_cast<const char*>(Ap), 2 * Kp,
                        reinterpret_cast<const char*>(Bp), 2 * pstride, par, [&](const void* T, int64_t i0, int64_t j0) {
     const int64_t rows = std::min<int64_t>(32, M - i0), cols = std::min<int64_t>(32, N - j0);
-    if constexpr (std::is_same<CT, sf_bf16>::value)  // (the portable loops: 4 values at a time)
+    if constexpr (std::is_same<CT, sf_bf16>::value)
       sf_bf_store16(static_cast<const float*>(T), 32, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);
     else
       sf_bf_store(static_cast<const float*>(T), 32, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);

@@ -79,6 +79,28 @@ SF_INLINE sf_bf16 sf_float_to_bf16(float f) {
   return sf_bf16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 SF_INLINE float sf_bf16_round(float f) { return sf_bf16_to_float(sf_float_to_bf16(f)); }
+#if defined(__x86_64__)
+// 16 and 8 lanes rounded to bfloat16's values as sf_bf16_round rounds them (the same integer steps; a NaN
+// made quiet), kept in float32: the low 16 bits of each lane zero
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 sf_bf16_round16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 sf_bf16_round8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  const __m256 t = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan);
+  return _mm256_and_ps(t, _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
+}
+#endif
 
 // ---- float16 storage ----------------------------------------------------------------------------
 // Values in memory as their bits (uint16_t), converted in 32-bit integer and float32 steps that GCC
