@@ -722,7 +722,35 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
                             for out, (y, x) in pairs.items()]
     if n_load:
         program["load_steps"] = n_load
+    fresh = _fresh_outputs(g, raw_steps, root, first, n_load, {id(y) for y, _ in pairs.values()})
+    if fresh:
+        program["fresh_outputs"] = [
+            {"output": name, "offset": a_off[id(r)], "bytes": int(r.nbytes),
+             "buffers": [bi for bi in range(len(buffers)) if tensors_by_buf[bi] is r]}
+            for name, t in zip(g.output_names, g.outputs) for r in [root(t)] if id(r) in fresh]
     return program, weights, int(wpos)
+
+
+def _fresh_outputs(g: FlowGraph, raw_steps: list, root: Callable[[Tensor], Tensor], first: Mapping[int, int],
+                   n_load: int, state_outputs: set[int]) -> set[int]:
+    """The storage roots (by id) of the graph outputs a run may write into fresh memory of the
+    caller's (``program.json``'s ``fresh_outputs``; rfcs/0003): each holds exactly one output, whole
+    (no more bytes than the output's, no state output among its tensors), written on every run
+    (not a constant, no graph input, not written at load) and by kernel steps alone (a collective's
+    staging is bound to the arena's bytes when the program loads)."""
+    per_root: dict[int, int] = {}
+    for t in g.outputs:
+        per_root[id(root(t))] = per_root.get(id(root(t)), 0) + 1
+    collective = {id(root(t)) for kind, _, ins, outs, _ in raw_steps if kind == "collective" for t in ins + outs}
+    inputs = {id(root(t)) for t in g.inputs}
+    res = set()
+    for t in g.outputs:
+        r = root(t)
+        if (per_root[id(r)] == 1 and not r.is_constant and id(r) not in inputs and id(r) not in collective
+                and id(t) not in state_outputs and id(r) not in state_outputs and first.get(id(r), -1) >= n_load
+                and t.nbytes == r.nbytes > 0):
+            res.add(id(r))
+    return res
 
 
 def _state_selects(g: FlowGraph, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[str, str]]:

@@ -207,6 +207,7 @@ class RankProgram:
         self._lib = None
         self._native = None
         self._engine = None
+        self._fresh: list[tuple[str, int, list]] = []
         steps = p["steps"]
         self.load_steps = int(p.get("load_steps", 0))
         if not 0 <= self.load_steps <= len(steps):
@@ -259,6 +260,7 @@ class RankProgram:
         # the state outputs not written in place, copied into their inputs after the steps
         self._state_copies = [(self.buffers[i].array, self.buffers[o].array) for _, i, _, o in self.state_specs
                               if self.buffers[i].ptr != self.buffers[o].ptr]
+        self._fresh = self._fresh_outputs(p, steps[self.load_steps:])
         self.reset_state()
         # artifacts of older versions may list a runner.so: the native library replaces it
         self._native = self._native_program() if segments else None
@@ -277,6 +279,41 @@ class RankProgram:
                 raise ArtifactError(f"program.json of rank {self.rank}: state {out} -> {name} does not pair an "
                                     "input with an output buffer of its shape and type")
             res.append((name, i, out, o))
+        return res
+
+    def _fresh_outputs(self, p: dict, run_steps: list) -> list[tuple[str, int, list]]:
+        """Per entry of ``program.json``'s ``fresh_outputs`` (rfcs/0003): ``(output name, bytes,
+        sites)``, a site ``(pointer array, slot, offset in the output's block, arena pointer)`` for
+        each place a kernel call passes the output's storage. :meth:`run` points the sites at a
+        fresh block of memory, which the output is then returned in (no copy), and back after."""
+        outputs = dict(p["outputs"])
+        calls = [c for kernels, _ in self._segments for c in kernels]
+        kernel_steps = [s for s in run_steps if s["kind"] == "kernel"]
+        res = []
+        for e in p.get("fresh_outputs", ()):
+            try:
+                name, off, nbytes, listed = e["output"], int(e["offset"]), int(e["bytes"]), set(e["buffers"])
+            except (KeyError, TypeError, ValueError):
+                raise ArtifactError(f"program.json of rank {self.rank}: malformed fresh_outputs entry {e!r}") from None
+            bad = None
+            if name not in outputs or outputs[name] not in listed:
+                bad = "does not list the output's own buffer"
+            for bi in listed:
+                b = p["buffers"][bi] if isinstance(bi, int) and 0 <= bi < len(self.buffers) else None
+                if b is None or b["storage"] != "arena" or not (
+                        off <= int(b["offset"]) and int(b["offset"]) + self.buffers[bi].array.nbytes <= off + nbytes):
+                    bad = f"lists buffer {bi!r}, which is no arena buffer inside its {nbytes} bytes at offset {off}"
+            if bad is None and (int(p["buffers"][outputs[name]]["offset"]) != off
+                                or self.buffers[outputs[name]].array.nbytes != nbytes):
+                bad = "is not the whole of the output's buffer"
+            if bad is not None:
+                raise ArtifactError(f"program.json of rank {self.rank}: fresh output {name!r} {bad}")
+            sites = []
+            for s, (_, _, _, ins, outs) in zip(kernel_steps, calls):
+                for arr, which in ((ins, s["inputs"]), (outs, s["outputs"])):
+                    sites += [(arr, j, int(p["buffers"][bi]["offset"]) - off, self.buffers[bi].ptr)
+                              for j, bi in enumerate(which) if bi in listed]
+            res.append((name, nbytes, sites))
         return res
 
     def _native_program(self) -> tuple:
@@ -419,6 +456,29 @@ class RankProgram:
         if self._engine is not None:
             return self._engine.run(arrays, copy_outputs=copy_outputs)
         self._copy_inputs(arrays)
+        # the outputs the kernels can write into fresh memory (no copy after the run)
+        fresh = {}
+        try:
+            for name, nbytes, sites in self._fresh if copy_outputs else ():
+                fresh[name] = block = aligned_empty(nbytes)
+                for arr, j, delta, _ in sites:
+                    arr[j] = block.ctypes.data + delta
+            self._run_steps()
+        finally:
+            for _, _, sites in self._fresh if fresh else ():
+                for arr, j, _, ptr in sites:
+                    arr[j] = ptr
+        self._copy_state()
+        if copy_outputs:
+            return {name: fresh[name].view(buf.dtype).reshape(buf.shape) if name in fresh else buf.array.copy()
+                    for name, buf in self.output_specs}
+        views = {name: buf.array.view() for name, buf in self.output_specs}
+        for v in views.values():
+            v.flags.writeable = False
+        return views
+
+    def _run_steps(self) -> None:
+        """The steps of one run (cpu), on the native runner when there is one."""
         if self._native is not None:
             run, args = self._native
             if run(*args):
@@ -432,13 +492,6 @@ class RankProgram:
                     fn(a, b)
                 if coll is not None:
                     coll()
-        self._copy_state()
-        if copy_outputs:
-            return {name: buf.array.copy() for name, buf in self.output_specs}
-        views = {name: buf.array.view() for name, buf in self.output_specs}
-        for v in views.values():
-            v.flags.writeable = False
-        return views
 
     def profile(self, inputs: Mapping[str, np.ndarray], *, repeat: int = 10, warmup: int = 1) -> list[dict]:
         """Time every step of the program on ``inputs``: ``repeat`` runs, step by step, with a
