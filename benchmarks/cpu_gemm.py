@@ -11,7 +11,9 @@ int8 ``W``, int32 ``y``: a PackedMatMulInteger, ``cpu_library/gemm_int8.h``; "GF
 multiply-adds as two operations too). The ``f16_`` shapes are a float16 model's product (``x`` cast to
 float16, ``MatMul`` + ``Add`` of float16 ``W`` and ``b``, the output cast back to float32): ours reads ``W`` as
 float16 panels (``SfHalfPrepacked``, the float16 GEMV at one row); onnxruntime runs the float32 graph with the
-same rounded ``W`` and ``b`` (the float32 GEMM's time; its float16 MatMul was not timed here).
+same rounded ``W`` and ``b`` (the float32 GEMM's time; its float16 MatMul was not timed here). The ``bf16_``
+shapes likewise in bfloat16 (the bfloat16 GEMM, ``cpu_library/gemm_bf16.h``, its output a bfloat16 C, then the
+cast to float32; onnxruntime has no bfloat16 MatMul on the CPU: it runs the float32 graph).
 
     python benchmarks/cpu_gemm.py [--threads 2] [--repeat 30] [--only fc_768_3072]
     python benchmarks/cpu_gemm.py --build-only --tag old --work /tmp/gemms   # at one commit
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +43,8 @@ SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("proj_768_768", "fc_768_3072", "
 SHAPES.update({f"f16_{k}": SHAPES[k] for k in ("fc_768_3072", "fc2_3072_768", "lm_head_768_50257", "fc_m1_768_3072",
                                                "fc_m8_768_3072", "fc_m32_768_3072")})
 SHAPES.update({"fc_m1_4096_11008": (1, 4096, 11008), "f16_fc_m1_4096_11008": (1, 4096, 11008)})
+SHAPES.update({f"bf16_{k}": SHAPES[k] for k in ("qkv_768_2304", "fc_768_3072", "fc2_3072_768", "lm_head_768_50257",
+                                                "fc_m1_768_3072", "fc_m32_768_3072")})
 
 
 def _model(name: str, path: str):
@@ -59,25 +64,26 @@ def _model(name: str, path: str):
     w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    if name.startswith("f16_"):  # (values that float16 holds: the float32 reference computes on the same ones)
-        w, b, x = (v.astype(np.float16).astype(np.float32) for v in (w, b, x))
+    half = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}.get(name.split("_")[0])
+    if half is not None:  # (values that the half type holds: the float32 reference computes on the same ones)
+        w, b, x = (v.astype(half).astype(np.float32) for v in (w, b, x))
 
-    def write(out: str, half: bool) -> None:
-        dt = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    def write(out: str, half) -> None:
+        dt = helper.np_dtype_to_tensor_dtype(np.dtype(half)) if half else TensorProto.FLOAT
         nodes = [helper.make_node("MatMul", ["xh" if half else "x", "w"], ["m"]),
                  helper.make_node("Add", ["m", "b"], ["yh" if half else "y"])]
         if half:
             nodes = [helper.make_node("Cast", ["x"], ["xh"], to=dt)] + nodes + [
                 helper.make_node("Cast", ["yh"], ["y"], to=TensorProto.FLOAT)]
-        inits = [numpy_helper.from_array(v.astype(np.float16) if half else v, k) for k, v in (("w", w), ("b", b))]
+        inits = [numpy_helper.from_array(v.astype(half) if half else v, k) for k, v in (("w", w), ("b", b))]
         g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])], inits)
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), out)
 
-    write(path, name.startswith("f16_"))
-    if not name.startswith("f16_"):
+    write(path, half)
+    if half is None:
         return x, 2.0 * M * K * N
-    write(path[:-len(".onnx")] + "_float32.onnx", False)
+    write(path[:-len(".onnx")] + "_float32.onnx", None)
     return x, 2.0 * M * K * N, path[:-len(".onnx")] + "_float32.onnx"
 
 

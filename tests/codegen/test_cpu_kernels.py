@@ -486,8 +486,10 @@ def _large():
         _bfmm((130, 1100), 280, bias=(280,)),
         _bfmm((33, 64), 48, bias=(33, 1), alpha=0.5, beta=0.25),
         _bfmm((17, 31), 20),
-        _bfmm((130, 1100), 280, bias=(280,), to="bfloat16"),  # (rounded as it is stored: AMX's store, else C's)
+        _bfmm((130, 1100), 280, bias=(280,), to="bfloat16"),  # (rounded as it is stored: the AMX and vdpbf16ps stores)
         _bfmm((2, 41), 33, to="bfloat16"),
+        _bfmm((33, 64), 48, bias=(33, 1), alpha=0.5, beta=0.25, to="bfloat16"),  # (a bias per row, scaled)
+        _bfmm((1, 300), 129, to="bfloat16"),
         # a token's routed experts: GEMVs on each chosen expert's [N, K] weight, with its bias
         ExpertMatMul([_t((3, 300)), _t((6, 203, 300)), _t((3, 2), "int64"), _t((6, 203))]),
         ExpertMatMul([_t((2, 2, 40)), _t((3, 70, 40)), _t((2, 2), "int32")]),

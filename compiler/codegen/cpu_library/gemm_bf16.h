@@ -195,6 +195,17 @@ static void sf_bf_store16(const float* __restrict__ T, int64_t ldt, int64_t rows
   }
 }
 
+// sf_bf_store into a float32 C, or sf_bf_store16 into a bfloat16 one
+template <typename CT>
+static inline void sf_bf_store_to(const float* __restrict__ T, int64_t ldt, int64_t rows, int64_t cols, CT* C,
+                                  int64_t ldc, int64_t i0, int64_t j0, float alpha, const float* bias, int64_t rbs,
+                                  int64_t cbs) {
+  if constexpr (std::is_same<CT, sf_bf16>::value)
+    sf_bf_store16(T, ldt, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);
+  else
+    sf_bf_store(T, ldt, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);
+}
+
 // C = alpha * (A @ B) + bias on AMX: A packed to whole tiles, rows of Kp values; C float32 or bfloat16
 template <typename CT>
 static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
@@ -206,10 +217,7 @@ static void sf_bgemm_amx(int64_t M, int64_t N, int64_t K, const uint16_t* A, int
   sf_amx_blocks<false>(mt, np, Kp / SF_BF_KSTEP, reinterpret_cast<const char*>(Ap), 2 * Kp,
                        reinterpret_cast<const char*>(Bp), 2 * pstride, par, [&](const void* T, int64_t i0, int64_t j0) {
     const int64_t rows = std::min<int64_t>(32, M - i0), cols = std::min<int64_t>(32, N - j0);
-    if constexpr (std::is_same<CT, sf_bf16>::value)
-      sf_bf_store16(static_cast<const float*>(T), 32, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);
-    else
-      sf_bf_store(static_cast<const float*>(T), 32, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);
+    sf_bf_store_to(static_cast<const float*>(T), 32, rows, cols, C, ldc, i0, j0, alpha, bias, rbs, cbs);
   });
 }
 
@@ -251,9 +259,10 @@ constexpr int64_t SF_BF_MR = 12;
 constexpr int64_t SF_BF_KB2 = 256;
 
 // C = alpha * (A @ B) + bias with vdpbf16ps: the threads split the columns in tiles of 32; each tile runs
-// down all of K in blocks, A's rows 12 at a time, its sums in a per-thread buffer
+// down all of K in blocks, A's rows 12 at a time, its sums in a per-thread buffer; C float32 or bfloat16
+template <typename CT>
 static void sf_bgemm_dp(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                        float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
+                        CT* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
   static const SfBfUkr fn[SF_BF_MR] = {sf_bf_ukr_dp<1>, sf_bf_ukr_dp<2>, sf_bf_ukr_dp<3>, sf_bf_ukr_dp<4>,
                                        sf_bf_ukr_dp<5>, sf_bf_ukr_dp<6>, sf_bf_ukr_dp<7>, sf_bf_ukr_dp<8>,
                                        sf_bf_ukr_dp<9>, sf_bf_ukr_dp<10>, sf_bf_ukr_dp<11>, sf_bf_ukr_dp<12>};
@@ -276,7 +285,7 @@ static void sf_bgemm_dp(int64_t M, int64_t N, int64_t K, const uint16_t* A, int6
           fn[mr - 1](gn, Ap + i0 * Kp + 2 * g0, Kp, B0 + 32 * g0, B1 + 32 * g0, T + i0 * 32, g0 == 0);
         }
       }
-      sf_bf_store(T, 32, M, cols, C, ldc, 0, j0, alpha, bias, rbs, cbs);
+      sf_bf_store_to(T, 32, M, cols, C, ldc, 0, j0, alpha, bias, rbs, cbs);
     }
   }
 }
@@ -363,15 +372,19 @@ static void sf_bgemm_prepacked(int64_t M, int64_t N, int64_t K, const sf_bf16* A
 }
 
 // ... with C bfloat16 (each value rounded to nearest even as it is stored: a bfloat16 model's product): stored
-// from AMX's blocks directly, else through a float32 C
+// from AMX's blocks or the vdpbf16ps kernel's sums directly, else through a float32 C
 static void sf_bgemm_prepacked(int64_t M, int64_t N, int64_t K, const sf_bf16* A, int64_t lda, const sf_bf16* B,
                                sf_bf16* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs,
                                bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
 #if defined(__x86_64__)
-  if (K > 0 && sf_bf16_isa() == SF_ISA_AMX)
-    return sf_bgemm_amx(M, N, K, reinterpret_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t*>(B), C,
-                        ldc, alpha, bias, rbs, cbs, sf_gemm_parallel(M, N, K, allow_parallel));
+  const int isa = K > 0 ? sf_bf16_isa() : -1;
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(A);
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(B);
+  if (isa == SF_ISA_AMX)
+    return sf_bgemm_amx(M, N, K, a, lda, bp, C, ldc, alpha, bias, rbs, cbs, sf_gemm_parallel(M, N, K, allow_parallel));
+  if (isa == SF_ISA_AVX512BF16)
+    return sf_bgemm_dp(M, N, K, a, lda, bp, C, ldc, alpha, bias, rbs, cbs, sf_gemm_parallel(M, N, K, allow_parallel));
 #endif
   float* t = static_cast<float*>(sf_workspace(5, sizeof(float) * M * N));
   sf_bgemm_prepacked(M, N, K, A, lda, B, t, N, alpha, bias, rbs, cbs, allow_parallel);
