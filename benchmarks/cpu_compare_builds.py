@@ -10,8 +10,10 @@ runs) paired the same way. Builds whose steps differ (a change that removes or f
 their sums and whole runs, and kernel by kernel where a node is in both; the others are listed.
 
     python benchmarks/cpu_compare_builds.py OLD_DIR NEW_DIR [--rounds 21] [--only conv_3x3] [--build MODEL.onnx]
+                                            [--precision bfloat16]
 
-``--build MODEL.onnx`` compiles the model into NEW_DIR first (with the checked-out code). Inputs: random
+``--build MODEL.onnx`` compiles the model into NEW_DIR first (with the checked-out code; ``--precision``: at that
+``optimization_config["precision"]``). Inputs: random
 normal floats (the program's input shapes and dtypes), the same for both builds.
 """
 from __future__ import annotations
@@ -62,13 +64,14 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=5, help="runs per round and build")
     ap.add_argument("--only", default="", help="print only the kernels whose node name contains this text")
     ap.add_argument("--build", default="", help="compile this model into NEW first")
+    ap.add_argument("--precision", default="float32", help="with --build: the precision it compiles at")
     args = ap.parse_args(argv)
     from shardflow.runtime import load
 
     if args.build:
         from shardflow.compiler import compile
-        compile(args.build, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                out_dir=args.new)
+        compile(args.build, distributed_config={"mesh_shape": [1]},
+                optimization_config={"target": "cpu", "precision": args.precision}, out_dir=args.new)
     dirs = [args.old, args.new]
     progs = [json.load(open(os.path.join(d, "rank0", "program.json"))) for d in dirs]
     # the steps a run times: not those run once at load (``load_steps``, compile's "precompute")

@@ -1309,9 +1309,10 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         rg = HalfModelInFloat32("bfloat16").run(rg)
         # what is left of half products (of mixed half types) by the float32 templates, rounded once
         rg = WidenHalfProducts().run(rg)
-    if opt.target == "cpu" and opt.precision == "float32" and opt.fuse:
+    if opt.target == "cpu" and opt.fuse:
         # attention written as MatMul/Softmax/MatMul as one op the cpu template computes by blocks
-        # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory
+        # of rows (passes/attention.py), on this rank's share: no [B, H, S, L] scores in memory; at
+        # precision float16/bfloat16 with the probabilities rounded as the precision pass rounded them
         from .passes.attention import FuseAttention
 
         rg = FuseAttention(float32=True).run(rg)

@@ -606,11 +606,15 @@ def _attention(op) -> str | None:
     windows, softcap, attention sinks, grouped K/V heads, 3-D or 4-D forms) through :func:`sf_attention`; also the float32 form
     FuseAttention makes on the cpu target (``acc_dtype`` float32: the sums scaled by ``scale``; one or two
     extra biases in place of a mask, added in turn, a row whose every logit is -inf NaN as a Softmax gives it:
-    T5's position bias and mask, BLOOM's ALiBi and mask). The mixed-precision form, more extra biases and the
-    ``qk_matmul_output`` modes keep the generic nest."""
+    T5's position bias and mask, BLOOM's ALiBi and mask), with its probabilities rounded to float16's or
+    bfloat16's values where it has ``probs_dtype`` (precision float16/bfloat16 on float32 operands that the
+    precision pass rounded). Half operands, more extra biases and the ``qk_matmul_output`` modes keep the
+    generic nest."""
     a = op.attrs
     extra_biases = a.get("extra_biases", 0)
-    if a.get("acc_dtype") not in (None, "float32") or a.get("probs_dtype") or a.get("qk_mode") is not None \
+    probs = a.get("probs_dtype")
+    if a.get("acc_dtype") not in (None, "float32") or probs not in (None, "float16", "bfloat16") \
+            or (probs and not a.get("acc_dtype")) or a.get("qk_mode") is not None \
             or extra_biases > 2 or (extra_biases and (a.get("has_mask") or a.get("has_nonpad"))) \
             or a.get("softmax_dtype") not in (None, "float32") or not isinstance(a.get("past_len", 0), int):
         return None
@@ -646,6 +650,7 @@ def _attention(op) -> str | None:
         ms, mlen = bias_strides(mask), int(mask.shape[-1])  # keys contiguous (a key dim of 1: mlen 1)
     # the scores' scale: scale_sqrt squared (ONNX scales Q and K), or the scale itself (acc_dtype: after the sum)
     c2 = np.float32(a.get("scale", 1.0)) if a.get("acc_dtype") else np.float32(a.get("scale_sqrt", 1.0)) ** 2
+    phalf = {None: 0, "float16": 1, "bfloat16": 2}[probs]  # (SfAttn's phalf)
     lines = _args(op)
     mask_arg = "inputs[3]" if mask is not None else "nullptr"
     np_arg = f"static_cast<const int64_t*>(inputs[{3 + (mask is not None)}])" if nonpad is not None else "nullptr"
@@ -653,7 +658,8 @@ def _attention(op) -> str | None:
                 if sink is not None else "nullptr")
     bias2_arg = "static_cast<const float*>(inputs[4])" if bias2 is not None else "nullptr"
     what = (", causal" if a.get("is_causal") else "") + (", mask" if mask is not None else "") + \
-        (", sinks" if sink is not None else "") + (", second bias" if bias2 is not None else "")
+        (", sinks" if sink is not None else "") + (", second bias" if bias2 is not None else "") + \
+        (f", {probs} probabilities" if probs else "")
     lines.append(f"  // Attention: {b_} x {hq} heads (K/V {hk}) of softmax([{s_len}, {d}] @ [{d}, {l_len}]) @ "
                  f"[{l_len}, {dv}]{what}")
     lines.append(f"  static const SfAttn cfg = {{{b_}, {hq}, {hk}, {s_len}, {l_len}, {d}, {dv}, "
@@ -663,7 +669,8 @@ def _attention(op) -> str | None:
                  f"{int(a.get('left_window', -1))}, {int(a.get('right_window', -1))}, {mkind}, {_arr(ms)}, {mlen}, "
                  f"{'true' if nonpad is not None else 'false'}, {'true' if extra_biases else 'false'}, "
                  f"{'true' if bias2 is not None else 'false'}, "
-                 f"{_arr(bias_strides(bias2) if bias2 is not None else (0, 0, 0))}}};")
+                 f"{_arr(bias_strides(bias2) if bias2 is not None else (0, 0, 0))}, "
+                 f"{phalf}}};")
     lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, {sink_arg}, {bias2_arg}, out0, cfg);")
     return "\n".join(lines)
 

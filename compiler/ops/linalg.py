@@ -1272,4 +1272,13 @@ def examples(rng: np.random.Generator):
              {"n": 16, "alpha": 0.5, "beta": 2.0})]
     # a bfloat16 product rounded to bfloat16 as it stores (a bfloat16 model's), with a bias; 17 columns
     res += [(PackedMatMulBf16, [bf(2, 3, 40), pack_bf16_panels(bf(40, 17)), f(17)], {"n": 17, "to": "bfloat16"})]
+    # float32 operands with their probabilities rounded to a half type (FuseAttention at precision bfloat16 or
+    # float16 on the cpu target): 3-D heads, causal past 3 keys, a mask as the extra bias; 4-D grouped heads
+    # with two extra biases
+    res += [(Attention, [f(2, 6, 32), f(2, 9, 32), f(2, 9, 32),
+                         np.where(rng.random((2, 1, 6, 9)) > 0.2, 0, -3.4e38).astype(np.float32)],
+             {"scale": 0.25, "q_heads": 2, "kv_heads": 2, "extra_biases": 1, "is_causal": True, "past_len": 3,
+              "acc_dtype": "float32", "probs_dtype": "bfloat16"}),
+            (Attention, [q4, k4, v4, f(1, 4, 3, 5), np.where(rng.random((2, 1, 1, 5)) > 0.3, 0, -3.4e38).astype(
+                np.float32)], {"scale": 0.5, "extra_biases": 2, "acc_dtype": "float32", "probs_dtype": "float16"})]
     return res

@@ -573,7 +573,9 @@ class FuseAttention(_Walk, GraphPass):
     ``softmax(Q Kᵀ · scale + bias) V``, becomes ``Attention(..., acc_dtype="float32")`` (the
     scores scaled after the sum, as the MatMul and Mul compute them; any bias added after the
     scale, a row whose every logit is -inf NaN as the Softmax gives it) where the target's
-    kernel computes it: ``target="cpu"`` (at float32), where the cpu template does
+    kernel computes it: ``target="cpu"`` (at every precision: at float16/bfloat16 the probabilities
+    the precision pass rounds, ``RoundHalf(Softmax(s))`` after :class:`~.precision.HalfModelInFloat32`,
+    become the op's ``probs_dtype``; Q, K and V stay the rounded tensors they were), where the cpu template does
     (:func:`~shardflow.compiler.codegen.templates_cpu.template_kind`: two biases at most, GPT-2's
     and BERT's masks, T5's position bias and mask, BLOOM's ALiBi and mask); ``target="cuda"``
     (float32 and tf32 on sm_80 and newer), where the fused kernel takes the head sizes
@@ -656,8 +658,14 @@ class FuseAttention(_Walk, GraphPass):
         # a half model's scores computed in float32 from Q and K widened (GPT-Neo's and GPT-J's
         # query.to(float32), key.to(float32)), a float32 Softmax and its probabilities cast back
         wide_qk = False
+        # float32 mode: probabilities rounded to a half type's values (RoundHalf: precision float16 or bfloat16
+        # on the cpu target, after HalfModelInFloat32), which the op rounds as its probs_dtype
+        rounded_probs = None
         if self.float32 or native:  # the probabilities straight from the Softmax
             down, sm = mm2, self._prod(mm2.inputs[0])
+            if self.float32 and _is(sm, "RoundHalf") and sm.attrs.get("to") in _HALF \
+                    and self._only(sm.outputs[0]) is mm2:
+                rounded_probs, down, sm = sm.attrs["to"], sm, self._prod(sm.inputs[0])
             # a half model's probabilities through float32 and back (transformers' Llama, Mistral:
             # softmax(dtype=float32).to(half), which the exporter writes as a float32 Softmax of the
             # scores cast, or as the half Softmax's output cast to float32 and back)
@@ -817,7 +825,8 @@ class FuseAttention(_Walk, GraphPass):
         ins = [q_in, k_in, v_in] + mask + ([bound] if bound is not None else []) + biases
         att = Attention(ins, name=f"{mm2.name}.attention", q_heads=h_, kv_heads=kv_heads, scale=scale,
                         scale_sqrt=math.sqrt(abs(scale)), acc_dtype="float32",
-                        **({} if self.float32 else {"probs_dtype": vh.dtype}),
+                        **({"probs_dtype": rounded_probs} if rounded_probs else {} if self.float32
+                           else {"probs_dtype": vh.dtype}),
                         **({"has_mask": True} if mask else {}),
                         **({"has_nonpad": True, "nonpad_bound": True} if bound is not None else {}),
                         extra_biases=len(biases), **causal, **({"y_3d": True} if three_d and q_in.ndim == 4 else {}),
@@ -830,7 +839,7 @@ class FuseAttention(_Walk, GraphPass):
         new_ops.append(att)
         y = att.outputs[0]
         for c in out_chain[0] if three_d else ():  # element-wise casts after the transpose, on the 3-D result
-            new_ops.append(CastOp([y], name=f"{c.name}.3d", to=c.attrs["to"]))
+            new_ops.append(type(c)([y], name=f"{c.name}.3d", **c.attrs))
             y = new_ops[-1].outputs[0]
         if y.dtype != old.dtype:  # (a half model's attention: its output rounded once)
             new_ops.append(CastOp([y], name=f"{mm2.name}.attention.{old.dtype}", to=old.dtype))
@@ -1128,14 +1137,16 @@ class FuseAttention(_Walk, GraphPass):
 
     def _output_chain(self, t: Tensor, shape3: tuple):
         """``(casts, reshape)`` when ``t`` is read by ``Transpose(0, 2, 1, 3)`` alone, then by
-        element-wise casts, then by a ``Reshape`` to ``shape3`` ``[B, S, H*Dv]`` or to its rows
-        ``[B*S, H*Dv]`` (torch's dynamo exporter, before a 2-D ``Gemm``), each the only reader."""
+        element-wise casts (and roundings to a half type's values, ``RoundHalf``: the precision
+        pass's before the output projection on the cpu target), then by a ``Reshape`` to
+        ``shape3`` ``[B, S, H*Dv]`` or to its rows ``[B*S, H*Dv]`` (torch's dynamo exporter, before
+        a 2-D ``Gemm``), each the only reader."""
         tr = self._only(t)
         if not _is(tr, "Transpose", perm=(0, 2, 1, 3)):
             return None
         casts = []
         cur = self._only(tr.outputs[0])
-        while _is(cur, "Cast"):
+        while _is(cur, "Cast") or _is(cur, "RoundHalf"):
             casts.append(cur)
             cur = self._only(cur.outputs[0])
         b_, s_len, width = shape3

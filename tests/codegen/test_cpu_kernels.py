@@ -969,15 +969,20 @@ def test_expert_matmul_uses_its_template(library):
 
 
 def test_attention_uses_its_template(library):
-    """Every float32 Attention case above runs sf_attention; the mixed-precision and qk_matmul_output
-    forms (the op examples) keep the generic nest, which computes them."""
+    """Every float32 Attention case above runs sf_attention, the op examples on float32 operands whose
+    probabilities are rounded to float16 or bfloat16 too (precision float16/bfloat16); the mixed-precision
+    form on half operands and the qk_matmul_output forms (the op examples) keep the generic nest, which
+    computes them."""
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     att = [(cid, op) for cid, op, _ in LARGE if op.op_type == "Attention"]
     assert len(att) == 10 and all(template_kind(op) == "Attention" for _, op in att)
     examples = [op for op, _ in library["cases"].values() if op.op_type == "Attention"]
-    generic = [op for op in examples if op.attrs.get("qk_mode") is not None or op.attrs.get("acc_dtype")]
+    generic = [op for op in examples if op.attrs.get("qk_mode") is not None or op.inputs[0].dtype != "float32"]
     assert len(generic) == 7 and all(template_kind(op) is None for op in generic)
+    rounded = [op for op in examples if op.attrs.get("probs_dtype") and op.inputs[0].dtype == "float32"]
+    assert [op.attrs["probs_dtype"] for op in rounded] == ["bfloat16", "float16"]
+    assert all(template_kind(op) == "Attention" for op in rounded)
     assert [template_kind(op) for op in examples if op.attrs.get("has_sink") and op.attrs.get("qk_mode") is None] \
         == ["Attention"] * 2  # the op example and the large case
 

@@ -366,9 +366,10 @@ def _rank_units(pdl=False):
             return Gemm([Tensor(f"{name}_a", (M, K), dt), Tensor(f"{name}_b", (N, K), dt)], name=name, trans_b=True)
         return MatMul([Tensor(f"{name}_a", (M, K), dt), Tensor(f"{name}_b", (K, N), dt)], name=name)
 
-    # (the half-precision examples, which the fused kernel takes; picked by attributes, not by their
+    # (the examples on half operands, which the fused kernel takes; picked by attributes, not by their
     # place in the list of examples, which moves when an op module gains one)
-    att = [c[1] for c in LOWERED if c[0].startswith("linalg.Attention.") and c[1].attrs.get("probs_dtype") == "float16"]
+    att = [c[1] for c in LOWERED if c[0].startswith("linalg.Attention.") and c[1].attrs.get("probs_dtype") == "float16"
+           and c[1].inputs[0].dtype == "float16"]
     assert len(att) == 2, [op.name for op in att]
     a = [mm("qkv", 256, 384, 512, "float16"), att[0], mm("f32", 128, 64, 64, "float32")]
     b = [mm("qkv", 256, 384, 512, "float16"), mm("bf", 128, 128, 64, "bfloat16"), att[1],

@@ -109,6 +109,32 @@ def test_half_precision_model_on_cpu_matches_onnxruntime(tmp_path, model):
     assert sizes["float16"] <= sizes["bfloat16"] <= 1.1 * sizes["float16"]
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+@pytest.mark.parametrize("prec", ["bfloat16", "float16"])
+def test_half_precision_attention_on_cpu_is_one_fused_kernel(tmp_path, prec):
+    """At precision float16/bfloat16 the cpu target fuses GPT-2's attention as at float32 (one Attention kernel
+    per layer, no Softmax, no [B, H, S, L] scores): the probabilities the precision pass rounds are rounded by
+    the kernel (``probs_dtype``), so the program's output is the unfused program's (``fuse`` off: the separate
+    MatMul, Softmax and rounding kernels), here bit for bit, and within the precision's tolerance of
+    onnxruntime."""
+    feeds, ref = onnxruntime_reference("gpt2_ts17")
+    got, kinds = {}, {}
+    for fuse in (True, False):
+        out = tmp_path / f"fuse{fuse}"
+        compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]},
+                optimization_config={"target": "cpu", "precision": prec, "fuse": fuse}, out_dir=out)
+        program = json.loads((out / "rank0" / "program.json").read_text())
+        kinds[fuse] = [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
+        got[fuse] = load(out).run(feeds)
+    assert kinds[True].count("Attention") == 2 and "Softmax" not in kinds[True], kinds[True]
+    assert kinds[False].count("Softmax") == 2 and "Attention" not in kinds[False], kinds[False]
+    tol = {"float16": 5e-3, "bfloat16": 2e-2}[prec]
+    for k, v in ref.items():
+        scale = float(np.abs(v).max())
+        np.testing.assert_allclose(got[True][k], got[False][k], rtol=0, atol=1e-6 * scale, err_msg=k)
+        np.testing.assert_allclose(got[True][k], v, rtol=tol, atol=tol * scale, err_msg=k)
+
+
 def test_float16_cuda_kernels_use_the_half_tensor_cores(tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")

@@ -21,6 +21,9 @@ struct SfAttn {
   bool bias2;                          // a second float bias, added after the mask (FuseAttention's second
   int64_t bs[3];                       // extra bias: T5's mask after its position bias); its strides as ms's,
                                        // its keys all L
+  int phalf;                           // the probabilities rounded to a half type's values before they weigh V
+                                       // (FuseAttention's probs_dtype at precision float16/bfloat16): 0 none,
+                                       // 1 float16, 2 bfloat16
 };
 
 // the keys [lo, hi) row i may see before the mask's values (lo >= hi: none)
@@ -36,8 +39,9 @@ static inline void sf_attn_range(const SfAttn& a, int64_t i, int64_t off, int64_
 // one row of scores s[c0 .. c1) (key j at s[j - c0]) into probabilities, 0 outside the row's keys; the row is
 // 0 where every key is excluded (the mask's values -inf included), as ONNX's reference computes; a NaN anywhere
 // makes the row NaN (through the sum). `sink` (-inf for none) is one more logit in the maximum and the sum
-// (an attention sink: the probabilities then sum to less than 1). Each step is its own loop, the reductions
-// `omp simd` (vectorized).
+// (an attention sink: the probabilities then sum to less than 1). a.phalf rounds the probabilities to
+// float16's or bfloat16's values as they are normalized. Each step is its own loop, the reductions `omp simd`
+// (vectorized).
 SF_CLONES
 static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t lo, int64_t hi, const SfAttn& a,
                         const float* __restrict__ fm, const uint8_t* __restrict__ bm, const float* __restrict__ f2,
@@ -94,7 +98,13 @@ static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t l
     sum += e;
   }
   const float inv = 1.0f / sum;
-  for (int64_t j = lo; j < hi; ++j) r[j] *= inv;
+  if (a.phalf == 2) {
+    for (int64_t j = lo; j < hi; ++j) r[j] = sf_bf16_round(r[j] * inv);
+  } else if (a.phalf == 1) {
+    for (int64_t j = lo; j < hi; ++j) r[j] = sf_f16_round(r[j] * inv);
+  } else {
+    for (int64_t j = lo; j < hi; ++j) r[j] *= inv;
+  }
 }
 
 static void sf_attention(const float* q, const float* k, const float* v, const void* mask, const int64_t* nonpad,
