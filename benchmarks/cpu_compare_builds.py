@@ -82,7 +82,11 @@ def main(argv=None) -> None:
         print(f"steps only in new: {len(only[1])} {only[1][:8]}{' ...' if len(only[1]) > 8 else ''}")
     bufs = {b["name"]: b for b in progs[0]["buffers"]}
     rng = np.random.default_rng(0)
-    feeds = {n: rng.standard_normal(bufs[n]["shape"]).astype(bufs[n]["dtype"]) for n, _ in progs[0]["inputs"]}
+    import ml_dtypes
+
+    dtype = {"bfloat16": ml_dtypes.bfloat16}
+    feeds = {n: rng.standard_normal(bufs[n]["shape"]).astype(dtype.get(bufs[n]["dtype"], bufs[n]["dtype"]))
+             for n, _ in progs[0]["inputs"]}
     ps = [load(d, rank=0) for d in dirs]
     times, runs = [[], []], [[], []]
     for _ in range(args.rounds):

@@ -490,6 +490,8 @@ def _large():
         _bfmm((2, 41), 33, to="bfloat16"),
         _bfmm((33, 64), 48, bias=(33, 1), alpha=0.5, beta=0.25, to="bfloat16"),  # (a bias per row, scaled)
         _bfmm((1, 300), 129, to="bfloat16"),
+        # K a multiple of 32 over two blocks of k: vdpbf16ps reads A's rows in place (no packed copy)
+        _bfmm((20, 1024), 70, bias=(70,)),
         # a token's routed experts: GEMVs on each chosen expert's [N, K] weight, with its bias
         ExpertMatMul([_t((3, 300)), _t((6, 203, 300)), _t((3, 2), "int64"), _t((6, 203))]),
         ExpertMatMul([_t((2, 2, 40)), _t((3, 70, 40)), _t((2, 2), "int32")]),

@@ -3,8 +3,8 @@ namespace {
 
 // Per image and group, y[OCg][P] = W[OCg][K] . im2col(x)[K][P] (+ bias per output channel) on the bfloat16
 // GEMM: the weight's rows as packed at compile time (ops.conv.pack_bf16_conv: Kp apart, zero past K, rows
-// up to whole AMX tiles), straight into AMX's tiles (sf_amx_blocks), or through sf_bgemm_prepacked
-// (AVX-512 BF16, or both widened); the image's im2col matrix packed here into the GEMM's panels of pairs
+// up to whole AMX tiles), straight into AMX's tiles (sf_amx_blocks) or vdpbf16ps's blocks (sf_bgemm_dp_blocks),
+// else through sf_bgemm_prepacked (both widened); the image's im2col matrix packed here into the GEMM's panels of pairs
 // along K ([ceil(P / 16)][Kp / 2][16][2], zero past K) as it is gathered from the image padded with zeros;
 // the output in the image's layout: float32, or (bf16_out) rounded to bfloat16 as it is stored; with clamp,
 // clamped to [lo, hi] first (a NaN kept: a folded Relu or Clip).
@@ -92,6 +92,15 @@ static void sf_bconv2d(const sf_bf16* xv, const sf_bf16* w, const float* bias, v
                              [&](const void* T, int64_t i0, int64_t j0) {
           sf_bconv_store(static_cast<const float*>(T), 32, std::min<int64_t>(32, OCg - i0),
                          std::min<int64_t>(32, P - j0), yg, P, i0, j0, bg, bf16_out, clamp, lo, hi);
+        });
+        continue;
+      }
+      if (sf_bf16_isa() == SF_ISA_AVX512BF16) {
+        // (the weight's rows are packed as the kernel reads them: no copy; each tile's sums stored as they are
+        // finished, with the bias, clamp and rounding)
+        sf_bgemm_dp_blocks(OCg, P, K, reinterpret_cast<const uint16_t*>(w + r0 * Kp), bp,
+                           sf_gemm_parallel(OCg, P, K, true), [&](const float* T, int64_t j0, int64_t cols) {
+          sf_bconv_store(T, 32, OCg, cols, yg, P, 0, j0, bg, bf16_out, clamp, lo, hi);
         });
         continue;
       }

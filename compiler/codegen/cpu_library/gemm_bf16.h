@@ -258,18 +258,18 @@ constexpr int64_t SF_BF_MR = 12;
 // pairs of k per block: 2 panels x 512 k (64 KB) of B stay in L2 across A's rows
 constexpr int64_t SF_BF_KB2 = 256;
 
-// C = alpha * (A @ B) + bias with vdpbf16ps: the threads split the columns in tiles of 32; each tile runs
-// down all of K in blocks, A's rows 12 at a time, its sums in a per-thread buffer; C float32 or bfloat16
-template <typename CT>
-static void sf_bgemm_dp(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                        CT* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
+// The vdpbf16ps GEMM of Ap [M][Kp] (rows packed Kp apart, zero past K: sf_bf_pack_a's, or a conv's weight rows as
+// packed at compile time) by the panels Bp: the threads split the columns in tiles of 32; each tile runs down
+// all of K in blocks, A's rows 12 at a time, its sums in a per-thread buffer T [M][32], which
+// store(T, j0, cols) then writes out (the tile's columns [j0, j0 + cols))
+template <typename Store>
+static void sf_bgemm_dp_blocks(int64_t M, int64_t N, int64_t K, const uint16_t* Ap, const uint16_t* Bp, bool par,
+                               Store&& store) {
   static const SfBfUkr fn[SF_BF_MR] = {sf_bf_ukr_dp<1>, sf_bf_ukr_dp<2>, sf_bf_ukr_dp<3>, sf_bf_ukr_dp<4>,
                                        sf_bf_ukr_dp<5>, sf_bf_ukr_dp<6>, sf_bf_ukr_dp<7>, sf_bf_ukr_dp<8>,
                                        sf_bf_ukr_dp<9>, sf_bf_ukr_dp<10>, sf_bf_ukr_dp<11>, sf_bf_ukr_dp<12>};
   const int64_t Kp = sf_bf_kp(K), pstride = Kp * SF_BF_PANEL, g = Kp / 2;
   const int64_t np = (N + SF_BF_PANEL - 1) / SF_BF_PANEL, tiles = (np + 1) / 2;
-  uint16_t* Ap = static_cast<uint16_t*>(sf_workspace(1, sizeof(uint16_t) * M * Kp));
-  sf_bf_pack_a(M, K, A, lda, M, Kp, Ap, par);
   #pragma omp parallel if (par && tiles > 1)
   {
     float* T = static_cast<float*>(sf_workspace(2, sizeof(float) * M * 32));
@@ -285,9 +285,26 @@ static void sf_bgemm_dp(int64_t M, int64_t N, int64_t K, const uint16_t* A, int6
           fn[mr - 1](gn, Ap + i0 * Kp + 2 * g0, Kp, B0 + 32 * g0, B1 + 32 * g0, T + i0 * 32, g0 == 0);
         }
       }
-      sf_bf_store_to(T, 32, M, cols, C, ldc, 0, j0, alpha, bias, rbs, cbs);
+      store(static_cast<const float*>(T), j0, cols);
     }
   }
+}
+
+// C = alpha * (A @ B) + bias with vdpbf16ps (A's rows packed first, unless they already lie Kp apart with
+// nothing past K: K a multiple of the k step, rows contiguous); C float32 or bfloat16
+template <typename CT>
+static void sf_bgemm_dp(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bp,
+                        CT* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs, bool par) {
+  const int64_t Kp = sf_bf_kp(K);
+  const uint16_t* Ap = A;
+  if (Kp != K || lda != K) {
+    uint16_t* packed = static_cast<uint16_t*>(sf_workspace(1, sizeof(uint16_t) * M * Kp));
+    sf_bf_pack_a(M, K, A, lda, M, Kp, packed, par);
+    Ap = packed;
+  }
+  sf_bgemm_dp_blocks(M, N, K, Ap, Bp, par, [&](const float* T, int64_t j0, int64_t cols) {
+    sf_bf_store_to(T, 32, M, cols, C, ldc, 0, j0, alpha, bias, rbs, cbs);
+  });
 }
 #endif
 
