@@ -1,11 +1,12 @@
 """Random models (tests/random_models.py) compiled for the cpu target end to end: each program's
 native kernels (g++) run by the runtime against onnxruntime, on one rank at every precision
-(float32, bfloat16, float16), and under a random sharding plan (every op a random strategy among
-the candidates the rules give it, as tests/parallel/test_random_plans.py does on the simulator) on
-two ranks and on a 2x2 mesh, the ranks run in one process on threads with in-process
-communicators. ``-m slow`` (a few seconds a case on two cores with the kernel cache warm);
-``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds ``A..B-1`` instead of the default ``0:4``. The reference
-is onnxruntime with its graph optimizations off (random_models.reference)."""
+(float32, bfloat16, float16); with a random half of the cpu target's optimizations off; and under
+a random sharding plan (every op a random strategy among the candidates the rules give it, as
+tests/parallel/test_random_plans.py does on the simulator) on two ranks and on a 2x2 mesh, the
+ranks run in one process on threads with in-process communicators. ``-m slow`` (a few seconds a
+case on two cores with the kernel cache warm); ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds
+``A..B-1`` instead of the default ``0:4``. The reference is onnxruntime with its graph
+optimizations off (random_models.reference)."""
 from __future__ import annotations
 
 import os
@@ -56,6 +57,25 @@ def test_random_model_on_the_cpu_target(tmp_path, kind, seed):
         compile(model, distributed_config={"mesh_shape": [1]},
                 optimization_config={"target": "cpu", "precision": precision}, out_dir=out)
         _compare(model, feeds, load(out).run(dict(feeds)), want, precision, f"{kind} {seed} ({desc}) {precision}")
+
+
+# the cpu target's optimizations that can be turned off (the driver's optimization_config keys)
+SWITCHES = ("fuse", "prepack", "winograd", "blocked", "fold_affine", "precompute", "int8_qdq")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+def test_random_model_with_optimizations_off(tmp_path, kind, seed):
+    """The same with a random half of the cpu target's optimizations off, at a random precision: the
+    paths a default build does not take (unfused ops, unpacked weights, plain layouts, direct convs)."""
+    model, feeds, desc = GENERATORS[kind](seed)
+    rng = np.random.default_rng([seed, 7])
+    off = {k: False for k in SWITCHES if rng.random() < 0.5}
+    precision = ("float32", "bfloat16", "float16")[int(rng.integers(3))]
+    compile(model, distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu", "precision": precision, **off}, out_dir=tmp_path / "out")
+    _compare(model, feeds, load(tmp_path / "out").run(dict(feeds)), reference(model, feeds), precision,
+             f"{kind} {seed} ({desc}) {precision}, off: {sorted(off)}")
 
 
 @pytest.mark.parametrize("mesh", [[2], [2, 2]], ids=lambda m: "x".join(map(str, m)))
