@@ -23,6 +23,7 @@ import json
 import os
 import time
 
+import ml_dtypes
 import numpy as np
 
 
@@ -82,9 +83,7 @@ def main(argv=None) -> None:
         print(f"steps only in new: {len(only[1])} {only[1][:8]}{' ...' if len(only[1]) > 8 else ''}")
     bufs = {b["name"]: b for b in progs[0]["buffers"]}
     rng = np.random.default_rng(0)
-    import ml_dtypes
-
-    dtype = {"bfloat16": ml_dtypes.bfloat16}
+    dtype = {"bfloat16": ml_dtypes.bfloat16}  # (numpy knows no "bfloat16" by name)
     feeds = {n: rng.standard_normal(bufs[n]["shape"]).astype(dtype.get(bufs[n]["dtype"], bufs[n]["dtype"]))
              for n, _ in progs[0]["inputs"]}
     ps = [load(d, rank=0) for d in dirs]

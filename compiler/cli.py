@@ -169,6 +169,19 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                         "input_placements, output_placements, ...); flags override it")
 
 
+def _add_target_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", choices=("cpu", "cuda"), default=None,
+                   help="kernel target: cpu (C++ kernels, default) or cuda (CUDA kernels; cross-compiles without "
+                        "a GPU)")
+
+
+def _add_optimization_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--optimization-config", metavar="FILE.json", default=None,
+                   help="a JSON object of optimization_config keys (target, arch, sm_count, precision, fuse, "
+                        "cuda_graph, pdl, prepack, winograd, int8_qdq, precompute, search_space, comm_backend, "
+                        "gemm_tiles); flags override it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``shardflow`` (``run`` is parsed by :mod:`shardflow.runtime.launch`)."""
     from shardflow.runtime.launch import add_run_arguments
@@ -185,18 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "leaves no OUT).")
     _add_plan_flags(pc)
     pc.add_argument("-o", "--out", required=True, metavar="OUT", help="the out_dir to write (replaced if it exists)")
-    pc.add_argument("--target", choices=("cpu", "cuda"), default=None,
-                    help="kernel target: cpu (C++ kernels, default) or cuda (CUDA kernels; cross-compiles without "
-                         "a GPU)")
+    _add_target_flag(pc)
     pc.add_argument("--arch", default=None, metavar="SM",
                     help="CUDA architecture for --target cuda, e.g. sm_90 (default sm_90)")
     pc.add_argument("--sm-count", type=int, default=None, metavar="N",
                     help="the target GPU's multiprocessors for --target cuda, e.g. 114 for an H100 PCIe (default: "
                          "the visible GPU's, else 132)")
-    pc.add_argument("--optimization-config", metavar="FILE.json", default=None,
-                    help="a JSON object of optimization_config keys (target, arch, sm_count, precision, fuse, "
-                         "cuda_graph, pdl, prepack, winograd, int8_qdq, precompute, search_space, comm_backend, "
-                         "gemm_tiles); flags override it")
+    _add_optimization_config_flag(pc)
     pc.add_argument("--state", action="append", metavar="OUTPUT=INPUT", default=None,
                     help="keep OUTPUT in the program as the next run's INPUT (same shape and type), e.g. "
                          "present.0.key=past_key_values.0.key for a KV cache of fixed size; not returned by runs "
@@ -214,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Import MODEL, search a sharding plan on the mesh and print it.")
     _add_plan_flags(pp)
     pp.add_argument("-o", "--out", default=None, metavar="DIR", help="also save plan.json and plan.txt into DIR")
+    # (the target's import and passes: the graph compile plans, so that a saved plan loads there)
+    _add_target_flag(pp)
+    _add_optimization_config_flag(pp)
     pp.add_argument("--explain", action="append", default=[], metavar="NODE",
                     help="after the plan, why NODE (an op name from it) runs as it does: what each mesh axis "
                          "splits, its costs, the resharding of its inputs (repeat per op)")
@@ -294,16 +305,17 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from . import driver, load_onnx
+    from . import driver
     from .parallel import search
 
     _setup_logging(False, args.verbose)
     dcfg = _distributed_config(args)
-    graph = load_onnx(args.model, input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
-    from .parallel.config import DistributedConfig
-
-    cfg = DistributedConfig.from_dict(dcfg)
-    plan = search(driver.plan_passes(graph, cfg.mesh_shape, pad_heads=driver.heads_padding(cfg)), dcfg)
+    ocfg = _read_config(args.optimization_config, "optimization-config")
+    if args.target is not None:
+        ocfg["target"] = args.target
+    graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg,
+                                 input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
+    plan = search(graph, dcfg)
     if args.out:
         plan.save(args.out)
     explained = [plan.explain(node) for node in args.explain]  # (an unknown name fails before any output)

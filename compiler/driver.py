@@ -106,8 +106,8 @@ from .ir.expr import numpy_type
 from .ir.graph import FlowGraph, Operator, Tensor
 from .ir.spill import spill, spilling
 
-__all__ = ["compile", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers", "TARGETS",
-           "PRECISIONS", "COMM_BACKENDS"]
+__all__ = ["compile", "planned_graph", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers",
+           "TARGETS", "PRECISIONS", "COMM_BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -1202,6 +1202,27 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
     return graph
 
 
+def planned_graph(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
+                  input_shapes: Mapping[str, Sequence[int]] | None = None,
+                  input_values: Mapping[str, Any] | None = None) -> FlowGraph:
+    """The graph :func:`compile` searches its plan on for these arguments (the same meanings): the
+    model imported as ``optimization_config``'s target imports it (the cpu target's QDQ products
+    and routed experts, :func:`~shardflow.compiler.load_onnx`), then :func:`plan_passes`. A plan
+    searched on it (``shardflow plan -o DIR``) names the ops ``compile`` plans, so it loads there as
+    ``preload_plan``. A :class:`FlowGraph` model is copied, not rewritten."""
+    from .parallel.config import DistributedConfig
+
+    return _planned_graph(model, OptimizationConfig.from_dict(optimization_config),
+                          DistributedConfig.from_dict(distributed_config), input_shapes, input_values)
+
+
+def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_values) -> FlowGraph:
+    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
+                        routed_experts=opt.target == "cpu")
+    return plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
+                       fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg))
+
+
 def heads_padding(dcfg) -> int:
     """The ranks :func:`plan_passes` pads attention heads for under ``dcfg`` (a DistributedConfig):
     what a preloaded plan was made with; else, with ``pad_heads`` true, or ``auto`` (the default)
@@ -1416,10 +1437,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
 
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
-    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
-                        routed_experts=opt.target == "cpu")
-    graph = plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
-                        fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg))
+    graph = _planned_graph(model, opt, dcfg, input_shapes, input_values)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

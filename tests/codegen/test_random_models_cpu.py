@@ -18,7 +18,7 @@ from random_models import GENERATORS, reference
 from threads import run_threads
 
 from shardflow.compiler import compile
-from shardflow.compiler.driver import _load_model, plan_passes
+from shardflow.compiler.driver import planned_graph
 from shardflow.compiler.parallel.config import DistributedConfig
 from shardflow.compiler.parallel.plan import ShardingPlan
 from shardflow.compiler.parallel.search import Problem
@@ -86,8 +86,7 @@ def test_random_plan_on_cpu_ranks(tmp_path, kind, seed, mesh):
     kernels and the collectives it needs; every rank's outputs against onnxruntime."""
     model, feeds, desc = GENERATORS[kind](seed)
     want = reference(model, feeds)
-    # the graph compile plans: the same import (the cpu target's) and plan passes
-    g = plan_passes(_load_model(model, None, None, int8_qdq=True, routed_experts=True), mesh)
+    g = planned_graph(model, distributed_config={"mesh_shape": mesh}, optimization_config={"target": "cpu"})
     problem = Problem(g, DistributedConfig.from_dict({"mesh_shape": mesh}))
     rng = np.random.default_rng([seed, len(mesh)])
     assign = {id(op): problem.strategies[id(op)][int(rng.integers(len(problem.strategies[id(op)])))]

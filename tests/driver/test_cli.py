@@ -147,6 +147,28 @@ def test_a_saved_plan_names_the_ops_compile_plans(tmp_path):
     assert sum(k.startswith("all_reduce") for k in kinds) == 5 and not any("all_to_all" in k for k in kinds), kinds
 
 
+def test_a_saved_plan_of_a_quantized_model_loads_in_compile(tmp_path):
+    """A QDQ product (DequantizeLinear'd int8 operands into a MatMul) imports as the integer product on
+    the cpu target (the default) and as the float MatMul on cuda: `shardflow plan` imports the model as
+    its --target does (driver.planned_graph), so its saved plan loads in compile, whose import is the
+    same; before, it planned the float MatMul and compile refused the plan as another graph's."""
+    import onnx
+    from random_models import GENERATORS
+
+    model, feeds, desc = GENERATORS["index_program"](0)
+    assert "qmm" in desc
+    onnx.save(model, tmp_path / "m.onnx")
+    out = sh("plan", tmp_path / "m.onnx", "--mesh", "2", "-o", tmp_path / "p")
+    assert out.returncode == 0, out.stderr
+    assert "_int8" in out.stdout and "MatMul(" not in out.stdout
+    res = driver.compile(tmp_path / "m.onnx", optimization_config={"target": "cpu"}, out_dir=tmp_path / "o",
+                         distributed_config={"mesh_shape": [2], "preload_plan": str(tmp_path / "p")})
+    assert (res.out_dir / "rank1" / "program.json").exists()
+    out = sh("plan", tmp_path / "m.onnx", "--mesh", "2", "--target", "cuda")
+    assert out.returncode == 0, out.stderr
+    assert "MatMul(" in out.stdout and "_int8" not in out.stdout
+
+
 def test_a_saved_plan_with_padded_heads_loads_in_compile(tmp_path):
     """GPT-2's 4 heads on 3 ranks (Megatron): `shardflow plan` pads them to 6 as compile does
     (passes/heads.py), plan.json records it, and compile with the saved plan (algo left at its
