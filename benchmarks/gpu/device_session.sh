@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu/device_session.sh pdl     # GPT-2 small 1x128/8x128 with programmatic dependent launch,
 #                                                 # then the GEMMs at M 128/1024 plain and with it vs cuBLAS
 #   bash benchmarks/gpu/device_session.sh kmajor  # GEMMs with B stored [N, K]: default tiles, then tma64x96/128x160
+#   bash benchmarks/gpu/device_session.sh tuned   # the GEMM shapes with search_space=2 (tiles timed by the tuner)
+#                                                 # vs cuBLAS, a call of its own (< 9 min)
 #   bash benchmarks/gpu/device_session.sh ncu [GEMM.PY ARGS...]   # Nsight Compute sections of ours and
 #                                                 # cuBLAS's kernel per case (default: GPT-2 shapes, M 1024, fp16)
 #   bash benchmarks/gpu/device_session.sh bf16models  # GPT-2 small and Llama exported in bfloat16 vs torch.compile
@@ -333,6 +335,21 @@ case "$what" in
         ;;
     kmajor)  # B stored [N, K]: default tiles, then the 96- and 160-column ones (a minute or two)
         kmajor
+        ;;
+    tuned)  # the 48 GEMM shapes built with search_space=2 (the tuner times 15 tiles of each on this GPU, the
+            # ping-pong and stream-K ones among them since session 77) against cuBLAS: what a user who
+            # tunes gets, beside the default choice's figure (run_all's). A call of its own (TUNED_S, default
+            # 500 s, half for each type: 24 builds one at a time, each compiling its candidates on every
+            # core; the choices stay in the kernel cache, so a second call on a warm machine goes on from them)
+        f="$out/gemm-tuned.txt"
+        echo "# benchmarks/gpu/gemm.py --search-space 2, $(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null)" \
+            > "$f"
+        for dt in float16 bfloat16; do
+            echo "== $dt" >> "$f"
+            timeout $((${TUNED_S:-500} / 2)) python3 benchmarks/gpu/gemm.py --search-space 2 --dtypes "$dt" \
+                --json "$out/gemm-tuned-$dt.json" >> "$f" 2>&1
+        done
+        grep -E "^== |gemm_vs_cublas_min|WRONG|rror" "$f"
         ;;
     pdl)  # programmatic dependent launch (RFC 0005 decisions 29, 48): its GPU test, GPT-2 small vs
           # torch.compile, then the GEMMs plain and with it against cuBLAS (under 8 minutes)

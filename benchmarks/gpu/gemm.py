@@ -1,7 +1,7 @@
 """GEMM: Shardflow's generated tensor-core MatMul kernels vs cuBLAS, on transformer projection shapes.
 
     python benchmarks/gpu/gemm.py [--m 128,1024,8192] [--shapes gpt2,llama7b] [--dtypes float16,bfloat16]
-                                  [--dry-run] [--jobs 8] [--json OUT.json]
+                                  [--dry-run] [--jobs 8] [--json OUT.json] [--search-space 2]
 
 What is compared
     ``C[M,N] = A[M,K] @ B[K,N]``, all three row-major (B is ``[K, N]`` as our ``MatMul`` takes it;
@@ -52,6 +52,13 @@ Programmatic dependent launch
     graph then sets up, and loads its first stages of B, while the launch before it finishes, and
     waits on the GPU for it (rfcs/0005 decisions 29 and 48); cuBLAS is timed as without it. A
     model's products run this way in a ``pdl`` program; the records say ``pdl``.
+
+Tuned tiles
+    ``--search-space 2`` builds each case as ``optimization_config["search_space"] = 2`` does: the
+    compiler's tuner (``codegen/tune.py``) compiles every candidate tile of the product, times each
+    on this GPU and keeps the fastest (the builds then run one at a time). Without it, ours is the
+    default tile choice (the fitted model of ``choose_wgmma_config``), which the issue's figure
+    is taken on; the records say ``search_space``.
 
 ``--dry-run`` generates and compiles every kernel (nvcc, no GPU needed) and prints the launch
 configuration of each; nothing runs.
@@ -167,6 +174,8 @@ def build(cases: list[Case], work: str, arch: str = "sm_90", jobs: int = 1, cach
 
     params = inspect.signature(build_cuda_library).parameters
     extra = {"search_space": search_space} if search_space is not None and "search_space" in params else {}
+    if (search_space or 0) >= 2 and jobs > 1:
+        jobs = 1  # (each build times its candidates on the GPU: builds side by side would skew each other's)
     if pdl:
         extra["pdl"] = True
     os.makedirs(work, exist_ok=True)
@@ -402,11 +411,15 @@ def cases_from_args(args, prefix: str = "") -> list[Case]:
 
 def bench(cases: list[Case], work: str, *, arch: str, jobs: int, dry_run: bool, reps: int, use_graph: bool,
           cache_dir: str | None = None, budget=None, config: str | None = None, log=print,
-          profile: bool = False, pdl: bool = False) -> dict:
-    """Build, then (unless ``dry_run``) check and time ``cases``; returns the ``gemm`` JSON section."""
+          profile: bool = False, pdl: bool = False, search_space: int | None = None) -> dict:
+    """Build, then (unless ``dry_run``) check and time ``cases``; returns the ``gemm`` JSON section.
+    ``search_space=2``: each case's tile measured on this machine's GPU as the compiler's tuner
+    measures it (``optimization_config["search_space"]``; the builds then run one at a time)."""
     t0 = time.perf_counter()
-    built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, config=config, log=log, pdl=pdl)
-    section: dict = {"arch": arch, "config": config or "auto", "pdl": pdl, "build_s": time.perf_counter() - t0,
+    built = build(cases, work, arch=arch, jobs=jobs, cache_dir=cache_dir, config=config, log=log, pdl=pdl,
+                  search_space=search_space)
+    section: dict = {"arch": arch, "config": config or "auto", "pdl": pdl, "search_space": search_space,
+                     "build_s": time.perf_counter() - t0,
                      "dry_run": dry_run,
                      "min_launches_per_graph": LAUNCHES_PER_GRAPH, "reps": reps, "tolerance": TOLERANCE}
     if dry_run:
@@ -430,6 +443,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--dry-run", action="store_true", help="build every kernel, run nothing (no GPU needed)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--config", help="force this wgmma block tile (a WGMMA_CONFIGS name) on every case")
+    ap.add_argument("--search-space", type=int, choices=(0, 1, 2),
+                    help="optimization_config['search_space'] of the builds: 2 times every candidate tile of "
+                         "each case on this GPU (codegen/tune.py) and takes the fastest (default: the "
+                         "compiler's default, the fitted tile choice)")
     ap.add_argument("--split-min-kt", type=int, help="sweep: fewest K tiles per split-K piece, and per "
                     "stream-K block on average "
                     "(sets cuda_wgmma.SPLIT_MIN_KT for this run)")
@@ -444,7 +461,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sf-gemm-") as work:
         section = bench(cases, work, arch=args.arch, jobs=args.jobs, dry_run=args.dry_run, reps=args.reps,
                         use_graph=not args.no_graph, cache_dir=args.cache_dir, config=args.config,
-                        profile=args.ncu, pdl=args.pdl)
+                        profile=args.ncu, pdl=args.pdl, search_space=args.search_space)
     print(section["table"])
     if not args.dry_run:
         print(f"gemm_vs_cublas_min = {fmt(section.get('gemm_vs_cublas_min'))} "

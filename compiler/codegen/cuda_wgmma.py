@@ -103,13 +103,14 @@ WGMMA_CONFIGS = {
     # yet: out of the default choice (see _KMAJOR_B_FALLBACK)
     "tma64x96": (1, 96, 10, "tma"),
     "tma128x160": (2, 160, 5, "tma"),
-    # ping-pong (not measured yet: out of the default choice and of the tuner's candidates until a
-    # GPU run has timed them; optimization_config["gemm_tiles"] and benchmarks/gpu/gemm.py --config
-    # select them)
+    # ping-pong (timed on an H200 in session 33, the fastest tile on 9 of the 24 float16 shapes: among
+    # the tuner's candidates since session 77, still out of the default choice until a refit on one
+    # device's sweep; optimization_config["gemm_tiles"] and benchmarks/gpu/gemm.py --config select them)
     "pp64x256": (2, 256, 5, "pp"),
     "pp64x192": (2, 192, 6, "pp"),
     "pp64x128": (2, 128, 8, "pp"),
-    # stream-K (not measured yet; likewise out of the default choice and of the tuner's candidates)
+    # stream-K (timed in session 33: slower than the TMA tiles on 23 of the 24 float16 shapes; among the
+    # tuner's candidates since session 77, out of the default choice)
     "sk128x256": (2, 256, 4, "sk"),
     "sk128x192": (2, 192, 5, "sk"),
     "sk128x128": (2, 128, 6, "sk"),

@@ -3,8 +3,8 @@
 ``search_space`` 0 and 1 use the documented default: :func:`~.cuda_wgmma.choose_wgmma_config`, a
 model fitted to H100 measurements (waves × useful fraction × per-tile throughput; within 10% of
 the fastest tile on 22 of the 24 float16 benchmark shapes). ``search_space=2`` measures instead:
-for each wgmma GEMM of the program, every block tile (:data:`CANDIDATES`; the TMA ones only for
-unbatched products) is compiled alone,
+for each wgmma GEMM of the program, every block tile (:data:`CANDIDATES`: cp.async, TMA, ping-pong and
+stream-K; those fed by TMA only for unbatched products) is compiled alone,
 launched on random operands of the op's shapes on the GPU of the compiling machine, and timed with
 CUDA events (median of 3 × 10 back-to-back launches); the fastest is used. A candidate whose
 output on those operands differs from the default tile's (by more than 1% of the output's
@@ -31,14 +31,22 @@ import numpy as np
 
 from shardflow.runtime.tma import kernel_args
 from ..ir.graph import Operator
-from .cuda_wgmma import PERSISTENT_SMS
+from .cuda_wgmma import PERSISTENT_SMS, WGMMA_CONFIGS
 
 __all__ = ["tune_gemms", "gpu_name", "visible_gpu"]
 
 log = logging.getLogger(__name__)
 
-#: the tiles level 2 measures (a ``tma`` tile only where it applies: one unbatched product)
-CANDIDATES = ("128x256", "128x128", "64x128", "64x64", "tma128x256", "tma128x192", "tma128x128", "tma64x128")
+#: the tiles level 2 measures: the cp.async ones, and those fed by TMA (plain, ping-pong and stream-K;
+#: each only where it applies, one unbatched product whose operands TMA loads). The ping-pong and
+#: stream-K tiles joined in session 77, once an H200 had run their GPU tests and timed them (session
+#: 33: a ping-pong tile the fastest on 9 of the 24 float16 benchmark shapes, a stream-K one on 1);
+#: the default choice still leaves them out (rfcs/0005 decision 71). Not the cluster tiles (no GPU
+#: has run them) nor those that need B stored [N, K] (a layout of the program's weight, not a tile)
+CANDIDATES = ("128x256", "128x128", "64x128", "64x64", "tma128x256", "tma128x192", "tma128x128", "tma64x128",
+              "pp64x256", "pp64x192", "pp64x128", "sk128x256", "sk128x192", "sk128x128", "sk64x128")
+#: the tile families a GPU has run only on float16 and bfloat16 operands: candidates for those only
+_HALF_ONLY = ("pp", "sk")
 
 
 def visible_gpu() -> dict | None:
@@ -184,8 +192,11 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         cands = {}
         for cand in CANDIDATES:
             src = generate_cuda_source([op], precision, arch, {op.name: cand}, wgmma_fp32=wgmma_fp32, sms=sms)
-            if cand.startswith("tma") and not src.launches[op.name].tensor_maps:
+            kind, family = src.launches[op.name].kind, WGMMA_CONFIGS[cand][3]
+            if family != "cp" and not src.launches[op.name].tensor_maps:
                 continue  # (a batched product, a gathered operand: the tile falls back to a cp.async one)
+            if family in _HALF_ONLY and kind not in ("gemm-wgmma-f16", "gemm-wgmma-bf16"):
+                continue  # (float32 operands: TF32 or 3xTF32 steps, which no GPU has run on these tiles)
             cands[cand] = src
         todo[path] = (op, generate_cuda_source([op], precision, arch, wgmma_fp32=wgmma_fp32, sms=sms), cands,
                       [op.name])

@@ -10,6 +10,7 @@ import re
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 from shardflow.compiler.codegen import cuda as cg
@@ -126,6 +127,26 @@ def test_gemm_dry_run_for_programmatic_dependent_launch(tmp_path):
     for weight in (True, False):
         src = generate_cuda_source([gemm.case_op(case, weight_b=weight)], arch="sm_90", pdl=True).text
         assert ("int sf_pre = 0;" in src) is weight
+
+
+@needs_nvcc
+def test_gemm_dry_run_with_measured_tiles(tmp_path, monkeypatch):
+    """``--search-space 2``: each case built as the compiler's tuner builds it, one at a time (each
+    times its candidates on the GPU); here a fake GPU, whose timer favours the 64x64 tile, the
+    default choice of no case (128 threads, 2 x 12 blocks)."""
+    from shardflow.compiler.codegen import tune
+
+    gemm = _load("gemm")
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
+    monkeypatch.setattr(tune, "measure_on_gpu",
+                        lambda cubin, launch, op: 1.0 if (launch.block[0], launch.grid[0]) == (128, 24) else 2.0)
+    monkeypatch.setattr(tune, "output_on_gpu", lambda cubin, launch, op: np.zeros(op.outputs[0].shape, np.float32))
+    section = gemm.main(["--dry-run", "--m", "128", "--shapes", "gpt2.attn_out", "--dtypes", "float16",
+                         "--search-space", "2", "--jobs", "4", "--cache-dir", str(tmp_path / "cache")])
+    (kernel,) = section["kernels"]
+    assert section["search_space"] == 2 and kernel["block"][0] == 128 and kernel["grid"][0] == 2 * 12  # 64x64
+    tuned = list((tmp_path / "cache" / "tune").rglob("*.json"))
+    assert len(tuned) == 1 and json.loads(tuned[0].read_text())["config"] == "64x64"
 
 
 @needs_nvcc

@@ -22,7 +22,7 @@ from shardflow.compiler.codegen.cuda import build_cuda_library
 from shardflow.compiler.codegen.toolchain import CompileError
 from shardflow.compiler.codegen.cuda_wgmma import choose_wgmma_config
 from shardflow.compiler.ir import Tensor
-from shardflow.compiler.ops.linalg import MatMul
+from shardflow.compiler.ops.linalg import Gemm, MatMul
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -53,13 +53,14 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     launches = build_cuda_library(_ops(), str(tmp_path / "k.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
     assert choose_wgmma_config(1024, 768, 1) != "64x64"  # the measurement, not the default, decided
     assert launches["l0"].block == (128, 1, 1) and launches["l0"].grid[0] == 16 * 12  # 64x64 tiles
-    # l1 has l0's kernel: measured once; 8 tiles (4 cp.async, 4 TMA) per distinct kernel
-    assert len(calls) == 16 and {c[0] for c in calls} == {"l0", "head"}
-    records = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
-    assert sorted(r["config"] for r in records) == ["64x64", "64x64"] and records[0]["device"] == "Fake GPU"
-    assert set(records[0]["ms"]) == set(tune.CANDIDATES) and records[0]["rejected"] == []
-    # per distinct kernel its 8 tiles (the default tile among them), and the program
-    assert len(compiled) == 2 * 8 + 1
+    # l1 has l0's kernel: measured once; 15 tiles (4 cp.async, 4 TMA, 3 ping-pong, 4 stream-K) per distinct kernel
+    n = len(tune.CANDIDATES)
+    assert n == 15 and len(calls) == 2 * n and {c[0] for c in calls} == {"l0", "head"}
+    records = {r["op"]: r for r in (json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json"))}
+    assert records["l0"]["config"] == "64x64" and records["l0"]["device"] == "Fake GPU"
+    assert all(set(r["ms"]) == set(tune.CANDIDATES) and r["rejected"] == [] for r in records.values())
+    # per distinct kernel its tiles (the default tile among them), and the program
+    assert len(compiled) == 2 * n + 1
     # a second build reads the choices back: nothing is measured
     monkeypatch.setattr(tune, "measure_on_gpu", lambda *a: pytest.fail("measured again"))
     again = build_cuda_library(_ops(), str(tmp_path / "k2.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
@@ -70,7 +71,34 @@ def test_measured_tiles_are_used_and_cached(tmp_path, monkeypatch):
     calls.clear()
     compiled.clear()
     build_cuda_library(_ops(), str(tmp_path / "k3.cubin"), arch="sm_90", cache_dir=cache, search_space=2)
-    assert len(calls) == 16 and compiled == []  # measured again, from the cached cubins
+    assert len(calls) == 2 * n and compiled == []  # measured again, from the cached cubins
+
+
+def test_which_tiles_are_candidates(tmp_path, monkeypatch):
+    """The tiles fed by TMA (plain, ping-pong, stream-K) are measured only for a product whose
+    operands TMA loads (not a batched one: they would fall back to the cp.async tiles measured
+    already), and the ping-pong and stream-K ones only on half operands, the only ones a GPU has
+    run them on (not a float32 product's TF32 steps)."""
+    monkeypatch.setattr(tune, "gpu_name", lambda: "Fake GPU")
+    kinds = {}
+
+    def measure(cubin, launch, op):
+        kinds.setdefault(op.name, set()).add(launch.kind)
+        return 1.0
+    batched = MatMul([Tensor("xa", (4, 256, 64), "float16"), Tensor("xb", (4, 64, 256), "float16")], name="batched")
+    # (float32 operands on the wgmma template: B K-major, a Linear's weight stored [N, K])
+    tf32 = Gemm([Tensor("ya", (512, 256), "float32"), Tensor("yb", (384, 256), "float32")], name="tf32", trans_b=True)
+    cp_tma = ["128x256", "128x128", "64x128", "64x64", "tma128x256", "tma128x192", "tma128x128", "tma64x128"]
+    for ops, precision, want in (([_ops()[0]], "float16", list(tune.CANDIDATES)),
+                                 ([batched], "float16", cp_tma[:4]),
+                                 ([tf32], "tf32", cp_tma)):
+        cache = str(tmp_path / ops[0].name)
+        tune.tune_gemms(ops, arch="sm_90", precision=precision, cache_dir=cache, wgmma_fp32=True,
+                        compile_source=lambda src: src.text.encode(), measure=measure,
+                        output=lambda cubin, launch, op: np.zeros(op.outputs[0].shape, np.float32))
+        (record,) = [json.load(open(p)) for p in glob.glob(f"{cache}/tune/*/*.json")]
+        assert sorted(record["ms"]) == sorted(want), ops[0].name
+    assert kinds == {"l0": {"gemm-wgmma-f16"}, "batched": {"gemm-wgmma-f16"}, "tf32": {"gemm-wgmma-tf32"}}
 
 
 def test_candidates_compile_at_once_and_a_compile_error_is_raised(tmp_path, monkeypatch):
