@@ -48,17 +48,28 @@ def per_channel(t: Tensor, y: Tensor) -> bool:
 
 def splice(graph: FlowGraph, after: dict[int, list[Operator]], replace: dict[int, Tensor]) -> FlowGraph:
     """``graph`` with the new ops ``after[id(op)]`` placed right after ``op``, every later read
-    (and graph output) of a tensor in ``replace`` (by id) redirected to its replacement, and the
-    ops left without readers removed: how a rewriting pass puts its result in."""
+    (and graph output) of a tensor in ``replace`` (by id) redirected to its replacement (a new op's
+    read too, where the replacement is made before it), and the ops left without readers removed:
+    how a rewriting pass puts its result in."""
     from .simplify import EliminateDeadCode
 
     if not after and not replace:
         return graph
     nodes: list[Operator] = []
+    placed: set[int] = set()
     for op in graph.nodes:
         op.inputs = [replace.get(id(t), t) for t in op.inputs]
         nodes.append(op)
-        nodes += after.get(id(op), [])
+        placed.add(id(op))
+        for new in after.get(id(op), []):
+            # a new op reads the replacement of a tensor where that is already made (two fills
+            # rewritten in a chain: the later one's new op reads the earlier one's result), not
+            # where the replacement is its own output or a later new op's (a cast of ``t`` placed
+            # after ``t``'s producer and replacing ``t`` still reads ``t``)
+            new.inputs = [r if (r := replace.get(id(t))) is not None
+                          and (r.producer is None or id(r.producer) in placed) else t for t in new.inputs]
+            nodes.append(new)
+            placed.add(id(new))
     graph.nodes = nodes
     graph.outputs = [replace.get(id(t), t) for t in graph.outputs]
     return EliminateDeadCode().run(graph)
