@@ -45,6 +45,8 @@
 #                                                 # torch.compile, batches 1 and 8, < 8 min
 #   bash benchmarks/gpu/device_session.sh run CMD ARGS...   # any command with the same setup
 #
+# tests/codegen/test_device_session.py runs every mode on a machine without a GPU, with stand-ins for python3,
+# nvidia-smi and ncu: each benchmark command must parse and (-m slow) each pytest selection collect tests.
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
 # <device>-<date>-gpu.json/.txt; copy them into benchmarks/results/ and commit them.
 # Wheels to carry (here: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
