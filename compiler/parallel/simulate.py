@@ -171,8 +171,10 @@ def _bind(graph: FlowGraph, inputs: dict[str, np.ndarray], rank: int) -> dict[in
 
 
 def simulate_ranks(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray],
-                   mesh: DeviceMesh) -> list[dict[str, np.ndarray]]:
-    """Run every rank's graph in lockstep; return each rank's outputs (see :func:`simulate`)."""
+                   mesh: DeviceMesh, values: list | None = None) -> list[dict[str, np.ndarray]]:
+    """Run every rank's graph in lockstep; return each rank's outputs (see :func:`simulate`).
+    ``values``: a list that receives, per rank, the value of every tensor its ops wrote and of its
+    inputs, by tensor name (what a test checks each rank's kernels against)."""
     n = len(rank_graphs)
     if n != mesh.size or sorted(mesh.rank_map) != list(range(n)):
         raise GraphError(f"simulate: got {n} rank graphs for a mesh of {mesh.size} ranks {sorted(mesh.rank_map)}; "
@@ -208,6 +210,9 @@ def simulate_ranks(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarra
             pcs[r] += 1
         step += 1
     log.debug("simulated %d ranks through %d collectives", n, step)
+    if values is not None:
+        values.extend({t.name: env[id(t)] for t in [*g.inputs, *(u for op in g.nodes for u in op.outputs)]
+                       if id(t) in env} for g, env in zip(rank_graphs, envs))
     return [{name: (env[id(t)] if id(t) in env else t.value) for name, t in zip(g.output_names, g.outputs)}
             for g, env in zip(rank_graphs, envs)]
 

@@ -142,6 +142,16 @@ def test_all_to_all_and_reduce_scatter_in_graphs():
     for r, out in enumerate(outs):
         lo, hi = chunk_bounds(7, 3, r)
         np.testing.assert_allclose(out["out"], 3 * keep[lo:hi])
+    # every rank's values by tensor name: its input, its slice, what each collective gave it
+    values: list = []
+    simulate_ranks(graphs, {"a": a}, mesh, values=values)
+    assert len(values) == 3
+    for r, (g, vals) in enumerate(zip(graphs, values)):
+        lo, hi = chunk_bounds(7, 3, r)
+        assert set(vals) == {"a"} | {t.name for op in g.nodes for t in op.outputs}
+        np.testing.assert_array_equal(vals[g.nodes[0].outputs[0].name], a[lo:hi])
+        np.testing.assert_allclose(vals[g.nodes[3].outputs[0].name], keep)  # (the all-gather's)
+        np.testing.assert_allclose(vals[g.outputs[0].name], outs[r]["out"])
 
 
 def test_per_rank_input_names_and_missing_inputs():
