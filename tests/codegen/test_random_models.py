@@ -2,7 +2,7 @@
 Attention ops, tensor, integer, index and control programs, spatial and recurrent nets) compiled
 for the cuda target: each program (sm_90 and sm_80, float16 and float32 precision) against
 onnxruntime, and every kernel of it on the host emulation (tests/cuda_host.py) against the
-evaluator; and under random plans on 2 and 3 ranks, every kernel of every rank's cuda program on
+evaluator; and under random plans on 2, 3 and 2x2 ranks, every kernel of every rank's cuda program on
 the host emulation against that rank's values. ``-m slow`` (about 10 s a case on two cores);
 ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds ``A..B-1`` instead of the default ``0:6``. Session 53
 ran several hundred seeds of each kind: they found the half products rounded before their float32
@@ -66,12 +66,12 @@ def test_random_model_on_the_cuda_host(tmp_path, kind, seed):
             _check_kernels(what, build(src.text, str(work)), src, groups, env, consts)
 
 
-@pytest.mark.parametrize("mesh", [[2], [3]], ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("mesh", [[2], [3], [2, 2]], ids=lambda m: "x".join(map(str, m)))
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_random_plan_on_cuda_ranks_on_the_host(tmp_path, kind, seed, mesh):
-    """A random plan (every op a random strategy, partial sums included) of a random model on 2 and 3
-    ranks, each rank's graph taken through the cuda rank passes as ``compile`` does (sm_90; float16
+    """A random plan (every op a random strategy, partial sums included) of a random model on 2, 3
+    and 2x2 ranks, each rank's graph taken through the cuda rank passes as ``compile`` does (sm_90; float16
     precision on even seeds, float32 on odd ones): the ranks run together on the evaluator with
     their collectives (rank 0's outputs against onnxruntime), and every kernel of every rank runs on
     the host emulation against the evaluator's values on that rank. The shards are the odd sizes
