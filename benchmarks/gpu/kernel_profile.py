@@ -6,12 +6,17 @@
 The first form profiles an artifact folder written by ``shardflow.compile(target="cuda")``; the
 second exports the model (``export_models.py``, as ``models.py`` does) and compiles it first.
 
-Method: the program runs once (inputs zero), then every kernel step is launched on its own, in
-program order, ``--reps`` times between two CUDA events on the engine's stream (inputs are the
-program's own buffers, so the kernels see the shapes and data layout of a real run); the figure is
-the median per launch. Back-to-back launches of one kernel hide most of the launch overhead and
-keep its operands warm in L2, so the sum is a lower bound of the graph replay time (printed beside
-it). Collectives are not timed. Prints the ``--top`` kernels and the totals per kernel kind.
+Method: the program runs once (inputs zero), then every kernel step on its own, in program order:
+``--reps`` launches of it captured in a CUDA graph (with the engine's own capture), the graph
+replayed between two CUDA events on the engine's stream (inputs are the program's own buffers, so
+the kernels see the shapes and data layout of a real run); the figure (``ms``) is the median per
+launch of three replays. Launched from Python instead (``eager_ms``, also recorded; the method of
+the profiles before session 78), a kernel of a few microseconds is timed at the rate Python
+launches it: the H200 profile of 2026-11-28 summed GPT-2's kernels to 1.27 ms against a replay of
+1.01. In a graph, back-to-back launches of one kernel keep its operands warm in L2 and leave only
+the graph's gap between kernels, so the sum is close to a lower bound of the graph replay time
+(printed beside it). Collectives are not timed. Prints the ``--top`` kernels and the totals per
+kernel kind.
 """
 from __future__ import annotations
 
@@ -28,7 +33,6 @@ from common import ensure_shardflow, table  # noqa: E402
 
 def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
     """Time every kernel step of ``out_dir``'s rank program; returns per-step records and totals."""
-    import cupy as cp
     import numpy as np
 
     from shardflow.runtime import load
@@ -42,27 +46,48 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
     prog = load(out_dir, rank=rank)
     prog.run(feeds)
     prog.run(feeds)  # second run: the engine captures its graph
-    engine = prog._engine
+    return time_steps(prog._engine, program, reps)
+
+
+def time_steps(engine, program: dict, reps: int = 10) -> dict:
+    """:func:`profile`'s timings on a loaded program's cuda engine (runtime/cuda_exec.py), after a
+    run: every kernel step's ``ms`` (from a CUDA graph) and ``eager_ms`` (launched from Python), the
+    sums, the whole program's graph replay (``graph_ms``) and the totals per kernel kind."""
+    import cupy as cp
+
     steps = [s for s in program["steps"][program.get("load_steps", 0):] if s["kind"] == "kernel"]  # not at load
     launches = [f for seg, _ in engine.segments for f in seg]
     assert len(launches) == len(steps), (len(launches), len(steps))
     start, end = cp.cuda.Event(), cp.cuda.Event()
+
+    def per_launch(run) -> float:  # median milliseconds of three runs of `reps` launches, per launch
+        times = []
+        for _ in range(3):
+            start.record(engine.stream)
+            run()
+            end.record(engine.stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) / reps)
+        return statistics.median(times)
+
+    def launched(f):
+        def run():
+            for _ in range(reps):
+                f()
+        return run
+
     records = []
     with engine.stream:
         for s, f in zip(steps, launches):
             if f is None:
                 continue
             f()
-            times = []
-            for _ in range(3):
-                start.record(engine.stream)
-                for _ in range(reps):
-                    f()
-                end.record(engine.stream)
-                end.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, end) / reps)
+            eager = per_launch(launched(f))
+            graph = engine._capture(launched(f))
+            graph.launch(engine.stream)
             records.append({"node": s["node"], "kind": s["launch"]["kind"], "grid": s["launch"]["grid"],
-                            "block": s["launch"]["block"], "ms": statistics.median(times)})
+                            "block": s["launch"]["block"], "ms": per_launch(lambda: graph.launch(engine.stream)),
+                            "eager_ms": eager})
     # the whole program as the runtime replays it
     t = []
     for _ in range(10):
@@ -79,8 +104,8 @@ def profile(out_dir: str, rank: int = 0, reps: int = 10) -> dict:
         k = by_kind.setdefault(r["kind"], {"kernels": 0, "ms": 0.0})
         k["kernels"] += 1
         k["ms"] += r["ms"]
-    return {"steps": records, "sum_ms": sum(r["ms"] for r in records), "graph_ms": statistics.median(t),
-            "by_kind": by_kind}
+    return {"steps": records, "sum_ms": sum(r["ms"] for r in records),
+            "eager_sum_ms": sum(r["eager_ms"] for r in records), "graph_ms": statistics.median(t), "by_kind": by_kind}
 
 
 def main(argv=None) -> dict:
@@ -112,13 +137,14 @@ def main(argv=None) -> dict:
                             precision=args.precision, search_space=None, gemm_tiles=tiles)
     res = profile(out_dir, args.rank, args.reps)
     top = sorted(res["steps"], key=lambda r: -r["ms"])[:args.top]
-    print(table(["ms", "kind", "grid", "block", "node"],
-                [[f"{r['ms']:.4f}", r["kind"], "x".join(map(str, r["grid"])), r["block"][0], r["node"][-70:]]
-                 for r in top], align=">><><"))
+    print(table(["ms", "eager ms", "kind", "grid", "block", "node"],
+                [[f"{r['ms']:.4f}", f"{r['eager_ms']:.4f}", r["kind"], "x".join(map(str, r["grid"])), r["block"][0],
+                  r["node"][-70:]] for r in top], align=">>><><"))
     print(table(["kind", "kernels", "ms"], [[k, v["kernels"], f"{v['ms']:.3f}"]
                                             for k, v in sorted(res["by_kind"].items(), key=lambda kv: -kv[1]["ms"])],
                 align="<>>"))
-    print(f"sum of kernels {res['sum_ms']:.3f} ms; whole program (graph replay) {res['graph_ms']:.3f} ms")
+    print(f"sum of kernels {res['sum_ms']:.3f} ms (launched from Python: {res['eager_sum_ms']:.3f}); "
+          f"whole program (graph replay) {res['graph_ms']:.3f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -280,3 +280,49 @@ def test_a_float8_input_reaches_the_device_as_its_bytes(monkeypatch):
     x = np.array([1.5, -448.0, 0.25, 3.0], ml_dtypes.float8_e4m3fn)
     y = CudaEngine(prog).run({"x": x})["y"]
     assert y.dtype == np.uint8 and y.tobytes() == x.tobytes()
+
+
+def test_kernel_profile_times_each_kernel_from_a_graph(monkeypatch):
+    """benchmarks/gpu/kernel_profile.py's timings on the engine: each kernel step ``reps`` times
+    launched from Python (``eager_ms``), then ``reps`` launches of it captured in a graph and the
+    graph replayed three times (``ms``), then the whole program's graph replayed ten times."""
+    import importlib.util
+    import time
+
+    log: list = []
+    cp = _fake_cupy({"add": add, "twice": twice}, log)
+
+    class Event:
+        def record(self, stream=None):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+    cp.cuda.Event = Event
+    cp.cuda.get_elapsed_time = lambda a, b: 1e3 * (b.t - a.t)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    p = _program()
+    for step in p["steps"]:
+        step["launch"] = {**step["launch"], "kind": "elementwise"}
+    prog = types.SimpleNamespace(program=p, weights=np.arange(4, dtype=np.float32).view(np.uint8),
+                                 buffers=[None] * 4, directory=Path("."), rank=0, groups={})
+    eng = CudaEngine(prog)
+    for _ in range(2):  # (eager, then the graph: as kernel_profile.profile runs a loaded program)
+        eng.run({"x": np.ones(4, np.float32)})
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("sf_kernel_profile", bench / "kernel_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    del log[:]
+    res = mod.time_steps(eng, p, reps=4)
+    assert [r["node"] for r in res["steps"]] == ["add", "twice"]
+    assert all(r["ms"] >= 0 and r["eager_ms"] >= 0 for r in res["steps"])
+    assert res["by_kind"] == {"elementwise": {"kernels": 2, "ms": res["sum_ms"]}} and res["graph_ms"] >= 0
+    # per kernel: 1 warm-up, 3 x 4 from Python, the graph of 4 launched once to warm up and 3 times timed;
+    # then the program's graph 10 times
+    per_kernel = 1 + 3 * 4 + 4 + 3 * 4
+    assert log == ["add"] * per_kernel + ["twice"] * per_kernel + ["add", "twice"] * 10
