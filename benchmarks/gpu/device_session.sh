@@ -48,7 +48,8 @@
 # tests/codegen/test_device_session.py runs every mode on a machine without a GPU, with stand-ins for python3,
 # nvidia-smi and ncu: each benchmark command must parse and (-m slow) each pytest selection collect tests.
 # Results go to $OUT (the device tool brings that folder back): gpu-suite.txt, and
-# <device>-<date>-gpu.json/.txt; copy them into benchmarks/results/ and commit them.
+# <device>-<date>-gpu.json/.txt (the lease: also lease-more.tar.gz, its other files; pack_lease); copy them
+# into benchmarks/results/ and commit them.
 # Wheels to carry (here: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl pulp mpi4py mpich`,
 # with `/.whl/` in .git/info/exclude), named in the tool's `carry`.
@@ -200,6 +201,26 @@ kmajor() {
         >> "$f" 2>&1
     grep -E "^==| ours |WRONG|rror" "$f"
 }
+# pack_lease: the device tool brings back at most 8 files from $OUT, and the lease writes a dozen; it
+# writes them into a stage ($out), and after each step this copies the headline files (the suite's
+# log, the benchmark's log and its results JSON and TXT) to $OUT ($lease_out) and archives the
+# others there as lease-more.tar.gz (`tar -xzf` it), so that what comes back is whole up to the
+# last step finished, also when the call is cut off
+pack_lease() {
+    local f b rest=()
+    for f in "$out"/*; do
+        [ -f "$f" ] || continue
+        b=${f##*/}
+        case "$b" in
+            gpu-suite.txt|bench.txt|*-gpu.json|*-gpu.txt) cp -p "$f" "$lease_out/$b" ;;
+            *) rest+=("$b") ;;
+        esac
+    done
+    if (( ${#rest[@]} )); then
+        tar -czf "$lease_out/lease-more.tar.gz.part" -C "$out" "${rest[@]}" \
+            && mv "$lease_out/lease-more.tar.gz.part" "$lease_out/lease-more.tar.gz"
+    fi
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m shardflow.runtime.native || exit 1   # the runtime's native library, built in place
 case "$what" in
@@ -234,9 +255,11 @@ case "$what" in
             # longer fits and rewrites its JSON after each step; session 33: 178 s), then the
             # experiments of rfcs/0005 "Next" while time is left: GEMMs with B stored [N, K] (the
             # 96/160-column tiles), GPT-2 8x128 on those tiles and with a ping-pong lm_head, Nsight
-            # Compute on GPT-2's M = 1024 products, the GPT-2 8x128 kernel profile (8 files come
-            # back, the device tool's limit)
+            # Compute on GPT-2's M = 1024 products, the GPT-2 8x128 kernel profile (the device tool
+            # brings back 8 files: the experiments' come back in lease-more.tar.gz, pack_lease)
         deadline=$((SECONDS + ${LEASE_S:-480}))
+        lease_out=$out out=/tmp/sf-lease-out  # (the stage: pack_lease)
+        rm -rf "$out" && mkdir -p "$out"
         # the suite's time is mostly nvcc (session 5: 368 tests in 189 s): spread over the host's cores
         # where pytest-xdist is there (the image has it; the kernel cache writes by rename)
         xdist=()
@@ -245,6 +268,7 @@ case "$what" in
         timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" -k "not ($cluster_tests or $float32_tests)" "${gpu_tests[@]}" 2>&1 \
             | tee "$out/gpu-suite.txt" | tail -15
         echo "suite done at ${SECONDS} s"
+        pack_lease
         budget=$((deadline - SECONDS - 75))
         mkdir -p /tmp/sf-export
         if (( budget > 60 )); then
@@ -254,25 +278,30 @@ case "$what" in
         else
             echo "(no time left for the benchmark: ${budget} s)"
         fi
+        pack_lease
         # the cluster tiles (RFC 0005 decisions 31, 32, not run before): tests, GEMMs, GPT-2 8x128
         if (( deadline - SECONDS > 280 )); then
             cluster_tiles 200
+            pack_lease
         fi
         # programmatic dependent launch (RFC 0005 decision 29, not timed before): GPT-2 small at 1x128
         # and 8x128 with each kernel launched while the one before it finishes, against torch.compile
         # in the same run (run_all's figures are the same program without it); a section of
-        # models-tiles.txt (the device tool brings back 8 files)
+        # models-tiles.txt
         if (( deadline - SECONDS > 250 )); then
             pdl_models 130
+            pack_lease
         fi
         # the GEMMs with it (decision 48: a weight's first stages before the wait), plain beside them
         if (( deadline - SECONDS > 220 )); then
             pdl_gemms 120
+            pack_lease
         fi
         # B stored [N, K]: the default tiles, then the 96- and 160-column tiles that fill the
         # multiprocessors on GPT-2's shapes (RFC 0005 decision 27), against cuBLAS on the same layout
         if (( deadline - SECONDS > 200 )); then
             kmajor
+            pack_lease
         fi
         # GPT-2 small 8x128 end to end against torch.compile: with its weights stored [N, K] on those
         # tiles; then with the lm_head (0.2 of 1.0 ms, short K, 1576 tiles) on the ping-pong tile, whose
@@ -284,17 +313,20 @@ case "$what" in
                     --compile-modes reduce-overhead --export-dir /tmp/sf-export --gemm-tiles "$tiles" \
                     >> "$out/models-tiles.txt" 2>&1
                 tail -4 "$out/models-tiles.txt"
+                pack_lease
             fi
         done
         # what the GPT-2 products at M = 1024 (0.71-0.82 of cuBLAS, none reaches 0.9 on any tile) spend
         # their time on, next to cuBLAS's kernels (rfcs/0005 "Next")
         if (( deadline - SECONDS > 150 )); then
             ncu_gemm 90 ncu-gemm.txt --m 1024 --shapes gpt2 --dtypes float16
+            pack_lease
         fi
         if (( deadline - SECONDS > 60 )); then
             timeout $((deadline - SECONDS)) python3 benchmarks/gpu/kernel_profile.py --model gpt2_small --batch 8 \
-                --work /tmp/sf-export --top 40 > "$out/profile.txt" 2>&1
+                --work /tmp/sf-export --top 40 --json "$out/profile.json" > "$out/profile.txt" 2>&1
             tail -12 "$out/profile.txt"
+            pack_lease
         fi
         echo "lease done at ${SECONDS} s"
         ;;

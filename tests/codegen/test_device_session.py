@@ -1,12 +1,13 @@
 """benchmarks/gpu/device_session.sh cannot rot between leases of a GPU: every mode runs here with
 stand-ins for ``python3``, ``nvidia-smi`` and ``ncu`` that record what they are asked to run
-(and succeed), and then each recorded benchmark command is parsed by its script's own argument
-parser, and (``-m slow``) each recorded pytest command's selection is collected. A renamed flag,
-test or file, or a shell error (an unset variable under ``set -u``), would otherwise show only on
-the GPU machine, whose device time a task gets rarely and for 15 minutes.
+(and succeed); it must leave at most 8 files in ``$OUT`` (what the device tool brings back), each
+recorded benchmark command must parse with its script's own argument parser, and (``-m slow``)
+each recorded pytest command's selection must collect tests. A renamed flag, test or file, or a
+shell error (an unset variable under ``set -u``), would otherwise show only on the GPU machine,
+whose device time a task gets rarely and for 15 minutes.
 
-The script itself writes under ``/tmp`` (``/tmp/pkg``, ``/tmp/sf-export``: its fixed places on the
-device machine), as it does there."""
+The script itself writes under ``/tmp`` (``/tmp/pkg``, ``/tmp/sf-export``, its stage
+``/tmp/sf-lease-out``: its fixed places on the device machine), as it does there."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -25,13 +27,21 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
                                 reason="needs bash and timeout")
 
 # each call: its arguments separated by \x1f, the call ended by \x1e; `python3 -` reads its script;
-# pytest "passes" (the cluster step times the tiles only after its tests passed)
+# pytest "passes" (the cluster step times the tiles only after its tests passed); the files a
+# benchmark writes are made (`--json FILE`; run_all.py's results JSON and TXT in `--out-dir`)
 _FAKE_PYTHON = r"""#!/usr/bin/env bash
 printf '%s\x1f' "$@" >> "$SF_FAKE_LOG"; printf '\x1e' >> "$SF_FAKE_LOG"
 case "$1" in
     -) cat > /dev/null ;;
     -m) [ "$2" = pytest ] && echo "3 passed in 0.1s" ;;
 esac
+while [ $# -gt 1 ]; do
+    case "$1" in
+        --json) echo "{}" > "$2" ;;
+        --out-dir) echo "{}" > "$2/stand-in-gpu.json"; echo > "$2/stand-in-gpu.txt" ;;
+    esac
+    shift
+done
 exit 0
 """
 # Nsight Compute runs the command after its flags
@@ -100,6 +110,15 @@ def session_calls(tmp_path_factory) -> dict[str, list[list[str]]]:
         assert not errors, f"device_session.sh {mode}: {errors}"
         records = log.read_text().split("\x1e")[:-1] if log.exists() else []
         calls[mode] = [r.split("\x1f")[:-1] for r in records]
+        # the device tool brings back at most 8 files from $OUT (the lease packs the rest: pack_lease)
+        back = [p for p in (tmp / f"out-{mode}").rglob("*") if p.is_file()]
+        assert len(back) <= 8, f"device_session.sh {mode} leaves {len(back)} files in $OUT: {sorted(back)}"
+        if mode == "lease":
+            with tarfile.open(tmp / "out-lease" / "lease-more.tar.gz") as t:
+                packed = set(t.getnames())
+            assert {"gemm-cluster.txt", "models-tiles.txt", "gemm-kmajor.txt", "profile.txt"} <= packed, packed
+            assert {p.name for p in back} == {"gpu-suite.txt", "bench.txt", "stand-in-gpu.json", "stand-in-gpu.txt",
+                                              "lease-more.tar.gz"}, back
         # (each mode runs something past the runtime's native library)
         assert len(calls[mode]) > 1, f"device_session.sh {mode} ran {calls[mode]} ({proc.stderr[-300:]})"
     return calls
