@@ -258,7 +258,7 @@ case "$what" in
             # Compute on GPT-2's M = 1024 products, the GPT-2 8x128 kernel profile (the device tool
             # brings back 8 files: the experiments' come back in lease-more.tar.gz, pack_lease)
         deadline=$((SECONDS + ${LEASE_S:-480}))
-        lease_out=$out out=/tmp/sf-lease-out  # (the stage: pack_lease)
+        lease_out=$out out=${SF_LEASE_STAGE:-/tmp/sf-lease-out}  # (the stage: pack_lease)
         rm -rf "$out" && mkdir -p "$out"
         # the suite's time is mostly nvcc (session 5: 368 tests in 189 s): spread over the host's cores
         # where pytest-xdist is there (the image has it; the kernel cache writes by rename)

@@ -6,8 +6,8 @@ each recorded pytest command's selection must collect tests. A renamed flag, tes
 shell error (an unset variable under ``set -u``), would otherwise show only on the GPU machine,
 whose device time a task gets rarely and for 15 minutes.
 
-The script itself writes under ``/tmp`` (``/tmp/pkg``, ``/tmp/sf-export``, its stage
-``/tmp/sf-lease-out``: its fixed places on the device machine), as it does there."""
+The script itself writes under ``/tmp`` (``/tmp/pkg``, ``/tmp/sf-export``: its fixed places on the
+device machine), as it does there; the lease's stage is moved into the test's folder."""
 from __future__ import annotations
 
 import json
@@ -103,7 +103,7 @@ def session_calls(tmp_path_factory) -> dict[str, list[list[str]]]:
     for mode in _modes():
         log = tmp / f"{mode}.log"
         env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SF_FAKE_LOG=str(log),
-                   OUT=str(tmp / f"out-{mode}"), LEASE_S="100000")
+                   OUT=str(tmp / f"out-{mode}"), LEASE_S="100000", SF_LEASE_STAGE=str(tmp / "stage"))
         proc = subprocess.run(["bash", SCRIPT, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         errors = [ln for ln in proc.stderr.splitlines()
                   if re.search(r"unbound variable|syntax error|command not found|bad substitution|No such file", ln)]
