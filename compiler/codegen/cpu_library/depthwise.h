@@ -121,10 +121,12 @@ static void sf_dwc_row_avx2(const float* __restrict__ xt, int64_t Wp, const floa
       }
     }
     const int64_t nb = std::min<int64_t>(4, g.OW - ow0);
-    for (int64_t b = 0; b < nb; ++b) {
-      _mm256_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b][0]);
-      _mm256_storeu_ps(yt + (ow0 + b) * SF_DWC + 8, a[b][1]);
-    }
+    #pragma GCC unroll 4
+    for (int b = 0; b < 4; ++b)  // (constant indices: a[] stays in registers)
+      if (b < nb) {
+        _mm256_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b][0]);
+        _mm256_storeu_ps(yt + (ow0 + b) * SF_DWC + 8, a[b][1]);
+      }
   }
 }
 
@@ -147,13 +149,17 @@ static void sf_dwc_row_avx512(const float* __restrict__ xt, int64_t Wp, const fl
       }
     }
     const int64_t nb = std::min<int64_t>(8, g.OW - ow0);
-    for (int64_t b = 0; b < nb; ++b) _mm512_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b]);
+    #pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b)  // (constant indices: a[] stays in registers)
+      if (b < nb) _mm512_storeu_ps(yt + (ow0 + b) * SF_DWC, a[b]);
   }
 }
 
 // Output row oh of one 16-channel block read from the blocked input where it lies (xb: the block's plane
 // [H][W][16]; no padded copy): runs of 8 output columns, those whose taps all lie inside the row by whole
-// vectors, the edge runs tap by tap; bias bv, clamped, stored to yr[OW][16].
+// vectors, the edge runs by masked loads (zeros outside the row); bias bv, clamped, stored to yr[OW][16].
+// Every access to the accumulators a[] has a constant index once unrolled, so that they stay in registers
+// (an edge loop over b < nb put them on the stack, a load and a store around every multiply-add: session 78)
 __attribute__((target("avx512f")))
 static void sf_dwb_row_avx512(const float* __restrict__ xb, const float* __restrict__ wt,
                               const float* __restrict__ bv, const SfConvGeom& g, int64_t oh, SfClamp clamp,
@@ -177,16 +183,19 @@ static void sf_dwb_row_avx512(const float* __restrict__ xb, const float* __restr
           const float* xp = xr + c0 * SF_DWC;
           #pragma GCC unroll 8
           for (int b = 0; b < 8; ++b) a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + b * S16), a[b]);
-        } else {
-          for (int64_t b = 0; b < nb; ++b) {
+        } else {  // an edge run: the taps outside the row (or past the run's last column) load zeros
+          #pragma GCC unroll 8
+          for (int b = 0; b < 8; ++b) {
             const int64_t c = c0 + b * SW;
-            if (c >= 0 && c < W) a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + c * SF_DWC), a[b]);
+            const bool in = b < nb && c >= 0 && c < W;
+            a[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(in ? 0xFFFF : 0, xr + (in ? c : 0) * SF_DWC), a[b]);
           }
         }
       }
     }
-    for (int64_t b = 0; b < nb; ++b)
-      _mm512_storeu_ps(yr + (ow0 + b) * SF_DWC, sf_end16(a[b], clamp));
+    #pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b)  // (constant indices everywhere: a[] stays in registers)
+      if (b < nb) _mm512_storeu_ps(yr + (ow0 + b) * SF_DWC, sf_end16(a[b], clamp));
   }
 }
 #endif
