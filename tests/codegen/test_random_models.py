@@ -36,13 +36,32 @@ def _evaluate(rg, feeds):
     return env
 
 
+def _check_cuda_kernels(what, rg, env, precision, arch, work):
+    """Every kernel of (rank) graph ``rg``'s cuda program, grouped as ``compile`` groups them (the
+    tensors collectives read, and the outputs, still written), on the host emulation against the
+    evaluator's values ``env`` (by tensor name)."""
+    from cuda_host import build
+    from test_cuda_host import _check_kernels
+
+    from shardflow.compiler.parallel.comm_ops import Collective
+
+    ops = [op for op in rg.nodes if not isinstance(op, Collective)]
+    keep = {t.name for op in rg.nodes if isinstance(op, Collective) for t in op.inputs}
+    keep.update(t.name for t in rg.outputs)
+    groups = kernel_groups(ops, arch, keep=sorted(keep), views=[op.name for op in ops if _is_view(op)])
+    src = generate_cuda_source(groups, arch=arch, precision=precision)
+    groups = [g for g in groups if g.name in src.launches]
+    if not groups:
+        return
+    consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
+    work.mkdir()
+    _check_kernels(what, build(src.text, str(work)), src, groups, env, consts)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_random_model_on_the_cuda_host(tmp_path, kind, seed):
     pytest.importorskip("onnxruntime")
-    from cuda_host import build
-    from test_cuda_host import _check_kernels
-
     model, feeds, desc = GENERATORS[kind](seed)
     want = reference(model, feeds)[model.graph.output[0].name].astype(np.float32)
     scale = float(np.abs(want).max())
@@ -56,14 +75,7 @@ def test_random_model_on_the_cuda_host(tmp_path, kind, seed):
             tol = 3e-2 if half or precision == "float16" else 1e-4
             np.testing.assert_allclose(env[rg.outputs[0].name].astype(np.float32), want, rtol=tol, atol=tol * scale,
                                        err_msg=what)
-            consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-            groups = kernel_groups(list(rg.nodes), arch, keep=[t.name for t in rg.outputs],
-                                   views=[op.name for op in rg.nodes if _is_view(op)])
-            src = generate_cuda_source(groups, arch=arch, precision=precision)
-            groups = [g for g in groups if g.name in src.launches]
-            work = tmp_path / f"{precision}-{arch}"
-            work.mkdir()
-            _check_kernels(what, build(src.text, str(work)), src, groups, env, consts)
+            _check_cuda_kernels(what, rg, env, precision, arch, tmp_path / f"{precision}-{arch}")
 
 
 @pytest.mark.parametrize("mesh", [[2], [3], [2, 2]], ids=lambda m: "x".join(map(str, m)))
@@ -77,12 +89,8 @@ def test_random_plan_on_cuda_ranks_on_the_host(tmp_path, kind, seed, mesh):
     the host emulation against the evaluator's values on that rank. The shards are the odd sizes
     (a third of a width, a head split) that single-device programs do not make."""
     pytest.importorskip("onnxruntime")
-    from cuda_host import build
-    from test_cuda_host import _check_kernels
-
     from shardflow.compiler.driver import planned_graph
     from shardflow.compiler.parallel import partition
-    from shardflow.compiler.parallel.comm_ops import Collective
     from shardflow.compiler.parallel.config import DistributedConfig
     from shardflow.compiler.parallel.plan import ShardingPlan
     from shardflow.compiler.parallel.search import Problem
@@ -109,15 +117,4 @@ def test_random_plan_on_cuda_ranks_on_the_host(tmp_path, kind, seed, mesh):
     np.testing.assert_allclose(outs[0][model.graph.output[0].name].astype(np.float32), want, rtol=tol,
                                atol=tol * scale, err_msg=what)
     for r, (rg, env) in enumerate(zip(rank_graphs, values)):
-        ops = [op for op in rg.nodes if not isinstance(op, Collective)]
-        keep = {t.name for op in rg.nodes if isinstance(op, Collective) for t in op.inputs}
-        keep.update(t.name for t in rg.outputs)
-        groups = kernel_groups(ops, "sm_90", keep=sorted(keep), views=[op.name for op in ops if _is_view(op)])
-        src = generate_cuda_source(groups, arch="sm_90", precision=precision)
-        groups = [gr for gr in groups if gr.name in src.launches]
-        if not groups:
-            continue
-        consts = {t.name: t.value for op in rg.nodes for t in op.inputs if t.value is not None}
-        work = tmp_path / f"rank{r}"
-        work.mkdir()
-        _check_kernels(f"{what}, rank {r}", build(src.text, str(work)), src, groups, env, consts)
+        _check_cuda_kernels(f"{what}, rank {r}", rg, env, precision, "sm_90", tmp_path / f"rank{r}")
