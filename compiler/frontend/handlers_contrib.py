@@ -183,7 +183,7 @@ def simplified_layer_normalization(ctx):
 def fused_matmul(ctx):
     """``alpha * op(A) @ op(B)``, ``op`` swapping the last two dims where ``transA``/``transB``."""
     a, b = _float_input(ctx, 0), _float_input(ctx, 1)
-    if ctx.attr("transBatchA", 0) or ctx.attr("transBatchB", 0):
+    if ctx.flag("transBatchA", 0) or ctx.flag("transBatchB", 0):
         raise ctx.unsupported("transBatchA/transBatchB")
     ops = []
     for t, key, what in ((a, "transA", "A"), (b, "transB", "B")):
@@ -347,7 +347,7 @@ def mixture_of_experts(ctx):
     act = str(ctx.attr("activation_type", "relu")).lower()
     if act not in _MOE_ACTIVATIONS:
         raise ctx.unsupported(f"activation_type {act!r} ({', '.join(_MOE_ACTIVATIONS)} are)")
-    if ctx.attr("use_sparse_mixer", 0):
+    if ctx.flag("use_sparse_mixer", 0):
         raise ctx.unsupported("use_sparse_mixer")
     if ctx.has_input(6) or ctx.has_input(7):
         raise ctx.unsupported("fc3 (a third expert weight)")
@@ -381,7 +381,7 @@ def mixture_of_experts(ctx):
     before = ctx.emit("ReduceSum", [ctx.cast(ahead, "float32"), _i64(ctx, [2])], _OPSET, keepdims=0)
     chosen = ctx.cast(ctx.emit("Less", [before, ctx.constant(np.array(k, np.float32))], _OPSET), "float32")
     gate = ctx.emit("Mul", [probs, chosen], _OPSET)
-    if ctx.attr("normalize_routing_weights", 0):
+    if ctx.flag("normalize_routing_weights", 0):
         gate = ctx.emit("Div", [gate, ctx.emit("ReduceSum", [gate, _i64(ctx, [-1])], _OPSET, keepdims=1)], _OPSET)
     w1 = ctx.emit("Reshape", [w1, _i64(ctx, [experts, out1, hidden])], _OPSET)
     w2 = ctx.emit("Reshape", [w2, _i64(ctx, [experts, hidden, inter])], _OPSET)
@@ -467,7 +467,7 @@ def contrib_attention(ctx):
     for i, what in ((4, "past"), (5, "attention_bias"), (6, "past_sequence_length")):
         if ctx.has_input(i):
             raise ctx.unsupported(f"input {what}")
-    if ctx.attr("do_rotary", 0):
+    if ctx.flag("do_rotary", 0):
         raise ctx.unsupported("do_rotary")
     if x.ndim != 3 or w.ndim != 2 or w.shape[0] != x.shape[2]:
         raise ctx.shape_error(f"input [batch, seq, in] {list(x.shape)} and weights [in, 3 hidden] "
@@ -483,7 +483,7 @@ def contrib_attention(ctx):
     q, k, v = (_slice_last(ctx, qkv, starts[i], starts[i + 1]) for i in range(3))
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(sizes[0] // heads)
     bias = _padding_bias(ctx, ctx.input(3), b, s, x.dtype) if ctx.has_input(3) else None
-    if ctx.attr("unidirectional", 0):  # (a padded earlier key stays at the filter value)
+    if ctx.flag("unidirectional", 0):  # (a padded earlier key stays at the filter value)
         bias = _hide_later(ctx, bias, s, s, x.dtype)
     ins = [q, k, v] + ([bias] if bias is not None else [])
     return [ctx.emit("Attention", ins, _OPSET, q_num_heads=heads, kv_num_heads=heads, scale=scale)]
@@ -621,13 +621,13 @@ def _gqa_rotary(ctx: NodeContext, q: Tensor, k: Tensor, p4: Tensor | None, heads
                 kv_heads: int) -> tuple[Tensor, Tensor]:
     """Q and K rotated (``do_rotary``) at positions ``p..p+S-1`` of each sequence (``p4``
     ``[b, 1, 1, 1]``; ``0..S-1`` when None)."""
-    if not ctx.attr("do_rotary", 0):
+    if not ctx.flag("do_rotary", 0):
         return q, k
     b, s = q.shape[:2]
     pos = (ctx.emit("Add", [ctx.emit("Reshape", [p4, _i64(ctx, [b, 1])], _OPSET), _i64(ctx, np.arange(s)[None])],
                     _OPSET) if p4 is not None else _i64(ctx, np.broadcast_to(np.arange(s), (b, s))))
     cos, sin = _float_input(ctx, 7), _float_input(ctx, 8)
-    rot = dict(interleaved=int(ctx.attr("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
+    rot = dict(interleaved=int(ctx.flag("rotary_interleaved", 0)), rotary_embedding_dim=2 * cos.shape[-1])
     return (ctx.emit("RotaryEmbedding", [q, cos, sin, pos], _OPSET, num_heads=heads, **rot),
             ctx.emit("RotaryEmbedding", [k, cos, sin, pos], _OPSET, num_heads=kv_heads, **rot))
 
@@ -713,7 +713,7 @@ def contrib_rotary_embedding(ctx):
     ``offset..offset+S-1`` for every sequence."""
     x, pos = _float_input(ctx, 0), ctx.input(1)
     cos, sin = _float_input(ctx, 2), _float_input(ctx, 3)
-    if ctx.attr("is_packed_batching", 0):
+    if ctx.flag("is_packed_batching", 0):
         raise ctx.unsupported("is_packed_batching")
     if float(ctx.attr("scale", 1.0)) != 1.0:
         raise ctx.unsupported("a scale other than 1")
@@ -723,7 +723,7 @@ def contrib_rotary_embedding(ctx):
                                _i64(ctx, np.broadcast_to(np.arange(s), (b, s)))], _OPSET)
     elif pos.shape != (b, s):
         raise ctx.shape_error(f"position_ids must be [{b}, {s}] or one offset, got {list(pos.shape)}")
-    attrs = {"interleaved": int(ctx.attr("interleaved", 0))}
+    attrs = {"interleaved": int(ctx.flag("interleaved", 0))}
     if ctx.attr("rotary_embedding_dim", 0):
         attrs["rotary_embedding_dim"] = int(ctx.attr("rotary_embedding_dim"))
     if x.ndim == 3:
@@ -772,7 +772,7 @@ def multi_head_attention(ctx):
     if ctx.has_input(5):
         ab = _float_input(ctx, 5)
         bias_in = ab if bias_in is None else ctx.emit("Add", [bias_in, ab], _OPSET)
-    if ctx.attr("unidirectional", 0):
+    if ctx.flag("unidirectional", 0):
         bias_in = _hide_later(ctx, bias_in, s, length, q.dtype)
     ins = [q4, k4, v4] + ([bias_in] if bias_in is not None else [])
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)

@@ -29,7 +29,7 @@ _BINARY_SINCE = {"LessOrEqual": 12, "GreaterOrEqual": 12, "BitwiseAnd": 18, "Bit
 
 def _check_broadcast(ctx):
     # Opsets before 7 used an explicit `broadcast` attribute with different semantics.
-    if ctx.opset < 7 and ctx.attr("broadcast", 0):
+    if ctx.opset < 7 and ctx.flag("broadcast", 0):
         raise ctx.unsupported("legacy broadcast attribute (opset < 7)")
 
 
@@ -73,7 +73,7 @@ def div(ctx):
 
 @onnx_op("Mod", since=10)
 def mod(ctx):
-    fmod = ctx.attr("fmod", 0)
+    fmod = ctx.flag("fmod", 0)
     a = ctx.input(0)
     if a.dtype in FLOATS and not fmod and ctx.opset < 28:  # opset 28 defines the floored modulo of floats
         raise ctx.invalid("fmod must be 1 for floating-point inputs before opset 28")
@@ -90,7 +90,7 @@ def bitshift(ctx):
 
 @onnx_op("IsInf", since=10)
 def isinf(ctx):
-    pos, neg = ctx.attr("detect_positive", 1), ctx.attr("detect_negative", 1)
+    pos, neg = ctx.flag("detect_positive", 1), ctx.flag("detect_negative", 1)
     fn = {(1, 1): "isinf", (1, 0): "isposinf", (0, 1): "isneginf"}.get((pos, neg))
     x = ctx.input(0)
     if fn is None:  # detects nothing: all False
@@ -201,7 +201,7 @@ def cast(ctx):
 def cast_op(ctx: NodeContext, x: Tensor, to: str) -> Tensor:
     """``x`` cast to ``to`` by a CastOp named after the node; to a float8 type with the node's
     ``saturate`` (default 1)."""
-    extra = {"saturate": bool(ctx.attr("saturate", 1))} if to.startswith("float8") else {}
+    extra = {"saturate": ctx.flag("saturate", 1)} if to.startswith("float8") else {}
     return ctx.add(CastOp([x], name=ctx.name, to=to, **extra))
 
 

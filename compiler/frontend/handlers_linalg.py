@@ -41,8 +41,8 @@ def gemm(ctx):
     alpha, beta = float(ctx.attr("alpha", 1.0)), float(ctx.attr("beta", 1.0))
     if a.dtype not in FLOATS and not (alpha.is_integer() and beta.is_integer()):
         raise ctx.unsupported(f"non-integral alpha={alpha} or beta={beta} with {a.dtype} inputs")
-    ta, tb = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
-    if c is not None and ctx.opset < 7 and not ctx.attr("broadcast", 0) and a.ndim == b.ndim == 2:
+    ta, tb = ctx.flag("transA", 0), ctx.flag("transB", 0)
+    if c is not None and ctx.opset < 7 and not ctx.flag("broadcast", 0) and a.ndim == b.ndim == 2:
         m, n = a.shape[1 if ta else 0], b.shape[0 if tb else 1]
         if c.shape != (m, n):
             raise ctx.shape_error(f"C of shape {c.shape} must be exactly ({m}, {n}) when broadcast=0")
@@ -233,7 +233,7 @@ def _pool_attrs(ctx, x, dtypes=FLOATS) -> dict:
         raise ctx.invalid("required attribute 'kernel_shape' is missing")
     kernel = _ints(ctx, "kernel_shape", n, 1)
     strides, dil = _ints(ctx, "strides", n, 1), _ints(ctx, "dilations", n, 1)
-    ceil_mode = bool(ctx.attr("ceil_mode", 0))
+    ceil_mode = ctx.flag("ceil_mode", 0)
     pads = _forward_pads(ctx, x.shape[2:], kernel, strides, dil)
     return dict(kernel=kernel, strides=strides, dilations=dil, pads=pads, ceil_mode=ceil_mode)
 
@@ -242,7 +242,7 @@ def _pool_attrs(ctx, x, dtypes=FLOATS) -> dict:
 def max_pool(ctx):
     x = ctx.input(0)
     attrs = _pool_attrs(ctx, x, FLOATS + ("int8", "uint8"))
-    order = int(ctx.attr("storage_order", 0))
+    order = int(ctx.flag("storage_order", 0))
     if order not in (0, 1):
         raise ctx.invalid(f"storage_order must be 0 or 1, got {order}")
     with_indices = len(ctx.node.output) > 1 and bool(ctx.node.output[1])
@@ -255,7 +255,7 @@ def max_pool(ctx):
 def average_pool(ctx):
     x = ctx.input(0)
     attrs = _pool_attrs(ctx, x)
-    cip = bool(ctx.attr("count_include_pad", 0))
+    cip = ctx.flag("count_include_pad", 0)
     return [ctx.add(Pool([x], name=ctx.name, kind="avg", count_include_pad=cip, **attrs))]
 
 
@@ -398,9 +398,9 @@ def resize(ctx):
         for i, a in enumerate(axes):
             full[a], full[r + a] = float(roi_in[i]), float(roi_in[len(axes) + i])
         roi = tuple(full)
-    extra = dict(antialias=bool(ctx.attr("antialias", 0)) and mode != "nearest",
+    extra = dict(antialias=ctx.flag("antialias", 0) and mode != "nearest",
                  cubic_coeff_a=float(ctx.attr("cubic_coeff_a", -0.75)),
-                 exclude_outside=bool(ctx.attr("exclude_outside", 0)),
+                 exclude_outside=ctx.flag("exclude_outside", 0),
                  extrapolation_value=float(ctx.attr("extrapolation_value", 0.0)))
     return [_resize_op(ctx, x, mode=mode, ctm=ctm, scales=scales, sizes=sizes, roi=roi, nearest_mode=nearest_mode,
                        **extra)]
@@ -446,6 +446,8 @@ def attention(ctx):
         raise ctx.invalid(f"window sizes must be -1 or non-negative, got {left} and {right}")
     sp = ctx.attr("softmax_precision", None)
     sdt = onnx_dtype(sp, f"node {ctx.name} attribute softmax_precision") if sp is not None else None
+    if sdt is not None and sdt not in FLOATS:
+        raise ctx.invalid(f"softmax_precision must be a floating-point type, got {sdt}")
     wants = [i < len(ctx.node.output) and bool(ctx.node.output[i]) for i in range(4)]
 
     def as4d(t, heads, what):
@@ -468,7 +470,7 @@ def attention(ctx):
     v_in = presents[1] if past_v is not None else v
     ins = [q, k_in, v_in] + [t for t in (mask, nonpad) if t is not None]
     op = Attention(ins, name=ctx.name, q_heads=qh, kv_heads=kvh, scale_sqrt=math.sqrt(scale), scale=scale,
-                   is_causal=bool(ctx.attr("is_causal", 0)), past_len=past_k.shape[2] if past_k is not None else 0,
+                   is_causal=ctx.flag("is_causal", 0), past_len=past_k.shape[2] if past_k is not None else 0,
                    softcap=float(ctx.attr("softcap", 0.0)), has_mask=mask is not None, has_nonpad=nonpad is not None,
                    left_window=left, right_window=right, qk_mode=mode if wants[3] else None,
                    softmax_dtype=None if sdt == q.dtype else sdt)

@@ -59,7 +59,7 @@ def _window_handler(kind: str):
         dtype = onnx_dtype(int(ctx.attr("output_datatype", 1)), f"node {ctx.name} attribute 'output_datatype'")
         if dtype == "bool":
             raise ctx.invalid("output_datatype bool is not allowed by the schema")
-        w = _window_values(kind, size, bool(ctx.attr("periodic", 1)))
+        w = _window_values(kind, size, ctx.flag("periodic", 1))
         if dtype not in FLOATS:
             if np.isnan(w).any():
                 raise ctx.invalid(f"a symmetric window of size {size} is NaN (0/0), which has no {dtype} value")
@@ -190,7 +190,7 @@ def affine_grid(ctx):
         raise ctx.shape_error(f"theta has shape {theta.shape}; expected {(n, nd, nd + 1)} for size {size.tolist()}")
     if min(spatial) < 1:
         raise ctx.shape_error(f"size {size.tolist()} has an empty spatial dim")
-    align = bool(ctx.attr("align_corners", 0))
+    align = ctx.flag("align_corners", 0)
     if align and 1 in spatial:
         # 2 / (n - 1) positions apart: one position has none (onnxruntime puts it at 1, the
         # ONNX reference and PyTorch at -1)

@@ -449,7 +449,7 @@ def rnn(ctx):
 @onnx_op("GRU")
 def gru(ctx):
     """GRU with gates ``z, r, h`` (``linear_before_reset`` from opset 3)."""
-    lbr = bool(_int_attr(ctx, "linear_before_reset", 0)) if ctx.opset >= 3 else False
+    lbr = ctx.flag("linear_before_reset", 0) if ctx.opset >= 3 else False
     rec = _Recurrence(ctx, 3, ("Sigmoid", "Tanh"), state_inputs=(5,), recurrent_bias_block=2 if lbr else None)
 
     def make_step(rec: _Recurrence, d: int):
@@ -479,7 +479,7 @@ def gru(ctx):
 @onnx_op("LSTM")
 def lstm(ctx):
     """LSTM with gates ``i, o, f, c``, optional peepholes ``P`` and ``input_forget``."""
-    input_forget = bool(_int_attr(ctx, "input_forget", 0))
+    input_forget = ctx.flag("input_forget", 0)
     rec = _Recurrence(ctx, 4, ("Sigmoid", "Tanh", "Tanh"), state_inputs=(5, 6))
     rec.same_dtype(7)
     peep = rec.optional_input(7, (rec.nd, 3 * rec.hidden), "P")

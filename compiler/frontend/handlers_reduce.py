@@ -64,12 +64,12 @@ def _reduce_handler(kind: str, axes_as_input: bool):
             axes = ctx.const(1, None)
             if axes is not None:
                 axes = np.asarray(axes).reshape(-1).tolist()
-            noop = bool(ctx.attr("noop_with_empty_axes", 0))
+            noop = ctx.flag("noop_with_empty_axes", 0)
         else:
             axes, noop = ctx.attr("axes", None), False
         if not axes:
             axes = () if noop else range(x.ndim)
-        keepdims = bool(ctx.attr("keepdims", 1))
+        keepdims = ctx.flag("keepdims", 1)
         return [ctx.add(Reduce([x], name=ctx.name, kind=kind, axes=_axes(ctx, axes, x.ndim), keepdims=keepdims))]
     return handler
 
@@ -90,8 +90,8 @@ def _arg_handler(kind: str):
         axis = _axis(ctx, ctx.attr("axis", 0), x.ndim)
         if x.shape[axis] == 0:
             raise ctx.shape_error(f"axis {axis} has extent 0: the {kind} of an empty set is undefined")
-        last = bool(ctx.attr("select_last_index", 0)) if ctx.opset >= 12 else False
-        return [ctx.add(ArgReduce([x], name=ctx.name, kind=kind, axis=axis, keepdims=bool(ctx.attr("keepdims", 1)),
+        last = ctx.flag("select_last_index", 0) if ctx.opset >= 12 else False
+        return [ctx.add(ArgReduce([x], name=ctx.name, kind=kind, axis=axis, keepdims=ctx.flag("keepdims", 1),
                                   select_last=last))]
     return handler
 
@@ -142,7 +142,7 @@ def _cumulative_handler(cls):
         if axis.size != 1 or axis.dtype.kind not in "iu":
             raise ctx.invalid(f"axis must be one integer, got {axis.tolist()!r}")
         return [ctx.add(cls([x], name=ctx.name, axis=_axis(ctx, axis.item(), x.ndim),
-                            exclusive=bool(ctx.attr("exclusive", 0)), reverse=bool(ctx.attr("reverse", 0))))]
+                            exclusive=ctx.flag("exclusive", 0), reverse=ctx.flag("reverse", 0)))]
     return handler
 
 
@@ -165,7 +165,7 @@ def topk(ctx):
         raise ctx.invalid(f"K must be non-negative, got {k}")
     if k > x.shape[axis]:
         raise ctx.shape_error(f"K={k} exceeds the extent {x.shape[axis]} of axis {axis}")
-    largest = bool(ctx.attr("largest", 1)) if ctx.opset >= 11 else True
+    largest = ctx.flag("largest", 1) if ctx.opset >= 11 else True
     op = TopK([x], name=ctx.name, k=k, axis=axis, largest=largest)
     ctx.add(op)
     return op.outputs
@@ -204,17 +204,17 @@ def batch_normalization(ctx):
     x = ctx.input(0)
     _require_float(ctx, x)
     if ctx.opset >= 14:
-        training = bool(ctx.attr("training_mode", 0))
+        training = ctx.flag("training_mode", 0)
     elif ctx.opset >= 7:
         training = any(_wants_output(ctx, k) for k in range(1, 5))
     else:
-        training = not ctx.attr("is_test", 0) or any(_wants_output(ctx, k) for k in range(1, 5))
+        training = not ctx.flag("is_test", 0) or any(_wants_output(ctx, k) for k in range(1, 5))
     if training and ctx.opset < 14:
         raise ctx.unsupported("training mode before opset 14 (its saved-statistics outputs)")
     if x.ndim < 2:
         raise ctx.shape_error(f"input of shape {x.shape} has no channel dim")
     params = [ctx.input(k) for k in range(1, 5)]
-    if ctx.opset < 9 and ctx.attr("spatial", 1) == 0:
+    if ctx.opset < 9 and ctx.flag("spatial", 1) == 0:
         want = x.shape[1:]
     else:
         want = (x.shape[1],)

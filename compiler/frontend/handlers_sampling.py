@@ -232,7 +232,7 @@ def _grid_sample_attrs(ctx: NodeContext) -> tuple[str, str, bool]:
     padding = ctx.attr("padding_mode", "zeros")
     if padding not in _PADDING_MODES:
         raise ctx.invalid(f"padding_mode must be one of {', '.join(_PADDING_MODES)}, got {padding!r}")
-    align = int(ctx.attr("align_corners", 0))
+    align = int(ctx.flag("align_corners", 0))
     if align not in (0, 1):
         raise ctx.invalid(f"align_corners must be 0 or 1, got {align}")
     return modes[mode], padding, bool(align)

@@ -59,13 +59,6 @@ def _signal(ctx: NodeContext) -> tuple[Tensor, int]:
     return x, x.shape[-1]
 
 
-def _flag(ctx: NodeContext, name: str, default: int) -> bool:
-    v = ctx.attr(name, default)
-    if v not in (0, 1):
-        raise ctx.invalid(f"attribute {name!r} must be 0 or 1, got {v}")
-    return bool(v)
-
-
 def _phase(n: np.ndarray, k: np.ndarray, length: int) -> np.ndarray:
     """``2π·n·k / length`` (float64) with ``n·k`` reduced modulo ``length`` first, for exact tables."""
     return 2.0 * np.pi * (np.multiply.outer(n, k) % length) / length
@@ -139,7 +132,7 @@ def _dft(ctx: NodeContext, axis: int) -> list[Tensor]:
         raise ctx.invalid(f"axis {axis} is out of range for an input of rank {rank} (the last dimension holds "
                           "the real and imaginary parts)")
     axis %= rank
-    inverse, onesided = _flag(ctx, "inverse", 0), _flag(ctx, "onesided", 0)
+    inverse, onesided = ctx.flag("inverse", 0), ctx.flag("onesided", 0)
     n = x.shape[axis]
     length = _scalar(ctx, 1, "dft_length", 2 * (n - 1) if inverse and onesided else n)
     if length < 1:
@@ -172,7 +165,7 @@ def stft(ctx):
     x, comps = _signal(ctx)
     if x.ndim != 3:
         raise ctx.shape_error(f"the signal must have rank 3 [batch, length, 1 or 2], got {list(x.shape)}")
-    onesided = _flag(ctx, "onesided", 1)
+    onesided = ctx.flag("onesided", 1)
     if onesided and comps == 2:
         raise ctx.invalid("a complex signal has no one-sided STFT (onesided defaults to 1; set it to 0)")
     step = _scalar(ctx, 1, "frame_step")

@@ -165,7 +165,7 @@ def reshape1(ctx):
 def reshape5(ctx):
     x = ctx.input(0)
     spec = _ints(ctx, ctx.const(1), "shape")
-    return [_reshape(ctx, x, _resolve_shape(ctx, x.shape, spec, bool(ctx.attr("allowzero", 0))))]
+    return [_reshape(ctx, x, _resolve_shape(ctx, x.shape, spec, ctx.flag("allowzero", 0)))]
 
 
 @onnx_op("Flatten")
@@ -590,7 +590,7 @@ def trilu(ctx):
     x = ctx.input(0)
     if x.ndim < 2:
         raise ctx.invalid(f"input must have rank >= 2, got shape {x.shape}")
-    upper = bool(ctx.attr("upper", 1))
+    upper = ctx.flag("upper", 1)
     if ctx.has_input(1) and not ctx.is_const(1):     # a diagonal known only at run time
         k = ctx.input(1)
         if k.size != 1 or k.dtype != "int64":
@@ -687,7 +687,7 @@ def unique(ctx):
     if axis is not None:
         axis = _axis(ctx, axis, x.ndim)
     y, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True, return_counts=True, axis=axis)
-    if not ctx.attr("sorted", 1):
+    if not ctx.flag("sorted", 1):
         order = np.argsort(first, kind="stable")
         rank = np.empty_like(order)
         rank[order] = np.arange(order.size)
@@ -731,7 +731,7 @@ def non_max_suppression(ctx):
             or scores.shape[2] != boxes.shape[1]:
         raise ctx.shape_error(f"boxes [B, N, 4] and scores [B, C, N] expected, got {list(boxes.shape)} and "
                               f"{list(scores.shape)}")
-    center = int(ctx.attr("center_point_box", 0))
+    center = int(ctx.flag("center_point_box", 0))
     if center not in (0, 1):
         raise ctx.invalid(f"center_point_box must be 0 or 1, got {center}")
     limit = np.asarray(ctx.const(2, np.zeros(0, np.int64))).reshape(-1)

@@ -55,7 +55,7 @@ def rotary_embedding(ctx):
     cached angles of the token's position, in halves or interleaved pairs (ONNX opset 23)."""
     x = _float_input(ctx, 0)
     cos, sin = _float_input(ctx, 1, x.dtype), _float_input(ctx, 2, x.dtype)
-    interleaved = bool(ctx.attr("interleaved", 0))
+    interleaved = ctx.flag("interleaved", 0)
     if x.ndim == 4:                                   # [batch, heads, seq, head]
         b, _, s, head = x.shape
         x4 = x

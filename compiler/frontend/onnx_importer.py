@@ -205,9 +205,21 @@ class _Importer:
         for vi in g.output:
             if vi.name not in self.env:
                 raise ModelFormatError(f"graph output {vi.name!r} is not produced by any node")
+            self._check_output_type(vi, self.env[vi.name])
             outputs.append(self.env[vi.name])
             names.append(vi.name)
         return FlowGraph(inputs, outputs, self.nodes, names, name=g.name or "graph")
+
+    def _check_output_type(self, vi: onnx.ValueInfoProto, t: Tensor) -> None:
+        """A graph output declared with an element type other than the one its node computes is a
+        broken model (onnxruntime refuses it): :class:`DtypeError` rather than returning another type."""
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is None or tt.elem_type == onnx.TensorProto.UNDEFINED:
+            return
+        declared = onnx_dtype(tt.elem_type, f"graph output {vi.name!r}")
+        if declared != t.dtype:
+            raise DtypeError(f"graph output {vi.name!r} is declared {declared}, but the node producing it computes "
+                             f"{t.dtype}; correct the output's type in the model")
 
     def _initializers(self, g: onnx.GraphProto) -> None:
         for init in g.initializer:

@@ -190,6 +190,15 @@ class NodeContext:
             raise self.unsupported(f"subgraph attribute {name!r} (control flow)")
         return v
 
+    def flag(self, name: str, default: int) -> bool:
+        """Attribute ``name``, a switch the spec defines as 0 or 1 (``keepdims``, ``transA``, ...), as a
+        bool; any other value is a :class:`ModelFormatError` (runtimes read such values differently:
+        onnxruntime takes ``keepdims = 2`` as 0 and ``ceil_mode = 3`` as 0, not as true)."""
+        v = self.attr(name, default)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v not in (0, 1):
+            raise self.invalid(f"attribute {name!r} must be 0 or 1, got {v!r}")
+        return bool(v)
+
     def graph_attr(self, name: str) -> onnx.GraphProto:
         """Subgraph attribute ``name`` (the body of If, Loop, Scan)."""
         a = self._attrs.get(name)

@@ -197,6 +197,62 @@ def test_unsupported_attribute_value():
         load_onnx(model)
 
 
+#: a node with a switch attribute (the spec: 0 or 1), its inputs and output, and the opset
+_SWITCHES = [
+    ("ReduceSum", "keepdims", [vi("x", F, [2, 3])], vi("y", F, [1, 1]), 13),
+    ("ArgMax", "keepdims", [vi("x", F, [2, 3])], vi("y", I64, [1, 3]), 13),
+    ("ArgMax", "select_last_index", [vi("x", F, [2, 3])], vi("y", I64, [1, 3]), 13),
+    ("AveragePool", "ceil_mode", [vi("x", F, [1, 1, 4, 4])], vi("y", F, [1, 1, 3, 3]), 17),
+    ("AveragePool", "count_include_pad", [vi("x", F, [1, 1, 4, 4])], vi("y", F, [1, 1, 3, 3]), 17),
+    ("Gemm", "transB", [vi("x", F, [2, 2]), vi("w", F, [2, 2])], vi("y", F, [2, 2]), 13),
+    ("Mod", "fmod", [vi("x", I64, [3]), vi("w", I64, [3])], vi("y", I64, [3]), 13),
+    ("TopK", "largest", [vi("x", F, [4]), vi("k", I64, [1])], vi("y", F, [2]), 13),
+    ("CumSum", "exclusive", [vi("x", F, [4]), vi("k", I64, [])], vi("y", F, [4]), 14),
+    ("Trilu", "upper", [vi("x", F, [3, 3])], vi("y", F, [3, 3]), 14),
+]
+
+
+@pytest.mark.parametrize("value", [2, -1])
+@pytest.mark.parametrize("op, attr, inputs, output, opset", _SWITCHES, ids=[f"{o}.{a}" for o, a, *_ in _SWITCHES])
+def test_a_switch_attribute_other_than_0_or_1_is_refused(op, attr, inputs, output, opset, value):
+    """Runtimes read such values differently (onnxruntime takes ArgMax's keepdims = -2 and
+    AveragePool's ceil_mode = 3 as 0): the importer names the node and the attribute instead of
+    picking one reading. The same node with 0 and 1 imports."""
+    kw = {"kernel_shape": [2, 2]} if op == "AveragePool" else {}
+    outputs = [output] + ([vi("i", I64, [2])] if op == "TopK" else [])
+    bound = {"k": np.array([2]) if op == "TopK" else np.array(0)} if op in ("TopK", "CumSum") else None
+    for v in (0, 1):
+        node = helper.make_node(op, [i.name for i in inputs], [o.name for o in outputs], name="sw", **kw, **{attr: v})
+        load_onnx(make_model([node], inputs, outputs, opset=opset), input_values=bound)
+    node = helper.make_node(op, [i.name for i in inputs], [o.name for o in outputs], name="sw", **kw, **{attr: value})
+    with pytest.raises(ModelFormatError, match=rf"node sw \({op}\): attribute '{attr}' must be 0 or 1, got {value}"):
+        load_onnx(make_model([node], inputs, outputs, opset=opset), input_values=bound)
+
+
+def test_an_output_declared_with_another_type_is_refused():
+    """onnxruntime refuses a model whose output is declared float32 while its Cast makes int8;
+    the importer names the output rather than returning int8 values."""
+    model = make_model([helper.make_node("Cast", ["x"], ["y"], name="cast", to=TensorProto.INT8)],
+                       [vi("x", F, [3])], [vi("y", F, [3])])
+    with pytest.raises(DtypeError, match="graph output 'y' is declared float32, but the node producing it "
+                                         "computes int8"):
+        load_onnx(model)
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.INT8
+    assert load_onnx(model).run({"x": np.array([1.5, -2, 3], np.float32)})["y"].tolist() == [1, -2, 3]
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.UNDEFINED  # (no type declared: any)
+    assert load_onnx(model).run({"x": np.array([1.5, -2, 3], np.float32)})["y"].dtype == np.int8
+
+
+def test_attention_softmax_precision_must_be_a_float_type():
+    q = vi("q", F, [1, 2, 3, 4])
+    node = helper.make_node("Attention", ["q", "q", "q"], ["y"], name="att", softmax_precision=TensorProto.INT64)
+    with pytest.raises(ModelFormatError, match=r"node att \(Attention\): softmax_precision must be a floating-point "
+                                               "type, got int64"):
+        load_onnx(make_model([node], [q], [vi("y", F, [1, 2, 3, 4])], opset=23))
+    node.attribute[0].i = TensorProto.FLOAT
+    load_onnx(make_model([node], [q], [vi("y", F, [1, 2, 3, 4])], opset=23))
+
+
 def test_non_constant_shape_argument_is_refused():
     model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
                        [vi("x", F, [2, 3]), vi("s", I64, [2])], [vi("y", F, [3, 2])])
