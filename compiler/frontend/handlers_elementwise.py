@@ -58,6 +58,13 @@ for _op, _fn in _BINARY.items():
 @onnx_op("Pow", since=7)
 def pow_(ctx):
     a, b = ctx.input(0), ctx.input(1)
+    if a.dtype not in FLOATS and b.dtype in FLOATS:
+        # an integer base to a float power (3 ** 0.5): the power in float64, truncated to the base's type,
+        # as the reference computes it (np.power(a, b).astype(a.dtype)), not the exponent truncated first
+        a64 = ctx.add(CastOp([a], name=ctx.name + "/cast_base", to="float64"))
+        b64 = ctx.add(CastOp([b], name=ctx.name + "/cast_exp", to="float64"))
+        y = ctx.add(Binary([a64, b64], name=ctx.name + "/pow", fn="pow"))
+        return [ctx.add(CastOp([y], name=ctx.name, to=a.dtype))]
     if b.dtype != a.dtype:  # Pow allows a different exponent type; compute in the base's type
         b = ctx.add(CastOp([b], name=ctx.name + "/cast_exp", to=a.dtype))
     return [ctx.add(Binary([a, b], name=ctx.name, fn="pow"))]

@@ -216,6 +216,20 @@ def _trunc_div(a, b):
     return np.true_divide(a, b)
 
 
+def _power(a, b):
+    """``a ** b``; for integers (numpy refuses negative exponents) a negative exponent gives the real
+    power truncated toward zero: 1 for ``a == 1``, -1 or 1 by parity for ``a == -1``, else 0 (also for
+    ``a == 0``, whose real power has no integer value), as the generated kernels compute it."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind not in "iu" or b.dtype.kind not in "iu" or not np.any(b < 0):
+        return np.power(a, b)
+    neg = b < 0
+    pos = np.power(a, np.where(neg, 0, b))
+    ones = np.ones_like(pos)
+    small = np.where(a == 1, ones, np.where(a == -1, np.where(b % 2 == 0, ones, -ones), np.zeros_like(pos)))
+    return np.where(neg, small, pos)
+
+
 # Numpy implementations used by the reference evaluator (and the list of valid op names).
 UNARY_FUNCS: dict[str, Callable] = {
     "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
@@ -230,7 +244,7 @@ UNARY_FUNCS: dict[str, Callable] = {
 
 BINARY_FUNCS: dict[str, Callable] = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
-    "floordiv": np.floor_divide, "mod": np.mod, "fmod": np.fmod, "pow": np.power,
+    "floordiv": np.floor_divide, "mod": np.mod, "fmod": np.fmod, "pow": _power,
     "max": np.maximum, "min": np.minimum, "and": np.logical_and, "or": np.logical_or,
     "xor": np.logical_xor, "lt": np.less, "le": np.less_equal, "gt": np.greater,
     "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal, "bitand": np.bitwise_and,

@@ -275,6 +275,10 @@ def examples(rng: np.random.Generator):
             res.append((Binary, [i, j], {"fn": fn}))
         else:
             res.append((Binary, [np.abs(x) + 0.1, y], {"fn": fn}))
+    # integer powers, negative exponents too (the real power truncated: 0 unless the base is 1 or -1)
+    base = np.array([[-3, -2, -1, 0, 1, 2, 3, 5]] * 2, np.int64)
+    res.append((Binary, [base, np.array([[-3, -2, -1, 0, 1, 2, 3, -1], [-1, -1, -2, -2, -3, 0, 5, 2]], np.int64)],
+                {"fn": "pow"}))
     res += [(CastOp, [x * 10], {"to": "int32"}), (CastOp, [i], {"to": "float16"}),
             (CastOp, [x * 600], {"to": "float8_e4m3fn"}),  # (saturated: |x| * 600 > 448 for some)
             (CastOp, [x * 6e4], {"to": "float8_e5m2", "saturate": False}),  # (past 61440: infinities)

@@ -1,5 +1,5 @@
 """CumProd, the window functions, the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool, Det, TfIdfVectorizer, the training optimizers and the optional-tensor
+AffineGrid, Col2Im, MaxUnpool, Det, TfIdfVectorizer, the training optimizers, Pow of integers and the optional-tensor
 ops imported from small ONNX models and run with FlowGraph.run against onnxruntime (or the ONNX
 reference); the errors for what is refused; and composed ops compiled for the cpu target."""
 import numpy as np
@@ -246,6 +246,29 @@ def test_composed_ops_compiled_for_cpu(tmp_path, case):
     got = load(res.out_dir).run(feeds)
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("base", ["int32", "int64"])
+@pytest.mark.parametrize("exponent", ["float32", "int64"])
+def test_pow_of_integers_against_onnxruntime(tmp_path, base, exponent):
+    """An integer base to a float power is the real power truncated (3 ** 0.5 = 1, 4 ** -0.5 = 0, as
+    np.power(a, b).astype(a.dtype)): the exponent was truncated to the base's type first (3 ** 0 = 1
+    for both, but 8 ** 1.5 = 8). An integer base to a negative integer power is the real power
+    truncated too (0 unless the base is 1 or -1), where the evaluator raised numpy's ValueError.
+    Both in the graph and compiled for cpu."""
+    a = np.array([[2, 3, 4, 8, 1, -1, -2, 5], [7, 9, 16, 3, -3, 1, 2, 10]], base)
+    if exponent == "float32":
+        b = np.array([[0.5, 1.5, -0.5, 1.5, -2.0, 3.0, 2.0, 0.25], [2.5, 0.5, 0.75, -1.0, 3.0, -0.7, 10.0, 1.2]],
+                     exponent)
+    else:
+        b = np.array([[-1, 2, -2, 1, -3, -3, 3, 0], [1, -1, 0, 3, -2, -1, 4, -1]], exponent)
+    feeds = {"a": a, "b": b}
+    model = node_model("Pow", feeds, opset=15)
+    got = check(model, feeds)
+    assert got["y"].tolist() == np.power(a.astype(np.float64), b.astype(np.float64)).astype(base).tolist()
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out")
+    np.testing.assert_array_equal(load(res.out_dir).run(feeds)["y"], got["y"])
 
 
 def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):

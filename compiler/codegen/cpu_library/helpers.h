@@ -269,7 +269,10 @@ template <class T> SF_INLINE T sf_truncdiv(T a, T b) {
 }
 template <class T> SF_INLINE T sf_pow(T a, T b) {
   if constexpr (std::numeric_limits<T>::is_integer) {
-    if constexpr (std::numeric_limits<T>::is_signed) { if (b < 0) return T(0); }
+    // a negative exponent: the real power truncated toward zero (0 unless |a| == 1; 0 for a == 0 too)
+    if constexpr (std::numeric_limits<T>::is_signed) {
+      if (b < 0) return a == T(1) ? T(1) : (a == T(-1) ? ((b & 1) ? T(-1) : T(1)) : T(0));
+    }
     T r = 1;
     while (b) { if (b & 1) r = T(r * a); a = T(a * a); b >>= 1; }
     return r;
