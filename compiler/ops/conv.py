@@ -812,6 +812,22 @@ class Pool(Operator):
             flat = flat + pos[d] * stride
         return flat
 
+    def local_attrs(self, inputs, output_shapes):
+        """On a split of the window's taps the rank's window is its share of them. The sharding rules
+        split the taps of a dilated window that reads its whole unpadded input in blocks (``pos = o +
+        dil * k``, ``o < dil``: the input viewed as ``[kernel, dil]``); each rank reduces over its
+        block of ``k`` on its block of the input, the output whole (a partial max or mean). An input
+        dim shorter on the rank while the output's is whole is such a split: ``kernel`` shrinks by the
+        same ratio (``localize`` checks the shapes it then gives)."""
+        attrs = super().local_attrs(inputs, output_shapes)
+        kern = list(attrs["kernel"])
+        dims = zip(inputs[0].shape[2:], self.inputs[0].shape[2:], output_shapes[0][2:], self.outputs[0].shape[2:])
+        for d, (local_in, whole_in, local_out, whole_out) in enumerate(dims):
+            if local_in != whole_in and local_out == whole_out and kern[d] * local_in % whole_in == 0:
+                kern[d] = kern[d] * local_in // whole_in
+        attrs["kernel"] = tuple(kern)
+        return attrs
+
     def _out_shape(self, ins) -> tuple[int, ...]:
         kern = tuple(self.attrs["kernel"])
         n_sp = len(kern)
@@ -1198,6 +1214,9 @@ def examples(rng: np.random.Generator):
         (Pool, [f(1, 2, 5, 6)], {"kind": "max", "kernel": (2, 2), "pads": (1, 0, 0, 1), "with_indices": True,
                                  "storage_order": 1}),
         (Pool, [f(1, 1, 7)], {"kind": "max", "kernel": (3,), "strides": (2,), "with_indices": True}),
+        # dilated windows exactly as long as their input: the taps split in blocks (local_attrs)
+        (Pool, [f(1, 2, 6, 6)], {"kind": "max", "kernel": (2, 3), "dilations": (3, 2)}),
+        (Pool, [f(1, 1, 4, 6)], {"kind": "avg", "kernel": (2, 3), "dilations": (2, 2)}),
         (Pool, [rng.integers(0, 255, (1, 2, 4, 4)).astype(np.uint8)], {"kind": "max", "kernel": (2, 2),
                                                                       "pads": (1, 1, 0, 0)}),
         (Pool, [f(1, 2, 5, 5)], {"kind": "avg", "kernel": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}),
