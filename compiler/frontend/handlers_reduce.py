@@ -42,6 +42,19 @@ def _stash(ctx: NodeContext) -> str:
     return st
 
 
+def _stage_one(stash: str, x_dtype: str) -> str:
+    """The type a normalization's statistics are computed in: ``stash_type``, widened to the input's
+    type where that is wider (a float64 input's default stash_type, float32, would lose its precision:
+    onnxruntime and onnx's reference compute such an input in float64 too), float32 for the other half
+    type."""
+    if stash == x_dtype:
+        return stash
+    size = {"float64": 8, "float32": 4}  # (2: float16, bfloat16)
+    if max(size.get(stash, 2), size.get(x_dtype, 2)) == 2:
+        return "float32"
+    return max((stash, x_dtype), key=lambda t: size.get(t, 2))
+
+
 def _wants_output(ctx: NodeContext, k: int) -> bool:
     return len(ctx.node.output) > k and bool(ctx.node.output[k])
 
@@ -182,10 +195,14 @@ def layer_normalization(ctx):
     axis = _axis(ctx, ctx.attr("axis", -1), x.ndim)
     stats = _wants_output(ctx, 1) or _wants_output(ctx, 2)
     ins = [x, scale] + ([ctx.input(2)] if ctx.has_input(2) else [])
-    op = LayerNorm(ins, name=ctx.name, axis=axis, epsilon=float(ctx.attr("epsilon", 1e-5)), stash=_stash(ctx),
-                   stats=stats)
+    stash = _stash(ctx)
+    op = LayerNorm(ins, name=ctx.name, axis=axis, epsilon=float(ctx.attr("epsilon", 1e-5)),
+                   stash=_stage_one(stash, x.dtype), stats=stats)
     ctx.add(op)
-    return op.outputs
+    if len(op.outputs) == 1 or op.outputs[1].dtype == stash:
+        return op.outputs
+    # the statistics are outputs of type stash_type, computed wider
+    return [op.outputs[0]] + [ctx.emit("Cast", [t], 19, to=ctx.attr("stash_type", 1)) for t in op.outputs[1:]]
 
 
 @onnx_op("RMSNormalization", since=23)
@@ -196,7 +213,7 @@ def rms_normalization(ctx):
         raise ctx.invalid("input is a scalar")
     axis = _axis(ctx, ctx.attr("axis", -1), x.ndim)
     return [ctx.add(RMSNorm([x, ctx.input(1)], name=ctx.name, axis=axis, epsilon=float(ctx.attr("epsilon", 1e-5)),
-                            stash=_stash(ctx)))]
+                            stash=_stage_one(_stash(ctx), x.dtype)))]
 
 
 @onnx_op("BatchNormalization")
@@ -264,7 +281,7 @@ def group_normalization(ctx):
     if groups < 1:
         raise ctx.invalid(f"num_groups must be positive, got {groups}")
     per_channel = ctx.opset >= 21
-    stash = _stash(ctx) if per_channel else x.dtype
+    stash = _stage_one(_stash(ctx), x.dtype) if per_channel else x.dtype
     eps = float(ctx.attr("epsilon", 1e-5))
     scale, bias = ctx.input(1), ctx.input(2)
     if not per_channel or x.ndim < 2 or x.shape[1] % groups or (x.shape[1],) != scale.shape or \

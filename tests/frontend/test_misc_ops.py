@@ -271,6 +271,47 @@ def test_pow_of_integers_against_onnxruntime(tmp_path, base, exponent):
     np.testing.assert_array_equal(load(res.out_dir).run(feeds)["y"], got["y"])
 
 
+@pytest.mark.parametrize("op", ["LayerNormalization", "RMSNormalization", "GroupNormalization"])
+def test_a_float64_normalization_is_computed_in_float64(tmp_path, op):
+    """A float64 input's statistics are computed in float64 although its stash_type is float32 (the
+    default): stash_type widens stage one, never narrows it, as onnxruntime and onnx's reference compute
+    (float32 statistics put a 1e-7 relative error in a float64 result); LayerNormalization's Mean and
+    InvStdDev outputs are still of type stash_type. Against numpy in float64 within 1e-12, in the graph and
+    compiled for cpu; LayerNormalization and RMSNormalization against onnxruntime too."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 6)) * 1.2345678901 + 0.3
+    w, b = rng.standard_normal(6), rng.standard_normal(6)
+    if op == "GroupNormalization":
+        w, b = rng.standard_normal(4), rng.standard_normal(4)
+        xs = x.reshape(2, 2, 12)
+        mu = xs.mean(-1, keepdims=True)
+        want = ((xs - mu) / np.sqrt(((xs - mu) ** 2).mean(-1, keepdims=True) + 1e-5)).reshape(x.shape)
+        want = want * w[:, None] + b[:, None]
+        model = node_model(op, {"x": x}, {"w": w, "b": b}, opset=21, num_groups=2)
+        model.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE  # (shape inference leaves it out)
+    elif op == "RMSNormalization":
+        want = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+        model = node_model(op, {"x": x}, {"w": w}, opset=23)
+    else:
+        mu = x.mean(-1, keepdims=True)
+        inv = 1 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+        want = (x - mu) * inv * w + b
+        model = node_model(op, {"x": x}, {"w": w, "b": b}, opset=17, outputs=("y", "mean", "inv"))
+    got = load_onnx(model).run({"x": x})
+    compiled = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                       out_dir=tmp_path / "out")
+    ran = load(compiled.out_dir).run({"x": x})
+    for have in (got, ran):
+        assert have["y"].dtype == np.float64
+        np.testing.assert_allclose(have["y"], want, rtol=1e-12, atol=1e-12)
+        if op == "LayerNormalization":
+            assert have["mean"].dtype == have["inv"].dtype == np.float32
+            np.testing.assert_allclose(have["mean"], mu, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(have["inv"], inv, rtol=1e-6)
+    if op != "GroupNormalization":
+        check(model, {"x": x}, rtol=1e-11, atol=1e-11)
+
+
 def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
     """GroupNormalization (opset 21) imports as a LayerNorm over [N, G, C/G * spatial] and the
     per-channel affine after it (scale and bias graph inputs here); it computes what the GroupNorm op
