@@ -170,11 +170,14 @@ class NodeContext:
         return name in self._attrs
 
     def attr(self, name: str, default: Any = REQUIRED) -> Any:
-        """Attribute ``name`` as a Python value (ints, floats, strings, lists, numpy tensors)."""
+        """Attribute ``name`` as a Python value (ints, floats, strings, lists, numpy tensors). A float
+        ``default`` is rounded to float32, as the attribute would have been stored (the spec's defaults
+        are float32 attributes: BatchNormalization's momentum 0.9 is 0.8999999762 in onnxruntime and onnx's
+        reference, which a float64 model's results show)."""
         if name not in self._attrs:
             if default is REQUIRED:
                 raise self.invalid(f"required attribute {name!r} is missing")
-            return default
+            return float(np.float32(default)) if type(default) is float else default
         a = self._attrs[name]
         try:
             v = helper.get_attribute_value(a)

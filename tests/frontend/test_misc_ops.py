@@ -312,6 +312,23 @@ def test_a_float64_normalization_is_computed_in_float64(tmp_path, op):
         check(model, {"x": x}, rtol=1e-11, atol=1e-11)
 
 
+def test_a_float_attribute_left_out_takes_the_float32_default():
+    """A float attribute left out is the spec's default as a float32 attribute holds it: a float64
+    BatchNormalization in training mode without ``momentum`` updates its running statistics with
+    0.8999999762 (float32's 0.9), as onnxruntime and onnx's reference do; 0.9 itself gave running means
+    4e-8 away from theirs."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 4, 5))
+    consts = {"s": rng.standard_normal(3), "b": rng.standard_normal(3), "mean": rng.standard_normal(3) * 5,
+              "var": rng.uniform(1, 5, 3)}
+    model = node_model("BatchNormalization", {"x": x}, consts, opset=15, outputs=("y", "running_mean", "running_var"),
+                       training_mode=1)
+    got = check(model, {"x": x}, rtol=1e-13, atol=1e-13)
+    m = float(np.float32(0.9))
+    np.testing.assert_allclose(got["running_mean"], consts["mean"] * m + x.mean(axis=(0, 2, 3)) * (1 - m),
+                               rtol=1e-14)
+
+
 def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
     """GroupNormalization (opset 21) imports as a LayerNorm over [N, G, C/G * spatial] and the
     per-channel affine after it (scale and bias graph inputs here); it computes what the GroupNorm op
