@@ -15,6 +15,7 @@ arithmetic) and otherwise raises an error that names the node.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,6 +46,18 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 #: ONNX element type of each dtype name (the inverse of ``_DTYPES``).
 _CODES = {v: k for k, v in _DTYPES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_float_default(op_type: str, domain: str, opset: int, name: str) -> float | None:
+    """The float default of attribute ``name`` in the op's onnx schema at ``opset``, or None."""
+    try:
+        a = onnx.defs.get_schema(op_type, opset, domain).attributes.get(name)
+    except Exception:  # noqa: BLE001 - no schema (another domain's op)
+        return None
+    if a is None or a.type != onnx.AttributeProto.FLOAT or not a.default_value.name:
+        return None
+    return float(a.default_value.f)
 
 
 def onnx_dtype(code: int, where: str) -> str:
@@ -171,13 +184,18 @@ class NodeContext:
 
     def attr(self, name: str, default: Any = REQUIRED) -> Any:
         """Attribute ``name`` as a Python value (ints, floats, strings, lists, numpy tensors). A float
-        ``default`` is rounded to float32, as the attribute would have been stored (the spec's defaults
-        are float32 attributes: BatchNormalization's momentum 0.9 is 0.8999999762 in onnxruntime and onnx's
-        reference, which a float64 model's results show)."""
+        attribute left out takes the default of the op's schema where it has one, a float32 value
+        (BatchNormalization's momentum 0.9 is 0.8999999762, as onnxruntime and onnx's reference take it,
+        which a float64 model's results show), else ``default`` (a value computed from the inputs, such
+        as Attention's scale)."""
         if name not in self._attrs:
             if default is REQUIRED:
                 raise self.invalid(f"required attribute {name!r} is missing")
-            return float(np.float32(default)) if type(default) is float else default
+            if type(default) is float:
+                domain = "" if self.node.domain == "ai.onnx" else self.node.domain
+                spec = _schema_float_default(self.node.op_type, domain, self.opset, name)
+                return default if spec is None else spec
+            return default
         a = self._attrs[name]
         try:
             v = helper.get_attribute_value(a)

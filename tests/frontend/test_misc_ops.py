@@ -327,6 +327,28 @@ def test_a_float_attribute_left_out_takes_the_float32_default():
     m = float(np.float32(0.9))
     np.testing.assert_allclose(got["running_mean"], consts["mean"] * m + x.mean(axis=(0, 2, 3)) * (1 - m),
                                rtol=1e-14)
+    x = rng.standard_normal((3, 4))
+    got = check(node_model("LeakyRelu", {"x": x}, opset=16), {"x": x}, rtol=1e-15, atol=0)
+    np.testing.assert_array_equal(got["y"], np.where(x < 0, x * float(np.float32(0.01)), x))
+
+
+def test_a_default_computed_from_the_inputs_keeps_float64():
+    """A default the schema computes (Attention's scale, 1/sqrt(head size)) is not a float32 value: a
+    float64 Attention without ``scale`` matches onnx's reference within 1e-13 (rounding the scale to
+    float32 put it 1.5e-8 away)."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(5)
+    feeds = {"q": rng.standard_normal((1, 2, 3, 6)), "k": rng.standard_normal((1, 2, 4, 6)),
+             "v": rng.standard_normal((1, 2, 4, 6))}
+    model = node_model("Attention", feeds, opset=23, outputs=("y", "present_k", "present_v", "qk"),
+                       qk_matmul_output_mode=1)
+    for vo in model.graph.output:
+        vo.type.tensor_type.elem_type = TensorProto.DOUBLE  # (shape inference leaves some out)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    got = load_onnx(model).run(feeds)
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(got["qk"], want[-1], rtol=1e-13, atol=1e-13)
 
 
 def test_group_normalization_is_a_layer_norm_over_groups(tmp_path):
