@@ -118,16 +118,17 @@ def _generates(case, groups, results: dict) -> bool:
     return False
 
 
-def run_all(patterns=(), work_dir: str | None = None, every: int = 1) -> dict:
+def run_all(patterns=(), work_dir: str | None = None, every: int = 1, cases=None) -> dict:
     """``{case name: (status, detail)}`` for the node cases matching ``patterns`` (all by default;
-    ``every``: one case in that many, in the order of their names)."""
+    ``every``: one case in that many, in the order of their names), or for ``cases`` (objects with a
+    node case's ``name``, ``model``, ``data_sets``, ``rtol`` and ``atol``: tests/fuzz_node_cases.py's)."""
     from shardflow.compiler.codegen.cuda import generate_cuda_source
 
     work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-conf-")
     results: dict = {}
     ready = []
-    cases = sorted((c for c in node_cases() if not patterns or any(p in c.name for p in patterns)),
-                   key=lambda c: c.name)[::every]
+    cases = sorted((c for c in (node_cases() if cases is None else cases)
+                    if not patterns or any(p in c.name for p in patterns)), key=lambda c: c.name)[::every]
     for idx, case in enumerate(cases):
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
