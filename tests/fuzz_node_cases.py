@@ -95,6 +95,10 @@ class Fuzzer:
 
     # mutations --------------------------------------------------------------------------------
     def _value(self, x: np.ndarray, shape) -> np.ndarray | None:
+        v = self._draw(x, shape)
+        return None if v is None else np.asarray(v)  # (a 0-d draw is a numpy scalar)
+
+    def _draw(self, x: np.ndarray, shape):
         rng, nrng = self.rng, self.nrng
         if x.dtype.kind == "f":
             return (nrng.standard_normal(shape) * rng.choice([1, 1, 10, 0.01])).astype(x.dtype)
@@ -238,9 +242,14 @@ class Fuzzer:
         for vi in graph_inputs:  # the inputs' shapes as fed; the outputs' as onnxruntime computes them
             tt = vi.type.tensor_type
             tt.ClearField("shape")
+            tt.shape.SetInParent()  # (a scalar's shape is present and empty)
             tt.shape.dim.extend(onnx.TensorShapeProto.Dimension(dim_value=d) for d in feeds[vi.name].shape)
-        for vo in model.graph.output:
+        for k, vo in enumerate(model.graph.output):  # (symbolic dims until onnxruntime gives them)
+            rank = len(vo.type.tensor_type.shape.dim)
             vo.type.tensor_type.ClearField("shape")
+            vo.type.tensor_type.shape.dim.extend(onnx.TensorShapeProto.Dimension(dim_param=f"out{k}_{d}")
+                                                 for d in range(rank))
+            vo.type.tensor_type.shape.SetInParent()
         del model.graph.value_info[:]
         tag = f"{case.name} ({what})"
         try:
@@ -256,6 +265,8 @@ class Fuzzer:
             return
         if want is not None:
             for vo, w in zip(model.graph.output, want):
+                vo.type.tensor_type.ClearField("shape")
+                vo.type.tensor_type.shape.SetInParent()
                 vo.type.tensor_type.shape.dim.extend(onnx.TensorShapeProto.Dimension(dim_value=d)
                                                      for d in np.asarray(w).shape)
         def evaluate():
