@@ -40,6 +40,7 @@ import collections
 import copy
 import logging
 import os
+import pickle
 import random
 import signal
 import sys
@@ -226,8 +227,6 @@ class Fuzzer:
 
     def one(self) -> None:
         """One iteration: a case changed, onnxruntime's result, then the mode's run and check."""
-        import onnxruntime as ort
-
         case = self.rng.choice(self.cases)
         model = copy.deepcopy(case.model)
         init = {i.name for i in model.graph.initializer}
@@ -253,13 +252,14 @@ class Fuzzer:
         del model.graph.value_info[:]
         tag = f"{case.name} ({what})"
         try:
-            want = self._guarded(20, lambda: ort.InferenceSession(
-                model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds))
+            status, want = self._guarded(20, _run_onnxruntime, model, feeds)
         except _Timeout:
             self.stats["ort-timeout"] += 1
             return
-        except Exception:  # noqa: BLE001 - onnxruntime refuses the changed model
-            want = None
+        if status == "crashed":  # (then as a model it refuses: ours must still fail cleanly or run)
+            self.stats["ort-crashed"] += 1
+            if self.verbose:
+                print(f"ORT-CRASHED {tag}", flush=True)
         if want is not None and sum(np.asarray(w).size for w in want) > 4_000_000:
             self.stats["too-large"] += 1
             return
@@ -382,6 +382,37 @@ class Fuzzer:
                     self._report(status.upper() if status == "wrong" else "UNTYPED", name.split(" ", 1)[1],
                                  detail[:300], model, feeds)
         print(", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())), flush=True)
+
+
+def _run_onnxruntime(model, feeds) -> tuple[str, list | None]:
+    """``("ran", outputs)``, ``("refused", None)`` or ``("crashed", None)``: onnxruntime runs the
+    model in a child process (it aborts on some changed models, "terminate called without an active
+    exception", which would end the fuzzer)."""
+    import onnxruntime as ort
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, send the outputs, leave without cleanup
+        os.close(read)
+        signal.alarm(0)
+        try:
+            result = ("ran", ort.InferenceSession(model.SerializeToString(),
+                                                  providers=["CPUExecutionProvider"]).run(None, feeds))
+        except Exception:  # noqa: BLE001 - onnxruntime refuses the changed model
+            result = ("refused", None)
+        with os.fdopen(write, "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+    except BaseException:  # (a timeout): the child goes too
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    os.waitpid(pid, 0)
+    return pickle.loads(data) if data else ("crashed", None)
 
 
 def _reference_agrees(model, feeds, ours) -> bool:
