@@ -452,8 +452,12 @@ class ReverseSequence(Operator):
 
     def numpy(self, x, lens):
         ta, ba = self.attrs["time_axis"], self.attrs["batch_axis"]
+        lens = np.asarray(lens, np.int64)
+        if lens.size and (lens.min() < 0 or lens.max() > x.shape[ta]):
+            raise ShapeError(f"{self.name}: sequence_lens {lens.tolist()} leave the range [0, {x.shape[ta]}] of the "
+                             "time axis")
         t = np.arange(x.shape[ta]).reshape([-1 if d == ta else 1 for d in range(x.ndim)])
-        n = np.asarray(lens, np.int64).reshape([-1 if d == ba else 1 for d in range(x.ndim)])
+        n = lens.reshape([-1 if d == ba else 1 for d in range(x.ndim)])
         src = np.broadcast_to(np.where(t < n, n - 1 - t, t), x.shape)
         return [np.take_along_axis(x, src, axis=ta)]
 

@@ -170,6 +170,20 @@ def test_wrong_shape_and_dtype_at_run():
     np.testing.assert_array_equal(g.run({"x": x, "y": y})["w"], np.full((2, 3), 2, np.float32))
 
 
+def test_sequence_lengths_past_the_time_axis_at_run():
+    """ReverseSequence's sequence_lens fed at run time past the time axis: a ShapeError naming the node
+    (an IndexError from numpy before); within it, the reversed prefixes."""
+    model = make_model([helper.make_node("ReverseSequence", ["x", "lens"], ["y"], name="rev", batch_axis=1,
+                                         time_axis=0)],
+                       [vi("x", F, [3, 2]), vi("lens", I64, [2])], [vi("y", F, [3, 2])], opset=10)
+    g = load_onnx(model)
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    with pytest.raises(ShapeError, match=r"rev.*sequence_lens \[4, 1\] leave the range \[0, 3\]"):
+        g.run({"x": x, "lens": np.array([4, 1], np.int64)})
+    np.testing.assert_array_equal(g.run({"x": x, "lens": np.array([3, 2], np.int64)})["y"],
+                                  [[4, 3], [2, 1], [0, 5]])
+
+
 # unsupported operators and attributes -------------------------------------------------------
 
 
