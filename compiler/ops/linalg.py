@@ -375,7 +375,11 @@ def parse_einsum(equation: str, shapes: list[tuple[int, ...]], where: str = "Ein
     for t, s in zip(terms, shapes):
         pre, dots, post = t.partition("...")
         labels = list(pre) + (ell[n_ell - (len(s) - len(pre) - len(post)):] if dots else []) + list(post)
+        own: dict[str, int] = {}
         for lab, ext in zip(labels, s):
+            if own.setdefault(lab, ext) != ext:  # (a diagonal: no broadcast within one operand)
+                raise ShapeError(f"{where}: label {lab!r} repeats in term {t!r} of {equation!r} over dims of "
+                                 f"extents {own[lab]} and {ext}")
             have = extents.setdefault(lab, ext)
             if have != ext and 1 not in (have, ext):
                 raise ShapeError(f"{where}: label {lab!r} of {equation!r} has extents {have} and {ext}")

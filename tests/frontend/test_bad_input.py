@@ -170,6 +170,15 @@ def test_wrong_shape_and_dtype_at_run():
     np.testing.assert_array_equal(g.run({"x": x, "y": y})["w"], np.full((2, 3), 2, np.float32))
 
 
+def test_an_einsum_diagonal_over_dims_of_other_extents_is_refused():
+    """A label repeated within one Einsum operand (a diagonal) needs equal extents: an extent of 1 does
+    not broadcast there (numpy's ValueError from the evaluator before)."""
+    model = make_model([helper.make_node("Einsum", ["x"], ["y"], name="diag", equation="bii->bi")],
+                       [vi("x", F, [3, 5, 1])], [vi("y", F, [3, 5])], opset=12)
+    with pytest.raises(ShapeError, match=r"diag.*label 'i' repeats in term 'bii'.*extents 5 and 1"):
+        load_onnx(model)
+
+
 def test_sequence_lengths_past_the_time_axis_at_run():
     """ReverseSequence's sequence_lens fed at run time past the time axis: a ShapeError naming the node
     (an IndexError from numpy before); within it, the reversed prefixes."""
