@@ -105,6 +105,7 @@ from .errors import ConfigError, DtypeError, GraphError, ShardflowError
 from .ir.expr import numpy_type
 from .ir.graph import FlowGraph, Operator, Tensor
 from .ir.spill import spill, spilling
+from .passes.index_inputs import input_index_ranges
 
 __all__ = ["compile", "planned_graph", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers",
            "TARGETS", "PRECISIONS", "COMM_BACKENDS"]
@@ -1066,15 +1067,20 @@ def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values
     return dict(state)
 
 
-def _input_entry(local: Tensor, whole: Tensor, plan, rank: int, padded: Mapping | None = None) -> dict:
+def _input_entry(local: Tensor, whole: Tensor, plan, rank: int, padded: Mapping | None = None,
+                 index_checks=()) -> dict:
     """A rank's manifest entry for one input: its shape, type and spec; for an input of which the
     rank takes a part (a sharded state), also the whole's shape and the part's bounds. A state kept
     on padded heads (``padded``: :func:`~shardflow.compiler.passes.heads.keep_state_padded`'s entry)
     has the model's shape as ``global_shape``, its bounds in the padded one, and ``padded_heads``:
-    the padded whole is the model's taken at ``index`` along ``axis`` (``shape``: the padded whole's)."""
+    the padded whole is the model's taken at ``index`` along ``axis`` (``shape``: the padded whole's).
+    ``index_checks``: ``[lo, hi, op]`` ranges its values must lie in, the runtime checks before a run
+    (:mod:`~shardflow.compiler.passes.index_inputs`)."""
     spec = plan.input_specs.get(local.name)
     entry = {"name": local.name, "shape": list(local.shape), "dtype": local.dtype,
              "placement": str(spec) if spec is not None else "R"}
+    if index_checks:
+        entry["index_checks"] = [list(c) for c in index_checks]
     if padded is not None:
         entry["global_shape"] = list(padded["shape"])
         entry["bounds"] = [list(b) for b in (spec.local_bounds(whole.shape, plan.mesh, rank) if spec is not None
@@ -1464,6 +1470,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     axis_sets: set = set()  # the mesh axes the ranks' collectives span (for mesh.json's groups)
     global_out = {name: t for name, t in zip(graph.output_names, graph.outputs)}
     global_in = {t.name: t for t in graph.inputs}
+    index_checks = input_index_ranges(graph)
 
     timings["codegen"] = 0.0
     timings["write"] = 0.0
@@ -1564,7 +1571,8 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
                 "cuda_graph": opt.cuda_graph,
                 "pdl": opt.pdl,
                 "precision": opt.precision,
-                "inputs": [_input_entry(t_, global_in[t_.name], plan, r, padded_state.get(t_.name))
+                "inputs": [_input_entry(t_, global_in[t_.name], plan, r, padded_state.get(t_.name),
+                                        index_checks.get(t_.name, ()))
                            for t_ in rg.inputs],
                 "outputs": outputs,
                 **({"state": [{k: e[k] for k in ("input", "output", "in_place")} for e in program["state"]]}

@@ -39,7 +39,7 @@ from .comm.prepared import prepare
 from .errors import ShardflowError
 
 __all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
-           "WorldSizeError"]
+           "InputIndexError", "WorldSizeError"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ class InputShapeError(InputError):
 
 class InputDtypeError(InputError):
     """An input has another dtype than the one compiled."""
+
+
+class InputIndexError(InputError):
+    """An input read as indices holds a value outside the axis it indexes (the compiled kernels would
+    clamp it into the axis)."""
 
 
 class WorldSizeError(ShardflowError):
@@ -200,6 +205,9 @@ class RankProgram:
         self._parts = {e["name"]: (tuple(e["global_shape"]), tuple(slice(a, b) for a, b in e["bounds"]))
                        for e in self.manifest.get("inputs", ())
                        if "global_shape" in e and "bounds" in e and list(e["global_shape"]) != list(e["shape"])}
+        # inputs read as indices: the ranges their values must lie in, and the op (compile's index_inputs)
+        self._index_checks = {e["name"]: [(int(lo), int(hi), str(op)) for lo, hi, op in e["index_checks"]]
+                              for e in self.manifest.get("inputs", ()) if e.get("index_checks")}
         # of those, a state kept on padded (or replicated) heads: the padded whole is the model's whole
         # taken at these indices along this axis (compile's passes/heads.py keep_state_padded)
         self._padded = {e["name"]: (int(e["padded_heads"]["axis"]), np.asarray(e["padded_heads"]["index"], np.int64))
@@ -587,8 +595,19 @@ class RankProgram:
             if a.dtype != buf.dtype:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)
+            if name in self._index_checks and a.size:
+                self._check_indices(name, a)
             res[name] = a
         return res
+
+    def _check_indices(self, name: str, a) -> None:
+        low, high = int(a.min()), int(a.max())  # (a cupy array's too: two scalars copied back)
+        for lo, hi, op in self._index_checks[name]:
+            if low < lo or high > hi:
+                bad = low if low < lo else high
+                raise InputIndexError(f"input {name!r} holds the index {bad}, outside [{lo}, {hi}], the range node "
+                                      f"{op!r} reads it as an index in (token ids past an embedding's rows?); the "
+                                      "compiled kernels would clamp it into the axis, so the run is refused", name)
 
     def close(self) -> None:
         """Free the sub-communicators (the world communicator belongs to the caller)."""

@@ -188,6 +188,12 @@ class Operator:
                 attrs[a] = tuple(lo if (g != lo and x == g) else x for x, g, lo in zip(v, out, local))
         return attrs
 
+    def index_ranges(self) -> dict[int, tuple[int, int]]:
+        """``{input position: (lo, hi)}``: the inputs whose values the op uses as indices, and the
+        inclusive range of values it takes (an index outside it is an error in the evaluator; the
+        compiled kernels clamp it). Default: none."""
+        return {}
+
     def offset_split_dims(self) -> tuple[tuple[int, int], ...]:
         """The ``(input, dim)`` pairs the op can run on split into row ranges, all of them by the
         same rows (a table and its per-row scales): given where a rank's rows start

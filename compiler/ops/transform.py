@@ -450,6 +450,9 @@ class ReverseSequence(Operator):
             return x[i[:ta] + (if_then_else(t < n, n - 1 - t, t),) + i[ta + 1:]]
         return compute("y", x.shape, f, dtype=x.dtype)
 
+    def index_ranges(self):
+        return {1: (0, self.inputs[0].shape[self.attrs["time_axis"]])}
+
     def numpy(self, x, lens):
         ta, ba = self.attrs["time_axis"], self.attrs["batch_axis"]
         lens = np.asarray(lens, np.int64)
@@ -564,6 +567,10 @@ class Gather(Operator):
         mask = inside.reshape((1,) * axis + j.shape + (1,) * (data.ndim - axis - 1))
         return [np.where(mask, y, np.zeros((), y.dtype))]
 
+    def index_ranges(self):
+        n = self.attrs.get("extent") or self.inputs[0].shape[self.attrs["axis"]]
+        return {1: (-n, n - 1)}
+
     def offset_split_dims(self):
         return ((0, self.attrs["axis"]),) if self.attrs.get("extent") is None else ()
 
@@ -585,6 +592,10 @@ class GatherElements(Operator):
         def f(*i):
             return data[i[:axis] + (_wrap_index(indices[i], n),) + i[axis + 1:]]
         return compute("y", indices.shape, f, dtype=data.dtype)
+
+    def index_ranges(self):
+        n = self.inputs[0].shape[self.attrs["axis"]]
+        return {1: (-n, n - 1)}
 
     def numpy(self, data, indices):
         axis = self.attrs["axis"]
@@ -653,6 +664,10 @@ class ScatterElements(Operator):
             # positions beyond the extent of indices in a non-scatter dim are never written
             return res if inside is None else if_then_else(inside, res, data[i])
         return compute("y", data.shape, f, dtype=data.dtype)
+
+    def index_ranges(self):
+        n = self.inputs[0].shape[self.attrs["axis"]]
+        return {1: (-n, n - 1)}
 
     def numpy(self, data, indices, updates):
         axis, red = self.attrs["axis"], self.attrs["reduction"]
