@@ -28,10 +28,10 @@ widths; the outputs' types from onnx's shape inference), ``attrs`` (one attribut
 
 Prints the counts by class and a line for each case that differs (``WRONG``), raises an exception
 that is not a ``ShardflowError`` (``UNTYPED``) or runs past the time limit (``TIMEOUT``), its model and
-inputs saved in ``--save`` as ``<tag>.onnx`` and ``<tag>.npz``; ``-v`` also prints refusals. The
-classes other than ``ok`` are not all defects: read each case. Sessions 79-80 found six defects this
-way (rfcs/0006, "Differential fuzzing of the node cases"); `tests/test_fuzz_node_cases.py` runs a few
-iterations of every mode.
+inputs saved in ``--save`` as ``MODE-KIND-SEED-N.onnx`` and ``.npz`` (the line names them); ``-v``
+also prints refusals. The classes other than ``ok`` are not all defects: read each case. What
+sessions 79-80 found this way is listed in rfcs/0006, "Differential fuzzing of the node cases";
+``tests/test_fuzz_node_cases.py`` runs a few iterations of every mode.
 """
 from __future__ import annotations
 
