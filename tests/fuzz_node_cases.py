@@ -302,9 +302,11 @@ class Fuzzer:
             return
         if self.mode == "cuda-host":
             name = f"{len(self.host_cases)} {tag}"
-            wide = 40 if any(np.asarray(r).dtype == np.float16 for r in ref) else 1
-            self.host_cases.append(types.SimpleNamespace(name=name, model=model, rtol=case.rtol * wide,
-                                                         atol=case.atol * wide,
+            # (float16 outputs: a unit in the last place, 2**-10 relative, which a float32 sum in another
+            # order gives; the check multiplies these by conformance's TOLERANCE_FACTOR, 10)
+            half = 2e-4 if any(np.asarray(r).dtype == np.float16 for r in ref) else 0.0
+            self.host_cases.append(types.SimpleNamespace(name=name, model=model, rtol=max(case.rtol, half),
+                                                         atol=max(case.atol, half),
                                                          data_sets=[(list(feeds.values()), ref)]))
             self.host_saved[name] = (model, feeds)
             return
