@@ -49,10 +49,7 @@ def _stage_one(stash: str, x_dtype: str) -> str:
     type."""
     if stash == x_dtype:
         return stash
-    size = {"float64": 8, "float32": 4}  # (2: float16, bfloat16)
-    if max(size.get(stash, 2), size.get(x_dtype, 2)) == 2:
-        return "float32"
-    return max((stash, x_dtype), key=lambda t: size.get(t, 2))
+    return "float64" if "float64" in (stash, x_dtype) else "float32"
 
 
 def _wants_output(ctx: NodeContext, k: int) -> bool:

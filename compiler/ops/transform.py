@@ -118,6 +118,12 @@ def _np_wrap(indices: np.ndarray, extent: int, where: str) -> np.ndarray:
     return np.where(idx < 0, idx + extent, idx)
 
 
+def _indices_of_axis(extent: int) -> dict[int, tuple[int, int]]:
+    """:meth:`~shardflow.compiler.ir.graph.Operator.index_ranges` of an op whose input 1 indexes an axis
+    of ``extent`` (negative indices counting from the end)."""
+    return {1: (-extent, extent - 1)}
+
+
 def _const(value, dtype: str) -> Const:
     """A typed constant holding ``value`` converted to ``dtype``."""
     return Const(np.asarray(value).astype(dtype).item(), dtype)
@@ -568,8 +574,7 @@ class Gather(Operator):
         return [np.where(mask, y, np.zeros((), y.dtype))]
 
     def index_ranges(self):
-        n = self.attrs.get("extent") or self.inputs[0].shape[self.attrs["axis"]]
-        return {1: (-n, n - 1)}
+        return _indices_of_axis(self.attrs.get("extent") or self.inputs[0].shape[self.attrs["axis"]])
 
     def offset_split_dims(self):
         return ((0, self.attrs["axis"]),) if self.attrs.get("extent") is None else ()
@@ -594,8 +599,7 @@ class GatherElements(Operator):
         return compute("y", indices.shape, f, dtype=data.dtype)
 
     def index_ranges(self):
-        n = self.inputs[0].shape[self.attrs["axis"]]
-        return {1: (-n, n - 1)}
+        return _indices_of_axis(self.inputs[0].shape[self.attrs["axis"]])
 
     def numpy(self, data, indices):
         axis = self.attrs["axis"]
@@ -666,8 +670,7 @@ class ScatterElements(Operator):
         return compute("y", data.shape, f, dtype=data.dtype)
 
     def index_ranges(self):
-        n = self.inputs[0].shape[self.attrs["axis"]]
-        return {1: (-n, n - 1)}
+        return _indices_of_axis(self.inputs[0].shape[self.attrs["axis"]])
 
     def numpy(self, data, indices, updates):
         axis, red = self.attrs["axis"], self.attrs["reduction"]

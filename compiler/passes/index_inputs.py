@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.expr import numpy_type
 from ..ir.graph import FlowGraph
 from ..ops.elementwise import CastOp, Identity
 from ..ops.transform import Expand, Reshape, Slice, Transpose
@@ -27,9 +28,8 @@ def _keeps_values(op, x_dtype: str) -> bool:
     if isinstance(op, _KEEP_VALUES):
         return True
     if isinstance(op, CastOp):  # a widening integer cast (int32 ids read as int64)
-        to = np.dtype(op.attrs["to"]) if op.attrs["to"] != "bool" else None
-        src = np.dtype(x_dtype)
-        return to is not None and to.kind in "iu" and src.kind in "iu" and np.can_cast(src, to, "safe")
+        src, to = numpy_type(x_dtype), numpy_type(op.attrs["to"])
+        return src.kind in "iu" and to.kind in "iu" and np.can_cast(src, to, "safe")
     return False
 
 
@@ -39,7 +39,7 @@ def input_index_ranges(graph: FlowGraph) -> dict[str, list[tuple[int, int, str]]
     readers = graph.consumers()
     res: dict[str, list[tuple[int, int, str]]] = {}
     for t in graph.inputs:
-        if np.dtype(t.dtype).kind not in "iu":
+        if numpy_type(t.dtype).kind not in "iu":
             continue
         stack, seen = [t], set()
         while stack:
