@@ -61,6 +61,11 @@ key               meaning                                                       
                   have multiples of 8 channels), and the activations between such convs stay
                   channels-last (passes/channels_last.py; rfcs/0005 decisions 57-62; not yet
                   timed on a GPU); ``False`` leaves them in NCHW on the portable template
+``index_checks``  index values checked at run time where the compiled kernels would clamp    ``True``
+                  them silently (passes/index_checks.py): inputs read as indices before each
+                  run (``InputIndexError``), and indices computed in the graph not proven in
+                  their axes by an extra check output each (``IndexRangeError`` after the
+                  run); ``False``: neither (an index outside its axis reads the nearest row)
 ``fold_affine``   a conv's following BatchNormalization and element-wise Mul/Div/Add/Sub by    ``True``
                   per-channel constants folded into its weight and bias at compile time, for
                   every target (passes/fold.py); values change by rounding only
@@ -105,7 +110,7 @@ from .errors import ConfigError, DtypeError, GraphError, ShardflowError
 from .ir.expr import numpy_type
 from .ir.graph import FlowGraph, Operator, Tensor
 from .ir.spill import spill, spilling
-from .passes.index_inputs import input_index_ranges
+from .passes.index_checks import add_index_checks, index_check_outputs, input_index_ranges
 
 __all__ = ["compile", "planned_graph", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers",
            "TARGETS", "PRECISIONS", "COMM_BACKENDS"]
@@ -139,6 +144,7 @@ class OptimizationConfig:
     blocked: bool = True
     channels_last: bool = True
     fold_affine: bool = True
+    index_checks: bool = True
     search_space: int = 1
     comm_backend: str = "auto"
     gemm_tiles: dict = dataclasses.field(default_factory=dict)
@@ -211,7 +217,7 @@ class OptimizationConfig:
             raise ConfigError("optimization_config['precision'] = 'tf32' only applies to target 'cuda' (a GPU "
                               "tensor-core format); use 'float32', 'float16' or 'bfloat16'")
         for key in ("fuse", "cuda_graph", "pdl", "wgmma_fp32", "prepack", "winograd", "int8_qdq", "precompute",
-                    "blocked", "channels_last", "fold_affine"):
+                    "blocked", "channels_last", "fold_affine", "index_checks"):
             if key in cfg:
                 kw[key] = typed(key, (bool,), "true or false")
         if kw.get("pdl") and (target != "cuda" or _cuda_sm(kw["arch"]) < 90):
@@ -1075,7 +1081,7 @@ def _input_entry(local: Tensor, whole: Tensor, plan, rank: int, padded: Mapping 
     has the model's shape as ``global_shape``, its bounds in the padded one, and ``padded_heads``:
     the padded whole is the model's taken at ``index`` along ``axis`` (``shape``: the padded whole's).
     ``index_checks``: ``[lo, hi, op]`` ranges its values must lie in, the runtime checks before a run
-    (:mod:`~shardflow.compiler.passes.index_inputs`)."""
+    (:mod:`~shardflow.compiler.passes.index_checks`)."""
     spec = plan.input_specs.get(local.name)
     entry = {"name": local.name, "shape": list(local.shape), "dtype": local.dtype,
              "placement": str(spec) if spec is not None else "R"}
@@ -1135,12 +1141,13 @@ def _plan_state(graph: FlowGraph, plan, dcfg, state: Mapping[str, str]) -> tuple
 
 
 def _output_entries(rg: FlowGraph, global_out: Mapping[str, Tensor], plan, rank: int,
-                    state: Mapping[str, str]) -> list[dict]:
+                    state: Mapping[str, str], checks: Sequence[dict] = ()) -> list[dict]:
     """A rank manifest's ``outputs``: each output's local shape and where it lies in the whole one
-    (state outputs, kept by the program, left out)."""
+    (state outputs, kept by the program, and ``checks``' outputs, read by the runtime, left out)."""
     res = []
+    hidden = {c["output"] for c in checks}
     for name, lt in zip(rg.output_names, rg.outputs):
-        if name in state:
+        if name in state or name in hidden:
             continue
         gt = global_out[name]
         spec = plan.output_specs.get(name)
@@ -1165,7 +1172,7 @@ def _mesh_groups(mesh, axis_sets: set[tuple[int, ...]]) -> dict[str, list[list[i
 
 
 def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: bool = True,
-                pad_heads: int = 1) -> FlowGraph:
+                pad_heads: int = 1, index_checks: bool = False) -> FlowGraph:
     """The passes the whole graph takes before the plan (what :func:`compile` runs, and ``shardflow
     plan``, so that a plan it saves names the ops ``compile`` plans): affine ops folded into convs
     (``fold_affine``, passes/fold.py), and on a mesh of more than one device the fused QKV products
@@ -1174,7 +1181,9 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
     batch written on its heads (passes/attention.py's ``AttentionOnHeads``, passes/heads.py's
     ``UnmergeHeads``), then, with ``pad_heads`` > 1 (see
     :func:`heads_padding`), attention heads padded to a multiple of it (passes/heads.py; recorded
-    in ``graph.meta["padded_heads"]`` for the plan). Rewrites ``graph``."""
+    in ``graph.meta["padded_heads"]`` for the plan); with ``index_checks``, an output counting the
+    values outside their axes of each index computed in the graph and not proven in range
+    (passes/index_checks.py; the runtime raises when one is not zero). Rewrites ``graph``."""
     if fold_affine:
         # BatchNorms and per-channel scales and shifts after convs become the convs' weights
         from .passes.fold import FoldAffineIntoConv
@@ -1205,6 +1214,9 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
         if pad.padded or pad.replicated:
             graph.meta["padded_heads"] = {"ranks": pad_heads, "groups": pad.padded, "replicated": pad.replicated,
                                           "grouped": pad.grouped, "products": pad.products}
+    if index_checks:
+        # the indices computed in the graph that may leave their axes, counted in extra outputs
+        add_index_checks(graph)
     return graph
 
 
@@ -1226,7 +1238,7 @@ def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_val
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu")
     return plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
-                       fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg))
+                       fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg), index_checks=opt.index_checks)
 
 
 def heads_padding(dcfg) -> int:
@@ -1470,7 +1482,11 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     axis_sets: set = set()  # the mesh axes the ranks' collectives span (for mesh.json's groups)
     global_out = {name: t for name, t in zip(graph.output_names, graph.outputs)}
     global_in = {t.name: t for t in graph.inputs}
-    index_checks = input_index_ranges(graph)
+    index_checks = input_index_ranges(graph) if opt.index_checks else {}
+    computed_checks = index_check_outputs(graph)
+    if computed_checks:
+        log.info("index checks: %d computed index tensors checked at run time (%s)", len(computed_checks),
+                 ", ".join(n for c in computed_checks for n in c["nodes"]))
 
     timings["codegen"] = 0.0
     timings["write"] = 0.0
@@ -1557,7 +1573,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
             del weights  # (written: the next rank's replace them)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)
-            outputs = _output_entries(rg, global_out, plan, r, state)
+            outputs = _output_entries(rg, global_out, plan, r, state, computed_checks)
             manifest = {
                 "shardflow_version": __version__,
                 "target": opt.target,
@@ -1575,6 +1591,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
                                         index_checks.get(t_.name, ()))
                            for t_ in rg.inputs],
                 "outputs": outputs,
+                **({"index_checks": computed_checks} if computed_checks else {}),
                 **({"state": [{k: e[k] for k in ("input", "output", "in_place")} for e in program["state"]]}
                    if state else {}),
                 "kernels": sum(1 for s in program["steps"] if s["kind"] == "kernel"),

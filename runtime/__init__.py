@@ -10,10 +10,10 @@ from .errors import ShardflowError
 __version__ = "0.1.0"
 
 from .artifact import ArtifactError, ChecksumError, VersionError  # noqa: E402
-from .executor import (InputDtypeError, InputError, InputIndexError, InputNameError, InputShapeError,  # noqa: E402
-                       RankProgram, WorldSizeError, load)
+from .executor import (IndexRangeError, InputDtypeError, InputError, InputIndexError, InputNameError,  # noqa: E402
+                       InputShapeError, RankProgram, WorldSizeError, load)
 from .native import NativeLibraryError  # noqa: E402
 
 __all__ = ["ShardflowError", "__version__", "load", "RankProgram", "ArtifactError", "ChecksumError", "VersionError",
-           "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "InputIndexError", "WorldSizeError",
-           "NativeLibraryError"]
+           "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "InputIndexError", "IndexRangeError",
+           "WorldSizeError", "NativeLibraryError"]

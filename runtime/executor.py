@@ -39,7 +39,7 @@ from .comm.prepared import prepare
 from .errors import ShardflowError
 
 __all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
-           "InputIndexError", "WorldSizeError"]
+           "InputIndexError", "IndexRangeError", "WorldSizeError"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,16 @@ class InputDtypeError(InputError):
 class InputIndexError(InputError):
     """An input read as indices holds a value outside the axis it indexes (the compiled kernels would
     clamp it into the axis)."""
+
+
+class IndexRangeError(ShardflowError):
+    """An index computed in the graph (from the inputs' values: positions from an attention mask)
+    left the axis an op reads with it; the compiled kernels clamped it into the axis, so the run's
+    outputs (and any state it wrote) are wrong. ``nodes`` names the ops reading it."""
+
+    def __init__(self, message: str, nodes: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.nodes = tuple(nodes)
 
 
 class WorldSizeError(ShardflowError):
@@ -205,9 +215,11 @@ class RankProgram:
         self._parts = {e["name"]: (tuple(e["global_shape"]), tuple(slice(a, b) for a, b in e["bounds"]))
                        for e in self.manifest.get("inputs", ())
                        if "global_shape" in e and "bounds" in e and list(e["global_shape"]) != list(e["shape"])}
-        # inputs read as indices: the ranges their values must lie in, and the op (compile's index_inputs)
+        # inputs read as indices: the ranges their values must lie in, and the op (compile's passes/index_checks.py)
         self._index_checks = {e["name"]: [(int(lo), int(hi), str(op)) for lo, hi, op in e["index_checks"]]
                               for e in self.manifest.get("inputs", ()) if e.get("index_checks")}
+        # indices computed in the graph: outputs counting their values outside the readers' range (the same)
+        self._computed_checks = {str(c["output"]): c for c in self.manifest.get("index_checks", ())}
         # of those, a state kept on padded (or replicated) heads: the padded whole is the model's whole
         # taken at these indices along this axis (compile's passes/heads.py keep_state_padded)
         self._padded = {e["name"]: (int(e["padded_heads"]["axis"]), np.asarray(e["padded_heads"]["index"], np.int64))
@@ -402,7 +414,7 @@ class RankProgram:
     @property
     def output_names(self) -> list[str]:
         """The names of the outputs :meth:`run` returns, in order (state outputs excluded)."""
-        return [n for n, _ in self.output_specs]
+        return [n for n, _ in self.output_specs if n not in self._computed_checks]
 
     @property
     def state_names(self) -> dict[str, str]:
@@ -462,7 +474,7 @@ class RankProgram:
         """
         arrays = self._check_inputs(inputs)
         if self._engine is not None:
-            return self._engine.run(arrays, copy_outputs=copy_outputs)
+            return self._checked(self._engine.run(arrays, copy_outputs=copy_outputs))
         self._copy_inputs(arrays)
         # the outputs the kernels can write into fresh memory (no copy after the run)
         fresh = {}
@@ -478,12 +490,28 @@ class RankProgram:
                     arr[j] = ptr
         self._copy_state()
         if copy_outputs:
-            return {name: fresh[name].view(buf.dtype).reshape(buf.shape) if name in fresh else buf.array.copy()
-                    for name, buf in self.output_specs}
+            return self._checked({name: fresh[name].view(buf.dtype).reshape(buf.shape) if name in fresh
+                                  else buf.array.copy() for name, buf in self.output_specs})
         views = {name: buf.array.view() for name, buf in self.output_specs}
         for v in views.values():
             v.flags.writeable = False
-        return views
+        return self._checked(views)
+
+    def _checked(self, outputs: dict) -> dict:
+        """``outputs`` without the index checks' counts (:attr:`_computed_checks`), after raising
+        :class:`IndexRangeError` if one is not zero."""
+        for name, c in self._computed_checks.items():
+            bad = int(outputs.pop(name))  # (a cupy scalar's too: copied back)
+            if bad:
+                nodes = tuple(c["nodes"])
+                where = "" if c.get("column") is None else f" (column {c['column']} of its last dim)"
+                raise IndexRangeError(
+                    f"rank {self.rank}: {bad} value(s) of the index tensor that node {nodes[0]!r}"
+                    + (f" (and {list(nodes[1:])})" if len(nodes) > 1 else "") + f" reads{where} lay outside "
+                    f"[{c['lo']}, {c['hi']}], computed in the graph from this run's inputs (positions past a "
+                    "position table?); the compiled kernels clamped them into the axis, so this run's outputs are "
+                    "wrong and not returned (a state it wrote is too: reset_state)", nodes)
+        return outputs
 
     def _run_steps(self) -> None:
         """The steps of one run (cpu), on the native runner when there is one."""

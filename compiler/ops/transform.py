@@ -19,16 +19,16 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import (Cast, Const, Expr, as_expr, dtype_kind, eq, if_then_else, infer_dtype, logical_and, maximum,
-                       minimum, numpy_type)
+from ..ir.expr import (Cast, Const, Expr, as_expr, dtype_kind, eq, if_then_else, infer_dtype, logical_and,
+                       logical_or, maximum, minimum, numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
 from .elementwise import broadcast_read, broadcast_shape
 
 __all__ = [
     "reshape_indices", "normalize_slice", "fit_affine", "Reshape", "Transpose", "Slice", "Concat", "Pad", "Tile",
-    "Expand", "AffineGather", "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "ShapeOf",
-    "SizeOf", "Full", "Range", "Eye", "Trilu", "OneHot", "DepthToSpace", "SpaceToDepth", "ReverseSequence",
+    "Expand", "AffineGather", "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "IndexCheck",
+    "ShapeOf", "SizeOf", "Full", "Range", "Eye", "Trilu", "OneHot", "DepthToSpace", "SpaceToDepth", "ReverseSequence",
     "PAD_MODES", "SCATTER_REDUCTIONS",
 ]
 
@@ -122,6 +122,15 @@ def _indices_of_axis(extent: int) -> dict[int, tuple[int, int]]:
     """:meth:`~shardflow.compiler.ir.graph.Operator.index_ranges` of an op whose input 1 indexes an axis
     of ``extent`` (negative indices counting from the end)."""
     return {1: (-extent, extent - 1)}
+
+
+def _indices_of_axes(extents: Sequence[int]) -> dict[int, tuple]:
+    """:meth:`~shardflow.compiler.ir.graph.Operator.index_ranges` of an op whose input 1's last dim
+    addresses the axes of ``extents`` (GatherND, ScatterND): one range when they are equal, else a
+    tuple of bounds per column."""
+    if len(set(extents)) <= 1:
+        return _indices_of_axis(extents[0]) if extents else {}
+    return {1: (tuple(-n for n in extents), tuple(n - 1 for n in extents))}
 
 
 def _const(value, dtype: str) -> Const:
@@ -625,6 +634,10 @@ class GatherND(Operator):
             return data[i[:b] + pos + i[q - 1:]]
         return compute("y", shape, f, dtype=data.dtype)
 
+    def index_ranges(self):
+        b, k = self.attrs["batch_dims"], self.inputs[1].shape[-1]
+        return _indices_of_axes(self.inputs[0].shape[b:b + k])
+
     def numpy(self, data, indices):
         b = self.attrs["batch_dims"]
         k = indices.shape[-1]
@@ -722,6 +735,9 @@ class ScatterND(Operator):
             return _combine(red, data[i], reduce(upd, lambda *j: if_then_else(hit(j), upd_at(j), ident), _red_op(red)))
         return compute("y", data.shape, f, dtype=data.dtype)
 
+    def index_ranges(self):
+        return _indices_of_axes(self.inputs[0].shape[:self.inputs[1].shape[-1]])
+
     def numpy(self, data, indices, updates):
         red = self.attrs["reduction"]
         k = indices.shape[-1]
@@ -734,6 +750,32 @@ class ScatterND(Operator):
         else:
             _NP_AT[red](out, pos, upd)
         return [out]
+
+
+class IndexCheck(Operator):
+    """How many values of the integer tensor ``x`` lie outside ``[lo, hi]``: an int64 scalar, the
+    run-time check of an index computed in the graph, which the ops ``nodes`` (a tuple of names)
+    read as indices (their compiled kernels clamp an index into its axis; the runtime raises when
+    this output is not zero: passes/index_checks.py). With ``column`` set, only ``x[..., column]``
+    is checked (a GatherND's indices address a different axis with each column)."""
+
+    def compute(self, x):
+        lo, hi, col = int(self.attrs["lo"]), int(self.attrs["hi"]), self.attrs.get("column")
+        shape = x.shape if col is None else x.shape[:-1]
+        zero, one = Const(0, "int64"), Const(1, "int64")
+        if 0 in x.shape:
+            return compute("y", (), lambda: zero, dtype="int64")
+
+        def outside(*k):
+            v = _int64(x[k if col is None else k + (int(col),)])
+            return if_then_else(logical_or(v < lo, v > hi), one, zero)
+        return compute("y", (), lambda: reduce(shape, outside, "sum") if shape else outside(), dtype="int64")
+
+    def numpy(self, x):
+        v = np.asarray(x).astype(np.int64)
+        if self.attrs.get("column") is not None:
+            v = v[..., int(self.attrs["column"])]
+        return [np.asarray(np.count_nonzero((v < int(self.attrs["lo"])) | (v > int(self.attrs["hi"]))), np.int64)]
 
 
 # shape queries and generators ---------------------------------------------------------------------
@@ -895,6 +937,10 @@ def examples(rng: np.random.Generator):
         (GatherND, [x, np.array([[0, 2], [1, -1]], np.int64)], {"batch_dims": 0}),
         (GatherND, [x, np.array([[[1], [0]], [[2], [2]]], np.int64)], {"batch_dims": 1}),
         (GatherND, [x, np.array([[0, 1, 2], [1, 2, 3]], np.int64)], {"batch_dims": 0}),
+        (IndexCheck, [rng.integers(-6, 6, (4, 5))], {"lo": -4, "hi": 3, "nodes": ("g",)}),
+        (IndexCheck, [rng.integers(-6, 6, (3, 2, 3)).astype(np.int32)], {"lo": -2, "hi": 1, "column": 1,
+                                                                       "nodes": ("g",)}),
+        (IndexCheck, [np.array(5, np.int64)], {"lo": 0, "hi": 4, "nodes": ("g",)}),
         (ShapeOf, [x], {"start": 1, "end": 3}),
         (ShapeOf, [x], {"start": 2, "end": 1}),
         (SizeOf, [x], {}),
