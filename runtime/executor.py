@@ -601,6 +601,10 @@ class RankProgram:
         res = {}
         for name, buf in self.input_specs:
             if name not in inputs and name in self._state_inputs:
+                if name in self._index_checks and name not in self._parts:
+                    # a state carried over from the last run, whole on every rank (a split one is not
+                    # checked: each rank holds other values, and a rank alone must not refuse the run)
+                    self._check_indices(name, self._state_value(name), carried=True)
                 continue
             if name not in inputs:
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
@@ -608,6 +612,7 @@ class RankProgram:
             if not hasattr(a, "shape") or not hasattr(a, "dtype"):
                 a = np.asarray(a)
             whole, part = self._parts.get(name, (buf.shape, None))
+            given = a  # (index checks on the whole, as every rank has it: all refuse the run or none)
             if part is not None and tuple(a.shape) == whole:
                 if name in self._padded:  # (the model's whole taken to the padded heads the program keeps)
                     axis, index = self._padded[name]
@@ -623,17 +628,26 @@ class RankProgram:
             if a.dtype != buf.dtype:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)
-            if name in self._index_checks and a.size:
-                self._check_indices(name, a)
+            if name in self._index_checks and given.size:
+                self._check_indices(name, given)
             res[name] = a
         return res
 
-    def _check_indices(self, name: str, a) -> None:
+    def _state_value(self, name: str):
+        """The current value of the state input ``name`` (a view of its buffer, on the device for cuda)."""
+        if self._engine is not None:
+            return next(view for n, view, _ in self._engine.inputs if n == name)
+        return next(buf.array for n, buf in self.input_specs if n == name)
+
+    def _check_indices(self, name: str, a, carried: bool = False) -> None:
+        if not a.size:
+            return
         low, high = int(a.min()), int(a.max())  # (a cupy array's too: two scalars copied back)
         for lo, hi, op in self._index_checks[name]:
             if low < lo or high > hi:
                 bad = low if low < lo else high
-                raise InputIndexError(f"input {name!r} holds the index {bad}, outside [{lo}, {hi}], the range node "
+                what = f"state input {name!r} (carried over from the last run)" if carried else f"input {name!r}"
+                raise InputIndexError(f"{what} holds the index {bad}, outside [{lo}, {hi}], the range node "
                                       f"{op!r} reads it as an index in (token ids past an embedding's rows?); the "
                                       "compiled kernels would clamp it into the axis, so the run is refused", name)
 

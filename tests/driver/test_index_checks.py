@@ -214,3 +214,29 @@ def test_a_split_computed_index_is_refused_on_every_rank(tmp_path):
     assert all(e is not None and "wpe/Gather" in e for e in errors), errors
     again = run_threads(world, lambda c: programs[c.rank].run(good))
     np.testing.assert_allclose(again[0]["y"], want, rtol=1e-6)
+
+
+def test_a_position_kept_as_state_is_checked_when_carried_over(tmp_path):
+    """A decoding position kept as state (``pos_next = pos + 1``) reads a table of 8 rows: given, or
+    carried over from the last run, a position past the table refuses the run before it starts (the
+    input check; the state keeps its value) and the program goes on from a position given again."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Gather", ["table", "pos"], ["y"], name="pe"),
+         helper.make_node("Add", ["pos", "one"], ["pos_next"])], "g",
+        [helper.make_tensor_value_info("pos", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2]),
+         helper.make_tensor_value_info("pos_next", TensorProto.INT64, [1])],
+        [numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(8, 2), "table"), _const("one", 1)]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out", state={"pos_next": "pos"})
+    prog = load(res.out_dir)
+    np.testing.assert_array_equal(prog.run({"pos": np.array([6])})["y"], [[12, 13]])
+    np.testing.assert_array_equal(prog.run({})["y"], [[14, 15]])
+    with pytest.raises(InputIndexError, match=r"state input 'pos' \(carried over from the last run\) holds the "
+                                              r"index 8, outside \[-8, 7\].*'pe'"):
+        prog.run({})
+    assert prog.read_state()["pos"].tolist() == [8]
+    with pytest.raises(InputIndexError, match=r"input 'pos' holds the index 9"):
+        prog.run({"pos": np.array([9])})
+    np.testing.assert_array_equal(prog.run({"pos": np.array([-1])})["y"], [[14, 15]])
