@@ -26,7 +26,7 @@ import numpy as np
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
 from ..ops.linalg import Attention, ExpertMatMul, GatherBlockQuantized, MatMulNBits, pack_bits, unpack_bits
-from ..ops.transform import Transpose
+from ..ops.transform import Transpose, ValuesInRange
 from .qdq import four_bit_codes
 from .registry import FLOATS, NodeContext, onnx_op
 
@@ -489,6 +489,20 @@ def contrib_attention(ctx):
     return [ctx.emit("Attention", ins, _OPSET, q_num_heads=heads, kv_num_heads=heads, scale=scale)]
 
 
+def _gqa_ends(ctx, b: int, total: int | None = None) -> Tensor | None:
+    """Each sequence's end, ``seqlens_k + 1``, as ``[b, 1, 1, 1]`` (``None`` without ``seqlens_k``). With
+    ``total`` (the total sequence length T), ``seqlens_k`` outside ``[0, T)`` is an error, as onnxruntime
+    refuses it, where the masks built from it would give plausible values (:class:`ValuesInRange`: the
+    evaluator raises, a compiled program checks it at run time)."""
+    if not ctx.has_input(5):
+        return None
+    lens = ctx.cast(ctx.input(5), "int64")
+    if total is not None:
+        lens = ctx.add(ValuesInRange([lens], name=f"{ctx.name}/seqlens_k_in_range", lo=0, hi=total - 1,
+                                     node=ctx.name, what="seqlens_k"))
+    return ctx.emit("Reshape", [ctx.emit("Add", [lens, _i64(ctx, 1)], _OPSET), _i64(ctx, [b, 1, 1, 1])], _OPSET)
+
+
 @onnx_op("GroupQueryAttention", since=1, domain=_MS)
 def group_query_attention(ctx):
     """Grouped-query attention as onnxruntime-genai's LLMs write it: Q, K, V (or one packed QKV), the
@@ -547,15 +561,13 @@ def group_query_attention(ctx):
     window = int(ctx.attr("local_window_size", -1))
     scale = float(ctx.attr("scale", 0.0)) or 1.0 / math.sqrt(head)
     softcap = float(ctx.attr("softcap", 0.0))
-    # each sequence's end seqlens_k + 1 and, after a past, its past length p = end - S, as [b, 1, 1, 1]
-    ends = ctx.emit("Reshape", [ctx.emit("Add", [ctx.cast(ctx.input(5), "int64"), _i64(ctx, 1)], _OPSET),
-                                _i64(ctx, [b, 1, 1, 1])], _OPSET) if ctx.has_input(5) else None
     if int(ctx.attr("sliding_window_cache", 0)) == 1:
-        return _windowed_group_query_attention(ctx, q, k, v, past_k, past_v, ends, heads, kv_heads, head, window,
-                                               scale, softcap, sink)
+        return _windowed_group_query_attention(ctx, q, k, v, past_k, past_v, _gqa_ends(ctx, b), heads, kv_heads,
+                                               head, window, scale, softcap, sink)
     total = int(np.asarray(ctx.const(6)).reshape(-1)[0]) if ctx.has_input(6) and (n_past or ctx.is_const(6)) else s
     if not n_past and total != s:
         raise ctx.invalid(f"total_sequence_length {total} differs from the prompt's {s} with no past")
+    ends = _gqa_ends(ctx, b, total)
     length = max(n_past, total) if n_past else s  # of the present key and value
     p4 = ctx.emit("Sub", [ends, _i64(ctx, s)], _OPSET) if n_past else None
     q, k = _gqa_rotary(ctx, q, k, p4 if n_past else None, heads, kv_heads)

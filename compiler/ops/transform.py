@@ -23,12 +23,13 @@ from ..ir.expr import (Cast, Const, Expr, as_expr, dtype_kind, eq, if_then_else,
                        logical_or, maximum, minimum, numpy_type)
 from ..ir.graph import Operator
 from ..ir.task import compute, reduce
-from .elementwise import broadcast_read, broadcast_shape
+from .elementwise import Identity, broadcast_read, broadcast_shape
 
 __all__ = [
     "reshape_indices", "normalize_slice", "fit_affine", "Reshape", "Transpose", "Slice", "Concat", "Pad", "Tile",
     "Expand", "AffineGather", "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "IndexCheck",
-    "ShapeOf", "SizeOf", "Full", "Range", "Eye", "Trilu", "OneHot", "DepthToSpace", "SpaceToDepth", "ReverseSequence",
+    "ValuesInRange", "ShapeOf", "SizeOf", "Full", "Range", "Eye", "Trilu", "OneHot", "DepthToSpace", "SpaceToDepth",
+    "ReverseSequence",
     "PAD_MODES", "SCATTER_REDUCTIONS",
 ]
 
@@ -778,6 +779,28 @@ class IndexCheck(Operator):
         return [np.asarray(np.count_nonzero((v < int(self.attrs["lo"])) | (v > int(self.attrs["hi"]))), np.int64)]
 
 
+class ValuesInRange(Identity):
+    """``y = x`` for an integer ``x`` whose values the op ``node`` takes in ``[lo, hi]`` only (its input
+    ``what``: onnxruntime's GroupQueryAttention refuses a ``seqlens_k`` past the total sequence length),
+    written where a decomposition would otherwise give a plausible value for it: the evaluator raises a
+    ``ShapeError`` naming ``node``, and compiled programs check it as an index
+    (:meth:`index_ranges`; passes/index_checks.py). Never bypassed as a no-op."""
+
+    def index_ranges(self):
+        return {0: (int(self.attrs["lo"]), int(self.attrs["hi"]))}
+
+    def passthrough_input(self):
+        return None
+
+    def numpy(self, x):
+        lo, hi = int(self.attrs["lo"]), int(self.attrs["hi"])
+        v = np.asarray(x)
+        if v.size and (v.min() < lo or v.max() > hi):
+            bad = v[(v < lo) | (v > hi)].ravel()[0]
+            raise ShapeError(f"{self.attrs['node']}: {self.attrs['what']} holds {bad}, outside [{lo}, {hi}]")
+        return [x]
+
+
 # shape queries and generators ---------------------------------------------------------------------
 class ShapeOf(Operator):
     """The int64 vector ``x.shape[start:end]``; ``x`` is read for graph structure only."""
@@ -941,6 +964,7 @@ def examples(rng: np.random.Generator):
         (IndexCheck, [rng.integers(-6, 6, (3, 2, 3)).astype(np.int32)], {"lo": -2, "hi": 1, "column": 1,
                                                                        "nodes": ("g",)}),
         (IndexCheck, [np.array(5, np.int64)], {"lo": 0, "hi": 4, "nodes": ("g",)}),
+        (ValuesInRange, [np.array([3, 0, 7], np.int32)], {"lo": 0, "hi": 7, "node": "gqa", "what": "seqlens_k"}),
         (ShapeOf, [x], {"start": 1, "end": 3}),
         (ShapeOf, [x], {"start": 2, "end": 1}),
         (SizeOf, [x], {}),

@@ -14,7 +14,8 @@ graph:
   checks the input against them before every run (a minimum and a maximum, on the host or device).
 * **Computed indices.** :func:`value_ranges` bounds every integer tensor by interval arithmetic
   (constants exactly; inputs by the checks above; ArgMax/TopK indices by their axis; sums, products,
-  clips, selects, concatenations...; anything else by its type's range). Where an op's index input is
+  clips, selects, concatenations...; a :class:`ValuesInRange` by its range, which its own check
+  enforces; anything else by its type's range). Where an op's index input is
   not proven inside its range, :func:`add_index_checks` adds an :class:`IndexCheck` op (how many of
   its values lie outside: an int64 scalar) as an extra graph output named ``__index_check_<k>``; the
   plan treats it as any other output (a split index tensor: partial counts summed), ``compile`` lists
@@ -34,7 +35,7 @@ from ..ir.graph import FlowGraph, Tensor
 from ..ops.elementwise import Binary, CastOp, Clip, Identity, Where
 from ..ops.reduce import ArgReduce, CumSum, Reduce, TopK
 from ..ops.transform import (Concat, Expand, Gather, GatherElements, GatherND, IndexCheck, Range, Reshape, Slice,
-                             Tile, Transpose)
+                             Tile, Transpose, ValuesInRange)
 
 __all__ = ["input_index_ranges", "value_ranges", "add_index_checks", "index_check_outputs", "CHECK_PREFIX"]
 
@@ -134,6 +135,9 @@ def _union(rs) -> Range_ | None:
 def _op_range(op, k: int, ins: list[Range_ | None]) -> Range_ | None:
     """The range of ``op``'s output ``k`` from its inputs' (``None``: unknown)."""
     x = ins[0] if ins else None
+    if isinstance(op, ValuesInRange):  # (a run whose check fails returns nothing)
+        lo, hi = op.index_ranges()[0]
+        return (lo, hi) if x is None else (max(x[0], lo), min(x[1], hi))
     if isinstance(op, TopK):
         return (0, op.inputs[0].shape[op.attrs["axis"]] - 1) if k == 1 else x
     if isinstance(op, ArgReduce):
