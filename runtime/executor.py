@@ -500,8 +500,14 @@ class RankProgram:
     def _checked(self, outputs: dict) -> dict:
         """``outputs`` without the index checks' counts (:attr:`_computed_checks`), after raising
         :class:`IndexRangeError` if one is not zero."""
-        for name, c in self._computed_checks.items():
-            bad = int(outputs.pop(name))  # (a cupy scalar's too: copied back)
+        if not self._computed_checks:
+            return outputs
+        counts = [outputs.pop(name) for name in self._computed_checks]
+        if type(counts[0]).__module__.startswith("cupy"):  # (device outputs: one copy back for all of them)
+            import cupy
+
+            counts = cupy.stack(counts).get()
+        for c, bad in zip(self._computed_checks.values(), (int(n) for n in counts)):
             if bad:
                 nodes = tuple(c["nodes"])
                 where = "" if c.get("column") is None else f" (column {c['column']} of its last dim)"

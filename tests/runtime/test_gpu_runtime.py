@@ -305,3 +305,36 @@ def test_low_bit_weights_on_the_gpu(tmp_path, step, precision, rel):
                   input_shapes={k: v.shape for k, v in feeds.items()})
     prog = load(res.out_dir)
     _close(prog.run(feeds), want, rel)
+
+
+def test_index_checks_on_the_gpu(tmp_path):
+    """The index checks on a cuda program (tests/driver/test_index_checks.py's positions model): a token
+    id past the table refused before the run, positions computed past the table refused after it (the
+    check's count read back, eagerly and from the CUDA graph, numpy and cupy inputs), in-range runs
+    equal to onnxruntime's."""
+    cp = _cupy()
+    if cp is None:
+        pytest.skip("needs cupy and a CUDA device")
+    sys.path.insert(0, str(Path(__file__).parent.parent / "driver"))
+    from test_index_checks import _feeds, _positions_model
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import IndexRangeError, InputIndexError, load
+
+    ort = pytest.importorskip("onnxruntime")
+    model = _positions_model()
+    res = compile(model, distributed_config={"mesh_shape": [1]},
+                  optimization_config={"target": "cuda", "arch": "sm_90"}, out_dir=tmp_path / "o")
+    prog = load(res.out_dir)
+    good = _feeds()
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, good)[0]
+    bad = dict(good, mask=np.ones((2, 6), np.int64) * 2)
+    for k in range(3):  # eager, then captured, then replayed
+        for feeds in (good, {n: cp.asarray(v) for n, v in good.items()}):
+            got = prog.run(feeds)
+            assert list(got) == ["y"]
+            _close(got, {"y": want})
+        with pytest.raises(IndexRangeError, match="wpe/Gather"):
+            prog.run(bad if k % 2 else {n: cp.asarray(v) for n, v in bad.items()})
+    with pytest.raises(InputIndexError, match="'ids'"):
+        prog.run(dict(good, ids=np.full((2, 6), 10, np.int64)))
