@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import UnsupportedOperatorError
 from ..ir.graph import Tensor
-from ..ops.transform import Reshape, Transpose
+from ..ops.transform import Reshape, Transpose, ValuesInRange
 from .registry import FLOATS, NodeContext, onnx_op
 
 log = logging.getLogger(__name__)
@@ -418,7 +418,11 @@ def roi_align(ctx):
     y_axis, x_axis = (r, oh, 1, sh_n, 1, 2, 1), (r, 1, ow, 1, sw_n, 1, 2)
     taps = [_Taps(_reshape(ctx, ty, y_axis), w, _reshape(ctx, wy, y_axis)),
             _Taps(_reshape(ctx, tx, x_axis), 1, _reshape(ctx, wx, x_axis))]
-    base = _e(ctx, "Mul", ctx.cast(batch, "int64"), _c(ctx, h * w, "int64"))
+    # batch_indices outside [0, N) are an error (the spec's range; onnxruntime refuses them), not rows
+    # counted from the end as the gather below would take them
+    batch = ctx.add(ValuesInRange([ctx.cast(batch, "int64")], name=f"{ctx.name}/batch_indices_in_range", lo=0,
+                                  hi=n - 1, node=ctx.name, what="batch_indices"))
+    base = _e(ctx, "Mul", batch, _c(ctx, h * w, "int64"))
     values = _gather_taps(ctx, _image_table(ctx, x), _reshape(ctx, base, (r,) + (1,) * 6), taps, shape)
 
     if mode == "avg":

@@ -226,6 +226,28 @@ def test_roi_align_compiled_for_cpu(tmp_path):
     np.testing.assert_allclose(load(res.out_dir).run(feeds)["y"], run_ort(model, feeds), rtol=1e-5, atol=1e-5)
 
 
+def test_roi_align_batch_indices_outside_the_batch_are_refused(tmp_path):
+    """A batch index outside ``[0, N)`` (the spec's range) is an error as in onnxruntime: the evaluator
+    raises a ShapeError naming the node, a compiled program an InputIndexError before the run (the
+    gather of the image rows would take -1 as the last image, and clamp 2 to it)."""
+    from shardflow.runtime import InputIndexError
+
+    inputs = roi_inputs(4)
+    model = roi_model(16, inputs, const_rois=True, sampling_ratio=2)
+    feeds = {k: v for k, v in inputs.items() if k != "rois"}
+    prog = load(compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                        out_dir=tmp_path / "roi").out_dir)
+    np.testing.assert_allclose(prog.run(feeds)["y"], run_ort(model, feeds), rtol=1e-5, atol=1e-5)
+    for bad in (-1, 2):
+        f = dict(feeds, batch=np.where(np.arange(7) == 3, bad, feeds["batch"]))
+        with pytest.raises(Exception, match=rf"batch_indices value {bad} at index 3 is out of range \[0, 2\)"):
+            run_ort(model, f)
+        with pytest.raises(ShapeError, match=rf"node0: batch_indices holds {bad}, outside \[0, 1\]"):
+            load_onnx(model).run(f)
+        with pytest.raises(InputIndexError, match=rf"input 'batch' holds the index {bad}, outside \[0, 1\]"):
+            prog.run(f)
+
+
 def test_roi_align_refuses_adaptive_sampling_of_huge_rois():
     inputs = roi_inputs()
     inputs["rois"] = ROIS * np.float32(1000)
