@@ -20,7 +20,11 @@ MODE (what runs the changed case, and against what):
 In ``eval``, a difference from onnxruntime that onnx's reference evaluator shares is counted apart
 (``onnxruntime-alone``). Outside ``eval`` the reference is the evaluator, and a case counts only where
 the evaluator agrees with onnxruntime (``eval`` fuzzes that), so that an ambiguous case (NaN ties,
-undefined casts) is not read as a defect.
+undefined casts) is not read as a defect. Where onnxruntime makes a session of the changed model but its
+run refuses the values or shapes (a range it checks) and the evaluator computes them, the case is
+counted as ``ort-rejects-run-reference-agrees`` when onnx's reference computes the same (onnxruntime
+stricter than the spec), else as ``ort-rejects-run-we-run``, printed with onnxruntime's message under
+``-v`` (``ORT-REJECTS-RUN``): a check the importer may lack.
 
 KIND: ``shapes`` (one input's dim changed, with the inputs of that dim alike, or its values
 redrawn), ``types`` (the inputs of one element type retyped: float32 to float64 or float16, the integer
@@ -260,6 +264,9 @@ class Fuzzer:
             self.stats["ort-crashed"] += 1
             if self.verbose:
                 print(f"ORT-CRASHED {tag}", flush=True)
+        rejected = want if status == "rejected" else None
+        if rejected is not None:
+            want = None
         if want is not None and sum(np.asarray(w).size for w in want) > 4_000_000:
             self.stats["too-large"] += 1
             return
@@ -280,6 +287,14 @@ class Fuzzer:
             return
         ref, rest, bound = res
         if want is None:
+            if rejected is not None:  # (its run refused what the evaluator computed: a check we may lack)
+                if _reference_agrees(model, feeds, ref):  # (onnxruntime stricter than the spec's executable form)
+                    self.stats["ort-rejects-run-reference-agrees"] += 1
+                else:
+                    self.stats["ort-rejects-run-we-run"] += 1
+                    if self.verbose:
+                        print(f"ORT-REJECTS-RUN {tag}: {rejected}", flush=True)
+                return
             self.stats["ort-refuses-we-run"] += 1
             if self.verbose:
                 print(f"ORT-REFUSES {tag}", flush=True)
@@ -386,10 +401,12 @@ class Fuzzer:
         print(", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())), flush=True)
 
 
-def _run_onnxruntime(model, feeds) -> tuple[str, list | None]:
-    """``("ran", outputs)``, ``("refused", None)`` or ``("crashed", None)``: onnxruntime runs the
-    model in a child process (it aborts on some changed models, "terminate called without an active
-    exception", which would end the fuzzer)."""
+def _run_onnxruntime(model, feeds) -> tuple[str, list | str | None]:
+    """``("ran", outputs)``, ``("refused", None)`` (the session refused the model: no kernel for a type,
+    an inference error), ``("rejected", message)`` (the session was made, but its run refused these
+    values or shapes: a check onnxruntime makes that we may lack) or ``("crashed", None)``: onnxruntime
+    runs the model in a child process (it aborts on some changed models, "terminate called without an
+    active exception", which would end the fuzzer)."""
     import onnxruntime as ort
 
     read, write = os.pipe()
@@ -398,10 +415,14 @@ def _run_onnxruntime(model, feeds) -> tuple[str, list | None]:
         os.close(read)
         signal.alarm(0)
         try:
-            result = ("ran", ort.InferenceSession(model.SerializeToString(),
-                                                  providers=["CPUExecutionProvider"]).run(None, feeds))
+            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001 - onnxruntime refuses the changed model
             result = ("refused", None)
+        else:
+            try:
+                result = ("ran", session.run(None, feeds))
+            except Exception as exc:  # noqa: BLE001 - onnxruntime refuses these values or shapes
+                result = ("rejected", str(exc).splitlines()[0][-300:] if str(exc) else type(exc).__name__)
         with os.fdopen(write, "wb") as f:
             pickle.dump(result, f)
         os._exit(0)

@@ -192,6 +192,10 @@ def conv(ctx):
 def conv_transpose(ctx):
     x, w, bias, n, kernel, strides, dil = _conv_operands(ctx)
     out_pad = _ints(ctx, "output_padding", n, 0)
+    bad = [d for d in range(n) if not 0 <= out_pad[d] < max(strides[d], dil[d])]
+    if bad:  # (the spec's bound, which onnxruntime and PyTorch enforce: a larger one is a bad export)
+        raise ctx.invalid(f"output_padding {list(out_pad)} must be at least 0 and less than the stride or the "
+                          f"dilation of its axis (strides {list(strides)}, dilations {list(dil)})")
     ins_sp = x.shape[2:]
     natural = [strides[d] * (ins_sp[d] - 1) + out_pad[d] + (kernel[d] - 1) * dil[d] + 1 for d in range(n)]
     ap = _auto_pad(ctx)

@@ -119,6 +119,22 @@ def test_conv_transpose(x_shape, w_shape, attrs):
         "group", 1))}, attrs, initializers=("w",))
 
 
+@pytest.mark.parametrize("attrs", [{"strides": [3, 1], "output_padding": [1, 1]},
+                                   {"strides": [2, 2], "output_padding": [0, 2]},
+                                   {"strides": [2, 2], "dilations": [1, 3], "output_padding": [1, 3]}])
+def test_conv_transpose_output_padding_past_its_stride_is_refused(attrs):
+    """``output_padding`` must be less than its axis's stride or dilation (the spec's bound; onnxruntime
+    refuses the run): a ModelFormatError naming the node, where the import computed a larger output."""
+    from shardflow.compiler import ModelFormatError
+
+    rng = np.random.default_rng(1)
+    model = _model("ConvTranspose", {"x": _f(rng, 1, 2, 3, 4), "w": _f(rng, 2, 2, 3, 3)}, attrs,
+                   initializers={"w": _f(rng, 2, 2, 3, 3)})
+    with pytest.raises(ModelFormatError, match=r"output_padding .* must be at least 0 and less than the stride or "
+                                               r"the dilation of its axis"):
+        load_onnx(model)
+
+
 POOL_CASES = [
     ((1, 2, 7, 7), {"kernel_shape": [3, 3]}),
     ((1, 2, 7, 8), {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 1, 1]}),
