@@ -499,7 +499,7 @@ def _gqa_ends(ctx, b: int, total: int | None = None) -> Tensor | None:
     lens = ctx.cast(ctx.input(5), "int64")
     if total is not None:
         lens = ctx.add(ValuesInRange([lens], name=f"{ctx.name}/seqlens_k_in_range", lo=0, hi=total - 1,
-                                     node=ctx.name, what="seqlens_k"))
+                                     what="seqlens_k"))
     return ctx.emit("Reshape", [ctx.emit("Add", [lens, _i64(ctx, 1)], _OPSET), _i64(ctx, [b, 1, 1, 1])], _OPSET)
 
 

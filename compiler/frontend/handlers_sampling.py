@@ -421,7 +421,7 @@ def roi_align(ctx):
     # batch_indices outside [0, N) are an error (the spec's range; onnxruntime refuses them), not rows
     # counted from the end as the gather below would take them
     batch = ctx.add(ValuesInRange([ctx.cast(batch, "int64")], name=f"{ctx.name}/batch_indices_in_range", lo=0,
-                                  hi=n - 1, node=ctx.name, what="batch_indices"))
+                                  hi=n - 1, what="batch_indices"))
     base = _e(ctx, "Mul", batch, _c(ctx, h * w, "int64"))
     values = _gather_taps(ctx, _image_table(ctx, x), _reshape(ctx, base, (r,) + (1,) * 6), taps, shape)
 

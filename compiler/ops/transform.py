@@ -780,11 +780,12 @@ class IndexCheck(Operator):
 
 
 class ValuesInRange(Identity):
-    """``y = x`` for an integer ``x`` whose values the op ``node`` takes in ``[lo, hi]`` only (its input
+    """``y = x`` for an integer ``x`` whose values an imported op takes in ``[lo, hi]`` only (its input
     ``what``: onnxruntime's GroupQueryAttention refuses a ``seqlens_k`` past the total sequence length),
     written where a decomposition would otherwise give a plausible value for it: the evaluator raises a
-    ``ShapeError`` naming ``node``, and compiled programs check it as an index
-    (:meth:`index_ranges`; passes/index_checks.py). Never bypassed as a no-op."""
+    ``ShapeError`` naming this op (named after the imported one), and compiled programs check it as an
+    index (:meth:`index_ranges`; passes/index_checks.py). Never bypassed as a no-op; two of one tensor
+    and range are one (the layers of a model reading one ``seqlens_k``)."""
 
     def index_ranges(self):
         return {0: (int(self.attrs["lo"]), int(self.attrs["hi"]))}
@@ -797,7 +798,7 @@ class ValuesInRange(Identity):
         v = np.asarray(x)
         if v.size and (v.min() < lo or v.max() > hi):
             bad = v[(v < lo) | (v > hi)].ravel()[0]
-            raise ShapeError(f"{self.attrs['node']}: {self.attrs['what']} holds {bad}, outside [{lo}, {hi}]")
+            raise ShapeError(f"{self.name}: {self.attrs['what']} holds {bad}, outside [{lo}, {hi}]")
         return [x]
 
 
@@ -964,7 +965,7 @@ def examples(rng: np.random.Generator):
         (IndexCheck, [rng.integers(-6, 6, (3, 2, 3)).astype(np.int32)], {"lo": -2, "hi": 1, "column": 1,
                                                                        "nodes": ("g",)}),
         (IndexCheck, [np.array(5, np.int64)], {"lo": 0, "hi": 4, "nodes": ("g",)}),
-        (ValuesInRange, [np.array([3, 0, 7], np.int32)], {"lo": 0, "hi": 7, "node": "gqa", "what": "seqlens_k"}),
+        (ValuesInRange, [np.array([3, 0, 7], np.int32)], {"lo": 0, "hi": 7, "what": "seqlens_k"}),
         (ShapeOf, [x], {"start": 1, "end": 3}),
         (ShapeOf, [x], {"start": 2, "end": 1}),
         (SizeOf, [x], {}),

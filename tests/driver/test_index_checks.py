@@ -246,7 +246,8 @@ def test_a_decoding_step_past_its_cache_is_refused_as_onnxruntime_refuses_it(tmp
     """The genai Llama's decoding step, compiled for a cache of 16 positions: a mask counting 17
     (seqlens_k 16) makes onnxruntime's GroupQueryAttention raise; the evaluator raises a ShapeError
     naming it and the compiled program an IndexRangeError (one check for both layers, which read one
-    seqlens_k; the rotary rows then need none: they lie before the cache's end)."""
+    seqlens_k: their range ops are one; the rotary rows then need none: they lie before the cache's
+    end)."""
     import onnxruntime as ort
     from model_refs import genai_llama_feeds
 
@@ -258,7 +259,8 @@ def test_a_decoding_step_past_its_cache_is_refused_as_onnxruntime_refuses_it(tmp
     res = compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                   out_dir=tmp_path / "out", input_shapes=shapes)
     checks = json.loads((res.out_dir / "rank0" / "manifest.json").read_text())["index_checks"]
-    assert [(c["lo"], c["hi"], len(c["nodes"])) for c in checks] == [(0, 15, 2)]
+    assert [(c["lo"], c["hi"], c["nodes"]) for c in checks] == [
+        (0, 15, ["/model/layers.0/attn/GroupQueryAttention/seqlens_k_in_range"])]
     prog = load(res.out_dir)
     np.testing.assert_allclose(prog.run(feeds)["logits"], ort.InferenceSession(path).run(["logits"], feeds)[0],
                                rtol=1e-4, atol=1e-4)
@@ -267,7 +269,8 @@ def test_a_decoding_step_past_its_cache_is_refused_as_onnxruntime_refuses_it(tmp
     bad["attention_mask"][1, 0] = 17
     with pytest.raises(Exception, match=r"seqlens_k\[1\] = 16 is out of range \[0, 16\)"):
         ort.InferenceSession(path).run(None, bad)
-    with pytest.raises(ShapeError, match=r"layers.0/attn/GroupQueryAttention: seqlens_k holds 16, outside \[0, 15\]"):
+    with pytest.raises(ShapeError, match=r"layers.0/attn/GroupQueryAttention/seqlens_k_in_range: seqlens_k holds 16, "
+                                         r"outside \[0, 15\]"):
         load_onnx(path, input_shapes=shapes).run(bad)
     with pytest.raises(IndexRangeError, match=r"1 value\(s\) of the index tensor that node "
                                               r"'/model/layers.0/attn/GroupQueryAttention/seqlens_k_in_range'"):

@@ -242,7 +242,8 @@ def test_roi_align_batch_indices_outside_the_batch_are_refused(tmp_path):
         f = dict(feeds, batch=np.where(np.arange(7) == 3, bad, feeds["batch"]))
         with pytest.raises(Exception, match=rf"batch_indices value {bad} at index 3 is out of range \[0, 2\)"):
             run_ort(model, f)
-        with pytest.raises(ShapeError, match=rf"node0: batch_indices holds {bad}, outside \[0, 1\]"):
+        with pytest.raises(ShapeError, match=rf"node0/batch_indices_in_range: batch_indices holds {bad}, "
+                                             r"outside \[0, 1\]"):
             load_onnx(model).run(f)
         with pytest.raises(InputIndexError, match=rf"input 'batch' holds the index {bad}, outside \[0, 1\]"):
             prog.run(f)
