@@ -634,7 +634,7 @@ class RankProgram:
             if a.dtype != buf.dtype:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)
-            if name in self._index_checks and given.size:
+            if name in self._index_checks:
                 self._check_indices(name, given)
             res[name] = a
         return res

@@ -18,7 +18,8 @@ graph:
   enforces; anything else by its type's range). Where an op's index input is
   not proven inside its range, :func:`add_index_checks` adds an :class:`IndexCheck` op (how many of
   its values lie outside: an int64 scalar) as an extra graph output named ``__index_check_<k>``; the
-  plan treats it as any other output (a split index tensor: partial counts summed), ``compile`` lists
+  plan treats it as any other output (whole on every rank: a split index tensor gathered, or its
+  ranks' counts summed), ``compile`` lists
   them in each manifest's ``index_checks``, and the runtime raises ``IndexRangeError`` naming the ops
   after a run in which one is not zero (the outputs of that run are not returned). A positions tensor
   computed from an attention mask (a rotary embedding's cos/sin rows past the cache) is the common
@@ -111,15 +112,15 @@ def _fit(r: Range_ | None, dtype: str) -> Range_ | None:
 
 
 def _binary(fn: str, a: Range_, b: Range_) -> Range_ | None:
-    if fn in ("add", "sub", "mul", "max", "min"):
-        if fn == "add":
-            return a[0] + b[0], a[1] + b[1]
-        if fn == "sub":
-            return a[0] - b[1], a[1] - b[0]
-        if fn == "max":
-            return max(a[0], b[0]), max(a[1], b[1])
-        if fn == "min":
-            return min(a[0], b[0]), min(a[1], b[1])
+    if fn == "add":
+        return a[0] + b[0], a[1] + b[1]
+    if fn == "sub":
+        return a[0] - b[1], a[1] - b[0]
+    if fn == "max":
+        return max(a[0], b[0]), max(a[1], b[1])
+    if fn == "min":
+        return min(a[0], b[0]), min(a[1], b[1])
+    if fn == "mul":
         ends = [x * y for x in a for y in b]
         return min(ends), max(ends)
     return None
