@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import native
-from .artifact import (ALIGNMENT, ArtifactError, aligned_empty, buffer_dtype, read_json, read_manifest,
+from .artifact import (ALIGNMENT, ArtifactError, address_of, aligned_empty, buffer_dtype, read_json, read_manifest,
                        read_weights, rank_dir, verify_files)
 from .comm.base import CommError, Communicator, SelfCommunicator
 from .comm.prepared import prepare
@@ -208,7 +208,16 @@ class RankProgram:
             buf.ptr = store.ctypes.data + off
             self.buffers.append(buf)
         self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
-        self.output_specs = [(name, self.buffers[i]) for name, i in p["outputs"]]
+        # indices computed in the graph: outputs counting their values outside the readers' range
+        # (compile's passes/index_checks.py), read by _checked, not returned
+        self._computed_checks = {str(c["output"]): c for c in self.manifest.get("index_checks", ())}
+        outputs = {name: self.buffers[i] for name, i in p["outputs"]}
+        missing = sorted(set(self._computed_checks) - set(outputs))
+        if missing:
+            raise ArtifactError(f"program.json of rank {self.rank}: the index check output(s) {missing} of the "
+                                "manifest are no outputs of the program")
+        self.output_specs = [(name, buf) for name, buf in outputs.items() if name not in self._computed_checks]
+        self._check_counts = [outputs[name].array for name in self._computed_checks]
         self.state_specs = self._state_specs(p)
         self._state_inputs = frozenset(name for name, _, _, _ in self.state_specs)
         # inputs of which this rank holds a part (a sharded state): the whole's shape and the part's bounds
@@ -218,8 +227,6 @@ class RankProgram:
         # inputs read as indices: the ranges their values must lie in, and the op (compile's passes/index_checks.py)
         self._index_checks = {e["name"]: [(int(lo), int(hi), str(op)) for lo, hi, op in e["index_checks"]]
                               for e in self.manifest.get("inputs", ()) if e.get("index_checks")}
-        # indices computed in the graph: outputs counting their values outside the readers' range (the same)
-        self._computed_checks = {str(c["output"]): c for c in self.manifest.get("index_checks", ())}
         # of those, a state kept on padded (or replicated) heads: the padded whole is the model's whole
         # taken at these indices along this axis (compile's passes/heads.py keep_state_padded)
         self._padded = {e["name"]: (int(e["padded_heads"]["axis"]), np.asarray(e["padded_heads"]["index"], np.int64))
@@ -328,6 +335,8 @@ class RankProgram:
                 bad = "is not the whole of the output's buffer"
             if bad is not None:
                 raise ArtifactError(f"program.json of rank {self.rank}: fresh output {name!r} {bad}")
+            if name in self._computed_checks:
+                continue  # (a count _checked reads where the kernel wrote it)
             sites = []
             for s, (_, _, _, ins, outs) in zip(kernel_steps, calls):
                 for arr, which in ((ins, s["inputs"]), (outs, s["outputs"])):
@@ -414,7 +423,7 @@ class RankProgram:
     @property
     def output_names(self) -> list[str]:
         """The names of the outputs :meth:`run` returns, in order (state outputs excluded)."""
-        return [n for n, _ in self.output_specs if n not in self._computed_checks]
+        return [n for n, _ in self.output_specs]
 
     @property
     def state_names(self) -> dict[str, str]:
@@ -481,8 +490,9 @@ class RankProgram:
         try:
             for name, nbytes, sites in self._fresh if copy_outputs else ():
                 fresh[name] = block = aligned_empty(nbytes)
+                base = address_of(block)
                 for arr, j, delta, _ in sites:
-                    arr[j] = block.ctypes.data + delta
+                    arr[j] = base + delta
             self._run_steps()
         finally:
             for _, _, sites in self._fresh if fresh else ():
@@ -502,11 +512,14 @@ class RankProgram:
         :class:`IndexRangeError` if one is not zero."""
         if not self._computed_checks:
             return outputs
-        counts = [outputs.pop(name) for name in self._computed_checks]
-        if type(counts[0]).__module__.startswith("cupy"):  # (device outputs: one copy back for all of them)
-            import cupy
+        if self._engine is None:
+            counts = self._check_counts  # (cpu: read in the arena, never copied out)
+        else:
+            counts = [outputs.pop(name) for name in self._computed_checks]
+            if type(counts[0]).__module__.startswith("cupy"):  # (device outputs: one copy back for all of them)
+                import cupy
 
-            counts = cupy.stack(counts).get()
+                counts = cupy.stack(counts).get()
         for c, bad in zip(self._computed_checks.values(), (int(n) for n in counts)):
             if bad:
                 nodes = tuple(c["nodes"])

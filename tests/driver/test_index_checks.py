@@ -13,7 +13,7 @@ from threads import run_threads
 from shardflow.compiler import compile, load_onnx
 from shardflow.compiler.driver import planned_graph
 from shardflow.compiler.passes.index_checks import index_check_outputs, input_index_ranges, value_ranges
-from shardflow.runtime import IndexRangeError, InputIndexError, load
+from shardflow.runtime import ArtifactError, IndexRangeError, InputIndexError, load
 from shardflow.runtime.comm import InProcessWorld
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
@@ -176,7 +176,14 @@ def test_a_computed_position_past_its_table_is_refused_after_the_run(tmp_path):
                                               r"lay outside \[-8, 7\]") as info:
         prog.run(bad)
     assert info.value.nodes == ("wpe/Gather",)
+    with pytest.raises(IndexRangeError):  # (the count is read where its kernel wrote it, views or copies)
+        prog.run(bad, copy_outputs=False)
     np.testing.assert_array_equal(prog.run(good)["y"], got["y"])
+    np.testing.assert_array_equal(prog.run(good, copy_outputs=False)["y"], got["y"])
+    broken = dict(manifest, index_checks=[dict(manifest["index_checks"][0], output="__index_check_7")])
+    (res.out_dir / "rank0" / "manifest.json").write_text(json.dumps(broken))
+    with pytest.raises(ArtifactError, match=r"index check output\(s\) \['__index_check_7'\] of the manifest"):
+        load(res.out_dir)
     res = compile(model, distributed_config={"mesh_shape": [1]},
                   optimization_config={"target": "cpu", "index_checks": False}, out_dir=tmp_path / "off")
     manifest = json.loads((res.out_dir / "rank0" / "manifest.json").read_text())
