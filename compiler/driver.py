@@ -735,7 +735,32 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             {"output": name, "offset": a_off[id(r)], "bytes": int(r.nbytes),
              "buffers": [bi for bi in range(len(buffers)) if tensors_by_buf[bi] is r]}
             for name, t in zip(g.output_names, g.outputs) for r in [root(t)] if id(r) in fresh]
+    borrowed = _borrowed_inputs(g, raw_steps, root, {id(x) for _, x in pairs.values()})
+    if borrowed:
+        program["borrowed_inputs"] = [
+            {"input": t.name, "offset": a_off[id(r)], "bytes": int(r.nbytes),
+             "buffers": [bi for bi in range(len(buffers)) if tensors_by_buf[bi] is r]}
+            for t in g.inputs for r in [root(t)] if id(r) in borrowed]
     return program, weights, int(wpos)
+
+
+def _borrowed_inputs(g: FlowGraph, raw_steps: list, root: Callable[[Tensor], Tensor],
+                     state_inputs: set[int]) -> set[int]:
+    """The storage roots (by id) of the graph inputs a run may read in the caller's own array
+    instead of a copy in the arena (``program.json``'s ``borrowed_inputs``; rfcs/0003): each holds
+    exactly one input, whole, that no step writes (no in-place kernel, no state input), no
+    collective reads (its staging is bound to the arena's bytes when the program loads) and no
+    graph output returns."""
+    per_root: dict[int, int] = {}
+    for t in g.inputs:
+        per_root[id(root(t))] = per_root.get(id(root(t)), 0) + 1
+    barred = {id(root(t)) for t in g.outputs}
+    for kind, _, ins, outs, _ in raw_steps:
+        barred.update(id(root(t)) for t in outs)
+        if kind == "collective":
+            barred.update(id(root(t)) for t in ins)
+    return {id(r) for t in g.inputs for r in [root(t)]
+            if per_root[id(r)] == 1 and id(t) not in state_inputs and id(r) not in barred and t.nbytes == r.nbytes > 0}
 
 
 def _fresh_outputs(g: FlowGraph, raw_steps: list, root: Callable[[Tensor], Tensor], first: Mapping[int, int],

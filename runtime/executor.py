@@ -32,8 +32,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import native
-from .artifact import (ALIGNMENT, ArtifactError, address_of, aligned_empty, buffer_dtype, read_json, read_manifest,
-                       read_weights, rank_dir, verify_files)
+from .artifact import (ALIGNMENT, ArtifactError, BlockPool, address_of, aligned_empty, buffer_dtype, read_json,
+                       read_manifest, read_weights, rank_dir, verify_files)
 from .comm.base import CommError, Communicator, SelfCommunicator
 from .comm.prepared import prepare
 from .errors import ShardflowError
@@ -235,6 +235,8 @@ class RankProgram:
         self._native = None
         self._engine = None
         self._fresh: list[tuple[str, int, list]] = []
+        self._borrowed: dict[str, list] = {}
+        self._blocks = BlockPool()
         steps = p["steps"]
         self.load_steps = int(p.get("load_steps", 0))
         if not 0 <= self.load_steps <= len(steps):
@@ -288,6 +290,10 @@ class RankProgram:
         self._state_copies = [(self.buffers[i].array, self.buffers[o].array) for _, i, _, o in self.state_specs
                               if self.buffers[i].ptr != self.buffers[o].ptr]
         self._fresh = self._fresh_outputs(p, steps[self.load_steps:])
+        self._blocks = BlockPool(nbytes for _, nbytes, _ in self._fresh)
+        self._borrowed = {name: sites for name, _, sites in self._redirected(p, "borrowed_inputs",
+                                                                               steps[self.load_steps:])}
+        self._arena_span = (self.arena.ctypes.data, self.arena.ctypes.data + self.arena.nbytes)
         self.reset_state()
         # artifacts of older versions may list a runner.so: the native library replaces it
         self._native = self._native_program() if segments else None
@@ -313,30 +319,41 @@ class RankProgram:
         sites)``, a site ``(pointer array, slot, offset in the output's block, arena pointer)`` for
         each place a kernel call passes the output's storage. :meth:`run` points the sites at a
         fresh block of memory, which the output is then returned in (no copy), and back after."""
-        outputs = dict(p["outputs"])
+        return [e for e in self._redirected(p, "fresh_outputs", run_steps)
+                if e[0] not in self._computed_checks]  # (a count _checked reads where the kernel wrote it)
+
+    def _redirected(self, p: dict, key: str, run_steps: list) -> list[tuple[str, int, list]]:
+        """``(name, bytes, sites)`` per entry of ``program.json``'s ``fresh_outputs`` or
+        ``borrowed_inputs`` (``key``), checked: the storage of one output (input) that a run may
+        point elsewhere, as :meth:`_fresh_outputs` says; a borrowed input's buffers written by no
+        kernel."""
+        field = "output" if key == "fresh_outputs" else "input"  # (what an entry names)
+        named = dict(p[field + "s"])
+        what = "fresh output" if field == "output" else "borrowed input"
         calls = [c for kernels, _ in self._segments for c in kernels]
         kernel_steps = [s for s in run_steps if s["kind"] == "kernel"]
         res = []
-        for e in p.get("fresh_outputs", ()):
+        for e in p.get(key, ()):
             try:
-                name, off, nbytes, listed = e["output"], int(e["offset"]), int(e["bytes"]), set(e["buffers"])
+                name, off, nbytes, listed = e[field], int(e["offset"]), int(e["bytes"]), set(e["buffers"])
             except (KeyError, TypeError, ValueError):
-                raise ArtifactError(f"program.json of rank {self.rank}: malformed fresh_outputs entry {e!r}") from None
+                raise ArtifactError(f"program.json of rank {self.rank}: malformed {key} entry {e!r}") from None
             bad = None
-            if name not in outputs or outputs[name] not in listed:
-                bad = "does not list the output's own buffer"
+            if name not in named or named[name] not in listed:
+                bad = f"does not list the {field}'s own buffer"
             for bi in listed:
                 b = p["buffers"][bi] if isinstance(bi, int) and 0 <= bi < len(self.buffers) else None
                 if b is None or b["storage"] != "arena" or not (
                         off <= int(b["offset"]) and int(b["offset"]) + self.buffers[bi].array.nbytes <= off + nbytes):
                     bad = f"lists buffer {bi!r}, which is no arena buffer inside its {nbytes} bytes at offset {off}"
-            if bad is None and (int(p["buffers"][outputs[name]]["offset"]) != off
-                                or self.buffers[outputs[name]].array.nbytes != nbytes):
-                bad = "is not the whole of the output's buffer"
+            if bad is None and (int(p["buffers"][named[name]]["offset"]) != off
+                                or self.buffers[named[name]].array.nbytes != nbytes):
+                bad = f"is not the whole of the {field}'s buffer"
+            if bad is None and field == "input" and any(bi in listed for s in run_steps for bi in s["outputs"] + (
+                    s["inputs"] if s["kind"] == "collective" else [])):
+                bad = "is written by a step or read by a collective"
             if bad is not None:
-                raise ArtifactError(f"program.json of rank {self.rank}: fresh output {name!r} {bad}")
-            if name in self._computed_checks:
-                continue  # (a count _checked reads where the kernel wrote it)
+                raise ArtifactError(f"program.json of rank {self.rank}: {what} {name!r} {bad}")
             sites = []
             for s, (_, _, _, ins, outs) in zip(kernel_steps, calls):
                 for arr, which in ((ins, s["inputs"]), (outs, s["outputs"])):
@@ -484,18 +501,23 @@ class RankProgram:
         arrays = self._check_inputs(inputs)
         if self._engine is not None:
             return self._checked(self._engine.run(arrays, copy_outputs=copy_outputs))
-        self._copy_inputs(arrays)
+        # the inputs the kernels read where the caller's arrays lie (no copy before the run)
+        lent = self._lent(arrays) if self._borrowed else {}
+        self._copy_inputs(arrays, skip=lent)
         # the outputs the kernels can write into fresh memory (no copy after the run)
         fresh = {}
         try:
+            for name, base in lent.items():
+                for arr, j, delta, _ in self._borrowed[name]:
+                    arr[j] = base + delta
             for name, nbytes, sites in self._fresh if copy_outputs else ():
-                fresh[name] = block = aligned_empty(nbytes)
+                fresh[name] = block = self._blocks.take(nbytes)
                 base = address_of(block)
                 for arr, j, delta, _ in sites:
                     arr[j] = base + delta
             self._run_steps()
         finally:
-            for _, _, sites in self._fresh if fresh else ():
+            for sites in [self._borrowed[name] for name in lent] + [sites for _, _, sites in self._fresh if fresh]:
                 for arr, j, _, ptr in sites:
                     arr[j] = ptr
         self._copy_state()
@@ -604,9 +626,26 @@ class RankProgram:
         for x, y in self._state_copies:
             np.copyto(x, y)
 
-    def _copy_inputs(self, arrays: Mapping[str, Any]) -> None:
+    def _lent(self, arrays: Mapping[str, Any]) -> dict[str, int]:
+        """``{input name: address}`` of the given inputs the kernels read in place
+        (``program.json``'s ``borrowed_inputs``): numpy arrays of 64 KiB or more (a smaller copy
+        costs less than pointing the kernels at it), C-contiguous and aligned as the arena's buffers
+        are (the program's own outputs are, so a decoding loop's cache fed back is read in place),
+        and outside the arena (an output view of the last run, ``copy_outputs=False``, is
+        overwritten while the kernels run)."""
+        lo, hi = self._arena_span
+        res = {}
+        for name in self._borrowed:
+            a = arrays.get(name)
+            if type(a) is np.ndarray and a.nbytes >= 1 << 16 and a.flags.c_contiguous:
+                addr = a.ctypes.data
+                if addr % ALIGNMENT == 0 and (addr >= hi or addr + a.nbytes <= lo):
+                    res[name] = addr
+        return res
+
+    def _copy_inputs(self, arrays: Mapping[str, Any], skip: Mapping[str, Any] = {}) -> None:
         for name, buf in self.input_specs:
-            if name in arrays:  # (a state input left out keeps its value)
+            if name in arrays and name not in skip:  # (a state input left out keeps its value)
                 a = arrays[name]
                 np.copyto(buf.array, a.get() if type(a).__module__.startswith("cupy") else a)
 
