@@ -659,10 +659,8 @@ class RankProgram:
         res = {}
         for name, buf in self.input_specs:
             if name not in inputs and name in self._state_inputs:
-                if name in self._index_checks and name not in self._parts:
-                    # a state carried over from the last run, whole on every rank (a split one is not
-                    # checked: each rank holds other values, and a rank alone must not refuse the run)
-                    self._check_indices(name, self._state_value(name), carried=True)
+                if name in self._index_checks:  # a state carried over from the last run
+                    self._check_indices(name, self._state_value(name), carried=True, split=name in self._parts)
                 continue
             if name not in inputs:
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
@@ -697,10 +695,24 @@ class RankProgram:
             return next(view for n, view, _ in self._engine.inputs if n == name)
         return next(buf.array for n, buf in self.input_specs if n == name)
 
-    def _check_indices(self, name: str, a, carried: bool = False) -> None:
-        if not a.size:
+    def _check_indices(self, name: str, a, carried: bool = False, split: bool = False) -> None:
+        """Raise :class:`InputIndexError` when a value of the input ``name`` (``a``, whole) lies outside
+        a range an op reads it in; ``split``: ``a`` is this rank's part of a state, checked with every
+        other rank's (one all-reduce of the extremes), so that all ranks refuse the run or none."""
+        low, high = (int(a.min()), int(a.max())) if a.size else (None, None)  # (cupy: two scalars copied back)
+        if split and self.world_size > 1:
+            edge = np.iinfo(np.int64)
+            both = np.array([edge.min, edge.min] if low is None else [min(-low, edge.max), high], np.int64)
+            if type(a).__module__.startswith("cupy"):  # (nccl takes device arrays)
+                import cupy
+
+                both = cupy.asarray(both)
+            both = self.comm.all_reduce(both, "max")
+            both = both.get() if type(both).__module__.startswith("cupy") else both
+            if int(both[1]) != edge.min:
+                low, high = -int(both[0]), int(both[1])
+        if low is None:
             return
-        low, high = int(a.min()), int(a.max())  # (a cupy array's too: two scalars copied back)
         for lo, hi, op in self._index_checks[name]:
             if low < lo or high > hi:
                 bad = low if low < lo else high

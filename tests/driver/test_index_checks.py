@@ -282,3 +282,40 @@ def test_a_decoding_step_past_its_cache_is_refused_as_onnxruntime_refuses_it(tmp
     with pytest.raises(IndexRangeError, match=r"1 value\(s\) of the index tensor that node "
                                               r"'/model/layers.0/attn/GroupQueryAttention/seqlens_k_in_range'"):
         prog.run(bad)
+
+
+def test_a_position_state_split_over_ranks_is_checked_on_every_rank(tmp_path):
+    """Per-sequence positions kept as state and split by the batch over two ranks: carried over, one
+    rank's part past the table refuses the run on both ranks (the parts' extremes all-reduced first),
+    and the ranks go on together from positions given again, as the single-device program does."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Gather", ["table", "pos"], ["y"], name="pe"),
+         helper.make_node("Add", ["pos", "one"], ["pos_next"])], "g",
+        [helper.make_tensor_value_info("pos", TensorProto.INT64, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2]),
+         helper.make_tensor_value_info("pos_next", TensorProto.INT64, [4])],
+        [numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(8, 2), "table"), _const("one", 1)]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    res = compile(model, distributed_config={"mesh_shape": [2], "input_placements": {"pos": "S(0)"},
+                                             "output_placements": {"pos_next": "S(0)"}},
+                  optimization_config={"target": "cpu"}, out_dir=tmp_path / "two", state={"pos_next": "pos"})
+    world = InProcessWorld(2).communicators()
+    programs = [load(res.out_dir, c.rank, c) for c in world]
+    assert all("pos" in p._parts for p in programs)  # (each rank holds two of the four positions)
+
+    def step(feeds):
+        def run(c):
+            try:
+                return programs[c.rank].run(feeds)["y"]
+            except InputIndexError as exc:
+                return str(exc)
+        return run_threads(world, run)
+
+    got = step({"pos": np.array([0, 1, 5, 6])})
+    np.testing.assert_array_equal(got[0], np.arange(16, dtype=np.float32).reshape(8, 2)[[0, 1, 5, 6]])
+    step({})  # positions 1, 2, 6, 7: within the table
+    errors = step({})  # 2, 3, 7, 8: rank 1's last position is past it
+    assert all(isinstance(e, str) and "state input 'pos' (carried over from the last run) holds the index 8" in e
+               for e in errors), errors
+    got = step({"pos": np.array([3, 2, 1, 0])})
+    assert all(np.array_equal(g, np.arange(16, dtype=np.float32).reshape(8, 2)[[3, 2, 1, 0]]) for g in got)
