@@ -476,11 +476,15 @@ class RankProgram:
         ----------
         inputs
             One array per model input, keyed by name, with exactly the compiled shape and dtype
-            (every rank receives the full inputs). A state input (:attr:`state_names`) may be left
+            (every rank receives the full inputs). On a cpu target a C-contiguous numpy input of
+            64 KiB or more that no kernel writes is read where it lies, not copied: do not write it
+            from another thread during the run. A state input (:attr:`state_names`) may be left
             out: the run then reads the value the previous run left (zeros at first); given, it
             sets that value (whole, or this rank's part of a split state).
         copy_outputs
-            ``True`` (default): the outputs are fresh arrays. ``False``: they are views of the
+            ``True`` (default): the outputs are fresh arrays (cpu: arrays of 1 MiB or more reuse
+            the memory of outputs of earlier runs that the caller has dropped, never of one it
+            still holds, whole or through a view). ``False``: they are views of the
             program's own output buffers (read-only numpy views; cupy arrays cannot be marked so,
             do not write them), valid until the next ``run`` overwrites them (no
             copy: what ``torch.compile(mode="reduce-overhead")`` returns too). On a cuda target
@@ -629,17 +633,17 @@ class RankProgram:
     def _lent(self, arrays: Mapping[str, Any]) -> dict[str, int]:
         """``{input name: address}`` of the given inputs the kernels read in place
         (``program.json``'s ``borrowed_inputs``): numpy arrays of 64 KiB or more (a smaller copy
-        costs less than pointing the kernels at it), C-contiguous and aligned as the arena's buffers
-        are (the program's own outputs are, so a decoding loop's cache fed back is read in place),
-        and outside the arena (an output view of the last run, ``copy_outputs=False``, is
-        overwritten while the kernels run)."""
+        costs less than pointing the kernels at it), C-contiguous, their elements aligned (no cpu
+        kernel assumes more of a tensor: only their own scratch is 64-byte aligned), and outside
+        the arena (an output view of the last run, ``copy_outputs=False``, is overwritten while
+        the kernels run)."""
         lo, hi = self._arena_span
         res = {}
         for name in self._borrowed:
             a = arrays.get(name)
-            if type(a) is np.ndarray and a.nbytes >= 1 << 16 and a.flags.c_contiguous:
+            if type(a) is np.ndarray and a.nbytes >= 1 << 16 and a.flags.c_contiguous and a.flags.aligned:
                 addr = a.ctypes.data
-                if addr % ALIGNMENT == 0 and (addr >= hi or addr + a.nbytes <= lo):
+                if addr >= hi or addr + a.nbytes <= lo:
                     res[name] = addr
         return res
 
