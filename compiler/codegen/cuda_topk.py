@@ -13,7 +13,8 @@ warps, then across them through shared memory). No sort, no scratch memory, no a
 :data:`SHARED_ROW` bytes (in the compute type) is read from global memory once, into shared
 memory; a longer one is read ``k`` times (through the caches).
 
-Half values are compared as floats (converted exactly), integers as themselves.
+Half values are compared as floats (converted exactly), integers as themselves (8- and 16-bit ones
+widened to int, exactly).
 """
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ TOPK_DTYPES = {
     "bfloat16": ("__nv_bfloat16", "float", 4, "__bfloat162float({})", "__float2bfloat16_rn({})"),
     "float32": ("float", "float", 4, "{}", "{}"),
     "float64": ("double", "double", 8, "{}", "{}"),
+    "int8": ("signed char", "int", 4, "(int){}", "(signed char){}"),
+    "int16": ("short", "int", 4, "(int){}", "(short){}"),
     "int32": ("int", "int", 4, "{}", "{}"),
     "int64": ("long long", "long long", 8, "{}", "{}"),
+    "uint8": ("unsigned char", "int", 4, "(int){}", "(unsigned char){}"),
+    "uint16": ("unsigned short", "int", 4, "(int){}", "(unsigned short){}"),
+    "uint32": ("unsigned int", "unsigned int", 4, "{}", "{}"),
+    "uint64": ("unsigned long long", "unsigned long long", 8, "{}", "{}"),
 }
 
 

@@ -1403,8 +1403,7 @@ def _topk(op) -> str | None:
     from .cpp import STORAGE_CTYPE
 
     x = op.inputs[0]
-    if len(op.inputs) != 1 or len(op.outputs) != 2 or x.ndim == 0 \
-            or x.dtype not in ("float16", "float32", "float64", "int32", "int64") \
+    if len(op.inputs) != 1 or len(op.outputs) != 2 or x.ndim == 0 or x.dtype not in _TOPK_DTYPES \
             or op.outputs[0].dtype != x.dtype or op.outputs[1].dtype != "int64":
         return None
     k, axis, largest = int(op.attrs["k"]), int(op.attrs["axis"]) % x.ndim, bool(op.attrs.get("largest", True))
@@ -1414,7 +1413,9 @@ def _topk(op) -> str | None:
     if k * outer * inner == 0:  # (an empty output: a rank's empty shard, or k = 0)
         return "  // TopK: an empty output, nothing to write"
     ct = STORAGE_CTYPE[x.dtype]
-    flt = x.dtype.startswith("float")
+    kt = "float" if x.dtype == "bfloat16" else ct  # (the type values are compared in)
+    key = "sf_bf16_to_float({})" if x.dtype == "bfloat16" else "{}"
+    flt = x.dtype.startswith("float") or x.dtype == "bfloat16"
     if largest:
         before = "(a > b) | ((a != a) & (b == b))" if flt else "a > b"
     else:
@@ -1430,9 +1431,10 @@ def _topk(op) -> str | None:
              f"    const {ct}* __restrict__ xr = in0 + o * {n * inner} + i;",
              f"    int32_t* __restrict__ pos = static_cast<int32_t*>(sf_workspace(0, sizeof(int32_t) * {n}));",
              f"    for (int32_t j = 0; j < {n}; ++j) pos[j] = j;",
-             f"    auto ahead = []({ct} a, {ct} b) {{ return {before}; }};  // value a goes before value b",
+             f"    auto ahead = []({kt} a, {kt} b) {{ return {before}; }};  // value a goes before value b",
              "    auto first = [xr, ahead](int32_t p, int32_t q) {  // position p goes before position q",
-             f"      const {ct} a = xr[(int64_t)p * {inner}], b = xr[(int64_t)q * {inner}];",
+             f"      const {kt} a = {key.format(f'xr[(int64_t)p * {inner}]')}, "
+             f"b = {key.format(f'xr[(int64_t)q * {inner}]')};",
              "      return ahead(a, b) || (!ahead(b, a) && p < q);",
              "    };",
              f"    std::partial_sort(pos, pos + {k}, pos + {n}, first);",
@@ -1442,6 +1444,12 @@ def _topk(op) -> str | None:
              "    }",
              "  }"]
     return "\n".join(lines)
+
+
+#: the value types of TopK's template: every type the op takes (float16 compared as ``_Float16``,
+#: bfloat16 widened to float, integers as themselves)
+_TOPK_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                "uint32", "uint64")
 
 
 #: elements from which a transposition of two blocks of dims runs the blocked template (smaller ones stay

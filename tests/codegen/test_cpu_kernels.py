@@ -460,6 +460,14 @@ def _large():
         TopK([_t((0, 9))], k=3, axis=1, largest=True),  # (a rank's empty shard: nothing to write)
         TopK([_t((20, 9), "int64")], k=9, axis=1, largest=False),
         TopK([_t((40, 3), "float64")], k=4, axis=0, largest=False),
+        # every other type the op takes: unsigned keys past the signed range (-3 wrapped), small
+        # integers, bfloat16 compared as floats
+        TopK([_t((7, 30), "uint64")], k=5, axis=1, largest=True),
+        TopK([_t((30, 7), "uint32")], k=6, axis=0, largest=False),
+        TopK([_t((5, 40), "uint16")], k=3, axis=1, largest=True),
+        TopK([_t((5, 40), "int8")], k=8, axis=1, largest=False),
+        TopK([_t((5, 40), "int16")], k=8, axis=1, largest=True),
+        TopK([_t((9, 33), "bfloat16")], k=4, axis=1, largest=True),
         # the blocked transpose (64 Ki elements or more): NCHW -> NHWC, NHWC -> NCHW with a batch, a matrix with
         # partial tiles, and a size-1 dim between the blocks
         Transpose([_t((1, 64, 40, 30))], perm=(0, 2, 3, 1)),
@@ -1197,7 +1205,7 @@ def test_guarded_reads_become_branches_and_safe_ones_selects():
 # --------------------------------------------------------------------------- library building
 def test_collectives_and_extern_ops_are_left_out(tmp_path, kernel_cache):
     """Collectives are the runtime's; an op with an extern output only compiles through a template
-    (TopK's, in the types it takes: not uint64)."""
+    (TopK's, in every type it takes: uint64 too since session 82)."""
     x = _t((4, 6))
     ar = AllReduce([x], mesh_axis=0, group_size=2, op="sum", name="ar")
     tk = TopK([x], k=2, axis=1, largest=True, name="tk")
@@ -1206,7 +1214,7 @@ def test_collectives_and_extern_ops_are_left_out(tmp_path, kernel_cache):
     assert not lowerable(ar) and "collective" in why_not_lowerable(ar)
     assert not lowerable(tk) and not lowerable(tk64) and lowerable(mm)
     syms = build_cpu_library([ar, tk, tk64, mm], str(tmp_path / "l.so"), cache_dir=kernel_cache, opt_level=1)
-    assert set(syms) == {"mm", "tk"}
+    assert set(syms) == {"mm", "tk", "tk64"}
 
 
 def test_identical_ops_share_one_kernel(tmp_path):

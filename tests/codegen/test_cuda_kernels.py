@@ -111,6 +111,14 @@ def _extra_cases(rng):
         ("topk", TopK, [rng.integers(-3, 4, (7, 300)).astype(np.int64)], {"k": 9, "axis": 1, "largest": False}),
         ("topk", TopK, [f(2, 5000)], {"k": 7, "axis": 1, "largest": True}),
         ("topk", TopK, [f(0, 9)], {"k": 3, "axis": 1, "largest": True}),
+        # unsigned keys past the signed range (-3 wrapped: read as signed they would sort first or last),
+        # small integers widened to int
+        ("topk", TopK, [rng.integers(-3, 4, (5, 70)).astype(np.uint64)], {"k": 6, "axis": 1, "largest": True}),
+        ("topk", TopK, [rng.integers(-3, 4, (70, 5)).astype(np.uint32)], {"k": 4, "axis": 0, "largest": False}),
+        ("topk", TopK, [rng.integers(-3, 4, (4, 50)).astype(np.uint8)], {"k": 5, "axis": 1, "largest": False}),
+        ("topk", TopK, [rng.integers(-3, 4, (4, 50)).astype(np.int8)], {"k": 5, "axis": 1, "largest": True}),
+        ("topk", TopK, [rng.integers(-3, 4, (4, 50)).astype(np.int16)], {"k": 5, "axis": 1, "largest": False}),
+        ("topk", TopK, [rng.integers(-3, 4, (4, 50)).astype(np.uint16)], {"k": 5, "axis": 1, "largest": True}),
     ]
 
 
