@@ -34,9 +34,9 @@ import numpy as np
 from .errors import ShardflowError
 
 __all__ = ["buffer_dtype", "ARTIFACT_FORMAT", "ALIGNMENT", "ArtifactError", "ChecksumError", "VersionError",
-           "sha256_file",
-           "write_json", "read_json", "finalize_rank_dir", "read_manifest", "verify_files", "read_weights",
-           "atomic_output_dir", "rank_dir", "read_mesh", "aligned_empty", "BlockPool", "address_of", "list_ranks"]
+           "sha256_file", "write_json", "read_json", "finalize_rank_dir", "read_manifest", "verify_files",
+           "read_weights", "atomic_output_dir", "rank_dir", "read_mesh", "aligned_empty", "BlockPool", "address_of",
+           "list_ranks"]
 
 log = logging.getLogger(__name__)
 

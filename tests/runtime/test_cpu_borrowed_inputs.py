@@ -118,6 +118,7 @@ def test_a_decoding_loop_feeds_its_outputs_back(built):
         if step:
             assert "past" in prog._lent({"x": x, "past": past})
         out = prog.run({"x": x, "past": past})
+        assert out["y"].flags.writeable and out["y"].flags.c_contiguous  # (the caller's, as any fresh array)
         want = _want(x, ref_past)
         _check(out, want)
         assert not np.shares_memory(out["present"], past)
