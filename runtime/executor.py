@@ -706,7 +706,8 @@ class RankProgram:
         low, high = (int(a.min()), int(a.max())) if a.size else (None, None)  # (cupy: two scalars copied back)
         if split and self.world_size > 1:
             edge = np.iinfo(np.int64)
-            both = np.array([edge.min, edge.min] if low is None else [min(-low, edge.max), min(high, edge.max)], np.int64)
+            both = np.array([edge.min, edge.min] if low is None else [min(-low, edge.max), min(high, edge.max)],
+                            np.int64)
             if type(a).__module__.startswith("cupy"):  # (nccl takes device arrays)
                 import cupy
 
