@@ -43,6 +43,9 @@ __all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeErr
 
 log = logging.getLogger(__name__)
 
+#: the least bytes of an input that a run reads in the caller's array (:meth:`RankProgram._lent`)
+_LEND_LEAST = 1 << 16
+
 _VP = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 
@@ -291,8 +294,10 @@ class RankProgram:
                               if self.buffers[i].ptr != self.buffers[o].ptr]
         self._fresh = self._fresh_outputs(p, steps[self.load_steps:])
         self._blocks = BlockPool(nbytes for _, nbytes, _ in self._fresh)
-        self._borrowed = {name: sites for name, _, sites in self._redirected(p, "borrowed_inputs",
-                                                                               steps[self.load_steps:])}
+        # (those of 64 KiB or more: a smaller one is copied, see _lent)
+        self._borrowed = {name: sites for name, nbytes, sites in self._redirected(p, "borrowed_inputs",
+                                                                                    steps[self.load_steps:])
+                          if nbytes >= _LEND_LEAST}
         self._arena_span = (self.arena.ctypes.data, self.arena.ctypes.data + self.arena.nbytes)
         self.reset_state()
         # artifacts of older versions may list a runner.so: the native library replaces it
@@ -641,7 +646,7 @@ class RankProgram:
         res = {}
         for name in self._borrowed:
             a = arrays.get(name)
-            if type(a) is np.ndarray and a.nbytes >= 1 << 16 and a.flags.c_contiguous and a.flags.aligned:
+            if type(a) is np.ndarray and a.flags.c_contiguous and a.flags.aligned:
                 addr = a.ctypes.data
                 if addr >= hi or addr + a.nbytes <= lo:
                     res[name] = addr
