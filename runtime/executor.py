@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 #: the least bytes of an input that a run reads in the caller's array (:meth:`RankProgram._lent`)
 _LEND_LEAST = 1 << 16
+#: the least bytes of an output that a run writes into fresh memory (smaller ones are copied out of the
+#: arena: cheaper than a block and its pointers, 10 us a run of the tiny genai Llama's five outputs)
+_FRESH_LEAST = 1 << 14
 
 _VP = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -324,8 +327,8 @@ class RankProgram:
         sites)``, a site ``(pointer array, slot, offset in the output's block, arena pointer)`` for
         each place a kernel call passes the output's storage. :meth:`run` points the sites at a
         fresh block of memory, which the output is then returned in (no copy), and back after."""
-        return [e for e in self._redirected(p, "fresh_outputs", run_steps)
-                if e[0] not in self._computed_checks]  # (a count _checked reads where the kernel wrote it)
+        return [e for e in self._redirected(p, "fresh_outputs", run_steps)  # (of _FRESH_LEAST bytes or more;
+                if e[1] >= _FRESH_LEAST and e[0] not in self._computed_checks]  # a count: read where written)
 
     def _redirected(self, p: dict, key: str, run_steps: list) -> list[tuple[str, int, list]]:
         """``(name, bytes, sites)`` per entry of ``program.json``'s ``fresh_outputs`` or

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from threads import run_threads
 
 from shardflow.compiler import compile
-from shardflow.runtime import load
+from shardflow.runtime import executor, load
 from shardflow.runtime.artifact import ArtifactError
 from shardflow.runtime import InputShapeError
 from shardflow.runtime.comm import InProcessWorld
@@ -76,11 +76,14 @@ def test_the_outputs_written_on_every_run_alone_are_fresh(built):
     assert sorted(fresh) == ["r", "z"]
     # z's block holds its two parts, each written by its own kernel, and z itself
     assert len(fresh["z"]["buffers"]) == 3 and fresh["z"]["bytes"] == 32 * 32 * 4
+    assert load(out)._fresh == []  # (outputs under 16 KiB are copied out instead: cheaper)
 
 
-def test_each_run_returns_arrays_of_its_own(built):
+def test_each_run_returns_arrays_of_its_own(built, monkeypatch):
     out, ref = built
+    monkeypatch.setattr(executor, "_FRESH_LEAST", 0)  # (these outputs are small: written fresh all the same)
     prog = load(out)
+    assert sorted(name for name, _, _ in prog._fresh) == ["r", "z"]
     x1, x2 = (np.random.default_rng(s).standard_normal((16, 16)).astype(np.float32) for s in (1, 2))
     first = prog.run({"x": x1})
     kept = {k: v.copy() for k, v in first.items()}
