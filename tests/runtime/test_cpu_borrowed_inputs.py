@@ -161,3 +161,22 @@ def test_a_borrowed_input_written_by_a_step_is_refused(built, tmp_path):
     path.write_text(json.dumps(program))
     with pytest.raises(ArtifactError, match="borrowed input 'x' is written by a step"):
         load(copy, verify=False)
+
+
+def test_a_split_input_is_read_in_place_on_each_rank(tmp_path):
+    """``x`` split by rows over two ranks: each rank's part of the caller's array (rows of it, so
+    contiguous) is read where it lies, and both ranks return the single-device values."""
+    from threads import run_threads
+
+    from shardflow.runtime.comm import InProcessWorld
+
+    out = tmp_path / "two"
+    compile(_model(), distributed_config={"mesh_shape": [2], "input_placements": {"x": "S(0)", "past": "S(0)"}},
+            optimization_config={"target": "cpu"}, out_dir=out)
+    world = InProcessWorld(2).communicators()
+    programs = [load(out, c.rank, c) for c in world]
+    feeds = {k: _aligned(v) for k, v in _feeds(7).items()}
+    lent = [set(p._lent({"x": feeds["x"][256 * r:256 * (r + 1)]})) for r, p in enumerate(programs)]
+    assert lent == [{"x"}, {"x"}], lent
+    for got in run_threads(world, lambda c: programs[c.rank].run(feeds)):
+        _check(got, _want(**feeds))
