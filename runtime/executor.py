@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Container, Mapping
 
 import numpy as np
 
@@ -327,8 +327,9 @@ class RankProgram:
         sites)``, a site ``(pointer array, slot, offset in the output's block, arena pointer)`` for
         each place a kernel call passes the output's storage. :meth:`run` points the sites at a
         fresh block of memory, which the output is then returned in (no copy), and back after."""
-        return [e for e in self._redirected(p, "fresh_outputs", run_steps)  # (of _FRESH_LEAST bytes or more;
-                if e[1] >= _FRESH_LEAST and e[0] not in self._computed_checks]  # a count: read where written)
+        # (of _FRESH_LEAST bytes or more; no index check's count: _checked reads it where it was written)
+        return [e for e in self._redirected(p, "fresh_outputs", run_steps)
+                if e[1] >= _FRESH_LEAST and e[0] not in self._computed_checks]
 
     def _redirected(self, p: dict, key: str, run_steps: list) -> list[tuple[str, int, list]]:
         """``(name, bytes, sites)`` per entry of ``program.json``'s ``fresh_outputs`` or
@@ -655,7 +656,7 @@ class RankProgram:
                     res[name] = addr
         return res
 
-    def _copy_inputs(self, arrays: Mapping[str, Any], skip: Mapping[str, Any] = {}) -> None:
+    def _copy_inputs(self, arrays: Mapping[str, Any], skip: Container[str] = ()) -> None:
         for name, buf in self.input_specs:
             if name in arrays and name not in skip:  # (a state input left out keeps its value)
                 a = arrays[name]

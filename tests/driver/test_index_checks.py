@@ -223,18 +223,24 @@ def test_a_split_computed_index_is_refused_on_every_rank(tmp_path):
     np.testing.assert_allclose(again[0]["y"], want, rtol=1e-6)
 
 
+def _position_state_model(n: int):
+    """``n`` decoding positions read from a table of 8 rows (``y = table[pos]``) and advanced by one
+    (``pos_next = pos + 1``, the state's next value)."""
+    return helper.make_model(helper.make_graph(
+        [helper.make_node("Gather", ["table", "pos"], ["y"], name="pe"),
+         helper.make_node("Add", ["pos", "one"], ["pos_next"])], "g",
+        [helper.make_tensor_value_info("pos", TensorProto.INT64, [n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, 2]),
+         helper.make_tensor_value_info("pos_next", TensorProto.INT64, [n])],
+        [numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(8, 2), "table"), _const("one", 1)]),
+        opset_imports=[helper.make_opsetid("", 17)])
+
+
 def test_a_position_kept_as_state_is_checked_when_carried_over(tmp_path):
     """A decoding position kept as state (``pos_next = pos + 1``) reads a table of 8 rows: given, or
     carried over from the last run, a position past the table refuses the run before it starts (the
     input check; the state keeps its value) and the program goes on from a position given again."""
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("Gather", ["table", "pos"], ["y"], name="pe"),
-         helper.make_node("Add", ["pos", "one"], ["pos_next"])], "g",
-        [helper.make_tensor_value_info("pos", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2]),
-         helper.make_tensor_value_info("pos_next", TensorProto.INT64, [1])],
-        [numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(8, 2), "table"), _const("one", 1)]),
-        opset_imports=[helper.make_opsetid("", 17)])
+    model = _position_state_model(1)
     res = compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                   out_dir=tmp_path / "out", state={"pos_next": "pos"})
     prog = load(res.out_dir)
@@ -288,14 +294,7 @@ def test_a_position_state_split_over_ranks_is_checked_on_every_rank(tmp_path):
     """Per-sequence positions kept as state and split by the batch over two ranks: carried over, one
     rank's part past the table refuses the run on both ranks (the parts' extremes all-reduced first),
     and the ranks go on together from positions given again, as the single-device program does."""
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("Gather", ["table", "pos"], ["y"], name="pe"),
-         helper.make_node("Add", ["pos", "one"], ["pos_next"])], "g",
-        [helper.make_tensor_value_info("pos", TensorProto.INT64, [4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2]),
-         helper.make_tensor_value_info("pos_next", TensorProto.INT64, [4])],
-        [numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(8, 2), "table"), _const("one", 1)]),
-        opset_imports=[helper.make_opsetid("", 17)])
+    model = _position_state_model(4)
     res = compile(model, distributed_config={"mesh_shape": [2], "input_placements": {"pos": "S(0)"},
                                              "output_placements": {"pos_next": "S(0)"}},
                   optimization_config={"target": "cpu"}, out_dir=tmp_path / "two", state={"pos_next": "pos"})
