@@ -1301,6 +1301,7 @@ class _Emitter:
         self.block.append(Accumulate(acc, R.op, val, idx, R.vars[0] if idx is not None else None))
         for _ in R.vars:
             self.pop_scope()
+        loops = _merged_reduction_loops(loops)
         # nest the loops
         for outer, inner in zip(loops, loops[1:]):
             outer.body.append(inner)
@@ -1315,6 +1316,74 @@ class _Emitter:
             self.block.append(Assign(acc, BinOp("div", acc, Const(float(count), acc_dt if _kind(acc_dt) == "f"
                                                                    else "float64"))))
         return result
+
+
+class _Unmergeable(Exception):
+    pass
+
+
+def _merged_reduction_loops(loops: list[Loop]) -> list[Loop]:
+    """A reduction's innermost loops as one loop where they walk adjacent axes of every tensor the body reads.
+
+    ``ReduceMean(x, axes=[2, 3])`` over a ``[N, C, 56, 56]`` image reads ``x[n, c, k0, k1]`` only: ``k0``
+    and ``k1`` make one index ``k`` of 3136 values over ``x`` seen as ``[N, C, 3136]``. One loop is
+    vectorized as one reduction, where the nest of two combined the vector lanes after each row of 56
+    (a global average pool's kernel twice as fast). Two variables merge only when each occurrence of
+    them in the body is a read indexed by them alone, at consecutive dimensions, the second of the
+    variable's own extent; any other use (an index computed from them, a condition) keeps the nest.
+    The values are summed in another order (as the vectorized loop already did)."""
+    while len(loops) >= 2:
+        a, b = loops[-2].var, loops[-1].var
+        k = Var(f"{a.name}_{b.name}", a.extent * b.extent, "reduce")
+        try:
+            body = _merge_statements(loops[-1].body, a, b, k, {})
+        except _Unmergeable:
+            break
+        loops = loops[:-2] + [Loop(k, k.extent, body)]
+    return loops
+
+
+def _merge_statements(body: list, a: Var, b: Var, k: Var, memo: dict) -> list:
+    out = []
+    for s in body:
+        if isinstance(s, Let):
+            out.append(Let(s.local, _merge_expr(s.value, a, b, k, memo)))
+        elif isinstance(s, Assign):
+            out.append(Assign(s.local, _merge_expr(s.value, a, b, k, memo)))
+        elif isinstance(s, Declare):
+            out.append(s)
+        elif isinstance(s, Accumulate) and s.index is None:
+            out.append(Accumulate(s.acc, s.op, _merge_expr(s.value, a, b, k, memo)))
+        elif isinstance(s, If):
+            out.append(If(_merge_expr(s.cond, a, b, k, memo), _merge_statements(s.then, a, b, k, memo),
+                          _merge_statements(s.other, a, b, k, memo)))
+        else:  # (a nested loop, a store, an arg-reduction's index)
+            raise _Unmergeable
+    return out
+
+
+def _merge_expr(e: Expr, a: Var, b: Var, k: Var, memo: dict) -> Expr:
+    hit = memo.get(id(e))
+    if hit is not None:
+        return hit[1]
+    if e is a or e is b:
+        raise _Unmergeable
+    r = e
+    if isinstance(e, TensorElement) and isinstance(e.tensor, Buffer):
+        ix, shape = e.indices, e.tensor.shape
+        d = next((d for d in range(len(ix) - 1) if ix[d] is a and ix[d + 1] is b), None)
+        if d is not None and shape[d + 1] == b.extent:
+            buf = e.tensor
+            merged = Buffer(buf.name, shape[:d] + (shape[d] * shape[d + 1],) + shape[d + 2:], buf.dtype, buf.role,
+                            buf.index)
+            rest = [_merge_expr(x, a, b, k, memo) for x in ix[:d] + ix[d + 2:]]
+            r = TensorElement(merged, tuple(rest[:d]) + (k,) + tuple(rest[d:]))
+    if r is e:
+        kids = e.children()
+        new = [_merge_expr(c, a, b, k, memo) for c in kids]
+        r = rebuild(e, new) if any(x is not y for x, y in zip(kids, new)) else e
+    memo[id(e)] = (e, r)
+    return r
 
 
 class _ReduceInit(Expr):

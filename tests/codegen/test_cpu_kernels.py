@@ -24,8 +24,8 @@ from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
 from shardflow.compiler.ir.task import compute
-from shardflow.compiler.ops.conv import (Conv, ConvTranspose, PackedConv, PackedConvBf16, PackedConvInteger, Pool,
-                                         Resize, WinogradConv, int8_conv_rows, pack_bf16_conv, pack_int8_conv,
+from shardflow.compiler.ops.conv import (Conv, ConvTranspose, GlobalPool, PackedConv, PackedConvBf16, PackedConvInteger,
+                                         Pool, Resize, WinogradConv, int8_conv_rows, pack_bf16_conv, pack_int8_conv,
                                          winograd_weights)
 from shardflow.compiler.ops.elementwise import Activation, Binary, CastOp, RoundHalf, Unary, Where
 from shardflow.compiler.ops.linalg import (INT8_KSTEP, INT8_PANEL, PANEL, Attention, Einsum, ExpertMatMul, Gemm, MatMul,
@@ -1182,6 +1182,53 @@ def test_softmax_reductions_are_hoisted():
     k = lower_task(op.task, op.name, op.op_type)
     assert len(k.temps) == 2 and [t.shape for t in k.temps] == [(4, 8), (4, 8)]
     assert _loop_depth(k.body) == 3
+
+
+def _reduction_loops(body):
+    """The extents of each reduction's loop nest (loops over reduction variables), outermost first."""
+    found = []
+    for s in body:
+        if isinstance(s, lower_mod.Loop) and s.var.kind == "reduce":
+            nest = [s.extent]
+            while len(s.body) == 1 and isinstance(s.body[0], lower_mod.Loop) and s.body[0].var.kind == "reduce":
+                s = s.body[0]
+                nest.append(s.extent)
+            found.append(nest)
+        for key in ("body", "then", "other"):
+            found.extend(_reduction_loops(getattr(s, key, [])))
+    return found
+
+
+def test_reductions_over_adjacent_axes_are_one_loop(tmp_path, kernel_cache):
+    """A reduction whose variables index consecutive dims of every read runs one loop over their product
+    (a global pool over 56x56 pixels: one vectorized sum of 3136 values, not 56 of 56), with numpy's values,
+    NaN included; other reductions keep their nest."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 5, 7)).astype(np.float32)
+    nhwc = rng.standard_normal((2, 5, 7, 3)).astype(np.float32)
+    nhwc[1, 2, 3, 1] = np.nan
+    merged = [
+        (Reduce([_t(x.shape)], kind="mean", axes=(2, 3), keepdims=True, name="hw"), [x], [35]),
+        (Reduce([_t(x.shape)], kind="sum", axes=(1, 2, 3), keepdims=False, name="chw"), [x], [105]),
+        (Reduce([_t(x.shape)], kind="prod", axes=(0, 1, 2, 3), keepdims=False, name="all"), [x * 0 + 1.01], [210]),
+        (Reduce([_t(nhwc.shape)], kind="max", axes=(1, 2), keepdims=False, name="nhwc_max"), [nhwc], [35]),
+        (GlobalPool([_t(x.shape)], kind="avg", name="gap"), [x], [35]),
+    ]
+    kept = [
+        (Reduce([_t(x.shape)], kind="sum", axes=(1, 3), keepdims=False, name="apart"), [x], [3, 7]),
+        (Pool([_t(x.shape)], kind="avg", kernel=(2, 3), strides=(1, 1), pads=(0, 0, 0, 0), name="window"), [x],
+         [2, 3]),
+    ]
+    for op, _, loops in merged + kept:
+        assert _reduction_loops(lower_task(op.task, op.name, op.op_type).body) == [loops], op.name
+    ops = [op for op, _, _ in merged + kept]
+    syms = build_cpu_library(ops, str(tmp_path / "red.so"), cache_dir=kernel_cache, opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "red.so"))
+    for op, arrays, _ in merged + kept:
+        got = run_kernel(lib, syms[op.name], op, arrays)
+        assert_matches(got, op.run(*arrays), [t.dtype for t in op.outputs])
+    got = run_kernel(lib, syms["nhwc_max"], merged[3][0], merged[3][1])[0]
+    assert np.isnan(got[1, 1]) and np.isnan(got).sum() == 1
 
 
 def test_attention_scores_are_materialized_once():
