@@ -1398,8 +1398,14 @@ def _topk(op) -> str | None:
     """TopK (the op's definition is an extern: no loop nest sorts): per row along ``axis``, the
     positions ordered by value (descending for ``largest``, NaN first, as numpy's stable argsort of
     the reversed axis gives; ascending otherwise, NaN last), equal values by lower position, and the
-    first k of them (``std::partial_sort`` of a position buffer; values read through the axis's
-    stride) written with their int64 positions. Rows in parallel."""
+    first k of them written with their int64 positions. Rows in parallel.
+
+    Per row the candidates are (value, position) pairs in a buffer of ``2k + 64``; when it is full a
+    ``std::nth_element`` keeps the k that go first, and the last of them is the bar a later value must
+    go before to enter (one read and one comparison per value; a later position never goes before an
+    equal value, so the value decides). At the end the k kept are sorted. (Before: ``std::partial_sort``
+    of positions, whose heap steps compared through the positions: 0.83-0.9 ms for 64 rows of 4096
+    values against onnxruntime's 0.56.)"""
     from .cpp import STORAGE_CTYPE
 
     x = op.inputs[0]
@@ -1416,6 +1422,7 @@ def _topk(op) -> str | None:
     kt = "float" if x.dtype == "bfloat16" else ct  # (the type values are compared in)
     key = "sf_bf16_to_float({})" if x.dtype == "bfloat16" else "{}"
     flt = x.dtype.startswith("float") or x.dtype == "bfloat16"
+    cap = min(n, 2 * k + 64)  # (the candidates' buffer)
     if largest:
         before = "(a > b) | ((a != a) & (b == b))" if flt else "a > b"
     else:
@@ -1429,18 +1436,30 @@ def _topk(op) -> str | None:
              f"  for (int64_t t = 0; t < {outer * inner}; ++t) {{",
              f"    const int64_t o = t / {inner}, i = t % {inner};",
              f"    const {ct}* __restrict__ xr = in0 + o * {n * inner} + i;",
-             f"    int32_t* __restrict__ pos = static_cast<int32_t*>(sf_workspace(0, sizeof(int32_t) * {n}));",
-             f"    for (int32_t j = 0; j < {n}; ++j) pos[j] = j;",
+             f"    struct Item {{ {kt} v; int32_t p; }};",
+             f"    Item* __restrict__ buf = static_cast<Item*>(sf_workspace(0, sizeof(Item) * {cap}));",
+             f"    auto value = [xr](int64_t p) -> {kt} {{ return {key.format(f'xr[p * {inner}]')}; }};",
              f"    auto ahead = []({kt} a, {kt} b) {{ return {before}; }};  // value a goes before value b",
-             "    auto first = [xr, ahead](int32_t p, int32_t q) {  // position p goes before position q",
-             f"      const {kt} a = {key.format(f'xr[(int64_t)p * {inner}]')}, "
-             f"b = {key.format(f'xr[(int64_t)q * {inner}]')};",
-             "      return ahead(a, b) || (!ahead(b, a) && p < q);",
+             "    auto first = [ahead](const Item& a, const Item& b) {  // pair a goes before pair b",
+             "      return ahead(a.v, b.v) || (!ahead(b.v, a.v) && a.p < b.p);",
              "    };",
-             f"    std::partial_sort(pos, pos + {k}, pos + {n}, first);",
+             f"    for (int32_t j = 0; j < {cap}; ++j) buf[j] = Item{{value(j), j}};",
+             f"    int32_t cnt = {cap};",
+             f"    auto keep = [&]() {{ std::nth_element(buf, buf + {k - 1}, buf + cnt, first); cnt = {k}; }};",
+             f"    if (cnt > {k}) keep();",
+             f"    {kt} bar = buf[{k - 1}].v;  // (the last of the k kept)",
+             f"    for (int32_t j = {cap}; j < {n}; ++j) {{",
+             f"      const {kt} v = value(j);",
+             "      if (ahead(v, bar)) {",
+             "        buf[cnt++] = Item{v, j};",
+             f"        if (cnt == {cap}) {{ keep(); bar = buf[{k - 1}].v; }}",
+             "      }",
+             "    }",
+             f"    if (cnt > {k}) keep();",
+             f"    std::sort(buf, buf + {k}, first);",
              f"    for (int64_t j = 0; j < {k}; ++j) {{",
-             f"      out0[(o * {k} + j) * {inner} + i] = xr[(int64_t)pos[j] * {inner}];",
-             f"      out1[(o * {k} + j) * {inner} + i] = pos[j];",
+             f"      out0[(o * {k} + j) * {inner} + i] = xr[(int64_t)buf[j].p * {inner}];",
+             f"      out1[(o * {k} + j) * {inner} + i] = buf[j].p;",
              "    }",
              "  }"]
     return "\n".join(lines)

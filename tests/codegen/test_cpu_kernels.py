@@ -1144,6 +1144,32 @@ def test_numpy_edge_semantics(tmp_path, kernel_cache):
     assert np.isnan(wp).sum() == 1 + 2 + 1  # (4, 7) lies in the windows (2, 3) and (2, 4)
 
 
+def test_topk_rows_that_replace_their_candidates_often(tmp_path, kernel_cache):
+    """TopK's template keeps candidates in a buffer of 2k + 64 and cuts it to the k that go first when it
+    fills: rising rows (every value enters, the buffer fills again and again) with runs of equal values
+    and NaN, both directions, a strided axis and integers, against numpy's order (ties by position)."""
+    n = 1500
+    rise = np.repeat(np.arange(n // 3, dtype=np.float32), 3)[:n] / 7  # (runs of three equal values)
+    rows = np.stack([rise, rise[::-1], np.where(np.arange(n) % 97 == 5, np.nan, rise), np.zeros(n, np.float32)])
+    ints = (np.arange(n, dtype=np.int64) // 4)[None, :] * np.array([[1], [-1]])
+    cases = [
+        (TopK([_t(rows.shape)], k=10, axis=1, largest=True, name="hi"), [rows]),
+        (TopK([_t(rows.shape)], k=33, axis=1, largest=False, name="lo"), [rows]),
+        (TopK([_t((n, 4))], k=7, axis=0, largest=True, name="col"), [np.ascontiguousarray(rows.T)]),
+        (TopK([_t(ints.shape, "int64")], k=9, axis=1, largest=True, name="int"), [ints]),
+    ]
+    syms = build_cpu_library([op for op, _ in cases], str(tmp_path / "topk.so"), cache_dir=kernel_cache,
+                             opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "topk.so"))
+    for op, arrays in cases:
+        got = run_kernel(lib, syms[op.name], op, arrays)
+        want = op.run(*arrays)
+        assert_matches(got, want, [t.dtype for t in op.outputs])
+    hi = run_kernel(lib, syms["hi"], *cases[0])[1]
+    assert hi[0].tolist() == [1497, 1498, 1499, 1494, 1495, 1496, 1491, 1492, 1493, 1488]
+    assert hi[3].tolist() == list(range(10)) and np.isnan(run_kernel(lib, syms["hi"], *cases[0])[0][2]).all()
+
+
 def test_out_of_range_gather_indices_are_clamped(tmp_path):
     """Indices from data are clamped into the tensor (as the reference evaluator does), never read
     out of bounds."""
