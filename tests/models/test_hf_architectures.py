@@ -1,4 +1,4 @@
-"""42 models users bring: 40 architectures from transformers, diffusers' Stable Diffusion UNet (when
+"""47 models users bring: 45 architectures from transformers, diffusers' Stable Diffusion UNet (when
 diffusers is installed, as the ``test`` extra does) and a block of a user's own on
 ``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 318 s on two cores with ``-n 2``
 in session 48).
@@ -155,6 +155,17 @@ ARCHITECTURES = {
                                               intermediate_size=128)), "ids"),
     "sd_unet": (_sd_unet, "unet"),
     "torch_mha": (_TorchAttentionBlock, "seq"),
+    # session 83: OLMo 2's RMSNorm of the whole query and key projections (before the head split),
+    # Nemotron's squared ReLU and LayerNorm1P, LongT5's local attention blocks, DINOv2's layer scale
+    # and interpolated position embeddings, Mamba-2's chunked state-space scan
+    "olmo2": (_text(T.Olmo2Config, T.Olmo2ForCausalLM, **_GQA), "text"),
+    "nemotron": (_text(T.NemotronConfig, T.NemotronForCausalLM, **_GQA), "text"),
+    "longt5": (_text(T.LongT5Config, T.LongT5Model, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1,
+                     num_heads=4, local_radius=2), "seq2seq"),
+    "dinov2": (lambda: T.Dinov2Model(T.Dinov2Config(image_size=32, patch_size=8, **_SMALL)), "image"),
+    "mamba2": (lambda: T.Mamba2Model(T.Mamba2Config(vocab_size=V, hidden_size=64, state_size=8, num_hidden_layers=2,
+                                                   num_heads=8, head_dim=16, n_groups=1, expand=2, chunk_size=8)),
+               "ids"),
 }
 
 
@@ -162,6 +173,7 @@ ARCHITECTURES = {
 EXPORT_FAILS = {
     ("mamba", "ts17"): "the TorchScript export of Mamba writes a Tile whose repeats onnxruntime refuses",
     ("fnet", "ts17"): "the TorchScript exporter has no aten::fft_fftn (FNet's Fourier transform)",
+    ("mamba2", "ts17"): "the TorchScript export of Mamba-2 writes a Transpose with negative perm values",
 }
 
 
@@ -274,9 +286,11 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
 #: does not follow (DeBERTa-v3's relative attention, WavLM's gated position bias). OPT's, Whisper's
 #: and XGLM's scaled queries, BLOOM's head-major QKV and ``torch.nn.MultiheadAttention`` split
 #: since session 64. Without attention heads: RWKV's time and channel mixing (its receptance and value
-#: products), FNet's Fourier transform (a product by the DFT's matrices).
+#: products), FNet's Fourier transform (a product by the DFT's matrices); OLMo 2's
+#: norms of the whole query and key projections (before the head split, as RMSNorm over all heads) and
+#: Mamba-2's scan (no attention heads: its in- and out-projections).
 KEPT_ON_THREE = {"albert", "swin", "swinv2", "wav2vec2", "sd_unet", "falcon", "gpt_bigcode", "deberta_v3", "wavlm",
-                 "rwkv", "fnet"}
+                 "rwkv", "fnet", "olmo2", "mamba2"}
 
 
 
@@ -339,7 +353,7 @@ def test_architecture_megatron_on_eight_ranks_pads_queries_by_group(exported, ar
 
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
 #: decisions 43, 45, 47 and 50; Swin too since its head size 8 is padded to 16)
-FUSED = set(ARCHITECTURES) - {"convnext", "regnet", "rwkv", "mamba", "fnet"}
+FUSED = set(ARCHITECTURES) - {"convnext", "regnet", "rwkv", "mamba", "fnet", "mamba2"}
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
