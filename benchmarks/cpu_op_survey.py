@@ -78,7 +78,29 @@ def cases(rng):
         "transpose_nhwc": _case("Transpose", {"x": img}, [_f32("y", [1, 128, 128, 64])], perm=[0, 2, 3, 1]),
         "einsum_bmm": _case("Einsum", {"x": [8, 128, 64], "w": [8, 64, 128]}, [_f32("y", [8, 128, 128])],
                             equation="bij,bjk->bik"),
+        "reducemax_mid": _case("ReduceMax", {"x": [64, 4096, 16]}, [_f32("y", [64, 16])],
+                               [_const("a", np.array([1], np.int64))], keepdims=0),
+        "softmax_mid": _case("Softmax", {"x": [16, 512, 64]}, [_f32("y", [16, 512, 64])], axis=1),
+        "layernorm_cf": _channels_first_layernorm(rng, [1, 96, 56, 56]),
     }
+
+
+def _channels_first_layernorm(rng, shape):
+    """A LayerNorm over the channels of NCHW as ConvNeXt's downsampling layers write it (ReduceMean, Sub,
+    Pow, ReduceMean, Add, Sqrt, Div, Mul, Add): statistics over a middle axis."""
+    c = shape[1]
+    nodes = [oh.make_node("ReduceMean", ["x", "ax"], ["u"], keepdims=1), oh.make_node("Sub", ["x", "u"], ["d"]),
+             oh.make_node("Pow", ["d", "two"], ["d2"]), oh.make_node("ReduceMean", ["d2", "ax"], ["s"], keepdims=1),
+             oh.make_node("Add", ["s", "eps"], ["se"]), oh.make_node("Sqrt", ["se"], ["sq"]),
+             oh.make_node("Div", ["d", "sq"], ["n"]), oh.make_node("Mul", ["n", "g"], ["ng"]),
+             oh.make_node("Add", ["ng", "b"], ["y"])]
+    consts = [_const("ax", np.array([1], np.int64)), _const("two", np.float32(2)), _const("eps", np.float32(1e-6)),
+              _const("g", rng.standard_normal((c, 1, 1)).astype(np.float32)),
+              _const("b", rng.standard_normal((c, 1, 1)).astype(np.float32))]
+    graph = oh.make_graph(nodes, "layernorm_cf", [_f32("x", shape)], [_f32("y", shape)], consts)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+    onnx.checker.check_model(model)
+    return model, {"x": shape}
 
 
 def _calls(fn, blocks=5, per=10):

@@ -464,6 +464,8 @@ class _Printer:
         flag = None
         if s.parallel:
             self.emit("#pragma omp parallel for schedule(static)", depth)
+        elif s.simd:
+            self.emit("#pragma omp simd", depth)
         elif s.reduction is not None:
             acc, op = s.reduction
             ct = COMPUTE_CTYPE[acc.dtype]

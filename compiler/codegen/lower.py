@@ -21,6 +21,9 @@ Decisions, in order (see ``rfcs/0002-codegen.md``):
   middle axis). A reduction nested in another one's body that misses some enclosing loop variable is
   materialized too (the scores of an attention). Materialized temporaries are shared by reductions
   that are equal up to renaming of their variables.
+* **Reduction loops.** A reduction's innermost variables that index consecutive dims of every read merge
+  into one loop; reductions over an axis before the innermost output axis, when the reads are contiguous
+  along that axis, accumulate a row of it per step (:meth:`_NestLowerer._interchanged`).
 * **Shared expressions.** An expression object used more than once is computed once per scope and
   kept in a local.
 * **Selects.** ``IfThenElse`` becomes a ternary when both sides are safe to evaluate (every read
@@ -147,12 +150,14 @@ class Local(Expr):
 @dataclass
 class Loop:
     """``for var in range(extent)``; ``reduction`` = ``(acc, op)`` when the body only accumulates
-    into ``acc`` (the emitter may vectorize it as a reduction)."""
+    into ``acc`` (the emitter may vectorize it as a reduction); ``simd`` when its iterations are
+    independent and the emitter should vectorize it (``omp simd``)."""
     var: Var
     extent: int
     body: list
     parallel: bool = False
     reduction: tuple | None = None
+    simd: bool = False
 
 
 @dataclass
@@ -901,6 +906,9 @@ class _NestLowerer:
         if any(a.extent == 0 for a in axes):
             return []
         value = self._rewrite(self.value, _Ctx(axes, True))
+        inner = self._interchanged(value)
+        if inner is not None:
+            return list(self.pre) + inner
         value, rows = self._row_caches(value)
         em = _Emitter(self.kl, value)
         em.row_cache = {id(r): buf for r, buf in rows}
@@ -958,6 +966,78 @@ class _NestLowerer:
                 inner.parallel = True
         out.append(Block(body))
         return out
+
+    def _interchanged(self, value: Expr) -> list | None:
+        """The nest with each reduction over the innermost output axis's row, when the reductions read
+        the input along that axis and across their own variables (ReduceMax over the middle axis of
+        ``[64, 4096, 16]``, Softmax's statistics over a middle axis): per row of the outer axes an
+        array of accumulators, one per element of the innermost axis, and loops over the reduction's
+        variables outside a loop over that axis, which reads and accumulates contiguous values (a
+        vectorized loop) where the plain nest summed one output at a time through values one row
+        apart. Reductions whose body reads another's result take its array. None when the nest is
+        not of that form: reductions at the innermost level only (others outside the innermost
+        axis's loop), sum/mean/prod/max/min, a read whose last index is the innermost axis and none
+        whose last index moves with a reduction variable, rows of at most 8192 accumulators."""
+        axes, n = self.axes, len(self.axes)
+        rs = self.hoisted.get(n, [])
+        if n < 2 or not rs or any(0 < L < n - 1 for L in self.hoisted) or self._in_place_guard(value) is not None:
+            return None
+        a = axes[-1]
+        if not 8 <= a.extent <= 8192 or any(r.op not in ("sum", "mean", "prod", "max", "min") for r in rs):
+            return None
+        outer = {id(r) for L, hs in self.hoisted.items() if L < n for r in hs}
+        for i, r in enumerate(rs):
+            reads, reduces = _reads_and_reductions(r.body)
+            if any(id(x) not in outer and not any(x is e for e in rs[:i]) for x in reduces):
+                return None
+            own = set(r.vars)
+            lasts = [te.indices[-1] for te in reads if te.indices]
+            if not any(ix is a for ix in lasts) or any(own & free_vars(ix, self.fv_memo) for ix in lasts):
+                return None
+        kl = self.kl
+        em = _Emitter(kl, value)
+        body: list = []
+        em.block = body
+        self._emit_hoisted(em, 0, [])
+        work = self._work_estimate(value)
+        flat = FlatLoop(list(axes[:-1]), [], parallel=work >= PARALLEL_MIN_WORK and math.prod(
+            x.extent for x in axes[:-1]) >= 2)
+        body.append(flat)
+        em.push_scope(flat.body)
+        for L in range(1, n):
+            self._emit_hoisted(em, L, [])
+        self._hoist_invariants(em, value, n - 1)
+        repl: dict[int, Expr] = {}
+        for r in rs:
+            dt = accumulator_dtype(r, kl.dtypes)
+            row = Buffer(f"row{next(kl.counter)}", (a.extent,), dt, "local", 0)
+            em.block.append(LocalArray(row))
+            em.block.append(Loop(a, a.extent, [Store(row, (a,), _ReduceInit("sum" if r.op == "mean" else r.op, dt))]))
+            loops = [Loop(v, v.extent, []) for v in r.vars] + [Loop(a, a.extent, [], simd=True)]
+            for lo, li in zip(loops, loops[1:]):
+                lo.body.append(li)
+            em.block.append(loops[0])
+            for lp in loops:
+                em.push_scope(lp.body)
+            val = em.emit(transform(r.body, lambda old, new: repl.get(id(old))))
+            if em.dtype(val) != dt:
+                val = Cast(val, dt)
+            comb = {"sum": "add", "mean": "add", "prod": "mul", "max": "max", "min": "min"}[r.op]
+            em.block.append(Store(row, (a,), BinOp(comb, TensorElement(row, (a,)), val)))
+            for _ in loops:
+                em.pop_scope()
+            read: Expr = TensorElement(row, (a,))
+            if r.op == "mean":
+                count = math.prod(v.extent for v in r.vars)
+                read = BinOp("div", read, Const(float(count), dt if _kind(dt) == "f" else "float64"))
+            repl[id(r)] = read
+        last = Loop(a, a.extent, [])
+        em.block.append(last)
+        em.push_scope(last.body)
+        em.block.append(Store(self.target, tuple(axes), em.emit(transform(value, lambda old, new: repl.get(id(old))))))
+        em.pop_scope()
+        em.pop_scope()
+        return [Block(body)]
 
     def _in_place_guard(self, value: Expr) -> tuple[Expr, Expr] | None:
         """``(c, e)`` when this nest writes the kernel's output over its input ``in_place`` (the
@@ -1316,6 +1396,23 @@ class _Emitter:
             self.block.append(Assign(acc, BinOp("div", acc, Const(float(count), acc_dt if _kind(acc_dt) == "f"
                                                                    else "float64"))))
         return result
+
+
+def _reads_and_reductions(e: Expr) -> tuple[list, list]:
+    """The tensor reads of ``e`` and the reductions in it, not looking inside those reductions."""
+    reads, reduces, seen, stack = [], [], set(), [e]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, Reduce):
+            reduces.append(x)
+            continue
+        if isinstance(x, TensorElement):
+            reads.append(x)
+        stack.extend(x.children())
+    return reads, reduces
 
 
 class _Unmergeable(Exception):

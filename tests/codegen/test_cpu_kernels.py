@@ -1257,6 +1257,75 @@ def test_reductions_over_adjacent_axes_are_one_loop(tmp_path, kernel_cache):
     assert np.isnan(got[1, 1]) and np.isnan(got).sum() == 1
 
 
+class _MiddleVariance(Operator):
+    """Test-only op: the variance over the middle axis of ``[A, K, B]``, two reductions of one nest, the
+    second reading the first (``op.run`` is the reference evaluator)."""
+
+    def compute(self, x):
+        from shardflow.compiler.ir.task import reduce
+        k = x.shape[1]
+
+        def f(i, j):
+            mean = reduce((k,), lambda q: x[i, q, j], "mean")
+            return reduce((k,), lambda q: BinOp("mul", BinOp("sub", x[i, q, j], mean), BinOp("sub", x[i, q, j], mean)),
+                          "mean")
+        return compute("y", (x.shape[0], x.shape[2]), f)
+
+
+def _simd_loops(body):
+    found = []
+    for s in body:
+        if isinstance(s, lower_mod.Loop) and s.simd:
+            found.append(s.extent)
+        for key in ("body", "then", "other"):
+            found.extend(_simd_loops(getattr(s, key, [])))
+    return found
+
+
+def test_reductions_over_a_middle_axis_accumulate_rows(tmp_path, kernel_cache):
+    """A reduction over an axis before the innermost one accumulates a row of the innermost axis per step
+    (a vectorized loop over contiguous values), where the nest summed each output through values a row
+    apart; numpy's values in every kind, NaN, integer and float16 inputs, two dependent reductions."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 40, 16)).astype(np.float32)
+    xn = x.copy()
+    xn[1, 7, 3] = xn[2, 0, 15] = np.nan
+    xi = rng.integers(-2**30, 2**30, (3, 40, 16)).astype(np.int32)  # (sums past int32's range)
+    xh = x.astype(np.float16)
+    row = [
+        (Reduce([_t(x.shape)], kind="sum", axes=(1,), keepdims=False, name="sum"), [x]),
+        (Reduce([_t(x.shape)], kind="mean", axes=(1,), keepdims=True, name="mean"), [x]),
+        (Reduce([_t(x.shape)], kind="prod", axes=(1,), keepdims=False, name="prod"), [1 + x / 50]),
+        (Reduce([_t(x.shape)], kind="max", axes=(1,), keepdims=False, name="max"), [xn]),
+        (Reduce([_t(x.shape)], kind="min", axes=(1,), keepdims=False, name="min"), [xn]),
+        (Reduce([_t(x.shape)], kind="sum", axes=(0, 1), keepdims=True, name="sum01"), [x]),
+        (Reduce([_t(xi.shape, "int32")], kind="sum", axes=(1,), keepdims=False, name="isum"), [xi]),
+        (Reduce([_t(xh.shape, "float16")], kind="mean", axes=(1,), keepdims=False, name="hmean"), [xh]),
+        (Softmax([_t(x.shape)], axes=(1,), log=False, name="softmax"), [x]),
+        (_MiddleVariance([_t(x.shape)], name="var"), [x]),
+    ]
+    kept = [
+        (Reduce([_t(x.shape)], kind="sum", axes=(2,), keepdims=False, name="last"), [x]),
+        (Reduce([_t((3, 40, 4))], kind="sum", axes=(1,), keepdims=False, name="narrow"), [x[:, :, :4].copy()]),
+    ]
+    for op, _ in row:
+        assert _simd_loops(lower_task(op.task, op.name, op.op_type).body), op.name
+    for op, _ in kept:
+        assert not _simd_loops(lower_task(op.task, op.name, op.op_type).body), op.name
+    var = lower_task(row[-1][0].task, "var", "var")
+    assert _simd_loops(var.body) == [16, 16] and not var.temps  # (both in one nest: the mean's row read back)
+    syms = build_cpu_library([op for op, _ in row + kept], str(tmp_path / "mid.so"), cache_dir=kernel_cache,
+                             opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "mid.so"))
+    for op, arrays in row + kept:
+        got = run_kernel(lib, syms[op.name], op, arrays)
+        assert_matches(got, op.run(*arrays), [t.dtype for t in op.outputs])
+    got = run_kernel(lib, syms["max"], *row[3])[0]
+    assert np.isnan(got[1, 3]) and np.isnan(got[2, 15]) and np.isnan(got).sum() == 2
+    np.testing.assert_array_equal(run_kernel(lib, syms["isum"], *row[6])[0],  # (ReduceSum keeps int32: wrapped once)
+                                  xi.astype(np.int64).sum(axis=1).astype(np.int32))
+
+
 def test_attention_scores_are_materialized_once():
     """The three score reductions of Attention are one temporary (equal up to renaming)."""
     op = Attention([_t((1, 2, 5, 4)), _t((1, 2, 6, 4)), _t((1, 2, 6, 3))], scale_sqrt=0.5)
