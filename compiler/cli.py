@@ -254,6 +254,23 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("out_dir", help="an out_dir written by `shardflow compile`")
     pi.add_argument("--verify", action="store_true", help="also check the sha256 of every file")
     pi.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    pa = sub.add_parser("cache", help="show or shrink the kernel cache",
+                        description="The kernel cache keeps every library compile builds (cpu .so, cuda cubins, the "
+                                    "precompiled header, tuning choices) and never removes one by itself. `info` "
+                                    "(the default) prints what it holds, `prune --max-size SIZE` removes the least "
+                                    "recently used entries until it fits, `clear` removes them all; entries used in "
+                                    "the last --keep-recent seconds stay (prune: a compile beside it may read them). "
+                                    "Clear it between compiles: a cpu compile running meanwhile may fail.")
+    pa.add_argument("action", nargs="?", choices=("info", "prune", "clear"), default="info",
+                    help="info (default): what the cache holds; prune: remove the least recently used entries "
+                         "down to --max-size; clear: remove every entry")
+    pa.add_argument("--dir", default=None, metavar="DIR",
+                    help="the cache (default $SHARDFLOW_CACHE_DIR, else ~/.cache/shardflow/kernels)")
+    pa.add_argument("--max-size", default=None, metavar="SIZE", help="for prune: the size to fit, e.g. 500M or 2G")
+    pa.add_argument("--keep-recent", type=float, default=None, metavar="SECONDS",
+                    help="leave entries used this recently (default: 60 for prune, 0 for clear)")
+    pa.add_argument("--json", action="store_true", help="print what the cache holds as JSON (info)")
     return parser
 
 
@@ -423,6 +440,44 @@ def _cmd_inspect(args) -> int:
     return 1 if bad else 0
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _cmd_cache(args) -> int:
+    from .codegen import cache
+    from .codegen.toolchain import default_cache_dir
+
+    folder = args.dir or default_cache_dir()
+    if args.action == "prune" and args.max_size is None:
+        raise _CLIError("prune needs --max-size SIZE (e.g. 500M, 2G)")
+    if args.action != "prune" and args.max_size is not None:
+        raise _CLIError("--max-size is for prune")
+    keep = args.keep_recent if args.keep_recent is not None else (60.0 if args.action == "prune" else 0.0)
+    if keep < 0:
+        raise _CLIError(f"--keep-recent must be 0 or more seconds, got {keep}")
+    if args.action == "prune":
+        n, freed = cache.prune_cache(folder, cache.parse_size(args.max_size), keep)
+        print(f"removed {n} entries ({_size(freed)}) from {folder}")
+    elif args.action == "clear":
+        n, freed = cache.clear_cache(folder, keep)
+        print(f"removed {n} entries ({_size(freed)}) from {folder}")
+    summary = cache.cache_summary(folder)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"{summary['dir']}: {_size(summary['bytes'])}")
+    for kind, c in summary["entries"].items():
+        if c["count"]:
+            print(f"  {kind:18s} {c['count']:7d}  {_size(c['bytes'])}")
+    if summary["others"]:
+        print(f"  ({len(summary['others'])} other files, not cache entries, left alone)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardflow`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -439,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return {"compile": _cmd_compile, "plan": _cmd_plan, "inspect": _cmd_inspect,
-                "calibrate": _cmd_calibrate}[args.command](args)
+                "calibrate": _cmd_calibrate, "cache": _cmd_cache}[args.command](args)
     except _CLIError as exc:
         print(f"shardflow {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -85,6 +85,7 @@ from .cuda_wgmma import (PDL_ENTER, PERSISTENT_SMS, SPLIT_HELPERS, STREAM_K_WORK
                          DirectOperand, GatherOperand, check_sms, target_sms, wgmma_gemm_kernel,
                          wgmma_helpers)
 from .lower import CodegenError, hashcons, kept_select
+from .cache import touch
 from .toolchain import CompileError, ToolchainError, default_cache_dir
 
 __all__ = ["KernelLaunch", "CudaSource", "CudaCodegenError", "build_cuda_library", "generate_cuda_source",
@@ -3209,9 +3210,14 @@ def _cached_cubin(src: CudaSource, arch: str, cache: str, compiler: str) -> tupl
                                  "install the CUDA toolkit or cupy-cuda12x/cupy-cuda13x") from None
     key = hashlib.sha256((src.text + "\0" + tool).encode()).hexdigest()
     cached = os.path.join(cache, key[:2], key + ".cubin")
-    if os.path.exists(cached):
+    try:
         with open(cached, "rb") as f:
-            return f.read(), True
+            data = f.read()
+    except FileNotFoundError:  # (never built, or taken out of the cache: `shardflow cache prune`)
+        pass
+    else:
+        touch(cached)
+        return data, True
     data = _compile_nvcc(nvcc, src, target) if nvcc is not None else _compile_nvrtc(src, target)
     try:
         _atomic_write(cached, data)

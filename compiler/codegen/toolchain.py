@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Mapping, Sequence
 
+from .cache import touch
 from .lower import CodegenError
 
 __all__ = ["CompileError", "ToolchainError", "cxx_compiler", "compiler_version", "compile_flags", "default_cache_dir",
@@ -230,9 +231,14 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     os.makedirs(cache_dir, exist_ok=True)
     cached = os.path.join(cache_dir, f"{key}.so")
     if os.path.exists(cached):
-        log.info("kernel cache hit %s", cached)
-        _atomic_copy(cached, path)
-        return True
+        try:
+            _atomic_copy(cached, path)
+        except FileNotFoundError:  # (taken out of the cache meanwhile: `shardflow cache prune`)
+            log.info("kernel cache entry %s went away while read; compiling it again", cached)
+        else:
+            log.info("kernel cache hit %s", cached)
+            touch(cached)
+            return True
     units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
     jobs = jobs or default_jobs()
     unit_flags = [f for f in flags if f != "-shared"]
@@ -274,6 +280,8 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
     hkey = hashlib.sha256("\0".join([header, " ".join(command), version]).encode()).hexdigest()
     path = os.path.join(cache_dir, f"{hkey}.h")
     if os.path.exists(path + ".gch") and os.path.exists(path):
+        touch(path)
+        touch(path + ".gch")
         return path
     src = os.path.join(tmp, "header.h")
     with open(src, "w") as f:
@@ -301,6 +309,7 @@ def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], obj
     for sym in wanted:
         cached = os.path.join(cache_dir, f"{pkeys[sym]}.o")
         if os.path.exists(cached):
+            touch(cached)
             found.append(cached)
             continue
         src = os.path.join(tmp, f"prebuilt_{sym}.cpp")

@@ -31,6 +31,7 @@ import numpy as np
 
 from shardflow.runtime.tma import kernel_args
 from ..ir.graph import Operator
+from .cache import touch
 from .cuda_wgmma import PERSISTENT_SMS, WGMMA_CONFIGS
 
 __all__ = ["tune_gemms", "gpu_name", "visible_gpu"]
@@ -182,9 +183,13 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
         text = text[text.index('extern "C"'):].replace(launch.symbol, "K")  # the kernel alone
         key = hashlib.sha256("\0".join([text, device, arch, precision, *CANDIDATES]).encode()).hexdigest()
         path = os.path.join(folder, key[:2], key + ".json")
-        if os.path.exists(path):
+        try:
             with open(path) as f:
                 chosen[op.name] = json.load(f)["config"]
+        except FileNotFoundError:  # (not measured yet, or taken out of the cache)
+            pass
+        else:
+            touch(path)
             continue
         if path in todo:  # another op with this kernel (a repeated layer): measured once
             todo[path][3].append(op.name)
