@@ -83,6 +83,8 @@ def cases(rng):
         "softmax_mid": _case("Softmax", {"x": [16, 512, 64]}, [_f32("y", [16, 512, 64])], axis=1),
         "reducesum_mid1": _case("ReduceSum", {"x": [1, 2048, 4096]}, [_f32("y", [1, 4096])],
                                 [_const("a", np.array([1], np.int64))], keepdims=0),
+        "reducesum_cols": _case("ReduceSum", {"x": [2048, 4096]}, [_f32("y", [4096])],
+                                [_const("a", np.array([0], np.int64))], keepdims=0),
         "layernorm_cf": _channels_first_layernorm(rng, [1, 96, 56, 56]),
     }
 

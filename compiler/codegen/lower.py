@@ -977,10 +977,11 @@ class _NestLowerer:
         apart. Reductions whose body reads another's result take its array. None when the nest is
         not of that form: reductions at the innermost level only (others outside the innermost
         axis's loop), sum/mean/prod/max/min, a read whose last index is the innermost axis and none
-        whose last index moves with a reduction variable, rows of at most 8192 accumulators."""
+        whose last index moves with a reduction variable, rows of at most 8192 accumulators. A 1-D
+        output (column sums) is one row on one thread: the plain nest's threads each read columns."""
         axes, n = self.axes, len(self.axes)
         rs = self.hoisted.get(n, [])
-        if n < 2 or not rs or any(0 < L < n - 1 for L in self.hoisted) or self._in_place_guard(value) is not None:
+        if n == 0 or not rs or any(0 < L < n - 1 for L in self.hoisted) or self._in_place_guard(value) is not None:
             return None
         a = axes[-1]
         if not 8 <= a.extent <= 8192 or any(r.op not in ("sum", "mean", "prod", "max", "min") for r in rs):
@@ -999,13 +1000,14 @@ class _NestLowerer:
         body: list = []
         em.block = body
         self._emit_hoisted(em, 0, [])
-        work = self._work_estimate(value)
-        flat = FlatLoop(list(axes[:-1]), [], parallel=work >= PARALLEL_MIN_WORK and math.prod(
-            x.extent for x in axes[:-1]) >= 2)
-        body.append(flat)
-        em.push_scope(flat.body)
-        for L in range(1, n):
-            self._emit_hoisted(em, L, [])
+        if n > 1:  # (one output row: no outer loop, one thread; the plain nest's threads read columns)
+            work = self._work_estimate(value)
+            flat = FlatLoop(list(axes[:-1]), [], parallel=work >= PARALLEL_MIN_WORK and math.prod(
+                x.extent for x in axes[:-1]) >= 2)
+            body.append(flat)
+            em.push_scope(flat.body)
+            for L in range(1, n):
+                self._emit_hoisted(em, L, [])
         self._hoist_invariants(em, value, n - 1)
         repl: dict[int, Expr] = {}
         for r in rs:
@@ -1035,8 +1037,8 @@ class _NestLowerer:
         em.block.append(last)
         em.push_scope(last.body)
         em.block.append(Store(self.target, tuple(axes), em.emit(transform(value, lambda old, new: repl.get(id(old))))))
-        em.pop_scope()
-        em.pop_scope()
+        for _ in range(2 if n > 1 else 1):
+            em.pop_scope()
         return [Block(body)]
 
     def _in_place_guard(self, value: Expr) -> tuple[Expr, Expr] | None:

@@ -1299,6 +1299,7 @@ def test_reductions_over_a_middle_axis_accumulate_rows(tmp_path, kernel_cache):
         (Reduce([_t(x.shape)], kind="max", axes=(1,), keepdims=False, name="max"), [xn]),
         (Reduce([_t(x.shape)], kind="min", axes=(1,), keepdims=False, name="min"), [xn]),
         (Reduce([_t(x.shape)], kind="sum", axes=(0, 1), keepdims=True, name="sum01"), [x]),
+        (Reduce([_t((40, 16))], kind="max", axes=(0,), keepdims=False, name="columns"), [xn[1]]),
         (Reduce([_t(xi.shape, "int32")], kind="sum", axes=(1,), keepdims=False, name="isum"), [xi]),
         (Reduce([_t(xh.shape, "float16")], kind="mean", axes=(1,), keepdims=False, name="hmean"), [xh]),
         (Softmax([_t(x.shape)], axes=(1,), log=False, name="softmax"), [x]),
@@ -1322,7 +1323,9 @@ def test_reductions_over_a_middle_axis_accumulate_rows(tmp_path, kernel_cache):
         assert_matches(got, op.run(*arrays), [t.dtype for t in op.outputs])
     got = run_kernel(lib, syms["max"], *row[3])[0]
     assert np.isnan(got[1, 3]) and np.isnan(got[2, 15]) and np.isnan(got).sum() == 2
-    np.testing.assert_array_equal(run_kernel(lib, syms["isum"], *row[6])[0],  # (ReduceSum keeps int32: wrapped once)
+    got = run_kernel(lib, syms["columns"], *row[6])[0]
+    assert np.isnan(got[3]) and np.isnan(got).sum() == 1
+    np.testing.assert_array_equal(run_kernel(lib, syms["isum"], *row[7])[0],  # (ReduceSum keeps int32: wrapped once)
                                   xi.astype(np.int64).sum(axis=1).astype(np.int32))
 
 
