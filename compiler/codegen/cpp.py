@@ -25,8 +25,9 @@ import numpy as np
 
 from ..ir.expr import (ML_FLOATS, BinOp, Cast, Const, Expr, IfThenElse, TensorElement, UnaryOp, Var, dtype_kind,
                        numpy_type)
-from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, Declare, FlatLoop, If, Kernel, Let,
-                    Local, LocalArray, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable, promote)
+from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, Declare, ExpOfNonPositive, FlatLoop,
+                    If, Kernel, Let, Local, LocalArray, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable,
+                    promote)
 from . import float8
 from .prelude_cpu import PRELUDE
 
@@ -367,6 +368,8 @@ class _Printer:
             fn = _OWN_MATH.get(op) or _STD_MATH[op]
             return convert(f"{fn}((double)({self.expr(e.a)}))", "float64", r)
         a = self.expr(e.a, r)
+        if isinstance(e, ExpOfNonPositive):
+            return f"sf_exp_nonpos({a})"
         if op in _OWN_MATH:
             return f"{_OWN_MATH[op]}({a})"
         if op in _STD_MATH:

@@ -853,6 +853,8 @@ class _NestLowerer:
             kids = e.children()
             new = [self._rewrite(c, ctx) for c in kids]
             r = e if all(a is b for a, b in zip(kids, new)) else rebuild(e, new)
+            if r is not e and _nonpositive_exp(e, self.kl.dtypes):  # (its maximum placed in a temporary)
+                r = ExpOfNonPositive("exp", new[0])
         self.rewrite_memo[k] = (e, r)
         return r
 
@@ -1247,6 +1249,8 @@ class _Emitter:
         elif isinstance(e, (BinOp, UnaryOp, Cast)):
             kids = [self.emit(c) for c in e.children()]
             r = rebuild(e, kids) if any(a is not b for a, b in zip(e.children(), kids)) else e
+            if isinstance(e, ExpOfNonPositive) or _nonpositive_exp(e, self.kl.dtypes):
+                r = ExpOfNonPositive("exp", kids[0])
         elif isinstance(e, IfThenElse):
             r = self._select(e)
         elif isinstance(e, Reduce):
@@ -1483,6 +1487,55 @@ def _merge_expr(e: Expr, a: Var, b: Var, k: Var, memo: dict) -> Expr:
         r = rebuild(e, new) if any(x is not y for x, y in zip(kids, new)) else e
     memo[id(e)] = (e, r)
     return r
+
+
+class ExpOfNonPositive(UnaryOp):
+    """``exp(a)`` of an ``a`` that is at most 0 or NaN: ``x - max(x)`` (a softmax's shift), proven by
+    :func:`_below_its_max`; printed ``sf_exp_nonpos`` (helpers.h: one scaling, the same bits as ``sf_exp``
+    there). A rewrite that rebuilds the node makes a plain ``exp`` of it."""
+
+    __slots__ = ()
+
+
+def _same_up_to_vars(a: Expr, b: Expr, sub: dict) -> bool:
+    """``a`` is ``b`` with ``b``'s variables in ``sub`` (id -> Var) replaced by variables of the same extent
+    (bound consistently in ``sub``'s values, filled as met)."""
+    if isinstance(b, Var):
+        if id(b) in sub:
+            if sub[id(b)] is None:
+                if not isinstance(a, Var) or a.extent != b.extent:
+                    return False
+                sub[id(b)] = a
+            return sub[id(b)] is a
+        return a is b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Const):
+        return a.value == b.value and a.dtype == b.dtype and type(a.value) is type(b.value)
+    if isinstance(a, (BinOp, UnaryOp)) and a.op != b.op:
+        return False
+    if isinstance(a, Cast) and a.dtype != b.dtype:
+        return False
+    if isinstance(a, TensorElement) and a.tensor is not b.tensor:
+        return False
+    if isinstance(a, Reduce) or not isinstance(a, (BinOp, UnaryOp, Cast, IfThenElse, TensorElement)):
+        return False
+    ka, kb = a.children(), b.children()
+    return len(ka) == len(kb) and all(_same_up_to_vars(x, y, sub) for x, y in zip(ka, kb))
+
+
+def _nonpositive_exp(e: Expr, dtypes: dict) -> bool:
+    """``e`` is a float32 ``exp`` of a value :func:`_below_its_max`."""
+    return (isinstance(e, UnaryOp) and e.op == "exp" and not isinstance(e, ExpOfNonPositive)
+            and value_dtype(e, dtypes) == "float32" and _below_its_max(e.a))
+
+
+def _below_its_max(e: Expr) -> bool:
+    """``e`` is ``v - max over K of body`` where ``v`` is ``body`` at variables ranging over ``K``'s extents,
+    so one of the values the maximum is taken over: ``e <= 0``, or NaN (a NaN value, an infinite one)."""
+    if not (isinstance(e, BinOp) and e.op == "sub" and isinstance(e.b, Reduce) and e.b.op == "max"):
+        return False
+    return _same_up_to_vars(e.a, e.b.body, {id(v): None for v in e.b.vars})
 
 
 class _ReduceInit(Expr):

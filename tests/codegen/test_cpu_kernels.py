@@ -1202,7 +1202,7 @@ def test_softmax_reductions_are_hoisted():
     assert not k.temps
     # the sum's exponentials are kept in a row array and read back by the output loop
     kernel = generate_cpu_source([op]).kernels[0][1]
-    assert kernel.count("sf_exp(") == 1 and "row" in kernel
+    assert kernel.count("sf_exp_nonpos(") == 1 and "sf_exp(" not in kernel and "row" in kernel
     # over a middle axis the two statistics are materialized once per (outer, inner) position
     op = Softmax([_t((4, 64, 8))], axes=(1,), log=False)
     k = lower_task(op.task, op.name, op.op_type)
@@ -1255,6 +1255,58 @@ def test_reductions_over_adjacent_axes_are_one_loop(tmp_path, kernel_cache):
         assert_matches(got, op.run(*arrays), [t.dtype for t in op.outputs])
     got = run_kernel(lib, syms["nhwc_max"], merged[3][0], merged[3][1])[0]
     assert np.isnan(got[1, 1]) and np.isnan(got).sum() == 1
+
+
+class _ShiftedExp(Operator):
+    """Test-only op: ``exp(a[i, j] - max_k b[i, k])``, the shift of another tensor's maximum (positive
+    arguments: not a softmax's)."""
+
+    def compute(self, a, b):
+        from shardflow.compiler.ir.task import reduce
+
+        def f(i, j):
+            return UnaryOp("exp", BinOp("sub", a[i, j], reduce((b.shape[1],), lambda k: b[i, k], "max")))
+        return compute("y", a.shape, f)
+
+
+def test_softmax_exponentials_take_the_nonpositive_exp(tmp_path, kernel_cache):
+    """``exp(x - max(x))`` is proven at most 0 (or NaN) and printed ``sf_exp_nonpos`` (one scaling, helpers.h):
+    Softmax over the last and a middle axis, LogSoftmax; values as numpy's, the tiny ones denormal (not
+    flushed), NaN, infinite and all -inf rows kept. An exp shifted by another tensor's maximum keeps
+    ``sf_exp`` (its arguments reach 60 here: the one-scaling form would be wrong)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    x[0, :] = -20.0
+    x[0, :3] = [0.0, -95.0, -100.0]      # exp of -95 and -100: denormal probabilities
+    x[1, 5] = np.nan
+    x[2, 7] = np.inf
+    x[3, :] = -np.inf
+    x[4, 9] = -np.inf
+    x3 = rng.standard_normal((3, 40, 5)).astype(np.float32) * 30
+    cases = [(Softmax([_t(x.shape)], axes=(1,), log=False, name="last"), [x]),
+             (Softmax([_t(x3.shape)], axes=(1,), log=False, name="middle"), [x3]),
+             (Softmax([_t(x.shape)], axes=(1,), log=True, name="log"), [x])]
+    shifted = (_ShiftedExp([_t((4, 8)), _t((4, 8))], name="shifted"),
+               [rng.standard_normal((4, 8)).astype(np.float32) * 20 + 40,
+                rng.standard_normal((4, 8)).astype(np.float32)])
+    for op, _ in cases:
+        text = generate_cpu_source([op]).kernels[0][1]
+        # (over a middle axis the output's exponentials; the sum's, in its temporary's nest, keep sf_exp)
+        assert "sf_exp_nonpos(" in text and ("sf_exp(" not in text or op.name == "middle"), op.name
+    text = generate_cpu_source([shifted[0]]).kernels[0][1]
+    assert "sf_exp(" in text and "sf_exp_nonpos(" not in text
+    ops = [op for op, _ in cases] + [shifted[0]]
+    syms = build_cpu_library(ops, str(tmp_path / "sm.so"), cache_dir=kernel_cache, opt_level=2)
+    lib = ctypes.CDLL(str(tmp_path / "sm.so"))
+    for op, arrays in cases + [shifted]:
+        got = run_kernel(lib, syms[op.name], op, arrays)
+        assert_matches(got, op.run(*arrays), [t.dtype for t in op.outputs])
+    got = run_kernel(lib, syms["last"], cases[0][0], [x])[0]
+    want = np.exp(np.float64(x[0]) - x[0].max()) / np.exp(np.float64(x[0]) - x[0].max()).sum()
+    assert 0 < got[0, 1] < np.finfo(np.float32).tiny and 0 < got[0, 2] < got[0, 1]
+    assert abs(float(got[0, 1]) - want[1]) <= 1.5e-45 and abs(float(got[0, 2]) - want[2]) <= 1.5e-45
+    assert np.isnan(got[1]).all() and np.isnan(got[3]).all() and got[4, 9] == 0
+    assert got[2, 7] != got[2, 7] or got[2, 7] == 1.0  # inf - inf: NaN, as numpy's
 
 
 class _MiddleVariance(Operator):

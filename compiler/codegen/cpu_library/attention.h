@@ -90,10 +90,10 @@ static void sf_attn_row(float* __restrict__ s, int64_t c0, int64_t c1, int64_t l
   float m = sink;
   #pragma omp simd reduction(max:m)
   for (int64_t j = lo; j < hi; ++j) m = r[j] > m ? r[j] : m;
-  float sum = sink == ninf ? 0.0f : sf_exp(sink - m);
+  float sum = sink == ninf ? 0.0f : sf_exp_nonpos(sink - m);  // (m is at least sink and every r[j])
   #pragma omp simd reduction(+:sum)
   for (int64_t j = lo; j < hi; ++j) {
-    const float e = r[j] == ninf ? 0.0f : sf_exp(r[j] - m);
+    const float e = r[j] == ninf ? 0.0f : sf_exp_nonpos(r[j] - m);
     r[j] = e;
     sum += e;
   }
