@@ -13,7 +13,9 @@ Decisions, in order (see ``rfcs/0002-codegen.md``):
 
 * **Loops.** One loop per output axis, outermost first, so the innermost loop walks the contiguous
   last dim and stores contiguously (auto-vectorization). The outer axes are flattened into one loop
-  (:class:`FlatLoop`) that the emitter may parallelize.
+  (:class:`FlatLoop`) that the emitter may parallelize. A last axis read only modulo one period
+  (Tile's ``x[..., a % n]``, a heads merge's ``x[..., a // d, a % d]``) is split into two loops, the
+  inner one over the period (:func:`_split_periodic_axis`): contiguous reads, no division per element.
 * **Reductions.** A reduction whose free variables are all output axes is computed once per value
   of those axes: *hoisted* to the loop level of its innermost axis when no earlier axis is missing
   (softmax over the last axis: a max loop and a sum loop per row, then the elementwise loop), else
@@ -1552,6 +1554,47 @@ def reduce_init(e: Expr) -> tuple[str, str] | None:
     return (e.op, e.dtype) if isinstance(e, _ReduceInit) else None
 
 
+#: Periods of the innermost axis below which :func:`_split_periodic_axis` leaves it whole (its inner
+#: loop would be too short to vectorize).
+MIN_SPLIT_PERIOD = 8
+
+
+def _split_periodic_axis(axes: Sequence[Var], value: Expr) -> tuple[tuple, Expr] | None:
+    """The output's axes with the innermost one, ``a``, split into ``(q, r)``, ``a = q * c + r``, and
+    ``value`` rewritten over them, when ``value`` reads ``a`` as ``a % c`` (and possibly ``a // c``
+    or ``a`` itself) for one ``c`` that divides ``a``'s extent at least twice: Tile's last axis,
+    ``x[..., a % n]``. The innermost loop then runs over ``r`` and reads ``x[..., r]``, a contiguous
+    copy the C++ compiler vectorizes, where ``a % c`` per element (an integer division) kept it
+    scalar. ``None`` when there is no such ``c`` or it is below :data:`MIN_SPLIT_PERIOD`. The caller
+    stores through a view of the output whose last dim is split the same way (same bytes)."""
+    if not axes:
+        return None
+    a = axes[-1]
+    periods = set()
+    for e in walk(value):
+        if isinstance(e, BinOp) and e.op in ("mod", "floordiv") and e.a is a:
+            if not (isinstance(e.b, Const) and isinstance(e.b.value, (int, np.integer))):
+                return None
+            if e.op == "mod":
+                periods.add(int(e.b.value))
+    if len(periods) != 1:
+        return None
+    c = periods.pop()
+    if c < MIN_SPLIT_PERIOD or a.extent % c or a.extent // c < 2:
+        return None
+    q, r = Var(f"{a.name}_q", a.extent // c), Var(f"{a.name}_r", c)
+
+    def fn(old, new):
+        if isinstance(old, BinOp) and old.a is a and old.op in ("mod", "floordiv") and isinstance(old.b, Const):
+            if int(old.b.value) == c:
+                return r if old.op == "mod" else q
+        return None
+    whole = BinOp("add", BinOp("mul", q, Const(c, "int64")), r)
+    rest = transform(value, fn)
+    rest = substitute(rest, {a: whole})  # (a read as itself, or divided by another constant)
+    return tuple(axes[:-1]) + (q, r), hashcons(rest)
+
+
 class KernelLowerer:
     """Lowers every output of one task into one :class:`Kernel`."""
 
@@ -1606,7 +1649,12 @@ class KernelLowerer:
             if not isinstance(gc, GridCompute):
                 raise CodegenError(f"{self.op_name}: output {gc.name} is extern ({gc.reason})")
             value = hashcons(self._bind(gc.value))
-            nest = _NestLowerer(self, gc.axes, value, buf).lower()
+            axes, target = gc.axes, buf
+            split = None if self.in_place is not None else _split_periodic_axis(gc.axes, value)
+            if split is not None:
+                axes, value = split
+                target = Buffer(buf.name, [a.extent for a in axes], buf.dtype, buf.role, buf.index)
+            nest = _NestLowerer(self, axes, value, target).lower()
             body.append(Comment(f"output {buf.name} = {gc.name}{list(gc.shape)}:{gc.dtype}"))
             body.extend(nest)
             self.bound[id(gc)] = buf
