@@ -67,6 +67,12 @@ _STD_MATH = {"sin": "std::sin", "cos": "std::cos", "tan": "std::tan", "asin": "s
 #: Reduction loops shorter than this are not marked ``omp simd``.
 SIMD_MIN_EXTENT = 16
 
+#: Arg-reductions over at least this many values run in two vectorized passes (:meth:`_Printer.arg_scan`),
+#: testing this many values at a time for the best one's position.
+ARG_SCAN_MIN_EXTENT = 64
+ARG_SCAN_BLOCK = 16
+_ARG_SCAN_CTYPES = ("float", "double", "int32_t", "int64_t")
+
 
 def _kind(dt: str) -> str:
     return dtype_kind(dt)
@@ -459,6 +465,11 @@ class _Printer:
 
     def loop(self, s: Loop, depth: int):
         v = self.var(s.var)
+        if (s.reduction is not None and s.reduction[1] in ("argmax", "argmin") and s.extent >= ARG_SCAN_MIN_EXTENT
+                and COMPUTE_CTYPE[s.reduction[0].dtype] in _ARG_SCAN_CTYPES and s.body
+                and all(isinstance(x, Let) for x in s.body[:-1]) and isinstance(s.body[-1], Accumulate)):
+            self.arg_scan(s, v, depth)
+            return
         if s.extent == 1:
             self.emit(f"{{ const int64_t {v} = 0;", depth)
             self.stmts(s.body, depth + 1)
@@ -489,6 +500,50 @@ class _Printer:
         if flag is not None:
             del self.simd_minmax[s.reduction[0].name]
             self.emit(f"if ({flag}) {s.reduction[0].name} = std::numeric_limits<{ct}>::quiet_NaN();", depth)
+
+    def arg_scan(self, s: Loop, v: str, depth: int):
+        """An arg-reduction's loop in two passes that the C++ compiler vectorizes, where one loop of
+        ``sf_better_max`` tests (a branch per value) stays scalar: the best value first (an ``omp simd``
+        max/min reduction, NaN tracked by a flag as in :meth:`loop`), then its first position, blocks of
+        :data:`ARG_SCAN_BLOCK` values tested together (a vector compare each) until one holds it, which a
+        scalar scan then searches. The same index as the one loop: its first value equal to the best (a
+        zero of either sign equal to both), or its first NaN when it has one (numpy's)."""
+        acc, op = s.reduction
+        ct, acc_name = COMPUTE_CTYPE[acc.dtype], acc.name
+        final: Accumulate = s.body[-1]
+        lets = s.body[:-1]
+        flag, blk, start, hit = f"{acc_name}_nan", f"{v}_b", f"{v}_s", f"{acc_name}_hit"
+        cmp = ">" if op == "argmax" else "<"
+        red = "max" if op == "argmax" else "min"
+        n, block = s.extent, ARG_SCAN_BLOCK
+        full = n // block * block
+
+        def body(d: int, line: str):
+            self.stmts(lets, d)
+            self.emit(f"const {ct} v_ = {self.expr(final.value, acc.dtype)};", d)
+            self.emit(line, d)
+
+        match = f"({flag} ? (v_ != v_) : (v_ == {acc_name}))"
+        self.emit(f"int {flag} = 0;", depth)
+        self.emit(f"#pragma omp simd reduction({red}:{acc_name}) reduction(|:{flag})", depth)
+        self.emit(f"for (int64_t {v} = 0; {v} < {n}; ++{v}) {{", depth)
+        body(depth + 1, f"{flag} |= (v_ != v_); {acc_name} = v_ {cmp} {acc_name} ? v_ : {acc_name};")
+        self.emit("}", depth)
+        self.emit(f"int64_t {start} = {full};", depth)
+        if full:
+            self.emit(f"for (int64_t {blk} = 0; {blk} < {full}; {blk} += {block}) {{", depth)
+            self.emit(f"int {hit} = 0;", depth + 1)
+            self.emit(f"#pragma omp simd reduction(|:{hit})", depth + 1)
+            self.emit(f"for (int64_t {v} = {blk}; {v} < {blk} + {block}; ++{v}) {{", depth + 1)
+            body(depth + 2, f"{hit} |= {match};")
+            self.emit("}", depth + 1)
+            self.emit(f"if ({hit}) {{ {start} = {blk}; break; }}", depth + 1)
+            self.emit("}", depth)
+        self.emit(f"for (int64_t {v} = {start}; {v} < {n}; ++{v}) {{", depth)
+        body(depth + 1, f"if {match} {{ {final.index.name} = {self.expr(final.index_value, 'int64')}; break; }}")
+        self.emit("}", depth)
+        if ct in ("float", "double"):
+            self.emit(f"if ({flag}) {acc_name} = std::numeric_limits<{ct}>::quiet_NaN();", depth)
 
     def flat_loop(self, s: FlatLoop, depth: int):
         vars_ = s.vars

@@ -1394,7 +1394,7 @@ class _Emitter:
         for outer, inner in zip(loops, loops[1:]):
             outer.body.append(inner)
         if loops:
-            if R.op in ("sum", "mean", "prod", "max", "min"):
+            if R.op in ("sum", "mean", "prod", "max", "min") or len(loops) == 1:
                 loops[-1].reduction = (acc, R.op)
             outer_block.append(loops[0])
         else:  # a reduction over no variables is its body

@@ -2,7 +2,7 @@
 
 The compiler is ``$CXX`` when set, else ``g++``. Libraries are built with::
 
-    g++ -std=c++17 -O3 -fopenmp -fPIC -shared -march=x86-64-v2 -mtune=generic
+    g++ -std=c++17 -O3 -fopenmp -fPIC -shared -march=x86-64-v2 -mtune=generic -mno-mmx
         -fno-math-errno -fno-trapping-math -fwrapv -fvisibility=hidden
 
 ``-march=x86-64-v2`` (SSE4.2, any x86-64 CPU since about 2009) keeps a library runnable on another
@@ -77,7 +77,10 @@ def compile_flags(opt_level: int = 2) -> list[str]:
         raise CodegenError(f"opt_level must be 0, 1, 2 or 3, got {opt_level!r}")
     flags = ["-std=c++17", f"-O{3 if opt_level >= 2 else opt_level}", "-fopenmp", "-fPIC", "-shared"]
     if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=x86-64-v2", "-mtune=generic"]
+        # no MMX registers: GCC 12 spills 64-bit values through them in some unrolled reduction tails
+        # (a max over 17 or 67 values) and emits no emms, which leaves the thread's x87 stack full: every
+        # later x87 computation in the process is NaN (numpy's FFT, glibc's fmod); rfcs/0002 "No MMX"
+        flags += ["-march=x86-64-v2", "-mtune=generic", "-mno-mmx"]
     flags += ["-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fvisibility=hidden", "-w"]
     return flags
 
