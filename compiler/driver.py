@@ -108,7 +108,7 @@ from shardflow.runtime.artifact import ALIGNMENT, atomic_output_dir, finalize_ra
 
 from .errors import ConfigError, DtypeError, GraphError, ShardflowError
 from .ir.expr import numpy_type
-from .ir.graph import FlowGraph, Operator, Tensor
+from .ir.graph import RNG_STEP, RNG_STEP_NEXT, FlowGraph, Operator, Tensor
 from .ir.spill import spill, spilling
 from .passes.index_checks import add_index_checks, index_check_outputs, input_index_ranges
 
@@ -1066,14 +1066,16 @@ def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False,
 def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values: Mapping[str, Any] | None
                  ) -> dict[str, str]:
     """``compile``'s ``state`` checked against the imported graph: every key an output, every value
-    an input of its shape and type, no input twice."""
+    an input of its shape and type, no input twice; with the random ops' step (``RNG_STEP``, when
+    it is an input) added."""
+    outputs = dict(zip(graph.output_names, graph.outputs))
+    inputs = {t.name: t for t in graph.inputs}
+    rng = {RNG_STEP_NEXT: RNG_STEP} if RNG_STEP in inputs and RNG_STEP_NEXT in outputs else {}
     if state is None:
-        return {}
+        return rng
     if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
         raise ConfigError("state must be a dict {output name: input name} of strings, e.g. "
                           "{'present.0.key': 'past_key_values.0.key'}")
-    outputs = dict(zip(graph.output_names, graph.outputs))
-    inputs = {t.name: t for t in graph.inputs}
     seen: dict[str, str] = {}
     for out, name in state.items():
         if out not in outputs:
@@ -1095,7 +1097,7 @@ def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values
             raise ConfigError(f"state: output {out!r} is {y.dtype}{list(y.shape)} but input {name!r} is "
                               f"{x.dtype}{list(x.shape)}; a state needs one shape and type (a KV cache of fixed "
                               "size: input_shapes with the past as long as the present)")
-    return dict(state)
+    return {**rng, **state}
 
 
 def _input_entry(local: Tensor, whole: Tensor, plan, rank: int, padded: Mapping | None = None,

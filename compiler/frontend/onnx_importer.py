@@ -20,7 +20,8 @@ import onnx.inliner
 import onnx.shape_inference
 
 from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
-from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
+from ..ir.graph import RNG_STEP, RNG_STEP_NEXT, FlowGraph, Operator, Tensor, const_tensor
+from ..ops.elementwise import Binary
 from ..ir.expr import dtype_kind, numpy_type
 from .external_data import initializer_array, resolve_external_data
 from .wire import split_weights
@@ -180,6 +181,20 @@ class _Importer:
         self.four_bit: dict[int, str] = {}
         #: every MoE on its chosen experts only (import_onnx's routed_experts)
         self.routed_experts = routed_experts
+        #: the random ops' step input (:meth:`rng_step`), made by the first of them
+        self._rng_step: Tensor | None = None
+
+    def rng_step(self) -> Tensor:
+        """The graph input ``RNG_STEP`` (int64, 0-d) that the random ops read (ops/random.py): which
+        run of the program this is. Made on first use; :meth:`run` adds it to the graph's inputs
+        and its successor to the outputs as ``RNG_STEP_NEXT`` (``compile`` keeps the pair as state)."""
+        if self._rng_step is None:
+            if RNG_STEP in self._used_names or RNG_STEP in self.env:
+                raise ModelFormatError(f"the model names a tensor {RNG_STEP!r}, the name Shardflow gives the random "
+                                       "ops' step input; rename it")
+            self._rng_step = Tensor(RNG_STEP, (), "int64")
+            self._used_names.add(RNG_STEP)
+        return self._rng_step
 
     def fresh_name(self, base: str) -> str:
         while True:
@@ -208,6 +223,16 @@ class _Importer:
             self._check_output_type(vi, self.env[vi.name])
             outputs.append(self.env[vi.name])
             names.append(vi.name)
+        if self._rng_step is not None:
+            if RNG_STEP_NEXT in names:
+                raise ModelFormatError(f"the model has an output {RNG_STEP_NEXT!r}, the name Shardflow gives the "
+                                       "random ops' next step; rename it")
+            one = const_tensor(np.array(1, np.int64), self.fresh_name("rng_step/one"))
+            step_next = Binary([self._rng_step, one], name=RNG_STEP_NEXT, fn="add")
+            self.nodes.append(step_next)
+            inputs.append(self._rng_step)
+            outputs.append(step_next.outputs[0])
+            names.append(RNG_STEP_NEXT)
         return FlowGraph(inputs, outputs, self.nodes, names, name=g.name or "graph")
 
     def _check_output_type(self, vi: onnx.ValueInfoProto, t: Tensor) -> None:

@@ -170,6 +170,15 @@ class NodeContext:
         """Whether every ``MoE`` computes its chosen experts only (``import_onnx``'s option)."""
         return self._importer.routed_experts
 
+    def rng_step(self) -> Tensor:
+        """The random ops' step input (the importer's ``rng_step``: which run of the program this is)."""
+        return self._importer.rng_step()
+
+    @property
+    def scope(self) -> str:
+        """The prefix of the names of a subgraph's ops (``"loop/iter3/"``), ``""`` at the top level."""
+        return getattr(self._importer, "scope", "")
+
     def four_bit(self, i: int) -> str | None:
         """``"int4"`` or ``"uint4"`` when input ``i`` is an initializer of that ONNX type (imported as
         int8/uint8 values, one per element), else None."""

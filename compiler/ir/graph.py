@@ -19,7 +19,12 @@ from .expr import ML_FLOATS, infer_dtype, numpy_type
 from .spill import spill
 from .task import ExternCompute, GridCompute, Task, TensorInput
 
-__all__ = ["Tensor", "Operator", "FlowGraph", "const_tensor"]
+__all__ = ["Tensor", "Operator", "FlowGraph", "const_tensor", "RNG_STEP", "RNG_STEP_NEXT"]
+
+#: The graph input the random ops read (ops/random.py: which run of the program this is; int64, 0-d)
+#: and the output holding its successor: the importer adds both to a model with random ops, and
+#: ``compile`` keeps the pair as the program's state, so each run draws new values.
+RNG_STEP, RNG_STEP_NEXT = "shardflow_rng_step", "shardflow_rng_step_next"
 
 log = logging.getLogger(__name__)
 _names = itertools.count()
@@ -345,7 +350,8 @@ class FlowGraph:
         ----------
         inputs
             One array per graph input, keyed by input name, with exactly the input's shape and
-            dtype.
+            dtype. A model with random ops also takes :data:`RNG_STEP` (which run this is; 0 when
+            left out) and returns its successor as :data:`RNG_STEP_NEXT`.
 
         Returns
         -------
@@ -375,6 +381,8 @@ class FlowGraph:
         unknown = sorted(set(inputs) - set(by_name))
         if unknown:
             raise ShapeError(f"unknown input(s) {unknown}; the graph's inputs are {sorted(by_name)}")
+        if RNG_STEP in by_name and RNG_STEP not in inputs:  # (the random ops' first run)
+            inputs = {**inputs, RNG_STEP: np.array(0, np.int64)}
         missing = [n for n in by_name if n not in inputs]
         if missing:
             raise ShapeError(f"missing input(s) {missing}; pass an array for each of {list(by_name)}")

@@ -14,6 +14,8 @@ from conformance import run_all
 FLOOR = 1389
 #: Cases that pass once the graph inputs a handler needs at import are bound (``input_values``).
 FLOOR_BOUND = 335
+#: Random ops' cases (Bernoulli's), whose type, shape and support are checked (conformance.random_mismatch).
+FLOOR_RANDOM = 6
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +52,8 @@ def test_binding_inputs_at_import_does_not_regress(results):
     counts = Counter(s for s, _ in results.values())
     assert counts["passed_bound"] >= FLOOR_BOUND, (f"{counts['passed_bound']} cases pass with inputs bound at import, "
                                                    f"fewer than the floor {FLOOR_BOUND}: {dict(counts)}")
+
+
+def test_random_cases_are_checked_where_a_generator_cannot_be_matched(results):
+    counts = Counter(s for s, _ in results.values())
+    assert counts["random"] >= FLOOR_RANDOM, f"{counts['random']} random cases checked, fewer than {FLOOR_RANDOM}"
