@@ -4,7 +4,8 @@ generic lowering does more work than the op (rfcs/0002, session 25).
 Each case is one ONNX node, compiled for one cpu rank. Prints the kernel's time alone
 (``Program.profile``, 20 runs), our whole ``run()`` (its input and output copies included) and
 onnxruntime's whole call (same thread count; alternating blocks of 10 calls, the minimum of 5
-blocks), the ratios, and the largest difference of the first output.
+blocks), the ratios, and the largest difference of the first output (for the random draws, whose
+generators differ, the two outputs' means and standard deviations).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_op_survey.py [CASE ...]    # default: every case
 
@@ -86,6 +87,9 @@ def cases(rng):
         "reducesum_cols": _case("ReduceSum", {"x": [2048, 4096]}, [_f32("y", [4096])],
                                 [_const("a", np.array([0], np.int64))], keepdims=0),
         "layernorm_cf": _channels_first_layernorm(rng, [1, 96, 56, 56]),
+        # random draws (the engines' generators differ: 'moments' instead of a difference)
+        "random_uniform": _case("RandomUniformLike", {"x": [1024, 1024]}, [_f32("y", [1024, 1024])], seed=1.0),
+        "random_normal": _case("RandomNormalLike", {"x": [1024, 1024]}, [_f32("y", [1024, 1024])], seed=1.0),
     }
 
 
@@ -132,14 +136,16 @@ def main(only) -> None:
         prog = load(out)
         sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         first = model.graph.output[0].name
-        diff = float(np.abs(prog.run(feeds)[first] - sess.run(None, feeds)[0]).max())
+        a, b = prog.run(feeds)[first], sess.run(None, feeds)[0]
+        agree = (f"max |diff| {float(np.abs(a - b).max()):.1e}" if not name.startswith("random") else
+                 f"moments: mean {a.mean():+.4f} / {b.mean():+.4f}, sd {a.std():.4f} / {b.std():.4f}")
         kernel = sum(p["ms"] for p in prog.profile(feeds, repeat=20, warmup=3))
         ours = theirs = float("inf")
         for _ in range(2):  # alternate the engines
             ours = min(ours, _calls(lambda: prog.run(feeds)))
             theirs = min(theirs, _calls(lambda: sess.run(None, feeds)))
         print(f"{name:20s} kernel {kernel:8.3f} ms  run {ours:8.3f} ms  onnxruntime {theirs:8.3f} ms  "
-              f"run/ort {ours / theirs:5.2f}  kernel/ort {kernel / theirs:5.2f}  max |diff| {diff:.1e}", flush=True)
+              f"run/ort {ours / theirs:5.2f}  kernel/ort {kernel / theirs:5.2f}  {agree}", flush=True)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,44 @@ def _bits_expr(key: int, counter: Expr) -> Expr:
     return _xorshift(z, 31)
 
 
+def _cos_terms(wide: str) -> list[float]:
+    """Taylor's coefficients of ``cos(2 pi b)`` in powers of ``b^2``, enough for ``b`` in
+    ``[0, 1/4]`` (``2 pi b`` up to ``pi/2``): the first term left out is below 1e-8 (float32) or
+    1e-17 (float64)."""
+    n = 11 if wide == "float64" else 7
+    return [(-1) ** k * (2 * math.pi) ** (2 * k) / math.factorial(2 * k) for k in range(n)]
+
+
+def _cos_turns(t: Expr, wide: str) -> Expr:
+    """``cos(2 pi t)`` for ``t`` in ``[0, 1)``, in element-wise arithmetic the C++ compiler
+    vectorizes (a call of ``std::cos`` per element is not): folded exactly to ``b`` in ``[0, 1/4]``
+    (``cos(2 pi t) = -cos(2 pi (t - 1/2))``, even, and ``cos(2 pi a) = -cos(2 pi (1/2 - a))``), then
+    the polynomial in ``b^2``. :func:`_np_cos_turns` is the same steps in numpy."""
+    c = lambda v: Const(v, wide)  # noqa: E731
+    a = UnaryOp("abs", t - c(0.5))
+    far = a > c(0.25)
+    b = if_then_else(far, c(0.5) - a, a)
+    b2 = b * b
+    terms = _cos_terms(wide)
+    poly: Expr = c(terms[-1])
+    for k in reversed(terms[:-1]):
+        poly = poly * b2 + c(k)
+    return if_then_else(far, poly, -poly)
+
+
+def _np_cos_turns(t: np.ndarray) -> np.ndarray:
+    wide = t.dtype.type
+    a = np.abs(t - wide(0.5))
+    far = a > wide(0.25)
+    b = np.where(far, wide(0.5) - a, a)
+    b2 = b * b
+    terms = _cos_terms("float64" if wide == np.float64 else "float32")
+    poly = np.full_like(t, terms[-1])
+    for k in reversed(terms[:-1]):
+        poly = poly * b2 + wide(k)
+    return np.where(far, poly, -poly)
+
+
 class Random(Operator):
     """Random values of ``shape`` in ``dtype`` (module docstring). Inputs: ``step`` (int64, 0-d:
     which run of the program this is), and for ``kind = "bernoulli"`` the probabilities ``p`` (of
@@ -110,7 +148,7 @@ class Random(Operator):
                 u1 = (Cast(_shr(z, 64 - half), wide) + Const(1.0, wide)) * Const(hscale, wide)
                 u2 = Cast(BinOp("bitand", z, _u64((1 << half) - 1)), wide) * Const(hscale, wide)
                 r = UnaryOp("sqrt", Const(-2.0, wide) * UnaryOp("log", u1))
-                v = Const(float(a), wide) + Const(float(b), wide) * (r * UnaryOp("cos", Const(2 * math.pi, wide) * u2))
+                v = Const(float(a), wide) + Const(float(b), wide) * (r * _cos_turns(u2, wide))
             else:
                 u = Cast(_shr(z, 64 - top), wide) * Const(scale, wide)
                 if kind == "bernoulli":
@@ -136,7 +174,7 @@ class Random(Operator):
             u1 = ((z >> np.uint64(64 - half)).astype(wide) + wide(1)) * hscale
             u2 = (z & np.uint64((1 << half) - 1)).astype(wide) * hscale
             r = np.sqrt(wide(-2) * np.log(u1))
-            v = wide(a) + wide(b) * (r * np.cos(wide(2 * math.pi) * u2))
+            v = wide(a) + wide(b) * (r * _np_cos_turns(u2))
         else:
             top = 53 if wide == np.float64 else 24
             u = (z >> np.uint64(64 - top)).astype(wide) * wide(2.0 ** -top)

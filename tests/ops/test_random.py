@@ -1,0 +1,180 @@
+"""Random ops (ops/random.py, frontend/handlers_random.py): the generator's statistics, the compiled
+kernels' bits against the numpy reference, fresh values on every run (the step kept as state),
+seeds, and ranks drawing exactly the single-device values."""
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from onnx import helper as oh
+
+from threads import run_threads
+from shardflow.compiler import ModelFormatError, compile, load_onnx
+from shardflow.compiler.ir.graph import RNG_STEP, RNG_STEP_NEXT, Tensor
+from shardflow.compiler.ops.random import Random, random_bits, splitmix64_key
+from shardflow.runtime import load
+from shardflow.runtime.comm import InProcessWorld
+
+
+def _model(nodes, inputs, outputs, opset=20, initializers=()):
+    g = oh.make_graph(nodes, "random", [oh.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                      [oh.make_tensor_value_info(n, t, s) for n, t, s in outputs], list(initializers))
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", opset)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def _draw(kind, shape, dtype="float32", step=0, seed=42, p=None, **ab):
+    op = Random([Tensor("s", (), "int64")] + ([Tensor("p", p.shape, str(p.dtype))] if p is not None else []),
+                name="r", kind=kind, shape=shape, dtype=dtype, key=splitmix64_key(seed), **ab)
+    return op.numpy(np.array(step), *([p] if p is not None else []))[0]
+
+
+def test_splitmix64_reference_values():
+    # SplitMix64 seeded with 1234567: its published first outputs (the C reference, splitmix64.c)
+    want = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+            16408922859458223821]
+    assert random_bits(1234567, np.arange(1, 6)).tolist() == want
+
+
+def test_uniform_and_normal_statistics():
+    n = 200_000
+    u = _draw("uniform", (n,), a=-2.0, b=3.0)
+    assert u.dtype == np.float32 and u.min() >= -2.0 and u.max() < 3.0
+    # mean 0.5, sd 5/sqrt(12): 5 standard errors
+    assert abs(u.mean() - 0.5) < 5 * (5 / math.sqrt(12)) / math.sqrt(n)
+    hist = np.histogram(u, bins=10, range=(-2, 3))[0]
+    assert np.abs(hist - n / 10).max() < 5 * math.sqrt(n / 10)
+    for dtype in ("float32", "float64"):
+        z = _draw("normal", (n,), dtype, a=1.0, b=2.0)
+        assert z.dtype == np.dtype(dtype)
+        assert abs(z.mean() - 1.0) < 5 * 2 / math.sqrt(n) and abs(z.std() - 2.0) < 0.02
+        inside = np.mean(np.abs(z - 1.0) < 2.0)  # within one sd: erf(1/sqrt(2)) = 0.6827
+        assert abs(inside - 0.682689) < 5 * math.sqrt(0.6827 * 0.3173 / n)
+    # neighbouring elements and steps uncorrelated
+    a, b = _draw("uniform", (n,), step=0), _draw("uniform", (n,), step=1)
+    assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.02 and abs(np.corrcoef(a, b)[0, 1]) < 0.02
+
+
+def test_bernoulli_frequencies_follow_p():
+    p = np.linspace(0, 1, 101, dtype=np.float64).repeat(2000).reshape(101, 2000)
+    b = _draw("bernoulli", p.shape, "int64", p=p)
+    assert set(np.unique(b).tolist()) <= {0, 1}
+    assert (b[0] == 0).all() and (b[-1] == 1).all()
+    freq = b.mean(axis=1)
+    assert np.all(np.abs(freq - p[:, 0]) <= 5 * np.sqrt(p[:, 0] * (1 - p[:, 0]) / 2000) + 1e-12)
+
+
+def _noise_model(seed_attrs=None):
+    """y = (x @ w) + RandomNormalLike, b = Bernoulli(p), u = RandomUniform [3, 5] float64; w a weight
+    (a plan splits the product, its noise read in parts)."""
+    seed_attrs = seed_attrs or {}
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"]),
+             oh.make_node("RandomNormalLike", ["h"], ["eps"], mean=0.5, scale=2.0, **seed_attrs),
+             oh.make_node("Add", ["h", "eps"], ["y"]),
+             oh.make_node("Bernoulli", ["p"], ["b"], dtype=TensorProto.BOOL),
+             oh.make_node("RandomUniform", [], ["u"], shape=[3, 5], low=-1.0, high=4.0, dtype=TensorProto.DOUBLE)]
+    w = np.random.default_rng(2).standard_normal((256, 512)).astype(np.float32)
+    return _model(nodes, [("x", TensorProto.FLOAT, [64, 256]), ("p", TensorProto.FLOAT, [8, 8])],
+                  [("y", TensorProto.FLOAT, [64, 512]), ("b", TensorProto.BOOL, [8, 8]),
+                   ("u", TensorProto.DOUBLE, [3, 5])], initializers=[numpy_helper.from_array(w, "w")])
+
+
+def _feeds():
+    rng = np.random.default_rng(1)
+    return {"x": rng.standard_normal((64, 256)).astype(np.float32), "p": rng.uniform(0, 1, (8, 8)).astype(np.float32)}
+
+
+def test_imported_graph_takes_the_step_and_returns_the_next():
+    g = load_onnx(_noise_model())
+    assert g.inputs[-1].name == RNG_STEP and g.output_names[-1] == RNG_STEP_NEXT
+    first, again = g.run(_feeds()), g.run({**_feeds(), RNG_STEP: np.array(0)})
+    second = g.run({**_feeds(), RNG_STEP: np.array(1)})
+    assert first[RNG_STEP_NEXT] == 1 and second[RNG_STEP_NEXT] == 2
+    assert all(np.array_equal(first[k], again[k]) for k in ("y", "b", "u"))
+    assert not np.array_equal(first["y"], second["y"]) and not np.array_equal(first["u"], second["u"])
+    assert first["b"].dtype == bool and first["u"].dtype == np.float64
+    assert first["u"].min() >= -1 and first["u"].max() < 4
+
+
+def test_compiled_program_draws_the_reference_values_and_new_ones_each_run(tmp_path):
+    m, feeds = _noise_model(), _feeds()
+    g = load_onnx(m)
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    prog = load(tmp_path / "o")
+    assert prog.output_names == ["y", "b", "u"] and prog.state_names == {RNG_STEP: RNG_STEP_NEXT}
+    runs = [prog.run(feeds) for _ in range(3)]
+    for step, out in enumerate(runs):
+        ref = g.run({**feeds, RNG_STEP: np.array(step)})
+        # uniform and Bernoulli: exactly the reference's bits; the normal through log/cos: to rounding
+        assert np.array_equal(out["u"], ref["u"]) and np.array_equal(out["b"], ref["b"])
+        np.testing.assert_allclose(out["y"], ref["y"], rtol=1e-5, atol=1e-4)
+    assert not np.array_equal(runs[0]["u"], runs[1]["u"]) and not np.array_equal(runs[1]["b"], runs[2]["b"])
+    assert prog.read_state()[RNG_STEP] == 3
+    prog.reset_state()  # the sequence again from the first run
+    assert np.array_equal(prog.run(feeds)["u"], runs[0]["u"])
+    # the step given sets the run drawn
+    assert np.array_equal(prog.run({**feeds, RNG_STEP: np.array(2)})["u"], runs[2]["u"])
+
+
+@pytest.mark.parametrize("mesh,algo", [([2], "megatron"), ([4], "megatron"), ([2, 2], "megatron")])
+def test_ranks_draw_the_single_device_values(tmp_path, mesh, algo):
+    """The product split by columns, its noise drawn whole on every rank and read in parts."""
+    m, feeds = _noise_model(), _feeds()
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "one")
+    res = compile(m, distributed_config={"mesh_shape": mesh, "algo": algo}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "many")
+    assert "S(1) via local_slice" in (tmp_path / "many" / "plan.txt").read_text()
+    single = load(tmp_path / "one")
+    want = [single.run(feeds) for _ in range(2)]
+    comms = InProcessWorld(res.world_size).communicators()
+
+    def ranks(c):
+        prog = load(tmp_path / "many", c.rank, c)
+        return [prog.run(feeds) for _ in range(2)]
+    for outs in run_threads(comms, ranks):
+        for got, ref in zip(outs, want):
+            assert np.array_equal(got["u"], ref["u"]) and np.array_equal(got["b"], ref["b"])
+            np.testing.assert_allclose(got["y"], ref["y"], rtol=1e-5, atol=1e-4)
+
+
+def test_seeds():
+    fixed = {"seed": 7.0}
+    a = load_onnx(_noise_model(fixed)).run(_feeds())["y"]
+    b = load_onnx(_noise_model(fixed)).run(_feeds())["y"]
+    c = load_onnx(_noise_model({"seed": 8.0})).run(_feeds())["y"]
+    d = load_onnx(_noise_model()).run(_feeds())["y"]
+    e = load_onnx(_noise_model()).run(_feeds())["y"]
+    assert np.array_equal(a, b) and np.array_equal(d, e)  # a compile is reproducible, seeded or not
+    assert not np.array_equal(a, c) and not np.array_equal(a, d)
+    # two unseeded nodes draw different values; two with one seed the same
+    for attrs, same in (({}, False), ({"seed": 3.0}, True)):
+        nodes = [oh.make_node("RandomUniform", [], [n], shape=[4, 4], **attrs) for n in ("r1", "r2")]
+        out = load_onnx(_model(nodes, [], [(n, TensorProto.FLOAT, [4, 4]) for n in ("r1", "r2")])).run({})
+        assert np.array_equal(out["r1"], out["r2"]) == same
+
+
+def test_bad_random_nodes_are_refused_by_name():
+    bad = _model([oh.make_node("RandomUniform", [], ["r"], shape=[2], dtype=TensorProto.INT32)], [],
+                 [("r", TensorProto.INT32, [2])])
+    with pytest.raises(ModelFormatError, match=r"RandomUniform\(r\).*dtype int32"):
+        load_onnx(bad)
+    clash = _model([oh.make_node("RandomUniformLike", [RNG_STEP], ["r"], dtype=TensorProto.FLOAT)],
+                   [(RNG_STEP, TensorProto.FLOAT, [2])], [("r", TensorProto.FLOAT, [2])])
+    with pytest.raises(ModelFormatError, match=RNG_STEP):
+        load_onnx(clash)
+
+
+def test_an_unrolled_loops_iterations_draw_different_values():
+    body = oh.make_graph([oh.make_node("RandomUniform", [], ["r"], shape=[3], seed=5.0),
+                          oh.make_node("Identity", ["cond_in"], ["cond_out"]), oh.make_node("Identity", ["r"], ["scan"])],
+                         "body", [oh.make_tensor_value_info("i", TensorProto.INT64, []),
+                                  oh.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+                         [oh.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                          oh.make_tensor_value_info("scan", TensorProto.FLOAT, [3])])
+    m = _model([oh.make_node("Loop", ["M", "c"], ["out"], body=body)], [], [("out", TensorProto.FLOAT, [4, 3])],
+               initializers=[numpy_helper.from_array(np.array(4, np.int64), "M"),
+                             numpy_helper.from_array(np.array(True), "c")])
+    out = load_onnx(m).run({})["out"]
+    assert len({row.tobytes() for row in out}) == 4
