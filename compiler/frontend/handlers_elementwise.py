@@ -253,14 +253,29 @@ def identity(ctx):
 
 @onnx_op("Dropout")
 def dropout(ctx):
-    # Inference: identity. So is training mode with a ratio of 0 (every element kept, scale 1);
-    # any other ratio would need randomness.
-    if ctx.has_input(2) and bool(np.asarray(ctx.const(2)).item()):
-        ratio = np.asarray(ctx.const(1)).item() if ctx.has_input(1) else 0.5
-        if ratio != 0:
-            raise ctx.unsupported(f"training_mode=True with ratio {ratio} (random masks)")
+    """Inference: the identity (a mask of ones). Training mode (``training_mode`` true, a constant)
+    with a ratio ``r`` > 0: ``x / (1 - r)`` where a Bernoulli mask of ``1 - r`` keeps it, else 0; the
+    mask from the random ops' generator (handlers_random.py: new every run; seeded by the node's
+    ``seed`` or its output's name)."""
+    from ..ops.random import Random
+    from .handlers_random import random_key
+
     x = ctx.input(0)
+    keep_mask = len(ctx.node.output) > 1 and ctx.node.output[1]
+    if ctx.has_input(2) and bool(np.asarray(ctx.const(2)).item()):
+        ratio = float(np.asarray(ctx.const(1)).item()) if ctx.has_input(1) else 0.5
+        if not 0 <= ratio < 1:
+            raise ctx.invalid(f"ratio {ratio} is outside [0, 1)")
+        if ratio > 0:
+            if x.dtype not in FLOATS:
+                raise ctx.invalid(f"training mode needs a float input, got {x.dtype}")
+            mask = ctx.add(Random([ctx.rng_step()], name=f"{ctx.name}/mask", kind="bernoulli", shape=x.shape,
+                                  dtype="bool", key=random_key(ctx), p=1.0 - ratio))
+            scaled = ctx.add(Binary([x, ctx.constant(np.asarray(1.0 / (1.0 - ratio), numpy_type(x.dtype)))],
+                                    name=f"{ctx.name}/scaled", fn="mul"))
+            y = ctx.add(Where([mask, scaled, ctx.constant(np.zeros((), numpy_type(x.dtype)))], name=ctx.name))
+            return [y, mask] if keep_mask else [y]
     y = ctx.add(Identity([x], name=ctx.name))
-    if len(ctx.node.output) > 1 and ctx.node.output[1]:
+    if keep_mask:
         return [y, ctx.constant(np.ones(x.shape, bool))]
     return [y]

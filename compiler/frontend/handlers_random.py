@@ -1,6 +1,7 @@
-"""Handlers for ONNX's random ops: RandomUniform, RandomNormal, RandomUniformLike, RandomNormalLike
-and Bernoulli, all on :class:`~shardflow.compiler.ops.random.Random` (values a function of the seed,
-the run and the element's position; rfcs/0006, "Random numbers").
+"""Handlers for ONNX's random ops: RandomUniform, RandomNormal, RandomUniformLike, RandomNormalLike,
+Bernoulli and Multinomial (and a training-mode Dropout's mask, handlers_elementwise.py), all on
+:class:`~shardflow.compiler.ops.random.Random` (values a function of the seed, the run and the
+element's position; rfcs/0006, "Random numbers").
 
 The seed attribute (a float in ONNX) is taken as an integer (its value when it is one, else its
 bits). A node without one gets a seed of its own from its output's name (a compile is
@@ -14,14 +15,18 @@ from __future__ import annotations
 import hashlib
 import struct
 
+from ..ops.elementwise import Binary, Unary
 from ..ops.random import Random, splitmix64_key
+from ..ops.reduce import CumSum, Reduce
 from .registry import NodeContext, onnx_dtype, onnx_op
 
 #: the element types ONNX allows for these ops' outputs (Bernoulli's: any numeric type or bool)
 _RANDOM_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-def _key(ctx: NodeContext) -> int:
+def random_key(ctx: NodeContext) -> int:
+    """The key of the node's draws (:func:`~shardflow.compiler.ops.random.splitmix64_key`): of its
+    ``seed`` attribute, else of its output's name; mixed with the subgraph scope it is in."""
     if ctx.has_attr("seed"):
         seed = float(ctx.attr("seed"))
         n = int(seed) if seed.is_integer() else struct.unpack("<Q", struct.pack("<d", seed))[0]
@@ -43,7 +48,7 @@ def _draw(ctx: NodeContext, kind: str, shape, dtype: str, a: float, b: float):
     if any(d < 0 for d in shape):
         raise ctx.invalid(f"shape {list(shape)} has a negative dim")
     return [ctx.add(Random([ctx.rng_step()], name=ctx.name, kind=kind, shape=tuple(shape), dtype=dtype,
-                           key=_key(ctx), a=float(a), b=float(b)))]
+                           key=random_key(ctx), a=float(a), b=float(b)))]
 
 
 @onnx_op("RandomUniform", since=1)
@@ -79,4 +84,24 @@ def bernoulli(ctx):
     if dt not in _RANDOM_FLOATS + ("bool",) and dt[:3] not in ("int", "uin"):
         raise ctx.invalid(f"dtype {dt} is not a numeric type or bool")
     return [ctx.add(Random([ctx.rng_step(), p], name=ctx.name, kind="bernoulli", shape=p.shape, dtype=dt,
-                           key=_key(ctx)))]
+                           key=random_key(ctx)))]
+
+
+@onnx_op("Multinomial", since=7)
+def multinomial(ctx):
+    """``sample_size`` classes drawn per row of unnormalized log-probabilities ``x[B, C]``: the
+    weights ``exp(x - max)`` (the row's maximum taken out: the same distribution, no overflow),
+    their cumulative sums, and a categorical draw on them (ops/random.py)."""
+    x = ctx.input(0)
+    if x.ndim != 2 or x.dtype not in _RANDOM_FLOATS:
+        raise ctx.invalid(f"input must be float [batch_size, class_size], got {x.dtype}{list(x.shape)}")
+    dt = _dtype(ctx, "int32", allowed=("int32", "int64"))
+    n = int(ctx.attr("sample_size", 1))
+    if n < 1 or x.shape[1] < 1:
+        raise ctx.invalid(f"sample_size {n} and class_size {x.shape[1]} must be positive")
+    top = ctx.add(Reduce([x], name=f"{ctx.name}/max", axes=(1,), keepdims=True, kind="max"))
+    w = ctx.add(Unary([ctx.add(Binary([x, top], name=f"{ctx.name}/shifted", fn="sub"))], name=f"{ctx.name}/exp",
+                      fn="exp"))
+    cdf = ctx.add(CumSum([w], name=f"{ctx.name}/cdf", axis=1, exclusive=0, reverse=0))
+    return [ctx.add(Random([ctx.rng_step(), cdf], name=ctx.name, kind="categorical", shape=(x.shape[0], n), dtype=dt,
+                           key=random_key(ctx)))]

@@ -18,7 +18,8 @@ From the bits: a uniform in ``[0, 1)`` is the top 24 bits times ``2^-24`` (float
 bfloat16: computed in float32) or the top 53 times ``2^-53`` (float64); a normal is Box-Muller's
 ``sqrt(-2 ln u1) cos(2 pi u2)`` of two uniforms from the two halves (24 bits each in float32: its
 largest magnitude is 5.77, the 1 - 8e-9 quantile; 32 bits each in float64: 6.66); Bernoulli is
-``u < p``.
+``u < p``; a categorical draw (Multinomial) is the number of classes whose cumulative weight is at
+most ``u`` times the row's total.
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ import math
 import numpy as np
 
 from ..errors import ShapeError
-from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, if_then_else, numpy_type
+from ..ir.expr import BinOp, Cast, Const, Expr, UnaryOp, dtype_kind, if_then_else, infer_dtype, numpy_type
 from ..ir.graph import Operator
-from ..ir.task import compute
+from ..ir.task import compute, reduce
 
 __all__ = ["Random", "RANDOM_KINDS", "splitmix64_key", "random_bits"]
 
-RANDOM_KINDS = ("uniform", "normal", "bernoulli")
+RANDOM_KINDS = ("uniform", "normal", "bernoulli", "categorical")
 
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MASK = (1 << 64) - 1
@@ -115,12 +116,19 @@ def _np_cos_turns(t: np.ndarray) -> np.ndarray:
     return np.where(far, poly, -poly)
 
 
+def _widened(v: Expr, wide: str) -> Expr:
+    return v if infer_dtype(v) == wide else Cast(v, wide)
+
+
 class Random(Operator):
     """Random values of ``shape`` in ``dtype`` (module docstring). Inputs: ``step`` (int64, 0-d:
-    which run of the program this is), and for ``kind = "bernoulli"`` the probabilities ``p`` (of
-    the output's shape). Attributes: ``kind`` (:data:`RANDOM_KINDS`), ``shape``, ``dtype``, ``key``
-    (:func:`splitmix64_key` of the seed), ``a`` and ``b`` (uniform: low and high; normal: mean and
-    scale; unused for Bernoulli)."""
+    which run of the program this is); for ``kind = "categorical"`` the cumulative weights
+    ``[B, C]`` of each row's classes (output ``[B, S]``: ``S`` draws of a class per row, the number
+    of classes whose cumulative weight is at most ``u`` times the row's total); for
+    ``"bernoulli"`` the probabilities ``p`` (of the output's shape), or else the attribute ``p``
+    (one probability for every element: a training Dropout's mask). Attributes: ``kind``
+    (:data:`RANDOM_KINDS`), ``shape``, ``dtype``, ``key`` (:func:`splitmix64_key` of the seed),
+    ``a`` and ``b`` (uniform: low and high; normal: mean and scale; unused otherwise)."""
 
     def compute(self, step, *p):
         kind, dt, key = self.attrs["kind"], self.attrs["dtype"], int(self.attrs["key"])
@@ -129,9 +137,15 @@ class Random(Operator):
             raise ShapeError(f"{self.name}: kind {kind!r} is not one of {RANDOM_KINDS}")
         if step.shape != () or step.dtype != "int64":
             raise ShapeError(f"{self.name}: the step must be a 0-d int64, got {step.dtype}{list(step.shape)}")
-        if (kind == "bernoulli") != bool(p) or (p and (p[0].shape != shape or dtype_kind(p[0].dtype) != "f")):
-            raise ShapeError(f"{self.name}: a {kind} draw takes {'a float p of its shape' if kind == 'bernoulli' else 'no'} "
-                             f"input besides the step, got {[(t.dtype, t.shape) for t in p]}")
+        if kind == "categorical":
+            if len(p) != 1 or p[0].ndim != 2 or len(shape) != 2 or p[0].shape[0] != shape[0] \
+                    or dtype_kind(p[0].dtype) != "f" or dtype_kind(dt) != "i":
+                raise ShapeError(f"{self.name}: a categorical draw takes cumulative weights [B, C] (float) and gives "
+                                 f"integers [B, S], got {[(t.dtype, t.shape) for t in p]} -> {dt}{list(shape)}")
+        elif (kind != "bernoulli" and p) or (p and (p[0].shape != shape or dtype_kind(p[0].dtype) != "f")):
+            takes = "a float p of its shape" if kind == "bernoulli" else "no"
+            raise ShapeError(f"{self.name}: a {kind} draw takes {takes} input besides the step, "
+                             f"got {[(t.dtype, t.shape) for t in p]}")
         size = math.prod(shape)
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         wide = "float64" if (p[0].dtype if p else dt) == "float64" else "float32"
@@ -151,8 +165,15 @@ class Random(Operator):
                 v = Const(float(a), wide) + Const(float(b), wide) * (r * _cos_turns(u2, wide))
             else:
                 u = Cast(_shr(z, 64 - top), wide) * Const(scale, wide)
+                if kind == "categorical":  # the classes whose cumulative weight is at most u * total
+                    cdf, c = p[0], p[0].shape[1]
+                    t = u * _widened(cdf[i[0], c - 1], wide)
+                    count = reduce((c,), lambda j: if_then_else(_widened(cdf[i[0], j], wide) <= t, Const(1, dt),
+                                                                Const(0, dt)), "sum")
+                    return if_then_else(count < Const(c - 1, dt), count, Const(c - 1, dt))
                 if kind == "bernoulli":
-                    pv = p[0][i] if p[0].dtype == wide else Cast(p[0][i], wide)
+                    pv = (Const(float(self.attrs["p"]), wide) if not p else p[0][i] if p[0].dtype == wide
+                          else Cast(p[0][i], wide))
                     one, zero = (Const(True, dt), Const(False, dt)) if dt == "bool" else (Const(1, dt), Const(0, dt))
                     return if_then_else(u < pv, one, zero)
                 v = Const(float(a), wide) + Const(float(b) - float(a), wide) * u
@@ -178,8 +199,14 @@ class Random(Operator):
         else:
             top = 53 if wide == np.float64 else 24
             u = (z >> np.uint64(64 - top)).astype(wide) * wide(2.0 ** -top)
+            if kind == "categorical":
+                cdf = np.asarray(p[0]).astype(wide)
+                t = u * cdf[:, -1:]
+                count = (cdf[:, None, :] <= t[:, :, None]).sum(axis=2)
+                return [np.minimum(count, cdf.shape[1] - 1).astype(numpy_type(dt))]
             if kind == "bernoulli":
-                return [(u < np.asarray(p[0]).astype(wide)).astype(numpy_type(dt))]
+                pv = np.asarray(p[0]).astype(wide) if p else wide(self.attrs["p"])
+                return [(u < pv).astype(numpy_type(dt))]
             v = wide(a) + wide(float(b) - float(a)) * u
         return [v.astype(numpy_type(dt))]
 
@@ -198,4 +225,7 @@ def examples(rng: np.random.Generator):
         (Random, [step, p], {"kind": "bernoulli", "shape": (4, 5), "dtype": "float32", "key": key}),
         (Random, [step, p.astype(np.float64)], {"kind": "bernoulli", "shape": (4, 5), "dtype": "int32", "key": key}),
         (Random, [np.array(0, np.int64)], {"kind": "uniform", "shape": (), "dtype": "float32", "key": key}),
+        (Random, [step], {"kind": "bernoulli", "shape": (3, 8), "dtype": "bool", "key": key, "p": 0.25}),
+        (Random, [step, np.cumsum(rng.uniform(0, 1, (3, 6)), axis=1).astype(np.float32)],
+         {"kind": "categorical", "shape": (3, 10), "dtype": "int64", "key": key}),
     ]

@@ -168,7 +168,8 @@ def test_bad_random_nodes_are_refused_by_name():
 
 def test_an_unrolled_loops_iterations_draw_different_values():
     body = oh.make_graph([oh.make_node("RandomUniform", [], ["r"], shape=[3], seed=5.0),
-                          oh.make_node("Identity", ["cond_in"], ["cond_out"]), oh.make_node("Identity", ["r"], ["scan"])],
+                          oh.make_node("Identity", ["cond_in"], ["cond_out"]),
+                          oh.make_node("Identity", ["r"], ["scan"])],
                          "body", [oh.make_tensor_value_info("i", TensorProto.INT64, []),
                                   oh.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
                          [oh.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
@@ -178,3 +179,43 @@ def test_an_unrolled_loops_iterations_draw_different_values():
                              numpy_helper.from_array(np.array(True), "c")])
     out = load_onnx(m).run({})["out"]
     assert len({row.tobytes() for row in out}) == 4
+
+
+def test_training_dropout_keeps_one_minus_ratio_scaled(tmp_path):
+    ratio = 0.3
+    m = _model([oh.make_node("Dropout", ["x", "r", "t"], ["y", "mask"], seed=11)],
+               [("x", TensorProto.FLOAT, [256, 256])], [("y", TensorProto.FLOAT, [256, 256]),
+                                                        ("mask", TensorProto.BOOL, [256, 256])],
+               initializers=[numpy_helper.from_array(np.array(ratio, np.float32), "r"),
+                             numpy_helper.from_array(np.array(True), "t")])
+    x = np.random.default_rng(3).uniform(1, 2, (256, 256)).astype(np.float32)
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    prog = load(tmp_path / "o")
+    first, second = prog.run({"x": x}), prog.run({"x": x})
+    for out in (first, second):
+        kept = out["mask"]
+        assert abs(1 - kept.mean() - ratio) < 5 * math.sqrt(ratio * (1 - ratio) / x.size)
+        assert np.array_equal(out["y"][kept], x[kept] * np.float32(1 / (1 - ratio))) and (out["y"][~kept] == 0).all()
+    assert not np.array_equal(first["mask"], second["mask"])
+    ref = load_onnx(m).run({"x": x})
+    assert np.array_equal(ref["mask"], first["mask"]) and np.array_equal(ref["y"], first["y"])
+
+
+def test_multinomial_draws_follow_the_softmax(tmp_path):
+    with np.errstate(divide="ignore"):  # (log 0 = -inf: classes never drawn)
+        logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]], np.float32))
+    logits[0] += 100  # (exp would overflow: the weights are exp(x - max))
+    n = 20000
+    m = _model([oh.make_node("Multinomial", ["x"], ["y"], sample_size=n, dtype=TensorProto.INT64, seed=2.0)],
+               [("x", TensorProto.FLOAT, [3, 4])], [("y", TensorProto.INT64, [3, n])])
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    prog = load(tmp_path / "o")
+    first, second = prog.run({"x": logits})["y"], prog.run({"x": logits})["y"]
+    ref = load_onnx(m).run({"x": logits})["y"]
+    assert np.mean(first == ref) > 0.999  # (a draw on a boundary may round the other way in the sums)
+    assert not np.array_equal(first, second)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    for row in range(3):
+        freq = np.bincount(first[row], minlength=4) / n
+        assert np.all(np.abs(freq - p[row]) <= 5 * np.sqrt(p[row] * (1 - p[row]) / n) + 1e-12), (row, freq)
