@@ -2,6 +2,7 @@
 kernels' bits against the numpy reference, fresh values on every run (the step kept as state),
 seeds, and ranks drawing exactly the single-device values."""
 import math
+import warnings
 
 import numpy as np
 import onnx
@@ -219,3 +220,40 @@ def test_multinomial_draws_follow_the_softmax(tmp_path):
     for row in range(3):
         freq = np.bincount(first[row], minlength=4) / n
         assert np.all(np.abs(freq - p[row]) <= 5 * np.sqrt(p[row] * (1 - p[row]) / n) + 1e-12), (row, freq)
+
+
+def test_a_torch_reparameterization_and_mc_dropout(tmp_path):
+    """torch.randn_like and a training-mode dropout as torch.onnx.export writes them (RandomNormalLike,
+    Dropout with training_mode): the noise recovered from the compiled program's output is N(0, 1),
+    new on every run."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu, self.logvar = torch.nn.Linear(32, 8), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            mu, logvar = self.mu(x), self.logvar(x)
+            return mu + torch.exp(0.5 * logvar) * torch.randn_like(mu), torch.nn.functional.dropout(x, 0.2, True)
+
+    torch.manual_seed(0)
+    enc, f = Encoder(), io.BytesIO()
+    x = torch.randn(512, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(enc, (x,), f, opset_version=17, dynamo=False, input_names=["x"], output_names=["z", "d"])
+    m = onnx.load_from_string(f.getvalue())
+    assert {"RandomNormalLike", "Dropout"} <= {n.op_type for n in m.graph.node}
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    prog = load(tmp_path / "o")
+    with torch.no_grad():
+        mu, sigma = enc.mu(x).numpy(), torch.exp(0.5 * enc.logvar(x)).numpy()
+    eps = [(prog.run({"x": x.numpy()})["z"] - mu) / sigma for _ in range(2)]
+    for e in eps:
+        assert abs(e.mean()) < 5 / math.sqrt(e.size) and abs(e.std() - 1) < 0.05
+    assert abs(np.corrcoef(eps[0].ravel(), eps[1].ravel())[0, 1]) < 0.1
+    d = prog.run({"x": x.numpy()})["d"]
+    kept = d != 0
+    assert abs(1 - kept.mean() - 0.2) < 0.02 and np.allclose(d[kept], x.numpy()[kept] / 0.8, rtol=1e-6)
