@@ -161,9 +161,10 @@ class Operator:
     shape_attrs: ClassVar[tuple[str, ...]] = ("shape", "sizes")
 
     def localize(self, inputs: Sequence[Tensor], output_shapes: Sequence[Sequence[int]],
-                 offset: int | None = None) -> "Operator":
+                 offset: int | None = None, origin: Sequence[int] | None = None) -> "Operator":
         """This op on local shards ``inputs``, producing ``output_shapes`` (used by partition);
-        ``offset``: the inputs of :meth:`offset_split_dims` hold the rows from ``offset`` on.
+        ``offset``: the inputs of :meth:`offset_split_dims` hold the rows from ``offset`` on;
+        ``origin``: where the local output starts in the whole (a :attr:`positional` op's).
 
         Raises
         ------
@@ -174,6 +175,8 @@ class Operator:
         attrs = self.local_attrs(inputs, want)
         if offset is not None:
             attrs.update(self.offset_attrs(offset))
+        if origin is not None:
+            attrs.update(self.origin_attrs(origin))
         op = type(self)(list(inputs), name=self.name, **attrs)
         got = [t.shape for t in op.outputs]
         if got != want:
@@ -221,6 +224,18 @@ class Operator:
     #: True for ops whose values are not a function of their inputs (random number generators):
     #: never folded or merged.
     data_dependent_values: ClassVar[bool] = False
+
+    #: True for ops whose values depend on the output's position in the whole tensor and that take
+    #: that position from attributes (:meth:`origin_attrs`): a random draw. The sharding rules then
+    #: split its output axes although they appear in its values, and partition gives each rank's op
+    #: the origin of its part.
+    positional: ClassVar[bool] = False
+
+    def origin_attrs(self, origin: Sequence[int]) -> dict[str, Any]:
+        """The attributes that make this (:attr:`positional`) op compute the part of its output
+        that starts at ``origin`` in the whole."""
+        raise ShardflowError(f"node {self.name} ({self.op_type}) does not compute parts of its output; "
+                             "this is a bug in the plan")
 
     def passthrough_input(self) -> int | None:
         """The input this op returns unchanged (its single output equals it), or ``None``."""

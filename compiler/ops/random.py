@@ -128,7 +128,26 @@ class Random(Operator):
     ``"bernoulli"`` the probabilities ``p`` (of the output's shape), or else the attribute ``p``
     (one probability for every element: a training Dropout's mask). Attributes: ``kind``
     (:data:`RANDOM_KINDS`), ``shape``, ``dtype``, ``key`` (:func:`splitmix64_key` of the seed),
-    ``a`` and ``b`` (uniform: low and high; normal: mean and scale; unused otherwise)."""
+    ``a`` and ``b`` (uniform: low and high; normal: mean and scale; unused otherwise); on a rank
+    that computes a part of the output (:attr:`positional`), ``origin`` (where the part starts) and
+    ``global_shape`` (the whole's shape, whose positions the counters number)."""
+
+    positional = True
+
+    def origin_attrs(self, origin):
+        mine = self.attrs.get("origin", (0,) * len(origin))  # (a part of a part: the offsets add up)
+        return {"origin": tuple(int(a) + int(o) for a, o in zip(mine, origin)),
+                "global_shape": tuple(self.attrs.get("global_shape", self.attrs["shape"]))}
+
+    def _positions(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[int], int]:
+        """``(origin, strides, size)`` of the counters: the part's origin in the whole, the
+        whole's row-major strides and its element count."""
+        whole = tuple(int(d) for d in self.attrs.get("global_shape", shape))
+        origin = tuple(int(o) for o in self.attrs.get("origin", (0,) * len(shape)))
+        if len(whole) != len(shape) or len(origin) != len(shape) or any(
+                o < 0 or o + d > w for o, d, w in zip(origin, shape, whole)):
+            raise ShapeError(f"{self.name}: a part {list(shape)} at {list(origin)} does not lie in {list(whole)}")
+        return origin, [math.prod(whole[d + 1:]) for d in range(len(whole))], math.prod(whole)
 
     def compute(self, step, *p):
         kind, dt, key = self.attrs["kind"], self.attrs["dtype"], int(self.attrs["key"])
@@ -146,13 +165,12 @@ class Random(Operator):
             takes = "a float p of its shape" if kind == "bernoulli" else "no"
             raise ShapeError(f"{self.name}: a {kind} draw takes {takes} input besides the step, "
                              f"got {[(t.dtype, t.shape) for t in p]}")
-        size = math.prod(shape)
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        origin, strides, size = self._positions(shape)
         wide = "float64" if (p[0].dtype if p else dt) == "float64" else "float32"
         a, b = self.attrs.get("a", 0.0), self.attrs.get("b", 1.0)
 
         def f(*i):
-            flat: Expr = _u64(1)
+            flat: Expr = _u64(1 + sum(o * s for o, s in zip(origin, strides)))
             for v, s in zip(i, strides):
                 flat = flat + Cast(v, "uint64") * _u64(s)
             z = _bits_expr(key, Cast(step[()], "uint64") * _u64(size) + flat)
@@ -183,10 +201,14 @@ class Random(Operator):
     def numpy(self, step, *p):
         kind, dt, key = self.attrs["kind"], self.attrs["dtype"], int(self.attrs["key"])
         shape = tuple(int(d) for d in self.attrs["shape"])
-        size = math.prod(shape)
+        origin, strides, size = self._positions(shape)
+        flat = 1 + sum(o * s for o, s in zip(origin, strides)) + sum(
+            np.arange(d, dtype=np.uint64).reshape([-1 if k == j else 1 for k in range(len(shape))]) * np.uint64(s)
+            for j, (d, s) in enumerate(zip(shape, strides)))
         with np.errstate(over="ignore"):
-            counters = np.uint64(int(np.asarray(step))) * np.uint64(size) + np.arange(1, size + 1, dtype=np.uint64)
-        z = random_bits(key, counters).reshape(shape)
+            counters = np.uint64(int(np.asarray(step))) * np.uint64(size) + np.broadcast_to(
+                np.asarray(flat, np.uint64), shape)
+        z = random_bits(key, counters)
         wide = np.float64 if (p[0].dtype if p else numpy_type(dt)) == np.float64 else np.float32
         a, b = self.attrs.get("a", 0.0), self.attrs.get("b", 1.0)
         if kind == "normal":
@@ -226,6 +248,9 @@ def examples(rng: np.random.Generator):
         (Random, [step, p.astype(np.float64)], {"kind": "bernoulli", "shape": (4, 5), "dtype": "int32", "key": key}),
         (Random, [np.array(0, np.int64)], {"kind": "uniform", "shape": (), "dtype": "float32", "key": key}),
         (Random, [step], {"kind": "bernoulli", "shape": (3, 8), "dtype": "bool", "key": key, "p": 0.25}),
+        # a rank's part [1:3, 4:9] of a [4, 12] draw
+        (Random, [step], {"kind": "uniform", "shape": (2, 5), "dtype": "float32", "key": key, "origin": (1, 4),
+                          "global_shape": (4, 12)}),
         (Random, [step, np.cumsum(rng.uniform(0, 1, (3, 6)), axis=1).astype(np.float32)],
          {"kind": "categorical", "shape": (3, 10), "dtype": "int64", "key": key}),
     ]

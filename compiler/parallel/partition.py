@@ -132,7 +132,10 @@ class _RankBuilder:
                 raise ShardflowError(f"partition: the plan has no spec for op {op.name}; re-plan this graph")
             ins = [self.get(t, s) for t, s in zip(op.inputs, sp.input_specs)]
             out_shapes = [local_shape(t.shape, s, self.mesh, self.rank) for t, s in zip(op.outputs, sp.output_specs)]
-            local_op = op.localize(ins, out_shapes, self._row_offset(op, sp))
+            origin = None
+            if op.positional:  # (where this rank's part of the output starts in the whole)
+                origin = [lo for lo, _ in sp.output_specs[0].local_bounds(op.outputs[0].shape, self.mesh, self.rank)]
+            local_op = op.localize(ins, out_shapes, self._row_offset(op, sp), origin)
             self.nodes.append(local_op)
             for t, lt, s in zip(op.outputs, local_op.outputs, sp.output_specs):
                 lt.name = t.name

@@ -13,6 +13,8 @@ proves valid:
 * all reads of one input agree on which dims each mesh axis splits;
 * a sharded variable appears nowhere else (selects, values, ``%``...): such positions would need
   the rank's global offset, halos or data-dependent exchange, none of which a local op provides;
+  except the output axes of a :attr:`~shardflow.compiler.ir.graph.Operator.positional` op (a random
+  draw), which partition gives the offset of its part;
 * a reduction variable may be sharded only when the output is ``c * reduce(...) + rest`` (linear),
   giving ``Partial(op)``; the terms in ``rest`` then read their inputs as ``Partial`` too.
 
@@ -330,6 +332,9 @@ class _OutputAnalysis:
         # residues v % c when each shard is a multiple of c long (they are then the same locally)
         self.residues: dict[Var, set[int]] = {}
         self.pinned = self._pinned_vars()
+        #: output axes that may split without an input dim split with them (set for a positional op:
+        #: its extents and origin are attributes that partition rewrites)
+        self.untied: set[Var] = set()
 
     def _pinned_vars(self) -> set[Var]:
         pinned: set[Var] = set()
@@ -407,7 +412,7 @@ class _OutputAnalysis:
         # output extent from its inputs (an axis no read ties down cannot shrink locally).
         tied = {v for places in in_place if places is not None
                 for v, p in zip(assign, places) if isinstance(p, Shard)}
-        if any(v not in tied for v in sharded):
+        if any(v not in tied and v not in self.untied for v in sharded):
             return None
         out_places: list[Placement] = []
         reductions = []
@@ -434,6 +439,9 @@ def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec
     if task.is_extern or len(task.outputs) != 1:
         return _multi_output_strategies(op, mesh_shape)
     ana = _OutputAnalysis(task.outputs[0], input_ids)
+    if op.positional:  # (its output axes in values are positions it offsets itself: Operator.positional)
+        ana.pinned -= set(task.outputs[0].axes)
+        ana.untied = set(task.outputs[0].axes)
     choices = [[None] + (ana.loop_vars if size > 1 else []) for size in mesh_shape]
     res: list[OpShardSpec] = []
     seen = set()

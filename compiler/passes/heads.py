@@ -803,6 +803,8 @@ class _Padding:
         in ``orig``'s place."""
         if id(op) in self.seeds and any(id(t) in self.axis for t in op.inputs):
             raise _Refused(f"the projection {op.name} reads padded heads")
+        if op.positional:
+            raise _Refused(f"{op.name} ({op.op_type}) draws values by position, which padded heads would move")
         ins, outs, contracting = self._strategy(op)
         # pad the strategy's split constants (copies of head 0; zero rows where the heads are
         # summed) and activations that are not padded yet (a gather: copies of head 0's slice)

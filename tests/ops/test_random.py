@@ -257,3 +257,33 @@ def test_a_torch_reparameterization_and_mc_dropout(tmp_path):
     d = prog.run({"x": x.numpy()})["d"]
     kept = d != 0
     assert abs(1 - kept.mean() - 0.2) < 0.02 and np.allclose(d[kept], x.numpy()[kept] / 0.8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mesh", [[2], [3]])
+def test_a_sharded_draw_computes_only_its_part(tmp_path, mesh):
+    """A plan that splits the noise itself (ilp: batch rows, 1023 of them: parts of unequal size):
+    each rank draws its rows only, at their positions in the whole (``Operator.positional``), the
+    single-device values."""
+    rng = np.random.default_rng(4)
+    w, w2 = (numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) / 16, n)
+             for n, s in (("w", (256, 1024)), ("w2", (1024, 256))))
+    m = _model([oh.make_node("MatMul", ["x", "w"], ["h"]), oh.make_node("RandomNormalLike", ["h"], ["e"]),
+                oh.make_node("Add", ["h", "e"], ["y"]), oh.make_node("MatMul", ["y", "w2"], ["z"])],
+               [("x", TensorProto.FLOAT, [1023, 256])], [("z", TensorProto.FLOAT, [1023, 256])],
+               initializers=[w, w2])
+    x = rng.standard_normal((1023, 256)).astype(np.float32)
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "one")
+    res = compile(m, distributed_config={"mesh_shape": mesh, "algo": "ilp"}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "many")
+    line = next(s for s in (tmp_path / "many" / "plan.txt").read_text().splitlines() if s.startswith("RandomNormal"))
+    assert "R -> S(0)" in line, line
+    single = load(tmp_path / "one")
+    want = [single.run({"x": x}) for _ in range(2)]
+
+    def ranks(c):
+        prog = load(tmp_path / "many", c.rank, c)
+        return [prog.run({"x": x}) for _ in range(2)]
+    for outs in run_threads(InProcessWorld(res.world_size).communicators(), ranks):
+        for got, ref in zip(outs, want):  # (the noise is as large as the product: a wrong draw shows)
+            np.testing.assert_allclose(got["z"], ref["z"], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(want[0]["z"], want[1]["z"], atol=1e-2)
