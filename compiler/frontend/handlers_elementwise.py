@@ -6,6 +6,8 @@ import numpy as np
 from ..ir.expr import numpy_type
 from ..ir.graph import Tensor
 from ..ops.elementwise import Activation, BitCast, Binary, CastOp, Clip, Identity, Unary, Where
+from ..ops.random import Random
+from .handlers_random import random_key
 from .registry import FLOATS, NodeContext, onnx_dtype, onnx_op
 
 
@@ -257,9 +259,6 @@ def dropout(ctx):
     with a ratio ``r`` > 0: ``x / (1 - r)`` where a Bernoulli mask of ``1 - r`` keeps it, else 0; the
     mask from the random ops' generator (handlers_random.py: new every run; seeded by the node's
     ``seed`` or its output's name)."""
-    from ..ops.random import Random
-    from .handlers_random import random_key
-
     x = ctx.input(0)
     keep_mask = len(ctx.node.output) > 1 and ctx.node.output[1]
     if ctx.has_input(2) and bool(np.asarray(ctx.const(2)).item()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
+from ..ir.expr import dtype_kind
 from ..ops.elementwise import Binary, Unary
 from ..ops.random import Random, splitmix64_key
 from ..ops.reduce import CumSum, Reduce
@@ -81,7 +82,7 @@ def bernoulli(ctx):
     if p.dtype not in _RANDOM_FLOATS:
         raise ctx.invalid(f"input must be a float tensor of probabilities, got {p.dtype}")
     dt = _dtype(ctx, p.dtype, allowed=None)
-    if dt not in _RANDOM_FLOATS + ("bool",) and dt[:3] not in ("int", "uin"):
+    if dt not in _RANDOM_FLOATS + ("bool",) and dtype_kind(dt) not in "iu":
         raise ctx.invalid(f"dtype {dt} is not a numeric type or bool")
     return [ctx.add(Random([ctx.rng_step(), p], name=ctx.name, kind="bernoulli", shape=p.shape, dtype=dt,
                            key=random_key(ctx)))]

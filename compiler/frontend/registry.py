@@ -118,7 +118,7 @@ class NodeContext:
         self.opset = opset
         self.inputs = inputs
         self._importer = importer
-        self.name = getattr(importer, "scope", "") + (node.name or f"{node.op_type}({', '.join(node.output)})")
+        self.name = self.scope + (node.name or f"{node.op_type}({', '.join(node.output)})")
         self._attrs = {a.name: a for a in node.attribute}
         self.created: list[Operator] = []
 

@@ -314,7 +314,7 @@ def _with_partial_sums(spec: OpShardSpec, axes: tuple[int, ...], inputs: tuple[i
 class _OutputAnalysis:
     """Candidate strategies of one grid-compute output."""
 
-    def __init__(self, out: GridCompute, input_ids: dict[int, int]):
+    def __init__(self, out: GridCompute, input_ids: dict[int, int], positional: bool = False):
         self.out = out
         self.input_ids = input_ids
         self.lin = _linear_reduce(out.value)
@@ -332,9 +332,11 @@ class _OutputAnalysis:
         # residues v % c when each shard is a multiple of c long (they are then the same locally)
         self.residues: dict[Var, set[int]] = {}
         self.pinned = self._pinned_vars()
-        #: output axes that may split without an input dim split with them (set for a positional op:
-        #: its extents and origin are attributes that partition rewrites)
-        self.untied: set[Var] = set()
+        #: output axes that may split without an input dim split with them: a positional op's
+        #: (Operator.positional: its output axes in values are positions it offsets itself, and its
+        #: extents and origin are attributes that partition rewrites)
+        self.untied: set[Var] = set(out.axes) if positional else set()
+        self.pinned -= self.untied
 
     def _pinned_vars(self) -> set[Var]:
         pinned: set[Var] = set()
@@ -438,10 +440,7 @@ def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec
     input_ids = {id(p): k for k, p in enumerate(task.inputs)}
     if task.is_extern or len(task.outputs) != 1:
         return _multi_output_strategies(op, mesh_shape)
-    ana = _OutputAnalysis(task.outputs[0], input_ids)
-    if op.positional:  # (its output axes in values are positions it offsets itself: Operator.positional)
-        ana.pinned -= set(task.outputs[0].axes)
-        ana.untied = set(task.outputs[0].axes)
+    ana = _OutputAnalysis(task.outputs[0], input_ids, op.positional)
     choices = [[None] + (ana.loop_vars if size > 1 else []) for size in mesh_shape]
     res: list[OpShardSpec] = []
     seen = set()
