@@ -1,4 +1,5 @@
 """CPU latency of single convolutions (each followed by a Relu, fused into it) vs onnxruntime.
+The ``silu_`` shapes are followed by SiLU written as ``x * sigmoid(x)`` instead.
 The ``int8_`` shapes are ``ConvInteger`` nodes instead (uint8 image, int8 weight, int32 output: the
 integer conv, ``cpu_library/conv_int8.h``).
 
@@ -54,6 +55,12 @@ SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("3x3_56", "1x1_56_64_256", "1x1_
                                                 "3x3_7", "1x1_14_1024_256", "1x1_7_2048_512", "stem_7x7_s2",
                                                 "3x3_s2_56")})
 
+# SiLU (x * sigmoid(x), as exporters write it) instead of the Relu: YOLO- and EfficientNet-style convs; the
+# conv's value read twice, the conv template's epilogue computes both (rfcs/0002, session 87)
+SHAPES.update({"silu_1x1_80_64": (64, 80, 64, 1, 1, 0), "silu_3x3_160_32_64": (32, 160, 64, 3, 1, 1),
+               "silu_3x3_40_128": (128, 40, 128, 3, 1, 1), "silu_1x1_20_256": (256, 20, 256, 1, 1, 0),
+               "silu_3x3_s2_80_64_128": (64, 80, 128, 3, 2, 1)})
+
 
 def _model(name: str, path: str):
     import onnx
@@ -74,8 +81,11 @@ def _model(name: str, path: str):
     w = (rng.standard_normal((OC, C, K, K)) * 0.1).astype(np.float32)
     b = rng.standard_normal(OC).astype(np.float32)
     OH = (H + 2 * P - K) // S + 1
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[K, K], strides=[S, S], pads=[P] * 4),
-             helper.make_node("Relu", ["c"], ["y"])]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[K, K], strides=[S, S], pads=[P] * 4)]
+    if name.startswith("silu_"):
+        nodes += [helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
     g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C, H, H])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, OC, OH, OH])],
                           [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
@@ -105,6 +115,9 @@ def main(argv=None, shapes=None, model=None, description=None) -> None:
     from shardflow.runtime import load
 
     names = [n for n in args.only.split(",") if n] or list(shapes)
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        ap.error(f"--only: unknown shape name(s) {unknown}; the names are {', '.join(shapes)}")
     work = args.work or tempfile.mkdtemp(prefix="shardflow-kernels-")
     os.makedirs(work, exist_ok=True)
     tags = [t for t in args.dirs.split(",") if t] or [args.tag]

@@ -757,29 +757,24 @@ def _flat_plane(value, axes, shape):
     return substitute(value, {h: Const(0)}) if ok(value) else None
 
 
-def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[str] | None:
-    """C++ defining ``epi_`` and ``ctx_`` for :func:`sf_conv2d`: per element of a tile, ``v_`` = the
-    conv's value (+ ``bias``), then each later member of ``fused`` as ``v_ = f(v_, other inputs)``.
-    ``None`` unless every later member is element-wise in the previous one's output (read only at
-    its own index) and reads the group's inputs only at output indices or constants, with nothing
-    that needs lowering (no reductions). A 5-D output is the blocked layout ``[N, C/16, H, W, 16]``
-    (passes/layout.py): its axes are ``n_, c_`` (the block), ``h_, w_, l_`` (the lane), ``bias`` indexed
-    so, and the epilogue's channel range may end inside a block."""
-    from ..ir.expr import Const, Reduce, TensorElement
+def _epilogue_values(fused) -> list | None:
+    """The element-wise members after a template's op (``fused.members[0]``) as ``[(axes, value)]``,
+    one per member: its value at one output element over its axes, the template's value read as the
+    local ``v_`` and each earlier member's as ``t<k>_`` (k from 1; :func:`_epilogue_stmts` prints
+    them). ``None`` unless every later member has one float32 output of the template's shape,
+    computed element by element (no reductions), reads earlier members' values only at its own
+    index (a chain, or a graph such as GELU's ``x * f(x)``) and the group's inputs at indices
+    inside them (or constants)."""
+    from ..ir.expr import BinOp, Const, Reduce, TensorElement
     from ..ir.task import GridCompute
-    from .cpp import _Printer
     from .lower import Buffer, Local, transform
 
     members = list(fused.members)
     shape = tuple(members[0].outputs[0].shape)
     index = {id(t): k for k, t in enumerate(fused.inputs)}
-    names = {4: ("n_", "c_", "h_", "w_"), 5: ("n_", "c_", "h_", "w_", "l_")}.get(len(shape), ("n_", "c_", "w_"))
-    v = Local("v_", "float32")
-    printer = _Printer(None)
-    stmts: list[str] = []
-    flat: list[str] | None = [] if len(shape) == 4 else None  # the statements over flat pixels w_ = j
-    prev = members[0].outputs[0]
-    for m in members[1:]:
+    local = {id(members[0].outputs[0]): Local("v_", "float32")}
+    values = []
+    for n, m in enumerate(members[1:], 1):
         task = m.task
         if len(m.outputs) != 1 or tuple(m.outputs[0].shape) != shape or m.outputs[0].dtype != "float32" \
                 or task.is_extern or len(task.outputs) != 1 or not isinstance(task.outputs[0], GridCompute):
@@ -791,25 +786,30 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
         source = {id(ph): t for ph, t in zip(task.inputs, m.inputs)}
         ok = [True]
 
-        def read(old, new, prev=prev, axes=axes, source=source, ok=ok):
+        def read(old, new, axes=axes, source=source, ok=ok):
             if isinstance(old, Reduce):
                 ok[0] = False
                 return None
             if not (isinstance(new, TensorElement) and id(new.tensor) in source):
                 return None
             t = source[id(new.tensor)]
-            if t is prev:
+            if id(t) in local:  # an earlier member's value: only at this element
                 if len(new.indices) != len(axes) or not all(i is a for i, a in zip(new.indices, axes)):
                     ok[0] = False
-                return v
+                return local[id(t)]
             k = index.get(id(t))
-            if k is None:  # another member's output: not a plain chain
+            if k is None:
                 ok[0] = False
                 return None
             for i, d in zip(new.indices, t.shape):
+                shift = 0  # an axis plus a constant (a rank's slice of an input: LocalSlice)
+                if isinstance(i, BinOp) and i.op == "add" and isinstance(i.b, Const) \
+                        and isinstance(i.b.value, (int, np.integer)) and int(i.b.value) >= 0:
+                    i, shift = i.a, int(i.b.value)
                 pos = next((p for p, a in enumerate(axes) if i is a), None)
-                inside = (pos is not None and shape[pos] <= d) or \
-                    (isinstance(i, Const) and isinstance(i.value, (int, np.integer)) and 0 <= int(i.value) < d)
+                inside = (pos is not None and shape[pos] + shift <= d) or (
+                    not shift and isinstance(i, Const) and isinstance(i.value, (int, np.integer))
+                    and 0 <= int(i.value) < d)
                 if not inside:
                     ok[0] = False
             return TensorElement(Buffer(f"in{k}", t.shape, t.dtype, "input", k), new.indices)
@@ -817,19 +817,49 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
         value = transform(gc.value, read)
         if not ok[0]:
             return None
-        flat_value = _flat_plane(value, axes, shape) if flat is not None else None
-        if flat_value is None:
-            flat = None
+        values.append((axes, value))
+        local[id(m.outputs[0])] = Local(f"t{n}_", "float32")
+    return values
+
+
+def _epilogue_stmts(values: list, names: tuple[str, ...]) -> list[str] | None:
+    """:func:`_epilogue_values`' values as C++ statements, the element's axes named ``names``: each
+    member's value a local ``t<k>_``, the last one assigned to ``v_``; ``None`` if one cannot be
+    printed."""
+    from .cpp import _Printer
+
+    printer = _Printer(None)
+    stmts = []
+    for n, (axes, value) in enumerate(values, 1):
         for a, name in zip(axes, names):
             printer.var_names[id(a)] = name
             printer.used_names.add(name)
         try:
-            stmts.append(f"v_ = {printer.expr(value, 'float32')};")
-            if flat is not None:
-                flat.append(f"v_ = {printer.expr(flat_value, 'float32')};")
+            text = printer.expr(value, "float32")
         except Exception:  # noqa: BLE001 - anything the printer cannot print stays generic
             return None
-        prev = m.outputs[0]
+        stmts.append(f"v_ = {text};" if n == len(values) else f"const float t{n}_ = {text};")
+    return stmts
+
+
+def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[str] | None:
+    """C++ defining ``epi_`` and ``ctx_`` for :func:`sf_conv2d`: per element of a tile, ``v_`` = the
+    conv's value (+ ``bias``), then the later members of ``fused`` (:func:`_epilogue_values`). A 5-D
+    output is the blocked layout ``[N, C/16, H, W, 16]``
+    (passes/layout.py): its axes are ``n_, c_`` (the block), ``h_, w_, l_`` (the lane), ``bias`` indexed
+    so, and the epilogue's channel range may end inside a block."""
+    members = list(fused.members)
+    shape = tuple(members[0].outputs[0].shape)
+    names = {4: ("n_", "c_", "h_", "w_"), 5: ("n_", "c_", "h_", "w_", "l_")}.get(len(shape), ("n_", "c_", "w_"))
+    values = _epilogue_values(fused)
+    stmts = _epilogue_stmts(values, names) if values is not None else None
+    if stmts is None:
+        return None
+    flat = None  # the statements over a channel's flat pixels (w_ = j), where every read allows it
+    if len(shape) == 4:
+        flat_values = [(axes, _flat_plane(value, axes, shape)) for axes, value in values]
+        if all(v is not None for _, v in flat_values):
+            flat = _epilogue_stmts(flat_values, names)
     P = OH * OW
     # the epilogue is a function of the file (marked for kernel_source), so that it is compiled for the
     # kernel's instruction sets too (a lambda's body would not be: SSE loops)

@@ -1716,6 +1716,34 @@ def test_conv_epilogue_fusion(tmp_path, kernel_cache):
         group("resize-1d-residual", _resize(inp(2, 3, 10), (2, 3, 25), "linear", "half_pixel"),  # rows = channels
               lambda y: Binary([y, inp(2, 3, 25)], fn="add"), lambda y: Binary([y, inp(3, 1)], fn="mul")),
     ]
+    def dag(name, conv, build):  # build(y) -> the members after the conv, reading y and each other
+        members = [conv, *build(conv.outputs[0])]
+        for k, op in enumerate(members):
+            op.name = f"{name}-{k}"
+        return FusedOp(members)
+
+    def silu(y):  # x * sigmoid(x), as exporters write SiLU: the conv's value read by two members
+        s = Activation([y], kind="sigmoid")
+        return [s, Binary([y, s.outputs[0]], fn="mul")]
+
+    def gelu_erf(y):  # 0.5 * x * (1 + erf(x / sqrt(2))), as torch exports nn.GELU
+        d = Binary([y, inp()], fn="div")
+        e = Unary([d.outputs[0]], fn="erf")
+        a = Binary([e.outputs[0], inp()], fn="add")
+        m = Binary([y, a.outputs[0]], fn="mul")
+        return [d, e, a, m, Binary([m.outputs[0], inp()], fn="mul")]
+
+    # members that read the conv's value and each other's (not a chain): SiLU, GELU (flat runs; rows with an
+    # operand broadcast along them; a depthwise conv's planes; a blocked output's lanes)
+    cases += [dag("silu-dag", Conv([inp(1, 8, 9, 11), inp(16, 8, 3, 3), inp(16)], pads=(1, 1, 1, 1)), silu),
+              dag("gelu-erf-dag", Conv([inp(2, 12, 6, 10), inp(16, 12, 1, 1)]), gelu_erf),
+              dag("row-broadcast-dag", Conv([inp(1, 8, 6, 10), inp(16, 8, 3, 3)], pads=(1, 1, 1, 1)),
+                  lambda y: (lambda s, r: [s, r, Binary([r.outputs[0], s.outputs[0]], fn="mul")])(
+                      Activation([y], kind="sigmoid"), Binary([y, inp(10)], fn="add")))]
+    depthwise.append(dag("dw-silu-dag", Conv([inp(1, 16, 12, 10), inp(16, 1, 3, 3), inp(16)], group=16,
+                                             pads=(1, 1, 1, 1)), silu))
+    epi_blocked.append(dag("blocked-silu-dag", PackedConv([inp(1, 2, 7, 5, 16), inp(2, 32, PANEL), inp(32)], oc=32,
+                                                          kernel=(1, 1), blocked_in=True, blocked_out=True), silu))
     other = group("transpose", Conv([inp(1, 4, 6, 6), inp(4, 4, 3, 3)], pads=(1, 1, 1, 1)),
                   lambda y: Transpose([y], perm=(0, 1, 3, 2)))  # not element-wise: the generic nest
     # operands broadcast along a row or a column: the epilogue loops over rows (elsewhere over a channel's
@@ -1766,7 +1794,7 @@ def test_conv_epilogue_fusion(tmp_path, kernel_cache):
     ops = finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + epi_blocked + [other]
     src = generate_cpu_source(ops)
     assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino + finish_blocked)
-    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked) + 1
+    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked) + 2  # (epi_blocked)
     assert src.text.count("SF_BLK_IN | SF_BLK_OUT, nullptr, nullptr, in3, SfClamp{true, 0.0f, ") == 2
     assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 2
     assert src.text.count("sf_conv_transpose2d(in") == len(transposed)

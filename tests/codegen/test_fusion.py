@@ -389,7 +389,7 @@ def test_a_refused_group_keeps_its_longest_accepted_prefix():
     from shardflow.compiler.codegen.fusion import drop_views
     from shardflow.compiler.codegen.templates_cpu import accepts_epilogue, accepts_group, template_kind
     from shardflow.compiler.ops.conv import Conv
-    from shardflow.compiler.ops.elementwise import Activation
+    from shardflow.compiler.ops.elementwise import Activation, CastOp
     from shardflow.compiler.ops.norm import BatchNorm
     from shardflow.compiler.ops.transform import Reshape
 
@@ -409,11 +409,19 @@ def test_a_refused_group_keeps_its_longest_accepted_prefix():
     assert _kinds(got) == [["Conv", "BatchNorm", "Activation"], "Reshape"]
     assert template_kind(got[0]) == "Fused" and [g.name for g in drop_views(got, ["split"])] == ["relu"]
 
-    relu = Activation([conv.outputs[0]], name="relu", kind="relu")  # conv -> relu(y) * -y: the epilogue
-    neg = Unary([conv.outputs[0]], name="neg", fn="neg")  # chain reads only the op before it
+    relu = Activation([conv.outputs[0]], name="relu", kind="relu")  # conv -> relu(y) * -y: members that read
+    neg = Unary([conv.outputs[0]], name="neg", fn="neg")  # the conv's value and each other's: one epilogue
     mul = Binary([relu.outputs[0], neg.outputs[0]], name="mul", fn="mul")
     got = groups([conv, relu, neg, mul], [])
-    assert _kinds(got) == ["Conv", ["Activation", "Unary", "Binary"]]
+    assert _kinds(got) == [["Conv", "Activation", "Unary", "Binary"]] and template_kind(got[0]) == "Fused"
+
+    # conv -> relu(y) * float(half(y)): the epilogue computes in float32 only, so the group is refused; the
+    # rest reads the conv's value, so no prefix is cut off and the conv runs alone
+    half = CastOp([conv.outputs[0]], name="half", to="float16")
+    back = CastOp([half.outputs[0]], name="back", to="float32")
+    mul = Binary([relu.outputs[0], back.outputs[0]], name="mul", fn="mul")
+    got = groups([conv, relu, half, back, mul], [])
+    assert _kinds(got) == ["Conv", ["Activation", "Cast", "Cast", "Binary"]]
 
 
 def _qdq_softmax_model(scores: bool):

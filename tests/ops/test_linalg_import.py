@@ -297,10 +297,11 @@ def test_fpn_top_down_step_compiles_to_the_resize_template(tmp_path, monkeypatch
     kernels = [[s["node"] for s in json.loads((out / f"rank{r}" / "program.json").read_text())["steps"]
                 if s["kind"] == "kernel"] for r in range(world)]
     if algo == "data":
-        # each rank slices its images of `lat` (a LocalSlice member, which the epilogue does not
-        # inline): the Resize runs its template alone, the slice, Add and Relu one fused kernel
-        assert fused_with == [] and all(k == ["top/local_slice0->S(0)", "Conv(t)", "Resize(up)", "Relu(y)"]
-                                        for k in kernels), kernels
+        # each rank slices its images of `lat` (a LocalSlice member: the epilogue reads `lat` at the
+        # rank's offset): the Resize with the slice, Add and Relu as its epilogue on every rank
+        assert fused_with and all(f == ["Resize", "LocalSlice", "Binary", "Activation"] for f in fused_with), \
+            fused_with
+        assert all(k == ["top/local_slice0->S(0)", "Conv(t)", "Relu(y)"] for k in kernels), kernels
     else:  # the conv, then the Resize with its epilogue
         assert fused_with and all(f == ["Resize", "Binary", "Activation"] for f in fused_with), fused_with
         assert all(k == ["Conv(t)", "Relu(y)"] for k in kernels), kernels
