@@ -1200,14 +1200,51 @@ def test_softmax_reductions_are_hoisted():
     k = lower_task(op.task, op.name, op.op_type)
     assert _loop_depth(k.body) == 2
     assert not k.temps
-    # the sum's exponentials are kept in a row array and read back by the output loop
+    # the sum's exponentials are kept in the output's own row and finished there by the output loop
     kernel = generate_cpu_source([op]).kernels[0][1]
-    assert kernel.count("sf_exp_nonpos(") == 1 and "sf_exp(" not in kernel and "row" in kernel
+    assert kernel.count("sf_exp_nonpos(") == 1 and "sf_exp(" not in kernel and "alignas(64)" not in kernel
+    assert re.search(r"out0\[[^\]]*k1\] = t\d+;", kernel) and re.search(r"out0\[(.*i2)\] = \(out0\[\1\] \*", kernel)
+    # a row array where the output has another type (a float16 output of a float32 softmax)
+    from shardflow.compiler.codegen.fusion import FusedOp
+    x = _t((4, 8, 64))
+    sm = Softmax([x], axes=(2,), log=False, name="sm")
+    half = FusedOp([sm, CastOp([sm.outputs[0]], to="float16", name="h")])
+    kernel = generate_cpu_source([half]).kernels[0][1]
+    assert kernel.count("sf_exp_nonpos(") == 1 and kernel.count("alignas(64)") == 1
     # over a middle axis the two statistics are materialized once per (outer, inner) position
     op = Softmax([_t((4, 64, 8))], axes=(1,), log=False)
     k = lower_task(op.task, op.name, op.op_type)
     assert len(k.temps) == 2 and [t.shape for t in k.temps] == [(4, 8), (4, 8)]
     assert _loop_depth(k.body) == 3
+
+
+def test_softmax_finishes_its_exponentials_in_the_output_row(tmp_path, kernel_cache):
+    """The sum pass stores each row's exponentials in the output and the output loop scales them in
+    place: softmax and log-softmax (whose output reads the input, not the exponentials) against
+    numpy, rows of 64 KiB or more too (no row array was kept for them), an input with -inf and NaN
+    rows, and a float16 output of a float32 softmax (a row array, the output's type differing)."""
+    from shardflow.compiler.codegen.fusion import FusedOp
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 5, 64)) * 4).astype(np.float32)
+    x[0, 1] = -np.inf
+    x[1, 2, 7] = np.nan
+    ops = [Softmax([_t((3, 5, 64))], axes=(2,), log=False, name="sm"),
+           Softmax([_t((3, 5, 64))], axes=(2,), log=True, name="lsm"),
+           Softmax([_t((2, 20000))], axes=(1,), log=False, name="wide")]
+    sm = Softmax([_t((3, 5, 64))], axes=(2,), log=False, name="sm16")
+    ops.append(FusedOp([sm, CastOp([sm.outputs[0]], to="float16", name="h")]))
+    inputs = {"sm": x, "lsm": x, "wide": (rng.standard_normal((2, 20000)) * 3).astype(np.float32), "h": x}
+    syms = build_cpu_library(ops, str(tmp_path / "softmax.so"), cache_dir=kernel_cache, opt_level=1)
+    src = "".join(text for _, text in generate_cpu_source(ops).kernels)
+    assert src.count("alignas(64)") == 1  # the float16 output's row array only
+    lib = ctypes.CDLL(str(tmp_path / "softmax.so"))
+    for op in ops:
+        a = inputs[op.name]
+        got = run_kernel(lib, syms[op.name], op, [a])[0]
+        want = op.run(a)[0]
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-6, atol=1e-7,
+                                   err_msg=op.name)
 
 
 def _reduction_loops(body):
