@@ -845,14 +845,15 @@ def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
 def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     """The AVX2 (6x16) and portable (4x8) GEMM micro-kernels (and the conv kernels, Winograd
     transforms and packing of each), forced with SHARDFLOW_CPU_ISA, give the same results (this machine
-    would otherwise only run the widest one it supports); the transposed convs and attention run on them,
-    and the integer GEMM's AVX2 (4x8, int16 pairs) and portable (4x16) kernels match exactly."""
+    would otherwise only run the widest one it supports); the transposed convs, attention and the blocked
+    transposes (8 x 8 register blocks with AVX2, element by element otherwise) run on them, and the
+    integer GEMM's AVX2 (4x8, int16 pairs) and portable (4x16) kernels match exactly."""
     cases = []
     for cid, op, arrays in LARGE:
         if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "WinogradConv", "ConvTranspose",
-                          "Attention", "PackedMatMulInteger", "PackedConvInteger", "MatMulNBits") \
+                          "Attention", "PackedMatMulInteger", "PackedConvInteger", "MatMulNBits", "Transpose") \
                 and cid in library["symbols"]:
-            want = op.run(*arrays)
+            want = [np.ascontiguousarray(w) for w in op.run(*arrays)]  # (numpy's transposes are views)
             cases.append((library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], want))
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
     assert last == f"ok {len(cases)}" and len(cases) >= 20

@@ -829,9 +829,7 @@ static void sf_transpose_cols_avx2(const float* __restrict__ t, int64_t ld, int6
     int64_t p = 0;
     for (; p + 8 <= P; p += 8) {
       __m256 r[8];
-      #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(t + (p + i) * ld + c);
-      sf_tr8x8(r);
+      sf_load_tr8x8(r, t + p * ld + c, ld);
       #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) sf_put8(y, bias, res, clamp, c + i, (c + i) * P + p, r[i]);
     }

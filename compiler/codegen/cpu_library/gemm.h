@@ -195,6 +195,36 @@ static inline void sf_tr8x8(__m256 (&r)[8]) {
   }
 }
 
+// r[t] = column t of the 8 x 8 block at src, its rows ld floats apart
+__attribute__((target("avx2,fma"), always_inline))
+static inline void sf_load_tr8x8(__m256 (&r)[8], const float* __restrict__ src, int64_t ld) {
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  sf_tr8x8(r);
+}
+
+// y[b][c][r] = x[b][r][c] over the tile of rows [r0, r1) and columns [c0, c1) of one of B [R, C] matrices:
+// 8 x 8 blocks read by rows and transposed in registers, the rest element by element (the Transpose
+// template, templates_cpu._transpose)
+__attribute__((target("avx2,fma")))
+static void sf_transpose_tile_avx2(const float* __restrict__ x, float* __restrict__ y, int64_t R, int64_t C,
+                                   int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  int64_t r = r0;
+  for (; r + 8 <= r1; r += 8) {
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+      __m256 v[8];
+      sf_load_tr8x8(v, x + r * C + c, C);
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(y + (c + i) * R + r, v[i]);
+    }
+    for (; c < c1; ++c)
+      for (int i = 0; i < 8; ++i) y[c * R + r + i] = x[(r + i) * C + c];
+  }
+  for (; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) y[c * R + r] = x[r * C + c];
+}
+
 // sf_pack_a for a row-major A into the kernels' panels of MR rows (6: the AVX2 kernel's, 12: the AVX-512 one's):
 // 8 x 8 transpositions of rows 0-7 (and 8-11, with four zero rows), each column stored as MR floats (the scalar
 // copy stored one float at a time). Measured on Zen 3 with sf_pack_bt_avx2 (16 columns), MR 6: the attention
