@@ -5,8 +5,9 @@ onnxruntime on the same inputs with the same thread count, and prints median lat
 ratio (ours / onnxruntime; lower is better). Models: the committed test models, and with
 ``--sized`` also GPT-2-small-, BERT-base- and Llama-sized exports (124M, 110M, 170M parameters, 128
 tokens) and a ResNet-50-sized one
-(transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image) and MobileNetV2- and
-ConvNeXt-tiny-sized ones (depthwise convs; the configs' defaults, one image), exported with
+(transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image) and MobileNetV2-,
+EfficientNet-B0- and ConvNeXt-tiny-sized ones (depthwise convs; the configs' defaults, B0's widths and
+depths, one image), exported with
 torch.onnx.export at opset 17 (needs torch + transformers; slow); with ``--light`` the 9 CNNs the
 onnx package ships for its backend tests (``onnx/backend/test/data/light``: AlexNet, DenseNet-121,
 Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size graphs with
@@ -225,8 +226,10 @@ def export_resnet50(path: str) -> dict:
 def export_vision_model(kind: str, path: str) -> dict:
     """Export a randomly initialised vision model built on depthwise convs, fed one 3x224x224 image,
     output ``last_hidden_state``: ``mobilenet_v2`` (transformers' MobileNetV2Config defaults: 3x3
-    depthwise convs with ReLU6, 3.4M parameters) or ``convnext_tiny`` (ConvNextConfig defaults: 7x7
-    depthwise convs, LayerNorm, GELU, 28M parameters). Returns the feeds."""
+    depthwise convs with ReLU6, 3.4M parameters), ``efficientnet_b0`` (EfficientNetConfig at B0's widths
+    and depths: depthwise convs, SiLU written ``x * sigmoid(x)``, squeeze-excitation; 4M parameters) or
+    ``convnext_tiny`` (ConvNextConfig defaults: 7x7 depthwise convs, LayerNorm, GELU, 28M parameters).
+    Returns the feeds."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from export_models import _PixelHidden, export_module
@@ -235,6 +238,17 @@ def export_vision_model(kind: str, path: str) -> dict:
     if kind == "mobilenet_v2":
         from transformers import MobileNetV2Config, MobileNetV2Model
         model = MobileNetV2Model(MobileNetV2Config(), add_pooling_layer=False)
+    elif kind == "efficientnet_b0":
+        from transformers import EfficientNetConfig, EfficientNetModel
+        model = EfficientNetModel(EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=224,
+                                                     hidden_dim=1280))
+        for mod in model.modules():  # (the config's init, normal(0.02) for the convs and the BatchNorms' scales,
+            # shrinks the activations to subnormals by block 3, where both engines run 10-20x slower: He's init
+            # and unit scales keep them near 1)
+            if isinstance(mod, torch.nn.Conv2d):
+                torch.nn.init.kaiming_normal_(mod.weight, mode="fan_in", nonlinearity="relu")
+            elif isinstance(mod, torch.nn.BatchNorm2d):
+                torch.nn.init.ones_(mod.weight)
     else:
         from transformers import ConvNextConfig, ConvNextModel
         model = ConvNextModel(ConvNextConfig())
@@ -376,7 +390,7 @@ def main(argv=None) -> None:
                 if args.int8:  # (its convs on the integer conv)
                     bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                           work, compare)
-            for kind in ("mobilenet_v2", "convnext_tiny"):
+            for kind in ("mobilenet_v2", "efficientnet_b0", "convnext_tiny"):
                 if args.only in f"{kind}_224" or (args.int8 and args.only in f"{kind}_224_qdq"):
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = export_vision_model(kind, path)

@@ -757,14 +757,14 @@ def _flat_plane(value, axes, shape):
     return substitute(value, {h: Const(0)}) if ok(value) else None
 
 
-def _epilogue_values(fused) -> list | None:
+def _epilogue_values(fused, chain: bool = False) -> list | None:
     """The element-wise members after a template's op (``fused.members[0]``) as ``[(axes, value)]``,
     one per member: its value at one output element over its axes, the template's value read as the
     local ``v_`` and each earlier member's as ``t<k>_`` (k from 1; :func:`_epilogue_stmts` prints
     them). ``None`` unless every later member has one float32 output of the template's shape,
     computed element by element (no reductions), reads earlier members' values only at its own
-    index (a chain, or a graph such as GELU's ``x * f(x)``) and the group's inputs at indices
-    inside them (or constants)."""
+    index (a chain, or a graph such as GELU's ``x * f(x)``; ``chain``: the previous member's only)
+    and the group's inputs at indices inside them (or constants)."""
     from ..ir.expr import BinOp, Const, Reduce, TensorElement
     from ..ir.task import GridCompute
     from .lower import Buffer, Local, transform
@@ -785,8 +785,9 @@ def _epilogue_values(fused) -> list | None:
             return None
         source = {id(ph): t for ph, t in zip(task.inputs, m.inputs)}
         ok = [True]
+        prev = members[n - 1].outputs[0]
 
-        def read(old, new, axes=axes, source=source, ok=ok):
+        def read(old, new, axes=axes, source=source, ok=ok, prev=prev):
             if isinstance(old, Reduce):
                 ok[0] = False
                 return None
@@ -794,7 +795,8 @@ def _epilogue_values(fused) -> list | None:
                 return None
             t = source[id(new.tensor)]
             if id(t) in local:  # an earlier member's value: only at this element
-                if len(new.indices) != len(axes) or not all(i is a for i, a in zip(new.indices, axes)):
+                if len(new.indices) != len(axes) or not all(i is a for i, a in zip(new.indices, axes)) \
+                        or (chain and t is not prev):
                     ok[0] = False
                 return local[id(t)]
             k = index.get(id(t))
@@ -851,7 +853,9 @@ def _conv_epilogue(fused, oc: int, OH: int, OW: int, bias: str | None) -> list[s
     members = list(fused.members)
     shape = tuple(members[0].outputs[0].shape)
     names = {4: ("n_", "c_", "h_", "w_"), 5: ("n_", "c_", "h_", "w_", "l_")}.get(len(shape), ("n_", "c_", "w_"))
-    values = _epilogue_values(fused)
+    # (the blocked layout's epilogue loops over a pixel's 16 lanes: there a graph of members, SiLU's, measured
+    # slower than the conv and a kernel of the members apart, EfficientNet-B0 1.05x; rfcs/0002 session 87)
+    values = _epilogue_values(fused, chain=len(shape) == 5)
     stmts = _epilogue_stmts(values, names) if values is not None else None
     if stmts is None:
         return None
