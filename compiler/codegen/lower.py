@@ -1101,7 +1101,7 @@ class _NestLowerer:
         Where the nest's own output row can hold them (the values' type, and no input written over
         in place), the sum's loop stores them there and the output loop finishes them in place:
         Softmax's values written once and read back from the cache lines they were written to,
-        instead of copied from a row array (float32 ``[12, 512, 512]``, 2 threads: 0.75 -> 0.59 ms,
+        instead of copied from a row array (float32 ``[12, 512, 512]``, 2 threads: 0.79 -> 0.63 ms,
         rfcs/0002 "Softmax over its output row").
         """
         axes, n = self.axes, len(self.axes)
