@@ -1513,8 +1513,9 @@ _TRANSPOSE_MIN = 1 << 16
 def _transpose(op) -> str | None:
     """A Transpose that swaps two blocks of dims (after merging dims that stay adjacent: NCHW <->
     NHWC is ``[N, C, HW] -> [N, HW, C]``), of 64 Ki elements or more: 32 x 32 tiles, each read by
-    rows and written by columns within the cache, with AVX2 in 8 x 8 blocks transposed in registers
-    (``sf_transpose_tile_avx2``: 64 x 128 x 128 to NHWC 0.54 -> 0.38 ms, onnxruntime 0.30; rfcs/0002).
+    rows and written by columns within the cache (whole output rows by 64 columns where those rows are
+    at most 64 long), with AVX2 in 8 x 8 blocks transposed in registers (``sf_transpose_tile_avx2``:
+    64 x 128 x 128 to NHWC 0.54 -> 0.19 ms, onnxruntime 0.29; rfcs/0002).
     The generic nest walks the output in order and reads the input at a stride per element (the same
     case: 1.45 ms against onnxruntime's 0.44, when the tiles were written)."""
     x = op.inputs[0].shape
@@ -1537,16 +1538,20 @@ def _transpose(op) -> str | None:
         B, R, C = ext
     else:
         return None
+    # tiles of 32 x 32; where the output's rows are at most 64 long, tiles of whole output rows by 64 columns, so
+    # that each output row is written as one run (64 x 16384 to [16384, 64]: 0.36 -> 0.18 ms standalone; 96 rows in
+    # 64-row tiles measured slower, 0.074 -> 0.107, two tile rows of unequal work)
+    th, tw = (R, 64) if R <= 64 else (32, 32)
     lines = _args(op) + [
-        f"  // Transpose {perm}: {B} x [{R}, {C}] -> [{C}, {R}] in 32 x 32 tiles (8 x 8 blocks in registers with AVX2)",
-        f"  const int64_t tr = {-(-R // 32)}, tc = {-(-C // 32)};",
+        f"  // Transpose {perm}: {B} x [{R}, {C}] -> [{C}, {R}] in {th} x {tw} tiles (8 x 8 register blocks with AVX2)",
+        f"  const int64_t tr = {-(-R // th)}, tc = {-(-C // tw)};",
         "#if defined(__x86_64__)",
         "  const bool avx2 = sf_avx2_helpers();",
         "#endif",
         "  #pragma omp parallel for schedule(static) if (sf_max_threads() > 1)",
         f"  for (int64_t t = 0; t < {B} * tr * tc; ++t) {{",
-        "    const int64_t b = t / (tr * tc), r0 = t / tc % tr * 32, c0 = t % tc * 32;",
-        f"    const int64_t r1 = std::min<int64_t>({R}, r0 + 32), c1 = std::min<int64_t>({C}, c0 + 32);",
+        f"    const int64_t b = t / (tr * tc), r0 = t / tc % tr * {th}, c0 = t % tc * {tw};",
+        f"    const int64_t r1 = std::min<int64_t>({R}, r0 + {th}), c1 = std::min<int64_t>({C}, c0 + {tw});",
         f"    const float* __restrict__ xb = in0 + b * {R * C};",
         f"    float* __restrict__ yb = out0 + b * {R * C};",
         "#if defined(__x86_64__)",

@@ -468,9 +468,10 @@ def _large():
         TopK([_t((5, 40), "int8")], k=8, axis=1, largest=False),
         TopK([_t((5, 40), "int16")], k=8, axis=1, largest=True),
         TopK([_t((9, 33), "bfloat16")], k=4, axis=1, largest=True),
-        # the blocked transpose (64 Ki elements or more): NCHW -> NHWC, NHWC -> NCHW with a batch, a matrix with
-        # partial tiles, and a size-1 dim between the blocks
+        # the blocked transpose (64 Ki elements or more): NCHW -> NHWC (64 and 20 channels), NHWC -> NCHW with a
+        # batch, a matrix with partial tiles, and a size-1 dim between the blocks
         Transpose([_t((1, 64, 40, 30))], perm=(0, 2, 3, 1)),
+        Transpose([_t((2, 20, 50, 70))], perm=(0, 2, 3, 1)),  # (output rows of 20: whole-row tiles, a block's tail)
         Transpose([_t((2, 20, 30, 70))], perm=(0, 3, 1, 2)),
         Transpose([_t((300, 250))], perm=(1, 0)),
         Transpose([_t((70, 1, 1000))], perm=(2, 1, 0)),
@@ -935,7 +936,7 @@ def test_scans_lrn_pads_and_einsums_use_their_templates():
                       CumSum([_t((5, 30, 4))], axis=1, exclusive=False, reverse=False))):
         assert template_body(neg) == template_body(pos)  # a negative axis counts from the end
     blocked = [op for _, op, _ in LARGE if op.op_type == "Transpose" and template_kind(op) == "Transpose"]
-    assert len(blocked) == 4
+    assert len(blocked) == 5
     assert template_kind(Transpose([_t((4, 128, 12, 64))], perm=(0, 2, 1, 3))) is None  # rows of 64 move whole
     assert template_kind(Transpose([_t((2, 64, 12, 32))], perm=(0, 2, 3, 1))) is None  # small: fuses in the nest
     einsums = [op for _, op, _ in LARGE if op.op_type == "Einsum"]
