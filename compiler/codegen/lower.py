@@ -982,8 +982,11 @@ class _NestLowerer:
         apart. Reductions whose body reads another's result take its array. None when the nest is
         not of that form: reductions at the innermost level only (others outside the innermost
         axis's loop), sum/mean/prod/max/min, a read whose last index is the innermost axis and none
-        whose last index moves with a reduction variable, rows of at most 8192 accumulators. A 1-D
-        output (column sums) is one row on one thread: the plain nest's threads each read columns."""
+        whose last index moves with a reduction variable, rows of at most 8192 accumulators. Fewer
+        than 4 output rows (column sums) split their columns into chunks (:func:`_column_chunk`),
+        one thread per chunk, each reading a contiguous piece of every input row (the plain nest's
+        threads each read single columns): column sums of ``[2048, 4096]`` 1.1 -> 0.61 ms on 2
+        cores (onnxruntime 0.87)."""
         axes, n = self.axes, len(self.axes)
         rs = self.hoisted.get(n, [])
         if n == 0 or not rs or any(0 < L < n - 1 for L in self.hoisted) or self._in_place_guard(value) is not None:
@@ -991,29 +994,41 @@ class _NestLowerer:
         a = axes[-1]
         if not 8 <= a.extent <= 8192 or any(r.op not in ("sum", "mean", "prod", "max", "min") for r in rs):
             return None
-        outer = {id(r) for L, hs in self.hoisted.items() if L < n for r in hs}
+        earlier = {id(r) for L, hs in self.hoisted.items() if L < n for r in hs}
         for i, r in enumerate(rs):
             reads, reduces = _reads_and_reductions(r.body)
-            if any(id(x) not in outer and not any(x is e for e in rs[:i]) for x in reduces):
+            if any(id(x) not in earlier and not any(x is e for e in rs[:i]) for x in reduces):
                 return None
             own = set(r.vars)
             lasts = [te.indices[-1] for te in reads if te.indices]
             if not any(ix is a for ix in lasts) or any(own & free_vars(ix, self.fv_memo) for ix in lasts):
                 return None
         kl = self.kl
+        work = self._work_estimate(value)
+        outer, target = list(axes[:-1]), self.target
+        chunk = _column_chunk(a.extent) if work >= PARALLEL_MIN_WORK and math.prod(
+            x.extent for x in outer) < 4 else None
+        if chunk is not None:  # few output rows: their columns split into chunks, one thread each
+            q, a = Var(f"{a.name}_q", a.extent // chunk), Var(f"{a.name}_r", chunk)
+            whole = BinOp("add", BinOp("mul", q, Const(chunk, "int64")), a)
+            memo: dict = {}
+            fn = (lambda old, new: whole if old is axes[-1] else None)  # noqa: E731
+            rs = [transform(r, fn, memo) for r in rs]
+            value = transform(value, fn, memo)
+            outer.append(q)
+            target = Buffer(target.name, [x.extent for x in outer] + [chunk], target.dtype, target.role,
+                            target.index)
         em = _Emitter(kl, value)
         body: list = []
         em.block = body
         self._emit_hoisted(em, 0, [])
-        if n > 1:  # (one output row: no outer loop, one thread; the plain nest's threads read columns)
-            work = self._work_estimate(value)
-            flat = FlatLoop(list(axes[:-1]), [], parallel=work >= PARALLEL_MIN_WORK and math.prod(
-                x.extent for x in axes[:-1]) >= 2)
+        if outer:  # (one output row unsplit: no outer loop, one thread; the plain nest's threads read columns)
+            flat = FlatLoop(outer, [], parallel=work >= PARALLEL_MIN_WORK and math.prod(x.extent for x in outer) >= 2)
             body.append(flat)
             em.push_scope(flat.body)
             for L in range(1, n):
                 self._emit_hoisted(em, L, [])
-        self._hoist_invariants(em, value, n - 1)
+        self._hoist_invariants(em, value, n - 1, inner=frozenset((a,)))
         repl: dict[int, Expr] = {}
         for r in rs:
             dt = accumulator_dtype(r, kl.dtypes)
@@ -1041,8 +1056,9 @@ class _NestLowerer:
         last = Loop(a, a.extent, [])
         em.block.append(last)
         em.push_scope(last.body)
-        em.block.append(Store(self.target, tuple(axes), em.emit(transform(value, lambda old, new: repl.get(id(old))))))
-        for _ in range(2 if n > 1 else 1):
+        final = transform(value, lambda old, new: repl.get(id(old)))
+        em.block.append(Store(target, tuple(outer) + (a,), em.emit(final)))
+        for _ in range(2 if outer else 1):
             em.pop_scope()
         return [Block(body)]
 
@@ -1056,15 +1072,16 @@ class _NestLowerer:
             return None
         return kept_select(value, self.axes, lambda t: self.kl.bound.get(id(t)) is x)
 
-    def _hoist_invariants(self, em: "_Emitter", value: Expr, level: int):
+    def _hoist_invariants(self, em: "_Emitter", value: Expr, level: int, inner: frozenset | None = None):
         """Compute the operations of ``value`` that depend on ``axes[:level]`` only (a row's
         ``rsqrt(variance + eps)``, quantized) once, into locals of the current scope, instead of per
         element of the loops inside: the C compiler hoisted them itself, but a select on such a
         value (a QDQ chain's clamps) then became a loop-invariant mask that GCC 12 did not
         vectorize (a QDQ Llama's RMSNorm kernels 2.5 ms instead of 0.2). Not inside selects or
         reductions, nor the operands of boolean and/or (short-circuited in C), which the loop
-        might not have evaluated."""
-        inner = frozenset(self.axes[level:])
+        might not have evaluated. ``inner``: the variables of the loops inside (``axes[level:]``
+        unless given)."""
+        inner = frozenset(self.axes[level:]) if inner is None else inner
         seen: set[int] = set()
 
         def visit(e: Expr):
@@ -1570,6 +1587,21 @@ def reduce_init(e: Expr) -> tuple[str, str] | None:
 #: Periods of the innermost axis below which :func:`_split_periodic_axis` leaves it whole (its inner
 #: loop would be too short to vectorize).
 MIN_SPLIT_PERIOD = 8
+
+
+#: Columns per chunk of an interchanged reduction's few output rows (:func:`_column_chunk`).
+COLUMN_CHUNK = 1024
+
+
+def _column_chunk(extent: int) -> int | None:
+    """The columns one thread accumulates when an interchanged reduction has fewer than 4 output
+    rows (column sums of a matrix): the largest divisor of ``extent`` of at most
+    :data:`COLUMN_CHUNK` that leaves at least 2 chunks and is a multiple of 16 (whole vectors), or
+    ``None`` (then one thread per row)."""
+    for c in range(min(COLUMN_CHUNK, extent // 2) // 16 * 16, 15, -16):
+        if extent % c == 0:
+            return c
+    return None
 
 
 def _split_periodic_axis(axes: Sequence[Var], value: Expr) -> tuple[tuple, Expr] | None:

@@ -1420,6 +1420,50 @@ def test_reductions_over_a_middle_axis_accumulate_rows(tmp_path, kernel_cache):
                                   xi.astype(np.int64).sum(axis=1).astype(np.int32))
 
 
+def _parallel_flat_loops(body):
+    found = []
+    for s in body:
+        if isinstance(s, lower_mod.FlatLoop) and s.parallel:
+            found.append([v.extent for v in s.vars])
+        for key in ("body", "then", "other"):
+            found.extend(_parallel_flat_loops(getattr(s, key, [])))
+    return found
+
+
+def test_few_output_rows_split_their_columns_across_threads(tmp_path, kernel_cache):
+    """An interchanged reduction with fewer than 4 output rows (column sums, a softmax's statistics
+    over the first axis) splits its columns into chunks of at most 1024, a multiple of 16 dividing the
+    row, and runs the chunks in parallel (one thread summed the whole row); a row with no such divisor
+    stays one thread. numpy's values, NaN included; ReduceL2 (a square root of each column's sum)."""
+    rng = np.random.default_rng(5)
+    cols = rng.standard_normal((40, 4096)).astype(np.float32)
+    cols[7, 3000] = np.nan
+    two = rng.standard_normal((2, 24, 2048)).astype(np.float32)
+    odd = rng.standard_normal((1, 40, 1040)).astype(np.float32)  # (1040 = 16 * 65: chunks of 208)
+    prime = rng.standard_normal((40, 4100)).astype(np.float32)
+    cases = [
+        (Reduce([_t(cols.shape)], kind="sum", axes=(0,), keepdims=False, name="colsum"), [cols], [4], 1024),
+        (Reduce([_t(cols.shape)], kind="max", axes=(0,), keepdims=True, name="colmax"), [cols], [1, 4], 1024),
+        (Reduce([_t(two.shape)], kind="mean", axes=(1,), keepdims=False, name="two"), [two], [2, 2], 1024),
+        (_MiddleVariance([_t(odd.shape)], name="var"), [odd], [1, 5], 208),
+        (Softmax([_t((40, 2048))], axes=(0,), log=False, name="softmax0"), [cols[:, :2048].copy()], None, 1024),
+        (Reduce([_t(cols.shape)], kind="l2", axes=(0,), keepdims=False, name="l2"), [cols], [4], 1024),
+        (Reduce([_t(prime.shape)], kind="sum", axes=(0,), keepdims=False, name="prime"), [prime], [], 4100),
+    ]
+    for op, _, flat, chunk in cases:
+        k = lower_task(op.task, op.name, op.op_type)
+        assert chunk in _simd_loops(k.body), op.name
+        if flat is not None:
+            assert _parallel_flat_loops(k.body) == ([flat] if flat else []), op.name
+    syms = build_cpu_library([c[0] for c in cases], str(tmp_path / "cols.so"), cache_dir=kernel_cache, opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "cols.so"))
+    for op, arrays, _, _ in cases:
+        got = run_kernel(lib, syms[op.name], op, arrays)
+        assert_matches(got, op.run(*arrays), [t.dtype for t in op.outputs])
+    got = run_kernel(lib, syms["colmax"], *cases[1][:2])[0]
+    assert np.isnan(got[0, 3000]) and np.isnan(got).sum() == 1
+
+
 def test_attention_scores_are_materialized_once():
     """The three score reductions of Attention are one temporary (equal up to renaming)."""
     op = Attention([_t((1, 2, 5, 4)), _t((1, 2, 6, 4)), _t((1, 2, 6, 3))], scale_sqrt=0.5)
