@@ -456,6 +456,28 @@ def test_a_requantization_in_another_precision_stays():
         assert kept == bool(q_attrs or dq_attrs), (q_attrs, dq_attrs)
 
 
+def test_a_requantization_with_a_scale_near_float32s_max_stays_without_a_warning():
+    """A scale whose times 65535 overflows float32 (1e36) is not the round trip drop_requantizations proves
+    exact: the pair is kept, and the check raises no numpy overflow warning (it printed one through a
+    user's import of a QDQ model)."""
+    import warnings
+
+    from shardflow.compiler.frontend.qdq import drop_requantizations
+
+    f = helper.make_tensor_value_info
+    for scale, kept in ((1e36, True), (0.037, False)):
+        inits = [numpy_helper.from_array(np.array(scale, np.float32), "s"),
+                 numpy_helper.from_array(np.array(9, np.uint8), "z")]
+        nodes = [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+                 helper.make_node("QuantizeLinear", ["d", "s", "z"], ["y"])]
+        g = helper.make_graph(nodes, "g", [f("q", TensorProto.UINT8, [4])], [f("y", TensorProto.UINT8, [4])], inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = drop_requantizations(m)
+        assert ([n.op_type for n in out.graph.node] == ["DequantizeLinear", "QuantizeLinear"]) == kept, scale
+
+
 def _padded_depthwise_model(pad_value: float, mode: str = "constant", quantized: bool = True):
     """MobileNetV2's QDQ form of an explicitly padded depthwise conv: x -> Q/DQ(s, z) -> Pad(value, quantized as
     the quantizer writes it: DequantizeLinear(QuantizeLinear(Constant)), or the Constant itself) -> Q/DQ(s, z) ->
