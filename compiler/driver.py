@@ -931,6 +931,44 @@ def _kernel_entry(k: Any) -> Any:
     return k
 
 
+#: Bytes of a rank's weights, outside the arrays the compile keeps alive, compared by value with an earlier
+#: rank's (:func:`_write_or_link_weights`): the scalars and small tables the rank passes make.
+LINK_COMPARED_BYTES = 1 << 20
+
+
+def _write_or_link_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int, cache, written: dict) -> str:
+    """:func:`_write_weights`, or, where an earlier rank wrote the same arrays at the same offsets (a
+    replicated plan's ranks), a hard link to that rank's file (its sha256 reused; a copy where the
+    file system has no hard links). The same arrays: the same memory of arrays ``cache`` keeps alive
+    for the compile (so that an address names its bytes), and equal bytes of the others, at most
+    :data:`LINK_COMPARED_BYTES` of them (else the file is written)."""
+    if cache is None:
+        return _write_weights(path, weights, total)
+    from .passes.prepack import _memory_key
+
+    parts, compared = [], 0
+    for off, a in weights:
+        if cache.pinned(a):
+            parts.append((off, _memory_key(a)))
+            continue
+        compared += a.nbytes
+        if compared > LINK_COMPARED_BYTES:
+            return _write_weights(path, weights, total)
+        parts.append((off, a.shape, a.dtype.str, np.ascontiguousarray(a).tobytes()))
+    key = (total, tuple(parts))
+    if key in written:
+        first, sha = written[key]
+        try:
+            os.link(first, path)
+        except OSError:
+            shutil.copyfile(first, path)
+        log.debug("%s: the same weights as %s, linked", path, first)
+        return sha
+    sha = _write_weights(path, weights, total)
+    written[key] = (path, sha)
+    return sha
+
+
 def _write_weights(path: Path, weights: list[tuple[int, np.ndarray]], total: int) -> str:
     """Write the weight shard; return its sha256, computed by a second thread while writing
     (both release the GIL on large buffers)."""
@@ -1286,12 +1324,13 @@ def heads_padding(dcfg) -> int:
 
 
 def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True,
-                repack: bool = True) -> FlowGraph:
+                repack: bool = True, pack_cache=None) -> FlowGraph:
     """The passes one rank's graph takes after the plan, before its kernels are generated, for
     ``opt``'s target and precision (what :func:`compile` runs on each rank; the conformance runs of
     tests/codegen call it too). ``winograd``: 3x3 convs may take Winograd's transformed weights
     (off under a memory budget, which did not count them); ``repack``: the blocked layout may
-    store repacked weights (likewise)."""
+    store repacked weights (likewise); ``pack_cache``: a :class:`~.passes.prepack.PackCache` the
+    ranks of one compile share (the weights they hold whole packed once)."""
     # a bfloat16 model's partial sums reduced over ranks in float32 (passes/precision.py)
     from .passes.precision import ReduceBfloat16InFloat32
 
@@ -1388,7 +1427,7 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.prepack import CONV_MAX_PIXELS, PrepackWeights
 
         rg = PrepackWeights(conv_max_pixels=CONV_MAX_PIXELS if opt.prepack else 0, winograd=winograd,
-                            gemm=opt.prepack, windows=opt.prepack, blocked=opt.blocked).run(rg)
+                            gemm=opt.prepack, windows=opt.prepack, blocked=opt.blocked, cache=pack_cache).run(rg)
     if opt.target == "cpu" and opt.blocked:
         # the tensors between convs blocked by 16 channels, as the conv kernels compute (passes/layout.py)
         from .passes.layout import BlockedLayout
@@ -1503,6 +1542,12 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     # each rank's graph built when its turn comes and dropped after it (its weight shards and their
     # packed forms): the compile holds one rank's weights at a time
     rank_graphs = partition_ranks(graph, plan, sharded_inputs=sharded_state)
+    # the weights ranks hold whole (replicated) packed once, and a rank's weights that are the same
+    # arrays as an earlier rank's linked to that rank's file (passes/prepack.py)
+    from .passes.prepack import PackCache
+
+    pack_cache = PackCache(t.value for t in graph.constants()) if plan.mesh.size > 1 else None
+    written: dict[tuple, tuple[Path, str]] = {}  # a rank's weights (offsets and memory) -> its file, sha256
     timings["partition"] = 0.0
     mesh = plan.mesh
     world = mesh.size
@@ -1539,7 +1584,8 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
             rg = next(rank_graphs)
             timings["partition"] += time.perf_counter() - t
             axis_sets |= _collective_axes(rg)
-            rg = rank_passes(rg, opt, winograd=winograd, repack=dcfg.memory_budget_bytes is None)
+            rg = rank_passes(rg, opt, winograd=winograd, repack=dcfg.memory_budget_bytes is None,
+                             pack_cache=pack_cache)
             rdir = tmp / f"rank{r}"
             rdir.mkdir()
             names = [op.name for op in rg.nodes]
@@ -1596,7 +1642,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
             if lost:  # (their kernels store only where the select changes the input: they must run in place)
                 raise ShardflowError(f"rank {r}: state outputs {lost} were generated to be written over their inputs, "
                                      "which the program does not do; compile with fuse=False and report this")
-            weights_sha = _write_weights(rdir / "weights.bin", weights, wbytes)
+            weights_sha = _write_or_link_weights(rdir / "weights.bin", weights, wbytes, pack_cache, written)
             del weights  # (written: the next rank's replace them)
             write_json(rdir / "program.json", program)
             coord = mesh.coord_of(r)

@@ -302,6 +302,26 @@ def test_compiled_ranks_read_packed_weights_and_match_onnxruntime(tmp_path, mesh
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("algo,shared", [("replicate", True), ("data", True), ("megatron", False)])
+def test_ranks_holding_a_weight_whole_share_its_pack_and_their_weights_file(tmp_path, monkeypatch, algo, shared):
+    """The ranks of one compile that hold a weight whole (replicated) share one packed copy, made once
+    (passes/prepack.py PackCache), and a rank whose weights are the same arrays as an earlier rank's
+    gets a hard link to that rank's weights.bin; a Megatron plan's shards are packed and written per
+    rank. Every rank still matches onnxruntime."""
+    import shardflow.compiler.ops.linalg as linalg
+
+    calls = []
+    real = linalg.pack_panels
+    monkeypatch.setattr(linalg, "pack_panels", lambda b: calls.append(b.shape) or real(b))
+    path, x, want = _mlp_with_reference(tmp_path, 3)
+    _, got = _compiled_ranks(path, tmp_path / "out", [2], algo, x)
+    assert len(calls) == (3 if shared else 6), calls
+    files = [(tmp_path / "out" / f"rank{r}" / "weights.bin").stat() for r in range(2)]
+    assert (files[0].st_ino == files[1].st_ino) == shared and files[0].st_nlink == (2 if shared else 1)
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+
+
 def test_prepack_false_keeps_the_contractions(tmp_path):
     rng = np.random.default_rng(2)
     path = tmp_path / "mlp.onnx"
