@@ -51,6 +51,8 @@ def _case(op, inputs, outputs, consts=(), **attrs):
 def cases(rng):
     pads = _const("p", np.array([0, 0, 3, 3, 0, 0, 3, 3], np.int64))
     img, padded = [1, 64, 128, 128], [1, 64, 134, 134]
+    act, half = [8, 128, 768], [8, 128, 384]
+    scales2 = [_const("roi", np.zeros(0, np.float32)), _const("sc", np.array([1, 1, 2, 2], np.float32))]
     return {
         "instnorm_64_128": _case("InstanceNormalization", {"x": img}, [_f32("y", img)],
                                  [_const("s", rng.standard_normal(64).astype(np.float32)),
@@ -87,6 +89,34 @@ def cases(rng):
         "reducesum_cols": _case("ReduceSum", {"x": [2048, 4096]}, [_f32("y", [4096])],
                                 [_const("a", np.array([0], np.int64))], keepdims=0),
         "layernorm_cf": _channels_first_layernorm(rng, [1, 96, 56, 56]),
+        # a transformer's activations [8, 128, 768] and a CNN's images (session 88)
+        "concat_last": _case("Concat", {"a": half, "b": half}, [_f32("y", act)], axis=-1),
+        "split_last": _case("Split", {"x": act}, [_f32("y0", half), _f32("y1", half)], axis=-1, num_outputs=2),
+        "expand": _case("Expand", {"x": [1, 128, 768]}, [_f32("y", act)], [_const("s", np.array(act, np.int64))]),
+        "add_bias": _case("Add", {"a": act, "b": [768]}, [_f32("y", act)]),
+        "exp": _case("Exp", {"x": act}, [_f32("y", act)]),
+        "erf": _case("Erf", {"x": act}, [_f32("y", act)]),
+        "tanh": _case("Tanh", {"x": act}, [_f32("y", act)]),
+        "sigmoid": _case("Sigmoid", {"x": act}, [_f32("y", act)]),
+        "maxpool": _case("MaxPool", {"x": [1, 64, 112, 112]}, [_f32("y", [1, 64, 56, 56])], kernel_shape=[3, 3],
+                         strides=[2, 2], pads=[1, 1, 1, 1]),
+        "avgpool": _case("AveragePool", {"x": [1, 64, 112, 112]}, [_f32("y", [1, 64, 56, 56])], kernel_shape=[3, 3],
+                         strides=[2, 2], pads=[1, 1, 1, 1]),
+        "global_avgpool": _case("GlobalAveragePool", {"x": [1, 512, 28, 28]}, [_f32("y", [1, 512, 1, 1])]),
+        "resize_nearest": _case("Resize", {"x": [1, 64, 64, 64]}, [_f32("y", [1, 64, 128, 128])], scales2,
+                                mode="nearest"),
+        "resize_linear": _case("Resize", {"x": [1, 64, 64, 64]}, [_f32("y", [1, 64, 128, 128])], scales2,
+                               mode="linear"),
+        "reducemean_last": _case("ReduceMean", {"x": act}, [_f32("y", [8, 128, 1])],
+                                 [_const("a", np.array([-1], np.int64))]),
+        "bmm_scores": _case("MatMul", {"a": [12, 128, 64], "b": [12, 64, 128]}, [_f32("y", [12, 128, 128])]),
+        "slice_step2": _case("Slice", {"x": act}, [_f32("y", half)], [_const(n, np.array([v], np.int64)) for n, v in
+                                                                       (("st", 0), ("en", 768), ("ax", 2), ("sp", 2))]),
+        "transpose_heads": _case("Transpose", {"x": [8, 128, 12, 64]}, [_f32("y", [8, 12, 128, 64])],
+                                 perm=[0, 2, 1, 3]),
+        "layernorm_8x128": _case("LayerNormalization", {"x": act}, [_f32("y", act)],
+                                 [_const("s", rng.standard_normal(768).astype(np.float32)),
+                                  _const("b", rng.standard_normal(768).astype(np.float32))], axis=-1),
         # random draws (the engines' generators differ: 'moments' instead of a difference)
         "random_uniform": _case("RandomUniformLike", {"x": [1024, 1024]}, [_f32("y", [1024, 1024])], seed=1.0),
         "random_normal": _case("RandomNormalLike", {"x": [1024, 1024]}, [_f32("y", [1024, 1024])], seed=1.0),

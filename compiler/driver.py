@@ -1438,7 +1438,7 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         # weight, plain or packed (passes/precision.py): one copy of the vocabulary's table
         from .passes.precision import TablesInTiedWeights
 
-        rg = TablesInTiedWeights().run(rg)
+        rg = TablesInTiedWeights(pack_cache).run(rg)
     return rg
 
 

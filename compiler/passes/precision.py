@@ -358,10 +358,13 @@ class TablesInTiedWeights(GraphPass):
     reading the rows there, so that the table is not stored beside that weight (GPT-2 small: 154 MB of its
     649). The same values. In the panels a row's values are 16 (float32) or 32 (bfloat16) apart, a cache line
     each (GPT-2 small's 128 tokens: 0.045 -> 0.195 ms, in a 100 ms run); in a plain ``[D, V]`` weight a row
-    apart. After :meth:`run`, ``shared`` counts the gathers changed."""
+    apart. After :meth:`run`, ``shared`` counts the gathers changed. ``cache``: the compile's
+    :class:`~shardflow.compiler.passes.prepack.PackCache`, in which the ranks holding the table and the
+    panels whole find the comparison made once."""
 
-    def __init__(self):
+    def __init__(self, cache=None):
         self.shared = 0
+        self.cache = cache
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.linalg import GatherColumns
@@ -385,7 +388,7 @@ class TablesInTiedWeights(GraphPass):
                 continue
             key = (int(table.shape[0]), int(table.shape[1]), table.dtype)
             rows = np.asarray(table.value)
-            tied = next((bp for bp in panels.get(key, {}).values() if _panel_bits(np.asarray(bp.value), rows)),
+            tied = next((bp for bp in panels.get(key, {}).values() if self._panel_bits(np.asarray(bp.value), rows)),
                         None) or next((w for w in plain.get(key, {}).values()
                                        if w is not table and _transposed_bits(w.value, rows)), None)
             if tied is None:
@@ -398,6 +401,11 @@ class TablesInTiedWeights(GraphPass):
             log.info("%s looks rows up as the columns of %s (a tied output layer's weight): %s not stored",
                      op.name, tied.name, table.name)
         return splice(graph, after, replace)
+
+    def _panel_bits(self, bp: np.ndarray, table: np.ndarray) -> bool:
+        from .prepack import cached
+
+        return cached(self.cache, ("panel_bits",), (bp, table), lambda: _panel_bits(bp, table))
 
 
 def _panel_bits(bp: np.ndarray, table: np.ndarray) -> bool:

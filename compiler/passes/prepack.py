@@ -86,7 +86,7 @@ from ..ir.graph import FlowGraph, Operator, Tensor, const_tensor
 from .base import GraphPass, splice
 from .precision import _looked_up
 
-__all__ = ["PrepackWeights", "PackCache"]
+__all__ = ["PrepackWeights", "PackCache", "cached"]
 
 log = logging.getLogger(__name__)
 
@@ -484,10 +484,11 @@ class PackCache:
         return k in self._whole or k in self._pack_keys
 
     def get(self, kind: tuple, sources: tuple, make: Callable[[], object]):
-        """``make()``, or what it returned for equal ``kind`` and the same memory of ``sources`` (arrays,
-        or ``None`` for an absent one) earlier in this compile."""
+        """``make()``, or what it returned for equal ``kind`` and the same memory of ``sources`` (arrays
+        that are :meth:`pinned`, or ``None`` for an absent one) earlier in this compile. Arrays it
+        returns (alone or in a tuple) are kept read-only; other values (a test's answer) as they are."""
         keys = tuple(None if a is None else _memory_key(a) for a in sources)
-        if any(k is not None and k not in self._whole for k in keys):
+        if any(k is not None and k not in self._whole and k not in self._pack_keys for k in keys):
             return make()
         key = (kind, keys)
         if key in self._packs:
@@ -495,13 +496,15 @@ class PackCache:
             return self._packs[key]
         out = make()
         for a in out if isinstance(out, tuple) else (out,):
-            a.setflags(write=False)
-            self._pack_keys.add(_memory_key(a))
+            if isinstance(a, np.ndarray):
+                a.setflags(write=False)
+                self._pack_keys.add(_memory_key(a))
         self._packs[key] = out
         return out
 
 
-def _packed(cache: PackCache | None, kind: tuple, sources: tuple, make: Callable[[], object]):
+def cached(cache: PackCache | None, kind: tuple, sources: tuple, make: Callable[[], object]):
+    """``make()``, through ``cache`` where there is one (:meth:`PackCache.get`)."""
     return make() if cache is None else cache.get(kind, sources, make)
 
 
@@ -598,7 +601,7 @@ class PrepackWeights(GraphPass):
                 bf16_products.add(id(op))
                 w, group = op.inputs[1], int(op.attrs.get("group", 1))
                 if (id(w), group) not in conv_bf16:
-                    rows = _packed(self.cache, ("bf16conv", group), (value,), lambda: pack_bf16_conv(value, group))
+                    rows = cached(self.cache, ("bf16conv", group), (value,), lambda: pack_bf16_conv(value, group))
                     conv_bf16[(id(w), group)] = const_tensor(rows, f"{op.name}.bf16rows")
                 inputs = [a, conv_bf16[(id(w), group)]] + list(op.inputs[2:])
                 new = PackedConvBf16([replace.get(id(t), t) for t in inputs], name=op.name,
@@ -611,7 +614,7 @@ class PrepackWeights(GraphPass):
                 xq, value, zp = ic
                 w, group = op.inputs[1], int(op.attrs.get("group", 1))
                 if (id(w), group) not in conv_int8:
-                    wa, wc = _packed(self.cache, ("int8conv", group), (value,), lambda: pack_int8_conv(value, group))
+                    wa, wc = cached(self.cache, ("int8conv", group), (value,), lambda: pack_int8_conv(value, group))
                     conv_int8[(id(w), group)] = (const_tensor(wa, f"{op.name}.i8rows"),
                                                  const_tensor(wc, f"{op.name}.i8terms"))
                 inputs = [xq, *conv_int8[(id(w), group)]] + ([zp] if zp is not None else [])
@@ -634,7 +637,7 @@ class PrepackWeights(GraphPass):
                 if id(b) not in packed_bf16:
                     value = np.asarray(w.value)
                     value = value.T if trans else value
-                    panels = _packed(self.cache, ("bf16",), (value,), lambda: pack_bf16_panels(value))
+                    panels = cached(self.cache, ("bf16",), (value,), lambda: pack_bf16_panels(value))
                     packed_bf16[id(b)] = const_tensor(panels, f"{w.name}.bf16panels" + (".T" if trans else ""))
                 inputs, attrs = _packed_form(op, a, packed_bf16[id(b)], int(w.shape[0] if trans else w.shape[1]))
                 new = PackedMatMulBf16([replace.get(id(t), t) for t in inputs], name=op.name, **attrs)
@@ -648,7 +651,7 @@ class PrepackWeights(GraphPass):
                 key = (id(b), id(bzp))
                 if key not in packed_int8:
                     bv, zv = np.asarray(b.value), None if bzp is None else np.asarray(bzp.value)
-                    bp, bc = _packed(self.cache, ("int8",), (bv, zv), lambda: pack_int8_panels(bv, zv))
+                    bp, bc = cached(self.cache, ("int8",), (bv, zv), lambda: pack_int8_panels(bv, zv))
                     packed_int8[key] = (const_tensor(bp, f"{b.name}.i8panels"), const_tensor(bc, f"{b.name}.i8cols"))
                 inputs = [op.inputs[0], *packed_int8[key]] + ([op.inputs[2]] if op.attrs.get("has_azp") else [])
                 new = PackedMatMulInteger([replace.get(id(t), t) for t in inputs], name=op.name, n=int(b.shape[1]))
@@ -665,7 +668,7 @@ class PrepackWeights(GraphPass):
                 m = form[1]
                 if (id(w), m) not in conv_weights:
                     value = np.asarray(w.value, np.float32)
-                    made = _packed(self.cache, ("conv", m), (value,), lambda: winograd_weights(value, m) if m else
+                    made = cached(self.cache, ("conv", m), (value,), lambda: winograd_weights(value, m) if m else
                                    pack_panels(value.reshape(value.shape[0], -1).T))  # G w G^T, or W^T's panels
                     conv_weights[(id(w), m)] = const_tensor(made, f"{w.name}.winograd{m}" if m else f"{w.name}.panels")
                 weight = conv_weights[(id(w), m)]
@@ -697,7 +700,7 @@ class PrepackWeights(GraphPass):
                 def make(src=src, trans=trans, half=half is not None):
                     value = src.astype(np.float16) if half else src
                     return pack_panels(value.T if trans else value)
-                panels = _packed(self.cache, ("f16" if half is not None else "f32", trans), (src,), make)
+                panels = cached(self.cache, ("f16" if half is not None else "f32", trans), (src,), make)
                 packed[id(b)] = const_tensor(panels, f"{b.name}.panels" + ("16" if half is not None else "")
                                              + (".T" if trans else ""))
             inputs, attrs = _packed_form(op, op.inputs[0], packed[id(b)], b.shape[0] if trans else b.shape[1])

@@ -826,3 +826,32 @@ def test_a_tied_table_is_read_from_the_output_layers_weight(tmp_path, precision,
     scale = float(np.abs(want).max())
     for got in run_threads(InProcessWorld(world).communicators(), work, timeout=120):
         np.testing.assert_allclose(got, want, rtol=0, atol=(2e-2 if precision == "bfloat16" else 1e-5) * scale)
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+def test_replicated_ranks_compare_a_tied_table_with_the_panels_once(tmp_path, monkeypatch):
+    """On ranks that all hold the tied head whole (a ``replicate`` plan) the panels are made once and the
+    test that the table is their columns (a whole pass over both) runs once, not per rank
+    (PackCache); every rank reads its rows there and matches onnxruntime, and the ranks' weights are
+    one file."""
+    import shardflow.compiler.passes.precision as precision
+
+    calls = []
+    real = precision._panel_bits
+    monkeypatch.setattr(precision, "_panel_bits", lambda bp, table: calls.append(bp.shape) or real(bp, table))
+    path = tmp_path / "tied.onnx"
+    ids, want = _tied_head_model(path, 50, False)
+    out = tmp_path / "out"
+    compile(str(path), distributed_config={"mesh_shape": [3], "algo": "replicate"},
+            optimization_config={"target": "cpu"}, out_dir=out)
+    assert len(calls) == 1, calls
+    for r in range(3):
+        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+        stored = [b["shape"] for b in program["buffers"] if b["storage"] == "weights"]
+        assert len(stored) == 1 and stored[0][0] == 4, stored  # (the panels only: the table is not stored)
+    assert (out / "rank2" / "weights.bin").stat().st_nlink == 3
+
+    def work(c):
+        return load(out, c.rank, c).run({"ids": ids})["logits"]
+    for got in run_threads(InProcessWorld(3).communicators(), work, timeout=120):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
