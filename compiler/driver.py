@@ -1344,7 +1344,7 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         # the projections of one activation (Q, K, V) as one GEMM, on this rank's shards
         from .passes.projections import MergeProjections
 
-        rg = MergeProjections().run(rg)
+        rg = MergeProjections(cache=pack_cache).run(rg)
         # attention computed on [B*H, ..] tensors (BLOOM's) on its [B, H, ..] views, before the
         # precision pass's casts stand between those and the products (passes/attention.py)
         from .passes.attention import AttentionOnHeads
@@ -1404,7 +1404,7 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         # rank's shards
         from .passes.projections import MergeProjections
 
-        rg = MergeProjections(parts_only=True).run(rg)
+        rg = MergeProjections(parts_only=True, cache=pack_cache).run(rg)
         # a float16 or bfloat16 model (and precision's roundings) computed in float32, each op's output
         # rounded to the half type: the float32 templates and epilogues throughout (passes/precision.py;
         # the bfloat16 products and convs then read bfloat16 copies, passes/prepack.py)

@@ -50,10 +50,18 @@ PART = "#part"
 class MergeProjections(GraphPass):
     """Merge the constant-weight MatMuls of one activation (and their constant biases).
     ``parts_only``: only the parts :class:`SplitProjections` made of one product (the cpu
-    target's: it computes the other models' projections apart, as before)."""
+    target's: it computes the other models' projections apart, as before). ``cache``: the compile's
+    :class:`~shardflow.compiler.passes.prepack.PackCache`: ranks holding the parts whole share one merged
+    weight (made once; their packs then too)."""
 
-    def __init__(self, parts_only: bool = False):
+    def __init__(self, parts_only: bool = False, cache=None):
         self.parts_only = parts_only
+        self.cache = cache
+
+    def _concatenate(self, arrays: list, axis: int):
+        from .prepack import cached
+
+        return cached(self.cache, ("concatenate", axis), tuple(arrays), lambda: concatenate(arrays, axis=axis))
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.elementwise import Binary
@@ -106,17 +114,17 @@ class MergeProjections(GraphPass):
             ends = [b[0].outputs[0] if with_bias else m.outputs[0] for m, b in kept]
             x = members[0].inputs[0]
             if nbits:  # (the columns of a 4-bit weight: the rows of its codes, scales and zero points)
-                consts = [const_tensor(concatenate([np.asarray(m.inputs[j].value) for m in members], axis=0),
+                consts = [const_tensor(self._concatenate([np.asarray(m.inputs[j].value) for m in members], 0),
                                        f"{members[0].name}.merged_{j}") for j in range(1, len(members[0].inputs))]
                 mm = type(members[0])([x, *consts], name=f"{members[0].name}.merged", **members[0].attrs)
             else:
-                w = const_tensor(concatenate([np.asarray(m.inputs[1].value) for m in members], axis=1),
+                w = const_tensor(self._concatenate([np.asarray(m.inputs[1].value) for m in members], 1),
                                  f"{members[0].name}.merged_w")
                 mm = MatMul([x, w], name=f"{members[0].name}.merged")
             new_ops: list[Operator] = [mm]
             y = mm.outputs[0]
             if with_bias:
-                b = const_tensor(np.concatenate([np.asarray(a.inputs[k].value).reshape(-1) for a, k in biases]),
+                b = const_tensor(self._concatenate([np.asarray(a.inputs[k].value).reshape(-1) for a, k in biases], 0),
                                  f"{members[0].name}.merged_b")
                 add = Binary([y, b], name=f"{members[0].name}.merged_bias", fn="add")
                 new_ops.append(add)

@@ -608,6 +608,35 @@ def test_a_fused_qkv_product_is_split_by_heads_on_two_ranks(tmp_path, target):
             assert all(s["node"].endswith("merged_bias") and s["launch"]["kind"].startswith("gemm") for s in qkv)
 
 
+def test_replicated_ranks_share_the_merged_projections_and_one_weights_file(tmp_path, monkeypatch):
+    """GPT-2 on two ranks that replicate everything: its QKV parts (column views of the fused weight,
+    split before the plan) are merged and packed once for both ranks (passes/prepack.PackCache; before,
+    once per rank), so the two ranks' weights are the same arrays and rank 1's weights.bin is a hard
+    link to rank 0's. Both ranks compute the one-rank logits."""
+    import shardflow.compiler.passes.projections as projections
+    from shardflow.runtime.comm import InProcessWorld
+    from threads import run_threads
+
+    merged = []
+    real = projections.concatenate
+    monkeypatch.setattr(projections, "concatenate", lambda arrays, axis=0: merged.append(axis) or real(arrays, axis))
+    feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
+    compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "one")
+    want = load(tmp_path / "one").run(feeds)
+    assert merged == []  # (one rank: nothing split, nothing merged)
+    out = tmp_path / "two"
+    compile(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2], "algo": "replicate"},
+            optimization_config={"target": "cpu"}, out_dir=out)
+    # the 2 layers' weights and their biases (all zero: one constant since import, merged once), for both ranks
+    assert merged == [1, 0, 1], merged
+    files = [(out / f"rank{r}" / "weights.bin").stat() for r in range(2)]
+    assert files[0].st_ino == files[1].st_ino and files[0].st_nlink == 2
+    for got in run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run(feeds), timeout=120):
+        for name, w in want.items():
+            np.testing.assert_array_equal(got[name], w, err_msg=name)
+
+
 def test_compile_holds_one_rank_graph_at_a_time(tmp_path, monkeypatch):
     """Each rank's graph (its weight shards, their packed forms) is built when its turn comes and
     dropped before the next one's: a model's compile on R ranks needs about one rank's share of
