@@ -944,12 +944,11 @@ def _write_or_link_weights(path: Path, weights: list[tuple[int, np.ndarray]], to
     :data:`LINK_COMPARED_BYTES` of them (else the file is written)."""
     if cache is None:
         return _write_weights(path, weights, total)
-    from .passes.prepack import _memory_key
-
     parts, compared = [], 0
     for off, a in weights:
-        if cache.pinned(a):
-            parts.append((off, _memory_key(a)))
+        k = cache.pinned_key(a)
+        if k is not None:
+            parts.append((off, k))
             continue
         compared += a.nbytes
         if compared > LINK_COMPARED_BYTES:

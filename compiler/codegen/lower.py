@@ -426,10 +426,11 @@ def hashcons(root: Expr) -> Expr:
     return transform(root, fn)
 
 
-def substitute(e: Expr, mapping: dict) -> Expr:
-    """``e`` with each :class:`Var` in ``mapping`` (by identity) replaced."""
+def substitute(e: Expr, mapping: dict, memo: dict | None = None) -> Expr:
+    """``e`` with each :class:`Var` in ``mapping`` (by identity) replaced; ``memo`` as
+    :func:`transform`'s (shared by calls that must map a common sub-tree to one object)."""
     by_id = {id(v): x for v, x in mapping.items()}
-    return transform(e, lambda old, new: by_id.get(id(old)) if isinstance(old, Var) else None)
+    return transform(e, lambda old, new: by_id.get(id(old)) if isinstance(old, Var) else None, memo)
 
 
 def free_vars(e: Expr, memo: dict) -> frozenset:
@@ -1010,11 +1011,10 @@ class _NestLowerer:
             x.extent for x in outer) < 4 else None
         if chunk is not None:  # few output rows: their columns split into chunks, one thread each
             q, a = Var(f"{a.name}_q", a.extent // chunk), Var(f"{a.name}_r", chunk)
-            whole = BinOp("add", BinOp("mul", q, Const(chunk, "int64")), a)
-            memo: dict = {}
-            fn = (lambda old, new: whole if old is axes[-1] else None)  # noqa: E731
-            rs = [transform(r, fn, memo) for r in rs]
-            value = transform(value, fn, memo)
+            whole = {axes[-1]: BinOp("add", BinOp("mul", q, Const(chunk, "int64")), a)}
+            memo: dict = {}  # (one memo: value's reductions stay the objects rs holds)
+            rs = [substitute(r, whole, memo) for r in rs]
+            value = substitute(value, whole, memo)
             outer.append(q)
             target = Buffer(target.name, [x.extent for x in outer] + [chunk], target.dtype, target.role,
                             target.index)

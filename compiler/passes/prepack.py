@@ -475,24 +475,23 @@ class PackCache:
         self._whole = {_memory_key(np.asarray(a)): a for a in sources}
         self._packs: dict[tuple, object] = {}
         self._pack_keys: set = set()
-        self.hits = 0
 
-    def pinned(self, a: np.ndarray) -> bool:
-        """Whether ``a`` is the memory of an array this cache keeps alive for the whole compile (an
-        imported constant, whole, or a pack): then its address names its bytes."""
+    def pinned_key(self, a: np.ndarray) -> tuple | None:
+        """``a``'s memory (address, shape, strides, type) where it is that of an array this cache
+        keeps alive for the whole compile (an imported constant, whole, or a pack), so that the key
+        names its bytes; else ``None``."""
         k = _memory_key(a)
-        return k in self._whole or k in self._pack_keys
+        return k if k in self._whole or k in self._pack_keys else None
 
     def get(self, kind: tuple, sources: tuple, make: Callable[[], object]):
         """``make()``, or what it returned for equal ``kind`` and the same memory of ``sources`` (arrays
-        that are :meth:`pinned`, or ``None`` for an absent one) earlier in this compile. Arrays it
+        with a :meth:`pinned_key`, or ``None`` for an absent one) earlier in this compile. Arrays it
         returns (alone or in a tuple) are kept read-only; other values (a test's answer) as they are."""
-        keys = tuple(None if a is None else _memory_key(a) for a in sources)
-        if any(k is not None and k not in self._whole and k not in self._pack_keys for k in keys):
+        keys = tuple(None if a is None else self.pinned_key(a) for a in sources)
+        if any(k is None and a is not None for k, a in zip(keys, sources)):
             return make()
         key = (kind, keys)
         if key in self._packs:
-            self.hits += 1
             return self._packs[key]
         out = make()
         for a in out if isinstance(out, tuple) else (out,):
