@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import DtypeError, GraphError, ShapeError
 from ..ir.expr import numpy_type
-from ..ir.graph import FlowGraph, Operator
+from ..ir.graph import RNG_STEP, FlowGraph, Operator
 from .comm_ops import Collective
 from .mesh import DeviceMesh
 from .placement import chunk_bounds, padded_chunk
@@ -158,6 +158,8 @@ def _describe(op: Operator) -> str:
 
 def _bind(graph: FlowGraph, inputs: dict[str, np.ndarray], rank: int) -> dict[int, np.ndarray]:
     env = {}
+    if RNG_STEP not in inputs and any(t.name == RNG_STEP for t in graph.inputs):
+        inputs = {**inputs, RNG_STEP: np.array(0, np.int64)}  # (the random ops' first run, as FlowGraph.run)
     for t in graph.inputs:
         if t.name not in inputs:
             raise ShapeError(f"rank {rank}: missing input {t.name!r}; the inputs given are {sorted(inputs)}")
@@ -260,7 +262,8 @@ def simulate(rank_graphs: Sequence[FlowGraph], inputs: dict[str, np.ndarray],
         Arrays by input name, shared by all ranks; each rank's graph takes the inputs it
         declares. The rank graphs partition produces declare the *full* graph inputs and take
         their shards with :class:`~shardflow.compiler.parallel.comm_ops.LocalSlice`; a test may
-        instead give each rank its own input names.
+        instead give each rank its own input names. A graph with random ops takes their step
+        (``shardflow_rng_step``) as :meth:`FlowGraph.run` does: 0, the first run, when left out.
     mesh
         The device mesh the collectives' ``mesh_axis`` refer to; by default the one
         :func:`~shardflow.compiler.parallel.partition.partition` recorded in the graphs' ``meta``.

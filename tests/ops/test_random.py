@@ -13,6 +13,7 @@ from onnx import helper as oh
 from threads import run_threads
 from shardflow.compiler import ModelFormatError, compile, load_onnx
 from shardflow.compiler.ir.graph import RNG_STEP, RNG_STEP_NEXT, Tensor
+from shardflow.compiler.parallel import partition, search, simulate
 from shardflow.compiler.ops.random import Random, random_bits, splitmix64_key
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
@@ -139,6 +140,20 @@ def test_ranks_draw_the_single_device_values(tmp_path, mesh, algo):
             assert np.array_equal(got["u"], ref["u"]) and np.array_equal(got["b"], ref["b"])
             np.testing.assert_allclose(got["y"], ref["y"], rtol=1e-5, atol=1e-4)
 
+
+
+def test_simulated_ranks_take_the_first_run_when_the_step_is_left_out():
+    """``simulate`` binds the step as ``FlowGraph.run`` does (0 when left out): the plan's ranks
+    draw the single-device values of the first run, and of the run given."""
+    g = load_onnx(_noise_model())
+    plan = search(g, {"mesh_shape": [2], "algo": "megatron"})
+    ranks = partition(g, plan)
+    for step in (None, 3):
+        feeds = _feeds() | ({} if step is None else {RNG_STEP: np.array(step)})
+        want, got = g.run(feeds), simulate(ranks, feeds)
+        assert np.array_equal(got["u"], want["u"]) and np.array_equal(got["b"], want["b"])
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-4)
+    assert not np.array_equal(simulate(ranks, _feeds())["u"], got["u"])
 
 def test_seeds():
     fixed = {"seed": 7.0}
