@@ -235,16 +235,18 @@ def export_vision_model(kind: str, path: str) -> dict:
     from export_models import _PixelHidden, export_module
 
     torch.manual_seed(0)
-    if kind == "mobilenet_v2":
-        from transformers import MobileNetV2Config, MobileNetV2Model
-        model = MobileNetV2Model(MobileNetV2Config(), add_pooling_layer=False)
-    elif kind == "efficientnet_b0":
-        from transformers import EfficientNetConfig, EfficientNetModel
-        model = EfficientNetModel(EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=224,
-                                                     hidden_dim=1280))
-        for mod in model.modules():  # (the config's init, normal(0.02) for the convs and the BatchNorms' scales,
-            # shrinks the activations to subnormals by block 3, where both engines run 10-20x slower: He's init
-            # and unit scales keep them near 1)
+    if kind in ("mobilenet_v2", "efficientnet_b0"):
+        if kind == "mobilenet_v2":
+            from transformers import MobileNetV2Config, MobileNetV2Model
+            model = MobileNetV2Model(MobileNetV2Config(), add_pooling_layer=False)
+        else:
+            from transformers import EfficientNetConfig, EfficientNetModel
+            model = EfficientNetModel(EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=224,
+                                                         hidden_dim=1280))
+        for mod in model.modules():  # (the configs' init, normal(0.02) for the convs (and EfficientNet's
+            # BatchNorms' scales), shrinks the activations to subnormals (EfficientNet by block 3, where both
+            # engines run 10-20x slower; MobileNetV2's output near 1e-25 before session 89): He's init and unit
+            # scales keep them near 1)
             if isinstance(mod, torch.nn.Conv2d):
                 torch.nn.init.kaiming_normal_(mod.weight, mode="fan_in", nonlinearity="relu")
             elif isinstance(mod, torch.nn.BatchNorm2d):
