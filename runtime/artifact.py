@@ -244,8 +244,16 @@ def address_of(a: np.ndarray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(a))
 
 
-def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None) -> np.ndarray:
+def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, mapped: bool = False) -> np.ndarray:
     """Read ``weights.bin`` into an aligned buffer, hashing it in the same pass.
+
+    With ``mapped``, the file is mapped instead (copy-on-write: a write to the array, such as a
+    load step's, stays private to this process and never reaches the file), so that its pages are
+    the page cache's: nothing is copied into this process's own memory, the kernel may drop the
+    pages again, and processes mapping the same file (ranks whose weights files are hard links to
+    one, rfcs/0003) share them. The mapping is page-aligned. A file changed in place while mapped
+    (``cp`` over it; a compile never does, it writes a new directory) would change what the program
+    reads: compile into a new ``out_dir`` while programs run from the old one.
 
     Raises
     ------
@@ -253,7 +261,6 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None) -> np
         When the size or the sha256 differs from the manifest.
     """
     path = Path(path)
-    buf = aligned_empty(nbytes)
     h = hashlib.sha256()
     try:
         size = path.stat().st_size
@@ -262,15 +269,22 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None) -> np
     if size != nbytes:
         raise ChecksumError(f"{str(path)!r} has {size} bytes, the program expects {nbytes}; the file is truncated "
                             "or corrupted", str(path))
-    with open(path, "rb") as f:
-        view = memoryview(buf)
-        pos = 0
-        while pos < nbytes:
-            n = f.readinto(view[pos:pos + _HASH_CHUNK])
-            if not n:
-                break
-            h.update(view[pos:pos + n])
-            pos += n
+    if mapped and nbytes:
+        buf = np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
+        if sha256 is not None:
+            for pos in range(0, nbytes, _HASH_CHUNK):
+                h.update(buf[pos:pos + _HASH_CHUNK])
+    else:
+        buf = aligned_empty(nbytes)
+        with open(path, "rb") as f:
+            view = memoryview(buf)
+            pos = 0
+            while pos < nbytes:
+                n = f.readinto(view[pos:pos + _HASH_CHUNK])
+                if not n:
+                    break
+                h.update(view[pos:pos + n])
+                pos += n
     if sha256 is not None and h.hexdigest() != sha256:
         raise ChecksumError(f"checksum mismatch in {str(path)!r}: sha256 {h.hexdigest()[:16]}… but the manifest says "
                             f"{sha256[:16]}…; the weight shard is corrupted, copy or compile it again", str(path))

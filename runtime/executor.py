@@ -105,7 +105,7 @@ def _as_communicator(comm: Any) -> Communicator | None:
 
 
 def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, *,
-         verify: bool = True) -> "RankProgram":
+         verify: bool = True, map_weights: bool | None = None) -> "RankProgram":
     """Load rank ``rank``'s program from ``out_dir``.
 
     Parameters
@@ -121,6 +121,14 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
         calls :func:`load` at the same point.
     verify
         Check the sha256 of every file (default). Turning it off only saves the hashing time.
+    map_weights
+        Map ``weights.bin`` (copy-on-write) instead of reading it into this process's memory
+        (:func:`~shardflow.runtime.artifact.read_weights`). Default: mapped for the ``cuda``
+        target, whose kernels read the device's copy (the host's pages stay the page cache's, which
+        may drop them: a 7B model's 13.5 GB are not held twice), read for ``cpu``, whose kernels
+        read the host's copy on every run (mapped, a decoding step of GPT-2 small, which reads all
+        its 0.5 GB, took 1-2% longer on a 2-core Xeon: rfcs/0003). Mapped, ranks on one machine
+        whose weights files are one file (replicated weights, rfcs/0003) share its pages.
 
     Returns
     -------
@@ -138,7 +146,7 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
     comm = _as_communicator(comm)
     if rank is None:
         rank = comm.rank if comm is not None else 0
-    return RankProgram(out_dir, int(rank), comm, verify=verify)
+    return RankProgram(out_dir, int(rank), comm, verify=verify, map_weights=map_weights)
 
 
 class _Buffer:
@@ -152,7 +160,8 @@ class RankProgram:
     ``RankProgram`` per thread).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True):
+    def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True,
+                 map_weights: bool | None = None):
         self.out_dir = Path(out_dir)
         if not self.out_dir.is_dir():
             raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist or is not a directory")
@@ -184,20 +193,20 @@ class RankProgram:
         if verify:
             verify_files(self.directory, m, skip=("weights.bin",))
         self.program = read_json(self.directory / "program.json", "program")
-        self._build(verify)
+        self._build(verify, self.target == "cuda" if map_weights is None else bool(map_weights))
         log.debug("rank %d: loaded %d steps (%d kernels, %d collectives), arena %d B, weights %d B", self.rank,
                   len(self.program["steps"]), self._n_kernels, self._n_collectives, self.arena.nbytes,
                   self.weights.nbytes)
 
     # ------------------------------------------------------------------- loading -----------
-    def _build(self, verify: bool) -> None:
+    def _build(self, verify: bool, map_weights: bool) -> None:
         p = self.program
         wfile = p.get("weights_file", "weights.bin")
         winfo = self.manifest["files"].get(wfile)
         if p["weights_bytes"] and winfo is None:
             raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {wfile}")
         self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
-                                    winfo["sha256"] if (verify and winfo) else None) \
+                                    winfo["sha256"] if (verify and winfo) else None, mapped=map_weights) \
             if p["weights_bytes"] else aligned_empty(0)
         self.arena = aligned_empty(int(p["arena_bytes"]))
         self.buffers: list[_Buffer] = []

@@ -161,6 +161,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0.0,
                    help="kill every rank after this many seconds (default 0: no limit)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact files")
+    p.add_argument("--map-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="map each rank's weights.bin (copy-on-write) instead of reading it into the rank's memory "
+                        "(default: mapped for cuda artifacts, read for cpu ones; shardflow.runtime.load)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -563,7 +566,7 @@ def _worker(args, env: LaunchEnv) -> int:
 
     watchdog = Watchdog(host_communicator(comm), on_failure=on_peer_failure)
     try:
-        prog = load(args.out_dir, env.rank, comm, verify=not args.no_verify)
+        prog = load(args.out_dir, env.rank, comm, verify=not args.no_verify, map_weights=args.map_weights)
         for _ in range(max(args.warmup, 0)):
             prog.run(inputs)
         times = []

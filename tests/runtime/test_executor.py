@@ -131,6 +131,51 @@ def test_load_steps_run_once_when_loading(arts, tmp_path, x):
         assert [s["node"] for s in prog.profile({"x": x}, repeat=1)] == ["allreduce0", "add1", "rows", "gather"]
 
 
+def test_weights_mapped_copy_on_write_or_read(arts, tmp_path, x):
+    """``map_weights``: the rank's weights.bin mapped (copy-on-write: a write stays in the process)
+    or read into its own memory, the same outputs either way, on one rank and on two in threads; a
+    corrupted byte is refused mapped too."""
+    assert not isinstance(load(arts["o1"]).weights, np.memmap)  # (the cpu target's default: read)
+    prog = load(arts["o1"], map_weights=True)
+    assert isinstance(prog.weights, np.memmap) and prog.weights.ctypes.data % 64 == 0
+    check(prog.run({"x": x}), x, 1)
+    path = arts["o1"] / "rank0" / "weights.bin"
+    before = path.read_bytes()
+    prog.weights[:] ^= 0xFF
+    assert path.read_bytes() == before and load(arts["o1"], map_weights=True).weights.tobytes() == before
+    outs = run_threads(InProcessWorld(2).communicators(),
+                       lambda c: load(arts["o2"], c.rank, c, map_weights=True).run({"x": x}))
+    for out in outs:
+        check(out, x, 2)
+    bad = tmp_path / "bad"
+    shutil.copytree(arts["o1"], bad)
+    data = bytearray((bad / "rank0" / "weights.bin").read_bytes())
+    data[3] ^= 0x10
+    (bad / "rank0" / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="rank0/weights.bin"):
+        load(bad, map_weights=True)
+
+
+def test_cuda_programs_map_their_weights_by_default(arts, tmp_path, monkeypatch):
+    """A cuda program's kernels read the device's copy of the weights: the host's is mapped by
+    default (the page cache's pages, not the process's), read when asked."""
+    import shardflow.runtime.cuda_exec as cuda_exec
+
+    seen = []
+
+    class Engine:
+        def __init__(self, prog, **kw):
+            seen.append(type(prog.weights))
+    monkeypatch.setattr(cuda_exec, "CudaEngine", Engine)
+    out = tmp_path / "cuda"
+    shutil.copytree(arts["o1"], out)
+    m = json.loads((out / "rank0" / "manifest.json").read_text())
+    m["target"] = "cuda"
+    (out / "rank0" / "manifest.json").write_text(json.dumps(m))
+    load(out)
+    load(out, map_weights=False)
+    assert seen == [np.memmap, np.ndarray]
+
 def test_world_size_mismatch_is_refused(arts):
     with pytest.raises(WorldSizeError, match="has 2 ranks; pass the world communicator"):
         load(arts["o2"])
