@@ -164,12 +164,13 @@ def run_rank(mesh_shape: Sequence[int], probes: dict[str, str], *, trials: int =
     so that none waits for it in a collective.
     """
     from .comm import create_world
-    from .launch import _die, _threads_per_rank, detect_environment
+    from .launch import _bind_to_share, _die, _threads_per_rank, detect_environment
 
     env = env or detect_environment()
     hard = env.size > 1 or env.launched_by == "mpi"
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = _threads_per_rank(max(env.local_size, 1))
+    _bind_to_share(env.local_rank, env.local_size)  # (as `shardflow run` binds the ranks it starts)
     try:
         comm = create_world(backend, launched_by=env.launched_by, rank=env.rank, size=env.size,
                             master_addr=env.master_addr, master_port=env.master_port, local_rank=env.local_rank)

@@ -254,8 +254,68 @@ def _use_mpiexec(launcher: str | None, backend: str | None) -> str | None:
     return exe if has_mpi4py else None
 
 
+def _allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset, a launcher's
+    binding), else all of them."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 def _threads_per_rank(nproc: int) -> str:
-    return str(max(1, (os.cpu_count() or 1) // nproc))
+    """The default ``OMP_NUM_THREADS`` of ``nproc`` ranks sharing this process's CPUs (its affinity
+    mask's, not the machine's: in a container given 4 of 64 cores, 64 // nproc threads a rank would
+    oversubscribe them 16 times)."""
+    return str(max(1, len(_allowed_cpus()) // nproc))
+
+
+def _topology_key(cpu: int) -> tuple[int, int, int]:
+    """(socket, core, cpu) from sysfs: the CPUs in this order make contiguous slices whole cores of one
+    socket (Linux numbers a core's hardware threads apart, e.g. 0-15 the cores' first threads and
+    16-31 their second: slices of the sorted numbers would put two ranks on every core); (0, cpu,
+    cpu) where sysfs does not say."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(base + "physical_package_id") as f:
+            package = int(f.read())
+        with open(base + "core_id") as f:
+            core = int(f.read())
+    except (OSError, ValueError):
+        return 0, cpu, cpu
+    return package, core, cpu
+
+
+#: the starter's CPUs (comma-separated), for the ranks it starts on this machine to share out
+_CPUS_ENV = "SHARDFLOW_CPUS"
+
+
+def _bind_to_share(local_rank: int, local_size: int) -> list[int] | None:
+    """Bind this rank (and the threads it starts later) to its share of the CPUs its starter
+    (``start_ranks``) had: ``local_size`` contiguous slices of them, this rank's the
+    ``local_rank``-th, so that ranks on one machine do not take each other's cores (their OpenMP
+    threads spin while they wait). Only where the starter recorded its CPUs (``SHARDFLOW_CPUS``),
+    there are at least as many as ranks, ``SHARDFLOW_BIND`` is not ``0``, and nothing narrowed this
+    process's mask since (an ``mpiexec`` binding its ranks itself). Returns the CPUs bound to, or
+    ``None``."""
+    given = os.environ.get(_CPUS_ENV)
+    if not given or os.environ.get("SHARDFLOW_BIND", "1") == "0" or local_size < 2:
+        return None
+    try:
+        cpus = sorted(int(c) for c in given.split(","))
+    except ValueError:
+        return None
+    if len(cpus) < local_size or not 0 <= local_rank < local_size or _allowed_cpus() != cpus:
+        return None
+    cpus = sorted(cpus, key=_topology_key)
+    share = len(cpus) // local_size
+    mine = sorted(cpus[local_rank * share:(local_rank + 1) * share])
+    try:
+        os.sched_setaffinity(0, mine)
+    except (AttributeError, OSError) as exc:
+        log.debug("rank %d: cannot bind to CPUs %s (%s)", local_rank, mine, exc)
+        return None
+    return mine
 
 
 def _spawn(args, argv: list[str], nproc: int) -> int:
@@ -282,6 +342,7 @@ def start_ranks(module: str, argv: Sequence[str], nproc: int, *, launcher: str |
     child = [sys.executable, "-m", module, *argv]
     base_env = dict(os.environ)
     base_env.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
+    base_env[_CPUS_ENV] = ",".join(map(str, _allowed_cpus()))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base_env.pop(k, None)
     deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -551,6 +612,9 @@ def _worker(args, env: LaunchEnv) -> int:
             pid_dir = None
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = _threads_per_rank(max(env.local_size, 1))
+    bound = _bind_to_share(env.local_rank, env.local_size)
+    if bound is not None:
+        log.debug("rank %d: bound to CPUs %s", env.rank, bound)
     backend = args.backend or manifest.get("comm_backend", "auto")
     try:
         comm = create_world(backend, launched_by=env.launched_by, rank=env.rank, size=env.size,

@@ -82,6 +82,44 @@ def test_run_writes_rank0_outputs(arts, tmp_path, launcher, name, world):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
 
 
+def test_threads_and_cpus_of_the_ranks_follow_the_affinity_mask(monkeypatch):
+    """The default thread count shares out the CPUs this process may use (a container's cpuset), not
+    the machine's; a rank started by ``shardflow run`` binds to its share of the starter's CPUs,
+    whole cores of one socket (here the SMT numbering of 2 sockets x 2 cores x 2 threads: cpu c and
+    c + 4 are one core's threads, socket = c % 4 // 2), unless told not to, or when a launcher
+    narrowed its mask already."""
+    import shardflow.runtime.launch as launch
+
+    mask, bound = set(range(8)), []
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: bound.append(list(cpus)))
+    monkeypatch.setattr(launch, "_topology_key", lambda c: (c % 4 // 2, c % 2, c))
+    assert launch._threads_per_rank(2) == "4" and launch._threads_per_rank(16) == "1"
+    monkeypatch.setenv("SHARDFLOW_CPUS", ",".join(map(str, range(8))))
+    assert [launch._bind_to_share(r, 2) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [launch._bind_to_share(r, 4) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert bound == [[0, 1, 4, 5], [2, 3, 6, 7], [0, 4], [1, 5], [2, 6], [3, 7]]
+    assert launch._bind_to_share(0, 1) is None and launch._bind_to_share(0, 9) is None
+    monkeypatch.setenv("SHARDFLOW_BIND", "0")
+    assert launch._bind_to_share(0, 2) is None
+    monkeypatch.delenv("SHARDFLOW_BIND")
+    mask.discard(7)  # (an mpiexec that binds its ranks itself)
+    assert launch._bind_to_share(0, 2) is None and launch._threads_per_rank(2) == "3"
+    monkeypatch.delenv("SHARDFLOW_CPUS")
+    assert launch._bind_to_share(0, 2) is None and len(bound) == 6
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ranks_started_by_run_take_their_own_cpus(arts, tmp_path, launcher):
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = subprocess.run(RUN + [str(arts["o2"]), "--nproc", "2", "--inputs", str(arts["inputs"]), "-v",
+                                 "--launcher", launcher], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    got = {int(r): json.loads(c) for r, c in re.findall(r"rank (\d): bound to CPUs (\[[\d, ]*\])", proc.stderr)}
+    assert sorted(got) == [0, 1] and not set(got[0]) & set(got[1]) and set(got[0]) | set(got[1]) <= set(cpus), got
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_profile_reports_every_step_of_every_rank(arts, tmp_path, launcher):
     report = tmp_path / "profile.json"
