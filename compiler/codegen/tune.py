@@ -33,6 +33,7 @@ from shardflow.runtime.tma import kernel_args
 from ..ir.graph import Operator
 from .cache import touch
 from .cuda_wgmma import PERSISTENT_SMS, WGMMA_CONFIGS
+from .toolchain import default_jobs
 
 __all__ = ["tune_gemms", "gpu_name", "visible_gpu"]
 
@@ -234,11 +235,11 @@ def tune_gemms(ops: Sequence[Operator], *, arch: str, precision: str, cache_dir:
 
 
 def _compile_concurrently(sources: list, compile_source: Callable) -> dict[str, bytes]:
-    """Source text -> cubin for each of ``sources``, compiled by up to one thread per cpu (each
+    """Source text -> cubin for each of ``sources``, compiled by up to one thread per cpu it may use (each
     waits on its own compiler process). The first compile error is raised, after the others end."""
     if not sources:
         return {}
-    workers = max(1, min(len(sources), os.cpu_count() or 1))
+    workers = max(1, min(len(sources), default_jobs()))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shardflow-tune") as pool:
         futures = [pool.submit(compile_source, s) for s in sources]
         concurrent.futures.wait(futures)
