@@ -25,7 +25,10 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
     model
         A path to an ``.onnx`` file, its bytes, or an ``onnx.ModelProto``.
     input_shapes
-        Shapes for graph inputs, by input name; required for every input with a dynamic dim.
+        Shapes for graph inputs, by input name; required for every input with a dynamic dim,
+        except one whose dynamic dims all have names (``dim_param``) that the inputs given here or in
+        ``input_values`` size: dims of one name are one size (``attention_mask``'s ``[batch,
+        sequence]`` from ``input_ids``').
     simplify
         Run constant folding, no-op removal, CSE and dead-code elimination (default ``True``).
     instruments
@@ -59,7 +62,7 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
     UnsupportedOperatorError
         Some operators or attributes are not supported (all are listed).
     ShapeError
-        A dynamic dim has no shape in ``input_shapes``, ``input_shapes`` or ``input_values`` names
+        A dynamic dim has no size (every such input is named), ``input_shapes`` or ``input_values`` names
         a non-input, or a value's shape is not one the model allows.
     DtypeError
         A value in ``input_values`` does not have (or fit) the input's declared element type.

@@ -149,7 +149,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="device mesh, ranks per axis joined by 'x' (4, 2x2, 2x4); overrides mesh_shape of "
                         "--distributed-config; default 1 (a single rank)")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS", default=None,
-                   help="static shape of an input with dynamic dims, e.g. input_ids=2x24 (repeat per input)")
+                   help="static shape of an input with dynamic dims, e.g. input_ids=2x24 (repeat per input; "
+                        "inputs whose dynamic dims all have names an input given sizes need none)")
     p.add_argument("--value", action="append", metavar="NAME=FILE.npy", default=None,
                    help="bind an input to the array in FILE.npy at compile time: it becomes a constant and the "
                         "program no longer takes it (for shape-steering inputs such as axes or sizes; repeat "

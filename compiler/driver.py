@@ -1459,7 +1459,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         The directory to write; replaced if it exists. It is written under a temporary name
         next to it and renamed at the end, so an interrupted compile leaves no ``out_dir``.
     input_shapes
-        Shapes of inputs with dynamic dims, by input name.
+        Shapes of inputs with dynamic dims, by input name (an input whose dynamic dims all have
+        names another given input sizes needs none: :func:`~shardflow.compiler.load_onnx`).
     input_values
         Values of inputs fixed at compile time, by input name; they become constants and the
         compiled program no longer takes them (:func:`~shardflow.compiler.load_onnx`).

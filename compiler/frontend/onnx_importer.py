@@ -360,7 +360,8 @@ class _Importer:
         if both:
             raise ShapeError(f"inputs {both} are in both input_shapes and input_values; a bound input's shape is "
                              "its value's, so give it in input_values only")
-        res = []
+        res, missing = [], []
+        named = self._named_dims(real)
         for vi in real:
             tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
             if vi.type.HasField("optional_type") and vi.type.optional_type.elem_type.HasField("tensor_type"):
@@ -375,13 +376,54 @@ class _Importer:
                 self.env[vi.name] = self._bound_input(vi.name, tt, dtype)
                 self._used_names.add(vi.name)
                 continue
-            shape = self._input_shape(vi.name, tt)
+            shape = self._input_shape(vi.name, tt, named)
+            if shape is None:
+                missing.append((vi.name, self._declared(tt)))
+                continue
             t = Tensor(vi.name, shape, dtype)
             self._graph_input_ids[id(t)] = vi.name
             self.env[vi.name] = t
             self._used_names.add(vi.name)
             res.append(t)
+        if missing:
+            listed = ", ".join(f"{n!r} {['?' if d is None else d for d in dims]}" for n, dims in missing)
+            first = missing[0][0]
+            raise ShapeError(f"graph input(s) with dynamic dims and no shape: {listed}; pass their shapes as "
+                             f"input_shapes={{{first!r}: (...), ...}} (on the command line --shape {first}=2x128, "
+                             "one --shape per input); an input whose dynamic dims all have names (dim_param) takes "
+                             "their sizes from the inputs given with dims of those names")
         return res
+
+    def _named_dims(self, inputs) -> dict[str, int]:
+        """The sizes of the models' named dynamic dims (``dim_param``) that the inputs given in
+        ``input_shapes`` or ``input_values`` fix: ONNX's dims of one name are one size, so an input
+        whose dynamic dims all have such names needs no shape of its own (``attention_mask``'s
+        ``[batch, sequence]`` from ``input_ids``'). A name given two sizes is left out (logged)."""
+        sizes: dict[str, set[int]] = {}
+        for vi in inputs:
+            if not vi.type.HasField("tensor_type"):
+                continue
+            declared = self._declared(vi.type.tensor_type)
+            if vi.name in self.input_shapes:
+                given = self.input_shapes[vi.name]
+            elif vi.name in self.input_values:
+                given = np.shape(self.input_values[vi.name])
+            else:
+                continue
+            try:
+                given = [int(d) for d in given]
+            except (TypeError, ValueError):
+                continue  # (reported with the input's own shape)
+            if declared is None or len(declared) != len(given):
+                continue
+            for want, got in zip(declared, given):
+                if isinstance(want, str):
+                    sizes.setdefault(want, set()).add(got)
+        clash = sorted(n for n, v in sizes.items() if len(v) > 1)
+        if clash:
+            log.warning("the inputs given set the model's dims %s to different sizes (%s); inputs that share "
+                        "those dims need their own shapes", clash, {n: sorted(sizes[n]) for n in clash})
+        return {n: next(iter(v)) for n, v in sizes.items() if len(v) == 1}
 
     def _bound_input(self, name: str, tt, dtype: str) -> Tensor:
         """Graph input ``name`` bound to ``input_values[name]``: a constant of the declared type."""
@@ -421,7 +463,9 @@ class _Importer:
             if isinstance(want, int) and want != got:
                 raise ShapeError(f"{label}: dim {d} is fixed to {want} by the model")
 
-    def _input_shape(self, name: str, tt) -> tuple[int, ...]:
+    def _input_shape(self, name: str, tt, named: dict[str, int]) -> tuple[int, ...] | None:
+        """The input's shape: given, declared, or its named dynamic dims' sizes from ``named``
+        (:meth:`_named_dims`); ``None`` when a dynamic dim has none of these."""
         declared = self._declared(tt)
         if name in self.input_shapes:
             given = self.input_shapes[name]
@@ -436,9 +480,11 @@ class _Importer:
         if declared is None:
             raise ShapeError(f"graph input {name!r} has no declared shape; pass input_shapes={{{name!r}: (...)}}")
         if any(not isinstance(d, int) for d in declared):
-            dyn = [f"dim {d} ({v!r})" for d, v in enumerate(declared) if not isinstance(v, int)]
-            raise ShapeError(f"graph input {name!r} has dynamic {', '.join(dyn)}; pass its shape as "
-                             f"input_shapes={{{name!r}: (...)}}")
+            if not all(isinstance(d, int) or d in named for d in declared):
+                return None
+            shape = tuple(d if isinstance(d, int) else named[d] for d in declared)
+            log.info("graph input %r: shape %s from its named dims %s", name, list(shape), declared)
+            return shape
         return tuple(declared)
 
     def _import_node(self, node: onnx.NodeProto, opset: int | None = None) -> None:

@@ -120,10 +120,37 @@ def test_model_without_default_opset():
 def test_dynamic_dim_without_input_shapes():
     model = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
                        [vi("x", F, [4, "seq"])], [vi("y", F, [4, "seq"])])
-    with pytest.raises(ShapeError, match=r"graph input 'x' has dynamic dim 1 \('seq'\).*input_shapes"):
+    with pytest.raises(ShapeError, match=r"dynamic dims and no shape: 'x' \[4, 'seq'\].*input_shapes=.*--shape x="):
         load_onnx(model)
     g = load_onnx(model, input_shapes={"x": (4, 7)})
     assert g.inputs[0].shape == (4, 7)
+
+
+def test_named_dynamic_dims_take_their_sizes_from_the_inputs_given():
+    """Dims of one name (``dim_param``) are one size: ``input_ids``' shape gives ``mask``'s
+    ``[batch, seq]`` and ``pos``' ``[seq]`` (a bound value's shape too); an unnamed dynamic dim, or a name
+    no given input sizes, still needs a shape, and every input missing one is named in one error; a
+    name given two sizes sizes nothing, and an input's own shape wins."""
+    ids, mask, pos, past = vi("ids", F, ["batch", "seq"]), vi("mask", F, ["batch", "seq"]), vi("pos", F, ["seq"]), \
+        vi("past", F, ["batch", "past_seq"])
+    model = make_model([helper.make_node("Add", ["ids", "mask"], ["a"], name="add"),
+                        helper.make_node("Add", ["a", "pos"], ["y"], name="add_pos"),
+                        helper.make_node("ReduceSum", ["past"], ["z"], name="sum", keepdims=0)],
+                       [ids, mask, pos, past], [vi("y", F, ["batch", "seq"]), vi("z", F, [])])
+    g = load_onnx(model, input_shapes={"ids": (2, 5), "past": (2, 3)})
+    assert [t.shape for t in g.inputs] == [(2, 5), (2, 5), (5,), (2, 3)]
+    assert [t.shape for t in load_onnx(model, input_values={"ids": np.ones((3, 4), np.float32)},
+                                       input_shapes={"past": (3, 1)}).inputs] == [(3, 4), (4,), (3, 1)]
+    with pytest.raises(ShapeError, match=r"no shape: 'past' \['batch', 'past_seq'\]; pass"):
+        load_onnx(model, input_shapes={"ids": (2, 5)})
+    with pytest.raises(ShapeError, match=r"no shape: 'ids' \['batch', 'seq'\], 'mask' .*'pos' \['seq'\], 'past'"):
+        load_onnx(model)
+    with pytest.raises(ShapeError, match=r"no shape: 'pos' \['seq'\]; pass"):  # (seq: 5 or 6)
+        load_onnx(model, input_shapes={"ids": (2, 5), "mask": (2, 6), "past": (2, 3)})
+    unnamed = make_model([helper.make_node("Add", ["u", "v"], ["y"], name="add")],
+                         [vi("u", F, [None, 3]), vi("v", F, [None, 3])], [vi("y", F, [None, 3])])
+    with pytest.raises(ShapeError, match=r"no shape: 'v' \['\?', 3\]; pass"):
+        load_onnx(unnamed, input_shapes={"u": (2, 3)})
 
 
 def test_input_shapes_naming_a_non_input():
