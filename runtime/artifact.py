@@ -269,8 +269,13 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
     if size != nbytes:
         raise ChecksumError(f"{str(path)!r} has {size} bytes, the program expects {nbytes}; the file is truncated "
                             "or corrupted", str(path))
+    buf = None
     if mapped and nbytes:
-        buf = np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
+        try:
+            buf = np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
+        except (OSError, ValueError) as exc:  # (a file system that cannot map it)
+            log.warning("cannot map %s (%s); reading it instead", path, exc)
+    if buf is not None:
         if sha256 is not None:
             for pos in range(0, nbytes, _HASH_CHUNK):
                 h.update(buf[pos:pos + _HASH_CHUNK])

@@ -156,6 +156,15 @@ def test_weights_mapped_copy_on_write_or_read(arts, tmp_path, x):
         load(bad, map_weights=True)
 
 
+def test_weights_that_cannot_be_mapped_are_read(arts, x, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")
+    monkeypatch.setattr(np, "memmap", refuse)
+    prog = load(arts["o1"], map_weights=True)
+    assert type(prog.weights) is np.ndarray and "cannot map" in caplog.text
+    check(prog.run({"x": x}), x, 1)
+
+
 def test_cuda_programs_map_their_weights_by_default(arts, tmp_path, monkeypatch):
     """A cuda program's kernels read the device's copy of the weights: the host's is mapped by
     default (the page cache's pages, not the process's), read when asked."""
