@@ -253,7 +253,8 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
     pages again, and processes mapping the same file (ranks whose weights files are hard links to
     one, rfcs/0003) share them. The mapping is page-aligned. A file changed in place while mapped
     (``cp`` over it; a compile never does, it writes a new directory) would change what the program
-    reads: compile into a new ``out_dir`` while programs run from the old one.
+    reads, or, cut short, kill it with SIGBUS: compile into a new ``out_dir`` while programs run
+    from the old one.
 
     Raises
     ------
