@@ -7,6 +7,7 @@ random (hypothesis) and checks that ``load_onnx`` and ``run`` never raise anythi
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import onnx
@@ -151,6 +152,12 @@ def test_named_dynamic_dims_take_their_sizes_from_the_inputs_given():
                          [vi("u", F, [None, 3]), vi("v", F, [None, 3])], [vi("y", F, [None, 3])])
     with pytest.raises(ShapeError, match=r"no shape: 'v' \['\?', 3\]; pass"):
         load_onnx(unnamed, input_shapes={"u": (2, 3)})
+    # an onnxruntime-genai LLM: one past key's shape sizes every past key and value
+    genai = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                         "llama_genai_fp32.onnx")
+    g = load_onnx(genai, input_shapes={"input_ids": (1, 8), "attention_mask": (1, 8),
+                                       "past_key_values.0.key": (1, 2, 0, 16)})
+    assert [t.shape for t in g.inputs if t.name.startswith("past")] == [(1, 2, 0, 16)] * 4
 
 
 def test_input_shapes_naming_a_non_input():
