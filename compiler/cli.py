@@ -370,10 +370,16 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     mesh = read_mesh(out)
     plan = read_json(out / "plan.json", "plan") if (out / "plan.json").is_file() else {}
     ranks = []
+    files_seen: dict[tuple[int, int], int] = {}  # (device, inode) of a weights file -> the first rank holding it
     for r in list_ranks(out):
         d = out / f"rank{r}"
         m = read_manifest(d)
         prog = read_json(d / "program.json", "program")
+        shares = None
+        wpath = d / prog.get("weights_file", "weights.bin")
+        if prog["weights_bytes"] and wpath.is_file():
+            st = wpath.stat()
+            shares = files_seen.setdefault((st.st_dev, st.st_ino), r)
         kinds: dict[str, int] = {}
         for s in prog["steps"]:
             if s["kind"] == "collective":
@@ -382,7 +388,8 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
         info = {"rank": r, "coord": m.get("mesh", {}).get("coord"), "kernels": m.get("kernels"),
                 "load_steps": int(prog.get("load_steps", 0)), "collectives": kinds,
                 "arena_bytes": prog["arena_bytes"], "weights_bytes": prog["weights_bytes"],
-                "files": {k: v["bytes"] for k, v in m["files"].items()}}
+                "files": {k: v["bytes"] for k, v in m["files"].items()},
+                "weights_file_of_rank": shares if shares != r else None}
         if verify:
             try:
                 verify_files(d, m)
@@ -432,7 +439,9 @@ def _cmd_inspect(args) -> int:
             coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
             at_load = f" ({r['load_steps']} run once at load)" if r["load_steps"] else ""
             line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels{at_load}; collectives {coll}; arena "
-                    f"{_fmt_bytes(r['arena_bytes'])}, weights {_fmt_bytes(r['weights_bytes'])}")
+                    f"{_fmt_bytes(r['arena_bytes'])}, weights {_fmt_bytes(r['weights_bytes'])}"
+                    + (f" (rank {r['weights_file_of_rank']}'s file, linked)"
+                       if r.get("weights_file_of_rank") is not None else ""))
             if "verified" in r:
                 line += "; checksums ok" if r["verified"] is True else f"; CHECKSUM ERROR: {r['verified']}"
             lines.append(line)

@@ -249,6 +249,14 @@ def test_inspect_handmade(tmp_path):
     out = sh("inspect", tmp_path / "h")
     assert re.search(r"^rank 1 \[1\]: 3 kernels \(1 run once at load\);", out.stdout, re.M), out.stdout
     assert json.loads(sh("inspect", tmp_path / "h", "--json").stdout)["ranks"][1]["load_steps"] == 1
+    assert "linked" not in out.stdout  # (each rank's own weights)
+    w0, w1 = tmp_path / "h" / "rank0" / "weights.bin", tmp_path / "h" / "rank1" / "weights.bin"
+    w1.unlink()
+    os.link(w0, w1)  # (ranks with the same weights, as compile links them)
+    out = sh("inspect", tmp_path / "h")
+    assert re.search(r"^rank 1 \[1\]: .*weights 192 B \(rank 0's file, linked\)$", out.stdout, re.M), out.stdout
+    info = json.loads(sh("inspect", tmp_path / "h", "--json").stdout)
+    assert [r["weights_file_of_rank"] for r in info["ranks"]] == [None, 0]
 
 
 def test_calibration_flag_takes_device_and_links_unless_set(tmp_path):
