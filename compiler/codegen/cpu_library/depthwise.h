@@ -172,24 +172,37 @@ static void sf_dwb_row_avx512(const float* __restrict__ xb, const float* __restr
     __m512 a[8];
     #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) a[b] = _mm512_loadu_ps(bv);
-    for (int64_t kh = 0; kh < KH; ++kh) {
-      const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
-      if (ih < 0 || ih >= H) continue;
-      const float* xr = xb + ih * W * SF_DWC;
-      for (int64_t kw = 0; kw < KW; ++kw) {
-        const __m512 wv = _mm512_loadu_ps(wt + (kh * KW + kw) * SF_DWC);
-        const int64_t c0 = ow0 * SW + kw * DW - PL;
-        if (inside) {
-          const float* xp = xr + c0 * SF_DWC;
+    if (inside) {
+      for (int64_t kh = 0; kh < KH; ++kh) {
+        const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
+        if (ih < 0 || ih >= H) continue;
+        const float* xr = xb + ih * W * SF_DWC;
+        for (int64_t kw = 0; kw < KW; ++kw) {
+          const __m512 wv = _mm512_loadu_ps(wt + (kh * KW + kw) * SF_DWC);
+          const float* xp = xr + (ow0 * SW + kw * DW - PL) * SF_DWC;
           #pragma GCC unroll 8
           for (int b = 0; b < 8; ++b) a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + b * S16), a[b]);
-        } else {  // an edge run: the taps outside the row (or past the run's last column) load zeros
+        }
+      }
+    } else {  // an edge run: a tap's column outside the row (or past the run's last column) reads zeros;
+      // which columns those are depends on the tap's column only, so kw is the outer loop
+      alignas(64) static const float zeros[SF_DWC] = {};
+      for (int64_t kw = 0; kw < KW; ++kw) {
+        const int64_t c0 = ow0 * SW + kw * DW - PL;
+        int64_t off[8];  // each output column's input column (its offset in a row), or -1: zeros
+        #pragma GCC unroll 8
+        for (int b = 0; b < 8; ++b) {
+          const int64_t c = c0 + b * SW;
+          off[b] = b < nb && c >= 0 && c < W ? c * SF_DWC : -1;
+        }
+        for (int64_t kh = 0; kh < KH; ++kh) {
+          const int64_t ih = oh * g.SH + kh * g.DH - g.PT;
+          if (ih < 0 || ih >= H) continue;
+          const float* xr = xb + ih * W * SF_DWC;
+          const __m512 wv = _mm512_loadu_ps(wt + (kh * KW + kw) * SF_DWC);
           #pragma GCC unroll 8
-          for (int b = 0; b < 8; ++b) {
-            const int64_t c = c0 + b * SW;
-            const bool in = b < nb && c >= 0 && c < W;
-            a[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(in ? 0xFFFF : 0, xr + (in ? c : 0) * SF_DWC), a[b]);
-          }
+          for (int b = 0; b < 8; ++b)
+            a[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(off[b] < 0 ? zeros : xr + off[b]), a[b]);
         }
       }
     }
