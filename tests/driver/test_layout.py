@@ -213,6 +213,39 @@ def test_blocked_depthwise_programs_match_onnxruntime(tmp_path):
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
+def test_large_convs_of_a_small_image_match_onnxruntime(tmp_path):
+    """A 7x7 stage's large convs (2 MiB of weights or more: the blocked direct conv runs their K in chunks
+    whose partial sums it keeps in the output, conv.h): a 1x1 1024->512 with a bias and Relu, then a 3x3
+    512->128 whose residual (a 1x1 of x) is added before a Relu, to a 1x1 128->16; one cpu rank's outputs
+    against onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(7)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+
+    inits = [numpy_helper.from_array(a, n) for n, a in [
+        ("w1", w(512, 1024, 1, 1)), ("b1", w(512, 1)[:, 0]), ("w2", w(128, 512, 3, 3)), ("b2", w(128, 1)[:, 0]),
+        ("ws", w(128, 1024, 1, 1)), ("w3", w(16, 128, 1, 1))]]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1", "b1"], ["c1"]), n("Relu", ["c1"], ["r1"]),
+             n("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]), n("Conv", ["x", "ws"], ["s"]),
+             n("Add", ["c2", "s"], ["a"]), n("Relu", ["a"], ["r2"]), n("Conv", ["r2", "w3"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "stage", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 7, 7])], inits)
+    path = tmp_path / "stage.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    x = rng.standard_normal((1, 1024, 7, 7)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert sum(len(b["shape"]) == 5 for b in program["buffers"]) >= 2  # r1 and r2 blocked
+    y = load(tmp_path / "o", 0).run({"x": x})["y"]
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
 def test_a_stem_of_three_channels_writes_the_layout():
     """A 7x7 stride-2 conv of a 3-channel image writes the layout (its image read plane by plane) when a conv
     reads it; a 1x1 of 8 channels keeps its form."""

@@ -905,17 +905,21 @@ static inline void sf_pdk_prefetch(const float* q, int64_t rs = 0) {
 // block): each accumulator is one pixel's 16 channels, stored as it is (nvalid is 16 * NV). taps: KH * KW, for
 // the prefetch of the next block of channels (0: none). M1 < MR: the tile spans two output rows (of M1 pixels
 // each, a 7x7 output's), pixels from M1 on read rs floats further (the next row's first pixel at M1 * PS + rs).
+// part (a blocked output only; a conv's K in chunks): SF_PDK_ADD starts the sums from y's values (the chunks
+// before), SF_PDK_RAW stores them as they are (no bias, res or clamp: chunks follow).
+constexpr int SF_PDK_ADD = 1, SF_PDK_RAW = 2;
 template <int MR, int NV, int PS, int M1 = MR>
 __attribute__((target("avx512f")))
 static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                            const float* __restrict__ wp, int64_t pstride, float* __restrict__ y, int64_t P,
                            int64_t nvalid, const float* __restrict__ bias, const float* __restrict__ res,
-                           const SfClamp& clamp, bool blk, int64_t taps, int64_t rs) {
+                           const SfClamp& clamp, bool blk, int64_t taps, int64_t rs, int part) {
   __m512 acc[MR][NV];
   #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
     #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = (part & SF_PDK_ADD) ? _mm512_loadu_ps(y + 16 * (v * P + i)) : _mm512_setzero_ps();
   const int64_t kb = 16 * taps, kpf = K - kb;
   for (int64_t k = 0, ph = 0; k < K; ++k) {
     const float* s = xb + off[k];
@@ -932,6 +936,13 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
     }
   }
   if (blk) {
+    if (part & SF_PDK_RAW) {
+      #pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v)
+        #pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + 16 * (v * P + i), acc[i][v]);
+      return;
+    }
     #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
@@ -969,7 +980,7 @@ static void sf_pdkr_avx512(int64_t K, const float* __restrict__ xb, const int32_
 typedef void (*SfPdkrFn)(int64_t K, const float* __restrict__ xb, const int32_t* __restrict__ off,
                          const float* __restrict__ wp, int64_t pstride, float* __restrict__ y, int64_t P,
                          int64_t nvalid, const float* __restrict__ bias, const float* __restrict__ res,
-                         const SfClamp& clamp, bool blk, int64_t taps, int64_t rs);
+                         const SfClamp& clamp, bool blk, int64_t taps, int64_t rs, int part);
 
 // the most pixels of a tile (NV = 2: 28 accumulators, 2 panel rows and a broadcast in 32 registers)
 constexpr int64_t SF_PDK_MR = 14;
@@ -1246,6 +1257,17 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   // channels of the conv before): 1x1 1024->256 at 14x14 in a chain of convs 0.415 -> 0.342 ms, 256->1024
   // 0.353 -> 0.331 (two threads, the AVX-512 Xeon). A planar image's planes are read whole: no prefetch.
   const int64_t pft = planar ? 0 : g.KH * g.KW;
+  // a small output image (at most 64 pixels: 7x7, 8x8) of a conv whose weights are 2 MiB or more (ResNet-50's last
+  // stage), to a blocked output, with AVX-512: K in chunks of 64 values (whole blocks of 16 channels with all their
+  // taps), each chunk over all of a task's few tiles, the partial sums kept in the output (sf_pdkr_avx512's part),
+  // so that a chunk's panels (8 KiB) serve every tile from L1 where the task's whole panels (256 KiB for 1x1
+  // 2048->512, 576 KiB for 3x3 512->512) were streamed again for each. Measured in ResNet-50 (two threads, the
+  // AVX-512 Xeon, paired): its 7x7 stage's 3x3s 0.83-0.87, 1x1 2048->512 0.88-0.90, 512->2048 0.91-0.98; but
+  // MobileNetV2's 7x7 1x1s (0.1-1.6 MiB of weights) 1.02-1.09, and at 14x14 and larger no gain (1x1 1024->256
+  // 0.99-1.03) or a loss (1x1 512->256 at 28x28 1.10: each chunk's first block of channels is not prefetched).
+  // The sums are the same in the same order (a float stored and loaded back): the same bits.
+  const int64_t kc = vl == 16 && (blk & SF_BLK_OUT) && !planar && P <= 64 && 4.0 * K * OC >= 2097152.0
+                         ? std::max<int64_t>(1, 64 / (16 * pft)) * 16 * pft : K;
   const int64_t pt = flat ? 0 : g.PT, pl = flat ? 0 : g.PL;
   #pragma omp parallel num_threads(nt) if (par)
   {
@@ -1283,9 +1305,14 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       const float* rsd = res ? res + (n * OC + c0) * P : nullptr;
       const float* wb = wp + (c0 / 16) * pstride;
       const float* bb = epi || !bias ? nullptr : bias + c0;
+      for (int64_t k0 = 0; k0 < K; k0 += kc)
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t p0 = r * OWr, len = std::min(OWr, P - p0);
         const float* xr = xi + (flat ? p0 : r * g.SH * Wp) * pxf;
+        const int64_t kn = std::min(kc, K - k0);
+        const int part = (k0 > 0 ? SF_PDK_ADD : 0) | (k0 + kn < K ? SF_PDK_RAW : 0);
+        const float* wk = wb + 16 * k0;
+        const int32_t* ok = off + k0;
         if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time
           for (int64_t j = 0; j < len;) {
             const int64_t mr = std::min(SF_PDK_MR2, len - j);
@@ -1300,16 +1327,16 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
         }
         if (rows7 && r + 1 < r1) {  // rows r and r + 1: 14 pixels, contiguous in the output
           const int64_t yo = bo ? p0 * 16 : p0;
-          u.rows7[sw - 1][nv - 1](K, xr, off, wb, pstride, yb + yo, P, nvalid, bb, rsd ? rsd + yo : nullptr, clamp,
-                                  bo, pft, g.SH * Wp * 16 - 7 * sw * 16);
+          u.rows7[sw - 1][nv - 1](kn, xr, ok, wk, pstride, yb + yo, P, nvalid, bb, rsd ? rsd + yo : nullptr, clamp,
+                                  bo, pft, g.SH * Wp * 16 - 7 * sw * 16, part);
           ++r;
           continue;
         }
         for (int64_t j = 0; j < len;) {
           const int64_t mr = std::min(SF_PDK_MR, len - j);
           const int64_t yo = bo ? (p0 + j) * 16 : p0 + j;
-          u.fn[form][nv - 1][mr - 1](K, xr + j * sw * pxf, off, wb, pstride, yb + yo, P, nvalid, bb,
-                                       rsd ? rsd + yo : nullptr, clamp, bo, pft, 0);
+          u.fn[form][nv - 1][mr - 1](kn, xr + j * sw * pxf, ok, wk, pstride, yb + yo, P, nvalid, bb,
+                                       rsd ? rsd + yo : nullptr, clamp, bo, pft, 0, part);
           j += mr;
         }
       }
