@@ -474,7 +474,11 @@ def _conv(op, fused=None) -> str | None:
         w = op.inputs[1].shape
         oc, icg, kern = w[0], w[1], tuple(w[2:])
     ocg = oc // g
-    depthwise = not packed and not wino and icg == 1 and g == x[1]  # sf_conv_depthwise
+    # sf_conv_depthwise: one input channel per group (a vector holds 16 channels, so with fewer than 16 of them
+    # the lanes are mostly idle: a one-channel signal's Conv1d to 512 outputs, wav2vec2's first, took 37x
+    # onnxruntime's time; such convs take the GEMM of each group where it applies)
+    depthwise = (not packed and not wino and icg == 1 and g == x[1]
+                 and not (g < 16 and ocg >= 4 and _prod(kern) >= 4))
     if op.op_type == "Conv" and any(blocked) and not (depthwise and ocg == 1):
         return None  # of plain Convs, only depthwise ones of one output per channel read or write the layout
     if (icg * _prod(kern) < 4 or ocg < 4) and not depthwise:

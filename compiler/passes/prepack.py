@@ -56,9 +56,11 @@ image) with a constant weight becomes a
 panels of ``Wᵀ[C, OC]``, and its kernel computes each image as ``x(im2col)ᵀ @ Wᵀ`` with the
 prepacked GEMM, pixels as rows, then transposes back (rfcs/0002, "1×1 convs on small images").
 
-A float32 2-D Conv of one group with a window wider than 1×1, at least :data:`STRIDED_MIN_K` products
-per output (``C·KH·KW``) and horizontal stride 2, or 3×3 of stride 1 with at least :data:`SMALL_MIN_K`
-on images of at most :data:`SMALL_MAX_PIXELS` output pixels (before the Winograd rule below), with a
+A float32 1-D or 2-D Conv of one group with a window wider than 1×1, at least :data:`STRIDED_MIN_K` products
+per output (``C·KH·KW``) and (horizontal) stride 2 (a speech model's feature extractor: wav2vec2's Conv1d
+512→512 of kernel 3, 0.80-0.82× the conv template's time; rfcs/0002, "1-D convs"), or 3×3 of stride 1
+with at least :data:`SMALL_MIN_K` on images of at most :data:`SMALL_MAX_PIXELS` output pixels (before the
+Winograd rule below), with a
 constant weight also becomes a PackedConv: on an AVX-512 or AVX2 host its kernel reads the image blocked
 by 16 channels, the output channels as vector lanes, with no im2col, GEMM packing or phase copies (so do
 the 1×1 PackedConvs of at least twice as many output channels as input channels, with AVX-512; rfcs/0002,
@@ -388,8 +390,8 @@ SMALL_MAX_PIXELS = 64
 
 def _packed_conv(op: Operator, max_pixels: int, windows: bool = False) -> Tensor | None:
     """The weight of a Conv this pass turns into a PackedConv (1x1 of at most ``max_pixels`` pixels per
-    image; with ``windows``, also a 2-D window wider than 1x1 with at least :data:`STRIDED_MIN_K`
-    products per output at horizontal stride 2, or 3x3 at stride 1 with at least :data:`SMALL_MIN_K` on
+    image; with ``windows``, also a 1-D or 2-D window wider than 1x1 with at least :data:`STRIDED_MIN_K`
+    products per output at (horizontal) stride 2, or 3x3 at stride 1 with at least :data:`SMALL_MIN_K` on
     images of at most :data:`SMALL_MAX_PIXELS` output pixels), or ``None``."""
     w = _conv_weight(op)
     if w is None or op.inputs[0].ndim not in (3, 4):
@@ -399,7 +401,11 @@ def _packed_conv(op: Operator, max_pixels: int, windows: bool = False) -> Tensor
         return w if pixels <= max_pixels else None
     strides = tuple(op.attrs.get("strides") or (1,) * (w.ndim - 2))
     k = math.prod(w.shape[1:])
-    if windows and w.ndim == 4 and ((strides[1] == 2 and k >= STRIDED_MIN_K) or (
+    if not windows:
+        return None
+    if w.ndim == 3 and strides[0] == 2 and k >= STRIDED_MIN_K:  # a 1-D window (rfcs/0002, "1-D convs")
+        return w
+    if w.ndim == 4 and ((strides[1] == 2 and k >= STRIDED_MIN_K) or (
             strides == (1, 1) and w.shape[2:] == (3, 3) and pixels <= SMALL_MAX_PIXELS and k >= SMALL_MIN_K)):
         return w
     return None

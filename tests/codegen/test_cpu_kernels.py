@@ -171,6 +171,10 @@ def _large():
              dilations=(1, 2)),
         Conv([_t((1, 16, 9, 9)), _t((24, 16, 1, 1))]),                # 1x1: no im2col
         Conv([_t((2, 6, 40)), _t((10, 6, 5)), _t((10,))], pads=(2, 2), strides=(3,)),
+        # one input channel per group but fewer than 16 groups (a signal's first conv): the GEMM of each
+        # group, not the depthwise kernel
+        Conv([_t((1, 1, 300)), _t((48, 1, 10)), _t((48,))], strides=(5,)),
+        Conv([_t((2, 4, 90)), _t((32, 1, 5))], group=4, strides=(2,), pads=(1, 2)),
         # depthwise (sf_conv_depthwise): strides 1, 2 and 3, dilation, uneven pads, 7x7, two outputs per
         # channel (in blocks: an output row wider than the input's), 1-D (a causal conv's left pad), images
         Conv([_t((1, 6, 8, 8)), _t((6, 1, 3, 3))], group=6, pads=(1, 1, 1, 1)),
@@ -958,6 +962,23 @@ def test_blocked_depthwise_convs_use_their_template():
     assert flags == ["SF_BLK_IN | SF_BLK_OUT"] * 3 + ["SF_BLK_IN", "SF_BLK_OUT"]
     assert template_body(Conv([_t((1, 2, 6, 6, 16)), _t((16, 2, 3, 3))], group=16, pads=(1, 1, 1, 1),
                               blocked_in=True)) is None
+
+
+def test_convs_of_few_one_channel_groups_take_the_gemm():
+    """A conv of one input channel per group is depthwise-shaped, but with fewer than 16 groups the depthwise
+    kernel (16 channels a vector) would leave most of its lanes idle (wav2vec2's first conv, 1 -> 512 channels:
+    37x onnxruntime's time): with at least 4 outputs per group and 4 products per output it runs the GEMM
+    (``sf_conv2d``); 16 groups or more, or 2 outputs per group, keep the depthwise kernel."""
+    from shardflow.compiler.codegen.templates_cpu import template_body
+
+    def fn(x, w, g):
+        body = template_body(Conv([_t(x), _t(w)], group=g, strides=(2,)))
+        return "sf_conv_depthwise" if "sf_conv_depthwise(" in body else "sf_conv2d" if "sf_conv2d(" in body else body
+
+    assert fn((1, 1, 300), (48, 1, 10), 1) == "sf_conv2d"
+    assert fn((1, 4, 300), (32, 1, 5), 4) == "sf_conv2d"
+    assert fn((1, 16, 300), (64, 1, 5), 16) == "sf_conv_depthwise"
+    assert fn((1, 4, 300), (8, 1, 5), 4) == "sf_conv_depthwise"
 
 
 def test_transposed_convs_use_their_template():

@@ -496,6 +496,35 @@ def test_compiled_ranks_run_strided_packed_convs_and_match_onnxruntime(tmp_path,
 
 
 @pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
+def test_compiled_ranks_run_strided_1d_packed_convs_and_match_onnxruntime(tmp_path, mesh, algo):
+    """A speech model's feature extractor: a Conv1d of one channel to 64 (kernel 10, stride 5: the GEMM, not
+    the depthwise kernel), Relu, then two Conv1d 64 -> 64 of kernel 5 and 3 at stride 2 (320 and 192 products
+    per output: the first a PackedConv, the second below STRIDED_MIN_K, the conv template), + bias and Relu;
+    compiled for one and two cpu ranks, against onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(8)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = [numpy_helper.from_array(f(64, 1, 10) / 3, "w0"), numpy_helper.from_array(f(64, 64, 5) / 18, "w1"),
+             numpy_helper.from_array(f(64), "b1"), numpy_helper.from_array(f(64, 64, 3) / 14, "w2")]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w0"], ["c0"], strides=[5], name="conv0"), n("Relu", ["c0"], ["r0"]),
+             n("Conv", ["r0", "w1", "b1"], ["c1"], strides=[2], pads=[2, 2], name="conv1"), n("Relu", ["c1"], ["r1"]),
+             n("Conv", ["r1", "w2"], ["y"], strides=[2], name="conv2")]
+    graph = helper.make_graph(nodes, "speech", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 1000])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64, 49])], inits)
+    path = tmp_path / "speech.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    x = f(2, 1, 1000)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    programs, got = _compiled_ranks(path, tmp_path / "out", mesh, algo, x)
+    for program in programs:  # (each conv's Relu fused into its kernel)
+        names = {b["name"] for b in program["buffers"]}
+        assert "w1.panels" in names and {"w0", "w2"} <= names and "w1" not in names
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("mesh,algo", [([1], "ilp"), ([2], "megatron")])
 def test_compiled_ranks_run_packed_convs_and_match_onnxruntime(tmp_path, mesh, algo):
     """A small conv net (3x3 + bias + Relu, a strided 1x1, a 1x1 with a residual add, a 1x1 head)
     compiled for one and two cpu ranks: its 1x1 convs are PackedConvs (epilogues fused), and the
