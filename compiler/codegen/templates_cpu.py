@@ -465,7 +465,7 @@ def _conv(op, fused=None) -> str | None:
     packed = op.op_type == "PackedConv"  # weights in GEMM panels: sf_conv2d_packed
     wino = int(op.attrs["m"]) if op.op_type == "WinogradConv" else 0  # sf_conv2d_winograd<m>
     if packed:
-        oc, icg, kern = int(op.attrs["oc"]), x[1], tuple(int(k) for k in op.attrs["kernel"])
+        oc, icg, kern = int(op.attrs["oc"]), x[1] // g, tuple(int(k) for k in op.attrs["kernel"])
     elif wino:
         if n_sp != 2:
             return None
@@ -533,14 +533,15 @@ def _conv(op, fused=None) -> str | None:
                      f"per chunk of tiles (pad {PT},{PL})"
                      + "".join(f"; {w} blocked [N, C/16, H, W, 16]" for w, b in zip(("input", "output"), blocked) if b))
     elif packed:
-        lines.append(f"  // PackedConv: {Nb} images of [{P}, {KK}] @ [{KK}, {oc}] (weights packed), transposed; "
+        lines.append(f"  // PackedConv: {Nb} images" + (f", {g} groups" if g > 1 else "") + f" of [{P}, {KK}] @ [{KK}, "
+                     f"{ocg}] (weights packed), transposed; "
                      + ("1x1: the image is A" if direct else f"A = im2col of the image ({geometry})")
                      + "".join(f"; {w} blocked [N, C/16, H, W, 16]" for w, b in zip(("input", "output"), blocked) if b))
     else:
         lines.append(f"  // Conv: {Nb} images, {g} group(s) of [{ocg}, {KK}] @ [{KK}, {P}]"
                      + (" (1x1: the image is B)" if direct else f", B = im2col packed from the image ({geometry})"))
     lines.append(f"  static const SfConvGeom geom = {{{icg}, {H}, {W}, {KH}, {KW}, {SH}, {SW}, {DH}, {DW}, {PT}, {PL}, "
-                 f"{OH}, {OW}}};")
+                 f"{OH}, {OW}" + (f", {g}" if packed and g > 1 else "") + "};")
     direct_arg = "true" if direct else "false"
     blk = " | ".join(f for f, b in zip(("SF_BLK_IN", "SF_BLK_OUT"), blocked) if b) or "0"
     if depthwise:

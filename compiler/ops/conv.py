@@ -277,20 +277,24 @@ class PackedConv(Conv):
     Inputs ``x [N, C, *in]``, ``wp [ceil(OC / PANEL), K, PANEL]`` =
     :func:`~shardflow.compiler.ops.linalg.pack_panels` of ``w.reshape(OC, K).T`` with
     ``K = C * prod(kernel)`` (``w[oc, c, *k]`` at ``[oc // PANEL, c * prod(kernel) + flat(k), oc % PANEL]``),
-    optional ``bias [OC]``. Attributes: Conv's (``group`` 1), ``oc`` and ``kernel``.
+    optional ``bias [OC]``. Attributes: Conv's, ``oc`` and ``kernel``. With ``group`` > 1, ``C`` above is
+    a group's channels and each group's ``OC / group`` outputs are whole panels (a grouped conv between
+    blocked tensors, ``passes/layout.py``).
     """
 
     def _weight_shape(self, x, wp) -> tuple[int, ...]:
         from .linalg import PANEL
 
         oc, kern = int(self.attrs["oc"]), tuple(int(k) for k in self.attrs["kernel"])
+        group = int(self.attrs.get("group", 1))
         xs = self._x_shape(x)
-        c = xs[1] if len(xs) >= 3 else -1
-        if self.attrs.get("group", 1) != 1 or len(kern) != len(xs) - 2 \
+        c = xs[1] // group if len(xs) >= 3 and group >= 1 and xs[1] % group == 0 else -1
+        # groups: each group's output channels whole panels (a panel's columns read one group's K rows)
+        if len(kern) != len(xs) - 2 or (group > 1 and (oc % group or (oc // group) % PANEL)) \
                 or tuple(wp.shape) != (-(-oc // PANEL), c * math.prod(kern), PANEL):
             raise ShapeError(f"{self.name}: PackedConv takes x [N, C, spatial...] and panels [ceil(OC/{PANEL}), "
-                             f"C * prod(kernel), {PANEL}] (one group), got {x.shape} and {wp.shape} with "
-                             f"oc={oc}, kernel={kern}")
+                             f"C/group * prod(kernel), {PANEL}] (with groups, OC/group a multiple of {PANEL}), got "
+                             f"{x.shape} and {wp.shape} with oc={oc}, group={group}, kernel={kern}")
         return (oc, c) + kern
 
     def _weight_at(self, wp, oc, ic, k):

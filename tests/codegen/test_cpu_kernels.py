@@ -295,6 +295,14 @@ def _large():
                    blocked_in=True, blocked_out=True),
         PackedConv([_t((1, 2, 14, 13, 16)), _panels(288, 40), _t((40,))], oc=40, kernel=(3, 3), pads=(1, 1, 1, 1),
                    strides=(2, 2), blocked_in=True),
+        # groups of whole blocks (RegNet's grouped 3x3s, passes/layout.py): blocked both sides at stride 1 (3 groups
+        # of 16 -> 32: blocks of 32 output channels), blocked in at stride 2 to a plain output (2 groups of 32 ->
+        # 48: blocks of 16, each in one group), plain both sides (3 groups of 16 -> 16), two images
+        PackedConv([_t((2, 3, 9, 10, 16)), _panels(144, 96), _t((96,))], oc=96, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   group=3, blocked_in=True, blocked_out=True),
+        PackedConv([_t((1, 4, 10, 11, 16)), _panels(288, 96), _t((96,))], oc=96, kernel=(3, 3), pads=(1, 0, 1, 1),
+                   strides=(2, 2), group=2, blocked_in=True),
+        PackedConv([_t((2, 48, 9, 10)), _panels(144, 48)], oc=48, kernel=(3, 3), pads=(1, 1, 1, 1), group=3),
         WinogradConv([_t((1, 4, 28, 28, 16)), _wino(64, 64, 4), _t((64,))], oc=64, m=4, pads=(1, 1, 1, 1),
                      blocked_in=True, blocked_out=True),
         WinogradConv([_t((2, 1, 9, 13, 16)), _wino(16, 32, 2)], oc=32, m=2, pads=(1, 0, 1, 1), blocked_in=True),

@@ -246,6 +246,50 @@ def test_large_convs_of_a_small_image_match_onnxruntime(tmp_path):
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("mesh", [[1], [2]])
+def test_grouped_convs_of_whole_blocks_run_blocked(tmp_path, mesh):
+    """RegNet's block: 1x1 64->96, Relu, a grouped 3x3 of 3 groups of 32 channels (stride 2, bias, Relu), 1x1
+    96->32. The grouped conv reads and writes the blocked layout as a PackedConv of 3 groups (each group's
+    channels whole blocks of 16); a grouped conv of 8-channel groups stays a plain Conv. The outputs match
+    onnxruntime's, on one and two cpu ranks."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(9)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+
+    inits = [numpy_helper.from_array(a, n) for n, a in [
+        ("w1", w(96, 64, 1, 1)), ("w2", w(96, 32, 3, 3)), ("b2", w(96, 1)[:, 0]), ("w3", w(32, 96, 1, 1)),
+        ("w4", w(32, 8, 3, 3)), ("w5", w(16, 32, 1, 1))]]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c1"]), n("Relu", ["c1"], ["r1"]),
+             n("Conv", ["r1", "w2", "b2"], ["c2"], group=3, strides=[2, 2], pads=[1, 1, 1, 1], name="grouped"),
+             n("Relu", ["c2"], ["r2"]), n("Conv", ["r2", "w3"], ["c3"]), n("Relu", ["c3"], ["r3"]),
+             n("Conv", ["r3", "w4"], ["c4"], group=4, pads=[1, 1, 1, 1], name="narrow"), n("Conv", ["c4", "w5"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "regnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64, 15, 15])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16, 8, 8])], inits)
+    path = tmp_path / "regnet.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    x = rng.standard_normal((2, 64, 15, 15)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    out = tmp_path / "o"
+    compile(path, distributed_config={"mesh_shape": mesh}, optimization_config={"target": "cpu"}, out_dir=out)
+    world = int(np.prod(mesh))
+    for r in range(world):
+        program = json.loads((out / f"rank{r}" / "program.json").read_text())
+        bufs = program["buffers"]
+        grouped = [st for st in program["steps"] if st["kind"] == "kernel" and "w2.panels" in
+                   [bufs[i]["name"] for i in st["inputs"]]]
+        assert len(grouped) == 1 and len(bufs[grouped[0]["inputs"][0]]["shape"]) == 5
+        assert len(bufs[grouped[0]["outputs"][0]]["shape"]) == 5
+        assert any(b["name"] == "w4" for b in bufs)  # the narrow groups' weight as it is
+    got = run_threads(InProcessWorld(world).communicators(), lambda c: load(out, c.rank, c).run({"x": x})["y"],
+                      timeout=120)
+    for y in got:
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
 def test_a_stem_of_three_channels_writes_the_layout():
     """A 7x7 stride-2 conv of a 3-channel image writes the layout (its image read plane by plane) when a conv
     reads it; a 1x1 of 8 channels keeps its form."""

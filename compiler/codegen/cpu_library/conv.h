@@ -11,7 +11,8 @@ namespace {
 // B[(c*KH + kh)*KW + kw][oh*OW + ow] = x[c][oh*SH + kh*DH - PT][ow*SW + kw*DW - PL] (0 in the padding),
 // is packed panel by panel from the image; a padded image is first copied into a zero-bordered buffer,
 // so that every row of B is a few plain copies of input row pieces.
-struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; };
+// C: input channels per group; G: groups (read by sf_conv2d_packed only: a grouped PackedConv, rfcs/0002)
+struct SfConvGeom { int64_t C, H, W, KH, KW, SH, SW, DH, DW, PT, PL, OH, OW; int64_t G = 1; };
 
 // floats a buffer of packed conv panels has past its end: a pack may store whole vectors past a row's
 // last column (the AVX2 one, below)
@@ -1187,6 +1188,10 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
                                     SfConvEpi epi, const void* ctx, const float* res, SfClamp clamp) {
 #if defined(__x86_64__)
   const int64_t vl = sf_cukr().vl;
+  // groups (a grouped PackedConv: each group's channels whole blocks of 16, its outputs whole panels): a task's
+  // block of output channels lies in one group and reads that group's blocks of the image
+  const int64_t G = g.G, Ct = g.C * G, ocg = OC / G;
+  if (G > 1 && (g.C % 16 != 0 || ocg % 16 != 0)) return false;
   // (the portable conv table is 8 wide too: the AVX2 kernels below only where its helpers run, not under
   // SHARDFLOW_CPU_ISA=generic or on a CPU without AVX2)
   if (vl == 8 && !sf_avx2_helpers()) return false;
@@ -1204,7 +1209,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
     // 14x14 and 512->2048 at 7x7 8-10% faster than the GEMM below, MobileNetV2's 6x expansions at 14x14 and
     // 7x7 14-31%; the reductions 1024->256 and 2048->512 1-23% slower, strided 1x1s 1.5x (the whole image
     // blocked for a quarter of its pixels)
-    if (direct ? OC < 2 * g.C : ((g.SW != 1 && g.SW != 2) || g.KH * g.KW == 1)) return false;
+    if (direct ? ocg < 2 * g.C : ((g.SW != 1 && g.SW != 2) || g.KH * g.KW == 1)) return false;
   }
   // a strided 1x1 conv of a blocked image without padding: its pixels gathered into a dense blocked image
   // first, then run as a 1x1 of stride 1 (each block of output channels read all of the strided image's
@@ -1214,7 +1219,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   // a plain image of fewer than 16 channels (a stem's 3) is padded plane by plane, not blocked: its pixels are
   // 1 or 2 floats apart in the tiles (blocked, its 3 channels took 16 floats a pixel: ResNet-50's 7x7 stem
   // 1.4 ms against the conv template's 0.88)
-  const bool planar = !(blk & SF_BLK_IN) && !flat && g.C < 16;
+  const bool planar = !(blk & SF_BLK_IN) && !flat && Ct < 16;
   const int64_t pxf = planar ? 1 : 16;  // floats per pixel of the padded image
   const int64_t sw = flat ? 1 : g.SW;
   // the kernels' form
@@ -1222,15 +1227,15 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   const SfPdkr& u = sf_pdkr();
   const SfPdkr2& u2 = sf_pdkr2();
   if (vl == 16 ? u.fn[form][0][0] == nullptr : u2.fn[form][0] == nullptr) return false;
-  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (g.C + 15) / 16;
+  const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW, ncb = (Ct + 15) / 16;
   // the blocked image's geometry: a 1x1 stride-1 conv's image is one row of P pixels
   const int64_t H = flat ? 1 : g.H, W = flat ? P : g.W;
   const int64_t Hp = flat ? 1 : std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = flat ? P : std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
-  const int64_t cbs = Hp * Wp * pxf, ximg = planar ? g.C * cbs : ncb * cbs;
+  const int64_t cbs = Hp * Wp * pxf, ximg = planar ? Ct * cbs : ncb * cbs;
   if ((double)ximg >= 2147483647.0 || 16.0 * P >= 2147483647.0) return false;
   const int64_t OWr = flat ? std::min<int64_t>(P, 4 * SF_PDK_MR) : g.OW, nrows = flat ? (P + OWr - 1) / OWr : g.OH;
-  constexpr int64_t CB = 32;
+  const int64_t CB = G > 1 && ocg % 32 != 0 ? 16 : 32;  // a block of output channels in one group
   const int64_t nob = (OC + CB - 1) / CB, pstride = K * 16;
   const int nt = sf_max_threads();
   const bool par = nt > 1 && (double)nimg * P * OC * K >= SF_CONV_PAR_WORK;
@@ -1274,13 +1279,13 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
     // block cb of image n starts at the same offset in both layouts
     if (planar) {
       #pragma omp for schedule(static)
-      for (int64_t b = 0; b < nimg * g.C; ++b)
+      for (int64_t b = 0; b < nimg * Ct; ++b)
         sf_pad_blocked(x + b * g.H * g.W, g.H, g.W, pt, pl, Hp, Wp, xb16 + b * cbs, 1);
     } else if (!inplace) {
       #pragma omp for schedule(static)
       for (int64_t b = 0; b < nimg * ncb; ++b) {
         const int64_t n = b / ncb, cb = b % ncb;
-        const float* src = x + (n * g.C + cb * 16) * g.H * g.W;
+        const float* src = x + (n * Ct + cb * 16) * g.H * g.W;
         if (sub) {
           float* d = xb16 + n * ximg + cb * cbs;
           for (int64_t oh = 0; oh < g.OH; ++oh)
@@ -1289,7 +1294,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
         } else if (blk & SF_BLK_IN) {
           sf_pad_blocked(src, H, W, pt, pl, Hp, Wp, xb16 + n * ximg + cb * cbs);
         } else {
-          sf_block16(src, std::min<int64_t>(16, g.C - cb * 16), g.H * g.W, H, W, pt, pl, Hp, Wp,
+          sf_block16(src, std::min<int64_t>(16, Ct - cb * 16), g.H * g.W, H, W, pt, pl, Hp, Wp,
                      xb16 + n * ximg + cb * cbs);
         }
       }
@@ -1299,7 +1304,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
       const int64_t ob = t % nob, rb = (t / nob) % nrb, n = t / (nrb * nob);
       const int64_t r0 = std::min(nrows, nunits * rb / nrb * upr), r1 = std::min(nrows, nunits * (rb + 1) / nrb * upr);
       const int64_t c0 = ob * CB, nvalid = std::min(CB, OC - c0), nv = nvalid > 16 ? 2 : 1;
-      const float* xi = inplace ? x + n * ximg : xb16 + n * ximg;
+      const float* xi = (inplace ? x + n * ximg : xb16 + n * ximg) + c0 / ocg * (g.C / 16) * cbs;
       const bool bo = blk & SF_BLK_OUT;
       float* yb = y + (n * OC + c0) * P;
       const float* rsd = res ? res + (n * OC + c0) * P : nullptr;
@@ -1357,15 +1362,16 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
   const int64_t P = g.OH * g.OW, K = g.C * g.KH * g.KW;
   if (nimg <= 0 || OC <= 0 || P <= 0) return;
   if (sf_conv2d_packed_direct(x, wp, bias, y, g, nimg, OC, direct, blk, epi, ctx, res, clamp)) return;
+  const int64_t G = g.G, Ct = g.C * G, ocg = OC / G;
   if (blk) {  // no kernel here for the blocked layout: the plain conv, the layouts changed around it
     const int64_t HW = g.H * g.W;
     const float* xn = x;
     if (blk & SF_BLK_IN) {
-      float* t = static_cast<float*>(sf_workspace(6, sizeof(float) * nimg * g.C * HW));
+      float* t = static_cast<float*>(sf_workspace(6, sizeof(float) * nimg * Ct * HW));
       for (int64_t n = 0; n < nimg; ++n)
-        for (int64_t c = 0; c < g.C; ++c)
+        for (int64_t c = 0; c < Ct; ++c)
           for (int64_t p = 0; p < HW; ++p)
-            t[(n * g.C + c) * HW + p] = x[(n * g.C + c / 16 * 16) * HW + p * 16 + c % 16];
+            t[(n * Ct + c) * HW + p] = x[(n * Ct + c / 16 * 16) * HW + p * 16 + c % 16];
       xn = t;
     }
     if (!(blk & SF_BLK_OUT)) {
@@ -1390,9 +1396,13 @@ static void sf_conv2d_packed(const float* x, const float* wp, const float* bias,
   constexpr int64_t CB = 16;  // channels per block of the transposition
   const int64_t ncb = (OC + CB - 1) / CB;
   for (int64_t n = 0; n < nimg; ++n) {
-    const float* xi = x + n * g.C * g.H * g.W;
-    if (!direct) sf_im2col(xi, g, col, par);
-    sf_sgemm_prepacked(P, OC, K, direct ? xi : col, 1, P, wp, yt, OC, 1.0f, nullptr, 0, 0, true);
+    // per group (a grouped PackedConv's outputs are whole panels of its group's K rows): yt's columns of the group
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float* xi = x + (n * Ct + gi * g.C) * g.H * g.W;
+      if (!direct) sf_im2col(xi, g, col, par);
+      sf_sgemm_prepacked(P, ocg, K, direct ? xi : col, 1, P, wp + gi * (ocg / 16) * K * 16, yt + gi * ocg, OC, 1.0f,
+                         nullptr, 0, 0, true);
+    }
     float* yi = y + n * OC * P;
     #pragma omp parallel for schedule(static) if (par)
     for (int64_t cb = 0; cb < ncb; ++cb) {
