@@ -213,12 +213,22 @@ def test_blocked_depthwise_programs_match_onnxruntime(tmp_path):
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
+def _model_and_reference(tmp_path, name, nodes, inits, x, out_shape):
+    """Write the graph of ``nodes`` (input ``x``, output ``y`` of ``out_shape``) to ``tmp_path/name.onnx``;
+    its path and onnxruntime's ``y``."""
+    ort = pytest.importorskip("onnxruntime")
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    return path, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
 def test_large_convs_of_a_small_image_match_onnxruntime(tmp_path):
     """A 7x7 stage's large convs (2 MiB of weights or more: the blocked direct conv runs their K in chunks
     whose partial sums it keeps in the output, conv.h): a 1x1 1024->512 with a bias and Relu, then a 3x3
     512->128 whose residual (a 1x1 of x) is added before a Relu, to a 1x1 128->16; one cpu rank's outputs
     against onnxruntime's."""
-    ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(7)
 
     def w(*shape):
@@ -231,13 +241,8 @@ def test_large_convs_of_a_small_image_match_onnxruntime(tmp_path):
     nodes = [n("Conv", ["x", "w1", "b1"], ["c1"]), n("Relu", ["c1"], ["r1"]),
              n("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]), n("Conv", ["x", "ws"], ["s"]),
              n("Add", ["c2", "s"], ["a"]), n("Relu", ["a"], ["r2"]), n("Conv", ["r2", "w3"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "stage", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024, 7, 7])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 7, 7])], inits)
-    path = tmp_path / "stage.onnx"
-    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
     x = rng.standard_normal((1, 1024, 7, 7)).astype(np.float32)
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    path, want = _model_and_reference(tmp_path, "stage", nodes, inits, x, [1, 16, 7, 7])
     compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
             out_dir=tmp_path / "o")
     program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
@@ -252,7 +257,6 @@ def test_grouped_convs_of_whole_blocks_run_blocked(tmp_path, mesh):
     96->32. The grouped conv reads and writes the blocked layout as a PackedConv of 3 groups (each group's
     channels whole blocks of 16); a grouped conv of 8-channel groups stays a plain Conv. The outputs match
     onnxruntime's, on one and two cpu ranks."""
-    ort = pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(9)
 
     def w(*shape):
@@ -266,13 +270,8 @@ def test_grouped_convs_of_whole_blocks_run_blocked(tmp_path, mesh):
              n("Conv", ["r1", "w2", "b2"], ["c2"], group=3, strides=[2, 2], pads=[1, 1, 1, 1], name="grouped"),
              n("Relu", ["c2"], ["r2"]), n("Conv", ["r2", "w3"], ["c3"]), n("Relu", ["c3"], ["r3"]),
              n("Conv", ["r3", "w4"], ["c4"], group=4, pads=[1, 1, 1, 1], name="narrow"), n("Conv", ["c4", "w5"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "regnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64, 15, 15])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16, 8, 8])], inits)
-    path = tmp_path / "regnet.onnx"
-    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
     x = rng.standard_normal((2, 64, 15, 15)).astype(np.float32)
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    path, want = _model_and_reference(tmp_path, "regnet", nodes, inits, x, [2, 16, 8, 8])
     out = tmp_path / "o"
     compile(path, distributed_config={"mesh_shape": mesh}, optimization_config={"target": "cpu"}, out_dir=out)
     world = int(np.prod(mesh))
