@@ -2,7 +2,7 @@
 
 The shapes are the projections of the transformers in ``cpu_latency.py --sized`` at 1x128 tokens
 (GPT-2 small and BERT-base: 768 -> 2304/768/3072 and back; the Llama-style model: 1024 -> 2816
-and back; GPT-2's tied lm_head 768 -> 50257) and other token counts (1, 8, 32, 512). Each is an ONNX
+and back; GPT-2's tied lm_head 768 -> 50257), other token counts (1, 8, 32, 512) and ViT-base's 197. Each is an ONNX
 ``MatMul`` + ``Add``, compiled for one cpu rank (a PackedMatMul with the bias in its epilogue)
 and run with ``shardflow.runtime.load``; onnxruntime runs the same model with the same thread
 count. Prints median latencies, GFLOP/s, the ratio (ours / onnxruntime) and the largest difference.
@@ -36,6 +36,8 @@ SHAPES = {
     "fc2_3072_768": (128, 3072, 768), "up_1024_2816": (128, 1024, 2816), "down_2816_1024": (128, 2816, 1024),
     "lm_head_768_50257": (128, 768, 50257), "fc_m1_768_3072": (1, 768, 3072), "fc_m8_768_3072": (8, 768, 3072),
     "fc_m32_768_3072": (32, 768, 3072), "fc_m512_768_3072": (512, 768, 3072),
+    # ViT-base's products (197 tokens: 196 patches and the class token)
+    "proj_m197_768_768": (197, 768, 768), "fc_m197_768_3072": (197, 768, 3072), "fc2_m197_3072_768": (197, 3072, 768),
 }
 SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("proj_768_768", "fc_768_3072", "fc2_3072_768", "lm_head_768_50257",
                                                 "fc_m1_768_3072", "fc_m8_768_3072", "fc_m32_768_3072",
