@@ -79,7 +79,7 @@ def _whole_block_groups(op: Operator, group: int) -> bool:
     """Whether each of ``op``'s ``group`` groups has a multiple of 16 input and output channels (its
     blocks of the image and its panels its own: ``sf_conv2d_packed_direct``'s grouped form). RegNetY-4GF's
     grouped 3x3s (64 channels a group) ran on the conv template at 1.3-2.4x onnxruntime's time."""
-    c, oc = op.inputs[0].shape[1], (op.outputs[0].shape[1] if op.outputs[0].ndim == 4 else 0)
+    c, oc = op.inputs[0].shape[1], op.outputs[0].shape[1]  # (a plain 2-D conv's: _conv_ok asks _plain_2d first)
     return c % group == 0 and oc % group == 0 and (c // group) % 16 == 0 and (oc // group) % 16 == 0
 
 

@@ -60,11 +60,11 @@ A float32 1-D or 2-D Conv of one group with a window wider than 1×1, at least :
 per output (``C·KH·KW``) and (horizontal) stride 2 (a speech model's feature extractor: wav2vec2's Conv1d
 512→512 of kernel 3, 0.80-0.82× the conv template's time; rfcs/0002, "1-D convs"), or 3×3 of stride 1
 with at least :data:`SMALL_MIN_K` on images of at most :data:`SMALL_MAX_PIXELS` output pixels (before the
-Winograd rule below), with a
-constant weight also becomes a PackedConv: on an AVX-512 or AVX2 host its kernel reads the image blocked
-by 16 channels, the output channels as vector lanes, with no im2col, GEMM packing or phase copies (so do
-the 1×1 PackedConvs of at least twice as many output channels as input channels, with AVX-512; rfcs/0002,
-"Strided convs as PackedConv"); elsewhere it runs as im2col and the prepacked GEMM.
+Winograd rule below), with a constant weight also becomes a PackedConv: on an AVX-512 or AVX2 host its
+kernel reads the image blocked by 16 channels, the output channels as vector lanes, with no im2col, GEMM
+packing or phase copies (so do the 1×1 PackedConvs of at least twice as many output channels as input
+channels, with AVX-512; rfcs/0002, "Strided convs as PackedConv"); elsewhere it runs as im2col and the
+prepacked GEMM.
 
 A float32 3×3 Conv of stride 1, dilation 1 and one group with a constant weight, at least
 :data:`WINOGRAD_MIN_CHANNELS` input and output channels and enough output pixels
