@@ -126,10 +126,10 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
         (:func:`~shardflow.runtime.artifact.read_weights`). Default: mapped for the ``cuda``
         target, whose kernels read the device's copy (the host's pages stay the page cache's, which
         may drop them: a 7B model's 13.5 GB are not the rank's own memory beside the GPU's copy),
-        read for ``cpu``, whose kernels
-        read the host's copy on every run (mapped, a decoding step of GPT-2 small, which reads all
-        its 0.5 GB, took 1-23% longer on a 2-core Xeon: rfcs/0003). Mapped, ranks on one machine
-        whose weights files are one file (replicated weights, rfcs/0003) share its pages.
+        read for ``cpu``, whose kernels read the host's copy on every run (mapped, a decoding step of
+        GPT-2 small, which reads all its 0.5 GB, took 1-23% longer on a 2-core Xeon: rfcs/0003).
+        Mapped, ranks on one machine whose weights files are one file (replicated weights, rfcs/0003)
+        share its pages.
 
     Returns
     -------

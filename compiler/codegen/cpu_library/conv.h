@@ -1318,7 +1318,7 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
         const int part = (k0 > 0 ? SF_PDK_ADD : 0) | (k0 + kn < K ? SF_PDK_RAW : 0);
         const float* wk = wb + 16 * k0;
         const int32_t* ok = off + k0;
-        if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time
+        if (vl == 8) {  // AVX2: tiles of up to 6 pixels, one panel of 16 channels at a time (K whole: kc is K)
           for (int64_t j = 0; j < len;) {
             const int64_t mr = std::min(SF_PDK_MR2, len - j);
             const int64_t yo = bo ? (p0 + j) * 16 : p0 + j;
