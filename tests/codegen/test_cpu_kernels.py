@@ -542,6 +542,11 @@ def _large():
         PackedMatMul([_t((1, 300)), _panels(300, 129, "float16")], n=129),
         PackedMatMul([_t((130, 520)), _panels(520, 280, "float16"), _t((280,))], n=280),
         PackedMatMul([_t((7, 40)), _panels(40, 33, "float16")], n=33, alpha=0.5),
+        # blocks of C that threads own (sf_gemm_blocks; test_prepacked_products_on_more_threads): row
+        # blocks, 2 x 2 and 3 x 2 grids with a column bias, strips of columns with a row bias, uneven strips
+        PackedMatMul([_t((200, 64)), _panels(64, 1000), _t((1000,))], n=1000),
+        PackedMatMul([_t((16, 64)), _panels(64, 1000), _t((16, 1))], n=1000, alpha=0.5, beta=0.25),
+        PackedMatMul([_t((40, 100)), _panels(100, 2000, "float16")], n=2000),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -838,9 +843,9 @@ print("ok", len(data["cases"]))
 """
 
 
-def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
+def _run_forced_isa(lib_path, cases, isa, tmp_path, env=None) -> tuple[str, str]:
     """Run ``cases`` ``[(symbol, inputs, wanted outputs)]`` of the library at ``lib_path`` in a fresh
-    process with ``SHARDFLOW_CPU_ISA=isa`` (:data:`_ISA_SCRIPT` compares them); returns the ISAs the
+    process with ``SHARDFLOW_CPU_ISA=isa`` and ``env`` (:data:`_ISA_SCRIPT` compares them); returns the ISAs the
     library picked (its float32 GEMM's, bfloat16 GEMM's and integer GEMM's, space-separated) and the script's last line
     (``ok N`` when all N matched)."""
     import subprocess
@@ -849,7 +854,8 @@ def _run_forced_isa(lib_path, cases, isa, tmp_path) -> tuple[str, str]:
     script = tmp_path / "isa.py"
     script.write_text(_ISA_SCRIPT)
     res = subprocess.run([sys.executable, str(script), str(lib_path), str(tmp_path / "cases.npz")],
-                         capture_output=True, text=True, env=dict(os.environ, SHARDFLOW_CPU_ISA=isa), timeout=300)
+                         capture_output=True, text=True, env=dict(os.environ, SHARDFLOW_CPU_ISA=isa, **(env or {})),
+                         timeout=300)
     assert res.returncode == 0, (isa, res.stderr[-3000:])
     return res.stdout.split("\n")[0], res.stdout.strip().split("\n")[-1]
 
@@ -872,6 +878,22 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
     assert last == f"ok {len(cases)}" and len(cases) >= 20
     first = first.split()[0]
     assert first == isa or (isa == "avx2" and first == "generic")  # a CPU without AVX2 falls back
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_prepacked_products_on_more_threads(library, tmp_path, isa):
+    """With 3, 4 and 6 threads (OMP_NUM_THREADS; this machine has 2), the products with prepacked
+    weights, float32 and float16 panels, split C into blocks that each thread computes whole
+    (sf_gemm_blocks): blocks of rows, strips of columns (of 32 columns with AVX-512, 16 otherwise; some
+    strips a panel wider than others), 2 x 2 and 3 x 2 grids, biases of rows and of columns; numpy's
+    values."""
+    cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], op.run(*arrays))
+             for cid, op, arrays in LARGE if op.op_type == "PackedMatMul"]
+    assert len(cases) >= 15
+    for nt in (3, 4, 6):
+        first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path,
+                                      env={"OMP_NUM_THREADS": str(nt)})
+        assert last == f"ok {len(cases)}", (nt, last)
 
 
 def _cpu_flags() -> set[str]:

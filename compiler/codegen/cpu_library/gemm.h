@@ -784,8 +784,41 @@ struct SfHalfPrepacked {
   }
 };
 
+// Threads that own blocks of C: gm blocks of rows by gn strips of columns (gm * gn = the threads), each
+// strip a multiple of `align` columns; run(i0, m, j0, n) computes the block of m rows from i0 and n columns
+// from j0 on the calling thread, packing its own rows of A. The grid costs a thread its block's products,
+// plus 80 for each element of A it packs and 8 for each of B it reads (in multiply-adds; fitted to 2-thread
+// runs of ViT-base's products on a Sapphire Rapids-class Xeon, where a row split of 197 x 3072 @ 3072 x 768
+// took 0.94x the time of a column split and a column split of 128 x 768 @ 768 x 2304 0.96x a row split).
+// A thread packing the rows it uses keeps them in its own cache: the shared team of the driver (A packed
+// by all threads, tiles taken dynamically) took 1.06-1.13x as long on those products (rfcs/0002).
+template <class Run>
+static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, int nt, const Run& run) {
+  const int64_t strips = (N + align - 1) / align;
+  int gm = 1;
+  double best = -1.0;
+  for (int g = 1; g <= nt; ++g) {
+    const int64_t rows = (M + g - 1) / g, cols = (strips + nt / g - 1) / (nt / g) * align;
+    if (nt % g != 0 || (g > 1 && rows < 12) || strips < nt / g) continue;
+    const double cost = (double)rows * cols * K + 80.0 * rows * K + 8.0 * cols * K;
+    if (best < 0 || cost < best) best = cost, gm = g;
+  }
+  if (best < 0) {  // too few rows and strips for the threads: one thread runs it all
+    run(0, M, 0, N);
+    return;
+  }
+  const int gn = nt / gm;
+  #pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), bi = t / gn, bj = t % gn;
+    const int64_t i0 = M * bi / gm, i1 = M * (bi + 1) / gm;
+    const int64_t j0 = strips * bj / gn * align, j1 = std::min(N, strips * (bj + 1) / gn * align);
+    if (i1 > i0 && j1 > j0) run(i0, i1 - i0, j0, j1 - j0);
+  }
+}
+
 // C[M, N] = alpha * (A @ B) + bias with B prepacked: float32 panels (SfPrepacked) or float16 ones
-// (SfHalfPrepacked, Bp's bits as uint16_t)
+// (SfHalfPrepacked, Bp's bits as uint16_t); with threads, each owns a block of C (sf_gemm_blocks)
 template <class T>
 static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
                                const T* Bp, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
@@ -800,11 +833,21 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
     sf_gemv_panels<T>(N, K, A, csa, Bp, C, alpha, bias, cbs, par);
     return;
   }
-  if constexpr (std::is_same<T, float>::value) {
-    sf_sgemm_driver(M, N, K, A, rsa, csa, SfPrepacked{Bp, K, N}, C, ldc, alpha, bias, rbs, cbs, par);
-  } else {
-    sf_sgemm_driver(M, N, K, A, rsa, csa, SfHalfPrepacked{Bp, K, N}, C, ldc, alpha, bias, rbs, cbs, par);
-  }
+  // the block of m rows from i0 and n columns from j0 (j0 a multiple of SF_PANEL) on the calling thread
+  auto block = [=](int64_t i0, int64_t m, int64_t j0, int64_t n) {
+    const T* B = Bp + (j0 / SF_PANEL) * K * SF_PANEL;
+    const float* b = bias ? bias + i0 * rbs + j0 * cbs : nullptr;
+    float* Cb = C + i0 * ldc + j0;
+    if constexpr (std::is_same<T, float>::value) {
+      sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs, false);
+    } else {
+      sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfHalfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs, false);
+    }
+  };
+  if (par)
+    sf_gemm_blocks(M, N, K, std::max<int64_t>(sf_ukr().nr, SF_PANEL), sf_max_threads(), block);
+  else
+    block(0, M, 0, N);
 }
 
 // Batched GEMM over nb broadcast batch dims (extents bshape, element strides astr/bstr/cstr; 0 = broadcast)
