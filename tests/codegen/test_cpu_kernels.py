@@ -609,6 +609,8 @@ def _attention_cases():
     nanmask[0, 0, 2, 4] = np.nan  # so is row 2's: a NaN among -inf is not "every key masked"
     bmask_sink = rng.random((2, 1, 5, 9)) > 0.3
     bmask_sink[1, 0, 3] = False
+    fmask_blocks = np.where(rng.random((1, 1, 160, 170)) > 0.1, rng.standard_normal((1, 1, 160, 170)),
+                            -np.inf).astype(np.float32)
     cases = [
         ("gqa", Attention([_t((2, 4, 3, 8)), _t((2, 2, 9, 8)), _t((2, 2, 9, 5))], scale_sqrt=0.6),
          [f(2, 4, 3, 8), f(2, 2, 9, 8), f(2, 2, 9, 5)]),
@@ -635,6 +637,18 @@ def _attention_cases():
         ("one-row", Attention([_t((1, 2, 1, 8)), _t((1, 2, 33, 8)), _t((1, 2, 33, 8))], scale_sqrt=0.5,
                               is_causal=True, past_len=32),
          [f(1, 2, 1, 8), f(1, 2, 33, 8), f(1, 2, 33, 8)]),
+        # K^T and V packed once per key head (more than one block of 128 rows, or grouped heads): a left
+        # window (blocks' first keys inside a panel of 16), a float mask, Dv not a multiple of 16; a bool
+        # mask, nonpad lengths and a softcap (the rows normalized in the GEMM's output)
+        ("blocks-window-gqa", Attention([_t((1, 4, 160, 8)), _t((1, 2, 170, 8)), _t((1, 2, 170, 12)),
+                                         _t((1, 1, 160, 170))], scale_sqrt=0.5, has_mask=True, is_causal=True,
+                                        past_len=10, left_window=37),
+         [f(1, 4, 160, 8), f(1, 2, 170, 8), f(1, 2, 170, 12), fmask_blocks]),
+        ("blocks-nonpad-softcap", Attention([_t((2, 2, 140, 8)), _t((2, 2, 140, 8)), _t((2, 2, 140, 8)),
+                                             _t((2, 1, 140, 140), "bool"), _t((2,), "int64")], scale_sqrt=0.6,
+                                            softcap=2.0, has_mask=True, has_nonpad=True),
+         [f(2, 2, 140, 8), f(2, 2, 140, 8), f(2, 2, 140, 8), rng.random((2, 1, 140, 140)) > 0.2,
+          np.array([140, 77], np.int64)]),
         # attention sinks (gpt-oss): a window, a bool mask hiding every key of one row (its output 0)
         ("sink-window-gqa", Attention([_t((2, 4, 5, 8)), _t((2, 2, 9, 8)), _t((2, 2, 9, 8)),
                                        _t((2, 1, 5, 9), "bool"), _t((4,))], scale_sqrt=0.5, has_mask=True,
@@ -1039,7 +1053,7 @@ def test_attention_uses_its_template(library):
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     att = [(cid, op) for cid, op, _ in LARGE if op.op_type == "Attention"]
-    assert len(att) == 10 and all(template_kind(op) == "Attention" for _, op in att)
+    assert len(att) == 12 and all(template_kind(op) == "Attention" for _, op in att)
     examples = [op for op, _ in library["cases"].values() if op.op_type == "Attention"]
     generic = [op for op in examples if op.attrs.get("qk_mode") is not None or op.inputs[0].dtype != "float32"]
     assert len(generic) == 7 and all(template_kind(op) is None for op in generic)
