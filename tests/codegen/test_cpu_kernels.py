@@ -542,7 +542,7 @@ def _large():
         PackedMatMul([_t((1, 300)), _panels(300, 129, "float16")], n=129),
         PackedMatMul([_t((130, 520)), _panels(520, 280, "float16"), _t((280,))], n=280),
         PackedMatMul([_t((7, 40)), _panels(40, 33, "float16")], n=33, alpha=0.5),
-        # blocks of C that threads own (sf_gemm_blocks; test_prepacked_products_on_more_threads): row
+        # blocks of C that threads own (sf_gemm_blocks; test_products_on_more_threads): row
         # blocks, 2 x 2 and 3 x 2 grids with a column bias, strips of columns with a row bias, uneven strips
         PackedMatMul([_t((200, 64)), _panels(64, 1000), _t((1000,))], n=1000),
         PackedMatMul([_t((16, 64)), _panels(64, 1000), _t((16, 1))], n=1000, alpha=0.5, beta=0.25),
@@ -895,15 +895,18 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
-def test_prepacked_products_on_more_threads(library, tmp_path, isa):
-    """With 3, 4 and 6 threads (OMP_NUM_THREADS; this machine has 2), the products with prepacked
-    weights, float32 and float16 panels, split C into blocks that each thread computes whole
-    (sf_gemm_blocks): blocks of rows, strips of columns (of 32 columns with AVX-512, 16 otherwise; some
-    strips a panel wider than others), 2 x 2 and 3 x 2 grids, biases of rows and of columns; numpy's
-    values."""
-    cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays], op.run(*arrays))
-             for cid, op, arrays in LARGE if op.op_type == "PackedMatMul"]
-    assert len(cases) >= 15
+def test_products_on_more_threads(library, tmp_path, isa):
+    """With 3, 4 and 6 threads (OMP_NUM_THREADS; this machine has 2), the products and convs of the large
+    cases match numpy: the products split C into blocks that each thread computes whole (sf_gemm_blocks;
+    with prepacked weights, float32 and float16 panels, and with operands packed per call, transposed
+    ones included): blocks of rows, strips of columns (of the kernel's width; some strips a panel wider
+    than others), 2 x 2 and 3 x 2 grids, biases of rows and of columns."""
+    cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays],
+              [np.ascontiguousarray(w) for w in op.run(*arrays)])
+             for cid, op, arrays in LARGE
+             if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "Conv", "PackedConv", "ConvTranspose")
+             and cid in library["symbols"]]
+    assert sum(op.op_type == "PackedMatMul" for _, op, _ in LARGE) >= 15 and len(cases) >= 40
     for nt in (3, 4, 6):
         first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path,
                                       env={"OMP_NUM_THREADS": str(nt)})

@@ -630,6 +630,41 @@ struct SfPrepacked {
   }
 };
 
+// Threads that own blocks of C: gm blocks of rows by gn strips of columns (gm * gn = the threads), each
+// strip a multiple of `align` columns; run(i0, m, j0, n) computes the block of m rows from i0 and n columns
+// from j0 on the calling thread, packing its own rows of A (and its columns of B where B is packed per
+// call). The grid costs a thread its block's products, plus 80 for each element of A it packs and `bcost`
+// for each of B it reads (80 packed per call, 8 prepacked) (in multiply-adds; fitted to 2-thread runs of
+// ViT-base's products on a Sapphire Rapids-class Xeon, where a row split of 197 x 3072 @ 3072 x 768 took
+// 0.94x the time of a column split and a column split of 128 x 768 @ 768 x 2304 0.96x a row split).
+// A thread packing the rows it uses keeps them in its own cache: the shared team of the driver (A packed
+// by all threads, tiles taken dynamically) took 1.06-1.13x as long on those products, and 1.1-3.3x as long
+// on products of runtime operands (512 x 512 x 512 to 128 x 64 x 128; rfcs/0002).
+template <class Run>
+static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, double bcost, int nt, const Run& run) {
+  const int64_t strips = (N + align - 1) / align;
+  int gm = 1;
+  double best = -1.0;
+  for (int g = 1; g <= nt; ++g) {
+    const int64_t rows = (M + g - 1) / g, cols = (strips + nt / g - 1) / (nt / g) * align;
+    if (nt % g != 0 || (g > 1 && rows < 12) || strips < nt / g) continue;
+    const double cost = (double)rows * cols * K + 80.0 * rows * K + bcost * cols * K;
+    if (best < 0 || cost <= best) best = cost, gm = g;  // (a tie: rows, whose blocks of C are contiguous)
+  }
+  if (best < 0) {  // too few rows and strips for the threads: one thread runs it all
+    run(0, M, 0, N);
+    return;
+  }
+  const int gn = nt / gm;
+  #pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), bi = t / gn, bj = t % gn;
+    const int64_t i0 = M * bi / gm, i1 = M * (bi + 1) / gm;
+    const int64_t j0 = strips * bj / gn * align, j1 = std::min(N, strips * (bj + 1) / gn * align);
+    if (i1 > i0 && j1 > j0) run(i0, i1 - i0, j0, j1 - j0);
+  }
+}
+
 // whether a product is worth the threads (smaller ones run on the calling thread)
 static inline bool sf_gemm_parallel(int64_t M, int64_t N, int64_t K, bool allow) {
   return allow && sf_max_threads() > 1 && (double)M * N * K >= 262144.0;
@@ -660,10 +695,18 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
     sf_gemv_dot(N, K, A, B, csb, C, alpha, bias, cbs, par);
     return;
   }
+  if (par) {  // threads that own blocks of C (each packing its rows of A and its columns of B)
+    auto block = [=](int64_t i0, int64_t m, int64_t j0, int64_t n) {
+      sf_sgemm(m, n, K, A + i0 * rsa, rsa, csa, B + j0 * csb, rsb, csb, C + i0 * ldc + j0, ldc, alpha,
+               bias ? bias + i0 * rbs + j0 * cbs : nullptr, rbs, cbs, false);
+    };
+    sf_gemm_blocks(M, N, K, sf_ukr().nr, 80.0, sf_max_threads(), block);
+    return;
+  }
   auto pack = [=](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
     sf_pack_b(B + jc * csb, rsb, csb, nc, p, nr, k0, kc, Bp);
   };
-  sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, par);
+  sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, false);
 }
 
 // a weight's value as float32: float, or float16 bits (a panel of float16 weights, PackedMatMul)
@@ -784,39 +827,6 @@ struct SfHalfPrepacked {
   }
 };
 
-// Threads that own blocks of C: gm blocks of rows by gn strips of columns (gm * gn = the threads), each
-// strip a multiple of `align` columns; run(i0, m, j0, n) computes the block of m rows from i0 and n columns
-// from j0 on the calling thread, packing its own rows of A. The grid costs a thread its block's products,
-// plus 80 for each element of A it packs and 8 for each of B it reads (in multiply-adds; fitted to 2-thread
-// runs of ViT-base's products on a Sapphire Rapids-class Xeon, where a row split of 197 x 3072 @ 3072 x 768
-// took 0.94x the time of a column split and a column split of 128 x 768 @ 768 x 2304 0.96x a row split).
-// A thread packing the rows it uses keeps them in its own cache: the shared team of the driver (A packed
-// by all threads, tiles taken dynamically) took 1.06-1.13x as long on those products (rfcs/0002).
-template <class Run>
-static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, int nt, const Run& run) {
-  const int64_t strips = (N + align - 1) / align;
-  int gm = 1;
-  double best = -1.0;
-  for (int g = 1; g <= nt; ++g) {
-    const int64_t rows = (M + g - 1) / g, cols = (strips + nt / g - 1) / (nt / g) * align;
-    if (nt % g != 0 || (g > 1 && rows < 12) || strips < nt / g) continue;
-    const double cost = (double)rows * cols * K + 80.0 * rows * K + 8.0 * cols * K;
-    if (best < 0 || cost < best) best = cost, gm = g;
-  }
-  if (best < 0) {  // too few rows and strips for the threads: one thread runs it all
-    run(0, M, 0, N);
-    return;
-  }
-  const int gn = nt / gm;
-  #pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), bi = t / gn, bj = t % gn;
-    const int64_t i0 = M * bi / gm, i1 = M * (bi + 1) / gm;
-    const int64_t j0 = strips * bj / gn * align, j1 = std::min(N, strips * (bj + 1) / gn * align);
-    if (i1 > i0 && j1 > j0) run(i0, i1 - i0, j0, j1 - j0);
-  }
-}
-
 // C[M, N] = alpha * (A @ B) + bias with B prepacked: float32 panels (SfPrepacked) or float16 ones
 // (SfHalfPrepacked, Bp's bits as uint16_t); with threads, each owns a block of C (sf_gemm_blocks)
 template <class T>
@@ -845,7 +855,7 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
     }
   };
   if (par)
-    sf_gemm_blocks(M, N, K, std::max<int64_t>(sf_ukr().nr, SF_PANEL), sf_max_threads(), block);
+    sf_gemm_blocks(M, N, K, std::max<int64_t>(sf_ukr().nr, SF_PANEL), 8.0, sf_max_threads(), block);
   else
     block(0, M, 0, N);
 }
