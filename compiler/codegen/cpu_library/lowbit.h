@@ -435,20 +435,32 @@ static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* 
     sf_pack_b(t, 1, kc, cols, 0, nr, 0, kc, Bp);
   };
   const int64_t nr = sf_ukr().nr;
-  if (M <= SF_NBITS_ON_USE_ROWS) {
-    // one row of the driver's tiles holds every row: each K block of each column panel is used once,
-    // so it is dequantized where it is used, into the thread's own 32 KB, and read back from L1
-    const SfNbitsPackOnUse<decltype(pack)> src{pack, w.N};
-    sf_sgemm_driver(M, w.N, w.K, A, w.K, 1, src, C, w.N, 1.0f, nullptr, 0, 0,
-                    sf_gemm_parallel(M, w.N, w.K, true));
-    return;
-  }
-  // chunks of SF_NBITS_NC columns (the GEMM's own are 4096): the chunk's dequantized panels, K x 512
-  // floats, are read back from the cache rather than from memory
-  const int64_t chunk = std::min<int64_t>(w.N, SF_NBITS_NC);
-  float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * ((chunk + nr - 1) / nr) * nr * w.K));
-  const SfPackPerCall<decltype(pack)> src{pack, Bp, w.K, SF_NBITS_NC};
-  sf_sgemm_driver(M, w.N, w.K, A, w.K, 1, src, C, w.N, 1.0f, nullptr, 0, 0, sf_gemm_parallel(M, w.N, w.K, true));
+  // the block of m rows from i0 and n columns from j0 (a multiple of nr) on the calling thread
+  auto block = [&](int64_t i0, int64_t m, int64_t j0, int64_t n) {
+    auto packj = [&pack, j0](int64_t jc, int64_t nc, int64_t p, int64_t r, int64_t k0, int64_t kc, float* Bp) {
+      pack(j0 + jc, nc, p, r, k0, kc, Bp);
+    };
+    const float* Ab = A + i0 * w.K;
+    float* Cb = C + i0 * w.N + j0;
+    if (m <= SF_NBITS_ON_USE_ROWS) {
+      // one row of the driver's tiles holds every row: each K block of each column panel is used once,
+      // so it is dequantized where it is used, into the thread's own 32 KB, and read back from L1
+      const SfNbitsPackOnUse<decltype(packj)> src{packj, n};
+      sf_sgemm_driver(m, n, w.K, Ab, w.K, 1, src, Cb, w.N, 1.0f, nullptr, 0, 0, false);
+      return;
+    }
+    // chunks of SF_NBITS_NC columns (the GEMM's own are 4096): the chunk's dequantized panels, K x 512
+    // floats, are read back from the cache rather than from memory
+    const int64_t chunk = std::min<int64_t>(n, SF_NBITS_NC);
+    float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * ((chunk + nr - 1) / nr) * nr * w.K));
+    const SfPackPerCall<decltype(packj)> src{packj, Bp, w.K, SF_NBITS_NC};
+    sf_sgemm_driver(m, n, w.K, Ab, w.K, 1, src, Cb, w.N, 1.0f, nullptr, 0, 0, false);
+  };
+  // with threads, each owns a block of C (sf_gemm_blocks), dequantizing its own columns of W
+  if (sf_gemm_parallel(M, w.N, w.K, true))
+    sf_gemm_blocks(M, w.N, w.K, nr, 80.0, sf_max_threads(), block);
+  else
+    block(0, M, 0, w.N);
 }
 
 }  // namespace
