@@ -898,13 +898,15 @@ def test_gemm_micro_kernels_of_other_cpus(library, tmp_path, isa):
 def test_products_on_more_threads(library, tmp_path, isa):
     """With 3, 4 and 6 threads (OMP_NUM_THREADS; this machine has 2), the products and convs of the large
     cases match numpy: the products split C into blocks that each thread computes whole (sf_gemm_blocks;
-    with prepacked weights, float32 and float16 panels, with low-bit weights dequantized per call, and with
-    operands packed per call, transposed ones included): blocks of rows, strips of columns (of the kernel's width; some strips a panel wider
+    with prepacked weights, float32 and float16 panels, with low-bit weights dequantized and bfloat16 ones
+    widened per call (forced to AVX-512, AVX2 and the portable kernels, the bfloat16 products take the
+    widened path), and with operands packed per call, transposed ones included): blocks of rows, strips of columns (of the kernel's width; some strips a panel wider
     than others), 2 x 2 and 3 x 2 grids, biases of rows and of columns."""
     cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays],
               [np.ascontiguousarray(w) for w in op.run(*arrays)])
              for cid, op, arrays in LARGE
-             if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "MatMulNBits", "Conv", "PackedConv", "ConvTranspose")
+             if op.op_type in ("MatMul", "Gemm", "PackedMatMul", "MatMulNBits", "PackedMatMulBf16", "PackedConvBf16",
+                               "Conv", "PackedConv", "ConvTranspose")
              and cid in library["symbols"]]
     assert sum(op.op_type == "PackedMatMul" for _, op, _ in LARGE) >= 15 and len(cases) >= 40
     for nt in (3, 4, 6):

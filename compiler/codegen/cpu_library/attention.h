@@ -167,7 +167,7 @@ static void sf_attention(const float* q, const float* k, const float* v, const v
       const float* kp = pre ? kv + (b * a.Hk + hk) * kvsz : nullptr;
       if (pre) {
         sf_sgemm_driver(rows, n, a.D, qb, a.qs[2], 1, SfPrepacked{kp + s0 / SF_PANEL * a.D * SF_PANEL, a.D, n}, sc,
-                        n, 1.0f, nullptr, 0, 0, false);
+                        n, 1.0f, nullptr, 0, 0);
       } else {
         sf_sgemm(rows, n, a.D, qb, a.qs[2], 1, k + b * a.ks[0] + hk * a.ks[1] + s0 * a.ks[2], 1, a.ks[2], sc, n,
                  1.0f, nullptr, 0, 0, false);
@@ -184,8 +184,7 @@ static void sf_attention(const float* q, const float* k, const float* v, const v
       const float* pc = sc + (c0 - s0);
       if (pre) {
         const float* vp = kp + nkp * a.D * SF_PANEL + c0 * SF_PANEL;  // V's panels from key c0
-        sf_sgemm_driver(rows, a.Dv, c1 - c0, pc, n, 1, SfPrepacked{vp, a.L, a.Dv}, yb, a.ys[2], 1.0f, nullptr, 0, 0,
-                        false);
+        sf_sgemm_driver(rows, a.Dv, c1 - c0, pc, n, 1, SfPrepacked{vp, a.L, a.Dv}, yb, a.ys[2], 1.0f, nullptr, 0, 0);
       } else {
         sf_sgemm(rows, a.Dv, c1 - c0, pc, n, 1, v + b * a.vs[0] + hk * a.vs[1] + c0 * a.vs[2], a.vs[2], 1, yb,
                  a.ys[2], 1.0f, nullptr, 0, 0, false);

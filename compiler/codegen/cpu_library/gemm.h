@@ -454,19 +454,19 @@ static void sf_gemv_dot(int64_t N, int64_t K, const float* __restrict__ A, const
   }
 }
 
-// C[M, N] = alpha * (A @ B) + bias, A(i, k) = A[i*rsa + k*csa], C row stride ldc, B from a source
-// (below). A is packed once for all of K; B comes in chunks of at most SF_NC columns; each thread
-// owns C tiles and runs the whole K loop on a tile, so the tile stays in its cache.
-// A source of B has: chunk (columns per chunk); prepare(jc, nc, np, nr, nkb, team), run before the chunk
-// at jc is used (packing it, if it packs) by every thread of the team (team) or by the calling thread
-// alone; and
+// C[M, N] = alpha * (A @ B) + bias on the calling thread, A(i, k) = A[i*rsa + k*csa], C row stride ldc, B
+// from a source (below); threads split a product into blocks first (sf_gemm_blocks). A is packed once for
+// all of K; B comes in chunks of at most SF_NC columns; each tile of C runs the whole K loop, so it stays
+// in cache.
+// A source of B has: chunk (columns per chunk); prepare(jc, nc, np, nr, nkb), run before the chunk at jc is
+// used (packing it, if it packs); and
 // panel(jc, np, nr, cols, pc, kc, jp, ldb, bnext), the [kc][ldb] panel of the chunk's columns jp*nr..
 // (cols of them) and rows pc.., with bnext for kernels wider than SF_PANEL (SfUkrFn)
 constexpr int64_t SF_NC = 4096;
 template <class BSource>
 static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
                             const BSource& bsrc, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
-                            int64_t cbs, bool par) {
+                            int64_t cbs) {
   const SfUkr& u = sf_ukr();
   const int64_t mr = u.mr, nr = u.nr;
   const int64_t nkb = (K + SF_KC - 1) / SF_KC;
@@ -477,39 +477,13 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
   const int64_t base = M / mp, extra = M % mp;
   auto row0 = [base, extra](int64_t p) { return p * base + std::min(p, extra); };
   float* Ap = static_cast<float*>(sf_workspace(1, sizeof(float) * mp * mr * K));
-  const int nt = par ? sf_max_threads() : 1;
   const bool epi = alpha != 1.0f || bias != nullptr;
-  auto pack = [&](int64_t kb, int64_t p) {
+  for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-    sf_pack_a(A, rsa, csa, row0(p), row0(p + 1) - row0(p), mr, pc, kc, Ap + mp * mr * pc + p * mr * kc);
-  };
-  // tiles of at most ~144 rows x 256 columns, equal sized, and (with threads) at least 4 per thread where
-  // the panels allow it, and a multiple of the threads below 8 per thread (9 tiles on 2 threads left one
-  // thread 5: 128 x 768 @ 768 x 2304 ran 10% slower than onnxruntime's); threads take tiles dynamically.
-  // 144 rows keep the 128 tokens of a sequence in one row of tiles, so each B panel is read once
-  // (measured: 128 x 768 @ 768 x 50257 12% faster than with 96-row tiles; the other GPT-2 shapes unchanged
-  // or up to 4% faster). The chunk of np column panels in ntm x ntn tiles of mpt x npt panels
-  struct SfTiles { int64_t mpt, npt, ntm, ntn; };
-  auto tiling = [&](int64_t np) {
-    int64_t ntm = (mp * mr + 143) / 144, ntn = (np * nr + 255) / 256;
-    ntm = std::max<int64_t>(1, std::min(ntm, mp));
-    ntn = std::max<int64_t>(1, std::min(ntn, np));
-    auto count = [](int64_t t, int64_t panels) {  // tiles made of `panels` split `t` ways, equal sized
-      const int64_t per = (panels + t - 1) / t;
-      return (panels + per - 1) / per;
-    };
-    // another row of tiles reads all of B again (a weight: from memory), another column of tiles reads A
-    // again (packed, in cache): where B is the larger operand (N at least twice M), columns first
-    const bool cols_first = np * nr >= 2 * M;
-    while (nt > 1 && (ntm < mp || ntn < np)) {
-      const int64_t tiles = count(ntm, mp) * count(ntn, np);
-      if (tiles >= 4 * nt && (tiles % nt == 0 || tiles >= 8 * nt)) break;
-      if (ntn < np && (ntm >= mp || cols_first || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
-    }
-    const int64_t mpt = (mp + ntm - 1) / ntm, npt = (np + ntn - 1) / ntn;
-    return SfTiles{mpt, npt, (mp + mpt - 1) / mpt, (np + npt - 1) / npt};
-  };
-  // the tile (tm, tn) of the chunk at jc (nc columns, np panels)
+    for (int64_t p = 0; p < mp; ++p)
+      sf_pack_a(A, rsa, csa, row0(p), row0(p + 1) - row0(p), mr, pc, kc, Ap + mp * mr * pc + p * mr * kc);
+  }
+  // the tile (tm, tn) of mpt x npt panels of the chunk at jc (nc columns, np panels)
   auto tile = [&](int64_t jc, int64_t nc, int64_t np, int64_t mpt, int64_t npt, int64_t tm, int64_t tn) {
     float* Cc = C + jc;
     const int64_t ip0 = tm * mpt, ip1 = std::min(mp, ip0 + mpt);
@@ -538,36 +512,18 @@ static void sf_sgemm_driver(int64_t M, int64_t N, int64_t K, const float* A, int
       sf_gemm_epilogue(C, ldc, row0(ip0), row0(ip1), jc + jp0 * nr, jc + std::min(nc, jp1 * nr), alpha, bias, rbs,
                        cbs);
   };
-  // the chunks of B's columns, by the team's threads (team) or by the calling thread alone
-  auto chunks = [&](bool team) {
-    for (int64_t jc = 0; jc < N; jc += bsrc.chunk) {
-      const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc), np = (nc + nr - 1) / nr;
-      bsrc.prepare(jc, nc, np, nr, nkb, team);
-      const SfTiles ts = tiling(np);
-      const int64_t ntiles = ts.ntm * ts.ntn;
-      if (!team) {
-        for (int64_t t = 0; t < ntiles; ++t) tile(jc, nc, np, ts.mpt, ts.npt, t / ts.ntn, t % ts.ntn);
-        continue;
-      }
-      #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < ntiles; ++t) tile(jc, nc, np, ts.mpt, ts.npt, t / ts.ntn, t % ts.ntn);
-    }
-  };
-  if (nt == 1) {
-    // one thread: no OpenMP region or worksharing (a product this small, e.g. one of Winograd's per
-    // position from inside a conv's own threads, paid for a nested team of one and its dynamic loop:
-    // Winograd's 64->64 3x3 at 56x56 0.72-0.86x the time with them, rfcs/0002)
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      for (int64_t p = 0; p < mp; ++p) pack(kb, p);
-    chunks(false);
-    return;
-  }
-  #pragma omp parallel num_threads(nt)
-  {
-    #pragma omp for collapse(2) schedule(static)
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      for (int64_t p = 0; p < mp; ++p) pack(kb, p);
-    chunks(true);
+  for (int64_t jc = 0; jc < N; jc += bsrc.chunk) {
+    const int64_t nc = std::min<int64_t>(bsrc.chunk, N - jc), np = (nc + nr - 1) / nr;
+    bsrc.prepare(jc, nc, np, nr, nkb);
+    // tiles of at most ~144 rows x 256 columns, equal sized. 144 rows keep the 128 tokens of a sequence in
+    // one row of tiles, so each B panel is read once (measured: 128 x 768 @ 768 x 50257 12% faster than
+    // with 96-row tiles; the other GPT-2 shapes unchanged or up to 4% faster)
+    const int64_t ntm = std::max<int64_t>(1, std::min((mp * mr + 143) / 144, mp));
+    const int64_t ntn = std::max<int64_t>(1, std::min((np * nr + 255) / 256, np));
+    const int64_t mpt = (mp + ntm - 1) / ntm, npt = (np + ntn - 1) / ntn;
+    const int64_t tm_n = (mp + mpt - 1) / mpt, tn_n = (np + npt - 1) / npt;
+    for (int64_t tm = 0; tm < tm_n; ++tm)
+      for (int64_t tn = 0; tn < tn_n; ++tn) tile(jc, nc, np, mpt, npt, tm, tn);
   }
 }
 
@@ -579,19 +535,11 @@ struct SfPackPerCall {
   const PackB& pack;
   float* Bp;
   int64_t K, chunk;
-  void prepare(int64_t jc, int64_t nc, int64_t np, int64_t nr, int64_t nkb, bool team) const {
-    auto one = [&](int64_t kb, int64_t p) {
+  void prepare(int64_t jc, int64_t nc, int64_t np, int64_t nr, int64_t nkb) const {
+    for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t pc = kb * SF_KC, kc = std::min<int64_t>(SF_KC, K - pc);
-      pack(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
-    };
-    if (!team) {  // the calling thread alone (a worksharing loop would bind to an enclosing team)
-      for (int64_t kb = 0; kb < nkb; ++kb)
-        for (int64_t p = 0; p < np; ++p) one(kb, p);
-      return;
+      for (int64_t p = 0; p < np; ++p) pack(jc, nc, p, nr, pc, kc, Bp + np * nr * pc + p * nr * kc);
     }
-    #pragma omp for collapse(2) schedule(static)
-    for (int64_t kb = 0; kb < nkb; ++kb)
-      for (int64_t p = 0; p < np; ++p) one(kb, p);
   }
   const float* panel(int64_t, int64_t np, int64_t nr, int64_t, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
                      int64_t& bnext) const {
@@ -601,15 +549,16 @@ struct SfPackPerCall {
   }
 };
 
+// C = alpha * (A @ B) + bias on the calling thread, B packed per call by pack_b (SfPackPerCall)
 template <class PackB>
 static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa,
                             const PackB& pack_b, float* C, int64_t ldc, float alpha, const float* bias, int64_t rbs,
-                            int64_t cbs, bool par) {
+                            int64_t cbs) {
   const int64_t nr = sf_ukr().nr;
   const int64_t npm = (std::min<int64_t>(N, SF_NC) + nr - 1) / nr;
   float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * npm * nr * K));
   const SfPackPerCall<PackB> src{pack_b, Bp, K, SF_NC};
-  sf_sgemm_driver(M, N, K, A, rsa, csa, src, C, ldc, alpha, bias, rbs, cbs, par);
+  sf_sgemm_driver(M, N, K, A, rsa, csa, src, C, ldc, alpha, bias, rbs, cbs);
 }
 
 // A weight B[K, N] packed at compile time (PackedMatMul): [ceil(N / SF_PANEL)][K][SF_PANEL], B[k, j] at
@@ -620,7 +569,7 @@ static void sf_sgemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int
 struct SfPrepacked {
   const float* Bp;
   int64_t K, chunk;
-  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t, bool) const {}
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t) const {}
   const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t, int64_t jp, int64_t& ldb,
                      int64_t& bnext) const {
     const int64_t j = jc + jp * nr;
@@ -637,9 +586,9 @@ struct SfPrepacked {
 // for each of B it reads (80 packed per call, 8 prepacked) (in multiply-adds; fitted to 2-thread runs of
 // ViT-base's products on a Sapphire Rapids-class Xeon, where a row split of 197 x 3072 @ 3072 x 768 took
 // 0.94x the time of a column split and a column split of 128 x 768 @ 768 x 2304 0.96x a row split).
-// A thread packing the rows it uses keeps them in its own cache: the shared team of the driver (A packed
-// by all threads, tiles taken dynamically) took 1.06-1.13x as long on those products, and 1.1-3.3x as long
-// on products of runtime operands (512 x 512 x 512 to 128 x 64 x 128; rfcs/0002).
+// A thread packing the rows it uses keeps them in its own cache: a team sharing the driver (A packed by
+// all threads, tiles taken dynamically, until session 91) took 1.06-1.13x as long on those products, and
+// 1.1-3.3x as long on products of runtime operands (512 x 512 x 512 to 128 x 64 x 128; rfcs/0002).
 template <class Run>
 static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, double bcost, int nt, const Run& run) {
   const int64_t strips = (N + align - 1) / align;
@@ -706,7 +655,7 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
   auto pack = [=](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
     sf_pack_b(B + jc * csb, rsb, csb, nc, p, nr, k0, kc, Bp);
   };
-  sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs, false);
+  sf_sgemm_packed(M, N, K, A, rsa, csa, pack, C, ldc, alpha, bias, rbs, cbs);
 }
 
 // a weight's value as float32: float, or float16 bits (a panel of float16 weights, PackedMatMul)
@@ -813,7 +762,7 @@ static void sf_widen_halfs(const uint16_t* __restrict__ s, int64_t n, float* __r
 struct SfHalfPrepacked {
   const uint16_t* Bh;
   int64_t K, chunk;
-  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t, bool) const {}
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t) const {}
   const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
                      int64_t& bnext) const {
     const int64_t j = jc + jp * nr;
@@ -849,9 +798,9 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
     const float* b = bias ? bias + i0 * rbs + j0 * cbs : nullptr;
     float* Cb = C + i0 * ldc + j0;
     if constexpr (std::is_same<T, float>::value) {
-      sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs, false);
+      sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs);
     } else {
-      sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfHalfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs, false);
+      sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfHalfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs);
     }
   };
   if (par)

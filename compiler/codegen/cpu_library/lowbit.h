@@ -391,7 +391,7 @@ template <class PackB>
 struct SfNbitsPackOnUse {
   const PackB& pack;
   int64_t chunk;
-  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t, bool) const {}
+  void prepare(int64_t, int64_t, int64_t, int64_t, int64_t) const {}
   const float* panel(int64_t jc, int64_t, int64_t nr, int64_t cols, int64_t pc, int64_t kc, int64_t jp, int64_t& ldb,
                      int64_t& bnext) const {
     float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * nr * SF_KC));
@@ -446,7 +446,7 @@ static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* 
       // one row of the driver's tiles holds every row: each K block of each column panel is used once,
       // so it is dequantized where it is used, into the thread's own 32 KB, and read back from L1
       const SfNbitsPackOnUse<decltype(packj)> src{packj, n};
-      sf_sgemm_driver(m, n, w.K, Ab, w.K, 1, src, Cb, w.N, 1.0f, nullptr, 0, 0, false);
+      sf_sgemm_driver(m, n, w.K, Ab, w.K, 1, src, Cb, w.N, 1.0f, nullptr, 0, 0);
       return;
     }
     // chunks of SF_NBITS_NC columns (the GEMM's own are 4096): the chunk's dequantized panels, K x 512
@@ -454,7 +454,7 @@ static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* 
     const int64_t chunk = std::min<int64_t>(n, SF_NBITS_NC);
     float* Bp = static_cast<float*>(sf_workspace(2, sizeof(float) * ((chunk + nr - 1) / nr) * nr * w.K));
     const SfPackPerCall<decltype(packj)> src{packj, Bp, w.K, SF_NBITS_NC};
-    sf_sgemm_driver(m, n, w.K, Ab, w.K, 1, src, Cb, w.N, 1.0f, nullptr, 0, 0, false);
+    sf_sgemm_driver(m, n, w.K, Ab, w.K, 1, src, Cb, w.N, 1.0f, nullptr, 0, 0);
   };
   // with threads, each owns a block of C (sf_gemm_blocks), dequantizing its own columns of W
   if (sf_gemm_parallel(M, w.N, w.K, true))
