@@ -909,10 +909,12 @@ def test_products_on_more_threads(library, tmp_path, isa):
                                "Conv", "PackedConv", "ConvTranspose")
              and cid in library["symbols"]]
     assert sum(op.op_type == "PackedMatMul" for _, op, _ in LARGE) >= 15 and len(cases) >= 40
-    for nt in (3, 4, 6):
-        first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path,
-                                      env={"OMP_NUM_THREADS": str(nt)})
-        assert last == f"ok {len(cases)}", (nt, last)
+    # (and a team of one where 4 threads are asked for, OMP_THREAD_LIMIT: as inside another parallel region,
+    # each thread of a team smaller than the grid computes several blocks)
+    for env in ({"OMP_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "4"}, {"OMP_NUM_THREADS": "6"},
+                {"OMP_NUM_THREADS": "4", "OMP_THREAD_LIMIT": "1"}):
+        first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path, env=env)
+        assert last == f"ok {len(cases)}", (env, last)
 
 
 def _cpu_flags() -> set[str]:

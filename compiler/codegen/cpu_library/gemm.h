@@ -607,10 +607,19 @@ static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, doubl
   const int gn = nt / gm;
   #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num(), bi = t / gn, bj = t % gn;
-    const int64_t i0 = M * bi / gm, i1 = M * (bi + 1) / gm;
-    const int64_t j0 = strips * bj / gn * align, j1 = std::min(N, strips * (bj + 1) / gn * align);
-    if (i1 > i0 && j1 > j0) run(i0, i1 - i0, j0, j1 - j0);
+    // (a team may have fewer threads than asked for, inside another parallel region for one: each thread
+    // then runs several blocks)
+#if defined(_OPENMP)
+    const int first = omp_get_thread_num(), step = omp_get_num_threads();
+#else
+    const int first = 0, step = 1;
+#endif
+    for (int t = first; t < nt; t += step) {
+      const int bi = t / gn, bj = t % gn;
+      const int64_t i0 = M * bi / gm, i1 = M * (bi + 1) / gm;
+      const int64_t j0 = strips * bj / gn * align, j1 = std::min(N, strips * (bj + 1) / gn * align);
+      if (i1 > i0 && j1 > j0) run(i0, i1 - i0, j0, j1 - j0);
+    }
   }
 }
 
