@@ -639,7 +639,7 @@ def _attention_cases():
          [f(1, 2, 1, 8), f(1, 2, 33, 8), f(1, 2, 33, 8)]),
         # K^T and V packed once per key head (more than one block of 128 rows, or grouped heads): a left
         # window (blocks' first keys inside a panel of 16), a float mask, Dv not a multiple of 16; a bool
-        # mask, nonpad lengths and a softcap (the rows normalized in the GEMM's output)
+        # mask, nonpad lengths and a softcap
         ("blocks-window-gqa", Attention([_t((1, 4, 160, 8)), _t((1, 2, 170, 8)), _t((1, 2, 170, 12)),
                                          _t((1, 1, 160, 170))], scale_sqrt=0.5, has_mask=True, is_causal=True,
                                         past_len=10, left_window=37),
@@ -900,8 +900,9 @@ def test_products_on_more_threads(library, tmp_path, isa):
     cases match numpy: the products split C into blocks that each thread computes whole (sf_gemm_blocks;
     with prepacked weights, float32 and float16 panels, with low-bit weights dequantized and bfloat16 ones
     widened per call (forced to AVX-512, AVX2 and the portable kernels, the bfloat16 products take the
-    widened path), and with operands packed per call, transposed ones included): blocks of rows, strips of columns (of the kernel's width; some strips a panel wider
-    than others), 2 x 2 and 3 x 2 grids, biases of rows and of columns."""
+    widened path), and with operands packed per call, transposed ones included): blocks of rows, strips
+    of columns (of the kernel's width; some strips a panel wider than others), 2 x 2 and 3 x 2 grids,
+    biases of rows and of columns."""
     cases = [(library["symbols"][cid], [np.ascontiguousarray(a) for a in arrays],
               [np.ascontiguousarray(w) for w in op.run(*arrays)])
              for cid, op, arrays in LARGE

@@ -589,6 +589,18 @@ struct SfPrepacked {
 // A thread packing the rows it uses keeps them in its own cache: a team sharing the driver (A packed by
 // all threads, tiles taken dynamically, until session 91) took 1.06-1.13x as long on those products, and
 // 1.1-3.3x as long on products of runtime operands (512 x 512 x 512 to 128 x 64 x 128; rfcs/0002).
+// a block's view of a per-call pack of B's columns (pack(jc, nc, p, nr, k0, kc, Bp), SfPackPerCall) and of a
+// bias, for the block whose first row is i0 and first column j0
+template <class PackB>
+static auto sf_pack_from(const PackB& pack, int64_t j0) {
+  return [&pack, j0](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bp) {
+    pack(j0 + jc, nc, p, nr, k0, kc, Bp);
+  };
+}
+static inline const float* sf_bias_at(const float* bias, int64_t rbs, int64_t cbs, int64_t i0, int64_t j0) {
+  return bias ? bias + i0 * rbs + j0 * cbs : nullptr;
+}
+
 template <class Run>
 static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, double bcost, int nt, const Run& run) {
   const int64_t strips = (N + align - 1) / align;
@@ -656,7 +668,7 @@ static void sf_sgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs
   if (par) {  // threads that own blocks of C (each packing its rows of A and its columns of B)
     auto block = [=](int64_t i0, int64_t m, int64_t j0, int64_t n) {
       sf_sgemm(m, n, K, A + i0 * rsa, rsa, csa, B + j0 * csb, rsb, csb, C + i0 * ldc + j0, ldc, alpha,
-               bias ? bias + i0 * rbs + j0 * cbs : nullptr, rbs, cbs, false);
+               sf_bias_at(bias, rbs, cbs, i0, j0), rbs, cbs, false);
     };
     sf_gemm_blocks(M, N, K, sf_ukr().nr, 80.0, sf_max_threads(), block);
     return;
@@ -804,7 +816,7 @@ static void sf_sgemm_prepacked(int64_t M, int64_t N, int64_t K, const float* A, 
   // the block of m rows from i0 and n columns from j0 (j0 a multiple of SF_PANEL) on the calling thread
   auto block = [=](int64_t i0, int64_t m, int64_t j0, int64_t n) {
     const T* B = Bp + (j0 / SF_PANEL) * K * SF_PANEL;
-    const float* b = bias ? bias + i0 * rbs + j0 * cbs : nullptr;
+    const float* b = sf_bias_at(bias, rbs, cbs, i0, j0);
     float* Cb = C + i0 * ldc + j0;
     if constexpr (std::is_same<T, float>::value) {
       sf_sgemm_driver(m, n, K, A + i0 * rsa, rsa, csa, SfPrepacked{B, K, n}, Cb, ldc, alpha, b, rbs, cbs);

@@ -366,11 +366,8 @@ static void sf_bgemm_widened(int64_t M, int64_t N, int64_t K, const uint16_t* A,
   };
   // the block of m rows from i0 and n columns from j0 (a multiple of SF_BF_PANEL) on the calling thread
   auto block = [&](int64_t i0, int64_t m, int64_t j0, int64_t n) {
-    auto packj = [&pack, j0](int64_t jc, int64_t nc, int64_t p, int64_t nr, int64_t k0, int64_t kc, float* Bf) {
-      pack(j0 + jc, nc, p, nr, k0, kc, Bf);
-    };
-    sf_sgemm_packed(m, n, K, Af + i0 * K, K, 1, packj, C + i0 * ldc + j0, ldc, alpha,
-                    bias ? bias + i0 * rbs + j0 * cbs : nullptr, rbs, cbs);
+    sf_sgemm_packed(m, n, K, Af + i0 * K, K, 1, sf_pack_from(pack, j0), C + i0 * ldc + j0, ldc, alpha,
+                    sf_bias_at(bias, rbs, cbs, i0, j0), rbs, cbs);
   };
   if (par)  // threads that own blocks of C (sf_gemm_blocks), each widening its own columns of B
     sf_gemm_blocks(M, N, K, std::max<int64_t>(sf_ukr().nr, SF_BF_PANEL), 80.0, sf_max_threads(), block);

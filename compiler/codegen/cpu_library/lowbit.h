@@ -437,9 +437,7 @@ static void sf_matmul_nbits(int64_t M, const SfNbits& w, const float* A, float* 
   const int64_t nr = sf_ukr().nr;
   // the block of m rows from i0 and n columns from j0 (a multiple of nr) on the calling thread
   auto block = [&](int64_t i0, int64_t m, int64_t j0, int64_t n) {
-    auto packj = [&pack, j0](int64_t jc, int64_t nc, int64_t p, int64_t r, int64_t k0, int64_t kc, float* Bp) {
-      pack(j0 + jc, nc, p, r, k0, kc, Bp);
-    };
+    const auto packj = sf_pack_from(pack, j0);
     const float* Ab = A + i0 * w.K;
     float* Cb = C + i0 * w.N + j0;
     if (m <= SF_NBITS_ON_USE_ROWS) {
