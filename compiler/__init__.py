@@ -17,7 +17,8 @@ __all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph"
 
 def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping[str, Sequence[int]] | None = None,
               simplify: bool = True, instruments=(), input_values: Mapping[str, object] | None = None,
-              int8_qdq: bool = False, routed_experts: bool = False) -> FlowGraph:
+              int8_qdq: bool = False, routed_experts: bool = False,
+              dim_sizes: Mapping[str, int] | None = None) -> FlowGraph:
     """Import an ONNX model into a :class:`FlowGraph`.
 
     Parameters
@@ -27,8 +28,8 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
     input_shapes
         Shapes for graph inputs, by input name; required for every input with a dynamic dim,
         except one whose dynamic dims all have names (``dim_param``) that the inputs given here or in
-        ``input_values`` size: dims of one name are one size (``attention_mask``'s ``[batch,
-        sequence]`` from ``input_ids``').
+        ``input_values`` size, or that ``dim_sizes`` sizes: dims of one name are one size
+        (``attention_mask``'s ``[batch, sequence]`` from ``input_ids``').
     simplify
         Run constant folding, no-op removal, CSE and dead-code elimination (default ``True``).
     instruments
@@ -49,6 +50,11 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
         at most twice as many as all of them (decoding), the dense form otherwise. ``compile`` sets
         it for the cpu target, whose grouped template is ahead of the dense form at every measured
         size (``rfcs/0006``).
+    dim_sizes
+        Sizes of the inputs' named dynamic dims (``dim_param``), by name, e.g. ``{"batch_size": 1,
+        "sequence_length": 128}``: every input whose dynamic dims all have names given here (or
+        sized by the inputs in ``input_shapes`` / ``input_values``) takes them. An input given in
+        ``input_shapes`` or ``input_values`` must agree with them.
 
     Returns
     -------
@@ -63,14 +69,16 @@ def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping
         Some operators or attributes are not supported (all are listed).
     ShapeError
         A dynamic dim has no size (every such input is named), ``input_shapes`` or ``input_values`` names
-        a non-input, or a value's shape is not one the model allows.
+        a non-input, ``dim_sizes`` names a dim no input has or contradicts a given input, or a value's
+        shape is not one the model allows.
     DtypeError
         A value in ``input_values`` does not have (or fit) the input's declared element type.
     """
     from .frontend import import_onnx
     from .passes import simplify as run_passes
 
-    graph = import_onnx(model, input_shapes, input_values, int8_qdq=int8_qdq, routed_experts=routed_experts)
+    graph = import_onnx(model, input_shapes, input_values, int8_qdq=int8_qdq, routed_experts=routed_experts,
+                        dim_sizes=dim_sizes)
     if simplify:
         graph = run_passes(graph, instruments)
     else:

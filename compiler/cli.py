@@ -64,6 +64,24 @@ def parse_shapes(items: Sequence[str] | None) -> dict[str, list[int]] | None:
     return res
 
 
+def parse_dims(items: Sequence[str] | None) -> dict[str, int] | None:
+    """``["batch_size=1", "sequence_length=128"]`` → ``{"batch_size": 1, "sequence_length": 128}``."""
+    if not items:
+        return None
+    res: dict[str, int] = {}
+    for item in items:
+        name, sep, size = item.rpartition("=")
+        if not sep or not name:
+            raise _CLIError(f"--dim {item!r}: use NAME=SIZE, e.g. batch_size=1")
+        try:
+            res[name] = int(size)
+        except ValueError:
+            raise _CLIError(f"--dim {item!r}: the size must be an integer, e.g. batch_size=1") from None
+        if res[name] < 0:
+            raise _CLIError(f"--dim {item!r}: the size must be non-negative")
+    return res
+
+
 def parse_state(items: Sequence[str] | None) -> dict[str, str] | None:
     """``["present.0.key=past_key_values.0.key"]`` → ``{"present.0.key": "past_key_values.0.key"}``."""
     if not items:
@@ -151,6 +169,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", action="append", metavar="NAME=DIMS", default=None,
                    help="static shape of an input with dynamic dims, e.g. input_ids=2x24 (repeat per input; "
                         "inputs whose dynamic dims all have names an input given sizes need none)")
+    p.add_argument("--dim", action="append", metavar="NAME=SIZE", default=None,
+                   help="size of a named dynamic dim (an input's dim_param), e.g. batch_size=1 or "
+                        "sequence_length=128: inputs whose dynamic dims all have sizes need no --shape (repeat per "
+                        "name)")
     p.add_argument("--value", action="append", metavar="NAME=FILE.npy", default=None,
                    help="bind an input to the array in FILE.npy at compile time: it becomes a constant and the "
                         "program no longer takes it (for shape-steering inputs such as axes or sizes; repeat "
@@ -317,7 +339,7 @@ def _cmd_compile(args) -> int:
         ocfg.setdefault("target", "cuda")
     result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
                             input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
-                            state=parse_state(args.state))
+                            state=parse_state(args.state), dim_sizes=parse_dims(args.dim))
     print(result.summary())
     return 0
 
@@ -332,7 +354,8 @@ def _cmd_plan(args) -> int:
     if args.target is not None:
         ocfg["target"] = args.target
     graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg,
-                                 input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value))
+                                 input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
+                                 dim_sizes=parse_dims(args.dim))
     plan = search(graph, dcfg)
     if args.out:
         plan.save(args.out)

@@ -1088,16 +1088,16 @@ def _cuda_builder() -> Callable:
 # compile
 # ---------------------------------------------------------------------------------------
 def _load_model(model, input_shapes, input_values=None, int8_qdq: bool = False,
-                routed_experts: bool = False) -> FlowGraph:
+                routed_experts: bool = False, dim_sizes=None) -> FlowGraph:
     if isinstance(model, FlowGraph):
-        if input_shapes or input_values:
-            raise ConfigError("input_shapes and input_values apply to ONNX models; a FlowGraph already has static "
-                              "shapes and its own inputs")
+        if input_shapes or input_values or dim_sizes:
+            raise ConfigError("input_shapes, input_values and dim_sizes apply to ONNX models; a FlowGraph already "
+                              "has static shapes and its own inputs")
         return model
     from . import load_onnx
 
     return load_onnx(model, input_shapes=input_shapes, input_values=input_values, int8_qdq=int8_qdq,
-                     routed_experts=routed_experts)
+                     routed_experts=routed_experts, dim_sizes=dim_sizes)
 
 
 def _check_state(graph: FlowGraph, state: Mapping[str, str] | None, input_values: Mapping[str, Any] | None
@@ -1286,7 +1286,8 @@ def plan_passes(graph: FlowGraph, mesh_shape: Sequence[int], *, fold_affine: boo
 
 def planned_graph(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
                   input_shapes: Mapping[str, Sequence[int]] | None = None,
-                  input_values: Mapping[str, Any] | None = None) -> FlowGraph:
+                  input_values: Mapping[str, Any] | None = None,
+                  dim_sizes: Mapping[str, int] | None = None) -> FlowGraph:
     """The graph :func:`compile` searches its plan on for these arguments (the same meanings): the
     model imported as ``optimization_config``'s target imports it (the cpu target's QDQ products
     and routed experts, :func:`~shardflow.compiler.load_onnx`), then :func:`plan_passes`. A plan
@@ -1295,12 +1296,12 @@ def planned_graph(model, *, distributed_config: Mapping[str, Any], optimization_
     from .parallel.config import DistributedConfig
 
     return _planned_graph(model, OptimizationConfig.from_dict(optimization_config),
-                          DistributedConfig.from_dict(distributed_config), input_shapes, input_values)
+                          DistributedConfig.from_dict(distributed_config), input_shapes, input_values, dim_sizes)
 
 
-def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_values) -> FlowGraph:
+def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_values, dim_sizes=None) -> FlowGraph:
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
-                        routed_experts=opt.target == "cpu")
+                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
     return plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
                        fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg), index_checks=opt.index_checks)
 
@@ -1443,7 +1444,8 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
 
 def compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
             out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None,
-            input_values: Mapping[str, Any] | None = None, state: Mapping[str, str] | None = None) -> CompileResult:
+            input_values: Mapping[str, Any] | None = None, state: Mapping[str, str] | None = None,
+            dim_sizes: Mapping[str, int] | None = None) -> CompileResult:
     """Compile ``model`` into one artifact per rank in ``out_dir``.
 
     Parameters
@@ -1476,6 +1478,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         part; a KV cache whose heads were padded or replicated for the ranks (more ranks than
         key/value heads) is kept on those heads, split as the attention is (the manifest's
         ``padded_heads``).
+    dim_sizes
+        Sizes of the inputs' named dynamic dims, by name (``{"batch_size": 1, "sequence_length":
+        128}``): an input whose dynamic dims all have sizes here needs no ``input_shapes`` entry
+        (:func:`~shardflow.compiler.load_onnx`).
 
     Returns
     -------
@@ -1493,12 +1499,14 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     # out_dir, not in memory (ir/spill.py)
     with spilling(out_dir):
         return _compile(model, distributed_config=distributed_config, optimization_config=optimization_config,
-                        out_dir=out_dir, input_shapes=input_shapes, input_values=input_values, state=state)
+                        out_dir=out_dir, input_shapes=input_shapes, input_values=input_values, state=state,
+                        dim_sizes=dim_sizes)
 
 
 def _compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None,
              out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None,
-             input_values: Mapping[str, Any] | None, state: Mapping[str, str] | None) -> CompileResult:
+             input_values: Mapping[str, Any] | None, state: Mapping[str, str] | None,
+             dim_sizes: Mapping[str, int] | None = None) -> CompileResult:
     """:func:`compile`'s work, under its spill folder."""
     t_all = time.perf_counter()
     opt = OptimizationConfig.from_dict(optimization_config)
@@ -1521,7 +1529,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
 
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
-    graph = _planned_graph(model, opt, dcfg, input_shapes, input_values)
+    graph = _planned_graph(model, opt, dcfg, input_shapes, input_values, dim_sizes)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

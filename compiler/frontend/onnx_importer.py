@@ -164,11 +164,13 @@ def _parse(data: bytes | memoryview, where: str) -> onnx.ModelProto:
 
 class _Importer:
     def __init__(self, proto: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None,
-                 input_values: Mapping[str, object] | None = None, routed_experts: bool = False):
+                 input_values: Mapping[str, object] | None = None, routed_experts: bool = False,
+                 dim_sizes: Mapping[str, int] | None = None):
         self.proto = proto
         self.opset = _default_opset(proto)
         self.input_shapes = dict(input_shapes or {})
         self.input_values = dict(input_values or {})
+        self.dim_sizes = dict(dim_sizes or {})
         self.nodes: list[Operator] = []
         self.env: dict[str, Tensor] = {}
         self._counter = itertools.count()
@@ -391,14 +393,35 @@ class _Importer:
             raise ShapeError(f"graph input(s) with dynamic dims and no shape: {listed}; pass their shapes as "
                              f"input_shapes={{{first!r}: (...), ...}} (on the command line --shape {first}=2x128, "
                              "one --shape per input); an input whose dynamic dims all have names (dim_param) takes "
-                             "their sizes from the inputs given with dims of those names")
+                             "their sizes from the inputs given with dims of those names, or from dim_sizes="
+                             "{name: size} (--dim NAME=SIZE)")
+        return res
+
+    def _checked_dim_sizes(self, inputs) -> dict[str, int]:
+        """``dim_sizes`` checked: each key a ``dim_param`` of a graph input (the error lists them),
+        each value a non-negative int."""
+        names = sorted({d.dim_param for vi in inputs if vi.type.HasField("tensor_type")
+                        for d in vi.type.tensor_type.shape.dim if d.dim_param})
+        unknown = sorted(str(n) for n in self.dim_sizes if n not in names)
+        if unknown:
+            raise ShapeError(f"dim_sizes names {unknown}, which no input of the model has as a named dim; its "
+                             f"inputs' named dims are {names}" if names else
+                             f"dim_sizes names {unknown}, but no input of the model has named dims (dim_param); "
+                             "give the inputs' shapes in input_shapes")
+        res = {}
+        for name, size in self.dim_sizes.items():
+            if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 0:
+                raise ShapeError(f"dim_sizes[{name!r}] = {size!r} is not a non-negative int")
+            res[name] = int(size)
         return res
 
     def _named_dims(self, inputs) -> dict[str, int]:
-        """The sizes of the models' named dynamic dims (``dim_param``) that the inputs given in
-        ``input_shapes`` or ``input_values`` fix: ONNX's dims of one name are one size, so an input
-        whose dynamic dims all have such names needs no shape of its own (``attention_mask``'s
-        ``[batch, sequence]`` from ``input_ids``'). A name given two sizes is left out (logged)."""
+        """The sizes of the models' named dynamic dims (``dim_param``): those ``dim_sizes`` gives,
+        and those the inputs given in ``input_shapes`` or ``input_values`` fix: ONNX's dims of one
+        name are one size, so an input whose dynamic dims all have such names needs no shape of its
+        own (``attention_mask``'s ``[batch, sequence]`` from ``input_ids``'). A name the given inputs
+        size twice is left out (logged); a given input that contradicts ``dim_sizes`` is an error."""
+        fixed = self._checked_dim_sizes(inputs)
         sizes: dict[str, set[int]] = {}
         for vi in inputs:
             if not vi.type.HasField("tensor_type"):
@@ -416,14 +439,18 @@ class _Importer:
                 continue  # (reported with the input's own shape)
             if declared is None or len(declared) != len(given):
                 continue
-            for want, got in zip(declared, given):
+            for d, (want, got) in enumerate(zip(declared, given)):
+                if isinstance(want, str) and want in fixed and got != fixed[want]:
+                    what = "input_shapes" if vi.name in self.input_shapes else "input_values"
+                    raise ShapeError(f"{what}[{vi.name!r}] has {got} in dim {d}, the model's dim {want!r}, but "
+                                     f"dim_sizes[{want!r}] = {fixed[want]}; give one size")
                 if isinstance(want, str):
                     sizes.setdefault(want, set()).add(got)
-        clash = sorted(n for n, v in sizes.items() if len(v) > 1)
+        clash = sorted(n for n, v in sizes.items() if len(v) > 1 and n not in fixed)
         if clash:
             log.warning("the inputs given set the model's dims %s to different sizes (%s); inputs that share "
                         "those dims need their own shapes", clash, {n: sorted(sizes[n]) for n in clash})
-        return {n: next(iter(v)) for n, v in sizes.items() if len(v) == 1}
+        return {**{n: next(iter(v)) for n, v in sizes.items() if len(v) == 1}, **fixed}
 
     def _bound_input(self, name: str, tt, dtype: str) -> Tensor:
         """Graph input ``name`` bound to ``input_values[name]``: a constant of the declared type."""
@@ -617,7 +644,7 @@ def inline_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
                 input_values: Mapping[str, object] | None = None, int8_qdq: bool = False,
-                routed_experts: bool = False) -> FlowGraph:
+                routed_experts: bool = False, dim_sizes: Mapping[str, int] | None = None) -> FlowGraph:
     """Import an ONNX model (path, bytes or ModelProto) into an unsimplified FlowGraph.
 
     Model-local functions are inlined first (:func:`inline_functions`) and quantize/dequantize
@@ -626,12 +653,12 @@ def import_onnx(model, input_shapes: Mapping[str, Sequence[int]] | None = None,
     codes (:func:`~shardflow.compiler.frontend.qdq.four_bit_matmuls`). ``input_values`` binds
     graph inputs to constants (they leave the graph's inputs); ``int8_qdq`` rewrites QDQ MatMuls
     into integer products (:func:`~shardflow.compiler.frontend.qdq.fuse_qdq_matmuls`);
-    ``routed_experts`` computes every ``MoE`` on the chosen experts only; see
-    :func:`shardflow.compiler.load_onnx`.
+    ``routed_experts`` computes every ``MoE`` on the chosen experts only; ``dim_sizes`` sizes named
+    dynamic dims; see :func:`shardflow.compiler.load_onnx`.
     """
     from .qdq import drop_requantizations, four_bit_matmuls, fuse_qdq_matmuls
 
     proto = four_bit_matmuls(drop_requantizations(inline_functions(read_model(model))))
     if int8_qdq:
         proto = fuse_qdq_matmuls(proto)
-    return _Importer(proto, input_shapes, input_values, routed_experts).run()
+    return _Importer(proto, input_shapes, input_values, routed_experts, dim_sizes).run()

@@ -44,6 +44,25 @@ def test_parse_helpers():
             cli.parse_mesh(bad)
     with pytest.raises(cli._CLIError, match="NAME=DIMS"):
         cli.parse_shapes(["2x24"])
+    assert cli.parse_dims(["batch_size=1", "a=b=128"]) == {"batch_size": 1, "a=b": 128}
+    for bad, what in (("batch", "NAME=SIZE"), ("batch=x", "an integer"), ("batch=-1", "non-negative")):
+        with pytest.raises(cli._CLIError, match=what):
+            cli.parse_dims([bad])
+
+
+def test_dims_size_every_input_by_name(tmp_path):
+    """`--dim NAME=SIZE` sizes an onnxruntime-genai LLM's inputs by their dims' names (no --shape), in
+    `plan` and `compile`; a name the model lacks is an error that lists the names it has."""
+    dims = ["--dim", "batch_size=1", "--dim", "sequence_length=4", "--dim", "total_sequence_length=4",
+            "--dim", "past_sequence_length=0", "--dim", "kv_cache_dim=16"]
+    out = sh("plan", MODELS / "llama_genai_fp32.onnx", "--mesh", "2", *dims)
+    assert out.returncode == 0, out.stderr
+    out = sh("plan", MODELS / "llama_genai_fp32.onnx", "--dim", "batch=1")
+    assert out.returncode == 1 and "dim_sizes names ['batch'], which no input" in out.stderr, out.stderr
+    out = sh("compile", MODELS / "llama_genai_fp32.onnx", "-o", tmp_path / "out", "-q", *dims, timeout=600)
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((tmp_path / "out" / "rank0" / "manifest.json").read_text())
+    assert {i["name"]: i["shape"] for i in manifest["inputs"]}["past_key_values.1.value"] == [1, 2, 0, 16]
 
 
 def test_values_bind_inputs_at_compile_time(tmp_path):

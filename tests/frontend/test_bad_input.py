@@ -160,6 +160,36 @@ def test_named_dynamic_dims_take_their_sizes_from_the_inputs_given():
     assert [t.shape for t in g.inputs if t.name.startswith("past")] == [(1, 2, 0, 16)] * 4
 
 
+def test_dim_sizes_size_named_dims_alone():
+    """``dim_sizes`` sizes named dynamic dims without any input's shape: every input whose dynamic
+    dims all have sizes takes them (given inputs size the rest), a given input must agree with
+    them, and a name no input has, a bad size or a dim still unsized is a clear error."""
+    genai = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                         "llama_genai_fp32.onnx")
+    dims = {"batch_size": 2, "sequence_length": 3, "total_sequence_length": 7, "past_sequence_length": 4,
+            "kv_cache_dim": 16}
+    g = load_onnx(genai, dim_sizes=dims)
+    assert [t.shape for t in g.inputs] == [(2, 3), (2, 7)] + [(2, 2, 4, 16)] * 4
+    # given inputs size the names dim_sizes leaves out, and agree with those it gives
+    g = load_onnx(genai, dim_sizes={"batch_size": 1, "kv_cache_dim": 16},
+                  input_shapes={"input_ids": (1, 5), "attention_mask": (1, 5), "past_key_values.0.key": (1, 2, 0, 16)})
+    assert [t.shape for t in g.inputs] == [(1, 5), (1, 5)] + [(1, 2, 0, 16)] * 4
+    with pytest.raises(ShapeError, match=r"input_shapes\['input_ids'\] has 4 in dim 0, the model's dim 'batch_size', "
+                                         r"but dim_sizes\['batch_size'\] = 2; give one size"):
+        load_onnx(genai, dim_sizes=dims, input_shapes={"input_ids": (4, 3)})
+    with pytest.raises(ShapeError, match=r"dim_sizes names \['batch'\], which no input of the model has as a named "
+                                         r"dim; its inputs' named dims are \['batch_size', 'kv_cache_dim', "):
+        load_onnx(genai, dim_sizes={"batch": 1})
+    for bad in (-1, 2.0, True, "2"):
+        with pytest.raises(ShapeError, match=r"dim_sizes\['batch_size'\] = .* is not a non-negative int"):
+            load_onnx(genai, dim_sizes={**dims, "batch_size": bad})
+    with pytest.raises(ShapeError, match=r"no shape: 'past_key_values.0.key' \['batch_size', 2, 'past_sequence_length'"
+                                         r".*dim_sizes=\{name: size\} \(--dim NAME=SIZE\)"):
+        load_onnx(genai, dim_sizes={k: v for k, v in dims.items() if k != "past_sequence_length"})
+    with pytest.raises(ShapeError, match=r"dim_sizes names \['n'\], but no input of the model has named dims"):
+        load_onnx(add_relu_model(), dim_sizes={"n": 2})
+
+
 def test_input_shapes_naming_a_non_input():
     with pytest.raises(ShapeError, match=r"input_shapes names \['z'\], which are not inputs.*\['x', 'y'\]"):
         load_onnx(add_relu_model(), input_shapes={"z": (1,)})
