@@ -49,6 +49,14 @@ SHAPES = {
 }
 
 
+# grouped 3x3s (a 7th field: the groups): RegNetY-4GF's (64 channels a group; stage 0's at 112x112 stride 2
+# and 56x56, stage 1's 192 in 3 groups, stage 2's 512 in 8, stage 3's 1088 in 17) and ResNeXt-50's
+# (32 groups of 4 to 32 channels)
+SHAPES.update({"g2_3x3_s2_112_128": (128, 112, 128, 3, 2, 1, 2), "g2_3x3_56_128": (128, 56, 128, 3, 1, 1, 2),
+               "g3_3x3_28_192": (192, 28, 192, 3, 1, 1, 3), "g8_3x3_14_512": (512, 14, 512, 3, 1, 1, 8),
+               "g17_3x3_7_1088": (1088, 7, 1088, 3, 1, 1, 17), "g32_3x3_56_128": (128, 56, 128, 3, 1, 1, 32),
+               "g32_3x3_28_256": (256, 28, 256, 3, 1, 1, 32), "g32_3x3_14_512": (512, 14, 512, 3, 1, 1, 32)})
+
 # the same shapes as ConvInteger (uint8 image with a zero point, int8 weight, int32 output; PackedConvInteger,
 # cpu_library/conv_int8.h), no Relu; "GFLOP/s" counts their multiply-adds as two operations
 SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("3x3_56", "1x1_56_64_256", "1x1_56_256_64", "3x3_28", "3x3_14",
@@ -66,7 +74,8 @@ def _model(name: str, path: str):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    C, H, OC, K, S, P = SHAPES[name]
+    C, H, OC, K, S, P, *grouped = SHAPES[name]
+    G = grouped[0] if grouped else 1
     rng = np.random.default_rng(0)
     if name.startswith("int8_"):
         OH = (H + 2 * P - K) // S + 1
@@ -78,10 +87,11 @@ def _model(name: str, path: str):
                                numpy_helper.from_array(np.array(117, np.uint8), "xzp")])
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
         return rng.integers(0, 256, (1, C, H, H)).astype(np.uint8), 2.0 * OC * C * K * K * OH * OH
-    w = (rng.standard_normal((OC, C, K, K)) * 0.1).astype(np.float32)
+    w = (rng.standard_normal((OC, C // G, K, K)) * 0.1).astype(np.float32)
     b = rng.standard_normal(OC).astype(np.float32)
     OH = (H + 2 * P - K) // S + 1
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[K, K], strides=[S, S], pads=[P] * 4)]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[K, K], strides=[S, S], pads=[P] * 4,
+                              group=G)]
     if name.startswith("silu_"):
         nodes += [helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["y"])]
     else:
@@ -90,7 +100,7 @@ def _model(name: str, path: str):
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, OC, OH, OH])],
                           [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * OC * C * K * K * OH * OH
+    return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * OC * (C // G) * K * K * OH * OH
 
 
 def main(argv=None, shapes=None, model=None, description=None) -> None:

@@ -6,13 +6,14 @@ from typing import Mapping, Sequence
 
 from shardflow.runtime import __version__
 
-from .errors import (ConfigError, DtypeError, GraphError, ModelFormatError, ShapeError, ShardflowError,
-                     UnsupportedOperatorError)
+from .errors import (ConfigError, DtypeError, GraphError, MemoryLimitError, ModelFormatError, ShapeError,
+                     ShardflowError, UnsupportedOperatorError)
 from .ir import FlowGraph, Operator, Tensor
 from .driver import CompileResult, compile  # noqa: A004 - shardflow.compiler.compile is the public API
 
 __all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph", "Operator", "Tensor", "ShardflowError", "ModelFormatError",
-           "UnsupportedOperatorError", "ShapeError", "DtypeError", "ConfigError", "GraphError", "__version__"]
+           "UnsupportedOperatorError", "ShapeError", "DtypeError", "ConfigError", "GraphError",
+           "MemoryLimitError", "__version__"]
 
 
 def load_onnx(model: "str | os.PathLike | bytes | object", input_shapes: Mapping[str, Sequence[int]] | None = None,

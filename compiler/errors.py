@@ -1,5 +1,5 @@
 """User-facing errors of the compiler. All derive from :class:`ShardflowError`."""
-from shardflow.runtime.errors import ShardflowError
+from shardflow.runtime.errors import MemoryLimitError, ShardflowError  # noqa: F401 - (re-exported)
 
 
 class ModelFormatError(ShardflowError):

@@ -5,7 +5,7 @@ both halves raise the same :class:`ShardflowError`. Cpu programs run through the
 of :mod:`shardflow.runtime.native` (``libshardflow_native.so``, built when the package is
 installed).
 """
-from .errors import ShardflowError
+from .errors import MemoryLimitError, ShardflowError
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,4 @@ from .native import NativeLibraryError  # noqa: E402
 
 __all__ = ["ShardflowError", "__version__", "load", "RankProgram", "ArtifactError", "ChecksumError", "VersionError",
            "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "InputIndexError", "IndexRangeError",
-           "WorldSizeError", "NativeLibraryError"]
+           "WorldSizeError", "NativeLibraryError", "MemoryLimitError"]

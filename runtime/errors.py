@@ -10,6 +10,27 @@ class ShardflowError(Exception):
     """
 
 
+#: the bytes one process can address on x86-64 and aarch64 (48-bit virtual addresses, half of them the
+#: user's): no tensor or program memory can be larger, whatever the machine
+ADDRESSABLE_BYTES = 1 << 47
+
+
+class MemoryLimitError(ShardflowError):
+    """A tensor, or the memory a program needs, is larger than can be allocated: beyond what a
+    process can address (:data:`ADDRESSABLE_BYTES`, found at import), or more than this machine could
+    give when it was asked for (the reference evaluator's values, a rank program's arena)."""
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as a short figure in binary units (``"5.31 PiB"``)."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        n /= 1024
+        if n < 1024 or unit == "EiB":
+            return f"{n:.3g} {unit}"
+
+
 def number_from_env(name: str, default: float, meaning: str,
                     error: type[ShardflowError] = ShardflowError) -> float:
     """The environment variable ``name`` as a number >= 0 (``default`` when unset or empty).

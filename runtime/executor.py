@@ -36,7 +36,7 @@ from .artifact import (ALIGNMENT, ArtifactError, BlockPool, address_of, aligned_
                        read_manifest, read_weights, rank_dir, verify_files)
 from .comm.base import CommError, Communicator, SelfCommunicator
 from .comm.prepared import prepare
-from .errors import ShardflowError
+from .errors import MemoryLimitError, ShardflowError, format_bytes
 
 __all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
            "InputIndexError", "IndexRangeError", "WorldSizeError"]
@@ -209,7 +209,14 @@ class RankProgram:
         self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
                                     winfo["sha256"] if (verify and winfo) else None, mapped=map_weights) \
             if p["weights_bytes"] else aligned_empty(0)
-        self.arena = aligned_empty(int(p["arena_bytes"]))
+        try:
+            self.arena = aligned_empty(int(p["arena_bytes"]))
+        except MemoryError:
+            raise MemoryLimitError(
+                f"rank {self.rank}: the program in {str(self.directory)!r} needs {format_bytes(int(p['arena_bytes']))} "
+                "of working memory (its arena: program.json's arena_bytes) and this process could not allocate it; "
+                "run it where there is more memory, split the model over more ranks, or compile it for smaller "
+                "input shapes") from None
         self.buffers: list[_Buffer] = []
         for k, b in enumerate(p["buffers"]):
             buf = _Buffer()

@@ -19,7 +19,10 @@ import onnx
 import onnx.inliner
 import onnx.shape_inference
 
-from ..errors import DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError
+from shardflow.runtime.errors import ADDRESSABLE_BYTES, format_bytes
+
+from ..errors import (DtypeError, MemoryLimitError, ModelFormatError, ShapeError, ShardflowError,
+                      UnsupportedOperatorError)
 from ..ir.graph import RNG_STEP, RNG_STEP_NEXT, FlowGraph, Operator, Tensor, const_tensor
 from ..ops.elementwise import Binary
 from ..ir.expr import dtype_kind, numpy_type
@@ -383,6 +386,7 @@ class _Importer:
                 missing.append((vi.name, self._declared(tt)))
                 continue
             t = Tensor(vi.name, shape, dtype)
+            _check_addressable(t, f"graph input {vi.name!r}")
             self._graph_input_ids[id(t)] = vi.name
             self.env[vi.name] = t
             self._used_names.add(vi.name)
@@ -547,9 +551,23 @@ class _Importer:
                 t.name = name if name not in self._used_names else self.fresh_name(name + "_")
             self._used_names.add(t.name)
             self.env[name] = t
+        for op in ctx.created:  # (after the outputs took their names)
+            for t in op.outputs:
+                _check_addressable(t, f"node {ctx.name} ({node.op_type})")
         for name in node.output[len(outs):]:
             if name:
                 raise ctx.unsupported(f"output {name!r}")
+
+
+def _check_addressable(t: Tensor, where: str) -> None:
+    """Raise :class:`MemoryLimitError` if tensor ``t`` (made by ``where``) is larger than a process can address:
+    no machine could hold it, so its shape comes from inputs sized wrongly (or values bound so)."""
+    nbytes = t.nbytes
+    if nbytes > ADDRESSABLE_BYTES:
+        raise MemoryLimitError(f"{where} makes {t.name!r} of shape {list(t.shape)} ({t.dtype}): "
+                               f"{format_bytes(nbytes)}, more than a process can address "
+                               f"({format_bytes(ADDRESSABLE_BYTES)}); check the input shapes and bound values "
+                               "(input_shapes, dim_sizes, input_values) it follows from")
 
 
 def _all_nodes(graph: onnx.GraphProto):

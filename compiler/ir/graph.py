@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import DtypeError, GraphError, ShapeError, ShardflowError
+from shardflow.runtime.errors import format_bytes
+
+from ..errors import DtypeError, GraphError, MemoryLimitError, ShapeError, ShardflowError
 from .evaluate import evaluate_task
 from .expr import ML_FLOATS, infer_dtype, numpy_type
 from .spill import spill
@@ -56,7 +59,7 @@ class Tensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(int(d) for d in self.shape)  # (exact: an int64 product could wrap)
 
     @property
     def nbytes(self) -> int:
@@ -139,7 +142,14 @@ class Operator:
         if self.widens_ml_floats:
             arrays = tuple(a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.name in ML_FLOATS else a
                            for a in arrays)
-        outs = self.numpy(*arrays)
+        try:
+            outs = self.numpy(*arrays)
+        except MemoryError:
+            raise MemoryLimitError(
+                f"node {self.name} ({self.op_type}): computing its outputs "
+                f"({', '.join(f'{t.name!r} {list(t.shape)} {format_bytes(t.nbytes)}' for t in self.outputs)}) "
+                "ran out of memory; the reference evaluator holds every value of the graph in this process "
+                "(compile the model to run it on ranks, or run it with smaller input shapes)") from None
         res = []
         for t, a in zip(self.outputs, outs):
             a = np.asarray(a)

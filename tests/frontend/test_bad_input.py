@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import (DtypeError, ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError,
-                                load_onnx)
+from shardflow.compiler import (DtypeError, MemoryLimitError, ModelFormatError, ShapeError, ShardflowError,
+                                UnsupportedOperatorError, load_onnx)
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -188,6 +188,32 @@ def test_dim_sizes_size_named_dims_alone():
         load_onnx(genai, dim_sizes={k: v for k, v in dims.items() if k != "past_sequence_length"})
     with pytest.raises(ShapeError, match=r"dim_sizes names \['n'\], but no input of the model has named dims"):
         load_onnx(add_relu_model(), dim_sizes={"n": 2})
+
+
+def test_tensors_no_process_can_address_are_refused_at_import():
+    """A tensor past 128 TiB (a ConstantOfShape of a mistyped size, dims whose product wraps an int64, a
+    graph input sized so) is a MemoryLimitError naming the node or input, not an arena of exabytes
+    compiled or numpy's MemoryError; one that fits the address space but not this process's memory is
+    one in the reference evaluator, naming the node."""
+    def filled(shape):
+        return make_model([helper.make_node("ConstantOfShape", ["s"], ["c"], name="fill",
+                                            value=helper.make_tensor("v", F, [1], [1.0])),
+                           helper.make_node("Add", ["c", "x"], ["y"], name="add")],
+                          [vi("x", F, [1])], [vi("y", F, [None] * len(shape))],
+                          [numpy_helper.from_array(np.array(shape, np.int64), "s")])
+    with pytest.raises(MemoryLimitError, match=r"node fill \(ConstantOfShape\) makes 'c' of shape \[1048576, 1048576, "
+                                               r"1048576\] \(float32\): 4 EiB, more than a process can address "
+                                               r"\(128 TiB\); check the input shapes"):
+        load_onnx(filled([1 << 20] * 3))
+    with pytest.raises(MemoryLimitError, match=r"makes 'c' of shape \[4294967296, 4294967296\]"):
+        load_onnx(filled([1 << 32] * 2))  # (2^64 elements: 0 in int64 arithmetic)
+    with pytest.raises(MemoryLimitError, match=r"graph input 'x' makes 'x' of shape \[35184372088832, 3\]"):
+        load_onnx(add_relu_model(("n", 3)), input_shapes={"x": (1 << 45, 3)})
+    g = load_onnx(filled([3, 4]))
+    g.nodes[0].numpy = lambda *a: (_ for _ in ()).throw(MemoryError("no memory"))  # (as numpy's np.full would)
+    with pytest.raises(MemoryLimitError, match=r"node add \(Binary\): computing its outputs \('y' \[3, 4\] 48 B\) "
+                                               r"ran out of memory; the reference evaluator"):
+        g.run({"x": np.ones(1, np.float32)})
 
 
 def test_input_shapes_naming_a_non_input():

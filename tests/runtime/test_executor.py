@@ -10,7 +10,7 @@ import pytest
 import handmade
 from threads import run_threads
 from shardflow.runtime import (ChecksumError, InputDtypeError, InputError, InputNameError, InputShapeError,
-                               ShardflowError, VersionError, WorldSizeError, load)
+                               MemoryLimitError, ShardflowError, VersionError, WorldSizeError, load)
 from shardflow.runtime.artifact import ArtifactError, atomic_output_dir
 from shardflow.runtime.comm import InProcessWorld
 
@@ -108,6 +108,17 @@ def test_missing_file_and_other_format_version(arts, tmp_path):
         load(out)
     with pytest.raises(ArtifactError, match="does not exist"):
         load(tmp_path / "nowhere")
+
+
+def test_an_arena_too_large_to_allocate_is_a_clear_error(arts, tmp_path):
+    """A program whose arena this process cannot allocate (here 1 EiB: numpy's MemoryError) is refused at
+    load with a MemoryLimitError naming the rank, the folder and the size."""
+    out = tmp_path / "huge"
+    shutil.copytree(arts["o1"], out)
+    path = out / "rank0" / "program.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), arena_bytes=1 << 60)))
+    with pytest.raises(MemoryLimitError, match=r"rank 0: the program in .*huge.* needs 1 EiB of working memory"):
+        load(out, verify=False)
 
 
 def test_load_steps_run_once_when_loading(arts, tmp_path, x):
