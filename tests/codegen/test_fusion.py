@@ -601,6 +601,39 @@ def test_a_row_scalar_is_computed_once_per_row_and_the_output_loop_vectorizes(tm
     np.testing.assert_allclose(got, want, rtol=0, atol=0.033 + 1e-6)
 
 
+def test_a_concatenations_parts_are_loops_of_their_own(tmp_path):
+    """A concatenation over an outer axis, one part SiLU'd (YOLOv8's C2f blocks, channels blocked by 16):
+    the branch on the part is printed around copies of the innermost loop, one per part, not inside
+    one loop, where GCC if-converted all the parts into masked vector code (32x slower); past
+    UNSWITCH_MAX_COPIES parts the rest stay branches. Values equal onnxruntime's."""
+    from onnx import TensorProto, helper
+    from onnxruntime import InferenceSession
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.codegen import generate_cpu_source
+    from shardflow.compiler.codegen.cpp import UNSWITCH_MAX_COPIES
+    from shardflow.runtime import load
+
+    f = helper.make_tensor_value_info
+    for parts in (3, UNSWITCH_MAX_COPIES + 4):
+        names = [f"p{k}" for k in range(parts)]
+        nodes = [helper.make_node("Sigmoid", ["p0"], ["s"]), helper.make_node("Mul", ["p0", "s"], ["silu"]),
+                 helper.make_node("Concat", ["silu"] + names[1:], ["y"], axis=1)]
+        graph = helper.make_graph(nodes, "cat", [f(n, TensorProto.FLOAT, [1, 2, 5, 16]) for n in names],
+                                  [f("y", TensorProto.FLOAT, [1, 2 * parts, 5, 16])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        g = load_onnx(model)
+        kernel, = [text for _, text in generate_cpu_source(fuse(g.nodes)).kernels]
+        assert len(re.findall(r"for \(int64_t (\w+) = 0; \1 < 16;", kernel)) == min(parts, UNSWITCH_MAX_COPIES), kernel
+        rng = np.random.default_rng(parts)
+        feeds = {n: rng.standard_normal((1, 2, 5, 16)).astype(np.float32) * 4 for n in names}
+        out = tmp_path / f"o{parts}"
+        compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=out)
+        got = load(str(out), rank=0).run(feeds)["y"]
+        want = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def _scan_model(steps: int, nodes: list, outputs: dict, inits: list):
     """A Scan over the rows of ``x [steps, 4]`` of ``s' = s / 2 + x[t]``, outputs ``last`` (the final
     ``s'``) and ``ys`` (``tanh(s')`` per step), then ``nodes``; ``outputs``: name -> shape."""
