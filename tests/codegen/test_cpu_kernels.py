@@ -303,6 +303,15 @@ def _large():
         PackedConv([_t((1, 4, 10, 11, 16)), _panels(288, 96), _t((96,))], oc=96, kernel=(3, 3), pads=(1, 0, 1, 1),
                    strides=(2, 2), group=2, blocked_in=True),
         PackedConv([_t((2, 48, 9, 10)), _panels(144, 48)], oc=48, kernel=(3, 3), pads=(1, 1, 1, 1), group=3),
+        # strided convs of a blocked image of 2 MiB or more (padded): padded by each task a band of rows at a time
+        # (SF_CONV_BAND_MIN): 16 channels at 256x256 (bands of uneven rows); 2 groups of 32 channels with uneven
+        # pads to a plain output of blocks of 16 channels, two images; a dilated tap, rows of other length
+        PackedConv([_t((1, 1, 256, 256, 16)), _panels(144, 32), _t((32,))], oc=32, kernel=(3, 3), pads=(1, 1, 1, 1),
+                   strides=(2, 2), blocked_in=True, blocked_out=True),
+        PackedConv([_t((2, 4, 128, 127, 16)), _panels(288, 96), _t((96,))], oc=96, kernel=(3, 3), pads=(1, 0, 2, 1),
+                   strides=(2, 2), group=2, blocked_in=True),
+        PackedConv([_t((1, 1, 300, 230, 16)), _panels(144, 16)], oc=16, kernel=(3, 3), pads=(2, 1, 2, 1),
+                   strides=(2, 2), dilations=(2, 1), blocked_in=True, blocked_out=True),
         WinogradConv([_t((1, 4, 28, 28, 16)), _wino(64, 64, 4), _t((64,))], oc=64, m=4, pads=(1, 1, 1, 1),
                      blocked_in=True, blocked_out=True),
         WinogradConv([_t((2, 1, 9, 13, 16)), _wino(16, 32, 2)], oc=32, m=2, pads=(1, 0, 1, 1), blocked_in=True),
