@@ -110,8 +110,8 @@ def _global_pool(op: Operator) -> bool:
 
 
 def _follower(op: Operator) -> bool:
-    """Whether ``op`` computes in the layout of its output: an element-wise op, a max or average 2-D pool or
-    a concatenation of channels."""
+    """Whether ``op`` computes in the layout of its output: an element-wise op, a max or average 2-D pool, a
+    concatenation of channels or a slice of whole blocks of channels."""
     t = op.op_type
     if len(op.outputs) != 1:
         return False
@@ -120,6 +120,10 @@ def _follower(op: Operator) -> bool:
             and len(op.attrs["kernel"]) == 2 and len(op.inputs) == 1
     if t == "Concat":
         return op.attrs.get("axis") == 1
+    if t == "Slice":  # whole blocks of channels (a C2f block's split halves): a slice of the block axis
+        st, sz = op.attrs["starts"], op.attrs["sizes"]
+        return op.inputs[0].ndim == 4 and st[1] % 16 == 0 and sz[1] % 16 == 0 and sz[1] > 0 \
+            and op.attrs["steps"][1] == 1
     if t == "BatchNorm":
         c = op.inputs[0].shape[1] if op.inputs[0].ndim == 4 else -1
         return all(p.is_constant and tuple(p.shape) == (c,) and p.dtype == "float32" for p in op.inputs[1:])
@@ -129,7 +133,7 @@ def _follower(op: Operator) -> bool:
 def _activations(op: Operator) -> list[Tensor]:
     """The inputs of a follower laid out as its output (the others: a BatchNorm's parameters, constants of
     one value per channel)."""
-    if op.op_type in ("Pool", "Concat"):
+    if op.op_type in ("Pool", "Concat", "Slice"):
         return list(op.inputs)
     if op.op_type == "BatchNorm":
         return op.inputs[:1]
@@ -139,7 +143,7 @@ def _activations(op: Operator) -> list[Tensor]:
 def _aligned(op: Operator, t: Tensor, out: Tensor) -> bool:
     """Whether a follower's activation ``t`` is indexed as its output ``out`` (but for a pool's window and
     a concatenation's channels)."""
-    if op.op_type == "Pool":
+    if op.op_type in ("Pool", "Slice"):
         return True
     if op.op_type == "Concat":
         return t.shape[0] == out.shape[0] and tuple(t.shape[2:]) == tuple(out.shape[2:])
@@ -305,6 +309,11 @@ class BlockedLayout(GraphPass):
                                  dilations=tuple(attrs.get("dilations") or (1, 1)) + (1,),
                                  pads=(pads[0], pads[1], 0, pads[2], pads[3], 0))
                     new = Pool(inputs, name=op.name, **attrs)
+                elif op.op_type == "Slice":  # (the block axis sliced by whole blocks, the lanes whole)
+                    st, steps, sz = op.attrs["starts"], op.attrs["steps"], op.attrs["sizes"]
+                    new = type(op)(inputs, name=op.name, **dict(
+                        op.attrs, starts=(st[0], st[1] // 16, st[2], st[3], 0),
+                        steps=(steps[0], 1, steps[2], steps[3], 1), sizes=(sz[0], sz[1] // 16, sz[2], sz[3], 16)))
                 else:
                     new = type(op)(inputs, name=op.name, **op.attrs)
             else:

@@ -302,3 +302,45 @@ def test_a_stem_of_three_channels_writes_the_layout():
     by = {op.name: op for op in g.nodes}
     assert by["stem"].op_type == "PackedConv" and by["stem"].attrs["blocked_out"] and a.name in by
     assert by["a"].attrs["blocked_in"] and by["thin"].op_type == "Conv"
+
+
+def test_slices_of_whole_channel_blocks_stay_blocked(tmp_path):
+    """A C2f block (YOLOv8's): a 1x1 conv split into two halves of whole blocks of 16 channels, the second
+    through a 3x3 conv, the three concatenated into a 1x1: the split's slices read and write the blocked
+    layout (the block axis sliced, no reorder); a slice of channels 8..40 (not whole blocks) reads a
+    reorder. Values match onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(5)
+
+    def w(*shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32))
+    inits = [w(64, 16, 1, 1), w(32, 32, 3, 3), w(32, 96, 1, 1), w(16, 32, 1, 1)]
+    for t, name in zip(inits, ("w1", "w2", "w3", "w4")):
+        t.name = name
+    inits.append(numpy_helper.from_array(np.array([32, 32], np.int64), "halves"))
+    inits += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in
+              (("s0", [8]), ("s1", [40]), ("ax", [1]))]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c1"]), n("Split", ["c1", "halves"], ["a", "b"], axis=1),
+             n("Conv", ["b", "w2"], ["c2"], pads=[1, 1, 1, 1]), n("Concat", ["a", "b", "c2"], ["cat"], axis=1),
+             n("Conv", ["cat", "w3"], ["y"]), n("Slice", ["c1", "s0", "s1", "ax"], ["mid"]),
+             n("Conv", ["mid", "w4"], ["z"])]
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "c2f", [f("x", TensorProto.FLOAT, [1, 16, 12, 12])],
+                              [f("y", TensorProto.FLOAT, [1, 32, 12, 12]), f("z", TensorProto.FLOAT, [1, 16, 12, 12])],
+                              inits)
+    path = tmp_path / "c2f.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    x = rng.standard_normal((1, 16, 12, 12)).astype(np.float32)
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    bufs = program["buffers"]
+    dims = {s["node"]: [len(bufs[i]["shape"]) for i in s["inputs"] + s["outputs"]] for s in program["steps"]}
+    halves = [v for k, v in dims.items() if "Split" in k or k.startswith(("a", "b"))]
+    assert halves and all(d == [5, 5] for d in halves), dims
+    assert sum(k.endswith(".unblock") for k in dims) == 1, dims  # (the unaligned slice's reorder)
+    got = load(tmp_path / "o", rank=0).run({"x": x})
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for name, ref in zip(("y", "z"), want):
+        np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
