@@ -8,7 +8,8 @@ tokens) and a ResNet-50-sized one
 (transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image) and MobileNetV2-,
 EfficientNet-B0- and ConvNeXt-tiny-sized ones (depthwise convs; the configs' defaults, B0's widths and
 depths, one image), exported with
-torch.onnx.export at opset 17 (needs torch + transformers; slow); with ``--light`` the 9 CNNs the
+torch.onnx.export at opset 17 (needs torch + transformers; slow; each export runs in a child process, so that
+the timing process does not load torch); with ``--light`` the 9 CNNs the
 onnx package ships for its backend tests (``onnx/backend/test/data/light``: AlexNet, DenseNet-121,
 Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; full-size graphs with
 synthetic weights, one 224x224 image). ``--only`` picks models by name.
@@ -288,6 +289,38 @@ def export_text_model(kind: str, path: str, seq: int = 128) -> dict:
     return feeds
 
 
+def in_child(fn: str, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (an export function of this module, or ``export_models.export_gpt2``) run in a
+    child process, its result returned: torch stays out of the timing process (with torch loaded, the
+    kernels' parallel regions ran on torch's libgomp, which hid a 30x slowdown of one kind of kernel:
+    rfcs/0002 "Loops unswitched"; a deployed rank does not load torch)."""
+    import pickle
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as d:
+        req, res = os.path.join(d, "request.pkl"), os.path.join(d, "result.pkl")
+        with open(req, "wb") as f:
+            pickle.dump((fn, args, kwargs), f)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", req, res], check=True)
+        with open(res, "rb") as f:
+            return pickle.load(f)
+
+
+def _child(req: str, res: str) -> None:
+    """:func:`in_child`'s other side."""
+    import pickle
+
+    with open(req, "rb") as f:
+        fn, args, kwargs = pickle.load(f)
+    sys.path.insert(0, MODELS)  # (export_models)
+    if fn == "export_gpt2":
+        from export_models import export_gpt2 as call
+    else:
+        call = globals()[fn]
+    with open(res, "wb") as f:
+        pickle.dump(call(*args, **kwargs), f)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -367,21 +400,20 @@ def main(argv=None) -> None:
         if args.sized:
             sys.path.insert(0, MODELS)
             if args.only in "gpt2_small_124M":
-                from export_models import export_gpt2
-
                 path = os.path.join(work, "gpt2_small.onnx")
-                info = export_gpt2(path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=args.seq, batch=1)
+                info = in_child("export_gpt2", path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                                seq_len=args.seq, batch=1)
                 feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
                          if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}
                 bench_text("gpt2_small_124M", path, feeds, max(5, args.repeat // 10))
             for kind, name in (("bert", "bert_base_110M"), ("llama", "llama_1024x8_170M")):
                 if args.only in name:
                     path = os.path.join(work, f"{kind}.onnx")
-                    feeds = export_text_model(kind, path, args.seq)
+                    feeds = in_child("export_text_model", kind, path, args.seq)
                     bench_text(name, path, feeds, max(5, args.repeat // 10))
             if args.only in "resnet50_224" or (args.int8 and args.only in "resnet50_224_qdq"):
                 path = os.path.join(work, "resnet50.onnx")
-                feeds = export_resnet50(path)
+                feeds = in_child("export_resnet50", path)
                 if args.only in "resnet50_224":
                     bench("resnet50_224", path, feeds, args.threads, max(5, args.repeat // 5), work, compare)
                     if args.precision_bf16:  # (its convs on the bfloat16 GEMM)
@@ -395,7 +427,7 @@ def main(argv=None) -> None:
             for kind in ("mobilenet_v2", "efficientnet_b0", "convnext_tiny"):
                 if args.only in f"{kind}_224" or (args.int8 and args.only in f"{kind}_224_qdq"):
                     path = os.path.join(work, f"{kind}.onnx")
-                    feeds = export_vision_model(kind, path)
+                    feeds = in_child("export_vision_model", kind, path)
                     if args.only in f"{kind}_224":
                         bench(f"{kind}_224", path, feeds, args.threads, max(5, args.repeat // 5), work,
                               compare)
@@ -406,4 +438,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--child"]:
+        _child(sys.argv[2], sys.argv[3])
+    else:
+        main()
