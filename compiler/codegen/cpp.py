@@ -514,8 +514,9 @@ class _Printer:
         body branches on a condition its iterations share (a concatenation's part, chosen by an outer index,
         in a loop over the last axis: ``if (i1 < 2) t = a[...]; else t = silu(b[...])``): each copy one
         branch's loop, which the C++ compiler vectorizes plainly, where it if-converted the branches into
-        masked vector code that computed every branch for every element (YOLOv8n's concatenations with a
-        SiLU part 32x slower, rfcs/0002 "Loops unswitched"). A condition is shared when it reads only outer
+        masked vector code that computed every branch for every element, on lanes the masks left holding
+        denormals (assists: YOLOv8n's concatenations with a SiLU part 25x slower, rfcs/0002 "Loops
+        unswitched"). A condition is shared when it reads only outer
         loop variables and constants (no local, no memory). At most :data:`UNSWITCH_MAX_COPIES` copies;
         False (nothing printed) when there is nothing to split."""
         if s.parallel or s.reduction is not None or any(isinstance(x, (Loop, FlatLoop, Block)) for x in s.body):

@@ -141,8 +141,8 @@ def _activations(op: Operator) -> list[Tensor]:
 
 
 def _aligned(op: Operator, t: Tensor, out: Tensor) -> bool:
-    """Whether a follower's activation ``t`` is indexed as its output ``out`` (but for a pool's window and
-    a concatenation's channels)."""
+    """Whether a follower's activation ``t`` is indexed as its output ``out`` (but for a pool's window, a
+    concatenation's channels and a slice's ranges)."""
     if op.op_type in ("Pool", "Slice"):
         return True
     if op.op_type == "Concat":
