@@ -16,7 +16,7 @@ constant weight and a row stride of 1 or 2
 depthwise convs (``group = C = OC``; Convs with ``blocked_in`` / ``blocked_out``, their weights as they are:
 ``sf_conv_depthwise`` computes 16 channels of a pixel as one vector), and, when their output is blocked too,
 max and average pools (a 3-D pool whose last window is one lane), concatenations of channels (the block
-axis) and element-wise ops whose other operands are blocked alike or constants of one value per channel
+axis), slices of whole blocks of channels (the block axis sliced by blocks) and element-wise ops whose other operands are blocked alike or constants of one value per channel
 (stored blocked, ``[1, C/16, 1, 1, 16]``), a BatchNorm of constant parameters as the three element-wise ops
 it computes. A global average or max pool, or a 2-D one of a single whole-plane window, reads the layout
 natively too (a pool of the whole plane and one lane, its ``[N, C/16, 1, 1, 16]`` result viewed as
