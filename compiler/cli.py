@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from shardflow.runtime.errors import format_bytes
+
 __all__ = ["main", "build_parser", "parse_mesh", "parse_shapes", "parse_values"]
 
 log = logging.getLogger("shardflow.cli")
@@ -432,14 +434,6 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
             "state": m0.get("state", []), "ranks": ranks}
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _cmd_inspect(args) -> int:
     info = inspect_out_dir(args.out_dir, args.verify)
     if args.json:
@@ -462,7 +456,7 @@ def _cmd_inspect(args) -> int:
             coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
             at_load = f" ({r['load_steps']} run once at load)" if r["load_steps"] else ""
             line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels{at_load}; collectives {coll}; arena "
-                    f"{_fmt_bytes(r['arena_bytes'])}, weights {_fmt_bytes(r['weights_bytes'])}"
+                    f"{format_bytes(r['arena_bytes'])}, weights {format_bytes(r['weights_bytes'])}"
                     + (f" (rank {r['weights_file_of_rank']}'s file, linked)"
                        if r.get("weights_file_of_rank") is not None else ""))
             if "verified" in r:

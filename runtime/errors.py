@@ -22,13 +22,14 @@ class MemoryLimitError(ShardflowError):
 
 
 def format_bytes(n: int) -> str:
-    """``n`` bytes as a short figure in binary units (``"5.31 PiB"``)."""
+    """``n`` bytes in binary units, one decimal (``"192 B"``, ``"1.5 KiB"``, ``"5.3 PiB"``): errors'
+    sizes and ``shardflow inspect``'s."""
     if n < 1024:
         return f"{n} B"
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         n /= 1024
         if n < 1024 or unit == "EiB":
-            return f"{n:.3g} {unit}"
+            return f"{n:.1f} {unit}"
 
 
 def number_from_env(name: str, default: float, meaning: str,

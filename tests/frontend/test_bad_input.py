@@ -202,8 +202,8 @@ def test_tensors_no_process_can_address_are_refused_at_import():
                           [vi("x", F, [1])], [vi("y", F, [None] * len(shape))],
                           [numpy_helper.from_array(np.array(shape, np.int64), "s")])
     with pytest.raises(MemoryLimitError, match=r"node fill \(ConstantOfShape\) makes 'c' of shape \[1048576, 1048576, "
-                                               r"1048576\] \(float32\): 4 EiB, more than a process can address "
-                                               r"\(128 TiB\); check the input shapes"):
+                                               r"1048576\] \(float32\): 4.0 EiB, more than a process can address "
+                                               r"\(128.0 TiB\); check the input shapes"):
         load_onnx(filled([1 << 20] * 3))
     with pytest.raises(MemoryLimitError, match=r"makes 'c' of shape \[4294967296, 4294967296\]"):
         load_onnx(filled([1 << 32] * 2))  # (2^64 elements: 0 in int64 arithmetic)

@@ -117,7 +117,7 @@ def test_an_arena_too_large_to_allocate_is_a_clear_error(arts, tmp_path):
     shutil.copytree(arts["o1"], out)
     path = out / "rank0" / "program.json"
     path.write_text(json.dumps(dict(json.loads(path.read_text()), arena_bytes=1 << 60)))
-    with pytest.raises(MemoryLimitError, match=r"rank 0: the program in .*huge.* needs 1 EiB of working memory"):
+    with pytest.raises(MemoryLimitError, match=r"rank 0: the program in .*huge.* needs 1.0 EiB of working memory"):
         load(out, verify=False)
 
 

@@ -1266,8 +1266,9 @@ static bool sf_conv2d_packed_direct(const float* x, const float* wp, const float
   int64_t bro = nrows, nband = 1;  // output rows a band, bands an image and group
   if (banded) {
     const double row_bytes = (double)(g.C / 16) * Wp * 16 * sizeof(float);
-    const int64_t fit = (int64_t)(SF_CONV_BAND_BYTES / row_bytes) - (g.KH - 1) * g.DH - 1;
-    nband = (nrows + std::max<int64_t>(1, fit / g.SH + 1) - 1) / std::max<int64_t>(1, fit / g.SH + 1);
+    const int64_t fit = (int64_t)(SF_CONV_BAND_BYTES / row_bytes) - (g.KH - 1) * g.DH - 1;  // input rows
+    const int64_t most = std::max<int64_t>(1, fit / g.SH + 1);  // the output rows they serve
+    nband = (nrows + most - 1) / most;
     auto nbt = [&]() { return nimg * G * nband; };
     while (par && nband < nrows && (nbt() < 2 * nt || (nbt() % nt != 0 && nbt() < 8 * nt))) ++nband;
     bro = (nrows + nband - 1) / nband;  // (the most: band b has rows [nrows * b / nband, nrows * (b + 1) / nband))

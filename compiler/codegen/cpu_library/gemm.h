@@ -579,16 +579,6 @@ struct SfPrepacked {
   }
 };
 
-// Threads that own blocks of C: gm blocks of rows by gn strips of columns (gm * gn = the threads), each
-// strip a multiple of `align` columns; run(i0, m, j0, n) computes the block of m rows from i0 and n columns
-// from j0 on the calling thread, packing its own rows of A (and its columns of B where B is packed per
-// call). The grid costs a thread its block's products, plus 80 for each element of A it packs and `bcost`
-// for each of B it reads (80 packed per call, 8 prepacked) (in multiply-adds; fitted to 2-thread runs of
-// ViT-base's products on a Sapphire Rapids-class Xeon, where a row split of 197 x 3072 @ 3072 x 768 took
-// 0.94x the time of a column split and a column split of 128 x 768 @ 768 x 2304 0.96x a row split).
-// A thread packing the rows it uses keeps them in its own cache: a team sharing the driver (A packed by
-// all threads, tiles taken dynamically, until session 91) took 1.06-1.13x as long on those products, and
-// 1.1-3.3x as long on products of runtime operands (512 x 512 x 512 to 128 x 64 x 128; rfcs/0002).
 // a block's view of a per-call pack of B's columns (pack(jc, nc, p, nr, k0, kc, Bp), SfPackPerCall) and of a
 // bias, for the block whose first row is i0 and first column j0
 template <class PackB>
@@ -601,6 +591,16 @@ static inline const float* sf_bias_at(const float* bias, int64_t rbs, int64_t cb
   return bias ? bias + i0 * rbs + j0 * cbs : nullptr;
 }
 
+// Threads that own blocks of C: gm blocks of rows by gn strips of columns (gm * gn = the threads), each
+// strip a multiple of `align` columns; run(i0, m, j0, n) computes the block of m rows from i0 and n columns
+// from j0 on the calling thread, packing its own rows of A (and its columns of B where B is packed per
+// call). The grid costs a thread its block's products, plus 80 for each element of A it packs and `bcost`
+// for each of B it reads (80 packed per call, 8 prepacked) (in multiply-adds; fitted to 2-thread runs of
+// ViT-base's products on a Sapphire Rapids-class Xeon, where a row split of 197 x 3072 @ 3072 x 768 took
+// 0.94x the time of a column split and a column split of 128 x 768 @ 768 x 2304 0.96x a row split).
+// A thread packing the rows it uses keeps them in its own cache: a team sharing the driver (A packed by
+// all threads, tiles taken dynamically, until session 91) took 1.06-1.13x as long on those products, and
+// 1.1-3.3x as long on products of runtime operands (512 x 512 x 512 to 128 x 64 x 128; rfcs/0002).
 template <class Run>
 static void sf_gemm_blocks(int64_t M, int64_t N, int64_t K, int64_t align, double bcost, int nt, const Run& run) {
   const int64_t strips = (N + align - 1) / align;
