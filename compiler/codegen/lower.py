@@ -106,6 +106,10 @@ def _worth_caching(body: Expr) -> bool:
 MAX_TEMP_BYTES = 1 << 28
 #: Estimated scalar operations below which a loop nest runs on one thread.
 PARALLEL_MIN_WORK = 1 << 15
+#: Values of the inner loops below which an output axis before them stays a loop of its own rather than
+#: being flattened with the outer ones, as long as :data:`FLAT_MIN` rows are left to the flattened loop.
+INNER_MIN = 64
+FLAT_MIN = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -929,6 +933,11 @@ class _NestLowerer:
             return out
         levels = [L for L in self.hoisted if L >= 1]
         c = 1 if n == 1 else max(1, min([n - 1] + levels))
+        # a short innermost axis (the blocked layout's 16 lanes) keeps the axes before it as loops while the
+        # flattened ones still give the threads many rows: one division per row, not one per 16 values
+        while c > 1 and math.prod(a.extent for a in axes[c:]) < INNER_MIN \
+                and math.prod(a.extent for a in axes[:c - 1]) >= FLAT_MIN:
+            c -= 1
         flat_count = math.prod(a.extent for a in axes[:c])
         work = self._work_estimate(value)
         flat = FlatLoop(list(axes[:c]), [], parallel=work >= PARALLEL_MIN_WORK and flat_count >= 2)
@@ -947,6 +956,7 @@ class _NestLowerer:
             used = [d for d, a in enumerate(axes) if a in fv]
             guard_level = max(c, used[-1] + 1 if used else 0)
         scopes = 1
+        inner = None
         for d in range(c, n + 1):
             if guard is not None and d == guard_level:
                 branch: list = []
@@ -959,10 +969,18 @@ class _NestLowerer:
             em.block.append(loop)
             em.push_scope(loop.body)
             scopes += 1
+            inner = loop
             self._emit_hoisted(em, d + 1, rows)
             if d + 1 < n:
                 self._hoist_invariants(em, value, d + 1)
         em.block.append(Store(self.target, tuple(axes), em.emit(value)))
+        # a short innermost loop of stores alone is marked simd: in the threads' outlined function GCC no longer
+        # sees the arguments' __restrict__ and checks them for overlap on each entry of the loop (a blocked
+        # layout's 16 lanes ran 3x slower than the same values as long rows); not where the output is written
+        # over an input (nothing else reads what a nest writes)
+        if inner is not None and inner.var is axes[-1] and em.block is inner.body and inner.extent < INNER_MIN \
+                and self.kl.in_place is None and guard is None and all(isinstance(x, (Let, Store)) for x in inner.body):
+            inner.simd = True
         for _ in range(scopes):
             em.pop_scope()
         if (not flat.parallel and n >= 2 and c == n - 1 and flat_count < 4 and axes[-1].extent >= 256

@@ -16,12 +16,13 @@ constant weight and a row stride of 1 or 2
 depthwise convs (``group = C = OC``; Convs with ``blocked_in`` / ``blocked_out``, their weights as they are:
 ``sf_conv_depthwise`` computes 16 channels of a pixel as one vector), and, when their output is blocked too,
 max and average pools (a 3-D pool whose last window is one lane), concatenations of channels (the block
-axis), slices of whole blocks of channels (the block axis sliced by blocks) and element-wise ops whose other operands are blocked alike or constants of one value per channel
-(stored blocked, ``[1, C/16, 1, 1, 16]``), a BatchNorm of constant parameters as the three element-wise ops
-it computes. A global average or max pool, or a 2-D one of a single whole-plane window, reads the layout
-natively too (a pool of the whole plane and one lane, its ``[N, C/16, 1, 1, 16]`` result viewed as
-``[N, C, 1, 1]``). Any other op whose output stays plain
-reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a ``Reshape``), made
+axis), slices of whole blocks of channels (the block axis sliced by blocks) and element-wise ops whose other
+operands are blocked alike or constants of one value per channel (stored blocked, ``[1, C/16, 1, 1, 16]``) or
+computed values of one value per channel (a squeeze and excitation's scale: viewed as ``[N, C/16, 1, 1, 16]``,
+the same order), a BatchNorm of constant parameters as the three element-wise ops it computes. A global
+average or max pool, or a 2-D one of a single whole-plane window, reads the layout natively too (a pool of the
+whole plane and one lane, its ``[N, C/16, 1, 1, 16]`` result viewed as ``[N, C, 1, 1]``). Any other op whose
+output stays plain reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a ``Reshape``), made
 once per tensor.
 Convs whose input and output both stay plain keep their form (prepack's choice: the conv template, a
 PackedConv, Winograd's).
@@ -130,14 +131,27 @@ def _follower(op: Operator) -> bool:
     return t in ("Activation", "Unary", "Binary", "Clip", "Identity", "RoundHalf")
 
 
+def _channel_vector(t: Tensor, y: Tensor) -> bool:
+    """Whether ``t`` is a computed value of one value per channel (and image) that an element-wise op broadcasts
+    against its 4-D ``y [N, C, H, W]``: ``[N or 1, C, 1, 1]`` (or fewer leading dims) but not ``y``'s shape (an
+    operand of ``y``'s shape is one of its activations), a squeeze and excitation's scale. Its order is the
+    blocked order's ``[N or 1, C/16, 1, 1, 16]``: read as that view, it leaves the op blocked (RegNetY's and
+    EfficientNet's scales had their image unblocked for the product: a reorder per block)."""
+    if t.is_constant or t.dtype != y.dtype or y.ndim != 4 or not 1 <= t.ndim <= 4:
+        return False
+    full = (1,) * (4 - t.ndim) + tuple(t.shape)
+    return full[0] in (1, y.shape[0]) and full[1] == y.shape[1] and full[2:] == (1, 1) and full != tuple(y.shape)
+
+
 def _activations(op: Operator) -> list[Tensor]:
     """The inputs of a follower laid out as its output (the others: a BatchNorm's parameters, constants of
-    one value per channel)."""
+    one value per channel, computed values of one value per channel)."""
     if op.op_type in ("Pool", "Concat", "Slice"):
         return list(op.inputs)
     if op.op_type == "BatchNorm":
         return op.inputs[:1]
-    return [t for t in op.inputs if not per_channel(t, op.outputs[0])]
+    y = op.outputs[0]
+    return [t for t in op.inputs if not per_channel(t, y) and not _channel_vector(t, y)]
 
 
 def _aligned(op: Operator, t: Tensor, out: Tensor) -> bool:
@@ -266,6 +280,20 @@ class BlockedLayout(GraphPass):
             return blocked_of[id(t)]
 
         blocked_of: dict[int, Tensor] = {}  # plain old tensor -> its reorder to the blocked layout
+
+        def channels_view(t: Tensor) -> Tensor:
+            """A computed value of one value per channel as ``[N or 1, C/16, 1, 1, 16]`` (the same order)."""
+            if id(t) in blocked:
+                return new_of[id(t)]
+            if id(t) not in views:
+                n, c = ((1,) * (4 - t.ndim) + tuple(t.shape))[:2]
+                base = t.producer.name if t.producer is not None else t.name
+                rs = Reshape([new_of.get(id(t), t)], name=f"{base}.channels.view", shape=(n, c // BLOCK, 1, 1, BLOCK))
+                nodes.append(rs)
+                views[id(t)] = rs.outputs[0]
+            return views[id(t)]
+
+        views: dict[int, Tensor] = {}  # plain channel vector -> its view as [N, C/16, 1, 1, 16]
         n_conv = 0
         for op in graph.nodes:
             out_b = len(op.outputs) == 1 and id(op.outputs[0]) in blocked
@@ -300,7 +328,8 @@ class BlockedLayout(GraphPass):
                 # they are, constants of one value per channel blocked
                 acts = {id(t) for t in _activations(op)}
                 inputs = [(read(t, True) if id(t) in blocked else to_blocked(t)) if id(t) in acts
-                          else t if math.prod(t.shape) == 1 else blocked_const(t) for t in op.inputs]
+                          else t if math.prod(t.shape) == 1
+                          else blocked_const(t) if t.is_constant else channels_view(t) for t in op.inputs]
                 if op.op_type == "Pool":
                     attrs = dict(op.attrs)
                     pads = tuple(attrs.get("pads") or (0,) * 4)

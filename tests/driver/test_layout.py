@@ -304,12 +304,31 @@ def test_a_stem_of_three_channels_writes_the_layout():
     assert by["a"].attrs["blocked_in"] and by["thin"].op_type == "Conv"
 
 
+def _compiled_against_onnxruntime(tmp_path, name, nodes, inits, x, outputs):
+    """Compile the one-input model of ``nodes`` (input ``x``, float32 ``outputs``: name -> shape) for one cpu
+    rank, check its outputs against onnxruntime's and return ``{step's node: its buffers' shapes}``."""
+    ort = pytest.importorskip("onnxruntime")
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, name, [f("x", TensorProto.FLOAT, list(x.shape))],
+                              [f(k, TensorProto.FLOAT, list(v)) for k, v in outputs.items()], inits)
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    got = load(tmp_path / "o", rank=0).run({"x": x})
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for k, ref in zip(outputs, want):
+        np.testing.assert_allclose(got[k], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    bufs = program["buffers"]
+    return {st["node"]: [bufs[i]["shape"] for i in st["inputs"] + st["outputs"]] for st in program["steps"]}
+
+
 def test_slices_of_whole_channel_blocks_stay_blocked(tmp_path):
     """A C2f block (YOLOv8's): a 1x1 conv split into two halves of whole blocks of 16 channels, the second
     through a 3x3 conv, the three concatenated into a 1x1: the split's slices read and write the blocked
     layout (the block axis sliced, no reorder); a slice of channels 8..40 (not whole blocks) reads a
-    reorder. Values match onnxruntime's."""
-    ort = pytest.importorskip("onnxruntime")
+    reorder. Values match onnxruntime's (the slices and concatenation read the layout they write)."""
     rng = np.random.default_rng(5)
 
     def w(*shape):
@@ -325,22 +344,36 @@ def test_slices_of_whole_channel_blocks_stay_blocked(tmp_path):
              n("Conv", ["b", "w2"], ["c2"], pads=[1, 1, 1, 1]), n("Concat", ["a", "b", "c2"], ["cat"], axis=1),
              n("Conv", ["cat", "w3"], ["y"]), n("Slice", ["c1", "s0", "s1", "ax"], ["mid"]),
              n("Conv", ["mid", "w4"], ["z"])]
-    f = helper.make_tensor_value_info
-    graph = helper.make_graph(nodes, "c2f", [f("x", TensorProto.FLOAT, [1, 16, 12, 12])],
-                              [f("y", TensorProto.FLOAT, [1, 32, 12, 12]), f("z", TensorProto.FLOAT, [1, 16, 12, 12])],
-                              inits)
-    path = tmp_path / "c2f.onnx"
-    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
     x = rng.standard_normal((1, 16, 12, 12)).astype(np.float32)
-    compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-            out_dir=tmp_path / "o")
-    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
-    bufs = program["buffers"]
-    dims = {s["node"]: [len(bufs[i]["shape"]) for i in s["inputs"] + s["outputs"]] for s in program["steps"]}
+    shapes = _compiled_against_onnxruntime(tmp_path, "c2f", nodes, inits, x,
+                                           {"y": (1, 32, 12, 12), "z": (1, 16, 12, 12)})
+    dims = {k: [len(sh) for sh in v] for k, v in shapes.items()}
     halves = [v for k, v in dims.items() if "Split" in k or k.startswith(("a", "b"))]
     assert halves and all(d == [5, 5] for d in halves), dims
     assert sum(k.endswith(".unblock") for k in dims) == 1, dims  # (the unaligned slice's reorder)
-    got = load(tmp_path / "o", rank=0).run({"x": x})
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    for name, ref in zip(("y", "z"), want):
-        np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+
+
+def test_squeeze_and_excitation_scales_keep_the_layout(tmp_path):
+    """A squeeze-and-excitation block (RegNetY's, EfficientNet's) on a batch of 2: the image times its
+    computed scale ``[N, C, 1, 1]`` (global pool, two 1x1 convs, Sigmoid) stays blocked, the scale read as
+    ``[N, C/16, 1, 1, 16]`` (the same order), and the 1x1 after it reads the product natively: no reorder but
+    the one a spatial map ``[N, 1, H, W]`` (not one value per channel) needs. Values match onnxruntime's."""
+    rng = np.random.default_rng(7)
+    inits = []
+    for name, shape in (("w1", (32, 16, 3, 3)), ("ws1", (8, 32, 1, 1)), ("ws2", (32, 8, 1, 1)), ("w3", (16, 32, 1, 1)),
+                        ("wm", (1, 32, 1, 1)), ("w4", (16, 32, 1, 1))):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name))
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), n("Relu", ["c1"], ["r"]),
+             n("GlobalAveragePool", ["r"], ["p"]), n("Conv", ["p", "ws1"], ["q"]), n("Relu", ["q"], ["qr"]),
+             n("Conv", ["qr", "ws2"], ["sl"]), n("Sigmoid", ["sl"], ["s"]), n("Mul", ["r", "s"], ["e"]),
+             n("Conv", ["e", "w3"], ["y"]),
+             # a spatial map (one value per pixel) is not a per-channel scale: its product reads a reorder
+             n("Conv", ["r", "wm"], ["m"]), n("Mul", ["r", "m"], ["f"]), n("Conv", ["f", "w4"], ["z"])]
+    x = rng.standard_normal((2, 16, 10, 10)).astype(np.float32)
+    shapes = _compiled_against_onnxruntime(tmp_path, "se", nodes, inits, x,
+                                           {"y": (2, 16, 10, 10), "z": (2, 16, 10, 10)})
+    scale, image, product = shapes["Mul(e)"]  # (the scale's buffer is the Sigmoid's: the view is its own)
+    assert scale == [2, 32, 1, 1] and image == product == [2, 2, 10, 10, 16], shapes
+    assert shapes["Conv(y)"][0] == product, shapes
+    assert sum(k.endswith(".unblock") for k in shapes) == 1, shapes  # (the spatial map's product's)
