@@ -22,8 +22,8 @@ computed values of one value per channel (a squeeze and excitation's scale: view
 the same order), a BatchNorm of constant parameters as the three element-wise ops it computes. A global
 average or max pool, or a 2-D one of a single whole-plane window, reads the layout natively too (a pool of the
 whole plane and one lane, its ``[N, C/16, 1, 1, 16]`` result viewed as ``[N, C, 1, 1]``). Any other op whose
-output stays plain reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a ``Reshape``), made
-once per tensor.
+output stays plain reads a blocked input through a reorder (a ``Transpose`` to ``[N, C/16, 16, H, W]`` and a
+``Reshape``), made once per tensor.
 Convs whose input and output both stay plain keep their form (prepack's choice: the conv template, a
 PackedConv, Winograd's).
 
