@@ -441,6 +441,33 @@ def _is_view(op: Operator) -> bool:
         return False
 
 
+def _run_of(op: Operator) -> int | None:
+    """The byte offset in its input of the values a Slice ``op`` selects when they are one contiguous run of
+    the input (the first dim it takes more than one index of stepped by 1, every later dim whole), else None."""
+    x = op.inputs[0]
+    starts, steps, sizes = op.attrs["starts"], op.attrs["steps"], op.attrs["sizes"]
+    if 0 in sizes or x.ndim == 0 or x.nbytes % x.size:
+        return None
+    k = next((d for d, n in enumerate(sizes) if n > 1), x.ndim - 1)
+    if steps[k] != 1 and sizes[k] > 1 or any(starts[d] != 0 or sizes[d] != x.shape[d] for d in range(k + 1, x.ndim)):
+        return None
+    stride = [int(np.prod(x.shape[d + 1:], dtype=np.int64)) for d in range(x.ndim)]
+    return sum(int(starts[d]) * stride[d] for d in range(k + 1)) * (x.nbytes // x.size)
+
+
+def _slice_steps(raw_steps: list) -> dict[int, tuple[Tensor, int]]:
+    """``{id(output): (input, byte offset)}`` of the Slice kernel steps of their own (not fused) whose
+    output is one contiguous run of their input (:func:`_run_of`)."""
+    found = {}
+    for kind, _, ins, outs, op in raw_steps:
+        if kind == "kernel" and op.op_type == "Slice" and len(outs) == 1 and outs[0] is op.outputs[0] \
+                and len(ins) == 1 and ins[0] is op.inputs[0]:
+            off = _run_of(op)
+            if off is not None:
+                found[id(outs[0])] = (ins[0], off)
+    return found
+
+
 def _concatenate_in_place(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor], at: dict[int, int]) -> list:
     """``raw_steps`` without the Concat kernels whose inputs can be written in place, by their producers,
     into the concatenation (``alias[id(input)]`` = its output, ``at[id(input)]`` = the byte offset).
@@ -452,12 +479,18 @@ def _concatenate_in_place(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor
     and appears once. The concatenation then costs no copy (CNNs' channel concatenations: Inception, SqueezeNet,
     DenseNet, whose chained concatenations become prefixes of the last one) and the inputs no memory of
     their own.
+
+    Consecutive inputs that are contiguous slices of one tensor ``X``, in its order and covering it whole (a
+    split's parts concatenated again: YOLOv8's C2f blocks), count as ``X``: ``X`` is placed into the
+    concatenation, the slices become views of it (no step) and ``X``'s producer writes them all in place.
     """
     writers: dict[int, int] = {}
     for kind, _, _, outs, _ in raw_steps:
         for t in outs:
             writers[id(t)] = writers.get(id(t), 0) + (2 if kind != "kernel" else 1)
     graph_outputs = {id(t) for t in g.outputs}
+    slices = _slice_steps(raw_steps)
+    dropped: set[int] = set()  # slices made views of their input placed into a concatenation
     keep = []
     for step in raw_steps:
         kind, _, ins, outs, op = step
@@ -466,21 +499,70 @@ def _concatenate_in_place(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor
                 or [id(t) for t in ins] != [id(t) for t in op.inputs] or id(y) in alias):
             keep.append(step)
             continue
+        parts = _slice_groups(ins, slices, writers, graph_outputs, alias)
         axis = int(op.attrs["axis"])
         offsets, off, ok = [], 0, int(np.prod(y.shape[:axis], dtype=np.int64)) == 1
-        for t in ins:
+        for t, _ in parts:
             ok = ok and (t.dtype == y.dtype and off % ALIGNMENT == 0 and id(t) not in graph_outputs
                          and id(t) not in alias
                          and writers.get(id(t)) == 1
-                         and sum(u is t for u in ins) == 1)
+                         and sum(u is t for u, _ in parts) == 1)
             offsets.append(off)
             off += t.nbytes
         if not ok or off != y.nbytes:
             keep.append(step)
             continue
-        for t, o in zip(ins, offsets):
+        for (t, group), o in zip(parts, offsets):
             alias[id(t)], at[id(t)] = y, o
-    return keep
+            for u in group:
+                alias[id(u)], at[id(u)] = t, slices[id(u)][1]
+                dropped.add(id(u))
+    return [st for st in keep if not (st[0] == "kernel" and id(st[3][0]) in dropped)] if dropped else keep
+
+
+def _slice_groups(ins: list, slices: dict, writers: dict, graph_outputs: set, alias: dict) -> list:
+    """A concatenation's inputs as ``(tensor, slices)``: a run of consecutive inputs that are contiguous
+    slices of one tensor ``X`` in its order, covering it whole, as ``(X, [the slices])`` (each slice written
+    by its own step alone, starting ``ALIGNMENT``-aligned in ``X``, and no graph output; ``X`` read by nothing
+    else among the inputs), any other input as ``(input, [])``."""
+    parts, k = [], 0
+    while k < len(ins):
+        t = ins[k]
+        src = slices.get(id(t))
+        if src is not None:
+            x, end, j = src[0], 0, k
+            while j < len(ins) and id(ins[j]) in slices and slices[id(ins[j])][0] is x \
+                    and slices[id(ins[j])][1] == end and end % ALIGNMENT == 0 and writers.get(id(ins[j])) == 1 \
+                    and id(ins[j]) not in graph_outputs and id(ins[j]) not in alias:
+                end += ins[j].nbytes
+                j += 1
+                if end == x.nbytes:
+                    break
+            if end == x.nbytes and j - k >= 1 and not any(u is x for u in ins):
+                parts.append((x, list(ins[k:j])))
+                k = j
+                continue
+        parts.append((t, []))
+        k += 1
+    return parts
+
+
+def _slices_as_views(raw_steps: list, g: FlowGraph, alias: dict[int, Tensor], at: dict[int, int],
+                     root: Callable[[Tensor], Tensor]) -> list:
+    """``raw_steps`` without the Slice kernels whose output is one contiguous run of their input starting
+    ``ALIGNMENT``-aligned (:func:`_run_of`): the output becomes a view of the input at that offset
+    (``alias``, ``at``), no copy. Not for an output placed into a concatenation or returned by the graph, nor
+    for an input whose storage is a graph input (a state written in place, a caller's array read in place)."""
+    graph_io = {id(t) for t in list(g.outputs) + list(g.inputs)}
+    slices = _slice_steps(raw_steps)
+    views = set()
+    for y_id, (x, off) in slices.items():
+        if off % ALIGNMENT == 0 and y_id not in alias and y_id not in graph_io and id(root(x)) not in graph_io \
+                and not root(x).is_constant:
+            views.add(y_id)
+    for y_id in views:
+        alias[y_id], at[y_id] = slices[y_id]
+    return [st for st in raw_steps if not (st[0] == "kernel" and st[3] and id(st[3][0]) in views)]
 
 
 def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: int = 0,
@@ -578,6 +660,7 @@ def build_program(rank_graph: FlowGraph, kernels: Mapping[str, Any], *, rank: in
             raise ShardflowError(f"rank {rank}: codegen returned {k!r} for node {op.name}; expected a symbol name")
 
     raw_steps = _concatenate_in_place(raw_steps, g, alias, at)
+    raw_steps = _slices_as_views(raw_steps, g, alias, at, root)
     pairs = _state_pairs(g, state or {}, rank)
     producer = {id(t): op for op in g.nodes for t in op.outputs} if pairs else {}
     in_place = {out: _state_in_place(raw_steps, g, x, y, root, producer) for out, (y, x) in pairs.items()}

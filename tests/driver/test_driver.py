@@ -281,6 +281,34 @@ def test_programs_match_onnxruntime(tmp_path, callback_codegen, model, mesh, alg
 # ---------------------------------------------------------------------------------------
 # concatenations in place
 # ---------------------------------------------------------------------------------------
+def _one_rank_program(tmp_path, name, nodes, inits, outs):
+    """program.json of the model of ``nodes`` (input ``x [1, 4, 8, 8]``, float32 ``outs``: name -> shape)
+    compiled for one cpu rank into ``tmp_path / name``."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, v) for n, v in outs.items()],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, tmp_path / f"{name}.onnx")
+    compile(tmp_path / f"{name}.onnx", distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / name)
+    return json.loads((tmp_path / name / "rank0" / "program.json").read_text())
+
+
+def _matches_onnxruntime(tmp_path, name, outs, rng):
+    """The program of :func:`_one_rank_program` returns onnxruntime's ``outs`` on a random ``x``."""
+    ort = pytest.importorskip("onnxruntime")
+    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    got = load(tmp_path / name, rank=0).run({"x": x})
+    want = ort.InferenceSession(str(tmp_path / f"{name}.onnx"),
+                                providers=["CPUExecutionProvider"]).run(list(outs), {"x": x})
+    for k, w in zip(outs, want):
+        np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-4, err_msg=k)
+
+
 def test_concatenations_in_place(tmp_path):
     """Channel concatenations whose inputs each come from one kernel are written in place by those
     kernels (no Concat step; each input's buffer a run of the output's), chained ones too (a DenseNet
@@ -289,9 +317,8 @@ def test_concatenations_in_place(tmp_path):
     another axis than the outermost non-unit one, inputs not 64-byte aligned in the output, a tensor
     already in another concatenation. The
     results equal onnxruntime's."""
-    ort = pytest.importorskip("onnxruntime")
-    onnx = pytest.importorskip("onnx")
-    from onnx import TensorProto, helper, numpy_helper
+    pytest.importorskip("onnxruntime")
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
     inits, nodes = [], []
@@ -326,26 +353,65 @@ def test_concatenations_in_place(tmp_path):
     concat("k_align", ["h", "h2"])           # 9 floats each: the second would start unaligned, kept
     outs = {"c2": [1, 12, 8, 8], "k_input": [1, 8, 8, 8], "k_twice": [1, 8, 8, 8], "k_output": [1, 8, 8, 8],
             "g": [1, 4, 8, 8], "k_axis": [1, 4, 16, 8], "k_again": [1, 8, 8, 8], "k_align": [1, 2, 3, 3]}
-    graph = helper.make_graph(nodes, "concats", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, v) for n, v in outs.items()],
-                              inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    path = tmp_path / "concats.onnx"
-    onnx.save(model, path)
-    res = compile(path, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                  out_dir=tmp_path / "o")
-    prog = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    prog = _one_rank_program(tmp_path, "concats", nodes, inits, outs)
     kept = sorted(s["node"] for s in prog["steps"] if s["op_type"] == "Concat")
     assert kept == [f"Concat({n})" for n in ("k_again", "k_align", "k_axis", "k_input", "k_output", "k_twice")], kept
     at = {b["name"]: b["offset"] for b in prog["buffers"] if b["storage"] == "arena"}
     run = 4 * 64 * 4  # bytes of 4 channels of 8x8
     assert at["a"] == at["c1"] == at["c2"] and at["b"] == at["c2"] + run and at["d"] == at["c2"] + 2 * run
-    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
-    got = load(res.out_dir, rank=0).run({"x": x})
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(list(outs), {"x": x})
-    for name, w in zip(outs, want):
-        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-4, err_msg=name)
+    _matches_onnxruntime(tmp_path, "concats", outs, rng)
+
+
+def test_slices_of_one_run_are_views(tmp_path):
+    """A Slice whose values are one contiguous run of its input, starting 64-byte aligned, is a view of it
+    (no step; its buffer a run of the input's): a split's parts concatenated again put the split tensor
+    itself into the concatenation, written there by its producer (YOLOv8's C2f blocks); a slice of channels
+    read by a conv is a view of its input. Kept as copies: a slice of rows (not one run), one starting
+    unaligned (36 bytes in), a graph output, a slice of a graph input. The results equal onnxruntime's."""
+    pytest.importorskip("onnxruntime")
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    inits, nodes = [], []
+
+    def conv(name, x, cin, cout, **attrs):
+        w = numpy_helper.from_array(rng.standard_normal((cout, cin, 3, 3)).astype(np.float32), f"{name}_w")
+        inits.append(w)
+        nodes.append(helper.make_node("Conv", [x, w.name], [name + "_c"], **{"pads": [1, 1, 1, 1], **attrs}))
+        nodes.append(helper.make_node("Relu", [name + "_c"], [name]))
+        return name
+
+    def take(name, x, axis, start, end):
+        for k, v in (("s", start), ("e", end), ("a", axis)):
+            inits.append(numpy_helper.from_array(np.array([v], np.int64), f"{name}_{k}"))
+        nodes.append(helper.make_node("Slice", [x, f"{name}_s", f"{name}_e", f"{name}_a"], [name]))
+        return name
+
+    conv("p", "x", 4, 8)
+    inits.append(numpy_helper.from_array(np.array([4, 4], np.int64), "halves"))
+    nodes.append(helper.make_node("Split", ["p", "halves"], ["s0", "s1"], axis=1))
+    conv("q", "s1", 4, 4)
+    conv("q0", "s0", 4, 4)  # (read twice, neither part is fused into the concatenation's kernel)
+    nodes.append(helper.make_node("Concat", ["s0", "s1", "q"], ["cat"], axis=1))  # p placed into cat
+    conv("p2", "x", 4, 8)
+    conv("w", take("v", "p2", 1, 2, 6), 4, 4)  # a view of p2's channels 2..5
+    take("rows", "p2", 2, 0, 4)                 # rows of every channel: kept
+    conv("h", "x", 4, 4, strides=[3, 3])        # [1, 4, 3, 3]: 9 floats a channel
+    conv("oddc", take("odd", "h", 1, 1, 3), 2, 4)  # 36 bytes in: kept
+    take("o_slice", "p2", 1, 0, 4)              # a graph output: kept
+    take("in_slice", "x", 1, 0, 2)              # of a graph input: kept
+    conv("z", "in_slice", 2, 4)
+    outs = {"cat": [1, 12, 8, 8], "q0": [1, 4, 8, 8], "w": [1, 4, 8, 8], "rows": [1, 8, 4, 8], "oddc": [1, 4, 3, 3],
+            "o_slice": [1, 4, 8, 8], "z": [1, 4, 8, 8]}
+    prog = _one_rank_program(tmp_path, "slices", nodes, inits, outs)
+    kinds = {s["node"]: s["op_type"] for s in prog["steps"]}
+    kept = sorted(n for n, k in kinds.items() if k in ("Slice", "Concat"))
+    assert kept == [f"Slice({n})" for n in ("in_slice", "o_slice", "odd", "rows")], kinds
+    at = {b["name"]: b["offset"] for b in prog["buffers"] if b["storage"] == "arena"}
+    channels = 64 * 4  # bytes of one channel of 8x8
+    assert at["p"] == at["s0"] == at["cat"] and at["s1"] == at["cat"] + 4 * channels
+    assert at["q"] == at["cat"] + 8 * channels and at["v"] == at["p2"] + 2 * channels
+    _matches_onnxruntime(tmp_path, "slices", outs, rng)
 
 
 def test_topk_model_on_one_and_two_cpu_ranks_matches_onnxruntime(tmp_path):
