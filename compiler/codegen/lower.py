@@ -166,6 +166,17 @@ class Loop:
     simd: bool = False
 
 
+def short_stores(loop: Loop) -> bool:
+    """Whether ``loop`` is a short loop (fewer than :data:`INNER_MIN` iterations) of lets and stores alone,
+    which the emitter marks ``omp simd``: in the threads' outlined function GCC no longer sees the arguments'
+    ``__restrict__`` and vectorizes such a loop behind a check that they do not overlap, made on every entry
+    (a blocked layout's 16 lanes ran 3x slower than the same values as long rows). Its iterations are
+    independent: a nest reads what it writes at most at the same index (an output written over its input in
+    place, ``reads_only_at_own_index``)."""
+    return loop.extent < INNER_MIN and loop.reduction is None and not loop.parallel \
+        and all(isinstance(x, (Let, Store)) for x in loop.body)
+
+
 @dataclass
 class FlatLoop:
     """One loop over the product of ``vars``' extents (row-major), each var recomputed from the
@@ -974,12 +985,8 @@ class _NestLowerer:
             if d + 1 < n:
                 self._hoist_invariants(em, value, d + 1)
         em.block.append(Store(self.target, tuple(axes), em.emit(value)))
-        # a short innermost loop of stores alone is marked simd: in the threads' outlined function GCC no longer
-        # sees the arguments' __restrict__ and checks them for overlap on each entry of the loop (a blocked
-        # layout's 16 lanes ran 3x slower than the same values as long rows); not where the output is written
-        # over an input (nothing else reads what a nest writes)
-        if inner is not None and inner.var is axes[-1] and em.block is inner.body and inner.extent < INNER_MIN \
-                and self.kl.in_place is None and guard is None and all(isinstance(x, (Let, Store)) for x in inner.body):
+        if inner is not None and inner.var is axes[-1] and em.block is inner.body and guard is None \
+                and short_stores(inner):
             inner.simd = True
         for _ in range(scopes):
             em.pop_scope()

@@ -1506,14 +1506,14 @@ def test_rows_of_lanes_keep_their_loops_and_vectorize(tmp_path, kernel_cache):
     """An element-wise op whose innermost axis is short (the blocked layout's 16 lanes; a squeeze-and-excitation
     scale ``[1, C/16, 1, 1, 16]`` times its image) flattens only the outer axes that still leave the threads
     FLAT_MIN rows, loops over the rest, and marks its 16-lane loop simd (GCC checked the arguments for overlap
-    on every entry of it: 3x slower); written over its input in place, or with a long innermost axis, no loop
-    is marked. numpy's values."""
+    on every entry of it: 3x slower), written over its input in place too (it reads it at the same index); with
+    a long innermost axis no loop is marked. numpy's values."""
     rng = np.random.default_rng(11)
     x, s = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, 32, 14, 14, 16), (1, 32, 1, 1, 16)))
     lanes = Binary([_t(x.shape), _t(s.shape)], fn="mul", name="lanes")
     k = lower_task(lanes.task, lanes.name, lanes.op_type)
     assert _parallel_flat_loops(k.body) == [[1, 32, 14]] and _simd_loops(k.body) == [16]
-    assert not _simd_loops(lower_task(lanes.task, lanes.name, lanes.op_type, None, 0).body)  # (in place)
+    assert _simd_loops(lower_task(lanes.task, lanes.name, lanes.op_type, None, 0).body) == [16]  # (in place too)
     rows = Binary([_t((8, 300)), _t((8, 1))], fn="mul", name="rows")
     k = lower_task(rows.task, rows.name, rows.op_type)
     assert not _simd_loops(k.body)
