@@ -7,7 +7,7 @@ ratio (ours / onnxruntime; lower is better). Models: the committed test models, 
 tokens) and a ResNet-50-sized one
 (transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image) and MobileNetV2-,
 EfficientNet-B0- and ConvNeXt-tiny-sized ones (depthwise convs; the configs' defaults, B0's widths and
-depths, one image), exported with
+depths, one image) and a RegNetY-4GF (grouped convs, squeeze-excitation), exported with
 torch.onnx.export at opset 17 (needs torch + transformers; slow; each export runs in a child process, so that
 the timing process does not load torch); with ``--light`` the 9 CNNs the
 onnx package ships for its backend tests (``onnx/backend/test/data/light``: AlexNet, DenseNet-121,
@@ -228,18 +228,22 @@ def export_vision_model(kind: str, path: str) -> dict:
     """Export a randomly initialised vision model built on depthwise convs, fed one 3x224x224 image,
     output ``last_hidden_state``: ``mobilenet_v2`` (transformers' MobileNetV2Config defaults: 3x3
     depthwise convs with ReLU6, 3.4M parameters), ``efficientnet_b0`` (EfficientNetConfig at B0's widths
-    and depths: depthwise convs, SiLU written ``x * sigmoid(x)``, squeeze-excitation; 4M parameters) or
-    ``convnext_tiny`` (ConvNextConfig defaults: 7x7 depthwise convs, LayerNorm, GELU, 28M parameters).
-    Returns the feeds."""
+    and depths: depthwise convs, SiLU written ``x * sigmoid(x)``, squeeze-excitation; 4M parameters),
+    ``convnext_tiny`` (ConvNextConfig defaults: 7x7 depthwise convs, LayerNorm, GELU, 28M parameters) or
+    ``regnety_4gf`` (RegNetConfig defaults, RegNetY-4GF: grouped 3x3 convs of 64 channels a group,
+    squeeze-excitation, 20M parameters). Returns the feeds."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from export_models import _PixelHidden, export_module
 
     torch.manual_seed(0)
-    if kind in ("mobilenet_v2", "efficientnet_b0"):
+    if kind in ("mobilenet_v2", "efficientnet_b0", "regnety_4gf"):
         if kind == "mobilenet_v2":
             from transformers import MobileNetV2Config, MobileNetV2Model
             model = MobileNetV2Model(MobileNetV2Config(), add_pooling_layer=False)
+        elif kind == "regnety_4gf":
+            from transformers import RegNetConfig, RegNetModel
+            model = RegNetModel(RegNetConfig())
         else:
             from transformers import EfficientNetConfig, EfficientNetModel
             model = EfficientNetModel(EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=224,
@@ -424,7 +428,7 @@ def main(argv=None) -> None:
                 if args.int8:  # (its convs on the integer conv)
                     bench("resnet50_224_qdq", qdq_copy(path, feeds), feeds, args.threads, max(5, args.repeat // 5),
                           work, compare)
-            for kind in ("mobilenet_v2", "efficientnet_b0", "convnext_tiny"):
+            for kind in ("mobilenet_v2", "efficientnet_b0", "convnext_tiny", "regnety_4gf"):
                 if args.only in f"{kind}_224" or (args.int8 and args.only in f"{kind}_224_qdq"):
                     path = os.path.join(work, f"{kind}.onnx")
                     feeds = in_child("export_vision_model", kind, path)
