@@ -449,7 +449,7 @@ def _run_of(op: Operator) -> int | None:
     if 0 in sizes or x.ndim == 0 or x.nbytes % x.size:
         return None
     k = next((d for d, n in enumerate(sizes) if n > 1), x.ndim - 1)
-    if steps[k] != 1 and sizes[k] > 1 or any(starts[d] != 0 or sizes[d] != x.shape[d] for d in range(k + 1, x.ndim)):
+    if (steps[k] != 1 and sizes[k] > 1) or any(starts[d] != 0 or sizes[d] != x.shape[d] for d in range(k + 1, x.ndim)):
         return None
     stride = [int(np.prod(x.shape[d + 1:], dtype=np.int64)) for d in range(x.ndim)]
     return sum(int(starts[d]) * stride[d] for d in range(k + 1)) * (x.nbytes // x.size)
