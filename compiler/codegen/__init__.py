@@ -96,11 +96,12 @@ def prepare_cpu_library(ops: Sequence, *, fuse: bool = False, keep: Collection[s
     groups = list(ops)
     if fuse:
         from .fusion import fuse as fuse_ops
+        from .fusion import in_place_concat
         from .templates_cpu import accepts_epilogue, accepts_group, template_kind
 
         groups = fuse_ops(groups, keep=keep, barriers=lambda op: template_kind(op) is not None
-                          and not accepts_epilogue(op), no_prologue=accepts_epilogue, accept=accepts_group,
-                          views=views)
+                          and not accepts_epilogue(op), no_prologue=lambda op: accepts_epilogue(op)
+                          or in_place_concat(op), accept=accepts_group, views=views)
     from .fusion import aliased_inputs, drop_views
     groups = drop_views(groups, views)
     src = generate_cpu_source(groups, in_place=aliased_inputs(groups, in_place))

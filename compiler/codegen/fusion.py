@@ -114,6 +114,32 @@ class FusedOp(Operator):
 _ELEMENTWISE = frozenset({"Unary", "Binary", "Cast", "Where", "Clip", "Identity", "Activation"})
 
 
+#: Bytes from which a concatenation that can be written in place by its inputs' producers takes none of them
+#: into its kernel (:func:`in_place_concat`).
+IN_PLACE_CONCAT_MIN_BYTES = 1 << 16
+
+
+def in_place_concat(op: Operator) -> bool:
+    """Whether ``op`` is a Concat that the program may make in place (``driver._concatenate_in_place``: every
+    dim before its axis 1, each input computed (no graph input, no constant), once, starting 64-byte aligned),
+    of :data:`IN_PLACE_CONCAT_MIN_BYTES` or more. The cpu target fuses no producer into it: a producer fused
+    into the concatenation's kernel (YOLOv8's last bottleneck's SiLU) kept it a copy of all its parts, where
+    alone the producer writes its part in place and the concatenation costs nothing."""
+    from shardflow.runtime.artifact import ALIGNMENT
+
+    if op.op_type != "Concat" or len(op.outputs) != 1:
+        return False
+    y, axis = op.outputs[0], int(op.attrs["axis"])
+    if y.nbytes < IN_PLACE_CONCAT_MIN_BYTES or int(np.prod(y.shape[:axis], dtype=np.int64)) != 1:
+        return False
+    off = 0
+    for t in op.inputs:
+        if t.is_constant or t.producer is None or off % ALIGNMENT or sum(u is t for u in op.inputs) != 1:
+            return False
+        off += t.nbytes
+    return True
+
+
 def coalesce_elementwise(op: Operator, max_inner: int = 512) -> Operator:
     """``op`` (an element-wise op, or a FusedOp of them) over its output's trailing dims merged into one,
     as long as every tensor it reads or writes spans both dims fully or neither (size 1: broadcast) and

@@ -281,13 +281,13 @@ def test_programs_match_onnxruntime(tmp_path, callback_codegen, model, mesh, alg
 # ---------------------------------------------------------------------------------------
 # concatenations in place
 # ---------------------------------------------------------------------------------------
-def _one_rank_program(tmp_path, name, nodes, inits, outs):
-    """program.json of the model of ``nodes`` (input ``x [1, 4, 8, 8]``, float32 ``outs``: name -> shape)
+def _one_rank_program(tmp_path, name, nodes, inits, outs, x_shape=(1, 4, 8, 8)):
+    """program.json of the model of ``nodes`` (input ``x`` of ``x_shape``, float32 ``outs``: name -> shape)
     compiled for one cpu rank into ``tmp_path / name``."""
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, v) for n, v in outs.items()],
                               inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -298,10 +298,10 @@ def _one_rank_program(tmp_path, name, nodes, inits, outs):
     return json.loads((tmp_path / name / "rank0" / "program.json").read_text())
 
 
-def _matches_onnxruntime(tmp_path, name, outs, rng):
+def _matches_onnxruntime(tmp_path, name, outs, rng, x_shape=(1, 4, 8, 8)):
     """The program of :func:`_one_rank_program` returns onnxruntime's ``outs`` on a random ``x``."""
     ort = pytest.importorskip("onnxruntime")
-    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    x = rng.standard_normal(x_shape).astype(np.float32)
     got = load(tmp_path / name, rank=0).run({"x": x})
     want = ort.InferenceSession(str(tmp_path / f"{name}.onnx"),
                                 providers=["CPUExecutionProvider"]).run(list(outs), {"x": x})
@@ -360,6 +360,38 @@ def test_concatenations_in_place(tmp_path):
     run = 4 * 64 * 4  # bytes of 4 channels of 8x8
     assert at["a"] == at["c1"] == at["c2"] and at["b"] == at["c2"] + run and at["d"] == at["c2"] + 2 * run
     _matches_onnxruntime(tmp_path, "concats", outs, rng)
+
+
+def test_a_concatenation_in_place_takes_no_producer_into_its_kernel(tmp_path):
+    """A concatenation that can be made in place (64 KiB or more) takes no producer into its kernel: a part
+    computed by element-wise ops read only by it (``erf(x / 2)`` here; YOLOv8's last bottleneck's SiLU after
+    a Winograd conv) is a kernel of its own writing its run of the concatenation, and the concatenation has no
+    step. A smaller one keeps those ops fused into its copy. The results equal onnxruntime's."""
+    pytest.importorskip("onnxruntime")
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in
+             (("s0", [0, 0]), ("s1", [8, 8]), ("ax", [2, 3]))]
+    nodes = [helper.make_node("MaxPool", ["x"], ["small"], kernel_shape=[4, 4], strides=[4, 4]),  # [1, 4, 8, 8]
+             helper.make_node("Slice", ["x", "s0", "s1", "ax"], ["corner"])]                      # [1, 4, 8, 8]
+    for tag, src, part in (("", "x", "x"), ("2", "small", "corner")):
+        inits.append(numpy_helper.from_array(rng.standard_normal((12, 4, 3, 3)).astype(np.float32), f"w{tag}"))
+        inits.append(numpy_helper.from_array(rng.standard_normal((4, 16, 3, 3)).astype(np.float32), f"v{tag}"))
+        inits.append(numpy_helper.from_array(np.array(0.5, np.float32), f"half{tag}"))
+        nodes += [helper.make_node("Conv", [src, f"w{tag}"], [f"a{tag}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Mul", [part, f"half{tag}"], [f"h{tag}"]),
+                  helper.make_node("Erf", [f"h{tag}"], [f"e{tag}"]),
+                  helper.make_node("Concat", [f"a{tag}", f"e{tag}"], [f"cat{tag}"], axis=1),  # 64 KiB; 4 KiB
+                  helper.make_node("Conv", [f"cat{tag}", f"v{tag}"], [f"y{tag}"], pads=[1, 1, 1, 1])]
+    outs = {"y": [1, 4, 32, 32], "y2": [1, 4, 8, 8]}
+    prog = _one_rank_program(tmp_path, "erf_cat", nodes, inits, outs, (1, 4, 32, 32))
+    kinds = {st["node"]: st["op_type"] for st in prog["steps"]}
+    assert [n for n, k in kinds.items() if k == "Concat"] == ["Concat(cat2)"], kinds
+    assert "Erf(e)" in kinds and "Erf(e2)" not in kinds, kinds
+    at = {b["name"]: b["offset"] for b in prog["buffers"] if b["storage"] == "arena"}
+    assert at["a"] == at["cat"] and at["e"] == at["cat"] + 12 * 1024 * 4, at
+    _matches_onnxruntime(tmp_path, "erf_cat", outs, rng, (1, 4, 32, 32))
 
 
 def test_slices_of_one_run_are_views(tmp_path):
