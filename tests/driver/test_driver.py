@@ -520,13 +520,13 @@ def _fill_model(path):
     onnx.save(model, path)
 
 
-@pytest.mark.parametrize("cfg,at_load", [({}, {"Wc"}), ({"fuse": False}, {"W0", "Wc", "F"}),
+@pytest.mark.parametrize("cfg,at_load", [({}, {"Wc", "F"}), ({"fuse": False}, {"W0", "Wc", "F"}),
                                          ({"precompute": False}, set())], ids=["default", "unfused", "off"])
 def test_steps_from_constants_run_once_at_load(tmp_path, cfg, at_load):
     """Ops constant folding leaves in the graph (results above ``FOLD_LIMIT``) come first in the program
-    and run once, at load (``load_steps``): the fill fused into the Mul that makes ``Wc``; unfused, also
-    the fills themselves, one of them written in place into a concatenation whose other part a conv
-    writes on every run (a fused Concat computes its fill part itself). What they write and a run reads
+    and run once, at load (``load_steps``): the fill fused into the Mul that makes ``Wc``, and the fill written
+    in place into a concatenation whose other part a conv writes on every run (the concatenation, in place,
+    takes no producer into its kernel); unfused, also the first fill itself. What they write and a run reads
     keeps its bytes for good: no other buffer shares them, but for the concatenation's parts. Two runs
     on other inputs equal onnxruntime's; ``precompute: False`` runs every step every time."""
     ort = pytest.importorskip("onnxruntime")
