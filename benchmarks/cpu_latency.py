@@ -294,10 +294,11 @@ def export_text_model(kind: str, path: str, seq: int = 128) -> dict:
 
 
 def in_child(fn: str, *args, **kwargs):
-    """``fn(*args, **kwargs)`` (an export function of this module, or ``export_models.export_gpt2``) run in a
-    child process, its result returned: torch stays out of the timing process (with torch loaded, the
-    kernels' parallel regions ran on torch's libgomp, which hid a 30x slowdown of one kind of kernel:
-    rfcs/0002 "Loops unswitched"; a deployed rank does not load torch)."""
+    """``fn(*args, **kwargs)`` run in a child process, its result returned; ``fn`` names a function of this
+    module or ``module:function`` of a module in ``benchmarks/`` or ``tests/models/`` (``export_models:
+    export_gpt2``, ``cpu_yolo:export``). Torch stays out of the timing process: with torch loaded, the
+    kernels' parallel regions ran on torch's libgomp, under which one kernel ran 6.6 -> 0.71 ms (rfcs/0002
+    "Loops unswitched"), and a deployed rank does not load torch. The child's own output goes to stderr."""
     import pickle
     import subprocess
 
@@ -305,22 +306,22 @@ def in_child(fn: str, *args, **kwargs):
         req, res = os.path.join(d, "request.pkl"), os.path.join(d, "result.pkl")
         with open(req, "wb") as f:
             pickle.dump((fn, args, kwargs), f)
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", req, res], check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", req, res], check=True,
+                       stdout=sys.stderr)
         with open(res, "rb") as f:
             return pickle.load(f)
 
 
 def _child(req: str, res: str) -> None:
     """:func:`in_child`'s other side."""
+    import importlib
     import pickle
 
     with open(req, "rb") as f:
         fn, args, kwargs = pickle.load(f)
     sys.path.insert(0, MODELS)  # (export_models)
-    if fn == "export_gpt2":
-        from export_models import export_gpt2 as call
-    else:
-        call = globals()[fn]
+    module, _, name = fn.rpartition(":")
+    call = getattr(importlib.import_module(module), name) if module else globals()[name]
     with open(res, "wb") as f:
         pickle.dump(call(*args, **kwargs), f)
 
@@ -405,7 +406,7 @@ def main(argv=None) -> None:
             sys.path.insert(0, MODELS)
             if args.only in "gpt2_small_124M":
                 path = os.path.join(work, "gpt2_small.onnx")
-                info = in_child("export_gpt2", path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                info = in_child("export_models:export_gpt2", path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
                                 seq_len=args.seq, batch=1)
                 feeds = {i["name"]: np.random.default_rng(0).integers(0, 50257, i["shape"]).astype(np.int64)
                          if i["name"] == "input_ids" else np.ones(i["shape"], np.int64) for i in info["inputs"]}

@@ -126,7 +126,8 @@ def main(argv=None) -> None:
             if args.sized == "resnet":
                 feeds = in_child("export_resnet50", path)
             elif args.sized == "gpt2":
-                in_child("export_gpt2", path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq_len=128, batch=1)
+                in_child("export_models:export_gpt2", path, n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                         seq_len=128, batch=1)
             else:
                 feeds = in_child("export_text_model", args.sized, path)
         feeds = feeds if feeds is not None else default_feeds(path)

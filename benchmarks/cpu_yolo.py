@@ -4,9 +4,7 @@ Each model is built from ultralytics' bundled config (``yolov8n.yaml``, ``yolo11
 ``yolov5nu.yaml``; no download), exported by torch's TorchScript exporter at opset 17 with the
 detection head in export form (one ``[1, 84, 8400]`` output), compiled for one cpu rank and timed
 next to onnxruntime with the same thread count (``cpu_latency.bench``). The export runs in a child
-process: importing torch into the timing process changes what is measured (with torch's libgomp loaded,
-a kernel whose masked AVX-512 lanes held denormals ran 4-9x faster than in a process without torch,
-rfcs/0002 "Loops unswitched"), and a deployed program runs without torch. ultralytics is not a test
+process (``cpu_latency.in_child``: torch stays out of the timing process). ultralytics is not a test
 extra: install it beside the project without its torch (it pulls a CUDA build) and with the
 torchvision that matches torch 2.13, e.g.::
 
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -59,14 +56,10 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
             path = os.path.join(work, f"{name}_{args.size}.onnx")
-            subprocess.run([sys.executable, __file__, "--export", name, str(args.size), path], check=True,
-                           stdout=subprocess.DEVNULL)
+            cpu_latency.in_child("cpu_yolo:export", name, args.size, path)
             x = np.random.default_rng(0).random((1, 3, args.size, args.size)).astype(np.float32)
             cpu_latency.bench(f"{name}_{args.size}", path, {"x": x}, args.threads, args.repeat, work)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--export"]:  # (the child process: NAME SIZE PATH)
-        export(sys.argv[2], int(sys.argv[3]), sys.argv[4])
-    else:
-        main()
+    main()
