@@ -67,7 +67,9 @@ SHAPES.update({f"int8_{k}": SHAPES[k] for k in ("3x3_56", "1x1_56_64_256", "1x1_
 # conv's value read twice, the conv template's epilogue computes both (rfcs/0002, session 87)
 SHAPES.update({"silu_1x1_80_64": (64, 80, 64, 1, 1, 0), "silu_3x3_160_32_64": (32, 160, 64, 3, 1, 1),
                "silu_3x3_40_128": (128, 40, 128, 3, 1, 1), "silu_1x1_20_256": (256, 20, 256, 1, 1, 0),
-               "silu_3x3_s2_80_64_128": (64, 80, 128, 3, 2, 1)})
+               "silu_3x3_s2_80_64_128": (64, 80, 128, 3, 2, 1),
+               # YOLOv8n's bottleneck convs: one block of 16 channels in and out
+               "silu_3x3_160_16": (16, 160, 16, 3, 1, 1)})
 
 
 def _model(name: str, path: str):

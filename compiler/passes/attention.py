@@ -196,6 +196,8 @@ class AttentionOnHeads(_Walk, GraphPass):
         self._index(graph)
         graph = self._fills_as_biases(graph)
         self._index(graph)
+        graph = self._split_biases(graph)
+        self._index(graph)
         graph = self._softmax_on_heads(graph)
         self._index(graph)
         graph = self._head_scales_on_queries(graph)
@@ -320,6 +322,59 @@ class AttentionOnHeads(_Walk, GraphPass):
                      len(insert), len(replace) - len(insert))
         return splice(graph, insert, replace)
 
+    def _split_biases(self, graph: FlowGraph) -> FlowGraph:
+        """``graph`` with biases added to another view of the scores, ``Reshape(Reshape(s, X) + c1 +
+        .. + cn, shape(s))`` read by a softmax over the last axis (ViTDet's and SAM's decomposed
+        relative positions: ``[N, S, L]`` scores viewed ``[N, qh, qw, kh, kw]``, a term per query row
+        and key column added, viewed back), written as ``s + Reshape(Expand(c1 + .. + cn, X),
+        shape(s))``: one bias of the scores' shape, which the attention passes then take as any
+        other. The same elements added (a reshape moves none), the biases summed before the scores
+        instead of after them (each sum rounded in another order)."""
+        from ..ops.elementwise import Binary
+        from ..ops.transform import Expand, Reshape
+
+        insert: dict[int, list[Operator]] = {}
+        replace: dict[int, Tensor] = {}
+        for sm in graph.nodes:
+            back = self._prod(sm.inputs[0]) if _is(sm, "Softmax") else None
+            if not _is(back, "Reshape") or tuple(sm.attrs.get("axes", ())) != (sm.inputs[0].ndim - 1,) \
+                    or self._only(sm.inputs[0]) is not sm or sm.inputs[0].dtype != "float32":
+                continue
+            s_shape = tuple(sm.inputs[0].shape)
+
+            def scores_view(x: Tensor) -> bool:  # a view of [N, S, L] scores
+                p = self._prod(x)
+                return _is(p, "Reshape") and tuple(p.inputs[0].shape) == s_shape and self._reaches_product(p.inputs[0])
+
+            t, nxt, biases = back.inputs[0], back, []
+            while _is(self._prod(t), "Binary", fn="add") and self._only(t) is nxt and len(biases) < _MAX_BIASES:
+                nxt = self._prod(t)
+                a, b = nxt.inputs
+                t, c = (b, a) if scores_view(b) or _is(self._prod(b), "Binary", fn="add") and not scores_view(a) \
+                    else (a, b)
+                if c.dtype != "float32" or tuple(nxt.outputs[0].shape) != tuple(t.shape):
+                    biases = []  # (the scores' view has the sum's shape: the biases broadcast into it)
+                    break
+                biases.append(c)
+            up = self._prod(t)
+            if not biases or not scores_view(t) or self._only(t) is not nxt or tuple(t.shape) == s_shape:
+                continue
+            shape, new_ops = tuple(t.shape), []
+            bias = biases.pop()  # (the first added)
+            for c in reversed(biases):
+                new_ops.append(Binary([bias, c], name=f"{sm.name}.biases{len(new_ops)}", fn="add"))
+                bias = new_ops[-1].outputs[0]
+            if tuple(bias.shape) != shape:
+                new_ops.append(Expand([bias], name=f"{sm.name}.biases.full", shape=shape))
+                bias = new_ops[-1].outputs[0]
+            new_ops.append(Reshape([bias], name=f"{sm.name}.biases.view", shape=tuple(sm.inputs[0].shape)))
+            new_ops.append(Binary([up.inputs[0], new_ops[-1].outputs[0]], name=f"{sm.name}.biased", fn="add"))
+            insert[id(back)] = new_ops
+            replace[id(back.outputs[0])] = new_ops[-1].outputs[0]
+        if insert:
+            log.info("attention: %d biases added to another view of the scores added to the scores", len(insert))
+        return splice(graph, insert, replace)
+
     def _softmax_on_heads(self, graph: FlowGraph) -> FlowGraph:
         """``graph`` with a softmax over the last axis of a ``[B*H, S, L]`` view of ``[B, H, S, L]``
         scores (XGLM's) computed on the scores and viewed after: the same values."""
@@ -436,7 +491,12 @@ class AttentionOnHeads(_Walk, GraphPass):
             mm = self._prod(t)
             if not _is(mm, "MatMul") or self._only(t) is not nxt or mm.inputs[0].ndim != 3:
                 continue
+            pv = self._only(sm.outputs[0])
+            v3 = pv.inputs[1] if _is(pv, "MatMul") and pv.inputs[0] is sm.outputs[0] else None
             heads = self._heads_of(mm.inputs[0])
+            if heads is None and v3 is not None and v3.ndim == 3 and tuple(v3.shape[:2]) == (bh, l_len) \
+                    and tuple(mm.inputs[0].shape[:2]) == (bh, s_len) and mm.inputs[1].shape[0] == bh:
+                heads = (1, bh)  # (N attentions of their own: one batch of N heads)
             if heads is None:
                 continue
             b_, h_ = heads
@@ -445,8 +505,6 @@ class AttentionOnHeads(_Walk, GraphPass):
             new_ops = [s4, sm4]
             p3 = Reshape([sm4.outputs[0]], name=f"{sm.name}.view", shape=(bh, s_len, l_len))
             new_ops.append(p3)
-            pv = self._only(sm.outputs[0])
-            v3 = pv.inputs[1] if _is(pv, "MatMul") and pv.inputs[0] is sm.outputs[0] else None
             if v3 is not None and v3.ndim == 3 and tuple(v3.shape[:2]) == (bh, l_len) \
                     and id(pv.outputs[0]) not in self._outputs:
                 dv = v3.shape[2]

@@ -1211,6 +1211,83 @@ def test_a_view_after_the_attention_keeps_the_fused_kernel(tmp_path, dtype):
     check_case("view", got, want, FLOAT32_TOL["float32"] if dtype == "float32" else 1e-2)
 
 
+def _windowed_attention(relpos: bool, scores_first: bool = True, b=2, hw=(4, 5), h=3, d=16):
+    """ViTDet's and SAM's attention on windows as torch exports it: ``x [B, S, E]`` projected to
+    ``[B, S, 3*H*D]``, viewed ``[B, S, 3, H, D]``, transposed to ``[3, B, H, S, D]`` and merged to
+    ``[3, B*H, S, D]`` (``qkv.reshape(3, B*H, S, D).unbind(0)``), Q scaled, 3-D scores ``[B*H, S, S]``
+    with no view on the heads; ``relpos``: the decomposed relative positions added to the scores'
+    ``[B*H, qh, qw, kh, kw]`` view (``einsum(q, Rh)`` per key row, ``einsum(q, Rw)`` per key column,
+    the scores on the right of the first addition unless ``scores_first``), viewed back; softmax,
+    P·V, the heads merged back to ``[B, S, H*D]``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(12)
+    (qh, qw), e = hw, h * d
+    s_len = qh * qw
+    inits = {"w": rng.standard_normal((e, 3 * e)).astype(np.float32) * e ** -0.5,
+             "scale": np.array(d ** -0.5, np.float32), "rh": rng.standard_normal((qh, qh, d)).astype(np.float32),
+             "rw": rng.standard_normal((qw, qw, d)).astype(np.float32)}
+    shapes = {"sh5": (b, s_len, 3, h, d), "sh4": (3, b * h, s_len, d), "shq": (b * h, qh, qw, d),
+              "shs": (b * h, qh, qw, qh, qw), "shs3": (b * h, s_len, s_len), "shrh": (b * h, qh, qw, qh, 1),
+              "shrw": (b * h, qh, qw, 1, qw), "shy": (b, h, s_len, d), "shy3": (b, s_len, e)}
+    inits.update({k: np.array(v, np.int64) for k, v in shapes.items()})
+    inits.update({f"i{i}": np.array(i, np.int64) for i in range(3)})
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "w"], ["qkv"]), n("Reshape", ["qkv", "sh5"], ["qkv5"]),
+             n("Transpose", ["qkv5"], ["qkvt"], perm=[2, 0, 3, 1, 4]), n("Reshape", ["qkvt", "sh4"], ["qkv4"])]
+    nodes += [n("Gather", ["qkv4", f"i{i}"], [t], axis=0) for i, t in enumerate("qkv")]
+    nodes += [n("Mul", ["q", "scale"], ["qs"]), n("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+              n("MatMul", ["qs", "kt"], ["scores"])]
+    probs_in = "scores"
+    if relpos:
+        nodes += [n("Reshape", ["q", "shq"], ["qv"]), n("Einsum", ["qv", "rh"], ["relh"], equation="bhwc,hkc->bhwk"),
+                  n("Einsum", ["qv", "rw"], ["relw"], equation="bhwc,wkc->bhwk"),
+                  n("Reshape", ["scores", "shs"], ["s5"]), n("Reshape", ["relh", "shrh"], ["relh5"]),
+                  n("Reshape", ["relw", "shrw"], ["relw5"]),
+                  n("Add", ["s5", "relh5"] if scores_first else ["relh5", "s5"], ["b1"]),
+                  n("Add", ["b1", "relw5"], ["b2"]), n("Reshape", ["b2", "shs3"], ["biased"])]
+        probs_in = "biased"
+    nodes += [n("Softmax", [probs_in], ["p"], axis=-1), n("MatMul", ["p", "v"], ["y3"]),
+              n("Reshape", ["y3", "shy"], ["y4"]), n("Transpose", ["y4"], ["yt"], perm=[0, 2, 1, 3]),
+              n("Reshape", ["yt", "shy3"], ["y"])]
+    graph = helper.make_graph(nodes, "windows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (b, s_len, e))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, (b, s_len, e))],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return model, {"x": rng.standard_normal((b, s_len, e)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("relpos,scores_first", [(False, True), (True, True), (True, False)])
+def test_windowed_attention_on_merged_heads_fuses(tmp_path, relpos, scores_first):
+    """ViTDet's/SAM's attention (:func:`_windowed_attention`): its 3-D scores on ``B*H`` merged heads are
+    computed as one batch of ``B*H`` heads, the relative positions added to a 5-D view of them become one
+    ``[B*H, S, S]`` bias, and the attention fuses on both targets (one ``attention-f32`` kernel on cuda); the
+    cpu program matches onnxruntime."""
+    from shardflow.compiler.codegen.cuda import kernel_groups
+    from shardflow.compiler.driver import _is_view
+    from shardflow.runtime import load
+
+    model, feeds = _windowed_attention(relpos, scores_first)
+    want = _ort(model, feeds)["y"]
+    for target in ("cpu", "cuda"):
+        fused = FuseAttention(float32=True, target=target).run(load_onnx(model))
+        (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+        assert "Softmax" not in {op.op_type for op in fused.nodes}
+        assert att._geometry(*att.inputs[:3]) == (1, 6, 6, 20, 20, 16, 16)
+        assert att.attrs.get("extra_biases", 0) == relpos
+        np.testing.assert_allclose(fused.run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+        if target == "cuda":
+            groups = kernel_groups(list(fused.nodes), "sm_90", keep=[t.name for t in fused.outputs],
+                                   views=[op.name for op in fused.nodes if _is_view(op)])
+            kinds = [la.kind for la in generate_cuda_source(groups, arch="sm_90").launches.values()]
+            assert kinds.count("attention-f32") == 1, kinds
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=tmp_path / "o")
+    program = json.loads((tmp_path / "o" / "rank0" / "program.json").read_text())
+    assert any(st.get("node", "").endswith(".attention") for st in program["steps"] if st["kind"] == "kernel")
+    np.testing.assert_allclose(load(tmp_path / "o", 0).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+
+
 def _split_heads_model(b=2, s=24, h=3, d=8, dv=16):
     """LeViT's attention as torch exports it (opset 17): ``x [B, S, E]`` projected to ``[B, S, H,
     2D + Dv]``, split into Q, K, V on the last axis, Kᵀ a transpose of K's split (perm ``(0, 2, 3,

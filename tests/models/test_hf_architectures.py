@@ -222,6 +222,33 @@ ARCHITECTURES = {
                                                  **_SMALL)), "image"),
     "glpn": (lambda: T.GLPNModel(T.GLPNConfig(hidden_sizes=[16, 32, 48, 64], num_attention_heads=[1, 2, 2, 4],
                                               depths=[1, 1, 1, 1], decoder_hidden_size=16)), "image"),
+    # session 94: LFM2's gated short convolutions beside attention, RecurrentGemma's RG-LRU scan and
+    # local attention, the differential attention of DiffLlama, Apertus' xIELU activation, EXAONE 4's
+    # sliding-window and global layers, Hunyuan's query/key norms; ConvBERT's span-based dynamic
+    # convolution, XLNet's relative two-stream attention; ViTDet's windowed attention with relative
+    # positions, Pixtral's 2-D rotary vision tower, Swin2SR's pixel shuffle, and SwiftFormer's additive
+    # attention
+    "lfm2": (_text(T.Lfm2Config, T.Lfm2ForCausalLM, layer_types=["conv", "full_attention"], **_GQA), "text"),
+    "recurrent_gemma": (_text(T.RecurrentGemmaConfig, T.RecurrentGemmaForCausalLM, hidden_size=64,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                              intermediate_size=128, lru_width=64, attention_window_size=4, head_dim=16), "text"),
+    "diffllama": (_text(T.DiffLlamaConfig, T.DiffLlamaForCausalLM, **_GQA), "text"),
+    "apertus": (_text(T.ApertusConfig, T.ApertusForCausalLM, **_GQA), "text"),
+    "exaone4": (_text(T.Exaone4Config, T.Exaone4ForCausalLM, sliding_window=4, sliding_window_pattern=2, **_GQA),
+                "text"),
+    "hunyuan": (_text(T.HunYuanDenseV1Config, T.HunYuanDenseV1ForCausalLM, head_dim=16, **_GQA), "text"),
+    "convbert": (_text(T.ConvBertConfig, T.ConvBertModel, embedding_size=64, **_SMALL), "text"),
+    "xlnet": (lambda: T.XLNetModel(T.XLNetConfig(vocab_size=V, d_model=64, n_layer=2, n_head=4, d_inner=128)),
+              "text"),
+    "vitdet": (lambda: T.VitDetModel(T.VitDetConfig(image_size=32, pretrain_image_size=32, patch_size=8,
+                                                    window_size=2, window_block_indices=[0],
+                                                    use_relative_position_embeddings=True, **_SMALL)), "image"),
+    "pixtral": (lambda: T.PixtralVisionModel(T.PixtralVisionConfig(image_size=32, patch_size=8, head_dim=16,
+                                                                   **_SMALL)), "image"),
+    "swin2sr": (lambda: T.Swin2SRModel(T.Swin2SRConfig(image_size=32, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                                       window_size=4)), "image"),
+    "swiftformer": (lambda: T.SwiftFormerModel(T.SwiftFormerConfig(depths=[1, 1, 1, 1], embed_dims=[16, 32, 48, 64])),
+                    "image"),
 }
 
 
@@ -230,6 +257,9 @@ EXPORT_FAILS = {
     ("mamba", "ts17"): "the TorchScript export of Mamba writes a Tile whose repeats onnxruntime refuses",
     ("fnet", "ts17"): "the TorchScript exporter has no aten::fft_fftn (FNet's Fourier transform)",
     ("mamba2", "ts17"): "the TorchScript export of Mamba-2 writes a Transpose with negative perm values",
+    ("diffllama", "ts17"): "the TorchScript exporter has no aten::rms_norm (DiffLlama's norm of the attention's heads)",
+    ("apertus", "ts17"): "the TorchScript exporter has no aten::expm1 (Apertus' xIELU activation)",
+    ("xlnet", "dynamo18"): "the dynamo exporter's decomposition of XLNet's graph fails (a ConversionError)",
     ("cohere", "ts17"): "the TorchScript exporter's shape inference fails on Cohere's rotary tables (an internal "
                         "assert on a Reshape)",
 }
@@ -350,9 +380,13 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
 #: projection (as wav2vec 2's), LeViT's query/key/value product (its heads of 8 keys and 16 values
 #: read through one view the pass does not follow), ConvNeXt V2's MLPs (the global response norm
 #: between its two products divides each channel by the mean over all channels) and FocalNet's
-#: modulation (one product split into queries, context and gates).
+#: modulation (one product split into queries, context and gates). Session 94: ConvBERT's span-based
+#: convolution (its kernel product reads the queries' key layer across heads), DiffLlama's differential
+#: heads (pairs of softmaxes subtracted), RecurrentGemma's single key/value head and RG-LRU gates, ViTDet's
+#: heads (their relative position terms read the queries' whole width) and SwiftFormer's widths (no heads).
 KEPT_ON_THREE = {"albert", "swin", "swinv2", "wav2vec2", "sd_unet", "falcon", "gpt_bigcode", "deberta_v3", "wavlm",
-                 "rwkv", "fnet", "olmo2", "mamba2", "hubert", "levit", "convnextv2", "focalnet"}
+                 "rwkv", "fnet", "olmo2", "mamba2", "hubert", "levit", "convnextv2", "focalnet", "convbert", "diffllama",
+                 "recurrent_gemma", "vitdet", "swiftformer"}
 
 
 
@@ -416,9 +450,11 @@ def test_architecture_megatron_on_eight_ranks_pads_queries_by_group(exported, ar
 
 #: the architectures whose attention the cuda target computes with its fused kernel (rfcs/0005
 #: decisions 43, 45, 47 and 50; Swin too since its head size 8 is padded to 16); the convolutional nets,
-#: the state-space and RWKV models, FNet and FocalNet have no attention
+#: the state-space and RWKV models, FNet and FocalNet have no attention, SwiftFormer's additive attention
+#: no scores of queries and keys; DiffLlama subtracts two heads' probabilities before their product with V
+#: and XLNet adds its position scores shifted by a reshape (neither a softmax of scores times V)
 FUSED = set(ARCHITECTURES) - {"convnext", "regnet", "rwkv", "mamba", "fnet", "mamba2", "convnextv2", "bit",
-                               "mobilenet_v2", "poolformer", "focalnet"}
+                               "mobilenet_v2", "poolformer", "focalnet", "swiftformer", "diffllama", "xlnet"}
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
