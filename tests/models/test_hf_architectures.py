@@ -1,4 +1,4 @@
-"""67 models users bring: 65 architectures from transformers, diffusers' Stable Diffusion UNet (when
+"""79 models users bring: 77 architectures from transformers, diffusers' Stable Diffusion UNet (when
 diffusers is installed, as the ``test`` extra does) and a block of a user's own on
 ``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 588 s on two cores with ``-n 2``
 in session 89: 663 passed, 22 skipped for the exports below).
