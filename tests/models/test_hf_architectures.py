@@ -385,8 +385,8 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
 #: heads (pairs of softmaxes subtracted), RecurrentGemma's single key/value head and RG-LRU gates, ViTDet's
 #: heads (their relative position terms read the queries' whole width) and SwiftFormer's widths (no heads).
 KEPT_ON_THREE = {"albert", "swin", "swinv2", "wav2vec2", "sd_unet", "falcon", "gpt_bigcode", "deberta_v3", "wavlm",
-                 "rwkv", "fnet", "olmo2", "mamba2", "hubert", "levit", "convnextv2", "focalnet", "convbert", "diffllama",
-                 "recurrent_gemma", "vitdet", "swiftformer"}
+                 "rwkv", "fnet", "olmo2", "mamba2", "hubert", "levit", "convnextv2", "focalnet", "convbert",
+                 "diffllama", "recurrent_gemma", "vitdet", "swiftformer"}
 
 
 
