@@ -156,14 +156,16 @@ def _expert_matmul(op) -> str | None:
 
 def _einsum(op) -> str | None:
     """A two-operand Einsum that is a (batched) matrix product: every label is a batch label (both
-    operands and the output), the one row label (A and the output), the one column label (B and the
-    output; either may be absent) or the one contracted label (both operands, not the output), with
-    the row or the column label last in the output. It runs as ``sf_sgemm_batched`` with each
-    operand read in place through its labels' strides (a transposed operand is just other strides);
-    the output's matrix is written row by row, or transposed (``C^T = B^T A^T``) when the row label
-    is the last. Other equations (several labels of a kind, a label summed within one operand,
-    repeated or broadcast labels) keep the generic nest, which sums one output element at a time
-    ("bij,bjk->bik" at 8 x 128 x 64 x 128: 3.8 ms against onnxruntime's 0.19)."""
+    operands and the output), a row label (A and the output), a column label (B and the output) or a
+    contracted label (both operands, not the output). It runs as ``sf_sgemm_batched`` with each operand
+    read in place through its labels' strides (a transposed operand is just other strides). Labels of a
+    kind that lie nested in every tensor that has them (``b, h`` of ``bhwc`` and ``bhwk``) are one label;
+    of the row (column) labels left, one is the product's rows (columns) and the others are batch labels
+    that B (A) does not have (stride 0: ViTDet's ``bhwc,hkc->bhwk``). The output's matrix is written row
+    by row where its column label is contiguous, or transposed (``C^T = B^T A^T``) where its row label
+    is. Other equations (contracted labels that do not nest, a label summed within one operand, repeated
+    or broadcast labels, no contiguous output label) keep the generic nest, which sums one output element
+    at a time ("bij,bjk->bik" at 8 x 128 x 64 x 128: 3.8 ms against onnxruntime's 0.19)."""
     from ..ops.linalg import parse_einsum
 
     if len(op.inputs) != 2:
@@ -186,33 +188,51 @@ def _einsum(op) -> str | None:
     rows = [lab for lab in out if lab in sa and lab not in sb]
     cols = [lab for lab in out if lab in sb and lab not in sa]
     red = [lab for lab in la if lab in sb and lab not in out]
-    if len(rows) > 1 or len(cols) > 1 or len(red) != 1 or set(la) | set(lb) != set(out) | set(red):
+    if set(la) | set(lb) != set(out) | set(red):
         return None
-    m, n, k = (rows or [None])[0], (cols or [None])[0], red[0]
-    if n is not None and out[-1] == n:  # C = A B, rows of C at stride so[m]
-        first, fs, ss, r, c = x0, sa, sb, m, n
-    elif m is not None and out[-1] == m:  # C^T = B^T A^T: B's column label is C's row
-        first, fs, ss, r, c = x1, sb, sa, n, m
-    elif m is None and n is None:
-        first, fs, ss, r, c = x0, sa, sb, None, None
-    else:
+
+    def groups(labels, maps):  # runs of labels nested in every map: (extent, {map index: stride})
+        found: list[list[str]] = []
+        for lab in labels:
+            if found and all(st[found[-1][-1]] == ext[lab] * st[lab] for st in maps):
+                found[-1].append(lab)
+            else:
+                found.append([lab])
+        return [(int(np.prod([ext[lab] for lab in g])), [st[g[-1]] for st in maps]) for g in found]
+    rg, cg, kg = groups(rows, (sa, so)), groups(cols, (sb, so)), groups(red, (sa, sb))
+    if len(kg) != 1:
         return None
-    M, N, K = ext[r] if r else 1, ext[c] if c else 1, ext[k]
-    ldc = so[r] if r else N
+    (K, (csa, rsb)), = kg
+    # (extent, a stride, b stride, c stride) of each batch dim; the product's rows and columns
+    dims = [(ext[lab], sa[lab], sb[lab], so[lab]) for lab in batch]
+    col = next((g for g in cg if g[1][1] == 1), None)
+    row = None if col else next((g for g in rg if g[1][1] == 1), None)
+    if col is None and row is None and (rg or cg):
+        return None  # (no contiguous output label: the generic nest)
+    col = col or max(cg, key=lambda g: g[0], default=None)
+    row = row or max(rg, key=lambda g: g[0], default=None)
+    dims += [(g[0], g[1][0], 0, g[1][1]) for g in rg if g is not row]
+    dims += [(g[0], 0, g[1][0], g[1][1]) for g in cg if g is not col]
+    M, rsa, rso = (row[0], *row[1]) if row else (1, 0, 0)
+    N, csb, cso = (col[0], *col[1]) if col else (1, 0, 0)
+    if cso == 1 or not row:  # C = A B, rows of C at stride rso
+        first, ldc = x0, rso if row else N
+    else:  # C^T = B^T A^T: B's column label is C's row
+        first, ldc = x1, cso if col else M
+        M, N, rsa, csa, rsb, csb = N, M, csb, rsb, csa, rsa
+        dims = [(e, b, a, c) for e, a, b, c in dims]
     ia, ib = (0, 1) if first is x0 else (1, 0)
     lines = _args(op)
-    lines.append(f"  // Einsum {op.attrs['equation']!r}: batch {[ext[lab] for lab in batch]} of [{M}, {K}] @ [{K}, {N}]"
+    lines.append(f"  // Einsum {op.attrs['equation']!r}: batch {[d[0] for d in dims]} of [{M}, {K}] @ [{K}, {N}]"
                  + (" (the output transposed: B^T A^T)" if first is x1 else ""))
-    rsa, csa = (fs[r] if r else 0), fs[k]
-    rsb, csb = ss[k], (ss[c] if c else 0)
-    if not batch:
+    if not dims:
         lines.append(f"  sf_sgemm({M}, {N}, {K}, in{ia}, {rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, "
                      "nullptr, 0, 0, true);")
     else:
-        lines.append(f"  static const int64_t bshape[] = {_arr([ext[lab] for lab in batch])}, "
-                     f"astr[] = {_arr([fs[lab] for lab in batch])}, bstr[] = {_arr([ss[lab] for lab in batch])}, "
-                     f"cstr[] = {_arr([so[lab] for lab in batch])};")
-        lines.append(f"  sf_sgemm_batched({len(batch)}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in{ia}, {rsa}, {csa}, "
+        lines.append(f"  static const int64_t bshape[] = {_arr([d[0] for d in dims])}, "
+                     f"astr[] = {_arr([d[1] for d in dims])}, bstr[] = {_arr([d[2] for d in dims])}, "
+                     f"cstr[] = {_arr([d[3] for d in dims])};")
+        lines.append(f"  sf_sgemm_batched({len(dims)}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in{ia}, {rsa}, {csa}, "
                      f"in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, nullptr, 0, 0);")
     return "\n".join(lines)
 

@@ -474,6 +474,13 @@ def _large():
         Einsum([_t((40,)), _t((40, 23))], equation="i,ij->j"),
         Einsum([_t((23, 40)), _t((40,))], equation="ik,k->i"),
         Einsum([_t((4, 9, 30)), _t((4, 30, 11))], equation="bij,bjk->ibk"),  # rows of C apart (a batch between)
+        # two row labels nested (one row label), two apart (ViTDet's relative positions: one a batch label B
+        # lacks), the output transposed with such a batch label, two column labels apart (A lacks one)
+        Einsum([_t((2, 3, 4)), _t((4, 5))], equation="bij,jk->bik"),
+        Einsum([_t((3, 5, 6, 16)), _t((5, 7, 16))], equation="bhwc,hkc->bhwk"),
+        Einsum([_t((3, 5, 6, 16)), _t((6, 7, 16))], equation="bhwc,wkc->bhwk"),
+        Einsum([_t((3, 5, 6, 16)), _t((5, 7, 16))], equation="bhwc,hkc->bhkw"),
+        Einsum([_t((9, 20)), _t((4, 20, 13))], equation="ik,bkj->ibj"),
         # TopK's template: a middle axis (rows strided), k = n, int64 values with ties, float64 smallest,
         # float16 (_Float16 compared as is)
         TopK([_t((3, 300, 5))], k=17, axis=1, largest=True),
@@ -1005,10 +1012,11 @@ def test_scans_lrn_pads_and_einsums_use_their_templates():
     assert template_kind(Transpose([_t((4, 128, 12, 64))], perm=(0, 2, 1, 3))) is None  # rows of 64 move whole
     assert template_kind(Transpose([_t((2, 64, 12, 32))], perm=(0, 2, 3, 1))) is None  # small: fuses in the nest
     einsums = [op for _, op, _ in LARGE if op.op_type == "Einsum"]
-    assert len(einsums) == 7 and all(template_kind(op) == "Einsum" for op in einsums)
-    # a label summed within one operand, a broadcast batch, two row labels, a batch label last: the nest
+    assert len(einsums) == 12 and all(template_kind(op) == "Einsum" for op in einsums)
+    # a label summed within one operand, a broadcast batch, two contracted labels apart, a batch label last
+    # (no output label contiguous): the nest
     for eq, shapes in (("bij,bjk->bk", ((2, 3, 4), (2, 4, 5))), ("bij,bjk->bik", ((1, 3, 4), (2, 4, 5))),
-                       ("bij,jk->bik", ((2, 3, 4), (4, 5))), ("ijb,jkb->ikb", ((3, 4, 2), (4, 5, 2)))):
+                       ("ijk,jlk->il", ((2, 3, 4), (3, 5, 4))), ("ijb,jkb->ikb", ((3, 4, 2), (4, 5, 2)))):
         assert template_kind(Einsum([_t(shapes[0]), _t(shapes[1])], equation=eq)) is None, eq
 
 
