@@ -81,6 +81,12 @@ def cases(rng):
         "transpose_nhwc": _case("Transpose", {"x": img}, [_f32("y", [1, 128, 128, 64])], perm=[0, 2, 3, 1]),
         "einsum_bmm": _case("Einsum", {"x": [8, 128, 64], "w": [8, 64, 128]}, [_f32("y", [8, 128, 128])],
                             equation="bij,bjk->bik"),
+        # an einsum projection (two row labels; session 94) and ViTDet's relative positions (rows apart)
+        "einsum_proj": _case("Einsum", {"x": act}, [_f32("y", act)],
+                             [_const("w", rng.standard_normal((768, 768)).astype(np.float32))], equation="bsh,hd->bsd"),
+        "einsum_relpos": _case("Einsum", {"x": [12, 28, 28, 64]}, [_f32("y", [12, 28, 28, 28])],
+                               [_const("r", rng.standard_normal((28, 28, 64)).astype(np.float32))],
+                               equation="bhwc,hkc->bhwk"),
         "reducemax_mid": _case("ReduceMax", {"x": [64, 4096, 16]}, [_f32("y", [64, 16])],
                                [_const("a", np.array([1], np.int64))], keepdims=0),
         "softmax_mid": _case("Softmax", {"x": [16, 512, 64]}, [_f32("y", [16, 512, 64])], axis=1),
