@@ -588,10 +588,11 @@ def _conv(op, fused=None) -> str | None:
 def _conv_transpose(op, fused=None) -> str | None:
     """ConvTranspose over 1 or 2 spatial dims through :func:`sf_conv_transpose2d` (a GEMM into columns,
     then col2im); with ``fused``, element-wise ops after it finish each output plane (:func:`_conv_epilogue`).
-    ``None`` (the generic nest) when a group's product is too thin for the GEMM (depthwise-like)."""
+    Over 3 spatial dims through :func:`sf_conv_transpose3d` (the same by slabs of input slices; no fused
+    ops). ``None`` (the generic nest) when a group's product is too thin for the GEMM (depthwise-like)."""
     x, w = op.inputs[0].shape, op.inputs[1].shape
     n_sp = len(x) - 2
-    if n_sp not in (1, 2):
+    if n_sp not in (1, 2, 3) or (n_sp == 3 and fused is not None):
         return None
     g = int(op.attrs.get("group", 1))
     icg, ocg, kern = x[1] // g, w[1], tuple(w[2:])
@@ -601,6 +602,15 @@ def _conv_transpose(op, fused=None) -> str | None:
     dil = tuple(op.attrs.get("dilations") or (1,) * n_sp)
     pads = tuple(op.attrs.get("pads") or (0,) * (2 * n_sp))
     out = tuple(op.attrs["output_shape"])
+    what = (f"  // ConvTranspose: {x[0]} images, {g} group(s) of columns [{ocg * _prod(kern)}, {icg}] @ "
+            f"[{icg}, {_prod(x[2:])}], folded into [{ocg}, {'x'.join(map(str, out))}] "
+            f"(kernel {'x'.join(map(str, kern))}, strides {list(strides)}, dilations {list(dil)}, "
+            f"pads {list(pads)})")
+    if n_sp == 3:
+        bias = "in2" if len(op.inputs) > 2 else "nullptr"
+        return "\n".join(_args(op) + [what, f"  static const SfConv3Geom geom = "
+                                            f"{_arr((icg, *x[2:], *kern, *strides, *dil, *pads[:3], *out))};",
+                                     f"  sf_conv_transpose3d(in0, in1, {bias}, out0, geom, {x[0]}, {g}, {ocg});"])
     if n_sp == 1:
         geom = (icg, 1, x[2], 1, kern[0], 1, strides[0], 1, dil[0], 0, pads[0], 1, out[0])
     else:
@@ -616,10 +626,7 @@ def _conv_transpose(op, fused=None) -> str | None:
             return None
         lines = _args(fused) + epi
         bias = "nullptr"
-    lines.append(f"  // ConvTranspose: {x[0]} images, {g} group(s) of columns [{ocg * _prod(kern)}, {icg}] @ "
-                 f"[{icg}, {_prod(x[2:])}], folded into [{ocg}, {'x'.join(map(str, out))}] "
-                 f"(kernel {'x'.join(map(str, kern))}, strides {list(strides)}, dilations {list(dil)}, "
-                 f"pads {list(pads)})")
+    lines.append(what)
     lines.append(f"  static const SfConvGeom geom = {_arr(geom)};")
     extra = "" if epi is None else ", epi_, &ctx_"
     lines.append(f"  sf_conv_transpose2d({xin}, {win}, {bias}, out0, geom, {x[0]}, {g}, {ocg}{extra});")

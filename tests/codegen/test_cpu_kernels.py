@@ -365,6 +365,13 @@ def _large():
         ConvTranspose([_t((1, 32, 24, 24)), _t((32, 16, 4, 4)), _t((16,))], strides=(2, 2), pads=(1, 1, 1, 1),
                       output_shape=(48, 48)),
         ConvTranspose([_t((1, 6, 5, 5)), _t((6, 1, 3, 3))], group=6, strides=(2, 2), output_shape=(11, 11)),
+        # over 3 spatial dims (by slabs of input slices): a 3-D UNet's 2x2x2 upsampling of two images; groups
+        # with uneven strides, pads and dilations and output padding; a slab of one slice
+        ConvTranspose([_t((2, 8, 5, 6, 4)), _t((8, 6, 2, 2, 2)), _t((6,))], strides=(2, 2, 2),
+                      output_shape=(10, 12, 8)),
+        ConvTranspose([_t((1, 8, 5, 6, 7)), _t((8, 3, 3, 3, 2)), _t((6,))], group=2, strides=(2, 1, 3),
+                      pads=(1, 0, 1, 1, 1, 0), dilations=(1, 2, 1), output_shape=(10, 9, 20)),
+        ConvTranspose([_t((1, 4, 3, 100, 100)), _t((4, 16, 3, 3, 3))], pads=(1,) * 6, output_shape=(3, 100, 100)),
         # the Resize template: nearest (every rounding, integer and odd scales), linear and cubic (rows
         # resized along W cached and combined), only H or only W resized, antialias (many taps), crop
         # with extrapolation, 1-D/2-D/5-D inputs, bands of rows (few planes) and threads over planes
@@ -1051,12 +1058,12 @@ def test_convs_of_few_one_channel_groups_take_the_gemm():
 
 
 def test_transposed_convs_use_their_template():
-    """The large ConvTranspose cases run the GEMM + col2im template (the generic nest is ~100x slower
-    on such shapes, benchmarks/cpu_conv.py); the depthwise-like one stays generic."""
+    """The large ConvTranspose cases, 3-D ones too, run the GEMM + col2im template (the generic nest is
+    ~100x slower on such shapes, benchmarks/cpu_conv.py); the depthwise-like one stays generic."""
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     kinds = {cid: template_kind(op) for cid, op, _ in LARGE if op.op_type == "ConvTranspose"}
-    assert len(kinds) == 8
+    assert len(kinds) == 11
     thin = [cid for cid, op, _ in LARGE if op.op_type == "ConvTranspose" and op.attrs.get("group") == 6]
     assert [cid for cid, k in kinds.items() if k is None] == thin and len(thin) == 1
     assert all(k == "ConvTranspose" for cid, k in kinds.items() if cid not in thin)

@@ -77,4 +77,61 @@ static void sf_conv_transpose2d(const float* x, const float* w, const float* bia
     }
 }
 
+// The same over 3 spatial dims (no epilogue): per image, group and slab of input depth slices, cols[OCG*KD*KH*KW,
+// slab voxels] = W_g^T @ x_g[:, slab] by the GEMM, then each output channel folds them in: tap (kd, kh, kw) of
+// input voxel (id, ih, iw) adds to output voxel (id*SD - PF + kd*DD, ih*SH - PT + kh*DH, iw*SW - PL + kw*DW)
+// where that lies in the output, which starts as the bias. Slabs keep cols within 16 MB (or one slice).
+// g holds ICG as C, the input D x H x W and the output OD x OH x OW.
+static void sf_conv_transpose3d(const float* x, const float* w, const float* bias, float* y, const SfConv3Geom& g,
+                                int64_t nimg, int64_t groups, int64_t ocg) {
+  const int64_t ICG = g.C, HW = g.H * g.W, P = g.D * HW, KK = g.KD * g.KH * g.KW, M = ocg * KK;
+  const int64_t OHW = g.OH * g.OW, OP = g.OD * OHW;
+  if (nimg <= 0 || groups <= 0 || ocg <= 0 || OP <= 0) return;
+  const int64_t slab = std::clamp<int64_t>((int64_t(1) << 22) / std::max<int64_t>(M * HW, 1), 1,
+                                           std::max<int64_t>(g.D, 1));
+  float* cols = static_cast<float*>(sf_workspace(3, sizeof(float) * M * slab * HW));
+  const bool par = sf_max_threads() > 1 && (double)M * slab * HW * ICG >= SF_CONV_PAR_WORK;
+  for (int64_t ng = 0; ng < nimg * groups; ++ng) {
+    const int64_t gi = ng % groups;
+    float* yg = y + ng * ocg * OP;
+    #pragma omp parallel for schedule(static) if (sf_max_threads() > 1 && ocg * OP >= 65536)
+    for (int64_t oc = 0; oc < ocg; ++oc) {
+      const float bv = bias ? bias[gi * ocg + oc] : 0.0f;
+      float* __restrict__ yp = yg + oc * OP;
+      for (int64_t i = 0; i < OP; ++i) yp[i] = bv;
+    }
+    for (int64_t d0 = 0; d0 < g.D; d0 += slab) {
+      const int64_t nd = std::min(slab, g.D - d0), ld = nd * HW;
+      sf_sgemm(M, ld, ICG, w + gi * ICG * M, 1, M, x + ng * ICG * P + d0 * HW, P, 1, cols, ld, 1.0f, nullptr, 0, 0,
+               true);
+      #pragma omp parallel for schedule(static) if (par)
+      for (int64_t oc = 0; oc < ocg; ++oc) {
+        float* __restrict__ yp = yg + oc * OP;
+        for (int64_t kd = 0; kd < g.KD; ++kd)
+          for (int64_t kh = 0; kh < g.KH; ++kh) {
+            const int64_t ro = kh * g.DH - g.PT;
+            int64_t h0, h1;
+            sf_inside(ro, g.SH, g.OH, g.H, h0, h1);
+            for (int64_t kw = 0; kw < g.KW; ++kw) {
+              const int64_t co = kw * g.DW - g.PL;
+              int64_t w0, w1;
+              sf_inside(co, g.SW, g.OW, g.W, w0, w1);
+              const float* c = cols + ((oc * g.KD + kd) * g.KH * g.KW + kh * g.KW + kw) * ld;
+              for (int64_t id = d0; id < d0 + nd; ++id) {
+                const int64_t od = id * g.SD - g.PF + kd * g.DD;
+                if (od < 0 || od >= g.OD) continue;
+                for (int64_t ih = h0; ih < h1; ++ih) {
+                  float* __restrict__ yr = yp + od * OHW + (ih * g.SH + ro) * g.OW + co;
+                  const float* __restrict__ cr = c + (id - d0) * HW + ih * g.W;
+                  if (g.SW == 1) { for (int64_t iw = w0; iw < w1; ++iw) yr[iw] += cr[iw]; }
+                  else { for (int64_t iw = w0; iw < w1; ++iw) yr[iw * g.SW] += cr[iw]; }
+                }
+              }
+            }
+          }
+      }
+    }
+  }
+}
+
 }  // namespace
