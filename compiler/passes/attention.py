@@ -326,8 +326,9 @@ class AttentionOnHeads(_Walk, GraphPass):
         """``graph`` with biases added to another view of the scores, ``Reshape(Reshape(s, X) + c1 +
         .. + cn, shape(s))`` read by a softmax over the last axis (ViTDet's and SAM's decomposed
         relative positions: ``[N, S, L]`` scores viewed ``[N, qh, qw, kh, kw]``, a term per query row
-        and key column added, viewed back), written as ``s + Reshape(Expand(c1 + .. + cn, X),
-        shape(s))``: one bias of the scores' shape, which the attention passes then take as any
+        and key column added, viewed back), where ``X`` splits the queries or the keys (a view of the
+        batch alone is the heads' view, which the later steps take: XGLM's mask), written as
+        ``s + Reshape(Expand(c1 + .. + cn, X), shape(s))``: one bias of the scores' shape, which the attention passes then take as any
         other. The same elements added (a reshape moves none), the biases summed before the scores
         instead of after them (each sum rounded in another order)."""
         from ..ops.elementwise import Binary
@@ -357,8 +358,8 @@ class AttentionOnHeads(_Walk, GraphPass):
                     break
                 biases.append(c)
             up = self._prod(t)
-            if not biases or not scores_view(t) or self._only(t) is not nxt or tuple(t.shape) == s_shape:
-                continue
+            if not biases or not scores_view(t) or self._only(t) is not nxt or tuple(t.shape[-2:]) == s_shape[-2:]:
+                continue  # (a view that splits the batch alone, [B*H, S, L] as [B, H, S, L]: the heads' view)
             shape, new_ops = tuple(t.shape), []
             bias = biases.pop()  # (the first added)
             for c in reversed(biases):

@@ -1288,6 +1288,38 @@ def test_windowed_attention_on_merged_heads_fuses(tmp_path, relpos, scores_first
     np.testing.assert_allclose(load(tmp_path / "o", 0).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_mask_on_the_heads_view_keeps_the_heads(tmp_path):
+    """XGLM's form: 3-D scores ``[B*H, S, L]`` viewed ``[B, H, S, L]`` for the mask ``[B, 1, S, L]``, viewed
+    back for the softmax, P·V on ``[B*H, ..]`` viewed ``[B, H, S, D]``. That view splits the batch alone (the
+    heads' view), so the mask is not materialized per head as a split view's biases are
+    (:func:`test_windowed_attention_on_merged_heads_fuses`): the fused op has B = 2 batches of H = 3 heads
+    and reads the mask as it is; values as onnxruntime's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(13)
+    b, h, s_len, d = 2, 3, 12, 16
+    shapes = {"s4": (b, h, s_len, s_len), "s3": (b * h, s_len, s_len)}
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in shapes.items()]
+    inits.append(numpy_helper.from_array(np.where(rng.random((b, 1, s_len, s_len)) > 0.3, 0, -1e9).astype(
+        np.float32), "mask"))
+    n = helper.make_node
+    nodes = [n("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), n("MatMul", ["q", "kt"], ["scores"]),
+             n("Reshape", ["scores", "s4"], ["s4v"]), n("Add", ["s4v", "mask"], ["masked"]),
+             n("Reshape", ["masked", "s3"], ["s3v"]), n("Softmax", ["s3v"], ["p"], axis=-1),
+             n("MatMul", ["p", "v"], ["y3"]), n("Reshape", ["y3", "y4"], ["y4v"]), n("Mul", ["y4v", "two"], ["y"])]
+    inits += [numpy_helper.from_array(np.array((b, h, s_len, d), np.int64), "y4"),
+              numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "xglm", [f(t, TensorProto.FLOAT, (b * h, s_len, d)) for t in "qkv"],
+                              [f("y", TensorProto.FLOAT, (b, h, s_len, d))], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {t: rng.standard_normal((b * h, s_len, d)).astype(np.float32) for t in "qkv"}
+    fused = FuseAttention(float32=True, target="cpu").run(load_onnx(model))
+    (att,) = [op for op in fused.nodes if op.op_type == "Attention"]
+    assert att._geometry(*att.inputs[:3])[:2] == (2, 3) and tuple(att.inputs[3].shape) == (b, 1, s_len, s_len)
+    np.testing.assert_allclose(fused.run(feeds)["y"], _ort(model, feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
 def _split_heads_model(b=2, s=24, h=3, d=8, dv=16):
     """LeViT's attention as torch exports it (opset 17): ``x [B, S, E]`` projected to ``[B, S, H,
     2D + Dv]``, split into Q, K, V on the last axis, Kᵀ a transpose of K's split (perm ``(0, 2, 3,
