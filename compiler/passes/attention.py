@@ -329,8 +329,8 @@ class AttentionOnHeads(_Walk, GraphPass):
         and key column added, viewed back), where ``X`` splits the queries or the keys (a view of the
         batch alone is the heads' view, which the later steps take: XGLM's mask), written as
         ``s + Reshape(Expand(c1 + .. + cn, X), shape(s))``: one bias of the scores' shape, which the
-        attention passes then take as any other. The same elements added (a reshape moves none), the biases summed before the scores
-        instead of after them (each sum rounded in another order)."""
+        attention passes then take as any other. The same elements added (a reshape moves none), the
+        biases summed before the scores instead of after them (each sum rounded in another order)."""
         from ..ops.elementwise import Binary
         from ..ops.transform import Expand, Reshape
 
