@@ -191,7 +191,7 @@ def _einsum(op) -> str | None:
     if set(la) | set(lb) != set(out) | set(red):
         return None
 
-    def groups(labels, maps):  # runs of labels nested in every map: (extent, {map index: stride})
+    def groups(labels, maps):  # runs of labels nested in every map: (extent, [innermost stride in each map])
         found: list[list[str]] = []
         for lab in labels:
             if found and all(st[found[-1][-1]] == ext[lab] * st[lab] for st in maps):

@@ -368,12 +368,12 @@ class AttentionOnHeads(_Walk, GraphPass):
             if tuple(bias.shape) != shape:
                 new_ops.append(Expand([bias], name=f"{sm.name}.biases.full", shape=shape))
                 bias = new_ops[-1].outputs[0]
-            new_ops.append(Reshape([bias], name=f"{sm.name}.biases.view", shape=tuple(sm.inputs[0].shape)))
+            new_ops.append(Reshape([bias], name=f"{sm.name}.biases.view", shape=s_shape))
             new_ops.append(Binary([up.inputs[0], new_ops[-1].outputs[0]], name=f"{sm.name}.biased", fn="add"))
             insert[id(back)] = new_ops
             replace[id(back.outputs[0])] = new_ops[-1].outputs[0]
         if insert:
-            log.info("attention: %d biases added to another view of the scores added to the scores", len(insert))
+            log.info("attention: the biases on a split view of the scores written as one bias, %d times", len(insert))
         return splice(graph, insert, replace)
 
     def _softmax_on_heads(self, graph: FlowGraph) -> FlowGraph:
@@ -470,7 +470,10 @@ class AttentionOnHeads(_Walk, GraphPass):
         time-major heads (:meth:`_heads_of`) computed on their ``[B, H, S, L]`` view and viewed
         back, and the product of those probabilities with V (``[B*H, L, Dv]``) computed on the
         views too (``MatMul(p [B, H, S, L], v viewed [B, H, L, Dv])`` viewed back as ``[B*H, S,
-        Dv]``): :meth:`_lift_heads` then writes the scores on the heads. The same values (views)."""
+        Dv]``): :meth:`_lift_heads` then writes the scores on the heads. Where ``q`` has no such heads
+        and the probabilities are read by that product alone, the ``N = B*H`` attentions (ViTDet's
+        ``qkv.reshape(3, B*H, S, D)``) are lifted as one batch of ``N`` heads, ``[1, N, ..]``. The same
+        values (views)."""
         from ..ops.linalg import MatMul
         from ..ops.reduce import Softmax
         from ..ops.transform import Reshape
@@ -494,9 +497,9 @@ class AttentionOnHeads(_Walk, GraphPass):
                 continue
             pv = self._only(sm.outputs[0])
             v3 = pv.inputs[1] if _is(pv, "MatMul") and pv.inputs[0] is sm.outputs[0] else None
+            by_v = v3 is not None and v3.ndim == 3 and tuple(v3.shape[:2]) == (bh, l_len)  # P·V on the heads
             heads = self._heads_of(mm.inputs[0])
-            if heads is None and v3 is not None and v3.ndim == 3 and tuple(v3.shape[:2]) == (bh, l_len) \
-                    and tuple(mm.inputs[0].shape[:2]) == (bh, s_len) and mm.inputs[1].shape[0] == bh:
+            if heads is None and by_v and tuple(mm.inputs[0].shape[:2]) == (bh, s_len) and mm.inputs[1].shape[0] == bh:
                 heads = (1, bh)  # (N attentions of their own: one batch of N heads)
             if heads is None:
                 continue
@@ -506,8 +509,7 @@ class AttentionOnHeads(_Walk, GraphPass):
             new_ops = [s4, sm4]
             p3 = Reshape([sm4.outputs[0]], name=f"{sm.name}.view", shape=(bh, s_len, l_len))
             new_ops.append(p3)
-            if v3 is not None and v3.ndim == 3 and tuple(v3.shape[:2]) == (bh, l_len) \
-                    and id(pv.outputs[0]) not in self._outputs:
+            if by_v and id(pv.outputs[0]) not in self._outputs:
                 dv = v3.shape[2]
                 v4 = Reshape([v3], name=f"{pv.name}.v.heads", shape=(b_, h_, l_len, dv))
                 pv4 = MatMul([sm4.outputs[0], v4.outputs[0]], name=f"{pv.name}.heads")
