@@ -442,18 +442,23 @@ def _flt(v: float) -> str:
 
 
 def _conv3d(op) -> str | None:
-    """Conv over 3 spatial dims through :func:`sf_conv3d` (im2col slabs and the GEMM); no fused ops."""
+    """Conv over 3 spatial dims through :func:`sf_conv3d` (the 2-D conv's tiles per output depth slice, B
+    read from the padded volume); no fused ops. ``None`` (the generic nest) where a group's padded volume
+    has 2^31 floats or more (the kernels' offsets are int32)."""
     x, w, out = op.inputs[0].shape, op.inputs[1].shape, op.outputs[0].shape
     g = int(op.attrs.get("group", 1))
     oc, icg = w[0], w[1]
     strides = tuple(op.attrs.get("strides") or (1, 1, 1))
     dil = tuple(op.attrs.get("dilations") or (1, 1, 1))
     pads = tuple(op.attrs.get("pads") or (0,) * 6)
+    padded = [max(x[2 + a] + pads[a], (out[2 + a] - 1) * strides[a] + (w[2 + a] - 1) * dil[a] + 1) for a in range(3)]
+    if icg * _prod(padded) >= 2 ** 31:
+        return None
     geom = (icg, *x[2:], *w[2:], *strides, *dil, *pads[:3], *out[2:])
     lines = _args(op)
-    lines.append(f"  // Conv 3-D: {x[0]} images, {g} group(s) of [{oc // g}, {icg * _prod(w[2:])}] @ im2col "
-                 f"[{icg * _prod(w[2:])}, {_prod(out[2:])}] (kernel {list(w[2:])}, strides {list(strides)}, "
-                 f"dilations {list(dil)}, pads {list(pads)})")
+    lines.append(f"  // Conv 3-D: {x[0]} images, {g} group(s) of [{oc // g}, {icg * _prod(w[2:])}] @ "
+                 f"[{icg * _prod(w[2:])}, {_prod(out[2:])}] read from the padded volume (kernel {list(w[2:])}, "
+                 f"strides {list(strides)}, dilations {list(dil)}, pads {list(pads)})")
     lines.append(f"  static const SfConv3Geom geom = {_arr(geom)};")
     bias = "in2" if len(op.inputs) > 2 else "nullptr"
     lines.append(f"  sf_conv3d(in0, in1, {bias}, out0, geom, {x[0]}, {g}, {oc // g});")

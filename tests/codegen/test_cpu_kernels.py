@@ -343,13 +343,20 @@ def _large():
         # weights beyond 1 MiB read once per image (one chunk of all its tiles), not once per chunk: the
         # images above shared by the threads, these four taken whole by each thread
         WinogradConv([_t((4, 130, 20, 20)), _wino(130, 136, 2), _t((136,))], oc=136, m=2, pads=(1, 1, 1, 1)),
-        # 3-D convs (im2col slabs and the GEMM): padding, strides, dilation, groups, bias, several images,
-        # slabs of depth slices (a K of 2 blocks: 300 channels), threads
+        # 3-D convs (the 2-D conv's tiles per output depth slice): B packed (a W stride of 2 with padding,
+        # strides, dilation, groups and two images; rows of 5 and 8 pixels with K in several blocks and, at
+        # 100 outputs, two row tiles reusing their panels; 1024 outputs, unpadded) and read in place (rows of
+        # 16, 48 and 35 pixels: K in blocks, column tails, a depth stride and W dilation, groups, two images)
         Conv([_t((2, 4, 6, 7, 9)), _t((6, 2, 3, 2, 3)), _t((6,))], group=2, pads=(1, 0, 2, 1, 1, 0),
              strides=(2, 1, 2), dilations=(2, 2, 1)),
         Conv([_t((1, 300, 3, 4, 5)), _t((10, 300, 1, 3, 3)), _t((10,))], pads=(0, 1, 1, 0, 1, 1)),
+        Conv([_t((1, 40, 4, 6, 8)), _t((100, 40, 3, 3, 3)), _t((100,))], pads=(2, 1, 1, 0, 1, 1),
+             dilations=(2, 1, 1)),
+        Conv([_t((1, 2, 3, 4, 20)), _t((1024, 2, 1, 1, 1)), _t((1024,))]),
         Conv([_t((1, 8, 12, 16, 16)), _t((16, 8, 3, 3, 3))], pads=(1,) * 6),
-        Conv([_t((1, 64, 3, 48, 48)), _t((4, 64, 3, 3, 3)), _t((4,))], pads=(1,) * 6),  # one depth slice per slab
+        Conv([_t((1, 64, 3, 48, 48)), _t((4, 64, 3, 3, 3)), _t((4,))], pads=(1,) * 6),
+        Conv([_t((2, 6, 5, 4, 37)), _t((10, 3, 3, 3, 3)), _t((10,))], group=2, pads=(1,) * 6, strides=(2, 1, 1),
+             dilations=(1, 1, 2)),
         # the transposed-conv template (a GEMM into columns, then col2im): output padding, groups with
         # stride, dilation and uneven pads, 1-D, stride 1, an output past the columns' reach (negative end pads:
         # bias only there), K in two blocks, threads, and a thin one left to the generic nest
@@ -988,13 +995,16 @@ def test_integer_gemm_on_each_instruction_set(library, tmp_path, isa):
 
 def test_3d_convs_use_their_template():
     """3-D convs run sf_conv3d (the generic nest was 26-28x onnxruntime's time, rfcs/0002); fused ops
-    after one stay apart (its template has no epilogue)."""
+    after one stay apart (its template has no epilogue). One whose padded volume needs offsets past int32
+    is left to the generic nest."""
     from shardflow.compiler.codegen.templates_cpu import accepts_epilogue, template_body, template_kind
 
     convs = [op for _, op, _ in LARGE
              if op.op_type == "Conv" and op.inputs[0].ndim == 5 and not op.attrs.get("blocked_in")]
-    assert len(convs) == 4 and all(template_kind(op) == "Conv" for op in convs)
+    assert len(convs) == 7 and all(template_kind(op) == "Conv" for op in convs)
     assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
+    huge = Conv([_t((1, 2, 1024, 1024, 1023)), _t((4, 2, 3, 3, 3))], pads=(1,) * 6)  # 2 x 1026 x 1026 x 1025 floats
+    assert template_body(huge) is None
 
 
 def test_scans_lrn_pads_and_einsums_use_their_templates():

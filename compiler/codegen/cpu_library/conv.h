@@ -591,6 +591,79 @@ constexpr double SF_CONV_KEEP_BYTES = 4194304.0;
 constexpr double SF_CONV_BAND_MIN = 2097152.0;
 constexpr double SF_CONV_BAND_BYTES = 786432.0;
 
+// How sf_conv2d and sf_conv3d split a conv's output: ntm x ntn tiles per image and group (per depth slice in 3-D;
+// nplanes of them), of at most ~96 rows x 256 columns, the mp row and np column panels split evenly (tile t has
+// panels [p * t / n, p * (t + 1) / n)); npt: the most column panels of a tile. With threads (par): more tiles
+// until every thread gets at least two and the count divides evenly (or there are many), splitting the wider
+// side. keep: a thread packs all K rows of its column tile once and reuses them for the next row tiles of the
+// same column tile (consecutive tasks), when they fit SF_CONV_KEEP_BYTES.
+struct SfConvTiles { int64_t ntm, ntn, npt, ntask; bool keep; };
+
+static SfConvTiles sf_conv_tiles(int64_t nplanes, int64_t mp, int64_t np, int64_t K, int64_t nkb, int64_t nrm, bool par,
+                                 int nt) {
+  int64_t ntm = (mp + 7) / 8, ntn = (np + 7) / 8;
+  auto ntiles = [&]() { return nplanes * ntm * ntn; };
+  while (par && (ntiles() < 2 * nt || (ntiles() % nt != 0 && ntiles() < 8 * nt)) && (ntm < mp || ntn < np)) {
+    if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
+  }
+  const int64_t npt = (np + ntn - 1) / ntn;
+  const bool keep = ntm > 1 && (nkb == 1 || (double)K * npt * nrm * sizeof(float) <= SF_CONV_KEEP_BYTES);
+  return {ntm, ntn, npt, ntiles(), keep};
+}
+
+// The calling thread's buffer of packed B panels for tiles tl (its workspace slot 2)
+static float* sf_conv_panels(const SfConvTiles& tl, int64_t K, int64_t kcb, int64_t nrm) {
+  return static_cast<float*>(sf_workspace(2, sizeof(float) * ((tl.keep ? K : kcb) * tl.npt * nrm + SF_PACK_SLACK)));
+}
+
+// Rows [i0, i1) and columns [j0, j1) of one image's (and group's) conv output yg, [M][ldc]: the weights' rows
+// wg ([M][K]) times B, whose row k (a channel and tap) holds the pixels of gs's output grid read from the image xg
+// (Hs x Ws floats a channel) at xg + off[k] and on. unpacked: B is read in place (gs.SW == 1; the ISA's dfn
+// kernels); else it is packed into Bp by column panels, once per K block (keep: Bp holds the panels of all K
+// rows, npt panels of them, and pack false reuses them from the previous tile of the same columns). last(kb, i,
+// j): the kernels' finish for a call at row i and column j on K block kb (null: none).
+template <class Last>
+static void sf_conv_tile(const SfCukr& u, bool unpacked, const float* xg, int64_t Hs, int64_t Ws, const SfConvGeom& gs,
+                         const int32_t* off, const float* wg, int64_t K, int64_t nkb, int64_t kcb, float* yg,
+                         int64_t ldc, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float* Bp, bool pack, bool keep,
+                         int64_t npt, const Last& last) {
+  const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
+    if (unpacked) {
+      for (int64_t j = j0; j < j1;) {
+        const int64_t oh = j / gs.OW, ow = j % gs.OW;
+        const int64_t cols = std::min(std::min(nrm, gs.OW - ow), j1 - j), nv = (cols + vl - 1) / vl;
+        const float* xb = xg + oh * gs.SH * Ws + ow;
+        const int64_t step = nv == 1 ? u.mr1 : mr;
+        for (int64_t i = i0; i < i1; i += step) {
+          const int64_t rows = std::min(step, i1 - i);
+          u.dfn[rows - 1][nv - 1][cols < nv * vl](kc, wg + i * K + pc, K, xb, off + pc, yg + i * ldc + j, ldc, cols,
+                                                  kb == 0, last(kb, i, j));
+        }
+        j += cols;
+      }
+      continue;
+    }
+    float* Bb = Bp + (keep ? pc * npt * nrm : 0);  // this K block's panels, [kc][width] each
+    if (pack) {
+      for (int64_t j = j0; j < j1; j += nrm) {
+        const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
+        u.pack(xg, Hs, Ws, gs, off, j, cols, width, pc, kc, Bb + (j - j0) * kc);
+      }
+    }
+    for (int64_t j = j0; j < j1; j += nrm) {
+      const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
+      const float* bp = Bb + (j - j0) * kc;
+      const int64_t step = nv == 1 ? u.mr1 : mr;
+      for (int64_t i = i0; i < i1; i += step) {
+        const int64_t rows = std::min(step, i1 - i);
+        u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * ldc + j, ldc, cols, kb == 0, last(kb, i, j));
+      }
+    }
+  }
+}
+
 // y[n, gi*ocg + o, :] = w[gi*ocg + o, :] @ im2col(x[n, gi*C : (gi+1)*C]) + bias[gi*ocg + o] for every image
 // n < nimg and group gi < groups (x: [nimg, groups*C, H, W], w: [groups*ocg, C*KH*KW], y: [nimg,
 // groups*ocg, OH, OW]). direct: a 1x1, stride-1, unpadded conv. Tasks are tiles of C (up to ~96 rows x
@@ -616,19 +689,9 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   const int64_t mp = (M + mr - 1) / mr, np = (P + nrm - 1) / nrm;
   const int nt = sf_max_threads();
   const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
-  // tiles: ntm x ntn per image and group, of at most ~96 rows x 256 columns, the panels split evenly
-  // (tile t has panels [p * t / nt, p * (t + 1) / nt)). With threads: more tiles until every thread gets
-  // at least two and the count divides evenly (or there are many), splitting the wider side.
-  int64_t ntm = (mp + 7) / 8, ntn = (np + 7) / 8;
-  auto ntiles = [&]() { return nimg * groups * ntm * ntn; };
-  while (par && (ntiles() < 2 * nt || (ntiles() % nt != 0 && ntiles() < 8 * nt)) && (ntm < mp || ntn < np)) {
-    if (ntn < np && (ntm >= mp || np * ntm >= mp * ntn)) ++ntn; else ++ntm;
-  }
-  const int64_t npt = (np + ntn - 1) / ntn;  // the most column panels of a tile
-  const int64_t ntask = nimg * groups * ntm * ntn;
-  // keep: a thread packs all K rows of its column tile once and reuses them for the next row tiles
-  // of the same column tile (consecutive tasks), when they fit SF_CONV_KEEP_BYTES
-  const bool keep = ntm > 1 && (nkb == 1 || (double)K * npt * nrm * sizeof(float) <= SF_CONV_KEEP_BYTES);
+  const SfConvTiles tl = sf_conv_tiles(nimg * groups, mp, np, K, nkb, nrm, par, nt);
+  const int64_t ntm = tl.ntm, ntn = tl.ntn, npt = tl.npt, ntask = tl.ntask;
+  const bool keep = tl.keep;
   // the padded images: [nimg * groups * C][Hp][Wp], the input rows at (PT, PL)
   const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
@@ -700,9 +763,7 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       for (int64_t pl = 0; pl < nplanes; ++pl)
         sf_pick_plane(x + pl * g.H * g.W, g.W, g.SH, g.SW, g.OH, g.OW, xpad + pl * P);
     }
-    float* Bp = unpacked ? nullptr
-                         : static_cast<float*>(
-                               sf_workspace(2, sizeof(float) * ((keep ? K : kcb) * npt * nrm + SF_PACK_SLACK)));
+    float* Bp = unpacked ? nullptr : sf_conv_panels(tl, K, kcb, nrm);
     int64_t packed = -1;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntask; ++t) {
@@ -722,46 +783,9 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
       };
       const int64_t i0 = mp * tm / ntm * mr, i1 = std::min(M, mp * (tm + 1) / ntm * mr);
       const int64_t j0 = np * tn / ntn * nrm, j1 = std::min(P, np * (tn + 1) / ntn * nrm);
-      if (unpacked) {
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-          const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
-          for (int64_t j = j0; j < j1;) {
-            const int64_t oh = j / gs.OW, ow = j % gs.OW;
-            const int64_t cols = std::min(std::min(nrm, gs.OW - ow), j1 - j), nv = (cols + vl - 1) / vl;
-            const float* xb = xg + oh * gs.SH * Ws + ow;
-            const int64_t step = nv == 1 ? u.mr1 : mr;
-            for (int64_t i = i0; i < i1; i += step) {
-              const int64_t rows = std::min(step, i1 - i);
-              u.dfn[rows - 1][nv - 1][cols < nv * vl](kc, wg + i * K + pc, K, xb, off + pc, yg + i * P + j, P, cols,
-                                                      kb == 0, last(kb, i, j));
-            }
-            j += cols;
-          }
-        }
-      } else {
-        const bool pack = !keep || packed != col;
-        packed = col;
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-          const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
-          float* Bb = Bp + (keep ? pc * npt * nrm : 0);  // this K block's panels, [kc][width] each
-          if (pack) {
-            for (int64_t j = j0; j < j1; j += nrm) {
-              const int64_t cols = std::min(nrm, j1 - j), width = (cols + vl - 1) / vl * vl;
-              float* dst = Bb + (j - j0) * kc;
-              u.pack(xg, Hs, Ws, gs, off, j, cols, width, pc, kc, dst);
-            }
-          }
-          for (int64_t j = j0; j < j1; j += nrm) {
-            const int64_t cols = std::min(nrm, j1 - j), nv = (cols + vl - 1) / vl;
-            const float* bp = Bb + (j - j0) * kc;
-            const int64_t step = nv == 1 ? u.mr1 : mr;
-            for (int64_t i = i0; i < i1; i += step) {
-              const int64_t rows = std::min(step, i1 - i);
-              u.fn[rows - 1][nv - 1](kc, wg + i * K + pc, K, bp, yg + i * P + j, P, cols, kb == 0, last(kb, i, j));
-            }
-          }
-        }
-      }
+      const bool pack = !keep || packed != col;
+      packed = col;
+      sf_conv_tile(u, unpacked, xg, Hs, Ws, gs, off, wg, K, nkb, kcb, yg, P, i0, i1, j0, j1, Bp, pack, keep, npt, last);
       if (epi) epi(ctx, ng / groups, gi * M + i0, gi * M + i1, j0, j1);
     }
   }

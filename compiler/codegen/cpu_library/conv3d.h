@@ -1,51 +1,77 @@
 // ---- 3-D convolution --------------------------------------------------------------------------------
 namespace {
 
-// Per image and group, a slab of output depth slices at a time: its im2col matrix col[K][slab pixels]
-// (K = C*KD*KH*KW, zero where a tap reads the padding) is copied, then y[OCG, slab] = w[OCG, K] @ col by
-// the GEMM with the bias as its epilogue. Slabs keep col within 2 MB (or one slice), so that the GEMM
-// packs it from the cache: 3x3x3 16 -> 32 channels at 16x32x32 took 5.3 ms with slabs of 16 MB, 4.05 ms
-// with one slice (1.7 MB) each (Zen 4, onnxruntime 2.97 ms).
+// A conv over 3 spatial dims runs the 2-D conv's tiles (sf_conv_tile) on each output depth slice od: there B's
+// row (c, kd, kh, kw) is input slice od * SD + kd * DD of the (padded) volume read over the slice's 2-D output
+// grid at tap (kh, kw), at offset ((c * Dp + kd * DD) * Hp + kh * DH) * Wp + kw * DW from the slice's base
+// (od * SD * Hp * Wp): the same offsets for every slice. So B is read in place or packed per tile as in 2-D,
+// and nothing is copied but the padded volume (the im2col slabs this replaced were written and then packed
+// again: rfcs/0002 "3-D convs read in place").
 struct SfConv3Geom { int64_t C, D, H, W, KD, KH, KW, SD, SH, SW, DD, DH, DW, PF, PT, PL, OD, OH, OW; };
 
+// y[n, gi*ocg + o] = the conv of x[n, gi*C : (gi+1)*C] ([D][H][W] each) with w[gi*ocg + o] ([C][KD][KH][KW]),
+// + bias[gi*ocg + o], for every image n < nimg and group gi < groups. The padded volume's offsets are int32:
+// the caller keeps g.C * Dp * Hp * Wp below 2^31 (templates_cpu._conv3d).
 static void sf_conv3d(const float* x, const float* w, const float* bias, float* y, const SfConv3Geom& g,
                       int64_t nimg, int64_t groups, int64_t ocg) {
-  const int64_t K = g.C * g.KD * g.KH * g.KW, P2 = g.OH * g.OW, P = g.OD * P2, IP = g.D * g.H * g.W;
-  if (nimg <= 0 || groups <= 0 || ocg <= 0 || P <= 0) return;
-  const int64_t slab = std::clamp<int64_t>((int64_t(1) << 19) / std::max<int64_t>(K * P2, 1), 1, g.OD);  // slices
-  float* col = static_cast<float*>(sf_workspace(3, sizeof(float) * K * slab * P2));
-  const bool par = sf_max_threads() > 1 && (double)K * slab * P2 >= 65536.0;
-  for (int64_t ng = 0; ng < nimg * groups; ++ng) {
-    const float* xg = x + ng * g.C * IP;
-    for (int64_t d0 = 0; d0 < g.OD; d0 += slab) {
-      const int64_t nd = std::min(slab, g.OD - d0), ld = nd * P2;
-      #pragma omp parallel for schedule(static) if (par)
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t kw = k % g.KW, kh = (k / g.KW) % g.KH, kd = (k / (g.KW * g.KH)) % g.KD;
-        const int64_t c = k / (g.KW * g.KH * g.KD);
-        const int64_t off = kw * g.DW - g.PL;
-        int64_t lo, hi;
-        sf_inside(off, g.SW, g.W, g.OW, lo, hi);
-        for (int64_t od = d0; od < d0 + nd; ++od) {
-          const int64_t id = od * g.SD - g.PF + kd * g.DD;
-          for (int64_t oh = 0; oh < g.OH; ++oh) {
-            const int64_t ih = oh * g.SH - g.PT + kh * g.DH;
-            float* __restrict__ dst = col + k * ld + (od - d0) * P2 + oh * g.OW;
-            if (id < 0 || id >= g.D || ih < 0 || ih >= g.H) {
-              for (int64_t ow = 0; ow < g.OW; ++ow) dst[ow] = 0.0f;
-              continue;
-            }
-            const float* __restrict__ xr = xg + (c * g.D + id) * g.H * g.W + ih * g.W + off;
-            for (int64_t ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;
-            if (g.SW == 1) { for (int64_t ow = lo; ow < hi; ++ow) dst[ow] = xr[ow]; }
-            else { for (int64_t ow = lo; ow < hi; ++ow) dst[ow] = xr[ow * g.SW]; }
-            for (int64_t ow = hi; ow < g.OW; ++ow) dst[ow] = 0.0f;
-          }
-        }
+  const SfCukr& u = sf_cukr();
+  const int64_t M = ocg, P2 = g.OH * g.OW, P = g.OD * P2, K = g.C * g.KD * g.KH * g.KW;
+  if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
+  const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
+  const int64_t nkb = std::max<int64_t>(1, (K + SF_KC - 1) / SF_KC), kcb = std::max<int64_t>(1, (K + nkb - 1) / nkb);
+  const int64_t mp = (M + mr - 1) / mr, np = (P2 + nrm - 1) / nrm;  // row panels; column panels of a slice
+  const int64_t nslice = nimg * groups * g.OD;
+  const int nt = sf_max_threads();
+  const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
+  const SfConvTiles tl = sf_conv_tiles(nslice, mp, np, K, nkb, nrm, par, nt);
+  // the padded volumes, [nimg * groups * C][Dp][Hp][Wp], the input at (PF, PT, PL)
+  const int64_t Dp = std::max(g.D + g.PF, (g.OD - 1) * g.SD + (g.KD - 1) * g.DD + 1);
+  const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
+  const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
+  const int64_t plane = Hp * Wp, vol = Dp * plane, nvol = nimg * groups * g.C;
+  const bool padded = Dp != g.D || Hp != g.H || Wp != g.W;
+  float* xpad = padded ? static_cast<float*>(sf_workspace(3, sizeof(float) * nvol * vol)) : nullptr;
+  const float* xs = padded ? xpad : x;
+  const SfConvGeom gs = {g.C, Hp, Wp, g.KH, g.KW, g.SH, g.SW, g.DH, g.DW, 0, 0, g.OH, g.OW};
+  // unpacked: B read in place where the ISA has the kernels and the W stride is 1; measured on Zen 4 (rfcs/0002
+  // "3-D convs read in place"), a 3-D UNet's convs (K = 27..1728, M = 3..64, rows of 16..64 pixels) took
+  // 0.69-0.97x the packed time. Convs of 1024 outputs or more pack, as in 2-D (their panels are reused more).
+  const bool unpacked = u.dfn[0][0][0] && g.SW == 1 && M < 1024 && g.OW >= vl;
+  int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
+  for (int64_t c = 0, k = 0; c < g.C; ++c)
+    for (int64_t kd = 0; kd < g.KD; ++kd)
+      for (int64_t kh = 0; kh < g.KH; ++kh)
+        for (int64_t kw = 0; kw < g.KW; ++kw)
+          off[k++] = (int32_t)(((c * Dp + kd * g.DD) * Hp + kh * g.DH) * Wp + kw * g.DW);
+  #pragma omp parallel num_threads(nt) if (par)
+  {
+    if (padded) {
+      #pragma omp for schedule(static)
+      for (int64_t s = 0; s < nvol * Dp; ++s) {
+        const int64_t id = s % Dp - g.PF;
+        float* dst = xpad + s * plane;
+        if (id >= 0 && id < g.D) sf_pad_plane(x + (s / Dp * g.D + id) * g.H * g.W, g.H, g.W, g.PT, g.PL, Hp, Wp, dst);
+        else std::fill(dst, dst + plane, 0.0f);
       }
-      const int64_t gi = ng % groups;
-      sf_sgemm(ocg, ld, K, w + gi * ocg * K, K, 1, col, ld, 1, y + ng * ocg * P + d0 * P2, P, 1.0f,
-               bias ? bias + gi * ocg : nullptr, 1, 0, true);
+    }
+    float* Bp = unpacked ? nullptr : sf_conv_panels(tl, K, kcb, nrm);
+    int64_t packed = -1;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tl.ntask; ++t) {
+      const int64_t tm = t % tl.ntm, col = t / tl.ntm;  // col: (image, group, slice, column tile)
+      const int64_t tn = col % tl.ntn, sl = col / tl.ntn, od = sl % g.OD, ng = sl / g.OD, gi = ng % groups;
+      SfFin fin = {nullptr, nullptr, SfClamp{}};
+      auto last = [&](int64_t kb, int64_t i, int64_t) -> const SfFin* {
+        if (!bias || kb != nkb - 1) return nullptr;
+        fin.bias = bias + gi * M + i;
+        return &fin;
+      };
+      const int64_t i0 = mp * tm / tl.ntm * mr, i1 = std::min(M, mp * (tm + 1) / tl.ntm * mr);
+      const int64_t j0 = np * tn / tl.ntn * nrm, j1 = std::min(P2, np * (tn + 1) / tl.ntn * nrm);
+      const bool pack = !tl.keep || packed != col;
+      packed = col;
+      sf_conv_tile(u, unpacked, xs + ng * g.C * vol + od * g.SD * plane, Hp, Wp, gs, off, w + gi * M * K, K, nkb,
+                   kcb, y + ng * M * P + od * P2, P, i0, i1, j0, j1, Bp, pack, tl.keep, tl.npt, last);
     }
   }
 }
