@@ -441,10 +441,12 @@ def _flt(v: float) -> str:
     return literal(v, "float32")
 
 
-def _conv3d(op) -> str | None:
+def _conv3d(op, fused=None) -> str | None:
     """Conv over 3 spatial dims through :func:`sf_conv3d` (the 2-D conv's tiles per output depth slice, B
-    read from the padded volume); no fused ops. ``None`` (the generic nest) where a group's padded volume
-    has 2^31 floats or more (the kernels' offsets are int32)."""
+    read from the padded volume); with ``fused``, the ops after it that its kernels finish as they store
+    (:func:`_kernel_finish`: a residual Add, then a Relu or Clip), else ``None`` (the group is refused).
+    ``None`` (the generic nest) also where a group's padded volume has 2^31 floats or more (the kernels'
+    offsets are int32)."""
     x, w, out = op.inputs[0].shape, op.inputs[1].shape, op.outputs[0].shape
     g = int(op.attrs.get("group", 1))
     oc, icg = w[0], w[1]
@@ -455,13 +457,22 @@ def _conv3d(op) -> str | None:
     if icg * _prod(padded) >= 2 ** 31:
         return None
     geom = (icg, *x[2:], *w[2:], *strides, *dil, *pads[:3], *out[2:])
-    lines = _args(op)
+    index, xin, win, bias = _conv_io(op, fused)
+    finish = ""
+    if fused is not None:
+        simple = _kernel_finish(fused, index)
+        if simple is None:
+            return None
+        finish = f", {simple[0]}, {simple[1]}"
+    lines = _args(fused or op)
     lines.append(f"  // Conv 3-D: {x[0]} images, {g} group(s) of [{oc // g}, {icg * _prod(w[2:])}] @ "
                  f"[{icg * _prod(w[2:])}, {_prod(out[2:])}] read from the padded volume (kernel {list(w[2:])}, "
                  f"strides {list(strides)}, dilations {list(dil)}, pads {list(pads)})")
     lines.append(f"  static const SfConv3Geom geom = {_arr(geom)};")
-    bias = "in2" if len(op.inputs) > 2 else "nullptr"
-    lines.append(f"  sf_conv3d(in0, in1, {bias}, out0, geom, {x[0]}, {g}, {oc // g});")
+    if fused is not None:
+        lines.append("  // finished as stored: bias -> " + " -> ".join(
+            f"{m.op_type}({m.attrs.get('fn') or m.attrs.get('kind') or m.attrs.get('to')})" for m in fused.members[1:]))
+    lines.append(f"  sf_conv3d({xin}, {win}, {bias or 'nullptr'}, out0, geom, {x[0]}, {g}, {oc // g}{finish});")
     return "\n".join(lines)
 
 
@@ -482,8 +493,8 @@ def _conv(op, fused=None) -> str | None:
     if blocked[0]:  # [N, C / 16, H, W, 16] (passes/layout.py): the conv's geometry is the logical shape's
         x = (x[0], x[1] * x[-1]) + tuple(x[2:-1])
     n_sp = len(x) - 2
-    if n_sp == 3 and op.op_type == "Conv" and fused is None:
-        return _conv3d(op)
+    if n_sp == 3 and op.op_type == "Conv":
+        return _conv3d(op, fused)
     if n_sp not in (1, 2):
         return None
     g = int(op.attrs.get("group", 1))
@@ -964,10 +975,12 @@ def _fused(op) -> str | None:
 
 def accepts_epilogue(op) -> bool:
     """Whether ``op``'s template can apply element-wise ops to its output (a float32 conv, transposed
-    conv or Resize of a 3-D or 4-D tensor): a fused group of ``op`` and such ops compiles to the
-    template with the ops in its epilogue."""
+    conv or Resize of a 3-D or 4-D tensor, a conv over 3 spatial dims: only what its kernels finish, see
+    :func:`_conv3d`): a fused group of ``op`` and such ops compiles to the template with the ops in its
+    epilogue."""
     return op.op_type in ("Conv", "PackedConv", "WinogradConv", "ConvTranspose", "Resize") \
-        and (op.inputs[0].ndim in (3, 4) or op.attrs.get("blocked_in")) and template_kind(op) == op.op_type
+        and (op.inputs[0].ndim in (3, 4) or op.attrs.get("blocked_in") or op.op_type == "Conv") \
+        and template_kind(op) == op.op_type
 
 
 def accepts_group(group) -> bool:

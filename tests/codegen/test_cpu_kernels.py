@@ -994,15 +994,15 @@ def test_integer_gemm_on_each_instruction_set(library, tmp_path, isa):
 
 
 def test_3d_convs_use_their_template():
-    """3-D convs run sf_conv3d (the generic nest was 26-28x onnxruntime's time, rfcs/0002); fused ops
-    after one stay apart (its template has no epilogue). One whose padded volume needs offsets past int32
-    is left to the generic nest."""
+    """3-D convs run sf_conv3d (the generic nest was 26-28x onnxruntime's time, rfcs/0002) and take the ops
+    its kernels finish (test_3d_conv_kernels_finish_a_residual_and_a_clamp). One whose padded volume needs
+    offsets past int32 is left to the generic nest."""
     from shardflow.compiler.codegen.templates_cpu import accepts_epilogue, template_body, template_kind
 
     convs = [op for _, op, _ in LARGE
              if op.op_type == "Conv" and op.inputs[0].ndim == 5 and not op.attrs.get("blocked_in")]
     assert len(convs) == 7 and all(template_kind(op) == "Conv" for op in convs)
-    assert all("sf_conv3d(" in template_body(op) and not accepts_epilogue(op) for op in convs)
+    assert all("sf_conv3d(" in template_body(op) and accepts_epilogue(op) for op in convs)
     huge = Conv([_t((1, 2, 1024, 1024, 1023)), _t((4, 2, 3, 3, 3))], pads=(1,) * 6)  # 2 x 1026 x 1026 x 1025 floats
     assert template_body(huge) is None
 
@@ -1775,23 +1775,13 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
                           cache_dir=str(tmp_path / "c"))
 
 
-def test_conv_epilogue_fusion(tmp_path, kernel_cache):
-    """A Conv followed by element-wise ops (a fused group, as codegen/fusion.py builds them) compiles
-    to the conv template finishing each tile with the bias and the ops, and computes what the members
-    compute one after another: residual adds, per-channel and scalar broadcasts, activations, an
-    operand that is the conv's own input, groups, strides, 1-D, threads. A residual Add and a Relu
-    or a Clip after it (either optional; ReLU6, one bound, crossed bounds) are applied by the kernels as
-    they store (``SfFin``), checked also with the AVX2 and portable kernels forced: 1x1 read from the
-    image and packed, two K blocks, images and groups, column tails. A ConvTranspose's epilogue
-    finishes each plane after its fold; a depthwise conv's Relu or Clip clamps its rows or runs, other
-    ops (a residual too) run on its planes or blocks of channels' bands of rows (the depthwise ones also
-    forced to AVX2 and portable); a Resize's run on its bands of rows."""
+def _fused_groups(seed: int):
+    """``(arrays, inp, group)`` for tests of fused groups: ``inp(*shape)`` makes an input tensor whose random
+    values ``arrays`` holds by its id; ``group(name, op, *tail)`` the FusedOp of ``op`` and the ops each of
+    ``tail`` makes of the output before it (named after ``name``)."""
     from shardflow.compiler.codegen.fusion import FusedOp
-    from shardflow.compiler.codegen.templates_cpu import accepts_group, template_kind
-    from shardflow.compiler.ops.elementwise import Clip
-    from shardflow.compiler.ops.transform import Transpose
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     arrays: dict[int, np.ndarray] = {}
 
     def inp(*shape):
@@ -1808,6 +1798,28 @@ def test_conv_epilogue_fusion(tmp_path, kernel_cache):
             prev = op.outputs[0]
         conv.name = f"{name}-conv"
         return FusedOp(members)
+
+    return arrays, inp, group
+
+
+def test_conv_epilogue_fusion(tmp_path, kernel_cache):
+    """A Conv followed by element-wise ops (a fused group, as codegen/fusion.py builds them) compiles
+    to the conv template finishing each tile with the bias and the ops, and computes what the members
+    compute one after another: residual adds, per-channel and scalar broadcasts, activations, an
+    operand that is the conv's own input, groups, strides, 1-D, threads. A residual Add and a Relu
+    or a Clip after it (either optional; ReLU6, one bound, crossed bounds) are applied by the kernels as
+    they store (``SfFin``), checked also with the AVX2 and portable kernels forced: 1x1 read from the
+    image and packed, two K blocks, images and groups, column tails. A ConvTranspose's epilogue
+    finishes each plane after its fold; a depthwise conv's Relu or Clip clamps its rows or runs, other
+    ops (a residual too) run on its planes or blocks of channels' bands of rows (the depthwise ones also
+    forced to AVX2 and portable); a Resize's run on its bands of rows."""
+    from shardflow.compiler.codegen.fusion import FusedOp
+    from shardflow.compiler.codegen.templates_cpu import accepts_group, template_kind
+    from shardflow.compiler.ops.elementwise import Clip
+    from shardflow.compiler.ops.transform import Transpose
+
+    arrays, inp, group = _fused_groups(7)
+    rng = np.random.default_rng(8)  # (Winograd's weights)
 
     x5 = inp(1, 16, 8, 8)
     finish = [  # sf_conv2d's kernels apply these as they store
@@ -2042,6 +2054,64 @@ def test_conv_epilogue_fusion(tmp_path, kernel_cache):
               for g in finish + cases + finish_dw + depthwise + epi_blocked]
     for isa in ("avx2", "generic"):
         assert _run_forced_isa(tmp_path / "fused.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
+
+
+def test_3d_conv_kernels_finish_a_residual_and_a_clamp(tmp_path, kernel_cache):
+    """A 3-D conv and the ops its kernels apply as they store (a residual Add, then a Relu or a Clip: a video
+    ResNet's conv with its batch norm folded and its ReLU, a residual block's end) compile to sf_conv3d with
+    them: B read in place (groups, two images, column tails; K in blocks) and packed (a W stride of 2), also
+    with the AVX2 and portable kernels forced, a NaN kept through the clamp. Other ops after one (a Relu then
+    an Add, a sigmoid) are refused as its epilogue: fused, the conv and its Relu form one kernel and a sigmoid
+    after them another."""
+    from shardflow.compiler.codegen import prepare_cpu_library
+    from shardflow.compiler.codegen.templates_cpu import accepts_group, template_kind
+    from shardflow.compiler.ops.elementwise import Clip
+
+    arrays, inp, group = _fused_groups(3)
+
+    relu = lambda y: Activation([y], kind="relu")  # noqa: E731
+    finish = [
+        group("c3-residual-relu", Conv([inp(2, 8, 5, 6, 35), inp(12, 4, 3, 3, 3), inp(12)], group=2, pads=(1,) * 6),
+              lambda y: Binary([y, inp(2, 12, 5, 6, 35)], fn="add"), relu),
+        group("c3-s2-relu6", Conv([inp(1, 8, 6, 9, 20), inp(16, 8, 3, 3, 3), inp(16)], pads=(1,) * 6,
+                                  strides=(2, 2, 2)),
+              lambda y: Clip([y], lo=0.0, hi=6.0)),
+        group("c3-add-k-blocks", Conv([inp(1, 40, 4, 5, 17), inp(20, 40, 3, 3, 3)], pads=(1,) * 6),
+              lambda y: Binary([inp(1, 20, 4, 5, 17), y], fn="add")),
+    ]
+    refused = [group("c3-relu-then-add", Conv([inp(1, 8, 4, 5, 17), inp(16, 8, 3, 3, 3)], pads=(1,) * 6), relu,
+                     lambda y: Binary([y, inp(1, 16, 4, 5, 17)], fn="add")),
+               group("c3-sigmoid", Conv([inp(1, 8, 4, 5, 17), inp(16, 8, 1, 1, 1)]),
+                     lambda y: Activation([y], kind="sigmoid"))]
+    assert all(template_kind(g) == "Fused" and accepts_group(g) for g in finish)
+    assert not any(accepts_group(g) for g in refused)
+    arrays[id(finish[0].inputs[3])].flat[5] = np.nan  # the residual's NaN stays NaN through the Relu
+    arrays[id(finish[1].inputs[0])].flat[7] = np.nan
+    src = generate_cpu_source(finish)
+    inf = "std::numeric_limits<float>::infinity()"
+    assert src.text.count("sf_conv3d(in") == 3 and f", in3, SfClamp{{true, 0.0f, {inf}}});" in src.text
+    assert ", nullptr, SfClamp{true, 0.0f, 6.0f});" in src.text
+    assert "nullptr, out0, geom, 1, 1, 20, in2, SfClamp{});" in src.text
+    syms = build_cpu_library(finish, str(tmp_path / "c3.so"), cache_dir=kernel_cache, opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "c3.so"))
+    forced = []
+    for g in finish:
+        ins = [arrays[id(t)] for t in g.inputs]
+        want = g.run(*ins)
+        np.testing.assert_allclose(run_kernel(lib, syms[g.name], g, ins)[0], want[0], rtol=1e-4,
+                                   atol=1e-4 * float(np.nanmax(np.abs(want[0]))), err_msg=g.name)
+        forced.append((syms[g.name], ins, want))
+    for isa in ("avx2", "generic"):
+        assert _run_forced_isa(tmp_path / "c3.so", forced, isa, tmp_path)[1] == f"ok {len(forced)}", isa
+    # fused as the cpu target fuses: a 3-D conv with its Relu, then a sigmoid of theirs apart
+    conv = Conv([_t((1, 8, 4, 5, 17)), _t((16, 8, 3, 3, 3))], pads=(1,) * 6, name="c")
+    act = Activation([conv.outputs[0]], kind="relu", name="r")
+    sig = Activation([act.outputs[0]], kind="sigmoid", name="s")
+    symbols, src = prepare_cpu_library([conv, act, sig], fuse=True)
+    assert symbols["c"] is None and symbols["r"]["outputs"] == ["r:0"]  # (c runs in r's kernel)
+    assert symbols["s"].startswith("sf_activation_")
+    assert src.text.count("sf_conv3d(in") == 1
+    assert f"SfClamp{{true, 0.0f, {inf}}});" in src.text
 
 
 _HALF_FINISH_SCRIPT = r"""

@@ -84,7 +84,7 @@ class _TorchAttentionBlock(torch.nn.Module):
         return x + self.mlp(x)
 
 
-#: name -> (builder, inputs: "text", "image", "audio", "mel", "unet" or "seq")
+#: name -> (builder, inputs: "text", "image", "video", "audio", "mel", "unet" or "seq")
 ARCHITECTURES = {
     "qwen2": (_text(T.Qwen2Config, T.Qwen2ForCausalLM, **_GQA), "text"),
     "qwen3": (_text(T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16, **_GQA), "text"),
@@ -249,6 +249,13 @@ ARCHITECTURES = {
                                                        window_size=4)), "image"),
     "swiftformer": (lambda: T.SwiftFormerModel(T.SwiftFormerConfig(depths=[1, 1, 1, 1], embed_dims=[16, 32, 48, 64])),
                     "image"),
+    # video: tubelets embedded by a Conv3d (VideoMAE, ViViT), divided space-time attention (TimeSformer)
+    "videomae": (lambda: T.VideoMAEModel(T.VideoMAEConfig(image_size=32, patch_size=8, num_frames=4, tubelet_size=2,
+                                                          **_SMALL)), "video"),
+    "vivit": (lambda: T.VivitModel(T.VivitConfig(image_size=32, num_frames=4, tubelet_size=[2, 8, 8], **_SMALL)),
+              "video"),
+    "timesformer": (lambda: T.TimesformerModel(T.TimesformerConfig(image_size=32, patch_size=8, num_frames=4,
+                                                                   **_SMALL)), "video"),
 }
 
 
@@ -298,8 +305,8 @@ def _feeds(kind: str) -> dict:
     if kind == "unet":  # a latent, a timestep per sample, a short text encoding
         return {"sample": rng.standard_normal((B, 4, 16, 16)).astype(np.float32), "timestep": np.array([10, 500]),
                 "encoder_hidden_states": rng.standard_normal((B, 7, 32)).astype(np.float32)}
-    shape = {"image": (B, 3, 32, 32), "audio": (B, 400), "mel": (B, 16, 32)}[kind]
-    name = {"image": "pixel_values", "audio": "input_values", "mel": "input_features"}[kind]
+    shape = {"image": (B, 3, 32, 32), "video": (B, 4, 3, 32, 32), "audio": (B, 400), "mel": (B, 16, 32)}[kind]
+    name = {"image": "pixel_values", "video": "pixel_values", "audio": "input_values", "mel": "input_features"}[kind]
     return {name: rng.standard_normal(shape).astype(np.float32)}
 
 
@@ -384,9 +391,11 @@ def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporte
 #: convolution (its kernel product reads the queries' key layer across heads), DiffLlama's differential
 #: heads (pairs of softmaxes subtracted), RecurrentGemma's single key/value head and RG-LRU gates, ViTDet's
 #: heads (their relative position terms read the queries' whole width) and SwiftFormer's widths (no heads).
+#: Session 95: TimeSformer's ``temporal_dense``, a lone projection after the temporal attention's output
+#: (no row-parallel product after it to pair with: its output is added to the residual stream).
 KEPT_ON_THREE = {"albert", "swin", "swinv2", "wav2vec2", "sd_unet", "falcon", "gpt_bigcode", "deberta_v3", "wavlm",
                  "rwkv", "fnet", "olmo2", "mamba2", "hubert", "levit", "convnextv2", "focalnet", "convbert",
-                 "diffllama", "recurrent_gemma", "vitdet", "swiftformer"}
+                 "diffllama", "recurrent_gemma", "vitdet", "swiftformer", "timesformer"}
 
 
 

@@ -10,10 +10,11 @@ namespace {
 struct SfConv3Geom { int64_t C, D, H, W, KD, KH, KW, SD, SH, SW, DD, DH, DW, PF, PT, PL, OD, OH, OW; };
 
 // y[n, gi*ocg + o] = the conv of x[n, gi*C : (gi+1)*C] ([D][H][W] each) with w[gi*ocg + o] ([C][KD][KH][KW]),
-// + bias[gi*ocg + o], for every image n < nimg and group gi < groups. The padded volume's offsets are int32:
-// the caller keeps g.C * Dp * Hp * Wp below 2^31 (templates_cpu._conv3d).
+// + bias[gi*ocg + o], for every image n < nimg and group gi < groups; then, as the kernels store it, + res (a
+// tensor shaped as y: a residual; null: none) and the clamp (SfFin). The padded volume's offsets are int32: the
+// caller keeps g.C * Dp * Hp * Wp below 2^31 (templates_cpu._conv3d).
 static void sf_conv3d(const float* x, const float* w, const float* bias, float* y, const SfConv3Geom& g,
-                      int64_t nimg, int64_t groups, int64_t ocg) {
+                      int64_t nimg, int64_t groups, int64_t ocg, const float* res = nullptr, SfClamp clamp = {}) {
   const SfCukr& u = sf_cukr();
   const int64_t M = ocg, P2 = g.OH * g.OW, P = g.OD * P2, K = g.C * g.KD * g.KH * g.KW;
   if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
@@ -37,6 +38,7 @@ static void sf_conv3d(const float* x, const float* w, const float* bias, float* 
   // "3-D convs read in place"), a 3-D UNet's convs (K = 27..1728, M = 3..64, rows of 16..64 pixels) took
   // 0.69-0.97x the packed time. Convs of 1024 outputs or more pack, as in 2-D (their panels are reused more).
   const bool unpacked = u.dfn[0][0][0] && g.SW == 1 && M < 1024 && g.OW >= vl;
+  const bool finish = bias || res || clamp.on || clamp.half;  // the kernels finish y on the last K block
   int32_t* off = static_cast<int32_t*>(sf_workspace(4, sizeof(int32_t) * K));
   for (int64_t c = 0, k = 0; c < g.C; ++c)
     for (int64_t kd = 0; kd < g.KD; ++kd)
@@ -60,10 +62,12 @@ static void sf_conv3d(const float* x, const float* w, const float* bias, float* 
     for (int64_t t = 0; t < tl.ntask; ++t) {
       const int64_t tm = t % tl.ntm, col = t / tl.ntm;  // col: (image, group, slice, column tile)
       const int64_t tn = col % tl.ntn, sl = col / tl.ntn, od = sl % g.OD, ng = sl / g.OD, gi = ng % groups;
-      SfFin fin = {nullptr, nullptr, SfClamp{}};
-      auto last = [&](int64_t kb, int64_t i, int64_t) -> const SfFin* {
-        if (!bias || kb != nkb - 1) return nullptr;
-        fin.bias = bias + gi * M + i;
+      const float* rg = res ? res + ng * M * P + od * P2 : nullptr;
+      SfFin fin = {nullptr, nullptr, clamp};
+      auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {
+        if (!finish || kb != nkb - 1) return nullptr;
+        fin.bias = bias ? bias + gi * M + i : nullptr;
+        fin.res = rg ? rg + i * P + j : nullptr;
         return &fin;
       };
       const int64_t i0 = mp * tm / tl.ntm * mr, i1 = std::min(M, mp * (tm + 1) / tl.ntm * mr);
