@@ -1,7 +1,7 @@
-"""79 models users bring: 77 architectures from transformers, diffusers' Stable Diffusion UNet (when
+"""82 models users bring: 80 architectures from transformers, diffusers' Stable Diffusion UNet (when
 diffusers is installed, as the ``test`` extra does) and a block of a user's own on
-``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 793 cases, 1180 s on two cores with
-``-n 2`` in session 94 with other work beside it; 37 skipped for the exports below).
+``torch.nn.MultiheadAttention``, end to end (``pytest -m slow``; 820 cases; 793 of them took 1180 s on two
+cores with ``-n 2`` in session 94 with other work beside it; 37 skipped for the exports below).
 
 Each is built from a small config with random weights (``torch.manual_seed(0)``, nothing
 downloaded), exported by both torch exporters (TorchScript at opset 17, dynamo at opset 18: their
