@@ -42,8 +42,8 @@ __all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kin
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
-_LIBRARY_FILES = ("gemm.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "conv_int8.h", "conv_bf16.h",
-                  "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h", "attention.h", "winograd.h")
+_LIBRARY_FILES = ("gemm.h", "gemm_f64.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "conv_int8.h",
+                  "conv_bf16.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h", "attention.h", "winograd.h")
 TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
 
 # The micro-kernel tables (GEMM, int8 GEMM, packed and direct convs): with every tile size and form they
@@ -64,11 +64,11 @@ def _prod(xs) -> int:
     return int(math.prod(xs))
 
 
-def _args(op) -> list[str]:
+def _args(op, ctype: str = "float") -> list[str]:
     lines = []
     for k, t in enumerate(op.inputs):
-        lines.append(f"  const float* __restrict__ in{k} = static_cast<const float*>(inputs[{k}]);")
-    lines.append("  float* __restrict__ out0 = static_cast<float*>(outputs[0]);")
+        lines.append(f"  const {ctype}* __restrict__ in{k} = static_cast<const {ctype}*>(inputs[{k}]);")
+    lines.append(f"  {ctype}* __restrict__ out0 = static_cast<{ctype}*>(outputs[0]);")
     return lines
 
 
@@ -80,25 +80,43 @@ def _arr(xs) -> str:
     return "{" + ", ".join(str(int(x)) for x in xs) + "}" if xs else "{0}"
 
 
+def _f64(op) -> bool:
+    """Whether ``op`` is a float64 product (every operand float64): the GEMM templates' ``sf_dgemm``."""
+    return all(t.dtype == "float64" for t in list(op.inputs) + list(op.outputs))
+
+
+def _gemm_call(op, M, N, K, A: str, rsa, csa, B: str, rsb, csb, alpha: float = 1.0, bias: str = "nullptr",
+               rbs: int = 0, cbs: int = 0) -> str:
+    """The call of the float32 (``sf_sgemm``) or float64 (``sf_dgemm``) GEMM writing ``out0`` ([M, N])."""
+    if _f64(op):
+        return (f"  sf_dgemm({M}, {N}, {K}, {A}, {rsa}, {csa}, {B}, {rsb}, {csb}, out0, {N}, "
+                f"{literal(alpha, 'float64')}, {bias}, {rbs}, {cbs});")
+    return (f"  sf_sgemm({M}, {N}, {K}, {A}, {rsa}, {csa}, {B}, {rsb}, {csb}, out0, {N}, {_flt(alpha)}, {bias}, "
+            f"{rbs}, {cbs}, true);")
+
+
 def _matmul(op) -> str | None:
+    """MatMul (float32 or float64): one GEMM, A's batch dims folded into M where B has none, else a GEMM per
+    output batch index (broadcast operands at stride 0)."""
     a, b = op.inputs[0].shape, op.inputs[1].shape
     out = op.outputs[0].shape
     if len(a) == 0 or len(b) == 0:
         return None
+    f64 = _f64(op)
     K = a[-1]
     M = a[-2] if len(a) >= 2 else 1
     N = b[-1] if len(b) >= 2 else 1
     nb = len(out) - (len(a) >= 2) - (len(b) >= 2)
     batch = tuple(out[:nb])
     a_batch, b_batch = tuple(a[:-2]), tuple(b[:-2])
-    lines = _args(op)
+    lines = _args(op, "double" if f64 else "float")
     rsa, csa = K, 1
     rsb, csb = (N, 1) if len(b) >= 2 else (1, 1)
     if not b_batch and len(a) >= 2 and a_batch:
         # B is a plain matrix: fold A's batch dims into M (one big GEMM)
         Mt = _prod(a_batch) * M
         lines.append(f"  // MatMul: [{Mt}, {K}] @ [{K}, {N}] (batch dims of A folded into M)")
-        lines.append(f"  sf_sgemm({Mt}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, 1.0f, nullptr, 0, 0, true);")
+        lines.append(_gemm_call(op, Mt, N, K, "in0", rsa, csa, "in1", rsb, csb))
         return "\n".join(lines)
 
     def bstrides(shape, mat):
@@ -128,12 +146,12 @@ def _matmul(op) -> str | None:
     cstr = list(reversed(cst))
     lines.append(f"  // MatMul: batch {list(batch)} of [{M}, {K}] @ [{K}, {N}]")
     if nb == 0:
-        lines.append(f"  sf_sgemm({M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, 1.0f, nullptr, 0, 0, true);")
+        lines.append(_gemm_call(op, M, N, K, "in0", rsa, csa, "in1", rsb, csb))
     else:
         lines.append(f"  static const int64_t bshape[] = {_arr(batch)}, astr[] = {_arr(astr)}, bstr[] = {_arr(bstr)}, "
                      f"cstr[] = {_arr(cstr)};")
-        lines.append(f"  sf_sgemm_batched({nb}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, "
-                     f"{csb}, out0, {N}, 1.0f, nullptr, 0, 0);")
+        lines.append(f"  sf_{'d' if f64 else 's'}gemm_batched({nb}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in0, "
+                     f"{rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, {'1.0' if f64 else '1.0f'}, nullptr, 0, 0);")
     return "\n".join(lines)
 
 
@@ -247,8 +265,10 @@ def _gemm_bias(op, beta: float, lines: list[str]) -> tuple[str, int, int]:
     if beta == 1:
         return "in2", rbs, cbs
     n = _prod(cs)
-    lines.append(f"  float* __restrict__ cb_ = static_cast<float*>(sf_workspace(0, {max(n, 1) * 4}));")
-    lines.append(f"  for (int64_t i = 0; i < {n}; ++i) cb_[i] = {_flt(beta)} * in2[i];")
+    ctype, dtype = ("double", "float64") if op.inputs[2].dtype == "float64" else ("float", "float32")
+    lines.append(f"  {ctype}* __restrict__ cb_ = "
+                 f"static_cast<{ctype}*>(sf_workspace(0, {max(n, 1)} * sizeof({ctype})));")
+    lines.append(f"  for (int64_t i = 0; i < {n}; ++i) cb_[i] = {literal(beta, dtype)} * in2[i];")
     return "cb_", rbs, cbs
 
 
@@ -260,13 +280,13 @@ def _gemm(op) -> str | None:
     K = a[0] if ta else a[1]
     rsa, csa = (1, M) if ta else (K, 1)
     rsb, csb = (1, K) if tb else (N, 1)
-    lines = _args(op)
+    dt = "float64" if _f64(op) else "float32"
+    lines = _args(op, "double" if _f64(op) else "float")
     has_c = len(op.inputs) > 2 and beta != 0
     bias, rbs, cbs = _gemm_bias(op, beta, lines) if has_c else ("nullptr", 0, 0)
-    lines.append(f"  // Gemm: {_flt(alpha)} * [{M}, {K}]{'ᵀ' if ta else ''} @ [{K}, {N}]{'ᵀ' if tb else ''}"
-                 + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if has_c else ""))
-    lines.append(f"  sf_sgemm({M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, {_flt(alpha)}, {bias}, "
-                 f"{rbs}, {cbs}, true);")
+    lines.append(f"  // Gemm: {literal(alpha, dt)} * [{M}, {K}]{'ᵀ' if ta else ''} @ [{K}, {N}]{'ᵀ' if tb else ''}"
+                 + (f" + {literal(beta, dt)} * C{list(op.inputs[2].shape)}" if has_c else ""))
+    lines.append(_gemm_call(op, M, N, K, "in0", rsa, csa, "in1", rsb, csb, alpha, bias, rbs, cbs))
     return "\n".join(lines)
 
 
@@ -1728,6 +1748,8 @@ _TEMPLATES = {"MatMul": _matmul, "Gemm": _gemm, "PackedMatMul": _packed_matmul, 
               "MatMulNBits": _matmul_nbits, "Fused": _fused,
               "BitCast": _bitcast, "Det": _det}
 #: Templates that check their operands' dtypes themselves (the others take float32 only).
+#: Templates that also take float64 ops (every operand float64; rfcs/0002 "Float64 products").
+_F64 = frozenset({"MatMul", "Gemm"})
 _MIXED_DTYPES = frozenset({"Attention", "CumSum", "CumProd", "TopK", "PackedMatMul", "PackedMatMulInteger",
                            "MatMulNBits", "BitCast", "Det", "ExpertMatMul", "PackedMatMulBf16", "PackedConvInteger",
                            "PackedConvBf16"})
@@ -1745,7 +1767,7 @@ def _template_fn(op):
     """The template function for ``op``'s type when its outputs and dtypes fit one, else ``None``."""
     fn = _TEMPLATES.get(op.op_type)
     if fn is None or (len(op.outputs) != 1 and op.op_type not in _MULTI_OUTPUT) \
-            or (op.op_type not in _MIXED_DTYPES and not _all_f32(op)):
+            or (op.op_type not in _MIXED_DTYPES and not _all_f32(op) and not (op.op_type in _F64 and _f64(op))):
         return None
     return fn
 
