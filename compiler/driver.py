@@ -1505,10 +1505,10 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
 
         rg = FuseAttention(float32=True).run(rg)
     if opt.target == "cpu":
-        # 3-D max pools as two 2-D ones, which the pool template computes (passes/pools.py)
-        from .passes.pools import SeparableMaxPools
+        # 3-D max and average pools as two 2-D ones, which the pool template computes (passes/pools.py)
+        from .passes.pools import SeparablePools
 
-        rg = SeparableMaxPools().run(rg)
+        rg = SeparablePools().run(rg)
     if opt.target == "cpu" and (opt.prepack or winograd):
         # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
         # Winograd's, their weights transformed here (passes/prepack.py)

@@ -1,4 +1,4 @@
-"""3-D max pools on the cpu target as two 2-D ones (compiler/passes/pools.py), against onnxruntime."""
+"""3-D max and average pools on the cpu target as two 2-D ones (compiler/passes/pools.py), against onnxruntime."""
 from __future__ import annotations
 
 import json
@@ -47,3 +47,29 @@ def test_a_3d_max_pool_is_two_2d_pools_with_the_same_values(tmp_path, case):
         assert ({"pool.hw", "pool.d"} <= steps) == (not last), steps
     assert np.isnan(got[True]).any()
     np.testing.assert_array_equal(np.maximum(got[True], 0), got[False])
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_3d_average_pool_is_two_2d_pools(tmp_path, case, include_pad):
+    """A 3-D AveragePool (then a Relu) compiles to the 2-D pools over height and width, then depth, and
+    matches onnxruntime within a few units in the last place (the mean over depth of the planes' means: its
+    sums rounded in another order), with and without the padding counted, at the windows cut by the input's
+    end in ceil mode too."""
+    ort = pytest.importorskip("onnxruntime")
+    kern, strides, pads, _, ceil, shape = CASES[case]  # (no dilations: AveragePool takes them from opset 19)
+    attrs = dict(kernel_shape=list(kern), strides=list(strides), pads=list(pads), ceil_mode=ceil,
+                 count_include_pad=include_pad)
+    f = helper.make_tensor_value_info
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    nodes = [helper.make_node("AveragePool", ["x"], ["q"], name="pool", **attrs),
+             helper.make_node("Relu", ["q"], ["p"])]
+    model = helper.make_model(helper.make_graph(nodes, "avgpool3d", [f("x", TensorProto.FLOAT, list(shape))],
+                                                [f("p", TensorProto.FLOAT, list("ncdhw"))]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path)
+    np.testing.assert_allclose(load(tmp_path, rank=0).run({"x": x})["p"], want, rtol=1e-6, atol=1e-6)
+    steps = {st["node"] for st in json.loads((tmp_path / "rank0" / "program.json").read_text())["steps"]
+             if st["kind"] == "kernel"}
+    assert {"pool.hw", "pool.d"} <= steps, steps
