@@ -590,6 +590,11 @@ def _large():
              alpha=0.5, beta=2.0),
         Gemm([_t((64, 96), "float64"), _t((96, 80), "float64"), _t((64, 1), "float64")], beta=0.25),
         Gemm([_t((13, 7), "float64"), _t((7, 9), "float64"), _t((1,), "float64")]),
+        # the pad template over three dims: reflect of two volumes' depth, rows and columns (a depth pad wider
+        # than the volume: reflected twice), edge on the first dim of a 3-D tensor, wrap of the depth only
+        Pad([_t((2, 3, 4, 9, 20))], begin=(0, 0, 5, 2, 3), end=(0, 0, 1, 1, 1), mode="reflect"),
+        Pad([_t((4, 6, 7))], begin=(1, 0, 0), end=(2, 1, 0), mode="edge"),
+        Pad([_t((1, 2, 5, 6, 7))], begin=(0, 0, 2, 0, 0), end=(0, 0, 3, 0, 0), mode="wrap"),
     ]
     rng = np.random.default_rng(1)
     res = []
@@ -1036,16 +1041,16 @@ def test_3d_convs_use_their_template():
 
 def test_scans_lrn_pads_and_einsums_use_their_templates():
     """CumSum/CumProd (one pass; the definition's lowering is quadratic in the axis), LRN (rows that
-    vectorize), reflect/edge/wrap pads (row copies) and Einsums that are matrix products (the GEMM)
+    vectorize), reflect/edge/wrap pads of the last three dims (row copies) and Einsums that are matrix products (the GEMM)
     take their templates in the dtypes they run in; float16 scans, constant pads (fast and fusable in
     the generic nest) and other einsums keep it."""
     from shardflow.compiler.codegen.templates_cpu import template_kind
 
     ops = [op for _, op, _ in LARGE if op.op_type in ("CumSum", "CumProd", "LRN", "Pad")]
-    assert len(ops) == 12 and all(template_kind(op) == op.op_type for op in ops)
+    assert len(ops) == 15 and all(template_kind(op) == op.op_type for op in ops)
     assert template_kind(CumSum([_t((4, 5), "float16")], axis=1, exclusive=False, reverse=False)) is None
     assert template_kind(Pad([_t((1, 2, 6, 7))], begin=(0, 0, 1, 1), end=(0, 0, 1, 1), mode="constant")) is None
-    assert template_kind(Pad([_t((4, 6, 7))], begin=(1, 0, 0), end=(0, 0, 0), mode="edge")) is None
+    assert template_kind(Pad([_t((2, 4, 6, 7))], begin=(1, 0, 0, 0), end=(0, 0, 0, 0), mode="edge")) is None
     from shardflow.compiler.codegen.templates_cpu import template_body
     for neg, pos in ((TopK([_t((5, 300))], k=3, axis=-1), TopK([_t((5, 300))], k=3, axis=1)),
                      (CumSum([_t((5, 30, 4))], axis=-2, exclusive=False, reverse=False),
