@@ -1509,6 +1509,10 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.pools import SeparablePools
 
         rg = SeparablePools().run(rg)
+        # resizes of volumes (trilinear upsampling) as two the Resize template computes (passes/resizes.py)
+        from .passes.resizes import SeparableResizes
+
+        rg = SeparableResizes().run(rg)
     if opt.target == "cpu" and (opt.prepack or winograd):
         # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
         # Winograd's, their weights transformed here (passes/prepack.py)
