@@ -3,7 +3,7 @@ small UNet's below, a 3x3x3 stride-2 downsampling and a 5x5x5 one), single ConvT
 UNet's 2x2x2 stride-2 upsampling, a 3x3x3 stride-2 one), a small 3-D UNet (16-32-64 channels: 3x3x3
 convs with instance norms and LeakyReLU, 2x2x2 max pools and transposed convs, skip concatenations; one
 64^3 volume) and a video ResNet's first stages (r3d_18's stem and basic blocks at 64 and 128 channels, 8
-frames of 112x112); the models with random weights, exported by torch's TorchScript exporter at opset 17
+frames of 112x112), and other ops of volumes (3-D pools, resizes, pads); the models with random weights, exported by torch's TorchScript exporter at opset 17
 in a child process. Each is compiled for one cpu rank and timed next to onnxruntime with the same
 thread count (``cpu_latency.bench``; rfcs/0002 "Transposed convs over 3 spatial dims", "3-D convs read in
 place", "3-D convs finish a residual and a clamp").
@@ -31,6 +31,42 @@ CONVS = {"conv3d_e1_1_16_64": (1, 64, 16, 3, 1, 1), "conv3d_e2_16_32_32": (16, 3
          "conv3d_s2_16_32_64": (16, 64, 32, 3, 2, 1), "conv3d_k5_8_16_32": (8, 32, 16, 5, 1, 2),
          "conv3d_tubelet_3_768": (3, (16, 224, 224), 768, (2, 16, 16), (2, 16, 16), 0)}
 TRANSPOSED = {"convT3d_k2s2_64_32_16": (64, 16, 32, 2, 2, 0), "convT3d_k3s2_32_16_16": (32, 16, 16, 3, 2, 1)}
+#: other ops of volumes, each then a Relu (so that the op's output is not the graph's): name -> (op, attributes,
+#: input [N, C, D, H, W], Resize's scales or Pad's pads); rfcs/0002 "3-D average pools", "Resizes of volumes",
+#: "Reflect, edge and wrap pads over three dims"
+VOLUME_OPS = {
+    "avgpool3d_2s2": ("AveragePool", dict(kernel_shape=[2, 2, 2], strides=[2, 2, 2]), (1, 16, 32, 64, 64), None),
+    "avgpool3d_3s1p1": ("AveragePool", dict(kernel_shape=[3, 3, 3], pads=[1] * 6), (1, 16, 32, 64, 64), None),
+    "avgpool3d_3s1p1_incl": ("AveragePool", dict(kernel_shape=[3, 3, 3], pads=[1] * 6, count_include_pad=1),
+                             (1, 16, 32, 64, 64), None),
+    "avgpool3d_4x7x7": ("AveragePool", dict(kernel_shape=[4, 7, 7]), (1, 16, 32, 64, 64), None),
+    "maxpool3d_3s2p1": ("MaxPool", dict(kernel_shape=[3, 3, 3], strides=[2, 2, 2], pads=[1] * 6), (1, 16, 32, 64, 64),
+                        None),
+    "resize3d_trilinear_x2": ("Resize", dict(mode="linear"), (1, 32, 32, 32, 32), [1, 1, 2, 2, 2]),
+    "resize3d_trilinear_align": ("Resize", dict(mode="linear", coordinate_transformation_mode="align_corners"),
+                                 (1, 32, 32, 32, 32), [1, 1, 2, 2, 2]),
+    "resize3d_nearest_x2": ("Resize", dict(mode="nearest"), (1, 32, 32, 32, 32), [1, 1, 2, 2, 2]),
+    "pad3d_reflect": ("Pad", dict(mode="reflect"), (1, 32, 32, 32, 32), [0, 0, 1, 1, 1, 0, 0, 1, 1, 1]),
+    "pad3d_edge": ("Pad", dict(mode="edge"), (1, 32, 32, 32, 32), [0, 0, 1, 1, 1, 0, 0, 1, 1, 1]),
+}
+
+
+def volume_op_model(op: str, attrs: dict, shape: tuple, extra, path: str) -> dict:
+    """A single ``op`` of a volume, then a Relu, written to ``path`` (opset 18); its input feeds."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits, inputs = [], ["x"]
+    if op == "Resize":
+        inits, inputs = [numpy_helper.from_array(np.array(extra, np.float32), "s")], ["x", "", "s"]
+    elif op == "Pad":
+        inits, inputs = [numpy_helper.from_array(np.array(extra, np.int64), "p")], ["x", "p"]
+    graph = helper.make_graph([helper.make_node(op, inputs, ["q"], **attrs), helper.make_node("Relu", ["q"], ["y"])],
+                              op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    onnx.save(model, path)
+    return {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
 
 
 def conv_model(c: int, d, oc: int, k, s, p: int, path: str, transposed: bool = False) -> dict:
@@ -143,6 +179,11 @@ def main(argv=None) -> None:
             path = os.path.join(work, f"{name}.onnx")
             feeds = conv_model(*shape, path, transposed=name in TRANSPOSED)
             cpu_latency.bench(name, path, feeds, args.threads, args.repeat, work)
+        for name, (op, attrs, shape, extra) in VOLUME_OPS.items():
+            if args.only in name:
+                path = os.path.join(work, f"{name}.onnx")
+                feeds = volume_op_model(op, attrs, shape, extra, path)
+                cpu_latency.bench(name, path, feeds, args.threads, args.repeat, work)
         for name, export in (("unet3d_64", "export_unet3d"), ("video_resnet_8x112", "export_video_resnet")):
             if not args.no_models and args.only in name:
                 path = os.path.join(work, f"{name}.onnx")
