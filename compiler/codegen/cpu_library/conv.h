@@ -597,10 +597,22 @@ constexpr double SF_CONV_BAND_BYTES = 786432.0;
 // until every thread gets at least two and the count divides evenly (or there are many), splitting the wider
 // side. keep: a thread packs all K rows of its column tile once and reuses them for the next row tiles of the
 // same column tile (consecutive tasks), when they fit SF_CONV_KEEP_BYTES.
-struct SfConvTiles { int64_t ntm, ntn, npt, ntask; bool keep; };
+// at(t): task t's tile, tasks ordered row tiles first (col: its column tile's index over all planes).
+struct SfTile { int64_t col, i0, i1, j0, j1; };
+struct SfConvTiles {
+  int64_t ntm, ntn, npt, ntask, M, N, mr, nr, mp, np;
+  bool keep;
+  SfTile at(int64_t t) const {
+    const int64_t tm = t % ntm, col = t / ntm, tn = col % ntn;
+    return {col, mp * tm / ntm * mr, std::min(M, mp * (tm + 1) / ntm * mr), np * tn / ntn * nr,
+            std::min(N, np * (tn + 1) / ntn * nr)};
+  }
+};
 
-static SfConvTiles sf_conv_tiles(int64_t nplanes, int64_t mp, int64_t np, int64_t K, int64_t nkb, int64_t nrm, bool par,
-                                 int nt) {
+// (M rows of the output in panels of mr, N columns in panels of nrm, K in nkb blocks)
+static SfConvTiles sf_conv_tiles(int64_t nplanes, int64_t M, int64_t N, int64_t mr, int64_t nrm, int64_t K, int64_t nkb,
+                                 bool par, int nt) {
+  const int64_t mp = (M + mr - 1) / mr, np = (N + nrm - 1) / nrm;
   int64_t ntm = (mp + 7) / 8, ntn = (np + 7) / 8;
   auto ntiles = [&]() { return nplanes * ntm * ntn; };
   while (par && (ntiles() < 2 * nt || (ntiles() % nt != 0 && ntiles() < 8 * nt)) && (ntm < mp || ntn < np)) {
@@ -608,7 +620,7 @@ static SfConvTiles sf_conv_tiles(int64_t nplanes, int64_t mp, int64_t np, int64_
   }
   const int64_t npt = (np + ntn - 1) / ntn;
   const bool keep = ntm > 1 && (nkb == 1 || (double)K * npt * nrm * sizeof(float) <= SF_CONV_KEEP_BYTES);
-  return {ntm, ntn, npt, ntiles(), keep};
+  return {ntm, ntn, npt, ntiles(), M, N, mr, nrm, mp, np, keep};
 }
 
 // The calling thread's buffer of packed B panels for tiles tl (its workspace slot 2)
@@ -620,14 +632,22 @@ static float* sf_conv_panels(const SfConvTiles& tl, int64_t K, int64_t kcb, int6
 // wg ([M][K]) times B, whose row k (a channel and tap) holds the pixels of gs's output grid read from the image xg
 // (Hs x Ws floats a channel) at xg + off[k] and on. unpacked: B is read in place (gs.SW == 1; the ISA's dfn
 // kernels); else it is packed into Bp by column panels, once per K block (keep: Bp holds the panels of all K
-// rows, npt panels of them, and pack false reuses them from the previous tile of the same columns). last(kb, i,
-// j): the kernels' finish for a call at row i and column j on K block kb (null: none).
-template <class Last>
+// rows, npt panels of them, and pack false reuses them from the previous tile of the same columns). fin (null:
+// none): the kernels' finish on the last K block, its bias at yg's row 0 and its residual laid out as yg.
 static void sf_conv_tile(const SfCukr& u, bool unpacked, const float* xg, int64_t Hs, int64_t Ws, const SfConvGeom& gs,
                          const int32_t* off, const float* wg, int64_t K, int64_t nkb, int64_t kcb, float* yg,
-                         int64_t ldc, int64_t i0, int64_t i1, int64_t j0, int64_t j1, float* Bp, bool pack, bool keep,
-                         int64_t npt, const Last& last) {
+                         int64_t ldc, const SfTile& tile, float* Bp, bool pack, bool keep, int64_t npt,
+                         const SfFin* fin) {
   const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
+  const int64_t i0 = tile.i0, i1 = tile.i1, j0 = tile.j0, j1 = tile.j1;
+  SfFin at = fin ? *fin : SfFin{};
+  // the finish of a kernel call at row i and column j on K block kb: its pointers at the call's first row and column
+  auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {
+    if (!fin || kb != nkb - 1) return nullptr;
+    at.bias = fin->bias ? fin->bias + i : nullptr;
+    at.res = fin->res ? fin->res + i * ldc + j : nullptr;
+    return &at;
+  };
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t pc = kb * kcb, kc = std::min(kcb, K - pc);
     if (unpacked) {
@@ -686,12 +706,9 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
   if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
   const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
   const int64_t nkb = std::max<int64_t>(1, (K + SF_KC - 1) / SF_KC), kcb = std::max<int64_t>(1, (K + nkb - 1) / nkb);
-  const int64_t mp = (M + mr - 1) / mr, np = (P + nrm - 1) / nrm;
   const int nt = sf_max_threads();
   const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
-  const SfConvTiles tl = sf_conv_tiles(nimg * groups, mp, np, K, nkb, nrm, par, nt);
-  const int64_t ntm = tl.ntm, ntn = tl.ntn, npt = tl.npt, ntask = tl.ntask;
-  const bool keep = tl.keep;
+  const SfConvTiles tl = sf_conv_tiles(nimg * groups, M, P, mr, nrm, K, nkb, par, nt);
   // the padded images: [nimg * groups * C][Hp][Wp], the input rows at (PT, PL)
   const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
   const int64_t Wp = std::max(g.W + g.PL, (g.OW - 1) * g.SW + (g.KW - 1) * g.DW + 1);
@@ -766,27 +783,15 @@ static void sf_conv2d(const float* x, const float* w, const float* bias, float* 
     float* Bp = unpacked ? nullptr : sf_conv_panels(tl, K, kcb, nrm);
     int64_t packed = -1;
     #pragma omp for schedule(static)
-    for (int64_t t = 0; t < ntask; ++t) {
-      const int64_t tm = t % ntm, col = t / ntm;  // col: (image, group, column tile)
-      const int64_t tn = col % ntn, ng = col / ntn, gi = ng % groups;
-      const float* xg = xs + ng * ximg;
-      const float* wg = w + gi * M * K;
-      float* yg = y + ng * M * P;
-      const float* rg = res ? res + ng * M * P : nullptr;
-      SfFin fin = {nullptr, nullptr, clamp};
-      // the kernel's finish: on the last K block only, its pointers at the call's first row and column
-      auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {
-        if (!finish || kb != nkb - 1) return nullptr;
-        fin.bias = bias ? bias + gi * M + i : nullptr;
-        fin.res = rg ? rg + i * P + j : nullptr;
-        return &fin;
-      };
-      const int64_t i0 = mp * tm / ntm * mr, i1 = std::min(M, mp * (tm + 1) / ntm * mr);
-      const int64_t j0 = np * tn / ntn * nrm, j1 = std::min(P, np * (tn + 1) / ntn * nrm);
-      const bool pack = !keep || packed != col;
-      packed = col;
-      sf_conv_tile(u, unpacked, xg, Hs, Ws, gs, off, wg, K, nkb, kcb, yg, P, i0, i1, j0, j1, Bp, pack, keep, npt, last);
-      if (epi) epi(ctx, ng / groups, gi * M + i0, gi * M + i1, j0, j1);
+    for (int64_t t = 0; t < tl.ntask; ++t) {
+      const SfTile tile = tl.at(t);  // tile.col: (image, group, column tile)
+      const int64_t ng = tile.col / tl.ntn, gi = ng % groups;
+      const SfFin fin = {bias ? bias + gi * M : nullptr, res ? res + ng * M * P : nullptr, clamp};
+      const bool pack = !tl.keep || packed != tile.col;
+      packed = tile.col;
+      sf_conv_tile(u, unpacked, xs + ng * ximg, Hs, Ws, gs, off, w + gi * M * K, K, nkb, kcb, y + ng * M * P, P, tile,
+                   Bp, pack, tl.keep, tl.npt, finish ? &fin : nullptr);
+      if (epi) epi(ctx, ng / groups, gi * M + tile.i0, gi * M + tile.i1, tile.j0, tile.j1);
     }
   }
 }

@@ -20,11 +20,10 @@ static void sf_conv3d(const float* x, const float* w, const float* bias, float* 
   if (nimg <= 0 || groups <= 0 || M <= 0 || P <= 0) return;
   const int64_t mr = u.mr, vl = u.vl, nrm = u.nv * u.vl;
   const int64_t nkb = std::max<int64_t>(1, (K + SF_KC - 1) / SF_KC), kcb = std::max<int64_t>(1, (K + nkb - 1) / nkb);
-  const int64_t mp = (M + mr - 1) / mr, np = (P2 + nrm - 1) / nrm;  // row panels; column panels of a slice
   const int64_t nslice = nimg * groups * g.OD;
   const int nt = sf_max_threads();
   const bool par = nt > 1 && (double)nimg * groups * M * P * K >= SF_CONV_PAR_WORK;
-  const SfConvTiles tl = sf_conv_tiles(nslice, mp, np, K, nkb, nrm, par, nt);
+  const SfConvTiles tl = sf_conv_tiles(nslice, M, P2, mr, nrm, K, nkb, par, nt);  // (columns: a slice's)
   // the padded volumes, [nimg * groups * C][Dp][Hp][Wp], the input at (PF, PT, PL)
   const int64_t Dp = std::max(g.D + g.PF, (g.OD - 1) * g.SD + (g.KD - 1) * g.DD + 1);
   const int64_t Hp = std::max(g.H + g.PT, (g.OH - 1) * g.SH + (g.KH - 1) * g.DH + 1);
@@ -60,22 +59,13 @@ static void sf_conv3d(const float* x, const float* w, const float* bias, float* 
     int64_t packed = -1;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tl.ntask; ++t) {
-      const int64_t tm = t % tl.ntm, col = t / tl.ntm;  // col: (image, group, slice, column tile)
-      const int64_t tn = col % tl.ntn, sl = col / tl.ntn, od = sl % g.OD, ng = sl / g.OD, gi = ng % groups;
-      const float* rg = res ? res + ng * M * P + od * P2 : nullptr;
-      SfFin fin = {nullptr, nullptr, clamp};
-      auto last = [&](int64_t kb, int64_t i, int64_t j) -> const SfFin* {
-        if (!finish || kb != nkb - 1) return nullptr;
-        fin.bias = bias ? bias + gi * M + i : nullptr;
-        fin.res = rg ? rg + i * P + j : nullptr;
-        return &fin;
-      };
-      const int64_t i0 = mp * tm / tl.ntm * mr, i1 = std::min(M, mp * (tm + 1) / tl.ntm * mr);
-      const int64_t j0 = np * tn / tl.ntn * nrm, j1 = std::min(P2, np * (tn + 1) / tl.ntn * nrm);
-      const bool pack = !tl.keep || packed != col;
-      packed = col;
+      const SfTile tile = tl.at(t);  // tile.col: (image, group, slice, column tile)
+      const int64_t sl = tile.col / tl.ntn, od = sl % g.OD, ng = sl / g.OD, gi = ng % groups;
+      const SfFin fin = {bias ? bias + gi * M : nullptr, res ? res + ng * M * P + od * P2 : nullptr, clamp};
+      const bool pack = !tl.keep || packed != tile.col;
+      packed = tile.col;
       sf_conv_tile(u, unpacked, xs + ng * g.C * vol + od * g.SD * plane, Hp, Wp, gs, off, w + gi * M * K, K, nkb,
-                   kcb, y + ng * M * P + od * P2, P, i0, i1, j0, j1, Bp, pack, tl.keep, tl.npt, last);
+                   kcb, y + ng * M * P + od * P2, P, tile, Bp, pack, tl.keep, tl.npt, finish ? &fin : nullptr);
     }
   }
 }
