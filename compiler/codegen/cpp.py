@@ -796,18 +796,22 @@ SF_EXPORT const char* shardflow_cpu_int8_isa() {
 """
 
 
-def kernel_source(op, clones: bool = False, in_place: int | None = None) -> tuple[str, str]:
+def kernel_source(op, clones: bool | str = False, in_place: int | None = None) -> tuple[str, str]:
     """``(symbol, definition)`` of ``op``'s kernel; the symbol is derived from the text, so equal
-    kernels get equal symbols. ``in_place``: the input whose bytes output 0 is written over (for
-    the generic kernel; a template ignores it)."""
+    kernels get equal symbols. ``clones``: whether to compile the kernel for x86-64-v3 and v4 too,
+    or a policy of :func:`generate_cpu_source` applied to the kernel's body. ``in_place``: the
+    input whose bytes output 0 is written over (for the generic kernel; a template ignores it)."""
     from .templates_cpu import CLONED_TEMPLATES, FILE_SCOPE_BEGIN, FILE_SCOPE_END, template_body, template_kind
     body = template_body(op)
-    # a template's functions of the file (a conv's epilogue): cloned as a generic kernel would be
-    scoped_attr = "SF_CLONES " if clones else ""
-    if body is None:
+    templated = body is not None
+    if not templated:
         from .fusion import coalesce_elementwise
         body = generic_kernel_body(coalesce_elementwise(op), in_place)
-    elif template_kind(op) not in CLONED_TEMPLATES:
+    if isinstance(clones, str):
+        clones = _wants_clones(op, clones, body)
+    # a template's functions of the file (a conv's epilogue): cloned as a generic kernel would be
+    scoped_attr = "SF_CLONES " if clones else ""
+    if templated and template_kind(op) not in CLONED_TEMPLATES:
         clones = False  # a GEMM template's kernel only calls the GEMM, which dispatches on the CPU itself
     scoped = []
     while FILE_SCOPE_BEGIN in body:
@@ -824,14 +828,25 @@ def kernel_source(op, clones: bool = False, in_place: int | None = None) -> tupl
     return sym, text.replace("SF_SYM", sym)
 
 
-def _wants_clones(op, policy: str) -> bool:
+#: Calls of helpers whose x86-64-v2 code is several times slower than the v3/v4 clones' (four lanes
+#: and no FMA for the exponential's and the others' polynomials; float16 conversions one value at a
+#: time, by libgcc)
+_COSTLY_CALL = re.compile(r"\bsf_(?:exp|exp_nonpos|tanh|erf|log|pow|sigmoid|sqrt|rsqrt|h2f|h2f32|f16_round"
+                          r"|bf16_round)\(")
+
+
+def _wants_clones(op, policy: str, body: str) -> bool:
+    """Whether ``op``'s kernel (``body``) is compiled for x86-64-v3 and v4 too, under ``policy``
+    (:func:`generate_cpu_source`): "auto" clones a kernel touching 16 Ki elements or more, and one
+    whose outputs times the costly calls in its body (:data:`_COSTLY_CALL`) make 256 or more (an
+    LSTM step's gates, 8 x 256 values with three exponentials each: 10 -> 3 us on a Zen 4)."""
     if policy == "none":
         return False
     if policy == "all":
         return True
-    work = sum(int(np.prod(t.shape, dtype=np.int64)) for t in op.outputs)
-    work += sum(int(np.prod(t.shape, dtype=np.int64)) for t in op.inputs)
-    return work >= (1 << 14)
+    outputs = sum(int(np.prod(t.shape, dtype=np.int64)) for t in op.outputs)
+    work = outputs + sum(int(np.prod(t.shape, dtype=np.int64)) for t in op.inputs)
+    return work >= (1 << 14) or outputs * len(_COSTLY_CALL.findall(body)) >= 256
 
 
 def generate_cpu_source(ops: Sequence, clones: str = "auto", in_place: Mapping[str, int] | None = None
@@ -866,7 +881,7 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto", in_place: Mapping[s
             out.skipped[op.name] = why
             continue
         try:
-            sym, text = kernel_source(op, _wants_clones(op, clones), in_place.get(op.name))
+            sym, text = kernel_source(op, clones, in_place.get(op.name))
         except RecursionError as e:  # pragma: no cover - pathological expression depth
             raise CodegenError(f"{op.name} ({op.op_type}): expression too deep to lower") from e
         out.symbols[op.name] = sym

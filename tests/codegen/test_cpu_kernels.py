@@ -1781,6 +1781,29 @@ def test_cache_dir_defaults_to_the_environment(tmp_path, monkeypatch):
     assert any(f.endswith(".so") for f in os.listdir(tmp_path / "envcache"))
 
 
+def test_small_kernels_with_costly_math_are_cloned_for_each_instruction_set():
+    """A kernel touching fewer than 16 Ki elements is compiled for x86-64-v3 and v4 too where its
+    outputs times its costly calls (exponentials, tanh, ...) reach 256 (an LSTM step's gates: x86-64-v2's
+    four lanes without FMA were 3x slower there); a small negation, or an exponential of 64 values,
+    stays x86-64-v2 only; a large negation is cloned as before."""
+    from shardflow.compiler.codegen.fusion import fuse
+
+    def chain(n, name):  # n alternating exp and tanh of 64 values, fused into one kernel
+        ops = [Unary([_t((4, 16))], fn="exp", name=f"{name}0")]
+        for i in range(1, n):
+            ops.append(Unary([ops[-1].outputs[0]], fn=("exp", "tanh")[i % 2], name=f"{name}{i}"))
+        return fuse(ops, keep={ops[-1].outputs[0].name})
+
+    ops = [Unary([_t((8, 256))], fn="exp", name="small_exp"), Unary([_t((4, 16))], fn="exp", name="tiny_exp"),
+           Unary([_t((8, 256))], fn="neg", name="small_neg"), Unary([_t((128, 128))], fn="neg", name="large_neg"),
+           *chain(4, "four"), *chain(3, "three")]
+    src = generate_cpu_source(ops)
+    texts = dict(src.kernels)
+    cloned = {op.name for op in ops
+              if f"SF_CLONES static void {src.symbols[op.name]}_impl(" in texts[src.symbols[op.name]]}
+    assert cloned == {"small_exp", "large_neg", "four3"}, cloned
+
+
 def test_compiler_errors_name_the_op(tmp_path, monkeypatch):
     from shardflow.compiler.codegen import cpp
 
