@@ -1384,8 +1384,10 @@ def test_softmax_finishes_its_exponentials_in_the_output_row(tmp_path, kernel_ca
         a = inputs[op.name]
         got = run_kernel(lib, syms[op.name], op, [a])[0]
         want = op.run(a)[0]
-        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-6, atol=1e-7,
-                                   err_msg=op.name)
+        # (log-softmax: x - max - log(sum) cancels; both sides round operands of about 5 (an ulp 4.8e-7):
+        # at [0, 0, 9] the kernel is 1.1e-7 from the float64 value, numpy's float32 1.3e-7)
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-6,
+                                   atol=5e-7 if op.name == "lsm" else 1e-7, err_msg=op.name)
 
 
 def _reduction_loops(body):
