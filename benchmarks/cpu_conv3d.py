@@ -23,12 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_latency  # noqa: E402
 
 #: name: (input channels, input side, output channels, kernel, stride, pad): the UNet's convs (e1..e3 and d2,
-#: d1 as in export_unet3d, out its 1x1x1 head), a stride-2 downsampling, a 5x5x5 conv, and the tubelet embedding
+#: d1 as in export_unet3d, out its 1x1x1 head), a stride-2 downsampling, a 5x5x5 conv, one of a 128^3 volume (its
+#: padded copy 281 MB whole, copied by chunks since session 96), and the tubelet embedding
 #: of VideoMAE-base and ViViT-base (16 frames of 224x224 in 2x16x16 tubelets; a tuple gives each dim's extent)
 CONVS = {"conv3d_e1_1_16_64": (1, 64, 16, 3, 1, 1), "conv3d_e2_16_32_32": (16, 32, 32, 3, 1, 1),
          "conv3d_e3_32_64_16": (32, 16, 64, 3, 1, 1), "conv3d_d2_64_32_32": (64, 32, 32, 3, 1, 1),
          "conv3d_d1_32_16_64": (32, 64, 16, 3, 1, 1), "conv3d_out_16_3_64": (16, 64, 3, 1, 1, 0),
          "conv3d_s2_16_32_64": (16, 64, 32, 3, 2, 1), "conv3d_k5_8_16_32": (8, 32, 16, 5, 1, 2),
+         "conv3d_32_32_128": (32, 128, 32, 3, 1, 1),
          "conv3d_tubelet_3_768": (3, (16, 224, 224), 768, (2, 16, 16), (2, 16, 16), 0)}
 TRANSPOSED = {"convT3d_k2s2_64_32_16": (64, 16, 32, 2, 2, 0), "convT3d_k3s2_32_16_16": (32, 16, 16, 3, 2, 1)}
 #: other ops of volumes, each then a Relu (so that the op's output is not the graph's): name -> (op, attributes,

@@ -2171,6 +2171,28 @@ def test_3d_conv_kernels_finish_a_residual_and_a_clamp(tmp_path, kernel_cache):
     assert f"SfClamp{{true, 0.0f, {inf}}});" in src.text
 
 
+def test_3d_convs_copy_their_padded_volume_by_chunks(tmp_path, kernel_cache, monkeypatch):
+    """sf_conv3d copies the padded volume by chunks of output depth slices, each under a byte limit (32 MB;
+    SHARDFLOW_CONV3D_PAD_BYTES here 20000): chunks of 7 slices then 2 (B read in place and packed), one slice
+    a chunk where a depth stride and dilation reach past the limit (groups, two images), and a residual
+    and a Relu finished per chunk; against numpy."""
+    arrays, inp, group = _fused_groups(4)
+    cases = [Conv([inp(1, 3, 9, 6, 20), inp(5, 3, 3, 3, 3), inp(5)], pads=(1,) * 6, name="in-place"),
+             Conv([inp(1, 3, 9, 6, 20), inp(5, 3, 3, 3, 3), inp(5)], pads=(1,) * 6, strides=(1, 1, 2), name="packed"),
+             Conv([inp(2, 4, 11, 5, 17), inp(6, 2, 3, 3, 3), inp(6)], group=2, pads=(2, 1, 1, 2, 1, 1),
+                  strides=(2, 1, 1), dilations=(2, 1, 1), name="one-slice"),
+             group("c3-chunks-residual", Conv([inp(1, 4, 10, 5, 18), inp(8, 4, 3, 3, 3), inp(8)], pads=(1,) * 6),
+                   lambda y: Binary([y, inp(1, 8, 10, 5, 18)], fn="add"), lambda y: Activation([y], kind="relu"))]
+    syms = build_cpu_library(cases, str(tmp_path / "chunks.so"), cache_dir=kernel_cache, opt_level=1)
+    lib = ctypes.CDLL(str(tmp_path / "chunks.so"))
+    monkeypatch.setenv("SHARDFLOW_CONV3D_PAD_BYTES", "20000")
+    for op in cases:
+        ins = [arrays[id(t)] for t in op.inputs]
+        want = op.run(*ins)[0]
+        np.testing.assert_allclose(run_kernel(lib, syms[op.name], op, ins)[0], want, rtol=1e-4,
+                                   atol=1e-4 * float(np.abs(want).max()), err_msg=op.name)
+
+
 _HALF_FINISH_SCRIPT = r"""
 import ctypes, sys
 import numpy as np

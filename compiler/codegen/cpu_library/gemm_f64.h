@@ -8,6 +8,8 @@ namespace {
 // scaled by alpha, into panels of mr rows ([kc][mr], zero past M) and runs the mr x nr micro-kernel over
 // its column panels; the first K block stores C, the others add to it, and the last adds the bias.
 constexpr int64_t SF_DKC = 256;
+// products of fewer multiply-adds run on one thread (and a batch of them one per thread)
+constexpr double SF_DSMALL = 262144.0;
 
 typedef void (*SfDukrFn)(int64_t kc, const double* __restrict__ Ap, const double* __restrict__ Bp,
                          double* __restrict__ C, int64_t ldc, int64_t mr, int64_t nr, bool first);
@@ -160,10 +162,10 @@ static void sf_dgemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t r
   const int64_t nkb = (K + SF_DKC - 1) / SF_DKC, kcb = (K + nkb - 1) / nkb;
   const int64_t mp = (M + mr - 1) / mr, np = (N + nr - 1) / nr;
   const int nt = sf_max_threads();
-  par = par && nt > 1 && (double)M * N * K >= 262144.0;
+  par = par && nt > 1 && (double)M * N * K >= SF_DSMALL;
   // tasks: row blocks of up to 8 panels times column ranges, more ranges until each thread has two
   const int64_t ntm = (mp + 7) / 8;
-  int64_t ntn = std::min<int64_t>(np, (np + 31) / 32);
+  int64_t ntn = (np + 31) / 32;
   while (par && ntm * ntn < 2 * nt && ntn < np) ++ntn;
   const int64_t ntask = ntm * ntn;
   double* Bp = static_cast<double*>(sf_workspace(1, sizeof(double) * kcb * np * nr));
@@ -207,7 +209,7 @@ static void sf_dgemm_batched(int64_t nb, const int64_t* bshape, const int64_t* a
   int64_t count = 1;
   for (int64_t d = 0; d < nb; ++d) count *= bshape[d];
   const int nt = sf_max_threads();
-  const bool each = count >= 2 * nt || (count >= nt && (double)M * N * K < 262144.0);
+  const bool each = count >= 2 * nt || (count >= nt && (double)M * N * K < SF_DSMALL);
   #pragma omp parallel for schedule(static) if (each && nt > 1)
   for (int64_t b = 0; b < count; ++b) {
     int64_t ao = 0, bo = 0, co = 0;
