@@ -7,12 +7,14 @@ namespace {
 // (npl: the planes of a channel that the copy holds): the same offsets for every slice. So B is read in place or
 // packed per tile as in 2-D, and nothing is copied but the padded volume, by chunks of output slices (the im2col
 // slabs this replaced were written and then packed again: rfcs/0002 "3-D convs read in place").
+
 // The most bytes a chunk's padded copy holds (SHARDFLOW_CONV3D_PAD_BYTES overrides it, for tests); a chunk is
 // one output slice at least
 static double sf_conv3d_pad_bytes() {
   const char* v = std::getenv("SHARDFLOW_CONV3D_PAD_BYTES");
   return v ? std::atof(v) : 32.0 * (1 << 20);
 }
+
 struct SfConv3Geom { int64_t C, D, H, W, KD, KH, KW, SD, SH, SW, DD, DH, DW, PF, PT, PL, OD, OH, OW; };
 
 // y[n, gi*ocg + o] = the conv of x[n, gi*C : (gi+1)*C] ([D][H][W] each) with w[gi*ocg + o] ([C][KD][KH][KW]),
