@@ -75,6 +75,27 @@ def splice(graph: FlowGraph, after: dict[int, list[Operator]], replace: dict[int
     return EliminateDeadCode().run(graph)
 
 
+def splice_rewrites(graph: FlowGraph, rewrites: dict[int, list[Operator]], what: str) -> FlowGraph:
+    """``graph`` with each op ``rewrites`` names (by id; one output) replaced by the ops it maps to, placed
+    right after it, whose last one computes the same tensor (shape and type): every read of the old
+    output reads the new one (:func:`splice`), and a graph output keeps its tensor and name, the last
+    new op taking it over (:func:`take_over`; ``what``: the rewrite, for its error)."""
+    outputs = {id(t) for t in graph.outputs}
+    replace: dict[int, Tensor] = {}
+    taken: set[int] = set()
+    ops = {id(op): op for op in graph.nodes}
+    for key, new in rewrites.items():
+        old = ops[key]
+        if id(old.outputs[0]) in outputs:
+            take_over(old, new[-1], what)
+            taken.add(key)
+        else:
+            replace[id(old.outputs[0])] = new[-1].outputs[0]
+    graph = splice(graph, rewrites, replace)
+    graph.nodes = [op for op in graph.nodes if id(op) not in taken]
+    return graph
+
+
 def take_over(old: Operator, new: Operator, what: str) -> Operator:
     """``new`` (an op rebuilt from ``old``, ``what`` it is) made the producer of ``old``'s output
     tensors, so that their readers are unchanged; the outputs' shapes and types must agree."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 
-from ..ir.graph import FlowGraph, Operator, Tensor
-from .base import GraphPass, splice
+from ..ir.graph import FlowGraph, Operator
+from .base import GraphPass, splice_rewrites
 
 __all__ = ["SeparablePools"]
 
@@ -30,20 +30,17 @@ log = logging.getLogger(__name__)
 
 
 class SeparablePools(GraphPass):
-    """Every float32 ``MaxPool`` and ``AveragePool`` over 3 spatial dims (one output, not the graph's) written
-    as two 2-D ones on views."""
+    """Every float32 ``MaxPool`` and ``AveragePool`` over 3 spatial dims (one output) written as two 2-D ones
+    on views."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import Pool
         from ..ops.transform import Reshape
 
         insert: dict[int, list[Operator]] = {}
-        replace: dict[int, Tensor] = {}
-        outputs = {id(t) for t in graph.outputs}  # (the graph's outputs keep their tensors and names)
         for op in graph.nodes:
             if op.op_type != "Pool" or op.attrs.get("kind") not in ("max", "avg") or op.attrs.get("with_indices") \
-                    or len(op.outputs) != 1 or op.inputs[0].ndim != 5 or op.inputs[0].dtype != "float32" \
-                    or id(op.outputs[0]) in outputs:
+                    or len(op.outputs) != 1 or op.inputs[0].ndim != 5 or op.inputs[0].dtype != "float32":
                 continue
             (n, c, d, h, w), (_, _, od, oh, ow) = op.inputs[0].shape, op.outputs[0].shape
             (kd, kh, kw), (sd, sh, sw) = op.attrs["kernel"], op.attrs.get("strides") or (1, 1, 1)
@@ -63,7 +60,6 @@ class SeparablePools(GraphPass):
                 continue
             back = Reshape([depth.outputs[0]], name=f"{op.name}.3d", shape=(n, c, od, oh, ow))
             insert[id(op)] = [planes, hw, rows, depth, back]
-            replace[id(op.outputs[0])] = back.outputs[0]
         if insert:
             log.info("pools: %d 3-D pools as 2-D ones over height and width, then depth", len(insert))
-        return splice(graph, insert, replace)
+        return splice_rewrites(graph, insert, "separable pool")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import math
 
-from ..ir.graph import FlowGraph, Operator, Tensor
-from .base import GraphPass, splice
+from ..ir.graph import FlowGraph, Operator
+from .base import GraphPass, splice_rewrites
 
 __all__ = ["SeparableResizes"]
 
@@ -25,19 +25,17 @@ log = logging.getLogger(__name__)
 
 
 class SeparableResizes(GraphPass):
-    """Every float32 ``Resize`` of a dim third from last (and of the last two, or not), its output not the
-    graph's, written as a resize of the last two dims, then one of the depth on a view."""
+    """Every float32 ``Resize`` of a dim third from last (and of the last two, or not) written as a resize of
+    the last two dims, then one of the depth on a view."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import Resize
         from ..ops.transform import Reshape
 
         insert: dict[int, list[Operator]] = {}
-        replace: dict[int, Tensor] = {}
-        outputs = {id(t) for t in graph.outputs}
         for op in graph.nodes:
             if op.op_type != "Resize" or len(op.inputs) != 1 or len(op.outputs) != 1 or op.inputs[0].ndim < 3 \
-                    or op.inputs[0].dtype != "float32" or id(op.outputs[0]) in outputs \
+                    or op.inputs[0].dtype != "float32" \
                     or op.attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize" \
                     or op.attrs.get("roi") is not None:
                 continue
@@ -54,7 +52,6 @@ class SeparableResizes(GraphPass):
                            scales=(1.0,) * (r - 3) + (scales[-3], 1.0), **attrs)
             back = Reshape([depth.outputs[0]], name=f"{op.name}.3d", shape=y)
             insert[id(op)] = [planes, rows, depth, back]
-            replace[id(op.outputs[0])] = back.outputs[0]
         if insert:
             log.info("resizes: %d resizes of volumes as 2-D ones over height and width, then depth", len(insert))
-        return splice(graph, insert, replace)
+        return splice_rewrites(graph, insert, "separable resize")

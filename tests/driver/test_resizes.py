@@ -24,18 +24,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["then-relu", "graph-output"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_volume_resize_is_two_resizes(tmp_path, case):
-    """A Resize of depth, height and width (then a Relu, so that its output is not the graph's) compiles to a
-    resize of height and width, then one of depth, and matches onnxruntime: nearest exactly, the
-    interpolations within a few units in the last place (rounded to float32 between the steps); cubic against
-    onnx's reference evaluator."""
+def test_a_volume_resize_is_two_resizes(tmp_path, case, last):
+    """A Resize of depth, height and width (then a Relu, or the graph's output, which keeps its name)
+    compiles to a resize of height and width, then one of depth, and matches onnxruntime: nearest exactly,
+    the interpolations within a few units in the last place (rounded to float32 between the steps); cubic
+    against onnx's reference evaluator."""
     ort = pytest.importorskip("onnxruntime")
     attrs, scales, shape, opset = CASES[case]
     f = helper.make_tensor_value_info
     x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
-    nodes = [helper.make_node("Resize", ["x", "", "s"], ["q"], name="up", **attrs),
-             helper.make_node("Relu", ["q"], ["y"])]
+    nodes = [helper.make_node("Resize", ["x", "", "s"], ["y" if last else "q"], name="up", **attrs)]
+    nodes += [] if last else [helper.make_node("Relu", ["q"], ["y"])]
     model = helper.make_model(helper.make_graph(nodes, "resize3d", [f("x", TensorProto.FLOAT, list(shape))],
                                                 [f("y", TensorProto.FLOAT, list("ncdhw"))],
                                                 [numpy_helper.from_array(np.array(scales, np.float32), "s")]),
