@@ -1,7 +1,8 @@
 """CPU latency of the ops with their own templates beside the GEMM/conv ones, vs onnxruntime.
 
 Transposed convolutions (a U-Net/GAN decoder's upsampling: 2x2 and 4x4 stride 2, 3x3 stride 2 with
-output padding), the ONNX ``Attention`` op (opset 23, what torch's dynamo exporter writes for
+output padding; depthwise ones, ``group`` = channels, at 4x4 and 2x2 stride 2), the ONNX ``Attention``
+op (opset 23, what torch's dynamo exporter writes for
 ``scaled_dot_product_attention``: causal, GPT-2-small heads, and grouped K/V heads with a padding
 mask, as a Llama exports), depthwise convs (MobileNetV2's 3x3 at 112x112, stride 2 at 56x56 and
 14x14; ConvNeXt's 7x7), a 3-D conv (3x3x3, 16 -> 32 channels at 16x32x32) and GroupNormalization (a
@@ -28,6 +29,10 @@ CONV_T = {"convT_2x2s2_56": (64, 56, 32, 2, 2, 0, 0), "convT_3x3s2_28": (128, 28
 # name: (channels, input height = width, kernel, stride)
 DEPTHWISE = {"dw3_112_32": (32, 112, 3, 1), "dw3s2_56_144": (144, 56, 3, 2), "dw3_14_576": (576, 14, 3, 1),
              "dw7_56_96": (96, 56, 7, 1)}
+# name: (channels, input height = width, kernel, stride, pad): depthwise transposed convs (group = channels: FCN's
+# 21-class bilinear upsampling, CenterNet's), a conv per output phase since session 96
+DEPTHWISE_T = {"dwT_k4s2_21_64": (21, 64, 4, 2, 1), "dwT_k4s2_64_56": (64, 56, 4, 2, 1),
+               "dwT_k2s2_128_32": (128, 32, 2, 2, 0)}
 # name: (input channels, depth, height = width, output channels): 3x3x3, pad 1
 CONV3D = {"conv3d_16_16": (16, 16, 32, 32)}
 # name: (channels, height = width, groups)
@@ -63,6 +68,18 @@ def _model(name: str, path: str):
                               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
         return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * OC * C * K * K * H * H
+    if name in DEPTHWISE_T:
+        C, H, K, S, P = DEPTHWISE_T[name]
+        w = (rng.standard_normal((C, 1, K, K)) * 0.1).astype(np.float32)
+        b = rng.standard_normal(C).astype(np.float32)
+        OH = (H - 1) * S - 2 * P + K
+        node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=C, kernel_shape=[K, K], strides=[S, S],
+                                pads=[P] * 4)
+        g = helper.make_graph([node], name, [info("x", TensorProto.FLOAT, [1, C, H, H])],
+                              [info("y", TensorProto.FLOAT, [1, C, OH, OH])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return rng.standard_normal((1, C, H, H)).astype(np.float32), 2.0 * C * K * K * H * H
     if name in DEPTHWISE:
         C, H, K, S = DEPTHWISE[name]
         w = rng.standard_normal((C, 1, K, K)).astype(np.float32)
@@ -133,5 +150,5 @@ def _simple(name: str, path: str, rng):
 
 
 if __name__ == "__main__":
-    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *ATTENTION, *DEPTHWISE, *CONV3D, *GROUP_NORM, *SIMPLE]), model=_model,
-                   description=__doc__))
+    sys.exit(_main(shapes=dict.fromkeys([*CONV_T, *DEPTHWISE_T, *ATTENTION, *DEPTHWISE, *CONV3D, *GROUP_NORM,
+                                         *SIMPLE]), model=_model, description=__doc__))

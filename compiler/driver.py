@@ -1513,6 +1513,10 @@ def rank_passes(rg: FlowGraph, opt: OptimizationConfig, *, winograd: bool = True
         from .passes.resizes import SeparableResizes
 
         rg = SeparableResizes().run(rg)
+        # depthwise transposed convs as a depthwise conv per output phase (passes/transposed.py)
+        from .passes.transposed import PhasedDepthwiseTransposedConvs
+
+        rg = PhasedDepthwiseTransposedConvs().run(rg)
     if opt.target == "cpu" and (opt.prepack or winograd):
         # constant GEMM weights packed once, here, instead of on every call; 3x3 convs as
         # Winograd's, their weights transformed here (passes/prepack.py)
