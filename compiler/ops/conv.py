@@ -634,13 +634,23 @@ class ConvTranspose(Operator):
         phased = not tiled and max(s) > 1 and all(dil[d] == 1 and kern[d] % s[d] == 0 for d in range(n_sp))
 
         def f(ni, oci, *o):
+            # input channel ic of output channel oci's group, and oci's index in its group; written without
+            # a division or remainder by 1 (a depthwise one's channels then split as a depthwise Conv's do)
+            def chan(ic):
+                if g == 1:
+                    return ic
+                if icg == 1:
+                    return oci if ocg == 1 else oci // ocg
+                return (oci // ocg) * icg + ic
+            wo = oci if g == 1 else (0 if ocg == 1 else oci % ocg)
+
             def tap(ic):  # (non-overlapping windows: output o reads input o // s at tap o % s)
-                ch = ic if g == 1 else (oci // ocg) * icg + ic
+                ch = chan(ic)
                 return x[(ni, ch, *(o[d] // s[d] if s[d] > 1 else o[d] for d in range(n_sp)))] \
-                    * w[(ch, oci if g == 1 else oci % ocg, *(o[d] % s[d] if s[d] > 1 else 0 for d in range(n_sp)))]
+                    * w[(ch, wo, *(o[d] % s[d] if s[d] > 1 else 0 for d in range(n_sp)))]
 
             def phase(ic, *t):
-                ch = ic if g == 1 else (oci // ocg) * icg + ic
+                ch = chan(ic)
                 conds, idx, taps = [], [], []
                 for d in range(n_sp):
                     sd, p, nt = s[d], pb[d], kern[d] // s[d]
@@ -660,10 +670,10 @@ class ConvTranspose(Operator):
                     taps.append(k)
                 v = x[(ni, ch, *idx)]
                 v = v if not conds else if_then_else(_all(conds), v, Const(0, dt))
-                return v * w[(ch, oci if g == 1 else oci % ocg, *taps)]
+                return v * w[(ch, wo, *taps)]
 
             def body(ic, *k):
-                ch = ic if g == 1 else (oci // ocg) * icg + ic
+                ch = chan(ic)
                 conds, idx = [], []
                 for d in range(n_sp):
                     num = affine_expr([(o[d], 1), (k[d], -dil[d] if kern[d] > 1 else 0)], pb[d])
@@ -678,7 +688,7 @@ class ConvTranspose(Operator):
                     if hi > (ins[d] - 1) * s[d]:
                         conds.append(i < ins[d])
                     idx.append(i)
-                v = x[(ni, ch, *idx)] * w[(ch, oci if g == 1 else oci % ocg, *k)]
+                v = x[(ni, ch, *idx)] * w[(ch, wo, *k)]
                 return v if not conds else if_then_else(_all(conds), v, Const(0, dt))
             if tiled:
                 acc = reduce((icg,), tap, "sum")
@@ -699,9 +709,13 @@ class ConvTranspose(Operator):
 
     def local_attrs(self, inputs, output_shapes):
         """On spatial shards (windows that do not overlap: each output shard reads its own input
-        shard) ``output_shape`` is the shard's."""
+        shard) ``output_shape`` is the shard's; on channel shards (a depthwise one's) the group count
+        is the local input channels over the input channels per group."""
         attrs = super().local_attrs(inputs, output_shapes)
         attrs["output_shape"] = tuple(output_shapes[0][2:])
+        g = self.attrs.get("group", 1)
+        if g != 1:
+            attrs["group"] = inputs[0].shape[1] // (self.inputs[0].shape[1] // g)
         return attrs
 
     def numpy(self, x, w, *bias):

@@ -49,8 +49,8 @@ def _phase(a: int, s: int, p: int, k: int, n_in: int, n_out: int) -> tuple[list[
 
 class PhasedDepthwiseTransposedConvs(GraphPass):
     """Every float32 depthwise ``ConvTranspose`` over 2 spatial dims (constant weights, stride above 1,
-    dilation 1, output extents multiples of the strides) written as a depthwise conv per output phase and
-    an interleave."""
+    dilation 1, output extents multiples of the strides, windows that overlap or leave gaps) written as a
+    depthwise conv per output phase and an interleave."""
 
     def run(self, graph: FlowGraph) -> FlowGraph:
         from ..ops.conv import Conv
@@ -69,7 +69,7 @@ class PhasedDepthwiseTransposedConvs(GraphPass):
                     or int(op.attrs.get("group", 1)) != c or w.shape[:2] != (c, 1) or max(sh, sw) < 2 \
                     or tuple(op.attrs.get("dilations") or (1, 1)) != (1, 1) or oh % sh or ow % sw \
                     or op.tiles_output():
-                continue  # (windows that tile the output: one tap an output, which the nest reads directly)
+                continue  # (windows that tile the output have one tap an output, which the nest reads directly)
             rows = [_phase(a, sh, pads[0], w.shape[2], h, oh // sh) for a in range(sh)]
             cols = [_phase(b, sw, pads[1], w.shape[3], wd, ow // sw) for b in range(sw)]
             if any(ph is None for ph in rows + cols):

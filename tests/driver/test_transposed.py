@@ -56,3 +56,41 @@ def test_a_depthwise_transposed_conv_is_a_conv_per_output_phase(tmp_path, case, 
     steps = {st["node"] for st in json.loads((tmp_path / "rank0" / "program.json").read_text())["steps"]
              if st["kind"] == "kernel"}
     assert ("up.p00" in steps and "up" not in steps) == rewritten, sorted(steps)
+
+
+def test_a_depthwise_transposed_conv_on_two_ranks(tmp_path):
+    """A conv, then a depthwise ConvTranspose (a CenterNet-style 4x4 stride-2 upsampling) and a Relu, on two
+    cpu ranks: the plan splits the transposed conv's channels (its compute reads channel ``oci`` directly, as
+    a depthwise Conv's does; the local op's group is its share), each rank's share is a conv per output
+    phase, and every rank's output equals onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    from threads import run_threads
+
+    from shardflow.runtime.comm import InProcessWorld
+
+    rng = np.random.default_rng(7)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 3, 3, 3)).astype(np.float32), "wc"),
+             numpy_helper.from_array(rng.standard_normal((16, 1, 4, 4)).astype(np.float32), "wt"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "bt")]
+    f = helper.make_tensor_value_info
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("ConvTranspose", ["c", "wt", "bt"], ["u"], name="up", group=16, strides=[2, 2],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["u"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "up2", [f("x", TensorProto.FLOAT, [1, 3, 48, 40])],
+                                                [f("y", TensorProto.FLOAT, [1, 16, 96, 80])], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((1, 3, 48, 40)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    # (links fast enough that the plan splits the work: each rank's transposed conv a share of the channels)
+    compile(model, distributed_config={"mesh_shape": [2], "axis_bandwidth_GBps": [10000], "axis_latency_us": [0.01]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path)
+    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path, c.rank, c).run({"x": x})["y"],
+                      timeout=120)
+    for y in got:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    up, = [line for line in (tmp_path / "plan.txt").read_text().splitlines() if line.startswith("up ")]
+    assert "S(1), S(0), S(0) -> S(1)" in up, up  # (its channels split, each rank's share rewritten)
+    for rank in (0, 1):
+        steps = {st["node"] for st in json.loads((tmp_path / f"rank{rank}" / "program.json").read_text())["steps"]}
+        assert {"up.p00", "up.p11"} <= steps, sorted(steps)
