@@ -241,6 +241,12 @@ class Operator:
     #: the origin of its part.
     positional: ClassVar[bool] = False
 
+    #: True for ops that may split a dim they read as ``v // c`` by whole blocks of ``c`` (a grouped conv's
+    #: input channels, by group): the sharding rules then classify such a read by the block number, and
+    #: the op's :meth:`local_attrs` must give the local op its share of the blocks (GroupNorm's statistics
+    #: read the same form, but its local op keeps the whole group count: not set there).
+    splits_by_blocks: ClassVar[bool] = False
+
     def origin_attrs(self, origin: Sequence[int]) -> dict[str, Any]:
         """The attributes that make this (:attr:`positional`) op compute the part of its output
         that starts at ``origin`` in the whole."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from itertools import product
+from typing import ClassVar
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -145,6 +146,10 @@ class Conv(Operator):
     them to PackedConv, WinogradConv and depthwise Convs only): ``x``, or ``y``, is in the blocked layout
     ``[N, C / BLOCK, H, W, BLOCK]`` (:data:`BLOCK`; passes/layout.py), its channels a multiple of BLOCK.
     """
+
+    #: a grouped conv splits by whole groups across ranks (the rules read its input channel ``(oc // ocg) *
+    #: icg + ic`` in the group number; :meth:`local_attrs` gives the local op its share of the groups)
+    splits_by_blocks: ClassVar[bool] = True
 
     def _weight_shape(self, x, w) -> tuple[int, ...]:
         """``[OC, C/group, *kernel]``: the shape of the weight the op reads."""
@@ -607,6 +612,9 @@ class ConvTranspose(Operator):
     ``o`` reads ``kernel / s`` taps a dim of phase ``(o % s + p) % s``: the compute sums those alone,
     a product per phase (decision 69).
     """
+
+    #: as :attr:`Conv.splits_by_blocks`
+    splits_by_blocks: ClassVar[bool] = True
 
     def compute(self, x, w, *bias):
         n_sp = x.ndim - 2

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir.expr import (BinOp, Cast, Const, Expr, IfThenElse, Reduce, TensorElement, UnaryOp, Var, affine_form,
-                       infer_dtype, walk)
+                       infer_dtype, rebuild, walk)
 from ..ir.graph import Operator
 from ..ir.task import ExternCompute, GridCompute
 from .placement import Partial, Placement, Replicate, Shard, TensorShardSpec
@@ -112,9 +112,12 @@ def _direct_vars(e: Expr) -> set[Var]:
     return res
 
 
-def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tuple[str, Var | None]:
+def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int],
+                    blocks: bool = False) -> tuple[str, Var | None]:
     """How one index position reads its dim when the variables in ``sharded`` (var -> number of
-    shards) are split: ``("shard", v)``, ``(_FULL, None)``, or ``("invalid", None)``."""
+    shards) are split: ``("shard", v)``, ``(_FULL, None)``, or ``("invalid", None)``. ``blocks``: the op
+    splits by whole blocks (``Operator.splits_by_blocks``), so a read of ``v // c`` is classified by
+    the block number."""
     direct = _direct_vars(idx) & sharded.keys()
     if not direct:
         return _FULL, None
@@ -138,6 +141,13 @@ def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tupl
                 and sum(k * (w.extent - 1) for w, k in others.items()) < c:
             return "shard", v
         return "invalid", None
+    over = _over_blocks(idx, v) if blocks else None
+    if over is not None and v.extent % (n * over[2]) == 0:
+        # v read only as v // c, each shard of v whole blocks of c: the index's form in the block number (a
+        # grouped conv's input channel (oc // ocg) * icg + ic: each shard of the outputs reads its groups')
+        rest = {w: k for w, k in sharded.items() if w is not v}
+        if _classify_index(over[0], dim_extent, {**rest, over[1]: n})[0] == "shard":
+            return "shard", v
     if isinstance(idx, BinOp) and idx.a is v and isinstance(idx.b, Const) and isinstance(idx.b.value, int):
         c = idx.b.value
         if c > 0 and v.extent % (n * c) == 0:
@@ -148,6 +158,31 @@ def _classify_index(idx: Expr, dim_extent: int, sharded: dict[Var, int]) -> tupl
     if _only_residues(idx, v, n):
         return _FULL, None
     return "invalid", None
+
+
+def _over_blocks(idx: Expr, v: Var) -> tuple[Expr, Var, int] | None:
+    """``(idx', q, c)``: ``idx`` with each ``v // c`` outside nested reads (one constant ``c`` > 1 dividing
+    ``v``'s extent) replaced by a variable ``q`` of extent ``v.extent // c``, when ``v`` is read in no other
+    way there; else None."""
+    def block(e: Expr) -> bool:
+        return isinstance(e, BinOp) and e.op == "floordiv" and e.a is v and isinstance(e.b, Const) \
+            and isinstance(e.b.value, (int, np.integer))
+
+    cs = {int(e.b.value) for e in walk(idx) if block(e)}
+    if len(cs) != 1:
+        return None
+    c = cs.pop()
+    if c <= 1 or v.extent % c:
+        return None
+    q = Var(f"{v.name}_block", v.extent // c)
+
+    def go(e: Expr) -> Expr:
+        if block(e) and int(e.b.value) == c:
+            return q
+        kids = e.children()
+        return e if isinstance(e, TensorElement) or not kids else rebuild(e, [go(k) for k in kids])
+    out = go(idx)
+    return None if v in _direct_vars(out) else (out, q, c)
 
 
 def _only_residues(idx: Expr, v: Var, n: int) -> bool:
@@ -314,8 +349,10 @@ def _with_partial_sums(spec: OpShardSpec, axes: tuple[int, ...], inputs: tuple[i
 class _OutputAnalysis:
     """Candidate strategies of one grid-compute output."""
 
-    def __init__(self, out: GridCompute, input_ids: dict[int, int], positional: bool = False):
+    def __init__(self, out: GridCompute, input_ids: dict[int, int], positional: bool = False,
+                 blocks: bool = False):
         self.out = out
+        self.blocks = blocks
         self.input_ids = input_ids
         self.lin = _linear_reduce(out.value)
         red = self.lin[0] if self.lin else None
@@ -387,7 +424,7 @@ class _OutputAnalysis:
                 continue
             dims_by_var: dict[Var, int] = {}
             for d, idx in enumerate(r.indices):
-                kind, v = _classify_index(idx, r.tensor.shape[d], sharded)
+                kind, v = _classify_index(idx, r.tensor.shape[d], sharded, self.blocks)
                 if kind == "invalid":
                     return None
                 if kind == "shard":
@@ -440,7 +477,7 @@ def op_strategies(op: Operator, mesh_shape: tuple[int, ...]) -> list[OpShardSpec
     input_ids = {id(p): k for k, p in enumerate(task.inputs)}
     if task.is_extern or len(task.outputs) != 1:
         return _multi_output_strategies(op, mesh_shape)
-    ana = _OutputAnalysis(task.outputs[0], input_ids, op.positional)
+    ana = _OutputAnalysis(task.outputs[0], input_ids, op.positional, op.splits_by_blocks)
     choices = [[None] + (ana.loop_vars if size > 1 else []) for size in mesh_shape]
     res: list[OpShardSpec] = []
     seen = set()
