@@ -717,8 +717,8 @@ class ConvTranspose(Operator):
 
     def local_attrs(self, inputs, output_shapes):
         """On spatial shards (windows that do not overlap: each output shard reads its own input
-        shard) ``output_shape`` is the shard's; on channel shards (a depthwise one's) the group count
-        is the local input channels over the input channels per group."""
+        shard) ``output_shape`` is the shard's; on channel shards (whole groups) the group count is the
+        local input channels over the input channels per group."""
         attrs = super().local_attrs(inputs, output_shapes)
         attrs["output_shape"] = tuple(output_shapes[0][2:])
         g = self.attrs.get("group", 1)

@@ -9,8 +9,8 @@ are ``k = r + s * m`` with ``r = (a + p) % s`` and ``m < M = ceil((K - r) / s)``
 a depthwise ``ConvTranspose`` (one input and one output channel per group: FCN's and CenterNet's bilinear
 upsampling layers, ``groups = channels``) over 2 spatial dims is ``s_h * s_w`` depthwise convs of ``x``,
 each giving an output phase ``[N, C, OH / s_h, OW / s_w]``, stacked and interleaved by a transpose (a
-depth-to-space). The sums are the same taps in the same order (the nest sums the phase's taps ``m`` up,
-the conv its ``m'`` down: rounded in another order, within an ulp or two). The nest computed each output's
+depth-to-space). The sums are over the same taps in another order (the nest sums the phase's taps ``m``
+up, the conv its ``m'`` down): within an ulp or two. The nest computed each output's
 phase and bounds per element, 1.25-1.32x onnxruntime's time (rfcs/0002 "Depthwise transposed convs").
 Left alone: dilations, output extents that are not multiples of the strides, a phase with no taps or with
 negative padding, weights that are not constants, and windows that tile the output (kernel = stride, no
@@ -75,20 +75,20 @@ class PhasedDepthwiseTransposedConvs(GraphPass):
             if any(ph is None for ph in rows + cols):
                 continue
             weights, bias = np.asarray(w.value), list(op.inputs[2:3])
-            phases = []
+            convs, views = [], []  # (per phase, in row-major order of (a, b))
             for a, (rk, rb, ra) in enumerate(rows):
                 for b, (ck, cb, ca) in enumerate(cols):
                     sub = const_tensor(np.ascontiguousarray(weights[:, :, rk][:, :, :, ck]), f"{op.name}.w{a}{b}")
-                    conv = Conv([x, sub, *bias], name=f"{op.name}.p{a}{b}", group=c, pads=(rb, cb, ra, ca))
-                    flat = Reshape([conv.outputs[0]], name=f"{op.name}.p{a}{b}.v", shape=(n, c, 1, oh // sh, ow // sw))
-                    phases += [conv, flat]
-            if any(tuple(p.outputs[0].shape) != (n, c, oh // sh, ow // sw) for p in phases[::2]):
+                    convs.append(Conv([x, sub, *bias], name=f"{op.name}.p{a}{b}", group=c, pads=(rb, cb, ra, ca)))
+                    views.append(Reshape([convs[-1].outputs[0]], name=f"{op.name}.p{a}{b}.v",
+                                         shape=(n, c, 1, oh // sh, ow // sw)))
+            if any(tuple(p.outputs[0].shape) != (n, c, oh // sh, ow // sw) for p in convs):
                 continue  # (the phases' extents agree; checked, not assumed)
-            stacked = Concat([p.outputs[0] for p in phases[1::2]], name=f"{op.name}.phases", axis=2)
+            stacked = Concat([v.outputs[0] for v in views], name=f"{op.name}.phases", axis=2)
             grid = Reshape([stacked.outputs[0]], name=f"{op.name}.grid", shape=(n, c, sh, sw, oh // sh, ow // sw))
             moved = Transpose([grid.outputs[0]], name=f"{op.name}.interleave", perm=(0, 1, 4, 2, 5, 3))
             back = Reshape([moved.outputs[0]], name=f"{op.name}.2d", shape=(n, c, oh, ow))
-            insert[id(op)] = phases + [stacked, grid, moved, back]
+            insert[id(op)] = [op_ for pair in zip(convs, views) for op_ in pair] + [stacked, grid, moved, back]
         if insert:
             log.info("transposed convs: %d depthwise ones as a depthwise conv per output phase", len(insert))
         return splice_rewrites(graph, insert, "phased transposed conv")
