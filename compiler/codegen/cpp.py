@@ -58,6 +58,9 @@ _HELPER_BIN = {"floordiv": "sf_floordiv", "mod": "sf_mod", "fmod": "sf_fmod", "t
                "pow": "sf_pow", "shl": "sf_shl", "shr": "sf_shr", "max": "sf_max", "min": "sf_min"}
 _OWN_MATH = {"exp": "sf_exp", "log": "sf_log", "tanh": "sf_tanh", "erf": "sf_erf", "sqrt": "sf_sqrt",
              "rsqrt": "sf_rsqrt", "sigmoid": "sf_sigmoid", "round": "sf_round"}
+#: float32 helpers with forms under the vector function ABI (helpers.h, ``cpu_library/vmath.h``): printed for
+#: calls that are not under a condition
+_VECTOR_ABI = {"exp": "sfv_exp", "sigmoid": "sfv_sigmoid"}
 _STD_MATH = {"sin": "std::sin", "cos": "std::cos", "tan": "std::tan", "asin": "std::asin", "acos": "std::acos",
              "atan": "std::atan", "sinh": "std::sinh", "cosh": "std::cosh", "asinh": "std::asinh",
              "acosh": "std::acosh", "atanh": "std::atanh", "log1p": "std::log1p", "expm1": "std::expm1",
@@ -182,6 +185,9 @@ class _Printer:
         self.simd_minmax: dict[str, str] = {}
         self.unswitch_left = 0  # (the splits the innermost loop being printed may still make)
         self.unswitching = False  # (printing the copies of an unswitched loop)
+        # (printing a branch of a select or an if, whose calls run for some elements only, or a reduction's loop,
+        # whose accumulators a call would send through memory: the exponentials stay inline there, _unop)
+        self.inline_math = 0
 
     # names ------------------------------------------------------------------------------------
     def var(self, v: Var) -> str:
@@ -303,7 +309,12 @@ class _Printer:
             return self._unop(e)
         if isinstance(e, IfThenElse):
             r = self.dt(e)
-            return f"({self.truth(e.cond)} ? {self.expr(e.then, r)} : {self.expr(e.other, r)})"
+            cond = self.truth(e.cond)
+            self.inline_math += 1
+            try:
+                return f"({cond} ? {self.expr(e.then, r)} : {self.expr(e.other, r)})"
+            finally:
+                self.inline_math -= 1
         raise CodegenError(f"cannot print expression node {type(e).__name__}")
 
     def _binop(self, e: BinOp) -> str:
@@ -380,6 +391,12 @@ class _Printer:
             fn = _OWN_MATH.get(op) or _STD_MATH[op]
             return convert(f"{fn}((double)({self.expr(e.a)}))", "float64", r)
         a = self.expr(e.a, r)
+        nonpos = isinstance(e, ExpOfNonPositive)
+        if COMPUTE_CTYPE[r] == "float" and not self.inline_math and (nonpos or op in _VECTOR_ABI):
+            # (GCC calls a vector form where it vectorizes the loop, helpers.h; not under a condition, the forms
+            # being unmasked (GCC would leave the loop scalar), nor in a reduction's loop, whose vector accumulators
+            # a call would spill and reload every iteration (a softmax row's sum of exponentials 1.16x slower))
+            return f"{'sfv_exp_nonpos' if nonpos else _VECTOR_ABI[op]}({a})"
         if isinstance(e, ExpOfNonPositive):
             return f"sf_exp_nonpos({a})"
         if op in _OWN_MATH:
@@ -430,10 +447,12 @@ class _Printer:
                 self.emit(f"{target} = {self.expr(s.value, buf.dtype)};", depth)
         elif isinstance(s, If):
             self.emit(f"if ({self.truth(s.cond)}) {{", depth)
+            self.inline_math += 1
             self.stmts(s.then, depth + 1)
             if s.other:
                 self.emit("} else {", depth)
                 self.stmts(s.other, depth + 1)
+            self.inline_math -= 1
             self.emit("}", depth)
         elif isinstance(s, LocalArray):
             b = s.buffer
@@ -503,7 +522,10 @@ class _Printer:
                     self.emit(f"#pragma omp simd reduction({op}:{acc.name}) reduction(|:{flag})", depth)
                     self.simd_minmax[acc.name] = flag
         self.emit(f"for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{", depth)
+        reducing = s.reduction is not None
+        self.inline_math += reducing
         self.stmts(s.body, depth + 1)
+        self.inline_math -= reducing
         self.emit("}", depth)
         if flag is not None:
             del self.simd_minmax[s.reduction[0].name]
@@ -831,7 +853,7 @@ def kernel_source(op, clones: bool | str = False, in_place: int | None = None) -
 #: Calls of helpers whose x86-64-v2 code is several times slower than the v3/v4 clones' (four lanes
 #: and no FMA for the exponential's and the others' polynomials; float16 conversions one value at a
 #: time, by libgcc)
-_COSTLY_CALL = re.compile(r"\bsf_(?:exp|exp_nonpos|tanh|erf|log|pow|sigmoid|sqrt|rsqrt|h2f|h2f32|f16_round"
+_COSTLY_CALL = re.compile(r"\bsfv?_(?:exp|exp_nonpos|tanh|erf|log|pow|sigmoid|sqrt|rsqrt|h2f|h2f32|f16_round"
                           r"|bf16_round)\(")
 
 

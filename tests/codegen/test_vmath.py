@@ -1,0 +1,111 @@
+"""The exponentials in vector form (``cpu_library/vmath.h``, rfcs/0002 "Exponentials in vector form"): the
+generated kernels call ``sfv_exp``/``sfv_exp_nonpos`` where a call is unconditional and outside a reduction's
+loop, GCC calls their 4/8/16-lane forms under the x86-64 vector function ABI, and they compute the inline
+helpers' values bit for bit."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+from onnx import helper as oh
+
+from shardflow.compiler import compile, load_onnx
+from shardflow.compiler.codegen.cpp import generate_cpu_source
+from shardflow.runtime import load
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _x86_cxx() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if platform.machine() not in ("x86_64", "AMD64") or not shutil.which(cxx.split()[0]):
+        pytest.skip("needs an x86-64 C++ compiler")
+    return cxx
+
+
+def _model(shape) -> onnx.ModelProto:
+    """``x`` to ``Exp`` (unconditional: the vector form), ``Elu`` with alpha 1 (its exponential under the select:
+    the inline helper), ``Sigmoid`` and ``Softmax`` over the middle axis (sfv_exp_nonpos in the exponentials'
+    own loop) and over the last (in the sum's loop: inline)."""
+    nodes = [oh.make_node("Exp", ["x"], ["e"]), oh.make_node("Elu", ["x"], ["elu"], alpha=1.0),
+             oh.make_node("Sigmoid", ["x"], ["s"]), oh.make_node("Softmax", ["x"], ["sm1"], axis=1),
+             oh.make_node("Softmax", ["x"], ["sm2"], axis=2)]
+    outs = [oh.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("e", "elu", "s", "sm1", "sm2")]
+    graph = oh.make_graph(nodes, "vmath", [oh.make_tensor_value_info("x", TensorProto.FLOAT, shape)], outs)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def _printed(model: onnx.ModelProto) -> dict[str, str]:
+    """Each op's kernel text, by its output's name."""
+    graph = load_onnx(model)
+    src = generate_cpu_source(graph.nodes)
+    names = {op.name: op.outputs[0].name for op in graph.nodes}
+    return {names[src.users[sym][0]]: text for sym, text in src.kernels}
+
+
+def test_the_printer_calls_the_vector_forms_where_they_vectorize():
+    """Unconditional exponentials (a sigmoid's too) call ``sfv_exp``/``sfv_exp_nonpos``; one under a select (Elu's
+    negative side) and one in a reduction's loop (the softmax over the last axis sums them as it computes them)
+    keep the inline helpers."""
+    by_op = _printed(_model([2, 64, 40]))
+    assert "sfv_exp(" in by_op["e"] and "sf_exp(" not in by_op["e"]
+    assert "sf_exp(" in by_op["elu"] and "sfv_" not in by_op["elu"]
+    assert "sfv_exp(" in by_op["s"]
+    assert "sfv_exp_nonpos(" in by_op["sm1"]
+    assert "sf_exp_nonpos(" in by_op["sm2"] and "sfv_" not in by_op["sm2"]
+
+
+def test_the_vector_forms_compute_the_inline_helpers_values(tmp_path):
+    """Compiled and run: the library links the forms (their ABI names defined in it on x86-64), and ``Exp``'s
+    values (the vector form) minus 1 equal ``Elu``'s on the negative side (the inline helper) bit for bit, over
+    values that reach both clamps, denormal results, infinities and NaN; all outputs against numpy."""
+    shape = [3, 64, 77]  # (77: every row ends in lanes the vectorized loop leaves to the scalar clone)
+    out = tmp_path / "out"
+    compile(_model(shape), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+            out_dir=str(out))
+    if platform.machine() in ("x86_64", "AMD64") and shutil.which("nm"):
+        names = subprocess.run(["nm", str(out / "rank0" / "kernels.so")], capture_output=True, text=True).stdout
+        for form in ("_ZGVbN4v_", "_ZGVdN8v_", "_ZGVeN16v_"):
+            assert form + "sfv_exp" in names and form + "sfv_exp_nonpos" in names, form
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 40).astype(np.float32)
+    specials = [np.nan, np.inf, -np.inf, 0.0, -0.0, 88.7, 88.8, 89.5, -87.3, -95.0, -103.9, -104.5, -150.0, 1e-8]
+    x.flat[:len(specials)] = specials
+    y = load(str(out)).run({"x": x})
+    neg = x < 0
+    np.testing.assert_array_equal((y["e"][neg] - np.float32(1)).view(np.int32), y["elu"][neg].view(np.int32))
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = np.exp(x.astype(np.float64))
+        np.testing.assert_allclose(y["e"], ref.astype(np.float32), rtol=3e-7, atol=1e-44)
+        # (1 / (1 + exp(-x)) is 0 where exp(-x) overflows float32, below -88.7: the reference's subnormals there)
+        np.testing.assert_allclose(y["s"], (1 / (1 + np.exp(-x.astype(np.float64)))).astype(np.float32), rtol=5e-7,
+                                   atol=3e-38)
+    for name, axis in (("sm1", 1), ("sm2", 2)):
+        v = x.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            p = np.exp(v - v.max(axis, keepdims=True))
+            np.testing.assert_allclose(y[name], p / p.sum(axis, keepdims=True), rtol=2e-6, atol=1e-12, err_msg=name)
+
+
+def test_every_vector_form_equals_the_inline_helper_on_sampled_bit_patterns(tmp_path):
+    """``benchmarks/cpu_vmath_exhaustive.cpp`` on every 251st float bit pattern (17 million): each form and
+    scalar clone this CPU runs against the inline helper vectorized by GCC for the same instruction set (the
+    whole 2^32 in about two minutes: run the tool without an argument)."""
+    cxx = _x86_cxx()
+    exe = tmp_path / "vmath_check"
+    flags = ["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-mtune=generic", "-fno-math-errno",
+             "-fno-trapping-math", "-fwrapv", "-w"]
+    res = subprocess.run(cxx.split() + flags + [str(ROOT / "benchmarks" / "cpu_vmath_exhaustive.cpp"), "-o", str(exe)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = subprocess.run([str(exe), "251"], capture_output=True, text=True, timeout=300)
+    counts = re.findall(r"differs (\d+)", run.stdout)
+    assert run.returncode == 0 and len(counts) >= 4 and set(counts) == {"0"}, run.stdout + run.stderr
