@@ -1471,10 +1471,12 @@ def test_softmax_exponentials_take_the_nonpositive_exp(tmp_path, kernel_cache):
                 rng.standard_normal((4, 8)).astype(np.float32)])
     for op, _ in cases:
         text = generate_cpu_source([op]).kernels[0][1]
-        # (over a middle axis the output's exponentials; the sum's, in its temporary's nest, keep sf_exp)
-        assert "sf_exp_nonpos(" in text and ("sf_exp(" not in text or op.name == "middle"), op.name
+        # (over a middle axis the output's exponentials, in a loop of their own: the vector form, sfv_; the sum's,
+        # in its temporary's nest, keep sf_exp)
+        nonpos = "sfv_exp_nonpos(" if op.name == "middle" else "sf_exp_nonpos("
+        assert nonpos in text and ("sf_exp(" not in text or op.name == "middle"), op.name
     text = generate_cpu_source([shifted[0]]).kernels[0][1]
-    assert "sf_exp(" in text and "sf_exp_nonpos(" not in text
+    assert re.search(r"\bsfv?_exp\(", text) and "exp_nonpos(" not in text  # (its vector form: sfv_exp)
     ops = [op for op, _ in cases] + [shifted[0]]
     syms = build_cpu_library(ops, str(tmp_path / "sm.so"), cache_dir=kernel_cache, opt_level=2)
     lib = ctypes.CDLL(str(tmp_path / "sm.so"))
@@ -1704,7 +1706,8 @@ def test_second_build_hits_the_cache(tmp_path, monkeypatch):
 def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_them(tmp_path, monkeypatch):
     """The GEMM's table of micro-kernels (which every library's ``shardflow_cpu_isa`` reads) is one
     object, compiled with the first library, cached, and linked into the next ones; the conv tables
-    are not built for libraries without a conv."""
+    are not built for libraries without a conv; the exponential's vector forms (``vmath.h``) are one
+    object too, built for the library whose kernel calls ``sfv_exp``."""
     cache = str(tmp_path / "c")
     commands = []
     real = toolchain._run_compilers
@@ -1714,12 +1717,12 @@ def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_th
         return [c[-3] for c in commands if "-c" in c and "prebuilt_" in c[-3]]
 
     build_cpu_library([Unary([_t((5,))], fn="exp", name="e")], str(tmp_path / "e.so"), cache_dir=cache, opt_level=1)
-    assert [os.path.basename(p) for p in prebuilt()] == ["prebuilt_sf_rt_ukr.cpp"]
-    assert len([f for f in os.listdir(cache) if f.endswith(".o")]) == 1
+    assert [os.path.basename(p) for p in prebuilt()] == ["prebuilt_sf_rt_ukr.cpp", "prebuilt_sfv_exp.cpp"]
+    assert len([f for f in os.listdir(cache) if f.endswith(".o")]) == 2
     commands.clear()
     op = MatMul([_t((64, 64)), _t((64, 48))], name="mm")
     syms = build_cpu_library([op], str(tmp_path / "mm.so"), cache_dir=cache, opt_level=1)
-    assert commands and prebuilt() == [] and len([f for f in os.listdir(cache) if f.endswith(".o")]) == 1
+    assert commands and prebuilt() == [] and len([f for f in os.listdir(cache) if f.endswith(".o")]) == 2
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
     got = run_kernel(ctypes.CDLL(str(tmp_path / "mm.so")), syms["mm"], op, [a, b])[0]
