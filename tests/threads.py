@@ -20,3 +20,13 @@ def run_threads(comms, fn, timeout=60):
     if errors:
         raise errors[0]
     return results
+
+
+def run_ranks(out_dir, feeds, world=2, timeout=120):
+    """Every rank of the compiled ``out_dir`` loaded with an in-process communicator of ``world`` ranks and run
+    once on ``feeds``, each in its own thread: the ranks' outputs (``load(...).run``'s dicts), in rank order."""
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+
+    return run_threads(InProcessWorld(world).communicators(), lambda c: load(out_dir, c.rank, c).run(feeds),
+                       timeout=timeout)

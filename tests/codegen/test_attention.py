@@ -706,9 +706,7 @@ def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path
     """The cpu target at float32 fuses each MatMul/Softmax/MatMul attention (a padding mask as its one bias;
     T5's position bias, then its mask: two) into an ``Attention`` step of the cpu template, on each rank's
     share of the heads. Outputs equal onnxruntime's."""
-    from shardflow.runtime import load
-    from shardflow.runtime.comm import InProcessWorld
-    from threads import run_threads
+    from threads import run_ranks
 
     feeds, want = onnxruntime_reference(model)
     out = tmp_path / "o"
@@ -719,8 +717,7 @@ def test_float32_attention_on_the_cpu_is_one_op_and_matches_onnxruntime(tmp_path
         ops = [st.get("node", "") for st in program["steps"] if st["kind"] == "kernel"]
         assert sum(n.endswith(".attention") for n in ops) == fused, ops
         assert fused == 0 or not any("Softmax" in n for n in ops), ops
-    got = run_threads(InProcessWorld(mesh[0]).communicators(), lambda c: load(out, c.rank, c).run(feeds),
-                      timeout=120)
+    got = run_ranks(out, feeds, world=mesh[0])
     for res in got:
         for name, w in want.items():
             np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=name)
@@ -1398,9 +1395,7 @@ def test_keys_transposed_from_split_heads_fuse_on_the_cuda_target(tmp_path, prec
 def test_keys_transposed_from_split_heads_fuse_on_two_cpu_ranks(tmp_path):
     """The same model on the cpu target over two ranks (the ILP plan): one ``Attention`` step per
     rank, outputs equal onnxruntime's."""
-    from shardflow.runtime import load
-    from shardflow.runtime.comm import InProcessWorld
-    from threads import run_threads
+    from threads import run_ranks
 
     model, feeds = _split_heads_model()
     want = _ort(model, feeds)["out"]
@@ -1412,7 +1407,7 @@ def test_keys_transposed_from_split_heads_fuse_on_two_cpu_ranks(tmp_path):
         program = json.loads((out / f"rank{r}" / "program.json").read_text())
         ops = [st.get("node", "") for st in program["steps"] if st["kind"] == "kernel"]
         assert sum(n.endswith(".attention") for n in ops) == 1 and not any("Softmax" in n for n in ops), ops
-    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run(feeds), timeout=120)
+    got = run_ranks(out, feeds)
     for res in got:
         np.testing.assert_allclose(res["out"], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import callback_kernels as CK
-from threads import run_threads
+from threads import run_ranks, run_threads
 from shardflow.compiler import ConfigError, ShardflowError, compile, driver
 from shardflow.compiler.driver import OptimizationConfig, plan_buffers
 from shardflow.runtime import load
@@ -468,7 +468,7 @@ def test_topk_model_on_one_and_two_cpu_ranks_matches_onnxruntime(tmp_path):
     np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got["i"], want[1])
     compile(model, distributed_config={"mesh_shape": [2]}, optimization_config=cpu, out_dir=tmp_path / "b")
-    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "b", c.rank, c).run({"x": x}))
+    outs = run_ranks(tmp_path / "b", {"x": x})
     for got in outs:
         np.testing.assert_allclose(got["v"], want[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(got["i"], want[1])
@@ -626,8 +626,7 @@ def test_the_ranks_kernels_are_compiled_once_into_one_library(tmp_path, monkeypa
     symbols = _kernel_symbols(out, 2)
     assert symbols[0] != symbols[1] and symbols[0] & symbols[1]  # a kernel of each rank's own, one shared
     assert (out / "rank0" / "kernels.so").read_bytes() == (out / "rank1" / "kernels.so").read_bytes()
-    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run({"x": x})["y"],
-                      timeout=120)
+    got = [o["y"] for o in run_ranks(out, {"x": x})]
     for y in got:
         np.testing.assert_allclose(y, np.tanh(x) @ w, rtol=1e-5, atol=1e-5)
 
@@ -712,8 +711,7 @@ def test_replicated_ranks_share_the_merged_projections_and_one_weights_file(tmp_
     once per rank), so the two ranks' weights are the same arrays and rank 1's weights.bin is a hard
     link to rank 0's. Both ranks compute the one-rank logits."""
     import shardflow.compiler.passes.projections as projections
-    from shardflow.runtime.comm import InProcessWorld
-    from threads import run_threads
+    from threads import run_ranks
 
     merged = []
     real = projections.concatenate
@@ -730,7 +728,7 @@ def test_replicated_ranks_share_the_merged_projections_and_one_weights_file(tmp_
     assert merged == [1, 0, 1], merged
     files = [(out / f"rank{r}" / "weights.bin").stat() for r in range(2)]
     assert files[0].st_ino == files[1].st_ino and files[0].st_nlink == 2
-    for got in run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run(feeds), timeout=120):
+    for got in run_ranks(out, feeds):
         for name, w in want.items():
             np.testing.assert_array_equal(got[name], w, err_msg=name)
 

@@ -12,8 +12,7 @@ from shardflow.compiler.ops.elementwise import Activation, Binary
 from shardflow.compiler.ops.norm import BatchNorm
 from shardflow.compiler.passes.fold import FoldAffineIntoConv
 from shardflow.runtime import load
-from shardflow.runtime.comm import InProcessWorld
-from threads import run_threads
+from threads import run_ranks
 
 RNG = np.random.default_rng(7)
 
@@ -157,8 +156,7 @@ def test_folded_programs_match_onnxruntime(tmp_path):
         kinds = [line.split()[1] for line in (out / "plan.txt").read_text().splitlines() if not line.startswith("#")]
         counts = (kinds.count("Conv"), kinds.count("BatchNorm"), kinds.count("Binary"))
         assert counts == ((3, 0, 1) if fold else (3, 3, 3))
-        got = run_threads(InProcessWorld(2).communicators(), lambda c: load(out, c.rank, c).run({"x": x})["y"],
-                          timeout=120)
+        got = [o["y"] for o in run_ranks(out, {"x": x})]
         for y in got:
             np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 

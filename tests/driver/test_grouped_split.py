@@ -5,14 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from threads import run_threads
+from threads import run_ranks
 
 from shardflow.compiler import compile
 from shardflow.compiler.ir import Tensor
 from shardflow.compiler.ops.conv import Conv, ConvTranspose
 from shardflow.compiler.parallel.rules import op_strategies
-from shardflow.runtime import load
-from shardflow.runtime.comm import InProcessWorld
 
 
 def test_grouped_ops_offer_a_split_by_whole_groups():
@@ -52,7 +50,6 @@ def test_grouped_convs_on_two_ranks(tmp_path):
     plan = {line.split()[0]: line for line in (tmp_path / "plan.txt").read_text().splitlines()
             if line and not line.startswith("#")}
     assert "S(1), S(0), S(0) -> S(1)" in plan["grouped"] and "S(1), S(0) -> S(1)" in plan["up"], plan
-    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path, c.rank, c).run({"x": x})["y"],
-                      timeout=120)
+    got = [o["y"] for o in run_ranks(tmp_path, {"x": x})]
     for y in got:
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

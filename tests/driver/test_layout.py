@@ -14,7 +14,7 @@ from shardflow.compiler.ops.reduce import Softmax
 from shardflow.compiler.passes.layout import BlockedLayout
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
-from threads import run_threads
+from threads import run_ranks, run_threads
 
 
 def _net(rng, path, batch=1):
@@ -207,8 +207,7 @@ def test_blocked_depthwise_programs_match_onnxruntime(tmp_path):
         # the first reads and writes blocked tensors; the second reads the residual add of the plain input x
         ranks = [(len(bufs[s["inputs"][0]]["shape"]), len(bufs[s["outputs"][0]]["shape"])) for s in dws]
         assert ranks == [(5, 5), (4, 4)]
-    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "o", c.rank, c).run({"x": x})["y"],
-                      timeout=120)
+    got = [o["y"] for o in run_ranks(tmp_path / "o", {"x": x})]
     for y in got:
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
@@ -283,8 +282,7 @@ def test_grouped_convs_of_whole_blocks_run_blocked(tmp_path, mesh):
         assert len(grouped) == 1 and len(bufs[grouped[0]["inputs"][0]]["shape"]) == 5
         assert len(bufs[grouped[0]["outputs"][0]]["shape"]) == 5
         assert any(b["name"] == "w4" for b in bufs)  # the narrow groups' weight as it is
-    got = run_threads(InProcessWorld(world).communicators(), lambda c: load(out, c.rank, c).run({"x": x})["y"],
-                      timeout=120)
+    got = [o["y"] for o in run_ranks(out, {"x": x}, world=world)]
     for y in got:
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 

@@ -64,9 +64,8 @@ def test_a_depthwise_transposed_conv_on_two_ranks(tmp_path):
     a depthwise Conv's does; the local op's group is its share), each rank's share is a conv per output
     phase, and every rank's output equals onnxruntime's."""
     ort = pytest.importorskip("onnxruntime")
-    from threads import run_threads
+    from threads import run_ranks
 
-    from shardflow.runtime.comm import InProcessWorld
 
     rng = np.random.default_rng(7)
     inits = [numpy_helper.from_array(rng.standard_normal((16, 3, 3, 3)).astype(np.float32), "wc"),
@@ -85,8 +84,7 @@ def test_a_depthwise_transposed_conv_on_two_ranks(tmp_path):
     # (links fast enough that the plan splits the work: each rank's transposed conv a share of the channels)
     compile(model, distributed_config={"mesh_shape": [2], "axis_bandwidth_GBps": [10000], "axis_latency_us": [0.01]},
             optimization_config={"target": "cpu"}, out_dir=tmp_path)
-    got = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path, c.rank, c).run({"x": x})["y"],
-                      timeout=120)
+    got = [o["y"] for o in run_ranks(tmp_path, {"x": x})]
     for y in got:
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     up, = [line for line in (tmp_path / "plan.txt").read_text().splitlines() if line.startswith("up ")]

@@ -107,12 +107,10 @@ def _close(got, want, what):
 
 @pytest.mark.parametrize("name,dynamo", [(n, False) for n in ARCHITECTURES] + [(n, True) for n in DYNAMO])
 def test_architecture_imports_plans_compiles_and_matches_onnxruntime(tmp_path, name, dynamo):
-    from threads import run_threads
+    from threads import run_ranks
 
     from shardflow.compiler import compile, load_onnx
     from shardflow.compiler.parallel import partition, search, simulate
-    from shardflow.runtime import load
-    from shardflow.runtime.comm import InProcessWorld
 
     torch.manual_seed(0)
     module, specs = ARCHITECTURES[name]()
@@ -129,7 +127,6 @@ def test_architecture_imports_plans_compiles_and_matches_onnxruntime(tmp_path, n
     for world in (1, 2):
         out = tmp_path / f"cpu{world}"
         compile(path, distributed_config={"mesh_shape": [world]}, optimization_config={"target": "cpu"}, out_dir=out)
-        got = run_threads(InProcessWorld(world).communicators(), lambda c: load(out, c.rank, c).run(feeds)["out"],
-                          timeout=300)
+        got = [o["out"] for o in run_ranks(out, feeds, world=world, timeout=300)]
         for r, g in enumerate(got):
             _close(g, want, f"compiled, rank {r} of {world}")

@@ -540,10 +540,9 @@ def test_genai_int4_llama_megatron_ranks_compiled(tmp_path):
     import collections
     import json
 
-    from threads import run_threads
+    from threads import run_ranks
 
     from shardflow.compiler.codegen import cuda
-    from shardflow.runtime.comm import InProcessWorld
 
     m = onnx.load(str(MODELS / "llama_genai_int4.onnx"))
     for n in m.graph.node:
@@ -562,8 +561,7 @@ def test_genai_int4_llama_megatron_ranks_compiled(tmp_path):
     steps = json.loads((res.out_dir / "rank0" / "program.json").read_text())["steps"]
     qkv = [s["node"] for s in steps if s["kind"] == "kernel" and "qkv_proj" in s["node"]]
     assert len(qkv) == 2 and all(n.endswith("#part0.merged") for n in qkv), qkv  # (one product a layer)
-    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
-                       timeout=300)
+    outs = run_ranks(res.out_dir, feeds, timeout=300)
     want = _reference(m, feeds)
     for got in outs:
         _close(got, want, tol=1e-4)
@@ -786,9 +784,8 @@ def test_genai_gptoss_split_over_two_ranks(tmp_path):
     attentions (sinks, the window's buffer) fused kernels."""
     import json
 
-    from threads import run_threads
+    from threads import run_ranks
 
-    from shardflow.runtime.comm import InProcessWorld
 
     feeds = gptoss_step_feeds()
     shapes = {k: v.shape for k, v in feeds.items()}
@@ -801,8 +798,7 @@ def test_genai_gptoss_split_over_two_ranks(tmp_path):
     assert any(op.op_type == "ExpertMatMul" and op.inputs[1].shape == (4, 64, 64) for op in rank.nodes)
     res = compile(path, distributed_config=config, optimization_config={"target": "cpu"}, out_dir=tmp_path / "out",
                   input_shapes=shapes)
-    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
-                       timeout=300)
+    outs = run_ranks(res.out_dir, feeds, timeout=300)
     for got in outs:
         _close(got, want, tol=1e-4)
     res = compile(path, distributed_config={"mesh_shape": [1]},
@@ -1036,16 +1032,14 @@ def test_nbits_mlp_megatron_splits_columns_then_blocks():
 def test_genai_int4_split_over_two_ranks(tmp_path, name):
     """The 4-bit genai Llamas planned by the ILP over two ranks, compiled for cpu and run on two
     in-process ranks, against onnxruntime."""
-    from threads import run_threads
+    from threads import run_ranks
 
-    from shardflow.runtime.comm import InProcessWorld
 
     feeds = _genai_feeds(padded=False)
     shapes = {k: v.shape for k, v in feeds.items()}
     want = _genai_int4_reference(feeds, name)
     res = compile(str(MODELS / f"llama_genai_{name}.onnx"), distributed_config={"mesh_shape": [2]},
                   optimization_config={"target": "cpu"}, out_dir=tmp_path / "out", input_shapes=shapes)
-    outs = run_threads(InProcessWorld(2).communicators(), lambda c: load(res.out_dir, c.rank, c).run(feeds),
-                       timeout=300)
+    outs = run_ranks(res.out_dir, feeds, timeout=300)
     for got in outs:
         _close(got, want, tol=1e-4)

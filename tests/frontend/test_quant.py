@@ -207,11 +207,10 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
     ranks and compiled for two, it equals onnxruntime."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from threads import run_threads
+    from threads import run_ranks
 
     from shardflow.compiler import compile
     from shardflow.runtime import load
-    from shardflow.runtime.comm import InProcessWorld
 
     ort = pytest.importorskip("onnxruntime")
     src = MODELS / f"{name}_ts17.onnx"
@@ -253,8 +252,7 @@ def test_dynamically_quantized_transformer_matches_onnxruntime(name, tmp_path):
     for r in range(2):
         program = json.loads((tmp_path / "out2" / f"rank{r}" / "program.json").read_text())
         assert "PackedMatMulInteger" in [s["op_type"] for s in program["steps"] if s["kind"] == "kernel"]
-    ranks = run_threads(InProcessWorld(2).communicators(), lambda c: load(tmp_path / "out2", c.rank, c).run(feeds),
-                        timeout=120)
+    ranks = run_ranks(tmp_path / "out2", feeds)
     for got in ranks:
         for n in names:
             np.testing.assert_allclose(got[n], want[n], rtol=0, atol=tol[n], err_msg=n)
