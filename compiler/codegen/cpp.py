@@ -59,7 +59,8 @@ _HELPER_BIN = {"floordiv": "sf_floordiv", "mod": "sf_mod", "fmod": "sf_fmod", "t
 _OWN_MATH = {"exp": "sf_exp", "log": "sf_log", "tanh": "sf_tanh", "erf": "sf_erf", "sqrt": "sf_sqrt",
              "rsqrt": "sf_rsqrt", "sigmoid": "sf_sigmoid", "round": "sf_round"}
 #: float32 helpers with forms under the vector function ABI (helpers.h, ``cpu_library/vmath.h``): printed for
-#: calls that are not under a condition
+#: calls that are not under a condition nor in a reduction's loop (also the float16 loads, stores and roundings:
+#: ``sfv_h2f``, ``sfv_f2h``, ``sfv_f16_round``)
 _VECTOR_ABI = {"exp": "sfv_exp", "sigmoid": "sfv_sigmoid"}
 _STD_MATH = {"sin": "std::sin", "cos": "std::cos", "tan": "std::tan", "asin": "std::asin", "acos": "std::acos",
              "atan": "std::atan", "sinh": "std::sinh", "cosh": "std::cosh", "asinh": "std::asinh",
@@ -131,16 +132,19 @@ def literal(value, dtype: str) -> str:
     return r if ("." in r or "e" in r) else r + ".0"
 
 
-def convert(s: str, src: str | None, dst: str) -> str:
+def convert(s: str, src: str | None, dst: str, vector_abi: bool = False) -> str:
     """C++ for converting the value ``s`` (compute type of ``src``) to the compute type of ``dst``
-    with numpy's ``astype`` semantics."""
+    with numpy's ``astype`` semantics. ``vector_abi``: a float32 value's rounding to float16 calls the
+    helper's form under the vector function ABI (``sfv_f16_round``, helpers.h)."""
     if src == dst or src is None:
         return s
     if dst == "bool":
         return f"({s} != 0)" if src != "bool" else s
     if dst == "float16":  # (rounded once: from float32 or float64 straight to float16)
         if COMPUTE_CTYPE[src] in ("float", "double"):
-            return f"sf_f16_round({s})" if COMPUTE_CTYPE[src] == "float" else f"sf_h2f(sf_f2h({s}))"
+            if COMPUTE_CTYPE[src] == "float":
+                return f"{'sfv' if vector_abi else 'sf'}_f16_round({s})"
+            return f"sf_h2f(sf_f2h({s}))"
         return f"(float)(_Float16)({s})"
     if dst == "bfloat16":
         return f"sf_bf16_round({s})" if COMPUTE_CTYPE[src] == "float" else f"sf_bf16_round((float)({s}))"
@@ -244,9 +248,13 @@ class _Printer:
                                                         "bool" if isinstance(e.value, bool) else "int64"))
         init = reduce_init(e)
         if init is not None:
-            return self.init_value(*init) if want is None else convert(self.init_value(*init), init[1], want)
+            return self.init_value(*init) if want is None else self.convert(self.init_value(*init), init[1], want)
         s = self._expr(e)
-        return convert(s, self.dt(e), want) if want else s
+        return self.convert(s, self.dt(e), want) if want else s
+
+    def convert(self, s: str, src: str | None, dst: str) -> str:
+        """:func:`convert`, a rounding to float16 in its vector form where the exponentials take theirs."""
+        return convert(s, src, dst, vector_abi=not self.inline_math)
 
     def truth(self, e: Expr) -> str:
         d = self.dt(e)
@@ -287,7 +295,7 @@ class _Printer:
             if buf.role in ("temp", "local"):
                 return s
             if buf.dtype == "float16":
-                return f"sf_h2f({s})"
+                return f"sfv_h2f({s})" if not self.inline_math else f"sf_h2f({s})"
             if buf.dtype == "bfloat16":
                 return f"sf_bf16_to_float({s})"
             if buf.dtype in float8.FLOAT8:
@@ -301,8 +309,8 @@ class _Printer:
             if src is None:
                 return self.expr(e.a, dst)
             if dst in ("float16", "bfloat16") and src == "float32":
-                return convert(self.expr(self.unrounded(e.a, dst)), src, dst)
-            return convert(self.expr(e.a), src, dst)
+                return self.convert(self.expr(self.unrounded(e.a, dst)), src, dst)
+            return self.convert(self.expr(e.a), src, dst)
         if isinstance(e, BinOp):
             return self._binop(e)
         if isinstance(e, UnaryOp):
@@ -435,7 +443,8 @@ class _Printer:
                 value = self.unrounded(s.value, "float16")  # (the store rounds)
                 src = self.dt(value)
                 v = self.expr(value) if src is not None and _kind(src) == "f" else self.expr(value, "float32")
-                self.emit(f"{target} = sf_f2h({v});", depth)
+                vector = not self.inline_math and (src is None or COMPUTE_CTYPE.get(src) != "double")
+                self.emit(f"{target} = {'(uint16_t)sfv_f2h' if vector else 'sf_f2h'}({v});", depth)
             elif buf.dtype == "bfloat16" and buf.role not in ("temp", "local"):
                 self.emit(f"{target} = sf_float_to_bf16({self.expr(self.unrounded(s.value, 'bfloat16'), 'float32')});",
                           depth)

@@ -56,7 +56,8 @@ _TABLES = ("ukr", "i8_kernel", "cukr", "pdkr", "pdkr2")
 
 def prebuilt_tables(header: str) -> dict[str, str]:
     """``{symbol: translation unit}`` of the micro-kernel tables for libraries with ``header``, and of the
-    exponentials the kernels call in vector form (``sfv_exp``, ``sfv_exp_nonpos``: ``cpu_library/vmath.h``)."""
+    helpers the kernels call in vector form (``sfv_exp``, ``sfv_exp_nonpos``, ``sfv_h2f``, ``sfv_f2h``,
+    ``sfv_f16_round``: ``cpu_library/vmath.h``)."""
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
     from .cpp import PRELUDE, _clones_macro
@@ -64,6 +65,9 @@ def prebuilt_tables(header: str) -> dict[str, str]:
     vmath = "#define SF_VMATH_UNIT 1\n" + PRELUDE + _clones_macro() + read_library("vmath.h")
     units["sfv_exp"] = vmath + "SF_VMATH_DEFINE(sfv_exp, sf_exp, false)\n"
     units["sfv_exp_nonpos"] = vmath + "SF_VMATH_DEFINE(sfv_exp_nonpos, sf_exp_nonpos, true)\n"
+    units["sfv_h2f"] = vmath + "SF_VMATH_DEFINE_H2F\n"
+    units["sfv_f2h"] = vmath + "SF_VMATH_DEFINE_F2H\n"
+    units["sfv_f16_round"] = vmath + "SF_VMATH_DEFINE_F16_ROUND\n"
     return units
 
 

@@ -2437,9 +2437,9 @@ def test_a_rounding_that_a_later_rounding_repeats_is_not_printed(tmp_path, kerne
     assert len(groups) == 2, groups
     src = generate_cpu_source(groups)
     stores = [line for _, text in src.kernels for line in text.splitlines() if "out0[" in line and " = " in line]
-    rounding = "sf_f16_round(" if half == "float16" else "sf_bf16_round("
-    assert stores and all(line.count(rounding) + ("sf_f2h(" in line or "sf_float_to_bf16(" in line) == 1
-                          for line in stores), stores
+    rounding = r"\bsfv?_f16_round\(" if half == "float16" else r"\bsf_bf16_round\("  # (sfv_: its vector form)
+    assert stores and all(len(re.findall(rounding, line)) + bool(re.search(r"\bsfv?_f2h\(|\bsf_float_to_bf16\(", line))
+                          == 1 for line in stores), stores
     symbols = build_cpu_library(ops, str(tmp_path / "k.so"), cache_dir=kernel_cache, fuse=True, keep=keep)
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     c = rng.random(n) < 0.5

@@ -19,6 +19,7 @@ from onnx import helper as oh
 
 from shardflow.compiler import compile, load_onnx
 from shardflow.compiler.codegen.cpp import generate_cpu_source
+from shardflow.compiler.codegen.fusion import fuse
 from shardflow.runtime import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,10 +44,11 @@ def _model(shape) -> onnx.ModelProto:
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
 
 
-def _printed(model: onnx.ModelProto) -> dict[str, str]:
-    """Each op's kernel text, by its output's name."""
+def _printed(model: onnx.ModelProto, fused: bool = False) -> dict[str, str]:
+    """Each op's kernel text (``fused``: each fused group's, by its last op), by its output's name."""
     graph = load_onnx(model)
-    src = generate_cpu_source(graph.nodes)
+    ops = fuse(graph.nodes, keep={t.name for t in graph.outputs}) if fused else graph.nodes
+    src = generate_cpu_source(ops)
     names = {op.name: op.outputs[0].name for op in graph.nodes}
     return {names[src.users[sym][0]]: text for sym, text in src.kernels}
 
@@ -109,3 +111,58 @@ def test_every_vector_form_equals_the_inline_helper_on_sampled_bit_patterns(tmp_
     run = subprocess.run([str(exe), "251"], capture_output=True, text=True, timeout=300)
     counts = re.findall(r"differs (\d+)", run.stdout)
     assert run.returncode == 0 and len(counts) >= 4 and set(counts) == {"0"}, run.stdout + run.stderr
+
+
+def _half_model(shape) -> onnx.ModelProto:
+    """float16 ``a + b`` and its SiLU (loads and stores of float16), ``Where(c, a, b)``, ``a`` padded by zeros on
+    its last axis (its loads under a select: inline), and a float32 ``x`` cast to float16 and back before a Relu
+    (fused: a rounding kept in float32)."""
+    nodes = [oh.make_node("Add", ["a", "b"], ["s"]), oh.make_node("Sigmoid", ["s"], ["g"]),
+             oh.make_node("Mul", ["s", "g"], ["silu"]), oh.make_node("Where", ["c", "a", "b"], ["w"]),
+             oh.make_node("Pad", ["a", "pads"], ["p"], mode="constant"),
+             oh.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16),
+             oh.make_node("Cast", ["x16"], ["r"], to=TensorProto.FLOAT), oh.make_node("Relu", ["r"], ["rr"])]
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    ins = [oh.make_tensor_value_info("a", f16, shape), oh.make_tensor_value_info("b", f16, shape),
+           oh.make_tensor_value_info("c", TensorProto.BOOL, shape), oh.make_tensor_value_info("x", f32, shape)]
+    outs = [oh.make_tensor_value_info(n, t, shape) for n, t in (("s", f16), ("silu", f16), ("w", f16), ("rr", f32))]
+    outs.append(oh.make_tensor_value_info("p", f16, shape[:-1] + [shape[-1] + 4]))
+    pads = onnx.numpy_helper.from_array(np.array([0, 0, 2] + [0, 0, 2], np.int64), "pads")
+    return oh.make_model(oh.make_graph(nodes, "half", ins, outs, [pads]), opset_imports=[oh.make_opsetid("", 17)])
+
+
+def test_float16_loads_stores_and_roundings_take_the_vector_forms(tmp_path):
+    """float16 loads print ``sfv_h2f``, stores ``sfv_f2h`` and a float32 value's rounding to float16
+    ``sfv_f16_round`` (F16C's conversions in the AVX2 and AVX-512 forms), except under a select; compiled and
+    run, the values are numpy's bit for bit (float16 sums, casts of floats around float16's range, subnormals,
+    infinities and NaN) and the SiLU's within float16's rounding."""
+    shape = [3, 64, 77]
+    model = _half_model(shape)
+    by_op = _printed(model, fused=True)
+    assert "sfv_h2f(" in by_op["silu"] and "(uint16_t)sfv_f2h(" in by_op["silu"]
+    assert "sf_h2f(" in by_op["p"] and "sfv_h2f(" not in by_op["p"] and "(uint16_t)sfv_f2h(" in by_op["p"]
+    assert "sfv_f16_round(" in by_op["rr"]
+    out = tmp_path / "out"
+    compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=str(out))
+    if platform.machine() in ("x86_64", "AMD64") and shutil.which("nm"):
+        names = subprocess.run(["nm", str(out / "rank0" / "kernels.so")], capture_output=True, text=True).stdout
+        for fn in ("sfv_h2f", "sfv_f2h", "sfv_f16_round"):
+            assert "_ZGVeN16v_" + fn in names and "_ZGVdN8v_" + fn in names, fn
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal(shape) * 300).astype(np.float16)
+    b = (rng.standard_normal(shape) * 300).astype(np.float16)
+    a.flat[:6] = [np.nan, np.inf, -np.inf, 6e-8, -3e-5, 65504]
+    b.flat[:6] = [1, 1, 1, 6e-8, 1e-5, 65504]
+    c = rng.random(shape) < 0.5
+    x = (rng.standard_normal(shape) * 3e4).astype(np.float32)
+    x.flat[:8] = [np.nan, np.inf, -np.inf, 65519.99, 65520.0, 2.9802322e-08, 1e-7, -4e-6]
+    y = load(str(out)).run({"a": a, "b": b, "c": c, "x": x})
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
+        np.testing.assert_array_equal(y["s"].view(np.uint16), s.view(np.uint16))
+        np.testing.assert_array_equal(y["w"].view(np.uint16), np.where(c, a, b).view(np.uint16))
+        np.testing.assert_array_equal(y["p"].view(np.uint16), np.pad(a, [(0, 0), (0, 0), (2, 2)]).view(np.uint16))
+        np.testing.assert_array_equal(y["rr"].view(np.int32),
+                                      np.maximum(x.astype(np.float16).astype(np.float32), 0).view(np.int32))
+        s32 = s.astype(np.float64)
+        np.testing.assert_allclose(y["silu"].astype(np.float64), s32 / (1 + np.exp(-s32)), rtol=1e-3, atol=1e-7)

@@ -473,18 +473,23 @@ SF_INLINE double sf_round(double x) { return std::nearbyint(x); }
 
 }  // namespace
 
-// ---- exponentials through the vector function ABI -----------------------------------------------
-// sfv_exp and sfv_exp_nonpos compute sf_exp and sf_exp_nonpos, bit for bit, for the generated kernels'
-// loops (cpp.py prints them where a call is not under a condition). Declared `omp declare simd` without
-// a body: where GCC vectorizes a loop calling them it calls their 4-, 8- and 16-lane forms under the
-// x86-64 vector function ABI's names (_ZGVbN4v_, _ZGVcN8v_, _ZGVdN8v_, _ZGVeN16v_ + the name), which the
-// library's `vmath` object defines (vmath.h; templates_cpu.prebuilt_tables): the 16-lane form clamps with
-// vminps/vmaxps and scales with one vscalefps, where GCC's vectorization of the inline helper spends 33
+// ---- exponentials and float16 conversions through the vector function ABI ------------------------
+// sfv_exp, sfv_exp_nonpos, sfv_h2f, sfv_f2h and sfv_f16_round compute sf_exp, sf_exp_nonpos, sf_h2f32,
+// sf_f2h32 and sf_f16_round, bit for bit, for the generated kernels' loops (cpp.py prints them where a call
+// is not under a condition nor in a reduction's loop). Declared `omp declare simd` without a body: where
+// GCC vectorizes a loop calling them it calls their 4-, 8- and 16-lane forms under the x86-64 vector
+// function ABI's names (_ZGVbN4v_, _ZGVcN8v_, _ZGVdN8v_, _ZGVeN16v_ + the name), which the
+// library's `vmath` objects define (vmath.h; templates_cpu.prebuilt_tables): the exponential's 16-lane form
+// clamps with vminps/vmaxps and scales with one vscalefps, where GCC's vectorization of the inline helper spends 33
 // instructions per 16 values (compares, blends and a two-step integer scaling; rfcs/0002 "Exponentials
-// in vector form"). Without the prebuilt objects, or with another compiler, they are the inline helpers.
+// in vector form"); the float16 conversions' forms are F16C's (about ten integer steps each inline).
+// Without the prebuilt objects, or with another compiler, they are the inline helpers.
 #if defined(SF_VMATH_UNIT)
 extern "C" float sfv_exp(float x);
 extern "C" float sfv_exp_nonpos(float x);
+extern "C" float sfv_h2f(uint32_t b);
+extern "C" uint32_t sfv_f2h(float x);
+extern "C" float sfv_f16_round(float x);
 #elif defined(SF_PREBUILT_TABLES) && defined(__x86_64__) && defined(_OPENMP) && defined(__GNUC__) \
     && !defined(__clang__)
 extern "C" {
@@ -492,10 +497,19 @@ extern "C" {
 __attribute__((const, nothrow)) float sfv_exp(float x);
 #pragma omp declare simd notinbranch
 __attribute__((const, nothrow)) float sfv_exp_nonpos(float x);
+#pragma omp declare simd notinbranch
+__attribute__((const, nothrow)) float sfv_h2f(uint32_t b);
+#pragma omp declare simd notinbranch
+__attribute__((const, nothrow)) uint32_t sfv_f2h(float x);
+#pragma omp declare simd notinbranch
+__attribute__((const, nothrow)) float sfv_f16_round(float x);
 }
 #else
 #define sfv_exp sf_exp
 #define sfv_exp_nonpos sf_exp_nonpos
+#define sfv_h2f sf_h2f32
+#define sfv_f2h sf_f2h32
+#define sfv_f16_round sf_f16_round
 #endif
 namespace {
 SF_INLINE float sfv_sigmoid(float x) { return 1.0f / (1.0f + sfv_exp(-x)); }
