@@ -190,7 +190,8 @@ class _Printer:
         self.unswitch_left = 0  # (the splits the innermost loop being printed may still make)
         self.unswitching = False  # (printing the copies of an unswitched loop)
         # (printing a branch of a select or an if, whose calls run for some elements only, or a reduction's loop,
-        # whose accumulators a call would send through memory: the exponentials stay inline there, _unop)
+        # whose accumulators a call would send through memory: there the helpers with vector forms (_VECTOR_ABI)
+        # stay inline)
         self.inline_math = 0
 
     # names ------------------------------------------------------------------------------------
