@@ -6,13 +6,13 @@
 // declarations (with them GCC would make the vector forms itself, from the bodies).
 //
 // Each form computes what the inline helper computes at the same instruction set, bit for bit: the scalar
-// functions are cloned as the kernels are (default, x86-64-v3, x86-64-v4) and call the helpers; the 4-lane
-// (SSE4.2) and 8-lane AVX forms are the helpers' steps on GCC's vector types (the same expressions, so the same
-// FMA contractions); the AVX2 and AVX-512 forms of the exponentials clamp with vminps/vmaxps (which return their
-// second operand, x, for a NaN, as the helpers' selects do) and the AVX-512 form scales by 2^n with one
-// vscalefps, which rounds y * 2^n once, as the helpers' two exact-then-rounding products do; the AVX2 and
-// AVX-512 forms of the float16 conversions are F16C's vcvtph2ps/vcvtps2ph (nearest even), which the helpers
-// match on every input (helpers.h; the x86-64-v3 level includes F16C). benchmarks/cpu_vmath_exhaustive.cpp
+// functions are cloned as the kernels are (default, x86-64-v3, x86-64-v4) and call the helpers; the 4- and
+// 8-lane forms of the exponentials (SSE4.2, AVX, AVX2 + FMA) are the helpers' steps on GCC's vector types (the
+// same expressions, so the same FMA contractions), and their 16-lane (AVX-512) form clamps with vminps/vmaxps
+// (which return their second operand, x, for a NaN, as the helpers' selects do) and scales by 2^n with one
+// vscalefps, which rounds y * 2^n once, as the helpers' two exact-then-rounding products do; the float16
+// conversions' forms are the helpers' steps at SSE4.2 and AVX, and F16C's vcvtph2ps/vcvtps2ph (nearest even) at
+// AVX2 and AVX-512, which the helpers match on every input (helpers.h; the x86-64-v3 level includes F16C). benchmarks/cpu_vmath_exhaustive.cpp
 // checks every float (every float16 for sfv_h2f) against the inline helpers at each instruction set.
 
 #if defined(__x86_64__)
@@ -103,8 +103,8 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 sfv_exp16
 }  // namespace
 
 // NAME (calling HELPER) and its forms under the vector function ABI's names (x86-64: b SSE, c AVX, d AVX2,
-// e AVX-512F; N: unmasked; 4/8/16 lanes; v: one vector argument); a unit defines one NAME (each is linked
-// into the libraries whose kernels refer to it, both into some)
+// e AVX-512F; N: unmasked; 4/8/16 lanes; v: one vector argument); a unit defines one name (and is linked into
+// the libraries whose kernels refer to it)
 #define SF_VMATH_DEFINE(NAME, HELPER, NONPOS)                                                                \
   extern "C" SF_CLONES float NAME(float x) { return HELPER(x); }                                             \
   extern "C" __m128 _ZGVbN4v_##NAME(__m128 x) { return (__m128)sfv_exp_lanes<sfv_f4, sfv_i4, NONPOS>(x); } \
