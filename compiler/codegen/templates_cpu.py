@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from ..ops.linalg import PANEL
-from .cpp import literal
+from .cpp import PRELUDE, _clones_macro, literal
 from .prelude_cpu import read_library
 
 __all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kind", "accepts_epilogue", "accepts_group",
@@ -60,8 +60,6 @@ def prebuilt_tables(header: str) -> dict[str, str]:
     ``sfv_f16_round``: ``cpu_library/vmath.h``)."""
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
-    from .cpp import PRELUDE, _clones_macro
-
     vmath = "#define SF_VMATH_UNIT 1\n" + PRELUDE + _clones_macro() + read_library("vmath.h")
     units["sfv_exp"] = vmath + "SF_VMATH_DEFINE(sfv_exp, sf_exp, false)\n"
     units["sfv_exp_nonpos"] = vmath + "SF_VMATH_DEFINE(sfv_exp_nonpos, sf_exp_nonpos, true)\n"

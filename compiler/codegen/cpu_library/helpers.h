@@ -478,12 +478,12 @@ SF_INLINE double sf_round(double x) { return std::nearbyint(x); }
 // sf_f2h32 and sf_f16_round, bit for bit, for the generated kernels' loops (cpp.py prints them where a call
 // is not under a condition nor in a reduction's loop). Declared `omp declare simd` without a body: where
 // GCC vectorizes a loop calling them it calls their 4-, 8- and 16-lane forms under the x86-64 vector
-// function ABI's names (_ZGVbN4v_, _ZGVcN8v_, _ZGVdN8v_, _ZGVeN16v_ + the name), which the
-// library's `vmath` objects define (vmath.h; templates_cpu.prebuilt_tables): the exponential's 16-lane form
-// clamps with vminps/vmaxps and scales with one vscalefps, where GCC's vectorization of the inline helper spends 33
-// instructions per 16 values (compares, blends and a two-step integer scaling; rfcs/0002 "Exponentials
-// in vector form"); the float16 conversions' forms are F16C's (about ten integer steps each inline).
-// Without the prebuilt objects, or with another compiler, they are the inline helpers.
+// function ABI's names (_ZGVbN4v_, _ZGVcN8v_, _ZGVdN8v_, _ZGVeN16v_ + the name), which the library's
+// `vmath` objects define (vmath.h; templates_cpu.prebuilt_tables): the exponential's 16-lane form clamps
+// with vminps/vmaxps and scales with one vscalefps, where GCC's vectorization of the inline helper spends
+// 33 instructions per 16 values (compares, blends and a two-step integer scaling; rfcs/0002 "Exponentials
+// in vector form"); the float16 conversions' forms at AVX2 and AVX-512 are F16C's (about ten integer steps
+// each inline). Without the prebuilt objects, or with another compiler, they are the inline helpers.
 #if defined(SF_VMATH_UNIT)
 extern "C" float sfv_exp(float x);
 extern "C" float sfv_exp_nonpos(float x);
