@@ -60,13 +60,17 @@ def prebuilt_tables(header: str) -> dict[str, str]:
     ``sfv_f16_round``: ``cpu_library/vmath.h``)."""
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
-    vmath = "#define SF_VMATH_UNIT 1\n" + PRELUDE + _clones_macro() + read_library("vmath.h")
-    units["sfv_exp"] = vmath + "SF_VMATH_DEFINE(sfv_exp, sf_exp, false)\n"
-    units["sfv_exp_nonpos"] = vmath + "SF_VMATH_DEFINE(sfv_exp_nonpos, sf_exp_nonpos, true)\n"
-    units["sfv_h2f"] = vmath + "SF_VMATH_DEFINE_H2F\n"
-    units["sfv_f2h"] = vmath + "SF_VMATH_DEFINE_F2H\n"
-    units["sfv_f16_round"] = vmath + "SF_VMATH_DEFINE_F16_ROUND\n"
+    units.update(_VMATH_UNITS)
     return units
+
+
+# the units of the helpers in vector form (helpers.h alone before them: they need no template)
+_VMATH = "#define SF_VMATH_UNIT 1\n" + PRELUDE + _clones_macro() + read_library("vmath.h")
+_VMATH_UNITS = {"sfv_exp": _VMATH + "SF_VMATH_DEFINE(sfv_exp, sf_exp, false)\n",
+                "sfv_exp_nonpos": _VMATH + "SF_VMATH_DEFINE(sfv_exp_nonpos, sf_exp_nonpos, true)\n",
+                "sfv_h2f": _VMATH + "SF_VMATH_DEFINE_H2F\n",
+                "sfv_f2h": _VMATH + "SF_VMATH_DEFINE_F2H\n",
+                "sfv_f16_round": _VMATH + "SF_VMATH_DEFINE_F16_ROUND\n"}
 
 
 def _prod(xs) -> int:

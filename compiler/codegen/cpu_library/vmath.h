@@ -14,6 +14,7 @@
 // conversions' forms are the helpers' steps at SSE4.2 and AVX, and F16C's vcvtph2ps/vcvtps2ph (nearest even) at
 // AVX2 and AVX-512, which the helpers match on every input (helpers.h; the x86-64-v3 level includes F16C). benchmarks/cpu_vmath_exhaustive.cpp
 // checks every float (every float16 for sfv_h2f) against the inline helpers at each instruction set.
+// x86-64 only: elsewhere helpers.h's names are macros for the inline helpers, and no kernel refers to these.
 
 #if defined(__x86_64__)
 namespace {
@@ -158,9 +159,4 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 sfv_exp16
   extern "C" __attribute__((target("avx512f"))) __m512 _ZGVeN16v_sfv_f16_round(__m512 x) {                  \
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, SF_F16C_ROUND));                                                \
   }
-#else
-#define SF_VMATH_DEFINE(NAME, HELPER, NONPOS) extern "C" float NAME(float x) { return HELPER(x); }
-#define SF_VMATH_DEFINE_H2F extern "C" float sfv_h2f(uint32_t b) { return sf_h2f32(b); }
-#define SF_VMATH_DEFINE_F2H extern "C" uint32_t sfv_f2h(float x) { return sf_f2h32(x); }
-#define SF_VMATH_DEFINE_F16_ROUND extern "C" float sfv_f16_round(float x) { return sf_f16_round(x); }
 #endif
