@@ -104,8 +104,20 @@ HREF(href_v4, __attribute__((target("arch=x86-64-v4"))))
   }
 HFORM(hform_b, , __m128, __m128i, 4, _mm_loadu_ps, _mm_storeu_ps, _mm_loadu_si128, _mm_storeu_si128,
       _ZGVbN4v_sfv_f2h, _ZGVbN4v_sfv_f16_round, _ZGVbN4v_sfv_h2f)
-HFORM(hform_c, __attribute__((target("avx"))), __m256, __m256i, 8, _mm256_loadu_ps, _mm256_storeu_ps,
-      _mm256_loadu_si256, _mm256_storeu_si256, _ZGVcN8v_sfv_f2h, _ZGVcN8v_sfv_f16_round, _ZGVcN8v_sfv_h2f)
+// the AVX forms by the ABI's lanes: sfv_f2h's 4 (an integer result: AVX's integer vectors are 128 bits), sfv_h2f's
+// 8 integer arguments in two 128-bit registers
+__attribute__((target("avx"))) void hform_c(const float* x, float* e, float* z, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    _mm_storeu_si128((__m128i*)(e + i), _ZGVcN4v_sfv_f2h(_mm_loadu_ps(x + i)));
+    _mm_storeu_si128((__m128i*)(e + i + 4), _ZGVcN4v_sfv_f2h(_mm_loadu_ps(x + i + 4)));
+    _mm256_storeu_ps(z + i, _ZGVcN8v_sfv_f16_round(_mm256_loadu_ps(x + i)));
+  }
+}
+__attribute__((target("avx"))) void hform_c_h2f(const uint32_t* b, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(y + i, _ZGVcN8v_sfv_h2f(_mm_loadu_si128((const __m128i*)(b + i)),
+                                             _mm_loadu_si128((const __m128i*)(b + i + 4))));
+}
 HFORM(hform_d, __attribute__((target("avx2,f16c"))), __m256, __m256i, 8, _mm256_loadu_ps, _mm256_storeu_ps,
       _mm256_loadu_si256, _mm256_storeu_si256, _ZGVdN8v_sfv_f2h, _ZGVdN8v_sfv_f16_round, _ZGVdN8v_sfv_h2f)
 HFORM(hform_e, __attribute__((target("avx512f"))), __m512, __m512i, 16, _mm512_loadu_ps, _mm512_storeu_ps,

@@ -26,6 +26,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Mapping, Sequence
@@ -267,7 +268,9 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
             raise _compile_error(failures)
         objects = [c[-1] for c in cmds]
         objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs)
-        link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + objects + ["-o", out]], 1)[0]
+        # (a symbol no object defines fails here, not when a rank loads the library: GNU ld's -z defs)
+        no_undefined = ["-Wl,--no-undefined"] if sys.platform.startswith("linux") else []
+        link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + no_undefined + objects + ["-o", out]], 1)[0]
         if link.returncode != 0:
             raise _compile_error([(link.stderr or link.stdout, "", {})])
         log.info("compiled in %.1f s", time.perf_counter() - t0)

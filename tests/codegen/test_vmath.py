@@ -166,3 +166,112 @@ def test_float16_loads_stores_and_roundings_take_the_vector_forms(tmp_path):
                                       np.maximum(x.astype(np.float16).astype(np.float32), 0).view(np.int32))
         s32 = s.astype(np.float64)
         np.testing.assert_allclose(y["silu"].astype(np.float64), s32 / (1 + np.exp(-s32)), rtol=1e-3, atol=1e-7)
+
+
+# Loops GCC vectorizes with calls of the helpers' vector forms, in functions for each instruction set: over
+# floats (4, 8 or 16 lanes) and over doubles (half as many; the 15-long calls leave remainders to narrower forms).
+_ABI_LOOPS = r"""
+#define SF_ABI_LOOPS(ISA, ATTR, T)                                                                            \
+  SF_EXPORT ATTR void exp_##T##_##ISA(const T* __restrict__ x, T* __restrict__ y, int64_t n) {                \
+    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_exp((float)x[i]);                                            \
+  }                                                                                                            \
+  SF_EXPORT ATTR void nonpos_##T##_##ISA(const T* __restrict__ x, T* __restrict__ y, int64_t n) {             \
+    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_exp_nonpos((float)x[i]);                                     \
+  }                                                                                                            \
+  SF_EXPORT ATTR void round_##T##_##ISA(const T* __restrict__ x, T* __restrict__ y, int64_t n) {              \
+    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_f16_round((float)x[i]);                                     \
+  }                                                                                                            \
+  SF_EXPORT ATTR void f2h_##T##_##ISA(const T* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {         \
+    for (int64_t i = 0; i < n; ++i) y[i] = (uint16_t)sfv_f2h((float)x[i]);                                     \
+  }                                                                                                            \
+  SF_EXPORT ATTR void h2f_##T##_##ISA(const uint16_t* __restrict__ h, T* __restrict__ y, int64_t n) {         \
+    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_h2f(h[i]);                                                   \
+  }
+#define SF_ABI_ISA(ISA, ATTR) SF_ABI_LOOPS(ISA, ATTR, float) SF_ABI_LOOPS(ISA, ATTR, double)
+SF_ABI_ISA(v2, )
+SF_ABI_ISA(avx, __attribute__((target("avx"))))
+SF_ABI_ISA(v3, __attribute__((target("arch=x86-64-v3"))))
+SF_ABI_ISA(v4, __attribute__((target("arch=x86-64-v4"))))
+SF_EXPORT int isa_runs(int k) {
+  __builtin_cpu_init();
+  switch (k) {
+    case 0: return 1;
+    case 1: return __builtin_cpu_supports("avx");
+    case 2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    default: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+                    && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  }
+}
+"""
+
+
+def test_every_vector_form_gcc_calls_is_defined_with_the_abis_signature(tmp_path):
+    """The forms as GCC calls them, not by our own prototypes: loops at each instruction set (x86-64-v2, AVX,
+    x86-64-v3, x86-64-v4) over floats and doubles call all twenty forms, the AVX ones included (``sfv_f2h``'s has
+    4 lanes: its characteristic type is the integer it returns, and AVX's integer vectors are 128 bits; ``sfv_h2f``'s
+    takes two 128-bit registers), and the library links with no symbol left undefined (a missing
+    ``_ZGVcN4v_sfv_f2h`` made a float16 program fail to load, session 98). Run on every instruction set this CPU
+    has: the float16 conversions equal numpy's bit for bit, the exponentials float64's within their accuracy."""
+    _x86_cxx()
+    import ctypes
+
+    from shardflow.compiler.codegen.cpp import _clones_macro
+    from shardflow.compiler.codegen.prelude_cpu import PRELUDE
+    from shardflow.compiler.codegen.templates_cpu import prebuilt_tables
+    from shardflow.compiler.codegen.toolchain import build_shared_library
+
+    lib_path = tmp_path / "abi.so"
+    units = {s: t for s, t in prebuilt_tables(PRELUDE).items() if s.startswith("sfv_")}
+    build_shared_library(PRELUDE + _clones_macro() + _ABI_LOOPS, str(lib_path), cache_dir=str(tmp_path / "cache"),
+                         prebuilt=units)
+    if shutil.which("objdump"):
+        text = subprocess.run(["objdump", "-d", str(lib_path)], capture_output=True, text=True).stdout
+        called = set(re.findall(r"call\s+[0-9a-f]+ <(_ZGV\w+)", text))
+        want = {f"{form}{fn}" for form in ("_ZGVbN4v_", "_ZGVcN8v_", "_ZGVdN8v_", "_ZGVeN16v_")
+                for fn in ("sfv_exp", "sfv_exp_nonpos", "sfv_h2f", "sfv_f16_round")}
+        want |= {f"{form}sfv_f2h" for form in ("_ZGVbN4v_", "_ZGVcN4v_", "_ZGVdN8v_", "_ZGVeN16v_")}
+        assert called == want, (sorted(want - called), sorted(called - want))
+    lib = ctypes.CDLL(str(lib_path))
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.uniform(-110, 95, 2000), rng.standard_normal(1000) * 3e4, rng.standard_normal(500) * 1e-5,
+                        [np.nan, np.inf, -np.inf, 0.0, -0.0, 65519.99, 65520.0, 2.9802322e-08, -103.9, -104.5, 88.8,
+                         89.5]]).astype(np.float32)
+    codes = np.arange(1 << 16, dtype=np.uint16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_exp = np.exp(x.astype(np.float64)).astype(np.float32)
+        want_nonpos = np.exp(-np.abs(x.astype(np.float64))).astype(np.float32)
+        half = x.astype(np.float16)
+    want_h2f = codes.view(np.float16).astype(np.float32)
+
+    def call(name, src, out_dtype, n):
+        out = np.zeros(n, out_dtype)
+        getattr(lib, name)(src.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n))
+        return out
+
+    def same_bits(got, want, what):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), what
+        ok = ~np.isnan(want)
+        np.testing.assert_array_equal(got[ok].view(np.int32), want[ok].view(np.int32), err_msg=what)
+
+    ran = 0
+    for k, isa in enumerate(("v2", "avx", "v3", "v4")):
+        if not lib.isa_runs(k):
+            continue
+        for t in (np.float32, np.float64):
+            tn = "float" if t is np.float32 else "double"
+            for n in (len(x), 15):  # (15: the vectorized loops' remainders)
+                xs, what = x[:n].astype(t), f"{isa} {tn} n={n}"
+                with np.errstate(over="ignore", invalid="ignore"):
+                    np.testing.assert_allclose(call(f"exp_{tn}_{isa}", xs, t, n), want_exp[:n], rtol=3e-7,
+                                               atol=1e-44, err_msg="exp " + what)
+                    np.testing.assert_allclose(call(f"nonpos_{tn}_{isa}", -np.abs(xs), t, n), want_nonpos[:n],
+                                               rtol=3e-7, atol=1e-44, err_msg="exp_nonpos " + what)
+                same_bits(call(f"round_{tn}_{isa}", xs, t, n), half[:n].astype(np.float32), "f16_round " + what)
+                f2h = call(f"f2h_{tn}_{isa}", xs, np.uint16, n)
+                same_bits(f2h.view(np.float16).astype(np.float32), half[:n].astype(np.float32), "f2h " + what)
+                same_bits(call(f"h2f_{tn}_{isa}", codes[:max(n, 16)], t, max(n, 16)), want_h2f[:max(n, 16)],
+                          "h2f " + what)
+            same_bits(call(f"h2f_{tn}_{isa}", codes, t, len(codes)), want_h2f, f"h2f {isa} {tn} every code")
+        ran += 1
+    assert ran >= 1

@@ -104,8 +104,15 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 sfv_exp16
 }  // namespace
 
 // NAME (calling HELPER) and its forms under the vector function ABI's names (x86-64: b SSE, c AVX, d AVX2,
-// e AVX-512F; N: unmasked; 4/8/16 lanes; v: one vector argument); a unit defines one name (and is linked into
-// the libraries whose kernels refer to it)
+// e AVX-512F; N: unmasked; v: one vector argument). A form's lane count is the ABI's: the ISA's vector width
+// for the function's characteristic type (its return type) over that type's size, where AVX's integer vectors
+// are 128 bits: so sfv_f2h's AVX form has 4 lanes (_ZGVcN4v_), and sfv_h2f's AVX form takes its 8 integer
+// arguments in two 128-bit registers. GCC calls, for a loop's vectorization factor, any form its function's
+// ISA can run: an x86-64-v3 or v4 loop with 4 lanes (a remainder, or a loop over doubles) calls the SSE or AVX
+// forms, and then computes the values the inline helper gives at that ISA (the exponentials without FMA,
+// within the helper's accuracy of the FMA results; the float16 conversions are the same at every ISA).
+// tests/codegen/test_vmath.py calls every form as GCC does, from loops at each ISA. A unit defines one name
+// (and is linked into the libraries whose kernels refer to it).
 #define SF_VMATH_DEFINE(NAME, HELPER, NONPOS)                                                                \
   extern "C" SF_CLONES float NAME(float x) { return HELPER(x); }                                             \
   extern "C" __m128 _ZGVbN4v_##NAME(__m128 x) { return (__m128)sfv_exp_lanes<sfv_f4, sfv_i4, NONPOS>(x); } \
@@ -118,13 +125,15 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 sfv_exp16
   extern "C" __attribute__((target("avx512f"))) __m512 _ZGVeN16v_##NAME(__m512 x) { return sfv_exp16<NONPOS>(x); }
 
 // the float16 conversions (their F16C forms at AVX2 and AVX-512; the AVX2 form of sfv_h2f keeps each lane's low 16
-// bits, as sf_h2f32 reads them)
+// bits, as sf_h2f32 reads them; the AVX forms are the 4-lane steps: sfv_h2f's twice)
 #define SF_F16C_ROUND _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC
 #define SF_VMATH_DEFINE_H2F                                                                                    \
   extern "C" SF_CLONES float sfv_h2f(uint32_t b) { return sf_h2f32(b); }                                       \
   extern "C" __m128 _ZGVbN4v_sfv_h2f(__m128i b) { return (__m128)sfv_h2f_lanes<sfv_f4, sfv_u4>((sfv_u4)b); }   \
-  extern "C" __attribute__((target("avx"))) __m256 _ZGVcN8v_sfv_h2f(__m256i b) {                             \
-    return (__m256)sfv_h2f_lanes<sfv_f8, sfv_u8>((sfv_u8)b);                                                  \
+  extern "C" __attribute__((target("avx"))) __m256 _ZGVcN8v_sfv_h2f(__m128i lo, __m128i hi) {               \
+    const __m128 a = (__m128)sfv_h2f_lanes<sfv_f4, sfv_u4>((sfv_u4)lo);                                      \
+    const __m128 b = (__m128)sfv_h2f_lanes<sfv_f4, sfv_u4>((sfv_u4)hi);                                      \
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);                                             \
   }                                                                                                            \
   extern "C" __attribute__((target("avx2,f16c"))) __m256 _ZGVdN8v_sfv_h2f(__m256i b) {                       \
     const __m256i low = _mm256_and_si256(b, _mm256_set1_epi32(0xffff));                                      \
@@ -136,8 +145,8 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 sfv_exp16
 #define SF_VMATH_DEFINE_F2H                                                                                    \
   extern "C" SF_CLONES uint32_t sfv_f2h(float x) { return sf_f2h32(x); }                                       \
   extern "C" __m128i _ZGVbN4v_sfv_f2h(__m128 x) { return (__m128i)sfv_f2h_lanes<sfv_f4, sfv_u4>((sfv_f4)x); }  \
-  extern "C" __attribute__((target("avx"))) __m256i _ZGVcN8v_sfv_f2h(__m256 x) {                             \
-    return (__m256i)sfv_f2h_lanes<sfv_f8, sfv_u8>((sfv_f8)x);                                                 \
+  extern "C" __attribute__((target("avx"))) __m128i _ZGVcN4v_sfv_f2h(__m128 x) {                             \
+    return (__m128i)sfv_f2h_lanes<sfv_f4, sfv_u4>((sfv_f4)x);                                                 \
   }                                                                                                            \
   extern "C" __attribute__((target("avx2,f16c"))) __m256i _ZGVdN8v_sfv_f2h(__m256 x) {                      \
     return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, SF_F16C_ROUND));                                         \
