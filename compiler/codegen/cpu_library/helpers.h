@@ -478,7 +478,8 @@ SF_INLINE double sf_round(double x) { return std::nearbyint(x); }
 // sf_f2h32 and sf_f16_round, bit for bit, for the generated kernels' loops (cpp.py prints them where a call
 // is not under a condition nor in a reduction's loop). Declared `omp declare simd` without a body: where
 // GCC vectorizes a loop calling them it calls their 4-, 8- and 16-lane forms under the x86-64 vector
-// function ABI's names (_ZGVbN4v_, _ZGVcN8v_, _ZGVdN8v_, _ZGVeN16v_ + the name), which the library's
+// function ABI's names (_ZGVbN4v_, _ZGVcN8v_ (sfv_f2h: _ZGVcN4v_), _ZGVdN8v_, _ZGVeN16v_ + the name; any form
+// the loop's instruction set runs that matches its vectorization factor: vmath.h), which the library's
 // `vmath` objects define (vmath.h; templates_cpu.prebuilt_tables): the exponential's 16-lane form clamps
 // with vminps/vmaxps and scales with one vscalefps, where GCC's vectorization of the inline helper spends
 // 33 instructions per 16 values (compares, blends and a two-step integer scaling; rfcs/0002 "Exponentials
