@@ -104,10 +104,10 @@ def test_the_cache_command(tmp_path, capsys):
 def test_a_hit_marks_the_entry_used_and_a_vanished_entry_is_compiled_again(tmp_path, monkeypatch):
     op = Unary([Tensor("x", (4, 8), "float32")], fn="exp", name="e")
     d = str(tmp_path / "cache")
-    build_cpu_library([op], str(tmp_path / "a.so"), cache_dir=d, opt_level=0)
+    build_cpu_library([op], str(tmp_path / "a.so"), cache_dir=d, opt_level=1)
     (lib,) = [e for e in cache.cache_entries(d)[0] if e.kind == "cpu library"]
     os.utime(lib.paths[0], (1e9, 1e9))
-    build_cpu_library([op], str(tmp_path / "b.so"), cache_dir=d, opt_level=0)
+    build_cpu_library([op], str(tmp_path / "b.so"), cache_dir=d, opt_level=1)
     assert os.stat(lib.paths[0]).st_mtime > time.time() - 60  # (a hit: used now)
     real = toolchain._atomic_copy
     built = []
@@ -118,5 +118,5 @@ def test_a_hit_marks_the_entry_used_and_a_vanished_entry_is_compiled_again(tmp_p
         built.append(dst)
         return real(src, dst)
     monkeypatch.setattr(toolchain, "_atomic_copy", pruned_meanwhile)
-    build_cpu_library([op], str(tmp_path / "c.so"), cache_dir=d, opt_level=0)
+    build_cpu_library([op], str(tmp_path / "c.so"), cache_dir=d, opt_level=1)
     assert os.path.exists(tmp_path / "c.so") and str(tmp_path / "c.so") in built
