@@ -171,22 +171,16 @@ def test_float16_loads_stores_and_roundings_take_the_vector_forms(tmp_path):
 # Loops GCC vectorizes with calls of the helpers' vector forms, in functions for each instruction set: over
 # floats (4, 8 or 16 lanes) and over doubles (half as many; the 15-long calls leave remainders to narrower forms).
 _ABI_LOOPS = r"""
-#define SF_ABI_LOOPS(ISA, ATTR, T)                                                                            \
-  SF_EXPORT ATTR void exp_##T##_##ISA(const T* __restrict__ x, T* __restrict__ y, int64_t n) {                \
-    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_exp((float)x[i]);                                            \
-  }                                                                                                            \
-  SF_EXPORT ATTR void nonpos_##T##_##ISA(const T* __restrict__ x, T* __restrict__ y, int64_t n) {             \
-    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_exp_nonpos((float)x[i]);                                     \
-  }                                                                                                            \
-  SF_EXPORT ATTR void round_##T##_##ISA(const T* __restrict__ x, T* __restrict__ y, int64_t n) {              \
-    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_f16_round((float)x[i]);                                     \
-  }                                                                                                            \
-  SF_EXPORT ATTR void f2h_##T##_##ISA(const T* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {         \
-    for (int64_t i = 0; i < n; ++i) y[i] = (uint16_t)sfv_f2h((float)x[i]);                                     \
-  }                                                                                                            \
-  SF_EXPORT ATTR void h2f_##T##_##ISA(const uint16_t* __restrict__ h, T* __restrict__ y, int64_t n) {         \
-    for (int64_t i = 0; i < n; ++i) y[i] = (T)sfv_h2f(h[i]);                                                   \
+#define SF_ABI_LOOP(NAME, ATTR, TI, TO, CALL)                                                                  \
+  SF_EXPORT ATTR void NAME(const TI* __restrict__ x, TO* __restrict__ y, int64_t n) {                          \
+    for (int64_t i = 0; i < n; ++i) y[i] = (TO)CALL;                                                           \
   }
+#define SF_ABI_LOOPS(ISA, ATTR, T)                                                                             \
+  SF_ABI_LOOP(exp_##T##_##ISA, ATTR, T, T, sfv_exp((float)x[i]))                                               \
+  SF_ABI_LOOP(nonpos_##T##_##ISA, ATTR, T, T, sfv_exp_nonpos((float)x[i]))                                     \
+  SF_ABI_LOOP(round_##T##_##ISA, ATTR, T, T, sfv_f16_round((float)x[i]))                                       \
+  SF_ABI_LOOP(f2h_##T##_##ISA, ATTR, T, uint16_t, sfv_f2h((float)x[i]))                                        \
+  SF_ABI_LOOP(h2f_##T##_##ISA, ATTR, uint16_t, T, sfv_h2f(x[i]))
 #define SF_ABI_ISA(ISA, ATTR) SF_ABI_LOOPS(ISA, ATTR, float) SF_ABI_LOOPS(ISA, ATTR, double)
 SF_ABI_ISA(v2, )
 SF_ABI_ISA(avx, __attribute__((target("avx"))))
@@ -222,8 +216,7 @@ def test_every_vector_form_gcc_calls_is_defined_with_the_abis_signature(tmp_path
 
     lib_path = tmp_path / "abi.so"
     units = {s: t for s, t in prebuilt_tables(PRELUDE).items() if s.startswith("sfv_")}
-    build_shared_library(PRELUDE + _clones_macro() + _ABI_LOOPS, str(lib_path),
-                         prebuilt=units)
+    build_shared_library(PRELUDE + _clones_macro() + _ABI_LOOPS, str(lib_path), prebuilt=units)
     if shutil.which("objdump"):
         text = subprocess.run(["objdump", "-d", str(lib_path)], capture_output=True, text=True).stdout
         called = set(re.findall(r"call\s+[0-9a-f]+ <(_ZGV\w+)", text))
@@ -254,7 +247,6 @@ def test_every_vector_form_gcc_calls_is_defined_with_the_abis_signature(tmp_path
         ok = ~np.isnan(want)
         np.testing.assert_array_equal(got[ok].view(np.int32), want[ok].view(np.int32), err_msg=what)
 
-    ran = 0
     for k, isa in enumerate(("v2", "avx", "v3", "v4")):
         if not lib.isa_runs(k):
             continue
@@ -270,8 +262,5 @@ def test_every_vector_form_gcc_calls_is_defined_with_the_abis_signature(tmp_path
                 same_bits(call(f"round_{tn}_{isa}", xs, t, n), half[:n].astype(np.float32), "f16_round " + what)
                 f2h = call(f"f2h_{tn}_{isa}", xs, np.uint16, n)
                 same_bits(f2h.view(np.float16).astype(np.float32), half[:n].astype(np.float32), "f2h " + what)
-                same_bits(call(f"h2f_{tn}_{isa}", codes[:max(n, 16)], t, max(n, 16)), want_h2f[:max(n, 16)],
-                          "h2f " + what)
-            same_bits(call(f"h2f_{tn}_{isa}", codes, t, len(codes)), want_h2f, f"h2f {isa} {tn} every code")
-        ran += 1
-    assert ran >= 1
+            for n in (len(codes), 15):  # (every float16 code)
+                same_bits(call(f"h2f_{tn}_{isa}", codes[:n], t, n), want_h2f[:n], f"h2f {isa} {tn} n={n}")
