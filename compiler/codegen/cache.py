@@ -6,12 +6,15 @@ source, the compiler and its flags, and nothing ever takes an entry out: a test 
 repository leaves about a gigabyte. An entry is one of
 
 * ``<key>.so`` — a cpu kernel library (``toolchain.build_shared_library``);
-* ``<key>.o`` — the object of code many cpu libraries share (the micro-kernel tables);
+* ``<key>.o`` — the object of code many cpu libraries share (the micro-kernel tables, the GEMM, conv and
+  attention drivers, the scratch memory);
 * ``<key>.h`` with ``<key>.h.gch`` — the cpu library's header, precompiled (one entry: both or none);
 * ``<k2>/<key>.cubin`` — a cuda library (``cuda.compile_cuda_sources``; ``k2`` = the key's first two
   characters);
 * ``tune/<k2>/<key>.json`` — a GEMM tile chosen by timing (``tune.tune_gemms``, ``search_space = 2``);
-* ``.tmp-*`` — the temporary of a write that was interrupted (a write renames it when done).
+* ``.tmp-*`` — the temporary of a write that was interrupted (a write renames it when done);
+* ``locks/<key>`` — an empty file a build holds locked while it makes ``<key>``'s entry (``toolchain``:
+  another process building the same entry waits for it); not an entry, and left alone.
 
 A hit refreshes the entry's modification time (:func:`touch`), so that time says when an entry was
 last used. :func:`prune_cache` removes the least recently used entries until the cache fits a size;
@@ -96,6 +99,8 @@ def cache_entries(cache_dir: str) -> tuple[list[CacheEntry], list[str]]:
                         add("unfinished write", [p])
                     else:
                         others.append(p)
+            elif name == "locks":  # (the builds' lock files: toolchain._building)
+                pass
             elif name == "tune":
                 for root, _, files in os.walk(path):
                     for f in sorted(files):

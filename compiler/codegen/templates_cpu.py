@@ -44,7 +44,31 @@ __all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kin
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
 _LIBRARY_FILES = ("gemm.h", "gemm_f64.h", "gemm_bf16.h", "gemm_int8.h", "lowbit.h", "conv.h", "conv_int8.h",
                   "conv_bf16.h", "depthwise.h", "pool.h", "conv3d.h", "conv_transpose.h", "attention.h", "winograd.h")
-TEMPLATE_PRELUDE = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
+_LIBRARY_TEXT = "\n" + read_library(*_LIBRARY_FILES).replace("@PANEL@", str(PANEL))
+
+# The drivers the kernels call (the GEMMs, the convs, the attention): SF_LIB(name, function)(every argument)
+# in a kernel's text (helpers.h). Like the tables below, each is compiled once per kernel cache into an
+# object of its own (prebuilt_tables, with -DSF_PREBUILT_TABLES: it takes the tables from theirs) that the
+# libraries calling it link, where every library's units compiled them again before: most of a transformer's
+# unit (gpt2_ts17's 20 kernels compiled in 2.9 s, 0.8 s without the GEMM and attention drivers).
+_FUNCTIONS = {
+    "sgemm": "sf_sgemm", "sgemm_batched": "sf_sgemm_batched", "sgemm_prepacked": "sf_sgemm_prepacked<float>",
+    "sgemm_prepacked_f16": "sf_sgemm_prepacked<uint16_t>", "dgemm": "sf_dgemm", "dgemm_batched": "sf_dgemm_batched",
+    "bgemm_prepacked": "sf_bgemm_prepacked", "bgemm_prepacked_bf16": "sf_bgemm_prepacked_bf16",
+    "igemm_prepacked": "sf_igemm_prepacked", "iconv2d": "sf_iconv2d", "bconv2d": "sf_bconv2d",
+    "matmul_nbits": "sf_matmul_nbits", "expert_matmul_i32": "sf_expert_matmul<int32_t>",
+    "expert_matmul_i64": "sf_expert_matmul<int64_t>", "conv2d": "sf_conv2d", "conv2d_packed": "sf_conv2d_packed",
+    "conv2d_winograd2": "sf_conv2d_winograd<2>", "conv2d_winograd4": "sf_conv2d_winograd<4>",
+    "conv_depthwise": "sf_conv_depthwise", "conv3d": "sf_conv3d", "conv_transpose2d": "sf_conv_transpose2d",
+    "conv_transpose3d": "sf_conv_transpose3d", "attention": "sf_attention"}
+
+TEMPLATE_PRELUDE = _LIBRARY_TEXT + "\n// ---- the drivers' prebuilt objects (SF_LIB) ----\n" + "".join(
+    f'extern "C" const void* sf_rt_fn_{name}();\n' for name in _FUNCTIONS)
+
+
+def _lib(name: str) -> str:
+    """What a kernel calls for the driver ``name`` of :data:`_FUNCTIONS` (with every argument)."""
+    return f"SF_LIB({name}, {_FUNCTIONS[name]})"
 
 # The micro-kernel tables (GEMM, int8 GEMM, packed and direct convs): with every tile size and form they
 # instantiate, they were most of a library's compile time (25 s of 27 s for a unit with one conv, 2 cores),
@@ -60,7 +84,11 @@ def prebuilt_tables(header: str) -> dict[str, str]:
     ``sfv_f16_round``: ``cpu_library/vmath.h``)."""
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
+    units.update({f"sf_rt_fn_{name}": f'#define SF_PREBUILT_TABLES 1\n{header}\n'
+                  f'extern "C" const void* sf_rt_fn_{name}() {{ return reinterpret_cast<const void*>(&{fn}); }}\n'
+                  for name, fn in _FUNCTIONS.items()})
     units.update(_VMATH_UNITS)
+    units["sf_rt_workspace"] = _WORKSPACE_UNIT
     return units
 
 
@@ -71,6 +99,9 @@ _VMATH_UNITS = {"sfv_exp": _VMATH + "SF_VMATH_DEFINE(sfv_exp, sf_exp, false)\n",
                 "sfv_h2f": _VMATH + "SF_VMATH_DEFINE_H2F\n",
                 "sfv_f2h": _VMATH + "SF_VMATH_DEFINE_F2H\n",
                 "sfv_f16_round": _VMATH + "SF_VMATH_DEFINE_F16_ROUND\n"}
+# the scratch memory of a library's units and drivers (helpers.h's sf_workspace)
+_WORKSPACE_UNIT = (PRELUDE + 'extern "C" void* sf_rt_workspace(int slot, size_t bytes) '
+                   '{ return sf_workspace(slot, bytes); }\n')
 
 
 def _prod(xs) -> int:
@@ -102,10 +133,10 @@ def _gemm_call(op, M, N, K, A: str, rsa, csa, B: str, rsb, csb, alpha: float = 1
                rbs: int = 0, cbs: int = 0) -> str:
     """The call of the float32 (``sf_sgemm``) or float64 (``sf_dgemm``) GEMM writing ``out0`` ([M, N])."""
     if _f64(op):
-        return (f"  sf_dgemm({M}, {N}, {K}, {A}, {rsa}, {csa}, {B}, {rsb}, {csb}, out0, {N}, "
-                f"{literal(alpha, 'float64')}, {bias}, {rbs}, {cbs});")
-    return (f"  sf_sgemm({M}, {N}, {K}, {A}, {rsa}, {csa}, {B}, {rsb}, {csb}, out0, {N}, {_flt(alpha)}, {bias}, "
-            f"{rbs}, {cbs}, true);")
+        return (f"  {_lib('dgemm')}({M}, {N}, {K}, {A}, {rsa}, {csa}, {B}, {rsb}, {csb}, out0, {N}, "
+                f"{literal(alpha, 'float64')}, {bias}, {rbs}, {cbs}, true);")
+    return (f"  {_lib('sgemm')}({M}, {N}, {K}, {A}, {rsa}, {csa}, {B}, {rsb}, {csb}, out0, {N}, {_flt(alpha)}, "
+            f"{bias}, {rbs}, {cbs}, true);")
 
 
 def _matmul(op) -> str | None:
@@ -163,8 +194,9 @@ def _matmul(op) -> str | None:
     else:
         lines.append(f"  static const int64_t bshape[] = {_arr(batch)}, astr[] = {_arr(astr)}, bstr[] = {_arr(bstr)}, "
                      f"cstr[] = {_arr(cstr)};")
-        lines.append(f"  sf_{'d' if f64 else 's'}gemm_batched({nb}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in0, "
-                     f"{rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, {'1.0' if f64 else '1.0f'}, nullptr, 0, 0);")
+        lines.append(f"  {_lib('dgemm_batched' if f64 else 'sgemm_batched')}({nb}, bshape, astr, bstr, cstr, "
+                     f"{M}, {N}, {K}, in0, {rsa}, {csa}, in1, {rsb}, {csb}, out0, {N}, {'1.0' if f64 else '1.0f'}, "
+                     "nullptr, 0, 0);")
     return "\n".join(lines)
 
 
@@ -181,7 +213,8 @@ def _expert_matmul(op) -> str | None:
     bias = "static_cast<const float*>(inputs[3])" if len(op.inputs) > 3 else "nullptr"
     return "\n".join(_args(op)[:2] + [
         f"  // ExpertMatMul: {t_len} x {j_len} slots of [1, {k_len}] @ an expert's [{n_len}, {k_len}]^T (of {e_len})",
-        f"  sf_expert_matmul({t_len * j_len}, {j_len}, {'true' if x.ndim == 3 else 'false'}, {e_len}, {n_len}, "
+        f"  {_lib('expert_matmul_i' + experts.dtype[3:])}({t_len * j_len}, {j_len}, "
+        f"{'true' if x.ndim == 3 else 'false'}, {e_len}, {n_len}, "
         f"{k_len}, in0, in1, static_cast<const {ctype}*>(inputs[2]), {bias}, static_cast<float*>(outputs[0]));"])
 
 
@@ -257,14 +290,14 @@ def _einsum(op) -> str | None:
     lines.append(f"  // Einsum {op.attrs['equation']!r}: batch {[d[0] for d in dims]} of [{M}, {K}] @ [{K}, {N}]"
                  + (" (the output transposed: B^T A^T)" if first is x1 else ""))
     if not dims:
-        lines.append(f"  sf_sgemm({M}, {N}, {K}, in{ia}, {rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, "
+        lines.append(f"  {_lib('sgemm')}({M}, {N}, {K}, in{ia}, {rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, "
                      "nullptr, 0, 0, true);")
     else:
         lines.append(f"  static const int64_t bshape[] = {_arr([d[0] for d in dims])}, "
                      f"astr[] = {_arr([d[1] for d in dims])}, bstr[] = {_arr([d[2] for d in dims])}, "
                      f"cstr[] = {_arr([d[3] for d in dims])};")
-        lines.append(f"  sf_sgemm_batched({len(dims)}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in{ia}, {rsa}, {csa}, "
-                     f"in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, nullptr, 0, 0);")
+        lines.append(f"  {_lib('sgemm_batched')}({len(dims)}, bshape, astr, bstr, cstr, {M}, {N}, {K}, in{ia}, "
+                     f"{rsa}, {csa}, in{ib}, {rsb}, {csb}, out0, {ldc}, 1.0f, nullptr, 0, 0);")
     return "\n".join(lines)
 
 
@@ -335,8 +368,8 @@ def _packed_matmul(op) -> str | None:
     bias, rbs, cbs = packed_bias
     lines.append(f"  // PackedMatMul: {_flt(alpha)} * [{M}, {K}] @ [{K}, {N}] (packed{', float16' if half else ''})"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else ""))
-    lines.append(f"  sf_sgemm_prepacked({M}, {N}, {K}, in0, {K}, 1, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, "
-                 f"{cbs}, true);")
+    lines.append(f"  {_lib('sgemm_prepacked_f16' if half else 'sgemm_prepacked')}({M}, {N}, {K}, in0, {K}, 1, in1, "
+                 f"out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, true);")
     return "\n".join(lines)
 
 
@@ -364,8 +397,8 @@ def _packed_matmul_bf16(op) -> str | None:
     lines.append(f"  // PackedMatMulBf16: {_flt(alpha)} * [{M}, {K}] (bfloat16) @ [{K}, {N}] (bfloat16, packed)"
                  + (f" + {_flt(beta)} * C{list(op.inputs[2].shape)}" if bias != "nullptr" else "") + " in float32"
                  + (", stored bfloat16" if ct == "sf_bf16" else ""))
-    lines.append(f"  sf_bgemm_prepacked({M}, {N}, {K}, in0, {K}, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, "
-                 "true);")
+    lines.append(f"  {_lib('bgemm_prepacked_bf16' if ct == 'sf_bf16' else 'bgemm_prepacked')}({M}, {N}, {K}, in0, "
+                 f"{K}, in1, out0, {N}, {_flt(alpha)}, {bias}, {rbs}, {cbs}, true);")
     return "\n".join(lines)
 
 
@@ -388,7 +421,7 @@ def _packed_matmul_integer(op) -> str | None:
              "  int32_t* out0 = static_cast<int32_t*>(outputs[0]);",
              f"  // PackedMatMulInteger: {count} x [{M}, {K}] ({a.dtype}) @ [{K}, {N}] (int8, packed) in int32",
              f"  for (int64_t b = 0; b < {count}; ++b)",
-             f"    sf_igemm_prepacked({M}, {N}, {K}, in0 + b * {M * K}, {str(a.dtype == 'int8').lower()}, zp, "
+             f"    {_lib('igemm_prepacked')}({M}, {N}, {K}, in0 + b * {M * K}, {str(a.dtype == 'int8').lower()}, zp, "
              f"{str(per_row).lower()}, in1, in2, out0 + b * {M * N}, {N}, true);"]
     return "\n".join(lines)
 
@@ -408,7 +441,8 @@ def _packed_conv_integer(op) -> str | None:
         f"  // PackedConvInteger: {x.shape[0]} images ({x.dtype}), {group} group(s) of [{oc // group}, "
         f"{x.shape[1] // group * _prod(kern)}] (int8 rows, packed) @ im2col [.., {_prod(out.shape[2:])}] in int32",
         f"  static const SfConvGeom g = {{{', '.join(str(int(v)) for v in geo)}}};",
-        f"  sf_iconv2d(inputs[0], {str(x.dtype == 'int8').lower()}, {'inputs[3]' if xzp is not None else 'nullptr'}, "
+        f"  {_lib('iconv2d')}(inputs[0], {str(x.dtype == 'int8').lower()}, "
+        f"{'inputs[3]' if xzp is not None else 'nullptr'}, "
         "static_cast<const uint8_t*>(inputs[1]), static_cast<const int32_t*>(inputs[2]), "
         f"static_cast<int32_t*>(outputs[0]), {x.shape[0]}, {oc}, {group}, g, {rows});"])
 
@@ -432,10 +466,10 @@ def _packed_conv_bf16(op) -> str | None:
         f"(bfloat16 rows) @ im2col [.., {_prod(out.shape[2:])}] in float32" + (", then clamped" if clamp else "")
         + (", stored bfloat16" if out.dtype == "bfloat16" else ""),
         f"  static const SfConvGeom g = {{{', '.join(str(int(v)) for v in _packed_conv_geometry(op))}}};",
-        "  sf_bconv2d(static_cast<const sf_bf16*>(inputs[0]), static_cast<const sf_bf16*>(inputs[1]), "
+        f"  {_lib('bconv2d')}(static_cast<const sf_bf16*>(inputs[0]), static_cast<const sf_bf16*>(inputs[1]), "
         f"{'static_cast<const float*>(inputs[2])' if bias is not None else 'nullptr'}, "
-        f"outputs[0], {x.shape[0]}, {oc}, {group}, g, {str(out.dtype == 'bfloat16').lower()}"
-        + (f", true, {bounds});" if clamp else ");")])
+        f"outputs[0], {x.shape[0]}, {oc}, {group}, g, {str(out.dtype == 'bfloat16').lower()}, "
+        + (f"true, {bounds});" if clamp else "false, 0.0f, 0.0f);")])
 
 
 def _packed_conv_geometry(op) -> tuple:
@@ -467,7 +501,7 @@ def _matmul_nbits(op) -> str | None:
         f"  // MatMulNBits: [{M}, {K}] @ [{K}, {N}] ({bits}-bit codes, blocks of {bs})",
         f"  const SfNbits w{{static_cast<const uint8_t*>(inputs[1]), static_cast<const float*>(inputs[2]), {zp}, "
         f"{K}, {N}, {bs}, {blocks}, {bits}}};",
-        f"  sf_matmul_nbits({M}, w, static_cast<const float*>(inputs[0]), static_cast<float*>(outputs[0]));"])
+        f"  {_lib('matmul_nbits')}({M}, w, static_cast<const float*>(inputs[0]), static_cast<float*>(outputs[0]));"])
 
 
 def _flt(v: float) -> str:
@@ -491,7 +525,7 @@ def _conv3d(op, fused=None) -> str | None:
         return None
     geom = (icg, *x[2:], *w[2:], *strides, *dil, *pads[:3], *out[2:])
     index, xin, win, bias = _conv_io(op, fused)
-    finish = ""
+    finish = ", nullptr, SfClamp{}"  # (the residual and the clamp)
     if fused is not None:
         simple = _kernel_finish(fused, index)
         if simple is None:
@@ -505,7 +539,7 @@ def _conv3d(op, fused=None) -> str | None:
     if fused is not None:
         lines.append("  // finished as stored: bias -> " + " -> ".join(
             f"{m.op_type}({m.attrs.get('fn') or m.attrs.get('kind') or m.attrs.get('to')})" for m in fused.members[1:]))
-    lines.append(f"  sf_conv3d({xin}, {win}, {bias or 'nullptr'}, out0, geom, {x[0]}, {g}, {oc // g}{finish});")
+    lines.append(f"  {_lib('conv3d')}({xin}, {win}, {bias or 'nullptr'}, out0, geom, {x[0]}, {g}, {oc // g}{finish});")
     return "\n".join(lines)
 
 
@@ -573,7 +607,7 @@ def _conv(op, fused=None) -> str | None:
     P = OH * OW
     KK = icg * KH * KW
     direct = KH == 1 and KW == 1 and SH == 1 and SW == 1 and PT == 0 and PL == 0 and OH == H and OW == W
-    epi, finish = None, ""
+    epi, finish, res, clamp = None, False, "nullptr", "SfClamp{}"
     index, xin, win, bias = _conv_io(op, fused)
     bias = bias or "nullptr"
     if fused is None:
@@ -583,8 +617,7 @@ def _conv(op, fused=None) -> str | None:
         if simple is not None and depthwise and simple[0] != "nullptr":
             simple = None  # the depthwise kernels clamp (and round) only; a residual add goes to the epilogue
         if simple is not None:  # the kernels (PackedConv's transposition, Winograd's output transform) finish
-            res, clamp = simple
-            finish = f", nullptr, nullptr, {clamp}" if depthwise else f", nullptr, nullptr, {res}, {clamp}"
+            (res, clamp), finish = simple, True
         else:
             epi = _conv_epilogue(fused, oc, OH, OW, None if bias == "nullptr" else
                                  f"{bias}[c_ * 16 + l_]" if blocked[1] else f"{bias}[c_]")
@@ -614,23 +647,22 @@ def _conv(op, fused=None) -> str | None:
     direct_arg = "true" if direct else "false"
     blk = " | ".join(f for f, b in zip(("SF_BLK_IN", "SF_BLK_OUT"), blocked) if b) or "0"
     if depthwise:
-        fn, args = "sf_conv_depthwise", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {blk}"
+        fn, args = "conv_depthwise", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {blk}"
     elif wino:
-        fn, args = f"sf_conv2d_winograd<{wino}>", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {blk}"
+        fn, args = f"conv2d_winograd{wino}", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {blk}"
     elif packed:
-        fn, args = "sf_conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}, {blk}"
+        fn, args = "conv2d_packed", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {oc}, {direct_arg}, {blk}"
     else:
-        fn, args = "sf_conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}"
+        fn, args = "conv2d", f"{xin}, {win}, {bias}, out0, geom, {Nb}, {g}, {ocg}, {direct_arg}"
     if finish:
         members = list(fused.members)[1:]
         lines.append("  // the tiles are finished as they are stored: bias -> "
                      + " -> ".join(f"{m.op_type}({m.attrs.get('fn') or m.attrs.get('kind')})" for m in members))
-        lines.append(f"  {fn}({args}{finish});")
-    elif epi is None:
-        lines.append(f"  {fn}({args});")
-    else:
+    elif epi is not None:
         lines += epi
-        lines.append(f"  {fn}({args}, epi_, &ctx_);")
+    # (then the epilogue, its context, the residual (none for the depthwise kernels) and the clamp)
+    tail = ("epi_, &ctx_" if epi is not None else "nullptr, nullptr") + ("" if depthwise else f", {res}")
+    lines.append(f"  {_lib(fn)}({args}, {tail}, {clamp});")
     return "\n".join(lines)
 
 
@@ -659,7 +691,8 @@ def _conv_transpose(op, fused=None) -> str | None:
         bias = "in2" if len(op.inputs) > 2 else "nullptr"
         return "\n".join(_args(op) + [what, f"  static const SfConv3Geom geom = "
                                             f"{_arr((icg, *x[2:], *kern, *strides, *dil, *pads[:3], *out))};",
-                                     f"  sf_conv_transpose3d(in0, in1, {bias}, out0, geom, {x[0]}, {g}, {ocg});"])
+                                     f"  {_lib('conv_transpose3d')}(in0, in1, {bias}, out0, geom, {x[0]}, {g}, "
+                                     f"{ocg});"])
     if n_sp == 1:
         geom = (icg, 1, x[2], 1, kern[0], 1, strides[0], 1, dil[0], 0, pads[0], 1, out[0])
     else:
@@ -677,8 +710,8 @@ def _conv_transpose(op, fused=None) -> str | None:
         bias = "nullptr"
     lines.append(what)
     lines.append(f"  static const SfConvGeom geom = {_arr(geom)};")
-    extra = "" if epi is None else ", epi_, &ctx_"
-    lines.append(f"  sf_conv_transpose2d({xin}, {win}, {bias}, out0, geom, {x[0]}, {g}, {ocg}{extra});")
+    extra = ", nullptr, nullptr" if epi is None else ", epi_, &ctx_"
+    lines.append(f"  {_lib('conv_transpose2d')}({xin}, {win}, {bias}, out0, geom, {x[0]}, {g}, {ocg}{extra});")
     return "\n".join(lines)
 
 
@@ -752,7 +785,7 @@ def _attention(op) -> str | None:
                  f"{'true' if bias2 is not None else 'false'}, "
                  f"{_arr(bias_strides(bias2) if bias2 is not None else (0, 0, 0))}, "
                  f"{phalf}}};")
-    lines.append(f"  sf_attention(in0, in1, in2, {mask_arg}, {np_arg}, {sink_arg}, {bias2_arg}, out0, cfg);")
+    lines.append(f"  {_lib('attention')}(in0, in1, in2, {mask_arg}, {np_arg}, {sink_arg}, {bias2_arg}, out0, cfg);")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ name and renamed, so a reader never sees half a file.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -198,9 +199,13 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     prebuilt
         ``{symbol: translation unit}``: code that many libraries share, each unit compiled once into
         an object of its own (cached beside the libraries, keyed like them) and linked into the
-        libraries whose units refer to its symbol; the units are compiled with
-        ``-DSF_PREBUILT_TABLES``. The cpu kernel library puts there what every library would
-        otherwise instantiate again: its micro-kernel tables (``templates_cpu.prebuilt_tables``).
+        libraries whose units, or whose other prebuilt objects, refer to its symbol; the units are
+        compiled with ``-DSF_PREBUILT_TABLES``. The cpu kernel library puts there what every library
+        would otherwise compile again: its micro-kernel tables, the drivers its kernels call (GEMMs,
+        convs, attention) and its scratch memory (``templates_cpu.prebuilt_tables``).
+
+    A build holds a lock on its entry (``<cache>/locks/<key>``; the header's and the prebuilt objects'
+    too) while it compiles: another process building the same entry waits and takes it from the cache.
     header
         A prefix of ``source`` and of every unit (the cpu library's helpers and templates: most of
         the text, and of a small library's compile time, is parsing it). It is compiled once per
@@ -234,49 +239,88 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     cache_dir = cache_dir or default_cache_dir()
     os.makedirs(cache_dir, exist_ok=True)
     cached = os.path.join(cache_dir, f"{key}.so")
-    if os.path.exists(cached):
-        try:
-            _atomic_copy(cached, path)
-        except FileNotFoundError:  # (taken out of the cache meanwhile: `shardflow cache prune`)
-            log.info("kernel cache entry %s went away while read; compiling it again", cached)
-        else:
-            log.info("kernel cache hit %s", cached)
-            touch(cached)
+    if _from_cache(cached, path):
+        return True
+    with _building(cache_dir, key):
+        if _from_cache(cached, path):  # (built by another process while this one waited)
             return True
-    units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
-    jobs = jobs or default_jobs()
-    unit_flags = [f for f in flags if f != "-shared"]
-    with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
-        out = os.path.join(tmp, "lib.so")
-        t0 = time.perf_counter()
-        include = None
-        if header and all(text.startswith(header) for text, _ in units):
-            include = _precompiled_header(header, cxx.split() + unit_flags, version, cache_dir, tmp)
-        first_line = "#line %d\n" % (header.count("\n") + 1) if include else ""
-        names, cmds = [], []
-        for i, (text, _) in enumerate(units):
-            src = os.path.join(tmp, f"kernels_{key[:12]}_{i}.cpp")
-            with open(src, "w") as f:
-                f.write(first_line + text[len(header):] if include else text)
-            names.append(os.path.basename(src))
-            cmds.append(cxx.split() + unit_flags + (["-include", include] if include else [])
-                        + ["-c", src, "-o", src[:-4] + ".o"])
-        log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(units), " ".join(cmds[0]))
-        results = _run_compilers(cmds, jobs)
-        failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, units) if r.returncode != 0]
-        if failures:
-            raise _compile_error(failures)
-        objects = [c[-1] for c in cmds]
-        objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs)
-        # (a symbol no object defines fails here, not when a rank loads the library: GNU ld's -z defs)
-        no_undefined = ["-Wl,--no-undefined"] if sys.platform.startswith("linux") else []
-        link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + no_undefined + objects + ["-o", out]], 1)[0]
-        if link.returncode != 0:
-            raise _compile_error([(link.stderr or link.stdout, "", {})])
-        log.info("compiled in %.1f s", time.perf_counter() - t0)
-        _atomic_copy(out, cached)
-        _atomic_copy(out, path)
+        units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
+        jobs = jobs or default_jobs()
+        unit_flags = [f for f in flags if f != "-shared"]
+        with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
+            out = os.path.join(tmp, "lib.so")
+            t0 = time.perf_counter()
+            include = None
+            if header and all(text.startswith(header) for text, _ in units):
+                include = _precompiled_header(header, cxx.split() + unit_flags, version, cache_dir, tmp)
+            first_line = "#line %d\n" % (header.count("\n") + 1) if include else ""
+            names, cmds = [], []
+            for i, (text, _) in enumerate(units):
+                src = os.path.join(tmp, f"kernels_{key[:12]}_{i}.cpp")
+                with open(src, "w") as f:
+                    f.write(first_line + text[len(header):] if include else text)
+                names.append(os.path.basename(src))
+                cmds.append(cxx.split() + unit_flags + (["-include", include] if include else [])
+                            + ["-c", src, "-o", src[:-4] + ".o"])
+            log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(units),
+                     " ".join(cmds[0]))
+            results = _run_compilers(cmds, jobs)
+            failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, units)
+                        if r.returncode != 0]
+            if failures:
+                raise _compile_error(failures)
+            objects = [c[-1] for c in cmds]
+            objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs)
+            # (a symbol no object defines fails here, not when a rank loads the library: GNU ld's -z defs)
+            no_undefined = ["-Wl,--no-undefined"] if sys.platform.startswith("linux") else []
+            link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + no_undefined + objects + ["-o", out]],
+                                  1)[0]
+            if link.returncode != 0:
+                raise _compile_error([(link.stderr or link.stdout, "", {})])
+            log.info("compiled in %.1f s", time.perf_counter() - t0)
+            _atomic_copy(out, cached)
+            _atomic_copy(out, path)
     return False
+
+
+def _from_cache(cached: str, path: str) -> bool:
+    """Copy the library ``cached`` (in the cache) to ``path`` if it is there; whether it was."""
+    if not os.path.exists(cached):
+        return False
+    try:
+        _atomic_copy(cached, path)
+    except FileNotFoundError:  # (taken out of the cache meanwhile: `shardflow cache prune`)
+        log.info("kernel cache entry %s went away while read; compiling it again", cached)
+        return False
+    log.info("kernel cache hit %s", cached)
+    touch(cached)
+    return True
+
+
+@contextlib.contextmanager
+def _building(cache_dir: str, *keys: str):
+    """Hold the build locks of the cache entries ``keys`` (``<cache>/locks/<key>``, taken in sorted order):
+    processes building the same entry (ranks compiled side by side, test workers) wait for the first and
+    then take its result from the cache instead of compiling it again. A process that dies releases its
+    locks. Where there are none (no ``fcntl``, a read-only cache) it builds without."""
+    files = []
+    try:
+        import fcntl
+
+        os.makedirs(os.path.join(cache_dir, "locks"), exist_ok=True)
+        for k in sorted(set(keys)):
+            files.append(open(os.path.join(cache_dir, "locks", k), "a"))
+            fcntl.flock(files[-1], fcntl.LOCK_EX)
+    except (ImportError, OSError) as e:
+        log.debug("building without the cache's locks: %s", e)
+        for f in files:
+            f.close()
+        files = []
+    try:
+        yield
+    finally:
+        for f in files:  # (closing releases the lock)
+            f.close()
 
 
 def _precompiled_header(header: str, command: list[str], version: str, cache_dir: str, tmp: str) -> str | None:
@@ -285,21 +329,29 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
     yet). None when the compiler fails to build it (the units then compile the header's text)."""
     hkey = hashlib.sha256("\0".join([header, " ".join(command), version]).encode()).hexdigest()
     path = os.path.join(cache_dir, f"{hkey}.h")
-    if os.path.exists(path + ".gch") and os.path.exists(path):
-        touch(path)
-        touch(path + ".gch")
+
+    def cached() -> bool:
+        if os.path.exists(path + ".gch") and os.path.exists(path):
+            touch(path)
+            touch(path + ".gch")
+            return True
+        return False
+    if cached():
         return path
-    src = os.path.join(tmp, "header.h")
-    with open(src, "w") as f:
-        f.write(header)
-    t0 = time.perf_counter()
-    res = _run_compilers([command + ["-x", "c++-header", src, "-o", src + ".gch"]], 1)[0]
-    if res.returncode != 0:
-        log.warning("could not precompile the kernel library's header (compiling it in every unit): %s",
-                    "\n".join((res.stderr or res.stdout).strip().splitlines()[:10]))
-        return None
-    _atomic_copy(src, path)
-    _atomic_copy(src + ".gch", path + ".gch")
+    with _building(cache_dir, hkey):
+        if cached():
+            return path
+        src = os.path.join(tmp, "header.h")
+        with open(src, "w") as f:
+            f.write(header)
+        t0 = time.perf_counter()
+        res = _run_compilers([command + ["-x", "c++-header", src, "-o", src + ".gch"]], 1)[0]
+        if res.returncode != 0:
+            log.warning("could not precompile the kernel library's header (compiling it in every unit): %s",
+                        "\n".join((res.stderr or res.stdout).strip().splitlines()[:10]))
+            return None
+        _atomic_copy(src, path)
+        _atomic_copy(src + ".gch", path + ".gch")
     log.info("precompiled the kernel library's header in %.1f s (cached for the next libraries)",
              time.perf_counter() - t0)
     return path
@@ -308,31 +360,59 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
 def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], objects: Sequence[str],
                       command: list[str], cache_dir: str, tmp: str, jobs: int) -> list[str]:
     """The objects of the ``prebuilt`` units (``{symbol: text}``) whose symbol the compiled
-    ``objects`` refer to: from the cache, or compiled (in parallel) and cached."""
-    data = b"".join(open(o, "rb").read() for o in objects)
-    wanted = [sym for sym in prebuilt if sym.encode() + b"\0" in data]  # (the symbol table's name strings)
-    found, todo = [], []  # todo: (symbol, compile command)
-    for sym in wanted:
-        cached = os.path.join(cache_dir, f"{pkeys[sym]}.o")
-        if os.path.exists(cached):
-            touch(cached)
-            found.append(cached)
-            continue
-        src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
-        with open(src, "w") as f:
-            f.write(prebuilt[sym])
-        todo.append((sym, command + [src, "-o", src[:-4] + ".o"]))
-    if todo:
-        t0 = time.perf_counter()
-        results = _run_compilers([cmd for _, cmd in todo], jobs)
-        failures = [(r.stderr or r.stdout, f"the prebuilt {sym}", {}) for r, (sym, _) in zip(results, todo)
-                    if r.returncode != 0]
-        if failures:
-            raise _compile_error(failures)
-        for sym, cmd in todo:
-            _atomic_copy(cmd[-1], os.path.join(cache_dir, f"{pkeys[sym]}.o"))
-            found.append(cmd[-1])
-        log.info("compiled the shared object(s) of %s in %.1f s (cached for the next libraries)",
-                 ", ".join(sym for sym, _ in todo), time.perf_counter() - t0)
+    ``objects`` refer to, or the objects so taken refer to (a driver's unit takes the micro-kernel
+    tables from theirs): from the cache, or compiled (in parallel) and cached."""
+    found: dict[str, str] = {}
+    scan = list(objects)
+    while scan:
+        data = b"".join(open(o, "rb").read() for o in scan)
+        wanted = [sym for sym in prebuilt if sym not in found and sym.encode() + b"\0" in data]  # (name strings)
+        new = _cached_or_compiled(wanted, prebuilt, pkeys, command, cache_dir, tmp, jobs)
+        found.update(new)
+        scan = list(new.values())
+    return list(found.values())
+
+
+def _cached_or_compiled(wanted: Sequence[str], prebuilt: Mapping[str, str], pkeys: Mapping[str, str],
+                        command: list[str], cache_dir: str, tmp: str, jobs: int) -> dict[str, str]:
+    """``{symbol: object}`` of the prebuilt units ``wanted``: from the cache, or compiled and cached."""
+    found = {}
+
+    def take_cached(syms) -> list[str]:  # (those not in the cache)
+        for sym in syms:
+            cached = os.path.join(cache_dir, f"{pkeys[sym]}.o")
+            if os.path.exists(cached):
+                touch(cached)
+                found[sym] = cached
+        return [sym for sym in syms if sym not in found]
+    missing = take_cached(wanted)
+    if not missing:
+        return found
+    with _building(cache_dir, *(pkeys[sym] for sym in missing)):
+        todo = []  # (symbol, compile command)
+        for sym in take_cached(missing):
+            src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
+            with open(src, "w") as f:
+                f.write(prebuilt[sym])
+            todo.append((sym, command + [src, "-o", src[:-4] + ".o"]))
+        _compile_prebuilt(todo, pkeys, cache_dir, jobs, found)
     return found
+
+
+def _compile_prebuilt(todo: list, pkeys: Mapping[str, str], cache_dir: str, jobs: int, found: dict) -> None:
+    """Compile the prebuilt units of ``todo`` (``[(symbol, command)]``), cache their objects and put them in
+    ``found`` (``{symbol: object}``)."""
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    results = _run_compilers([cmd for _, cmd in todo], jobs)
+    failures = [(r.stderr or r.stdout, f"the prebuilt {sym}", {}) for r, (sym, _) in zip(results, todo)
+                if r.returncode != 0]
+    if failures:
+        raise _compile_error(failures)
+    for sym, cmd in todo:
+        _atomic_copy(cmd[-1], os.path.join(cache_dir, f"{pkeys[sym]}.o"))
+        found[sym] = cmd[-1]
+    log.info("compiled the shared object(s) of %s in %.1f s (cached for the next libraries)",
+             ", ".join(sym for sym, _ in todo), time.perf_counter() - t0)
 

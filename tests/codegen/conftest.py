@@ -3,8 +3,12 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def kernel_cache(tmp_path_factory) -> str:
-    """One kernel cache directory for the tests that build cpu libraries without testing the cache
-    itself: its precompiled library header and micro-kernel tables (about 4 s to make) are built
-    once per test process instead of once per test."""
-    return str(tmp_path_factory.mktemp("kernel-cache"))
+def kernel_cache() -> str:
+    """The kernel cache of the tests that build cpu libraries without testing the cache itself: the
+    default one (``$SHARDFLOW_CACHE_DIR`` or ``~/.cache/shardflow/kernels``), as ``compile`` uses, so
+    that its precompiled library header and prebuilt objects (the micro-kernel tables, the drivers:
+    a conv's tables take about a minute at ``-O1``) are built once for the test processes and the
+    runs, not once per process (the build locks make the second process wait for the first)."""
+    from shardflow.compiler.codegen.toolchain import default_cache_dir
+
+    return default_cache_dir()

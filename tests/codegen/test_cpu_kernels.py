@@ -1001,7 +1001,7 @@ def test_integer_gemm_on_each_instruction_set(library, tmp_path, isa):
 
     assert sum(op.inputs[0].ndim >= 2 and op.inputs[0].shape[-2] >= 16 for _, op, _ in LARGE
                if op.op_type == "PackedMatMulInteger") >= 3  # (each GEMM has 16 rows or more)
-    assert all("sf_iconv2d(" in template_body(op) for _, op, _ in LARGE if op.op_type == "PackedConvInteger")
+    assert all("sf_iconv2d)(" in template_body(op) for _, op, _ in LARGE if op.op_type == "PackedConvInteger")
     first, last = _run_forced_isa(library["dir"] / "kernels.so", cases, isa, tmp_path)
     assert last == f"ok {len(cases)}" and len(cases) >= 12
     flags = _cpu_flags()
@@ -1034,7 +1034,7 @@ def test_3d_convs_use_their_template():
     convs = [op for _, op, _ in LARGE
              if op.op_type == "Conv" and op.inputs[0].ndim == 5 and not op.attrs.get("blocked_in")]
     assert len(convs) == 7 and all(template_kind(op) == "Conv" for op in convs)
-    assert all("sf_conv3d(" in template_body(op) and accepts_epilogue(op) for op in convs)
+    assert all("sf_conv3d)(" in template_body(op) and accepts_epilogue(op) for op in convs)
     huge = Conv([_t((1, 2, 1024, 1024, 1023)), _t((4, 2, 3, 3, 3))], pads=(1,) * 6)  # 2 x 1026 x 1026 x 1025 floats
     assert template_body(huge) is None
 
@@ -1076,7 +1076,7 @@ def test_blocked_depthwise_convs_use_their_template():
 
     ops = [op for _, op, _ in LARGE if op.op_type == "Conv" and (op.attrs.get("blocked_in") or
                                                                 op.attrs.get("blocked_out"))]
-    flags = [template_body(op).split("sf_conv_depthwise(")[1].split(")")[0].split(", ")[-1] for op in ops]
+    flags = [template_body(op).split("sf_conv_depthwise)(")[1].split(", ")[8] for op in ops]
     assert flags == ["SF_BLK_IN | SF_BLK_OUT"] * 3 + ["SF_BLK_IN", "SF_BLK_OUT"]
     assert template_body(Conv([_t((1, 2, 6, 6, 16)), _t((16, 2, 3, 3))], group=16, pads=(1, 1, 1, 1),
                               blocked_in=True)) is None
@@ -1091,7 +1091,7 @@ def test_convs_of_few_one_channel_groups_take_the_gemm():
 
     def fn(x, w, g):
         body = template_body(Conv([_t(x), _t(w)], group=g, strides=(2,)))
-        return "sf_conv_depthwise" if "sf_conv_depthwise(" in body else "sf_conv2d" if "sf_conv2d(" in body else body
+        return "sf_conv_depthwise" if "sf_conv_depthwise)(" in body else "sf_conv2d" if "sf_conv2d)(" in body else body
 
     assert fn((1, 1, 300), (48, 1, 10), 1) == "sf_conv2d"
     assert fn((1, 4, 300), (32, 1, 5), 4) == "sf_conv2d"
@@ -1707,7 +1707,9 @@ def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_th
     """The GEMM's table of micro-kernels (which every library's ``shardflow_cpu_isa`` reads) is one
     object, compiled with the first library, cached, and linked into the next ones; the conv tables
     are not built for libraries without a conv; the exponential's vector forms (``vmath.h``) are one
-    object too, built for the library whose kernel calls ``sfv_exp``."""
+    object too, built for the library whose kernel calls ``sfv_exp``; so is the GEMM's driver a kernel
+    calls (``SF_LIB``), with the scratch memory it shares with the kernels: the next library with a
+    product compiles its kernel only."""
     cache = str(tmp_path / "c")
     commands = []
     real = toolchain._run_compilers
@@ -1720,13 +1722,17 @@ def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_th
     assert [os.path.basename(p) for p in prebuilt()] == ["prebuilt_sf_rt_ukr.cpp", "prebuilt_sfv_exp.cpp"]
     assert len([f for f in os.listdir(cache) if f.endswith(".o")]) == 2
     commands.clear()
-    op = MatMul([_t((64, 64)), _t((64, 48))], name="mm")
-    syms = build_cpu_library([op], str(tmp_path / "mm.so"), cache_dir=cache, opt_level=1)
-    assert commands and prebuilt() == [] and len([f for f in os.listdir(cache) if f.endswith(".o")]) == 2
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
-    got = run_kernel(ctypes.CDLL(str(tmp_path / "mm.so")), syms["mm"], op, [a, b])[0]
-    np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+    for i, (m, n) in enumerate([(64, 48), (32, 80)]):
+        op = MatMul([_t((m, 64)), _t((64, n))], name="mm")
+        syms = build_cpu_library([op], str(tmp_path / f"mm{i}.so"), cache_dir=cache, opt_level=1)
+        assert commands and sorted(os.path.basename(p) for p in prebuilt()) == (
+            ["prebuilt_sf_rt_fn_sgemm.cpp", "prebuilt_sf_rt_workspace.cpp"] if i == 0 else [])
+        assert len([f for f in os.listdir(cache) if f.endswith(".o")]) == 4
+        commands.clear()
+        a, b = rng.standard_normal((m, 64)).astype(np.float32), rng.standard_normal((64, n)).astype(np.float32)
+        got = run_kernel(ctypes.CDLL(str(tmp_path / f"mm{i}.so")), syms["mm"], op, [a, b])[0]
+        np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_the_library_header_is_precompiled_once_per_cache(tmp_path, monkeypatch):
@@ -2086,18 +2092,18 @@ def test_conv_epilogue_fusion(tmp_path, kernel_cache):
         arrays[id(g.inputs[0])].flat[7] = np.nan  # the clamp keeps a NaN
     ops = finish + cases + packed + winograd + transposed + finish_dw + depthwise + resized + epi_blocked + [other]
     src = generate_cpu_source(ops)
-    assert src.text.count("sf_conv2d(in") == len(finish + cases) - len(finish_packed + finish_wino + finish_blocked)
-    assert src.text.count("sf_conv2d_packed(in") == len(packed + finish_packed + finish_blocked) + 1
+    assert src.text.count("sf_conv2d)(in") == len(finish + cases) - len(finish_packed + finish_wino + finish_blocked)
+    assert src.text.count("sf_conv2d_packed)(in") == len(packed + finish_packed + finish_blocked) + 1
     assert src.text.count("SF_BLK_IN | SF_BLK_OUT, nullptr, nullptr, in3, SfClamp{true, 0.0f, ") == 2
-    assert src.text.count("sf_conv2d_winograd<4>(in") == 3 and src.text.count("sf_conv2d_winograd<2>(in") == 2
-    assert src.text.count("sf_conv_transpose2d(in") == len(transposed)
-    assert src.text.count("sf_conv_depthwise(in") == len(finish_dw + depthwise)
+    assert src.text.count("sf_conv2d_winograd<4>)(in") == 3 and src.text.count("sf_conv2d_winograd<2>)(in") == 2
+    assert src.text.count("sf_conv_transpose2d)(in") == len(transposed)
+    assert src.text.count("sf_conv_depthwise)(in") == len(finish_dw + depthwise)
     inf = "std::numeric_limits<float>::infinity()"
-    assert src.text.count(f"sf_conv_depthwise(in0, in1, in2, out0, geom, 2, 8, 1, 0, nullptr, nullptr, "
+    assert src.text.count(f"sf_conv_depthwise)(in0, in1, in2, out0, geom, 2, 8, 1, 0, nullptr, nullptr, "
                           f"SfClamp{{true, 0.0f, {inf}}});") == 1
     assert src.text.count("SfClamp{true, 0.0f, 6.0f}") == 4 and src.text.count("SfClamp{true, 0.5f, -0.5f}") == 1
     assert src.text.count(f"SfClamp{{true, (-{inf}), 0.5f}}") == 1
-    assert src.text.count(", epi_, &ctx_);") == len(cases + packed + winograd + transposed + depthwise + epi_blocked)
+    assert src.text.count(", epi_, &ctx_") == len(cases + packed + winograd + transposed + depthwise + epi_blocked)
     assert src.text.count("the tiles are finished as they are stored") == len(finish + finish_dw)
     assert src.text.count("epi_(&ctx_, pl") == len(resized)
     # the epilogues are functions of the file, compiled for each instruction set where the kernel is large
@@ -2149,7 +2155,7 @@ def test_3d_conv_kernels_finish_a_residual_and_a_clamp(tmp_path, kernel_cache):
     arrays[id(finish[1].inputs[0])].flat[7] = np.nan
     src = generate_cpu_source(finish)
     inf = "std::numeric_limits<float>::infinity()"
-    assert src.text.count("sf_conv3d(in") == 3 and f", in3, SfClamp{{true, 0.0f, {inf}}});" in src.text
+    assert src.text.count("sf_conv3d)(in") == 3 and f", in3, SfClamp{{true, 0.0f, {inf}}});" in src.text
     assert ", nullptr, SfClamp{true, 0.0f, 6.0f});" in src.text
     assert "nullptr, out0, geom, 1, 1, 20, in2, SfClamp{});" in src.text
     syms = build_cpu_library(finish, str(tmp_path / "c3.so"), cache_dir=kernel_cache, opt_level=1)
@@ -2170,7 +2176,7 @@ def test_3d_conv_kernels_finish_a_residual_and_a_clamp(tmp_path, kernel_cache):
     symbols, src = prepare_cpu_library([conv, act, sig], fuse=True)
     assert symbols["c"] is None and symbols["r"]["outputs"] == ["r:0"]  # (c runs in r's kernel)
     assert symbols["s"].startswith("sf_activation_")
-    assert src.text.count("sf_conv3d(in") == 1
+    assert src.text.count("sf_conv3d)(in") == 1
     assert f"SfClamp{{true, 0.0f, {inf}}});" in src.text
 
 
@@ -2312,7 +2318,7 @@ def test_a_half_models_conv_rounds_as_it_stores(tmp_path, kernel_cache, half):
     assert src.text.count("the tiles are finished as they are stored") == len(cases)
     code = 1 if half == "float16" else 2
     assert len(re.findall(rf"SfClamp\{{[^}}]*, {code}\}}", src.text)) == len(cases)  # (SfClamp's half)
-    assert src.text.count(", epi_, &ctx_);") == 2
+    assert src.text.count(", epi_, &ctx_") == 2
     syms = build_cpu_library(ops, str(tmp_path / "half.so"), cache_dir=kernel_cache, opt_level=1)
     lib = ctypes.CDLL(str(tmp_path / "half.so"))
     rows = []

@@ -40,6 +40,7 @@ def _cache(tmp_path):
     stale = _file(d / ".tmp-old.so", 7, 7200)
     young = _file(d / ".tmp-new.so", 9, 5)
     mine = _file(d / "notes.txt", 3, 9999)
+    _file(d / "locks" / _key(3), 0, 10)  # (a build's lock file: no entry, not the user's)
     return str(d), dict(libs=libs, header=header, obj=obj, cubin=cubin, tune=tune, stale=stale, young=young, mine=mine)
 
 
@@ -120,3 +121,40 @@ def test_a_hit_marks_the_entry_used_and_a_vanished_entry_is_compiled_again(tmp_p
     monkeypatch.setattr(toolchain, "_atomic_copy", pruned_meanwhile)
     build_cpu_library([op], str(tmp_path / "c.so"), cache_dir=d, opt_level=1)
     assert os.path.exists(tmp_path / "c.so") and str(tmp_path / "c.so") in built
+
+
+def test_side_by_side_builds_of_one_library_compile_it_once(tmp_path, monkeypatch):
+    """Two builds of the same library at once (ranks compiled side by side, test workers): the second
+    waits on the first's build lock (``locks/<key>``, held while it compiles) and takes the library
+    from the cache; its unit and the scratch memory's prebuilt object are compiled once."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    d = str(tmp_path / "cache")
+    outputs = []
+    real = toolchain._run_compilers
+
+    def run(cmds, jobs):
+        outputs.extend(os.path.basename(c[-1]) for c in cmds if "-c" in c)
+        return real(cmds, jobs)
+    monkeypatch.setattr(toolchain, "_run_compilers", run)
+    ops = [Unary([Tensor("x", (4, 8), "float32")], fn="exp", name="e")]
+    start = threading.Barrier(2)
+
+    def build(i):
+        start.wait()
+        return build_cpu_library(ops, str(tmp_path / f"{i}.so"), cache_dir=d, opt_level=1)
+    with ThreadPoolExecutor(2) as pool:
+        symbols = list(pool.map(build, range(2)))
+    assert len([o for o in outputs if o.startswith("kernels_")]) == 1, outputs
+    assert sorted(o for o in outputs if o.startswith("prebuilt_")) == ["prebuilt_sf_rt_ukr.o", "prebuilt_sfv_exp.o"]
+    assert os.listdir(os.path.join(d, "locks")) and not cache.cache_summary(d)["others"]
+    import ctypes
+    x = np.linspace(-3, 3, 32, dtype=np.float32).reshape(4, 8)
+    for i in range(2):
+        lib, y = ctypes.CDLL(str(tmp_path / f"{i}.so")), np.empty_like(x)
+        fn = getattr(lib, symbols[i]["e"])
+        fn((ctypes.c_void_p * 1)(x.ctypes.data), (ctypes.c_void_p * 1)(y.ctypes.data))
+        np.testing.assert_allclose(y, np.exp(x), rtol=1e-6)

@@ -398,9 +398,9 @@ static void sf_bgemm_prepacked(int64_t M, int64_t N, int64_t K, const sf_bf16* A
 
 // ... with C bfloat16 (each value rounded to nearest even as it is stored: a bfloat16 model's product): stored
 // from AMX's blocks or the vdpbf16ps kernel's sums directly, else through a float32 C
-static void sf_bgemm_prepacked(int64_t M, int64_t N, int64_t K, const sf_bf16* A, int64_t lda, const sf_bf16* B,
-                               sf_bf16* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs,
-                               bool allow_parallel) {
+static void sf_bgemm_prepacked_bf16(int64_t M, int64_t N, int64_t K, const sf_bf16* A, int64_t lda, const sf_bf16* B,
+                                    sf_bf16* C, int64_t ldc, float alpha, const float* bias, int64_t rbs, int64_t cbs,
+                                    bool allow_parallel) {
   if (M <= 0 || N <= 0) return;
 #if defined(__x86_64__)
   const int isa = K > 0 ? sf_bf16_isa() : -1;

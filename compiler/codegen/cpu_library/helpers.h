@@ -24,6 +24,16 @@
   extern "C" const void* sf_rt_##NAME();                                                                      \
   namespace {                                                                                                 \
   static const T& sf_##NAME() { return *static_cast<const T*>(sf_rt_##NAME()); }
+// A call of the library function FN (a driver: a GEMM, a conv, the attention) from a generated kernel, with
+// every argument (a pointer call knows no default arguments): FN itself where the library is, or (units
+// compiled with -DSF_PREBUILT_TABLES) FN from the object compiled once for every library, which returns its
+// address from sf_rt_fn_NAME() (templates_cpu.prebuilt_tables, declared after the library's files): a
+// library's units then compile their kernels only, not the drivers they call.
+#ifdef SF_PREBUILT_TABLES
+#define SF_LIB(NAME, ...) (reinterpret_cast<decltype(&__VA_ARGS__)>(sf_rt_fn_##NAME()))
+#else
+#define SF_LIB(NAME, ...) __VA_ARGS__
+#endif
 
 namespace {
 
@@ -31,6 +41,15 @@ namespace {
 // (slot 0: a kernel's temporaries, 1-2: GEMM packing, 3: im2col, the bfloat16 GEMM's widened A, or the integer
 // conv's panels, 4: a conv's tap offsets (and the integer conv's padded image), 5: a packed conv's transposed
 // output, 6-7: a packed conv's plain image and output around the blocked layout).
+// Units compiled with -DSF_PREBUILT_TABLES take them from the object compiled once for every library
+// (sf_rt_workspace, templates_cpu.prebuilt_tables): the kernels and the drivers of the other prebuilt
+// objects (SF_LIB) share one set of buffers per library, as when all were one unit.
+#ifdef SF_PREBUILT_TABLES
+}  // namespace
+extern "C" void* sf_rt_workspace(int slot, size_t bytes);
+namespace {
+static inline void* sf_workspace(int slot, size_t bytes) { return sf_rt_workspace(slot, bytes); }
+#else
 struct SfWorkspace {
   void* p[8] = {};
   size_t n[8] = {};
@@ -48,6 +67,7 @@ static void* sf_workspace(int slot, size_t bytes) {
   }
   return ws.p[slot];
 }
+#endif
 
 // ---- instruction sets -----------------------------------------------------------------------------
 // The widest instruction set the kernels may use: SHARDFLOW_CPU_ISA (for tests) names it, unset allows
