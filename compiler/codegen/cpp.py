@@ -29,7 +29,7 @@ from .lower import (Accumulate, Assign, Block, Buffer, CodegenError, Comment, De
                     If, Kernel, Let, Local, LocalArray, Loop, Store, lower_task, reduce_init, value_dtype, why_not_lowerable,
                     promote)
 from . import float8
-from .prelude_cpu import PRELUDE
+from .prelude_cpu import PRELUDE  # noqa: F401 (re-exported: templates_cpu, tests)
 
 __all__ = ["generate_cpu_source", "CpuSource", "kernel_source", "STORAGE_CTYPE", "COMPUTE_CTYPE"]
 
@@ -898,12 +898,12 @@ def generate_cpu_source(ops: Sequence, clones: str = "auto", in_place: Mapping[s
         ``{op name: input index}``: the ops whose output the program writes over that input's
         bytes (:func:`kernel_source`).
     """
-    from .templates_cpu import TEMPLATE_PRELUDE, template_kind
+    from .templates_cpu import library_header, template_kind
     in_place = in_place or {}
     f8 = ("namespace {\n" + float8.prelude("SF_INLINE", "std::numeric_limits<float>::quiet_NaN()",
                                              "std::numeric_limits<float>::infinity()") + "}  // namespace\n"
           if float8.used_by(ops) else "")
-    out = CpuSource("\n".join([PRELUDE + f8, _clones_macro(), TEMPLATE_PRELUDE]))
+    out = CpuSource(library_header(f8))
     defs: dict[str, str] = {}
     users: dict[str, list] = {}
     for op in ops:

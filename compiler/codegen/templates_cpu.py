@@ -29,6 +29,7 @@ templates of their own (below); every other op, and other dtypes, use the generi
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -37,7 +38,7 @@ from ..ops.linalg import PANEL
 from .cpp import PRELUDE, _clones_macro, literal
 from .prelude_cpu import read_library
 
-__all__ = ["TEMPLATE_PRELUDE", "prebuilt_tables", "template_body", "template_kind", "accepts_epilogue", "accepts_group",
+__all__ = ["TEMPLATE_PRELUDE", "library_header", "prebuilt_tables", "template_body", "template_kind", "accepts_epilogue", "accepts_group",
            "CLONED_TEMPLATES"]
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
@@ -78,10 +79,25 @@ def _lib(name: str) -> str:
 _TABLES = ("ukr", "i8_kernel", "cukr", "pdkr", "pdkr2")
 
 
-def prebuilt_tables(header: str) -> dict[str, str]:
-    """``{symbol: translation unit}`` of the micro-kernel tables for libraries with ``header``, and of the
-    helpers the kernels call in vector form (``sfv_exp``, ``sfv_exp_nonpos``, ``sfv_h2f``, ``sfv_f2h``,
-    ``sfv_f16_round``: ``cpu_library/vmath.h``)."""
+def library_header(float8: str = "") -> str:
+    """The start of every cpu library's units (:class:`.cpp.CpuSource`'s ``header``): the helpers, then
+    ``float8`` (the float8 conversions of a library with float8 values: the library code does not use
+    them), the clones macro and the templates."""
+    return "\n".join([PRELUDE + float8, _clones_macro(), TEMPLATE_PRELUDE])
+
+
+def prebuilt_tables() -> dict[str, str]:
+    """``{symbol: translation unit}`` of the micro-kernel tables, the drivers (:data:`_FUNCTIONS`) and the
+    scratch memory (``sf_rt_workspace``), each :func:`library_header` and one function returning it, and of
+    the helpers the kernels call in vector form (``sfv_exp``, ``sfv_exp_nonpos``, ``sfv_h2f``, ``sfv_f2h``,
+    ``sfv_f16_round``: ``cpu_library/vmath.h``). The same for every library (its own header may add the
+    float8 conversions), so each is compiled once per cache and command line."""
+    return dict(_prebuilt_units())
+
+
+@functools.lru_cache(maxsize=1)
+def _prebuilt_units() -> dict[str, str]:
+    header = library_header()
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
     units.update({f"sf_rt_fn_{name}": f'#define SF_PREBUILT_TABLES 1\n{header}\n'

@@ -215,7 +215,7 @@ def test_every_vector_form_gcc_calls_is_defined_with_the_abis_signature(tmp_path
     from shardflow.compiler.codegen.toolchain import build_shared_library
 
     lib_path = tmp_path / "abi.so"
-    units = {s: t for s, t in prebuilt_tables(PRELUDE).items() if s.startswith("sfv_")}
+    units = {s: t for s, t in prebuilt_tables().items() if s.startswith("sfv_")}
     build_shared_library(PRELUDE + _clones_macro() + _ABI_LOOPS, str(lib_path), prebuilt=units)
     if shutil.which("objdump"):
         text = subprocess.run(["objdump", "-d", str(lib_path)], capture_output=True, text=True).stdout
