@@ -2630,3 +2630,19 @@ def test_kernels_leave_the_x87_state_clean(tmp_path, kernel_cache):
         run_kernel(lib, syms[op.name], op, arrays)
         assert np.longdouble(1.5) + np.longdouble(np.float64(rng.random())) > 1.5, op.name
         assert np.isfinite(np.fft.fft(np.arange(10.0, dtype=np.float32))).all(), op.name
+
+
+def test_scratch_memory_that_cannot_be_had_stops_the_rank_with_a_message(tmp_path):
+    """A kernel has no way to return an error: when its scratch memory (``sf_workspace``) cannot be
+    allocated, the rank stops (abort), saying why on stderr first, not silently."""
+    import signal
+
+    from shardflow.compiler.codegen.prelude_cpu import PRELUDE
+
+    src, exe = tmp_path / "ws.cpp", tmp_path / "ws"
+    src.write_text(PRELUDE + "\nint main() { return sf_workspace(2, size_t(1) << 62) != nullptr; }\n")
+    subprocess.run([toolchain.cxx_compiler(), "-std=c++17", "-O1", "-fopenmp", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGABRT
+    assert "scratch memory: cannot allocate 4611686018427387904 bytes (slot 2); the rank stops" in proc.stderr

@@ -1,5 +1,6 @@
 // ---- Shardflow CPU kernel library: helpers --------------------------------------------------
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
@@ -62,7 +63,11 @@ static void* sf_workspace(int slot, size_t bytes) {
     std::free(ws.p[slot]);
     size_t sz = (bytes + 4095) & ~size_t(4095);
     ws.p[slot] = std::aligned_alloc(64, sz);
-    if (!ws.p[slot]) std::abort();
+    if (!ws.p[slot]) {  // (a kernel has no way to return an error: say why the rank stops)
+      std::fprintf(stderr, "shardflow: a cpu kernel's scratch memory: cannot allocate %zu bytes (slot %d); "
+                   "the rank stops\n", sz, slot);
+      std::abort();
+    }
     ws.n[slot] = sz;
   }
   return ws.p[slot];
