@@ -18,6 +18,7 @@ name and renamed, so a reader never sees half a file.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -375,44 +376,41 @@ def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], obj
 
 def _cached_or_compiled(wanted: Sequence[str], prebuilt: Mapping[str, str], pkeys: Mapping[str, str],
                         command: list[str], cache_dir: str, tmp: str, jobs: int) -> dict[str, str]:
-    """``{symbol: object}`` of the prebuilt units ``wanted``: from the cache, or compiled and cached."""
-    found = {}
+    """``{symbol: object}`` of the prebuilt units ``wanted``: from the cache, or compiled (``jobs`` at
+    a time) and cached, each under its own build lock, held while that unit compiles only (a unit that
+    takes a second does not wait for the packed conv's table, 40 s, of another process)."""
+    found: dict[str, str] = {}
 
-    def take_cached(syms) -> list[str]:  # (those not in the cache)
-        for sym in syms:
-            cached = os.path.join(cache_dir, f"{pkeys[sym]}.o")
-            if os.path.exists(cached):
-                touch(cached)
-                found[sym] = cached
-        return [sym for sym in syms if sym not in found]
-    missing = take_cached(wanted)
-    if not missing:
-        return found
-    with _building(cache_dir, *(pkeys[sym] for sym in missing)):
-        todo = []  # (symbol, compile command)
-        for sym in take_cached(missing):
+    def cached(sym) -> bool:
+        path = os.path.join(cache_dir, f"{pkeys[sym]}.o")
+        if os.path.exists(path):
+            touch(path)
+            found[sym] = path
+        return sym in found
+
+    def build(sym):  # -> None, or (the compiler's output, the unit's name) if it failed
+        with _building(cache_dir, pkeys[sym]):
+            if cached(sym):  # (built by another process meanwhile)
+                return None
             src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
             with open(src, "w") as f:
                 f.write(prebuilt[sym])
-            todo.append((sym, command + [src, "-o", src[:-4] + ".o"]))
-        _compile_prebuilt(todo, pkeys, cache_dir, jobs, found)
-    return found
-
-
-def _compile_prebuilt(todo: list, pkeys: Mapping[str, str], cache_dir: str, jobs: int, found: dict) -> None:
-    """Compile the prebuilt units of ``todo`` (``[(symbol, command)]``), cache their objects and put them in
-    ``found`` (``{symbol: object}``)."""
-    if not todo:
-        return
-    t0 = time.perf_counter()
-    results = _run_compilers([cmd for _, cmd in todo], jobs)
-    failures = [(r.stderr or r.stdout, f"the prebuilt {sym}", {}) for r, (sym, _) in zip(results, todo)
-                if r.returncode != 0]
+            res = _run_compilers([command + [src, "-o", src[:-4] + ".o"]], 1)[0]
+            if res.returncode != 0:
+                return res.stderr or res.stdout, f"the prebuilt {sym}", {}
+            _atomic_copy(src[:-4] + ".o", os.path.join(cache_dir, f"{pkeys[sym]}.o"))
+            found[sym] = src[:-4] + ".o"
+            compiled.append(sym)
+        return None
+    missing = [sym for sym in wanted if not cached(sym)]
+    if not missing:
+        return found
+    t0, compiled = time.perf_counter(), []
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(missing)))) as pool:
+        failures = [f for f in pool.map(build, missing) if f is not None]
     if failures:
         raise _compile_error(failures)
-    for sym, cmd in todo:
-        _atomic_copy(cmd[-1], os.path.join(cache_dir, f"{pkeys[sym]}.o"))
-        found[sym] = cmd[-1]
-    log.info("compiled the shared object(s) of %s in %.1f s (cached for the next libraries)",
-             ", ".join(sym for sym, _ in todo), time.perf_counter() - t0)
-
+    if compiled:
+        log.info("compiled the shared object(s) of %s in %.1f s (cached for the next libraries)", ", ".join(compiled),
+                 time.perf_counter() - t0)
+    return found
