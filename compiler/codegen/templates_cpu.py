@@ -38,8 +38,8 @@ from ..ops.linalg import PANEL
 from .cpp import PRELUDE, _clones_macro, literal
 from .prelude_cpu import read_library
 
-__all__ = ["TEMPLATE_PRELUDE", "library_header", "prebuilt_tables", "template_body", "template_kind", "accepts_epilogue", "accepts_group",
-           "CLONED_TEMPLATES"]
+__all__ = ["TEMPLATE_PRELUDE", "library_header", "prebuilt_tables", "template_body", "template_kind",
+           "accepts_epilogue", "accepts_group", "CLONED_TEMPLATES"]
 
 # The templates' C++ (cpu_library/*.h, in this order: a file uses only those before it); gemm.h
 # takes the column count of a panel packed at compile time (ops.linalg.PANEL) for @PANEL@.
@@ -87,11 +87,12 @@ def library_header(float8: str = "") -> str:
 
 
 def prebuilt_tables() -> dict[str, str]:
-    """``{symbol: translation unit}`` of the micro-kernel tables, the drivers (:data:`_FUNCTIONS`) and the
-    scratch memory (``sf_rt_workspace``), each :func:`library_header` and one function returning it, and of
-    the helpers the kernels call in vector form (``sfv_exp``, ``sfv_exp_nonpos``, ``sfv_h2f``, ``sfv_f2h``,
-    ``sfv_f16_round``: ``cpu_library/vmath.h``). The same for every library (its own header may add the
-    float8 conversions), so each is compiled once per cache and command line."""
+    """``{symbol: translation unit}`` of the micro-kernel tables and the drivers (:data:`_FUNCTIONS`), each
+    :func:`library_header` and one function returning it, of the scratch memory (``sf_rt_workspace``: the
+    helpers and its function) and of the helpers the kernels call in vector form (``sfv_exp``,
+    ``sfv_exp_nonpos``, ``sfv_h2f``, ``sfv_f2h``, ``sfv_f16_round``: ``cpu_library/vmath.h``). The same for
+    every library (its own header may add the float8 conversions), so each is compiled once per cache and
+    command line."""
     return dict(_prebuilt_units())
 
 
