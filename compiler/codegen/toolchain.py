@@ -179,6 +179,9 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
                          prebuilt: Mapping[str, str] | None = None, header: str | None = None) -> bool:
     """Compile ``source`` into the shared library ``path``, through the cache.
 
+    A build holds a lock on its entry (``<cache>/locks/<key>``; the header's and the prebuilt objects'
+    too) while it compiles: another process building the same entry waits and takes it from the cache.
+
     Parameters
     ----------
     source
@@ -204,9 +207,6 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         compiled with ``-DSF_PREBUILT_TABLES``. The cpu kernel library puts there what every library
         would otherwise compile again: its micro-kernel tables, the drivers its kernels call (GEMMs,
         convs, attention) and its scratch memory (``templates_cpu.prebuilt_tables``).
-
-    A build holds a lock on its entry (``<cache>/locks/<key>``; the header's and the prebuilt objects'
-    too) while it compiles: another process building the same entry waits and takes it from the cache.
     header
         A prefix of ``source`` and of every unit (the cpu library's helpers and templates: most of
         the text, and of a small library's compile time, is parsing it). It is compiled once per
