@@ -14,7 +14,8 @@ repository leaves about a gigabyte. An entry is one of
 * ``tune/<k2>/<key>.json`` — a GEMM tile chosen by timing (``tune.tune_gemms``, ``search_space = 2``);
 * ``.tmp-*`` — the temporary of a write that was interrupted (a write renames it when done);
 * ``locks/<key>`` — an empty file a build holds locked while it makes ``<key>``'s entry (``toolchain``:
-  another process building the same entry waits for it); not an entry, and left alone.
+  another process building the same entry waits for it), removed when it is done; not an entry, and
+  left alone.
 
 A hit refreshes the entry's modification time (:func:`touch`), so that time says when an entry was
 last used. :func:`prune_cache` removes the least recently used entries until the cache fits a size;

@@ -303,7 +303,10 @@ def _building(cache_dir: str, *keys: str):
     """Hold the build locks of the cache entries ``keys`` (``<cache>/locks/<key>``, taken in sorted order):
     processes building the same entry (ranks compiled side by side, test workers) wait for the first and
     then take its result from the cache instead of compiling it again. A process that dies releases its
-    locks. Where there are none (no ``fcntl``, a read-only cache) it builds without."""
+    locks. Where there are none (no ``fcntl``, a read-only cache) it builds without. The files are removed
+    as the locks are released (a process already waiting on one then holds the removed file's lock, and
+    one arriving later a new file's: at worst both compile, each writing the entry by a rename), so
+    ``locks/`` holds the builds in progress only."""
     files = []
     try:
         import fcntl
@@ -321,6 +324,8 @@ def _building(cache_dir: str, *keys: str):
         yield
     finally:
         for f in files:  # (closing releases the lock)
+            with contextlib.suppress(OSError):
+                os.unlink(f.name)
             f.close()
 
 
