@@ -240,33 +240,30 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     cache_dir = cache_dir or default_cache_dir()
     os.makedirs(cache_dir, exist_ok=True)
     cached = os.path.join(cache_dir, f"{key}.so")
-    if _from_cache(cached, path):
-        return True
-    with _building(cache_dir, key):
-        if _from_cache(cached, path):  # (built by another process while this one waited)
-            return True
-        units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
-        jobs = jobs or default_jobs()
+    jobs = jobs or default_jobs()
+
+    def make() -> bool:  # (a miss: compile, link and cache; False)
+        all_units = list(units) if units and len(units) > 1 else [(source, line_map or {})]
         unit_flags = [f for f in flags if f != "-shared"]
         with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
             out = os.path.join(tmp, "lib.so")
             t0 = time.perf_counter()
             include = None
-            if header and all(text.startswith(header) for text, _ in units):
+            if header and all(text.startswith(header) for text, _ in all_units):
                 include = _precompiled_header(header, cxx.split() + unit_flags, version, cache_dir, tmp)
             first_line = "#line %d\n" % (header.count("\n") + 1) if include else ""
             names, cmds = [], []
-            for i, (text, _) in enumerate(units):
+            for i, (text, _) in enumerate(all_units):
                 src = os.path.join(tmp, f"kernels_{key[:12]}_{i}.cpp")
                 with open(src, "w") as f:
                     f.write(first_line + text[len(header):] if include else text)
                 names.append(os.path.basename(src))
                 cmds.append(cxx.split() + unit_flags + (["-include", include] if include else [])
                             + ["-c", src, "-o", src[:-4] + ".o"])
-            log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(units),
+            log.info("compiling %d lines of C++ in %d unit(s): %s", source.count("\n"), len(all_units),
                      " ".join(cmds[0]))
             results = _run_compilers(cmds, jobs)
-            failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, units)
+            failures = [(r.stderr or r.stdout, n, lm) for r, n, (_, lm) in zip(results, names, all_units)
                         if r.returncode != 0]
             if failures:
                 raise _compile_error(failures)
@@ -281,7 +278,19 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
             log.info("compiled in %.1f s", time.perf_counter() - t0)
             _atomic_copy(out, cached)
             _atomic_copy(out, path)
-    return False
+        return False
+    return _once(cache_dir, key, lambda: _from_cache(cached, path), make)
+
+
+def _once(cache_dir: str, key: str, look, make):
+    """``look()`` if it finds the cache entry ``key``, else ``make()`` under the entry's build lock
+    (:func:`_building`), unless ``look()`` finds it once the lock is held (made by another process
+    while this one waited)."""
+    found = look()
+    if found:
+        return found
+    with _building(cache_dir, key):
+        return look() or make()
 
 
 def _from_cache(cached: str, path: str) -> bool:
@@ -299,31 +308,30 @@ def _from_cache(cached: str, path: str) -> bool:
 
 
 @contextlib.contextmanager
-def _building(cache_dir: str, *keys: str):
-    """Hold the build locks of the cache entries ``keys`` (``<cache>/locks/<key>``, taken in sorted order):
-    processes building the same entry (ranks compiled side by side, test workers) wait for the first and
+def _building(cache_dir: str, key: str):
+    """Hold the build lock of the cache entry ``key`` (``<cache>/locks/<key>``): processes building the
+    same entry (ranks compiled side by side, test workers) wait for the first and
     then take its result from the cache instead of compiling it again. A process that dies releases its
     locks. Where there are none (no ``fcntl``, a read-only cache) it builds without. The files are removed
     as the locks are released (a process already waiting on one then holds the removed file's lock, and
     one arriving later a new file's: at worst both compile, each writing the entry by a rename), so
     ``locks/`` holds the builds in progress only."""
-    files = []
+    f = None
     try:
         import fcntl
 
         os.makedirs(os.path.join(cache_dir, "locks"), exist_ok=True)
-        for k in sorted(set(keys)):
-            files.append(open(os.path.join(cache_dir, "locks", k), "a"))
-            fcntl.flock(files[-1], fcntl.LOCK_EX)
+        f = open(os.path.join(cache_dir, "locks", key), "a")
+        fcntl.flock(f, fcntl.LOCK_EX)
     except (ImportError, OSError) as e:
         log.debug("building without the cache's locks: %s", e)
-        for f in files:
+        if f is not None:
             f.close()
-        files = []
+            f = None
     try:
         yield
     finally:
-        for f in files:  # (closing releases the lock)
+        if f is not None:  # (closing releases the lock)
             with contextlib.suppress(OSError):
                 os.unlink(f.name)
             f.close()
@@ -336,17 +344,14 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
     hkey = hashlib.sha256("\0".join([header, " ".join(command), version]).encode()).hexdigest()
     path = os.path.join(cache_dir, f"{hkey}.h")
 
-    def cached() -> bool:
+    def look() -> str | None:
         if os.path.exists(path + ".gch") and os.path.exists(path):
             touch(path)
             touch(path + ".gch")
-            return True
-        return False
-    if cached():
-        return path
-    with _building(cache_dir, hkey):
-        if cached():
             return path
+        return None
+
+    def make() -> str | None:
         src = os.path.join(tmp, "header.h")
         with open(src, "w") as f:
             f.write(header)
@@ -358,9 +363,10 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
             return None
         _atomic_copy(src, path)
         _atomic_copy(src + ".gch", path + ".gch")
-    log.info("precompiled the kernel library's header in %.1f s (cached for the next libraries)",
-             time.perf_counter() - t0)
-    return path
+        log.info("precompiled the kernel library's header in %.1f s (cached for the next libraries)",
+                 time.perf_counter() - t0)
+        return path
+    return _once(cache_dir, hkey, look, make)
 
 
 def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], objects: Sequence[str],
@@ -384,35 +390,35 @@ def _cached_or_compiled(wanted: Sequence[str], prebuilt: Mapping[str, str], pkey
     """``{symbol: object}`` of the prebuilt units ``wanted``: from the cache, or compiled (``jobs`` at
     a time) and cached, each under its own build lock, held while that unit compiles only (a unit that
     takes a second does not wait for the packed conv's table, 40 s, of another process)."""
-    found: dict[str, str] = {}
+    compiled: list[str] = []
+    failures: list[tuple] = []  # (the compiler's output, the unit's name, {})
 
-    def cached(sym) -> bool:
+    def look(sym) -> str | None:
         path = os.path.join(cache_dir, f"{pkeys[sym]}.o")
-        if os.path.exists(path):
-            touch(path)
-            found[sym] = path
-        return sym in found
+        if not os.path.exists(path):
+            return None
+        touch(path)
+        return path
 
-    def build(sym):  # -> None, or (the compiler's output, the unit's name) if it failed
-        with _building(cache_dir, pkeys[sym]):
-            if cached(sym):  # (built by another process meanwhile)
-                return None
-            src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
-            with open(src, "w") as f:
-                f.write(prebuilt[sym])
-            res = _run_compilers([command + [src, "-o", src[:-4] + ".o"]], 1)[0]
-            if res.returncode != 0:
-                return res.stderr or res.stdout, f"the prebuilt {sym}", {}
-            _atomic_copy(src[:-4] + ".o", os.path.join(cache_dir, f"{pkeys[sym]}.o"))
-            found[sym] = src[:-4] + ".o"
-            compiled.append(sym)
-        return None
-    missing = [sym for sym in wanted if not cached(sym)]
+    def make(sym) -> str | None:
+        src = os.path.join(tmp, f"prebuilt_{sym}.cpp")
+        with open(src, "w") as f:
+            f.write(prebuilt[sym])
+        res = _run_compilers([command + [src, "-o", src[:-4] + ".o"]], 1)[0]
+        if res.returncode != 0:
+            failures.append((res.stderr or res.stdout, f"the prebuilt {sym}", {}))
+            return None
+        _atomic_copy(src[:-4] + ".o", os.path.join(cache_dir, f"{pkeys[sym]}.o"))
+        compiled.append(sym)
+        return src[:-4] + ".o"
+    found = {sym: path for sym, path in ((sym, look(sym)) for sym in wanted) if path}
+    missing = [sym for sym in wanted if sym not in found]
     if not missing:
         return found
-    t0, compiled = time.perf_counter(), []
+    t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(missing)))) as pool:
-        failures = [f for f in pool.map(build, missing) if f is not None]
+        found.update(zip(missing, pool.map(lambda s: _once(cache_dir, pkeys[s], lambda: look(s), lambda: make(s)),
+                                           missing)))
     if failures:
         raise _compile_error(failures)
     if compiled:

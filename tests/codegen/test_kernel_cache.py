@@ -1,5 +1,6 @@
 """The kernel cache's upkeep: what `shardflow cache` finds, prunes and clears, and hits that keep an entry's
 last use (compiler/codegen/cache.py)."""
+import ctypes
 import json
 import os
 import time
@@ -151,7 +152,6 @@ def test_side_by_side_builds_of_one_library_compile_it_once(tmp_path, monkeypatc
     assert len([o for o in outputs if o.startswith("kernels_")]) == 1, outputs
     assert sorted(o for o in outputs if o.startswith("prebuilt_")) == ["prebuilt_sf_rt_ukr.o", "prebuilt_sfv_exp.o"]
     assert not os.listdir(os.path.join(d, "locks"))  # (a lock file lives while its build runs)
-    import ctypes
     x = np.linspace(-3, 3, 32, dtype=np.float32).reshape(4, 8)
     for i in range(2):
         lib, y = ctypes.CDLL(str(tmp_path / f"{i}.so")), np.empty_like(x)
