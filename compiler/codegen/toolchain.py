@@ -206,7 +206,8 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         libraries whose units, or whose other prebuilt objects, refer to its symbol; the units are
         compiled with ``-DSF_PREBUILT_TABLES``. The cpu kernel library puts there what every library
         would otherwise compile again: its micro-kernel tables, the drivers its kernels call (GEMMs,
-        convs, attention) and its scratch memory (``templates_cpu.prebuilt_tables``).
+        convs, attention) and its scratch memory (``templates_cpu.prebuilt_tables``). They are
+        compiled at ``-O3`` whatever ``opt_level`` is (one object for every library of the cache).
     header
         A prefix of ``source`` and of every unit (the cpu library's helpers and templates: most of
         the text, and of a small library's compile time, is parsing it). It is compiled once per
@@ -229,7 +230,9 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     cxx = cxx_compiler()
     flags = compile_flags(opt_level) + list(extra_flags)
     version = compiler_version(cxx)
-    object_flags = [f for f in flags if f != "-shared"] + ["-c"]
+    # (the prebuilt objects at -O3 whatever the library's level: shared by every library of the cache, they
+    # are compiled once for all; an -O0 or -O1 library, the tests' quick builds, links the optimized drivers)
+    object_flags = [f for f in compile_flags(max(opt_level, 2)) + list(extra_flags) if f != "-shared"] + ["-c"]
     prebuilt = dict(prebuilt or {})
     pkeys = {sym: hashlib.sha256("\0".join([text, " ".join([cxx] + object_flags), version]).encode()).hexdigest()
              for sym, text in prebuilt.items()}
