@@ -17,9 +17,10 @@ barriers (``bar.sync``/``bar.arrive``) count their threads, and the blocks of a 
 shared memory and mbarriers (``mapa`` addresses) and wait at the cluster barrier; a store or an
 arrival in a block that has exited fails the run (on a GPU it is an error).
 :func:`build` compiles a generated translation unit with g++ against that shim: every CUDA thread
-of a block is a coroutine (``ucontext``) on one host thread, a block's threads run until each
-finishes or waits at a barrier, a barrier opens when every thread of the block (or, for a warp
-instruction or ``__syncwarp``, of the warp) that has not exited waits at it, and the blocks of
+of a block is a coroutine (a stack of its own; switched by swapping registers on x86-64, elsewhere by
+``ucontext``) on one host thread, a block's threads run until each finishes or waits at a barrier,
+a barrier opens when every thread of the block (or, for a warp instruction or ``__syncwarp``, of
+the warp) that has not exited waits at it, and the blocks of
 the grid run one after another, or a given number at a time with their threads interleaved (as
 blocks resident on different multiprocessors run at once; a persistent kernel takes a smaller
 grid, each block looping over more tiles). Nothing runs in parallel: a run is one interleaving,
@@ -193,7 +194,34 @@ template <typename T> struct Groups {
     }
   }
 };
-struct Thread { ucontext_t ctx; State state; int buf, xbuf; SfDim3 idx; Groups<Copy> copies; Groups<Mma> mmas; };
+// a coroutine's saved context, and the switch from the running one to another. On x86-64 the callee-saved
+// registers pushed on the coroutine's own stack and its stack pointer (sf_emu_switch, in the runtime):
+// glibc's swapcontext also saves and restores the signal mask, two system calls a switch, which took a
+// third of the emulation's time (perf, the float32 attention cases). Elsewhere, swapcontext. (The
+// floating-point control words are not switched: nothing in the emulation changes them.)
+#if defined(__x86_64__)
+struct Ctx { void* sp; };
+extern "C" void sf_emu_switch(void** save, void* to);
+inline void switch_to(Ctx& from, const Ctx& to) { sf_emu_switch(&from.sp, to.sp); }
+inline void start(Ctx& c, char* stack, size_t size, void (*fn)()) {  // the first switch to c calls fn
+  void** top = (void**)(((uintptr_t)(stack + size)) & ~(uintptr_t)15);
+  top[-1] = nullptr;  // (fn's return address: it never returns)
+  top[-2] = (void*)fn;  // (sf_emu_switch's, so fn starts with the stack aligned as after a call)
+  for (int i = 3; i <= 8; ++i) top[-i] = nullptr;  // rbp, rbx, r12-r15
+  c.sp = top - 8;
+}
+#else
+struct Ctx { ucontext_t uc; };
+inline void switch_to(Ctx& from, const Ctx& to) { swapcontext(&from.uc, &to.uc); }
+inline void start(Ctx& c, char* stack, size_t size, void (*fn)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, fn, 0);
+}
+#endif
+struct Thread { Ctx ctx; State state; int buf, xbuf; SfDim3 idx; Groups<Copy> copies; Groups<Mma> mmas; };
 inline std::vector<Thread> threads;
 // the threads' stacks: allocated uninitialized (glibc maps blocks this large on demand, so only the
 // pages a thread touches become resident: a full persistent grid, 132 blocks of 384 threads, would
@@ -209,7 +237,7 @@ inline int nthr;  // threads per block
 inline int lane_of(int t) { return (t % nthr) & 31; }
 inline int warp_of(int t) { return t - lane_of(t); }  // the thread of lane 0 of t's warp
 inline unsigned long long epoch;  // counts events that can end a wait (deadlock detection)
-inline ucontext_t sched;
+inline Ctx sched;
 inline void (*body)(void**);
 inline void** body_args;
 
@@ -217,11 +245,11 @@ inline void entry() {
   body(body_args);
   threads[cur].state = DONE;
   ++epoch;
-  swapcontext(&threads[cur].ctx, &sched);
+  switch_to(threads[cur].ctx, sched);
 }
 inline void wait(State s) {
   threads[cur].state = s;
-  swapcontext(&threads[cur].ctx, &sched);
+  switch_to(threads[cur].ctx, sched);
 }
 // what the emulated program did that a GPU would not run: the launch fails with this message (the
 // thread stops here), instead of the process
@@ -610,7 +638,17 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int
 """
 
 #: the emulation's scheduler and entry points: compiled once into an object every build links
-_SHIM_RUNTIME = r"""// runs body(args) as every thread of every block, `resident` blocks at a time (their threads
+_SHIM_RUNTIME = r"""#if defined(__x86_64__)
+// sf_emu_switch(save, to): push the callee-saved registers, store the stack pointer at *save, take `to`
+// as the stack pointer, pop that coroutine's registers and return where it switched away (or, the first
+// time, into its function: shim's start). Hidden: each library has its own.
+asm(".text\n.globl sf_emu_switch\n.hidden sf_emu_switch\n.type sf_emu_switch, @function\nsf_emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+    ".size sf_emu_switch, .-sf_emu_switch\n");
+#endif
+// runs body(args) as every thread of every block, `resident` blocks at a time (their threads
 // interleaved, as blocks resident on different multiprocessors run at once); returns 0, 1 on a
 // deadlock, 2 after a misaligned vector access, 3 after a __trap()
 static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
@@ -657,11 +695,7 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
       th.mmas = Groups<Mma>();
       const unsigned l = (unsigned)(t % n);
       th.idx = {l % bx, (l / bx) % by, l / (bx * by)};
-      getcontext(&th.ctx);
-      th.ctx.uc_stack.ss_sp = stacks[t].get();
-      th.ctx.uc_stack.ss_size = kStack;
-      th.ctx.uc_link = nullptr;
-      makecontext(&th.ctx, entry, 0);
+      start(th.ctx, stacks[t].get(), kStack, entry);
     }
     int idle = 0;  // rounds in a row in which nothing happened that could end a wait
     for (;;) {
@@ -679,7 +713,7 @@ static int sf_emu_run(void (*body)(void**), void** args, unsigned gx, unsigned g
         cur = t;
         enter(t / n);
         threadIdx = threads[t].idx;
-        swapcontext(&sched, &threads[t].ctx);
+        switch_to(sched, threads[t].ctx);
       }
       bool in_flight = false;
       for (int b = 0; b < live; ++b) {  // some of the copies in flight land
@@ -872,7 +906,21 @@ def _signatures(text: str) -> dict[str, list[str]]:
 
 _SHIM_LOCK = threading.Lock()
 _SHIM_LINES = _SHIM.count("\n")
-_FLAGS = ["-std=c++17", "-fPIC", "-w", "-fvisibility=hidden"]
+
+
+def _host_has_f16c() -> bool:
+    """Whether this x86-64 Linux host converts half values in hardware (F16C)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " f16c" in line for line in f)
+    except OSError:
+        return False
+
+
+#: g++'s flags for the emulation. With F16C the ``__half`` (``_Float16``) conversions are vcvtph2ps and
+#: vcvtps2ph (the same values as libgcc's, nearest even) instead of calls of libgcc's software
+#: ``__extendhfsf2``, which took 23% of test_cuda_host.py's cpu time (perf).
+_FLAGS = ["-std=c++17", "-fPIC", "-w", "-fvisibility=hidden"] + (["-mf16c"] if _host_has_f16c() else [])
 
 
 @functools.lru_cache(maxsize=None)
@@ -884,7 +932,7 @@ def _compiled_shim(opt: str) -> tuple[str, str | None]:
     for the precompiled ``_SHIM`` (None if g++ cannot precompile it: the sources then hold its text).
     Together they take about 1.5 s off each build."""
     version = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256((_SHIM + _SHIM_RUNTIME + opt + version).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_SHIM + _SHIM_RUNTIME + opt + " ".join(_FLAGS) + version).encode()).hexdigest()[:16]
     d = os.path.join(tempfile.gettempdir(), f"sf-cuda-host-{key}")
     runtime = os.path.join(d, "runtime.o")
     with _SHIM_LOCK:
@@ -920,7 +968,7 @@ def build(text: str, work_dir: str | None = None, opt: str = "-O1") -> HostKerne
         tramp.append(f'extern "C" SF_EMU_API void sf_emu_body_{sym}(void** a) {{ {sym}({args}); }}')
     src = _SHIM + body + "\n" + "\n".join(tramp) + "\n"
     work_dir = work_dir or tempfile.mkdtemp(prefix="sf-cuda-host-")
-    key = hashlib.sha256((src + _SHIM_RUNTIME + opt).encode()).hexdigest()[:16]
+    key = hashlib.sha256((src + _SHIM_RUNTIME + opt + " ".join(_FLAGS)).encode()).hexdigest()[:16]
     lib = os.path.join(work_dir, f"k{key}.so")
     if not os.path.exists(lib):
         cpp = os.path.join(work_dir, f"k{key}.cpp")
