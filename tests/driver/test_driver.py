@@ -738,9 +738,12 @@ def test_compile_holds_one_rank_graph_at_a_time(tmp_path, monkeypatch):
     dropped before the next one's: a model's compile on R ranks needs about one rank's share of
     the weights beside the whole model, not all R shares. mesh.json and every manifest still name
     the groups of every rank's collectives. (Ops and tensors refer to each other: the compile runs
-    the cycle collector itself after each rank: the test turns the automatic one off.)"""
+    the cycle collector itself after each rank that holds COLLECT_RANK_BYTES of weights or more, here
+    every rank: the test turns the automatic one off.)"""
     import gc
     import weakref
+
+    monkeypatch.setattr(driver, "COLLECT_RANK_BYTES", 0)
 
     seen: list = []
     alive_before: list = []
