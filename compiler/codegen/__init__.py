@@ -126,10 +126,10 @@ def compile_cpu_sources(sources: Sequence[CpuSource], path: str, *, cache_dir: s
     src = CpuSource.merge(sources)
     n_units = min(default_jobs(), max(1, len(src.kernels) // 16))
     whole, lines = src.units(1)[0]
-    from .templates_cpu import prebuilt_tables
+    from .templates_cpu import prebuilt_needs, prebuilt_tables
     hit = build_shared_library(whole, path, cache_dir=cache_dir, opt_level=opt_level, line_map=lines,
                                units=src.units(n_units) if n_units > 1 else None,
-                               prebuilt=prebuilt_tables(), header=src.header)
+                               prebuilt=prebuilt_tables(), header=src.header, prebuilt_needs=prebuilt_needs())
     log.info("cpu library %s: %d ops, %d kernels%s%s, %s %.2f s", path, len(src.symbols), len(src.kernels),
              f" (of {len(sources)} sources)" if len(sources) > 1 else "",
              f", source {source_seconds:.2f} s" if source_seconds is not None else "",

@@ -79,6 +79,25 @@ def _lib(name: str) -> str:
 _TABLES = ("ukr", "i8_kernel", "cukr", "pdkr", "pdkr2")
 
 
+# the prebuilt units each prebuilt unit's object refers to (prebuilt_needs; checked against the objects by
+# test_the_prebuilt_units_needs_are_what_their_objects_refer_to)
+_NEEDS = {f"sf_rt_fn_{name}": ("sf_rt_ukr", "sf_rt_workspace") for name in _FUNCTIONS}
+_NEEDS.update({
+    "sf_rt_fn_dgemm": ("sf_rt_workspace",), "sf_rt_fn_dgemm_batched": ("sf_rt_workspace",),
+    "sf_rt_fn_conv2d": ("sf_rt_cukr", "sf_rt_workspace"), "sf_rt_fn_conv3d": ("sf_rt_cukr", "sf_rt_workspace"),
+    "sf_rt_fn_conv2d_packed": ("sf_rt_ukr", "sf_rt_cukr", "sf_rt_pdkr", "sf_rt_pdkr2", "sf_rt_workspace"),
+    "sf_rt_fn_iconv2d": ("sf_rt_i8_kernel", "sf_rt_workspace"),
+    "sf_rt_fn_igemm_prepacked": ("sf_rt_i8_kernel", "sf_rt_workspace"),
+    "sf_rt_pdkr": ("sf_rt_pdkr_1", "sf_rt_pdkr_2", "sf_rt_pdkr_3")})
+
+
+def prebuilt_needs() -> dict[str, tuple[str, ...]]:
+    """``{symbol: symbols}``: the units of :func:`prebuilt_tables` whose objects refer to others (a conv
+    driver to its micro-kernel tables, the packed conv's table to its parts), so that a build missing them
+    compiles them side by side (``toolchain.build_shared_library``'s ``prebuilt_needs``)."""
+    return dict(_NEEDS)
+
+
 def library_header(float8: str = "") -> str:
     """The start of every cpu library's units (:class:`.cpp.CpuSource`'s ``header``): the helpers, then
     ``float8`` (the float8 conversions of a library with float8 values: the library code does not use
@@ -101,6 +120,15 @@ def _prebuilt_units() -> dict[str, str]:
     header = library_header()
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
+    # the packed conv's table in four parts (conv.h's sf_pdkr_part), compiled side by side: its unit fills
+    # the first and calls the others' objects
+    parts = range(1, 4)
+    units["sf_rt_pdkr"] = header + "".join(f'extern "C" void sf_rt_pdkr_{k}(void* t);\n' for k in parts) + (
+        'extern "C" const void* sf_rt_pdkr() {\n  static const SfPdkr u = [] {\n    SfPdkr t = {};\n'
+        "    sf_pdkr_part<0>(t);\n" + "".join(f"    sf_rt_pdkr_{k}(&t);\n" for k in parts)
+        + "    return t;\n  }();\n  return &u;\n}\n")
+    units.update({f"sf_rt_pdkr_{k}": f'{header}\nextern "C" void sf_rt_pdkr_{k}(void* t) '
+                  f'{{ sf_pdkr_part<{k}>(*static_cast<SfPdkr*>(t)); }}\n' for k in parts})
     units.update({f"sf_rt_fn_{name}": f'#define SF_PREBUILT_TABLES 1\n{header}\n'
                   f'extern "C" const void* sf_rt_fn_{name}() {{ return reinterpret_cast<const void*>(&{fn}); }}\n'
                   for name, fn in _FUNCTIONS.items()})

@@ -176,7 +176,8 @@ def _compile_error(failures: list[tuple[str, str, dict]]) -> CompileError:
 def build_shared_library(source: str, path: str, *, cache_dir: str | None = None, opt_level: int = 2,
                          line_map: dict | None = None, units: Sequence[tuple[str, dict]] | None = None,
                          jobs: int | None = None, extra_flags: Sequence[str] = (),
-                         prebuilt: Mapping[str, str] | None = None, header: str | None = None) -> bool:
+                         prebuilt: Mapping[str, str] | None = None, header: str | None = None,
+                         prebuilt_needs: Mapping[str, Sequence[str]] | None = None) -> bool:
     """Compile ``source`` into the shared library ``path``, through the cache.
 
     A build holds a lock on its entry (``<cache>/locks/<key>``; the header's and the prebuilt objects'
@@ -208,6 +209,10 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
         would otherwise compile again: its micro-kernel tables, the drivers its kernels call (GEMMs,
         convs, attention) and its scratch memory (``templates_cpu.prebuilt_tables``). They are
         compiled at ``-O3`` whatever ``opt_level`` is (one object for every library of the cache).
+    prebuilt_needs
+        ``{symbol: [symbols]}``: prebuilt units known to refer to others (a conv driver to its tables),
+        which are then compiled with them, side by side, instead of after them (found in their objects;
+        one not named here is still found there).
     header
         A prefix of ``source`` and of every unit (the cpu library's helpers and templates: most of
         the text, and of a small library's compile time, is parsing it). It is compiled once per
@@ -270,7 +275,8 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
             if failures:
                 raise _compile_error(failures)
             objects = [c[-1] for c in cmds]
-            objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs)
+            objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs,
+                                         prebuilt_needs or {})
             # (a symbol no object defines fails here, not when a rank loads the library: GNU ld's -z defs)
             no_undefined = ["-Wl,--no-undefined"] if sys.platform.startswith("linux") else []
             link = _run_compilers([cxx.split() + ["-shared", "-fopenmp"] + no_undefined + objects + ["-o", out]],
@@ -378,16 +384,26 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
     return _once(cache_dir, hkey, look, make)
 
 
+def referenced_symbols(objects: Sequence[str], symbols) -> list[str]:
+    """Those of ``symbols`` whose names the object files ``objects`` hold (as names of symbols they
+    define or refer to)."""
+    data = b"".join(open(o, "rb").read() for o in objects)
+    return [sym for sym in symbols if sym.encode() + b"\0" in data]  # (name strings)
+
+
 def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], objects: Sequence[str],
-                      command: list[str], cache_dir: str, tmp: str, jobs: int) -> list[str]:
+                      command: list[str], cache_dir: str, tmp: str, jobs: int,
+                      needs: Mapping[str, Sequence[str]]) -> list[str]:
     """The objects of the ``prebuilt`` units (``{symbol: text}``) whose symbol the compiled
     ``objects`` refer to, or the objects so taken refer to (a driver's unit takes the micro-kernel
-    tables from theirs): from the cache, or compiled (in parallel) and cached."""
+    tables from theirs; those named in ``needs`` are taken with it): from the cache, or compiled (in
+    parallel) and cached."""
     found: dict[str, str] = {}
     scan = list(objects)
     while scan:
-        data = b"".join(open(o, "rb").read() for o in scan)
-        wanted = [sym for sym in prebuilt if sym not in found and sym.encode() + b"\0" in data]  # (name strings)
+        wanted = referenced_symbols(scan, [sym for sym in prebuilt if sym not in found])
+        for sym in wanted:  # (the needs of the needs too: appended as the loop goes)
+            wanted += [n for n in needs.get(sym, ()) if n not in found and n not in wanted]
         new = _cached_or_compiled(wanted, prebuilt, pkeys, command, cache_dir, tmp, jobs)
         found.update(new)
         scan = list(new.values())

@@ -20,6 +20,7 @@ from shardflow.compiler.codegen import (CompileError, build_cpu_library, generat
                                         why_not_lowerable)
 from shardflow.compiler.codegen import lower as lower_mod
 from shardflow.compiler.codegen import toolchain
+from shardflow.compiler.codegen.templates_cpu import prebuilt_needs, prebuilt_tables
 from shardflow.compiler.errors import ShardflowError
 from shardflow.compiler.ir import Operator, Tensor, const_tensor
 from shardflow.compiler.ir.expr import BinOp, UnaryOp
@@ -1736,6 +1737,20 @@ def test_the_micro_kernel_tables_are_compiled_once_for_the_libraries_that_use_th
         a, b = rng.standard_normal((m, 64)).astype(np.float32), rng.standard_normal((64, n)).astype(np.float32)
         got = run_kernel(ctypes.CDLL(str(tmp_path / f"mm{i}.so")), syms["mm"], op, [a, b])[0]
         np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_prebuilt_units_needs_are_what_their_objects_refer_to(tmp_path, kernel_cache):
+    """templates_cpu.prebuilt_needs() names, for each prebuilt unit, exactly the other prebuilt units its
+    object refers to (a build compiles them side by side rather than in a second round after it): every
+    unit compiled (the objects of the default cache, which the suite's libraries build anyway) and scanned."""
+    units = prebuilt_tables()
+    cxx = toolchain.cxx_compiler()
+    command = cxx.split() + [f for f in toolchain.compile_flags(2) if f != "-shared"] + ["-c"]
+    keys = {s: toolchain._object_key(text, " ".join(command), toolchain.compiler_version(cxx))
+            for s, text in units.items()}
+    objects = toolchain._cached_or_compiled(list(units), units, keys, command, kernel_cache, str(tmp_path), 2)
+    refers = {s: sorted(r for r in toolchain.referenced_symbols([o], units) if r != s) for s, o in objects.items()}
+    assert {s: r for s, r in refers.items() if r} == {s: sorted(n) for s, n in prebuilt_needs().items()}
 
 
 def test_the_library_header_is_precompiled_once_per_cache(tmp_path, monkeypatch):

@@ -1029,24 +1029,30 @@ static void sf_pdkr_fill(SfPdkrFn* dst, std::integer_sequence<int, MR...>) {
   ((dst[MR] = sf_pdkr_avx512<MR + 1, NV, PS>), ...);
 }
 
+// the kernels of one form (the blocked ones with their rows7): the table's four parts, each the unit of a
+// prebuilt object of its own (templates_cpu: sf_rt_pdkr and sf_rt_pdkr_1..3, compiled side by side; the
+// whole table was 35 s of g++ in one unit)
+template <int FORM>
+static void sf_pdkr_part(SfPdkr& t) {
+  constexpr int PS = FORM == 0 ? 16 : (FORM == 1 ? 32 : FORM - 1);  // pixels 16, 32, 1 or 2 floats apart
+  sf_pdkr_fill<PS, 1>(t.fn[FORM][0], std::make_integer_sequence<int, SF_PDK_MR>{});
+  sf_pdkr_fill<PS, 2>(t.fn[FORM][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+  if constexpr (FORM < 2) {
+    t.rows7[FORM][0] = sf_pdkr_avx512<14, 1, PS, 7>;
+    t.rows7[FORM][1] = sf_pdkr_avx512<14, 2, PS, 7>;
+  }
+}
+
 #ifdef SF_PREBUILT_TABLES
 SF_TABLE_FROM_PREBUILT(SfPdkr, pdkr)
 #else
 static const SfPdkr& sf_pdkr() {
   static const SfPdkr u = [] {
     SfPdkr t = {};
-    sf_pdkr_fill<16, 1>(t.fn[0][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<16, 2>(t.fn[0][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-    t.rows7[0][0] = sf_pdkr_avx512<14, 1, 16, 7>;
-    t.rows7[0][1] = sf_pdkr_avx512<14, 2, 16, 7>;
-    sf_pdkr_fill<32, 1>(t.fn[1][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<32, 2>(t.fn[1][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-    t.rows7[1][0] = sf_pdkr_avx512<14, 1, 32, 7>;
-    t.rows7[1][1] = sf_pdkr_avx512<14, 2, 32, 7>;
-    sf_pdkr_fill<1, 1>(t.fn[2][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<1, 2>(t.fn[2][1], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<2, 1>(t.fn[3][0], std::make_integer_sequence<int, SF_PDK_MR>{});
-    sf_pdkr_fill<2, 2>(t.fn[3][1], std::make_integer_sequence<int, SF_PDK_MR>{});
+    sf_pdkr_part<0>(t);
+    sf_pdkr_part<1>(t);
+    sf_pdkr_part<2>(t);
+    sf_pdkr_part<3>(t);
     return t;
   }();
   return u;
