@@ -642,11 +642,11 @@ _SHIM_RUNTIME = r"""#if defined(__x86_64__)
 // sf_emu_switch(save, to): push the callee-saved registers, store the stack pointer at *save, take `to`
 // as the stack pointer, pop that coroutine's registers and return where it switched away (or, the first
 // time, into its function: shim's start). Hidden: each library has its own.
-asm(".text\n.globl sf_emu_switch\n.hidden sf_emu_switch\n.type sf_emu_switch, @function\nsf_emu_switch:\n"
+asm(".pushsection .text\n.globl sf_emu_switch\n.hidden sf_emu_switch\n.type sf_emu_switch, @function\nsf_emu_switch:\n"
     "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
     "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
     "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
-    ".size sf_emu_switch, .-sf_emu_switch\n");
+    ".size sf_emu_switch, .-sf_emu_switch\n.popsection\n");
 #endif
 // runs body(args) as every thread of every block, `resident` blocks at a time (their threads
 // interleaved, as blocks resident on different multiprocessors run at once); returns 0, 1 on a

@@ -384,7 +384,7 @@ def _precompiled_header(header: str, command: list[str], version: str, cache_dir
     return _once(cache_dir, hkey, look, make)
 
 
-def referenced_symbols(objects: Sequence[str], symbols) -> list[str]:
+def _referenced_symbols(objects: Sequence[str], symbols) -> list[str]:
     """Those of ``symbols`` whose names the object files ``objects`` hold (as names of symbols they
     define or refer to)."""
     data = b"".join(open(o, "rb").read() for o in objects)
@@ -401,7 +401,7 @@ def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], obj
     found: dict[str, str] = {}
     scan = list(objects)
     while scan:
-        wanted = referenced_symbols(scan, [sym for sym in prebuilt if sym not in found])
+        wanted = _referenced_symbols(scan, [sym for sym in prebuilt if sym not in found])
         for sym in wanted:  # (the needs of the needs too: appended as the loop goes)
             wanted += [n for n in needs.get(sym, ()) if n not in found and n not in wanted]
         new = _cached_or_compiled(wanted, prebuilt, pkeys, command, cache_dir, tmp, jobs)

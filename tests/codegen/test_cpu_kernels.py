@@ -1749,7 +1749,7 @@ def test_the_prebuilt_units_needs_are_what_their_objects_refer_to(tmp_path, kern
     keys = {s: toolchain._object_key(text, " ".join(command), toolchain.compiler_version(cxx))
             for s, text in units.items()}
     objects = toolchain._cached_or_compiled(list(units), units, keys, command, kernel_cache, str(tmp_path), 2)
-    refers = {s: sorted(r for r in toolchain.referenced_symbols([o], units) if r != s) for s, o in objects.items()}
+    refers = {s: sorted(r for r in toolchain._referenced_symbols([o], units) if r != s) for s, o in objects.items()}
     assert {s: r for s, r in refers.items() if r} == {s: sorted(n) for s, n in prebuilt_needs().items()}
 
 
