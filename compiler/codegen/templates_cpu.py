@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
 
 import numpy as np
 
@@ -89,6 +90,10 @@ _NEEDS.update({
     "sf_rt_fn_iconv2d": ("sf_rt_i8_kernel", "sf_rt_workspace"),
     "sf_rt_fn_igemm_prepacked": ("sf_rt_i8_kernel", "sf_rt_workspace"),
     "sf_rt_pdkr": ("sf_rt_pdkr_1", "sf_rt_pdkr_2", "sf_rt_pdkr_3")})
+if platform.machine() not in ("x86_64", "AMD64"):  # (the packed conv's tables are x86-64 code: elsewhere its
+    # driver does not refer to them, and their units would not compile)
+    _NEEDS = {s: tuple(n for n in needs if not n.startswith("sf_rt_pdkr")) for s, needs in _NEEDS.items()
+              if not s.startswith("sf_rt_pdkr")}
 
 
 def prebuilt_needs() -> dict[str, tuple[str, ...]]:
