@@ -196,8 +196,8 @@ template <typename T> struct Groups {
 };
 // a coroutine's saved context, and the switch from the running one to another. On x86-64 the callee-saved
 // registers pushed on the coroutine's own stack and its stack pointer (sf_emu_switch, in the runtime):
-// glibc's swapcontext also saves and restores the signal mask, two system calls a switch, which took a
-// third of the emulation's time (perf, the float32 attention cases). Elsewhere, swapcontext. (The
+// glibc's swapcontext also saves and restores the signal mask, a system call at every switch, which took
+// 38% of the float32 attention cases' time (perf). Elsewhere, swapcontext. (The
 // floating-point control words are not switched: nothing in the emulation changes them.)
 #if defined(__x86_64__)
 struct Ctx { void* sp; };

@@ -235,11 +235,8 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
     cxx = cxx_compiler()
     flags = compile_flags(opt_level) + list(extra_flags)
     version = compiler_version(cxx)
-    # (the prebuilt objects at -O3 whatever the library's level: shared by every library of the cache, they
-    # are compiled once for all; an -O0 or -O1 library, the tests' quick builds, links the optimized drivers)
-    object_flags = [f for f in compile_flags(max(opt_level, 2)) + list(extra_flags) if f != "-shared"] + ["-c"]
     prebuilt = dict(prebuilt or {})
-    pkeys = {sym: _object_key(text, " ".join([cxx] + object_flags), version) for sym, text in prebuilt.items()}
+    object_command, pkeys = _prebuilt_keys(prebuilt, cxx, opt_level, extra_flags, version)
     if prebuilt:
         flags.append("-DSF_PREBUILT_TABLES")
     key = hashlib.sha256("\0".join([source, " ".join([cxx] + flags), version] + sorted(pkeys.values())).encode()
@@ -275,7 +272,7 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
             if failures:
                 raise _compile_error(failures)
             objects = [c[-1] for c in cmds]
-            objects += _prebuilt_objects(prebuilt, pkeys, objects, cxx.split() + object_flags, cache_dir, tmp, jobs,
+            objects += _prebuilt_objects(prebuilt, pkeys, objects, object_command, cache_dir, tmp, jobs,
                                          prebuilt_needs or {})
             # (a symbol no object defines fails here, not when a rank loads the library: GNU ld's -z defs)
             no_undefined = ["-Wl,--no-undefined"] if sys.platform.startswith("linux") else []
@@ -288,6 +285,17 @@ def build_shared_library(source: str, path: str, *, cache_dir: str | None = None
             _atomic_copy(out, path)
         return False
     return _once(cache_dir, key, lambda: _from_cache(cached, path), make)
+
+
+def _prebuilt_keys(prebuilt: Mapping[str, str], cxx: str, opt_level: int, extra_flags: Sequence[str],
+                   version: str) -> tuple[list[str], dict[str, str]]:
+    """The compiler command of the ``prebuilt`` units (without the unit and its output) and their objects'
+    cache keys. The objects are -O3 whatever the library's level: shared by every library of the cache,
+    they are compiled once for all (an -O0 or -O1 library, the tests' quick builds, links the optimized
+    drivers)."""
+    flags = [f for f in compile_flags(max(opt_level, 2)) + list(extra_flags) if f != "-shared"] + ["-c"]
+    command = " ".join([cxx] + flags)
+    return cxx.split() + flags, {sym: _object_key(text, command, version) for sym, text in prebuilt.items()}
 
 
 @functools.lru_cache(maxsize=256)

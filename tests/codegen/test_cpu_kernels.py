@@ -1748,9 +1748,7 @@ def test_the_prebuilt_units_needs_are_what_their_objects_refer_to(tmp_path, kern
     x86 = platform.machine() in ("x86_64", "AMD64")
     units = {s: t for s, t in prebuilt_tables().items() if s.startswith("sf_rt_") and (x86 or "pdkr" not in s)}
     cxx = toolchain.cxx_compiler()
-    command = cxx.split() + [f for f in toolchain.compile_flags(2) if f != "-shared"] + ["-c"]
-    keys = {s: toolchain._object_key(text, " ".join(command), toolchain.compiler_version(cxx))
-            for s, text in units.items()}
+    command, keys = toolchain._prebuilt_keys(units, cxx, 2, (), toolchain.compiler_version(cxx))
     objects = toolchain._cached_or_compiled(list(units), units, keys, command, kernel_cache, str(tmp_path), 2)
     refers = {s: sorted(r for r in toolchain._referenced_symbols([o], units) if r != s) for s, o in objects.items()}
     assert {s: r for s, r in refers.items() if r} == {s: sorted(n) for s, n in prebuilt_needs().items()}
