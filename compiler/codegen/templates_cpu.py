@@ -89,7 +89,7 @@ _NEEDS.update({
     "sf_rt_fn_conv2d_packed": ("sf_rt_ukr", "sf_rt_cukr", "sf_rt_pdkr", "sf_rt_pdkr2", "sf_rt_workspace"),
     "sf_rt_fn_iconv2d": ("sf_rt_i8_kernel", "sf_rt_workspace"),
     "sf_rt_fn_igemm_prepacked": ("sf_rt_i8_kernel", "sf_rt_workspace"),
-    "sf_rt_pdkr": ("sf_rt_pdkr_1", "sf_rt_pdkr_2", "sf_rt_pdkr_3")})
+    "sf_rt_pdkr": ("sf_rt_pdkr_1", "sf_rt_pdkr_2", "sf_rt_pdkr_3"), "sf_rt_cukr": ("sf_rt_cukr_1", "sf_rt_cukr_2")})
 if platform.machine() not in ("x86_64", "AMD64"):  # (the packed conv's tables are x86-64 code: elsewhere its
     # driver does not refer to them, and their units would not compile)
     _NEEDS = {s: tuple(n for n in needs if not n.startswith("sf_rt_pdkr")) for s, needs in _NEEDS.items()
@@ -134,6 +134,16 @@ def _prebuilt_units() -> dict[str, str]:
         + "    return t;\n  }();\n  return &u;\n}\n")
     units.update({f"sf_rt_pdkr_{k}": f'{header}\nextern "C" void sf_rt_pdkr_{k}(void* t) '
                   f'{{ sf_pdkr_part<{k}>(*static_cast<SfPdkr*>(t)); }}\n' for k in parts})
+    # the direct conv's table in three parts (conv.h's sf_cukr_part), the same way: its unit has the first and
+    # hands sf_pick_cukr the others' objects
+    units["sf_rt_cukr"] = header + "".join(
+        f'extern "C" void sf_rt_cukr_{k}(void* t);\nstatic void sf_cukr_from_{k}(SfCukr& t) {{ sf_rt_cukr_{k}(&t); }}\n'
+        for k in (1, 2)) + (
+        'extern "C" const void* sf_rt_cukr() {\n'
+        "  static const SfCukrPartFn parts[3] = {sf_cukr_part<0>, sf_cukr_from_1, sf_cukr_from_2};\n"
+        "  static const SfCukr u = sf_pick_cukr(parts);\n  return &u;\n}\n")
+    units.update({f"sf_rt_cukr_{k}": f'{header}\nextern "C" void sf_rt_cukr_{k}(void* t) '
+                  f'{{ sf_cukr_part<{k}>(*static_cast<SfCukr*>(t)); }}\n' for k in (1, 2)})
     units.update({f"sf_rt_fn_{name}": f'#define SF_PREBUILT_TABLES 1\n{header}\n'
                   f'extern "C" const void* sf_rt_fn_{name}() {{ return reinterpret_cast<const void*>(&{fn}); }}\n'
                   for name, fn in _FUNCTIONS.items()})

@@ -412,6 +412,10 @@ def _prebuilt_objects(prebuilt: Mapping[str, str], pkeys: Mapping[str, str], obj
         wanted = _referenced_symbols(scan, [sym for sym in prebuilt if sym not in found])
         for sym in wanted:  # (the needs of the needs too: appended as the loop goes)
             wanted += [n for n in needs.get(sym, ()) if n not in found and n not in wanted]
+        # (the units others need first: the micro-kernel tables and their parts, 4-9 s of g++ each, before the
+        # drivers, 1-3 s, so that no long unit starts last while the other processes idle)
+        needed = {n for sym in wanted for n in needs.get(sym, ())}
+        wanted.sort(key=lambda sym: sym not in needed)
         new = _cached_or_compiled(wanted, prebuilt, pkeys, command, cache_dir, tmp, jobs)
         found.update(new)
         scan = list(new.values())

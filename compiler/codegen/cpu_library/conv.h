@@ -480,23 +480,20 @@ typedef void (*SfDkrFn)(int64_t kc, const float* __restrict__ A, int64_t lda, co
 // Zen 3, a 1-column panel of a 3x3 conv at 7x7 took 30% less time than with 6 x 8)
 struct SfCukr { SfCukrFn fn[12][2]; SfDkrFn dfn[12][2][2]; SfPackFn pack; int64_t mr, mr1, nv, vl; };
 
-static SfCukr sf_pick_cukr() {
-  SfCukr u = {};
+// the kernels of one part of the table: AVX-512's for 1-8 rows (PART 0) and 9-12 rows (1), AVX2's (2); each
+// the unit of a prebuilt object of its own (templates_cpu: sf_rt_cukr and sf_rt_cukr_1..2, compiled side by
+// side; the whole table was 13.5 s of g++ in one unit), filled by sf_pick_cukr for the ISA it picks
+template <int PART>
+static void sf_cukr_part(SfCukr& u) {
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  const bool allow512 = sf_isa_cap() >= SF_ISA_AVX512;
-  const bool allow2 = sf_isa_cap() >= SF_ISA_AVX2;
-  if (allow512 && __builtin_cpu_supports("avx512f")) {
+  if constexpr (PART < 2) {
 #define SF_K(r) u.fn[r - 1][0] = sf_cukr_avx512<r, 1>; u.fn[r - 1][1] = sf_cukr_avx512<r, 2>;                 \
     u.dfn[r - 1][0][0] = sf_dkr_avx512<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx512<r, 1, true>;             \
     u.dfn[r - 1][1][0] = sf_dkr_avx512<r, 2, false>; u.dfn[r - 1][1][1] = sf_dkr_avx512<r, 2, true>;
-    SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K(7) SF_K(8) SF_K(9) SF_K(10) SF_K(11) SF_K(12)
+    if constexpr (PART == 0) { SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K(7) SF_K(8) }
+    else { SF_K(9) SF_K(10) SF_K(11) SF_K(12) }
 #undef SF_K
-    u.pack = sf_pack_b_conv_avx512;
-    u.mr = u.mr1 = 12; u.nv = 2; u.vl = 16;
-    return u;
-  }
-  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+  } else {
 #define SF_K1(r) u.fn[r - 1][0] = sf_cukr_avx2<r, 1>;                                                        \
     u.dfn[r - 1][0][0] = sf_dkr_avx2<r, 1, false>; u.dfn[r - 1][0][1] = sf_dkr_avx2<r, 1, true>;
 #define SF_K(r) SF_K1(r) u.fn[r - 1][1] = sf_cukr_avx2<r, 2>;                                                   \
@@ -504,10 +501,36 @@ static SfCukr sf_pick_cukr() {
     SF_K(1) SF_K(2) SF_K(3) SF_K(4) SF_K(5) SF_K(6) SF_K1(7) SF_K1(8) SF_K1(9) SF_K1(10) SF_K1(11) SF_K1(12)
 #undef SF_K
 #undef SF_K1
+  }
+#else
+  (void)u;
+#endif
+}
+
+typedef void (*SfCukrPartFn)(SfCukr& u);
+
+// part[k]: sf_cukr_part<k> (or the prebuilt object's)
+static SfCukr sf_pick_cukr(const SfCukrPartFn (&part)[3]) {
+  SfCukr u = {};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool allow512 = sf_isa_cap() >= SF_ISA_AVX512;
+  const bool allow2 = sf_isa_cap() >= SF_ISA_AVX2;
+  if (allow512 && __builtin_cpu_supports("avx512f")) {
+    part[0](u);
+    part[1](u);
+    u.pack = sf_pack_b_conv_avx512;
+    u.mr = u.mr1 = 12; u.nv = 2; u.vl = 16;
+    return u;
+  }
+  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    part[2](u);
     u.pack = sf_pack_b_conv_avx2;
     u.mr = 6; u.mr1 = 12; u.nv = 2; u.vl = 8;
     return u;
   }
+#else
+  (void)part;
 #endif
   u.fn[0][0] = sf_cukr_generic<1>; u.fn[1][0] = sf_cukr_generic<2>;
   u.fn[2][0] = sf_cukr_generic<3>; u.fn[3][0] = sf_cukr_generic<4>;
@@ -518,7 +541,11 @@ static SfCukr sf_pick_cukr() {
 #ifdef SF_PREBUILT_TABLES
 SF_TABLE_FROM_PREBUILT(SfCukr, cukr)
 #else
-static const SfCukr& sf_cukr() { static const SfCukr u = sf_pick_cukr(); return u; }
+static const SfCukr& sf_cukr() {
+  static const SfCukrPartFn parts[3] = {sf_cukr_part<0>, sf_cukr_part<1>, sf_cukr_part<2>};
+  static const SfCukr u = sf_pick_cukr(parts);
+  return u;
+}
 #endif
 
 // dst[Hp][Wp] = src[H][W] at (pt, pl), zero around it (no library calls for the short rows)
