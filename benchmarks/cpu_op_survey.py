@@ -7,12 +7,16 @@ onnxruntime's whole call (same thread count; alternating blocks of 10 calls, the
 blocks), the ratios, and the largest difference of the first output (for the random draws, whose
 generators differ, the two outputs' means and standard deviations).
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_op_survey.py [CASE ...]    # default: every case
+    OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_op_survey.py [--threads T] [CASE ...]    # default: every case
 
-(``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS threads otherwise spin beside the runs.)
+(``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS threads otherwise spin beside the runs.) ``--threads T``:
+``OMP_NUM_THREADS`` of our kernels and onnxruntime's intra-op threads (default: 2 for onnxruntime,
+OpenMP's default for ours, one per core). The cases ``s1_*`` are the single ops of rfcs/0002's first
+"Measured" table (session 1; products and convs among them), run with ``--threads 1``.
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -123,6 +127,21 @@ def cases(rng):
         "layernorm_8x128": _case("LayerNormalization", {"x": act}, [_f32("y", act)],
                                  [_const("s", rng.standard_normal(768).astype(np.float32)),
                                   _const("b", rng.standard_normal(768).astype(np.float32))], axis=-1),
+        # rfcs/0002's first measured table (session 1: one thread)
+        "s1_matmul_128x768x768": _case("MatMul", {"x": [128, 768]}, [_f32("y", [128, 768])],
+                                       [_const("w", rng.standard_normal((768, 768)).astype(np.float32))]),
+        "s1_conv3x3_64_56": _case("Conv", {"x": [1, 64, 56, 56]}, [_f32("y", [1, 64, 56, 56])],
+                                  [_const("w", rng.standard_normal((64, 64, 3, 3)).astype(np.float32))],
+                                  pads=[1, 1, 1, 1]),
+        "s1_conv7x7s2_3_224": _case("Conv", {"x": [1, 3, 224, 224]}, [_f32("y", [1, 64, 112, 112])],
+                                    [_const("w", rng.standard_normal((64, 3, 7, 7)).astype(np.float32))],
+                                    pads=[3, 3, 3, 3], strides=[2, 2]),
+        "s1_softmax_12_128": _case("Softmax", {"x": [12, 128, 128]}, [_f32("y", [12, 128, 128])], axis=-1),
+        "s1_layernorm_128_768": _case("LayerNormalization", {"x": [128, 768]}, [_f32("y", [128, 768])],
+                                      [_const("s", rng.standard_normal(768).astype(np.float32)),
+                                       _const("b", rng.standard_normal(768).astype(np.float32))], axis=-1),
+        "s1_erf_128_3072": _case("Erf", {"x": [128, 3072]}, [_f32("y", [128, 3072])]),
+        "s1_tanh_128_3072": _case("Tanh", {"x": [128, 3072]}, [_f32("y", [128, 3072])]),
         # random draws (the engines' generators differ: 'moments' instead of a difference)
         "random_uniform": _case("RandomUniformLike", {"x": [1024, 1024]}, [_f32("y", [1024, 1024])], seed=1.0),
         "random_normal": _case("RandomNormalLike", {"x": [1024, 1024]}, [_f32("y", [1024, 1024])], seed=1.0),
@@ -158,11 +177,18 @@ def _calls(fn, blocks=5, per=10):
     return best
 
 
-def main(only) -> None:
+def main(argv) -> None:
+    threads = 2
+    if "--threads" in argv:
+        at = argv.index("--threads")
+        threads = int(argv[at + 1])
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # (read when the first kernel library loads OpenMP)
+        argv = argv[:at] + argv[at + 2:]
+    only = argv
     rng = np.random.default_rng(0)
     work = tempfile.mkdtemp(prefix="sf-op-survey-")
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
+    opts.intra_op_num_threads = threads
     for name, (model, shapes) in cases(rng).items():
         if only and name not in only:
             continue
