@@ -29,7 +29,7 @@ from ..ir.expr import dtype_kind, numpy_type
 from .external_data import initializer_array, resolve_external_data
 from .wire import split_weights
 from .qdq import FOUR_BIT
-from .registry import NodeContext, find_handler, onnx_dtype
+from .registry import SEQUENCE_READERS, NodeContext, TensorSeq, find_handler, onnx_dtype
 
 __all__ = ["import_onnx", "read_model"]
 
@@ -225,6 +225,11 @@ class _Importer:
         for vi in g.output:
             if vi.name not in self.env:
                 raise ModelFormatError(f"graph output {vi.name!r} is not produced by any node")
+            if isinstance(self.env[vi.name], TensorSeq):
+                raise UnsupportedOperatorError(
+                    f"graph output {vi.name!r} is a sequence of {len(self.env[vi.name].items)} tensors: a compiled "
+                    "program's outputs are tensors (sequences inside the graph are supported); return "
+                    "ConcatFromSequence of it, or its items as outputs of their own", {})
             self._check_output_type(vi, self.env[vi.name])
             outputs.append(self.env[vi.name])
             names.append(vi.name)
@@ -533,6 +538,12 @@ class _Importer:
                 raise ModelFormatError(f"node {node.name or node.op_type} reads {name!r}, which no earlier node "
                                        "produces (the nodes are not in topological order or an input is missing)")
         ctx = NodeContext(node, opset, inputs, self)
+        if node.op_type not in SEQUENCE_READERS:
+            for k, t in enumerate(inputs):
+                if isinstance(t, TensorSeq):
+                    raise ctx.unsupported(f"input {k} ({node.input[k]!r}), a sequence (the sequence ops, Identity "
+                                          "and Loop read sequences; take a tensor out with SequenceAt or "
+                                          "ConcatFromSequence)")
         try:
             outs = handler.fn(ctx)
         except ShardflowError:

@@ -26,7 +26,7 @@ from onnx import helper, numpy_helper
 from ..errors import DtypeError, ModelFormatError, ShapeError, UnsupportedOperatorError
 from ..ir.graph import Operator, Tensor, const_tensor
 
-__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "onnx_dtype", "REQUIRED"]
+__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "TensorSeq", "onnx_dtype", "REQUIRED"]
 
 REQUIRED = object()
 
@@ -76,6 +76,28 @@ class Handler:
     until: int | None
     fn: Callable[["NodeContext"], list]
     domain: str = ""
+
+
+class TensorSeq:
+    """An ONNX sequence value at import (``SequenceConstruct``, ``SplitToSequence``, a loop's list): its
+    tensors in order and their element type. Its length is known at import, as every shape is (control
+    flow is unrolled), so a sequence is a list of the graph's tensors, not a value of the graph: the
+    sequence ops build and read the list, and only the tensors' own ops reach the flow graph."""
+
+    __slots__ = ("items", "dtype", "name")
+
+    def __init__(self, items: list[Tensor], dtype: str, name: str):
+        self.items = list(items)
+        self.dtype = dtype
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"TensorSeq({self.name!r}, {len(self.items)} x {self.dtype})"
+
+
+#: The op types that take a sequence (:class:`TensorSeq`) as an input; any other op given one is refused.
+SEQUENCE_READERS = frozenset({"SequenceAt", "SequenceInsert", "SequenceErase", "SequenceLength",
+                              "ConcatFromSequence", "SequenceMap", "Identity", "Loop"})
 
 
 _HANDLERS: dict[tuple[str, str], list[Handler]] = {}

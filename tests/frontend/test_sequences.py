@@ -1,0 +1,181 @@
+"""Sequences inside a graph (handlers_sequence): resolved at import into lists of the graph's tensors,
+checked against the onnx package's sequence models (their reference outputs), against onnxruntime,
+compiled for cpu, and refused with typed errors where a program would need a sequence value."""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import onnx
+import onnx.backend.test
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, compile, load_onnx
+from shardflow.runtime import load
+from test_control_flow import const, model, ort_run, vi
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+_SIMPLE = os.path.join(os.path.dirname(onnx.backend.test.__file__), "data", "simple")
+
+
+def seq_vi(name, elem, shape=None):
+    return helper.make_tensor_sequence_value_info(name, elem, shape)
+
+
+@pytest.mark.parametrize("case", sorted(os.path.basename(d) for d in glob.glob(os.path.join(_SIMPLE,
+                                                                                           "test_sequence_model*"))))
+def test_the_onnx_packages_sequence_models(case):
+    """test_sequence_model1-8 (SequenceEmpty/Construct/Insert/Erase/At/Length, SplitToSequence,
+    ConcatFromSequence; tensors in and out): the evaluator against the reference outputs shipped with
+    them. Model 8's split lengths are a graph input: bound at import, as any shape-steering input."""
+    folder = os.path.join(_SIMPLE, case)
+    m = onnx.load(os.path.join(folder, "model.onnx"))
+    data = os.path.join(folder, "test_data_set_0")
+    inits = {i.name for i in m.graph.initializer}
+    real = [v for v in m.graph.input if v.name not in inits]
+    feeds = {v.name: numpy_helper.to_array(onnx.load_tensor(os.path.join(data, f"input_{k}.pb")))
+             for k, v in enumerate(real)}
+    want = [numpy_helper.to_array(onnx.load_tensor(os.path.join(data, f"output_{k}.pb")))
+            for k in range(len(m.graph.output))]
+    bound = {k: v for k, v in feeds.items() if v.dtype == np.int64}  # (model 8's splits)
+    g = load_onnx(m, input_shapes={k: v.shape for k, v in feeds.items() if k not in bound}, input_values=bound)
+    got = g.run({k: v for k, v in feeds.items() if k not in bound})
+    for out, w in zip(m.graph.output, want):
+        assert got[out.name].shape == w.shape
+        np.testing.assert_array_equal(got[out.name], w, err_msg=out.name)
+
+
+def _evaluated_and_compiled_match_onnxruntime(m, feeds, tmp_path):
+    want = ort_run(m, feeds)
+    got = load_onnx(m).run(feeds)
+    res = compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out")
+    ran = load(res.out_dir).run(feeds)
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=1e-6, atol=1e-6, err_msg=f"evaluator {name}")
+        np.testing.assert_allclose(ran[name], w, rtol=1e-5, atol=1e-6, err_msg=f"cpu program {name}")
+
+
+def _split_and_gather():
+    """SplitToSequence three ways (scalar chunks with a short last one, given lengths, ones with the
+    axis dropped), SequenceAt from the end, SequenceErase/Insert, SequenceLength and both kinds of
+    ConcatFromSequence."""
+    nodes = [
+        helper.make_node("SplitToSequence", ["x", "three"], ["s3"], axis=1),  # 3, 3, 1 columns
+        helper.make_node("SplitToSequence", ["x", "lens"], ["sl"], axis=0),  # rows 1 and 3
+        helper.make_node("SplitToSequence", ["x"], ["s1"], axis=-1, keepdims=0),  # 7 columns of 4
+        helper.make_node("SequenceAt", ["s3", "minus1"], ["last"]),
+        helper.make_node("SequenceErase", ["s1", "zero"], ["s1e"]),
+        helper.make_node("SequenceInsert", ["s1e", "row", "minus1"], ["s1i"]),
+        helper.make_node("SequenceLength", ["s1i"], ["n"]),
+        helper.make_node("ConcatFromSequence", ["s1i"], ["stacked"], axis=1, new_axis=1),
+        helper.make_node("ConcatFromSequence", ["sl"], ["joined"], axis=0),
+        helper.make_node("SequenceAt", ["sl", "zero"], ["first"]),
+        helper.make_node("Relu", ["first"], ["first_relu"]),
+        helper.make_node("SequenceConstruct", ["row", "row"], ["rows"]),
+        helper.make_node("SequenceAt", ["rows", "one"], ["row_again"]),  # (a graph input, straight out)
+    ]
+    inits = [const("three", np.array(3, np.int64)), const("lens", np.array([1, 3], np.int64)),
+             const("minus1", np.array(-1, np.int64)), const("zero", np.array(0, np.int32)),
+             const("one", np.array(1, np.int64))]
+    m = model(nodes, [vi("x", F, [4, 7]), vi("row", F, [4])],
+              [vi("last", F, [4, 1]), vi("n", I64, []), vi("stacked", F, [4, 7]), vi("joined", F, [4, 7]),
+               vi("first_relu", F, [1, 7]), vi("row_again", F, [4])], inits)
+    rng = np.random.default_rng(0)
+    return m, {"x": rng.standard_normal((4, 7)).astype(np.float32), "row": rng.standard_normal(4).astype(np.float32)}
+
+
+def _loop_appending():
+    """A Loop that appends a tensor computed from the iteration number to a carried sequence (the
+    pattern of a scripted list append), concatenated after the loop, and a SequenceMap over it with a
+    tensor input beside the sequence."""
+    body = helper.make_graph(
+        [helper.make_node("Cast", ["i"], ["fi"], to=F),
+         helper.make_node("Mul", ["x", "fi"], ["xi"]),
+         helper.make_node("SequenceInsert", ["seq_in", "xi"], ["seq_out"]),
+         helper.make_node("Identity", ["cond"], ["cond_out"])],
+        "body", [vi("i", I64, []), vi("cond", TensorProto.BOOL, []), seq_vi("seq_in", F)],
+        [vi("cond_out", TensorProto.BOOL, []), seq_vi("seq_out", F)])
+    mapped = helper.make_graph(
+        [helper.make_node("Add", ["e", "b"], ["sum"]), helper.make_node("ReduceSum", ["sum"], ["r"], keepdims=1)],
+        "map", [vi("e", F, [2, 3]), vi("b", F, [3])], [vi("r", F, [1, 1])])
+    nodes = [helper.make_node("SequenceEmpty", [], ["empty"], dtype=F),
+             helper.make_node("Loop", ["trips", "", "empty"], ["seq"], body=body),
+             helper.make_node("ConcatFromSequence", ["seq"], ["all"], axis=0),
+             helper.make_node("SequenceMap", ["seq", "b"], ["sums"], body=mapped),
+             helper.make_node("ConcatFromSequence", ["sums"], ["sum_rows"], axis=-1)]
+    m = model(nodes, [vi("x", F, [2, 3]), vi("b", F, [3])], [vi("all", F, [8, 3]), vi("sum_rows", F, [1, 4])],
+              [const("trips", np.array(4, np.int64))])
+    rng = np.random.default_rng(1)
+    return m, {"x": rng.standard_normal((2, 3)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+
+
+@pytest.mark.parametrize("case", [_split_and_gather, _loop_appending], ids=["split-gather", "loop-append"])
+def test_sequences_against_onnxruntime_and_compiled_for_cpu(tmp_path, case):
+    m, feeds = case()
+    _evaluated_and_compiled_match_onnxruntime(m, feeds, tmp_path)
+
+
+def test_what_a_program_cannot_hold_is_refused_by_name():
+    x = vi("x", F, [2, 3])
+    # a sequence returned as a graph output
+    m = model([helper.make_node("SplitToSequence", ["x"], ["s"], axis=0)], [x], [seq_vi("s", F, [1, 3])])
+    with pytest.raises(UnsupportedOperatorError, match="graph output 's' is a sequence of 2 tensors"):
+        load_onnx(m)
+    # a sequence graph input
+    m = model([helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0)], [seq_vi("s", F, [2, 3])],
+              [vi("y", F, ["a", "b"])])
+    with pytest.raises(UnsupportedOperatorError, match="graph input 's' is not a tensor"):
+        load_onnx(m)
+    # a position out of range, and one computed from graph inputs
+    nodes = [helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
+             helper.make_node("SequenceAt", ["s", "p"], ["y"])]
+    m = model(nodes, [x], [vi("y", F, ["a", "b"])], [const("p", np.array(2, np.int64))])
+    with pytest.raises(ShapeError, match=r"SequenceAt.*position 2 is outside \[-2, 1\]"):
+        load_onnx(m)
+    m = model(nodes, [x, vi("p", I64, [])], [vi("y", F, ["a", "b"])])
+    with pytest.raises(UnsupportedOperatorError, match="must be known at compile time"):
+        load_onnx(m)
+    # the concatenation of an empty sequence has no shape; a sequence of mixed types is not one
+    m = model([helper.make_node("SequenceEmpty", [], ["s"]), helper.make_node("ConcatFromSequence", ["s"], ["y"],
+                                                                              axis=0)], [], [vi("y", F, ["a", "b"])])
+    with pytest.raises(UnsupportedOperatorError, match="an empty sequence"):
+        load_onnx(m)
+    i = vi("i", I64, [2])
+    m = helper.make_model(helper.make_graph([helper.make_node("SequenceConstruct", ["x", "i"], ["s"], name="mixed"),
+                                             helper.make_node("SequenceLength", ["s"], ["n"])], "g", [x, i],
+                                            [vi("n", I64, [])]), opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelFormatError, match="node mixed .*different element types"):
+        load_onnx(m)
+
+
+def test_a_scripted_torch_module_with_list_ops(tmp_path):
+    """What users' models hold: a ``torch.jit.script``ed forward that splits its input into a list,
+    appends to another in a loop and concatenates and stacks it, exported by the TorchScript exporter
+    (SplitToSequence, a Loop carrying a SequenceInsert, SequenceLength, ConcatFromSequence); the
+    evaluator and the cpu program against onnxruntime."""
+    torch = pytest.importorskip("torch")
+    from typing import List
+
+    class Chunks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            parts: List[torch.Tensor] = []
+            for chunk in torch.split(x, 2, dim=1):
+                parts.append(torch.relu(self.lin(chunk)))
+            return torch.cat(parts, dim=1) + torch.stack(parts, 0).sum(0).repeat(1, len(parts), 1)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    path = str(tmp_path / "chunks.onnx")
+    torch.onnx.export(torch.jit.script(Chunks()), (x,), path, opset_version=17, dynamo=False)
+    m = onnx.load(path)
+    assert {"SplitToSequence", "ConcatFromSequence", "Loop"} <= {n.op_type for n in m.graph.node}
+    name = m.graph.input[0].name
+    feeds = {name: x.numpy()}
+    _evaluated_and_compiled_match_onnxruntime(m, feeds, tmp_path)
