@@ -7,10 +7,11 @@ every sequence has a length and every position a value known at import: a sequen
 :class:`~.registry.TensorSeq`, a list of the graph's tensors, and the sequence ops only build and
 read that list. What reaches the flow graph are the ops of its tensors: the slices of a
 ``SplitToSequence``, the concatenation of a ``ConcatFromSequence``, the body of a ``SequenceMap``
-imported once per element. A position computed from graph inputs is refused (bind those inputs
-with ``input_values``), as are sequences given as graph inputs or returned as graph outputs (a
-program's inputs and outputs are tensors); a sequence passes through ``Identity`` and a ``Loop``'s
-carried values, so a loop that appends to a list and concatenates it afterwards imports.
+imported once per element. A sequence passes through ``Identity`` and a ``Loop``'s carried values,
+so a loop that appends to a list and concatenates it afterwards imports; a sequence returned as a
+graph output is returned item by item, as the outputs ``name[0]``, ``name[1]``, ...
+(``onnx_importer``). A position computed from graph inputs is refused (bind those inputs with
+``input_values``), as are sequences given as graph inputs (a program's inputs are tensors).
 """
 from __future__ import annotations
 

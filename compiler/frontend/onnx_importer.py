@@ -24,7 +24,7 @@ from shardflow.runtime.errors import ADDRESSABLE_BYTES, format_bytes
 from ..errors import (DtypeError, MemoryLimitError, ModelFormatError, ShapeError, ShardflowError,
                       UnsupportedOperatorError)
 from ..ir.graph import RNG_STEP, RNG_STEP_NEXT, FlowGraph, Operator, Tensor, const_tensor
-from ..ops.elementwise import Binary
+from ..ops.elementwise import Binary, Identity
 from ..ir.expr import dtype_kind, numpy_type
 from .external_data import initializer_array, resolve_external_data
 from .wire import split_weights
@@ -226,10 +226,8 @@ class _Importer:
             if vi.name not in self.env:
                 raise ModelFormatError(f"graph output {vi.name!r} is not produced by any node")
             if isinstance(self.env[vi.name], TensorSeq):
-                raise UnsupportedOperatorError(
-                    f"graph output {vi.name!r} is a sequence of {len(self.env[vi.name].items)} tensors: a compiled "
-                    "program's outputs are tensors (sequences inside the graph are supported); return "
-                    "ConcatFromSequence of it, or its items as outputs of their own", {})
+                self._sequence_output(vi.name, self.env[vi.name], outputs, names)
+                continue
             self._check_output_type(vi, self.env[vi.name])
             outputs.append(self.env[vi.name])
             names.append(vi.name)
@@ -244,6 +242,26 @@ class _Importer:
             outputs.append(step_next.outputs[0])
             names.append(RNG_STEP_NEXT)
         return FlowGraph(inputs, outputs, self.nodes, names, name=g.name or "graph")
+
+    def _sequence_output(self, name: str, seq: TensorSeq, outputs: list[Tensor], names: list[str]) -> None:
+        """A graph output that is a sequence (a scripted module returning a list): one output per item,
+        ``name[0]``, ``name[1]``, ... (its length is known at import, as every shape is; an empty
+        sequence gives none). Each is an ``Identity`` of the item, so that an item returned twice, or a
+        graph input returned, is an output tensor of its own."""
+        log.info("graph output %r is a sequence of %d tensors: returned as the outputs %s", name, len(seq.items),
+                 ", ".join(f"{name}[{k}]" for k in range(len(seq.items))) or "(none)")
+        graph_names = {vi.name for vi in self.proto.graph.output}
+        for k, t in enumerate(seq.items):
+            item = f"{name}[{k}]"
+            if item in graph_names:
+                raise ModelFormatError(f"graph output {name!r} is a sequence, whose items are returned as "
+                                       f"{name}[0], {name}[1], ...; but the model has an output named {item!r} too")
+            op = Identity([t], name=item)
+            op.outputs[0].name = item if item not in self._used_names else self.fresh_name(item + "_")
+            self._used_names.add(op.outputs[0].name)
+            self.add_op(op)
+            outputs.append(op.outputs[0])
+            names.append(item)
 
     def _check_output_type(self, vi: onnx.ValueInfoProto, t: Tensor) -> None:
         """A graph output declared with an element type other than the one its node computes is a

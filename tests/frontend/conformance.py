@@ -50,9 +50,14 @@ def _arrays(values) -> list:
     return [one(v) for v in values]
 
 
-def is_tensor_only(case) -> bool:
+def is_tensor_only(case, sequence_outputs: bool = False) -> bool:
+    """Whether the case's inputs and outputs are tensors of supported types; ``sequence_outputs``:
+    outputs may also be lists of such tensors (a sequence output, returned item by item)."""
     for inputs, outputs in case.data_sets:
-        for a in _arrays(inputs) + _arrays(outputs):
+        outputs = _arrays(outputs)
+        if sequence_outputs:
+            outputs = [a for v in outputs for a in (_arrays(v) if isinstance(v, list) else [v])]
+        for a in _arrays(inputs) + outputs:
             if not isinstance(a, np.ndarray) or a.dtype.names:
                 return False
             if a.dtype.name in ML_FLOATS:
@@ -165,7 +170,7 @@ def print_counts(results: dict, verbose: bool, statuses: tuple, shown: tuple) ->
 def run_case(case) -> tuple[str, str]:
     """Return ``(status, detail)`` with status in passed / passed_bound / wrong / refused / error /
     skipped; ``passed_bound``: passed with some inputs bound at import (``input_values``)."""
-    if not is_tensor_only(case):
+    if not is_tensor_only(case, sequence_outputs=True):
         return "skipped", "not tensor-only"
     graph_inputs = [vi.name for vi in case.model.graph.input
                     if vi.name not in {i.name for i in case.model.graph.initializer}]
@@ -179,9 +184,17 @@ def run_case(case) -> tuple[str, str]:
             g, feeds, bound = _import_binding(case, dict(zip(graph_inputs, inputs)))
             got = g.run(feeds)
             for name, want in zip(out_names, expected):
-                why = mismatch(got[name], want, case)
-                if why:
-                    return "wrong", f"output {name}: {why}"
+                if isinstance(want, list):  # a sequence: its items are the outputs name[0], name[1], ...
+                    items = sorted(k for k in got if k.startswith(f"{name}["))
+                    if len(items) != len(want):
+                        return "wrong", f"output {name}: a sequence of {len(items)} tensors, expected {len(want)}"
+                    pairs = [(f"{name}[{k}]", w) for k, w in enumerate(_arrays(want))]
+                else:
+                    pairs = [(name, want)]
+                for key, w in pairs:
+                    why = mismatch(got[key], w, case)
+                    if why:
+                        return "wrong", f"output {key}: {why}"
             if is_random_case(case):
                 if RNG_STEP not in {t.name for t in g.inputs}:
                     return "wrong", "a random op's graph without the step input"
