@@ -25,7 +25,7 @@ from ..ops.elementwise import Binary, Identity, Unary, Where
 from ..ops.linalg import MatMul
 from ..ops.reduce import Reduce, Softmax
 from ..ops.transform import Full, Gather, GatherElements, Reshape, ScatterElements, Transpose
-from .registry import FLOATS, NodeContext, onnx_dtype, onnx_op
+from .registry import FLOATS, NodeContext, TensorSeq, onnx_dtype, onnx_op
 
 
 
@@ -300,6 +300,8 @@ def optional_has_element(ctx):
 
 @onnx_op("OptionalGetElement", since=15)
 def optional_get_element(ctx):
+    if isinstance(ctx.input(0), TensorSeq):  # (an optional sequence: the sequence itself)
+        return [ctx.input(0)]
     return [ctx.add(Identity([ctx.input(0)], name=ctx.name))]
 
 

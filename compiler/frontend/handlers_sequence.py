@@ -9,9 +9,11 @@ read that list. What reaches the flow graph are the ops of its tensors: the slic
 ``SplitToSequence``, the concatenation of a ``ConcatFromSequence``, the body of a ``SequenceMap``
 imported once per element. A sequence passes through ``Identity`` and a ``Loop``'s carried values,
 so a loop that appends to a list and concatenates it afterwards imports; a sequence returned as a
-graph output is returned item by item, as the outputs ``name[0]``, ``name[1]``, ...
-(``onnx_importer``). A position computed from graph inputs is refused (bind those inputs with
-``input_values``), as are sequences given as graph inputs (a program's inputs are tensors).
+graph output is returned item by item, as the outputs ``name[0]``, ``name[1]``, ..., and a sequence
+graph input is taken item by item, as the inputs ``name[0]``, ``name[1]``, ..., whose shapes are given
+as a list (``input_shapes={name: [shape, ...]}``) or whose values are bound (``input_values={name:
+[array, ...]}``) (``onnx_importer``). A position computed from graph inputs is refused (bind those
+inputs with ``input_values``).
 """
 from __future__ import annotations
 

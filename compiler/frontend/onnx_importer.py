@@ -396,9 +396,16 @@ class _Importer:
                 # an optional tensor is compiled as present: the program takes the tensor (no way to pass none)
                 tt = vi.type.optional_type.elem_type.tensor_type
                 log.info("graph input %r is an optional tensor: compiled as present", vi.name)
+            seq = vi.type.sequence_type if vi.type.HasField("sequence_type") else None
+            if vi.type.HasField("optional_type") and vi.type.optional_type.elem_type.HasField("sequence_type"):
+                seq = vi.type.optional_type.elem_type.sequence_type  # (compiled as present, as a tensor's)
+                log.info("graph input %r is an optional sequence: compiled as present", vi.name)
+            if tt is None and seq is not None and seq.elem_type.HasField("tensor_type"):
+                self._sequence_input(vi.name, seq.elem_type.tensor_type, names, res)
+                continue
             if tt is None:
-                raise UnsupportedOperatorError(f"graph input {vi.name!r} is not a tensor or an optional tensor "
-                                               "(sequence and map inputs are not supported)")
+                raise UnsupportedOperatorError(f"graph input {vi.name!r} is not a tensor, an optional tensor or a "
+                                               "sequence of tensors (map inputs are not supported)")
             dtype = onnx_dtype(tt.elem_type, f"graph input {vi.name!r}")
             if vi.name in self.input_values:
                 self.env[vi.name] = self._bound_input(vi.name, tt, dtype)
@@ -479,23 +486,61 @@ class _Importer:
                         "those dims need their own shapes", clash, {n: sorted(sizes[n]) for n in clash})
         return {**{n: next(iter(v)) for n, v in sizes.items() if len(v) == 1}, **fixed}
 
-    def _bound_input(self, name: str, tt, dtype: str) -> Tensor:
-        """Graph input ``name`` bound to ``input_values[name]``: a constant of the declared type."""
-        given = self.input_values[name]
+    def _sequence_input(self, name: str, tt, names: set[str], res: list[Tensor]) -> None:
+        """A graph input that is a sequence of tensors (handlers_sequence): its length is not in the model,
+        so its items' shapes are given as a list in ``input_shapes`` (the program takes the items as the
+        inputs ``name[0]``, ``name[1]``, ..., appended to ``res``) or its items bound as a list of arrays in
+        ``input_values``."""
+        dtype = onnx_dtype(tt.elem_type, f"graph input {name!r}'s items")
+        how = (f"give its items' shapes as a list, input_shapes={{{name!r}: [(...), ...]}} (the program then takes "
+               f"the items as the inputs {name}[0], {name}[1], ...), or bind them, input_values={{{name!r}: "
+               "[array, ...]}")
+        bound = name in self.input_values
+        given = self.input_values[name] if bound else self.input_shapes.get(name)
+        if given is None:
+            raise ShapeError(f"graph input {name!r} is a sequence, whose length the model does not fix; {how}")
+        what = f"{'input_values' if bound else 'input_shapes'}[{name!r}]"
+        if not isinstance(given, (list, tuple)) or not all(
+                isinstance(v, np.ndarray) if bound else isinstance(v, (list, tuple)) for v in given):
+            raise ShapeError(f"{what} = {given!r}: the input is a sequence; {how}")
+        items = []
+        for k, v in enumerate(given):
+            item = f"{name}[{k}]"
+            if item in names:
+                raise ModelFormatError(f"graph input {name!r} is a sequence, whose items are the inputs {name}[0], "
+                                       f"{name}[1], ...; but the model has an input named {item!r} too")
+            if bound:
+                t = self._bound_input(item, tt, dtype, v, f"{what}[{k}]")
+            else:
+                t = Tensor(item, self._given_shape(tt, v, f"{what}[{k}]"), dtype)
+                _check_addressable(t, f"graph input {name!r}'s item {k}")
+                self._graph_input_ids[id(t)] = name
+                res.append(t)
+            self._used_names.add(item)
+            items.append(t)
+        log.info("graph input %r is a sequence of %d tensors: %s", name, len(items),
+                 "bound at import" if bound else f"taken as the inputs {name}[0], ...")
+        self.env[name] = TensorSeq(items, dtype, name)
+
+    def _bound_input(self, name: str, tt, dtype: str, given=None, what: str | None = None) -> Tensor:
+        """Graph input ``name`` bound to ``given`` (default ``input_values[name]``, ``what`` in errors): a
+        constant of the declared type."""
+        what = what or f"input_values[{name!r}]"
+        given = self.input_values[name] if given is None else given
         try:
             arr = np.asarray(given)
         except Exception as exc:
-            raise ShapeError(f"input_values[{name!r}] is not array-like ({type(exc).__name__}: {exc})") from None
+            raise ShapeError(f"{what} is not array-like ({type(exc).__name__}: {exc})") from None
         kind = dtype_kind(arr.dtype) if arr.dtype.kind == "V" else arr.dtype.kind
         if kind not in "biuf" or (kind == "b") != (dtype == "bool"):
-            raise DtypeError(f"input_values[{name!r}] has dtype {arr.dtype}, but the model declares {dtype}")
+            raise DtypeError(f"{what} has dtype {arr.dtype}, but the model declares {dtype}")
         if kind == "f" and dtype_kind(dtype) in "iu":
-            raise DtypeError(f"input_values[{name!r}] holds floats (dtype {arr.dtype}), but the model declares "
+            raise DtypeError(f"{what} holds floats (dtype {arr.dtype}), but the model declares "
                              f"{dtype}; pass integers")
         converted = arr.astype(numpy_type(dtype))
         if arr.dtype.kind in "iu" and not np.array_equal(converted.astype(arr.dtype), arr):
-            raise DtypeError(f"input_values[{name!r}] does not fit the declared type {dtype}")
-        self._check_declared(tt, tuple(arr.shape), f"input_values[{name!r}] of shape {tuple(arr.shape)}")
+            raise DtypeError(f"{what} does not fit the declared type {dtype}")
+        self._check_declared(tt, tuple(arr.shape), f"{what} of shape {tuple(arr.shape)}")
         log.info("graph input %r bound at import to a constant of shape %s", name, list(arr.shape))
         return const_tensor(np.asarray(converted, order="C"), name)
 
@@ -517,20 +562,23 @@ class _Importer:
             if isinstance(want, int) and want != got:
                 raise ShapeError(f"{label}: dim {d} is fixed to {want} by the model")
 
+    def _given_shape(self, tt, given, what: str) -> tuple[int, ...]:
+        """``given`` (``what`` in errors) as a shape, checked against the declared one."""
+        try:
+            shape = tuple(int(d) for d in given)
+        except (TypeError, ValueError):
+            raise ShapeError(f"{what} = {given!r} is not a tuple of ints") from None
+        if any(d < 0 for d in shape):
+            raise ShapeError(f"{what} = {shape} has a negative dim")
+        self._check_declared(tt, shape, f"{what} = {shape}")
+        return shape
+
     def _input_shape(self, name: str, tt, named: dict[str, int]) -> tuple[int, ...] | None:
         """The input's shape: given, declared, or its named dynamic dims' sizes from ``named``
         (:meth:`_named_dims`); ``None`` when a dynamic dim has none of these."""
         declared = self._declared(tt)
         if name in self.input_shapes:
-            given = self.input_shapes[name]
-            try:
-                shape = tuple(int(d) for d in given)
-            except (TypeError, ValueError):
-                raise ShapeError(f"input_shapes[{name!r}] = {given!r} is not a tuple of ints") from None
-            if any(d < 0 for d in shape):
-                raise ShapeError(f"input_shapes[{name!r}] = {shape} has a negative dim")
-            self._check_declared(tt, shape, f"input_shapes[{name!r}] = {shape}")
-            return shape
+            return self._given_shape(tt, self.input_shapes[name], f"input_shapes[{name!r}]")
         if declared is None:
             raise ShapeError(f"graph input {name!r} has no declared shape; pass input_shapes={{{name!r}: (...)}}")
         if any(not isinstance(d, int) for d in declared):

@@ -42,6 +42,8 @@ def _arrays(values) -> list:
     from onnx import TensorProto, numpy_helper
 
     def one(v):
+        if isinstance(v, list):  # (a sequence's items)
+            return [one(x) for x in v]
         if isinstance(v, np.generic):
             return np.asarray(v)
         if isinstance(v, TensorProto):
@@ -50,14 +52,14 @@ def _arrays(values) -> list:
     return [one(v) for v in values]
 
 
-def is_tensor_only(case, sequence_outputs: bool = False) -> bool:
-    """Whether the case's inputs and outputs are tensors of supported types; ``sequence_outputs``:
-    outputs may also be lists of such tensors (a sequence output, returned item by item)."""
+def is_tensor_only(case, sequences: bool = False) -> bool:
+    """Whether the case's inputs and outputs are tensors of supported types; ``sequences``: they may
+    also be lists of such tensors (sequences, taken and returned item by item)."""
     for inputs, outputs in case.data_sets:
-        outputs = _arrays(outputs)
-        if sequence_outputs:
-            outputs = [a for v in outputs for a in (_arrays(v) if isinstance(v, list) else [v])]
-        for a in _arrays(inputs) + outputs:
+        values = _arrays(inputs) + _arrays(outputs)
+        if sequences:
+            values = [a for v in values for a in (_arrays(v) if isinstance(v, list) else [v])]
+        for a in values:
             if not isinstance(a, np.ndarray) or a.dtype.names:
                 return False
             if a.dtype.name in ML_FLOATS:
@@ -81,7 +83,11 @@ def _import_binding(case, feeds: dict) -> tuple:
     while True:
         try:
             rest = {k: v for k, v in feeds.items() if k not in bound}
-            g = load_onnx(case.model, input_shapes={k: v.shape for k, v in rest.items()}, input_values=bound)
+            # (a sequence input, a list: its items' shapes, and its items fed as name[0], name[1], ...)
+            shapes = {k: [a.shape for a in v] if isinstance(v, list) else v.shape for k, v in rest.items()}
+            g = load_onnx(case.model, input_shapes=shapes, input_values=bound)
+            rest = {key: a for k, v in rest.items()
+                    for key, a in ([(f"{k}[{i}]", a) for i, a in enumerate(v)] if isinstance(v, list) else [(k, v)])}
             if RNG_STEP in {t.name for t in g.inputs}:
                 rest[RNG_STEP] = np.array(0, np.int64)
             return g, rest, sorted(bound)
@@ -170,7 +176,7 @@ def print_counts(results: dict, verbose: bool, statuses: tuple, shown: tuple) ->
 def run_case(case) -> tuple[str, str]:
     """Return ``(status, detail)`` with status in passed / passed_bound / wrong / refused / error /
     skipped; ``passed_bound``: passed with some inputs bound at import (``input_values``)."""
-    if not is_tensor_only(case, sequence_outputs=True):
+    if not is_tensor_only(case, sequences=True):
         return "skipped", "not tensor-only"
     graph_inputs = [vi.name for vi in case.model.graph.input
                     if vi.name not in {i.name for i in case.model.graph.initializer}]

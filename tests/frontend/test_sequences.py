@@ -141,13 +141,39 @@ def test_a_sequence_output_is_returned_item_by_item(tmp_path):
             np.testing.assert_array_equal(outs[name], w, err_msg=name)
 
 
+def _sequence_in():
+    """A sequence graph input, its items concatenated and one of them read."""
+    return model([helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0),
+                  helper.make_node("SequenceAt", ["s", "one"], ["second"])],
+                 [seq_vi("s", F, ["n", 3])], [vi("y", F, ["a", 3]), vi("second", F, ["b", 3])],
+                 [const("one", np.array(1, np.int64))])
+
+
+def test_a_sequence_input_is_taken_item_by_item(tmp_path):
+    """A sequence graph input's length is not in the model: its items' shapes are given as a list
+    (the program takes the items as the inputs s[0], s[1], ...), or its items bound as arrays."""
+    items = [np.full((k + 1, 3), k, np.float32) for k in range(3)]
+    want = {"y": np.concatenate(items), "second": items[1]}
+    g = load_onnx(_sequence_in(), input_shapes={"s": [a.shape for a in items]})
+    assert [t.name for t in g.inputs] == ["s[0]", "s[1]", "s[2]"]
+    feeds = {f"s[{k}]": a for k, a in enumerate(items)}
+    res = compile(_sequence_in(), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                  out_dir=tmp_path / "out", input_shapes={"s": [a.shape for a in items]})
+    bound = load_onnx(_sequence_in(), input_values={"s": items})
+    assert bound.inputs == []
+    for outs in (g.run(feeds), load(res.out_dir).run(feeds), bound.run({})):
+        for name, w in want.items():
+            np.testing.assert_array_equal(outs[name], w, err_msg=name)
+    with pytest.raises(ShapeError, match=r"graph input 's' is a sequence.*input_shapes=\{'s': \[\(\.\.\.\), "):
+        load_onnx(_sequence_in())
+    with pytest.raises(ShapeError, match=r"input_shapes\['s'\] = \(2, 3\): the input is a sequence"):
+        load_onnx(_sequence_in(), input_shapes={"s": (2, 3)})
+    with pytest.raises(ShapeError, match=r"input_shapes\['s'\]\[1\] = \(2, 4\): dim 1 is fixed to 3"):
+        load_onnx(_sequence_in(), input_shapes={"s": [(2, 3), (2, 4)]})
+
+
 def test_what_a_program_cannot_hold_is_refused_by_name():
     x = vi("x", F, [2, 3])
-    # a sequence graph input
-    m = model([helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0)], [seq_vi("s", F, [2, 3])],
-              [vi("y", F, ["a", "b"])])
-    with pytest.raises(UnsupportedOperatorError, match="graph input 's' is not a tensor"):
-        load_onnx(m)
     # a position out of range, and one computed from graph inputs
     nodes = [helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
              helper.make_node("SequenceAt", ["s", "p"], ["y"])]
