@@ -1,6 +1,6 @@
 """Handlers for ONNX ops built from other IR ops or constants: the window functions (HannWindow,
 HammingWindow, BlackmanWindow), the losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss),
-AffineGrid, Col2Im, MaxUnpool, OptionalHasElement / OptionalGetElement of tensors, TfIdfVectorizer
+AffineGrid, Col2Im, MaxUnpool, Optional / OptionalHasElement / OptionalGetElement, TfIdfVectorizer
 of integer tokens (composed from Gather, Equal, reductions and a MatMul), the training domain's
 optimizer updates (Adagrad, Momentum, Adam: element-wise), and ai.onnx.ml's Binarizer and
 ArrayFeatureExtractor.
@@ -9,9 +9,10 @@ Windows depend only on their size, which must be known at import; they become co
 losses are composed from LogSoftmax, GatherElements, Gather, Where, Reduce and element-wise ops,
 following the function bodies of the ONNX schemas. AffineGrid is a constant base grid times
 theta (MatMul); Col2Im is a grouped ConvTranspose with one-hot kernels; MaxUnpool scatters into
-zeros (ScatterElements). An optional graph input of a tensor type is compiled as present (the program
-takes the tensor; onnx_importer.py), so an optional's element is its tensor and it has one exactly when the
-node names an input.
+zeros (ScatterElements). An optional graph input of a tensor or sequence type is compiled as present (the
+program takes the tensor or the sequence's items; onnx_importer.py), so an optional's element is its value and
+it has one exactly when the node names an input; an ``Optional`` node with an input is that input (one
+without, an empty optional, is refused).
 """
 from __future__ import annotations
 
@@ -292,6 +293,15 @@ def max_unpool(ctx):
 
 
 # Optional values ---------------------------------------------------------------------------------
+
+@onnx_op("Optional", since=15)
+def optional(ctx):
+    """An optional holding its input (a tensor or a sequence): that value, as an optional graph input
+    compiled as present is its tensor. An empty optional (no input) has no value a program can hold."""
+    if not ctx.has_input(0):
+        raise ctx.unsupported("an empty optional (no input)")
+    return [ctx.input(0)]
+
 
 @onnx_op("OptionalHasElement", since=15)
 def optional_has_element(ctx):

@@ -97,8 +97,8 @@ class TensorSeq:
 
 #: The op types that take a sequence (:class:`TensorSeq`) as an input; any other op given one is refused.
 SEQUENCE_READERS = frozenset({"SequenceAt", "SequenceInsert", "SequenceErase", "SequenceLength",
-                              "ConcatFromSequence", "SequenceMap", "Identity", "Loop", "OptionalHasElement",
-                              "OptionalGetElement"})
+                              "ConcatFromSequence", "SequenceMap", "Identity", "Loop", "Optional",
+                              "OptionalHasElement", "OptionalGetElement"})
 
 
 _HANDLERS: dict[tuple[str, str], list[Handler]] = {}

@@ -224,3 +224,28 @@ def test_a_scripted_torch_module_with_list_ops(tmp_path):
     name = m.graph.input[0].name
     feeds = {name: x.numpy()}
     _evaluated_and_compiled_match_onnxruntime(m, feeds, tmp_path)
+
+
+def test_optionals_of_tensors_and_sequences():
+    """``Optional`` holding a tensor or a sequence is that value (OptionalHasElement true,
+    OptionalGetElement the value); an empty ``Optional`` has no value a program holds: refused."""
+    x = vi("x", F, [2, 3])
+    nodes = [helper.make_node("Optional", ["x"], ["ox"]),
+             helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
+             helper.make_node("Optional", ["s"], ["os"]),
+             helper.make_node("OptionalHasElement", ["os"], ["has"]),
+             helper.make_node("OptionalGetElement", ["os"], ["s2"]),
+             helper.make_node("ConcatFromSequence", ["s2"], ["y"], axis=1),
+             helper.make_node("OptionalGetElement", ["ox"], ["x2"])]
+    m = model(nodes, [x], [vi("has", TensorProto.BOOL, []), vi("y", F, [1, 6]), vi("x2", F, [2, 3])], opset=18)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = load_onnx(m).run({"x": a})
+    want = ort_run(m, {"x": a})
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)
+    empty = helper.make_node("Optional", [], ["e"], name="nothing", type=helper.make_optional_type_proto(
+        helper.make_tensor_type_proto(F, [2])))
+    m = model([empty, helper.make_node("OptionalHasElement", ["e"], ["has"])], [], [vi("has", TensorProto.BOOL, [])],
+              opset=18)
+    with pytest.raises(UnsupportedOperatorError, match="node nothing .*an empty optional"):
+        load_onnx(m)
