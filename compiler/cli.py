@@ -48,21 +48,26 @@ def parse_mesh(text: str) -> list[int]:
     return dims
 
 
-def parse_shapes(items: Sequence[str] | None) -> dict[str, list[int]] | None:
-    """``["input_ids=2x24"]`` → ``{"input_ids": [2, 24]}`` (``NAME=`` is a scalar)."""
+def parse_shapes(items: Sequence[str] | None) -> dict[str, list] | None:
+    """``["input_ids=2x24"]`` → ``{"input_ids": [2, 24]}`` (``NAME=`` is a scalar); a sequence input's
+    items in brackets, ``["s=[2x3,4x3]"]`` → ``{"s": [[2, 3], [4, 3]]}``."""
     if not items:
         return None
-    res: dict[str, list[int]] = {}
+    res: dict[str, list] = {}
     for item in items:
         name, sep, dims = item.rpartition("=")
         if not sep or not name:
             raise _CLIError(f"--shape {item!r}: use NAME=DIMS, e.g. input_ids=2x24")
+        sequence = dims.startswith("[") and dims.endswith("]")
+        parts = (dims[1:-1].split(",") if dims[1:-1] else []) if sequence else [dims]
         try:
-            res[name] = [int(d) for d in dims.lower().split("x")] if dims else []
+            shapes = [[int(d) for d in part.lower().split("x")] if part else [] for part in parts]
         except ValueError:
-            raise _CLIError(f"--shape {item!r}: dims must be integers joined by 'x', e.g. 2x24") from None
-        if any(d < 0 for d in res[name]):
+            raise _CLIError(f"--shape {item!r}: dims must be integers joined by 'x', e.g. 2x24 (a sequence "
+                            "input's items in brackets, e.g. s=[2x3,4x3])") from None
+        if any(d < 0 for shape in shapes for d in shape):
             raise _CLIError(f"--shape {item!r}: dims must be non-negative")
+        res[name] = shapes if sequence else shapes[0]
     return res
 
 
@@ -170,7 +175,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                         "--distributed-config; default 1 (a single rank)")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS", default=None,
                    help="static shape of an input with dynamic dims, e.g. input_ids=2x24 (repeat per input; "
-                        "inputs whose dynamic dims all have names an input given sizes need none)")
+                        "inputs whose dynamic dims all have names an input given sizes need none); a sequence "
+                        "input's items' shapes in brackets, e.g. s=[2x3,4x3] (the program takes them as the "
+                        "inputs s[0], s[1])")
     p.add_argument("--dim", action="append", metavar="NAME=SIZE", default=None,
                    help="size of a named dynamic dim (an input's dim_param), e.g. batch_size=1 or "
                         "sequence_length=128: inputs whose dynamic dims all have sizes need no --shape (repeat per "

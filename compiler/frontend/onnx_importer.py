@@ -492,9 +492,9 @@ class _Importer:
         inputs ``name[0]``, ``name[1]``, ..., appended to ``res``) or its items bound as a list of arrays in
         ``input_values``."""
         dtype = onnx_dtype(tt.elem_type, f"graph input {name!r}'s items")
-        how = (f"give its items' shapes as a list, input_shapes={{{name!r}: [(...), ...]}} (the program then takes "
-               f"the items as the inputs {name}[0], {name}[1], ...), or bind them, input_values={{{name!r}: "
-               "[array, ...]}")
+        how = (f"give its items' shapes as a list, input_shapes={{{name!r}: [(...), ...]}} (on the command line "
+               f"--shape {name}=[2x3,4x3]; the program then takes the items as the inputs {name}[0], {name}[1], "
+               f"...), or bind them, input_values={{{name!r}: [array, ...]}}")
         bound = name in self.input_values
         given = self.input_values[name] if bound else self.input_shapes.get(name)
         if given is None:

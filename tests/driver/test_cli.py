@@ -39,6 +39,10 @@ def test_help_documents_every_flag():
 def test_parse_helpers():
     assert cli.parse_mesh("2x2") == [2, 2] and cli.parse_mesh("4") == [4]
     assert cli.parse_shapes(["input_ids=2x24", "s="]) == {"input_ids": [2, 24], "s": []}
+    # a sequence input's items (handlers_sequence): scalars and an empty sequence too
+    assert cli.parse_shapes(["q=[2x3,4x3]", "r=[,1]", "e=[]"]) == {"q": [[2, 3], [4, 3]], "r": [[], [1]], "e": []}
+    with pytest.raises(cli._CLIError, match=r"e.g. s=\[2x3,4x3\]"):
+        cli.parse_shapes(["q=[2x3;4x3]"])
     for bad in ("2x", "0", "a"):
         with pytest.raises(cli._CLIError):
             cli.parse_mesh(bad)

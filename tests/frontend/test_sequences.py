@@ -12,7 +12,7 @@ import onnx.backend.test
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, compile, load_onnx
+from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, cli, compile, load_onnx
 from shardflow.runtime import load
 from test_control_flow import const, model, ort_run, vi
 
@@ -164,6 +164,11 @@ def test_a_sequence_input_is_taken_item_by_item(tmp_path):
     for outs in (g.run(feeds), load(res.out_dir).run(feeds), bound.run({})):
         for name, w in want.items():
             np.testing.assert_array_equal(outs[name], w, err_msg=name)
+    # the command line gives the items' shapes in brackets
+    path = tmp_path / "seq_in.onnx"
+    onnx.save(_sequence_in(), path)
+    assert cli.main(["compile", str(path), "-o", str(tmp_path / "cli"), "--shape", "s=[1x3,2x3,3x3]"]) == 0
+    np.testing.assert_array_equal(load(tmp_path / "cli").run(feeds)["y"], want["y"])
     with pytest.raises(ShapeError, match=r"graph input 's' is a sequence.*input_shapes=\{'s': \[\(\.\.\.\), "):
         load_onnx(_sequence_in())
     with pytest.raises(ShapeError, match=r"input_shapes\['s'\] = \(2, 3\): the input is a sequence"):
