@@ -607,9 +607,9 @@ class _Importer:
         if node.op_type not in SEQUENCE_READERS:
             for k, t in enumerate(inputs):
                 if isinstance(t, TensorSeq):
-                    raise ctx.unsupported(f"input {k} ({node.input[k]!r}), a sequence (the sequence ops, Identity "
-                                          "and Loop read sequences; take a tensor out with SequenceAt or "
-                                          "ConcatFromSequence)")
+                    raise ctx.unsupported(f"input {k} ({node.input[k]!r}), a sequence (the sequence ops, Identity, "
+                                          "Loop and the Optional ops read sequences; take a tensor out with "
+                                          "SequenceAt or ConcatFromSequence)")
         try:
             outs = handler.fn(ctx)
         except ShardflowError:

@@ -254,3 +254,11 @@ def test_optionals_of_tensors_and_sequences():
               opset=18)
     with pytest.raises(UnsupportedOperatorError, match="node nothing .*an empty optional"):
         load_onnx(m)
+
+
+def test_a_sequence_given_to_another_op_is_refused_by_name():
+    m = helper.make_model(helper.make_graph(
+        [helper.make_node("SplitToSequence", ["x"], ["s"], axis=0), helper.make_node("Shape", ["s"], ["n"], name="sz")],
+        "g", [vi("x", F, [2, 3])], [vi("n", I64, [1])]), opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UnsupportedOperatorError, match=r"node sz \(Shape\): input 0 \('s'\), a sequence"):
+        load_onnx(m)
