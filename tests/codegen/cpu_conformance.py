@@ -23,9 +23,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "frontend")]
 
-from conformance import (RANDOM_PASS, _arrays, _import_binding, is_random_case, is_tensor_only,  # noqa: E402
-                         mismatch, node_cases, print_counts)
-from shardflow.compiler.ir.graph import RNG_STEP  # noqa: E402
+from conformance import (RANDOM_PASS, _arrays, _import_binding, input_shapes, is_random_case,  # noqa: E402
+                         is_tensor_only, node_cases, outputs_mismatch, print_counts)
 
 from shardflow.compiler import ShardflowError  # noqa: E402
 
@@ -35,7 +34,7 @@ def run_case(case) -> tuple[str, str]:
     from shardflow.compiler import compile
     from shardflow.runtime import load
 
-    if not is_tensor_only(case):
+    if not is_tensor_only(case, sequences=True):
         return "skipped", "not tensor-only"
     names = [vi.name for vi in case.model.graph.input if vi.name not in {i.name for i in case.model.graph.initializer}]
     inputs, expected = (_arrays(x) for x in case.data_sets[0])
@@ -52,17 +51,16 @@ def run_case(case) -> tuple[str, str]:
             with tempfile.TemporaryDirectory() as d:
                 compile(case.model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                         out_dir=os.path.join(d, "out"),
-                        input_shapes={k: v.shape for k, v in feeds.items() if k != RNG_STEP},
+                        input_shapes=input_shapes({k: v for k, v in given.items() if k not in bound}),
                         input_values={k: given[k] for k in bound})
                 got = load(os.path.join(d, "out")).run(feeds)
         except ShardflowError as exc:
             return "refused", f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - untyped: a defect
             return "error", f"{type(exc).__name__}: {exc}"
-    for vi, want in zip(case.model.graph.output, expected):
-        why = mismatch(np.asarray(got[vi.name]), want, case)
-        if why:
-            return "wrong", f"output {vi.name}: {why}"
+    why = outputs_mismatch(got, [vi.name for vi in case.model.graph.output], expected, case)
+    if why:
+        return "wrong", why
     return RANDOM_PASS if is_random_case(case) else ("passed", "")
 
 

@@ -84,8 +84,7 @@ def _import_binding(case, feeds: dict) -> tuple:
         try:
             rest = {k: v for k, v in feeds.items() if k not in bound}
             # (a sequence input, a list: its items' shapes, and its items fed as name[0], name[1], ...)
-            shapes = {k: [a.shape for a in v] if isinstance(v, list) else v.shape for k, v in rest.items()}
-            g = load_onnx(case.model, input_shapes=shapes, input_values=bound)
+            g = load_onnx(case.model, input_shapes=input_shapes(rest), input_values=bound)
             rest = {key: a for k, v in rest.items()
                     for key, a in ([(f"{k}[{i}]", a) for i, a in enumerate(v)] if isinstance(v, list) else [(k, v)])}
             if RNG_STEP in {t.name for t in g.inputs}:
@@ -97,6 +96,29 @@ def _import_binding(case, feeds: dict) -> tuple:
             if not names or any(n not in feeds or n in bound for n in names):
                 raise
             bound.update({n: feeds[n] for n in names})
+
+
+def outputs_mismatch(got: dict, names: list[str], expected: list, case) -> str | None:
+    """Why the outputs ``got`` (by name) are not the case's ``expected`` (in the order of ``names``), or
+    None. An expected list is a sequence output, whose items are the outputs ``name[0]``, ``name[1]``, ..."""
+    for name, want in zip(names, expected):
+        if isinstance(want, list):
+            items = [k for k in got if k.startswith(f"{name}[")]
+            if len(items) != len(want):
+                return f"output {name}: a sequence of {len(items)} tensors, expected {len(want)}"
+            pairs = [(f"{name}[{k}]", w) for k, w in enumerate(_arrays(want))]
+        else:
+            pairs = [(name, want)]
+        for key, w in pairs:
+            why = mismatch(np.asarray(got[key]), w, case)
+            if why:
+                return f"output {key}: {why}"
+    return None
+
+
+def input_shapes(given: dict) -> dict:
+    """The shapes of the inputs ``given`` (a sequence's, a list: its items' shapes), for ``input_shapes``."""
+    return {k: [a.shape for a in v] if isinstance(v, list) else v.shape for k, v in given.items()}
 
 
 def mismatch(have: np.ndarray, want: np.ndarray, case) -> str | None:
@@ -189,18 +211,9 @@ def run_case(case) -> tuple[str, str]:
                 return "skipped", "optional inputs left out of the data set"
             g, feeds, bound = _import_binding(case, dict(zip(graph_inputs, inputs)))
             got = g.run(feeds)
-            for name, want in zip(out_names, expected):
-                if isinstance(want, list):  # a sequence: its items are the outputs name[0], name[1], ...
-                    items = sorted(k for k in got if k.startswith(f"{name}["))
-                    if len(items) != len(want):
-                        return "wrong", f"output {name}: a sequence of {len(items)} tensors, expected {len(want)}"
-                    pairs = [(f"{name}[{k}]", w) for k, w in enumerate(_arrays(want))]
-                else:
-                    pairs = [(name, want)]
-                for key, w in pairs:
-                    why = mismatch(got[key], w, case)
-                    if why:
-                        return "wrong", f"output {key}: {why}"
+            why = outputs_mismatch(got, out_names, expected, case)
+            if why:
+                return "wrong", why
             if is_random_case(case):
                 if RNG_STEP not in {t.name for t in g.inputs}:
                     return "wrong", "a random op's graph without the step input"
