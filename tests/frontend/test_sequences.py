@@ -1,6 +1,7 @@
-"""Sequences inside a graph (handlers_sequence): resolved at import into lists of the graph's tensors,
-checked against the onnx package's sequence models (their reference outputs), against onnxruntime,
-compiled for cpu, and refused with typed errors where a program would need a sequence value."""
+"""Sequences and optionals (handlers_sequence): resolved at import into lists of the graph's tensors (a
+sequence graph input or output taken and returned item by item), checked against the onnx package's
+sequence models (their reference outputs), against onnxruntime, compiled for cpu, and refused with typed
+errors where a program would need a value it cannot hold."""
 from __future__ import annotations
 
 import glob
