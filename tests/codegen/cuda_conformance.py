@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "frontend")]
 
 from conformance import (RANDOM_PASS, _arrays, _import_binding, is_random_case, is_tensor_only,  # noqa: E402
-                         mismatch, node_cases, print_counts)
+                         node_cases, outputs_mismatch, print_counts)
 from cuda_host import build_all, run  # noqa: E402
 
 from shardflow.compiler import ShardflowError  # noqa: E402
@@ -44,7 +44,7 @@ def _prepare(case, idx: int):
     from shardflow.compiler.codegen.cuda import kernel_groups
     from shardflow.compiler.driver import OptimizationConfig, _is_view, rank_passes
 
-    if not is_tensor_only(case):
+    if not is_tensor_only(case, sequences=True):
         return "skipped", "not tensor-only"
     graph_inputs = [vi.name for vi in case.model.graph.input
                     if vi.name not in {i.name for i in case.model.graph.initializer}]
@@ -93,10 +93,11 @@ def _run_case(kernels, src, graph, groups, feeds, out_names, expected, case) -> 
         outs = run(kernels, launch, ins, [(tuple(t.shape), numpy_type(t.dtype)) for t in outputs])
         env.update(dict(zip(names[launch.num_inputs:], outs)))
         KERNELS_RUN[launch.kind] += 1
-    for name, t, want in zip(out_names, graph.outputs, expected):
-        why = mismatch(np.asarray(env[t.name] if t.name in env else t.value), want, case)  # (or folded at import)
-        if why:
-            return "wrong", f"output {name}: {why}"
+    # (by the graph's output names: a sequence output is several, name[0], name[1], ...; or folded at import)
+    got = {name: env[t.name] if t.name in env else t.value for name, t in zip(graph.output_names, graph.outputs)}
+    why = outputs_mismatch(got, out_names, expected, case)
+    if why:
+        return "wrong", why
     return RANDOM_PASS if is_random_case(case) else ("passed", "")
 
 
