@@ -103,8 +103,8 @@ def sequence_at(ctx):
     n = len(s.items)
     if not ctx.has_input(1):
         raise ctx.invalid("input 1 (the position) is required but missing")
-    # (an Identity, as the Identity and OptionalGetElement handlers make: the output is a tensor of its own,
-    # named after the node, even where the element is a graph input)
+    # (an Identity, as the Identity and OptionalGetElement handlers make: an output named after the node,
+    # which the passes bypass as any Identity)
     return [ctx.add(Identity([s.items[_position(ctx, 1, n, 0, n - 1)]], name=ctx.name))]
 
 

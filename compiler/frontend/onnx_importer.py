@@ -246,8 +246,9 @@ class _Importer:
     def _sequence_output(self, name: str, seq: TensorSeq, outputs: list[Tensor], names: list[str]) -> None:
         """A graph output that is a sequence (a scripted module returning a list): one output per item,
         ``name[0]``, ``name[1]``, ... (its length is known at import, as every shape is; an empty
-        sequence gives none). Each is an ``Identity`` of the item, so that an item returned twice, or a
-        graph input returned, is an output tensor of its own."""
+        sequence gives none). Each is an ``Identity`` of the item, named after the output, as the Identity
+        handler makes (the passes bypass it as any other: an item returned twice, or a graph input returned,
+        is then one tensor under two output names, which the pipeline handles)."""
         log.info("graph output %r is a sequence of %d tensors: returned as the outputs %s", name, len(seq.items),
                  ", ".join(f"{name}[{k}]" for k in range(len(seq.items))) or "(none)")
         graph_names = {vi.name for vi in self.proto.graph.output}
