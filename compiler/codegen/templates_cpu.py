@@ -125,30 +125,31 @@ def _prebuilt_units() -> dict[str, str]:
     header = library_header()
     units = {f"sf_rt_{name}": f'{header}\nextern "C" const void* sf_rt_{name}() {{ return &sf_{name}(); }}\n'
              for name in _TABLES}
-    # the packed conv's table in four parts (conv.h's sf_pdkr_part), compiled side by side: its unit fills
-    # the first and calls the others' objects
-    parts = range(1, 4)
-    units["sf_rt_pdkr"] = header + "".join(f'extern "C" void sf_rt_pdkr_{k}(void* t);\n' for k in parts) + (
-        'extern "C" const void* sf_rt_pdkr() {\n  static const SfPdkr u = [] {\n    SfPdkr t = {};\n'
-        "    sf_pdkr_part<0>(t);\n" + "".join(f"    sf_rt_pdkr_{k}(&t);\n" for k in parts)
-        + "    return t;\n  }();\n  return &u;\n}\n")
-    units.update({f"sf_rt_pdkr_{k}": f'{header}\nextern "C" void sf_rt_pdkr_{k}(void* t) '
-                  f'{{ sf_pdkr_part<{k}>(*static_cast<SfPdkr*>(t)); }}\n' for k in parts})
-    # the direct conv's table in three parts (conv.h's sf_cukr_part), the same way: its unit has the first and
-    # hands sf_pick_cukr the others' objects
-    units["sf_rt_cukr"] = header + "".join(
-        f'extern "C" void sf_rt_cukr_{k}(void* t);\nstatic void sf_cukr_from_{k}(SfCukr& t) {{ sf_rt_cukr_{k}(&t); }}\n'
-        for k in (1, 2)) + (
-        'extern "C" const void* sf_rt_cukr() {\n'
-        "  static const SfCukrPartFn parts[3] = {sf_cukr_part<0>, sf_cukr_from_1, sf_cukr_from_2};\n"
-        "  static const SfCukr u = sf_pick_cukr(parts);\n  return &u;\n}\n")
-    units.update({f"sf_rt_cukr_{k}": f'{header}\nextern "C" void sf_rt_cukr_{k}(void* t) '
-                  f'{{ sf_cukr_part<{k}>(*static_cast<SfCukr*>(t)); }}\n' for k in (1, 2)})
+    # the conv tables in parts compiled side by side (conv.h's sf_pdkr_part, 4 forms, and sf_cukr_part, 3)
+    units.update(_split_table(header, "pdkr", "SfPdkr", 4))
+    units.update(_split_table(header, "cukr", "SfCukr", 3))
     units.update({f"sf_rt_fn_{name}": f'#define SF_PREBUILT_TABLES 1\n{header}\n'
                   f'extern "C" const void* sf_rt_fn_{name}() {{ return reinterpret_cast<const void*>(&{fn}); }}\n'
                   for name, fn in _FUNCTIONS.items()})
     units.update(_VMATH_UNITS)
     units["sf_rt_workspace"] = _WORKSPACE_UNIT
+    return units
+
+
+def _split_table(header: str, name: str, struct: str, n: int) -> dict[str, str]:
+    """The units of the micro-kernel table ``sf_<name>`` compiled in ``n`` parts (``sf_<name>_part<k>`` of
+    the library, each a unit: the whole table took 35 s or 13.5 s of g++ in one): ``sf_rt_<name>`` holds part
+    0 and hands ``sf_pick_<name>`` the others from the objects ``sf_rt_<name>_1 ..``."""
+    others = range(1, n)
+    table = header + "".join(f'extern "C" void sf_rt_{name}_{k}(void* t);\n'
+                             f"static void sf_{name}_from_{k}({struct}& t) {{ sf_rt_{name}_{k}(&t); }}\n"
+                             for k in others)
+    table += (f'extern "C" const void* sf_rt_{name}() {{\n  static const {struct}PartFn parts[{n}] = '
+              f"{{{', '.join([f'sf_{name}_part<0>'] + [f'sf_{name}_from_{k}' for k in others])}}};\n"
+              f"  static const {struct} u = sf_pick_{name}(parts);\n  return &u;\n}}\n")
+    units = {f"sf_rt_{name}": table}
+    units.update({f"sf_rt_{name}_{k}": f'{header}\nextern "C" void sf_rt_{name}_{k}(void* t) '
+                  f"{{ sf_{name}_part<{k}>(*static_cast<{struct}*>(t)); }}\n" for k in others})
     return units
 
 

@@ -29,7 +29,7 @@ from ..ir.expr import dtype_kind, numpy_type
 from .external_data import initializer_array, resolve_external_data
 from .wire import split_weights
 from .qdq import FOUR_BIT
-from .registry import SEQUENCE_READERS, NodeContext, TensorSeq, find_handler, onnx_dtype
+from .registry import SEQUENCE_READERS, NodeContext, TensorSeq, find_handler, onnx_dtype, sequence_item
 
 __all__ = ["import_onnx", "read_model"]
 
@@ -250,10 +250,10 @@ class _Importer:
         handler makes (the passes bypass it as any other: an item returned twice, or a graph input returned,
         is then one tensor under two output names, which the pipeline handles)."""
         log.info("graph output %r is a sequence of %d tensors: returned as the outputs %s", name, len(seq.items),
-                 ", ".join(f"{name}[{k}]" for k in range(len(seq.items))) or "(none)")
+                 ", ".join(sequence_item(name, k) for k in range(len(seq.items))) or "(none)")
         graph_names = {vi.name for vi in self.proto.graph.output}
         for k, t in enumerate(seq.items):
-            item = f"{name}[{k}]"
+            item = sequence_item(name, k)
             if item in graph_names:
                 raise ModelFormatError(f"graph output {name!r} is a sequence, whose items are returned as "
                                        f"{name}[0], {name}[1], ...; but the model has an output named {item!r} too")
@@ -506,7 +506,7 @@ class _Importer:
             raise ShapeError(f"{what} = {given!r}: the input is a sequence; {how}")
         items = []
         for k, v in enumerate(given):
-            item = f"{name}[{k}]"
+            item = sequence_item(name, k)
             if item in names:
                 raise ModelFormatError(f"graph input {name!r} is a sequence, whose items are the inputs {name}[0], "
                                        f"{name}[1], ...; but the model has an input named {item!r} too")

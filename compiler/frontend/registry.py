@@ -26,7 +26,8 @@ from onnx import helper, numpy_helper
 from ..errors import DtypeError, ModelFormatError, ShapeError, UnsupportedOperatorError
 from ..ir.graph import Operator, Tensor, const_tensor
 
-__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "TensorSeq", "onnx_dtype", "REQUIRED"]
+__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "TensorSeq", "sequence_item", "onnx_dtype",
+           "REQUIRED"]
 
 REQUIRED = object()
 
@@ -93,6 +94,12 @@ class TensorSeq:
 
     def __repr__(self) -> str:
         return f"TensorSeq({self.name!r}, {len(self.items)} x {self.dtype})"
+
+
+def sequence_item(name: str, k: int) -> str:
+    """The name of item ``k`` of the sequence graph input or output ``name`` (a program takes and returns
+    a sequence item by item): ``name[k]``."""
+    return f"{name}[{k}]"
 
 
 #: The op types that take a sequence (:class:`TensorSeq`) as an input; any other op given one is refused.

@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 
 from shardflow.compiler import ShardflowError, UnsupportedOperatorError, load_onnx
+from shardflow.compiler.frontend.registry import sequence_item
 from shardflow.compiler.ir.expr import ML_FLOATS
 from shardflow.compiler.ir.graph import RNG_STEP
 
@@ -86,7 +87,8 @@ def _import_binding(case, feeds: dict) -> tuple:
             # (a sequence input, a list: its items' shapes, and its items fed as name[0], name[1], ...)
             g = load_onnx(case.model, input_shapes=input_shapes(rest), input_values=bound)
             rest = {key: a for k, v in rest.items()
-                    for key, a in ([(f"{k}[{i}]", a) for i, a in enumerate(v)] if isinstance(v, list) else [(k, v)])}
+                    for key, a in ([(sequence_item(k, i), a) for i, a in enumerate(v)] if isinstance(v, list)
+                                   else [(k, v)])}
             if RNG_STEP in {t.name for t in g.inputs}:
                 rest[RNG_STEP] = np.array(0, np.int64)
             return g, rest, sorted(bound)
@@ -106,7 +108,7 @@ def outputs_mismatch(got: dict, names: list[str], expected: list, case) -> str |
             items = [k for k in got if k.startswith(f"{name}[")]
             if len(items) != len(want):
                 return f"output {name}: a sequence of {len(items)} tensors, expected {len(want)}"
-            pairs = [(f"{name}[{k}]", w) for k, w in enumerate(_arrays(want))]
+            pairs = [(sequence_item(name, k), w) for k, w in enumerate(_arrays(want))]
         else:
             pairs = [(name, want)]
         for key, w in pairs:

@@ -1070,18 +1070,21 @@ static void sf_pdkr_part(SfPdkr& t) {
   }
 }
 
+typedef void (*SfPdkrPartFn)(SfPdkr& t);
+
+// part[k]: sf_pdkr_part<k> (or the prebuilt object's), as sf_pick_cukr takes the direct conv's
+static SfPdkr sf_pick_pdkr(const SfPdkrPartFn (&part)[4]) {
+  SfPdkr t = {};
+  for (SfPdkrPartFn p : part) p(t);
+  return t;
+}
+
 #ifdef SF_PREBUILT_TABLES
 SF_TABLE_FROM_PREBUILT(SfPdkr, pdkr)
 #else
 static const SfPdkr& sf_pdkr() {
-  static const SfPdkr u = [] {
-    SfPdkr t = {};
-    sf_pdkr_part<0>(t);
-    sf_pdkr_part<1>(t);
-    sf_pdkr_part<2>(t);
-    sf_pdkr_part<3>(t);
-    return t;
-  }();
+  static const SfPdkrPartFn parts[4] = {sf_pdkr_part<0>, sf_pdkr_part<1>, sf_pdkr_part<2>, sf_pdkr_part<3>};
+  static const SfPdkr u = sf_pick_pdkr(parts);
   return u;
 }
 #endif
