@@ -103,22 +103,35 @@ def parse_state(items: Sequence[str] | None) -> dict[str, str] | None:
 
 
 def parse_values(items: Sequence[str] | None) -> dict[str, Any] | None:
-    """``["axes=axes.npy"]`` → ``{"axes": <the array in axes.npy>}`` (inputs bound at compile time)."""
+    """``["axes=axes.npy"]`` → ``{"axes": <the array in axes.npy>}`` (inputs bound at compile time); a
+    sequence input's items in brackets, ``["s=[a.npy,b.npy]"]`` → ``{"s": [<a.npy>, <b.npy>]}``."""
     if not items:
         return None
     import numpy as np
+
+    def read(item: str, path: str):
+        try:
+            a = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise _CLIError(f"--value {item!r}: cannot read {path} as a .npy array ({exc})") from None
+        if not isinstance(a, np.ndarray):
+            raise _CLIError(f"--value {item!r}: {path} holds several arrays (.npz); give one .npy per input "
+                            "(a sequence input's items in brackets, e.g. s=[a.npy,b.npy])")
+        return a
 
     res: dict[str, Any] = {}
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise _CLIError(f"--value {item!r}: use NAME=FILE.npy, e.g. axes=axes.npy")
-        try:
-            res[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise _CLIError(f"--value {item!r}: cannot read {path} as a .npy array ({exc})") from None
-        if not isinstance(res[name], np.ndarray):
-            raise _CLIError(f"--value {item!r}: {path} holds several arrays (.npz); give one .npy per input")
+            raise _CLIError(f"--value {item!r}: use NAME=FILE.npy, e.g. axes=axes.npy (a sequence input's items "
+                            "in brackets, e.g. s=[a.npy,b.npy])")
+        if path.startswith("[") and path.endswith("]"):
+            paths = path[1:-1].split(",") if path[1:-1] else []
+            if any(not p for p in paths):
+                raise _CLIError(f"--value {item!r}: an empty file name among the sequence's items")
+            res[name] = [read(item, p) for p in paths]
+        else:
+            res[name] = read(item, path)
     return res
 
 
@@ -185,7 +198,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value", action="append", metavar="NAME=FILE.npy", default=None,
                    help="bind an input to the array in FILE.npy at compile time: it becomes a constant and the "
                         "program no longer takes it (for shape-steering inputs such as axes or sizes; repeat "
-                        "per input)")
+                        "per input); a sequence input's items in brackets, e.g. s=[a.npy,b.npy]")
     p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")

@@ -8,7 +8,7 @@ from ..ir.graph import Tensor
 from ..ops.elementwise import Activation, BitCast, Binary, CastOp, Clip, Identity, Unary, Where
 from ..ops.random import Random
 from .handlers_random import random_key
-from .registry import FLOATS, NodeContext, TensorSeq, onnx_dtype, onnx_op
+from .registry import FLOATS, EmptyOptional, NodeContext, TensorSeq, onnx_dtype, onnx_op
 
 
 _UNARY = {
@@ -250,7 +250,7 @@ def clip11(ctx):
 
 @onnx_op("Identity")
 def identity(ctx):
-    if isinstance(ctx.input(0), TensorSeq):  # (a sequence: the same list, handlers_sequence)
+    if isinstance(ctx.input(0), (TensorSeq, EmptyOptional)):  # (a sequence or an empty optional: itself)
         return [ctx.input(0)]
     return [ctx.add(Identity([ctx.input(0)], name=ctx.name))]
 

@@ -26,7 +26,7 @@ from ..ops.elementwise import Binary, Identity, Unary, Where
 from ..ops.linalg import MatMul
 from ..ops.reduce import Reduce, Softmax
 from ..ops.transform import Full, Gather, GatherElements, Reshape, ScatterElements, Transpose
-from .registry import FLOATS, NodeContext, TensorSeq, onnx_dtype, onnx_op
+from .registry import FLOATS, EmptyOptional, NodeContext, TensorSeq, onnx_dtype, onnx_op
 
 
 
@@ -297,19 +297,25 @@ def max_unpool(ctx):
 @onnx_op("Optional", since=15)
 def optional(ctx):
     """An optional holding its input (a tensor or a sequence): that value, as an optional graph input
-    compiled as present is its tensor. An empty optional (no input) has no value a program can hold."""
+    compiled as present is its tensor. Without an input, an empty optional (:class:`EmptyOptional`),
+    which only the Optional ops and Identity read."""
     if not ctx.has_input(0):
-        raise ctx.unsupported("an empty optional (no input)")
+        return [EmptyOptional(ctx.name)]
     return [ctx.input(0)]
 
 
 @onnx_op("OptionalHasElement", since=15)
 def optional_has_element(ctx):
-    return [ctx.constant(np.array(ctx.has_input(0)))]
+    """Whether the optional holds a value, known at import: false for no input or an empty optional."""
+    present = ctx.has_input(0) and not isinstance(ctx.input(0), EmptyOptional)
+    return [ctx.constant(np.array(present))]
 
 
 @onnx_op("OptionalGetElement", since=15)
 def optional_get_element(ctx):
+    if isinstance(ctx.input(0), EmptyOptional):
+        raise ctx.invalid(f"reads the empty optional {ctx.input(0).name!r}, which has no element (onnxruntime "
+                          "fails there at run time)")
     if isinstance(ctx.input(0), TensorSeq):  # (an optional sequence: the sequence itself)
         return [ctx.input(0)]
     return [ctx.add(Identity([ctx.input(0)], name=ctx.name))]

@@ -29,7 +29,8 @@ from ..ir.expr import dtype_kind, numpy_type
 from .external_data import initializer_array, resolve_external_data
 from .wire import split_weights
 from .qdq import FOUR_BIT
-from .registry import SEQUENCE_READERS, NodeContext, TensorSeq, find_handler, onnx_dtype, sequence_item
+from .registry import (EMPTY_OPTIONAL_READERS, SEQUENCE_READERS, EmptyOptional, NodeContext, TensorSeq, find_handler,
+                       onnx_dtype, sequence_item)
 
 __all__ = ["import_onnx", "read_model"]
 
@@ -228,6 +229,10 @@ class _Importer:
             if isinstance(self.env[vi.name], TensorSeq):
                 self._sequence_output(vi.name, self.env[vi.name], outputs, names)
                 continue
+            if isinstance(self.env[vi.name], EmptyOptional):
+                raise UnsupportedOperatorError(f"graph output {vi.name!r} is an empty optional (from "
+                                               f"{self.env[vi.name].name!r}): a compiled program returns tensors, "
+                                               "and this output would hold none")
             self._check_output_type(vi, self.env[vi.name])
             outputs.append(self.env[vi.name])
             names.append(vi.name)
@@ -392,6 +397,14 @@ class _Importer:
         res, missing = [], []
         named = self._named_dims(real)
         for vi in real:
+            if vi.name in self.input_values and self.input_values[vi.name] is None:
+                if not vi.type.HasField("optional_type"):
+                    raise ShapeError(f"input_values[{vi.name!r}] is None, but only an optional input can be bound "
+                                     "to None (empty); give an array")
+                log.info("graph input %r bound at import to an empty optional", vi.name)
+                self.env[vi.name] = EmptyOptional(vi.name)
+                self._used_names.add(vi.name)
+                continue
             tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
             if vi.type.HasField("optional_type") and vi.type.optional_type.elem_type.HasField("tensor_type"):
                 # an optional tensor is compiled as present: the program takes the tensor (no way to pass none)
@@ -605,12 +618,14 @@ class _Importer:
                 raise ModelFormatError(f"node {node.name or node.op_type} reads {name!r}, which no earlier node "
                                        "produces (the nodes are not in topological order or an input is missing)")
         ctx = NodeContext(node, opset, inputs, self)
-        if node.op_type not in SEQUENCE_READERS:
-            for k, t in enumerate(inputs):
-                if isinstance(t, TensorSeq):
-                    raise ctx.unsupported(f"input {k} ({node.input[k]!r}), a sequence (the sequence ops, Identity, "
-                                          "Loop and the Optional ops read sequences; take a tensor out with "
-                                          "SequenceAt or ConcatFromSequence)")
+        for k, t in enumerate(inputs):
+            if isinstance(t, TensorSeq) and node.op_type not in SEQUENCE_READERS:
+                raise ctx.unsupported(f"input {k} ({node.input[k]!r}), a sequence (the sequence ops, Identity, "
+                                      "Loop and the Optional ops read sequences; take a tensor out with "
+                                      "SequenceAt or ConcatFromSequence)")
+            if isinstance(t, EmptyOptional) and node.op_type not in EMPTY_OPTIONAL_READERS:
+                raise ctx.unsupported(f"input {k} ({node.input[k]!r}), an empty optional (from {t.name!r}; "
+                                      "OptionalHasElement, OptionalGetElement and Identity read optionals)")
         try:
             outs = handler.fn(ctx)
         except ShardflowError:

@@ -26,8 +26,8 @@ from onnx import helper, numpy_helper
 from ..errors import DtypeError, ModelFormatError, ShapeError, UnsupportedOperatorError
 from ..ir.graph import Operator, Tensor, const_tensor
 
-__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "TensorSeq", "sequence_item", "onnx_dtype",
-           "REQUIRED"]
+__all__ = ["onnx_op", "find_handler", "supported_ops", "NodeContext", "TensorSeq", "EmptyOptional", "sequence_item",
+           "onnx_dtype", "REQUIRED"]
 
 REQUIRED = object()
 
@@ -96,6 +96,21 @@ class TensorSeq:
         return f"TensorSeq({self.name!r}, {len(self.items)} x {self.dtype})"
 
 
+class EmptyOptional:
+    """An empty ONNX optional at import (an ``Optional`` node without an input, or an optional graph input
+    bound to ``None``). Like a sequence it is not a value of the graph: ``OptionalHasElement`` reads it as
+    a constant false, ``Identity`` passes it on, and any other reader is refused (``OptionalGetElement``
+    of it fails in onnxruntime too)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"EmptyOptional({self.name!r})"
+
+
 def sequence_item(name: str, k: int) -> str:
     """The name of item ``k`` of the sequence graph input or output ``name`` (a program takes and returns
     a sequence item by item): ``name[k]``."""
@@ -106,6 +121,10 @@ def sequence_item(name: str, k: int) -> str:
 SEQUENCE_READERS = frozenset({"SequenceAt", "SequenceInsert", "SequenceErase", "SequenceLength",
                               "ConcatFromSequence", "SequenceMap", "Identity", "Loop", "Optional",
                               "OptionalHasElement", "OptionalGetElement"})
+
+
+#: The op types that take an empty optional (:class:`EmptyOptional`) as an input.
+EMPTY_OPTIONAL_READERS = frozenset({"Identity", "OptionalHasElement", "OptionalGetElement"})
 
 
 _HANDLERS: dict[tuple[str, str], list[Handler]] = {}

@@ -86,8 +86,13 @@ def test_values_bind_inputs_at_compile_time(tmp_path):
     out = sh("plan", tmp_path / "m.onnx", "--mesh", "2", "--value", f"axes={tmp_path / 'axes.npy'}")
     assert out.returncode == 0, out.stderr
     assert cli.parse_values([f"axes={tmp_path / 'axes.npy'}"])["axes"].tolist() == [1]
-    for bad in ("axes", f"axes={tmp_path / 'missing.npy'}"):
-        with pytest.raises(cli._CLIError, match="--value"):
+    a = tmp_path / "axes.npy"
+    seq = cli.parse_values([f"s=[{a},{a}]", "e=[]"])  # (a sequence input's items)
+    assert [x.tolist() for x in seq["s"]] == [[1], [1]] and seq["e"] == []
+    np.savez(tmp_path / "two.npz", a=np.ones(1), b=np.ones(2))
+    for bad, why in (("axes", "use NAME=FILE.npy"), (f"axes={tmp_path / 'missing.npy'}", "cannot read"),
+                     (f"s=[{a},]", "an empty file name"), (f"s={tmp_path / 'two.npz'}", "several arrays")):
+        with pytest.raises(cli._CLIError, match=f"--value .*{why}"):
             cli.parse_values([bad])
 
 

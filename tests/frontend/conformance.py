@@ -55,9 +55,10 @@ def _arrays(values) -> list:
 
 def is_tensor_only(case, sequences: bool = False) -> bool:
     """Whether the case's inputs and outputs are tensors of supported types; ``sequences``: they may
-    also be lists of such tensors (sequences, taken and returned item by item)."""
+    also be lists of such tensors (sequences, taken and returned item by item) and its inputs ``None``
+    (empty optionals, bound at import)."""
     for inputs, outputs in case.data_sets:
-        values = _arrays(inputs) + _arrays(outputs)
+        values = [v for v in _arrays(inputs) if not (sequences and v is None)] + _arrays(outputs)
         if sequences:
             values = [a for v in values for a in (_arrays(v) if isinstance(v, list) else [v])]
         for a in values:
@@ -79,8 +80,8 @@ def _import_binding(case, feeds: dict) -> tuple:
     """``load_onnx`` the case with every input shape given; where a handler needs a value computed
     from graph inputs (axes, sizes, a shape), bind those inputs at import (``input_values``) and
     retry. Returns the graph, the feeds it still takes (with a random op's step, 0: the first run)
-    and the names bound."""
-    bound: dict = {}
+    and the names bound (an empty optional input, ``None``, is bound from the start)."""
+    bound: dict = {k: None for k, v in feeds.items() if v is None}
     while True:
         try:
             rest = {k: v for k, v in feeds.items() if k not in bound}

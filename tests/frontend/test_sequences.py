@@ -13,7 +13,8 @@ import onnx.backend.test
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import ModelFormatError, ShapeError, UnsupportedOperatorError, cli, compile, load_onnx
+from shardflow.compiler import (ModelFormatError, ShapeError, ShardflowError, UnsupportedOperatorError, cli, compile,
+                                load_onnx)
 from shardflow.runtime import load
 from test_control_flow import const, model, ort_run, vi
 
@@ -170,6 +171,13 @@ def test_a_sequence_input_is_taken_item_by_item(tmp_path):
     onnx.save(_sequence_in(), path)
     assert cli.main(["compile", str(path), "-o", str(tmp_path / "cli"), "--shape", "s=[1x3,2x3,3x3]"]) == 0
     np.testing.assert_array_equal(load(tmp_path / "cli").run(feeds)["y"], want["y"])
+    # ... and binds its items from .npy files in brackets
+    for k, a in enumerate(items):
+        np.save(tmp_path / f"s{k}.npy", a)
+    files = ",".join(str(tmp_path / f"s{k}.npy") for k in range(3))
+    assert cli.main(["compile", str(path), "-o", str(tmp_path / "cli_bound"), "--value", f"s=[{files}]"]) == 0
+    assert load(tmp_path / "cli_bound").input_names == []
+    np.testing.assert_array_equal(load(tmp_path / "cli_bound").run({})["y"], want["y"])
     with pytest.raises(ShapeError, match=r"graph input 's' is a sequence.*input_shapes=\{'s': \[\(\.\.\.\), "):
         load_onnx(_sequence_in())
     with pytest.raises(ShapeError, match=r"input_shapes\['s'\] = \(2, 3\): the input is a sequence"):
@@ -232,9 +240,9 @@ def test_a_scripted_torch_module_with_list_ops(tmp_path):
     _evaluated_and_compiled_match_onnxruntime(m, feeds, tmp_path)
 
 
-def test_optionals_of_tensors_and_sequences():
+def test_optionals_of_tensors_and_sequences(tmp_path):
     """``Optional`` holding a tensor or a sequence is that value (OptionalHasElement true,
-    OptionalGetElement the value); an empty ``Optional`` has no value a program holds: refused."""
+    OptionalGetElement the value); an empty ``Optional`` is known empty at import."""
     x = vi("x", F, [2, 3])
     nodes = [helper.make_node("Optional", ["x"], ["ox"]),
              helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
@@ -249,12 +257,33 @@ def test_optionals_of_tensors_and_sequences():
     want = ort_run(m, {"x": a})
     for name, w in want.items():
         np.testing.assert_array_equal(got[name], w, err_msg=name)
-    empty = helper.make_node("Optional", [], ["e"], name="nothing", type=helper.make_optional_type_proto(
-        helper.make_tensor_type_proto(F, [2])))
-    m = model([empty, helper.make_node("OptionalHasElement", ["e"], ["has"])], [], [vi("has", TensorProto.BOOL, [])],
+    # an empty Optional: OptionalHasElement false (through an Identity too), evaluated, compiled and by
+    # onnxruntime; OptionalGetElement of it, another op given it and a graph output of it refused by name
+    opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))
+    empty = helper.make_node("Optional", [], ["e"], name="nothing", type=helper.make_tensor_type_proto(F, [2]))
+    m = model([empty, helper.make_node("Identity", ["e"], ["e2"]), helper.make_node("OptionalHasElement", ["e2"],
+                                                                                   ["has"])],
+              [], [vi("has", TensorProto.BOOL, [])], opset=18)
+    assert load_onnx(m).run({})["has"] == ort_run(m, {})["has"] == np.array(False)
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    assert load(tmp_path / "o").run({})["has"] == np.array(False)
+    for reader, match in ((helper.make_node("OptionalGetElement", ["e"], ["y"], name="get"),
+                           r"node get \(OptionalGetElement\): reads the empty optional 'nothing', which has no"),
+                          (helper.make_node("Shape", ["e"], ["y"], name="sz"),
+                           r"node sz \(Shape\): input 0 \('e'\), an empty optional \(from 'nothing'")):
+        with pytest.raises(ShardflowError, match=match):
+            load_onnx(model([empty, reader], [], [vi("y", F, [2])], opset=18))
+    with pytest.raises(UnsupportedOperatorError, match="graph output 'e' is an empty optional"):
+        load_onnx(model([empty], [], [helper.make_value_info("e", opt_type)], opset=18))
+    # an optional graph input bound to None is an empty optional; a tensor input cannot be
+    opt_in = helper.make_value_info("o", opt_type)
+    m = model([helper.make_node("OptionalHasElement", ["o"], ["has"])], [opt_in], [vi("has", TensorProto.BOOL, [])],
               opset=18)
-    with pytest.raises(UnsupportedOperatorError, match="node nothing .*an empty optional"):
-        load_onnx(m)
+    g = load_onnx(m, input_values={"o": None})
+    assert g.inputs == [] and g.run({})["has"] == np.array(False)
+    assert load_onnx(m).run({"o": np.ones(2, np.float32)})["has"] == np.array(True)  # (compiled as present)
+    with pytest.raises(ShapeError, match=r"input_values\['x'\] is None, but only an optional input"):
+        load_onnx(model([helper.make_node("Relu", ["x"], ["y"])], [x], [vi("y", F, [2, 3])]), input_values={"x": None})
 
 
 def test_a_sequence_given_to_another_op_is_refused_by_name():
