@@ -2,7 +2,8 @@
 
 Compiles each model for one rank (target cpu), runs it with ``shardflow.runtime.load`` and runs
 onnxruntime on the same inputs with the same thread count, and prints median latencies and the
-ratio (ours / onnxruntime; lower is better). Models: the committed test models, and with
+ratio (ours / onnxruntime; lower is better), with each program's weights, arena and kernels' scratch
+buffers after the timed runs (``RankProgram.scratch_bytes``). Models: the committed test models, and with
 ``--sized`` also GPT-2-small-, BERT-base- and Llama-sized exports (124M, 110M, 170M parameters, 128
 tokens) and a ResNet-50-sized one
 (transformers' ``ResNetConfig`` defaults, random weights, one 3x224x224 image) and MobileNetV2-,
@@ -127,8 +128,10 @@ def bench(name: str, path: str, feeds: dict, threads: int, repeat: int, work: st
     err = max(float(np.max(np.abs(progs[0].run(feeds)[o.name] - r)))
               for o, r in zip(sess.get_outputs(), sess.run(None, feeds)))
     extra = f"   without {compare} {ours[1]:9.3f} ms (ratio {ours[1] / ref:5.2f})" if compare else ""
+    scratch = progs[0].scratch_bytes  # (after the timed runs: what the kernels' buffers hold)
     print(f"{name:<22} shardflow {ours[0]:9.3f} ms   onnxruntime {ref:9.3f} ms   ratio {ours[0] / ref:5.2f}   "
-          f"max |diff| {err:.1e}   weights {weights[0] / 1e6:7.1f} MB{extra}", flush=True)
+          f"max |diff| {err:.1e}   weights {weights[0] / 1e6:7.1f} MB   arena {progs[0].arena.nbytes / 1e6:7.1f} MB   "
+          f"scratch {scratch / 1e6:6.1f} MB{extra}", flush=True)
 
 
 def bench_half(name: str, path: str, feeds: dict, threads: int, repeat: int, work: str,

@@ -600,6 +600,22 @@ class RankProgram:
                 if coll is not None:
                     coll()
 
+    @property
+    def scratch_bytes(self) -> int | None:
+        """Bytes the cpu kernels' scratch buffers hold now, beside the arena and the weights: each thread
+        keeps, per slot, the largest buffer its kernels asked for so far (a conv's padded image, GEMM
+        packing, im2col), for the process's lifetime, so after a run this is what the program's runs hold.
+        ``memory_budget_bytes`` does not count it. ``None`` for a cuda program, or a kernel library built
+        before Shardflow counted it."""
+        if self._lib is None:
+            return None
+        try:
+            fn = self._lib.sf_rt_workspace_bytes
+        except AttributeError:
+            return None
+        fn.argtypes, fn.restype = (), ctypes.c_size_t
+        return int(fn())
+
     def profile(self, inputs: Mapping[str, np.ndarray], *, repeat: int = 10, warmup: int = 1) -> list[dict]:
         """Time every step of the program on ``inputs``: ``repeat`` runs, step by step, with a
         timer around each kernel call and each collective (after ``warmup`` untimed runs).

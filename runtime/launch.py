@@ -678,20 +678,23 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
     """Every rank times its steps; rank 0 prints the report (and writes ``--profile-json``)."""
     import json
 
-    from .profile import format_profile
+    from .profile import format_profile, memory_record
 
     repeat = max(args.repeat, 1)
     steps = prog.profile(inputs, repeat=repeat, warmup=1)
-    per_rank = [json.loads(b) for b in host.allgather_bytes(json.dumps(steps).encode())]
+    record = {"steps": steps, "memory": memory_record(prog)}
+    gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]
     if rank != 0:
         return
+    per_rank, memory = [g["steps"] for g in gathered], [g["memory"] for g in gathered]
     try:
         plan = json.loads(Path(args.out_dir, "plan.json").read_text())
     except (OSError, ValueError):
         plan = None
-    log.info("%s", format_profile(per_rank, repeat, plan=plan))
+    log.info("%s", format_profile(per_rank, repeat, plan=plan, memory=memory))
     if args.profile_json:
-        write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank})
+        write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank,
+                                       "memory": memory})
         log.info("wrote %s", args.profile_json)
 
 

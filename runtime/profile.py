@@ -10,13 +10,16 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-__all__ = ["format_profile"]
+__all__ = ["format_profile", "memory_record"]
 
 
-def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 15, plan: dict | None = None) -> str:
+def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 15, plan: dict | None = None,
+                   memory: Sequence[dict] | None = None) -> str:
     """A text report of the ranks' step times (``per_rank[r]``: rank r's
     :meth:`~shardflow.runtime.executor.RankProgram.profile` records); with the out_dir's
-    ``plan`` (``plan.json``), also the plan's modeled compute and communication beside them."""
+    ``plan`` (``plan.json``), also the plan's modeled compute and communication beside them; with
+    ``memory`` (``memory[r]``: rank r's :func:`memory_record` after the runs), each rank's memory
+    beside the plan's model of it."""
     lines = [f"profile: median of {repeat} run(s) per step, stepping through the program from Python",
              f"{'rank':>4}  {'kernels ms':>10}  {'collectives ms':>14}  {'sum ms':>9}  collectives (count, ms)"]
     for r, steps in enumerate(per_rank):
@@ -32,6 +35,8 @@ def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 1
         device = plan.get("device", {}).get("name", "h100-sxm")
         lines.append(f"modeled by the plan (device {device}): compute {plan['compute_cost_s'] * 1e3:.2f} ms, "
                      f"communication {plan['comm_cost_s'] * 1e3:.2f} ms per rank")
+    if memory:
+        lines += _memory_lines(memory, plan)
     n_steps = {len(steps) for steps in per_rank}
     if len(n_steps) == 1:  # same program shape on every rank: the slowest rank's time per step
         slowest = [max(((steps[k]["ms"], r) for r, steps in enumerate(per_rank)), key=lambda t: t[0])
@@ -44,3 +49,27 @@ def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 1
             lines.append(f"{slowest[k][0]:9.3f}  {slowest[k][1]:>4}  {k:>5}  {s['kind']:<10}  {s['what']:<16}  "
                          f"{s['node']}")
     return "\n".join(lines)
+
+
+def memory_record(prog) -> dict:
+    """Rank program ``prog``'s memory in bytes: its ``arena`` (activations and what its load steps
+    made), its ``weights`` and, for a cpu program, its kernels' ``scratch`` buffers (``None``: not known)."""
+    return {"arena": int(prog.arena.nbytes) if getattr(prog, "arena", None) is not None else None,
+            "weights": int(prog.weights.nbytes) if getattr(prog, "weights", None) is not None else None,
+            "scratch": prog.scratch_bytes}
+
+
+def _memory_lines(memory: Sequence[dict], plan: dict | None) -> list[str]:
+    def mib(v) -> str:
+        return f"{v / 2**20:10.2f}" if v is not None else f"{'-':>10}"
+
+    lines = ["memory per rank (MiB; scratch: the cpu kernels' per-thread buffers after the runs, which "
+             "memory_budget_bytes does not count)",
+             f"{'rank':>4}  {'arena':>10}  {'weights':>10}  {'scratch':>10}  {'total':>10}"]
+    for r, m in enumerate(memory):
+        total = sum(v for v in m.values() if v is not None)
+        lines.append(f"{r:>4}  {mib(m.get('arena'))}  {mib(m.get('weights'))}  {mib(m.get('scratch'))}  {mib(total)}")
+    if plan and "params_bytes" in plan and "peak_activation_bytes" in plan:
+        lines.append(f"modeled by the plan: parameters {plan['params_bytes'] / 2**20:.2f} MiB + peak activations "
+                     f"{plan['peak_activation_bytes'] / 2**20:.2f} MiB per rank")
+    return lines

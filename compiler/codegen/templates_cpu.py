@@ -162,7 +162,9 @@ _VMATH_UNITS = {"sfv_exp": _VMATH + "SF_VMATH_DEFINE(sfv_exp, sf_exp, false)\n",
                 "sfv_f16_round": _VMATH + "SF_VMATH_DEFINE_F16_ROUND\n"}
 # the scratch memory of a library's units and drivers (helpers.h's sf_workspace)
 _WORKSPACE_UNIT = (PRELUDE + 'extern "C" void* sf_rt_workspace(int slot, size_t bytes) '
-                   '{ return sf_workspace(slot, bytes); }\n')
+                   '{ return sf_workspace(slot, bytes); }\n'
+                   'SF_EXPORT size_t sf_rt_workspace_bytes(void) '
+                   '{ return __atomic_load_n(&sf_workspace_held, __ATOMIC_RELAXED); }\n')
 
 
 def _prod(xs) -> int:

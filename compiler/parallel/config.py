@@ -11,7 +11,9 @@ key                       meaning                                               
 ``rank_map``              global rank of each mesh position (row-major), a permutation identity
 ``axis_bandwidth_GBps``   link bandwidth per mesh axis, GB/s (number or list)          100
 ``axis_latency_us``       link latency per mesh axis, µs (number or list)              5
-``memory_budget_bytes``   per-rank memory limit (parameters + peak activations)        none
+``memory_budget_bytes``   per-rank memory limit (parameters + peak activations; not    none
+                          the cpu kernels' scratch, which ``shardflow run --profile``
+                          reports)
 ``algo``                  ``ilp``, ``megatron``, ``data`` or ``replicate``             ``ilp``
 ``solver``                ``cbc`` or ``highs``                                         ``cbc``
 ``time_limit_s``          ILP solver time limit                                        60

@@ -128,7 +128,9 @@ def test_profile_reports_every_step_of_every_rank(arts, tmp_path, launcher):
                           capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0, proc.stderr
     got = json.loads(report.read_text())
-    assert got["repeat"] == 3 and len(got["ranks"]) == 4
+    assert got["repeat"] == 3 and len(got["ranks"]) == 4 and len(got["memory"]) == 4
+    for r, mem in enumerate(got["memory"]):  # (a handmade kernels.so does not count its scratch: None)
+        assert mem == {"arena": mem["arena"], "weights": mem["weights"], "scratch": None} and mem["arena"] > 0, mem
     for r, steps in enumerate(got["ranks"]):
         program = json.loads((arts["o4"] / f"rank{r}" / "program.json").read_text())["steps"]
         assert [(s["kind"], s["node"]) for s in steps] == [(p["kind"], p["node"]) for p in program]
@@ -140,7 +142,7 @@ def test_profile_reports_every_step_of_every_rank(arts, tmp_path, launcher):
     for r in range(4):  # one line per rank in the table
         assert re.search(rf"^\[rank 0\]\s+{r}\s+[0-9.]+\s+[0-9.]+", proc.stderr, re.M) or \
             re.search(rf"^\s+{r}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", proc.stderr, re.M)
-    assert "slowest steps" in proc.stderr
+    assert "slowest steps" in proc.stderr and "memory per rank" in proc.stderr
 
 
 def _free_port():

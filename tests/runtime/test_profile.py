@@ -8,7 +8,7 @@ import pytest
 from models import mlp
 from shardflow.compiler import compile
 from shardflow.runtime import load
-from shardflow.runtime.profile import format_profile
+from shardflow.runtime.profile import format_profile, memory_record
 
 
 def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
@@ -52,3 +52,39 @@ def test_report_puts_the_plans_modeled_times_beside_the_measured_ones():
     text = format_profile(ranks, repeat=1, plan=plan)
     assert "modeled by the plan (device cpu): compute 1.50 ms, communication 0.25 ms per rank" in text
     assert "modeled" not in format_profile(ranks, repeat=1)
+
+
+def test_report_puts_each_ranks_memory_beside_the_plans_model():
+    ranks = [[{"kind": "kernel", "what": "MatMul", "node": "a", "ms": 2.0}]] * 2
+    memory = [{"arena": 3 * 2**20, "weights": 2**21, "scratch": 2**19}, {"arena": 2**20, "weights": 0, "scratch": None}]
+    plan = {"params_bytes": 2**21, "peak_activation_bytes": 2**20}
+    lines = format_profile(ranks, repeat=1, plan=plan, memory=memory).splitlines()
+    at = next(k for k, line in enumerate(lines) if line.startswith("memory per rank"))
+    assert lines[at + 2].split() == ["0", "3.00", "2.00", "0.50", "5.50"]
+    assert lines[at + 3].split() == ["1", "1.00", "0.00", "-", "1.00"]
+    assert lines[at + 4] == "modeled by the plan: parameters 2.00 MiB + peak activations 1.00 MiB per rank"
+    assert "memory per rank" not in format_profile(ranks, repeat=1)
+
+
+def test_the_cpu_kernels_scratch_is_counted(tmp_path):
+    """A conv's kernels take scratch buffers (its padded image, packing) that the arena does not hold:
+    ``scratch_bytes`` counts them after a run; they are kept, so a second run of the same program adds
+    nothing."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((32, 16, 3, 3)).astype(np.float32), "w")
+    m = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 40, 40])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 40, 40])], [w]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    compile(m, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    prog = load(tmp_path / "o", 0)
+    assert prog.scratch_bytes == 0
+    x = np.random.default_rng(1).standard_normal((1, 16, 40, 40)).astype(np.float32)
+    prog.run({"x": x})
+    held = prog.scratch_bytes
+    assert held > 0 and held % 4096 == 0  # (whole pages per buffer)
+    prog.run({"x": x})
+    assert prog.scratch_bytes == held
+    assert memory_record(prog) == {"arena": prog.arena.nbytes, "weights": prog.weights.nbytes, "scratch": held}

@@ -51,16 +51,24 @@ extern "C" void* sf_rt_workspace(int slot, size_t bytes);
 namespace {
 static inline void* sf_workspace(int slot, size_t bytes) { return sf_rt_workspace(slot, bytes); }
 #else
+static size_t sf_workspace_held = 0;  // bytes held by every thread's buffers (sf_rt_workspace_bytes)
 struct SfWorkspace {
   void* p[8] = {};
   size_t n[8] = {};
-  ~SfWorkspace() { for (int i = 0; i < 8; ++i) std::free(p[i]); }
+  ~SfWorkspace() {
+    for (int i = 0; i < 8; ++i) {
+      std::free(p[i]);
+      __atomic_fetch_sub(&sf_workspace_held, n[i], __ATOMIC_RELAXED);
+    }
+  }
 };
 static void* sf_workspace(int slot, size_t bytes) {
   static thread_local SfWorkspace ws;
   if (bytes == 0) bytes = 64;
   if (ws.n[slot] < bytes) {
     std::free(ws.p[slot]);
+    __atomic_fetch_sub(&sf_workspace_held, ws.n[slot], __ATOMIC_RELAXED);
+    ws.n[slot] = 0;
     size_t sz = (bytes + 4095) & ~size_t(4095);
     ws.p[slot] = std::aligned_alloc(64, sz);
     if (!ws.p[slot]) {  // (a kernel has no way to return an error: say why the rank stops)
@@ -69,6 +77,7 @@ static void* sf_workspace(int slot, size_t bytes) {
       std::abort();
     }
     ws.n[slot] = sz;
+    __atomic_fetch_add(&sf_workspace_held, sz, __ATOMIC_RELAXED);
   }
   return ws.p[slot];
 }
