@@ -10,8 +10,10 @@ from .errors import (ConfigError, DtypeError, GraphError, MemoryLimitError, Mode
                      ShardflowError, UnsupportedOperatorError)
 from .ir import FlowGraph, Operator, Tensor
 from .driver import CompileResult, compile  # noqa: A004 - shardflow.compiler.compile is the public API
+from .variants import VariantsResult, compile_variants
 
-__all__ = ["load_onnx", "compile", "CompileResult", "supported_ops", "FlowGraph", "Operator", "Tensor", "ShardflowError", "ModelFormatError",
+__all__ = ["load_onnx", "compile", "CompileResult", "compile_variants", "VariantsResult", "supported_ops", "FlowGraph",
+           "Operator", "Tensor", "ShardflowError", "ModelFormatError",
            "UnsupportedOperatorError", "ShapeError", "DtypeError", "ConfigError", "GraphError",
            "MemoryLimitError", "__version__"]
 

@@ -3,7 +3,7 @@
 ::
 
     shardflow compile MODEL.onnx -o OUT [--mesh 2x2] [--target cpu|cuda] [--arch sm_90] [--sm-count 132]
-                      [--shape NAME=2x24 ...] [--value NAME=FILE.npy ...]
+                      [--shape NAME=2x24 ...] [--value NAME=FILE.npy ...] [--variant NAME=SIZE ...]
                       [--algo ilp|megatron|data|replicate]
                       [--distributed-config FILE.json] [--optimization-config FILE.json]
     shardflow run OUT --nproc N --inputs in.npz --outputs out.npz
@@ -71,7 +71,7 @@ def parse_shapes(items: Sequence[str] | None) -> dict[str, list] | None:
     return res
 
 
-def parse_dims(items: Sequence[str] | None) -> dict[str, int] | None:
+def parse_dims(items: Sequence[str] | None, flag: str = "--dim") -> dict[str, int] | None:
     """``["batch_size=1", "sequence_length=128"]`` → ``{"batch_size": 1, "sequence_length": 128}``."""
     if not items:
         return None
@@ -79,13 +79,13 @@ def parse_dims(items: Sequence[str] | None) -> dict[str, int] | None:
     for item in items:
         name, sep, size = item.rpartition("=")
         if not sep or not name:
-            raise _CLIError(f"--dim {item!r}: use NAME=SIZE, e.g. batch_size=1")
+            raise _CLIError(f"{flag} {item!r}: use NAME=SIZE, e.g. batch_size=1")
         try:
             res[name] = int(size)
         except ValueError:
-            raise _CLIError(f"--dim {item!r}: the size must be an integer, e.g. batch_size=1") from None
+            raise _CLIError(f"{flag} {item!r}: the size must be an integer, e.g. batch_size=1") from None
         if res[name] < 0:
-            raise _CLIError(f"--dim {item!r}: the size must be non-negative")
+            raise _CLIError(f"{flag} {item!r}: the size must be non-negative")
     return res
 
 
@@ -254,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep OUTPUT in the program as the next run's INPUT (same shape and type), e.g. "
                          "present.0.key=past_key_values.0.key for a KV cache of fixed size; not returned by runs "
                          "(repeat per pair; compile(state=...))")
+    pc.add_argument("--variant", action="append", metavar="NAME=SIZE[,NAME=SIZE]", default=None,
+                    help="compile a shape variant: sizes of the model's named dynamic dims, e.g. sequence_length=64 "
+                         "(repeat per variant); OUT then holds a program per variant and `shardflow run` / "
+                         "load() runs the one compiled for the inputs' shapes (compile_variants)")
     pc.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     pc.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -359,9 +363,20 @@ def _cmd_compile(args) -> int:
     if args.sm_count is not None:
         ocfg["sm_count"] = args.sm_count
         ocfg.setdefault("target", "cuda")
-    result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
-                            input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
-                            state=parse_state(args.state), dim_sizes=parse_dims(args.dim))
+    if args.variant:
+        from .variants import compile_variants
+
+        if args.state:
+            raise _CLIError("--state and --variant: a state's shape changes with the variant; compile each "
+                            "variant with its state on its own")
+        variants = [parse_dims(item.split(","), flag="--variant") for item in args.variant]
+        result = compile_variants(args.model, variants=variants, distributed_config=dcfg, optimization_config=ocfg,
+                                  out_dir=args.out, input_shapes=parse_shapes(args.shape),
+                                  input_values=parse_values(args.value), dim_sizes=parse_dims(args.dim))
+    else:
+        result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
+                                input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
+                                state=parse_state(args.state), dim_sizes=parse_dims(args.dim))
     print(result.summary())
     return 0
 
@@ -406,12 +421,19 @@ def _cmd_calibrate(args) -> int:
 
 
 def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
-    """A JSON-able summary of an out_dir (what ``shardflow inspect`` prints)."""
+    """A JSON-able summary of an out_dir (what ``shardflow inspect`` prints); of an out_dir of shape
+    variants, ``variants``: each variant's ``dir``, ``dim_sizes`` and summary."""
     from shardflow.runtime.artifact import ArtifactError, list_ranks, read_json, read_manifest, read_mesh, verify_files
+    from shardflow.runtime.variants import read_variants
 
     out = Path(out_dir)
     if not out.is_dir():
         raise ArtifactError(f"{out_dir!r} is not a directory")
+    spec = read_variants(out)
+    if spec is not None:
+        return {"out_dir": str(out), "variants": [{"dir": v["dir"], "dim_sizes": v["dim_sizes"],
+                                                   **inspect_out_dir(str(out / v["dir"]), verify)}
+                                                  for v in spec["variants"]]}
     mesh = read_mesh(out)
     plan = read_json(out / "plan.json", "plan") if (out / "plan.json").is_file() else {}
     ranks = []
@@ -456,35 +478,45 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
 
 def _cmd_inspect(args) -> int:
     info = inspect_out_dir(args.out_dir, args.verify)
+    variants = info.get("variants", [info])
     if args.json:
         print(json.dumps(info, indent=1))
+    elif "variants" in info:
+        for v in variants:
+            dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())
+            print(f"== shape variant {v['dir']} ({dims})\n" + "\n".join(_inspect_lines(v)))
     else:
-        lines = [f"{info['out_dir']}: shardflow {info['shardflow_version']} (artifact format "
-                 f"{info['artifact_format']}), target {info['target']} ({info['arch']}"
-                 + (f", {info['sm_count']} multiprocessors" if info.get("sm_count") else "") + ")",
-                 f"mesh {info['mesh_shape']} {info['axis_names']}, {info['world_size']} rank(s), plan "
-                 f"{info['algo']} (modeled cost {info['modeled_cost_s']} s), comm_backend {info['comm_backend']}",
-                 "inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i.get('global_shape', i['shape'])} "
-                                         f"{i.get('placement', '')}" for i in info["inputs"]),
-                 "outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o.get('global_shape')} {o.get('placement', '')}"
-                                         for o in info["outputs"])]
-        if info["state"]:
-            lines.append("state:   " + ", ".join(f"{e['output']} -> {e['input']}"
-                                                 f"{' (in place)' if e.get('in_place') else ' (copied)'}"
-                                                 for e in info["state"]))
-        for r in info["ranks"]:
-            coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
-            at_load = f" ({r['load_steps']} run once at load)" if r["load_steps"] else ""
-            line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels{at_load}; collectives {coll}; arena "
-                    f"{format_bytes(r['arena_bytes'])}, weights {format_bytes(r['weights_bytes'])}"
-                    + (f" (rank {r['weights_file_of_rank']}'s file, linked)"
-                       if r.get("weights_file_of_rank") is not None else ""))
-            if "verified" in r:
-                line += "; checksums ok" if r["verified"] is True else f"; CHECKSUM ERROR: {r['verified']}"
-            lines.append(line)
-        print("\n".join(lines))
-    bad = [r for r in info["ranks"] if r.get("verified", True) is not True]
+        print("\n".join(_inspect_lines(info)))
+    bad = [r for v in variants for r in v["ranks"] if r.get("verified", True) is not True]
     return 1 if bad else 0
+
+
+def _inspect_lines(info: dict) -> list[str]:
+    """:func:`inspect_out_dir`'s summary of one program as text lines."""
+    lines = [f"{info['out_dir']}: shardflow {info['shardflow_version']} (artifact format "
+             f"{info['artifact_format']}), target {info['target']} ({info['arch']}"
+             + (f", {info['sm_count']} multiprocessors" if info.get("sm_count") else "") + ")",
+             f"mesh {info['mesh_shape']} {info['axis_names']}, {info['world_size']} rank(s), plan "
+             f"{info['algo']} (modeled cost {info['modeled_cost_s']} s), comm_backend {info['comm_backend']}",
+             "inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i.get('global_shape', i['shape'])} "
+                                     f"{i.get('placement', '')}" for i in info["inputs"]),
+             "outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o.get('global_shape')} {o.get('placement', '')}"
+                                     for o in info["outputs"])]
+    if info["state"]:
+        lines.append("state:   " + ", ".join(f"{e['output']} -> {e['input']}"
+                                             f"{' (in place)' if e.get('in_place') else ' (copied)'}"
+                                             for e in info["state"]))
+    for r in info["ranks"]:
+        coll = ", ".join(f"{k}×{v}" for k, v in sorted(r["collectives"].items())) or "none"
+        at_load = f" ({r['load_steps']} run once at load)" if r["load_steps"] else ""
+        line = (f"rank {r['rank']} {r['coord']}: {r['kernels']} kernels{at_load}; collectives {coll}; arena "
+                f"{format_bytes(r['arena_bytes'])}, weights {format_bytes(r['weights_bytes'])}"
+                + (f" (rank {r['weights_file_of_rank']}'s file, linked)"
+                   if r.get("weights_file_of_rank") is not None else ""))
+        if "verified" in r:
+            line += "; checksums ok" if r["verified"] is True else f"; CHECKSUM ERROR: {r['verified']}"
+        lines.append(line)
+    return lines
 
 
 def _size(n: int) -> str:

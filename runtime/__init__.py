@@ -13,7 +13,8 @@ from .artifact import ArtifactError, ChecksumError, VersionError  # noqa: E402
 from .executor import (IndexRangeError, InputDtypeError, InputError, InputIndexError, InputNameError,  # noqa: E402
                        InputShapeError, RankProgram, WorldSizeError, load)
 from .native import NativeLibraryError  # noqa: E402
+from .variants import VariantProgram  # noqa: E402
 
-__all__ = ["ShardflowError", "__version__", "load", "RankProgram", "ArtifactError", "ChecksumError", "VersionError",
-           "InputError", "InputNameError", "InputShapeError", "InputDtypeError", "InputIndexError", "IndexRangeError",
-           "WorldSizeError", "NativeLibraryError", "MemoryLimitError"]
+__all__ = ["ShardflowError", "__version__", "load", "RankProgram", "VariantProgram", "ArtifactError",
+           "ChecksumError", "VersionError", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
+           "InputIndexError", "IndexRangeError", "WorldSizeError", "NativeLibraryError", "MemoryLimitError"]

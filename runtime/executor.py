@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Container, Mapping
+from typing import TYPE_CHECKING, Any, Container, Mapping
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from .artifact import (ALIGNMENT, ArtifactError, BlockPool, address_of, aligned_
 from .comm.base import CommError, Communicator, SelfCommunicator
 from .comm.prepared import prepare
 from .errors import MemoryLimitError, ShardflowError, format_bytes
+
+if TYPE_CHECKING:
+    from .variants import VariantProgram
 
 __all__ = ["load", "RankProgram", "InputError", "InputNameError", "InputShapeError", "InputDtypeError",
            "InputIndexError", "IndexRangeError", "WorldSizeError"]
@@ -105,7 +108,7 @@ def _as_communicator(comm: Any) -> Communicator | None:
 
 
 def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, *,
-         verify: bool = True, map_weights: bool | None = None) -> "RankProgram":
+         verify: bool = True, map_weights: bool | None = None) -> "RankProgram | VariantProgram":
     """Load rank ``rank``'s program from ``out_dir``.
 
     Parameters
@@ -134,7 +137,10 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
     Returns
     -------
     RankProgram
-        Ready to :meth:`~RankProgram.run`.
+        Ready to :meth:`~RankProgram.run`; for an out_dir of shape variants
+        (:func:`~shardflow.compiler.compile_variants`), a
+        :class:`~shardflow.runtime.variants.VariantProgram`, which runs the variant compiled for the
+        inputs' shapes.
 
     Raises
     ------
@@ -144,9 +150,14 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
     WorldSizeError
         The communicator's size or rank does not fit the artifacts.
     """
+    from .variants import VariantProgram, read_variants
+
     comm = _as_communicator(comm)
     if rank is None:
         rank = comm.rank if comm is not None else 0
+    spec = read_variants(out_dir)
+    if spec is not None:
+        return VariantProgram(out_dir, int(rank), comm, spec, verify=verify, map_weights=map_weights)
     return RankProgram(out_dir, int(rank), comm, verify=verify, map_weights=map_weights)
 
 

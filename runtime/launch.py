@@ -37,6 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir, write_json
+from .variants import first_variant_dir
 from .errors import ShardflowError, number_from_env
 from .executor import WorldSizeError
 
@@ -118,10 +119,11 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 
 def artifact_world_size(out_dir: str | os.PathLike) -> int:
-    """The world size an out_dir was compiled for (from ``rank0/manifest.json``)."""
-    out = Path(out_dir)
-    if not out.is_dir():
+    """The world size an out_dir was compiled for (from ``rank0/manifest.json``; an out_dir of shape
+    variants: its first variant's, which every variant shares)."""
+    if not Path(out_dir).is_dir():
         raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist; compile the model first (`shardflow compile`)")
+    out = first_variant_dir(out_dir)
     m = read_manifest(rank_dir(out, 0))
     n = int(m["world_size"])
     ranks = list_ranks(out)
@@ -600,7 +602,7 @@ def _worker(args, env: LaunchEnv) -> int:
                                  f"({env.source}); start exactly {world}")
         if args.nproc is not None and args.nproc != env.size:
             raise WorldSizeError(f"--nproc {args.nproc} but {env.size} ranks were started ({env.source})")
-        manifest = read_manifest(rank_dir(args.out_dir, env.rank))
+        manifest = read_manifest(rank_dir(first_variant_dir(args.out_dir), env.rank))
         inputs = _read_inputs(args.inputs)
     except ShardflowError as exc:
         return _die(f"rank {env.rank}: {exc}", 2, hard)
@@ -639,7 +641,8 @@ def _worker(args, env: LaunchEnv) -> int:
             t0 = time.perf_counter()
             outs = prog.run(inputs)
             times.append(time.perf_counter() - t0)
-        full = _assemble_outputs(args.out_dir, prog, host_communicator(comm), outs)
+        ran = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
+        full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
         if env.rank == 0:
             med = float(np.median(times)) * 1e3
             log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", args.out_dir, env.size, len(times), med)
@@ -682,13 +685,14 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
 
     repeat = max(args.repeat, 1)
     steps = prog.profile(inputs, repeat=repeat, warmup=1)
+    prog = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
     record = {"steps": steps, "memory": memory_record(prog)}
     gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]
     if rank != 0:
         return
     per_rank, memory = [g["steps"] for g in gathered], [g["memory"] for g in gathered]
     try:
-        plan = json.loads(Path(args.out_dir, "plan.json").read_text())
+        plan = json.loads(Path(prog.out_dir, "plan.json").read_text())
     except (OSError, ValueError):
         plan = None
     log.info("%s", format_profile(per_rank, repeat, plan=plan, memory=memory))

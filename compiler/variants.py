@@ -1,0 +1,177 @@
+"""Shape variants: one out_dir holding a compiled program per set of sizes of the model's named dynamic
+dims (``compile_variants``); ``shardflow.runtime.load`` of it runs the variant compiled for the inputs'
+shapes (``runtime/variants.py``, rfcs/0003 "Shape variants")."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from shardflow.runtime.artifact import atomic_output_dir, list_ranks, read_manifest, write_json
+from shardflow.runtime.variants import VARIANTS_FILE, VARIANTS_FORMAT, VARIANTS_VERSION
+
+from .driver import CompileResult, compile
+from .errors import ConfigError
+from .ir.graph import FlowGraph
+
+__all__ = ["compile_variants", "VariantsResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class VariantsResult:
+    """What :func:`compile_variants` produced.
+
+    Attributes
+    ----------
+    out_dir
+        The written out_dir (``variants.json`` and one folder per variant).
+    variants
+        Per variant, as ``variants.json`` lists it: its folder (``dir``), ``dim_sizes`` and the whole
+        shape of each input (``inputs``).
+    results
+        Per variant, its :class:`~shardflow.compiler.CompileResult` (paths inside ``out_dir``).
+    shared_weights
+        How many ranks' ``weights.bin`` are a hard link to an earlier variant's identical file.
+    """
+
+    out_dir: Path
+    variants: list[dict]
+    results: list[CompileResult]
+    shared_weights: int = 0
+
+    def summary(self) -> str:
+        lines = [f"{len(self.variants)} shape variants in {self.out_dir}"
+                 + (f" ({self.shared_weights} ranks' weights shared with an earlier variant)"
+                    if self.shared_weights else "")]
+        for v, res in zip(self.variants, self.results):
+            dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())
+            lines.append(f"== {v['dir']} ({dims})")
+            lines.append(res.summary())
+        return "\n".join(lines)
+
+
+def _checked(variants: Any) -> list[dict[str, int]]:
+    if isinstance(variants, Mapping) or not isinstance(variants, Sequence) or not variants:
+        raise ConfigError("variants must be a non-empty list of {dim name: size} dicts, e.g. "
+                          "[{'sequence_length': 64}, {'sequence_length': 128}]")
+    res: list[dict[str, int]] = []
+    for k, v in enumerate(variants):
+        if not isinstance(v, Mapping) or not v:
+            raise ConfigError(f"variants[{k}] = {v!r}: give a non-empty {{dim name: size}} dict")
+        for name, size in v.items():
+            if not isinstance(name, str) or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ConfigError(f"variants[{k}]: {name!r}: {size!r} is not a dim name with a non-negative int size")
+        if dict(v) in res:
+            raise ConfigError(f"variants[{k}] = {dict(v)} repeats variants[{res.index(dict(v))}]")
+        res.append(dict(v))
+    return res
+
+
+def _listing(folder: Path, name: str, dims: dict) -> dict:
+    """``variants.json``'s entry for the variant compiled into ``folder``: the whole shape of each input
+    and the output names (every rank's manifest has them; rank 0's is read)."""
+    m = read_manifest(folder / "rank0")
+    return {"dir": name, "dim_sizes": dims,
+            "inputs": {i["name"]: list(i.get("global_shape", i["shape"])) for i in m["inputs"]},
+            "outputs": [o["name"] for o in m["outputs"]], "world_size": int(m["world_size"])}
+
+
+def _share_weights(out: Path, names: list[str]) -> int:
+    """Hard-link each rank's ``weights.bin`` to an earlier variant's when their checksums (in the
+    manifests) are equal: one file on disk, and pages shared by programs that map it. Returns how many."""
+    shared = 0
+    for r in list_ranks(out / names[0]):
+        seen: dict[str, Path] = {}
+        for name in names:
+            d = out / name / f"rank{r}"
+            entry = read_manifest(d)["files"].get("weights.bin")
+            if entry is None:
+                continue
+            first = seen.setdefault(entry["sha256"], d / "weights.bin")
+            if first != d / "weights.bin" and not os.path.samefile(first, d / "weights.bin"):
+                tmp = d / ".weights.bin.link"
+                os.link(first, tmp)
+                os.replace(tmp, d / "weights.bin")
+                shared += 1
+    return shared
+
+
+def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distributed_config: Mapping[str, Any],
+                     optimization_config: Mapping[str, Any] | None = None, out_dir: str | os.PathLike,
+                     input_shapes: Mapping[str, Sequence[int]] | None = None,
+                     input_values: Mapping[str, Any] | None = None,
+                     dim_sizes: Mapping[str, int] | None = None) -> VariantsResult:
+    """Compile ``model`` once per entry of ``variants`` into one out_dir, which
+    :func:`shardflow.runtime.load` runs at any of those shapes.
+
+    A compiled program is static; a model whose batch or sequence length is a dynamic dim is compiled
+    for each size it will run at. Each entry of ``variants`` gives sizes of the model's named dynamic dims
+    (ONNX's ``dim_param``), merged over ``dim_sizes``, and is compiled as :func:`compile` would (its own
+    plan, kernels and weights) into ``out_dir/v<k>``; ``out_dir/variants.json`` lists the variants with
+    their inputs' shapes. The loaded program (:class:`~shardflow.runtime.variants.VariantProgram`) runs
+    the variant compiled for the inputs' shapes, loading it on first use; other shapes are refused, not
+    padded. A rank's weights that come out byte for byte alike in two variants (the same plan and
+    layouts) are one file, hard-linked; a cpu program reads its weights into memory unless loaded with
+    ``map_weights=True``, so each variant in use holds its own copy there.
+
+    Parameters
+    ----------
+    model
+        An ``.onnx`` path, its bytes or an ``onnx.ModelProto`` (not a :class:`FlowGraph`, whose shapes are
+        fixed).
+    variants
+        ``[{"sequence_length": 64}, {"sequence_length": 128}, ...]``: at least one, no two alike, and
+        no two giving the inputs the same shapes.
+    distributed_config, optimization_config, input_shapes, input_values, dim_sizes
+        As for :func:`compile`, the same for every variant. (``state`` is not taken: a state's shape
+        changes with the variant.)
+
+    Returns
+    -------
+    VariantsResult
+
+    Raises
+    ------
+    ConfigError
+        A malformed ``variants``, a :class:`FlowGraph` model, or two variants whose inputs have the same
+        shapes (a variant's dims that no input has).
+    ShardflowError
+        Whatever :func:`compile` raises for a variant (the message says which).
+    """
+    checked = _checked(variants)
+    if isinstance(model, FlowGraph):
+        raise ConfigError("compile_variants takes an ONNX model (path, bytes or ModelProto): a FlowGraph's shapes "
+                          "are already fixed; compile it with compile()")
+    with atomic_output_dir(out_dir) as tmp:
+        results, listed = [], []
+        for k, dims in enumerate(checked):
+            name = f"v{k}"
+            log.info("shape variant %d of %d: %s", k + 1, len(checked), dims)
+            try:
+                res = compile(model, distributed_config=distributed_config, optimization_config=optimization_config,
+                              out_dir=tmp / name, input_shapes=input_shapes, input_values=input_values,
+                              dim_sizes={**(dim_sizes or {}), **dims})
+            except Exception as exc:
+                log.error("shape variant %d (%s) did not compile: %s", k, dims, exc)
+                if hasattr(exc, "add_note"):  # (Python 3.11+: the traceback names the variant too)
+                    exc.add_note(f"(compiling shape variant {k}, {dims})")
+                raise
+            results.append(res)
+            listed.append(_listing(tmp / name, name, dims))
+        for k, v in enumerate(listed):
+            for j in range(k):
+                if listed[j]["inputs"] == v["inputs"]:
+                    raise ConfigError(f"variants {j} {checked[j]} and {k} {checked[k]} give the inputs the same shapes "
+                                      f"({v['inputs']}): a program cannot tell them apart; drop one")
+        shared = _share_weights(tmp, [v["dir"] for v in listed])
+        write_json(tmp / VARIANTS_FILE, {"format": VARIANTS_FORMAT, "version": VARIANTS_VERSION, "variants": listed})
+    out = Path(out_dir).resolve()
+    results = [dataclasses.replace(res, out_dir=out / v["dir"],
+                                   rank_dirs=[out / v["dir"] / p.name for p in res.rank_dirs])
+               for res, v in zip(results, listed)]
+    log.info("wrote %d shape variants to %s (%d ranks' weights shared)", len(listed), out, shared)
+    return VariantsResult(out, listed, results, shared)

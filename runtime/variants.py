@@ -1,0 +1,160 @@
+"""Shape variants: one out_dir holding a program per set of input shapes.
+
+An ONNX model usually leaves dims such as the batch or the sequence length dynamic, and a compiled
+program is static. :func:`shardflow.compiler.compile_variants` compiles one program per entry of its
+``variants`` (sizes of the model's named dynamic dims) into ``out_dir/v0``, ``out_dir/v1``, ... (each an
+ordinary out_dir) and lists them in ``out_dir/variants.json``; :func:`~shardflow.runtime.load` of such an
+out_dir returns a :class:`VariantProgram`, whose :meth:`~VariantProgram.run` runs the variant compiled
+for the inputs' shapes. A variant is loaded the first time inputs of its shapes come (a multi-rank load
+is collective: every rank of an SPMD program runs the same shapes in the same order, as its collectives
+already require), and stays loaded. No padding to a larger variant: padding changes what a model
+computes unless its masks say otherwise, so shapes no variant was compiled for are an
+:class:`~shardflow.runtime.executor.InputShapeError` listing the variants.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .artifact import ArtifactError, read_json
+
+__all__ = ["VARIANTS_FILE", "VariantProgram", "read_variants", "first_variant_dir"]
+
+#: The file naming an out_dir's variants (beside their folders).
+VARIANTS_FILE = "variants.json"
+#: ``format`` and ``version`` of that file.
+VARIANTS_FORMAT, VARIANTS_VERSION = "shardflow-variants", 1
+
+
+def read_variants(out_dir: str | os.PathLike) -> dict | None:
+    """``out_dir/variants.json`` checked (``variants``: per variant its ``dir``, ``dim_sizes``, ``inputs``,
+    the whole shape of each input, ``outputs`` and ``world_size``), or ``None`` for an out_dir of one
+    program."""
+    path = Path(out_dir) / VARIANTS_FILE
+    if not path.exists():
+        return None
+    spec = read_json(path, "list of shape variants")
+    if not isinstance(spec, dict) or spec.get("format") != VARIANTS_FORMAT:
+        raise ArtifactError(f"{str(path)!r} is not a list of shape variants (format {VARIANTS_FORMAT!r})")
+    if spec.get("version") != VARIANTS_VERSION:
+        raise ArtifactError(f"{str(path)!r} has version {spec.get('version')!r}; this runtime reads version "
+                            f"{VARIANTS_VERSION}: compile again with this version of Shardflow")
+    variants = spec.get("variants")
+    if not isinstance(variants, list) or not variants or not all(
+            isinstance(v, dict) and isinstance(v.get("dir"), str) and isinstance(v.get("inputs"), dict)
+            and isinstance(v.get("outputs"), list) and isinstance(v.get("world_size"), int) for v in variants):
+        raise ArtifactError(f"{str(path)!r}: 'variants' must be a non-empty list of {{dir, dim_sizes, inputs, "
+                            "outputs, world_size}}")
+    for v in variants:
+        d = Path(out_dir) / v["dir"]
+        if Path(v["dir"]).name != v["dir"] or not d.is_dir():
+            raise ArtifactError(f"{str(path)!r} lists the variant folder {v['dir']!r}, which {str(out_dir)!r} does "
+                                "not hold")
+    return spec
+
+
+def first_variant_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` itself for an out_dir of one program, else its first variant's folder (every variant
+    has the same ranks, target and outputs: what a launcher reads before it loads)."""
+    spec = read_variants(out_dir)
+    return Path(out_dir) if spec is None else Path(out_dir) / spec["variants"][0]["dir"]
+
+
+def _describe(inputs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{n} {list(s)}" for n, s in inputs.items())
+
+
+class VariantProgram:
+    """A rank's programs of an out_dir of shape variants (see the module docstring and :func:`load`).
+
+    It runs like a :class:`~shardflow.runtime.executor.RankProgram`: :meth:`run` and :meth:`profile`
+    take the inputs by name and use the variant compiled for their shapes, loading it on first use
+    (nothing is loaded before); :attr:`last` is the program that ran last (its ``directory``,
+    ``manifest``, ``arena`` and ``weights``).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Any, spec: dict, **load_kwargs):
+        from .executor import WorldSizeError
+
+        self.out_dir = Path(out_dir)
+        self.rank = rank
+        self.comm = comm
+        self.variants: list[dict] = spec["variants"]
+        self.world_size = self.variants[0]["world_size"]
+        size = comm.size if comm is not None else 1
+        if size != self.world_size or not 0 <= rank < self.world_size:
+            raise WorldSizeError(f"{str(out_dir)!r} was compiled for {self.world_size} ranks; loading rank {rank} "
+                                 f"with a communicator of {size}: run exactly {self.world_size} ranks")
+        self._load_kwargs = load_kwargs
+        self._programs: dict[int, Any] = {}
+        #: The program that ran last (None before the first run).
+        self.last = None
+
+    def program(self, k: int):
+        """Variant ``k``'s :class:`~shardflow.runtime.executor.RankProgram`, loaded on first use
+        (collective on several ranks)."""
+        if k not in self._programs:
+            from .executor import RankProgram
+
+            self._programs[k] = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
+                                            **self._load_kwargs)
+        return self._programs[k]
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.variants[0]["inputs"])
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.variants[0]["outputs"])
+
+    @property
+    def scratch_bytes(self) -> int | None:
+        """The cpu kernels' scratch buffers of every variant loaded (each has its own library)."""
+        held = [p.scratch_bytes for p in self._programs.values()]
+        return None if any(h is None for h in held) else sum(held)
+
+    def select(self, inputs: Mapping[str, Any]) -> int:
+        """The index of the variant compiled for the shapes of ``inputs``.
+
+        Raises
+        ------
+        InputShapeError
+            No variant has these shapes (the message lists every variant's).
+        """
+        from .executor import InputNameError, InputShapeError
+
+        if not isinstance(inputs, Mapping):
+            raise InputNameError(f"run() takes a dict of input name -> array, got {type(inputs).__name__}")
+        shapes = {n: tuple(np.shape(a) if not hasattr(a, "shape") else a.shape) for n, a in inputs.items()}
+        for k, v in enumerate(self.variants):
+            if all(shapes.get(n, tuple(s)) == tuple(s) for n, s in v["inputs"].items()):
+                return k
+        names = [n for n in self.variants[0]["inputs"] if n in shapes]
+        given = ", ".join(f"{n} {list(shapes[n])}" for n in names) or "none of the inputs"
+        listed = "; ".join(f"{v['dir']}: {_describe(v['inputs'])}" for v in self.variants)
+        raise InputShapeError(f"no variant of {str(self.out_dir)!r} was compiled for the inputs' shapes ({given}); "
+                              f"its variants take {listed}. Compile one for these shapes (compile_variants' "
+                              "variants), or pad the inputs to a variant's shapes where the model's masks allow it",
+                              names[0] if names else None)
+
+    def run(self, inputs: Mapping[str, Any], **kwargs) -> dict[str, np.ndarray]:
+        """Run the variant compiled for the inputs' shapes (:meth:`RankProgram.run`'s arguments)."""
+        self.last = self.program(self.select(inputs))
+        return self.last.run(inputs, **kwargs)
+
+    def profile(self, inputs: Mapping[str, Any], **kwargs) -> list[dict]:
+        """:meth:`RankProgram.profile` of the variant compiled for the inputs' shapes."""
+        self.last = self.program(self.select(inputs))
+        return self.last.profile(inputs, **kwargs)
+
+    def close(self) -> None:
+        for p in self._programs.values():
+            p.close()
+
+    def __repr__(self) -> str:
+        return (f"VariantProgram(rank {self.rank} of {self.world_size}, {len(self.variants)} variants, "
+                f"{len(self._programs)} loaded)")

@@ -1,0 +1,139 @@
+"""Shape variants (compile_variants, runtime/variants.py): one out_dir with a program per set of sizes
+of the model's named dynamic dims, run at each against onnxruntime, on one rank and on two, from
+Python and from the command line; shapes of no variant and malformed variants refused by name."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shardflow.compiler import ConfigError, ShapeError, cli, compile_variants
+from shardflow.runtime import ArtifactError, InputShapeError, WorldSizeError, load
+from shardflow.runtime.comm import InProcessWorld
+
+HIDDEN = 16
+
+
+def dynamic_model() -> onnx.ModelProto:
+    """``x [batch, seq, 16]`` through an MLP, a residual and a softmax over ``seq``: named dynamic dims."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4 * HIDDEN)).astype(np.float32) * 0.3, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((4 * HIDDEN, HIDDEN)).astype(np.float32) * 0.3, "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["m"]), helper.make_node("Add", ["m", "x"], ["a"]),
+             helper.make_node("Softmax", ["a"], ["y"], axis=1)]
+    dims = ["batch", "seq", HIDDEN]
+    g = helper.make_graph(nodes, "dyn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)], [w1, w2])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _x(batch, seq, seed=1):
+    return np.random.default_rng(seed).standard_normal((batch, seq, HIDDEN)).astype(np.float32)
+
+
+def _ort(x):
+    return onnxruntime.InferenceSession(dynamic_model().SerializeToString()).run(None, {"x": x})[0]
+
+
+def test_one_out_dir_runs_every_variant_and_refuses_other_shapes(tmp_path):
+    res = compile_variants(dynamic_model(), variants=[{"seq": 4}, {"seq": 8}, {"seq": 8, "batch": 3}],
+                           dim_sizes={"batch": 2}, distributed_config={"mesh_shape": [1]},
+                           optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
+    spec = json.loads((tmp_path / "out" / "variants.json").read_text())
+    assert [(v["dir"], v["dim_sizes"], v["inputs"]) for v in spec["variants"]] == [
+        ("v0", {"seq": 4}, {"x": [2, 4, HIDDEN]}), ("v1", {"seq": 8}, {"x": [2, 8, HIDDEN]}),
+        ("v2", {"seq": 8, "batch": 3}, {"x": [3, 8, HIDDEN]})]
+    assert [r.out_dir for r in res.results] == [tmp_path.resolve() / "out" / f"v{k}" for k in range(3)]
+    prog = load(tmp_path / "out")
+    assert prog.input_names == ["x"] and prog.output_names == ["y"] and prog.last is None  # (nothing loaded yet)
+    for shape, k in (((2, 8), 1), ((2, 4), 0), ((3, 8), 2), ((2, 8), 1)):
+        x = _x(*shape)
+        np.testing.assert_allclose(prog.run({"x": x})["y"], _ort(x), rtol=1e-5, atol=1e-6)
+        assert prog.last is prog.program(k) and prog.last.out_dir == tmp_path / "out" / f"v{k}"
+    with pytest.raises(InputShapeError, match=r"no variant .* compiled for the inputs' shapes \(x \[2, 5, 16\]\); "
+                                              r"its variants take v0: x \[2, 4, 16\]; v1: x \[2, 8, 16\]; "
+                                              r"v2: x \[3, 8, 16\]"):
+        prog.run({"x": _x(2, 5)})
+    # the weights do not depend on the sequence: one file, hard-linked into the other variants
+    assert res.shared_weights == 2
+    w = [tmp_path / "out" / f"v{k}" / "rank0" / "weights.bin" for k in range(3)]
+    assert os.path.samefile(w[0], w[1]) and os.path.samefile(w[0], w[2])
+
+
+def test_variants_on_two_ranks(tmp_path):
+    compile_variants(dynamic_model(), variants=[{"seq": 4}, {"seq": 6}], dim_sizes={"batch": 2},
+                     distributed_config={"mesh_shape": [2], "algo": "megatron"}, optimization_config={"target": "cpu"},
+                     out_dir=tmp_path / "out")
+    from threads import run_threads
+
+    world = InProcessWorld(2).communicators()
+    progs = [load(tmp_path / "out", c.rank, c) for c in world]
+    for seq in (6, 4, 6):
+        x = _x(2, seq, seed=seq)
+        outs = run_threads(world, lambda c: progs[c.rank].run({"x": x})["y"], timeout=60)
+        for got in outs:
+            np.testing.assert_allclose(got, _ort(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_command_line_compiles_runs_and_inspects_variants(tmp_path, capsys):
+    path = tmp_path / "dyn.onnx"
+    onnx.save(dynamic_model(), path)
+    out = tmp_path / "out"
+    assert cli.main(["compile", str(path), "-o", str(out), "--mesh", "2", "--dim", "batch=2", "--variant", "seq=4",
+                     "--variant", "seq=8,batch=1", "-q"]) == 0
+    x = _x(1, 8)
+    np.savez(tmp_path / "in.npz", x=x)
+    proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(out), "--nproc", "2",
+                           "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"), "--profile"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "o.npz")["y"], _ort(x), rtol=1e-5, atol=1e-6)
+    assert "memory per rank" in proc.stderr
+    text = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "inspect", str(out)], capture_output=True,
+                          text=True, timeout=120).stdout
+    assert "== shape variant v0 (seq=4)" in text and "== shape variant v1 (seq=8, batch=1)" in text
+    assert "x float32[1, 8, 16]" in text
+    capsys.readouterr()
+    for flags, why in ((["--variant", "seq=4", "--state", "y=x"], "--state and --variant"),
+                       (["--variant", "seq"], "--variant 'seq': use NAME=SIZE")):
+        assert cli.main(["compile", str(path), "-o", str(tmp_path / "o2"), *flags]) == 2
+        assert why in capsys.readouterr().err
+
+
+def test_malformed_variants_are_refused_and_leave_no_out_dir(tmp_path):
+    kw = dict(distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"}, out_dir=tmp_path / "o")
+    for bad, match in (([], "non-empty list"), ({"seq": 4}, "non-empty list"), ([{}], r"variants\[0\] = \{\}"),
+                       ([{"seq": -1}], r"variants\[0\]: 'seq': -1"), ([{"seq": True}], "'seq': True"),
+                       ([{"seq": 4}, {"seq": 4}], r"variants\[1\] = \{'seq': 4\} repeats variants\[0\]")):
+        with pytest.raises(ConfigError, match=match):
+            compile_variants(dynamic_model(), variants=bad, dim_sizes={"batch": 1}, **kw)
+    # two variants the inputs cannot tell apart; a dim the model does not have
+    with pytest.raises(ConfigError, match=r"variants 0 \{'seq': 4\} and 1 \{'seq': 4, 'batch': 2\} give the inputs the "
+                                          "same shapes"):
+        compile_variants(dynamic_model(), variants=[{"seq": 4}, {"seq": 4, "batch": 2}], dim_sizes={"batch": 2}, **kw)
+    with pytest.raises(ShapeError, match=r"dim_sizes names \['tokens'\]"):
+        compile_variants(dynamic_model(), variants=[{"tokens": 4}], dim_sizes={"batch": 2}, **kw)
+    assert not (tmp_path / "o").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".o")]
+
+
+def test_a_variants_out_dir_checks_its_list_and_the_world(tmp_path):
+    compile_variants(dynamic_model(), variants=[{"seq": 4}], dim_sizes={"batch": 1},
+                     distributed_config={"mesh_shape": [2]}, optimization_config={"target": "cpu"},
+                     out_dir=tmp_path / "out")
+    with pytest.raises(WorldSizeError, match="compiled for 2 ranks"):
+        load(tmp_path / "out")
+    spec_path = tmp_path / "out" / "variants.json"
+    spec = json.loads(spec_path.read_text())
+    for broken, match in (({**spec, "version": 9}, "version 9"), ({**spec, "variants": []}, "non-empty list"),
+                          ({**spec, "variants": [{**spec["variants"][0], "dir": "v7"}]}, "variant folder 'v7'")):
+        spec_path.write_text(json.dumps(broken))
+        with pytest.raises(ArtifactError, match=match):
+            load(tmp_path / "out")
