@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from shardflow.runtime.artifact import atomic_output_dir, list_ranks, read_manifest, write_json
 from shardflow.runtime.variants import VARIANTS_FILE, VARIANTS_FORMAT, VARIANTS_VERSION
 
@@ -73,11 +75,40 @@ def _checked(variants: Any) -> list[dict[str, int]]:
 
 def _listing(folder: Path, name: str, dims: dict) -> dict:
     """``variants.json``'s entry for the variant compiled into ``folder``: the whole shape of each input
-    and the output names (every rank's manifest has them; rank 0's is read)."""
+    and the output names (every rank's manifest has them; rank 0's is read), and per rank its large
+    weights regions with their checksums (``weights``: a loaded variant reads a region another loaded
+    variant holds from there, runtime/variants.py)."""
     m = read_manifest(folder / "rank0")
     return {"dir": name, "dim_sizes": dims,
             "inputs": {i["name"]: list(i.get("global_shape", i["shape"])) for i in m["inputs"]},
-            "outputs": [o["name"] for o in m["outputs"]], "world_size": int(m["world_size"])}
+            "outputs": [o["name"] for o in m["outputs"]], "world_size": int(m["world_size"]),
+            "weights": {str(r): _weight_regions(folder / f"rank{r}") for r in list_ranks(folder)}}
+
+
+#: The smallest weights region whose twins in other variants a loaded variant reads from them (smaller
+#: ones are not worth their entry: pages are 4 KiB, and masks and position tables are small).
+SHARE_MIN_BYTES = 1 << 16
+
+
+def _weight_regions(rank_dir: Path) -> list[list]:
+    """``[offset, nbytes, sha256]`` of every weights region of at least :data:`SHARE_MIN_BYTES` of the
+    rank's program (a region: the bytes of one or more buffers at one offset, all of one size)."""
+    import hashlib
+
+    from shardflow.runtime.artifact import buffer_dtype, read_json
+
+    prog = read_json(rank_dir / "program.json", "program")
+    sizes: dict[int, set[int]] = {}
+    for b in prog["buffers"]:
+        if b["storage"] == "weights":
+            n = int(np.prod(b["shape"], dtype=np.int64)) * buffer_dtype(b["dtype"]).itemsize
+            sizes.setdefault(int(b["offset"]), set()).add(n)
+    path = rank_dir / prog.get("weights_file", "weights.bin")
+    if not sizes or not path.is_file():
+        return []
+    data = np.memmap(path, np.uint8, mode="r")
+    return [[off, n, hashlib.sha256(data[off:off + n]).hexdigest()] for off, ns in sorted(sizes.items())
+            if len(ns) == 1 and (n := next(iter(ns))) >= SHARE_MIN_BYTES]
 
 
 def _share_weights(out: Path, names: list[str]) -> int:

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -244,8 +244,13 @@ def address_of(a: np.ndarray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(a))
 
 
-def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, mapped: bool = False) -> np.ndarray:
+def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, mapped: bool = False,
+                 skip: Sequence[tuple[int, int]] = ()) -> np.ndarray:
     """Read ``weights.bin`` into an aligned buffer, hashing it in the same pass.
+
+    ``skip``: ``(offset, nbytes)`` regions not copied into the buffer (the caller reads them from
+    elsewhere: a shape variant's weights another variant holds, runtime/variants.py); they are still
+    hashed, and the buffer's pages there are never written, so they take no memory.
 
     With ``mapped``, the file is mapped instead (copy-on-write: a write to the array, such as a
     load step's, stays private to this process and never reaches the file), so that its pages are
@@ -280,6 +285,9 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
         if sha256 is not None:
             for pos in range(0, nbytes, _HASH_CHUNK):
                 h.update(buf[pos:pos + _HASH_CHUNK])
+    elif skip:
+        buf = aligned_empty(nbytes)
+        _read_around(path, buf, sorted(skip), h if sha256 is not None else None)
     else:
         buf = aligned_empty(nbytes)
         with open(path, "rb") as f:
@@ -296,6 +304,36 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
         raise ChecksumError(f"checksum mismatch in {str(path)!r}: sha256 {h.hexdigest()[:16]}… but the manifest says "
                             f"{sha256[:16]}…; the weight shard is corrupted, copy or compile it again", str(path))
     return buf
+
+
+def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int]], h) -> None:
+    """:func:`read_weights`' copy of ``path`` into ``buf`` but for the ``skip`` regions (sorted), through a
+    chunk buffer, hashing every byte into ``h`` (unless None: then the skipped regions are not read)."""
+    keep, pos = [], 0  # (start, end) ranges copied into buf
+    for off, n in skip:
+        if off > pos:
+            keep.append((pos, off))
+        pos = max(pos, off + n)
+    if pos < buf.nbytes:
+        keep.append((pos, buf.nbytes))
+    with open(path, "rb") as f:
+        if h is None:
+            for a, b in keep:
+                f.seek(a)
+                f.readinto(memoryview(buf)[a:b])
+            return
+        chunk = bytearray(_HASH_CHUNK)
+        pos = 0
+        while pos < buf.nbytes:
+            n = f.readinto(chunk)
+            if not n:
+                break
+            h.update(memoryview(chunk)[:n])
+            for a, b in keep:
+                lo, hi = max(a, pos), min(b, pos + n)
+                if lo < hi:
+                    buf[lo:hi] = np.frombuffer(chunk, np.uint8, hi - lo, lo - pos)
+            pos += n
 
 
 def read_mesh(out_dir: str | os.PathLike) -> dict:

@@ -173,7 +173,10 @@ class RankProgram:
     """
 
     def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True,
-                 map_weights: bool | None = None):
+                 map_weights: bool | None = None, borrowed_weights: Mapping[int, np.ndarray] | None = None):
+        # borrowed_weights: {offset in weights.bin: bytes alike held by another program}, read from there
+        # instead of the file (a shape variant's weights another variant loaded: runtime/variants.py)
+        self._borrowed_weights = dict(borrowed_weights or {})
         self.out_dir = Path(out_dir)
         if not self.out_dir.is_dir():
             raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist or is not a directory")
@@ -217,8 +220,10 @@ class RankProgram:
         winfo = self.manifest["files"].get(wfile)
         if p["weights_bytes"] and winfo is None:
             raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {wfile}")
+        borrowed = self._borrowed_weights if self.target == "cpu" else {}
         self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
-                                    winfo["sha256"] if (verify and winfo) else None, mapped=map_weights) \
+                                    winfo["sha256"] if (verify and winfo) else None, mapped=map_weights,
+                                    skip=[(off, a.nbytes) for off, a in borrowed.items()]) \
             if p["weights_bytes"] else aligned_empty(0)
         try:
             self.arena = aligned_empty(int(p["arena_bytes"]))
@@ -238,8 +243,17 @@ class RankProgram:
             if off < 0 or off + nbytes > store.nbytes or off % ALIGNMENT and nbytes:
                 raise ArtifactError(f"program.json of rank {self.rank}: buffer {k} ({buf.name}) at offset {off} with "
                                     f"{nbytes} bytes does not fit its {b['storage']} of {store.nbytes} bytes")
-            buf.array = store[off:off + nbytes].view(buf.dtype).reshape(buf.shape)
-            buf.ptr = store.ctypes.data + off
+            if b["storage"] == "weights" and off in borrowed and borrowed[off].nbytes == nbytes:
+                buf.array = borrowed[off].view(buf.dtype).reshape(buf.shape)
+                buf.ptr = borrowed[off].ctypes.data
+            else:
+                if b["storage"] == "weights" and any(o < off + nbytes and off < o + a.nbytes
+                                                     for o, a in borrowed.items()):
+                    raise ArtifactError(f"rank {self.rank}: buffer {k} ({buf.name}) of {str(self.directory)!r} "
+                                        "overlaps weights borrowed from another shape variant without being one of "
+                                        "them; the out_dir's variants.json does not fit its programs")
+                buf.array = store[off:off + nbytes].view(buf.dtype).reshape(buf.shape)
+                buf.ptr = store.ctypes.data + off
             self.buffers.append(buf)
         self.input_specs = [(name, self.buffers[i]) for name, i in p["inputs"]]
         # indices computed in the graph: outputs counting their values outside the readers' range

@@ -49,6 +49,11 @@ def read_variants(out_dir: str | os.PathLike) -> dict | None:
         raise ArtifactError(f"{str(path)!r}: 'variants' must be a non-empty list of {{dir, dim_sizes, inputs, "
                             "outputs, world_size}}")
     for v in variants:
+        regions = v.get("weights", {})
+        if not isinstance(regions, dict) or not all(isinstance(rs, list) and all(
+                isinstance(r, list) and len(r) == 3 for r in rs) for rs in regions.values()):
+            raise ArtifactError(f"{str(path)!r}: variant {v['dir']!r}'s 'weights' must map ranks to lists of "
+                                "[offset, nbytes, sha256]")
         d = Path(out_dir) / v["dir"]
         if Path(v["dir"]).name != v["dir"] or not d.is_dir():
             raise ArtifactError(f"{str(path)!r} lists the variant folder {v['dir']!r}, which {str(out_dir)!r} does "
@@ -90,8 +95,11 @@ class VariantProgram:
                                  f"with a communicator of {size}: run exactly {self.world_size} ranks")
         self._load_kwargs = load_kwargs
         self._programs: dict[int, Any] = {}
+        self._held: dict[str, np.ndarray] = {}  # sha256 -> a loaded variant's weights region with those bytes
         #: The program that ran last (None before the first run).
         self.last = None
+        #: Bytes of weights the loaded variants read from another loaded variant's memory.
+        self.borrowed_bytes = 0
 
     def program(self, k: int):
         """Variant ``k``'s :class:`~shardflow.runtime.executor.RankProgram`, loaded on first use
@@ -99,8 +107,17 @@ class VariantProgram:
         if k not in self._programs:
             from .executor import RankProgram
 
-            self._programs[k] = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
-                                            **self._load_kwargs)
+            # its large weights regions that a loaded variant holds alike are read from there (cpu)
+            regions = self.variants[k].get("weights", {}).get(str(self.rank), [])
+            borrowed = {int(off): self._held[sha] for off, n, sha in regions
+                        if sha in self._held and self._held[sha].nbytes == n}
+            prog = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
+                               borrowed_weights=borrowed, **self._load_kwargs)
+            if prog.target == "cpu":
+                self.borrowed_bytes += sum(a.nbytes for a in borrowed.values())
+                for off, n, sha in regions:
+                    self._held.setdefault(sha, borrowed.get(int(off), prog.weights[int(off):int(off) + int(n)]))
+            self._programs[k] = prog
         return self._programs[k]
 
     @property

@@ -137,3 +137,43 @@ def test_a_variants_out_dir_checks_its_list_and_the_world(tmp_path):
         spec_path.write_text(json.dumps(broken))
         with pytest.raises(ArtifactError, match=match):
             load(tmp_path / "out")
+
+
+def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
+    """The variants' weights files differ (a position table sliced to the sequence is a constant of each),
+    so no file is shared; their large regions alike (the MLP's 64 KiB weights) are read from the variant
+    loaded first, whose memory the second's kernels then read."""
+    rng = np.random.default_rng(0)
+    inner = 1024  # (16 x 1024 floats: 64 KiB, SHARE_MIN_BYTES)
+    w1 = numpy_helper.from_array(rng.standard_normal((HIDDEN, inner)).astype(np.float32) * 0.1, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((inner, HIDDEN)).astype(np.float32) * 0.1, "w2")
+    pos = numpy_helper.from_array(rng.standard_normal((32, HIDDEN)).astype(np.float32), "pos")
+    const = {n: numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+             (("one", [1]), ("two", [2]), ("zero", [0]))}
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Slice", ["shape", "one", "two"], ["len"]),
+             helper.make_node("Slice", ["pos", "zero", "len", "zero"], ["p"]),
+             helper.make_node("Add", ["x", "p"], ["xp"]),
+             helper.make_node("MatMul", ["xp", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    dims = ["batch", "seq", HIDDEN]
+    g = helper.make_graph(nodes, "pos", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)], [w1, w2, pos, *const.values()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    res = compile_variants(m, variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
+                           distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
+                           out_dir=tmp_path / "out")
+    assert res.shared_weights == 0
+    regions = [v["weights"]["0"] for v in res.variants]
+    alike = {sha for _, _, sha in regions[0]} & {sha for _, _, sha in regions[1]}
+    assert len(alike) >= 2 and all(n >= 1 << 16 for r in regions for _, n, _ in r)
+    sess = onnxruntime.InferenceSession(m.SerializeToString())
+    for verify in (True, False):
+        prog = load(tmp_path / "out", verify=verify)
+        for seq in (8, 4, 8):
+            x = _x(2, seq, seed=seq)
+            np.testing.assert_allclose(prog.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+        assert prog.borrowed_bytes >= 2 * (1 << 16)
+        first, second = prog.program(1), prog.program(0)  # (seq 8 loaded first)
+        held = [b.array for b in first.buffers if b.array.nbytes >= 1 << 16]
+        assert sum(any(np.shares_memory(b.array, h) for h in held) for b in second.buffers) >= 2
