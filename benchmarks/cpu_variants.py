@@ -21,6 +21,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cpu_latency import _medians_ms  # noqa: E402
 
 
 def export(path: str) -> None:
@@ -66,9 +68,6 @@ def _rss_mb() -> float:
 def measure(out_dir: str, model: str, seqs: list[int], repeat: int, latency: bool) -> dict:
     """(in a fresh process) Every variant run; their latencies beside onnxruntime's if ``latency``,
     and the resident memory after running all of them."""
-    import statistics
-    import time
-
     import numpy as np
 
     from shardflow.runtime import load
@@ -88,16 +87,9 @@ def measure(out_dir: str, model: str, seqs: list[int], repeat: int, latency: boo
         if sess is None:
             continue
         want = sess.run(None, feeds)[0]
-        ours, theirs = [], []
-        for _ in range(repeat):  # (alternating, so that the machine's drifts fall on both)
-            t0 = time.perf_counter()
-            prog.run(feeds)
-            ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            sess.run(None, feeds)
-            theirs.append(time.perf_counter() - t0)
-        res["latency"][seq] = (1e3 * statistics.median(ours), 1e3 * statistics.median(theirs),
-                               float(np.max(np.abs(got - want))))
+        # blocks of 5 calls in turn, each after 50 ms idle (onnxruntime's pool spins after a run: cpu_latency)
+        ours, theirs = _medians_ms([lambda: prog.run(feeds), lambda: sess.run(None, feeds)], repeat, block=5)
+        res["latency"][seq] = (ours, theirs, float(np.max(np.abs(got - want))))
     res["rss_after_mb"] = _rss_mb()
     res["borrowed_mb"] = prog.borrowed_bytes / 2**20
     return res

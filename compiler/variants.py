@@ -145,9 +145,10 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
     plan, kernels and weights) into ``out_dir/v<k>``; ``out_dir/variants.json`` lists the variants with
     their inputs' shapes. The loaded program (:class:`~shardflow.runtime.variants.VariantProgram`) runs
     the variant compiled for the inputs' shapes, loading it on first use; other shapes are refused, not
-    padded. A rank's weights that come out byte for byte alike in two variants (the same plan and
-    layouts) are one file, hard-linked; a cpu program reads its weights into memory unless loaded with
-    ``map_weights=True``, so each variant in use holds its own copy there.
+    padded. A rank's weights file that comes out byte for byte alike in two variants is one file,
+    hard-linked; and on cpu a variant loaded after another reads the large weights regions they have
+    alike (listed with their checksums in ``variants.json``) from the loaded one's memory, so the
+    parameters are held once however many variants run.
 
     Parameters
     ----------
