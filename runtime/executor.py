@@ -626,6 +626,12 @@ class RankProgram:
                     coll()
 
     @property
+    def borrowed_weights_bytes(self) -> int:
+        """Bytes of this program's weights read from another program's memory (a cpu shape variant's weights
+        alike in a variant loaded before it: runtime/variants.py); its own copy holds the rest."""
+        return sum(a.nbytes for a in self._borrowed_weights.values()) if self.target == "cpu" else 0
+
+    @property
     def scratch_bytes(self) -> int | None:
         """Bytes the cpu kernels' scratch buffers hold now, beside the arena and the weights: each thread
         keeps, per slot, the largest buffer its kernels asked for so far (a conv's padded image, GEMM

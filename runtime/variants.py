@@ -114,7 +114,7 @@ class VariantProgram:
             prog = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
                                borrowed_weights=borrowed, **self._load_kwargs)
             if prog.target == "cpu":
-                self.borrowed_bytes += sum(a.nbytes for a in borrowed.values())
+                self.borrowed_bytes += prog.borrowed_weights_bytes
                 for off, n, sha in regions:
                     self._held.setdefault(sha, borrowed.get(int(off), prog.weights[int(off):int(off) + int(n)]))
             self._programs[k] = prog

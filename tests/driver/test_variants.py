@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from shardflow.compiler import ConfigError, ShapeError, cli, compile_variants
 from shardflow.runtime import ArtifactError, InputShapeError, WorldSizeError, load
 from shardflow.runtime.comm import InProcessWorld
+from shardflow.runtime.profile import memory_record
 
 HIDDEN = 16
 
@@ -175,5 +176,7 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
             np.testing.assert_allclose(prog.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
         assert prog.borrowed_bytes >= 2 * (1 << 16)
         first, second = prog.program(1), prog.program(0)  # (seq 8 loaded first)
+        assert first.borrowed_weights_bytes == 0 and second.borrowed_weights_bytes == prog.borrowed_bytes
+        assert memory_record(second)["weights"] == second.weights.nbytes - prog.borrowed_bytes
         held = [b.array for b in first.buffers if b.array.nbytes >= 1 << 16]
         assert sum(any(np.shares_memory(b.array, h) for h in held) for b in second.buffers) >= 2
