@@ -245,12 +245,13 @@ def address_of(a: np.ndarray) -> int:
 
 
 def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, mapped: bool = False,
-                 skip: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+                 skip: Sequence[tuple[int, int, str]] = ()) -> np.ndarray:
     """Read ``weights.bin`` into an aligned buffer, hashing it in the same pass.
 
-    ``skip``: ``(offset, nbytes)`` regions not copied into the buffer (the caller reads them from
-    elsewhere: a shape variant's weights another variant holds, runtime/variants.py); they are still
-    hashed, and the buffer's pages there are never written, so they take no memory.
+    ``skip``: ``(offset, nbytes, sha256)`` regions not copied into the buffer (the caller reads bytes
+    alike from elsewhere: a shape variant's weights another variant holds, runtime/variants.py); the
+    buffer's pages there are never written, so they take no memory. When verifying (``sha256``), each
+    region's own checksum is checked too: the caller's copy must hold the bytes the file holds.
 
     With ``mapped``, the file is mapped instead (copy-on-write: a write to the array, such as a
     load step's, stays private to this process and never reaches the file), so that its pages are
@@ -306,11 +307,12 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
     return buf
 
 
-def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int]], h) -> None:
+def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int, str]], h) -> None:
     """:func:`read_weights`' copy of ``path`` into ``buf`` but for the ``skip`` regions (sorted), through a
-    chunk buffer, hashing every byte into ``h`` (unless None: then the skipped regions are not read)."""
+    chunk buffer, hashing every byte into ``h`` and each region into its own checksum, which must be the
+    region's (unless ``h`` is None: then the skipped regions are not read)."""
     keep, pos = [], 0  # (start, end) ranges copied into buf
-    for off, n in skip:
+    for off, n, _ in skip:
         if off > pos:
             keep.append((pos, off))
         pos = max(pos, off + n)
@@ -322,18 +324,29 @@ def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int]], h) ->
                 f.seek(a)
                 f.readinto(memoryview(buf)[a:b])
             return
+        regions = [(off, off + n, hashlib.sha256()) for off, n, _ in skip]
         chunk = bytearray(_HASH_CHUNK)
         pos = 0
         while pos < buf.nbytes:
             n = f.readinto(chunk)
             if not n:
                 break
-            h.update(memoryview(chunk)[:n])
+            view = memoryview(chunk)
+            h.update(view[:n])
             for a, b in keep:
                 lo, hi = max(a, pos), min(b, pos + n)
                 if lo < hi:
                     buf[lo:hi] = np.frombuffer(chunk, np.uint8, hi - lo, lo - pos)
+            for a, b, rh in regions:
+                lo, hi = max(a, pos), min(b, pos + n)
+                if lo < hi:
+                    rh.update(view[lo - pos:hi - pos])
             pos += n
+    for (a, b, rh), (_, _, want) in zip(regions, skip):
+        if rh.hexdigest() != want:
+            raise ChecksumError(f"{str(path)!r}: bytes {a}..{b} have sha256 {rh.hexdigest()[:16]}…, but the shape "
+                                f"variants' list says {want[:16]}… (read from another variant's copy); the out_dir's "
+                                "variants.json does not fit its files: compile it again", str(path))
 
 
 def read_mesh(out_dir: str | os.PathLike) -> dict:

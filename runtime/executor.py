@@ -173,10 +173,12 @@ class RankProgram:
     """
 
     def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True,
-                 map_weights: bool | None = None, borrowed_weights: Mapping[int, np.ndarray] | None = None):
-        # borrowed_weights: {offset in weights.bin: bytes alike held by another program}, read from there
-        # instead of the file (a shape variant's weights another variant loaded: runtime/variants.py)
-        self._borrowed_weights = dict(borrowed_weights or {})
+                 map_weights: bool | None = None,
+                 borrowed_weights: Mapping[int, tuple[np.ndarray, str]] | None = None):
+        # borrowed_weights: {offset in weights.bin: (bytes alike held by another program, their sha256)}, read
+        # from there instead of the file (a shape variant's weights another variant loaded: runtime/variants.py)
+        self._borrowed_weights = {off: a for off, (a, _) in (borrowed_weights or {}).items()}
+        self._borrowed_sha = {off: sha for off, (_, sha) in (borrowed_weights or {}).items()}
         self.out_dir = Path(out_dir)
         if not self.out_dir.is_dir():
             raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist or is not a directory")
@@ -223,7 +225,7 @@ class RankProgram:
         borrowed = self._borrowed_weights if self.target == "cpu" else {}
         self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
                                     winfo["sha256"] if (verify and winfo) else None, mapped=map_weights,
-                                    skip=[(off, a.nbytes) for off, a in borrowed.items()]) \
+                                    skip=[(off, a.nbytes, self._borrowed_sha[off]) for off, a in borrowed.items()]) \
             if p["weights_bytes"] else aligned_empty(0)
         try:
             self.arena = aligned_empty(int(p["arena_bytes"]))

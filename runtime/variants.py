@@ -13,13 +13,14 @@ computes unless its masks say otherwise, so shapes no variant was compiled for a
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from .artifact import ArtifactError, read_json
+from .artifact import ArtifactError, ChecksumError, read_json
 
 __all__ = ["VARIANTS_FILE", "VariantProgram", "read_variants", "first_variant_dir"]
 
@@ -96,6 +97,7 @@ class VariantProgram:
         self._load_kwargs = load_kwargs
         self._programs: dict[int, Any] = {}
         self._held: dict[str, np.ndarray] = {}  # sha256 -> a loaded variant's weights region with those bytes
+        self._checked: set[str] = set()  # of those, the ones whose bytes were checked against their sha256
         #: The program that ran last (None before the first run).
         self.last = None
         #: Bytes of weights the loaded variants read from another loaded variant's memory.
@@ -109,16 +111,32 @@ class VariantProgram:
 
             # its large weights regions that a loaded variant holds alike are read from there (cpu)
             regions = self.variants[k].get("weights", {}).get(str(self.rank), [])
-            borrowed = {int(off): self._held[sha] for off, n, sha in regions
+            borrowed = {int(off): (self._held[sha], sha) for off, n, sha in regions
                         if sha in self._held and self._held[sha].nbytes == n}
+            if self._load_kwargs.get("verify", True):
+                for _, sha in borrowed.values():
+                    self._check_held(sha)
             prog = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
                                borrowed_weights=borrowed, **self._load_kwargs)
             if prog.target == "cpu":
                 self.borrowed_bytes += prog.borrowed_weights_bytes
                 for off, n, sha in regions:
-                    self._held.setdefault(sha, borrowed.get(int(off), prog.weights[int(off):int(off) + int(n)]))
+                    self._held.setdefault(sha, prog.weights[int(off):int(off) + int(n)] if int(off) not in borrowed
+                                          else borrowed[int(off)][0])
             self._programs[k] = prog
         return self._programs[k]
+
+    def _check_held(self, sha: str) -> None:
+        """A held region's bytes against the checksum ``variants.json`` gives them, once, before another
+        variant reads them (the variant that holds them checked its whole file, not this list)."""
+        if sha in self._checked:
+            return
+        got = hashlib.sha256(self._held[sha]).hexdigest()
+        if got != sha:
+            raise ChecksumError(f"{str(self.out_dir / VARIANTS_FILE)!r} lists a weights region with sha256 "
+                                f"{sha[:16]}…, but the variant holding it has {got[:16]}… there; the list does not "
+                                "fit the variants' files: compile the out_dir again", str(self.out_dir / VARIANTS_FILE))
+        self._checked.add(sha)
 
     @property
     def input_names(self) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from shardflow.compiler import ConfigError, ShapeError, cli, compile_variants
-from shardflow.runtime import ArtifactError, InputShapeError, WorldSizeError, load
+from shardflow.runtime import ArtifactError, ChecksumError, InputShapeError, WorldSizeError, load
 from shardflow.runtime.comm import InProcessWorld
 from shardflow.runtime.profile import memory_record
 
@@ -178,5 +178,36 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
         first, second = prog.program(1), prog.program(0)  # (seq 8 loaded first)
         assert first.borrowed_weights_bytes == 0 and second.borrowed_weights_bytes == prog.borrowed_bytes
         assert memory_record(second)["weights"] == second.weights.nbytes - prog.borrowed_bytes
+    # a list whose checksums do not fit the files: refused when verifying, before any bytes are borrowed
+    path = tmp_path / "out" / "variants.json"
+    spec = json.loads(path.read_text())
+    sha = spec["variants"][0]["weights"]["0"][0][2]
+    path.write_text(json.dumps(spec).replace(sha, "0" * 64))
+    prog = load(tmp_path / "out")
+    prog.run({"x": _x(2, 4)})
+    with pytest.raises(ChecksumError, match="lists a weights region with sha256 0000"):
+        prog.run({"x": _x(2, 8)})
         held = [b.array for b in first.buffers if b.array.nbytes >= 1 << 16]
         assert sum(any(np.shares_memory(b.array, h) for h in held) for b in second.buffers) >= 2
+
+
+def test_read_weights_leaves_out_the_regions_read_elsewhere(tmp_path):
+    """The file's bytes but the skipped regions (whose pages stay untouched), the whole file and each
+    region checked when verifying; without verifying, only the kept ranges are read."""
+    import hashlib
+
+    from shardflow.runtime.artifact import _HASH_CHUNK, read_weights
+
+    data = np.random.default_rng(0).integers(0, 256, _HASH_CHUNK + 3 * 4096, dtype=np.uint8)
+    (tmp_path / "w.bin").write_bytes(data.tobytes())
+    whole = hashlib.sha256(data).hexdigest()
+    regions = [(4096, 8192), (_HASH_CHUNK - 4096, 8192)]  # (the second across the chunks' border)
+    skip = [(off, n, hashlib.sha256(data[off:off + n]).hexdigest()) for off, n in regions]
+    keep = np.ones(data.size, bool)
+    for off, n in regions:
+        keep[off:off + n] = False
+    for sha in (whole, None):
+        buf = read_weights(tmp_path / "w.bin", data.size, sha, skip=skip)
+        np.testing.assert_array_equal(buf[keep], data[keep])
+    with pytest.raises(ChecksumError, match=r"bytes 4096\.\.12288 have sha256 .* the shape variants' list says"):
+        read_weights(tmp_path / "w.bin", data.size, whole, skip=[skip[0][:2] + ("f" * 64,), skip[1]])
