@@ -83,6 +83,24 @@ def test_variants_on_two_ranks(tmp_path):
         for got in outs:
             np.testing.assert_allclose(got, _ort(x), rtol=1e-5, atol=1e-6)
 
+    # ranks given different shapes all refuse the run (their programs' collectives would not match)
+    def mismatched(c):
+        try:
+            progs[c.rank].run({"x": _x(2, 4 + 2 * c.rank)})
+        except InputShapeError as exc:
+            return str(exc)
+    assert run_threads(world, mismatched, timeout=60) == ["the ranks were given inputs of different shapes, which "
+                                                         "different variants take (rank 0 v0, rank 1 v1); every rank "
+                                                         "of a program runs the same shapes"] * 2
+
+    def one_unknown(c):  # (rank 1's shapes no variant takes: rank 0 does not wait for it)
+        try:
+            progs[c.rank].run({"x": _x(2, 4 + 3 * c.rank)})
+        except InputShapeError as exc:
+            return str(exc)
+    got = run_threads(world, one_unknown, timeout=60)
+    assert got[0].startswith("rank 1 was given inputs whose shapes no variant") and "x [2, 7, 16]" in got[1]
+
 
 def test_the_command_line_compiles_runs_and_inspects_variants(tmp_path, capsys):
     path = tmp_path / "dyn.onnx"
