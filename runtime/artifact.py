@@ -286,6 +286,8 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
         if sha256 is not None:
             for pos in range(0, nbytes, _HASH_CHUNK):
                 h.update(buf[pos:pos + _HASH_CHUNK])
+            for off, n, want in skip:  # (mapped: the regions read elsewhere are checked through the mapping)
+                _check_region(path, off, n, hashlib.sha256(buf[off:off + n]).hexdigest(), want)
     elif skip:
         buf = aligned_empty(nbytes)
         _read_around(path, buf, sorted(skip), h if sha256 is not None else None)
@@ -343,10 +345,14 @@ def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int, str]], 
                     rh.update(view[lo - pos:hi - pos])
             pos += n
     for (a, b, rh), (_, _, want) in zip(regions, skip):
-        if rh.hexdigest() != want:
-            raise ChecksumError(f"{str(path)!r}: bytes {a}..{b} have sha256 {rh.hexdigest()[:16]}…, but the shape "
-                                f"variants' list says {want[:16]}… (read from another variant's copy); the out_dir's "
-                                "variants.json does not fit its files: compile it again", str(path))
+        _check_region(path, a, b - a, rh.hexdigest(), want)
+
+
+def _check_region(path: Path, off: int, n: int, got: str, want: str) -> None:
+    if got != want:
+        raise ChecksumError(f"{str(path)!r}: bytes {off}..{off + n} have sha256 {got[:16]}…, but the shape variants' "
+                            f"list says {want[:16]}… (read from another variant's copy); the out_dir's variants.json "
+                            "does not fit its files: compile it again", str(path))
 
 
 def read_mesh(out_dir: str | os.PathLike) -> dict:

@@ -187,8 +187,8 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
     alike = {sha for _, _, sha in regions[0]} & {sha for _, _, sha in regions[1]}
     assert len(alike) >= 2 and all(n >= 1 << 16 for r in regions for _, n, _ in r)
     sess = onnxruntime.InferenceSession(m.SerializeToString())
-    for verify in (True, False):
-        prog = load(tmp_path / "out", verify=verify)
+    for kw in ({}, {"verify": False}, {"map_weights": True}):
+        prog = load(tmp_path / "out", **kw)
         for seq in (8, 4, 8):
             x = _x(2, seq, seed=seq)
             np.testing.assert_allclose(prog.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
@@ -227,5 +227,8 @@ def test_read_weights_leaves_out_the_regions_read_elsewhere(tmp_path):
     for sha in (whole, None):
         buf = read_weights(tmp_path / "w.bin", data.size, sha, skip=skip)
         np.testing.assert_array_equal(buf[keep], data[keep])
-    with pytest.raises(ChecksumError, match=r"bytes 4096\.\.12288 have sha256 .* the shape variants' list says"):
-        read_weights(tmp_path / "w.bin", data.size, whole, skip=[skip[0][:2] + ("f" * 64,), skip[1]])
+    for mapped in (False, True):
+        with pytest.raises(ChecksumError, match=r"bytes 4096\.\.12288 have sha256 .* the shape variants' list says"):
+            read_weights(tmp_path / "w.bin", data.size, whole, skip=[skip[0][:2] + ("f" * 64,), skip[1]],
+                         mapped=mapped)
+    np.testing.assert_array_equal(read_weights(tmp_path / "w.bin", data.size, whole, skip=skip, mapped=True), data)
