@@ -366,13 +366,11 @@ def _cmd_compile(args) -> int:
     if args.variant:
         from .variants import compile_variants
 
-        if args.state:
-            raise _CLIError("--state and --variant: a state's shape changes with the variant; compile each "
-                            "variant with its state on its own")
         variants = [parse_dims(item.split(","), flag="--variant") for item in args.variant]
         result = compile_variants(args.model, variants=variants, distributed_config=dcfg, optimization_config=ocfg,
                                   out_dir=args.out, input_shapes=parse_shapes(args.shape),
-                                  input_values=parse_values(args.value), dim_sizes=parse_dims(args.dim))
+                                  input_values=parse_values(args.value), state=parse_state(args.state),
+                                  dim_sizes=parse_dims(args.dim))
     else:
         result = driver.compile(args.model, distributed_config=dcfg, optimization_config=ocfg, out_dir=args.out,
                                 input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),

@@ -73,6 +73,11 @@ def _checked(variants: Any) -> list[dict[str, int]]:
     return res
 
 
+def _run_inputs(listed: dict) -> dict:
+    """The inputs a run of the listed variant must be given (its state inputs are optional)."""
+    return {n: shape for n, shape in listed["inputs"].items() if n not in listed["state"]}
+
+
 def _listing(folder: Path, name: str, dims: dict) -> dict:
     """``variants.json``'s entry for the variant compiled into ``folder``: the whole shape of each input
     and the output names (every rank's manifest has them; rank 0's is read), and per rank its large
@@ -82,6 +87,7 @@ def _listing(folder: Path, name: str, dims: dict) -> dict:
     return {"dir": name, "dim_sizes": dims,
             "inputs": {i["name"]: list(i.get("global_shape", i["shape"])) for i in m["inputs"]},
             "outputs": [o["name"] for o in m["outputs"]], "world_size": int(m["world_size"]),
+            "state": {e["input"]: e["output"] for e in m.get("state", [])},
             "weights": {str(r): _weight_regions(folder / f"rank{r}") for r in list_ranks(folder)}}
 
 
@@ -134,7 +140,7 @@ def _share_weights(out: Path, names: list[str]) -> int:
 def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distributed_config: Mapping[str, Any],
                      optimization_config: Mapping[str, Any] | None = None, out_dir: str | os.PathLike,
                      input_shapes: Mapping[str, Sequence[int]] | None = None,
-                     input_values: Mapping[str, Any] | None = None,
+                     input_values: Mapping[str, Any] | None = None, state: Mapping[str, str] | None = None,
                      dim_sizes: Mapping[str, int] | None = None) -> VariantsResult:
     """Compile ``model`` once per entry of ``variants`` into one out_dir, which
     :func:`shardflow.runtime.load` runs at any of those shapes.
@@ -159,8 +165,11 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
         ``[{"sequence_length": 64}, {"sequence_length": 128}, ...]``: at least one, no two alike, and
         no two giving the inputs the same shapes.
     distributed_config, optimization_config, input_shapes, input_values, dim_sizes
-        As for :func:`compile`, the same for every variant. (``state`` is not taken: a state's shape
-        changes with the variant.)
+        As for :func:`compile`, the same for every variant.
+    state
+        As for :func:`compile`: each variant keeps its own state, of its own shapes (a decoding step's
+        KV cache per batch size); the variants must differ in the inputs a run is given, not only in the
+        state inputs, which runs need not be given.
 
     Returns
     -------
@@ -185,7 +194,7 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
             log.info("shape variant %d of %d: %s", k + 1, len(checked), dims)
             try:
                 res = compile(model, distributed_config=distributed_config, optimization_config=optimization_config,
-                              out_dir=tmp / name, input_shapes=input_shapes, input_values=input_values,
+                              out_dir=tmp / name, input_shapes=input_shapes, input_values=input_values, state=state,
                               dim_sizes={**(dim_sizes or {}), **dims})
             except Exception as exc:
                 log.error("shape variant %d (%s) did not compile: %s", k, dims, exc)
@@ -196,9 +205,10 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
             listed.append(_listing(tmp / name, name, dims))
         for k, v in enumerate(listed):
             for j in range(k):
-                if listed[j]["inputs"] == v["inputs"]:
+                if _run_inputs(listed[j]) == _run_inputs(v):
+                    also = " (their state inputs, which a run need not be given, aside)" if v["state"] else ""
                     raise ConfigError(f"variants {j} {checked[j]} and {k} {checked[k]} give the inputs the same shapes "
-                                      f"({v['inputs']}): a program cannot tell them apart; drop one")
+                                      f"({_run_inputs(v)}){also}: a program cannot tell them apart; drop one")
         shared = _share_weights(tmp, [v["dir"] for v in listed])
         write_json(tmp / VARIANTS_FILE, {"format": VARIANTS_FORMAT, "version": VARIANTS_VERSION, "variants": listed})
     out = Path(out_dir).resolve()

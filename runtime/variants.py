@@ -149,6 +149,26 @@ class VariantProgram:
         return list(self.variants[0]["outputs"])
 
     @property
+    def state_names(self) -> dict[str, str]:
+        """``{input name: output name}`` of the state each variant keeps between its runs (its own, of its
+        own shapes: ``compile_variants(state=...)``); empty without state."""
+        return dict(self.variants[0].get("state", {}))
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        """The state of the variant that ran last (:meth:`RankProgram.read_state`)."""
+        if self.last is None:
+            from .errors import ShardflowError
+
+            raise ShardflowError("read_state: no variant has run yet (each variant keeps its own state, zeros until "
+                                 "its first run)")
+        return self.last.read_state()
+
+    def reset_state(self) -> None:
+        """Set every loaded variant's state to zeros (as at load)."""
+        for p in self._programs.values():
+            p.reset_state()
+
+    @property
     def scratch_bytes(self) -> int | None:
         """The cpu kernels' scratch buffers of every variant loaded (each has its own library)."""
         held = [p.scratch_bytes for p in self._programs.values()]
@@ -167,7 +187,7 @@ class VariantProgram:
         if not isinstance(inputs, Mapping):
             raise InputNameError(f"run() takes a dict of input name -> array, got {type(inputs).__name__}")
         shapes = {n: tuple(np.shape(a) if not hasattr(a, "shape") else a.shape) for n, a in inputs.items()}
-        for k, v in enumerate(self.variants):
+        for k, v in enumerate(self.variants):  # (a state input or a missing one does not choose: run() names it)
             if all(shapes.get(n, tuple(s)) == tuple(s) for n, s in v["inputs"].items()):
                 return k
         names = [n for n in self.variants[0]["inputs"] if n in shapes]

@@ -14,7 +14,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from shardflow.compiler import ConfigError, ShapeError, cli, compile_variants
+from shardflow.compiler import ConfigError, ShapeError, ShardflowError, cli, compile_variants
 from shardflow.runtime import ArtifactError, ChecksumError, InputShapeError, WorldSizeError, load
 from shardflow.runtime.comm import InProcessWorld
 from shardflow.runtime.profile import memory_record
@@ -121,8 +121,7 @@ def test_the_command_line_compiles_runs_and_inspects_variants(tmp_path, capsys):
     assert "== shape variant v0 (seq=4)" in text and "== shape variant v1 (seq=8, batch=1)" in text
     assert "x float32[1, 8, 16]" in text
     capsys.readouterr()
-    for flags, why in ((["--variant", "seq=4", "--state", "y=x"], "--state and --variant"),
-                       (["--variant", "seq"], "--variant 'seq': use NAME=SIZE")):
+    for flags, why in ((["--variant", "seq"], "--variant 'seq': use NAME=SIZE"),):
         assert cli.main(["compile", str(path), "-o", str(tmp_path / "o2"), *flags]) == 2
         assert why in capsys.readouterr().err
 
@@ -232,3 +231,41 @@ def test_read_weights_leaves_out_the_regions_read_elsewhere(tmp_path):
             read_weights(tmp_path / "w.bin", data.size, whole, skip=[skip[0][:2] + ("f" * 64,), skip[1]],
                          mapped=mapped)
     np.testing.assert_array_equal(read_weights(tmp_path / "w.bin", data.size, whole, skip=skip, mapped=True), data)
+
+
+def _state_model(cache_dim: str = "seq") -> onnx.ModelProto:
+    """``y = x @ w + past``, the present (``y``) kept as the next run's ``past``: a running sum per variant."""
+    w = numpy_helper.from_array(np.eye(HIDDEN, dtype=np.float32) * 2, "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "past"], ["present"]),
+             helper.make_node("Identity", ["present"], ["y"])]
+    g = helper.make_graph(nodes, "st", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+                                        helper.make_tensor_value_info("past", TensorProto.FLOAT,
+                                                                      ["batch", cache_dim, HIDDEN])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+                           helper.make_tensor_value_info("present", TensorProto.FLOAT, ["batch", cache_dim, HIDDEN])],
+                          [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_each_variant_keeps_its_own_state(tmp_path):
+    compile_variants(_state_model(), variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 1},
+                     state={"present": "past"}, distributed_config={"mesh_shape": [1]},
+                     optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
+    prog = load(tmp_path / "out")
+    assert prog.state_names == {"past": "present"} and prog.input_names == ["x", "past"]
+    with pytest.raises(ShardflowError, match="no variant has run yet"):
+        prog.read_state()
+    sums = {4: np.zeros((1, 4, HIDDEN), np.float32), 8: np.zeros((1, 8, HIDDEN), np.float32)}
+    for seq in (4, 4, 8, 4, 8):
+        x = _x(1, seq, seed=seq)
+        sums[seq] = sums[seq] + 2 * x
+        np.testing.assert_allclose(prog.run({"x": x})["y"], sums[seq], rtol=1e-6)
+        np.testing.assert_allclose(prog.read_state()["past"], sums[seq], rtol=1e-6)
+    prog.reset_state()
+    x = _x(1, 4, seed=9)
+    np.testing.assert_allclose(prog.run({"x": x})["y"], 2 * x, rtol=1e-6)
+    # variants the inputs a run is given cannot tell apart (a cache length alone) are refused
+    with pytest.raises(ConfigError, match="their state inputs, which a run need not be given, aside"):
+        compile_variants(_state_model("cache"), variants=[{"cache": 4}, {"cache": 8}], dim_sizes={"batch": 1, "seq": 1},
+                         state={"present": "past"}, distributed_config={"mesh_shape": [1]},
+                         optimization_config={"target": "cpu"}, out_dir=tmp_path / "o2")
