@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,12 +111,13 @@ def test_the_command_line_compiles_runs_and_inspects_variants(tmp_path, capsys):
                      "--variant", "seq=8,batch=1", "-q"]) == 0
     x = _x(1, 8)
     np.savez(tmp_path / "in.npz", x=x)
-    proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(out), "--nproc", "2",
-                           "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"), "--profile"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    np.testing.assert_allclose(np.load(tmp_path / "o.npz")["y"], _ort(x), rtol=1e-5, atol=1e-6)
-    assert "memory per rank" in proc.stderr
+    for launcher in ("mpiexec", "spawn") if shutil.which("mpiexec") else ("spawn",):  # (MPI, and TCP's gather)
+        proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(out), "--nproc", "2",
+                               "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"), "--profile",
+                               "--launcher", launcher], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        np.testing.assert_allclose(np.load(tmp_path / "o.npz")["y"], _ort(x), rtol=1e-5, atol=1e-6)
+        assert "memory per rank" in proc.stderr
     text = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "inspect", str(out)], capture_output=True,
                           text=True, timeout=120).stdout
     assert "== shape variant v0 (seq=4)" in text and "== shape variant v1 (seq=8, batch=1)" in text
