@@ -33,7 +33,7 @@ import numpy as np
 
 from .artifact import ArtifactError, buffer_dtype
 from .comm.prepared import prepare
-from .errors import ShardflowError
+from .errors import MemoryLimitError, ShardflowError, format_bytes
 from .pdl import pdl_launcher
 from .tma import kernel_args
 
@@ -100,9 +100,18 @@ class CudaEngine:
                         "with optimization_config['sm_count'] = %d (or on this machine) for the best tiles and "
                         "splits", getattr(prog, "rank", "?"), int(compiled_for), self.sms, self.sms)
         self.stream = cp.cuda.Stream(non_blocking=True)
-        with self.stream:
-            self.weights = cp.asarray(prog.weights) if prog.weights.nbytes else cp.zeros(1, cp.uint8)
-            self.arena = cp.zeros(max(int(p["arena_bytes"]), 1), cp.uint8)
+        out_of_memory = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", MemoryError)
+        try:
+            with self.stream:
+                self.weights = cp.asarray(prog.weights) if prog.weights.nbytes else cp.zeros(1, cp.uint8)
+                self.arena = cp.zeros(max(int(p["arena_bytes"]), 1), cp.uint8)
+        except out_of_memory as exc:  # (cupy's own error names no program)
+            raise MemoryLimitError(
+                f"rank {getattr(prog, 'rank', '?')}: the program in {str(prog.directory)!r} needs "
+                f"{format_bytes(int(prog.weights.nbytes))} of weights and {format_bytes(int(p['arena_bytes']))} of "
+                f"working memory (its arena) on GPU {self.device}, which could not allocate them ({exc}); run it on "
+                "a GPU with more free memory, split the model over more ranks, or compile it for smaller input "
+                "shapes") from None
         self.views = []
         for b in p["buffers"]:
             dtype = buffer_dtype(b["dtype"], device=True)

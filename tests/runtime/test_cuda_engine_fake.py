@@ -326,3 +326,29 @@ def test_kernel_profile_times_each_kernel_from_a_graph(monkeypatch):
     # then the program's graph 10 times
     per_kernel = 1 + 3 * 4 + 4 + 3 * 4
     assert log == ["add"] * per_kernel + ["twice"] * per_kernel + ["add", "twice"] * 10
+
+
+def test_a_device_that_cannot_hold_the_program_is_a_memory_limit_error(monkeypatch):
+    """cupy's OutOfMemoryError names no program: the engine's error names the rank, the folder, the
+    sizes and what to do."""
+    cp = _fake_cupy({"add": add, "twice": twice}, [])
+
+    class OutOfMemoryError(Exception):
+        pass
+
+    def full(n, dtype):
+        raise OutOfMemoryError(f"Out of memory allocating {n:,} bytes")
+    cp.cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+    cp.zeros = full
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    from shardflow.runtime import MemoryLimitError
+    from shardflow.runtime.cuda_exec import CudaEngine
+
+    p = _program()
+    p["arena_bytes"] = 3 << 30
+    prog = types.SimpleNamespace(program=p, weights=np.arange(4, dtype=np.float32).view(np.uint8),
+                                 buffers=[None] * 4, directory=Path("out/rank1"), rank=1, groups={})
+    with pytest.raises(MemoryLimitError, match=r"rank 1: the program in 'out/rank1' needs 16 B of weights and "
+                                               r"3\.0 GiB of working memory .* on GPU 0, which could not allocate them "
+                                               r"\(Out of memory allocating 3,221,225,472 bytes\); run it on a GPU"):
+        CudaEngine(prog)
