@@ -117,7 +117,7 @@ def test_the_command_line_compiles_runs_and_inspects_variants(tmp_path, capsys):
                                "--launcher", launcher], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         np.testing.assert_allclose(np.load(tmp_path / "o.npz")["y"], _ort(x), rtol=1e-5, atol=1e-6)
-        assert "memory per rank" in proc.stderr
+        assert "memory per rank" in proc.stderr and f"ran {out / 'v1'} on 2 rank(s)" in proc.stderr
     text = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "inspect", str(out)], capture_output=True,
                           text=True, timeout=120).stdout
     assert "== shape variant v0 (seq=4)" in text and "== shape variant v1 (seq=8, batch=1)" in text
