@@ -271,3 +271,47 @@ def test_each_variant_keeps_its_own_state(tmp_path):
         compile_variants(_state_model("cache"), variants=[{"cache": 4}, {"cache": 8}], dim_sizes={"batch": 1, "seq": 1},
                          state={"present": "past"}, distributed_config={"mesh_shape": [1]},
                          optimization_config={"target": "cpu"}, out_dir=tmp_path / "o2")
+
+
+@pytest.mark.slow
+def test_an_exported_gpt2_with_dynamic_axes_on_two_ranks(tmp_path):
+    """GPT-2 (a small config) exported by the TorchScript exporter with dynamic batch and sequence, three
+    variants (two lengths, two batch sizes) on two ranks, each against onnxruntime's dynamic session; the
+    variants' weights files differ (the position slice and the causal mask are folded per length), the
+    large regions are read from the variant loaded first."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from threads import run_threads
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4,
+                                                                 n_positions=64)).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    ids = torch.randint(0, 500, (2, 8))
+    dyn = {0: "batch", 1: "seq"}
+    path = str(tmp_path / "gpt2.onnx")
+    torch.onnx.export(Logits(), (ids, torch.ones_like(ids)), path, input_names=["input_ids", "attention_mask"],
+                      output_names=["logits"], dynamic_axes={"input_ids": dyn, "attention_mask": dyn, "logits": dyn},
+                      opset_version=17, dynamo=False)
+    res = compile_variants(path, variants=[{"seq": 8}, {"seq": 16}, {"seq": 5, "batch": 1}], dim_sizes={"batch": 2},
+                           distributed_config={"mesh_shape": [2], "algo": "megatron"},
+                           optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
+    assert res.shared_weights == 0
+    sess = onnxruntime.InferenceSession(path)
+    world = InProcessWorld(2).communicators()
+    progs = [load(tmp_path / "out", c.rank, c) for c in world]
+    for b, s in ((2, 16), (1, 5), (2, 8)):
+        feeds = {"input_ids": np.random.default_rng(s).integers(0, 500, (b, s)).astype(np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        want = sess.run(None, feeds)[0]
+        for got in run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert all(p.borrowed_bytes > 0 for p in progs)
