@@ -429,7 +429,11 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
         raise ArtifactError(f"{out_dir!r} is not a directory")
     spec = read_variants(out)
     if spec is not None:
+        def alike(v: dict) -> int:  # rank 0's weights bytes another variant has alike (read from it when both run)
+            others = {sha for w in spec["variants"] if w is not v for _, _, sha in w.get("weights", {}).get("0", [])}
+            return sum(n for _, n, sha in v.get("weights", {}).get("0", []) if sha in others)
         return {"out_dir": str(out), "variants": [{"dir": v["dir"], "dim_sizes": v["dim_sizes"],
+                                                   "weights_alike_bytes": alike(v),
                                                    **inspect_out_dir(str(out / v["dir"]), verify)}
                                                   for v in spec["variants"]]}
     mesh = read_mesh(out)
@@ -482,7 +486,9 @@ def _cmd_inspect(args) -> int:
     elif "variants" in info:
         for v in variants:
             dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())
-            print(f"== shape variant {v['dir']} ({dims})\n" + "\n".join(_inspect_lines(v)))
+            alike = (f"; rank 0's weights alike in another variant: {format_bytes(v['weights_alike_bytes'])} (held "
+                     "once when both run, cpu)") if v["weights_alike_bytes"] else ""
+            print(f"== shape variant {v['dir']} ({dims}){alike}\n" + "\n".join(_inspect_lines(v)))
     else:
         print("\n".join(_inspect_lines(info)))
     bad = [r for v in variants for r in v["ranks"] if r.get("verified", True) is not True]

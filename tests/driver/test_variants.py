@@ -187,6 +187,7 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
     regions = [v["weights"]["0"] for v in res.variants]
     alike = {sha for _, _, sha in regions[0]} & {sha for _, _, sha in regions[1]}
     assert len(alike) >= 2 and all(n >= 1 << 16 for r in regions for _, n, _ in r)
+    assert [v["weights_alike_bytes"] for v in cli.inspect_out_dir(str(tmp_path / "out"))["variants"]] == [2 << 16] * 2
     sess = onnxruntime.InferenceSession(m.SerializeToString())
     for kw in ({}, {"verify": False}, {"map_weights": True}):
         prog = load(tmp_path / "out", **kw)
