@@ -26,6 +26,10 @@ counted as ``ort-rejects-run-reference-agrees`` when onnx's reference computes t
 stricter than the spec), else as ``ort-rejects-run-we-run``, printed with onnxruntime's message under
 ``-v`` (``ORT-REJECTS-RUN``): a check the importer may lack.
 
+Cases with sequence inputs or outputs take part (session 102): ``shapes`` changes one item of a sequence
+input, a sequence output is compared item by item, ``types`` leaves such cases alone; cases with an
+empty optional input are left out.
+
 KIND: ``shapes`` (one input's dim changed, with the inputs of that dim alike, or its values
 redrawn), ``types`` (the inputs of one element type retyped: float32 to float64 or float16, the integer
 widths; the outputs' types from onnx's shape inference), ``attrs`` (one attribute changed).
@@ -58,9 +62,10 @@ import onnx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "frontend"), os.path.join(HERE, "codegen")]
 
-from conformance import _arrays, _import_binding, is_random_case, is_tensor_only, node_cases  # noqa: E402
+from conformance import _arrays, _import_binding, input_shapes, is_random_case, is_tensor_only, node_cases  # noqa: E402
 
 from shardflow.compiler import ShardflowError  # noqa: E402
+from shardflow.compiler.frontend.registry import sequence_item  # noqa: E402
 
 MODES = ("eval", "cpu", "cuda-host", "plan", "cpu-plan")
 MUTATIONS = ("shapes", "types", "attrs")
@@ -92,7 +97,7 @@ class Fuzzer:
         self.rng, self.nrng = random.Random(seed), np.random.default_rng(seed)
         self.seed = seed
         # (not the random ops' cases: no two generators draw alike; conformance.py checks those)
-        self.cases = [c for c in node_cases() if is_tensor_only(c) and "expanded" not in c.name
+        self.cases = [c for c in node_cases() if is_tensor_only(c, sequences=True) and "expanded" not in c.name
                       and not is_random_case(c)
                       and (only is None or only in c.name)]
         self.stats: collections.Counter = collections.Counter()
@@ -122,6 +127,16 @@ class Fuzzer:
         rng = self.rng
         name = rng.choice(list(feeds))
         x = feeds[name]
+        if isinstance(x, list):  # a sequence input: one item's values or one of its dims
+            if not x:
+                return None
+            k = rng.randrange(len(x))
+            item = {name: x[k]}
+            what = self._shapes(model, item)
+            if what is None:
+                return None
+            feeds[name] = x[:k] + [item[name]] + x[k + 1:]
+            return f"item {k} of {what}"
         if rng.random() < 0.3 or not x.ndim:
             v = self._value(x, x.shape)
             if v is None:
@@ -131,6 +146,8 @@ class Fuzzer:
         d = rng.randrange(x.ndim)
         n = rng.choice([1, x.shape[d] + 1, max(x.shape[d] - 1, 1), x.shape[d] * 2, x.shape[d] * 3 + 1, 17])
         for other, y in list(feeds.items()):  # the inputs with that dim alike change with it (mostly)
+            if isinstance(y, list):
+                continue
             if y.ndim == x.ndim and y.shape[d] == x.shape[d] and (other == name or rng.random() < 0.8):
                 v = self._value(y, y.shape[:d] + (n,) + y.shape[d + 1:])
                 if v is not None:
@@ -138,6 +155,9 @@ class Fuzzer:
         return f"{name} dim {d} -> {n}"
 
     def _types(self, model, feeds):
+        if any(isinstance(x, list) for x in feeds.values()) or any(
+                not vo.type.HasField("tensor_type") for vo in model.graph.output):
+            return None  # (sequences keep their types: their type protos are not retyped here)
         kinds = sorted({str(x.dtype) for x in feeds.values()} & set(RETYPE))
         if not kinds:
             return None
@@ -226,7 +246,7 @@ class Fuzzer:
         key = f"{self.mode}-{self.mutate}-{self.seed}-{len(self.failures)}"
         os.makedirs(self.save, exist_ok=True)
         onnx.save(model, os.path.join(self.save, key + ".onnx"))
-        np.savez(os.path.join(self.save, key + ".npz"), **feeds)
+        np.savez(os.path.join(self.save, key + ".npz"), **_flat(feeds))
         line = f"{kind} {tag}: {detail} (saved {key})"
         self.failures.append(line)
         print(line, flush=True)
@@ -238,18 +258,24 @@ class Fuzzer:
         init = {i.name for i in model.graph.initializer}
         graph_inputs = [vi for vi in model.graph.input if vi.name not in init]
         arrays = _arrays(case.data_sets[0][0])
-        if len(arrays) != len(graph_inputs) or not arrays:
-            return
+        if len(arrays) != len(graph_inputs) or not arrays or any(a is None for a in arrays):
+            return  # (an empty optional input: nothing to change)
         feeds = {vi.name: x for vi, x in zip(graph_inputs, arrays)}
         what = getattr(self, "_" + self.mutate)(model, feeds)
         if what is None:
             return
         for vi in graph_inputs:  # the inputs' shapes as fed; the outputs' as onnxruntime computes them
+            if not vi.type.HasField("tensor_type"):  # (a sequence's items may differ in shape: none declared)
+                _elem(vi.type).ClearField("shape")
+                continue
             tt = vi.type.tensor_type
             tt.ClearField("shape")
             tt.shape.SetInParent()  # (a scalar's shape is present and empty)
             tt.shape.dim.extend(onnx.TensorShapeProto.Dimension(dim_value=d) for d in feeds[vi.name].shape)
         for k, vo in enumerate(model.graph.output):  # (symbolic dims until onnxruntime gives them)
+            if not vo.type.HasField("tensor_type"):
+                _elem(vo.type).ClearField("shape")
+                continue
             rank = len(vo.type.tensor_type.shape.dim)
             vo.type.tensor_type.ClearField("shape")
             vo.type.tensor_type.shape.dim.extend(onnx.TensorShapeProto.Dimension(dim_param=f"out{k}_{d}")
@@ -269,11 +295,13 @@ class Fuzzer:
         rejected = want if status == "rejected" else None
         if rejected is not None:
             want = None
-        if want is not None and sum(np.asarray(w).size for w in want) > 4_000_000:
+        if want is not None and sum(np.asarray(w).size for w in _items(want)) > 4_000_000:
             self.stats["too-large"] += 1
             return
         if want is not None:
             for vo, w in zip(model.graph.output, want):
+                if isinstance(w, list):
+                    continue
                 vo.type.tensor_type.ClearField("shape")
                 vo.type.tensor_type.shape.SetInParent()
                 vo.type.tensor_type.shape.dim.extend(onnx.TensorShapeProto.Dimension(dim_value=d)
@@ -281,7 +309,7 @@ class Fuzzer:
         def evaluate():
             graph, rest, bound = _import_binding(types.SimpleNamespace(model=model), feeds)
             out = graph.run(rest)
-            return [out[vo.name] for vo in model.graph.output], rest, bound
+            return _outputs(out, model), rest, bound
 
         done, res = self._attempt(120, "the evaluator", "refused" if want is not None else "both-refuse",
                                   tag, model, feeds, evaluate)
@@ -315,14 +343,14 @@ class Fuzzer:
             self.stats["reference-ambiguous"] += 1
             return
         if any(np.asarray(r).dtype.kind == "f" and np.asarray(r).size
-               and not np.all(np.abs(np.asarray(r, np.float64)) < OVERFLOW) for r in ref):
+               and not np.all(np.abs(np.asarray(r, np.float64)) < OVERFLOW) for r in _items(ref)):
             self.stats["overflow"] += 1
             return
         if self.mode == "cuda-host":
             name = f"{len(self.host_cases)} {tag}"
             # (float16 outputs: a unit in the last place, 2**-10 relative, which a float32 sum in another
             # order gives; the check multiplies these by conformance's TOLERANCE_FACTOR, 10)
-            half = 2e-4 if any(np.asarray(r).dtype == np.float16 for r in ref) else 0.0
+            half = 2e-4 if any(np.asarray(r).dtype == np.float16 for r in _items(ref)) else 0.0
             self.host_cases.append(types.SimpleNamespace(name=name, model=model, rtol=max(case.rtol, half),
                                                          atol=max(case.atol, half),
                                                          data_sets=[(list(feeds.values()), ref)]))
@@ -333,7 +361,7 @@ class Fuzzer:
         if not done:
             return
         for r, out in enumerate(outs):
-            why = mismatch([out[vo.name] for vo in model.graph.output], ref, floor)
+            why = mismatch(_outputs(out, model), ref, floor)
             if why:
                 self.stats["wrong"] += 1
                 self._report("WRONG", tag, f"rank {r} of {len(outs)}: {why}", model, feeds)
@@ -346,7 +374,7 @@ class Fuzzer:
 
         with tempfile.TemporaryDirectory() as d:
             compile(model, distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
-                    out_dir=os.path.join(d, "out"), input_shapes={k: v.shape for k, v in rest.items()},
+                    out_dir=os.path.join(d, "out"), input_shapes=_given_shapes(feeds, bound),
                     input_values={k: feeds[k] for k in bound})
             return [load(os.path.join(d, "out")).run(rest)]
 
@@ -358,7 +386,7 @@ class Fuzzer:
 
         mesh = self.rng.choice([[2], [3], [2, 2], [4]])
         g = planned_graph(model, distributed_config={"mesh_shape": mesh}, optimization_config={"target": "cpu"},
-                          input_shapes={k: v.shape for k, v in rest.items()}, input_values={k: feeds[k] for k in bound})
+                          input_shapes=_given_shapes(feeds, bound), input_values={k: feeds[k] for k in bound})
         problem = Problem(g, DistributedConfig.from_dict({"mesh_shape": mesh}))
         assign = {id(op): problem.strategies[id(op)][int(self.nrng.integers(len(problem.strategies[id(op)])))]
                   for op in g.nodes}
@@ -385,7 +413,7 @@ class Fuzzer:
             compile(model, distributed_config={"mesh_shape": list(plan.mesh.shape),
                                                "preload_plan": os.path.join(d, "plan")},
                     optimization_config={"target": "cpu"}, out_dir=os.path.join(d, "out"),
-                    input_shapes={k: v.shape for k, v in rest.items()}, input_values={k: feeds[k] for k in bound})
+                    input_shapes=_given_shapes(feeds, bound), input_values={k: feeds[k] for k in bound})
             world = InProcessWorld(plan.mesh.world_size).communicators()
             programs = [load(os.path.join(d, "out"), c.rank, c) for c in world]
             return run_threads(world, lambda c: programs[c.rank].run(dict(rest)), timeout=120)
@@ -441,6 +469,42 @@ def _run_onnxruntime(model, feeds) -> tuple[str, list | str | None]:
     return pickle.loads(data) if data else ("crashed", None)
 
 
+def _elem(type_proto):
+    """The tensor type inside a sequence or optional type proto."""
+    while not type_proto.HasField("tensor_type"):
+        type_proto = (type_proto.sequence_type if type_proto.HasField("sequence_type")
+                      else type_proto.optional_type).elem_type
+    return type_proto.tensor_type
+
+
+def _items(values) -> list:
+    """``values`` with each sequence (a list) replaced by its items."""
+    return [a for v in values for a in (v if isinstance(v, list) else [v])]
+
+
+def _flat(feeds: dict) -> dict:
+    """Inputs by name, a sequence's items as ``name[0]``, ``name[1]``, ... (as a program takes them)."""
+    return {key: a for k, v in feeds.items()
+            for key, a in ([(sequence_item(k, i), a) for i, a in enumerate(v)] if isinstance(v, list) else [(k, v)])}
+
+
+def _outputs(out: dict, model) -> list:
+    """The graph's outputs in order from a run's dict, a sequence output's items (``name[k]``) as a list."""
+    res = []
+    for vo in model.graph.output:
+        if vo.name in out or vo.type.HasField("tensor_type"):
+            res.append(out[vo.name])
+        else:
+            n = sum(1 for k in out if k.startswith(vo.name + "["))
+            res.append([out[sequence_item(vo.name, i)] for i in range(n)])
+    return res
+
+
+def _given_shapes(feeds: dict, bound) -> dict:
+    """``input_shapes`` for the inputs not bound (a sequence's: its items' shapes)."""
+    return input_shapes({k: v for k, v in feeds.items() if k not in bound})
+
+
 def _reference_agrees(model, feeds, ours) -> bool:
     """Whether onnx's reference evaluator computes ``ours`` too (where onnxruntime does not: its
     float64 Attention and DFT in float32 steps, NaN ties, fully masked rows; rfcs/0006)."""
@@ -470,7 +534,14 @@ def mismatch(have: list, want: list, floor: float = 0.0) -> str | None:
     """Why outputs ``have`` are not ``want`` (shapes, types, then values: float64 within 1e-9
     relative, float16 and bfloat16 4e-3, other floats 1e-3, none below ``floor``, each with an
     absolute floor of that times the largest finite value; other types exactly), or None."""
+    if len(have) != len(want):
+        return f"{len(have)} outputs (or sequence items), expected {len(want)}"
     for h, w in zip(have, want):
+        if isinstance(w, list) or isinstance(h, list):  # a sequence output: item by item
+            why = mismatch(h, w, floor) if isinstance(w, list) and isinstance(h, list) else "a sequence and a tensor"
+            if why:
+                return why
+            continue
         h, w = np.asarray(h), np.asarray(w)
         if h.shape != w.shape:
             return f"shape {h.shape}, expected {w.shape}"

@@ -25,6 +25,21 @@ def test_the_compiled_modes_run(tmp_path, mode, capsys):
     assert int(counts["ok"]) > 0
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+@pytest.mark.parametrize("mode", ["eval", "cpu"])
+def test_sequence_cases_are_fuzzed_too(tmp_path, mode, capsys):
+    """Cases with sequence inputs or outputs (SequenceInsert, SplitToSequence, ...): an item of a sequence
+    input changed, the outputs compared item by item."""
+    assert fuzz.main([mode, "--only", "sequence_", "--iters", "8", "--seed", "6", "--save", str(tmp_path)]) == 0
+    counts = dict(kv.split("=") for kv in capsys.readouterr().out.strip().splitlines()[-1].split(", "))
+    assert int(counts["ok"]) > 0
+    items = [np.zeros((2, 3), np.float32), np.ones((1, 3), np.float32)]
+    assert fuzz.mismatch([items], [[items[0], items[1] + 1]]).startswith("max difference 1.0")
+    assert fuzz.mismatch([items[:1]], [items]) == "1 outputs (or sequence items), expected 2"
+    assert fuzz.mismatch([items[0]], [items]) == "a sequence and a tensor"
+    assert fuzz._flat({"s": items, "x": items[0]}).keys() == {"s[0]", "s[1]", "x"}
+
+
 def test_a_wrong_run_is_reported_with_its_case(tmp_path, monkeypatch, capsys):
     real = fuzz.Fuzzer._run_plan
 
