@@ -95,6 +95,18 @@ def measure(out_dir: str, model: str, seqs: list[int], repeat: int, latency: boo
     return res
 
 
+def _disk_mb(folder: str) -> float:
+    """The bytes of the files under ``folder``, each file (inode) once."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total / 1e6
+
+
 def _child(*args) -> dict:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(args)], check=True,
                          capture_output=True, text=True)
@@ -125,14 +137,17 @@ def main() -> None:
     print(f"GPT-2 small (dynamic batch and seq), {len(seqs)} variants, one rank; threads: "
           f"{os.environ.get('OMP_NUM_THREADS', os.cpu_count())}")
     for v, r in zip(res.variants, res.results):
-        print(f"  {v['dir']} seq {v['dim_sizes']['seq']:4d}: compile {r.timings['total']:6.1f} s, weights "
+        print(f"  {v['dir']} seq {v['dim_sizes']['seq']:4d}: compile {r.timings['total']:6.1f} s, its weights file "
               f"{r.ranks[0]['weights_bytes'] / 1e6:7.1f} MB")
+    print(f"  out_dir on disk {_disk_mb(out):7.1f} MB ({res.external_bytes / 1e6:.1f} MB of weights read from an "
+          "earlier variant's file instead of stored again)")
     alone = os.path.join(work, "alone")  # the same variants, each reading its whole weights file
     shutil.rmtree(alone, ignore_errors=True)
     shutil.copytree(out, alone, copy_function=os.link)
     spec = json.load(open(os.path.join(out, "variants.json")))
     for v in spec["variants"]:
         v.pop("weights")
+        v.pop("external", None)  # (each then reads its external regions from the earlier file itself)
     os.unlink(os.path.join(alone, "variants.json"))
     with open(os.path.join(alone, "variants.json"), "w") as f:
         json.dump(spec, f)

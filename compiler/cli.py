@@ -429,13 +429,17 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
         raise ArtifactError(f"{out_dir!r} is not a directory")
     spec = read_variants(out)
     if spec is not None:
+        def regions(v: dict, key: str) -> list:
+            return v.get(key, {}).get("0", [])
+
         def alike(v: dict) -> int:  # rank 0's weights bytes another variant has alike (read from it when both run)
-            others = {sha for w in spec["variants"] if w is not v for _, _, sha in w.get("weights", {}).get("0", [])}
-            return sum(n for _, n, sha in v.get("weights", {}).get("0", []) if sha in others)
-        return {"out_dir": str(out), "variants": [{"dir": v["dir"], "dim_sizes": v["dim_sizes"],
-                                                   "weights_alike_bytes": alike(v),
-                                                   **inspect_out_dir(str(out / v["dir"]), verify)}
-                                                  for v in spec["variants"]]}
+            others = {sha for w in spec["variants"] if w is not v for key in ("weights", "external")
+                      for _, _, sha in regions(w, key)}
+            return sum(n for _, n, sha in regions(v, "weights") if sha in others)
+        return {"out_dir": str(out),
+                "variants": [{"dir": v["dir"], "dim_sizes": v["dim_sizes"], "weights_alike_bytes": alike(v),
+                              "external_weights_bytes": sum(n for _, n, _ in regions(v, "external")),
+                              **inspect_out_dir(str(out / v["dir"]), verify)} for v in spec["variants"]]}
     mesh = read_mesh(out)
     plan = read_json(out / "plan.json", "plan") if (out / "plan.json").is_file() else {}
     ranks = []
@@ -488,6 +492,9 @@ def _cmd_inspect(args) -> int:
             dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())
             alike = (f"; rank 0's weights alike in another variant: {format_bytes(v['weights_alike_bytes'])} (held "
                      "once when both run, cpu)") if v["weights_alike_bytes"] else ""
+            if v["external_weights_bytes"]:
+                alike += (f"; rank 0 reads {format_bytes(v['external_weights_bytes'])} of its weights from an earlier "
+                          "variant's file")
             print(f"== shape variant {v['dir']} ({dims}){alike}\n" + "\n".join(_inspect_lines(v)))
     else:
         print("\n".join(_inspect_lines(info)))

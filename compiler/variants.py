@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from shardflow.runtime.artifact import atomic_output_dir, list_ranks, read_manifest, write_json
+from shardflow.runtime.artifact import atomic_output_dir, list_ranks, read_json, read_manifest, write_json
 from shardflow.runtime.variants import VARIANTS_FILE, VARIANTS_FORMAT, VARIANTS_VERSION
 
 from .driver import CompileResult, compile
@@ -38,17 +38,22 @@ class VariantsResult:
         Per variant, its :class:`~shardflow.compiler.CompileResult` (paths inside ``out_dir``).
     shared_weights
         How many ranks' ``weights.bin`` are a hard link to an earlier variant's identical file.
+    external_bytes
+        Bytes of weights a variant's program reads from an earlier variant's file instead of storing them.
     """
 
     out_dir: Path
     variants: list[dict]
     results: list[CompileResult]
     shared_weights: int = 0
+    external_bytes: int = 0
 
     def summary(self) -> str:
         lines = [f"{len(self.variants)} shape variants in {self.out_dir}"
                  + (f" ({self.shared_weights} ranks' weights shared with an earlier variant)"
-                    if self.shared_weights else "")]
+                    if self.shared_weights else "")
+                 + (f" ({self.external_bytes:,} bytes of weights stored once, read from an earlier variant's file)"
+                    if self.external_bytes else "")]
         for v, res in zip(self.variants, self.results):
             dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())
             lines.append(f"== {v['dir']} ({dims})")
@@ -96,19 +101,25 @@ def _listing(folder: Path, name: str, dims: dict) -> dict:
 SHARE_MIN_BYTES = 1 << 16
 
 
-def _weight_regions(rank_dir: Path) -> list[list]:
-    """``[offset, nbytes, sha256]`` of every weights region of at least :data:`SHARE_MIN_BYTES` of the
-    rank's program (a region: the bytes of one or more buffers at one offset, all of one size)."""
-    import hashlib
+def _weight_sizes(prog: dict) -> dict[int, set[int]]:
+    """The sizes of the buffers at each offset of the program's own weights file."""
+    from shardflow.runtime.artifact import buffer_dtype
 
-    from shardflow.runtime.artifact import buffer_dtype, read_json
-
-    prog = read_json(rank_dir / "program.json", "program")
     sizes: dict[int, set[int]] = {}
     for b in prog["buffers"]:
         if b["storage"] == "weights":
             n = int(np.prod(b["shape"], dtype=np.int64)) * buffer_dtype(b["dtype"]).itemsize
             sizes.setdefault(int(b["offset"]), set()).add(n)
+    return sizes
+
+
+def _weight_regions(rank_dir: Path) -> list[list]:
+    """``[offset, nbytes, sha256]`` of every weights region of at least :data:`SHARE_MIN_BYTES` of the
+    rank's program (a region: the bytes of one or more buffers at one offset, all of one size)."""
+    import hashlib
+
+    prog = read_json(rank_dir / "program.json", "program")
+    sizes = _weight_sizes(prog)
     path = rank_dir / prog.get("weights_file", "weights.bin")
     if not sizes or not path.is_file():
         return []
@@ -117,23 +128,87 @@ def _weight_regions(rank_dir: Path) -> list[list]:
             if len(ns) == 1 and (n := next(iter(ns))) >= SHARE_MIN_BYTES]
 
 
+def _keep_once(out: Path, listed: list[dict]) -> int:
+    """On disk, a cpu variant's weights regions alike in an earlier variant's file are read from that
+    file, not stored again: its ``weights.bin`` is written anew with its other regions only, its
+    program.json names the earlier file (``external_weights``: path, size, sha256) and stores those
+    buffers there (storage ``external``), and its listing gets them as ``external`` (their offsets in
+    that file). Per variant and rank, the earlier variant with the most bytes alike is the one read.
+    Returns the bytes no longer stored."""
+    saved = 0
+    for k in range(1, len(listed)):
+        for rank, regions in listed[k]["weights"].items():
+            d = out / listed[k]["dir"] / f"rank{rank}"
+            if read_manifest(d)["target"] != "cpu":  # (the cuda engine uploads one weights file a program)
+                continue
+            mine = {sha: (off, n) for off, n, sha in regions}
+
+            def alike(j: int) -> int:
+                return sum(n for _, n, sha in listed[j]["weights"].get(rank, []) if sha in mine)
+            ref = max(range(k), key=alike)
+            theirs = {sha: off for off, _, sha in listed[ref]["weights"].get(rank, [])}
+            moved = {off: (theirs[sha], n, sha) for sha, (off, n) in mine.items() if sha in theirs}
+            if moved:
+                saved += _store_elsewhere(d, moved, out / listed[ref]["dir"] / f"rank{rank}")
+                listed[k]["weights"][rank] = _weight_regions(d)
+                listed[k].setdefault("external", {})[rank] = sorted([o, n, sha] for o, n, sha in moved.values())
+    return saved
+
+
+def _store_elsewhere(d: Path, moved: dict[int, tuple[int, int, str]], ref: Path) -> int:
+    """Rewrite rank folder ``d``'s weights without the ``moved`` regions (``{offset: (offset in ref's
+    file, nbytes, sha256)}``), which its buffers then read from ``ref``'s ``weights.bin``."""
+    from shardflow.runtime.artifact import ALIGNMENT, finalize_rank_dir
+
+    prog = read_json(d / "program.json", "program")
+    sizes = _weight_sizes(prog)
+    old = np.memmap(d / "weights.bin", np.uint8, mode="r") if prog["weights_bytes"] else np.zeros(0, np.uint8)
+    where, pos = {}, 0
+    tmp = d / ".weights.bin.new"
+    with open(tmp, "wb") as f:
+        for off in sorted(o for o in sizes if o not in moved):
+            where[off] = pos
+            f.seek(pos)
+            f.write(old[off:off + max(sizes[off])].tobytes())
+            pos = -(-(pos + max(sizes[off])) // ALIGNMENT) * ALIGNMENT
+        f.truncate(pos)
+    del old
+    for b in prog["buffers"]:
+        if b["storage"] == "weights":
+            off = int(b["offset"])
+            b["storage"], b["offset"] = ("external", moved[off][0]) if off in moved else ("weights", where[off])
+    ref_prog = read_json(ref / "program.json", "program")
+    prog["weights_bytes"] = pos
+    prog["external_weights"] = {"file": os.path.relpath(ref / ref_prog.get("weights_file", "weights.bin"), d),
+                                "bytes": int(ref_prog["weights_bytes"]),
+                                "sha256": read_manifest(ref)["files"]["weights.bin"]["sha256"]}
+    os.replace(tmp, d / "weights.bin")
+    write_json(d / "program.json", prog)
+    manifest = read_manifest(d)
+    finalize_rank_dir(d, manifest, {n: e["sha256"] for n, e in manifest["files"].items()
+                                    if n not in ("weights.bin", "program.json")})
+    return sum(n for _, n, _ in moved.values())
+
+
 def _share_weights(out: Path, names: list[str]) -> int:
-    """Hard-link each rank's ``weights.bin`` to an earlier variant's when their checksums (in the
-    manifests) are equal: one file on disk, and pages shared by programs that map it. Returns how many."""
+    """Hard-link every rank's ``weights.bin`` to an earlier one whose checksum (in the manifests) is the
+    same, in any variant: one file on disk, and pages shared by programs that map it (a variant's
+    replicated ranks, whose files :func:`_keep_once` wrote anew, too). Returns how many links across
+    variants it made."""
     shared = 0
-    for r in list_ranks(out / names[0]):
-        seen: dict[str, Path] = {}
-        for name in names:
+    seen: dict[str, tuple[str, Path]] = {}
+    for name in names:
+        for r in list_ranks(out / name):
             d = out / name / f"rank{r}"
             entry = read_manifest(d)["files"].get("weights.bin")
             if entry is None:
                 continue
-            first = seen.setdefault(entry["sha256"], d / "weights.bin")
+            first_name, first = seen.setdefault(entry["sha256"], (name, d / "weights.bin"))
             if first != d / "weights.bin" and not os.path.samefile(first, d / "weights.bin"):
                 tmp = d / ".weights.bin.link"
                 os.link(first, tmp)
                 os.replace(tmp, d / "weights.bin")
-                shared += 1
+                shared += first_name != name
     return shared
 
 
@@ -210,11 +285,16 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
                     also = " (their state inputs, which a run need not be given, aside)" if v["state"] else ""
                     raise ConfigError(f"variants {j} {checked[j]} and {k} {checked[k]} give the inputs the same shapes "
                                       f"({_run_inputs(v)}){also}: a program cannot tell them apart; drop one")
+        kept_once = _keep_once(tmp, listed)
         shared = _share_weights(tmp, [v["dir"] for v in listed])
         write_json(tmp / VARIANTS_FILE, {"format": VARIANTS_FORMAT, "version": VARIANTS_VERSION, "variants": listed})
     out = Path(out_dir).resolve()
+    for res, v in zip(results, listed):  # (a variant's weights file may have got smaller: _keep_once)
+        for r, entry in enumerate(res.ranks):
+            entry["weights_bytes"] = int(read_json(out / v["dir"] / f"rank{r}" / "program.json")["weights_bytes"])
     results = [dataclasses.replace(res, out_dir=out / v["dir"],
                                    rank_dirs=[out / v["dir"] / p.name for p in res.rank_dirs])
                for res, v in zip(results, listed)]
-    log.info("wrote %d shape variants to %s (%d ranks' weights shared)", len(listed), out, shared)
-    return VariantsResult(out, listed, results, shared)
+    log.info("wrote %d shape variants to %s (%d ranks' weights files shared, %d bytes read from an earlier "
+             "variant's file)", len(listed), out, shared, kept_once)
+    return VariantsResult(out, listed, results, shared, kept_once)

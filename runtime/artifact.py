@@ -249,9 +249,10 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
     """Read ``weights.bin`` into an aligned buffer, hashing it in the same pass.
 
     ``skip``: ``(offset, nbytes, sha256)`` regions not copied into the buffer (the caller reads bytes
-    alike from elsewhere: a shape variant's weights another variant holds, runtime/variants.py); the
-    buffer's pages there are never written, so they take no memory. When verifying (``sha256``), each
-    region's own checksum is checked too: the caller's copy must hold the bytes the file holds.
+    alike from elsewhere: a shape variant's weights another variant holds, runtime/variants.py; or
+    nobody reads them); the buffer's pages there are never written, so they take no memory. When
+    verifying (``sha256``), each region's own checksum, unless None, is checked too: the caller's copy
+    must hold the bytes the file holds.
 
     With ``mapped``, the file is mapped instead (copy-on-write: a write to the array, such as a
     load step's, stays private to this process and never reaches the file), so that its pages are
@@ -287,7 +288,8 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
             for pos in range(0, nbytes, _HASH_CHUNK):
                 h.update(buf[pos:pos + _HASH_CHUNK])
             for off, n, want in skip:  # (mapped: the regions read elsewhere are checked through the mapping)
-                _check_region(path, off, n, hashlib.sha256(buf[off:off + n]).hexdigest(), want)
+                if want is not None:
+                    _check_region(path, off, n, hashlib.sha256(buf[off:off + n]).hexdigest(), want)
     elif skip:
         buf = aligned_empty(nbytes)
         _read_around(path, buf, sorted(skip), h if sha256 is not None else None)
@@ -326,7 +328,7 @@ def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int, str]], 
                 f.seek(a)
                 f.readinto(memoryview(buf)[a:b])
             return
-        regions = [(off, off + n, hashlib.sha256()) for off, n, _ in skip]
+        regions = [(off, off + n, hashlib.sha256() if want is not None else None) for off, n, want in skip]
         chunk = bytearray(_HASH_CHUNK)
         pos = 0
         while pos < buf.nbytes:
@@ -341,11 +343,12 @@ def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int, str]], 
                     buf[lo:hi] = np.frombuffer(chunk, np.uint8, hi - lo, lo - pos)
             for a, b, rh in regions:
                 lo, hi = max(a, pos), min(b, pos + n)
-                if lo < hi:
+                if lo < hi and rh is not None:
                     rh.update(view[lo - pos:hi - pos])
             pos += n
     for (a, b, rh), (_, _, want) in zip(regions, skip):
-        _check_region(path, a, b - a, rh.hexdigest(), want)
+        if want is not None:
+            _check_region(path, a, b - a, rh.hexdigest(), want)
 
 
 def _check_region(path: Path, off: int, n: int, got: str, want: str) -> None:

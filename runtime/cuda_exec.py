@@ -114,6 +114,9 @@ class CudaEngine:
                 "shapes") from None
         self.views = []
         for b in p["buffers"]:
+            if b["storage"] not in ("weights", "arena"):  # (external weights: cpu shape variants only)
+                raise ArtifactError(f"rank {getattr(prog, 'rank', '?')}: buffer {b['name']} has storage "
+                                    f"{b['storage']!r}, which the cuda engine does not read")
             dtype = buffer_dtype(b["dtype"], device=True)
             shape = tuple(b["shape"])
             n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

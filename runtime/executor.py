@@ -174,11 +174,16 @@ class RankProgram:
 
     def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True,
                  map_weights: bool | None = None,
-                 borrowed_weights: Mapping[int, tuple[np.ndarray, str]] | None = None):
+                 borrowed_weights: Mapping[int, tuple[np.ndarray, str]] | None = None,
+                 external_weights: Mapping[int, np.ndarray] | None = None):
         # borrowed_weights: {offset in weights.bin: (bytes alike held by another program, their sha256)}, read
-        # from there instead of the file (a shape variant's weights another variant loaded: runtime/variants.py)
+        # from there instead of the file (a shape variant's weights another variant loaded: runtime/variants.py);
+        # external_weights: {offset in program.json's external_weights file: those bytes, held already}
         self._borrowed_weights = {off: a for off, (a, _) in (borrowed_weights or {}).items()}
         self._borrowed_sha = {off: sha for off, (_, sha) in (borrowed_weights or {}).items()}
+        self._external_given = dict(external_weights or {})
+        #: {offset in the external weights file: its bytes as this program reads them} (shape variants)
+        self.external_regions: dict[int, np.ndarray] = {}
         self.out_dir = Path(out_dir)
         if not self.out_dir.is_dir():
             raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist or is not a directory")
@@ -235,11 +240,24 @@ class RankProgram:
                 "of working memory (its arena: program.json's arena_bytes) and this process could not allocate it; "
                 "run it where there is more memory, split the model over more ranks, or compile it for smaller "
                 "input shapes") from None
+        self.external_regions = self._external_regions(p, verify, map_weights)
         self.buffers: list[_Buffer] = []
         for k, b in enumerate(p["buffers"]):
             buf = _Buffer()
             buf.name, buf.shape, buf.dtype = b["name"], tuple(b["shape"]), buffer_dtype(b["dtype"])
             nbytes = int(np.prod(buf.shape, dtype=np.int64)) * buf.dtype.itemsize
+            if b["storage"] == "external":  # (in another shape variant's weights file: _external_regions)
+                region = self.external_regions[int(b["offset"])]
+                if region.nbytes != nbytes:
+                    raise ArtifactError(f"program.json of rank {self.rank}: buffer {k} ({buf.name}) of {nbytes} bytes "
+                                        f"and another of {region.nbytes} at offset {b['offset']} of its external "
+                                        "weights file")
+                buf.array, buf.ptr = region.view(buf.dtype).reshape(buf.shape), region.ctypes.data
+                self.buffers.append(buf)
+                continue
+            if b["storage"] not in ("weights", "arena"):
+                raise ArtifactError(f"program.json of rank {self.rank}: buffer {k} ({buf.name}) has storage "
+                                    f"{b['storage']!r}; this runtime knows weights, arena and external")
             store = self.weights if b["storage"] == "weights" else self.arena
             off = int(b["offset"])
             if off < 0 or off + nbytes > store.nbytes or off % ALIGNMENT and nbytes:
@@ -627,11 +645,50 @@ class RankProgram:
                 if coll is not None:
                     coll()
 
+    def _external_regions(self, p: dict, verify: bool, map_weights: bool) -> dict[int, np.ndarray]:
+        """The regions of program.json's ``external_weights`` file (an earlier shape variant's weights,
+        which this variant's compile did not store again) its buffers read: those held already (given by
+        :class:`~shardflow.runtime.variants.VariantProgram`), the others read from the file (its other
+        bytes hashed when verifying, not kept)."""
+        sizes: dict[int, int] = {}
+        for b in p["buffers"]:
+            if b["storage"] == "external":
+                n = int(np.prod(b["shape"], dtype=np.int64)) * buffer_dtype(b["dtype"]).itemsize
+                sizes[int(b["offset"])] = max(sizes.get(int(b["offset"]), 0), n)
+        if not sizes:
+            return {}
+        ext = p.get("external_weights")
+        if self.target != "cpu" or not isinstance(ext, dict) or not {"file", "bytes", "sha256"} <= set(ext):
+            raise ArtifactError(f"program.json of rank {self.rank} in {str(self.directory)!r} has buffers in external "
+                                "weights but no valid external_weights entry (file, bytes, sha256) for a cpu program")
+        res = {off: a for off, a in self._external_given.items() if off in sizes and a.nbytes == sizes[off]}
+        need = sorted((off, n) for off, n in sizes.items() if off not in res)
+        if need:
+            total = int(ext["bytes"])
+            if any(off < 0 or off + n > total for off, n in need):
+                raise ArtifactError(f"program.json of rank {self.rank}: an external weights buffer lies outside "
+                                    f"{ext['file']!r}'s {total} bytes")
+            gaps, pos = [], 0  # (the file's bytes no buffer of this program reads)
+            for off, n in need:
+                if off > pos:
+                    gaps.append((pos, off - pos, None))
+                pos = max(pos, off + n)
+            if pos < total:
+                gaps.append((pos, total - pos, None))
+            data = read_weights((self.directory / ext["file"]), total, ext["sha256"] if verify else None,
+                                mapped=map_weights, skip=gaps)
+            res.update({off: data[off:off + n] for off, n in need})
+        return res
+
     @property
     def borrowed_weights_bytes(self) -> int:
         """Bytes of this program's weights read from another program's memory (a cpu shape variant's weights
         alike in a variant loaded before it: runtime/variants.py); its own copy holds the rest."""
-        return sum(a.nbytes for a in self._borrowed_weights.values()) if self.target == "cpu" else 0
+        if self.target != "cpu":
+            return 0
+        given = {off for off, a in self._external_given.items() if self.external_regions.get(off) is a}
+        return (sum(a.nbytes for a in self._borrowed_weights.values())
+                + sum(self.external_regions[off].nbytes for off in given))
 
     @property
     def scratch_bytes(self) -> int | None:

@@ -53,12 +53,14 @@ def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 1
 
 def memory_record(prog) -> dict:
     """Rank program ``prog``'s memory in bytes: its ``arena`` (activations and what its load steps
-    made), its ``weights`` (less those a shape variant reads from another variant's memory) and, for a
+    made), its ``weights`` (with those it reads from an earlier shape variant's file, less those it
+    reads from another variant's memory) and, for a
     cpu program, its kernels' ``scratch`` buffers (``None``: not known)."""
     weights = getattr(prog, "weights", None)
+    external = sum(a.nbytes for a in getattr(prog, "external_regions", {}).values())
     borrowed = getattr(prog, "borrowed_weights_bytes", 0)
     return {"arena": int(prog.arena.nbytes) if getattr(prog, "arena", None) is not None else None,
-            "weights": int(weights.nbytes) - borrowed if weights is not None else None,
+            "weights": int(weights.nbytes) + external - borrowed if weights is not None else None,
             "scratch": prog.scratch_bytes}
 
 

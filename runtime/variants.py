@@ -52,11 +52,12 @@ def read_variants(out_dir: str | os.PathLike) -> dict | None:
         raise ArtifactError(f"{str(path)!r}: 'variants' must be a non-empty list of {{dir, dim_sizes, inputs, "
                             "outputs, world_size}}")
     for v in variants:
-        regions = v.get("weights", {})
-        if not isinstance(regions, dict) or not all(isinstance(rs, list) and all(
-                isinstance(r, list) and len(r) == 3 for r in rs) for rs in regions.values()):
-            raise ArtifactError(f"{str(path)!r}: variant {v['dir']!r}'s 'weights' must map ranks to lists of "
-                                "[offset, nbytes, sha256]")
+        for key in ("weights", "external"):
+            regions = v.get(key, {})
+            if not isinstance(regions, dict) or not all(isinstance(rs, list) and all(
+                    isinstance(r, list) and len(r) == 3 for r in rs) for rs in regions.values()):
+                raise ArtifactError(f"{str(path)!r}: variant {v['dir']!r}'s {key!r} must map ranks to lists of "
+                                    "[offset, nbytes, sha256]")
         d = Path(out_dir) / v["dir"]
         if Path(v["dir"]).name != v["dir"] or not d.is_dir():
             raise ArtifactError(f"{str(path)!r} lists the variant folder {v['dir']!r}, which {str(out_dir)!r} does "
@@ -111,20 +112,28 @@ class VariantProgram:
         if k not in self._programs:
             from .executor import RankProgram
 
-            # its large weights regions that a loaded variant holds alike are read from there (cpu)
+            # its large weights regions that a loaded variant holds alike are read from there (cpu): those of
+            # its own file, and those its compile left in an earlier variant's file (external)
             regions = self.variants[k].get("weights", {}).get(str(self.rank), [])
+            external = self.variants[k].get("external", {}).get(str(self.rank), [])
             borrowed = {int(off): (self._held[sha], sha) for off, n, sha in regions
                         if sha in self._held and self._held[sha].nbytes == n}
+            given = {int(off): self._held[sha] for off, n, sha in external
+                     if sha in self._held and self._held[sha].nbytes == n}
             if self._load_kwargs.get("verify", True):
-                for _, sha in borrowed.values():
+                for sha in {sha for _, sha in borrowed.values()} | {sha for off, _, sha in external
+                                                                    if int(off) in given}:
                     self._check_held(sha)
             prog = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
-                               borrowed_weights=borrowed, **self._load_kwargs)
+                               borrowed_weights=borrowed, external_weights=given, **self._load_kwargs)
             if prog.target == "cpu":
                 self.borrowed_bytes += prog.borrowed_weights_bytes
                 for off, n, sha in regions:
                     self._held.setdefault(sha, prog.weights[int(off):int(off) + int(n)] if int(off) not in borrowed
                                           else borrowed[int(off)][0])
+                for off, n, sha in external:
+                    if int(off) in prog.external_regions:
+                        self._held.setdefault(sha, prog.external_regions[int(off)])
             self._programs[k] = prog
         return self._programs[k]
 

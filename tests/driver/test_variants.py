@@ -183,32 +183,49 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
     res = compile_variants(m, variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
                            distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                            out_dir=tmp_path / "out")
-    assert res.shared_weights == 0
-    regions = [v["weights"]["0"] for v in res.variants]
-    alike = {sha for _, _, sha in regions[0]} & {sha for _, _, sha in regions[1]}
-    assert len(alike) >= 2 and all(n >= 1 << 16 for r in regions for _, n, _ in r)
-    assert [v["weights_alike_bytes"] for v in cli.inspect_out_dir(str(tmp_path / "out"))["variants"]] == [2 << 16] * 2
+    # on disk: v1's large regions stay in v0's file (its own file holds its position slice only)
+    v0, v1 = res.variants
+    assert res.shared_weights == 0 and res.external_bytes == 2 << 16 and v1["weights"]["0"] == []
+    assert sorted(sha for _, _, sha in v1["external"]["0"]) == sorted(sha for _, _, sha in v0["weights"]["0"])
+    files = [tmp_path / "out" / v / "rank0" / "weights.bin" for v in ("v0", "v1")]
+    assert files[1].stat().st_size < 4096 < (2 << 16) < files[0].stat().st_size
+    assert [v["weights_alike_bytes"] for v in cli.inspect_out_dir(str(tmp_path / "out"))["variants"]] == [2 << 16, 0]
     sess = onnxruntime.InferenceSession(m.SerializeToString())
+
+    def check(prog, seq):
+        x = _x(2, seq, seed=seq)
+        np.testing.assert_allclose(prog.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+    alone = load(tmp_path / "out" / "v1")  # (a variant's folder is an out_dir: it reads v0's file itself)
+    check(alone, 8)
+    assert sorted(a.nbytes for a in alone.external_regions.values()) == [1 << 16] * 2
+    assert memory_record(alone)["weights"] == alone.weights.nbytes + (2 << 16)
     for kw in ({}, {"verify": False}, {"map_weights": True}):
-        prog = load(tmp_path / "out", **kw)
-        for seq in (8, 4, 8):
-            x = _x(2, seq, seed=seq)
-            np.testing.assert_allclose(prog.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
-        assert prog.borrowed_bytes >= 2 * (1 << 16)
-        first, second = prog.program(1), prog.program(0)  # (seq 8 loaded first)
-        assert first.borrowed_weights_bytes == 0 and second.borrowed_weights_bytes == prog.borrowed_bytes
-        assert memory_record(second)["weights"] == second.weights.nbytes - prog.borrowed_bytes
-    # a list whose checksums do not fit the files: refused when verifying, before any bytes are borrowed
+        for order in ((8, 4, 8), (4, 8, 4)):
+            prog = load(tmp_path / "out", **kw)
+            for seq in order:
+                check(prog, seq)
+            assert prog.borrowed_bytes == 2 << 16  # (the second loaded reads the first's copy)
+            first, second = (prog.program(1), prog.program(0)) if order[0] == 8 else (prog.program(0), prog.program(1))
+            assert first.borrowed_weights_bytes == 0 and second.borrowed_weights_bytes == 2 << 16
+            held = [b.array for b in first.buffers if b.array.nbytes >= 1 << 16]
+            assert sum(any(np.shares_memory(b.array, h) for h in held) for b in second.buffers) >= 2
+    assert memory_record(second)["weights"] == second.weights.nbytes  # (v1: its own file, the rest borrowed)
+    # a list whose checksums do not fit the files: refused when verifying, before any bytes are lent
     path = tmp_path / "out" / "variants.json"
     spec = json.loads(path.read_text())
-    sha = spec["variants"][0]["weights"]["0"][0][2]
-    path.write_text(json.dumps(spec).replace(sha, "0" * 64))
+    path.write_text(json.dumps(spec).replace(v0["weights"]["0"][0][2], "0" * 64))
     prog = load(tmp_path / "out")
     prog.run({"x": _x(2, 4)})
     with pytest.raises(ChecksumError, match="lists a weights region with sha256 0000"):
         prog.run({"x": _x(2, 8)})
-        held = [b.array for b in first.buffers if b.array.nbytes >= 1 << 16]
-        assert sum(any(np.shares_memory(b.array, h) for h in held) for b in second.buffers) >= 2
+    # the earlier variant's file is checked where a later one reads it
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 1
+    files[0].unlink()  # (its hard links keep the bytes as they were)
+    files[0].write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="checksum mismatch in .*v0/rank0/weights.bin"):
+        load(tmp_path / "out" / "v1")
 
 
 def test_read_weights_leaves_out_the_regions_read_elsewhere(tmp_path):
@@ -305,7 +322,7 @@ def test_an_exported_gpt2_with_dynamic_axes_on_two_ranks(tmp_path):
     res = compile_variants(path, variants=[{"seq": 8}, {"seq": 16}, {"seq": 5, "batch": 1}], dim_sizes={"batch": 2},
                            distributed_config={"mesh_shape": [2], "algo": "megatron"},
                            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
-    assert res.shared_weights == 0
+    assert res.shared_weights == 0 and res.external_bytes > 0  # (the files differ; their large regions alike)
     sess = onnxruntime.InferenceSession(path)
     world = InProcessWorld(2).communicators()
     progs = [load(tmp_path / "out", c.rank, c) for c in world]
