@@ -157,8 +157,8 @@ def main() -> None:
               f"ratio {ours / theirs:5.2f}   max |diff| {err:.1e}")
     for name, d in (("regions shared", out), ("each its own", alone)):
         m = _child(d, model, seqs, args.repeat, False)
-        print(f"  every variant run, {name:14s}: resident {m['rss_after_mb']:7.1f} MB (after load's imports "
-              f"{m['rss_before_mb']:6.1f} MB), weights read from another variant {m['borrowed_mb']:6.1f} MB")
+        print(f"  every variant run, {name:14s}: resident {m['rss_after_mb']:7.1f} MiB (after load's imports "
+              f"{m['rss_before_mb']:6.1f} MiB), weights read from another variant {m['borrowed_mb']:6.1f} MiB")
 
 
 if __name__ == "__main__":

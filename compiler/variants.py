@@ -227,9 +227,10 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
     their inputs' shapes. The loaded program (:class:`~shardflow.runtime.variants.VariantProgram`) runs
     the variant compiled for the inputs' shapes, loading it on first use; other shapes are refused, not
     padded. A rank's weights file that comes out byte for byte alike in two variants is one file,
-    hard-linked; and on cpu a variant loaded after another reads the large weights regions they have
-    alike (listed with their checksums in ``variants.json``) from the loaded one's memory, so the
-    parameters are held once however many variants run.
+    hard-linked; on cpu a variant's large weights regions alike in an earlier variant's file are read
+    from that file instead of stored again, and a variant loaded after another reads the regions they
+    have alike (listed with their checksums in ``variants.json``) from the loaded one's memory: the
+    parameters are stored and held once however many variants there are.
 
     Parameters
     ----------
