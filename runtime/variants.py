@@ -149,6 +149,13 @@ class VariantProgram:
                                 "fit the variants' files: compile the out_dir again", str(self.out_dir / VARIANTS_FILE))
         self._checked.add(sha)
 
+    def preload(self) -> "VariantProgram":
+        """Load every variant now rather than at the first run of its shapes (so that no run pays for a
+        load; collective on several ranks: every rank calls it). Returns ``self``."""
+        for k in range(len(self.variants)):
+            self.program(k)
+        return self
+
     @property
     def input_names(self) -> list[str]:
         return list(self.variants[0]["inputs"])

@@ -56,6 +56,7 @@ def test_one_out_dir_runs_every_variant_and_refuses_other_shapes(tmp_path):
     assert [r.out_dir for r in res.results] == [tmp_path.resolve() / "out" / f"v{k}" for k in range(3)]
     prog = load(tmp_path / "out")
     assert prog.input_names == ["x"] and prog.output_names == ["y"] and prog.last is None  # (nothing loaded yet)
+    assert not prog._programs and len(load(tmp_path / "out").preload()._programs) == 3
     for shape, k in (((2, 8), 1), ((2, 4), 0), ((3, 8), 2), ((2, 8), 1)):
         x = _x(*shape)
         np.testing.assert_allclose(prog.run({"x": x})["y"], _ort(x), rtol=1e-5, atol=1e-6)
