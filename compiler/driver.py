@@ -1604,8 +1604,10 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
 def _compile(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None,
              out_dir: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None,
              input_values: Mapping[str, Any] | None, state: Mapping[str, str] | None,
-             dim_sizes: Mapping[str, int] | None = None) -> CompileResult:
-    """:func:`compile`'s work, under its spill folder."""
+             dim_sizes: Mapping[str, int] | None = None, weights_elsewhere: Callable | None = None) -> CompileResult:
+    """:func:`compile`'s work, under its spill folder. ``weights_elsewhere(rank, program, weights)``
+    (shape variants, compiler/variants.py) may return the program and weights to write instead: some
+    weights left in an earlier variant's file."""
     t_all = time.perf_counter()
     opt = OptimizationConfig.from_dict(optimization_config)
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
@@ -1743,6 +1745,8 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
             views = [op for op in views if op.name not in kernels]  # the ones not fused into a kernel
             program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute,
                                                      state=state)
+            if weights_elsewhere is not None and opt.target == "cpu":
+                program, weights, wbytes = weights_elsewhere(r, program, weights)
             program["kernels_file"] = kernels_name
             lost = sorted(set(selects) - {e["output"] for e in program.get("state", ()) if e["in_place"]})
             if lost:  # (their kernels store only where the select changes the input: they must run in place)

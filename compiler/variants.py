@@ -14,9 +14,10 @@ import numpy as np
 from shardflow.runtime.artifact import atomic_output_dir, list_ranks, read_json, read_manifest, write_json
 from shardflow.runtime.variants import VARIANTS_FILE, VARIANTS_FORMAT, VARIANTS_VERSION
 
-from .driver import CompileResult, compile
+from .driver import CompileResult, _compile
 from .errors import ConfigError
 from .ir.graph import FlowGraph
+from .ir.spill import spilling
 
 __all__ = ["compile_variants", "VariantsResult"]
 
@@ -128,66 +129,60 @@ def _weight_regions(rank_dir: Path) -> list[list]:
             if len(ns) == 1 and (n := next(iter(ns))) >= SHARE_MIN_BYTES]
 
 
-def _keep_once(out: Path, listed: list[dict]) -> int:
-    """On disk, a cpu variant's weights regions alike in an earlier variant's file are read from that
-    file, not stored again: its ``weights.bin`` is written anew with its other regions only, its
-    program.json names the earlier file (``external_weights``: path, size, sha256) and stores those
-    buffers there (storage ``external``), and its listing gets them as ``external`` (their offsets in
-    that file). Per variant and rank, the earlier variant with the most bytes alike is the one read.
-    Returns the bytes no longer stored."""
-    saved = 0
-    for k in range(1, len(listed)):
-        for rank, regions in listed[k]["weights"].items():
-            d = out / listed[k]["dir"] / f"rank{rank}"
-            if read_manifest(d)["target"] != "cpu":  # (the cuda engine uploads one weights file a program)
-                continue
-            mine = {sha: (off, n) for off, n, sha in regions}
+class _WeightsElsewhere:
+    """The compile of a shape variant after the first (``driver._compile``'s ``weights_elsewhere``): its
+    cpu program's weights regions alike in an earlier variant's file are left there, not written again.
+    Per rank, the earlier variant with the most bytes alike is the one read: the program's
+    ``external_weights`` names its file (path from the rank folder, size, sha256) and the buffers there
+    take storage ``external`` (their offset in that file); the other weights are laid out anew.
+    ``moved[rank]``: ``[offset in that file, nbytes, sha256]`` of each region left there."""
 
-            def alike(j: int) -> int:
-                return sum(n for _, n, sha in listed[j]["weights"].get(rank, []) if sha in mine)
-            ref = max(range(k), key=alike)
-            theirs = {sha: off for off, _, sha in listed[ref]["weights"].get(rank, [])}
-            moved = {off: (theirs[sha], n, sha) for sha, (off, n) in mine.items() if sha in theirs}
-            if moved:
-                saved += _store_elsewhere(d, moved, out / listed[ref]["dir"] / f"rank{rank}")
-                listed[k]["weights"][rank] = _weight_regions(d)
-                listed[k].setdefault("external", {})[rank] = sorted([o, n, sha] for o, n, sha in moved.values())
-    return saved
+    def __init__(self, out: Path, earlier: list[dict]):
+        self.out, self.earlier = out, earlier
+        self.moved: dict[str, list[list]] = {}
 
+    def __call__(self, rank: int, program: dict, weights: list) -> tuple[dict, list, int]:
+        import hashlib
 
-def _store_elsewhere(d: Path, moved: dict[int, tuple[int, int, str]], ref: Path) -> int:
-    """Rewrite rank folder ``d``'s weights without the ``moved`` regions (``{offset: (offset in ref's
-    file, nbytes, sha256)}``), which its buffers then read from ``ref``'s ``weights.bin``."""
-    from shardflow.runtime.artifact import ALIGNMENT, finalize_rank_dir
+        from shardflow.runtime.artifact import ALIGNMENT
 
-    prog = read_json(d / "program.json", "program")
-    sizes = _weight_sizes(prog)
-    old = np.memmap(d / "weights.bin", np.uint8, mode="r") if prog["weights_bytes"] else np.zeros(0, np.uint8)
-    where, pos = {}, 0
-    tmp = d / ".weights.bin.new"
-    with open(tmp, "wb") as f:
-        for off in sorted(o for o in sizes if o not in moved):
-            where[off] = pos
-            f.seek(pos)
-            f.write(old[off:off + max(sizes[off])].tobytes())
-            pos = -(-(pos + max(sizes[off])) // ALIGNMENT) * ALIGNMENT
-        f.truncate(pos)
-    del old
-    for b in prog["buffers"]:
-        if b["storage"] == "weights":
-            off = int(b["offset"])
-            b["storage"], b["offset"] = ("external", moved[off][0]) if off in moved else ("weights", where[off])
-    ref_prog = read_json(ref / "program.json", "program")
-    prog["weights_bytes"] = pos
-    prog["external_weights"] = {"file": os.path.relpath(ref / ref_prog.get("weights_file", "weights.bin"), d),
-                                "bytes": int(ref_prog["weights_bytes"]),
-                                "sha256": read_manifest(ref)["files"]["weights.bin"]["sha256"]}
-    os.replace(tmp, d / "weights.bin")
-    write_json(d / "program.json", prog)
-    manifest = read_manifest(d)
-    finalize_rank_dir(d, manifest, {n: e["sha256"] for n, e in manifest["files"].items()
-                                    if n not in ("weights.bin", "program.json")})
-    return sum(n for _, n, _ in moved.values())
+        sizes = _weight_sizes(program)
+        mine = {}  # offset -> sha256 of the large regions of one size
+        for off, a in weights:
+            if a.nbytes >= SHARE_MIN_BYTES and sizes.get(off) == {a.nbytes}:
+                mine[off] = hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest()
+        shas = set(mine.values())
+
+        def theirs(v: dict) -> dict:
+            return {sha: off for off, _, sha in v["weights"].get(str(rank), []) if sha in shas}
+        ref = max(self.earlier, key=lambda v: sum(n for _, n, sha in v["weights"].get(str(rank), [])
+                                                   if sha in shas), default=None)
+        there = theirs(ref) if ref is not None else {}
+        moved = {off: (there[sha], sha) for off, sha in mine.items() if sha in there}
+        if not moved:
+            return program, weights, int(program["weights_bytes"])
+        where, kept, pos = {}, [], 0
+        for off, a in weights:
+            if off not in moved:
+                where[off] = pos
+                kept.append((pos, a))
+                pos = -(-(pos + a.nbytes) // ALIGNMENT) * ALIGNMENT
+        for b in program["buffers"]:
+            if b["storage"] == "weights":
+                off = int(b["offset"])
+                b["storage"], b["offset"] = ("external", moved[off][0]) if off in moved else ("weights", where[off])
+        ref_dir = self.out / ref["dir"] / f"rank{rank}"
+        ref_prog = read_json(ref_dir / "program.json", "program")
+        ref_file = ref_prog.get("weights_file", "weights.bin")
+        program["weights_bytes"] = pos
+        program["external_weights"] = {"file": f"../../{ref['dir']}/rank{rank}/{ref_file}",
+                                       "bytes": int(ref_prog["weights_bytes"]),
+                                       "sha256": read_manifest(ref_dir)["files"][ref_file]["sha256"]}
+        nbytes = dict(weights)
+        self.moved[str(rank)] = sorted([o, int(nbytes[off].nbytes), sha] for off, (o, sha) in moved.items())
+        log.info("rank %d: %d weights regions (%d bytes) left in %s's file", rank, len(moved),
+                 sum(n for _, n, _ in self.moved[str(rank)]), ref["dir"])
+        return program, kept, pos
 
 
 def _share_weights(out: Path, names: list[str]) -> int:
@@ -266,13 +261,17 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
                           "are already fixed; compile it with compile()")
     with atomic_output_dir(out_dir) as tmp:
         results, listed = [], []
+        external = 0
         for k, dims in enumerate(checked):
             name = f"v{k}"
             log.info("shape variant %d of %d: %s", k + 1, len(checked), dims)
+            elsewhere = _WeightsElsewhere(tmp, listed)
             try:
-                res = compile(model, distributed_config=distributed_config, optimization_config=optimization_config,
-                              out_dir=tmp / name, input_shapes=input_shapes, input_values=input_values, state=state,
-                              dim_sizes={**(dim_sizes or {}), **dims})
+                with spilling(tmp / name):  # (as compile() does)
+                    res = _compile(model, distributed_config=distributed_config,
+                                   optimization_config=optimization_config, out_dir=tmp / name,
+                                   input_shapes=input_shapes, input_values=input_values, state=state,
+                                   dim_sizes={**(dim_sizes or {}), **dims}, weights_elsewhere=elsewhere)
             except Exception as exc:
                 log.error("shape variant %d (%s) did not compile: %s", k, dims, exc)
                 if hasattr(exc, "add_note"):  # (Python 3.11+: the traceback names the variant too)
@@ -280,22 +279,21 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
                 raise
             results.append(res)
             listed.append(_listing(tmp / name, name, dims))
+            if elsewhere.moved:
+                listed[-1]["external"] = elsewhere.moved
+                external += sum(n for regions in elsewhere.moved.values() for _, n, _ in regions)
         for k, v in enumerate(listed):
             for j in range(k):
                 if _run_inputs(listed[j]) == _run_inputs(v):
                     also = " (their state inputs, which a run need not be given, aside)" if v["state"] else ""
                     raise ConfigError(f"variants {j} {checked[j]} and {k} {checked[k]} give the inputs the same shapes "
                                       f"({_run_inputs(v)}){also}: a program cannot tell them apart; drop one")
-        kept_once = _keep_once(tmp, listed)
         shared = _share_weights(tmp, [v["dir"] for v in listed])
         write_json(tmp / VARIANTS_FILE, {"format": VARIANTS_FORMAT, "version": VARIANTS_VERSION, "variants": listed})
     out = Path(out_dir).resolve()
-    for res, v in zip(results, listed):  # (a variant's weights file may have got smaller: _keep_once)
-        for r, entry in enumerate(res.ranks):
-            entry["weights_bytes"] = int(read_json(out / v["dir"] / f"rank{r}" / "program.json")["weights_bytes"])
     results = [dataclasses.replace(res, out_dir=out / v["dir"],
                                    rank_dirs=[out / v["dir"] / p.name for p in res.rank_dirs])
                for res, v in zip(results, listed)]
     log.info("wrote %d shape variants to %s (%d ranks' weights files shared, %d bytes read from an earlier "
-             "variant's file)", len(listed), out, shared, kept_once)
-    return VariantsResult(out, listed, results, shared, kept_once)
+             "variant's file)", len(listed), out, shared, external)
+    return VariantsResult(out, listed, results, shared, external)
