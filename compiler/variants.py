@@ -146,6 +146,8 @@ class _WeightsElsewhere:
 
         from shardflow.runtime.artifact import ALIGNMENT
 
+        if not self.earlier:  # (the first variant: nothing to leave elsewhere, nothing to hash)
+            return program, weights, int(program["weights_bytes"])
         sizes = _weight_sizes(program)
         mine = {}  # offset -> sha256 of the large regions of one size
         for off, a in weights:
