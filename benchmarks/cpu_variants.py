@@ -28,25 +28,10 @@ from cpu_latency import _medians_ms  # noqa: E402
 def export(path: str) -> None:
     """GPT-2 small with dynamic ``batch`` and ``seq`` dims (TorchScript exporter, opset 17)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "models"))
+    from export_models import export_dynamic_gpt2
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config()).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    ids = torch.randint(0, 50257, (1, 16))
-    dyn = {0: "batch", 1: "seq"}
-    torch.onnx.export(Logits(), (ids, torch.ones_like(ids)), path, input_names=["input_ids", "attention_mask"],
-                      output_names=["logits"], dynamic_axes={"input_ids": dyn, "attention_mask": dyn, "logits": dyn},
-                      opset_version=17, dynamo=False)
+    export_dynamic_gpt2(path)
 
 
 def _feeds(seq: int) -> dict:

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from shardflow.runtime.artifact import atomic_output_dir, list_ranks, read_json, read_manifest, write_json
+from shardflow.runtime.artifact import (atomic_output_dir, buffer_nbytes, list_ranks, read_json, read_manifest,
+                                        write_json)
 from shardflow.runtime.variants import VARIANTS_FILE, VARIANTS_FORMAT, VARIANTS_VERSION
 
 from .driver import CompileResult, _compile
@@ -104,13 +105,10 @@ SHARE_MIN_BYTES = 1 << 16
 
 def _weight_sizes(prog: dict) -> dict[int, set[int]]:
     """The sizes of the buffers at each offset of the program's own weights file."""
-    from shardflow.runtime.artifact import buffer_dtype
-
     sizes: dict[int, set[int]] = {}
     for b in prog["buffers"]:
         if b["storage"] == "weights":
-            n = int(np.prod(b["shape"], dtype=np.int64)) * buffer_dtype(b["dtype"]).itemsize
-            sizes.setdefault(int(b["offset"]), set()).add(n)
+            sizes.setdefault(int(b["offset"]), set()).add(buffer_nbytes(b))
     return sizes
 
 
@@ -154,12 +152,9 @@ class _WeightsElsewhere:
             if a.nbytes >= SHARE_MIN_BYTES and sizes.get(off) == {a.nbytes}:
                 mine[off] = hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest()
         shas = set(mine.values())
-
-        def theirs(v: dict) -> dict:
-            return {sha: off for off, _, sha in v["weights"].get(str(rank), []) if sha in shas}
         ref = max(self.earlier, key=lambda v: sum(n for _, n, sha in v["weights"].get(str(rank), [])
-                                                   if sha in shas), default=None)
-        there = theirs(ref) if ref is not None else {}
+                                                   if sha in shas))
+        there = {sha: off for off, _, sha in ref["weights"].get(str(rank), []) if sha in shas}
         moved = {off: (there[sha], sha) for off, sha in mine.items() if sha in there}
         if not moved:
             return program, weights, int(program["weights_bytes"])
@@ -189,9 +184,8 @@ class _WeightsElsewhere:
 
 def _share_weights(out: Path, names: list[str]) -> int:
     """Hard-link every rank's ``weights.bin`` to an earlier one whose checksum (in the manifests) is the
-    same, in any variant: one file on disk, and pages shared by programs that map it (a variant's
-    replicated ranks, whose files :func:`_keep_once` wrote anew, too). Returns how many links across
-    variants it made."""
+    same, in any variant: one file on disk, and pages shared by programs that map it. Returns how many
+    links across variants it made."""
     shared = 0
     seen: dict[str, tuple[str, Path]] = {}
     for name in names:

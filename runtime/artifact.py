@@ -36,7 +36,7 @@ from .errors import ShardflowError
 __all__ = ["buffer_dtype", "ARTIFACT_FORMAT", "ALIGNMENT", "ArtifactError", "ChecksumError", "VersionError",
            "sha256_file", "write_json", "read_json", "finalize_rank_dir", "read_manifest", "verify_files",
            "read_weights", "atomic_output_dir", "rank_dir", "read_mesh", "aligned_empty", "BlockPool", "address_of",
-           "list_ranks"]
+           "list_ranks", "buffer_nbytes", "uncovered"]
 
 log = logging.getLogger(__name__)
 
@@ -311,17 +311,28 @@ def read_weights(path: str | os.PathLike, nbytes: int, sha256: str | None, *, ma
     return buf
 
 
+def buffer_nbytes(entry: dict) -> int:
+    """The bytes of a buffer entry of program.json (its shape times its element's size)."""
+    return int(np.prod(entry["shape"], dtype=np.int64)) * buffer_dtype(entry["dtype"]).itemsize
+
+
+def uncovered(ranges: Iterable[tuple[int, int]], total: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` spans of ``[0, total)`` that none of the sorted ``(offset, nbytes)`` ranges covers."""
+    res, pos = [], 0
+    for off, n in ranges:
+        if off > pos:
+            res.append((pos, off))
+        pos = max(pos, off + n)
+    if pos < total:
+        res.append((pos, total))
+    return res
+
+
 def _read_around(path: Path, buf: np.ndarray, skip: list[tuple[int, int, str]], h) -> None:
     """:func:`read_weights`' copy of ``path`` into ``buf`` but for the ``skip`` regions (sorted), through a
     chunk buffer, hashing every byte into ``h`` and each region into its own checksum, which must be the
     region's (unless ``h`` is None: then the skipped regions are not read)."""
-    keep, pos = [], 0  # (start, end) ranges copied into buf
-    for off, n, _ in skip:
-        if off > pos:
-            keep.append((pos, off))
-        pos = max(pos, off + n)
-    if pos < buf.nbytes:
-        keep.append((pos, buf.nbytes))
+    keep = uncovered(((off, n) for off, n, _ in skip), buf.nbytes)  # (start, end) ranges copied into buf
     with open(path, "rb") as f:
         if h is None:
             for a, b in keep:

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Container, Mapping
 import numpy as np
 
 from . import native
-from .artifact import (ALIGNMENT, ArtifactError, BlockPool, address_of, aligned_empty, buffer_dtype, read_json,
-                       read_manifest, read_weights, rank_dir, verify_files)
+from .artifact import (ALIGNMENT, ArtifactError, BlockPool, address_of, aligned_empty, buffer_dtype, buffer_nbytes,
+                       read_json, read_manifest, read_weights, rank_dir, uncovered, verify_files)
 from .comm.base import CommError, Communicator, SelfCommunicator
 from .comm.prepared import prepare
 from .errors import MemoryLimitError, ShardflowError, format_bytes
@@ -653,8 +653,7 @@ class RankProgram:
         sizes: dict[int, int] = {}
         for b in p["buffers"]:
             if b["storage"] == "external":
-                n = int(np.prod(b["shape"], dtype=np.int64)) * buffer_dtype(b["dtype"]).itemsize
-                sizes[int(b["offset"])] = max(sizes.get(int(b["offset"]), 0), n)
+                sizes[int(b["offset"])] = max(sizes.get(int(b["offset"]), 0), buffer_nbytes(b))
         if not sizes:
             return {}
         ext = p.get("external_weights")
@@ -668,13 +667,7 @@ class RankProgram:
             if any(off < 0 or off + n > total for off, n in need):
                 raise ArtifactError(f"program.json of rank {self.rank}: an external weights buffer lies outside "
                                     f"{ext['file']!r}'s {total} bytes")
-            gaps, pos = [], 0  # (the file's bytes no buffer of this program reads)
-            for off, n in need:
-                if off > pos:
-                    gaps.append((pos, off - pos, None))
-                pos = max(pos, off + n)
-            if pos < total:
-                gaps.append((pos, total - pos, None))
+            gaps = [(a, b - a, None) for a, b in uncovered(need, total)]  # (the bytes no buffer here reads)
             data = read_weights((self.directory / ext["file"]), total, ext["sha256"] if verify else None,
                                 mapped=map_weights, skip=gaps)
             res.update({off: data[off:off + n] for off, n in need})

@@ -645,8 +645,7 @@ def _worker(args, env: LaunchEnv) -> int:
         full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
         if env.rank == 0:
             med = float(np.median(times)) * 1e3
-            where = ran.out_dir if ran is not prog else args.out_dir  # (of shape variants: the one that ran)
-            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", where, env.size, len(times), med)
+            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", ran.out_dir, env.size, len(times), med)
             if args.outputs:
                 _write_npz(args.outputs, full)
                 log.info("wrote %s (%s)", args.outputs,

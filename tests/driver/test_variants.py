@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -298,28 +299,13 @@ def test_an_exported_gpt2_with_dynamic_axes_on_two_ranks(tmp_path):
     variants (two lengths, two batch sizes) on two ranks, each against onnxruntime's dynamic session; the
     variants' weights files differ (the position slice and the causal mask are folded per length), the
     large regions are read from the variant loaded first."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from export_models import export_dynamic_gpt2
     from threads import run_threads
 
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4,
-                                                                 n_positions=64)).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    ids = torch.randint(0, 500, (2, 8))
-    dyn = {0: "batch", 1: "seq"}
     path = str(tmp_path / "gpt2.onnx")
-    torch.onnx.export(Logits(), (ids, torch.ones_like(ids)), path, input_names=["input_ids", "attention_mask"],
-                      output_names=["logits"], dynamic_axes={"input_ids": dyn, "attention_mask": dyn, "logits": dyn},
-                      opset_version=17, dynamo=False)
+    export_dynamic_gpt2(path, vocab_size=500, n_embd=64, n_layer=2, n_head=4, n_positions=64)
     res = compile_variants(path, variants=[{"seq": 8}, {"seq": 16}, {"seq": 5, "batch": 1}], dim_sizes={"batch": 2},
                            distributed_config={"mesh_shape": [2], "algo": "megatron"},
                            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")

@@ -373,6 +373,23 @@ def _quiet():
             logging.getLogger(None if name == "root" else name).setLevel(lvl)
 
 
+def export_dynamic_gpt2(path, seed: int = 0, **config) -> None:
+    """A randomly initialised ``GPT2LMHeadModel`` (``GPT2Config(**config)``; its defaults: GPT-2 small)
+    exported by the TorchScript exporter with the ``batch`` and ``seq`` dims of its inputs and logits
+    dynamic (for shape variants: tests/driver/test_variants.py, benchmarks/cpu_variants.py)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(use_cache=False, **config)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    dyn = {0: "batch", 1: "seq"}
+    with torch.no_grad(), _quiet():
+        torch.onnx.export(_Logits(model), (ids, torch.ones_like(ids)), str(path),
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes={"input_ids": dyn, "attention_mask": dyn, "logits": dyn},
+                          opset_version=TS_OPSET, dynamo=False)
+
+
 def export_module(module, feeds, input_names, output_names, path, dynamo=False, opset=None):
     """Export ``module`` to a single self-contained ``path``. Returns the path.
 
