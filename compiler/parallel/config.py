@@ -16,7 +16,8 @@ key                       meaning                                               
                           reports)
 ``algo``                  ``ilp``, ``megatron``, ``data`` or ``replicate``             ``ilp``
 ``solver``                ``cbc`` or ``highs``                                         ``cbc``
-``time_limit_s``          ILP solver time limit                                        60
+``time_limit_s``          ILP time limit, s: all its solves together (a memory      60
+                          budget adds rows and solves again)
 ``mip_rel_gap``           ILP relative optimality gap                                  0 (exact)
 ``max_nodes``             ILP node limit per solve (``cbc`` only): a search bounded    none
                           by work, so the same plan on every machine

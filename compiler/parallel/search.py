@@ -501,16 +501,16 @@ def _solve_ilp(problem: Problem) -> list[int]:
         objective.append(pulp.lpSum(float(m[u, v]) * scale * e[u][v]
                                     for u in range(m.shape[0]) for v in range(m.shape[1]) if m[u, v]))
     prob += pulp.lpSum(objective)
-    solver = _solver(cfg)
     t0 = time.perf_counter()
     # Memory rows are added lazily: solve, add the rows the solution violates, solve again. Most
-    # steps never bind, and every row left out makes the MIP much cheaper to solve.
+    # steps never bind, and every row left out makes the MIP much cheaper to solve. time_limit_s
+    # bounds all the solves together: each gets what the earlier ones left.
     rows = _memory_rows(problem) if cfg.memory_budget_bytes is not None else []
     budget = float(cfg.memory_budget_bytes or 0)
     added: set[int] = set()
     while True:
         with _quiet_stdout():
-            status = prob.solve(solver)
+            status = prob.solve(_solver(cfg, max(1.0, cfg.time_limit_s - (time.perf_counter() - t0))))
         if pulp.LpStatus[status] != "Optimal" or not rows:
             break
         pick = {a: int(np.argmax([v.value() or 0.0 for v in vs])) for a, vs in s.items()}
@@ -518,6 +518,12 @@ def _solve_ilp(problem: Problem) -> list[int]:
         violated = [k for k in np.argsort(load)[::-1] if load[k] > budget * (1 + 1e-9) and k not in added]
         if not violated:
             break
+        if time.perf_counter() - t0 >= cfg.time_limit_s:
+            raise ShardflowError(
+                f"the ILP ran out of time_limit_s={cfg.time_limit_s:g} before finding a plan within "
+                f"memory_budget_bytes={cfg.memory_budget_bytes:,} on mesh {list(cfg.mesh_shape)} (the plan found "
+                f"needs {max(load):,.0f} bytes at its peak; the memory rows are added as solutions break them, "
+                f"{len(added)} so far); raise time_limit_s, set mip_rel_gap, or raise the budget")
         for k in violated[:4]:  # the worst few at a time
             row, fixed = rows[k]
             added.add(int(k))
@@ -639,12 +645,13 @@ def _quiet_stdout():
                 log.debug("solver output: %s", text)
 
 
-def _solver(cfg: DistributedConfig):
+def _solver(cfg: DistributedConfig, time_limit_s: float | None = None):
     import pulp
 
+    limit = cfg.time_limit_s if time_limit_s is None else time_limit_s
     if cfg.solver == "highs":
-        return pulp.HiGHS(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=cfg.time_limit_s, gapRel=cfg.mip_rel_gap, threads=1,
+        return pulp.HiGHS(msg=False, timeLimit=limit, gapRel=cfg.mip_rel_gap, threads=1)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=cfg.mip_rel_gap, threads=1,
                              maxNodes=cfg.max_nodes)
 
 

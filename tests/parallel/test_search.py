@@ -116,6 +116,19 @@ def test_node_limit_bounds_a_budgeted_2d_search(tmp_path, caplog):
     assert (tmp_path / "0" / "plan.json").read_bytes() == (tmp_path / "1" / "plan.json").read_bytes()
 
 
+def test_time_limit_bounds_all_the_solves(mlp_graph):
+    """Under a budget the MIP is solved again each time its plan breaks a memory row not yet added;
+    ``time_limit_s`` bounds those solves together (each got the whole limit before, so a 3-D mesh's
+    search ran 131 s under the default 60). Out of time with the plan found still above the budget:
+    a ShardflowError naming the limit and the budget, not a plan that does not fit."""
+    budget = _budget(mlp_graph, [2, 2])
+    cfg = {"mesh_shape": [2, 2], "memory_budget_bytes": budget}
+    with pytest.raises(ShardflowError, match=r"ran out of time_limit_s=0.001 before finding a plan within "
+                                             rf"memory_budget_bytes={budget:,}"):
+        search(mlp_graph, {**cfg, "time_limit_s": 0.001})
+    assert search(mlp_graph, cfg).memory_bytes <= budget
+
+
 def test_ilp_never_above_a_feasible_baseline(mlp_graph):
     for mesh in ([2], [4], [2, 2]):
         for budget in (None, _budget(mlp_graph, mesh, 0.8)):
