@@ -111,7 +111,7 @@ setup(
     # the cpu code generator puts its kernel library's C++ (cpu_library/) into every source it writes
     package_data={"shardflow.runtime.native": ["CMakeLists.txt", "include/shardflow/*.h", "src/*.cpp"],
                   "shardflow.compiler.codegen": ["cpu_library/*.h", "cpu_library/README.md"]},
-    install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7,<4"],
+    install_requires=["numpy>=1.24", "onnx>=1.15", "pulp>=2.7,<4", "highspy>=1.7"],
     extras_require={
         # torch/transformers export test models on the fly (tests and benchmarks only, never at runtime)
         "test": ["pytest>=7", "pytest-xdist>=3.2", "onnxruntime>=1.17", "hypothesis>=6", "highspy>=1.7", "scipy",

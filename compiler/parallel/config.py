@@ -15,7 +15,10 @@ key                       meaning                                               
                           the cpu kernels' scratch, which ``shardflow run --profile``
                           reports)
 ``algo``                  ``ilp``, ``megatron``, ``data`` or ``replicate``             ``ilp``
-``solver``                ``cbc`` or ``highs``                                         ``cbc``
+``solver``                ``highs``, ``cbc``, or ``auto``: HiGHS when highspy is       ``auto``
+                          installed (a dependency; mostly faster than CBC on the
+                          budgeted searches), CBC (PuLP's own) otherwise or with
+                          ``max_nodes``
 ``time_limit_s``          ILP time limit, s: all its solves together (a memory      60
                           budget adds rows and solves again)
 ``mip_rel_gap``           ILP relative optimality gap                                  0 (exact)
@@ -49,10 +52,10 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 
-__all__ = ["DistributedConfig", "ALGOS", "SOLVERS"]
+__all__ = ["DistributedConfig", "ALGOS", "SOLVERS", "highs_available"]
 
 ALGOS = ("ilp", "megatron", "data", "replicate")
-SOLVERS = ("cbc", "highs")
+SOLVERS = ("auto", "cbc", "highs")
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class DistributedConfig:
     axis_latency_us: tuple[float, ...] | None = None
     memory_budget_bytes: int | None = None
     algo: str = "ilp"
-    solver: str = "cbc"
+    solver: str = "highs"  # (never "auto": from_dict resolves it)
     time_limit_s: float = 60.0
     mip_rel_gap: float = 0.0
     max_nodes: int | None = None
@@ -109,7 +112,7 @@ class DistributedConfig:
         algo = cfg.get("algo", "ilp")
         if algo not in ALGOS:
             raise ConfigError(f"distributed_config['algo'] = {algo!r}: choose one of {list(ALGOS)}")
-        solver = cfg.get("solver", "cbc")
+        solver = cfg.get("solver", "auto")
         if solver not in SOLVERS:
             raise ConfigError(f"distributed_config['solver'] = {solver!r}: choose one of {list(SOLVERS)}")
         budget = _opt_positive_int(cfg.get("memory_budget_bytes"), "memory_budget_bytes")
@@ -118,6 +121,11 @@ class DistributedConfig:
             # PuLP (3.3) has no status for HiGHS's node limit (kSolutionLimit) and raises a KeyError on it
             raise ConfigError("distributed_config['max_nodes'] works with solver 'cbc' only (PuLP cannot read the "
                               "status HiGHS stops with at a node limit); drop 'max_nodes' or use solver 'cbc'")
+        if solver == "auto":
+            solver = "highs" if max_nodes is None and highs_available() else "cbc"
+        elif solver == "highs" and not highs_available():
+            raise ConfigError("distributed_config['solver'] = 'highs' needs the highspy package (pip install "
+                              "highspy); or use solver 'cbc', which PuLP ships")
         return cls(
             mesh_shape=shape, mesh_axis_names=names, rank_map=rank_map,
             axis_bandwidth_GBps=_per_axis(cfg.get("axis_bandwidth_GBps"), n, "axis_bandwidth_GBps"),
@@ -133,6 +141,13 @@ class DistributedConfig:
             pad_heads=_bool_or_auto(cfg.get("pad_heads", "auto"), "pad_heads"),
             device=_device(cfg.get("device")),
         )
+
+
+def highs_available() -> bool:
+    """Whether PuLP can run HiGHS here (the highspy package is importable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("highspy") is not None
 
 
 def _device(v):

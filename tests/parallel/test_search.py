@@ -228,11 +228,27 @@ def test_highs_solver_gives_the_same_cost(mlp_graph, capfd):
     highspy writes to the process's stdout when it makes a solver, went into ``shardflow plan``'s
     output before session 66)."""
     cfg = {"mesh_shape": [4], "memory_budget_bytes": _budget(mlp_graph, [4]), "axis_latency_us": 0}
-    a = search(mlp_graph, cfg)
+    a = search(mlp_graph, {**cfg, "solver": "cbc"})
     capfd.readouterr()
-    b = search(mlp_graph, {**cfg, "solver": "highs"})
+    b = search(mlp_graph, cfg)  # (the default: HiGHS, highspy being installed)
     assert b.cost == pytest.approx(a.cost, rel=1e-6)
     assert capfd.readouterr().out == ""
+
+
+def test_the_default_solver_is_highs_where_highspy_is_installed(monkeypatch):
+    """``solver: "auto"`` (the default) is HiGHS when highspy imports, CBC (PuLP's own) where it
+    does not or with ``max_nodes`` (which PuLP reads from CBC only); ``"highs"`` asked for without
+    highspy is a ConfigError naming the package."""
+    from shardflow.compiler.parallel import config
+    from shardflow.compiler.parallel.config import DistributedConfig
+
+    assert config.highs_available()
+    assert DistributedConfig.from_dict({"mesh_shape": [2]}).solver == "highs"
+    assert DistributedConfig.from_dict({"mesh_shape": [2], "max_nodes": 5}).solver == "cbc"
+    monkeypatch.setattr(config, "highs_available", lambda: False)
+    assert DistributedConfig.from_dict({"mesh_shape": [2], "solver": "auto"}).solver == "cbc"
+    with pytest.raises(ConfigError, match=r"'highs' needs the highspy package \(pip install highspy\)"):
+        DistributedConfig.from_dict({"mesh_shape": [2], "solver": "highs"})
 
 
 def test_simulate_takes_the_mesh_partition_recorded(mlp_graph):
