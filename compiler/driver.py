@@ -1745,7 +1745,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
             views = [op for op in views if op.name not in kernels]  # the ones not fused into a kernel
             program, weights, wbytes = build_program(rg, kernels, rank=r, view_ops=views, precompute=opt.precompute,
                                                      state=state)
-            if weights_elsewhere is not None and opt.target == "cpu":
+            if weights_elsewhere is not None:
                 program, weights, wbytes = weights_elsewhere(r, program, weights)
             program["kernels_file"] = kernels_name
             lost = sorted(set(selects) - {e["output"] for e in program.get("state", ()) if e["in_place"]})

@@ -129,7 +129,7 @@ def _weight_regions(rank_dir: Path) -> list[list]:
 
 class _WeightsElsewhere:
     """The compile of a shape variant after the first (``driver._compile``'s ``weights_elsewhere``): its
-    cpu program's weights regions alike in an earlier variant's file are left there, not written again.
+    program's weights regions alike in an earlier variant's file are left there, not written again.
     Per rank, the earlier variant with the most bytes alike is the one read: the program's
     ``external_weights`` names its file (path from the rank folder, size, sha256) and the buffers there
     take storage ``external`` (their offset in that file); the other weights are laid out anew.
@@ -218,10 +218,10 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
     their inputs' shapes. The loaded program (:class:`~shardflow.runtime.variants.VariantProgram`) runs
     the variant compiled for the inputs' shapes, loading it on first use; other shapes are refused, not
     padded. A rank's weights file that comes out byte for byte alike in two variants is one file,
-    hard-linked; on cpu a variant's large weights regions alike in an earlier variant's file are read
+    hard-linked; a variant's large weights regions alike in an earlier variant's file are read
     from that file instead of stored again, and a variant loaded after another reads the regions they
-    have alike (listed with their checksums in ``variants.json``) from the loaded one's memory: the
-    parameters are stored and held once however many variants there are.
+    have alike (listed with their checksums in ``variants.json``) from the loaded one's memory (cuda: its
+    device arrays): the parameters are stored and held once however many variants there are.
 
     Parameters
     ----------

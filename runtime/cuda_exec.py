@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import ArtifactError, buffer_dtype
+from .artifact import ALIGNMENT, ArtifactError, buffer_dtype, uncovered
 from .comm.prepared import prepare
 from .errors import MemoryLimitError, ShardflowError, format_bytes
 from .pdl import pdl_launcher
@@ -76,7 +76,8 @@ def fresh_output_writers(program: dict) -> tuple[int, frozenset[int]]:
     for s in reversed(steps[int(program.get("load_steps", 0)):]):
         outs = [int(i) for i in s.get("outputs", ())]
         if s["kind"] != "kernel" or not outs or state & {int(i) for i in s.get("inputs", ())} or any(
-                i not in outputs or i in read or i in inputs or writers[i] != 1 or buffers[i]["storage"] == "weights"
+                i not in outputs or i in read or i in inputs or writers[i] != 1
+                or buffers[i]["storage"] in ("weights", "external")
                 for i in outs):
             break
         n += 1
@@ -101,9 +102,11 @@ class CudaEngine:
                         "splits", getattr(prog, "rank", "?"), int(compiled_for), self.sms, self.sms)
         self.stream = cp.cuda.Stream(non_blocking=True)
         out_of_memory = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", MemoryError)
+        # weights regions another shape variant holds on this device: {("weights" | "external", offset): array}
+        given = dict(getattr(prog, "device_weights", None) or {})
         try:
             with self.stream:
-                self.weights = cp.asarray(prog.weights) if prog.weights.nbytes else cp.zeros(1, cp.uint8)
+                self.regions = self._upload_weights(prog, given)
                 self.arena = cp.zeros(max(int(p["arena_bytes"]), 1), cp.uint8)
         except out_of_memory as exc:  # (cupy's own error names no program)
             raise MemoryLimitError(
@@ -112,17 +115,19 @@ class CudaEngine:
                 f"working memory (its arena) on GPU {self.device}, which could not allocate them ({exc}); run it on "
                 "a GPU with more free memory, split the model over more ranks, or compile it for smaller input "
                 "shapes") from None
+        #: bytes of weights this program reads from arrays another program put on the device
+        self.borrowed_bytes = sum(int(a.nbytes) for a in given.values()
+                                  if any(a is r for r in self.regions.values()))
         self.views = []
         for b in p["buffers"]:
-            if b["storage"] not in ("weights", "arena"):  # (external weights: cpu shape variants only)
-                raise ArtifactError(f"rank {getattr(prog, 'rank', '?')}: buffer {b['name']} has storage "
-                                    f"{b['storage']!r}, which the cuda engine does not read")
             dtype = buffer_dtype(b["dtype"], device=True)
             shape = tuple(b["shape"])
             n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            store = self.weights if b["storage"] == "weights" else self.arena
             off = int(b["offset"])
-            self.views.append(store[off:off + n].view(dtype).reshape(shape))
+            if b["storage"] == "arena":
+                self.views.append(self.arena[off:off + n].view(dtype).reshape(shape))
+                continue
+            self.views.append(self.region(b["storage"], off, n).view(dtype).reshape(shape))
         self.inputs = [(name, self.views[i], prog.buffers[i]) for name, i in p["inputs"]]
         self.outputs = [(name, int(i), self.views[i]) for name, i in p["outputs"]]
         path = prog.directory / p.get("kernels_file", "kernels.cubin")
@@ -169,6 +174,45 @@ class CudaEngine:
         self.use_graph = use_graph
         self.graphs: dict | None = None  # "all" / "body" -> the captured graphs
         self.runs = 0
+
+    def _upload_weights(self, prog, given: dict) -> dict:
+        """The program's weights on the device: ``{(storage, offset): array}``. Without ``given`` one array
+        of its whole weights file; otherwise the given arrays (regions alike in a shape variant loaded
+        before, on this device) and, uploaded, the stretches of the file between them and each region of
+        the external weights file (``storage`` ``external``: an earlier variant's file) not given."""
+        cp = self.cp
+        p = prog.program
+        total = int(prog.weights.nbytes)
+        weights = {off: a for (kind, off), a in given.items() if kind == "weights"}
+        if not weights:
+            res = {("weights", 0): cp.asarray(prog.weights) if total else cp.zeros(1, cp.uint8)}
+        else:
+            spans = sorted((off, int(a.nbytes)) for off, a in weights.items())
+            if any(off < 0 or off + n > total for off, n in spans):
+                raise ArtifactError(f"rank {getattr(prog, 'rank', '?')}: a weights region given by another shape "
+                                    f"variant lies outside this program's {total} bytes of weights")
+            res = {("weights", off): a for off, a in weights.items()}
+            for a, b in uncovered(spans, total):  # (each from an aligned offset: its buffers keep their alignment)
+                a -= a % ALIGNMENT
+                res[("weights", a)] = cp.asarray(prog.weights[a:b])
+        external = getattr(prog, "external_regions", None) or {}
+        for b in p["buffers"]:
+            if b["storage"] not in ("weights", "arena", "external"):
+                raise ArtifactError(f"rank {getattr(prog, 'rank', '?')}: buffer {b['name']} has storage "
+                                    f"{b['storage']!r}, which the cuda engine does not read")
+            key = ("external", int(b["offset"]))
+            if b["storage"] == "external" and key not in res:
+                res[key] = given[key] if key in given else cp.asarray(external[key[1]])
+        return res
+
+    def region(self, storage: str, offset: int, nbytes: int):
+        """The device bytes ``[offset, offset + nbytes)`` of the program's ``storage`` (``weights`` or
+        ``external``), as a view of the array that holds them."""
+        for (kind, start), a in self.regions.items():
+            if kind == storage and start <= offset and offset + nbytes <= start + int(a.nbytes):
+                return a[offset - start:offset - start + nbytes]
+        raise ArtifactError(f"rank {self.prog.rank}: no {storage} bytes [{offset}, {offset + nbytes}) on the device "
+                            "(a buffer across a region given by another shape variant, or outside the weights)")
 
     def _launch(self, s: dict):
         launch = s.get("launch") or {}

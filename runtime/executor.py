@@ -175,10 +175,13 @@ class RankProgram:
     def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Communicator | None, verify: bool = True,
                  map_weights: bool | None = None,
                  borrowed_weights: Mapping[int, tuple[np.ndarray, str]] | None = None,
-                 external_weights: Mapping[int, np.ndarray] | None = None):
+                 external_weights: Mapping[int, np.ndarray] | None = None,
+                 device_weights: Mapping[tuple[str, int], Any] | None = None):
         # borrowed_weights: {offset in weights.bin: (bytes alike held by another program, their sha256)}, read
         # from there instead of the file (a shape variant's weights another variant loaded: runtime/variants.py);
-        # external_weights: {offset in program.json's external_weights file: those bytes, held already}
+        # external_weights: {offset in program.json's external_weights file: those bytes, held already};
+        # device_weights (cuda): {("weights" | "external", offset): a device array of those bytes, held already}
+        self.device_weights = dict(device_weights or {})
         self._borrowed_weights = {off: a for off, (a, _) in (borrowed_weights or {}).items()}
         self._borrowed_sha = {off: sha for off, (_, sha) in (borrowed_weights or {}).items()}
         self._external_given = dict(external_weights or {})
@@ -227,7 +230,7 @@ class RankProgram:
         winfo = self.manifest["files"].get(wfile)
         if p["weights_bytes"] and winfo is None:
             raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {wfile}")
-        borrowed = self._borrowed_weights if self.target == "cpu" else {}
+        borrowed = self._borrowed_weights
         self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
                                     winfo["sha256"] if (verify and winfo) else None, mapped=map_weights,
                                     skip=[(off, a.nbytes, self._borrowed_sha[off]) for off, a in borrowed.items()]) \
@@ -657,9 +660,9 @@ class RankProgram:
         if not sizes:
             return {}
         ext = p.get("external_weights")
-        if self.target != "cpu" or not isinstance(ext, dict) or not {"file", "bytes", "sha256"} <= set(ext):
+        if not isinstance(ext, dict) or not {"file", "bytes", "sha256"} <= set(ext):
             raise ArtifactError(f"program.json of rank {self.rank} in {str(self.directory)!r} has buffers in external "
-                                "weights but no valid external_weights entry (file, bytes, sha256) for a cpu program")
+                                "weights but no valid external_weights entry (file, bytes, sha256)")
         res = {off: a for off, a in self._external_given.items() if off in sizes and a.nbytes == sizes[off]}
         need = sorted((off, n) for off, n in sizes.items() if off not in res)
         if need:
@@ -673,12 +676,19 @@ class RankProgram:
             res.update({off: data[off:off + n] for off, n in need})
         return res
 
+    def device_region(self, storage: str, offset: int, nbytes: int):
+        """A cuda program's device bytes ``[offset, offset + nbytes)`` of its ``storage`` (``weights``, or
+        ``external``: an earlier shape variant's file), a view of the array holding them (what a variant
+        loaded later reads instead of uploading them again); ``None`` for a cpu program."""
+        return None if self._engine is None else self._engine.region(storage, offset, nbytes)
+
     @property
     def borrowed_weights_bytes(self) -> int:
-        """Bytes of this program's weights read from another program's memory (a cpu shape variant's weights
-        alike in a variant loaded before it: runtime/variants.py); its own copy holds the rest."""
-        if self.target != "cpu":
-            return 0
+        """Bytes of this program's weights read from another program's memory (a shape variant's weights
+        alike in a variant loaded before it: runtime/variants.py; a cuda program's, on the device); its own
+        copy holds the rest."""
+        if self._engine is not None:
+            return self._engine.borrowed_bytes
         given = {off for off, a in self._external_given.items() if self.external_regions.get(off) is a}
         return (sum(a.nbytes for a in self._borrowed_weights.values())
                 + sum(self.external_regions[off].nbytes for off in given))

@@ -7,8 +7,8 @@ ordinary out_dir) and lists them in ``out_dir/variants.json``; :func:`~shardflow
 out_dir returns a :class:`VariantProgram`, whose :meth:`~VariantProgram.run` runs the variant compiled
 for the inputs' shapes. A variant is loaded the first time inputs of its shapes come (a multi-rank load
 is collective: every rank of an SPMD program runs the same shapes in the same order, as its collectives
-already require; every run checks that the ranks chose one variant), and stays loaded; on cpu it reads
-the large weights regions a loaded variant holds alike from that variant's memory. No padding to a
+already require; every run checks that the ranks chose one variant), and stays loaded; it reads the
+large weights regions a loaded variant holds alike from that variant's memory (cuda: its device arrays). No padding to a
 larger variant: padding changes what a model computes unless its masks say otherwise, so shapes no
 variant was compiled for are an :class:`~shardflow.runtime.executor.InputShapeError` listing the
 variants.
@@ -100,6 +100,7 @@ class VariantProgram:
         self._load_kwargs = load_kwargs
         self._programs: dict[int, Any] = {}
         self._held: dict[str, np.ndarray] = {}  # sha256 -> a loaded variant's weights region with those bytes
+        self._held_device: dict[str, Any] = {}  # (cuda) sha256 -> the device array of such a region
         self._checked: set[str] = set()  # of those, the ones whose bytes were checked against their sha256
         #: The program that ran last (None before the first run).
         self.last = None
@@ -112,8 +113,8 @@ class VariantProgram:
         if k not in self._programs:
             from .executor import RankProgram
 
-            # its large weights regions that a loaded variant holds alike are read from there (cpu): those of
-            # its own file, and those its compile left in an earlier variant's file (external)
+            # its large weights regions that a loaded variant holds alike are read from there: those of its
+            # own file, and those its compile left in an earlier variant's file (external)
             regions = self.variants[k].get("weights", {}).get(str(self.rank), [])
             external = self.variants[k].get("external", {}).get(str(self.rank), [])
             borrowed = {int(off): (self._held[sha], sha) for off, n, sha in regions
@@ -124,16 +125,24 @@ class VariantProgram:
                 for sha in {sha for _, sha in borrowed.values()} | {sha for off, _, sha in external
                                                                     if int(off) in given}:
                     self._check_held(sha)
+            # (cuda: the device copies of those regions too, which the engine then does not upload again)
+            device = {(kind, int(off)): self._held_device[sha] for kind, listed in (("weights", regions),
+                                                                                     ("external", external))
+                      for off, n, sha in listed if sha in self._held_device and self._held_device[sha].nbytes == n}
             prog = RankProgram(self.out_dir / self.variants[k]["dir"], self.rank, self.comm,
-                               borrowed_weights=borrowed, external_weights=given, **self._load_kwargs)
-            if prog.target == "cpu":
-                self.borrowed_bytes += prog.borrowed_weights_bytes
-                for off, n, sha in regions:
-                    self._held.setdefault(sha, prog.weights[int(off):int(off) + int(n)] if int(off) not in borrowed
-                                          else borrowed[int(off)][0])
-                for off, n, sha in external:
-                    if int(off) in prog.external_regions:
-                        self._held.setdefault(sha, prog.external_regions[int(off)])
+                               borrowed_weights=borrowed, external_weights=given, device_weights=device,
+                               **self._load_kwargs)
+            self.borrowed_bytes += prog.borrowed_weights_bytes
+            for off, n, sha in regions:
+                self._held.setdefault(sha, prog.weights[int(off):int(off) + int(n)] if int(off) not in borrowed
+                                      else borrowed[int(off)][0])
+            for off, n, sha in external:
+                if int(off) in prog.external_regions:
+                    self._held.setdefault(sha, prog.external_regions[int(off)])
+            if prog.target == "cuda":
+                for kind, listed in (("weights", regions), ("external", external)):
+                    for off, n, sha in listed:
+                        self._held_device.setdefault(sha, prog.device_region(kind, int(off), int(n)))
             self._programs[k] = prog
         return self._programs[k]
 

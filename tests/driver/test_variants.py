@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from shardflow.compiler import ConfigError, ShapeError, ShardflowError, cli, compile_variants
 from shardflow.runtime import ArtifactError, ChecksumError, InputShapeError, WorldSizeError, load
+from shardflow.runtime.artifact import buffer_nbytes
 from shardflow.runtime.comm import InProcessWorld
 from shardflow.runtime.profile import memory_record
 
@@ -161,10 +162,9 @@ def test_a_variants_out_dir_checks_its_list_and_the_world(tmp_path):
             load(tmp_path / "out")
 
 
-def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
-    """The variants' weights files differ (a position table sliced to the sequence is a constant of each),
-    so no file is shared; their large regions alike (the MLP's 64 KiB weights) are read from the variant
-    loaded first, whose memory the second's kernels then read."""
+def _position_model() -> onnx.ModelProto:
+    """``x [batch, seq, 16]`` plus a position table sliced to ``seq`` (a constant that differs between
+    variants), through an MLP whose two weights are 64 KiB each (``SHARE_MIN_BYTES``)."""
     rng = np.random.default_rng(0)
     inner = 1024  # (16 x 1024 floats: 64 KiB, SHARE_MIN_BYTES)
     w1 = numpy_helper.from_array(rng.standard_normal((HIDDEN, inner)).astype(np.float32) * 0.1, "w1")
@@ -181,7 +181,14 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
     dims = ["batch", "seq", HIDDEN]
     g = helper.make_graph(nodes, "pos", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)], [w1, w2, pos, *const.values()])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
+    """The variants' weights files differ (a position table sliced to the sequence is a constant of each),
+    so no file is shared; their large regions alike (the MLP's 64 KiB weights) are read from the variant
+    loaded first, whose memory the second's kernels then read."""
+    m = _position_model()
     res = compile_variants(m, variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
                            distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cpu"},
                            out_dir=tmp_path / "out")
@@ -228,6 +235,57 @@ def test_a_variant_reads_the_weights_another_loaded_variant_holds(tmp_path):
     files[0].write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="checksum mismatch in .*v0/rank0/weights.bin"):
         load(tmp_path / "out" / "v1")
+
+
+def _skip(*args):  # (the stand-in's kernel: these tests check where the weights are, not the kernels)
+    pass
+
+
+def test_cuda_variants_hold_their_shared_weights_once_on_disk_and_on_the_device(tmp_path, monkeypatch):
+    """The cuda target as the cpu's: v1's large regions stay in v0's file; loaded after v0 (cupy's numpy
+    stand-in, tests/fake_cupy.py: the kernels are not run, no GPU here), v1's buffers there are views of
+    v0's device arrays, not uploaded again, in either loading order (v0 loaded second uploads only the
+    stretches of its file between the regions v1 holds); loaded alone, v1 uploads them from v0's file.
+    Every buffer's device bytes are its weights' bytes in the files."""
+    import collections
+
+    from fake_cupy import _fake_cupy
+
+    from shardflow.compiler.codegen import cuda
+    if cuda._find_nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    res = compile_variants(_position_model(), variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
+                           distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+                           out_dir=tmp_path / "out")
+    v0, v1 = res.variants
+    assert res.external_bytes == 2 << 16 and v1["weights"]["0"] == [] and len(v1["external"]["0"]) == 2
+    files = [tmp_path / "out" / v / "rank0" / "weights.bin" for v in ("v0", "v1")]
+    assert files[1].stat().st_size < 4096 < (2 << 16) < files[0].stat().st_size
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(collections.defaultdict(lambda: _skip), []))
+    on_disk = {v: np.fromfile(f, np.uint8) for v, f in zip(("v0", "v1"), files)}
+
+    def check_bytes(prog, name):
+        ext = np.fromfile(files[0], np.uint8)
+        for b, view in zip(prog.program["buffers"], prog._engine.views):
+            if b["storage"] != "arena":
+                off, n = int(b["offset"]), buffer_nbytes(b)
+                src = ext if b["storage"] == "external" else on_disk[name]
+                np.testing.assert_array_equal(np.asarray(view).reshape(-1).view(np.uint8), src[off:off + n])
+
+    def shared(a, b):
+        return sum(any(np.shares_memory(x, y) for y in b._engine.views) for x in a._engine.views
+                   if x.nbytes >= 1 << 16)
+
+    for order in ((0, 1), (1, 0)):
+        prog = load(tmp_path / "out")
+        first, second = (prog.program(k) for k in order)
+        for k in order:
+            check_bytes(prog.program(k), f"v{k}")
+        assert first.borrowed_weights_bytes == 0 and second.borrowed_weights_bytes == 2 << 16
+        assert prog.borrowed_bytes == 2 << 16 and shared(second, first) == 2
+    alone = load(tmp_path / "out" / "v1")
+    check_bytes(alone, "v1")
+    assert alone.borrowed_weights_bytes == 0 and sorted(a.nbytes for a in alone.external_regions.values()) == [1 << 16] * 2
 
 
 def test_read_weights_leaves_out_the_regions_read_elsewhere(tmp_path):

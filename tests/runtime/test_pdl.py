@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cuda_engine_fake import _Array, _fake_cupy, _program, _Stream, add, twice
+from fake_cupy import _Array, _fake_cupy, _Stream
+from test_cuda_engine_fake import _program, add, twice
 
 from shardflow.runtime import pdl
 from shardflow.runtime.pdl import LaunchAttribute, LaunchConfig

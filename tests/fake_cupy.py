@@ -1,0 +1,96 @@
+"""A numpy stand-in for cupy, for the cuda engine's tests without a GPU (runtime/cuda_exec.py): "device"
+arrays are numpy memory with cupy's ``get``/``set``/``data.ptr``, kernels are Python functions looked up by
+symbol, and CUDA graphs record the launches made while a stream captures and replay them."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+
+class _Array(np.ndarray):
+    """A "device" array: numpy memory, cupy's ``get``/``set``/``data.ptr``."""
+
+    def get(self, stream=None):
+        return np.array(self)
+
+    def set(self, a, stream=None):
+        np.copyto(self, a)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], array=self,
+                                     copy_from_device_async=self._copy_from)
+
+    def _copy_from(self, src, nbytes, stream):
+        """A device-to-device copy: recorded while a stream captures, like a kernel."""
+        copy = (np.copyto, (self.reshape(-1).view(np.uint8)[:nbytes], src.array.reshape(-1).view(np.uint8)[:nbytes]))
+        if _Stream.capturing is not None:
+            _Stream.capturing.append(copy)
+        else:
+            copy[0](*copy[1])
+
+
+_Array.__module__ = "cupy"  # what the engine recognises device arrays by
+
+
+class _Graph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, stream):
+        for fn, args in self.calls:
+            fn(*args)
+
+
+class _Stream:
+    capturing: list | None = None  # the launches recorded while a stream captures
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def begin_capture(self):
+        _Stream.capturing = []
+
+    def end_capture(self):
+        calls, _Stream.capturing = _Stream.capturing, None
+        return _Graph(calls)
+
+    def synchronize(self):
+        pass
+
+
+class _Function:
+    def __init__(self, body, log):
+        self.body, self.log = body, log
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        if _Stream.capturing is not None:
+            _Stream.capturing.append((self.run, (args,)))
+        else:
+            self.run(args)
+
+    def run(self, args):
+        self.log.append(self.body.__name__)
+        self.body(*args)
+
+
+def _fake_cupy(kernels: dict, log: list):
+    cp = types.ModuleType("cupy")
+    cp.uint8 = np.uint8
+    cp.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, CUDARuntimeError=RuntimeError),
+        Device=lambda: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 132}),
+        Stream=_Stream)
+    cp.asarray = lambda a: np.array(a).view(_Array)
+    cp.zeros = lambda n, dtype: np.zeros(n, dtype).view(_Array)
+    cp.empty = lambda shape, dtype: np.full(shape, np.nan, dtype).view(_Array)
+    cp.copyto = np.copyto
+    cp.RawModule = lambda path: types.SimpleNamespace(get_function=lambda name: _Function(kernels[name], log))
+    return cp
