@@ -51,7 +51,7 @@
 # <device>-<date>-gpu.json/.txt (the lease: also lease-more.tar.gz, its other files; pack_lease); copy them
 # into benchmarks/results/ and commit them.
 # Wheels to carry (here: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-# --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl pulp mpi4py mpich`,
+# --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl pulp==3.3.2 mpi4py mpich highspy`,
 # with `/.whl/` in .git/info/exclude), named in the tool's `carry`.
 set -uo pipefail
 what=${1:-suite}
