@@ -285,7 +285,30 @@ def test_cuda_variants_hold_their_shared_weights_once_on_disk_and_on_the_device(
         assert prog.borrowed_bytes == 2 << 16 and shared(second, first) == 2
     alone = load(tmp_path / "out" / "v1")
     check_bytes(alone, "v1")
-    assert alone.borrowed_weights_bytes == 0 and sorted(a.nbytes for a in alone.external_regions.values()) == [1 << 16] * 2
+    assert alone.borrowed_weights_bytes == 0
+    assert sorted(a.nbytes for a in alone.external_regions.values()) == [1 << 16] * 2
+
+
+def test_cuda_variants_run_on_the_host_emulation(tmp_path, monkeypatch, tmp_path_factory):
+    """The same two variants compiled for cuda and run, kernels and all, on the host emulation of CUDA
+    (tests/host_cupy.py: no nvcc, no GPU): each variant's outputs onnxruntime's in both loading orders,
+    the second loaded reading the first's device arrays."""
+    from host_cupy import use_host_cuda
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    use_host_cuda(monkeypatch, str(tmp_path_factory.getbasetemp() / "cuda-host-kernels"))
+    m = _position_model()
+    compile_variants(m, variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
+                     distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+                     out_dir=tmp_path / "out")
+    sess = onnxruntime.InferenceSession(m.SerializeToString())
+    for order in ((4, 8, 4), (8, 4, 8)):
+        prog = load(tmp_path / "out")
+        for seq in order:
+            x = _x(2, seq, seed=seq)
+            np.testing.assert_allclose(prog.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+        assert prog.borrowed_bytes == 2 << 16
 
 
 def test_read_weights_leaves_out_the_regions_read_elsewhere(tmp_path):

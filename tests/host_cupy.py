@@ -1,0 +1,102 @@
+"""Run a compiled cuda out_dir on the host, without a GPU (a test tool, not part of shardflow).
+
+:func:`use_host_cuda` makes the cuda target's compile write each library's CUDA source where its
+cubin goes (nvcc not run), and replaces cupy by the numpy stand-in of ``fake_cupy.py`` whose
+``RawModule`` compiles that source with g++ against ``cuda_host.py``'s emulation of CUDA and runs
+its kernels there, with the emulation's tensor maps for the TMA-fed ones. So a whole program
+(``program.json``'s buffers, load steps, state, the engine's captured graphs, shape variants)
+runs through the runtime's own cuda engine, and its outputs can be compared with onnxruntime's.
+What it cannot show is what ``cuda_host.py`` says it cannot (timing, the memory model, limits),
+nor anything about cupy, the driver or NCCL themselves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+from cuda_host import build, tensor_map
+from fake_cupy import _Array, _fake_cupy, _Stream
+
+from shardflow.runtime.artifact import aligned_empty
+
+
+def _device(nbytes: int) -> _Array:
+    """Zeroed "device" memory aligned as the runtime's arena places buffers (vector and TMA accesses)."""
+    a = aligned_empty(max(int(nbytes), 1))
+    a[...] = 0
+    return a.view(_Array)
+
+
+def _asarray(a) -> _Array:
+    a = np.asarray(a)
+    res = _device(a.nbytes)[:a.nbytes].view(a.dtype).reshape(a.shape)
+    res[...] = a
+    return res
+
+
+#: one launch at a time: the emulation keeps its scheduler in globals, and ranks run as threads of one
+#: process (InProcessWorld); a launch never waits for another rank, so holding it across one is safe
+_LAUNCH = threading.Lock()
+
+
+class _HostFunction:
+    """A kernel of the emulated library, launched as cupy's ``RawKernel``s are (recorded while a
+    stream captures, like ``fake_cupy``'s, whose captures are one at a time: several ranks in one
+    process run without CUDA graphs, ``cuda_graph: false``)."""
+
+    def __init__(self, kernels, symbol: str, cluster: int, log: list):
+        self.kernels, self.symbol, self.cluster, self.log = kernels, symbol, cluster, log
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        if _Stream.capturing is not None:
+            _Stream.capturing.append((self.run, (grid, block, args, shared_mem)))
+        else:
+            self.run(grid, block, args, shared_mem)
+
+    def run(self, grid, block, args, shared_mem):
+        self.log.append(self.symbol)
+        with _LAUNCH:
+            self.kernels.launch(self.symbol, tuple(grid), tuple(block), list(args), int(shared_mem), 1, self.cluster,
+                                1, self.cluster)
+
+
+def host_cupy(work_dir: str, log: list | None = None) -> types.ModuleType:
+    """cupy's stand-in whose modules are the emulated kernels of a library written by a compile under
+    :func:`use_host_cuda` (its "cubin" is the CUDA source); ``log`` collects the kernels launched."""
+    log = [] if log is None else log
+    cp = _fake_cupy({}, log)
+    cp.asarray = _asarray
+    cp.asnumpy = lambda a, stream=None: np.array(a)
+    cp.zeros = lambda n, dtype: _device(int(n) * np.dtype(dtype).itemsize)[:int(n) * np.dtype(dtype).itemsize] \
+        .view(dtype)
+    built: dict[str, object] = {}
+
+    def raw_module(path):
+        text = Path(path).read_text()
+        if text not in built:
+            built[text] = build(text, work_dir)
+        steps = json.loads((Path(path).parent / "program.json").read_text())["steps"]
+        clusters = {s["symbol"]: int((s.get("launch") or {}).get("cluster", 1)) for s in steps if s["kind"] == "kernel"}
+        return types.SimpleNamespace(
+            get_function=lambda name: _HostFunction(built[text], name, clusters.get(name, 1), log))
+
+    cp.RawModule = raw_module
+    return cp
+
+
+def use_host_cuda(monkeypatch, work_dir: str, log: list | None = None) -> None:
+    """From here on (the test's ``monkeypatch``), cuda compiles keep their CUDA source as the cubin and
+    cuda programs load and run on the host emulation (see the module docstring)."""
+    from shardflow.compiler.codegen import cuda
+    from shardflow.runtime import cuda_exec
+
+    os.makedirs(work_dir, exist_ok=True)
+    monkeypatch.setattr(cuda, "_cached_cubin", lambda src, arch, cache, compiler: (src.text.encode(), False))
+    monkeypatch.setitem(sys.modules, "cupy", host_cupy(work_dir, log))
+    monkeypatch.setattr(cuda_exec, "kernel_args", lambda maps, arrays, what="a kernel": tuple(arrays) + tuple(
+        tensor_map(m, arrays[int(m["arg"])]) for m in maps))

@@ -1,0 +1,112 @@
+"""Whole cuda programs without a GPU: compiled by ``compile`` for the cuda target (sm_90), loaded by
+``load`` and run by the runtime's cuda engine, their kernels on the host emulation of CUDA
+(``tests/host_cupy.py``: the compile keeps each library's CUDA source instead of running nvcc, and
+cupy's numpy stand-in runs that source compiled with g++ against ``tests/cuda_host.py``). Against
+onnxruntime: the test models at float32, float16, bfloat16 and TF32, eagerly and from the engine's
+captured graphs; a decoding step keeping its KV cache on the device; two Megatron ranks exchanging
+through an in-process communicator. What the kernels compute is tested kernel by kernel in
+tests/codegen/test_cuda_host.py and on a GPU by ``pytest -m gpu``; this is the program around them:
+buffers, offsets, load steps, state, graphs and collectives (shape variants:
+tests/driver/test_variants.py), as they run where no GPU was lent."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from host_cupy import use_host_cuda
+from model_refs import MODELS
+from test_state import _cache_state, _llama_steps
+from threads import run_threads
+
+from shardflow.compiler import compile
+from shardflow.runtime import load
+from shardflow.runtime.comm import InProcessWorld
+
+ort = pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+
+
+@pytest.fixture
+def host(monkeypatch, tmp_path_factory):
+    """The launched kernels' symbols, in order (the emulation set up for the test)."""
+    log: list = []
+    use_host_cuda(monkeypatch, str(tmp_path_factory.getbasetemp() / "cuda-host-kernels"), log)
+    return log
+
+
+def _close(got, want, tol, what=""):
+    scale = max(float(np.abs(want).max()), 1.0)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def _session(path):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return lambda feeds: dict(zip(names, sess.run(None, feeds)))
+
+
+@pytest.mark.parametrize("model,precision,tol", [("gpt2_ts17", "float32", 1e-5), ("llama_ts17", "float16", 2e-2),
+                                                 ("bert_ts17", "bfloat16", 5e-2), ("t5_encoder_ts17", "tf32", 2e-2)])
+def test_a_test_model_runs_through_the_cuda_engine(tmp_path, host, model, precision, tol):
+    """The run eager, then from the captured graph of every step (the same kernels launched again,
+    once each), the outputs onnxruntime's within the precision's tolerance."""
+    path = MODELS / f"{model}.onnx"
+    feeds = dict(np.load(MODELS / f"{model.rsplit('_', 1)[0]}_inputs.npz"))
+    res = compile(str(path), distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "out",
+                  optimization_config={"target": "cuda", "precision": precision},
+                  input_shapes={k: v.shape for k, v in feeds.items()})
+    prog = load(res.out_dir)
+    want = _session(path)(feeds)
+    runs = []
+    for k in range(3):
+        got = prog.run(feeds)
+        runs.append(list(host))
+        assert set(got) == set(prog.output_names) and prog.output_names
+        for name in prog.output_names:
+            _close(got[name], want[name], tol, f"{model} {precision} run {k} {name}")
+    per_run = len(runs[0])
+    assert per_run >= 10 and runs[2] == runs[0] * 3  # (every step once a run, eager or from the graph)
+    assert prog._engine.graphs
+
+
+def test_a_decoding_step_keeps_its_cache_on_the_device(tmp_path, host):
+    """onnxruntime-genai's Llama as a decoding program whose four presents are kept as state, written in
+    place by their kernels: five greedy steps (the first given the zero past, the others the token and
+    the mask only), the logits and the kept cache against onnxruntime fed its own presents; then
+    ``reset_state``."""
+    steps = list(_llama_steps(5))
+    state = _cache_state(2)
+    first, _ = steps[0]
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={"mesh_shape": [1]},
+                  optimization_config={"target": "cuda"}, out_dir=tmp_path / "out",
+                  input_shapes={k: v.shape for k, v in first.items()}, state=state)
+    prog = load(res.out_dir)
+    for step, (given, want) in enumerate(steps):
+        got = prog.run(given)
+        _close(got["logits"], want["logits"], 1e-4, f"step {step}")
+        kept = prog.read_state()
+        for out, name in state.items():
+            _close(kept[name], want[out], 1e-4, f"step {step} {name}")
+    prog.reset_state()
+    assert all(not v.any() for v in prog.read_state().values())
+
+
+def test_two_megatron_ranks_on_the_host(tmp_path, host):
+    """GPT-2's test export split Megatron-style over two ranks (all-reduces of device arrays staged
+    through an in-process communicator; no CUDA graphs: the stand-in captures one stream at a time):
+    each rank's logits onnxruntime's."""
+    path = MODELS / "gpt2_ts17.onnx"
+    feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
+    res = compile(str(path), distributed_config={"mesh_shape": [2], "algo": "megatron"}, out_dir=tmp_path / "out",
+                  optimization_config={"target": "cuda", "cuda_graph": False},
+                  input_shapes={k: v.shape for k, v in feeds.items()})
+    steps = json.loads((res.out_dir / "rank0" / "program.json").read_text())["steps"]
+    assert sum(s["kind"] == "collective" and s["collective"] == "all_reduce" for s in steps) >= 2
+    want = _session(path)(feeds)["logits"]
+    world = InProcessWorld(2).communicators()
+    progs = [load(res.out_dir, c.rank, c) for c in world]
+    for k in range(2):
+        for r, got in enumerate(run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120)):
+            _close(got, want, 1e-5, f"rank {r} run {k}")
