@@ -1,8 +1,10 @@
 """A numpy stand-in for cupy, for the cuda engine's tests without a GPU (runtime/cuda_exec.py): "device"
 arrays are numpy memory with cupy's ``get``/``set``/``data.ptr``, kernels are Python functions looked up by
-symbol, and CUDA graphs record the launches made while a stream captures and replay them."""
+symbol, and CUDA graphs record the launches made while a stream captures (each thread its own) and
+replay them."""
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -43,8 +45,22 @@ class _Graph:
             fn(*args)
 
 
-class _Stream:
-    capturing: list | None = None  # the launches recorded while a stream captures
+class _PerThread(type):
+    """``_Stream.capturing`` per thread: ranks run as threads of one process (InProcessWorld), each
+    capturing its own graphs, as each rank's process does on GPUs."""
+
+    _local = threading.local()
+
+    @property
+    def capturing(cls) -> list | None:  # the launches recorded while this thread's stream captures
+        return getattr(_PerThread._local, "calls", None)
+
+    @capturing.setter
+    def capturing(cls, calls: list | None) -> None:
+        _PerThread._local.calls = calls
+
+
+class _Stream(metaclass=_PerThread):
 
     def __init__(self, non_blocking=False):
         pass

@@ -45,9 +45,8 @@ _LAUNCH = threading.Lock()
 
 
 class _HostFunction:
-    """A kernel of the emulated library, launched as cupy's ``RawKernel``s are (recorded while a
-    stream captures, like ``fake_cupy``'s, whose captures are one at a time: several ranks in one
-    process run without CUDA graphs, ``cuda_graph: false``)."""
+    """A kernel of the emulated library, launched as cupy's ``RawKernel``s are (recorded while the
+    thread's stream captures, like ``fake_cupy``'s)."""
 
     def __init__(self, kernels, symbol: str, cluster: int, log: list):
         self.kernels, self.symbol, self.cluster, self.log = kernels, symbol, cluster, log

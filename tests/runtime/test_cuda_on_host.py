@@ -95,18 +95,20 @@ def test_a_decoding_step_keeps_its_cache_on_the_device(tmp_path, host):
 
 def test_two_megatron_ranks_on_the_host(tmp_path, host):
     """GPT-2's test export split Megatron-style over two ranks (all-reduces of device arrays staged
-    through an in-process communicator; no CUDA graphs: the stand-in captures one stream at a time):
-    each rank's logits onnxruntime's."""
+    through an in-process communicator, so the engine runs a captured graph per stretch of kernels
+    between them): each rank's logits onnxruntime's, eagerly and from the graphs, and without graphs."""
     path = MODELS / "gpt2_ts17.onnx"
     feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
-    res = compile(str(path), distributed_config={"mesh_shape": [2], "algo": "megatron"}, out_dir=tmp_path / "out",
-                  optimization_config={"target": "cuda", "cuda_graph": False},
-                  input_shapes={k: v.shape for k, v in feeds.items()})
-    steps = json.loads((res.out_dir / "rank0" / "program.json").read_text())["steps"]
-    assert sum(s["kind"] == "collective" and s["collective"] == "all_reduce" for s in steps) >= 2
     want = _session(path)(feeds)["logits"]
-    world = InProcessWorld(2).communicators()
-    progs = [load(res.out_dir, c.rank, c) for c in world]
-    for k in range(2):
-        for r, got in enumerate(run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120)):
-            _close(got, want, 1e-5, f"rank {r} run {k}")
+    for graphs in (True, False):
+        res = compile(str(path), distributed_config={"mesh_shape": [2], "algo": "megatron"},
+                      optimization_config={"target": "cuda", "cuda_graph": graphs}, out_dir=tmp_path / str(graphs),
+                      input_shapes={k: v.shape for k, v in feeds.items()})
+        steps = json.loads((res.out_dir / "rank0" / "program.json").read_text())["steps"]
+        assert sum(s["kind"] == "collective" and s["collective"] == "all_reduce" for s in steps) >= 2
+        world = InProcessWorld(2).communicators()
+        progs = [load(res.out_dir, c.rank, c) for c in world]
+        for k in range(3):
+            for r, got in enumerate(run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120)):
+                _close(got, want, 1e-5, f"rank {r} run {k} graphs {graphs}")
+        assert all(bool(p._engine.graphs) == graphs for p in progs)
