@@ -71,6 +71,7 @@ def host_cupy(work_dir: str, log: list | None = None) -> types.ModuleType:
     cp = _fake_cupy({}, log)
     cp.asarray = _asarray
     cp.asnumpy = lambda a, stream=None: np.array(a)
+    cp.stack = lambda arrays, axis=0: np.stack([np.asarray(a) for a in arrays], axis).view(_Array)
     cp.zeros = lambda n, dtype: _device(int(n) * np.dtype(dtype).itemsize)[:int(n) * np.dtype(dtype).itemsize] \
         .view(dtype)
     built: dict[str, object] = {}
