@@ -309,15 +309,22 @@ def test_low_bit_weights_on_the_gpu(tmp_path, step, precision, rel):
     _close(prog.run(feeds), want, rel)
 
 
+def _driver_tests_on_a_gpu():
+    """cupy; skips without it and a CUDA device; makes tests/driver's modules importable (their models)."""
+    cp = _cupy()
+    if cp is None:
+        pytest.skip("needs cupy and a CUDA device")
+    if str(Path(__file__).parent.parent / "driver") not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent.parent / "driver"))
+    return cp
+
+
 def test_index_checks_on_the_gpu(tmp_path):
     """The index checks on a cuda program (tests/driver/test_index_checks.py's positions model): a token
     id past the table refused before the run, positions computed past the table refused after it (the
     check's count read back, eagerly and from the CUDA graph, numpy and cupy inputs), in-range runs
     equal to onnxruntime's."""
-    cp = _cupy()
-    if cp is None:
-        pytest.skip("needs cupy and a CUDA device")
-    sys.path.insert(0, str(Path(__file__).parent.parent / "driver"))
+    cp = _driver_tests_on_a_gpu()
     from test_index_checks import _feeds, _positions_model
 
     from shardflow.compiler import compile
@@ -346,10 +353,7 @@ def test_shape_variants_share_their_weights_on_the_gpu(tmp_path):
     """Two shape variants of the driver tests' position model (their 64 KiB weights alike, a position slice
     not): each variant against onnxruntime, eager then graph, in both loading orders; the second loaded
     reads the first's device arrays (the same device addresses), not a copy of its own."""
-    cp = _cupy()
-    if cp is None:
-        pytest.skip("needs cupy and a CUDA device")
-    sys.path.insert(0, str(Path(__file__).parent.parent / "driver"))
+    _driver_tests_on_a_gpu()
     from test_variants import _position_model, _x
 
     from shardflow.compiler import compile_variants
