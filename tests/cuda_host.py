@@ -971,16 +971,19 @@ def build(text: str, work_dir: str | None = None, opt: str = "-O1") -> HostKerne
     key = hashlib.sha256((src + _SHIM_RUNTIME + opt + " ".join(_FLAGS)).encode()).hexdigest()[:16]
     lib = os.path.join(work_dir, f"k{key}.so")
     if not os.path.exists(lib):
-        cpp = os.path.join(work_dir, f"k{key}.cpp")
+        # (builds of one text may run side by side, in threads or processes: each writes files of its own,
+        # or one could read the source while another rewrites it, and install a library lacking kernels)
+        tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"
+        cpp = f"{tmp}.cpp"
         runtime, shim = _compiled_shim(opt)
         with open(cpp, "w") as f:  # (a #line keeps the line numbers of the whole text)
             f.write(f"#line {_SHIM_LINES + 1}\n" + src[len(_SHIM):] if shim else src)
-        tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"  # (builds may run side by side)
         proc = subprocess.run(["g++", opt, *_FLAGS, "-shared"] + (["-include", shim] if shim else [])
                               + ["-o", tmp, cpp, runtime], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on {cpp}:\n{proc.stderr[-4000:]}")
         os.replace(tmp, lib)
+        os.unlink(cpp)
     return HostKernels(ctypes.CDLL(lib), sigs)
 
 
