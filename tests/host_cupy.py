@@ -3,7 +3,8 @@
 :func:`use_host_cuda` makes the cuda target's compile write each library's CUDA source where its
 cubin goes (nvcc not run), and replaces cupy by the numpy stand-in of ``fake_cupy.py`` whose
 ``RawModule`` compiles that source with g++ against ``cuda_host.py``'s emulation of CUDA and runs
-its kernels there, with the emulation's tensor maps for the TMA-fed ones. So a whole program
+its kernels there, with the emulation's tensor maps for the TMA-fed ones (and programmatic dependent
+launches as plain ones, one after another). So a whole program
 (``program.json``'s buffers, load steps, state, the engine's captured graphs, shape variants)
 runs through the runtime's own cuda engine, and its outputs can be compared with onnxruntime's.
 What it cannot show is what ``cuda_host.py`` says it cannot (timing, the memory model, limits),
@@ -86,6 +87,8 @@ def host_cupy(work_dir: str, log: list | None = None) -> types.ModuleType:
             get_function=lambda name: _HostFunction(built[text], name, clusters.get(name, 1), log))
 
     cp.RawModule = raw_module
+    cp.cuda.Device = lambda device=None: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 132},
+                                                               compute_capability="90")
     return cp
 
 
@@ -100,3 +103,6 @@ def use_host_cuda(monkeypatch, work_dir: str, log: list | None = None) -> None:
     monkeypatch.setitem(sys.modules, "cupy", host_cupy(work_dir, log))
     monkeypatch.setattr(cuda_exec, "kernel_args", lambda maps, arrays, what="a kernel": tuple(arrays) + tuple(
         tensor_map(m, arrays[int(m["arg"])]) for m in maps))
+    # programmatic dependent launch: the emulation runs one launch after another, each kernel's
+    # griddepcontrol wait already met (its own shim), so a PDL launch is a plain one here
+    monkeypatch.setattr(cuda_exec, "pdl_launcher", lambda function, what: function)

@@ -2,12 +2,11 @@
 where no GPU is lent (a test tool): every test gets :func:`host_cupy.use_host_cuda` (the compile keeps
 each library's CUDA source, cupy is the numpy stand-in running it on ``cuda_host.py``'s emulation).
 
-    PYTHONPATH=tests python -m pytest -p host_gpu -m gpu tests/runtime/test_gpu_runtime.py \\
-        -k "not programmatic_dependent"
+    PYTHONPATH=tests python -m pytest -p host_gpu -m gpu tests/runtime/test_gpu_runtime.py -n 2
 
 Ranks that ``shardflow run`` starts in processes of their own get the stand-in through
-``host_site/sitecustomize.py`` (on their ``PYTHONPATH``). Left out: PDL launches (the driver's
-``cuLaunchKernelEx``). The kernel tests of
+``host_site/sitecustomize.py`` (on their ``PYTHONPATH``); programmatic dependent launches are plain
+ones there (the driver's ``cuLaunchKernelEx`` is not emulated, the kernels' waits are). The kernel tests of
 ``tests/codegen`` build and load cubins themselves; their kernels run on the emulation in
 ``tests/codegen/test_cuda_host.py`` instead. Passing here says a GPU test's own logic holds, not
 that the GPU computes what the emulation does: that takes ``pytest -m gpu`` on a GPU.
