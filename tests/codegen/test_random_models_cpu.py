@@ -84,9 +84,16 @@ def test_random_model_with_optimizations_off(tmp_path, kind, seed):
 def test_random_plan_on_cpu_ranks(tmp_path, kind, seed, mesh):
     """A random plan (saved, then compiled with ``preload_plan``) on ranks that run the native
     kernels and the collectives it needs; every rank's outputs against onnxruntime."""
+    run_random_plan(tmp_path, kind, seed, mesh, {"target": "cpu"})
+
+
+def run_random_plan(tmp_path, kind: str, seed: int, mesh: list[int], optimization_config: dict) -> None:
+    """Compile random model ``kind``/``seed`` under a random plan on ``mesh`` (every op a random strategy
+    among its candidates; saved, then given as ``preload_plan``), run its ranks on threads with in-process
+    communicators, and compare every rank's outputs with onnxruntime's."""
     model, feeds, desc = GENERATORS[kind](seed)
     want = reference(model, feeds)
-    g = planned_graph(model, distributed_config={"mesh_shape": mesh}, optimization_config={"target": "cpu"})
+    g = planned_graph(model, distributed_config={"mesh_shape": mesh}, optimization_config=optimization_config)
     problem = Problem(g, DistributedConfig.from_dict({"mesh_shape": mesh}))
     rng = np.random.default_rng([seed, len(mesh)])
     assign = {id(op): problem.strategies[id(op)][int(rng.integers(len(problem.strategies[id(op)])))]
@@ -94,7 +101,7 @@ def test_random_plan_on_cpu_ranks(tmp_path, kind, seed, mesh):
     plan = ShardingPlan.from_assignment(problem, assign, algo="random")
     plan.save(tmp_path / "plan")
     compile(model, distributed_config={"mesh_shape": mesh, "preload_plan": str(tmp_path / "plan")},
-            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
+            optimization_config=optimization_config, out_dir=tmp_path / "out")
     world = InProcessWorld(int(np.prod(mesh))).communicators()
     programs = [load(tmp_path / "out", c.rank, c) for c in world]
     outs = run_threads(world, lambda c: programs[c.rank].run(dict(feeds)), timeout=300)
