@@ -50,13 +50,22 @@ def _compare(model, feeds, got: dict, want: dict, precision: str, what: str) -> 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_random_model_on_the_cpu_target(tmp_path, kind, seed):
+    run_random_model(tmp_path, kind, seed, "cpu")
+
+
+def run_random_model(tmp_path, kind: str, seed: int, target: str, runs: int = 1) -> None:
+    """Compile random model ``kind``/``seed`` for ``target`` on one rank at each precision and compare
+    ``runs`` runs of it with onnxruntime."""
     model, feeds, desc = GENERATORS[kind](seed)
     want = reference(model, feeds)
     for precision in ("float32", "bfloat16", "float16"):
         out = tmp_path / precision
         compile(model, distributed_config={"mesh_shape": [1]},
-                optimization_config={"target": "cpu", "precision": precision}, out_dir=out)
-        _compare(model, feeds, load(out).run(dict(feeds)), want, precision, f"{kind} {seed} ({desc}) {precision}")
+                optimization_config={"target": target, "precision": precision}, out_dir=out)
+        prog = load(out)
+        for k in range(runs):
+            what = f"{kind} {seed} ({desc}) {precision} run {k}"
+            _compare(model, feeds, prog.run(dict(feeds)), want, precision, what)
 
 
 # the cpu target's optimizations that can be turned off (the driver's optimization_config keys)

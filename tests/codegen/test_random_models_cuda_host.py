@@ -10,11 +10,8 @@ import shutil
 
 import pytest
 from host_cupy import use_host_cuda
-from random_models import GENERATORS, reference
-from test_random_models_cpu import SEEDS, _compare, run_random_plan
-
-from shardflow.compiler import compile
-from shardflow.runtime import load
+from random_models import GENERATORS
+from test_random_models_cpu import SEEDS, run_random_model, run_random_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]
 
@@ -27,16 +24,7 @@ def host(monkeypatch, tmp_path_factory):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_random_model_on_the_cuda_target(tmp_path, host, kind, seed):
-    model, feeds, desc = GENERATORS[kind](seed)
-    want = reference(model, feeds)
-    for precision in ("float32", "bfloat16", "float16"):
-        out = tmp_path / precision
-        compile(model, distributed_config={"mesh_shape": [1]},
-                optimization_config={"target": "cuda", "precision": precision}, out_dir=out)
-        prog = load(out)
-        for k in range(2):  # eager, then from the captured graph
-            what = f"{kind} {seed} ({desc}) {precision} run {k}"
-            _compare(model, feeds, prog.run(dict(feeds)), want, precision, what)
+    run_random_model(tmp_path, kind, seed, "cuda", runs=2)  # (eager, then from the captured graph)
 
 
 @pytest.mark.parametrize("mesh", [[2], [2, 2]], ids=lambda m: "x".join(map(str, m)))
