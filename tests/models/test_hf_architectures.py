@@ -8,7 +8,8 @@ downloaded), exported by both torch exporters (TorchScript at opset 17, dynamo a
 graphs differ in how they write masks, rotary tables, GQA's repeats, layer norms), compiled for the
 cpu target on two ranks with the ILP plan, run with ``shardflow run --nproc 2`` (processes and TCP,
 the user's path) and compared with onnxruntime on the same file; and their one-GPU cuda programs
-at float32 and float16, every kernel run on the host emulation against the evaluator. Text
+at float32 and float16, every kernel run on the host emulation against the evaluator, and the whole
+program run by the runtime's cuda engine on that emulation against onnxruntime. Text
 models take a padded second sequence, so a mask baked into the export as a constant would show.
 
 Left out because torch 2.13's exporters fail on them (not this compiler): Mixtral, Qwen2-MoE and
@@ -474,6 +475,30 @@ def test_architecture_cuda_kernels_on_the_host(tmp_path, exported, arch, exporte
     onnxruntime, then every kernel, compiled for the host emulation (tests/cuda_host.py), on the
     evaluator's values of its inputs against the evaluator's of its outputs."""
     _cuda_program_on_the_host(tmp_path, *exported(arch, exporter), precision, arch in FUSED)
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_cuda_program_on_the_host(tmp_path, monkeypatch, tmp_path_factory, exported, arch, exporter,
+                                               precision):
+    """The one-GPU cuda program as ``compile`` writes it, loaded and run by the runtime's cuda engine (eager,
+    then from its captured graph) with its kernels on the host emulation (tests/host_cupy.py), against
+    onnxruntime: the program around the kernels above (buffers, views, load steps, graphs)."""
+    from host_cupy import use_host_cuda
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    path, feeds, want = exported(arch, exporter)
+    use_host_cuda(monkeypatch, str(tmp_path_factory.getbasetemp() / "cuda-host-kernels"))
+    compile(path, distributed_config={"mesh_shape": [1]}, out_dir=tmp_path / "out",
+            optimization_config={"target": "cuda", "precision": precision})
+    prog = load(tmp_path / "out")
+    scale, tol = float(np.abs(want).max()), 1e-4 if precision == "float32" else 2e-2
+    for k in range(2):
+        got = prog.run(feeds)["y"]
+        np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol * scale, err_msg=f"run {k}")
 
 
 #: architectures exported in float16 (the TorchScript exporter writes an invalid graph for those with
