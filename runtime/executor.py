@@ -231,6 +231,8 @@ class RankProgram:
         if p["weights_bytes"] and winfo is None:
             raise ArtifactError(f"the manifest of {str(self.directory)!r} does not list {wfile}")
         borrowed = self._borrowed_weights
+        if self.target == "cuda":  # (the engine uploads what the device was not given: those bytes are read)
+            borrowed = {off: a for off, a in borrowed.items() if ("weights", off) in self.device_weights}
         self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
                                     winfo["sha256"] if (verify and winfo) else None, mapped=map_weights,
                                     skip=[(off, a.nbytes, self._borrowed_sha[off]) for off, a in borrowed.items()]) \

@@ -8,10 +8,10 @@ out_dir returns a :class:`VariantProgram`, whose :meth:`~VariantProgram.run` run
 for the inputs' shapes. A variant is loaded the first time inputs of its shapes come (a multi-rank load
 is collective: every rank of an SPMD program runs the same shapes in the same order, as its collectives
 already require; every run checks that the ranks chose one variant), and stays loaded; it reads the
-large weights regions a loaded variant holds alike from that variant's memory (cuda: its device arrays). No padding to a
-larger variant: padding changes what a model computes unless its masks say otherwise, so shapes no
-variant was compiled for are an :class:`~shardflow.runtime.executor.InputShapeError` listing the
-variants.
+large weights regions a loaded variant holds alike from that variant's memory (cuda: its device
+arrays). No padding to a larger variant: padding changes what a model computes unless its masks say
+otherwise, so shapes no variant was compiled for are an
+:class:`~shardflow.runtime.executor.InputShapeError` listing the variants.
 """
 from __future__ import annotations
 
