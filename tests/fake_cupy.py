@@ -61,6 +61,7 @@ class _PerThread(type):
 
 
 class _Stream(metaclass=_PerThread):
+    """cupy's stream: capture records the thread's launches into a graph that replays them."""
 
     def __init__(self, non_blocking=False):
         pass
