@@ -529,8 +529,8 @@ def _solve_ilp(problem: Problem) -> list[int]:
             added.add(int(k))
             prob += pulp.lpSum(float(c) / _MB * s[a][i] for (a, i), c in sorted(row.items()) if c) \
                 <= (budget - fixed) / _MB, f"mem_{k}"
-    log.info("ILP: %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", len(s), len(edges),
-             len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
+    log.info("ILP (%s): %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", cfg.solver, len(s),
+             len(edges), len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
     if pulp.LpStatus[status] == "Optimal" and prob.sol_status != pulp.LpSolutionOptimal:
         log.warning("the ILP solver stopped at a limit (time_limit_s=%s, max_nodes=%s) before proving optimality: "
                     "the plan is the best found so far%s; raise the limits or mip_rel_gap", cfg.time_limit_s,
