@@ -20,17 +20,8 @@ import types
 from pathlib import Path
 
 import numpy as np
-from cuda_host import build, tensor_map
+from cuda_host import _aligned, build, tensor_map
 from fake_cupy import _Array, _fake_cupy, _Stream
-
-from shardflow.runtime.artifact import aligned_empty
-
-
-def _device(nbytes: int) -> _Array:
-    """Zeroed "device" memory aligned as the runtime's arena places buffers (vector and TMA accesses)."""
-    a = aligned_empty(max(int(nbytes), 1))
-    a[...] = 0
-    return a.view(_Array)
 
 
 def _asarray(a) -> _Array:
@@ -40,9 +31,7 @@ def _asarray(a) -> _Array:
 
 def _full(shape, value, dtype) -> _Array:
     """A "device" array of ``shape`` and ``dtype`` (aligned as the arena places buffers) holding ``value``."""
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    res = _device(nbytes)[:nbytes].view(dtype).reshape(shape)
+    res = _aligned(shape, dtype).view(_Array)
     res[...] = value
     return res
 
