@@ -173,6 +173,13 @@ class TensorShardSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other) -> bool:  # (the planner compares specs millions of times: the hash first)
+        if self is other:
+            return True
+        if not isinstance(other, TensorShardSpec):
+            return NotImplemented
+        return self._hash == other._hash and self.placements == other.placements
+
     def __reduce__(self):  # rebuild on unpickling: string hashes differ between processes
         return TensorShardSpec, (self.placements,)
 
