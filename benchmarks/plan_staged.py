@@ -1,16 +1,18 @@
 """Plans on meshes with a slow axis: modeled cost, the bytes each mesh axis moves, and planning time.
 
-Made for connect's staged reductions (rfcs/0001 "Staged reductions"): run it on two checkouts (a
-``PYTHONPATH`` naming the other one's package) to print the plans before and after a change to
-connect or the cost model. Meshes ``[2, 4]`` and ``[2, 2, 2]``, with every link alike (the
+For changes to connect or the cost model (rfcs/0001 "Staged reductions: tried, not landed"): run it
+on two checkouts (a ``PYTHONPATH`` naming the other one's package) to print the plans before and
+after. Meshes ``[2, 4]`` and ``[2, 2, 2]``, with every link alike (the
 defaults, 100 GB/s and 5 us) and with axis 0 between hosts (25 GB/s, 10 us; the other axes
-400 GB/s, 1 us). Models: the committed GPT-2, Llama and BERT test exports, and with ``--gpt2``
-GPT-2 small's shapes (768 wide, 12 layers, 1x128 tokens; needs torch and transformers). Plans:
+400 GB/s, 1 us). Models: the committed GPT-2, Llama and BERT test exports, with ``--gpt2``
+GPT-2 small's shapes (768 wide, 12 layers, 1x128 tokens; needs torch and transformers), with
+``--block`` the planner tests' two parallel MLPs added to their input. Plans:
 the ILP without a budget and with a budget of ``--budget`` times the replicated plan's bytes
 (``partial_sums: true`` so that the ILP may carry partial sums on both axes), and the Megatron
 baseline.
 
-    python benchmarks/plan_staged.py [--gpt2] [--budget 0.4] [--time-limit 120]
+    python benchmarks/plan_staged.py [--gpt2] [--block] [--budget 0.4] [--time-limit 120] [--meshes '2x4;2x2x2']
+                                     [--models gpt2_ts17,llama_ts17,bert_ts17]
 """
 from __future__ import annotations
 
@@ -34,14 +36,18 @@ def _links(kind: str, ndim: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpt2", action="store_true", help="also GPT-2 small's shapes (exported here)")
+    ap.add_argument("--block", action="store_true",
+                    help="also tests/parallel/models.py's parallel_block (x + mlp_a(x) + mlp_b(x)), 2048x1024")
     ap.add_argument("--budget", type=float, default=0.4)
     ap.add_argument("--time-limit", type=float, default=120)
+    ap.add_argument("--meshes", default="2x4;2x2x2", help="';'-separated meshes")
+    ap.add_argument("--models", default="gpt2_ts17,llama_ts17,bert_ts17", help="committed test exports, ','-separated")
     args = ap.parse_args(argv)
     from shardflow.compiler import ShardflowError, load_onnx
     from shardflow.compiler.parallel import connect, search
 
     print(f"connect from {connect.__module__} at {sys.modules[connect.__module__].__file__}")
-    names = ["gpt2_ts17", "llama_ts17", "bert_ts17"]
+    names = [n for n in args.models.split(",") if n]
     paths = {n: os.path.join(MODELS, n + ".onnx") for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         if args.gpt2:
@@ -51,9 +57,16 @@ def main(argv=None):
             names.append("gpt2-768x12")
         print(f"{'model':<12} {'mesh':<6} {'links':<6} {'plan':<10} {'plan s':>7} {'cost us':>10} "
               f"{'MB per axis':<24} collectives")
+        if args.block:
+            import onnx
+            sys.path.insert(0, os.path.join(HERE, "..", "tests", "parallel"))
+            from models import parallel_block
+            paths["block"] = os.path.join(tmp, "block.onnx")
+            onnx.save(parallel_block(batch=2048, hidden=1024), paths["block"])
+            names.append("block")
         for name in names:
             graph = load_onnx(paths[name])
-            for mesh in ([2, 4], [2, 2, 2]):
+            for mesh in ([int(d) for d in m.split("x")] for m in args.meshes.split(";")):
                 for links in ("even", "slow0"):
                     base = {"mesh_shape": mesh, "device": "h100", **_links(links, len(mesh))}
                     rep = search(graph, {**base, "algo": "replicate"})

@@ -30,18 +30,6 @@ This does reductions before gathers whenever that moves fewer bytes (``P(sum)S(0
 all-reduces the shard, then gathers), and prefers fewer steps among equal costs. Specs mixing
 different ``Partial`` reductions are never formed.
 
-**Staged reductions.** When the source is partial on a mesh of two or more axes, every axis may
-also pass through ``S(d)`` for one dim ``d`` that neither spec splits (the first the whole mesh
-divides, else the longest; one dim keeps the search at ``4^ndim`` specs). So a reduction over
-several axes, or over a slow axis, can run on a part of the tensor: ``P(sum)P(sum) → RR`` on a
-``[2, 4]`` mesh with a slow axis 0 reduce-scatters over axis 1, all-reduces a quarter of the
-bytes over axis 0 and all-gathers over axis 1 (the two-level all-reduce of NCCL's trees and of
-Megatron's hierarchical schemes, in steps the comm ops already have), and ``P(sum)R → RR``
-slices over a fast axis 1 first when that is cheaper than all-reducing everything over axis 0.
-On equal links this lowers ``P(sum)P(sum) → RR`` on ``[2, 2]`` from ``2·B/bw`` to ``1.5·B/bw``
-(a flat ring over the 4 ranks' figure); one partial axis gains nothing there, and the search
-keeps the single all-reduce (fewer steps, less latency).
-
 **Bytes.** ``CommStep.bytes`` is the ``B`` of the cost formulas in
 :mod:`~shardflow.compiler.parallel.cost`, computed from the *padded* shard shape (the largest
 shard; collectives pad uneven chunks to it): the per-rank buffer for all-reduce, the gathered
@@ -61,7 +49,7 @@ from ..ir.graph import Operator, Tensor
 from .comm_ops import AllGather, AllReduce, AllToAll, LocalPartial, LocalSlice, ReduceScatter
 from .cost import CostModel, itemsize
 from .mesh import DeviceMesh
-from .placement import PARTIAL_OPS, Partial, Placement, Replicate, Shard, TensorShardSpec, padded_chunk
+from .placement import Partial, Placement, Replicate, Shard, TensorShardSpec, padded_chunk
 
 __all__ = ["CommStep", "Resharding", "ReshardingError", "connect", "lower_resharding", "STEP_KINDS"]
 
@@ -191,12 +179,6 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
     if src == dst:
         return Resharding(src, dst, shape, dtype, (), 0.0)
     candidates = [tuple(dict.fromkeys((p, Replicate(), q))) for p, q in zip(src, dst)]
-    stage = _staging_dim(src, dst, shape, mesh)
-    if stage is not None:
-        # staged reductions: any axis may pass through a split of that dim, so the reduction over a
-        # slow axis can move 1/n of the bytes (reduce-scatter or slice on a fast one, all-reduce on
-        # the slow one, all-gather on the fast one)
-        candidates = [tuple(dict.fromkeys(c + (Shard(stage),))) for c in candidates]
     isz = itemsize(dtype)
     # the partial sums of bfloat16 travel in float32 (passes/precision.py ReduceBfloat16InFloat32)
     rsz = 4 if str(dtype) == "bfloat16" else isz
@@ -224,7 +206,7 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
                     continue
                 hit = steps.get((cur, axis, q))
                 if hit is None:
-                    spec = TensorShardSpec(tuple(by_key[a].get(k) or _placement(k) for a, k in enumerate(cur)))
+                    spec = TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
                     step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
                     hit = steps[(cur, axis, q)] = (step, round(step.cost * 1e15) if step else 0,
                                                    cur[:axis] + (q,) + cur[axis + 1:])
@@ -247,24 +229,6 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
         path.append(step)
     path.reverse()
     return Resharding(src, dst, shape, dtype, tuple(path), sum(s.cost for s in path))
-
-
-def _placement(key: tuple) -> Placement:
-    """The placement whose ``_key()`` is ``key``."""
-    return Replicate() if key[0] == 0 else Shard(key[1]) if key[0] == 1 else Partial(PARTIAL_OPS[key[1]])
-
-
-def _staging_dim(src: TensorShardSpec, dst: TensorShardSpec, shape: tuple[int, ...], mesh: DeviceMesh) -> int | None:
-    """The dim a staged reduction splits (module docstring): for a partial ``src`` on a mesh of
-    two or more axes, the first dim that neither spec splits and that the whole mesh divides, else
-    the longest such dim (longer than 1); ``None`` otherwise."""
-    if not src.partial_ops or mesh.ndim < 2:
-        return None
-    free = [d for d, size in enumerate(shape) if size > 1 and not src.shard_axes(d) and not dst.shard_axes(d)]
-    if not free:
-        return None
-    even = [d for d in free if shape[d] % mesh.size == 0]
-    return even[0] if even else max(free, key=lambda d: (shape[d], -d))
 
 
 def _step(cur: TensorShardSpec, axis: int, q: Placement, shape: tuple[int, ...], isz: int, mesh: DeviceMesh,

@@ -234,35 +234,6 @@ def test_reduction_before_gather():
     assert kinds(r) == [("reduce_scatter", 0)]
 
 
-def test_staged_reductions():
-    """A partial tensor on two axes is reduced in stages: reduce-scatter on one axis, the other
-    axis's all-reduce on the shard, all-gather; with a slow axis a partial on it alone is sliced
-    over the fast axis first. On one partial axis with equal links, one all-reduce stays."""
-    shape, B = (1024, 512), 1024 * 512 * 4
-    mesh = DeviceMesh((2, 4))
-    slow = CostModel(mesh, axis_bandwidth_GBps=[25, 400], axis_latency_us=[10, 1])
-    r = connect("P(sum)P(sum)", "RR", shape, "float32", mesh, slow)
-    assert kinds(r) == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
-    assert [s.tensor_dim for s in r.steps] == [0, None, 0]
-    assert [s.bytes for s in r.steps] == [B, B // 4, B]
-    want = (3 / 4 * B / 400e9 + 3e-6) + (2 * 1 / 2 * B / 4 / 25e9 + 2 * 10e-6) + (3 / 4 * B / 400e9 + 3e-6)
-    assert r.cost == pytest.approx(want)
-    # the plain order (all-reduce over each axis) costs more
-    plain = (2 * 3 / 4 * B / 400e9 + 6e-6) + (2 * 1 / 2 * B / 25e9 + 2 * 10e-6)
-    assert r.cost < plain
-    r = connect("P(sum)R", "RR", shape, "float32", mesh, slow)
-    assert kinds(r) == [("local_slice", 1), ("all_reduce", 0), ("all_gather", 1)]
-    # the staging dim is one neither spec splits: here dim 1
-    r = connect("P(sum)P(sum)", "S(0)R", shape, "float32", mesh, slow)
-    assert kinds(r) == [("reduce_scatter", 1), ("reduce_scatter", 0), ("all_gather", 1)]
-    assert [s.tensor_dim for s in r.steps] == [1, 0, 1]
-    even = CostModel(DeviceMesh((2, 2)))
-    assert kinds(connect("P(sum)R", "RR", shape, "float32", even.mesh, even)) == [("all_reduce", 0)]
-    r = connect("P(sum)P(sum)", "RR", shape, "float32", even.mesh, even)
-    assert kinds(r) == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
-    assert r.cost == pytest.approx(1.5 * B / 100e9 + 4 * 5e-6)  # a flat ring's bytes over the 4 ranks
-
-
 # --------------------------------------------------------------------------- costs
 def test_costs_against_hand_computed_alpha_beta():
     mesh = DeviceMesh((4,))
