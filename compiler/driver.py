@@ -1630,6 +1630,10 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     graph = _planned_graph(model, opt, dcfg, input_shapes, input_values, dim_sizes)
+    if opt.precision in ("float16", "bfloat16"):
+        # the plan's memory counts float32 weights as the ranks will store them (the contractions'
+        # weights and the gather tables in the half type, after the plan: rank_passes)
+        graph.meta["weights_precision"] = opt.precision
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

@@ -11,9 +11,13 @@ key                       meaning                                               
 ``rank_map``              global rank of each mesh position (row-major), a permutation identity
 ``axis_bandwidth_GBps``   link bandwidth per mesh axis, GB/s (number or list)          100
 ``axis_latency_us``       link latency per mesh axis, µs (number or list)              5
-``memory_budget_bytes``   per-rank memory limit (parameters + peak activations; not    none
-                          the cpu kernels' scratch, which ``shardflow run --profile``
-                          reports)
+``memory_budget_bytes``   per-rank memory limit (parameters, as stored: float32        see left
+                          weights at 2 bytes under a half ``precision``, + peak
+                          activations; not the kernels' scratch, which ``shardflow
+                          run --profile`` reports). Default: none, but a plan above
+                          0.9 of the device's memory (80 GiB for ``"h100"``; the
+                          ``device``'s ``memory_GB``) is searched again under it
+                          (ilp) or refused (baselines)
 ``algo``                  ``ilp``, ``megatron``, ``data`` or ``replicate``             ``ilp``
 ``solver``                ``highs``, ``cbc``, or ``auto``: HiGHS when highspy is       ``auto``
                           installed (a dependency; mostly faster than CBC on the
@@ -39,7 +43,8 @@ key                       meaning                                               
                           ``false``, or ``auto``: for ``algo="megatron"`` only
 ``device``                what one rank computes on, for the cost model's roofline:    see left
                           ``"h100"``, ``"cpu"`` (:data:`~.cost.DEVICE_PROFILES`), or
-                          ``{"peak_tflops": x, "mem_bandwidth_GBps": y}``. Default:
+                          ``{"peak_tflops": x, "mem_bandwidth_GBps": y}`` (optionally
+                          ``"memory_GB"``: what a rank may hold, 1e9 bytes). Default:
                           the compile target's (``compile``: cpu -> ``"cpu"``, cuda
                           -> ``"h100"``); ``search`` alone: ``"h100"``
 ========================  ===========================================================  ============
@@ -162,13 +167,14 @@ def _device(v):
                               "{'peak_tflops': ..., 'mem_bandwidth_GBps': ...}")
         return by_name[v]
     if isinstance(v, Mapping):
-        extra = set(v) - {"name", "peak_tflops", "mem_bandwidth_GBps"}
+        extra = set(v) - {"name", "peak_tflops", "mem_bandwidth_GBps", "memory_GB"}
         if extra or not {"peak_tflops", "mem_bandwidth_GBps"} <= set(v):
             raise ConfigError(f"distributed_config['device'] = {v!r}: need the keys 'peak_tflops' and "
-                              "'mem_bandwidth_GBps' (and optionally 'name'), nothing else")
+                              "'mem_bandwidth_GBps' (and optionally 'name' and 'memory_GB'), nothing else")
         peak = _positive(v["peak_tflops"], "device.peak_tflops")
         bw = _positive(v["mem_bandwidth_GBps"], "device.mem_bandwidth_GBps")
-        return DeviceProfile(str(v.get("name", "custom")), peak * 1e12, bw * 1e9)
+        mem = _positive(v["memory_GB"], "device.memory_GB") * 1e9 if v.get("memory_GB") is not None else None
+        return DeviceProfile(str(v.get("name", "custom")), peak * 1e12, bw * 1e9, mem)
     raise ConfigError(f"distributed_config['device'] = {v!r}: need a device name or a dict of "
                       "'peak_tflops' and 'mem_bandwidth_GBps'")
 

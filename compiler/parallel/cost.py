@@ -32,8 +32,8 @@ from ..errors import ConfigError
 from ..ir.expr import numpy_type
 from .mesh import DeviceMesh
 
-__all__ = ["DeviceProfile", "CostModel", "H100", "CPU", "DEVICE_PROFILES", "DEFAULT_BANDWIDTH_GBPS",
-           "DEFAULT_LATENCY_US", "COLLECTIVES", "itemsize", "total_bytes"]
+__all__ = ["DeviceProfile", "CostModel", "H100", "CPU", "DEVICE_PROFILES", "DEVICE_MEMORY_FRACTION",
+           "DEFAULT_BANDWIDTH_GBPS", "DEFAULT_LATENCY_US", "COLLECTIVES", "itemsize", "total_bytes"]
 
 DEFAULT_BANDWIDTH_GBPS = 100.0
 DEFAULT_LATENCY_US = 5.0
@@ -52,21 +52,34 @@ class DeviceProfile:
         Peak arithmetic throughput, FLOP/s.
     mem_bandwidth
         Main-memory bandwidth, bytes/s.
+    memory_bytes
+        What one rank may hold, bytes, or ``None`` when unknown (a host's memory is shared by
+        the ranks on it). Without a ``memory_budget_bytes``, the search keeps plans within
+        :data:`DEVICE_MEMORY_FRACTION` of it (``search``).
     """
 
     name: str
     peak_flops: float
     mem_bandwidth: float
+    memory_bytes: float | None = None
 
     def __post_init__(self):
         if not (self.peak_flops > 0 and self.mem_bandwidth > 0):
             raise ConfigError(f"device profile {self.name!r}: peak_flops and mem_bandwidth must be positive")
+        if self.memory_bytes is not None and not self.memory_bytes > 0:
+            raise ConfigError(f"device profile {self.name!r}: memory_bytes must be positive (or None: unknown)")
 
 
-#: NVIDIA H100 SXM: dense BF16 tensor-core peak (989 TFLOP/s) and HBM3 bandwidth (3.35 TB/s).
-H100 = DeviceProfile("h100-sxm", 989e12, 3.35e12)
-#: A server CPU socket, order of magnitude: 2 TFLOP/s (32 cores x AVX-512 FMA) and 200 GB/s DRAM.
+#: NVIDIA H100 SXM: dense BF16 tensor-core peak (989 TFLOP/s), HBM3 bandwidth (3.35 TB/s) and its
+#: 80 GiB of HBM3.
+H100 = DeviceProfile("h100-sxm", 989e12, 3.35e12, 80 * 2**30)
+#: A server CPU socket, order of magnitude: 2 TFLOP/s (32 cores x AVX-512 FMA) and 200 GB/s DRAM;
+#: its memory is the host's, shared by the ranks on it: not known here.
 CPU = DeviceProfile("cpu", 2e12, 200e9)
+#: The share of a device's memory a plan's parameters and peak activations may take when no
+#: ``memory_budget_bytes`` is given: the rest for what the plan's count leaves out (the CUDA
+#: context, NCCL's buffers, the kernels' scratch, the allocator's slack).
+DEVICE_MEMORY_FRACTION = 0.9
 DEVICE_PROFILES = {"cuda": H100, "cpu": CPU}
 
 

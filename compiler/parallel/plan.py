@@ -159,7 +159,7 @@ class ShardingPlan:
             "axis_bandwidth_GBps": list(self.bandwidth) if self.bandwidth else None,
             "axis_latency_us": list(self.latency) if self.latency else None,
             "device": {"name": self.device.name, "peak_flops": self.device.peak_flops,
-                       "mem_bandwidth": self.device.mem_bandwidth},
+                       "mem_bandwidth": self.device.mem_bandwidth, "memory_bytes": self.device.memory_bytes},
             "cost_s": _num(self.cost),
             "compute_cost_s": _num(self.compute_cost),
             "comm_cost_s": _num(self.comm_cost),
@@ -299,7 +299,8 @@ class ShardingPlan:
             f"# modeled cost {self.cost * 1e6:.2f} us = compute {self.compute_cost * 1e6:.2f} us "
             f"+ communication {self.comm_cost * 1e6:.2f} us (device {self.device.name}: "
             f"{self.device.peak_flops / 1e12:g} TFLOP/s, {self.device.mem_bandwidth / 1e9:g} GB/s)",
-            f"# memory per rank: {self.params_bytes:,} B parameters + {self.peak_activation_bytes:,} B peak activations",
+            f"# memory per rank: {self.params_bytes:,} B parameters + {self.peak_activation_bytes:,} B peak activations"
+            + (f" (the device holds {self.device.memory_bytes:,.0f} B)" if self.device.memory_bytes else ""),
             "# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
                                   or "none"),
         ]
@@ -389,4 +390,6 @@ def _device(d):
         return None
     from .cost import DeviceProfile
 
-    return DeviceProfile(str(d["name"]), float(d["peak_flops"]), float(d["mem_bandwidth"]))
+    mem = d.get("memory_bytes")  # (plans written before session 104 have none)
+    return DeviceProfile(str(d["name"]), float(d["peak_flops"]), float(d["mem_bandwidth"]),
+                         float(mem) if mem is not None else None)

@@ -18,6 +18,7 @@ and, with ``memory_budget_bytes``, for every step ``t`` of the topological order
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -34,7 +35,7 @@ from ..ir.graph import FlowGraph, Operator, Tensor
 from ..ir.task import GridCompute
 from .config import DistributedConfig
 from .connect import connect
-from .cost import H100, CostModel, itemsize
+from .cost import DEVICE_MEMORY_FRACTION, H100, CostModel, itemsize
 from .mesh import DeviceMesh
 from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
@@ -156,6 +157,8 @@ class Problem:
         self.output_specs = [self._parse_placement(cfg.output_placements, n, t)
                              for n, t in zip(graph.output_names, graph.outputs)]
         self._connect_cache: dict = {}
+        # float32 weights the compile stores in half (graph.meta["weights_precision"], set by compile)
+        self.half_weights = graph.meta.get("weights_precision") in ("float16", "bfloat16")
         self.strategies: dict[int, list[OpShardSpec]] = {}
         same_op: dict[tuple, list[OpShardSpec]] = {}  # repeated layers have identical ops
         partial_sums = cfg.partial_sums is True or (cfg.partial_sums == "auto" and not (
@@ -231,6 +234,12 @@ class Problem:
             comm += self.edge_cost(t, sp, assign)
         return comp + comm, comp, comm
 
+    def param_bytes(self, t: Tensor, spec: TensorShardSpec) -> int:
+        """A constant's bytes on a rank under ``spec``, as the ranks store it: a float32 weight in
+        half when the compile's precision is (``half_weights``)."""
+        b = local_bytes(t, spec, self.mesh_shape)
+        return b // 2 if self.half_weights and t.dtype == "float32" else b
+
     def memory(self, assign: dict[int, OpShardSpec]) -> tuple[int, int]:
         """(parameter bytes, peak live activation bytes) per rank under ``assign``."""
         params = 0
@@ -239,7 +248,7 @@ class Problem:
             for t, sp in zip(op.inputs, assign[id(op)].input_specs):
                 if t.is_constant and (id(t), sp) not in seen:
                     seen.add((id(t), sp))
-                    params += local_bytes(t, sp, self.mesh_shape)
+                    params += self.param_bytes(t, sp)
         # each activation's bytes once: an unrolled loop keeps hundreds live at every step
         size: dict[int, int] = {}
         for t in {id(t): t for live in self.live_sets() for t in live}.values():
@@ -568,7 +577,7 @@ def _memory_rows(problem: Problem) -> list[tuple[dict[tuple[int, int], float], f
                 for t, sp in zip(op.inputs, ch[id(op)].input_specs):
                     if t.is_constant and (id(t), i, sp) not in seen:
                         seen.add((id(t), i, sp))
-                        base[(g.alias, i)] += local_bytes(t, sp, mesh_shape)
+                        base[(g.alias, i)] += problem.param_bytes(t, sp)
     rows, keys = [], set()
     for live in problem.live_sets():
         row = dict(base)
@@ -912,12 +921,55 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     -------
     ShardingPlan
         The cheapest plan found under the cost model (``algo="ilp"``), or the named baseline.
+        Without ``memory_budget_bytes``, on a device whose memory is known (the ``h100``
+        profile's 80 GiB, a ``device`` dict's ``memory_GB``), a plan needing more than
+        :data:`~.cost.DEVICE_MEMORY_FRACTION` of it per rank is searched again with that as the
+        budget (a warning says so, and a note in the plan).
+
+    Raises
+    ------
+    ShardflowError
+        When no plan fits the budget, or the device's memory as above; for a baseline
+        (``algo`` other than ``ilp``) above either.
+    ConfigError
+        For a bad ``distributed_config``.
     """
     from .plan import ShardingPlan
 
     cfg = DistributedConfig.from_dict(distributed_config)
     if cfg.preload_plan:
         return ShardingPlan.load(cfg.preload_plan, graph=graph)
+    plan = _search(graph, cfg)
+    device = cfg.device or H100
+    if cfg.memory_budget_bytes is not None or not device.memory_bytes:
+        return plan
+    # No budget given: keep the plan within the device's memory (DEVICE_MEMORY_FRACTION of it).
+    cap = int(DEVICE_MEMORY_FRACTION * device.memory_bytes)
+    if plan.memory_bytes <= cap:
+        return plan
+    need = f"{plan.memory_bytes:,} bytes per rank (parameters and peak activations)"
+    held = f"{DEVICE_MEMORY_FRACTION:g} of the {device.name}'s {device.memory_bytes:,.0f} bytes"
+    if cfg.algo != "ilp":
+        raise ShardflowError(f"the {cfg.algo} plan on mesh {list(cfg.mesh_shape)} needs {need}, above {held}: use "
+                             "algo='ilp' or a larger mesh (or, for a device with more memory, its memory_GB in "
+                             "distributed_config['device'], or memory_budget_bytes)")
+    log.warning("the plan on mesh %s needs %s, above %s: searching again with memory_budget_bytes=%s",
+                list(cfg.mesh_shape), need, held, f"{cap:,}")
+    try:
+        capped = _search(graph, dataclasses.replace(cfg, memory_budget_bytes=cap))
+    except ShardflowError as exc:
+        raise ShardflowError(f"the plan on mesh {list(cfg.mesh_shape)} needs {need}, above {held}, and none was "
+                             f"found within that ({exc})") from None
+    capped.search_seconds += plan.search_seconds
+    capped.notes.append(f"planned under memory_budget_bytes={cap:,} ({held}; none was given): the cheapest plan "
+                        f"without it needs {need}")
+    return capped
+
+
+def _search(graph: FlowGraph, cfg: DistributedConfig) -> "ShardingPlan":
+    """:func:`search` for a validated ``cfg``, with its memory budget as given."""
+    from .plan import ShardingPlan
+
     t0 = time.perf_counter()
     problem = Problem(graph, cfg)
     kept_whole: list[str] = []  # (what the Megatron baseline kept whole, for plan.txt)

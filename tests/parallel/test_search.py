@@ -208,6 +208,8 @@ def test_stale_plan_is_refused(tmp_path, mlp_graph):
     ({"mesh_shape": [2], "device": {"peak_tflops": 1}}, "mem_bandwidth_GBps"),
     ({"mesh_shape": [2], "device": {"peak_tflops": 0, "mem_bandwidth_GBps": 10}}, "peak_tflops"),
     ({"mesh_shape": [2], "device": {"peak_tflops": 1, "mem_bandwidth_GBps": 10, "cores": 4}}, "nothing else"),
+    ({"mesh_shape": [2], "device": {"peak_tflops": 1, "mem_bandwidth_GBps": 10, "memory_GB": 0}}, "memory_GB"),
+    ({"mesh_shape": [2], "device": {"peak_tflops": 1, "mem_bandwidth_GBps": 10, "memory_GB": "8"}}, "memory_GB"),
 ])
 def test_config_errors(mlp_graph, cfg, match):
     with pytest.raises(ConfigError, match=match):
@@ -283,6 +285,59 @@ def test_device_profile_decides_between_compute_and_communication(tmp_path):
     del d["device"]  # a plan.json written before plans recorded it: the H100, as it was made for
     (tmp_path / "old.json").write_text(json.dumps(d))
     assert ShardingPlan.load(tmp_path / "old.json", graph=g).device.name == "h100-sxm"
+
+
+def test_plans_are_kept_within_the_device_memory(tmp_path, caplog):
+    """Without a budget, the ILP's cheapest plan of a batched MLP on an H100-like device is
+    replicated (every product well under a collective's latency): every rank holds every weight.
+    On a device whose memory (``memory_GB``) that plan overflows, the search runs again with 0.9 of
+    the device's memory as the budget, says so (a warning and a plan note), and the plan fits; a
+    baseline above it is refused; a budget given, or a device whose memory is unknown (the cpu
+    profile), leaves the plan as before."""
+    from shardflow.compiler.parallel.cost import DEVICE_MEMORY_FRACTION, H100
+
+    g = load_onnx(mlp(layers=4, batch=64, hidden=256))
+    free = search(g, {"mesh_shape": [4]})
+    assert not free.collectives and free.params_bytes == search(g, {"mesh_shape": [4], "algo": "replicate"}).params_bytes
+    assert H100.memory_bytes == 80 * 2**30 and free.memory_bytes < DEVICE_MEMORY_FRACTION * H100.memory_bytes
+    assert "the device holds 85,899,345,920 B" in free.to_text()
+    gb = 0.6 * free.memory_bytes / DEVICE_MEMORY_FRACTION / 1e9  # 0.9 of it: 0.6 of the free plan's bytes
+    small = {"name": "small", "peak_tflops": 989, "mem_bandwidth_GBps": 3350, "memory_GB": gb}
+    cap = int(DEVICE_MEMORY_FRACTION * gb * 1e9)
+    with caplog.at_level("WARNING"):
+        plan = search(g, {"mesh_shape": [4], "device": small})
+    assert "searching again with memory_budget_bytes" in caplog.text
+    assert plan.memory_bytes <= cap < free.memory_bytes and plan.collectives
+    assert any("planned under memory_budget_bytes" in n and "none was given" in n for n in plan.notes)
+    same = search(g, {"mesh_shape": [4], "device": small, "memory_budget_bytes": cap})
+    assert same.cost == pytest.approx(plan.cost) and same.memory_bytes == plan.memory_bytes
+    # the device's memory is recorded with the plan
+    plan.save(tmp_path)
+    assert ShardingPlan.load(tmp_path / "plan.json", graph=g).device.memory_bytes == pytest.approx(gb * 1e9)
+    # a baseline above it is refused, naming the device and the fixes
+    with pytest.raises(ShardflowError, match=r"replicate plan .* above 0.9 of the small's .*memory_GB"):
+        search(g, {"mesh_shape": [4], "device": small, "algo": "replicate"})
+    # a budget given is the budget: above the device's memory too
+    given = search(g, {"mesh_shape": [4], "device": small, "memory_budget_bytes": free.memory_bytes})
+    assert given.memory_bytes == free.memory_bytes
+    # no plan within it: an error that names the device's share
+    tiny = {**small, "memory_GB": free.memory_bytes / 40 / 1e9}
+    with pytest.raises(ShardflowError, match=r"above 0.9 of the small's .* none was found within that"):
+        search(g, {"mesh_shape": [4], "device": tiny})
+    # the cpu profile knows no memory: the plan as it comes
+    assert search(g, {"mesh_shape": [4], "device": "cpu"}).device.memory_bytes is None
+
+
+def test_half_precision_counts_float32_weights_at_two_bytes():
+    """compile marks a float16/bfloat16 compile's graph (``weights_precision``): the ranks store
+    its float32 weights in the half type, and the plan's memory counts them so (the activations as
+    the graph has them)."""
+    g = load_onnx(mlp(layers=2, batch=8, hidden=64))
+    full = search(g, {"mesh_shape": [2], "algo": "replicate"})
+    g.meta["weights_precision"] = "bfloat16"
+    half = search(g, {"mesh_shape": [2], "algo": "replicate"})
+    assert half.params_bytes * 2 == full.params_bytes
+    assert half.peak_activation_bytes == full.peak_activation_bytes
 
 
 def test_op_flops_count_a_row_statistic_once_per_row():
