@@ -1387,8 +1387,13 @@ def planned_graph(model, *, distributed_config: Mapping[str, Any], optimization_
 def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_values, dim_sizes=None) -> FlowGraph:
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
-    return plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
-                       fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg), index_checks=opt.index_checks)
+    graph = plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
+                        fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg), index_checks=opt.index_checks)
+    if opt.precision in ("float16", "bfloat16"):
+        # the plan's memory counts float32 weights as the ranks will store them (the contractions'
+        # weights and the gather tables in the half type, after the plan: rank_passes)
+        graph.meta["weights_precision"] = opt.precision
+    return graph
 
 
 def heads_padding(dcfg) -> int:
@@ -1630,10 +1635,6 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     t = time.perf_counter()
     log.info("importing %s", model if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     graph = _planned_graph(model, opt, dcfg, input_shapes, input_values, dim_sizes)
-    if opt.precision in ("float16", "bfloat16"):
-        # the plan's memory counts float32 weights as the ranks will store them (the contractions'
-        # weights and the gather tables in the half type, after the plan: rank_passes)
-        graph.meta["weights_precision"] = opt.precision
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
     state = _check_state(graph, state, input_values)

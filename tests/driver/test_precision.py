@@ -452,3 +452,21 @@ def test_a_tied_table_is_read_through_the_output_layers_weight_at_float32(vocab)
     assert [(t.name, t.shape) for t in rg.constants()] == [("lm_head", (64, vocab))]
     ids = np.random.default_rng(5).integers(0, vocab, (2, 5)).astype(np.int64)
     np.testing.assert_allclose(rg.run({"ids": ids})["logits"], np.tanh(table[ids]) @ table.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_counts_half_weights_as_the_ranks_store_them():
+    """The plan of a float16/bfloat16 compile is searched on the float32 graph (its weights are
+    rounded per rank afterwards), and counts its float32 weights at 2 bytes, as the ranks hold
+    them (rfcs/0001 "Plans within the device's memory"); activations as the graph has them."""
+    from shardflow.compiler.driver import planned_graph
+    from shardflow.compiler.parallel import search
+
+    plans = {}
+    for prec in ("float32", "float16", "bfloat16"):
+        g = planned_graph(MODELS / "gpt2_ts17.onnx", distributed_config={"mesh_shape": [2]},
+                          optimization_config={"precision": prec})
+        plans[prec] = search(g, {"mesh_shape": [2], "algo": "replicate"})
+    assert plans["float16"].params_bytes == plans["bfloat16"].params_bytes
+    # (GPT-2's float32 constants are all but a few small int64 shape constants)
+    assert 0.49 < plans["float16"].params_bytes / plans["float32"].params_bytes < 0.51
+    assert plans["float16"].peak_activation_bytes == plans["float32"].peak_activation_bytes
