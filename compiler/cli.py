@@ -391,7 +391,7 @@ def _cmd_plan(args) -> int:
     graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg,
                                  input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
                                  dim_sizes=parse_dims(args.dim))
-    plan = search(graph, dcfg)
+    plan = search(graph, driver.planning_config(dcfg, ocfg))  # (the target's device, as compile plans)
     if args.out:
         plan.save(args.out)
     explained = [plan.explain(node) for node in args.explain]  # (an unknown name fails before any output)

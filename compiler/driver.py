@@ -1384,6 +1384,26 @@ def planned_graph(model, *, distributed_config: Mapping[str, Any], optimization_
                           DistributedConfig.from_dict(distributed_config), input_shapes, input_values, dim_sizes)
 
 
+def planning_config(distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None):
+    """The :class:`~shardflow.compiler.parallel.config.DistributedConfig` :func:`compile` plans
+    with: ``distributed_config`` validated, its ``device`` the target's profile when it names
+    none (what ``shardflow plan`` searches with, so that it prints the plan ``compile`` makes)."""
+    from .parallel.config import DistributedConfig
+
+    return _target_device(DistributedConfig.from_dict(distributed_config),
+                          OptimizationConfig.from_dict(optimization_config))
+
+
+def _target_device(dcfg, opt: OptimizationConfig):
+    if dcfg.device is not None:
+        return dcfg
+    # plan for what the ranks will compute on: a cpu rank is ~500x slower than an H100 (the
+    # search's own default), so the same collective costs far less next to its compute
+    from .parallel.cost import DEVICE_PROFILES
+
+    return dataclasses.replace(dcfg, device=DEVICE_PROFILES[opt.target])
+
+
 def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_values, dim_sizes=None) -> FlowGraph:
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
@@ -1622,13 +1642,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     from .parallel.partition import partition_ranks
     from .parallel.config import DistributedConfig
 
-    dcfg = DistributedConfig.from_dict(distributed_config)
-    if dcfg.device is None:
-        # plan for what the ranks will compute on: a cpu rank is ~500x slower than an H100 (the
-        # search's own default), so the same collective costs far less next to its compute
-        from .parallel.cost import DEVICE_PROFILES
-
-        dcfg = dataclasses.replace(dcfg, device=DEVICE_PROFILES[opt.target])
+    dcfg = _target_device(DistributedConfig.from_dict(distributed_config), opt)
     builder = _cuda_builder() if opt.target == "cuda" else _cpu_builder()
     timings: dict[str, float] = {}
 

@@ -102,8 +102,11 @@ def test_plan_prints_plan_txt(tmp_path):
     assert out.stdout.startswith("# Shardflow plan (megatron) on mesh [2]")
     assert out.stdout == (tmp_path / "plan.txt").read_text()
     assert json.loads((tmp_path / "plan.json").read_text())["algo"] == "megatron"
-    assert "(device h100-sxm:" in out.stdout.splitlines()[1]  # `shardflow plan` plans for the H100 by default
-    out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2", "--device", "cpu")
+    # `shardflow plan` plans for its target's device, as `compile` does: cpu (the default) -> the cpu profile
+    assert "(device cpu: 2 TFLOP/s, 200 GB/s)" in out.stdout.splitlines()[1]
+    out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2", "--target", "cuda")
+    assert out.returncode == 0 and "(device h100-sxm:" in out.stdout.splitlines()[1], out.stderr
+    out = sh("plan", MODELS / "mlp_ts17.onnx", "--mesh", "2", "--target", "cuda", "--device", "cpu")
     assert out.returncode == 0 and "(device cpu: 2 TFLOP/s, 200 GB/s)" in out.stdout.splitlines()[1], out.stderr
 
 
