@@ -12,6 +12,9 @@ measurements that showed it). :func:`calibrate` starts the ranks on this machine
   written / time);
 * time all-reduce, all-gather, reduce-scatter and all-to-all of 4 KB to 4 MB per rank along
   every mesh axis, all groups of an axis at once,
+* report each host's physical memory and how many ranks run on it (``memory_GB`` of the device:
+  the least share of a host's memory a rank has, which the planner keeps a plan without a
+  budget within),
 
 and fits each axis's latency and bandwidth to those times *with the cost model's own formulas*
 (least squares on relative error), so that the model's collective times match the measured ones
@@ -146,7 +149,8 @@ class Calibration:
     ----------
     config
         The ``distributed_config`` fragment: ``mesh_shape``, ``axis_bandwidth_GBps``,
-        ``axis_latency_us`` and ``device`` (``name``, ``peak_tflops``, ``mem_bandwidth_GBps``).
+        ``axis_latency_us`` and ``device`` (``name``, ``peak_tflops``, ``mem_bandwidth_GBps``,
+        ``memory_GB`` where the ranks' systems report their memory).
     measured
         The ranks' raw timings (``programs_s``: seconds per probe run; ``collectives``: one
         record per collective, kind, axis and size), the backend and threads per rank.
@@ -173,7 +177,9 @@ class Calibration:
         lines = [f"device: {d['name']}",
                  f"  peak {d['peak_tflops'] * 1e3:.1f} GFLOP/s (GEMM {'x'.join(map(str, GEMM_SHAPE))}: "
                  f"{self.measured['programs_s']['gemm'] * 1e3:.3f} ms), memory {d['mem_bandwidth_GBps']:.1f} GB/s "
-                 f"(add of 2 x {STREAM_ELEMENTS * 4 >> 20} MiB: {self.measured['programs_s']['stream'] * 1e3:.3f} ms)",
+                 f"(add of 2 x {STREAM_ELEMENTS * 4 >> 20} MiB: {self.measured['programs_s']['stream'] * 1e3:.3f} ms)"
+                 + (f", {d['memory_GB']:g} GB a rank (its host's memory over its ranks there)" if "memory_GB" in d
+                    else ""),
                  f"links ({self.measured['backend']} backend, {self.measured['threads_per_rank']} thread(s) per rank):"]
         shape = self.config["mesh_shape"]
         if not self.links:
@@ -299,4 +305,7 @@ def _fit(shape: list[int], target: str, probes: dict, measured: dict) -> Calibra
         "device": {"name": name, "peak_tflops": round(probes["gemm"]["flops"] / t["gemm"] / 1e12, 6),
                    "mem_bandwidth_GBps": round(probes["stream"]["bytes"] / t["stream"] / 1e9, 3)},
     }
+    if measured.get("memory_per_rank_bytes"):
+        # each host's memory shared by its ranks: the planner keeps a plan without a budget within it
+        config["device"]["memory_GB"] = round(measured["memory_per_rank_bytes"] / 1e9, 3)
     return Calibration(config, measured, links)

@@ -24,8 +24,8 @@ import numpy as np
 from .artifact import write_json
 from .errors import ShardflowError
 
-__all__ = ["COLLECTIVE_KINDS", "BUFFER_BYTES", "axis_groups", "time_collectives", "time_program", "run_rank",
-           "main"]
+__all__ = ["COLLECTIVE_KINDS", "BUFFER_BYTES", "axis_groups", "time_collectives", "time_program", "rank_memory",
+           "run_rank", "main"]
 
 log = logging.getLogger("shardflow.runtime.calibrate")
 
@@ -119,6 +119,25 @@ def time_collectives(comm, mesh_shape: Sequence[int], *, buffer_bytes: Sequence[
     return records
 
 
+def rank_memory(comm) -> int | None:
+    """The memory one rank may hold: each host's physical memory divided among the ranks on it
+    (hosts told apart by name), the least over the hosts; ``None`` where the system does not say."""
+    import json
+    import socket
+
+    try:
+        mine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        mine = None
+    hosts: dict[str, list] = {}
+    for b in comm.allgather_bytes(json.dumps([socket.gethostname(), mine]).encode()):
+        name, total = json.loads(b)
+        hosts.setdefault(name, []).append(total)
+    if any(t is None for totals in hosts.values() for t in totals):
+        return None
+    return min(min(totals) // len(totals) for totals in hosts.values())
+
+
 def time_program(comm, out_dir: str | os.PathLike, *, trials: int = 5, min_trial_s: float = 0.05) -> float:
     """Seconds per run of the one-rank program in ``out_dir`` when every rank runs its own copy
     at once (so that the ranks share the machine as a sharded program's ranks do); its inputs
@@ -184,8 +203,10 @@ def run_rank(mesh_shape: Sequence[int], probes: dict[str, str], *, trials: int =
         _die(f"rank {env.rank}: {type(exc).__name__}: {exc}", 1, hard)
         raise
     comm.barrier()
+    memory = rank_memory(comm)
     result = {"mesh_shape": list(mesh_shape), "backend": comm.backend,
-              "threads_per_rank": os.environ["OMP_NUM_THREADS"], "programs_s": programs, "collectives": records}
+              "threads_per_rank": os.environ["OMP_NUM_THREADS"], "programs_s": programs, "collectives": records,
+              "memory_per_rank_bytes": memory}
     comm.close()
     return result if env.rank == 0 else None
 

@@ -1,6 +1,7 @@
 """``shardflow calibrate``: the link fit, the ranks' timings and the command end to end."""
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -129,6 +130,10 @@ def test_calibrate_command_writes_a_config_that_compile_and_plan_take(tmp_path, 
     assert dc.device.peak_flops > 1e9 and dc.device.mem_bandwidth > 1e8
     assert dc.axis_bandwidth_GBps[0] > 0 and dc.axis_latency_us[0] >= 0
     assert "calibrated" in dc.device.name
+    # the host's memory over its two ranks: what a rank may hold
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert dc.device.memory_bytes == pytest.approx(total // 2, rel=1e-5, abs=1e6)
+    assert "GB a rank (its host's memory over its ranks there)" in res.stdout
     backend = "mpi" if launcher == "mpiexec" else "tcp"
     assert f"links ({backend} backend" in res.stdout
     for kind in COLLECTIVES:
