@@ -173,6 +173,7 @@ class Problem:
                 same_op[key] = [self._with_cost(op, s, reads) for s in specs]
             self.strategies[id(op)] = same_op[key]
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
+        self._followers: dict[tuple, tuple[OpShardSpec, float]] = {}  # (_follow_leader)
         self._build_groups()
 
     def _parse_placement(self, table: dict, name: str, t: Tensor) -> TensorShardSpec:
@@ -328,30 +329,38 @@ class Problem:
         assign = {id(g.leader): lead}
         cost = lead.compute_cost
         for op in g.members[1:]:
-            # Follow: keep the spec the group hands over when some candidate accepts it as is.
+            # A member reads one activation, from the member before it (_build_groups): its choice
+            # depends on that tensor's spec and its own strategies only, so it is computed once
+            # for each (strategies, spec handed over), which identical layers share.
             lead_t = next(t for t in op.inputs if not t.is_constant)
             p = self.producer_of[id(lead_t)]
             have = assign[id(p)].output_specs[p.outputs.index(lead_t)]
             k = op.inputs.index(lead_t)
-            # ... and do not split work along mesh axes where the handed-over tensor is whole.
-            whole = [m for m, pl in enumerate(have.placements) if isinstance(pl, Replicate)]
-            options = self.strategies[id(op)]
-            if not carry_partial_sums:
-                options = [c for c in options if PARTIAL_SUMS not in c.assignment] or options
-            allowed = [c for c in options if all(c.assignment[m] is None for m in whole)]
-            cands = [c for c in allowed if c.input_specs[k] == have] or allowed or options
-            best, best_cost = None, math.inf
-            for cand in cands:
-                c = cand.compute_cost
-                for t, sp in zip(op.inputs, cand.input_specs):
-                    p = self.producer_of.get(id(t))
-                    if p is not None and id(p) in assign:
-                        c += self.reshard_cost(t, assign[id(p)].output_specs[p.outputs.index(t)], sp)
-                if c < best_cost - 1e-15:
-                    best, best_cost = cand, c
-            assign[id(op)] = best
-            cost += best_cost
+            key = (id(self.strategies[id(op)]), carry_partial_sums, k, have, lead_t.shape, lead_t.dtype)
+            hit = self._followers.get(key)
+            if hit is None:
+                hit = self._followers[key] = self._follower(op, lead_t, k, have, carry_partial_sums)
+            assign[id(op)] = hit[0]
+            cost += hit[1]
         return assign, cost
+
+    def _follower(self, op: Operator, lead_t: Tensor, k: int, have: TensorShardSpec, carry_partial_sums: bool):
+        """The strategy of group member ``op`` whose input ``k`` (``lead_t``) arrives as ``have``, and
+        its cost (compute and the resharding of ``lead_t``)."""
+        # Follow: keep the spec the group hands over when some candidate accepts it as is ...
+        # ... and do not split work along mesh axes where the handed-over tensor is whole.
+        whole = [m for m, pl in enumerate(have.placements) if isinstance(pl, Replicate)]
+        options = self.strategies[id(op)]
+        if not carry_partial_sums:
+            options = [c for c in options if PARTIAL_SUMS not in c.assignment] or options
+        allowed = [c for c in options if all(c.assignment[m] is None for m in whole)]
+        cands = [c for c in allowed if c.input_specs[k] == have] or allowed or options
+        best, best_cost = None, math.inf
+        for cand in cands:
+            c = cand.compute_cost + self.reshard_cost(lead_t, have, cand.input_specs[k])
+            if c < best_cost - 1e-15:
+                best, best_cost = cand, c
+        return best, best_cost
 
     def external_inputs(self, g: Group):
         """(tensor, member op, input index) reads of ``g`` from outside it."""
@@ -494,22 +503,25 @@ def _solve_ilp(problem: Problem) -> list[int]:
     s = {a: [pulp.LpVariable(f"s_{a}_{i}", cat="Binary") for i in range(n)] for a, n in sorted(nstrat.items())}
     for a, vs in s.items():
         prob += pulp.lpSum(vs) == 1, f"one_{a}"
-    # Scale to microseconds so coefficients are well conditioned.
+    # Scale to microseconds so coefficients are well conditioned. (Expressions are built from
+    # (variable, coefficient) pairs, each variable once: PuLP's operators make an expression per
+    # term, seconds of the search on a 3-D mesh.)
     scale = 1e6
-    objective = [pulp.lpSum(float(c) * scale * v for c, v in zip(lin[a], s[a]) if c) for a in s]
+    objective = [(v, float(c) * scale) for a in s for c, v in zip(lin[a], s[a]) if c]
     # Edge blocks: e[u, v] = [producer makes spec u] * [consumer needs spec v], linearized exactly
     # by its row sums (the producer's one-hot, summed per spec) and column sums.
     for n, blk in enumerate(edges):
         a, b, m = blk.src, blk.dst, blk.cost
         e = [[pulp.LpVariable(f"e{n}_{u}_{v}", lowBound=0) for v in range(m.shape[1])] for u in range(m.shape[0])]
         for u in range(m.shape[0]):
-            prob += pulp.lpSum(e[u]) == pulp.lpSum(s[a][i] for i, r in enumerate(blk.rows) if r == u), f"r{n}_{u}"
+            prob += _affine([(x, 1.0) for x in e[u]]
+                            + [(s[a][i], -1.0) for i, r in enumerate(blk.rows) if r == u]) == 0, f"r{n}_{u}"
         for v in range(m.shape[1]):
-            prob += (pulp.lpSum(e[u][v] for u in range(m.shape[0]))
-                     == pulp.lpSum(s[b][j] for j, c in enumerate(blk.cols) if c == v)), f"c{n}_{v}"
-        objective.append(pulp.lpSum(float(m[u, v]) * scale * e[u][v]
-                                    for u in range(m.shape[0]) for v in range(m.shape[1]) if m[u, v]))
-    prob += pulp.lpSum(objective)
+            prob += _affine([(e[u][v], 1.0) for u in range(m.shape[0])]
+                            + [(s[b][j], -1.0) for j, c in enumerate(blk.cols) if c == v]) == 0, f"c{n}_{v}"
+        objective += [(e[u][v], float(m[u, v]) * scale)
+                      for u in range(m.shape[0]) for v in range(m.shape[1]) if m[u, v]]
+    prob += _affine(objective)
     t0 = time.perf_counter()
     # Memory rows are added lazily: solve, add the rows the solution violates, solve again. Most
     # steps never bind, and every row left out makes the MIP much cheaper to solve. time_limit_s
@@ -536,7 +548,7 @@ def _solve_ilp(problem: Problem) -> list[int]:
         for k in violated[:4]:  # the worst few at a time
             row, fixed = rows[k]
             added.add(int(k))
-            prob += pulp.lpSum(float(c) / _MB * s[a][i] for (a, i), c in sorted(row.items()) if c) \
+            prob += _affine([(s[a][i], float(c) / _MB) for (a, i), c in sorted(row.items()) if c]) \
                 <= (budget - fixed) / _MB, f"mem_{k}"
     log.info("ILP (%s): %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", cfg.solver, len(s),
              len(edges), len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
@@ -563,6 +575,13 @@ def _solve_ilp(problem: Problem) -> list[int]:
 
 
 _MB = 1e6  # memory rows in MB keep the constraint matrix well scaled
+
+
+def _affine(pairs: list):
+    """A PuLP expression of ``(variable, coefficient)`` pairs, each variable once."""
+    import pulp
+
+    return pulp.LpAffineExpression(pairs)
 
 
 def _memory_rows(problem: Problem) -> list[tuple[dict[tuple[int, int], float], float]]:
