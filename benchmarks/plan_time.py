@@ -5,7 +5,10 @@ transformers from the ``test`` extra), imports it, and runs ``search`` with the 
 baselines on the same cost model, printing side by side: wall-clock planning time, modeled cost
 (µs), collectives and per-rank memory.
 
-    python benchmarks/plan_time.py [--depths 12 24 48] [--embd 64] [--seq 128]
+    python benchmarks/plan_time.py [--depths 12 24 48] [--embd 64] [--seq 128] [--meshes '8;2x4'] [--compile-graph]
+
+The graph as imported keeps GPT-2's fused ``c_attn`` (which breaks the Megatron baseline's pairs, so
+its fix-up loop runs a round per product); ``--compile-graph`` plans what ``compile`` plans.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ def main(argv=None):
     ap.add_argument("--embd", type=int, default=64)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--meshes", default="8;2x4", help="';'-separated meshes, e.g. '8;2x4'")
+    ap.add_argument("--compile-graph", action="store_true",
+                    help="plan the graph compile plans (its fused projections split first: SplitProjections), "
+                         "not the graph as imported")
     args = ap.parse_args(argv)
     from export_models import export_gpt2
 
@@ -39,6 +45,10 @@ def main(argv=None):
             path = os.path.join(tmp, f"gpt2_{depth}.onnx")
             export_gpt2(path, n_layer=depth, n_embd=args.embd, n_head=4, vocab_size=256, seq_len=args.seq, batch=1)
             graph = load_onnx(path)
+            if args.compile_graph:
+                from shardflow.compiler.passes.projections import SplitProjections
+
+                graph = SplitProjections().run(graph)
             for mesh in meshes:
                 for algo in ("ilp", "megatron", "data", "replicate"):
                     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ key                       meaning                                               
                           weights at 2 bytes under a half ``precision``, + peak
                           activations; not the kernels' scratch, which ``shardflow
                           run --profile`` reports). Default: none, but a plan above
-                          0.9 of the device's memory (80 GiB for ``"h100"``; the
+                          0.9 of the device's memory (81559 MiB for ``"h100"``; the
                           ``device``'s ``memory_GB``) is searched again under it
                           (ilp) or refused (baselines)
 ``algo``                  ``ilp``, ``megatron``, ``data`` or ``replicate``             ``ilp``

@@ -70,9 +70,9 @@ class DeviceProfile:
             raise ConfigError(f"device profile {self.name!r}: memory_bytes must be positive (or None: unknown)")
 
 
-#: NVIDIA H100 SXM: dense BF16 tensor-core peak (989 TFLOP/s), HBM3 bandwidth (3.35 TB/s) and its
-#: 80 GiB of HBM3.
-H100 = DeviceProfile("h100-sxm", 989e12, 3.35e12, 80 * 2**30)
+#: NVIDIA H100 SXM: dense BF16 tensor-core peak (989 TFLOP/s), HBM3 bandwidth (3.35 TB/s) and the
+#: memory a process sees on an "H100 80GB HBM3" (nvidia-smi: 81559 MiB).
+H100 = DeviceProfile("h100-sxm", 989e12, 3.35e12, 81559 * 2**20)
 #: A server CPU socket, order of magnitude: 2 TFLOP/s (32 cores x AVX-512 FMA) and 200 GB/s DRAM;
 #: its memory is the host's, shared by the ranks on it: not known here.
 CPU = DeviceProfile("cpu", 2e12, 200e9)

@@ -941,7 +941,7 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     ShardingPlan
         The cheapest plan found under the cost model (``algo="ilp"``), or the named baseline.
         Without ``memory_budget_bytes``, on a device whose memory is known (the ``h100``
-        profile's 80 GiB, a ``device`` dict's ``memory_GB``), a plan needing more than
+        profile's 81559 MiB, a ``device`` dict's ``memory_GB``), a plan needing more than
         :data:`~.cost.DEVICE_MEMORY_FRACTION` of it per rank is searched again with that as the
         budget (a warning says so, and a note in the plan).
 
