@@ -157,7 +157,7 @@ class Problem:
         self.output_specs = [self._parse_placement(cfg.output_placements, n, t)
                              for n, t in zip(graph.output_names, graph.outputs)]
         self._connect_cache: dict = {}
-        # float32 weights the compile stores in half (graph.meta["weights_precision"], set by compile)
+        # float32 weights the ranks store in half (graph.meta["weights_precision"]: driver.planned_graph)
         self.half_weights = graph.meta.get("weights_precision") in ("float16", "bfloat16")
         self.strategies: dict[int, list[OpShardSpec]] = {}
         same_op: dict[tuple, list[OpShardSpec]] = {}  # repeated layers have identical ops
