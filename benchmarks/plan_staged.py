@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "..", "tests", "models")
 sys.path.insert(0, MODELS)
 
+
 def _links(kind: str, ndim: int) -> dict:
     if kind == "even":
         return {}

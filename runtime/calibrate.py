@@ -12,8 +12,10 @@ what a program whose ranks wait for each other sees.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
 import struct
 import sys
 import time
@@ -122,9 +124,6 @@ def time_collectives(comm, mesh_shape: Sequence[int], *, buffer_bytes: Sequence[
 def rank_memory(comm) -> int | None:
     """The memory one rank may hold: each host's physical memory divided among the ranks on it
     (hosts told apart by name), the least over the hosts; ``None`` where the system does not say."""
-    import json
-    import socket
-
     try:
         mine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -88,24 +88,25 @@ def host_cupy(work_dir: str, log: list | None = None) -> types.ModuleType:
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint16", "uint32"):
         setattr(cp, name, getattr(np, name))
     cp.cuda.runtime.deviceSynchronize = lambda: None
-    built: dict[str, object] = {}
+    built: dict[str, tuple] = {}  # source -> its emulated kernels, clusters and waiting kernels
 
     def raw_module(path):
         text = Path(path).read_text()
         if text not in built:
-            built[text] = build(text, work_dir)
-        # each kernel's blocks per cluster (its __cluster_dims__; a program's launches say the same), and
-        # whether its blocks wait for each other
-        clusters, waits = {}, set()
-        for chunk in text.split('extern "C" __global__')[1:]:
-            m = re.match(r"\s*void\s+__launch_bounds__\([^)]*\)\s*(?:__cluster_dims__\((\d+), 1, 1\)\s*)?(\w+)\(",
-                         chunk)
-            if m:
-                clusters[m.group(2)] = int(m.group(1) or 1)
-                if "sf_grid_wait(&" in chunk:
-                    waits.add(m.group(2))
+            # each kernel's blocks per cluster (its __cluster_dims__; a program's launches say the same),
+            # and whether its blocks wait for each other
+            clusters, waits = {}, set()
+            for chunk in text.split('extern "C" __global__')[1:]:
+                m = re.match(r"\s*void\s+__launch_bounds__\([^)]*\)\s*(?:__cluster_dims__\((\d+), 1, 1\)\s*)?(\w+)\(",
+                             chunk)
+                if m:
+                    clusters[m.group(2)] = int(m.group(1) or 1)
+                    if "sf_grid_wait(&" in chunk:
+                        waits.add(m.group(2))
+            built[text] = (build(text, work_dir), clusters, waits)
+        kernels, clusters, waits = built[text]
         return types.SimpleNamespace(get_function=lambda name: _HostFunction(
-            built[text], name, clusters.get(name, 1), name in waits, log))
+            kernels, name, clusters.get(name, 1), name in waits, log))
 
     cp.RawModule = raw_module
     cp.cuda.Device = lambda device=None: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": _SMS},

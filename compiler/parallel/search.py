@@ -331,12 +331,13 @@ class Problem:
         for op in g.members[1:]:
             # A member reads one activation, from the member before it (_build_groups): its choice
             # depends on that tensor's spec and its own strategies only, so it is computed once
-            # for each (strategies, spec handed over), which identical layers share.
+            # for each (strategies, spec handed over), which identical layers share. (Ops share a
+            # strategies list only with the same inputs' shapes and dtypes: __init__'s same_op.)
             lead_t = next(t for t in op.inputs if not t.is_constant)
             p = self.producer_of[id(lead_t)]
             have = assign[id(p)].output_specs[p.outputs.index(lead_t)]
             k = op.inputs.index(lead_t)
-            key = (id(self.strategies[id(op)]), carry_partial_sums, k, have, lead_t.shape, lead_t.dtype)
+            key = (id(self.strategies[id(op)]), carry_partial_sums, k, have)
             hit = self._followers.get(key)
             if hit is None:
                 hit = self._followers[key] = self._follower(op, lead_t, k, have, carry_partial_sums)
