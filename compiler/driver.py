@@ -1609,7 +1609,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     Returns
     -------
     CompileResult
-        The plan, the paths, per-stage timings and per-rank sizes.
+        The plan, the paths, per-stage timings and per-rank sizes; with
+        ``distributed_config["pipeline_stages"]`` > 1, a :class:`~shardflow.compiler.stages.StagesResult`
+        (one CompileResult per pipeline stage, each compiled into ``out_dir/stage{s}``).
 
     Raises
     ------
@@ -1643,6 +1645,13 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     from .parallel.config import DistributedConfig
 
     dcfg = _target_device(DistributedConfig.from_dict(distributed_config), opt)
+    if dcfg.pipeline_stages > 1:
+        if weights_elsewhere is not None:
+            raise ConfigError("compile_variants does not support pipeline_stages > 1; compile each shape on its own")
+        from .stages import compile_stages
+
+        return compile_stages(model, dcfg=dcfg, opt=opt, optimization_config=optimization_config, out_dir=out_dir,
+                              input_shapes=input_shapes, input_values=input_values, state=state, dim_sizes=dim_sizes)
     builder = _cuda_builder() if opt.target == "cuda" else _cpu_builder()
     timings: dict[str, float] = {}
 

@@ -137,7 +137,9 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
     Returns
     -------
     RankProgram
-        Ready to :meth:`~RankProgram.run`; for an out_dir of shape variants
+        Ready to :meth:`~RankProgram.run`; for an out_dir of pipeline stages (``pipeline_stages``),
+        a :class:`~shardflow.runtime.pipeline.PipelineProgram`, which runs the rank's stage between
+        the tensors it receives and sends; for an out_dir of shape variants
         (:func:`~shardflow.compiler.compile_variants`), a
         :class:`~shardflow.runtime.variants.VariantProgram`, which runs the variant compiled for the
         inputs' shapes.
@@ -150,11 +152,15 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
     WorldSizeError
         The communicator's size or rank does not fit the artifacts.
     """
+    from .pipeline import PipelineProgram, read_pipeline
     from .variants import VariantProgram, read_variants
 
     comm = _as_communicator(comm)
     if rank is None:
         rank = comm.rank if comm is not None else 0
+    stages = read_pipeline(out_dir)
+    if stages is not None:
+        return PipelineProgram(out_dir, int(rank), comm, stages, verify=verify, map_weights=map_weights)
     spec = read_variants(out_dir)
     if spec is not None:
         return VariantProgram(out_dir, int(rank), comm, spec, verify=verify, map_weights=map_weights)

@@ -37,6 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir, write_json
+from .pipeline import read_pipeline, stage_of_rank
 from .variants import first_variant_dir
 from .errors import ShardflowError, number_from_env
 from .executor import WorldSizeError
@@ -118,11 +119,29 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv("single", 0, 1, source="no launcher")
 
 
+def own_rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
+    """The folder of global ``rank``'s program (of pipeline stages: its stage's; of shape variants: the
+    first variant's, which every variant shares): what a launcher reads before it loads."""
+    stages = read_pipeline(out_dir)
+    if stages is not None:
+        s, c = stage_of_rank(stages, rank)
+        return rank_dir(Path(out_dir) / stages["stages"][s]["dir"], c)
+    return rank_dir(first_variant_dir(out_dir), rank)
+
+
 def artifact_world_size(out_dir: str | os.PathLike) -> int:
     """The world size an out_dir was compiled for (from ``rank0/manifest.json``; an out_dir of shape
     variants: its first variant's, which every variant shares)."""
     if not Path(out_dir).is_dir():
         raise ArtifactError(f"out_dir {str(out_dir)!r} does not exist; compile the model first (`shardflow compile`)")
+    stages = read_pipeline(out_dir)
+    if stages is not None:
+        for st in stages["stages"]:
+            ranks = list_ranks(Path(out_dir) / st["dir"])
+            if ranks != list(range(stages["stage_world_size"])):
+                raise ArtifactError(f"{str(out_dir)!r}: stage folder {st['dir']!r} holds rank directories {ranks}, "
+                                    f"not the stage's {stages['stage_world_size']}")
+        return int(stages["world_size"])
     out = first_variant_dir(out_dir)
     m = read_manifest(rank_dir(out, 0))
     n = int(m["world_size"])
@@ -602,7 +621,7 @@ def _worker(args, env: LaunchEnv) -> int:
                                  f"({env.source}); start exactly {world}")
         if args.nproc is not None and args.nproc != env.size:
             raise WorldSizeError(f"--nproc {args.nproc} but {env.size} ranks were started ({env.source})")
-        manifest = read_manifest(rank_dir(first_variant_dir(args.out_dir), env.rank))
+        manifest = read_manifest(own_rank_dir(args.out_dir, env.rank))
         inputs = _read_inputs(args.inputs)
     except ShardflowError as exc:
         return _die(f"rank {env.rank}: {exc}", 2, hard)
@@ -645,7 +664,8 @@ def _worker(args, env: LaunchEnv) -> int:
         full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
         if env.rank == 0:
             med = float(np.median(times)) * 1e3
-            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", ran.out_dir, env.size, len(times), med)
+            shown = prog.out_dir if ran is getattr(prog, "program", None) else ran.out_dir  # (pipeline: the whole)
+            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", shown, env.size, len(times), med)
             if args.outputs:
                 _write_npz(args.outputs, full)
                 log.info("wrote %s (%s)", args.outputs,

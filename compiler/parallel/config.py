@@ -41,6 +41,12 @@ key                       meaning                                               
                           padded to a multiple of it before the plan (copies of head
                           0, their output rows zero; passes/heads.py): ``true``,
                           ``false``, or ``auto``: for ``algo="megatron"`` only
+``pipeline_stages``       stages the graph is cut into, one per position of the first  1
+                          mesh axis (which must have this size): each stage a
+                          contiguous run of ops, compiled and sharded over the
+                          other axes (``mesh_shape[1:]``) on its own ranks; the
+                          activations crossing a cut are sent between stages
+                          (parallel/pipeline.py)
 ``device``                what one rank computes on, for the cost model's roofline:    see left
                           ``"h100"``, ``"cpu"`` (:data:`~.cost.DEVICE_PROFILES`), or
                           ``{"peak_tflops": x, "mem_bandwidth_GBps": y}`` (optionally
@@ -85,6 +91,21 @@ class DistributedConfig:
     partial_sums: bool | str = "auto"
     pad_heads: bool | str = "auto"
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
+    pipeline_stages: int = 1
+
+    def stage_config(self) -> "DistributedConfig":
+        """The config one pipeline stage is planned with: the mesh without its first axis (the
+        stages' axis; ``[1]`` when that was the only one), its names and links likewise."""
+        import dataclasses
+
+        def rest(v):
+            return None if v is None else v[1:] or None
+        shape = self.mesh_shape[1:] or (1,)
+        return dataclasses.replace(
+            self, mesh_shape=shape, pipeline_stages=1,
+            mesh_axis_names=rest(self.mesh_axis_names) if len(self.mesh_shape) > 1 else None,
+            axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if len(self.mesh_shape) > 1 else None,
+            axis_latency_us=rest(self.axis_latency_us) if len(self.mesh_shape) > 1 else None)
 
     @classmethod
     def from_dict(cls, cfg: "Mapping[str, Any] | DistributedConfig") -> "DistributedConfig":
@@ -126,6 +147,16 @@ class DistributedConfig:
             # PuLP (3.3) has no status for HiGHS's node limit (kSolutionLimit) and raises a KeyError on it
             raise ConfigError("distributed_config['max_nodes'] works with solver 'cbc' only (PuLP cannot read the "
                               "status HiGHS stops with at a node limit); drop 'max_nodes' or use solver 'cbc'")
+        stages = _opt_positive_int(cfg.get("pipeline_stages", 1), "pipeline_stages")
+        if stages > 1:
+            if shape[0] != stages:
+                raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the first mesh axis holds the "
+                                  f"stages, so mesh_shape must start with {stages} (got {list(shape)}), e.g. "
+                                  f"{[stages] + list(shape)}")
+            for key in ("rank_map", "preload_plan", "input_placements", "output_placements"):
+                if cfg.get(key):
+                    raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
+                                      "stage is planned on its own, its inputs and outputs whole); drop one of them")
         if solver == "auto":
             solver = "highs" if max_nodes is None and highs_available() else "cbc"
         elif solver == "highs" and not highs_available():
@@ -144,7 +175,7 @@ class DistributedConfig:
             alias_layers=_bool(cfg.get("alias_layers", True), "alias_layers"),
             partial_sums=_bool_or_auto(cfg.get("partial_sums", "auto"), "partial_sums"),
             pad_heads=_bool_or_auto(cfg.get("pad_heads", "auto"), "pad_heads"),
-            device=_device(cfg.get("device")),
+            device=_device(cfg.get("device")), pipeline_stages=stages,
         )
 
 

@@ -1,0 +1,285 @@
+"""Pipeline stages: the graph cut into contiguous runs of ops, each compiled for its own ranks.
+
+With ``distributed_config["pipeline_stages"] = P`` the first mesh axis (of size ``P``) holds the
+stages and the other axes each stage's ranks: on ``mesh_shape = [P, *rest]`` stage ``s`` runs on the
+global ranks ``s * W ... s * W + W - 1`` (``W = prod(rest)``), sharded over ``rest`` by the stage's own
+plan. :func:`split_stages` cuts the graph's topological order into ``P`` runs whose modeled compute
+times are as even as a cut allows (each within :data:`BALANCE_TOLERANCE` of an even share when it
+can be), and among those cuts takes the one with the fewest bytes crossing it: in a transformer,
+between two layers, where only the residual stream (and the masks every layer reads) cross.
+
+A stage's graph takes the graph inputs its ops read and the tensors earlier stages produce for it
+(its *receives*), and returns the tensors later stages read (its *sends*) and the graph outputs it
+makes. Each is compiled as any graph is (plan, partition, codegen) into ``out_dir/stage{s}``; the
+runtime (:class:`~shardflow.runtime.pipeline.PipelineProgram`) moves the crossing tensors between
+the ranks of one position of ``rest`` (rank ``(s, c)`` sends to ``(t, c)``, whole tensors: a stage's
+inputs and outputs are replicated over its ranks) in one global order (:attr:`Pipeline.transfers`),
+and the graph outputs to every stage, so that every rank returns them as a rank of an unstaged
+program does. No microbatches: one run of the model passes through the stages one after the
+other, so the stages save memory (each rank holds its stage's weights) and replace the collectives
+a split over the first axis would run in every layer by one send per cut (rfcs/0001 "Pipeline
+stages").
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from ..errors import ShardflowError
+from ..ir.graph import FlowGraph, Operator, Tensor
+from .cost import H100, DeviceProfile, total_bytes
+
+__all__ = ["Stage", "Pipeline", "split_stages", "op_times", "BALANCE_TOLERANCE"]
+
+log = logging.getLogger(__name__)
+
+#: How far (a fraction of an even share of the modeled time) a cut may move from the even split to
+#: find one that fewer bytes cross.
+BALANCE_TOLERANCE = 0.1
+
+
+@dataclass
+class Stage:
+    """One stage: its graph and what crosses into and out of it.
+
+    Attributes
+    ----------
+    index
+        The stage's position (0 first).
+    graph
+        Its ops as a graph: inputs are the graph inputs it reads (by their names) then its receives;
+        outputs its sends then the graph outputs it makes (by their output names).
+    graph_inputs
+        Names of the model's inputs the stage reads.
+    receives
+        ``(name, stage)``: each tensor an earlier stage sends it.
+    sends
+        ``(name, [stages])``: each tensor it makes that later stages read.
+    outputs
+        Names of the model's outputs it makes.
+    time_s
+        Modeled compute time of its ops on one device (the cut's balance).
+    ops
+        How many ops it has.
+    """
+
+    index: int
+    graph: FlowGraph
+    graph_inputs: list[str]
+    receives: list[tuple[str, int]]
+    sends: list[tuple[str, list[int]]]
+    outputs: list[str]
+    time_s: float
+    ops: int = 0
+
+
+@dataclass
+class Pipeline:
+    """The stages of a graph and the transfers between them.
+
+    ``transfers``: ``(name, from stage, to stage, kind)`` in the one order every rank performs its
+    part of them (a rank receives, runs, sends, then takes part in the outputs' transfers): the
+    crossing tensors by sending stage, then by the order that stage makes them, then by receiving
+    stage (kind ``cut``); then every graph output from the stage making it to each other stage
+    that has not received it as a cut tensor, in the model's output order (kind ``output``). Each rank's own transfers are a subsequence of this one order, so blocking
+    sends and receives cannot deadlock.
+    """
+
+    stages: list[Stage]
+    transfers: list[tuple[str, int, int, str]] = field(default_factory=list)
+    #: Shape and dtype of every crossing tensor and graph output, by name.
+    tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    #: Shape and dtype of the model's inputs, by name, in its order.
+    inputs: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The JSON form written to ``pipeline.json`` (without the graphs)."""
+        return {
+            "stages": [{"dir": f"stage{st.index}", "graph_inputs": st.graph_inputs,
+                        "receives": [{"name": n, "from": s} for n, s in st.receives],
+                        "sends": [{"name": n, "to": to} for n, to in st.sends],
+                        "outputs": st.outputs, "modeled_time_s": st.time_s, "ops": st.ops}
+                       for st in self.stages],
+            "transfers": [{"name": n, "from": a, "to": b, "kind": k, "shape": list(self.tensors[n][0]),
+                           "dtype": self.tensors[n][1]} for n, a, b, k in self.transfers],
+        }
+
+
+def op_times(graph: FlowGraph, device: DeviceProfile | None = None) -> list[float]:
+    """Roofline time of each op of ``graph`` (in node order) on one ``device``: its arithmetic
+    (:func:`~.search.op_flops`) against the bytes of its inputs and outputs."""
+    from .search import op_flops
+
+    device = device or H100
+    times = []
+    for op in graph.nodes:
+        nbytes = sum(total_bytes(t.shape, t.dtype) for t in op.inputs) + sum(
+            total_bytes(t.shape, t.dtype) for t in op.outputs)
+        times.append(max(op_flops(op) / device.peak_flops, nbytes / device.mem_bandwidth))
+    return times
+
+
+def _crossing_bytes(graph: FlowGraph) -> list[int]:
+    """``res[i]``: bytes of the op outputs made before node ``i`` and read at or after it (what a cut
+    before node ``i`` sends; graph outputs are sent wherever they are made, so they do not count)."""
+    n = len(graph.nodes)
+    pos = {id(op): i for i, op in enumerate(graph.nodes)}
+    last: dict[int, int] = {}
+    for i, op in enumerate(graph.nodes):
+        for t in op.inputs:
+            if t.producer is not None and id(t.producer) in pos:
+                last[id(t)] = i
+    diff = [0] * (n + 2)
+    for op in graph.nodes:
+        p = pos[id(op)]
+        for t in op.outputs:
+            end = last.get(id(t))
+            if end is not None and end > p:
+                b = total_bytes(t.shape, t.dtype)
+                diff[p + 1] += b
+                diff[end + 1] -= b
+    res, acc = [], 0
+    for i in range(n + 1):
+        acc += diff[i]
+        res.append(acc)
+    return res
+
+
+def _cuts(times: list[float], crossing: list[int], stages: int, tolerance: float) -> list[int]:
+    """Where stages 1..``stages``-1 start (node indices, increasing): each cut near an even share of
+    the time (within ``tolerance`` of a share), the fewest crossing bytes among those, then the
+    nearest to the even split."""
+    n = len(times)
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    total = prefix[-1]
+    share = total / stages
+    cuts: list[int] = []
+    for k in range(1, stages):
+        lo, hi = (cuts[-1] + 1 if cuts else 1), n - (stages - k)  # at least one op per stage
+        target = k * share
+        window = [i for i in range(lo, hi + 1) if abs(prefix[i] - target) <= tolerance * share]
+        if window:
+            best = min(window, key=lambda i: (crossing[i], abs(prefix[i] - target), i))
+        else:  # (one op holds more than the tolerance: the nearest cut)
+            best = min(range(lo, hi + 1), key=lambda i: (abs(prefix[i] - target), i))
+        cuts.append(best)
+    return cuts
+
+
+def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = None,
+                 tolerance: float = BALANCE_TOLERANCE) -> Pipeline:
+    """Cut ``graph`` into ``stages`` contiguous runs of its ops (see the module docstring).
+
+    Raises
+    ------
+    ShardflowError
+        Fewer ops than stages; a graph output that no op makes (a graph input or a constant
+        returned as an output); a crossing tensor whose name is a graph input's.
+    """
+    nodes = graph.nodes
+    if stages < 1:
+        raise ShardflowError(f"pipeline_stages must be at least 1, got {stages}")
+    if len(nodes) < stages:
+        raise ShardflowError(f"graph {graph.name!r} has {len(nodes)} ops, fewer than the {stages} pipeline stages; "
+                             "use fewer stages")
+    in_graph = {id(op) for op in nodes}
+    for name, t in zip(graph.output_names, graph.outputs):
+        if t.producer is None or id(t.producer) not in in_graph:
+            raise ShardflowError(f"graph output {name!r} is {'a constant' if t.is_constant else 'a graph input'}, "
+                                 "made by no op: pipeline stages need every output made by an op of some stage")
+    times = op_times(graph, device)
+    cuts = _cuts(times, _crossing_bytes(graph), stages, tolerance)
+    bounds = list(zip([0] + cuts, cuts + [len(nodes)]))
+    stage_of: dict[int, int] = {}
+    for s, (a, b) in enumerate(bounds):
+        for op in nodes[a:b]:
+            stage_of[id(op)] = s
+    # a crossing tensor is sent under the name the stage graphs know it by: its output name when it
+    # is a graph output too, else its own
+    out_name = {}
+    for name, t in zip(graph.output_names, graph.outputs):
+        out_name.setdefault(id(t), name)
+    input_names = {t.name for t in graph.inputs}
+    readers: dict[int, set[int]] = {}  # crossing tensor -> the later stages reading it
+    for op in nodes:
+        for t in op.inputs:
+            if t.producer is not None and id(t.producer) in stage_of and stage_of[id(t.producer)] != stage_of[id(op)]:
+                readers.setdefault(id(t), set()).add(stage_of[id(op)])
+
+    def wire_name(t: Tensor) -> str:
+        name = out_name.get(id(t), t.name)
+        if name in input_names:
+            raise ShardflowError(f"tensor {name!r} crosses a pipeline cut but a graph input has its name; rename it")
+        return name
+
+    pipe = Pipeline(stages=[], inputs={t.name: (t.shape, t.dtype) for t in graph.inputs})
+    produced_outputs: dict[int, list[str]] = {s: [] for s in range(stages)}
+    for name, t in zip(graph.output_names, graph.outputs):
+        produced_outputs[stage_of[id(t.producer)]].append(name)
+    pos = {id(op): i for i, op in enumerate(nodes)}
+    graph_inputs = {id(t) for t in graph.inputs}
+    for s, (a, b) in enumerate(bounds):
+        ops = nodes[a:b]
+        mapping: dict[int, Tensor] = {}
+        recv_tensors: list[tuple[tuple[int, int, int], Tensor]] = []  # ((from stage, node, output), input)
+        for op in ops:
+            for t in op.inputs:
+                if id(t) in mapping:
+                    continue
+                if t.producer is None and t.value is not None:  # a constant (shared with the model's graph)
+                    mapping[id(t)] = Tensor(t.name, t.shape, t.dtype, None, t.value)
+                elif id(t) in graph_inputs:
+                    mapping[id(t)] = Tensor(t.name, t.shape, t.dtype)
+                elif t.producer is not None and stage_of.get(id(t.producer), s) != s:
+                    name = wire_name(t)
+                    mapping[id(t)] = Tensor(name, t.shape, t.dtype)
+                    key = (stage_of[id(t.producer)], pos[id(t.producer)], t.producer.outputs.index(t))
+                    recv_tensors.append((key, mapping[id(t)]))
+                    pipe.tensors[name] = (t.shape, t.dtype)
+        g_inputs = [mapping[id(t)] for t in graph.inputs if id(t) in mapping]
+        recv_tensors.sort(key=lambda e: e[0])
+        receives = [(x.name, key[0]) for key, x in recv_tensors]
+        new_nodes: list[Operator] = []
+        for op in ops:
+            new = op.clone([mapping[id(t)] for t in op.inputs])
+            for old_t, new_t in zip(op.outputs, new.outputs):
+                new_t.name, new_t.value = old_t.name, old_t.value
+                mapping[id(old_t)] = new_t
+            new_nodes.append(new)
+        sends: list[tuple[str, list[int]]] = []
+        outs: list[Tensor] = []
+        names: list[str] = []
+        for op in ops:
+            for t in op.outputs:
+                if id(t) in readers:
+                    name = wire_name(t)
+                    sends.append((name, sorted(readers[id(t)])))
+                    outs.append(mapping[id(t)])
+                    names.append(name)
+        for name, t in zip(graph.output_names, graph.outputs):
+            if stage_of[id(t.producer)] == s and name not in names:
+                outs.append(mapping[id(t)])
+                names.append(name)
+            if stage_of[id(t.producer)] == s:
+                pipe.tensors[name] = (t.shape, t.dtype)
+        sg = FlowGraph(g_inputs + [x for _, x in recv_tensors], outs, new_nodes, names, name=f"{graph.name}.stage{s}")
+        sg.meta = dict(graph.meta)
+        sg.validate()
+        pipe.stages.append(Stage(index=s, graph=sg, graph_inputs=[t.name for t in g_inputs], receives=receives,
+                                 sends=sends, outputs=produced_outputs[s], time_s=math.fsum(times[a:b]),
+                                 ops=len(new_nodes)))
+    for st in pipe.stages:
+        for name, to in st.sends:
+            pipe.transfers.extend((name, st.index, d, "cut") for d in to)
+    for name, t in zip(graph.output_names, graph.outputs):
+        src = stage_of[id(t.producer)]
+        has = {d for n, _, d, _ in pipe.transfers if n == name}  # (an output read by a later stage too)
+        pipe.transfers.extend((name, src, d, "output") for d in range(stages) if d != src and d not in has)
+    log.info("pipeline: %d stages of %s ops, modeled %s ms; %d tensors cross the cuts (%s bytes)", stages,
+             [st.ops for st in pipe.stages], [round(st.time_s * 1e3, 3) for st in pipe.stages],
+             sum(len(st.sends) for st in pipe.stages),
+             f"{sum(total_bytes(*pipe.tensors[n]) for st in pipe.stages for n, _ in st.sends):,}")
+    return pipe

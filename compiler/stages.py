@@ -1,0 +1,139 @@
+"""``compile`` with ``pipeline_stages``: the model cut into stages, each compiled for its own ranks.
+
+``out_dir`` holds ``pipeline.json`` and one ordinary out_dir per stage, ``stage0``, ``stage1``, ...
+(each with its ``mesh.json``, ``plan.json`` and ``rank{c}`` folders for the stage's ``W`` ranks);
+global rank ``s * W + c`` runs ``stage{s}/rank{c}``. :func:`shardflow.runtime.load` of such an
+out_dir returns a :class:`~shardflow.runtime.pipeline.PipelineProgram`. The cut is
+:func:`~shardflow.compiler.parallel.pipeline.split_stages`'s; rfcs/0001 "Pipeline stages".
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from shardflow.runtime import __version__
+from shardflow.runtime.artifact import atomic_output_dir, write_json
+from shardflow.runtime.pipeline import PIPELINE_FILE, PIPELINE_FORMAT, PIPELINE_VERSION
+
+from .errors import ConfigError
+
+__all__ = ["StagesResult", "compile_stages"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StagesResult:
+    """What :func:`~shardflow.compiler.compile` produced with ``pipeline_stages`` > 1.
+
+    Attributes
+    ----------
+    out_dir
+        The written out_dir (``pipeline.json`` and one folder per stage).
+    stages
+        Per stage, its :class:`~shardflow.compiler.CompileResult` (paths inside ``out_dir``; its
+        ``plan`` is the stage's).
+    pipeline
+        ``pipeline.json``'s content.
+    world_size, target, arch
+        As compiled (``world_size``: all stages' ranks).
+    timings
+        Seconds: ``cut`` and the stages' own timings summed, ``total``.
+    """
+
+    out_dir: Path
+    stages: list
+    pipeline: dict
+    world_size: int
+    target: str
+    arch: str | None
+    timings: dict[str, float]
+
+    @property
+    def plans(self) -> list:
+        """Each stage's :class:`~shardflow.compiler.parallel.ShardingPlan`."""
+        return [r.plan for r in self.stages]
+
+    @property
+    def rank_dirs(self) -> list[Path]:
+        """The folder of every global rank, in rank order."""
+        return [d for r in self.stages for d in r.rank_dirs]
+
+    @property
+    def ranks(self) -> list[dict]:
+        """Per global rank: number of kernels, collectives, arena and weight bytes."""
+        return [info for r in self.stages for info in r.ranks]
+
+    def summary(self) -> str:
+        """A few lines for humans."""
+        lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}) "
+                 f"into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items())]
+        for s, (res, st) in enumerate(zip(self.stages, self.pipeline["stages"])):
+            sends = ", ".join(f"{e['name']} -> {e['to']}" for e in st["sends"]) or "none"
+            lines.append(f"== stage {s}: {st['ops']} ops, modeled {st['modeled_time_s'] * 1e3:.3g} ms; sends {sends}")
+            lines.append(res.summary())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,
+                   input_shapes: Mapping[str, Sequence[int]] | None, input_values: Mapping[str, Any] | None,
+                   state: Mapping[str, str] | None, dim_sizes: Mapping[str, int] | None) -> StagesResult:
+    """:func:`~shardflow.compiler.compile` for ``dcfg.pipeline_stages`` > 1 (``dcfg``, ``opt``:
+    the validated configs): import, cut, then each stage compiled as an ordinary graph on
+    ``dcfg.stage_config()``'s mesh into ``out_dir/stage{s}``; the whole written under a temporary
+    name and renamed at the end."""
+    from .driver import _compile, _load_model
+    from .parallel.pipeline import split_stages
+
+    if state:
+        raise ConfigError("compile(state=...) is not supported with pipeline_stages > 1 (a state's input and output "
+                          "may sit in different stages); drop one of them")
+    t_all = time.perf_counter()
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
+                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+    timings["import"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device)
+    timings["cut"] = time.perf_counter() - t
+    del graph  # (the stage graphs hold what they need)
+    sub = dcfg.stage_config()
+    results = []
+    out = Path(out_dir)
+    with atomic_output_dir(out) as tmp:
+        for st in pipe.stages:
+            log.info("pipeline stage %d of %d: %d ops", st.index, len(pipe.stages), len(st.graph.nodes))
+            res = _compile(st.graph, distributed_config=sub, optimization_config=optimization_config,
+                           out_dir=tmp / f"stage{st.index}", input_shapes=None, input_values=None, state=None)
+            st.graph = None  # (compiled: its weights may go)
+            results.append(res)
+            for k, v in res.timings.items():
+                if k != "total":
+                    timings[k] = timings.get(k, 0.0) + v
+        stage_world = results[0].world_size
+        spec = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION, "shardflow_version": __version__,
+                "target": opt.target, "world_size": stage_world * len(results), "stage_world_size": stage_world,
+                "mesh_shape": list(dcfg.mesh_shape),
+                "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, (s, d) in pipe.inputs.items()],
+                "outputs": [{"name": n, "shape": list(pipe.tensors[n][0]), "dtype": pipe.tensors[n][1], "stage": s}
+                            for s, st in enumerate(pipe.stages) for n in st.outputs],
+                **pipe.to_dict()}
+        write_json(tmp / PIPELINE_FILE, spec)
+    timings["total"] = time.perf_counter() - t_all
+    out = out.resolve()
+    for res in results:  # (their paths as they are now, inside out_dir)
+        name = res.out_dir.name
+        res.out_dir = out / name
+        res.rank_dirs = [out / name / d.name for d in res.rank_dirs]
+    log.info("wrote %s: %d stages of %d rank(s) in %.2f s", out, len(results), stage_world, timings["total"])
+    return StagesResult(out_dir=out, stages=results, pipeline=spec, world_size=spec["world_size"],
+                        target=opt.target, arch=results[0].arch, timings=timings)
+

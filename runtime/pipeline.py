@@ -1,0 +1,184 @@
+"""Pipeline stages at run time: a rank of one stage, and the tensors that cross between stages.
+
+:func:`shardflow.compiler.compile` with ``distributed_config["pipeline_stages"]`` writes one out_dir per
+stage (``out_dir/stage{s}``) and ``out_dir/pipeline.json`` (compiler/stages.py). Global rank ``r`` runs
+stage ``s = r // W`` as that stage's rank ``c = r % W`` (``W``: the ranks of a stage). Loading such an
+out_dir (:func:`~shardflow.runtime.load`) returns a :class:`PipelineProgram`, which splits the world
+communicator into the stage's ranks (its program's collectives) and the ranks of one ``c`` (one per
+stage: the transfers), and on :meth:`~PipelineProgram.run` receives the tensors earlier stages make
+for it, runs its stage, sends what later stages read, then passes the graph outputs to every stage,
+all in ``pipeline.json``'s one order of transfers (a rank's own transfers come in that order, so the
+blocking sends and receives cannot deadlock). Every rank returns every output, as a rank of an
+unstaged program does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .artifact import ArtifactError, buffer_dtype, read_json
+
+__all__ = ["PIPELINE_FILE", "PipelineProgram", "read_pipeline", "stage_of_rank"]
+
+log = logging.getLogger(__name__)
+
+#: The file naming an out_dir's stages (beside their folders); its ``format`` and ``version``.
+PIPELINE_FILE = "pipeline.json"
+PIPELINE_FORMAT, PIPELINE_VERSION = "shardflow-pipeline", 1
+
+
+def read_pipeline(out_dir: str | os.PathLike) -> dict | None:
+    """``out_dir/pipeline.json`` checked, or ``None`` for an out_dir without stages."""
+    path = Path(out_dir) / PIPELINE_FILE
+    if not path.exists():
+        return None
+    spec = read_json(path, "pipeline description")
+    if not isinstance(spec, dict) or spec.get("format") != PIPELINE_FORMAT:
+        raise ArtifactError(f"{str(path)!r} is not a pipeline description (format {PIPELINE_FORMAT!r})")
+    if spec.get("version") != PIPELINE_VERSION:
+        raise ArtifactError(f"{str(path)!r} has version {spec.get('version')!r}; this runtime reads version "
+                            f"{PIPELINE_VERSION}: compile again with this version of Shardflow")
+    stages = spec.get("stages")
+    ok = (isinstance(stages, list) and len(stages) > 1 and isinstance(spec.get("stage_world_size"), int)
+          and spec["stage_world_size"] >= 1 and spec.get("world_size") == spec["stage_world_size"] * len(stages)
+          and all(isinstance(st, dict) and isinstance(st.get("dir"), str) and isinstance(st.get("graph_inputs"), list)
+                  for st in stages)
+          and isinstance(spec.get("transfers"), list) and isinstance(spec.get("inputs"), list)
+          and isinstance(spec.get("outputs"), list)
+          and all(isinstance(e, dict) and e.get("kind") in ("cut", "output") for e in spec["transfers"]))
+    if not ok:
+        raise ArtifactError(f"{str(path)!r}: malformed pipeline description (stages, stage_world_size, world_size, "
+                            "inputs, outputs, transfers); compile again")
+    for st in stages:
+        if Path(st["dir"]).name != st["dir"] or not (Path(out_dir) / st["dir"]).is_dir():
+            raise ArtifactError(f"{str(path)!r} lists the stage folder {st['dir']!r}, which {str(out_dir)!r} does "
+                                "not hold")
+    return spec
+
+
+def stage_of_rank(spec: dict, rank: int) -> tuple[int, int]:
+    """``(stage, rank within the stage)`` of global ``rank``."""
+    return divmod(int(rank), int(spec["stage_world_size"]))
+
+
+class PipelineProgram:
+    """One rank of a program cut into pipeline stages (see the module docstring and :func:`load`).
+
+    It runs like a :class:`~shardflow.runtime.executor.RankProgram`: :meth:`run` takes the model's
+    inputs by name (every rank all of them, as for an unstaged program) and returns every output;
+    :attr:`last` is the stage's own program (its ``directory``, ``manifest``, ``arena``, ``weights``).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, rank: int, comm: Any, spec: dict, **load_kwargs):
+        from .executor import RankProgram, WorldSizeError
+
+        self.out_dir = Path(out_dir)
+        self.rank = int(rank)
+        self.spec = spec
+        self.world_size = int(spec["world_size"])
+        size = comm.size if comm is not None else 1
+        if size != self.world_size or not 0 <= self.rank < self.world_size:
+            raise WorldSizeError(f"{str(out_dir)!r} was compiled for {self.world_size} ranks ({len(spec['stages'])} "
+                                 f"pipeline stages of {spec['stage_world_size']}); loading rank {rank} with a "
+                                 f"communicator of {size}: run exactly {self.world_size} ranks")
+        n_stages, width = len(spec["stages"]), int(spec["stage_world_size"])
+        self.stage, member = stage_of_rank(spec, self.rank)
+        # (collective on the world: every rank splits the same groups in the same order)
+        stage_comm = comm.split([[s * width + c for c in range(width)] for s in range(n_stages)])
+        from .comm import host_communicator
+
+        self._pipe = host_communicator(comm).split([[s * width + c for s in range(n_stages)] for c in range(width)])
+        self._stage_spec = spec["stages"][self.stage]
+        self.program = RankProgram(self.out_dir / self._stage_spec["dir"], member,
+                                   stage_comm if width > 1 else None, **load_kwargs)
+        self._inputs = {e["name"]: (tuple(e["shape"]), buffer_dtype(e["dtype"])) for e in spec["inputs"]}
+        self._outputs = [e["name"] for e in spec["outputs"]]
+        self._last_feeds: dict[str, Any] | None = None
+        log.debug("rank %d: pipeline stage %d of %d, member %d of %d", self.rank, self.stage, n_stages, member, width)
+
+    # the RankProgram interface the launcher uses ------------------------------------------
+    @property
+    def last(self):
+        """The stage's :class:`~shardflow.runtime.executor.RankProgram`."""
+        return self.program
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self._inputs)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self._outputs)
+
+    def _checked(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The inputs checked on every rank against the whole model's (so that all ranks refuse a bad
+        call, before any transfer), whether or not this stage reads them."""
+        from .executor import InputDtypeError, InputNameError, InputShapeError
+
+        if not isinstance(inputs, Mapping):
+            raise InputNameError(f"run() takes a dict of input name -> array, got {type(inputs).__name__}")
+        unknown = sorted(set(inputs) - set(self._inputs))
+        if unknown:
+            raise InputNameError(f"unknown input(s) {unknown}; the model's inputs are {self.input_names}", unknown[0])
+        for name, (shape, dtype) in self._inputs.items():
+            if name not in inputs:
+                raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
+            a = inputs[name]
+            if tuple(np.shape(a)) != shape:
+                raise InputShapeError(f"input {name!r} has shape {tuple(np.shape(a))}, the program was compiled for "
+                                      f"{shape}; compile again with input_shapes to change it", name)
+            got = getattr(a, "dtype", None)
+            if got is not None and got != dtype and not (dtype.kind == "V" and got == np.dtype(f"V{dtype.itemsize}")):
+                raise InputDtypeError(f"input {name!r} has dtype {got}, the program expects {dtype}; convert it with "
+                                      f".astype('{dtype}')", name)
+        return {n: inputs[n] for n in self._stage_spec["graph_inputs"]}
+
+    def run(self, inputs: Mapping[str, Any], *, copy_outputs: bool = True) -> dict[str, np.ndarray]:
+        """Run this rank's stage on ``inputs`` (the model's, by name) between its receives and sends;
+        returns every model output (collective: every rank of every stage calls it)."""
+        feeds = self._checked(inputs)
+        transfers = self.spec["transfers"]
+        cuts = [e for e in transfers if e["kind"] == "cut"]
+        for e in cuts:
+            if e["to"] == self.stage:
+                buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
+                self._pipe.exchange({}, {e["from"]: buf})
+                feeds[e["name"]] = buf
+        self._last_feeds = feeds
+        got = self.program.run(feeds, copy_outputs=copy_outputs)
+        for e in cuts:
+            if e["from"] == self.stage:
+                self._pipe.exchange({e["to"]: np.ascontiguousarray(got[e["name"]])}, {})
+        res = {}
+        for e in transfers:
+            if e["kind"] != "output":
+                continue
+            if e["from"] == self.stage:
+                self._pipe.exchange({e["to"]: np.ascontiguousarray(got[e["name"]])}, {})
+            elif e["to"] == self.stage:
+                buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
+                self._pipe.exchange({}, {e["from"]: buf})
+                res[e["name"]] = buf
+        for name in self._outputs:
+            if name in got:
+                res[name] = got[name]
+            elif name in feeds and name not in res:  # (received as a cut tensor: a later stage reads it too)
+                res[name] = feeds[name]
+        return {name: res[name] for name in self._outputs}
+
+    def profile(self, inputs: Mapping[str, Any], *, repeat: int = 10, warmup: int = 1) -> list[dict]:
+        """The stage's steps timed (:meth:`RankProgram.profile`) on what this rank received in one
+        whole run of ``inputs`` (collective: every rank calls it)."""
+        self.run(inputs)
+        return self.program.profile(self._last_feeds, repeat=repeat, warmup=warmup)
+
+    def close(self) -> None:
+        self.program.close()
+
+    def __repr__(self) -> str:
+        return (f"PipelineProgram({str(self.out_dir)!r}, rank {self.rank}: stage {self.stage} of "
+                f"{len(self.spec['stages'])}, {self.program!r})")
