@@ -175,6 +175,8 @@ def _distributed_config(args) -> dict:
         cfg["algo"] = args.algo
     if args.device is not None:
         cfg["device"] = args.device
+    if args.stages is not None:
+        cfg["pipeline_stages"] = args.stages
     return cfg
 
 
@@ -202,6 +204,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")
+    p.add_argument("--stages", type=int, default=None, metavar="P",
+                   help="pipeline stages: the graph cut into P contiguous stages on the first mesh axis (which must "
+                        "be P), each sharded over the other axes (distributed_config pipeline_stages)")
     p.add_argument("--device", choices=("cpu", "h100"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")
@@ -388,6 +393,8 @@ def _cmd_plan(args) -> int:
     ocfg = _read_config(args.optimization_config, "optimization-config")
     if args.target is not None:
         ocfg["target"] = args.target
+    if dcfg.get("pipeline_stages", 1) > 1:
+        return _plan_stages(args, dcfg, ocfg)
     graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg,
                                  input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
                                  dim_sizes=parse_dims(args.dim))
@@ -398,6 +405,31 @@ def _cmd_plan(args) -> int:
     sys.stdout.write(plan.to_text())
     if not plan.to_text().endswith("\n"):
         sys.stdout.write("\n")
+    for text in explained:
+        sys.stdout.write("\n" + text + "\n")
+    return 0
+
+
+def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:
+    """``shardflow plan --stages P``: the cut, then each stage's plan (``-o DIR``: ``DIR/stage{s}``)."""
+    from .stages import plan_stages
+
+    pipe, plans = plan_stages(args.model, distributed_config=dcfg, optimization_config=ocfg,
+                              input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
+                              dim_sizes=parse_dims(args.dim))
+    explained = []
+    for node in args.explain:  # (an unknown name fails before any output)
+        owner = next((p for p in plans if node in p.op_specs), plans[0])
+        explained.append(owner.explain(node))
+    for st, plan in zip(pipe.stages, plans):
+        if args.out:
+            plan.save(Path(args.out) / f"stage{st.index}")
+        recv = ", ".join(f"{n} from {s}" for n, s in st.receives) or "none"
+        sends = ", ".join(f"{n} to {to}" for n, to in st.sends) or "none"
+        sys.stdout.write(f"== pipeline stage {st.index} of {len(plans)}: {st.ops} ops, modeled compute "
+                         f"{st.time_s * 1e3:.4g} ms; receives {recv}; sends {sends}\n")
+        text = plan.to_text()
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
     for text in explained:
         sys.stdout.write("\n" + text + "\n")
     return 0
@@ -422,11 +454,18 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     """A JSON-able summary of an out_dir (what ``shardflow inspect`` prints); of an out_dir of shape
     variants, ``variants``: each variant's ``dir``, ``dim_sizes`` and summary."""
     from shardflow.runtime.artifact import ArtifactError, list_ranks, read_json, read_manifest, read_mesh, verify_files
+    from shardflow.runtime.pipeline import read_pipeline
     from shardflow.runtime.variants import read_variants
 
     out = Path(out_dir)
     if not out.is_dir():
         raise ArtifactError(f"{out_dir!r} is not a directory")
+    stages = read_pipeline(out)
+    if stages is not None:
+        return {"out_dir": str(out), "world_size": stages["world_size"], "mesh_shape": stages["mesh_shape"],
+                "stages": [{"dir": st["dir"], "ops": st.get("ops"), "modeled_time_s": st.get("modeled_time_s"),
+                            "receives": st.get("receives", []), "sends": st.get("sends", []),
+                            **inspect_out_dir(str(out / st["dir"]), verify)} for st in stages["stages"]]}
     spec = read_variants(out)
     if spec is not None:
         def regions(v: dict, key: str) -> list:
@@ -484,9 +523,17 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
 
 def _cmd_inspect(args) -> int:
     info = inspect_out_dir(args.out_dir, args.verify)
-    variants = info.get("variants", [info])
+    variants = info.get("variants", info.get("stages", [info]))
     if args.json:
         print(json.dumps(info, indent=1))
+    elif "stages" in info:
+        print(f"{info['out_dir']}: {len(variants)} pipeline stages on mesh {info['mesh_shape']}, "
+              f"{info['world_size']} rank(s) (global rank s * {variants[0]['world_size']} + c runs stage s's rank c)")
+        for st in variants:
+            recv = ", ".join(f"{e['name']} from {e['from']}" for e in st["receives"]) or "none"
+            sends = ", ".join(f"{e['name']} to {e['to']}" for e in st["sends"]) or "none"
+            print(f"== stage {st['dir']}: {st['ops']} ops; receives {recv}; sends {sends}\n"
+                  + "\n".join(_inspect_lines(st)))
     elif "variants" in info:
         for v in variants:
             dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())

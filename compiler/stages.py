@@ -21,7 +21,7 @@ from shardflow.runtime.pipeline import PIPELINE_FILE, PIPELINE_FORMAT, PIPELINE_
 
 from .errors import ConfigError
 
-__all__ = ["StagesResult", "compile_stages"]
+__all__ = ["StagesResult", "compile_stages", "plan_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +137,27 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     return StagesResult(out_dir=out, stages=results, pipeline=spec, world_size=spec["world_size"],
                         target=opt.target, arch=results[0].arch, timings=timings)
 
+
+
+def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
+                input_shapes: Mapping[str, Sequence[int]] | None = None,
+                input_values: Mapping[str, Any] | None = None, dim_sizes: Mapping[str, int] | None = None):
+    """The cut and each stage's plan that :func:`~shardflow.compiler.compile` makes for these
+    arguments (``shardflow plan --stages``): ``(pipeline, plans)``, a
+    :class:`~shardflow.compiler.parallel.pipeline.Pipeline` and one
+    :class:`~shardflow.compiler.parallel.ShardingPlan` per stage."""
+    from .driver import OptimizationConfig, _load_model, planned_graph, planning_config
+    from .parallel import search
+    from .parallel.pipeline import split_stages
+
+    dcfg = planning_config(distributed_config, optimization_config)
+    if dcfg.pipeline_stages < 2:
+        raise ConfigError("plan_stages needs distributed_config['pipeline_stages'] > 1")
+    opt = OptimizationConfig.from_dict(optimization_config)
+    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
+                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device)
+    sub = dcfg.stage_config()
+    plans = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
+             for st in pipe.stages]
+    return pipe, plans

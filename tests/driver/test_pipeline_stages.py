@@ -1,0 +1,246 @@
+"""Pipeline stages (``distributed_config["pipeline_stages"]``): the cut (parallel/pipeline.py), the
+compile of one out_dir per stage (compiler/stages.py) and the ranks that run them
+(runtime/pipeline.py), against onnxruntime and numpy."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from onnx import helper as oh
+
+from shardflow.compiler import compile, load_onnx
+from shardflow.compiler.errors import ConfigError, ShardflowError
+from shardflow.compiler.parallel import search
+from shardflow.compiler.parallel.pipeline import _crossing_bytes, op_times, split_stages
+from shardflow.runtime import load
+from shardflow.runtime.comm import InProcessWorld
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from threads import run_ranks, run_threads  # noqa: E402
+
+MODELS = Path(__file__).parent.parent / "models"
+CPU = {"target": "cpu"}
+
+
+def _residual_mlp(layers=4, width=32, rows=8, seed=0):
+    """``x`` through ``layers`` blocks ``h = h + relu(h @ W1) @ W2``; one output."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, h = [], [], "x"
+    for i in range(layers):
+        for j, shape in enumerate(((width, 2 * width), (2 * width, width))):
+            inits.append(numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
+                                                 f"w{i}_{j}"))
+        nodes += [oh.make_node("MatMul", [h, f"w{i}_0"], [f"a{i}"], name=f"up{i}"),
+                  oh.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}"),
+                  oh.make_node("MatMul", [f"r{i}", f"w{i}_1"], [f"d{i}"], name=f"down{i}"),
+                  oh.make_node("Add", [h, f"d{i}"], [f"h{i}"], name=f"res{i}")]
+        h = f"h{i}"
+    graph = oh.make_graph(nodes, "mlp", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+                          [oh.make_tensor_value_info(h, TensorProto.FLOAT, [rows, width])], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def _feeds(model):
+    base = model.rsplit("_", 1)[0]
+    return dict(np.load(MODELS / f"{base}_inputs.npz"))
+
+
+def _reference(model_path, feeds):
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {i.name: feeds[i.name]
+                                                                       for i in sess.get_inputs()})))
+
+
+# ------------------------------------------------------------------------------------------- the cut
+def test_the_cut_falls_between_layers_and_balances_the_time():
+    g = load_onnx(_residual_mlp(layers=4))
+    pipe = split_stages(g, 2)
+    names = [[op.name for op in st_nodes] for st_nodes in
+             ([op for op in g.nodes][:pipe.stages[0].ops], [op for op in g.nodes][pipe.stages[0].ops:])]
+    assert names[0][-1] == "res1" and names[1][0] == "up2"  # after the second block: only h1 crosses
+    assert pipe.stages[0].sends == [("h1", [1])] and pipe.stages[1].receives == [("h1", 0)]
+    assert pipe.stages[0].time_s == pytest.approx(pipe.stages[1].time_s, rel=1e-6)
+    assert [t[:3] for t in pipe.transfers] == [("h1", 0, 1), ("h3", 1, 0)]
+    assert [t[3] for t in pipe.transfers] == ["cut", "output"]
+
+
+def test_the_cut_takes_the_fewest_crossing_bytes_within_the_tolerance():
+    g = load_onnx(_residual_mlp(layers=4))
+    crossing = _crossing_bytes(g)
+    times = op_times(g)
+    pipe = split_stages(g, 2, tolerance=0.5)
+    cut = pipe.stages[0].ops
+    total, share = sum(times), sum(times) / 2
+    window = [i for i in range(1, len(times)) if abs(sum(times[:i]) - share) <= 0.5 * share]
+    assert crossing[cut] == min(crossing[i] for i in window)
+    assert sum(times[:cut]) <= total
+
+
+def test_stage_graphs_chained_compute_the_model():
+    for model, stages in (("gpt2_ts17", 2), ("llama_dynamo18", 3), ("bert_dynamo18", 4)):
+        g = load_onnx(str(MODELS / f"{model}.onnx"))
+        feeds = {t.name: v for t, v in ((t, _feeds(model)[t.name]) for t in g.inputs)}
+        ref = g.run(feeds)
+        pipe = split_stages(g, stages)
+        env = dict(feeds)
+        for st in pipe.stages:
+            assert [n for n, _ in st.receives] == [t.name for t in st.graph.inputs][len(st.graph_inputs):]
+            env.update(st.graph.run({t.name: env[t.name] for t in st.graph.inputs}))
+        for k, v in ref.items():
+            np.testing.assert_array_equal(env[k], v, err_msg=f"{model} {k}")
+        # every rank's transfers in the one global order: cuts by sending stage first
+        cuts = [t for t in pipe.transfers if t[3] == "cut"]
+        assert [t[1] for t in cuts] == sorted(t[1] for t in cuts)
+        assert all(a < b for _, a, b, _ in cuts)
+
+
+def test_cut_errors():
+    g = load_onnx(_residual_mlp(layers=1))
+    with pytest.raises(ShardflowError, match="fewer than the 5 pipeline stages"):
+        split_stages(g, 5)
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    graph = oh.make_graph([oh.make_node("Relu", ["x"], ["y"]), oh.make_node("Neg", ["y"], ["z"])], "g", [x],
+                          [oh.make_tensor_value_info("z", TensorProto.FLOAT, [2]), x])
+    with pytest.raises(ShardflowError, match="graph output 'x' is a graph input"):
+        split_stages(load_onnx(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])), 2)
+
+
+# -------------------------------------------------------------------------------------- config
+def test_config_errors(tmp_path):
+    model = _residual_mlp(layers=2)
+    with pytest.raises(ConfigError, match="mesh_shape must start with 2"):
+        compile(model, distributed_config={"mesh_shape": [4], "pipeline_stages": 2}, optimization_config=CPU,
+                out_dir=tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"'rank_map'\] is not supported with pipeline_stages"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "rank_map": [1, 0]},
+                optimization_config=CPU, out_dir=tmp_path / "a")
+    with pytest.raises(ConfigError, match="pipeline_stages"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 0}, optimization_config=CPU,
+                out_dir=tmp_path / "a")
+    with pytest.raises(ConfigError, match="state=.* is not supported with pipeline_stages"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
+                out_dir=tmp_path / "a", state={"h1": "x"})
+    with pytest.raises(ShardflowError, match="compile cuts the graph into stages"):
+        search(load_onnx(model), {"mesh_shape": [2, 2], "pipeline_stages": 2})
+    assert not (tmp_path / "a").exists()
+
+
+# --------------------------------------------------------------------------------- compile and run
+@pytest.mark.parametrize("model,mesh", [("gpt2_ts17", [2]), ("gpt2_ts17", [2, 2]), ("llama_dynamo18", [3, 2])])
+def test_pipeline_ranks_match_onnxruntime(tmp_path, model, mesh):
+    feeds = _feeds(model)
+    ref = _reference(MODELS / f"{model}.onnx", feeds)
+    res = compile(str(MODELS / f"{model}.onnx"), distributed_config={"mesh_shape": mesh, "pipeline_stages": mesh[0]},
+                  optimization_config=CPU, out_dir=tmp_path / "out")
+    width = int(np.prod(mesh[1:]))
+    assert res.world_size == mesh[0] * width and len(res.stages) == mesh[0]
+    assert [r.world_size for r in res.stages] == [width] * mesh[0]
+    assert [list(r.plan.mesh.shape) for r in res.stages] == [mesh[1:] or [1]] * mesh[0]
+    spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
+    assert spec["world_size"] == res.world_size and [st["dir"] for st in spec["stages"]] == \
+        [f"stage{s}" for s in range(mesh[0])]
+    assert res.rank_dirs == [tmp_path.resolve() / "out" / f"stage{s}" / f"rank{c}" for s in range(mesh[0])
+                             for c in range(width)]
+    assert "pipeline stages" in res.summary()
+    outs = run_ranks(tmp_path / "out", {e["name"]: feeds[e["name"]] for e in spec["inputs"]}, world=res.world_size)
+    for r, o in enumerate(outs):
+        assert sorted(o) == sorted(ref)
+        for k, v in ref.items():
+            np.testing.assert_allclose(o[k], v, rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
+
+
+def test_an_output_read_by_a_later_stage_reaches_every_rank(tmp_path):
+    """``h1`` is a graph output and crosses the cut: sent once to stage 1, which returns it from what it
+    received, and to no stage twice."""
+    model = _residual_mlp(layers=4)
+    model.graph.output.insert(0, oh.make_tensor_value_info("h1", TensorProto.FLOAT, [8, 32]))
+    x = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
+    ref = load_onnx(model).run({"x": x})
+    compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
+            out_dir=tmp_path / "out")
+    spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
+    assert [(e["name"], e["from"], e["to"], e["kind"]) for e in spec["transfers"]] == [
+        ("h1", 0, 1, "cut"), ("h3", 1, 0, "output")]
+    for o in run_ranks(tmp_path / "out", {"x": x}):
+        assert list(o) == ["h1", "h3"]
+        for k, v in ref.items():
+            np.testing.assert_allclose(o[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_bad_inputs_are_refused_on_every_rank(tmp_path):
+    """Checked against the whole model's inputs before any transfer: every rank refuses, none waits."""
+    from shardflow.runtime.executor import InputNameError, InputShapeError
+
+    compile(_residual_mlp(layers=2), distributed_config={"mesh_shape": [2], "pipeline_stages": 2},
+            optimization_config=CPU, out_dir=tmp_path / "out")
+    errors = []
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        assert prog.input_names == ["x"] and prog.output_names == ["h1"]
+        for bad, kind in (({"x": np.zeros((8, 31), np.float32)}, InputShapeError), ({}, InputNameError),
+                          ({"x": np.zeros((8, 32), np.float32), "y": 1}, InputNameError)):
+            with pytest.raises(kind):
+                prog.run(bad)
+            errors.append(kind)
+        return prog.run({"x": np.ones((8, 32), np.float32)})["h1"]
+
+    a, b = run_threads(InProcessWorld(2).communicators(), rank, timeout=120)
+    np.testing.assert_array_equal(a, b)
+    assert len(errors) == 6
+
+
+def test_world_size_and_layout_errors(tmp_path):
+    from shardflow.runtime.artifact import ArtifactError
+    from shardflow.runtime.executor import WorldSizeError
+    from shardflow.runtime.launch import artifact_world_size, own_rank_dir
+
+    compile(_residual_mlp(layers=2), distributed_config={"mesh_shape": [2, 2], "pipeline_stages": 2},
+            optimization_config=CPU, out_dir=tmp_path / "out")
+    assert artifact_world_size(tmp_path / "out") == 4
+    assert own_rank_dir(tmp_path / "out", 3) == tmp_path / "out" / "stage1" / "rank1"
+    with pytest.raises(WorldSizeError, match="compiled for 4 ranks"):
+        load(tmp_path / "out", 0, InProcessWorld(2).communicators()[0])
+    spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
+    spec["stages"][1]["dir"] = "stage7"
+    (tmp_path / "out" / "pipeline.json").write_text(json.dumps(spec))
+    with pytest.raises(ArtifactError, match="stage folder 'stage7'"):
+        load(tmp_path / "out", 0)
+
+
+# ------------------------------------------------------------------------------------- the CLI
+def test_cli_compile_run_inspect_and_plan(tmp_path):
+    """`shardflow compile --stages`, `shardflow run` on 4 processes (its own spawner), `inspect` and `plan
+    --stages`, against onnxruntime."""
+    import subprocess
+
+    from test_multirank_models import SHARDFLOW, clean_env
+
+    model = MODELS / "gpt2_ts17.onnx"
+    feeds = _feeds("gpt2_ts17")
+    np.savez(tmp_path / "in.npz", **feeds)
+    out = tmp_path / "out"
+
+    def cli(*args):
+        proc = subprocess.run(SHARDFLOW + list(args), capture_output=True, text=True, timeout=600, env=clean_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    cli("compile", str(model), "-o", str(out), "--mesh", "2x2", "--stages", "2", "-q")
+    cli("run", str(out), "--nproc", "4", "--launcher", "spawn", "--inputs", str(tmp_path / "in.npz"), "--outputs",
+        str(tmp_path / "out.npz"))
+    got = np.load(tmp_path / "out.npz")
+    for k, v in _reference(model, feeds).items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    text = cli("inspect", str(out))
+    assert "2 pipeline stages on mesh [2, 2], 4 rank(s)" in text and "== stage stage1" in text
+    info = json.loads(cli("inspect", str(out), "--json", "--verify"))
+    assert [st["world_size"] for st in info["stages"]] == [2, 2]
+    assert all(r["verified"] is True for st in info["stages"] for r in st["ranks"])
+    text = cli("plan", str(model), "--mesh", "2x2", "--stages", "2", "-o", str(tmp_path / "plans"))
+    assert text.count("== pipeline stage") == 2 and "# Shardflow plan" in text
+    assert (tmp_path / "plans" / "stage1" / "plan.json").is_file()
