@@ -82,8 +82,9 @@ class Pipeline:
     part of them (a rank receives, runs, sends, then takes part in the outputs' transfers): the
     crossing tensors by sending stage, then by the order that stage makes them, then by receiving
     stage (kind ``cut``); then every graph output from the stage making it to each other stage
-    that has not received it as a cut tensor, in the model's output order (kind ``output``). Each rank's own transfers are a subsequence of this one order, so blocking
-    sends and receives cannot deadlock.
+    that has not received it as a cut tensor, in the model's output order (kind ``output``). Each
+    rank's own transfers are a subsequence of this one order, so blocking sends and receives cannot
+    deadlock.
     """
 
     stages: list[Stage]

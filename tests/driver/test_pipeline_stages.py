@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
