@@ -9,6 +9,7 @@ out_dir returns a :class:`~shardflow.runtime.pipeline.PipelineProgram`. The cut 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -70,8 +71,12 @@ class StagesResult:
 
     def summary(self) -> str:
         """A few lines for humans."""
+        m = self.pipeline["modeled_s"]
         lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}) "
-                 f"into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items())]
+                 f"into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
+                 f"  modeled run {m['total'] * 1e6:.4g} us: stages {' + '.join(f'{x * 1e6:.4g}' for x in m['stages'])}, "
+                 f"cut transfers {m['cut_transfers'] * 1e6:.4g}, outputs to every stage "
+                 f"{m['output_transfers'] * 1e6:.4g}"]
         for s, (res, st) in enumerate(zip(self.stages, self.pipeline["stages"])):
             sends = ", ".join(f"{e['name']} -> {e['to']}" for e in st["sends"]) or "none"
             lines.append(f"== stage {s}: {st['ops']} ops, modeled {st['modeled_time_s'] * 1e3:.3g} ms; sends {sends}")
@@ -119,12 +124,19 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                 if k != "total":
                     timings[k] = timings.get(k, 0.0) + v
         stage_world = results[0].world_size
+        bw = dcfg.axis_bandwidth_GBps[0] if dcfg.axis_bandwidth_GBps else None
+        lat = dcfg.axis_latency_us[0] if dcfg.axis_latency_us else None
+        stage_s = [r.plan.cost for r in results]
+        cut_s, out_s = pipe.transfer_seconds(bw, lat, ("cut",)), pipe.transfer_seconds(bw, lat, ("output",))
         spec = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION, "shardflow_version": __version__,
                 "target": opt.target, "world_size": stage_world * len(results), "stage_world_size": stage_world,
                 "mesh_shape": list(dcfg.mesh_shape),
                 "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, (s, d) in pipe.inputs.items()],
                 "outputs": [{"name": n, "shape": list(pipe.tensors[n][0]), "dtype": pipe.tensors[n][1], "stage": s}
                             for s, st in enumerate(pipe.stages) for n in st.outputs],
+                # one run passes through the stages one after the other: their plans' costs and the transfers
+                "modeled_s": {"stages": stage_s, "cut_transfers": cut_s, "output_transfers": out_s,
+                              "total": math.fsum(stage_s) + cut_s + out_s},
                 **pipe.to_dict()}
         write_json(tmp / PIPELINE_FILE, spec)
     timings["total"] = time.perf_counter() - t_all

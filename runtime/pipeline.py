@@ -60,6 +60,14 @@ def read_pipeline(out_dir: str | os.PathLike) -> dict | None:
     return spec
 
 
+def _host(a) -> np.ndarray:
+    """``a`` as a C-contiguous numpy array (a cuda program's cupy output copied to the host: the
+    transfers go through the host communicator)."""
+    if not isinstance(a, np.ndarray) and hasattr(a, "get"):
+        a = a.get()
+    return np.ascontiguousarray(a)
+
+
 def stage_of_rank(spec: dict, rank: int) -> tuple[int, int]:
     """``(stage, rank within the stage)`` of global ``rank``."""
     return divmod(int(rank), int(spec["stage_world_size"]))
@@ -152,13 +160,13 @@ class PipelineProgram:
         got = self.program.run(feeds, copy_outputs=copy_outputs)
         for e in cuts:
             if e["from"] == self.stage:
-                self._pipe.exchange({e["to"]: np.ascontiguousarray(got[e["name"]])}, {})
+                self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
         res = {}
         for e in transfers:
             if e["kind"] != "output":
                 continue
             if e["from"] == self.stage:
-                self._pipe.exchange({e["to"]: np.ascontiguousarray(got[e["name"]])}, {})
+                self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
             elif e["to"] == self.stage:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
                 self._pipe.exchange({}, {e["from"]: buf})

@@ -94,6 +94,18 @@ class Pipeline:
     #: Shape and dtype of the model's inputs, by name, in its order.
     inputs: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
+    def transfer_seconds(self, bandwidth_GBps: float | None = None, latency_us: float | None = None,
+                         kinds: tuple[str, ...] = ("cut", "output")) -> float:
+        """Modeled time of the transfers of ``kinds``, one after another, each a message of the
+        tensor's bytes over a link of the stages' mesh axis (α + bytes / β; the defaults
+        :data:`~.cost.DEFAULT_BANDWIDTH_GBPS` and :data:`~.cost.DEFAULT_LATENCY_US`). Every rank
+        of a stage sends its own copy at once, over its own link, so the ranks' count does not enter."""
+        from .cost import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
+
+        bw = (bandwidth_GBps or DEFAULT_BANDWIDTH_GBPS) * 1e9
+        lat = (DEFAULT_LATENCY_US if latency_us is None else latency_us) * 1e-6
+        return math.fsum(lat + total_bytes(*self.tensors[n]) / bw for n, _, _, k in self.transfers if k in kinds)
+
     def to_dict(self) -> dict:
         """The JSON form written to ``pipeline.json`` (without the graphs)."""
         return {

@@ -112,3 +112,21 @@ def test_two_megatron_ranks_on_the_host(tmp_path, host):
             for r, got in enumerate(run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120)):
                 _close(got, want, 1e-5, f"rank {r} run {k} graphs {graphs}")
         assert all(bool(p._engine.graphs) == graphs for p in progs)
+
+
+def test_pipeline_stages_of_cuda_ranks_on_the_host(tmp_path, host):
+    """GPT-2's test export cut into 2 pipeline stages of 2 Megatron ranks each (compiler/stages.py): the
+    stages' cuda programs on the host emulation, the cut's tensors and the logits through the host
+    communicator (runtime/pipeline.py); every rank's logits onnxruntime's, twice."""
+    path = MODELS / "gpt2_ts17.onnx"
+    feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
+    want = _session(path)(feeds)["logits"]
+    res = compile(str(path), distributed_config={"mesh_shape": [2, 2], "algo": "megatron", "pipeline_stages": 2},
+                  optimization_config={"target": "cuda"}, out_dir=tmp_path / "pp",
+                  input_shapes={k: v.shape for k, v in feeds.items()})
+    assert res.world_size == 4 and [r.world_size for r in res.stages] == [2, 2]
+    world = InProcessWorld(4).communicators()
+    progs = run_threads(world, lambda c: load(res.out_dir, c.rank, c), timeout=120)
+    for k in range(2):
+        for r, got in enumerate(run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120)):
+            _close(np.asarray(got), want, 1e-5, f"rank {r} run {k}")

@@ -1,0 +1,102 @@
+"""Pipeline stages against a plan over the whole mesh, on a mesh whose first axis is a slow link.
+
+Exports a GPT-2 (random weights, TorchScript exporter; torch and transformers from the ``test`` extra),
+then on ``mesh_shape = [P, W]`` with the first axis's links slow (between machines) and the second's
+fast (within one) prints, side by side, for:
+
+* ``ilp``: one plan over the whole mesh (``search``), as ``compile`` plans without stages;
+* ``megatron``: the Megatron baseline over the whole mesh (data parallel over the first axis);
+* ``stages``: ``pipeline_stages = P``, the cut and each stage planned over ``[W]`` (``plan_stages``,
+  what ``compile`` plans with stages);
+
+the modeled time of one run (for the stages: their plans' costs one after another plus the
+transfers; all figures from the cost model, none measured), the bytes the collectives spanning the slow axis move
+(for the stages: the most a stage sends), and the most memory a rank holds (parameters as stored plus peak activations, as the plans
+count them), and the planning time (measured, this machine).
+
+    python benchmarks/plan_pipeline.py [--layers 12] [--embd 768] [--heads 12] [--vocab 50257] [--batch 8]
+        [--seq 128] [--mesh 2x4] [--slow 25,10] [--fast 450,3] [--device h100]
+
+``--slow BW,LAT`` and ``--fast BW,LAT``: GB/s and µs of the two axes' links (defaults: 200 Gb/s
+InfiniBand between machines, NVLink within one).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "models"))
+
+
+def _slow_axis_bytes(plan, axis: int = 0) -> float:
+    """Bytes of the tensors ``plan``'s collectives spanning mesh ``axis`` move, in one run."""
+    def flat(axes):
+        return {a for x in axes for a in (x if isinstance(x, tuple) else (x,))}
+    return float(sum(c.bytes for c in plan.collectives if axis in flat(c.mesh_axes)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--embd", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mesh", default="2x4")
+    ap.add_argument("--slow", default="25,10", help="GB/s,µs of the first axis's links")
+    ap.add_argument("--fast", default="450,3", help="GB/s,µs of the second axis's links")
+    ap.add_argument("--device", default="h100")
+    args = ap.parse_args(argv)
+    from export_models import export_gpt2
+
+    from shardflow.compiler.cli import parse_mesh
+    from shardflow.compiler.driver import planned_graph
+    from shardflow.compiler.parallel import search
+    from shardflow.compiler.parallel.cost import total_bytes
+    from shardflow.compiler.stages import plan_stages
+
+    mesh = parse_mesh(args.mesh)
+    if len(mesh) != 2:
+        raise SystemExit("--mesh: two axes, e.g. 2x4")
+    (sbw, slat), (fbw, flat) = ([float(x) for x in v.split(",")] for v in (args.slow, args.fast))
+    base = {"mesh_shape": mesh, "axis_bandwidth_GBps": [sbw, fbw], "axis_latency_us": [slat, flat],
+            "device": args.device}
+    print(f"# GPT-2 {args.layers} layers, {args.embd} wide, {args.heads} heads, vocab {args.vocab}, {args.batch}x"
+          f"{args.seq} tokens; mesh {mesh}: axis 0 {sbw:g} GB/s {slat:g} us, axis 1 {fbw:g} GB/s {flat:g} us; "
+          f"device {args.device}; modeled figures (cost model), planning time measured")
+    print(f"{'plan':<10} {'modeled ms':>11} {'axis-0 MB/rank':>15} {'memory MB/rank':>15} {'plan s':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gpt2.onnx")
+        export_gpt2(path, n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=args.vocab,
+                    seq_len=args.seq, batch=args.batch)
+        for algo in ("ilp", "megatron"):
+            cfg = dict(base, algo=algo)
+            t0 = time.perf_counter()
+            graph = planned_graph(path, distributed_config=cfg, optimization_config={"target": "cuda"})
+            plan = search(graph, cfg)
+            dt = time.perf_counter() - t0
+            print(f"{algo:<10} {plan.cost * 1e3:11.3f} {_slow_axis_bytes(plan) / 1e6:15.2f} "
+                  f"{plan.memory_bytes / 1e6:15.1f} {dt:8.2f}", flush=True)
+        cfg = dict(base, pipeline_stages=mesh[0])
+        t0 = time.perf_counter()
+        pipe, plans = plan_stages(path, distributed_config=cfg, optimization_config={"target": "cuda"})
+        dt = time.perf_counter() - t0
+        cut = pipe.transfer_seconds(sbw, slat, ("cut",))
+        out = pipe.transfer_seconds(sbw, slat, ("output",))
+        total = sum(p.cost for p in plans) + cut + out
+        sent = max(sum(total_bytes(*pipe.tensors[n]) for n, a, _, _ in pipe.transfers if a == st.index)
+                   for st in pipe.stages)
+        print(f"{'stages':<10} {total * 1e3:11.3f} {sent / 1e6:15.2f} {max(p.memory_bytes for p in plans) / 1e6:15.1f} "
+              f"{dt:8.2f}")
+        print(f"#   stages: {' + '.join(f'{p.cost * 1e3:.3f}' for p in plans)} ms of plans, cut transfers "
+              f"{cut * 1e3:.3f} ms, outputs to every stage {out * 1e3:.3f} ms; {[st.ops for st in pipe.stages]} ops, "
+              f"{len([t for t in pipe.transfers if t[3] == 'cut'])} cut transfers")
+
+
+if __name__ == "__main__":
+    main()
