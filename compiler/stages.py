@@ -74,7 +74,8 @@ class StagesResult:
         m = self.pipeline["modeled_s"]
         lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}) "
                  f"into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
-                 f"  modeled run {m['total'] * 1e6:.4g} us: stages {' + '.join(f'{x * 1e6:.4g}' for x in m['stages'])}, "
+                 f"  modeled run {m['total'] * 1e6:.4g} us: stages "
+                 f"{' + '.join(f'{x * 1e6:.4g}' for x in m['stages'])}, "
                  f"cut transfers {m['cut_transfers'] * 1e6:.4g}, outputs to every stage "
                  f"{m['output_transfers'] * 1e6:.4g}"]
         for s, (res, st) in enumerate(zip(self.stages, self.pipeline["stages"])):
