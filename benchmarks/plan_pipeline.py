@@ -11,8 +11,9 @@ fast (within one) prints, side by side, for:
 
 the modeled time of one run (for the stages: their plans' costs one after another plus the
 transfers; all figures from the cost model, none measured), the bytes the collectives spanning
-the slow axis move (for the stages: the most a stage sends), and the most memory a rank holds (parameters as stored plus peak activations, as the plans
-count them), and the planning time (measured, this machine).
+the slow axis move (for the stages: the most a stage sends), the most memory a rank holds
+(parameters as stored plus peak activations, as the plans count them), and the planning time
+(measured, this machine).
 
     python benchmarks/plan_pipeline.py [--layers 12] [--embd 768] [--heads 12] [--vocab 50257] [--batch 8]
         [--seq 128] [--mesh 2x4] [--slow 25,10] [--fast 450,3] [--device h100]
