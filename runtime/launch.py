@@ -661,7 +661,10 @@ def _worker(args, env: LaunchEnv) -> int:
             outs = prog.run(inputs)
             times.append(time.perf_counter() - t0)
         ran = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
-        full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
+        if hasattr(prog, "gather_outputs"):  # (pipeline stages: each output from the stage making it)
+            full = prog.gather_outputs(outs)
+        else:
+            full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
         if env.rank == 0:
             med = float(np.median(times)) * 1e3
             shown = prog.out_dir if ran is getattr(prog, "program", None) else ran.out_dir  # (pipeline: the whole)

@@ -6,10 +6,11 @@ stage ``s = r // W`` as that stage's rank ``c = r % W`` (``W``: the ranks of a s
 out_dir (:func:`~shardflow.runtime.load`) returns a :class:`PipelineProgram`, which splits the world
 communicator into the stage's ranks (its program's collectives) and the ranks of one ``c`` (one per
 stage: the transfers), and on :meth:`~PipelineProgram.run` receives the tensors earlier stages make
-for it, runs its stage, sends what later stages read, then passes the graph outputs to every stage,
-all in ``pipeline.json``'s one order of transfers (a rank's own transfers come in that order, so the
-blocking sends and receives cannot deadlock). Every rank returns every output, as a rank of an
-unstaged program does.
+for it, runs its stage and sends what later stages read, all in ``pipeline.json``'s one order of
+transfers (a rank's own transfers come in that order, so the blocking sends and receives cannot
+deadlock). A run returns the model outputs the rank's stage makes (the last stage's ranks: the
+logits); :meth:`~PipelineProgram.gather_outputs` brings every output to rank 0 (what ``shardflow
+run --outputs`` writes), once, not in every run.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class PipelineProgram:
     """One rank of a program cut into pipeline stages (see the module docstring and :func:`load`).
 
     It runs like a :class:`~shardflow.runtime.executor.RankProgram`: :meth:`run` takes the model's
-    inputs by name (every rank all of them, as for an unstaged program) and returns every output;
+    inputs by name (every rank all of them, as for an unstaged program) and returns the outputs its
+    stage makes (:attr:`output_names`; :attr:`model_output_names`: all of them);
     :attr:`last` is the stage's own program (its ``directory``, ``manifest``, ``arena``, ``weights``).
     """
 
@@ -99,12 +101,14 @@ class PipelineProgram:
         stage_comm = comm.split([[s * width + c for c in range(width)] for s in range(n_stages)])
         from .comm import host_communicator
 
-        self._pipe = host_communicator(comm).split([[s * width + c for s in range(n_stages)] for c in range(width)])
+        self._world = host_communicator(comm)
+        self._pipe = self._world.split([[s * width + c for s in range(n_stages)] for c in range(width)])
         self._stage_spec = spec["stages"][self.stage]
         self.program = RankProgram(self.out_dir / self._stage_spec["dir"], member,
                                    stage_comm if width > 1 else None, **load_kwargs)
         self._inputs = {e["name"]: (tuple(e["shape"]), buffer_dtype(e["dtype"])) for e in spec["inputs"]}
         self._outputs = [e["name"] for e in spec["outputs"]]
+        self._mine = [e["name"] for e in spec["outputs"] if e["stage"] == self.stage]
         self._last_feeds: dict[str, Any] | None = None
         log.debug("rank %d: pipeline stage %d of %d, member %d of %d", self.rank, self.stage, n_stages, member, width)
 
@@ -120,6 +124,12 @@ class PipelineProgram:
 
     @property
     def output_names(self) -> list[str]:
+        """The model outputs this rank's stage makes (what :meth:`run` returns)."""
+        return list(self._mine)
+
+    @property
+    def model_output_names(self) -> list[str]:
+        """Every output of the model (what :meth:`gather_outputs` returns on rank 0)."""
         return list(self._outputs)
 
     def _checked(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -147,10 +157,9 @@ class PipelineProgram:
 
     def run(self, inputs: Mapping[str, Any], *, copy_outputs: bool = True) -> dict[str, np.ndarray]:
         """Run this rank's stage on ``inputs`` (the model's, by name) between its receives and sends;
-        returns every model output (collective: every rank of every stage calls it)."""
+        returns the model outputs the stage makes (collective: every rank of every stage calls it)."""
         feeds = self._checked(inputs)
-        transfers = self.spec["transfers"]
-        cuts = [e for e in transfers if e["kind"] == "cut"]
+        cuts = [e for e in self.spec["transfers"] if e["kind"] == "cut"]
         for e in cuts:
             if e["to"] == self.stage:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
@@ -161,22 +170,26 @@ class PipelineProgram:
         for e in cuts:
             if e["from"] == self.stage:
                 self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
-        res = {}
-        for e in transfers:
+        return {name: got[name] for name in self._mine}
+
+    def gather_outputs(self, outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Every model output on rank 0, from the first rank of the stage that makes it (``outputs``:
+        what :meth:`run` returned on this rank). Collective: every rank calls it; ranks other than 0
+        get back their own ``outputs``."""
+        width = int(self.spec["stage_world_size"])
+        res = dict(outputs)
+        for e in self.spec["transfers"]:
             if e["kind"] != "output":
                 continue
-            if e["from"] == self.stage:
-                self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
-            elif e["to"] == self.stage:
+            if self.rank == 0:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
-                self._pipe.exchange({}, {e["from"]: buf})
+                self._world.exchange({}, {e["from"] * width: buf})
                 res[e["name"]] = buf
-        for name in self._outputs:
-            if name in got:
-                res[name] = got[name]
-            elif name in feeds and name not in res:  # (received as a cut tensor: a later stage reads it too)
-                res[name] = feeds[name]
-        return {name: res[name] for name in self._outputs}
+            elif self.rank == e["from"] * width:
+                self._world.exchange({0: _host(outputs[e["name"]])}, {})
+        if self.rank == 0:
+            return {name: res[name] for name in self._outputs}
+        return dict(outputs)
 
     def profile(self, inputs: Mapping[str, Any], *, repeat: int = 10, warmup: int = 1) -> list[dict]:
         """The stage's steps timed (:meth:`RankProgram.profile`) on what this rank received in one

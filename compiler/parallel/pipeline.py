@@ -13,9 +13,10 @@ A stage's graph takes the graph inputs its ops read and the tensors earlier stag
 makes. Each is compiled as any graph is (plan, partition, codegen) into ``out_dir/stage{s}``; the
 runtime (:class:`~shardflow.runtime.pipeline.PipelineProgram`) moves the crossing tensors between
 the ranks of one position of ``rest`` (rank ``(s, c)`` sends to ``(t, c)``, whole tensors: a stage's
-inputs and outputs are replicated over its ranks) in one global order (:attr:`Pipeline.transfers`),
-and the graph outputs to every stage, so that every rank returns them as a rank of an unstaged
-program does. No microbatches: one run of the model passes through the stages one after the
+inputs and outputs are replicated over its ranks) in one global order (:attr:`Pipeline.transfers`).
+A graph output stays on the ranks of the stage that makes them (what a run returns there); a
+launcher that wants them all on rank 0 gathers them once (``shardflow run --outputs``: the
+transfers of kind ``output``), not in every run. No microbatches: one run of the model passes through the stages one after the
 other, so the stages save memory (each rank holds its stage's weights) and replace the collectives
 a split over the first axis would run in every layer by one send per cut (rfcs/0001 "Pipeline
 stages").
@@ -79,12 +80,12 @@ class Pipeline:
     """The stages of a graph and the transfers between them.
 
     ``transfers``: ``(name, from stage, to stage, kind)`` in the one order every rank performs its
-    part of them (a rank receives, runs, sends, then takes part in the outputs' transfers): the
-    crossing tensors by sending stage, then by the order that stage makes them, then by receiving
-    stage (kind ``cut``); then every graph output from the stage making it to each other stage
-    that has not received it as a cut tensor, in the model's output order (kind ``output``). Each
-    rank's own transfers are a subsequence of this one order, so blocking sends and receives cannot
-    deadlock.
+    part of them (a rank receives, runs, then sends): the crossing tensors by sending stage, then by
+    the order that stage makes them, then by receiving stage (kind ``cut``). Each rank's own
+    transfers are a subsequence of this one order, so blocking sends and receives cannot deadlock.
+    Then, apart (the gather of the outputs on rank 0, when a launcher asks for it), each graph
+    output a stage other than the first makes, from that stage to stage 0, in the model's output
+    order (kind ``output``).
     """
 
     stages: list[Stage]
@@ -288,9 +289,8 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         for name, to in st.sends:
             pipe.transfers.extend((name, st.index, d, "cut") for d in to)
     for name, t in zip(graph.output_names, graph.outputs):
-        src = stage_of[id(t.producer)]
-        has = {d for n, _, d, _ in pipe.transfers if n == name}  # (an output read by a later stage too)
-        pipe.transfers.extend((name, src, d, "output") for d in range(stages) if d != src and d not in has)
+        if stage_of[id(t.producer)] != 0:
+            pipe.transfers.append((name, stage_of[id(t.producer)], 0, "output"))
     log.info("pipeline: %d stages of %s ops, modeled %s ms; %d tensors cross the cuts (%s bytes)", stages,
              [st.ops for st in pipe.stages], [round(st.time_s * 1e3, 3) for st in pipe.stages],
              sum(len(st.sends) for st in pipe.stages),

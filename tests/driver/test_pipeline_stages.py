@@ -18,7 +18,7 @@ from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from threads import run_ranks, run_threads  # noqa: E402
+from threads import run_threads  # noqa: E402
 
 MODELS = Path(__file__).parent.parent / "models"
 CPU = {"target": "cpu"}
@@ -145,16 +145,25 @@ def test_pipeline_ranks_match_onnxruntime(tmp_path, model, mesh):
     assert res.rank_dirs == [tmp_path.resolve() / "out" / f"stage{s}" / f"rank{c}" for s in range(mesh[0])
                              for c in range(width)]
     assert "pipeline stages" in res.summary()
-    outs = run_ranks(tmp_path / "out", {e["name"]: feeds[e["name"]] for e in spec["inputs"]}, world=res.world_size)
-    for r, o in enumerate(outs):
-        assert sorted(o) == sorted(ref)
-        for k, v in ref.items():
-            np.testing.assert_allclose(o[k], v, rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
+    feeds = {e["name"]: feeds[e["name"]] for e in spec["inputs"]}
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        mine = prog.run(feeds)
+        return mine, prog.gather_outputs(mine)
+
+    last = range((mesh[0] - 1) * width, mesh[0] * width)
+    for r, (mine, full) in enumerate(run_threads(InProcessWorld(res.world_size).communicators(), rank, timeout=120)):
+        assert sorted(mine) == (sorted(ref) if r in last else [])  # (the outputs stay where they are made)
+        assert sorted(full) == sorted(ref if r == 0 else mine)
+        for o in (mine, full):
+            for k in o:
+                np.testing.assert_allclose(o[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
 
 
-def test_an_output_read_by_a_later_stage_reaches_every_rank(tmp_path):
-    """``h1`` is a graph output and crosses the cut: sent once to stage 1, which returns it from what it
-    received, and to no stage twice."""
+def test_an_output_read_by_a_later_stage(tmp_path):
+    """``h1`` is a graph output and crosses the cut: stage 0 returns it and sends it to stage 1, which
+    returns ``h3``; the gather brings ``h3`` to rank 0."""
     model = _residual_mlp(layers=4)
     model.graph.output.insert(0, oh.make_tensor_value_info("h1", TensorProto.FLOAT, [8, 32]))
     x = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
@@ -164,10 +173,15 @@ def test_an_output_read_by_a_later_stage_reaches_every_rank(tmp_path):
     spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
     assert [(e["name"], e["from"], e["to"], e["kind"]) for e in spec["transfers"]] == [
         ("h1", 0, 1, "cut"), ("h3", 1, 0, "output")]
-    for o in run_ranks(tmp_path / "out", {"x": x}):
-        assert list(o) == ["h1", "h3"]
-        for k, v in ref.items():
-            np.testing.assert_allclose(o[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        mine = prog.run({"x": x})
+        return mine, prog.gather_outputs(mine)
+
+    (a, full), (b, _) = run_threads(InProcessWorld(2).communicators(), rank, timeout=120)
+    assert list(a) == ["h1"] and list(b) == ["h3"] and list(full) == ["h1", "h3"]
+    for k, v in ref.items():
+        np.testing.assert_allclose(full[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
 def test_bad_inputs_are_refused_on_every_rank(tmp_path):
@@ -180,16 +194,17 @@ def test_bad_inputs_are_refused_on_every_rank(tmp_path):
 
     def rank(comm):
         prog = load(tmp_path / "out", comm.rank, comm)
-        assert prog.input_names == ["x"] and prog.output_names == ["h1"]
+        assert prog.input_names == ["x"] and prog.model_output_names == ["h1"]
+        assert prog.output_names == (["h1"] if comm.rank == 1 else [])
         for bad, kind in (({"x": np.zeros((8, 31), np.float32)}, InputShapeError), ({}, InputNameError),
                           ({"x": np.zeros((8, 32), np.float32), "y": 1}, InputNameError)):
             with pytest.raises(kind):
                 prog.run(bad)
             errors.append(kind)
-        return prog.run({"x": np.ones((8, 32), np.float32)})["h1"]
+        return prog.gather_outputs(prog.run({"x": np.ones((8, 32), np.float32)}))
 
     a, b = run_threads(InProcessWorld(2).communicators(), rank, timeout=120)
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a["h1"], b["h1"])
     assert len(errors) == 6
 
 

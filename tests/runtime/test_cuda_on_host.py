@@ -117,7 +117,7 @@ def test_two_megatron_ranks_on_the_host(tmp_path, host):
 def test_pipeline_stages_of_cuda_ranks_on_the_host(tmp_path, host):
     """GPT-2's test export cut into 2 pipeline stages of 2 Megatron ranks each (compiler/stages.py): the
     stages' cuda programs on the host emulation, the cut's tensors and the logits through the host
-    communicator (runtime/pipeline.py); every rank's logits onnxruntime's, twice."""
+    communicator (runtime/pipeline.py); the last stage's logits onnxruntime's, twice, and gathered on rank 0."""
     path = MODELS / "gpt2_ts17.onnx"
     feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
     want = _session(path)(feeds)["logits"]
@@ -128,5 +128,9 @@ def test_pipeline_stages_of_cuda_ranks_on_the_host(tmp_path, host):
     world = InProcessWorld(4).communicators()
     progs = run_threads(world, lambda c: load(res.out_dir, c.rank, c), timeout=120)
     for k in range(2):
-        for r, got in enumerate(run_threads(world, lambda c: progs[c.rank].run(feeds)["logits"], timeout=120)):
-            _close(np.asarray(got), want, 1e-5, f"rank {r} run {k}")
+        outs = run_threads(world, lambda c: progs[c.rank].run(feeds), timeout=120)
+        assert [sorted(o) for o in outs] == [[], [], ["logits"], ["logits"]]
+        for r in (2, 3):
+            _close(np.asarray(outs[r]["logits"]), want, 1e-5, f"rank {r} run {k}")
+    full = run_threads(world, lambda c: progs[c.rank].gather_outputs(outs[c.rank]), timeout=120)
+    _close(np.asarray(full[0]["logits"]), want, 1e-5, "gathered on rank 0")
