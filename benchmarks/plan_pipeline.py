@@ -93,12 +93,16 @@ def main(argv=None):
                   f"{plan.memory_bytes / 1e6:15.1f} {dt:8.2f}", flush=True)
         cfg = dict(base, pipeline_stages=mesh[0])
         t0 = time.perf_counter()
-        pipe, plans = plan_stages(path, distributed_config=cfg, optimization_config={"target": "cuda"})
+        try:
+            pipe, plans = plan_stages(path, distributed_config=cfg, optimization_config={"target": "cuda"})
+        except ShardflowError as exc:
+            print(f"{'stages':<10} no plan: {exc}")
+            return
         dt = time.perf_counter() - t0
         cut = pipe.transfer_seconds(sbw, slat, ("cut",))
         out = pipe.transfer_seconds(sbw, slat, ("output",))
         total = sum(p.cost for p in plans) + cut
-        sent = max(sum(total_bytes(*pipe.tensors[n]) for n, a, _, _ in pipe.transfers if a == st.index)
+        sent = max(sum(total_bytes(*pipe.tensors[n]) for n, a, _, k in pipe.transfers if a == st.index and k == "cut")
                    for st in pipe.stages)
         print(f"{'stages':<10} {total * 1e3:11.3f} {sent / 1e6:15.2f} {max(p.memory_bytes for p in plans) / 1e6:15.1f} "
               f"{dt:8.2f}")
