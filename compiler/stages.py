@@ -72,8 +72,9 @@ class StagesResult:
     def summary(self) -> str:
         """A few lines for humans."""
         m = self.pipeline["modeled_s"]
-        lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}) "
-                 f"into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
+        micro = self.pipeline.get("microbatches", 1)
+        lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}"
+                 f"{f', {micro} microbatches a run' if micro > 1 else ''}) into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
                  f"  modeled run {m['total'] * 1e6:.4g} us: stages "
                  f"{' + '.join(f'{x * 1e6:.4g}' for x in m['stages'])}, "
                  f"cut transfers {m['cut_transfers'] * 1e6:.4g} (gathering the outputs on rank 0: "
@@ -96,7 +97,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     ``dcfg.stage_config()``'s mesh into ``out_dir/stage{s}``; the whole written under a temporary
     name and renamed at the end."""
     from .driver import _compile, _load_model
-    from .parallel.pipeline import split_stages
+    from .parallel.pipeline import microbatch_graph, split_stages
 
     if state:
         raise ConfigError("compile(state=...) is not supported with pipeline_stages > 1 (a state's input and output "
@@ -107,7 +108,12 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
     timings["import"] = time.perf_counter() - t
+    # what a run takes and returns: the whole batch, whatever the microbatches
+    whole = {t.name: (t.shape, t.dtype) for t in graph.inputs}
+    whole.update((n, (t.shape, t.dtype)) for n, t in zip(graph.output_names, graph.outputs))
+    micro = dcfg.pipeline_microbatches
     t = time.perf_counter()
+    graph = microbatch_graph(graph, micro)
     pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device)
     timings["cut"] = time.perf_counter() - t
     del graph  # (the stage graphs hold what they need)
@@ -127,19 +133,24 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
         stage_world = results[0].world_size
         bw = dcfg.axis_bandwidth_GBps[0] if dcfg.axis_bandwidth_GBps else None
         lat = dcfg.axis_latency_us[0] if dcfg.axis_latency_us else None
-        stage_s = [r.plan.cost for r in results]
-        cut_s, out_s = pipe.transfer_seconds(bw, lat, ("cut",)), pipe.transfer_seconds(bw, lat, ("output",))
+        # a microbatch's time in each stage: its plan's cost and its sends; the microbatches follow each
+        # other, so a run is every stage once (the first microbatch) and the slowest stage m - 1 times more
+        per = [r.plan.cost + pipe.transfer_seconds(bw, lat, ("cut",), s) for s, r in enumerate(results)]
+        cut_s = pipe.transfer_seconds(bw, lat, ("cut",))
+        out_s = pipe.transfer_seconds(bw, lat, ("output",)) * micro
+        body = pipe.to_dict()
+        for e in body["transfers"]:
+            if e["kind"] == "output":  # (gathered whole: every microbatch's rows)
+                e["shape"] = list(whole[e["name"]][0])
         spec = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION, "shardflow_version": __version__,
                 "target": opt.target, "world_size": stage_world * len(results), "stage_world_size": stage_world,
-                "mesh_shape": list(dcfg.mesh_shape),
-                "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, (s, d) in pipe.inputs.items()],
-                "outputs": [{"name": n, "shape": list(pipe.tensors[n][0]), "dtype": pipe.tensors[n][1], "stage": s}
+                "mesh_shape": list(dcfg.mesh_shape), "microbatches": micro,
+                "inputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1]} for n in pipe.inputs],
+                "outputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1], "stage": s}
                             for s, st in enumerate(pipe.stages) for n in st.outputs],
-                # one run passes through the stages one after the other: their plans' costs and the cuts'
-                # transfers (the outputs' gather on rank 0, apart: not part of a run)
-                "modeled_s": {"stages": stage_s, "cut_transfers": cut_s, "total": math.fsum(stage_s) + cut_s,
-                              "outputs_to_rank0": out_s},
-                **pipe.to_dict()}
+                "modeled_s": {"stages": [r.plan.cost for r in results], "cut_transfers": cut_s,
+                              "total": math.fsum(per) + (micro - 1) * max(per), "outputs_to_rank0": out_s},
+                **body}
         write_json(tmp / PIPELINE_FILE, spec)
     timings["total"] = time.perf_counter() - t_all
     out = out.resolve()
@@ -162,7 +173,7 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
     :class:`~shardflow.compiler.parallel.ShardingPlan` per stage."""
     from .driver import OptimizationConfig, _load_model, planned_graph, planning_config
     from .parallel import search
-    from .parallel.pipeline import split_stages
+    from .parallel.pipeline import microbatch_graph, split_stages
 
     dcfg = planning_config(distributed_config, optimization_config)
     if dcfg.pipeline_stages < 2:
@@ -170,7 +181,7 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
     opt = OptimizationConfig.from_dict(optimization_config)
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
-    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device)
+    pipe = split_stages(microbatch_graph(graph, dcfg.pipeline_microbatches), dcfg.pipeline_stages, dcfg.device)
     sub = dcfg.stage_config()
     plans = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
              for st in pipe.stages]

@@ -69,6 +69,24 @@ def _host(a) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _rows(a, j: int, parts: int):
+    """Microbatch ``j`` of ``parts``: rows ``j * n / parts`` to ``(j + 1) * n / parts`` of ``a``'s dim 0
+    (a view; the compile checked that ``parts`` divides it)."""
+    if parts == 1:
+        return a
+    n = a.shape[0] // parts
+    return a[j * n:(j + 1) * n]
+
+
+def _join(arrays: list):
+    """The microbatches' outputs joined along dim 0 (numpy, or cupy for a cuda program's)."""
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    import cupy
+
+    return cupy.concatenate([cupy.asarray(a) for a in arrays], axis=0)
+
+
 def stage_of_rank(spec: dict, rank: int) -> tuple[int, int]:
     """``(stage, rank within the stage)`` of global ``rank``."""
     return divmod(int(rank), int(spec["stage_world_size"]))
@@ -156,21 +174,32 @@ class PipelineProgram:
         return {n: inputs[n] for n in self._stage_spec["graph_inputs"]}
 
     def run(self, inputs: Mapping[str, Any], *, copy_outputs: bool = True) -> dict[str, np.ndarray]:
-        """Run this rank's stage on ``inputs`` (the model's, by name) between its receives and sends;
-        returns the model outputs the stage makes (collective: every rank of every stage calls it)."""
-        feeds = self._checked(inputs)
+        """Run this rank's stage on ``inputs`` (the model's, by name) between its receives and sends,
+        once per microbatch (``pipeline.json``'s ``microbatches``: dim 0 of every input split into
+        that many equal parts, one after another, so that while this stage runs one the next stage
+        runs the one before); returns the model outputs the stage makes, the microbatches' rows
+        joined along dim 0 (collective: every rank of every stage calls it)."""
+        whole = self._checked(inputs)
+        micro = int(self.spec.get("microbatches", 1))
         cuts = [e for e in self.spec["transfers"] if e["kind"] == "cut"]
-        for e in cuts:
-            if e["to"] == self.stage:
-                buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
-                self._pipe.exchange({}, {e["from"]: buf})
-                feeds[e["name"]] = buf
-        self._last_feeds = feeds
-        got = self.program.run(feeds, copy_outputs=copy_outputs)
-        for e in cuts:
-            if e["from"] == self.stage:
-                self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
-        return {name: got[name] for name in self._mine}
+        parts: list[dict] = []
+        for j in range(micro):
+            feeds = {n: _rows(a, j, micro) for n, a in whole.items()}
+            for e in cuts:
+                if e["to"] == self.stage:
+                    buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
+                    self._pipe.exchange({}, {e["from"]: buf})
+                    feeds[e["name"]] = buf
+            self._last_feeds = feeds
+            # (copied when more microbatches follow: the next run writes over the program's buffers)
+            got = self.program.run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
+            for e in cuts:
+                if e["from"] == self.stage:
+                    self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
+            parts.append({name: got[name] for name in self._mine})
+        if micro == 1:
+            return parts[0]
+        return {name: _join([p[name] for p in parts]) for name in self._mine}
 
     def gather_outputs(self, outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Every model output on rank 0, from the first rank of the stage that makes it (``outputs``:

@@ -47,6 +47,12 @@ key                       meaning                                               
                           other axes (``mesh_shape[1:]``) on its own ranks; the
                           activations crossing a cut are sent between stages
                           (parallel/pipeline.py)
+``pipeline_microbatches`` with stages: a run's batch (dim 0 of every input and     1
+                          output) split into this many equal microbatches that
+                          follow each other through the stages, so that the stages
+                          work at once (GPipe's schedule); each stage compiled for
+                          one microbatch, derived from the model at the whole batch
+                          and checked to compute its samples apart
 ``device``                what one rank computes on, for the cost model's roofline:    see left
                           ``"h100"``, ``"cpu"`` (:data:`~.cost.DEVICE_PROFILES`), or
                           ``{"peak_tflops": x, "mem_bandwidth_GBps": y}`` (optionally
@@ -92,6 +98,7 @@ class DistributedConfig:
     pad_heads: bool | str = "auto"
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
     pipeline_stages: int = 1
+    pipeline_microbatches: int = 1
 
     def stage_config(self) -> "DistributedConfig":
         """The config one pipeline stage is planned with: the mesh without its first axis (the
@@ -102,7 +109,7 @@ class DistributedConfig:
             return None if v is None else v[1:] or None
         shape = self.mesh_shape[1:] or (1,)
         return dataclasses.replace(
-            self, mesh_shape=shape, pipeline_stages=1,
+            self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1,
             mesh_axis_names=rest(self.mesh_axis_names) if len(self.mesh_shape) > 1 else None,
             axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if len(self.mesh_shape) > 1 else None,
             axis_latency_us=rest(self.axis_latency_us) if len(self.mesh_shape) > 1 else None)
@@ -157,6 +164,10 @@ class DistributedConfig:
                 if cfg.get(key):
                     raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
                                       "stage is planned on its own, its inputs and outputs whole); drop one of them")
+        micro = _opt_positive_int(cfg.get("pipeline_microbatches", 1), "pipeline_microbatches")
+        if micro > 1 and stages < 2:
+            raise ConfigError(f"distributed_config['pipeline_microbatches'] = {micro} needs pipeline_stages > 1 (the "
+                              "microbatches follow each other through the stages)")
         if solver == "auto":
             solver = "highs" if max_nodes is None and highs_available() else "cbc"
         elif solver == "highs" and not highs_available():
@@ -175,7 +186,7 @@ class DistributedConfig:
             alias_layers=_bool(cfg.get("alias_layers", True), "alias_layers"),
             partial_sums=_bool_or_auto(cfg.get("partial_sums", "auto"), "partial_sums"),
             pad_heads=_bool_or_auto(cfg.get("pad_heads", "auto"), "pad_heads"),
-            device=_device(cfg.get("device")), pipeline_stages=stages,
+            device=_device(cfg.get("device")), pipeline_stages=stages, pipeline_microbatches=micro,
         )
 
 

@@ -31,7 +31,7 @@ from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor
 from .cost import H100, DeviceProfile, total_bytes
 
-__all__ = ["Stage", "Pipeline", "split_stages", "op_times", "BALANCE_TOLERANCE"]
+__all__ = ["Stage", "Pipeline", "split_stages", "op_times", "microbatch_graph", "BALANCE_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +96,18 @@ class Pipeline:
     inputs: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
     def transfer_seconds(self, bandwidth_GBps: float | None = None, latency_us: float | None = None,
-                         kinds: tuple[str, ...] = ("cut", "output")) -> float:
+                         kinds: tuple[str, ...] = ("cut", "output"), from_stage: int | None = None) -> float:
         """Modeled time of the transfers of ``kinds``, one after another, each a message of the
         tensor's bytes over a link of the stages' mesh axis (α + bytes / β; the defaults
         :data:`~.cost.DEFAULT_BANDWIDTH_GBPS` and :data:`~.cost.DEFAULT_LATENCY_US`). Every rank
-        of a stage sends its own copy at once, over its own link, so the ranks' count does not enter."""
+        of a stage sends its own copy at once, over its own link, so the ranks' count does not enter.
+        ``from_stage``: only the transfers that stage sends."""
         from .cost import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
 
         bw = (bandwidth_GBps or DEFAULT_BANDWIDTH_GBPS) * 1e9
         lat = (DEFAULT_LATENCY_US if latency_us is None else latency_us) * 1e-6
-        return math.fsum(lat + total_bytes(*self.tensors[n]) / bw for n, _, _, k in self.transfers if k in kinds)
+        return math.fsum(lat + total_bytes(*self.tensors[n]) / bw for n, a, _, k in self.transfers
+                         if k in kinds and from_stage in (None, a))
 
     def to_dict(self) -> dict:
         """The JSON form written to ``pipeline.json`` (without the graphs)."""
@@ -296,3 +298,70 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
              sum(len(st.sends) for st in pipe.stages),
              f"{sum(total_bytes(*pipe.tensors[n]) for st in pipe.stages for n, _ in st.sends):,}")
     return pipe
+
+
+def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
+    """The graph of one of ``microbatches`` equal parts of ``graph``'s batch: dim 0 of every input and
+    output divided by ``microbatches``, the ops rebuilt for those shapes (reshape targets included).
+
+    It is found as a sharding of ``graph`` over a mesh of ``microbatches`` positions whose inputs and
+    outputs are split along dim 0 and which runs no collective (searched with communication priced
+    out of reach), partitioned (:func:`~.partition.partition`): each position's graph computes its
+    part of the outputs from its part of the inputs alone, exactly as a rank does. Every position's
+    graph must then be the same graph (ops, attributes and constants), so that one compiled program
+    runs every microbatch.
+
+    Raises
+    ------
+    ShardflowError
+        An input or output whose dim 0 does not divide by ``microbatches``; a graph whose samples
+        are not computed apart (the collective the split would need, and where); positions whose
+        graphs differ (an op that depends on where in the batch it is).
+    """
+    from ..passes.simplify import attr_key
+    from .partition import partition_ranks
+    from .search import search
+
+    if microbatches == 1:
+        return graph
+    for name, t in [(t.name, t) for t in graph.inputs] + list(zip(graph.output_names, graph.outputs)):
+        if not t.shape or t.shape[0] % microbatches:
+            raise ShardflowError(f"pipeline_microbatches = {microbatches}: {name!r} has shape {list(t.shape)}, whose "
+                                 f"dim 0 (the batch every input and output is split along) does not divide into "
+                                 f"{microbatches} equal parts; use a count that divides it")
+    cfg = {"mesh_shape": [microbatches], "alias_layers": True, "partial_sums": False,
+           "input_placements": {t.name: "S(0)" for t in graph.inputs},
+           "output_placements": {n: "S(0)" for n in graph.output_names},
+           # any collective dearer than any plan without one: the search finds one if there is one
+           "axis_bandwidth_GBps": 1e-9, "axis_latency_us": 1e12,
+           "device": {"name": "microbatches", "peak_tflops": 1.0, "mem_bandwidth_GBps": 1.0}}
+    plan = search(graph, cfg)
+    if plan.collectives:
+        c = plan.collectives[0]
+        raise ShardflowError(f"pipeline_microbatches = {microbatches}: the model does not compute the samples of its "
+                             f"batch (dim 0 of the inputs) apart: {c.consumer} reads {c.tensor!r} through a "
+                             f"{c.kind.replace('_', '-')} across the batch ({len(plan.collectives)} such); compile "
+                             "without microbatches")
+    ranks = partition_ranks(graph, plan, sharded_inputs=[t.name for t in graph.inputs])  # (each its part)
+    first = next(ranks)
+
+    def key(g: FlowGraph) -> list:
+        res = [[(t.name, t.shape, t.dtype) for t in g.inputs], [t.shape for t in g.outputs]]
+        for op in g.nodes:
+            consts = [attr_key(t.value) if t.is_constant and t.producer is None else (t.shape, t.dtype)
+                      for t in op.inputs]
+            res.append((op.op_type, op.name, attr_key(op.attrs), consts, [t.shape for t in op.outputs]))
+        return res
+
+    want = key(first)
+    for j, g in enumerate(ranks, 1):
+        got = key(g)
+        if got != want:
+            where = next((b[1] for a, b in zip(want[2:], got[2:]) if a != b), "its inputs or outputs")
+            raise ShardflowError(f"pipeline_microbatches = {microbatches}: microbatch {j}'s graph differs from "
+                                 f"microbatch 0's at {where} (an op that depends on where in the batch it is), so "
+                                 "one program cannot run them all; compile without microbatches")
+    first.meta = {k: v for k, v in graph.meta.items()}
+    log.info("pipeline: %d microbatches of %s", microbatches,
+             ", ".join(f"{t.name} {list(t.shape)}" for t in first.inputs))
+    return first

@@ -13,7 +13,7 @@ from onnx import helper as oh
 from shardflow.compiler import compile, load_onnx
 from shardflow.compiler.errors import ConfigError, ShardflowError
 from shardflow.compiler.parallel import search
-from shardflow.compiler.parallel.pipeline import _crossing_bytes, op_times, split_stages
+from shardflow.compiler.parallel.pipeline import _crossing_bytes, microbatch_graph, op_times, split_stages
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
 
@@ -123,6 +123,9 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="state=.* is not supported with pipeline_stages"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
                 out_dir=tmp_path / "a", state={"h1": "x"})
+    with pytest.raises(ConfigError, match="pipeline_microbatches'\\] = 2 needs pipeline_stages > 1"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_microbatches": 2}, optimization_config=CPU,
+                out_dir=tmp_path / "a")
     with pytest.raises(ShardflowError, match="compile cuts the graph into stages"):
         search(load_onnx(model), {"mesh_shape": [2, 2], "pipeline_stages": 2})
     assert not (tmp_path / "a").exists()
@@ -258,3 +261,63 @@ def test_cli_compile_run_inspect_and_plan(tmp_path):
     text = cli("plan", str(model), "--mesh", "2x2", "--stages", "2", "-o", str(tmp_path / "plans"))
     assert text.count("== pipeline stage") == 2 and "# Shardflow plan" in text
     assert (tmp_path / "plans" / "stage1" / "plan.json").is_file()
+
+
+# ------------------------------------------------------------------------------------ microbatches
+def _one_node(op, x_shape, z_shape, extra=(), inits=(), **attrs):
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)
+    node = oh.make_node(op, ["x", *extra], ["y"], **attrs)
+    graph = oh.make_graph([node, oh.make_node("Relu", ["y"], ["z"])], "g", [x],
+                          [oh.make_tensor_value_info("z", TensorProto.FLOAT, z_shape)], list(inits))
+    return load_onnx(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
+
+
+@pytest.mark.parametrize("model", ["gpt2_ts17", "llama_dynamo18", "bert_dynamo18", "resnet_ts17"])
+def test_a_microbatch_graph_computes_its_rows_of_the_batch(model):
+    g = load_onnx(str(MODELS / f"{model}.onnx"))
+    feeds = {t.name: _feeds(model)[t.name] for t in g.inputs}
+    ref = g.run(feeds)
+    mg = microbatch_graph(g, 2)
+    assert [t.shape for t in mg.inputs] == [(t.shape[0] // 2,) + t.shape[1:] for t in g.inputs]
+    outs = [mg.run({k: np.split(v, 2)[j] for k, v in feeds.items()}) for j in range(2)]
+    for k, v in ref.items():
+        np.testing.assert_array_equal(np.concatenate([o[k] for o in outs]), v, err_msg=k)
+    assert microbatch_graph(g, 1) is g
+
+
+def test_microbatches_refuse_what_one_program_cannot_run():
+    mean = _one_node("Softmax", [4, 3], [4, 3], axis=0)  # mixes the batch's rows
+    with pytest.raises(ShardflowError, match="does not compute the samples of its batch .* apart"):
+        microbatch_graph(mean, 2)
+    with pytest.raises(ShardflowError, match=r"'x' has shape \[4, 3\], whose dim 0 .* does not divide into 3"):
+        microbatch_graph(mean, 3)
+    table = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3), "t")  # a row per sample
+    with pytest.raises(ShardflowError, match="microbatch 1's graph differs from microbatch 0's"):
+        microbatch_graph(_one_node("Add", [4, 3], [4, 3], extra=["t"], inits=[table]), 2)
+    bias = numpy_helper.from_array(np.arange(3, dtype=np.float32), "b")  # the same for every row: fine
+    assert microbatch_graph(_one_node("Add", [4, 3], [4, 3], extra=["b"], inits=[bias]), 2).inputs[0].shape == (2, 3)
+
+
+@pytest.mark.parametrize("mesh,micro", [([2], 2), ([2, 2], 2)])
+def test_microbatches_through_the_stages_match_onnxruntime(tmp_path, mesh, micro):
+    feeds = _feeds("gpt2_ts17")
+    ref = _reference(MODELS / "gpt2_ts17.onnx", feeds)
+    res = compile(str(MODELS / "gpt2_ts17.onnx"), optimization_config=CPU, out_dir=tmp_path / "out",
+                  distributed_config={"mesh_shape": mesh, "pipeline_stages": 2, "pipeline_microbatches": micro})
+    spec = res.pipeline
+    assert spec["microbatches"] == micro and "2 microbatches a run" in res.summary()
+    assert [e["shape"] for e in spec["inputs"]] == [list(feeds[e["name"]].shape) for e in spec["inputs"]]
+    assert all(e["shape"][0] == 1 for e in spec["transfers"] if e["kind"] == "cut")  # (a microbatch's rows)
+    feeds = {e["name"]: feeds[e["name"]] for e in spec["inputs"]}
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        runs = [prog.run(feeds) for _ in range(2)]
+        return runs, prog.gather_outputs(runs[-1])
+
+    width = res.world_size // 2
+    for r, (runs, full) in enumerate(run_threads(InProcessWorld(res.world_size).communicators(), rank, timeout=120)):
+        for o in runs + [full]:
+            assert sorted(o) == (["logits"] if r >= width or o is full and r == 0 else [])
+            for k in o:
+                np.testing.assert_allclose(o[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
