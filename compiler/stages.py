@@ -74,7 +74,8 @@ class StagesResult:
         m = self.pipeline["modeled_s"]
         micro = self.pipeline.get("microbatches", 1)
         lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}"
-                 f"{f', {micro} microbatches a run' if micro > 1 else ''}) into {self.out_dir}", "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
+                 f"{f', {micro} microbatches a run' if micro > 1 else ''}) into {self.out_dir}",
+                 "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
                  f"  modeled run {m['total'] * 1e6:.4g} us: stages "
                  f"{' + '.join(f'{x * 1e6:.4g}' for x in m['stages'])}, "
                  f"cut transfers {m['cut_transfers'] * 1e6:.4g} (gathering the outputs on rank 0: "

@@ -14,12 +14,12 @@ makes. Each is compiled as any graph is (plan, partition, codegen) into ``out_di
 runtime (:class:`~shardflow.runtime.pipeline.PipelineProgram`) moves the crossing tensors between
 the ranks of one position of ``rest`` (rank ``(s, c)`` sends to ``(t, c)``, whole tensors: a stage's
 inputs and outputs are replicated over its ranks) in one global order (:attr:`Pipeline.transfers`).
-A graph output stays on the ranks of the stage that makes them (what a run returns there); a
+A graph output stays on the ranks of the stage that makes it (what a run returns there); a
 launcher that wants them all on rank 0 gathers them once (``shardflow run --outputs``: the
-transfers of kind ``output``), not in every run. No microbatches: one run of the model passes through the stages one after the
-other, so the stages save memory (each rank holds its stage's weights) and replace the collectives
-a split over the first axis would run in every layer by one send per cut (rfcs/0001 "Pipeline
-stages").
+transfers of kind ``output``), not in every run. The stages save memory (each rank holds its
+stage's weights) and replace the collectives a split over the first axis would run in every layer
+by one send per cut; with ``pipeline_microbatches`` (:func:`microbatch_graph`) a run's batch passes
+through them in parts, so that they work at once (rfcs/0001 "Pipeline stages").
 """
 from __future__ import annotations
 
@@ -339,9 +339,9 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
     if plan.collectives:
         c = plan.collectives[0]
         raise ShardflowError(f"pipeline_microbatches = {microbatches}: the model does not compute the samples of its "
-                             f"batch (dim 0 of the inputs) apart: {c.consumer} reads {c.tensor!r} through a "
-                             f"{c.kind.replace('_', '-')} across the batch ({len(plan.collectives)} such); compile "
-                             "without microbatches")
+                             f"batch (dim 0 of the inputs) apart: {c.consumer} reads {c.tensor!r} across the batch "
+                             f"(the split would need {len(plan.collectives)} collective(s), the first an "
+                             f"{c.kind.replace('_', '-')}); compile without microbatches")
     ranks = partition_ranks(graph, plan, sharded_inputs=[t.name for t in graph.inputs])  # (each its part)
     first = next(ranks)
 
