@@ -340,7 +340,7 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
         c = plan.collectives[0]
         raise ShardflowError(f"pipeline_microbatches = {microbatches}: the model does not compute the samples of its "
                              f"batch (dim 0 of the inputs) apart: {c.consumer} reads {c.tensor!r} across the batch "
-                             f"(the split would need {len(plan.collectives)} collective(s), the first an "
+                             f"(the split would need {len(plan.collectives)} collective(s), the first: "
                              f"{c.kind.replace('_', '-')}); compile without microbatches")
     ranks = partition_ranks(graph, plan, sharded_inputs=[t.name for t in graph.inputs])  # (each its part)
     first = next(ranks)
