@@ -6,8 +6,9 @@ fast (within one) prints, side by side, for:
 
 * ``ilp``: one plan over the whole mesh (``search``), as ``compile`` plans without stages;
 * ``megatron``: the Megatron baseline over the whole mesh (data parallel over the first axis);
-* ``stages``: ``pipeline_stages = P``, the cut and each stage planned over ``[W]`` (``plan_stages``,
-  what ``compile`` plans with stages);
+* ``stages/m``: ``pipeline_stages = P`` with ``pipeline_microbatches = m``, the cut and each stage
+  planned over ``[W]`` (``plan_stages``, what ``compile`` plans with stages); a run: every stage
+  once for the first microbatch, then the slowest stage's microbatch time for each other one;
 
 the modeled time of one run (for the stages: their plans' costs one after another plus the
 transfers; all figures from the cost model, none measured), the bytes the collectives spanning
@@ -17,6 +18,7 @@ the slow axis move (for the stages: the most a stage sends), the most memory a r
 
     python benchmarks/plan_pipeline.py [--layers 12] [--embd 768] [--heads 12] [--vocab 50257] [--batch 8]
         [--seq 128] [--mesh 2x4] [--slow 25,10] [--fast 450,3] [--device h100] [--budget-mb MB]
+        [--microbatches 1 4]
 
 ``--slow BW,LAT`` and ``--fast BW,LAT``: GB/s and µs of the two axes' links (defaults: 200 Gb/s
 InfiniBand between machines, NVLink within one).
@@ -52,6 +54,8 @@ def main(argv=None):
     ap.add_argument("--slow", default="25,10", help="GB/s,µs of the first axis's links")
     ap.add_argument("--fast", default="450,3", help="GB/s,µs of the second axis's links")
     ap.add_argument("--device", default="h100")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 4],
+                    help="pipeline_microbatches to plan the stages with (a row each)")
     ap.add_argument("--budget-mb", type=float, default=None, help="memory_budget_bytes per rank, MB (1e6 bytes)")
     args = ap.parse_args(argv)
     from export_models import export_gpt2
@@ -73,7 +77,8 @@ def main(argv=None):
         base["memory_budget_bytes"] = int(args.budget_mb * 1e6)
     print(f"# GPT-2 {args.layers} layers, {args.embd} wide, {args.heads} heads, vocab {args.vocab}, {args.batch}x"
           f"{args.seq} tokens; mesh {mesh}: axis 0 {sbw:g} GB/s {slat:g} us, axis 1 {fbw:g} GB/s {flat:g} us; "
-          f"device {args.device}; budget {args.budget_mb or 'none'} MB; modeled figures (cost model), planning time measured")
+          f"device {args.device}; budget {args.budget_mb or 'none'} MB; modeled figures (cost model), planning "
+          "time measured")
     print(f"{'plan':<10} {'modeled ms':>11} {'axis-0 MB/rank':>15} {'memory MB/rank':>15} {'plan s':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "gpt2.onnx")
@@ -91,26 +96,28 @@ def main(argv=None):
             dt = time.perf_counter() - t0
             print(f"{algo:<10} {plan.cost * 1e3:11.3f} {_slow_axis_bytes(plan) / 1e6:15.2f} "
                   f"{plan.memory_bytes / 1e6:15.1f} {dt:8.2f}", flush=True)
-        cfg = dict(base, pipeline_stages=mesh[0])
-        t0 = time.perf_counter()
-        try:
-            pipe, plans = plan_stages(path, distributed_config=cfg, optimization_config={"target": "cuda"})
-        except ShardflowError as exc:
-            print(f"{'stages':<10} no plan: {exc}")
-            return
-        dt = time.perf_counter() - t0
-        cut = pipe.transfer_seconds(sbw, slat, ("cut",))
-        out = pipe.transfer_seconds(sbw, slat, ("output",))
-        total = sum(p.cost for p in plans) + cut
-        sent = max(sum(total_bytes(*pipe.tensors[n]) for n, a, _, k in pipe.transfers if a == st.index and k == "cut")
-                   for st in pipe.stages)
-        print(f"{'stages':<10} {total * 1e3:11.3f} {sent / 1e6:15.2f} {max(p.memory_bytes for p in plans) / 1e6:15.1f} "
-              f"{dt:8.2f}")
-        print(f"#   stages: {' + '.join(f'{p.cost * 1e3:.3f}' for p in plans)} ms of plans, cut transfers "
-              f"{cut * 1e3:.3f} ms (the outputs gathered on rank 0, once, not per run: {out * 1e3:.3f} ms); "
-              f"{[st.ops for st in pipe.stages]} ops, "
-              f"{len([t for t in pipe.transfers if t[3] == 'cut'])} cut transfers")
-
+        for micro in args.microbatches:
+            cfg = dict(base, pipeline_stages=mesh[0], pipeline_microbatches=micro)
+            name = f"stages/{micro}"
+            t0 = time.perf_counter()
+            try:
+                pipe, plans = plan_stages(path, distributed_config=cfg, optimization_config={"target": "cuda"})
+            except ShardflowError as exc:
+                print(f"{name:<10} no plan: {exc}")
+                continue
+            dt = time.perf_counter() - t0
+            # a microbatch's time in each stage (its plan and its sends); fill, then the slowest stage per microbatch
+            per = [p.cost + pipe.transfer_seconds(sbw, slat, ("cut",), s) for s, p in enumerate(plans)]
+            total = sum(per) + (micro - 1) * max(per)
+            out = pipe.transfer_seconds(sbw, slat, ("output",)) * micro
+            sent = micro * max(sum(total_bytes(*pipe.tensors[n]) for n, a, _, k in pipe.transfers
+                                   if a == st.index and k == "cut") for st in pipe.stages)
+            print(f"{name:<10} {total * 1e3:11.3f} {sent / 1e6:15.2f} {max(p.memory_bytes for p in plans) / 1e6:15.1f} "
+                  f"{dt:8.2f}")
+            print(f"#   {name}: a microbatch {' / '.join(f'{x * 1e3:.3f}' for x in per)} ms in the stages (plan and "
+                  f"sends); the outputs gathered on rank 0, once, not per run: {out * 1e3:.3f} ms; "
+                  f"{[st.ops for st in pipe.stages]} ops, {len([t for t in pipe.transfers if t[3] == 'cut'])} cut "
+                  "transfers", flush=True)
 
 if __name__ == "__main__":
     main()
