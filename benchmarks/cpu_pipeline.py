@@ -1,0 +1,98 @@
+"""Measured: pipeline stages and microbatches on this machine's cpu ranks, against one rank, a plan over
+the ranks, and onnxruntime, in one run.
+
+Exports a GPT-2 (random weights; torch and transformers from the ``test`` extra), compiles it for the cpu
+target in each configuration below, runs each with ``shardflow run --nproc N --repeat R`` (the ranks on
+this machine, each bound to its share of the cores, as ``shardflow run`` starts them) and prints the
+median time of a run (rank 0's), the largest difference of the logits from onnxruntime's, and
+onnxruntime's own time in this process (its intra-op threads: every core).
+
+    OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_pipeline.py [--layers 4] [--embd 512] [--heads 8] [--vocab 8192]
+        [--batch 8] [--seq 64] [--ranks 2] [--repeat 20] [--microbatches 1 2 4 8]
+
+Configurations: ``1 rank`` (mesh [1], every core), ``ilp [N]`` and ``megatron [N]`` (one plan over N
+ranks), ``stages N/m`` (``pipeline_stages = N`` on mesh [N], ``pipeline_microbatches = m``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "models"))
+SHARDFLOW = [sys.executable, "-m", "shardflow.compiler.cli"]
+
+
+def _run(out: str, nproc: int, inputs: str, outputs: str, repeat: int) -> float:
+    proc = subprocess.run(SHARDFLOW + ["run", out, "--nproc", str(nproc), "--inputs", inputs, "--outputs", outputs,
+                                       "--repeat", str(repeat), "--warmup", "2"],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    m = re.search(r"median ([0-9.]+) ms", proc.stderr + proc.stdout)
+    return float(m.group(1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = ap.parse_args(argv)
+    import onnxruntime as ort
+    from export_models import export_gpt2
+
+    from shardflow.compiler import compile
+
+    n = args.ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gpt2.onnx")
+        export_gpt2(path, n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=args.vocab,
+                    seq_len=args.seq, batch=args.batch)
+        rng = np.random.default_rng(0)
+        feeds = {"input_ids": rng.integers(0, args.vocab, (args.batch, args.seq)).astype(np.int64),
+                 "attention_mask": np.ones((args.batch, args.seq), np.int64)}
+        inputs = os.path.join(tmp, "in.npz")
+        np.savez(inputs, **feeds)
+        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        ref = sess.run(None, feeds)[0]
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            sess.run(None, feeds)
+            times.append(time.perf_counter() - t0)
+        print(f"# GPT-2 {args.layers} layers, {args.embd} wide, {args.heads} heads, vocab {args.vocab}, "
+              f"{args.batch}x{args.seq} tokens; {os.cpu_count()} cores; `shardflow run --repeat {args.repeat}` "
+              "medians (rank 0), measured")
+        print(f"{'config':<16} {'ranks':>5} {'ms':>9} {'vs 1 rank':>9} {'max |diff|':>11}")
+        print(f"{'onnxruntime':<16} {'-':>5} {float(np.median(times)) * 1e3:9.2f} {'':>9} {'':>11}", flush=True)
+        configs = [("1 rank", {"mesh_shape": [1]}, 1), (f"ilp [{n}]", {"mesh_shape": [n]}, n),
+                   (f"megatron [{n}]", {"mesh_shape": [n], "algo": "megatron"}, n)]
+        configs += [(f"stages {n}/{m}", {"mesh_shape": [n], "pipeline_stages": n, "pipeline_microbatches": m}, n)
+                    for m in args.microbatches]
+        base = None
+        for name, cfg, nproc in configs:
+            out = os.path.join(tmp, re.sub(r"\W", "_", name))
+            compile(path, distributed_config=cfg, optimization_config={"target": "cpu"}, out_dir=out)
+            got = os.path.join(tmp, "out.npz")
+            ms = _run(out, nproc, inputs, got, args.repeat)
+            base = base or ms
+            diff = float(np.abs(np.load(got)["logits"] - ref).max())
+            print(f"{name:<16} {nproc:5d} {ms:9.2f} {ms / base:9.2f} {diff:11.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
