@@ -463,6 +463,7 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     stages = read_pipeline(out)
     if stages is not None:
         return {"out_dir": str(out), "world_size": stages["world_size"], "mesh_shape": stages["mesh_shape"],
+                "microbatches": stages.get("microbatches", 1), "modeled_s": stages.get("modeled_s"),
                 "stages": [{"dir": st["dir"], "ops": st.get("ops"), "modeled_time_s": st.get("modeled_time_s"),
                             "receives": st.get("receives", []), "sends": st.get("sends", []),
                             **inspect_out_dir(str(out / st["dir"]), verify)} for st in stages["stages"]]}
@@ -527,7 +528,8 @@ def _cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
     elif "stages" in info:
-        print(f"{info['out_dir']}: {len(variants)} pipeline stages on mesh {info['mesh_shape']}, "
+        micro = f", {info['microbatches']} microbatches a run" if info["microbatches"] > 1 else ""
+        print(f"{info['out_dir']}: {len(variants)} pipeline stages on mesh {info['mesh_shape']}{micro}, "
               f"{info['world_size']} rank(s) (global rank s * {variants[0]['world_size']} + c runs stage s's rank c)")
         for st in variants:
             recv = ", ".join(f"{e['name']} from {e['from']}" for e in st["receives"]) or "none"

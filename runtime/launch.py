@@ -656,9 +656,16 @@ def _worker(args, env: LaunchEnv) -> int:
             prog.run(inputs)
         times = []
         outs = {}
+        # pipeline stages: a rank's run returns once its stage is done, and the next run's first stage
+        # would overlap the last's; each run is timed from a barrier to a barrier (one run's latency)
+        fence = host_communicator(comm).barrier if hasattr(prog, "gather_outputs") and env.size > 1 else None
         for _ in range(max(args.repeat, 1)):
+            if fence:
+                fence()
             t0 = time.perf_counter()
             outs = prog.run(inputs)
+            if fence:
+                fence()
             times.append(time.perf_counter() - t0)
         ran = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
         if hasattr(prog, "gather_outputs"):  # (pipeline stages: each output from the stage making it)

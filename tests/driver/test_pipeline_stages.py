@@ -230,12 +230,16 @@ def test_world_size_and_layout_errors(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- the CLI
-def test_cli_compile_run_inspect_and_plan(tmp_path):
-    """`shardflow compile --stages`, `shardflow run` on 4 processes (its own spawner), `inspect` and `plan
-    --stages`, against onnxruntime."""
+@pytest.mark.parametrize("launcher", ["spawn", "mpiexec"])
+def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
+    """`shardflow compile --stages`, `shardflow run` on 4 processes (its own spawner, or mpiexec), `inspect`
+    and `plan --stages`, against onnxruntime."""
     import subprocess
 
-    from test_multirank_models import SHARDFLOW, clean_env
+    from test_multirank_models import HAS_MPI, SHARDFLOW, clean_env
+
+    if launcher == "mpiexec" and not HAS_MPI:
+        pytest.skip("needs mpiexec and mpi4py (pip install -e '.[mpi]')")
 
     model = MODELS / "gpt2_ts17.onnx"
     feeds = _feeds("gpt2_ts17")
@@ -248,7 +252,7 @@ def test_cli_compile_run_inspect_and_plan(tmp_path):
         return proc.stdout
 
     cli("compile", str(model), "-o", str(out), "--mesh", "2x2", "--stages", "2", "-q")
-    cli("run", str(out), "--nproc", "4", "--launcher", "spawn", "--inputs", str(tmp_path / "in.npz"), "--outputs",
+    cli("run", str(out), "--nproc", "4", "--launcher", launcher, "--inputs", str(tmp_path / "in.npz"), "--outputs",
         str(tmp_path / "out.npz"))
     got = np.load(tmp_path / "out.npz")
     for k, v in _reference(model, feeds).items():
@@ -321,3 +325,15 @@ def test_microbatches_through_the_stages_match_onnxruntime(tmp_path, mesh, micro
             assert sorted(o) == (["logits"] if r >= width or o is full and r == 0 else [])
             for k in o:
                 np.testing.assert_allclose(o[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
+
+
+def test_shape_variants_with_stages_are_refused(tmp_path):
+    from test_variants import dynamic_model
+
+    from shardflow.compiler import compile_variants
+
+    with pytest.raises(ConfigError, match="compile_variants does not support pipeline_stages"):
+        compile_variants(dynamic_model(), variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
+                         distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
+                         out_dir=tmp_path / "v")
+    assert not (tmp_path / "v").exists()
