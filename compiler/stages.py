@@ -8,6 +8,7 @@ out_dir returns a :class:`~shardflow.runtime.pipeline.PipelineProgram`. The cut 
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -132,6 +133,13 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                 if k != "total":
                     timings[k] = timings.get(k, 0.0) + v
         stage_world = results[0].world_size
+        # the ranges the stages read their inputs as indices in, checked on every rank before a run (so that
+        # all refuse a bad one, not only the stage reading it while the others wait on its sends)
+        ranges: dict[str, list] = {}
+        for res in results:
+            for e in json.loads((res.out_dir / "rank0" / "manifest.json").read_text())["inputs"]:
+                if e["name"] in pipe.inputs and e.get("index_checks"):
+                    ranges.setdefault(e["name"], []).extend(e["index_checks"])
         bw = dcfg.axis_bandwidth_GBps[0] if dcfg.axis_bandwidth_GBps else None
         lat = dcfg.axis_latency_us[0] if dcfg.axis_latency_us else None
         # a microbatch's time in each stage: its plan's cost and its sends; the microbatches follow each
@@ -146,7 +154,8 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
         spec = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION, "shardflow_version": __version__,
                 "target": opt.target, "world_size": stage_world * len(results), "stage_world_size": stage_world,
                 "mesh_shape": list(dcfg.mesh_shape), "microbatches": micro,
-                "inputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1]} for n in pipe.inputs],
+                "inputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1],
+                            **({"index_checks": ranges[n]} if n in ranges else {})} for n in pipe.inputs],
                 "outputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1], "stage": s}
                             for s, st in enumerate(pipe.stages) for n in st.outputs],
                 "modeled_s": {"stages": [r.plan.cost for r in results], "cut_transfers": cut_s,

@@ -82,6 +82,18 @@ class InputIndexError(InputError):
     clamp it into the axis)."""
 
 
+def refuse_indices(name: str, low: int, high: int, ranges, carried: bool = False) -> None:
+    """Raise :class:`InputIndexError` when the input ``name``'s values (from ``low`` to ``high``) leave
+    one of ``ranges`` (``(lo, hi, node)``: the range a node reads it as an index in)."""
+    for lo, hi, op in ranges:
+        if low < lo or high > hi:
+            bad = low if low < lo else high
+            what = f"state input {name!r} (carried over from the last run)" if carried else f"input {name!r}"
+            raise InputIndexError(f"{what} holds the index {bad}, outside [{lo}, {hi}], the range node "
+                                  f"{op!r} reads it as an index in (token ids past an embedding's rows?); the "
+                                  "compiled kernels would clamp it into the axis, so the run is refused", name)
+
+
 class IndexRangeError(ShardflowError):
     """An index computed in the graph (from the inputs' values: positions from an attention mask)
     left the axis an op reads with it; the compiled kernels clamped it into the axis, so the run's
@@ -859,15 +871,8 @@ class RankProgram:
             both = both.get() if type(both).__module__.startswith("cupy") else both
             if int(both[1]) != edge.min:
                 low, high = -int(both[0]), int(both[1])
-        if low is None:
-            return
-        for lo, hi, op in self._index_checks[name]:
-            if low < lo or high > hi:
-                bad = low if low < lo else high
-                what = f"state input {name!r} (carried over from the last run)" if carried else f"input {name!r}"
-                raise InputIndexError(f"{what} holds the index {bad}, outside [{lo}, {hi}], the range node "
-                                      f"{op!r} reads it as an index in (token ids past an embedding's rows?); the "
-                                      "compiled kernels would clamp it into the axis, so the run is refused", name)
+        if low is not None:
+            refuse_indices(name, low, high, self._index_checks[name], carried)
 
     def close(self) -> None:
         """Free the sub-communicators (the world communicator belongs to the caller)."""

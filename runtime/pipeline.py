@@ -126,6 +126,8 @@ class PipelineProgram:
                                    stage_comm if width > 1 else None, **load_kwargs)
         self._inputs = {e["name"]: (tuple(e["shape"]), buffer_dtype(e["dtype"])) for e in spec["inputs"]}
         self._outputs = [e["name"] for e in spec["outputs"]]
+        self._ranges = {e["name"]: [(int(lo), int(hi), str(op)) for lo, hi, op in e["index_checks"]]
+                        for e in spec["inputs"] if e.get("index_checks")}
         self._mine = [e["name"] for e in spec["outputs"] if e["stage"] == self.stage]
         self._last_feeds: dict[str, Any] | None = None
         log.debug("rank %d: pipeline stage %d of %d, member %d of %d", self.rank, self.stage, n_stages, member, width)
@@ -153,7 +155,7 @@ class PipelineProgram:
     def _checked(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The inputs checked on every rank against the whole model's (so that all ranks refuse a bad
         call, before any transfer), whether or not this stage reads them."""
-        from .executor import InputDtypeError, InputNameError, InputShapeError
+        from .executor import InputDtypeError, InputNameError, InputShapeError, refuse_indices
 
         if not isinstance(inputs, Mapping):
             raise InputNameError(f"run() takes a dict of input name -> array, got {type(inputs).__name__}")
@@ -171,6 +173,8 @@ class PipelineProgram:
             if got is not None and got != dtype and not (dtype.kind == "V" and got == np.dtype(f"V{dtype.itemsize}")):
                 raise InputDtypeError(f"input {name!r} has dtype {got}, the program expects {dtype}; convert it with "
                                       f".astype('{dtype}')", name)
+            if name in self._ranges and np.size(a):
+                refuse_indices(name, int(a.min()), int(a.max()), self._ranges[name])
         return {n: inputs[n] for n in self._stage_spec["graph_inputs"]}
 
     def run(self, inputs: Mapping[str, Any], *, copy_outputs: bool = True) -> dict[str, np.ndarray]:

@@ -337,3 +337,25 @@ def test_shape_variants_with_stages_are_refused(tmp_path):
                          distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
                          out_dir=tmp_path / "v")
     assert not (tmp_path / "v").exists()
+
+
+def test_token_ids_past_the_table_are_refused_on_every_rank(tmp_path):
+    """The index ranges the stages check (the embedding's rows) are checked on every rank before any
+    transfer: a stage that does not read input_ids refuses too, rather than waiting on stage 0."""
+    from shardflow.runtime.executor import InputIndexError
+
+    feeds = _feeds("gpt2_ts17")
+    compile(str(MODELS / "gpt2_ts17.onnx"), distributed_config={"mesh_shape": [2], "pipeline_stages": 2},
+            optimization_config=CPU, out_dir=tmp_path / "out")
+    spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
+    assert [e["name"] for e in spec["inputs"] if e.get("index_checks")] == ["input_ids"]
+    assert "input_ids" not in spec["stages"][1]["graph_inputs"]
+    bad = dict(feeds, input_ids=np.full_like(feeds["input_ids"], 10 ** 6))
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        with pytest.raises(InputIndexError, match="holds the index 1000000"):
+            prog.run(bad)
+        return sorted(prog.run(feeds))
+
+    assert run_threads(InProcessWorld(2).communicators(), rank, timeout=120) == [[], ["logits"]]
