@@ -1600,7 +1600,8 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
         the end of the run. On several ranks a state split by the plan is kept as each rank's
         part; a KV cache whose heads were padded or replicated for the ranks (more ranks than
         key/value heads) is kept on those heads, split as the attention is (the manifest's
-        ``padded_heads``).
+        ``padded_heads``). With ``pipeline_stages``, each state lives in the stage holding its ops (no cut
+        between them) and that stage's ranks keep it.
     dim_sizes
         Sizes of the inputs' named dynamic dims, by name (``{"batch_size": 1, "sequence_length":
         128}``): an input whose dynamic dims all have sizes here needs no ``input_shapes`` entry

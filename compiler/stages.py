@@ -98,12 +98,9 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     the validated configs): import, cut, then each stage compiled as an ordinary graph on
     ``dcfg.stage_config()``'s mesh into ``out_dir/stage{s}``; the whole written under a temporary
     name and renamed at the end."""
-    from .driver import _compile, _load_model
+    from .driver import _check_state, _compile, _load_model
     from .parallel.pipeline import microbatch_graph, split_stages
 
-    if state:
-        raise ConfigError("compile(state=...) is not supported with pipeline_stages > 1 (a state's input and output "
-                          "may sit in different stages); drop one of them")
     t_all = time.perf_counter()
     timings: dict[str, float] = {}
     t = time.perf_counter()
@@ -114,9 +111,13 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     whole = {t.name: (t.shape, t.dtype) for t in graph.inputs}
     whole.update((n, (t.shape, t.dtype)) for n, t in zip(graph.output_names, graph.outputs))
     micro = dcfg.pipeline_microbatches
+    state = _check_state(graph, state, input_values)
+    if state and micro > 1:
+        raise ConfigError(f"compile(state=...) with pipeline_microbatches = {micro}: a state holds the whole batch "
+                          "and the microbatches would each need their own; drop one of them")
     t = time.perf_counter()
     graph = microbatch_graph(graph, micro)
-    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device)
+    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
     timings["cut"] = time.perf_counter() - t
     del graph  # (the stage graphs hold what they need)
     sub = dcfg.stage_config()
@@ -126,7 +127,8 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
         for st in pipe.stages:
             log.info("pipeline stage %d of %d: %d ops", st.index, len(pipe.stages), len(st.graph.nodes))
             res = _compile(st.graph, distributed_config=sub, optimization_config=optimization_config,
-                           out_dir=tmp / f"stage{st.index}", input_shapes=None, input_values=None, state=None)
+                           out_dir=tmp / f"stage{st.index}", input_shapes=None, input_values=None,
+                           state=st.state or None)
             st.graph = None  # (compiled: its weights may go)
             results.append(res)
             for k, v in res.timings.items():
@@ -155,9 +157,10 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                 "target": opt.target, "world_size": stage_world * len(results), "stage_world_size": stage_world,
                 "mesh_shape": list(dcfg.mesh_shape), "microbatches": micro,
                 "inputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1],
-                            **({"index_checks": ranges[n]} if n in ranges else {})} for n in pipe.inputs],
+                            **({"index_checks": ranges[n]} if n in ranges else {}),
+                            **({"state": True} if n in state.values() else {})} for n in pipe.inputs],
                 "outputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1], "stage": s}
-                            for s, st in enumerate(pipe.stages) for n in st.outputs],
+                            for s, st in enumerate(pipe.stages) for n in st.outputs if n not in state],
                 "modeled_s": {"stages": [r.plan.cost for r in results], "cut_transfers": cut_s,
                               "total": math.fsum(per) + (micro - 1) * max(per), "outputs_to_rank0": out_s},
                 **body}

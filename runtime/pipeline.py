@@ -126,6 +126,7 @@ class PipelineProgram:
                                    stage_comm if width > 1 else None, **load_kwargs)
         self._inputs = {e["name"]: (tuple(e["shape"]), buffer_dtype(e["dtype"])) for e in spec["inputs"]}
         self._outputs = [e["name"] for e in spec["outputs"]]
+        self._state_inputs = {e["name"] for e in spec["inputs"] if e.get("state")}
         self._ranges = {e["name"]: [(int(lo), int(hi), str(op)) for lo, hi, op in e["index_checks"]]
                         for e in spec["inputs"] if e.get("index_checks")}
         self._mine = [e["name"] for e in spec["outputs"] if e["stage"] == self.stage]
@@ -152,6 +153,20 @@ class PipelineProgram:
         """Every output of the model (what :meth:`gather_outputs` returns on rank 0)."""
         return list(self._outputs)
 
+    @property
+    def state_names(self) -> dict[str, str]:
+        """``{input name: output name}`` of the states this rank's stage keeps (``compile(state=...)``:
+        each state lives in the stage holding its ops)."""
+        return self.program.state_names
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        """The values of this rank's stage's states (:meth:`RankProgram.read_state`)."""
+        return self.program.read_state()
+
+    def reset_state(self) -> None:
+        """Zero this rank's stage's states (every rank calls it to start a new sequence)."""
+        self.program.reset_state()
+
     def _checked(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The inputs checked on every rank against the whole model's (so that all ranks refuse a bad
         call, before any transfer), whether or not this stage reads them."""
@@ -164,6 +179,8 @@ class PipelineProgram:
             raise InputNameError(f"unknown input(s) {unknown}; the model's inputs are {self.input_names}", unknown[0])
         for name, (shape, dtype) in self._inputs.items():
             if name not in inputs:
+                if name in self._state_inputs:  # (kept by its stage's program from the last run)
+                    continue
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
             a = inputs[name]
             if tuple(np.shape(a)) != shape:
@@ -175,7 +192,7 @@ class PipelineProgram:
                                       f".astype('{dtype}')", name)
             if name in self._ranges and np.size(a):
                 refuse_indices(name, int(a.min()), int(a.max()), self._ranges[name])
-        return {n: inputs[n] for n in self._stage_spec["graph_inputs"]}
+        return {n: inputs[n] for n in self._stage_spec["graph_inputs"] if n in inputs}
 
     def run(self, inputs: Mapping[str, Any], *, copy_outputs: bool = True) -> dict[str, np.ndarray]:
         """Run this rank's stage on ``inputs`` (the model's, by name) between its receives and sends,

@@ -63,6 +63,8 @@ class Stage:
         Modeled compute time of its ops on one device (the cut's balance).
     ops
         How many ops it has.
+    state
+        ``{output name: input name}``: the states (``compile``'s ``state``) whose ops it holds.
     """
 
     index: int
@@ -73,6 +75,7 @@ class Stage:
     outputs: list[str]
     time_s: float
     ops: int = 0
+    state: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,7 +118,8 @@ class Pipeline:
             "stages": [{"dir": f"stage{st.index}", "graph_inputs": st.graph_inputs,
                         "receives": [{"name": n, "from": s} for n, s in st.receives],
                         "sends": [{"name": n, "to": to} for n, to in st.sends],
-                        "outputs": st.outputs, "modeled_time_s": st.time_s, "ops": st.ops}
+                        "outputs": st.outputs, "modeled_time_s": st.time_s, "ops": st.ops,
+                        "state": [{"output": o, "input": i} for o, i in st.state.items()]}
                        for st in self.stages],
             "transfers": [{"name": n, "from": a, "to": b, "kind": k, "shape": list(self.tensors[n][0]),
                            "dtype": self.tensors[n][1]} for n, a, b, k in self.transfers],
@@ -162,10 +166,11 @@ def _crossing_bytes(graph: FlowGraph) -> list[int]:
     return res
 
 
-def _cuts(times: list[float], crossing: list[int], stages: int, tolerance: float) -> list[int]:
-    """Where stages 1..``stages``-1 start (node indices, increasing): each cut near an even share of
-    the time (within ``tolerance`` of a share), the fewest crossing bytes among those, then the
-    nearest to the even split."""
+def _cuts(times: list[float], crossing: list[int], stages: int, tolerance: float,
+          forbidden: frozenset = frozenset()) -> list[int]:
+    """Where stages 1..``stages``-1 start (node indices, increasing, none in ``forbidden``): each cut
+    near an even share of the time (within ``tolerance`` of a share), the fewest crossing bytes among
+    those, then the nearest to the even split."""
     n = len(times)
     prefix = [0.0]
     for t in times:
@@ -175,19 +180,27 @@ def _cuts(times: list[float], crossing: list[int], stages: int, tolerance: float
     cuts: list[int] = []
     for k in range(1, stages):
         lo, hi = (cuts[-1] + 1 if cuts else 1), n - (stages - k)  # at least one op per stage
+        allowed = [i for i in range(lo, hi + 1) if i not in forbidden]
+        if not allowed:
+            raise ShardflowError(f"no place for pipeline cut {k} of {stages - 1}: the ops a state joins (its input's "
+                                 "readers and its output's maker) leave too few places between them; use fewer stages")
         target = k * share
-        window = [i for i in range(lo, hi + 1) if abs(prefix[i] - target) <= tolerance * share]
+        window = [i for i in allowed if abs(prefix[i] - target) <= tolerance * share]
         if window:
             best = min(window, key=lambda i: (crossing[i], abs(prefix[i] - target), i))
         else:  # (one op holds more than the tolerance: the nearest cut)
-            best = min(range(lo, hi + 1), key=lambda i: (abs(prefix[i] - target), i))
+            best = min(allowed, key=lambda i: (abs(prefix[i] - target), i))
         cuts.append(best)
     return cuts
 
 
 def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = None,
-                 tolerance: float = BALANCE_TOLERANCE) -> Pipeline:
+                 tolerance: float = BALANCE_TOLERANCE, state: dict[str, str] | None = None) -> Pipeline:
     """Cut ``graph`` into ``stages`` contiguous runs of its ops (see the module docstring).
+
+    ``state`` (``{output name: input name}``, ``compile``'s): no cut falls between an op reading a
+    state's input and the op making its output, so that each state lives in one stage
+    (:attr:`Stage.state`), which keeps it between runs as an unstaged program does.
 
     Raises
     ------
@@ -207,7 +220,14 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
             raise ShardflowError(f"graph output {name!r} is {'a constant' if t.is_constant else 'a graph input'}, "
                                  "made by no op: pipeline stages need every output made by an op of some stage")
     times = op_times(graph, device)
-    cuts = _cuts(times, _crossing_bytes(graph), stages, tolerance)
+    index = {id(op): i for i, op in enumerate(nodes)}
+    forbidden: set[int] = set()
+    outputs_by_name = dict(zip(graph.output_names, graph.outputs))
+    for out, name in (state or {}).items():
+        at = [i for i, op in enumerate(nodes) if any(t.name == name and t.producer is None for t in op.inputs)]
+        at.append(index[id(outputs_by_name[out].producer)])
+        forbidden.update(range(min(at) + 1, max(at) + 1))  # (a cut before node i parts i - 1 from i)
+    cuts = _cuts(times, _crossing_bytes(graph), stages, tolerance, frozenset(forbidden))
     bounds = list(zip([0] + cuts, cuts + [len(nodes)]))
     stage_of: dict[int, int] = {}
     for s, (a, b) in enumerate(bounds):
@@ -231,6 +251,12 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
             raise ShardflowError(f"tensor {name!r} crosses a pipeline cut but a graph input has its name; rename it")
         return name
 
+    kept = set(state or ())
+    crossing_kept = sorted(out_name.get(id(outputs_by_name[o]), o) for o in kept
+                           if id(outputs_by_name[o]) in readers)
+    if crossing_kept:
+        raise ShardflowError(f"state output(s) {crossing_kept} are read by a later pipeline stage than the one making "
+                             "them; a state stays in its stage: use fewer stages or no state")
     pipe = Pipeline(stages=[], inputs={t.name: (t.shape, t.dtype) for t in graph.inputs})
     produced_outputs: dict[int, list[str]] = {s: [] for s in range(stages)}
     for name, t in zip(graph.output_names, graph.outputs):
@@ -286,12 +312,13 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         sg.validate()
         pipe.stages.append(Stage(index=s, graph=sg, graph_inputs=[t.name for t in g_inputs], receives=receives,
                                  sends=sends, outputs=produced_outputs[s], time_s=math.fsum(times[a:b]),
-                                 ops=len(new_nodes)))
+                                 ops=len(new_nodes),
+                                 state={o: i for o, i in (state or {}).items() if o in produced_outputs[s]}))
     for st in pipe.stages:
         for name, to in st.sends:
             pipe.transfers.extend((name, st.index, d, "cut") for d in to)
     for name, t in zip(graph.output_names, graph.outputs):
-        if stage_of[id(t.producer)] != 0:
+        if stage_of[id(t.producer)] != 0 and name not in kept:  # (a state stays in its stage's program)
             pipe.transfers.append((name, stage_of[id(t.producer)], 0, "output"))
     log.info("pipeline: %d stages of %s ops, modeled %s ms; %d tensors cross the cuts (%s bytes)", stages,
              [st.ops for st in pipe.stages], [round(st.time_s * 1e3, 3) for st in pipe.stages],

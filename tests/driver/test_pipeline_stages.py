@@ -120,9 +120,9 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="pipeline_stages"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 0}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
-    with pytest.raises(ConfigError, match="state=.* is not supported with pipeline_stages"):
-        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
-                out_dir=tmp_path / "a", state={"h1": "x"})
+    with pytest.raises(ConfigError, match="state=.* with pipeline_microbatches = 2"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2},
+                optimization_config=CPU, out_dir=tmp_path / "a", state={"h1": "x"})
     with pytest.raises(ConfigError, match="pipeline_microbatches'\\] = 2 needs pipeline_stages > 1"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_microbatches": 2}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
@@ -359,3 +359,40 @@ def test_token_ids_past_the_table_are_refused_on_every_rank(tmp_path):
         return sorted(prog.run(feeds))
 
     assert run_threads(InProcessWorld(2).communicators(), rank, timeout=120) == [[], ["logits"]]
+
+
+def test_a_kv_cache_stays_in_its_stage(tmp_path):
+    """onnxruntime-genai's Llama decoding step (2 layers, a cache of 16) on 2 stages with its KV cache kept
+    as state: no cut between a layer's past and its present, so each stage keeps its layer's cache. Five
+    greedy steps of two sequences, the first given the zero past, the others only the token and the mask:
+    the last stage's logits and each stage's cache against onnxruntime fed its own presents."""
+    from test_state import _cache_state, _close, _llama_steps
+
+    state = _cache_state(2)
+    shapes = {"input_ids": (2, 1), "attention_mask": (2, 16), **{k: (2, 2, 16, 16) for k in state.values()}}
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={"mesh_shape": [2], "pipeline_stages": 2},
+                  optimization_config=CPU, out_dir=tmp_path / "out", input_shapes=shapes, state=state)
+    kept = [{e["output"]: e["input"] for e in st["state"]} for st in res.pipeline["stages"]]
+    assert kept == [{k: v for k, v in state.items() if ".0." in k}, {k: v for k, v in state.items() if ".1." in k}]
+    assert [e["name"] for e in res.pipeline["outputs"]] == ["logits"]
+    assert sorted(e["name"] for e in res.pipeline["inputs"] if e.get("state")) == sorted(state.values())
+    steps = list(_llama_steps(5))
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        assert prog.state_names == {v: k for k, v in kept[comm.rank].items()}
+        seen = []
+        for given, _ in steps:
+            got = prog.run(given)
+            seen.append((got, prog.read_state()))
+        prog.reset_state()
+        assert all(not v.any() for v in prog.read_state().values())
+        return seen
+
+    for r, seen in enumerate(run_threads(InProcessWorld(2).communicators(), rank, timeout=120)):
+        for step, ((got, cache), (_, want)) in enumerate(zip(seen, steps)):
+            assert sorted(got) == (["logits"] if r == 1 else [])
+            if r == 1:
+                _close(got["logits"], want["logits"], what=f"step {step}")
+            for out, name in kept[r].items():
+                _close(cache[name], want[out], what=f"rank {r} step {step} {name}")
