@@ -396,3 +396,26 @@ def test_a_kv_cache_stays_in_its_stage(tmp_path):
                 _close(got["logits"], want["logits"], what=f"step {step}")
             for out, name in kept[r].items():
                 _close(cache[name], want[out], what=f"rank {r} step {step} {name}")
+
+
+def test_no_cut_between_a_states_input_and_its_output():
+    """The residual MLP with a second input ``c`` added in block 1 and ``h2`` (block 2's output) kept as
+    its next value: the even cut (after ``addc``, block 1's end) would part them, so it moves before
+    ``addc``, which joins ``h2``'s stage; a state spanning the whole graph leaves no place for a cut."""
+    model = _residual_mlp(layers=4)
+    g = model.graph
+    g.input.append(oh.make_tensor_value_info("c", TensorProto.FLOAT, [8, 32]))
+    at = [i for i, n in enumerate(g.node) if n.name == "res1"][0]
+    g.node[at].output[0] = "h1a"
+    g.node.insert(at + 1, oh.make_node("Add", ["h1a", "c"], ["h1"], name="addc"))
+    g.output.insert(0, oh.make_tensor_value_info("h2", TensorProto.FLOAT, [8, 32]))
+    graph = load_onnx(model)
+    free = split_stages(graph, 2)
+    assert [op.name for op in graph.nodes][free.stages[0].ops - 1] == "addc"  # (after block 1)
+    pipe = split_stages(graph, 2, state={"h2": "c"})
+    assert [op.name for op in graph.nodes][pipe.stages[0].ops - 1] == "res1"
+    assert pipe.stages[0].state == {} and pipe.stages[1].state == {"h2": "c"}
+    assert pipe.stages[1].graph_inputs == ["c"] and pipe.stages[0].graph_inputs == ["x"]
+    assert [t for t in pipe.transfers if t[3] == "output"] == [("h3", 1, 0, "output")]  # (h2: a state, kept)
+    with pytest.raises(ShardflowError, match="no place for pipeline cut 1 of 1"):
+        split_stages(graph, 2, state={"h3": "x"})
