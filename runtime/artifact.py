@@ -114,6 +114,22 @@ def read_json(path: str | os.PathLike, what: str | None = None) -> Any:
             from None
 
 
+def read_versioned(path: str | os.PathLike, what: str, fmt: str, version: int) -> dict | None:
+    """The JSON object at ``path`` (an out_dir's description of its parts: ``variants.json``,
+    ``pipeline.json``) with its ``format`` and ``version`` checked, or ``None`` when there is no such
+    file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    spec = read_json(path, what)
+    if not isinstance(spec, dict) or spec.get("format") != fmt:
+        raise ArtifactError(f"{str(path)!r} is not a {what} (format {fmt!r})")
+    if spec.get("version") != version:
+        raise ArtifactError(f"{str(path)!r} has version {spec.get('version')!r}; this runtime reads version "
+                            f"{version}: compile again with this version of Shardflow")
+    return spec
+
+
 def finalize_rank_dir(directory: str | os.PathLike, manifest: dict, known: dict[str, str] | None = None) -> dict:
     """Add the sha256 of every file in ``directory`` to ``manifest`` and write ``manifest.json``.
 

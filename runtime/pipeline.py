@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .artifact import ArtifactError, buffer_dtype, read_json
+from .artifact import ArtifactError, buffer_dtype, read_versioned
 
 __all__ = ["PIPELINE_FILE", "PipelineProgram", "read_pipeline", "stage_of_rank"]
 
@@ -35,14 +35,9 @@ PIPELINE_FORMAT, PIPELINE_VERSION = "shardflow-pipeline", 1
 def read_pipeline(out_dir: str | os.PathLike) -> dict | None:
     """``out_dir/pipeline.json`` checked, or ``None`` for an out_dir without stages."""
     path = Path(out_dir) / PIPELINE_FILE
-    if not path.exists():
+    spec = read_versioned(path, "pipeline description", PIPELINE_FORMAT, PIPELINE_VERSION)
+    if spec is None:
         return None
-    spec = read_json(path, "pipeline description")
-    if not isinstance(spec, dict) or spec.get("format") != PIPELINE_FORMAT:
-        raise ArtifactError(f"{str(path)!r} is not a pipeline description (format {PIPELINE_FORMAT!r})")
-    if spec.get("version") != PIPELINE_VERSION:
-        raise ArtifactError(f"{str(path)!r} has version {spec.get('version')!r}; this runtime reads version "
-                            f"{PIPELINE_VERSION}: compile again with this version of Shardflow")
     stages = spec.get("stages")
     ok = (isinstance(stages, list) and len(stages) > 1 and isinstance(spec.get("stage_world_size"), int)
           and spec["stage_world_size"] >= 1 and spec.get("world_size") == spec["stage_world_size"] * len(stages)

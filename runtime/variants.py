@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .artifact import ArtifactError, ChecksumError, read_json
+from .artifact import ArtifactError, ChecksumError, read_versioned
 
 __all__ = ["VARIANTS_FILE", "VariantProgram", "read_variants", "first_variant_dir"]
 
@@ -37,14 +37,9 @@ def read_variants(out_dir: str | os.PathLike) -> dict | None:
     the whole shape of each input, ``outputs`` and ``world_size``), or ``None`` for an out_dir of one
     program."""
     path = Path(out_dir) / VARIANTS_FILE
-    if not path.exists():
+    spec = read_versioned(path, "list of shape variants", VARIANTS_FORMAT, VARIANTS_VERSION)
+    if spec is None:
         return None
-    spec = read_json(path, "list of shape variants")
-    if not isinstance(spec, dict) or spec.get("format") != VARIANTS_FORMAT:
-        raise ArtifactError(f"{str(path)!r} is not a list of shape variants (format {VARIANTS_FORMAT!r})")
-    if spec.get("version") != VARIANTS_VERSION:
-        raise ArtifactError(f"{str(path)!r} has version {spec.get('version')!r}; this runtime reads version "
-                            f"{VARIANTS_VERSION}: compile again with this version of Shardflow")
     variants = spec.get("variants")
     if not isinstance(variants, list) or not variants or not all(
             isinstance(v, dict) and isinstance(v.get("dir"), str) and isinstance(v.get("inputs"), dict)
