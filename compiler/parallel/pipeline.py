@@ -27,6 +27,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import ShardflowError
 from ..ir.graph import FlowGraph, Operator, Tensor
 from .cost import H100, DeviceProfile, total_bytes
@@ -327,6 +329,17 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
     return pipe
 
 
+def _same_array(a, b) -> bool:
+    """Equal arrays: the same memory (a whole weight every part reads), or the same bytes."""
+    if a is b:
+        return True
+    ia, ib = a.__array_interface__, b.__array_interface__
+    if (ia["data"], ia["strides"], a.shape, a.dtype) == (ib["data"], ib["strides"], b.shape, b.dtype):
+        return True
+    return a.shape == b.shape and a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == \
+        np.ascontiguousarray(b).tobytes()
+
+
 def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
     """The graph of one of ``microbatches`` equal parts of ``graph``'s batch: dim 0 of every input and
     output divided by ``microbatches``, the ops rebuilt for those shapes (reshape targets included).
@@ -372,19 +385,26 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
     ranks = partition_ranks(graph, plan, sharded_inputs=[t.name for t in graph.inputs])  # (each its part)
     first = next(ranks)
 
-    def key(g: FlowGraph) -> list:
-        res = [[(t.name, t.shape, t.dtype) for t in g.inputs], [t.shape for t in g.outputs]]
-        for op in g.nodes:
-            consts = [attr_key(t.value) if t.is_constant and t.producer is None else (t.shape, t.dtype)
-                      for t in op.inputs]
-            res.append((op.op_type, op.name, attr_key(op.attrs), consts, [t.shape for t in op.outputs]))
-        return res
+    def same(a: FlowGraph, b: FlowGraph) -> str | None:
+        """Where ``b`` differs from ``a`` (an op's name), or None."""
+        if [(t.name, t.shape, t.dtype) for t in a.inputs] != [(t.name, t.shape, t.dtype) for t in b.inputs] \
+                or [t.shape for t in a.outputs] != [t.shape for t in b.outputs] or len(a.nodes) != len(b.nodes):
+            return "its inputs or outputs"
+        for x, y in zip(a.nodes, b.nodes):
+            if (x.op_type, x.name, [t.shape for t in x.outputs]) != (y.op_type, y.name, [t.shape for t in y.outputs]) \
+                    or attr_key(x.attrs) != attr_key(y.attrs) or len(x.inputs) != len(y.inputs):
+                return x.name
+            for s, t in zip(x.inputs, y.inputs):
+                cs, ct = s.is_constant and s.producer is None, t.is_constant and t.producer is None
+                if cs != ct or (s.shape, s.dtype) != (t.shape, t.dtype):
+                    return x.name
+                if cs and not _same_array(s.value, t.value):
+                    return x.name
+        return None
 
-    want = key(first)
     for j, g in enumerate(ranks, 1):
-        got = key(g)
-        if got != want:
-            where = next((b[1] for a, b in zip(want[2:], got[2:]) if a != b), "its inputs or outputs")
+        where = same(first, g)
+        if where is not None:
             raise ShardflowError(f"pipeline_microbatches = {microbatches}: microbatch {j}'s graph differs from "
                                  f"microbatch 0's at {where} (an op that depends on where in the batch it is), so "
                                  "one program cannot run them all; compile without microbatches")
