@@ -2,6 +2,7 @@
 compile of one out_dir per stage (compiler/stages.py) and the ranks that run them
 (runtime/pipeline.py), against onnxruntime and numpy."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+from random_models import GENERATORS  # noqa: E402
 from threads import run_threads  # noqa: E402
 
 MODELS = Path(__file__).parent.parent / "models"
@@ -419,3 +421,47 @@ def test_no_cut_between_a_states_input_and_its_output():
     assert [t for t in pipe.transfers if t[3] == "output"] == [("h3", 1, 0, "output")]  # (h2: a state, kept)
     with pytest.raises(ShardflowError, match="no place for pipeline cut 1 of 1"):
         split_stages(graph, 2, state={"h3": "x"})
+
+
+# --------------------------------------------------------------------------------- random models
+RANDOM_SEEDS = range(*(int(v) for v in os.environ.get("SHARDFLOW_RANDOM_SEEDS", "0:3").split(":")))
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+def test_random_models_cut_and_split_into_microbatches(kind, seed):
+    """Random models (tests/random_models.py) cut into 2 and 3 stages at a random tolerance: the stage
+    graphs chained equal the graph bit for bit (the evaluator); the graph of 2 microbatches, where the
+    batch divides and the model computes its samples apart, gives the rows of the whole (to the last
+    bits numpy's products round by shape), else a ``ShardflowError`` says why. ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds A..B-1 (default 0:3)."""
+    model, feeds, desc = GENERATORS[kind](seed)
+    g = load_onnx(model)
+    feeds = {t.name: feeds[t.name] for t in g.inputs}
+    ref = g.run(feeds)
+    rng = np.random.default_rng([seed, 105])
+    for stages in (2, 3):
+        if len(g.nodes) < stages:
+            continue
+        try:
+            pipe = split_stages(g, stages, tolerance=float(rng.uniform(0.0, 0.5)))
+        except ShardflowError as exc:  # (an output no op makes)
+            assert "made by no op" in str(exc), f"{kind} {seed} ({desc}): {exc}"
+            break
+        env = dict(feeds)
+        for st in pipe.stages:
+            env.update(st.graph.run({t.name: env[t.name] for t in st.graph.inputs}))
+        for k, v in ref.items():
+            np.testing.assert_array_equal(env[k], v, err_msg=f"{kind} {seed} ({desc}) {stages} stages: {k}")
+    try:
+        mg = microbatch_graph(g, 2)
+    except ShardflowError as exc:
+        assert "pipeline_microbatches = 2" in str(exc), f"{kind} {seed} ({desc}): {exc}"
+        return
+    parts = [mg.run({k: np.split(v, 2)[j] for k, v in feeds.items()}) for j in range(2)]
+    for k, v in ref.items():  # (numpy's products round by their shapes: a part's may differ in the last bits)
+        got = np.concatenate([p[k] for p in parts])
+        if v.dtype.kind in "fc":
+            np.testing.assert_allclose(got, v, rtol=1e-5, atol=1e-6 * max(float(np.abs(v).max()), 1.0),
+                                       err_msg=f"{kind} {seed} ({desc}): {k}")
+        else:
+            np.testing.assert_array_equal(got, v, err_msg=f"{kind} {seed} ({desc}): {k}")
