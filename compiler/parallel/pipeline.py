@@ -406,9 +406,9 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
         where = same(first, g)
         if where is not None:
             raise ShardflowError(f"pipeline_microbatches = {microbatches}: microbatch {j}'s graph differs from "
-                                 f"microbatch 0's at {where} (a constant with a row per sample, or an op that depends on "
-                                 "where in the batch it is), so one program cannot run them all; compile without "
-                                 "microbatches")
+                                 f"microbatch 0's at {where} (a constant with a row per sample, or an op that "
+                                 "depends on where in the batch it is), so one program cannot run them all; compile "
+                                 "without microbatches")
     first.meta = {k: v for k, v in graph.meta.items()}
     log.info("pipeline: %d microbatches of %s", microbatches,
              ", ".join(f"{t.name} {list(t.shape)}" for t in first.inputs))

@@ -433,7 +433,8 @@ def test_random_models_cut_and_split_into_microbatches(kind, seed):
     """Random models (tests/random_models.py) cut into 2 and 3 stages at a random tolerance: the stage
     graphs chained equal the graph bit for bit (the evaluator); the graph of 2 microbatches, where the
     batch divides and the model computes its samples apart, gives the rows of the whole (to the last
-    bits numpy's products round by shape), else a ``ShardflowError`` says why. ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds A..B-1 (default 0:3)."""
+    bits numpy's products round by shape), else a ``ShardflowError`` says why.
+    ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds A..B-1 (default 0:3)."""
     model, feeds, desc = GENERATORS[kind](seed)
     g = load_onnx(model)
     feeds = {t.name: feeds[t.name] for t in g.inputs}
