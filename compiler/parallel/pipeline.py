@@ -410,6 +410,7 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
                                  "depends on where in the batch it is), so one program cannot run them all; compile "
                                  "without microbatches")
     first.meta = {k: v for k, v in graph.meta.items()}
+    first.name = f"{graph.name}.microbatch"
     log.info("pipeline: %d microbatches of %s", microbatches,
              ", ".join(f"{t.name} {list(t.shape)}" for t in first.inputs))
     return first

@@ -466,3 +466,44 @@ def test_random_models_cut_and_split_into_microbatches(kind, seed):
                                        err_msg=f"{kind} {seed} ({desc}): {k}")
         else:
             np.testing.assert_array_equal(got, v, err_msg=f"{kind} {seed} ({desc}): {k}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+def test_random_models_on_pipeline_ranks(tmp_path, kind, seed):
+    """Random models compiled for the cpu target on 2 stages of 2 ranks (with 2 microbatches where the model
+    allows them), run on in-process ranks, the outputs gathered on rank 0 against onnxruntime (``-m
+    slow``; ``SHARDFLOW_RANDOM_SEEDS``)."""
+    from random_models import reference
+
+    model, feeds, desc = GENERATORS[kind](seed)
+    want = reference(model, feeds)
+    cfg = {"mesh_shape": [2, 2], "pipeline_stages": 2, "pipeline_microbatches": 2}
+    try:
+        microbatch_graph(load_onnx(model), 2)
+    except ShardflowError:
+        cfg.pop("pipeline_microbatches")
+    try:
+        res = compile(model, distributed_config=cfg, optimization_config=CPU, out_dir=tmp_path / "out")
+    except ShardflowError as exc:  # (an output no op makes; a graph of one op)
+        assert "made by no op" in str(exc) or "fewer than the 2 pipeline stages" in str(exc), \
+            f"{kind} {seed} ({desc}): {exc}"
+        return
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        return prog.gather_outputs(prog.run(dict(feeds)))
+
+    got = run_threads(InProcessWorld(res.world_size).communicators(), rank, timeout=300)[0]
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        g = np.asarray(got[k])
+        assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{kind} {seed} ({desc}) {cfg}: {k}"
+        if w.dtype.kind in "fc":
+            tol = 3e-2 if any(v.dtype == np.float16 for v in feeds.values()) else 1e-4
+            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=tol,
+                                       atol=tol * max(float(np.abs(w).max()) if w.size else 0.0, 1e-6),
+                                       err_msg=f"{kind} {seed} ({desc}) {cfg}: {k}")
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=f"{kind} {seed} ({desc}) {cfg}: {k}")
