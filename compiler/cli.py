@@ -154,6 +154,16 @@ def _read_config(path: str | None, what: str) -> dict:
 CALIBRATED_KEYS = ("device", "axis_bandwidth_GBps", "axis_latency_us")
 
 
+def _stages(text: str):
+    """``--stages``: a count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of stages or 'auto'") from None
+
+
 def _distributed_config(args) -> dict:
     cfg = _read_config(args.distributed_config, "distributed-config")
     if args.mesh is not None:
@@ -204,9 +214,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")
-    p.add_argument("--stages", type=int, default=None, metavar="P",
+    p.add_argument("--stages", type=_stages, default=None, metavar="P",
                    help="pipeline stages: the graph cut into P contiguous stages on the first mesh axis (which must "
-                        "be P), each sharded over the other axes (distributed_config pipeline_stages)")
+                        "be P), each sharded over the other axes; 'auto': compile weighs mesh_shape[0] stages against "
+                        "one plan over the whole mesh (distributed_config pipeline_stages)")
     p.add_argument("--device", choices=("cpu", "h100"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")
@@ -393,6 +404,9 @@ def _cmd_plan(args) -> int:
     ocfg = _read_config(args.optimization_config, "optimization-config")
     if args.target is not None:
         ocfg["target"] = args.target
+    if dcfg.get("pipeline_stages", 1) == "auto":
+        raise _CLIError("`shardflow plan --stages auto` is not supported: `compile` decides; plan with --stages N "
+                        "and without, and compare their modeled costs")
     if dcfg.get("pipeline_stages", 1) > 1:
         return _plan_stages(args, dcfg, ocfg)
     graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg,

@@ -1646,13 +1646,20 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     from .parallel.config import DistributedConfig
 
     dcfg = _target_device(DistributedConfig.from_dict(distributed_config), opt)
-    if dcfg.pipeline_stages > 1:
+    note = None
+    if dcfg.pipeline_stages != 1:
         if weights_elsewhere is not None:
-            raise ConfigError("compile_variants does not support pipeline_stages > 1; compile each shape on its own")
-        from .stages import compile_stages
+            raise ConfigError("compile_variants does not support pipeline_stages; compile each shape on its own")
+        from .stages import choose_stages, compile_stages
 
-        return compile_stages(model, dcfg=dcfg, opt=opt, optimization_config=optimization_config, out_dir=out_dir,
-                              input_shapes=input_shapes, input_values=input_values, state=state, dim_sizes=dim_sizes)
+        if dcfg.pipeline_stages == "auto":
+            dcfg, note = choose_stages(model, dcfg=dcfg, opt=opt, optimization_config=optimization_config,
+                                       input_shapes=input_shapes, input_values=input_values, state=state,
+                                       dim_sizes=dim_sizes)
+        if dcfg.staged:
+            return compile_stages(model, dcfg=dcfg, opt=opt, optimization_config=optimization_config,
+                                  out_dir=out_dir, input_shapes=input_shapes, input_values=input_values, state=state,
+                                  dim_sizes=dim_sizes, note=note)
     builder = _cuda_builder() if opt.target == "cuda" else _cpu_builder()
     timings: dict[str, float] = {}
 
@@ -1672,6 +1679,8 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     t = time.perf_counter()
     log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
     plan = search(graph, dcfg)
+    if note:  # (pipeline_stages 'auto' chose this plan over stages)
+        plan.notes.append(note)
     timings["search"] = time.perf_counter() - t
     log.info("plan: %s, modeled cost %.3g s, in %.2f s", plan.algo, plan.cost, timings["search"])
 

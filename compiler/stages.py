@@ -23,7 +23,7 @@ from shardflow.runtime.pipeline import PIPELINE_FILE, PIPELINE_FORMAT, PIPELINE_
 
 from .errors import ConfigError
 
-__all__ = ["StagesResult", "compile_stages", "plan_stages"]
+__all__ = ["StagesResult", "compile_stages", "plan_stages", "choose_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +91,17 @@ class StagesResult:
         return self.summary()
 
 
-def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,
-                   input_shapes: Mapping[str, Sequence[int]] | None, input_values: Mapping[str, Any] | None,
-                   state: Mapping[str, str] | None, dim_sizes: Mapping[str, int] | None) -> StagesResult:
-    """:func:`~shardflow.compiler.compile` for ``dcfg.pipeline_stages`` > 1 (``dcfg``, ``opt``:
-    the validated configs): import, cut, then each stage compiled as an ordinary graph on
-    ``dcfg.stage_config()``'s mesh into ``out_dir/stage{s}``; the whole written under a temporary
-    name and renamed at the end."""
-    from .driver import _check_state, _compile, _load_model
+def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes) -> tuple:
+    """Import, the state checked, the microbatch's graph, the cut: ``(pipeline, whole, state, timings)``
+    (``whole``: shape and dtype of every model input and output at the whole batch)."""
+    from .driver import _check_state, _load_model
     from .parallel.pipeline import microbatch_graph, split_stages
 
-    t_all = time.perf_counter()
     timings: dict[str, float] = {}
-    t = time.perf_counter()
+    t0 = time.perf_counter()
     graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
                         routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
-    timings["import"] = time.perf_counter() - t
+    timings["import"] = time.perf_counter() - t0
     # what a run takes and returns: the whole batch, whatever the microbatches
     whole = {t.name: (t.shape, t.dtype) for t in graph.inputs}
     whole.update((n, (t.shape, t.dtype)) for n, t in zip(graph.output_names, graph.outputs))
@@ -115,11 +110,83 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     if state and micro > 1:
         raise ConfigError(f"compile(state=...) with pipeline_microbatches = {micro}: a state holds the whole batch "
                           "and the microbatches would each need their own; drop one of them")
-    t = time.perf_counter()
-    graph = microbatch_graph(graph, micro)
-    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
-    timings["cut"] = time.perf_counter() - t
-    del graph  # (the stage graphs hold what they need)
+    t0 = time.perf_counter()
+    pipe = split_stages(microbatch_graph(graph, micro), dcfg.pipeline_stages, dcfg.device, state=state)
+    timings["cut"] = time.perf_counter() - t0
+    return pipe, whole, state, timings
+
+
+def _modeled(pipe, costs: Sequence[float], dcfg) -> dict:
+    """The modeled time of a run of ``pipe`` whose stages' plans cost ``costs`` (seconds, a microbatch):
+    a microbatch's time in each stage is its plan's cost and its sends; the microbatches follow each other,
+    so a run is every stage once (the first microbatch) and the slowest stage m - 1 times more."""
+    bw = dcfg.axis_bandwidth_GBps[0] if dcfg.axis_bandwidth_GBps else None
+    lat = dcfg.axis_latency_us[0] if dcfg.axis_latency_us else None
+    micro = dcfg.pipeline_microbatches
+    per = [c + pipe.transfer_seconds(bw, lat, ("cut",), s) for s, c in enumerate(costs)]
+    return {"stages": list(costs), "cut_transfers": pipe.transfer_seconds(bw, lat, ("cut",)),
+            "total": math.fsum(per) + (micro - 1) * max(per),
+            "outputs_to_rank0": pipe.transfer_seconds(bw, lat, ("output",)) * micro}
+
+
+def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_values, state, dim_sizes):
+    """``pipeline_stages = "auto"``: ``(config, note)``, the config ``compile`` goes on with (``mesh_shape[0]``
+    stages, or none) and a line saying why. Both are planned: one plan over the whole mesh, and the cut into
+    ``mesh_shape[0]`` stages with each stage's plan over the other axes; the one of less modeled time is
+    kept (a plan the budget or the device's memory refuses, or a cut the model refuses, is out of the
+    running, with its reason in the note). ``compile`` then plans the one kept again, as it would have
+    with that config given (twice the planning time of the one kept, for a compile that is the same)."""
+    import dataclasses
+
+    from .driver import _planned_graph, planned_graph
+    from .errors import ShardflowError
+    from .parallel import search
+
+    flat = dataclasses.replace(dcfg, pipeline_stages=1, pipeline_microbatches=1)
+    staged = dataclasses.replace(dcfg, pipeline_stages=int(dcfg.mesh_shape[0]))
+    n = staged.pipeline_stages
+    why: dict[str, str] = {}
+    t_flat = t_staged = math.inf
+    try:
+        t_flat = search(_planned_graph(model, opt, flat, input_shapes, input_values, dim_sizes), flat).cost
+    except ShardflowError as exc:
+        why["flat"] = str(exc)
+    try:
+        pipe = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes)[0]
+        sub = staged.stage_config()
+        costs = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config),
+                        sub).cost for st in pipe.stages]
+        t_staged = _modeled(pipe, costs, staged)["total"]
+    except ShardflowError as exc:
+        why["staged"] = str(exc)
+    if math.isinf(t_flat) and math.isinf(t_staged):
+        raise ShardflowError(f"pipeline_stages 'auto' on mesh {list(dcfg.mesh_shape)}: no plan over the whole mesh "
+                             f"({why.get('flat')}) and none with {n} stages ({why.get('staged')})")
+
+    def said(t, key):
+        return f"{t * 1e6:.4g} us" if key not in why else f"refused ({why[key]})"
+    pick = staged if t_staged < t_flat else flat
+    note = (f"pipeline_stages 'auto': {'%d stages' % n if pick is staged else 'one plan over the whole mesh'} "
+            f"(modeled run: one plan over mesh {list(dcfg.mesh_shape)} {said(t_flat, 'flat')}, {n} stages over "
+            f"{list(staged.stage_config().mesh_shape)} {said(t_staged, 'staged')})")
+    log.info("%s", note)
+    return pick, note
+
+
+def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,
+                   input_shapes: Mapping[str, Sequence[int]] | None, input_values: Mapping[str, Any] | None,
+                   state: Mapping[str, str] | None, dim_sizes: Mapping[str, int] | None,
+                   note: str | None = None) -> StagesResult:
+    """:func:`~shardflow.compiler.compile` for ``dcfg.pipeline_stages`` > 1 (``dcfg``, ``opt``:
+    the validated configs): import, cut, then each stage compiled as an ordinary graph on
+    ``dcfg.stage_config()``'s mesh into ``out_dir/stage{s}``; the whole written under a temporary
+    name and renamed at the end. ``note``: why stages (``pipeline_stages = "auto"``), kept in
+    ``pipeline.json``."""
+    from .driver import _compile
+
+    t_all = time.perf_counter()
+    pipe, whole, state, timings = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes)
+    micro = dcfg.pipeline_microbatches
     sub = dcfg.stage_config()
     results = []
     out = Path(out_dir)
@@ -142,13 +209,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
             for e in json.loads((res.out_dir / "rank0" / "manifest.json").read_text())["inputs"]:
                 if e["name"] in pipe.inputs and e.get("index_checks"):
                     ranges.setdefault(e["name"], []).extend(e["index_checks"])
-        bw = dcfg.axis_bandwidth_GBps[0] if dcfg.axis_bandwidth_GBps else None
-        lat = dcfg.axis_latency_us[0] if dcfg.axis_latency_us else None
-        # a microbatch's time in each stage: its plan's cost and its sends; the microbatches follow each
-        # other, so a run is every stage once (the first microbatch) and the slowest stage m - 1 times more
-        per = [r.plan.cost + pipe.transfer_seconds(bw, lat, ("cut",), s) for s, r in enumerate(results)]
-        cut_s = pipe.transfer_seconds(bw, lat, ("cut",))
-        out_s = pipe.transfer_seconds(bw, lat, ("output",)) * micro
+        modeled = _modeled(pipe, [r.plan.cost for r in results], dcfg)
         body = pipe.to_dict()
         for e in body["transfers"]:
             if e["kind"] == "output":  # (gathered whole: every microbatch's rows)
@@ -161,9 +222,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                             **({"state": True} if n in state.values() else {})} for n in pipe.inputs],
                 "outputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1], "stage": s}
                             for s, st in enumerate(pipe.stages) for n in st.outputs if n not in state],
-                "modeled_s": {"stages": [r.plan.cost for r in results], "cut_transfers": cut_s,
-                              "total": math.fsum(per) + (micro - 1) * max(per), "outputs_to_rank0": out_s},
-                **body}
+                "modeled_s": modeled, **({"note": note} if note else {}), **body}
         write_json(tmp / PIPELINE_FILE, spec)
     timings["total"] = time.perf_counter() - t_all
     out = out.resolve()
@@ -176,7 +235,6 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                         target=opt.target, arch=results[0].arch, timings=timings)
 
 
-
 def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
                 input_shapes: Mapping[str, Sequence[int]] | None = None,
                 input_values: Mapping[str, Any] | None = None, dim_sizes: Mapping[str, int] | None = None):
@@ -184,17 +242,14 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
     arguments (``shardflow plan --stages``): ``(pipeline, plans)``, a
     :class:`~shardflow.compiler.parallel.pipeline.Pipeline` and one
     :class:`~shardflow.compiler.parallel.ShardingPlan` per stage."""
-    from .driver import OptimizationConfig, _load_model, planned_graph, planning_config
+    from .driver import OptimizationConfig, planned_graph, planning_config
     from .parallel import search
-    from .parallel.pipeline import microbatch_graph, split_stages
 
     dcfg = planning_config(distributed_config, optimization_config)
-    if dcfg.pipeline_stages < 2:
+    if not dcfg.staged:
         raise ConfigError("plan_stages needs distributed_config['pipeline_stages'] > 1")
     opt = OptimizationConfig.from_dict(optimization_config)
-    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
-                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
-    pipe = split_stages(microbatch_graph(graph, dcfg.pipeline_microbatches), dcfg.pipeline_stages, dcfg.device)
+    pipe = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes)[0]
     sub = dcfg.stage_config()
     plans = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
              for st in pipe.stages]

@@ -46,7 +46,9 @@ key                       meaning                                               
                           contiguous run of ops, compiled and sharded over the
                           other axes (``mesh_shape[1:]``) on its own ranks; the
                           activations crossing a cut are sent between stages
-                          (parallel/pipeline.py)
+                          (parallel/pipeline.py). ``"auto"``: ``compile`` plans
+                          both ``mesh_shape[0]`` stages and one plan over the
+                          whole mesh and keeps the one of less modeled time
 ``pipeline_microbatches`` with stages: a run's batch (dim 0 of every input and     1
                           output) split into this many equal microbatches that
                           follow each other through the stages, so that the stages
@@ -97,8 +99,14 @@ class DistributedConfig:
     partial_sums: bool | str = "auto"
     pad_heads: bool | str = "auto"
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
-    pipeline_stages: int = 1
+    pipeline_stages: int | str = 1  # or "auto"
     pipeline_microbatches: int = 1
+
+    @property
+    def staged(self) -> bool:
+        """Whether the graph is cut into pipeline stages (``pipeline_stages`` > 1; ``"auto"`` is decided
+        by ``compile``, which then gives a config with a number)."""
+        return self.pipeline_stages != "auto" and self.pipeline_stages > 1
 
     def stage_config(self) -> "DistributedConfig":
         """The config one pipeline stage is planned with: the mesh without its first axis (the
@@ -154,9 +162,16 @@ class DistributedConfig:
             # PuLP (3.3) has no status for HiGHS's node limit (kSolutionLimit) and raises a KeyError on it
             raise ConfigError("distributed_config['max_nodes'] works with solver 'cbc' only (PuLP cannot read the "
                               "status HiGHS stops with at a node limit); drop 'max_nodes' or use solver 'cbc'")
-        stages = _opt_positive_int(cfg.get("pipeline_stages", 1), "pipeline_stages")
-        if stages > 1:
-            if shape[0] != stages:
+        stages = cfg.get("pipeline_stages", 1)
+        if stages == "auto":
+            if shape[0] < 2:
+                raise ConfigError(f"distributed_config['pipeline_stages'] = 'auto' weighs stages on the first mesh "
+                                  f"axis against a plan over the whole mesh; mesh_shape {list(shape)} has no first "
+                                  "axis to cut along (give one of 2 or more, e.g. [2, 4])")
+        else:
+            stages = _opt_positive_int(stages, "pipeline_stages")
+        if stages == "auto" or stages > 1:
+            if stages != "auto" and shape[0] != stages:
                 raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the first mesh axis holds the "
                                   f"stages, so mesh_shape must start with {stages} (got {list(shape)}), e.g. "
                                   f"{[stages] + list(shape)}")
@@ -165,7 +180,7 @@ class DistributedConfig:
                     raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
                                       "stage is planned on its own, its inputs and outputs whole); drop one of them")
         micro = _opt_positive_int(cfg.get("pipeline_microbatches", 1), "pipeline_microbatches")
-        if micro > 1 and stages < 2:
+        if micro > 1 and stages != "auto" and stages < 2:
             raise ConfigError(f"distributed_config['pipeline_microbatches'] = {micro} needs pipeline_stages > 1 (the "
                               "microbatches follow each other through the stages)")
         if solver == "auto":

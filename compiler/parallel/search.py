@@ -957,8 +957,8 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     from .plan import ShardingPlan
 
     cfg = DistributedConfig.from_dict(distributed_config)
-    if cfg.pipeline_stages > 1:
-        raise ShardflowError(f"pipeline_stages = {cfg.pipeline_stages}: search plans one stage's graph on its mesh; "
+    if cfg.pipeline_stages != 1:
+        raise ShardflowError(f"pipeline_stages = {cfg.pipeline_stages!r}: search plans one stage's graph on its mesh; "
                              "compile cuts the graph into stages (parallel/pipeline.py) and plans each on "
                              f"{list(cfg.stage_config().mesh_shape)}")
     if cfg.preload_plan:

@@ -507,3 +507,32 @@ def test_random_models_on_pipeline_ranks(tmp_path, kind, seed):
                                        err_msg=f"{kind} {seed} ({desc}) {cfg}: {k}")
         else:
             np.testing.assert_array_equal(g, w, err_msg=f"{kind} {seed} ({desc}) {cfg}: {k}")
+
+
+def test_auto_weighs_stages_against_one_plan_over_the_mesh(tmp_path):
+    """``pipeline_stages: "auto"`` on a [2, 2] mesh whose first axis is slow (1 MB/s): without a budget one
+    plan over the whole mesh (it need not cross the slow axis); under a budget that keeps the 8 blocks'
+    weights from sitting whole on each half of the mesh, 2 stages (one transfer over the slow axis, where the
+    plan over the whole mesh splits weights across it). Each as the note says, run against the evaluator."""
+    model = _residual_mlp(layers=8, width=64)
+    x = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    want = load_onnx(model).run({"x": x})["h7"]
+    base = {"mesh_shape": [2, 2], "pipeline_stages": "auto", "axis_bandwidth_GBps": [0.001, 100]}
+    flat = compile(model, distributed_config=base, optimization_config=CPU, out_dir=tmp_path / "flat")
+    assert not hasattr(flat, "stages") and "pipeline_stages 'auto': one plan over the whole mesh" in flat.plan.notes[-1]
+    assert "pipeline_stages 'auto'" in (tmp_path / "flat" / "plan.txt").read_text()
+    for o in run_threads(InProcessWorld(4).communicators(), lambda c: load(tmp_path / "flat", c.rank, c).run({"x": x})):
+        np.testing.assert_allclose(o["h7"], want, rtol=1e-4, atol=1e-5)
+    staged = compile(model, distributed_config=dict(base, memory_budget_bytes=200_000), optimization_config=CPU,
+                     out_dir=tmp_path / "staged")
+    assert len(staged.stages) == 2 and staged.pipeline["note"].startswith("pipeline_stages 'auto': 2 stages")
+
+    def rank(comm):
+        prog = load(tmp_path / "staged", comm.rank, comm)
+        return prog.gather_outputs(prog.run({"x": x}))
+
+    np.testing.assert_allclose(run_threads(InProcessWorld(4).communicators(), rank)[0]["h7"], want, rtol=1e-4,
+                               atol=1e-5)
+    with pytest.raises(ConfigError, match="has no first axis to cut along"):
+        compile(model, distributed_config={"mesh_shape": [1, 2], "pipeline_stages": "auto"}, optimization_config=CPU,
+                out_dir=tmp_path / "x")
