@@ -1,6 +1,11 @@
 """Tensor-parallel GPT-2 on 2 CPU ranks: export → compile → run → compare with onnxruntime.
 
     python examples/gpt2_tensor_parallel.py [--layers 2] [--embd 128] [--heads 4] [--nproc 2] [--work DIR]
+        [--stages P [--microbatches M]]
+
+With ``--stages P`` the layers are cut into P pipeline stages, each tensor-parallel over
+``nproc / P`` ranks (mesh ``[P, nproc / P]``), and with ``--microbatches M`` a run's batch goes
+through the stages in M parts.
 
 Needs torch + transformers (to export the model) and onnxruntime (the reference); the run
 itself needs only the shardflow runtime (mpiexec is used when available).
@@ -53,6 +58,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--nproc", type=int, default=2, help="ranks (a 1-D mesh)")
     ap.add_argument("--work", default=None, help="working folder (default: a temporary one)")
+    ap.add_argument("--stages", type=int, default=1, help="pipeline stages (the mesh's first axis)")
+    ap.add_argument("--microbatches", type=int, default=1, help="parts of a run's batch through the stages")
     args = ap.parse_args()
 
     from shardflow.compiler import compile
@@ -65,10 +72,16 @@ def main() -> int:
         inputs = export_gpt2(onnx_path, args.layers, args.embd, args.heads, args.vocab, 2, args.seq)
         np.savez(work / "inputs.npz", **inputs)
 
-        print(f"2. compiling for {args.nproc} ranks (Megatron-style tensor parallelism, cpu kernels)")
+        config = {"mesh_shape": [args.nproc], "algo": "megatron"}
+        how = "Megatron-style tensor parallelism"
+        if args.stages > 1:
+            config.update(mesh_shape=[args.stages, args.nproc // args.stages], pipeline_stages=args.stages,
+                          pipeline_microbatches=args.microbatches)
+            how = f"{args.stages} pipeline stages of {how}, {args.microbatches} microbatch(es)"
+        print(f"2. compiling for {args.nproc} ranks ({how}, cpu kernels)")
         t = time.perf_counter()
-        result = compile(onnx_path, distributed_config={"mesh_shape": [args.nproc], "algo": "megatron"},
-                         optimization_config={"target": "cpu"}, out_dir=work / "out")
+        result = compile(onnx_path, distributed_config=config, optimization_config={"target": "cpu"},
+                         out_dir=work / "out")
         print(f"   {time.perf_counter() - t:.1f} s; plan collectives: "
               f"{sum(r['collectives'] for r in result.ranks[:1])} per rank")
         print("   " + result.summary().replace("\n", "\n   "))

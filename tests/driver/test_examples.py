@@ -13,6 +13,19 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.slow
+def test_gpt2_pipeline_example(tmp_path):
+    """The same on 4 ranks as 2 pipeline stages of 2 Megatron ranks, a run's batch in 2 parts."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "gpt2_tensor_parallel.py"), "--work", str(tmp_path),
+                           "--nproc", "4", "--stages", "2", "--microbatches", "2"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 pipeline stages" in proc.stdout and "-> OK" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
 def test_gpt2_tensor_parallel_example(tmp_path):
     """export -> compile for 2 cpu ranks -> ``shardflow run --nproc 2`` -> onnxruntime: the script
     exits 0 only when the ranks' logits match onnxruntime's."""
