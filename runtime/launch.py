@@ -715,17 +715,29 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
 
     repeat = max(args.repeat, 1)
     steps = prog.profile(inputs, repeat=repeat, warmup=1)
+    stages = getattr(prog, "spec", None) if hasattr(prog, "gather_outputs") else None  # (pipeline stages)
     prog = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
     record = {"steps": steps, "memory": memory_record(prog)}
     gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]
     if rank != 0:
         return
     per_rank, memory = [g["steps"] for g in gathered], [g["memory"] for g in gathered]
-    try:
-        plan = json.loads(Path(prog.out_dir, "plan.json").read_text())
-    except (OSError, ValueError):
-        plan = None
-    log.info("%s", format_profile(per_rank, repeat, plan=plan, memory=memory))
+
+    def plan_of(folder) -> dict | None:
+        try:
+            return json.loads(Path(folder, "plan.json").read_text())
+        except (OSError, ValueError):
+            return None
+    if stages is None:
+        log.info("%s", format_profile(per_rank, repeat, plan=plan_of(prog.out_dir), memory=memory))
+    else:  # each stage's ranks run their own program: a report per stage, beside its own plan
+        width = int(stages["stage_world_size"])
+        for s, st in enumerate(stages["stages"]):
+            ranks = slice(s * width, (s + 1) * width)
+            log.info("== stage %d (ranks %d-%d; its ranks numbered from 0; a microbatch's run)\n%s", s, s * width,
+                     (s + 1) * width - 1, format_profile(per_rank[ranks], repeat,
+                                                         plan=plan_of(Path(args.out_dir, st["dir"])),
+                                                         memory=memory[ranks]))
     if args.profile_json:
         write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank,
                                        "memory": memory})

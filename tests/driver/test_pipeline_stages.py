@@ -248,10 +248,10 @@ def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
     np.savez(tmp_path / "in.npz", **feeds)
     out = tmp_path / "out"
 
-    def cli(*args):
+    def cli(*args, err=False):
         proc = subprocess.run(SHARDFLOW + list(args), capture_output=True, text=True, timeout=600, env=clean_env())
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
+        return proc.stderr if err else proc.stdout
 
     cli("compile", str(model), "-o", str(out), "--mesh", "2x2", "--stages", "2", "-q")
     cli("run", str(out), "--nproc", "4", "--launcher", launcher, "--inputs", str(tmp_path / "in.npz"), "--outputs",
@@ -259,6 +259,10 @@ def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
     got = np.load(tmp_path / "out.npz")
     for k, v in _reference(model, feeds).items():
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    if launcher == "spawn":  # (a report per stage, each beside its own plan)
+        text = cli("run", str(out), "--nproc", "4", "--launcher", launcher, "--inputs", str(tmp_path / "in.npz"),
+                   "--repeat", "2", "--profile", err=True)
+        assert "== stage 0 (ranks 0-1" in text and "== stage 1 (ranks 2-3" in text and text.count("modeled by") >= 2
     text = cli("inspect", str(out))
     assert "2 pipeline stages on mesh [2, 2], 4 rank(s)" in text and "== stage stage1" in text
     info = json.loads(cli("inspect", str(out), "--json", "--verify"))
