@@ -218,7 +218,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages: the graph cut into P contiguous stages on the first mesh axis (which must "
                         "be P), each sharded over the other axes; 'auto': compile weighs mesh_shape[0] stages against "
                         "one plan over the whole mesh (distributed_config pipeline_stages)")
-    p.add_argument("--device", choices=("cpu", "h100"), default=None,
+    p.add_argument("--device", choices=("cpu", "h100", "h200"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")
     p.add_argument("--calibration", metavar="FILE.json", default=None,

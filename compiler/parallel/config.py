@@ -56,7 +56,7 @@ key                       meaning                                               
                           one microbatch, derived from the model at the whole batch
                           and checked to compute its samples apart
 ``device``                what one rank computes on, for the cost model's roofline:    see left
-                          ``"h100"``, ``"cpu"`` (:data:`~.cost.DEVICE_PROFILES`), or
+                          ``"h100"``, ``"h200"``, ``"cpu"`` (:mod:`~.cost`), or
                           ``{"peak_tflops": x, "mem_bandwidth_GBps": y}`` (optionally
                           ``"memory_GB"``: what a rank may hold, 1e9 bytes). Default:
                           the compile target's (``compile``: cpu -> ``"cpu"``, cuda
@@ -218,7 +218,9 @@ def _device(v):
     if v is None or isinstance(v, DeviceProfile):
         return v
     if isinstance(v, str):
-        by_name = {p.name: p for p in DEVICE_PROFILES.values()} | {"h100": DEVICE_PROFILES["cuda"]}
+        from .cost import H200
+
+        by_name = {p.name: p for p in DEVICE_PROFILES.values()} | {"h100": DEVICE_PROFILES["cuda"], "h200": H200}
         if v not in by_name:
             raise ConfigError(f"distributed_config['device'] = {v!r}: choose one of {sorted(by_name)}, or give "
                               "{'peak_tflops': ..., 'mem_bandwidth_GBps': ...}")

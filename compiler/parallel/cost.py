@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..ir.expr import numpy_type
 from .mesh import DeviceMesh
 
-__all__ = ["DeviceProfile", "CostModel", "H100", "CPU", "DEVICE_PROFILES", "DEVICE_MEMORY_FRACTION",
+__all__ = ["DeviceProfile", "CostModel", "H100", "H200", "CPU", "DEVICE_PROFILES", "DEVICE_MEMORY_FRACTION",
            "DEFAULT_BANDWIDTH_GBPS", "DEFAULT_LATENCY_US", "COLLECTIVES", "itemsize", "total_bytes"]
 
 DEFAULT_BANDWIDTH_GBPS = 100.0
@@ -73,6 +73,10 @@ class DeviceProfile:
 #: NVIDIA H100 SXM: dense BF16 tensor-core peak (989 TFLOP/s), HBM3 bandwidth (3.35 TB/s) and the
 #: memory a process sees on an "H100 80GB HBM3" (nvidia-smi: 81559 MiB).
 H100 = DeviceProfile("h100-sxm", 989e12, 3.35e12, 81559 * 2**20)
+#: NVIDIA H200 (SXM): the H100's tensor cores with HBM3e (4.8 TB/s) and the memory a process saw on
+#: the H200 this project was lent (cudaMemGetInfo's total, 150109880320 bytes:
+#: benchmarks/results/nvidia-h200-2026-11-28-gpu.json).
+H200 = DeviceProfile("h200", 989e12, 4.8e12, 150109880320)
 #: A server CPU socket, order of magnitude: 2 TFLOP/s (32 cores x AVX-512 FMA) and 200 GB/s DRAM;
 #: its memory is the host's, shared by the ranks on it: not known here.
 CPU = DeviceProfile("cpu", 2e12, 200e9)

@@ -327,6 +327,9 @@ def test_plans_are_kept_within_the_device_memory(tmp_path, caplog):
         search(g, {"mesh_shape": [4], "device": tiny})
     # the cpu profile knows no memory: the plan as it comes
     assert search(g, {"mesh_shape": [4], "device": "cpu"}).device.memory_bytes is None
+    # the named H200 profile: the memory the lent H200 showed, its faster HBM
+    h200 = search(g, {"mesh_shape": [4], "device": "h200"}).device
+    assert (h200.name, h200.memory_bytes, h200.mem_bandwidth) == ("h200", 150109880320, 4.8e12)
 
 
 def test_half_precision_counts_float32_weights_at_two_bytes():
