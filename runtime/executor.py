@@ -25,6 +25,8 @@ import ctypes
 import functools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Container, Mapping
@@ -177,6 +179,33 @@ def load(out_dir: str | os.PathLike, rank: int | None = None, comm: Any = None, 
     if spec is not None:
         return VariantProgram(out_dir, int(rank), comm, spec, verify=verify, map_weights=map_weights)
     return RankProgram(out_dir, int(rank), comm, verify=verify, map_weights=map_weights)
+
+
+#: Per path this process has loaded a kernels library from: the file it was then (device, inode, mtime).
+_LOADED_LIBRARIES: dict[str, tuple[int, int, int]] = {}
+
+
+def _load_library(path: Path) -> ctypes.CDLL:
+    """``path``'s shared library. The dynamic loader hands back the library it loaded before under the
+    same name, so an out_dir compiled again into the same place, in a process that loaded its earlier
+    library, would run (or miss the symbols of) the old kernels: the new file is then loaded through a
+    name of its own (a hard link, or a copy, in a temporary folder, removed once it is loaded)."""
+    real = str(path.resolve())
+    st = os.stat(real)
+    ident = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    mode = getattr(os, "RTLD_LOCAL", 0)
+    if _LOADED_LIBRARIES.setdefault(real, ident) == ident:
+        return ctypes.CDLL(real, mode=mode)
+    folder = tempfile.mkdtemp(prefix="shardflow-lib-")
+    alias = os.path.join(folder, f"{st.st_ino}-{st.st_mtime_ns}-{path.name}")
+    try:
+        try:
+            os.link(real, alias)
+        except OSError:
+            shutil.copyfile(real, alias)
+        return ctypes.CDLL(alias, mode=mode)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class _Buffer:
@@ -351,7 +380,7 @@ class RankProgram:
         if any(s["kind"] == "kernel" for s in steps):
             lib_path = self.directory / p.get("kernels_file", "kernels.so")
             try:
-                self._lib = ctypes.CDLL(str(lib_path.resolve()), mode=getattr(os, "RTLD_LOCAL", 0))
+                self._lib = _load_library(lib_path)
             except OSError as exc:
                 raise ArtifactError(f"cannot load {str(lib_path)!r}: {exc}") from None
         self.groups = self._make_groups()

@@ -874,3 +874,29 @@ def test_constants_with_the_same_bytes_share_them_in_the_weights(tmp_path):
     np.testing.assert_allclose(out["y"], feeds["x"] @ w, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out["z"], w.reshape(32, 64)[[0, 31, 7, 31, 7]])
     np.testing.assert_array_equal(out["u"], other[[0, 31, 7, 31, 7]])
+
+
+def test_an_out_dir_compiled_again_loads_its_new_kernels(tmp_path):
+    """Compiled, loaded, compiled again into the same out_dir with other kernels, loaded again in the same
+    process: the dynamic loader would hand back the first kernels.so (same name), missing the new
+    symbols; the runtime loads the new file under a name of its own (executor._load_library)."""
+    import onnx
+    from onnx import TensorProto, helper as oh, numpy_helper
+
+    from shardflow.compiler import compile
+    from shardflow.runtime import load
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32), "w")
+    graph = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["y"]), oh.make_node("Tanh", ["y"], ["z"])], "g",
+                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                          [oh.make_tensor_value_info("z", TensorProto.FLOAT, [4, 16])], [w])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
+    want = np.tanh(x @ numpy_helper.to_array(w))
+    outs = []
+    for opt in ({"target": "cpu"}, {"target": "cpu", "fuse": False, "prepack": False}):
+        compile(model, distributed_config={"mesh_shape": [1]}, optimization_config=opt, out_dir=tmp_path / "out")
+        outs.append(load(tmp_path / "out").run({"x": x})["z"])
+    for got in outs:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
