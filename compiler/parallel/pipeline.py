@@ -222,12 +222,12 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
             raise ShardflowError(f"graph output {name!r} is {'a constant' if t.is_constant else 'a graph input'}, "
                                  "made by no op: pipeline stages need every output made by an op of some stage")
     times = op_times(graph, device)
-    index = {id(op): i for i, op in enumerate(nodes)}
+    pos = {id(op): i for i, op in enumerate(nodes)}
     forbidden: set[int] = set()
     outputs_by_name = dict(zip(graph.output_names, graph.outputs))
     for out, name in (state or {}).items():
         at = [i for i, op in enumerate(nodes) if any(t.name == name and t.producer is None for t in op.inputs)]
-        at.append(index[id(outputs_by_name[out].producer)])
+        at.append(pos[id(outputs_by_name[out].producer)])
         forbidden.update(range(min(at) + 1, max(at) + 1))  # (a cut before node i parts i - 1 from i)
     cuts = _cuts(times, _crossing_bytes(graph), stages, tolerance, frozenset(forbidden))
     bounds = list(zip([0] + cuts, cuts + [len(nodes)]))
@@ -263,7 +263,6 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
     produced_outputs: dict[int, list[str]] = {s: [] for s in range(stages)}
     for name, t in zip(graph.output_names, graph.outputs):
         produced_outputs[stage_of[id(t.producer)]].append(name)
-    pos = {id(op): i for i, op in enumerate(nodes)}
     graph_inputs = {id(t) for t in graph.inputs}
     for s, (a, b) in enumerate(bounds):
         ops = nodes[a:b]
