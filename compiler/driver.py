@@ -1611,8 +1611,9 @@ def compile(model, *, distributed_config: Mapping[str, Any], optimization_config
     -------
     CompileResult
         The plan, the paths, per-stage timings and per-rank sizes; with
-        ``distributed_config["pipeline_stages"]`` > 1, a :class:`~shardflow.compiler.stages.StagesResult`
-        (one CompileResult per pipeline stage, each compiled into ``out_dir/stage{s}``).
+        ``distributed_config["pipeline_stages"]`` > 1 (or ``"auto"`` choosing stages), a
+        :class:`~shardflow.compiler.stages.StagesResult` (one CompileResult per pipeline stage, each
+        compiled into ``out_dir/stage{s}``).
 
     Raises
     ------

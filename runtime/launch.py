@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir, write_json
-from .pipeline import read_pipeline, stage_of_rank
+from .pipeline import PipelineProgram, read_pipeline, stage_of_rank
 from .variants import first_variant_dir
 from .errors import ShardflowError, number_from_env
 from .executor import WorldSizeError
@@ -658,7 +658,8 @@ def _worker(args, env: LaunchEnv) -> int:
         outs = {}
         # pipeline stages: a rank's run returns once its stage is done, and the next run's first stage
         # would overlap the last's; each run is timed from a barrier to a barrier (one run's latency)
-        fence = host_communicator(comm).barrier if hasattr(prog, "gather_outputs") and env.size > 1 else None
+        staged = isinstance(prog, PipelineProgram)
+        fence = host_communicator(comm).barrier if staged and env.size > 1 else None
         for _ in range(max(args.repeat, 1)):
             if fence:
                 fence()
@@ -668,14 +669,14 @@ def _worker(args, env: LaunchEnv) -> int:
                 fence()
             times.append(time.perf_counter() - t0)
         ran = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
-        if hasattr(prog, "gather_outputs"):  # (pipeline stages: each output from the stage making it)
+        if staged:  # (each output from the stage making it)
             full = prog.gather_outputs(outs)
         else:
             full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
         if env.rank == 0:
             med = float(np.median(times)) * 1e3
-            shown = prog.out_dir if ran is getattr(prog, "program", None) else ran.out_dir  # (pipeline: the whole)
-            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", shown, env.size, len(times), med)
+            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", prog.out_dir if staged else ran.out_dir,
+                     env.size, len(times), med)
             if args.outputs:
                 _write_npz(args.outputs, full)
                 log.info("wrote %s (%s)", args.outputs,
@@ -715,7 +716,7 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
 
     repeat = max(args.repeat, 1)
     steps = prog.profile(inputs, repeat=repeat, warmup=1)
-    stages = getattr(prog, "spec", None) if hasattr(prog, "gather_outputs") else None  # (pipeline stages)
+    stages = prog.spec if isinstance(prog, PipelineProgram) else None
     prog = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
     record = {"steps": steps, "memory": memory_record(prog)}
     gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]
