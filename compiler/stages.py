@@ -91,9 +91,11 @@ class StagesResult:
         return self.summary()
 
 
-def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes) -> tuple:
+def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimization_config=None) -> tuple:
     """Import, the state checked, the microbatch's graph, the cut: ``(pipeline, whole, state, timings)``
-    (``whole``: shape and dtype of every model input and output at the whole batch)."""
+    (``whole``: shape and dtype of every model input and output at the whole batch). With microbatches and
+    ``optimization_config`` (what the stages are planned with), the cut balanced again on the stages' plans
+    (:func:`_rebalanced`)."""
     from .driver import _check_state, _load_model
     from .parallel.pipeline import microbatch_graph, split_stages
 
@@ -111,9 +113,58 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes) -> tupl
         raise ConfigError(f"compile(state=...) with pipeline_microbatches = {micro}: a state holds the whole batch "
                           "and the microbatches would each need their own; drop one of them")
     t0 = time.perf_counter()
-    pipe = split_stages(microbatch_graph(graph, micro), dcfg.pipeline_stages, dcfg.device, state=state)
+    graph = microbatch_graph(graph, micro)
+    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
+    if micro > 1 and optimization_config is not None:
+        pipe = _rebalanced(graph, pipe, dcfg, optimization_config, state)
     timings["cut"] = time.perf_counter() - t0
     return pipe, whole, state, timings
+
+
+def _stage_costs(pipe, dcfg, optimization_config) -> list[float]:
+    """Each stage's plan cost (a microbatch), as ``compile`` would plan it."""
+    from .driver import planned_graph
+    from .parallel import search
+
+    sub = dcfg.stage_config()
+    return [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config),
+                   sub).cost for st in pipe.stages]
+
+
+def _rebalanced(graph, pipe, dcfg, optimization_config, state):
+    """With microbatches a run goes at its slowest stage's pace, and the cut balanced roofline times on one
+    device, which the stages' plans (their splits, their budgets) do not keep: each stage planned, its ops'
+    times scaled by its plan's cost over their roofline sum, the graph cut again on those, the new stages
+    planned; the cut whose slowest stage (plan and sends) is faster is kept. A stage the budget refuses
+    keeps the first cut."""
+    from .errors import ShardflowError
+    from .parallel.pipeline import op_times, split_stages
+
+    def slowest(p, costs):
+        return max(_modeled(p, costs, dcfg)["per_stage"])
+    try:
+        costs = _stage_costs(pipe, dcfg, optimization_config)
+    except ShardflowError:
+        return pipe  # (compile says why)
+    times = op_times(graph, dcfg.device)
+    scaled, at = [], 0
+    for st, cost in zip(pipe.stages, costs):
+        part = times[at:at + st.ops]
+        scaled += [t * cost / sum(part) if sum(part) else t for t in part]
+        at += st.ops
+    again = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state, times=scaled)
+    if [st.ops for st in again.stages] == [st.ops for st in pipe.stages]:
+        return pipe
+    try:
+        costs2 = _stage_costs(again, dcfg, optimization_config)
+    except ShardflowError as exc:
+        log.info("pipeline: the cut balanced on the stages' plans is refused (%s); keeping the first", exc)
+        return pipe
+    before, after = slowest(pipe, costs), slowest(again, costs2)
+    log.info("pipeline: slowest stage %.4g us a microbatch with the cut on roofline times (%s ops), %.4g us "
+             "balanced on the stages' plans (%s ops): keeping the %s", before * 1e6, [st.ops for st in pipe.stages],
+             after * 1e6, [st.ops for st in again.stages], "second" if after < before else "first")
+    return again if after < before else pipe
 
 
 def _modeled(pipe, costs: Sequence[float], dcfg) -> dict:
@@ -124,7 +175,7 @@ def _modeled(pipe, costs: Sequence[float], dcfg) -> dict:
     lat = dcfg.axis_latency_us[0] if dcfg.axis_latency_us else None
     micro = dcfg.pipeline_microbatches
     per = [c + pipe.transfer_seconds(bw, lat, ("cut",), s) for s, c in enumerate(costs)]
-    return {"stages": list(costs), "cut_transfers": pipe.transfer_seconds(bw, lat, ("cut",)),
+    return {"stages": list(costs), "per_stage": per, "cut_transfers": pipe.transfer_seconds(bw, lat, ("cut",)),
             "total": math.fsum(per) + (micro - 1) * max(per),
             "outputs_to_rank0": pipe.transfer_seconds(bw, lat, ("output",)) * micro}
 
@@ -152,7 +203,7 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     except ShardflowError as exc:
         why["flat"] = str(exc)
     try:
-        pipe = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes)[0]
+        pipe = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes, optimization_config or {})[0]
         sub = staged.stage_config()
         costs = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config),
                         sub).cost for st in pipe.stages]
@@ -185,7 +236,8 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     from .driver import _compile
 
     t_all = time.perf_counter()
-    pipe, whole, state, timings = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes)
+    pipe, whole, state, timings = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes,
+                                       optimization_config or {})
     micro = dcfg.pipeline_microbatches
     sub = dcfg.stage_config()
     results = []
@@ -249,7 +301,7 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
     if not dcfg.staged:
         raise ConfigError("plan_stages needs distributed_config['pipeline_stages'] > 1")
     opt = OptimizationConfig.from_dict(optimization_config)
-    pipe = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes)[0]
+    pipe = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes, optimization_config or {})[0]
     sub = dcfg.stage_config()
     plans = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
              for st in pipe.stages]

@@ -197,8 +197,11 @@ def _cuts(times: list[float], crossing: list[int], stages: int, tolerance: float
 
 
 def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = None,
-                 tolerance: float = BALANCE_TOLERANCE, state: dict[str, str] | None = None) -> Pipeline:
+                 tolerance: float = BALANCE_TOLERANCE, state: dict[str, str] | None = None,
+                 times: list[float] | None = None) -> Pipeline:
     """Cut ``graph`` into ``stages`` contiguous runs of its ops (see the module docstring).
+
+    ``times``: each node's time to balance (default :func:`op_times` on ``device``).
 
     ``state`` (``{output name: input name}``, ``compile``'s): no cut falls between an op reading a
     state's input and the op making its output, so that each state lives in one stage
@@ -221,7 +224,9 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         if t.producer is None or id(t.producer) not in in_graph:
             raise ShardflowError(f"graph output {name!r} is {'a constant' if t.is_constant else 'a graph input'}, "
                                  "made by no op: pipeline stages need every output made by an op of some stage")
-    times = op_times(graph, device)
+    times = op_times(graph, device) if times is None else list(times)
+    if len(times) != len(nodes):
+        raise ShardflowError(f"split_stages: {len(times)} op times for {len(nodes)} ops")
     pos = {id(op): i for i, op in enumerate(nodes)}
     forbidden: set[int] = set()
     outputs_by_name = dict(zip(graph.output_names, graph.outputs))

@@ -540,3 +540,36 @@ def test_auto_weighs_stages_against_one_plan_over_the_mesh(tmp_path):
     with pytest.raises(ConfigError, match="has no first axis to cut along"):
         compile(model, distributed_config={"mesh_shape": [1, 2], "pipeline_stages": "auto"}, optimization_config=CPU,
                 out_dir=tmp_path / "x")
+
+
+def test_microbatches_rebalance_the_cut_on_the_stages_plans(monkeypatch):
+    """With microbatches the slowest stage sets the pace: when the stages' plans cost other than their
+    roofline sums (here stage 1's plan three times its ops' roofline times), the graph is cut again on
+    the times so scaled and the new cut kept if its slowest stage is faster; kept as it was otherwise.
+    (Links of no latency: the toy's ops take microseconds, a message's latency would decide.)"""
+    from shardflow.compiler import stages as st_mod
+    from shardflow.compiler.parallel.config import DistributedConfig
+
+    g = microbatch_graph(load_onnx(_residual_mlp(layers=8, width=64)), 2)
+    dcfg = DistributedConfig.from_dict({"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2,
+                                        "device": "cpu", "axis_latency_us": 0, "axis_bandwidth_GBps": 1e6})
+    first = split_stages(g, 2, dcfg.device)
+    times = op_times(g, dcfg.device)
+    calls = []
+
+    def fake_costs(pipe, cfg, opt):  # stage 1 three times slower per op than the roofline says
+        calls.append([s.ops for s in pipe.stages])
+        at, res = 0, []
+        for s in pipe.stages:
+            res.append(sum(times[at:at + s.ops]) * (3.0 if s.index == 1 else 1.0))
+            at += s.ops
+        return res
+
+    monkeypatch.setattr(st_mod, "_stage_costs", fake_costs)
+    again = st_mod._rebalanced(g, first, dcfg, CPU, {})
+    assert calls[0] == [s.ops for s in first.stages] and len(calls) == 2
+    assert again.stages[0].ops > first.stages[0].ops  # (ops moved to the cheaper stage)
+    a, b = fake_costs(first, None, None), fake_costs(again, None, None)
+    assert max(b) < max(a)
+    monkeypatch.setattr(st_mod, "_stage_costs", lambda pipe, cfg, opt: [1.0, 1.0] if pipe is first else [1.0, 2.0])
+    assert st_mod._rebalanced(g, first, dcfg, CPU, {}) is first  # (the second cut is no faster: the first kept)
