@@ -56,6 +56,11 @@ class StagesResult:
     timings: dict[str, float]
 
     @property
+    def plan(self):
+        """Not one plan: each stage has its own (:attr:`plans`)."""
+        raise AttributeError("a pipeline's stages each have a plan: use .plans (or .stages[s].plan)")
+
+    @property
     def plans(self) -> list:
         """Each stage's :class:`~shardflow.compiler.parallel.ShardingPlan`."""
         return [r.plan for r in self.stages]

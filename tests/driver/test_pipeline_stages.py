@@ -149,7 +149,9 @@ def test_pipeline_ranks_match_onnxruntime(tmp_path, model, mesh):
         [f"stage{s}" for s in range(mesh[0])]
     assert res.rank_dirs == [tmp_path.resolve() / "out" / f"stage{s}" / f"rank{c}" for s in range(mesh[0])
                              for c in range(width)]
-    assert "pipeline stages" in res.summary()
+    assert "pipeline stages" in res.summary() and len(res.plans) == mesh[0]
+    with pytest.raises(AttributeError, match="use .plans"):
+        res.plan
     feeds = {e["name"]: feeds[e["name"]] for e in spec["inputs"]}
 
     def rank(comm):
