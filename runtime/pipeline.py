@@ -111,7 +111,7 @@ class PipelineProgram:
         n_stages, width = len(spec["stages"]), int(spec["stage_world_size"])
         self.stage, member = stage_of_rank(spec, self.rank)
         # (collective on the world: every rank splits the same groups in the same order)
-        stage_comm = comm.split([[s * width + c for c in range(width)] for s in range(n_stages)])
+        self._stage_comm = stage_comm = comm.split([[s * width + c for c in range(width)] for s in range(n_stages)])
         from .comm import host_communicator
 
         self._world = host_communicator(comm)
@@ -243,7 +243,11 @@ class PipelineProgram:
         return self.program.profile(self._last_feeds, repeat=repeat, warmup=warmup)
 
     def close(self) -> None:
+        """Free the stage's program and the communicators this rank split off the world (which belongs to
+        the caller)."""
         self.program.close()
+        for c in (self._pipe, self._stage_comm):
+            c.close()
 
     def __repr__(self) -> str:
         return (f"PipelineProgram({str(self.out_dir)!r}, rank {self.rank}: stage {self.stage} of "
