@@ -174,6 +174,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "mpiexec when it and mpi4py are available (or $SHARDFLOW_LAUNCHER)")
     p.add_argument("--repeat", type=int, default=1, help="run the program this many times (timing; default 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed runs before the timed ones (default 0)")
+    p.add_argument("--throughput", action="store_true",
+                   help="after the timed runs, --repeat more back to back (pipeline stages: a stage takes the next "
+                        "run while later stages finish this one) and print the time a run took on average, with "
+                        "the median of single runs (each from a barrier to a barrier for pipeline stages)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, time every kernel and collective of every rank (--repeat runs, "
                         "stepping from Python) and print where the time goes (cpu programs)")
@@ -668,6 +672,17 @@ def _worker(args, env: LaunchEnv) -> int:
             if fence:
                 fence()
             times.append(time.perf_counter() - t0)
+        stream = None
+        if args.throughput:  # back to back, one barrier at the end: the runs' pace, not one run's time
+            world = host_communicator(comm)
+            if env.size > 1:
+                world.barrier()
+            t0 = time.perf_counter()
+            for _ in range(max(args.repeat, 1)):
+                outs = prog.run(inputs)
+            if env.size > 1:
+                world.barrier()
+            stream = (time.perf_counter() - t0) / max(args.repeat, 1)
         ran = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
         if staged:  # (each output from the stage making it)
             full = prog.gather_outputs(outs)
@@ -677,6 +692,9 @@ def _worker(args, env: LaunchEnv) -> int:
             med = float(np.median(times)) * 1e3
             log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", prog.out_dir if staged else ran.out_dir,
                      env.size, len(times), med)
+            if stream is not None:
+                log.info("back to back: %.3f ms a run (%.1f runs/s), against a single run's median %.3f ms",
+                         stream * 1e3, 1.0 / stream if stream else float("inf"), med)
             if args.outputs:
                 _write_npz(args.outputs, full)
                 log.info("wrote %s (%s)", args.outputs,

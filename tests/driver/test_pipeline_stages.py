@@ -263,8 +263,9 @@ def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
     if launcher == "spawn":  # (a report per stage, each beside its own plan)
         text = cli("run", str(out), "--nproc", "4", "--launcher", launcher, "--inputs", str(tmp_path / "in.npz"),
-                   "--repeat", "2", "--profile", err=True)
+                   "--repeat", "2", "--profile", "--throughput", err=True)
         assert "== stage 0 (ranks 0-1" in text and "== stage 1 (ranks 2-3" in text and text.count("modeled by") >= 2
+        assert "back to back:" in text and "runs/s" in text
     text = cli("inspect", str(out))
     assert "2 pipeline stages on mesh [2, 2], 4 rank(s)" in text and "== stage stage1" in text
     info = json.loads(cli("inspect", str(out), "--json", "--verify"))
