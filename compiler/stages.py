@@ -82,13 +82,14 @@ class StagesResult:
         lines = [f"compiled {len(self.stages)} pipeline stages for {self.world_size} rank(s) (target {self.target}"
                  f"{f', {micro} microbatches a run' if micro > 1 else ''}) into {self.out_dir}",
                  "  " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()),
-                 f"  modeled run {m['total'] * 1e6:.4g} us: stages "
-                 f"{' + '.join(f'{x * 1e6:.4g}' for x in m['stages'])}, "
+                 f"  modeled run {m['total'] * 1e6:.4g} us: the stages' plans "
+                 f"{', '.join(f'{x * 1e6:.4g}' for x in m['stages'])} us a {'microbatch' if micro > 1 else 'run'}, "
                  f"cut transfers {m['cut_transfers'] * 1e6:.4g} (gathering the outputs on rank 0: "
                  f"{m['outputs_to_rank0'] * 1e6:.4g})"]
         for s, (res, st) in enumerate(zip(self.stages, self.pipeline["stages"])):
             sends = ", ".join(f"{e['name']} -> {e['to']}" for e in st["sends"]) or "none"
-            lines.append(f"== stage {s}: {st['ops']} ops, modeled {st['modeled_time_s'] * 1e3:.3g} ms; sends {sends}")
+            lines.append(f"== stage {s}: {st['ops']} ops (roofline {st['modeled_time_s'] * 1e3:.3g} ms on one device); "
+                         f"sends {sends}")
             lines.append(res.summary())
         return "\n".join(lines)
 
