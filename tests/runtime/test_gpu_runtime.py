@@ -374,3 +374,28 @@ def test_shape_variants_share_their_weights_on_the_gpu(tmp_path):
         assert prog.borrowed_bytes == 2 << 16 and second.borrowed_weights_bytes == 2 << 16
         ptrs = {v.data.ptr for v in first._engine.views if v.nbytes >= 1 << 16}
         assert sum(v.data.ptr in ptrs for v in second._engine.views if v.nbytes >= 1 << 16) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_stages_sharing_one_gpu(tmp_path, backend):
+    """GPT-2's test export as 2 pipeline stages of 2 Megatron ranks, a run's batch in 2 microbatches,
+    every rank on the one GPU: the cut's tensors and the gathered logits through the host communicator
+    (runtime/pipeline.py), against onnxruntime."""
+    if _cupy() is None:
+        pytest.skip("needs cupy and a CUDA device")
+    from shardflow.compiler import compile
+
+    model = MODELS / "gpt2_ts17.onnx"
+    inputs = dict(np.load(MODELS / "gpt2_inputs.npz"))
+    ort = pytest.importorskip("onnxruntime")
+    ref = dict(zip(["logits"], ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, inputs)))
+    compile(model, distributed_config={"mesh_shape": [2, 2], "algo": "megatron", "pipeline_stages": 2,
+                                       "pipeline_microbatches": 2},
+            optimization_config={"target": "cuda", "arch": "sm_90"}, out_dir=tmp_path / "o")
+    np.savez(tmp_path / "in.npz", **inputs)
+    proc = subprocess.run([sys.executable, "-m", "shardflow.runtime.launch", str(tmp_path / "o"), "--nproc", "4",
+                           "--launcher", "mpiexec" if backend == "mpi" else "spawn", "--backend", backend,
+                           "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "out.npz"),
+                           "--repeat", "3"], capture_output=True, text=True, timeout=300, env=_clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _close(dict(np.load(tmp_path / "out.npz")), ref)
