@@ -215,9 +215,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")
     p.add_argument("--stages", type=_stages, default=None, metavar="P",
-                   help="pipeline stages: the graph cut into P contiguous stages on the first mesh axis (which must "
-                        "be P), each sharded over the other axes; 'auto': compile weighs mesh_shape[0] stages against "
-                        "one plan over the whole mesh (distributed_config pipeline_stages)")
+                   help="pipeline stages: the graph cut into P contiguous stages along the first mesh axis (P must "
+                        "divide it), each sharded over its share of the mesh; 'auto': compile weighs every such P "
+                        "against one plan over the whole mesh (distributed_config pipeline_stages)")
     p.add_argument("--device", choices=("cpu", "h100", "h200"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")

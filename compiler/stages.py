@@ -187,47 +187,43 @@ def _modeled(pipe, costs: Sequence[float], dcfg) -> dict:
 
 
 def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_values, state, dim_sizes):
-    """``pipeline_stages = "auto"``: ``(config, note)``, the config ``compile`` goes on with (``mesh_shape[0]``
-    stages, or none) and a line saying why. Both are planned: one plan over the whole mesh, and the cut into
-    ``mesh_shape[0]`` stages with each stage's plan over the other axes; the one of less modeled time is
-    kept (a plan the budget or the device's memory refuses, or a cut the model refuses, is out of the
-    running, with its reason in the note). ``compile`` then plans the one kept again, as it would have
-    with that config given (twice the planning time of the one kept, for a compile that is the same)."""
+    """``pipeline_stages = "auto"``: ``(config, note)``, the config ``compile`` goes on with and a line
+    saying why. Planned: one plan over the whole mesh, and for each count of stages ``P`` > 1 that divides
+    the first mesh axis, the cut into ``P`` stages with each stage's plan over its share of the mesh; the
+    one of least modeled time is kept (a plan the budget or the device's memory refuses, or a cut the
+    model refuses, is out of the running, with its reason in the note). ``compile`` then plans the one
+    kept again, as it would have with that config given (the compile is the same)."""
     import dataclasses
 
-    from .driver import _planned_graph, planned_graph
+    from .driver import _planned_graph
     from .errors import ShardflowError
     from .parallel import search
 
     flat = dataclasses.replace(dcfg, pipeline_stages=1, pipeline_microbatches=1)
-    staged = dataclasses.replace(dcfg, pipeline_stages=int(dcfg.mesh_shape[0]))
-    n = staged.pipeline_stages
-    why: dict[str, str] = {}
-    t_flat = t_staged = math.inf
+    options: list[tuple[str, Any, float, str | None]] = []  # (what, config, modeled s, why refused)
     try:
-        t_flat = search(_planned_graph(model, opt, flat, input_shapes, input_values, dim_sizes), flat).cost
+        cost = search(_planned_graph(model, opt, flat, input_shapes, input_values, dim_sizes), flat).cost
+        options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, cost, None))
     except ShardflowError as exc:
-        why["flat"] = str(exc)
-    try:
-        pipe = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes, optimization_config or {})[0]
-        sub = staged.stage_config()
-        costs = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config),
-                        sub).cost for st in pipe.stages]
-        t_staged = _modeled(pipe, costs, staged)["total"]
-    except ShardflowError as exc:
-        why["staged"] = str(exc)
-    if math.isinf(t_flat) and math.isinf(t_staged):
-        raise ShardflowError(f"pipeline_stages 'auto' on mesh {list(dcfg.mesh_shape)}: no plan over the whole mesh "
-                             f"({why.get('flat')}) and none with {n} stages ({why.get('staged')})")
-
-    def said(t, key):
-        return f"{t * 1e6:.4g} us" if key not in why else f"refused ({why[key]})"
-    pick = staged if t_staged < t_flat else flat
-    note = (f"pipeline_stages 'auto': {'%d stages' % n if pick is staged else 'one plan over the whole mesh'} "
-            f"(modeled run: one plan over mesh {list(dcfg.mesh_shape)} {said(t_flat, 'flat')}, {n} stages over "
-            f"{list(staged.stage_config().mesh_shape)} {said(t_staged, 'staged')})")
+        options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, math.inf, str(exc)))
+    for n in range(2, int(dcfg.mesh_shape[0]) + 1):
+        if dcfg.mesh_shape[0] % n:
+            continue
+        staged = dataclasses.replace(dcfg, pipeline_stages=n)
+        what = f"{n} stages over {list(staged.stage_config().mesh_shape)}"
+        try:
+            pipe = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes, optimization_config or {})[0]
+            options.append((what, staged, _modeled(pipe, _stage_costs(pipe, staged, optimization_config), staged)
+                            ["total"], None))
+        except ShardflowError as exc:
+            options.append((what, staged, math.inf, str(exc)))
+    best = min(options, key=lambda o: o[2])
+    said = "; ".join(f"{w} {'refused (' + why + ')' if why else f'{t * 1e6:.4g} us'}" for w, _, t, why in options)
+    if math.isinf(best[2]):
+        raise ShardflowError(f"pipeline_stages 'auto' on mesh {list(dcfg.mesh_shape)}: nothing fits: {said}")
+    note = f"pipeline_stages 'auto': {best[0]} (modeled runs: {said})"
     log.info("%s", note)
-    return pick, note
+    return best[1], note
 
 
 def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,

@@ -41,11 +41,12 @@ key                       meaning                                               
                           padded to a multiple of it before the plan (copies of head
                           0, their output rows zero; passes/heads.py): ``true``,
                           ``false``, or ``auto``: for ``algo="megatron"`` only
-``pipeline_stages``       stages the graph is cut into, one per position of the first  1
-                          mesh axis (which must have this size): each stage a
-                          contiguous run of ops, compiled and sharded over the
-                          other axes (``mesh_shape[1:]``) on its own ranks; the
-                          activations crossing a cut are sent between stages
+``pipeline_stages``       stages the graph is cut into along the first mesh axis     1
+                          (whose size they must divide): each stage a contiguous
+                          run of ops, compiled and sharded on its own ranks, its
+                          share of the first axis and the other axes (``[2, 4]``
+                          in 2 stages: each ``[4]``; ``[4, 2]``: each ``[2, 2]``);
+                          the activations crossing a cut are sent between stages
                           (parallel/pipeline.py). ``"auto"``: ``compile`` plans
                           both ``mesh_shape[0]`` stages and one plan over the
                           whole mesh and keeps the one of less modeled time
@@ -109,18 +110,24 @@ class DistributedConfig:
         return self.pipeline_stages != "auto" and self.pipeline_stages > 1
 
     def stage_config(self) -> "DistributedConfig":
-        """The config one pipeline stage is planned with: the mesh without its first axis (the
-        stages' axis; ``[1]`` when that was the only one), its names and links likewise."""
+        """The config one pipeline stage is planned with: the stages split the first mesh axis into
+        ``pipeline_stages`` runs of ``q = mesh_shape[0] / pipeline_stages`` positions, so a stage's mesh
+        is ``[q, *mesh_shape[1:]]`` (the first axis keeps its name and links), or ``mesh_shape[1:]`` when
+        ``q`` is 1 (``[1]`` when that was the only axis)."""
         import dataclasses
 
+        q = self.mesh_shape[0] // int(self.pipeline_stages)
+        keep = 0 if q > 1 else 1  # (the axes the stage keeps start here)
+
         def rest(v):
-            return None if v is None else v[1:] or None
-        shape = self.mesh_shape[1:] or (1,)
+            return None if v is None else tuple(v[keep:]) or None
+        shape = ((q,) if q > 1 else ()) + tuple(self.mesh_shape[1:]) or (1,)
+        many = len(self.mesh_shape) > 1 or q > 1
         return dataclasses.replace(
             self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1,
-            mesh_axis_names=rest(self.mesh_axis_names) if len(self.mesh_shape) > 1 else None,
-            axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if len(self.mesh_shape) > 1 else None,
-            axis_latency_us=rest(self.axis_latency_us) if len(self.mesh_shape) > 1 else None)
+            mesh_axis_names=rest(self.mesh_axis_names) if many else None,
+            axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if many else None,
+            axis_latency_us=rest(self.axis_latency_us) if many else None)
 
     @classmethod
     def from_dict(cls, cfg: "Mapping[str, Any] | DistributedConfig") -> "DistributedConfig":
@@ -171,10 +178,10 @@ class DistributedConfig:
         else:
             stages = _opt_positive_int(stages, "pipeline_stages")
         if stages == "auto" or stages > 1:
-            if stages != "auto" and shape[0] != stages:
-                raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the first mesh axis holds the "
-                                  f"stages, so mesh_shape must start with {stages} (got {list(shape)}), e.g. "
-                                  f"{[stages] + list(shape)}")
+            if stages != "auto" and shape[0] % stages:
+                raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the stages split the first mesh "
+                                  f"axis, so its size must be a multiple of {stages} (got mesh_shape {list(shape)}), "
+                                  f"e.g. {[stages] + list(shape)}")
             for key in ("rank_map", "preload_plan", "input_placements", "output_placements"):
                 if cfg.get(key):
                     raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "

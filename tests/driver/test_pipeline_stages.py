@@ -113,8 +113,8 @@ def test_cut_errors():
 # -------------------------------------------------------------------------------------- config
 def test_config_errors(tmp_path):
     model = _residual_mlp(layers=2)
-    with pytest.raises(ConfigError, match="mesh_shape must start with 2"):
-        compile(model, distributed_config={"mesh_shape": [4], "pipeline_stages": 2}, optimization_config=CPU,
+    with pytest.raises(ConfigError, match=r"its size must be a multiple of 2 \(got mesh_shape \[3\]\)"):
+        compile(model, distributed_config={"mesh_shape": [3], "pipeline_stages": 2}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
     with pytest.raises(ConfigError, match=r"'rank_map'\] is not supported with pipeline_stages"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "rank_map": [1, 0]},
@@ -134,22 +134,25 @@ def test_config_errors(tmp_path):
 
 
 # --------------------------------------------------------------------------------- compile and run
-@pytest.mark.parametrize("model,mesh", [("gpt2_ts17", [2]), ("gpt2_ts17", [2, 2]), ("llama_dynamo18", [3, 2])])
-def test_pipeline_ranks_match_onnxruntime(tmp_path, model, mesh):
+@pytest.mark.parametrize("model,mesh,stages,sub", [("gpt2_ts17", [2], 2, [1]), ("gpt2_ts17", [2, 2], 2, [2]),
+                                                    ("llama_dynamo18", [3, 2], 3, [2]), ("gpt2_ts17", [4], 2, [2])])
+def test_pipeline_ranks_match_onnxruntime(tmp_path, model, mesh, stages, sub):
+    """Stages on the first mesh axis: one per position ([2], [2, 2], [3, 2]) or a share of it ([4] in 2
+    stages of [2]); every rank against onnxruntime."""
     feeds = _feeds(model)
     ref = _reference(MODELS / f"{model}.onnx", feeds)
-    res = compile(str(MODELS / f"{model}.onnx"), distributed_config={"mesh_shape": mesh, "pipeline_stages": mesh[0]},
+    res = compile(str(MODELS / f"{model}.onnx"), distributed_config={"mesh_shape": mesh, "pipeline_stages": stages},
                   optimization_config=CPU, out_dir=tmp_path / "out")
-    width = int(np.prod(mesh[1:]))
-    assert res.world_size == mesh[0] * width and len(res.stages) == mesh[0]
-    assert [r.world_size for r in res.stages] == [width] * mesh[0]
-    assert [list(r.plan.mesh.shape) for r in res.stages] == [mesh[1:] or [1]] * mesh[0]
+    width = int(np.prod(sub))
+    assert res.world_size == stages * width == int(np.prod(mesh)) and len(res.stages) == stages
+    assert [r.world_size for r in res.stages] == [width] * stages
+    assert [list(r.plan.mesh.shape) for r in res.stages] == [sub] * stages
     spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
     assert spec["world_size"] == res.world_size and [st["dir"] for st in spec["stages"]] == \
-        [f"stage{s}" for s in range(mesh[0])]
-    assert res.rank_dirs == [tmp_path.resolve() / "out" / f"stage{s}" / f"rank{c}" for s in range(mesh[0])
+        [f"stage{s}" for s in range(stages)]
+    assert res.rank_dirs == [tmp_path.resolve() / "out" / f"stage{s}" / f"rank{c}" for s in range(stages)
                              for c in range(width)]
-    assert "pipeline stages" in res.summary() and len(res.plans) == mesh[0]
+    assert "pipeline stages" in res.summary() and len(res.plans) == stages
     with pytest.raises(AttributeError, match="use .plans"):
         res.plan
     feeds = {e["name"]: feeds[e["name"]] for e in spec["inputs"]}
@@ -159,7 +162,7 @@ def test_pipeline_ranks_match_onnxruntime(tmp_path, model, mesh):
         mine = prog.run(feeds)
         return mine, prog.gather_outputs(mine)
 
-    last = range((mesh[0] - 1) * width, mesh[0] * width)
+    last = range((stages - 1) * width, stages * width)
     for r, (mine, full) in enumerate(run_threads(InProcessWorld(res.world_size).communicators(), rank, timeout=120)):
         assert sorted(mine) == (sorted(ref) if r in last else [])  # (the outputs stay where they are made)
         assert sorted(full) == sorted(ref if r == 0 else mine)
@@ -526,13 +529,13 @@ def test_auto_weighs_stages_against_one_plan_over_the_mesh(tmp_path):
     want = load_onnx(model).run({"x": x})["h7"]
     base = {"mesh_shape": [2, 2], "pipeline_stages": "auto", "axis_bandwidth_GBps": [0.001, 100]}
     flat = compile(model, distributed_config=base, optimization_config=CPU, out_dir=tmp_path / "flat")
-    assert not hasattr(flat, "stages") and "pipeline_stages 'auto': one plan over the whole mesh" in flat.plan.notes[-1]
+    assert not hasattr(flat, "stages") and "pipeline_stages 'auto': one plan over mesh [2, 2]" in flat.plan.notes[-1]
     assert "pipeline_stages 'auto'" in (tmp_path / "flat" / "plan.txt").read_text()
     for o in run_threads(InProcessWorld(4).communicators(), lambda c: load(tmp_path / "flat", c.rank, c).run({"x": x})):
         np.testing.assert_allclose(o["h7"], want, rtol=1e-4, atol=1e-5)
     staged = compile(model, distributed_config=dict(base, memory_budget_bytes=200_000), optimization_config=CPU,
                      out_dir=tmp_path / "staged")
-    assert len(staged.stages) == 2 and staged.pipeline["note"].startswith("pipeline_stages 'auto': 2 stages")
+    assert len(staged.stages) == 2 and staged.pipeline["note"].startswith("pipeline_stages 'auto': 2 stages over [2]")
 
     def rank(comm):
         prog = load(tmp_path / "staged", comm.rank, comm)
@@ -540,6 +543,11 @@ def test_auto_weighs_stages_against_one_plan_over_the_mesh(tmp_path):
 
     np.testing.assert_allclose(run_threads(InProcessWorld(4).communicators(), rank)[0]["h7"], want, rtol=1e-4,
                                atol=1e-5)
+    # every count of stages dividing the first axis is weighed
+    four = compile(model, distributed_config={"mesh_shape": [4], "pipeline_stages": "auto"}, optimization_config=CPU,
+                   out_dir=tmp_path / "four")
+    note = four.pipeline["note"] if hasattr(four, "pipeline") else four.plan.notes[-1]
+    assert "one plan over mesh [4]" in note and "2 stages over [2]" in note and "4 stages over [1]" in note
     with pytest.raises(ConfigError, match="has no first axis to cut along"):
         compile(model, distributed_config={"mesh_shape": [1, 2], "pipeline_stages": "auto"}, optimization_config=CPU,
                 out_dir=tmp_path / "x")
