@@ -362,6 +362,38 @@ def test_architecture_on_two_ranks_matches_onnxruntime(tmp_path, exported, arch,
 
 @pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_on_pipeline_stages_matches_onnxruntime(tmp_path, exported, arch, exporter):
+    """2 pipeline stages of 2 ranks (parallel/pipeline.py), a run's batch in 2 microbatches where the model
+    computes its samples apart (else the refusal says why, and the whole batch goes through), on
+    in-process ranks; the output gathered on rank 0 against onnxruntime."""
+    from threads import run_threads
+
+    from shardflow.compiler import compile, load_onnx
+    from shardflow.compiler.errors import ShardflowError
+    from shardflow.compiler.parallel.pipeline import microbatch_graph
+    from shardflow.runtime import load
+    from shardflow.runtime.comm import InProcessWorld
+
+    path, feeds, want = exported(arch, exporter)
+    cfg = {"mesh_shape": [2, 2], "pipeline_stages": 2, "pipeline_microbatches": 2}
+    try:
+        microbatch_graph(load_onnx(path), 2)
+    except ShardflowError as exc:
+        assert "pipeline_microbatches = 2" in str(exc), str(exc)
+        del cfg["pipeline_microbatches"]
+    compile(path, distributed_config=cfg, out_dir=tmp_path / "out")
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        return prog.gather_outputs(prog.run(dict(feeds)))
+
+    got = run_threads(InProcessWorld(4).communicators(), rank, timeout=600)[0]["y"]
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=str(cfg))
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo18"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_architecture_megatron_on_three_ranks_pads_heads(exported, arch, exporter):
     """The Megatron baseline on 3 ranks (compile's passes: heads padded to a multiple of 3, where
     the pass can follow them; passes/heads.py), checked with the partitioned graph's simulation
