@@ -178,11 +178,13 @@ class PipelineProgram:
                     continue
                 raise InputNameError(f"missing input {name!r}; pass an array for each of {self.input_names}", name)
             a = inputs[name]
-            if tuple(np.shape(a)) != shape:
-                raise InputShapeError(f"input {name!r} has shape {tuple(np.shape(a))}, the program was compiled for "
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                a = np.asarray(a)  # (as a stage's program takes it: refused here on every rank if it would be there)
+            if tuple(a.shape) != shape:
+                raise InputShapeError(f"input {name!r} has shape {tuple(a.shape)}, the program was compiled for "
                                       f"{shape}; compile again with input_shapes to change it", name)
-            got = getattr(a, "dtype", None)
-            if got is not None and got != dtype and not (dtype.kind == "V" and got == np.dtype(f"V{dtype.itemsize}")):
+            got = a.dtype
+            if got != dtype and not (dtype.kind == "V" and got == np.dtype(f"V{dtype.itemsize}")):
                 raise InputDtypeError(f"input {name!r} has dtype {got}, the program expects {dtype}; convert it with "
                                       f".astype('{dtype}')", name)
             if name in self._ranges and np.size(a):

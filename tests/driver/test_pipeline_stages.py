@@ -196,7 +196,7 @@ def test_an_output_read_by_a_later_stage(tmp_path):
 
 def test_bad_inputs_are_refused_on_every_rank(tmp_path):
     """Checked against the whole model's inputs before any transfer: every rank refuses, none waits."""
-    from shardflow.runtime.executor import InputNameError, InputShapeError
+    from shardflow.runtime.executor import InputDtypeError, InputNameError, InputShapeError
 
     compile(_residual_mlp(layers=2), distributed_config={"mesh_shape": [2], "pipeline_stages": 2},
             optimization_config=CPU, out_dir=tmp_path / "out")
@@ -207,7 +207,8 @@ def test_bad_inputs_are_refused_on_every_rank(tmp_path):
         assert prog.input_names == ["x"] and prog.model_output_names == ["h1"]
         assert prog.output_names == (["h1"] if comm.rank == 1 else [])
         for bad, kind in (({"x": np.zeros((8, 31), np.float32)}, InputShapeError), ({}, InputNameError),
-                          ({"x": np.zeros((8, 32), np.float32), "y": 1}, InputNameError)):
+                          ({"x": np.zeros((8, 32), np.float32), "y": 1}, InputNameError),
+                          ({"x": [[0.5] * 32] * 8}, InputDtypeError)):  # (a list: float64)
             with pytest.raises(kind):
                 prog.run(bad)
             errors.append(kind)
@@ -215,7 +216,7 @@ def test_bad_inputs_are_refused_on_every_rank(tmp_path):
 
     a, b = run_threads(InProcessWorld(2).communicators(), rank, timeout=120)
     np.testing.assert_array_equal(a["h1"], b["h1"])
-    assert len(errors) == 6
+    assert len(errors) == 8
 
 
 def test_world_size_and_layout_errors(tmp_path):
