@@ -97,11 +97,12 @@ class StagesResult:
         return self.summary()
 
 
-def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimization_config=None) -> tuple:
-    """Import, the state checked, the microbatch's graph, the cut: ``(pipeline, whole, state, timings)``
-    (``whole``: shape and dtype of every model input and output at the whole batch). With microbatches and
-    ``optimization_config`` (what the stages are planned with), the cut balanced again on the stages' plans
-    (:func:`_rebalanced`)."""
+def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimization_config) -> tuple:
+    """Import, the state checked, the microbatch's graph, the cut: ``(pipeline, whole, state, timings,
+    plans)`` (``whole``: shape and dtype of every model input and output at the whole batch). With
+    microbatches the cut is balanced again on the stages' plans (:func:`_rebalanced`, with
+    ``optimization_config``, what the stages are planned with), and ``plans`` are the kept stages'
+    plans; else ``None`` (none made)."""
     from .driver import _check_state, _load_model
     from .parallel.pipeline import microbatch_graph, split_stages
 
@@ -121,56 +122,59 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
     t0 = time.perf_counter()
     graph = microbatch_graph(graph, micro)
     pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
-    if micro > 1 and optimization_config is not None:
-        pipe = _rebalanced(graph, pipe, dcfg, optimization_config, state)
+    plans = None
+    if micro > 1:
+        pipe, plans = _rebalanced(graph, pipe, dcfg, optimization_config, state)
     timings["cut"] = time.perf_counter() - t0
-    return pipe, whole, state, timings
+    return pipe, whole, state, timings, plans
 
 
-def _stage_costs(pipe, dcfg, optimization_config) -> list[float]:
-    """Each stage's plan cost (a microbatch), as ``compile`` would plan it."""
+def _stage_plans(pipe, dcfg, optimization_config) -> list:
+    """Each stage's plan (a microbatch's), as ``compile`` plans it."""
     from .driver import planned_graph
     from .parallel import search
 
     sub = dcfg.stage_config()
-    return [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config),
-                   sub).cost for st in pipe.stages]
+    return [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
+            for st in pipe.stages]
 
 
-def _rebalanced(graph, pipe, dcfg, optimization_config, state):
-    """With microbatches a run goes at its slowest stage's pace, and the cut balanced roofline times on one
-    device, which the stages' plans (their splits, their budgets) do not keep: each stage planned, its ops'
-    times scaled by its plan's cost over their roofline sum, the graph cut again on those, the new stages
-    planned; the cut whose slowest stage (plan and sends) is faster is kept. A stage the budget refuses
-    keeps the first cut."""
+def _rebalanced(graph, pipe, dcfg, optimization_config, state) -> tuple:
+    """``(pipeline, its stages' plans)``. With microbatches a run goes at its slowest stage's pace, and the
+    cut balanced roofline times on one device, which the stages' plans (their splits, their budgets) do
+    not keep: each stage planned, its ops' times scaled by its plan's cost over their roofline sum, the
+    graph cut again on those, the new stages planned; the cut whose slowest stage (plan and sends) is
+    faster is kept. A stage the budget refuses keeps the first cut (plans ``None`` when it is the
+    first cut's: ``compile`` says why)."""
     from .errors import ShardflowError
     from .parallel.pipeline import op_times, split_stages
 
-    def slowest(p, costs):
-        return max(_modeled(p, costs, dcfg)["per_stage"])
+    def slowest(p, plans):
+        return max(_modeled(p, [x.cost for x in plans], dcfg)["per_stage"])
     try:
-        costs = _stage_costs(pipe, dcfg, optimization_config)
+        plans = _stage_plans(pipe, dcfg, optimization_config)
     except ShardflowError:
-        return pipe  # (compile says why)
+        return pipe, None
     times = op_times(graph, dcfg.device)
     scaled, at = [], 0
-    for st, cost in zip(pipe.stages, costs):
+    for st, plan in zip(pipe.stages, plans):
         part = times[at:at + st.ops]
-        scaled += [t * cost / sum(part) if sum(part) else t for t in part]
+        total = sum(part)
+        scaled += [t * plan.cost / total for t in part] if total else part
         at += st.ops
     again = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state, times=scaled)
     if [st.ops for st in again.stages] == [st.ops for st in pipe.stages]:
-        return pipe
+        return pipe, plans
     try:
-        costs2 = _stage_costs(again, dcfg, optimization_config)
+        plans2 = _stage_plans(again, dcfg, optimization_config)
     except ShardflowError as exc:
         log.info("pipeline: the cut balanced on the stages' plans is refused (%s); keeping the first", exc)
-        return pipe
-    before, after = slowest(pipe, costs), slowest(again, costs2)
+        return pipe, plans
+    before, after = slowest(pipe, plans), slowest(again, plans2)
     log.info("pipeline: slowest stage %.4g us a microbatch with the cut on roofline times (%s ops), %.4g us "
              "balanced on the stages' plans (%s ops): keeping the %s", before * 1e6, [st.ops for st in pipe.stages],
              after * 1e6, [st.ops for st in again.stages], "second" if after < before else "first")
-    return again if after < before else pipe
+    return (again, plans2) if after < before else (pipe, plans)
 
 
 def _modeled(pipe, costs: Sequence[float], dcfg) -> dict:
@@ -212,9 +216,10 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
         staged = dataclasses.replace(dcfg, pipeline_stages=n)
         what = f"{n} stages over {list(staged.stage_config().mesh_shape)}"
         try:
-            pipe = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes, optimization_config or {})[0]
-            options.append((what, staged, _modeled(pipe, _stage_costs(pipe, staged, optimization_config), staged)
-                            ["total"], None))
+            pipe, *_, plans = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes,
+                                   optimization_config)
+            plans = plans or _stage_plans(pipe, staged, optimization_config)
+            options.append((what, staged, _modeled(pipe, [p.cost for p in plans], staged)["total"], None))
         except ShardflowError as exc:
             options.append((what, staged, math.inf, str(exc)))
     best = min(options, key=lambda o: o[2])
@@ -238,8 +243,10 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     from .driver import _compile
 
     t_all = time.perf_counter()
-    pipe, whole, state, timings = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes,
-                                       optimization_config or {})
+    # (with microbatches the cut's rebalance planned the stages: _compile plans them again, so that each
+    # stage compiles as any graph does)
+    pipe, whole, state, timings, _ = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes,
+                                          optimization_config)
     micro = dcfg.pipeline_microbatches
     sub = dcfg.stage_config()
     results = []
@@ -296,15 +303,11 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
     arguments (``shardflow plan --stages``): ``(pipeline, plans)``, a
     :class:`~shardflow.compiler.parallel.pipeline.Pipeline` and one
     :class:`~shardflow.compiler.parallel.ShardingPlan` per stage."""
-    from .driver import OptimizationConfig, planned_graph, planning_config
-    from .parallel import search
+    from .driver import OptimizationConfig, planning_config
 
     dcfg = planning_config(distributed_config, optimization_config)
     if not dcfg.staged:
         raise ConfigError("plan_stages needs distributed_config['pipeline_stages'] > 1")
     opt = OptimizationConfig.from_dict(optimization_config)
-    pipe = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes, optimization_config or {})[0]
-    sub = dcfg.stage_config()
-    plans = [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
-             for st in pipe.stages]
-    return pipe, plans
+    pipe, *_, plans = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes, optimization_config)
+    return pipe, plans or _stage_plans(pipe, dcfg, optimization_config)

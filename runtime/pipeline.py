@@ -125,6 +125,11 @@ class PipelineProgram:
         self._ranges = {e["name"]: [(int(lo), int(hi), str(op)) for lo, hi, op in e["index_checks"]]
                         for e in spec["inputs"] if e.get("index_checks")}
         self._mine = [e["name"] for e in spec["outputs"] if e["stage"] == self.stage]
+        # this rank's part of the cuts' transfers, in their one order: receives (from earlier stages) all
+        # come before its sends there
+        cuts = [e for e in spec["transfers"] if e["kind"] == "cut"]
+        self._receives = [e for e in cuts if e["to"] == self.stage]
+        self._sends = [e for e in cuts if e["from"] == self.stage]
         self._last_feeds: dict[str, Any] | None = None
         log.debug("rank %d: pipeline stage %d of %d, member %d of %d", self.rank, self.stage, n_stages, member, width)
 
@@ -199,21 +204,18 @@ class PipelineProgram:
         joined along dim 0 (collective: every rank of every stage calls it)."""
         whole = self._checked(inputs)
         micro = int(self.spec.get("microbatches", 1))
-        cuts = [e for e in self.spec["transfers"] if e["kind"] == "cut"]
         parts: list[dict] = []
         for j in range(micro):
             feeds = {n: _rows(a, j, micro) for n, a in whole.items()}
-            for e in cuts:
-                if e["to"] == self.stage:
-                    buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
-                    self._pipe.exchange({}, {e["from"]: buf})
-                    feeds[e["name"]] = buf
+            for e in self._receives:
+                buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
+                self._pipe.exchange({}, {e["from"]: buf})
+                feeds[e["name"]] = buf
             self._last_feeds = feeds
             # (copied when more microbatches follow: the next run writes over the program's buffers)
             got = self.program.run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
-            for e in cuts:
-                if e["from"] == self.stage:
-                    self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
+            for e in self._sends:
+                self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
             parts.append({name: got[name] for name in self._mine})
         if micro == 1:
             return parts[0]

@@ -360,7 +360,8 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
     ShardflowError
         An input or output whose dim 0 does not divide by ``microbatches``; a graph whose samples
         are not computed apart (the collective the split would need, and where); positions whose
-        graphs differ (an op that depends on where in the batch it is).
+        graphs differ (a constant with a row per sample, an op that depends on where in the batch
+        it is).
     """
     from ..passes.simplify import attr_key
     from .partition import partition_ranks
@@ -413,7 +414,7 @@ def microbatch_graph(graph: FlowGraph, microbatches: int) -> FlowGraph:
                                  f"microbatch 0's at {where} (a constant with a row per sample, or an op that "
                                  "depends on where in the batch it is), so one program cannot run them all; compile "
                                  "without microbatches")
-    first.meta = {k: v for k, v in graph.meta.items()}
+    first.meta = dict(graph.meta)
     first.name = f"{graph.name}.microbatch"
     log.info("pipeline: %d microbatches of %s", microbatches,
              ", ".join(f"{t.name} {list(t.shape)}" for t in first.inputs))
