@@ -187,6 +187,14 @@ def _distributed_config(args) -> dict:
         cfg["device"] = args.device
     if args.stages is not None:
         cfg["pipeline_stages"] = args.stages
+    for item in args.place or ():
+        op, sep, spec = item.rpartition("=")
+        if not sep or not op or not spec.strip():
+            raise _CLIError(f"--place {item!r}: write OP=SPEC, e.g. '/model/h.*/mlp/c_fc/Gemm=R, S(1), S(0) -> S(1)'")
+        pins = cfg.setdefault("op_placements", {})
+        if not isinstance(pins, dict):
+            raise _CLIError("--distributed-config: op_placements must be a JSON object (op name -> spec)")
+        pins[op] = spec.strip()
     return cfg
 
 
@@ -218,6 +226,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages: the graph cut into P contiguous stages along the first mesh axis (P must "
                         "divide it), each sharded over its share of the mesh; 'auto': compile weighs every such P "
                         "against one plan over the whole mesh (distributed_config pipeline_stages)")
+    p.add_argument("--place", action="append", metavar="OP=SPEC", default=None,
+                   help="run OP (a name as plan.txt prints it, or a pattern: *, ?, [...]) with SPEC, its inputs' and "
+                        "outputs' specs as plan.txt writes them ('R, S(1) -> S(1)'; the outputs' alone: 'S(1)'; '*': "
+                        "any); the ILP plans the rest around it (repeat per op; distributed_config op_placements)")
     p.add_argument("--device", choices=("cpu", "h100", "h200"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")
@@ -227,7 +239,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-config", metavar="FILE.json", default=None,
                    help="a JSON object of distributed_config keys (mesh_shape, axis_bandwidth_GBps, "
                         "axis_latency_us, memory_budget_bytes, algo, solver, time_limit_s, max_nodes, "
-                        "input_placements, output_placements, ...); flags override it")
+                        "input_placements, output_placements, op_placements, ...); flags override it")
 
 
 def _add_target_flag(p: argparse.ArgumentParser) -> None:

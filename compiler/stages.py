@@ -262,6 +262,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
             for k, v in res.timings.items():
                 if k != "total":
                     timings[k] = timings.get(k, 0.0) + v
+        _check_pins_matched(dcfg, [r.plan for r in results])
         stage_world = results[0].world_size
         # the ranges the stages read their inputs as indices in, checked on every rank before a run (so that
         # all refuse a bad one, not only the stage reading it while the others wait on its sends)
@@ -310,4 +311,18 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
         raise ConfigError("plan_stages needs distributed_config['pipeline_stages'] > 1")
     opt = OptimizationConfig.from_dict(optimization_config)
     pipe, *_, plans = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes, optimization_config)
-    return pipe, plans or _stage_plans(pipe, dcfg, optimization_config)
+    plans = plans or _stage_plans(pipe, dcfg, optimization_config)
+    _check_pins_matched(dcfg, plans)
+    return pipe, plans
+
+
+def _check_pins_matched(dcfg, plans) -> None:
+    """Each pattern of ``op_placements`` named an op of some stage (a stage's search takes the patterns
+    naming none of its ops as another stage's)."""
+    from .parallel.pins import KEY, matching_ops
+
+    for pattern in dcfg.op_placements:
+        if not any(matching_ops(list(p.op_specs), pattern) for p in plans):
+            raise ConfigError(f"{KEY}: {pattern!r} names no op of any pipeline stage (ops are named as plan.txt "
+                              "prints them: `shardflow plan MODEL --mesh ... --stages P`; a pattern takes *, ? "
+                              "and [...])")

@@ -30,6 +30,11 @@ key                       meaning                                               
                           by work, so the same plan on every machine
 ``input_placements``      graph input name → spec string (``"S(0)R"``), default R      all R
 ``output_placements``     graph output name → spec string, default R                   all R
+``op_placements``         op name (as plan.txt prints it) or a shell-style pattern of   none
+                          names → the specs the op must run with, as plan.txt writes
+                          them: ``"R, S(1) -> S(1)"`` (inputs, weights included, and
+                          outputs) or ``"S(1)"`` (outputs), ``*`` for any; the ILP
+                          plans the rest around them (pins.py; ``algo`` ilp only)
 ``preload_plan``          path to a saved ``plan.json`` (or its folder) to reuse       none
 ``alias_layers``          share one decision among structurally identical layers      true
 ``partial_sums``          let linear ops (adds, scalings, reshapes) work on partial    ``auto``
@@ -102,6 +107,10 @@ class DistributedConfig:
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
     pipeline_stages: int | str = 1  # or "auto"
     pipeline_microbatches: int = 1
+    op_placements: dict = field(default_factory=dict)
+    #: (not a key) a pattern of op_placements may name no op of the graph planned: a pipeline stage's,
+    #: which holds some of the ops (compile checks that each names an op of some stage)
+    pins_may_miss: bool = False
 
     @property
     def staged(self) -> bool:
@@ -124,7 +133,7 @@ class DistributedConfig:
         shape = ((q,) if q > 1 else ()) + tuple(self.mesh_shape[1:]) or (1,)
         many = len(self.mesh_shape) > 1 or q > 1
         return dataclasses.replace(
-            self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1,
+            self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1, pins_may_miss=True,
             mesh_axis_names=rest(self.mesh_axis_names) if many else None,
             axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if many else None,
             axis_latency_us=rest(self.axis_latency_us) if many else None)
@@ -136,7 +145,7 @@ class DistributedConfig:
             return cfg
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"distributed_config must be a dict, got {type(cfg).__name__}")
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__dataclass_fields__) - {"pins_may_miss"}
         for key in cfg:
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)
@@ -186,6 +195,25 @@ class DistributedConfig:
                 if cfg.get(key):
                     raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
                                       "stage is planned on its own, its inputs and outputs whole); drop one of them")
+        pins = _placements(cfg.get("op_placements", {}), "op_placements", "op names (or patterns of them)",
+                           "'R, S(1) -> S(1)'")
+        if pins:
+            from .pins import parse_pin
+
+            for pattern, text in pins.items():
+                parse_pin(pattern, text)  # (the grammar here; the ops and the mesh when the graph is planned)
+            if algo != "ilp":
+                raise ConfigError(f"distributed_config['op_placements'] constrains the ILP's search; algo {algo!r} "
+                                  "is a fixed recipe: use algo 'ilp' (which plans the rest around the pinned ops) or "
+                                  "drop op_placements")
+            if cfg.get("preload_plan"):
+                raise ConfigError("distributed_config['op_placements'] constrains the plan search, which "
+                                  "preload_plan skips: drop one of them")
+            if stages == "auto":
+                raise ConfigError("distributed_config['op_placements'] with pipeline_stages 'auto': a pin's specs "
+                                  "name one mesh's axes, and 'auto' weighs meshes of different axes (the whole mesh, "
+                                  "each stage's); give a number of stages (the specs then on a stage's mesh) or "
+                                  "drop one of them")
         micro = _opt_positive_int(cfg.get("pipeline_microbatches", 1), "pipeline_microbatches")
         if micro > 1 and stages != "auto" and stages < 2:
             raise ConfigError(f"distributed_config['pipeline_microbatches'] = {micro} needs pipeline_stages > 1 (the "
@@ -209,6 +237,7 @@ class DistributedConfig:
             partial_sums=_bool_or_auto(cfg.get("partial_sums", "auto"), "partial_sums"),
             pad_heads=_bool_or_auto(cfg.get("pad_heads", "auto"), "pad_heads"),
             device=_device(cfg.get("device")), pipeline_stages=stages, pipeline_microbatches=micro,
+            op_placements=pins,
         )
 
 
@@ -306,7 +335,7 @@ def _opt_str(v, key) -> str | None:
     return v
 
 
-def _placements(v, key) -> dict:
+def _placements(v, key, what: str = "tensor names", like: str = "'S(0)R'") -> dict:
     if not isinstance(v, Mapping) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
-        raise ConfigError(f"distributed_config[{key!r}] must map tensor names to spec strings like 'S(0)R'")
+        raise ConfigError(f"distributed_config[{key!r}] must map {what} to spec strings like {like}")
     return dict(v)

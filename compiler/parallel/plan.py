@@ -98,6 +98,8 @@ class ShardingPlan:
         self.device = device or H100  # the cost model's DeviceProfile
         #: lines the search adds to plan.txt (what a baseline left whole, and why)
         self.notes: list[str] = []
+        #: ``{op name: its pin}`` for the ops ``op_placements`` fixed (``pins.py``)
+        self.pinned: dict[str, str] = {}
         #: the ranks the graph's attention heads were padded for before the plan (passes/heads.py;
         #: 1: not padded): a preloaded plan's graph is padded alike
         self.pad_heads = 1
@@ -177,6 +179,7 @@ class ShardingPlan:
             ],
             "tensors": {k: str(v) for k, v in self.tensor_specs.items()},
             "notes": list(self.notes),
+            **({"pinned": dict(self.pinned)} if self.pinned else {}),
             "pad_heads": int(self.pad_heads),
             "reshards": [
                 {"tensor": r.tensor, "consumer": r.consumer, "index": r.index, "src": str(r.src), "dst": str(r.dst),
@@ -232,6 +235,7 @@ class ShardingPlan:
                        0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"), _device(d.get("device")))
             plan.notes = [str(n) for n in d.get("notes", ())]
             plan.pad_heads = int(d.get("pad_heads", 1))
+            plan.pinned = {str(k): str(v) for k, v in d.get("pinned", {}).items()}
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed plan.json ({type(exc).__name__}: {exc})") from None
         if graph is not None:
@@ -343,6 +347,9 @@ class ShardingPlan:
             raise ShardflowError(f"no op named {node!r} in the plan" + (f"; similar: {close}" if close else ""))
         sp = self.op_specs[node]
         lines = [f"{node} ({self.op_types[node]}): {sp}"]
+        if node in self.pinned:
+            lines.append(f"  pinned by op_placements to {self.pinned[node]!r}: the search chose among the "
+                         "strategies that run it so")
         for m, v in enumerate(sp.assignment):
             axis = self.mesh.axis_names[m]
             what = ("works on partial sums (a linear op: partial inputs, partial output)" if v == PARTIAL_SUMS

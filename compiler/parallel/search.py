@@ -37,6 +37,7 @@ from .config import DistributedConfig
 from .connect import connect
 from .cost import DEVICE_MEMORY_FRACTION, H100, CostModel, itemsize
 from .mesh import DeviceMesh
+from .pins import resolve_pins, unavailable
 from .placement import Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
 from .rules import OFFSET_ROWS, PARTIAL_SUMS, OpShardSpec, op_strategies, replicated_strategy
@@ -163,6 +164,8 @@ class Problem:
         same_op: dict[tuple, list[OpShardSpec]] = {}  # repeated layers have identical ops
         partial_sums = cfg.partial_sums is True or (cfg.partial_sums == "auto" and not (
             cfg.memory_budget_bytes is not None and sum(n > 1 for n in self.mesh_shape) > 1))
+        # op_placements: the pinned ops keep the strategies their pin admits (a list of their own)
+        self.pins = resolve_pins(graph, cfg.op_placements, self.mesh_shape, require_match=not cfg.pins_may_miss)
         for op in graph.nodes:
             key = (type(op), attr_key(op.attrs), tuple((t.shape, t.dtype) for t in op.inputs))
             if key not in same_op:
@@ -172,6 +175,11 @@ class Problem:
                 reads = op_input_reads(op)
                 same_op[key] = [self._with_cost(op, s, reads) for s in specs]
             self.strategies[id(op)] = same_op[key]
+            pin = self.pins.get(op.name)
+            if pin is not None:
+                self.strategies[id(op)] = [s for s in same_op[key] if pin.admits(s)]
+                if not self.strategies[id(op)]:
+                    raise unavailable(pin, op, same_op[key])
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
         self._followers: dict[tuple, tuple[OpShardSpec, float]] = {}  # (_follow_leader)
         self._build_groups()
@@ -363,6 +371,10 @@ class Problem:
                 best, best_cost = cand, c
         return best, best_cost
 
+    def pins_hold(self, assign: dict[int, OpShardSpec]) -> bool:
+        """Whether ``assign`` runs every pinned op (``op_placements``) as its pin says."""
+        return all(self.pins[op.name].admits(assign[id(op)]) for op in self.graph.nodes if op.name in self.pins)
+
     def external_inputs(self, g: Group):
         """(tensor, member op, input index) reads of ``g`` from outside it."""
         members = {id(m) for m in g.members}
@@ -391,8 +403,10 @@ def _alias_classes(problem: Problem, rounds: int = 3) -> None:
                 succs[pg].append(g.index)
     colour = {}
     for g in groups:
+        # (a pinned op's pin too: a layer pinned is not aliased with one that is not)
         sig = "|".join(f"{m.op_type}{sorted((k, repr(v)) for k, v in m.attrs.items())}"
-                       f"{[t.shape for t in m.inputs]}{[t.dtype for t in m.inputs]}" for m in g.members)
+                       f"{[t.shape for t in m.inputs]}{[t.dtype for t in m.inputs]}"
+                       f"{problem.pins[m.name].text if m.name in problem.pins else ''}" for m in g.members)
         sig += repr([round(c, 15) for c in g.node_cost]) + str(len(g.choices))
         colour[g.index] = hashlib.sha1(sig.encode()).hexdigest()
     for _ in range(rounds):
@@ -564,7 +578,9 @@ def _solve_ilp(problem: Problem) -> list[int]:
             need = _min_memory(problem)
             raise ShardflowError(
                 f"no plan fits memory_budget_bytes={cfg.memory_budget_bytes:,} on mesh {list(cfg.mesh_shape)}: "
-                f"the least any plan needs is about {need:,} bytes per rank; raise the budget or use a larger mesh")
+                f"the least any plan {'running the ops op_placements pins as given ' if problem.pins else ''}needs "
+                f"is about {need:,} bytes per rank; raise the budget or use a larger mesh"
+                + (f" (or pin fewer ops: {len(problem.pins)} pinned)" if problem.pins else ""))
         raise ShardflowError(f"the ILP solver ended with status {pulp.LpStatus[status]} before finding a plan "
                              f"(time_limit_s={cfg.time_limit_s}, max_nodes={cfg.max_nodes}); raise time_limit_s or "
                              "max_nodes, or set mip_rel_gap")
@@ -693,7 +709,8 @@ def _follow(problem: Problem, pick) -> dict[int, OpShardSpec]:
     resolve partial sums where they arise (no :data:`~.rules.PARTIAL_SUMS` strategies)."""
     assign: dict[int, OpShardSpec] = {}
     for op in problem.graph.nodes:
-        cands = [c for c in problem.strategies[id(op)] if PARTIAL_SUMS not in c.assignment]
+        cands = ([c for c in problem.strategies[id(op)] if PARTIAL_SUMS not in c.assignment]
+                 or problem.strategies[id(op)])  # (a pinned op may keep partial-sum strategies alone)
         chosen = pick(op, cands, assign)
         assign[id(op)] = chosen if chosen is not None else _cheapest(problem, op, cands, assign)
     return assign
@@ -806,7 +823,7 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
         if chosen is not None:
             return chosen
         # (no candidate keeps the data axes' split: replicated along them, gathered)
-        ok = [c for c in cands if data_parallel(op, c, assign)] or [c for c in cands if only_axis(c)]
+        ok = [c for c in cands if data_parallel(op, c, assign)] or [c for c in cands if only_axis(c)] or cands
         # (row ranges of a constant table only where pick chose them: a vocab-parallel embedding)
         if _constant_tables(op):
             ok = [c for c in ok if c.assignment[axis] != OFFSET_ROWS] or ok
@@ -914,7 +931,7 @@ def _data_parallel(problem: Problem) -> dict[int, OpShardSpec]:
 
     def pick(op, cands, assign):
         ok = [c for c in cands if all(sp.is_replicated for t, sp in zip(op.inputs, c.input_specs) if t.is_constant)]
-        return _cheapest(problem, op, ok, assign)
+        return _cheapest(problem, op, ok, assign) if ok else None
 
     return _follow(problem, pick)
 
@@ -1009,7 +1026,7 @@ def _search(graph: FlowGraph, cfg: DistributedConfig) -> "ShardingPlan":
         alts = [(name, _megatron(problem, greedy=greedy) if name == "megatron" else fn(problem))
                 for name, fn in BASELINES.items()]
         for name, alt in alts + [("megatron", g) for g in greedy]:
-            if not _fits(problem, alt):
+            if not _fits(problem, alt) or not problem.pins_hold(alt):
                 continue
             c = problem.total_cost(alt)[0]
             if c < best * (1 - 1e-9):
@@ -1020,6 +1037,10 @@ def _search(graph: FlowGraph, cfg: DistributedConfig) -> "ShardingPlan":
         assign = _megatron(problem, kept_whole=kept_whole) if cfg.algo == "megatron" else BASELINES[cfg.algo](problem)
         algo = cfg.algo
     plan = ShardingPlan.from_assignment(problem, assign, algo=algo, search_seconds=time.perf_counter() - t0)
+    if problem.pins:
+        plan.pinned = {name: pin.text for name, pin in problem.pins.items()}
+        plan.notes.append(f"op_placements: {len(problem.pins)} op(s) pinned, the rest planned around them: "
+                          f"{_first_names(list(problem.pins))}")
     padded = graph.meta.get("padded_heads")
     if padded:
         plan.pad_heads = int(padded["ranks"])
