@@ -116,9 +116,8 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
     whole.update((n, (t.shape, t.dtype)) for n, t in zip(graph.output_names, graph.outputs))
     micro = dcfg.pipeline_microbatches
     state = _check_state(graph, state, input_values)
-    if state and micro > 1:
-        raise ConfigError(f"compile(state=...) with pipeline_microbatches = {micro}: a state holds the whole batch "
-                          "and the microbatches would each need their own; drop one of them")
+    # (with microbatches each state is split along dim 0 as every input and output is: a stage's ranks keep an
+    # instance of its program per microbatch, each with its rows: runtime/pipeline.py)
     t0 = time.perf_counter()
     graph = microbatch_graph(graph, micro)
     pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)

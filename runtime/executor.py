@@ -223,12 +223,15 @@ class RankProgram:
                  map_weights: bool | None = None,
                  borrowed_weights: Mapping[int, tuple[np.ndarray, str]] | None = None,
                  external_weights: Mapping[int, np.ndarray] | None = None,
-                 device_weights: Mapping[tuple[str, int], Any] | None = None):
+                 device_weights: Mapping[tuple[str, int], Any] | None = None,
+                 shared_weights: np.ndarray | None = None):
         # borrowed_weights: {offset in weights.bin: (bytes alike held by another program, their sha256)}, read
         # from there instead of the file (a shape variant's weights another variant loaded: runtime/variants.py);
         # external_weights: {offset in program.json's external_weights file: those bytes, held already};
         # device_weights (cuda): {("weights" | "external", offset): a device array of those bytes, held already}
+        # shared_weights: the whole weights.bin of this program, held by another instance of it (twin)
         self.device_weights = dict(device_weights or {})
+        self._shared_weights = shared_weights
         self._borrowed_weights = {off: a for off, (a, _) in (borrowed_weights or {}).items()}
         self._borrowed_sha = {off: sha for off, (_, sha) in (borrowed_weights or {}).items()}
         self._external_given = dict(external_weights or {})
@@ -265,7 +268,8 @@ class RankProgram:
         if verify:
             verify_files(self.directory, m, skip=("weights.bin",))
         self.program = read_json(self.directory / "program.json", "program")
-        self._build(verify, self.target == "cuda" if map_weights is None else bool(map_weights))
+        self._map_weights = self.target == "cuda" if map_weights is None else bool(map_weights)
+        self._build(verify, self._map_weights)
         log.debug("rank %d: loaded %d steps (%d kernels, %d collectives), arena %d B, weights %d B", self.rank,
                   len(self.program["steps"]), self._n_kernels, self._n_collectives, self.arena.nbytes,
                   self.weights.nbytes)
@@ -280,10 +284,16 @@ class RankProgram:
         borrowed = self._borrowed_weights
         if self.target == "cuda":  # (the engine uploads what the device was not given: those bytes are read)
             borrowed = {off: a for off, a in borrowed.items() if ("weights", off) in self.device_weights}
-        self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
-                                    winfo["sha256"] if (verify and winfo) else None, mapped=map_weights,
-                                    skip=[(off, a.nbytes, self._borrowed_sha[off]) for off, a in borrowed.items()]) \
-            if p["weights_bytes"] else aligned_empty(0)
+        if self._shared_weights is not None:
+            if self._shared_weights.nbytes != int(p["weights_bytes"]):
+                raise ArtifactError(f"rank {self.rank}: weights of {self._shared_weights.nbytes} bytes shared with "
+                                    f"{str(self.directory)!r}, whose program has {p['weights_bytes']}")
+            self.weights = self._shared_weights
+        else:
+            skip = [(off, a.nbytes, self._borrowed_sha[off]) for off, a in borrowed.items()]
+            self.weights = read_weights(self.directory / wfile, int(p["weights_bytes"]),
+                                        winfo["sha256"] if (verify and winfo) else None, mapped=map_weights,
+                                        skip=skip) if p["weights_bytes"] else aligned_empty(0)
         try:
             self.arena = aligned_empty(int(p["arena_bytes"]))
         except MemoryError:
@@ -734,13 +744,14 @@ class RankProgram:
     @property
     def borrowed_weights_bytes(self) -> int:
         """Bytes of this program's weights read from another program's memory (a shape variant's weights
-        alike in a variant loaded before it: runtime/variants.py; a cuda program's, on the device); its own
-        copy holds the rest."""
+        alike in a variant loaded before it: runtime/variants.py; a twin's, all of them; a cuda program's,
+        on the device); its own copy holds the rest."""
         if self._engine is not None:
             return self._engine.borrowed_bytes
         given = {off for off, a in self._external_given.items() if self.external_regions.get(off) is a}
-        return (sum(a.nbytes for a in self._borrowed_weights.values())
-                + sum(self.external_regions[off].nbytes for off in given))
+        held = (self.weights.nbytes if self._shared_weights is not None  # (a twin: all of them)
+                else sum(a.nbytes for a in self._borrowed_weights.values()))
+        return held + sum(self.external_regions[off].nbytes for off in given)
 
     @property
     def scratch_bytes(self) -> int | None:
@@ -902,6 +913,20 @@ class RankProgram:
                 low, high = -int(both[0]), int(both[1])
         if low is not None:
             refuse_indices(name, low, high, self._index_checks[name], carried)
+
+    def twin(self) -> "RankProgram":
+        """Another instance of this program on the same communicator, with an arena of its own (its
+        activations and states) and this one's weights: read from this program's memory, on the device
+        too for cuda, not loaded again (as a shape variant reads the weights another holds alike). A
+        pipeline stage keeps one per microbatch when it holds states (runtime/pipeline.py). Collective
+        where the program splits sub-communicators: every rank of the program calls it."""
+        # (the files were checked when this program loaded them; a cuda program's device arrays of weights,
+        # the whole file's or the regions a shape variant read from another, are handed on as they are)
+        return RankProgram(self.out_dir, self.rank, self.comm, verify=False, map_weights=self._map_weights,
+                           external_weights=self.external_regions, shared_weights=self.weights,
+                           borrowed_weights={off: (a, self._borrowed_sha[off])
+                                             for off, a in self._borrowed_weights.items()},
+                           device_weights=dict(self._engine.regions) if self._engine is not None else None)
 
     def close(self) -> None:
         """Free the sub-communicators (the world communicator belongs to the caller)."""

@@ -735,8 +735,13 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
     repeat = max(args.repeat, 1)
     steps = prog.profile(inputs, repeat=repeat, warmup=1)
     stages = prog.spec if isinstance(prog, PipelineProgram) else None
-    prog = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
-    record = {"steps": steps, "memory": memory_record(prog)}
+    # (of shape variants: the one the inputs' shapes chose; of a stage keeping states with microbatches, every
+    # instance's arena, their weights held once)
+    progs = prog.instances if isinstance(prog, PipelineProgram) else [getattr(prog, "last", prog)]
+    memory = memory_record(progs[0])
+    for other in map(memory_record, progs[1:]):
+        memory.update({k: memory[k] + other[k] for k in ("arena", "weights") if None not in (memory[k], other[k])})
+    record = {"steps": steps, "memory": memory}
     gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]
     if rank != 0:
         return

@@ -119,6 +119,12 @@ class PipelineProgram:
         self._stage_spec = spec["stages"][self.stage]
         self.program = RankProgram(self.out_dir / self._stage_spec["dir"], member,
                                    stage_comm if width > 1 else None, **load_kwargs)
+        # A stage keeping states (a KV cache) with microbatches keeps an instance of its program per microbatch,
+        # each with its rows of the states, the weights held once (RankProgram.twin; every rank of the stage
+        # makes them alike: collective on the stage's communicator).
+        self._programs = [self.program]
+        if int(spec.get("microbatches", 1)) > 1 and self.program.state_names:
+            self._programs += [self.program.twin() for _ in range(int(spec["microbatches"]) - 1)]
         self._inputs = {e["name"]: (tuple(e["shape"]), buffer_dtype(e["dtype"])) for e in spec["inputs"]}
         self._outputs = [e["name"] for e in spec["outputs"]]
         self._state_inputs = {e["name"] for e in spec["inputs"] if e.get("state")}
@@ -131,6 +137,7 @@ class PipelineProgram:
         self._receives = [e for e in cuts if e["to"] == self.stage]
         self._sends = [e for e in cuts if e["from"] == self.stage]
         self._last_feeds: dict[str, Any] | None = None
+        self._last_prog = 0
         log.debug("rank %d: pipeline stage %d of %d, member %d of %d", self.rank, self.stage, n_stages, member, width)
 
     # the RankProgram interface the launcher uses ------------------------------------------
@@ -138,6 +145,12 @@ class PipelineProgram:
     def last(self):
         """The stage's :class:`~shardflow.runtime.executor.RankProgram`."""
         return self.program
+
+    @property
+    def instances(self) -> list:
+        """The stage's program instances on this rank: one, or one per microbatch for a stage keeping
+        states (:meth:`RankProgram.twin`; the first is :attr:`last`)."""
+        return list(self._programs)
 
     @property
     def input_names(self) -> list[str]:
@@ -160,12 +173,17 @@ class PipelineProgram:
         return self.program.state_names
 
     def read_state(self) -> dict[str, np.ndarray]:
-        """The values of this rank's stage's states (:meth:`RankProgram.read_state`)."""
-        return self.program.read_state()
+        """The values of this rank's stage's states (:meth:`RankProgram.read_state`); with microbatches,
+        the microbatches' values joined along dim 0 (each microbatch's rows of this rank's part)."""
+        if len(self._programs) == 1:
+            return self.program.read_state()
+        parts = [p.read_state() for p in self._programs]
+        return {name: np.concatenate([part[name] for part in parts], axis=0) for name in parts[0]}
 
     def reset_state(self) -> None:
         """Zero this rank's stage's states (every rank calls it to start a new sequence)."""
-        self.program.reset_state()
+        for p in self._programs:
+            p.reset_state()
 
     def _checked(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The inputs checked on every rank against the whole model's (so that all ranks refuse a bad
@@ -211,9 +229,11 @@ class PipelineProgram:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
                 self._pipe.exchange({}, {e["from"]: buf})
                 feeds[e["name"]] = buf
-            self._last_feeds = feeds
-            # (copied when more microbatches follow: the next run writes over the program's buffers)
-            got = self.program.run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
+            self._last_feeds, self._last_prog = feeds, j
+            # (copied when more microbatches follow: the next run writes over the program's buffers; a stage
+            # with states runs microbatch j on its own instance, which holds that microbatch's rows of them)
+            prog = self._programs[j] if len(self._programs) > 1 else self.program
+            got = prog.run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
             for e in self._sends:
                 self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
             parts.append({name: got[name] for name in self._mine})
@@ -244,12 +264,15 @@ class PipelineProgram:
         """The stage's steps timed (:meth:`RankProgram.profile`) on what this rank received in one
         whole run of ``inputs`` (collective: every rank calls it)."""
         self.run(inputs)
-        return self.program.profile(self._last_feeds, repeat=repeat, warmup=warmup)
+        # (on the instance that ran those feeds: another's states would get that microbatch's rows)
+        prog = self._programs[self._last_prog] if len(self._programs) > 1 else self.program
+        return prog.profile(self._last_feeds, repeat=repeat, warmup=warmup)
 
     def close(self) -> None:
         """Free the stage's program and the communicators this rank split off the world (which belongs to
         the caller)."""
-        self.program.close()
+        for p in self._programs:
+            p.close()
         for c in (self._pipe, self._stage_comm):
             c.close()
 

@@ -122,9 +122,6 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="pipeline_stages"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 0}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
-    with pytest.raises(ConfigError, match="state=.* with pipeline_microbatches = 2"):
-        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2},
-                optimization_config=CPU, out_dir=tmp_path / "a", state={"h1": "x"})
     with pytest.raises(ConfigError, match="pipeline_microbatches'\\] = 2 needs pipeline_stages > 1"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_microbatches": 2}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
@@ -280,6 +277,34 @@ def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
     assert (tmp_path / "plans" / "stage1" / "plan.json").is_file()
 
 
+def test_cli_runs_and_profiles_a_kv_cache_on_stages_with_microbatches(tmp_path):
+    """`shardflow run --profile` of the genai Llama on 2 stages with 2 microbatches and its cache kept: the
+    logits of a step (the zero cache) onnxruntime's, and each rank's memory every instance's arena, the
+    weights once."""
+    import subprocess
+
+    from test_multirank_models import SHARDFLOW, clean_env
+    from test_state import _cache_state, _llama_steps
+
+    state = _cache_state(2)
+    first, want = next(_llama_steps(1))
+    compile(str(MODELS / "llama_genai_fp32.onnx"),
+            distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2},
+            optimization_config=CPU, out_dir=tmp_path / "out", input_shapes={k: v.shape for k, v in first.items()},
+            state=state)
+    np.savez(tmp_path / "in.npz", **{k: v for k, v in first.items() if k not in state.values()})
+    proc = subprocess.run(SHARDFLOW + ["run", str(tmp_path / "out"), "--nproc", "2", "--launcher", "spawn",
+                                       "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"),
+                                       "--repeat", "2", "--profile-json", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "o.npz")["logits"], want["logits"], rtol=1e-4, atol=1e-4)
+    memory = json.loads((tmp_path / "p.json").read_text())["memory"]
+    for r in range(2):
+        prog = json.loads((tmp_path / "out" / f"stage{r}" / "rank0" / "program.json").read_text())
+        assert memory[r]["arena"] == 2 * prog["arena_bytes"] and memory[r]["weights"] == prog["weights_bytes"]
+
+
 # ------------------------------------------------------------------------------------ microbatches
 def _one_node(op, x_shape, z_shape, extra=(), inits=(), **attrs):
     x = oh.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)
@@ -374,41 +399,66 @@ def test_token_ids_past_the_table_are_refused_on_every_rank(tmp_path):
     assert run_threads(InProcessWorld(2).communicators(), rank, timeout=120) == [[], ["logits"]]
 
 
-def test_a_kv_cache_stays_in_its_stage(tmp_path):
+@pytest.mark.parametrize("mesh, micro, algo", [([2], 1, "ilp"), ([2], 2, "ilp"), ([4], 2, "megatron")],
+                         ids=["2x1", "2x1-microbatches", "2x2-megatron-microbatches"])
+def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo):
     """onnxruntime-genai's Llama decoding step (2 layers, a cache of 16) on 2 stages with its KV cache kept
     as state: no cut between a layer's past and its present, so each stage keeps its layer's cache. Five
     greedy steps of two sequences, the first given the zero past, the others only the token and the mask:
-    the last stage's logits and each stage's cache against onnxruntime fed its own presents."""
+    the last stage's logits and each stage's cache against onnxruntime fed its own presents. With 2
+    microbatches (a sequence each) a stage keeps an instance of its program per microbatch, each with its
+    sequence's rows of the cache and the weights held once; on 2 Megatron ranks a stage, each rank its
+    key/value head of them."""
     from test_state import _cache_state, _close, _llama_steps
 
     state = _cache_state(2)
     shapes = {"input_ids": (2, 1), "attention_mask": (2, 16), **{k: (2, 2, 16, 16) for k in state.values()}}
-    res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={"mesh_shape": [2], "pipeline_stages": 2},
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"),
+                  distributed_config={"mesh_shape": mesh, "pipeline_stages": 2, "pipeline_microbatches": micro,
+                                      "algo": algo},
                   optimization_config=CPU, out_dir=tmp_path / "out", input_shapes=shapes, state=state)
     kept = [{e["output"]: e["input"] for e in st["state"]} for st in res.pipeline["stages"]]
     assert kept == [{k: v for k, v in state.items() if ".0." in k}, {k: v for k, v in state.items() if ".1." in k}]
     assert [e["name"] for e in res.pipeline["outputs"]] == ["logits"]
     assert sorted(e["name"] for e in res.pipeline["inputs"] if e.get("state")) == sorted(state.values())
+    width = res.pipeline["stage_world_size"]
     steps = list(_llama_steps(5))
+
+    def part(r, name, whole):
+        """Rank ``r``'s part of a state: each microbatch's rows, cut as the stage's program keeps them."""
+        s, c = divmod(r, width)
+        entry = next(e for e in json.loads((tmp_path / "out" / f"stage{s}" / f"rank{c}" / "manifest.json")
+                                           .read_text())["inputs"] if e["name"] == name)
+        if algo == "megatron":  # (split by key/value heads: one a rank)
+            assert entry["bounds"] == [[0, 1], [c, c + 1], [0, 16], [0, 16]] and entry["global_shape"] == [1, 2, 16, 16]
+        cut = tuple(slice(lo, hi) for lo, hi in entry.get("bounds", [[0, n] for n in entry["shape"]]))
+        return np.concatenate([rows[cut] for rows in np.split(whole, micro)], axis=0)
 
     def rank(comm):
         prog = load(tmp_path / "out", comm.rank, comm)
-        assert prog.state_names == {v: k for k, v in kept[comm.rank].items()}
+        s = comm.rank // width
+        assert prog.state_names == {v: k for k, v in kept[s].items()}
+        assert len(prog._programs) == micro
+        # (the microbatches' instances hold the stage's weights once)
+        assert len({id(p.weights) for p in prog._programs}) == 1
+        assert all(p.borrowed_weights_bytes == prog.program.weights.nbytes > 0 for p in prog._programs[1:])
         seen = []
         for given, _ in steps:
             got = prog.run(given)
             seen.append((got, prog.read_state()))
         prog.reset_state()
         assert all(not v.any() for v in prog.read_state().values())
+        prog.close()
         return seen
 
-    for r, seen in enumerate(run_threads(InProcessWorld(2).communicators(), rank, timeout=120)):
+    last = range(width, 2 * width)
+    for r, seen in enumerate(run_threads(InProcessWorld(2 * width).communicators(), rank, timeout=240)):
         for step, ((got, cache), (_, want)) in enumerate(zip(seen, steps)):
-            assert sorted(got) == (["logits"] if r == 1 else [])
-            if r == 1:
+            assert sorted(got) == (["logits"] if r in last else [])
+            if r in last:
                 _close(got["logits"], want["logits"], what=f"step {step}")
-            for out, name in kept[r].items():
-                _close(cache[name], want[out], what=f"rank {r} step {step} {name}")
+            for out, name in kept[r // width].items():
+                _close(cache[name], part(r, name, want[out]), what=f"rank {r} step {step} {name}")
 
 
 def test_no_cut_between_a_states_input_and_its_output():

@@ -134,3 +134,33 @@ def test_pipeline_stages_of_cuda_ranks_on_the_host(tmp_path, host):
             _close(np.asarray(outs[r]["logits"]), want, 1e-5, f"rank {r} run {k}")
     full = run_threads(world, lambda c: progs[c.rank].gather_outputs(outs[c.rank]), timeout=120)
     _close(np.asarray(full[0]["logits"]), want, 1e-5, "gathered on rank 0")
+
+
+def test_a_kv_cache_on_cuda_pipeline_stages_with_microbatches(tmp_path, host):
+    """onnxruntime-genai's Llama decoding step on 2 stages of one cuda rank, 2 microbatches (a sequence
+    each): each stage keeps an instance of its program per microbatch (``RankProgram.twin``), its own
+    arena holding its sequence's rows of the cache on the device, the weights' device arrays the first
+    instance's; five greedy steps, the last stage's logits and each stage's cache against onnxruntime."""
+    steps = list(_llama_steps(5))
+    state = _cache_state(2)
+    first, _ = steps[0]
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"),
+                  distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2},
+                  optimization_config={"target": "cuda"}, out_dir=tmp_path / "pp",
+                  input_shapes={k: v.shape for k, v in first.items()}, state=state)
+    world = InProcessWorld(2).communicators()
+    progs = run_threads(world, lambda c: load(res.out_dir, c.rank, c), timeout=120)
+    for p in progs:
+        a, b = p._programs
+        assert a._engine.arena is not b._engine.arena
+        assert all(b._engine.regions[k] is v for k, v in a._engine.regions.items())
+        assert b.borrowed_weights_bytes == a.weights.nbytes > 0
+    for step, (given, want) in enumerate(steps):
+        outs = run_threads(world, lambda c: progs[c.rank].run(given), timeout=120)
+        _close(np.asarray(outs[1]["logits"]), want["logits"], 1e-4, f"step {step}")
+        kept = run_threads(world, lambda c: progs[c.rank].read_state(), timeout=120)
+        for r in range(2):
+            for out, name in state.items():
+                if name in kept[r]:
+                    _close(kept[r][name], want[out], 1e-4, f"rank {r} step {step} {name}")
+    assert sorted(n for k in kept for n in k) == sorted(state.values())
