@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     # (the target's import and passes: the graph compile plans, so that a saved plan loads there)
     _add_target_flag(pp)
     _add_optimization_config_flag(pp)
+    pp.add_argument("--compare", action="store_true",
+                    help="after the plan, a table of every algo's plan on the same mesh and cost model (modeled run, "
+                         "memory a rank, collectives); with --place, the ILP without the pins too (what they cost)")
     pp.add_argument("--explain", action="append", default=[], metavar="NODE",
                     help="after the plan, why NODE (an op name from it) runs as it does: what each mesh axis "
                          "splits, its costs, the resharding of its inputs (repeat per op)")
@@ -420,11 +423,18 @@ def _cmd_plan(args) -> int:
         raise _CLIError("`shardflow plan --stages auto` is not supported: `compile` decides; plan with --stages N "
                         "and without, and compare their modeled costs")
     if dcfg.get("pipeline_stages", 1) > 1:
+        if args.compare:
+            raise _CLIError("`shardflow plan --compare` compares plans over the whole mesh; with --stages, plan the "
+                            "stages and the whole mesh apart")
         return _plan_stages(args, dcfg, ocfg)
-    graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg,
-                                 input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
-                                 dim_sizes=parse_dims(args.dim))
-    plan = search(graph, driver.planning_config(dcfg, ocfg))  # (the target's device, as compile plans)
+    model = dict(input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
+                 dim_sizes=parse_dims(args.dim))
+    if args.compare:  # (the config's own plan first: the one compile makes)
+        rows = driver.compare_plans(args.model, distributed_config=dcfg, optimization_config=ocfg, **model)
+        plan = rows[0][1]
+    else:
+        graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg, **model)
+        plan = search(graph, driver.planning_config(dcfg, ocfg))  # (the target's device, as compile plans)
     if args.out:
         plan.save(args.out)
     explained = [plan.explain(node) for node in args.explain]  # (an unknown name fails before any output)
@@ -433,7 +443,28 @@ def _cmd_plan(args) -> int:
         sys.stdout.write("\n")
     for text in explained:
         sys.stdout.write("\n" + text + "\n")
+    if args.compare:
+        sys.stdout.write("\n" + _comparison(plan, rows))
     return 0
+
+
+def _comparison(plan, rows) -> str:
+    """``--compare``'s table: each algo's modeled run, memory a rank and collectives."""
+    from shardflow.runtime.errors import format_bytes
+
+    def us(x: float) -> str:
+        return f"{x * 1e6:.2f} us"
+
+    lines = [f"== plans compared on mesh {list(plan.mesh.shape)}, modeled by the one cost model above (its device "
+             "and links; `--algo A` or distributed_config algo makes each)",
+             f"{'algo':<28} {'total':>13} {'compute':>13} {'comm':>13} {'memory/rank':>12} {'collectives':>11}"]
+    for label, p, why in rows:
+        if p is None:
+            lines.append(f"{label:<28} refused: {why}")
+            continue
+        lines.append(f"{label:<28} {us(p.cost):>13} {us(p.compute_cost):>13} {us(p.comm_cost):>13} "
+                     f"{format_bytes(p.memory_bytes):>12} {len(p.collectives):>11}")
+    return "\n".join(lines) + "\n"
 
 
 def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:

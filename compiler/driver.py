@@ -112,8 +112,8 @@ from .ir.graph import RNG_STEP, RNG_STEP_NEXT, FlowGraph, Operator, Tensor
 from .ir.spill import spill, spilling
 from .passes.index_checks import add_index_checks, index_check_outputs, input_index_ranges
 
-__all__ = ["compile", "planned_graph", "CompileResult", "OptimizationConfig", "build_program", "plan_buffers",
-           "TARGETS", "PRECISIONS", "COMM_BACKENDS"]
+__all__ = ["compile", "planned_graph", "compare_plans", "CompileResult", "OptimizationConfig", "build_program",
+           "plan_buffers", "TARGETS", "PRECISIONS", "COMM_BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -1382,6 +1382,47 @@ def planned_graph(model, *, distributed_config: Mapping[str, Any], optimization_
 
     return _planned_graph(model, OptimizationConfig.from_dict(optimization_config),
                           DistributedConfig.from_dict(distributed_config), input_shapes, input_values, dim_sizes)
+
+
+def compare_plans(model, *, distributed_config: Mapping[str, Any],
+                  optimization_config: Mapping[str, Any] | None = None,
+                  input_shapes: Mapping[str, Sequence[int]] | None = None,
+                  input_values: Mapping[str, Any] | None = None,
+                  dim_sizes: Mapping[str, int] | None = None) -> list[tuple[str, Any, str | None]]:
+    """The plan :func:`compile` makes for these arguments beside the other algos' plans on the same mesh,
+    links and device (``shardflow plan --compare``): ``[(label, plan, None) or (label, None, why refused)]``,
+    the config's own first, then, when it pins ops (``op_placements``), the ILP without the pins (what they
+    cost), then every other algo (without pins, which only the ILP takes). Each is planned on the graph
+    ``compile`` would plan it on (Megatron's with padded heads where that pads them); a plan the budget
+    or the device's memory refuses is listed with the reason."""
+    from .parallel import search
+    from .parallel.config import ALGOS
+
+    opt = OptimizationConfig.from_dict(optimization_config)
+    dcfg = planning_config(distributed_config, optimization_config)
+    if dcfg.pipeline_stages != 1:
+        raise ConfigError("compare_plans compares plans of one graph on the whole mesh; with pipeline_stages, plan "
+                          "the stages (plan_stages) and the whole mesh apart")
+    if dcfg.preload_plan:
+        raise ConfigError("compare_plans searches the plans; preload_plan gives one: drop it")
+    options = [(dcfg.algo, dcfg)]
+    if dcfg.op_placements:
+        options.append(("ilp without op_placements", dataclasses.replace(dcfg, op_placements={})))
+    options += [(a, dataclasses.replace(dcfg, algo=a, op_placements={})) for a in ALGOS if a != dcfg.algo]
+    graphs: dict[int, FlowGraph] = {}
+    res = []
+    for label, cfg in options:
+        pad = heads_padding(cfg)
+        if pad not in graphs:
+            graphs[pad] = _planned_graph(model, opt, cfg, input_shapes, input_values, dim_sizes)
+        try:
+            plan = search(graphs[pad], cfg)
+            res.append((label + (f", {len(plan.pinned)} op(s) pinned" if plan.pinned else ""), plan, None))
+        except ShardflowError as exc:
+            if cfg is dcfg:
+                raise
+            res.append((label, None, str(exc)))
+    return res
 
 
 def planning_config(distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None):

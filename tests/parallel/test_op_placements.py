@@ -214,6 +214,41 @@ def test_the_command_line(tmp_path):
                           "/model/transformer/h.0/mlp/c_fc/Gemm"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "op_placements: 2 op(s) pinned" in run.stdout and "pinned by op_placements to 'S(1)'" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "plan", str(path), "--mesh", "2", "--place",
+                          "/model/transformer/h.*/mlp/c_fc/Gemm=S(1)", "--compare"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout.split("== plans compared on mesh [2]")[1].splitlines()
+    assert [line.split("  ")[0] for line in table[2:]] == ["ilp, 2 op(s) pinned", "ilp without op_placements",
+                                                           "megatron", "data", "replicate"]
+    staged = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "plan", str(path), "--mesh", "2",
+                             "--stages", "2", "--compare"], capture_output=True, text=True, timeout=300)
+    assert staged.returncode != 0 and "--compare` compares plans over the whole mesh" in staged.stderr
     bad = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "plan", str(path), "--mesh", "2",
                           "--place", "S(1)"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--place 'S(1)': write OP=SPEC" in bad.stderr
+
+
+def test_plans_compared():
+    """``compare_plans`` (``shardflow plan --compare``): the pinned plan, the ILP without the pins (no
+    dearer: the pins only take plans away), and each baseline, none cheaper than the ILP (its optimum
+    is over a space holding theirs: the ILP keeps a baseline that beats it); under a budget the
+    plans above it refused, each with the reason."""
+    from shardflow.compiler.driver import compare_plans
+
+    path, _ = _gpt2()
+    rows = compare_plans(str(path), distributed_config={"mesh_shape": [2], "op_placements": GPT2_PINS},
+                         optimization_config={"target": "cpu"})
+    assert [r[0] for r in rows] == ["ilp, 4 op(s) pinned", "ilp without op_placements", "megatron", "data",
+                                    "replicate"]
+    assert all(plan is not None and why is None for _, plan, why in rows)
+    pinned, free = rows[0][1], rows[1][1]
+    assert len(pinned.pinned) == 4 and not free.pinned and free.cost <= pinned.cost
+    assert all(free.cost <= p.cost * (1 + 1e-9) for _, p, _ in rows[2:])
+    replicated = rows[-1][1].memory_bytes
+    rows = compare_plans(str(path), distributed_config={"mesh_shape": [2], "memory_budget_bytes": replicated - 1},
+                         optimization_config={"target": "cpu"})
+    assert rows[0][1].memory_bytes < replicated
+    assert rows[-1][0] == "replicate" and rows[-1][1] is None and "above memory_budget_bytes" in rows[-1][2]
+    with pytest.raises(ConfigError, match="with pipeline_stages"):
+        compare_plans(str(path), distributed_config={"mesh_shape": [2], "pipeline_stages": 2})
