@@ -131,10 +131,15 @@ def _check_arity(pin: OpPin, op, mesh_shape: Sequence[int]) -> None:
                                   f"(shape {list(t.shape)})")
 
 
-def unavailable(pin: OpPin, op, strategies: Sequence[OpShardSpec]) -> ConfigError:
-    """The error for a pin no strategy of ``op`` admits, listing what the op can run as."""
+def unavailable(pin: OpPin, op, strategies: Sequence[OpShardSpec], off: str | None = None) -> ConfigError:
+    """The error for a pin no strategy of ``op`` admits, listing what the op can run as (``off``: the
+    distributed_config key whose setting left out the strategies the pin asks for)."""
     seen = sorted({f"{', '.join(map(str, s.input_specs))} -> {', '.join(map(str, s.output_specs))}"
                    for s in strategies})
     shown = "; ".join(seen[:12]) + (f"; ... ({len(seen)} in all)" if len(seen) > 12 else "")
+    if off is not None:
+        return ConfigError(f"{KEY}[{pin.pattern!r}] = {pin.text!r}: op {op.name!r} ({op.op_type}) runs so on partial "
+                           f"sums, which this search leaves out ({off} false, or 'auto' under memory_budget_bytes on a "
+                           f"mesh of two or more axes): set {off} true, or pin one of: {shown}")
     return ConfigError(f"{KEY}[{pin.pattern!r}] = {pin.text!r}: op {op.name!r} ({op.op_type}) cannot run so on this "
                        f"mesh (its sharding rules allow: {shown}); pin one of those")

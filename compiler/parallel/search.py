@@ -179,7 +179,9 @@ class Problem:
             if pin is not None:
                 self.strategies[id(op)] = [s for s in same_op[key] if pin.admits(s)]
                 if not self.strategies[id(op)]:
-                    raise unavailable(pin, op, same_op[key])
+                    # (one the rules give that the search left out: partial sums, off under a budget on 2+ axes)
+                    hidden = not partial_sums and any(pin.admits(s) for s in op_strategies(op, self.mesh_shape))
+                    raise unavailable(pin, op, same_op[key], "partial_sums" if hidden else None)
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
         self._followers: dict[tuple, tuple[OpShardSpec, float]] = {}  # (_follow_leader)
         self._build_groups()

@@ -99,6 +99,15 @@ def test_a_pinned_op_that_follows_its_group(graph):
     _check_values(graph, plan)
 
 
+def test_a_pin_on_partial_sums(graph):
+    """The bias add pinned to work on partial sums (its bias made partial by a local zeroing): the product
+    before it is row-parallel, the sum resolved after it."""
+    plan = search(graph, {"mesh_shape": [2], "device": "cpu", "op_placements": {"bias1": "P(sum), P(sum) -> P(sum)"}})
+    assert str(plan.op_specs["bias1"]) == "(P(sum), P(sum)) -> (P(sum))"
+    assert str(plan.op_specs["matmul1"].output_specs[0]) == "P(sum)"
+    _check_values(graph, plan)
+
+
 def test_pins_on_a_two_axis_mesh(graph):
     pins = {"matmul0": "RR, RS(1) -> RS(1)", "matmul1": "S(0)S(1), RS(0) -> S(0)P(sum)"}
     plan = search(graph, {"mesh_shape": [2, 2], "device": "cpu", "op_placements": pins})
@@ -136,6 +145,8 @@ def test_the_grammar():
     ({"matmul0": "R, S(2) -> S(1)"}, {}, "splits dim 2 of 'w0', which has 2 dims"),
     ({"matmul0": "S(1), R -> R"}, {}, r"cannot run so on this mesh \(its sharding rules allow: .*R, S\(1\) -> S\(1\)"),
     ({"matmul*": "S(1)", "matmul0": "S(0)"}, {}, "pinned by 'matmul\\*' to 'S\\(1\\)' and by 'matmul0'"),
+    ({"bias1": "P(sum), P(sum) -> P(sum)"}, {"partial_sums": False}, "runs so on partial sums, which this search "
+                                                                      "leaves out .*: set partial_sums true"),
     ({"matmul0": COLUMN}, {"algo": "megatron"}, "algo 'megatron' is a fixed recipe"),
     ({"matmul0": COLUMN}, {"preload_plan": "plan.json"}, "preload_plan skips"),
     ({"matmul0": COLUMN}, {"pipeline_stages": "auto"}, "pipeline_stages 'auto'"),
