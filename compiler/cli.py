@@ -154,14 +154,16 @@ def _read_config(path: str | None, what: str) -> dict:
 CALIBRATED_KEYS = ("device", "axis_bandwidth_GBps", "axis_latency_us")
 
 
-def _stages(text: str):
-    """``--stages``: a count, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of stages or 'auto'") from None
+def _count_or_auto(what: str):
+    """``--stages`` / ``--microbatches``: a count, or ``auto``."""
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number of {what} or 'auto'") from None
+    return parse
 
 
 def _distributed_config(args) -> dict:
@@ -187,6 +189,8 @@ def _distributed_config(args) -> dict:
         cfg["device"] = args.device
     if args.stages is not None:
         cfg["pipeline_stages"] = args.stages
+    if args.microbatches is not None:
+        cfg["pipeline_microbatches"] = args.microbatches
     for item in args.place or ():
         op, sep, spec = item.rpartition("=")
         if not sep or not op or not spec.strip():
@@ -222,10 +226,14 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", choices=("ilp", "megatron", "data", "replicate"), default=None,
                    help="plan search: ilp (optimal under the cost model, default), or the megatron, data or "
                         "replicate baselines")
-    p.add_argument("--stages", type=_stages, default=None, metavar="P",
+    p.add_argument("--stages", type=_count_or_auto("stages"), default=None, metavar="P",
                    help="pipeline stages: the graph cut into P contiguous stages along the first mesh axis (P must "
                         "divide it), each sharded over its share of the mesh; 'auto': compile weighs every such P "
                         "against one plan over the whole mesh (distributed_config pipeline_stages)")
+    p.add_argument("--microbatches", type=_count_or_auto("microbatches"), default=None, metavar="M",
+                   help="with --stages: a run's batch in M parts that follow each other through the stages; 'auto': "
+                        "compile weighs every M dividing the batch by its modeled run (distributed_config "
+                        "pipeline_microbatches)")
     p.add_argument("--place", action="append", metavar="OP=SPEC", default=None,
                    help="run OP (a name as plan.txt prints it, or a pattern: *, ?, [...]) with SPEC, its inputs' and "
                         "outputs' specs as plan.txt writes them ('R, S(1) -> S(1)'; the outputs' alone: 'S(1)'; '*': "
@@ -419,6 +427,9 @@ def _cmd_plan(args) -> int:
     ocfg = _read_config(args.optimization_config, "optimization-config")
     if args.target is not None:
         ocfg["target"] = args.target
+    if dcfg.get("pipeline_microbatches", 1) == "auto":
+        raise _CLIError("`shardflow plan --microbatches auto` is not supported: `compile` decides (its note in "
+                        "pipeline.json says why); plan with --microbatches M")
     if dcfg.get("pipeline_stages", 1) == "auto":
         raise _CLIError("`shardflow plan --stages auto` is not supported: `compile` decides; plan with --stages N "
                         "and without, and compare their modeled costs")

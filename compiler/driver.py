@@ -1694,7 +1694,7 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
             raise ConfigError("compile_variants does not support pipeline_stages; compile each shape on its own")
         from .stages import choose_stages, compile_stages
 
-        if dcfg.pipeline_stages == "auto":
+        if "auto" in (dcfg.pipeline_stages, dcfg.pipeline_microbatches):
             dcfg, note = choose_stages(model, dcfg=dcfg, opt=opt, optimization_config=optimization_config,
                                        input_shapes=input_shapes, input_values=input_values, state=state,
                                        dim_sizes=dim_sizes)

@@ -189,43 +189,73 @@ def _modeled(pipe, costs: Sequence[float], dcfg) -> dict:
             "outputs_to_rank0": pipe.transfer_seconds(bw, lat, ("output",)) * micro}
 
 
+#: the most microbatches ``pipeline_microbatches: "auto"`` weighs
+MAX_AUTO_MICROBATCHES = 16
+
+
+def _microbatch_counts(model, opt, input_shapes, input_values, dim_sizes) -> list[int]:
+    """The counts of microbatches ``"auto"`` weighs: the divisors, up to :data:`MAX_AUTO_MICROBATCHES`, of
+    the batch every input and output has along dim 0 (their sizes' greatest common divisor)."""
+    from .driver import _load_model
+
+    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
+                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+    batch = 0
+    for t in list(graph.inputs) + list(graph.outputs):
+        batch = math.gcd(batch, int(t.shape[0]) if t.shape else 1)
+    return [m for m in range(1, min(batch, MAX_AUTO_MICROBATCHES) + 1) if batch % m == 0] or [1]
+
+
 def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_values, state, dim_sizes):
-    """``pipeline_stages = "auto"``: ``(config, note)``, the config ``compile`` goes on with and a line
-    saying why. Planned: one plan over the whole mesh, and for each count of stages ``P`` > 1 that divides
-    the first mesh axis, the cut into ``P`` stages with each stage's plan over its share of the mesh; the
-    one of least modeled time is kept (a plan the budget or the device's memory refuses, or a cut the
-    model refuses, is out of the running, with its reason in the note). ``compile`` then plans the one
-    kept again, as it would have with that config given (the compile is the same)."""
+    """``pipeline_stages`` or ``pipeline_microbatches`` ``"auto"``: ``(config, note)``, the config ``compile``
+    goes on with and a line saying why. Planned: with stages ``"auto"``, one plan over the whole mesh and,
+    for each count of stages ``P`` > 1 that divides the first mesh axis, the cut into ``P`` stages with each
+    stage's plan over its share of the mesh (else the ``P`` given); with microbatches ``"auto"``, each
+    staged option at every count of microbatches dividing the batch (:func:`_microbatch_counts`; else the
+    count given). The one of least modeled time (:func:`_modeled`: with ``m`` microbatches, every stage
+    once and the slowest ``m - 1`` times more, each microbatch reading the stage's weights again) is kept;
+    a plan the budget or the device's memory refuses, or a cut or a split into microbatches the model
+    refuses, is out of the running, with its reason in the note. ``compile`` then plans the one kept
+    again, as it would have with that config given (the compile is the same)."""
     import dataclasses
 
     from .driver import _planned_graph
     from .errors import ShardflowError
     from .parallel import search
 
-    flat = dataclasses.replace(dcfg, pipeline_stages=1, pipeline_microbatches=1)
     options: list[tuple[str, Any, float, str | None]] = []  # (what, config, modeled s, why refused)
-    try:
-        cost = search(_planned_graph(model, opt, flat, input_shapes, input_values, dim_sizes), flat).cost
-        options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, cost, None))
-    except ShardflowError as exc:
-        options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, math.inf, str(exc)))
-    for n in range(2, int(dcfg.mesh_shape[0]) + 1):
-        if dcfg.mesh_shape[0] % n:
-            continue
-        staged = dataclasses.replace(dcfg, pipeline_stages=n)
-        what = f"{n} stages over {list(staged.stage_config().mesh_shape)}"
+    if dcfg.pipeline_stages == "auto":
+        flat = dataclasses.replace(dcfg, pipeline_stages=1, pipeline_microbatches=1)
         try:
-            pipe, *_, plans = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes,
-                                   optimization_config)
-            plans = plans or _stage_plans(pipe, staged, optimization_config)
-            options.append((what, staged, _modeled(pipe, [p.cost for p in plans], staged)["total"], None))
+            cost = search(_planned_graph(model, opt, flat, input_shapes, input_values, dim_sizes), flat).cost
+            options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, cost, None))
         except ShardflowError as exc:
-            options.append((what, staged, math.inf, str(exc)))
+            options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, math.inf, str(exc)))
+        counts = [n for n in range(2, int(dcfg.mesh_shape[0]) + 1) if dcfg.mesh_shape[0] % n == 0]
+    else:
+        counts = [int(dcfg.pipeline_stages)]
+    micros = (_microbatch_counts(model, opt, input_shapes, input_values, dim_sizes)
+              if dcfg.pipeline_microbatches == "auto" else [int(dcfg.pipeline_microbatches)])
+    for n in counts:
+        for m in micros:
+            staged = dataclasses.replace(dcfg, pipeline_stages=n, pipeline_microbatches=m)
+            many = dcfg.pipeline_microbatches == "auto" or m > 1
+            what = f"{n} stages over {list(staged.stage_config().mesh_shape)}" + (
+                f", {m} microbatch{'es' if m > 1 else ''}" if many else "")
+            try:
+                pipe, *_, plans = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes,
+                                       optimization_config)
+                plans = plans or _stage_plans(pipe, staged, optimization_config)
+                options.append((what, staged, _modeled(pipe, [p.cost for p in plans], staged)["total"], None))
+            except ShardflowError as exc:
+                options.append((what, staged, math.inf, str(exc)))
     best = min(options, key=lambda o: o[2])
     said = "; ".join(f"{w} {'refused (' + why + ')' if why else f'{t * 1e6:.4g} us'}" for w, _, t, why in options)
+    keys = " and ".join(f"{k} 'auto'" for k in ("pipeline_stages", "pipeline_microbatches")
+                        if getattr(dcfg, k) == "auto")
     if math.isinf(best[2]):
-        raise ShardflowError(f"pipeline_stages 'auto' on mesh {list(dcfg.mesh_shape)}: nothing fits: {said}")
-    note = f"pipeline_stages 'auto': {best[0]} (modeled runs: {said})"
+        raise ShardflowError(f"{keys} on mesh {list(dcfg.mesh_shape)}: nothing fits: {said}")
+    note = f"{keys}: {best[0]} (modeled runs: {said})"
     log.info("%s", note)
     return best[1], note
 
@@ -308,6 +338,9 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
     dcfg = planning_config(distributed_config, optimization_config)
     if not dcfg.staged:
         raise ConfigError("plan_stages needs distributed_config['pipeline_stages'] > 1")
+    if dcfg.pipeline_microbatches == "auto":
+        raise ConfigError("plan_stages with pipeline_microbatches 'auto': compile decides (its note in pipeline.json "
+                          "says why); plan with a number of microbatches")
     opt = OptimizationConfig.from_dict(optimization_config)
     pipe, *_, plans = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes, optimization_config)
     plans = plans or _stage_plans(pipe, dcfg, optimization_config)

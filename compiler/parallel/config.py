@@ -60,7 +60,9 @@ key                       meaning                                               
                           follow each other through the stages, so that the stages
                           work at once (GPipe's schedule); each stage compiled for
                           one microbatch, derived from the model at the whole batch
-                          and checked to compute its samples apart
+                          and checked to compute its samples apart. ``"auto"``:
+                          ``compile`` weighs every count dividing the batch (up to
+                          16) by its modeled run and keeps the fastest
 ``device``                what one rank computes on, for the cost model's roofline:    see left
                           ``"h100"``, ``"h200"``, ``"cpu"`` (:mod:`~.cost`), or
                           ``{"peak_tflops": x, "mem_bandwidth_GBps": y}`` (optionally
@@ -106,7 +108,7 @@ class DistributedConfig:
     pad_heads: bool | str = "auto"
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
     pipeline_stages: int | str = 1  # or "auto"
-    pipeline_microbatches: int = 1
+    pipeline_microbatches: int | str = 1  # or "auto"
     op_placements: dict = field(default_factory=dict)
     #: (not a key) a pattern of op_placements may name no op of the graph planned: a pipeline stage's,
     #: which holds some of the ops (compile checks that each names an op of some stage)
@@ -214,10 +216,12 @@ class DistributedConfig:
                                   "name one mesh's axes, and 'auto' weighs meshes of different axes (the whole mesh, "
                                   "each stage's); give a number of stages (the specs then on a stage's mesh) or "
                                   "drop one of them")
-        micro = _opt_positive_int(cfg.get("pipeline_microbatches", 1), "pipeline_microbatches")
-        if micro > 1 and stages != "auto" and stages < 2:
-            raise ConfigError(f"distributed_config['pipeline_microbatches'] = {micro} needs pipeline_stages > 1 (the "
-                              "microbatches follow each other through the stages)")
+        micro = cfg.get("pipeline_microbatches", 1)
+        if micro != "auto":
+            micro = _opt_positive_int(micro, "pipeline_microbatches")
+        if (micro == "auto" or micro > 1) and stages != "auto" and stages < 2:
+            raise ConfigError(f"distributed_config['pipeline_microbatches'] = {micro!r} needs pipeline_stages > 1 "
+                              "(the microbatches follow each other through the stages)")
         if solver == "auto":
             solver = "highs" if max_nodes is None and highs_available() else "cbc"
         elif solver == "highs" and not highs_available():

@@ -15,6 +15,7 @@ from onnx import helper as oh
 from shardflow.compiler import compile, load_onnx
 from shardflow.compiler.errors import ConfigError, ShardflowError
 from shardflow.compiler.parallel import search
+from shardflow.compiler.driver import planning_config
 from shardflow.compiler.parallel.pipeline import _crossing_bytes, microbatch_graph, op_times, split_stages
 from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
@@ -602,6 +603,77 @@ def test_auto_weighs_stages_against_one_plan_over_the_mesh(tmp_path):
     with pytest.raises(ConfigError, match="has no first axis to cut along"):
         compile(model, distributed_config={"mesh_shape": [1, 2], "pipeline_stages": "auto"}, optimization_config=CPU,
                 out_dir=tmp_path / "x")
+
+
+def test_auto_weighs_every_count_of_microbatches(tmp_path):
+    """``pipeline_microbatches: "auto"``: every count dividing the batch (64 rows: 1, 2, 4, 8, 16, the most
+    weighed) cut and planned, the one of least modeled run kept (the modeled runs of ``plan_stages`` at each
+    count, computed apart: 2, where the parts' overlap gains more than each part's reading the weights again
+    costs), compiled as that count would be and run against the evaluator; a model that mixes its samples
+    keeps 1, the others refused by name in the note."""
+    from shardflow.compiler.stages import _modeled, plan_stages
+
+    model = _residual_mlp(layers=4, width=64, rows=64)
+    base = {"mesh_shape": [2], "pipeline_stages": 2, "axis_latency_us": 0.0}
+    modeled = {}
+    for m in (1, 2, 4, 8, 16):
+        cfg = dict(base, pipeline_microbatches=m)
+        pipe, plans = plan_stages(model, distributed_config=cfg, optimization_config=CPU)
+        modeled[m] = _modeled(pipe, [p.cost for p in plans], planning_config(cfg, CPU))["total"]
+    best = min(modeled, key=modeled.get)
+    assert best == 2
+    res = compile(model, distributed_config=dict(base, pipeline_microbatches="auto"), optimization_config=CPU,
+                  out_dir=tmp_path / "out")
+    note = res.pipeline["note"]
+    assert res.pipeline["microbatches"] == best and note.startswith(f"pipeline_microbatches 'auto': 2 stages over "
+                                                                    f"[1], {best} microbatch")
+    for m, t in modeled.items():
+        assert f"{m} microbatch{'es' if m > 1 else ''} {t * 1e6:.4g} us" in note
+    x = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+    want = load_onnx(model).run({"x": x})["h3"]
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        return prog.gather_outputs(prog.run({"x": x}))
+
+    np.testing.assert_allclose(run_threads(InProcessWorld(2).communicators(), rank)[0]["h3"], want, rtol=1e-4,
+                               atol=1e-5)
+    mixed = _one_node("Softmax", [4, 3], [4, 3], axis=0)
+    res = compile(mixed, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": "auto"},
+                  optimization_config=CPU, out_dir=tmp_path / "mixed")
+    assert res.pipeline["microbatches"] == 1
+    assert "2 microbatches refused (pipeline_microbatches = 2: the model does not compute the samples" in \
+        res.pipeline["note"] and "4 microbatches refused" in res.pipeline["note"]
+    with pytest.raises(ConfigError, match="pipeline_microbatches'\\] = 'auto' needs pipeline_stages > 1"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_microbatches": "auto"},
+                optimization_config=CPU, out_dir=tmp_path / "x")
+    with pytest.raises(ConfigError, match="plan_stages with pipeline_microbatches 'auto': compile decides"):
+        plan_stages(model, distributed_config=dict(base, pipeline_microbatches="auto"), optimization_config=CPU)
+
+
+def test_cli_microbatches(tmp_path):
+    """``--microbatches M|auto`` on the command line (distributed_config pipeline_microbatches)."""
+    import subprocess
+
+    import onnx
+    from test_multirank_models import SHARDFLOW, clean_env
+
+    onnx.save(_residual_mlp(layers=4, width=64, rows=64), tmp_path / "m.onnx")
+
+    def cli(*args):
+        return subprocess.run(SHARDFLOW + list(args), capture_output=True, text=True, timeout=600, env=clean_env())
+
+    proc = cli("compile", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out"), "--mesh", "2", "--stages", "2",
+               "--microbatches", "auto", "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = json.loads((tmp_path / "out" / "pipeline.json").read_text())
+    assert spec["note"].startswith("pipeline_microbatches 'auto'") and spec["microbatches"] in (1, 2, 4, 8, 16)
+    proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "2", "--microbatches", "4")
+    assert proc.returncode == 0 and proc.stdout.count("== pipeline stage") == 2, proc.stderr[-3000:]
+    proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "2", "--microbatches", "auto")
+    assert proc.returncode != 0 and "--microbatches auto` is not supported: `compile` decides" in proc.stderr
+    proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "2", "--microbatches", "x")
+    assert proc.returncode != 0 and "'x': give a number of microbatches or 'auto'" in proc.stderr
 
 
 def test_microbatches_rebalance_the_cut_on_the_stages_plans(monkeypatch):
