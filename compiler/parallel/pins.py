@@ -68,8 +68,8 @@ def parse_pin(pattern: str, text: str) -> OpPin:
     if text.count("->") > 1:
         raise ConfigError(f"{KEY}[{pattern!r}] = {text!r}: one '->' at most ('inputs -> outputs')")
     if "->" in text:
-        ins, outs = text.split("->")
-        return OpPin(pattern, text, _specs(ins, pattern, text), _specs(outs, pattern, text))
+        ins, outs = text.split("->")  # (no inputs before the arrow: an op that reads none, a generator's)
+        return OpPin(pattern, text, _specs(ins, pattern, text) if ins.strip() else (), _specs(outs, pattern, text))
     return OpPin(pattern, text, None, _specs(text, pattern, text))
 
 

@@ -2,6 +2,7 @@
 ILP planning the rest around them; against the unpinned plan, numpy (the sharded simulation) and
 onnxruntime (compiled ranks), and every error."""
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -10,10 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from models import mlp
+from random_models import GENERATORS, reference
 
 from shardflow.compiler import ConfigError, ShardflowError, compile, load_onnx
 from shardflow.compiler.parallel import ShardingPlan, partition, search, simulate
+from shardflow.compiler.parallel.config import DistributedConfig
 from shardflow.compiler.parallel.pins import matching_ops, parse_pin
+from shardflow.compiler.parallel.search import Problem
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from threads import run_ranks  # noqa: E402
@@ -130,7 +134,7 @@ def test_the_grammar():
     assert [str(s) for s in pin.inputs] == ["R", "S(1)"] and [str(s) for s in pin.outputs] == ["S(1)"]
     pin = parse_pin("op", "*, P -> P(max)")
     assert pin.inputs[0] is None and str(pin.inputs[1]) == "P(sum)" and str(pin.outputs[0]) == "P(max)"
-    assert parse_pin("op", "S(0)R").inputs is None
+    assert parse_pin("op", "S(0)R").inputs is None and parse_pin("op", " -> R").inputs == ()
     assert matching_ops(["a[1]", "a1", "b"], "a[1]") == ["a[1]"]  # (a name is itself before a pattern)
     assert matching_ops(["a1", "a2", "b"], "a?") == ["a1", "a2"]
 
@@ -263,3 +267,38 @@ def test_plans_compared():
     assert rows[-1][0] == "replicate" and rows[-1][1] is None and "above memory_budget_bytes" in rows[-1][2]
     with pytest.raises(ConfigError, match="with pipeline_stages"):
         compare_plans(str(path), distributed_config={"mesh_shape": [2], "pipeline_stages": 2})
+
+
+RANDOM_SEEDS = range(*(int(v) for v in os.environ.get("SHARDFLOW_RANDOM_SEEDS", "0:2").split(":")))
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+def test_random_pins_on_random_models(kind, seed):
+    """Random models (tests/random_models.py), three random ops each pinned to a random strategy of theirs
+    (partial sums and row ranges included), on [2] and [2, 2]: the plan runs them so and, planned around
+    them, computes what onnxruntime does (``SHARDFLOW_RANDOM_SEEDS=A:B`` for more seeds)."""
+    from test_random_plans import _float32
+
+    model, feeds, desc = GENERATORS[kind](seed)
+    if feeds["x"].dtype != np.float32:
+        feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
+        model = _float32(model)
+    want = reference(model, feeds)
+    g = load_onnx(model)
+    rng = np.random.default_rng(seed)
+    for mesh in ([2], [2, 2]):
+        problem = Problem(g, DistributedConfig.from_dict({"mesh_shape": mesh}))
+        pins = {}
+        for k in rng.choice(len(g.nodes), size=min(3, len(g.nodes)), replace=False):
+            op = g.nodes[int(k)]
+            s = problem.strategies[id(op)][int(rng.integers(len(problem.strategies[id(op)])))]
+            pins[op.name] = f"{', '.join(map(str, s.input_specs))} -> {', '.join(map(str, s.output_specs))}"
+        plan = search(g, {"mesh_shape": mesh, "op_placements": pins})
+        for name, text in pins.items():
+            sp = plan.op_specs[name]
+            assert f"{', '.join(map(str, sp.input_specs))} -> {', '.join(map(str, sp.output_specs))}" == text
+        got = simulate(partition(g, plan), feeds, plan.mesh)
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, rtol=1e-3, atol=1e-3 * max(float(np.abs(w).max()), 1.0),
+                                       err_msg=f"{desc} {mesh} {pins}: {name}")
