@@ -8,10 +8,12 @@ median time of a run (rank 0's), the largest difference of the logits from onnxr
 onnxruntime's own time in this process (its intra-op threads: every core).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_pipeline.py [--layers 4] [--embd 512] [--heads 8] [--vocab 8192]
-        [--batch 8] [--seq 64] [--ranks 2] [--repeat 20] [--microbatches 1 2 4 8]
+        [--batch 8] [--seq 64] [--ranks 2] [--repeat 20] [--microbatches 1 2 4 8] [--balance modeled measured]
+        [--only-stages]
 
 Configurations: ``1 rank`` (mesh [1], every core), ``ilp [N]`` and ``megatron [N]`` (one plan over N
-ranks), ``stages N/m`` (``pipeline_stages = N`` on mesh [N], ``pipeline_microbatches = m``).
+ranks), ``stages N/m`` (``pipeline_stages = N`` on mesh [N], ``pipeline_microbatches = m``; ``measured``:
+``pipeline_balance = "measured"``), each stage's op count after it.
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--balance", nargs="+", choices=("modeled", "measured"), default=["modeled"],
+                    help="what the stages' cut balances (distributed_config pipeline_balance): each is a row")
+    ap.add_argument("--only-stages", action="store_true", help="leave out the configurations without stages")
     args = ap.parse_args(argv)
     import onnxruntime as ort
     from export_models import export_gpt2
@@ -77,21 +82,25 @@ def main(argv=None):
         print(f"# GPT-2 {args.layers} layers, {args.embd} wide, {args.heads} heads, vocab {args.vocab}, "
               f"{args.batch}x{args.seq} tokens; {os.cpu_count()} cores; `shardflow run --repeat {args.repeat}` "
               "medians (rank 0), measured")
-        print(f"{'config':<16} {'ranks':>5} {'ms':>9} {'vs 1 rank':>9} {'max |diff|':>11}")
-        print(f"{'onnxruntime':<16} {'-':>5} {float(np.median(times)) * 1e3:9.2f} {'':>9} {'':>11}", flush=True)
-        configs = [("1 rank", {"mesh_shape": [1]}, 1), (f"ilp [{n}]", {"mesh_shape": [n]}, n),
-                   (f"megatron [{n}]", {"mesh_shape": [n], "algo": "megatron"}, n)]
-        configs += [(f"stages {n}/{m}", {"mesh_shape": [n], "pipeline_stages": n, "pipeline_microbatches": m}, n)
-                    for m in args.microbatches]
+        print(f"{'config':<32} {'ranks':>5} {'ms':>9} {'vs first':>9} {'max |diff|':>11}")
+        print(f"{'onnxruntime':<32} {'-':>5} {float(np.median(times)) * 1e3:9.2f} {'':>9} {'':>11}", flush=True)
+        configs = [] if args.only_stages else [
+            ("1 rank", {"mesh_shape": [1]}, 1), (f"ilp [{n}]", {"mesh_shape": [n]}, n),
+            (f"megatron [{n}]", {"mesh_shape": [n], "algo": "megatron"}, n)]
+        configs += [(f"stages {n}/{m}" + (f" {b}" if b != "modeled" else ""),
+                     {"mesh_shape": [n], "pipeline_stages": n, "pipeline_microbatches": m, "pipeline_balance": b}, n)
+                    for m in args.microbatches for b in args.balance]
         base = None
         for name, cfg, nproc in configs:
             out = os.path.join(tmp, re.sub(r"\W", "_", name))
-            compile(path, distributed_config=cfg, optimization_config={"target": "cpu"}, out_dir=out)
+            res = compile(path, distributed_config=cfg, optimization_config={"target": "cpu"}, out_dir=out)
+            if hasattr(res, "pipeline"):  # (the cut: ops a stage)
+                name += " " + "/".join(str(st["ops"]) for st in res.pipeline["stages"])
             got = os.path.join(tmp, "out.npz")
             ms = _run(out, nproc, inputs, got, args.repeat)
             base = base or ms
             diff = float(np.abs(np.load(got)["logits"] - ref).max())
-            print(f"{name:<16} {nproc:5d} {ms:9.2f} {ms / base:9.2f} {diff:11.1e}", flush=True)
+            print(f"{name:<32} {nproc:5d} {ms:9.2f} {ms / base:9.2f} {diff:11.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,8 @@ def _distributed_config(args) -> dict:
         cfg["pipeline_stages"] = args.stages
     if args.microbatches is not None:
         cfg["pipeline_microbatches"] = args.microbatches
+    if args.balance is not None:
+        cfg["pipeline_balance"] = args.balance
     for item in args.place or ():
         op, sep, spec = item.rpartition("=")
         if not sep or not op or not spec.strip():
@@ -234,6 +236,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="with --stages: a run's batch in M parts that follow each other through the stages; 'auto': "
                         "compile weighs every M dividing the batch by its modeled run (distributed_config "
                         "pipeline_microbatches)")
+    p.add_argument("--balance", choices=("modeled", "measured"), default=None,
+                   help="with --stages, what the cut balances: the cost model's roofline times (default) or the "
+                        "ops' kernels timed on this machine (cpu target; distributed_config pipeline_balance)")
     p.add_argument("--place", action="append", metavar="OP=SPEC", default=None,
                    help="run OP (a name as plan.txt prints it, or a pattern: *, ?, [...]) with SPEC, its inputs' and "
                         "outputs' specs as plan.txt writes them ('R, S(1) -> S(1)'; the outputs' alone: 'S(1)'; '*': "

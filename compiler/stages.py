@@ -21,7 +21,7 @@ from shardflow.runtime import __version__
 from shardflow.runtime.artifact import atomic_output_dir, write_json
 from shardflow.runtime.pipeline import PIPELINE_FILE, PIPELINE_FORMAT, PIPELINE_VERSION
 
-from .errors import ConfigError
+from .errors import ConfigError, ShardflowError
 
 __all__ = ["StagesResult", "compile_stages", "plan_stages", "choose_stages"]
 
@@ -97,14 +97,123 @@ class StagesResult:
         return self.summary()
 
 
-def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimization_config) -> tuple:
+def measured_op_times(graph, optimization_config, device=None, repeat: int = 5, ranks: int = 1) -> list[float]:
+    """Each op's time (seconds, in ``graph``'s node order) measured on this machine: ``graph`` compiled
+    for one cpu rank into a temporary folder and profiled on zeros (a zero index is inside every axis)
+    by ``shardflow run --nproc 1 --profile-json`` (``repeat`` runs, medians) with the threads a rank gets
+    when ``ranks`` ranks share this machine's cores (as ``shardflow run --nproc ranks`` starts them: ops
+    scale differently with threads, so a stage is timed as it will run). A kernel is named after the
+    last op it computes; its time is spread over the ops since the kernel before it (those it fused, and
+    views that run no kernel) in proportion to their roofline times (:func:`~.parallel.pipeline.op_times`
+    on ``device``), a kernel whose op the graph does not hold (a part of a split projection is named
+    after it, ``#part``) counting toward the next one that does."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    from shardflow.runtime.artifact import buffer_dtype
+    from shardflow.runtime.launch import _threads_per_rank
+
+    from .driver import _compile
+    from .parallel.pipeline import op_times
+
+    with tempfile.TemporaryDirectory(prefix="shardflow-balance-") as tmp:
+        one = Path(tmp) / "one"
+        _compile(graph, distributed_config={"mesh_shape": [1], "algo": "replicate"},
+                 optimization_config=optimization_config, out_dir=one, input_shapes=None, input_values=None,
+                 state=None)
+        entries = json.loads((one / "rank0" / "manifest.json").read_text())["inputs"]
+        np.savez(Path(tmp) / "zeros.npz", **{e["name"]: np.zeros(e["shape"], buffer_dtype(e["dtype"]))
+                                             for e in entries})
+        env = dict(os.environ, OMP_NUM_THREADS=_threads_per_rank(ranks))
+        proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(one), "--nproc", "1",
+                               "--launcher", "spawn", "--inputs", str(Path(tmp) / "zeros.npz"), "--repeat",
+                               str(repeat), "--profile-json", str(Path(tmp) / "profile.json")],
+                              capture_output=True, text=True, env=env, timeout=3600)
+        if proc.returncode:
+            raise ShardflowError(f"pipeline_balance 'measured': timing the graph's kernels failed "
+                                 f"({proc.stderr[-2000:]})")
+        steps = json.loads((Path(tmp) / "profile.json").read_text())["ranks"][0]
+    times = spread_kernel_times(graph, steps, op_times(graph, device))
+    log.info("pipeline: measured %d kernels, %.4g ms a run (%s threads)", len(steps), math.fsum(times) * 1e3,
+             env["OMP_NUM_THREADS"])
+    return times
+
+
+def spread_kernel_times(graph, steps, roof: Sequence[float]) -> list[float]:
+    """Each op's share of the profiled ``steps`` (``RankProgram.profile``'s records: ``node``, ``ms``), in
+    ``graph``'s node order: a kernel's time goes to the ops since the kernel before it by their shares of
+    ``roof`` (their roofline times); a kernel named after no op of the graph counts toward the next one
+    that is (a split projection's ``#part`` kernels are named after their op); kernels after the last op
+    found go to the ops after it."""
+    at = {op.name: i for i, op in enumerate(graph.nodes)}
+    times = [0.0] * len(graph.nodes)
+
+    def spread(span, total):
+        weight = math.fsum(roof[k] for k in span)
+        for k in span:
+            times[k] += total * (roof[k] / weight if weight else 1.0 / len(span))
+
+    done, carry = -1, 0.0  # (the last op a kernel's time went to; time not placed yet)
+    for st in steps:
+        i = at.get(st["node"], at.get(str(st["node"]).split("#part")[0]))
+        carry += st["ms"] * 1e-3
+        if i is None:
+            continue
+        spread(range(done + 1, i + 1) if i > done else range(i, i + 1), carry)
+        done, carry = max(done, i), 0.0
+    if carry:
+        spread(range(done + 1, len(graph.nodes)) if done + 1 < len(graph.nodes) else range(done, done + 1), carry)
+    return times
+
+
+#: how much faster the measured cut's slowest stage program must time than the roofline cut's to be kept:
+#: runs a few minutes apart differ by a few percent (onnx's light VGG-19: 96.6 against 97.5 ms at compile,
+#: 110.4 against 102.1 ms a run in the pipeline; ResNet-50's 28.2 against 34.1 ms held, 28.7 against 35.5)
+MEASURED_MARGIN = 0.05
+
+
+def _measured_cut(graph, dcfg, optimization_config, state, times, ranks: int):
+    """``pipeline_balance: "measured"``: the cut on the ops' measured ``times``, checked against the cut on
+    roofline times by timing each cut's stage programs (compiled and profiled as :func:`measured_op_times`
+    does): the ops' times within the whole graph's program do not say what a stage's own program takes,
+    since a cut changes what the stages compile (DenseNet-121's concatenations in place and its blocked
+    layout across a cut: a stage slower than its ops' times). The measured cut is kept when its slowest
+    stage program is :data:`MEASURED_MARGIN` faster, else the roofline one; the note says why."""
+    from .parallel.pipeline import split_stages
+
+    first = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
+    second = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state, times=times)
+    if [st.ops for st in first.stages] == [st.ops for st in second.stages]:
+        second.note = f"the measured times cut where the roofline times do: {[st.ops for st in second.stages]} ops"
+        return second
+    slowest = []
+    for pipe in (first, second):
+        slowest.append(max(math.fsum(measured_op_times(st.graph, optimization_config, dcfg.device, ranks=ranks))
+                           for st in pipe.stages))
+    kept = second if slowest[1] < (1 - MEASURED_MARGIN) * slowest[0] else first
+    kept.note = (f"stage programs timed here: the cut on roofline times ({[st.ops for st in first.stages]} ops) "
+                 f"{slowest[0] * 1e3:.4g} ms its slowest stage, on measured times ({[st.ops for st in second.stages]} "
+                 f"ops) {slowest[1] * 1e3:.4g} ms: kept the {'measured' if kept is second else 'roofline'} one "
+                 f"(the measured one when {MEASURED_MARGIN:.0%} faster: timings here vary by a few percent)")
+    log.info("pipeline: %s", kept.note)
+    return kept
+
+
+def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimization_config,
+         measured: dict | None = None) -> tuple:
     """Import, the state checked, the microbatch's graph, the cut: ``(pipeline, whole, state, timings,
     plans)`` (``whole``: shape and dtype of every model input and output at the whole batch). With
     microbatches the cut is balanced again on the stages' plans (:func:`_rebalanced`, with
     ``optimization_config``, what the stages are planned with), and ``plans`` are the kept stages'
-    plans; else ``None`` (none made)."""
+    plans; else ``None`` (none made). With ``pipeline_balance`` ``"measured"`` the cut balances the ops'
+    measured times (:func:`measured_op_times`; ``measured``: those already measured, by microbatch count),
+    checked against the roofline cut on the stage programs' times (:func:`_measured_cut`), and is not
+    balanced again."""
     from .driver import _check_state, _load_model
-    from .parallel.pipeline import microbatch_graph, split_stages
+    from .parallel.pipeline import constants_beside_readers, microbatch_graph, split_stages
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -119,10 +228,23 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
     # (with microbatches each state is split along dim 0 as every input and output is: a stage's ranks keep an
     # instance of its program per microbatch, each with its rows: runtime/pipeline.py)
     t0 = time.perf_counter()
-    graph = microbatch_graph(graph, micro)
-    pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
+    graph = constants_beside_readers(microbatch_graph(graph, micro))
+    times = None
+    if dcfg.pipeline_balance == "measured":
+        if opt.target != "cpu":
+            raise ConfigError(f"distributed_config['pipeline_balance'] = 'measured' times the ops on this machine's "
+                              f"cpu; the {opt.target} target's are not timed at compile time: use 'modeled'")
+        measured = {} if measured is None else measured
+        ranks = math.prod(dcfg.mesh_shape)  # (timed with the threads a rank of the whole world gets here)
+        if micro not in measured:
+            measured[micro] = measured_op_times(graph, optimization_config, dcfg.device, ranks=ranks)
+        times = measured[micro]
+        pipe = _measured_cut(graph, dcfg, optimization_config, state, times, ranks)
+        timings["measure"] = time.perf_counter() - t0
+    else:
+        pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state)
     plans = None
-    if micro > 1:
+    if micro > 1 and times is None:
         pipe, plans = _rebalanced(graph, pipe, dcfg, optimization_config, state)
     timings["cut"] = time.perf_counter() - t0
     return pipe, whole, state, timings, plans
@@ -236,6 +358,7 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
         counts = [int(dcfg.pipeline_stages)]
     micros = (_microbatch_counts(model, opt, input_shapes, input_values, dim_sizes)
               if dcfg.pipeline_microbatches == "auto" else [int(dcfg.pipeline_microbatches)])
+    measured: dict = {}  # (pipeline_balance 'measured': each microbatch graph timed once, whatever the stages)
     for n in counts:
         for m in micros:
             staged = dataclasses.replace(dcfg, pipeline_stages=n, pipeline_microbatches=m)
@@ -244,7 +367,7 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
                 f", {m} microbatch{'es' if m > 1 else ''}" if many else "")
             try:
                 pipe, *_, plans = _cut(model, staged, opt, input_shapes, input_values, state, dim_sizes,
-                                       optimization_config)
+                                       optimization_config, measured)
                 plans = plans or _stage_plans(pipe, staged, optimization_config)
                 options.append((what, staged, _modeled(pipe, [p.cost for p in plans], staged)["total"], None))
             except ShardflowError as exc:
@@ -307,7 +430,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                 e["shape"] = list(whole[e["name"]][0])
         spec = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION, "shardflow_version": __version__,
                 "target": opt.target, "world_size": stage_world * len(results), "stage_world_size": stage_world,
-                "mesh_shape": list(dcfg.mesh_shape), "microbatches": micro,
+                "mesh_shape": list(dcfg.mesh_shape), "microbatches": micro, "balance": dcfg.pipeline_balance,
                 "inputs": [{"name": n, "shape": list(whole[n][0]), "dtype": whole[n][1],
                             **({"index_checks": ranges[n]} if n in ranges else {}),
                             **({"state": True} if n in state.values() else {})} for n in pipe.inputs],

@@ -63,6 +63,11 @@ key                       meaning                                               
                           and checked to compute its samples apart. ``"auto"``:
                           ``compile`` weighs every count dividing the batch (up to
                           16) by its modeled run and keeps the fastest
+``pipeline_balance``      what the cut between stages balances: ``"modeled"`` (the     ``modeled``
+                          cost model's roofline times; with microbatches, again on
+                          the stages' plans) or ``"measured"`` (cpu target: the
+                          graph compiled for one rank and its kernels timed on this
+                          machine, each kernel's time spread over the ops it fused)
 ``device``                what one rank computes on, for the cost model's roofline:    see left
                           ``"h100"``, ``"h200"``, ``"cpu"`` (:mod:`~.cost`), or
                           ``{"peak_tflops": x, "mem_bandwidth_GBps": y}`` (optionally
@@ -109,6 +114,7 @@ class DistributedConfig:
     device: Any = None  # a cost.DeviceProfile, or None for the caller's default
     pipeline_stages: int | str = 1  # or "auto"
     pipeline_microbatches: int | str = 1  # or "auto"
+    pipeline_balance: str = "modeled"  # or "measured"
     op_placements: dict = field(default_factory=dict)
     #: (not a key) a pattern of op_placements may name no op of the graph planned: a pipeline stage's,
     #: which holds some of the ops (compile checks that each names an op of some stage)
@@ -222,6 +228,13 @@ class DistributedConfig:
         if (micro == "auto" or micro > 1) and stages != "auto" and stages < 2:
             raise ConfigError(f"distributed_config['pipeline_microbatches'] = {micro!r} needs pipeline_stages > 1 "
                               "(the microbatches follow each other through the stages)")
+        balance = cfg.get("pipeline_balance", "modeled")
+        if balance not in ("modeled", "measured"):
+            raise ConfigError(f"distributed_config['pipeline_balance'] = {balance!r}: 'modeled' (the cost model's "
+                              "roofline times) or 'measured' (the ops timed on this machine's cpu)")
+        if balance != "modeled" and stages != "auto" and stages < 2:
+            raise ConfigError(f"distributed_config['pipeline_balance'] = {balance!r} needs pipeline_stages > 1 (it "
+                              "says what the cut between stages balances)")
         if solver == "auto":
             solver = "highs" if max_nodes is None and highs_available() else "cbc"
         elif solver == "highs" and not highs_available():
@@ -241,7 +254,7 @@ class DistributedConfig:
             partial_sums=_bool_or_auto(cfg.get("partial_sums", "auto"), "partial_sums"),
             pad_heads=_bool_or_auto(cfg.get("pad_heads", "auto"), "pad_heads"),
             device=_device(cfg.get("device")), pipeline_stages=stages, pipeline_microbatches=micro,
-            op_placements=pins,
+            pipeline_balance=balance, op_placements=pins,
         )
 
 
