@@ -537,6 +537,8 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     if stages is not None:
         return {"out_dir": str(out), "world_size": stages["world_size"], "mesh_shape": stages["mesh_shape"],
                 "microbatches": stages.get("microbatches", 1), "modeled_s": stages.get("modeled_s"),
+                "balance": stages.get("balance", "modeled"),
+                "notes": [stages[k] for k in ("note", "balance_note") if stages.get(k)],
                 "stages": [{"dir": st["dir"], "ops": st.get("ops"), "modeled_time_s": st.get("modeled_time_s"),
                             "receives": st.get("receives", []), "sends": st.get("sends", []),
                             **inspect_out_dir(str(out / st["dir"]), verify)} for st in stages["stages"]]}
@@ -603,7 +605,10 @@ def _cmd_inspect(args) -> int:
     elif "stages" in info:
         micro = f", {info['microbatches']} microbatches a run" if info["microbatches"] > 1 else ""
         print(f"{info['out_dir']}: {len(variants)} pipeline stages on mesh {info['mesh_shape']}{micro}, "
-              f"{info['world_size']} rank(s) (global rank s * {variants[0]['world_size']} + c runs stage s's rank c)")
+              f"{info['world_size']} rank(s) (global rank s * {variants[0]['world_size']} + c runs stage s's rank c); "
+              f"the cut balances {info['balance']} times")
+        for note in info["notes"]:
+            print(f"# {note}")
         for st in variants:
             recv = ", ".join(f"{e['name']} from {e['from']}" for e in st["receives"]) or "none"
             sends = ", ".join(f"{e['name']} to {e['to']}" for e in st["sends"]) or "none"

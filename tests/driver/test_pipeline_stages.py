@@ -789,6 +789,10 @@ def test_measured_balance_compiles_a_pipeline_equal_to_onnxruntime(tmp_path):
     cfg = {"mesh_shape": [2], "pipeline_stages": 2, "pipeline_balance": "measured"}
     res = compile(str(model), distributed_config=cfg, optimization_config=CPU, out_dir=tmp_path / "out")
     assert res.pipeline["balance"] == "measured" and "measure" in res.timings
+    from shardflow.compiler.cli import inspect_out_dir
+
+    info = inspect_out_dir(str(tmp_path / "out"), False)
+    assert info["balance"] == "measured" and info["notes"] == [res.pipeline["balance_note"]]
     feeds = {e["name"]: feeds[e["name"]] for e in res.pipeline["inputs"]}
 
     def rank(comm):
