@@ -383,6 +383,25 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     return best[1], note
 
 
+def _check_instances_fit(dcfg, index: int, plan, micro: int) -> None:
+    """A stage keeping states with ``micro`` microbatches holds an instance of its program per microbatch
+    (runtime/pipeline.py), each with a part's activations and states, while its plan (a part's) counts
+    one: its parameters and ``micro`` times its peak activations must fit ``memory_budget_bytes`` (or the
+    share of the device's memory a plan may take), else a :class:`ShardflowError` naming the stage."""
+    from .parallel.cost import DEVICE_MEMORY_FRACTION, H100
+
+    device = dcfg.device or H100
+    budget = dcfg.memory_budget_bytes or (int(DEVICE_MEMORY_FRACTION * device.memory_bytes)
+                                          if device.memory_bytes else None)
+    need = plan.params_bytes + micro * plan.peak_activation_bytes
+    if budget is not None and need > budget:
+        raise ShardflowError(f"pipeline stage {index} keeps states (a KV cache) and so an instance of its program per "
+                             f"microbatch: {plan.params_bytes:,} bytes of parameters + {micro} x "
+                             f"{plan.peak_activation_bytes:,} of activations and states = {need:,} bytes a rank, above "
+                             f"the {budget:,} its plan may take; use fewer pipeline_microbatches, more ranks, or a "
+                             "larger memory_budget_bytes")
+
+
 def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,
                    input_shapes: Mapping[str, Sequence[int]] | None, input_values: Mapping[str, Any] | None,
                    state: Mapping[str, str] | None, dim_sizes: Mapping[str, int] | None,
@@ -410,6 +429,8 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                            out_dir=tmp / f"stage{st.index}", input_shapes=None, input_values=None,
                            state=st.state or None)
             st.graph = None  # (compiled: its weights may go)
+            if micro > 1 and st.state:
+                _check_instances_fit(dcfg, st.index, res.plan, micro)
             results.append(res)
             for k, v in res.timings.items():
                 if k != "total":

@@ -322,6 +322,31 @@ def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
     assert (tmp_path / "plans" / "stage1" / "plan.json").is_file()
 
 
+def test_a_budget_counts_every_microbatch_instance_of_a_stage_with_states(tmp_path):
+    """A stage keeping its cache with 2 microbatches holds 2 instances (each a part's activations and
+    cache) where its plan counts one: a budget the plans meet but the instances do not is refused, naming
+    the stage; one that holds both instances compiles."""
+    from test_state import _cache_state, _llama_steps
+
+    state = _cache_state(2)
+    first, _ = next(_llama_steps(1))
+    kw = dict(optimization_config=CPU, input_shapes={k: v.shape for k, v in first.items()}, state=state)
+    cfg = {"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2}
+    free = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config=cfg, out_dir=tmp_path / "a", **kw)
+    plans = free.plans
+    assert all(p.peak_activation_bytes > 0 for p in plans)
+    tight = max(p.params_bytes + p.peak_activation_bytes * 3 // 2 for p in plans)  # (each plan fits: 1.5 parts)
+    assert all(p.memory_bytes <= tight for p in plans)
+    with pytest.raises(ShardflowError, match=r"pipeline stage \d keeps states .* an instance of its program per "
+                                             r"microbatch: .* above the [\d,]+ its plan may take; use fewer"):
+        compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={**cfg, "memory_budget_bytes": tight},
+                out_dir=tmp_path / "b", **kw)
+    assert not (tmp_path / "b").exists()
+    room = max(p.params_bytes + 2 * p.peak_activation_bytes for p in plans)
+    compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={**cfg, "memory_budget_bytes": room},
+            out_dir=tmp_path / "c", **kw)
+
+
 def test_cli_runs_and_profiles_a_kv_cache_on_stages_with_microbatches(tmp_path):
     """`shardflow run --profile` of the genai Llama on 2 stages with 2 microbatches and its cache kept: the
     logits of a step (the zero cache) onnxruntime's, and each rank's memory every instance's arena, the
