@@ -32,14 +32,18 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "models"))
 SHARDFLOW = [sys.executable, "-m", "shardflow.compiler.cli"]
 
 
-def _run(out: str, nproc: int, inputs: str, outputs: str, repeat: int) -> float:
+def _run(out: str, nproc: int, inputs: str, outputs: str, repeat: int, throughput: bool = False
+         ) -> tuple[float, float | None]:
+    """``shardflow run`` of ``out`` on ``nproc`` ranks: (a single run's median ms, and with ``throughput``
+    the ms a run took back to back, else None)."""
     proc = subprocess.run(SHARDFLOW + ["run", out, "--nproc", str(nproc), "--inputs", inputs, "--outputs", outputs,
-                                       "--repeat", str(repeat), "--warmup", "2"],
-                          capture_output=True, text=True, timeout=1800)
+                                       "--repeat", str(repeat), "--warmup", "2"]
+                          + (["--throughput"] if throughput else []), capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
-    m = re.search(r"median ([0-9.]+) ms", proc.stderr + proc.stdout)
-    return float(m.group(1))
+    text = proc.stderr + proc.stdout
+    pace = re.search(r"back to back: ([0-9.]+) ms a run", text) if throughput else None
+    return float(re.search(r"median ([0-9.]+) ms", text).group(1)), float(pace.group(1)) if pace else None
 
 
 def main(argv=None):
@@ -97,7 +101,7 @@ def main(argv=None):
             if hasattr(res, "pipeline"):  # (the cut: ops a stage)
                 name += " " + "/".join(str(st["ops"]) for st in res.pipeline["stages"])
             got = os.path.join(tmp, "out.npz")
-            ms = _run(out, nproc, inputs, got, args.repeat)
+            ms, _ = _run(out, nproc, inputs, got, args.repeat)
             base = base or ms
             diff = float(np.abs(np.load(got)["logits"] - ref).max())
             print(f"{name:<32} {nproc:5d} {ms:9.2f} {ms / base:9.2f} {diff:11.1e}", flush=True)

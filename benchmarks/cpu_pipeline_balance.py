@@ -4,9 +4,10 @@
 For each model (onnx's light CNNs, one image) and count of stages P, compiles ``pipeline_stages = P`` on
 mesh [P] twice (``pipeline_balance`` ``modeled`` and ``measured``), prints each stage's op count, each
 stage's time as a compile-time profile measures it (one rank with the threads a rank of P gets here: the
-times the measured cut balances), the bytes crossing the cut and, run with ``shardflow run --nproc P --repeat R --throughput`` (each rank bound to its share
-of the cores), a single run's median and the pace of runs back to back (the stages overlap across runs:
-the slowest stage's time), with the largest difference of the output from the model's reference.
+times the measured cut balances), the bytes crossing the cut and, run with ``shardflow run --nproc P
+--repeat R --throughput`` (each rank bound to its share of the cores), a single run's median and the
+pace of runs back to back (the stages overlap across runs: the slowest stage's time), with the largest
+difference of the output from the model's reference.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_pipeline_balance.py [--models resnet50 densenet121]
         [--stages 2] [--repeat 20]
@@ -15,25 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
-
-SHARDFLOW = [sys.executable, "-m", "shardflow.compiler.cli"]
-
-
-def _run(out: str, nproc: int, inputs: str, outputs: str, repeat: int) -> tuple[float, float]:
-    proc = subprocess.run(SHARDFLOW + ["run", out, "--nproc", str(nproc), "--inputs", inputs, "--outputs", outputs,
-                                       "--repeat", str(repeat), "--warmup", "2", "--throughput"],
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-3000:])
-    text = proc.stderr + proc.stdout
-    return (float(re.search(r"median ([0-9.]+) ms", text).group(1)),
-            float(re.search(r"back to back: ([0-9.]+) ms a run", text).group(1)))
 
 
 def main(argv=None) -> int:
@@ -44,6 +30,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import onnx
     import onnxruntime as ort
+
+    from cpu_pipeline import _run
 
     from shardflow.compiler import compile, load_onnx
     from shardflow.compiler.parallel.cost import DEVICE_PROFILES
@@ -82,7 +70,7 @@ def main(argv=None) -> int:
                     per.append(sum(times[at:at + k]) * 1e3)
                     at += k
                 got = os.path.join(tmp, "out.npz")
-                one, pace = _run(out, n, inputs, got, args.repeat)
+                one, pace = _run(out, n, inputs, got, args.repeat, throughput=True)
                 diff = float(np.abs(next(iter(np.load(got).values())) - ref).max())
                 print(f"{name:<14} {balance:<9} {'/'.join(map(str, ops)):<18} "
                       f"{'/'.join(f'{t:.2f}' for t in per):<26} {crossing / 1e6:>8.2f} {one:>8.2f} {pace:>8.2f} "

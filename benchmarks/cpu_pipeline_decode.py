@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             out = str(tmp / name.replace(" ", "_").replace(",", ""))
             compile(str(path), distributed_config=dcfg, optimization_config={"target": "cpu"}, out_dir=out,
                     input_shapes=shapes, state=state)
-            ms = _run(out, n, str(tmp / "in.npz"), str(tmp / "out.npz"), args.repeat)
+            ms, _ = _run(out, n, str(tmp / "in.npz"), str(tmp / "out.npz"), args.repeat)
             diff = float(np.abs(np.load(tmp / "out.npz")["logits"] - ref).max())
             base = base or ms
             print(f"{name:<26} {n:>5} {ms:>9.2f} {ms / base:>9.2f} {diff:>11.1e}", flush=True)

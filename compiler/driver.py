@@ -1445,9 +1445,15 @@ def _target_device(dcfg, opt: OptimizationConfig):
     return dataclasses.replace(dcfg, device=DEVICE_PROFILES[opt.target])
 
 
+def _import_for(model, opt: OptimizationConfig, input_shapes, input_values, dim_sizes=None) -> FlowGraph:
+    """``model`` imported as ``opt``'s target imports it (the cpu target's integer QDQ products and routed
+    experts)."""
+    return _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
+                       routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+
+
 def _planned_graph(model, opt: OptimizationConfig, dcfg, input_shapes, input_values, dim_sizes=None) -> FlowGraph:
-    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
-                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+    graph = _import_for(model, opt, input_shapes, input_values, dim_sizes)
     graph = plan_passes(graph.clone() if isinstance(model, FlowGraph) else graph, dcfg.mesh_shape,
                         fold_affine=opt.fold_affine, pad_heads=heads_padding(dcfg), index_checks=opt.index_checks)
     if opt.precision in ("float16", "bfloat16"):

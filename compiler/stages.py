@@ -212,13 +212,12 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
     measured times (:func:`measured_op_times`; ``measured``: those already measured, by microbatch count),
     checked against the roofline cut on the stage programs' times (:func:`_measured_cut`), and is not
     balanced again."""
-    from .driver import _check_state, _load_model
+    from .driver import _check_state, _import_for
     from .parallel.pipeline import constants_beside_readers, microbatch_graph, split_stages
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
-                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+    graph = _import_for(model, opt, input_shapes, input_values, dim_sizes)
     timings["import"] = time.perf_counter() - t0
     # what a run takes and returns: the whole batch, whatever the microbatches
     whole = {t.name: (t.shape, t.dtype) for t in graph.inputs}
@@ -267,7 +266,6 @@ def _rebalanced(graph, pipe, dcfg, optimization_config, state) -> tuple:
     graph cut again on those, the new stages planned; the cut whose slowest stage (plan and sends) is
     faster is kept. A stage the budget refuses keeps the first cut (plans ``None`` when it is the
     first cut's: ``compile`` says why)."""
-    from .errors import ShardflowError
     from .parallel.pipeline import op_times, split_stages
 
     def slowest(p, plans):
@@ -318,10 +316,9 @@ MAX_AUTO_MICROBATCHES = 16
 def _microbatch_counts(model, opt, input_shapes, input_values, dim_sizes) -> list[int]:
     """The counts of microbatches ``"auto"`` weighs: the divisors, up to :data:`MAX_AUTO_MICROBATCHES`, of
     the batch every input and output has along dim 0 (their sizes' greatest common divisor)."""
-    from .driver import _load_model
+    from .driver import _import_for
 
-    graph = _load_model(model, input_shapes, input_values, int8_qdq=opt.target == "cpu" and opt.int8_qdq,
-                        routed_experts=opt.target == "cpu", dim_sizes=dim_sizes)
+    graph = _import_for(model, opt, input_shapes, input_values, dim_sizes)
     batch = 0
     for t in list(graph.inputs) + list(graph.outputs):
         batch = math.gcd(batch, int(t.shape[0]) if t.shape else 1)
@@ -342,7 +339,6 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     import dataclasses
 
     from .driver import _planned_graph
-    from .errors import ShardflowError
     from .parallel import search
 
     options: list[tuple[str, Any, float, str | None]] = []  # (what, config, modeled s, why refused)
@@ -388,11 +384,9 @@ def _check_instances_fit(dcfg, index: int, plan, micro: int) -> None:
     (runtime/pipeline.py), each with a part's activations and states, while its plan (a part's) counts
     one: its parameters and ``micro`` times its peak activations must fit ``memory_budget_bytes`` (or the
     share of the device's memory a plan may take), else a :class:`ShardflowError` naming the stage."""
-    from .parallel.cost import DEVICE_MEMORY_FRACTION, H100
+    from .parallel.search import device_memory_cap
 
-    device = dcfg.device or H100
-    budget = dcfg.memory_budget_bytes or (int(DEVICE_MEMORY_FRACTION * device.memory_bytes)
-                                          if device.memory_bytes else None)
+    budget = dcfg.memory_budget_bytes or device_memory_cap(dcfg)
     need = plan.params_bytes + micro * plan.peak_activation_bytes
     if budget is not None and need > budget:
         raise ShardflowError(f"pipeline stage {index} keeps states (a KV cache) and so an instance of its program per "

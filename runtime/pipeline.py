@@ -229,11 +229,10 @@ class PipelineProgram:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
                 self._pipe.exchange({}, {e["from"]: buf})
                 feeds[e["name"]] = buf
-            self._last_feeds, self._last_prog = feeds, j
             # (copied when more microbatches follow: the next run writes over the program's buffers; a stage
             # with states runs microbatch j on its own instance, which holds that microbatch's rows of them)
-            prog = self._programs[j] if len(self._programs) > 1 else self.program
-            got = prog.run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
+            self._last_feeds, self._last_prog = feeds, j % len(self._programs)
+            got = self._programs[self._last_prog].run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
             for e in self._sends:
                 self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
             parts.append({name: got[name] for name in self._mine})
@@ -265,8 +264,7 @@ class PipelineProgram:
         whole run of ``inputs`` (collective: every rank calls it)."""
         self.run(inputs)
         # (on the instance that ran those feeds: another's states would get that microbatch's rows)
-        prog = self._programs[self._last_prog] if len(self._programs) > 1 else self.program
-        return prog.profile(self._last_feeds, repeat=repeat, warmup=warmup)
+        return self._programs[self._last_prog].profile(self._last_feeds, repeat=repeat, warmup=warmup)
 
     def close(self) -> None:
         """Free the stage's program and the communicators this rank split off the world (which belongs to

@@ -53,8 +53,8 @@ key                       meaning                                               
                           in 2 stages: each ``[4]``; ``[4, 2]``: each ``[2, 2]``);
                           the activations crossing a cut are sent between stages
                           (parallel/pipeline.py). ``"auto"``: ``compile`` plans
-                          both ``mesh_shape[0]`` stages and one plan over the
-                          whole mesh and keeps the one of less modeled time
+                          every count of stages dividing ``mesh_shape[0]`` and one
+                          plan over the whole mesh and keeps the least modeled time
 ``pipeline_microbatches`` with stages: a run's batch (dim 0 of every input and     1
                           output) split into this many equal microbatches that
                           follow each other through the stages, so that the stages

@@ -984,10 +984,10 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
         return ShardingPlan.load(cfg.preload_plan, graph=graph)
     plan = _search(graph, cfg)
     device = cfg.device or H100
-    if cfg.memory_budget_bytes is not None or not device.memory_bytes:
+    cap = device_memory_cap(cfg)
+    if cfg.memory_budget_bytes is not None or cap is None:
         return plan
     # No budget given: keep the plan within the device's memory (DEVICE_MEMORY_FRACTION of it).
-    cap = int(DEVICE_MEMORY_FRACTION * device.memory_bytes)
     if plan.memory_bytes <= cap:
         return plan
     need = f"{plan.memory_bytes:,} bytes per rank (parameters and peak activations)"
@@ -1007,6 +1007,13 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     capped.notes.append(f"planned under memory_budget_bytes={cap:,} ({held}; none was given): the cheapest plan "
                         f"without it needs {need}")
     return capped
+
+
+def device_memory_cap(cfg: DistributedConfig) -> int | None:
+    """The bytes a rank's plan may take of its device's memory without a ``memory_budget_bytes``:
+    :data:`~.cost.DEVICE_MEMORY_FRACTION` of it, or ``None`` where the device's memory is not known."""
+    device = cfg.device or H100
+    return int(DEVICE_MEMORY_FRACTION * device.memory_bytes) if device.memory_bytes else None
 
 
 def _search(graph: FlowGraph, cfg: DistributedConfig) -> "ShardingPlan":
