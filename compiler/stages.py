@@ -8,6 +8,7 @@ out_dir returns a :class:`~shardflow.runtime.pipeline.PipelineProgram`. The cut 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -254,9 +255,33 @@ def _stage_plans(pipe, dcfg, optimization_config) -> list:
     from .driver import planned_graph
     from .parallel import search
 
-    sub = dcfg.stage_config()
-    return [search(planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config), sub)
-            for st in pipe.stages]
+    plans = []
+    for st in pipe.stages:
+        sub = _stage_config(dcfg, st)
+        with _naming_stage(st, len(pipe.stages)):
+            plans.append(search(planned_graph(st.graph, distributed_config=sub,
+                                              optimization_config=optimization_config), sub))
+    return plans
+
+
+@contextlib.contextmanager
+def _naming_stage(st, stages: int):
+    """A :class:`ShardflowError` raised while planning or compiling stage ``st`` says which stage (its type
+    and traceback kept): a stage's mesh is not the config's."""
+    try:
+        yield
+    except ShardflowError as exc:
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("pipeline stage "):
+            what = " (it keeps states)" if st.state else ""
+            exc.args = (f"pipeline stage {st.index} of {stages}{what}: {exc.args[0]}",) + exc.args[1:]
+        raise
+
+
+def _stage_config(dcfg, st):
+    """The config stage ``st`` is planned with: ``dcfg.stage_config()``, its ranks holding an instance of its
+    program per microbatch when it keeps states (a KV cache, its rows a microbatch's: runtime/pipeline.py),
+    which its plan's memory counts (each instance's activations and states; the parameters once)."""
+    return dcfg.stage_config(keeps_states=bool(st.state) and int(dcfg.pipeline_microbatches) > 1)
 
 
 def _rebalanced(graph, pipe, dcfg, optimization_config, state) -> tuple:
@@ -379,23 +404,6 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     return best[1], note
 
 
-def _check_instances_fit(dcfg, index: int, plan, micro: int) -> None:
-    """A stage keeping states with ``micro`` microbatches holds an instance of its program per microbatch
-    (runtime/pipeline.py), each with a part's activations and states, while its plan (a part's) counts
-    one: its parameters and ``micro`` times its peak activations must fit ``memory_budget_bytes`` (or the
-    share of the device's memory a plan may take), else a :class:`ShardflowError` naming the stage."""
-    from .parallel.search import device_memory_cap
-
-    budget = dcfg.memory_budget_bytes or device_memory_cap(dcfg)
-    need = plan.params_bytes + micro * plan.peak_activation_bytes
-    if budget is not None and need > budget:
-        raise ShardflowError(f"pipeline stage {index} keeps states (a KV cache) and so an instance of its program per "
-                             f"microbatch: {plan.params_bytes:,} bytes of parameters + {micro} x "
-                             f"{plan.peak_activation_bytes:,} of activations and states = {need:,} bytes a rank, above "
-                             f"the {budget:,} its plan may take; use fewer pipeline_microbatches, more ranks, or a "
-                             "larger memory_budget_bytes")
-
-
 def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,
                    input_shapes: Mapping[str, Sequence[int]] | None, input_values: Mapping[str, Any] | None,
                    state: Mapping[str, str] | None, dim_sizes: Mapping[str, int] | None,
@@ -413,18 +421,16 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     pipe, whole, state, timings, _ = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes,
                                           optimization_config)
     micro = dcfg.pipeline_microbatches
-    sub = dcfg.stage_config()
     results = []
     out = Path(out_dir)
     with atomic_output_dir(out) as tmp:
         for st in pipe.stages:
             log.info("pipeline stage %d of %d: %d ops", st.index, len(pipe.stages), len(st.graph.nodes))
-            res = _compile(st.graph, distributed_config=sub, optimization_config=optimization_config,
-                           out_dir=tmp / f"stage{st.index}", input_shapes=None, input_values=None,
-                           state=st.state or None)
+            with _naming_stage(st, len(pipe.stages)):
+                res = _compile(st.graph, distributed_config=_stage_config(dcfg, st),
+                               optimization_config=optimization_config, out_dir=tmp / f"stage{st.index}",
+                               input_shapes=None, input_values=None, state=st.state or None)
             st.graph = None  # (compiled: its weights may go)
-            if micro > 1 and st.state:
-                _check_instances_fit(dcfg, st.index, res.plan, micro)
             results.append(res)
             for k, v in res.timings.items():
                 if k != "total":

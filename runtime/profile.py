@@ -75,6 +75,8 @@ def _memory_lines(memory: Sequence[dict], plan: dict | None) -> list[str]:
         total = sum(v for v in m.values() if v is not None)
         lines.append(f"{r:>4}  {mib(m.get('arena'))}  {mib(m.get('weights'))}  {mib(m.get('scratch'))}  {mib(total)}")
     if plan and "params_bytes" in plan and "peak_activation_bytes" in plan:
-        lines.append(f"modeled by the plan: parameters {plan['params_bytes'] / 2**20:.2f} MiB + peak activations "
-                     f"{plan['peak_activation_bytes'] / 2**20:.2f} MiB per rank")
+        k = int(plan.get("instances", 1))  # (a pipeline stage keeping states: an instance a microbatch)
+        lines.append(f"modeled by the plan: parameters {plan['params_bytes'] / 2**20:.2f} MiB + "
+                     + (f"{k} instances x " if k != 1 else "")
+                     + f"peak activations {plan['peak_activation_bytes'] / 2**20:.2f} MiB per rank")
     return lines

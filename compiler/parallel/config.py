@@ -119,6 +119,10 @@ class DistributedConfig:
     #: (not a key) a pattern of op_placements may name no op of the graph planned: a pipeline stage's,
     #: which holds some of the ops (compile checks that each names an op of some stage)
     pins_may_miss: bool = False
+    #: (not a key) how many instances of the planned program a rank holds, each with its own activations and
+    #: states, the parameters shared: a pipeline stage keeping states with microbatches holds one per
+    #: microbatch (runtime/pipeline.py), so its plan's memory is ``params + program_instances * peak``
+    program_instances: int = 1
 
     @property
     def staged(self) -> bool:
@@ -126,11 +130,13 @@ class DistributedConfig:
         by ``compile``, which then gives a config with a number)."""
         return self.pipeline_stages != "auto" and self.pipeline_stages > 1
 
-    def stage_config(self) -> "DistributedConfig":
+    def stage_config(self, keeps_states: bool = False) -> "DistributedConfig":
         """The config one pipeline stage is planned with: the stages split the first mesh axis into
         ``pipeline_stages`` runs of ``q = mesh_shape[0] / pipeline_stages`` positions, so a stage's mesh
         is ``[q, *mesh_shape[1:]]`` (the first axis keeps its name and links), or ``mesh_shape[1:]`` when
-        ``q`` is 1 (``[1]`` when that was the only axis)."""
+        ``q`` is 1 (``[1]`` when that was the only axis). ``keeps_states``: the stage keeps states (a KV
+        cache), so with microbatches its ranks hold an instance of its program per microbatch, which its
+        plan counts (``program_instances``)."""
         import dataclasses
 
         q = self.mesh_shape[0] // int(self.pipeline_stages)
@@ -142,6 +148,7 @@ class DistributedConfig:
         many = len(self.mesh_shape) > 1 or q > 1
         return dataclasses.replace(
             self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1, pins_may_miss=True,
+            program_instances=int(self.pipeline_microbatches) if keeps_states else 1,
             mesh_axis_names=rest(self.mesh_axis_names) if many else None,
             axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if many else None,
             axis_latency_us=rest(self.axis_latency_us) if many else None)
@@ -153,7 +160,7 @@ class DistributedConfig:
             return cfg
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"distributed_config must be a dict, got {type(cfg).__name__}")
-        known = set(cls.__dataclass_fields__) - {"pins_may_miss"}
+        known = set(cls.__dataclass_fields__) - {"pins_may_miss", "program_instances"}
         for key in cfg:
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)

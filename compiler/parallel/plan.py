@@ -68,7 +68,9 @@ class ShardingPlan:
     cost, compute_cost, comm_cost : float
         Modeled seconds.
     params_bytes, peak_activation_bytes : int
-        Per-rank memory estimate; ``memory_bytes`` is their sum.
+        Per-rank memory estimate; ``memory_bytes`` is ``params_bytes + instances * peak_activation_bytes``
+        (``instances``: the program's copies a rank holds, each with its own activations and the
+        parameters shared; more than 1 for a pipeline stage keeping states with microbatches).
     """
 
     def __init__(self, mesh: DeviceMesh, algo: str, op_specs: dict[str, OpShardSpec],
@@ -103,6 +105,8 @@ class ShardingPlan:
         #: the ranks the graph's attention heads were padded for before the plan (passes/heads.py;
         #: 1: not padded): a preloaded plan's graph is padded alike
         self.pad_heads = 1
+        #: instances of the program a rank holds (``DistributedConfig.program_instances``)
+        self.instances = 1
 
     def cost_model(self):
         """The cost model the plan was made with (connect orders multi-axis steps by it)."""
@@ -113,7 +117,7 @@ class ShardingPlan:
 
     @property
     def memory_bytes(self) -> int:
-        return self.params_bytes + self.peak_activation_bytes
+        return self.params_bytes + self.instances * self.peak_activation_bytes
 
     @property
     def collectives(self) -> list[Collective]:
@@ -147,10 +151,12 @@ class ShardingPlan:
             src = problem.source_spec(t, assign)
             if src is not None and src != dst:
                 reshards.append(_reshard(problem.mesh, problem.cost_model, t, f"output:{name}", 0, src, dst))
-        return cls(problem.mesh, algo, op_specs, tensor_specs, reshards, total, comp, comm, params, peak,
+        plan = cls(problem.mesh, algo, op_specs, tensor_specs, reshards, total, comp, comm, params, peak,
                    {op.name: op.op_type for op in g.nodes},
                    dict(zip(g.output_names, problem.output_specs)), dict(problem.input_specs), search_seconds,
                    problem.cost_model.bandwidth_GBps, problem.cost_model.latency_us, problem.cost_model.device)
+        plan.instances = problem.cfg.program_instances
+        return plan
 
     # persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -181,6 +187,7 @@ class ShardingPlan:
             "notes": list(self.notes),
             **({"pinned": dict(self.pinned)} if self.pinned else {}),
             "pad_heads": int(self.pad_heads),
+            **({"instances": int(self.instances)} if self.instances != 1 else {}),
             "reshards": [
                 {"tensor": r.tensor, "consumer": r.consumer, "index": r.index, "src": str(r.src), "dst": str(r.dst),
                  "cost_s": _num(r.cost),
@@ -235,6 +242,7 @@ class ShardingPlan:
                        0.0, d.get("axis_bandwidth_GBps"), d.get("axis_latency_us"), _device(d.get("device")))
             plan.notes = [str(n) for n in d.get("notes", ())]
             plan.pad_heads = int(d.get("pad_heads", 1))
+            plan.instances = int(d.get("instances", 1))
             plan.pinned = {str(k): str(v) for k, v in d.get("pinned", {}).items()}
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed plan.json ({type(exc).__name__}: {exc})") from None
@@ -303,7 +311,10 @@ class ShardingPlan:
             f"# modeled cost {self.cost * 1e6:.2f} us = compute {self.compute_cost * 1e6:.2f} us "
             f"+ communication {self.comm_cost * 1e6:.2f} us (device {self.device.name}: "
             f"{self.device.peak_flops / 1e12:g} TFLOP/s, {self.device.mem_bandwidth / 1e9:g} GB/s)",
-            f"# memory per rank: {self.params_bytes:,} B parameters + {self.peak_activation_bytes:,} B peak activations"
+            f"# memory per rank: {self.params_bytes:,} B parameters + "
+            + (f"{self.instances} instances of the program (a pipeline stage keeping states, one a microbatch) x "
+               if self.instances != 1 else "")
+            + f"{self.peak_activation_bytes:,} B peak activations"
             + (f" (the device holds {self.device.memory_bytes:,.0f} B)" if self.device.memory_bytes else ""),
             "# collectives: " + (", ".join(f"{k}×{v}" for k, v in sorted(self._collective_counts().items()))
                                   or "none"),

@@ -581,7 +581,7 @@ def _solve_ilp(problem: Problem) -> list[int]:
             raise ShardflowError(
                 f"no plan fits memory_budget_bytes={cfg.memory_budget_bytes:,} on mesh {list(cfg.mesh_shape)}: "
                 f"the least any plan {'running the ops op_placements pins as given ' if problem.pins else ''}needs "
-                f"is about {need:,} bytes per rank; raise the budget or use a larger mesh"
+                f"is about {need:,} bytes per rank{_of_instances(cfg)}; raise the budget or use a larger mesh"
                 + (f" (or pin fewer ops: {len(problem.pins)} pinned)" if problem.pins else ""))
         raise ShardflowError(f"the ILP solver ended with status {pulp.LpStatus[status]} before finding a plan "
                              f"(time_limit_s={cfg.time_limit_s}, max_nodes={cfg.max_nodes}); raise time_limit_s or "
@@ -605,8 +605,10 @@ def _affine(pairs: list):
 
 def _memory_rows(problem: Problem) -> list[tuple[dict[tuple[int, int], float], float]]:
     """One row per step: coefficients of ``s[alias, i]`` (parameters + live activations) and the
-    bytes that no choice changes (whole graph inputs)."""
+    bytes that no choice changes (whole graph inputs); the activations and inputs counted once per
+    instance of the program the rank holds (``program_instances``: a pipeline stage with states)."""
     mesh_shape = problem.mesh_shape
+    k = problem.cfg.program_instances
     base: dict[tuple[int, int], float] = defaultdict(float)
     for g in problem.groups:
         seen = set()
@@ -623,11 +625,11 @@ def _memory_rows(problem: Problem) -> list[tuple[dict[tuple[int, int], float], f
         for t in live:
             p = problem.producer_of.get(id(t))
             if p is None:
-                fixed += local_bytes(t, problem.input_specs[t.name], mesh_shape)
+                fixed += k * local_bytes(t, problem.input_specs[t.name], mesh_shape)
                 continue
             g = problem.group_of[id(p)]
             for i, ch in enumerate(g.choices):
-                row[(g.alias, i)] = row.get((g.alias, i), 0.0) + local_bytes(
+                row[(g.alias, i)] = row.get((g.alias, i), 0.0) + k * local_bytes(
                     t, ch[id(p)].output_specs[p.outputs.index(t)], mesh_shape)
         key = (tuple(sorted((k, round(v)) for k, v in row.items())), round(fixed))
         if key not in keys:
@@ -990,7 +992,7 @@ def search(graph: FlowGraph, distributed_config) -> "ShardingPlan":
     # No budget given: keep the plan within the device's memory (DEVICE_MEMORY_FRACTION of it).
     if plan.memory_bytes <= cap:
         return plan
-    need = f"{plan.memory_bytes:,} bytes per rank (parameters and peak activations)"
+    need = f"{plan.memory_bytes:,} bytes per rank (parameters and peak activations{_of_instances(cfg)})"
     held = f"{DEVICE_MEMORY_FRACTION:g} of the {device.name}'s {device.memory_bytes:,.0f} bytes"
     if cfg.algo != "ilp":
         raise ShardflowError(f"the {cfg.algo} plan on mesh {list(cfg.mesh_shape)} needs {need}, above {held}: use "
@@ -1082,6 +1084,14 @@ def _search(graph: FlowGraph, cfg: DistributedConfig) -> "ShardingPlan":
     return plan
 
 
+def _of_instances(cfg: DistributedConfig) -> str:
+    """What a message about a plan's memory adds when a rank holds several instances of the program."""
+    if cfg.program_instances == 1:
+        return ""
+    return (f", activations and states x {cfg.program_instances}: a pipeline stage keeping states holds an "
+            "instance of its program per microbatch")
+
+
 def _first_names(names: list[str]) -> str:
     """The first four ``names`` for a plan.txt note, ``...`` for the rest."""
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -1092,4 +1102,4 @@ def _fits(problem: Problem, assign) -> bool:
     if budget is None:
         return True
     params, peak = problem.memory(assign)
-    return params + peak <= budget
+    return params + problem.cfg.program_instances * peak <= budget

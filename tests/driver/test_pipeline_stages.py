@@ -322,29 +322,37 @@ def test_cli_compile_run_inspect_and_plan(tmp_path, launcher):
     assert (tmp_path / "plans" / "stage1" / "plan.json").is_file()
 
 
-def test_a_budget_counts_every_microbatch_instance_of_a_stage_with_states(tmp_path):
-    """A stage keeping its cache with 2 microbatches holds 2 instances (each a part's activations and
-    cache) where its plan counts one: a budget the plans meet but the instances do not is refused, naming
-    the stage; one that holds both instances compiles."""
+def test_a_stage_with_states_is_planned_for_every_microbatch_instance(tmp_path):
+    """A stage keeping its cache with 2 microbatches holds 2 instances of its program (each a part's
+    activations and cache, the weights once), and its plan counts both (``instances``; memory_bytes is
+    parameters + 2 x peak). A budget every stage meets unsplit with one instance but not with two: on [2]
+    (a rank a stage, nothing to split) refused naming the stage; on [4] (2 ranks a stage) the plans split
+    weights to fit both instances, and the program decodes five steps as onnxruntime does."""
     from test_state import _cache_state, _llama_steps
 
     state = _cache_state(2)
     first, _ = next(_llama_steps(1))
     kw = dict(optimization_config=CPU, input_shapes={k: v.shape for k, v in first.items()}, state=state)
-    cfg = {"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2}
-    free = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config=cfg, out_dir=tmp_path / "a", **kw)
-    plans = free.plans
-    assert all(p.peak_activation_bytes > 0 for p in plans)
-    tight = max(p.params_bytes + p.peak_activation_bytes * 3 // 2 for p in plans)  # (each plan fits: 1.5 parts)
-    assert all(p.memory_bytes <= tight for p in plans)
-    with pytest.raises(ShardflowError, match=r"pipeline stage \d keeps states .* an instance of its program per "
-                                             r"microbatch: .* above the [\d,]+ its plan may take; use fewer"):
-        compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={**cfg, "memory_budget_bytes": tight},
+    cfg = {"mesh_shape": [4], "pipeline_stages": 2, "pipeline_microbatches": 2}
+    free = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config=cfg, out_dir=tmp_path / "a", **kw).plans
+    assert all(p.instances == 2 and p.memory_bytes == p.params_bytes + 2 * p.peak_activation_bytes > 0 for p in free)
+    assert all(not p.collectives for p in free)  # (whole on both ranks: too small to split unbudgeted)
+    tight = max(p.params_bytes + p.peak_activation_bytes * 3 // 2 for p in free)  # (one instance fits unsplit)
+    with pytest.raises(ShardflowError, match=r"pipeline stage \d of 2 \(it keeps states\): no plan fits "
+                                             r"memory_budget_bytes=[\d,]+ on mesh \[1\]: .* activations and states "
+                                             r"x 2: a pipeline stage keeping states holds an instance of its program"):
+        compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={**cfg, "mesh_shape": [2],
+                                                                          "memory_budget_bytes": tight},
                 out_dir=tmp_path / "b", **kw)
     assert not (tmp_path / "b").exists()
-    room = max(p.params_bytes + 2 * p.peak_activation_bytes for p in plans)
-    compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={**cfg, "memory_budget_bytes": room},
-            out_dir=tmp_path / "c", **kw)
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"), distributed_config={**cfg, "memory_budget_bytes": tight},
+                  out_dir=tmp_path / "c", **kw)
+    assert all(p.instances == 2 and p.memory_bytes <= tight for p in res.plans)
+    assert sum(p.params_bytes for p in res.plans) < sum(p.params_bytes for p in free)  # (split to fit)
+    saved = json.loads((tmp_path / "c" / "stage0" / "plan.json").read_text())
+    assert saved["instances"] == 2
+    assert "2 instances of the program" in (tmp_path / "c" / "stage0" / "plan.txt").read_text()
+    _decode_on_stages(tmp_path / "c", res, 2, "ilp")
 
 
 def test_cli_runs_and_profiles_a_kv_cache_on_stages_with_microbatches(tmp_path):
@@ -479,7 +487,7 @@ def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo):
     microbatches (a sequence each) a stage keeps an instance of its program per microbatch, each with its
     sequence's rows of the cache and the weights held once; on 2 Megatron ranks a stage, each rank its
     key/value head of them."""
-    from test_state import _cache_state, _close, _llama_steps
+    from test_state import _cache_state
 
     state = _cache_state(2)
     shapes = {"input_ids": (2, 1), "attention_mask": (2, 16), **{k: (2, 2, 16, 16) for k in state.values()}}
@@ -491,13 +499,23 @@ def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo):
     assert kept == [{k: v for k, v in state.items() if ".0." in k}, {k: v for k, v in state.items() if ".1." in k}]
     assert [e["name"] for e in res.pipeline["outputs"]] == ["logits"]
     assert sorted(e["name"] for e in res.pipeline["inputs"] if e.get("state")) == sorted(state.values())
+    _decode_on_stages(tmp_path / "out", res, micro, algo)
+
+
+def _decode_on_stages(out, res, micro, algo):
+    """Five greedy steps of the genai Llama compiled into ``out`` (``res``) on pipeline stages with its cache
+    kept as ``state``, on threads: the last stage's logits and each stage's cache against onnxruntime fed its
+    own presents; each stage's instances (one a microbatch) sharing its weights."""
+    from test_state import _close, _llama_steps
+
+    kept = [{e["output"]: e["input"] for e in st["state"]} for st in res.pipeline["stages"]]
     width = res.pipeline["stage_world_size"]
     steps = list(_llama_steps(5))
 
     def part(r, name, whole):
         """Rank ``r``'s part of a state: each microbatch's rows, cut as the stage's program keeps them."""
         s, c = divmod(r, width)
-        entry = next(e for e in json.loads((tmp_path / "out" / f"stage{s}" / f"rank{c}" / "manifest.json")
+        entry = next(e for e in json.loads((out / f"stage{s}" / f"rank{c}" / "manifest.json")
                                            .read_text())["inputs"] if e["name"] == name)
         if algo == "megatron":  # (split by key/value heads: one a rank)
             assert entry["bounds"] == [[0, 1], [c, c + 1], [0, 16], [0, 16]] and entry["global_shape"] == [1, 2, 16, 16]
@@ -505,7 +523,7 @@ def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo):
         return np.concatenate([rows[cut] for rows in np.split(whole, micro)], axis=0)
 
     def rank(comm):
-        prog = load(tmp_path / "out", comm.rank, comm)
+        prog = load(out, comm.rank, comm)
         s = comm.rank // width
         assert prog.state_names == {v: k for k, v in kept[s].items()}
         assert len(prog._programs) == micro
@@ -527,8 +545,8 @@ def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo):
             assert sorted(got) == (["logits"] if r in last else [])
             if r in last:
                 _close(got["logits"], want["logits"], what=f"step {step}")
-            for out, name in kept[r // width].items():
-                _close(cache[name], part(r, name, want[out]), what=f"rank {r} step {step} {name}")
+            for key, name in kept[r // width].items():
+                _close(cache[name], part(r, name, want[key]), what=f"rank {r} step {step} {name}")
 
 
 def test_no_cut_between_a_states_input_and_its_output():

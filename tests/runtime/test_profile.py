@@ -64,6 +64,9 @@ def test_report_puts_each_ranks_memory_beside_the_plans_model():
     assert lines[at + 3].split() == ["1", "1.00", "0.00", "-", "1.00"]
     assert lines[at + 4] == "modeled by the plan: parameters 2.00 MiB + peak activations 1.00 MiB per rank"
     assert "memory per rank" not in format_profile(ranks, repeat=1)
+    # (a pipeline stage keeping states with 2 microbatches: its plan counts an instance a microbatch)
+    text = format_profile(ranks, repeat=1, plan={**plan, "instances": 2}, memory=memory)
+    assert "modeled by the plan: parameters 2.00 MiB + 2 instances x peak activations 1.00 MiB per rank" in text
 
 
 def test_the_cpu_kernels_scratch_is_counted(tmp_path):
