@@ -499,8 +499,9 @@ def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:
             plan.save(Path(args.out) / f"stage{st.index}")
         recv = ", ".join(f"{n} from {s}" for n, s in st.receives) or "none"
         sends = ", ".join(f"{n} to {to}" for n, to in st.sends) or "none"
+        again = f"; makes again from constants: {', '.join(st.remade)}" if st.remade else ""
         sys.stdout.write(f"== pipeline stage {st.index} of {len(plans)}: {st.ops} ops, modeled compute "
-                         f"{st.time_s * 1e3:.4g} ms; receives {recv}; sends {sends}\n")
+                         f"{st.time_s * 1e3:.4g} ms; receives {recv}; sends {sends}{again}\n")
         text = plan.to_text()
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     for text in explained:
@@ -541,7 +542,7 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
                 "notes": [stages[k] for k in ("note", "balance_note") if stages.get(k)],
                 "stages": [{"dir": st["dir"], "ops": st.get("ops"), "modeled_time_s": st.get("modeled_time_s"),
                             "receives": st.get("receives", []), "sends": st.get("sends", []),
-                            **inspect_out_dir(str(out / st["dir"]), verify)} for st in stages["stages"]]}
+                            "remade": st.get("remade", []), **inspect_out_dir(str(out / st["dir"]), verify)} for st in stages["stages"]]}
     spec = read_variants(out)
     if spec is not None:
         def regions(v: dict, key: str) -> list:
@@ -612,7 +613,8 @@ def _cmd_inspect(args) -> int:
         for st in variants:
             recv = ", ".join(f"{e['name']} from {e['from']}" for e in st["receives"]) or "none"
             sends = ", ".join(f"{e['name']} to {e['to']}" for e in st["sends"]) or "none"
-            print(f"== stage {st['dir']}: {st['ops']} ops; receives {recv}; sends {sends}\n"
+            again = f"; makes again from constants: {', '.join(st['remade'])}" if st["remade"] else ""
+            print(f"== stage {st['dir']}: {st['ops']} ops; receives {recv}; sends {sends}{again}\n"
                   + "\n".join(_inspect_lines(st)))
     elif "variants" in info:
         for v in variants:

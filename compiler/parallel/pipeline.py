@@ -64,7 +64,10 @@ class Stage:
     time_s
         Modeled compute time of its ops on one device (the cut's balance).
     ops
-        How many ops it has.
+        How many of the graph's ops it holds (its part of the node order).
+    remade
+        Names of the ops computed from constants alone that an earlier stage holds and this one makes
+        again (at its load) instead of receiving their outputs every run: a mask, a fill.
     state
         ``{output name: input name}``: the states (``compile``'s ``state``) whose ops it holds.
     """
@@ -78,6 +81,7 @@ class Stage:
     time_s: float
     ops: int = 0
     state: dict[str, str] = field(default_factory=dict)
+    remade: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -123,7 +127,8 @@ class Pipeline:
                         "receives": [{"name": n, "from": s} for n, s in st.receives],
                         "sends": [{"name": n, "to": to} for n, to in st.sends],
                         "outputs": st.outputs, "modeled_time_s": st.time_s, "ops": st.ops,
-                        "state": [{"output": o, "input": i} for o, i in st.state.items()]}
+                        "state": [{"output": o, "input": i} for o, i in st.state.items()],
+                        **({"remade": st.remade} if st.remade else {})}
                        for st in self.stages],
             "transfers": [{"name": n, "from": a, "to": b, "kind": k, "shape": list(self.tensors[n][0]),
                            "dtype": self.tensors[n][1]} for n, a, b, k in self.transfers],
@@ -196,15 +201,16 @@ def op_times(graph: FlowGraph, device: DeviceProfile | None = None) -> list[floa
     return times
 
 
-def _crossing_bytes(graph: FlowGraph) -> list[int]:
+def _crossing_bytes(graph: FlowGraph, const: set[int] = frozenset()) -> list[int]:
     """``res[i]``: bytes of the op outputs made before node ``i`` and read at or after it (what a cut
-    before node ``i`` sends; graph outputs are sent wherever they are made, so they do not count)."""
+    before node ``i`` sends; graph outputs are sent wherever they are made, so they do not count; nor do
+    the outputs of the ops in ``const``, computed from constants, which a later stage makes again)."""
     n = len(graph.nodes)
     pos = {id(op): i for i, op in enumerate(graph.nodes)}
     last: dict[int, int] = {}
     for i, op in enumerate(graph.nodes):
         for t in op.inputs:
-            if t.producer is not None and id(t.producer) in pos:
+            if t.producer is not None and id(t.producer) in pos and id(t.producer) not in const:
                 last[id(t)] = i
     diff = [0] * (n + 2)
     for op in graph.nodes:
@@ -288,7 +294,10 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         at = [i for i, op in enumerate(nodes) if any(t.name == name and t.producer is None for t in op.inputs)]
         at.append(pos[id(outputs_by_name[out].producer)])
         forbidden.update(range(min(at) + 1, max(at) + 1))  # (a cut before node i parts i - 1 from i)
-    cuts = _cuts(times, _crossing_bytes(graph), stages, tolerance, frozenset(forbidden))
+    # ops computed from constants alone (fills, masks) are made again in each later stage reading them,
+    # at its load, rather than sent across the cuts every run (Stage.remade)
+    const = constant_ops(nodes)
+    cuts = _cuts(times, _crossing_bytes(graph, const), stages, tolerance, frozenset(forbidden))
     bounds = list(zip([0] + cuts, cuts + [len(nodes)]))
     stage_of: dict[int, int] = {}
     for s, (a, b) in enumerate(bounds):
@@ -303,7 +312,8 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
     readers: dict[int, set[int]] = {}  # crossing tensor -> the later stages reading it
     for op in nodes:
         for t in op.inputs:
-            if t.producer is not None and id(t.producer) in stage_of and stage_of[id(t.producer)] != stage_of[id(op)]:
+            if t.producer is not None and id(t.producer) in stage_of and stage_of[id(t.producer)] != stage_of[id(op)] \
+                    and id(t.producer) not in const:
                 readers.setdefault(id(t), set()).add(stage_of[id(op)])
 
     def wire_name(t: Tensor) -> str:
@@ -324,15 +334,40 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         produced_outputs[stage_of[id(t.producer)]].append(name)
     graph_inputs = {id(t) for t in graph.inputs}
     for s, (a, b) in enumerate(bounds):
-        ops = nodes[a:b]
+        ops, needed = [], {id(t) for t in graph.outputs}
+        for op in reversed(nodes[a:b]):  # (an op from constants that only later stages read: made there)
+            if id(op) not in const or any(id(t) in needed for t in op.outputs):
+                ops.append(op)
+                needed.update(id(t) for t in op.inputs)
+        ops.reverse()
         mapping: dict[int, Tensor] = {}
         recv_tensors: list[tuple[tuple[int, int, int], Tensor]] = []  # ((from stage, node, output), input)
+        remade: list[Operator] = []  # (ops from constants an earlier stage holds, made again here first)
+
+        def clone(op):
+            new = op.clone([mapping[id(t)] for t in op.inputs])
+            for old_t, new_t in zip(op.outputs, new.outputs):
+                new_t.name, new_t.value = old_t.name, old_t.value
+                mapping[id(old_t)] = new_t
+            return new
+
+        def remake(op):
+            for t in op.inputs:
+                if id(t) not in mapping:
+                    if t.producer is None:
+                        mapping[id(t)] = Tensor(t.name, t.shape, t.dtype, None, t.value)
+                    else:
+                        remake(t.producer)
+            remade.append(clone(op))
+
         for op in ops:
             for t in op.inputs:
                 if id(t) in mapping:
                     continue
                 if t.producer is None and t.value is not None:  # a constant (shared with the model's graph)
                     mapping[id(t)] = Tensor(t.name, t.shape, t.dtype, None, t.value)
+                elif t.producer is not None and id(t.producer) in const and stage_of[id(t.producer)] != s:
+                    remake(t.producer)
                 elif id(t) in graph_inputs:
                     mapping[id(t)] = Tensor(t.name, t.shape, t.dtype)
                 elif t.producer is not None and stage_of.get(id(t.producer), s) != s:
@@ -344,13 +379,7 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         g_inputs = [mapping[id(t)] for t in graph.inputs if id(t) in mapping]
         recv_tensors.sort(key=lambda e: e[0])
         receives = [(x.name, key[0]) for key, x in recv_tensors]
-        new_nodes: list[Operator] = []
-        for op in ops:
-            new = op.clone([mapping[id(t)] for t in op.inputs])
-            for old_t, new_t in zip(op.outputs, new.outputs):
-                new_t.name, new_t.value = old_t.name, old_t.value
-                mapping[id(old_t)] = new_t
-            new_nodes.append(new)
+        new_nodes: list[Operator] = remade + [clone(op) for op in ops]
         sends: list[tuple[str, list[int]]] = []
         outs: list[Tensor] = []
         names: list[str] = []
@@ -372,7 +401,7 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         sg.validate()
         pipe.stages.append(Stage(index=s, graph=sg, graph_inputs=[t.name for t in g_inputs], receives=receives,
                                  sends=sends, outputs=produced_outputs[s], time_s=math.fsum(times[a:b]),
-                                 ops=len(new_nodes),
+                                 ops=b - a, remade=[op.name for op in remade],
                                  state={o: i for o, i in (state or {}).items() if o in produced_outputs[s]}))
     for st in pipe.stages:
         for name, to in st.sends:

@@ -142,17 +142,59 @@ def test_a_weight_filled_from_constants_stays_with_its_reader(tmp_path):
     g = load_onnx(model)
     assert [op.name for op in g.nodes][0] == "fill" and len(constant_ops(g.nodes)) == 1
     before = split_stages(g, 2, times=[1.0] * len(g.nodes))
-    assert "w" in [t[0] for t in before.transfers if t[3] == "cut"]  # (what the cut did without the reorder)
+    # (without the reorder: made again in the reader's stage, not sent, nor made where nothing reads it)
+    assert "w" not in [t[0] for t in before.transfers] and before.stages[1].remade == ["fill"]
+    assert "fill" not in [op.name for op in before.stages[0].graph.nodes]
     g = constants_beside_readers(g)
     assert [op.name for op in g.nodes][-2:] == ["fill", "product"] and op_times(g)[-2] == 0.0
     pipe = split_stages(g, 2)
     assert [t[0] for t in pipe.transfers if t[3] == "cut"] != [] and "w" not in [t[0] for t in pipe.transfers]
+    assert [st.remade for st in pipe.stages] == [[], []]
     res = compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
                   out_dir=tmp_path / "out")
     assert all(e["name"] != "w" for e in res.pipeline["transfers"])
     x = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
     np.testing.assert_allclose(_gathered(tmp_path / "out", {"x": x}, 2)["y"], load_onnx(model).run({"x": x})["y"],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_an_op_from_constants_read_by_two_stages_is_made_in_each(tmp_path, capsys):
+    """A mask computed from constants alone (too large to fold: a ``Trilu`` of a ``ConstantOfShape``) read by
+    an op of each stage: the second stage makes it again (at its load, as the first does) instead of
+    receiving it every run; what crosses the cut is the activation only, and the cut's choice does not count
+    the mask's bytes. Against the unstaged graph on 2 in-process ranks."""
+    from shardflow.compiler.parallel.pipeline import constant_ops
+
+    rows, n = 1024, 4097  # (rows * n > FOLD_LIMIT: the mask stays ops)
+    nodes = [oh.make_node("ConstantOfShape", ["mshape"], ["ones"], name="fill",
+                          value=numpy_helper.from_array(np.array([1.0], np.float32))),
+             oh.make_node("Trilu", ["ones"], ["mask"], name="tril", upper=0),
+             oh.make_node("Mul", ["x", "mask"], ["h0"], name="first")]
+    h = "h0"
+    for i in range(1, 7):
+        nodes.append(oh.make_node("Relu" if i % 2 else "Neg", [h], [f"h{i}"], name=f"act{i}"))
+        h = f"h{i}"
+    nodes.append(oh.make_node("Add", [h, "mask"], ["y"], name="last"))
+    graph = oh.make_graph(nodes, "masked", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [rows, n])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
+                          [numpy_helper.from_array(np.array([rows, n], np.int64), "mshape")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    g = load_onnx(model)
+    assert len(constant_ops(g.nodes)) == 2
+    pipe = split_stages(g, 2)
+    assert [st.remade for st in pipe.stages] == [[], ["fill", "tril"]]
+    assert [t[0] for t in pipe.transfers if t[3] == "cut"] and "mask" not in [t[0] for t in pipe.transfers]
+    res = compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
+                  out_dir=tmp_path / "out")
+    assert all(e["name"] != "mask" for e in res.pipeline["transfers"])
+    assert res.pipeline["stages"][1]["remade"] == ["fill", "tril"]
+    from shardflow.compiler.cli import main
+
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    assert "sends none; makes again from constants: fill, tril" in capsys.readouterr().out
+    x = np.random.default_rng(0).standard_normal((rows, n)).astype(np.float32)
+    np.testing.assert_allclose(_gathered(tmp_path / "out", {"x": x}, 2)["y"], load_onnx(model).run({"x": x})["y"],
+                               rtol=1e-6, atol=1e-6)
 
 
 # -------------------------------------------------------------------------------------- config
