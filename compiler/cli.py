@@ -542,7 +542,8 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
                 "notes": [stages[k] for k in ("note", "balance_note") if stages.get(k)],
                 "stages": [{"dir": st["dir"], "ops": st.get("ops"), "modeled_time_s": st.get("modeled_time_s"),
                             "receives": st.get("receives", []), "sends": st.get("sends", []),
-                            "remade": st.get("remade", []), **inspect_out_dir(str(out / st["dir"]), verify)} for st in stages["stages"]]}
+                            "remade": st.get("remade", []), **inspect_out_dir(str(out / st["dir"]), verify)}
+                           for st in stages["stages"]]}
     spec = read_variants(out)
     if spec is not None:
         def regions(v: dict, key: str) -> list:
