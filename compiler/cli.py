@@ -193,6 +193,8 @@ def _distributed_config(args) -> dict:
         cfg["pipeline_microbatches"] = args.microbatches
     if args.balance is not None:
         cfg["pipeline_balance"] = args.balance
+    if args.preload_plan is not None:
+        cfg["preload_plan"] = args.preload_plan
     for item in args.place or ():
         op, sep, spec = item.rpartition("=")
         if not sep or not op or not spec.strip():
@@ -243,6 +245,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="run OP (a name as plan.txt prints it, or a pattern: *, ?, [...]) with SPEC, its inputs' and "
                         "outputs' specs as plan.txt writes them ('R, S(1) -> S(1)'; the outputs' alone: 'S(1)'; '*': "
                         "any); the ILP plans the rest around it (repeat per op; distributed_config op_placements)")
+    p.add_argument("--preload-plan", metavar="PATH", default=None,
+                   help="use a saved plan instead of searching: a plan.json or its folder (`shardflow plan -o DIR`, "
+                        "an out_dir); with --stages, the folder `shardflow plan --stages P -o DIR` wrote "
+                        "or a staged out_dir: its cut and each stage's plan (distributed_config preload_plan)")
     p.add_argument("--device", choices=("cpu", "h100", "h200"), default=None,
                    help="what a rank computes on, for the cost model (compute against communication); default: "
                         "the compile target's (cpu or h100), h100 for `shardflow plan`")
@@ -485,7 +491,8 @@ def _comparison(plan, rows) -> str:
 
 def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:
     """``shardflow plan --stages P``: the cut, then each stage's plan (``-o DIR``: ``DIR/stage{s}``)."""
-    from .stages import plan_stages
+    from .driver import planning_config
+    from .stages import plan_stages, write_stage_plans
 
     pipe, plans = plan_stages(args.model, distributed_config=dcfg, optimization_config=ocfg,
                               input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
@@ -494,9 +501,9 @@ def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:
     for node in args.explain:  # (an unknown name fails before any output)
         owner = next((p for p in plans if node in p.op_specs), plans[0])
         explained.append(owner.explain(node))
+    if args.out:  # (each stage's plan and the cut: what preload_plan takes)
+        write_stage_plans(args.out, pipe, plans, planning_config(dcfg, ocfg))
     for st, plan in zip(pipe.stages, plans):
-        if args.out:
-            plan.save(Path(args.out) / f"stage{st.index}")
         recv = ", ".join(f"{n} from {s}" for n, s in st.receives) or "none"
         sends = ", ".join(f"{n} to {to}" for n, to in st.sends) or "none"
         again = f"; makes again from constants: {', '.join(st.remade)}" if st.remade else ""

@@ -229,6 +229,10 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
     # instance of its program per microbatch, each with its rows: runtime/pipeline.py)
     t0 = time.perf_counter()
     graph = constants_beside_readers(microbatch_graph(graph, micro))
+    if dcfg.preload_plan:  # (the saved cut, each stage's plan loaded by its compile)
+        pipe = split_stages(graph, dcfg.pipeline_stages, dcfg.device, state=state, cuts=saved_cut(dcfg, graph))
+        timings["cut"] = time.perf_counter() - t0
+        return pipe, whole, state, timings, None
     times = None
     if dcfg.pipeline_balance == "measured":
         if opt.target != "cpu":
@@ -281,7 +285,75 @@ def _stage_config(dcfg, st):
     """The config stage ``st`` is planned with: ``dcfg.stage_config()``, its ranks holding an instance of its
     program per microbatch when it keeps states (a KV cache, its rows a microbatch's: runtime/pipeline.py),
     which its plan's memory counts (each instance's activations and states; the parameters once)."""
-    return dcfg.stage_config(keeps_states=bool(st.state) and int(dcfg.pipeline_microbatches) > 1)
+    import dataclasses
+
+    sub = dcfg.stage_config(keeps_states=bool(st.state) and int(dcfg.pipeline_microbatches) > 1)
+    if dcfg.preload_plan:  # (the stage's own plan in the saved pipeline's folder)
+        sub = dataclasses.replace(sub, preload_plan=str(Path(dcfg.preload_plan) / f"stage{st.index}"))
+    return sub
+
+
+#: The file ``shardflow plan --stages P -o DIR`` writes beside the stages' plans: the cut, which
+#: ``preload_plan`` reads back (as it reads a staged out_dir's ``pipeline.json``).
+STAGE_PLANS_FILE, STAGE_PLANS_FORMAT, STAGE_PLANS_VERSION = "stages.json", "shardflow-stage-plans", 1
+
+
+def write_stage_plans(folder: str | os.PathLike, pipe, plans, dcfg) -> None:
+    """Each stage's plan into ``folder/stage{s}`` and the cut into ``folder/stages.json``: what
+    ``preload_plan`` takes with ``pipeline_stages`` (the cut, then each stage's plan)."""
+    folder = Path(folder)
+    for st, plan in zip(pipe.stages, plans):
+        plan.save(folder / f"stage{st.index}")
+    write_json(folder / STAGE_PLANS_FILE, {"format": STAGE_PLANS_FORMAT, "version": STAGE_PLANS_VERSION,
+                                           "mesh_shape": list(dcfg.mesh_shape),
+                                           "microbatches": int(dcfg.pipeline_microbatches),
+                                           "stages": pipe.to_dict()["stages"]})
+
+
+def saved_cut(dcfg, graph) -> list[int]:
+    """``preload_plan`` with ``pipeline_stages``: where the saved pipeline's stages 1.. start in ``graph``'s
+    order (a microbatch's graph, its ops from constants beside their readers, as the cut is made), read
+    from the folder's ``stages.json`` (``shardflow plan --stages P -o DIR``) or ``pipeline.json`` (a
+    staged out_dir). Its stages, microbatches and mesh must be the config's and its stages' first and last
+    ops this graph's there, else a :class:`ConfigError` saying what differs."""
+    from shardflow.runtime.artifact import read_versioned
+    from shardflow.runtime.pipeline import read_pipeline
+
+    folder, n, micro = Path(dcfg.preload_plan), int(dcfg.pipeline_stages), int(dcfg.pipeline_microbatches)
+    key = f"distributed_config['preload_plan'] = {str(folder)!r}"
+    if (folder / PIPELINE_FILE).is_file():
+        where, spec = folder / PIPELINE_FILE, read_pipeline(folder)
+    elif (folder / STAGE_PLANS_FILE).is_file():
+        where = folder / STAGE_PLANS_FILE
+        spec = read_versioned(where, "stages' plans", STAGE_PLANS_FORMAT, STAGE_PLANS_VERSION)
+    else:
+        raise ConfigError(f"{key} with pipeline_stages = {n}: give the folder `shardflow plan --stages {n} -o DIR` "
+                          f"wrote ({STAGE_PLANS_FILE} and a plan per stage) or a staged out_dir ({PIPELINE_FILE}); "
+                          "it has neither")
+    try:
+        stages = spec["stages"]
+        counts = [int(st["ops"]) for st in stages]
+        ends = [(str(st["first_op"]), str(st["last_op"])) for st in stages]
+        saved = (len(stages), int(spec.get("microbatches", 1)), [int(d) for d in spec["mesh_shape"]])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: {str(where)!r} does not say where the stages are cut ({type(exc).__name__}: "
+                          f"{exc}); plan or compile again with this version of Shardflow") from None
+    given = (n, micro, list(dcfg.mesh_shape))
+    for what, a, b in zip(("pipeline_stages", "pipeline_microbatches", "mesh_shape"), saved, given):
+        if a != b:
+            raise ConfigError(f"{key} was planned with {what} {a}, the config gives {b}: its plans are for "
+                              f"{'a microbatch' if what == 'pipeline_microbatches' else 'a stage'} of that; give the "
+                              "same, or plan again")
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    fits = sum(counts) == len(graph.nodes) and all(
+        graph.nodes[a].name == first and graph.nodes[a + c - 1].name == last
+        for a, c, (first, last) in zip(starts, counts, ends))
+    if not fits:
+        here = [op.name for op in graph.nodes]
+        raise ConfigError(f"{key}: its cut ({counts} ops, stage 0 from {ends[0][0]!r}) does not fit this model's graph "
+                          f"({len(here)} ops from {here[0] if here else None!r}): it was planned for another model or "
+                          "other shapes or options; plan again")
+    return starts[1:]
 
 
 def _rebalanced(graph, pipe, dcfg, optimization_config, state) -> tuple:

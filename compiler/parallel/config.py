@@ -35,7 +35,10 @@ key                       meaning                                               
                           them: ``"R, S(1) -> S(1)"`` (inputs, weights included, and
                           outputs) or ``"S(1)"`` (outputs), ``*`` for any; the ILP
                           plans the rest around them (pins.py; ``algo`` ilp only)
-``preload_plan``          path to a saved ``plan.json`` (or its folder) to reuse       none
+``preload_plan``          path to a saved ``plan.json`` (or its folder) to reuse;      none
+                          with ``pipeline_stages``, the folder of a saved pipeline
+                          (``shardflow plan --stages P -o DIR``, or a staged
+                          out_dir): its cut and each stage's plan
 ``alias_layers``          share one decision among structurally identical layers      true
 ``partial_sums``          let linear ops (adds, scalings, reshapes) work on partial    ``auto``
                           sums, so an all-reduce can wait past them (one for two
@@ -206,10 +209,18 @@ class DistributedConfig:
                 raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the stages split the first mesh "
                                   f"axis, so its size must be a multiple of {stages} (got mesh_shape {list(shape)}), "
                                   f"e.g. {[stages] + list(shape)}")
-            for key in ("rank_map", "preload_plan", "input_placements", "output_placements"):
+            for key in ("rank_map", "input_placements", "output_placements"):
                 if cfg.get(key):
                     raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
                                       "stage is planned on its own, its inputs and outputs whole); drop one of them")
+            if cfg.get("preload_plan"):  # (the saved cut and stages' plans: compiler/stages.py saved_cut)
+                fixed = [f"{k} 'auto'" for k in ("pipeline_stages", "pipeline_microbatches") if cfg.get(k) == "auto"]
+                if cfg.get("pipeline_balance", "modeled") != "modeled":
+                    fixed.append(f"pipeline_balance {cfg['pipeline_balance']!r}")
+                if fixed:
+                    raise ConfigError(f"distributed_config['preload_plan'] gives a saved pipeline's cut and plans, "
+                                      f"which {' and '.join(fixed)} would choose: give the saved numbers, or drop "
+                                      "preload_plan")
         pins = _placements(cfg.get("op_placements", {}), "op_placements", "op names (or patterns of them)",
                            "'R, S(1) -> S(1)'")
         if pins:

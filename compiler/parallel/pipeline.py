@@ -65,6 +65,8 @@ class Stage:
         Modeled compute time of its ops on one device (the cut's balance).
     ops
         How many of the graph's ops it holds (its part of the node order).
+    first_op, last_op
+        The names of its first and last op in the graph's order (a saved cut is checked against them).
     remade
         Names of the ops computed from constants alone that an earlier stage holds and this one makes
         again (at its load) instead of receiving their outputs every run: a mask, a fill.
@@ -82,6 +84,8 @@ class Stage:
     ops: int = 0
     state: dict[str, str] = field(default_factory=dict)
     remade: list[str] = field(default_factory=list)
+    first_op: str = ""
+    last_op: str = ""
 
 
 @dataclass
@@ -128,6 +132,7 @@ class Pipeline:
                         "sends": [{"name": n, "to": to} for n, to in st.sends],
                         "outputs": st.outputs, "modeled_time_s": st.time_s, "ops": st.ops,
                         "state": [{"output": o, "input": i} for o, i in st.state.items()],
+                        "first_op": st.first_op, "last_op": st.last_op,
                         **({"remade": st.remade} if st.remade else {})}
                        for st in self.stages],
             "transfers": [{"name": n, "from": a, "to": b, "kind": k, "shape": list(self.tensors[n][0]),
@@ -258,10 +263,11 @@ def _cuts(times: list[float], crossing: list[int], stages: int, tolerance: float
 
 def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = None,
                  tolerance: float = BALANCE_TOLERANCE, state: dict[str, str] | None = None,
-                 times: list[float] | None = None) -> Pipeline:
+                 times: list[float] | None = None, cuts: list[int] | None = None) -> Pipeline:
     """Cut ``graph`` into ``stages`` contiguous runs of its ops (see the module docstring).
 
-    ``times``: each node's time to balance (default :func:`op_times` on ``device``).
+    ``times``: each node's time to balance (default :func:`op_times` on ``device``). ``cuts``: where
+    stages 1.. start (node indices, increasing), as a saved pipeline gives them, instead of balancing.
 
     ``state`` (``{output name: input name}``, ``compile``'s): no cut falls between an op reading a
     state's input and the op making its output, so that each state lives in one stage
@@ -297,7 +303,14 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
     # ops computed from constants alone (fills, masks) are made again in each later stage reading them,
     # at its load, rather than sent across the cuts every run (Stage.remade)
     const = constant_ops(nodes)
-    cuts = _cuts(times, _crossing_bytes(graph, const), stages, tolerance, frozenset(forbidden))
+    if cuts is None:
+        cuts = _cuts(times, _crossing_bytes(graph, const), stages, tolerance, frozenset(forbidden))
+    elif len(cuts) != stages - 1 or not all(a < b for a, b in zip([0] + cuts, cuts + [len(nodes)])):
+        raise ShardflowError(f"split_stages: cuts {cuts} do not cut {len(nodes)} ops into {stages} stages")
+    elif forbidden.intersection(cuts):
+        at = min(forbidden.intersection(cuts))
+        raise ShardflowError(f"the cut before op {nodes[at].name!r} parts a state's input from its output (the ops "
+                             "a state joins stay in one stage); cut elsewhere")
     bounds = list(zip([0] + cuts, cuts + [len(nodes)]))
     stage_of: dict[int, int] = {}
     for s, (a, b) in enumerate(bounds):
@@ -401,7 +414,8 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
         sg.validate()
         pipe.stages.append(Stage(index=s, graph=sg, graph_inputs=[t.name for t in g_inputs], receives=receives,
                                  sends=sends, outputs=produced_outputs[s], time_s=math.fsum(times[a:b]),
-                                 ops=b - a, remade=[op.name for op in remade],
+                                 ops=b - a, remade=[op.name for op in remade], first_op=nodes[a].name,
+                                 last_op=nodes[b - 1].name,
                                  state={o: i for o, i in (state or {}).items() if o in produced_outputs[s]}))
     for st in pipe.stages:
         for name, to in st.sends:

@@ -197,6 +197,68 @@ def test_an_op_from_constants_read_by_two_stages_is_made_in_each(tmp_path, capsy
                                rtol=1e-6, atol=1e-6)
 
 
+def test_a_saved_pipeline_is_compiled_as_planned(tmp_path):
+    """preload_plan with stages: the folder `shardflow plan --stages 2 -o DIR` writes (stages.json: the cut,
+    each stage's first and last op in a microbatch graph's order; a plan per stage) is what compile builds:
+    the cut and every stage's plan as saved (here the Megatron baseline's, compiled under the default
+    algo), not searched again; a staged out_dir serves as well (its pipeline.json). GPT-2 on [4] (2 stages
+    of 2 ranks) with 2 microbatches, against onnxruntime. Refused: other stages, microbatches or meshes than
+    the saved ones, another model's cut, a folder of neither kind, and the keys that would choose the cut."""
+    import subprocess
+
+    from test_multirank_models import SHARDFLOW, clean_env
+
+    model = MODELS / "gpt2_ts17.onnx"
+    cfg = {"mesh_shape": [4], "pipeline_stages": 2, "pipeline_microbatches": 2}
+    proc = subprocess.run(SHARDFLOW + ["plan", str(model), "--mesh", "4", "--stages", "2", "--microbatches", "2",
+                                       "--algo", "megatron", "-o", str(tmp_path / "plans")],
+                          capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((tmp_path / "plans" / "stages.json").read_text())
+    assert saved["microbatches"] == 2 and saved["mesh_shape"] == [4] and len(saved["stages"]) == 2
+    graph = load_onnx(str(model))
+    from shardflow.compiler.parallel.pipeline import constants_beside_readers, microbatch_graph
+
+    order = [op.name for op in constants_beside_readers(microbatch_graph(graph, 2)).nodes]
+    n0 = saved["stages"][0]["ops"]
+    assert order[n0 - 1] == saved["stages"][0]["last_op"] and order[n0] == saved["stages"][1]["first_op"]
+    res = compile(str(model), distributed_config={**cfg, "preload_plan": str(tmp_path / "plans")},
+                  optimization_config=CPU, out_dir=tmp_path / "a")
+    assert [st["ops"] for st in res.pipeline["stages"]] == [st["ops"] for st in saved["stages"]]
+    assert [p.algo for p in res.plans] == ["megatron", "megatron"]
+    for s, plan in enumerate(res.plans):
+        want = json.loads((tmp_path / "plans" / f"stage{s}" / "plan.json").read_text())
+        assert {o["name"]: o["inputs"] + o["outputs"] for o in want["ops"]} == \
+            {n: [str(x) for x in sp.input_specs + sp.output_specs] for n, sp in plan.op_specs.items()}
+    feeds = _feeds("gpt2_ts17")
+    feeds = {e["name"]: feeds[e["name"]] for e in res.pipeline["inputs"]}
+    ref = _reference(model, feeds)
+    got = _gathered(tmp_path / "a", feeds, 4)
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    # a compiled out_dir as the saved pipeline
+    again = compile(str(model), distributed_config={**cfg, "preload_plan": str(tmp_path / "a")},
+                    optimization_config=CPU, out_dir=tmp_path / "b")
+    assert [p.algo for p in again.plans] == ["megatron", "megatron"]
+    assert [st["ops"] for st in again.pipeline["stages"]] == [st["ops"] for st in saved["stages"]]
+
+    def refused(match, **over):
+        with pytest.raises(ConfigError, match=match):
+            compile(str(over.pop("model", model)), distributed_config={**cfg, "preload_plan": str(tmp_path / "plans"),
+                                                                       **over},
+                    optimization_config=CPU, out_dir=tmp_path / "c")
+        assert not (tmp_path / "c").exists()
+    refused(r"was planned with pipeline_microbatches 2, the config gives 1", pipeline_microbatches=1)
+    refused(r"was planned with mesh_shape \[4\], the config gives \[2\]", mesh_shape=[2])
+    refused(r"planned with pipeline_stages 2, the config gives 4", pipeline_stages=4)
+    refused(r"does not fit this model's graph .* plan again", model=MODELS / "llama_dynamo18.onnx",
+            pipeline_microbatches=2)
+    refused(r"give the folder `shardflow plan --stages 2 -o DIR` wrote",
+            preload_plan=str(tmp_path / "plans" / "stage0"))
+    refused(r"pipeline_microbatches 'auto' would choose", pipeline_microbatches="auto")
+    refused(r"pipeline_balance 'measured' would choose", pipeline_balance="measured")
+
+
 # -------------------------------------------------------------------------------------- config
 def test_config_errors(tmp_path):
     model = _residual_mlp(layers=2)
