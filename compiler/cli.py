@@ -608,35 +608,50 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
 
 def _cmd_inspect(args) -> int:
     info = inspect_out_dir(args.out_dir, args.verify)
-    variants = info.get("variants", info.get("stages", [info]))
     if args.json:
         print(json.dumps(info, indent=1))
-    elif "stages" in info:
+    else:
+        print("\n".join(_inspect_text(info)))
+    bad = [r for p in _programs_of(info) for r in p["ranks"] if r.get("verified", True) is not True]
+    return 1 if bad else 0
+
+
+def _programs_of(info: dict) -> list[dict]:
+    """The summaries of single programs in :func:`inspect_out_dir`'s ``info`` (each variant's, each stage's)."""
+    parts = info.get("variants", info.get("stages"))
+    return [p for part in parts for p in _programs_of(part)] if parts is not None else [info]
+
+
+def _inspect_text(info: dict) -> list[str]:
+    """:func:`inspect_out_dir`'s summary as text lines: of pipeline stages, each stage's; of shape variants,
+    each variant's (itself maybe of pipeline stages)."""
+    lines = []
+    if "stages" in info:
+        stages = info["stages"]
         micro = f", {info['microbatches']} microbatches a run" if info["microbatches"] > 1 else ""
-        print(f"{info['out_dir']}: {len(variants)} pipeline stages on mesh {info['mesh_shape']}{micro}, "
-              f"{info['world_size']} rank(s) (global rank s * {variants[0]['world_size']} + c runs stage s's rank c); "
-              f"the cut balances {info['balance']} times")
-        for note in info["notes"]:
-            print(f"# {note}")
-        for st in variants:
+        lines.append(f"{info['out_dir']}: {len(stages)} pipeline stages on mesh {info['mesh_shape']}{micro}, "
+                     f"{info['world_size']} rank(s) (global rank s * {stages[0]['world_size']} + c runs stage s's "
+                     f"rank c); the cut balances {info['balance']} times")
+        lines += [f"# {note}" for note in info["notes"]]
+        for st in stages:
             recv = ", ".join(f"{e['name']} from {e['from']}" for e in st["receives"]) or "none"
             sends = ", ".join(f"{e['name']} to {e['to']}" for e in st["sends"]) or "none"
             again = f"; makes again from constants: {', '.join(st['remade'])}" if st["remade"] else ""
-            print(f"== stage {st['dir']}: {st['ops']} ops; receives {recv}; sends {sends}{again}\n"
-                  + "\n".join(_inspect_lines(st)))
+            lines.append(f"== stage {st['dir']}: {st['ops']} ops; receives {recv}; sends {sends}{again}")
+            lines += _inspect_lines(st)
     elif "variants" in info:
-        for v in variants:
+        for v in info["variants"]:
             dims = ", ".join(f"{k}={s}" for k, s in v["dim_sizes"].items())
             alike = (f"; rank 0's weights alike in another variant: {format_bytes(v['weights_alike_bytes'])} (held "
                      "once when both run, cpu)") if v["weights_alike_bytes"] else ""
             if v["external_weights_bytes"]:
                 alike += (f"; rank 0 reads {format_bytes(v['external_weights_bytes'])} of its weights from an earlier "
                           "variant's file")
-            print(f"== shape variant {v['dir']} ({dims}){alike}\n" + "\n".join(_inspect_lines(v)))
+            lines.append(f"== shape variant {v['dir']} ({dims}){alike}")
+            lines += _inspect_text(v)
     else:
-        print("\n".join(_inspect_lines(info)))
-    bad = [r for v in variants for r in v["ranks"] if r.get("verified", True) is not True]
-    return 1 if bad else 0
+        lines += _inspect_lines(info)
+    return lines
 
 
 def _inspect_lines(info: dict) -> list[str]:

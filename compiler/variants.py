@@ -13,12 +13,14 @@ import numpy as np
 
 from shardflow.runtime.artifact import (atomic_output_dir, buffer_nbytes, list_ranks, read_json, read_manifest,
                                         write_json)
+from shardflow.runtime.pipeline import read_pipeline
 from shardflow.runtime.variants import VARIANTS_FILE, VARIANTS_FORMAT, VARIANTS_VERSION
 
 from .driver import CompileResult, _compile
 from .errors import ConfigError
 from .ir.graph import FlowGraph
 from .ir.spill import spilling
+from .parallel.config import DistributedConfig
 
 __all__ = ["compile_variants", "VariantsResult"]
 
@@ -89,7 +91,16 @@ def _listing(folder: Path, name: str, dims: dict) -> dict:
     """``variants.json``'s entry for the variant compiled into ``folder``: the whole shape of each input
     and the output names (every rank's manifest has them; rank 0's is read), and per rank its large
     weights regions with their checksums (``weights``: a loaded variant reads a region another loaded
-    variant holds from there, runtime/variants.py)."""
+    variant holds from there, runtime/variants.py). A variant of pipeline stages (``staged``) is listed
+    from its ``pipeline.json``, without weights regions (its stages' files are hard-linked to an earlier
+    variant's where alike, :func:`_share_weights`, but not read from a loaded one's memory)."""
+    stages = read_pipeline(folder)
+    if stages is not None:
+        return {"dir": name, "dim_sizes": dims, "staged": True,
+                "inputs": {e["name"]: list(e["shape"]) for e in stages["inputs"]},
+                "outputs": [e["name"] for e in stages["outputs"]], "world_size": int(stages["world_size"]),
+                "state": {e["input"]: e["output"] for st in stages["stages"] for e in st.get("state", [])},
+                "weights": {}}
     m = read_manifest(folder / "rank0")
     return {"dir": name, "dim_sizes": dims,
             "inputs": {i["name"]: list(i.get("global_shape", i["shape"])) for i in m["inputs"]},
@@ -182,15 +193,21 @@ class _WeightsElsewhere:
         return program, kept, pos
 
 
+def _rank_dirs(folder: Path) -> list[Path]:
+    """The rank folders of the program in ``folder``: ``rank{r}``, or each pipeline stage's."""
+    stages = read_pipeline(folder)
+    parts = [folder / st["dir"] for st in stages["stages"]] if stages is not None else [folder]
+    return [p / f"rank{r}" for p in parts for r in list_ranks(p)]
+
+
 def _share_weights(out: Path, names: list[str]) -> int:
     """Hard-link every rank's ``weights.bin`` to an earlier one whose checksum (in the manifests) is the
-    same, in any variant: one file on disk, and pages shared by programs that map it. Returns how many
-    links across variants it made."""
+    same, in any variant (of pipeline stages: any stage's rank): one file on disk, and pages shared by
+    programs that map it. Returns how many links across variants it made."""
     shared = 0
     seen: dict[str, tuple[str, Path]] = {}
     for name in names:
-        for r in list_ranks(out / name):
-            d = out / name / f"rank{r}"
+        for d in _rank_dirs(out / name):
             entry = read_manifest(d)["files"].get("weights.bin")
             if entry is None:
                 continue
@@ -201,6 +218,14 @@ def _share_weights(out: Path, names: list[str]) -> int:
                 os.replace(tmp, d / "weights.bin")
                 shared += first_name != name
     return shared
+
+
+def _moved(res, folder: Path):
+    """A variant's compile result with its paths inside ``folder`` (where the out_dir now holds it)."""
+    if hasattr(res, "pipeline"):  # (a StagesResult: each stage's own result under it)
+        return dataclasses.replace(res, out_dir=folder, stages=[_moved(r, folder / r.out_dir.name)
+                                                               for r in res.stages])
+    return dataclasses.replace(res, out_dir=folder, rank_dirs=[folder / p.name for p in res.rank_dirs])
 
 
 def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distributed_config: Mapping[str, Any],
@@ -232,7 +257,10 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
         ``[{"sequence_length": 64}, {"sequence_length": 128}, ...]``: at least one, no two alike, and
         no two giving the inputs the same shapes.
     distributed_config, optimization_config, input_shapes, input_values, dim_sizes
-        As for :func:`compile`, the same for every variant.
+        As for :func:`compile`, the same for every variant. With ``pipeline_stages`` each variant is cut
+        and staged for its own shapes (its folder a pipeline's, loaded as a
+        :class:`~shardflow.runtime.pipeline.PipelineProgram`); a stage's weights file alike in an earlier
+        variant is hard-linked to it, the finer sharing of weights regions is not done.
     state
         As for :func:`compile`: each variant keeps its own state, of its own shapes (a decoding step's
         KV cache per batch size); the variants must differ in the inputs a run is given, not only in the
@@ -255,13 +283,15 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
     if isinstance(model, FlowGraph):
         raise ConfigError("compile_variants takes an ONNX model (path, bytes or ModelProto): a FlowGraph's shapes "
                           "are already fixed; compile it with compile()")
+    # (pipeline stages: each variant's own cut, its stages' weights files hard-linked where alike)
+    staged = DistributedConfig.from_dict(distributed_config).pipeline_stages != 1
     with atomic_output_dir(out_dir) as tmp:
         results, listed = [], []
         external = 0
         for k, dims in enumerate(checked):
             name = f"v{k}"
             log.info("shape variant %d of %d: %s", k + 1, len(checked), dims)
-            elsewhere = _WeightsElsewhere(tmp, listed)
+            elsewhere = None if staged else _WeightsElsewhere(tmp, listed)
             try:
                 with spilling(tmp / name):  # (as compile() does)
                     res = _compile(model, distributed_config=distributed_config,
@@ -275,7 +305,7 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
                 raise
             results.append(res)
             listed.append(_listing(tmp / name, name, dims))
-            if elsewhere.moved:
+            if elsewhere is not None and elsewhere.moved:
                 listed[-1]["external"] = elsewhere.moved
                 external += sum(n for regions in elsewhere.moved.values() for _, n, _ in regions)
         for k, v in enumerate(listed):
@@ -287,9 +317,7 @@ def compile_variants(model, *, variants: Sequence[Mapping[str, int]], distribute
         shared = _share_weights(tmp, [v["dir"] for v in listed])
         write_json(tmp / VARIANTS_FILE, {"format": VARIANTS_FORMAT, "version": VARIANTS_VERSION, "variants": listed})
     out = Path(out_dir).resolve()
-    results = [dataclasses.replace(res, out_dir=out / v["dir"],
-                                   rank_dirs=[out / v["dir"] / p.name for p in res.rank_dirs])
-               for res, v in zip(results, listed)]
+    results = [_moved(res, out / v["dir"]) for res, v in zip(results, listed)]
     log.info("wrote %d shape variants to %s (%d ranks' weights files shared, %d bytes read from an earlier "
              "variant's file)", len(listed), out, shared, external)
     return VariantsResult(out, listed, results, shared, external)

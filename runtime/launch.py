@@ -126,7 +126,8 @@ def own_rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
     if stages is not None:
         s, c = stage_of_rank(stages, rank)
         return rank_dir(Path(out_dir) / stages["stages"][s]["dir"], c)
-    return rank_dir(first_variant_dir(out_dir), rank)
+    first = first_variant_dir(out_dir)
+    return rank_dir(first, rank) if first == Path(out_dir) else own_rank_dir(first, rank)
 
 
 def artifact_world_size(out_dir: str | os.PathLike) -> int:
@@ -143,6 +144,8 @@ def artifact_world_size(out_dir: str | os.PathLike) -> int:
                                     f"not the stage's {stages['stage_world_size']}")
         return int(stages["world_size"])
     out = first_variant_dir(out_dir)
+    if out != Path(out_dir):  # (shape variants: the first one's, which may be pipeline stages)
+        return artifact_world_size(out)
     m = read_manifest(rank_dir(out, 0))
     n = int(m["world_size"])
     ranks = list_ranks(out)
@@ -662,7 +665,7 @@ def _worker(args, env: LaunchEnv) -> int:
         outs = {}
         # pipeline stages: a rank's run returns once its stage is done, and the next run's first stage
         # would overlap the last's; each run is timed from a barrier to a barrier (one run's latency)
-        staged = isinstance(prog, PipelineProgram)
+        staged = isinstance(prog, PipelineProgram) or getattr(prog, "staged", False)
         fence = host_communicator(comm).barrier if staged and env.size > 1 else None
         for _ in range(max(args.repeat, 1)):
             if fence:
@@ -683,15 +686,14 @@ def _worker(args, env: LaunchEnv) -> int:
             if env.size > 1:
                 world.barrier()
             stream = (time.perf_counter() - t0) / max(args.repeat, 1)
-        ran = getattr(prog, "last", prog)  # (of shape variants: the one the inputs' shapes chose)
-        if staged:  # (each output from the stage making it)
-            full = prog.gather_outputs(outs)
+        ran = _ran(prog)
+        if isinstance(ran, PipelineProgram):  # (each output from the stage making it)
+            full = ran.gather_outputs(outs)
         else:
             full = _assemble_outputs(ran.out_dir, ran, host_communicator(comm), outs)
         if env.rank == 0:
             med = float(np.median(times)) * 1e3
-            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", prog.out_dir if staged else ran.out_dir,
-                     env.size, len(times), med)
+            log.info("ran %s on %d rank(s): %d run(s), median %.3f ms", ran.out_dir, env.size, len(times), med)
             if stream is not None:
                 log.info("back to back: %.3f ms a run (%.1f runs/s), against a single run's median %.3f ms",
                          stream * 1e3, 1.0 / stream if stream else float("inf"), med)
@@ -726,6 +728,14 @@ def _worker(args, env: LaunchEnv) -> int:
     return 0
 
 
+def _ran(prog):
+    """The program that ran: ``prog`` itself, or of shape variants the one the inputs' shapes chose (a
+    :class:`RankProgram` or, for a variant of pipeline stages, a :class:`PipelineProgram`)."""
+    if isinstance(prog, PipelineProgram):
+        return prog
+    return getattr(prog, "last", None) or prog
+
+
 def _profile(args, prog, host, inputs: dict, rank: int) -> None:
     """Every rank times its steps; rank 0 prints the report (and writes ``--profile-json``)."""
     import json
@@ -734,10 +744,10 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
 
     repeat = max(args.repeat, 1)
     steps = prog.profile(inputs, repeat=repeat, warmup=1)
-    stages = prog.spec if isinstance(prog, PipelineProgram) else None
-    # (of shape variants: the one the inputs' shapes chose; of a stage keeping states with microbatches, every
-    # instance's arena, their weights held once)
-    progs = prog.instances if isinstance(prog, PipelineProgram) else [getattr(prog, "last", prog)]
+    ran = _ran(prog)
+    stages = ran.spec if isinstance(ran, PipelineProgram) else None
+    # (of a stage keeping states with microbatches, every instance's arena, their weights held once)
+    progs = ran.instances if isinstance(ran, PipelineProgram) else [ran]
     memory = memory_record(progs[0])
     for other in map(memory_record, progs[1:]):
         memory.update({k: memory[k] + other[k] for k in ("arena", "weights") if None not in (memory[k], other[k])})
@@ -753,14 +763,14 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
         except (OSError, ValueError):
             return None
     if stages is None:
-        log.info("%s", format_profile(per_rank, repeat, plan=plan_of(prog.out_dir), memory=memory))
+        log.info("%s", format_profile(per_rank, repeat, plan=plan_of(ran.out_dir), memory=memory))
     else:  # each stage's ranks run their own program: a report per stage, beside its own plan
         width = int(stages["stage_world_size"])
         for s, st in enumerate(stages["stages"]):
             ranks = slice(s * width, (s + 1) * width)
             log.info("== stage %d (ranks %d-%d; its ranks numbered from 0; a microbatch's run)\n%s", s, s * width,
                      (s + 1) * width - 1, format_profile(per_rank[ranks], repeat,
-                                                         plan=plan_of(Path(args.out_dir, st["dir"])),
+                                                         plan=plan_of(Path(ran.out_dir, st["dir"])),
                                                          memory=memory[ranks]))
     if args.profile_json:
         write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank,

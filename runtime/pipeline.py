@@ -185,6 +185,11 @@ class PipelineProgram:
         for p in self._programs:
             p.reset_state()
 
+    @property
+    def scratch_bytes(self) -> int | None:
+        """The cpu kernels' scratch buffers of the stage's program (its instances share its library)."""
+        return self.program.scratch_bytes
+
     def _checked(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The inputs checked on every rank against the whole model's (so that all ranks refuse a bad
         call, before any transfer), whether or not this stage reads them."""

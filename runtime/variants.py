@@ -103,8 +103,15 @@ class VariantProgram:
         self.borrowed_bytes = 0
 
     def program(self, k: int):
-        """Variant ``k``'s :class:`~shardflow.runtime.executor.RankProgram`, loaded on first use
-        (collective on several ranks)."""
+        """Variant ``k``'s :class:`~shardflow.runtime.executor.RankProgram` (of pipeline stages: its
+        :class:`~shardflow.runtime.pipeline.PipelineProgram`), loaded on first use (collective on several
+        ranks)."""
+        if k not in self._programs and self.variants[k].get("staged"):
+            from .pipeline import PipelineProgram, read_pipeline
+
+            folder = self.out_dir / self.variants[k]["dir"]
+            self._programs[k] = PipelineProgram(folder, self.rank, self.comm, read_pipeline(folder),
+                                                **self._load_kwargs)
         if k not in self._programs:
             from .executor import RankProgram
 
@@ -159,6 +166,12 @@ class VariantProgram:
         for k in range(len(self.variants)):
             self.program(k)
         return self
+
+    @property
+    def staged(self) -> bool:
+        """Whether a variant is cut into pipeline stages (its program a
+        :class:`~shardflow.runtime.pipeline.PipelineProgram`)."""
+        return any(v.get("staged") for v in self.variants)
 
     @property
     def input_names(self) -> list[str]:

@@ -547,16 +547,59 @@ def test_microbatches_through_the_stages_match_onnxruntime(tmp_path, mesh, micro
                 np.testing.assert_allclose(o[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
 
 
-def test_shape_variants_with_stages_are_refused(tmp_path):
-    from test_variants import dynamic_model
+def test_shape_variants_of_pipeline_stages(tmp_path):
+    """compile_variants with pipeline_stages: each variant cut and planned for its own shapes
+    (``v{k}/stage{s}``), listed ``staged`` in variants.json, a stage's weights file hard-linked to an
+    earlier variant's where alike; load() runs the variant the inputs' shapes choose, a PipelineProgram.
+    Two sizes with 2 microbatches on 2 in-process ranks in mixed order against onnxruntime; `shardflow run`
+    (its outputs gathered from the last stage, --profile per stage) and `shardflow inspect`."""
+    import subprocess
+
+    from test_multirank_models import SHARDFLOW, clean_env
+    from test_variants import HIDDEN, _ort, _x, dynamic_model
 
     from shardflow.compiler import compile_variants
+    from shardflow.runtime.pipeline import PipelineProgram
 
-    with pytest.raises(ConfigError, match="compile_variants does not support pipeline_stages"):
-        compile_variants(dynamic_model(), variants=[{"seq": 4}, {"seq": 8}], dim_sizes={"batch": 2},
-                         distributed_config={"mesh_shape": [2], "pipeline_stages": 2}, optimization_config=CPU,
-                         out_dir=tmp_path / "v")
-    assert not (tmp_path / "v").exists()
+    out = tmp_path / "out"
+    res = compile_variants(dynamic_model(), variants=[{"seq": 4}, {"seq": 8, "batch": 4}], dim_sizes={"batch": 2},
+                           distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2},
+                           optimization_config=CPU, out_dir=out)
+    spec = json.loads((out / "variants.json").read_text())
+    assert [(v["staged"], v["world_size"], v["inputs"]) for v in spec["variants"]] == [
+        (True, 2, {"x": [2, 4, HIDDEN]}), (True, 2, {"x": [4, 8, HIDDEN]})]
+    assert [r.out_dir for r in res.results] == [out.resolve() / "v0", out.resolve() / "v1"]
+    assert res.results[1].rank_dirs == [out.resolve() / "v1" / f"stage{s}" / "rank0" for s in range(2)]
+    assert all(d.is_dir() for r in res.results for d in r.rank_dirs)
+    # (the same cut in both: the same weights, whatever the shapes, one file per stage)
+    assert [[st["ops"] for st in r.pipeline["stages"]] for r in res.results] == [[2, 3], [2, 3]]
+    assert res.shared_weights == 2 and os.path.samefile(out / "v0" / "stage1" / "rank0" / "weights.bin",
+                                                        out / "v1" / "stage1" / "rank0" / "weights.bin")
+    world = InProcessWorld(2).communicators()
+    progs = [load(out, c.rank, c) for c in world]
+    for b, seq in ((4, 8), (2, 4), (4, 8)):
+        x = _x(b, seq, seed=seq)
+
+        def rank(c):
+            prog = progs[c.rank]
+            outs = prog.run({"x": x})
+            return prog.last.gather_outputs(outs)  # (the variant that ran, a PipelineProgram)
+        got = run_threads(world, rank, timeout=120)[0]
+        np.testing.assert_allclose(got["y"], _ort(x), rtol=1e-5, atol=1e-6)
+    assert progs[0].staged and isinstance(progs[0].last, PipelineProgram) and len(progs[0]._programs) == 2
+    run_threads(world, lambda c: progs[c.rank].close(), timeout=60)
+    x = _x(4, 8)
+    np.savez(tmp_path / "in.npz", x=x)
+    proc = subprocess.run(SHARDFLOW + ["run", str(out), "--nproc", "2", "--launcher", "spawn", "--inputs",
+                                       str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"), "--profile"],
+                          capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "o.npz")["y"], _ort(x), rtol=1e-5, atol=1e-6)
+    assert f"ran {out / 'v1'} on 2 rank(s)" in proc.stderr and "== stage 1 (ranks 1-1" in proc.stderr
+    text = subprocess.run(SHARDFLOW + ["inspect", str(out)], capture_output=True, text=True, timeout=120,
+                          env=clean_env()).stdout
+    assert "== shape variant v1 (seq=8, batch=4)" in text and "2 pipeline stages on mesh [2], 2 microbatches" in text
+    assert text.count("== stage stage1") == 2
 
 
 def test_token_ids_past_the_table_are_refused_on_every_rank(tmp_path):
