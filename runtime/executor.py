@@ -794,17 +794,9 @@ class RankProgram:
             For a cuda program (``benchmarks/gpu/kernel_profile.py`` times its kernels with CUDA
             events).
         """
-        if self._engine is not None:
-            raise ShardflowError("profile: cuda programs are not profiled here yet; benchmarks/gpu/kernel_profile.py "
-                                 "times their kernels with CUDA events")
-        if repeat < 1 or warmup < 0:
-            raise ValueError(f"profile: repeat = {repeat} must be at least 1 and warmup = {warmup} at least 0")
-        for _ in range(warmup):
-            self.run(inputs, copy_outputs=False)
+        self._step_by_step("profile", "repeat", repeat, warmup, inputs)
         arrays = self._check_inputs(inputs)
-        # the segments hold the steps' calls in program order: kernels, then the collective after them
-        step_calls = [c for kernels, coll in self._segments
-                      for c in [functools.partial(fn, a, b) for fn, a, b, _, _ in kernels] + ([coll] if coll else [])]
+        step_calls = self._step_calls()
         times = np.zeros((repeat, len(step_calls)))
         clock = time.perf_counter
         for r in range(repeat):
@@ -819,6 +811,67 @@ class RankProgram:
         return [{"index": n0 + k, "kind": s["kind"], "node": s["node"],
                  "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"], "ms": float(med[k])}
                 for k, s in enumerate(self.program["steps"][n0:])]
+
+    def _step_by_step(self, what: str, key: str, runs: int, warmup: int, inputs) -> None:
+        """Before :meth:`profile` or :meth:`trace` (``what``) step through ``runs`` runs from Python: a cuda
+        program is refused (its kernels run asynchronously on the GPU), bad counts too; the warmup runs."""
+        if self._engine is not None:
+            raise ShardflowError(f"{what}: cuda programs are not {what}d here yet (their kernels run asynchronously "
+                                 "on the GPU); benchmarks/gpu/kernel_profile.py times them with CUDA events")
+        if runs < 1 or warmup < 0:
+            raise ValueError(f"{what}: {key} = {runs} must be at least 1 and warmup = {warmup} at least 0")
+        for _ in range(warmup):
+            self.run(inputs, copy_outputs=False)
+
+    def _step_calls(self) -> list:
+        """The steps' calls (cpu) in program order, one a step: the segments hold kernels, then the
+        collective after them."""
+        return [c for kernels, coll in self._segments
+                for c in [functools.partial(fn, a, b) for fn, a, b, _, _ in kernels] + ([coll] if coll else [])]
+
+    def trace(self, inputs: Mapping[str, np.ndarray], *, runs: int = 1, warmup: int = 1) -> list[dict]:
+        """One event per step of ``runs`` runs of ``inputs`` (after ``warmup`` untimed ones), each with
+        its start and end on this process's monotonic clock (``time.perf_counter_ns``): a timeline of
+        where the time goes and where a rank waits (``shardflow run --trace`` merges the ranks' into one
+        Chrome trace). The runs step from Python, as :meth:`profile`'s do. Collective on several ranks.
+
+        Returns
+        -------
+        list of dict
+            Per step and run: ``kind`` (``kernel`` or ``collective``), ``node``, ``what`` (op type or
+            collective), ``run``, ``start_ns``, ``end_ns``.
+
+        Raises
+        ------
+        ShardflowError
+            For a cuda program (its kernels run asynchronously on the GPU; ``benchmarks/gpu/kernel_profile.py``
+            times them with CUDA events).
+        """
+        self._step_by_step("trace", "runs", runs, warmup, inputs)
+        events: list[dict] = []
+        for r in range(runs):
+            self.traced_run(inputs, events, run=r)
+        return events
+
+    def traced_run(self, inputs: Mapping[str, np.ndarray], events: list, **tags) -> dict[str, np.ndarray]:
+        """:meth:`run` (fresh outputs) stepping from Python, each step's start and end appended to
+        ``events`` (as :meth:`trace` gives them, with ``tags`` added: a pipeline's microbatch)."""
+        if self._engine is not None:
+            raise ShardflowError("trace: cuda programs are not traced here yet")
+        arrays = self._check_inputs(inputs)
+        self._copy_inputs(arrays)
+        clock = time.perf_counter_ns
+        n0 = self.load_steps
+        for k, call in enumerate(self._step_calls()):
+            t0 = clock()
+            call()
+            t1 = clock()
+            s = self.program["steps"][n0 + k]
+            events.append({"kind": s["kind"], "node": s["node"],
+                           "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"],
+                           "start_ns": t0, "end_ns": t1, **tags})
+        self._copy_state()
+        return self._checked({name: buf.array.copy() for name, buf in self.output_specs})
 
     def _copy_state(self) -> None:
         """The state outputs not written in place into their inputs (cpu; after the steps)."""

@@ -186,6 +186,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "stepping from Python) and print where the time goes (cpu programs)")
     p.add_argument("--profile-json", metavar="FILE.json", default=None,
                    help="with --profile: also write every rank's step times to FILE.json (rank 0)")
+    p.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="after the timed runs, trace --repeat more runs step by step on every rank (kernels, "
+                        "collectives, a pipeline's sends and receives per microbatch) and write one timeline of all "
+                        "ranks to FILE.json (rank 0), a Chrome trace that ui.perfetto.dev or chrome://tracing opens; "
+                        "prints each rank's time in kernels and waiting on others (cpu programs)")
     p.add_argument("--timeout", type=float, default=0.0,
                    help="kill every rank after this many seconds (default 0: no limit)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact files")
@@ -703,6 +708,8 @@ def _worker(args, env: LaunchEnv) -> int:
                          ", ".join(f"{k}: {list(v.shape)} {v.dtype}" for k, v in full.items()))
         if args.profile or args.profile_json:
             _profile(args, prog, host_communicator(comm), inputs, env.rank)
+        if args.trace:
+            _trace(args, prog, host_communicator(comm), inputs, env.rank)
     except RankFailedError as exc:
         # the watchdog usually knows the root cause (the rank that died first): give it a moment
         deadline = time.monotonic() + 3.0
@@ -776,6 +783,37 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
         write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank,
                                        "memory": memory})
         log.info("wrote %s", args.profile_json)
+
+
+def _trace(args, prog, host, inputs: dict, rank: int) -> None:
+    """Every rank traces ``--repeat`` runs from a barrier (its events' times from the moment it left it:
+    ranks leave a barrier within microseconds of each other, on one machine or several); rank 0 writes
+    the Chrome trace and logs the ranks' time in kernels and waiting."""
+    import json
+
+    from .profile import chrome_trace, format_trace_summary
+
+    runs = max(args.repeat, 1)
+    prog.run(inputs)  # (a warm run: the traced ones start alike on every rank)
+    host.barrier()
+    origin = time.perf_counter_ns()
+    events = prog.trace(inputs, runs=runs, warmup=0)
+    for e in events:
+        e["start_ns"] -= origin
+        e["end_ns"] -= origin
+    ran = _ran(prog)
+    where = (f"stage {ran.stage}'s rank {rank % int(ran.spec['stage_world_size'])}"
+             if isinstance(ran, PipelineProgram) else "")
+    record = {"events": events, "label": f"rank {rank}" + (f" ({where})" if where else "")}
+    gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]
+    if rank != 0:
+        return
+    per_rank = [g["events"] for g in gathered]
+    write_json(args.trace, chrome_trace(per_rank, [g["label"] for g in gathered],
+                                        {"out_dir": str(ran.out_dir), "runs": runs}))
+    log.info("trace of %d run(s) from a barrier (ms; waiting: collectives and a pipeline's sends and receives, "
+             "including the wait for the other ranks)\n%s", runs, format_trace_summary(per_rank))
+    log.info("wrote %s (open it in ui.perfetto.dev or chrome://tracing)", args.trace)
 
 
 def _read_inputs(path: str | None) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -225,21 +226,39 @@ class PipelineProgram:
         that many equal parts, one after another, so that while this stage runs one the next stage
         runs the one before); returns the model outputs the stage makes, the microbatches' rows
         joined along dim 0 (collective: every rank of every stage calls it)."""
+        return self._run(inputs, copy_outputs)
+
+    def _run(self, inputs: Mapping[str, Any], copy_outputs: bool, events: list | None = None,
+             **tags) -> dict[str, np.ndarray]:
+        """:meth:`run`; with ``events``, traced (:meth:`trace`): each transfer and each step of the stage's
+        program appended with its start and end, ``tags`` and its ``microbatch``."""
+        clock = time.perf_counter_ns
         whole = self._checked(inputs)
         micro = int(self.spec.get("microbatches", 1))
         parts: list[dict] = []
+
+        def transfer(kind, e, peer, send, recv):
+            t0 = clock()
+            self._pipe.exchange(send, recv)
+            if events is not None:
+                events.append({"kind": kind, "node": e["name"], "what": f"{kind} stage {peer}", "start_ns": t0,
+                               "end_ns": clock(), "microbatch": j, **tags})
         for j in range(micro):
             feeds = {n: _rows(a, j, micro) for n, a in whole.items()}
             for e in self._receives:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
-                self._pipe.exchange({}, {e["from"]: buf})
+                transfer("receive", e, e["from"], {}, {e["from"]: buf})
                 feeds[e["name"]] = buf
             # (copied when more microbatches follow: the next run writes over the program's buffers; a stage
             # with states runs microbatch j on its own instance, which holds that microbatch's rows of them)
             self._last_feeds, self._last_prog = feeds, j % len(self._programs)
-            got = self._programs[self._last_prog].run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
+            prog = self._programs[self._last_prog]
+            if events is None:
+                got = prog.run(feeds, copy_outputs=copy_outputs or j + 1 < micro)
+            else:
+                got = prog.traced_run(feeds, events, microbatch=j, **tags)
             for e in self._sends:
-                self._pipe.exchange({e["to"]: _host(got[e["name"]])}, {})
+                transfer("send", e, e["to"], {e["to"]: _host(got[e["name"]])}, {})
             parts.append({name: got[name] for name in self._mine})
         if micro == 1:
             return parts[0]
@@ -263,6 +282,19 @@ class PipelineProgram:
         if self.rank == 0:
             return {name: res[name] for name in self._outputs}
         return dict(outputs)
+
+    def trace(self, inputs: Mapping[str, Any], *, runs: int = 1, warmup: int = 1) -> list[dict]:
+        """:meth:`RankProgram.trace` of this rank's part of ``runs`` runs of the pipeline: per microbatch its
+        receives (``kind`` ``receive``: the wait for the earlier stage and the copy), the stage program's
+        steps and its sends, each with its ``microbatch`` and ``run`` (collective: every rank calls it)."""
+        if runs < 1 or warmup < 0:
+            raise ValueError(f"trace: runs = {runs} must be at least 1 and warmup = {warmup} at least 0")
+        for _ in range(warmup):
+            self.run(inputs)
+        events: list[dict] = []
+        for r in range(runs):
+            self._run(inputs, True, events, run=r)
+        return events
 
     def profile(self, inputs: Mapping[str, Any], *, repeat: int = 10, warmup: int = 1) -> list[dict]:
         """The stage's steps timed (:meth:`RankProgram.profile`) on what this rank received in one

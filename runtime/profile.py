@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-__all__ = ["format_profile", "memory_record"]
+__all__ = ["format_profile", "memory_record", "chrome_trace", "format_trace_summary"]
+
+#: the event kinds in which a rank waits on others (a collective waits for its group's slowest member,
+#: a pipeline's receive for the earlier stage)
+WAITING_KINDS = ("collective", "receive", "send")
 
 
 def format_profile(per_rank: Sequence[Sequence[dict]], repeat: int, top: int = 15, plan: dict | None = None,
@@ -80,3 +84,36 @@ def _memory_lines(memory: Sequence[dict], plan: dict | None) -> list[str]:
                      + (f"{k} instances x " if k != 1 else "")
                      + f"peak activations {plan['peak_activation_bytes'] / 2**20:.2f} MiB per rank")
     return lines
+
+
+def chrome_trace(per_rank: Sequence[Sequence[dict]], labels: Sequence[str], meta: dict | None = None) -> dict:
+    """The ranks' :meth:`~shardflow.runtime.executor.RankProgram.trace` events (``per_rank[r]``, their
+    ``start_ns`` and ``end_ns`` from a common origin) as a Chrome trace (the JSON object format that
+    chrome://tracing and ui.perfetto.dev open): a process per rank named by ``labels[r]``, one complete
+    event (``ph`` ``X``, microseconds) per step, named after its node, its kind the category."""
+    events: list[dict] = []
+    for r, (steps, label) in enumerate(zip(per_rank, labels)):
+        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": label}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        for e in steps:
+            events.append({"name": str(e["node"]), "cat": e["kind"], "ph": "X", "pid": r, "tid": 0,
+                           "ts": e["start_ns"] / 1e3, "dur": (e["end_ns"] - e["start_ns"]) / 1e3,
+                           "args": {k: e[k] for k in ("what", "run", "microbatch") if k in e}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(meta or {})}
+
+
+def format_trace_summary(per_rank: Sequence[Sequence[dict]]) -> str:
+    """Per rank, from its trace events: the span from its first step's start to its last one's end, the
+    time in kernels, waiting on other ranks (collectives, a pipeline's sends and receives) and the rest
+    (between steps: idle before its first step is not in the span)."""
+    lines = [f"{'rank':>4}  {'span ms':>9}  {'kernels ms':>10}  {'waiting ms':>10}  {'other ms':>9}  waiting %"]
+    for r, steps in enumerate(per_rank):
+        if not steps:
+            lines.append(f"{r:>4}  (no steps)")
+            continue
+        span = (max(e["end_ns"] for e in steps) - min(e["start_ns"] for e in steps)) / 1e6
+        kern = sum(e["end_ns"] - e["start_ns"] for e in steps if e["kind"] == "kernel") / 1e6
+        wait = sum(e["end_ns"] - e["start_ns"] for e in steps if e["kind"] in WAITING_KINDS) / 1e6
+        lines.append(f"{r:>4}  {span:9.3f}  {kern:10.3f}  {wait:10.3f}  {span - kern - wait:9.3f}  "
+                     f"{100 * wait / span if span else 0:8.1f}")
+    return "\n".join(lines)

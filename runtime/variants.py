@@ -268,6 +268,11 @@ class VariantProgram:
         self.last = self._chosen(inputs)
         return self.last.profile(inputs, **kwargs)
 
+    def trace(self, inputs: Mapping[str, Any], **kwargs) -> list[dict]:
+        """:meth:`RankProgram.trace` (or a pipeline's) of the variant compiled for the inputs' shapes."""
+        self.last = self._chosen(inputs)
+        return self.last.trace(inputs, **kwargs)
+
     def close(self) -> None:
         for p in self._programs.values():
             p.close()

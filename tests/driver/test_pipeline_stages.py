@@ -547,6 +547,39 @@ def test_microbatches_through_the_stages_match_onnxruntime(tmp_path, mesh, micro
                 np.testing.assert_allclose(o[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
 
 
+def test_a_trace_of_microbatches_through_the_stages(tmp_path):
+    """PipelineProgram.trace on 2 stages of 2 ranks with 2 microbatches (GPT-2, in-process ranks: one
+    clock): per rank and microbatch its receives, the stage program's steps and its sends, in that order;
+    stage 1 receives microbatch j only after stage 0 started sending it, and runs its steps after that."""
+    feeds = _feeds("gpt2_ts17")
+    res = compile(str(MODELS / "gpt2_ts17.onnx"), optimization_config=CPU, out_dir=tmp_path / "out",
+                  distributed_config={"mesh_shape": [4], "pipeline_stages": 2, "pipeline_microbatches": 2})
+    feeds = {e["name"]: feeds[e["name"]] for e in res.pipeline["inputs"]}
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        events = prog.trace(feeds, runs=2)
+        prog.close()
+        return events
+    ranks = run_threads(InProcessWorld(4).communicators(), rank, timeout=240)
+    for r, events in enumerate(ranks):
+        stage = r // 2
+        for run in range(2):
+            for j in range(2):
+                mine = [e for e in events if e["run"] == run and e["microbatch"] == j]
+                kinds = [e["kind"] for e in mine]
+                first = "send" if stage == 0 else "receive"
+                assert (kinds[0] if stage else kinds[-1]) == first and set(kinds) >= {first, "kernel"}
+                assert all(b["start_ns"] >= a["end_ns"] for a, b in zip(mine, mine[1:]))
+    for c in range(2):  # (each rank of stage 1 and its peer in stage 0)
+        for run in range(2):
+            for j in range(2):
+                sent = [e for e in ranks[c] if e["kind"] == "send" and (e["run"], e["microbatch"]) == (run, j)]
+                got = [e for e in ranks[2 + c] if e["kind"] == "receive" and (e["run"], e["microbatch"]) == (run, j)]
+                steps = [e for e in ranks[2 + c] if e["kind"] == "kernel" and (e["run"], e["microbatch"]) == (run, j)]
+                assert got[-1]["end_ns"] >= sent[0]["start_ns"] and steps[0]["start_ns"] >= got[-1]["end_ns"]
+
+
 def test_shape_variants_of_pipeline_stages(tmp_path):
     """compile_variants with pipeline_stages: each variant cut and planned for its own shapes
     (``v{k}/stage{s}``), listed ``staged`` in variants.json, a stage's weights file hard-linked to an
@@ -591,11 +624,19 @@ def test_shape_variants_of_pipeline_stages(tmp_path):
     x = _x(4, 8)
     np.savez(tmp_path / "in.npz", x=x)
     proc = subprocess.run(SHARDFLOW + ["run", str(out), "--nproc", "2", "--launcher", "spawn", "--inputs",
-                                       str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"), "--profile"],
+                                       str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz"), "--profile",
+                                       "--trace", str(tmp_path / "trace.json")],
                           capture_output=True, text=True, timeout=600, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     np.testing.assert_allclose(np.load(tmp_path / "o.npz")["y"], _ort(x), rtol=1e-5, atol=1e-6)
     assert f"ran {out / 'v1'} on 2 rank(s)" in proc.stderr and "== stage 1 (ranks 1-1" in proc.stderr
+    # (--trace: the variant that ran, each stage's rank a process of the timeline, its sends and receives)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0 (stage 0's rank 0)", 1: "rank 1 (stage 1's rank 0)"}
+    kinds = {(e["pid"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert kinds == {(0, "kernel"), (0, "send"), (1, "receive"), (1, "kernel")}
+    assert trace["otherData"]["out_dir"].endswith("v1") and "waiting %" in proc.stderr
     text = subprocess.run(SHARDFLOW + ["inspect", str(out)], capture_output=True, text=True, timeout=120,
                           env=clean_env()).stdout
     assert "== shape variant v1 (seq=8, batch=4)" in text and "2 pipeline stages on mesh [2], 2 microbatches" in text

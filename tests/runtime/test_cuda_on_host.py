@@ -21,7 +21,7 @@ from test_state import _cache_state, _llama_steps
 from threads import run_threads
 
 from shardflow.compiler import compile
-from shardflow.runtime import load
+from shardflow.runtime import ShardflowError, load
 from shardflow.runtime.comm import InProcessWorld
 
 ort = pytest.importorskip("onnxruntime")
@@ -91,6 +91,8 @@ def test_a_decoding_step_keeps_its_cache_on_the_device(tmp_path, host):
             _close(kept[name], want[out], 1e-4, f"step {step} {name}")
     prog.reset_state()
     assert all(not v.any() for v in prog.read_state().values())
+    with pytest.raises(ShardflowError, match="trace: cuda programs are not traced here yet"):
+        prog.trace(first)
 
 
 def test_two_megatron_ranks_on_the_host(tmp_path, host):

@@ -8,7 +8,7 @@ import pytest
 from models import mlp
 from shardflow.compiler import compile
 from shardflow.runtime import load
-from shardflow.runtime.profile import format_profile, memory_record
+from shardflow.runtime.profile import chrome_trace, format_profile, format_trace_summary, memory_record
 
 
 def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
@@ -26,6 +26,50 @@ def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="repeat"):
         prog.profile({"x": x}, repeat=0)
+
+
+def test_trace_records_each_step_of_each_run_in_order(tmp_path):
+    """RankProgram.trace: an event per step and run, in program order, each inside the run and after the
+    one before; the traced runs compute what run() does (its outputs, then a plain run's)."""
+    compile(mlp(layers=2, batch=8, hidden=16), distributed_config={"mesh_shape": [1]},
+            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
+    prog = load(tmp_path / "out", 0)
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    ref = onnxruntime.InferenceSession(mlp(layers=2, batch=8, hidden=16).SerializeToString()).run(None, {"x": x})[0]
+    events = prog.trace({"x": x}, runs=3)
+    program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())["steps"]
+    assert [(e["run"], e["kind"], e["node"]) for e in events] == [(r, p["kind"], p["node"]) for r in range(3)
+                                                                  for p in program]
+    assert all(e["end_ns"] >= e["start_ns"] for e in events)
+    assert all(b["start_ns"] >= a["end_ns"] for a, b in zip(events, events[1:]))
+    got = prog.traced_run({"x": x}, [], run=9)
+    np.testing.assert_allclose(next(iter(got.values())), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(next(iter(prog.run({"x": x}).values())), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="runs"):
+        prog.trace({"x": x}, runs=0)
+
+
+def test_chrome_trace_and_its_summary():
+    """Two ranks' events as a Chrome trace (a named process per rank, complete events in microseconds) and
+    the summary's span, kernels, waiting (collectives, sends and receives) and the rest."""
+    ranks = [[{"kind": "kernel", "node": "a", "what": "MatMul", "run": 0, "start_ns": 1000, "end_ns": 3000},
+              {"kind": "collective", "node": "a", "what": "all_reduce", "run": 0, "start_ns": 4000, "end_ns": 9000}],
+             [{"kind": "receive", "node": "h", "what": "receive stage 0", "run": 0, "microbatch": 1,
+               "start_ns": 0, "end_ns": 2000},
+              {"kind": "kernel", "node": "b", "what": "Relu", "run": 0, "microbatch": 1, "start_ns": 2400,
+               "end_ns": 3000}]]
+    trace = chrome_trace(ranks, ["rank 0", "rank 1 (stage 1's rank 0)"], {"runs": 1})
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [(e["pid"], e["args"]["name"]) for e in meta] == [(0, "rank 0"), (1, "rank 1 (stage 1's rank 0)")]
+    done = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in done] == [
+        (0, "a", "kernel", 1.0, 2.0), (0, "a", "collective", 4.0, 5.0), (1, "h", "receive", 0.0, 2.0),
+        (1, "b", "kernel", 2.4, 0.6)]
+    assert done[2]["args"] == {"what": "receive stage 0", "run": 0, "microbatch": 1}
+    assert trace["otherData"] == {"runs": 1} and json.loads(json.dumps(trace)) == trace
+    lines = format_trace_summary(ranks).splitlines()
+    assert lines[1].split() == ["0", "0.008", "0.002", "0.005", "0.001", "62.5"]
+    assert lines[2].split() == ["1", "0.003", "0.001", "0.002", "0.000", "66.7"]
 
 
 def test_report_sums_each_rank_and_names_the_slowest_rank_of_each_step():
