@@ -9,11 +9,13 @@ onnxruntime's own time in this process (its intra-op threads: every core).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_pipeline.py [--layers 4] [--embd 512] [--heads 8] [--vocab 8192]
         [--batch 8] [--seq 64] [--ranks 2] [--repeat 20] [--microbatches 1 2 4 8] [--balance modeled measured]
-        [--only-stages]
+        [--only-stages] [--trace]
 
 Configurations: ``1 rank`` (mesh [1], every core), ``ilp [N]`` and ``megatron [N]`` (one plan over N
 ranks), ``stages N/m`` (``pipeline_stages = N`` on mesh [N], ``pipeline_microbatches = m``; ``measured``:
-``pipeline_balance = "measured"``), each stage's op count after it.
+``pipeline_balance = "measured"``), each stage's op count after it. ``--trace``: each configuration also
+run with ``shardflow run --trace`` (3 runs), and each rank's share of the traced span spent waiting on the
+others (collectives, a pipeline's receives and sends) printed after it: a pipeline's bubble.
 """
 from __future__ import annotations
 
@@ -46,6 +48,18 @@ def _run(out: str, nproc: int, inputs: str, outputs: str, repeat: int, throughpu
     return float(re.search(r"median ([0-9.]+) ms", text).group(1)), float(pace.group(1)) if pace else None
 
 
+def _waiting(out: str, nproc: int, inputs: str, trace: str) -> list[str]:
+    """``shardflow run --trace`` of ``out`` (3 runs): each rank's waiting share of its span, as its summary
+    prints it."""
+    proc = subprocess.run(SHARDFLOW + ["run", out, "--nproc", str(nproc), "--inputs", inputs, "--repeat", "3",
+                                       "--trace", trace], capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    rows = re.findall(r"^(?:\[rank 0\] )?\s*(\d+)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+-?[0-9.]+\s+([0-9.]+)\s*$",
+                      proc.stderr + proc.stdout, flags=re.M)
+    return [w for _, w in rows]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -60,6 +74,7 @@ def main(argv=None):
     ap.add_argument("--balance", nargs="+", choices=("modeled", "measured"), default=["modeled"],
                     help="what the stages' cut balances (distributed_config pipeline_balance): each is a row")
     ap.add_argument("--only-stages", action="store_true", help="leave out the configurations without stages")
+    ap.add_argument("--trace", action="store_true", help="also trace each configuration: each rank's waiting share")
     args = ap.parse_args(argv)
     import onnxruntime as ort
     from export_models import export_gpt2
@@ -104,7 +119,10 @@ def main(argv=None):
             ms, _ = _run(out, nproc, inputs, got, args.repeat)
             base = base or ms
             diff = float(np.abs(np.load(got)["logits"] - ref).max())
-            print(f"{name:<32} {nproc:5d} {ms:9.2f} {ms / base:9.2f} {diff:11.1e}", flush=True)
+            waits = ""
+            if args.trace:
+                waits = "  waiting % a rank: " + ", ".join(_waiting(out, nproc, inputs, os.path.join(tmp, "t.json")))
+            print(f"{name:<32} {nproc:5d} {ms:9.2f} {ms / base:9.2f} {diff:11.1e}{waits}", flush=True)
 
 
 if __name__ == "__main__":
