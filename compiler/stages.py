@@ -439,6 +439,7 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     from .parallel import search
 
     options: list[tuple[str, Any, float, str | None]] = []  # (what, config, modeled s, why refused)
+    errors: list[ShardflowError] = []  # (the refusals' errors)
     if dcfg.pipeline_stages == "auto":
         flat = dataclasses.replace(dcfg, pipeline_stages=1, pipeline_microbatches=1)
         try:
@@ -446,6 +447,7 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
             options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, cost, None))
         except ShardflowError as exc:
             options.append((f"one plan over mesh {list(dcfg.mesh_shape)}", flat, math.inf, str(exc)))
+            errors.append(exc)
         counts = [n for n in range(2, int(dcfg.mesh_shape[0]) + 1) if dcfg.mesh_shape[0] % n == 0]
     else:
         counts = [int(dcfg.pipeline_stages)]
@@ -465,11 +467,14 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
                 options.append((what, staged, _modeled(pipe, [p.cost for p in plans], staged)["total"], None))
             except ShardflowError as exc:
                 options.append((what, staged, math.inf, str(exc)))
+                errors.append(exc)
     best = min(options, key=lambda o: o[2])
     said = "; ".join(f"{w} {'refused (' + why + ')' if why else f'{t * 1e6:.4g} us'}" for w, _, t, why in options)
     keys = " and ".join(f"{k} 'auto'" for k in ("pipeline_stages", "pipeline_microbatches")
                         if getattr(dcfg, k) == "auto")
     if math.isinf(best[2]):
+        if all(isinstance(e, ConfigError) for e in errors):  # (the config is wrong whatever the choice: say so)
+            raise ConfigError(f"{keys} on mesh {list(dcfg.mesh_shape)}: every option refuses the config: {said}")
         raise ShardflowError(f"{keys} on mesh {list(dcfg.mesh_shape)}: nothing fits: {said}")
     note = f"{keys}: {best[0]} (modeled runs: {said})"
     log.info("%s", note)

@@ -259,6 +259,23 @@ def test_a_saved_pipeline_is_compiled_as_planned(tmp_path):
     refused(r"pipeline_balance 'measured' would choose", pipeline_balance="measured")
 
 
+def test_auto_says_whether_the_config_or_the_capacity_refuses_every_option(tmp_path):
+    """With microbatches 'auto', a pin written for the whole mesh's two axes is wrong on every option's stage
+    mesh (one axis): a ConfigError saying the config is refused by every option, each option's reason
+    listed; a budget nothing fits: a ShardflowError (not a ConfigError) saying nothing fits."""
+    model = _residual_mlp(layers=4)
+    cfg = {"mesh_shape": [2, 2], "pipeline_stages": 2, "pipeline_microbatches": "auto"}
+    with pytest.raises(ConfigError, match=r"pipeline_microbatches 'auto' on mesh \[2, 2\]: every option refuses the "
+                                          r"config: 2 stages over \[2\], 1 microbatch refused \(pipeline stage 0 of 2: "
+                                          r"distributed_config\['op_placements'\]"):
+        compile(model, distributed_config={**cfg, "op_placements": {"up1": "RR"}}, optimization_config=CPU,
+                out_dir=tmp_path / "a")
+    with pytest.raises(ShardflowError, match="nothing fits") as info:
+        compile(model, distributed_config={**cfg, "memory_budget_bytes": 1000}, optimization_config=CPU,
+                out_dir=tmp_path / "a")
+    assert not isinstance(info.value, ConfigError) and not (tmp_path / "a").exists()
+
+
 # -------------------------------------------------------------------------------------- config
 def test_config_errors(tmp_path):
     model = _residual_mlp(layers=2)

@@ -1,0 +1,143 @@
+"""Random combinations of distributed_config and optimization_config keys, compiled and run.
+
+Each case draws a model (a residual MLP, or the GPT-2 and BERT test exports), a mesh and a random
+choice of the keys that interact (algo, pipeline stages and microbatches, their 'auto' forms, a memory
+budget, partial sums, layer aliasing, pinned ops, fusion, shape variants of the MLP) and compiles it.
+Either the compile succeeds, and every rank's run (in-process ranks) gives onnxruntime's outputs, or it
+raises a ShardflowError (a ConfigError, ShapeError, ...) with a message: never another exception, never a
+half-written out_dir. Two seeds by default; ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds A to B-1 (seeds
+0-139 by hand in session 107: see rfcs/0001 "Random combinations of keys").
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from threads import run_threads  # noqa: E402
+
+from shardflow.compiler import compile, compile_variants  # noqa: E402
+from shardflow.compiler.errors import ShardflowError  # noqa: E402
+from shardflow.runtime import load  # noqa: E402
+from shardflow.runtime.comm import InProcessWorld  # noqa: E402
+from shardflow.runtime.pipeline import PipelineProgram  # noqa: E402
+
+ort = pytest.importorskip("onnxruntime")
+MODELS = Path(__file__).resolve().parents[1] / "models"
+SEEDS = range(*(int(v) for v in os.environ.get("SHARDFLOW_RANDOM_SEEDS", "0:2").split(":")))
+
+
+def _mlp(rng, dynamic: bool) -> onnx.ModelProto:
+    """``x [batch, seq, 32]`` (named dims when ``dynamic``) through 4 residual blocks and a softmax."""
+    width, nodes, inits, h = 32, [], [], "x"
+    for i in range(4):
+        for j, shape in enumerate(((width, 2 * width), (2 * width, width))):
+            inits.append(numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
+                                                 f"w{i}_{j}"))
+        nodes += [oh.make_node("MatMul", [h, f"w{i}_0"], [f"a{i}"], name=f"up{i}"),
+                  oh.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}"),
+                  oh.make_node("MatMul", [f"r{i}", f"w{i}_1"], [f"d{i}"], name=f"down{i}"),
+                  oh.make_node("Add", [h, f"d{i}"], [f"h{i}"], name=f"res{i}")]
+        h = f"h{i}"
+    nodes.append(oh.make_node("Softmax", [h], ["y"], name="softmax", axis=-1))
+    dims = ["batch", "seq", width] if dynamic else [4, 8, width]
+    graph = oh.make_graph(nodes, "mlp", [oh.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, dims)], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def _draw(seed: int):
+    """(model, feeds, compile kwargs, variants or None, what) for case ``seed``."""
+    rng = np.random.default_rng(seed)
+
+    def pick(options: list):
+        return options[int(rng.integers(len(options)))]
+    kind = pick(["mlp", "mlp", "variants", "gpt2_ts17", "bert_dynamo18"])
+    mesh = pick([[1], [2], [4], [2, 2], [4, 1]])
+    cfg: dict = {"mesh_shape": mesh, "algo": pick(["ilp", "ilp", "megatron", "data", "replicate"])}
+    stages = pick([1, 2, 2, "auto"])
+    if stages != 1:
+        cfg["pipeline_stages"] = stages
+        micro = pick([1, 2, "auto"])
+        if micro != 1:
+            cfg["pipeline_microbatches"] = micro
+    if rng.random() < 0.3:
+        cfg["memory_budget_bytes"] = pick([10 ** 9, 2_000_000, 200_000, 30_000])
+    if rng.random() < 0.3:
+        cfg["partial_sums"] = bool(rng.random() < 0.5)
+    if rng.random() < 0.2:
+        cfg["alias_layers"] = False
+    if rng.random() < 0.3:  # (a pin the rules may or may not allow there)
+        pattern = {"mlp": "up1", "variants": "up*", "gpt2_ts17": "/model/transformer/h.0/mlp/c_fc/Gemm",
+                   "bert_dynamo18": "*"}[kind]
+        cfg["op_placements"] = {pattern: pick(["S(1)", "R", "*", "R, S(1) -> S(1)"]) if len(mesh) == 1
+                                else pick(["RR", "S(1)R", "*"])}
+    opt = {"target": "cpu", "fuse": bool(rng.random() < 0.8)}
+    variants = None
+    if kind in ("mlp", "variants"):
+        model = _mlp(rng, dynamic=kind == "variants")
+        if kind == "variants":
+            variants = [{"seq": 8}, {"seq": 4, "batch": 2}]
+            feeds = [{"x": rng.standard_normal((4, 8, 32)).astype(np.float32)},
+                     {"x": rng.standard_normal((2, 4, 32)).astype(np.float32)}]
+        else:
+            feeds = [{"x": rng.standard_normal((4, 8, 32)).astype(np.float32)}]
+        model = model.SerializeToString()
+    else:
+        model = str(MODELS / f"{kind}.onnx")
+        base = kind.rsplit("_", 1)[0]
+        feeds = [dict(np.load(MODELS / f"{base}_inputs.npz"))]
+    kwargs = {"distributed_config": cfg, "optimization_config": opt}
+    if kind == "variants":
+        kwargs["dim_sizes"] = {"batch": 4}
+    return model, feeds, kwargs, variants, f"{kind} {cfg} {opt}"
+
+
+def _reference(model, feeds):
+    sess = ort.InferenceSession(model if isinstance(model, bytes) else str(model), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {n: feeds[n] for n in names})))
+
+
+def _check(seed: int, tmp_path):
+    model, feeds, kwargs, variants, what = _draw(seed)
+    out = tmp_path / "out"
+    try:
+        if variants is None:
+            res = compile(model, out_dir=out, **kwargs)
+        else:
+            res = compile_variants(model, variants=variants, out_dir=out, **kwargs)
+    except ShardflowError as exc:  # (a typed refusal, with its reason, and nothing left behind)
+        assert str(exc).strip(), what
+        assert not out.exists(), what
+        return "refused"
+    world = res.world_size if variants is None else res.results[0].world_size
+    for given in feeds:
+        given = {k: v for k, v in given.items()}
+        want = _reference(model, given)
+
+        def rank(comm):
+            prog = load(out, comm.rank, comm)
+            names = set(prog.input_names)
+            got = prog.run({k: v for k, v in given.items() if k in names})
+            ran = prog if isinstance(prog, PipelineProgram) else getattr(prog, "last", None)
+            full = ran.gather_outputs(got) if isinstance(ran, PipelineProgram) else got
+            prog.close()
+            return full
+        ranks = run_threads(InProcessWorld(world).communicators(), rank, timeout=300)
+        for k, v in want.items():
+            np.testing.assert_allclose(ranks[0][k], v, rtol=2e-4, atol=2e-5, err_msg=f"{k}: {what}")
+    return "ran"
+
+
+@pytest.mark.parametrize("seed", list(SEEDS))
+def test_random_config_combinations(tmp_path, seed):
+    _check(seed, tmp_path)
