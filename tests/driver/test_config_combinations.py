@@ -17,9 +17,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto
-from onnx import helper as oh
-from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from threads import run_threads  # noqa: E402
@@ -35,23 +32,11 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 SEEDS = range(*(int(v) for v in os.environ.get("SHARDFLOW_RANDOM_SEEDS", "0:2").split(":")))
 
 
-def _mlp(rng, dynamic: bool) -> onnx.ModelProto:
+def _mlp(seed: int, dynamic: bool) -> onnx.ModelProto:
     """``x [batch, seq, 32]`` (named dims when ``dynamic``) through 4 residual blocks and a softmax."""
-    width, nodes, inits, h = 32, [], [], "x"
-    for i in range(4):
-        for j, shape in enumerate(((width, 2 * width), (2 * width, width))):
-            inits.append(numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
-                                                 f"w{i}_{j}"))
-        nodes += [oh.make_node("MatMul", [h, f"w{i}_0"], [f"a{i}"], name=f"up{i}"),
-                  oh.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}"),
-                  oh.make_node("MatMul", [f"r{i}", f"w{i}_1"], [f"d{i}"], name=f"down{i}"),
-                  oh.make_node("Add", [h, f"d{i}"], [f"h{i}"], name=f"res{i}")]
-        h = f"h{i}"
-    nodes.append(oh.make_node("Softmax", [h], ["y"], name="softmax", axis=-1))
-    dims = ["batch", "seq", width] if dynamic else [4, 8, width]
-    graph = oh.make_graph(nodes, "mlp", [oh.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
-                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, dims)], inits)
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    from test_pipeline_stages import _residual_mlp
+
+    return _residual_mlp(layers=4, seed=seed, dims=["batch", "seq", 32] if dynamic else [4, 8, 32], softmax=True)
 
 
 def _draw(seed: int):
@@ -83,7 +68,7 @@ def _draw(seed: int):
     opt = {"target": "cpu", "fuse": bool(rng.random() < 0.8)}
     variants = None
     if kind in ("mlp", "variants"):
-        model = _mlp(rng, dynamic=kind == "variants")
+        model = _mlp(seed, dynamic=kind == "variants")
         if kind == "variants":
             variants = [{"seq": 8}, {"seq": 4, "batch": 2}]
             feeds = [{"x": rng.standard_normal((4, 8, 32)).astype(np.float32)},

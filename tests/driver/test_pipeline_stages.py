@@ -28,8 +28,9 @@ MODELS = Path(__file__).parent.parent / "models"
 CPU = {"target": "cpu"}
 
 
-def _residual_mlp(layers=4, width=32, rows=8, seed=0):
-    """``x`` through ``layers`` blocks ``h = h + relu(h @ W1) @ W2``; one output."""
+def _residual_mlp(layers=4, width=32, rows=8, seed=0, dims=None, softmax=False):
+    """``x`` through ``layers`` blocks ``h = h + relu(h @ W1) @ W2``; one output (``dims``: ``x``'s and the
+    output's, names for dynamic ones, default ``[rows, width]``; ``softmax``: a last-axis softmax at the end)."""
     rng = np.random.default_rng(seed)
     nodes, inits, h = [], [], "x"
     for i in range(layers):
@@ -41,8 +42,12 @@ def _residual_mlp(layers=4, width=32, rows=8, seed=0):
                   oh.make_node("MatMul", [f"r{i}", f"w{i}_1"], [f"d{i}"], name=f"down{i}"),
                   oh.make_node("Add", [h, f"d{i}"], [f"h{i}"], name=f"res{i}")]
         h = f"h{i}"
-    graph = oh.make_graph(nodes, "mlp", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
-                          [oh.make_tensor_value_info(h, TensorProto.FLOAT, [rows, width])], inits)
+    if softmax:
+        nodes.append(oh.make_node("Softmax", [h], ["y"], name="softmax", axis=-1))
+        h = "y"
+    dims = dims or [rows, width]
+    graph = oh.make_graph(nodes, "mlp", [oh.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [oh.make_tensor_value_info(h, TensorProto.FLOAT, dims)], inits)
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
 
 
