@@ -438,12 +438,11 @@ def _cmd_plan(args) -> int:
     ocfg = _read_config(args.optimization_config, "optimization-config")
     if args.target is not None:
         ocfg["target"] = args.target
-    if dcfg.get("pipeline_microbatches", 1) == "auto":
-        raise _CLIError("`shardflow plan --microbatches auto` is not supported: `compile` decides (its note in "
-                        "pipeline.json says why); plan with --microbatches M")
-    if dcfg.get("pipeline_stages", 1) == "auto":
-        raise _CLIError("`shardflow plan --stages auto` is not supported: `compile` decides; plan with --stages N "
-                        "and without, and compare their modeled costs")
+    if "auto" in (dcfg.get("pipeline_stages", 1), dcfg.get("pipeline_microbatches", 1)):
+        if args.compare:
+            raise _CLIError("`shardflow plan --compare` compares plans over the whole mesh; with --stages or "
+                            "--microbatches auto, the options compile weighs are listed without it")
+        dcfg = _plan_options(args, dcfg, ocfg)  # (the options weighed; then the one kept, planned as below)
     if dcfg.get("pipeline_stages", 1) > 1:
         if args.compare:
             raise _CLIError("`shardflow plan --compare` compares plans over the whole mesh; with --stages, plan the "
@@ -487,6 +486,26 @@ def _comparison(plan, rows) -> str:
         lines.append(f"{label:<28} {us(p.cost):>13} {us(p.compute_cost):>13} {us(p.comm_cost):>13} "
                      f"{format_bytes(p.memory_bytes):>12} {len(p.collectives):>11}")
     return "\n".join(lines) + "\n"
+
+
+def _plan_options(args, dcfg: dict, ocfg: dict) -> dict:
+    """``shardflow plan`` with ``--stages auto`` or ``--microbatches auto``: print every option ``compile``
+    weighs (one plan over the whole mesh, each count of stages and microbatches) with its modeled run or
+    why it is refused, and return the config of the one kept, whose plans are printed next."""
+    from .driver import OptimizationConfig, planning_config
+    from .stages import choose_stages
+
+    options: list = []
+    chosen, _ = choose_stages(args.model, dcfg=planning_config(dcfg, ocfg), opt=OptimizationConfig.from_dict(ocfg),
+                              optimization_config=ocfg, input_shapes=parse_shapes(args.shape),
+                              input_values=parse_values(args.value), state=None, dim_sizes=parse_dims(args.dim),
+                              options=options)
+    lines = [f"== options on mesh {list(chosen.mesh_shape)} (modeled runs; compile keeps the fastest, planned below)"]
+    for what, cfg, t, why in options:
+        mark = "  <- kept" if cfg is chosen else ""
+        lines.append(f"{what:<44} " + (f"refused: {why}" if why else f"{t * 1e6:12.2f} us{mark}"))
+    sys.stdout.write("\n".join(lines) + "\n\n")
+    return {**dcfg, "pipeline_stages": chosen.pipeline_stages, "pipeline_microbatches": chosen.pipeline_microbatches}
 
 
 def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:

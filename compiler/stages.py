@@ -422,7 +422,8 @@ def _microbatch_counts(model, opt, input_shapes, input_values, dim_sizes) -> lis
     return [m for m in range(1, min(batch, MAX_AUTO_MICROBATCHES) + 1) if batch % m == 0] or [1]
 
 
-def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_values, state, dim_sizes):
+def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_values, state, dim_sizes,
+                  options: list | None = None):
     """``pipeline_stages`` or ``pipeline_microbatches`` ``"auto"``: ``(config, note)``, the config ``compile``
     goes on with and a line saying why. Planned: with stages ``"auto"``, one plan over the whole mesh and,
     for each count of stages ``P`` > 1 that divides the first mesh axis, the cut into ``P`` stages with each
@@ -432,13 +433,15 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     once and the slowest ``m - 1`` times more, each microbatch reading the stage's weights again) is kept;
     a plan the budget or the device's memory refuses, or a cut or a split into microbatches the model
     refuses, is out of the running, with its reason in the note. ``compile`` then plans the one kept
-    again, as it would have with that config given (the compile is the same)."""
+    again, as it would have with that config given (the compile is the same). ``options``: a list that
+    gets every option weighed, ``(what, config, modeled seconds or inf, why refused or None)``
+    (``shardflow plan`` prints them)."""
     import dataclasses
 
     from .driver import _planned_graph
     from .parallel import search
 
-    options: list[tuple[str, Any, float, str | None]] = []  # (what, config, modeled s, why refused)
+    options = [] if options is None else options  # (what, config, modeled s, why refused)
     errors: list[ShardflowError] = []  # (the refusals' errors)
     if dcfg.pipeline_stages == "auto":
         flat = dataclasses.replace(dcfg, pipeline_stages=1, pipeline_microbatches=1)

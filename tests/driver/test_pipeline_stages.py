@@ -963,8 +963,22 @@ def test_cli_microbatches(tmp_path):
     proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "2", "--microbatches", "4",
                "--balance", "measured")
     assert proc.returncode == 0 and proc.stdout.count("== pipeline stage") == 2, proc.stderr[-3000:]
+    # (`plan` with 'auto': every option compile weighs, the kept one marked and planned: the one compile kept)
     proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "2", "--microbatches", "auto")
-    assert proc.returncode != 0 and "--microbatches auto` is not supported: `compile` decides" in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.split("\n\n")[0].splitlines()
+    assert table[0].startswith("== options on mesh [2]") and len(table) == 6 and "refused" not in proc.stdout
+    assert [line.split(",")[1].split()[0] for line in table[1:]] == ["1", "2", "4", "8", "16"]
+    assert [line for line in table if line.endswith("<- kept")] == \
+        [line for line in table if line.startswith(f"2 stages over [1], {spec['microbatches']} microbatch")]
+    assert proc.stdout.count("== pipeline stage") == 2
+    proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.split("\n\n")[0].splitlines()
+    assert [line.split(" us")[0].rsplit(None, 1)[0].strip() for line in table[1:]] == [
+        "one plan over mesh [2]", "2 stages over [1]"] and sum(line.endswith("<- kept") for line in table) == 1
+    proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "auto", "--compare")
+    assert proc.returncode != 0 and "with --stages or --microbatches auto, the options compile weighs" in proc.stderr
     proc = cli("plan", str(tmp_path / "m.onnx"), "--mesh", "2", "--stages", "2", "--microbatches", "x")
     assert proc.returncode != 0 and "'x': give a number of microbatches or 'auto'" in proc.stderr
 
