@@ -665,6 +665,44 @@ def test_shape_variants_of_pipeline_stages(tmp_path):
     assert text.count("== stage stage1") == 2
 
 
+def test_decoding_at_two_batch_sizes_through_staged_variants(tmp_path):
+    """The genai Llama's decoding step compiled as two shape variants (batch 2 and 4), each 2 stages of 2
+    ranks with 2 microbatches and its KV cache kept: runs alternating between the sizes, each variant
+    keeping its own cache (its stages' instances a microbatch's rows of it), the logits onnxruntime's fed
+    its own presents, step by step."""
+    from test_state import _cache_state, _close, _session
+
+    from shardflow.compiler import compile_variants
+
+    state = _cache_state(2)
+    compile_variants(str(MODELS / "llama_genai_fp32.onnx"), variants=[{"batch_size": 2}, {"batch_size": 4}],
+                     dim_sizes={"sequence_length": 1, "past_sequence_length": 16, "total_sequence_length": 16,
+                                "kv_cache_dim": 16},
+                     distributed_config={"mesh_shape": [4], "pipeline_stages": 2, "pipeline_microbatches": 2},
+                     optimization_config=CPU, out_dir=tmp_path / "out", state=state)
+    ref = _session(str(MODELS / "llama_genai_fp32.onnx"))
+    world = InProcessWorld(4).communicators()
+    progs = [load(tmp_path / "out", c.rank, c) for c in world]
+    rng = np.random.default_rng(0)
+    steps = {2: 0, 4: 0}
+    past = {b: {n: np.zeros((b, 2, 16, 16), np.float32) for n in state.values()} for b in steps}
+    for b in (2, 4, 2, 4, 2):
+        mask = np.zeros((b, 16), np.int64)
+        mask[:, :steps[b] + 1] = 1
+        feeds = {"input_ids": rng.integers(0, 256, (b, 1)).astype(np.int64), "attention_mask": mask}
+        want = ref({**feeds, **past[b]})
+
+        def rank(c):
+            prog = progs[c.rank]
+            outs = prog.run(feeds)
+            return prog.last.gather_outputs(outs)
+        got = run_threads(world, rank, timeout=240)[0]
+        _close(got["logits"], want["logits"], what=f"batch {b} step {steps[b]}")
+        past[b] = {name: want[out] for out, name in state.items()}
+        steps[b] += 1
+    assert all(len(p._programs) == 2 and p.staged for p in progs)
+
+
 def test_token_ids_past_the_table_are_refused_on_every_rank(tmp_path):
     """The index ranges the stages check (the embedding's rows) are checked on every rank before any
     transfer: a stage that does not read input_ids refuses too, rather than waiting on stage 0."""
