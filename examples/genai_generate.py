@@ -2,7 +2,7 @@
 each, and a KV cache of fixed size; the tokens checked against onnxruntime running the same loop.
 
     python examples/genai_generate.py [MODEL.onnx] [--prompt-len 8] [--new-tokens 16] [--work DIR]
-                                      [--ranks N [--algo megatron]]
+                                      [--ranks N [--algo megatron] [--stages P [--microbatches M]]] [--batch B]
 
 MODEL.onnx: a model from onnxruntime-genai's builder (``python -m onnxruntime_genai.models.builder``;
 weights in the file or next to it), default ``tests/models/llama_genai_int4.onnx`` (a 2-layer Llama
@@ -20,8 +20,11 @@ in that layout, split the same way (``padded_heads`` in the manifest's input ent
 given at the first step is taken to it. A layer with a windowed cache (``sliding_window_cache``,
 gpt-oss's local layers: ``tests/models/gptoss_genai_fp32.onnx``) keeps a buffer of its window's size in
 both programs, the prompt's empty, each present the next past as it is (kept as state too, copied
-after each step: the window's buffer is compacted, not updated in place). Needs onnxruntime for the
-comparison only.
+after each step: the window's buffer is compacted, not updated in place). With ``--stages P`` both
+programs are cut into P pipeline stages of N / P ranks each (each layer's cache kept by the stage holding
+the layer), and with ``--microbatches M`` a run's ``--batch B`` sequences go through the stages in M parts,
+each stage keeping an instance of the decoding program per part with its sequences' rows of the cache.
+Needs onnxruntime for the comparison only.
 """
 from __future__ import annotations
 
@@ -75,18 +78,23 @@ def windowed_caches(model) -> dict[str, int]:
 def runner(out_dir: Path, ranks: int):
     """``run(feeds) -> rank 0's outputs`` of the program in ``out_dir``: loaded once; on several
     ranks one thread per rank, all on one in-process communicator (``shardflow run`` starts
-    processes instead)."""
+    processes instead); of pipeline stages, every output gathered on rank 0 from the stage making it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from shardflow.runtime import load
     from shardflow.runtime.comm import InProcessWorld
+    from shardflow.runtime.pipeline import PipelineProgram
 
     if ranks == 1:
         return load(out_dir).run
     world = InProcessWorld(ranks).communicators()
     progs = [load(out_dir, c.rank, c) for c in world]
     pool = ThreadPoolExecutor(ranks)
-    return lambda feeds: [f.result() for f in [pool.submit(p.run, feeds) for p in progs]][0]
+
+    def one(prog, feeds):
+        out = prog.run(feeds)
+        return prog.gather_outputs(out) if isinstance(prog, PipelineProgram) else out
+    return lambda feeds: [f.result() for f in [pool.submit(one, p, feeds) for p in progs]][0]
 
 
 def main() -> int:
@@ -97,6 +105,9 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="where the programs go (default: a temporary folder)")
     ap.add_argument("--ranks", type=int, default=1, help="ranks to plan and run on (threads here; default 1)")
     ap.add_argument("--algo", default="ilp", choices=("ilp", "megatron", "data"), help="plan search (default ilp)")
+    ap.add_argument("--stages", type=int, default=1, help="pipeline stages (they split the ranks; default 1)")
+    ap.add_argument("--microbatches", type=int, default=1, help="with --stages: a run's sequences in M parts")
+    ap.add_argument("--batch", type=int, default=1, help="sequences generated together (default 1)")
     args = ap.parse_args()
 
     import onnx
@@ -109,31 +120,35 @@ def main() -> int:
     windowed = windowed_caches(model)
     vocab = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
     total = args.prompt_len + args.new_tokens
-    prompt = np.random.default_rng(0).integers(0, vocab, (1, args.prompt_len)).astype(np.int64)
+    b = args.batch
+    prompt = np.random.default_rng(0).integers(0, vocab, (b, args.prompt_len)).astype(np.int64)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
-        shapes = {"prompt": {"input_ids": (1, args.prompt_len), "attention_mask": (1, args.prompt_len),
-                             **{n: (1, kv_heads, windowed.get(n, 0), head) for n in past_names}},
-                  "decode": {"input_ids": (1, 1), "attention_mask": (1, total),
-                             **{n: (1, kv_heads, windowed.get(n, total), head) for n in past_names}}}
+        shapes = {"prompt": {"input_ids": (b, args.prompt_len), "attention_mask": (b, args.prompt_len),
+                             **{n: (b, kv_heads, windowed.get(n, 0), head) for n in past_names}},
+                  "decode": {"input_ids": (b, 1), "attention_mask": (b, total),
+                             **{n: (b, kv_heads, windowed.get(n, total), head) for n in past_names}}}
         progs = {}
         state = {n.replace("past_key_values", "present"): n for n in past_names}  # present -> next past
         split = {}  # the decoding program's cache split by KV heads on several ranks
-        if args.ranks > 1 and kv_heads % args.ranks == 0:
+        if args.ranks > 1 and kv_heads % args.ranks == 0 and args.stages == 1:
             split = {"input_placements": {n: "S(1)" for n in past_names},
                      "output_placements": {n: "S(1)" for n in state}}
+        staged = {"pipeline_stages": args.stages, "pipeline_microbatches": args.microbatches} if args.stages > 1 else {}
         for step, s in shapes.items():
             t = time.perf_counter()
-            mesh = {"mesh_shape": [args.ranks], "algo": args.algo, **(split if step == "decode" else {})}
+            mesh = {"mesh_shape": [args.ranks], "algo": args.algo, **staged, **(split if step == "decode" else {})}
             res = compile(model, distributed_config=mesh,
                           optimization_config={"target": "cpu"}, out_dir=work / step, input_shapes=s,
                           state=state if step == "decode" else None)
             progs[step] = runner(res.out_dir, args.ranks)
             print(f"compiled the {step} program in {time.perf_counter() - t:.1f} s ({res.ranks[0]['kernels']} kernels"
-                  f" per rank)")
-        kept = {e["name"]: e["placement"] for e in json.loads((work / "decode" / "rank0" / "manifest.json").read_text())
+                  f" per rank" + (f"; {args.stages} pipeline stages" if staged else "") + ")")
+        firsts = sorted((work / "decode").glob("stage*/rank0")) or [work / "decode" / "rank0"]  # (each stage's)
+        kept = {e["name"]: e["placement"] for d in firsts for e in json.loads((d / "manifest.json").read_text())
                 ["inputs"] if e["name"] in past_names}
+        assert sorted(kept) == sorted(past_names), kept
         print(f"the decoding program keeps the cache ({', '.join(sorted(set(kept.values())))} on {args.ranks} rank(s))")
 
         def generate(run, keeps_state: bool) -> list[int]:
@@ -146,18 +161,18 @@ def main() -> int:
             for n in past_names:
                 present = out[n.replace("past_key_values", "present")]
                 past[n][:, :, :present.shape[2]] = present
-            mask = np.zeros((1, total), np.int64)
+            mask = np.zeros((b, total), np.int64)
             mask[:, :args.prompt_len] = 1
-            tokens = []
+            tokens = []  # (per step, each sequence's token)
             for k in range(args.new_tokens):
-                tokens.append(int(out["logits"][0, -1].argmax()))
+                tokens.append([int(t) for t in out["logits"][:, -1].argmax(-1)])
                 if k == args.new_tokens - 1:
                     break
                 mask[:, args.prompt_len + k] = 1
-                feeds = {"input_ids": np.array([[tokens[-1]]], np.int64), "attention_mask": mask}
+                feeds = {"input_ids": np.array(tokens[-1], np.int64).reshape(b, 1), "attention_mask": mask}
                 out = run("decode", {**feeds, **past} if past else feeds)
                 past = {} if keeps_state else {n: out[n.replace("past_key_values", "present")] for n in past_names}
-            return tokens
+            return [list(seq) for seq in zip(*tokens)] if b > 1 else [t[0] for t in tokens]
 
         t = time.perf_counter()
         ours = generate(lambda step, f: progs[step](f), keeps_state=True)

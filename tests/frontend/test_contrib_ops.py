@@ -848,6 +848,26 @@ def test_genai_generation_example_matches_onnxruntime(tmp_path, model, prompt, r
         assert entry["shape"][1] == 1 and entry["padded_heads"]["index"] == index
 
 
+def test_genai_generation_example_on_pipeline_stages(tmp_path):
+    """examples/genai_generate.py with ``--stages 2 --microbatches 2 --batch 2`` on 4 ranks: both programs cut
+    into 2 stages of 2 Megatron ranks, each layer's cache kept by its stage (split by key/value heads over
+    the stage's ranks), the decoding program's 2 sequences in 2 parts (an instance of the stage's program a
+    part, its rows of the cache); the same greedy tokens as onnxruntime for both sequences."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "genai_generate.py"
+    proc = subprocess.run([sys.executable, str(script), str(MODELS / "llama_genai_fp32.onnx"), "--new-tokens", "6",
+                           "--prompt-len", "8", "--work", str(tmp_path), "--ranks", "4", "--algo", "megatron",
+                           "--stages", "2", "--microbatches", "2", "--batch", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the same tokens" in proc.stdout and "2 pipeline stages" in proc.stdout
+    assert "keeps the cache (S(1) on 4 rank(s))" in proc.stdout and "shardflow:   [[" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "decode").iterdir() if p.is_dir()) == ["stage0", "stage1"]
+
+
 @pytest.mark.parametrize("positions", ["ids", "offset"])
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("layout", ["bsh", "bnsd"])
