@@ -484,6 +484,17 @@ def choose_stages(model, *, dcfg, opt, optimization_config, input_shapes, input_
     return best[1], note
 
 
+def _stage_ranks(dcfg, stages: int, width: int) -> list[list[int]]:
+    """The global ranks of each stage in its own rank order: stage ``s`` holds the mesh positions whose
+    first coordinate is in its run of the first axis, which in row-major order are positions ``s * width``
+    to ``(s + 1) * width - 1`` (the stage's mesh numbers them alike), each the rank ``rank_map`` gives it
+    (default: its position)."""
+    from .parallel.mesh import DeviceMesh
+
+    mesh = DeviceMesh(dcfg.mesh_shape, dcfg.mesh_axis_names, dcfg.rank_map)  # (a bad rank_map: ConfigError)
+    return [[int(mesh.rank_map[p]) for p in range(s * width, (s + 1) * width)] for s in range(stages)]
+
+
 def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.PathLike,
                    input_shapes: Mapping[str, Sequence[int]] | None, input_values: Mapping[str, Any] | None,
                    state: Mapping[str, str] | None, dim_sizes: Mapping[str, int] | None,
@@ -496,6 +507,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
     from .driver import _compile
 
     t_all = time.perf_counter()
+    ranks = _stage_ranks(dcfg, int(dcfg.pipeline_stages), math.prod(dcfg.stage_config().mesh_shape))
     # (with microbatches the cut's rebalance planned the stages: _compile plans them again, so that each
     # stage compiles as any graph does)
     pipe, whole, state, timings, _ = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes,
@@ -526,6 +538,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
                     ranges.setdefault(e["name"], []).extend(e["index_checks"])
         modeled = _modeled(pipe, [r.plan.cost for r in results], dcfg)
         body = pipe.to_dict()
+        body["ranks"] = ranks
         for e in body["transfers"]:
             if e["kind"] == "output":  # (gathered whole: every microbatch's rows)
                 e["shape"] = list(whole[e["name"]][0])

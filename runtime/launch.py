@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .artifact import ArtifactError, list_ranks, read_manifest, rank_dir, write_json
-from .pipeline import PipelineProgram, read_pipeline, stage_of_rank
+from .pipeline import PipelineProgram, read_pipeline, stage_of_rank, stage_ranks
 from .variants import first_variant_dir
 from .errors import ShardflowError, number_from_env
 from .executor import WorldSizeError
@@ -772,13 +772,11 @@ def _profile(args, prog, host, inputs: dict, rank: int) -> None:
     if stages is None:
         log.info("%s", format_profile(per_rank, repeat, plan=plan_of(ran.out_dir), memory=memory))
     else:  # each stage's ranks run their own program: a report per stage, beside its own plan
-        width = int(stages["stage_world_size"])
-        for s, st in enumerate(stages["stages"]):
-            ranks = slice(s * width, (s + 1) * width)
-            log.info("== stage %d (ranks %d-%d; its ranks numbered from 0; a microbatch's run)\n%s", s, s * width,
-                     (s + 1) * width - 1, format_profile(per_rank[ranks], repeat,
-                                                         plan=plan_of(Path(ran.out_dir, st["dir"])),
-                                                         memory=memory[ranks]))
+        for s, (st, ranks) in enumerate(zip(stages["stages"], stage_ranks(stages))):
+            log.info("== stage %d (ranks %s; its ranks numbered from 0; a microbatch's run)\n%s", s,
+                     f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ranks,
+                     format_profile([per_rank[r] for r in ranks], repeat, plan=plan_of(Path(ran.out_dir, st["dir"])),
+                                    memory=[memory[r] for r in ranks]))
     if args.profile_json:
         write_json(args.profile_json, {"out_dir": str(args.out_dir), "repeat": repeat, "ranks": per_rank,
                                        "memory": memory})
@@ -802,7 +800,7 @@ def _trace(args, prog, host, inputs: dict, rank: int) -> None:
         e["start_ns"] -= origin
         e["end_ns"] -= origin
     ran = _ran(prog)
-    where = (f"stage {ran.stage}'s rank {rank % int(ran.spec['stage_world_size'])}"
+    where = (f"stage {ran.stage}'s rank {stage_of_rank(ran.spec, rank)[1]}"
              if isinstance(ran, PipelineProgram) else "")
     record = {"events": events, "label": f"rank {rank}" + (f" ({where})" if where else "")}
     gathered = [json.loads(b) for b in host.allgather_bytes(json.dumps(record).encode())]

@@ -47,9 +47,14 @@ def read_pipeline(out_dir: str | os.PathLike) -> dict | None:
           and isinstance(spec.get("transfers"), list) and isinstance(spec.get("inputs"), list)
           and isinstance(spec.get("outputs"), list)
           and all(isinstance(e, dict) and e.get("kind") in ("cut", "output") for e in spec["transfers"]))
+    ranks = spec.get("ranks")
+    if ok and ranks is not None:  # (where a rank_map placed the stages: a partition of the world)
+        ok = (isinstance(ranks, list) and len(ranks) == len(stages)
+              and all(isinstance(r, list) and len(r) == spec["stage_world_size"] for r in ranks)
+              and sorted(int(x) for r in ranks for x in r) == list(range(spec["world_size"])))
     if not ok:
         raise ArtifactError(f"{str(path)!r}: malformed pipeline description (stages, stage_world_size, world_size, "
-                            "inputs, outputs, transfers); compile again")
+                            "ranks, inputs, outputs, transfers); compile again")
     for st in stages:
         if Path(st["dir"]).name != st["dir"] or not (Path(out_dir) / st["dir"]).is_dir():
             raise ArtifactError(f"{str(path)!r} lists the stage folder {st['dir']!r}, which {str(out_dir)!r} does "
@@ -83,9 +88,19 @@ def _join(arrays: list):
     return cupy.concatenate([cupy.asarray(a) for a in arrays], axis=0)
 
 
+def stage_ranks(spec: dict) -> list[list[int]]:
+    """The global ranks of each stage, in the stage's own rank order: ``pipeline.json``'s ``ranks`` (a
+    ``rank_map`` places them), else stage ``s``'s rank ``c`` is global rank ``s * stage_world_size + c``."""
+    width = int(spec["stage_world_size"])
+    return spec.get("ranks") or [[s * width + c for c in range(width)] for s in range(len(spec["stages"]))]
+
+
 def stage_of_rank(spec: dict, rank: int) -> tuple[int, int]:
     """``(stage, rank within the stage)`` of global ``rank``."""
-    return divmod(int(rank), int(spec["stage_world_size"]))
+    for s, ranks in enumerate(stage_ranks(spec)):
+        if int(rank) in ranks:
+            return s, ranks.index(int(rank))
+    raise ArtifactError(f"pipeline.json places no stage on rank {rank} (its ranks: {stage_ranks(spec)})")
 
 
 class PipelineProgram:
@@ -111,12 +126,14 @@ class PipelineProgram:
                                  f"communicator of {size}: run exactly {self.world_size} ranks")
         n_stages, width = len(spec["stages"]), int(spec["stage_world_size"])
         self.stage, member = stage_of_rank(spec, self.rank)
-        # (collective on the world: every rank splits the same groups in the same order)
-        self._stage_comm = stage_comm = comm.split([[s * width + c for c in range(width)] for s in range(n_stages)])
+        self._ranks = ranks = stage_ranks(spec)
+        # (collective on the world: every rank splits the same groups in the same order; a stage's ranks in its
+        # own order, and each rank c of a stage with the rank c of every other, in stage order: the transfers)
+        self._stage_comm = stage_comm = comm.split(ranks)
         from .comm import host_communicator
 
         self._world = host_communicator(comm)
-        self._pipe = self._world.split([[s * width + c for s in range(n_stages)] for c in range(width)])
+        self._pipe = self._world.split([[ranks[s][c] for s in range(n_stages)] for c in range(width)])
         self._stage_spec = spec["stages"][self.stage]
         self.program = RankProgram(self.out_dir / self._stage_spec["dir"], member,
                                    stage_comm if width > 1 else None, **load_kwargs)
@@ -268,16 +285,16 @@ class PipelineProgram:
         """Every model output on rank 0, from the first rank of the stage that makes it (``outputs``:
         what :meth:`run` returned on this rank). Collective: every rank calls it; ranks other than 0
         get back their own ``outputs``."""
-        width = int(self.spec["stage_world_size"])
         res = dict(outputs)
-        for e in self.spec["transfers"]:
-            if e["kind"] != "output":
+        for e in self.spec["outputs"]:
+            source = self._ranks[e["stage"]][0]
+            if source == 0:  # (rank 0 made it: it is in outputs already)
                 continue
             if self.rank == 0:
                 buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
-                self._world.exchange({}, {e["from"] * width: buf})
+                self._world.exchange({}, {source: buf})
                 res[e["name"]] = buf
-            elif self.rank == e["from"] * width:
+            elif self.rank == source:
                 self._world.exchange({0: _host(outputs[e["name"]])}, {})
         if self.rank == 0:
             return {name: res[name] for name in self._outputs}

@@ -139,7 +139,8 @@ class DistributedConfig:
         is ``[q, *mesh_shape[1:]]`` (the first axis keeps its name and links), or ``mesh_shape[1:]`` when
         ``q`` is 1 (``[1]`` when that was the only axis). ``keeps_states``: the stage keeps states (a KV
         cache), so with microbatches its ranks hold an instance of its program per microbatch, which its
-        plan counts (``program_instances``)."""
+        plan counts (``program_instances``). Without ``rank_map``: a stage numbers its own ranks, which
+        ``pipeline.json``'s ``ranks`` place in the world (compiler/stages.py)."""
         import dataclasses
 
         q = self.mesh_shape[0] // int(self.pipeline_stages)
@@ -150,7 +151,7 @@ class DistributedConfig:
         shape = ((q,) if q > 1 else ()) + tuple(self.mesh_shape[1:]) or (1,)
         many = len(self.mesh_shape) > 1 or q > 1
         return dataclasses.replace(
-            self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1, pins_may_miss=True,
+            self, mesh_shape=shape, pipeline_stages=1, pipeline_microbatches=1, pins_may_miss=True, rank_map=None,
             program_instances=int(self.pipeline_microbatches) if keeps_states else 1,
             mesh_axis_names=rest(self.mesh_axis_names) if many else None,
             axis_bandwidth_GBps=rest(self.axis_bandwidth_GBps) if many else None,
@@ -209,7 +210,7 @@ class DistributedConfig:
                 raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the stages split the first mesh "
                                   f"axis, so its size must be a multiple of {stages} (got mesh_shape {list(shape)}), "
                                   f"e.g. {[stages] + list(shape)}")
-            for key in ("rank_map", "input_placements", "output_placements"):
+            for key in ("input_placements", "output_placements"):
                 if cfg.get(key):
                     raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
                                       "stage is planned on its own, its inputs and outputs whole); drop one of them")

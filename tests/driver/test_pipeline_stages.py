@@ -287,8 +287,8 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"its size must be a multiple of 2 \(got mesh_shape \[3\]\)"):
         compile(model, distributed_config={"mesh_shape": [3], "pipeline_stages": 2}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
-    with pytest.raises(ConfigError, match=r"'rank_map'\] is not supported with pipeline_stages"):
-        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "rank_map": [1, 0]},
+    with pytest.raises(ConfigError, match=r"'input_placements'\] is not supported with pipeline_stages"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "input_placements": {"x": "S(0)"}},
                 optimization_config=CPU, out_dir=tmp_path / "a")
     with pytest.raises(ConfigError, match="pipeline_stages"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 0}, optimization_config=CPU,
@@ -567,6 +567,46 @@ def test_microbatches_through_the_stages_match_onnxruntime(tmp_path, mesh, micro
             assert sorted(o) == (["logits"] if r >= width or o is full and r == 0 else [])
             for k in o:
                 np.testing.assert_allclose(o[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=f"rank {r} {k}")
+
+
+@pytest.mark.parametrize("mesh, rank_map, ranks", [([4], [3, 1, 0, 2], [[3, 1], [0, 2]]),
+                                                   ([2, 2], [1, 3, 0, 2], [[1, 3], [0, 2]])])
+def test_rank_map_places_the_stages(tmp_path, mesh, rank_map, ranks):
+    """rank_map with stages: stage s holds the mesh positions of its run of the first axis, each on the rank
+    rank_map gives it (pipeline.json's ranks); rank 0 may be in the last stage (the outputs then come to it
+    from the first rank of the stage making them, or are its own). GPT-2 in 2 stages of 2 ranks with 2
+    microbatches on in-process ranks against onnxruntime; a rank_map that is not a permutation is refused."""
+    feeds = _feeds("gpt2_ts17")
+    ref = _reference(MODELS / "gpt2_ts17.onnx", feeds)
+    cfg = {"mesh_shape": mesh, "pipeline_stages": 2, "pipeline_microbatches": 2, "rank_map": rank_map}
+    res = compile(str(MODELS / "gpt2_ts17.onnx"), distributed_config=cfg, optimization_config=CPU,
+                  out_dir=tmp_path / "out")
+    assert res.pipeline["ranks"] == ranks
+    feeds = {e["name"]: feeds[e["name"]] for e in res.pipeline["inputs"]}
+
+    def rank(comm):
+        prog = load(tmp_path / "out", comm.rank, comm)
+        full = prog.gather_outputs(prog.run(feeds))
+        return prog.stage, full
+    got = run_threads(InProcessWorld(4).communicators(), rank, timeout=120)
+    assert [s for s, _ in got] == [next(k for k, r in enumerate(ranks) if g in r) for g in range(4)]
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[0][1][k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    if mesh == [4]:  # (processes: each loads its own stage's folder; rank 0 writes the outputs)
+        import subprocess
+
+        from test_multirank_models import SHARDFLOW, clean_env
+
+        np.savez(tmp_path / "in.npz", **feeds)
+        proc = subprocess.run(SHARDFLOW + ["run", str(tmp_path / "out"), "--nproc", "4", "--launcher", "spawn",
+                                           "--inputs", str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "o.npz")],
+                              capture_output=True, text=True, timeout=600, env=clean_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        np.testing.assert_allclose(np.load(tmp_path / "o.npz")["logits"], ref["logits"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ConfigError, match="rank_map"):
+        compile(str(MODELS / "gpt2_ts17.onnx"), distributed_config={**cfg, "rank_map": [0, 0, 1, 2]},
+                optimization_config=CPU, out_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_trace_of_microbatches_through_the_stages(tmp_path):
