@@ -329,9 +329,31 @@ class CudaEngine:
                 x.fill(0)
         self.stream.synchronize()
 
-    def run(self, inputs, copy_outputs: bool = True) -> dict:
+    def timed_run(self, inputs) -> tuple[list[tuple[float, float]], dict]:
+        """One run launched step by step from Python (no graph), a CUDA event recorded on the rank's stream
+        before the first step and after each: ``(times, outputs)``, ``times`` each step's (start, end) in
+        milliseconds from the first event (the GPU's own clock: a step's launch overhead is not in it),
+        ``outputs`` host copies (numpy), as :meth:`run` returns for numpy inputs."""
         cp = self.cp
-        device_io = any(type(a).__module__.startswith("cupy") for a in inputs.values())
+        self._set_inputs(inputs)
+        calls = [c for launches, coll in self.segments for c in list(launches) + ([coll] if coll is not None else [])]
+        marks = [cp.cuda.Event() for _ in range(len(calls) + 1)]
+        with self.stream:
+            marks[0].record(self.stream)
+            for call, mark in zip(calls, marks[1:]):
+                if call is not None:  # (an empty output's kernel: nothing launched)
+                    call()
+                mark.record(self.stream)
+            self._copy_state()
+            outs = {name: view.get(stream=self.stream) for name, i, view in self.outputs}
+        marks[-1].synchronize()
+        self.stream.synchronize()
+        at = [cp.cuda.get_elapsed_time(marks[0], m) for m in marks]
+        return [(at[k], at[k + 1]) for k in range(len(calls))], outs
+
+    def _set_inputs(self, inputs) -> None:
+        """The given inputs copied into their device buffers (a state input left out keeps its value)."""
+        cp = self.cp
         with self.stream:
             for name, view, _ in self.inputs:
                 if name not in inputs:  # a state input left out keeps its value
@@ -344,6 +366,11 @@ class CudaEngine:
                     if h.dtype != view.dtype and h.dtype.kind == "V" and h.dtype.itemsize == view.dtype.itemsize:
                         h = h.view(view.dtype)  # (ml_dtypes' bfloat16 and float8: their bytes on the device)
                     view.set(h, stream=self.stream)
+
+    def run(self, inputs, copy_outputs: bool = True) -> dict:
+        cp = self.cp
+        device_io = any(type(a).__module__.startswith("cupy") for a in inputs.values())
+        self._set_inputs(inputs)
         if self.use_graph and self.graphs is None and self.runs >= 1:
             self.graphs = {}  # captured from now on, each kind on its first use
         fresh = device_io and copy_outputs and bool(self.tail)  # the last kernels write fresh arrays

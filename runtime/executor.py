@@ -779,7 +779,9 @@ class RankProgram:
         time includes waiting for the slowest member of its group: compare ranks to tell the wait
         from the transfer. Collective: every rank of a multi-rank program calls it together. A
         program with state (``compile(state=...)``) advances it on every run, as :meth:`run` does
-        (the copies of the states not written in place are not timed).
+        (the copies of the states not written in place are not timed). A cuda program's steps are
+        launched one by one (no CUDA graph) and timed on the GPU by CUDA events between them on the
+        rank's stream (:meth:`CudaEngine.timed_run`): each kernel's device time, without its launch.
 
         Returns
         -------
@@ -787,37 +789,36 @@ class RankProgram:
             Per step, in program order: ``index``, ``kind`` (``kernel`` or ``collective``),
             ``node`` (the ONNX node; a fused kernel is named after its last node), ``what`` (the
             op type or the collective) and ``ms``, the median over the runs.
-
-        Raises
-        ------
-        ShardflowError
-            For a cuda program (``benchmarks/gpu/kernel_profile.py`` times its kernels with CUDA
-            events).
         """
         self._step_by_step("profile", "repeat", repeat, warmup, inputs)
         arrays = self._check_inputs(inputs)
-        step_calls = self._step_calls()
-        times = np.zeros((repeat, len(step_calls)))
-        clock = time.perf_counter
-        for r in range(repeat):
-            self._copy_inputs(arrays)
-            for k, call in enumerate(step_calls):
-                t0 = clock()
-                call()
-                times[r, k] = clock() - t0
-            self._copy_state()
+        if self._engine is not None:  # (milliseconds on the GPU's clock)
+            times = np.array([[b - a for a, b in self._engine.timed_run(arrays)[0]] for _ in range(repeat)]) / 1e3
+        else:
+            step_calls = self._step_calls()
+            times = np.zeros((repeat, len(step_calls)))
+            clock = time.perf_counter
+            for r in range(repeat):
+                self._copy_inputs(arrays)
+                for k, call in enumerate(step_calls):
+                    t0 = clock()
+                    call()
+                    times[r, k] = clock() - t0
+                self._copy_state()
         med = np.median(times, axis=0) * 1e3
         n0 = self.load_steps  # run once at load: not timed
-        return [{"index": n0 + k, "kind": s["kind"], "node": s["node"],
-                 "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"], "ms": float(med[k])}
-                for k, s in enumerate(self.program["steps"][n0:])]
+        return [{"index": n0 + k, "ms": float(med[k]), **self._step_record(k)}
+                for k in range(len(self.program["steps"]) - n0)]
+
+    def _step_record(self, k: int) -> dict:
+        """``kind``, ``node`` and ``what`` (op type or collective) of the ``k``-th step after the load."""
+        s = self.program["steps"][self.load_steps + k]
+        return {"kind": s["kind"], "node": s["node"],
+                "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"]}
 
     def _step_by_step(self, what: str, key: str, runs: int, warmup: int, inputs) -> None:
-        """Before :meth:`profile` or :meth:`trace` (``what``) step through ``runs`` runs from Python: a cuda
-        program is refused (its kernels run asynchronously on the GPU), bad counts too; the warmup runs."""
-        if self._engine is not None:
-            raise ShardflowError(f"{what}: cuda programs are not {what}d here yet (their kernels run asynchronously "
-                                 "on the GPU); benchmarks/gpu/kernel_profile.py times them with CUDA events")
+        """Before :meth:`profile` or :meth:`trace` (``what``) step through ``runs`` runs from Python: bad
+        counts refused; the warmup runs."""
         if runs < 1 or warmup < 0:
             raise ValueError(f"{what}: {key} = {runs} must be at least 1 and warmup = {warmup} at least 0")
         for _ in range(warmup):
@@ -833,19 +834,15 @@ class RankProgram:
         """One event per step of ``runs`` runs of ``inputs`` (after ``warmup`` untimed ones), each with
         its start and end on this process's monotonic clock (``time.perf_counter_ns``): a timeline of
         where the time goes and where a rank waits (``shardflow run --trace`` merges the ranks' into one
-        Chrome trace). The runs step from Python, as :meth:`profile`'s do. Collective on several ranks.
+        Chrome trace). The runs step from Python, as :meth:`profile`'s do (cuda: CUDA events between the
+        steps, their times on the GPU's clock placed from the host's clock when the run was launched).
+        Collective on several ranks.
 
         Returns
         -------
         list of dict
             Per step and run: ``kind`` (``kernel`` or ``collective``), ``node``, ``what`` (op type or
             collective), ``run``, ``start_ns``, ``end_ns``.
-
-        Raises
-        ------
-        ShardflowError
-            For a cuda program (its kernels run asynchronously on the GPU; ``benchmarks/gpu/kernel_profile.py``
-            times them with CUDA events).
         """
         self._step_by_step("trace", "runs", runs, warmup, inputs)
         events: list[dict] = []
@@ -856,20 +853,19 @@ class RankProgram:
     def traced_run(self, inputs: Mapping[str, np.ndarray], events: list, **tags) -> dict[str, np.ndarray]:
         """:meth:`run` (fresh outputs) stepping from Python, each step's start and end appended to
         ``events`` (as :meth:`trace` gives them, with ``tags`` added: a pipeline's microbatch)."""
-        if self._engine is not None:
-            raise ShardflowError("trace: cuda programs are not traced here yet")
         arrays = self._check_inputs(inputs)
-        self._copy_inputs(arrays)
         clock = time.perf_counter_ns
-        n0 = self.load_steps
+        if self._engine is not None:
+            t0 = clock()
+            spans, outs = self._engine.timed_run(arrays)
+            events += [{**self._step_record(k), "start_ns": t0 + int(a * 1e6), "end_ns": t0 + int(b * 1e6), **tags}
+                       for k, (a, b) in enumerate(spans)]
+            return self._checked(outs)
+        self._copy_inputs(arrays)
         for k, call in enumerate(self._step_calls()):
             t0 = clock()
             call()
-            t1 = clock()
-            s = self.program["steps"][n0 + k]
-            events.append({"kind": s["kind"], "node": s["node"],
-                           "what": s.get("op_type", "") if s["kind"] == "kernel" else s["collective"],
-                           "start_ns": t0, "end_ns": t1, **tags})
+            events.append({**self._step_record(k), "start_ns": t0, "end_ns": clock(), **tags})
         self._copy_state()
         return self._checked({name: buf.array.copy() for name, buf in self.output_specs})
 

@@ -183,14 +183,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the median of single runs (each from a barrier to a barrier for pipeline stages)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, time every kernel and collective of every rank (--repeat runs, "
-                        "stepping from Python) and print where the time goes (cpu programs)")
+                        "stepping from Python; cuda: CUDA events between the steps) and print where the time goes")
     p.add_argument("--profile-json", metavar="FILE.json", default=None,
                    help="with --profile: also write every rank's step times to FILE.json (rank 0)")
     p.add_argument("--trace", metavar="FILE.json", default=None,
                    help="after the timed runs, trace --repeat more runs step by step on every rank (kernels, "
                         "collectives, a pipeline's sends and receives per microbatch) and write one timeline of all "
                         "ranks to FILE.json (rank 0), a Chrome trace that ui.perfetto.dev or chrome://tracing opens; "
-                        "prints each rank's time in kernels and waiting on others (cpu programs)")
+                        "prints each rank's time in kernels and waiting on others")
     p.add_argument("--timeout", type=float, default=0.0,
                    help="kill every rank after this many seconds (default 0: no limit)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact files")

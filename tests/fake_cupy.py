@@ -5,6 +5,7 @@ replay them."""
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import numpy as np
@@ -83,6 +84,25 @@ class _Stream(metaclass=_PerThread):
         pass
 
 
+class _Event:
+    """cupy's CUDA event: the stand-in runs each launch when it is made, so recording one reads the host's
+    clock (what the stream reached is what the host did)."""
+
+    def __init__(self, *args, **kwargs):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def _elapsed(start: _Event, end: _Event) -> float:
+    """``cupy.cuda.get_elapsed_time``: milliseconds from ``start`` to ``end``."""
+    return (end.t - start.t) * 1e3
+
+
 class _Function:
     def __init__(self, body, log):
         self.body, self.log = body, log
@@ -104,7 +124,7 @@ def _fake_cupy(kernels: dict, log: list):
     cp.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, CUDARuntimeError=RuntimeError),
         Device=lambda: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 132}),
-        Stream=_Stream)
+        Stream=_Stream, Event=_Event, get_elapsed_time=_elapsed)
     cp.asarray = lambda a: np.array(a).view(_Array)
     cp.zeros = lambda n, dtype: np.zeros(n, dtype).view(_Array)
     cp.empty = lambda shape, dtype: np.full(shape, np.nan, dtype).view(_Array)

@@ -21,7 +21,7 @@ from test_state import _cache_state, _llama_steps
 from threads import run_threads
 
 from shardflow.compiler import compile
-from shardflow.runtime import ShardflowError, load
+from shardflow.runtime import load
 from shardflow.runtime.comm import InProcessWorld
 
 ort = pytest.importorskip("onnxruntime")
@@ -91,8 +91,15 @@ def test_a_decoding_step_keeps_its_cache_on_the_device(tmp_path, host):
             _close(kept[name], want[out], 1e-4, f"step {step} {name}")
     prog.reset_state()
     assert all(not v.any() for v in prog.read_state().values())
-    with pytest.raises(ShardflowError, match="trace: cuda programs are not traced here yet"):
-        prog.trace(first)
+    # (profile and trace: each step timed between CUDA events on the rank's stream; here the stand-in's)
+    program = json.loads((res.out_dir / "rank0" / "program.json").read_text())
+    steps = program["steps"][program.get("load_steps", 0):]
+    assert [(p["kind"], p["node"]) for p in prog.profile(first, repeat=2)] == [(s["kind"], s["node"]) for s in steps]
+    events = prog.trace(first, runs=2)
+    assert [(e["run"], e["node"]) for e in events] == [(r, s["node"]) for r in range(2) for s in steps]
+    assert all(b["start_ns"] >= a["end_ns"] - 1 for a, b in zip(events, events[1:]) if a["run"] == b["run"])
+    with pytest.raises(ValueError, match="runs = 0 must be at least 1"):
+        prog.trace(first, runs=0)
 
 
 def test_two_megatron_ranks_on_the_host(tmp_path, host):

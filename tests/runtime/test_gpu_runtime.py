@@ -82,6 +82,31 @@ def test_one_rank_eager_graph_cupy_and_nccl(tmp_path, model):
         _close(load(out, 0, NCCLCommunicator(SelfCommunicator())).run(inputs), ref)
 
 
+def test_profile_and_trace_on_the_gpu(tmp_path):
+    """RankProgram.profile and trace of a cuda program: each step launched from Python between CUDA events on
+    the rank's stream (CudaEngine.timed_run), the device's times; the traced run's outputs onnxruntime's,
+    and a graph-replayed run after them too."""
+    cp = _cupy()
+    if cp is None:
+        pytest.skip("needs cupy and a CUDA device")
+    import json
+
+    from shardflow.runtime import load
+
+    out, inputs, ref = _compile(tmp_path, "gpt2_ts17", [1], "replicate")
+    prog = load(out)
+    steps = json.loads((out / "rank0" / "program.json").read_text())
+    steps = steps["steps"][steps.get("load_steps", 0):]
+    records = prog.profile(inputs, repeat=3)
+    assert [r["node"] for r in records] == [s["node"] for s in steps]
+    assert all(r["ms"] >= 0 for r in records) and sum(r["ms"] for r in records) > 0
+    events = prog.trace(inputs, runs=2)
+    assert [(e["run"], e["node"]) for e in events] == [(r, s["node"]) for r in range(2) for s in steps]
+    _close(prog.traced_run(inputs, []), ref)
+    _close(prog.run(inputs), ref)
+    _close(prog.run(inputs), ref)
+
+
 @pytest.mark.parametrize("model,precision,tiles", [("gpt2_ts17", "float16", None), ("llama_ts17", "float32", None),
                                                    ("gpt2_ts17", "float16", "tma64x128"),
                                                    ("llama_ts17", "float16", "pp64x128")])
