@@ -1,12 +1,13 @@
 """Random combinations of distributed_config and optimization_config keys, compiled and run.
 
-Each case draws a model (a residual MLP, or the GPT-2 and BERT test exports), a mesh and a random
+Each case draws a model (a residual MLP, the GPT-2 and BERT test exports, or the genai Llama decoding with
+its KV cache kept as state), a mesh and a random
 choice of the keys that interact (algo, pipeline stages and microbatches, their 'auto' forms, a memory
 budget, partial sums, layer aliasing, pinned ops, fusion, shape variants of the MLP) and compiles it.
 Either the compile succeeds, and every rank's run (in-process ranks) gives onnxruntime's outputs, or it
 raises a ShardflowError (a ConfigError, ShapeError, ...) with a message: never another exception, never a
 half-written out_dir. Two seeds by default; ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds A to B-1 (seeds
-0-139 by hand in session 107: see rfcs/0001 "Random combinations of keys").
+0-159 by hand in session 107: see rfcs/0001 "Random combinations of keys").
 """
 from __future__ import annotations
 
