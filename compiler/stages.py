@@ -100,7 +100,7 @@ class StagesResult:
 
 def measured_op_times(graph, optimization_config, device=None, repeat: int = 5, ranks: int = 1) -> list[float]:
     """Each op's time (seconds, in ``graph``'s node order) measured on this machine: ``graph`` compiled
-    for one cpu rank into a temporary folder and profiled on zeros (a zero index is inside every axis)
+    for one cpu rank into a temporary folder and profiled (:func:`_timing_inputs`'s inputs)
     by ``shardflow run --nproc 1 --profile-json`` (``repeat`` runs, medians) with the threads a rank gets
     when ``ranks`` ranks share this machine's cores (as ``shardflow run --nproc ranks`` starts them: ops
     scale differently with threads, so a stage is timed as it will run). A kernel is named after the
@@ -114,7 +114,6 @@ def measured_op_times(graph, optimization_config, device=None, repeat: int = 5, 
 
     import numpy as np
 
-    from shardflow.runtime.artifact import buffer_dtype
     from shardflow.runtime.launch import _threads_per_rank
 
     from .driver import _compile
@@ -126,8 +125,7 @@ def measured_op_times(graph, optimization_config, device=None, repeat: int = 5, 
                  optimization_config=optimization_config, out_dir=one, input_shapes=None, input_values=None,
                  state=None)
         entries = json.loads((one / "rank0" / "manifest.json").read_text())["inputs"]
-        np.savez(Path(tmp) / "zeros.npz", **{e["name"]: np.zeros(e["shape"], buffer_dtype(e["dtype"]))
-                                             for e in entries})
+        np.savez(Path(tmp) / "zeros.npz", **_timing_inputs(entries))
         env = dict(os.environ, OMP_NUM_THREADS=_threads_per_rank(ranks))
         proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(one), "--nproc", "1",
                                "--launcher", "spawn", "--inputs", str(Path(tmp) / "zeros.npz"), "--repeat",
@@ -141,6 +139,29 @@ def measured_op_times(graph, optimization_config, device=None, repeat: int = 5, 
     log.info("pipeline: measured %d kernels, %.4g ms a run (%s threads)", len(steps), math.fsum(times) * 1e3,
              env["OMP_NUM_THREADS"])
     return times
+
+
+def _timing_inputs(entries: list[dict]) -> dict:
+    """Inputs to time a program on (its manifest's ``entries``): integer and boolean inputs all ones,
+    moved into the range the program checks them against (token ids: 1 is inside every table of two rows or
+    more; a mask of ones attends everywhere, where zeros would make a position computed from its sum, as
+    onnxruntime-genai's ``seqlens_k`` is, fall outside its axis and the run refuse itself), the others
+    zeros."""
+    import numpy as np
+
+    from shardflow.runtime.artifact import buffer_dtype
+
+    res = {}
+    for e in entries:
+        dtype = buffer_dtype(e["dtype"])
+        if dtype.kind in "iub":
+            checks = e.get("index_checks") or []
+            lo = max([int(c[0]) for c in checks], default=1)
+            hi = min([int(c[1]) for c in checks], default=1)
+            res[e["name"]] = np.full(e["shape"], min(max(1, lo), hi) if checks else 1, dtype)
+        else:
+            res[e["name"]] = np.zeros(e["shape"], dtype)
+    return res
 
 
 def spread_kernel_times(graph, steps, roof: Sequence[float]) -> list[float]:

@@ -1157,6 +1157,36 @@ def test_measured_balance_compiles_a_pipeline_equal_to_onnxruntime(tmp_path):
                 out_dir=tmp_path / "x")
 
 
+def test_measured_balance_of_a_decoding_step_with_its_cache(tmp_path):
+    """``pipeline_balance: "measured"`` times the graph on inputs a run accepts: the genai Llama computes its
+    cache positions from the mask's sum, which a mask of zeros puts at -1, outside the cache (the timing run
+    refused itself, and the compile with it, until session 107: integer inputs are now ones, within their
+    checked ranges; ``_timing_inputs``). Its decoding steps then run on 2 stages with 2 microbatches, the
+    cache kept, against onnxruntime."""
+    from test_state import _cache_state, _close, _llama_steps
+
+    from shardflow.compiler.stages import _timing_inputs
+
+    got = _timing_inputs([{"name": "ids", "shape": [2, 1], "dtype": "int64", "index_checks": [[0, 255, "g"]]},
+                          {"name": "mask", "shape": [2], "dtype": "int64"}, {"name": "x", "shape": [1],
+                                                                               "dtype": "float32"},
+                          {"name": "pos", "shape": [1], "dtype": "int32", "index_checks": [[4, 9, "g"], [2, 7, "h"]]},
+                          {"name": "one", "shape": [1], "dtype": "int64", "index_checks": [[0, 0, "g"]]}])
+    assert {k: v.tolist() for k, v in got.items()} == {"ids": [[1], [1]], "mask": [1, 1], "x": [0.0], "pos": [4],
+                                                        "one": [0]}
+    steps = list(_llama_steps(3))
+    res = compile(str(MODELS / "llama_genai_fp32.onnx"), optimization_config=CPU, out_dir=tmp_path / "out",
+                  distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "pipeline_microbatches": 2,
+                                      "pipeline_balance": "measured"},
+                  input_shapes={k: v.shape for k, v in steps[0][0].items()}, state=_cache_state(2))
+    assert res.pipeline["balance"] == "measured" and res.pipeline["balance_note"]
+    world = InProcessWorld(2).communicators()
+    progs = [load(tmp_path / "out", c.rank, c) for c in world]
+    for step, (given, want) in enumerate(steps):
+        got = run_threads(world, lambda c: progs[c.rank].gather_outputs(progs[c.rank].run(given)), timeout=120)[0]
+        _close(got["logits"], want["logits"], what=f"step {step}")
+
+
 def test_microbatches_rebalance_the_cut_on_the_stages_plans(monkeypatch):
     """With microbatches the slowest stage sets the pace: when the stages' plans cost other than their
     roofline sums (here stage 1's plan three times its ops' roofline times), the graph is cut again on
