@@ -245,6 +245,11 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="run OP (a name as plan.txt prints it, or a pattern: *, ?, [...]) with SPEC, its inputs' and "
                         "outputs' specs as plan.txt writes them ('R, S(1) -> S(1)'; the outputs' alone: 'S(1)'; '*': "
                         "any); the ILP plans the rest around it (repeat per op; distributed_config op_placements)")
+    p.add_argument("--state", action="append", metavar="OUTPUT=INPUT", default=None,
+                   help="keep OUTPUT in the program as the next run's INPUT (same shape and type), e.g. "
+                        "present.0.key=past_key_values.0.key for a KV cache of fixed size; not returned by runs "
+                        "(repeat per pair; compile(state=...)); `plan` plans as compile does with it (a cache kept "
+                        "split where its writer is, a stage's instances per microbatch)")
     p.add_argument("--preload-plan", metavar="PATH", default=None,
                    help="use a saved plan instead of searching: a plan.json or its folder (`shardflow plan -o DIR`, "
                         "an out_dir); with --stages, the folder `shardflow plan --stages P -o DIR` wrote "
@@ -297,10 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target GPU's multiprocessors for --target cuda, e.g. 114 for an H100 PCIe (default: "
                          "the visible GPU's, else 132)")
     _add_optimization_config_flag(pc)
-    pc.add_argument("--state", action="append", metavar="OUTPUT=INPUT", default=None,
-                    help="keep OUTPUT in the program as the next run's INPUT (same shape and type), e.g. "
-                         "present.0.key=past_key_values.0.key for a KV cache of fixed size; not returned by runs "
-                         "(repeat per pair; compile(state=...))")
     pc.add_argument("--variant", action="append", metavar="NAME=SIZE[,NAME=SIZE]", default=None,
                     help="compile a shape variant: sizes of the model's named dynamic dims, e.g. sequence_length=64 "
                          "(repeat per variant); OUT then holds a program per variant and `shardflow run` / "
@@ -431,7 +432,6 @@ def _cmd_compile(args) -> int:
 
 def _cmd_plan(args) -> int:
     from . import driver
-    from .parallel import search
 
     _setup_logging(False, args.verbose)
     dcfg = _distributed_config(args)
@@ -450,12 +450,16 @@ def _cmd_plan(args) -> int:
         return _plan_stages(args, dcfg, ocfg)
     model = dict(input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
                  dim_sizes=parse_dims(args.dim))
+    state = parse_state(args.state)
     if args.compare:  # (the config's own plan first: the one compile makes)
+        if state:
+            raise _CLIError("`shardflow plan --compare` compares plans without a state; plan with --state apart")
         rows = driver.compare_plans(args.model, distributed_config=dcfg, optimization_config=ocfg, **model)
         plan = rows[0][1]
     else:
         graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg, **model)
-        plan = search(graph, driver.planning_config(dcfg, ocfg))  # (the target's device, as compile plans)
+        # (the target's device, and the states kept as compile keeps them)
+        plan = driver.plan_with_state(graph, driver.planning_config(dcfg, ocfg), state, model["input_values"])[0]
     if args.out:
         plan.save(args.out)
     explained = [plan.explain(node) for node in args.explain]  # (an unknown name fails before any output)
@@ -498,8 +502,8 @@ def _plan_options(args, dcfg: dict, ocfg: dict) -> dict:
     options: list = []
     chosen, _ = choose_stages(args.model, dcfg=planning_config(dcfg, ocfg), opt=OptimizationConfig.from_dict(ocfg),
                               optimization_config=ocfg, input_shapes=parse_shapes(args.shape),
-                              input_values=parse_values(args.value), state=None, dim_sizes=parse_dims(args.dim),
-                              options=options)
+                              input_values=parse_values(args.value), state=parse_state(args.state),
+                              dim_sizes=parse_dims(args.dim), options=options)
     lines = [f"== options on mesh {list(chosen.mesh_shape)} (modeled runs; compile keeps the fastest, planned below)"]
     for what, cfg, t, why in options:
         mark = "  <- kept" if cfg is chosen else ""
@@ -515,7 +519,7 @@ def _plan_stages(args, dcfg: dict, ocfg: dict) -> int:
 
     pipe, plans = plan_stages(args.model, distributed_config=dcfg, optimization_config=ocfg,
                               input_shapes=parse_shapes(args.shape), input_values=parse_values(args.value),
-                              dim_sizes=parse_dims(args.dim))
+                              dim_sizes=parse_dims(args.dim), state=parse_state(args.state))
     explained = []
     for node in args.explain:  # (an unknown name fails before any output)
         owner = next((p for p in plans if node in p.op_specs), plans[0])

@@ -1247,6 +1247,29 @@ def _input_entry(local: Tensor, whole: Tensor, plan, rank: int, padded: Mapping 
     return entry
 
 
+def plan_with_state(graph: FlowGraph, dcfg, state: Mapping[str, str] | None,
+                    input_values: Mapping[str, Any] | None = None) -> tuple:
+    """The plan ``compile`` makes for the planned ``graph`` (:func:`planned_graph`) under ``dcfg`` (a
+    DistributedConfig) with ``state`` (``compile``'s; checked here): ``(plan, state, padded state,
+    sharded state)``. A KV cache whose heads were padded for the ranks is kept so (``padded state``: by
+    input, passes/heads.py), and a state the plan's writer splits is kept split (:func:`_plan_state`,
+    which searches again with those placements; ``sharded state``: the inputs each rank takes its part
+    of). ``shardflow plan --state`` prints this plan."""
+    from .parallel import search
+
+    state = _check_state(graph, state, input_values)
+    padded_state = {}
+    if state and graph.meta.get("padded_heads") and not dcfg.preload_plan:
+        # a KV cache whose heads were padded (or replicated) for the ranks kept so, to be split as they are
+        from .passes.heads import keep_state_padded
+
+        padded_state = keep_state_padded(graph, state)
+    log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
+    plan = search(graph, dcfg)
+    plan, sharded_state = _plan_state(graph, plan, dcfg, state)
+    return plan, state, padded_state, sharded_state
+
+
 def _plan_state(graph: FlowGraph, plan, dcfg, state: Mapping[str, str]) -> tuple[Any, set[str]]:
     """The plan for a program with ``state`` on several ranks, and the state inputs each rank takes
     only its part of.
@@ -1688,7 +1711,6 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     opt = OptimizationConfig.from_dict(optimization_config)
     if not isinstance(distributed_config, Mapping) and not hasattr(distributed_config, "mesh_shape"):
         raise ConfigError(f"distributed_config must be a dict, got {type(distributed_config).__name__}")
-    from .parallel import search
     from .parallel.comm_ops import Collective
     from .parallel.partition import partition_ranks
     from .parallel.config import DistributedConfig
@@ -1714,23 +1736,13 @@ def _compile(model, *, distributed_config: Mapping[str, Any], optimization_confi
     graph = _planned_graph(model, opt, dcfg, input_shapes, input_values, dim_sizes)
     timings["import"] = time.perf_counter() - t
     log.info("imported %d ops in %.2f s", len(graph.nodes), timings["import"])
-    state = _check_state(graph, state, input_values)
-    padded_state = {}
-    if state and graph.meta.get("padded_heads") and not dcfg.preload_plan:
-        # a KV cache whose heads were padded (or replicated) for the ranks kept so, to be split as they are
-        from .passes.heads import keep_state_padded
-
-        padded_state = keep_state_padded(graph, state)
-
     t = time.perf_counter()
-    log.info("searching a plan on mesh %s (algo %s)", list(dcfg.mesh_shape), dcfg.algo)
-    plan = search(graph, dcfg)
+    plan, state, padded_state, sharded_state = plan_with_state(graph, dcfg, state, input_values)
     if note:  # (pipeline_stages 'auto' chose this plan over stages)
         plan.notes.append(note)
     timings["search"] = time.perf_counter() - t
     log.info("plan: %s, modeled cost %.3g s, in %.2f s", plan.algo, plan.cost, timings["search"])
 
-    plan, sharded_state = _plan_state(graph, plan, dcfg, state)
     # each rank's graph built when its turn comes and dropped after it (its weight shards and their
     # packed forms): the compile holds one rank's weights at a time
     rank_graphs = partition_ranks(graph, plan, sharded_inputs=sharded_state)

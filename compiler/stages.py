@@ -276,16 +276,16 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
 
 
 def _stage_plans(pipe, dcfg, optimization_config) -> list:
-    """Each stage's plan (a microbatch's), as ``compile`` plans it."""
-    from .driver import planned_graph
-    from .parallel import search
+    """Each stage's plan (a microbatch's), as ``compile`` plans it (its states kept split where the plan
+    splits their writers: :func:`~.driver.plan_with_state`)."""
+    from .driver import plan_with_state, planned_graph
 
     plans = []
     for st in pipe.stages:
         sub = _stage_config(dcfg, st)
         with _naming_stage(st, len(pipe.stages)):
-            plans.append(search(planned_graph(st.graph, distributed_config=sub,
-                                              optimization_config=optimization_config), sub))
+            graph = planned_graph(st.graph, distributed_config=sub, optimization_config=optimization_config)
+            plans.append(plan_with_state(graph, sub, st.state or None)[0])
     return plans
 
 
@@ -586,9 +586,10 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
 
 def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_config: Mapping[str, Any] | None = None,
                 input_shapes: Mapping[str, Sequence[int]] | None = None,
-                input_values: Mapping[str, Any] | None = None, dim_sizes: Mapping[str, int] | None = None):
+                input_values: Mapping[str, Any] | None = None, dim_sizes: Mapping[str, int] | None = None,
+                state: Mapping[str, str] | None = None):
     """The cut and each stage's plan that :func:`~shardflow.compiler.compile` makes for these
-    arguments (``shardflow plan --stages``): ``(pipeline, plans)``, a
+    arguments (``shardflow plan --stages``; ``state`` as ``compile``'s): ``(pipeline, plans)``, a
     :class:`~shardflow.compiler.parallel.pipeline.Pipeline` and one
     :class:`~shardflow.compiler.parallel.ShardingPlan` per stage."""
     from .driver import OptimizationConfig, planning_config
@@ -600,7 +601,7 @@ def plan_stages(model, *, distributed_config: Mapping[str, Any], optimization_co
         raise ConfigError("plan_stages with pipeline_microbatches 'auto': compile decides (its note in pipeline.json "
                           "says why); plan with a number of microbatches")
     opt = OptimizationConfig.from_dict(optimization_config)
-    pipe, *_, plans = _cut(model, dcfg, opt, input_shapes, input_values, None, dim_sizes, optimization_config)
+    pipe, *_, plans = _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimization_config)
     plans = plans or _stage_plans(pipe, dcfg, optimization_config)
     _check_pins_matched(dcfg, plans)
     return pipe, plans

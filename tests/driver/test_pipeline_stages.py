@@ -481,6 +481,38 @@ def test_a_stage_with_states_is_planned_for_every_microbatch_instance(tmp_path):
     _decode_on_stages(tmp_path / "c", res, 2, "ilp")
 
 
+@pytest.mark.parametrize("extra", [[], ["--stages", "2", "--microbatches", "2"]], ids=["one-stage", "stages"])
+def test_plan_with_state_prints_the_plan_compile_makes(tmp_path, capsys, extra):
+    """`shardflow plan --state` plans as compile does with its state: the genai Llama's cache kept split by
+    key/value heads on 2 Megatron ranks (4 all-gathers of the presents fewer than planned without it), and
+    on 2 stages of 2 ranks with 2 microbatches each stage's plan counting its 2 instances; plan.txt as
+    compile writes it."""
+    from test_state import _cache_state
+
+    from shardflow.compiler.cli import main
+
+    model = str(MODELS / "llama_genai_fp32.onnx")
+    state = [f"--state={o}={i}" for o, i in _cache_state(2).items()]
+    shapes = ["--shape=input_ids=2x1", "--shape=attention_mask=2x16"] + [
+        f"--shape={i}=2x2x16x16" for i in _cache_state(2).values()]
+    mesh = ["--mesh", "4" if extra else "2", "--algo", "megatron", *extra]
+
+    def plan_txt(*args) -> list[str]:
+        capsys.readouterr()
+        assert main(["plan", model, *mesh, *shapes, *args]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if not line.startswith("==")]
+    with_state, without = plan_txt(*state), plan_txt()
+    assert main(["compile", model, "-o", str(tmp_path / "out"), *mesh, *shapes, *state, "-q"]) == 0
+    folders = [tmp_path / "out" / f"stage{k}" for k in range(2)] if extra else [tmp_path / "out"]
+    compiled = [line for d in folders for line in (d / "plan.txt").read_text().splitlines()]
+    assert with_state == compiled and with_state != without
+    if extra:
+        assert sum("2 instances of the program" in line for line in with_state) == 2
+    else:
+        counts = [line for line in with_state + without if line.startswith("# collectives:")]
+        assert counts == ["# collectives: all_gather×1, all_reduce×6", "# collectives: all_gather×5, all_reduce×6"]
+
+
 def test_cli_runs_and_profiles_a_kv_cache_on_stages_with_microbatches(tmp_path):
     """`shardflow run --profile` of the genai Llama on 2 stages with 2 microbatches and its cache kept: the
     logits of a step (the zero cache) onnxruntime's, and each rank's memory every instance's arena, the
