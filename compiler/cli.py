@@ -452,9 +452,8 @@ def _cmd_plan(args) -> int:
                  dim_sizes=parse_dims(args.dim))
     state = parse_state(args.state)
     if args.compare:  # (the config's own plan first: the one compile makes)
-        if state:
-            raise _CLIError("`shardflow plan --compare` compares plans without a state; plan with --state apart")
-        rows = driver.compare_plans(args.model, distributed_config=dcfg, optimization_config=ocfg, **model)
+        rows = driver.compare_plans(args.model, distributed_config=dcfg, optimization_config=ocfg, state=state,
+                                    **model)
         plan = rows[0][1]
     else:
         graph = driver.planned_graph(args.model, distributed_config=dcfg, optimization_config=ocfg, **model)

@@ -1411,14 +1411,15 @@ def compare_plans(model, *, distributed_config: Mapping[str, Any],
                   optimization_config: Mapping[str, Any] | None = None,
                   input_shapes: Mapping[str, Sequence[int]] | None = None,
                   input_values: Mapping[str, Any] | None = None,
-                  dim_sizes: Mapping[str, int] | None = None) -> list[tuple[str, Any, str | None]]:
-    """The plan :func:`compile` makes for these arguments beside the other algos' plans on the same mesh,
+                  dim_sizes: Mapping[str, int] | None = None,
+                  state: Mapping[str, str] | None = None) -> list[tuple[str, Any, str | None]]:
+    """The plan :func:`compile` makes for these arguments (``state`` as its: :func:`plan_with_state`)
+    beside the other algos' plans on the same mesh,
     links and device (``shardflow plan --compare``): ``[(label, plan, None) or (label, None, why refused)]``,
     the config's own first, then, when it pins ops (``op_placements``), the ILP without the pins (what they
     cost), then every other algo (without pins, which only the ILP takes). Each is planned on the graph
     ``compile`` would plan it on (Megatron's with padded heads where that pads them); a plan the budget
     or the device's memory refuses is listed with the reason."""
-    from .parallel import search
     from .parallel.config import ALGOS
 
     opt = OptimizationConfig.from_dict(optimization_config)
@@ -1439,7 +1440,7 @@ def compare_plans(model, *, distributed_config: Mapping[str, Any],
         if pad not in graphs:
             graphs[pad] = _planned_graph(model, opt, cfg, input_shapes, input_values, dim_sizes)
         try:
-            plan = search(graphs[pad], cfg)
+            plan = plan_with_state(graphs[pad], cfg, state, input_values)[0]
             res.append((label + (f", {len(plan.pinned)} op(s) pinned" if plan.pinned else ""), plan, None))
         except ShardflowError as exc:
             if cfg is dcfg:

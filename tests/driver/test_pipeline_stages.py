@@ -511,6 +511,15 @@ def test_plan_with_state_prints_the_plan_compile_makes(tmp_path, capsys, extra):
     else:
         counts = [line for line in with_state + without if line.startswith("# collectives:")]
         assert counts == ["# collectives: all_gather×1, all_reduce×6", "# collectives: all_gather×5, all_reduce×6"]
+        # (--compare: every algo's plan with the states kept as compile keeps them; the config's row first)
+        from shardflow.compiler.driver import compare_plans
+
+        kw = dict(distributed_config={"mesh_shape": [2], "algo": "megatron"}, optimization_config=CPU,
+                  input_shapes={"input_ids": (2, 1), "attention_mask": (2, 16),
+                                **{i: (2, 2, 16, 16) for i in _cache_state(2).values()}})
+        rows = {label: len(plan.collectives) for label, plan, _ in compare_plans(model, state=_cache_state(2), **kw)}
+        assert rows["megatron"] == 7 and {label: len(plan.collectives)
+                                          for label, plan, _ in compare_plans(model, **kw)}["megatron"] == 11
 
 
 def test_cli_runs_and_profiles_a_kv_cache_on_stages_with_microbatches(tmp_path):
