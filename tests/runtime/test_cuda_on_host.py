@@ -143,6 +143,19 @@ def test_pipeline_stages_of_cuda_ranks_on_the_host(tmp_path, host):
             _close(np.asarray(outs[r]["logits"]), want, 1e-5, f"rank {r} run {k}")
     full = run_threads(world, lambda c: progs[c.rank].gather_outputs(outs[c.rank]), timeout=120)
     _close(np.asarray(full[0]["logits"]), want, 1e-5, "gathered on rank 0")
+    # (a rank_map placing rank 0 in the last stage, 2 microbatches, traced: the logits gathered on rank 0 are
+    # its own; every rank's trace has its transfers and its kernels)
+    res = compile(str(path), distributed_config={"mesh_shape": [2, 2], "algo": "megatron", "pipeline_stages": 2,
+                                                 "pipeline_microbatches": 2, "rank_map": [2, 3, 0, 1]},
+                  optimization_config={"target": "cuda"}, out_dir=tmp_path / "pm",
+                  input_shapes={k: v.shape for k, v in feeds.items()})
+    assert res.pipeline["ranks"] == [[2, 3], [0, 1]]
+    progs = run_threads(world, lambda c: load(res.out_dir, c.rank, c), timeout=120)
+    full = run_threads(world, lambda c: progs[c.rank].gather_outputs(progs[c.rank].run(feeds)), timeout=120)
+    _close(np.asarray(full[0]["logits"]), want, 1e-5, "gathered on rank 0, in the last stage")
+    traces = run_threads(world, lambda c: progs[c.rank].trace(feeds), timeout=120)
+    assert [{e["kind"] for e in t} for t in traces] == [{"kernel", "collective", "receive"}] * 2 + [
+        {"kernel", "collective", "send"}] * 2
 
 
 def test_a_kv_cache_on_cuda_pipeline_stages_with_microbatches(tmp_path, host):
