@@ -246,6 +246,7 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
     whole.update((n, (t.shape, t.dtype)) for n, t in zip(graph.output_names, graph.outputs))
     micro = dcfg.pipeline_microbatches
     state = _check_state(graph, state, input_values)
+    _check_stage_placements(dcfg, graph, state)
     # (with microbatches each state is split along dim 0 as every input and output is: a stage's ranks keep an
     # instance of its program per microbatch, each with its rows: runtime/pipeline.py)
     t0 = time.perf_counter()
@@ -273,6 +274,22 @@ def _cut(model, dcfg, opt, input_shapes, input_values, state, dim_sizes, optimiz
         pipe, plans = _rebalanced(graph, pipe, dcfg, optimization_config, state)
     timings["cut"] = time.perf_counter() - t0
     return pipe, whole, state, timings, plans
+
+
+def _check_stage_placements(dcfg, graph, state: Mapping[str, str]) -> None:
+    """With stages, ``input_placements`` name model inputs (each on the mesh of the stage reading it) and
+    ``output_placements`` only the outputs of ``state`` (kept by their stage, never gathered): an output a
+    run returns is gathered whole from its stage, so a placement of it is a :class:`ConfigError`."""
+    inputs = {t.name for t in graph.inputs}
+    for name in dcfg.input_placements:
+        if name not in inputs:
+            raise ConfigError(f"distributed_config['input_placements'] names {name!r}, which is not an input of the "
+                              f"model (its inputs: {sorted(inputs)})")
+    for name in dcfg.output_placements:
+        if name not in state:
+            raise ConfigError(f"distributed_config['output_placements'][{name!r}]: with pipeline_stages a run's "
+                              "outputs are gathered whole from the stage making them; only a state's output (kept by "
+                              f"its stage) takes a placement (the states: {sorted(state) or 'none'})")
 
 
 def _stage_plans(pipe, dcfg, optimization_config) -> list:
@@ -309,6 +326,10 @@ def _stage_config(dcfg, st):
     import dataclasses
 
     sub = dcfg.stage_config(keeps_states=bool(st.state) and int(dcfg.pipeline_microbatches) > 1)
+    # (placements on the stage's mesh: of the model inputs it reads, and of the state outputs it keeps)
+    sub = dataclasses.replace(
+        sub, input_placements={k: v for k, v in dcfg.input_placements.items() if k in st.graph_inputs},
+        output_placements={k: v for k, v in dcfg.output_placements.items() if k in st.state})
     if dcfg.preload_plan:  # (the stage's own plan in the saved pipeline's folder)
         sub = dataclasses.replace(sub, preload_plan=str(Path(dcfg.preload_plan) / f"stage{st.index}"))
     return sub

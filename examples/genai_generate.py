@@ -132,7 +132,8 @@ def main() -> int:
         progs = {}
         state = {n.replace("past_key_values", "present"): n for n in past_names}  # present -> next past
         split = {}  # the decoding program's cache split by KV heads on several ranks
-        if args.ranks > 1 and kv_heads % args.ranks == 0 and args.stages == 1:
+        width = args.ranks // args.stages  # (a stage's ranks: its mesh, on which the placements are)
+        if width > 1 and kv_heads % width == 0:
             split = {"input_placements": {n: "S(1)" for n in past_names},
                      "output_placements": {n: "S(1)" for n in state}}
         staged = {"pipeline_stages": args.stages, "pipeline_microbatches": args.microbatches} if args.stages > 1 else {}

@@ -210,10 +210,6 @@ class DistributedConfig:
                 raise ConfigError(f"distributed_config['pipeline_stages'] = {stages}: the stages split the first mesh "
                                   f"axis, so its size must be a multiple of {stages} (got mesh_shape {list(shape)}), "
                                   f"e.g. {[stages] + list(shape)}")
-            for key in ("input_placements", "output_placements"):
-                if cfg.get(key):
-                    raise ConfigError(f"distributed_config[{key!r}] is not supported with pipeline_stages > 1 (each "
-                                      "stage is planned on its own, its inputs and outputs whole); drop one of them")
             if cfg.get("preload_plan"):  # (the saved cut and stages' plans: compiler/stages.py saved_cut)
                 fixed = [f"{k} 'auto'" for k in ("pipeline_stages", "pipeline_microbatches") if cfg.get(k) == "auto"]
                 if cfg.get("pipeline_balance", "modeled") != "modeled":

@@ -287,8 +287,13 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"its size must be a multiple of 2 \(got mesh_shape \[3\]\)"):
         compile(model, distributed_config={"mesh_shape": [3], "pipeline_stages": 2}, optimization_config=CPU,
                 out_dir=tmp_path / "a")
-    with pytest.raises(ConfigError, match=r"'input_placements'\] is not supported with pipeline_stages"):
-        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "input_placements": {"x": "S(0)"}},
+    with pytest.raises(ConfigError, match=r"'output_placements'\]\['h3'\]: with pipeline_stages a run's outputs are "
+                                          r"gathered whole .* \(the states: none\)"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2,
+                                           "output_placements": {"h3": "S(0)"}}, optimization_config=CPU,
+                out_dir=tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"'input_placements'\] names 'y', which is not an input of the model"):
+        compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 2, "input_placements": {"y": "S(0)"}},
                 optimization_config=CPU, out_dir=tmp_path / "a")
     with pytest.raises(ConfigError, match="pipeline_stages"):
         compile(model, distributed_config={"mesh_shape": [2], "pipeline_stages": 0}, optimization_config=CPU,
@@ -806,29 +811,33 @@ def test_token_ids_past_the_table_are_refused_on_every_rank(tmp_path):
     assert run_threads(InProcessWorld(2).communicators(), rank, timeout=120) == [[], ["logits"]]
 
 
-@pytest.mark.parametrize("mesh, micro, algo", [([2], 1, "ilp"), ([2], 2, "ilp"), ([4], 2, "megatron")],
-                         ids=["2x1", "2x1-microbatches", "2x2-megatron-microbatches"])
-def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo):
+@pytest.mark.parametrize("mesh, micro, algo, placed", [([2], 1, "ilp", False), ([2], 2, "ilp", False),
+                                                      ([4], 2, "megatron", False), ([4], 2, "ilp", True)],
+                         ids=["2x1", "2x1-microbatches", "2x2-megatron-microbatches", "2x2-placed-microbatches"])
+def test_a_kv_cache_stays_in_its_stage(tmp_path, mesh, micro, algo, placed):
     """onnxruntime-genai's Llama decoding step (2 layers, a cache of 16) on 2 stages with its KV cache kept
     as state: no cut between a layer's past and its present, so each stage keeps its layer's cache. Five
     greedy steps of two sequences, the first given the zero past, the others only the token and the mask:
     the last stage's logits and each stage's cache against onnxruntime fed its own presents. With 2
     microbatches (a sequence each) a stage keeps an instance of its program per microbatch, each with its
     sequence's rows of the cache and the weights held once; on 2 Megatron ranks a stage, each rank its
-    key/value head of them."""
+    key/value head of them; so too with the ILP given the cache's placement (``input_placements`` and
+    ``output_placements`` ``S(1)`` for each past and present, on a stage's mesh), as without stages."""
     from test_state import _cache_state
 
     state = _cache_state(2)
     shapes = {"input_ids": (2, 1), "attention_mask": (2, 16), **{k: (2, 2, 16, 16) for k in state.values()}}
+    placements = {"input_placements": {n: "S(1)" for n in state.values()},
+                  "output_placements": {n: "S(1)" for n in state}} if placed else {}
     res = compile(str(MODELS / "llama_genai_fp32.onnx"),
                   distributed_config={"mesh_shape": mesh, "pipeline_stages": 2, "pipeline_microbatches": micro,
-                                      "algo": algo},
+                                      "algo": algo, **placements},
                   optimization_config=CPU, out_dir=tmp_path / "out", input_shapes=shapes, state=state)
     kept = [{e["output"]: e["input"] for e in st["state"]} for st in res.pipeline["stages"]]
     assert kept == [{k: v for k, v in state.items() if ".0." in k}, {k: v for k, v in state.items() if ".1." in k}]
     assert [e["name"] for e in res.pipeline["outputs"]] == ["logits"]
     assert sorted(e["name"] for e in res.pipeline["inputs"] if e.get("state")) == sorted(state.values())
-    _decode_on_stages(tmp_path / "out", res, micro, algo)
+    _decode_on_stages(tmp_path / "out", res, micro, "megatron" if placed else algo)
 
 
 def _decode_on_stages(out, res, micro, algo):
