@@ -566,7 +566,7 @@ def inspect_out_dir(out_dir: str, verify: bool = False) -> dict[str, Any]:
     stages = read_pipeline(out)
     if stages is not None:
         return {"out_dir": str(out), "world_size": stages["world_size"], "mesh_shape": stages["mesh_shape"],
-                "ranks": stage_ranks(stages),
+                "stage_ranks": stage_ranks(stages),
                 "microbatches": stages.get("microbatches", 1), "modeled_s": stages.get("modeled_s"),
                 "balance": stages.get("balance", "modeled"),
                 "notes": [stages[k] for k in ("note", "balance_note") if stages.get(k)],
@@ -654,8 +654,8 @@ def _inspect_text(info: dict) -> list[str]:
         micro = f", {info['microbatches']} microbatches a run" if info["microbatches"] > 1 else ""
         width = stages[0]["world_size"]
         placed = ("global rank s * {} + c runs stage s's rank c".format(width)
-                  if info["ranks"] == [[s * width + c for c in range(width)] for s in range(len(stages))]
-                  else f"stage s's rank c is global rank ranks[s][c], ranks {info['ranks']} (rank_map)")
+                  if info["stage_ranks"] == [[s * width + c for c in range(width)] for s in range(len(stages))]
+                  else f"stage s's rank c is global rank ranks[s][c], ranks {info['stage_ranks']} (rank_map)")
         lines.append(f"{info['out_dir']}: {len(stages)} pipeline stages on mesh {info['mesh_shape']}{micro}, "
                      f"{info['world_size']} rank(s) ({placed}); the cut balances {info['balance']} times")
         lines += [f"# {note}" for note in info["notes"]]

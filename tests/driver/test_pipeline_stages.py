@@ -649,6 +649,9 @@ def test_rank_map_places_the_stages(tmp_path, mesh, rank_map, ranks):
                               capture_output=True, text=True, timeout=600, env=clean_env())
         assert proc.returncode == 0, proc.stderr[-3000:]
         np.testing.assert_allclose(np.load(tmp_path / "o.npz")["logits"], ref["logits"], rtol=1e-4, atol=1e-5)
+        from shardflow.compiler.cli import inspect_out_dir
+
+        assert inspect_out_dir(str(tmp_path / "out"))["stage_ranks"] == ranks
     with pytest.raises(ConfigError, match="rank_map"):
         compile(str(MODELS / "gpt2_ts17.onnx"), distributed_config={**cfg, "rank_map": [0, 0, 1, 2]},
                 optimization_config=CPU, out_dir=tmp_path / "bad")
