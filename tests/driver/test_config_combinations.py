@@ -3,7 +3,8 @@
 Each case draws a model (a residual MLP, the GPT-2 and BERT test exports, or the genai Llama decoding with
 its KV cache kept as state), a mesh and a random
 choice of the keys that interact (algo, pipeline stages and microbatches, their 'auto' forms, a memory
-budget, partial sums, layer aliasing, pinned ops, fusion, shape variants of the MLP) and compiles it.
+budget, partial sums, layer aliasing, a rank_map, pinned ops, fusion, shape variants of the MLP) and compiles
+it.
 Either the compile succeeds, and every rank's run (in-process ranks) gives onnxruntime's outputs, or it
 raises a ShardflowError (a ConfigError, ShapeError, ...) with a message: never another exception, never a
 half-written out_dir. Two seeds by default; ``SHARDFLOW_RANDOM_SEEDS=A:B`` runs seeds A to B-1 (seeds
@@ -63,6 +64,8 @@ def _draw(seed: int):
         cfg["partial_sums"] = bool(rng.random() < 0.5)
     if rng.random() < 0.2:
         cfg["alias_layers"] = False
+    if rng.random() < 0.25:  # (the ranks placed on the mesh in another order)
+        cfg["rank_map"] = [int(r) for r in rng.permutation(int(np.prod(mesh)))]
     if rng.random() < 0.3:  # (a pin the rules may or may not allow there)
         pattern = {"mlp": "up1", "variants": "up*", "gpt2_ts17": "/model/transformer/h.0/mlp/c_fc/Gemm",
                    "bert_dynamo18": "*", "genai": "/model/layers.1/mlp/*"}[kind]
