@@ -578,6 +578,11 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
             for e in json.loads((res.out_dir / "rank0" / "manifest.json").read_text())["inputs"]:
                 if e["name"] in pipe.inputs and e.get("index_checks"):
                     ranges.setdefault(e["name"], []).extend(e["index_checks"])
+        zero = next(s for s, r in enumerate(ranks) if 0 in r)  # (the stage of global rank 0, which gathers outputs)
+        if zero != 0:  # (a rank_map put it elsewhere: the outputs go there, from every other stage)
+            made = {n: st.index for st in pipe.stages for n in st.outputs if n not in state}
+            pipe.transfers = [t for t in pipe.transfers if t[3] != "output"] + [
+                (n, s, zero, "output") for n, s in made.items() if s != zero]
         modeled = _modeled(pipe, [r.plan.cost for r in results], dcfg)
         body = pipe.to_dict()
         body["ranks"] = ranks
