@@ -183,18 +183,11 @@ def _distributed_config(args) -> dict:
         for k in CALIBRATED_KEYS:  # what the config file or a flag sets wins
             cfg.setdefault(k, cal[k])
     cfg.setdefault("mesh_shape", [1])
-    if args.algo is not None:
-        cfg["algo"] = args.algo
-    if args.device is not None:
-        cfg["device"] = args.device
-    if args.stages is not None:
-        cfg["pipeline_stages"] = args.stages
-    if args.microbatches is not None:
-        cfg["pipeline_microbatches"] = args.microbatches
-    if args.balance is not None:
-        cfg["pipeline_balance"] = args.balance
-    if args.preload_plan is not None:
-        cfg["preload_plan"] = args.preload_plan
+    for flag, key in (("algo", "algo"), ("device", "device"), ("stages", "pipeline_stages"),
+                      ("microbatches", "pipeline_microbatches"), ("balance", "pipeline_balance"),
+                      ("preload_plan", "preload_plan")):
+        if getattr(args, flag) is not None:  # (a flag wins over the config file)
+            cfg[key] = getattr(args, flag)
     for item in args.place or ():
         op, sep, spec = item.rpartition("=")
         if not sep or not op or not spec.strip():

@@ -125,10 +125,10 @@ def measured_op_times(graph, optimization_config, device=None, repeat: int = 5, 
                  optimization_config=optimization_config, out_dir=one, input_shapes=None, input_values=None,
                  state=None)
         entries = json.loads((one / "rank0" / "manifest.json").read_text())["inputs"]
-        np.savez(Path(tmp) / "zeros.npz", **_timing_inputs(entries))
+        np.savez(Path(tmp) / "inputs.npz", **_timing_inputs(entries))
         env = dict(os.environ, OMP_NUM_THREADS=_threads_per_rank(ranks))
         proc = subprocess.run([sys.executable, "-m", "shardflow.compiler.cli", "run", str(one), "--nproc", "1",
-                               "--launcher", "spawn", "--inputs", str(Path(tmp) / "zeros.npz"), "--repeat",
+                               "--launcher", "spawn", "--inputs", str(Path(tmp) / "inputs.npz"), "--repeat",
                                str(repeat), "--profile-json", str(Path(tmp) / "profile.json")],
                               capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode:
@@ -155,10 +155,9 @@ def _timing_inputs(entries: list[dict]) -> dict:
     for e in entries:
         dtype = buffer_dtype(e["dtype"])
         if dtype.kind in "iub":
-            checks = e.get("index_checks") or []
-            lo = max([int(c[0]) for c in checks], default=1)
-            hi = min([int(c[1]) for c in checks], default=1)
-            res[e["name"]] = np.full(e["shape"], min(max(1, lo), hi) if checks else 1, dtype)
+            checks = e.get("index_checks") or [(1, 1)]  # (lo, hi[, op]) each
+            value = min(max(1, max(int(c[0]) for c in checks)), min(int(c[1]) for c in checks))
+            res[e["name"]] = np.full(e["shape"], value, dtype)
         else:
             res[e["name"]] = np.zeros(e["shape"], dtype)
     return res
@@ -325,14 +324,13 @@ def _stage_config(dcfg, st):
     which its plan's memory counts (each instance's activations and states; the parameters once)."""
     import dataclasses
 
-    sub = dcfg.stage_config(keeps_states=bool(st.state) and int(dcfg.pipeline_microbatches) > 1)
-    # (placements on the stage's mesh: of the model inputs it reads, and of the state outputs it keeps)
-    sub = dataclasses.replace(
-        sub, input_placements={k: v for k, v in dcfg.input_placements.items() if k in st.graph_inputs},
-        output_placements={k: v for k, v in dcfg.output_placements.items() if k in st.state})
-    if dcfg.preload_plan:  # (the stage's own plan in the saved pipeline's folder)
-        sub = dataclasses.replace(sub, preload_plan=str(Path(dcfg.preload_plan) / f"stage{st.index}"))
-    return sub
+    # (placements on the stage's mesh: of the model inputs it reads, and of the state outputs it keeps; a
+    # saved pipeline's stage plan in its folder)
+    return dataclasses.replace(
+        dcfg.stage_config(keeps_states=bool(st.state) and int(dcfg.pipeline_microbatches) > 1),
+        input_placements={k: v for k, v in dcfg.input_placements.items() if k in st.graph_inputs},
+        output_placements={k: v for k, v in dcfg.output_placements.items() if k in st.state},
+        preload_plan=str(Path(dcfg.preload_plan) / f"stage{st.index}") if dcfg.preload_plan else None)
 
 
 #: The file ``shardflow plan --stages P -o DIR`` writes beside the stages' plans: the cut, which
@@ -578,11 +576,7 @@ def compile_stages(model, *, dcfg, opt, optimization_config, out_dir: str | os.P
             for e in json.loads((res.out_dir / "rank0" / "manifest.json").read_text())["inputs"]:
                 if e["name"] in pipe.inputs and e.get("index_checks"):
                     ranges.setdefault(e["name"], []).extend(e["index_checks"])
-        zero = next(s for s, r in enumerate(ranks) if 0 in r)  # (the stage of global rank 0, which gathers outputs)
-        if zero != 0:  # (a rank_map put it elsewhere: the outputs go there, from every other stage)
-            made = {n: st.index for st in pipe.stages for n in st.outputs if n not in state}
-            pipe.transfers = [t for t in pipe.transfers if t[3] != "output"] + [
-                (n, s, zero, "output") for n, s in made.items() if s != zero]
+        pipe.gather_on(next(s for s, r in enumerate(ranks) if 0 in r))  # (global rank 0's stage, a rank_map's)
         modeled = _modeled(pipe, [r.plan.cost for r in results], dcfg)
         body = pipe.to_dict()
         body["ranks"] = ranks

@@ -791,24 +791,13 @@ class RankProgram:
             op type or the collective) and ``ms``, the median over the runs.
         """
         self._step_by_step("profile", "repeat", repeat, warmup, inputs)
-        arrays = self._check_inputs(inputs)
-        if self._engine is not None:  # (milliseconds on the GPU's clock)
-            times = np.array([[b - a for a, b in self._engine.timed_run(arrays)[0]] for _ in range(repeat)]) / 1e3
-        else:
-            step_calls = self._step_calls()
-            times = np.zeros((repeat, len(step_calls)))
-            clock = time.perf_counter
-            for r in range(repeat):
-                self._copy_inputs(arrays)
-                for k, call in enumerate(step_calls):
-                    t0 = clock()
-                    call()
-                    times[r, k] = clock() - t0
-                self._copy_state()
-        med = np.median(times, axis=0) * 1e3
+        events: list[dict] = []
+        for _ in range(repeat):
+            self.traced_run(inputs, events)
         n0 = self.load_steps  # run once at load: not timed
-        return [{"index": n0 + k, "ms": float(med[k]), **self._step_record(k)}
-                for k in range(len(self.program["steps"]) - n0)]
+        n = len(self.program["steps"]) - n0
+        med = np.median(np.array([e["end_ns"] - e["start_ns"] for e in events], float).reshape(repeat, n), axis=0)
+        return [{"index": n0 + k, "ms": float(med[k]) / 1e6, **self._step_record(k)} for k in range(n)]
 
     def _step_record(self, k: int) -> dict:
         """``kind``, ``node`` and ``what`` (op type or collective) of the ``k``-th step after the load."""

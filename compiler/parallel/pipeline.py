@@ -97,8 +97,9 @@ class Pipeline:
     the order that stage makes them, then by receiving stage (kind ``cut``). Each rank's own
     transfers are a subsequence of this one order, so blocking sends and receives cannot deadlock.
     Then, apart (the gather of the outputs on rank 0, when a launcher asks for it), each graph
-    output a stage other than the first makes, from that stage to stage 0, in the model's output
-    order (kind ``output``).
+    output a stage other than rank 0's makes, from that stage to rank 0's (stage 0 unless a
+    ``rank_map`` places rank 0 elsewhere: :meth:`gather_on`), in the model's output order (kind
+    ``output``).
     """
 
     stages: list[Stage]
@@ -109,6 +110,15 @@ class Pipeline:
     inputs: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     #: How the cut was chosen, when more than one was weighed (``pipeline_balance`` ``"measured"``).
     note: str | None = None
+    #: ``(name, stage making it)`` of each output a run returns (states excepted), in the model's order.
+    returned: list[tuple[str, int]] = field(default_factory=list)
+
+    def gather_on(self, stage: int) -> None:
+        """The ``output`` transfers: each returned output a stage other than ``stage`` makes, to ``stage``
+        (the one holding global rank 0, which gathers them: stage 0 unless a ``rank_map`` puts it elsewhere),
+        after the cuts' transfers, in the model's output order."""
+        self.transfers = [t for t in self.transfers if t[3] != "output"] + [
+            (name, s, stage, "output") for name, s in self.returned if s != stage]
 
     def transfer_seconds(self, bandwidth_GBps: float | None = None, latency_us: float | None = None,
                          kinds: tuple[str, ...] = ("cut", "output"), from_stage: int | None = None) -> float:
@@ -420,9 +430,9 @@ def split_stages(graph: FlowGraph, stages: int, device: DeviceProfile | None = N
     for st in pipe.stages:
         for name, to in st.sends:
             pipe.transfers.extend((name, st.index, d, "cut") for d in to)
-    for name, t in zip(graph.output_names, graph.outputs):
-        if stage_of[id(t.producer)] != 0 and name not in kept:  # (a state stays in its stage's program)
-            pipe.transfers.append((name, stage_of[id(t.producer)], 0, "output"))
+    pipe.returned = [(name, stage_of[id(t.producer)]) for name, t in zip(graph.output_names, graph.outputs)
+                     if name not in kept]  # (a state stays in its stage's program)
+    pipe.gather_on(0)
     log.info("pipeline: %d stages of %s ops, modeled %s ms; %d tensors cross the cuts (%s bytes)", stages,
              [st.ops for st in pipe.stages], [round(st.time_s * 1e3, 3) for st in pipe.stages],
              sum(len(st.sends) for st in pipe.stages),
