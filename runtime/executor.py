@@ -613,7 +613,9 @@ class RankProgram:
             64 KiB or more that no kernel writes is read where it lies, not copied: do not write it
             from another thread during the run. A state input (:attr:`state_names`) may be left
             out: the run then reads the value the previous run left (zeros at first); given, it
-            sets that value (whole, or this rank's part of a split state).
+            sets that value (whole, or this rank's part of a split state). On a cuda target an input
+            may be a cupy array (a bfloat16 or float8 one as its bit pattern, ``uint16`` or ``uint8``:
+            cupy has no such types).
         copy_outputs
             ``True`` (default): the outputs are fresh arrays (cpu: arrays of 1 MiB or more reuse
             the memory of outputs of earlier runs that the caller has dropped, never of one it
@@ -918,7 +920,9 @@ class RankProgram:
                                       f"{whole}{also}; compile again with input_shapes to change it", name)
             if a.dtype != buf.dtype and buf.dtype.kind == "V" and a.dtype == np.dtype(f"V{buf.dtype.itemsize}"):
                 a = a.view(buf.dtype)  # how np.save / np.savez store ml_dtypes' bfloat16 and float8 (np.load: V2, V1)
-            if a.dtype != buf.dtype:
+            device_bits = (self._engine is not None and buf.dtype.kind == "V" and type(a).__module__.startswith("cupy")
+                           and a.dtype == np.dtype(f"u{buf.dtype.itemsize}"))  # (cupy has no such types: their bits)
+            if a.dtype != buf.dtype and not device_bits:
                 raise InputDtypeError(f"input {name!r} has dtype {a.dtype}, the program expects {buf.dtype}; "
                                       f"convert it with .astype('{buf.dtype}')", name)
             if name in self._index_checks:

@@ -8,7 +8,8 @@ communicator into the stage's ranks (its program's collectives) and the ranks of
 stage: the transfers), and on :meth:`~PipelineProgram.run` receives the tensors earlier stages make
 for it, runs its stage and sends what later stages read, all in ``pipeline.json``'s one order of
 transfers (a rank's own transfers come in that order, so the blocking sends and receives cannot
-deadlock). A run returns the model outputs the rank's stage makes (the last stage's ranks: the
+deadlock). The transfers move device arrays for cuda stages on a device communicator (NCCL), host
+arrays otherwise. A run returns the model outputs the rank's stage makes (the last stage's ranks: the
 logits); :meth:`~PipelineProgram.gather_outputs` brings every output to rank 0 (what ``shardflow
 run --outputs`` writes), once, not in every run.
 """
@@ -70,6 +71,17 @@ def _host(a) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _device(a):
+    """``a`` on the device: a cupy array as it is, a numpy one uploaded (ml_dtypes' bfloat16 and float8 as
+    their bit patterns, the dtype a cuda program's device buffers have: :func:`~.artifact.buffer_dtype`)."""
+    if type(a).__module__.startswith("cupy"):
+        return a
+    import cupy
+
+    a = np.ascontiguousarray(a)
+    return cupy.asarray(a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" else a)
+
+
 def _rows(a, j: int, parts: int):
     """Microbatch ``j`` of ``parts``: rows ``j * n / parts`` to ``(j + 1) * n / parts`` of ``a``'s dim 0
     (a view; the compile checked that ``parts`` divides it)."""
@@ -81,7 +93,7 @@ def _rows(a, j: int, parts: int):
 
 def _join(arrays: list):
     """The microbatches' outputs joined along dim 0 (numpy, or cupy for a cuda program's)."""
-    if all(isinstance(a, np.ndarray) for a in arrays):
+    if not any(type(a).__module__.startswith("cupy") for a in arrays):
         return np.concatenate(arrays, axis=0)
     import cupy
 
@@ -133,10 +145,14 @@ class PipelineProgram:
         from .comm import host_communicator
 
         self._world = host_communicator(comm)
-        self._pipe = self._world.split([[ranks[s][c] for s in range(n_stages)] for c in range(width)])
         self._stage_spec = spec["stages"][self.stage]
         self.program = RankProgram(self.out_dir / self._stage_spec["dir"], member,
                                    stage_comm if width > 1 else None, **load_kwargs)
+        # The cuts' tensors of cuda stages on a device communicator (NCCL) go from device to device, on a
+        # communicator split off it; otherwise (cpu stages, or cuda ranks on MPI/TCP) through the host one.
+        self._device = self.program.target == "cuda" and not comm.host_only
+        self._pipe = (comm if self._device else self._world).split(
+            [[ranks[s][c] for s in range(n_stages)] for c in range(width)])
         # A stage keeping states (a KV cache) with microbatches keeps an instance of its program per microbatch,
         # each with its rows of the states, the weights held once (RankProgram.twin; every rank of the stage
         # makes them alike: collective on the stage's communicator).
@@ -253,17 +269,28 @@ class PipelineProgram:
         whole = self._checked(inputs)
         micro = int(self.spec.get("microbatches", 1))
         parts: list[dict] = []
+        # (device transfers: the stage runs on device arrays, its inputs uploaded once, so that what it sends
+        # stays on the device; what it returns goes to the host when the caller gave host arrays)
+        to_host = False
+        if self._device:
+            import cupy
+
+            to_host = not any(type(a).__module__.startswith("cupy") for a in inputs.values())
+            whole = {n: _device(a) for n, a in whole.items()}
+            cupy.cuda.get_current_stream().synchronize()  # (uploaded before the program's stream reads them)
+        wire = _device if self._device else _host
 
         def transfer(kind, e, peer, send, recv):
             t0 = clock()
             self._pipe.exchange(send, recv)
+            self._pipe.wait()
             if events is not None:
                 events.append({"kind": kind, "node": e["name"], "what": f"{kind} stage {peer}", "start_ns": t0,
                                "end_ns": clock(), "microbatch": j, **tags})
         for j in range(micro):
             feeds = {n: _rows(a, j, micro) for n, a in whole.items()}
             for e in self._receives:
-                buf = np.empty(e["shape"], buffer_dtype(e["dtype"]))
+                buf = self._buffer(e["shape"], e["dtype"])
                 transfer("receive", e, e["from"], {}, {e["from"]: buf})
                 feeds[e["name"]] = buf
             # (copied when more microbatches follow: the next run writes over the program's buffers; a stage
@@ -275,11 +302,19 @@ class PipelineProgram:
             else:
                 got = prog.traced_run(feeds, events, microbatch=j, **tags)
             for e in self._sends:
-                transfer("send", e, e["to"], {e["to"]: _host(got[e["name"]])}, {})
+                transfer("send", e, e["to"], {e["to"]: wire(got[e["name"]])}, {})
             parts.append({name: got[name] for name in self._mine})
-        if micro == 1:
-            return parts[0]
-        return {name: _join([p[name] for p in parts]) for name in self._mine}
+        outs = parts[0] if micro == 1 else {name: _join([p[name] for p in parts]) for name in self._mine}
+        return {name: _host(a) for name, a in outs.items()} if to_host else outs
+
+    def _buffer(self, shape: list, dtype: str):
+        """An empty receive buffer: on the device for device transfers (cupy, bit patterns for the types
+        numpy lacks), else numpy."""
+        if self._device:
+            import cupy
+
+            return cupy.empty(tuple(shape), buffer_dtype(dtype, device=True))
+        return np.empty(shape, buffer_dtype(dtype))
 
     def gather_outputs(self, outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Every model output on rank 0, from the first rank of the stage that makes it (``outputs``:

@@ -124,7 +124,7 @@ def _fake_cupy(kernels: dict, log: list):
     cp.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, CUDARuntimeError=RuntimeError),
         Device=lambda: types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 132}),
-        Stream=_Stream, Event=_Event, get_elapsed_time=_elapsed)
+        Stream=_Stream, Event=_Event, get_elapsed_time=_elapsed, get_current_stream=_Stream)
     cp.asarray = lambda a: np.array(a).view(_Array)
     cp.zeros = lambda n, dtype: np.zeros(n, dtype).view(_Array)
     cp.empty = lambda shape, dtype: np.full(shape, np.nan, dtype).view(_Array)

@@ -24,8 +24,8 @@ from cuda_host import _aligned, build, tensor_map
 from fake_cupy import _Array, _fake_cupy, _Stream
 
 
-def _asarray(a) -> _Array:
-    a = np.asarray(a)
+def _asarray(a, dtype=None, order=None) -> _Array:
+    a = np.asarray(a, dtype)
     return _full(a.shape, a, a.dtype)
 
 
@@ -87,6 +87,9 @@ def host_cupy(work_dir: str, log: list | None = None) -> types.ModuleType:
     cp.full = lambda shape, value, dtype=None: _full(shape, value, np.asarray(value).dtype if dtype is None else dtype)
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint16", "uint32"):
         setattr(cp, name, getattr(np, name))
+    # (what the communicators' generic and prepared collectives call on device arrays: runtime/comm)
+    for name in ("moveaxis", "ascontiguousarray", "concatenate", "maximum", "minimum", "pad", "trunc"):
+        setattr(cp, name, lambda *a, _f=getattr(np, name), **k: np.asarray(_f(*a, **k)).view(_Array))
     cp.cuda.runtime.deviceSynchronize = lambda: None
     built: dict[str, tuple] = {}  # source -> its emulated kernels, clusters and waiting kernels
 

@@ -178,6 +178,12 @@ class Communicator(ABC):
         number of bytes. Peers are ranks of this communicator, never ``self.rank``.
         """
 
+    def wait(self) -> None:
+        """Block until what this member gave :meth:`exchange` has been sent and received. A host backend's
+        exchange returns only then; a device backend's (NCCL) queues its calls on the current stream, and
+        its ``wait`` synchronizes that stream (before the receive buffers are read or the sent arrays
+        written again by work on another stream)."""
+
     def barrier(self) -> None:
         """Block until every member has reached the barrier."""
         token = np.zeros(1, np.uint8)
@@ -452,6 +458,9 @@ class GroupView(Communicator):
     def exchange(self, sends, recvs) -> None:
         self.parent.exchange({self.group[p]: a for p, a in sends.items()},
                              {self.group[p]: a for p, a in recvs.items()})
+
+    def wait(self) -> None:
+        self.parent.wait()
 
     def split(self, groups):
         return GroupView(self, _my_group(groups, self.rank, self.size))

@@ -108,6 +108,9 @@ class NCCLCommunicator(Communicator):
         finally:
             nccl.groupEnd()
 
+    def wait(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+
     def barrier(self) -> None:
         self.cupy.cuda.get_current_stream().synchronize()
         self.bootstrap.barrier()

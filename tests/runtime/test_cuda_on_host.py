@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from threads import run_threads
 
 from shardflow.compiler import compile
 from shardflow.runtime import load
-from shardflow.runtime.comm import InProcessWorld
+from shardflow.runtime.comm import CommError, InProcessCommunicator, InProcessWorld
 
 ort = pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
@@ -158,6 +159,65 @@ def test_pipeline_stages_of_cuda_ranks_on_the_host(tmp_path, host):
         {"kernel", "collective", "send"}] * 2
 
 
+class _DeviceComm(InProcessCommunicator):
+    """A rank of an in-process world that moves device arrays only, as NCCL does (``host_only`` False, a
+    host array refused), with a host communicator of the same ranks as its ``bootstrap``; it counts the
+    arrays it moved and its ``wait`` calls (shared by the communicators split off it)."""
+
+    host_only = False
+
+    def __init__(self, world, rank, boot, counts):
+        super().__init__(world, rank)
+        self.bootstrap, self.counts = boot, counts
+
+    def exchange(self, sends, recvs) -> None:
+        for a in list(sends.values()) + list(recvs.values()):
+            if not type(a).__module__.startswith("cupy"):
+                raise CommError(f"a device communicator given a host array ({type(a).__name__})")
+        self.counts["moved"] += len(sends)
+        super().exchange(sends, recvs)
+
+    def wait(self) -> None:
+        self.counts["waits"] += 1
+
+
+def _device_world(n: int) -> list[_DeviceComm]:
+    world, boots = InProcessWorld(n), InProcessWorld(n).communicators()
+    return [_DeviceComm(world, r, boots[r], Counter()) for r in range(n)]
+
+
+def test_cuda_pipeline_stages_send_device_arrays(tmp_path, host):
+    """Cuda stages on a device communicator (NCCL's contract, stood in for in-process): the cut's tensors go
+    from device to device (a host array given to it is refused), each transfer waited for; host inputs give
+    host outputs, device inputs device ones; the last stage's logits onnxruntime's, with 2 microbatches, and
+    gathered on rank 0 through the host communicator."""
+    path = MODELS / "gpt2_ts17.onnx"
+    feeds = dict(np.load(MODELS / "gpt2_inputs.npz"))
+    want = _session(path)(feeds)["logits"]
+    res = compile(str(path), distributed_config={"mesh_shape": [2, 2], "algo": "megatron", "pipeline_stages": 2,
+                                                 "pipeline_microbatches": 2},
+                  optimization_config={"target": "cuda"}, out_dir=tmp_path / "pp",
+                  input_shapes={k: v.shape for k, v in feeds.items()})
+    world = _device_world(4)
+    progs = run_threads(world, lambda c: load(res.out_dir, c.rank, c), timeout=120)
+    assert all(p._device for p in progs)
+    outs = run_threads(world, lambda c: progs[c.rank].run(feeds), timeout=120)
+    for r in (2, 3):
+        assert isinstance(outs[r]["logits"], np.ndarray) and type(outs[r]["logits"]) is np.ndarray
+        _close(outs[r]["logits"], want, 1e-5, f"rank {r}")
+    cuts = [e for e in res.pipeline["transfers"] if e["kind"] == "cut"]
+    assert cuts and all(c.counts["moved"] >= 2 * len(cuts) for c in world[:2])  # (2 microbatches)
+    assert all(c.counts["waits"] >= 2 * len(cuts) for c in world)
+    import cupy
+
+    device_feeds = {k: cupy.asarray(v) for k, v in feeds.items()}
+    outs = run_threads(world, lambda c: progs[c.rank].run(device_feeds), timeout=120)
+    assert type(outs[2]["logits"]).__module__.startswith("cupy")
+    _close(np.asarray(outs[3]["logits"]), want, 1e-5, "device inputs")
+    full = run_threads(world, lambda c: progs[c.rank].gather_outputs(progs[c.rank].run(feeds)), timeout=120)
+    _close(np.asarray(full[0]["logits"]), want, 1e-5, "gathered on rank 0")
+
+
 def test_a_kv_cache_on_cuda_pipeline_stages_with_microbatches(tmp_path, host):
     """onnxruntime-genai's Llama decoding step on 2 stages of one cuda rank, 2 microbatches (a sequence
     each): each stage keeps an instance of its program per microbatch (``RankProgram.twin``), its own
@@ -186,3 +246,30 @@ def test_a_kv_cache_on_cuda_pipeline_stages_with_microbatches(tmp_path, host):
                 if name in kept[r]:
                     _close(kept[r][name], want[out], 1e-4, f"rank {r} step {step} {name}")
     assert sorted(n for k in kept for n in k) == sorted(state.values())
+
+
+def test_a_bfloat16_input_given_on_the_device_as_its_bits(tmp_path, host):
+    """cupy has no bfloat16: a cuda program takes a bfloat16 input on the device as its bit pattern
+    (``uint16``, what a cuda pipeline stage receives a bfloat16 cut tensor into), the same outputs as
+    ml_dtypes' bfloat16 on the host; a device array of another dtype is refused, naming the input."""
+    import ml_dtypes
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT), helper.make_node("Relu", ["xf"], ["y"])],
+        "bf16_in", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])])
+    path = tmp_path / "m.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    prog = load(compile(str(path), distributed_config={"mesh_shape": [1]}, optimization_config={"target": "cuda"},
+                        out_dir=tmp_path / "out").out_dir)
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(ml_dtypes.bfloat16)
+    want = np.maximum(x.astype(np.float32), 0)
+    np.testing.assert_array_equal(prog.run({"x": x})["y"], want)
+    import cupy
+
+    np.testing.assert_array_equal(np.asarray(prog.run({"x": cupy.asarray(x.view(np.uint16))})["y"]), want)
+    from shardflow.runtime.executor import InputDtypeError
+
+    with pytest.raises(InputDtypeError, match="input 'x' has dtype int16"):
+        prog.run({"x": cupy.asarray(x.view(np.int16))})
