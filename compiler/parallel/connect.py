@@ -24,8 +24,12 @@ or all-to-all) needs ``i`` to be the *last* axis splitting ``a``, and sharding d
 (slice, reduce-scatter, all-to-all) needs no later axis to split ``b`` already. So inner
 axes are un-sharded before outer ones, and outer axes shard before inner ones. Among the legal
 orders, :func:`connect` picks the cheapest: a shortest-path search over the intermediate specs
-in which every mesh axis holds its source placement, ``R`` or its destination placement (at most
-``3^ndim`` specs), with each step priced by the cost model on the tensor as it is at that step.
+in which every mesh axis holds ``R``, a ``Shard`` of any of the tensor's dims, or its source or
+destination placement (at most ``(rank + 3)^ndim`` specs; one search from a source serves every
+destination), with each step priced by the cost model on the tensor as it is at that step.
+A detour through another dim can pay: ``S(0)P(sum) → S(1)R`` on ``[2, 2]`` reduce-scatters
+axis 1 to a dim axis 0 does not split, then moves the splits with all-to-alls, for less than
+reducing first.
 This does reductions before gathers whenever that moves fewer bytes (``P(sum)S(0) → RR``
 all-reduces the shard, then gathers), and prefers fewer steps among equal costs. Specs mixing
 different ``Partial`` reductions are never formed.
@@ -39,6 +43,7 @@ all-to-all. Local steps move nothing and cost 0.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -178,48 +183,18 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
                                   "combined value depends on the reduction order")
     if src == dst:
         return Resharding(src, dst, shape, dtype, (), 0.0)
-    candidates = [tuple(dict.fromkeys((p, Replicate(), q))) for p, q in zip(src, dst)]
     isz = itemsize(dtype)
     # the partial sums of bfloat16 travel in float32 (passes/precision.py ReduceBfloat16InFloat32)
     rsz = 4 if str(dtype) == "bfloat16" else isz
-    # Dijkstra over specs, each a tuple of its placements' keys (hashed and compared in C: the
-    # search runs for every edge of the planner's graph); priorities are integer femtoseconds
-    # (exact sums), then the step count. Steps are shared by all searches on this shape.
-    steps = cache.setdefault(("steps", shape, isz, rsz), {})
-    keys = [tuple(p._key() for p in c) for c in candidates]
-    by_key = [dict(zip(k, c)) for k, c in zip(keys, candidates)]
+    # One search from src reaches every spec (its tree is kept for the other destinations); a
+    # destination's partial placements are states of their own (a detour through a partial never
+    # pays, so the other destinations' paths are those of the search without them).
+    extra = tuple(q if isinstance(q, Partial) else None for q in dst)
+    tree_key = ("tree", src, shape, isz, rsz, extra)
+    prev = cache.get(tree_key)
+    if prev is None:
+        prev = cache[tree_key] = _shortest_paths(src, extra, shape, isz, rsz, mesh, cost_model, cache)
     start, goal = tuple(p._key() for p in src), tuple(p._key() for p in dst)
-    best = {start: (0, 0)}
-    prev: dict[tuple, tuple[tuple, CommStep]] = {}
-    heap = [(0, 0, 0, start)]
-    tie = 1
-    while heap:
-        cost, nsteps, _, cur = heapq.heappop(heap)
-        if cur == goal:
-            break
-        if (cost, nsteps) > best[cur]:
-            continue
-        for axis in reversed(range(mesh.ndim)):
-            here = cur[axis]
-            for q in keys[axis]:
-                if q == here:
-                    continue
-                hit = steps.get((cur, axis, q))
-                if hit is None:
-                    spec = TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
-                    step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
-                    hit = steps[(cur, axis, q)] = (step, round(step.cost * 1e15) if step else 0,
-                                                   cur[:axis] + (q,) + cur[axis + 1:])
-                step, fs, nxt = hit
-                if step is None:
-                    continue
-                cand = (cost + fs, nsteps + 1)
-                old = best.get(nxt)
-                if old is None or cand < old:
-                    best[nxt] = cand
-                    prev[nxt] = (cur, step)
-                    heapq.heappush(heap, (*cand, tie, nxt))
-                    tie += 1
     if goal not in prev:
         raise ReshardingError(f"no legal sequence of steps turns {src} into {dst}")  # unreachable by construction
     path = []
@@ -229,6 +204,98 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
         path.append(step)
     path.reverse()
     return Resharding(src, dst, shape, dtype, tuple(path), sum(s.cost for s in path))
+
+
+def axis_candidates(spec: TensorShardSpec, ndim: int, partials: Sequence = ()) -> list[list[Placement]]:
+    """Per mesh axis, the placements a search from ``spec`` may give that axis: ``R``, ``S(d)`` for
+    every dim of a tensor of rank ``ndim``, the axis' own placement and a partial ``partials`` names
+    for it (one an axis, or ``None``; a partial that neither end holds is never on a cheapest path:
+    entered only from ``R`` and left by a reduction, it costs what staying ``R`` does not)."""
+    res = []
+    for a, p in enumerate(spec.placements):
+        cands = [p, Replicate()] + [Shard(d) for d in range(ndim)]
+        if a < len(partials) and partials[a] is not None:
+            cands.append(partials[a])
+        res.append(sorted(set(cands), key=lambda x: x._key()))  # (one order: searches share their moves)
+    return res
+
+
+def step_graph(shape: Sequence[int], dtype: str, partials: Sequence[Sequence[Partial]], mesh: DeviceMesh,
+               cost_model: CostModel) -> tuple[list[TensorShardSpec], list[tuple[int, int, float]]]:
+    """The specs of a tensor of ``shape`` and ``dtype`` on ``mesh`` (every axis ``R``, a ``Shard`` of
+    any dim, or a partial ``partials`` lists for it; none mixing partial reductions) and the legal
+    steps between them, ``(from, to, seconds)`` by the specs' indices: the graph whose shortest
+    paths :func:`connect` takes (the planner's edges are flows over it). Cached per cost model."""
+    shape = tuple(int(d) for d in shape)
+    isz = itemsize(dtype)
+    rsz = 4 if str(dtype) == "bfloat16" else isz
+    per_axis = [sorted({Replicate(), *(Shard(d) for d in range(len(shape))), *partials[a]}, key=lambda x: x._key())
+                for a in range(mesh.ndim)]
+    cache = _CACHE.setdefault(cost_model, {})
+    key = ("graph", shape, isz, rsz, tuple(tuple(p._key() for p in c) for c in per_axis), mesh)
+    hit = cache.get(key)
+    if hit is None:
+        nodes = [TensorShardSpec(c) for c in itertools.product(*per_axis)]
+        nodes = [n for n in nodes if len(n.partial_ops) <= 1]
+        at = {n: k for k, n in enumerate(nodes)}
+        arcs = []
+        for k, n in enumerate(nodes):
+            for axis, cands in enumerate(per_axis):
+                for q in cands:
+                    if q != n.placements[axis]:
+                        step = _step(n, axis, q, shape, isz, mesh, cost_model, rsz)
+                        if step is not None:
+                            arcs.append((k, at[step.dst], step.cost))
+        hit = cache[key] = (nodes, arcs)
+    return hit
+
+
+def _shortest_paths(src: TensorShardSpec, extra: tuple, shape: tuple[int, ...], isz: int, rsz: int,
+                    mesh: DeviceMesh, cost_model: CostModel, cache: dict) -> dict:
+    """Dijkstra from ``src`` over the specs :func:`axis_candidates` allows: for every spec reached (as a
+    tuple of its placements' keys, hashed and compared in C), its predecessor and the step from it.
+    Priorities are integer femtoseconds (exact sums), then the step count."""
+    candidates = axis_candidates(src, len(shape), extra)
+    keys = [tuple(p._key() for p in c) for c in candidates]
+    by_key = [dict(zip(k, c)) for k, c in zip(keys, candidates)]
+    # a spec's legal steps (femtoseconds, the spec reached, the step), made once for every search on
+    # this shape with these candidates
+    moves_of = cache.setdefault(("moves", shape, isz, rsz, tuple(keys)), {})
+
+    def moves(cur: tuple) -> list:
+        res = []
+        spec = None
+        for axis in reversed(range(mesh.ndim)):
+            for q in keys[axis]:
+                if q == cur[axis]:
+                    continue
+                spec = spec or TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
+                step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
+                if step is not None:
+                    res.append((round(step.cost * 1e15), cur[:axis] + (q,) + cur[axis + 1:], step))
+        return res
+
+    start = tuple(p._key() for p in src)
+    best = {start: (0, 0)}
+    prev: dict[tuple, tuple[tuple, CommStep]] = {}
+    heap = [(0, 0, 0, start)]
+    tie = 1
+    while heap:
+        cost, nsteps, _, cur = heapq.heappop(heap)
+        if (cost, nsteps) > best[cur]:
+            continue
+        out = moves_of.get(cur)
+        if out is None:
+            out = moves_of[cur] = moves(cur)
+        for fs, nxt, step in out:
+            cand = (cost + fs, nsteps + 1)
+            old = best.get(nxt)
+            if old is None or cand < old:
+                best[nxt] = cand
+                prev[nxt] = (cur, step)
+                heapq.heappush(heap, (*cand, tie, nxt))
+                tie += 1
+    return prev
 
 
 def _step(cur: TensorShardSpec, axis: int, q: Placement, shape: tuple[int, ...], isz: int, mesh: DeviceMesh,

@@ -34,11 +34,11 @@ from ..ir.expr import BinOp, Reduce, TensorElement, UnaryOp, walk
 from ..ir.graph import FlowGraph, Operator, Tensor
 from ..ir.task import GridCompute
 from .config import DistributedConfig
-from .connect import connect
+from .connect import connect, step_graph
 from .cost import DEVICE_MEMORY_FRACTION, H100, CostModel, itemsize
 from .mesh import DeviceMesh
 from .pins import resolve_pins, unavailable
-from .placement import Replicate, Shard, TensorShardSpec
+from .placement import Partial, Replicate, Shard, TensorShardSpec
 from ..passes.simplify import attr_key
 from .rules import OFFSET_ROWS, PARTIAL_SUMS, OpShardSpec, op_strategies, replicated_strategy
 
@@ -183,6 +183,8 @@ class Problem:
                     hidden = not partial_sums and any(pin.admits(s) for s in op_strategies(op, self.mesh_shape))
                     raise unavailable(pin, op, same_op[key], "partial_sums" if hidden else None)
         self.producer_of = {id(t): op for op in graph.nodes for t in op.outputs}
+        #: input position of each weight product's constant weight (:func:`_is_weight_matmul`), else None
+        self.weight_input = {id(op): _is_weight_matmul(op) for op in graph.nodes}
         self._followers: dict[tuple, tuple[OpShardSpec, float]] = {}  # (_follow_leader)
         self._build_groups()
 
@@ -220,6 +222,12 @@ class Problem:
         if key not in self._connect_cache:
             self._connect_cache[key] = connect(src, dst, t.shape, t.dtype, self.mesh, self.cost_model).cost
         return self._connect_cache[key]
+
+    def step_graph(self, t: Tensor, specs: list[TensorShardSpec]):
+        """:func:`~.connect.step_graph` of ``t`` with the partial placements ``specs`` hold."""
+        partials = [{sp.placements[a] for sp in specs if isinstance(sp.placements[a], Partial)}
+                    for a in range(len(self.mesh_shape))]
+        return step_graph(t.shape, t.dtype, partials, self.mesh, self.cost_model)
 
     def source_spec(self, t: Tensor, assign: dict[int, OpShardSpec]) -> TensorShardSpec | None:
         """The spec ``t`` is produced in under ``assign``; None for constants (sliced for free)."""
@@ -434,6 +442,10 @@ class EdgeBlock:
     rows: list[int]             # producer strategy -> distinct produced spec
     cols: list[int]             # consumer strategy -> distinct needed spec
     cost: np.ndarray            # [produced spec, needed spec], times the edge's multiplicity
+    tensor: Tensor              # (one of) the tensor(s) the edge carries
+    have: list                  # the distinct produced specs
+    needed: list                # the distinct needed specs
+    count: int = 0              # the edge's multiplicity (aliased groups repeat it)
 
 
 def _distinct(specs: list) -> tuple[list[int], list]:
@@ -472,9 +484,8 @@ def _ilp_terms(problem: Problem):
                 rows, have = _distinct([ch[id(p)].output_specs[p.outputs.index(t)] for ch in pg.choices])
                 cols, needed = _distinct(need)
                 cost = np.array([[problem.reshard_cost(t, sp, d) for d in needed] for sp in have])
-                blk = blocks[key] = EdgeBlock(pg.alias, g.alias, rows, cols, cost * 0)
-                blk.unit = cost
-            blk.cost = blk.cost + blk.unit
+                blk = blocks[key] = EdgeBlock(pg.alias, g.alias, rows, cols, cost, t, have, needed)
+            blk.count += 1
     for t, dst in zip(problem.graph.outputs, problem.output_specs):
         p = problem.producer_of.get(id(t))
         if p is None:
@@ -484,6 +495,7 @@ def _ilp_terms(problem: Problem):
                                    for ch in pg.choices])
     edges = []
     for blk in blocks.values():
+        blk.cost = blk.cost * blk.count
         if blk.src == blk.dst:  # both ends take the same strategy
             lin[blk.src] += np.array([blk.cost[blk.rows[i], blk.cols[i]] for i in range(nstrat[blk.src])])
         elif blk.cost.any():
@@ -525,19 +537,27 @@ def _solve_ilp(problem: Problem) -> list[int]:
     # term, seconds of the search on a 3-D mesh.)
     scale = 1e6
     objective = [(v, float(c) * scale) for a in s for c, v in zip(lin[a], s[a]) if c]
-    # Edge blocks: e[u, v] = [producer makes spec u] * [consumer needs spec v], linearized exactly
-    # by its row sums (the producer's one-hot, summed per spec) and column sums.
+    # Edge blocks: a flow of one unit over connect's graph of the tensor's specs (connect.step_graph),
+    # from the spec the producer makes to the spec the consumer needs, each step priced; at 0/1
+    # choices its cheapest is connect's shortest path, the block's cost. (The flow's LP bound is that
+    # of a variable per pair of specs, e[u, v] with the choices' one-hots as its row and column
+    # sums, since the costs are the graph's shortest paths; it has a variable per step instead,
+    # 4-9x fewer on a 3-D mesh.)
     for n, blk in enumerate(edges):
-        a, b, m = blk.src, blk.dst, blk.cost
-        e = [[pulp.LpVariable(f"e{n}_{u}_{v}", lowBound=0) for v in range(m.shape[1])] for u in range(m.shape[0])]
-        for u in range(m.shape[0]):
-            prob += _affine([(x, 1.0) for x in e[u]]
-                            + [(s[a][i], -1.0) for i, r in enumerate(blk.rows) if r == u]) == 0, f"r{n}_{u}"
-        for v in range(m.shape[1]):
-            prob += _affine([(e[u][v], 1.0) for u in range(m.shape[0])]
-                            + [(s[b][j], -1.0) for j, c in enumerate(blk.cols) if c == v]) == 0, f"c{n}_{v}"
-        objective += [(e[u][v], float(m[u, v]) * scale)
-                      for u in range(m.shape[0]) for v in range(m.shape[1]) if m[u, v]]
+        nodes, steps = problem.step_graph(blk.tensor, blk.have + blk.needed)
+        at = {sp: k for k, sp in enumerate(nodes)}
+        f = [pulp.LpVariable(f"f{n}_{k}", lowBound=0) for k in range(len(steps))]
+        balance: dict[int, list] = defaultdict(list)  # in - out + made - needed = 0 at every spec
+        for k, (u, v, _) in enumerate(steps):
+            balance[u].append((f[k], -1.0))
+            balance[v].append((f[k], 1.0))
+        for i, r in enumerate(blk.rows):
+            balance[at[blk.have[r]]].append((s[blk.src][i], 1.0))
+        for j, c in enumerate(blk.cols):
+            balance[at[blk.needed[c]]].append((s[blk.dst][j], -1.0))
+        for u, terms in sorted(balance.items()):
+            prob += _affine(terms) == 0, f"b{n}_{u}"
+        objective += [(f[k], c * blk.count * scale) for k, (_, _, c) in enumerate(steps) if c]
     prob += _affine(objective)
     t0 = time.perf_counter()
     # Memory rows are added lazily: solve, add the rows the solution violates, solve again. Most
@@ -789,7 +809,7 @@ def _megatron(problem: Problem, kept_whole: list[str] | None = None, greedy: lis
         return _cheapest(problem, op, matches, assign) if matches else None
 
     def pick(op, cands, assign):
-        w = _is_weight_matmul(op)
+        w = problem.weight_input[id(op)]
         if w is None:
             return _vocab_parallel(op, cands, assign)
         if id(op) in banned:
@@ -899,12 +919,12 @@ def _unmatched_column_splits(problem: Problem, assign: dict[int, OpShardSpec], a
         return isinstance(sp.placements[axis], Shard)
 
     def row_parallel(op: Operator, k: int) -> bool:
-        w = _is_weight_matmul(op)
+        w = problem.weight_input[id(op)]
         return w is not None and w != k and split(assign[id(op)].input_specs[w])
 
     bad: dict[int, int] = {}
     for op in problem.graph.nodes:
-        w = _is_weight_matmul(op)
+        w = problem.weight_input[id(op)]
         c = assign[id(op)]
         if w is None or not (split(c.input_specs[w]) and split(c.output_specs[0])):
             continue

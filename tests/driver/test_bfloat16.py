@@ -394,11 +394,17 @@ def test_bfloat16_reductions_are_priced_in_float32():
 
     mesh = DeviceMesh([2])
     cm = CostModel(mesh)
-    for src, dst, ratio in (("P(sum)", "R", 1.0), ("P(sum)", "S(0)", 1.0), ("S(0)", "R", 0.5)):
+    for src, dst, ratio in (("P(sum)", "S(0)", 1.0), ("S(0)", "R", 0.5)):
         bf = connect(src, dst, (64, 64), "bfloat16", mesh, cm)
         f32 = connect(src, dst, (64, 64), "float32", mesh, cm)
         assert [st.bytes for st in bf.steps] == [int(st.bytes * ratio) for st in f32.steps], (src, dst)
         assert bf.steps[0].bytes > 0
+    # So a bfloat16 partial sum is made whole by a reduce-scatter in float32 and an all-gather of the
+    # bfloat16 halves, for less than an all-reduce moving float32 both ways (the float32 one all-reduces).
+    bf, f32 = (connect("P(sum)", "R", (64, 64), dt, mesh, cm) for dt in ("bfloat16", "float32"))
+    assert [(st.kind, st.bytes) for st in bf.steps] == [("reduce_scatter", 64 * 64 * 4), ("all_gather", 64 * 64 * 2)]
+    assert [(st.kind, st.bytes) for st in f32.steps] == [("all_reduce", 64 * 64 * 4)]
+    assert bf.cost < f32.cost
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")

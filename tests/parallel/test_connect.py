@@ -13,7 +13,7 @@ import pytest
 
 from shardflow.compiler.errors import ConfigError, ShapeError
 from shardflow.compiler.ir import FlowGraph, Tensor
-from shardflow.compiler.parallel.connect import ReshardingError, connect, lower_resharding
+from shardflow.compiler.parallel.connect import ReshardingError, connect, lower_resharding, step_graph
 from shardflow.compiler.parallel.cost import CostModel
 from shardflow.compiler.parallel.mesh import DeviceMesh
 from shardflow.compiler.parallel.placement import Partial, Replicate, Shard, TensorShardSpec
@@ -338,3 +338,45 @@ def test_results_are_cached_per_cost_model():
     b = connect("S(0)R", "RS(1)", (4, 4), "float32", mesh, CostModel(mesh, axis_bandwidth_GBps=1))
     assert b is not a and b.cost > a.cost
     assert "S(0)R -> RS(1)" in str(a)
+
+
+@pytest.mark.parametrize("mesh_shape,shape,dtype", [((2, 2), (8, 12, 16), "float32"), ((2, 4), (6, 10), "bfloat16"),
+                                                    ((2, 2, 2), (4, 6, 10), "float32")])
+def test_connect_takes_the_shortest_path_of_the_step_graph(mesh_shape, shape, dtype):
+    """connect's cost of every pair of specs is the shortest path over step_graph (the graph the
+    planner's edge flows run on: the ILP is exact only if the two agree), found by Bellman-Ford here."""
+    mesh = DeviceMesh(mesh_shape)
+    cm = CostModel(mesh, axis_bandwidth_GBps=[100, 25, 400][:len(mesh_shape)])
+    nodes, arcs = step_graph(shape, dtype, [[Partial("sum")]] * len(mesh_shape), mesh, cm)
+    assert len(nodes) == len(set(nodes)) == (len(shape) + 2) ** len(mesh_shape)  # (R, S(d) each dim, P(sum))
+    rng = np.random.default_rng(0)
+    for s in rng.choice(len(nodes), 12, replace=False):
+        dist = [math.inf] * len(nodes)
+        dist[s] = 0.0
+        for _ in range(len(nodes)):
+            changed = False
+            for u, v, c in arcs:
+                if dist[u] + c < dist[v] - 1e-18:
+                    dist[v], changed = dist[u] + c, True
+            if not changed:
+                break
+        for t in range(len(nodes)):
+            got = connect(nodes[s], nodes[t], shape, dtype, mesh, cm).cost
+            assert got == pytest.approx(dist[t], rel=1e-9, abs=1e-18)
+
+
+def test_a_detour_through_another_dim():
+    """S(0)P(sum) -> S(1)R on [2, 2]: reduce-scattering axis 1 onto dim 2 first, then moving the splits,
+    costs less than reducing the partial sums whole (what a search over each axis' own placements and
+    R alone found)."""
+    mesh = DeviceMesh((2, 2))
+    cm = CostModel(mesh, axis_latency_us=0)
+    r = connect("S(0)P(sum)", "S(1)R", (8, 12, 16), "float32", mesh, cm)
+    direct = [connect("S(0)P(sum)", "S(0)R", (8, 12, 16), "float32", mesh, cm),
+              connect("S(0)R", "S(1)R", (8, 12, 16), "float32", mesh, cm)]
+    assert r.cost < sum(x.cost for x in direct) * (1 - 1e-6)
+    assert any(st.tensor_dim == 2 or st.dst_dim == 2 for st in r.steps), str(r)
+    rng = np.random.default_rng(0)
+    value = rng.integers(-50, 50, (8, 12, 16)).astype(np.float64)
+    src, dst = TensorShardSpec.parse("S(0)P(sum)"), TensorShardSpec.parse("S(1)R")
+    check_shards(value, dst, mesh, apply_steps(r, make_shards(value, src, mesh, rng), mesh))
