@@ -532,32 +532,16 @@ def _solve_ilp(problem: Problem) -> list[int]:
     s = {a: [pulp.LpVariable(f"s_{a}_{i}", cat="Binary") for i in range(n)] for a, n in sorted(nstrat.items())}
     for a, vs in s.items():
         prob += pulp.lpSum(vs) == 1, f"one_{a}"
-    # Scale to microseconds so coefficients are well conditioned. (Expressions are built from
-    # (variable, coefficient) pairs, each variable once: PuLP's operators make an expression per
-    # term, seconds of the search on a 3-D mesh.)
-    scale = 1e6
-    objective = [(v, float(c) * scale) for a in s for c, v in zip(lin[a], s[a]) if c]
-    # Edge blocks: a flow of one unit over connect's graph of the tensor's specs (connect.step_graph),
-    # from the spec the producer makes to the spec the consumer needs, each step priced; at 0/1
-    # choices its cheapest is connect's shortest path, the block's cost. (The flow's LP bound is that
-    # of a variable per pair of specs, e[u, v] with the choices' one-hots as its row and column
-    # sums, since the costs are the graph's shortest paths; it has a variable per step instead,
-    # 4-9x fewer on a 3-D mesh.)
-    for n, blk in enumerate(edges):
-        nodes, steps = problem.step_graph(blk.tensor, blk.have + blk.needed)
-        at = {sp: k for k, sp in enumerate(nodes)}
-        f = [pulp.LpVariable(f"f{n}_{k}", lowBound=0) for k in range(len(steps))]
-        balance: dict[int, list] = defaultdict(list)  # in - out + made - needed = 0 at every spec
-        for k, (u, v, _) in enumerate(steps):
-            balance[u].append((f[k], -1.0))
-            balance[v].append((f[k], 1.0))
-        for i, r in enumerate(blk.rows):
-            balance[at[blk.have[r]]].append((s[blk.src][i], 1.0))
-        for j, c in enumerate(blk.cols):
-            balance[at[blk.needed[c]]].append((s[blk.dst][j], -1.0))
-        for u, terms in sorted(balance.items()):
-            prob += _affine(terms) == 0, f"b{n}_{u}"
-        objective += [(f[k], c * blk.count * scale) for k, (_, _, c) in enumerate(steps) if c]
+    objective = [(v, float(c) * _SCALE) for a in s for c, v in zip(lin[a], s[a]) if c]
+    # Edge blocks, in one of two exact formulations with the same LP bound (rfcs/0001 "Every placement
+    # an axis can take; the ILP's edges as flows"): a variable per pair of (produced, needed) specs, or a
+    # flow over connect's graph of the tensor's specs, a variable per step; flows where they need fewer
+    # than 1 / FLOWS_WHEN of the pairs' variables (3-D meshes), since HiGHS proves budgeted MIPs of
+    # 2-D meshes faster on pairs.
+    graphs = [problem.step_graph(blk.tensor, blk.have + blk.needed) for blk in edges]
+    flows = FLOWS_WHEN * sum(len(steps) for _, steps in graphs) < sum(blk.cost.size for blk in edges)
+    for n, (blk, graph) in enumerate(zip(edges, graphs)):
+        objective += (_flow_terms(prob, n, blk, s, graph) if flows else _pair_terms(prob, n, blk, s))
     prob += _affine(objective)
     t0 = time.perf_counter()
     # Memory rows are added lazily: solve, add the rows the solution violates, solve again. Most
@@ -587,8 +571,9 @@ def _solve_ilp(problem: Problem) -> list[int]:
             added.add(int(k))
             prob += _affine([(s[a][i], float(c) / _MB) for (a, i), c in sorted(row.items()) if c]) \
                 <= (budget - fixed) / _MB, f"mem_{k}"
-    log.info("ILP (%s): %d classes, %d edge blocks, %d of %d memory rows, status %s, %.2f s", cfg.solver, len(s),
-             len(edges), len(added), len(rows), pulp.LpStatus[status], time.perf_counter() - t0)
+    log.info("ILP (%s): %d classes, %d edge blocks (%s), %d of %d memory rows, status %s, %.2f s", cfg.solver,
+             len(s), len(edges), "flows" if flows else "pairs", len(added), len(rows), pulp.LpStatus[status],
+             time.perf_counter() - t0)
     if pulp.LpStatus[status] == "Optimal" and prob.sol_status != pulp.LpSolutionOptimal:
         log.warning("the ILP solver stopped at a limit (time_limit_s=%s, max_nodes=%s) before proving optimality: "
                     "the plan is the best found so far%s; raise the limits or mip_rel_gap", cfg.time_limit_s,
@@ -614,6 +599,52 @@ def _solve_ilp(problem: Problem) -> list[int]:
 
 
 _MB = 1e6  # memory rows in MB keep the constraint matrix well scaled
+# Costs in microseconds keep the coefficients well conditioned. (Expressions are built from (variable,
+# coefficient) pairs, each variable once: PuLP's operators make an expression per term, seconds of the
+# search on a 3-D mesh.)
+_SCALE = 1e6
+#: edges as flows where those need fewer than 1 / FLOWS_WHEN of the pairs' variables (_solve_ilp)
+FLOWS_WHEN = 2
+
+
+def _pair_terms(prob, n: int, blk: EdgeBlock, s: dict) -> list:
+    """Edge block ``n`` as ``e[u, v] = [producer makes spec u] * [consumer needs spec v]``, linearized
+    exactly by its row sums (the producer's one-hot, summed per spec) and column sums; its objective
+    terms."""
+    import pulp
+
+    a, b, m = blk.src, blk.dst, blk.cost
+    e = [[pulp.LpVariable(f"e{n}_{u}_{v}", lowBound=0) for v in range(m.shape[1])] for u in range(m.shape[0])]
+    for u in range(m.shape[0]):
+        prob += _affine([(x, 1.0) for x in e[u]]
+                        + [(s[a][i], -1.0) for i, r in enumerate(blk.rows) if r == u]) == 0, f"r{n}_{u}"
+    for v in range(m.shape[1]):
+        prob += _affine([(e[u][v], 1.0) for u in range(m.shape[0])]
+                        + [(s[b][j], -1.0) for j, c in enumerate(blk.cols) if c == v]) == 0, f"c{n}_{v}"
+    return [(e[u][v], float(m[u, v]) * _SCALE) for u in range(m.shape[0]) for v in range(m.shape[1]) if m[u, v]]
+
+
+def _flow_terms(prob, n: int, blk: EdgeBlock, s: dict, graph) -> list:
+    """Edge block ``n`` as a unit of flow over ``graph`` (:func:`~.connect.step_graph` of its tensor) from
+    the spec the producer makes to the spec the consumer needs, each step priced: at 0/1 choices its
+    cheapest is connect's shortest path, the block's cost; its LP bound is the pairs' (a transport
+    whose costs are a graph's shortest paths is a min-cost flow over the graph). Its objective terms."""
+    import pulp
+
+    nodes, steps = graph
+    at = {sp: k for k, sp in enumerate(nodes)}
+    f = [pulp.LpVariable(f"f{n}_{k}", lowBound=0) for k in range(len(steps))]
+    balance: dict[int, list] = defaultdict(list)  # in - out + made - needed = 0 at every spec
+    for k, (u, v, _) in enumerate(steps):
+        balance[u].append((f[k], -1.0))
+        balance[v].append((f[k], 1.0))
+    for i, r in enumerate(blk.rows):
+        balance[at[blk.have[r]]].append((s[blk.src][i], 1.0))
+    for j, c in enumerate(blk.cols):
+        balance[at[blk.needed[c]]].append((s[blk.dst][j], -1.0))
+    for u, terms in sorted(balance.items()):
+        prob += _affine(terms) == 0, f"b{n}_{u}"
+    return [(f[k], c * blk.count * _SCALE) for k, (_, _, c) in enumerate(steps) if c]
 
 
 def _affine(pairs: list):

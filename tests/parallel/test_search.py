@@ -1,6 +1,7 @@
 """The planner against analytic optima: Megatron's MLP plan under a memory budget, axis choice
 on a mesh with a slow axis, determinism, layer aliasing, baselines, plan I/O and config errors."""
 import json
+import sys
 from collections import Counter
 
 import numpy as np
@@ -1056,22 +1057,30 @@ def test_views_of_merged_heads_in_a_row_are_each_rewritten():
     np.testing.assert_array_equal(graph.run({"x": xv})[graph.output_names[0]], want)
 
 
+@pytest.mark.parametrize("formulation", ["pairs", "flows"])
 @pytest.mark.parametrize("mesh,layers", [([2, 2], 3), ([2, 2, 2], 2)])
-def test_the_ilp_finds_the_optimum_of_every_choice(mesh, layers):
-    """The ILP (edges as flows over connect's step graph) against every combination of the groups'
-    choices, priced by total_cost (connect's reshardings): the same least cost, and the ILP's
-    objective of its picks is their cost."""
+def test_the_ilp_finds_the_optimum_of_every_choice(mesh, layers, formulation, monkeypatch, caplog):
+    """The ILP, its edges as variables per pair of specs or as flows over connect's step graph, against
+    every combination of the groups' choices, priced by total_cost (connect's reshardings): the same
+    least cost, and the ILP's objective of its picks is their cost."""
     import itertools
+    import logging
     import math
 
     from shardflow.compiler.parallel.config import DistributedConfig
     from shardflow.compiler.parallel.search import Problem, _solve_ilp, objective_of
+
+    # (the module: the package exports the function search)
+    monkeypatch.setattr(sys.modules["shardflow.compiler.parallel.search"], "FLOWS_WHEN",
+                        0 if formulation == "flows" else 10 ** 9)
+    caplog.set_level(logging.INFO, logger="shardflow.compiler.parallel.search")
 
     graph = load_onnx(mlp(layers, batch=4, hidden=8, expand=2))
     cfg = DistributedConfig.from_dict({"mesh_shape": mesh, "axis_bandwidth_GBps": [100, 25, 400][:len(mesh)],
                                        "alias_layers": False})
     problem = Problem(graph, cfg)
     picks = _solve_ilp(problem)
+    assert f"({formulation})" in caplog.text
 
     def cost(choice):
         assign = {}
