@@ -206,18 +206,10 @@ def _connect(src, dst, shape, dtype, mesh, cost_model, cache: dict) -> Reshardin
     return Resharding(src, dst, shape, dtype, tuple(path), sum(s.cost for s in path))
 
 
-def axis_candidates(spec: TensorShardSpec, ndim: int, partials: Sequence = ()) -> list[list[Placement]]:
-    """Per mesh axis, the placements a search from ``spec`` may give that axis: ``R``, ``S(d)`` for
-    every dim of a tensor of rank ``ndim``, the axis' own placement and a partial ``partials`` names
-    for it (one an axis, or ``None``; a partial that neither end holds is never on a cheapest path:
-    entered only from ``R`` and left by a reduction, it costs what staying ``R`` does not)."""
-    res = []
-    for a, p in enumerate(spec.placements):
-        cands = [p, Replicate()] + [Shard(d) for d in range(ndim)]
-        if a < len(partials) and partials[a] is not None:
-            cands.append(partials[a])
-        res.append(sorted(set(cands), key=lambda x: x._key()))  # (one order: searches share their moves)
-    return res
+def _axis_placements(ndim: int, others) -> list[Placement]:
+    """``R``, ``S(d)`` for every dim of a tensor of rank ``ndim`` and the placements ``others``, in one
+    order (placements' keys: searches on a shape share their moves)."""
+    return sorted({Replicate(), *(Shard(d) for d in range(ndim)), *others}, key=lambda x: x._key())
 
 
 def step_graph(shape: Sequence[int], dtype: str, partials: Sequence[Sequence[Partial]], mesh: DeviceMesh,
@@ -229,8 +221,7 @@ def step_graph(shape: Sequence[int], dtype: str, partials: Sequence[Sequence[Par
     shape = tuple(int(d) for d in shape)
     isz = itemsize(dtype)
     rsz = 4 if str(dtype) == "bfloat16" else isz
-    per_axis = [sorted({Replicate(), *(Shard(d) for d in range(len(shape))), *partials[a]}, key=lambda x: x._key())
-                for a in range(mesh.ndim)]
+    per_axis = [_axis_placements(len(shape), partials[a]) for a in range(mesh.ndim)]
     cache = _CACHE.setdefault(cost_model, {})
     key = ("graph", shape, isz, rsz, tuple(tuple(p._key() for p in c) for c in per_axis), mesh)
     hit = cache.get(key)
@@ -252,10 +243,14 @@ def step_graph(shape: Sequence[int], dtype: str, partials: Sequence[Sequence[Par
 
 def _shortest_paths(src: TensorShardSpec, extra: tuple, shape: tuple[int, ...], isz: int, rsz: int,
                     mesh: DeviceMesh, cost_model: CostModel, cache: dict) -> dict:
-    """Dijkstra from ``src`` over the specs :func:`axis_candidates` allows: for every spec reached (as a
-    tuple of its placements' keys, hashed and compared in C), its predecessor and the step from it.
-    Priorities are integer femtoseconds (exact sums), then the step count."""
-    candidates = axis_candidates(src, len(shape), extra)
+    """Dijkstra from ``src`` over the specs whose every axis holds ``R``, a ``Shard`` of any dim, its
+    placement in ``src`` or the partial ``extra`` names for it (a destination's; a partial that neither
+    end holds is never on a cheapest path: entered only from ``R`` and left by a reduction, it costs
+    what staying ``R`` does not): for every spec reached (as a tuple of its placements' keys, hashed
+    and compared in C), its predecessor and the step from it. Priorities are integer femtoseconds
+    (exact sums), then the step count."""
+    candidates = [_axis_placements(len(shape), [p] + ([q] if q is not None else []))
+                  for p, q in zip(src.placements, extra)]
     keys = [tuple(p._key() for p in c) for c in candidates]
     by_key = [dict(zip(k, c)) for k, c in zip(keys, candidates)]
     # a spec's legal steps (femtoseconds, the spec reached, the step), made once for every search on
@@ -269,7 +264,8 @@ def _shortest_paths(src: TensorShardSpec, extra: tuple, shape: tuple[int, ...], 
             for q in keys[axis]:
                 if q == cur[axis]:
                     continue
-                spec = spec or TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
+                if spec is None:
+                    spec = TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
                 step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
                 if step is not None:
                     res.append((round(step.cost * 1e15), cur[:axis] + (q,) + cur[axis + 1:], step))
