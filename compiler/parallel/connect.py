@@ -253,9 +253,10 @@ def _shortest_paths(src: TensorShardSpec, extra: tuple, shape: tuple[int, ...], 
                   for p, q in zip(src.placements, extra)]
     keys = [tuple(p._key() for p in c) for c in candidates]
     by_key = [dict(zip(k, c)) for k, c in zip(keys, candidates)]
-    # a spec's legal steps (femtoseconds, the spec reached, the step), made once for every search on
-    # this shape with these candidates
+    # a spec's legal steps (femtoseconds, the spec reached, the step), listed once for every search on
+    # this shape with these candidates, each step made once for every search on this shape
     moves_of = cache.setdefault(("moves", shape, isz, rsz, tuple(keys)), {})
+    steps = cache.setdefault(("steps", shape, isz, rsz), {})
 
     def moves(cur: tuple) -> list:
         res = []
@@ -264,11 +265,15 @@ def _shortest_paths(src: TensorShardSpec, extra: tuple, shape: tuple[int, ...], 
             for q in keys[axis]:
                 if q == cur[axis]:
                     continue
-                if spec is None:
-                    spec = TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
-                step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
-                if step is not None:
-                    res.append((round(step.cost * 1e15), cur[:axis] + (q,) + cur[axis + 1:], step))
+                hit = steps.get((cur, axis, q))
+                if hit is None:
+                    if spec is None:
+                        spec = TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
+                    step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
+                    hit = steps[(cur, axis, q)] = None if step is None else (
+                        round(step.cost * 1e15), cur[:axis] + (q,) + cur[axis + 1:], step)
+                if hit is not None:
+                    res.append(hit)
         return res
 
     start = tuple(p._key() for p in src)
