@@ -270,9 +270,9 @@ def _shortest_paths(src: TensorShardSpec, extra: tuple, shape: tuple[int, ...], 
                     if spec is None:
                         spec = TensorShardSpec(tuple(by_key[a][k] for a, k in enumerate(cur)))
                     step = _step(spec, axis, by_key[axis][q], shape, isz, mesh, cost_model, rsz)
-                    hit = steps[(cur, axis, q)] = None if step is None else (
+                    hit = steps[(cur, axis, q)] = () if step is None else (  # (): not a legal step
                         round(step.cost * 1e15), cur[:axis] + (q,) + cur[axis + 1:], step)
-                if hit is not None:
+                if hit:
                     res.append(hit)
         return res
 
