@@ -333,8 +333,10 @@ class CudaEngine:
         """One run launched step by step from Python (no graph), a CUDA event recorded on the rank's stream
         before the first step and after each: ``(times, outputs)``, ``times`` each step's (start, end) in
         milliseconds from the first event (the GPU's own clock: a step's launch overhead is not in it),
-        ``outputs`` host copies (numpy), as :meth:`run` returns for numpy inputs."""
+        ``outputs`` copies, on the device when an input was (a pipeline stage's sends stay there), else
+        on the host, as :meth:`run` returns them."""
         cp = self.cp
+        device_io = any(type(a).__module__.startswith("cupy") for a in inputs.values())
         self._set_inputs(inputs)
         calls = [c for launches, coll in self.segments for c in list(launches) + ([coll] if coll is not None else [])]
         marks = [cp.cuda.Event() for _ in range(len(calls) + 1)]
@@ -345,8 +347,7 @@ class CudaEngine:
                     call()
                 mark.record(self.stream)
             self._copy_state()
-            outs = {name: view.get(stream=self.stream) for name, i, view in self.outputs}
-        marks[-1].synchronize()
+            outs = {name: view.copy() if device_io else view.get(stream=self.stream) for name, i, view in self.outputs}
         self.stream.synchronize()
         at = [cp.cuda.get_elapsed_time(marks[0], m) for m in marks]
         return [(at[k], at[k + 1]) for k in range(len(calls))], outs

@@ -216,6 +216,16 @@ def test_cuda_pipeline_stages_send_device_arrays(tmp_path, host):
     _close(np.asarray(outs[3]["logits"]), want, 1e-5, "device inputs")
     full = run_threads(world, lambda c: progs[c.rank].gather_outputs(progs[c.rank].run(feeds)), timeout=120)
     _close(np.asarray(full[0]["logits"]), want, 1e-5, "gathered on rank 0")
+    # (traced: the steps timed between events return device copies, which the sends take as they are)
+    def stage0(c):  # (its two ranks together: their program's all-reduces; microbatch 0's row)
+        p = progs[c.rank]
+        return p.program.traced_run({k: device_feeds[k][:1] for k in p._stage_spec["graph_inputs"]}, []) \
+            if p.stage == 0 else None
+    got = run_threads(world, stage0, timeout=120)[0]
+    assert got and all(type(a).__module__.startswith("cupy") for a in got.values())
+    traces = run_threads(world, lambda c: progs[c.rank].trace(feeds), timeout=120)
+    assert [{e["kind"] for e in t} for t in traces] == [{"kernel", "collective", "send"}] * 2 + [
+        {"kernel", "collective", "receive"}] * 2
 
 
 def test_a_kv_cache_on_cuda_pipeline_stages_with_microbatches(tmp_path, host):

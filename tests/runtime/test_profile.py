@@ -11,12 +11,17 @@ from shardflow.runtime import load
 from shardflow.runtime.profile import chrome_trace, format_profile, format_trace_summary, memory_record
 
 
-def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
+def _mlp_program(tmp_path):
+    """A 2-layer MLP compiled for one cpu rank, loaded; an input and onnxruntime's output for it."""
     compile(mlp(layers=2, batch=8, hidden=16), distributed_config={"mesh_shape": [1]},
             optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
-    prog = load(tmp_path / "out", 0)
     x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
     ref = onnxruntime.InferenceSession(mlp(layers=2, batch=8, hidden=16).SerializeToString()).run(None, {"x": x})[0]
+    return load(tmp_path / "out", 0), x, ref
+
+
+def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
+    prog, x, ref = _mlp_program(tmp_path)
     steps = prog.profile({"x": x}, repeat=3)
     program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())["steps"]
     assert [(s["kind"], s["node"], s["index"]) for s in steps] == [(p["kind"], p["node"], k)
@@ -31,11 +36,7 @@ def test_profile_times_every_step_and_leaves_the_program_usable(tmp_path):
 def test_trace_records_each_step_of_each_run_in_order(tmp_path):
     """RankProgram.trace: an event per step and run, in program order, each inside the run and after the
     one before; the traced runs compute what run() does (its outputs, then a plain run's)."""
-    compile(mlp(layers=2, batch=8, hidden=16), distributed_config={"mesh_shape": [1]},
-            optimization_config={"target": "cpu"}, out_dir=tmp_path / "out")
-    prog = load(tmp_path / "out", 0)
-    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
-    ref = onnxruntime.InferenceSession(mlp(layers=2, batch=8, hidden=16).SerializeToString()).run(None, {"x": x})[0]
+    prog, x, ref = _mlp_program(tmp_path)
     events = prog.trace({"x": x}, runs=3)
     program = json.loads((tmp_path / "out" / "rank0" / "program.json").read_text())["steps"]
     assert [(e["run"], e["kind"], e["node"]) for e in events] == [(r, p["kind"], p["node"]) for r in range(3)
